@@ -1,0 +1,451 @@
+"""`betelgeuse` command line: a table of subcommands, one small function each.
+
+Every BetelgeuseError (a user mistake) prints `betelgeuse: error: <message>` on stderr and exits
+with its exit code (2); argparse usage errors do the same, on one line. Anything else is a bug and
+keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections import Counter
+from typing import Callable
+
+from betelgeuse.errors import BetelgeuseError, InvalidRequestError
+
+PROG = "betelgeuse"
+
+
+class _UsageError(BetelgeuseError):
+    """A command line argparse rejected."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):                # argparse prints usage + exits; we want one line
+        raise _UsageError(f"{message} (see '{self.prog} --help')")
+
+
+# ----------------------------------------------------------------------------------- helpers
+
+def parse_token_ids(text: str) -> list[int]:
+    """'1,2, 3' -> [1, 2, 3]; InvalidRequestError naming the bad item."""
+    items = [s.strip() for s in text.replace(" ", ",").split(",") if s.strip()]
+    if not items:
+        raise InvalidRequestError("--token-ids is empty (expected e.g. 1,2,3)")
+    try:
+        return [int(s) for s in items]
+    except ValueError:
+        bad = next(s for s in items if not s.lstrip("-").isdigit())
+        raise InvalidRequestError(f"--token-ids: {bad!r} is not an integer (expected e.g. 1,2,3)") from None
+
+
+def _dtype(name: str):
+    import torch
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in table:
+        raise InvalidRequestError(f"--dtype must be one of {', '.join(table)}, got {name!r}")
+    return table[name]
+
+
+def _load_model(args):
+    from betelgeuse.model.qwen3moe import ReferenceModel
+    return ReferenceModel.load(args.model, device=args.device, dtype=_dtype(args.dtype))
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="GGUF model file")
+    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument("--dtype", default="float32", help="compute dtype: float32 | bfloat16 | float16")
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+# ------------------------------------------------------------------------------- subcommands
+
+# short spellings of SynthSpec fields; every scalar field is also accepted as --n-layer, --n-embd, ...
+_SYNTH_ALIASES = {"n_layer": "--layers", "n_embd": "--hidden", "n_head": "--heads", "n_head_kv": "--kv-heads",
+                  "n_expert": "--experts", "n_expert_used": "--experts-used", "n_ff_exp": "--ff",
+                  "n_vocab": "--vocab", "context_length": "--context"}
+
+
+def _synth_args(p: argparse.ArgumentParser) -> None:
+    from betelgeuse.gguf.synth import PRESETS, SynthSpec
+    p.add_argument("out", help="output .gguf path")
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    for fld in dataclasses.fields(SynthSpec):
+        kind = {"int": int, "float": float, "str": str}.get(str(fld.type).replace("'", ""))
+        if kind is None and fld.type in (int, float, str):
+            kind = fld.type
+        if kind is None:
+            continue
+        flags = ["--" + fld.name.replace("_", "-")]
+        if fld.name in _SYNTH_ALIASES:
+            flags.insert(0, _SYNTH_ALIASES[fld.name])
+        p.add_argument(*flags, dest="spec_" + fld.name, type=kind, default=None, metavar=fld.name.upper(),
+                       help=f"override the preset's {fld.name}")
+
+
+def cmd_synth(args) -> int:
+    from betelgeuse.gguf.synth import spec_from_preset, write_model
+    overrides = {k[5:]: v for k, v in vars(args).items() if k.startswith("spec_") and v is not None}
+    spec = spec_from_preset(args.preset, **overrides)
+    try:
+        write_model(args.out, spec, progress=not args.no_progress)
+    except OSError as e:
+        raise InvalidRequestError(f"cannot write {args.out}: {e.strerror or e}") from None
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def _inspect_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="GGUF model file")
+
+
+def cmd_inspect(args) -> int:
+    from betelgeuse.gguf import GGUFModelFile
+    from betelgeuse.gguf.quants import qtype_name
+    f = GGUFModelFile.open(args.model)
+    c = f.config
+    lines = [
+        f"model:         {c.name}",
+        f"architecture:  {c.arch}",
+        f"layers:        {c.n_layer}",
+        f"hidden:        {c.n_embd}",
+        f"heads:         {c.n_head} query / {c.n_head_kv} kv, head_dim {c.head_dim}",
+        f"experts:       {c.n_expert} per layer, {c.n_expert_used} used per token, expert FFN {c.n_ff_exp}",
+        f"vocab:         {c.n_vocab}",
+        f"context:       {c.context_length}",
+        f"rope theta:    {c.rope_theta:g}",
+        f"rms eps:       {c.rms_eps:g}",
+    ]
+    counts = Counter(qtype_name(q) for q in _tensor_qtypes(f))
+    lines.append("quant types:   " + ", ".join(f"{n} x{k}" for n, k in sorted(counts.items())))
+    total = 0
+    for layer in range(c.n_layer):
+        parts = f.expert_parts(layer, 0)
+        nbytes = sum(p.nbytes for p in parts)
+        kinds = "/".join(qtype_name(p.qtype) for p in parts)
+        lines.append(f"layer {layer:3d}:     expert {nbytes} B ({kinds}), {nbytes * c.n_expert} B for {c.n_expert} experts")
+        total += nbytes * c.n_expert
+    lines.append(f"expert bytes:  {total} ({total / 2**30:.3f} GiB)")
+    _write("\n".join(lines) + "\n")
+    return 0
+
+
+def _tensor_qtypes(f) -> list[int]:
+    ts = f.tensors
+    infos = ts.values() if isinstance(ts, dict) else ts
+    return [int(getattr(t, "qtype")) for t in infos]
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("out-of-core engine (the default path)")
+    g.add_argument("--engine", choices=["two-process", "in-process", "reference"], default="two-process",
+                   help="two-process: a real store process + this process as the worker (default); "
+                        "in-process: the store's logic in this process; reference: all experts from the file")
+    g.add_argument("--vram-slots", default="5", help="VRAM hot slots per layer, or auto (default 5)")
+    g.add_argument("--host-slots", default="15", help="host slots per layer, or auto (default 15)")
+    g.add_argument("--schedule", choices=["layer_major", "standard"], default="layer_major")
+    g.add_argument("--sub-batch", type=int, default=16, help="tokens per expert matmul (default 16)")
+    g.add_argument("--memory-max", default=None, help="host memory for both processes, e.g. 12G (default: the cgroup's)")
+    g.add_argument("--vram-budget", default="12GiB", help="VRAM budget (default 12GiB)")
+
+
+def _slots_arg(v: str):
+    if v == "auto":
+        return v
+    try:
+        n = int(v)
+    except ValueError:
+        raise InvalidRequestError(f"slots must be a number or 'auto', got {v!r}") from None
+    if n < 0:
+        raise InvalidRequestError(f"slots must be >= 0, got {n}")
+    return n
+
+
+class _OutOfCore:
+    """The out-of-core engine for one CLI command: a store (separate process, or in this process) and a
+    ModelRunner in this process; .forward(ids) -> logits [T, n_vocab]."""
+
+    def __init__(self, args):
+        import tempfile
+        from betelgeuse.config import EngineConfig
+        from betelgeuse.settings import parse_size
+        from betelgeuse.worker.runner import ModelRunner
+        self.cfg = EngineConfig(
+            model_path=args.model, device=args.device, dtype=args.dtype, schedule=args.schedule, sub_batch=args.sub_batch,
+            vram_slots=_slots_arg(args.vram_slots), host_slots=_slots_arg(args.host_slots),
+            vram_budget=parse_size(args.vram_budget, "--vram-budget"),
+            memory_max=parse_size(args.memory_max, "--memory-max") if args.memory_max else None)
+        self.cluster = None
+        if args.engine == "in-process":
+            from betelgeuse.gguf import GGUFModelFile
+            from betelgeuse.store.client import InProcessStoreClient
+            from betelgeuse.store.plan import plan_slots
+            from betelgeuse.store.store import ExpertStore
+            f = GGUFModelFile.open(args.model)
+            client = InProcessStoreClient(ExpertStore(f, plan_slots(f, self.cfg, None)))
+        else:
+            from services.launcher import Cluster
+            from services.store_client import GrpcStoreClient
+            self._tmp = tempfile.TemporaryDirectory(prefix="betelgeuse-")
+            self.cluster = Cluster(args.model, self._tmp.name, device="cpu" if args.device == "cpu" else args.device,
+                                   vram_slots=args.vram_slots, host_slots=args.host_slots, memory_max=args.memory_max,
+                                   vram_budget=args.vram_budget, store_metrics="")
+            self.cluster.start_store()
+            client = GrpcStoreClient(self.cluster.store_socket, self.cluster.fd_socket)
+        try:
+            self.runner = ModelRunner(self.cfg, client)
+        except BaseException:
+            self.close()
+            raise
+
+    def forward(self, ids):
+        logits, _ = self.runner.forward(list(ids), self.runner.new_cache(len(ids)), all_logits=True)
+        return logits
+
+    def close(self):
+        if getattr(self, "runner", None) is not None:
+            self.runner.close()
+        if self.cluster is not None:
+            self.cluster.stop()
+
+
+def _logits_args(p: argparse.ArgumentParser) -> None:
+    _add_model_args(p)
+    p.add_argument("--token-ids", required=True, help="comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--output", "-o", required=True, help="output .npy: float32 [n_tokens, n_vocab]")
+    _engine_args(p)
+
+
+def cmd_logits(args) -> int:
+    import numpy as np
+    ids = parse_token_ids(args.token_ids)
+    if args.engine == "reference":
+        model = _load_model(args)
+        cfg = model.cfg
+    else:
+        from betelgeuse.gguf import GGUFModelFile
+        with GGUFModelFile.open(args.model) as f:
+            cfg = f.config
+    bad = next((t for t in ids if not 0 <= t < cfg.n_vocab), None)
+    if bad is not None:
+        raise InvalidRequestError(f"token id {bad} is out of range [0, {cfg.n_vocab})")
+    if len(ids) > cfg.context_length:
+        raise InvalidRequestError(f"{len(ids)} tokens exceed the model's context of {cfg.context_length}")
+    if args.engine == "reference":
+        logits = model.forward(ids, model.new_cache(len(ids)))
+    else:
+        engine = _OutOfCore(args)
+        try:
+            logits = engine.forward(ids)
+        finally:
+            engine.close()
+    try:
+        np.save(args.output, logits.cpu().numpy().astype(np.float32))
+    except OSError as e:
+        raise InvalidRequestError(f"cannot write {args.output}: {e.strerror or e}") from None
+    print(f"wrote {args.output}: float32 {list(logits.shape)}", file=sys.stderr)
+    return 0
+
+
+def default_model() -> str:
+    """The built-in default: a tiny synthetic model, written once under ~/.cache/betelgeuse."""
+    import os
+    from betelgeuse.gguf.synth import PRESETS, write_model
+    d = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "betelgeuse")
+    path = os.path.join(d, "tiny-q8_0.gguf")
+    if not os.path.exists(path):
+        os.makedirs(d, exist_ok=True)
+        print(f"writing the default model {path}", file=sys.stderr)
+        write_model(path + ".part", PRESETS["tiny"], progress=True)
+        os.replace(path + ".part", path)
+    return path
+
+
+def _generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", help="GGUF model file (default: a built-in tiny synthetic model)")
+    p.add_argument("--server", help="stream from a running server at HOST:PORT or unix:/path instead of starting one")
+    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument("--dtype", default="auto", help="compute dtype: auto | float32 | bfloat16 | float16")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text (tokenized with the model's tokenizer)")
+    src.add_argument("--token-ids", help="prompt as comma-separated token ids")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS tokens")
+    p.add_argument("--usage", action="store_true", help="print the final usage and timings (stderr)")
+    _engine_args(p)
+
+
+def _stream_grpc(address: str, args, ids) -> int:
+    """Stream one Generate over gRPC; text to stdout, usage to stderr."""
+    from services.client import generate_stream
+    final = None
+    for ev in generate_stream(address, prompt_text=args.prompt, prompt_ids=ids, max_tokens=args.max_tokens,
+                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                              stop=args.stop, ignore_eos=args.ignore_eos):
+        if ev.WhichOneof("event") == "token":
+            _write(ev.token.text)
+        else:
+            final = ev.final
+    _write(final.tail + "\n")
+    if args.usage:
+        u = final.usage
+        print(f"prompt {u.prompt_n} tok in {u.prompt_ms:.0f} ms ({u.prompt_per_second:.1f} tok/s), "
+              f"generated {u.predicted_n} tok ({u.predicted_per_second:.1f} tok/s), TTFT {u.ttft_ms:.0f} ms, "
+              f"expert reads vram/host/disk {u.expert_reads_vram}/{u.expert_reads_host}/{u.expert_reads_disk}, "
+              f"disk {u.disk_bytes / 2**20:.1f} MiB, disk wait {u.disk_wait_ms:.0f} ms", file=sys.stderr)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from betelgeuse.model.sampler import validate
+    from betelgeuse.worker.api import SamplingParams
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    validate(sampling)                                  # before the (slow) model load
+    ids = parse_token_ids(args.token_ids) if args.token_ids is not None else None
+    if ids is None and args.prompt is None:
+        raise InvalidRequestError("give --prompt TEXT or --token-ids 1,2,3")
+    if args.server:
+        return _stream_grpc(args.server, args, ids)
+    args.model = args.model or default_model()
+    if args.engine == "reference":
+        return _generate_reference(args, sampling, ids)
+    import tempfile
+    from services.launcher import Cluster
+    with tempfile.TemporaryDirectory(prefix="betelgeuse-") as tmp:
+        cluster = Cluster(args.model, tmp, device=args.device, vram_slots=args.vram_slots, host_slots=args.host_slots,
+                          memory_max=args.memory_max, vram_budget=args.vram_budget, schedule=args.schedule,
+                          sub_batch=args.sub_batch, worker_metrics="", store_metrics="")
+        try:
+            cluster.start_store()
+            cluster.start_worker()
+            return _stream_grpc(cluster.address, args, ids)
+        finally:
+            cluster.stop()
+
+
+def _generate_reference(args, sampling, ids) -> int:
+    from betelgeuse.model.generate import generate
+    from betelgeuse.tokenizer import Tokenizer
+    if args.dtype == "auto":
+        args.dtype = "float32"
+    model = _load_model(args)
+    tok = Tokenizer.from_metadata(model.file.metadata)
+    if ids is None:
+        ids = tok.encode(args.prompt)
+    stop_ids = [] if args.ignore_eos else list(tok.eos_ids)
+    gen = generate(model, ids, args.max_tokens, sampling, stop_ids, args.stop, tok)
+    for _ in gen:
+        _write(gen.new_text)
+    _write(gen.tail + "\n")
+    return 0
+
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", help="GGUF model file (default: a built-in tiny synthetic model)")
+    p.add_argument("--config", help="TOML settings (deploy/betelgeuse.toml); flags override it")
+    p.add_argument("--port", type=int, default=50051, help="gRPC port on 127.0.0.1 (default 50051)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
+    p.add_argument("--runtime-dir", default=None, help="sockets and logs (default: a temporary directory)")
+    p.add_argument("--worker-metrics", default="127.0.0.1:9464")
+    p.add_argument("--store-metrics", default="127.0.0.1:9465")
+    _engine_args(p)
+
+
+def cmd_serve(args) -> int:
+    """Both processes for a development run, until Ctrl-C."""
+    import tempfile
+    import time
+    from services.launcher import Cluster
+    model = args.model or default_model()
+    tmp = None if args.runtime_dir else tempfile.TemporaryDirectory(prefix="betelgeuse-")
+    cluster = Cluster(model, args.runtime_dir or tmp.name, device=args.device, vram_slots=args.vram_slots,
+                      host_slots=args.host_slots, memory_max=args.memory_max, vram_budget=args.vram_budget,
+                      schedule=args.schedule, sub_batch=args.sub_batch, config=args.config, port=args.port,
+                      worker_metrics=args.worker_metrics, store_metrics=args.store_metrics)
+    try:
+        cluster.start_store()
+        cluster.start_worker()
+        print(f"serving {model}\n  gRPC     {cluster.address}  (betelgeuse.v1.InferenceService, health, reflection)\n"
+              f"  metrics  http://{args.worker_metrics}/metrics (worker), http://{args.store_metrics}/metrics (store)\n"
+              f"  logs     {cluster.runtime_dir}/worker.log, store.log\n"
+              f"try: betelgeuse generate --server {cluster.address} --prompt 'Hello'   (Ctrl-C stops)", file=sys.stderr)
+        while cluster.worker.alive() and cluster.store.alive():
+            time.sleep(0.5)
+        raise BetelgeuseError(f"a process exited; see {cluster.runtime_dir}/worker.log and store.log")
+    finally:
+        cluster.stop()
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def _demo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", help="GGUF model file (default: a built-in tiny synthetic model)")
+    p.add_argument("--prompt", default="The expert store reads only what a token needs, so")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--device", default="cpu")
+
+
+def cmd_demo(args) -> int:
+    """The README's main command: start both processes on the default model, stream over gRPC, stop."""
+    ns = build_parser().parse_args(["generate", *( [args.model] if args.model else []), "--prompt", args.prompt,
+                                    "--max-tokens", str(args.max_tokens), "--device", args.device, "--usage",
+                                    "--ignore-eos"])
+    return cmd_generate(ns)
+
+
+# name -> (help, add arguments, run); the lead adds serve / bench here
+COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
+    "synth": ("write a seeded random-weight qwen3moe GGUF", _synth_args, cmd_synth),
+    "inspect": ("print a GGUF model's geometry, quant types and expert sizes", _inspect_args, cmd_inspect),
+    "logits": ("write the logits of a token sequence to .npy", _logits_args, cmd_logits),
+    "generate": ("generate text: starts both processes (or --server ADDR) and streams over gRPC", _generate_args,
+                 cmd_generate),
+    "serve": ("run the expert store and the worker for a development run", _serve_args, cmd_serve),
+    "demo": ("start both processes on the default model and stream one generation", _demo_args, cmd_demo),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="Out-of-core Mixture-of-Experts inference from GGUF files")
+    from betelgeuse import __version__
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (help_, add_args, run) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        add_args(p)
+        p.set_defaults(run=run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return args.run(args)
+    except BetelgeuseError as e:
+        msg = " ".join(str(e).split()) or type(e).__name__     # one line, always
+        print(f"{PROG}: error: {msg}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except SystemExit as e:                                     # --help / --version
+        return e.code if isinstance(e.code, int) else 0
+    except BrokenPipeError:                                     # `betelgeuse generate ... | head`
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

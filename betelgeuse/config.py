@@ -1,0 +1,66 @@
+"""Engine configuration: one slotted dataclass, validated once, passed down (nano-vllm's Config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from betelgeuse.errors import BetelgeuseError
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+SCHEDULES = ("layer_major", "standard")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model_path: str
+    device: str = "cpu"                 # "cpu" | "cuda" | "cuda:N"
+    dtype: str = "auto"                 # compute dtype: "auto" = float32 on CPU, bfloat16 on CUDA
+    schedule: str = "layer_major"       # "layer_major" (single pass, overlap) | "standard" (3-token micro-batches, on demand)
+    sub_batch: int = 16                 # tokens per expert matmul in layer-major prefill
+    micro_batch: int = 3                # tokens per micro-batch in the standard schedule
+    vram_slots: int | str = 5           # VRAM hot slots per MoE layer, or "auto"
+    host_slots: int | str = 15          # host-only slots per MoE layer (besides the VRAM experts' backing copies), or "auto"
+    staging_slots: int | str = "auto"   # shared staging slots for disk reads in flight / waiting for their copy
+    ring_slots: int = 4                 # device buffers experts stream into (execution ring)
+    prefetch: bool = True               # read the next layer's likely experts ahead during prefill
+    vram_budget: int = 12 * GiB         # bytes, for everything the worker puts on the GPU
+    memory_max: int | None = None       # bytes for both processes; None = from the cgroup (or unlimited)
+    worker_reserve: int | str = "auto"  # host bytes the worker needs outside the arena (torch, CUDA context, dense weights staging)
+    max_context: int = 4096             # tokens per sequence (KV cache length)
+    max_running: int = 2                # sequences with a live KV cache at once
+    max_queue: int = 16                 # waiting requests beyond which Generate is refused (RESOURCE_EXHAUSTED)
+    read_threads: int = 8               # concurrent preadv calls in the store
+    read_request_bytes: int = 4 * MiB   # size of one preadv call
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise BetelgeuseError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        for name in ("vram_slots", "host_slots", "staging_slots"):
+            v = getattr(self, name)
+            if isinstance(v, str):
+                if v != "auto":
+                    raise BetelgeuseError(f"{name} must be a number or 'auto', got {v!r}")
+            elif v < 0:
+                raise BetelgeuseError(f"{name} must be >= 0, got {v}")
+        if self.sub_batch < 1 or self.micro_batch < 1:
+            raise BetelgeuseError("sub_batch and micro_batch must be >= 1")
+        if self.ring_slots < 2:
+            raise BetelgeuseError(f"ring_slots must be >= 2 (copy into one while computing another), got {self.ring_slots}")
+        if self.max_context < 8:
+            raise BetelgeuseError(f"max_context must be >= 8, got {self.max_context}")
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    def torch_dtype(self):
+        import torch
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.is_cuda else torch.float32
+        try:
+            return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+        except KeyError:
+            raise BetelgeuseError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}") from None
+

@@ -1,0 +1,151 @@
+"""Dequantization of GGML block formats in torch, on whatever device the bytes live.
+
+Slots and transfers carry quantized bytes as stored in the GGUF file; the worker dequantizes them
+on the compute device (CUDA on the GPU machine, CPU in CI). Every kernel here is a handful of
+vectorized torch ops over all blocks at once, and follows gguf-py's numpy reference
+(`gguf/quants.py`) op for op in float32, so that the results are bit-identical to it: the same
+float32 multiplications and subtractions in the same order, with no fused multiply-add (eager torch
+never fuses `a * b - c`).
+
+Block layouts (bytes, little-endian), one block = `block_size` consecutive elements of one row:
+  Q8_0  (32 elements, 34 B): f16 d | int8 qs[32]                        x = d * q
+  Q4_K (256 elements, 144 B): f16 d | f16 dmin | u8 scales[12] | u8 qs[128]
+        8 sub-blocks of 32, 6-bit scale/min each:                    x = d*sc * q - dmin*m
+  Q6_K (256 elements, 210 B): u8 ql[128] | u8 qh[64] | i8 scales[16] | f16 d
+        16 sub-blocks of 16, 6-bit quants centred on 32:             x = d*sc * (q - 32)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+
+from betelgeuse.errors import UnsupportedError
+
+SUPPORTED_QTYPES: frozenset[int] = frozenset(
+    int(q) for q in (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_K, QT.Q6_K)
+)
+
+
+def qtype_name(qtype: int) -> str:
+    """'Q8_0' for 8; 'type 99' for a value gguf does not know."""
+    try:
+        return QT(qtype).name
+    except ValueError:
+        return f"type {qtype}"
+
+
+def block_size(qtype: int) -> tuple[int, int]:
+    """(elements per block, bytes per block) of a GGML type."""
+    try:
+        return GGML_QUANT_SIZES[QT(qtype)]
+    except (ValueError, KeyError):
+        raise UnsupportedError(f"unknown GGML tensor type {qtype}") from None
+
+
+def row_nbytes(qtype: int, n_cols: int) -> int:
+    """Bytes of one row of `n_cols` elements; rows are quantized independently."""
+    blk, size = block_size(qtype)
+    if n_cols % blk != 0:
+        raise ValueError(f"a row of {n_cols} elements is not a multiple of the {qtype_name(qtype)} block ({blk})")
+    return n_cols // blk * size
+
+
+def tensor_nbytes(qtype: int, shape: tuple[int, ...]) -> int:
+    """Bytes of a tensor of `shape` (torch order: the last dim is the row)."""
+    assert len(shape) >= 1
+    return math.prod(shape[:-1]) * row_nbytes(qtype, shape[-1])
+
+
+def _as_dtype(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Reinterpret a 1-D uint8 tensor as `dtype`; copies first if the start is not aligned to it
+    (a slice of a slot arena may start anywhere; torch's view() and CUDA loads need alignment)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if raw.storage_offset() % size or raw.data_ptr() % size or not raw.is_contiguous():
+        raw = raw.clone()
+    return raw.view(dtype)
+
+
+def _f16(cols: torch.Tensor) -> torch.Tensor:
+    """[n, 2] uint8 (a column slice of the blocks) -> [n, 1] float32 from little-endian f16."""
+    return cols.contiguous().view(torch.float16).to(torch.float32)
+
+
+def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    # blocks [n, 34] -> [n, 32]
+    d = _f16(blocks[:, :2])                               # [n, 1]
+    q = blocks[:, 2:].view(torch.int8).to(torch.float32)  # [n, 32]
+    return q * d
+
+
+def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    # blocks [n, 144] -> [n, 256]
+    n = blocks.shape[0]
+    d = _f16(blocks[:, 0:2])                              # [n, 1]
+    dmin = _f16(blocks[:, 2:4])                           # [n, 1]
+    s = blocks[:, 4:16].reshape(n, 3, 4)                  # 12 bytes of packed 6-bit scales/mins
+    lo, mi, hi = s[:, 0], s[:, 1], s[:, 2]                # [n, 4] each
+    # sub-blocks 0-3 keep 6 bits in bytes 0-7; sub-blocks 4-7 take 4 bits from bytes 8-11 and
+    # their top 2 bits from the top of bytes 0-7 (see gguf Q4_K.get_scale_min).
+    sc = torch.cat([lo & 0x3F, (hi & 0x0F) | ((lo >> 2) & 0x30)], dim=-1)  # [n, 8]
+    mn = torch.cat([mi & 0x3F, (hi >> 4) | ((mi >> 2) & 0x30)], dim=-1)    # [n, 8]
+    dl = (d * sc.to(torch.float32)).reshape(n, 8, 1)
+    ml = (dmin * mn.to(torch.float32)).reshape(n, 8, 1)
+    # 128 bytes = 4 groups of 32; each group gives sub-block 2g (low nibbles) and 2g+1 (high).
+    qs = blocks[:, 16:144].reshape(n, 4, 1, 32)
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(n, 8, 32).to(torch.float32)
+    return (dl * q - ml).reshape(n, 256)
+
+
+def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    # blocks [n, 210] -> [n, 256]
+    n = blocks.shape[0]
+    scales = blocks[:, 192:208].view(torch.int8).to(torch.float32)  # [n, 16]
+    d = _f16(blocks[:, 208:210])                                    # [n, 1]
+    dl = (d * scales).reshape(n, 16, 1)
+    # low 4 bits: 2 halves of 64 bytes, low nibbles then high nibbles -> 8 runs of 32
+    ql = blocks[:, 0:128].reshape(n, 2, 1, 64)
+    ql = torch.cat([ql & 0x0F, ql >> 4], dim=2).reshape(n, 8, 32)
+    # high 2 bits: 2 halves of 32 bytes, 4 bit-pairs each -> 8 runs of 32
+    qh = blocks[:, 128:192].reshape(n, 2, 1, 32)
+    qh = torch.cat([qh & 3, (qh >> 2) & 3, (qh >> 4) & 3, qh >> 6], dim=2).reshape(n, 8, 32)
+    q = (ql | (qh << 4)).to(torch.int16) - 32                       # [n, 8, 32] in [-32, 31]
+    q = q.reshape(n, 16, 16).to(torch.float32)
+    return (dl * q).reshape(n, 256)
+
+
+_BLOCK_KERNELS = {int(QT.Q8_0): _q8_0, int(QT.Q4_K): _q4_k, int(QT.Q6_K): _q6_k}
+
+
+def dequantize(raw: torch.Tensor, qtype: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Quantized bytes -> a new tensor of `shape` and `dtype` on raw.device.
+
+    raw: uint8 tensor (any shape, contiguous) holding exactly the bytes of `shape` elements of
+    `qtype`, rows along the last dim of `shape`. The result never aliases `raw`, so the caller may
+    reuse the slot or ring buffer that held the bytes as soon as the result exists.
+    """
+    qtype = int(qtype)
+    if qtype not in SUPPORTED_QTYPES:
+        raise UnsupportedError(f"tensor type {qtype_name(qtype)} is not supported "
+                               f"(supported: {', '.join(sorted(qtype_name(q) for q in SUPPORTED_QTYPES))})")
+    assert raw.dtype == torch.uint8, f"raw must be uint8, got {raw.dtype}"
+    shape = tuple(int(s) for s in shape)
+    nbytes = tensor_nbytes(qtype, shape)
+    assert raw.numel() == nbytes, f"{raw.numel()} bytes given, {qtype_name(qtype)}{list(shape)} needs {nbytes}"
+    raw = raw.reshape(-1)
+
+    if qtype == QT.F32:
+        out = _as_dtype(raw, torch.float32)
+    elif qtype == QT.F16:
+        out = _as_dtype(raw, torch.float16)
+    elif qtype == QT.BF16:
+        out = _as_dtype(raw, torch.bfloat16)
+    else:
+        _, type_size = block_size(qtype)
+        out = _BLOCK_KERNELS[qtype](raw.reshape(-1, type_size))  # [n_blocks, block] float32
+    out = out.reshape(shape)
+    if out.dtype == dtype and out.data_ptr() == raw.data_ptr():
+        out = out.clone()  # F32 -> F32 was a view of raw
+    return out.to(dtype)

@@ -1,0 +1,64 @@
+"""Per-sequence KV cache: one preallocated k/v buffer per layer, filled left to right."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from betelgeuse.errors import InvalidRequestError
+
+
+@dataclass(slots=True)
+class KVCache:
+    k: list[torch.Tensor]           # per layer [n_head_kv, max_len, head_dim]
+    v: list[torch.Tensor]           # per layer [n_head_kv, max_len, head_dim]
+    max_len: int                    # tokens
+    length: int = 0                 # tokens whose k/v are valid in every layer
+    _pending: int = field(default=0, repr=False)   # tokens being appended by the current pass
+
+    @classmethod
+    def create(cls, n_layer: int, n_head_kv: int, head_dim: int, max_len: int,
+               device="cpu", dtype=torch.float32) -> "KVCache":
+        assert max_len > 0, max_len
+        shape = (n_head_kv, max_len, head_dim)
+        return cls(k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)],
+                   v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)],
+                   max_len=max_len)
+
+    @classmethod
+    def for_config(cls, cfg, max_len: int, device="cpu", dtype=torch.float32) -> "KVCache":
+        return cls.create(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, max_len, device, dtype)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def begin(self, n_tokens: int) -> torch.Tensor:
+        """Start a pass that appends n_tokens; returns their positions [n_tokens] (int64)."""
+        if self.length + n_tokens > self.max_len:
+            raise InvalidRequestError(
+                f"sequence of {self.length + n_tokens} tokens exceeds the KV cache of {self.max_len} tokens")
+        self._pending = n_tokens
+        return torch.arange(self.length, self.length + n_tokens, device=self.k[0].device)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> int:
+        """Store k/v [n_head_kv, T, head_dim] at `positions` (contiguous, starting at `length`).
+        Returns the number of valid keys for this layer after the write."""
+        T = k.shape[1]
+        assert int(positions[0]) == self.length and positions.numel() == T, "append only"
+        end = self.length + T
+        assert end <= self.max_len, (end, self.max_len)
+        self.k[layer][:, self.length:end] = k
+        self.v[layer][:, self.length:end] = v
+        return end
+
+    def commit(self) -> None:
+        """End the pass: every layer now holds the appended tokens."""
+        self.length += self._pending
+        self._pending = 0
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n tokens (prefix reuse); later k/v are overwritten by the next pass."""
+        assert 0 <= n <= self.length, (n, self.length)
+        self.length = n
+        self._pending = 0

@@ -1,0 +1,151 @@
+"""Stateless building blocks of a qwen3moe forward pass: RMSNorm, NEOX RoPE, the expert FFN and the
+reference MoE (plan -> per-expert compute -> fixed-order combine).
+
+The MoE is split so that the out-of-core engine can reuse it with experts coming from slots: it
+computes experts in whatever order their bytes arrive (resident first), yet gets the same bits as
+this reference, because (1) each expert's tokens are processed in the same ascending order and the
+same sub-batch chunks (matmul results can depend on the row count), (2) results land in y[t, r]
+rather than being accumulated, and (3) `moe_combine` reduces over ranks in a fixed order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+ExpertWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]   # gate [F,H], up [F,H], down [H,F]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D] -> [..., D]; statistics in float32 (as HF and llama.cpp), result in x's dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+@dataclass(slots=True)
+class Rope:
+    """NEOX-style rotary embedding (rotate-half over two halves of head_dim), as HF and llama.cpp's
+    LLAMA_ROPE_TYPE_NEOX for qwen3moe. GGUF stores qwen3moe q/k weights unpermuted, so no
+    interleaving is needed."""
+    inv_freq: torch.Tensor          # [head_dim/2] float32
+
+    @classmethod
+    def create(cls, head_dim: int, theta: float, device) -> "Rope":
+        assert head_dim % 2 == 0, head_dim
+        # same expression (and so the same float32 bits) as transformers' default rope init
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        return cls(inv_freq=inv.to(device))
+
+    def cos_sin(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, head_dim] in `dtype`."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [n_heads, T, head_dim]; cos/sin [T, head_dim] -> rotated x (rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     q_pos: torch.Tensor) -> torch.Tensor:
+    """Grouped-query causal attention for one sequence.
+
+    q [n_head, T, D], k/v [n_head_kv, S, D] (keys of positions 0..S-1), q_pos [T] absolute positions.
+    Returns [T, n_head * D]. Query head h reads kv head h // (n_head / n_head_kv), as HF's repeat_kv.
+    """
+    n_head, T, D = q.shape
+    n_kv, S, _ = k.shape
+    assert n_head % n_kv == 0, (n_head, n_kv)
+    rep = n_head // n_kv
+    # fold the heads that share a kv head into the query-row axis: [n_kv, rep*T, D]
+    qg = q.reshape(n_kv, rep * T, D)
+    if T == 1 and int(q_pos[0]) == S - 1:
+        mask = None                                          # decode: every cached key is visible
+    else:
+        key_pos = torch.arange(S, device=q.device)
+        mask = key_pos[None, :] <= q_pos[:, None]            # [T, S] bool, True = attend
+        mask = mask.repeat(rep, 1)                           # [rep*T, S], rows ordered (rep, t)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=D ** -0.5)
+    # [n_kv, rep*T, D] -> [n_head, T, D] -> [T, n_head*D]
+    return out.reshape(n_head, T, D).transpose(0, 1).reshape(T, n_head * D)
+
+
+def expert_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """SwiGLU expert: x [n,H], gate/up [F,H], down [H,F] -> [n,H] = down(silu(gate x) * up x)."""
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+def moe_combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """y [T,k,H] expert outputs by rank, weights [T,k] -> [T,H]. Reduced rank 0, 1, ..., k-1 in that
+    order, so the bits do not depend on which expert was computed first."""
+    T, k, H = y.shape
+    assert weights.shape == (T, k), (weights.shape, y.shape)
+    w = weights.to(y.dtype)
+    out = y[:, 0] * w[:, 0, None]
+    for r in range(1, k):
+        out = out + y[:, r] * w[:, r, None]
+    return out
+
+
+@dataclass(slots=True)
+class ExpertWork:
+    """The rows one expert must process in a layer: token t at rank r, tokens ascending."""
+    expert: int
+    tokens: torch.Tensor            # [n] int64, ascending
+    ranks: torch.Tensor             # [n] int64, the rank (0..k-1) at which token t chose `expert`
+
+
+def plan_experts(ids: torch.Tensor) -> dict[int, ExpertWork]:
+    """ids [T,k] (top-k expert ids per token) -> {expert: ExpertWork}, keys ascending."""
+    T, k = ids.shape
+    flat = ids.reshape(-1).cpu()
+    # a stable sort by expert keeps (token, rank) row-major order, so tokens stay ascending
+    order = torch.argsort(flat, stable=True)
+    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    plan: dict[int, ExpertWork] = {}
+    start = 0
+    for e, n in zip(experts.tolist(), counts.tolist()):
+        rows = order[start:start + n]
+        plan[e] = ExpertWork(expert=e, tokens=rows // k, ranks=rows % k)
+        start += n
+    return plan
+
+
+def run_expert(h: torch.Tensor, y: torch.Tensor, work: ExpertWork, weights: ExpertWeights,
+               sub_batch: int = 16) -> None:
+    """Apply one expert to its tokens in chunks of `sub_batch` rows, writing y[t, r] in place.
+    h [T,H] (ffn-normed), y [T,k,H]. The chunking is part of the bit-exact contract."""
+    assert sub_batch > 0
+    gate, up, down = weights
+    tokens = work.tokens.to(h.device)
+    ranks = work.ranks.to(h.device)
+    for s in range(0, tokens.numel(), sub_batch):
+        t, r = tokens[s:s + sub_batch], ranks[s:s + sub_batch]
+        y[t, r] = expert_ffn(h[t], gate, up, down)
+
+
+def apply_experts(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                  get_expert: Callable[[int], ExpertWeights], sub_batch: int = 16,
+                  order: Sequence[int] | Iterable[int] | None = None) -> torch.Tensor:
+    """The reference MoE: h [T,H], ids/weights [T,k] -> [T,H].
+
+    Experts are computed in `order` (default: ascending id; must list each needed expert exactly
+    once), each over its tokens in ascending order in chunks of `sub_batch`; the result does not
+    depend on `order`, bit for bit.
+    """
+    T, k = ids.shape
+    plan = plan_experts(ids)
+    order = list(plan) if order is None else list(order)
+    assert sorted(order) == list(plan), "order must list each routed expert exactly once"
+    y = torch.zeros(T, k, h.shape[-1], dtype=h.dtype, device=h.device)
+    for e in order:
+        run_expert(h, y, plan[e], get_expert(e), sub_batch)
+    return moe_combine(y, weights)

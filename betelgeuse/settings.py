@@ -1,0 +1,220 @@
+"""The one configuration file, read by both processes (deploy/betelgeuse.toml,
+installed as /etc/betelgeuse/betelgeuse.toml). Defaults here match that file.
+
+    settings = load_settings(path)     # raises BetelgeuseError naming the key and the problem
+    settings.slots.vram_per_layer      # int, or AUTO ("auto": sized from the budgets)
+    settings.budget.vram               # bytes
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from betelgeuse.errors import BetelgeuseError
+
+AUTO = "auto"
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def parse_size(value: int | str, key: str = "size") -> int:
+    """Bytes from 12884901888, "12GiB", "12G" or "1.5 GiB".
+
+    Bare K/M/G/T follow systemd's MemoryMax= (powers of 1024); KB/MB/GB are SI, KiB/MiB/GiB binary.
+    """
+    if isinstance(value, bool):
+        raise BetelgeuseError(f"{key}: expected a size like \"12GiB\", got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise BetelgeuseError(f"{key}: a size cannot be negative ({value})")
+        return value
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _UNITS:
+        raise BetelgeuseError(f"{key}: cannot parse size {value!r} (use bytes or e.g. \"12GiB\", \"512MiB\", \"12G\")")
+    mult = 1024 ** "bkmgt".index(unit) if unit in ("k", "m", "g", "t") else _UNITS[unit]
+    return int(float(m.group(1)) * mult)
+
+
+def split_hostport(addr: str, key: str = "address") -> tuple[str, int]:
+    """"127.0.0.1:9464" -> ("127.0.0.1", 9464); "[::1]:9464" -> ("::1", 9464)."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit() or not host or int(port) > 65535:
+        raise BetelgeuseError(f"{key}: expected HOST:PORT, got {addr!r}")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(slots=True)
+class ModelSettings:
+    path: str = ""                          # the GGUF file (required to serve)
+
+
+@dataclass(slots=True)
+class SlotSettings:
+    vram_per_layer: int | str = 5           # VRAM hot slots per MoE layer, or "auto"
+    host_per_layer: int | str = 15          # host-RAM slots per MoE layer, or "auto"
+
+
+@dataclass(slots=True)
+class BudgetSettings:
+    vram: int = 12 * 1024**3                # bytes everything both processes put on the GPU may use
+    memory_max: int | None = None           # bytes for both processes; None = the cgroup's memory.max
+
+
+@dataclass(slots=True)
+class WorkerSettings:
+    # gRPC listen addresses: "HOST:PORT" or "unix:/path" (grpc syntax)
+    listen: list[str] = field(default_factory=lambda: ["127.0.0.1:50051", "unix:/run/betelgeuse/api.sock"])
+    metrics: str = "127.0.0.1:9464"         # HOST:PORT of /metrics; "" = off
+    device: str = "auto"                    # "auto" | "cuda" | "cuda:N" | "cpu"
+
+
+@dataclass(slots=True)
+class StoreSettings:
+    socket: str = "/run/betelgeuse/store.sock"     # control gRPC over a Unix socket
+    fd_socket: str = "/run/betelgeuse/store.fds"   # memfd hand-off (SCM_RIGHTS)
+    metrics: str = "127.0.0.1:9465"
+
+
+@dataclass(slots=True)
+class EngineSettings:
+    # defaults equal betelgeuse.config.EngineConfig's (tests/test_settings.py checks)
+    schedule: str = "layer_major"           # "layer_major" | "standard"
+    sub_batch: int = 16                     # tokens per expert matmul in layer-major prefill
+    micro_batch: int = 3                    # tokens per micro-batch in the standard schedule
+    staging_slots: int | str = AUTO         # shared slots for disk reads in flight, or "auto"
+    ring_slots: int = 4                     # device buffers experts stream into
+    prefetch: bool = True                   # read the next layer's likely experts ahead
+    max_context: int = 4096                 # tokens per sequence
+    max_running: int = 2                    # sequences with a live KV cache at once
+    max_queue: int = 16                     # waiting requests before RESOURCE_EXHAUSTED
+    dtype: str = "auto"                     # "auto" | "float32" | "bfloat16" | "float16"
+    worker_reserve: int | str = AUTO        # host bytes the worker needs outside the arena, or "auto"
+    read_threads: int = 8                   # concurrent preadv calls in the store
+
+
+@dataclass(slots=True)
+class Settings:
+    model: ModelSettings = field(default_factory=ModelSettings)
+    slots: SlotSettings = field(default_factory=SlotSettings)
+    budget: BudgetSettings = field(default_factory=BudgetSettings)
+    worker: WorkerSettings = field(default_factory=WorkerSettings)
+    store: StoreSettings = field(default_factory=StoreSettings)
+    engine: EngineSettings = field(default_factory=EngineSettings)
+
+
+def _slot_count(value, key: str) -> int | str:
+    if value == AUTO:
+        return AUTO
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise BetelgeuseError(f"{key}: expected a slot count >= 0 or \"auto\", got {value!r}")
+    return value
+
+
+def _count(value, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise BetelgeuseError(f"{key}: expected an integer >= 0, got {value!r}")
+    return value
+
+
+def _bool(value, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise BetelgeuseError(f"{key}: expected true or false, got {value!r}")
+    return value
+
+
+def _choice(*choices: str):
+    def conv(value, key: str) -> str:
+        if value not in choices:
+            raise BetelgeuseError(f"{key}: expected one of {', '.join(choices)}, got {value!r}")
+        return value
+    return conv
+
+
+def _string(value, key: str) -> str:
+    if not isinstance(value, str):
+        raise BetelgeuseError(f"{key}: expected a string, got {value!r}")
+    return value
+
+
+def _listen(value, key: str) -> list[str]:
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, list) or not values or not all(isinstance(v, str) and v for v in values):
+        raise BetelgeuseError(f"{key}: expected an address or a list of addresses, got {value!r}")
+    for v in values:
+        if not v.startswith("unix:"):
+            split_hostport(v, key)
+    return values
+
+
+def _hostport_or_off(value, key: str) -> str:
+    value = _string(value, key)
+    if value:
+        split_hostport(value, key)
+    return value
+
+
+_CONVERT = {
+    ("model", "path"): _string,
+    ("slots", "vram_per_layer"): _slot_count,
+    ("slots", "host_per_layer"): _slot_count,
+    ("budget", "vram"): parse_size,
+    ("budget", "memory_max"): lambda v, k: None if v == AUTO else parse_size(v, k),
+    ("worker", "listen"): _listen,
+    ("worker", "metrics"): _hostport_or_off,
+    ("worker", "device"): _string,
+    ("store", "socket"): _string,
+    ("store", "fd_socket"): _string,
+    ("store", "metrics"): _hostport_or_off,
+    ("engine", "schedule"): _choice("layer_major", "standard"),
+    ("engine", "sub_batch"): _count,
+    ("engine", "micro_batch"): _count,
+    ("engine", "staging_slots"): _slot_count,
+    ("engine", "ring_slots"): _count,
+    ("engine", "prefetch"): _bool,
+    ("engine", "max_context"): _count,
+    ("engine", "max_running"): _count,
+    ("engine", "max_queue"): _count,
+    ("engine", "dtype"): _choice("auto", "float32", "bfloat16", "float16"),
+    ("engine", "worker_reserve"): lambda v, k: AUTO if v == AUTO else parse_size(v, k),
+    ("engine", "read_threads"): _count,
+}
+
+
+def settings_from_dict(data: dict, source: str = "config") -> Settings:
+    settings = Settings()
+    for section, values in data.items():
+        if not hasattr(settings, section) or section not in Settings.__dataclass_fields__:
+            known = ", ".join(f"[{s}]" for s in Settings.__dataclass_fields__)
+            raise BetelgeuseError(f"{source}: unknown section [{section}] (known: {known})")
+        if not isinstance(values, dict):
+            raise BetelgeuseError(f"{source}: [{section}] must be a table")
+        target = getattr(settings, section)
+        for key, value in values.items():
+            conv = _CONVERT.get((section, key))
+            if conv is None:
+                known = ", ".join(f.name for f in dataclasses.fields(target))
+                raise BetelgeuseError(f"{source}: unknown key {section}.{key} (known in [{section}]: {known})")
+            setattr(target, key, conv(value, f"{source}: {section}.{key}"))
+    return settings
+
+
+def load_settings(path: str | Path | None) -> Settings:
+    """Settings from a TOML file; None gives the defaults."""
+    if path is None:
+        return Settings()
+    p = Path(path)
+    try:
+        with p.open("rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise BetelgeuseError(f"config file {p} does not exist") from None
+    except PermissionError:
+        raise BetelgeuseError(f"config file {p} is not readable") from None
+    except tomllib.TOMLDecodeError as e:
+        raise BetelgeuseError(f"config file {p}: invalid TOML: {e}") from None
+    return settings_from_dict(data, str(p))

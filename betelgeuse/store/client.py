@@ -1,0 +1,60 @@
+"""How the worker reaches the store: a small interface, two implementations.
+
+`InProcessStoreClient` calls an `ExpertStore` in the same process (tests, single-process runs);
+`services/store_client.py` implements the same methods over gRPC on a Unix socket and receives
+the arena's file descriptor over a second socket. The engine only sees this interface.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator, Protocol
+
+import numpy as np
+
+from betelgeuse.store.arena import Arena
+from betelgeuse.store.plan import SlotPlan
+from betelgeuse.store.store import ExpertStore, Loaded
+
+
+class StoreClient(Protocol):
+    def attach(self) -> tuple[Arena, SlotPlan]: ...          # maps the arena; (re)binds a session
+    def begin_pass(self) -> int: ...                          # directory epoch, frozen until end_pass
+    def load(self, keys: list[tuple[int, int]]) -> Iterator[Loaded]: ...   # completion order
+    def prefetch(self, keys: list[tuple[int, int]]) -> int: ...
+    def release(self, slots: list[int]) -> None: ...
+    def end_pass(self, usage: np.ndarray, consolidate: bool) -> int: ...   # usage [n_layer, n_expert]
+    def status(self) -> dict: ...
+    def close(self) -> None: ...
+
+
+class InProcessStoreClient:
+    def __init__(self, store: ExpertStore):
+        self.store = store
+        self.session = ""
+
+    def attach(self):
+        self.session, plan_json = self.store.attach(os.getpid())
+        # the same memfd, mapped a second time, exactly as the worker process would
+        return Arena.attach(os.dup(self.store.arena.fd), self.store.arena.nbytes), SlotPlan.from_json(plan_json)
+
+    def begin_pass(self):
+        return self.store.begin_pass(self.session)
+
+    def load(self, keys):
+        return self.store.load(self.session, keys)
+
+    def prefetch(self, keys):
+        return self.store.prefetch(self.session, keys)
+
+    def release(self, slots):
+        self.store.release(self.session, slots)
+
+    def end_pass(self, usage, consolidate):
+        return self.store.end_pass(self.session, usage, consolidate)
+
+    def status(self):
+        return self.store.status()
+
+    def close(self):
+        pass

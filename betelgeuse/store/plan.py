@@ -1,0 +1,159 @@
+"""The slot plan: how many expert slots of each tier, and whether they fit the budgets.
+
+Computed once, by the store at start-up, from the model file, the configuration and the cgroup;
+sent to the worker as JSON when it attaches. A configuration that cannot fit raises BudgetError with
+the numbers, before any memory is touched (invariant 3: refused, never OOM-killed).
+
+Per MoE layer: `n_vram` hot slots in the worker's VRAM, each backed by a host slot (so a restarted
+worker refills VRAM from RAM, not disk), plus `n_host` host-only slots. Disk experts pass through
+`n_staging` shared staging slots.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from betelgeuse.config import GiB, MiB, EngineConfig
+from betelgeuse.errors import BudgetError
+from betelgeuse.gguf.reader import GGUFModelFile
+from betelgeuse.store.layout import ArenaLayout, SlotLayout
+
+HEADROOM = 256 * MiB            # left free in the cgroup for page tables, sockets, the unexpected
+CUDA_CONTEXT_BYTES = 600 * MiB  # VRAM the CUDA context and torch's allocator take beyond tensors
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB ({n} bytes)"
+
+
+@dataclass(slots=True)
+class SlotPlan:
+    model_path: str
+    n_layer: int
+    n_expert: int
+    n_vram: int                 # VRAM hot slots per layer
+    n_host: int                 # host-only slots per layer
+    n_staging: int              # shared staging slots
+    part_max: tuple[int, int, int]   # largest gate/up/down part in bytes, over all layers
+    vram_fixed: int             # estimated worker VRAM outside hot slots (weights, KV, ring, activations)
+    worker_reserve: int         # host bytes the worker needs outside the arena
+    memory_limit: int | None    # bytes for both processes (None = unlimited)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def slot(self) -> SlotLayout:
+        return SlotLayout.for_parts(tuple(self.part_max))
+
+    @property
+    def layout(self) -> ArenaLayout:
+        return ArenaLayout(self.n_layer, self.n_expert, self.n_vram + self.n_host, self.n_staging, self.slot)
+
+    @property
+    def arena_bytes(self) -> int:
+        return self.layout.total_bytes
+
+    @property
+    def vram_slot_bytes(self) -> int:
+        return self.n_layer * self.n_vram * self.slot.slot_bytes
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "SlotPlan":
+        d = json.loads(text)
+        d["part_max"] = tuple(d["part_max"])
+        return cls(**d)
+
+
+def dense_bytes(f: GGUFModelFile, dtype_bytes: int) -> int:
+    """Bytes of every non-expert tensor once dequantized to the compute dtype."""
+    n = 0
+    for t in f.tensors.values():
+        if "_exps." in t.name:
+            continue
+        elems = 1
+        for s in t.shape:
+            elems *= s
+        n += elems * dtype_bytes
+    return n
+
+
+def vram_fixed_bytes(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int) -> int:
+    """Worker VRAM outside the hot slots: dense weights, KV caches, execution ring, activations."""
+    c = f.config
+    dt = 2 if cfg.is_cuda and cfg.dtype in ("auto", "bfloat16", "float16") else 4
+    kv = cfg.max_running * cfg.max_context * c.n_layer * 2 * c.n_head_kv * c.head_dim * dt
+    ring = cfg.ring_slots * slot_bytes
+    deq = 2 * 3 * c.n_ff_exp * c.n_embd * dt                       # two experts' dequantized matrices in flight
+    # prefill activations for a full-context prompt: residual, y[T, k, H] (float32), q/k/v, last logits row
+    act = cfg.max_context * (c.n_embd * (4 + 4 * c.n_expert_used) + (c.n_head + 2 * c.n_head_kv) * c.head_dim * dt * 2)
+    act += c.n_vocab * 4 * 4
+    ctx = CUDA_CONTEXT_BYTES if cfg.is_cuda else 0
+    return dense_bytes(f, dt) + kv + ring + deq + act + ctx
+
+
+def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, memory_current: int = 0) -> SlotPlan:
+    c = f.config
+    part_max = tuple(max(f.expert_parts(layer, 0)[k].nbytes for layer in range(c.n_layer)) for k in range(3))
+    slot = SlotLayout.for_parts(part_max)
+    per_layer_slot = c.n_layer * slot.slot_bytes      # bytes for one slot in every layer
+    notes: list[str] = []
+
+    # 1. VRAM: hot slots after everything else the worker places on the GPU
+    fixed = vram_fixed_bytes(f, cfg, slot.slot_bytes)
+    if fixed > cfg.vram_budget:
+        raise BudgetError(f"the VRAM budget {_gib(cfg.vram_budget)} does not hold the worker's fixed needs "
+                          f"{_gib(fixed)} (dense weights, KV cache for {cfg.max_running} x {cfg.max_context} tokens, ring)")
+    if cfg.vram_slots == "auto":
+        n_vram = min(c.n_expert, (cfg.vram_budget - fixed) // per_layer_slot)
+        notes.append(f"vram_slots=auto -> {n_vram} per layer")
+    else:
+        n_vram = min(int(cfg.vram_slots), c.n_expert)
+        need = fixed + n_vram * per_layer_slot
+        if need > cfg.vram_budget:
+            raise BudgetError(f"{n_vram} VRAM slots per layer need {_gib(need)} of VRAM (fixed {_gib(fixed)} + "
+                              f"{n_vram} x {c.n_layer} layers x {slot.slot_bytes} bytes), over the budget {_gib(cfg.vram_budget)}")
+
+    # 2. host: the worker's own needs, then the arena
+    if cfg.worker_reserve == "auto":
+        # on the CPU the "VRAM" tier and the dense weights live in the worker's RAM
+        reserve = (1 * GiB + fixed + n_vram * per_layer_slot) if not cfg.is_cuda else 2 * GiB
+    else:
+        reserve = int(cfg.worker_reserve)
+    limit = cfg.memory_max if cfg.memory_max is not None else memory_limit
+    non_resident = c.n_expert - n_vram
+    if cfg.staging_slots == "auto":
+        n_staging = max(4, min(2 * non_resident, 512))   # one layer on demand + the next layer read ahead
+    else:
+        n_staging = max(1, int(cfg.staging_slots))
+
+    def arena_for(n_host: int, n_stage: int) -> int:
+        return ArenaLayout(c.n_layer, c.n_expert, n_vram + n_host, n_stage, slot).total_bytes
+
+    if cfg.host_slots == "auto":
+        if limit is None:
+            n_host = c.n_expert - n_vram
+            notes.append("host_slots=auto with no memory limit -> every expert resident")
+        else:
+            free = limit - memory_current - reserve - HEADROOM
+            if cfg.staging_slots == "auto":
+                while n_staging > 4 and arena_for(0, n_staging) > free:
+                    n_staging //= 2
+            n_host = max(0, min(non_resident, (free - arena_for(0, n_staging)) // per_layer_slot))
+            notes.append(f"host_slots=auto -> {n_host} per layer")
+        if n_host >= non_resident and cfg.staging_slots == "auto":
+            n_staging = 4
+    else:
+        n_host = min(int(cfg.host_slots), non_resident)
+
+    plan = SlotPlan(f.path, c.n_layer, c.n_expert, n_vram, n_host, n_staging, part_max, fixed, reserve, limit, notes)
+    if limit is not None:
+        need = plan.arena_bytes + reserve + memory_current + HEADROOM
+        if need > limit:
+            raise BudgetError(
+                f"slots do not fit the memory limit {_gib(limit)}: arena {_gib(plan.arena_bytes)} "
+                f"({n_vram}+{n_host} host slots x {c.n_layer} layers + {n_staging} staging, {slot.slot_bytes} bytes each) "
+                f"+ worker {_gib(reserve)} + in use {_gib(memory_current)} + headroom {_gib(HEADROOM)} = {_gib(need)}")
+    return plan

@@ -1,0 +1,215 @@
+"""The NVMe reader: expert bytes from the GGUF file straight into arena slots (invariant 4).
+
+Reads bypass the page cache with O_DIRECT, so "disk reads" are disk reads and the page cache is
+never charged to the cgroup. Each range is rounded out to 4 KiB (GGUF tensors are only 32-byte
+aligned) and split into <= request_bytes `os.preadv` calls, which release the GIL, run by a pool of
+threads. Requests of priority 0 (demand: a pass waits on them) are always taken before priority 1
+(read-ahead); FIFO within a priority. Where O_DIRECT is refused or meaningless (tmpfs, ramfs: the
+file already is page cache) the reader falls back to buffered reads + POSIX_FADV_DONTNEED, and
+says so in `mode`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import itertools
+import mmap
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from betelgeuse.errors import ModelFormatError
+from betelgeuse.store.arena import Arena
+
+PAGE = 4096
+MEMORY_FS = frozenset({"tmpfs", "ramfs", "hugetlbfs", "devtmpfs"})
+
+
+@dataclass(slots=True)
+class ReaderStats:
+    bytes_read: int = 0  # device bytes, including the 4 KiB rounding
+    payload_bytes: int = 0  # bytes the callers asked for
+    reads: int = 0  # preadv calls
+    busy_seconds: float = 0.0  # summed over threads: time inside preadv
+    requests: list[int] = field(default_factory=lambda: [0, 0])  # read() calls per priority
+    request_bytes: list[int] = field(default_factory=lambda: [0, 0])  # device bytes per priority
+
+    def copy(self) -> "ReaderStats":
+        return ReaderStats(self.bytes_read, self.payload_bytes, self.reads, self.busy_seconds,
+                           list(self.requests), list(self.request_bytes))  # fmt: skip
+
+
+@dataclass(slots=True)
+class _Job:  # one read() call
+    future: cf.Future
+    pending: int  # pieces not yet done
+    lock: threading.Lock
+    error: BaseException | None = None  # the first failure; later pieces are skipped
+
+
+@dataclass(slots=True)
+class _Piece:  # one preadv: file [offset, offset+nbytes) -> arena [dest, dest+nbytes)
+    job: _Job
+    offset: int
+    nbytes: int
+    dest: int
+
+
+def fs_type(path: str) -> str:
+    """Filesystem type of the mount holding `path` (longest mount point prefix in /proc/self/mounts)."""
+    real, best, kind = os.path.realpath(path), "", ""
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            parts = line.split()
+            mnt = parts[1].replace("\\040", " ")
+            if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                best, kind = mnt, parts[2]
+    return kind
+
+
+def _direct_works(fd: int) -> bool:
+    probe = mmap.mmap(-1, PAGE)  # anonymous mappings are page aligned
+    try:
+        os.preadv(fd, [probe], 0)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+class ExpertReader:
+    def __init__(self, path: str, arena: Arena, threads: int = 8, request_bytes: int = 4 << 20,
+                 direct: bool | None = None):  # fmt: skip
+        """direct=None: O_DIRECT where the filesystem honours it; False forces buffered."""
+        assert threads >= 1 and request_bytes >= PAGE and request_bytes % PAGE == 0, (threads, request_bytes)
+        self.path, self.arena, self.request_bytes = path, arena, request_bytes
+        self.fs = fs_type(path)
+        self.fd = -1
+        if direct is not False and self.fs not in MEMORY_FS:
+            try:
+                self.fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+            except FileNotFoundError:
+                raise ModelFormatError(f"model file not found: {path}") from None
+            except OSError:
+                self.fd = -1  # EINVAL: this filesystem refuses O_DIRECT
+            if self.fd >= 0 and not _direct_works(self.fd):
+                os.close(self.fd)
+                self.fd = -1
+        if self.fd >= 0:
+            self.mode = "direct"
+        else:
+            try:
+                self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                raise ModelFormatError(f"model file not found: {path}") from None
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)  # no kernel read-ahead into the cache
+            self.mode = "buffered"
+        self.file_size = os.fstat(self.fd).st_size
+        self.stats = ReaderStats()
+        self._stats_lock = threading.Lock()
+        self._q: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = itertools.count()  # FIFO within a priority
+        self._closed = False
+        self._threads = [threading.Thread(target=self._run, name=f"bg-reader-{i}", daemon=True) for i in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def read(self, ranges: list[tuple[int, int, int]], priority: int = 0) -> cf.Future:
+        """Read each (file_offset, nbytes, arena_dest) as its rounded-out 4 KiB range
+        [floor(off), ceil(off + n)) to arena_dest (4 KiB aligned), so byte `off` lands at
+        arena_dest + off % 4096. Bytes past EOF read as zero. The future resolves to None when
+        every piece is done, or to the first OSError (then only after every piece already started has
+        finished, so the destination is quiet when the future resolves). It cannot be cancelled."""
+        assert not self._closed, "reader is closed"
+        assert priority in (0, 1), priority
+        fut: cf.Future = cf.Future()
+        fut.set_running_or_notify_cancel()  # running: cancel() returns False (bytes may be landing)
+        pieces: list[_Piece] = []
+        job = _Job(fut, 0, threading.Lock())
+        payload = device = 0
+        for off, n, dest in ranges:
+            assert off >= 0 and n > 0 and dest % PAGE == 0, (off, n, dest)
+            if off + n > self.file_size:
+                raise ModelFormatError(f"{self.path}: range [{off}, {off + n}) is past the end of the file "
+                                       f"({self.file_size} bytes); truncated?")  # fmt: skip
+            lo, hi = off - off % PAGE, -(-(off + n) // PAGE) * PAGE
+            assert dest + (hi - lo) <= self.arena.nbytes, (dest, hi - lo, self.arena.nbytes)
+            for c in range(lo, hi, self.request_bytes):
+                pieces.append(_Piece(job, c, min(self.request_bytes, hi - c), dest + (c - lo)))
+            payload, device = payload + n, device + (hi - lo)
+        job.pending = len(pieces)
+        with self._stats_lock:
+            self.stats.payload_bytes += payload
+            self.stats.requests[priority] += 1
+            self.stats.request_bytes[priority] += device
+        if not pieces:
+            fut.set_result(None)
+        for p in pieces:
+            self._q.put((priority, next(self._seq), p))
+        return fut
+
+    # -- worker threads ------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            _prio, _seq, piece = self._q.get()
+            if piece is None:
+                return
+            job = piece.job
+            err = None
+            if job.error is None:  # skip the rest of a failed job
+                try:
+                    self._read_piece(piece)
+                except Exception as e:  # noqa: BLE001 - handed to the caller through the future
+                    err = e
+            with job.lock:
+                job.pending -= 1
+                if err is not None and job.error is None:
+                    job.error = err
+                last = job.pending == 0
+            if last:
+                if job.error is not None:
+                    job.future.set_exception(job.error)
+                else:
+                    job.future.set_result(None)
+
+    def _read_piece(self, p: _Piece) -> None:
+        buf = self.arena.view(p.dest, p.nbytes)
+        want = min(p.nbytes, max(0, self.file_size - p.offset))  # what the file has; the rest is zero
+        got, t0, calls = 0, time.perf_counter(), 0
+        while got < want:
+            r = os.preadv(self.fd, [buf[got:]], p.offset + got)
+            calls += 1
+            if r == 0:
+                raise OSError(f"{self.path}: unexpected end of file at byte {p.offset + got}")
+            got += r
+        busy = time.perf_counter() - t0
+        if got < p.nbytes:
+            buf[got:] = bytes(p.nbytes - got)  # the rounded-up tail past EOF
+        if self.mode == "buffered":
+            os.posix_fadvise(self.fd, p.offset, p.nbytes, os.POSIX_FADV_DONTNEED)
+        del buf
+        with self._stats_lock:
+            self.stats.bytes_read += got
+            self.stats.reads += calls
+            self.stats.busy_seconds += busy
+
+    def close(self) -> None:
+        """Stop the threads after the pieces already queued; pending futures then resolve normally."""
+        if self._closed:
+            return
+        self._closed = True
+        for _ in self._threads:
+            self._q.put((9, next(self._seq), None))  # after every queued piece
+        for t in self._threads:
+            t.join()
+        os.close(self.fd)
+        self.fd = -1
+
+    def __enter__(self) -> "ExpertReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

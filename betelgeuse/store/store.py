@@ -1,0 +1,350 @@
+"""The expert store: owns the host slot arena, the slot directory, the residency policy and all disk I/O.
+
+No CUDA here. The worker reaches this class through a `StoreClient` (betelgeuse/store/client.py):
+in-process for tests, over gRPC on a Unix socket in production (services/store_main.py).
+
+Slots, per DESIGN.md §1-3:
+  host slots   [n_layer, n_vram + n_host]  resident experts (the VRAM tier's backing copies too)
+  staging      [n_staging]                 disk reads on their way to the worker; a staged expert
+                                           stays until its slot is needed (a small victim cache)
+Invariant 5: the directory changes only between passes (consolidation); staging slots change only
+when no one references them (a slot handed to the worker is its own until it releases it).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from betelgeuse.errors import BetelgeuseError, StoreUnavailableError
+from betelgeuse.gguf.reader import GGUFModelFile
+from betelgeuse.store.arena import Arena
+from betelgeuse.store.directory import SlotDirectory
+from betelgeuse.store.plan import SlotPlan
+from betelgeuse.store.reader import ExpertReader
+
+TIER_DISK, TIER_HOST, TIER_VRAM = 0, 1, 2
+DEMAND, READAHEAD = 0, 1
+
+
+@dataclass(slots=True)
+class Loaded:
+    layer: int
+    expert: int
+    slot: int               # staging slot index
+    disk_bytes: int         # bytes read from disk for this expert (0 if it was staged before this pass)
+    prefetched: bool
+
+
+@dataclass(slots=True)
+class StoreCounters:
+    demand_loads: int = 0
+    staged_hits: int = 0            # loads answered from a staged copy (read-ahead or an earlier pass)
+    readahead_reads: int = 0
+    readahead_wasted: int = 0       # read ahead, then evicted unused
+    consolidation_reads: int = 0
+    consolidation_copies: int = 0   # filled from a staged copy instead of disk
+    passes: int = 0
+    consolidations: int = 0
+    attaches: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class ExpertStore:
+    def __init__(self, model: GGUFModelFile, plan: SlotPlan, read_threads: int = 8, read_request_bytes: int = 4 << 20):
+        self.model, self.plan = model, plan
+        self.layout = plan.layout
+        self.arena = Arena.create(self.layout.total_bytes)
+        self.directory = SlotDirectory(self.arena, self.layout, create=True)
+        self.reader = ExpertReader(model.path, self.arena, threads=read_threads, request_bytes=read_request_bytes)
+        L, E = plan.n_layer, plan.n_expert
+        # per (layer, expert): the three parts' file ranges, for reads into any slot
+        self._parts = [[model.expert_parts(l, e) for e in range(E)] for l in range(L)]
+        self.cv = threading.Condition()
+        self.session: str | None = None
+        self.pass_active = False
+        # staging: slot -> key while it holds (or is reading) an expert; free slots in a list
+        self._free = list(range(plan.n_staging))
+        self._staged: OrderedDict[tuple[int, int], int] = OrderedDict()   # key -> slot, ready, not handed out (LRU order)
+        self._inflight: dict[tuple[int, int], tuple[int, object, int]] = {}  # key -> (slot, future, priority)
+        self._handed: dict[int, tuple[int, int]] = {}                   # slot -> key, owned by the worker
+        self._ready_bytes: dict[tuple[int, int], int] = {}              # key -> disk bytes of its read (until handed out)
+        self._readahead_keys: set[tuple[int, int]] = set()
+        self._claimed: set[tuple[int, int]] = set()                        # awaited by a running load: not evictable
+        self.score = np.zeros((L, E), dtype=np.float64)                  # decayed usage, for consolidation
+        self._usage = np.zeros((L, E), dtype=np.int64)                   # since the last consolidation
+        self._host_owner = np.full((L, plan.n_vram + plan.n_host), -1, dtype=np.int64)  # host slot -> expert
+        self._consolidating: threading.Thread | None = None
+        self.counters = StoreCounters()
+        self.started = time.monotonic()
+
+    # ---- sessions and passes -------------------------------------------------------------
+    def attach(self, worker_pid: int) -> tuple[str, str]:
+        with self.cv:
+            # a new worker replaces the old one: what the old one held is free again
+            for slot in list(self._handed):
+                self._free_slot(slot)
+            self.session = uuid.uuid4().hex
+            self.pass_active = False
+            self.directory.pass_active = False
+            self.counters.attaches += 1
+            self.cv.notify_all()
+            return self.session, self.plan.to_json()
+
+    def _check(self, session: str):
+        if session != self.session:
+            raise StoreUnavailableError("this worker session was replaced by a newer attach; attach again")
+
+    def begin_pass(self, session: str) -> int:
+        self._check(session)
+        t = self._consolidating
+        if t is not None:
+            t.join()                       # apply a pending consolidation before freezing
+        with self.cv:
+            self.pass_active = True
+            self.directory.pass_active = True
+            self.counters.passes += 1
+            return self.directory.epoch
+
+    def end_pass(self, session: str, usage: np.ndarray, consolidate: bool) -> int:
+        self._check(session)
+        assert usage.shape == self._usage.shape, (usage.shape, self._usage.shape)
+        with self.cv:
+            self.pass_active = False
+            self.directory.pass_active = False
+            self._usage += usage
+            if not consolidate:
+                return 0
+            self.score = 0.5 * self.score + self._usage
+            self._usage[:] = 0
+            moves = self._plan_consolidation()
+        if moves:
+            self._consolidating = threading.Thread(target=self._apply_consolidation, args=(moves,), daemon=True)
+            self._consolidating.start()
+        return len(moves)
+
+    # ---- demand loads and read-ahead -------------------------------------------------------
+    def load(self, session: str, keys: list[tuple[int, int]]) -> Iterator[Loaded]:
+        """Yields each expert as its bytes land in a staging slot, in completion order."""
+        self._check(session)
+        done: queue.Queue = queue.Queue()
+        pending = []
+        with self.cv:
+            for key in keys:
+                tier, _, _ = self.directory.lookup(*key)
+                if tier != TIER_DISK:
+                    raise BetelgeuseError(f"expert {key} is resident (tier {tier}); read it from its slot")
+                self.counters.demand_loads += 1
+                self._claimed.add(key)
+                if key in self._staged or key in self._inflight:
+                    self._watch(key, done)
+                else:
+                    pending.append(key)
+        try:
+            yield from self._deliver(session, keys, pending, done)
+        finally:
+            with self.cv:
+                self._claimed.difference_update(keys)
+
+    def _deliver(self, session, keys, pending, done) -> Iterator[Loaded]:
+        delivered = 0
+        while delivered < len(keys):
+            with self.cv:
+                while pending:
+                    slot = self._alloc_slot(demand=True)
+                    if slot is None:
+                        break
+                    key = pending.pop(0)
+                    self._start_read(key, slot, DEMAND)
+                    self._watch(key, done)
+            try:
+                key = done.get(timeout=0.05)
+            except queue.Empty:
+                if self.session != session:
+                    raise StoreUnavailableError("worker session replaced during a load")
+                continue
+            with self.cv:
+                slot = self._staged.pop(key)
+                self._claimed.discard(key)
+                self._handed[slot] = key
+                nbytes = self._ready_bytes.pop(key, 0)
+                pre = key in self._readahead_keys
+                self._readahead_keys.discard(key)
+                if pre or nbytes == 0:
+                    self.counters.staged_hits += 1
+            delivered += 1
+            yield Loaded(key[0], key[1], slot, nbytes, pre)
+
+    def prefetch(self, session: str, keys: list[tuple[int, int]]) -> int:
+        """Read-ahead into free staging slots; never evicts and keeps half the slots for demand."""
+        self._check(session)
+        queued = 0
+        with self.cv:
+            for key in keys:
+                if key in self._staged or key in self._inflight or self.directory.lookup(*key)[0] != TIER_DISK:
+                    continue
+                if len(self._free) <= self.plan.n_staging // 2:
+                    break
+                slot = self._free.pop()
+                self._readahead_keys.add(key)
+                self._start_read(key, slot, READAHEAD)
+                self.counters.readahead_reads += 1
+                queued += 1
+        return queued
+
+    def release(self, session: str, slots: list[int]) -> None:
+        self._check(session)
+        with self.cv:
+            for slot in slots:
+                key = self._handed.pop(slot, None)
+                if key is None:
+                    continue
+                # keep the bytes as a staged copy (LRU); the slot is reused when a read needs it
+                self._staged[key] = slot
+                self._staged.move_to_end(key)
+            self.cv.notify_all()
+
+    # ---- internals (hold self.cv) --------------------------------------------------------
+    def _watch(self, key, done: queue.Queue):
+        if key in self._staged:
+            done.put(key)
+        else:
+            _, fut, _ = self._inflight[key]
+            fut.add_done_callback(lambda _f, k=key: done.put(k))
+
+    def _alloc_slot(self, demand: bool) -> int | None:
+        if self._free:
+            return self._free.pop()
+        victim = next((k for k in self._staged if k not in self._claimed), None)
+        if victim is not None:               # evict the least recently used staged copy
+            key, slot = victim, self._staged.pop(victim)
+            if key in self._readahead_keys:
+                self._readahead_keys.discard(key)
+                self.counters.readahead_wasted += 1
+            self._ready_bytes.pop(key, None)
+            return slot
+        return None
+
+    def _free_slot(self, slot: int):
+        self._handed.pop(slot, None)
+        self._free.append(slot)
+
+    def _ranges(self, key: tuple[int, int], slot_offset: int) -> list[tuple[int, int, int]]:
+        return self.layout.slot.read_ranges(self._parts[key[0]][key[1]], slot_offset)
+
+    def _start_read(self, key, slot: int, priority: int):
+        fut = self.reader.read(self._ranges(key, self.layout.staging_slot_offset(slot)), priority=priority)
+        self._inflight[key] = (slot, fut, priority)
+        nbytes = sum(p.nbytes for p in self._parts[key[0]][key[1]])
+
+        def landed(f, key=key, slot=slot, nbytes=nbytes):
+            with self.cv:
+                self._inflight.pop(key, None)
+                if f.exception() is not None:
+                    self._free.append(slot)
+                    self.counters.extra["read_errors"] = self.counters.extra.get("read_errors", 0) + 1
+                    return
+                self._staged[key] = slot
+                self._ready_bytes[key] = nbytes
+                self.cv.notify_all()
+        fut.add_done_callback(landed)
+
+    # ---- consolidation ---------------------------------------------------------------------
+    def _plan_consolidation(self) -> list[tuple[int, int, int, int]]:
+        """(layer, expert, tier, host_slot) moves so the top n_vram experts by score are VRAM-tier and the
+        next n_host host-tier. Experts never used keep their place; physical placement only."""
+        p = self.plan
+        moves = []
+        for l in range(p.n_layer):
+            cur_tier = np.array([self.directory.lookup(l, e)[0] for e in range(p.n_expert)])
+            # rank: score desc, currently resident first, expert id asc (stable and deterministic)
+            order = sorted(range(p.n_expert), key=lambda e: (-self.score[l, e], -int(cur_tier[e] > 0), e))
+            want = {}
+            for rank, e in enumerate(order[: p.n_vram + p.n_host]):
+                if self.score[l, e] <= 0 and cur_tier[e] == TIER_DISK:
+                    continue
+                want[e] = TIER_VRAM if rank < p.n_vram else TIER_HOST
+            owner = self._host_owner[l]
+            leaving = [i for i, e in enumerate(owner) if e >= 0 and e not in want]
+            free = [i for i, e in enumerate(owner) if e < 0] + leaving
+            for i in leaving:
+                moves.append((l, int(owner[i]), TIER_DISK, -1))
+            for e, tier in want.items():
+                if cur_tier[e] == TIER_DISK:
+                    moves.append((l, e, tier, free.pop(0)))
+                elif cur_tier[e] != tier:
+                    moves.append((l, e, tier, int(np.nonzero(owner == e)[0][0])))
+        return moves
+
+    def _apply_consolidation(self, moves):
+        # evictions first (the slots become free), then fills, then the directory in one go
+        futures = []
+        for l, e, tier, slot in moves:
+            if tier == TIER_DISK or self._host_owner[l, slot] == e:
+                continue
+            off = self.layout.host_slot_offset(l, slot)
+            with self.cv:
+                staged = self._staged.get((l, e))
+            if staged is not None:
+                src = self.layout.staging_slot_offset(staged)
+                n = self.layout.slot.slot_bytes
+                self.arena.view(off, n)[:] = self.arena.view(src, n)
+                self.counters.consolidation_copies += 1
+            else:
+                futures.append(self.reader.read(self._ranges((l, e), off), priority=READAHEAD))
+                self.counters.consolidation_reads += 1
+        for f in futures:
+            f.result()
+        with self.cv, self.directory.batch():       # one epoch change: a snapshot sees all of it or none
+            for l, e, tier, slot in moves:
+                if tier == TIER_DISK:
+                    if self._host_owner[l][self._host_owner[l] == e].size:
+                        self._host_owner[l][self._host_owner[l] == e] = -1
+                    self.directory.set(l, e, TIER_DISK, -1)
+            for l, e, tier, slot in moves:
+                if tier != TIER_DISK:
+                    self._host_owner[l, slot] = e
+                    self.directory.set(l, e, tier, slot)
+            self.counters.consolidations += 1
+        self._consolidating = None
+
+    def wait_consolidated(self):
+        t = self._consolidating
+        if t is not None:
+            t.join()
+
+    # ---- status ------------------------------------------------------------------------------
+    def tier_counts(self) -> dict[str, int]:
+        snap = self.directory.snapshot()
+        tiers = snap["tier"]
+        return {"vram": int((tiers == TIER_VRAM).sum()), "host": int((tiers == TIER_HOST).sum()),
+                "staging": self.plan.n_staging - len(self._free)}
+
+    def status(self) -> dict:
+        r = self.reader.stats
+        c = self.counters
+        return {
+            "pid": os.getpid(), "session": self.session, "pass_active": self.pass_active,
+            "epoch": int(self.directory.epoch), "uptime_s": time.monotonic() - self.started,
+            "arena_bytes": self.layout.total_bytes, "slot_bytes": self.layout.slot.slot_bytes,
+            "n_vram": self.plan.n_vram, "n_host": self.plan.n_host, "n_staging": self.plan.n_staging,
+            "slots": self.tier_counts(), "read_mode": self.reader.mode,
+            "disk_bytes": int(r.bytes_read), "disk_payload_bytes": int(r.payload_bytes), "disk_reads": int(r.reads),
+            "disk_busy_seconds": float(r.busy_seconds),
+            "demand_loads": c.demand_loads, "staged_hits": c.staged_hits, "readahead_reads": c.readahead_reads,
+            "readahead_wasted": c.readahead_wasted, "consolidation_reads": c.consolidation_reads,
+            "consolidation_copies": c.consolidation_copies, "passes": c.passes, "consolidations": c.consolidations,
+            "attaches": c.attaches,
+        }
+
+    def close(self):
+        self.reader.close()
+        self.arena.close()

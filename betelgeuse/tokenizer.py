@@ -1,0 +1,311 @@
+"""Tokenizer and chat template from GGUF metadata (llama.cpp's `tokenizer.*` keys).
+
+Only byte-level BPE (`tokenizer.ggml.model == "gpt2"`, the Qwen/Llama-3/DeepSeek family) is
+supported; the vocabulary, merges and special tokens come from the file and are handed to the
+`tokenizers` library. Also here: `read_metadata` (a fast GGUF key/value reader: the 150k-entry token
+arrays parse in well under a second) and `train_vocab`, used by the model generator.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as HFTokenizer
+
+from betelgeuse.errors import InvalidRequestError, ModelFormatError, UnsupportedError
+
+# Token types (llama.cpp's llama_token_type / gguf.TokenType)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# Pre-tokenizer split regexes by `tokenizer.ggml.pre` (llama.cpp's names).
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+PRE_SPLITS = {
+    "qwen2": QWEN2_SPLIT, "deepseek-r1-qwen": QWEN2_SPLIT, "megrez": QWEN2_SPLIT,
+    "llama3": LLAMA3_SPLIT, "llama-bpe": LLAMA3_SPLIT, "smaug-bpe": LLAMA3_SPLIT, "dbrx": LLAMA3_SPLIT,
+    "default": GPT2_SPLIT, "gpt-2": GPT2_SPLIT, "gpt2": GPT2_SPLIT,
+}
+
+
+def byte_level_pre_tokenizer(split: str) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+# ---- GGUF metadata -------------------------------------------------------------------------
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_NP = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
+_STRING, _ARRAY = 8, 9
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """GGUF key -> python value (str, int, float, bool, or list of those); tensors are not read."""
+    import numpy as np
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise ModelFormatError(f"cannot open model file {os.fspath(path)!r}: {e.strerror}") from None
+    with f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(f.fileno()).st_size else _empty() as m:
+        if m[:4] != b"GGUF":
+            raise ModelFormatError(f"{os.fspath(path)!r} is not a GGUF file (bad magic)")
+        version, = struct.unpack_from("<I", m, 4)
+        if version not in (2, 3):
+            raise UnsupportedError(f"GGUF version {version} not supported (only 2 and 3, little-endian)")
+        pos = 24
+        n_kv, = struct.unpack_from("<Q", m, 16)
+        out: dict[str, Any] = {}
+
+        def string() -> str:
+            nonlocal pos
+            n, = struct.unpack_from("<Q", m, pos)
+            s = m[pos + 8: pos + 8 + n]
+            if len(s) != n:
+                raise struct.error("truncated string")
+            pos += 8 + n
+            return s.decode("utf-8", errors="replace")
+
+        def value(t: int) -> Any:
+            nonlocal pos
+            if t == _STRING:
+                return string()
+            if t in _SCALARS:
+                v, = struct.unpack_from(_SCALARS[t], m, pos)
+                pos += struct.calcsize(_SCALARS[t])
+                return v
+            if t == _ARRAY:
+                et, n = struct.unpack_from("<IQ", m, pos)
+                pos += 12
+                if et in _NP:
+                    a = np.frombuffer(m, dtype=_NP[et], count=n, offset=pos)
+                    pos += a.nbytes
+                    return a.tolist()
+                return [value(et) for _ in range(n)]
+            raise ModelFormatError(f"GGUF metadata value type {t} unknown (corrupt file?)")
+
+        try:
+            for _ in range(n_kv):
+                key = string()
+                t, = struct.unpack_from("<I", m, pos)
+                pos += 4
+                out[key] = value(t)
+        except (struct.error, ValueError):
+            raise ModelFormatError(f"{os.fspath(path)!r}: GGUF metadata is truncated") from None
+        return out
+
+
+class _empty:
+    def __enter__(self):
+        return b""
+
+    def __exit__(self, *a):
+        return False
+
+
+# ---- vocabulary training (for the model generator) -----------------------------------------
+
+@dataclass(slots=True)
+class Vocab:
+    tokens: list[str]            # byte-level spelling, id order
+    token_types: list[int]
+    merges: list[str]            # "a b", rank order
+    endoftext_id: int
+    im_start_id: int
+    im_end_id: int
+
+
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def train_vocab(corpus: list[str], n_vocab: int, max_merges: int = 4000) -> Vocab:
+    """Byte-level BPE trained on `corpus` (Qwen2 split) + ChatML specials + `<|extra_N|>` fill.
+
+    Layout, like Qwen's GGUFs: 256 byte tokens and merges, then the specials (CONTROL), then
+    unused padding (UNUSED) so that exactly `n_vocab` entries exist.
+    """
+    assert n_vocab >= 256 + len(SPECIALS), n_vocab
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = byte_level_pre_tokenizer(QWEN2_SPLIT)
+    trainer = trainers.BpeTrainer(vocab_size=min(n_vocab - len(SPECIALS), 256 + max_merges), min_frequency=1,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+                                  special_tokens=[])
+    tok.train_from_iterator(corpus, trainer)
+    model = json.loads(tok.to_str())["model"]
+    by_id = sorted(model["vocab"].items(), key=lambda kv: kv[1])
+    assert [i for _, i in by_id] == list(range(len(by_id)))
+    tokens = [t for t, _ in by_id]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    assert set(pre_tokenizers.ByteLevel.alphabet()) <= set(tokens)
+    types = [NORMAL] * len(tokens)
+    base = len(tokens)
+    tokens += list(SPECIALS)
+    types += [CONTROL] * len(SPECIALS)
+    tokens += [f"<|extra_{k}|>" for k in range(n_vocab - len(tokens))]
+    types += [UNUSED] * (n_vocab - len(types))
+    return Vocab(tokens, types, merges, base, base + 1, base + 2)
+
+
+# ---- the tokenizer -------------------------------------------------------------------------
+
+class Tokenizer:
+    """Byte-level BPE tokenizer + chat template, built from GGUF metadata."""
+
+    def __init__(self, tok: HFTokenizer, metadata: dict[str, Any], tokens: list[str], types: list[int]):
+        self._tok = tok
+        self._tokens = tokens
+        self._types = types
+        self._md = metadata
+        self.n_vocab = len(tokens)
+        self.bos_id: int | None = metadata.get("tokenizer.ggml.bos_token_id")
+        self.eos_id: int | None = metadata.get("tokenizer.ggml.eos_token_id")
+        ids = {self.eos_id, metadata.get("tokenizer.ggml.eot_token_id"), metadata.get("tokenizer.ggml.eom_token_id")}
+        ids |= {tok.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>")}
+        self.eos_ids: frozenset[int] = frozenset(i for i in ids if i is not None and 0 <= i < self.n_vocab)
+        self.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False)) and self.bos_id is not None
+        self.add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False)) and self.eos_id is not None
+        self._skip = frozenset(i for i, t in enumerate(types) if t in (CONTROL, UNUSED))
+        self.chat_template: str | None = metadata.get("tokenizer.chat_template")
+
+    @classmethod
+    def from_metadata(cls, metadata: dict) -> "Tokenizer":
+        kind = metadata.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise UnsupportedError(f"tokenizer model {kind!r} not supported (only 'gpt2' byte-level BPE)")
+        tokens = metadata.get("tokenizer.ggml.tokens")
+        if not tokens:
+            raise ModelFormatError("GGUF has no tokenizer.ggml.tokens")
+        types = list(metadata.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
+        if len(types) != len(tokens):
+            raise ModelFormatError(f"token_type has {len(types)} entries for {len(tokens)} tokens")
+        pre = metadata.get("tokenizer.ggml.pre", "default")
+        if pre not in PRE_SPLITS:
+            raise UnsupportedError(f"tokenizer pre-tokenizer {pre!r} not supported (known: {', '.join(PRE_SPLITS)})")
+        vocab = {}
+        for i, t in enumerate(tokens):
+            vocab.setdefault(t, i)  # first id wins on duplicate spellings
+        merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
+        tok.pre_tokenizer = byte_level_pre_tokenizer(PRE_SPLITS[pre])
+        tok.decoder = decoders.ByteLevel()
+        special = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == CONTROL]
+        user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED]
+        tok.add_special_tokens(special)
+        tok.add_tokens(user)
+        return cls(tok, metadata, list(tokens), types)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "Tokenizer":
+        return cls.from_metadata(read_metadata(path))
+
+    def encode(self, text: str, add_special: bool = False) -> list[int]:
+        """Token ids of `text`; special tokens written in the text (`<|im_start|>`) are recognised."""
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"text to encode must be a string, got {type(text).__name__}")
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_special and self.add_bos:
+            ids = [self.bos_id] + ids
+        if add_special and self.add_eos:
+            ids = ids + [self.eos_id]
+        return ids
+
+    def _check(self, ids: list[int]) -> None:
+        for i in ids:
+            if not 0 <= i < self.n_vocab:
+                raise InvalidRequestError(f"token id {i} out of range [0, {self.n_vocab})")
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        self._check(ids)
+        if skip_special:
+            ids = [i for i in ids if i not in self._skip]
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def id_to_piece(self, i: int) -> str:
+        """The text of one token (bytes of an incomplete UTF-8 character become U+FFFD)."""
+        self._check([i])
+        if self._types[i] in (CONTROL, USER_DEFINED, UNUSED):
+            return self._tokens[i]
+        return self._tok.decode([i], skip_special_tokens=False)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise InvalidRequestError("the model has no chat template (tokenizer.chat_template missing); send text")
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise InvalidRequestError("messages must be a list of {'role': str, 'content': str}")
+        from jinja2.exceptions import TemplateError
+        def piece(i):
+            return self._tokens[i] if i is not None and 0 <= i < self.n_vocab else ""
+        try:
+            return _compile(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=piece(self.bos_id), eos_token=piece(self.eos_id))
+        except TemplateError as e:
+            raise InvalidRequestError(f"chat template: {e}") from None
+
+
+_TEMPLATES: dict[str, Any] = {}
+
+
+def _compile(source: str):
+    """Jinja2 sandboxed like transformers: trim/lstrip blocks, raise_exception, tojson, strftime_now."""
+    if source in _TEMPLATES:
+        return _TEMPLATES[source]
+    from jinja2.exceptions import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        t = env.from_string(source)
+    except TemplateError as e:
+        raise InvalidRequestError(f"chat template does not compile: {e}") from None
+    _TEMPLATES[source] = t
+    return t
+
+
+class IncrementalDecoder:
+    """Streaming detokenization that never emits half a UTF-8 character (TGI's offsets scheme)."""
+
+    def __init__(self, tok: Tokenizer, skip_special: bool = True):
+        self.tok = tok
+        self.skip_special = skip_special
+        self.ids: list[int] = []
+        self.prefix = 0   # ids[prefix:read] is already emitted context, re-decoded for spacing
+        self.read = 0
+
+    def push(self, token_id: int) -> str:
+        """Append one token; return the text it completes ("" while a character is incomplete)."""
+        self.ids.append(token_id)
+        before = self.tok.decode(self.ids[self.prefix:self.read], self.skip_special)
+        now = self.tok.decode(self.ids[self.prefix:], self.skip_special)
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return now[len(before):]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is left at the end of a stream (an incomplete character becomes U+FFFD)."""
+        before = self.tok.decode(self.ids[self.prefix:self.read], self.skip_special)
+        now = self.tok.decode(self.ids[self.prefix:], self.skip_special)
+        self.prefix = self.read = len(self.ids)
+        return now[len(before):]

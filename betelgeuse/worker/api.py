@@ -1,0 +1,120 @@
+"""What the GPU worker offers the service layer: requests in, events out.
+
+`services/grpc_server.py` converts protobuf to these dataclasses (from_pb) and back (to_pb); nothing
+here knows about protobuf. Tests may drive an `Engine` in-process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    temperature: float = 0.0        # 0 = greedy
+    top_k: int = 0                  # 0 = off
+    top_p: float = 1.0              # 1 = off
+    seed: int | None = None         # None = nondeterministic
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    # exactly one of the three prompt forms
+    prompt_text: str | None = None
+    prompt_ids: list[int] | None = None
+    messages: list[dict[str, str]] | None = None   # [{"role": ..., "content": ...}], rendered with the GGUF chat template
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int = 64
+    stop: list[str] = field(default_factory=list)            # stop strings (not included in the output)
+    stop_token_ids: list[int] = field(default_factory=list)  # besides the model's EOS ids
+    ignore_eos: bool = False
+    request_id: str = ""
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    token_id: int
+    text: str                       # newly completed text (UTF-8 safe; may be "")
+    index: int                      # 0-based position in the completion
+
+
+@dataclass(slots=True)
+class Usage:
+    # llama.cpp's vocabulary for timings
+    prompt_n: int = 0
+    prompt_ms: float = 0.0
+    prompt_per_second: float = 0.0
+    predicted_n: int = 0
+    predicted_ms: float = 0.0
+    predicted_per_second: float = 0.0
+    ttft_ms: float = 0.0
+    # expert reads by tier for this request (expert matrices applied, counted per (layer, expert) load)
+    expert_reads_vram: int = 0
+    expert_reads_host: int = 0
+    expert_reads_disk: int = 0
+    disk_bytes: int = 0
+    disk_wait_ms: float = 0.0
+    h2d_bytes: int = 0
+
+
+@dataclass(slots=True)
+class FinalEvent:
+    finish_reason: str              # "stop" (EOS / stop string / stop id) | "length" | "cancelled"
+    text: str                       # the whole completion text
+    token_ids: list[int]
+    usage: Usage
+    tail: str = ""                  # text held back as a possible stop-string prefix, never streamed in a TokenEvent
+
+
+Event = TokenEvent | FinalEvent
+
+
+class RequestHandle(Protocol):
+    def __iter__(self) -> Iterator[Event]: ...    # ends with exactly one FinalEvent, or raises a BetelgeuseError
+    def cancel(self) -> None: ...                  # the engine stops work on it promptly
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    name: str
+    arch: str
+    path: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_expert: int
+    n_expert_used: int
+    n_ff_exp: int
+    n_vocab: int
+    context_length: int
+    quant: str                      # dominant expert quant type name, e.g. "Q8_0"
+    expert_bytes: int               # bytes of one expert (gate+up+down)
+    vram_slots_per_layer: int
+    host_slots_per_layer: int
+    schedule: str                   # "layer_major" | "standard"
+    sub_batch: int
+
+
+@dataclass(slots=True)
+class ServerInfo:
+    version: str
+    device: str
+    queue_depth: int
+    active_requests: int
+    store_attached: bool
+    slots_used: dict[str, int]      # tier -> occupied expert slots ("vram", "host", "staging")
+    memory: dict[str, int]          # pool -> bytes ("vram_in_use", "arena", "cgroup_current", "cgroup_max", ...)
+    uptime_s: float
+
+
+class Engine(Protocol):
+    def submit(self, request: GenerateRequest, deadline: float | None = None) -> RequestHandle: ...
+    # raises InvalidRequestError (bad params / prompt too long), QueueFullError, StoreUnavailableError
+    def tokenize(self, text: str, add_special: bool = False) -> list[int]: ...
+    def detokenize(self, ids: list[int]) -> str: ...
+    def model_info(self) -> ModelInfo: ...
+    def server_info(self) -> ServerInfo: ...
+    def is_ready(self) -> bool: ...                # model loaded and store attached

@@ -1,0 +1,321 @@
+"""The worker's engine: a busy loop of numbered steps fed by a bounded queue (vLLM v1's engine core).
+
+    submit() ─► waiting (bounded) ─► step(): 1. drop cancelled/expired  2. admit + prefill one request
+                                            3. else one decode token for each running sequence
+                                            4. finish: FinalEvent, free the KV cache, consolidate
+The runner does the passes; this module only schedules them and turns tokens into events.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+
+import torch
+
+from betelgeuse import __version__
+from betelgeuse.config import EngineConfig
+from betelgeuse.errors import (BetelgeuseError, CancelledError, InvalidRequestError, QueueFullError,
+                               StoreUnavailableError)
+from betelgeuse.model.generate import TextStream
+from betelgeuse.model.sampler import make_generator, sample, validate
+from betelgeuse.store.client import StoreClient
+from betelgeuse.tokenizer import Tokenizer
+from betelgeuse.worker.api import GenerateRequest, ModelInfo, ServerInfo, TokenEvent
+from betelgeuse.worker.runner import ModelRunner, PassStats
+from betelgeuse.worker.sequence import RequestHandle, Sequence, check_alive
+
+log = logging.getLogger("betelgeuse.engine")
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig, store: StoreClient, metrics=None, on_tick=None):
+        self.cfg = cfg
+        self.runner = ModelRunner(cfg, store)
+        self.tokenizer = Tokenizer.from_metadata(self.runner.file.metadata)
+        self.metrics = metrics
+        self.on_tick = on_tick                      # called every loop turn (watchdog ping)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.cv = threading.Condition()
+        self.store_ok = True
+        self.started = time.monotonic()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+
+    # ---- requests in --------------------------------------------------------------------------
+    def prompt_ids(self, req: GenerateRequest) -> list[int]:
+        forms = [req.prompt_text is not None, req.prompt_ids is not None, req.messages is not None]
+        if sum(forms) != 1:
+            raise InvalidRequestError("give exactly one of prompt text, prompt token ids or chat messages")
+        if req.prompt_ids is not None:
+            ids = list(req.prompt_ids)
+        elif req.messages is not None:
+            if not req.messages:
+                raise InvalidRequestError("messages is empty")
+            ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True),
+                                        add_special=False)
+        else:
+            ids = self.tokenizer.encode(req.prompt_text, add_special=False)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        n_vocab = self.runner.mcfg.n_vocab
+        bad = next((t for t in ids if not 0 <= t < n_vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is out of range [0, {n_vocab})")
+        return ids
+
+    def submit(self, req: GenerateRequest, deadline: float | None = None) -> RequestHandle:
+        validate(req.sampling)
+        if req.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be >= 1, got {req.max_tokens}")
+        bad = next((t for t in req.stop_token_ids if not 0 <= t < self.runner.mcfg.n_vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"stop token id {bad} is out of range [0, {self.runner.mcfg.n_vocab})")
+        ids = self.prompt_ids(req)
+        ctx = min(self.cfg.max_context, self.runner.mcfg.context_length or self.cfg.max_context)
+        if len(ids) >= ctx:
+            raise InvalidRequestError(f"prompt of {len(ids)} tokens does not fit the context of {ctx} tokens")
+        if not self.store_ok:
+            raise StoreUnavailableError("the expert store is unavailable; retry when health is SERVING")
+        stop_ids = set(req.stop_token_ids) | (set() if req.ignore_eos else set(self.tokenizer.eos_ids))
+        seq = Sequence(req, ids, min(req.max_tokens, ctx - len(ids)), frozenset(stop_ids),
+                       TextStream(self.tokenizer, req.stop), deadline=deadline,
+                       generator=make_generator(req.sampling))
+        with self.cv:
+            if len(self.waiting) >= self.cfg.max_queue:
+                raise QueueFullError(f"the request queue is full ({self.cfg.max_queue} waiting); retry later")
+            self.waiting.append(seq)
+            self.cv.notify_all()
+        self._gauges()
+        return RequestHandle(seq, self._wake)
+
+    def _wake(self):
+        with self.cv:
+            self.cv.notify_all()
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def _loop(self):
+        while not self._stop:
+            if self.on_tick:
+                self.on_tick()
+            with self.cv:
+                if not self.waiting and not self.running:
+                    self.cv.wait(0.5)
+                    continue
+            try:
+                self.step()
+            except Exception:                        # a bug: fail what is in flight, keep serving
+                log.exception("engine step failed")
+                for seq in list(self.running) + list(self.waiting):
+                    seq.fail(BetelgeuseError("internal error in the engine; see the worker log"))
+                self.running.clear()
+                self.waiting.clear()
+
+    def step(self):
+        # 1. drop cancelled and expired sequences (the engine stops working on them now)
+        for seq in [s for s in self.running if s.cancelled or s.expired]:
+            self._finish(seq, "cancelled")
+        with self.cv:
+            for seq in [s for s in self.waiting if s.cancelled or s.expired]:
+                self.waiting.remove(seq)
+                self._finish(seq, "cancelled")
+            admit = self.waiting.popleft() if self.waiting and len(self.running) < self.cfg.max_running else None
+        # 2. prefill one admitted request, or 3. one decode token for each running sequence
+        if admit is not None:
+            self._prefill(admit)
+        else:
+            for seq in list(self.running):
+                self._decode(seq)
+        self._gauges()
+
+    def _pass(self, seq: Sequence, ids: list[int]) -> tuple[torch.Tensor, PassStats] | None:
+        try:
+            logits, st = self.runner.forward(ids, seq.kv, consolidate=len(ids) > 1,
+                                             should_stop=lambda: check_alive(seq))
+        except CancelledError:
+            self._finish(seq, "cancelled")
+            return None
+        except StoreUnavailableError as e:
+            self._store_down(e)
+            return None
+        except BetelgeuseError as e:
+            self._drop(seq, e)
+            return None
+        self._account(seq, st)
+        return logits[-1], st
+
+    def _prefill(self, seq: Sequence):
+        seq.t_prefill_start = time.monotonic()
+        if self.metrics:
+            self.metrics.request_queue.observe(seq.t_prefill_start - seq.arrival)
+        seq.kv = self.runner.new_cache(len(seq.prompt_ids) + seq.max_tokens)
+        self.running.append(seq)
+        out = self._pass(seq, seq.prompt_ids)
+        if out is None:
+            return
+        logits, st = out
+        seq.usage.prompt_n = len(seq.prompt_ids)
+        seq.usage.prompt_ms = st.seconds * 1e3
+        seq.usage.prompt_per_second = st.tok_per_s
+        self._emit_token(seq, logits)
+
+    def _decode(self, seq: Sequence):
+        if seq.finished:
+            return
+        out = self._pass(seq, [seq.out_ids[-1]])
+        if out is not None:
+            self._emit_token(seq, out[0])
+
+    def _emit_token(self, seq: Sequence, logits: torch.Tensor):
+        tok = sample(logits, seq.request.sampling, seq.generator)
+        now = time.monotonic()
+        if tok in seq.stop_ids:
+            self._finish(seq, "stop")
+            return
+        if not seq.out_ids:
+            seq.t_first = now
+            seq.usage.ttft_ms = (now - seq.arrival) * 1e3
+            if self.metrics:
+                self.metrics.ttft.observe(now - seq.arrival)
+        elif self.metrics:
+            self.metrics.inter_token.observe(now - seq.t_last)
+        seq.t_last = now
+        seq.out_ids.append(tok)
+        text = seq.stream.push(tok)
+        seq.emit(TokenEvent(token_id=tok, text=text, index=len(seq.out_ids) - 1))
+        if seq.stream.stopped:
+            self._finish(seq, "stop")
+        elif len(seq.out_ids) >= seq.max_tokens:
+            self._finish(seq, "length")
+
+    def _account(self, seq: Sequence, st: PassStats):
+        u = seq.usage
+        u.expert_reads_vram += st.reads["vram"]
+        u.expert_reads_host += st.reads["host"]
+        u.expert_reads_disk += st.reads["disk"]
+        u.disk_bytes += st.disk_bytes
+        u.disk_wait_ms += st.disk_wait_s * 1e3
+        u.h2d_bytes += st.h2d_bytes
+        phase = "prefill" if st.kind == "prefill" else "decode"
+        if st.kind == "decode":
+            u.predicted_ms += st.seconds * 1e3
+        m = self.metrics
+        if m:
+            (m.prompt_tokens if phase == "prefill" else m.generation_tokens).inc(st.n_tokens)
+            m.busy_seconds.labels(phase=phase).inc(st.seconds)
+            for tier, n in st.reads.items():
+                m.expert_reads.labels(tier=tier, phase=phase).inc(n)
+            m.disk_wait_seconds.labels(phase=phase).inc(st.disk_wait_s)
+            m.h2d_bytes.inc(st.h2d_bytes)
+            m.h2d_seconds.inc(sum(l.copy_ms for l in st.layers) / 1e3)
+
+    def _finish(self, seq: Sequence, reason: str):
+        if seq in self.running:
+            self.running.remove(seq)
+        seq.kv = None
+        u = seq.usage
+        u.predicted_n = len(seq.out_ids)
+        # decode passes produce tokens 2..n; the first comes from the prefill pass
+        if u.predicted_ms > 0 and u.predicted_n > 1:
+            u.predicted_per_second = (u.predicted_n - 1) / (u.predicted_ms / 1e3)
+        seq.finish(reason)
+        if self.metrics:
+            m = self.metrics
+            m.requests_finished.labels(finish_reason=reason).inc()
+            m.request_duration.observe(time.monotonic() - seq.arrival)
+            m.request_prompt_tokens.observe(len(seq.prompt_ids))
+            m.request_generation_tokens.observe(len(seq.out_ids))
+        if reason != "cancelled" and self.store_ok and len(seq.out_ids) > 1:
+            try:
+                self.runner.consolidate()
+            except StoreUnavailableError as e:
+                self._store_down(e)
+
+    def _drop(self, seq: Sequence, err: BetelgeuseError):
+        if seq in self.running:
+            self.running.remove(seq)
+        seq.kv = None
+        seq.fail(err)
+
+    # ---- the store going away and coming back ------------------------------------------------------
+    def _store_down(self, err: StoreUnavailableError):
+        log.warning("store unavailable: %s", err)
+        self.store_ok = False
+        for seq in list(self.running):
+            self._drop(seq, err)
+        with self.cv:
+            for seq in list(self.waiting):
+                seq.fail(err)
+            self.waiting.clear()
+        threading.Thread(target=self._reattach, name="reattach", daemon=True).start()
+
+    def _reattach(self):
+        while not self._stop and not self.store_ok:
+            try:
+                self.runner.attach()
+                self.store_ok = True
+                log.info("re-attached to the expert store")
+            except StoreUnavailableError:
+                time.sleep(0.5)
+
+    # ---- info ---------------------------------------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool = False) -> list[int]:
+        return self.tokenizer.encode(text, add_special=add_special)
+
+    def detokenize(self, ids: list[int]) -> str:
+        n = self.runner.mcfg.n_vocab
+        bad = next((t for t in ids if not 0 <= t < n), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is out of range [0, {n})")
+        return self.tokenizer.decode(ids)
+
+    def is_ready(self) -> bool:
+        return self.store_ok and self._thread.is_alive()
+
+    def model_info(self) -> ModelInfo:
+        c, f, p = self.runner.mcfg, self.runner.file, self.runner.plan
+        import gguf
+        qt = f.expert_parts(0, 0)[0].qtype
+        return ModelInfo(name=c.name, arch=c.arch, path=f.path, n_layer=c.n_layer, n_embd=c.n_embd, n_head=c.n_head,
+                         n_head_kv=c.n_head_kv, head_dim=c.head_dim, n_expert=c.n_expert, n_expert_used=c.n_expert_used,
+                         n_ff_exp=c.n_ff_exp, n_vocab=c.n_vocab, context_length=c.context_length,
+                         quant=gguf.GGMLQuantizationType(qt).name, expert_bytes=f.expert_nbytes(0),
+                         vram_slots_per_layer=p.n_vram, host_slots_per_layer=p.n_host,
+                         schedule=self.cfg.schedule, sub_batch=self.cfg.sub_batch)
+
+    def server_info(self) -> ServerInfo:
+        cache = self.runner.cache
+        slots = {"vram": int((cache.vram_owner[:, :, 0] >= 0).sum()) if self.runner.plan.n_vram else 0}
+        try:
+            st = self.runner.store.status() if self.store_ok else None
+        except StoreUnavailableError:
+            st = None
+        if st:
+            slots["host"] = st["slots"]["host"] + st["slots"]["vram"]
+            slots["staging"] = st["slots"]["staging"]
+        mem = {"arena": cache.arena.nbytes}
+        if cache.is_cuda:
+            mem["vram_in_use"] = torch.cuda.memory_reserved(self.runner.device)
+        from betelgeuse.store.cgroup import CgroupMemory
+        cg = CgroupMemory.of_process()
+        if cg:
+            mem["cgroup_current"] = cg.current()
+            mem["cgroup_max"] = cg.limit() or 0
+        return ServerInfo(version=__version__, device=str(self.runner.device), queue_depth=len(self.waiting),
+                          active_requests=len(self.running), store_attached=self.store_ok, slots_used=slots,
+                          memory=mem, uptime_s=time.monotonic() - self.started)
+
+    def _gauges(self):
+        if self.metrics:
+            self.metrics.requests_running.set(len(self.running))
+            self.metrics.requests_waiting.set(len(self.waiting))
+
+    def close(self):
+        self._stop = True
+        self._wake()
+        self._thread.join(timeout=5)
+        self.runner.close()

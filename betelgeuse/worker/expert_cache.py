@@ -1,0 +1,161 @@
+"""The worker's side of the expert tiers: VRAM hot slots, the execution ring, and dequantization.
+
+Expert bytes stay quantized everywhere (disk, host slot, staging slot, VRAM slot, ring buffer); they are
+dequantized on the compute device right before use, so where an expert came from cannot change its
+values (invariant 1).
+
+  arena (host, shared with the store; registered as pinned on CUDA)
+     │ copy stream: host slot / staging slot ──► ring[i]          (non_blocking, event ring_ready[i])
+     ▼
+  ring [ring_slots, slot_bytes] uint8 on device   ──► dequantize ──► expert FFN on the compute stream
+  vram [n_layer, n_vram, slot_bytes] uint8 on device  (hot experts, computed in place)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from betelgeuse.gguf.quants import dequantize
+from betelgeuse.gguf.reader import GGUFModelFile
+from betelgeuse.store.arena import Arena, register_pinned, unregister_pinned
+from betelgeuse.store.plan import SlotPlan
+
+TIER_DISK, TIER_HOST, TIER_VRAM = 0, 1, 2
+
+
+@dataclass(slots=True)
+class PartMeta:
+    start: int              # byte offset of the part's data inside a slot
+    nbytes: int
+    qtype: int
+    shape: tuple[int, int]
+
+
+class ExpertCache:
+    def __init__(self, plan: SlotPlan, arena: Arena, model: GGUFModelFile, device: torch.device, dtype: torch.dtype):
+        self.plan, self.arena, self.device, self.dtype = plan, arena, device, dtype
+        self.layout = plan.layout
+        self.is_cuda = device.type == "cuda"
+        sb = self.layout.slot.slot_bytes
+        # where each part of each expert sits inside a slot: 4 KiB-aligned place + the file offset's page remainder
+        self.parts = [[tuple(PartMeta(self.layout.slot.part_place(k) + p.offset % 4096, p.nbytes, p.qtype, tuple(p.shape))
+                             for k, p in enumerate(model.expert_parts(l, e)))
+                       for e in range(plan.n_expert)] for l in range(plan.n_layer)]
+        self.host = arena.torch(0, arena.nbytes)                  # uint8 [arena bytes], zero copy
+        self.pinned = register_pinned(arena) if self.is_cuda else False
+        self.vram = torch.empty((plan.n_layer, max(plan.n_vram, 1), sb), dtype=torch.uint8, device=device)
+        # which expert each VRAM slot holds: (expert, host_slot, generation); -1 = empty
+        self.vram_owner = np.full((plan.n_layer, max(plan.n_vram, 1), 3), -1, dtype=np.int64)
+        self.vram_index = np.full((plan.n_layer, plan.n_expert), -1, dtype=np.int64)   # expert -> VRAM slot
+        self.ring = torch.empty((max(2, 1), sb), dtype=torch.uint8, device=device)
+        self.n_ring = 0
+        self.copy_stream = torch.cuda.Stream(device) if self.is_cuda else None
+        self.h2d_bytes = 0
+        self.copy_seconds = 0.0    # CPU path: time spent copying
+        self._ring_ready: list = []
+        self._ring_free: list = []
+        self._next = 0
+
+    def make_ring(self, n: int):
+        sb = self.layout.slot.slot_bytes
+        self.ring = torch.empty((n, sb), dtype=torch.uint8, device=self.device)
+        self.n_ring = n
+        if self.is_cuda:
+            self._ring_ready = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+            self._ring_start = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+            self._ring_free = [torch.cuda.Event() for _ in range(n)]
+
+    # ---- host views -------------------------------------------------------------------------
+    def host_slot(self, layer: int, i: int) -> torch.Tensor:
+        off = self.layout.host_slot_offset(layer, i)
+        return self.host[off: off + self.layout.slot.slot_bytes]
+
+    def staging_slot(self, i: int) -> torch.Tensor:
+        off = self.layout.staging_slot_offset(i)
+        return self.host[off: off + self.layout.slot.slot_bytes]
+
+    # ---- VRAM hot slots ---------------------------------------------------------------------
+    def sync_vram(self, snap: np.ndarray) -> int:
+        """Make the VRAM slots hold exactly the VRAM-tier experts of the directory snapshot.
+        Copies from their host backing slots; returns the number of experts copied."""
+        copied = 0
+        tiers, hslots, gens = snap["tier"], snap["host_slot"], snap["generation"]
+        for l in range(self.plan.n_layer):
+            want = np.nonzero(tiers[l] == TIER_VRAM)[0]
+            assert len(want) <= self.plan.n_vram, (l, len(want), self.plan.n_vram)
+            keep = set()
+            for j in range(self.plan.n_vram):
+                e, hs, g = self.vram_owner[l, j]
+                if e >= 0 and tiers[l, e] == TIER_VRAM and hslots[l, e] == hs and gens[l, e] == g:
+                    keep.add(int(e))
+                elif e >= 0:
+                    self.vram_owner[l, j] = -1
+                    self.vram_index[l, e] = -1
+            free = [j for j in range(self.plan.n_vram) if self.vram_owner[l, j, 0] < 0]
+            for e in want:
+                if int(e) in keep:
+                    continue
+                j = free.pop(0)
+                src = self.host_slot(l, int(hslots[l, e]))
+                self.vram[l, j].copy_(src, non_blocking=self.pinned)
+                self.h2d_bytes += src.numel()
+                self.vram_owner[l, j] = (e, hslots[l, e], gens[l, e])
+                self.vram_index[l, e] = j
+                copied += 1
+        if self.is_cuda and copied:
+            torch.cuda.current_stream(self.device).synchronize()
+        return copied
+
+    def invalidate(self):
+        self.vram_owner[:] = -1
+        self.vram_index[:] = -1
+
+    # ---- the execution ring -------------------------------------------------------------------
+    def to_ring(self, src: torch.Tensor) -> int:
+        """Start copying one slot into the next ring buffer; the compute stream will wait for it."""
+        i = self._next
+        self._next = (i + 1) % self.n_ring
+        if self.is_cuda:
+            with torch.cuda.stream(self.copy_stream):
+                self.copy_stream.wait_event(self._ring_free[i])     # the expert that used ring[i] is computed
+                self._ring_start[i].record(self.copy_stream)
+                self.ring[i].copy_(src, non_blocking=True)
+                self._ring_ready[i].record(self.copy_stream)
+            torch.cuda.current_stream(self.device).wait_event(self._ring_ready[i])
+        else:
+            t = time.perf_counter()
+            self.ring[i].copy_(src)
+            self.copy_seconds += time.perf_counter() - t
+        self.h2d_bytes += src.numel()
+        return i
+
+    def ring_ready_event(self, i: int):
+        return self._ring_ready[i] if self.is_cuda else None
+
+    def ring_release(self, i: int):
+        """Record that compute on ring[i] is enqueued; the next copy into it waits for this point."""
+        if self.is_cuda:
+            self._ring_free[i].record(torch.cuda.current_stream(self.device))
+
+    def ring_copy_ms(self, i: int) -> float:
+        return self._ring_start[i].elapsed_time(self._ring_ready[i]) if self.is_cuda else 0.0
+
+    # ---- dequantization -----------------------------------------------------------------------
+    def weights(self, slot: torch.Tensor, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate [F,H], up [F,H], down [H,F]) in the compute dtype, from a slot's raw bytes on the device."""
+        return tuple(dequantize(slot[m.start: m.start + m.nbytes], m.qtype, m.shape, self.dtype)
+                     for m in self.parts[layer][expert])
+
+    def vram_slot(self, layer: int, expert: int) -> torch.Tensor:
+        j = self.vram_index[layer, expert]
+        assert j >= 0, (layer, expert)
+        return self.vram[layer, j]
+
+    def close(self):
+        if self.pinned:
+            unregister_pinned(self.arena)
+            self.pinned = False

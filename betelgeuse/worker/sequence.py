@@ -1,0 +1,83 @@
+"""One request's state inside the worker: prompt, KV cache, sampler, text stream, outgoing events."""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import time
+from dataclasses import dataclass, field
+
+from betelgeuse.errors import BetelgeuseError, CancelledError
+from betelgeuse.model.generate import TextStream
+from betelgeuse.worker.api import Event, FinalEvent, GenerateRequest, Usage
+
+_ids = itertools.count(1)
+_END = object()
+
+
+@dataclass(slots=True)
+class Sequence:
+    request: GenerateRequest
+    prompt_ids: list[int]
+    max_tokens: int
+    stop_ids: frozenset[int]
+    stream: TextStream
+    deadline: float | None = None                 # time.monotonic() seconds
+    generator: object = None                      # torch.Generator | None
+    kv: object = None                             # KVCache while running
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    out_ids: list[int] = field(default_factory=list)
+    events: queue.Queue = field(default_factory=queue.Queue)
+    cancelled: bool = False
+    arrival: float = field(default_factory=time.monotonic)
+    t_prefill_start: float = 0.0
+    t_first: float = 0.0
+    t_last: float = 0.0
+    usage: Usage = field(default_factory=Usage)
+    finished: bool = False
+
+    @property
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline
+
+    def emit(self, ev: Event):
+        self.events.put(ev)
+
+    def fail(self, err: BetelgeuseError):
+        self.finished = True
+        self.events.put(err)
+        self.events.put(_END)
+
+    def finish(self, reason: str):
+        self.finished = True
+        tail = self.stream.flush() if not self.stream.stopped else ""
+        self.emit(FinalEvent(finish_reason=reason, text=self.stream.text, token_ids=list(self.out_ids),
+                             usage=self.usage, tail=tail))
+        self.events.put(_END)
+
+
+class RequestHandle:
+    """What submit() returns: iterate for events; cancel() stops the engine's work on it."""
+
+    def __init__(self, seq: Sequence, wake):
+        self.seq, self._wake = seq, wake
+
+    def __iter__(self):
+        while True:
+            ev = self.seq.events.get()
+            if ev is _END:
+                return
+            if isinstance(ev, BaseException):
+                raise ev
+            yield ev
+
+    def cancel(self):
+        self.seq.cancelled = True
+        self._wake()
+
+
+def check_alive(seq: Sequence):
+    if seq.cancelled:
+        raise CancelledError("request cancelled by the client")
+    if seq.expired:
+        raise CancelledError("request deadline exceeded")

@@ -1,0 +1,35 @@
+"""A small Python client for agents: stream a generation from a Betelgeuse server.
+
+    from services.client import generate_stream
+    for ev in generate_stream("127.0.0.1:50051", prompt_text="Hello", max_tokens=32):
+        if ev.WhichOneof("event") == "token": print(ev.token.text, end="", flush=True)
+        else: print(ev.final.tail); usage = ev.final.usage
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from betelgeuse.errors import BetelgeuseError
+from services.pb.betelgeuse.v1 import inference_pb2 as pb
+from services.pb.betelgeuse.v1 import inference_pb2_grpc as pb_grpc
+
+
+def generate_stream(address: str, *, prompt_text=None, prompt_ids=None, messages=None, max_tokens=64, temperature=0.0,
+                    top_k=0, top_p=1.0, seed=None, stop=(), stop_token_ids=(), ignore_eos=False, timeout=None):
+    sampling = pb.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    if seed is not None:
+        sampling.seed = seed
+    req = pb.GenerateRequest(sampling=sampling, max_tokens=max_tokens, stop=list(stop),
+                             stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+    if prompt_ids is not None:
+        req.prompt_ids.ids.extend(prompt_ids)
+    elif messages is not None:
+        req.messages.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
+    else:
+        req.prompt_text = prompt_text or ""
+    with grpc.insecure_channel(address) as ch:
+        try:
+            yield from pb_grpc.InferenceServiceStub(ch).Generate(req, timeout=timeout)
+        except grpc.RpcError as e:
+            raise BetelgeuseError(f"{address}: {e.code().name}: {e.details()}") from None

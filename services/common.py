@@ -1,0 +1,102 @@
+"""Glue shared by the two process entry points: settings -> EngineConfig, CLI flags, clean exits."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from betelgeuse.config import EngineConfig
+from betelgeuse.errors import BetelgeuseError
+from betelgeuse.settings import Settings, load_settings, parse_size
+
+log = logging.getLogger("betelgeuse")
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def engine_config(s: Settings) -> EngineConfig:
+    """The engine's configuration from the settings file (both processes derive the same one)."""
+    eng = getattr(s, "engine", None)
+    extra = {}
+    if eng is not None:
+        for name in ("schedule", "sub_batch", "micro_batch", "staging_slots", "ring_slots", "prefetch",
+                     "max_context", "max_running", "max_queue", "dtype", "worker_reserve", "read_threads"):
+            if hasattr(eng, name):
+                extra[name] = getattr(eng, name)
+    return EngineConfig(
+        model_path=s.model.path, device=resolve_device(s.worker.device),
+        vram_slots=s.slots.vram_per_layer, host_slots=s.slots.host_per_layer,
+        vram_budget=s.budget.vram, memory_max=s.budget.memory_max, **extra)
+
+
+def common_args(p: argparse.ArgumentParser):
+    p.add_argument("--config", help="TOML settings file (deploy/betelgeuse.toml)")
+    p.add_argument("--model", help="GGUF model (overrides [model] path)")
+    p.add_argument("--store-socket", help="store control socket path (overrides [store] socket)")
+    p.add_argument("--fd-socket", help="arena fd hand-off socket path (overrides [store] fd_socket)")
+    p.add_argument("--metrics", help="HOST:PORT for /metrics of this process ('' = off)")
+    p.add_argument("--device", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--vram-slots", help="VRAM slots per layer or 'auto'")
+    p.add_argument("--host-slots", help="host slots per layer or 'auto'")
+    p.add_argument("--memory-max", help="bytes for both processes, e.g. 12G (default: the cgroup's)")
+    p.add_argument("--vram-budget", help="bytes of VRAM, e.g. 12GiB")
+    p.add_argument("--schedule", choices=["layer_major", "standard"])
+    p.add_argument("--sub-batch", type=int)
+    p.add_argument("--max-context", type=int)
+    p.add_argument("-v", "--verbose", action="store_true")
+
+
+def _slots(v: str):
+    if v == "auto":
+        return v
+    try:
+        n = int(v)
+    except ValueError:
+        raise BetelgeuseError(f"slots must be a number or 'auto', got {v!r}") from None
+    if n < 0:
+        raise BetelgeuseError(f"slots must be >= 0, got {n}")
+    return n
+
+
+def settings_from_args(a) -> tuple[Settings, dict]:
+    """Settings from --config plus flag overrides; the dict holds EngineConfig overrides."""
+    s = load_settings(a.config)
+    if a.model:
+        s.model.path = a.model
+    if a.store_socket:
+        s.store.socket = a.store_socket
+    if a.fd_socket:
+        s.store.fd_socket = a.fd_socket
+    if a.device:
+        s.worker.device = a.device
+    if a.vram_slots is not None:
+        s.slots.vram_per_layer = _slots(a.vram_slots)
+    if a.host_slots is not None:
+        s.slots.host_per_layer = _slots(a.host_slots)
+    if a.memory_max:
+        s.budget.memory_max = parse_size(a.memory_max, "--memory-max")
+    if a.vram_budget:
+        s.budget.vram = parse_size(a.vram_budget, "--vram-budget")
+    if not s.model.path:
+        raise BetelgeuseError("no model: give --model PATH or [model] path in the config file")
+    over = {k: v for k, v in (("schedule", a.schedule), ("sub_batch", a.sub_batch), ("max_context", a.max_context))
+            if v is not None}
+    return s, over
+
+
+def run_main(fn, argv=None) -> int:
+    """Run a process main; a BetelgeuseError is one line on stderr and exit 2, never a traceback."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        return fn(argv) or 0
+    except BetelgeuseError as e:
+        print(f"betelgeuse: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,173 @@
+"""Start the two processes for a development run, a test or the CLI (no systemd involved).
+
+    with Cluster(model, tmpdir) as c:        # store process, then worker process, health SERVING
+        client = c.client()                  # InferenceService stub
+Each process is a real `python -m services.store_main|worker_main` with its own sockets under
+`runtime_dir`; they are ended by PID on exit (SIGTERM, then SIGKILL after a grace period).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from betelgeuse.errors import BetelgeuseError, StoreUnavailableError
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log_path: str
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()
+        except FileNotFoundError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, grace: float = 10.0):
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+    def kill9(self):
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait()
+
+
+def _python_env() -> dict:
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+@dataclass
+class Cluster:
+    model: str
+    runtime_dir: str
+    device: str = "cpu"
+    vram_slots: str | int | None = None
+    host_slots: str | int | None = None
+    memory_max: str | None = None
+    vram_budget: str | None = None
+    schedule: str | None = None
+    sub_batch: int | None = None
+    config: str | None = None
+    port: int = 0                     # worker gRPC port on 127.0.0.1 (0 = pick a free one)
+    worker_metrics: str = "127.0.0.1:0"
+    store_metrics: str = "127.0.0.1:0"
+    extra_store_args: list = field(default_factory=list)
+    store: Proc | None = None
+    worker: Proc | None = None
+
+    def __post_init__(self):
+        os.makedirs(self.runtime_dir, exist_ok=True)
+        self.store_socket = os.path.join(self.runtime_dir, "store.sock")
+        self.fd_socket = os.path.join(self.runtime_dir, "store.fds")
+        if not self.port:
+            self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+
+    def _common(self, metrics: str) -> list[str]:
+        a = ["--model", self.model, "--store-socket", self.store_socket, "--fd-socket", self.fd_socket,
+             "--device", self.device, "--metrics", metrics]
+        for flag, v in (("--config", self.config), ("--vram-slots", self.vram_slots), ("--host-slots", self.host_slots),
+                        ("--memory-max", self.memory_max), ("--vram-budget", self.vram_budget),
+                        ("--schedule", self.schedule), ("--sub-batch", self.sub_batch)):
+            if v is not None:
+                a += [flag, str(v)]
+        return a
+
+    def _spawn(self, name: str, module: str, args: list[str], preexec=None) -> Proc:
+        log_path = os.path.join(self.runtime_dir, f"{name}.log")
+        with open(log_path, "ab") as logf:
+            p = subprocess.Popen([sys.executable, "-m", module, *args], stdout=logf, stderr=subprocess.STDOUT,
+                                 env=_python_env(), preexec_fn=preexec, start_new_session=True)
+        return Proc(name, p, log_path)
+
+    def start_store(self, timeout: float = 120.0, preexec=None) -> Proc:
+        self.store = self._spawn("store", "services.store_main", self._common(self.store_metrics) + self.extra_store_args,
+                                 preexec)
+        t0 = time.monotonic()
+        while not os.path.exists(self.fd_socket):
+            if not self.store.alive():
+                raise BetelgeuseError(f"the store exited ({self.store.popen.returncode}): {self._last_line(self.store)}")
+            if time.monotonic() - t0 > timeout:
+                raise StoreUnavailableError(f"the store did not come up in {timeout:.0f} s; see {self.store.log_path}")
+            time.sleep(0.05)
+        return self.store
+
+    def start_worker(self, timeout: float = 180.0, preexec=None, wait: bool = True) -> Proc:
+        self.worker = self._spawn("worker", "services.worker_main",
+                                  self._common(self.worker_metrics) + ["--listen", self.address], preexec)
+        if wait:
+            self.wait_serving(timeout)
+        return self.worker
+
+    def wait_serving(self, timeout: float = 180.0):
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        t0 = time.monotonic()
+        with grpc.insecure_channel(self.address) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            while True:
+                if self.worker is not None and not self.worker.alive():
+                    raise BetelgeuseError(f"the worker exited ({self.worker.popen.returncode}): {self._last_line(self.worker)}")
+                try:
+                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                if time.monotonic() - t0 > timeout:
+                    raise BetelgeuseError(f"the worker did not become SERVING in {timeout:.0f} s; see {self.worker.log_path}")
+                time.sleep(0.1)
+
+    @staticmethod
+    def _last_line(p: Proc) -> str:
+        lines = [l for l in p.log().splitlines() if l.strip()]
+        err = [l for l in lines if l.startswith("betelgeuse: error:")]
+        return (err or lines or ["(no output)"])[-1]
+
+    def channel(self):
+        import grpc
+        return grpc.insecure_channel(self.address)
+
+    def stop(self):
+        for p in (self.worker, self.store):
+            if p is not None:
+                p.stop()
+
+    def __enter__(self):
+        self.start_store()
+        self.start_worker()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()

@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny seeded qwen3moe GGUF files written once per test session.
+
+The oracle geometry deliberately has n_ff_exp != 768 (transformers' Qwen3MoeConfig default), so the
+transformers reference only agrees when `moe_intermediate_size` is passed explicitly (its GGUF
+loader does not map expert_feed_forward_length); 2 kv heads for 4 query heads exercise GQA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+# small enough that the transformers reference loads in well under a second per file
+ORACLE_OVERRIDES = dict(n_layer=3, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_expert=8,
+                        n_expert_used=2, n_ff_exp=64, n_vocab=320, context_length=256, router_skew=0.5,
+                        seed=7)
+ORACLE_QTYPES = ("F32", "Q8_0")
+
+
+def _write(dir_: Path, preset: str, **overrides) -> Path:
+    from betelgeuse.gguf.synth import PRESETS, write_model
+    spec = replace(PRESETS[preset], **overrides)
+    path = dir_ / f"{preset}-{spec.qtype}-{spec.n_layer}L-s{spec.seed}.gguf"
+    write_model(path, spec, progress=False)
+    return path
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def oracle_models(model_dir) -> dict[str, Path]:
+    """{"F32": path, "Q8_0": path}: the same geometry and seed in two quant types, one directory."""
+    return {q: _write(model_dir, "tiny", qtype=q, **ORACLE_OVERRIDES) for q in ORACLE_QTYPES}
+
+
+@pytest.fixture(scope="session")
+def tiny_model(oracle_models) -> Path:
+    """The Q8_0 oracle model: the default small model for CLI and engine tests."""
+    return oracle_models["Q8_0"]

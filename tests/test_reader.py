@@ -1,0 +1,178 @@
+"""ExpertReader against a real file on a real disk: bytes, page cache (mincore), priorities, fallback."""
+
+import ctypes
+import mmap
+import os
+import random
+
+import numpy as np
+import pytest
+
+from betelgeuse.errors import ModelFormatError
+from betelgeuse.store.arena import Arena
+from betelgeuse.store.reader import PAGE, ExpertReader, fs_type
+
+DISK_DIR = "/var/tmp"
+FILE_BYTES = (24 << 20) + 1000  # not a multiple of 4 KiB: the last rounded read runs past EOF
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+
+
+def resident_pages(path: str) -> int:
+    """Pages of `path` in the page cache, like util-linux fincore: mincore() on a mapping of it
+    (mincore reports residency without faulting anything in)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)  # writable buffer for from_buffer
+    try:
+        anchor = ctypes.c_char.from_buffer(mm)
+        n = -(-size // mmap.PAGESIZE)
+        vec = (ctypes.c_ubyte * n)()
+        rc = _libc.mincore(ctypes.addressof(anchor), size, vec)
+        assert rc == 0, os.strerror(ctypes.get_errno())
+        del anchor
+        return int(np.count_nonzero(np.frombuffer(vec, dtype=np.uint8) & 1))
+    finally:
+        mm.close()
+
+
+def drop_cache(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _make_file(directory: str, nbytes: int, seed: int) -> tuple[str, np.ndarray]:
+    data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+    path = os.path.join(directory, f"bg-reader-{os.getpid()}-{seed}.bin")
+    with open(path, "wb") as f:
+        f.write(data.tobytes())
+    drop_cache(path)
+    return path, data
+
+
+@pytest.fixture(scope="module")
+def disk_file():
+    kind = fs_type(DISK_DIR)
+    if kind in ("tmpfs", "ramfs", "overlay", ""):
+        pytest.skip(f"{DISK_DIR} is {kind or 'unknown'}, not a block-device filesystem")
+    path, data = _make_file(DISK_DIR, FILE_BYTES, seed=1)
+    yield path, data
+    os.unlink(path)
+
+
+def _random_ranges(rng: random.Random, file_size: int, count: int, max_len: int):
+    """(off, n, dest) with unaligned offsets, packed into consecutive 4 KiB-aligned destinations."""
+    out, dest = [], 0
+    for _ in range(count):
+        n = rng.randint(1, max_len)
+        off = rng.randrange(0, file_size - n + 1)
+        out.append((off, n, dest))
+        span = -(-(off + n) // PAGE) * PAGE - (off - off % PAGE)
+        dest += span
+    return out, dest
+
+
+def _check(arena, data, ranges):
+    for off, n, dest in ranges:
+        got = arena.numpy(dest + off % PAGE, n)
+        assert np.array_equal(got, data[off : off + n]), (off, n, dest)
+
+
+def test_direct_random_ranges_match_file_and_bypass_page_cache(disk_file):
+    path, data = disk_file
+    rng = random.Random(7)
+    ranges, need = _random_ranges(rng, FILE_BYTES, 60, 300_000)
+    ranges.append((FILE_BYTES - 777, 777, need))  # the last bytes: rounded read runs past EOF
+    need += PAGE
+    drop_cache(path)
+    before = resident_pages(path)
+    with Arena.create(need) as arena:
+        arena.numpy(0, need)[:] = 0xAB  # garbage that must be overwritten (incl. the zeroed EOF tail)
+        with ExpertReader(path, arena, threads=4, request_bytes=64 << 10) as reader:
+            assert reader.mode == "direct"
+            reader.read(ranges[:30], priority=1).result(timeout=60)
+            reader.read(ranges[30:], priority=0).result(timeout=60)
+            st = reader.stats.copy()
+        _check(arena, data, ranges)
+        tail = arena.numpy(ranges[-1][2], PAGE)
+        assert np.all(tail[(FILE_BYTES - 777) % PAGE + 777 :] == 0), "bytes past EOF must read as zero"
+    after = resident_pages(path)
+    assert before <= 2, f"cache drop did not work: {before} pages resident"
+    assert after - before <= 2, f"O_DIRECT reads grew the page cache by {after - before} pages"
+    spans = sum(-(-(o + n) // PAGE) * PAGE - (o - o % PAGE) for o, n, _ in ranges)
+    assert st.payload_bytes == sum(n for _, n, _ in ranges)
+    assert st.bytes_read == spans - (PAGE - (FILE_BYTES % PAGE))  # the device bytes stop at EOF
+    assert st.requests == [1, 1] and st.reads >= len(ranges) and st.busy_seconds > 0
+
+
+def test_page_cache_measurement_can_fail(disk_file):
+    """Positive control for resident_pages: a plain buffered read does fill the cache."""
+    path, _ = disk_file
+    drop_cache(path)
+    with open(path, "rb") as f:
+        f.read(1 << 20)
+    assert resident_pages(path) >= 200
+    drop_cache(path)
+    assert resident_pages(path) <= 2
+
+
+def test_forced_buffered_mode_reads_right_and_drops_its_pages(disk_file):
+    path, data = disk_file
+    ranges, need = _random_ranges(random.Random(3), FILE_BYTES, 20, 200_000)
+    drop_cache(path)
+    with Arena.create(need) as arena, ExpertReader(path, arena, threads=2, direct=False) as reader:
+        assert reader.mode == "buffered"
+        reader.read(ranges).result(timeout=60)
+        _check(arena, data, ranges)
+    assert resident_pages(path) <= 4, "buffered fallback must POSIX_FADV_DONTNEED what it read"
+
+
+def test_demand_overtakes_read_ahead(disk_file):
+    path, data = disk_file
+    piece = 256 << 10
+    ahead = [(i * piece, piece, i * piece) for i in range(FILE_BYTES // piece)]  # ~24 MiB, 96 pieces
+    demand_dest = len(ahead) * piece
+    drop_cache(path)
+    with Arena.create(demand_dest + 2 * PAGE) as arena, ExpertReader(path, arena, threads=2, request_bytes=piece) as reader:
+        order = []
+        f_ahead = reader.read(ahead, priority=1)
+        f_demand = reader.read([(12345, 4000, demand_dest)], priority=0)
+        f_ahead.add_done_callback(lambda f: order.append("ahead"))
+        f_demand.add_done_callback(lambda f: order.append("demand"))
+        f_demand.result(timeout=60)
+        demand_done_with_ahead_pending = not f_ahead.done()
+        f_ahead.result(timeout=60)
+        assert order == ["demand", "ahead"]
+        assert demand_done_with_ahead_pending
+        _check(arena, data, ahead + [(12345, 4000, demand_dest)])
+
+
+def test_tmpfs_falls_back_to_buffered():
+    if not os.path.isdir("/dev/shm") or fs_type("/dev/shm") != "tmpfs":
+        pytest.skip("no tmpfs at /dev/shm")
+    path, data = _make_file("/dev/shm", (1 << 20) + 5, seed=2)
+    try:
+        ranges, need = _random_ranges(random.Random(5), len(data), 25, 50_000)
+        ranges.append((len(data) - 5, 5, need))
+        with Arena.create(need + PAGE) as arena, ExpertReader(path, arena, threads=2) as reader:
+            assert reader.mode == "buffered"
+            reader.read(ranges).result(timeout=30)
+            _check(arena, data, ranges)
+    finally:
+        os.unlink(path)
+
+
+def test_user_errors_name_the_problem(disk_file, tmp_path):
+    path, _ = disk_file
+    with Arena.create(1 << 20) as arena:
+        with pytest.raises(ModelFormatError, match="not found"):
+            ExpertReader(str(tmp_path / "missing.gguf"), arena)
+        with ExpertReader(path, arena, threads=1) as reader:
+            with pytest.raises(ModelFormatError, match="past the end"):
+                reader.read([(FILE_BYTES - 10, 20, 0)])
+            assert not reader.read([(0, 10, 0)]).cancel(), "a running read cannot be cancelled"

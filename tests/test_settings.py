@@ -1,0 +1,105 @@
+"""betelgeuse/settings.py: the shipped file loads to the defaults, sizes parse like systemd's, and
+every mistake is a one-line BetelgeuseError naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from betelgeuse.errors import BetelgeuseError
+from betelgeuse.settings import AUTO, Settings, load_settings, parse_size, split_hostport
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_shipped_file_equals_defaults():
+    s = load_settings(ROOT / "deploy" / "betelgeuse.toml")
+    d = Settings()
+    d.model.path = s.model.path  # the one value a deployment must set
+    assert s == d
+    assert (s.slots.vram_per_layer, s.slots.host_per_layer) == (5, 15)
+    assert s.budget.vram == 12 * 2**30 and s.budget.memory_max is None
+    assert s.worker.listen == ["127.0.0.1:50051", "unix:/run/betelgeuse/api.sock"]
+    assert s.store.metrics == "127.0.0.1:9465"
+
+
+@pytest.mark.parametrize("text,value", [
+    ("12GiB", 12 * 2**30), ("12G", 12 * 2**30), ("12GB", 12 * 10**9), ("1.5 GiB", 3 * 2**29),
+    ("512MiB", 512 * 2**20), ("4096", 4096), (4096, 4096), ("0", 0),
+])
+def test_parse_size(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("bad", ["12 parsecs", "", "-1G", "G", True, -5])
+def test_parse_size_rejects(bad):
+    with pytest.raises(BetelgeuseError):
+        parse_size(bad)
+
+
+def test_split_hostport():
+    assert split_hostport("127.0.0.1:9464") == ("127.0.0.1", 9464)
+    assert split_hostport("[::1]:50051") == ("::1", 50051)
+    with pytest.raises(BetelgeuseError):
+        split_hostport("localhost")
+
+
+def _load(tmp_path, text):
+    p = tmp_path / "b.toml"
+    p.write_text(text)
+    return load_settings(p)
+
+
+def test_auto_and_overrides(tmp_path):
+    s = _load(tmp_path, '[slots]\nvram_per_layer = "auto"\nhost_per_layer = 40\n[budget]\nvram = "8G"\n'
+                        'memory_max = "10GiB"\n[worker]\nlisten = "unix:/tmp/x.sock"\nmetrics = ""\n')
+    assert s.slots.vram_per_layer == AUTO and s.slots.host_per_layer == 40
+    assert s.budget.vram == 8 * 2**30 and s.budget.memory_max == 10 * 2**30
+    assert s.worker.listen == ["unix:/tmp/x.sock"] and s.worker.metrics == ""
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("[modle]\npath = 'x'\n", "[modle]"),
+    ("[slots]\nvram = 5\n", "slots.vram"),
+    ("[slots]\nvram_per_layer = -1\n", "slots.vram_per_layer"),
+    ("[slots]\nhost_per_layer = 'many'\n", "slots.host_per_layer"),
+    ("[budget]\nvram = '12 bananas'\n", "budget.vram"),
+    ("[worker]\nmetrics = 'localhost'\n", "worker.metrics"),
+    ("[worker]\nlisten = []\n", "worker.listen"),
+    ("[model]\npath = 3\n", "model.path"),
+    ("model = 3\n", "[model]"),
+    ("[slots\n", "invalid TOML"),
+])
+def test_mistakes_name_the_key(tmp_path, text, needle):
+    with pytest.raises(BetelgeuseError) as e:
+        _load(tmp_path, text)
+    msg = str(e.value)
+    assert needle in msg and "\n" not in msg
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(BetelgeuseError, match="does not exist"):
+        load_settings(tmp_path / "nope.toml")
+
+
+def test_engine_defaults_match_engine_config():
+    import dataclasses
+
+    from betelgeuse.config import EngineConfig
+    from betelgeuse.settings import EngineSettings
+
+    cfg = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    for f in dataclasses.fields(EngineSettings):
+        assert f.name in cfg, f"[engine] {f.name} is not an EngineConfig field"
+        assert f.default == cfg[f.name], (f.name, f.default, cfg[f.name])
+
+
+def test_engine_section(tmp_path):
+    s = _load(tmp_path, '[engine]\nschedule = "standard"\nsub_batch = 8\nprefetch = false\nworker_reserve = "2GiB"\n')
+    assert (s.engine.schedule, s.engine.sub_batch, s.engine.prefetch) == ("standard", 8, False)
+    assert s.engine.worker_reserve == 2 * 2**30
+    with pytest.raises(BetelgeuseError, match="engine.schedule"):
+        _load(tmp_path, '[engine]\nschedule = "fast"\n')
+    with pytest.raises(BetelgeuseError, match="engine.prefetch"):
+        _load(tmp_path, '[engine]\nprefetch = 1\n')
