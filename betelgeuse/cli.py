@@ -317,6 +317,10 @@ def cmd_generate(args) -> int:
     ids = parse_token_ids(args.token_ids) if args.token_ids is not None else None
     if ids is None and args.prompt is None:
         raise InvalidRequestError("give --prompt TEXT or --token-ids 1,2,3")
+    if args.max_tokens < 1:
+        raise InvalidRequestError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if ids is not None and any(t < 0 for t in ids):
+        raise InvalidRequestError(f"token id {min(ids)} is out of range (ids are >= 0)")
     if args.server:
         return _stream_grpc(args.server, args, ids)
     args.model = args.model or default_model()

@@ -9,9 +9,7 @@ arrays parse in well under a second) and `train_vocab`, used by the model genera
 from __future__ import annotations
 
 import json
-import mmap
 import os
-import struct
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -44,72 +42,11 @@ def byte_level_pre_tokenizer(split: str) -> pre_tokenizers.PreTokenizer:
 
 # ---- GGUF metadata -------------------------------------------------------------------------
 
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NP = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
-_STRING, _ARRAY = 8, 9
-
-
 def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
-    """GGUF key -> python value (str, int, float, bool, or list of those); tensors are not read."""
-    import numpy as np
-    try:
-        f = open(path, "rb")
-    except OSError as e:
-        raise ModelFormatError(f"cannot open model file {os.fspath(path)!r}: {e.strerror}") from None
-    with f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(f.fileno()).st_size else _empty() as m:
-        if m[:4] != b"GGUF":
-            raise ModelFormatError(f"{os.fspath(path)!r} is not a GGUF file (bad magic)")
-        version, = struct.unpack_from("<I", m, 4)
-        if version not in (2, 3):
-            raise UnsupportedError(f"GGUF version {version} not supported (only 2 and 3, little-endian)")
-        pos = 24
-        n_kv, = struct.unpack_from("<Q", m, 16)
-        out: dict[str, Any] = {}
-
-        def string() -> str:
-            nonlocal pos
-            n, = struct.unpack_from("<Q", m, pos)
-            s = m[pos + 8: pos + 8 + n]
-            if len(s) != n:
-                raise struct.error("truncated string")
-            pos += 8 + n
-            return s.decode("utf-8", errors="replace")
-
-        def value(t: int) -> Any:
-            nonlocal pos
-            if t == _STRING:
-                return string()
-            if t in _SCALARS:
-                v, = struct.unpack_from(_SCALARS[t], m, pos)
-                pos += struct.calcsize(_SCALARS[t])
-                return v
-            if t == _ARRAY:
-                et, n = struct.unpack_from("<IQ", m, pos)
-                pos += 12
-                if et in _NP:
-                    a = np.frombuffer(m, dtype=_NP[et], count=n, offset=pos)
-                    pos += a.nbytes
-                    return a.tolist()
-                return [value(et) for _ in range(n)]
-            raise ModelFormatError(f"GGUF metadata value type {t} unknown (corrupt file?)")
-
-        try:
-            for _ in range(n_kv):
-                key = string()
-                t, = struct.unpack_from("<I", m, pos)
-                pos += 4
-                out[key] = value(t)
-        except (struct.error, ValueError):
-            raise ModelFormatError(f"{os.fspath(path)!r}: GGUF metadata is truncated") from None
-        return out
-
-
-class _empty:
-    def __enter__(self):
-        return b""
-
-    def __exit__(self, *a):
-        return False
+    """GGUF key -> python value (str, int, float, bool, or list of those); tensors are not read.
+    One GGUF parser serves the whole package: this is betelgeuse.gguf.header's."""
+    from betelgeuse.gguf.header import read_header
+    return read_header(os.fspath(path)).metadata
 
 
 # ---- vocabulary training (for the model generator) -----------------------------------------

@@ -120,7 +120,7 @@ def _bad_inputs(model: Path, tmp: Path) -> list[tuple[list, str]]:
         (gen("--temperature", "-1"), "temperature"),
         (gen("--temperature", "1", "--top-p", "0"), "top_p"),
         (gen("--temperature", "1", "--top-k", "-2"), "top_k"),
-        (gen("--max-tokens", "-1"), "max_tokens"),
+        (gen("--max-tokens", "-1"), "--max-tokens must be >= 1"),
         (gen("--max-tokens", "ten"), "invalid int"),
         (["generate", model], "--prompt"),
         (["generate", model, "--prompt", "a", "--token-ids", "1"], "not allowed"),

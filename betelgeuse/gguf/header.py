@@ -155,7 +155,6 @@ def parse_header(buf, where: str) -> GGUFHeader:
     pos = _PREAMBLE.size
     metadata: dict[str, object] = {}
     value_types: dict[str, tuple[int, ...]] = {}
-    tensors: list[TensorEntry] = []
     try:
         # every key/value takes >= 8 + 4 bytes, every tensor info >= 8 + 4 + 4 + 8: a corrupt count
         # fails here instead of looping over the whole file

@@ -1,0 +1,202 @@
+"""`betelgeuse bench`: create or reuse the benchmark model, run the harness, write JSON/markdown/PNG.
+
+    betelgeuse bench --model /var/tmp/bench.gguf --memory-max 12G --vram-budget 12GiB --time-budget 480
+    betelgeuse bench --quick            # a small model on the CPU: checks the whole path in ~1 minute
+
+`add_parser(subparsers)` registers the subcommand; `run(args) -> int` runs it (exit code). Also
+runnable as `python -m betelgeuse.bench.cli ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from betelgeuse.errors import BetelgeuseError, InvalidRequestError
+
+QUICK = dict(preset="small", layers=4, prompts="8,16", standard_prompts="8", decode=4, slots="2+6,auto", device="cpu",
+             memory_max="4G", vram_budget="2GiB", time_budget=150.0, variant_layers=2, standard_cap=10.0, decode_cap=10.0,
+             disk_sample="32MiB")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("bench", help="benchmark prefill/decode against measured ceilings",
+                              description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="benchmark GGUF; written from --preset if it does not exist "
+                                   "(default: WORK_DIR/<preset>-L<layers>-skew<s>.gguf)")
+    p.add_argument("--work-dir", default="/var/tmp/betelgeuse-bench", help="models, sockets, store logs")
+    p.add_argument("--out", help="results folder (default docs/benchmarks/RUN_NAME)")
+    p.add_argument("--run-name", help="default: <date>-<device>")
+    p.add_argument("--preset", help="synth preset for a model that must be written (default bench)")
+    p.add_argument("--layers", type=int, help="override the preset's layer count")
+    p.add_argument("--router-skew", type=float, help="override the preset's router skew")
+    p.add_argument("--variant-skew", default=None, help="router skew of a second, smaller model ('none': no variant; default 0)")
+    p.add_argument("--variant-layers", type=int, help="layers of the second model (default 8)")
+    p.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto)")
+    p.add_argument("--memory-max", help="cgroup memory.max for both processes (default 12G; 'none': no cgroup limit)")
+    p.add_argument("--vram-budget", help="VRAM for everything both processes place on the GPU (default 12GiB)")
+    p.add_argument("--no-cgroup", action="store_true", help="do not create a cgroup (the store still plans to --memory-max)")
+    p.add_argument("--slots", help="slot configurations, 'V+H' or 'auto', comma-separated (default 5+15,auto)")
+    p.add_argument("--prompts", help="prompt lengths, comma-separated (default 64,512)")
+    p.add_argument("--standard-prompts", help="prompt lengths also run with the standard schedule (default 64)")
+    p.add_argument("--decode", type=int, help="decode tokens after the warm pass (default 128)")
+    p.add_argument("--time-budget", type=float, help="seconds for the whole run, model writing included (default 480)")
+    p.add_argument("--standard-cap", type=float, help="seconds per standard pass before it is cut (default 30)")
+    p.add_argument("--decode-cap", type=float, help="seconds per decode run before it is cut (default 20)")
+    p.add_argument("--disk-sample", help="bytes per disk ceiling sample (default 1GiB)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="small model on the CPU, few tokens: validates the whole path")
+    p.set_defaults(func=run)
+    return p
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        v = tuple(int(x) for x in str(text).split(",") if x.strip())
+    except ValueError:
+        raise InvalidRequestError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+    if not v or min(v) < 1:
+        raise InvalidRequestError(f"{flag}: expected positive integers, got {text!r}")
+    return v
+
+
+def _slots(text: str) -> tuple[str, ...]:
+    out = []
+    for s in (x.strip() for x in text.split(",") if x.strip()):
+        v, plus, h = s.partition("+")
+        if s != "auto" and not (plus and v.isdigit() and h.isdigit()):
+            raise InvalidRequestError(f"--slots: {s!r} is neither 'V+H' (e.g. 5+15) nor 'auto'")
+        out.append(s)
+    if not out:
+        raise InvalidRequestError("--slots is empty")
+    return tuple(out)
+
+
+def _opt(args, name, default):
+    v = getattr(args, name, None)
+    if v is None and args.quick:
+        v = QUICK.get(name)
+    return default if v is None else v
+
+
+def ensure_model(path: Path, spec, log) -> dict:
+    """Reuse `path` if it exists, else write `spec` there (fsync'd, then dropped from the page cache so
+    the run starts cold and writeback does not compete with the reads). Returns facts for the results."""
+    from betelgeuse.gguf.synth import model_nbytes, write_model
+    if path.exists():
+        return {"path": str(path), "reused": True, "bytes": path.stat().st_size}
+    need = model_nbytes(spec)
+    free = shutil.disk_usage(path.parent).free
+    if need + (1 << 30) > free:
+        raise BetelgeuseError(f"not enough disk for {path}: needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
+    log(f"writing {path} ({need / 1e9:.1f} GB, router skew {spec.router_skew}) ...")
+    t = time.perf_counter()
+    try:
+        import tqdm  # noqa: F401
+        progress = sys.stderr.isatty()
+    except ImportError:
+        progress = False
+    write_model(path, spec, progress=progress)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    dt = time.perf_counter() - t
+    size = path.stat().st_size
+    log(f"wrote {path} in {dt:.1f} s ({size / dt / 1e9:.2f} GB/s incl. fsync)")
+    return {"path": str(path), "reused": False, "bytes": size, "write_s": dt, "write_GBps": size / dt / 1e9}
+
+
+def run(args) -> int:
+    t0 = time.monotonic()
+    from betelgeuse.bench.harness import BenchOptions, Harness
+    from betelgeuse.bench.report import machine_info, write_results
+    from betelgeuse.gguf.synth import spec_from_preset
+    from betelgeuse.settings import parse_size
+    from services.common import resolve_device
+
+    def log(msg):
+        print(f"[bench {time.monotonic() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    device = resolve_device(_opt(args, "device", "auto"))
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    mm = _opt(args, "memory_max", "12G")
+    memory_max = None if str(mm).lower() == "none" else parse_size(mm, "--memory-max")
+    preset = _opt(args, "preset", "bench")
+    layers = _opt(args, "layers", None)
+    spec = spec_from_preset(preset, n_layer=layers, router_skew=args.router_skew, seed=args.seed)
+    model = Path(args.model) if args.model else work / f"{preset}-L{spec.n_layer}-skew{spec.router_skew:g}-seed{spec.seed}.gguf"
+    vs = _opt(args, "variant_skew", "0")
+    variant_skew = None if str(vs).lower() == "none" else float(vs)
+    run_name = args.run_name or time.strftime("%Y%m%d-%H%M%S") + f"-{device.split(':')[0]}"
+    out = Path(args.out) if args.out else Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / run_name
+    results = {"run": run_name, "status": "running", "command": shlex.join(["betelgeuse", "bench"] + _argv(args)),
+               "device": device, "machine": machine_info(), "models": {}, "cases": [], "skipped": [], "errors": []}
+    save = lambda final: write_results(results, out, png=final)        # noqa: E731
+    results["models"]["main"] = ensure_model(model, spec, log)
+    variant = None
+    if variant_skew is not None:
+        vspec = spec_from_preset(preset, n_layer=_opt(args, "variant_layers", 8), router_skew=variant_skew, seed=args.seed)
+        vpath = model.with_name(f"{model.stem}-variant-L{vspec.n_layer}-skew{variant_skew:g}.gguf")
+        try:
+            results["models"]["variant"] = ensure_model(vpath, vspec, log)
+            variant = str(vpath)
+        except BetelgeuseError as e:
+            results["skipped"].append({"case": "variant model", "reason": str(e)})
+    o = BenchOptions(model=str(model), variant=variant, device=device, slots=_slots(_opt(args, "slots", "5+15,auto")),
+                     prompts=_ints(_opt(args, "prompts", "64,512"), "--prompts"),
+                     standard_prompts=_ints(_opt(args, "standard_prompts", "64"), "--standard-prompts"),
+                     decode=int(_opt(args, "decode", 128)), memory_max=memory_max,
+                     vram_budget=parse_size(_opt(args, "vram_budget", "12GiB"), "--vram-budget"),
+                     cgroup=not args.no_cgroup, time_budget=float(_opt(args, "time_budget", 480.0)), t0=t0,
+                     standard_cap=float(_opt(args, "standard_cap", 30.0)), decode_cap=float(_opt(args, "decode_cap", 20.0)),
+                     disk_sample_bytes=parse_size(_opt(args, "disk_sample", "1GiB"), "--disk-sample"),
+                     seed=args.seed, run_dir=str(work / f"run-{os.getpid()}"))
+    results["options"] = {k: getattr(o, k) for k in o.__slots__ if k != "t0"}
+    log(f"device {device}; results -> {out}")
+    try:
+        Harness(o, results, save).run()
+        results["status"] = "complete"
+    except KeyboardInterrupt:
+        results["status"] = "interrupted"
+        raise
+    except BetelgeuseError as e:
+        results["status"] = "failed"
+        results["errors"].append(str(e))
+        raise
+    finally:
+        if results["status"] == "running":
+            results["status"] = "failed"
+        paths = save(True)
+        log(f"wrote {', '.join(paths.values())}")
+    return 0
+
+
+def _argv(args) -> list[str]:
+    return list(getattr(args, "argv", None) or sys.argv[1:])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="betelgeuse")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    add_parser(sub)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(["bench"] + argv)
+    args.argv = argv
+    try:
+        return args.func(args)
+    except BetelgeuseError as e:
+        print(f"betelgeuse: error: {e}", file=sys.stderr)
+        return e.exit_code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

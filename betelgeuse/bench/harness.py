@@ -1,0 +1,345 @@
+"""The benchmark run: a plan of cases in priority order, each on a fresh store process, measured against
+ceilings sampled in the same run, inside one cgroup, within a time budget.
+
+A case = (model, slots, prompt length): a fresh store (empty slots) ->
+  cold    layer-major prefill (consolidates at its end; settle() waits until it is applied)
+  warm    the same prompt again, layer-major (reads what consolidation left out)
+  std     the same prompt, standard schedule, on the same warm state (consolidate=False: state unchanged)
+  decode  greedy tokens after the warm pass (its KV cache), no consolidation
+Standard-cold cases (fresh store, standard schedule) come last: they are the slowest.
+Cases run while the time budget allows; a pass that would overrun is aborted between layers (or
+micro-batches) through the runner's should_stop hook, and results are written after every pass.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from betelgeuse.bench import ceilings as C
+from betelgeuse.bench.procs import BenchCgroup, Monitor, StoreProcess
+from betelgeuse.config import GiB, EngineConfig
+from betelgeuse.gguf.reader import GGUFModelFile
+from betelgeuse.worker.runner import ModelRunner
+
+
+class OutOfTime(Exception):
+    """Raised from should_stop: the pass is abandoned (KV uncommitted, no consolidation)."""
+
+
+@dataclass(slots=True)
+class Case:
+    name: str
+    model: str                  # path
+    slots: str                  # "V+H" or "auto"
+    prompt: int                 # tokens
+    passes: tuple               # subset of ("cold", "warm", "std", "decode", "std_cold")
+
+
+@dataclass(slots=True)
+class BenchOptions:
+    model: str                              # main model (made by the CLI if absent)
+    variant: str | None = None              # second model (other router skew), or None
+    device: str = "cpu"
+    slots: tuple = ("5+15", "auto")
+    prompts: tuple = (64, 512)
+    standard_prompts: tuple = (64,)
+    decode: int = 128
+    memory_max: int | None = 12 * GiB
+    vram_budget: int = 12 * GiB
+    cgroup: bool = True
+    time_budget: float = 480.0              # seconds for the whole run, from `t0`
+    t0: float = field(default_factory=time.monotonic)
+    standard_cap: float = 30.0              # seconds per standard pass (a partial pass still gives tok/s)
+    decode_cap: float = 20.0                # seconds per decode run
+    disk_sample_bytes: int = 1 * GiB
+    disk_sample_s: float = 1.5
+    reserve_s: float = 10.0                 # kept for writing results
+    seed: int = 0
+    run_dir: str = "/tmp/betelgeuse-bench"  # sockets, store logs
+
+
+def slots_pair(s: str) -> tuple[str, str]:
+    return ("auto", "auto") if s == "auto" else tuple(s.split("+"))
+
+
+def plan_cases(o: BenchOptions) -> list[Case]:
+    """Priority order: what the reference table needs first, the slow or secondary cases last."""
+    s0, rest = o.slots[0], list(o.slots[1:])
+    p0, more = o.prompts[0], list(o.prompts[1:])
+    std = lambda p: ("std",) if p in o.standard_prompts else ()      # noqa: E731
+    lm = lambda p: ("cold", "warm") + std(p) + (("decode",) if o.decode else ())   # noqa: E731
+    cases = [Case(f"{s0} p{p0}", o.model, s0, p0, lm(p0))]
+    cases += [Case(f"{s} p{p0}", o.model, s, p0, lm(p0)) for s in rest]
+    cases += [Case(f"{s0} p{p}", o.model, s0, p, lm(p)) for p in more]
+    if o.variant:
+        cases.append(Case(f"variant {s0} p{p0}", o.variant, s0, p0, ("cold", "warm") + (("decode",) if o.decode else ())))
+    cases += [Case(f"{s} p{p}", o.model, s, p, lm(p)) for s in rest for p in more]
+    cases += [Case(f"{s0} p{p} standard cold", o.model, s0, p, ("std_cold",)) for p in o.standard_prompts]
+    return cases
+
+
+class Harness:
+    def __init__(self, o: BenchOptions, results: dict, save):
+        self.o, self.results, self.save = o, results, save     # save(final: bool) writes the files
+        self.dev = torch.device(o.device)
+        self.cuda = self.dev.type == "cuda"
+        self.ceil = C.Ceilings()
+        self.runner: ModelRunner | None = None
+        self.runner_model = ""
+        self.calib = 1.0            # actual / estimated seconds of the last layer-major pass
+
+    # ---- time -------------------------------------------------------------------------------------
+    def remaining(self) -> float:
+        return self.o.t0 + self.o.time_budget - self.o.reserve_s - time.monotonic()
+
+    def _stopper(self, cap: float | None, counter: list | None = None):
+        end = time.monotonic() + min(self.remaining(), cap if cap else float("inf"))
+
+        def should_stop():
+            if counter is not None:
+                counter[0] += 1
+            if time.monotonic() > end:
+                raise OutOfTime()
+        return should_stop
+
+    def _estimate(self, f: GGUFModelFile, kind: str, T: int) -> float:
+        """Seconds, uniform-routing upper bound scaled by the last pass's actual/estimate ratio."""
+        c = f.config
+        E, k, L = c.n_expert, c.n_expert_used, c.n_layer
+        per_load = max(f.expert_nbytes(0) / max(self.ceil.disk_bps, 1.0), self.ceil.expert_s(T * k / E))
+        if kind == "decode":
+            return min(self.o.decode_cap, self.o.decode * L * k * per_load)
+        if kind in ("std", "std_cold"):
+            return self.o.standard_cap
+        return self.calib * (L * E * (1 - (1 - k / E) ** T) * per_load + 0.02 * L)
+
+    # ---- the run ----------------------------------------------------------------------------------
+    def run(self) -> None:
+        o, r = self.o, self.results
+        cg = BenchCgroup(o.memory_max, o.cgroup)
+        r["memory"] = {"cgroup": cg.cg.path if cg.cg else None, "reason": cg.reason}
+        vram_base = _vram_used_before_cuda() if self.cuda else 0
+        mon = Monitor(cg.cg, self.cuda, vram_base)
+        r["vram"] = {"baseline_bytes": vram_base, "budget": o.vram_budget}
+        try:
+            self._ceilings_h2d()
+            for case in plan_cases(o):
+                if self.remaining() <= 0:
+                    r["skipped"].append({"case": case.name, "reason": "time budget"})
+                    continue
+                try:
+                    self._case(case)
+                except OutOfTime:
+                    r["skipped"].append({"case": case.name, "reason": "time budget (aborted mid-pass)"})
+                self.save(False)
+        except Exception as e:          # the partial results still go out, with the error
+            r["errors"].append(f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            self._drop_runner()
+            mon.close()
+            r["memory"].update(cg.summary(mon.mem_peak))
+            if self.cuda:
+                r["vram"].update(peak_bytes=mon.vram_peak, torch_max_reserved=torch.cuda.max_memory_reserved(self.dev),
+                                 torch_max_allocated=torch.cuda.max_memory_allocated(self.dev))
+            cg.close()
+            r["ceilings"] = self.ceil.to_json()
+            r["elapsed_s"] = time.monotonic() - o.t0
+
+    def _ceilings_h2d(self):
+        n = 256 << 20 if self.cuda else 32 << 20
+        self.ceil.h2d_bps, self.ceil.h2d_pinned = C.measure_h2d(self.dev, n, 8 if self.cuda else 3)
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+    def _runner_for(self, model: str, store: StoreProcess) -> ModelRunner:
+        from services.store_client import GrpcStoreClient
+        client = GrpcStoreClient(store.socket, store.fd_socket)
+        if self.runner is not None and self.runner_model == model:
+            self.runner.store = client
+            self.runner.attach()
+            return self.runner
+        self._drop_runner()
+        cfg = EngineConfig(model_path=model, device=self.o.device, vram_budget=self.o.vram_budget,
+                           memory_max=self.o.memory_max)
+        self.runner, self.runner_model = ModelRunner(cfg, client), model
+        if not self.ceil.mm_s:
+            self.ceil.sub_batch = cfg.sub_batch
+            self.ceil.deq_s, self.ceil.mm_s = C.measure_compute(self.runner.cache, self.runner.file, cfg.sub_batch,
+                                                                20 if self.cuda else 3)
+        return self.runner
+
+    def _detach(self):
+        """Unmap the store's arena and free the VRAM slots, so the next store's arena fits the cgroup."""
+        rn = self.runner
+        if rn is None or rn.cache is None:
+            return
+        if self.cuda:
+            torch.cuda.synchronize(self.dev)
+        cache, rn.cache, rn.directory = rn.cache, None, None
+        cache.close()
+        arena = cache.arena
+        del cache
+        gc.collect()
+        arena.close()
+        rn.store.close()
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+    def _drop_runner(self):
+        self._detach()
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None
+            gc.collect()
+            if self.cuda:
+                torch.cuda.empty_cache()
+
+    def _case(self, case: Case):
+        o, r = self.o, self.results
+        f = GGUFModelFile.open(case.model)
+        c = f.config
+        out = {"name": case.name, "model": case.model, "router_skew": _skew(f), "n_layer": c.n_layer,
+               "slots_requested": case.slots, "prompt_tokens": case.prompt, "passes": [], "skipped": []}
+        r["cases"].append(out)
+        rc = EngineConfig(model_path=case.model)       # the store's reader settings (its defaults)
+        s = C.measure_disk(f, rc.read_threads, rc.read_request_bytes, o.disk_sample_bytes,
+                           o.disk_sample_s, o.seed + len(r["cases"]), o.t0)
+        self.ceil.disk.append(s)
+        out["disk_bps"] = s.bps
+        store = StoreProcess(case.model, _path(o.run_dir), str(len(r["cases"])), slots_pair(case.slots), o.device,
+                             o.memory_max, o.vram_budget, _path(o.run_dir) / "store.log")
+        try:
+            out["store_start_s"] = store.wait_ready()
+            t = time.perf_counter()
+            rn = self._runner_for(case.model, store)
+            out["attach_s"] = time.perf_counter() - t
+            p = rn.plan
+            out["plan"] = {"n_vram": p.n_vram, "n_host": p.n_host, "n_staging": p.n_staging, "arena_bytes": p.arena_bytes,
+                           "slot_bytes": p.slot.slot_bytes, "vram_slot_bytes": p.vram_slot_bytes, "notes": list(p.notes),
+                           "resident_share": (p.n_vram + p.n_host) / c.n_expert}
+            ids = np.random.default_rng([o.seed, case.prompt]).integers(0, c.n_vocab, case.prompt).tolist()
+            kv_len = case.prompt + o.decode + 8
+            warm_kv, warm_logits = None, None
+            for kind in case.passes:
+                est = self._estimate(f, kind, case.prompt)
+                if self.remaining() < 0.5 * est:
+                    out["skipped"].append({"pass": kind, "reason": f"time budget ({self.remaining():.0f} s left, ~{est:.0f} s needed)"})
+                    continue
+                if kind == "decode":
+                    if warm_kv is not None:
+                        out["decode"] = self._decode(rn, warm_kv, warm_logits)
+                    continue
+                kv = rn.new_cache(kv_len)
+                rec, logits = self._prefill(rn, f, kind, ids, kv)
+                out["passes"].append(rec)
+                if kind == "warm" and logits is not None:
+                    warm_kv, warm_logits = kv, logits
+                if kind in ("cold", "warm") and rec.get("complete"):
+                    self.calib = max(0.05, rec["seconds"] / max(est / self.calib, 1e-6))
+                self.save(False)
+            out["store_status"] = rn.store.status()
+        finally:
+            self._detach()
+            rc = store.stop()
+            out["store_exit"] = rc
+            if rc not in (0, None):
+                out["store_error"] = store.last_line()
+            f.close()
+
+    def _prefill(self, rn: ModelRunner, f: GGUFModelFile, kind: str, ids: list, kv):
+        schedule = "standard" if kind in ("std", "std_cold") else "layer_major"
+        consolidate = kind in ("cold", "warm")
+        counter = [0]
+        stop = self._stopper(self.o.standard_cap if schedule == "standard" else None, counter)
+        st0 = rn.store.status()
+        copy0 = rn.cache.copy_seconds
+        t = time.perf_counter()
+        try:
+            logits, st = rn.forward(ids, kv, consolidate=consolidate, schedule=schedule, should_stop=stop)
+            int(logits[-1].argmax())
+        except OutOfTime:
+            dt = time.perf_counter() - t
+            done = max(counter[0] - 1, 0) * rn.cfg.micro_batch if schedule == "standard" else 0
+            rec = {"label": kind, "schedule": schedule, "complete": False, "n_tokens": done, "seconds": dt,
+                   "tok_per_s": done / dt if dt > 0 else 0.0, "prompt_tokens": len(ids),
+                   "store_disk_bytes": rn.store.status()["disk_bytes"] - st0["disk_bytes"]}
+            if schedule != "standard":
+                raise
+            return rec, None
+        ttft = time.perf_counter() - t
+        rec = pass_record(kind, st, ttft, self.ceil, f, rn.plan.slot.slot_bytes)
+        rec["store_disk_bytes"] = rn.store.status()["disk_bytes"] - st0["disk_bytes"]
+        if not self.cuda:
+            rec["copy_s"] = rn.cache.copy_seconds - copy0
+        if consolidate:
+            t = time.perf_counter()
+            rn.settle()
+            rec["settle_s"] = time.perf_counter() - t
+        return rec, logits
+
+    def _decode(self, rn: ModelRunner, kv, logits) -> dict:
+        tok = int(logits[-1].argmax())
+        end = time.monotonic() + min(self.o.decode_cap, self.remaining())
+        secs, reads, disk_bytes, disk_wait = [], {"vram": 0, "host": 0, "disk": 0}, 0, 0.0
+        for _ in range(self.o.decode):
+            if time.monotonic() > end:
+                break
+            t = time.perf_counter()
+            lg, st = rn.forward([tok], kv, consolidate=False)
+            tok = int(lg[-1].argmax())
+            secs.append(time.perf_counter() - t)
+            for k_ in reads:
+                reads[k_] += st.reads[k_]
+            disk_bytes, disk_wait = disk_bytes + st.disk_bytes, disk_wait + st.disk_wait_s
+        n = sum(reads.values())
+        return {"tokens": len(secs), "requested": self.o.decode, "seconds": sum(secs),
+                "tg_mean": len(secs) / sum(secs) if secs else 0.0, "tg_peak": 1.0 / min(secs) if secs else 0.0,
+                "token_s": secs, "reads": reads, "disk_share": reads["disk"] / n if n else 0.0,
+                "disk_bytes": disk_bytes, "disk_wait_ms": disk_wait * 1e3}
+
+
+def pass_record(kind: str, st, ttft: float, ceil: C.Ceilings, f: GGUFModelFile, slot_bytes: int) -> dict:
+    c = f.config
+    loads = sum(st.reads.values())
+    layers = []
+    for ls in st.layers:
+        copy_est = (ls.host + ls.disk) * slot_bytes / ceil.h2d_bps if ceil.h2d_bps else 0.0
+        layers.append({"attn_s": ls.attn_s, "moe_s": ls.moe_s, "disk_wait_s": ls.disk_wait_s,
+                       "copy_s": ls.copy_ms / 1e3 if ls.copy_ms else copy_est, "copy_measured": bool(ls.copy_ms),
+                       "compute_s": ls.compute_ms / 1e3, "vram": ls.vram, "host": ls.host, "disk": ls.disk})
+    return {"label": kind, "schedule": st.schedule, "complete": True, "n_tokens": st.n_tokens, "seconds": st.seconds,
+            "tok_per_s": st.tok_per_s, "ttft_s": ttft, "reads": dict(st.reads), "loads": loads,
+            "disk_share": st.disk_share, "disk_bytes": st.disk_bytes, "disk_wait_ms": st.disk_wait_s * 1e3,
+            "h2d_bytes": st.h2d_bytes, "prefetched": st.prefetched, "vram_filled": st.vram_filled,
+            "bound": C.pass_bound(ceil, st.n_tokens, loads, st.disk_bytes, st.h2d_bytes, c.n_layer,
+                                  c.n_expert_used, st.seconds),
+            "layers": layers}
+
+
+def _skew(f: GGUFModelFile):
+    v = f.metadata.get("betelgeuse.synth.router_skew")
+    return None if v is None else round(float(v), 6)
+
+
+def _path(p: str):
+    from pathlib import Path
+    d = Path(p)
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _vram_used_before_cuda() -> int:
+    """GPU memory in use before this process creates a CUDA context (nvidia-smi; 0 if unavailable)."""
+    import subprocess
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=20).stdout.strip()
+        return int(float(out.splitlines()[0])) << 20
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return 0

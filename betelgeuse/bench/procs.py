@@ -1,0 +1,162 @@
+"""The benchmark's processes and budgets: the expert-store child, the cgroup both processes share,
+and a monitor thread that records peak cgroup memory and peak VRAM while passes run.
+
+The store is the real `python -m services.store_main` (a fresh process = empty slots: a cold start);
+the worker is the bench process itself, which moves itself into the cgroup before starting the store,
+so both are inside it (memory charged before the move stays with the parent: torch's import, not the
+arena, the KV cache or the dense weights, which come later).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from betelgeuse.errors import BetelgeuseError
+from betelgeuse.store.cgroup import CgroupMemory, make_cgroup, move_pid, remove_cgroup
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class StoreProcess:
+    """One `services.store_main` child with its own sockets; ended by its pid only."""
+
+    def __init__(self, model: str, run_dir: Path, tag: str, slots: tuple[str, str], device: str,
+                 memory_max: int | None, vram_budget: int, log_path: Path):
+        d = run_dir / f"store-{tag}"
+        d.mkdir(parents=True, exist_ok=True)
+        self.socket, self.fd_socket = str(d / "store.sock"), str(d / "fd.sock")
+        for p in (self.socket, self.fd_socket):
+            if os.path.exists(p):
+                os.unlink(p)
+        cmd = [sys.executable, "-m", "services.store_main", "--model", model, "--store-socket", self.socket,
+               "--fd-socket", self.fd_socket, "--metrics", "", "--vram-slots", slots[0], "--host-slots", slots[1],
+               "--vram-budget", str(vram_budget), "--device", device]
+        if memory_max:
+            cmd += ["--memory-max", str(memory_max)]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        self.log_path = log_path
+        self.log = open(log_path, "ab")
+        self.log.write(f"\n$ {' '.join(cmd)}\n".encode())
+        self.log.flush()
+        self.proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 300.0) -> float:
+        """Seconds until both sockets listen; BetelgeuseError with the store's last line if it exits."""
+        t0 = time.monotonic()
+        while not (os.path.exists(self.fd_socket) and os.path.exists(self.socket)):
+            rc = self.proc.poll()
+            if rc is not None:
+                raise BetelgeuseError(f"the expert store exited with status {rc} at start-up: {self.last_line()}")
+            if time.monotonic() - t0 > timeout:
+                self.stop()
+                raise BetelgeuseError(f"the expert store did not become ready within {timeout:.0f} s")
+            time.sleep(0.05)
+        return time.monotonic() - t0
+
+    def last_line(self) -> str:
+        try:
+            lines = [ln for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()]
+        except OSError:
+            return "(no log)"
+        errs = [ln for ln in lines if "error" in ln.lower()]
+        return (errs or lines or ["(no output)"])[-1].strip()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.log.close()
+        return self.proc.returncode
+
+
+class BenchCgroup:
+    """A cgroup of our own (memory.max, no swap) that the bench process moves itself into.
+    Where that is impossible (no root, no memory controller) the run continues outside one, says so,
+    and the store still plans its arena against --memory-max."""
+
+    def __init__(self, memory_max: int | None, enabled: bool):
+        self.cg: CgroupMemory | None = None
+        self.reason = ""
+        self.oom0 = 0
+        if not enabled or not memory_max:
+            self.reason = "disabled" if not enabled else "no --memory-max"
+            return
+        try:
+            self.cg = make_cgroup(f"betelgeuse-bench-{os.getpid()}", memory_max, swap_max=0)
+            move_pid(self.cg, os.getpid())
+        except (OSError, BetelgeuseError) as e:
+            if self.cg is not None:
+                remove_cgroup(self.cg)
+                self.cg = None
+            self.reason = f"cannot create a memory cgroup: {e}"
+            return
+        self.oom0 = self.cg.oom_kills()
+
+    def _file(self, name: str) -> str | None:
+        try:
+            with open(os.path.join(self.cg.path, name)) as f:
+                return f.read().strip()
+        except OSError:
+            return None
+
+    def summary(self, polled_peak: int) -> dict:
+        if self.cg is None:
+            return {"cgroup": None, "reason": self.reason}
+        peak = self.cg.peak()
+        swap = self._file("memory.swap.peak") or self._file("memory.swap.current")
+        return {"cgroup": self.cg.path, "version": self.cg.version, "limit": self.cg.limit(),
+                "swap_limit": self.cg.swap_limit(), "peak": max(peak or 0, polled_peak),
+                "peak_source": "memory.peak" if self.cg.version == 2 else "memory.max_usage_in_bytes",
+                "oom_kills": self.cg.oom_kills() - self.oom0,
+                "swap_peak": int(swap) if swap and swap.isdigit() else None}
+
+    def close(self):
+        if self.cg is not None:
+            remove_cgroup(self.cg)           # moves us (and any child left) back to the parent first
+            self.cg = None
+
+
+class Monitor:
+    """Polls cgroup memory.current and device-wide GPU memory in use (cudaMemGetInfo) every `period` s.
+    VRAM in use is counted above `vram_base` (what the GPU held before this process touched CUDA)."""
+
+    def __init__(self, cg: CgroupMemory | None, cuda: bool, vram_base: int, period: float = 0.05):
+        self.cg, self.cuda, self.vram_base, self.period = cg, cuda, vram_base, period
+        self.mem_peak = 0
+        self.vram_peak = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, name="bench-monitor", daemon=True)
+        self._t.start()
+
+    def sample(self):
+        if self.cg is not None:
+            self.mem_peak = max(self.mem_peak, self.cg.current())
+        if self.cuda:
+            import torch
+            free, total = torch.cuda.mem_get_info()
+            self.vram_peak = max(self.vram_peak, total - free - self.vram_base)
+
+    def _run(self):
+        while not self._stop.wait(self.period):
+            try:
+                self.sample()
+            except Exception:       # noqa: BLE001 - a monitor must never take the run down
+                pass
+
+    def close(self):
+        self._stop.set()
+        self._t.join()
+        self.sample()

@@ -1,0 +1,224 @@
+"""Benchmark results on disk: bench.json (everything), bench.md (the reference report's table and the
+rest), bench.png (achieved vs bound per pass; per-layer time split of the first cold and warm passes).
+
+matplotlib draws the PNG where it is installed; otherwise a plain bar chart is rasterized with numpy
+and written with zlib, so a machine without matplotlib still gets a well-formed picture.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import struct
+import subprocess
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+GB = 1e9
+MiB = 1 << 20
+
+
+def machine_info() -> dict:
+    import torch
+    info = {"kernel": platform.release(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpus": os.cpu_count(), "cpu": "", "ram_bytes": 0, "gpu": None}
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+        with open("/proc/meminfo") as f:
+            info["ram_bytes"] = int(next(ln.split()[1] for ln in f if ln.startswith("MemTotal"))) * 1024
+    except (OSError, StopIteration, ValueError):
+        pass
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout.strip()
+        info["gpu"] = out.splitlines()[0] if out else None
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
+def _f(x, fmt="{:.2f}", none="–"):
+    return none if x is None else fmt.format(x)
+
+
+def _pct(x):
+    return _f(None if x is None else 100 * x, "{:.2f}%")
+
+
+def _passes(r: dict):
+    for case in r.get("cases", []):
+        for p in case.get("passes", []):
+            yield case, p
+
+
+def markdown(r: dict) -> str:
+    m, mem, vram, ceil = r.get("machine", {}), r.get("memory", {}), r.get("vram", {}), r.get("ceilings", {})
+    L = [f"# Betelgeuse benchmark: {r.get('run', '')}", "",
+         f"Command: `{r.get('command', '')}`", "",
+         f"Machine: GPU {m.get('gpu') or 'none'}; CPU {m.get('cpu', '')} x{m.get('cpus', '')}; "
+         f"RAM {m.get('ram_bytes', 0) / 2**30:.0f} GiB; kernel {m.get('kernel', '')}; torch {m.get('torch', '')}; "
+         f"device `{r.get('device', '')}`", ""]
+    if r.get("status") != "complete":
+        L += [f"**Partial results** (status: {r.get('status')}).", ""]
+    L += ["## Prefill (the reference table: pass 4a cold, 4b warm)", "",
+          "| Case | Router skew | Slots/layer (VRAM+host) | Pass | Schedule | Tokens | PP tok/s | Disk read share | "
+          "Disk wait ms | H2D GB | TTFT s | Bound s (limiter) | Achieved |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for case, p in _passes(r):
+        plan = case.get("plan", {})
+        b = p.get("bound", {})
+        slots = f"{plan.get('n_vram', '?')}+{plan.get('n_host', '?')} ({case['slots_requested']})"
+        label = p["label"] + ("" if p.get("complete", True) else " (partial)")
+        L.append(f"| {case['name']} | {case.get('router_skew')} | {slots} | {label} | {p['schedule']} | "
+                 f"{p['n_tokens']}/{p.get('prompt_tokens', p['n_tokens'])} | {p['tok_per_s']:.2f} | "
+                 f"{_pct(p.get('disk_share'))} | {_f(p.get('disk_wait_ms'), '{:,.0f}')} | "
+                 f"{_f(None if 'h2d_bytes' not in p else p['h2d_bytes'] / GB)} | {_f(p.get('ttft_s'), '{:.3f}')} | "
+                 f"{_f(b.get('bound_s'), '{:.3f}')} ({b.get('limiter', '–')}) | {_pct(b.get('achieved'))} |")
+    L += ["", "## Decode", "", "| Case | Tokens | TG tok/s mean | TG tok/s peak | Disk read share | Disk wait ms |",
+          "|---|---|---|---|---|---|"]
+    for case in r.get("cases", []):
+        d = case.get("decode")
+        if d:
+            L.append(f"| {case['name']} | {d['tokens']}/{d['requested']} | {d['tg_mean']:.2f} | {d['tg_peak']:.2f} | "
+                     f"{_pct(d['disk_share'])} | {d['disk_wait_ms']:,.0f} |")
+    L += ["", "## Warm layer-major vs standard (same prompt, same warm state)", ""]
+    for case in r.get("cases", []):
+        ps = {p["label"]: p for p in case.get("passes", [])}
+        if "warm" in ps and "std" in ps and ps["std"]["tok_per_s"] > 0:
+            L.append(f"- {case['name']}: {ps['warm']['tok_per_s']:.2f} / {ps['std']['tok_per_s']:.2f} tok/s = "
+                     f"**{ps['warm']['tok_per_s'] / ps['std']['tok_per_s']:.1f}x**")
+    L += ["", "## Budgets", "",
+          f"- Peak VRAM: {_f(None if vram.get('peak_bytes') is None else vram['peak_bytes'] / MiB, '{:,.0f}')} MiB "
+          f"(device-wide, above the {vram.get('baseline_bytes', 0) / MiB:,.0f} MiB in use before start; torch max reserved "
+          f"{_f(None if vram.get('torch_max_reserved') is None else vram['torch_max_reserved'] / MiB, '{:,.0f}')} MiB) "
+          f"under a budget of {vram.get('budget', 0) / 2**30:.0f} GiB",
+          f"- Peak cgroup memory: {_f(None if not mem.get('peak') else mem['peak'] / 2**30, '{:.2f}')} GiB of limit "
+          f"{_f(None if not mem.get('limit') else mem['limit'] / 2**30, '{:.2f}')} GiB "
+          f"({mem.get('cgroup') or 'no cgroup: ' + str(mem.get('reason'))}); OOM kills: {mem.get('oom_kills', '–')}; "
+          f"swap limit {mem.get('swap_limit', '–')}, swap peak {mem.get('swap_peak', '–')}",
+          "", "## Ceilings (measured in this run)", "",
+          f"- Disk (O_DIRECT, store reader settings): " + ", ".join(
+              f"{s['bps'] / GB:.2f} GB/s ({s['mode']}, t={s['at_s']:.0f}s)" for s in ceil.get("disk", [])),
+          f"- Host->device: {ceil.get('h2d_bps', 0) / GB:.2f} GB/s ({'pinned arena' if ceil.get('h2d_pinned') else 'memcpy / pageable'})",
+          f"- Expert compute: dequantize {ceil.get('deq_s', 0) * 1e3:.3f} ms; SwiGLU "
+          + ", ".join(f"{k} rows {v * 1e3:.3f} ms" for k, v in ceil.get("mm_s", {}).items()), ""]
+    skipped = r.get("skipped", []) + [dict(s, case=c["name"]) for c in r.get("cases", []) for s in c.get("skipped", [])]
+    if skipped:
+        L += ["## Skipped", ""] + [f"- {s.get('case')} {s.get('pass', '')}: {s['reason']}" for s in skipped] + [""]
+    if r.get("errors"):
+        L += ["## Errors", ""] + [f"- {e}" for e in r["errors"]] + [""]
+    return "\n".join(L)
+
+
+# ---- PNG ---------------------------------------------------------------------------------------------
+def _layer_split(p: dict) -> np.ndarray:
+    """[n_layer, 5] seconds: dense/attention, disk wait, copy, compute, other host time."""
+    rows = []
+    for ls in p.get("layers", []):
+        wall = ls["attn_s"] + ls["moe_s"]
+        known = ls["attn_s"] + ls["disk_wait_s"] + ls["copy_s"] + ls["compute_s"]
+        rows.append([ls["attn_s"], ls["disk_wait_s"], ls["copy_s"], ls["compute_s"], max(0.0, wall - known)])
+    return np.array(rows).reshape(-1, 5)
+
+
+def _chart_data(r: dict):
+    bars = [(f"{c['name']}:{p['label']}", p["seconds"], p["bound"]["bound_s"]) for c, p in _passes(r) if "bound" in p]
+    picks = []
+    for case, p in _passes(r):
+        if p["label"] in ("cold", "warm") and p.get("layers") and all(q[0] != p["label"] for q in picks):
+            picks.append((p["label"], case["name"], _layer_split(p)))
+    return bars, picks
+
+
+SPLIT = ("attention+routing", "disk wait", "copy", "expert compute", "other host")
+
+
+def write_png(r: dict, path: Path) -> str:
+    bars, picks = _chart_data(r)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        _raster_png(bars, picks, path)
+        return "numpy"
+    fig, axes = plt.subplots(1 + len(picks), 1, figsize=(12, 4 + 3.5 * len(picks)))
+    axes = np.atleast_1d(axes)
+    ax = axes[0]
+    x = np.arange(len(bars))
+    ax.bar(x - 0.2, [b[1] for b in bars], 0.4, label="actual s")
+    ax.bar(x + 0.2, [b[2] for b in bars], 0.4, label="bound s")
+    for i, b in enumerate(bars):
+        ax.text(i, max(b[1], b[2]), f"{100 * b[2] / b[1]:.0f}%" if b[1] else "", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(x, [b[0] for b in bars], rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("seconds")
+    ax.set_title("Per pass: actual vs physical bound (label: achieved = bound / actual)")
+    ax.legend()
+    for ax, (label, name, split) in zip(axes[1:], picks):
+        bottom = np.zeros(len(split))
+        for j, part in enumerate(SPLIT):
+            ax.bar(np.arange(len(split)), split[:, j], bottom=bottom, label=part)
+            bottom += split[:, j]
+        ax.set_title(f"Per-layer time split: {name}, {label} pass (copy: measured or bytes / measured bandwidth)")
+        ax.set_xlabel("layer")
+        ax.set_ylabel("seconds")
+        ax.legend(fontsize=7, ncol=5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return "matplotlib"
+
+
+def _raster_png(bars, picks, path: Path, w: int = 800, h_panel: int = 200) -> None:
+    """No matplotlib: grouped bars (actual grey, bound blue) and stacked per-layer splits, no text."""
+    colors = np.array([[31, 119, 180], [255, 127, 14], [44, 160, 44], [214, 39, 40], [148, 103, 189]], np.uint8)
+    panels = [np.full((h_panel, w, 3), 255, np.uint8) for _ in range(1 + len(picks))]
+    top = max([max(b[1], b[2]) for b in bars] + [1e-9])
+    n = max(len(bars), 1)
+    for i, (_, actual, bound) in enumerate(bars):
+        x0 = int(i * w / n)
+        bw = max(1, int(w / n / 2) - 1)
+        for k, (v, col) in enumerate(((actual, (128, 128, 128)), (bound, tuple(colors[0])))):
+            hgt = int((h_panel - 10) * v / top)
+            panels[0][h_panel - hgt:, x0 + k * bw: x0 + (k + 1) * bw] = col
+    for img, (_, _, split) in zip(panels[1:], picks):
+        tot = max(split.sum(1).max() if len(split) else 0, 1e-9)
+        n = max(len(split), 1)
+        for i, row in enumerate(split):
+            x0, x1, y = int(i * w / n), max(int((i + 1) * w / n) - 1, int(i * w / n) + 1), h_panel
+            for j, v in enumerate(row):
+                hgt = int((h_panel - 10) * v / tot)
+                img[max(y - hgt, 0):y, x0:x1] = colors[j]
+                y -= hgt
+    _write_png(np.concatenate(panels, 0), path)
+
+
+def _write_png(rgb: np.ndarray, path: Path) -> None:
+    h, w, _ = rgb.shape
+    raw = b"".join(b"\x00" + rgb[y].tobytes() for y in range(h))
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+    png += chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b"")
+    path.write_bytes(png)
+
+
+def write_results(r: dict, out_dir: str | Path, png: bool) -> dict:
+    """Write bench.json and bench.md (and bench.png when `png`); atomically, so a kill mid-write
+    leaves the previous version. Returns {kind: path}."""
+    d = Path(out_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    paths = {"json": d / "bench.json", "md": d / "bench.md"}
+    for kind, text in (("json", json.dumps(r, indent=1, default=str)), ("md", markdown(r))):
+        tmp = paths[kind].with_suffix(".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, paths[kind])
+    if png:
+        paths["png"] = d / "bench.png"
+        r["png_renderer"] = write_png(r, paths["png"])
+    return {k: str(v) for k, v in paths.items()}

@@ -1,0 +1,47 @@
+"""Quick CUDA smoke of the out-of-core engine (in-process store): bit-identity across slot configs on the GPU,
+pinned arena, and layer-major vs standard timing on a small model. Prints a table. Usage:
+    python3 deploy/device/smoke_cuda.py [--preset tiny|small]"""
+import argparse, time, sys, os
+import torch
+from betelgeuse.config import EngineConfig
+from betelgeuse.gguf.reader import GGUFModelFile
+from betelgeuse.gguf.synth import write_model, PRESETS
+from betelgeuse.store.plan import plan_slots
+from betelgeuse.store.store import ExpertStore
+from betelgeuse.store.client import InProcessStoreClient
+from betelgeuse.worker.runner import ModelRunner
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--preset", default="small")
+ap.add_argument("--device", default="cuda")
+ap.add_argument("--tokens", type=int, default=64)
+a = ap.parse_args()
+path = f"/var/tmp/bg-{a.preset}.gguf"
+if not os.path.exists(path):
+    t = time.time(); write_model(path, PRESETS[a.preset], progress=False); print(f"wrote {path} in {time.time()-t:.1f}s")
+ids = list(range(10, 10 + a.tokens))
+rows = []
+base = None
+for vs, hs in [(0, 0), (5, 15), ("auto", "auto")]:
+    cfg = EngineConfig(model_path=path, device=a.device, vram_slots=vs, host_slots=hs)
+    f = GGUFModelFile.open(path)
+    plan = plan_slots(f, cfg, None)
+    store = ExpertStore(f, plan)
+    r = ModelRunner(cfg, InProcessStoreClient(store))
+    for p in range(2):
+        kv = r.new_cache(a.tokens + 4)
+        logits, st = r.forward(ids, kv, all_logits=True)
+        r.settle()
+        if base is None:
+            base = logits
+        rows.append((f"{plan.n_vram}/{plan.n_host}", "layer_major", p, st.tok_per_s, st.reads, st.disk_bytes >> 20,
+                     st.h2d_bytes >> 20, torch.equal(logits, base), r.cache.pinned))
+    kv = r.new_cache(a.tokens + 4)
+    logits, st = r.forward(ids, kv, all_logits=True, schedule="standard")
+    rows.append((f"{plan.n_vram}/{plan.n_host}", "standard", 2, st.tok_per_s, st.reads, st.disk_bytes >> 20,
+                 st.h2d_bytes >> 20, f"maxdiff {(logits - base).abs().max().item():.3g}", r.cache.pinned))
+    r.close(); store.close()
+print("| slots | schedule | pass | PP tok/s | reads | disk MiB | h2d MiB | bit-identical | pinned |")
+print("|---|---|---|---|---|---|---|---|---|")
+for row in rows:
+    print("| " + " | ".join(str(x if not isinstance(x, float) else round(x, 1)) for x in row) + " |")

@@ -1,0 +1,361 @@
+"""Shared helpers for the out-of-core engine tests: tiny models, real store/worker processes,
+byte counting on the store's control channel, /proc inspection, cgroup placement, page-cache maps.
+
+Everything here drives the real thing: processes are started with `python -m services.store_main`
+/ `services.worker_main`, talk over real Unix sockets and TCP ports on 127.0.0.1, and are ended by
+the PID we started them with (never by name).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+ARENA_MAP_NAME = "memfd:betelgeuse-arena"   # how /proc/<pid>/maps names the store's memfd
+
+# Engine-test geometry: 32 experts so that 5 VRAM + 15 host slots is a real partial residency
+# (a 40-token prompt with top-4 routing touches ~all 32 experts of a layer); vocab and width tiny.
+ENGINE_SPEC = dict(n_layer=3, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_expert=32, n_expert_used=4,
+                   n_ff_exp=64, n_vocab=320, context_length=512, router_skew=0.5, seed=11, qtype="Q8_0")
+# Bigger experts (~209 KiB each at Q8_0) so "far below one expert" is a meaningful bound for the
+# control-socket traffic and page-cache counts land on many whole 4 KiB pages.
+WIDE_SPEC = dict(n_layer=3, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_expert=16, n_expert_used=4,
+                 n_ff_exp=512, n_vocab=320, context_length=512, router_skew=0.5, seed=5, qtype="Q8_0")
+
+
+def write_synth(path: Path | str, **spec) -> Path:
+    """Write a seeded synth qwen3moe GGUF (the `tiny` preset with `spec` overrides) once."""
+    from betelgeuse.gguf.synth import PRESETS, write_model
+    path = Path(path)
+    if not path.exists():
+        tmp = path.with_suffix(".partial")
+        write_model(tmp, replace(PRESETS["tiny"], **spec), progress=False)
+        os.replace(tmp, path)
+    return path
+
+
+def prompt(n: int, n_vocab: int, seed: int = 0) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(3, n_vocab, n)]
+
+
+# ---- in-process engine ---------------------------------------------------------------------------
+
+def in_process_runner(path, vram_slots, host_slots, **cfg):
+    """(runner, store) with a real ExpertStore in this process (its memfd mapped twice)."""
+    from betelgeuse.config import EngineConfig
+    from betelgeuse.gguf.reader import GGUFModelFile
+    from betelgeuse.store.client import InProcessStoreClient
+    from betelgeuse.store.plan import plan_slots
+    from betelgeuse.store.store import ExpertStore
+    from betelgeuse.worker.runner import ModelRunner
+    c = EngineConfig(model_path=str(path), vram_slots=vram_slots, host_slots=host_slots, **cfg)
+    f = GGUFModelFile.open(str(path))
+    store = ExpertStore(f, plan_slots(f, c, None), read_threads=2)
+    return ModelRunner(c, InProcessStoreClient(store)), store
+
+
+def close_runner(runner, store):
+    runner.close()
+    store.close()
+    store.model.close()
+
+
+# ---- processes -------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cgroup_preexec(cg):
+    """Runs in the child between fork and exec: the process enters `cg` before it allocates anything."""
+    procs = os.path.join(cg.path, "cgroup.procs")
+
+    def enter():
+        with open(procs, "w") as f:
+            f.write(str(os.getpid()))
+    return enter
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+    args: list = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def signal(self, sig: int):
+        if self.alive():
+            os.kill(self.pid, sig)
+
+    def stop(self, timeout: float = 10.0) -> int:
+        """SIGTERM our own child by PID, SIGKILL if it does not go; returns its exit code."""
+        if self.alive():
+            os.kill(self.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.kill(self.pid, signal.SIGKILL)
+        return self.popen.wait(timeout)
+
+    def kill9(self) -> int:
+        self.signal(signal.SIGKILL)
+        return self.popen.wait(10)
+
+
+def _spawn(name: str, module: str, args: list[str], log_dir: Path, cgroup=None) -> Proc:
+    log = Path(log_dir) / f"{name}-{time.monotonic_ns()}.log"
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", module, *args]
+    with open(log, "wb") as out:
+        p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             preexec_fn=_cgroup_preexec(cgroup) if cgroup is not None else None)
+    return Proc(name, p, log, cmd)
+
+
+@dataclass
+class StoreSockets:
+    dir: Path
+
+    @property
+    def control(self) -> str:
+        return str(self.dir / "store.sock")
+
+    @property
+    def fds(self) -> str:
+        return str(self.dir / "store-fd.sock")
+
+    def flags(self) -> list[str]:
+        return ["--store-socket", self.control, "--fd-socket", self.fds]
+
+
+def start_store(model, sockets: StoreSockets, vram="0", host="0", extra=(), cgroup=None, wait=True,
+                timeout: float = 60.0) -> Proc:
+    p = _spawn("store", "services.store_main",
+               ["--model", str(model), *sockets.flags(), "--metrics", "", "--device", "cpu",
+                "--vram-slots", str(vram), "--host-slots", str(host), *extra], sockets.dir, cgroup)
+    if wait:
+        wait_store(p, sockets, timeout)
+    return p
+
+
+def wait_store(p: Proc, sockets: StoreSockets, timeout: float = 60.0) -> dict:
+    """Until the store answers Status on its control socket (it listens after the arena is pre-faulted)."""
+    t0 = time.monotonic()
+    while True:
+        if not p.alive():
+            raise AssertionError(f"store exited with {p.popen.returncode}:\n{p.output()}")
+        if os.path.exists(sockets.fds):
+            try:
+                return store_status(sockets.control, timeout=2.0)
+            except grpc.RpcError:
+                pass
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"store not ready after {timeout} s:\n{p.output()}")
+        time.sleep(0.1)
+
+
+def start_worker(model, sockets: StoreSockets, port: int, vram="0", host="0", extra=(), cgroup=None,
+                 wait=True, timeout: float = 90.0) -> Proc:
+    p = _spawn("worker", "services.worker_main",
+               ["--model", str(model), *sockets.flags(), "--metrics", "", "--device", "cpu",
+                "--vram-slots", str(vram), "--host-slots", str(host), "--listen", f"127.0.0.1:{port}", *extra],
+               sockets.dir, cgroup)
+    if wait:
+        wait_health(port, "SERVING", timeout, proc=p)
+    return p
+
+
+# ---- talking to the processes ------------------------------------------------------------------------
+
+def store_status(control_socket: str, timeout: float = 5.0) -> dict:
+    """The store's Status RPC on a fresh channel, without attaching (which would replace the worker's session)."""
+    import json
+    from services.pb.betelgeuse.v1 import store_pb2 as spb
+    from services.pb.betelgeuse.v1 import store_pb2_grpc as spb_grpc
+    with grpc.insecure_channel(f"unix:{control_socket}") as ch:
+        return json.loads(spb_grpc.ExpertStoreStub(ch).Status(spb.StatusRequest(), timeout=timeout).json)
+
+
+def health(port: int, timeout: float = 2.0) -> str:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        try:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        except grpc.RpcError as e:
+            return f"RPC_{e.code().name}"
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+
+
+def wait_health(port: int, want: str, timeout: float, proc: Proc | None = None) -> float:
+    t0 = time.monotonic()
+    last = None
+    while time.monotonic() - t0 < timeout:
+        if proc is not None and not proc.alive():
+            raise AssertionError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.output()}")
+        last = health(port)
+        if last == want:
+            return time.monotonic() - t0
+        time.sleep(0.2)
+    raise AssertionError(f"health stayed {last}, wanted {want} within {timeout} s"
+                         + (f":\n{proc.output()}" if proc else ""))
+
+
+def generate(port: int, ids: list[int], max_tokens: int = 4, timeout: float = 60.0):
+    """Greedy Generate over gRPC; returns the FinalEvent (token_ids, usage). Raises grpc.RpcError."""
+    from services.pb.betelgeuse.v1 import inference_pb2 as ipb
+    from services.pb.betelgeuse.v1 import inference_pb2_grpc as ipb_grpc
+    req = ipb.GenerateRequest(prompt_ids=ipb.TokenIds(ids=ids), max_tokens=max_tokens, ignore_eos=True,
+                              sampling=ipb.SamplingParams(temperature=0.0))
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        final = None
+        for r in ipb_grpc.InferenceServiceStub(ch).Generate(req, timeout=timeout):
+            if r.HasField("final"):
+                final = r.final
+    assert final is not None, "Generate ended without a FinalEvent"
+    return final
+
+
+class ByteCounter(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Counts serialized protobuf bytes both ways on a client channel (requests + every response)."""
+
+    def __init__(self):
+        self.sent = 0
+        self.received = 0
+        self.calls = 0
+
+    @property
+    def total(self) -> int:
+        return self.sent + self.received
+
+    def intercept_unary_unary(self, continuation, details, request):
+        self.calls += 1
+        self.sent += request.ByteSize()
+        resp = continuation(details, request)
+        try:
+            self.received += resp.result().ByteSize()
+        except grpc.RpcError:
+            pass
+        return resp
+
+    def intercept_unary_stream(self, continuation, details, request):
+        self.calls += 1
+        self.sent += request.ByteSize()
+        it = continuation(details, request)
+        counter = self
+
+        class Counted:                 # keep the call object's methods (cancel, code) available
+            def __iter__(self):
+                return self
+
+            def __next__(self):
+                m = next(it)
+                counter.received += m.ByteSize()
+                return m
+
+            def __getattr__(self, name):
+                return getattr(it, name)
+        return Counted()
+
+
+def counting_store_client(sockets: StoreSockets):
+    """A GrpcStoreClient whose control channel counts bytes (the counter is `.counter`)."""
+    from services.pb.betelgeuse.v1 import store_pb2_grpc as spb_grpc
+    from services.store_client import GrpcStoreClient
+
+    class Counting(GrpcStoreClient):
+        def attach(self):
+            out = super().attach()
+            self.stub = spb_grpc.ExpertStoreStub(grpc.intercept_channel(self.channel, self.counter))
+            return out
+    c = Counting(sockets.control, sockets.fds)
+    c.counter = ByteCounter()
+    return c
+
+
+# ---- /proc ------------------------------------------------------------------------------------------
+
+def arena_mappings(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/maps") as f:
+        return [line.strip() for line in f if ARENA_MAP_NAME in line]
+
+
+def proc_io(pid: int) -> dict[str, int]:
+    """/proc/<pid>/io: wchar counts every byte the process wrote with write/send (sockets included)."""
+    with open(f"/proc/{pid}/io") as f:
+        return {k: int(v) for k, v in (line.split(":") for line in f)}
+
+
+# ---- page cache ---------------------------------------------------------------------------------------
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+
+
+def resident_map(path: str) -> np.ndarray:
+    """bool [n_pages]: which 4 KiB pages of `path` are in the page cache (mincore on a mapping; the same
+    method as tests/test_reader.resident_pages, which returns only the count; the tests check both agree)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    try:
+        anchor = ctypes.c_char.from_buffer(mm)
+        n = -(-size // mmap.PAGESIZE)
+        vec = (ctypes.c_ubyte * n)()
+        rc = _libc.mincore(ctypes.addressof(anchor), size, vec)
+        assert rc == 0, os.strerror(ctypes.get_errno())
+        del anchor
+        return (np.frombuffer(vec, dtype=np.uint8) & 1).astype(bool)
+    finally:
+        mm.close()
+
+
+def expert_page_mask(path: str) -> np.ndarray:
+    """bool [n_pages]: pages lying wholly inside an expert tensor (`*_exps`), from gguf's own reader
+    (independent of ours). Pages shared with a dense tensor are excluded: mmap reads of it may cache them."""
+    from gguf import GGUFReader
+    page = mmap.PAGESIZE
+    n = -(-os.path.getsize(path) // page)
+    mask = np.zeros(n, dtype=bool)
+    for t in GGUFReader(path).tensors:
+        if "_exps." in t.name:
+            lo = -(-int(t.data_offset) // page)
+            hi = (int(t.data_offset) + int(t.n_bytes)) // page
+            mask[lo:hi] = True
+    return mask
+
+
+# ---- the Hugging Face oracle ---------------------------------------------------------------------------
+
+def hf_model(path: Path, n_ff_exp: int):
+    """transformers' own Qwen3MoE reading the same GGUF (see tests/test_model_oracle.py)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import torch
+    import transformers
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32,
+        moe_intermediate_size=n_ff_exp, norm_topk_prob=True).eval()
