@@ -13,14 +13,20 @@ from betelgeuse.settings import Settings, load_settings, parse_size
 log = logging.getLogger("betelgeuse")
 
 
-def resolve_device(device: str) -> str:
+def resolve_device(device: str, use_torch: bool = True) -> str:
+    """'auto' -> 'cuda' or 'cpu'. The store passes use_torch=False: it must not import torch (hundreds of MB
+    under the shared MemoryMax) and only needs the answer to size the VRAM tier; it looks for the driver's
+    device node instead."""
     if device != "auto":
         return device
+    if not use_torch:
+        import os
+        return "cuda" if os.path.exists("/dev/nvidiactl") and os.environ.get("CUDA_VISIBLE_DEVICES") != "" else "cpu"
     import torch
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def engine_config(s: Settings) -> EngineConfig:
+def engine_config(s: Settings, use_torch: bool = True) -> EngineConfig:
     """The engine's configuration from the settings file (both processes derive the same one)."""
     eng = getattr(s, "engine", None)
     extra = {}
@@ -30,7 +36,7 @@ def engine_config(s: Settings) -> EngineConfig:
             if hasattr(eng, name):
                 extra[name] = getattr(eng, name)
     return EngineConfig(
-        model_path=s.model.path, device=resolve_device(s.worker.device),
+        model_path=s.model.path, device=resolve_device(s.worker.device, use_torch),
         vram_slots=s.slots.vram_per_layer, host_slots=s.slots.host_per_layer,
         vram_budget=s.budget.vram, memory_max=s.budget.memory_max, **extra)
 

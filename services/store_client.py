@@ -18,7 +18,9 @@ from services.pb.betelgeuse.v1 import store_pb2_grpc as pb_grpc
 
 def _unavailable(e: grpc.RpcError) -> StoreUnavailableError:
     code = e.code() if hasattr(e, "code") else None
-    detail = e.details() if hasattr(e, "details") else str(e)
+    detail = (e.details() if hasattr(e, "details") else str(e)) or ""
+    # grpc's connection errors are long and repetitive; the first clause says what happened
+    detail = detail.split(";")[0].strip()
     return StoreUnavailableError(f"expert store unavailable ({code.name if code else 'error'}): {detail}")
 
 
@@ -54,6 +56,16 @@ class GrpcStoreClient:
             raise
         self.session = reply.session
         return Arena.attach(fd, header["arena_bytes"]), SlotPlan.from_json(reply.layout_json)
+
+    def ping(self) -> dict:
+        """The store's status, without attaching (start-up waits on this)."""
+        with grpc.insecure_channel(f"unix:{self.socket_path}") as ch:
+            try:
+                reply = pb_grpc.ExpertStoreStub(ch).Status(pb.StatusRequest(), timeout=5)
+            except grpc.RpcError as e:
+                raise _unavailable(e) from None
+        import json
+        return json.loads(reply.json)
 
     def begin_pass(self) -> int:
         return self._call(self.stub.BeginPass, pb.BeginPassRequest(session=self.session)).epoch

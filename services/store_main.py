@@ -142,7 +142,7 @@ def main(argv=None) -> int:
     common_args(p)
     a = p.parse_args(argv)
     settings, over = settings_from_args(a)
-    cfg = dataclasses.replace(engine_config(settings), **over)
+    cfg = dataclasses.replace(engine_config(settings, use_torch=False), **over)
     metrics_addr = a.metrics if a.metrics is not None else settings.store.metrics
 
     sdnotify.notify(status="opening model")
@@ -161,6 +161,7 @@ def main(argv=None) -> int:
     m = make_store_metrics(__version__)
     m.arena_bytes.set(plan.arena_bytes)
     m.disk_direct_io.set(1 if store.reader.mode == "direct" else 0)
+    store.reader.on_read = m.disk_read_duration.observe     # seconds per preadv piece, from the reader threads
     if cg:
         m.set_cgroup_reader(cg.current, lambda: float(cg.limit() or "nan"))
     stop = threading.Event()

@@ -33,7 +33,7 @@ def wait_for_store(client: GrpcStoreClient, timeout: float):
     t0 = time.monotonic()
     while True:
         try:
-            return client.attach()
+            return client.ping()
         except StoreUnavailableError:
             if time.monotonic() - t0 > timeout:
                 raise
@@ -63,9 +63,7 @@ def main(argv=None) -> int:
 
     sdnotify.notify(status="attaching to the expert store")
     client = GrpcStoreClient(settings.store.socket, settings.store.fd_socket)
-    # the engine attaches itself; this only waits until the store answers
-    arena, _plan = wait_for_store(client, a.store_wait)
-    arena.close()
+    wait_for_store(client, a.store_wait)         # the engine attaches itself; this waits until the store answers
     sdnotify.notify(status="loading the model", extend_timeout_us=int(300e6))
     interval = sdnotify.watchdog_interval()
     last_ping = [0.0]
@@ -89,6 +87,12 @@ def main(argv=None) -> int:
     log.info("worker serving on %s (%s, %d+%d slots/layer)", ", ".join(listen), cfg.device,
              mi.vram_slots_per_layer, mi.host_slots_per_layer)
     while not stop.is_set():
+        if engine.store_ok:                       # notice a dead store while idle, not only when a request fails
+            try:
+                client.ping()
+            except StoreUnavailableError as e:
+                engine.report_store_down(e)
+                time.sleep(0.05)
         ok = engine.is_ready()
         set_health(health_servicer, ok)
         m.ready.set(1 if ok else 0)

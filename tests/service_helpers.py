@@ -14,7 +14,6 @@ Nothing here is a mock: every helper talks to real processes, sockets and files.
 from __future__ import annotations
 
 import functools
-import os
 import sys
 import time
 import urllib.request
@@ -239,6 +238,3 @@ def gguf_metadata(model_path) -> dict:
     out["__tensors__"] = {t.name: (int(t.n_bytes), t.tensor_type.name) for t in r.tensors}
     return out
 
-
-def env_seconds(name: str, default: float) -> float:
-    return float(os.environ.get(name, default))

@@ -213,7 +213,7 @@ def test_concurrent_clients_with_cancel_and_deadline(cluster, channel, service_m
     assert h.delta(after, later, "betelgeuse_generation_tokens_total") == 0
     seen = len(results["cancel"].tokens) + len(results["deadline"].tokens)
     grown = h.delta(before, later, "betelgeuse_generation_tokens_total")
-    assert grown <= 3 * (n - 1) + seen + 4, (grown, seen)
+    assert grown <= 3 * (n - 1) + seen + 20, (grown, seen)
     assert grown < 3 * (n - 1) + LONG
     # still serving
     again = h.run_stream(s.Generate(h.request(text=prompts[0], max_tokens=n, ignore_eos=True), timeout=60))

@@ -68,11 +68,10 @@ BAD_REQUESTS = {  # name -> (request, words the message must contain)
     "max_tokens 0": (h.request(text="Hi", max_tokens=0), ["max_tokens"]),
     "prompt beyond the context": (h.request(ids=[7] * 2048), ["2048", "context"]),
     "unknown chat role": (h.request(messages=[{"role": "wizard", "content": "x"}]), ["wizard"]),
-    "stop token id out of range": (None, ["stop token id"]),
 }
 _stop = h.request(text="Hi")
 _stop.stop_token_ids.append(5000)
-BAD_REQUESTS["stop token id out of range"] = (_stop, ["5000"])
+BAD_REQUESTS["stop token id out of range"] = (_stop, ["stop token id", "5000"])
 
 
 @pytest.mark.parametrize("name", list(BAD_REQUESTS))
@@ -133,7 +132,7 @@ def test_queue_full_is_resource_exhausted(cluster, channel):
 def test_cancel_and_deadline_stop_the_engine(cluster, channel, how):
     """Cancel after 2 tokens, or a 1.5 s deadline, of a max_tokens=1500 request: the client sees
     CANCELLED / DEADLINE_EXCEEDED, the engine finishes it as cancelled and its token counter stops far
-    short of 1500."""
+    short of 1500 (within a few tokens of what the client received) and then does not move."""
     s = h.stub(channel)
     before = h.scrape(cluster.worker_metrics_url)
     if how == "cancel":
@@ -149,7 +148,8 @@ def test_cancel_and_deadline_stop_the_engine(cluster, channel, how):
     time.sleep(1.0)
     later = h.scrape(cluster.worker_metrics_url)
     grown = h.delta(before, later, "betelgeuse_generation_tokens_total")
-    assert grown <= len(got.tokens) + 2, (grown, len(got.tokens))   # stopped within a token or two
+    # stopped within a few tokens of what the client saw (tokens in flight when the cancel arrived)
+    assert grown <= len(got.tokens) + 10, (grown, len(got.tokens))
     assert h.delta(mid, later, "betelgeuse_generation_tokens_total") == 0
     assert h.value(later, "betelgeuse_requests_running") == 0
     assert _server_info(channel).active_requests == 0

@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import grpc
-import pytest
 from grpc_health.v1 import health_pb2
 
 try:

@@ -35,7 +35,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--preset", help="synth preset for a model that must be written (default bench)")
     p.add_argument("--layers", type=int, help="override the preset's layer count")
     p.add_argument("--router-skew", type=float, help="override the preset's router skew")
-    p.add_argument("--variant-skew", default=None, help="router skew of a second, smaller model ('none': no variant; default 0)")
+    p.add_argument("--variant-skew", default=None,
+                   help="router skew of a second, smaller model ('none': no variant; default 0)")
     p.add_argument("--variant-layers", type=int, help="layers of the second model (default 8)")
     p.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto)")
     p.add_argument("--memory-max", help="cgroup memory.max for both processes (default 12G; 'none': no cgroup limit)")
@@ -46,7 +47,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--standard-prompts", help="prompt lengths also run with the standard schedule (default 64)")
     p.add_argument("--decode", type=int, help="decode tokens after the warm pass (default 128)")
     p.add_argument("--time-budget", type=float, help="seconds for the whole run, model writing included (default 480)")
-    p.add_argument("--standard-cap", type=float, help="seconds per standard pass before it is cut (default 30)")
+    p.add_argument("--standard-cap", type=float, help="seconds per standard pass before it is cut (default 20)")
     p.add_argument("--decode-cap", type=float, help="seconds per decode run before it is cut (default 20)")
     p.add_argument("--disk-sample", help="bytes per disk ceiling sample (default 1GiB)")
     p.add_argument("--seed", type=int, default=0)
@@ -97,9 +98,9 @@ def ensure_model(path: Path, spec, log) -> dict:
     log(f"writing {path} ({need / 1e9:.1f} GB, router skew {spec.router_skew}) ...")
     t = time.perf_counter()
     try:
-        import tqdm  # noqa: F401
-        progress = sys.stderr.isatty()
-    except ImportError:
+        import tqdm
+        progress = sys.stderr.isatty() and bool(tqdm.__version__)
+    except ImportError:                      # gguf's own dependency, but not on every device
         progress = False
     write_model(path, spec, progress=progress)
     fd = os.open(path, os.O_RDONLY)
@@ -133,7 +134,8 @@ def run(args) -> int:
     preset = _opt(args, "preset", "bench")
     layers = _opt(args, "layers", None)
     spec = spec_from_preset(preset, n_layer=layers, router_skew=args.router_skew, seed=args.seed)
-    model = Path(args.model) if args.model else work / f"{preset}-L{spec.n_layer}-skew{spec.router_skew:g}-seed{spec.seed}.gguf"
+    name = f"{preset}-L{spec.n_layer}-skew{spec.router_skew:g}-seed{spec.seed}.gguf"
+    model = Path(args.model) if args.model else work / name
     vs = _opt(args, "variant_skew", "0")
     variant_skew = None if str(vs).lower() == "none" else float(vs)
     run_name = args.run_name or time.strftime("%Y%m%d-%H%M%S") + f"-{device.split(':')[0]}"
@@ -157,14 +159,14 @@ def run(args) -> int:
                      decode=int(_opt(args, "decode", 128)), memory_max=memory_max,
                      vram_budget=parse_size(_opt(args, "vram_budget", "12GiB"), "--vram-budget"),
                      cgroup=not args.no_cgroup, time_budget=float(_opt(args, "time_budget", 480.0)), t0=t0,
-                     standard_cap=float(_opt(args, "standard_cap", 30.0)), decode_cap=float(_opt(args, "decode_cap", 20.0)),
+                     standard_cap=float(_opt(args, "standard_cap", 20.0)), decode_cap=float(_opt(args, "decode_cap", 20.0)),
                      disk_sample_bytes=parse_size(_opt(args, "disk_sample", "1GiB"), "--disk-sample"),
                      seed=args.seed, run_dir=str(work / f"run-{os.getpid()}"))
     results["options"] = {k: getattr(o, k) for k in o.__slots__ if k != "t0"}
     log(f"device {device}; results -> {out}")
     try:
         Harness(o, results, save).run()
-        results["status"] = "complete"
+        results["status"] = "complete" if not results["errors"] else "complete with errors"
     except KeyboardInterrupt:
         results["status"] = "interrupted"
         raise
@@ -177,7 +179,9 @@ def run(args) -> int:
             results["status"] = "failed"
         paths = save(True)
         log(f"wrote {', '.join(paths.values())}")
-    return 0
+    for e in results["errors"]:
+        log(f"error: {e}")
+    return 0 if not results["errors"] else 1
 
 
 def _argv(args) -> list[str]:

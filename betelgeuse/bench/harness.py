@@ -21,8 +21,10 @@ import numpy as np
 import torch
 
 from betelgeuse.bench import ceilings as C
-from betelgeuse.bench.procs import BenchCgroup, Monitor, StoreProcess
+from betelgeuse.bench.procs import (BenchCgroup, Monitor, StoreProcess, arena_mappings, cgroup_of, mkdir,
+                                    vram_used_before_cuda)
 from betelgeuse.config import GiB, EngineConfig
+from betelgeuse.errors import BetelgeuseError
 from betelgeuse.gguf.reader import GGUFModelFile
 from betelgeuse.worker.runner import ModelRunner
 
@@ -54,7 +56,7 @@ class BenchOptions:
     cgroup: bool = True
     time_budget: float = 480.0              # seconds for the whole run, from `t0`
     t0: float = field(default_factory=time.monotonic)
-    standard_cap: float = 30.0              # seconds per standard pass (a partial pass still gives tok/s)
+    standard_cap: float = 20.0              # seconds per standard pass (a partial pass still gives tok/s)
     decode_cap: float = 20.0                # seconds per decode run
     disk_sample_bytes: int = 1 * GiB
     disk_sample_s: float = 1.5
@@ -123,8 +125,8 @@ class Harness:
         o, r = self.o, self.results
         cg = BenchCgroup(o.memory_max, o.cgroup)
         r["memory"] = {"cgroup": cg.cg.path if cg.cg else None, "reason": cg.reason}
-        vram_base = _vram_used_before_cuda() if self.cuda else 0
-        mon = Monitor(cg.cg, self.cuda, vram_base)
+        vram_base = vram_used_before_cuda() if self.cuda else 0
+        mon = Monitor(cg.cg, self.dev, vram_base)
         r["vram"] = {"baseline_bytes": vram_base, "budget": o.vram_budget}
         try:
             self._ceilings_h2d()
@@ -136,12 +138,15 @@ class Harness:
                     self._case(case)
                 except OutOfTime:
                     r["skipped"].append({"case": case.name, "reason": "time budget (aborted mid-pass)"})
+                except (BetelgeuseError, torch.OutOfMemoryError) as e:   # refused budget, dead store, CUDA OOM:
+                    r["errors"].append(f"{case.name}: {type(e).__name__}: {e}")   # recorded; next case
                 self.save(False)
         except Exception as e:          # the partial results still go out, with the error
             r["errors"].append(f"{type(e).__name__}: {e}")
             raise
         finally:
             self._drop_runner()
+            self._rebound()
             mon.close()
             r["memory"].update(cg.summary(mon.mem_peak))
             if self.cuda:
@@ -168,11 +173,22 @@ class Harness:
         cfg = EngineConfig(model_path=model, device=self.o.device, vram_budget=self.o.vram_budget,
                            memory_max=self.o.memory_max)
         self.runner, self.runner_model = ModelRunner(cfg, client), model
-        if not self.ceil.mm_s:
-            self.ceil.sub_batch = cfg.sub_batch
-            self.ceil.deq_s, self.ceil.mm_s = C.measure_compute(self.runner.cache, self.runner.file, cfg.sub_batch,
-                                                                20 if self.cuda else 3)
         return self.runner
+
+    def _rebound(self):
+        """Bounds of every pass with the final compute ceiling (disk: the sample of the pass's own case)."""
+        for case in self.results["cases"]:
+            for p in case["passes"]:
+                if "loads" in p:
+                    p["bound"] = C.pass_bound(self.ceil, case["disk_bps"], p["n_tokens"], p["loads"], p["disk_bytes"],
+                                              p["h2d_bytes"], case["n_layer"], p["k"], p["seconds"])
+
+    def _measure_compute(self):
+        rn = self.runner
+        deq, mm = C.measure_compute(rn.cache, rn.file, rn.cfg.sub_batch, 20 if self.cuda else 4)
+        self.ceil.sub_batch = rn.cfg.sub_batch
+        self.ceil.deq_s = min(deq, self.ceil.deq_s or deq)
+        self.ceil.mm_s = {k: min(v, self.ceil.mm_s.get(k, v)) for k, v in mm.items()}
 
     def _detach(self):
         """Unmap the store's arena and free the VRAM slots, so the next store's arena fits the cgroup."""
@@ -212,13 +228,15 @@ class Harness:
                            o.disk_sample_s, o.seed + len(r["cases"]), o.t0)
         self.ceil.disk.append(s)
         out["disk_bps"] = s.bps
-        store = StoreProcess(case.model, _path(o.run_dir), str(len(r["cases"])), slots_pair(case.slots), o.device,
-                             o.memory_max, o.vram_budget, _path(o.run_dir) / "store.log")
+        store = StoreProcess(case.model, mkdir(o.run_dir), str(len(r["cases"])), slots_pair(case.slots), o.device,
+                             o.memory_max, o.vram_budget, mkdir(o.run_dir) / "store.log")
         try:
             out["store_start_s"] = store.wait_ready()
+            out["cgroups"] = {"store": cgroup_of(store.proc.pid), "worker": cgroup_of("self")}
             t = time.perf_counter()
             rn = self._runner_for(case.model, store)
             out["attach_s"] = time.perf_counter() - t
+            self._measure_compute()                 # every case: the ceiling is the best seen in the run
             p = rn.plan
             out["plan"] = {"n_vram": p.n_vram, "n_host": p.n_host, "n_staging": p.n_staging, "arena_bytes": p.arena_bytes,
                            "slot_bytes": p.slot.slot_bytes, "vram_slot_bytes": p.vram_slot_bytes, "notes": list(p.notes),
@@ -229,7 +247,8 @@ class Harness:
             for kind in case.passes:
                 est = self._estimate(f, kind, case.prompt)
                 if self.remaining() < 0.5 * est:
-                    out["skipped"].append({"pass": kind, "reason": f"time budget ({self.remaining():.0f} s left, ~{est:.0f} s needed)"})
+                    why = f"time budget ({self.remaining():.0f} s left, ~{est:.0f} s needed)"
+                    out["skipped"].append({"pass": kind, "reason": why})
                     continue
                 if kind == "decode":
                     if warm_kv is not None:
@@ -246,6 +265,7 @@ class Harness:
             out["store_status"] = rn.store.status()
         finally:
             self._detach()
+            out["arena_mappings_after_detach"] = arena_mappings()
             rc = store.stop()
             out["store_exit"] = rc
             if rc not in (0, None):
@@ -317,7 +337,8 @@ def pass_record(kind: str, st, ttft: float, ceil: C.Ceilings, f: GGUFModelFile, 
             "tok_per_s": st.tok_per_s, "ttft_s": ttft, "reads": dict(st.reads), "loads": loads,
             "disk_share": st.disk_share, "disk_bytes": st.disk_bytes, "disk_wait_ms": st.disk_wait_s * 1e3,
             "h2d_bytes": st.h2d_bytes, "prefetched": st.prefetched, "vram_filled": st.vram_filled,
-            "bound": C.pass_bound(ceil, st.n_tokens, loads, st.disk_bytes, st.h2d_bytes, c.n_layer,
+            "k": c.n_expert_used,
+            "bound": C.pass_bound(ceil, ceil.disk_bps, st.n_tokens, loads, st.disk_bytes, st.h2d_bytes, c.n_layer,
                                   c.n_expert_used, st.seconds),
             "layers": layers}
 
@@ -325,21 +346,3 @@ def pass_record(kind: str, st, ttft: float, ceil: C.Ceilings, f: GGUFModelFile, 
 def _skew(f: GGUFModelFile):
     v = f.metadata.get("betelgeuse.synth.router_skew")
     return None if v is None else round(float(v), 6)
-
-
-def _path(p: str):
-    from pathlib import Path
-    d = Path(p)
-    d.mkdir(parents=True, exist_ok=True)
-    return d
-
-
-def _vram_used_before_cuda() -> int:
-    """GPU memory in use before this process creates a CUDA context (nvidia-smi; 0 if unavailable)."""
-    import subprocess
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-                             capture_output=True, text=True, timeout=20).stdout.strip()
-        return int(float(out.splitlines()[0])) << 20
-    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
-        return 0

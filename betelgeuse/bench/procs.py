@@ -133,8 +133,9 @@ class Monitor:
     """Polls cgroup memory.current and device-wide GPU memory in use (cudaMemGetInfo) every `period` s.
     VRAM in use is counted above `vram_base` (what the GPU held before this process touched CUDA)."""
 
-    def __init__(self, cg: CgroupMemory | None, cuda: bool, vram_base: int, period: float = 0.05):
-        self.cg, self.cuda, self.vram_base, self.period = cg, cuda, vram_base, period
+    def __init__(self, cg: CgroupMemory | None, device, vram_base: int, period: float = 0.05):
+        self.cg, self.device, self.vram_base, self.period = cg, device, vram_base, period
+        self.cuda = device.type == "cuda"
         self.mem_peak = 0
         self.vram_peak = 0
         self._stop = threading.Event()
@@ -146,7 +147,7 @@ class Monitor:
             self.mem_peak = max(self.mem_peak, self.cg.current())
         if self.cuda:
             import torch
-            free, total = torch.cuda.mem_get_info()
+            free, total = torch.cuda.mem_get_info(self.device)
             self.vram_peak = max(self.vram_peak, total - free - self.vram_base)
 
     def _run(self):
@@ -160,3 +161,31 @@ class Monitor:
         self._stop.set()
         self._t.join()
         self.sample()
+
+
+def cgroup_of(pid) -> str | None:
+    cg = CgroupMemory.of_process(pid)
+    return cg.path if cg else None
+
+
+def arena_mappings() -> int:
+    """Mappings of a store arena (memfd) left in this process: must be 0 once detached, or the old
+    arena stays charged to the cgroup while the next store pre-faults its own."""
+    with open("/proc/self/maps") as f:
+        return sum("memfd:betelgeuse-arena" in ln for ln in f)
+
+
+def mkdir(p: str) -> Path:
+    d = Path(p)
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def vram_used_before_cuda() -> int:
+    """GPU memory in use before this process creates a CUDA context (nvidia-smi; 0 if unavailable)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=20).stdout.strip()
+        return int(float(out.splitlines()[0])) << 20
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return 0

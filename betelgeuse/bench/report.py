@@ -101,9 +101,10 @@ def markdown(r: dict) -> str:
           f"({mem.get('cgroup') or 'no cgroup: ' + str(mem.get('reason'))}); OOM kills: {mem.get('oom_kills', '–')}; "
           f"swap limit {mem.get('swap_limit', '–')}, swap peak {mem.get('swap_peak', '–')}",
           "", "## Ceilings (measured in this run)", "",
-          f"- Disk (O_DIRECT, store reader settings): " + ", ".join(
+          "- Disk (O_DIRECT, store reader settings): " + ", ".join(
               f"{s['bps'] / GB:.2f} GB/s ({s['mode']}, t={s['at_s']:.0f}s)" for s in ceil.get("disk", [])),
-          f"- Host->device: {ceil.get('h2d_bps', 0) / GB:.2f} GB/s ({'pinned arena' if ceil.get('h2d_pinned') else 'memcpy / pageable'})",
+          f"- Host->device: {ceil.get('h2d_bps', 0) / GB:.2f} GB/s "
+          f"({'pinned arena' if ceil.get('h2d_pinned') else 'memcpy / pageable'})",
           f"- Expert compute: dequantize {ceil.get('deq_s', 0) * 1e3:.3f} ms; SwiGLU "
           + ", ".join(f"{k} rows {v * 1e3:.3f} ms" for k, v in ceil.get("mm_s", {}).items()), ""]
     skipped = r.get("skipped", []) + [dict(s, case=c["name"]) for c in r.get("cases", []) for s in c.get("skipped", [])]

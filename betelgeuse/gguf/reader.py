@@ -21,12 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from betelgeuse.errors import ModelFormatError, UnsupportedError
 from betelgeuse.gguf.header import GGUF_MAGIC, GGUFHeader, TensorEntry, parse_header
 from betelgeuse.gguf.modelconfig import ModelConfig, check_arch, config_from_metadata, get_int
-from betelgeuse.gguf.quants import SUPPORTED_QTYPES, block_size, dequantize, qtype_name, tensor_nbytes
+from betelgeuse.gguf.qtypes import SUPPORTED_QTYPES, block_size, qtype_name, tensor_nbytes
 
 TOKEN_EMBD, OUTPUT_NORM, OUTPUT = "token_embd.weight", "output_norm.weight", "output.weight"
 # Per-layer tensors every qwen3moe block needs (the expert gate/up may instead be fused).
@@ -234,9 +233,12 @@ class GGUFModelFile:
             raise ValueError(f"{self.path}: file is closed")
         return self._map[info.offset:info.offset + info.nbytes]
 
-    def load_tensor(self, name: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def load_tensor(self, name: str, device: "str | torch.device" = "cpu", dtype: "torch.dtype | None" = None) -> "torch.Tensor":
         """Tensor `name` dequantized on `device` to `dtype`, shape = info.shape (a fresh tensor).
         The quantized bytes are copied to `device` first, so the dequantization runs there."""
+        import torch                                     # lazily: the store process never dequantizes
+        from betelgeuse.gguf.quants import dequantize
+        dtype = torch.float32 if dtype is None else dtype
         info = self.info(name)
         raw = torch.from_numpy(np.array(self.raw(name)))  # copy: the map is read-only
         return dequantize(raw.to(device), info.qtype, info.shape, dtype)

@@ -109,6 +109,7 @@ class ExpertReader:
             self.mode = "buffered"
         self.file_size = os.fstat(self.fd).st_size
         self.stats = ReaderStats()
+        self.on_read = None  # callable(seconds) after each finished piece, from its thread (a latency histogram)
         self._stats_lock = threading.Lock()
         self._q: queue.PriorityQueue = queue.PriorityQueue()
         self._seq = itertools.count()  # FIFO within a priority
@@ -195,6 +196,8 @@ class ExpertReader:
             self.stats.bytes_read += got
             self.stats.reads += calls
             self.stats.busy_seconds += busy
+        if self.on_read is not None:
+            self.on_read(busy)
 
     def close(self) -> None:
         """Stop the threads after the pieces already queued; pending futures then resolve normally."""

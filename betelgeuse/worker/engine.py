@@ -43,6 +43,7 @@ class LLMEngine:
         self.store_ok = True
         self.started = time.monotonic()
         self._stop = False
+        self._store_lost: StoreUnavailableError | None = None   # set by a health probe on another thread
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
@@ -102,6 +103,10 @@ class LLMEngine:
         while not self._stop:
             if self.on_tick:
                 self.on_tick()
+            if self._store_lost is not None:
+                err, self._store_lost = self._store_lost, None
+                if self.store_ok:
+                    self._store_down(err)
             with self.cv:
                 if not self.waiting and not self.running:
                     self.cv.wait(0.5)
@@ -252,6 +257,11 @@ class LLMEngine:
                 seq.fail(err)
             self.waiting.clear()
         threading.Thread(target=self._reattach, name="reattach", daemon=True).start()
+
+    def report_store_down(self, err: StoreUnavailableError):
+        """From another thread (the worker's health probe): the store stopped answering while idle."""
+        self._store_lost = err
+        self._wake()
 
     def _reattach(self):
         while not self._stop and not self.store_ok:

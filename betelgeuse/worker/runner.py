@@ -202,13 +202,11 @@ class ModelRunner:
         for e in by_tier[TIER_HOST]:
             i = self.cache.to_ring(self.cache.host_slot(l, int(hslots[e])))
             self._compute(h, y, work[e], self.cache.ring[i], l, e, ls, sb, ring=i)
-        # 4. disk experts in the order they land
+        # 4. disk experts in the order they land; a staging slot goes back once its copy is done
         pending: list[tuple[int, int]] = []          # (ring index, staging slot) whose copy may be in flight
-        n_disk = len(by_tier[TIER_DISK])
-        for _ in range(n_disk):
-            if pending:
-                self._release(pending)               # never hold slots while blocking on the store
-                pending = []
+        limit = max(1, min(self.cfg.ring_slots, self.plan.n_staging // 2))
+        for _ in range(len(by_tier[TIER_DISK])):
+            pending = self._release(pending, keep=limit - 1)   # never hold many slots while blocking on the store
             tw = time.perf_counter()
             got = next(loads)
             ls.disk_wait_s += time.perf_counter() - tw
@@ -216,14 +214,22 @@ class ModelRunner:
             i = self.cache.to_ring(self.cache.staging_slot(got.slot))
             pending.append((i, got.slot))
             self._compute(h, y, work[got.expert], self.cache.ring[i], l, got.expert, ls, sb, ring=i)
-        if pending:
-            self._release(pending)
+        self._release(pending, keep=0)
 
-    def _release(self, pending):
+    def _release(self, pending, keep: int):
+        """Release staging slots whose copies finished (CUDA: event query, no sync); if more than `keep`
+        remain, wait for the oldest copies. Returns what is still pending."""
         if self.cache.is_cuda:
-            for i, _ in pending:
-                self.cache.ring_ready_event(i).synchronize()
-        self.store.release([s for _, s in pending])
+            done = [p for p in pending if self.cache.ring_ready_event(p[0]).query()]
+            rest = [p for p in pending if p not in done]
+            while len(rest) > keep:
+                self.cache.ring_ready_event(rest[0][0]).synchronize()
+                done.append(rest.pop(0))
+        else:
+            done, rest = pending, []             # CPU copies are synchronous
+        if done:
+            self.store.release([s for _, s in done])
+        return rest
 
     def _compute(self, h, y, work, slot, l, e, ls, sb, ring: int | None = None):
         if self.cache.is_cuda:

@@ -1,0 +1,319 @@
+#!/usr/bin/env python3
+"""The engine's checks on the GPU machine (no pytest there: plain asserts, a printed table).
+
+    python deploy/device/check_cuda.py                 # device=cuda; OUT=/dir writes check_cuda.{md,json}
+    python deploy/device/check_cuda.py --device cpu    # the same checks on the CPU (no pinned check)
+
+1. invariance: layer-major logits bit-identical across slot configs (0/0, 0/all, 5/15, all in VRAM),
+   cold / warm / after consolidation, in-process store and the real store process; the reference
+   model on the same device+dtype must match bit for bit; vs the CPU float32 reference: max-abs diff
+   and whether greedy tokens (argmax per position) match.
+2. pinned: the worker registered the arena (runner.cache.pinned, tensor.is_pinned()) and a copy from
+   it runs at pinned speed (GB/s of a 256 MiB copy: arena view vs a pageable tensor).
+3. overlap: torch.profiler trace of one layer-major prefill (mid model, 5/15, warm and cold): the
+   fraction of host->device memcpy time that overlaps compute kernels on another stream.
+4. PP tok/s layer-major vs standard on the tiny and the mid model, same slot config and state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from betelgeuse.config import EngineConfig  # noqa: E402
+from betelgeuse.gguf.reader import GGUFModelFile  # noqa: E402
+from betelgeuse.gguf.synth import PRESETS, write_model  # noqa: E402
+from betelgeuse.model.qwen3moe import ReferenceModel  # noqa: E402
+from betelgeuse.store.client import InProcessStoreClient  # noqa: E402
+from betelgeuse.store.plan import plan_slots  # noqa: E402
+from betelgeuse.store.store import ExpertStore  # noqa: E402
+from betelgeuse.worker.runner import ModelRunner  # noqa: E402
+
+MiB = 1 << 20
+ROWS: list[tuple[str, str, str]] = []        # (check, result, detail) for the markdown table
+RESULTS: dict = {}
+
+
+def row(check: str, ok: bool | None, detail: str):
+    ROWS.append((check, "n/a" if ok is None else ("PASS" if ok else "FAIL"), detail))
+    print(f"[{ROWS[-1][1]:>4}] {check}: {detail}", flush=True)
+
+
+def models(tmp: Path, mid_layers: int) -> dict[str, Path]:
+    """tiny: 4 layers x 16 experts (~3 MB); mid: the 'small' preset (64 experts, top-8, hidden 512)
+    with `mid_layers` layers (12: ~330 MB, so a 256 MiB arena view exists)."""
+    specs = {"tiny": PRESETS["tiny"], "mid": replace(PRESETS["small"], n_layer=mid_layers)}
+    out = {}
+    for name, spec in specs.items():
+        p = tmp / f"check-{name}-{spec.n_layer}L.gguf"
+        if not p.exists():
+            t = time.perf_counter()
+            write_model(p, spec, progress=False)
+            print(f"wrote {p} ({p.stat().st_size / MiB:.0f} MiB) in {time.perf_counter() - t:.1f} s", flush=True)
+        out[name] = p
+    return out
+
+
+def ids_for(path, n: int, seed: int = 1) -> list[int]:
+    V = GGUFModelFile.open(str(path)).config.n_vocab
+    return [int(x) for x in torch.randint(3, V, (n,), generator=torch.Generator().manual_seed(seed))]
+
+
+def runner_for(path, device, vram, host, client=None, **kw):
+    cfg = EngineConfig(model_path=str(path), device=device, vram_slots=vram, host_slots=host, **kw)
+    store = None
+    if client is None:
+        f = GGUFModelFile.open(str(path))
+        store = ExpertStore(f, plan_slots(f, cfg, None))
+        client = InProcessStoreClient(store)
+    return ModelRunner(cfg, client), store
+
+
+def close(runner, store):
+    runner.close()
+    if store is not None:
+        store.close()
+
+
+def sync(device):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# ---- 1. invariance ---------------------------------------------------------------------------------
+
+def check_invariance(path: Path, device: str, ids: list[int], tmp: Path):
+    E = GGUFModelFile.open(str(path)).config.n_expert
+    configs = [(0, 0), (0, E), (5, 15), (E, 0)]
+    got: dict[str, torch.Tensor] = {}
+    for vram, host in configs:
+        runner, store = runner_for(path, device, vram, host)
+        try:
+            for name, cons in (("cold", False), ("warm", True), ("consolidated", False)):
+                logits, st = runner.forward(ids, runner.new_cache(len(ids) + 8), all_logits=True, consolidate=cons)
+                runner.settle()
+                got[f"{vram}/{host} {name} {st.reads}"] = logits.cpu()
+        finally:
+            close(runner, store)
+    # the real store process, one config
+    sock = Path(tempfile.mkdtemp(prefix="bg-check-", dir=tmp))
+    proc = subprocess.Popen([sys.executable, "-m", "services.store_main", "--model", str(path), "--store-socket",
+                             str(sock / "s.sock"), "--fd-socket", str(sock / "f.sock"), "--metrics", "",
+                             "--device", device, "--vram-slots", "5", "--host-slots", "15"], cwd=REPO,
+                            env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.DEVNULL,
+                            stderr=open(sock / "store.log", "wb"))
+    try:
+        from betelgeuse.errors import StoreUnavailableError
+        from services.store_client import GrpcStoreClient
+        client = GrpcStoreClient(str(sock / "s.sock"), str(sock / "f.sock"))
+        t0 = time.monotonic()
+        while True:                                  # the store may still be pre-faulting its arena
+            try:
+                runner, _ = runner_for(path, device, 5, 15, client=client)
+                break
+            except StoreUnavailableError:
+                assert proc.poll() is None, (sock / "store.log").read_text()
+                assert time.monotonic() - t0 < 120, "store process not ready after 120 s"
+                time.sleep(0.25)
+        try:
+            for name in ("cold", "consolidated"):
+                logits, st = runner.forward(ids, runner.new_cache(len(ids) + 8), all_logits=True)
+                runner.settle()
+                got[f"5/15 store-process {name} {st.reads}"] = logits.cpu()
+        finally:
+            runner.close()
+            client.close()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    first = next(iter(got.values()))
+    same = {k: torch.equal(v, first) for k, v in got.items()}
+    row("invariance: slots x passes x store", all(same.values()),
+        f"{sum(same.values())}/{len(same)} runs bit-identical (" + ", ".join(k for k, v in same.items() if not v) + ")")
+    dtype = runner.dtype
+    ref_dev = ReferenceModel.load(path, device=device, dtype=dtype)
+    with torch.no_grad():
+        want_dev = ref_dev.forward(torch.tensor(ids), ref_dev.new_cache(len(ids) + 8)).float().cpu()
+    row("invariance: == reference on device", torch.equal(first, want_dev),
+        f"{dtype}, max |diff| {(first - want_dev).abs().max().item():.3e}")
+    ref_cpu = ReferenceModel.load(path)
+    with torch.no_grad():
+        want = ref_cpu.forward(torch.tensor(ids), ref_cpu.new_cache(len(ids) + 8)).float()
+    diff = (first - want).abs().max().item()
+    agree = (first.argmax(-1) == want.argmax(-1)).float().mean().item()
+    row("vs CPU float32 reference", None if dtype != torch.float32 else diff <= 1e-4 * want.abs().max().item(),
+        f"max |diff| {diff:.3e} (max |logit| {want.abs().max().item():.2f}), greedy tokens agree at {agree:.1%} of positions")
+    RESULTS["invariance"] = {"runs": same, "dtype": str(dtype), "cpu_max_abs_diff": diff, "cpu_token_agreement": agree}
+
+
+# ---- 2. pinned arena -----------------------------------------------------------------------------------
+
+def gbps(src: torch.Tensor, dst: torch.Tensor, reps: int = 5) -> float:
+    dst.copy_(src, non_blocking=True)
+    sync(str(dst.device))
+    t = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src, non_blocking=True)
+    sync(str(dst.device))
+    return reps * src.numel() / (time.perf_counter() - t) / 1e9
+
+
+def check_pinned(path: Path, device: str):
+    f = GGUFModelFile.open(str(path))
+    E = f.config.n_expert
+    runner, store = runner_for(path, device, 0, E)
+    try:
+        cache = runner.cache
+        n = min(256 * MiB, cache.host.numel())
+        view = cache.host[:n]
+        pageable = torch.empty(n, dtype=torch.uint8)
+        pageable.fill_(1)
+        dst = torch.empty(n, dtype=torch.uint8, device=device)
+        is_cuda = device.startswith("cuda")
+        pinned_flag = bool(cache.pinned)
+        view_pinned = bool(view.is_pinned()) if is_cuda else False
+        a, b = gbps(view, dst), gbps(pageable, dst)
+        detail = (f"cache.pinned={pinned_flag}, arena view is_pinned()={view_pinned}; {n / MiB:.0f} MiB copy: "
+                  f"arena {a:.1f} GB/s vs pageable {b:.1f} GB/s")
+        row("pinned arena", (pinned_flag and view_pinned and a > 1.5 * b) if is_cuda else None, detail)
+        RESULTS["pinned"] = {"cache_pinned": pinned_flag, "is_pinned": view_pinned, "bytes": n,
+                             "arena_gbps": a, "pageable_gbps": b}
+    finally:
+        close(runner, store)
+
+
+# ---- 3. copy/compute overlap --------------------------------------------------------------------------
+
+def _union(intervals):
+    out = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return out
+
+
+def overlap_fraction(trace: dict) -> tuple[float, float, int]:
+    """(fraction of H2D memcpy time overlapping kernels on other streams, H2D ms, n copies)."""
+    ev = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    kernels = [e for e in ev if e.get("cat") == "kernel"]
+    copies = [e for e in ev if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "")]
+    total = covered = 0.0
+    for c in copies:
+        s, d = float(c["ts"]), float(c["dur"])
+        stream = c.get("args", {}).get("stream")
+        other = _union((float(k["ts"]), float(k["ts"]) + float(k["dur"])) for k in kernels
+                       if k.get("args", {}).get("stream") != stream and k["ts"] < s + d and k["ts"] + k["dur"] > s)
+        total += d
+        covered += sum(max(0.0, min(e, s + d) - max(b, s)) for b, e in other)
+    return (covered / total if total else 0.0), total / 1e3, len(copies)
+
+
+def check_overlap(path: Path, device: str, ids: list[int], outdir: Path | None):
+    if not device.startswith("cuda"):
+        row("overlap", None, "needs CUDA activity (skipped on the CPU)")
+        return
+    from torch.profiler import ProfilerActivity, profile
+    runner, store = runner_for(path, device, 5, 15)
+    res = {}
+    try:
+        for state in ("cold", "warm"):
+            if state == "warm":
+                runner.forward(ids, runner.new_cache(len(ids) + 8))     # consolidation, then profile the next pass
+                runner.settle()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                _, st = runner.forward(ids, runner.new_cache(len(ids) + 8), consolidate=(state == "cold"))
+            runner.settle()
+            tp = Path(outdir or tempfile.gettempdir()) / f"trace-{state}.json"
+            prof.export_chrome_trace(str(tp))
+            frac, ms, n = overlap_fraction(json.loads(tp.read_text()))
+            res[state] = {"fraction": frac, "h2d_ms": ms, "copies": n, "reads": st.reads, "tok_per_s": st.tok_per_s}
+            row(f"overlap ({state}, mid 5/15)", None,
+                f"{frac:.0%} of {ms:.1f} ms H2D ({n} copies) overlaps compute; reads {st.reads}; {st.tok_per_s:.0f} tok/s")
+    finally:
+        close(runner, store)
+    RESULTS["overlap"] = res
+
+
+# ---- 4. PP tok/s ----------------------------------------------------------------------------------------
+
+def check_pp(paths: dict[str, Path], device: str, n_tokens: dict[str, int]):
+    res = {}
+    for name, path in paths.items():
+        ids = ids_for(path, n_tokens[name])
+        for schedule in ("layer_major", "standard"):
+            runner, store = runner_for(path, device, 5, 15, schedule=schedule)
+            try:
+                _, cold = runner.forward(ids, runner.new_cache(len(ids) + 8))
+                runner.settle()
+                _, warm = runner.forward(ids, runner.new_cache(len(ids) + 8), consolidate=False)
+                sync(device)
+            finally:
+                close(runner, store)
+            res[f"{name}/{schedule}"] = {"cold_tok_s": cold.tok_per_s, "warm_tok_s": warm.tok_per_s,
+                                         "cold_reads": cold.reads, "warm_reads": warm.reads, "tokens": len(ids)}
+        lm, sd = res[f"{name}/layer_major"], res[f"{name}/standard"]
+        row(f"PP {name} ({n_tokens[name]} tok, 5/15)", None,
+            f"layer-major cold {lm['cold_tok_s']:.1f} / warm {lm['warm_tok_s']:.1f} tok/s; standard cold "
+            f"{sd['cold_tok_s']:.1f} / warm {sd['warm_tok_s']:.1f} tok/s; warm speed-up {lm['warm_tok_s'] / max(sd['warm_tok_s'], 1e-9):.2f}x")
+    RESULTS["pp"] = res
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tmp", default="/tmp/bg-check")
+    p.add_argument("--mid-layers", type=int, default=12)
+    p.add_argument("--tokens", type=int, default=256, help="prompt tokens for the mid model (tiny: half)")
+    a = p.parse_args()
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        print("check_cuda: error: CUDA is not available (use --device cpu to run the checks on the CPU)")
+        return 2
+    tmp = Path(a.tmp)
+    tmp.mkdir(parents=True, exist_ok=True)
+    outdir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    if outdir:
+        outdir.mkdir(parents=True, exist_ok=True)
+    paths = models(tmp, a.mid_layers)
+    RESULTS["device"] = torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu"
+    RESULTS["torch"] = torch.__version__
+    ids_tiny = ids_for(paths["tiny"], 48, seed=0)
+    steps = [("invariance", lambda: check_invariance(paths["tiny"], a.device, ids_tiny, tmp)),
+             ("pinned", lambda: check_pinned(paths["mid"], a.device)),
+             ("overlap", lambda: check_overlap(paths["mid"], a.device, ids_for(paths["mid"], a.tokens), outdir)),
+             ("pp", lambda: check_pp(paths, a.device, {"tiny": max(8, a.tokens // 2), "mid": a.tokens}))]
+    for name, fn in steps:
+        t = time.perf_counter()
+        try:
+            fn()
+        except Exception as e:                       # keep going: one table with every check
+            import traceback
+            traceback.print_exc()
+            row(name, False, f"raised {type(e).__name__}: {e}")
+        print(f"  ({name}: {time.perf_counter() - t:.1f} s)", flush=True)
+    table = [f"## check_cuda on {RESULTS['device']} (torch {RESULTS['torch']})", "",
+             "| check | result | detail |", "|---|---|---|"]
+    table += [f"| {c} | {r} | {d.replace('|', '/')} |" for c, r, d in ROWS]
+    md = "\n".join(table)
+    print("\n" + md)
+    if outdir:
+        (outdir / "check_cuda.md").write_text(md + "\n")
+        (outdir / "check_cuda.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+    return 1 if any(r == "FAIL" for _, r, _ in ROWS) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
