@@ -92,6 +92,7 @@ class GGUFModelFile:
         self.alignment = header.alignment       # bytes; every tensor offset is data_offset + k * alignment
         self.data_offset = header.data_offset   # absolute file offset of the tensor data region
         self._map: np.ndarray | None = data     # uint8 [file size]: read-only view of the file map
+        self._mm: mmap.mmap | None = None       # the map itself (for madvise)
         # Per layer: (gate, up, down) as (tensor, first row, n_rows) of the merged tensor.
         self._experts: list[tuple[tuple[TensorInfo, int, int], ...]] = []
         n_ff = config.n_ff_exp
@@ -120,6 +121,9 @@ class GGUFModelFile:
                     raise ModelFormatError(f"{path}: not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})")
                 size = os.fstat(f.fileno()).st_size
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # stays valid after the close
+                # no kernel read-ahead around page faults: it would pull neighbouring expert bytes into the
+                # page cache (invariant 4); raw() asks for exactly each tensor's range instead
+                mm.madvise(mmap.MADV_RANDOM)
         except OSError as e:
             raise ModelFormatError(f"{path}: cannot read: {e.strerror}") from None
         header = parse_header(mm, path)
@@ -142,7 +146,9 @@ class GGUFModelFile:
         config = cls._config(path, header.metadata, tensors)
         cls._check_shapes(path, config, tensors)
         # read-only buffer -> read-only array; views keep the map alive after close()
-        return cls(path, np.frombuffer(mm, dtype=np.uint8), header, tensors, config)
+        f = cls(path, np.frombuffer(mm, dtype=np.uint8), header, tensors, config)
+        f._mm = mm
+        return f
 
     @staticmethod
     def _config(path: str, metadata: dict[str, object], tensors: dict[str, TensorInfo]) -> ModelConfig:
@@ -231,6 +237,8 @@ class GGUFModelFile:
         info = self.info(name)
         if self._map is None:
             raise ValueError(f"{self.path}: file is closed")
+        lo = info.offset - info.offset % mmap.PAGESIZE
+        self._mm.madvise(mmap.MADV_WILLNEED, lo, info.offset + info.nbytes - lo)   # read this tensor, nothing else
         return self._map[info.offset:info.offset + info.nbytes]
 
     def load_tensor(self, name: str, device: "str | torch.device" = "cpu", dtype: "torch.dtype | None" = None) -> "torch.Tensor":
@@ -264,6 +272,7 @@ class GGUFModelFile:
     def close(self) -> None:
         """Drop the file map (views handed out by raw() keep it alive until they are freed)."""
         self._map = None
+        self._mm = None
 
     def __enter__(self) -> "GGUFModelFile":
         return self
