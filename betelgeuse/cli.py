@@ -431,6 +431,8 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_, description=help_)
         add_args(p)
         p.set_defaults(run=run)
+    from betelgeuse.bench import cli as bench_cli       # `betelgeuse bench`: its own module (many flags)
+    bench_cli.add_parser(sub).set_defaults(run=bench_cli.run)
     return parser
 
 

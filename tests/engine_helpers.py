@@ -128,7 +128,7 @@ class Proc:
 
 def _spawn(name: str, module: str, args: list[str], log_dir: Path, cgroup=None) -> Proc:
     log = Path(log_dir) / f"{name}-{time.monotonic_ns()}.log"
-    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", module, *args]
     with open(log, "wb") as out:
         p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

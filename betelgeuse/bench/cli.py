@@ -185,7 +185,12 @@ def run(args) -> int:
 
 
 def _argv(args) -> list[str]:
-    return list(getattr(args, "argv", None) or sys.argv[1:])
+    """The bench's own arguments, for the exact command in the results."""
+    argv = getattr(args, "argv", None)
+    if argv is None:
+        argv = sys.argv[1:]
+        argv = argv[1:] if argv[:1] == ["bench"] else argv       # run from `betelgeuse bench ...`
+    return list(argv)
 
 
 def main(argv=None) -> int:

@@ -121,7 +121,13 @@ class BenchCgroup:
                 "swap_limit": self.cg.swap_limit(), "peak": max(peak or 0, polled_peak),
                 "peak_source": "memory.peak" if self.cg.version == 2 else "memory.max_usage_in_bytes",
                 "oom_kills": self.cg.oom_kills() - self.oom0,
-                "swap_peak": int(swap) if swap and swap.isdigit() else None}
+                "swap_peak": int(swap) if swap and swap.isdigit() else None,
+                "events": self._events()}
+
+    def _events(self) -> dict:
+        """v2 memory.events (low/high/max/oom/oom_kill counters); v1: oom_control."""
+        raw = self._file("memory.events" if self.cg.version == 2 else "memory.oom_control") or ""
+        return {k: int(v) for k, _, v in (ln.partition(" ") for ln in raw.splitlines()) if v.strip().isdigit()}
 
     def close(self):
         if self.cg is not None:

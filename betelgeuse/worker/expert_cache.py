@@ -65,8 +65,7 @@ class ExpertCache:
         self.ring = torch.empty((n, sb), dtype=torch.uint8, device=self.device)
         self.n_ring = n
         if self.is_cuda:
-            self._ring_ready = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-            self._ring_start = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+            self._ring_ready = [torch.cuda.Event() for _ in range(n)]
             self._ring_free = [torch.cuda.Event() for _ in range(n)]
 
     # ---- host views -------------------------------------------------------------------------
@@ -115,21 +114,33 @@ class ExpertCache:
         self.vram_index[:] = -1
 
     # ---- the execution ring -------------------------------------------------------------------
-    def to_ring(self, src: torch.Tensor) -> int:
-        """Start copying one slot into the next ring buffer; the compute stream will wait for it."""
+    def to_ring(self, src: torch.Tensor, timing: list | None = None) -> int:
+        """Start copying one slot into the next ring buffer on the copy stream; the compute stream waits
+        for it. The caller keeps at most ring_slots - 1 copies ahead of its computes (the copy into
+        ring[i] waits, on the GPU, for the compute recorded by ring_release(i) on its last occupant).
+        `timing` collects (start, end) CUDA events of this copy."""
         i = self._next
         self._next = (i + 1) % self.n_ring
         if self.is_cuda:
             with torch.cuda.stream(self.copy_stream):
                 self.copy_stream.wait_event(self._ring_free[i])     # the expert that used ring[i] is computed
-                self._ring_start[i].record(self.copy_stream)
+                if timing is not None:
+                    ev0 = torch.cuda.Event(enable_timing=True)
+                    ev0.record(self.copy_stream)
                 self.ring[i].copy_(src, non_blocking=True)
                 self._ring_ready[i].record(self.copy_stream)
+                if timing is not None:
+                    ev1 = torch.cuda.Event(enable_timing=True)
+                    ev1.record(self.copy_stream)
+                    timing.append((ev0, ev1))
             torch.cuda.current_stream(self.device).wait_event(self._ring_ready[i])
         else:
             t = time.perf_counter()
             self.ring[i].copy_(src)
-            self.copy_seconds += time.perf_counter() - t
+            dt = time.perf_counter() - t
+            self.copy_seconds += dt
+            if timing is not None:
+                timing.append(dt * 1e3)
         self.h2d_bytes += src.numel()
         return i
 
@@ -140,9 +151,6 @@ class ExpertCache:
         """Record that compute on ring[i] is enqueued; the next copy into it waits for this point."""
         if self.is_cuda:
             self._ring_free[i].record(torch.cuda.current_stream(self.device))
-
-    def ring_copy_ms(self, i: int) -> float:
-        return self._ring_start[i].elapsed_time(self._ring_ready[i]) if self.is_cuda else 0.0
 
     # ---- dequantization -----------------------------------------------------------------------
     def weights(self, slot: torch.Tensor, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -156,6 +164,10 @@ class ExpertCache:
         return self.vram[layer, j]
 
     def close(self):
+        """Unregister and unmap this process's view of the arena (a re-attach maps the new store's arena;
+        the old memfd must not stay charged to the cgroup beside it)."""
         if self.pinned:
             unregister_pinned(self.arena)
             self.pinned = False
+        self.host = None
+        self.arena.close()

@@ -38,6 +38,7 @@ class LayerStats:
     disk_wait_s: float = 0.0    # blocked waiting for the store to land an expert
     copy_ms: float = 0.0        # host->device copy time (CUDA events on the copy stream; CPU: memcpy wall)
     compute_ms: float = 0.0     # expert compute time (CUDA events; CPU: wall)
+    copy_events: list = field(default_factory=list, repr=False)   # per copy: (start, end) CUDA events or CPU ms
     vram: int = 0
     host: int = 0
     disk: int = 0
@@ -130,6 +131,9 @@ class ModelRunner:
         stats.disk_wait_s = sum(s.disk_wait_s for s in stats.layers)
         if self.cache.is_cuda:
             self._collect_event_times(stats)
+        else:
+            for ls in stats.layers:
+                ls.copy_ms, ls.copy_events = sum(ls.copy_events), []
         return logits.float(), stats
 
     def _abandon(self, usage):
@@ -195,13 +199,26 @@ class ModelRunner:
             nxt = snap["tier"][l + 1]
             stats.prefetched += self.store.prefetch([(l + 1, e) for e in range(self.mcfg.n_expert) if nxt[e] == TIER_DISK])
         sb = self.cfg.sub_batch
-        # 3. resident experts while the reads run: VRAM in place, host slots through the ring
+        hslots = snap["host_slot"][l]
+        depth = max(1, self.cfg.ring_slots - 1)     # copies in flight ahead of their computes
+        queued: list[tuple[int, int]] = []          # (expert, ring index) copied, not yet computed
+        timing = ls.copy_events
+
+        def drain(n_left: int):
+            while len(queued) > n_left:
+                e, i = queued.pop(0)
+                self._compute(h, y, work[e], self.cache.ring[i], l, e, ls, sb, ring=i)
+
+        # 3. resident experts while the reads run: the first host-slot copies start, VRAM experts compute
+        #    in place meanwhile, then host experts stream through the ring `depth` copies ahead
+        host = by_tier[TIER_HOST]
+        for e in host[:depth]:
+            queued.append((e, self.cache.to_ring(self.cache.host_slot(l, int(hslots[e])), timing)))
         for e in by_tier[TIER_VRAM]:
             self._compute(h, y, work[e], self.cache.vram_slot(l, e), l, e, ls, sb)
-        hslots = snap["host_slot"][l]
-        for e in by_tier[TIER_HOST]:
-            i = self.cache.to_ring(self.cache.host_slot(l, int(hslots[e])))
-            self._compute(h, y, work[e], self.cache.ring[i], l, e, ls, sb, ring=i)
+        for e in host[depth:]:
+            drain(depth - 1)
+            queued.append((e, self.cache.to_ring(self.cache.host_slot(l, int(hslots[e])), timing)))
         # 4. disk experts in the order they land; a staging slot goes back once its copy is done
         pending: list[tuple[int, int]] = []          # (ring index, staging slot) whose copy may be in flight
         limit = max(1, min(self.cfg.ring_slots, self.plan.n_staging // 2))
@@ -211,9 +228,11 @@ class ModelRunner:
             got = next(loads)
             ls.disk_wait_s += time.perf_counter() - tw
             stats.disk_bytes += got.disk_bytes
-            i = self.cache.to_ring(self.cache.staging_slot(got.slot))
+            drain(depth - 1)
+            i = self.cache.to_ring(self.cache.staging_slot(got.slot), timing)
+            queued.append((got.expert, i))
             pending.append((i, got.slot))
-            self._compute(h, y, work[got.expert], self.cache.ring[i], l, got.expert, ls, sb, ring=i)
+        drain(0)
         self._release(pending, keep=0)
 
     def _release(self, pending, keep: int):
@@ -250,6 +269,9 @@ class ModelRunner:
         for ls, ev0, ev1, ring in self._events:
             ls.compute_ms += ev0.elapsed_time(ev1)
         self._events = []
+        for ls in stats.layers:
+            ls.copy_ms = sum(ev0.elapsed_time(ev1) for ev0, ev1 in ls.copy_events)
+            ls.copy_events = []
 
     # ---- standard (baseline) -------------------------------------------------------------------
     def _standard(self, ids, kv, snap, usage, stats, all_logits):

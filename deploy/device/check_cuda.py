@@ -112,7 +112,7 @@ def check_invariance(path: Path, device: str, ids: list[int], tmp: Path):
     proc = subprocess.Popen([sys.executable, "-m", "services.store_main", "--model", str(path), "--store-socket",
                              str(sock / "s.sock"), "--fd-socket", str(sock / "f.sock"), "--metrics", "",
                              "--device", device, "--vram-slots", "5", "--host-slots", "15"], cwd=REPO,
-                            env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.DEVNULL,
+                            env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))), stdout=subprocess.DEVNULL,
                             stderr=open(sock / "store.log", "wb"))
     try:
         from betelgeuse.errors import StoreUnavailableError
