@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     model = GGUFModelFile.open(cfg.model_path)
     cg = CgroupMemory.of_process()
     limit = cg.limit() if cg else None
-    current = cg.current() if cg else 0
+    current = cg.in_use() if cg else 0          # page cache (the worker's mmap reads) can be reclaimed
     plan = plan_slots(model, cfg, limit, current)
     log.info("slot plan: %d VRAM + %d host slots per layer, %d staging, arena %.2f GiB (limit %s)",
              plan.n_vram, plan.n_host, plan.n_staging, plan.arena_bytes / 2**30,

@@ -67,8 +67,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     rep = n_head // n_kv
     # fold the heads that share a kv head into the query-row axis: [n_kv, rep*T, D]
     qg = q.reshape(n_kv, rep * T, D)
-    if T == 1 and int(q_pos[0]) == S - 1:
-        mask = None                                          # decode: every cached key is visible
+    if T == 1:
+        # decode: the cache is append-only, so the one query is the newest position (S - 1) and every
+        # cached key is visible (not checked here: reading q_pos would sync a CUDA stream every layer)
+        mask = None
     else:
         key_pos = torch.arange(S, device=q.device)
         mask = key_pos[None, :] <= q_pos[:, None]            # [T, S] bool, True = attend
@@ -104,18 +106,23 @@ class ExpertWork:
 
 
 def plan_experts(ids: torch.Tensor) -> dict[int, ExpertWork]:
-    """ids [T,k] (top-k expert ids per token) -> {expert: ExpertWork}, keys ascending."""
+    """ids [T,k] (top-k expert ids per token) -> {expert: ExpertWork}, keys ascending.
+
+    The row indices stay on ids' device, so applying an expert needs no host->device copy (on CUDA a
+    copy from pageable memory would synchronise the stream and serialise copies with compute); the
+    per-expert counts are the one host sync, and routing needs it anyway (it decides the loads)."""
     T, k = ids.shape
-    flat = ids.reshape(-1).cpu()
+    flat = ids.reshape(-1)
     # a stable sort by expert keeps (token, rank) row-major order, so tokens stay ascending
     order = torch.argsort(flat, stable=True)
-    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    counts = torch.bincount(flat).tolist()
+    tokens, ranks = order // k, order % k
     plan: dict[int, ExpertWork] = {}
     start = 0
-    for e, n in zip(experts.tolist(), counts.tolist()):
-        rows = order[start:start + n]
-        plan[e] = ExpertWork(expert=e, tokens=rows // k, ranks=rows % k)
-        start += n
+    for e, n in enumerate(counts):
+        if n:
+            plan[e] = ExpertWork(expert=e, tokens=tokens[start:start + n], ranks=ranks[start:start + n])
+            start += n
     return plan
 
 
@@ -125,8 +132,7 @@ def run_expert(h: torch.Tensor, y: torch.Tensor, work: ExpertWork, weights: Expe
     h [T,H] (ffn-normed), y [T,k,H]. The chunking is part of the bit-exact contract."""
     assert sub_batch > 0
     gate, up, down = weights
-    tokens = work.tokens.to(h.device)
-    ranks = work.ranks.to(h.device)
+    tokens, ranks = work.tokens, work.ranks         # on h's device already (plan_experts)
     for s in range(0, tokens.numel(), sub_batch):
         t, r = tokens[s:s + sub_batch], ranks[s:s + sub_batch]
         y[t, r] = expert_ffn(h[t], gate, up, down)

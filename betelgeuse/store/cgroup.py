@@ -111,6 +111,26 @@ class CgroupMemory:
     def current(self) -> int:
         return int(self._f("memory.current" if self.version == 2 else "memory.usage_in_bytes") or 0)
 
+    def stat(self) -> dict[str, int]:
+        """memory.stat as {key: value}."""
+        out = {}
+        for line in (self._f("memory.stat") or "").splitlines():
+            k, _, v = line.partition(" ")
+            if v.strip().isdigit():
+                out[k] = int(v)
+        return out
+
+    def reclaimable(self) -> int:
+        """Page cache the kernel can drop under pressure: file pages that are not shared memory (the arena
+        is shmem, and with no swap it is not reclaimable). v2: file - shmem; v1: cache - shmem."""
+        st = self.stat()
+        file = st.get("file", st.get("cache", 0))
+        return max(0, file - st.get("shmem", 0))
+
+    def in_use(self) -> int:
+        """memory.current less reclaimable page cache: what a new allocation must fit beside."""
+        return max(0, self.current() - self.reclaimable())
+
     def peak(self) -> int | None:
         raw = self._f("memory.peak" if self.version == 2 else "memory.max_usage_in_bytes")
         return None if raw is None else int(raw)

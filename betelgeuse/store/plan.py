@@ -20,7 +20,7 @@ from betelgeuse.gguf.reader import GGUFModelFile
 from betelgeuse.store.layout import ArenaLayout, SlotLayout
 
 HEADROOM = 256 * MiB            # left free in the cgroup for page tables, sockets, the unexpected
-CUDA_CONTEXT_BYTES = 600 * MiB  # VRAM the CUDA context and torch's allocator take beyond tensors
+CUDA_CONTEXT_BYTES = 1 * GiB    # VRAM the CUDA context and torch's allocator take beyond tensors (767 MiB measured on an H200)
 
 
 def _gib(n: int) -> str:
@@ -129,8 +129,9 @@ def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, me
     else:
         n_staging = max(1, int(cfg.staging_slots))
 
-    def arena_for(n_host: int, n_stage: int) -> int:
-        return ArenaLayout(c.n_layer, c.n_expert, n_vram + n_host, n_stage, slot).total_bytes
+    def arena_for(host_per_layer: int, n_stage: int) -> int:
+        """Arena bytes with `host_per_layer` host slots per layer (VRAM backing copies included)."""
+        return ArenaLayout(c.n_layer, c.n_expert, host_per_layer, n_stage, slot).total_bytes
 
     if cfg.host_slots == "auto":
         if limit is None:
@@ -141,9 +142,14 @@ def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, me
             if cfg.staging_slots == "auto":
                 while n_staging > 4 and arena_for(0, n_staging) > free:
                     n_staging //= 2
-            n_host = max(0, min(non_resident, (free - arena_for(0, n_staging)) // per_layer_slot))
+            # host slots per layer the memory allows, the VRAM tier's backing copies included
+            cap = max(0, (free - arena_for(0, n_staging)) // per_layer_slot)
+            if cfg.vram_slots == "auto" and n_vram > cap:
+                notes.append(f"vram_slots=auto capped from {n_vram} to {cap}: each VRAM expert needs a host backing slot")
+                n_vram = cap
+            n_host = max(0, min(c.n_expert - n_vram, cap - n_vram))
             notes.append(f"host_slots=auto -> {n_host} per layer")
-        if n_host >= non_resident and cfg.staging_slots == "auto":
+        if n_vram + n_host >= c.n_expert and cfg.staging_slots == "auto":
             n_staging = 4
     else:
         n_host = min(int(cfg.host_slots), non_resident)

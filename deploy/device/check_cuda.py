@@ -51,13 +51,13 @@ def row(check: str, ok: bool | None, detail: str):
     print(f"[{ROWS[-1][1]:>4}] {check}: {detail}", flush=True)
 
 
-def models(tmp: Path, mid_layers: int) -> dict[str, Path]:
+def models(tmp: Path, mid_layers: int, mid_preset: str = "small") -> dict[str, Path]:
     """tiny: 4 layers x 16 experts (~3 MB); mid: the 'small' preset (64 experts, top-8, hidden 512)
     with `mid_layers` layers (12: ~330 MB, so a 256 MiB arena view exists)."""
-    specs = {"tiny": PRESETS["tiny"], "mid": replace(PRESETS["small"], n_layer=mid_layers)}
+    specs = {"tiny": PRESETS["tiny"], "mid": replace(PRESETS[mid_preset], n_layer=mid_layers)}
     out = {}
     for name, spec in specs.items():
-        p = tmp / f"check-{name}-{spec.n_layer}L.gguf"
+        p = tmp / f"check-{name}-{spec.n_embd}x{spec.n_expert}-{spec.n_layer}L.gguf"
         if not p.exists():
             t = time.perf_counter()
             write_model(p, spec, progress=False)
@@ -278,6 +278,8 @@ def main() -> int:
     p.add_argument("--tmp", default="/tmp/bg-check")
     p.add_argument("--mid-layers", type=int, default=12)
     p.add_argument("--tokens", type=int, default=256, help="prompt tokens for the mid model (tiny: half)")
+    p.add_argument("--mid-preset", default="small", help="synth preset of the mid model (bench: the benchmark geometry)")
+    p.add_argument("--only", default="invariance,pinned,overlap,pp", help="comma-separated steps to run")
     a = p.parse_args()
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         print("check_cuda: error: CUDA is not available (use --device cpu to run the checks on the CPU)")
@@ -287,7 +289,7 @@ def main() -> int:
     outdir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     if outdir:
         outdir.mkdir(parents=True, exist_ok=True)
-    paths = models(tmp, a.mid_layers)
+    paths = models(tmp, a.mid_layers, a.mid_preset)
     RESULTS["device"] = torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu"
     RESULTS["torch"] = torch.__version__
     ids_tiny = ids_for(paths["tiny"], 48, seed=0)
@@ -295,6 +297,7 @@ def main() -> int:
              ("pinned", lambda: check_pinned(paths["mid"], a.device)),
              ("overlap", lambda: check_overlap(paths["mid"], a.device, ids_for(paths["mid"], a.tokens), outdir)),
              ("pp", lambda: check_pp(paths, a.device, {"tiny": max(8, a.tokens // 2), "mid": a.tokens}))]
+    steps = [(n, f) for n, f in steps if n in a.only.split(",")]
     for name, fn in steps:
         t = time.perf_counter()
         try:
