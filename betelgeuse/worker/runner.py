@@ -76,6 +76,10 @@ class ModelRunner:
         self.file = GGUFModelFile.open(cfg.model_path)
         self.mcfg = self.file.config
         self.model = Qwen3MoeModel(self.mcfg, DenseWeights.load(self.file, self.device, self.dtype))
+        if self.device.type == "cuda":
+            # loading dequantizes through float32 temporaries (1.2 GB for a 151936 x 2048 embedding);
+            # give them back so the caching allocator does not keep them reserved beside the VRAM slots
+            torch.cuda.empty_cache()
         self.store = store
         self.cache: ExpertCache | None = None
         self._events: list = []             # (layer stats, start, end, ring) CUDA events of this pass
@@ -334,3 +338,6 @@ class ModelRunner:
         if self.cache is not None:
             self.cache.close()
         self.file.close()
+        if self.device.type == "cuda":
+            self.model = self.cache = None
+            torch.cuda.empty_cache()
