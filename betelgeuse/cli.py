@@ -157,30 +157,18 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vram-budget", default="12GiB", help="VRAM budget (default 12GiB)")
 
 
-def _slots_arg(v: str):
-    if v == "auto":
-        return v
-    try:
-        n = int(v)
-    except ValueError:
-        raise InvalidRequestError(f"slots must be a number or 'auto', got {v!r}") from None
-    if n < 0:
-        raise InvalidRequestError(f"slots must be >= 0, got {n}")
-    return n
-
-
 class _OutOfCore:
     """The out-of-core engine for one CLI command: a store (separate process, or in this process) and a
     ModelRunner in this process; .forward(ids) -> logits [T, n_vocab]."""
 
     def __init__(self, args):
         import tempfile
-        from betelgeuse.config import EngineConfig
+        from betelgeuse.config import EngineConfig, parse_slots
         from betelgeuse.settings import parse_size
         from betelgeuse.worker.runner import ModelRunner
         self.cfg = EngineConfig(
             model_path=args.model, device=args.device, dtype=args.dtype, schedule=args.schedule, sub_batch=args.sub_batch,
-            vram_slots=_slots_arg(args.vram_slots), host_slots=_slots_arg(args.host_slots),
+            vram_slots=parse_slots(args.vram_slots), host_slots=parse_slots(args.host_slots),
             vram_budget=parse_size(args.vram_budget, "--vram-budget"),
             memory_max=parse_size(args.memory_max, "--memory-max") if args.memory_max else None)
         self.cluster = None

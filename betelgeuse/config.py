@@ -64,3 +64,15 @@ class EngineConfig:
         except KeyError:
             raise BetelgeuseError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}") from None
 
+
+def parse_slots(value: str | int) -> int | str:
+    """A slot count from a flag or a file: a number >= 0, or 'auto'."""
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise BetelgeuseError(f"slots must be a number or 'auto', got {value!r}") from None
+    if n < 0:
+        raise BetelgeuseError(f"slots must be >= 0, got {n}")
+    return n

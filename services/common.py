@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from betelgeuse.config import EngineConfig
+from betelgeuse.config import EngineConfig, parse_slots
 from betelgeuse.errors import BetelgeuseError
 from betelgeuse.settings import Settings, load_settings, parse_size
 
@@ -58,18 +58,6 @@ def common_args(p: argparse.ArgumentParser):
     p.add_argument("-v", "--verbose", action="store_true")
 
 
-def _slots(v: str):
-    if v == "auto":
-        return v
-    try:
-        n = int(v)
-    except ValueError:
-        raise BetelgeuseError(f"slots must be a number or 'auto', got {v!r}") from None
-    if n < 0:
-        raise BetelgeuseError(f"slots must be >= 0, got {n}")
-    return n
-
-
 def settings_from_args(a) -> tuple[Settings, dict]:
     """Settings from --config plus flag overrides; the dict holds EngineConfig overrides."""
     s = load_settings(a.config)
@@ -82,9 +70,9 @@ def settings_from_args(a) -> tuple[Settings, dict]:
     if a.device:
         s.worker.device = a.device
     if a.vram_slots is not None:
-        s.slots.vram_per_layer = _slots(a.vram_slots)
+        s.slots.vram_per_layer = parse_slots(a.vram_slots)
     if a.host_slots is not None:
-        s.slots.host_per_layer = _slots(a.host_slots)
+        s.slots.host_per_layer = parse_slots(a.host_slots)
     if a.memory_max:
         s.budget.memory_max = parse_size(a.memory_max, "--memory-max")
     if a.vram_budget:

@@ -8,7 +8,6 @@ the PID we started them with (never by name).
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import signal
@@ -311,26 +310,7 @@ def proc_io(pid: int) -> dict[str, int]:
 
 # ---- page cache ---------------------------------------------------------------------------------------
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
-
-
-def resident_map(path: str) -> np.ndarray:
-    """bool [n_pages]: which 4 KiB pages of `path` are in the page cache (mincore on a mapping; the same
-    method as tests/test_reader.resident_pages, which returns only the count; the tests check both agree)."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
-    try:
-        anchor = ctypes.c_char.from_buffer(mm)
-        n = -(-size // mmap.PAGESIZE)
-        vec = (ctypes.c_ubyte * n)()
-        rc = _libc.mincore(ctypes.addressof(anchor), size, vec)
-        assert rc == 0, os.strerror(ctypes.get_errno())
-        del anchor
-        return (np.frombuffer(vec, dtype=np.uint8) & 1).astype(bool)
-    finally:
-        mm.close()
+from pagecache import resident_map  # noqa: E402,F401  (one mincore reader for all tests)
 
 
 def expert_page_mask(path: str) -> np.ndarray:

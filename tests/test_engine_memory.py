@@ -130,7 +130,7 @@ def disk_model():
 def cache_run(disk_model, tmp_path_factory):
     """Passes through a real store process with the model's cache dropped; page-cache maps at each step:
     loaded (after the worker loaded its dense weights), base (dropped again), after (3 passes)."""
-    from test_reader import drop_cache, resident_pages
+    from pagecache import drop_cache, resident_pages
     path = disk_model
     experts = expert_page_mask(path)
     assert experts.sum() > 0.8 * experts.size      # the model is mostly experts

@@ -1,7 +1,5 @@
 """ExpertReader against a real file on a real disk: bytes, page cache (mincore), priorities, fallback."""
 
-import ctypes
-import mmap
 import os
 import random
 
@@ -11,40 +9,10 @@ import pytest
 from betelgeuse.errors import ModelFormatError
 from betelgeuse.store.arena import Arena
 from betelgeuse.store.reader import PAGE, ExpertReader, fs_type
+from pagecache import drop_cache, resident_pages
 
 DISK_DIR = "/var/tmp"
 FILE_BYTES = (24 << 20) + 1000  # not a multiple of 4 KiB: the last rounded read runs past EOF
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
-
-
-def resident_pages(path: str) -> int:
-    """Pages of `path` in the page cache, like util-linux fincore: mincore() on a mapping of it
-    (mincore reports residency without faulting anything in)."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)  # writable buffer for from_buffer
-    try:
-        anchor = ctypes.c_char.from_buffer(mm)
-        n = -(-size // mmap.PAGESIZE)
-        vec = (ctypes.c_ubyte * n)()
-        rc = _libc.mincore(ctypes.addressof(anchor), size, vec)
-        assert rc == 0, os.strerror(ctypes.get_errno())
-        del anchor
-        return int(np.count_nonzero(np.frombuffer(vec, dtype=np.uint8) & 1))
-    finally:
-        mm.close()
-
-
-def drop_cache(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
 
 def _make_file(directory: str, nbytes: int, seed: int) -> tuple[str, np.ndarray]:
     data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from betelgeuse.errors import BetelgeuseError, InvalidRequestError
+from betelgeuse.store.reader import drop_page_cache
 
 QUICK = dict(preset="small", layers=4, prompts="8,16", standard_prompts="8", decode=4, slots="2+6,auto", device="cpu",
              memory_max="4G", vram_budget="2GiB", time_budget=150.0, variant_layers=2, standard_cap=10.0, decode_cap=10.0,
@@ -103,12 +104,7 @@ def ensure_model(path: Path, spec, log) -> dict:
     except ImportError:                      # gguf's own dependency, but not on every device
         progress = False
     write_model(path, spec, progress=progress)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    drop_page_cache(str(path))
     dt = time.perf_counter() - t
     size = path.stat().st_size
     log(f"wrote {path} in {dt:.1f} s ({size / dt / 1e9:.2f} GB/s incl. fsync)")

@@ -19,8 +19,12 @@ import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 from betelgeuse.errors import ModelFormatError, UnsupportedError
 from betelgeuse.gguf.header import GGUF_MAGIC, GGUFHeader, TensorEntry, parse_header

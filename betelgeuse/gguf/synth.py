@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
-from gguf import GGMLQuantizationType as GT, GGUFWriter, LlamaFileType, TokenType, quants
+from gguf import GGMLQuantizationType as GT, GGUFWriter, LlamaFileType, quants
 
 from betelgeuse.errors import InvalidRequestError
 

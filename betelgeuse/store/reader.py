@@ -57,6 +57,16 @@ class _Piece:  # one preadv: file [offset, offset+nbytes) -> arena [dest, dest+n
     dest: int
 
 
+def drop_page_cache(path: str) -> None:
+    """Write back and drop a file's pages from the page cache (so a benchmark or test starts cold)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def fs_type(path: str) -> str:
     """Filesystem type of the mount holding `path` (longest mount point prefix in /proc/self/mounts)."""
     real, best, kind = os.path.realpath(path), "", ""

@@ -8,7 +8,6 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 from betelgeuse.config import EngineConfig

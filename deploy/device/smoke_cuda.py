@@ -1,7 +1,7 @@
 """Quick CUDA smoke of the out-of-core engine (in-process store): bit-identity across slot configs on the GPU,
 pinned arena, and layer-major vs standard timing on a small model. Prints a table. Usage:
     python3 deploy/device/smoke_cuda.py [--preset tiny|small]"""
-import argparse, time, sys, os
+import argparse, time, os
 import torch
 from betelgeuse.config import EngineConfig
 from betelgeuse.gguf.reader import GGUFModelFile

@@ -144,7 +144,7 @@ def build() -> dict:
     for title, items in ROWS:
         panels.append({"id": pid, "type": "row", "title": title, "collapsed": False, "panels": [],
                        "gridPos": {"x": 0, "y": y, "w": 24, "h": 1}})
-        pid, y, x = pid + 1, y + 1, 0
+        pid, y, x, prev_h = pid + 1, y + 1, 0, 0
         for kind, ptitle, unit, targets, desc in items:
             w, h = (6, 4) if kind == "stat" else (12, 8)
             if x + w > 24:
