@@ -152,6 +152,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vram-slots", default="5", help="VRAM hot slots per layer, or auto (default 5)")
     g.add_argument("--host-slots", default="15", help="host slots per layer, or auto (default 15)")
     g.add_argument("--schedule", choices=["layer_major", "standard"], default="layer_major")
+    g.add_argument("--routing", choices=["exact", "resident"], default="exact",
+                   help="resident: APPROXIMATE, ranks after the first choose among resident experts (default exact)")
     g.add_argument("--sub-batch", type=int, default=16, help="tokens per expert matmul (default 16)")
     g.add_argument("--memory-max", default=None, help="host memory for both processes, e.g. 12G (default: the cgroup's)")
     g.add_argument("--vram-budget", default="12GiB", help="VRAM budget (default 12GiB)")
@@ -168,6 +170,7 @@ class _OutOfCore:
         from betelgeuse.worker.runner import ModelRunner
         self.cfg = EngineConfig(
             model_path=args.model, device=args.device, dtype=args.dtype, schedule=args.schedule, sub_batch=args.sub_batch,
+            routing=args.routing,
             vram_slots=parse_slots(args.vram_slots), host_slots=parse_slots(args.host_slots),
             vram_budget=parse_size(args.vram_budget, "--vram-budget"),
             memory_max=parse_size(args.memory_max, "--memory-max") if args.memory_max else None)
@@ -319,7 +322,7 @@ def cmd_generate(args) -> int:
     with tempfile.TemporaryDirectory(prefix="betelgeuse-") as tmp:
         cluster = Cluster(args.model, tmp, device=args.device, vram_slots=args.vram_slots, host_slots=args.host_slots,
                           memory_max=args.memory_max, vram_budget=args.vram_budget, schedule=args.schedule,
-                          sub_batch=args.sub_batch, worker_metrics="", store_metrics="")
+                          sub_batch=args.sub_batch, routing=args.routing, worker_metrics="", store_metrics="")
         try:
             cluster.start_store()
             cluster.start_worker()
@@ -365,7 +368,8 @@ def cmd_serve(args) -> int:
     tmp = None if args.runtime_dir else tempfile.TemporaryDirectory(prefix="betelgeuse-")
     cluster = Cluster(model, args.runtime_dir or tmp.name, device=args.device, vram_slots=args.vram_slots,
                       host_slots=args.host_slots, memory_max=args.memory_max, vram_budget=args.vram_budget,
-                      schedule=args.schedule, sub_batch=args.sub_batch, config=args.config, port=args.port,
+                      schedule=args.schedule, sub_batch=args.sub_batch, routing=args.routing, config=args.config,
+                      port=args.port,
                       worker_metrics=args.worker_metrics, store_metrics=args.store_metrics)
     try:
         cluster.start_store()

@@ -25,6 +25,7 @@ class EngineConfig:
     staging_slots: int | str = "auto"   # shared staging slots for disk reads in flight / waiting for their copy
     ring_slots: int = 4                 # device buffers experts stream into (execution ring)
     prefetch: bool = True               # read the next layer's likely experts ahead during prefill
+    routing: str = "exact"              # "exact" (the model's top-k) | "resident" (approximate: ranks >= 1 among resident experts)
     vram_budget: int = 12 * GiB         # bytes, for everything the worker puts on the GPU
     memory_max: int | None = None       # bytes for both processes; None = from the cgroup (or unlimited)
     worker_reserve: int | str = "auto"  # host bytes the worker needs outside the arena (torch, CUDA context, dense weights staging)
@@ -35,6 +36,8 @@ class EngineConfig:
     read_request_bytes: int = 4 * MiB   # size of one preadv call
 
     def __post_init__(self):
+        if self.routing not in ("exact", "resident"):
+            raise BetelgeuseError(f"routing must be 'exact' or 'resident', got {self.routing!r}")
         if self.schedule not in SCHEDULES:
             raise BetelgeuseError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         for name in ("vram_slots", "host_slots", "staging_slots"):

@@ -89,6 +89,7 @@ class EngineSettings:
     staging_slots: int | str = AUTO         # shared slots for disk reads in flight, or "auto"
     ring_slots: int = 4                     # device buffers experts stream into
     prefetch: bool = True                   # read the next layer's likely experts ahead
+    routing: str = "exact"                  # "exact" | "resident" (approximate, see docs/architecture.md)
     max_context: int = 4096                 # tokens per sequence
     max_running: int = 2                    # sequences with a live KV cache at once
     max_queue: int = 16                     # waiting requests before RESOURCE_EXHAUSTED
@@ -171,6 +172,7 @@ _CONVERT = {
     ("store", "fd_socket"): _string,
     ("store", "metrics"): _hostport_or_off,
     ("engine", "schedule"): _choice("layer_major", "standard"),
+    ("engine", "routing"): _choice("exact", "resident"),
     ("engine", "sub_batch"): _count,
     ("engine", "micro_batch"): _count,
     ("engine", "staging_slots"): _slot_count,

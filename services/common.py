@@ -31,7 +31,7 @@ def engine_config(s: Settings, use_torch: bool = True) -> EngineConfig:
     eng = getattr(s, "engine", None)
     extra = {}
     if eng is not None:
-        for name in ("schedule", "sub_batch", "micro_batch", "staging_slots", "ring_slots", "prefetch",
+        for name in ("schedule", "routing", "sub_batch", "micro_batch", "staging_slots", "ring_slots", "prefetch",
                      "max_context", "max_running", "max_queue", "dtype", "worker_reserve", "read_threads"):
             if hasattr(eng, name):
                 extra[name] = getattr(eng, name)
@@ -53,6 +53,7 @@ def common_args(p: argparse.ArgumentParser):
     p.add_argument("--memory-max", help="bytes for both processes, e.g. 12G (default: the cgroup's)")
     p.add_argument("--vram-budget", help="bytes of VRAM, e.g. 12GiB")
     p.add_argument("--schedule", choices=["layer_major", "standard"])
+    p.add_argument("--routing", choices=["exact", "resident"], help="resident: approximate (ranks >= 1 among resident experts)")
     p.add_argument("--sub-batch", type=int)
     p.add_argument("--max-context", type=int)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -79,7 +80,8 @@ def settings_from_args(a) -> tuple[Settings, dict]:
         s.budget.vram = parse_size(a.vram_budget, "--vram-budget")
     if not s.model.path:
         raise BetelgeuseError("no model: give --model PATH or [model] path in the config file")
-    over = {k: v for k, v in (("schedule", a.schedule), ("sub_batch", a.sub_batch), ("max_context", a.max_context))
+    over = {k: v for k, v in (("schedule", a.schedule), ("routing", a.routing), ("sub_batch", a.sub_batch),
+                              ("max_context", a.max_context))
             if v is not None}
     return s, over
 

@@ -79,6 +79,7 @@ class Cluster:
     vram_budget: str | None = None
     schedule: str | None = None
     sub_batch: int | None = None
+    routing: str | None = None
     config: str | None = None
     port: int = 0                     # worker gRPC port on 127.0.0.1 (0 = pick a free one)
     worker_metrics: str = "127.0.0.1:0"
@@ -100,7 +101,7 @@ class Cluster:
              "--device", self.device, "--metrics", metrics]
         for flag, v in (("--config", self.config), ("--vram-slots", self.vram_slots), ("--host-slots", self.host_slots),
                         ("--memory-max", self.memory_max), ("--vram-budget", self.vram_budget),
-                        ("--schedule", self.schedule), ("--sub-batch", self.sub_batch)):
+                        ("--schedule", self.schedule), ("--sub-batch", self.sub_batch), ("--routing", self.routing)):
             if v is not None:
                 a += [flag, str(v)]
         return a

@@ -176,7 +176,7 @@ class ModelRunner:
             t = time.perf_counter()
             x = self.model.attention_block(l, x, kv, positions)
             h = self.model.moe_input(l, x)
-            top_ids, top_w = self.model.route(l, h)
+            top_ids, top_w = self.model.route(l, h, self._resident_mask(snap, l))
             work = plan_experts(top_ids)                       # host sync: routing decides the loads
             t1 = time.perf_counter()
             ls.attn_s = t1 - t
@@ -187,6 +187,12 @@ class ModelRunner:
             stats.layers.append(ls)
         kv.commit()
         return self.model.logits(x if all_logits else x[-1:])
+
+    def _resident_mask(self, snap, l: int):
+        """[n_expert] bool on the device for the approximate `resident` routing mode; None in exact mode."""
+        if self.cfg.routing != "resident":
+            return None
+        return torch.from_numpy(snap["tier"][l] > 0).to(self.device)
 
     def _moe_layer(self, l, h, y, work, snap, usage, stats, ls, readahead):
         tiers = snap["tier"][l]
@@ -293,7 +299,7 @@ class ModelRunner:
                 t = time.perf_counter()
                 x = self.model.attention_block(l, x, kv, positions)
                 h = self.model.moe_input(l, x)
-                top_ids, top_w = self.model.route(l, h)
+                top_ids, top_w = self.model.route(l, h, self._resident_mask(snap, l))
                 work = plan_experts(top_ids)
                 t1 = time.perf_counter()
                 ls.attn_s += t1 - t
