@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from gguf.constants import GGMLQuantizationType
 
-from betelgeuse.gguf.quants import dequantize
+from betelgeuse.gguf.quants import dequantize, dequantize_q8_0_parts
 from betelgeuse.gguf.reader import GGUFModelFile
 from betelgeuse.store.arena import Arena, register_pinned, unregister_pinned
 from betelgeuse.store.plan import SlotPlan
@@ -45,6 +46,12 @@ class ExpertCache:
         self.parts = [[tuple(PartMeta(self.layout.slot.part_place(k) + p.offset % 4096, p.nbytes, p.qtype, tuple(p.shape))
                              for k, p in enumerate(model.expert_parts(l, e)))
                        for e in range(plan.n_expert)] for l in range(plan.n_layer)]
+        # fused dequantization where an expert's three parts are Q8_0 of one size: their byte offsets in a
+        # slot, [n_layer, n_expert, 3] on the device, so one gather serves all three (see dequantize_q8_0_parts)
+        self.fused = [all(m.qtype == GGMLQuantizationType.Q8_0 and m.shape[0] * m.shape[1] == ps[0].shape[0] * ps[0].shape[1]
+                          for ps in layer for m in ps) for layer in self.parts]
+        self.starts = torch.tensor([[[m.start for m in ps] for ps in layer] for layer in self.parts],
+                                   dtype=torch.int64, device=device)
         self.host = arena.torch(0, arena.nbytes)                  # uint8 [arena bytes], zero copy
         self.pinned = register_pinned(arena) if self.is_cuda else False
         self.vram = torch.empty((plan.n_layer, max(plan.n_vram, 1), sb), dtype=torch.uint8, device=device)
@@ -155,6 +162,11 @@ class ExpertCache:
     # ---- dequantization -----------------------------------------------------------------------
     def weights(self, slot: torch.Tensor, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate [F,H], up [F,H], down [H,F]) in the compute dtype, from a slot's raw bytes on the device."""
+        ps = self.parts[layer][expert]
+        if self.fused[layer]:
+            g, u, d = ps
+            out = dequantize_q8_0_parts(slot, self.starts[layer, expert], g.shape[0] * g.shape[1] // 32, self.dtype)
+            return out[0].view(g.shape), out[1].view(u.shape), out[2].view(d.shape)
         return tuple(dequantize(slot[m.start: m.start + m.nbytes], m.qtype, m.shape, self.dtype)
                      for m in self.parts[layer][expert])
 
