@@ -151,6 +151,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "in-process: the store's logic in this process; reference: all experts from the file")
     g.add_argument("--vram-slots", default="5", help="VRAM hot slots per layer, or auto (default 5)")
     g.add_argument("--host-slots", default="15", help="host slots per layer, or auto (default 15)")
+    g.add_argument("--no-vram-backing", action="store_true",
+                   help="VRAM experts keep no host copy (more resident capacity; disk reads after a restart)")
     g.add_argument("--schedule", choices=["layer_major", "standard"], default="layer_major")
     g.add_argument("--routing", choices=["exact", "resident"], default="exact",
                    help="resident: APPROXIMATE, ranks after the first choose among resident experts (default exact)")
@@ -170,7 +172,7 @@ class _OutOfCore:
         from betelgeuse.worker.runner import ModelRunner
         self.cfg = EngineConfig(
             model_path=args.model, device=args.device, dtype=args.dtype, schedule=args.schedule, sub_batch=args.sub_batch,
-            routing=args.routing,
+            routing=args.routing, vram_backing=not args.no_vram_backing,
             vram_slots=parse_slots(args.vram_slots), host_slots=parse_slots(args.host_slots),
             vram_budget=parse_size(args.vram_budget, "--vram-budget"),
             memory_max=parse_size(args.memory_max, "--memory-max") if args.memory_max else None)
@@ -188,6 +190,7 @@ class _OutOfCore:
             self._tmp = tempfile.TemporaryDirectory(prefix="betelgeuse-")
             self.cluster = Cluster(args.model, self._tmp.name, device="cpu" if args.device == "cpu" else args.device,
                                    vram_slots=args.vram_slots, host_slots=args.host_slots, memory_max=args.memory_max,
+                                   vram_backing=not args.no_vram_backing,
                                    vram_budget=args.vram_budget, store_metrics="")
             self.cluster.start_store()
             client = GrpcStoreClient(self.cluster.store_socket, self.cluster.fd_socket)
@@ -322,7 +325,8 @@ def cmd_generate(args) -> int:
     with tempfile.TemporaryDirectory(prefix="betelgeuse-") as tmp:
         cluster = Cluster(args.model, tmp, device=args.device, vram_slots=args.vram_slots, host_slots=args.host_slots,
                           memory_max=args.memory_max, vram_budget=args.vram_budget, schedule=args.schedule,
-                          sub_batch=args.sub_batch, routing=args.routing, worker_metrics="", store_metrics="")
+                          sub_batch=args.sub_batch, routing=args.routing, vram_backing=not args.no_vram_backing,
+                          worker_metrics="", store_metrics="")
         try:
             cluster.start_store()
             cluster.start_worker()
@@ -368,7 +372,8 @@ def cmd_serve(args) -> int:
     tmp = None if args.runtime_dir else tempfile.TemporaryDirectory(prefix="betelgeuse-")
     cluster = Cluster(model, args.runtime_dir or tmp.name, device=args.device, vram_slots=args.vram_slots,
                       host_slots=args.host_slots, memory_max=args.memory_max, vram_budget=args.vram_budget,
-                      schedule=args.schedule, sub_batch=args.sub_batch, routing=args.routing, config=args.config,
+                      schedule=args.schedule, sub_batch=args.sub_batch, routing=args.routing,
+                      vram_backing=not args.no_vram_backing, config=args.config,
                       port=args.port,
                       worker_metrics=args.worker_metrics, store_metrics=args.store_metrics)
     try:

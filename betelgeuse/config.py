@@ -22,6 +22,8 @@ class EngineConfig:
     micro_batch: int = 3                # tokens per micro-batch in the standard schedule
     vram_slots: int | str = 5           # VRAM hot slots per MoE layer, or "auto"
     host_slots: int | str = 15          # host-only slots per MoE layer (besides the VRAM experts' backing copies), or "auto"
+    vram_backing: bool = True           # VRAM experts keep a host copy: a restarted worker refills VRAM from RAM.
+                                        # False: VRAM slots add capacity; their experts are (re)read from disk
     staging_slots: int | str = "auto"   # shared staging slots for disk reads in flight / waiting for their copy
     ring_slots: int = 4                 # device buffers experts stream into (execution ring)
     prefetch: bool = True               # read the next layer's likely experts ahead during prefill

@@ -57,6 +57,7 @@ class ModelSettings:
 class SlotSettings:
     vram_per_layer: int | str = 5           # VRAM hot slots per MoE layer, or "auto"
     host_per_layer: int | str = 15          # host-RAM slots per MoE layer, or "auto"
+    vram_backing: bool = True               # VRAM experts keep a host copy (fast worker restart); false: more capacity
 
 
 @dataclass(slots=True)
@@ -178,6 +179,7 @@ _CONVERT = {
     ("engine", "staging_slots"): _slot_count,
     ("engine", "ring_slots"): _count,
     ("engine", "prefetch"): _bool,
+    ("slots", "vram_backing"): _bool,
     ("engine", "max_context"): _count,
     ("engine", "max_running"): _count,
     ("engine", "max_queue"): _count,

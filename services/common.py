@@ -37,7 +37,7 @@ def engine_config(s: Settings, use_torch: bool = True) -> EngineConfig:
                 extra[name] = getattr(eng, name)
     return EngineConfig(
         model_path=s.model.path, device=resolve_device(s.worker.device, use_torch),
-        vram_slots=s.slots.vram_per_layer, host_slots=s.slots.host_per_layer,
+        vram_slots=s.slots.vram_per_layer, host_slots=s.slots.host_per_layer, vram_backing=s.slots.vram_backing,
         vram_budget=s.budget.vram, memory_max=s.budget.memory_max, **extra)
 
 
@@ -50,6 +50,8 @@ def common_args(p: argparse.ArgumentParser):
     p.add_argument("--device", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--vram-slots", help="VRAM slots per layer or 'auto'")
     p.add_argument("--host-slots", help="host slots per layer or 'auto'")
+    p.add_argument("--no-vram-backing", action="store_true",
+                   help="VRAM experts keep no host copy: more resident capacity, disk reads after a worker restart")
     p.add_argument("--memory-max", help="bytes for both processes, e.g. 12G (default: the cgroup's)")
     p.add_argument("--vram-budget", help="bytes of VRAM, e.g. 12GiB")
     p.add_argument("--schedule", choices=["layer_major", "standard"])
@@ -74,6 +76,8 @@ def settings_from_args(a) -> tuple[Settings, dict]:
         s.slots.vram_per_layer = parse_slots(a.vram_slots)
     if a.host_slots is not None:
         s.slots.host_per_layer = parse_slots(a.host_slots)
+    if a.no_vram_backing:
+        s.slots.vram_backing = False
     if a.memory_max:
         s.budget.memory_max = parse_size(a.memory_max, "--memory-max")
     if a.vram_budget:

@@ -80,6 +80,7 @@ class Cluster:
     schedule: str | None = None
     sub_batch: int | None = None
     routing: str | None = None
+    vram_backing: bool = True
     config: str | None = None
     port: int = 0                     # worker gRPC port on 127.0.0.1 (0 = pick a free one)
     worker_metrics: str = "127.0.0.1:0"
@@ -104,6 +105,8 @@ class Cluster:
                         ("--schedule", self.schedule), ("--sub-batch", self.sub_batch), ("--routing", self.routing)):
             if v is not None:
                 a += [flag, str(v)]
+        if not self.vram_backing:
+            a.append("--no-vram-backing")
         return a
 
     def _spawn(self, name: str, module: str, args: list[str], preexec=None) -> Proc:

@@ -131,9 +131,9 @@ def _sync_metrics(m, store: ExpertStore, stop: threading.Event):
         m.expert_loads.labels(reason="demand").inc(delta("ld", st["demand_loads"] - st["staged_hits"]))
         m.expert_loads.labels(reason="prefetch").inc(delta("lp", st["readahead_reads"] + st["consolidation_reads"]))
         m.consolidations.inc(delta("c", st["consolidations"]))
-        used = st["slots"]["vram"] + st["slots"]["host"]
+        used = st["slots"]["host_slots"]
         m.expert_slots.labels(tier="host", state="used").set(used)
-        m.expert_slots.labels(tier="host", state="free").set(store.plan.n_layer * (store.plan.n_vram + store.plan.n_host) - used)
+        m.expert_slots.labels(tier="host", state="free").set(store.plan.n_layer * store.plan.host_per_layer - used)
         m.workers_attached.set(1 if st["session"] else 0)
 
 

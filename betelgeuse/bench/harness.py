@@ -63,6 +63,7 @@ class BenchOptions:
     reserve_s: float = 10.0                 # kept for writing results
     seed: int = 0
     run_dir: str = "/tmp/betelgeuse-bench"  # sockets, store logs
+    vram_backing: bool = True               # False: the store keeps no host copies of VRAM experts
 
 
 def slots_pair(s: str) -> tuple[str, str]:
@@ -229,7 +230,7 @@ class Harness:
         self.ceil.disk.append(s)
         out["disk_bps"] = s.bps
         store = StoreProcess(case.model, mkdir(o.run_dir), str(len(r["cases"])), slots_pair(case.slots), o.device,
-                             o.memory_max, o.vram_budget, mkdir(o.run_dir) / "store.log")
+                             o.memory_max, o.vram_budget, mkdir(o.run_dir) / "store.log", o.vram_backing)
         try:
             out["store_start_s"] = store.wait_ready()
             out["cgroups"] = {"store": cgroup_of(store.proc.pid), "worker": cgroup_of("self")}

@@ -27,7 +27,7 @@ class StoreProcess:
     """One `services.store_main` child with its own sockets; ended by its pid only."""
 
     def __init__(self, model: str, run_dir: Path, tag: str, slots: tuple[str, str], device: str,
-                 memory_max: int | None, vram_budget: int, log_path: Path):
+                 memory_max: int | None, vram_budget: int, log_path: Path, vram_backing: bool = True):
         d = run_dir / f"store-{tag}"
         d.mkdir(parents=True, exist_ok=True)
         self.socket, self.fd_socket = str(d / "store.sock"), str(d / "fd.sock")
@@ -39,6 +39,8 @@ class StoreProcess:
                "--vram-budget", str(vram_budget), "--device", device]
         if memory_max:
             cmd += ["--memory-max", str(memory_max)]
+        if not vram_backing:
+            cmd.append("--no-vram-backing")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
         self.log_path = log_path
         self.log = open(log_path, "ab")

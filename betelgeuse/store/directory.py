@@ -135,7 +135,8 @@ class SlotDirectory:
         assert self._writer, "only the store writes the directory"
         assert not self.pass_active, "the slot directory is frozen while a pass runs"
         assert tier in (TIER_DISK, TIER_HOST, TIER_VRAM), tier
-        assert (tier == TIER_DISK) == (host_slot < 0), (tier, host_slot)  # host and VRAM keep a host slot
+        # disk: no slot; host: a slot; VRAM: its backing slot, or none when the plan keeps no backing copies
+        assert (tier != TIER_DISK or host_slot < 0) and (tier != TIER_HOST or host_slot >= 0), (tier, host_slot)
         assert host_slot < self.layout.host_per_layer, (host_slot, self.layout.host_per_layer)
         if host_slot >= 0:  # one expert per slot
             holders = np.nonzero(self._ent["host_slot"][layer] == host_slot)[0]

@@ -40,6 +40,12 @@ class SlotPlan:
     worker_reserve: int         # host bytes the worker needs outside the arena
     memory_limit: int | None    # bytes for both processes (None = unlimited)
     notes: list[str] = field(default_factory=list)
+    vram_backing: bool = True   # VRAM experts keep a host backing slot
+
+    @property
+    def host_per_layer(self) -> int:
+        """Host slots per layer in the arena: the host tier, plus the VRAM tier's backing copies."""
+        return self.n_host + (self.n_vram if self.vram_backing else 0)
 
     @property
     def slot(self) -> SlotLayout:
@@ -47,7 +53,7 @@ class SlotPlan:
 
     @property
     def layout(self) -> ArenaLayout:
-        return ArenaLayout(self.n_layer, self.n_expert, self.n_vram + self.n_host, self.n_staging, self.slot)
+        return ArenaLayout(self.n_layer, self.n_expert, self.host_per_layer, self.n_staging, self.slot)
 
     @property
     def arena_bytes(self) -> int:
@@ -144,22 +150,24 @@ def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, me
                     n_staging //= 2
             # host slots per layer the memory allows, the VRAM tier's backing copies included
             cap = max(0, (free - arena_for(0, n_staging)) // per_layer_slot)
-            if cfg.vram_slots == "auto" and n_vram > cap:
+            backing = n_vram if cfg.vram_backing else 0
+            if cfg.vram_slots == "auto" and backing > cap:
                 notes.append(f"vram_slots=auto capped from {n_vram} to {cap}: each VRAM expert needs a host backing slot")
-                n_vram = cap
-            n_host = max(0, min(c.n_expert - n_vram, cap - n_vram))
+                n_vram = backing = cap
+            n_host = max(0, min(c.n_expert - n_vram, cap - backing))
             notes.append(f"host_slots=auto -> {n_host} per layer")
         if n_vram + n_host >= c.n_expert and cfg.staging_slots == "auto":
             n_staging = 4
     else:
         n_host = min(int(cfg.host_slots), non_resident)
 
-    plan = SlotPlan(f.path, c.n_layer, c.n_expert, n_vram, n_host, n_staging, part_max, fixed, reserve, limit, notes)
+    plan = SlotPlan(f.path, c.n_layer, c.n_expert, n_vram, n_host, n_staging, part_max, fixed, reserve, limit, notes,
+                    cfg.vram_backing)
     if limit is not None:
         need = plan.arena_bytes + reserve + memory_current + HEADROOM
         if need > limit:
             raise BudgetError(
                 f"slots do not fit the memory limit {_gib(limit)}: arena {_gib(plan.arena_bytes)} "
-                f"({n_vram}+{n_host} host slots x {c.n_layer} layers + {n_staging} staging, {slot.slot_bytes} bytes each) "
+                f"({plan.host_per_layer} host slots x {c.n_layer} layers + {n_staging} staging, {slot.slot_bytes} bytes each) "
                 f"+ worker {_gib(reserve)} + in use {_gib(memory_current)} + headroom {_gib(HEADROOM)} = {_gib(need)}")
     return plan

@@ -81,7 +81,7 @@ class ExpertStore:
         self._claimed: set[tuple[int, int]] = set()                        # awaited by a running load: not evictable
         self.score = np.zeros((L, E), dtype=np.float64)                  # decayed usage, for consolidation
         self._usage = np.zeros((L, E), dtype=np.int64)                   # since the last consolidation
-        self._host_owner = np.full((L, plan.n_vram + plan.n_host), -1, dtype=np.int64)  # host slot -> expert
+        self._host_owner = np.full((L, plan.host_per_layer), -1, dtype=np.int64)  # host slot -> expert
         self._consolidating: threading.Thread | None = None
         self.counters = StoreCounters()
         self.started = time.monotonic()
@@ -139,9 +139,9 @@ class ExpertStore:
         pending = []
         with self.cv:
             for key in keys:
-                tier, _, _ = self.directory.lookup(*key)
-                if tier != TIER_DISK:
-                    raise BetelgeuseError(f"expert {key} is resident (tier {tier}); read it from its slot")
+                tier, hslot, _ = self.directory.lookup(*key)
+                if tier == TIER_HOST or (tier == TIER_VRAM and hslot >= 0):
+                    raise BetelgeuseError(f"expert {key} is in host slot {hslot}; read it from there")
                 self.counters.demand_loads += 1
                 self._claimed.add(key)
                 if key in self._staged or key in self._inflight:
@@ -273,22 +273,30 @@ class ExpertStore:
                     continue
                 want[e] = TIER_VRAM if rank < p.n_vram else TIER_HOST
             owner = self._host_owner[l]
-            leaving = [i for i, e in enumerate(owner) if e >= 0 and e not in want]
+
+            def needs_slot(e):       # host tier, or a VRAM expert with a backing copy
+                return e in want and (want[e] == TIER_HOST or p.vram_backing)
+            leaving = [i for i, e in enumerate(owner) if e >= 0 and not needs_slot(int(e))]
             free = [i for i, e in enumerate(owner) if e < 0] + leaving
             for i in leaving:
-                moves.append((l, int(owner[i]), TIER_DISK, -1))
+                if int(owner[i]) not in want:
+                    moves.append((l, int(owner[i]), TIER_DISK, -1))
             for e, tier in want.items():
-                if cur_tier[e] == TIER_DISK:
+                held = np.nonzero(owner == e)[0]
+                if not needs_slot(e):                  # VRAM without a backing copy: the worker reads it from disk
+                    if cur_tier[e] != tier or held.size:
+                        moves.append((l, e, tier, -1))
+                elif not held.size:
                     moves.append((l, e, tier, free.pop(0)))
                 elif cur_tier[e] != tier:
-                    moves.append((l, e, tier, int(np.nonzero(owner == e)[0][0])))
+                    moves.append((l, e, tier, int(held[0])))
         return moves
 
     def _apply_consolidation(self, moves):
-        # evictions first (the slots become free), then fills, then the directory in one go
+        # 1. fill the slots that change hands (from a staged copy, else from disk); 2. the directory in one go
         futures = []
         for l, e, tier, slot in moves:
-            if tier == TIER_DISK or self._host_owner[l, slot] == e:
+            if slot < 0 or self._host_owner[l, slot] == e:
                 continue
             off = self.layout.host_slot_offset(l, slot)
             with self.cv:
@@ -304,13 +312,12 @@ class ExpertStore:
         for f in futures:
             f.result()
         with self.cv, self.directory.batch():       # one epoch change: a snapshot sees all of it or none
+            for l, e, tier, slot in moves:          # slots given up first, so each slot has one holder
+                self._host_owner[l][self._host_owner[l] == e] = -1
+                if slot < 0:
+                    self.directory.set(l, e, tier, -1)
             for l, e, tier, slot in moves:
-                if tier == TIER_DISK:
-                    if self._host_owner[l][self._host_owner[l] == e].size:
-                        self._host_owner[l][self._host_owner[l] == e] = -1
-                    self.directory.set(l, e, TIER_DISK, -1)
-            for l, e, tier, slot in moves:
-                if tier != TIER_DISK:
+                if slot >= 0:
                     self._host_owner[l, slot] = e
                     self.directory.set(l, e, tier, slot)
             self.counters.consolidations += 1
@@ -326,7 +333,7 @@ class ExpertStore:
         snap = self.directory.snapshot()
         tiers = snap["tier"]
         return {"vram": int((tiers == TIER_VRAM).sum()), "host": int((tiers == TIER_HOST).sum()),
-                "staging": self.plan.n_staging - len(self._free)}
+                "host_slots": int((snap["host_slot"] >= 0).sum()), "staging": self.plan.n_staging - len(self._free)}
 
     def status(self) -> dict:
         r = self.reader.stats

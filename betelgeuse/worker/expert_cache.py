@@ -85,10 +85,11 @@ class ExpertCache:
         return self.host[off: off + self.layout.slot.slot_bytes]
 
     # ---- VRAM hot slots ---------------------------------------------------------------------
-    def sync_vram(self, snap: np.ndarray) -> int:
-        """Make the VRAM slots hold exactly the VRAM-tier experts of the directory snapshot.
-        Copies from their host backing slots; returns the number of experts copied."""
-        copied = 0
+    def sync_vram(self, snap: np.ndarray) -> tuple[int, list[tuple[int, int, int]]]:
+        """Make the VRAM slots hold exactly the VRAM-tier experts of the directory snapshot. Experts with a
+        host backing slot are copied from it here; returns (copied, [(layer, expert, vram slot)] of the
+        VRAM-tier experts without a backing copy, which the caller must load through the store)."""
+        copied, missing = 0, []
         tiers, hslots, gens = snap["tier"], snap["host_slot"], snap["generation"]
         for l in range(self.plan.n_layer):
             want = np.nonzero(tiers[l] == TIER_VRAM)[0]
@@ -106,6 +107,9 @@ class ExpertCache:
                 if int(e) in keep:
                     continue
                 j = free.pop(0)
+                if hslots[l, e] < 0:
+                    missing.append((l, int(e), j))
+                    continue
                 src = self.host_slot(l, int(hslots[l, e]))
                 self.vram[l, j].copy_(src, non_blocking=self.pinned)
                 self.h2d_bytes += src.numel()
@@ -114,7 +118,14 @@ class ExpertCache:
                 copied += 1
         if self.is_cuda and copied:
             torch.cuda.current_stream(self.device).synchronize()
-        return copied
+        return copied, missing
+
+    def fill_vram(self, layer: int, expert: int, j: int, src: torch.Tensor, snap: np.ndarray):
+        """Put an expert without a host backing copy into VRAM slot j (src: its staging slot)."""
+        self.vram[layer, j].copy_(src, non_blocking=self.pinned)
+        self.h2d_bytes += src.numel()
+        self.vram_owner[layer, j] = (expert, snap["host_slot"][layer, expert], snap["generation"][layer, expert])
+        self.vram_index[layer, expert] = j
 
     def invalidate(self):
         self.vram_owner[:] = -1

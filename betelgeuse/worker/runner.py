@@ -117,7 +117,7 @@ class ModelRunner:
         ok = False
         try:
             snap = self.directory.snapshot()
-            stats.vram_filled = self.cache.sync_vram(snap)
+            stats.vram_filled = self._sync_vram(snap, stats)
             if schedule == "standard" and len(ids) > 1:
                 logits = self._standard(ids_t, kv, snap, usage, stats, all_logits)
             else:
@@ -132,7 +132,7 @@ class ModelRunner:
                 self._abandon(usage)
         stats.seconds = time.perf_counter() - t0
         stats.h2d_bytes = self.cache.h2d_bytes - h2d0
-        stats.disk_wait_s = sum(s.disk_wait_s for s in stats.layers)
+        stats.disk_wait_s += sum(s.disk_wait_s for s in stats.layers)
         if self.cache.is_cuda:
             self._collect_event_times(stats)
         else:
@@ -187,6 +187,23 @@ class ModelRunner:
             stats.layers.append(ls)
         kv.commit()
         return self.model.logits(x if all_logits else x[-1:])
+
+    def _sync_vram(self, snap, stats) -> int:
+        """VRAM hot slots = the directory's VRAM tier: copies from host backing slots, and disk reads through
+        the store for VRAM experts that have no backing copy (vram_backing = false). Returns experts filled."""
+        copied, missing = self.cache.sync_vram(snap)
+        if missing:
+            where = {(l, e): j for l, e, j in missing}
+            t = time.perf_counter()
+            for got in self.store.load(list(where)):
+                self.cache.fill_vram(got.layer, got.expert, where[(got.layer, got.expert)],
+                                     self.cache.staging_slot(got.slot), snap)
+                stats.disk_bytes += got.disk_bytes
+                stats.reads["disk"] += 1
+                self._sync()                           # the copy is done before the staging slot goes back
+                self.store.release([got.slot])
+            stats.disk_wait_s += time.perf_counter() - t
+        return copied + len(missing)
 
     def _resident_mask(self, snap, l: int):
         """[n_expert] bool on the device for the approximate `resident` routing mode; None in exact mode."""

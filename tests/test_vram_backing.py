@@ -1,0 +1,91 @@
+"""`vram_backing = false`: VRAM experts keep no host copy, so VRAM slots add resident capacity.
+
+The same invariants as with backing copies: logits bit-identical to the reference whatever the slots, cold,
+warm and after consolidation; plus what the switch buys (capacity, fewer disk loads) and costs (a restarted
+worker reads its VRAM experts from disk).
+"""
+
+import torch
+
+from betelgeuse.config import EngineConfig
+from betelgeuse.gguf.reader import GGUFModelFile
+from betelgeuse.model.qwen3moe import ReferenceModel
+from betelgeuse.store.plan import plan_slots
+from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, write_synth
+
+import pytest
+
+PROMPT = prompt(40, ENGINE_SPEC["n_vocab"], seed=3)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_synth(tmp_path_factory.mktemp("backing") / "engine.gguf", **ENGINE_SPEC)
+
+
+@pytest.fixture(scope="module")
+def want(model):
+    ref = ReferenceModel.load(model)
+    with torch.no_grad():
+        return ref.forward(torch.tensor(PROMPT), ref.new_cache(64)).float()
+
+
+@pytest.mark.parametrize("vram,host", [(5, 15), (8, 0), (12, 20)])
+def test_bit_identical_without_backing(model, want, vram, host):
+    runner, store = in_process_runner(model, vram, host, vram_backing=False)
+    try:
+        assert store.layout.host_per_layer == host                  # no backing slots in the arena
+        seen_vram = 0
+        for consolidate in (False, True, False, False):
+            logits, st = runner.forward(PROMPT, runner.new_cache(64), all_logits=True, consolidate=consolidate)
+            runner.settle()
+            assert torch.equal(logits, want), (vram, host, st.reads)
+            seen_vram += st.reads["vram"]
+        assert seen_vram > 0                                         # the VRAM tier was really used
+        snap = store.directory.snapshot()
+        assert ((snap["tier"] == 2) & (snap["host_slot"] < 0)).any()  # VRAM experts without a host slot
+    finally:
+        close_runner(runner, store)
+
+
+def test_more_resident_experts_for_the_same_memory(model):
+    """Same arena bytes (20 host slots per layer): with backing 5 VRAM + 15 host are resident, without it
+    5 VRAM + 20 host; once the VRAM tier is filled (the first pass after consolidation reads its experts from
+    disk when they have no backing copy), a pass reads fewer experts from disk."""
+    disk = {}
+    for backing, host in ((True, 15), (False, 20)):
+        runner, store = in_process_runner(model, 5, host, vram_backing=backing)
+        try:
+            assert store.layout.host_per_layer == 20
+            runner.forward(PROMPT, runner.new_cache(64))
+            runner.settle()
+            runner.forward(PROMPT, runner.new_cache(64), consolidate=False)   # fills the VRAM tier
+            _, st = runner.forward(PROMPT, runner.new_cache(64), consolidate=False)
+            assert st.vram_filled == 0
+            disk[backing] = st.reads["disk"]
+        finally:
+            close_runner(runner, store)
+    assert disk[False] < disk[True], disk
+
+
+def test_restarted_worker_reads_vram_experts_from_disk(model, want):
+    runner, store = in_process_runner(model, 6, 0, vram_backing=False)
+    try:
+        runner.forward(PROMPT, runner.new_cache(64))
+        runner.settle()
+        runner.attach()                                               # a new worker session: empty VRAM slots
+        logits, st = runner.forward(PROMPT, runner.new_cache(64), all_logits=True, consolidate=False)
+        assert torch.equal(logits, want)
+        assert st.vram_filled == 6 * ENGINE_SPEC["n_layer"] and st.reads["vram"] > 0
+    finally:
+        close_runner(runner, store)
+
+
+def test_auto_slots_use_vram_as_capacity(model):
+    f = GGUFModelFile.open(str(model))
+    kw = dict(model_path=str(model), device="cuda", vram_slots="auto", host_slots="auto", vram_budget=1 << 33)
+    limit = 3 << 30
+    with_backing = plan_slots(f, EngineConfig(**kw), limit)
+    without = plan_slots(f, EngineConfig(**kw, vram_backing=False), limit)
+    assert without.n_vram + without.n_host >= with_backing.n_vram + with_backing.n_host
+    assert without.host_per_layer == without.n_host
