@@ -79,6 +79,8 @@ class ExpertStore:
         self._ready_bytes: dict[tuple[int, int], int] = {}              # key -> disk bytes of its read (until handed out)
         self._readahead_keys: set[tuple[int, int]] = set()
         self._claimed: set[tuple[int, int]] = set()                        # awaited by a running load: not evictable
+        self._waiters: dict[tuple[int, int], list[queue.Queue]] = {}      # key -> loads waiting for its read
+        self._failed: dict[tuple[int, int], str] = {}                     # key -> why its read failed
         self.score = np.zeros((L, E), dtype=np.float64)                  # decayed usage, for consolidation
         self._usage = np.zeros((L, E), dtype=np.int64)                   # since the last consolidation
         self._host_owner = np.full((L, plan.host_per_layer), -1, dtype=np.int64)  # host slot -> expert
@@ -172,6 +174,8 @@ class ExpertStore:
                     raise StoreUnavailableError("worker session replaced during a load")
                 continue
             with self.cv:
+                if key in self._failed:
+                    raise BetelgeuseError(f"reading expert {key} from {self.model.path} failed: {self._failed.pop(key)}")
                 slot = self._staged.pop(key)
                 self._claimed.discard(key)
                 self._handed[slot] = key
@@ -214,11 +218,11 @@ class ExpertStore:
 
     # ---- internals (hold self.cv) --------------------------------------------------------
     def _watch(self, key, done: queue.Queue):
+        """`done` gets `key` once its bytes are staged (now, or from the read's completion, under self.cv)."""
         if key in self._staged:
             done.put(key)
         else:
-            _, fut, _ = self._inflight[key]
-            fut.add_done_callback(lambda _f, k=key: done.put(k))
+            self._waiters.setdefault(key, []).append(done)
 
     def _alloc_slot(self, demand: bool) -> int | None:
         if self._free:
@@ -251,9 +255,13 @@ class ExpertStore:
                 if f.exception() is not None:
                     self._free.append(slot)
                     self.counters.extra["read_errors"] = self.counters.extra.get("read_errors", 0) + 1
-                    return
-                self._staged[key] = slot
-                self._ready_bytes[key] = nbytes
+                    if key in self._waiters:
+                        self._failed[key] = str(f.exception())
+                else:
+                    self._staged[key] = slot
+                    self._ready_bytes[key] = nbytes
+                for q in self._waiters.pop(key, []):     # staged (or failed) before anyone is told
+                    q.put(key)
                 self.cv.notify_all()
         fut.add_done_callback(landed)
 
