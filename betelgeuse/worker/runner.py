@@ -83,6 +83,7 @@ class ModelRunner:
         self.store = store
         self.cache: ExpertCache | None = None
         self._events: list = []             # (layer stats, start, end, ring) CUDA events of this pass
+        self._masks = None                  # (directory snapshot, [n_layer, n_expert] resident mask on the device)
         self.attach()
 
     # ---- store session --------------------------------------------------------------------
@@ -206,10 +207,13 @@ class ModelRunner:
         return copied + len(missing)
 
     def _resident_mask(self, snap, l: int):
-        """[n_expert] bool on the device for the approximate `resident` routing mode; None in exact mode."""
+        """[n_expert] bool on the device for the approximate `resident` routing mode; None in exact mode.
+        One upload per pass (the directory is frozen for the pass), not one per layer."""
         if self.cfg.routing != "resident":
             return None
-        return torch.from_numpy(snap["tier"][l] > 0).to(self.device)
+        if self._masks is None or self._masks[0] is not snap:
+            self._masks = (snap, torch.from_numpy(snap["tier"] > 0).to(self.device))
+        return self._masks[1][l]
 
     def _moe_layer(self, l, h, y, work, snap, usage, stats, ls, readahead):
         tiers = snap["tier"][l]

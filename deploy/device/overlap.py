@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from torch.profiler import ProfilerActivity, profile
 
 from betelgeuse.config import EngineConfig
@@ -17,16 +18,7 @@ from betelgeuse.store.client import InProcessStoreClient
 from betelgeuse.store.plan import plan_slots
 from betelgeuse.store.store import ExpertStore
 from betelgeuse.worker.runner import ModelRunner
-
-
-def union(iv):
-    out = []
-    for s, e in sorted(iv):
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return out
+from check_cuda import _union as union  # one interval union for both device scripts
 
 
 def inter(a, b):
