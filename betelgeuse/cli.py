@@ -364,10 +364,15 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args) -> int:
-    """Both processes for a development run, until Ctrl-C."""
+    """Both processes for a development run, until Ctrl-C (or SIGTERM): then both are stopped."""
+    import signal
     import tempfile
     import time
     from services.launcher import Cluster
+
+    def _stop(*_):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, _stop)
     model = args.model or default_model()
     tmp = None if args.runtime_dir else tempfile.TemporaryDirectory(prefix="betelgeuse-")
     cluster = Cluster(model, args.runtime_dir or tmp.name, device=args.device, vram_slots=args.vram_slots,
