@@ -84,8 +84,9 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     ready_sent = False
-    log.info("worker serving on %s (%s, %d+%d slots/layer)", ", ".join(listen), cfg.device,
-             mi.vram_slots_per_layer, mi.host_slots_per_layer)
+    log.info("worker serving on %s (%s, %d+%d slots/layer, %s routing%s)", ", ".join(listen), cfg.device,
+             mi.vram_slots_per_layer, mi.host_slots_per_layer, mi.routing,
+             ": APPROXIMATE, outputs depend on which experts are resident" if mi.routing != "exact" else "")
     while not stop.is_set():
         if engine.store_ok:                       # notice a dead store while idle, not only when a request fails
             try:

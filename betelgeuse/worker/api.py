@@ -96,6 +96,8 @@ class ModelInfo:
     host_slots_per_layer: int
     schedule: str                   # "layer_major" | "standard"
     sub_batch: int
+    routing: str = "exact"          # "exact" | "resident" (approximate: outputs depend on residency)
+    vram_backing: bool = True       # VRAM experts keep host copies
 
 
 @dataclass(slots=True)

@@ -295,7 +295,8 @@ class LLMEngine:
                          n_ff_exp=c.n_ff_exp, n_vocab=c.n_vocab, context_length=c.context_length,
                          quant=gguf.GGMLQuantizationType(qt).name, expert_bytes=f.expert_nbytes(0),
                          vram_slots_per_layer=p.n_vram, host_slots_per_layer=p.n_host,
-                         schedule=self.cfg.schedule, sub_batch=self.cfg.sub_batch)
+                         schedule=self.cfg.schedule, sub_batch=self.cfg.sub_batch, routing=self.cfg.routing,
+                         vram_backing=p.vram_backing)
 
     def server_info(self) -> ServerInfo:
         cache = self.runner.cache
