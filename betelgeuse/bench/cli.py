@@ -40,6 +40,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="router skew of a second, smaller model ('none': no variant; default 0)")
     p.add_argument("--variant-layers", type=int, help="layers of the second model (default 8)")
     p.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto)")
+    p.add_argument("--routing", choices=["exact", "resident"], default="exact",
+                   help="resident: the APPROXIMATE routing mode (ranks after the first among resident experts)")
     p.add_argument("--no-vram-backing", action="store_true",
                    help="the store keeps no host copies of VRAM experts (VRAM slots add resident capacity)")
     p.add_argument("--memory-max", help="cgroup memory.max for both processes (default 12G; 'none': no cgroup limit)")
@@ -159,7 +161,8 @@ def run(args) -> int:
                      cgroup=not args.no_cgroup, time_budget=float(_opt(args, "time_budget", 480.0)), t0=t0,
                      standard_cap=float(_opt(args, "standard_cap", 20.0)), decode_cap=float(_opt(args, "decode_cap", 20.0)),
                      disk_sample_bytes=parse_size(_opt(args, "disk_sample", "1GiB"), "--disk-sample"),
-                     seed=args.seed, run_dir=str(work / f"run-{os.getpid()}"), vram_backing=not args.no_vram_backing)
+                     seed=args.seed, run_dir=str(work / f"run-{os.getpid()}"), vram_backing=not args.no_vram_backing,
+                     routing=args.routing)
     results["options"] = {k: getattr(o, k) for k in o.__slots__ if k != "t0"}
     log(f"device {device}; results -> {out}")
     try:

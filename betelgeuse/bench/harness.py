@@ -64,6 +64,7 @@ class BenchOptions:
     seed: int = 0
     run_dir: str = "/tmp/betelgeuse-bench"  # sockets, store logs
     vram_backing: bool = True               # False: the store keeps no host copies of VRAM experts
+    routing: str = "exact"                  # "resident": the approximate routing mode (outputs differ)
 
 
 def slots_pair(s: str) -> tuple[str, str]:
@@ -172,7 +173,7 @@ class Harness:
             return self.runner
         self._drop_runner()
         cfg = EngineConfig(model_path=model, device=self.o.device, vram_budget=self.o.vram_budget,
-                           memory_max=self.o.memory_max)
+                           memory_max=self.o.memory_max, routing=self.o.routing)
         self.runner, self.runner_model = ModelRunner(cfg, client), model
         return self.runner
 

@@ -64,6 +64,12 @@ def markdown(r: dict) -> str:
          f"device `{r.get('device', '')}`", ""]
     if r.get("status") != "complete":
         L += [f"**Partial results** (status: {r.get('status')}).", ""]
+    o = r.get("options", {})
+    if o.get("routing", "exact") != "exact":
+        L += [f"**Routing: {o['routing']} (APPROXIMATE: ranks after the first choose among resident experts; "
+              "outputs differ from the model's).**", ""]
+    if o.get("vram_backing") is False:
+        L += ["Slots: VRAM experts keep no host copy (`--no-vram-backing`): VRAM slots add resident capacity.", ""]
     L += ["## Prefill (the reference table: pass 4a cold, 4b warm)", "",
           "| Case | Router skew | Slots/layer (VRAM+host) | Pass | Schedule | Tokens | PP tok/s | Disk read share | "
           "Disk wait ms | H2D GB | TTFT s | Bound s (limiter) | Achieved |",
