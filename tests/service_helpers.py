@@ -37,6 +37,13 @@ Samples = dict[tuple[str, frozenset], float]     # (sample name, {(label, value)
 
 # ---- the model ---------------------------------------------------------------------------------------------------
 
+@pytest.fixture(scope="module")
+def channel(cluster):
+    """A channel to the module's `cluster` (each test module defines that fixture)."""
+    with grpc.insecure_channel(cluster.address) as ch:
+        yield ch
+
+
 @pytest.fixture(scope="session")
 def service_model(tmp_path_factory) -> Path:
     """PRESETS["tiny"] (4 layers, 16 experts, top-4, vocab 1024, context 2048), written once per session."""

@@ -31,10 +31,7 @@ def cluster(service_model, tmp_path_factory):
     c.stop()
 
 
-@pytest.fixture(scope="module")
-def channel(cluster):
-    with grpc.insecure_channel(cluster.address) as ch:
-        yield ch
+channel = h.channel
 
 
 def encode(model, text):
