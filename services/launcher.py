@@ -46,13 +46,7 @@ class Proc:
         return self.popen.poll() is None
 
     def stop(self, grace: float = 10.0):
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(grace)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+        terminate(self.popen, grace)
 
     def kill9(self):
         if self.popen.poll() is None:
@@ -60,11 +54,24 @@ class Proc:
             self.popen.wait()
 
 
-def _python_env() -> dict:
+def terminate(popen: subprocess.Popen, grace: float = 10.0) -> int:
+    """SIGTERM a child we started, SIGKILL it if it is still there after `grace` seconds; its exit code."""
+    if popen.poll() is None:
+        popen.send_signal(signal.SIGTERM)
+        try:
+            popen.wait(grace)
+        except subprocess.TimeoutExpired:
+            popen.kill()
+    return popen.wait()
+
+
+def python_env(**extra: str) -> dict:
+    """This environment with the repository first on PYTHONPATH, for `python -m services.*` children."""
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(extra)
     return env
 
 
@@ -113,7 +120,7 @@ class Cluster:
         log_path = os.path.join(self.runtime_dir, f"{name}.log")
         with open(log_path, "ab") as logf:
             p = subprocess.Popen([sys.executable, "-m", module, *args], stdout=logf, stderr=subprocess.STDOUT,
-                                 env=_python_env(), preexec_fn=preexec, start_new_session=True)
+                                 env=python_env(), preexec_fn=preexec, start_new_session=True)
         return Proc(name, p, log_path)
 
     def start_store(self, timeout: float = 120.0, preexec=None) -> Proc:

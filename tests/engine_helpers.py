@@ -11,7 +11,6 @@ from __future__ import annotations
 import mmap
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,8 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+
+from services.launcher import free_port, python_env, terminate  # noqa: F401  (free_port: for the tests)
 
 REPO = Path(__file__).resolve().parents[1]
 ARENA_MAP_NAME = "memfd:betelgeuse-arena"   # how /proc/<pid>/maps names the store's memfd
@@ -73,12 +74,6 @@ def close_runner(runner, store):
 
 # ---- processes -------------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _cgroup_preexec(cg):
     """Runs in the child between fork and exec: the process enters `cg` before it allocates anything."""
     procs = os.path.join(cg.path, "cgroup.procs")
@@ -112,13 +107,7 @@ class Proc:
 
     def stop(self, timeout: float = 10.0) -> int:
         """SIGTERM our own child by PID, SIGKILL if it does not go; returns its exit code."""
-        if self.alive():
-            os.kill(self.pid, signal.SIGTERM)
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.kill(self.pid, signal.SIGKILL)
-        return self.popen.wait(timeout)
+        return terminate(self.popen, timeout)
 
     def kill9(self) -> int:
         self.signal(signal.SIGKILL)
@@ -127,7 +116,7 @@ class Proc:
 
 def _spawn(name: str, module: str, args: list[str], log_dir: Path, cgroup=None) -> Proc:
     log = Path(log_dir) / f"{name}-{time.monotonic_ns()}.log"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env = python_env(OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", module, *args]
     with open(log, "wb") as out:
         p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

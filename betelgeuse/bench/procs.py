@@ -10,7 +10,6 @@ arena, the KV cache or the dense weights, which come later).
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -41,7 +40,8 @@ class StoreProcess:
             cmd += ["--memory-max", str(memory_max)]
         if not vram_backing:
             cmd.append("--no-vram-backing")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        from services.launcher import python_env
+        env = python_env()
         self.log_path = log_path
         self.log = open(log_path, "ab")
         self.log.write(f"\n$ {' '.join(cmd)}\n".encode())
@@ -73,15 +73,10 @@ class StoreProcess:
         return self.proc.poll() is None
 
     def stop(self, timeout: float = 15.0) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        from services.launcher import terminate
+        rc = terminate(self.proc, timeout)
         self.log.close()
-        return self.proc.returncode
+        return rc
 
 
 class BenchCgroup:

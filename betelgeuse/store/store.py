@@ -161,7 +161,7 @@ class ExpertStore:
         while delivered < len(keys):
             with self.cv:
                 while pending:
-                    slot = self._alloc_slot(demand=True)
+                    slot = self._alloc_slot()
                     if slot is None:
                         break
                     key = pending.pop(0)
@@ -224,7 +224,8 @@ class ExpertStore:
         else:
             self._waiters.setdefault(key, []).append(done)
 
-    def _alloc_slot(self, demand: bool) -> int | None:
+    def _alloc_slot(self) -> int | None:
+        """A staging slot for a demand read: a free one, else the least recently used unclaimed staged copy."""
         if self._free:
             return self._free.pop()
         victim = next((k for k in self._staged if k not in self._claimed), None)
@@ -330,11 +331,6 @@ class ExpertStore:
                     self.directory.set(l, e, tier, slot)
             self.counters.consolidations += 1
         self._consolidating = None
-
-    def wait_consolidated(self):
-        t = self._consolidating
-        if t is not None:
-            t.join()
 
     # ---- status ------------------------------------------------------------------------------
     def tier_counts(self) -> dict[str, int]:

@@ -19,6 +19,7 @@ from betelgeuse import __version__
 from betelgeuse.config import EngineConfig
 from betelgeuse.errors import (BetelgeuseError, CancelledError, InvalidRequestError, QueueFullError,
                                StoreUnavailableError)
+from betelgeuse.gguf.qtypes import qtype_name
 from betelgeuse.model.generate import TextStream
 from betelgeuse.model.sampler import make_generator, sample, validate
 from betelgeuse.store.client import StoreClient
@@ -288,12 +289,11 @@ class LLMEngine:
 
     def model_info(self) -> ModelInfo:
         c, f, p = self.runner.mcfg, self.runner.file, self.runner.plan
-        import gguf
         qt = f.expert_parts(0, 0)[0].qtype
         return ModelInfo(name=c.name, arch=c.arch, path=f.path, n_layer=c.n_layer, n_embd=c.n_embd, n_head=c.n_head,
                          n_head_kv=c.n_head_kv, head_dim=c.head_dim, n_expert=c.n_expert, n_expert_used=c.n_expert_used,
                          n_ff_exp=c.n_ff_exp, n_vocab=c.n_vocab, context_length=c.context_length,
-                         quant=gguf.GGMLQuantizationType(qt).name, expert_bytes=f.expert_nbytes(0),
+                         quant=qtype_name(qt), expert_bytes=f.expert_nbytes(0),
                          vram_slots_per_layer=p.n_vram, host_slots_per_layer=p.n_host,
                          schedule=self.cfg.schedule, sub_batch=self.cfg.sub_batch, routing=self.cfg.routing,
                          vram_backing=p.vram_backing)

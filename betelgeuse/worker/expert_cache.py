@@ -37,7 +37,8 @@ class PartMeta:
 
 
 class ExpertCache:
-    def __init__(self, plan: SlotPlan, arena: Arena, model: GGUFModelFile, device: torch.device, dtype: torch.dtype):
+    def __init__(self, plan: SlotPlan, arena: Arena, model: GGUFModelFile, device: torch.device, dtype: torch.dtype,
+                 ring_slots: int):
         self.plan, self.arena, self.device, self.dtype = plan, arena, device, dtype
         self.layout = plan.layout
         self.is_cuda = device.type == "cuda"
@@ -58,22 +59,15 @@ class ExpertCache:
         # which expert each VRAM slot holds: (expert, host_slot, generation); -1 = empty
         self.vram_owner = np.full((plan.n_layer, max(plan.n_vram, 1), 3), -1, dtype=np.int64)
         self.vram_index = np.full((plan.n_layer, plan.n_expert), -1, dtype=np.int64)   # expert -> VRAM slot
-        self.ring = torch.empty((max(2, 1), sb), dtype=torch.uint8, device=device)
-        self.n_ring = 0
+        self.ring = torch.empty((ring_slots, sb), dtype=torch.uint8, device=device)
+        self.n_ring = ring_slots
         self.copy_stream = torch.cuda.Stream(device) if self.is_cuda else None
+        # per ring buffer: its copy landed / the compute that used it is enqueued
+        self._ring_ready = [torch.cuda.Event() for _ in range(ring_slots)] if self.is_cuda else []
+        self._ring_free = [torch.cuda.Event() for _ in range(ring_slots)] if self.is_cuda else []
+        self._next = 0
         self.h2d_bytes = 0
         self.copy_seconds = 0.0    # CPU path: time spent copying
-        self._ring_ready: list = []
-        self._ring_free: list = []
-        self._next = 0
-
-    def make_ring(self, n: int):
-        sb = self.layout.slot.slot_bytes
-        self.ring = torch.empty((n, sb), dtype=torch.uint8, device=self.device)
-        self.n_ring = n
-        if self.is_cuda:
-            self._ring_ready = [torch.cuda.Event() for _ in range(n)]
-            self._ring_free = [torch.cuda.Event() for _ in range(n)]
 
     # ---- host views -------------------------------------------------------------------------
     def host_slot(self, layer: int, i: int) -> torch.Tensor:
@@ -126,10 +120,6 @@ class ExpertCache:
         self.h2d_bytes += src.numel()
         self.vram_owner[layer, j] = (expert, snap["host_slot"][layer, expert], snap["generation"][layer, expert])
         self.vram_index[layer, expert] = j
-
-    def invalidate(self):
-        self.vram_owner[:] = -1
-        self.vram_index[:] = -1
 
     # ---- the execution ring -------------------------------------------------------------------
     def to_ring(self, src: torch.Tensor, timing: list | None = None) -> int:

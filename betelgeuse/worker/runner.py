@@ -93,8 +93,7 @@ class ModelRunner:
             self.cache.close()
         arena, plan = self.store.attach()
         self.plan = plan
-        self.cache = ExpertCache(plan, arena, self.file, self.device, self.dtype)
-        self.cache.make_ring(self.cfg.ring_slots)
+        self.cache = ExpertCache(plan, arena, self.file, self.device, self.dtype, self.cfg.ring_slots)
         self.directory = SlotDirectory(arena, plan.layout, create=False)
 
     def new_cache(self, max_len: int | None = None) -> KVCache:

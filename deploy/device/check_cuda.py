@@ -40,6 +40,7 @@ from betelgeuse.store.client import InProcessStoreClient  # noqa: E402
 from betelgeuse.store.plan import plan_slots  # noqa: E402
 from betelgeuse.store.store import ExpertStore  # noqa: E402
 from betelgeuse.worker.runner import ModelRunner  # noqa: E402
+from services.launcher import python_env  # noqa: E402
 
 MiB = 1 << 20
 ROWS: list[tuple[str, str, str]] = []        # (check, result, detail) for the markdown table
@@ -112,7 +113,7 @@ def check_invariance(path: Path, device: str, ids: list[int], tmp: Path):
     proc = subprocess.Popen([sys.executable, "-m", "services.store_main", "--model", str(path), "--store-socket",
                              str(sock / "s.sock"), "--fd-socket", str(sock / "f.sock"), "--metrics", "",
                              "--device", device, "--vram-slots", "5", "--host-slots", "15"], cwd=REPO,
-                            env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))), stdout=subprocess.DEVNULL,
+                            env=python_env(), stdout=subprocess.DEVNULL,
                             stderr=open(sock / "store.log", "wb"))
     try:
         from betelgeuse.errors import StoreUnavailableError
