@@ -25,7 +25,12 @@ class EngineConfig:
     vram_backing: bool = True           # VRAM experts keep a host copy: a restarted worker refills VRAM from RAM.
                                         # False: VRAM slots add capacity; their experts are (re)read from disk
     staging_slots: int | str = "auto"   # shared staging slots for disk reads in flight / waiting for their copy
-    ring_slots: int = 4                 # device buffers experts stream into (execution ring)
+    ring_slots: int = 32                # device slots host/disk experts stream into (execution ring: two banks
+                                        # of ring_slots/2; a bank is one batch of experts = one kernel launch group)
+    kernels: str = "auto"               # expert math: "auto" (triton on CUDA where the quant type allows, else torch),
+                                        # "torch" (the reference loop), "triton" (also on the CPU under TRITON_INTERPRET=1)
+    decode_consolidate_every: int = 32  # decode tokens between consolidations of the decode's own usage (0 = only at
+                                        # the end of a request): a long generation's working set moves into resident tiers
     prefetch: bool = True               # read the next layer's likely experts ahead during prefill
     routing: str = "exact"              # "exact" (the model's top-k) | "resident" (approximate: ranks >= 1 among resident experts)
     vram_budget: int = 12 * GiB         # bytes, for everything the worker puts on the GPU
@@ -40,6 +45,10 @@ class EngineConfig:
     def __post_init__(self):
         if self.routing not in ("exact", "resident"):
             raise BetelgeuseError(f"routing must be 'exact' or 'resident', got {self.routing!r}")
+        if self.kernels not in ("auto", "torch", "triton"):
+            raise BetelgeuseError(f"kernels must be 'auto', 'torch' or 'triton', got {self.kernels!r}")
+        if self.decode_consolidate_every < 0:
+            raise BetelgeuseError(f"decode_consolidate_every must be >= 0, got {self.decode_consolidate_every}")
         if self.schedule not in SCHEDULES:
             raise BetelgeuseError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         for name in ("vram_slots", "host_slots", "staging_slots"):

@@ -88,7 +88,9 @@ class EngineSettings:
     sub_batch: int = 16                     # tokens per expert matmul in layer-major prefill
     micro_batch: int = 3                    # tokens per micro-batch in the standard schedule
     staging_slots: int | str = AUTO         # shared slots for disk reads in flight, or "auto"
-    ring_slots: int = 4                     # device buffers experts stream into
+    ring_slots: int = 32                    # device slots experts stream into (two banks = launch groups)
+    kernels: str = "auto"                   # expert math: "auto" | "torch" | "triton"
+    decode_consolidate_every: int = 32      # decode tokens between consolidations of the decode's usage (0 = off)
     prefetch: bool = True                   # read the next layer's likely experts ahead
     routing: str = "exact"                  # "exact" | "resident" (approximate, see docs/architecture.md)
     max_context: int = 4096                 # tokens per sequence
@@ -178,6 +180,8 @@ _CONVERT = {
     ("engine", "micro_batch"): _count,
     ("engine", "staging_slots"): _slot_count,
     ("engine", "ring_slots"): _count,
+    ("engine", "kernels"): _choice("auto", "torch", "triton"),
+    ("engine", "decode_consolidate_every"): _count,
     ("engine", "prefetch"): _bool,
     ("slots", "vram_backing"): _bool,
     ("engine", "max_context"): _count,

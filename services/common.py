@@ -31,7 +31,8 @@ def engine_config(s: Settings, use_torch: bool = True) -> EngineConfig:
     eng = getattr(s, "engine", None)
     extra = {}
     if eng is not None:
-        for name in ("schedule", "routing", "sub_batch", "micro_batch", "staging_slots", "ring_slots", "prefetch",
+        for name in ("schedule", "routing", "sub_batch", "micro_batch", "staging_slots", "ring_slots", "kernels",
+                     "decode_consolidate_every", "prefetch",
                      "max_context", "max_running", "max_queue", "dtype", "worker_reserve", "read_threads"):
             if hasattr(eng, name):
                 extra[name] = getattr(eng, name)

@@ -68,11 +68,19 @@ class Qwen3MoeModel:
         attn = causal_attention(q, cache.k[layer][:, :end], cache.v[layer][:, :end], positions)
         return x + F.linear(attn, w.wo)
 
-    def moe_input(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """x [T,H] -> ffn_norm(x) [T,H], the input of router and experts."""
-        return rms_norm(x, self.dense.layers[layer].ffn_norm, self.cfg.rms_eps)
+    # the routed experts' activation: (name, clamp limit); the engine's expert kernels read it
+    expert_act = ("swiglu", None)
 
-    def route(self, layer: int, h: torch.Tensor, resident: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def moe_input(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """x [T,H] -> (ffn_norm(x) [T,H], the input of router and experts; aux for moe_output: none here)."""
+        return rms_norm(x, self.dense.layers[layer].ffn_norm, self.cfg.rms_eps), None
+
+    def moe_output(self, layer: int, x: torch.Tensor, aux, h: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """The residual after the MoE block: x + sum_r w_r expert_r(h) (qwen3moe has no shared expert)."""
+        return x + routed
+
+    def route(self, layer: int, h: torch.Tensor, token_ids: torch.Tensor | None = None,
+              resident: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T,H] -> (ids [T,k] int64, weights [T,k] in h's dtype): softmax over all experts in
         float32, top-k, renormalised when norm_topk_prob (always true for llama.cpp's qwen3moe).
 
@@ -99,10 +107,11 @@ class Qwen3MoeModel:
 class ReferenceModel(Qwen3MoeModel):
     """The in-process path: experts dequantized from the file's mmap each time they are needed."""
 
-    def __init__(self, f, dense: DenseWeights, sub_batch: int = 16):
+    def __init__(self, f, dense: DenseWeights, sub_batch: int = 16, kernels: str = "auto"):
         super().__init__(f.config, dense)
         self.file = f
         self.sub_batch = sub_batch
+        self.kernels = kernels          # "auto": Triton expert kernels on CUDA where the quant type allows
         from betelgeuse.gguf.quants import dequantize
         self._dequantize = dequantize
 
@@ -121,14 +130,10 @@ class ReferenceModel(Qwen3MoeModel):
 
     def expert(self, layer: int, expert: int) -> ExpertWeights:
         """(gate [F,H], up [F,H], down [H,F]) of one expert, dequantized on the model's device."""
-        out = []
-        for part in self.file.expert_parts(layer, expert):
-            name = self._containing_tensor(layer, part)
-            lo = part.offset - self.file.tensors[name].offset
-            # copy one expert's bytes out of the read-only file map (torch wants writable memory)
-            buf = torch.from_numpy(self.file.raw(name)[lo:lo + part.nbytes].copy()).to(self.device)
-            out.append(self._dequantize(buf, part.qtype, tuple(part.shape), self.dtype))
-        return out[0], out[1], out[2]
+        parts = self.file.expert_parts(layer, expert)
+        g, u, d = (self._dequantize(b.to(self.device), p.qtype, tuple(p.shape), self.dtype)
+                   for b, p in zip(self.expert_bytes(layer, expert), parts))
+        return g, u, d
 
     def _containing_tensor(self, layer: int, part) -> str:
         """The merged tensor whose bytes hold `part` (ffn_{kind}_exps, or a fused ffn_gate_up_exps)."""
@@ -138,6 +143,34 @@ class ReferenceModel(Qwen3MoeModel):
                 return name
         raise AssertionError(f"no tensor holds expert part {part}")
 
+    def expert_bytes(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The three parts' raw bytes (uint8 CPU tensors), as a slot holds them."""
+        out = []
+        for part in self.file.expert_parts(layer, expert):
+            name = self._containing_tensor(layer, part)
+            lo = part.offset - self.file.tensors[name].offset
+            out.append(torch.from_numpy(self.file.raw(name)[lo:lo + part.nbytes].copy()))
+        return out[0], out[1], out[2]
+
+    def _moe(self, layer: int, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """sum_r w_r expert_r(h) [T,H]. On CUDA with Q8_0/F16/BF16/F32 experts: the engine's Triton kernels
+        over this layer's experts packed in a pool (so the engine matches this bit for bit on the GPU);
+        otherwise the torch reference (apply_experts)."""
+        parts = self.file.expert_parts(layer, 0)
+        qts = [(int(parts[0].qtype), int(parts[2].qtype))]
+        if self.device.type == "cuda" and self.kernels != "torch":
+            from betelgeuse.kernels.moe import Group, MoEKernels, pack_experts
+            if MoEKernels.supports(qts):
+                used = torch.unique(ids).tolist()
+                pool, starts, base, slot = pack_experts(lambda e: self.expert_bytes(layer, e), used,
+                                                        self.cfg.n_expert, self.device)
+                mk = MoEKernels("triton", self.cfg.n_expert, self.cfg.n_ff_exp, starts[None], qts, self.sub_batch,
+                                act_limit=self.expert_act[1])
+                r = mk.route(h, ids, w)
+                mk.apply(r, 0, pool, Group(None, base, torch.from_numpy(base).to(self.device)), slot, starts=starts)
+                return mk.combine(r)
+        return apply_experts(h, ids, w, lambda e: self.expert(layer, e), self.sub_batch)
+
     @torch.inference_mode()
     def forward(self, ids, cache: KVCache) -> torch.Tensor:
         """ids [T] -> logits [T, n_vocab] float32; appends the T tokens to `cache`."""
@@ -146,9 +179,9 @@ class ReferenceModel(Qwen3MoeModel):
         x = self.embed(ids)
         for layer in range(self.cfg.n_layer):
             x = self.attention_block(layer, x, cache, positions)
-            h = self.moe_input(layer, x)
-            top_ids, top_w = self.route(layer, h)
-            x = x + apply_experts(h, top_ids, top_w, lambda e, l=layer: self.expert(l, e), self.sub_batch)
+            h, aux = self.moe_input(layer, x)
+            top_ids, top_w = self.route(layer, h, ids)
+            x = self.moe_output(layer, x, aux, h, self._moe(layer, h, top_ids, top_w))
         cache.commit()
         return self.logits(x)
 

@@ -156,8 +156,8 @@ def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, me
                 n_vram = backing = cap
             n_host = max(0, min(c.n_expert - n_vram, cap - backing))
             notes.append(f"host_slots=auto -> {n_host} per layer")
-        if n_vram + n_host >= c.n_expert and cfg.staging_slots == "auto":
-            n_staging = 4
+        # (staging stays as sized above even when every expert has a resident slot: a cold pass still reads
+        # every expert through staging, and 4 slots serialised a cold 512-token pass behind 4 reads in flight)
     else:
         n_host = min(int(cfg.host_slots), non_resident)
 

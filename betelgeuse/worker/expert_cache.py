@@ -1,14 +1,15 @@
-"""The worker's side of the expert tiers: VRAM hot slots, the execution ring, and dequantization.
+"""The worker's side of the expert tiers: VRAM hot slots, the execution ring, and the slot tables.
 
 Expert bytes stay quantized everywhere (disk, host slot, staging slot, VRAM slot, ring buffer); they are
-dequantized on the compute device right before use, so where an expert came from cannot change its
-values (invariant 1).
+dequantized on the compute device inside the expert kernels, so where an expert came from cannot change
+its values (invariant 1).
 
   arena (host, shared with the store; registered as pinned on CUDA)
-     │ copy stream: host slot / staging slot ──► ring[i]          (non_blocking, event ring_ready[i])
+     │ copy stream: a batch of host / staging slots ──► ring bank b   (non_blocking, event bank_ready[b])
      ▼
-  ring [ring_slots, slot_bytes] uint8 on device   ──► dequantize ──► expert FFN on the compute stream
-  vram [n_layer, n_vram, slot_bytes] uint8 on device  (hot experts, computed in place)
+  pool uint8 on device = [ vram: n_layer x n_vram slots | ring: 2 banks x bank_size slots ]
+     ▲ kernels address an expert by its byte offset in the pool: vram_base_dev[layer, expert] for the
+       VRAM tier (uploaded when the directory changes), one table per ring batch otherwise
 """
 
 from __future__ import annotations
@@ -42,61 +43,90 @@ class ExpertCache:
         self.plan, self.arena, self.device, self.dtype = plan, arena, device, dtype
         self.layout = plan.layout
         self.is_cuda = device.type == "cuda"
-        sb = self.layout.slot.slot_bytes
+        L, E, V = plan.n_layer, plan.n_expert, plan.n_vram
+        self.slot_bytes = sb = self.layout.slot.slot_bytes
         # where each part of each expert sits inside a slot: 4 KiB-aligned place + the file offset's page remainder
         self.parts = [[tuple(PartMeta(self.layout.slot.part_place(k) + p.offset % 4096, p.nbytes, p.qtype, tuple(p.shape))
                              for k, p in enumerate(model.expert_parts(l, e)))
-                       for e in range(plan.n_expert)] for l in range(plan.n_layer)]
+                       for e in range(E)] for l in range(L)]
         # fused dequantization where an expert's three parts are Q8_0 of one size: their byte offsets in a
         # slot, [n_layer, n_expert, 3] on the device, so one gather serves all three (see dequantize_q8_0_parts)
         self.fused = [all(m.qtype == GGMLQuantizationType.Q8_0 and m.shape[0] * m.shape[1] == ps[0].shape[0] * ps[0].shape[1]
                           for ps in layer for m in ps) for layer in self.parts]
         self.starts = torch.tensor([[[m.start for m in ps] for ps in layer] for layer in self.parts],
                                    dtype=torch.int64, device=device)
+        # (gate/up, down) GGML type per layer: what the batched kernels dispatch on
+        self.qtypes = [(layer[0][0].qtype, layer[0][2].qtype) for layer in self.parts]
         self.host = arena.torch(0, arena.nbytes)                  # uint8 [arena bytes], zero copy
         self.pinned = register_pinned(arena) if self.is_cuda else False
-        self.vram = torch.empty((plan.n_layer, max(plan.n_vram, 1), sb), dtype=torch.uint8, device=device)
-        # which expert each VRAM slot holds: (expert, host_slot, generation); -1 = empty
-        self.vram_owner = np.full((plan.n_layer, max(plan.n_vram, 1), 3), -1, dtype=np.int64)
-        self.vram_index = np.full((plan.n_layer, plan.n_expert), -1, dtype=np.int64)   # expert -> VRAM slot
-        self.ring = torch.empty((ring_slots, sb), dtype=torch.uint8, device=device)
+        # ONE device pool: [L*V VRAM hot slots | ring_slots execution ring], so a kernel addresses any
+        # resident or in-flight expert by a byte offset (the device-side slot tables below)
         self.n_ring = ring_slots
+        self.pool = torch.empty(((L * V + ring_slots) * sb,), dtype=torch.uint8, device=device)
+        self.vram = self.pool[: L * V * sb].view(L, V, sb)
+        self.ring = self.pool[L * V * sb:].view(ring_slots, sb)
+        self.ring_offset = L * V * sb
+        # which expert each VRAM slot holds: (expert, host_slot, generation); -1 = empty
+        self.vram_owner = np.full((L, max(V, 1), 3), -1, dtype=np.int64)
+        self.vram_index = np.full((L, E), -1, dtype=np.int64)     # expert -> VRAM slot
+        # expert -> byte offset of its VRAM slot in the pool (-1 = not in VRAM), host copy and device copy
+        self.vram_base = np.full((L, E), -1, dtype=np.int64)
+        self.vram_base_dev = torch.full((L, E), -1, dtype=torch.int64, device=device)
+        self.all_vram = np.zeros(L, dtype=bool)                    # every expert of the layer is in VRAM
+        self._synced_epoch = None                                   # directory epoch the VRAM slots match
+        # the ring as two banks: a batch of experts is copied into one bank while the other computes
+        self.bank_size = max(1, ring_slots // 2)
+        self.n_banks = max(1, ring_slots // self.bank_size)
+        self._bank = 0
         self.copy_stream = torch.cuda.Stream(device) if self.is_cuda else None
-        # per ring buffer: its copy landed / the compute that used it is enqueued
-        self._ring_ready = [torch.cuda.Event() for _ in range(ring_slots)] if self.is_cuda else []
-        self._ring_free = [torch.cuda.Event() for _ in range(ring_slots)] if self.is_cuda else []
-        self._next = 0
+        # per bank: its copies landed / the computes that read it are enqueued
+        self._bank_ready = [torch.cuda.Event() for _ in range(self.n_banks)] if self.is_cuda else []
+        self._bank_free = [torch.cuda.Event() for _ in range(self.n_banks)] if self.is_cuda else []
+        # per-batch slot tables (pool offsets) for ring groups: a pinned host row per batch of a pass, copied to
+        # the device on the compute stream (so a row is never rewritten before its copy ran: one pass's rows
+        # are distinct, and a pass ends with a sync)
+        self.n_tables = L * (-(-E // self.bank_size) + 2) + 4
+        self.tables_host = torch.full((self.n_tables, E), -1, dtype=torch.int64, pin_memory=self.is_cuda)
+        self.tables_dev = torch.full((self.n_tables, E), -1, dtype=torch.int64, device=device)
+        self._table = 0
         self.h2d_bytes = 0
         self.copy_seconds = 0.0    # CPU path: time spent copying
 
     # ---- host views -------------------------------------------------------------------------
     def host_slot(self, layer: int, i: int) -> torch.Tensor:
         off = self.layout.host_slot_offset(layer, i)
-        return self.host[off: off + self.layout.slot.slot_bytes]
+        return self.host[off: off + self.slot_bytes]
 
     def staging_slot(self, i: int) -> torch.Tensor:
         off = self.layout.staging_slot_offset(i)
-        return self.host[off: off + self.layout.slot.slot_bytes]
+        return self.host[off: off + self.slot_bytes]
 
     # ---- VRAM hot slots ---------------------------------------------------------------------
-    def sync_vram(self, snap: np.ndarray) -> tuple[int, list[tuple[int, int, int]]]:
+    def sync_vram(self, snap: np.ndarray, epoch: int | None = None) -> tuple[int, list[tuple[int, int, int]]]:
         """Make the VRAM slots hold exactly the VRAM-tier experts of the directory snapshot. Experts with a
         host backing slot are copied from it here; returns (copied, [(layer, expert, vram slot)] of the
-        VRAM-tier experts without a backing copy, which the caller must load through the store)."""
+        VRAM-tier experts without a backing copy, which the caller must load through the store).
+        Nothing to do (no Python loop) when the directory epoch is the one already synced."""
+        if epoch is not None and epoch == self._synced_epoch:
+            return 0, []
         copied, missing = 0, []
-        tiers, hslots, gens = snap["tier"], snap["host_slot"], snap["generation"]
+        tiers, hslots = snap["tier"], snap["host_slot"]
+        V = self.plan.n_vram
         for l in range(self.plan.n_layer):
             want = np.nonzero(tiers[l] == TIER_VRAM)[0]
-            assert len(want) <= self.plan.n_vram, (l, len(want), self.plan.n_vram)
+            assert len(want) <= V, (l, len(want), V)
             keep = set()
-            for j in range(self.plan.n_vram):
-                e, hs, g = self.vram_owner[l, j]
-                if e >= 0 and tiers[l, e] == TIER_VRAM and hslots[l, e] == hs and gens[l, e] == g:
-                    keep.add(int(e))
+            for j in range(V):
+                e = int(self.vram_owner[l, j, 0])
+                # an expert's bytes never change (they are the file's): a VRAM copy stays valid while the
+                # expert stays VRAM-tier, whatever happens to its host backing slot
+                if e >= 0 and tiers[l, e] == TIER_VRAM:
+                    keep.add(e)
                 elif e >= 0:
                     self.vram_owner[l, j] = -1
                     self.vram_index[l, e] = -1
-            free = [j for j in range(self.plan.n_vram) if self.vram_owner[l, j, 0] < 0]
+                    self.vram_base[l, e] = -1
+            free = [j for j in range(V) if self.vram_owner[l, j, 0] < 0]
             for e in want:
                 if int(e) in keep:
                     continue
@@ -107,58 +137,89 @@ class ExpertCache:
                 src = self.host_slot(l, int(hslots[l, e]))
                 self.vram[l, j].copy_(src, non_blocking=self.pinned)
                 self.h2d_bytes += src.numel()
-                self.vram_owner[l, j] = (e, hslots[l, e], gens[l, e])
-                self.vram_index[l, e] = j
+                self._own(l, int(e), j, snap)
                 copied += 1
         if self.is_cuda and copied:
             torch.cuda.current_stream(self.device).synchronize()
+        self._synced_epoch = epoch if not missing else None
+        self._upload_vram_table()
         return copied, missing
+
+    def _own(self, layer: int, expert: int, j: int, snap: np.ndarray):
+        self.vram_owner[layer, j] = (expert, snap["host_slot"][layer, expert], snap["generation"][layer, expert])
+        self.vram_index[layer, expert] = j
+        self.vram_base[layer, expert] = (layer * self.plan.n_vram + j) * self.slot_bytes
+
+    def _upload_vram_table(self):
+        self.vram_base_dev.copy_(torch.from_numpy(self.vram_base))
+        self.all_vram = (self.vram_base >= 0).all(axis=1)
 
     def fill_vram(self, layer: int, expert: int, j: int, src: torch.Tensor, snap: np.ndarray):
         """Put an expert without a host backing copy into VRAM slot j (src: its staging slot)."""
         self.vram[layer, j].copy_(src, non_blocking=self.pinned)
         self.h2d_bytes += src.numel()
-        self.vram_owner[layer, j] = (expert, snap["host_slot"][layer, expert], snap["generation"][layer, expert])
-        self.vram_index[layer, expert] = j
+        self._own(layer, expert, j, snap)
+
+    def fill_done(self):
+        """After fill_vram calls: the device tables follow."""
+        self._upload_vram_table()
 
     # ---- the execution ring -------------------------------------------------------------------
-    def to_ring(self, src: torch.Tensor, timing: list | None = None) -> int:
-        """Start copying one slot into the next ring buffer on the copy stream; the compute stream waits
-        for it. The caller keeps at most ring_slots - 1 copies ahead of its computes (the copy into
-        ring[i] waits, on the GPU, for the compute recorded by ring_release(i) on its last occupant).
-        `timing` collects (start, end) CUDA events of this copy."""
-        i = self._next
-        self._next = (i + 1) % self.n_ring
+    def to_bank(self, srcs: list[torch.Tensor], timing: list | None = None) -> tuple[int, list[int]]:
+        """Copy up to bank_size slots into the next ring bank on the copy stream; the compute stream waits
+        for them. The copies into a bank wait, on the GPU, for the computes that last read it (bank_done).
+        Returns (bank, pool byte offset of each copied slot). `timing` collects (start, end) CUDA events."""
+        assert 0 < len(srcs) <= self.bank_size, (len(srcs), self.bank_size)
+        b = self._bank
+        self._bank = (b + 1) % self.n_banks
+        first = b * self.bank_size
+        offs = [self.ring_offset + (first + i) * self.slot_bytes for i in range(len(srcs))]
         if self.is_cuda:
             with torch.cuda.stream(self.copy_stream):
-                self.copy_stream.wait_event(self._ring_free[i])     # the expert that used ring[i] is computed
+                self.copy_stream.wait_event(self._bank_free[b])
                 if timing is not None:
                     ev0 = torch.cuda.Event(enable_timing=True)
                     ev0.record(self.copy_stream)
-                self.ring[i].copy_(src, non_blocking=True)
-                self._ring_ready[i].record(self.copy_stream)
+                for i, src in enumerate(srcs):
+                    self.ring[first + i].copy_(src, non_blocking=True)
+                self._bank_ready[b].record(self.copy_stream)
                 if timing is not None:
                     ev1 = torch.cuda.Event(enable_timing=True)
                     ev1.record(self.copy_stream)
                     timing.append((ev0, ev1))
-            torch.cuda.current_stream(self.device).wait_event(self._ring_ready[i])
+            torch.cuda.current_stream(self.device).wait_event(self._bank_ready[b])
         else:
             t = time.perf_counter()
-            self.ring[i].copy_(src)
+            for i, src in enumerate(srcs):
+                self.ring[first + i].copy_(src)
             dt = time.perf_counter() - t
             self.copy_seconds += dt
             if timing is not None:
                 timing.append(dt * 1e3)
-        self.h2d_bytes += src.numel()
-        return i
+        self.h2d_bytes += sum(s.numel() for s in srcs)
+        return b, offs
 
-    def ring_ready_event(self, i: int):
-        return self._ring_ready[i] if self.is_cuda else None
+    def bank_ready_event(self, b: int):
+        return self._bank_ready[b] if self.is_cuda else None
 
-    def ring_release(self, i: int):
-        """Record that compute on ring[i] is enqueued; the next copy into it waits for this point."""
+    def bank_done(self, b: int):
+        """Record that every compute reading bank b is enqueued; the next copies into it wait for this point."""
         if self.is_cuda:
-            self._ring_free[i].record(torch.cuda.current_stream(self.device))
+            self._bank_free[b].record(torch.cuda.current_stream(self.device))
+
+    def table(self, experts: list[int], offs: list[int]) -> tuple[np.ndarray, torch.Tensor]:
+        """A slot table for one group: [E] int64, offs for `experts`, -1 elsewhere; host view and device copy."""
+        i = self._table
+        self._table = (i + 1) % self.n_tables
+        host = self.tables_host[i]
+        host.fill_(-1)
+        host[torch.as_tensor(experts, dtype=torch.long)] = torch.as_tensor(offs, dtype=torch.int64)
+        dev = self.tables_dev[i]
+        dev.copy_(host, non_blocking=self.is_cuda)
+        return host.numpy(), dev
+
+    def pass_begin(self):
+        self._table = 0
 
     # ---- dequantization -----------------------------------------------------------------------
     def weights(self, slot: torch.Tensor, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -170,11 +231,6 @@ class ExpertCache:
             return out[0].view(g.shape), out[1].view(u.shape), out[2].view(d.shape)
         return tuple(dequantize(slot[m.start: m.start + m.nbytes], m.qtype, m.shape, self.dtype)
                      for m in self.parts[layer][expert])
-
-    def vram_slot(self, layer: int, expert: int) -> torch.Tensor:
-        j = self.vram_index[layer, expert]
-        assert j >= 0, (layer, expert)
-        return self.vram[layer, j]
 
     def close(self):
         """Unregister and unmap this process's view of the arena (a re-attach maps the new store's arena;

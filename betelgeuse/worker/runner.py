@@ -1,13 +1,28 @@
 """The model runner: one pass (prefill or decode) through the out-of-core experts.
 
-Two schedules over the same slots, ring and math:
-  layer_major  the whole chunk goes through layer L before L+1; each needed expert is loaded once and
-               applied to all its tokens in sub-batches; resident experts are computed first while disk
-               reads land; copies run on their own CUDA stream; the next layer's experts are read ahead.
+Two schedules over the same slots, ring and kernels:
+  layer_major  the whole chunk goes through layer L before L+1. Per layer (the MoE step):
+                 1. route all tokens; rows sorted by expert on the device (kernels.moe.route)
+                 2. if the layer is not wholly VRAM-resident: ONE host sync for the per-expert row counts
+                    (the loads depend on them); demand loads for disk experts, read-ahead of layer L+1
+                 3. all VRAM experts of the layer in one launch group (slot table on the device)
+                 4. host-tier experts in batches: a batch is copied into one ring bank while the previous
+                    bank computes, then the batch is one launch group
+                 5. disk experts in batches as they land in staging slots (same path as 4)
+                 6. ranks combined in order
+               No Python loop over experts or tokens on the triton backend; the torch backend (CPU, the
+               reference) loops over a group's experts.
   standard     token-major micro-batches of `micro_batch` tokens; each expert is fetched on demand and
                waited for (copy, sync, compute): the baseline the reference report compares against.
-Expert outputs land in y[token, rank] and are reduced in rank order, so the order experts are computed
-in, and the tier they came from, never change the bits (invariant 1).
+Expert outputs land in y[token * k + rank] and are reduced in rank order, and each row is computed by the
+same kernel whatever group it is in, so neither the tier an expert came from nor the order of groups
+changes a bit (invariant 1).
+
+Passes and the store: the directory is frozen from begin_pass to end_pass. A prefill opens a store pass
+and closes it with consolidation; decode steps keep the store pass open across tokens (no round trip per
+token; usage is counted on the device and sent once at the close) until the request ends or every
+`decode_consolidate_every` tokens, when the decode's own usage is consolidated (its working set moves into
+the resident tiers).
 """
 
 from __future__ import annotations
@@ -19,9 +34,10 @@ import numpy as np
 import torch
 
 from betelgeuse.config import EngineConfig
+from betelgeuse.errors import BetelgeuseError
 from betelgeuse.gguf.reader import GGUFModelFile
+from betelgeuse.kernels.moe import Group, MoEKernels, triton_available
 from betelgeuse.model.kv_cache import KVCache
-from betelgeuse.model.layers import moe_combine, plan_experts, run_expert
 from betelgeuse.model.qwen3moe import Qwen3MoeModel
 from betelgeuse.model.weights import DenseWeights
 from betelgeuse.store.client import StoreClient
@@ -33,15 +49,17 @@ TIER_NAMES = {TIER_VRAM: "vram", TIER_HOST: "host", TIER_DISK: "disk"}
 
 @dataclass(slots=True)
 class LayerStats:
-    attn_s: float = 0.0         # attention + routing, wall (ends with the routing sync)
-    moe_s: float = 0.0          # wall from routing to the last expert enqueued
+    attn_s: float = 0.0         # attention + routing, wall (host enqueue time; the GPU may still be busy)
+    moe_s: float = 0.0          # wall from routing to the last expert group enqueued
     disk_wait_s: float = 0.0    # blocked waiting for the store to land an expert
     copy_ms: float = 0.0        # host->device copy time (CUDA events on the copy stream; CPU: memcpy wall)
-    compute_ms: float = 0.0     # expert compute time (CUDA events; CPU: wall)
-    copy_events: list = field(default_factory=list, repr=False)   # per copy: (start, end) CUDA events or CPU ms
+    compute_ms: float = 0.0     # MoE compute time of the layer (CUDA events when timing; CPU: wall)
+    copy_events: list = field(default_factory=list, repr=False)   # per bank copy: (start, end) CUDA events or CPU ms
     vram: int = 0
     host: int = 0
     disk: int = 0
+    synced: bool = True         # the layer needed the host sync (not wholly VRAM-resident)
+    groups: int = 0             # expert launch groups
 
 
 @dataclass(slots=True)
@@ -56,6 +74,9 @@ class PassStats:
     h2d_bytes: int = 0
     prefetched: int = 0         # experts whose disk read was issued ahead, before they were asked for
     vram_filled: int = 0        # experts copied into VRAM hot slots at the start of the pass
+    host_s: float = 0.0         # wall minus the time the host was blocked (syncs on the GPU, the disk)
+    blocked_s: float = 0.0      # host blocked: routing syncs, waits for disk reads and copies, the end sync
+    store_calls: int = 0        # round trips to the store during this pass
     layers: list = field(default_factory=list)
 
     @property
@@ -66,6 +87,11 @@ class PassStats:
     def disk_share(self) -> float:
         n = sum(self.reads.values())
         return self.reads["disk"] / n if n else 0.0
+
+    @property
+    def applications(self) -> int:
+        """Expert applications (one expert applied to its rows of one layer)."""
+        return sum(self.reads.values())
 
 
 class ModelRunner:
@@ -82,8 +108,11 @@ class ModelRunner:
             torch.cuda.empty_cache()
         self.store = store
         self.cache: ExpertCache | None = None
-        self._events: list = []             # (layer stats, start, end, ring) CUDA events of this pass
+        self.timing = False                 # per-layer CUDA events (the bench turns it on)
         self._masks = None                  # (directory snapshot, [n_layer, n_expert] resident mask on the device)
+        self._pass_open = False
+        self._decode_since = 0              # decode passes since the store pass was opened
+        self._calls = 0                     # store round trips (all time)
         self.attach()
 
     # ---- store session --------------------------------------------------------------------
@@ -95,75 +124,127 @@ class ModelRunner:
         self.plan = plan
         self.cache = ExpertCache(plan, arena, self.file, self.device, self.dtype, self.cfg.ring_slots)
         self.directory = SlotDirectory(arena, plan.layout, create=False)
+        self.kern = self._kernels()
+        self._pass_open = False
+        self._usage = np.zeros((self.mcfg.n_layer, self.mcfg.n_expert), dtype=np.int64)
+
+    def _kernels(self) -> MoEKernels:
+        qts = self.cache.qtypes
+        want = self.cfg.kernels
+        ok = MoEKernels.supports(qts) and triton_available()
+        if want == "triton" and not ok:
+            raise BetelgeuseError("kernels = 'triton' needs the triton package and Q8_0/F16/BF16/F32 experts "
+                                  f"(this model's expert types: {sorted({q for p in qts for q in p})})")
+        backend = "triton" if want == "triton" or (want == "auto" and self.device.type == "cuda" and ok) else "torch"
+        return MoEKernels(backend, self.mcfg.n_expert, self.mcfg.n_ff_exp, self.cache.starts, qts, self.cfg.sub_batch,
+                          weights_fn=self.cache.weights, act_limit=self.model.expert_act[1])
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         return KVCache.for_config(self.mcfg, max_len or self.cfg.max_context, self.device, self.dtype)
+
+    def _call(self, fn, *args):
+        self._calls += 1
+        return fn(*args)
+
+    # ---- store passes -------------------------------------------------------------------------
+    def _open_pass(self, stats: PassStats):
+        if self._pass_open:
+            return
+        self._call(self.store.begin_pass)
+        self._pass_open = True
+        self._decode_since = 0
+        self._snap = self.directory.snapshot()
+        stats.vram_filled = self._sync_vram(self._snap, self.directory.epoch, stats)
+
+    def close_pass(self, consolidate: bool):
+        """End the store pass (if one is open) with the usage counted since it opened."""
+        if not self._pass_open:
+            return
+        self._pass_open = False
+        usage, self._usage = self._usage, np.zeros_like(self._usage)
+        self._call(self.store.end_pass, usage, consolidate)
+
+    def consolidate(self):
+        """End-of-request consolidation (with the decode usage of the open pass, if any)."""
+        if self._pass_open:
+            self.close_pass(True)
+            return
+        L, E = self.mcfg.n_layer, self.mcfg.n_expert
+        self._call(self.store.begin_pass)
+        self._call(self.store.end_pass, np.zeros((L, E), dtype=np.int64), True)
+
+    def settle(self):
+        """Wait until a pending consolidation is applied (begin_pass waits for it)."""
+        self.close_pass(False)
+        L, E = self.mcfg.n_layer, self.mcfg.n_expert
+        self._call(self.store.begin_pass)
+        self._call(self.store.end_pass, np.zeros((L, E), dtype=np.int64), False)
 
     # ---- one pass ---------------------------------------------------------------------------
     def forward(self, ids: list[int], kv: KVCache, all_logits: bool = False, consolidate: bool = True,
                 schedule: str | None = None, should_stop=None) -> tuple[torch.Tensor, PassStats]:
         """ids [T] -> logits [T or 1, n_vocab] float32 and the pass's stats; appends to kv.
+        consolidate=True closes the store pass with consolidation (a prefill); False keeps it open (decode).
         should_stop() is called between layers and may raise (cancellation): the pass is abandoned,
         the KV cache is left uncommitted and the store's pass is closed without consolidation."""
         ids_t = self.model.check_ids(ids)
         schedule = schedule or self.cfg.schedule
         stats = PassStats("prefill" if len(ids) > 1 else "decode", schedule, len(ids))
         L, E = self.mcfg.n_layer, self.mcfg.n_expert
-        usage = np.zeros((L, E), dtype=np.int64)
-        h2d0 = self.cache.h2d_bytes
+        h2d0, calls0 = self.cache.h2d_bytes, self._calls
         t0 = time.perf_counter()
         self.should_stop = should_stop or (lambda: None)
-        self.store.begin_pass()
-        ok = False
+        self._blocked = 0.0
+        self._events = []
         try:
-            snap = self.directory.snapshot()
-            stats.vram_filled = self._sync_vram(snap, stats)
+            self._open_pass(stats)
+            snap = self._snap
+            self.cache.pass_begin()
+            self._counts = torch.zeros((L, E), dtype=torch.int64, device=self.device)   # rows per expert
             if schedule == "standard" and len(ids) > 1:
-                logits = self._standard(ids_t, kv, snap, usage, stats, all_logits)
+                logits = self._standard(ids_t, kv, snap, stats, all_logits)
             else:
-                logits = self._layer_major(ids_t, kv, snap, usage, stats, all_logits)
-            if self.cache.is_cuda:
-                torch.cuda.synchronize(self.device)
-            ok = True
-        finally:
-            if ok:
-                self.store.end_pass(usage, consolidate)
-            else:
-                self._abandon(usage)
+                logits = self._layer_major(ids_t, kv, snap, stats, all_logits)
+            logits = logits.float()
+            tb = time.perf_counter()
+            counts = self._counts.cpu().numpy()          # the pass's one end-of-pass sync
+            self._blocked += time.perf_counter() - tb
+        except BaseException:
+            self._abandon()
+            raise
+        self._usage += counts
+        for l, ls in enumerate(stats.layers):
+            if not ls.synced:                            # wholly VRAM layers: counts known only now
+                ls.vram = int((counts[l] > 0).sum())
+                stats.reads["vram"] += ls.vram
+        if consolidate:
+            self.close_pass(True)
+        else:
+            self._decode_since += 1
+            every = self.cfg.decode_consolidate_every
+            if every and self._decode_since >= every:
+                self.close_pass(True)                    # the decode working set moves into resident tiers
         stats.seconds = time.perf_counter() - t0
+        stats.blocked_s = self._blocked
+        stats.host_s = max(0.0, stats.seconds - self._blocked)
+        stats.store_calls = self._calls - calls0
         stats.h2d_bytes = self.cache.h2d_bytes - h2d0
         stats.disk_wait_s += sum(s.disk_wait_s for s in stats.layers)
-        if self.cache.is_cuda:
-            self._collect_event_times(stats)
-        else:
-            for ls in stats.layers:
-                ls.copy_ms, ls.copy_events = sum(ls.copy_events), []
-        return logits.float(), stats
+        self._collect_times(stats)
+        return logits, stats
 
-    def _abandon(self, usage):
+    def _abandon(self):
         """Close the store's pass after an exception; a dead store is the caller's problem already."""
         self._events = []
         try:
             if self.cache.is_cuda:
                 torch.cuda.synchronize(self.device)
-            self.store.end_pass(usage, False)
+            self.close_pass(False)
         except Exception:
-            pass
-
-    def consolidate(self):
-        """End-of-request consolidation without a pass (decode passes do not consolidate)."""
-        L, E = self.mcfg.n_layer, self.mcfg.n_expert
-        self.store.begin_pass()
-        self.store.end_pass(np.zeros((L, E), dtype=np.int64), True)
-
-    def settle(self):
-        """Wait until a pending consolidation is applied (begin_pass waits for it)."""
-        L, E = self.mcfg.n_layer, self.mcfg.n_expert
-        self.store.begin_pass()
-        self.store.end_pass(np.zeros((L, E), dtype=np.int64), False)
+            self._pass_open = False
 
     # ---- layer-major --------------------------------------------------------------------------
-    def _layer_major(self, ids, kv, snap, usage, stats, all_logits):
+    def _layer_major(self, ids, kv, snap, stats, all_logits):
         T = ids.numel()
         positions = kv.begin(T)
         x = self.model.embed(ids)
@@ -175,33 +256,32 @@ class ModelRunner:
             ls = LayerStats()
             t = time.perf_counter()
             x = self.model.attention_block(l, x, kv, positions)
-            h = self.model.moe_input(l, x)
-            top_ids, top_w = self.model.route(l, h, self._resident_mask(snap, l))
-            work = plan_experts(top_ids)                       # host sync: routing decides the loads
+            h, aux = self.model.moe_input(l, x)
+            top_ids, top_w = self.model.route(l, h, ids, self._resident_mask(snap, l))
             t1 = time.perf_counter()
             ls.attn_s = t1 - t
-            y = torch.zeros(T, k, h.shape[-1], dtype=h.dtype, device=h.device)
-            self._moe_layer(l, h, y, work, snap, usage, stats, ls, readahead)
-            x = x + moe_combine(y, top_w)
+            routed = self._moe_layer(l, h, top_ids, top_w, snap, stats, ls, readahead)
+            x = self.model.moe_output(l, x, aux, h, routed)
             ls.moe_s = time.perf_counter() - t1
             stats.layers.append(ls)
         kv.commit()
         return self.model.logits(x if all_logits else x[-1:])
 
-    def _sync_vram(self, snap, stats) -> int:
+    def _sync_vram(self, snap, epoch, stats) -> int:
         """VRAM hot slots = the directory's VRAM tier: copies from host backing slots, and disk reads through
         the store for VRAM experts that have no backing copy (vram_backing = false). Returns experts filled."""
-        copied, missing = self.cache.sync_vram(snap)
+        copied, missing = self.cache.sync_vram(snap, epoch)
         if missing:
             where = {(l, e): j for l, e, j in missing}
             t = time.perf_counter()
-            for got in self.store.load(list(where)):
+            for got in self._call(self.store.load, list(where)):
                 self.cache.fill_vram(got.layer, got.expert, where[(got.layer, got.expert)],
                                      self.cache.staging_slot(got.slot), snap)
                 stats.disk_bytes += got.disk_bytes
                 stats.reads["disk"] += 1
                 self._sync()                           # the copy is done before the staging slot goes back
-                self.store.release([got.slot])
+                self._call(self.store.release, [got.slot])
+            self.cache.fill_done()
             stats.disk_wait_s += time.perf_counter() - t
         return copied + len(missing)
 
@@ -214,100 +294,156 @@ class ModelRunner:
             self._masks = (snap, torch.from_numpy(snap["tier"] > 0).to(self.device))
         return self._masks[1][l]
 
-    def _moe_layer(self, l, h, y, work, snap, usage, stats, ls, readahead):
-        tiers = snap["tier"][l]
-        experts = list(work)
-        for e in experts:
-            usage[l, e] += work[e].tokens.numel()
-        by_tier = {t: [e for e in experts if tiers[e] == t] for t in (TIER_VRAM, TIER_HOST, TIER_DISK)}
+    def _group(self, l: int, experts, offs) -> Group:
+        host, dev = self.cache.table(list(experts), list(offs))
+        return Group(np.asarray(experts, dtype=np.int64), host, dev)
+
+    def _vram_group(self, l: int, experts=None) -> Group:
+        c = self.cache
+        return Group(experts, c.vram_base[l], c.vram_base_dev[l])
+
+    def _apply(self, r, l: int, g: Group, ls: LayerStats):
+        self.kern.apply(r, l, self.cache.pool, g, self.cache.slot_bytes)
+        ls.groups += 1
+
+    def _moe_layer(self, l, h, ids, w, snap, stats, ls, readahead) -> torch.Tensor:
+        """sum_r w_r expert_r(h) [T,H] for layer l, experts from whatever tier holds them."""
+        cache, kern = self.cache, self.kern
+        ev = self._timing_start()
+        r = kern.route(h, ids, w)
+        self._counts[l] += r.counts
+        if cache.all_vram[l]:
+            # every expert of the layer is in VRAM: one group, no host sync at all
+            ls.synced = False
+            self._apply(r, l, self._vram_group(l), ls)
+            out = kern.combine(r)
+            self._timing_end(ev, ls)
+            return out
+        tb = time.perf_counter()
+        counts = r.counts.cpu().numpy()                  # host sync: routing decides the loads
+        self._blocked += time.perf_counter() - tb
+        used = np.nonzero(counts)[0]
+        tiers = snap["tier"][l][used]
+        by_tier = {t: used[tiers == t] for t in (TIER_VRAM, TIER_HOST, TIER_DISK)}
         ls.vram, ls.host, ls.disk = (len(by_tier[t]) for t in (TIER_VRAM, TIER_HOST, TIER_DISK))
         for t, n in ((TIER_VRAM, ls.vram), (TIER_HOST, ls.host), (TIER_DISK, ls.disk)):
             stats.reads[TIER_NAMES[t]] += n
         # 1. demand loads first, so the disk starts now; 2. read-ahead of the next layer behind them
-        loads = self.store.load([(l, e) for e in by_tier[TIER_DISK]]) if by_tier[TIER_DISK] else iter(())
+        disk = [int(e) for e in by_tier[TIER_DISK]]
+        loads = self._call(self.store.load, [(l, e) for e in disk]) if disk else iter(())
         if readahead and l + 1 < self.mcfg.n_layer:
             nxt = snap["tier"][l + 1]
-            stats.prefetched += self.store.prefetch([(l + 1, e) for e in range(self.mcfg.n_expert) if nxt[e] == TIER_DISK])
-        sb = self.cfg.sub_batch
+            stats.prefetched += self._call(self.store.prefetch, [(l + 1, int(e)) for e in np.nonzero(nxt == TIER_DISK)[0]])
+        timing = ls.copy_events if self.timing or not cache.is_cuda else None
+        B = cache.bank_size
         hslots = snap["host_slot"][l]
-        depth = max(1, self.cfg.ring_slots - 1)     # copies in flight ahead of their computes
-        queued: list[tuple[int, int]] = []          # (expert, ring index) copied, not yet computed
-        timing = ls.copy_events
+        host = [int(e) for e in by_tier[TIER_HOST]]
+        batches = [host[i:i + B] for i in range(0, len(host), B)]
+        # 3. the first host batch's copy starts, the VRAM group computes meanwhile, 4. host batches follow
+        staged = [self._to_bank(l, b, [cache.host_slot(l, int(hslots[e])) for e in b], timing) for b in batches[:1]]
+        if ls.vram:
+            self._apply(r, l, self._vram_group(l, by_tier[TIER_VRAM]), ls)
+        for i, b in enumerate(batches):
+            bank, g = staged[0] if i == 0 else self._to_bank(l, b, [cache.host_slot(l, int(hslots[e])) for e in b], timing)
+            self._apply(r, l, g, ls)
+            cache.bank_done(bank)
+        # 5. disk experts in batches as they land; a staging slot goes back once its copy is done
+        self._disk_groups(l, r, loads, len(disk), stats, ls, timing)
+        out = kern.combine(r)
+        self._timing_end(ev, ls)
+        return out
 
-        def drain(n_left: int):
-            while len(queued) > n_left:
-                e, i = queued.pop(0)
-                self._compute(h, y, work[e], self.cache.ring[i], l, e, ls, sb, ring=i)
+    def _to_bank(self, l, experts, srcs, timing) -> tuple[int, Group]:
+        bank, offs = self.cache.to_bank(srcs, timing)
+        return bank, self._group(l, experts, offs)
 
-        # 3. resident experts while the reads run: the first host-slot copies start, VRAM experts compute
-        #    in place meanwhile, then host experts stream through the ring `depth` copies ahead
-        host = by_tier[TIER_HOST]
-        for e in host[:depth]:
-            queued.append((e, self.cache.to_ring(self.cache.host_slot(l, int(hslots[e])), timing)))
-        for e in by_tier[TIER_VRAM]:
-            self._compute(h, y, work[e], self.cache.vram_slot(l, e), l, e, ls, sb)
-        for e in host[depth:]:
-            drain(depth - 1)
-            queued.append((e, self.cache.to_ring(self.cache.host_slot(l, int(hslots[e])), timing)))
-        # 4. disk experts in the order they land; a staging slot goes back once its copy is done
-        pending: list[tuple[int, int]] = []          # (ring index, staging slot) whose copy may be in flight
-        limit = max(1, min(self.cfg.ring_slots, self.plan.n_staging // 2))
-        for _ in range(len(by_tier[TIER_DISK])):
-            pending = self._release(pending, keep=limit - 1)   # never hold many slots while blocking on the store
+    def _disk_groups(self, l, r, loads, n_disk, stats, ls, timing):
+        cache = self.cache
+        B = cache.bank_size
+        limit = max(1, min(B, self.plan.n_staging // 2))   # staging slots this layer may hold at once
+        held: list[tuple[int, list[int]]] = []               # (bank, staging slots) whose copies may be in flight
+        batch = []
+
+        def flush():
+            nonlocal batch
+            if batch:
+                bank, g = self._to_bank(l, [x.expert for x in batch], [cache.staging_slot(x.slot) for x in batch], timing)
+                self._apply(r, l, g, ls)
+                cache.bank_done(bank)
+                held.append((bank, [x.slot for x in batch]))
+                batch = []
+
+        for _ in range(n_disk):
+            if batch and len(batch) + sum(len(s) for _, s in held) >= limit:
+                flush()
+            held = self._release(held, keep=limit - 1 - len(batch))   # never hold many slots while blocking
             tw = time.perf_counter()
             got = next(loads)
-            ls.disk_wait_s += time.perf_counter() - tw
+            dt = time.perf_counter() - tw
+            ls.disk_wait_s += dt
+            self._blocked += dt
             stats.disk_bytes += got.disk_bytes
-            drain(depth - 1)
-            i = self.cache.to_ring(self.cache.staging_slot(got.slot), timing)
-            queued.append((got.expert, i))
-            pending.append((i, got.slot))
-        drain(0)
-        self._release(pending, keep=0)
+            batch.append(got)
+            if len(batch) == B:
+                flush()
+        flush()
+        self._release(held, keep=0)
 
-    def _release(self, pending, keep: int):
-        """Release staging slots whose copies finished (CUDA: event query, no sync); if more than `keep`
-        remain, wait for the oldest copies. Returns what is still pending."""
+    def _release(self, held, keep: int):
+        """Release staging slots whose bank copies finished (CUDA: event query, no sync); while more than
+        `keep` slots remain held, wait for the oldest copies. Returns what is still held."""
+        if not held:
+            return held
         if self.cache.is_cuda:
-            done = [p for p in pending if self.cache.ring_ready_event(p[0]).query()]
-            rest = [p for p in pending if p not in done]
-            while len(rest) > keep:
-                self.cache.ring_ready_event(rest[0][0]).synchronize()
+            done = [hb for hb in held if self.cache.bank_ready_event(hb[0]).query()]
+            rest = [hb for hb in held if hb not in done]
+            while rest and sum(len(s) for _, s in rest) > max(keep, 0):
+                tb = time.perf_counter()
+                self.cache.bank_ready_event(rest[0][0]).synchronize()
+                self._blocked += time.perf_counter() - tb
                 done.append(rest.pop(0))
         else:
-            done, rest = pending, []             # CPU copies are synchronous
+            done, rest = held, []             # CPU copies are synchronous
         if done:
-            self.store.release([s for _, s in done])
+            self._call(self.store.release, [s for _, slots in done for s in slots])
         return rest
 
-    def _compute(self, h, y, work, slot, l, e, ls, sb, ring: int | None = None):
+    # ---- timing (the bench) -------------------------------------------------------------------------
+    def _timing_start(self):
+        if not self.timing:
+            return time.perf_counter() if not self.cache.is_cuda else None
         if self.cache.is_cuda:
-            ev0 = torch.cuda.Event(enable_timing=True)
-            ev1 = torch.cuda.Event(enable_timing=True)
-            ev0.record()
-            run_expert(h, y, work, self.cache.weights(slot, l, e), sb)
-            ev1.record()
-            self._events.append((ls, ev0, ev1, ring))
-        else:
-            t = time.perf_counter()
-            run_expert(h, y, work, self.cache.weights(slot, l, e), sb)
-            ls.compute_ms += (time.perf_counter() - t) * 1e3
-        if ring is not None:
-            self.cache.ring_release(ring)
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
 
-    def _collect_event_times(self, stats):
-        for ls, ev0, ev1, ring in self._events:
+    def _timing_end(self, ev, ls):
+        if ev is None:
+            return
+        if isinstance(ev, float):
+            ls.compute_ms += (time.perf_counter() - ev) * 1e3
+            return
+        ev1 = torch.cuda.Event(enable_timing=True)
+        ev1.record()
+        self._events.append((ls, ev, ev1))
+
+    def _collect_times(self, stats):
+        for ls, ev0, ev1 in self._events:
             ls.compute_ms += ev0.elapsed_time(ev1)
         self._events = []
         for ls in stats.layers:
-            ls.copy_ms = sum(ev0.elapsed_time(ev1) for ev0, ev1 in ls.copy_events)
+            if ls.copy_events and not isinstance(ls.copy_events[0], float):
+                ls.copy_ms = sum(ev0.elapsed_time(ev1) for ev0, ev1 in ls.copy_events)
+            else:
+                ls.copy_ms = sum(ls.copy_events)
             ls.copy_events = []
 
     # ---- standard (baseline) -------------------------------------------------------------------
-    def _standard(self, ids, kv, snap, usage, stats, all_logits):
+    def _standard(self, ids, kv, snap, stats, all_logits):
         outs = []
         mb = self.cfg.micro_batch
-        k = self.mcfg.n_expert_used
+        cache = self.cache
         layer_stats = [LayerStats() for _ in range(self.mcfg.n_layer)]
         for s in range(0, ids.numel(), mb):
             self.should_stop()
@@ -318,38 +454,39 @@ class ModelRunner:
                 ls = layer_stats[l]
                 t = time.perf_counter()
                 x = self.model.attention_block(l, x, kv, positions)
-                h = self.model.moe_input(l, x)
-                top_ids, top_w = self.model.route(l, h, self._resident_mask(snap, l))
-                work = plan_experts(top_ids)
+                h, aux = self.model.moe_input(l, x)
+                top_ids, top_w = self.model.route(l, h, chunk, self._resident_mask(snap, l))
+                r = self.kern.route(h, top_ids, top_w)
+                self._counts[l] += r.counts
+                used = np.nonzero(r.counts.cpu().numpy())[0]
                 t1 = time.perf_counter()
                 ls.attn_s += t1 - t
-                y = torch.zeros(chunk.numel(), k, h.shape[-1], dtype=h.dtype, device=h.device)
                 tiers, hslots = snap["tier"][l], snap["host_slot"][l]
-                for e in work:                         # ascending id, each fetched and waited for
-                    usage[l, e] += work[e].tokens.numel()
+                for e in used:                         # ascending id, each fetched and waited for
+                    e = int(e)
                     tier = int(tiers[e])
                     stats.reads[TIER_NAMES[tier]] += 1
                     if tier == TIER_VRAM:
                         ls.vram += 1
-                        slot = self.cache.vram_slot(l, e)
+                        g = self._group(l, [e], [int(cache.vram_base[l, e])])
                     elif tier == TIER_HOST:
                         ls.host += 1
-                        slot = self.cache.ring[self.cache.to_ring(self.cache.host_slot(l, int(hslots[e])))]
+                        _, g = self._to_bank(l, [e], [cache.host_slot(l, int(hslots[e]))], None)
                     else:
                         ls.disk += 1
                         tw = time.perf_counter()
-                        (got,) = list(self.store.load([(l, e)]))
+                        (got,) = list(self._call(self.store.load, [(l, e)]))
                         ls.disk_wait_s += time.perf_counter() - tw
                         stats.disk_bytes += got.disk_bytes
-                        slot = self.cache.ring[self.cache.to_ring(self.cache.staging_slot(got.slot))]
+                        _, g = self._to_bank(l, [e], [cache.staging_slot(got.slot)], None)
                         self._sync()
-                        self.store.release([got.slot])
+                        self._call(self.store.release, [got.slot])
                     self._sync()                       # no overlap: the copy is waited for
                     tc = time.perf_counter()
-                    run_expert(h, y, work[e], self.cache.weights(slot, l, e), self.cfg.sub_batch)
+                    self._apply(r, l, g, ls)
                     self._sync()
                     ls.compute_ms += (time.perf_counter() - tc) * 1e3
-                x = x + moe_combine(y, top_w)
+                x = self.model.moe_output(l, x, aux, h, self.kern.combine(r))
                 ls.moe_s += time.perf_counter() - t1
             kv.commit()
             outs.append(x if all_logits else x[-1:])

@@ -1,0 +1,146 @@
+"""One layer's routed experts over slot indices: one interface, two backends.
+
+  torch   the reference (CPU, CI; also the fallback on CUDA for K-quants / MXFP4): a loop over the
+          group's experts, each dequantized from its slot and applied to its rows in sub-batches of
+          `sub_batch` (layers.run_expert), ranks combined in order (layers.moe_combine). Bit-identical
+          to ReferenceModel on the same device and dtype.
+  triton  the GPU hot path (also runs under TRITON_INTERPRET=1 on the CPU in tests): rows sorted by
+          expert on the device, then ONE gate_up + ONE down launch per tier group, whatever the number
+          of experts in it, dequantizing Q8_0/F16/BF16/F32 bytes inside the matmul, then one combine.
+
+A layer is used like this (the runner owns tiers, copies and the store):
+
+    r = moe.route(ids, w)                       # ids/w [T,k]; device sort (triton) or host plan (torch)
+    moe.apply(r, h, group)                      # for each tier group as its bytes are ready
+    out = moe.combine(r)                        # [T,H] = sum_r w_r * expert_r(h)
+
+A Group names the experts whose bytes are ready and where they are: byte offsets into the worker's
+device pool (`ExpertCache.pool`): base[e] >= 0 for experts in the group, -1 for the others. The triton
+backend reads the table on the device (`base_dev`, no host loop); the torch one walks `experts`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from betelgeuse.model.layers import ExpertWork, moe_combine, plan_experts, run_expert
+
+# GGML types the triton kernels read directly (F32, F16, Q8_0, BF16)
+TRITON_QTYPES = frozenset({0, 1, 8, 30})
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:       # not installed, or no driver/interpreter
+        return False
+    return True
+
+
+@dataclass(slots=True)
+class Group:
+    experts: np.ndarray | None       # [n] int64 expert ids, ascending (torch backend; None = from base_host)
+    base_host: np.ndarray | None     # [E] int64 byte offset of each expert's slot in the pool, -1 = not here
+    base_dev: torch.Tensor | None    # the same table on the device (triton backend)
+
+
+@dataclass(slots=True)
+class Routing:
+    """One layer's routing, prepared for its groups."""
+    h: torch.Tensor                  # [T,H] expert input
+    ids: torch.Tensor                # [T,k] int64
+    w: torch.Tensor                  # [T,k]
+    y: torch.Tensor                  # [T*k, H] expert outputs by (token, rank); every row written once
+    rows: torch.Tensor | None        # triton: [T*k] int32 (token*k + rank) sorted by expert (stable)
+    off: torch.Tensor | None         # triton: [E+1] int32 first sorted row of each expert
+    counts: torch.Tensor             # [E] int64 rows per expert, on the device
+    inter: torch.Tensor | None       # triton: [T*k, F] activations, sorted-row order
+    plan: dict | None                # torch: {expert: ExpertWork}
+
+
+class MoEKernels:
+    """The per-layer expert math for one model file's geometry, on one device."""
+
+    def __init__(self, backend: str, n_expert: int, n_ff: int, starts: torch.Tensor, qtypes: list[tuple[int, int]],
+                 sub_batch: int, weights_fn=None, act_limit: float | None = None):
+        """starts [L,E,3] int64: byte offset of gate/up/down inside a slot (device); qtypes[l] = (gate/up, down)
+        GGML types per layer; weights_fn(slot_bytes, layer, expert) -> (gate, up, down) for the torch path."""
+        assert backend in ("torch", "triton"), backend
+        self.backend, self.E, self.F = backend, n_expert, n_ff
+        self.starts, self.qtypes, self.sub_batch = starts, qtypes, sub_batch
+        self.weights_fn, self.limit = weights_fn, act_limit
+        if backend == "triton":
+            from betelgeuse.kernels import triton_moe
+            self._tk = triton_moe
+            assert all(a in TRITON_QTYPES and b in TRITON_QTYPES for a, b in qtypes), qtypes
+
+    @staticmethod
+    def supports(qtypes: list[tuple[int, int]]) -> bool:
+        return all(a in TRITON_QTYPES and b in TRITON_QTYPES for a, b in qtypes)
+
+    # ---- per layer ------------------------------------------------------------------------------
+    def route(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> Routing:
+        T, k = ids.shape
+        y = torch.empty(T * k, h.shape[-1], dtype=h.dtype, device=h.device)
+        flat = ids.reshape(-1)
+        counts = torch.bincount(flat, minlength=self.E)
+        if self.backend == "torch":
+            return Routing(h, ids, w, y, None, None, counts, None, plan_experts(ids))
+        rows = torch.argsort(flat, stable=True).to(torch.int32)
+        off = torch.zeros(self.E + 1, dtype=torch.int32, device=h.device)
+        off[1:] = torch.cumsum(counts, 0)
+        inter = torch.empty(T * k, self.F, dtype=h.dtype, device=h.device)
+        return Routing(h, ids, w, y, rows, off, counts, inter, None)
+
+    def apply(self, r: Routing, layer: int, pool: torch.Tensor, g: Group, slot_bytes: int,
+              starts: torch.Tensor | None = None) -> None:
+        """Compute the group's experts for their rows of r (writes r.y). starts [E,3] overrides the
+        layer's part offsets (the reference path packs experts its own way)."""
+        if self.backend == "triton":
+            qg, qd = self.qtypes[layer]
+            tk = self._tk
+            st = self.starts[layer] if starts is None else starts
+            tk.gate_up(r.h, pool, g.base_dev, st, r.rows, r.off, r.inter, self.F, r.ids.shape[1],
+                       tk.QT_CODES[qg], self.limit)
+            tk.down(r.inter, pool, g.base_dev, st, r.rows, r.off, r.y, r.ids.shape[0], tk.QT_CODES[qd])
+            return
+        T, k = r.ids.shape
+        y3 = r.y.view(T, k, -1)
+        experts = g.experts if g.experts is not None else np.nonzero(g.base_host >= 0)[0]
+        for e in experts:
+            e = int(e)
+            work: ExpertWork | None = r.plan.get(e)
+            if work is None:
+                continue
+            b = int(g.base_host[e])
+            run_expert(r.h, y3, work, self.weights_fn(pool[b: b + slot_bytes], layer, e), self.sub_batch)
+
+    def combine(self, r: Routing) -> torch.Tensor:
+        """[T,H]: ranks reduced 0..k-1 in order, so no tier or group order changes a bit."""
+        T, k = r.ids.shape
+        if self.backend == "triton":
+            out = torch.empty(T, r.y.shape[1], dtype=r.h.dtype, device=r.h.device)
+            return self._tk.combine(r.y, r.w, out)
+        return moe_combine(r.y.view(T, k, -1), r.w)
+
+
+def pack_experts(parts_of, experts, n_expert: int, device) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, int]:
+    """A pool holding the raw bytes of `experts` back to back (the in-process reference path):
+    parts_of(e) -> (gate, up, down) uint8 CPU tensors. Returns (pool uint8 on `device`, starts [E,3] int64
+    on `device` (offset of each part inside its expert's slot), base [E] int64 (-1 = not packed), slot bytes)."""
+    raws = {int(e): parts_of(int(e)) for e in experts}
+    slot = max([sum(p.numel() for p in ps) for ps in raws.values()] + [64])
+    slot = -(-slot // 64) * 64
+    buf = torch.zeros(max(1, len(raws)) * slot, dtype=torch.uint8)
+    starts = np.zeros((n_expert, 3), dtype=np.int64)
+    base = np.full(n_expert, -1, dtype=np.int64)
+    for i, (e, ps) in enumerate(raws.items()):
+        base[e] = o = i * slot
+        for k, p in enumerate(ps):
+            starts[e, k] = o - base[e]
+            buf[o: o + p.numel()] = p
+            o += p.numel()
+    return buf.to(device), torch.from_numpy(starts).to(device), base, slot
