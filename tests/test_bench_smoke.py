@@ -69,7 +69,15 @@ def test_runs_within_budget_and_writes_json(bench_run):
         # the first case is bounded by the first disk sample, taken just before it
         assert b["disk_s"] == pytest.approx(p["disk_bytes"] / r["ceilings"]["disk"][0]["bps"], rel=1e-9)
         assert b["h2d_s"] == pytest.approx(p["h2d_bytes"] / r["ceilings"]["h2d_bps"], rel=1e-9)
-    assert r["ceilings"]["h2d_bps"] > 0 and r["ceilings"]["deq_s"] > 0 and r["ceilings"]["disk"][0]["bps"] > 0
+    assert r["ceilings"]["h2d_bps"] > 0 and r["ceilings"]["disk"][0]["bps"] > 0
+    # the compute ceiling: the engine's own kernels at 1, 16 and 64 rows per expert, more rows never cheaper
+    mm = {int(k): v for k, v in r["ceilings"]["mm_s"].items()}
+    assert sorted(mm) == [1, 16, 64] and 0 < mm[1] <= mm[64] and all(v > 0 for v in r["ceilings"]["hbm_bps"].values())
+    for p in (cold, warm):
+        # host cost: host time + blocked time = the pass's wall; per application = host time / applications
+        assert p["host_s"] + p["blocked_s"] == pytest.approx(p["seconds"], rel=1e-6)
+        assert p["host_us_per_application"] == pytest.approx(p["host_s"] / p["loads"] * 1e6)
+        assert p["store_calls"] >= 2
     for case in r["cases"]:
         assert case["arena_mappings_after_detach"] == 0, case["name"]    # old arenas never linger
         assert case["store_exit"] == 0, case.get("store_error")

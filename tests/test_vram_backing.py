@@ -89,3 +89,29 @@ def test_auto_slots_use_vram_as_capacity(model):
     without = plan_slots(f, EngineConfig(**kw, vram_backing=False), limit)
     assert without.n_vram + without.n_host >= with_backing.n_vram + with_backing.n_host
     assert without.host_per_layer == without.n_host
+
+
+def test_promotion_to_vram_copies_from_ram_not_disk(model, want):
+    """Without backing copies, an expert promoted from the host tier to VRAM keeps its host slot until the
+    worker has copied it (one more consolidation round): the repeated prompt after consolidation then reads
+    nothing from disk when the resident capacity holds its experts (the device run saw 46.7% of loads from disk
+    again, because promotion freed the host slot first and the worker re-read the VRAM tier from disk)."""
+    short = PROMPT[:6]                     # 6 tokens x top-4: at most 24 of the 32 experts of a layer
+    ref = ReferenceModel.load(model)
+    with torch.no_grad():
+        want_short = ref.forward(torch.tensor(short), ref.new_cache(16)).float()
+    runner, store = in_process_runner(model, 12, 20, vram_backing=False)
+    try:
+        _, cold = runner.forward(short, runner.new_cache(16))                # cold: consolidates
+        runner.settle()
+        assert cold.reads["disk"] > 0
+        for _ in range(3):                                                    # warm passes, each consolidating
+            logits, st = runner.forward(short, runner.new_cache(16), all_logits=True)
+            runner.settle()
+            assert torch.equal(logits, want_short)
+            assert st.reads["disk"] == 0 and st.disk_bytes == 0, st.reads
+        assert st.reads["vram"] > 0
+        snap = store.directory.snapshot()
+        assert ((snap["tier"] == 2) & (snap["host_slot"] < 0)).any()          # the host slots were given back
+    finally:
+        close_runner(runner, store)

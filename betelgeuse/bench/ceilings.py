@@ -6,8 +6,8 @@
            samples it again before every case and bounds each pass with the latest sample.
   h2d      host->device bandwidth from a memfd arena registered with cudaHostRegister (the worker's
            real path); on the CPU, memcpy bandwidth out of the same kind of arena.
-  compute  one expert's dequantize + SwiGLU matmuls on the compute device, through the engine's own
-           ExpertCache.weights and layers.run_expert, at 1 row and at the sub-batch size.
+  compute  expert applications through the engine's own kernels (runner.kern), a bank of experts in one
+           launch group at 1, 16 and 64 rows per expert, with the HBM bytes/s they reach.
 
 A pass's bound is max(disk bytes / disk bandwidth, h2d bytes / copy bandwidth, expert compute):
 the time the pass could not beat even with perfect overlap. achieved = bound / actual (<= ~1).
@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from betelgeuse.gguf.reader import GGUFModelFile
-from betelgeuse.model.layers import ExpertWork, run_expert
 from betelgeuse.store.arena import Arena, register_pinned, unregister_pinned
 from betelgeuse.store.reader import PAGE, ExpertReader
 
@@ -45,8 +44,9 @@ class DiskSample:
 class Ceilings:
     h2d_bps: float = 0.0            # bytes/s host->device (CPU: memcpy)
     h2d_pinned: bool = False        # the arena was registered with CUDA
-    deq_s: float = 0.0              # seconds to dequantize one expert (gate, up, down)
-    mm_s: dict = field(default_factory=dict)   # rows -> seconds of one SwiGLU over `rows` tokens (weights ready)
+    deq_s: float = 0.0              # (dequantization is fused into the kernels: 0)
+    mm_s: dict = field(default_factory=dict)   # rows -> seconds of one expert application to `rows` rows
+    hbm_bps: dict = field(default_factory=dict)  # rows -> expert bytes/s those applications read
     sub_batch: int = 16
     disk: list = field(default_factory=list)   # [DiskSample], in run order
 
@@ -56,17 +56,24 @@ class Ceilings:
         return self.disk[-1].bps if self.disk else 0.0
 
     def expert_s(self, rows: float) -> float:
-        """Seconds of one expert load applied to `rows` tokens: dequantize once, then ceil(rows/sb)
-        sub-batches; a partial sub-batch is interpolated linearly between 1 row and sb rows."""
-        sb = self.sub_batch
-        t1, tsb = self.mm_s.get(1, 0.0), self.mm_s.get(sb, 0.0)
-        full, rest = divmod(max(rows, 1.0), sb)
-        part = 0.0 if rest == 0 else t1 + (tsb - t1) * (rest - 1) / max(sb - 1, 1)
-        return self.deq_s + full * tsb + part
+        """Seconds of one expert application to `rows` rows: linear between the measured row counts
+        (1, 16, 64), and beyond the last one linear in the rows at the last point's rate."""
+        pts = sorted(self.mm_s.items())
+        if not pts:
+            return 0.0
+        rows = max(float(rows), 1.0)
+        if rows <= pts[0][0]:
+            return pts[0][1]
+        for (r0, t0), (r1, t1) in zip(pts, pts[1:]):
+            if rows <= r1:
+                return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
+        r1, t1 = pts[-1]
+        return t1 * rows / r1
 
     def to_json(self) -> dict:
         d = asdict(self)
         d["mm_s"] = {str(k): v for k, v in self.mm_s.items()}
+        d["hbm_bps"] = {str(k): v for k, v in self.hbm_bps.items()}
         d["disk"] = [dict(asdict(s), bps=s.bps) for s in self.disk]
         d["disk_bps"] = self.disk_bps
         return d
@@ -145,26 +152,46 @@ def _best(fn, device: torch.device, reps: int, rounds: int) -> float:
     return best
 
 
-def measure_compute(cache, f: GGUFModelFile, sub_batch: int, reps: int, rounds: int = 5,
-                    layer: int = 0, expert: int = 0) -> tuple[float, dict]:
-    """(dequantize seconds, {rows: SwiGLU seconds}) for one expert, on the cache's device and dtype.
-    The expert's raw bytes are placed in ring buffer 0 exactly where a slot holds them."""
+def measure_compute(runner, reps: int, rounds: int = 5, layer: int = 0,
+                    rows_list: tuple = (1, 16, 64)) -> tuple[dict, dict]:
+    """({rows: seconds per expert application}, {rows: HBM bytes/s of the expert bytes}) through the engine's
+    own expert kernels (runner.kern: triton on the GPU, the torch reference on the CPU): n experts of one
+    layer placed in ring bank 0 exactly as slots hold them, each applied to `rows` rows in one launch group,
+    as a warm layer-major pass does. Seconds per application = one group's time / n."""
+    from betelgeuse.kernels.moe import Group
+    cache, f, kern = runner.cache, runner.file, runner.kern
     device, dtype = cache.device, cache.dtype
-    slot = cache.ring[0]
-    for part, meta in zip(f.expert_parts(layer, expert), cache.parts[layer][expert]):
-        raw = np.fromfile(f.path, dtype=np.uint8, count=part.nbytes, offset=part.offset)
-        slot[meta.start: meta.start + meta.nbytes].copy_(torch.from_numpy(raw))
-    k, H = f.config.n_expert_used, f.config.n_embd
-    deq = _best(lambda: cache.weights(slot, layer, expert), device, reps, rounds)
-    w = cache.weights(slot, layer, expert)
-    mm = {}
+    c = f.config
+    n = min(cache.bank_size, c.n_expert)
+    experts = list(range(n))
+    for i, e in enumerate(experts):
+        slot = cache.ring[i]
+        for part, meta in zip(f.expert_parts(layer, e), cache.parts[layer][e]):
+            raw = np.fromfile(f.path, dtype=np.uint8, count=part.nbytes, offset=part.offset)
+            slot[meta.start: meta.start + meta.nbytes].copy_(torch.from_numpy(raw))
+    offs = [cache.ring_offset + i * cache.slot_bytes for i in range(n)]
+    host, dev = cache.table(experts, offs)
+    g = Group(np.asarray(experts), host.copy(), dev)
+    k, H = c.n_expert_used, c.n_embd
     gen = torch.Generator().manual_seed(0)
-    for rows in sorted({1, sub_batch}):
-        h = torch.randn(rows, H, generator=gen).to(device=device, dtype=dtype)
-        y = torch.zeros(rows, k, H, dtype=dtype, device=device)
-        work = ExpertWork(expert, torch.arange(rows), torch.zeros(rows, dtype=torch.long))
-        mm[rows] = _best(lambda: run_expert(h, y, work, w, sub_batch), device, reps, rounds)
-    return deq, mm
+    secs, bps = {}, {}
+    nbytes = sum(p.nbytes for p in f.expert_parts(layer, 0))
+    for rows in rows_list:
+        T = max(1, -(-rows * n // k))                        # T tokens x k ranks = rows per expert x n experts
+        ids = (torch.arange(T * k) % n).reshape(T, k)
+        ids = ids[:, torch.argsort(torch.rand(k, generator=gen))] if k > 1 else ids
+        h = torch.randn(T, H, generator=gen).to(device=device, dtype=dtype)
+        w = torch.full((T, k), 1.0 / k, dtype=dtype)
+        ids, w = ids.to(device), w.to(device)
+
+        def one():
+            r = kern.route(h, ids, w)
+            kern.apply(r, layer, cache.pool, g, cache.slot_bytes)
+            kern.combine(r)
+        t = _best(one, device, reps, rounds)
+        secs[rows] = t / n
+        bps[rows] = n * nbytes / t
+    return secs, bps
 
 
 def pass_bound(ceil: Ceilings, disk_bps: float, n_tokens: int, loads: int, disk_bytes: int, h2d_bytes: int,

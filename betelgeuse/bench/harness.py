@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from betelgeuse.bench import ceilings as C
+from betelgeuse.bench.profile import profile_pass
 from betelgeuse.bench.procs import (BenchCgroup, Monitor, StoreProcess, arena_mappings, cgroup_of, mkdir,
                                     vram_used_before_cuda)
 from betelgeuse.config import GiB, EngineConfig
@@ -187,10 +188,10 @@ class Harness:
 
     def _measure_compute(self):
         rn = self.runner
-        deq, mm = C.measure_compute(rn.cache, rn.file, rn.cfg.sub_batch, 20 if self.cuda else 4)
+        mm, bps = C.measure_compute(rn, 20 if self.cuda else 3)
         self.ceil.sub_batch = rn.cfg.sub_batch
-        self.ceil.deq_s = min(deq, self.ceil.deq_s or deq)
         self.ceil.mm_s = {k: min(v, self.ceil.mm_s.get(k, v)) for k, v in mm.items()}
+        self.ceil.hbm_bps = {k: max(v, self.ceil.hbm_bps.get(k, v)) for k, v in bps.items()}
 
     def _detach(self):
         """Unmap the store's arena and free the VRAM slots, so the next store's arena fits the cgroup."""
@@ -255,12 +256,22 @@ class Harness:
                 if kind == "decode":
                     if warm_kv is not None:
                         out["decode"] = self._decode(rn, warm_kv, warm_logits)
+                        if out["decode"]["tokens"]:
+                            tok = int(warm_logits[-1].argmax())
+                            wall = min(out["decode"]["token_s"])
+                            prof = profile_pass(lambda: rn.forward([tok], warm_kv, consolidate=False), c.n_layer, wall, self.dev)
+                            if prof:
+                                out.setdefault("profile", {})["decode"] = prof
                     continue
                 kv = rn.new_cache(kv_len)
                 rec, logits = self._prefill(rn, f, kind, ids, kv)
                 out["passes"].append(rec)
                 if kind == "warm" and logits is not None:
                     warm_kv, warm_logits = kv, logits
+                    prof = profile_pass(lambda: rn.forward(ids, rn.new_cache(kv_len), consolidate=False), c.n_layer,
+                                        rec["seconds"], self.dev)
+                    if prof:
+                        out.setdefault("profile", {})["warm"] = prof
                 if kind in ("cold", "warm") and rec.get("complete"):
                     self.calib = max(0.05, rec["seconds"] / max(est / self.calib, 1e-6))
                 self.save(False)
@@ -309,6 +320,7 @@ class Harness:
         tok = int(logits[-1].argmax())
         end = time.monotonic() + min(self.o.decode_cap, self.remaining())
         secs, reads, disk_bytes, disk_wait = [], {"vram": 0, "host": 0, "disk": 0}, 0, 0.0
+        host_s, calls, h2d = 0.0, 0, 0
         for _ in range(self.o.decode):
             if time.monotonic() > end:
                 break
@@ -319,8 +331,14 @@ class Harness:
             for k_ in reads:
                 reads[k_] += st.reads[k_]
             disk_bytes, disk_wait = disk_bytes + st.disk_bytes, disk_wait + st.disk_wait_s
+            host_s, calls, h2d = host_s + st.host_s, calls + st.store_calls, h2d + st.h2d_bytes
         n = sum(reads.values())
-        return {"tokens": len(secs), "requested": self.o.decode, "seconds": sum(secs),
+        c = rn.mcfg
+        bound = C.pass_bound(self.ceil, self.ceil.disk_bps, len(secs), n, disk_bytes, h2d, c.n_layer, c.n_expert_used,
+                             sum(secs)) if secs else {}
+        return {"tokens": len(secs), "requested": self.o.decode, "seconds": sum(secs), "bound": bound,
+                "host_s": host_s, "host_us_per_application": host_s / n * 1e6 if n else None,
+                "store_calls_per_token": calls / len(secs) if secs else None, "h2d_bytes": h2d,
                 "tg_mean": len(secs) / sum(secs) if secs else 0.0, "tg_peak": 1.0 / min(secs) if secs else 0.0,
                 "token_s": secs, "reads": reads, "disk_share": reads["disk"] / n if n else 0.0,
                 "disk_bytes": disk_bytes, "disk_wait_ms": disk_wait * 1e3}
@@ -336,6 +354,8 @@ def pass_record(kind: str, st, ttft: float, ceil: C.Ceilings, f: GGUFModelFile, 
                        "copy_s": ls.copy_ms / 1e3 if ls.copy_ms else copy_est, "copy_measured": bool(ls.copy_ms),
                        "compute_s": ls.compute_ms / 1e3, "vram": ls.vram, "host": ls.host, "disk": ls.disk})
     return {"label": kind, "schedule": st.schedule, "complete": True, "n_tokens": st.n_tokens, "seconds": st.seconds,
+            "host_s": st.host_s, "blocked_s": st.blocked_s, "store_calls": st.store_calls,
+            "host_us_per_application": st.host_s / loads * 1e6 if loads else None,
             "tok_per_s": st.tok_per_s, "ttft_s": ttft, "reads": dict(st.reads), "loads": loads,
             "disk_share": st.disk_share, "disk_bytes": st.disk_bytes, "disk_wait_ms": st.disk_wait_s * 1e3,
             "h2d_bytes": st.h2d_bytes, "prefetched": st.prefetched, "vram_filled": st.vram_filled,

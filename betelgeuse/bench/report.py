@@ -84,13 +84,34 @@ def markdown(r: dict) -> str:
                  f"{_pct(p.get('disk_share'))} | {_f(p.get('disk_wait_ms'), '{:,.0f}')} | "
                  f"{_f(None if 'h2d_bytes' not in p else p['h2d_bytes'] / GB)} | {_f(p.get('ttft_s'), '{:.3f}')} | "
                  f"{_f(b.get('bound_s'), '{:.3f}')} ({b.get('limiter', '–')}) | {_pct(b.get('achieved'))} |")
-    L += ["", "## Decode", "", "| Case | Tokens | TG tok/s mean | TG tok/s peak | Disk read share | Disk wait ms |",
-          "|---|---|---|---|---|---|"]
+    L += ["", "## Host cost per pass", "",
+          "Host time = wall minus the time the host was blocked (routing syncs, disk waits, copy waits, the end "
+          "sync), so it is the time spent issuing work; per expert application = host time / applications. "
+          "Launches per layer and GPU busy (union of kernel time / wall) come from one extra profiled pass of the "
+          "same kind (torch.profiler), not the timed one.", "",
+          "| Case | Pass | Applications | Host ms | Host µs / application | Store calls | Launches / layer | GPU busy |",
+          "|---|---|---|---|---|---|---|---|"]
+    for case, p in _passes(r):
+        if "host_s" not in p:
+            continue
+        prof = case.get("profile", {}).get(p["label"], {})
+        L.append(f"| {case['name']} | {p['label']} | {p['loads']} | {p['host_s'] * 1e3:,.1f} | "
+                 f"{_f(p.get('host_us_per_application'), '{:.1f}')} | {p.get('store_calls', '–')} | "
+                 f"{_f(prof.get('launches_per_layer'), '{:.1f}')} | {_pct(prof.get('gpu_busy'))} |")
+    L += ["", "## Decode", "",
+          "| Case | Tokens | TG tok/s mean | TG tok/s peak | Disk read share | Disk wait ms | Bound tok/s (limiter) | "
+          "Achieved | Host µs / application | Store calls / token | Launches / layer |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
     for case in r.get("cases", []):
         d = case.get("decode")
         if d:
+            b = d.get("bound", {})
+            prof = case.get("profile", {}).get("decode", {})
+            bt = d["tokens"] / b["bound_s"] if b.get("bound_s") else None
             L.append(f"| {case['name']} | {d['tokens']}/{d['requested']} | {d['tg_mean']:.2f} | {d['tg_peak']:.2f} | "
-                     f"{_pct(d['disk_share'])} | {d['disk_wait_ms']:,.0f} |")
+                     f"{_pct(d['disk_share'])} | {d['disk_wait_ms']:,.0f} | {_f(bt)} ({b.get('limiter', '–')}) | "
+                     f"{_pct(b.get('achieved'))} | {_f(d.get('host_us_per_application'), '{:.1f}')} | "
+                     f"{_f(d.get('store_calls_per_token'), '{:.2f}')} | {_f(prof.get('launches_per_layer'), '{:.1f}')} |")
     L += ["", "## Warm layer-major vs standard (same prompt, same warm state)", ""]
     for case in r.get("cases", []):
         ps = {p["label"]: p for p in case.get("passes", [])}
@@ -111,8 +132,9 @@ def markdown(r: dict) -> str:
               f"{s['bps'] / GB:.2f} GB/s ({s['mode']}, t={s['at_s']:.0f}s)" for s in ceil.get("disk", [])),
           f"- Host->device: {ceil.get('h2d_bps', 0) / GB:.2f} GB/s "
           f"({'pinned arena' if ceil.get('h2d_pinned') else 'memcpy / pageable'})",
-          f"- Expert compute: dequantize {ceil.get('deq_s', 0) * 1e3:.3f} ms; SwiGLU "
-          + ", ".join(f"{k} rows {v * 1e3:.3f} ms" for k, v in ceil.get("mm_s", {}).items()), ""]
+          "- Expert compute (the engine's kernels, one launch group of a bank of experts; per expert application): "
+          + ", ".join(f"{k} rows {v * 1e6:.1f} µs ({ceil.get('hbm_bps', {}).get(k, 0) / GB:.0f} GB/s of expert bytes)"
+                      for k, v in ceil.get("mm_s", {}).items()), ""]
     skipped = r.get("skipped", []) + [dict(s, case=c["name"]) for c in r.get("cases", []) for s in c.get("skipped", [])]
     if skipped:
         L += ["## Skipped", ""] + [f"- {s.get('case')} {s.get('pass', '')}: {s['reason']}" for s in skipped] + [""]

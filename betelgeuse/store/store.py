@@ -285,20 +285,33 @@ class ExpertStore:
 
             def needs_slot(e):       # host tier, or a VRAM expert with a backing copy
                 return e in want and (want[e] == TIER_HOST or p.vram_backing)
-            leaving = [i for i, e in enumerate(owner) if e >= 0 and not needs_slot(int(e))]
+
+            def in_transit(e):       # promoted to VRAM without backing: keeps its host slot for one round, so the
+                return (not p.vram_backing and want.get(e) == TIER_VRAM   # worker copies it from RAM, not disk
+                        and cur_tier[e] != TIER_VRAM and (owner == e).any())
+            leaving = [i for i, e in enumerate(owner) if e >= 0 and not needs_slot(int(e)) and not in_transit(int(e))]
             free = [i for i, e in enumerate(owner) if e < 0] + leaving
             for i in leaving:
                 if int(owner[i]) not in want:
                     moves.append((l, int(owner[i]), TIER_DISK, -1))
+            to_vram = []                               # disk-tier experts promoted to VRAM without backing
             for e, tier in want.items():
                 held = np.nonzero(owner == e)[0]
-                if not needs_slot(e):                  # VRAM without a backing copy: the worker reads it from disk
+                if in_transit(e):                      # VRAM now, its host slot freed at the next consolidation
+                    moves.append((l, e, tier, int(held[0])))
+                elif not needs_slot(e) and cur_tier[e] == TIER_DISK and not held.size:
+                    to_vram.append(e)
+                elif not needs_slot(e):                # VRAM without a backing copy (the worker holds the bytes)
                     if cur_tier[e] != tier or held.size:
                         moves.append((l, e, tier, -1))
                 elif not held.size:
                     moves.append((l, e, tier, free.pop(0)))
                 elif cur_tier[e] != tier:
                     moves.append((l, e, tier, int(held[0])))
+            # host slots nobody else needs carry disk -> VRAM promotions for one round (filled from the staged copy
+            # when there is one), so the worker fills its VRAM slot from RAM instead of reading the disk again
+            for e in to_vram:
+                moves.append((l, e, TIER_VRAM, free.pop(0) if free else -1))
         return moves
 
     def _apply_consolidation(self, moves):

@@ -1,0 +1,52 @@
+"""Kernel launches per layer and GPU busy time of one pass, from torch.profiler (CUDA only).
+
+The profiled pass is an extra one (the profiler slows the host), never the timed pass: launches per layer
+are a count, which the profiler does not change; GPU busy = the union of kernel intervals of the profiled
+pass divided by the wall time of the timed pass of the same kind (kernel durations are not inflated by the
+profiler), so it says how much of the timed pass the GPU spent computing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import torch
+
+
+def _union_us(intervals) -> float:
+    total, end = 0.0, None
+    start = None
+    for s, e in sorted(intervals):
+        if end is None or s > end:
+            if end is not None:
+                total += end - start
+            start, end = s, e
+        else:
+            end = max(end, e)
+    return total + ((end - start) if end is not None else 0.0)
+
+
+def profile_pass(fn, n_layer: int, timed_wall_s: float, device: torch.device) -> dict | None:
+    """Run fn() once under the profiler; {launches, launches_per_layer, memcpys, kernel_ms, gpu_busy}."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            ev = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    finally:
+        os.unlink(path)
+    kernels = [e for e in ev if e.get("cat") == "kernel"]
+    copies = [e for e in ev if e.get("cat") == "gpu_memcpy"]
+    busy_us = _union_us((float(k["ts"]), float(k["ts"]) + float(k["dur"])) for k in kernels)
+    return {"launches": len(kernels), "launches_per_layer": len(kernels) / max(n_layer, 1), "memcpys": len(copies),
+            "kernel_ms": busy_us / 1e3, "gpu_busy": (busy_us / 1e6) / timed_wall_s if timed_wall_s > 0 else None}
