@@ -99,6 +99,7 @@ def check_invariance(path: Path, device: str, ids: list[int], tmp: Path):
     E = GGUFModelFile.open(str(path)).config.n_expert
     configs = [(0, 0), (0, E), (5, 15), (E, 0)]
     got: dict[str, torch.Tensor] = {}
+    dec: dict[str, torch.Tensor] = {}
     for vram, host in configs:
         runner, store = runner_for(path, device, vram, host)
         try:
@@ -106,6 +107,15 @@ def check_invariance(path: Path, device: str, ids: list[int], tmp: Path):
                 logits, st = runner.forward(ids, runner.new_cache(len(ids) + 8), all_logits=True, consolidate=cons)
                 runner.settle()
                 got[f"{vram}/{host} {name} {st.reads}"] = logits.cpu()
+            # decode steps (the store pass stays open across them): bit-identical across configs too
+            kv = runner.new_cache(len(ids) + 8)
+            lg, _ = runner.forward(ids, kv)
+            steps = []
+            for _ in range(4):
+                lg, _ = runner.forward([int(lg[-1].argmax())], kv, consolidate=False)
+                steps.append(lg.cpu())
+            runner.consolidate()
+            dec[f"{vram}/{host}"] = torch.cat(steps)
         finally:
             close(runner, store)
     # the real store process, one config
@@ -141,6 +151,10 @@ def check_invariance(path: Path, device: str, ids: list[int], tmp: Path):
         proc.wait(30)
     first = next(iter(got.values()))
     same = {k: torch.equal(v, first) for k, v in got.items()}
+    d0 = next(iter(dec.values()))
+    dsame = {k: torch.equal(v, d0) for k, v in dec.items()}
+    row("invariance: decode steps x slots", all(dsame.values()), f"{sum(dsame.values())}/{len(dsame)} configs bit-identical "
+        f"over 4 decode tokens (kernels: {runner.kern.backend if hasattr(runner, 'kern') else '?'})")
     row("invariance: slots x passes x store", all(same.values()),
         f"{sum(same.values())}/{len(same)} runs bit-identical (" + ", ".join(k for k, v in same.items() if not v) + ")")
     dtype = runner.dtype
