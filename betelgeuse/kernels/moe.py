@@ -86,7 +86,8 @@ class MoEKernels:
         T, k = ids.shape
         y = torch.empty(T * k, h.shape[-1], dtype=h.dtype, device=h.device)
         flat = ids.reshape(-1)
-        counts = torch.bincount(flat, minlength=self.E)
+        # rows per expert without a host sync (torch.bincount reads the max back to size its output)
+        counts = torch.zeros(self.E, dtype=torch.int64, device=h.device).scatter_add_(0, flat, torch.ones_like(flat))
         if self.backend == "torch":
             return Routing(h, ids, w, y, None, None, counts, None, plan_experts(ids))
         rows = torch.argsort(flat, stable=True).to(torch.int32)

@@ -27,35 +27,40 @@ import torch
 import triton
 import triton.language as tl
 
-BM, BN, BK = 16, 64, 32          # rows per block, output columns per program, K step (one Q8_0 block)
+# rows per block, output columns per program, K step (whole Q8_0 blocks), warps: constants for every launch
+# whatever the row count (row invariance); CONFIG can be replaced once per process (deploy/device/kernel_sweep.py)
+CONFIG = {"BM": 16, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 2}
 
 QT_CODES = {8: 0, 1: 1, 30: 2, 0: 3}   # GGMLQuantizationType -> QT: Q8_0, F16, BF16, F32
 
 
 @triton.jit
-def _load_w(pool, base, n, c, K, mn, QT: tl.constexpr):
-    """Weight tile [BN, BK] float32 of a row-major [N, K] matrix whose bytes start at pool + base.
-    n [BN] output rows, c [BK] input columns (BK divides 32 for Q8_0: one block per row)."""
+def _load_w(pool, base, n, kk, K, mn, QT: tl.constexpr, BK: tl.constexpr):
+    """Weight tile [BN, BK] float32 of a row-major [N, K] matrix whose bytes start at pool + base:
+    rows n [BN], columns kk .. kk+BK (BK a multiple of 32: whole Q8_0 blocks)."""
     n64 = n.to(tl.int64)
     if QT == 0:
+        NB: tl.constexpr = BK // 32
         rowb = (K // 32) * 34
-        blk = (c // 32).to(tl.int64) * 34
-        addr = base + n64[:, None] * rowb + blk[None, :]
-        q = tl.load(pool + addr + 2 + (c % 32)[None, :], mask=mn[:, None], other=0)
-        q = q.to(tl.int8, bitcast=True).to(tl.float32)
-        lo = tl.load(pool + addr, mask=mn[:, None], other=0).to(tl.uint16)
-        hi = tl.load(pool + addr + 1, mask=mn[:, None], other=0).to(tl.uint16)
+        blk = (kk // 32 + tl.arange(0, NB)).to(tl.int64) * 34
+        addr = base + n64[:, None, None] * rowb + blk[None, :, None]           # [BN, NB, 1] block starts
+        m3 = mn[:, None, None]
+        q = tl.load(pool + addr + 2 + tl.arange(0, 32)[None, None, :], mask=m3, other=0)   # [BN, NB, 32]
+        lo = tl.load(pool + addr, mask=m3, other=0).to(tl.uint16)              # one f16 scale per block
+        hi = tl.load(pool + addr + 1, mask=m3, other=0).to(tl.uint16)
         d = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-        w = q * d
-    elif QT == 1:
-        p = (pool + base + (n64[:, None] * K + c[None, :]) * 2).to(tl.pointer_type(tl.float16))
-        w = tl.load(p, mask=mn[:, None], other=0).to(tl.float32)
-    elif QT == 2:
-        p = (pool + base + (n64[:, None] * K + c[None, :]) * 2).to(tl.pointer_type(tl.bfloat16))
-        w = tl.load(p, mask=mn[:, None], other=0).to(tl.float32)
+        w = tl.reshape(q.to(tl.int8, bitcast=True).to(tl.float32) * d, (n.shape[0], BK))
     else:
-        p = (pool + base + (n64[:, None] * K + c[None, :]) * 4).to(tl.pointer_type(tl.float32))
-        w = tl.load(p, mask=mn[:, None], other=0)
+        c = kk + tl.arange(0, BK)
+        if QT == 1:
+            p = (pool + base + (n64[:, None] * K + c[None, :]) * 2).to(tl.pointer_type(tl.float16))
+            w = tl.load(p, mask=mn[:, None], other=0).to(tl.float32)
+        elif QT == 2:
+            p = (pool + base + (n64[:, None] * K + c[None, :]) * 2).to(tl.pointer_type(tl.bfloat16))
+            w = tl.load(p, mask=mn[:, None], other=0).to(tl.float32)
+        else:
+            p = (pool + base + (n64[:, None] * K + c[None, :]) * 4).to(tl.pointer_type(tl.float32))
+            w = tl.load(p, mask=mn[:, None], other=0)
     return w
 
 
@@ -85,8 +90,8 @@ def _gate_up_kernel(h_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, inter_
         for kk in range(0, H, BK):
             c = kk + tl.arange(0, BK)
             x = tl.load(h_ptr + tok[:, None] * H + c[None, :], mask=mr[:, None], other=0)
-            wg = _load_w(pool, gbase, n, c, H, mn, QT).to(x.dtype)
-            wu = _load_w(pool, ubase, n, c, H, mn, QT).to(x.dtype)
+            wg = _load_w(pool, gbase, n, kk, H, mn, QT, BK).to(x.dtype)
+            wu = _load_w(pool, ubase, n, kk, H, mn, QT, BK).to(x.dtype)
             if IEEE:
                 accg = tl.dot(x, tl.trans(wg), accg, input_precision="ieee")
                 accu = tl.dot(x, tl.trans(wu), accu, input_precision="ieee")
@@ -124,7 +129,7 @@ def _down_kernel(inter_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, y_ptr
         for kk in range(0, F, BK):
             c = kk + tl.arange(0, BK)
             a = tl.load(inter_ptr + rows.to(tl.int64)[:, None] * F + c[None, :], mask=mr[:, None], other=0)
-            w = _load_w(pool, dbase, n, c, F, mn, QT).to(a.dtype)
+            w = _load_w(pool, dbase, n, kk, F, mn, QT, BK).to(a.dtype)
             if IEEE:
                 acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
             else:
@@ -151,12 +156,13 @@ def gate_up(h, pool, base, starts, rows, off, inter, n_ff: int, k_top: int, qt: 
     off [E+1] int32 row offsets per expert; inter [R, F] (written for the rows of experts in the group)."""
     T, H = h.shape
     E = base.numel()
-    assert H % BK == 0 and n_ff % BK == 0, (H, n_ff)
-    grid = (E, triton.cdiv(T, BM), triton.cdiv(n_ff, BN))
+    c = CONFIG
+    bk = block_k(H, n_ff)
+    grid = (E, triton.cdiv(T, c["BM"]), triton.cdiv(n_ff, c["BN"]))
     _gate_up_kernel[grid](h, pool, base, starts, rows, off, inter, H, n_ff, k_top,
                           float(limit) if limit is not None else 0.0,
                           QT=qt, HAS_LIMIT=limit is not None, IEEE=h.dtype == torch.float32,
-                          BM=BM, BN=BN, BK=BK)
+                          BM=c["BM"], BN=c["BN"], BK=bk, num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
 def down(inter, pool, base, starts, rows, off, y, n_tokens: int, qt: int):
@@ -164,14 +170,25 @@ def down(inter, pool, base, starts, rows, off, y, n_tokens: int, qt: int):
     F = inter.shape[1]
     H = y.shape[1]
     E = base.numel()
-    grid = (E, triton.cdiv(n_tokens, BM), triton.cdiv(H, BN))
+    c = CONFIG
+    grid = (E, triton.cdiv(n_tokens, c["BM"]), triton.cdiv(H, c["BN"]))
     _down_kernel[grid](inter, pool, base, starts, rows, off, y, H, F,
-                       QT=qt, IEEE=inter.dtype == torch.float32, BM=BM, BN=BN, BK=BK)
+                       QT=qt, IEEE=inter.dtype == torch.float32, BM=c["BM"], BN=c["BN"], BK=block_k(H, F),
+                       num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
 def combine(y, w, out):
     """y [T*k, H], w [T, k] -> out [T, H] = sum over ranks in order (float32 accumulation)."""
     T, k = w.shape
     H = y.shape[1]
-    _combine_kernel[(T, triton.cdiv(H, BN))](y, w.contiguous(), out, H, k, BN=BN)
+    _combine_kernel[(T, triton.cdiv(H, 256))](y, w.contiguous(), out, H, k, BN=256)
     return out
+
+
+def block_k(H: int, F: int) -> int:
+    """The K step: CONFIG's, or the largest multiple of 32 dividing both H and F (tiny test models)."""
+    bk = CONFIG["BK"]
+    while bk > 32 and (H % bk or F % bk):
+        bk //= 2
+    assert H % bk == 0 and F % bk == 0, (H, F, bk)
+    return bk
