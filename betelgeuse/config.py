@@ -29,6 +29,7 @@ class EngineConfig:
                                         # of ring_slots/2; a bank is one batch of experts = one kernel launch group)
     kernels: str = "auto"               # expert math: "auto" (triton on CUDA where the quant type allows, else torch),
                                         # "torch" (the reference loop), "triton" (also on the CPU under TRITON_INTERPRET=1)
+    cuda_graphs: bool = True            # CUDA: decode steps replay captured graphs (host-dependent layers stay eager)
     decode_consolidate_every: int = 32  # decode tokens between consolidations of the decode's own usage (0 = only at
                                         # the end of a request): a long generation's working set moves into resident tiers
     prefetch: bool = True               # read the next layer's likely experts ahead during prefill

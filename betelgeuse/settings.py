@@ -91,6 +91,7 @@ class EngineSettings:
     ring_slots: int = 32                    # device slots experts stream into (two banks = launch groups)
     kernels: str = "auto"                   # expert math: "auto" | "torch" | "triton"
     decode_consolidate_every: int = 32      # decode tokens between consolidations of the decode's usage (0 = off)
+    cuda_graphs: bool = True                # CUDA: decode steps replay captured graphs
     prefetch: bool = True                   # read the next layer's likely experts ahead
     routing: str = "exact"                  # "exact" | "resident" (approximate, see docs/architecture.md)
     max_context: int = 4096                 # tokens per sequence
@@ -182,6 +183,7 @@ _CONVERT = {
     ("engine", "ring_slots"): _count,
     ("engine", "kernels"): _choice("auto", "torch", "triton"),
     ("engine", "decode_consolidate_every"): _count,
+    ("engine", "cuda_graphs"): _bool,
     ("engine", "prefetch"): _bool,
     ("slots", "vram_backing"): _bool,
     ("engine", "max_context"): _count,

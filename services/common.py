@@ -32,7 +32,7 @@ def engine_config(s: Settings, use_torch: bool = True) -> EngineConfig:
     extra = {}
     if eng is not None:
         for name in ("schedule", "routing", "sub_batch", "micro_batch", "staging_slots", "ring_slots", "kernels",
-                     "decode_consolidate_every", "prefetch",
+                     "decode_consolidate_every", "cuda_graphs", "prefetch",
                      "max_context", "max_running", "max_queue", "dtype", "worker_reserve", "read_threads"):
             if hasattr(eng, name):
                 extra[name] = getattr(eng, name)

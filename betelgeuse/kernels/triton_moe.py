@@ -29,7 +29,7 @@ import triton.language as tl
 
 # rows per block, output columns per program, K step (whole Q8_0 blocks), warps: constants for every launch
 # whatever the row count (row invariance); CONFIG can be replaced once per process (deploy/device/kernel_sweep.py)
-CONFIG = {"BM": 16, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 2}
+CONFIG = {"BM": 16, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 3}   # best of deploy/device/kernel_sweep.py on the H200
 
 QT_CODES = {8: 0, 1: 1, 30: 2, 0: 3}   # GGMLQuantizationType -> QT: Q8_0, F16, BF16, F32
 

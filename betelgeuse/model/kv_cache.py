@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
 
 from betelgeuse.errors import InvalidRequestError
+
+
+_UIDS = itertools.count(1)
 
 
 @dataclass(slots=True)
@@ -16,6 +20,8 @@ class KVCache:
     max_len: int                    # tokens
     length: int = 0                 # tokens whose k/v are valid in every layer
     _pending: int = field(default=0, repr=False)   # tokens being appended by the current pass
+    uid: int = field(default_factory=lambda: next(_UIDS))   # identity for captured decode graphs
+    pos: torch.Tensor | None = field(default=None, repr=False)   # [1] int64 on the device: the static decode position
 
     @classmethod
     def create(cls, n_layer: int, n_head_kv: int, head_dim: int, max_len: int,
@@ -53,6 +59,22 @@ class KVCache:
         self.k[layer][:, self.length:end] = k
         self.v[layer][:, self.length:end] = v
         return end
+
+    def begin_static(self) -> torch.Tensor:
+        """Start a one-token pass in the static form (CUDA decode, graph-capturable): the position lives in a
+        device tensor [1] updated in place, so a captured graph reads it at replay time."""
+        if self.length + 1 > self.max_len:
+            raise InvalidRequestError(f"sequence of {self.length + 1} tokens exceeds the KV cache of {self.max_len} tokens")
+        if self.pos is None:
+            self.pos = torch.zeros(1, dtype=torch.int64, device=self.k[0].device)
+        self.pos.fill_(self.length)
+        self._pending = 1
+        return self.pos
+
+    def write_static(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """k/v [n_head_kv, 1, head_dim] at the device position pos [1] (no host value involved)."""
+        self.k[layer].index_copy_(1, pos, k)
+        self.v[layer].index_copy_(1, pos, v)
 
     def commit(self) -> None:
         """End the pass: every layer now holds the appended tokens."""

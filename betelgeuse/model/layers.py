@@ -80,6 +80,18 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.reshape(n_head, T, D).transpose(0, 1).reshape(T, n_head * D)
 
 
+def static_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """One query at the device position pos [1] over the whole cache k/v [n_head_kv, S, D], keys > pos masked:
+    shapes never depend on the sequence length, so a CUDA graph captures it once. q [n_head, 1, D] -> [1, n_head*D]."""
+    n_head, T, D = q.shape
+    n_kv, S, _ = k.shape
+    rep = n_head // n_kv
+    qg = q.reshape(n_kv, rep * T, D)
+    mask = (torch.arange(S, device=q.device)[None, :] <= pos[:, None]).expand(rep * T, S)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=D ** -0.5)
+    return out.reshape(n_head, T, D).transpose(0, 1).reshape(T, n_head * D)
+
+
 def expert_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """SwiGLU expert: x [n,H], gate/up [F,H], down [H,F] -> [n,H] = down(silu(gate x) * up x)."""
     return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)

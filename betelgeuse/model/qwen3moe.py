@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 from betelgeuse.errors import InvalidRequestError, ModelFormatError
 from betelgeuse.model.kv_cache import KVCache
-from betelgeuse.model.layers import ExpertWeights, Rope, apply_experts, apply_rope, causal_attention, rms_norm
+from betelgeuse.model.layers import (ExpertWeights, Rope, apply_experts, apply_rope, causal_attention, rms_norm,
+                                    static_decode_attention)
 from betelgeuse.model.weights import DenseWeights
 
 
@@ -53,8 +54,9 @@ class Qwen3MoeModel:
         return F.embedding(ids.to(self.device), self.dense.token_embd)
 
     def attention_block(self, layer: int, x: torch.Tensor, cache: KVCache,
-                        positions: torch.Tensor) -> torch.Tensor:
-        """x [T,H] -> x + attn(attn_norm(x)) [T,H]; appends this layer's k/v at `positions` [T]."""
+                        positions: torch.Tensor, static: bool = False) -> torch.Tensor:
+        """x [T,H] -> x + attn(attn_norm(x)) [T,H]; appends this layer's k/v at `positions` [T].
+        static: the graph-capturable decode form (T = 1, positions = cache.pos on the device)."""
         cfg, w = self.cfg, self.dense.layers[layer]
         T, hd = x.shape[0], cfg.head_dim
         n = rms_norm(x, w.attn_norm, cfg.rms_eps)
@@ -64,6 +66,10 @@ class Qwen3MoeModel:
         v = F.linear(n, w.wv).view(T, cfg.n_head_kv, hd).transpose(0, 1)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if static:
+            cache.write_static(layer, k, v, positions)
+            attn = static_decode_attention(q, cache.k[layer], cache.v[layer], positions)
+            return x + F.linear(attn, w.wo)
         end = cache.write(layer, k, v, positions)
         attn = causal_attention(q, cache.k[layer][:, :end], cache.v[layer][:, :end], positions)
         return x + F.linear(attn, w.wo)

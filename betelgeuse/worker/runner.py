@@ -28,6 +28,7 @@ the resident tiers).
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -125,6 +126,12 @@ class ModelRunner:
         self.cache = ExpertCache(plan, arena, self.file, self.device, self.dtype, self.cfg.ring_slots)
         self.directory = SlotDirectory(arena, plan.layout, create=False)
         self.kern = self._kernels()
+        L, E = self.mcfg.n_layer, self.mcfg.n_expert
+        self._counts = torch.zeros((L, E), dtype=torch.int64, device=self.device)   # rows per expert, this pass
+        self._graphs = OrderedDict()        # (kv uid, all-VRAM pattern) -> "warm" | captured decode graphs
+        # decode in the static (graph-capturable) form: always on CUDA in exact routing, so that whether a step
+        # was replayed from a graph never changes its bits
+        self._static_decode = self.device.type == "cuda" and self.cfg.routing == "exact"
         self._pass_open = False
         self._usage = np.zeros((self.mcfg.n_layer, self.mcfg.n_expert), dtype=np.int64)
 
@@ -200,7 +207,7 @@ class ModelRunner:
             self._open_pass(stats)
             snap = self._snap
             self.cache.pass_begin()
-            self._counts = torch.zeros((L, E), dtype=torch.int64, device=self.device)   # rows per expert
+            self._counts.zero_()
             if schedule == "standard" and len(ids) > 1:
                 logits = self._standard(ids_t, kv, snap, stats, all_logits)
             else:
@@ -246,6 +253,8 @@ class ModelRunner:
     # ---- layer-major --------------------------------------------------------------------------
     def _layer_major(self, ids, kv, snap, stats, all_logits):
         T = ids.numel()
+        if T == 1 and self._static_decode:
+            return self._decode_static(ids, kv, snap, stats)
         positions = kv.begin(T)
         x = self.model.embed(ids)
         k, E = self.mcfg.n_expert_used, self.mcfg.n_expert
@@ -308,17 +317,23 @@ class ModelRunner:
 
     def _moe_layer(self, l, h, ids, w, snap, stats, ls, readahead) -> torch.Tensor:
         """sum_r w_r expert_r(h) [T,H] for layer l, experts from whatever tier holds them."""
-        cache, kern = self.cache, self.kern
         ev = self._timing_start()
-        r = kern.route(h, ids, w)
+        r = self.kern.route(h, ids, w)
         self._counts[l] += r.counts
-        if cache.all_vram[l]:
+        if self.cache.all_vram[l]:
             # every expert of the layer is in VRAM: one group, no host sync at all
             ls.synced = False
             self._apply(r, l, self._vram_group(l), ls)
-            out = kern.combine(r)
-            self._timing_end(ev, ls)
-            return out
+        else:
+            self._moe_partial(l, r, snap, stats, ls, readahead)
+        out = self.kern.combine(r)
+        self._timing_end(ev, ls)
+        return out
+
+    def _moe_partial(self, l, r, snap, stats, ls, readahead):
+        """The experts of a layer that is not wholly VRAM-resident: one host sync for the row counts, demand
+        loads and read-ahead, then the VRAM group, host batches and disk batches (writes r.y)."""
+        cache = self.cache
         tb = time.perf_counter()
         counts = r.counts.cpu().numpy()                  # host sync: routing decides the loads
         self._blocked += time.perf_counter() - tb
@@ -349,9 +364,83 @@ class ModelRunner:
             cache.bank_done(bank)
         # 5. disk experts in batches as they land; a staging slot goes back once its copy is done
         self._disk_groups(l, r, loads, len(disk), stats, ls, timing)
-        out = kern.combine(r)
-        self._timing_end(ev, ls)
-        return out
+
+    # ---- decode in the static form (CUDA graphs) ------------------------------------------------------
+    def _decode_ops(self, ids, kv, pos, lstats, out: dict):
+        """One decode token as a generator: runs the capturable work and yields (layer, routing) where a
+        layer's experts need the host (a layer not wholly in VRAM); the caller does that part eagerly."""
+        x = self.model.embed(ids)
+        for l in range(self.mcfg.n_layer):
+            x = self.model.attention_block(l, x, kv, pos, static=True)
+            h, aux = self.model.moe_input(l, x)
+            top_ids, top_w = self.model.route(l, h, ids, None)
+            r = self.kern.route(h, top_ids, top_w)
+            self._counts[l] += r.counts
+            if self.cache.all_vram[l]:
+                lstats[l].synced = False
+                self._apply(r, l, self._vram_group(l), lstats[l])
+            else:
+                yield l, r
+            x = self.model.moe_output(l, x, aux, h, self.kern.combine(r))
+        out["logits"] = self.model.logits(x)
+
+    def _decode_static(self, ids, kv, snap, stats):
+        """A decode token on CUDA. The first step of a (sequence, residency pattern) runs eagerly (it also warms
+        up the kernels); the second captures the capturable runs between host-dependent layers as CUDA graphs;
+        later steps replay them: a wholly VRAM-resident model decodes a token in one graph launch. Eager and
+        replayed steps run the same kernels on the same shapes, so the bits do not depend on which it was."""
+        pos = kv.begin_static()
+        lstats = [LayerStats() for _ in range(self.mcfg.n_layer)]
+        graphs_on = self.cache.is_cuda and self.cfg.cuda_graphs
+        key = (kv.uid, self.cache.all_vram.tobytes())
+        ent = self._graphs.get(key) if graphs_on else None
+
+        def eager_part(item):
+            l, r = item
+            self._moe_partial(l, r, snap, stats, lstats[l], False)
+
+        out: dict = {}
+        if ent is None:
+            for item in self._decode_ops(ids, kv, pos, lstats, out):
+                eager_part(item)
+            if graphs_on:
+                self._remember(key, "warm")
+            logits = out["logits"]
+        elif ent == "warm":
+            static_ids = ids.clone()
+            gen = self._decode_ops(static_ids, kv, pos, lstats, out)
+            graphs, eager, pool = [], [], None
+            while True:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    item = next(gen, None)
+                pool = g.pool()
+                graphs.append(g)
+                g.replay()
+                if item is None:
+                    break
+                eager.append(item)
+                eager_part(item)
+            self._remember(key, (graphs, eager, static_ids, out["logits"]))
+            logits = out["logits"]
+        else:
+            graphs, eager, static_ids, logits = ent
+            static_ids.copy_(ids)
+            for i, g in enumerate(graphs):
+                g.replay()
+                if i < len(eager):
+                    eager_part(eager[i])
+        kv.commit()
+        stats.layers = lstats
+        return logits.clone()
+
+    def _remember(self, key, value):
+        """Captured decode graphs, least recently used first; a few sequences' worth (each holds its own
+        small activation pool)."""
+        self._graphs.pop(key, None)
+        self._graphs[key] = value
+        while len(self._graphs) > 2 * max(1, self.cfg.max_running):
+            self._graphs.pop(next(iter(self._graphs)))
 
     def _to_bank(self, l, experts, srcs, timing) -> tuple[int, Group]:
         bank, offs = self.cache.to_bank(srcs, timing)
