@@ -19,8 +19,22 @@ import torch.nn.functional as F
 ExpertWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]   # gate [F,H], up [F,H], down [H,F]
 
 
+_FUSED_NORM = None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., D] -> [..., D]; statistics in float32 (as HF and llama.cpp), result in x's dtype."""
+    """x [..., D] -> [..., D]; statistics in float32 (as HF and llama.cpp), result in x's dtype.
+    On CUDA one fused Triton launch (kernels/triton_norm.py), elsewhere these torch ops."""
+    global _FUSED_NORM
+    if x.is_cuda:
+        if _FUSED_NORM is None:
+            try:
+                from betelgeuse.kernels.triton_norm import rms_norm as fused
+                _FUSED_NORM = fused
+            except Exception:            # no triton: the torch ops below
+                _FUSED_NORM = False
+        if _FUSED_NORM:
+            return _FUSED_NORM(x, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -40,11 +54,19 @@ class Rope:
         inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
         return cls(inv_freq=inv.to(device))
 
+    _last: tuple | None = None      # (positions tensor, dtype, cos, sin): every layer of a pass shares them
+
     def cos_sin(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin [T, head_dim] in `dtype`."""
+        """positions [T] -> cos, sin [T, head_dim] in `dtype`; computed once per positions tensor (a pass
+        passes the same one to every layer), not once per layer."""
+        last = self._last
+        if last is not None and last[0] is positions and last[1] == dtype:
+            return last[2], last[3]
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        self._last = (positions, dtype, cos, sin)
+        return cos, sin
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,8 @@ class Qwen3MoeModel:
         return ids.to(self.device)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [T] -> x [T,H]."""
+        """ids [T] -> x [T,H]. Starts a pass: the RoPE tables are computed again for its positions."""
+        self.rope._last = None
         return F.embedding(ids.to(self.device), self.dense.token_embd)
 
     def attention_block(self, layer: int, x: torch.Tensor, cache: KVCache,
