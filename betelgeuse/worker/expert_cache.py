@@ -139,8 +139,11 @@ class ExpertCache:
                 self.h2d_bytes += src.numel()
                 self._own(l, int(e), j, snap)
                 copied += 1
+        self.fill_wait_s = 0.0                 # blocked on the copy engine (the runner counts it as blocked)
         if self.is_cuda and copied:
+            t = time.perf_counter()
             torch.cuda.current_stream(self.device).synchronize()
+            self.fill_wait_s = time.perf_counter() - t
         self._synced_epoch = epoch if not missing else None
         self._upload_vram_table()
         return copied, missing

@@ -280,6 +280,7 @@ class ModelRunner:
         """VRAM hot slots = the directory's VRAM tier: copies from host backing slots, and disk reads through
         the store for VRAM experts that have no backing copy (vram_backing = false). Returns experts filled."""
         copied, missing = self.cache.sync_vram(snap, epoch)
+        self._blocked += getattr(self.cache, "fill_wait_s", 0.0)
         if missing:
             where = {(l, e): j for l, e, j in missing}
             t = time.perf_counter()
