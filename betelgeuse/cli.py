@@ -412,6 +412,21 @@ def cmd_demo(args) -> int:
     return cmd_generate(ns)
 
 
+# `betelgeuse store ...` / `betelgeuse worker ...`: the two process mains with their own flags (the
+# container entry points, and what systemd's ExecStart= runs as `python -m services.*_main`)
+PROCESS_MAINS = {"store": "services.store_main", "worker": "services.worker_main"}
+
+
+def _process_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the process's own flags (see its --help)")
+
+
+def _run_process(name: str, argv: list[str]) -> int:
+    import importlib
+    from services.common import run_main
+    return run_main(importlib.import_module(PROCESS_MAINS[name]).main, argv)
+
+
 # name -> (help, add arguments, run); the lead adds serve / bench here
 COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "synth": ("write a seeded random-weight qwen3moe GGUF", _synth_args, cmd_synth),
@@ -421,6 +436,10 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
                  cmd_generate),
     "serve": ("run the expert store and the worker for a development run", _serve_args, cmd_serve),
     "demo": ("start both processes on the default model and stream one generation", _demo_args, cmd_demo),
+    "store": ("run the expert store process (container / unit entry point)", _process_args,
+              lambda a: _run_process("store", a.args)),
+    "worker": ("run the GPU worker process (container / unit entry point)", _process_args,
+               lambda a: _run_process("worker", a.args)),
 }
 
 
@@ -439,6 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in PROCESS_MAINS:                       # their flags are theirs, --help included
+        return _run_process(argv[0], argv[1:])
     try:
         args = build_parser().parse_args(argv)
         return args.run(args)
