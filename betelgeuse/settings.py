@@ -103,6 +103,12 @@ class EngineSettings:
 
 
 @dataclass(slots=True)
+class LogSettings:
+    level: str = "info"                     # "debug" | "info" | "warning" | "error"
+    format: str = "text"                    # "text" (logfmt fields) | "json" (one object per line)
+
+
+@dataclass(slots=True)
 class Settings:
     model: ModelSettings = field(default_factory=ModelSettings)
     slots: SlotSettings = field(default_factory=SlotSettings)
@@ -110,6 +116,7 @@ class Settings:
     worker: WorkerSettings = field(default_factory=WorkerSettings)
     store: StoreSettings = field(default_factory=StoreSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
+    log: LogSettings = field(default_factory=LogSettings)
 
 
 def _slot_count(value, key: str) -> int | str:
@@ -192,6 +199,8 @@ _CONVERT = {
     ("engine", "dtype"): _choice("auto", "float32", "bfloat16", "float16"),
     ("engine", "worker_reserve"): lambda v, k: AUTO if v == AUTO else parse_size(v, k),
     ("engine", "read_threads"): _count,
+    ("log", "level"): _choice("debug", "info", "warning", "error"),
+    ("log", "format"): _choice("text", "json"),
 }
 
 

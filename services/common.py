@@ -8,6 +8,7 @@ import sys
 
 from betelgeuse.config import EngineConfig, parse_slots
 from betelgeuse.errors import BetelgeuseError
+from betelgeuse.logs import FORMATS, LEVELS, setup as setup_logging
 from betelgeuse.settings import Settings, load_settings, parse_size
 
 log = logging.getLogger("betelgeuse")
@@ -59,12 +60,31 @@ def common_args(p: argparse.ArgumentParser):
     p.add_argument("--routing", choices=["exact", "resident"], help="resident: approximate (ranks >= 1 among resident experts)")
     p.add_argument("--sub-batch", type=int)
     p.add_argument("--max-context", type=int)
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help="same as --log-level debug")
+    log_args(p)
+
+
+def log_args(p: argparse.ArgumentParser):
+    p.add_argument("--log-level", choices=LEVELS, help="debug | info | warning | error (default info; "
+                   "env BETELGEUSE_LOG_LEVEL; [log] level)")
+    p.add_argument("--log-format", choices=FORMATS, help="text (key=value fields) | json (one object per line) "
+                   "(default text; env BETELGEUSE_LOG_FORMAT; [log] format)")
+
+
+def configure_logging(a=None, s: Settings | None = None) -> tuple[str, str]:
+    """Logging from, in order of precedence: flags, BETELGEUSE_LOG_* environment, the [log] table, defaults."""
+    import os
+    level = (getattr(a, "log_level", None) or ("debug" if getattr(a, "verbose", False) else None)
+             or os.environ.get("BETELGEUSE_LOG_LEVEL") or (s.log.level if s else "info"))
+    fmt = getattr(a, "log_format", None) or os.environ.get("BETELGEUSE_LOG_FORMAT") or (s.log.format if s else "text")
+    setup_logging(level.lower(), fmt.lower())
+    return level, fmt
 
 
 def settings_from_args(a) -> tuple[Settings, dict]:
     """Settings from --config plus flag overrides; the dict holds EngineConfig overrides."""
     s = load_settings(a.config)
+    configure_logging(a, s)
     if a.model:
         s.model.path = a.model
     if a.store_socket:
@@ -93,7 +113,15 @@ def settings_from_args(a) -> tuple[Settings, dict]:
 
 def run_main(fn, argv=None) -> int:
     """Run a process main; a BetelgeuseError is one line on stderr and exit 2, never a traceback."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    pre = argparse.ArgumentParser(add_help=False)        # logging until the config file is read
+    pre.add_argument("-v", "--verbose", action="store_true")
+    pre.add_argument("--log-level")
+    pre.add_argument("--log-format")
+    try:
+        configure_logging(pre.parse_known_args(argv)[0])
+    except BetelgeuseError as e:                           # a bad flag or BETELGEUSE_LOG_* value
+        print(f"betelgeuse: error: {e}", file=sys.stderr)
+        return e.exit_code
     try:
         return fn(argv) or 0
     except BetelgeuseError as e:
