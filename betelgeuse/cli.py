@@ -510,6 +510,20 @@ def _run_process(name: str, argv: list[str]) -> int:
     return run_main(importlib.import_module(PROCESS_MAINS[name]).main, argv)
 
 
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["show"], help="show: print the effective configuration as TOML, each value "
+                   "commented with its source (default, the file, env BETELGEUSE_*, a flag)")
+    from services.common import common_args
+    common_args(p)                       # the same flags the store and worker processes take
+
+
+def cmd_config(args) -> int:
+    from betelgeuse.settings import render_toml
+    from services.common import resolve_from_args
+    _write(render_toml(resolve_from_args(args, require_model=False)))
+    return 0
+
+
 # name -> (help, add arguments, run); the lead adds serve / bench here
 COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "synth": ("write a seeded random-weight qwen3moe GGUF", _synth_args, cmd_synth),
@@ -520,6 +534,8 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "serve": ("run the expert store and the worker for a development run", _serve_args, cmd_serve),
     "demo": ("start both processes on a built-in random-weight model and stream one generation", _demo_args,
              cmd_demo),
+    "config": ("print the effective configuration (file, BETELGEUSE_* environment, flags) and each value's source",
+               _config_args, cmd_config),
     "store": ("run the expert store process (container / unit entry point)", _process_args,
               lambda a: _run_process("store", a.args)),
     "worker": ("run the GPU worker process (container / unit entry point)", _process_args,

@@ -9,7 +9,7 @@ import sys
 from betelgeuse.config import EngineConfig, parse_slots
 from betelgeuse.errors import BetelgeuseError
 from betelgeuse.logs import FORMATS, LEVELS, setup as setup_logging
-from betelgeuse.settings import Settings, load_settings, parse_size
+from betelgeuse.settings import Resolved, Settings, resolve_settings
 
 log = logging.getLogger("betelgeuse")
 
@@ -81,30 +81,40 @@ def configure_logging(a=None, s: Settings | None = None) -> tuple[str, str]:
     return level, fmt
 
 
-def settings_from_args(a) -> tuple[Settings, dict]:
-    """Settings from --config plus flag overrides; the dict holds EngineConfig overrides."""
-    s = load_settings(a.config)
-    configure_logging(a, s)
-    if a.model:
-        s.model.path = a.model
-    if a.store_socket:
-        s.store.socket = a.store_socket
-    if a.fd_socket:
-        s.store.fd_socket = a.fd_socket
-    if a.device:
-        s.worker.device = a.device
-    if a.vram_slots is not None:
-        s.slots.vram_per_layer = parse_slots(a.vram_slots)
-    if a.host_slots is not None:
-        s.slots.host_per_layer = parse_slots(a.host_slots)
-    if a.no_vram_backing:
-        s.slots.vram_backing = False
-    if a.memory_max:
-        s.budget.memory_max = parse_size(a.memory_max, "--memory-max")
-    if a.vram_budget:
-        s.budget.vram = parse_size(a.vram_budget, "--vram-budget")
-    if not s.model.path:
+# flag dest -> (section, key) of the setting it overrides (`betelgeuse config show` names the flag as the source)
+FLAG_KEYS = {"model": ("model", "path"), "store_socket": ("store", "socket"), "fd_socket": ("store", "fd_socket"),
+             "device": ("worker", "device"), "vram_slots": ("slots", "vram_per_layer"),
+             "host_slots": ("slots", "host_per_layer"), "no_vram_backing": ("slots", "vram_backing"),
+             "memory_max": ("budget", "memory_max"), "vram_budget": ("budget", "vram"),
+             "schedule": ("engine", "schedule"), "routing": ("engine", "routing"), "sub_batch": ("engine", "sub_batch"),
+             "max_context": ("engine", "max_context"), "log_level": ("log", "level"), "log_format": ("log", "format")}
+
+
+def resolve_from_args(a, require_model: bool = True) -> Resolved:
+    """Defaults < --config file < BETELGEUSE_* environment < flags, each value with its source."""
+    r = resolve_settings(a.config)
+    for dest, (section, key) in FLAG_KEYS.items():
+        v = getattr(a, dest, None)
+        if v is None or v is False or v == "":
+            continue
+        flag = "--" + dest.replace("_", "-")
+        if dest in ("vram_slots", "host_slots"):
+            v = parse_slots(v)
+        elif dest == "no_vram_backing":
+            v = False
+        r.set(section, key, v, f"flag {flag}")
+    if getattr(a, "verbose", False) and not getattr(a, "log_level", None):
+        r.set("log", "level", "debug", "flag --verbose")
+    if require_model and not r.settings.model.path:
         raise BetelgeuseError("no model: give --model PATH or [model] path in the config file")
+    return r
+
+
+def settings_from_args(a) -> tuple[Settings, dict]:
+    """Settings from --config, the environment and flag overrides; the dict holds EngineConfig overrides."""
+    r = resolve_from_args(a)
+    s = r.settings
+    configure_logging(a, s)
     over = {k: v for k, v in (("schedule", a.schedule), ("routing", a.routing), ("sub_batch", a.sub_batch),
                               ("max_context", a.max_context))
             if v is not None}
