@@ -294,6 +294,16 @@ def _toml_value(v) -> str:
     return json.dumps(str(v))
 
 
+_SECRET = re.compile(r"(^|_)(api_keys?|passwords?|tokens?|secrets?)$")   # values `config show` never prints
+
+
+def shown_value(key: str, value) -> str:
+    """The TOML text of a value, secrets (API keys, tokens) redacted."""
+    if _SECRET.search(key) and value:
+        return _toml_value(["<redacted>"] * len(value) if isinstance(value, list) else "<redacted>")
+    return _toml_value(value)
+
+
 def render_toml(r: Resolved) -> str:
     """The effective configuration as a TOML file (it loads back to the same settings), each value
     commented with where it came from."""
@@ -301,7 +311,7 @@ def render_toml(r: Resolved) -> str:
     for section in Settings.__dataclass_fields__:
         lines.append(f"[{section}]")
         target = getattr(r.settings, section)
-        rows = [(k, _toml_value(getattr(target, k))) for s, k in KEYS if s == section]
+        rows = [(k, shown_value(k, getattr(target, k))) for s, k in KEYS if s == section]
         width = max(len(f"{k} = {v}") for k, v in rows)
         for k, v in rows:
             lines.append(f"{k} = {v}".ljust(width) + f"   # {r.sources[(section, k)]}")

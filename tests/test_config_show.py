@@ -122,3 +122,11 @@ def test_shipped_file_lists_every_key():
     data = tomllib.loads((ROOT / "deploy" / "betelgeuse.toml").read_text())
     assert {(s, k) for s, vals in data.items() for k in vals} == set(KEYS)
     assert dataclasses.fields(Settings)[-1].name == "log"
+
+
+def test_secrets_are_redacted():
+    from betelgeuse.settings import shown_value
+    assert shown_value("api_keys", ["k1", "k2"]) == '["<redacted>", "<redacted>"]'
+    assert shown_value("api_keys", []) == "[]"
+    assert shown_value("auth_token", "abc") == '"<redacted>"'
+    assert shown_value("tls_key", "/etc/betelgeuse/key.pem") == '"/etc/betelgeuse/key.pem"'   # a path, not a secret
