@@ -107,12 +107,54 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="GGUF model file")
 
 
+def _header_value(value, types: tuple[int, ...]) -> str:
+    """One line per metadata value: arrays longer than 8 as '[N x type: first, ...]'."""
+    if isinstance(value, list):
+        from betelgeuse.gguf import header as h
+        names = {h.UINT8: "u8", h.INT8: "i8", h.UINT16: "u16", h.INT16: "i16", h.UINT32: "u32", h.INT32: "i32",
+                 h.FLOAT32: "f32", h.BOOL: "bool", h.STRING: "string", h.ARRAY: "array", h.UINT64: "u64",
+                 h.INT64: "i64", h.FLOAT64: "f64"}
+        kind = names.get(types[1], "?") if len(types) > 1 else "?"
+        if len(value) > 8:
+            head = ", ".join(repr(v) if isinstance(v, str) else str(v) for v in value[:3])
+            return f"[{len(value)} x {kind}: {head}, ...]"
+        return "[" + ", ".join(repr(v) if isinstance(v, str) else str(v) for v in value) + "]"
+    if isinstance(value, str):
+        text = value if len(value) <= 120 else value[:117] + "..."
+        return repr(text)
+    return str(value)
+
+
 def cmd_inspect(args) -> int:
+    """The header of any GGUF file (version, metadata, tensor types), then, for a model Betelgeuse can
+    serve, its geometry and expert sizes; for one it cannot, the reason (exit 0: the file is readable)."""
+    from betelgeuse.errors import UnsupportedError
+    from betelgeuse.gguf.header import read_header
+    from betelgeuse.gguf.qtypes import SUPPORTED_QTYPES, qtype_name
+    hdr = read_header(args.model)
+    arch = hdr.metadata.get("general.architecture", "?")
+    tensor_bytes = hdr.file_size - hdr.data_offset
+    lines = [f"file:          {args.model} ({hdr.file_size / 2**30:.3f} GiB)",
+             f"gguf:          version {hdr.version}, {len(hdr.tensors)} tensors, {len(hdr.metadata)} metadata keys, "
+             f"alignment {hdr.alignment}, tensor data {tensor_bytes} B from offset {hdr.data_offset}"]
+    counts = Counter(qtype_name(t.qtype) for t in hdr.tensors)
+    lines.append("tensor types:  " + ", ".join(f"{n} x{k}" for n, k in sorted(counts.items())))
+    unsupported = sorted({qtype_name(t.qtype) for t in hdr.tensors} - {qtype_name(q) for q in SUPPORTED_QTYPES})
+    lines.append("metadata:")
+    for key, value in hdr.metadata.items():
+        lines.append(f"  {key} = {_header_value(value, hdr.value_types.get(key, ()))}")
+    _write("\n".join(lines) + "\n")
     from betelgeuse.gguf import GGUFModelFile
-    from betelgeuse.gguf.quants import qtype_name
-    f = GGUFModelFile.open(args.model)
+    try:
+        f = GGUFModelFile.open(args.model)
+    except UnsupportedError as e:
+        why = " ".join(str(e).split())
+        extra = f"; tensor types Betelgeuse does not read: {', '.join(unsupported)}" if unsupported else ""
+        _write(f"servable:      no, architecture {arch!r}: {why}{extra}\n")
+        return 0
     c = f.config
     lines = [
+        "servable:      yes",
         f"model:         {c.name}",
         f"architecture:  {c.arch}",
         f"layers:        {c.n_layer}",
@@ -303,20 +345,44 @@ def _stream_grpc(address: str, args, ids) -> int:
     return 0
 
 
+# generate's flags that configure an engine it starts itself; with --server (an engine that is already
+# running, with its own configuration) each is refused rather than silently ignored
+_ENGINE_DESTS = {"model": "MODEL", "device": "--device", "dtype": "--dtype", "engine": "--engine",
+                 "vram_slots": "--vram-slots", "host_slots": "--host-slots", "no_vram_backing": "--no-vram-backing",
+                 "schedule": "--schedule", "routing": "--routing", "sub_batch": "--sub-batch",
+                 "memory_max": "--memory-max", "vram_budget": "--vram-budget"}
+
+
+def _generate_defaults() -> dict:
+    p = _Parser(prog=f"{PROG} generate")
+    _generate_args(p)
+    return vars(p.parse_args([]))
+
+
 def cmd_generate(args) -> int:
+    ids = parse_token_ids(args.token_ids) if args.token_ids is not None else None
+    if args.server:
+        # a thin client: no torch, no model; the server validates the request (INVALID_ARGUMENT)
+        defaults = _generate_defaults()
+        given = [flag for dest, flag in _ENGINE_DESTS.items() if getattr(args, dest) != defaults[dest]]
+        if given:
+            raise InvalidRequestError(f"{', '.join(given)}: not with --server (the server runs with its own "
+                                      f"configuration); drop {'them' if len(given) > 1 else 'it'}")
+        if ids is None and args.prompt is None:
+            raise InvalidRequestError("give --prompt TEXT or --token-ids 1,2,3")
+        if args.max_tokens < 1:
+            raise InvalidRequestError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+        return _stream_grpc(args.server, args, ids)
     from betelgeuse.model.sampler import validate
     from betelgeuse.worker.api import SamplingParams
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     validate(sampling)                                  # before the (slow) model load
-    ids = parse_token_ids(args.token_ids) if args.token_ids is not None else None
     if ids is None and args.prompt is None:
         raise InvalidRequestError("give --prompt TEXT or --token-ids 1,2,3")
     if args.max_tokens < 1:
         raise InvalidRequestError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if ids is not None and any(t < 0 for t in ids):
         raise InvalidRequestError(f"token id {min(ids)} is out of range (ids are >= 0)")
-    if args.server:
-        return _stream_grpc(args.server, args, ids)
     args.model = args.model or default_model()
     if args.engine == "reference":
         return _generate_reference(args, sampling, ids)
@@ -355,16 +421,21 @@ def _generate_reference(args, sampling, ids) -> int:
 def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", help="GGUF model file (default: a built-in tiny synthetic model)")
     p.add_argument("--config", help="TOML settings (deploy/betelgeuse.toml); flags override it")
-    p.add_argument("--port", type=int, default=50051, help="gRPC port on 127.0.0.1 (default 50051)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address the gRPC API and /metrics listen on (default 127.0.0.1; 0.0.0.0 = all interfaces)")
+    p.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
-    p.add_argument("--runtime-dir", default=None, help="sockets and logs (default: a temporary directory)")
-    p.add_argument("--worker-metrics", default="127.0.0.1:9464")
-    p.add_argument("--store-metrics", default="127.0.0.1:9465")
+    p.add_argument("--runtime-dir", default=None,
+                   help="sockets and logs (default: a temporary directory, removed on a clean stop, kept if a process dies)")
+    p.add_argument("--worker-metrics", default=None, help="HOST:PORT of the worker's /metrics (default HOST:9464)")
+    p.add_argument("--store-metrics", default=None, help="HOST:PORT of the store's /metrics (default HOST:9465)")
     _engine_args(p)
 
 
 def cmd_serve(args) -> int:
-    """Both processes for a development run, until Ctrl-C (or SIGTERM): then both are stopped."""
+    """Both processes for a development run, until Ctrl-C (or SIGTERM): then both are stopped. If a process
+    dies (or never comes up) the runtime directory with both logs is kept and named."""
+    import shutil
     import signal
     import tempfile
     import time
@@ -374,27 +445,35 @@ def cmd_serve(args) -> int:
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, _stop)
     model = args.model or default_model()
-    tmp = None if args.runtime_dir else tempfile.TemporaryDirectory(prefix="betelgeuse-")
-    cluster = Cluster(model, args.runtime_dir or tmp.name, device=args.device, vram_slots=args.vram_slots,
+    wm = args.worker_metrics or f"{args.host}:9464"
+    sm = args.store_metrics or f"{args.host}:9465"
+    tmp = None if args.runtime_dir else tempfile.mkdtemp(prefix="betelgeuse-")
+    cluster = Cluster(model, args.runtime_dir or tmp, device=args.device, vram_slots=args.vram_slots,
                       host_slots=args.host_slots, memory_max=args.memory_max, vram_budget=args.vram_budget,
                       schedule=args.schedule, sub_batch=args.sub_batch, routing=args.routing,
                       vram_backing=not args.no_vram_backing, config=args.config,
-                      port=args.port,
-                      worker_metrics=args.worker_metrics, store_metrics=args.store_metrics)
+                      port=args.port, host=args.host, worker_metrics=wm, store_metrics=sm)
+    clean = False
     try:
         cluster.start_store()
         cluster.start_worker()
-        print(f"serving {model}\n  gRPC     {cluster.address}  (betelgeuse.v1.InferenceService, health, reflection)\n"
-              f"  metrics  http://{args.worker_metrics}/metrics (worker), http://{args.store_metrics}/metrics (store)\n"
+        print(f"serving {model}\n  gRPC     {cluster.listen}  (betelgeuse.v1.InferenceService, health, reflection)\n"
+              f"  metrics  http://{wm}/metrics (worker), http://{sm}/metrics (store)\n"
               f"  logs     {cluster.runtime_dir}/worker.log, store.log\n"
               f"try: betelgeuse generate --server {cluster.address} --prompt 'Hello'   (Ctrl-C stops)", file=sys.stderr)
         while cluster.worker.alive() and cluster.store.alive():
             time.sleep(0.5)
-        raise BetelgeuseError(f"a process exited; see {cluster.runtime_dir}/worker.log and store.log")
+        dead = cluster.store if not cluster.store.alive() else cluster.worker
+        raise BetelgeuseError(f"the {dead.name} exited ({dead.popen.returncode}): {cluster._last_line(dead)}")
+    except KeyboardInterrupt:
+        clean = True
+        raise
     finally:
         cluster.stop()
-        if tmp is not None:
-            tmp.cleanup()
+        if tmp is not None and clean:
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif not clean:
+            print(f"{PROG}: logs kept in {cluster.runtime_dir} (store.log, worker.log)", file=sys.stderr)
 
 
 def _demo_args(p: argparse.ArgumentParser) -> None:
@@ -406,10 +485,43 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_demo(args) -> int:
     """The README's main command: start both processes on the default model, stream over gRPC, stop."""
+    if not args.model:
+        print("note: the built-in demo model has random weights (a seeded synthetic qwen3moe), so its text is "
+              "gibberish; the point is the machinery. For real text pass a GGUF file (README: 'Models').",
+              file=sys.stderr)
     ns = build_parser().parse_args(["generate", *( [args.model] if args.model else []), "--prompt", args.prompt,
                                     "--max-tokens", str(args.max_tokens), "--device", args.device, "--usage",
                                     "--ignore-eos"])
     return cmd_generate(ns)
+
+
+# `betelgeuse store ...` / `betelgeuse worker ...`: the two process mains with their own flags (the
+# container entry points, and what systemd's ExecStart= runs as `python -m services.*_main`)
+PROCESS_MAINS = {"store": "services.store_main", "worker": "services.worker_main"}
+
+
+def _process_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the process's own flags (see its --help)")
+
+
+def _run_process(name: str, argv: list[str]) -> int:
+    import importlib
+    from services.common import run_main
+    return run_main(importlib.import_module(PROCESS_MAINS[name]).main, argv)
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["show"], help="show: print the effective configuration as TOML, each value "
+                   "commented with its source (default, the file, env BETELGEUSE_*, a flag)")
+    from services.common import common_args
+    common_args(p)                       # the same flags the store and worker processes take
+
+
+def cmd_config(args) -> int:
+    from betelgeuse.settings import render_toml
+    from services.common import resolve_from_args
+    _write(render_toml(resolve_from_args(args, require_model=False)))
+    return 0
 
 
 # name -> (help, add arguments, run); the lead adds serve / bench here
@@ -420,7 +532,14 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "generate": ("generate text: starts both processes (or --server ADDR) and streams over gRPC", _generate_args,
                  cmd_generate),
     "serve": ("run the expert store and the worker for a development run", _serve_args, cmd_serve),
-    "demo": ("start both processes on the default model and stream one generation", _demo_args, cmd_demo),
+    "demo": ("start both processes on a built-in random-weight model and stream one generation", _demo_args,
+             cmd_demo),
+    "config": ("print the effective configuration (file, BETELGEUSE_* environment, flags) and each value's source",
+               _config_args, cmd_config),
+    "store": ("run the expert store process (container / unit entry point)", _process_args,
+              lambda a: _run_process("store", a.args)),
+    "worker": ("run the GPU worker process (container / unit entry point)", _process_args,
+               lambda a: _run_process("worker", a.args)),
 }
 
 
@@ -439,6 +558,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in PROCESS_MAINS:                       # their flags are theirs, --help included
+        return _run_process(argv[0], argv[1:])
     try:
         args = build_parser().parse_args(argv)
         return args.run(args)

@@ -14,8 +14,8 @@ Label children are created up front so every series exists (at 0) from the first
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
-import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -39,6 +39,26 @@ DISK_READ_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
+def torch_cuda_version() -> str:
+    """The CUDA version torch was built for ('13.0'; 'none' for a CPU build or no torch), read from
+    torch/version.py without importing torch, so the store (which never imports it) and the worker
+    report the same value."""
+    import importlib.util
+    import re
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        return "none"
+    try:
+        with open(os.path.join(list(spec.submodule_search_locations)[0], "version.py")) as f:
+            m = re.search(r"^cuda\s*(?::[^=]*)?=\s*['\"]([^'\"]+)['\"]", f.read(), re.M)
+    except OSError:
+        return "unknown"
+    return m.group(1) if m else "none"
+
+
 def _build_info(reg: CollectorRegistry, role: str, version: str) -> Info:
     info = Info("betelgeuse_build", "Build metadata (value 1).", registry=reg)
     # metadata only: the store must not pay torch's import (hundreds of MB under the same MemoryMax)
@@ -46,8 +66,7 @@ def _build_info(reg: CollectorRegistry, role: str, version: str) -> Info:
         torch_version = importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
         torch_version = "none"
-    torch = sys.modules.get("torch")
-    cuda = str(getattr(torch.version, "cuda", None) or "none") if torch is not None else "unknown"
+    cuda = torch_cuda_version()
     info.info({"version": version, "role": role, "python_version": platform.python_version(),
                "torch_version": torch_version, "cuda_version": cuda})
     return info

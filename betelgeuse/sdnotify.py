@@ -1,8 +1,10 @@
 """systemd service notifications (sd_notify(3)) for Type=notify units; harmless everywhere else.
 
-Uses `systemd.daemon.notify` (systemd-python) when it is installed, else writes the same datagram
-to $NOTIFY_SOCKET itself (a path, or '@name' for the abstract namespace). Without $NOTIFY_SOCKET
-(tests, Docker, a shell) every call is a no-op that returns False.
+Writes the datagram to $NOTIFY_SOCKET itself (a path, or '@name' for the abstract namespace): the
+protocol is one AF_UNIX datagram of newline-separated assignments, so this module is the only
+implementation (systemd-python would add a compiler, pkg-config and libsystemd-dev to every install
+and image for the same 20 lines). Without $NOTIFY_SOCKET (tests, Docker, a shell) every call is a
+no-op that returns False.
 
 How the processes use it:
     notify(status="indexing GGUF", extend_timeout_us=120_000_000)   # during long loads
@@ -15,11 +17,6 @@ from __future__ import annotations
 
 import os
 import socket
-
-try:  # optional: systemd-python is sdist-only and needs libsystemd-dev to build
-    from systemd import daemon as _daemon
-except ImportError:
-    _daemon = None
 
 
 def _message(ready: bool, status: str | None, watchdog: bool, extend_timeout_us: int | None,
@@ -60,11 +57,6 @@ def notify(ready: bool = False, status: str | None = None, watchdog: bool = Fals
     message = _message(ready, status, watchdog, extend_timeout_us, stopping)
     if not message:
         return False
-    if _daemon is not None:
-        try:
-            return bool(_daemon.notify(message))
-        except OSError:  # systemd-python raises where sd_notify returns -errno
-            return False
     return _send_datagram(path, message)
 
 

@@ -4,11 +4,18 @@ installed as /etc/betelgeuse/betelgeuse.toml). Defaults here match that file.
     settings = load_settings(path)     # raises BetelgeuseError naming the key and the problem
     settings.slots.vram_per_layer      # int, or AUTO ("auto": sized from the budgets)
     settings.budget.vram               # bytes
+
+Every key can also come from the environment: BETELGEUSE_<SECTION>_<KEY> (BETELGEUSE_ENGINE_SUB_BATCH=8,
+BETELGEUSE_MODEL_PATH=/srv/m.gguf, BETELGEUSE_WORKER_LISTEN=0.0.0.0:50051,unix:/run/b.sock), its value written
+as in TOML or bare ("auto", "12GiB"). Precedence: flags > environment > file > defaults; `resolve_settings`
+also says where each value came from (`betelgeuse config show`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -103,6 +110,12 @@ class EngineSettings:
 
 
 @dataclass(slots=True)
+class LogSettings:
+    level: str = "info"                     # "debug" | "info" | "warning" | "error"
+    format: str = "text"                    # "text" (logfmt fields) | "json" (one object per line)
+
+
+@dataclass(slots=True)
 class Settings:
     model: ModelSettings = field(default_factory=ModelSettings)
     slots: SlotSettings = field(default_factory=SlotSettings)
@@ -110,6 +123,7 @@ class Settings:
     worker: WorkerSettings = field(default_factory=WorkerSettings)
     store: StoreSettings = field(default_factory=StoreSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
+    log: LogSettings = field(default_factory=LogSettings)
 
 
 def _slot_count(value, key: str) -> int | str:
@@ -147,7 +161,7 @@ def _string(value, key: str) -> str:
 
 
 def _listen(value, key: str) -> list[str]:
-    values = [value] if isinstance(value, str) else value
+    values = [v.strip() for v in value.split(",")] if isinstance(value, str) else value
     if not isinstance(values, list) or not values or not all(isinstance(v, str) and v for v in values):
         raise BetelgeuseError(f"{key}: expected an address or a list of addresses, got {value!r}")
     for v in values:
@@ -192,6 +206,8 @@ _CONVERT = {
     ("engine", "dtype"): _choice("auto", "float32", "bfloat16", "float16"),
     ("engine", "worker_reserve"): lambda v, k: AUTO if v == AUTO else parse_size(v, k),
     ("engine", "read_threads"): _count,
+    ("log", "level"): _choice("debug", "info", "warning", "error"),
+    ("log", "format"): _choice("text", "json"),
 }
 
 
@@ -213,10 +229,99 @@ def settings_from_dict(data: dict, source: str = "config") -> Settings:
     return settings
 
 
-def load_settings(path: str | Path | None) -> Settings:
-    """Settings from a TOML file; None gives the defaults."""
-    if path is None:
-        return Settings()
+ENV_PREFIX = "BETELGEUSE_"
+KEYS = tuple(_CONVERT)                       # (section, key) of every setting, in file order per section
+
+
+def env_name(section: str, key: str) -> str:
+    return f"{ENV_PREFIX}{section}_{key}".upper()
+
+
+def _env_value(raw: str):
+    """An environment value as TOML would read it (16, true, "x", [..]); anything else stays a string."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+@dataclass(slots=True)
+class Resolved:
+    settings: Settings
+    sources: dict[tuple[str, str], str]      # (section, key) -> "default" | the file's path | "env NAME" | "flag --x"
+    ignored_env: list[str]                   # BETELGEUSE_<SECTION>_* names that match no key (typos)
+
+    def set(self, section: str, key: str, value, source: str) -> None:
+        """An override (a flag) through the same validation as the file."""
+        conv = _CONVERT[(section, key)]
+        setattr(getattr(self.settings, section), key, conv(value, f"{source}"))
+        self.sources[(section, key)] = source
+
+
+def resolve_settings(path: str | Path | None, env: dict[str, str] | None = None) -> Resolved:
+    """Defaults, then the TOML file (None: none), then BETELGEUSE_* variables of `env` (default os.environ)."""
+    data = _read_toml(path) if path is not None else {}
+    settings = settings_from_dict(data, str(path))
+    sources = {k: "default" for k in KEYS}
+    for section, values in data.items():
+        for key in values:
+            sources[(section, key)] = str(path)
+    env = os.environ if env is None else env
+    r = Resolved(settings, sources, [])
+    names = {env_name(s, k): (s, k) for s, k in KEYS}
+    for name, raw in env.items():
+        if name in names:
+            r.set(*names[name], _env_value(raw), f"env {name}")
+        elif any(name.startswith(f"{ENV_PREFIX}{s.upper()}_") for s in Settings.__dataclass_fields__):
+            r.ignored_env.append(name)
+    return r
+
+
+def load_settings(path: str | Path | None, env: dict[str, str] | None = None) -> Settings:
+    """Settings from a TOML file (None: none) and BETELGEUSE_* variables of `env` (default os.environ)."""
+    return resolve_settings(path, env).settings
+
+
+def _toml_value(v) -> str:
+    if v is None:
+        return json.dumps(AUTO)
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return str(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return json.dumps(str(v))
+
+
+_SECRET = re.compile(r"(^|_)(api_keys?|passwords?|tokens?|secrets?)$")   # values `config show` never prints
+
+
+def shown_value(key: str, value) -> str:
+    """The TOML text of a value, secrets (API keys, tokens) redacted."""
+    if _SECRET.search(key) and value:
+        return _toml_value(["<redacted>"] * len(value) if isinstance(value, list) else "<redacted>")
+    return _toml_value(value)
+
+
+def render_toml(r: Resolved) -> str:
+    """The effective configuration as a TOML file (it loads back to the same settings), each value
+    commented with where it came from."""
+    lines = []
+    for section in Settings.__dataclass_fields__:
+        lines.append(f"[{section}]")
+        target = getattr(r.settings, section)
+        rows = [(k, shown_value(k, getattr(target, k))) for s, k in KEYS if s == section]
+        width = max(len(f"{k} = {v}") for k, v in rows)
+        for k, v in rows:
+            lines.append(f"{k} = {v}".ljust(width) + f"   # {r.sources[(section, k)]}")
+        lines.append("")
+    if r.ignored_env:
+        lines.append("# ignored (no such key): " + ", ".join(sorted(r.ignored_env)))
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _read_toml(path: str | Path) -> dict:
     p = Path(path)
     try:
         with p.open("rb") as f:
@@ -227,4 +332,4 @@ def load_settings(path: str | Path | None) -> Settings:
         raise BetelgeuseError(f"config file {p} is not readable") from None
     except tomllib.TOMLDecodeError as e:
         raise BetelgeuseError(f"config file {p}: invalid TOML: {e}") from None
-    return settings_from_dict(data, str(p))
+    return data

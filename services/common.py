@@ -8,7 +8,8 @@ import sys
 
 from betelgeuse.config import EngineConfig, parse_slots
 from betelgeuse.errors import BetelgeuseError
-from betelgeuse.settings import Settings, load_settings, parse_size
+from betelgeuse.logs import FORMATS, LEVELS, setup as setup_logging
+from betelgeuse.settings import Resolved, Settings, resolve_settings
 
 log = logging.getLogger("betelgeuse")
 
@@ -59,32 +60,61 @@ def common_args(p: argparse.ArgumentParser):
     p.add_argument("--routing", choices=["exact", "resident"], help="resident: approximate (ranks >= 1 among resident experts)")
     p.add_argument("--sub-batch", type=int)
     p.add_argument("--max-context", type=int)
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help="same as --log-level debug")
+    log_args(p)
+
+
+def log_args(p: argparse.ArgumentParser):
+    p.add_argument("--log-level", choices=LEVELS, help="debug | info | warning | error (default info; "
+                   "env BETELGEUSE_LOG_LEVEL; [log] level)")
+    p.add_argument("--log-format", choices=FORMATS, help="text (key=value fields) | json (one object per line) "
+                   "(default text; env BETELGEUSE_LOG_FORMAT; [log] format)")
+
+
+def configure_logging(a=None, s: Settings | None = None) -> tuple[str, str]:
+    """Logging from, in order of precedence: flags, BETELGEUSE_LOG_* environment, the [log] table, defaults."""
+    import os
+    level = (getattr(a, "log_level", None) or ("debug" if getattr(a, "verbose", False) else None)
+             or os.environ.get("BETELGEUSE_LOG_LEVEL") or (s.log.level if s else "info"))
+    fmt = getattr(a, "log_format", None) or os.environ.get("BETELGEUSE_LOG_FORMAT") or (s.log.format if s else "text")
+    setup_logging(level.lower(), fmt.lower())
+    return level, fmt
+
+
+# flag dest -> (section, key) of the setting it overrides (`betelgeuse config show` names the flag as the source)
+FLAG_KEYS = {"model": ("model", "path"), "store_socket": ("store", "socket"), "fd_socket": ("store", "fd_socket"),
+             "device": ("worker", "device"), "vram_slots": ("slots", "vram_per_layer"),
+             "host_slots": ("slots", "host_per_layer"), "no_vram_backing": ("slots", "vram_backing"),
+             "memory_max": ("budget", "memory_max"), "vram_budget": ("budget", "vram"),
+             "schedule": ("engine", "schedule"), "routing": ("engine", "routing"), "sub_batch": ("engine", "sub_batch"),
+             "max_context": ("engine", "max_context"), "log_level": ("log", "level"), "log_format": ("log", "format")}
+
+
+def resolve_from_args(a, require_model: bool = True) -> Resolved:
+    """Defaults < --config file < BETELGEUSE_* environment < flags, each value with its source."""
+    r = resolve_settings(a.config)
+    for dest, (section, key) in FLAG_KEYS.items():
+        v = getattr(a, dest, None)
+        if v is None or v is False or v == "":
+            continue
+        flag = "--" + dest.replace("_", "-")
+        if dest in ("vram_slots", "host_slots"):
+            v = parse_slots(v)
+        elif dest == "no_vram_backing":
+            v = False
+        r.set(section, key, v, f"flag {flag}")
+    if getattr(a, "verbose", False) and not getattr(a, "log_level", None):
+        r.set("log", "level", "debug", "flag --verbose")
+    if require_model and not r.settings.model.path:
+        raise BetelgeuseError("no model: give --model PATH or [model] path in the config file")
+    return r
 
 
 def settings_from_args(a) -> tuple[Settings, dict]:
-    """Settings from --config plus flag overrides; the dict holds EngineConfig overrides."""
-    s = load_settings(a.config)
-    if a.model:
-        s.model.path = a.model
-    if a.store_socket:
-        s.store.socket = a.store_socket
-    if a.fd_socket:
-        s.store.fd_socket = a.fd_socket
-    if a.device:
-        s.worker.device = a.device
-    if a.vram_slots is not None:
-        s.slots.vram_per_layer = parse_slots(a.vram_slots)
-    if a.host_slots is not None:
-        s.slots.host_per_layer = parse_slots(a.host_slots)
-    if a.no_vram_backing:
-        s.slots.vram_backing = False
-    if a.memory_max:
-        s.budget.memory_max = parse_size(a.memory_max, "--memory-max")
-    if a.vram_budget:
-        s.budget.vram = parse_size(a.vram_budget, "--vram-budget")
-    if not s.model.path:
-        raise BetelgeuseError("no model: give --model PATH or [model] path in the config file")
+    """Settings from --config, the environment and flag overrides; the dict holds EngineConfig overrides."""
+    r = resolve_from_args(a)
+    s = r.settings
+    configure_logging(a, s)
     over = {k: v for k, v in (("schedule", a.schedule), ("routing", a.routing), ("sub_batch", a.sub_batch),
                               ("max_context", a.max_context))
             if v is not None}
@@ -93,7 +123,15 @@ def settings_from_args(a) -> tuple[Settings, dict]:
 
 def run_main(fn, argv=None) -> int:
     """Run a process main; a BetelgeuseError is one line on stderr and exit 2, never a traceback."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    pre = argparse.ArgumentParser(add_help=False)        # logging until the config file is read
+    pre.add_argument("-v", "--verbose", action="store_true")
+    pre.add_argument("--log-level")
+    pre.add_argument("--log-format")
+    try:
+        configure_logging(pre.parse_known_args(argv)[0])
+    except BetelgeuseError as e:                           # a bad flag or BETELGEUSE_LOG_* value
+        print(f"betelgeuse: error: {e}", file=sys.stderr)
+        return e.exit_code
     try:
         return fn(argv) or 0
     except BetelgeuseError as e:

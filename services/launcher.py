@@ -89,7 +89,8 @@ class Cluster:
     routing: str | None = None
     vram_backing: bool = True
     config: str | None = None
-    port: int = 0                     # worker gRPC port on 127.0.0.1 (0 = pick a free one)
+    port: int = 0                     # worker gRPC port (0 = pick a free one)
+    host: str = "127.0.0.1"           # worker gRPC listen host (0.0.0.0 / :: = every interface)
     worker_metrics: str = "127.0.0.1:0"
     store_metrics: str = "127.0.0.1:0"
     extra_store_args: list = field(default_factory=list)
@@ -102,7 +103,9 @@ class Cluster:
         self.fd_socket = os.path.join(self.runtime_dir, "store.fds")
         if not self.port:
             self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
+        self.listen = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+        local = self.host in ("0.0.0.0", "::", "")      # a wildcard listens on loopback too
+        self.address = f"127.0.0.1:{self.port}" if local else self.listen
 
     def _common(self, metrics: str) -> list[str]:
         a = ["--model", self.model, "--store-socket", self.store_socket, "--fd-socket", self.fd_socket,
@@ -137,7 +140,7 @@ class Cluster:
 
     def start_worker(self, timeout: float = 180.0, preexec=None, wait: bool = True) -> Proc:
         self.worker = self._spawn("worker", "services.worker_main",
-                                  self._common(self.worker_metrics) + ["--listen", self.address], preexec)
+                                  self._common(self.worker_metrics) + ["--listen", self.listen], preexec)
         if wait:
             self.wait_serving(timeout)
         return self.worker
@@ -163,8 +166,8 @@ class Cluster:
     @staticmethod
     def _last_line(p: Proc) -> str:
         lines = [l for l in p.log().splitlines() if l.strip()]
-        err = [l for l in lines if l.startswith("betelgeuse: error:")]
-        return (err or lines or ["(no output)"])[-1]
+        err = [l.removeprefix("betelgeuse: error:").strip() for l in lines if l.startswith("betelgeuse: error:")]
+        return (err or lines or ["(no output)"])[-1]     # the child's own message, without its prefix
 
     def channel(self):
         import grpc

@@ -25,6 +25,7 @@ import numpy as np
 from betelgeuse import __version__, sdnotify
 from betelgeuse.errors import BetelgeuseError, StoreUnavailableError
 from betelgeuse.gguf.reader import GGUFModelFile
+from betelgeuse.logs import event
 from betelgeuse.metrics import make_store_metrics, serve_metrics
 from betelgeuse.settings import split_hostport
 from betelgeuse.store.arena import send_fd
@@ -54,7 +55,7 @@ class StoreServicer(pb_grpc.ExpertStoreServicer):
 
     def Attach(self, request, context):
         session, plan = self.store.attach(request.worker_pid)
-        log.info("worker pid %d attached (session %s)", request.worker_pid, session[:8])
+        event(log, "attach", worker_pid=request.worker_pid, session=session[:8], attaches=self.store.counters.attaches)
         return pb.AttachReply(session=session, layout_json=plan)
 
     def BeginPass(self, request, context):
@@ -151,9 +152,9 @@ def main(argv=None) -> int:
     limit = cg.limit() if cg else None
     current = cg.in_use() if cg else 0          # page cache (the worker's mmap reads) can be reclaimed
     plan = plan_slots(model, cfg, limit, current)
-    log.info("slot plan: %d VRAM + %d host slots per layer, %d staging, arena %.2f GiB (limit %s)",
-             plan.n_vram, plan.n_host, plan.n_staging, plan.arena_bytes / 2**30,
-             f"{limit / 2**30:.2f} GiB" if limit else "none")
+    event(log, "plan", model=cfg.model_path, n_vram=plan.n_vram, n_host=plan.n_host, n_staging=plan.n_staging,
+          vram_backing=cfg.vram_backing, arena_bytes=plan.arena_bytes, memory_limit_bytes=limit,
+          memory_in_use_bytes=current, vram_budget_bytes=cfg.vram_budget)
     sdnotify.notify(status=f"pre-faulting a {plan.arena_bytes / 2**30:.2f} GiB arena",
                     extend_timeout_us=int(120e6))
     store = ExpertStore(model, plan, read_threads=cfg.read_threads, read_request_bytes=cfg.read_request_bytes)
@@ -185,7 +186,8 @@ def main(argv=None) -> int:
     m.ready.set(1)
     sdnotify.notify(ready=True, status=f"serving: {plan.n_vram}+{plan.n_host} slots/layer, "
                                         f"{store.reader.mode} I/O, arena {plan.arena_bytes / 2**30:.2f} GiB")
-    log.info("store ready: control %s, fds %s, %s I/O", settings.store.socket, settings.store.fd_socket, store.reader.mode)
+    event(log, "ready", role="store", version=__version__, control=settings.store.socket, fds=settings.store.fd_socket,
+          io=store.reader.mode, metrics=metrics_addr or None)
 
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -16,6 +16,7 @@ import threading
 import time
 
 from betelgeuse import __version__, sdnotify
+from betelgeuse.logs import event
 from betelgeuse.errors import StoreUnavailableError
 from betelgeuse.metrics import make_worker_metrics, serve_metrics
 from betelgeuse.settings import split_hostport
@@ -84,9 +85,12 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     ready_sent = False
-    log.info("worker serving on %s (%s, %d+%d slots/layer, %s routing%s)", ", ".join(listen), cfg.device,
-             mi.vram_slots_per_layer, mi.host_slots_per_layer, mi.routing,
-             ": APPROXIMATE, outputs depend on which experts are resident" if mi.routing != "exact" else "")
+    event(log, "ready", role="worker", version=__version__, listen=",".join(listen), metrics=metrics_addr or None,
+          model=mi.name, arch=mi.arch, quant=mi.quant, device=cfg.device, dtype=str(engine.runner.dtype).removeprefix("torch.")
+          if hasattr(engine.runner, "dtype") else cfg.dtype, n_vram=mi.vram_slots_per_layer,
+          n_host=mi.host_slots_per_layer, schedule=cfg.schedule, routing=mi.routing,
+          approximate=mi.routing != "exact", max_running=cfg.max_running, max_queue=cfg.max_queue,
+          max_context=cfg.max_context)
     while not stop.is_set():
         if engine.store_ok:                       # notice a dead store while idle, not only when a request fails
             try:

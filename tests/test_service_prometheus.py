@@ -42,6 +42,13 @@ def dashboard_exprs() -> list[tuple[str, str]]:
     return out
 
 
+def concrete(expr: str) -> str:
+    """As Grafana sends it: the dashboard's variables at All (.*), $__rate_interval at 1m."""
+    for var in ("job", "instance", "model"):
+        expr = expr.replace(f"${var}", ".*")
+    return expr.replace("$__rate_interval", "1m")
+
+
 def rules() -> list[dict]:
     return [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
 
@@ -94,8 +101,10 @@ def test_every_panel_and_rule_returns_data(service_model, tmp_path):
                 time.sleep(0.3)
             assert counts["ok"] > 0 and counts[str(grpc.StatusCode.INVALID_ARGUMENT)] > 0, dict(counts)
             empty, nan = [], []
+            for r in rules():                         # panels read the recording rules
+                prom.wait_for_rule(r["record"])
             for title, expr in dashboard_exprs():
-                res = prom.query(expr.replace("$__rate_interval", "1m"))
+                res = prom.query(concrete(expr))
                 assert res["resultType"] == "vector", (title, res["resultType"])
                 if not res["result"]:
                     empty.append(f"{title}: {expr}")
@@ -105,7 +114,7 @@ def test_every_panel_and_rule_returns_data(service_model, tmp_path):
                 prom.wait_for_rule(r["record"])
                 if not finite(prom.query(r["record"])["result"]):
                     nan.append(f"rule {r['record']}")
-            pp_expr = dict(dashboard_exprs())["PP tok/s"].replace("$__rate_interval", "1m")
+            pp_expr = concrete(dict(dashboard_exprs())["PP tok/s"])
             pp = float(prom.query(pp_expr)["result"][0]["value"][1])
             print(f"\npanel 'PP tok/s': {pp_expr}\n  -> {pp:.1f} tok/s (tiny model, CPU, {dict(counts)})")
             assert pp > 0

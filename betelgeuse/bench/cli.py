@@ -143,11 +143,16 @@ def run(args) -> int:
     results = {"run": run_name, "status": "running", "command": shlex.join(["betelgeuse", "bench"] + _argv(args)),
                "device": device, "machine": machine_info(), "models": {}, "cases": [], "skipped": [], "errors": []}
     save = lambda final: write_results(results, out, png=final)        # noqa: E731
+    if variant_skew is not None:
+        from betelgeuse.gguf.synth import model_nbytes
+        vspec = spec_from_preset(preset, n_layer=_opt(args, "variant_layers", 8), router_skew=variant_skew, seed=args.seed)
+        vpath = model.with_name(f"{model.stem}-variant-L{vspec.n_layer}-skew{variant_skew:g}.gguf")
+        if not vpath.exists():   # said before any work, so a user can stop before gigabytes are written
+            log(f"this run also writes a second model, {vpath} ({model_nbytes(vspec) / 1e9:.1f} GB, router skew "
+                f"{variant_skew:g}), to compare router skews; --variant-skew none skips it")
     results["models"]["main"] = ensure_model(model, spec, log)
     variant = None
     if variant_skew is not None:
-        vspec = spec_from_preset(preset, n_layer=_opt(args, "variant_layers", 8), router_skew=variant_skew, seed=args.seed)
-        vpath = model.with_name(f"{model.stem}-variant-L{vspec.n_layer}-skew{variant_skew:g}.gguf")
         try:
             results["models"]["variant"] = ensure_model(vpath, vspec, log)
             variant = str(vpath)

@@ -13,6 +13,7 @@ when no one references them (a slot handed to the worker is its own until it rel
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -26,10 +27,13 @@ import numpy as np
 
 from betelgeuse.errors import BetelgeuseError, StoreUnavailableError
 from betelgeuse.gguf.reader import GGUFModelFile
+from betelgeuse.logs import event
 from betelgeuse.store.arena import Arena
 from betelgeuse.store.directory import SlotDirectory
 from betelgeuse.store.plan import SlotPlan
 from betelgeuse.store.reader import ExpertReader
+
+log = logging.getLogger("betelgeuse.store")
 
 TIER_DISK, TIER_HOST, TIER_VRAM = 0, 1, 2
 DEMAND, READAHEAD = 0, 1
@@ -316,6 +320,8 @@ class ExpertStore:
 
     def _apply_consolidation(self, moves):
         # 1. fill the slots that change hands (from a staged copy, else from disk); 2. the directory in one go
+        t0 = time.monotonic()
+        reads0, copies0 = self.counters.consolidation_reads, self.counters.consolidation_copies
         futures = []
         for l, e, tier, slot in moves:
             if slot < 0 or self._host_owner[l, slot] == e:
@@ -343,6 +349,12 @@ class ExpertStore:
                     self._host_owner[l, slot] = e
                     self.directory.set(l, e, tier, slot)
             self.counters.consolidations += 1
+        by_tier = {n: sum(1 for m in moves if m[2] == tier) for n, tier in (("to_vram", TIER_VRAM), ("to_host", TIER_HOST),
+                                                                                 ("evicted", TIER_DISK))}
+        event(log, "consolidation", moves=len(moves), **by_tier,
+              disk_reads=self.counters.consolidation_reads - reads0,
+              staged_copies=self.counters.consolidation_copies - copies0,
+              ms=(time.monotonic() - t0) * 1e3, n=self.counters.consolidations)
         self._consolidating = None
 
     # ---- status ------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from betelgeuse.config import EngineConfig
 from betelgeuse.errors import (BetelgeuseError, CancelledError, InvalidRequestError, QueueFullError,
                                StoreUnavailableError)
 from betelgeuse.gguf.qtypes import qtype_name
+from betelgeuse.logs import event
 from betelgeuse.model.generate import TextStream
 from betelgeuse.model.sampler import make_generator, sample, validate
 from betelgeuse.store.client import StoreClient
@@ -71,6 +72,14 @@ class LLMEngine:
         return ids
 
     def submit(self, req: GenerateRequest, deadline: float | None = None) -> RequestHandle:
+        try:
+            return self._submit(req, deadline)
+        except BetelgeuseError as e:            # refused before it was queued: still one line
+            event(log, "request", logging.WARNING, id=req.request_id or None, status="rejected",
+                  error=" ".join(str(e).split()), error_type=type(e).__name__)
+            raise
+
+    def _submit(self, req: GenerateRequest, deadline: float | None) -> RequestHandle:
         validate(req.sampling)
         if req.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be >= 1, got {req.max_tokens}")
@@ -229,6 +238,8 @@ class LLMEngine:
         if u.predicted_ms > 0 and u.predicted_n > 1:
             u.predicted_per_second = (u.predicted_n - 1) / (u.predicted_ms / 1e3)
         seq.finish(reason)
+        self._log_request(seq, "deadline_exceeded" if reason == "cancelled" and seq.expired and not seq.cancelled
+                          else reason)
         if self.metrics:
             m = self.metrics
             m.requests_finished.labels(finish_reason=reason).inc()
@@ -246,6 +257,19 @@ class LLMEngine:
             self.running.remove(seq)
         seq.kv = None
         seq.fail(err)
+        self._log_request(seq, "error", error=" ".join(str(err).split()), error_type=type(err).__name__)
+
+    @staticmethod
+    def _log_request(seq: Sequence, status: str, **extra):
+        """The one line per request (docs/architecture.md, "Logs"): what an operator greps for."""
+        u = seq.usage
+        event(log, "request", logging.WARNING if status == "error" else logging.INFO,
+              id=seq.request.request_id or str(seq.seq_id), status=status, prompt_tokens=len(seq.prompt_ids),
+              cached_tokens=getattr(u, "cached_tokens", 0), completion_tokens=len(seq.out_ids),
+              ttft_ms=u.ttft_ms if seq.out_ids else None, pp_tok_s=u.prompt_per_second,
+              tg_tok_s=u.predicted_per_second, reads_vram=u.expert_reads_vram, reads_host=u.expert_reads_host,
+              reads_disk=u.expert_reads_disk, disk_bytes=u.disk_bytes, disk_wait_ms=u.disk_wait_ms,
+              duration_ms=(time.monotonic() - seq.arrival) * 1e3, **extra)
 
     # ---- the store going away and coming back ------------------------------------------------------
     def _store_down(self, err: StoreUnavailableError):
