@@ -210,6 +210,15 @@ class Tokenizer:
         except (TypeError, ValueError, KeyError, AttributeError) as e:   # a template choking on the request's shapes
             raise InvalidRequestError(f"chat template cannot render these messages: {e}") from None
 
+    def token_bytes(self, i: int) -> bytes:
+        """The raw bytes of one token (byte-level BPE spelling undone; special tokens as their UTF-8 text)."""
+        self._check([i])
+        t = self._tokens[i]
+        if self._types[i] in (CONTROL, USER_DEFINED, UNUSED):
+            return t.encode()
+        table = _byte_decoder()
+        return bytes(table[c] for c in t) if all(c in table for c in t) else t.encode()
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, **template_kwargs) -> str:
         """The rendered prompt text (as transformers' apply_chat_template(tokenize=False)). Encoding it with
@@ -276,6 +285,23 @@ def check_messages(messages) -> None:
             isinstance(m, dict) and isinstance(m.get("role"), str)
             and (isinstance(m.get("content"), str) or (m.get("content") is None and "content" in m)) for m in messages):
         raise InvalidRequestError("messages must be a list of {'role': str, 'content': str}")
+
+
+_BYTE_DECODER: dict[str, int] = {}
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's bytes_to_unicode, inverted: the character a byte-level BPE token uses for each byte."""
+    if not _BYTE_DECODER:
+        bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+        cs, n = bs[:], 0
+        for b in range(256):
+            if b not in bs:
+                bs.append(b)
+                cs.append(256 + n)
+                n += 1
+        _BYTE_DECODER.update({chr(c): b for b, c in zip(bs, cs)})
+    return _BYTE_DECODER
 
 
 _TEMPLATES: dict[str, Any] = {}

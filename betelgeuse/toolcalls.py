@@ -104,7 +104,12 @@ class ToolCallStream:
         """End of the completion: an unclosed call is parsed as it stands (vLLM accepts a missing close tag)."""
         out: list = []
         if self.in_call:
-            call = _call_from_json(self.buf.strip())
+            body = self.buf
+            for n in range(len(CLOSE) - 1, 0, -1):        # a close tag cut short by max_tokens
+                if body.endswith(CLOSE[:n]):
+                    body = body[:-n]
+                    break
+            call = _call_from_json(body.strip())
             if call is None:
                 self._content(OPEN + self.buf, out)
             else:

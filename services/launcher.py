@@ -93,6 +93,7 @@ class Cluster:
     worker_metrics: str = "127.0.0.1:0"
     store_metrics: str = "127.0.0.1:0"
     extra_store_args: list = field(default_factory=list)
+    http: str = ""                    # worker's OpenAI HTTP API HOST:PORT ("" = off; "auto" = a free loopback port)
     store: Proc | None = None
     worker: Proc | None = None
 
@@ -103,6 +104,9 @@ class Cluster:
         if not self.port:
             self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
+        if self.http == "auto":
+            self.http = f"127.0.0.1:{free_port()}"
+        self.http_url = f"http://{self.http}" if self.http else ""
 
     def _common(self, metrics: str) -> list[str]:
         a = ["--model", self.model, "--store-socket", self.store_socket, "--fd-socket", self.fd_socket,
@@ -137,7 +141,8 @@ class Cluster:
 
     def start_worker(self, timeout: float = 180.0, preexec=None, wait: bool = True) -> Proc:
         self.worker = self._spawn("worker", "services.worker_main",
-                                  self._common(self.worker_metrics) + ["--listen", self.address], preexec)
+                                  self._common(self.worker_metrics) + ["--listen", self.address, "--http", self.http],
+                                  preexec)
         if wait:
             self.wait_serving(timeout)
         return self.worker
