@@ -40,8 +40,8 @@ def validate_features(params: SamplingParams) -> None:
         if not _finite(v) or not -2 <= v <= 2:
             raise InvalidRequestError(f"{name} must be in [-2, 2], got {v}")
     r = params.repetition_penalty
-    if not _finite(r) or not 0 < r <= 10:
-        raise InvalidRequestError(f"repetition_penalty must be in (0, 10] (1 = off), got {r}")
+    if not _finite(r) or not 0.01 <= r <= 10:     # a tiny divisor would overflow the logits to inf
+        raise InvalidRequestError(f"repetition_penalty must be in [0.01, 10] (1 = off), got {r}")
     n = params.top_logprobs
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_TOP_LOGPROBS:
         raise InvalidRequestError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {n}")

@@ -95,7 +95,7 @@ class _Sampling(_Model):
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    repetition_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
+    repetition_penalty: Annotated[float, Field(ge=0.01, le=10)] | None = None
     seed: Annotated[int, Field(ge=0, lt=2**64)] | None = None
     stop: Union[str, Annotated[list[str], Field(max_length=MAX_STOP)], None] = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
