@@ -358,3 +358,13 @@ def test_grpc_chat_surface(channel, service_model):
     r.tool_choice = "required"
     g = h.run_stream(s.Generate(r, timeout=60))
     assert g.code.name == "INVALID_ARGUMENT" and "tool_choice needs tools" in g.details
+
+
+def test_readme_openai_example_runs(cluster):
+    """The README's `openai` example (streaming chat and the agent loop with a tool), as printed there."""
+    import re
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "from openai import OpenAI" in b)
+    assert "http://127.0.0.1:8000/v1" in block and "tool_calls" in block
+    exec(compile(block.replace("http://127.0.0.1:8000/v1", cluster.http_url + "/v1"), "README.md", "exec"), {})
