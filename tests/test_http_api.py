@@ -301,6 +301,17 @@ def test_raw_http_errors_are_json(cluster):
     assert st == 404 and "no such endpoint" in body["error"]["message"]
     st, body = raw(cluster, "GET", "/v1/chat/completions")
     assert st == 405 and set(body["error"]) == {"message", "type", "param", "code"}
+    # a huge body is refused from its Content-Length, before it is read (the client sends only the headers)
+    import http.client
+    host, port = cluster.http.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(10**10))
+    conn.endheaders()
+    r = conn.getresponse()
+    assert r.status == 413 and "larger than" in json.loads(r.read())["error"]["message"]
+    conn.close()
 
 
 # ---- issue 9 item 3: user text never forges chat structure ----------------------------------------------------------

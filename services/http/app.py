@@ -40,6 +40,7 @@ ERRORS = [
     (CancelledError, 499, "cancelled", "CANCELLED"),
     (ModelFormatError, 500, "server_error", "FAILED_PRECONDITION"),
 ]
+MAX_BODY_BYTES = 32 * 1024 * 1024   # a request body larger than this is refused (413) before it is read or parsed
 STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
                 429: "rate_limit_error", 503: "service_unavailable_error"}
@@ -318,6 +319,15 @@ def build_app(engine, metrics=None) -> FastAPI:
     app = FastAPI(title="Betelgeuse OpenAI-compatible API", version="1",
                   description="OpenAI-compatible chat/completions over the Betelgeuse engine.")
     app.state.front = front
+
+    @app.middleware("http")
+    async def _body_limit(request: Request, call_next):
+        n = request.headers.get("content-length")
+        if n is not None and (not n.isdigit() or int(n) > MAX_BODY_BYTES):
+            front.count(_method(request), "INVALID_ARGUMENT")
+            return JSONResponse(error_body(f"the request body is larger than {MAX_BODY_BYTES} bytes",
+                                           "invalid_request_error"), status_code=413)
+        return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
