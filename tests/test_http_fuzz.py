@@ -73,6 +73,53 @@ def test_fuzz_no_5xx_and_json_errors(cluster):
     assert len(calls) >= len(ops) * 4 and any(c == 200 for c in calls) and any(c == 400 for c in calls)
 
 
+@pytest.fixture
+def queue1(service_model, tmp_path):
+    cfg = h.write_toml(tmp_path / "betelgeuse.toml", {"engine": {"max_running": 1, "max_queue": 1}})
+    c = h.start_cluster(service_model, tmp_path, config=cfg, http="auto")
+    yield c
+    c.stop()
+
+
+def test_queue_full_is_429_and_a_disconnect_cancels(queue1):
+    """One running + one waiting request fill this worker (max_running = max_queue = 1): the next gets 429 with
+    OpenAI's rate-limit body. Closing the streams cancels both in the engine (the metrics say so)."""
+    import http.client
+    import time
+    cluster = queue1
+    served = json.loads(urllib.request.urlopen(cluster.http_url + "/v1/models", timeout=10).read())["data"][0]["id"]
+    host, port = cluster.http.rsplit(":", 1)
+    body = json.dumps({"model": served, "prompt": "Hi", "ignore_eos": True, "stream": True, "temperature": 0})
+    before = h.scrape(cluster.worker_metrics_url)
+    conns = []
+    for _ in range(2):
+        c = http.client.HTTPConnection(host, int(port), timeout=30)
+        c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        conns.append(c)
+        time.sleep(0.3)
+    r0 = conns[0].getresponse()
+    assert r0.status == 200 and r0.readline().startswith(b"data: ")      # the first is streaming
+    c = http.client.HTTPConnection(host, int(port), timeout=30)
+    deadline = time.monotonic() + 20
+    while True:                                                          # the second waits in the queue
+        c.request("POST", "/v1/completions", body.replace('"stream": true', '"stream": false'),
+                  {"Content-Type": "application/json"})
+        r = c.getresponse()
+        data = r.read()
+        if r.status == 429 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert r.status == 429, (r.status, data[:200])
+    err = json.loads(data)["error"]
+    assert err["type"] == "rate_limit_error" and "queue is full" in err["message"]
+    for x in conns + [c]:
+        x.close()
+    after = h.wait_metric(cluster.worker_metrics_url, lambda s: h.delta(
+        before, s, "betelgeuse_requests_finished_total", finish_reason="cancelled") >= 2, timeout=30)
+    assert h.delta(before, after, "betelgeuse_requests_finished_total", finish_reason="cancelled") >= 2
+    assert h.delta(before, after, "betelgeuse_requests_total", method="Completions", code="RESOURCE_EXHAUSTED") >= 1
+
+
 def test_healthy_and_still_correct_afterwards(cluster, service_model):
     with urllib.request.urlopen(cluster.http_url + "/health", timeout=10) as r:
         assert r.status == 200
