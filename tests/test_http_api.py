@@ -379,3 +379,17 @@ def test_readme_openai_example_runs(cluster):
     block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "from openai import OpenAI" in b)
     assert "http://127.0.0.1:8000/v1" in block and "tool_calls" in block
     exec(compile(block.replace("http://127.0.0.1:8000/v1", cluster.http_url + "/v1"), "README.md", "exec"), {})
+
+
+def test_length_cut_mid_character_is_streamed_not_only_in_the_tail(cluster, client, channel, model_id):
+    """The issue's "こ�": a completion cut by max_tokens inside a multi-byte character. A regex grammar forces the
+    bytes of "こんにちは"; the tiny vocabulary spells it in several byte pieces, so 1 token ends mid-character."""
+    s = h.stub(channel)
+    r = h.request(text="Say hello", max_tokens=1)
+    r.grammar.kind, r.grammar.value = "regex", "こんにちは"
+    g = h.run_stream(s.Generate(r, timeout=60))
+    assert g.code is None and g.final.finish_reason == pb.FINISH_REASON_LENGTH
+    assert g.texts == [g.final.text] and g.final.tail == "" and g.final.text.endswith("\ufffd")
+    r.max_tokens = 40
+    g = h.run_stream(s.Generate(r, timeout=60))
+    assert "".join(g.texts) == g.final.text == "こんにちは" and g.final.stop_reason == "grammar"

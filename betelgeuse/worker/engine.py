@@ -228,10 +228,15 @@ class LLMEngine:
         seq.t_last = now
         seq.out_ids.append(tok)
         text = seq.stream.push(tok)
+        grammar_done = seq.constraint is not None and seq.constraint.done
+        if not seq.stream.stopped and (grammar_done or len(seq.out_ids) >= seq.max_tokens):
+            # the last token (length / complete grammar): its event carries the held-back text too, so a client
+            # reading only TokenEvents has all of it; FinalEvent.tail is then "" (it stays for EOS / stop ids)
+            text += seq.stream.flush()
         seq.emit(TokenEvent(token_id=tok, text=text, index=len(seq.out_ids) - 1, logprob=lp, top_logprobs=top))
         if seq.stream.stopped:
             self._finish(seq, "stop", "stop_string")
-        elif seq.constraint is not None and seq.constraint.done:
+        elif grammar_done:
             self._finish(seq, "stop", "grammar")
         elif len(seq.out_ids) >= seq.max_tokens:
             self._finish(seq, "length")
