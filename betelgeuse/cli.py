@@ -429,6 +429,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="sockets and logs (default: a temporary directory, removed on a clean stop, kept if a process dies)")
     p.add_argument("--worker-metrics", default=None, help="HOST:PORT of the worker's /metrics (default HOST:9464)")
     p.add_argument("--store-metrics", default=None, help="HOST:PORT of the store's /metrics (default HOST:9465)")
+    p.add_argument("--http", default="127.0.0.1:8000", help="OpenAI-compatible HTTP API HOST:PORT ('' = off)")
     _engine_args(p)
 
 
@@ -452,13 +453,15 @@ def cmd_serve(args) -> int:
                       host_slots=args.host_slots, memory_max=args.memory_max, vram_budget=args.vram_budget,
                       schedule=args.schedule, sub_batch=args.sub_batch, routing=args.routing,
                       vram_backing=not args.no_vram_backing, config=args.config,
-                      port=args.port, host=args.host, worker_metrics=wm, store_metrics=sm)
+                      port=args.port, host=args.host, http=args.http, worker_metrics=wm, store_metrics=sm)
     clean = False
     try:
         cluster.start_store()
         cluster.start_worker()
         print(f"serving {model}\n  gRPC     {cluster.listen}  (betelgeuse.v1.InferenceService, health, reflection)\n"
               f"  metrics  http://{wm}/metrics (worker), http://{sm}/metrics (store)\n"
+              + (f"  HTTP     {cluster.http_url}/v1  (OpenAI-compatible; try: betelgeuse chat --url {cluster.http_url})\n"
+                 if cluster.http_url else "") +
               f"  logs     {cluster.runtime_dir}/worker.log, store.log\n"
               f"try: betelgeuse generate --server {cluster.address} --prompt 'Hello'   (Ctrl-C stops)", file=sys.stderr)
         while cluster.worker.alive() and cluster.store.alive():
@@ -524,6 +527,50 @@ def cmd_config(args) -> int:
     return 0
 
 
+def _chat_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the OpenAI-compatible API (betelgeuse serve's HTTP)")
+    p.add_argument("--model", help="model id (default: the first of GET /v1/models)")
+    p.add_argument("--system", help="a system message opening the conversation")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--seed", type=int, help="seed of the sampling (reproducible answers)")
+    p.add_argument("--max-tokens", type=int, help="per answer (default: until EOS or the context)")
+    p.add_argument("--no-thinking", action="store_true", help="chat_template_kwargs enable_thinking=false (Qwen3)")
+
+
+def cmd_chat(args) -> int:
+    """An interactive chat over the HTTP API: each turn resends the whole conversation (as agents do) and
+    streams the answer. /reset starts over, /exit (or EOF, Ctrl-D) leaves."""
+    from betelgeuse.chat import ChatClient
+    client = ChatClient(args.url, args.model)
+    tty = sys.stdin.isatty()
+    if tty:
+        print(f"chatting with {client.model} at {args.url}  (/reset, /exit)", file=sys.stderr)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    extra = {"chat_template_kwargs": {"enable_thinking": False}} if args.no_thinking else {}
+    while True:
+        try:
+            line = input("> " if tty else "")
+        except EOFError:
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        try:
+            answer = client.stream(history, lambda t: print(t, end="", flush=True), temperature=args.temperature,
+                                   seed=args.seed, max_tokens=args.max_tokens, **extra)
+        except BetelgeuseError as e:
+            history.pop()
+            print(f"\n{PROG}: error: {e}", file=sys.stderr)
+            continue
+        print()
+        history.append({"role": "assistant", "content": answer})
+
+
 # name -> (help, add arguments, run); the lead adds serve / bench here
 COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "synth": ("write a seeded random-weight qwen3moe GGUF", _synth_args, cmd_synth),
@@ -540,6 +587,7 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
               lambda a: _run_process("store", a.args)),
     "worker": ("run the GPU worker process (container / unit entry point)", _process_args,
                lambda a: _run_process("worker", a.args)),
+    "chat": ("chat interactively over the OpenAI-compatible HTTP API (betelgeuse serve)", _chat_args, cmd_chat),
 }
 
 

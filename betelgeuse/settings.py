@@ -79,6 +79,7 @@ class WorkerSettings:
     listen: list[str] = field(default_factory=lambda: ["127.0.0.1:50051", "unix:/run/betelgeuse/api.sock"])
     metrics: str = "127.0.0.1:9464"         # HOST:PORT of /metrics; "" = off
     device: str = "auto"                    # "auto" | "cuda" | "cuda:N" | "cpu"
+    http: str = "127.0.0.1:8000"            # HOST:PORT of the OpenAI-compatible HTTP API; "" = off
 
 
 @dataclass(slots=True)
@@ -186,6 +187,7 @@ _CONVERT = {
     ("worker", "listen"): _listen,
     ("worker", "metrics"): _hostport_or_off,
     ("worker", "device"): _string,
+    ("worker", "http"): _hostport_or_off,
     ("store", "socket"): _string,
     ("store", "fd_socket"): _string,
     ("store", "metrics"): _hostport_or_off,

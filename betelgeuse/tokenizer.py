@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import secrets
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -112,6 +114,13 @@ class Tokenizer:
         self.add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False)) and self.eos_id is not None
         self._skip = frozenset(i for i, t in enumerate(types) if t in (CONTROL, UNUSED))
         self.chat_template: str | None = metadata.get("tokenizer.chat_template")
+        # the same tokenizer with special-token text treated as ordinary characters (HF's split_special_tokens):
+        # user content goes through this one, so "<|im_end|>" typed by a user is 5 plain tokens, never a control token
+        self._plain = HFTokenizer.from_str(tok.to_str())
+        self._plain.encode_special_tokens = True
+        specials = sorted({t for t, k in zip(tokens, types) if k == CONTROL and t}, key=len, reverse=True)
+        self.special_texts: tuple[str, ...] = tuple(specials)
+        self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
 
     @classmethod
     def from_metadata(cls, metadata: dict) -> "Tokenizer":
@@ -144,11 +153,13 @@ class Tokenizer:
     def from_file(cls, path: str | os.PathLike) -> "Tokenizer":
         return cls.from_metadata(read_metadata(path))
 
-    def encode(self, text: str, add_special: bool = False) -> list[int]:
-        """Token ids of `text`; special tokens written in the text (`<|im_start|>`) are recognised."""
+    def encode(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
+        """Token ids of `text`. parse_special: special-token text written in it (`<|im_start|>`) becomes the
+        control token (the library default, for trusted text); False encodes it as ordinary characters
+        (what the public APIs do with user text unless the caller asks)."""
         if not isinstance(text, str):
             raise InvalidRequestError(f"text to encode must be a string, got {type(text).__name__}")
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        ids = (self._tok if parse_special else self._plain).encode(text, add_special_tokens=False).ids
         if add_special and self.add_bos:
             ids = [self.bos_id] + ids
         if add_special and self.add_eos:
@@ -173,22 +184,124 @@ class Tokenizer:
             return self._tokens[i]
         return self._tok.decode([i], skip_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    # names the template sees that chat_template_kwargs may not replace
+    RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+
+    def _render(self, messages, tools, add_generation_prompt: bool, template_kwargs: dict | None) -> str:
         if not self.chat_template:
             raise InvalidRequestError("the model has no chat template (tokenizer.chat_template missing); send text")
-        if not isinstance(messages, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
-            raise InvalidRequestError("messages must be a list of {'role': str, 'content': str}")
+        check_messages(messages)
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise InvalidRequestError("tools must be a list of objects")
+        kwargs = dict(template_kwargs or {})
+        bad = sorted(self.RESERVED_TEMPLATE_VARS & kwargs.keys())
+        if bad:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(bad)}")
         from jinja2.exceptions import TemplateError
+
         def piece(i):
             return self._tokens[i] if i is not None and 0 <= i < self.n_vocab else ""
         try:
             return _compile(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
+                **kwargs, messages=messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
                 bos_token=piece(self.bos_id), eos_token=piece(self.eos_id))
         except TemplateError as e:
             raise InvalidRequestError(f"chat template: {e}") from None
+        except (TypeError, ValueError, KeyError, AttributeError) as e:   # a template choking on the request's shapes
+            raise InvalidRequestError(f"chat template cannot render these messages: {e}") from None
+
+    def token_bytes(self, i: int) -> bytes:
+        """The raw bytes of one token (byte-level BPE spelling undone; special tokens as their UTF-8 text)."""
+        self._check([i])
+        t = self._tokens[i]
+        if self._types[i] in (CONTROL, USER_DEFINED, UNUSED):
+            return t.encode()
+        table = _byte_decoder()
+        return bytes(table[c] for c in t) if all(c in table for c in t) else t.encode()
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **template_kwargs) -> str:
+        """The rendered prompt text (as transformers' apply_chat_template(tokenize=False)). Encoding it with
+        encode() would let special-token text in the messages become control tokens: use encode_chat()."""
+        return self._render(messages, tools, add_generation_prompt, template_kwargs)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> list[int]:
+        """Token ids of the rendered chat, with control tokens coming only from the template.
+
+        Every special-token text inside the request's strings (message contents, tool calls, tool definitions,
+        template kwargs), and any beginning or end of one at a string's edges, is swapped for a marker carrying
+        a per-call random nonce before rendering; the rendered text is split at the markers, template text is
+        encoded with special tokens recognised, and the marked pieces as plain characters.
+        """
+        if self._special_re is None:
+            return self.encode(self._render(messages, tools, add_generation_prompt, template_kwargs))
+        nonce = secrets.token_hex(8)
+        pieces: list[str] = []
+
+        def mark(text: str) -> str:
+            pieces.append(text)
+            return f"\ue000{nonce}{len(pieces) - 1}\ue001"
+
+        def walk(x):
+            if isinstance(x, str):
+                return self._mark_specials(x, mark)
+            if isinstance(x, dict):
+                return {walk(k) if isinstance(k, str) else k: walk(v) for k, v in x.items()}
+            if isinstance(x, (list, tuple)):
+                return [walk(v) for v in x]
+            return x
+        check_messages(messages)
+        text = self._render(walk(messages), walk(tools) if tools is not None else None, add_generation_prompt,
+                            walk(template_kwargs or {}))
+        ids: list[int] = []
+        parts = re.split(f"\ue000{nonce}(\\d+)\ue001", text)
+        for k, part in enumerate(parts):
+            if k % 2:
+                ids += self._plain.encode(pieces[int(part)], add_special_tokens=False).ids
+            elif part:
+                ids += self._tok.encode(part, add_special_tokens=False).ids
+        return ids
+
+    def _mark_specials(self, text: str, mark) -> str:
+        """Swap special-token texts in `text` (and a partial one of 2+ characters at either edge, which the
+        template's own text could complete) for markers."""
+        out = self._special_re.sub(lambda m: mark(m.group()), text)
+        for s in self.special_texts:
+            for n in range(len(s) - 1, 1, -1):
+                if out.endswith(s[:n]):
+                    out = out[:-n] + mark(s[:n])
+                    break
+            for n in range(len(s) - 1, 1, -1):
+                if out.startswith(s[-n:]):
+                    out = mark(s[-n:]) + out[n:]
+                    break
+        return out
+
+
+def check_messages(messages) -> None:
+    """Chat messages: a list of {"role": str, "content": str | None, ...} (tool_calls etc. pass to the template)."""
+    if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and (isinstance(m.get("content"), str) or (m.get("content") is None and "content" in m)) for m in messages):
+        raise InvalidRequestError("messages must be a list of {'role': str, 'content': str}")
+
+
+_BYTE_DECODER: dict[str, int] = {}
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's bytes_to_unicode, inverted: the character a byte-level BPE token uses for each byte."""
+    if not _BYTE_DECODER:
+        bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+        cs, n = bs[:], 0
+        for b in range(256):
+            if b not in bs:
+                bs.append(b)
+                cs.append(256 + n)
+                n += 1
+        _BYTE_DECODER.update({chr(c): b for b, c in zip(bs, cs)})
+    return _BYTE_DECODER
 
 
 _TEMPLATES: dict[str, Any] = {}

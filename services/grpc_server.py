@@ -117,7 +117,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             yield convert.event_to_pb(ev, req.request_id)
 
     def Tokenize(self, request, context):
-        return pb.TokenizeResponse(token_ids=self.engine.tokenize(request.text, request.add_special))
+        return pb.TokenizeResponse(token_ids=self.engine.tokenize(request.text, request.add_special,
+                                                                  request.parse_special))
 
     def Detokenize(self, request, context):
         return pb.DetokenizeResponse(text=self.engine.detokenize(list(request.token_ids)))

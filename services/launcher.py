@@ -94,6 +94,7 @@ class Cluster:
     worker_metrics: str = "127.0.0.1:0"
     store_metrics: str = "127.0.0.1:0"
     extra_store_args: list = field(default_factory=list)
+    http: str = ""                    # worker's OpenAI HTTP API HOST:PORT ("" = off; "auto" = a free loopback port)
     store: Proc | None = None
     worker: Proc | None = None
 
@@ -106,6 +107,9 @@ class Cluster:
         self.listen = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
         local = self.host in ("0.0.0.0", "::", "")      # a wildcard listens on loopback too
         self.address = f"127.0.0.1:{self.port}" if local else self.listen
+        if self.http == "auto":
+            self.http = f"127.0.0.1:{free_port()}"
+        self.http_url = f"http://{self.http}" if self.http else ""
 
     def _common(self, metrics: str) -> list[str]:
         a = ["--model", self.model, "--store-socket", self.store_socket, "--fd-socket", self.fd_socket,
@@ -140,7 +144,8 @@ class Cluster:
 
     def start_worker(self, timeout: float = 180.0, preexec=None, wait: bool = True) -> Proc:
         self.worker = self._spawn("worker", "services.worker_main",
-                                  self._common(self.worker_metrics) + ["--listen", self.listen], preexec)
+                                  self._common(self.worker_metrics) + ["--listen", self.listen, "--http", self.http],
+                                  preexec)
         if wait:
             self.wait_serving(timeout)
         return self.worker

@@ -46,12 +46,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="betelgeuse-worker", description=__doc__.splitlines()[0])
     common_args(p)
     p.add_argument("--listen", action="append", help="gRPC address HOST:PORT or unix:/path (repeatable)")
+    p.add_argument("--http", help="HOST:PORT of the OpenAI-compatible HTTP API ('' = off; overrides [worker] http)")
     p.add_argument("--store-wait", type=float, default=120.0, help="seconds to wait for the store at start-up")
     a = p.parse_args(argv)
     settings, over = settings_from_args(a)
     cfg = dataclasses.replace(engine_config(settings), **over)
     listen = a.listen or settings.worker.listen
     metrics_addr = a.metrics if a.metrics is not None else settings.worker.metrics
+    http_addr = a.http if a.http is not None else settings.worker.http
+    if http_addr:
+        split_hostport(http_addr, "--http")
 
     m = make_worker_metrics(__version__)
     m.vram_budget_bytes.set(cfg.vram_budget)
@@ -81,6 +85,12 @@ def main(argv=None) -> int:
                        "n_expert": str(mi.n_expert), "n_expert_used": str(mi.n_expert_used)})
     server, health_servicer, ports = build_server(engine, listen, metrics=m)
     server.start()
+    http = None
+    if http_addr:                                 # the same engine, queue, limits and metrics as gRPC
+        from services.http.app import build_app
+        from services.http.server import HttpServer
+        http = HttpServer(build_app(engine, metrics=m), http_addr)
+        http.start()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -119,6 +129,8 @@ def main(argv=None) -> int:
         stop.wait(0.5)
     sdnotify.notify(stopping=True, status="draining")
     set_health(health_servicer, False)
+    if http is not None:
+        http.stop()
     server.stop(grace=5).wait()
     engine.close()
     return 0

@@ -34,10 +34,11 @@ def test_serve_starts_both_processes_and_stops_them(tmp_path):
     from betelgeuse.gguf.synth import PRESETS, write_model
     model = tmp_path / "tiny.gguf"
     write_model(model, PRESETS["tiny"], progress=False)
-    port, run = free_port(), str(tmp_path / "run")
+    port, http, run = free_port(), free_port(), str(tmp_path / "run")
     env = dict(os.environ, PYTHONPATH=str(REPO))
     p = subprocess.Popen([sys.executable, "-m", "betelgeuse.cli", "serve", str(model), "--port", str(port),
-                          "--runtime-dir", run, "--worker-metrics", "127.0.0.1:0", "--store-metrics", "127.0.0.1:0"],
+                          "--runtime-dir", run, "--worker-metrics", "127.0.0.1:0", "--store-metrics", "127.0.0.1:0",
+                          "--http", f"127.0.0.1:{http}"],
                          env=env, stderr=subprocess.PIPE, text=True)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
@@ -45,6 +46,9 @@ def test_serve_starts_both_processes_and_stops_them(tmp_path):
                 health_pb2.HealthCheckResponse.SERVING
         events = list(generate_stream(f"127.0.0.1:{port}", prompt_text="Hello", max_tokens=4, ignore_eos=True))
         assert events[-1].final.usage.predicted_n == 4
+        import urllib.request                              # the OpenAI-compatible HTTP API is up too
+        with urllib.request.urlopen(f"http://127.0.0.1:{http}/health", timeout=10) as r:
+            assert r.status == 200
         kids = _children_of(run)
         assert len(kids) == 2, kids                       # the store and the worker
         p.send_signal(signal.SIGTERM)

@@ -104,5 +104,5 @@ def test_every_api_field_has_a_proto_counterpart(name):
 def test_api_finish_reasons_map_onto_the_enum():
     from services.pb.betelgeuse.v1 import inference_pb2 as pb
 
-    for reason in ("stop", "length", "cancelled"):  # api.FinalEvent.finish_reason values
+    for reason in ("stop", "length", "cancelled", "tool_calls"):  # api.FinalEvent.finish_reason values
         assert pb.FinishReason.Value("FINISH_REASON_" + reason.upper()) > 0

@@ -123,8 +123,9 @@ def test_tokenize_detokenize_round_trip(channel, service_model):
     ids = list(s.Tokenize(pb.TokenizeRequest(text=text), timeout=10).token_ids)
     assert ids == encode(service_model, text) and len(ids) > 5
     assert s.Detokenize(pb.DetokenizeRequest(token_ids=ids), timeout=10).text == text
-    # special tokens written in the text are recognised as single tokens
-    sp = list(s.Tokenize(pb.TokenizeRequest(text="<|im_start|>user"), timeout=10).token_ids)
+    # special tokens written in the text are single tokens only when asked (parse_special); by default text is
+    # plain text (tests/test_http_api.py::test_user_text_cannot_forge_control_tokens)
+    sp = list(s.Tokenize(pb.TokenizeRequest(text="<|im_start|>user", parse_special=True), timeout=10).token_ids)
     assert len(sp) >= 2 and s.Detokenize(pb.DetokenizeRequest(token_ids=sp[1:]), timeout=10).text == "user"
 
 

@@ -24,14 +24,16 @@ class TextStream:
         self.pending = ""       # decoded text not yet emitted (a possible stop-string prefix)
         self.text = ""          # everything emitted so far
         self.stopped = False
+        self.matched = ""       # the stop string that fired (the earliest in the text)
 
     def push(self, token_id: int) -> str:
         """Returns the text that is now safe to emit; sets `stopped` when a stop string appeared."""
         assert not self.stopped
         self.pending += self.decoder.push(token_id)
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((self.pending.find(s), s) for s in self.stops) if i >= 0]
         if hits:
-            out, self.pending, self.stopped = self.pending[:min(hits)], "", True
+            at, self.matched = min(hits, key=lambda h: h[0])
+            out, self.pending, self.stopped = self.pending[:at], "", True
         else:
             keep = max((n for s in self.stops for n in range(min(len(s) - 1, len(self.pending)), 0, -1)
                         if self.pending.endswith(s[:n])), default=0)

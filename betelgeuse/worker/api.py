@@ -7,7 +7,7 @@ here knows about protobuf. Tests may drive an `Engine` in-process.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol
+from typing import Any, Iterator, Protocol
 
 
 @dataclass(slots=True)
@@ -16,6 +16,26 @@ class SamplingParams:
     top_k: int = 0                  # 0 = off
     top_p: float = 1.0              # 1 = off
     seed: int | None = None         # None = nondeterministic
+    min_p: float = 0.0              # 0 = off; drop tokens with p < min_p * p_max (after temperature)
+    presence_penalty: float = 0.0   # [-2, 2], OpenAI: logit -= p for every token already generated
+    frequency_penalty: float = 0.0  # [-2, 2], OpenAI: logit -= f * count in the completion
+    repetition_penalty: float = 1.0 # (0, inf), HF/CTRL: over prompt + completion; 1 = off
+    logprobs: bool = False          # return the chosen token's log-probability
+    top_logprobs: int = 0           # and the n most likely alternatives (0..20)
+
+
+@dataclass(slots=True)
+class Grammar:
+    """Constrained decoding (llguidance): exactly one of json_schema / lark / regex, or json_object."""
+    kind: str                       # "json_object" | "json_schema" | "lark" | "regex"
+    value: Any = None               # the schema (dict) / grammar text / regex
+
+
+@dataclass(slots=True)
+class ToolCall:
+    id: str                         # "call_<hex>" (OpenAI's shape)
+    name: str
+    arguments: str                  # JSON text of the arguments object
 
 
 @dataclass(slots=True)
@@ -23,13 +43,22 @@ class GenerateRequest:
     # exactly one of the three prompt forms
     prompt_text: str | None = None
     prompt_ids: list[int] | None = None
-    messages: list[dict[str, str]] | None = None   # [{"role": ..., "content": ...}], rendered with the GGUF chat template
+    # [{"role": ..., "content": ..., "tool_calls": [...], "tool_call_id": ...}], rendered with the GGUF chat template;
+    # special-token text inside any message or tool field is encoded as plain text, never as control tokens
+    messages: list[dict[str, Any]] | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    max_tokens: int = 64
+    max_tokens: int | None = None   # None = until EOS / a stop, or the end of the context
     stop: list[str] = field(default_factory=list)            # stop strings (not included in the output)
     stop_token_ids: list[int] = field(default_factory=list)  # besides the model's EOS ids
     ignore_eos: bool = False
     request_id: str = ""
+    # prompt_text is plain text: "<|im_start|>" written in it is ordinary characters. True (a trusted caller
+    # that formats its own prompt) lets special-token text in prompt_text become control tokens.
+    parse_special: bool = False
+    tools: list[dict[str, Any]] | None = None         # OpenAI tool definitions, passed to the chat template
+    tool_choice: str | dict | None = None             # "none" | "auto" | "required" | {"type":"function","function":{"name":..}}
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)   # extra template variables (enable_thinking)
+    grammar: Grammar | None = None                    # constrained output (response_format)
 
 
 @dataclass(slots=True)
@@ -37,6 +66,8 @@ class TokenEvent:
     token_id: int
     text: str                       # newly completed text (UTF-8 safe; may be "")
     index: int                      # 0-based position in the completion
+    logprob: float | None = None    # log-probability of token_id under the model (raw logits), when asked
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)   # (token id, logprob), most likely first
 
 
 @dataclass(slots=True)
@@ -56,15 +87,22 @@ class Usage:
     disk_bytes: int = 0
     disk_wait_ms: float = 0.0
     h2d_bytes: int = 0
+    cached_tokens: int = 0          # prompt tokens served from a prefix cache (no prefix cache yet: always 0)
 
 
 @dataclass(slots=True)
 class FinalEvent:
-    finish_reason: str              # "stop" (EOS / stop string / stop id) | "length" | "cancelled"
+    finish_reason: str              # "stop" | "length" | "cancelled" | "tool_calls"
     text: str                       # the whole completion text
     token_ids: list[int]
     usage: Usage
     tail: str = ""                  # text held back as a possible stop-string prefix, never streamed in a TokenEvent
+    # why "stop" (or "tool_calls") fired: "eos" (a model EOS id), "stop_token" (one of stop_token_ids),
+    # "stop_string", "grammar" (the constrained output is complete); "" for length / cancelled
+    stop_reason: str = ""
+    stop_string: str = ""           # the stop string that fired
+    stop_token_id: int | None = None  # the EOS / stop id that fired (not part of token_ids)
+    tool_calls: list[ToolCall] = field(default_factory=list)   # parsed from the text when the request had tools
 
 
 Event = TokenEvent | FinalEvent
@@ -115,7 +153,7 @@ class ServerInfo:
 class Engine(Protocol):
     def submit(self, request: GenerateRequest, deadline: float | None = None) -> RequestHandle: ...
     # raises InvalidRequestError (bad params / prompt too long), QueueFullError, StoreUnavailableError
-    def tokenize(self, text: str, add_special: bool = False) -> list[int]: ...
+    def tokenize(self, text: str, add_special: bool = False, parse_special: bool = False) -> list[int]: ...
     def detokenize(self, ids: list[int]) -> str: ...
     def model_info(self) -> ModelInfo: ...
     def server_info(self) -> ServerInfo: ...

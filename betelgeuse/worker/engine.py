@@ -22,7 +22,8 @@ from betelgeuse.errors import (BetelgeuseError, CancelledError, InvalidRequestEr
 from betelgeuse.gguf.qtypes import qtype_name
 from betelgeuse.logs import event
 from betelgeuse.model.generate import TextStream
-from betelgeuse.model.sampler import make_generator, sample, validate
+from betelgeuse.model.sampler import (apply_allowed, apply_penalties, make_generator, sample, token_logprobs,
+                                      validate)
 from betelgeuse.store.client import StoreClient
 from betelgeuse.tokenizer import Tokenizer
 from betelgeuse.worker.api import GenerateRequest, ModelInfo, ServerInfo, TokenEvent
@@ -37,6 +38,8 @@ class LLMEngine:
         self.cfg = cfg
         self.runner = ModelRunner(cfg, store)
         self.tokenizer = Tokenizer.from_metadata(self.runner.file.metadata)
+        from betelgeuse.grammar import Grammars
+        self.grammars = Grammars(self.tokenizer)
         self.metrics = metrics
         self.on_tick = on_tick                      # called every loop turn (watchdog ping)
         self.waiting: deque[Sequence] = deque()
@@ -59,10 +62,11 @@ class LLMEngine:
         elif req.messages is not None:
             if not req.messages:
                 raise InvalidRequestError("messages is empty")
-            ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True),
-                                        add_special=False)
+            # control tokens come only from the template (encode_chat), never from the messages' text
+            ids = self.tokenizer.encode_chat(req.messages, add_generation_prompt=True, tools=req.tools,
+                                             template_kwargs=req.chat_template_kwargs)
         else:
-            ids = self.tokenizer.encode(req.prompt_text, add_special=False)
+            ids = self.tokenizer.encode(req.prompt_text, add_special=False, parse_special=req.parse_special)
         if not ids:
             raise InvalidRequestError("the prompt is empty")
         n_vocab = self.runner.mcfg.n_vocab
@@ -81,8 +85,8 @@ class LLMEngine:
 
     def _submit(self, req: GenerateRequest, deadline: float | None) -> RequestHandle:
         validate(req.sampling)
-        if req.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be >= 1, got {req.max_tokens}")
+        if req.max_tokens is not None and (isinstance(req.max_tokens, bool) or req.max_tokens < 1):
+            raise InvalidRequestError(f"max_tokens must be >= 1 (or unset: until EOS or the context), got {req.max_tokens}")
         bad = next((t for t in req.stop_token_ids if not 0 <= t < self.runner.mcfg.n_vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"stop token id {bad} is out of range [0, {self.runner.mcfg.n_vocab})")
@@ -93,9 +97,11 @@ class LLMEngine:
         if not self.store_ok:
             raise StoreUnavailableError("the expert store is unavailable; retry when health is SERVING")
         stop_ids = set(req.stop_token_ids) | (set() if req.ignore_eos else set(self.tokenizer.eos_ids))
-        seq = Sequence(req, ids, min(req.max_tokens, ctx - len(ids)), frozenset(stop_ids),
+        constraint, parse_tools = self._constraint(req)
+        room = ctx - len(ids)
+        seq = Sequence(req, ids, room if req.max_tokens is None else min(req.max_tokens, room), frozenset(stop_ids),
                        TextStream(self.tokenizer, req.stop), deadline=deadline,
-                       generator=make_generator(req.sampling))
+                       generator=make_generator(req.sampling), constraint=constraint, parse_tools=parse_tools)
         with self.cv:
             if len(self.waiting) >= self.cfg.max_queue:
                 raise QueueFullError(f"the request queue is full ({self.cfg.max_queue} waiting); retry later")
@@ -103,6 +109,28 @@ class LLMEngine:
             self.cv.notify_all()
         self._gauges()
         return RequestHandle(seq, self._wake)
+
+    def _constraint(self, req: GenerateRequest):
+        """(grammar constraint or None, parse tool calls?) from response_format and tools / tool_choice."""
+        from betelgeuse.grammar import tool_call_grammar
+        choice, tools = req.tool_choice, req.tools or []
+        if req.tools is not None and not isinstance(req.tools, list):
+            raise InvalidRequestError("tools must be a list")
+        if choice not in (None, "none", "auto", "required") and not (
+                isinstance(choice, dict) and isinstance((choice.get("function") or {}).get("name"), str)):
+            raise InvalidRequestError('tool_choice must be "none", "auto", "required" or '
+                                      '{"type": "function", "function": {"name": ...}}')
+        if choice not in (None, "none", "auto") and not tools:
+            raise InvalidRequestError("tool_choice needs tools")
+        forced = None
+        if choice == "required":
+            forced = tool_call_grammar(tools, None)
+        elif isinstance(choice, dict):
+            forced = tool_call_grammar(tools, choice["function"]["name"])
+        if forced is not None and req.grammar is not None:
+            raise InvalidRequestError("response_format cannot be combined with a forced tool_choice")
+        g = forced or req.grammar
+        return (self.grammars.constraint(g) if g is not None else None), bool(tools) and choice != "none"
 
     def _wake(self):
         with self.cv:
@@ -186,11 +214,19 @@ class LLMEngine:
             self._emit_token(seq, out[0])
 
     def _emit_token(self, seq: Sequence, logits: torch.Tensor):
-        tok = sample(logits, seq.request.sampling, seq.generator)
+        sp = seq.request.sampling
+        x = apply_penalties(logits, sp, seq.prompt_ids, seq.out_ids)
+        if seq.constraint is not None:
+            x = apply_allowed(x, seq.constraint.allowed())
+        tok = sample(x, sp, seq.generator)
         now = time.monotonic()
         if tok in seq.stop_ids:
-            self._finish(seq, "stop")
+            kind = "stop_token" if tok in seq.request.stop_token_ids else "eos"
+            self._finish(seq, "stop", kind, tok)
             return
+        lp, top = token_logprobs(logits, tok, sp.top_logprobs) if sp.logprobs or sp.top_logprobs else (None, [])
+        if seq.constraint is not None:
+            seq.constraint.accept(tok)
         if not seq.out_ids:
             seq.t_first = now
             seq.usage.ttft_ms = (now - seq.arrival) * 1e3
@@ -201,9 +237,16 @@ class LLMEngine:
         seq.t_last = now
         seq.out_ids.append(tok)
         text = seq.stream.push(tok)
-        seq.emit(TokenEvent(token_id=tok, text=text, index=len(seq.out_ids) - 1))
+        grammar_done = seq.constraint is not None and seq.constraint.done
+        if not seq.stream.stopped and (grammar_done or len(seq.out_ids) >= seq.max_tokens):
+            # the last token (length / complete grammar): its event carries the held-back text too, so a client
+            # reading only TokenEvents has all of it; FinalEvent.tail is then "" (it stays for EOS / stop ids)
+            text += seq.stream.flush()
+        seq.emit(TokenEvent(token_id=tok, text=text, index=len(seq.out_ids) - 1, logprob=lp, top_logprobs=top))
         if seq.stream.stopped:
-            self._finish(seq, "stop")
+            self._finish(seq, "stop", "stop_string")
+        elif grammar_done:
+            self._finish(seq, "stop", "grammar")
         elif len(seq.out_ids) >= seq.max_tokens:
             self._finish(seq, "length")
 
@@ -228,7 +271,7 @@ class LLMEngine:
             m.h2d_bytes.inc(st.h2d_bytes)
             m.h2d_seconds.inc(sum(l.copy_ms for l in st.layers) / 1e3)
 
-    def _finish(self, seq: Sequence, reason: str):
+    def _finish(self, seq: Sequence, reason: str, stop_reason: str = "", stop_token_id: int | None = None):
         if seq in self.running:
             self.running.remove(seq)
         seq.kv = None
@@ -237,7 +280,7 @@ class LLMEngine:
         # decode passes produce tokens 2..n; the first comes from the prefill pass
         if u.predicted_ms > 0 and u.predicted_n > 1:
             u.predicted_per_second = (u.predicted_n - 1) / (u.predicted_ms / 1e3)
-        seq.finish(reason)
+        seq.finish(reason, stop_reason, stop_token_id)
         self._log_request(seq, "deadline_exceeded" if reason == "cancelled" and seq.expired and not seq.cancelled
                           else reason)
         if self.metrics:
@@ -298,8 +341,8 @@ class LLMEngine:
                 time.sleep(0.5)
 
     # ---- info ---------------------------------------------------------------------------------------
-    def tokenize(self, text: str, add_special: bool = False) -> list[int]:
-        return self.tokenizer.encode(text, add_special=add_special)
+    def tokenize(self, text: str, add_special: bool = False, parse_special: bool = False) -> list[int]:
+        return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
 
     def detokenize(self, ids: list[int]) -> str:
         n = self.runner.mcfg.n_vocab

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from betelgeuse.errors import BetelgeuseError, CancelledError
 from betelgeuse.model.generate import TextStream
-from betelgeuse.worker.api import Event, FinalEvent, GenerateRequest, Usage
+from betelgeuse.worker.api import Event, FinalEvent, GenerateRequest, ToolCall, Usage
 
 _ids = itertools.count(1)
 _END = object()
@@ -35,6 +35,8 @@ class Sequence:
     t_last: float = 0.0
     usage: Usage = field(default_factory=Usage)
     finished: bool = False
+    constraint: object = None                     # grammar.Constraint | None (response_format, forced tool call)
+    parse_tools: bool = False                     # the request has tools: parse <tool_call> blocks at the end
 
     @property
     def expired(self) -> bool:
@@ -48,11 +50,19 @@ class Sequence:
         self.events.put(err)
         self.events.put(_END)
 
-    def finish(self, reason: str):
+    def finish(self, reason: str, stop_reason: str = "", stop_token_id: int | None = None):
         self.finished = True
         tail = self.stream.flush() if not self.stream.stopped else ""
+        calls: list[ToolCall] = []
+        if self.parse_tools and reason in ("stop", "length"):
+            from betelgeuse.toolcalls import parse_tool_calls
+            calls = parse_tool_calls(self.stream.text)[1]
+            if calls and reason == "stop":
+                reason = "tool_calls"
         self.emit(FinalEvent(finish_reason=reason, text=self.stream.text, token_ids=list(self.out_ids),
-                             usage=self.usage, tail=tail))
+                             usage=self.usage, tail=tail, stop_reason=stop_reason,
+                             stop_string=self.stream.matched if stop_reason == "stop_string" else "",
+                             stop_token_id=stop_token_id, tool_calls=calls))
         self.events.put(_END)
 
 

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP front (FastAPI + uvicorn), run inside the worker beside gRPC."""

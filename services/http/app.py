@@ -1,0 +1,470 @@
+"""The OpenAI-compatible HTTP front (FastAPI): the same engine, queue, limits and metrics as gRPC.
+
+    POST /v1/chat/completions   POST /v1/completions   GET /v1/models[/{id}]
+    GET /health                 POST /tokenize         POST /detokenize        (llama.cpp's names)
+
+Streaming is server-sent events as OpenAI sends them (`data: {chunk}` ... `data: [DONE]`). Every byte of
+text reaches the client in a delta: the text held back as a possible stop-string prefix is sent as a last
+delta before the finish chunk. Errors are OpenAI's body {"error": {"message", "type", "param", "code"}} with
+the HTTP status of the problem, never a traceback; an error after a stream started is one `data: {"error":..}`
+event followed by `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from betelgeuse.errors import (BetelgeuseError, CancelledError, InvalidRequestError, ModelFormatError,
+                               QueueFullError, StoreUnavailableError)
+from betelgeuse.toolcalls import ToolCallStream, parse_tool_calls
+from betelgeuse.worker import api
+from services.http import protocol as p
+
+log = logging.getLogger("betelgeuse.http")
+
+# error class -> (HTTP status, OpenAI error type, gRPC code name for betelgeuse_requests_total)
+ERRORS = [
+    (InvalidRequestError, 400, "invalid_request_error", "INVALID_ARGUMENT"),
+    (QueueFullError, 429, "rate_limit_error", "RESOURCE_EXHAUSTED"),
+    (StoreUnavailableError, 503, "service_unavailable_error", "UNAVAILABLE"),
+    (CancelledError, 499, "cancelled", "CANCELLED"),
+    (ModelFormatError, 500, "server_error", "FAILED_PRECONDITION"),
+]
+MAX_BODY_BYTES = 32 * 1024 * 1024   # a request body larger than this is refused (413) before it is read or parsed
+STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
+                429: "rate_limit_error", 503: "service_unavailable_error"}
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def classify(e: BaseException) -> tuple[int, dict, str]:
+    """(HTTP status, OpenAI error body, gRPC-style code name) of an exception."""
+    for cls, status, type_, code in ERRORS:
+        if isinstance(e, cls):
+            return status, error_body(str(e), type_, getattr(e, "param", None)), code
+    if isinstance(e, BetelgeuseError):
+        return 400, error_body(str(e), "invalid_request_error"), "INVALID_ARGUMENT"
+    return 500, error_body("internal error; see the worker log", "server_error"), "INTERNAL"
+
+
+def _usage(u: api.Usage, n_out: int) -> dict:
+    return {"prompt_tokens": u.prompt_n, "completion_tokens": n_out, "total_tokens": u.prompt_n + n_out,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
+def _timings(u: api.Usage) -> dict:
+    """llama.cpp's `timings` object plus our expert-tier and disk figures."""
+    return {f: getattr(u, f) for f in api.Usage.__dataclass_fields__}
+
+
+def _stop_reason(f: api.FinalEvent):
+    """vLLM's choice.stop_reason: the stop string or token id that fired; None for EOS and the rest."""
+    if f.stop_reason == "stop_string":
+        return f.stop_string
+    if f.stop_reason == "stop_token":
+        return f.stop_token_id
+    return None
+
+
+def _tool_call_json(c: api.ToolCall, index: int | None = None) -> dict:
+    d = {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+    if index is not None:
+        d["index"] = index
+    return d
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class Front:
+    """Routes over one engine. `metrics` (optional) gets betelgeuse_requests_total{method, code}."""
+
+    def __init__(self, engine, metrics=None):
+        self.engine, self.metrics = engine, metrics
+        mi = engine.model_info()
+        self.model_name = mi.name or "betelgeuse"
+        self.created = int(time.time())
+        self.tok = getattr(engine, "tokenizer", None)
+
+    # ---- helpers ---------------------------------------------------------------------------------------------
+    def count(self, method: str, code: str):
+        if self.metrics is not None:
+            self.metrics.requests.labels(method=method, code=code).inc()
+
+    def check_model(self, name: str):
+        import os
+        mi = self.engine.model_info()
+        names = {self.model_name, os.path.basename(mi.path), os.path.splitext(os.path.basename(mi.path))[0]}
+        if name not in names:
+            raise ModelNotFound(name, self.model_name)
+
+    def piece(self, tid: int) -> str:
+        return self.tok.id_to_piece(tid) if self.tok is not None else ""
+
+    def token_bytes(self, tid: int) -> list[int]:
+        return list(self.tok.token_bytes(tid)) if self.tok is not None else []
+
+    def chat_logprobs(self, ev: api.TokenEvent) -> dict:
+        return {"token": self.piece(ev.token_id), "logprob": ev.logprob, "bytes": self.token_bytes(ev.token_id),
+                "top_logprobs": [{"token": self.piece(i), "logprob": lp, "bytes": self.token_bytes(i)}
+                                 for i, lp in ev.top_logprobs]}
+
+    def submit(self, req: api.GenerateRequest):
+        req.request_id = req.request_id or uuid.uuid4().hex
+        return self.engine.submit(req)
+
+    # ---- chat ------------------------------------------------------------------------------------------------
+    def chat_full(self, body: p.ChatCompletionRequest, req: api.GenerateRequest) -> dict:
+        handle = self.submit(req)
+        lps, final = [], None
+        try:
+            for ev in handle:
+                if isinstance(ev, api.TokenEvent):
+                    if req.sampling.logprobs:
+                        lps.append(self.chat_logprobs(ev))
+                else:
+                    final = ev
+        finally:
+            handle.cancel()
+        assert final is not None
+        text = final.text + final.tail
+        content, calls = text, []
+        if req.tools and req.tool_choice != "none":
+            content, calls = parse_tool_calls(text)
+            calls = final.tool_calls or calls
+        msg: dict[str, Any] = {"role": "assistant", "content": content if (content or not calls) else None}
+        if calls:
+            msg["tool_calls"] = [_tool_call_json(c) for c in calls]
+        choice = {"index": 0, "message": msg, "logprobs": {"content": lps} if req.sampling.logprobs else None,
+                  "finish_reason": final.finish_reason, "stop_reason": _stop_reason(final)}
+        return {"id": f"chatcmpl-{req.request_id}", "object": "chat.completion", "created": int(time.time()),
+                "model": body.model, "choices": [choice], "usage": _usage(final.usage, len(final.token_ids)),
+                "timings": _timings(final.usage)}
+
+    async def chat_stream(self, body: p.ChatCompletionRequest, req: api.GenerateRequest, handle):
+        cid, created = f"chatcmpl-{req.request_id}", int(time.time())
+        parse = bool(req.tools) and req.tool_choice != "none"
+        calls = ToolCallStream() if parse else None
+        n_calls = 0
+
+        def chunk(delta: dict, finish=None, logprobs=None, **extra) -> str:
+            c = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            c.update(extra)
+            return _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": body.model,
+                         "choices": [c]})
+
+        def deltas(text: str, flush: bool = False) -> list[dict]:
+            nonlocal n_calls
+            if calls is None:
+                return [{"content": text}] if text else []
+            out = []
+            for kind, x in calls.push(text) + (calls.flush() if flush else []):
+                if kind == "content":
+                    out.append({"content": x})
+                else:
+                    out.append({"tool_calls": [_tool_call_json(x, n_calls)]})
+                    n_calls += 1
+            return out
+
+        yield chunk({"role": "assistant", "content": ""})
+        async for ev in _events(handle):
+            if isinstance(ev, BaseException):
+                status, err, code = classify(ev)
+                self.count("ChatCompletions", code)
+                yield _sse(err)
+                break
+            if isinstance(ev, api.TokenEvent):
+                ds = deltas(ev.text)
+                lp = {"content": [self.chat_logprobs(ev)]} if req.sampling.logprobs else None
+                if lp is not None and not ds:
+                    ds = [{"content": ""}]
+                for i, d in enumerate(ds):
+                    yield chunk(d, logprobs=lp if i == 0 else None)
+                continue
+            for d in deltas(ev.tail, flush=True):
+                yield chunk(d)
+            finish = ev.finish_reason
+            if finish == "stop" and n_calls:
+                finish = "tool_calls"
+            yield chunk({}, finish=finish, stop_reason=_stop_reason(ev))
+            if body.stream_options and body.stream_options.include_usage:
+                yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": body.model,
+                            "choices": [], "usage": _usage(ev.usage, len(ev.token_ids)),
+                            "timings": _timings(ev.usage)})
+            self.count("ChatCompletions", "OK")
+        yield "data: [DONE]\n\n"
+
+    # ---- completions -----------------------------------------------------------------------------------------
+    def legacy_logprobs(self, evs: list[api.TokenEvent], offset0: int = 0) -> dict:
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        off = offset0
+        for ev in evs:
+            out["tokens"].append(self.piece(ev.token_id))
+            out["token_logprobs"].append(ev.logprob)
+            out["top_logprobs"].append({self.piece(i): lp for i, lp in ev.top_logprobs})
+            out["text_offset"].append(off)
+            off += len(ev.text)
+        return out
+
+    def completion_full(self, body: p.CompletionRequest, req: api.GenerateRequest) -> dict:
+        handle = self.submit(req)
+        evs, final = [], None
+        try:
+            for ev in handle:
+                if isinstance(ev, api.TokenEvent):
+                    evs.append(ev)
+                else:
+                    final = ev
+        finally:
+            handle.cancel()
+        choice = {"index": 0, "text": final.text + final.tail,
+                  "logprobs": self.legacy_logprobs(evs) if req.sampling.logprobs else None,
+                  "finish_reason": final.finish_reason, "stop_reason": _stop_reason(final)}
+        return {"id": f"cmpl-{req.request_id}", "object": "text_completion", "created": int(time.time()),
+                "model": body.model, "choices": [choice], "usage": _usage(final.usage, len(final.token_ids)),
+                "timings": _timings(final.usage)}
+
+    async def completion_stream(self, body: p.CompletionRequest, req: api.GenerateRequest, handle):
+        cid, created = f"cmpl-{req.request_id}", int(time.time())
+        offset = 0
+
+        def chunk(text: str, finish=None, logprobs=None, **extra) -> str:
+            c = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            c.update(extra)
+            return _sse({"id": cid, "object": "text_completion", "created": created, "model": body.model,
+                         "choices": [c]})
+
+        async for ev in _events(handle):
+            if isinstance(ev, BaseException):
+                status, err, code = classify(ev)
+                self.count("Completions", code)
+                yield _sse(err)
+                break
+            if isinstance(ev, api.TokenEvent):
+                if ev.text or req.sampling.logprobs:
+                    lp = self.legacy_logprobs([ev], offset) if req.sampling.logprobs else None
+                    yield chunk(ev.text, logprobs=lp)
+                offset += len(ev.text)
+                continue
+            if ev.tail:
+                yield chunk(ev.tail)
+            yield chunk("", finish=ev.finish_reason, stop_reason=_stop_reason(ev))
+            if body.stream_options and body.stream_options.include_usage:
+                yield _sse({"id": cid, "object": "text_completion", "created": created, "model": body.model,
+                            "choices": [], "usage": _usage(ev.usage, len(ev.token_ids)),
+                            "timings": _timings(ev.usage)})
+            self.count("Completions", "OK")
+        yield "data: [DONE]\n\n"
+
+
+class ModelNotFound(BetelgeuseError):
+    def __init__(self, name: str, served: str):
+        super().__init__(f"the model {name!r} does not exist; this server serves {served!r} (GET /v1/models)")
+
+
+async def _events(handle):
+    """The handle's events, pulled on worker threads (the engine's queue blocks); an exception is yielded, not
+    raised. Leaving early (client gone) cancels the request in the engine."""
+    it = iter(handle)
+    done = object()
+
+    def nxt():
+        try:
+            return next(it, done)
+        except BaseException as e:       # noqa: BLE001 (a BetelgeuseError from the engine, or a bug)
+            return e
+    try:
+        while True:
+            ev = await anyio.to_thread.run_sync(nxt, abandon_on_cancel=True)
+            if ev is done:
+                return
+            yield ev
+            if isinstance(ev, BaseException):
+                return
+    finally:
+        handle.cancel()
+
+
+def _first_param(exc: RequestValidationError) -> tuple[str | None, str]:
+    errs = exc.errors()
+    if not errs:
+        return None, "invalid request"
+    e = errs[0]
+    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    param = ".".join(loc) or None
+    msg = e.get("msg", "invalid value")
+    if e.get("type") == "json_invalid":
+        return None, "the request body is not valid JSON"
+    if e.get("type") == "missing":
+        return param, f"missing required parameter: {param}"
+    return param, f"{param}: {msg}" if param else msg
+
+
+def build_app(engine, metrics=None) -> FastAPI:
+    front = Front(engine, metrics)
+    app = FastAPI(title="Betelgeuse OpenAI-compatible API", version="1",
+                  description="OpenAI-compatible chat/completions over the Betelgeuse engine.")
+    app.state.front = front
+
+    @app.middleware("http")
+    async def _body_limit(request: Request, call_next):
+        n = request.headers.get("content-length")
+        if n is not None and (not n.isdigit() or int(n) > MAX_BODY_BYTES):
+            front.count(_method(request), "INVALID_ARGUMENT")
+            return JSONResponse(error_body(f"the request body is larger than {MAX_BODY_BYTES} bytes",
+                                           "invalid_request_error"), status_code=413)
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        param, msg = _first_param(exc)
+        front.count(_method(request), "INVALID_ARGUMENT")
+        return JSONResponse(error_body(msg, "invalid_request_error", param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        msg = exc.detail if isinstance(exc.detail, str) else "error"
+        if exc.status_code == 404:
+            msg = f"no such endpoint: {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            msg = f"method {request.method} is not allowed on {request.url.path}"
+        return JSONResponse(error_body(msg, STATUS_TYPES.get(exc.status_code, "invalid_request_error")),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(ModelNotFound)
+    async def _model(request: Request, exc: ModelNotFound):
+        front.count(_method(request), "NOT_FOUND")
+        return JSONResponse(error_body(str(exc), "invalid_request_error", "model", "model_not_found"), status_code=404)
+
+    @app.exception_handler(BetelgeuseError)        # the user's problem: handled in ExceptionMiddleware, no re-raise
+    async def _ours(request: Request, exc: BetelgeuseError):
+        status, body, code = classify(exc)
+        front.count(_method(request), code)
+        return JSONResponse(body, status_code=status)
+
+    @app.exception_handler(Exception)              # a bug: Starlette's ServerErrorMiddleware logs it once
+    async def _any(request: Request, exc: Exception):
+        status, body, code = classify(exc)
+        if status >= 500:
+            log.error("internal error in %s %s", request.method, request.url.path, exc_info=exc)
+        front.count(_method(request), code)
+        return JSONResponse(body, status_code=status)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: p.ChatCompletionRequest):
+        front.check_model(body.model)
+        req = p.chat_request(body)
+        if body.stream:
+            handle = await anyio.to_thread.run_sync(front.submit, req)    # errors before the stream: a status
+            return StreamingResponse(front.chat_stream(body, req, handle), media_type="text/event-stream")
+        out = await anyio.to_thread.run_sync(front.chat_full, body, req)
+        front.count("ChatCompletions", "OK")
+        return out
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: p.CompletionRequest):
+        front.check_model(body.model)
+        req = p.completion_request(body)
+        if body.stream:
+            handle = await anyio.to_thread.run_sync(front.submit, req)
+            return StreamingResponse(front.completion_stream(body, req, handle), media_type="text/event-stream")
+        out = await anyio.to_thread.run_sync(front.completion_full, body, req)
+        front.count("Completions", "OK")
+        return out
+
+    def model_card() -> dict:
+        mi = engine.model_info()
+        return {"id": front.model_name, "object": "model", "created": front.created, "owned_by": "betelgeuse",
+                "max_model_len": mi.context_length,
+                "meta": {"arch": mi.arch, "quant": mi.quant, "n_layer": mi.n_layer, "n_expert": mi.n_expert,
+                         "n_expert_used": mi.n_expert_used, "n_vocab": mi.n_vocab, "routing": mi.routing}}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id}")
+    async def model(model_id: str):
+        front.check_model(model_id)
+        return model_card()
+
+    @app.get("/health")
+    async def health():
+        if engine.is_ready():
+            return {"status": "ok"}
+        return JSONResponse(error_body("not ready: loading, or the expert store is unavailable",
+                                       "service_unavailable_error"), status_code=503)
+
+    @app.post("/tokenize")
+    async def tokenize(body: p.TokenizeRequest):
+        ids = await anyio.to_thread.run_sync(engine.tokenize, body.content, body.add_special, body.parse_special)
+        if body.with_pieces:
+            return {"tokens": [{"id": i, "piece": front.piece(i)} for i in ids]}
+        return {"tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: p.DetokenizeRequest):
+        return {"content": await anyio.to_thread.run_sync(engine.detokenize, body.tokens)}
+
+    app.openapi = lambda: _openapi(app)
+    return app
+
+
+ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema, with what this server really answers: 400 (not 422) with OpenAI's error body,
+    the other error statuses, and SSE for the streaming endpoints."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+    doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    err = {"description": "error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    doc.setdefault("components", {}).setdefault("schemas", {})["Error"] = ERROR_SCHEMA
+    for path, ops in doc.get("paths", {}).items():
+        for method, op in ops.items():
+            rs = op.setdefault("responses", {})
+            rs.pop("422", None)
+            codes = ["500"]
+            if method == "post" or "{" in path:
+                codes.append("400")
+            if path.startswith("/v1/") and (method == "post" or "{" in path):
+                codes.append("404")
+            if path in ("/v1/chat/completions", "/v1/completions"):
+                codes += ["429", "503"]
+                rs["200"]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+            if path == "/health":
+                codes.append("503")
+            for c in codes:
+                rs[c] = err
+    for name in ("HTTPValidationError", "ValidationError"):
+        doc["components"]["schemas"].pop(name, None)
+    app.openapi_schema = doc
+    return doc
+
+
+METHODS = {"/v1/chat/completions": "ChatCompletions", "/v1/completions": "Completions", "/tokenize": "HttpTokenize",
+           "/detokenize": "HttpDetokenize"}
+
+
+def _method(request: Request) -> str:
+    """A bounded label set for betelgeuse_requests_total (a fuzzer's random paths must not grow it)."""
+    return METHODS.get(request.url.path, "HttpOther")

@@ -1,0 +1,230 @@
+"""OpenAI request bodies (pydantic), and their conversion to api.GenerateRequest (from_openai).
+
+Field names, types and ranges follow the OpenAI API reference; vLLM's extras (top_k, min_p,
+repetition_penalty, chat_template_kwargs, stop_token_ids, ignore_eos) are accepted too. Unknown fields are
+ignored (as vLLM does: agent frameworks send user, metadata, store, ...); fields we know and cannot honour
+are refused with a 400 naming them (see UNSUPPORTED).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from betelgeuse.errors import InvalidRequestError
+from betelgeuse.worker import api
+
+MAX_STOP = 16
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextPart(_Model):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Model):
+    name: str
+    arguments: str = "{}"                       # JSON text (OpenAI's shape)
+
+
+class ToolCallIn(_Model):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[Union[TextPart, dict[str, Any]]], None] = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(_Model):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Model):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaSpec(_Model):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+Temperature = Annotated[float, Field(ge=0, le=2)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+
+
+class _Sampling(_Model):
+    model: str
+    temperature: Temperature | None = None      # OpenAI's default: 1
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None          # vLLM: -1 or 0 = off
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Field(ge=0.01, le=10)] | None = None
+    seed: Annotated[int, Field(ge=0, lt=2**64)] | None = None
+    stop: Union[str, Annotated[list[str], Field(max_length=MAX_STOP)], None] = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    ignore_eos: bool = False
+    n: Annotated[int, Field(ge=1)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, Annotated[list[str], Field(min_length=1, max_length=1)],
+                  Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]]
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None     # legacy: the number of top alternatives
+    echo: bool = False
+    suffix: str | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = None
+    parse_special: bool = False                 # ours: special-token text in the prompt becomes control tokens
+
+
+class TokenizeRequest(_Model):
+    content: str
+    add_special: bool = False
+    parse_special: bool = False
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(_Model):
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+# ---- conversion ------------------------------------------------------------------------------------------------
+
+
+class UnsupportedParam(InvalidRequestError):
+    """A known OpenAI field whose value we cannot honour (HTTP 400, param = the field)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _common(r: _Sampling) -> dict:
+    if r.n not in (None, 1):
+        raise UnsupportedParam("n", "n must be 1 (one choice per request)")
+    if r.logit_bias:
+        raise UnsupportedParam("logit_bias", "logit_bias is not supported")
+    top_k = r.top_k or 0
+    return dict(
+        sampling=api.SamplingParams(
+            temperature=1.0 if r.temperature is None else r.temperature,
+            top_k=0 if top_k < 0 else top_k, top_p=1.0 if r.top_p is None else r.top_p, seed=r.seed,
+            min_p=r.min_p or 0.0, presence_penalty=r.presence_penalty or 0.0,
+            frequency_penalty=r.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if r.repetition_penalty is None else r.repetition_penalty),
+        stop=[r.stop] if isinstance(r.stop, str) else list(r.stop or []),
+        stop_token_ids=list(r.stop_token_ids or []), ignore_eos=r.ignore_eos)
+
+
+def _content(m: Message) -> str:
+    if m.content is None or isinstance(m.content, str):
+        return m.content or ""
+    out = []
+    for part in m.content:
+        if isinstance(part, TextPart):
+            out.append(part.text)
+        else:
+            kind = part.get("type") if isinstance(part, dict) else None
+            raise UnsupportedParam("messages", f"content part type {kind!r} is not supported (text only)")
+    return "".join(out)
+
+
+def chat_request(r: ChatCompletionRequest) -> api.GenerateRequest:
+    kw = _common(r)
+    messages = []
+    for m in r.messages:
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": _content(m)}
+        if m.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function",
+                                "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                               for c in m.tool_calls]
+        if m.tool_call_id:
+            d["tool_call_id"] = m.tool_call_id
+        if m.name:
+            d["name"] = m.name
+        messages.append(d)
+    grammar = None
+    rf = r.response_format
+    if rf is not None and rf.type == "json_object":
+        grammar = api.Grammar("json_object")
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise UnsupportedParam("response_format", "response_format json_schema needs json_schema.schema")
+        grammar = api.Grammar("json_schema", rf.json_schema.schema_)
+    tc = r.tool_choice
+    choice = tc.model_dump() if isinstance(tc, NamedToolChoice) else tc
+    kw["sampling"].logprobs = r.logprobs or bool(r.top_logprobs)
+    kw["sampling"].top_logprobs = r.top_logprobs or 0
+    return api.GenerateRequest(
+        messages=messages, max_tokens=r.max_completion_tokens or r.max_tokens,
+        tools=[t.model_dump(exclude_none=True) for t in r.tools] if r.tools else None,
+        tool_choice=choice, chat_template_kwargs=dict(r.chat_template_kwargs or {}), grammar=grammar, **kw)
+
+
+def completion_request(r: CompletionRequest) -> api.GenerateRequest:
+    kw = _common(r)
+    if r.echo:
+        raise UnsupportedParam("echo", "echo is not supported")
+    if r.suffix:
+        raise UnsupportedParam("suffix", "suffix (fill-in-the-middle) is not supported")
+    if r.best_of not in (None, 1):
+        raise UnsupportedParam("best_of", "best_of must be 1")
+    p = r.prompt
+    text, ids = (p, None) if isinstance(p, str) else (p[0], None) if isinstance(p[0], str) else (None, list(p))
+    if r.logprobs is not None:
+        kw["sampling"].logprobs, kw["sampling"].top_logprobs = True, r.logprobs
+    return api.GenerateRequest(prompt_text=text, prompt_ids=ids, max_tokens=r.max_tokens,
+                               parse_special=r.parse_special, **kw)
