@@ -76,6 +76,13 @@ def cluster_logs(c: Cluster) -> str:
     return "\n".join(f"--- {p.name} log ---\n{p.log()[-3000:]}" for p in (c.store, c.worker) if p is not None)
 
 
+def print_logs(folder: Path, names=("store.log", "worker.log"), tail: int = 3000) -> None:
+    """After a failure: the end of each process log in `folder` (pytest shows it with the failure)."""
+    for name in names:
+        if (Path(folder) / name).exists():
+            print(f"--- {name} ---\n{(Path(folder) / name).read_text()[-tail:]}")
+
+
 def write_toml(path: Path, sections: dict[str, dict]) -> Path:
     """A small TOML writer (str, int, bool, list of str): enough for betelgeuse.toml test configs."""
     def val(v):

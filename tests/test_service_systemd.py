@@ -163,9 +163,7 @@ def test_units_start_the_processes_and_notify(service_model, tmp_path):
         store_n.wait_for("STOPPING", "1", timeout=5)
         assert store.returncode == 0, (tmp_path / "store.log").read_text()[-2000:]
     except BaseException:
-        for name in ("store.log", "worker.log"):
-            if (tmp_path / name).exists():
-                print(f"--- {name} ---\n{(tmp_path / name).read_text()[-3000:]}")
+        h.print_logs(tmp_path)
         raise
     finally:
         for p in (worker, store):

@@ -175,9 +175,7 @@ def test_processes_make_only_allowed_syscalls(service_model, tmp_path):
             r = h.run_stream(h.stub(ch).Generate(h.request(text="Hello", max_tokens=3, ignore_eos=True), timeout=120))
             assert r.code is None and len(r.tokens) == 3, r.details
     except BaseException:
-        for name in ("store.log", "worker.log"):
-            if (tmp_path / name).exists():
-                print(f"--- {name} ---\n{(tmp_path / name).read_text()[-3000:]}")
+        h.print_logs(tmp_path)
         raise
     finally:
         for p in (worker, store):
