@@ -240,6 +240,78 @@ class ModelRunner:
         self._collect_times(stats)
         return logits, stats
 
+    def decode_batch(self, tokens: list[int], kvs: list[KVCache]) -> tuple[torch.Tensor, PassStats]:
+        """One decode token for each of several sequences in ONE pass (continuous batching): attention, routing
+        and the output head per sequence, the MoE step over all their rows at once (each expert loaded once per
+        layer for every sequence that chose it). Returns logits [n, n_vocab] float32 and the shared pass's stats.
+
+        A sequence's logits do not depend on its batch (invariant 6): everything but the MoE runs per sequence with
+        the same ops as a solo decode; the Triton expert kernels are row-invariant; the torch backend applies
+        experts one row at a time here (a solo decode step has one row per expert anyway)."""
+        n = len(tokens)
+        assert n == len(kvs) and n >= 1
+        ids_t = self.model.check_ids(tokens)
+        stats = PassStats("decode", "layer_major", n)
+        L, E = self.mcfg.n_layer, self.mcfg.n_expert
+        h2d0, calls0 = self.cache.h2d_bytes, self._calls
+        t0 = time.perf_counter()
+        self._blocked = 0.0
+        self._events = []
+        static = self._static_decode
+        sb = self.kern.sub_batch
+        try:
+            self._open_pass(stats)
+            snap = self._snap
+            self.cache.pass_begin()
+            self._counts.zero_()
+            self.kern.sub_batch = 1
+            pos = [kv.begin_static() if static else kv.begin(1) for kv in kvs]
+            xs = [self.model.embed(ids_t[i:i + 1]) for i in range(n)]
+            for l in range(L):
+                ls = LayerStats()
+                t = time.perf_counter()
+                hs, auxs, tids, tws = [], [], [], []
+                for i in range(n):
+                    xs[i] = self.model.attention_block(l, xs[i], kvs[i], pos[i], static=static)
+                    h, aux = self.model.moe_input(l, xs[i])
+                    ti, tw = self.model.route(l, h, ids_t[i:i + 1], self._resident_mask(snap, l))
+                    hs.append(h), auxs.append(aux), tids.append(ti), tws.append(tw)
+                t1 = time.perf_counter()
+                ls.attn_s = t1 - t
+                routed = self._moe_layer(l, torch.cat(hs), torch.cat(tids), torch.cat(tws), snap, stats, ls, False)
+                for i in range(n):
+                    xs[i] = self.model.moe_output(l, xs[i], auxs[i], hs[i], routed[i:i + 1])
+                ls.moe_s = time.perf_counter() - t1
+                stats.layers.append(ls)
+            for kv in kvs:
+                kv.commit()
+            logits = torch.cat([self.model.logits(x) for x in xs]).float()
+            tb = time.perf_counter()
+            counts = self._counts.cpu().numpy()
+            self._blocked += time.perf_counter() - tb
+        except BaseException:
+            self._abandon()
+            raise
+        finally:
+            self.kern.sub_batch = sb
+        self._usage += counts
+        for l, ls in enumerate(stats.layers):
+            if not ls.synced:
+                ls.vram = int((counts[l] > 0).sum())
+                stats.reads["vram"] += ls.vram
+        self._decode_since += 1
+        every = self.cfg.decode_consolidate_every
+        if every and self._decode_since >= every:
+            self.close_pass(True)
+        stats.seconds = time.perf_counter() - t0
+        stats.blocked_s = self._blocked
+        stats.host_s = max(0.0, stats.seconds - self._blocked)
+        stats.store_calls = self._calls - calls0
+        stats.h2d_bytes = self.cache.h2d_bytes - h2d0
+        stats.disk_wait_s += sum(x.disk_wait_s for x in stats.layers)
+        self._collect_times(stats)
+        return logits, stats
+
     def _abandon(self):
         """Close the store's pass after an exception; a dead store is the caller's problem already."""
         self._events = []
