@@ -189,6 +189,8 @@ def _seconds(value, key: str) -> float:
 
 
 def _strings(value, key: str) -> list[str]:
+    if isinstance(value, str):                   # from the environment: comma-separated
+        value = [v.strip() for v in value.split(",") if v.strip()]
     if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
         raise BetelgeuseError(f"{key}: expected a list of non-empty strings")
     return value

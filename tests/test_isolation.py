@@ -43,13 +43,28 @@ def test_extreme_accepted_parameters_give_a_token(t, top_k, top_p):
     assert 0 <= tok < N_VOCAB
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "all -inf"])
 @pytest.mark.parametrize("t", [0.0, 0.7])
 def test_non_finite_logits_are_an_internal_error(bad, t):
     x = torch.randn(N_VOCAB)
-    x[7] = bad
-    with pytest.raises(InternalError, match="non-finite"):
+    if bad == "all -inf":
+        x[:] = float("-inf")
+    else:
+        x[7] = bad
+    with pytest.raises(InternalError, match="non-finite|masked"):
         sampler.sample(x, SamplingParams(temperature=t, seed=1), sampler.make_generator(SamplingParams(seed=1)))
+
+
+@pytest.mark.parametrize("t", [0.0, 1e-38, 0.7])
+def test_masked_logits_are_not_an_error(t):
+    """-inf is a masked token (a grammar's mask): never sampled, never an error."""
+    x = torch.randn(N_VOCAB)
+    keep = [3, 11, 40]
+    mask = torch.full_like(x, float("-inf"))
+    mask[keep] = 0
+    for seed in range(10):
+        p = SamplingParams(temperature=t, seed=seed)
+        assert sampler.sample(x + mask, p, sampler.make_generator(p)) in keep
 
 
 # ---- an in-process engine ------------------------------------------------------------------------------------------

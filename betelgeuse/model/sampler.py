@@ -99,13 +99,15 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
     Numerically safe for every value validate() accepts: the logits are shifted by their maximum before
     the division, so a temperature as small as 5e-324 gives 0 for the best token and -inf (never NaN)
-    for the others, and a huge one gives a uniform draw. Non-finite logits (a model with NaN weights)
+    for the others, and a huge one gives a uniform draw. NaN or +inf logits (a model with NaN weights), or all -inf,
     raise InternalError: the request is not at fault, and only its own sequence fails."""
     validate(params)
     logits = logits.reshape(-1).float()
-    if not bool(torch.isfinite(logits).all()):
-        bad = int((~torch.isfinite(logits)).sum())
-        raise InternalError(f"the model produced {bad} non-finite logits (NaN or inf) for this sequence")
+    # -inf is a masked token (a grammar, a penalty); NaN / +inf, or nothing left, is the model's fault
+    broken = torch.isnan(logits) | torch.isposinf(logits)
+    if bool(broken.any()) or not bool(torch.isfinite(logits).any()):
+        raise InternalError(f"the model produced {int(broken.sum())} non-finite logits (NaN or +inf) for this "
+                            "sequence" if bool(broken.any()) else "every token is masked (-inf) for this sequence")
     if params.temperature == 0:
         return int(torch.argmax(logits))
     # shift, then divide in float64 (a float32 temperature of 5e-324 would be 0, and 0/0 NaN): <= 0 everywhere,
