@@ -434,17 +434,26 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args) -> int:
-    """Both processes for a development run, until Ctrl-C (or SIGTERM): then both are stopped. If a process
-    dies (or never comes up) the runtime directory with both logs is kept and named."""
+    """Both processes for a development run, supervised until SIGTERM (exit 0) or Ctrl-C (exit 130).
+
+    A child that crashes is restarted and named; the worker is stopped first (it drains), then the store;
+    further signals during the shutdown do not interrupt it, and the children die with this process
+    (PR_SET_PDEATHSIG) even if it is killed with SIGKILL. If start-up fails or the supervision gives up, the
+    runtime directory with both logs is kept and named."""
     import shutil
     import signal
     import tempfile
-    import time
+    import threading
     from services.launcher import Cluster
 
-    def _stop(*_):
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, _stop)
+    stop = threading.Event()
+    got: list[int] = []
+
+    def _on_signal(signum, _frame):              # no exception: the shutdown below must not be interrupted
+        got.append(signum)
+        stop.set()
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
     model = args.model or default_model()
     wm = args.worker_metrics or f"{args.host}:9464"
     sm = args.store_metrics or f"{args.host}:9465"
@@ -454,29 +463,33 @@ def cmd_serve(args) -> int:
                       schedule=args.schedule, sub_batch=args.sub_batch, routing=args.routing,
                       vram_backing=not args.no_vram_backing, config=args.config,
                       port=args.port, host=args.host, http=args.http, worker_metrics=wm, store_metrics=sm)
+    say = lambda msg: print(msg, file=sys.stderr, flush=True)   # noqa: E731
     clean = False
     try:
-        cluster.start_store()
-        cluster.start_worker()
-        print(f"serving {model}\n  gRPC     {cluster.listen}  (betelgeuse.v1.InferenceService, health, reflection)\n"
-              f"  metrics  http://{wm}/metrics (worker), http://{sm}/metrics (store)\n"
-              + (f"  HTTP     {cluster.http_url}/v1  (OpenAI-compatible; try: betelgeuse chat --url {cluster.http_url})\n"
-                 if cluster.http_url else "") +
-              f"  logs     {cluster.runtime_dir}/worker.log, store.log\n"
-              f"try: betelgeuse generate --server {cluster.address} --prompt 'Hello'   (Ctrl-C stops)", file=sys.stderr)
-        while cluster.worker.alive() and cluster.store.alive():
-            time.sleep(0.5)
-        dead = cluster.store if not cluster.store.alive() else cluster.worker
-        raise BetelgeuseError(f"the {dead.name} exited ({dead.popen.returncode}): {cluster._last_line(dead)}")
-    except KeyboardInterrupt:
+        try:
+            cluster.start_store()
+            if not stop.is_set():
+                cluster.start_worker(abort=stop.is_set)
+        except KeyboardInterrupt:                # a signal while starting
+            pass
+        if not stop.is_set():
+            say(f"serving {model}\n  gRPC     {cluster.listen}  (betelgeuse.v1.InferenceService, health, reflection)\n"
+                f"  metrics  http://{wm}/metrics (worker), http://{sm}/metrics (store)\n"
+                + (f"  HTTP     {cluster.http_url}/v1  (OpenAI-compatible; try: betelgeuse chat --url {cluster.http_url})\n"
+                   if cluster.http_url else "") +
+                f"  logs     {cluster.runtime_dir}/worker.log, store.log\n"
+                f"try: betelgeuse generate --server {cluster.address} --prompt 'Hello'   (Ctrl-C stops)")
+            cluster.supervise(stop, say=say)
         clean = True
-        raise
     finally:
+        if got:
+            say(f"betelgeuse: {signal.Signals(got[0]).name}: stopping the worker (draining), then the store")
         cluster.stop()
         if tmp is not None and clean:
             shutil.rmtree(tmp, ignore_errors=True)
         elif not clean:
-            print(f"{PROG}: logs kept in {cluster.runtime_dir} (store.log, worker.log)", file=sys.stderr)
+            say(f"{PROG}: logs kept in {cluster.runtime_dir} (store.log, worker.log)")
+    return 130 if got and got[0] == signal.SIGINT else 0
 
 
 def _demo_args(p: argparse.ArgumentParser) -> None:

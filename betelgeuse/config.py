@@ -42,6 +42,8 @@ class EngineConfig:
     max_queue: int = 16                 # waiting requests beyond which Generate is refused (RESOURCE_EXHAUSTED)
     read_threads: int = 8               # concurrent preadv calls in the store
     read_request_bytes: int = 4 * MiB   # size of one preadv call
+    max_prompt_bytes: int = 256 * 1024  # UTF-8 bytes of prompt text / chat message content, checked before tokenizing
+    tokenize_threads: int = 2           # requests tokenized at once (on the RPC threads, never the engine thread)
 
     def __post_init__(self):
         if self.routing not in ("exact", "resident"):

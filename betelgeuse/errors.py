@@ -38,3 +38,16 @@ class StoreUnavailableError(BetelgeuseError):
 
 class CancelledError(BetelgeuseError):
     """The request was cancelled or its deadline passed; the engine stopped working on it."""
+
+
+class InternalError(BetelgeuseError):
+    """A failure that is not the request's fault (a NaN in the model's output, a bug caught at a sequence's
+    boundary). It fails that request alone with INTERNAL; the engine keeps serving."""
+
+
+class ShuttingDownError(BetelgeuseError):
+    """The server is draining before it stops: new work is refused (UNAVAILABLE), running work finishes."""
+
+
+class StoreBusyError(BetelgeuseError):
+    """The expert store already serves another live worker, or another store holds the runtime directory."""

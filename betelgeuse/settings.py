@@ -80,6 +80,15 @@ class WorkerSettings:
     metrics: str = "127.0.0.1:9464"         # HOST:PORT of /metrics; "" = off
     device: str = "auto"                    # "auto" | "cuda" | "cuda:N" | "cpu"
     http: str = "127.0.0.1:8000"            # HOST:PORT of the OpenAI-compatible HTTP API; "" = off
+    max_request_bytes: int = 4 * 1024**2    # largest gRPC message the worker accepts (bytes)
+    drain_grace: float = 60.0               # seconds SIGTERM lets running requests finish (fit TimeoutStopSec=90s)
+    api_keys: list[str] = field(default_factory=list)   # non-empty: InferenceService needs one (metadata)
+    api_key_file: str = ""                  # one API key per line (a secret kept out of this file)
+    tls_cert: str = ""                      # PEM certificate chain: TCP listeners use TLS when set
+    tls_key: str = ""                       # PEM private key for tls_cert
+    tls_client_ca: str = ""                 # PEM CA bundle: set = clients must present a certificate (mTLS)
+    store_timeout: float = 10.0             # seconds for one store control call (a Load adds per-expert time)
+    store_probe_timeout: float = 2.0        # a store that does not answer a ping in this long is down
 
 
 @dataclass(slots=True)
@@ -87,6 +96,7 @@ class StoreSettings:
     socket: str = "/run/betelgeuse/store.sock"     # control gRPC over a Unix socket
     fd_socket: str = "/run/betelgeuse/store.fds"   # memfd hand-off (SCM_RIGHTS)
     metrics: str = "127.0.0.1:9465"
+    socket_group: str = ""                  # group allowed on the sockets (0660); "" = the service's user only (0600)
 
 
 @dataclass(slots=True)
@@ -108,6 +118,7 @@ class EngineSettings:
     dtype: str = "auto"                     # "auto" | "float32" | "bfloat16" | "float16"
     worker_reserve: int | str = AUTO        # host bytes the worker needs outside the arena, or "auto"
     read_threads: int = 8                   # concurrent preadv calls in the store
+    max_prompt_bytes: int = 256 * 1024      # prompt text / chat content bytes, refused before tokenizing
 
 
 @dataclass(slots=True)
@@ -171,6 +182,20 @@ def _listen(value, key: str) -> list[str]:
     return values
 
 
+def _seconds(value, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise BetelgeuseError(f"{key}: expected a number of seconds >= 0, got {value!r}")
+    return float(value)
+
+
+def _strings(value, key: str) -> list[str]:
+    if isinstance(value, str):                   # from the environment: comma-separated
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise BetelgeuseError(f"{key}: expected a list of non-empty strings")
+    return value
+
+
 def _hostport_or_off(value, key: str) -> str:
     value = _string(value, key)
     if value:
@@ -188,6 +213,16 @@ _CONVERT = {
     ("worker", "metrics"): _hostport_or_off,
     ("worker", "device"): _string,
     ("worker", "http"): _hostport_or_off,
+    ("worker", "max_request_bytes"): parse_size,
+    ("worker", "drain_grace"): _seconds,
+    ("worker", "api_keys"): _strings,
+    ("worker", "api_key_file"): _string,
+    ("worker", "tls_cert"): _string,
+    ("worker", "tls_key"): _string,
+    ("worker", "tls_client_ca"): _string,
+    ("worker", "store_timeout"): _seconds,
+    ("worker", "store_probe_timeout"): _seconds,
+    ("store", "socket_group"): _string,
     ("store", "socket"): _string,
     ("store", "fd_socket"): _string,
     ("store", "metrics"): _hostport_or_off,
@@ -210,6 +245,7 @@ _CONVERT = {
     ("engine", "read_threads"): _count,
     ("log", "level"): _choice("debug", "info", "warning", "error"),
     ("log", "format"): _choice("text", "json"),
+    ("engine", "max_prompt_bytes"): parse_size,
 }
 
 

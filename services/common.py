@@ -34,13 +34,25 @@ def engine_config(s: Settings, use_torch: bool = True) -> EngineConfig:
     if eng is not None:
         for name in ("schedule", "routing", "sub_batch", "micro_batch", "staging_slots", "ring_slots", "kernels",
                      "decode_consolidate_every", "cuda_graphs", "prefetch",
-                     "max_context", "max_running", "max_queue", "dtype", "worker_reserve", "read_threads"):
+                     "max_context", "max_running", "max_queue", "dtype", "worker_reserve", "read_threads",
+                     "max_prompt_bytes"):
             if hasattr(eng, name):
                 extra[name] = getattr(eng, name)
     return EngineConfig(
         model_path=s.model.path, device=resolve_device(s.worker.device, use_torch),
         vram_slots=s.slots.vram_per_layer, host_slots=s.slots.host_per_layer, vram_backing=s.slots.vram_backing,
         vram_budget=s.budget.vram, memory_max=s.budget.memory_max, **extra)
+
+
+def listen_metrics(registry, addr: str):
+    """Serve /metrics on HOST:PORT; a busy or bad address is one line naming it, not a traceback."""
+    from betelgeuse.metrics import serve_metrics
+    from betelgeuse.settings import split_hostport
+    host, port = split_hostport(addr, "metrics")
+    try:
+        return serve_metrics(registry, host, port)
+    except OSError as e:
+        raise BetelgeuseError(f"cannot serve /metrics on {addr}: {e.strerror or e}") from None
 
 
 def common_args(p: argparse.ArgumentParser):
@@ -121,8 +133,27 @@ def settings_from_args(a) -> tuple[Settings, dict]:
     return s, over
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent():
+    """Started by a launcher (`betelgeuse serve`, tests) that set BETELGEUSE_PARENT_PID: get SIGTERM when it dies,
+    even by SIGKILL, so no orphan keeps sockets and ports. Set here, after exec, not in a preexec_fn: forking
+    through Python runs grpc's fork handlers, which abort a child of a process that has used grpc."""
+    import ctypes
+    import os
+    import signal
+    parent = os.environ.pop("BETELGEUSE_PARENT_PID", "")
+    if not parent.isdigit():
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != int(parent):              # the parent died before prctl took effect
+        raise SystemExit(1)
+
+
 def run_main(fn, argv=None) -> int:
     """Run a process main; a BetelgeuseError is one line on stderr and exit 2, never a traceback."""
+    die_with_parent()
     pre = argparse.ArgumentParser(add_help=False)        # logging until the config file is read
     pre.add_argument("-v", "--verbose", action="store_true")
     pre.add_argument("--log-level")

@@ -6,7 +6,9 @@ One interceptor maps betelgeuse errors to status codes and counts every RPC's ou
 
 from __future__ import annotations
 
+import hmac
 import logging
+import os
 import time
 import uuid
 from concurrent import futures
@@ -15,8 +17,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from betelgeuse.errors import (BetelgeuseError, CancelledError, InvalidRequestError, ModelFormatError,
-                               QueueFullError, StoreUnavailableError)
+from betelgeuse.errors import (BetelgeuseError, CancelledError, InternalError, InvalidRequestError, ModelFormatError,
+                               QueueFullError, ShuttingDownError, StoreBusyError, StoreUnavailableError)
 from betelgeuse.worker.api import FinalEvent
 from services import convert
 from services.pb.betelgeuse.v1 import inference_pb2 as pb
@@ -24,6 +26,7 @@ from services.pb.betelgeuse.v1 import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger("betelgeuse.grpc")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
+MAX_REQUEST_ID_BYTES = 256          # request_id is echoed once, in the first streamed message
 
 STATUS = {
     InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
@@ -31,6 +34,9 @@ STATUS = {
     StoreUnavailableError: grpc.StatusCode.UNAVAILABLE,
     CancelledError: grpc.StatusCode.CANCELLED,
     ModelFormatError: grpc.StatusCode.FAILED_PRECONDITION,
+    InternalError: grpc.StatusCode.INTERNAL,
+    ShuttingDownError: grpc.StatusCode.UNAVAILABLE,
+    StoreBusyError: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 
@@ -41,12 +47,67 @@ def status_of(e: BetelgeuseError) -> grpc.StatusCode:
     return grpc.StatusCode.INVALID_ARGUMENT
 
 
+class _Undecodable:
+    """What a request body that protobuf cannot parse (e.g. invalid UTF-8 in a string) deserializes to."""
+
+    __slots__ = ("why",)
+
+    def __init__(self, why: str):
+        self.why = why
+
+
+def _tolerant(deserializer, type_name: str):
+    def deserialize(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as e:                  # noqa: BLE001 (protobuf's DecodeError and friends)
+            return _Undecodable(f"the request is not a valid {type_name} message ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0] if str(e) else 'undecodable'}; strings must be UTF-8)")
+    return deserialize
+
+
+def _presented_key(metadata) -> str | None:
+    for k, v in metadata or ():
+        if k == "authorization" and isinstance(v, str) and v[:7].lower() == "bearer ":
+            return v[7:].strip()
+        if k == "x-api-key" and isinstance(v, str):
+            return v.strip()
+    return None
+
+
+def load_api_keys(keys: list[str], key_file: str = "") -> list[str]:
+    """The configured keys plus one per non-empty, non-# line of key_file."""
+    out = [k for k in keys if k]
+    if key_file:
+        try:
+            with open(key_file) as f:
+                out += [l.strip() for l in f if l.strip() and not l.lstrip().startswith("#")]
+        except OSError as e:
+            raise BetelgeuseError(f"api_key_file {key_file}: {e.strerror or e}") from None
+        if not out:
+            raise BetelgeuseError(f"api_key_file {key_file} holds no key")
+    return out
+
+
 class ErrorInterceptor(grpc.ServerInterceptor):
     """BetelgeuseError -> its status code with the message; anything else -> INTERNAL, logged.
-    Also counts each InferenceService RPC by method and final code (betelgeuse_requests)."""
+    Also counts each InferenceService RPC by method and final code (betelgeuse_requests), refuses
+    undecodable bodies with INVALID_ARGUMENT (one log line), and checks API keys when configured
+    (metadata `authorization: Bearer KEY` or `x-api-key: KEY`, compared in constant time)."""
 
-    def __init__(self, metrics=None):
+    def __init__(self, metrics=None, api_keys: list[str] | None = None):
         self.metrics = metrics
+        self.api_keys = [k.encode() for k in (api_keys or [])]
+
+    def _authorized(self, metadata) -> bool:
+        got = _presented_key(metadata)
+        if got is None:
+            return False
+        got_b = got.encode()
+        ok = False
+        for k in self.api_keys:                     # every key compared, no early exit
+            ok |= hmac.compare_digest(got_b, k)
+        return ok
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
@@ -57,6 +118,22 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         def count(code: grpc.StatusCode):
             if self.metrics:
                 self.metrics.requests.labels(method=method, code=code.name).inc()
+
+        denied = bool(self.api_keys) and not self._authorized(details.invocation_metadata)
+        in_type = getattr(handler.request_deserializer, "__self__", None)
+        deser = _tolerant(handler.request_deserializer, getattr(in_type, "__name__", "request"))
+
+        def refuse(request, context) -> bool:
+            """Abort for a missing key or an undecodable body (both counted); False when the call may go on."""
+            if denied:
+                count(grpc.StatusCode.UNAUTHENTICATED)
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key (send metadata "
+                              "'authorization: Bearer KEY' or 'x-api-key: KEY')")
+            if isinstance(request, _Undecodable):
+                log.warning("%s: %s (peer %s)", method, request.why, context.peer())
+                count(grpc.StatusCode.INVALID_ARGUMENT)
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.why)
+            return False
 
         def fail(e, context):
             if isinstance(e, BetelgeuseError):
@@ -71,6 +148,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):
             inner = handler.unary_unary
 
             def unary(request, context):
+                refuse(request, context)
                 try:
                     r = inner(request, context)
                     count(grpc.StatusCode.OK)
@@ -79,11 +157,12 @@ class ErrorInterceptor(grpc.ServerInterceptor):
                     if type(e).__name__ == "_AbortionException" or isinstance(e, grpc.RpcError):
                         raise
                     fail(e, context)
-            return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer, handler.response_serializer)
+            return grpc.unary_unary_rpc_method_handler(unary, deser, handler.response_serializer)
         if handler.unary_stream:
             inner_s = handler.unary_stream
 
             def stream(request, context):
+                refuse(request, context)
                 try:
                     yield from inner_s(request, context)
                     code = grpc.StatusCode.OK
@@ -95,7 +174,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):
                     if type(e).__name__ == "_AbortionException" or isinstance(e, grpc.RpcError):
                         raise
                     fail(e, context)
-            return grpc.unary_stream_rpc_method_handler(stream, handler.request_deserializer, handler.response_serializer)
+            return grpc.unary_stream_rpc_method_handler(stream, deser, handler.response_serializer)
         return handler
 
 
@@ -104,6 +183,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self.engine = engine
 
     def Generate(self, request, context):
+        if len(request.request_id.encode()) > MAX_REQUEST_ID_BYTES:
+            raise InvalidRequestError(f"request_id is {len(request.request_id.encode())} bytes, over the limit of "
+                                      f"{MAX_REQUEST_ID_BYTES}")
         req = convert.request_from_pb(request)
         req.request_id = req.request_id or uuid.uuid4().hex
         remaining = context.time_remaining()
@@ -111,10 +193,12 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         handle = self.engine.submit(req, deadline=deadline)
         # a client that goes away (cancel, deadline, disconnect) stops the engine's work on it
         context.add_callback(handle.cancel)
+        rid = req.request_id                      # sent once, in the first message
         for ev in handle:
             if isinstance(ev, FinalEvent) and ev.finish_reason == "cancelled" and not context.is_active():
                 return
-            yield convert.event_to_pb(ev, req.request_id)
+            yield convert.event_to_pb(ev, rid)
+            rid = ""
 
     def Tokenize(self, request, context):
         return pb.TokenizeResponse(token_ids=self.engine.tokenize(request.text, request.add_special,
@@ -130,10 +214,34 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         return pb.GetServerInfoResponse(server=convert.server_info_to_pb(self.engine.server_info()))
 
 
-def build_server(engine, addresses: list[str], metrics=None, max_workers: int = 32):
-    """A started-later grpc.Server with the service, health and reflection. Returns (server, health, ports)."""
+def _read(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise BetelgeuseError(f"{what} {path}: {e.strerror or e}") from None
+
+
+def server_credentials(cert: str, key: str, client_ca: str = ""):
+    """grpc.ssl_server_credentials from PEM files (client_ca: require and verify client certificates)."""
+    if bool(cert) != bool(key):
+        raise BetelgeuseError("TLS needs both tls_cert and tls_key")
+    ca = _read(client_ca, "tls_client_ca") if client_ca else None
+    return grpc.ssl_server_credentials([(_read(key, "tls_key"), _read(cert, "tls_cert"))], root_certificates=ca,
+                                       require_client_auth=ca is not None)
+
+
+def build_server(engine, addresses: list[str], metrics=None, max_workers: int = 32, api_keys: list[str] | None = None,
+                 tls=None, max_request_bytes: int = 4 << 20):
+    """A started-later grpc.Server with the service, health and reflection. Returns (server, health, ports).
+
+    Ports are bound exclusively (no SO_REUSEPORT: a second server on a busy port fails here, naming it,
+    instead of splitting connections between two processes). `tls` (grpc.ServerCredentials) applies to
+    TCP addresses; unix: sockets stay plain (local, guarded by file modes)."""
+    options = [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", int(max_request_bytes)),
+               ("grpc.max_send_message_length", 64 << 20)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
-                         interceptors=[ErrorInterceptor(metrics)])
+                         interceptors=[ErrorInterceptor(metrics, api_keys)], options=options)
     pb_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(engine), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -141,11 +249,14 @@ def build_server(engine, addresses: list[str], metrics=None, max_workers: int = 
     ports = []
     for addr in addresses:
         if addr.startswith("unix:"):
-            import os
             os.makedirs(os.path.dirname(os.path.abspath(addr[5:])), exist_ok=True)
-        port = server.add_insecure_port(addr)
-        if not addr.startswith("unix:") and port == 0:
-            raise BetelgeuseError(f"cannot listen on {addr}")
+        try:
+            port = server.add_secure_port(addr, tls) if tls is not None and not addr.startswith("unix:") \
+                else server.add_insecure_port(addr)
+        except RuntimeError:
+            port = 0
+        if port == 0:
+            raise BetelgeuseError(f"cannot listen on {addr}: the address is in use or not available")
         ports.append(port)
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -153,6 +264,7 @@ def build_server(engine, addresses: list[str], metrics=None, max_workers: int = 
 
 
 def set_health(health_servicer, serving: bool):
+    """Safe from any thread (the engine calls it the moment the store goes away or comes back)."""
     st = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, st)

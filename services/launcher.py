@@ -3,7 +3,10 @@
     with Cluster(model, tmpdir) as c:        # store process, then worker process, health SERVING
         client = c.client()                  # InferenceService stub
 Each process is a real `python -m services.store_main|worker_main` with its own sockets under
-`runtime_dir`; they are ended by PID on exit (SIGTERM, then SIGKILL after a grace period).
+`runtime_dir`; they are ended by PID on exit (SIGTERM, then SIGKILL after a grace period), and die with
+their parent (BETELGEUSE_PARENT_PID: services.common.run_main sets PR_SET_PDEATHSIG), so a `kill -9` of `betelgeuse serve` or of a test leaves no orphan.
+`Cluster.supervise()` restarts a child that crashes (the worker comes back warm: the store keeps the arena)
+and says which one died and how.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -52,6 +56,17 @@ class Proc:
         if self.popen.poll() is None:
             self.popen.kill()
             self.popen.wait()
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "is running"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
 
 
 def terminate(popen: subprocess.Popen, grace: float = 10.0) -> int:
@@ -95,6 +110,9 @@ class Cluster:
     store_metrics: str = "127.0.0.1:0"
     extra_store_args: list = field(default_factory=list)
     http: str = ""                    # worker's OpenAI HTTP API HOST:PORT ("" = off; "auto" = a free loopback port)
+    extra_worker_args: list = field(default_factory=list)
+    health_address: str | None = None  # where wait_serving asks (e.g. a plain unix: listener beside a TLS port)
+    worker_stop_grace: float = 75.0   # SIGTERM -> SIGKILL for the worker: its drain_grace (60 s) plus shutdown
     store: Proc | None = None
     worker: Proc | None = None
 
@@ -127,38 +145,62 @@ class Cluster:
         log_path = os.path.join(self.runtime_dir, f"{name}.log")
         with open(log_path, "ab") as logf:
             p = subprocess.Popen([sys.executable, "-m", module, *args], stdout=logf, stderr=subprocess.STDOUT,
-                                 env=python_env(), preexec_fn=preexec, start_new_session=True)
+                                 env=python_env(BETELGEUSE_PARENT_PID=str(os.getpid())), preexec_fn=preexec,
+                                 start_new_session=True)
         return Proc(name, p, log_path)
+
+    def _store_answers(self, pid: int) -> bool:
+        """The store process `pid` (not a dead predecessor's stale socket) answers on the control socket."""
+        if not os.path.exists(self.fd_socket):
+            return False
+        import grpc
+        from services.pb.betelgeuse.v1 import store_pb2, store_pb2_grpc
+        with grpc.insecure_channel(f"unix:{self.store_socket}") as ch:
+            try:
+                import json
+                st = json.loads(store_pb2_grpc.ExpertStoreStub(ch).Status(store_pb2.StatusRequest(), timeout=2).json)
+            except grpc.RpcError:
+                return False
+        return st.get("pid") == pid
 
     def start_store(self, timeout: float = 120.0, preexec=None) -> Proc:
         self.store = self._spawn("store", "services.store_main", self._common(self.store_metrics) + self.extra_store_args,
                                  preexec)
         t0 = time.monotonic()
-        while not os.path.exists(self.fd_socket):
+        while not self._store_answers(self.store.pid):
             if not self.store.alive():
-                raise BetelgeuseError(f"the store exited ({self.store.popen.returncode}): {self._last_line(self.store)}")
+                raise BetelgeuseError(f"the store (pid {self.store.pid}) {describe_exit(self.store.popen.returncode)} "
+                                      f"while starting: {self._last_line(self.store)}")
             if time.monotonic() - t0 > timeout:
                 raise StoreUnavailableError(f"the store did not come up in {timeout:.0f} s; see {self.store.log_path}")
-            time.sleep(0.05)
+            time.sleep(0.1)
         return self.store
 
-    def start_worker(self, timeout: float = 180.0, preexec=None, wait: bool = True) -> Proc:
+    def start_worker(self, timeout: float = 180.0, preexec=None, wait: bool = True, abort=None) -> Proc:
         self.worker = self._spawn("worker", "services.worker_main",
-                                  self._common(self.worker_metrics) + ["--listen", self.listen, "--http", self.http],
+                                  self._common(self.worker_metrics) + ["--listen", self.listen, "--http", self.http]
+                                  + self.extra_worker_args,
                                   preexec)
         if wait:
-            self.wait_serving(timeout)
+            self.wait_serving(timeout, abort=abort)
         return self.worker
 
-    def wait_serving(self, timeout: float = 180.0):
+    def wait_serving(self, timeout: float = 180.0, abort=None):
+        """Until the worker's health is SERVING; a child that dies meanwhile is named at once (not at the timeout)."""
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
         t0 = time.monotonic()
-        with grpc.insecure_channel(self.address) as ch:
+        with grpc.insecure_channel(self.health_address or self.address) as ch:
             stub = health_pb2_grpc.HealthStub(ch)
             while True:
+                if abort is not None and abort():
+                    raise KeyboardInterrupt
                 if self.worker is not None and not self.worker.alive():
-                    raise BetelgeuseError(f"the worker exited ({self.worker.popen.returncode}): {self._last_line(self.worker)}")
+                    raise BetelgeuseError(f"the worker (pid {self.worker.pid}) {describe_exit(self.worker.popen.returncode)}"
+                                          f" while starting: {self._last_line(self.worker)}")
+                if self.store is not None and not self.store.alive():
+                    raise BetelgeuseError(f"the store (pid {self.store.pid}) {describe_exit(self.store.popen.returncode)}"
+                                          f" while the worker was starting: {self._last_line(self.store)}")
                 try:
                     if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
                         return
@@ -179,9 +221,36 @@ class Cluster:
         return grpc.insecure_channel(self.address)
 
     def stop(self):
-        for p in (self.worker, self.store):
-            if p is not None:
-                p.stop()
+        """Worker first (it drains), then the store. Runs to the end even if signals arrive meanwhile."""
+        if self.worker is not None:
+            self.worker.stop(self.worker_stop_grace)
+        if self.store is not None:
+            self.store.stop(20.0)
+
+    def supervise(self, stop: threading.Event, say=print, max_restarts: int = 5, window: float = 120.0):
+        """Until `stop` is set: restart a child that exits (store first; the worker re-attaches by itself, and a
+        new worker re-maps the warm arena), naming it and how it ended. More than `max_restarts` restarts in
+        `window` seconds is a crash loop: raise BetelgeuseError naming the process."""
+        restarts: list[float] = []
+        while not stop.wait(0.2):
+            for name in ("store", "worker"):
+                p = getattr(self, name)
+                if p.alive():
+                    continue
+                now = time.monotonic()
+                restarts = [t for t in restarts if now - t < window] + [now]
+                last = self._last_line(p)
+                if len(restarts) > max_restarts:
+                    raise BetelgeuseError(f"the {name} (pid {p.pid}) {describe_exit(p.popen.returncode)} "
+                                          f"({len(restarts) - 1} restarts in {window:.0f} s; giving up): {last}")
+                say(f"betelgeuse: the {name} (pid {p.pid}) {describe_exit(p.popen.returncode)}; restarting it "
+                    f"(last log line: {last})")
+                if name == "store":
+                    self.start_store()
+                    say(f"betelgeuse: store restarted (pid {self.store.pid}); the worker re-attaches by itself")
+                else:
+                    self.start_worker(abort=stop.is_set)
+                    say(f"betelgeuse: worker restarted (pid {self.worker.pid}), re-attached to the warm store")
 
     def __enter__(self):
         self.start_store()

@@ -1,14 +1,22 @@
-"""The worker's StoreClient over gRPC on a Unix socket, plus the arena fd over a second socket."""
+"""The worker's StoreClient over gRPC on a Unix socket, plus the arena fd over a second socket.
+
+Every call has a deadline that matches its work (`timeout` for control calls; a Load adds `per_expert` seconds
+per expert it asks for), so a hung store can hold the engine for a bounded time only; abort() (from the health
+probe) ends the calls in flight at once. The fd-socket connection stays open for the session: it is the
+worker's lease on the store (the store refuses a second worker while it is open).
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import threading
 
 import grpc
 import numpy as np
 
-from betelgeuse.errors import StoreUnavailableError
+from betelgeuse.errors import BetelgeuseError, StoreBusyError, StoreUnavailableError
 from betelgeuse.store.arena import Arena, recv_fd
 from betelgeuse.store.plan import SlotPlan
 from betelgeuse.store.store import Loaded
@@ -16,67 +24,126 @@ from services.pb.betelgeuse.v1 import store_pb2 as pb
 from services.pb.betelgeuse.v1 import store_pb2_grpc as pb_grpc
 
 
-def _unavailable(e: grpc.RpcError) -> StoreUnavailableError:
+def _unavailable(e: grpc.RpcError) -> BetelgeuseError:
     code = e.code() if hasattr(e, "code") else None
     detail = (e.details() if hasattr(e, "details") else str(e)) or ""
+    if code == grpc.StatusCode.ALREADY_EXISTS:
+        return StoreBusyError(detail)
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return BetelgeuseError(f"the expert store refused this worker: {detail}")
     # grpc's connection errors are long and repetitive; the first clause says what happened
     detail = detail.split(";")[0].strip()
     return StoreUnavailableError(f"expert store unavailable ({code.name if code else 'error'}): {detail}")
 
 
 class GrpcStoreClient:
-    def __init__(self, socket_path: str, fd_socket_path: str, timeout: float = 30.0):
-        self.socket_path, self.fd_socket_path, self.timeout = socket_path, fd_socket_path, timeout
+    def __init__(self, socket_path: str, fd_socket_path: str, timeout: float = 10.0, per_expert: float = 0.5,
+                 probe_timeout: float = 2.0, on_lost=None):
+        self.socket_path, self.fd_socket_path = socket_path, fd_socket_path
+        self.timeout, self.per_expert, self.probe_timeout = timeout, per_expert, probe_timeout
         self.channel = None
         self.stub = None
         self.session = ""
+        self._lease: socket.socket | None = None
+        self._lock = threading.Lock()
+        # on_lost(StoreUnavailableError): the store's end of our lease closed (it died): called at once, from a thread
+        self.on_lost = on_lost
 
-    def _call(self, fn, *args, **kw):
+    def _drop_lease(self):
+        """Close our lease socket (shutdown first: it wakes the watcher's recv, which close alone does not)."""
+        old, self._lease = self._lease, None
+        if old is not None:
+            try:
+                old.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            old.close()
+
+    def _watch(self, s: socket.socket):
+        """EOF on the lease = the store process is gone: tell the engine now (event-driven health)."""
         try:
-            return fn(*args, timeout=self.timeout, **kw)
+            while s.recv(64):
+                pass
+        except OSError:
+            pass
+        with self._lock:
+            current = s is self._lease
+        if current and self.on_lost is not None:
+            self.on_lost(StoreUnavailableError("expert store unavailable: it closed the worker's lease (exited)"))
+
+    def _call(self, fn, *args, timeout: float | None = None, **kw):
+        try:
+            return fn(*args, timeout=timeout or self.timeout, **kw)
         except grpc.RpcError as e:
             raise _unavailable(e) from None
+        except ValueError as e:                      # "Cannot invoke RPC on closed channel!" after abort()
+            raise StoreUnavailableError(f"expert store unavailable: {e}") from None
 
     def attach(self) -> tuple[Arena, SlotPlan]:
+        with self._lock:
+            self._drop_lease()                        # our old lease ends first (the store sees EOF)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                s.settimeout(self.timeout)
-                s.connect(self.fd_socket_path)
-                fd, header = recv_fd(s)
+            s.settimeout(self.timeout)
+            s.connect(self.fd_socket_path)
+            fd, header = recv_fd(s)
         except OSError as e:
+            s.close()
             raise StoreUnavailableError(f"cannot reach the expert store at {self.fd_socket_path}: {e.strerror or e}") from None
-        if self.channel is not None:
-            self.channel.close()
-        self.channel = grpc.insecure_channel(f"unix:{self.socket_path}")
-        self.stub = pb_grpc.ExpertStoreStub(self.channel)
+        except StoreUnavailableError as e:
+            s.close()
+            raise StoreUnavailableError(f"the expert store at {self.fd_socket_path} refused the arena hand-off "
+                                        f"({e}); is this worker running as the store's user or socket_group?") from None
+        s.settimeout(None)
+        with self._lock:
+            if self.channel is not None:
+                self.channel.close()
+            self.channel = grpc.insecure_channel(f"unix:{self.socket_path}")
+            self.stub = pb_grpc.ExpertStoreStub(self.channel)
         try:
-            reply = self._call(self.stub.Attach, pb.AttachRequest(worker_pid=os.getpid()))
+            reply = self._call(self.stub.Attach, pb.AttachRequest(worker_pid=os.getpid(),
+                                                                  attach_token=header.get("token", "")))
         except BaseException:
             os.close(fd)
+            s.close()
             raise
+        with self._lock:
+            self._lease = s
+        threading.Thread(target=self._watch, args=(s,), name="store-lease", daemon=True).start()
         self.session = reply.session
-        return Arena.attach(fd, header["arena_bytes"]), SlotPlan.from_json(reply.layout_json)
+        return Arena.attach(fd, header["arena_bytes"], readonly=True), SlotPlan.from_json(reply.layout_json)
 
-    def ping(self) -> dict:
-        """The store's status, without attaching (start-up waits on this)."""
+    def abort(self) -> None:
+        """From another thread: the store stopped answering. Calls in flight fail now (StoreUnavailableError)."""
+        with self._lock:
+            if self.channel is not None:
+                self.channel.close()
+
+    def ping(self, timeout: float | None = None) -> dict:
+        """The store's status on a fresh channel, without attaching (start-up and the health probe)."""
         with grpc.insecure_channel(f"unix:{self.socket_path}") as ch:
             try:
-                reply = pb_grpc.ExpertStoreStub(ch).Status(pb.StatusRequest(), timeout=5)
+                reply = pb_grpc.ExpertStoreStub(ch).Status(pb.StatusRequest(), timeout=timeout or self.probe_timeout)
             except grpc.RpcError as e:
                 raise _unavailable(e) from None
-        import json
         return json.loads(reply.json)
 
+    BEGIN_PASS_TIMEOUT = 120.0    # BeginPass first waits for a pending consolidation's disk reads
+
     def begin_pass(self) -> int:
-        return self._call(self.stub.BeginPass, pb.BeginPassRequest(session=self.session)).epoch
+        return self._call(self.stub.BeginPass, pb.BeginPassRequest(session=self.session),
+                          timeout=max(self.timeout, self.BEGIN_PASS_TIMEOUT)).epoch
 
     def load(self, keys):
+        keys = list(keys)
         req = pb.LoadRequest(session=self.session, experts=[pb.ExpertId(layer=l, expert=e) for l, e in keys])
         try:
-            for m in self.stub.Load(req, timeout=max(self.timeout, 600.0)):
+            for m in self.stub.Load(req, timeout=self.timeout + self.per_expert * len(keys)):
                 yield Loaded(m.layer, m.expert, m.staging_slot, m.disk_bytes, m.prefetched)
         except grpc.RpcError as e:
             raise _unavailable(e) from None
+        except ValueError as e:
+            raise StoreUnavailableError(f"expert store unavailable: {e}") from None
 
     def prefetch(self, keys) -> int:
         req = pb.LoadRequest(session=self.session, experts=[pb.ExpertId(layer=l, expert=e) for l, e in keys])
@@ -92,10 +159,11 @@ class GrpcStoreClient:
         return self._call(self.stub.EndPass, req).promoted
 
     def status(self) -> dict:
-        import json
         return json.loads(self._call(self.stub.Status, pb.StatusRequest()).json)
 
     def close(self) -> None:
-        if self.channel is not None:
-            self.channel.close()
-            self.channel = None
+        with self._lock:
+            if self.channel is not None:
+                self.channel.close()
+                self.channel = None
+            self._drop_lease()

@@ -5,16 +5,26 @@
 Start-up: plan slots against the cgroup (refuse with numbers if they cannot fit), create and pre-fault
 the memfd arena, then serve the control API (gRPC on a Unix socket) and hand the arena fd to workers
 on a second Unix socket. READY=1 once both listen.
+
+Trust: the runtime directory is locked (one store per directory); both sockets are created 0600 (0660 with
+[store] socket_group) whatever the umask; the fd socket checks each peer's SO_PEERCRED (the service's uid, root,
+or the socket group), hands out an O_RDONLY descriptor of the arena and an attach token bound to that
+connection, and Attach needs the token. The connection stays open as the worker's lease: a second worker
+is refused while the first one's lease is open.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import fcntl
+import grp
 import logging
 import os
+import secrets
 import signal
 import socket
+import stat
 import threading
 from concurrent import futures
 
@@ -23,16 +33,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 import numpy as np
 
 from betelgeuse import __version__, sdnotify
-from betelgeuse.errors import BetelgeuseError, StoreUnavailableError
+from betelgeuse.errors import BetelgeuseError, StoreBusyError, StoreUnavailableError
 from betelgeuse.gguf.reader import GGUFModelFile
 from betelgeuse.logs import event
-from betelgeuse.metrics import make_store_metrics, serve_metrics
-from betelgeuse.settings import split_hostport
-from betelgeuse.store.arena import send_fd
+from betelgeuse.metrics import make_store_metrics
+from betelgeuse.store.arena import peer_credentials, send_fd
 from betelgeuse.store.cgroup import CgroupMemory
 from betelgeuse.store.plan import plan_slots
-from betelgeuse.store.store import ExpertStore
-from services.common import common_args, engine_config, run_main, settings_from_args
+from betelgeuse.store.store import ExpertStore, Lease
+from services.common import common_args, engine_config, listen_metrics, run_main, settings_from_args
 from services.pb.betelgeuse.v1 import store_pb2 as pb
 from services.pb.betelgeuse.v1 import store_pb2_grpc as pb_grpc
 
@@ -42,8 +51,9 @@ log = logging.getLogger("betelgeuse.store")
 class StoreServicer(pb_grpc.ExpertStoreServicer):
     """Thin: protobuf in, ExpertStore call, protobuf out. Errors become status codes."""
 
-    def __init__(self, store: ExpertStore):
+    def __init__(self, store: ExpertStore, leases: "Leases"):
         self.store = store
+        self.leases = leases
 
     def _guard(self, context, fn):
         try:
@@ -54,8 +64,17 @@ class StoreServicer(pb_grpc.ExpertStoreServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     def Attach(self, request, context):
-        session, plan = self.store.attach(request.worker_pid)
-        event(log, "attach", worker_pid=request.worker_pid, session=session[:8], attaches=self.store.counters.attaches)
+        lease = self.leases.redeem(request.attach_token)
+        if lease is None:
+            log.warning("refused an Attach without a valid token (claimed pid %d)", request.worker_pid)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, "Attach needs the token handed out with the arena fd "
+                          "on the store's fd socket")
+        try:
+            session, plan = self.store.attach(lease.pid, lease)
+        except StoreBusyError as e:
+            log.warning("refused a second worker (pid %d): %s", lease.pid, e)
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        event(log, "attach", worker_pid=lease.pid, session=session[:8], attaches=self.store.counters.attaches)
         return pb.AttachReply(session=session, layout_json=plan)
 
     def BeginPass(self, request, context):
@@ -89,14 +108,71 @@ class StoreServicer(pb_grpc.ExpertStoreServicer):
         return pb.StatusReply(json=json.dumps(self.store.status()))
 
 
-def serve_fds(store: ExpertStore, path: str, header: dict, stop: threading.Event) -> socket.socket:
-    """Hand the arena fd (SCM_RIGHTS) to whoever connects to `path` (the worker); a thread per accept."""
-    if os.path.exists(path):
-        os.unlink(path)
+class Leases:
+    """Attach tokens handed out with the arena fd; each is bound to the connection it went out on, and dies
+    with it (the worker holds that connection open for as long as it lives)."""
+
+    MAX = 64                                      # open hand-off connections at once (a local flood is refused)
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._by_token: dict[str, Lease] = {}
+
+    def issue(self, pid: int, conn_id: int) -> tuple[str, Lease] | None:
+        with self._lock:
+            if len(self._by_token) >= self.MAX:
+                return None
+            token = secrets.token_hex(16)
+            lease = Lease(pid, key=("pid", pid) if pid > 0 else ("conn", conn_id))
+            self._by_token[token] = lease
+            return token, lease
+
+    def redeem(self, token: str) -> Lease | None:
+        with self._lock:
+            lease = self._by_token.get(token) if token else None
+        return lease if lease is not None and lease.alive else None
+
+    def end(self, token: str):
+        with self._lock:
+            lease = self._by_token.pop(token, None)
+        if lease is not None:
+            lease.alive = False
+
+
+def peer_allowed(uid: int, gid: int, pid: int, group_gid: int | None) -> bool:
+    """The service's own uid, root, or (with socket_group) a member of that group."""
+    if uid in (os.geteuid(), 0):
+        return True
+    if group_gid is None:
+        return False
+    if gid == group_gid:
+        return True
+    try:                                          # supplementary groups of the peer, as the kernel lists them
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    return str(group_gid) in line.split()[1:]
+    except OSError:
+        pass
+    return False
+
+
+def serve_fds(store: ExpertStore, path: str, header: dict, stop: threading.Event, leases: Leases,
+              group_gid: int | None = None) -> socket.socket:
+    """Hand a read-only arena fd (SCM_RIGHTS) and an attach token to an allowed peer of `path` (the worker);
+    the connection then stays open as its lease. A thread per connection."""
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(path)
-    os.chmod(path, 0o660)
     srv.listen(8)
+
+    def hold(conn: socket.socket, token: str):
+        with conn:
+            try:
+                while conn.recv(64):                 # the worker sends nothing; EOF = it closed or died
+                    pass
+            except OSError:
+                pass
+        leases.end(token)
 
     def loop():
         while not stop.is_set():
@@ -104,13 +180,77 @@ def serve_fds(store: ExpertStore, path: str, header: dict, stop: threading.Event
                 conn, _ = srv.accept()
             except OSError:
                 return
-            with conn:
+            try:
+                pid, uid, gid = peer_credentials(conn)
+                if not peer_allowed(uid, gid, pid, group_gid):
+                    log.warning("refused the arena fd to pid %d (uid %d, gid %d): not the service's user or group",
+                                pid, uid, gid)
+                    conn.close()
+                    continue
+                issued = leases.issue(pid, id(conn))
+                if issued is None:
+                    log.warning("refused the arena fd to pid %d: %d hand-off connections open", pid, Leases.MAX)
+                    conn.close()
+                    continue
+                token, _lease = issued
+                ro = store.arena.readonly_fd()
                 try:
-                    send_fd(conn, store.arena.fd, header)
-                except OSError as e:
-                    log.warning("fd hand-off failed: %s", e)
+                    send_fd(conn, ro, {**header, "token": token})
+                finally:
+                    os.close(ro)
+            except OSError as e:
+                log.warning("fd hand-off failed: %s", e)
+                conn.close()
+                continue
+            threading.Thread(target=hold, args=(conn, token), name="fd-lease", daemon=True).start()
     threading.Thread(target=loop, name="fd-handoff", daemon=True).start()
     return srv
+
+
+def lock_runtime_dir(directory: str) -> int:
+    """An exclusive flock on DIR/store.lock for this process's life: a second store on the same sockets is
+    refused, naming the first one's pid. Returns the lock's fd (kept open)."""
+    path = os.path.join(directory, "store.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        other = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise StoreBusyError(f"another expert store (pid {other}) is running on {directory} (it holds {path})") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def clear_stale_socket(path: str):
+    """Remove a stale socket left by a store that died (we hold the directory's lock); anything else at the
+    path is not ours and stays: refuse instead."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise BetelgeuseError(f"{path} exists and is not a socket; refusing to replace it (move it away or "
+                              "choose another [store] socket path)")
+    os.unlink(path)
+
+
+def secure_socket(path: str, group_gid: int | None) -> int:
+    """Mode 0600 (0660 and the group with socket_group) whatever the umask; returns the socket's inode."""
+    if group_gid is not None:
+        os.chown(path, -1, group_gid)
+    os.chmod(path, 0o660 if group_gid is not None else 0o600)
+    return os.lstat(path).st_ino
+
+
+def group_id(name: str) -> int | None:
+    if not name:
+        return None
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise BetelgeuseError(f"[store] socket_group: no group named {name!r}") from None
 
 
 def _sync_metrics(m, store: ExpertStore, stop: threading.Event):
@@ -146,6 +286,13 @@ def main(argv=None) -> int:
     cfg = dataclasses.replace(engine_config(settings, use_torch=False), **over)
     metrics_addr = a.metrics if a.metrics is not None else settings.store.metrics
 
+    group_gid = group_id(settings.store.socket_group)
+    for path in (settings.store.socket, settings.store.fd_socket):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    lock_fd = lock_runtime_dir(os.path.dirname(os.path.abspath(settings.store.socket)))   # held until exit
+    for path in (settings.store.socket, settings.store.fd_socket):
+        clear_stale_socket(path)
+
     sdnotify.notify(status="opening model")
     model = GGUFModelFile.open(cfg.model_path)
     cg = CgroupMemory.of_process()
@@ -167,22 +314,26 @@ def main(argv=None) -> int:
         m.set_cgroup_reader(cg.current, lambda: float(cg.limit() or "nan"))
     stop = threading.Event()
     if metrics_addr:
-        host, port = split_hostport(metrics_addr, "metrics")
-        serve_metrics(m.registry, host, port)
+        listen_metrics(m.registry, metrics_addr)
     threading.Thread(target=_sync_metrics, args=(m, store, stop), daemon=True).start()
 
-    for path in (settings.store.socket, settings.store.fd_socket):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    if os.path.exists(settings.store.socket):
-        os.unlink(settings.store.socket)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="store-rpc"))
-    pb_grpc.add_ExpertStoreServicer_to_server(StoreServicer(store), server)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="store-rpc"),
+                         options=[("grpc.so_reuseport", 0)])
+    leases = Leases()
+    pb_grpc.add_ExpertStoreServicer_to_server(StoreServicer(store, leases), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    server.add_insecure_port(f"unix:{settings.store.socket}")
-    server.start()
-    fd_srv = serve_fds(store, settings.store.fd_socket, {"arena_bytes": store.arena.nbytes}, stop)
+    old_umask = os.umask(0o177)                   # sockets are born 0600: no window where others may connect
+    try:
+        if server.add_insecure_port(f"unix:{settings.store.socket}") == 0:
+            raise BetelgeuseError(f"cannot listen on unix:{settings.store.socket}")
+        server.start()
+        fd_srv = serve_fds(store, settings.store.fd_socket, {"arena_bytes": store.arena.nbytes}, stop, leases,
+                           group_gid)
+    finally:
+        os.umask(old_umask)
+    ours = {path: secure_socket(path, group_gid) for path in (settings.store.socket, settings.store.fd_socket)}
     m.ready.set(1)
     sdnotify.notify(ready=True, status=f"serving: {plan.n_vram}+{plan.n_host} slots/layer, "
                                         f"{store.reader.mode} I/O, arena {plan.arena_bytes / 2**30:.2f} GiB")
@@ -198,12 +349,14 @@ def main(argv=None) -> int:
     sdnotify.notify(stopping=True, status="stopping")
     server.stop(grace=2).wait()
     fd_srv.close()
-    for path in (settings.store.socket, settings.store.fd_socket):
+    for path, ino in ours.items():                # only the sockets we made (a successor may have replaced them)
         try:
-            os.unlink(path)
+            if os.lstat(path).st_ino == ino:
+                os.unlink(path)
         except FileNotFoundError:
             pass
     store.close()
+    os.close(lock_fd)
     return 0
 
 

@@ -18,12 +18,12 @@ import time
 from betelgeuse import __version__, sdnotify
 from betelgeuse.logs import event
 from betelgeuse.errors import StoreUnavailableError
-from betelgeuse.metrics import make_worker_metrics, serve_metrics
+from betelgeuse.metrics import make_worker_metrics
 from betelgeuse.settings import split_hostport
 from betelgeuse.store.cgroup import CgroupMemory
 from betelgeuse.worker.engine import LLMEngine
-from services.common import common_args, engine_config, run_main, settings_from_args
-from services.grpc_server import build_server, set_health
+from services.common import common_args, engine_config, listen_metrics, run_main, settings_from_args
+from services.grpc_server import build_server, load_api_keys, server_credentials, set_health
 from services.store_client import GrpcStoreClient
 
 log = logging.getLogger("betelgeuse.worker")
@@ -42,6 +42,21 @@ def wait_for_store(client: GrpcStoreClient, timeout: float):
             time.sleep(0.25)
 
 
+def store_probe(engine: LLMEngine, client: GrpcStoreClient, stop: threading.Event, every: float = 0.5):
+    """Ping the store while the engine counts it as attached; one that does not answer within the probe timeout
+    (dead, or hung: SIGSTOP, a stuck disk) is reported down at once: health NOT_SERVING, the calls in flight are
+    aborted so their requests fail UNAVAILABLE now, and the engine re-attaches when the store answers again."""
+    while not stop.wait(every):
+        if not engine.store_ok or engine._store_lost is not None:
+            continue
+        try:
+            client.ping()
+        except StoreUnavailableError as e:
+            if engine.store_ok:
+                engine.report_store_down(e)
+                client.abort()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="betelgeuse-worker", description=__doc__.splitlines()[0])
     common_args(p)
@@ -56,6 +71,9 @@ def main(argv=None) -> int:
     http_addr = a.http if a.http is not None else settings.worker.http
     if http_addr:
         split_hostport(http_addr, "--http")
+    ws = settings.worker
+    api_keys = load_api_keys(ws.api_keys, ws.api_key_file)
+    tls = server_credentials(ws.tls_cert, ws.tls_key, ws.tls_client_ca) if (ws.tls_cert or ws.tls_key) else None
 
     m = make_worker_metrics(__version__)
     m.vram_budget_bytes.set(cfg.vram_budget)
@@ -63,27 +81,34 @@ def main(argv=None) -> int:
     if cg:
         m.set_cgroup_reader(cg.current, lambda: float(cg.limit() or "nan"))
     if metrics_addr:
-        host, port = split_hostport(metrics_addr, "metrics")
-        serve_metrics(m.registry, host, port)
+        listen_metrics(m.registry, metrics_addr)
 
     sdnotify.notify(status="attaching to the expert store")
-    client = GrpcStoreClient(settings.store.socket, settings.store.fd_socket)
+    client = GrpcStoreClient(settings.store.socket, settings.store.fd_socket, timeout=ws.store_timeout,
+                             probe_timeout=ws.store_probe_timeout)
     wait_for_store(client, a.store_wait)         # the engine attaches itself; this waits until the store answers
     sdnotify.notify(status="loading the model", extend_timeout_us=int(300e6))
     interval = sdnotify.watchdog_interval()
-    last_ping = [0.0]
+    health_ref: list = []
 
-    def tick():                                   # the engine loop pings the watchdog
-        now = time.monotonic()
-        if interval and now - last_ping[0] > interval / 3:
-            sdnotify.notify(watchdog=True)
-            last_ping[0] = now
+    def on_state(ok: bool):                       # event-driven health: the moment the store goes or comes back
+        if health_ref:
+            set_health(health_ref[0], ok and engine.is_ready())
+            m.ready.set(1 if ok else 0)
 
-    engine = LLMEngine(cfg, client, metrics=m, on_tick=tick)
+    engine = LLMEngine(cfg, client, metrics=m, on_state=on_state)
+
+    def on_lost(err):                             # the store died: its end of our lease closed
+        if engine.store_ok:
+            engine.report_store_down(err)
+            client.abort()
+    client.on_lost = on_lost
     mi = engine.model_info()
     m.model_info.info({"name": mi.name, "arch": mi.arch, "quant": mi.quant, "n_layer": str(mi.n_layer),
                        "n_expert": str(mi.n_expert), "n_expert_used": str(mi.n_expert_used)})
-    server, health_servicer, ports = build_server(engine, listen, metrics=m)
+    server, health_servicer, ports = build_server(engine, listen, metrics=m, api_keys=api_keys, tls=tls,
+                                                  max_request_bytes=ws.max_request_bytes)
+    health_ref.append(health_servicer)
     server.start()
     http = None
     if http_addr:                                 # the same engine, queue, limits and metrics as gRPC
@@ -94,20 +119,16 @@ def main(argv=None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    threading.Thread(target=store_probe, args=(engine, client, stop), name="store-probe", daemon=True).start()
     ready_sent = False
     event(log, "ready", role="worker", version=__version__, listen=",".join(listen), metrics=metrics_addr or None,
           model=mi.name, arch=mi.arch, quant=mi.quant, device=cfg.device, dtype=str(engine.runner.dtype).removeprefix("torch.")
           if hasattr(engine.runner, "dtype") else cfg.dtype, n_vram=mi.vram_slots_per_layer,
           n_host=mi.host_slots_per_layer, schedule=cfg.schedule, routing=mi.routing,
           approximate=mi.routing != "exact", max_running=cfg.max_running, max_queue=cfg.max_queue,
-          max_context=cfg.max_context)
+          max_context=cfg.max_context,
+          api_keys=len(api_keys) or None, tls=tls is not None)
     while not stop.is_set():
-        if engine.store_ok:                       # notice a dead store while idle, not only when a request fails
-            try:
-                client.ping()
-            except StoreUnavailableError as e:
-                engine.report_store_down(e)
-                time.sleep(0.05)
         ok = engine.is_ready()
         set_health(health_servicer, ok)
         m.ready.set(1 if ok else 0)
@@ -116,6 +137,9 @@ def main(argv=None) -> int:
             ready_sent = True
         elif not ok:
             sdnotify.notify(status="expert store unavailable; re-attaching")
+        # the watchdog is fed only while the engine loop turns: a dead or stuck engine thread lets systemd restart us
+        if interval and not engine.stalled(interval / 2):
+            sdnotify.notify(watchdog=True)
         cache = engine.runner.cache
         used = int((cache.vram_owner[:, :, 0] >= 0).sum())
         m.expert_slots.labels(tier="vram", state="used").set(used)
@@ -124,15 +148,20 @@ def main(argv=None) -> int:
             import torch
             m.vram_used_bytes.labels(pool="experts").set(cache.vram.numel() + cache.ring.numel())
             m.vram_used_bytes.labels(pool="workspace").set(torch.cuda.memory_reserved(engine.runner.device))
-        if not engine._thread.is_alive():
-            tick()
-        stop.wait(0.5)
-    sdnotify.notify(stopping=True, status="draining")
+        stop.wait(min(0.5, interval / 4) if interval else 0.5)
+    # drain: refuse new work, let running requests finish for drain_grace, end the rest with a final message
+    sdnotify.notify(stopping=True, status=f"draining (up to {ws.drain_grace:.0f} s)")
     set_health(health_servicer, False)
+    busy = len(engine.running) + len(engine.waiting)
+    log.info("SIGTERM: draining %d request(s) for up to %.0f s", busy, ws.drain_grace)
+    cancelled = engine.drain(ws.drain_grace)
+    if cancelled:
+        log.warning("drain grace over: %d request(s) ended with finish_reason CANCELLED", cancelled)
     if http is not None:
         http.stop()
-    server.stop(grace=5).wait()
+    server.stop(grace=2).wait()
     engine.close()
+    client.close()
     return 0
 
 

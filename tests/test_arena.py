@@ -30,7 +30,7 @@ WORKER = textwrap.dedent(
     from betelgeuse.store.layout import ArenaLayout
     sock = socket.socket(fileno=int(sys.argv[1]))
     fd, hdr = recv_fd(sock)
-    arena = Arena.attach(fd, hdr["nbytes"])
+    arena = Arena.attach(fd, hdr["nbytes"], readonly=False)   # the store's own O_RDWR fd: this test writes back
     lay = ArenaLayout.from_dict(hdr["layout"])
     d = SlotDirectory(arena, lay, create=False)
     off = lay.host_slot_offset(1, 2)

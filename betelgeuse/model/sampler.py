@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from betelgeuse.errors import InvalidRequestError
+from betelgeuse.errors import InternalError, InvalidRequestError
 from betelgeuse.worker.api import SamplingParams
 
 
@@ -95,12 +95,24 @@ def make_generator(params: SamplingParams, device="cpu") -> torch.Generator | No
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
-    """logits [n_vocab] -> one token id."""
+    """logits [n_vocab] -> one token id.
+
+    Numerically safe for every value validate() accepts: the logits are shifted by their maximum before
+    the division, so a temperature as small as 5e-324 gives 0 for the best token and -inf (never NaN)
+    for the others, and a huge one gives a uniform draw. NaN or +inf logits (a model with NaN weights), or all -inf,
+    raise InternalError: the request is not at fault, and only its own sequence fails."""
     validate(params)
     logits = logits.reshape(-1).float()
+    # -inf is a masked token (a grammar, a penalty); NaN / +inf, or nothing left, is the model's fault
+    broken = torch.isnan(logits) | torch.isposinf(logits)
+    if bool(broken.any()) or not bool(torch.isfinite(logits).any()):
+        raise InternalError(f"the model produced {int(broken.sum())} non-finite logits (NaN or +inf) for this "
+                            "sequence" if bool(broken.any()) else "every token is masked (-inf) for this sequence")
     if params.temperature == 0:
         return int(torch.argmax(logits))
-    logits = logits / params.temperature
+    # shift, then divide in float64 (a float32 temperature of 5e-324 would be 0, and 0/0 NaN): <= 0 everywhere,
+    # the max exactly 0, the others finite or -inf
+    logits = ((logits.double() - float(logits.max())) / params.temperature).float()
     if 0 < params.top_k < logits.numel():
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))      # ties with the k-th survive

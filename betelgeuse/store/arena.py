@@ -12,7 +12,6 @@ under tight limits where importing torch alone would cost ~200 MiB.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import mmap
 import os
@@ -39,18 +38,19 @@ def round_up(n: int, align: int = PAGE) -> int:
 class Arena:
     """A MAP_SHARED mapping of one memfd. `fd` and `nbytes` are what the peer needs to attach."""
 
-    __slots__ = ("fd", "nbytes", "_mm", "_addr", "owner")
+    __slots__ = ("fd", "nbytes", "_mm", "_addr", "owner", "readonly")
 
-    def __init__(self, fd: int, nbytes: int, owner: bool):
+    def __init__(self, fd: int, nbytes: int, owner: bool, readonly: bool = False):
         assert nbytes > 0 and nbytes % PAGE == 0, nbytes
+        assert not (owner and readonly), "the store writes its arena"
         self.fd = fd
         self.nbytes = nbytes
         self.owner = owner  # True in the creating process (the store)
-        self._mm: mmap.mmap | None = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        # from_buffer takes a buffer export only for the duration of this expression
-        probe = ctypes.c_uint8.from_buffer(self._mm)
-        self._addr = ctypes.addressof(probe)
-        del probe
+        self.readonly = readonly  # the worker's view: it only reads host slots and the directory
+        prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
+        self._mm: mmap.mmap | None = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, prot)
+        # the buffer export lasts only for this expression (numpy works on read-only mappings, ctypes does not)
+        self._addr = int(np.frombuffer(self._mm, dtype=np.uint8, count=1).ctypes.data)
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -71,11 +71,18 @@ class Arena:
         return arena
 
     @classmethod
-    def attach(cls, fd: int, nbytes: int) -> "Arena":
-        """The worker side: map a received arena fd. Takes ownership of `fd` (close() closes it)."""
+    def attach(cls, fd: int, nbytes: int, readonly: bool = True) -> "Arena":
+        """The worker side: map a received arena fd, read-only by default (the store hands out an O_RDONLY
+        descriptor, so a writable mapping is refused by the kernel anyway). Takes ownership of `fd`."""
         size = os.fstat(fd).st_size
-        assert size >= nbytes, f"arena fd holds {size} bytes, expected {nbytes}"
-        return cls(fd, nbytes, owner=False)
+        if size < nbytes:
+            raise StoreUnavailableError(f"arena fd holds {size} bytes, expected {nbytes}")
+        return cls(fd, nbytes, owner=False, readonly=readonly)
+
+    def readonly_fd(self) -> int:
+        """A new O_RDONLY descriptor of this memfd (a fresh open file description through /proc, not a dup),
+        for handing to a worker: whoever holds it can map the arena for reading only. The caller closes it."""
+        return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
 
     def prefault(self) -> None:
         """Allocate every page now, so the memcg charge lands here and now (shmem is charged to the
@@ -109,13 +116,18 @@ class Arena:
         return np.frombuffer(self._require(), dtype=dtype, count=nbytes // dtype.itemsize, offset=offset)
 
     def torch(self, offset: int, nbytes: int) -> "torch.Tensor":
-        """A uint8 CPU tensor over [offset, offset+nbytes) (pinned once register_pinned ran)."""
+        """A uint8 CPU tensor over [offset, offset+nbytes) (pinned once register_pinned ran). On a read-only
+        arena the tensor must only be read: a write faults (SIGSEGV), which is the point."""
+        import warnings
+
         import torch
 
         self._check(offset, nbytes)
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
-        return torch.frombuffer(self._require(), dtype=torch.uint8, count=nbytes, offset=offset)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            return torch.frombuffer(self._require(), dtype=torch.uint8, count=nbytes, offset=offset)
 
     def address(self) -> int:
         """Base virtual address of this process's mapping (page aligned)."""
@@ -166,6 +178,13 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a connected Unix socket (SO_PEERCRED, set by the
+    kernel at connect time: it cannot be forged). pid is 0 when the peer is in another PID namespace."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", raw)
+
+
 def recv_fd(sock: socket.socket) -> tuple[int, dict]:
     """Receive one (fd, header) sent by send_fd. The caller owns the returned fd."""
     data, fds, _flags, _addr = socket.recv_fds(sock, _LEN.size, 1)
@@ -207,7 +226,9 @@ def register_pinned(arena: Arena) -> bool:
     if cudart is None:
         return False
     assert arena.nbytes < 512 << 30, "arenas >= 512 GiB must be registered in chunks"
-    err = int(cudart.cudaHostRegister(arena.address(), arena.nbytes, 1))
+    # 8 = cudaHostRegisterReadOnly: the worker's mapping is PROT_READ (the device only reads it)
+    flags = 1 | (8 if arena.readonly else 0)
+    err = int(cudart.cudaHostRegister(arena.address(), arena.nbytes, flags))
     if err != 0:
         raise RuntimeError(f"cudaHostRegister of the {arena.nbytes}-byte arena failed with cudaError {err}")
     return True

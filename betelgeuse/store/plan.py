@@ -128,7 +128,12 @@ def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, me
         reserve = (1 * GiB + fixed + n_vram * per_layer_slot) if not cfg.is_cuda else 2 * GiB
     else:
         reserve = int(cfg.worker_reserve)
-    limit = cfg.memory_max if cfg.memory_max is not None else memory_limit
+    # the effective budget is the tighter of the configured one and the cgroup's: a --memory-max above the real
+    # limit must never replace it (the arena would be OOM-killed while pre-faulting instead of refused here)
+    limits = [x for x in (cfg.memory_max, memory_limit) if x is not None]
+    limit = min(limits) if limits else None
+    if cfg.memory_max is not None and memory_limit is not None and cfg.memory_max > memory_limit:
+        notes.append(f"memory_max {_gib(cfg.memory_max)} is above the cgroup limit {_gib(memory_limit)}: using the cgroup's")
     non_resident = c.n_expert - n_vram
     if cfg.staging_slots == "auto":
         n_staging = max(4, min(2 * non_resident, 512))   # one layer on demand + the next layer read ahead

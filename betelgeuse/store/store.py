@@ -25,7 +25,7 @@ from typing import Iterator
 
 import numpy as np
 
-from betelgeuse.errors import BetelgeuseError, StoreUnavailableError
+from betelgeuse.errors import BetelgeuseError, StoreBusyError, StoreUnavailableError
 from betelgeuse.gguf.reader import GGUFModelFile
 from betelgeuse.logs import event
 from betelgeuse.store.arena import Arena
@@ -37,6 +37,19 @@ log = logging.getLogger("betelgeuse.store")
 
 TIER_DISK, TIER_HOST, TIER_VRAM = 0, 1, 2
 DEMAND, READAHEAD = 0, 1
+
+
+@dataclass(slots=True)
+class Lease:
+    """Who holds a store session. `key` tells one worker from another (its pid where the kernel told us,
+    else the connection); `alive` goes False when the worker's fd-socket connection closes (it died)."""
+    pid: int
+    key: object = None
+    alive: bool = True
+
+    def __post_init__(self):
+        if self.key is None:
+            self.key = ("pid", self.pid)
 
 
 @dataclass(slots=True)
@@ -74,6 +87,7 @@ class ExpertStore:
         self._parts = [[model.expert_parts(l, e) for e in range(E)] for l in range(L)]
         self.cv = threading.Condition()
         self.session: str | None = None
+        self._lease: Lease | None = None              # who holds the session
         self.pass_active = False
         # staging: slot -> key while it holds (or is reading) an expert; free slots in a list
         self._free = list(range(plan.n_staging))
@@ -93,8 +107,17 @@ class ExpertStore:
         self.started = time.monotonic()
 
     # ---- sessions and passes -------------------------------------------------------------
-    def attach(self, worker_pid: int) -> tuple[str, str]:
+    def attach(self, worker_pid: int, lease=None) -> tuple[str, str]:
+        """A new session for the worker `worker_pid`. One worker per store: while the current session's
+        worker is alive (its `lease` — the store's end of the worker's fd-socket connection — is open, or for an
+        in-process client, its pid is this process), a different worker is refused with StoreBusyError."""
+        lease = lease or Lease(worker_pid)
         with self.cv:
+            cur = self._lease
+            if self.session is not None and cur is not None and cur.alive and cur.key != lease.key:
+                raise StoreBusyError(f"another worker (pid {cur.pid}) is attached to this store; one worker per "
+                                     "store: stop it first")
+            self._lease = lease
             # a new worker replaces the old one: what the old one held is free again
             for slot in list(self._handed):
                 self._free_slot(slot)

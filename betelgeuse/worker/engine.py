@@ -17,8 +17,8 @@ import torch
 
 from betelgeuse import __version__
 from betelgeuse.config import EngineConfig
-from betelgeuse.errors import (BetelgeuseError, CancelledError, InvalidRequestError, QueueFullError,
-                               StoreUnavailableError)
+from betelgeuse.errors import (BetelgeuseError, CancelledError, InternalError, InvalidRequestError, QueueFullError,
+                               ShuttingDownError, StoreUnavailableError)
 from betelgeuse.gguf.qtypes import qtype_name
 from betelgeuse.logs import event
 from betelgeuse.model.generate import TextStream
@@ -33,9 +33,26 @@ from betelgeuse.worker.sequence import RequestHandle, Sequence, check_alive
 log = logging.getLogger("betelgeuse.engine")
 
 
+def _text_bytes(x) -> int:
+    """UTF-8 bytes of every string inside x (messages, tool definitions): what tokenizing would have to read."""
+    if isinstance(x, str):
+        return len(x.encode("utf-8", "surrogatepass"))
+    if isinstance(x, dict):
+        return sum(_text_bytes(k) + _text_bytes(v) for k, v in x.items())
+    if isinstance(x, (list, tuple)):
+        return sum(_text_bytes(v) for v in x)
+    return 0
+
+
 class LLMEngine:
-    def __init__(self, cfg: EngineConfig, store: StoreClient, metrics=None, on_tick=None):
+    def __init__(self, cfg: EngineConfig, store: StoreClient, metrics=None, on_tick=None, on_state=None):
         self.cfg = cfg
+        self.on_state = on_state                    # on_state(ready: bool) when the store goes away / comes back
+        self.draining = False                       # set by drain(): new work is refused
+        self.last_tick = time.monotonic()           # the loop's heartbeat (watchdog: is the engine stuck?)
+        # tokenizing runs on the caller's (RPC) thread; at most this many at once, so a flood of big prompts
+        # cannot take every core from the engine thread
+        self._tokenize_slots = threading.BoundedSemaphore(max(1, cfg.tokenize_threads))
         self.runner = ModelRunner(cfg, store)
         self.tokenizer = Tokenizer.from_metadata(self.runner.file.metadata)
         from betelgeuse.grammar import Grammars
@@ -53,10 +70,30 @@ class LLMEngine:
         self._thread.start()
 
     # ---- requests in --------------------------------------------------------------------------
+    def check_text_bytes(self, n: int, what: str = "the prompt"):
+        """Refuse text over max_prompt_bytes before any tokenizing work is spent on it."""
+        if n > self.cfg.max_prompt_bytes:
+            raise InvalidRequestError(f"{what} is {n} bytes, over the limit of {self.cfg.max_prompt_bytes} bytes "
+                                      "(max_prompt_bytes)")
+
     def prompt_ids(self, req: GenerateRequest) -> list[int]:
         forms = [req.prompt_text is not None, req.prompt_ids is not None, req.messages is not None]
         if sum(forms) != 1:
             raise InvalidRequestError("give exactly one of prompt text, prompt token ids or chat messages")
+        ctx = min(self.cfg.max_context, self.runner.mcfg.context_length or self.cfg.max_context)
+        if req.prompt_ids is not None and len(req.prompt_ids) >= ctx:
+            raise InvalidRequestError(f"prompt of {len(req.prompt_ids)} tokens does not fit the context of {ctx} tokens")
+        if req.prompt_text is not None:
+            self.check_text_bytes(len(req.prompt_text.encode("utf-8", "surrogatepass")))
+        if req.messages is not None:
+            self.check_text_bytes(_text_bytes(req.messages) + _text_bytes(getattr(req, "tools", None)),
+                                  "the chat messages' text")
+        if req.prompt_ids is None:
+            with self._tokenize_slots:
+                return self._check_ids(self._encode(req))
+        return self._check_ids(list(req.prompt_ids))
+
+    def _encode(self, req: GenerateRequest) -> list[int]:
         if req.prompt_ids is not None:
             ids = list(req.prompt_ids)
         elif req.messages is not None:
@@ -67,6 +104,9 @@ class LLMEngine:
                                              template_kwargs=req.chat_template_kwargs)
         else:
             ids = self.tokenizer.encode(req.prompt_text, add_special=False, parse_special=req.parse_special)
+        return ids
+
+    def _check_ids(self, ids: list[int]) -> list[int]:
         if not ids:
             raise InvalidRequestError("the prompt is empty")
         n_vocab = self.runner.mcfg.n_vocab
@@ -84,12 +124,16 @@ class LLMEngine:
             raise
 
     def _submit(self, req: GenerateRequest, deadline: float | None) -> RequestHandle:
+        if self.draining:
+            raise ShuttingDownError("the server is shutting down; retry on another replica")
         validate(req.sampling)
         if req.max_tokens is not None and (isinstance(req.max_tokens, bool) or req.max_tokens < 1):
             raise InvalidRequestError(f"max_tokens must be >= 1 (or unset: until EOS or the context), got {req.max_tokens}")
         bad = next((t for t in req.stop_token_ids if not 0 <= t < self.runner.mcfg.n_vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"stop token id {bad} is out of range [0, {self.runner.mcfg.n_vocab})")
+        if len(self.waiting) >= self.cfg.max_queue:      # cheap, before the tokenizing work
+            raise QueueFullError(f"the request queue is full ({self.cfg.max_queue} waiting); retry later")
         ids = self.prompt_ids(req)
         ctx = min(self.cfg.max_context, self.runner.mcfg.context_length or self.cfg.max_context)
         if len(ids) >= ctx:
@@ -139,6 +183,7 @@ class LLMEngine:
     # ---- the loop -------------------------------------------------------------------------------
     def _loop(self):
         while not self._stop:
+            self.last_tick = time.monotonic()
             if self.on_tick:
                 self.on_tick()
             if self._store_lost is not None:
@@ -151,12 +196,12 @@ class LLMEngine:
                     continue
             try:
                 self.step()
-            except Exception:                        # a bug: fail what is in flight, keep serving
+            except Exception:                        # noqa: BLE001
+                # a bug that no sequence's own boundary caught (invariant 7): fail the sequences of the
+                # pass in flight, keep the waiting ones, keep serving
                 log.exception("engine step failed")
-                for seq in list(self.running) + list(self.waiting):
-                    seq.fail(BetelgeuseError("internal error in the engine; see the worker log"))
-                self.running.clear()
-                self.waiting.clear()
+                for seq in list(self.running):
+                    self._drop(seq, InternalError("internal error in the engine; see the worker log"))
 
     def step(self):
         # 1. drop cancelled and expired sequences (the engine stops working on them now)
@@ -175,10 +220,15 @@ class LLMEngine:
                 self._decode(seq)
         self._gauges()
 
+    def _beat(self, seq: Sequence):
+        """Between layers: the engine is alive (watchdog), and the sequence still wanted (may raise)."""
+        self.last_tick = time.monotonic()
+        check_alive(seq)
+
     def _pass(self, seq: Sequence, ids: list[int]) -> tuple[torch.Tensor, PassStats] | None:
         try:
             logits, st = self.runner.forward(ids, seq.kv, consolidate=len(ids) > 1,
-                                             should_stop=lambda: check_alive(seq))
+                                             should_stop=lambda: self._beat(seq))
         except CancelledError:
             self._finish(seq, "cancelled")
             return None
@@ -187,6 +237,10 @@ class LLMEngine:
             return None
         except BetelgeuseError as e:
             self._drop(seq, e)
+            return None
+        except Exception:                            # noqa: BLE001 (a bug or a bad value in this sequence's pass)
+            log.exception("pass of request %s failed", seq.request.request_id or seq.seq_id)
+            self._drop(seq, InternalError("internal error computing this request; see the worker log"))
             return None
         self._account(seq, st)
         return logits[-1], st
@@ -214,6 +268,17 @@ class LLMEngine:
             self._emit_token(seq, out[0])
 
     def _emit_token(self, seq: Sequence, logits: torch.Tensor):
+        """Sample and emit one token; a failure here is this sequence's alone (invariant 7)."""
+        try:
+            self._sample_emit(seq, logits)
+        except BetelgeuseError as e:
+            log.warning("request %s failed: %s", seq.request.request_id or seq.seq_id, e)
+            self._drop(seq, e)
+        except Exception:                            # noqa: BLE001
+            log.exception("sampling for request %s failed", seq.request.request_id or seq.seq_id)
+            self._drop(seq, InternalError("internal error sampling this request; see the worker log"))
+
+    def _sample_emit(self, seq: Sequence, logits: torch.Tensor):
         sp = seq.request.sampling
         x = apply_penalties(logits, sp, seq.prompt_ids, seq.out_ids)
         if seq.constraint is not None:
@@ -318,6 +383,8 @@ class LLMEngine:
     def _store_down(self, err: StoreUnavailableError):
         log.warning("store unavailable: %s", err)
         self.store_ok = False
+        if self.on_state:
+            self.on_state(False)
         for seq in list(self.running):
             self._drop(seq, err)
         with self.cv:
@@ -327,8 +394,11 @@ class LLMEngine:
         threading.Thread(target=self._reattach, name="reattach", daemon=True).start()
 
     def report_store_down(self, err: StoreUnavailableError):
-        """From another thread (the worker's health probe): the store stopped answering while idle."""
+        """From another thread (the worker's health probe): the store stopped answering. The caller also aborts
+        the client's calls in flight, so a pass blocked in one fails now instead of at its deadline."""
         self._store_lost = err
+        if self.on_state:
+            self.on_state(False)
         self._wake()
 
     def _reattach(self):
@@ -337,12 +407,17 @@ class LLMEngine:
                 self.runner.attach()
                 self.store_ok = True
                 log.info("re-attached to the expert store")
-            except StoreUnavailableError:
+                if self.on_state:
+                    self.on_state(True)
+            except BetelgeuseError as e:             # gone, or (briefly) still holding our old lease
+                log.debug("re-attach failed: %s", e)
                 time.sleep(0.5)
 
     # ---- info ---------------------------------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = False, parse_special: bool = False) -> list[int]:
-        return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
+        self.check_text_bytes(len(text.encode("utf-8", "surrogatepass")), "the text")
+        with self._tokenize_slots:
+            return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
 
     def detokenize(self, ids: list[int]) -> str:
         n = self.runner.mcfg.n_vocab
@@ -352,7 +427,28 @@ class LLMEngine:
         return self.tokenizer.decode(ids)
 
     def is_ready(self) -> bool:
-        return self.store_ok and self._thread.is_alive()
+        return self.store_ok and self._thread.is_alive() and not self.draining and self._store_lost is None
+
+    def stalled(self, seconds: float) -> bool:
+        """The engine thread is dead, or has not turned its loop for `seconds` (stuck in a call)."""
+        return not self._thread.is_alive() or time.monotonic() - self.last_tick > seconds
+
+    # ---- drain (SIGTERM) --------------------------------------------------------------------------------
+    def drain(self, grace: float) -> int:
+        """Refuse new work, let running and waiting requests finish for up to `grace` seconds, then end the
+        rest with a final event (finish_reason "cancelled"). Returns how many were cancelled."""
+        self.draining = True
+        t_end = time.monotonic() + grace
+        while (self.running or self.waiting) and time.monotonic() < t_end and self._thread.is_alive():
+            time.sleep(0.05)
+        left = list(self.running) + list(self.waiting)
+        for seq in left:
+            seq.cancelled = True                       # step() 1. finishes them with a final "cancelled" event
+        self._wake()
+        t_end = time.monotonic() + 5.0
+        while (self.running or self.waiting) and time.monotonic() < t_end and self._thread.is_alive():
+            time.sleep(0.02)
+        return len(left)
 
     def model_info(self) -> ModelInfo:
         c, f, p = self.runner.mcfg, self.runner.file, self.runner.plan
