@@ -216,8 +216,12 @@ class LLMEngine:
         if admit is not None:
             self._prefill(admit)
         else:
-            for seq in list(self.running):
-                self._decode(seq)
+            live = [s for s in self.running if not s.finished]
+            if len(live) > 1:
+                self._decode_batch(live)         # continuous batching: one pass for every running sequence
+            else:
+                for seq in live:
+                    self._decode(seq)
         self._gauges()
 
     def _beat(self, seq: Sequence):
@@ -267,6 +271,28 @@ class LLMEngine:
         if out is not None:
             self._emit_token(seq, out[0])
 
+    def _decode_batch(self, seqs: list[Sequence]):
+        """One decode token for each sequence in one pass (runner.decode_batch: each expert loaded once per layer
+        for all of them; a sequence's logits do not depend on its batch). A failure of the pass itself cannot be
+        pinned on one sequence: it fails the batch's sequences (invariant 7), the engine and the waiting ones go on."""
+        try:
+            logits, st = self.runner.decode_batch([s.out_ids[-1] for s in seqs], [s.kv for s in seqs])
+        except StoreUnavailableError as e:
+            self._store_down(e)
+            return
+        except BetelgeuseError as e:
+            for seq in seqs:
+                self._drop(seq, e)
+            return
+        except Exception:                            # noqa: BLE001
+            log.exception("batched decode pass of %d requests failed", len(seqs))
+            for seq in seqs:
+                self._drop(seq, InternalError("internal error in a batched decode pass; see the worker log"))
+            return
+        for i, seq in enumerate(seqs):
+            self._account(seq, st, count_metrics=i == 0)    # each request waited the whole pass; metrics once
+            self._emit_token(seq, logits[i])
+
     def _emit_token(self, seq: Sequence, logits: torch.Tensor):
         """Sample and emit one token; a failure here is this sequence's alone (invariant 7)."""
         try:
@@ -315,7 +341,7 @@ class LLMEngine:
         elif len(seq.out_ids) >= seq.max_tokens:
             self._finish(seq, "length")
 
-    def _account(self, seq: Sequence, st: PassStats):
+    def _account(self, seq: Sequence, st: PassStats, count_metrics: bool = True):
         u = seq.usage
         u.expert_reads_vram += st.reads["vram"]
         u.expert_reads_host += st.reads["host"]
@@ -326,7 +352,7 @@ class LLMEngine:
         phase = "prefill" if st.kind == "prefill" else "decode"
         if st.kind == "decode":
             u.predicted_ms += st.seconds * 1e3
-        m = self.metrics
+        m = self.metrics if count_metrics else None
         if m:
             (m.prompt_tokens if phase == "prefill" else m.generation_tokens).inc(st.n_tokens)
             m.busy_seconds.labels(phase=phase).inc(st.seconds)
