@@ -10,7 +10,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from betelgeuse.errors import UnsupportedError
 
 SUPPORTED_QTYPES: frozenset[int] = frozenset(
-    int(q) for q in (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_K, QT.Q6_K)
+    int(q) for q in (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_K, QT.Q6_K, QT.MXFP4, QT.I32)
 )
 
 

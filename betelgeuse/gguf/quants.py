@@ -13,6 +13,10 @@ Block layouts (bytes, little-endian), one block = `block_size` consecutive eleme
         8 sub-blocks of 32, 6-bit scale/min each:                    x = d*sc * q - dmin*m
   Q6_K (256 elements, 210 B): u8 ql[128] | u8 qh[64] | i8 scales[16] | f16 d
         16 sub-blocks of 16, 6-bit quants centred on 32:             x = d*sc * (q - 32)
+  MXFP4 (32 elements, 17 B): u8 e (E8M0 exponent) | u8 qs[16]; element j is the low nibble of qs[j],
+        element j+16 the high one; x = 2^(e-128) * kvalues[nibble] (e2m1 values doubled, scale halved,
+        as ggml): every product is exact in float32, so any evaluation order gives gguf's bits
+  I32: int32 values (DeepSeek-V4's tid2eid hash-routing table), returned as int32 unless asked otherwise
 """
 
 from __future__ import annotations
@@ -82,7 +86,34 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return (dl * q).reshape(n, 256)
 
 
-_BLOCK_KERNELS = {int(QT.Q8_0): _q8_0, int(QT.Q4_K): _q4_k, int(QT.Q6_K): _q6_k}
+# e2m1 code -> value x2 (gguf.quants.MXFP4.kvalues)
+_MXFP4_KVALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+_LUTS: dict[tuple[str, str], torch.Tensor] = {}
+
+
+def _mxfp4_luts(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale [256] float32 = 2^(e-128) exactly as ggml_e8m0_to_fp32_half, kvalues [16] float32)."""
+    key = ("mxfp4", str(device))
+    if key not in _LUTS:
+        import numpy as np
+        e = np.arange(256, dtype=np.uint32)
+        bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << np.uint32(23)).astype(np.uint32)
+        scale = torch.from_numpy(bits.view(np.float32).copy())
+        _LUTS[key] = torch.cat([scale, torch.tensor(_MXFP4_KVALUES, dtype=torch.float32)]).to(device)
+    lut = _LUTS[key]
+    return lut[:256], lut[256:]
+
+
+def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
+    # blocks [n, 17] -> [n, 32]
+    scale, kv = _mxfp4_luts(blocks.device)
+    d = scale[blocks[:, 0].long()][:, None]                          # [n, 1]
+    qs = blocks[:, 1:]
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1).long()           # [n, 32]: low nibbles, then high
+    return d * kv[codes]
+
+
+_BLOCK_KERNELS = {int(QT.MXFP4): _mxfp4, int(QT.Q8_0): _q8_0, int(QT.Q4_K): _q4_k, int(QT.Q6_K): _q6_k}
 
 
 def dequantize(raw: torch.Tensor, qtype: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -108,6 +139,8 @@ def dequantize(raw: torch.Tensor, qtype: int, shape: tuple[int, ...], dtype: tor
         out = _as_dtype(raw, torch.float16)
     elif qtype == QT.BF16:
         out = _as_dtype(raw, torch.bfloat16)
+    elif qtype == QT.I32:
+        out = _as_dtype(raw, torch.int32)
     else:
         _, type_size = block_size(qtype)
         out = _BLOCK_KERNELS[qtype](raw.reshape(-1, type_size))  # [n_blocks, block] float32

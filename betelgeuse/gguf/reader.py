@@ -31,6 +31,8 @@ from betelgeuse.gguf.header import GGUF_MAGIC, GGUFHeader, TensorEntry, parse_he
 from betelgeuse.gguf.modelconfig import ModelConfig, check_arch, config_from_metadata, get_int
 from betelgeuse.gguf.qtypes import SUPPORTED_QTYPES, block_size, qtype_name, tensor_nbytes
 
+QT_I32 = 26                    # GGMLQuantizationType.I32
+
 TOKEN_EMBD, OUTPUT_NORM, OUTPUT = "token_embd.weight", "output_norm.weight", "output.weight"
 # Per-layer tensors every qwen3moe block needs (the expert gate/up may instead be fused).
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
@@ -167,8 +169,10 @@ class GGUFModelFile:
 
         embd = need(TOKEN_EMBD)
         need(OUTPUT_NORM)
+        # deepseek4's other tensors are checked against the full layout once the config is known
+        layer_tensors = ("ffn_down_exps",) if arch == "deepseek4" else LAYER_TENSORS
         for i in range(n_layer):
-            for t in LAYER_TENSORS:
+            for t in layer_tensors:
                 need(blk(i, t))
             if blk(i, "ffn_gate_up_exps") in tensors:
                 if blk(i, "ffn_gate_exps") in tensors or blk(i, "ffn_up_exps") in tensors:
@@ -193,6 +197,20 @@ class GGUFModelFile:
 
     @staticmethod
     def _check_shapes(path: str, c: ModelConfig, tensors: dict[str, TensorInfo]) -> None:
+        if c.arch == "deepseek4":
+            from betelgeuse.gguf import ds4layout
+            for name, shape in ds4layout.tensors(c):
+                if name not in tensors:
+                    raise ModelFormatError(f"{path}: required tensor {name!r} is missing")
+                got = tensors[name].shape
+                if got != shape:
+                    raise ModelFormatError(f"{path}: tensor {name!r} has shape {list(got)}, expected {list(shape)} "
+                                           f"from the metadata (torch order)")
+                want_int = name.endswith("ffn_gate_tid2eid.weight")
+                if want_int != (tensors[name].qtype == QT_I32):
+                    raise ModelFormatError(f"{path}: tensor {name!r} has type {qtype_name(tensors[name].qtype)}, "
+                                           f"expected {'I32' if want_int else 'a float type'}")
+            return
         q, kv = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
         want: dict[str, tuple[int, ...]] = {TOKEN_EMBD: (c.n_vocab, c.n_embd), OUTPUT_NORM: (c.n_embd,)}
         if OUTPUT in tensors:

@@ -42,6 +42,13 @@ from betelgeuse.errors import InvalidRequestError
 ARCH = "qwen3moe"
 
 
+def __getattr__(name):
+    if name == "DS4Spec":      # the deepseek4 spec lives beside its writer (synth_ds4.py)
+        from betelgeuse.gguf.synth_ds4 import DS4Spec
+        return DS4Spec
+    raise AttributeError(name)
+
+
 @dataclass(slots=True, frozen=True)
 class SynthSpec:
     n_layer: int
@@ -84,11 +91,16 @@ _RESID_VAR_PER_LAYER = 0.35  # residual variance added per layer (attention + Mo
 _Q8_UNIFORM_STD = math.sqrt((256 ** 2 - 1) / 12) * math.sqrt(1 + 1 / 48)  # int8 uniform x scale jitter
 
 
-def spec_from_preset(name: str, **overrides) -> SynthSpec:
-    """A preset with some fields replaced (the CLI's `--layers`, `--seed`, ...)."""
-    if name not in PRESETS:
-        raise InvalidRequestError(f"unknown synth preset {name!r} (known: {', '.join(PRESETS)})")
-    return replace(PRESETS[name], **{k: v for k, v in overrides.items() if v is not None})
+def spec_from_preset(name: str, **overrides):
+    """A preset with some fields replaced (the CLI's `--layers`, `--seed`, ...). `ds4-*` presets are
+    `deepseek4` models (DS4Spec); fields a spec does not have are ignored for it."""
+    from betelgeuse.gguf.synth_ds4 import DS4_PRESETS
+    presets = {**PRESETS, **DS4_PRESETS}
+    if name not in presets:
+        raise InvalidRequestError(f"unknown synth preset {name!r} (known: {', '.join(presets)})")
+    base = presets[name]
+    fields = set(base.__dataclass_fields__)
+    return replace(base, **{k: v for k, v in overrides.items() if v is not None and k in fields})
 
 
 def validate(spec: SynthSpec) -> None:
@@ -189,7 +201,8 @@ def _router(rng: np.random.Generator, spec: SynthSpec, layer: int, j: int) -> It
 
 def _nbytes(shape: tuple[int, ...], gt: GT) -> int:
     n = math.prod(shape)
-    return {GT.F32: 4 * n, GT.F16: 2 * n, GT.BF16: 2 * n, GT.Q8_0: n // 32 * 34}[gt]
+    return {GT.F32: 4 * n, GT.F16: 2 * n, GT.BF16: 2 * n, GT.Q8_0: n // 32 * 34, GT.MXFP4: n // 32 * 17,
+            GT.I32: 4 * n}[gt]
 
 
 def tensor_plan(spec: SynthSpec) -> list[tuple[str, tuple[int, ...], GT, Callable[[], Iterator[np.ndarray]]]]:
@@ -347,14 +360,25 @@ CHAT_TEMPLATE = (
 )
 
 
-def write_model(path: str | os.PathLike, spec: SynthSpec, progress: bool = True) -> None:
-    """Write `spec` as a GGUF file at `path` (atomically: `path.partial`, then rename)."""
+def write_model(path: str | os.PathLike, spec, progress: bool = True) -> None:
+    """Write `spec` (a SynthSpec, or a DS4Spec for `deepseek4`) as a GGUF file at `path` (atomically:
+    `path.partial`, then rename)."""
+    from betelgeuse.gguf.synth_ds4 import DS4Spec, write_deepseek4
+    if isinstance(spec, DS4Spec):
+        write_deepseek4(path, spec, progress=progress)
+        return
     validate(spec)
+    write_gguf(path, ARCH, tensor_plan(spec), lambda w: _add_metadata(w, spec), progress)
+
+
+def write_gguf(path: str | os.PathLike, arch: str, plan, add_metadata: Callable[[GGUFWriter], None],
+               progress: bool = True) -> None:
+    """The streaming writer shared by every architecture: `plan` lists (name, torch shape, type, chunk
+    generator) in file order; `add_metadata(writer)` adds the key/value pairs."""
     path = Path(path)
     tmp = path.with_name(path.name + ".partial")
-    plan = tensor_plan(spec)
-    w = GGUFWriter(tmp, ARCH)
-    _add_metadata(w, spec)
+    w = GGUFWriter(tmp, arch)
+    add_metadata(w)
     for name, shape, gt, _ in plan:
         w.add_tensor_info(name, shape, np.dtype(np.float32), _nbytes(shape, gt), raw_dtype=gt)
     w.write_header_to_file()

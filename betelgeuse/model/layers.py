@@ -114,9 +114,14 @@ def static_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
     return out.reshape(n_head, T, D).transpose(0, 1).reshape(T, n_head * D)
 
 
-def expert_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """SwiGLU expert: x [n,H], gate/up [F,H], down [H,F] -> [n,H] = down(silu(gate x) * up x)."""
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+def expert_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+               limit: float | None = None) -> torch.Tensor:
+    """SwiGLU expert: x [n,H], gate/up [F,H], down [H,F] -> [n,H] = down(silu(gate x) * up x).
+    limit (DeepSeek-V4's swiglu_limit): gate x is clamped to <= limit and up x to [-limit, limit] first."""
+    g, u = F.linear(x, gate), F.linear(x, up)
+    if limit is not None:
+        g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+    return F.linear(F.silu(g) * u, down)
 
 
 def moe_combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -161,7 +166,7 @@ def plan_experts(ids: torch.Tensor) -> dict[int, ExpertWork]:
 
 
 def run_expert(h: torch.Tensor, y: torch.Tensor, work: ExpertWork, weights: ExpertWeights,
-               sub_batch: int = 16) -> None:
+               sub_batch: int = 16, limit: float | None = None) -> None:
     """Apply one expert to its tokens in chunks of `sub_batch` rows, writing y[t, r] in place.
     h [T,H] (ffn-normed), y [T,k,H]. The chunking is part of the bit-exact contract."""
     assert sub_batch > 0
@@ -169,17 +174,17 @@ def run_expert(h: torch.Tensor, y: torch.Tensor, work: ExpertWork, weights: Expe
     tokens, ranks = work.tokens, work.ranks         # on h's device already (plan_experts)
     for s in range(0, tokens.numel(), sub_batch):
         t, r = tokens[s:s + sub_batch], ranks[s:s + sub_batch]
-        y[t, r] = expert_ffn(h[t], gate, up, down)
+        y[t, r] = expert_ffn(h[t], gate, up, down, limit)
 
 
 def apply_experts(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                   get_expert: Callable[[int], ExpertWeights], sub_batch: int = 16,
-                  order: Sequence[int] | Iterable[int] | None = None) -> torch.Tensor:
+                  order: Sequence[int] | Iterable[int] | None = None, limit: float | None = None) -> torch.Tensor:
     """The reference MoE: h [T,H], ids/weights [T,k] -> [T,H].
 
     Experts are computed in `order` (default: ascending id; must list each needed expert exactly
     once), each over its tokens in ascending order in chunks of `sub_batch`; the result does not
-    depend on `order`, bit for bit.
+    depend on `order`, bit for bit. limit: the SwiGLU clamp (expert_ffn), None for qwen3moe.
     """
     T, k = ids.shape
     plan = plan_experts(ids)
@@ -187,5 +192,5 @@ def apply_experts(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     assert sorted(order) == list(plan), "order must list each routed expert exactly once"
     y = torch.zeros(T, k, h.shape[-1], dtype=h.dtype, device=h.device)
     for e in order:
-        run_expert(h, y, plan[e], get_expert(e), sub_batch)
+        run_expert(h, y, plan[e], get_expert(e), sub_batch, limit)
     return moe_combine(y, weights)

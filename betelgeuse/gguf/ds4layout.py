@@ -1,0 +1,142 @@
+"""llama.cpp's `deepseek4` tensor layout (src/models/deepseek4.cpp `load_arch_tensors`; research note §3.1):
+every tensor's name and torch-order shape (= reversed ggml ne) for a config. One table shared by the reader
+(validation: a missing tensor or a bad shape is named) and the writer (synth), so the two cannot drift.
+
+Also the map from transformers' `DeepseekV4ForCausalLM` parameter names to these names (the oracle test
+writes a GGUF from an HF model), and the quant-type classes of the release checkpoint as llama.cpp's
+converter writes them: FP8 matrices -> Q8_0, BF16 matrices stay BF16, FP32 (norms, mHC, sinks, ape,
+bias) stay F32, FP4 routed experts -> MXFP4, tid2eid -> I32.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+TOKEN_EMBD, OUTPUT, OUTPUT_NORM = "token_embd.weight", "output.weight", "output_norm.weight"
+HC_HEAD = ("output_hc_fn.weight", "output_hc_base.weight", "output_hc_scale.weight")
+
+# the release checkpoint's storage class of each tensor kind (what the converter keys its output type on)
+FP8 = ("attn_q_a", "attn_q_b", "attn_kv", "attn_output_b", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp",
+       "indexer.attn_q_b")
+BF16 = ("token_embd", "output", "attn_output_a", "attn_compressor_kv", "attn_compressor_gate",
+        "indexer_compressor_kv", "indexer_compressor_gate", "indexer.proj", "ffn_gate_inp")
+EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+def kind(name: str) -> str:
+    """'blk.3.attn_q_a.weight' -> 'attn_q_a'; 'token_embd.weight' -> 'token_embd'."""
+    parts = name.split(".")
+    if parts[0] == "blk":
+        parts = parts[2:]
+    return ".".join(parts[:-1])
+
+
+def layer_tensors(cfg, i: int) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(name, torch shape) of layer i's tensors, in llama.cpp's load order."""
+    p, D, H, hd = cfg.ds4, cfg.n_embd, cfg.n_head, cfg.head_dim
+    mix, hcD = (2 + p.hc_mult) * p.hc_mult, p.hc_mult * D
+    E, F, k = cfg.n_expert, cfg.n_ff_exp, cfg.n_expert_used
+    b = f"blk.{i}."
+    yield b + "attn_norm.weight", (D,)
+    yield b + "attn_sinks.weight", (H,)
+    yield b + "attn_q_a.weight", (p.q_lora_rank, D)
+    yield b + "attn_q_a_norm.weight", (p.q_lora_rank,)
+    yield b + "attn_q_b.weight", (H * hd, p.q_lora_rank)
+    yield b + "attn_kv.weight", (hd, D)
+    yield b + "attn_kv_a_norm.weight", (hd,)
+    yield b + "attn_output_a.weight", (p.o_groups * p.o_lora_rank, H * hd // p.o_groups)
+    yield b + "attn_output_b.weight", (D, p.o_groups * p.o_lora_rank)
+    for s in ("attn", "ffn"):
+        yield b + f"hc_{s}_fn.weight", (mix, hcD)
+        yield b + f"hc_{s}_base.weight", (mix,)
+        yield b + f"hc_{s}_scale.weight", (3,)
+    ratio = p.compress_ratios[i]
+    if ratio:
+        coff = 2 if ratio == 4 else 1
+        yield b + "attn_compressor_kv.weight", (coff * hd, D)
+        yield b + "attn_compressor_gate.weight", (coff * hd, D)
+        yield b + "attn_compressor_ape.weight", (ratio, coff * hd)
+        yield b + "attn_compressor_norm.weight", (hd,)
+        if ratio == 4:
+            ihd = p.index_head_dim
+            yield b + "indexer.proj.weight", (p.index_n_heads, D)
+            yield b + "indexer.attn_q_b.weight", (p.index_n_heads * ihd, p.q_lora_rank)
+            yield b + "indexer_compressor_kv.weight", (2 * ihd, D)
+            yield b + "indexer_compressor_gate.weight", (2 * ihd, D)
+            yield b + "indexer_compressor_ape.weight", (ratio, 2 * ihd)
+            yield b + "indexer_compressor_norm.weight", (ihd,)
+    yield b + "ffn_gate_inp.weight", (E, D)
+    if i < p.n_hash_layers:
+        yield b + "ffn_gate_tid2eid.weight", (cfg.n_vocab, k)
+    else:
+        yield b + "exp_probs_b.bias", (E,)
+    yield b + "ffn_norm.weight", (D,)
+    yield b + "ffn_gate_exps.weight", (E, F, D)
+    yield b + "ffn_down_exps.weight", (E, D, F)
+    yield b + "ffn_up_exps.weight", (E, F, D)
+    yield b + "ffn_gate_shexp.weight", (p.n_shared * F, D)
+    yield b + "ffn_down_shexp.weight", (D, p.n_shared * F)
+    yield b + "ffn_up_shexp.weight", (p.n_shared * F, D)
+
+
+def tensors(cfg) -> list[tuple[str, tuple[int, ...]]]:
+    """Every tensor of a `deepseek4` file for `cfg` (a ModelConfig with .ds4), in llama.cpp's order."""
+    D, V, hc = cfg.n_embd, cfg.n_vocab, cfg.ds4.hc_mult
+    out = [(TOKEN_EMBD, (V, D)), (OUTPUT_NORM, (D,)), (OUTPUT, (V, D)),
+           (HC_HEAD[0], (hc, hc * D)), (HC_HEAD[1], (hc,)), (HC_HEAD[2], (1,))]
+    for i in range(cfg.n_layer):
+        out += list(layer_tensors(cfg, i))
+    return out
+
+
+# ---- transformers DeepseekV4ForCausalLM <-> GGUF -------------------------------------------------
+
+_HF_GLOBAL = {"model.embed_tokens.weight": TOKEN_EMBD, "lm_head.weight": OUTPUT, "model.norm.weight": OUTPUT_NORM,
+              "model.hc_head.hc_fn": HC_HEAD[0], "model.hc_head.hc_base": HC_HEAD[1], "model.hc_head.hc_scale": HC_HEAD[2]}
+_HF_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.sinks": "attn_sinks.weight", "self_attn.q_a_proj.weight": "attn_q_a.weight",
+    "self_attn.q_a_norm.weight": "attn_q_a_norm.weight", "self_attn.q_b_proj.weight": "attn_q_b.weight",
+    "self_attn.kv_proj.weight": "attn_kv.weight", "self_attn.kv_norm.weight": "attn_kv_a_norm.weight",
+    "self_attn.o_a_proj.weight": "attn_output_a.weight", "self_attn.o_b_proj.weight": "attn_output_b.weight",
+    "attn_hc.fn": "hc_attn_fn.weight", "attn_hc.base": "hc_attn_base.weight", "attn_hc.scale": "hc_attn_scale.weight",
+    "ffn_hc.fn": "hc_ffn_fn.weight", "ffn_hc.base": "hc_ffn_base.weight", "ffn_hc.scale": "hc_ffn_scale.weight",
+    "self_attn.compressor.kv_proj.weight": "attn_compressor_kv.weight",
+    "self_attn.compressor.gate_proj.weight": "attn_compressor_gate.weight",
+    "self_attn.compressor.position_bias": "attn_compressor_ape.weight",
+    "self_attn.compressor.kv_norm.weight": "attn_compressor_norm.weight",
+    "self_attn.compressor.indexer.scorer.weights_proj.weight": "indexer.proj.weight",
+    "self_attn.compressor.indexer.q_b_proj.weight": "indexer.attn_q_b.weight",
+    "self_attn.compressor.indexer.kv_proj.weight": "indexer_compressor_kv.weight",
+    "self_attn.compressor.indexer.gate_proj.weight": "indexer_compressor_gate.weight",
+    "self_attn.compressor.indexer.position_bias": "indexer_compressor_ape.weight",
+    "self_attn.compressor.indexer.kv_norm.weight": "indexer_compressor_norm.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    "mlp.gate.tid2eid": "ffn_gate_tid2eid.weight",
+    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.experts.down_proj": "ffn_down_exps.weight",
+    # mlp.experts.gate_up_proj [E, 2F, D] (gate rows first) -> ffn_gate_exps + ffn_up_exps
+}
+
+
+def hf_to_gguf(state: dict) -> dict:
+    """An HF DeepseekV4ForCausalLM state dict (name -> tensor) -> {gguf name: tensor} (same shapes, torch
+    order; gate_up_proj split into gate and up)."""
+    out = {}
+    for name, t in state.items():
+        if name in _HF_GLOBAL:
+            out[_HF_GLOBAL[name]] = t
+            continue
+        parts = name.split(".")
+        assert parts[:2] == ["model", "layers"], name
+        i, rest = int(parts[2]), ".".join(parts[3:])
+        if rest == "mlp.experts.gate_up_proj":
+            F = t.shape[1] // 2
+            out[f"blk.{i}.ffn_gate_exps.weight"], out[f"blk.{i}.ffn_up_exps.weight"] = t[:, :F], t[:, F:]
+        elif rest in _HF_LAYER:
+            out[f"blk.{i}.{_HF_LAYER[rest]}"] = t
+        else:
+            raise KeyError(f"no GGUF name for HF tensor {name!r}")
+    return out

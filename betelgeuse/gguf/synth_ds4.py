@@ -1,0 +1,296 @@
+"""Seeded random-weight `deepseek4` (DeepSeek-V4) GGUF files of any geometry, in llama.cpp's layout.
+
+Tensor names and shapes come from `ds4layout` (the table the reader validates against); metadata keys are
+the ones llama.cpp's converter (`conversion/deepseek.py` DeepseekV4Model) writes. Quant types follow the
+release checkpoint as the converter maps it: routed experts `expert_qtype` (MXFP4 in published files),
+the checkpoint's FP8 matrices Q8_0 and its BF16 matrices BF16 when `dense="release"` (all F32 when
+`dense="F32"`), norms / mHC / sinks / ape / bias F32, tid2eid I32.
+
+`write_deepseek4(path, spec, source=...)` can take the weights from a caller (the oracle test passes a
+transformers model's, already rounded through the quantizer); without one it draws random weights:
+matrices N(0, 1/fan_in), norms 1 + N(0, 0.05), mHC projections N(0, 0.02) (HF's init range), MXFP4 experts
+as random codes with one E8M0 scale per block chosen for the same std, tid2eid k distinct random experts
+per token. Streams chunk by chunk (the V4-Flash-shaped preset is ~31 GB).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+from gguf import GGMLQuantizationType as GT, GGUFWriter, quants
+
+from betelgeuse.errors import InvalidRequestError
+from betelgeuse.gguf import ds4layout
+from betelgeuse.gguf.modelconfig import DS4_RATIOS, Deepseek4Params, ModelConfig
+from betelgeuse.gguf.synth import _matrix_chunks, _rng, write_gguf
+
+ARCH = "deepseek4"
+MOSTLY_MXFP4_MOE = 38          # LlamaFileType (gguf 0.19 does not name it)
+
+
+@dataclass(slots=True, frozen=True)
+class DS4Spec:
+    n_layer: int
+    n_embd: int
+    n_head: int
+    head_dim: int
+    rope_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    n_expert: int
+    n_expert_used: int
+    n_ff_exp: int
+    n_vocab: int
+    compress_ratios: tuple[int, ...] = ()     # per layer; () = V4-Flash's pattern (0, 0, then 4/128 alternating)
+    n_hash_layers: int = 3
+    n_shared: int = 1
+    sliding_window: int = 128
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    context_length: int = 1048576
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    rope_factor: float = 16.0                  # YaRN on compressed layers (1.0 = no scaling)
+    rope_orig_ctx: int = 65536
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    swiglu_limit: float = 10.0
+    routed_scale: float = 1.5
+    rms_eps: float = 1e-6
+    expert_qtype: str = "MXFP4"                # "F32" | "Q8_0" | "MXFP4"
+    dense: str = "release"                     # "release" (Q8_0/BF16/F32 as the converter) | "F32"
+    seed: int = 0
+
+    def ratios(self) -> tuple[int, ...]:
+        if self.compress_ratios:
+            return tuple(self.compress_ratios)
+        return tuple(0 if i < 2 else (4 if i % 2 == 0 else 128) for i in range(self.n_layer))
+
+    def config(self) -> ModelConfig:
+        """The ModelConfig a reader builds from the file this spec writes."""
+        yarn = self.rope_factor != 1.0
+        p = Deepseek4Params(
+            q_lora_rank=self.q_lora_rank, o_groups=self.o_groups, o_lora_rank=self.o_lora_rank,
+            rope_dim=self.rope_dim, n_shared=self.n_shared, n_hash_layers=self.n_hash_layers,
+            sliding_window=self.sliding_window, index_n_heads=self.index_n_heads,
+            index_head_dim=self.index_head_dim, index_topk=self.index_topk, hc_mult=self.hc_mult,
+            hc_sinkhorn_iters=self.hc_sinkhorn_iters, hc_eps=self.hc_eps, compress_ratios=self.ratios(),
+            swiglu_limit=(self.swiglu_limit,) * self.n_layer, swiglu_limit_shexp=(self.swiglu_limit,) * self.n_layer,
+            compress_rope_theta=self.compress_rope_theta, rope_scaling="yarn" if yarn else "none",
+            rope_factor=self.rope_factor if yarn else 1.0, rope_orig_ctx=self.rope_orig_ctx if yarn else 0,
+            yarn_beta_fast=self.yarn_beta_fast, yarn_beta_slow=self.yarn_beta_slow,
+            routed_scale=self.routed_scale, weights_norm=True)
+        return ModelConfig(arch=ARCH, n_layer=self.n_layer, n_embd=self.n_embd, n_head=self.n_head, n_head_kv=1,
+                           head_dim=self.head_dim, n_ff_exp=self.n_ff_exp, n_expert=self.n_expert,
+                           n_expert_used=self.n_expert_used, n_vocab=self.n_vocab,
+                           context_length=self.context_length, rope_theta=self.rope_theta, rms_eps=self.rms_eps,
+                           norm_topk_prob=True, name=f"betelgeuse-synth-ds4-{self.n_layer}L", ds4=p)
+
+
+DS4_PRESETS: dict[str, DS4Spec] = {
+    # ~1 MB: unit tests (sliding, CSA, HCA; 2 hash layers; windows a 300-token prompt crosses)
+    "ds4-tiny": DS4Spec(n_layer=4, n_embd=64, n_head=4, head_dim=64, rope_dim=16, q_lora_rank=32, o_groups=2,
+                        o_lora_rank=32, n_expert=8, n_expert_used=2, n_ff_exp=32, n_vocab=512,
+                        compress_ratios=(0, 4, 128, 4), n_hash_layers=2, sliding_window=16, index_n_heads=16,
+                        index_head_dim=32, index_topk=4, context_length=4096, rope_factor=4.0, rope_orig_ctx=64),
+    # DeepSeek-V4-Flash's per-layer shapes (hidden 4096, 64 heads x 512, 256 experts of 13,369,344 B at
+    # MXFP4, top-6 + shared): 9 of its 43 layers, ~31 GB, what fits the GPU machine's disk
+    "ds4-flash": DS4Spec(n_layer=9, n_embd=4096, n_head=64, head_dim=512, rope_dim=64, q_lora_rank=1024,
+                         o_groups=8, o_lora_rank=1024, n_expert=256, n_expert_used=6, n_ff_exp=2048,
+                         n_vocab=129280),
+}
+
+_QT = {"F32": GT.F32, "Q8_0": GT.Q8_0, "MXFP4": GT.MXFP4, "BF16": GT.BF16}
+_F32_2D = ("hc_attn_fn", "hc_ffn_fn", "output_hc_fn", "attn_compressor_ape", "indexer_compressor_ape")
+
+
+def validate(spec: DS4Spec) -> None:
+    s = spec
+    if s.expert_qtype not in ("F32", "Q8_0", "MXFP4"):
+        raise InvalidRequestError(f"expert_qtype {s.expert_qtype!r} not supported (F32, Q8_0, MXFP4)")
+    if s.dense not in ("release", "F32"):
+        raise InvalidRequestError(f"dense {s.dense!r} not supported (release, F32)")
+    for f in ("n_layer", "n_embd", "n_head", "head_dim", "rope_dim", "q_lora_rank", "o_groups", "o_lora_rank",
+              "n_expert", "n_expert_used", "n_ff_exp", "n_vocab", "sliding_window", "hc_mult"):
+        if getattr(s, f) <= 0:
+            raise InvalidRequestError(f"{f} must be positive, got {getattr(s, f)}")
+    if len(s.ratios()) != s.n_layer or any(r not in DS4_RATIOS for r in s.ratios()):
+        raise InvalidRequestError(f"compress_ratios {s.ratios()} must list {s.n_layer} values in {DS4_RATIOS}")
+    if s.n_expert_used > s.n_expert or s.n_head % s.o_groups or s.rope_dim > min(s.head_dim, s.index_head_dim):
+        raise InvalidRequestError("n_expert_used <= n_expert, o_groups | n_head and rope_dim <= head dims required")
+    if not 0 <= s.n_hash_layers <= s.n_layer:
+        raise InvalidRequestError(f"n_hash_layers {s.n_hash_layers} must be in 0..{s.n_layer}")
+    if any(d % 32 for d in (s.n_embd, s.n_ff_exp, s.q_lora_rank, s.o_lora_rank * s.o_groups,
+                            s.n_head * s.head_dim // s.o_groups)):
+        raise InvalidRequestError("every matrix row length must be a multiple of 32 (Q8_0 / MXFP4 blocks)")
+
+
+def qtype_of(spec: DS4Spec, name: str, shape: tuple[int, ...]) -> GT:
+    """The type a tensor is stored in (module doc)."""
+    k = ds4layout.kind(name)
+    if k in ds4layout.EXPERTS:
+        return _QT[spec.expert_qtype]
+    if k == "ffn_gate_tid2eid":
+        return GT.I32
+    if len(shape) == 1 or k in _F32_2D or spec.dense == "F32":
+        return GT.F32
+    if k in ds4layout.FP8:
+        return GT.Q8_0
+    if k in ds4layout.BF16:
+        return GT.BF16
+    return GT.F32
+
+
+def _mxfp4_blocks(rng: np.random.Generator, n_blocks: int, std: float) -> np.ndarray:
+    """Random MXFP4 blocks uint8 [n, 17]: uniform e2m1 codes (RMS 5.85 in ggml's doubled units), one
+    E8M0 exponent e per block with 2^(e-128) * 5.85 ~ std (jittered by one binade)."""
+    raw = rng.integers(0, 2 ** 64 - 1, size=(n_blocks * 17 + 7) // 8, dtype=np.uint64, endpoint=True)
+    raw = raw.view(np.uint8)[: n_blocks * 17].reshape(n_blocks, 17)
+    e0 = 128 + int(round(math.log2(std / 5.85)))
+    raw[:, 0] = e0 - 1 + (raw[:, 0] % 3)
+    return raw
+
+
+def _random_chunks(spec: DS4Spec, name: str, shape: tuple[int, ...], gt: GT, cfg) -> Iterator[np.ndarray]:
+    rng, k = _rng(spec, name), ds4layout.kind(name)
+    if gt == GT.I32:                                   # tid2eid [V, k]: k distinct experts per token
+        V, kk = shape
+        yield np.argsort(rng.random((V, cfg.n_expert)), axis=1)[:, :kk].astype(np.int32)
+        return
+    if len(shape) == 1:
+        n = shape[0]
+        if k.endswith("norm"):
+            yield (1.0 + 0.05 * rng.standard_normal(n)).astype(np.float32)
+        elif k.endswith("_scale"):
+            yield (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+        else:                                          # sinks, hc bases, exp_probs_b
+            yield (0.1 * rng.standard_normal(n)).astype(np.float32)
+        return
+    if k in ("attn_compressor_ape", "indexer_compressor_ape"):
+        yield (0.1 * rng.standard_normal(shape)).astype(np.float32)
+        return
+    if k in ("hc_attn_fn", "hc_ffn_fn", "output_hc_fn"):
+        yield (0.02 * rng.standard_normal(shape)).astype(np.float32)
+        return
+    cols = shape[-1]
+    rows = math.prod(shape[:-1])
+    std = cols ** -0.5
+    if k == "token_embd":
+        std = 1.0
+    if gt == GT.MXFP4:
+        per = 1 << 20                                   # blocks per chunk (17 MiB)
+        nb = rows * cols // 32
+        for b0 in range(0, nb, per):
+            yield _mxfp4_blocks(rng, min(per, nb - b0), std)
+        return
+    q = {GT.F32: "F32", GT.BF16: "BF16", GT.Q8_0: "Q8_0"}[gt]
+    yield from _matrix_chunks(rng, rows, cols, std, q)
+
+
+def _source_chunks(arr, gt: GT) -> Iterator[np.ndarray]:
+    a = np.ascontiguousarray(arr)
+    if gt == GT.I32:
+        yield a.astype(np.int32)
+    elif gt == GT.F32:
+        yield a.astype(np.float32)
+    else:
+        yield quants.quantize(a.astype(np.float32), gt)
+
+
+def tensor_plan(spec: DS4Spec, source: Callable[[str], np.ndarray] | None = None):
+    """(name, torch shape, type, chunk generator) for every tensor, in llama.cpp's order."""
+    cfg = spec.config()
+    plan = []
+    for name, shape in ds4layout.tensors(cfg):
+        gt = qtype_of(spec, name, shape)
+        if source is None:
+            gen = (lambda n=name, s=shape, g=gt: _random_chunks(spec, n, s, g, cfg))
+        else:
+            gen = (lambda n=name, s=shape, g=gt: _source_chunks(source(n), g))
+        plan.append((name, shape, gt, gen))
+    return plan
+
+
+def add_metadata(w: GGUFWriter, spec: DS4Spec, tokenizer: bool = True) -> None:
+    """The keys llama.cpp's converter writes for DeepseekV4ForCausalLM (plus a small tokenizer)."""
+    s, a = spec, ARCH
+    w.add_name(f"betelgeuse-synth-ds4-{s.n_layer}L-{s.n_expert}x{s.n_ff_exp}-{s.expert_qtype}")
+    w.add_file_type(MOSTLY_MXFP4_MOE if s.expert_qtype == "MXFP4" else (0 if s.dense == "F32" else 7))
+    w.add_quantization_version(2)
+    w.add_block_count(s.n_layer)
+    w.add_context_length(s.context_length)
+    w.add_embedding_length(s.n_embd)
+    w.add_feed_forward_length(s.n_ff_exp)
+    w.add_head_count(s.n_head)
+    w.add_head_count_kv(1)
+    w.add_key_length(s.head_dim)
+    w.add_value_length(s.head_dim)
+    w.add_rope_freq_base(s.rope_theta)
+    if s.rope_factor != 1.0:
+        w.add_string(f"{a}.rope.scaling.type", "yarn")
+        w.add_float32(f"{a}.rope.scaling.factor", s.rope_factor)
+        w.add_uint32(f"{a}.rope.scaling.original_context_length", s.rope_orig_ctx)
+        w.add_float32(f"{a}.rope.scaling.yarn_beta_fast", s.yarn_beta_fast)
+        w.add_float32(f"{a}.rope.scaling.yarn_beta_slow", s.yarn_beta_slow)
+    w.add_layer_norm_rms_eps(s.rms_eps)
+    w.add_expert_count(s.n_expert)
+    w.add_expert_used_count(s.n_expert_used)
+    w.add_uint32(f"{a}.expert_gating_func", 4)                      # SQRTSOFTPLUS
+    w.add_uint32(f"{a}.rope.dimension_count", s.rope_dim)
+    w.add_uint32(f"{a}.attention.q_lora_rank", s.q_lora_rank)
+    w.add_uint32(f"{a}.attention.sliding_window", s.sliding_window)
+    w.add_expert_feed_forward_length(s.n_ff_exp)
+    w.add_uint32(f"{a}.expert_shared_count", s.n_shared)
+    w.add_float32(f"{a}.expert_weights_scale", s.routed_scale)
+    w.add_bool(f"{a}.expert_weights_norm", True)
+    w.add_array(f"{a}.swiglu_clamp_exp", [float(s.swiglu_limit)] * s.n_layer)
+    w.add_array(f"{a}.swiglu_clamp_shexp", [float(s.swiglu_limit)] * s.n_layer)
+    w.add_uint32(f"{a}.attention.indexer.head_count", s.index_n_heads)
+    w.add_uint32(f"{a}.attention.indexer.key_length", s.index_head_dim)
+    w.add_uint32(f"{a}.attention.indexer.top_k", s.index_topk)
+    w.add_uint32(f"{a}.attention.output_group_count", s.o_groups)
+    w.add_uint32(f"{a}.attention.output_lora_rank", s.o_lora_rank)
+    w.add_array(f"{a}.attention.compress_ratios", list(s.ratios()))
+    w.add_float32(f"{a}.attention.compress_rope_freq_base", s.compress_rope_theta)
+    w.add_uint32(f"{a}.hyper_connection.count", s.hc_mult)
+    w.add_uint32(f"{a}.hyper_connection.sinkhorn_iterations", s.hc_sinkhorn_iters)
+    w.add_float32(f"{a}.hyper_connection.epsilon", s.hc_eps)
+    w.add_uint32(f"{a}.hash_layer_count", s.n_hash_layers)
+    w.add_uint32(f"{a}.embedding_length_out", s.n_embd * s.hc_mult)
+    w.add_uint32("betelgeuse.synth.seed", s.seed)
+    if tokenizer:
+        from betelgeuse.gguf.synth import CHAT_TEMPLATE, CORPUS
+        from betelgeuse.tokenizer import train_vocab
+        v = train_vocab(CORPUS, s.n_vocab)
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("qwen2")
+        w.add_token_list(v.tokens)
+        w.add_token_types(v.token_types)
+        w.add_token_merges(v.merges)
+        w.add_bos_token_id(v.endoftext_id)
+        w.add_eos_token_id(v.im_end_id)
+        w.add_pad_token_id(v.endoftext_id)
+        w.add_add_bos_token(False)
+        w.add_chat_template(CHAT_TEMPLATE)
+
+
+def write_deepseek4(path: str | os.PathLike, spec: DS4Spec, source: Callable[[str], np.ndarray] | None = None,
+                    progress: bool = True) -> None:
+    """Write `spec` at `path`; `source(gguf_name)` -> float32 array (torch shape; int for tid2eid) supplies
+    the weights instead of the random generator."""
+    validate(spec)
+    write_gguf(path, ARCH, tensor_plan(spec, source), lambda w: add_metadata(w, spec), progress)
+
+
+def model_nbytes(spec: DS4Spec) -> int:
+    from betelgeuse.gguf.synth import _nbytes
+    return sum(_nbytes(shape, gt) for _, shape, gt, _ in tensor_plan(spec))
