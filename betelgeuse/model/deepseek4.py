@@ -156,6 +156,9 @@ class Deepseek4Model:
         assert cfg.arch == "deepseek4" and cfg.ds4 is not None, cfg.arch
         self.cfg, self.p = cfg, cfg.ds4
         self.w = dense
+        # margins: a list to record, per discrete choice, (layer, "experts"|"indexer", min gap) between the
+        # k-th and (k+1)-th candidate (tests assert choices are far from ties); None = off
+        self.margins: list | None = None
         self.device = dense[ds4layout.TOKEN_EMBD].device
         self.dtype = dense[ds4layout.TOKEN_EMBD].dtype
         p = self.p
@@ -348,6 +351,12 @@ class Deepseek4Model:
         wts = F.linear(u, w[b + "indexer.proj.weight"]).float() * nh ** -0.5                 # [T, nh]
         score = (sc * wts.unsqueeze(-1)).sum(dim=1).masked_fill(~visible, float("-inf"))     # [T, N]
         top = score.topk(min(p.index_topk, N), dim=-1).indices
+        if self.margins is not None and N > p.index_topk:
+            srt = score.sort(dim=-1, descending=True).values
+            ok = torch.isfinite(srt[:, p.index_topk])            # queries with more visible entries than top_k
+            if ok.any():
+                gap = srt[ok, p.index_topk - 1] - srt[ok, p.index_topk]
+                self.margins.append((l, "indexer", float(gap.min())))
         sel = torch.zeros_like(visible).scatter_(1, top, True)
         return sel & visible
 
@@ -374,6 +383,9 @@ class Deepseek4Model:
             sel = scores + self.w[b + "exp_probs_b.bias"]
             if resident is None:
                 ids = torch.topk(sel, k, dim=-1).indices
+                if self.margins is not None and k < sel.shape[1]:
+                    srt = sel.sort(dim=-1, descending=True).values
+                    self.margins.append((layer, "experts", float((srt[:, k - 1] - srt[:, k]).min())))
             else:
                 first = sel.argmax(dim=-1, keepdim=True)
                 boost = (sel.max() - sel.min() + 1.0) * resident.to(sel.dtype)[None, :]
