@@ -230,7 +230,6 @@ def add_metadata(w: GGUFWriter, spec: DS4Spec, tokenizer: bool = True) -> None:
     w.add_block_count(s.n_layer)
     w.add_context_length(s.context_length)
     w.add_embedding_length(s.n_embd)
-    w.add_feed_forward_length(s.n_ff_exp)
     w.add_head_count(s.n_head)
     w.add_head_count_kv(1)
     w.add_key_length(s.head_dim)
