@@ -50,8 +50,8 @@ def _dtype(name: str):
 
 
 def _load_model(args):
-    from betelgeuse.model.qwen3moe import ReferenceModel
-    return ReferenceModel.load(args.model, device=args.device, dtype=_dtype(args.dtype))
+    from betelgeuse.model import reference_model
+    return reference_model(args.model, device=args.device, dtype=_dtype(args.dtype))
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:

@@ -117,7 +117,8 @@ class MoEKernels:
             if work is None:
                 continue
             b = int(g.base_host[e])
-            run_expert(r.h, y3, work, self.weights_fn(pool[b: b + slot_bytes], layer, e), self.sub_batch)
+            run_expert(r.h, y3, work, self.weights_fn(pool[b: b + slot_bytes], layer, e), self.sub_batch,
+                       self.limit)
 
     def combine(self, r: Routing) -> torch.Tensor:
         """[T,H]: ranks reduced 0..k-1 in order, so no tier or group order changes a bit."""

@@ -38,9 +38,8 @@ from betelgeuse.config import EngineConfig
 from betelgeuse.errors import BetelgeuseError
 from betelgeuse.gguf.reader import GGUFModelFile
 from betelgeuse.kernels.moe import Group, MoEKernels, triton_available
+from betelgeuse.model import engine_model
 from betelgeuse.model.kv_cache import KVCache
-from betelgeuse.model.qwen3moe import Qwen3MoeModel
-from betelgeuse.model.weights import DenseWeights
 from betelgeuse.store.client import StoreClient
 from betelgeuse.store.directory import SlotDirectory
 from betelgeuse.worker.expert_cache import TIER_DISK, TIER_HOST, TIER_VRAM, ExpertCache
@@ -102,7 +101,7 @@ class ModelRunner:
         self.dtype = cfg.torch_dtype()
         self.file = GGUFModelFile.open(cfg.model_path)
         self.mcfg = self.file.config
-        self.model = Qwen3MoeModel(self.mcfg, DenseWeights.load(self.file, self.device, self.dtype))
+        self.model = engine_model(self.file, self.device, self.dtype)     # qwen3moe or deepseek4: one interface
         if self.device.type == "cuda":
             # loading dequantizes through float32 temporaries (1.2 GB for a 151936 x 2048 embedding);
             # give them back so the caching allocator does not keep them reserved beside the VRAM slots
@@ -147,7 +146,8 @@ class ModelRunner:
                           weights_fn=self.cache.weights, act_limit=self.model.expert_act[1])
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
-        return KVCache.for_config(self.mcfg, max_len or self.cfg.max_context, self.device, self.dtype)
+        """The model's per-sequence state (qwen3moe: KVCache; deepseek4: DS4Cache, same begin/commit)."""
+        return self.model.new_cache(max_len or self.cfg.max_context)
 
     def _call(self, fn, *args):
         self._calls += 1

@@ -1,0 +1,104 @@
+"""deepseek4 through the out-of-core engine (runner, slots, store), in one process on the CPU.
+
+Invariant 1 for the second architecture: logits bit-identical to the deepseek4 ReferenceModel (experts
+dequantized from the file's mmap, no store) whatever the slot configuration, cold, warm and after
+consolidation; decode steps (which carry the sliding-window ring, the open compression windows and the
+compressed entries) too. MXFP4 routed experts (what published files hold) and Q8_0 ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from betelgeuse.gguf.synth import spec_from_preset, write_model
+from betelgeuse.model import reference_model
+from betelgeuse.model.deepseek4 import DS4Cache
+
+from engine_helpers import close_runner, in_process_runner
+
+E = 8
+PROMPT = [int(x) for x in np.random.default_rng(4).integers(0, 512, 150)]   # crosses SWA 16, CSA 4, HCA 128
+CONFIGS = [(0, 0), (2, 3), (E, 0), (3, E - 3)]
+
+
+def _model(tmp_path_factory, qtype):
+    spec = replace(spec_from_preset("ds4-tiny"), expert_qtype=qtype, seed=2)
+    path = tmp_path_factory.mktemp("ds4e") / f"ds4-{qtype}.gguf"
+    write_model(path, spec, progress=False)
+    ref = reference_model(path)
+    with torch.no_grad():
+        want = ref.forward(torch.tensor(PROMPT), ref.new_cache(200)).float()
+    return path, ref, want
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return _model(tmp_path_factory, "MXFP4")
+
+
+@pytest.fixture(scope="module")
+def model_q8(tmp_path_factory):
+    return _model(tmp_path_factory, "Q8_0")
+
+
+@pytest.mark.parametrize("vram,host", CONFIGS, ids=[f"{v}v{h}h" for v, h in CONFIGS])
+def test_logits_bit_identical_across_slots_and_passes(model, vram, host):
+    _check_slots(model, vram, host)
+
+
+def test_q8_0_experts_bit_identical(model_q8):
+    _check_slots(model_q8, 2, 3)
+
+
+def _check_slots(model, vram, host):
+    path, _, want = model
+    runner, store = in_process_runner(path, vram, host)
+    try:
+        assert type(runner.model).__name__ == "Deepseek4Model"
+        reads = []
+        for name, consolidate in (("cold", False), ("warm", True), ("consolidated", False)):
+            kv = runner.new_cache(200)
+            assert isinstance(kv, DS4Cache)
+            logits, st = runner.forward(PROMPT, kv, all_logits=True, consolidate=consolidate)
+            runner.settle()
+            diff = (logits - want).abs().max().item()
+            assert torch.equal(logits, want), f"{vram}/{host} {name}: max |diff| {diff:.3e}, not bit-identical"
+            reads.append(st.reads)
+        n = sum(reads[0].values())
+        assert reads[0] == {"vram": 0, "host": 0, "disk": n}          # cold: everything from disk
+        if vram:
+            assert reads[2]["vram"] > 0, reads
+        if host:
+            assert reads[2]["host"] > 0, reads
+        if vram + host >= E:
+            assert reads[2]["disk"] == 0, reads
+    finally:
+        close_runner(runner, store)
+
+
+def test_decode_bit_identical(model):
+    """Prefill 110 tokens, then 40 single-token passes (crossing the HCA window at 127); every row equals the reference's decode, whose
+    rows in turn match its whole-prompt prefill within float32 noise (decode equals prefill)."""
+    path, ref, want = model
+    kv = ref.new_cache(200)
+    with torch.no_grad():
+        ref_rows = [ref.forward(torch.tensor(PROMPT[:110]), kv)] + \
+                   [ref.forward(torch.tensor([t]), kv) for t in PROMPT[110:]]
+    ref_rows = torch.cat(ref_rows)
+    assert (ref_rows - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+    runner, store = in_process_runner(path, 3, E - 3)
+    try:
+        for _ in range(2):                                            # cold, then after consolidation
+            rkv = runner.new_cache(200)
+            rows = [runner.forward(PROMPT[:110], rkv, all_logits=True)[0]]
+            rows += [runner.forward([t], rkv, consolidate=False)[0] for t in PROMPT[110:]]
+            runner.consolidate()
+            runner.settle()
+            got = torch.cat(rows)
+            assert torch.equal(got, ref_rows), f"max |diff| {(got - ref_rows).abs().max():.3e}"
+    finally:
+        close_runner(runner, store)
