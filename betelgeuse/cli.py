@@ -75,10 +75,13 @@ _SYNTH_ALIASES = {"n_layer": "--layers", "n_embd": "--hidden", "n_head": "--head
 
 def _synth_args(p: argparse.ArgumentParser) -> None:
     from betelgeuse.gguf.synth import PRESETS, SynthSpec
+    from betelgeuse.gguf.synth_ds4 import DS4_PRESETS, DS4Spec
     p.add_argument("out", help="output .gguf path")
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS) + sorted(DS4_PRESETS),
+                   help="qwen3moe: tiny/small/bench; deepseek4: ds4-tiny/ds4-flash (V4-Flash's layer shapes)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    for fld in dataclasses.fields(SynthSpec):
+    qwen = {f.name for f in dataclasses.fields(SynthSpec)}
+    for fld in list(dataclasses.fields(SynthSpec)) + [f for f in dataclasses.fields(DS4Spec) if f.name not in qwen]:
         kind = {"int": int, "float": float, "str": str}.get(str(fld.type).replace("'", ""))
         if kind is None and fld.type in (int, float, str):
             kind = fld.type
@@ -586,7 +589,7 @@ def cmd_chat(args) -> int:
 
 # name -> (help, add arguments, run); the lead adds serve / bench here
 COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
-    "synth": ("write a seeded random-weight qwen3moe GGUF", _synth_args, cmd_synth),
+    "synth": ("write a seeded random-weight qwen3moe or deepseek4 GGUF", _synth_args, cmd_synth),
     "inspect": ("print a GGUF model's geometry, quant types and expert sizes", _inspect_args, cmd_inspect),
     "logits": ("write the logits of a token sequence to .npy", _logits_args, cmd_logits),
     "generate": ("generate text: starts both processes (or --server ADDR) and streams over gRPC", _generate_args,

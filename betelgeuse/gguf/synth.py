@@ -93,14 +93,17 @@ _Q8_UNIFORM_STD = math.sqrt((256 ** 2 - 1) / 12) * math.sqrt(1 + 1 / 48)  # int8
 
 def spec_from_preset(name: str, **overrides):
     """A preset with some fields replaced (the CLI's `--layers`, `--seed`, ...). `ds4-*` presets are
-    `deepseek4` models (DS4Spec); fields a spec does not have are ignored for it."""
+    `deepseek4` models (DS4Spec); a field the preset's spec does not have is an error naming it."""
     from betelgeuse.gguf.synth_ds4 import DS4_PRESETS
     presets = {**PRESETS, **DS4_PRESETS}
     if name not in presets:
         raise InvalidRequestError(f"unknown synth preset {name!r} (known: {', '.join(presets)})")
     base = presets[name]
-    fields = set(base.__dataclass_fields__)
-    return replace(base, **{k: v for k, v in overrides.items() if v is not None and k in fields})
+    given = {k: v for k, v in overrides.items() if v is not None}
+    bad = sorted(set(given) - set(base.__dataclass_fields__))
+    if bad:
+        raise InvalidRequestError(f"preset {name!r} ({type(base).__name__}) has no field(s) {', '.join(bad)}")
+    return replace(base, **given)
 
 
 def validate(spec: SynthSpec) -> None:
@@ -240,8 +243,11 @@ def tensor_plan(spec: SynthSpec) -> list[tuple[str, tuple[int, ...], GT, Callabl
     return plan
 
 
-def model_nbytes(spec: SynthSpec) -> int:
+def model_nbytes(spec) -> int:
     """Bytes of tensor data (without header) of the file `write_model` would write."""
+    from betelgeuse.gguf.synth_ds4 import DS4Spec, model_nbytes as ds4_nbytes
+    if isinstance(spec, DS4Spec):
+        return ds4_nbytes(spec)
     return sum(_nbytes(shape, gt) for _, shape, gt, _ in tensor_plan(spec))
 
 

@@ -46,8 +46,8 @@ class DS4Spec:
     n_expert_used: int
     n_ff_exp: int
     n_vocab: int
-    compress_ratios: tuple[int, ...] = ()     # per layer; () = V4-Flash's pattern (0, 0, then 4/128 alternating)
-    n_hash_layers: int = 3
+    compress_ratios: tuple[int, ...] = ()     # per layer (the first n_layer used); () = V4-Flash's pattern
+    n_hash_layers: int = 3                     # (at most n_layer are: a --layers override keeps the rest valid)
     n_shared: int = 1
     sliding_window: int = 128
     index_n_heads: int = 64
@@ -68,19 +68,23 @@ class DS4Spec:
     rms_eps: float = 1e-6
     expert_qtype: str = "MXFP4"                # "F32" | "Q8_0" | "MXFP4"
     dense: str = "release"                     # "release" (Q8_0/BF16/F32 as the converter) | "F32"
+    router_skew: float = 0.0                   # (qwen3moe's knob; not implemented for deepseek4: 0 only)
     seed: int = 0
 
     def ratios(self) -> tuple[int, ...]:
         if self.compress_ratios:
-            return tuple(self.compress_ratios)
+            return tuple(self.compress_ratios)[:self.n_layer]
         return tuple(0 if i < 2 else (4 if i % 2 == 0 else 128) for i in range(self.n_layer))
+
+    def hash_layers(self) -> int:
+        return min(self.n_hash_layers, self.n_layer)
 
     def config(self) -> ModelConfig:
         """The ModelConfig a reader builds from the file this spec writes."""
         yarn = self.rope_factor != 1.0
         p = Deepseek4Params(
             q_lora_rank=self.q_lora_rank, o_groups=self.o_groups, o_lora_rank=self.o_lora_rank,
-            rope_dim=self.rope_dim, n_shared=self.n_shared, n_hash_layers=self.n_hash_layers,
+            rope_dim=self.rope_dim, n_shared=self.n_shared, n_hash_layers=self.hash_layers(),
             sliding_window=self.sliding_window, index_n_heads=self.index_n_heads,
             index_head_dim=self.index_head_dim, index_topk=self.index_topk, hc_mult=self.hc_mult,
             hc_sinkhorn_iters=self.hc_sinkhorn_iters, hc_eps=self.hc_eps, compress_ratios=self.ratios(),
@@ -118,6 +122,8 @@ def validate(spec: DS4Spec) -> None:
     s = spec
     if s.expert_qtype not in ("F32", "Q8_0", "MXFP4"):
         raise InvalidRequestError(f"expert_qtype {s.expert_qtype!r} not supported (F32, Q8_0, MXFP4)")
+    if s.router_skew:
+        raise InvalidRequestError(f"router_skew {s.router_skew} is not implemented for deepseek4 synth models (use 0)")
     if s.dense not in ("release", "F32"):
         raise InvalidRequestError(f"dense {s.dense!r} not supported (release, F32)")
     for f in ("n_layer", "n_embd", "n_head", "head_dim", "rope_dim", "q_lora_rank", "o_groups", "o_lora_rank",
@@ -128,8 +134,8 @@ def validate(spec: DS4Spec) -> None:
         raise InvalidRequestError(f"compress_ratios {s.ratios()} must list {s.n_layer} values in {DS4_RATIOS}")
     if s.n_expert_used > s.n_expert or s.n_head % s.o_groups or s.rope_dim > min(s.head_dim, s.index_head_dim):
         raise InvalidRequestError("n_expert_used <= n_expert, o_groups | n_head and rope_dim <= head dims required")
-    if not 0 <= s.n_hash_layers <= s.n_layer:
-        raise InvalidRequestError(f"n_hash_layers {s.n_hash_layers} must be in 0..{s.n_layer}")
+    if s.n_hash_layers < 0:
+        raise InvalidRequestError(f"n_hash_layers must be >= 0, got {s.n_hash_layers}")
     if any(d % 32 for d in (s.n_embd, s.n_ff_exp, s.q_lora_rank, s.o_lora_rank * s.o_groups,
                             s.n_head * s.head_dim // s.o_groups)):
         raise InvalidRequestError("every matrix row length must be a multiple of 32 (Q8_0 / MXFP4 blocks)")
@@ -264,7 +270,7 @@ def add_metadata(w: GGUFWriter, spec: DS4Spec, tokenizer: bool = True) -> None:
     w.add_uint32(f"{a}.hyper_connection.count", s.hc_mult)
     w.add_uint32(f"{a}.hyper_connection.sinkhorn_iterations", s.hc_sinkhorn_iters)
     w.add_float32(f"{a}.hyper_connection.epsilon", s.hc_eps)
-    w.add_uint32(f"{a}.hash_layer_count", s.n_hash_layers)
+    w.add_uint32(f"{a}.hash_layer_count", s.hash_layers())
     w.add_uint32(f"{a}.embedding_length_out", s.n_embd * s.hc_mult)
     w.add_uint32("betelgeuse.synth.seed", s.seed)
     if tokenizer:
