@@ -36,6 +36,8 @@ from betelgeuse.errors import InvalidRequestError, ModelFormatError, Unsupported
 from betelgeuse.gguf import ds4layout
 from betelgeuse.model.layers import ExpertWeights, apply_experts, expert_ffn
 
+QUERY_CHUNK = 128       # attention queries per block (bounds the score tensor; see attention_block)
+
 # tensors kept in float32 whatever the compute dtype (transformers' _keep_in_fp32_modules_strict)
 _FP32_KINDS = ("attn_norm", "ffn_norm", "output_norm", "attn_sinks", "attn_q_a_norm", "attn_kv_a_norm",
                "hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
@@ -300,32 +302,42 @@ class Deepseek4Model:
         q = apply_rope(q, cos, sin)                                           # [T, H, hd]
         kv = apply_rope(_rms(F.linear(u, w[b + "attn_kv.weight"]), w[b + "attn_kv_a_norm.weight"], eps), cos, sin)
         st = cache.layers[l]
-        keys = torch.cat([st.swa, kv])                                        # [S, hd]
-        S = keys.shape[0]
-        kpos = torch.arange(S, device=x.device) + (positions[0] - st.swa.shape[0])
-        qpos = positions[:, None]
-        mask = (kpos[None, :] <= qpos) & (qpos - kpos[None, :] < p.sliding_window)   # [T, S]
-        st.swa = keys[max(0, S - (p.sliding_window - 1)):]
+        n_prev = st.swa.shape[0]
+        keys = torch.cat([st.swa, kv])                    # [n_prev + T, hd]: positions positions[0]-n_prev ..
+        kpos = torch.arange(keys.shape[0], device=x.device) + (positions[0] - n_prev)
+        st.swa = keys[max(0, keys.shape[0] - (p.sliding_window - 1)):]
+        entries = ikeys = None
         if ratio:
-            coff = 2 if ratio == 4 else 1
             entries = self._compress(st.comp, F.linear(u, w[b + "attn_compressor_kv.weight"]),
                                      F.linear(u, w[b + "attn_compressor_gate.weight"]),
                                      w[b + "attn_compressor_ape.weight"], w[b + "attn_compressor_norm.weight"],
-                                     ratio, hd)
-            assert entries.shape[-1] == hd and coff in (1, 2)
-            N = entries.shape[0]
-            visible = torch.arange(N, device=x.device)[None, :] < (qpos + 1) // ratio    # [T, N]
+                                     ratio, hd)                                    # [N, hd]
             if ratio == 4:      # always: the indexer's compressor consumes these tokens too
-                visible = visible & self._indexer(l, u, qr, positions, st.idx, visible)
-            keys = torch.cat([keys, entries])
-            mask = torch.cat([mask, visible], dim=1)
-        scores = torch.einsum("thd,sd->hts", q, keys) * hd ** -0.5               # [H, T, S+N]
-        scores = scores.masked_fill(~mask[None], float("-inf"))
-        sinks = w[b + "attn_sinks.weight"].to(scores.dtype).view(H, 1, 1).expand(H, T, 1)
-        comb_l = torch.cat([scores, sinks], dim=-1)
-        comb_l = comb_l - comb_l.max(dim=-1, keepdim=True).values
-        probs = F.softmax(comb_l, dim=-1, dtype=comb_l.dtype)[..., :-1]
-        o = torch.einsum("hts,sd->thd", probs.to(keys.dtype), keys)               # [T, H, hd]
+                ikeys, iq, iw = self._indexer_inputs(l, u, qr, positions, st.idx)
+                assert ikeys.shape[0] == entries.shape[0], (ikeys.shape, entries.shape)
+        sinks = w[b + "attn_sinks.weight"].float().view(H, 1, 1)
+        o = torch.empty(T, H, hd, dtype=x.dtype, device=x.device)
+        # queries in chunks: a chunk's window keys are its own rows plus the window-1 before them, so the
+        # scores are [H, Q, Q + window - 1 + N] whatever the prompt length (not [H, T, T + N])
+        for a in range(0, T, QUERY_CHUNK):
+            e = min(T, a + QUERY_CHUNK)
+            s0, s1 = max(0, n_prev + a - (p.sliding_window - 1)), n_prev + e
+            qp = positions[a:e, None]
+            kc, kp = keys[s0:s1], kpos[s0:s1]
+            mask = (kp[None, :] <= qp) & (qp - kp[None, :] < p.sliding_window)          # [Q, S]
+            if ratio:
+                N = entries.shape[0]
+                visible = torch.arange(N, device=x.device)[None, :] < (qp + 1) // ratio  # [Q, N]
+                if ratio == 4 and N:
+                    visible = visible & self._index_select(l, iq[a:e], iw[a:e], ikeys, visible)
+                kc = torch.cat([kc, entries])
+                mask = torch.cat([mask, visible], dim=1)
+            scores = torch.einsum("thd,sd->hts", q[a:e], kc) * hd ** -0.5               # [H, Q, S+N]
+            scores = scores.masked_fill(~mask[None], float("-inf"))
+            comb_l = torch.cat([scores, sinks.to(scores.dtype).expand(H, e - a, 1)], dim=-1)
+            comb_l = comb_l - comb_l.max(dim=-1, keepdim=True).values
+            probs = F.softmax(comb_l, dim=-1, dtype=comb_l.dtype)[..., :-1]
+            o[a:e] = torch.einsum("hts,sd->thd", probs.to(kc.dtype), kc)
         o = apply_rope(o, cos, -sin)                                              # undo K=V's rotation
         g = p.o_groups
         wa = w[b + "attn_output_a.weight"].view(g, p.o_lora_rank, -1)          # [g, o_lora, H*hd/g]
@@ -333,23 +345,25 @@ class Deepseek4Model:
         out = F.linear(y.reshape(T, -1), w[b + "attn_output_b.weight"])
         return self._hc_post(x, out, post, comb)
 
-    def _indexer(self, l: int, u: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, st: CompState,
-                 visible: torch.Tensor) -> torch.Tensor:
-        """The lightning indexer of a CSA layer -> selected [T, N] bool (top index_topk visible entries)."""
+    def _indexer_inputs(self, l: int, u: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, st: CompState):
+        """A CSA layer's lightning indexer: feeds its compressor -> (keys [N, ihd], q [T, nh, ihd], weights [T, nh])."""
         p, w, b = self.p, self.w, f"blk.{l}."
         ihd, nh, T = p.index_head_dim, p.index_n_heads, u.shape[0]
         keys = self._compress(st, F.linear(u, w[b + "indexer_compressor_kv.weight"]),
                               F.linear(u, w[b + "indexer_compressor_gate.weight"]),
                               w[b + "indexer_compressor_ape.weight"], w[b + "indexer_compressor_norm.weight"], 4, ihd)
-        N = visible.shape[1]
-        assert keys.shape[0] == N, (keys.shape, N)
-        if N == 0:
-            return visible
         cos, sin = self.rope_comp.cos_sin(positions)
         q = apply_rope(F.linear(qr, w[b + "indexer.attn_q_b.weight"]).view(T, nh, ihd), cos, sin)
-        sc = F.relu(torch.einsum("thd,nd->thn", q.float(), keys.float())) * ihd ** -0.5     # [T, nh, N]
-        wts = F.linear(u, w[b + "indexer.proj.weight"]).float() * nh ** -0.5                 # [T, nh]
-        score = (sc * wts.unsqueeze(-1)).sum(dim=1).masked_fill(~visible, float("-inf"))     # [T, N]
+        wts = F.linear(u, w[b + "indexer.proj.weight"]).float() * nh ** -0.5
+        return keys, q, wts
+
+    def _index_select(self, l: int, q: torch.Tensor, wts: torch.Tensor, keys: torch.Tensor,
+                      visible: torch.Tensor) -> torch.Tensor:
+        """score(t, w) = sum_h wts[t,h] relu(q[t,h] . K[w]) / sqrt(ihd) -> the top index_topk visible entries
+        of each query [Q, N] bool."""
+        p, N = self.p, keys.shape[0]
+        sc = F.relu(torch.einsum("thd,nd->thn", q.float(), keys.float())) * p.index_head_dim ** -0.5   # [Q, nh, N]
+        score = (sc * wts.unsqueeze(-1)).sum(dim=1).masked_fill(~visible, float("-inf"))           # [Q, N]
         top = score.topk(min(p.index_topk, N), dim=-1).indices
         if self.margins is not None and N > p.index_topk:
             srt = score.sort(dim=-1, descending=True).values
@@ -357,8 +371,7 @@ class Deepseek4Model:
             if ok.any():
                 gap = srt[ok, p.index_topk - 1] - srt[ok, p.index_topk]
                 self.margins.append((l, "indexer", float(gap.min())))
-        sel = torch.zeros_like(visible).scatter_(1, top, True)
-        return sel & visible
+        return torch.zeros_like(visible).scatter_(1, top, True) & visible
 
     def moe_input(self, layer: int, x: torch.Tensor):
         """X [T, hc, D] -> (h [T, D] = ffn_norm of the collapsed streams, aux = (post, comb))."""
