@@ -140,3 +140,35 @@ def hf_to_gguf(state: dict) -> dict:
         else:
             raise KeyError(f"no GGUF name for HF tensor {name!r}")
     return out
+
+
+# ---- memory (the store's slot plan) ----------------------------------------------------------------
+
+QUERY_CHUNK = 128        # = model.deepseek4.QUERY_CHUNK (attention queries per block); no torch import here
+
+
+def state_bytes(cfg, max_len: int, dtype_bytes: int) -> int:
+    """One sequence's cache state at `max_len` tokens (model.deepseek4.DS4Cache): per layer the last
+    window-1 K=V rows; per compressor its entries (one per `ratio` tokens), the open window's projected
+    rows (kv + gate) and, ratio 4, the previous window's first half; the indexer's the same at its width."""
+    p, hd = cfg.ds4, cfg.head_dim
+    n = 0
+    for r in p.compress_ratios:
+        n += (p.sliding_window - 1) * hd
+        if r:
+            coff = 2 if r == 4 else 1
+            n += -(-max_len // r) * hd + 2 * r * coff * hd + (2 * r * hd if r == 4 else 0)
+            if r == 4:
+                ihd = p.index_head_dim
+                n += -(-max_len // r) * ihd + 2 * r * 2 * ihd + 2 * r * ihd
+    return n * dtype_bytes
+
+
+def attention_scratch_bytes(cfg, max_len: int) -> int:
+    """Peak float32 scratch of one attention block: scores, their copy with the sinks and the probabilities
+    [H, Q, Q + window - 1 + N] for a block of Q queries, plus the indexer's [Q, heads, N] scores."""
+    p = cfg.ds4
+    n_comp = -(-max_len // 4) if 4 in p.compress_ratios else (-(-max_len // 128) if 128 in p.compress_ratios else 0)
+    q = min(QUERY_CHUNK, max_len)
+    keys = q + p.sliding_window - 1 + n_comp
+    return 4 * (3 * cfg.n_head * q * keys + 2 * q * p.index_n_heads * n_comp)

@@ -36,7 +36,7 @@ from betelgeuse.errors import InvalidRequestError, ModelFormatError, Unsupported
 from betelgeuse.gguf import ds4layout
 from betelgeuse.model.layers import ExpertWeights, apply_experts, expert_ffn
 
-QUERY_CHUNK = 128       # attention queries per block (bounds the score tensor; see attention_block)
+QUERY_CHUNK = ds4layout.QUERY_CHUNK   # attention queries per block (bounds the score tensor; attention_block)
 
 # tensors kept in float32 whatever the compute dtype (transformers' _keep_in_fp32_modules_strict)
 _FP32_KINDS = ("attn_norm", "ffn_norm", "output_norm", "attn_sinks", "attn_q_a_norm", "attn_kv_a_norm",

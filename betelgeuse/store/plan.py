@@ -96,6 +96,10 @@ def vram_fixed_bytes(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int) -> in
     # prefill activations for a full-context prompt: residual, y[T, k, H] (float32), q/k/v, last logits row
     act = cfg.max_context * (c.n_embd * (4 + 4 * c.n_expert_used) + (c.n_head + 2 * c.n_head_kv) * c.head_dim * dt * 2)
     act += c.n_vocab * 4 * 4
+    if c.arch == "deepseek4":        # no per-token K/V: a window ring plus compressed entries (ds4layout)
+        from betelgeuse.gguf.ds4layout import attention_scratch_bytes, state_bytes
+        kv = cfg.max_running * state_bytes(c, cfg.max_context, dt)
+        act += attention_scratch_bytes(c, cfg.max_context)
     ctx = CUDA_CONTEXT_BYTES if cfg.is_cuda else 0
     return dense_bytes(f, dt) + kv + ring + deq + act + ctx
 
