@@ -224,5 +224,13 @@ def test_writer_matches_llama_cpp_converter(tmp_path):
         assert same and a.value_types[k] == b.value_types[k], (k, va, a.value_types[k], vb, b.value_types[k])
     assert a.metadata["general.architecture"] == b.metadata["general.architecture"] == "deepseek4"
     assert a.metadata["general.file_type"] == b.metadata["general.file_type"]
+    # and the converter's file runs: our reader validates it and the forward pass gives our file's bits
+    from betelgeuse.model.deepseek4 import ReferenceModel
+    ids = torch.arange(40) * 7 % spec.n_vocab
+    logits = []
+    for path in (theirs, ours):
+        m = ReferenceModel.load(path)
+        logits.append(m.forward(ids, m.new_cache(40)))
+    assert torch.equal(logits[0], logits[1])
     print(f"\n[ds4-layout] {len(tb)} tensors: names, shapes, types and bytes equal; "
           f"{len(keys_a)} deepseek4.* keys equal (values and types)")

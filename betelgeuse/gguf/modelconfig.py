@@ -186,7 +186,8 @@ def _array(meta: dict[str, object], key: str, n: int, kind: type, where: str, de
 def _deepseek4_config(meta: dict[str, object], *, where: str, stem: str, n_vocab: int, n_expert: int,
                       n_ff_exp: int | None) -> ModelConfig:
     a, name = "deepseek4", where
-    n_layer = _get(meta, f"{a}.block_count", int, name)
+    # block_count includes the MTP (nextn) blocks when a file carries them; the trunk is the layers before
+    n_layer = _get(meta, f"{a}.block_count", int, name) - _get(meta, f"{a}.nextn_predict_layers", int, name, 0)
     gating = _get(meta, f"{a}.expert_gating_func", int, name)
     if gating != 4:
         raise UnsupportedError(f"{name}: deepseek4 expects {a}.expert_gating_func = 4 (sqrtsoftplus), "
