@@ -102,3 +102,18 @@ def test_decode_bit_identical(model):
             assert torch.equal(got, ref_rows), f"max |diff| {(got - ref_rows).abs().max():.3e}"
     finally:
         close_runner(runner, store)
+
+
+def test_resident_routing_mode(model):
+    """The approximate `resident` mode: rank 0 is the exact choice, later ranks among resident experts;
+    weights still renormalised x routed_scale; hash-routed layers keep their static choice."""
+    _, ref, _ = model
+    h = torch.randn(20, 64, generator=torch.Generator().manual_seed(0))
+    resident = torch.zeros(E, dtype=torch.bool)
+    resident[[1, 5, 6]] = True
+    exact, _ = ref.route(3, h)
+    ids, w = ref.route(3, h, None, resident)
+    assert torch.equal(ids[:, 0], exact[:, 0]) and bool(resident[ids[:, 1:]].all())
+    assert torch.allclose(w.sum(-1), torch.full((20,), ref.p.routed_scale))
+    toks = torch.arange(20)
+    assert torch.equal(ref.route(0, h, toks, resident)[0], ref.route(0, h, toks)[0])

@@ -41,7 +41,7 @@ def ours(data: np.ndarray, qtype, shape, dtype=torch.float32, device="cpu") -> t
 
 
 def test_supported_set():
-    assert SUPPORTED_QTYPES == {int(q) for q in (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_K, QT.Q6_K)}
+    assert SUPPORTED_QTYPES == {int(q) for q in (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_K, QT.Q6_K, QT.MXFP4, QT.I32)}
 
 
 @pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.BF16, QT.Q8_0])
