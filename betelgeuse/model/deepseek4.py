@@ -195,6 +195,10 @@ class Deepseek4Model:
 
     # -- surface shared with Qwen3MoeModel --
 
+    # no graph-capturable decode form yet: the compressed entries and open windows change shape per token,
+    # so the runner decodes deepseek4 eagerly on CUDA too (worker/runner.py _static_decode)
+    static_decode = False
+
     @property
     def expert_act(self) -> tuple[str, float | None]:
         return "swiglu", float(self.p.swiglu_limit[0])

@@ -130,7 +130,9 @@ class ModelRunner:
         self._graphs = OrderedDict()        # (kv uid, all-VRAM pattern) -> "warm" | captured decode graphs
         # decode in the static (graph-capturable) form: always on CUDA in exact routing, so that whether a step
         # was replayed from a graph never changes its bits
-        self._static_decode = self.device.type == "cuda" and self.cfg.routing == "exact"
+        # (a model whose state is not fixed-shape, deepseek4's compressed entries, says static_decode = False)
+        self._static_decode = (self.device.type == "cuda" and self.cfg.routing == "exact"
+                               and getattr(self.model, "static_decode", True))
         self._pass_open = False
         self._usage = np.zeros((self.mcfg.n_layer, self.mcfg.n_expert), dtype=np.int64)
 
