@@ -117,3 +117,23 @@ def test_resident_routing_mode(model):
     assert torch.allclose(w.sum(-1), torch.full((20,), ref.p.routed_scale))
     toks = torch.arange(20)
     assert torch.equal(ref.route(0, h, toks, resident)[0], ref.route(0, h, toks)[0])
+
+
+def test_batched_decode_bit_identical(model):
+    """runner.decode_batch (continuous batching: one pass, each expert loaded once) gives each sequence the
+    reference's own decode row."""
+    path, ref, _ = model
+    prompts, nxt, want = (PROMPT[:35], PROMPT[40:60]), (7, 9), []
+    for p, t in zip(prompts, nxt):
+        kv = ref.new_cache(64)
+        ref.forward(torch.tensor(p), kv)
+        want.append(ref.forward(torch.tensor([t]), kv)[-1])
+    runner, store = in_process_runner(path, 2, 3)
+    try:
+        kvs = [runner.new_cache(64) for _ in prompts]
+        for p, kv in zip(prompts, kvs):
+            runner.forward(list(p), kv)
+        logits, _ = runner.decode_batch(list(nxt), kvs)
+        assert torch.equal(logits[0], want[0]) and torch.equal(logits[1], want[1])
+    finally:
+        close_runner(runner, store)

@@ -291,8 +291,11 @@ class Deepseek4Model:
         st.entries = torch.cat([st.entries, comp])
         return st.entries
 
-    def attention_block(self, layer: int, x: torch.Tensor, cache: DS4Cache, positions: torch.Tensor) -> torch.Tensor:
-        """X [T, hc, D] -> X after the attention sublayer; consumes T tokens of this layer's cache state."""
+    def attention_block(self, layer: int, x: torch.Tensor, cache: DS4Cache, positions: torch.Tensor,
+                        static: bool = False) -> torch.Tensor:
+        """X [T, hc, D] -> X after the attention sublayer; consumes T tokens of this layer's cache state.
+        static (the graph-capturable decode form) is not supported: static_decode = False."""
+        assert not static, "deepseek4 has no static decode form"
         cfg, p, w, l = self.cfg, self.p, self.w, layer
         b, eps, hd, H = f"blk.{l}.", cfg.rms_eps, cfg.head_dim, cfg.n_head
         T = x.shape[0]
