@@ -68,9 +68,10 @@ def _load_w(pool, base, n, kk, K, mn, QT: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _block_rows(base_ptr, off_ptr, rows_ptr, BM: tl.constexpr):
-    """Program (e, m, n): expert e's m-th block of BM sorted rows. Returns (e, n, base byte offset, whether the
-    program has work: the expert is in this group and has rows left, row positions, their mask, flat rows)."""
+def _gate_up_kernel(h_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, inter_ptr,
+                    H, F, k_top, limit,
+                    QT: tl.constexpr, HAS_LIMIT: tl.constexpr, IEEE: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     e = tl.program_id(0)
     pm = tl.program_id(1)
     pn = tl.program_id(2)
@@ -78,19 +79,10 @@ def _block_rows(base_ptr, off_ptr, rows_ptr, BM: tl.constexpr):
     lo = tl.load(off_ptr + e)
     hi = tl.load(off_ptr + e + 1)
     r0 = lo + pm * BM
-    rows = r0 + tl.arange(0, BM)
-    mr = rows < hi
-    flat = tl.load(rows_ptr + rows, mask=mr, other=0)
-    return e, pn, base, (base >= 0) & (r0 < hi), rows, mr, flat
-
-
-@triton.jit
-def _gate_up_kernel(h_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, inter_ptr,
-                    H, F, k_top, limit,
-                    QT: tl.constexpr, HAS_LIMIT: tl.constexpr, IEEE: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    e, pn, base, active, rows, mr, flat = _block_rows(base_ptr, off_ptr, rows_ptr, BM)
-    if active:
+    if base >= 0 and r0 < hi:
+        rows = r0 + tl.arange(0, BM)
+        mr = rows < hi
+        flat = tl.load(rows_ptr + rows, mask=mr, other=0)
         tok = (flat // k_top).to(tl.int64)
         n = pn * BN + tl.arange(0, BN)
         mn = n < F
@@ -122,9 +114,17 @@ def _down_kernel(inter_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, y_ptr
                  H, F,
                  QT: tl.constexpr, IEEE: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    e, pn, base, active, rows, mr, flat = _block_rows(base_ptr, off_ptr, rows_ptr, BM)
-    if active:
-        flat = flat.to(tl.int64)
+    e = tl.program_id(0)
+    pm = tl.program_id(1)
+    pn = tl.program_id(2)
+    base = tl.load(base_ptr + e)
+    lo = tl.load(off_ptr + e)
+    hi = tl.load(off_ptr + e + 1)
+    r0 = lo + pm * BM
+    if base >= 0 and r0 < hi:
+        rows = r0 + tl.arange(0, BM)
+        mr = rows < hi
+        flat = tl.load(rows_ptr + rows, mask=mr, other=0).to(tl.int64)
         n = pn * BN + tl.arange(0, BN)
         mn = n < H
         dbase = base + tl.load(starts_ptr + e * 3 + 2)
