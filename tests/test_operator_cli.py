@@ -152,8 +152,15 @@ def test_launcher_host():
 def _children(pid: int) -> dict[str, int]:
     out = {}
     for task in Path(f"/proc/{pid}/task").glob("*"):
-        for k in (task / "children").read_text().split():
-            cmd = Path(f"/proc/{k}/cmdline").read_bytes().decode(errors="replace")
+        try:                                          # a thread (or a child) may end while we look
+            kids = (task / "children").read_text().split()
+        except FileNotFoundError:
+            continue
+        for k in kids:
+            try:
+                cmd = Path(f"/proc/{k}/cmdline").read_bytes().decode(errors="replace")
+            except FileNotFoundError:
+                continue
             for name in ("store", "worker"):
                 if f"services.{name}_main" in cmd:
                     out[name] = int(k)
@@ -241,7 +248,7 @@ def test_readme_model_table_matches_the_code():
     archs = next(v for k, v in rows.items() if k.startswith("architectures"))
     assert set(re.findall(r"`(\w+)`", archs)) == set(SUPPORTED_ARCHS)
     types = next(v for k, v in rows.items() if k.startswith("tensor types"))
-    listed = set(re.findall(r"\b(F32|F16|BF16|Q\d_\w+|MXFP4|IQ\w+)\b", types.split("(")[0]))
+    listed = set(re.findall(r"\b(F32|F16|BF16|I32|Q\d_\w+|MXFP4|IQ\w+)\b", types.split("(")[0]))
     assert listed == {qtype_name(q) for q in SUPPORTED_QTYPES}
     toks = next(v for k, v in rows.items() if k.startswith("tokenizers"))
     assert set(PRE_SPLITS) <= set(re.findall(r"`([\w-]+)`", toks))
