@@ -25,16 +25,15 @@ window's first-half rows; so decode and chunked prefill equal a whole-prompt pre
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from betelgeuse.errors import InvalidRequestError, ModelFormatError, UnsupportedError
 from betelgeuse.gguf import ds4layout
-from betelgeuse.model.layers import ExpertWeights, apply_experts, expert_ffn
+from betelgeuse.model.layers import expert_ffn
+from betelgeuse.model.reference import ReferenceExperts
 
 QUERY_CHUNK = ds4layout.QUERY_CHUNK   # attention queries per block (bounds the score tensor; attention_block)
 
@@ -434,74 +433,12 @@ class Deepseek4Model:
         return F.linear(n, self.w[ds4layout.OUTPUT]).float()
 
 
-class ReferenceModel(Deepseek4Model):
-    """The in-process path: experts dequantized from the file's mmap each time they are needed."""
+class ReferenceModel(ReferenceExperts, Deepseek4Model):
+    """The in-process path: experts dequantized from the file's mmap each time they are needed
+    (model/reference.py)."""
 
     def __init__(self, f, dense: dict[str, torch.Tensor], sub_batch: int = 16, kernels: str = "auto"):
-        super().__init__(f.config, dense)
-        self.file = f
-        self.sub_batch = sub_batch
-        self.kernels = kernels          # "auto": the engine's Triton expert kernels on CUDA where the type allows
-        from betelgeuse.gguf.quants import dequantize
-        self._dequantize = dequantize
+        Deepseek4Model.__init__(self, f.config, dense)
+        self._init_reference(f, sub_batch, kernels)
 
-    @classmethod
-    def load(cls, path, device="cpu", dtype=torch.float32, sub_batch: int = 16, kernels: str = "auto") -> "ReferenceModel":
-        from betelgeuse.gguf import GGUFModelFile
-        path = Path(path)
-        if not path.is_file():
-            raise ModelFormatError(f"model file {os.fspath(path)!r} does not exist")
-        return cls.from_file(GGUFModelFile.open(path), device, dtype, sub_batch, kernels)
 
-    @classmethod
-    def from_file(cls, f, device="cpu", dtype=torch.float32, sub_batch: int = 16, kernels: str = "auto") -> "ReferenceModel":
-        return cls(f, cls.load_dense(f, device, dtype), sub_batch, kernels)
-
-    def expert_bytes(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The three parts' raw bytes (uint8 CPU tensors), as a slot holds them."""
-        out = []
-        for part in self.file.expert_parts(layer, expert):
-            name = f"blk.{layer}.ffn_{part.kind}_exps.weight"
-            lo = part.offset - self.file.tensors[name].offset
-            out.append(torch.from_numpy(self.file.raw(name)[lo:lo + part.nbytes].copy()))
-        return out[0], out[1], out[2]
-
-    def expert(self, layer: int, expert: int) -> ExpertWeights:
-        parts = self.file.expert_parts(layer, expert)
-        g, u, d = (self._dequantize(b.to(self.device), p.qtype, tuple(p.shape), self.dtype)
-                   for b, p in zip(self.expert_bytes(layer, expert), parts))
-        return g, u, d
-
-    def _moe(self, layer: int, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """sum_r w_r expert_r(h) [T,H], computed as the engine does (so it matches bit for bit): on CUDA with
-        Q8_0/F16/BF16/F32 experts the Triton kernels over this layer's experts packed in a pool, otherwise
-        the torch reference (apply_experts, incl. MXFP4); the SwiGLU clamp either way."""
-        limit = self.expert_act[1]
-        parts = self.file.expert_parts(layer, 0)
-        qts = [(int(parts[0].qtype), int(parts[2].qtype))]
-        if self.device.type == "cuda" and self.kernels != "torch":
-            from betelgeuse.kernels.moe import Group, MoEKernels, pack_experts
-            if MoEKernels.supports(qts):
-                used = torch.unique(ids).tolist()
-                pool, starts, base, slot = pack_experts(lambda e: self.expert_bytes(layer, e), used,
-                                                        self.cfg.n_expert, self.device)
-                mk = MoEKernels("triton", self.cfg.n_expert, self.cfg.n_ff_exp, starts[None], qts, self.sub_batch,
-                                act_limit=limit)
-                r = mk.route(h, ids, w)
-                mk.apply(r, 0, pool, Group(None, base, torch.from_numpy(base).to(self.device)), slot, starts=starts)
-                return mk.combine(r)
-        return apply_experts(h, ids, w, lambda e: self.expert(layer, e), self.sub_batch, limit=limit)
-
-    @torch.inference_mode()
-    def forward(self, ids, cache: DS4Cache) -> torch.Tensor:
-        """ids [T] -> logits [T, n_vocab] float32; appends the T tokens to `cache`."""
-        ids = self.check_ids(ids)
-        positions = cache.begin(ids.numel())
-        x = self.embed(ids)
-        for layer in range(self.cfg.n_layer):
-            x = self.attention_block(layer, x, cache, positions)
-            h, aux = self.moe_input(layer, x)
-            top_ids, top_w = self.route(layer, h, ids)
-            x = self.moe_output(layer, x, aux, h, self._moe(layer, h, top_ids, top_w))
-        cache.commit()
-        return self.logits(x)

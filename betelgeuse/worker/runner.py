@@ -199,7 +199,6 @@ class ModelRunner:
         ids_t = self.model.check_ids(ids)
         schedule = schedule or self.cfg.schedule
         stats = PassStats("prefill" if len(ids) > 1 else "decode", schedule, len(ids))
-        L, E = self.mcfg.n_layer, self.mcfg.n_expert
         h2d0, calls0 = self.cache.h2d_bytes, self._calls
         t0 = time.perf_counter()
         self.should_stop = should_stop or (lambda: None)
@@ -221,9 +220,16 @@ class ModelRunner:
         except BaseException:
             self._abandon()
             raise
+        self._end_forward(stats, counts, consolidate, t0, h2d0, calls0)
+        return logits, stats
+
+    def _end_forward(self, stats: PassStats, counts: np.ndarray, consolidate: bool, t0: float, h2d0: int, calls0: int):
+        """After a forward's end sync: usage, the VRAM reads of wholly resident layers (known only now), the store
+        pass (closed with consolidation after a prefill, and every `decode_consolidate_every` decode passes) and
+        the pass's timing figures."""
         self._usage += counts
         for l, ls in enumerate(stats.layers):
-            if not ls.synced:                            # wholly VRAM layers: counts known only now
+            if not ls.synced:
                 ls.vram = int((counts[l] > 0).sum())
                 stats.reads["vram"] += ls.vram
         if consolidate:
@@ -238,9 +244,8 @@ class ModelRunner:
         stats.host_s = max(0.0, stats.seconds - self._blocked)
         stats.store_calls = self._calls - calls0
         stats.h2d_bytes = self.cache.h2d_bytes - h2d0
-        stats.disk_wait_s += sum(s.disk_wait_s for s in stats.layers)
+        stats.disk_wait_s += sum(x.disk_wait_s for x in stats.layers)
         self._collect_times(stats)
-        return logits, stats
 
     def decode_batch(self, tokens: list[int], kvs: list[KVCache]) -> tuple[torch.Tensor, PassStats]:
         """One decode token for each of several sequences in ONE pass (continuous batching): attention, routing
@@ -254,7 +259,7 @@ class ModelRunner:
         assert n == len(kvs) and n >= 1
         ids_t = self.model.check_ids(tokens)
         stats = PassStats("decode", "layer_major", n)
-        L, E = self.mcfg.n_layer, self.mcfg.n_expert
+        L = self.mcfg.n_layer
         h2d0, calls0 = self.cache.h2d_bytes, self._calls
         t0 = time.perf_counter()
         self._blocked = 0.0
@@ -296,22 +301,7 @@ class ModelRunner:
             raise
         finally:
             self.kern.sub_batch = sb
-        self._usage += counts
-        for l, ls in enumerate(stats.layers):
-            if not ls.synced:
-                ls.vram = int((counts[l] > 0).sum())
-                stats.reads["vram"] += ls.vram
-        self._decode_since += 1
-        every = self.cfg.decode_consolidate_every
-        if every and self._decode_since >= every:
-            self.close_pass(True)
-        stats.seconds = time.perf_counter() - t0
-        stats.blocked_s = self._blocked
-        stats.host_s = max(0.0, stats.seconds - self._blocked)
-        stats.store_calls = self._calls - calls0
-        stats.h2d_bytes = self.cache.h2d_bytes - h2d0
-        stats.disk_wait_s += sum(x.disk_wait_s for x in stats.layers)
-        self._collect_times(stats)
+        self._end_forward(stats, counts, False, t0, h2d0, calls0)
         return logits, stats
 
     def _abandon(self):
