@@ -245,12 +245,17 @@ class Cluster:
                                           f"({len(restarts) - 1} restarts in {window:.0f} s; giving up): {last}")
                 say(f"betelgeuse: the {name} (pid {p.pid}) {describe_exit(p.popen.returncode)}; restarting it "
                     f"(last log line: {last})")
-                if name == "store":
-                    self.start_store()
-                    say(f"betelgeuse: store restarted (pid {self.store.pid}); the worker re-attaches by itself")
-                else:
-                    self.start_worker(abort=stop.is_set)
-                    say(f"betelgeuse: worker restarted (pid {self.worker.pid}), re-attached to the warm store")
+                try:
+                    if name == "store":
+                        self.start_store()
+                        say(f"betelgeuse: store restarted (pid {self.store.pid}); the worker re-attaches by itself")
+                    else:
+                        self.start_worker(abort=stop.is_set)
+                        say(f"betelgeuse: worker restarted (pid {self.worker.pid}), re-attached to the warm store")
+                except BetelgeuseError as e:
+                    # the new child died while starting (e.g. the store had not yet seen the old worker's lease
+                    # end): the next turn restarts it again, and the crash-loop limit above still applies
+                    say(f"betelgeuse: restarting the {name} failed: {e}")
 
     def __enter__(self):
         self.start_store()

@@ -23,6 +23,9 @@ def bind(addr: str) -> socket.socket:
     host, port = split_hostport(addr, "http")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     s = socket.socket(family, socket.SOCK_STREAM)
+    # SO_REUSEADDR (not SO_REUSEPORT): a restarted worker can bind while the old one's connections sit in
+    # TIME_WAIT, and a second server on a port someone LISTENs on still fails (Linux refuses that either way)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         s.bind((host, port))
         s.listen(512)
