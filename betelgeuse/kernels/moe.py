@@ -75,7 +75,7 @@ class MoEKernels:
         if backend == "triton":
             from betelgeuse.kernels import triton_moe
             self._tk = triton_moe
-            assert all(a in TRITON_QTYPES and b in TRITON_QTYPES for a, b in qtypes), qtypes
+            assert self.supports(qtypes), qtypes
 
     @staticmethod
     def supports(qtypes: list[tuple[int, int]]) -> bool:

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from betelgeuse.errors import InvalidRequestError, ModelFormatError, UnsupportedError
 from betelgeuse.gguf import ds4layout
-from betelgeuse.model.layers import expert_ffn
+from betelgeuse.model.layers import check_token_ids, expert_ffn
 from betelgeuse.model.reference import ReferenceExperts
 
 QUERY_CHUNK = ds4layout.QUERY_CHUNK   # attention queries per block (bounds the score tensor; attention_block)
@@ -222,14 +222,7 @@ class Deepseek4Model:
         return DS4Cache(layers=layers, max_len=max_len)
 
     def check_ids(self, ids) -> torch.Tensor:
-        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
-        if ids.numel() == 0:
-            raise InvalidRequestError("no input tokens")
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= self.cfg.n_vocab:
-            bad = lo if lo < 0 else hi
-            raise InvalidRequestError(f"token id {bad} is out of range [0, {self.cfg.n_vocab})")
-        return ids.to(self.device)
+        return check_token_ids(ids, self.cfg.n_vocab, self.device)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] -> X [T, hc, D]: the embedding copied into each residual stream."""

@@ -16,10 +16,23 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
+from betelgeuse.errors import InvalidRequestError
+
 ExpertWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]   # gate [F,H], up [F,H], down [H,F]
 
 
 _FUSED_NORM = None
+
+
+def check_token_ids(ids, n_vocab: int, device) -> torch.Tensor:
+    """Token ids (list or tensor) -> LongTensor [T] on `device`; InvalidRequestError naming a bad one."""
+    ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+    if ids.numel() == 0:
+        raise InvalidRequestError("no input tokens")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= n_vocab:
+        raise InvalidRequestError(f"token id {lo if lo < 0 else hi} is out of range [0, {n_vocab})")
+    return ids.to(device)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from betelgeuse.errors import InvalidRequestError
 from betelgeuse.model.kv_cache import KVCache
-from betelgeuse.model.layers import Rope, apply_rope, causal_attention, rms_norm, static_decode_attention
+from betelgeuse.model.layers import (Rope, apply_rope, causal_attention, check_token_ids, rms_norm,
+                                    static_decode_attention)
 from betelgeuse.model.reference import ReferenceExperts
 from betelgeuse.model.weights import DenseWeights
 
@@ -37,14 +37,7 @@ class Qwen3MoeModel:
 
     def check_ids(self, ids) -> torch.Tensor:
         """Token ids (list or tensor) -> LongTensor [T] on the device; InvalidRequestError if bad."""
-        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
-        if ids.numel() == 0:
-            raise InvalidRequestError("no input tokens")
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= self.cfg.n_vocab:
-            bad = lo if lo < 0 else hi
-            raise InvalidRequestError(f"token id {bad} is out of range [0, {self.cfg.n_vocab})")
-        return ids.to(self.device)
+        return check_token_ids(ids, self.cfg.n_vocab, self.device)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] -> x [T,H]. Starts a pass: the RoPE tables are computed again for its positions."""

@@ -74,6 +74,7 @@ class ExpertCache:
         self.vram_base_dev = torch.full((L, E), -1, dtype=torch.int64, device=device)
         self.all_vram = np.zeros(L, dtype=bool)                    # every expert of the layer is in VRAM
         self._synced_epoch = None                                   # directory epoch the VRAM slots match
+        self.fill_wait_s = 0.0                                      # the last sync_vram's wait for its copies
         # the ring as two banks: a batch of experts is copied into one bank while the other computes
         self.bank_size = max(1, ring_slots // 2)
         self.n_banks = max(1, ring_slots // self.bank_size)
@@ -107,6 +108,7 @@ class ExpertCache:
         host backing slot are copied from it here; returns (copied, [(layer, expert, vram slot)] of the
         VRAM-tier experts without a backing copy, which the caller must load through the store).
         Nothing to do (no Python loop) when the directory epoch is the one already synced."""
+        self.fill_wait_s = 0.0                 # blocked on the copy engine (the runner counts it as blocked)
         if epoch is not None and epoch == self._synced_epoch:
             return 0, []
         copied, missing = 0, []
@@ -139,7 +141,6 @@ class ExpertCache:
                 self.h2d_bytes += src.numel()
                 self._own(l, int(e), j, snap)
                 copied += 1
-        self.fill_wait_s = 0.0                 # blocked on the copy engine (the runner counts it as blocked)
         if self.is_cuda and copied:
             t = time.perf_counter()
             torch.cuda.current_stream(self.device).synchronize()

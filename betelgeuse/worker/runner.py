@@ -173,21 +173,22 @@ class ModelRunner:
         usage, self._usage = self._usage, np.zeros_like(self._usage)
         self._call(self.store.end_pass, usage, consolidate)
 
+    def _empty_pass(self, consolidate: bool):
+        """A store pass with no work: begin_pass applies a pending consolidation; end_pass may plan a new one."""
+        self._call(self.store.begin_pass)
+        self._call(self.store.end_pass, np.zeros_like(self._usage), consolidate)
+
     def consolidate(self):
         """End-of-request consolidation (with the decode usage of the open pass, if any)."""
         if self._pass_open:
             self.close_pass(True)
-            return
-        L, E = self.mcfg.n_layer, self.mcfg.n_expert
-        self._call(self.store.begin_pass)
-        self._call(self.store.end_pass, np.zeros((L, E), dtype=np.int64), True)
+        else:
+            self._empty_pass(True)
 
     def settle(self):
         """Wait until a pending consolidation is applied (begin_pass waits for it)."""
         self.close_pass(False)
-        L, E = self.mcfg.n_layer, self.mcfg.n_expert
-        self._call(self.store.begin_pass)
-        self._call(self.store.end_pass, np.zeros((L, E), dtype=np.int64), False)
+        self._empty_pass(False)
 
     # ---- one pass ---------------------------------------------------------------------------
     def forward(self, ids: list[int], kv: KVCache, all_logits: bool = False, consolidate: bool = True,
@@ -199,29 +200,41 @@ class ModelRunner:
         ids_t = self.model.check_ids(ids)
         schedule = schedule or self.cfg.schedule
         stats = PassStats("prefill" if len(ids) > 1 else "decode", schedule, len(ids))
-        h2d0, calls0 = self.cache.h2d_bytes, self._calls
-        t0 = time.perf_counter()
         self.should_stop = should_stop or (lambda: None)
-        self._blocked = 0.0
-        self._events = []
+        start = self._start_forward()
         try:
-            self._open_pass(stats)
-            snap = self._snap
-            self.cache.pass_begin()
-            self._counts.zero_()
+            snap = self._begin_work(stats)
             if schedule == "standard" and len(ids) > 1:
                 logits = self._standard(ids_t, kv, snap, stats, all_logits)
             else:
                 logits = self._layer_major(ids_t, kv, snap, stats, all_logits)
             logits = logits.float()
-            tb = time.perf_counter()
-            counts = self._counts.cpu().numpy()          # the pass's one end-of-pass sync
-            self._blocked += time.perf_counter() - tb
+            counts = self._end_sync()
         except BaseException:
             self._abandon()
             raise
-        self._end_forward(stats, counts, consolidate, t0, h2d0, calls0)
+        self._end_forward(stats, counts, consolidate, *start)
         return logits, stats
+
+    def _start_forward(self) -> tuple[float, int, int]:
+        """(t0, h2d bytes, store calls) at the start of a forward; resets its blocked time and CUDA events."""
+        self._blocked = 0.0
+        self._events = []
+        return time.perf_counter(), self.cache.h2d_bytes, self._calls
+
+    def _begin_work(self, stats: PassStats):
+        """Open the store pass if needed (snapshot, VRAM sync), reset the per-pass tables; -> the snapshot."""
+        self._open_pass(stats)
+        self.cache.pass_begin()
+        self._counts.zero_()
+        return self._snap
+
+    def _end_sync(self) -> np.ndarray:
+        """The pass's one end-of-pass sync: rows per expert [n_layer, n_expert] to the host (blocked time)."""
+        tb = time.perf_counter()
+        counts = self._counts.cpu().numpy()
+        self._blocked += time.perf_counter() - tb
+        return counts
 
     def _end_forward(self, stats: PassStats, counts: np.ndarray, consolidate: bool, t0: float, h2d0: int, calls0: int):
         """After a forward's end sync: usage, the VRAM reads of wholly resident layers (known only now), the store
@@ -260,17 +273,11 @@ class ModelRunner:
         ids_t = self.model.check_ids(tokens)
         stats = PassStats("decode", "layer_major", n)
         L = self.mcfg.n_layer
-        h2d0, calls0 = self.cache.h2d_bytes, self._calls
-        t0 = time.perf_counter()
-        self._blocked = 0.0
-        self._events = []
+        start = self._start_forward()
         static = self._static_decode
         sb = self.kern.sub_batch
         try:
-            self._open_pass(stats)
-            snap = self._snap
-            self.cache.pass_begin()
-            self._counts.zero_()
+            snap = self._begin_work(stats)
             self.kern.sub_batch = 1
             pos = [kv.begin_static() if static else kv.begin(1) for kv in kvs]
             xs = [self.model.embed(ids_t[i:i + 1]) for i in range(n)]
@@ -293,15 +300,13 @@ class ModelRunner:
             for kv in kvs:
                 kv.commit()
             logits = torch.cat([self.model.logits(x) for x in xs]).float()
-            tb = time.perf_counter()
-            counts = self._counts.cpu().numpy()
-            self._blocked += time.perf_counter() - tb
+            counts = self._end_sync()
         except BaseException:
             self._abandon()
             raise
         finally:
             self.kern.sub_batch = sb
-        self._end_forward(stats, counts, False, t0, h2d0, calls0)
+        self._end_forward(stats, counts, False, *start)
         return logits, stats
 
     def _abandon(self):
@@ -344,7 +349,7 @@ class ModelRunner:
         """VRAM hot slots = the directory's VRAM tier: copies from host backing slots, and disk reads through
         the store for VRAM experts that have no backing copy (vram_backing = false). Returns experts filled."""
         copied, missing = self.cache.sync_vram(snap, epoch)
-        self._blocked += getattr(self.cache, "fill_wait_s", 0.0)
+        self._blocked += self.cache.fill_wait_s
         if missing:
             where = {(l, e): j for l, e, j in missing}
             t = time.perf_counter()
@@ -368,7 +373,7 @@ class ModelRunner:
             self._masks = (snap, torch.from_numpy(snap["tier"] > 0).to(self.device))
         return self._masks[1][l]
 
-    def _group(self, l: int, experts, offs) -> Group:
+    def _group(self, experts, offs) -> Group:
         host, dev = self.cache.table(list(experts), list(offs))
         return Group(np.asarray(experts, dtype=np.int64), host, dev)
 
@@ -383,17 +388,22 @@ class ModelRunner:
     def _moe_layer(self, l, h, ids, w, snap, stats, ls, readahead) -> torch.Tensor:
         """sum_r w_r expert_r(h) [T,H] for layer l, experts from whatever tier holds them."""
         ev = self._timing_start()
-        r = self.kern.route(h, ids, w)
-        self._counts[l] += r.counts
-        if self.cache.all_vram[l]:
-            # every expert of the layer is in VRAM: one group, no host sync at all
-            ls.synced = False
-            self._apply(r, l, self._vram_group(l), ls)
-        else:
+        r = self._route(l, h, ids, w, ls)
+        if ls.synced:
             self._moe_partial(l, r, snap, stats, ls, readahead)
         out = self.kern.combine(r)
         self._timing_end(ev, ls)
         return out
+
+    def _route(self, l, h, ids, w, ls):
+        """Rows sorted by expert and counted (device, no sync). A layer wholly in VRAM is computed here in one
+        group (ls.synced = False); otherwise ls.synced stays True: the caller runs _moe_partial (host sync)."""
+        r = self.kern.route(h, ids, w)
+        self._counts[l] += r.counts
+        if self.cache.all_vram[l]:
+            ls.synced = False
+            self._apply(r, l, self._vram_group(l), ls)
+        return r
 
     def _moe_partial(self, l, r, snap, stats, ls, readahead):
         """The experts of a layer that is not wholly VRAM-resident: one host sync for the row counts, demand
@@ -420,11 +430,11 @@ class ModelRunner:
         host = [int(e) for e in by_tier[TIER_HOST]]
         batches = [host[i:i + B] for i in range(0, len(host), B)]
         # 3. the first host batch's copy starts, the VRAM group computes meanwhile, 4. host batches follow
-        staged = [self._to_bank(l, b, [cache.host_slot(l, int(hslots[e])) for e in b], timing) for b in batches[:1]]
+        staged = [self._to_bank(b, [cache.host_slot(l, int(hslots[e])) for e in b], timing) for b in batches[:1]]
         if ls.vram:
             self._apply(r, l, self._vram_group(l, by_tier[TIER_VRAM]), ls)
         for i, b in enumerate(batches):
-            bank, g = staged[0] if i == 0 else self._to_bank(l, b, [cache.host_slot(l, int(hslots[e])) for e in b], timing)
+            bank, g = staged[0] if i == 0 else self._to_bank(b, [cache.host_slot(l, int(hslots[e])) for e in b], timing)
             self._apply(r, l, g, ls)
             cache.bank_done(bank)
         # 5. disk experts in batches as they land; a staging slot goes back once its copy is done
@@ -439,12 +449,8 @@ class ModelRunner:
             x = self.model.attention_block(l, x, kv, pos, static=True)
             h, aux = self.model.moe_input(l, x)
             top_ids, top_w = self.model.route(l, h, ids, None)
-            r = self.kern.route(h, top_ids, top_w)
-            self._counts[l] += r.counts
-            if self.cache.all_vram[l]:
-                lstats[l].synced = False
-                self._apply(r, l, self._vram_group(l), lstats[l])
-            else:
+            r = self._route(l, h, top_ids, top_w, lstats[l])
+            if lstats[l].synced:
                 yield l, r
             x = self.model.moe_output(l, x, aux, h, self.kern.combine(r))
         out["logits"] = self.model.logits(x)
@@ -507,9 +513,9 @@ class ModelRunner:
         while len(self._graphs) > 2 * max(1, self.cfg.max_running):
             self._graphs.pop(next(iter(self._graphs)))
 
-    def _to_bank(self, l, experts, srcs, timing) -> tuple[int, Group]:
+    def _to_bank(self, experts, srcs, timing) -> tuple[int, Group]:
         bank, offs = self.cache.to_bank(srcs, timing)
-        return bank, self._group(l, experts, offs)
+        return bank, self._group(experts, offs)
 
     def _disk_groups(self, l, r, loads, n_disk, stats, ls, timing):
         cache = self.cache
@@ -521,7 +527,7 @@ class ModelRunner:
         def flush():
             nonlocal batch
             if batch:
-                bank, g = self._to_bank(l, [x.expert for x in batch], [cache.staging_slot(x.slot) for x in batch], timing)
+                bank, g = self._to_bank([x.expert for x in batch], [cache.staging_slot(x.slot) for x in batch], timing)
                 self._apply(r, l, g, ls)
                 cache.bank_done(bank)
                 held.append((bank, [x.slot for x in batch]))
@@ -622,17 +628,17 @@ class ModelRunner:
                     stats.reads[TIER_NAMES[tier]] += 1
                     if tier == TIER_VRAM:
                         ls.vram += 1
-                        g = self._group(l, [e], [int(cache.vram_base[l, e])])
+                        g = self._group([e], [int(cache.vram_base[l, e])])
                     elif tier == TIER_HOST:
                         ls.host += 1
-                        _, g = self._to_bank(l, [e], [cache.host_slot(l, int(hslots[e]))], None)
+                        _, g = self._to_bank([e], [cache.host_slot(l, int(hslots[e]))], None)
                     else:
                         ls.disk += 1
                         tw = time.perf_counter()
                         (got,) = list(self._call(self.store.load, [(l, e)]))
                         ls.disk_wait_s += time.perf_counter() - tw
                         stats.disk_bytes += got.disk_bytes
-                        _, g = self._to_bank(l, [e], [cache.staging_slot(got.slot)], None)
+                        _, g = self._to_bank([e], [cache.staging_slot(got.slot)], None)
                         self._sync()
                         self._call(self.store.release, [got.slot])
                     self._sync()                       # no overlap: the copy is waited for
