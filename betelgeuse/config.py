@@ -38,8 +38,14 @@ class EngineConfig:
     memory_max: int | None = None       # bytes for both processes; None = from the cgroup (or unlimited)
     worker_reserve: int | str = "auto"  # host bytes the worker needs outside the arena (torch, CUDA context, dense weights staging)
     max_context: int = 4096             # tokens per sequence (KV cache length)
-    max_running: int = 2                # sequences with a live KV cache at once
+    max_running: int = 4                # sequences with a live KV cache at once (they decode together, one batch)
     max_queue: int = 16                 # waiting requests beyond which Generate is refused (RESOURCE_EXHAUSTED)
+    max_batched_tokens: int = 512       # prompt tokens one prefill pass takes while other sequences decode
+                                        # (chunked prefill: a long prompt no longer stalls running decodes)
+    prefill_chunk: int = 64             # tokens: attention/routing run in position-aligned chunks of this size, the
+                                        # prefix cache's block size (a prefix hit is then bit-identical to a miss)
+    prefix_cache_bytes: int | str = "auto"  # bytes of the device KV prefix cache (0 = off; "auto" = two full
+                                        # contexts' KV, at most 512 MiB); the slot plan subtracts it
     read_threads: int = 8               # concurrent preadv calls in the store
     read_request_bytes: int = 4 * MiB   # size of one preadv call
     max_prompt_bytes: int = 256 * 1024  # UTF-8 bytes of prompt text / chat message content, checked before tokenizing
@@ -65,6 +71,15 @@ class EngineConfig:
             raise BetelgeuseError("sub_batch and micro_batch must be >= 1")
         if self.ring_slots < 2:
             raise BetelgeuseError(f"ring_slots must be >= 2 (copy into one while computing another), got {self.ring_slots}")
+        if self.prefill_chunk < 1:
+            raise BetelgeuseError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.max_batched_tokens < self.prefill_chunk:
+            raise BetelgeuseError(f"max_batched_tokens ({self.max_batched_tokens}) must be >= prefill_chunk "
+                                  f"({self.prefill_chunk}): a prefill pass takes whole chunks")
+        if self.prefix_cache_bytes != "auto" and (isinstance(self.prefix_cache_bytes, str) or self.prefix_cache_bytes < 0):
+            raise BetelgeuseError(f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
+        if self.max_running < 1 or self.max_queue < 0:
+            raise BetelgeuseError(f"max_running must be >= 1 and max_queue >= 0, got {self.max_running} / {self.max_queue}")
         if self.max_context < 8:
             raise BetelgeuseError(f"max_context must be >= 8, got {self.max_context}")
 

@@ -113,8 +113,11 @@ class EngineSettings:
     prefetch: bool = True                   # read the next layer's likely experts ahead
     routing: str = "exact"                  # "exact" | "resident" (approximate, see docs/architecture.md)
     max_context: int = 4096                 # tokens per sequence
-    max_running: int = 2                    # sequences with a live KV cache at once
+    max_running: int = 4                    # sequences with a live KV cache at once (decoded together)
     max_queue: int = 16                     # waiting requests before RESOURCE_EXHAUSTED
+    max_batched_tokens: int = 512           # prompt tokens per prefill pass while other sequences decode
+    prefill_chunk: int = 64                 # tokens per position-aligned chunk = prefix-cache block size
+    prefix_cache_bytes: int | str = AUTO    # device KV prefix cache in bytes (0 = off; "auto": 2 contexts, <= 512 MiB)
     dtype: str = "auto"                     # "auto" | "float32" | "bfloat16" | "float16"
     worker_reserve: int | str = AUTO        # host bytes the worker needs outside the arena, or "auto"
     read_threads: int = 8                   # concurrent preadv calls in the store
@@ -240,6 +243,9 @@ _CONVERT = {
     ("engine", "max_context"): _count,
     ("engine", "max_running"): _count,
     ("engine", "max_queue"): _count,
+    ("engine", "max_batched_tokens"): _count,
+    ("engine", "prefill_chunk"): _count,
+    ("engine", "prefix_cache_bytes"): lambda v, k: AUTO if v == AUTO else parse_size(v, k),
     ("engine", "dtype"): _choice("auto", "float32", "bfloat16", "float16"),
     ("engine", "worker_reserve"): lambda v, k: AUTO if v == AUTO else parse_size(v, k),
     ("engine", "read_threads"): _count,
@@ -332,7 +338,8 @@ def _toml_value(v) -> str:
     return json.dumps(str(v))
 
 
-_SECRET = re.compile(r"(^|_)(api_keys?|passwords?|tokens?|secrets?)$")   # values `config show` never prints
+# values `config show` never prints (a count of tokens, max_batched_tokens, is not a secret)
+_SECRET = re.compile(r"(^|_)(api_keys?|passwords?|(?<!batched_)tokens?|secrets?)$")
 
 
 def shown_value(key: str, value) -> str:

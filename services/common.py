@@ -34,7 +34,8 @@ def engine_config(s: Settings, use_torch: bool = True) -> EngineConfig:
     if eng is not None:
         for name in ("schedule", "routing", "sub_batch", "micro_batch", "staging_slots", "ring_slots", "kernels",
                      "decode_consolidate_every", "cuda_graphs", "prefetch",
-                     "max_context", "max_running", "max_queue", "dtype", "worker_reserve", "read_threads",
+                     "max_context", "max_running", "max_queue", "max_batched_tokens", "prefill_chunk",
+                     "prefix_cache_bytes", "dtype", "worker_reserve", "read_threads",
                      "max_prompt_bytes"):
             if hasattr(eng, name):
                 extra[name] = getattr(eng, name)

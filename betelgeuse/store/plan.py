@@ -86,8 +86,21 @@ def dense_bytes(f: GGUFModelFile, dtype_bytes: int) -> int:
     return n
 
 
+PREFIX_CACHE_AUTO_MAX = 512 * MiB
+
+
+def prefix_cache_bytes(cfg: EngineConfig, c, dt: int) -> int:
+    """Bytes of the KV prefix cache: the configured size, or "auto" = two full contexts' KV (at most 512 MiB);
+    0 for architectures whose state is not block-cacheable (deepseek4's compressed entries)."""
+    if c.arch == "deepseek4":
+        return 0
+    if cfg.prefix_cache_bytes != "auto":
+        return int(cfg.prefix_cache_bytes)
+    return min(PREFIX_CACHE_AUTO_MAX, 2 * cfg.max_context * c.n_layer * 2 * c.n_head_kv * c.head_dim * dt)
+
+
 def vram_fixed_bytes(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int) -> int:
-    """Worker VRAM outside the hot slots: dense weights, KV caches, execution ring, activations."""
+    """Worker VRAM outside the hot slots: dense weights, KV caches, the prefix cache, execution ring, activations."""
     c = f.config
     dt = 2 if cfg.is_cuda and cfg.dtype in ("auto", "bfloat16", "float16") else 4
     kv = cfg.max_running * cfg.max_context * c.n_layer * 2 * c.n_head_kv * c.head_dim * dt
@@ -100,6 +113,7 @@ def vram_fixed_bytes(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int) -> in
         from betelgeuse.gguf.ds4layout import attention_scratch_bytes, state_bytes
         kv = cfg.max_running * state_bytes(c, cfg.max_context, dt)
         act += attention_scratch_bytes(c, cfg.max_context)
+    kv += prefix_cache_bytes(cfg, c, dt)
     ctx = CUDA_CONTEXT_BYTES if cfg.is_cuda else 0
     return dense_bytes(f, dt) + kv + ring + deq + act + ctx
 
@@ -115,7 +129,8 @@ def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, me
     fixed = vram_fixed_bytes(f, cfg, slot.slot_bytes)
     if fixed > cfg.vram_budget:
         raise BudgetError(f"the VRAM budget {_gib(cfg.vram_budget)} does not hold the worker's fixed needs "
-                          f"{_gib(fixed)} (dense weights, KV cache for {cfg.max_running} x {cfg.max_context} tokens, ring)")
+                          f"{_gib(fixed)} (dense weights, KV cache for {cfg.max_running} x {cfg.max_context} tokens, "
+                          f"prefix cache {_gib(prefix_cache_bytes(cfg, c, 2 if cfg.is_cuda else 4))}, ring)")
     if cfg.vram_slots == "auto":
         n_vram = min(c.n_expert, (cfg.vram_budget - fixed) // per_layer_slot)
         notes.append(f"vram_slots=auto -> {n_vram} per layer")
