@@ -10,6 +10,7 @@ GiB = 1 << 30
 MiB = 1 << 20
 
 SCHEDULES = ("layer_major", "standard")
+PREFILL_CHUNK = 64      # tokens: the default position-aligned prefill chunk (engine and reference must agree)
 
 
 @dataclass(slots=True)
@@ -42,7 +43,7 @@ class EngineConfig:
     max_queue: int = 16                 # waiting requests beyond which Generate is refused (RESOURCE_EXHAUSTED)
     max_batched_tokens: int = 512       # prompt tokens one prefill pass takes while other sequences decode
                                         # (chunked prefill: a long prompt no longer stalls running decodes)
-    prefill_chunk: int = 64             # tokens: attention/routing run in position-aligned chunks of this size, the
+    prefill_chunk: int = PREFILL_CHUNK  # tokens: attention/routing run in position-aligned chunks of this size, the
                                         # prefix cache's block size (a prefix hit is then bit-identical to a miss)
     prefix_cache_bytes: int | str = "auto"  # bytes of the device KV prefix cache (0 = off; "auto" = two full
                                         # contexts' KV, at most 512 MiB); the slot plan subtracts it

@@ -118,6 +118,12 @@ class WorkerMetrics:
     expert_slots: Gauge               # [tier, state] worker tiers: vram, staging
     vram_used_bytes: Gauge            # [pool] dense_weights | experts | kv_cache | workspace
     vram_budget_bytes: Gauge
+    prefix_cache_queries: Counter     # lookups, one per prefilled request
+    prefix_cache_hits: Counter        # lookups that reused >= 1 block
+    prefix_cache_tokens: Counter      # prompt tokens served from the cache
+    prefix_cache_evictions: Counter   # blocks evicted (LRU, unreferenced only)
+    prefix_cache_bytes: Gauge         # bytes of cached blocks
+    prefix_cache_capacity: Gauge      # bytes of the pool (0 = off)
     cgroup_memory: Gauge              # [kind] current | max
 
     def set_cgroup_reader(self, current: Callable[[], float], maximum: Callable[[], float]) -> None:
@@ -167,6 +173,17 @@ def make_worker_metrics(version: str = "0.1.0") -> WorkerMetrics:
                            ["tier", "state"], registry=reg),
         vram_used_bytes=Gauge("betelgeuse_vram_used_bytes", "VRAM in use by pool.", ["pool"], registry=reg),
         vram_budget_bytes=Gauge("betelgeuse_vram_budget_bytes", "The configured VRAM budget.", registry=reg),
+        prefix_cache_queries=Counter("betelgeuse_prefix_cache_queries", "Prefix-cache lookups (one per prefilled "
+                                     "request).", registry=reg),
+        prefix_cache_hits=Counter("betelgeuse_prefix_cache_hits", "Lookups that reused at least one cached block.",
+                                  registry=reg),
+        prefix_cache_tokens=Counter("betelgeuse_prefix_cache_reused_tokens", "Prompt tokens served from the prefix "
+                                    "cache instead of prefilled.", registry=reg),
+        prefix_cache_evictions=Counter("betelgeuse_prefix_cache_evictions", "Prefix-cache blocks evicted (LRU).",
+                                       registry=reg),
+        prefix_cache_bytes=Gauge("betelgeuse_prefix_cache_used_bytes", "Bytes of cached K/V blocks.", registry=reg),
+        prefix_cache_capacity=Gauge("betelgeuse_prefix_cache_capacity_bytes", "Bytes of the prefix-cache pool "
+                                    "(0 = off).", registry=reg),
         cgroup_memory=_cgroup_gauge(reg),
     )
     for phase in PHASES:

@@ -82,14 +82,16 @@ class MoEKernels:
         return all(a in TRITON_QTYPES and b in TRITON_QTYPES for a, b in qtypes)
 
     # ---- per layer ------------------------------------------------------------------------------
-    def route(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> Routing:
+    def route(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, chunks=None) -> Routing:
+        """chunks: the pass's position-aligned chunks (layers.pass_chunks); the torch backend keeps each
+        sub-batch inside one chunk (the triton kernels compute every row alone: nothing to keep)."""
         T, k = ids.shape
         y = torch.empty(T * k, h.shape[-1], dtype=h.dtype, device=h.device)
         flat = ids.reshape(-1)
         # rows per expert without a host sync (torch.bincount reads the max back to size its output)
         counts = torch.zeros(self.E, dtype=torch.int64, device=h.device).scatter_add_(0, flat, torch.ones_like(flat))
         if self.backend == "torch":
-            return Routing(h, ids, w, y, None, None, counts, None, plan_experts(ids))
+            return Routing(h, ids, w, y, None, None, counts, None, plan_experts(ids, chunks))
         rows = torch.argsort(flat, stable=True).to(torch.int32)
         off = torch.zeros(self.E + 1, dtype=torch.int32, device=h.device)
         off[1:] = torch.cumsum(counts, 0)

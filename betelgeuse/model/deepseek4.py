@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from betelgeuse.config import PREFILL_CHUNK
 from betelgeuse.errors import InvalidRequestError, ModelFormatError, UnsupportedError
 from betelgeuse.gguf import ds4layout
 from betelgeuse.model.layers import check_token_ids, expert_ffn
@@ -153,6 +154,9 @@ class DS4Cache:
 # ---- the model ------------------------------------------------------------------------------------
 
 class Deepseek4Model:
+    # the compressed entries are built from whole blocks of 4/128 tokens inside one pass: prefill runs as one chunk
+    # and the state is not cut into prefix-cache blocks
+    chunked_prefill = False
     def __init__(self, cfg, dense: dict[str, torch.Tensor]):
         assert cfg.arch == "deepseek4" and cfg.ds4 is not None, cfg.arch
         self.cfg, self.p = cfg, cfg.ds4
@@ -430,8 +434,9 @@ class ReferenceModel(ReferenceExperts, Deepseek4Model):
     """The in-process path: experts dequantized from the file's mmap each time they are needed
     (model/reference.py)."""
 
-    def __init__(self, f, dense: dict[str, torch.Tensor], sub_batch: int = 16, kernels: str = "auto"):
+    def __init__(self, f, dense: dict[str, torch.Tensor], sub_batch: int = 16, kernels: str = "auto",
+                 chunk: int | None = PREFILL_CHUNK):
         Deepseek4Model.__init__(self, f.config, dense)
-        self._init_reference(f, sub_batch, kernels)
+        self._init_reference(f, sub_batch, kernels, chunk)
 
 

@@ -22,6 +22,7 @@ class KVCache:
     _pending: int = field(default=0, repr=False)   # tokens being appended by the current pass
     uid: int = field(default_factory=lambda: next(_UIDS))   # identity for captured decode graphs
     pos: torch.Tensor | None = field(default=None, repr=False)   # [1] int64 on the device: the static decode position
+    _at: list = field(default_factory=list, repr=False)   # per layer: where this pass's next write goes (chunks in order)
 
     @classmethod
     def create(cls, n_layer: int, n_head_kv: int, head_dim: int, max_len: int,
@@ -45,19 +46,23 @@ class KVCache:
             raise InvalidRequestError(
                 f"sequence of {self.length + n_tokens} tokens exceeds the KV cache of {self.max_len} tokens")
         self._pending = n_tokens
+        self._at = [self.length] * len(self.k)
         return torch.arange(self.length, self.length + n_tokens, device=self.k[0].device)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> int:
-        """Store k/v [n_head_kv, T, head_dim] at `positions` (contiguous, starting at `length`).
-        Returns the number of valid keys for this layer after the write."""
+        """Store k/v [n_head_kv, T, head_dim] at `positions`: the pass's next T positions of this layer (a pass
+        writes a layer whole or chunk by chunk, in order). Returns the number of valid keys for this layer after
+        the write."""
         T = k.shape[1]
+        start = self._at[layer]
         assert positions.numel() == T, "append only"
         # (the start is checked on the CPU only: reading a CUDA tensor here would sync the stream every layer)
-        assert positions.device.type != "cpu" or int(positions[0]) == self.length, "append only"
-        end = self.length + T
-        assert end <= self.max_len, (end, self.max_len)
-        self.k[layer][:, self.length:end] = k
-        self.v[layer][:, self.length:end] = v
+        assert positions.device.type != "cpu" or int(positions[0]) == start, "append only"
+        end = start + T
+        assert end <= self.length + self._pending and end <= self.max_len, (end, self.length, self._pending)
+        self.k[layer][:, start:end] = k
+        self.v[layer][:, start:end] = v
+        self._at[layer] = end
         return end
 
     def begin_static(self) -> torch.Tensor:

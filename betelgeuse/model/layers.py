@@ -10,7 +10,7 @@ rather than being accumulated, and (3) `moe_combine` reduces over ranks in a fix
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -67,18 +67,22 @@ class Rope:
         inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
         return cls(inv_freq=inv.to(device))
 
-    _last: tuple | None = None      # (positions tensor, dtype, cos, sin): every layer of a pass shares them
+    # id(positions) -> (positions tensor, dtype, cos, sin): every layer of a pass passes the same positions tensor
+    # (one per chunk), so the tables are computed once per pass and chunk; reset() starts a pass
+    _memo: dict = field(default_factory=dict)
+
+    def reset(self):
+        self._memo = {}
 
     def cos_sin(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin [T, head_dim] in `dtype`; computed once per positions tensor (a pass
-        passes the same one to every layer), not once per layer."""
-        last = self._last
-        if last is not None and last[0] is positions and last[1] == dtype:
-            return last[2], last[3]
+        """positions [T] -> cos, sin [T, head_dim] in `dtype`; computed once per positions tensor, not per layer."""
+        hit = self._memo.get(id(positions))
+        if hit is not None and hit[0] is positions and hit[1] == dtype:
+            return hit[2], hit[3]
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
-        self._last = (positions, dtype, cos, sin)
+        self._memo[id(positions)] = (positions, dtype, cos, sin)
         return cos, sin
 
 
@@ -113,6 +117,56 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=D ** -0.5)
     # [n_kv, rep*T, D] -> [n_head, T, D] -> [T, n_head*D]
     return out.reshape(n_head, T, D).transpose(0, 1).reshape(T, n_head * D)
+
+
+@dataclass(slots=True)
+class Chunk:
+    """Rows [a, b) of a pass: one position-aligned chunk (absolute positions [start + a, start + b))."""
+    a: int
+    b: int
+    positions: torch.Tensor         # [b - a] int64 on the device (the same tensor for every layer of the pass)
+
+
+def pass_chunks(positions: torch.Tensor, start: int, chunk: int | None) -> list[Chunk]:
+    """Split a pass of T tokens starting at absolute position `start` at the multiples of `chunk` (None: one chunk).
+
+    Why: a matmul's bits can depend on its row count, so dense ops run chunk by chunk on fixed absolute
+    boundaries; a token's row then never depends on how many tokens share its pass, and a prompt prefilled
+    after a cached prefix (which ends on a boundary) or in several passes gets the same bits as in one pass."""
+    T = positions.numel()
+    if chunk is None or T <= chunk and start // chunk == (start + T - 1) // chunk:
+        return [Chunk(0, T, positions)]
+    out, a = [], 0
+    while a < T:
+        b = min(T, (start + a) // chunk * chunk + chunk - start)
+        out.append(Chunk(a, b, positions[a:b]))
+        a = b
+    return out
+
+
+def layer_front(model, layer: int, x: torch.Tensor, cache, chunks: list[Chunk], ids: torch.Tensor, resident=None):
+    """Attention, MoE input and routing of one layer, chunk by chunk: x [T,H] -> (x [T,H], h [T,H], auxs (one per
+    chunk), top ids [T,k], top weights [T,k]). The experts then run over all T rows at once (row-invariant)."""
+    if len(chunks) == 1:
+        x = model.attention_block(layer, x, cache, chunks[0].positions)
+        h, aux = model.moe_input(layer, x)
+        ti, tw = model.route(layer, h, ids, resident)
+        return x, h, [aux], ti, tw
+    xs, hs, auxs, tis, tws = [], [], [], [], []
+    for c in chunks:
+        xc = model.attention_block(layer, x[c.a:c.b], cache, c.positions)
+        h, aux = model.moe_input(layer, xc)
+        ti, tw = model.route(layer, h, ids[c.a:c.b], resident)
+        xs.append(xc), hs.append(h), auxs.append(aux), tis.append(ti), tws.append(tw)
+    return torch.cat(xs), torch.cat(hs), auxs, torch.cat(tis), torch.cat(tws)
+
+
+def layer_back(model, layer: int, x, auxs, h, routed, chunks: list[Chunk]) -> torch.Tensor:
+    """The residual after the MoE block, chunk by chunk (a shared expert is a dense op too)."""
+    if len(chunks) == 1:
+        return model.moe_output(layer, x, auxs[0], h, routed)
+    return torch.cat([model.moe_output(layer, x[c.a:c.b], aux, h[c.a:c.b], routed[c.a:c.b])
+                      for c, aux in zip(chunks, auxs)])
 
 
 def static_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -155,10 +209,13 @@ class ExpertWork:
     expert: int
     tokens: torch.Tensor            # [n] int64, ascending
     ranks: torch.Tensor             # [n] int64, the rank (0..k-1) at which token t chose `expert`
+    segments: list[int] | None = None   # rows per pass chunk (sum n); sub-batches never cross a chunk boundary
 
 
-def plan_experts(ids: torch.Tensor) -> dict[int, ExpertWork]:
-    """ids [T,k] (top-k expert ids per token) -> {expert: ExpertWork}, keys ascending.
+def plan_experts(ids: torch.Tensor, chunks: list[Chunk] | None = None) -> dict[int, ExpertWork]:
+    """ids [T,k] (top-k expert ids per token) -> {expert: ExpertWork}, keys ascending. With several pass chunks,
+    each expert's rows are also split by chunk (ExpertWork.segments), so that a row's sub-batch holds only rows
+    of its own chunk: its bits then do not depend on the tokens outside that chunk (pass_chunks).
 
     The row indices stay on ids' device, so applying an expert needs no host->device copy (on CUDA a
     copy from pageable memory would synchronise the stream and serialise copies with compute); the
@@ -169,11 +226,21 @@ def plan_experts(ids: torch.Tensor) -> dict[int, ExpertWork]:
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat).tolist()
     tokens, ranks = order // k, order % k
+    seg = None
+    if chunks is not None and len(chunks) > 1:
+        # rows per (expert, chunk): the chunk of a row is that of its token (one sync, with the counts')
+        of = torch.zeros(T, dtype=torch.int64, device=ids.device)
+        for i, c in enumerate(chunks[1:], 1):
+            of[c.a:] = i
+        nc = len(chunks)
+        per = torch.bincount(flat * nc + of[:, None].expand(T, k).reshape(-1), minlength=len(counts) * nc)
+        seg = per.view(-1, nc).tolist()
     plan: dict[int, ExpertWork] = {}
     start = 0
     for e, n in enumerate(counts):
         if n:
-            plan[e] = ExpertWork(expert=e, tokens=tokens[start:start + n], ranks=ranks[start:start + n])
+            plan[e] = ExpertWork(expert=e, tokens=tokens[start:start + n], ranks=ranks[start:start + n],
+                                 segments=[m for m in seg[e] if m] if seg is not None else None)
             start += n
     return plan
 
@@ -185,14 +252,19 @@ def run_expert(h: torch.Tensor, y: torch.Tensor, work: ExpertWork, weights: Expe
     assert sub_batch > 0
     gate, up, down = weights
     tokens, ranks = work.tokens, work.ranks         # on h's device already (plan_experts)
-    for s in range(0, tokens.numel(), sub_batch):
-        t, r = tokens[s:s + sub_batch], ranks[s:s + sub_batch]
-        y[t, r] = expert_ffn(h[t], gate, up, down, limit)
+    lo = 0
+    for n in work.segments or [tokens.numel()]:
+        for s in range(lo, lo + n, sub_batch):
+            e = min(s + sub_batch, lo + n)
+            t, r = tokens[s:e], ranks[s:e]
+            y[t, r] = expert_ffn(h[t], gate, up, down, limit)
+        lo += n
 
 
 def apply_experts(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                   get_expert: Callable[[int], ExpertWeights], sub_batch: int = 16,
-                  order: Sequence[int] | Iterable[int] | None = None, limit: float | None = None) -> torch.Tensor:
+                  order: Sequence[int] | Iterable[int] | None = None, limit: float | None = None,
+                  chunks: list[Chunk] | None = None) -> torch.Tensor:
     """The reference MoE: h [T,H], ids/weights [T,k] -> [T,H].
 
     Experts are computed in `order` (default: ascending id; must list each needed expert exactly
@@ -200,7 +272,7 @@ def apply_experts(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     depend on `order`, bit for bit. limit: the SwiGLU clamp (expert_ffn), None for qwen3moe.
     """
     T, k = ids.shape
-    plan = plan_experts(ids)
+    plan = plan_experts(ids, chunks)
     order = list(plan) if order is None else list(order)
     assert sorted(order) == list(plan), "order must list each routed expert exactly once"
     y = torch.zeros(T, k, h.shape[-1], dtype=h.dtype, device=h.device)

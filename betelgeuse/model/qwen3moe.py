@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from betelgeuse.config import PREFILL_CHUNK
 from betelgeuse.model.kv_cache import KVCache
 from betelgeuse.model.layers import (Rope, apply_rope, causal_attention, check_token_ids, rms_norm,
                                     static_decode_attention)
@@ -32,6 +33,10 @@ class Qwen3MoeModel:
         self.dtype = dense.token_embd.dtype
         self.rope = Rope.create(cfg.head_dim, cfg.rope_theta, self.device)
 
+    # prefill may run in position-aligned chunks (layers.pass_chunks) and resume after a cached prefix:
+    # the per-token K/V of a block depend only on the tokens up to it
+    chunked_prefill = True
+
     def new_cache(self, max_len: int) -> KVCache:
         return KVCache.for_config(self.cfg, max_len, self.device, self.dtype)
 
@@ -41,7 +46,7 @@ class Qwen3MoeModel:
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] -> x [T,H]. Starts a pass: the RoPE tables are computed again for its positions."""
-        self.rope._last = None
+        self.rope.reset()
         return F.embedding(ids.to(self.device), self.dense.token_embd)
 
     def attention_block(self, layer: int, x: torch.Tensor, cache: KVCache,
@@ -105,9 +110,10 @@ class ReferenceModel(ReferenceExperts, Qwen3MoeModel):
     """The in-process path: experts dequantized from the file's mmap each time they are needed
     (model/reference.py)."""
 
-    def __init__(self, f, dense: DenseWeights, sub_batch: int = 16, kernels: str = "auto"):
+    def __init__(self, f, dense: DenseWeights, sub_batch: int = 16, kernels: str = "auto",
+                 chunk: int | None = PREFILL_CHUNK):
         Qwen3MoeModel.__init__(self, f.config, dense)
-        self._init_reference(f, sub_batch, kernels)
+        self._init_reference(f, sub_batch, kernels, chunk)
 
     @staticmethod
     def load_dense(f, device, dtype) -> DenseWeights:

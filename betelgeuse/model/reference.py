@@ -14,29 +14,35 @@ from pathlib import Path
 import torch
 
 from betelgeuse.errors import ModelFormatError
-from betelgeuse.model.layers import ExpertWeights, apply_experts
+from betelgeuse.config import PREFILL_CHUNK
+from betelgeuse.model.layers import ExpertWeights, apply_experts, layer_back, layer_front, pass_chunks
 
 
 class ReferenceExperts:
-    def _init_reference(self, f, sub_batch: int, kernels: str):
+    def _init_reference(self, f, sub_batch: int, kernels: str, chunk: int | None = PREFILL_CHUNK):
         self.file = f
         self.sub_batch = sub_batch
+        # position-aligned prefill chunks, as the engine's (EngineConfig.prefill_chunk); None for architectures
+        # whose prefill is one chunk
+        self.chunk = chunk if getattr(self, "chunked_prefill", False) else None
         self.kernels = kernels          # "auto": the engine's Triton expert kernels on CUDA where the type allows
         from betelgeuse.gguf.quants import dequantize
         self._dequantize = dequantize
 
     @classmethod
-    def load(cls, path, device="cpu", dtype=torch.float32, sub_batch: int = 16, kernels: str = "auto"):
+    def load(cls, path, device="cpu", dtype=torch.float32, sub_batch: int = 16, kernels: str = "auto",
+             chunk: int | None = PREFILL_CHUNK):
         from betelgeuse.gguf import GGUFModelFile
         path = Path(path)
         if not path.is_file():
             raise ModelFormatError(f"model file {os.fspath(path)!r} does not exist")
-        return cls.from_file(GGUFModelFile.open(path), device, dtype, sub_batch, kernels)
+        return cls.from_file(GGUFModelFile.open(path), device, dtype, sub_batch, kernels, chunk)
 
     @classmethod
-    def from_file(cls, f, device="cpu", dtype=torch.float32, sub_batch: int = 16, kernels: str = "auto"):
+    def from_file(cls, f, device="cpu", dtype=torch.float32, sub_batch: int = 16, kernels: str = "auto",
+                  chunk: int | None = PREFILL_CHUNK):
         """From an already open GGUFModelFile (dense weights are dequantized now, experts later)."""
-        return cls(f, cls.load_dense(f, device, dtype), sub_batch, kernels)
+        return cls(f, cls.load_dense(f, device, dtype), sub_batch, kernels, chunk)
 
     def _containing_tensor(self, layer: int, part) -> str:
         """The merged tensor whose bytes hold `part` (ffn_{kind}_exps, or a fused ffn_gate_up_exps)."""
@@ -62,7 +68,7 @@ class ReferenceExperts:
                    for b, p in zip(self.expert_bytes(layer, expert), parts))
         return g, u, d
 
-    def _moe(self, layer: int, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def _moe(self, layer: int, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, chunks=None) -> torch.Tensor:
         """sum_r w_r expert_r(h) [T,H], computed as the engine does (so it matches bit for bit): on CUDA with
         Q8_0/F16/BF16/F32 experts the Triton kernels over this layer's experts packed in a pool, otherwise the
         torch reference (apply_experts); the model's SwiGLU clamp either way (None: plain SwiGLU)."""
@@ -80,18 +86,18 @@ class ReferenceExperts:
                 r = mk.route(h, ids, w)
                 mk.apply(r, 0, pool, Group(None, base, torch.from_numpy(base).to(self.device)), slot, starts=starts)
                 return mk.combine(r)
-        return apply_experts(h, ids, w, lambda e: self.expert(layer, e), self.sub_batch, limit=limit)
+        return apply_experts(h, ids, w, lambda e: self.expert(layer, e), self.sub_batch, limit=limit, chunks=chunks)
 
     @torch.inference_mode()
     def forward(self, ids, cache) -> torch.Tensor:
         """ids [T] -> logits [T, n_vocab] float32; appends the T tokens to `cache`."""
         ids = self.check_ids(ids)
+        start = cache.length
         positions = cache.begin(ids.numel())
+        chunks = pass_chunks(positions, start, self.chunk)
         x = self.embed(ids)
         for layer in range(self.cfg.n_layer):
-            x = self.attention_block(layer, x, cache, positions)
-            h, aux = self.moe_input(layer, x)
-            top_ids, top_w = self.route(layer, h, ids)
-            x = self.moe_output(layer, x, aux, h, self._moe(layer, h, top_ids, top_w))
+            x, h, auxs, top_ids, top_w = layer_front(self, layer, x, cache, chunks, ids)
+            x = layer_back(self, layer, x, auxs, h, self._moe(layer, h, top_ids, top_w, chunks), chunks)
         cache.commit()
         return self.logits(x)

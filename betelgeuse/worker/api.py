@@ -74,10 +74,11 @@ class TokenEvent:
 class Usage:
     # llama.cpp's vocabulary for timings
     prompt_n: int = 0
-    prompt_ms: float = 0.0
+    prompt_ms: float = 0.0          # wall from the start of its prefill to its first token (pieces and the decode
+                                    # steps of others in between included: the request's own clock)
     prompt_per_second: float = 0.0
     predicted_n: int = 0
-    predicted_ms: float = 0.0
+    predicted_ms: float = 0.0       # wall from its first token to its last, as the client sees them
     predicted_per_second: float = 0.0
     ttft_ms: float = 0.0
     # expert reads by tier for this request (expert matrices applied, counted per (layer, expert) load)
@@ -87,7 +88,8 @@ class Usage:
     disk_bytes: int = 0
     disk_wait_ms: float = 0.0
     h2d_bytes: int = 0
-    cached_tokens: int = 0          # prompt tokens served from a prefix cache (no prefix cache yet: always 0)
+    cached_tokens: int = 0          # prompt tokens served from the prefix cache (llama.cpp: cache_n)
+    queue_ms: float = 0.0           # arrival to the start of its prefill (waiting for a running slot)
 
 
 @dataclass(slots=True)

@@ -1,8 +1,12 @@
 """The worker's engine: a busy loop of numbered steps fed by a bounded queue (vLLM v1's engine core).
 
-    submit() ─► waiting (bounded) ─► step(): 1. drop cancelled/expired  2. admit + prefill one request
-                                            3. else one decode token for each running sequence
-                                            4. finish: FinalEvent, free the KV cache, consolidate
+    submit() ─► waiting (bounded) ─► step(): 1. drop cancelled/expired
+                                            2. admit waiting requests while fewer than max_running run
+                                            3. one prefill pass for the oldest prefilling sequence: its prompt
+                                               after the longest cached prefix (prefix cache), at most
+                                               max_batched_tokens of it while others decode (chunked prefill)
+                                            4. one decode token for every decoding sequence, in one batched pass
+                                            5. finish: FinalEvent, free the KV cache, release prefix blocks, consolidate
 The runner does the passes; this module only schedules them and turns tokens into events.
 """
 
@@ -27,6 +31,7 @@ from betelgeuse.model.sampler import (apply_allowed, apply_penalties, make_gener
 from betelgeuse.store.client import StoreClient
 from betelgeuse.tokenizer import Tokenizer
 from betelgeuse.worker.api import GenerateRequest, ModelInfo, ServerInfo, TokenEvent
+from betelgeuse.worker.prefix_cache import PrefixCache
 from betelgeuse.worker.runner import ModelRunner, PassStats
 from betelgeuse.worker.sequence import RequestHandle, Sequence, check_alive
 
@@ -58,6 +63,8 @@ class LLMEngine:
         from betelgeuse.grammar import Grammars
         self.grammars = Grammars(self.tokenizer)
         self.metrics = metrics
+        self.prefix_cache = self._make_prefix_cache()   # None: off, or not possible for this model/schedule
+        self._evicted = 0                               # prefix-cache evictions already counted in metrics
         self.on_tick = on_tick                      # called every loop turn (watchdog ping)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -211,17 +218,23 @@ class LLMEngine:
             for seq in [s for s in self.waiting if s.cancelled or s.expired]:
                 self.waiting.remove(seq)
                 self._finish(seq, "cancelled")
-            admit = self.waiting.popleft() if self.waiting and len(self.running) < self.cfg.max_running else None
-        # 2. prefill one admitted request, or 3. one decode token for each running sequence
-        if admit is not None:
-            self._prefill(admit)
-        else:
-            live = [s for s in self.running if not s.finished]
-            if len(live) > 1:
-                self._decode_batch(live)         # continuous batching: one pass for every running sequence
-            else:
-                for seq in live:
-                    self._decode(seq)
+            admitted = []
+            while self.waiting and len(self.running) + len(admitted) < self.cfg.max_running:
+                admitted.append(self.waiting.popleft())
+        # 2. admit while there is room (each gets its KV cache; the plan reserved max_running of them)
+        for seq in admitted:
+            self._admit(seq)
+        decoding = [s for s in self.running if not s.finished and not s.prefilling]
+        # 3. one prefill pass, 4. one decode token for each decoding sequence (their outputs never depend on the
+        # batch: runner.decode_batch), so a long prompt arriving never stalls the running decodes for long
+        pre = next((s for s in self.running if s.prefilling and not s.finished), None)
+        if pre is not None:
+            self._prefill(pre, limit=self.cfg.max_batched_tokens if decoding else None)
+        decoding = [s for s in decoding if not s.finished]
+        if len(decoding) > 1:
+            self._decode_batch(decoding)
+        elif decoding:
+            self._decode(decoding[0])
         self._gauges()
 
     def _beat(self, seq: Sequence):
@@ -229,9 +242,9 @@ class LLMEngine:
         self.last_tick = time.monotonic()
         check_alive(seq)
 
-    def _pass(self, seq: Sequence, ids: list[int]) -> tuple[torch.Tensor, PassStats] | None:
+    def _pass(self, seq: Sequence, ids: list[int], consolidate: bool) -> tuple[torch.Tensor, PassStats] | None:
         try:
-            logits, st = self.runner.forward(ids, seq.kv, consolidate=len(ids) > 1,
+            logits, st = self.runner.forward(ids, seq.kv, consolidate=consolidate,
                                              should_stop=lambda: self._beat(seq))
         except CancelledError:
             self._finish(seq, "cancelled")
@@ -249,25 +262,87 @@ class LLMEngine:
         self._account(seq, st)
         return logits[-1], st
 
-    def _prefill(self, seq: Sequence):
+    def _admit(self, seq: Sequence):
         seq.t_prefill_start = time.monotonic()
+        seq.usage.queue_ms = (seq.t_prefill_start - seq.arrival) * 1e3
         if self.metrics:
             self.metrics.request_queue.observe(seq.t_prefill_start - seq.arrival)
         seq.kv = self.runner.new_cache(len(seq.prompt_ids) + seq.max_tokens)
         self.running.append(seq)
-        out = self._pass(seq, seq.prompt_ids)
+
+    def _prefill(self, seq: Sequence, limit: int | None):
+        """One prefill pass of `seq`: at its first, the longest cached prefix is copied in instead of computed;
+        then at most `limit` prompt tokens (whole chunks, so the pieces give the bits of one pass), or the rest."""
+        pc, P = self.prefix_cache, seq.prompt_ids
+        if not seq.looked_up:
+            seq.looked_up = True
+            if pc is not None:
+                blocks = pc.lookup(P)
+                pc.acquire(blocks)
+                seq.blocks = blocks
+                seq.n_done = seq.usage.cached_tokens = pc.load(seq.kv, blocks)
+                self._prefix_gauges(reused=seq.n_done)
+        rest = len(P) - seq.n_done
+        take = rest
+        if limit is not None and rest > limit:
+            c = self.runner.chunk or 1
+            take = max(c, limit // c * c)               # whole chunks: the next piece starts on a boundary
+        last = take == rest
+        out = self._pass(seq, P[seq.n_done:seq.n_done + take], consolidate=True)
         if out is None:
             return
+        seq.n_done += take
+        if pc is not None:
+            seq.blocks = pc.insert(seq.kv, P, seq.n_done, seq.blocks)
+            self._prefix_gauges()
+        if not last:
+            return
         logits, st = out
-        seq.usage.prompt_n = len(seq.prompt_ids)
-        seq.usage.prompt_ms = st.seconds * 1e3
-        seq.usage.prompt_per_second = st.tok_per_s
+        seq.usage.prompt_n = len(P)
+        seq.usage.prompt_ms = (time.monotonic() - seq.t_prefill_start) * 1e3
+        computed = len(P) - seq.usage.cached_tokens
+        seq.usage.prompt_per_second = computed / (seq.usage.prompt_ms / 1e3) if seq.usage.prompt_ms > 0 else 0.0
         self._emit_token(seq, logits)
+
+    def _make_prefix_cache(self) -> PrefixCache | None:
+        from betelgeuse.store.plan import prefix_cache_bytes
+        r, c = self.runner, self.runner.mcfg
+        elt = torch.empty((), dtype=r.dtype).element_size()
+        nbytes = prefix_cache_bytes(self.cfg, c, elt)
+        if nbytes == 0:
+            return None
+        if r.chunk is None or self.cfg.schedule != "layer_major":
+            log.info("prefix cache off: %s", "the standard schedule prefills in micro-batches"
+                     if r.chunk is not None else f"{c.arch} state is not cut into position-aligned blocks")
+            return None
+        pc = PrefixCache(c.n_layer, c.n_head_kv, c.head_dim, r.chunk, nbytes, r.device, r.dtype)
+        if not pc.enabled:
+            log.warning("prefix cache off: %d bytes hold no block of %d tokens (%d bytes)", nbytes, r.chunk,
+                        pc.block_bytes)
+            return None
+        event(log, "prefix_cache", logging.INFO, blocks=pc.n_blocks, block_tokens=pc.block,
+              bytes=pc.capacity_bytes, device=str(r.device))
+        if self.metrics:
+            self.metrics.prefix_cache_capacity.set(pc.capacity_bytes)
+        return pc
+
+    def _prefix_gauges(self, reused: int | None = None):
+        m, pc = self.metrics, self.prefix_cache
+        if not m or pc is None:
+            return
+        if reused is not None:
+            m.prefix_cache_queries.inc()
+            if reused:
+                m.prefix_cache_hits.inc()
+                m.prefix_cache_tokens.inc(reused)
+        m.prefix_cache_bytes.set(pc.bytes_used)
+        m.prefix_cache_evictions.inc(pc.stats.evictions - self._evicted)
+        self._evicted = pc.stats.evictions
 
     def _decode(self, seq: Sequence):
         if seq.finished:
             return
-        out = self._pass(seq, [seq.out_ids[-1]])
+        out = self._pass(seq, [seq.out_ids[-1]], consolidate=False)
         if out is not None:
             self._emit_token(seq, out[0])
 
@@ -350,8 +425,6 @@ class LLMEngine:
         u.disk_wait_ms += st.disk_wait_s * 1e3
         u.h2d_bytes += st.h2d_bytes
         phase = "prefill" if st.kind == "prefill" else "decode"
-        if st.kind == "decode":
-            u.predicted_ms += st.seconds * 1e3
         m = self.metrics if count_metrics else None
         if m:
             (m.prompt_tokens if phase == "prefill" else m.generation_tokens).inc(st.n_tokens)
@@ -362,15 +435,23 @@ class LLMEngine:
             m.h2d_bytes.inc(st.h2d_bytes)
             m.h2d_seconds.inc(sum(l.copy_ms for l in st.layers) / 1e3)
 
-    def _finish(self, seq: Sequence, reason: str, stop_reason: str = "", stop_token_id: int | None = None):
+    def _free(self, seq: Sequence):
+        """The sequence leaves the running set: its KV cache goes, its prefix blocks become evictable."""
         if seq in self.running:
             self.running.remove(seq)
         seq.kv = None
+        if seq.blocks and self.prefix_cache is not None:
+            self.prefix_cache.release(seq.blocks)
+        seq.blocks = []
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: str = "", stop_token_id: int | None = None):
+        self._free(seq)
         u = seq.usage
         u.predicted_n = len(seq.out_ids)
         # decode passes produce tokens 2..n; the first comes from the prefill pass
-        if u.predicted_ms > 0 and u.predicted_n > 1:
-            u.predicted_per_second = (u.predicted_n - 1) / (u.predicted_ms / 1e3)
+        if u.predicted_n > 1:
+            u.predicted_ms = (seq.t_last - seq.t_first) * 1e3     # first to last token, as the client saw them
+            u.predicted_per_second = (u.predicted_n - 1) / (u.predicted_ms / 1e3) if u.predicted_ms > 0 else 0.0
         seq.finish(reason, stop_reason, stop_token_id)
         self._log_request(seq, "deadline_exceeded" if reason == "cancelled" and seq.expired and not seq.cancelled
                           else reason)
@@ -387,9 +468,7 @@ class LLMEngine:
                 self._store_down(e)
 
     def _drop(self, seq: Sequence, err: BetelgeuseError):
-        if seq in self.running:
-            self.running.remove(seq)
-        seq.kv = None
+        self._free(seq)
         seq.fail(err)
         self._log_request(seq, "error", error=" ".join(str(err).split()), error_type=type(err).__name__)
 

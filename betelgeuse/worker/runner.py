@@ -40,6 +40,7 @@ from betelgeuse.gguf.reader import GGUFModelFile
 from betelgeuse.kernels.moe import Group, MoEKernels, triton_available
 from betelgeuse.model import engine_model
 from betelgeuse.model.kv_cache import KVCache
+from betelgeuse.model.layers import layer_back, layer_front, pass_chunks
 from betelgeuse.store.client import StoreClient
 from betelgeuse.store.directory import SlotDirectory
 from betelgeuse.worker.expert_cache import TIER_DISK, TIER_HOST, TIER_VRAM, ExpertCache
@@ -102,6 +103,8 @@ class ModelRunner:
         self.file = GGUFModelFile.open(cfg.model_path)
         self.mcfg = self.file.config
         self.model = engine_model(self.file, self.device, self.dtype)     # qwen3moe or deepseek4: one interface
+        # position-aligned prefill chunks (layers.pass_chunks): prefix hits and pieces of a prompt give the same bits
+        self.chunk = cfg.prefill_chunk if getattr(self.model, "chunked_prefill", False) else None
         if self.device.type == "cuda":
             # loading dequantizes through float32 temporaries (1.2 GB for a 151936 x 2048 embedding);
             # give them back so the caching allocator does not keep them reserved beside the VRAM slots
@@ -324,7 +327,9 @@ class ModelRunner:
         T = ids.numel()
         if T == 1 and self._static_decode:
             return self._decode_static(ids, kv, snap, stats)
+        start = kv.length
         positions = kv.begin(T)
+        chunks = pass_chunks(positions, start, self.chunk)
         x = self.model.embed(ids)
         k, E = self.mcfg.n_expert_used, self.mcfg.n_expert
         # read ahead the next layer only when most of its experts will be needed: P(used) = 1-(1-k/E)^T
@@ -333,13 +338,11 @@ class ModelRunner:
             self.should_stop()
             ls = LayerStats()
             t = time.perf_counter()
-            x = self.model.attention_block(l, x, kv, positions)
-            h, aux = self.model.moe_input(l, x)
-            top_ids, top_w = self.model.route(l, h, ids, self._resident_mask(snap, l))
+            x, h, auxs, top_ids, top_w = layer_front(self.model, l, x, kv, chunks, ids, self._resident_mask(snap, l))
             t1 = time.perf_counter()
             ls.attn_s = t1 - t
-            routed = self._moe_layer(l, h, top_ids, top_w, snap, stats, ls, readahead)
-            x = self.model.moe_output(l, x, aux, h, routed)
+            routed = self._moe_layer(l, h, top_ids, top_w, snap, stats, ls, readahead, chunks)
+            x = layer_back(self.model, l, x, auxs, h, routed, chunks)
             ls.moe_s = time.perf_counter() - t1
             stats.layers.append(ls)
         kv.commit()
@@ -385,20 +388,20 @@ class ModelRunner:
         self.kern.apply(r, l, self.cache.pool, g, self.cache.slot_bytes)
         ls.groups += 1
 
-    def _moe_layer(self, l, h, ids, w, snap, stats, ls, readahead) -> torch.Tensor:
+    def _moe_layer(self, l, h, ids, w, snap, stats, ls, readahead, chunks=None) -> torch.Tensor:
         """sum_r w_r expert_r(h) [T,H] for layer l, experts from whatever tier holds them."""
         ev = self._timing_start()
-        r = self._route(l, h, ids, w, ls)
+        r = self._route(l, h, ids, w, ls, chunks)
         if ls.synced:
             self._moe_partial(l, r, snap, stats, ls, readahead)
         out = self.kern.combine(r)
         self._timing_end(ev, ls)
         return out
 
-    def _route(self, l, h, ids, w, ls):
+    def _route(self, l, h, ids, w, ls, chunks=None):
         """Rows sorted by expert and counted (device, no sync). A layer wholly in VRAM is computed here in one
         group (ls.synced = False); otherwise ls.synced stays True: the caller runs _moe_partial (host sync)."""
-        r = self.kern.route(h, ids, w)
+        r = self.kern.route(h, ids, w, chunks)
         self._counts[l] += r.counts
         if self.cache.all_vram[l]:
             ls.synced = False

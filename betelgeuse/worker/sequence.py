@@ -25,6 +25,9 @@ class Sequence:
     deadline: float | None = None                 # time.monotonic() seconds
     generator: object = None                      # torch.Generator | None
     kv: object = None                             # KVCache while running
+    n_done: int = 0                               # prompt tokens whose K/V are in kv (cached prefix + prefilled)
+    blocks: list = field(default_factory=list)    # prefix-cache blocks this sequence holds (its prompt's chain)
+    looked_up: bool = False                       # the prefix cache was asked (at its first prefill pass)
     seq_id: int = field(default_factory=lambda: next(_ids))
     out_ids: list[int] = field(default_factory=list)
     events: queue.Queue = field(default_factory=queue.Queue)
@@ -37,6 +40,10 @@ class Sequence:
     finished: bool = False
     constraint: object = None                     # grammar.Constraint | None (response_format, forced tool call)
     parse_tools: bool = False                     # the request has tools: parse <tool_call> blocks at the end
+
+    @property
+    def prefilling(self) -> bool:
+        return self.n_done < len(self.prompt_ids)
 
     @property
     def expired(self) -> bool:

@@ -1,0 +1,175 @@
+"""The KV prefix cache: K/V of prompt blocks kept after their prefill, indexed by the hash of the whole prefix
+up to each block (vLLM's automatic prefix caching), reused by later requests that start with the same tokens.
+
+    blocks = pc.lookup(prompt)             # longest cached chain of full blocks (at least one prompt token left)
+    pc.acquire(blocks); n = pc.load(kv, blocks)    # copy them into the sequence's KV cache: kv.length = n
+    ... prefill prompt[n:] ...
+    held = pc.insert(kv, prompt, done, held)       # the new full blocks of prompt[:done] (copied in), held too
+    pc.release(held)                       # the request ended: its blocks become evictable (LRU)
+
+A block is `block` tokens (= EngineConfig.prefill_chunk), aligned to absolute positions: the engine prefills in
+position-aligned chunks, so a block's K/V are the same bits whichever request computed it, and a prefix hit gives
+logits bit-identical to a miss (tests/test_prefix_cache.py). Only prompt blocks are cached: K/V written by decode
+steps come from one-row passes and would not match what a prefill computes for the same tokens.
+
+Memory: one preallocated pool [n_layer, 2, n_blocks, n_head_kv, block, head_dim] on the worker's device, its size
+the configured budget (the slot plan subtracts it from the VRAM budget). Blocks held by a running request
+(reference count > 0) are never evicted; the others are evicted least recently used first, the tail of a chain
+before its head (a head evicted first would leave its tail unreachable).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(slots=True)
+class PrefixStats:
+    queries: int = 0            # lookups (one per request that prefills)
+    hits: int = 0               # lookups that reused at least one block
+    tokens_reused: int = 0      # prompt tokens served from the cache
+    inserted: int = 0           # blocks written
+    evictions: int = 0          # blocks dropped to make room
+
+
+class PrefixCache:
+    def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, block: int, capacity_bytes: int,
+                 device, dtype):
+        assert block >= 1
+        self.block = block
+        elt = torch.empty((), dtype=dtype).element_size()
+        self.block_bytes = n_layer * 2 * n_head_kv * block * head_dim * elt
+        self.n_blocks = capacity_bytes // self.block_bytes
+        # [n_layer, 2 (k, v), n_blocks, n_head_kv, block, head_dim]
+        self.pool = torch.zeros((n_layer, 2, self.n_blocks, n_head_kv, block, head_dim), dtype=dtype, device=device)
+        self.digest: list[bytes | None] = [None] * self.n_blocks      # chained hash of the prefix ending here
+        self.tokens: list[tuple | None] = [None] * self.n_blocks      # the block's own tokens (checked on a hit)
+        self.parent = np.full(self.n_blocks, -1, dtype=np.int64)     # the block before it (-1 = the first block)
+        self.refs = np.zeros(self.n_blocks, dtype=np.int64)
+        self.index: dict[bytes, int] = {}
+        self.lru: OrderedDict[int, None] = OrderedDict()              # unreferenced cached blocks, oldest first
+        self.free = list(range(self.n_blocks - 1, -1, -1))
+        self.stats = PrefixStats()
+
+    @property
+    def enabled(self) -> bool:
+        return self.n_blocks > 0
+
+    @property
+    def bytes_used(self) -> int:
+        return (self.n_blocks - len(self.free)) * self.block_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.n_blocks * self.block_bytes
+
+    @staticmethod
+    def _hash(parent: bytes, toks) -> bytes:
+        return hashlib.blake2b(parent + np.asarray(toks, dtype=np.int64).tobytes(), digest_size=16).digest()
+
+    # ---- lookup and reference counts --------------------------------------------------------------------
+    def lookup(self, prompt: list[int]) -> list[int]:
+        """Block ids of the longest cached prefix of `prompt` in whole blocks, leaving at least one token to
+        prefill (its logits start the generation). Marks them recently used."""
+        self.stats.queries += 1
+        out, h, parent = [], b"", -1
+        B = self.block
+        for i in range((len(prompt) - 1) // B):
+            toks = tuple(prompt[i * B:(i + 1) * B])
+            h = self._hash(h, toks)
+            blk = self.index.get(h)
+            if blk is None or self.tokens[blk] != toks or self.parent[blk] != parent:
+                break
+            out.append(blk)
+            parent = blk
+        for blk in reversed(out):                   # head most recent: the tail goes first
+            if blk in self.lru:
+                self.lru.move_to_end(blk)
+        if out:
+            self.stats.hits += 1
+            self.stats.tokens_reused += len(out) * B
+        return out
+
+    def acquire(self, blocks: list[int]):
+        for blk in blocks:
+            self.refs[blk] += 1
+            self.lru.pop(blk, None)
+
+    def release(self, blocks: list[int]):
+        """A request is done with its chain: blocks nobody holds become evictable, the tail before the head."""
+        for blk in reversed(blocks):
+            self.refs[blk] -= 1
+            assert self.refs[blk] >= 0, blk
+            if self.refs[blk] == 0 and self.digest[blk] is not None:
+                self.lru[blk] = None
+
+    # ---- copies -----------------------------------------------------------------------------------------
+    def load(self, kv, blocks: list[int]) -> int:
+        """Copy the blocks' K/V into positions [0, n*block) of an empty sequence cache; returns n*block tokens."""
+        assert kv.length == 0, kv.length
+        n = len(blocks)
+        if not n:
+            return 0
+        B = self.block
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.pool.device)
+        for l in range(self.pool.shape[0]):
+            for j, dst in enumerate((kv.k[l], kv.v[l])):
+                kvh, _, hd = dst.shape
+                # [n, kvh, B, hd] -> the cache's [kvh, n*B, hd] layout
+                dst[:, :n * B].view(kvh, n, B, hd).copy_(self.pool[l, j].index_select(0, idx).transpose(0, 1))
+        kv.length = n * B
+        return n * B
+
+    def insert(self, kv, prompt: list[int], done: int, held: list[int]) -> list[int]:
+        """After a prefill pass: cache the full blocks of prompt[:done] past `held` (the chain this request
+        already holds: matched or inserted before), copying their K/V from kv. Returns the new chain, all held.
+        A block someone else inserted meanwhile is shared, not copied; a full cache of held blocks stops here."""
+        B = self.block
+        chain = list(held)
+        h = self.digest[chain[-1]] if chain else b""
+        new: list[tuple[int, int]] = []                 # (block id, block index in the prompt) to copy
+        for i in range(len(chain), done // B):
+            toks = tuple(prompt[i * B:(i + 1) * B])
+            h = self._hash(h, toks)
+            parent = chain[-1] if chain else -1
+            blk = self.index.get(h)
+            if blk is None or self.tokens[blk] != toks or self.parent[blk] != parent:
+                blk = self._allocate()
+                if blk is None:
+                    break
+                new.append((blk, i))
+                self.digest[blk], self.tokens[blk], self.parent[blk] = h, toks, parent
+                self.index[h] = blk
+                self.stats.inserted += 1
+            self.acquire([blk])
+            chain.append(blk)
+        if new:
+            self._write(kv, new, done // B)
+        return chain
+
+    def _allocate(self) -> int | None:
+        if self.free:
+            return self.free.pop()
+        if not self.lru:
+            return None
+        blk, _ = self.lru.popitem(last=False)
+        self.index.pop(self.digest[blk], None)
+        self.digest[blk], self.tokens[blk], self.parent[blk] = None, None, -1
+        self.stats.evictions += 1
+        return blk
+
+    def _write(self, kv, new: list[tuple[int, int]], n_full: int):
+        """Copy prompt blocks new[j][1] of kv into pool blocks new[j][0]: two gathers + two scatters per layer."""
+        B, dev = self.block, self.pool.device
+        dst = torch.tensor([b for b, _ in new], dtype=torch.long, device=dev)
+        src = torch.tensor([i for _, i in new], dtype=torch.long, device=dev)
+        for l in range(self.pool.shape[0]):
+            for j, t in enumerate((kv.k[l], kv.v[l])):
+                kvh, _, hd = t.shape
+                blocks = t[:, :n_full * B].view(kvh, n_full, B, hd).transpose(0, 1)     # [n_full, kvh, B, hd]
+                self.pool[l, j].index_copy_(0, dst, blocks.index_select(0, src))

@@ -1,0 +1,268 @@
+"""Prefix KV reuse and the scheduler (issue 11): a prompt that starts with a cached prefix prefills only the rest,
+and its logits are bit-identical to the same prompt computed from scratch (DESIGN.md §2's cache-state invariance,
+extended to the KV cache); a prompt prefilled in pieces beside running decodes gives the bits of one pass; the
+cache stays within its budget, evicts least recently used unreferenced blocks, never those of a running request.
+
+Why exact is possible: dense ops run in position-aligned chunks of `prefill_chunk` tokens (layers.pass_chunks) and
+the experts' rows never depend on their neighbours (torch: sub-batches inside one chunk; triton: row-invariant), so
+a token's K/V are the same bits whichever pass, and whichever request, computed them. The comparison is the same
+engine in another cache state (as the slot-configuration invariance is); the miss path itself is checked against
+ReferenceModel (chunked the same way), and that against transformers, in test_engine_invariance / test_model_oracle.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from betelgeuse.config import EngineConfig
+from betelgeuse.errors import BetelgeuseError
+from betelgeuse.model.qwen3moe import ReferenceModel
+from betelgeuse.worker.api import GenerateRequest, SamplingParams
+from betelgeuse.worker.prefix_cache import PrefixCache
+
+from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, write_synth
+
+V = ENGINE_SPEC["n_vocab"]
+C = 8                                           # prefill_chunk = block size, small so that prompts span blocks
+SYSTEM = prompt(27, V, seed=1)                  # a fixed "system prompt": 3 whole blocks + 3 tokens
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_synth(tmp_path_factory.mktemp("prefix") / "engine.gguf", **ENGINE_SPEC)
+
+
+def _pc(runner, nbytes=1 << 22) -> PrefixCache:
+    c = runner.mcfg
+    return PrefixCache(c.n_layer, c.n_head_kv, c.head_dim, runner.chunk, nbytes, runner.device, runner.dtype)
+
+
+# ---- the runner: pieces and cached prefixes give the bits of one pass --------------------------------------------
+
+@pytest.mark.parametrize("vram,host", [(5, 15), (0, 0)])
+def test_prefix_hit_and_pieces_are_bit_identical_to_one_pass(model, vram, host):
+    turn1 = SYSTEM + prompt(9, V, seed=2)                       # 36 tokens
+    turn2 = turn1 + prompt(21, V, seed=3)                       # 57 tokens: resends turn 1
+    rn, st = in_process_runner(model, vram, host, prefill_chunk=C)
+    try:
+        whole, _ = rn.forward(turn2, rn.new_cache(96), all_logits=True)
+        # the engine's own miss path against the reference model, chunked the same way (bit-identical)
+        ref = ReferenceModel.load(model, chunk=C)
+        with torch.no_grad():
+            want = ref.forward(torch.tensor(turn2), ref.new_cache(96))
+        assert torch.equal(whole, want)
+        pc = _pc(rn)
+        kv1 = rn.new_cache(96)
+        rn.forward(turn1, kv1)
+        held = pc.insert(kv1, turn1, len(turn1), [])
+        assert len(held) == len(turn1) // C == 4
+        blocks = pc.lookup(turn2)
+        assert blocks == held                                   # 32 of turn 2's 57 tokens are cached
+        kv2 = rn.new_cache(96)
+        n = pc.load(kv2, blocks)
+        assert n == 32 and kv2.length == 32
+        for l in range(rn.mcfg.n_layer):                        # the copied K/V are the computed ones, bit for bit
+            assert torch.equal(kv2.k[l][:, :n], kv1.k[l][:, :n]) and torch.equal(kv2.v[l][:, :n], kv1.v[l][:, :n])
+        hit, stats = rn.forward(turn2[n:], kv2)
+        assert stats.n_tokens == len(turn2) - n
+        miss, _ = rn.forward(turn2, rn.new_cache(96))
+        assert torch.equal(hit, miss), f"prefix hit differs from a miss: max |diff| {(hit - miss).abs().max():.3e}"
+        # a prompt prefilled in whole-chunk pieces (chunked prefill beside decodes): the same bits again
+        kv3, a = rn.new_cache(96), 0
+        for piece in (16, 8, 24, 9):
+            out, _ = rn.forward(turn2[a:a + piece], kv3)
+            a += piece
+        assert a == len(turn2) and torch.equal(out, miss)
+        # and the decode after a hit continues exactly as after a miss
+        t = int(miss[-1].argmax())
+        d_hit, _ = rn.forward([t], kv2, consolidate=False)
+        kvm = rn.new_cache(96)
+        rn.forward(turn2, kvm)
+        d_miss, _ = rn.forward([t], kvm, consolidate=False)
+        assert torch.equal(d_hit, d_miss)
+    finally:
+        close_runner(rn, st)
+
+
+def test_lookup_leaves_a_token_and_checks_the_whole_prefix(model):
+    rn, st = in_process_runner(model, 0, 0, prefill_chunk=C)
+    try:
+        pc = _pc(rn)
+        P = SYSTEM[:24]                                         # exactly 3 blocks
+        kv = rn.new_cache(64)
+        rn.forward(P, kv)
+        pc.release(pc.insert(kv, P, len(P), []))
+        assert len(pc.lookup(P)) == 2                           # the last token is always computed
+        assert len(pc.lookup(P + [5])) == 3
+        other = [P[0] ^ 1] + P[1:] + [5]                        # same blocks 2 and 3, another first token
+        assert pc.lookup(other) == []
+        assert pc.stats.hits == 2 and pc.stats.queries == 3 and pc.stats.tokens_reused == 5 * C
+    finally:
+        close_runner(rn, st)
+
+
+def test_eviction_is_lru_bounded_and_spares_held_blocks(model):
+    rn, st = in_process_runner(model, 0, 0, prefill_chunk=C)
+    try:
+        c = rn.mcfg
+        block_bytes = c.n_layer * 2 * c.n_head_kv * C * c.head_dim * 4
+        pc = _pc(rn, nbytes=6 * block_bytes + block_bytes // 2)     # room for 6 blocks
+        assert pc.n_blocks == 6 and pc.capacity_bytes == 6 * block_bytes
+
+        def cached(P, hold=False):
+            kv = rn.new_cache(64)
+            rn.forward(P, kv)
+            chain = pc.insert(kv, P, len(P), [])
+            if not hold:
+                pc.release(chain)
+            return chain
+
+        a, b, d = (prompt(17, V, seed=s) for s in (10, 11, 12))        # 2 blocks each
+        held = cached(a, hold=True)                              # a running request holds its 2 blocks
+        cached(b)
+        cached(d)                                                # 6 of 6 blocks used
+        assert pc.bytes_used == pc.capacity_bytes and pc.stats.evictions == 0
+        pc.lookup(b + [1])                                       # b recently used: d is now the oldest
+        e = prompt(17, V, seed=13)
+        cached(e)                                                # needs 2 blocks: d's go (the LRU), not a's (held)
+        assert pc.stats.evictions == 2
+        assert len(pc.lookup(a + [1])) == 2 and len(pc.lookup(b + [1])) == 2 and len(pc.lookup(e + [1])) == 2
+        assert pc.lookup(d + [1]) == []
+        assert pc.bytes_used <= pc.capacity_bytes
+        # all 6 blocks held: nothing can be evicted, an insert caches nothing (and fails nothing)
+        hb, he = pc.lookup(b + [1]), pc.lookup(e + [1])
+        pc.acquire(hb), pc.acquire(he)
+        assert cached(prompt(17, V, seed=14)) == [] and pc.stats.evictions == 2
+        pc.release(hb), pc.release(he), pc.release(held)
+        # a prompt whose blocks were evicted is computed again, with the same bits
+        kv = rn.new_cache(64)
+        got = pc.load(kv, pc.lookup(d))
+        assert got == 0
+    finally:
+        close_runner(rn, st)
+
+
+# ---- the engine: agent turns, metrics, chunked prefill beside decodes --------------------------------------------
+
+def _engine(model, **kw):
+    from betelgeuse.gguf.reader import GGUFModelFile
+    from betelgeuse.metrics import make_worker_metrics
+    from betelgeuse.store.client import InProcessStoreClient
+    from betelgeuse.store.plan import plan_slots
+    from betelgeuse.store.store import ExpertStore
+    from betelgeuse.worker.engine import LLMEngine
+    cfg = EngineConfig(model_path=str(model), vram_slots=5, host_slots=15, prefill_chunk=C, **kw)
+    f = GGUFModelFile.open(str(model))
+    store = ExpertStore(f, plan_slots(f, cfg, None), read_threads=2)
+    eng = LLMEngine(cfg, InProcessStoreClient(store), metrics=make_worker_metrics())
+
+    def close():
+        eng.close()
+        store.close()
+        f.close()
+    return eng, close
+
+
+def _gen(eng, ids, n=6):
+    req = GenerateRequest(prompt_ids=ids, max_tokens=n, ignore_eos=True,
+                          sampling=SamplingParams(temperature=0.0, logprobs=True, top_logprobs=5))
+    evs = list(eng.submit(req))
+    toks = [(e.token_id, e.logprob, tuple(e.top_logprobs)) for e in evs[:-1]]
+    return toks, evs[-1]
+
+
+def _sample(reg, name, **labels):
+    v = reg.get_sample_value(name, labels or None)
+    return 0.0 if v is None else v
+
+
+def test_agent_turns_reuse_the_conversation_exactly(model):
+    """Each turn resends the conversation: with the cache only the new tokens are prefilled, and every token and
+    logprob equals the same turn on an engine without a prefix cache."""
+    turns, conv = [], list(SYSTEM)
+    for t in range(4):
+        conv = conv + prompt(11 + 3 * t, V, seed=20 + t)
+        turns.append(list(conv))
+        conv = conv + prompt(6, V, seed=40 + t)                   # "the assistant's reply" resent next turn
+    on, close_on = _engine(model)
+    off, close_off = _engine(model, prefix_cache_bytes=0)
+    try:
+        assert on.prefix_cache is not None and off.prefix_cache is None
+        for i, P in enumerate(turns):
+            got, fin = _gen(on, P)
+            want, fin0 = _gen(off, P)
+            assert got == want, f"turn {i}: tokens/logprobs differ with the prefix cache"
+            u = fin.usage
+            assert fin0.usage.cached_tokens == 0
+            # turn i > 0 reuses every whole block of turn i-1's prompt (prompt blocks only, never decode K/V)
+            assert u.cached_tokens == (0 if i == 0 else (len(turns[i - 1])) // C * C), (i, u.cached_tokens)
+            assert u.prompt_n == len(P) and u.queue_ms >= 0 and u.ttft_ms >= u.queue_ms
+        reg = on.metrics.registry
+        assert _sample(reg, "betelgeuse_prefix_cache_queries_total") == 4
+        assert _sample(reg, "betelgeuse_prefix_cache_hits_total") == 3
+        reused = sum(len(turns[i]) // C * C for i in range(3))
+        assert _sample(reg, "betelgeuse_prefix_cache_reused_tokens_total") == reused
+        assert 0 < _sample(reg, "betelgeuse_prefix_cache_used_bytes") <= _sample(reg, "betelgeuse_prefix_cache_capacity_bytes")
+        # prompt tokens actually prefilled: the miss engine prefilled everything, the cached one the rest
+        assert _sample(reg, "betelgeuse_prompt_tokens_total") == sum(map(len, turns)) - reused
+    finally:
+        close_on()
+        close_off()
+
+
+def test_a_long_prompt_is_prefilled_in_pieces_beside_running_decodes(model):
+    """max_batched_tokens = one chunk: a 57-token prompt arriving while another request decodes is prefilled in
+    8-token passes, the decoding request gets a token after every piece, and both give their solo outputs."""
+    short, long_ = prompt(10, V, seed=60), SYSTEM + prompt(30, V, seed=61)
+    eng, close = _engine(model, max_batched_tokens=C, prefix_cache_bytes=0)
+    try:
+        solo_short, _ = _gen(eng, short, n=24)
+        solo_long, _ = _gen(eng, long_, n=4)
+        times: dict[str, list] = {"short": [], "long": []}
+        res = {}
+
+        def run(name, ids, n):
+            req = GenerateRequest(prompt_ids=ids, max_tokens=n, ignore_eos=True,
+                                  sampling=SamplingParams(temperature=0.0, logprobs=True, top_logprobs=5))
+            evs = []
+            for e in eng.submit(req):
+                times[name].append(time.monotonic())
+                evs.append(e)
+            res[name] = [(e.token_id, e.logprob, tuple(e.top_logprobs))
+                         for e in evs[:-1]]
+        a = threading.Thread(target=run, args=("short", short, 24))
+        a.start()
+        while len(times["short"]) < 2:                      # the short one is decoding
+            time.sleep(0.001)
+        b = threading.Thread(target=run, args=("long", long_, 4))
+        b.start()
+        a.join(60), b.join(60)
+        assert res["short"] == solo_short and res["long"] == solo_long
+        first_long = times["long"][0]
+        during = [t for t in times["short"] if t < first_long]
+        # 57 tokens in 8-token pieces = 8 passes; the short request kept decoding between them
+        assert len(during) >= 2 + 5, (len(during), len(times["short"]))
+    finally:
+        close()
+
+
+def test_scheduler_limits_are_validated_with_numbers(model):
+    with pytest.raises(BetelgeuseError, match="prefill_chunk"):
+        EngineConfig(model_path="m", prefill_chunk=0)
+    with pytest.raises(BetelgeuseError, match="max_batched_tokens .*prefill_chunk"):
+        EngineConfig(model_path="m", prefill_chunk=64, max_batched_tokens=32)
+    with pytest.raises(BetelgeuseError, match="prefix_cache_bytes"):
+        EngineConfig(model_path="m", prefix_cache_bytes=-1)
+    from betelgeuse.gguf.reader import GGUFModelFile
+    from betelgeuse.store.plan import plan_slots
+    f = GGUFModelFile.open(str(model))
+    try:
+        cfg = EngineConfig(model_path=str(model), vram_budget=64 << 20, prefix_cache_bytes=256 << 20)
+        with pytest.raises(BetelgeuseError, match=r"VRAM budget 0\.06 GiB .*prefix cache 0\.25 GiB"):
+            plan_slots(f, cfg, None)
+    finally:
+        f.close()
