@@ -106,6 +106,27 @@ def test_chat_greedy_matches_reference_and_usage(cluster, client, model_id):
     assert t["expert_reads_vram"] + t["expert_reads_host"] + t["expert_reads_disk"] > 0
 
 
+def test_agent_turns_report_cached_tokens_and_match_the_reference(cluster, client, model_id):
+    """An agent resends the conversation: the second turn's prompt starts with the first's, its whole 64-token
+    blocks come from the prefix cache (usage.prompt_tokens_details.cached_tokens, timings.cached_tokens), and the
+    reply is still the reference model's for the whole prompt."""
+    system = "You are a careful assistant for river geography. " * 12
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Name a long river."}]
+    tok = h.reference_tokenizer(cluster.model)
+    r1 = client.chat.completions.create(model=model_id, messages=msgs, max_tokens=8, temperature=0)
+    n1 = len(tok.encode(tok.apply_chat_template(msgs)))
+    assert n1 > 128 and r1.usage.prompt_tokens == n1
+    msgs += [{"role": "assistant", "content": r1.choices[0].message.content},
+             {"role": "user", "content": "And a short one?"}]
+    ids = tok.encode(tok.apply_chat_template(msgs))
+    _, want, reason = reference(cluster.model, ids, 8)
+    r2 = client.chat.completions.create(model=model_id, messages=msgs, max_tokens=8, temperature=0)
+    assert r2.choices[0].message.content == want and r2.choices[0].finish_reason == reason
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert cached == r2.model_extra["timings"]["cached_tokens"]
+    assert 64 <= cached <= n1 and cached % 64 == 0, (cached, n1)
+
+
 def test_stream_equals_grpc_and_reference_for_a_seed(cluster, client, channel, model_id):
     """Seeded temperature sampling: the streamed HTTP deltas, the gRPC stream (+ tail) and the in-process reference
     give the same text; nothing is held back from the deltas."""

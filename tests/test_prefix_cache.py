@@ -266,3 +266,47 @@ def test_scheduler_limits_are_validated_with_numbers(model):
             plan_slots(f, cfg, None)
     finally:
         f.close()
+
+
+def test_streams_stay_whole_with_clients_joining_cancelling_and_timing_out(model):
+    """12 clients sharing a system prompt join a 4-slot engine at staggered times (prefix hits, pieces of 8 tokens
+    beside batched decodes); 3 cancel after 2 tokens, 3 have a deadline that expires mid-generation. Every stream
+    ends with exactly one final event; the others' tokens equal their solo runs, the cut ones' are a prefix of theirs;
+    no block stays referenced afterwards."""
+    eng, close = _engine(model, max_running=4, max_batched_tokens=C)
+    try:
+        prompts = [SYSTEM + prompt(5 + 3 * i, V, seed=80 + i) for i in range(12)]
+        solo = [_gen(eng, P, n=10)[0] for P in prompts]
+        res: dict[int, tuple] = {}
+
+        def client(i):
+            time.sleep(0.01 * i)
+            req = GenerateRequest(prompt_ids=prompts[i], max_tokens=10, ignore_eos=True,
+                                  sampling=SamplingParams(temperature=0.0, logprobs=True, top_logprobs=5))
+            deadline = time.monotonic() + 0.05 if i % 4 == 1 else None
+            h = eng.submit(req, deadline=deadline)
+            toks, finals = [], []
+            for e in h:
+                if hasattr(e, "finish_reason"):
+                    finals.append(e)
+                    continue
+                toks.append((e.token_id, e.logprob, tuple(e.top_logprobs)))
+                if i % 4 == 2 and len(toks) == 2:
+                    h.cancel()
+            res[i] = (toks, finals)
+        ts = [threading.Thread(target=client, args=(i,)) for i in range(12)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(120)
+        assert sorted(res) == list(range(12))
+        for i, (toks, finals) in res.items():
+            assert len(finals) == 1, i
+            if i % 4 in (1, 2) and finals[0].finish_reason == "cancelled":
+                assert toks == solo[i][:len(toks)], i
+            else:
+                assert finals[0].finish_reason == "length" and toks == solo[i], i
+        assert any(res[i][1][0].finish_reason == "cancelled" for i in range(12) if i % 4 == 2)
+        assert int(eng.prefix_cache.refs.sum()) == 0 and eng.prefix_cache.stats.hits >= 11
+    finally:
+        close()

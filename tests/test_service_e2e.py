@@ -82,8 +82,12 @@ def test_greedy_generate_matches_reference_and_metrics(cluster, channel, service
     for tier in ("vram", "host", "disk"):
         assert d("betelgeuse_expert_reads_total", tier=tier) == getattr(u, f"expert_reads_{tier}"), tier
     assert u.expert_reads_vram + u.expert_reads_host + u.expert_reads_disk > 0
-    assert d("betelgeuse_engine_busy_seconds_total", phase="prefill") == pytest.approx(u.prompt_ms / 1e3, rel=1e-6)
-    assert d("betelgeuse_engine_busy_seconds_total", phase="decode") == pytest.approx(u.predicted_ms / 1e3, rel=1e-6)
+    # usage times are the request's own clock (admission -> first token, first -> last token, as the client saw
+    # them); the busy counters are the passes alone: never more, and most of it for a request running alone
+    # (tokens are sampled and streamed between the passes)
+    for phase, ms in (("prefill", u.prompt_ms), ("decode", u.predicted_ms)):
+        busy = d("betelgeuse_engine_busy_seconds_total", phase=phase)
+        assert 0.3 * ms / 1e3 < busy <= ms / 1e3 + 1e-6, (phase, busy, ms)
     assert d("betelgeuse_disk_wait_seconds_total") == pytest.approx(u.disk_wait_ms / 1e3, rel=1e-6, abs=1e-9)
     assert d("betelgeuse_host_to_device_bytes_total") == u.h2d_bytes
     assert d("betelgeuse_request_prompt_tokens_sum") == u.prompt_n

@@ -30,6 +30,11 @@ from betelgeuse.gguf.reader import GGUFModelFile
 from betelgeuse.worker.runner import ModelRunner
 
 
+# one sequence at a time, no prefix cache: the plan (KV reserve for 2 x max_context) of the earlier runs, so their
+# figures stay comparable; `bench --suite agents` measures the scheduler and the prefix cache
+BENCH_ENGINE = {"max_running": 2, "prefix_cache_bytes": 0}
+
+
 class OutOfTime(Exception):
     """Raised from should_stop: the pass is abandoned (KV uncommitted, no consolidation)."""
 
@@ -174,7 +179,7 @@ class Harness:
             return self.runner
         self._drop_runner()
         cfg = EngineConfig(model_path=model, device=self.o.device, vram_budget=self.o.vram_budget,
-                           memory_max=self.o.memory_max, routing=self.o.routing)
+                           memory_max=self.o.memory_max, routing=self.o.routing, **BENCH_ENGINE)
         self.runner, self.runner_model = ModelRunner(cfg, client), model
         return self.runner
 
@@ -232,7 +237,8 @@ class Harness:
         self.ceil.disk.append(s)
         out["disk_bps"] = s.bps
         store = StoreProcess(case.model, mkdir(o.run_dir), str(len(r["cases"])), slots_pair(case.slots), o.device,
-                             o.memory_max, o.vram_budget, mkdir(o.run_dir) / "store.log", o.vram_backing)
+                             o.memory_max, o.vram_budget, mkdir(o.run_dir) / "store.log", o.vram_backing,
+                             engine=BENCH_ENGINE)
         try:
             out["store_start_s"] = store.wait_ready()
             out["cgroups"] = {"store": cgroup_of(store.proc.pid), "worker": cgroup_of("self")}

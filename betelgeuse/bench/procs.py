@@ -26,7 +26,10 @@ class StoreProcess:
     """One `services.store_main` child with its own sockets; ended by its pid only."""
 
     def __init__(self, model: str, run_dir: Path, tag: str, slots: tuple[str, str], device: str,
-                 memory_max: int | None, vram_budget: int, log_path: Path, vram_backing: bool = True):
+                 memory_max: int | None, vram_budget: int, log_path: Path, vram_backing: bool = True,
+                 engine: dict | None = None):
+        """engine: [engine] settings the store plans with (BETELGEUSE_ENGINE_<KEY>), which the worker's
+        EngineConfig must equal (max_running and the prefix cache size the VRAM the plan leaves for slots)."""
         d = run_dir / f"store-{tag}"
         d.mkdir(parents=True, exist_ok=True)
         self.socket, self.fd_socket = str(d / "store.sock"), str(d / "fd.sock")
@@ -42,6 +45,8 @@ class StoreProcess:
             cmd.append("--no-vram-backing")
         from services.launcher import python_env
         env = python_env()
+        for k, v in (engine or {}).items():
+            env[f"BETELGEUSE_ENGINE_{k.upper()}"] = str(v)
         self.log_path = log_path
         self.log = open(log_path, "ab")
         self.log.write(f"\n$ {' '.join(cmd)}\n".encode())

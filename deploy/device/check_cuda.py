@@ -173,6 +173,62 @@ def check_invariance(path: Path, device: str, ids: list[int], tmp: Path):
     RESULTS["invariance"] = {"runs": same, "dtype": str(dtype), "cpu_max_abs_diff": diff, "cpu_token_agreement": agree}
 
 
+# ---- 1b. prefix cache and pieces: position-aligned chunks make a hit bit-identical to a miss -------------------
+
+def check_prefix(path: Path, device: str, ids: list[int], chunk: int = 16):
+    """The runner (5/15 slots, CUDA kernels and graphs as served): a prompt whose first whole chunks come from the
+    prefix cache, and the same prompt in whole-chunk pieces, give the bits of one pass; so do 4 decode steps after
+    the hit, batched with another sequence; and the chunked engine equals the chunked reference on the device."""
+    from betelgeuse.worker.prefix_cache import PrefixCache
+    runner, store = runner_for(path, device, 5, 15, prefill_chunk=chunk)
+    try:
+        c = runner.mcfg
+        n = len(ids)
+        whole, _ = runner.forward(ids, runner.new_cache(n + 8))
+        pc = PrefixCache(c.n_layer, c.n_head_kv, c.head_dim, chunk, 64 << 20, runner.device, runner.dtype)
+        head = ids[: n // 2]
+        kv1 = runner.new_cache(n + 8)
+        runner.forward(head, kv1)
+        pc.insert(kv1, head, len(head), [])
+        kv2 = runner.new_cache(n + 8)
+        got = pc.load(kv2, pc.lookup(ids))
+        hit, _ = runner.forward(ids[got:], kv2)
+        kv3, a, pieces = runner.new_cache(n + 8), 0, []
+        while a < n:
+            m = min(n - a, chunk * (1 + len(pieces) % 3))
+            out, _ = runner.forward(ids[a:a + m], kv3)
+            pieces.append(m)
+            a += m
+        row("prefix: hit == miss", torch.equal(hit.cpu(), whole.cpu()),
+            f"{got} of {n} tokens from the cache, max |diff| {(hit - whole).abs().max().item():.3e}")
+        row("prefix: pieces == one pass", torch.equal(out.cpu(), whole.cpu()), f"pieces {pieces}")
+        # decode after the hit, batched with the piecewise sequence, equals solo decode after the miss
+        kvm = runner.new_cache(n + 8)
+        lg, _ = runner.forward(ids, kvm)
+        t = int(lg[-1].argmax())
+        solo, b = [], []
+        tok_s, tok_b = t, [t, t]
+        for _ in range(4):
+            lg1, _ = runner.forward([tok_s], kvm, consolidate=False)
+            solo.append(lg1[0].cpu())
+            tok_s = int(lg1[0].argmax())
+            lgb, _ = runner.decode_batch(tok_b, [kv2, kv3])
+            b.append(lgb.cpu())
+            tok_b = [int(x) for x in lgb.argmax(-1)]
+        runner.consolidate()
+        ok = all(torch.equal(x[0], y) and torch.equal(x[1], y) for x, y in zip(b, solo))
+        row("prefix: batched decode after hit == solo", ok, "4 steps, 2 sequences (hit, pieces) vs the miss alone")
+        ref = ReferenceModel.load(path, device=device, dtype=runner.dtype, chunk=chunk)
+        with torch.no_grad():
+            want = ref.forward(torch.tensor(ids), ref.new_cache(n + 8)).float()
+        allr, _ = runner.forward(ids, runner.new_cache(n + 8), all_logits=True)
+        row("prefix: chunked engine == chunked reference", torch.equal(allr.cpu(), want.cpu()),
+            f"chunk {chunk}, {runner.kern.backend}, max |diff| {(allr - want).abs().max().item():.3e}")
+        RESULTS["prefix"] = {"cached": got, "tokens": n, "pieces": pieces}
+    finally:
+        close(runner, store)
+
+
 # ---- 2. pinned arena -----------------------------------------------------------------------------------
 
 def gbps(src: torch.Tensor, dst: torch.Tensor, reps: int = 5) -> float:
@@ -294,7 +350,7 @@ def main() -> int:
     p.add_argument("--mid-layers", type=int, default=12)
     p.add_argument("--tokens", type=int, default=256, help="prompt tokens for the mid model (tiny: half)")
     p.add_argument("--mid-preset", default="small", help="synth preset of the mid model (bench: the benchmark geometry)")
-    p.add_argument("--only", default="invariance,pinned,overlap,pp", help="comma-separated steps to run")
+    p.add_argument("--only", default="invariance,prefix,pinned,overlap,pp", help="comma-separated steps to run")
     a = p.parse_args()
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         print("check_cuda: error: CUDA is not available (use --device cpu to run the checks on the CPU)")
@@ -309,6 +365,7 @@ def main() -> int:
     RESULTS["torch"] = torch.__version__
     ids_tiny = ids_for(paths["tiny"], 48, seed=0)
     steps = [("invariance", lambda: check_invariance(paths["tiny"], a.device, ids_tiny, tmp)),
+             ("prefix", lambda: check_prefix(paths["mid"], a.device, ids_for(paths["mid"], 150, seed=4))),
              ("pinned", lambda: check_pinned(paths["mid"], a.device)),
              ("overlap", lambda: check_overlap(paths["mid"], a.device, ids_for(paths["mid"], a.tokens), outdir)),
              ("pp", lambda: check_pp(paths, a.device, {"tiny": max(8, a.tokens // 2), "mid": a.tokens}))]
