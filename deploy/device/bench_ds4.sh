@@ -63,7 +63,7 @@ fi
 
 # 3. the quick correctness checks on the device
 say "check_ds4.py"
-timeout 150 "$PY" deploy/device/check_ds4.py --out "$DEST" --tmp "$WORK/check" ${CHECK_ARGS:-} >>"$LOG" 2>&1
+timeout 200 "$PY" deploy/device/check_ds4.py --out "$DEST" --tmp "$WORK/check" ${CHECK_ARGS:-} >>"$LOG" 2>&1
 say "check_ds4.py exit $?"
 [ -f "$DEST/check_ds4.md" ] && cat "$DEST/check_ds4.md"
 
