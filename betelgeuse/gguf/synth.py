@@ -202,6 +202,17 @@ def _router(rng: np.random.Generator, spec: SynthSpec, layer: int, j: int) -> It
     yield w
 
 
+def tiled_chunks(rng: np.random.Generator, tile: np.ndarray, n: int, per: int) -> Iterator[np.ndarray]:
+    """`n` units (rows of `tile`: blocks, elements) in chunks of at most `per`, each a view of `tile` at a random
+    offset: no generation and no copy per chunk, so a writer that uses it runs at disk speed. `tile` holds at
+    least 2 * per units (so the offsets vary) and is never written to (the views go to the writer thread)."""
+    assert len(tile) >= min(n, 2 * per), (len(tile), n, per)
+    for u0 in range(0, n, per):
+        k = min(per, n - u0)
+        o = int(rng.integers(0, len(tile) - k + 1))
+        yield tile[o: o + k]
+
+
 def _nbytes(shape: tuple[int, ...], gt: GT) -> int:
     n = math.prod(shape)
     return {GT.F32: 4 * n, GT.F16: 2 * n, GT.BF16: 2 * n, GT.Q8_0: n // 32 * 34, GT.MXFP4: n // 32 * 17,
@@ -252,7 +263,6 @@ def model_nbytes(spec) -> int:
 
 
 def _add_metadata(w: GGUFWriter, spec: SynthSpec) -> None:
-    from betelgeuse.tokenizer import train_vocab
     s = spec
     w.add_name(f"betelgeuse-synth-{s.n_layer}L-{s.n_expert}x{s.n_ff_exp}-{s.qtype}")
     w.add_file_type(int(_FILE_TYPES[s.qtype]))
@@ -274,7 +284,13 @@ def _add_metadata(w: GGUFWriter, spec: SynthSpec) -> None:
     w.add_uint32("betelgeuse.synth.seed", s.seed)
     w.add_float32("betelgeuse.synth.router_skew", s.router_skew)
     w.add_uint32("betelgeuse.synth.skew_dim", skew_dim(s))
-    v = train_vocab(CORPUS, s.n_vocab)
+    add_tokenizer(w, s.n_vocab)
+
+
+def add_tokenizer(w: GGUFWriter, n_vocab: int) -> None:
+    """A byte-level BPE of `n_vocab` tokens trained on CORPUS, Qwen-style specials, the chat template."""
+    from betelgeuse.tokenizer import train_vocab
+    v = train_vocab(CORPUS, n_vocab)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
     w.add_token_list(v.tokens)

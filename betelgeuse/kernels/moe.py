@@ -1,12 +1,12 @@
 """One layer's routed experts over slot indices: one interface, two backends.
 
-  torch   the reference (CPU, CI; also the fallback on CUDA for K-quants / MXFP4): a loop over the
+  torch   the reference (CPU, CI; also the fallback on CUDA for K-quants): a loop over the
           group's experts, each dequantized from its slot and applied to its rows in sub-batches of
           `sub_batch` (layers.run_expert), ranks combined in order (layers.moe_combine). Bit-identical
           to ReferenceModel on the same device and dtype.
   triton  the GPU hot path (also runs under TRITON_INTERPRET=1 on the CPU in tests): rows sorted by
           expert on the device, then ONE gate_up + ONE down launch per tier group, whatever the number
-          of experts in it, dequantizing Q8_0/F16/BF16/F32 bytes inside the matmul, then one combine.
+          of experts in it, dequantizing Q8_0/F16/BF16/F32/MXFP4 bytes inside the matmul, then one combine.
 
 A layer is used like this (the runner owns tiers, copies and the store):
 
@@ -28,8 +28,8 @@ import torch
 
 from betelgeuse.model.layers import ExpertWork, moe_combine, plan_experts, run_expert
 
-# GGML types the triton kernels read directly (F32, F16, Q8_0, BF16)
-TRITON_QTYPES = frozenset({0, 1, 8, 30})
+# GGML types the triton kernels read directly (F32, F16, Q8_0, BF16, MXFP4)
+TRITON_QTYPES = frozenset({0, 1, 8, 30, 39})
 
 
 def triton_available() -> bool:

@@ -18,7 +18,10 @@ row and column only, so a row's bits depend neither on the other rows of its blo
 rows an expert has, nor on which group (tier) the expert is in.
 
 Weight formats (constexpr QT): 0 = Q8_0 (34-byte blocks: f16 scale, 32 x int8), 1 = F16, 2 = BF16,
-3 = F32. Other types (K-quants, MXFP4) take the torch path.
+3 = F32, 4 = MXFP4 (17-byte blocks: E8M0 exponent e, 16 bytes of E2M1 codes; element j is the low nibble
+of byte j, element j+16 the high one; x = 2^(e-128) * doubled-e2m1 value, ggml's half-scale convention,
+every product exact in float32 and bf16, so the tile holds gguf-py's dequantized values bit for bit).
+Other types (K-quants) take the torch path.
 """
 
 from __future__ import annotations
@@ -34,25 +37,46 @@ CONFIG = {"BM": 16, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 3}   # be
 # 2x the programs (the profile showed gate_up at 230 GB/s against down's 580 GB/s with BN 64)
 BN_GATE_UP = 32
 
-QT_CODES = {8: 0, 1: 1, 30: 2, 0: 3}   # GGMLQuantizationType -> QT: Q8_0, F16, BF16, F32
+QT_CODES = {8: 0, 1: 1, 30: 2, 0: 3, 39: 4}   # GGMLQuantizationType -> QT: Q8_0, F16, BF16, F32, MXFP4
+
+
+@triton.jit
+def _block_starts(base, n64, kk, K, BS: tl.constexpr, BK: tl.constexpr):
+    """Byte offsets [BN, BK/32, 1] of the 32-element blocks (BS bytes each) covering columns kk .. kk+BK of rows
+    n64 [BN] of a row-major block-quantized [N, K] matrix starting at byte `base` (one tensor: safe to inline)."""
+    NB: tl.constexpr = BK // 32
+    blk = (kk // 32 + tl.arange(0, NB)).to(tl.int64) * BS
+    return base + n64[:, None, None] * ((K // 32) * BS) + blk[None, :, None]
 
 
 @triton.jit
 def _load_w(pool, base, n, kk, K, mn, QT: tl.constexpr, BK: tl.constexpr):
     """Weight tile [BN, BK] float32 of a row-major [N, K] matrix whose bytes start at pool + base:
-    rows n [BN], columns kk .. kk+BK (BK a multiple of 32: whole Q8_0 blocks)."""
+    rows n [BN], columns kk .. kk+BK (BK a multiple of 32: whole Q8_0 / MXFP4 blocks)."""
     n64 = n.to(tl.int64)
     if QT == 0:
-        NB: tl.constexpr = BK // 32
-        rowb = (K // 32) * 34
-        blk = (kk // 32 + tl.arange(0, NB)).to(tl.int64) * 34
-        addr = base + n64[:, None, None] * rowb + blk[None, :, None]           # [BN, NB, 1] block starts
+        addr = _block_starts(base, n64, kk, K, 34, BK)                          # [BN, NB, 1]
         m3 = mn[:, None, None]
         q = tl.load(pool + addr + 2 + tl.arange(0, 32)[None, None, :], mask=m3, other=0)   # [BN, NB, 32]
         lo = tl.load(pool + addr, mask=m3, other=0).to(tl.uint16)              # one f16 scale per block
         hi = tl.load(pool + addr + 1, mask=m3, other=0).to(tl.uint16)
         d = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
         w = tl.reshape(q.to(tl.int8, bitcast=True).to(tl.float32) * d, (n.shape[0], BK))
+    elif QT == 4:
+        addr = _block_starts(base, n64, kk, K, 17, BK)                          # [BN, NB, 1]
+        m3 = mn[:, None, None]
+        j = tl.arange(0, 32)[None, None, :]
+        # element j of a block: byte 1 + j % 16, low nibble for j < 16, high nibble after (each byte read twice)
+        q = tl.load(pool + addr + 1 + (j % 16), mask=m3, other=0).to(tl.int32)   # [BN, NB, 32]
+        code = (q >> ((j // 16) * 4)) & 15
+        # doubled e2m1 magnitude of the 3 low bits m: 0 1 2 3 | 4 6 | 8 12 = m, 2(m-2), 4(m-4); bit 3 = sign
+        m = code & 7
+        mag = tl.where(m < 4, m, tl.where(m < 6, (m - 2) * 2, (m - 4) * 4))
+        v = tl.where(code >= 8, -mag, mag).to(tl.float32)                      # integer negation: code 8 is +0
+        # E8M0 -> 2^(e-128) as float32 bits (ggml_e8m0_to_fp32_half): subnormal for e < 2
+        e8 = tl.load(pool + addr, mask=m3, other=0).to(tl.int32)               # [BN, NB, 1]
+        d = tl.where(e8 < 2, (e8 + 1) * 0x00200000, (e8 - 1) << 23).to(tl.float32, bitcast=True)
+        w = tl.reshape(v * d, (n.shape[0], BK))
     else:
         c = kk + tl.arange(0, BK)
         if QT == 1:

@@ -144,7 +144,7 @@ class ModelRunner:
         want = self.cfg.kernels
         ok = MoEKernels.supports(qts) and triton_available()
         if want == "triton" and not ok:
-            raise BetelgeuseError("kernels = 'triton' needs the triton package and Q8_0/F16/BF16/F32 experts "
+            raise BetelgeuseError("kernels = 'triton' needs the triton package and Q8_0/F16/BF16/F32/MXFP4 experts "
                                   f"(this model's expert types: {sorted({q for p in qts for q in p})})")
         backend = "triton" if want == "triton" or (want == "auto" and self.device.type == "cuda" and ok) else "torch"
         return MoEKernels(backend, self.mcfg.n_expert, self.mcfg.n_ff_exp, self.cache.starts, qts, self.cfg.sub_batch,

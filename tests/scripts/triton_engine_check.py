@@ -1,5 +1,8 @@
 """Run under TRITON_INTERPRET=1 (tests/test_kernels.py): the engine with the Triton expert kernels on the CPU.
 
+    triton_engine_check.py MODEL.gguf            # qwen3moe ENGINE_SPEC (Q8_0 experts), 40-token prompt
+    triton_engine_check.py MODEL.gguf ds4-tiny   # deepseek4 ds4-tiny (MXFP4 experts, clamped SwiGLU), 150 tokens
+
 Prints one JSON line: per slot configuration and pass, whether the logits are bit-identical to the first
 configuration's, the max |diff| against the torch reference engine, and greedy tokens of a short decode.
 """
@@ -15,22 +18,40 @@ import torch  # noqa: E402
 
 from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, write_synth  # noqa: E402
 
-model = write_synth(sys.argv[1], **ENGINE_SPEC)
-E = ENGINE_SPEC["n_expert"]
-P = prompt(40, ENGINE_SPEC["n_vocab"], seed=3)
 out = {"configs": {}}
+if len(sys.argv) > 2:                                      # a deepseek4 preset: windows the prompt crosses
+    from dataclasses import replace
+
+    from betelgeuse.gguf.synth import spec_from_preset, write_model
+    from betelgeuse.model import reference_model
+    # a SwiGLU limit that binds on this random model (the preset's 10 never does): clamp_effect says by how much
+    spec = replace(spec_from_preset(sys.argv[2]), seed=2, swiglu_limit=0.25)
+    model = sys.argv[1]
+    write_model(model, spec, progress=False)
+    E, P, CTX = spec.n_expert, prompt(48, spec.n_vocab, seed=4), 64
+    CONFIGS = [(0, 0), (2, 3), (E, 0)]
+    write_model(model + ".noclamp", replace(spec, swiglu_limit=1e30), progress=False)
+    with torch.no_grad():
+        a, b = (reference_model(m) for m in (model, model + ".noclamp"))
+        la = a.forward(torch.tensor(P), a.new_cache(CTX))
+        out["clamp_effect"] = float((la - b.forward(torch.tensor(P), b.new_cache(CTX))).abs().max() / la.abs().max())
+else:
+    model = write_synth(sys.argv[1], **ENGINE_SPEC)
+    E, P, CTX = ENGINE_SPEC["n_expert"], prompt(40, ENGINE_SPEC["n_vocab"], seed=3), 64
+    CONFIGS = [(0, 0), (5, 15), (E, 0)]
 
 
 def run(kernels, vram, host):
     rn, st = in_process_runner(model, vram, host, kernels=kernels)
     assert rn.kern.backend == kernels, rn.kern.backend
+    out["expert_act"] = list(rn.model.expert_act)
     res = []
     try:
         for consolidate in (False, True, False):          # cold, warm, after consolidation
-            lg, s = rn.forward(P, rn.new_cache(64), all_logits=True, consolidate=consolidate)
+            lg, s = rn.forward(P, rn.new_cache(CTX), all_logits=True, consolidate=consolidate)
             rn.settle()
             res.append((lg, dict(s.reads)))
-        kv = rn.new_cache(64)
+        kv = rn.new_cache(CTX)
         lg, _ = rn.forward(P, kv, consolidate=True)
         toks, steps = [], []
         for _ in range(4):                                 # decode keeps the store pass open
@@ -46,7 +67,7 @@ def run(kernels, vram, host):
 
 ref, ref_toks, ref_steps = run("torch", 0, 0)
 base = None
-for vram, host in [(0, 0), (5, 15), (E, 0)]:
+for vram, host in CONFIGS:
     res, toks, steps = run("triton", vram, host)
     if base is None:
         base = (res, steps)

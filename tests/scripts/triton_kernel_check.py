@@ -22,18 +22,27 @@ from betelgeuse.kernels.moe import Group, MoEKernels, pack_experts  # noqa: E402
 
 E, H, FF, T, K = 6, 64, 96, 21, 3     # F = 96: a partial 64-column block; T = 21: a partial 16-row block
 out = {}
-for name, qt in (("Q8_0", 8), ("F16", 1), ("BF16", 30), ("F32", 0)):
+for name, qt in (("Q8_0", 8), ("F16", 1), ("BF16", 30), ("F32", 0), ("MXFP4", 39)):
     g = torch.Generator().manual_seed(qt)
     W = [[torch.randn(FF, H, generator=g), torch.randn(FF, H, generator=g), torch.randn(H, FF, generator=g) * 0.1]
          for _ in range(E)]
 
     def q(x):
-        if qt == 8:
-            return torch.from_numpy(gq.quantize(x.numpy(), QT.Q8_0).view(np.uint8).reshape(-1).copy())
+        if qt in (8, 39):
+            return torch.from_numpy(gq.quantize(x.numpy(), QT(qt)).view(np.uint8).reshape(-1).copy())
         if qt == 30:
             return x.bfloat16().contiguous().view(torch.uint8).reshape(-1)
         return (x.half() if qt == 1 else x).contiguous().view(torch.uint8).reshape(-1)
     raw = [[q(m) for m in ws] for ws in W]
+    if qt == 39:
+        # gguf's quantizer never writes code 8 (-0) and keeps exponents near 127: expert 0 gets random blocks
+        # (every code, exponents 114..127) so the kernel's code and scale tables are checked whole
+        for i, m in enumerate(W[0]):
+            blocks = torch.randint(0, 256, (m.numel() // 32, 17), generator=g, dtype=torch.uint8)
+            blocks[:, 0] = torch.randint(114, 128, (blocks.shape[0],), generator=g, dtype=torch.uint8)
+            raw[0][i] = blocks.reshape(-1)
+        codes = torch.cat([torch.cat([r.view(-1, 17)[:, 1:] & 15, r.view(-1, 17)[:, 1:] >> 4]) for r in raw[0]])
+        assert torch.bincount(codes.reshape(-1).long(), minlength=16).min() > 0
     deq = [[dequantize(r, qt, tuple(m.shape)) for r, m in zip(rs, ws)] for rs, ws in zip(raw, W)]
     h = torch.randn(T, H, generator=g)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])

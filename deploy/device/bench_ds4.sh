@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# DeepSeek-V4-Flash-shaped benchmark on the lent GPU machine, in ONE command (< 9.5 minutes in all):
+#
+#   bash deploy/device/bench_ds4.sh            # write ds4-flash (31 GB, if absent), check_ds4.py, the bench
+#   TOTAL=500 bash deploy/device/bench_ds4.sh --prompts 64 --decode 32     # extra args go to `betelgeuse bench`
+#   PRESET=ds4-tiny CHECK_ARGS="--device cpu --hidden 256 --ff 128" TRITON_INTERPRET=1 TOTAL=400 \
+#     bash deploy/device/bench_ds4.sh --device cpu --no-cgroup --slots 2+3 --prompts 8 --decode 2   # CPU dry run
+#
+# 1. the wheels in .whl/ into /tmp/site where this Python lacks a module (as bench.sh), PYTHONPATH=/tmp/site:$PWD
+# 2. the ds4-flash model (8 layers, 256 MXFP4 experts of 13.4 MB per layer) at $WORK/ds4-flash.gguf, written
+#    once (fsync'd and dropped from the page cache, as `betelgeuse bench` does) and reused by later runs
+# 3. deploy/device/check_ds4.py: the MXFP4 Triton kernels against the torch reference on the device, and the
+#    ds4 engine bit-identical across slot configurations (its rows say PASS/FAIL; the bench runs either way)
+# 4. bench.sh --preset ds4-flash --variant-skew none --memory-max 12G --vram-budget 12GiB with the time left
+#    (BUDGET = TOTAL - elapsed - 75 s: bench.sh's hard timeout is BUDGET + 60)
+# Results in $OUT/$RUN_NAME/: bench_ds4.log, check_ds4.md, check_ds4.json, bench.json, bench.md, bench.png,
+# bench.log, store.log (8 files, 2 folders deep).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+T0=$(date +%s)
+TOTAL=${TOTAL:-560}
+OUT=${OUT:-$ROOT/.bench-out}
+WORK=${WORK:-/var/tmp/betelgeuse-bench}
+export RUN_NAME=${RUN_NAME:-$(date -u +%Y%m%d-%H%M%S)-ds4}
+DEST=$OUT/$RUN_NAME
+mkdir -p "$DEST" "$WORK"
+LOG=$DEST/bench_ds4.log
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON; elif [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+export PYTHON=$PY
+say() { echo "[bench_ds4 $(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
+
+# 1. modules
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+if ! "$PY" -c "import gguf, grpc, google.protobuf, grpc_health.v1, tokenizers, prometheus_client, triton" 2>/dev/null \
+   && ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >>"$LOG" 2>&1 || { say "installing .whl/*.whl failed"; tail -5 "$LOG"; exit 2; }
+  export PYTHONPATH=/tmp/site:$ROOT
+fi
+if [ ! -f services/pb/betelgeuse/v1/store_pb2.py ]; then
+  "$PY" -m services.codegen >>"$LOG" 2>&1 || { say "services/pb is missing and cannot be generated: carry it"; exit 2; }
+fi
+{ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv; df -h "$WORK" | tail -1; } >>"$LOG" 2>&1
+
+# 2. the model
+PRESET=${PRESET:-ds4-flash}
+MODEL=$WORK/$PRESET.gguf
+if [ ! -f "$MODEL" ]; then
+  say "writing $MODEL"
+  "$PY" - "$MODEL" "$PRESET" >>"$LOG" 2>&1 <<'EOF' || { say "writing the model failed"; tail -20 "$LOG"; exit 2; }
+import sys
+from pathlib import Path
+from betelgeuse.bench.cli import ensure_model
+from betelgeuse.gguf.synth import spec_from_preset
+r = ensure_model(Path(sys.argv[1]), spec_from_preset(sys.argv[2]), lambda m: print(m, flush=True))
+print(f"model: {r['bytes'] / 1e9:.1f} GB in {r['write_s']:.1f} s = {r['write_GBps']:.2f} GB/s (fsync included)")
+EOF
+  grep "^model:" "$LOG" | tail -1
+else
+  say "reusing $MODEL"
+fi
+
+# 3. the quick correctness checks on the device
+say "check_ds4.py"
+timeout 200 "$PY" deploy/device/check_ds4.py --out "$DEST" --tmp "$WORK/check" ${CHECK_ARGS:-} >>"$LOG" 2>&1
+say "check_ds4.py exit $?"
+[ -f "$DEST/check_ds4.md" ] && cat "$DEST/check_ds4.md"
+
+# 4. the bench with the time left
+BUDGET=$(( TOTAL - ($(date +%s) - T0) - 75 ))
+if [ "$BUDGET" -lt 60 ]; then say "only $BUDGET s left for the bench: skipped"; exit 3; fi
+say "bench.sh with BUDGET=$BUDGET"
+BUDGET=$BUDGET OUT=$OUT WORK=$WORK bash deploy/device/bench.sh --model "$MODEL" --preset "$PRESET" --variant-skew none \
+  --memory-max 12G --vram-budget 12GiB "$@"
+rc=$?
+say "bench.sh exit $rc"
+exit $rc
