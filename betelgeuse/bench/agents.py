@@ -560,7 +560,11 @@ def markdown(r: dict) -> str:
               + ("the engine has no prefix cache yet." if not any(x.get("prefix_cache", {}).get("engine_has_prefix_cache")
                                                                    for x in _by_name(r, "agent")) else "check the cache.")]
     agents = {("on" if x.get("prefix_cache_bytes") != 0 else "off"): x for x in _by_name(r, "agent")}
+    plans = ", ".join(f"cache {k}: {x.get('plan', {}).get('n_vram', '?')}+{x.get('plan', {}).get('n_host', '?')} "
+                      f"(prefix_cache_bytes {x.get('prefix_cache_bytes')})" for k, x in agents.items())
     L += ["", "## Agent loop (each turn resends the whole conversation)", "",
+          f"Slots/layer (VRAM+host): {plans or '–'}. New user tokens per turn: {o.get('user_tokens_per_turn', '–')}; "
+          f"{o.get('turn_tokens', '–')} completion tokens per turn.", "",
           "| Turn | Prompt tokens | TTFT off s | Cached off | Prefill off ms | TTFT on s | Cached on | Prefill on ms | "
           "Disk loads off / on |", "|---|---|---|---|---|---|---|---|---|"]
     toff, ton = agents.get("off", {}).get("turns", []), agents.get("on", {}).get("turns", [])
