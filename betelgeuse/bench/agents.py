@@ -396,8 +396,8 @@ class AgentSuite:
         case.update(kind="agent", prefix_cache_bytes=prefix_cache_bytes)
         system = synthetic_ids(o.system_tokens, V, o.seed, 1)
         users = agent_user_lengths(o)
-        longest = max(o.first_prompt + sum(users) + (o.turns - 1) * o.turn_tokens + o.turn_tokens,
-                      o.repeat_prompt + o.turn_tokens)
+        longest = max(o.system_tokens + sum(users) + o.turns * o.turn_tokens,      # the last turn + its completion
+                      o.repeat_prompt + 4)
         engine, client, store, rec = self._open(case, 1, self._ctx(longest), prefix_cache_bytes)
         try:
             case["warmup"] = self._warm(engine)
