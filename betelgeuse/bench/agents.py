@@ -454,6 +454,8 @@ def _numbers(obj) -> dict:
             continue
         if not k.startswith("_") and isinstance(v, (int, float)) and not isinstance(v, bool):
             out[k] = v
+        elif k == "stats" and v is not None:          # the cache's counters object (hits, evictions, ...)
+            out[k] = _numbers(v)
     return out
 
 
