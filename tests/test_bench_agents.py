@@ -49,6 +49,7 @@ def test_runs_every_case_within_budget(agents_run):
     for c in r["cases"]:
         assert c["store_exit"] == 0, c.get("store_error")
         assert c["arena_mappings_after_close"] == 0, c["name"]         # the old arena never lingers
+        assert c["runners_alive_after"] == 0, c["name"]                # nor the old runner (its VRAM, its RAM)
         assert c["plan"]["n_vram"] == 2 and c["plan"]["n_host"] == 6
     assert "## Judged figures" in p.stdout and "Aggregate decode 8 clients / 1 client" in p.stdout
 

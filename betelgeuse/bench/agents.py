@@ -378,6 +378,7 @@ class AgentSuite:
                 except (BetelgeuseError, self.torch.OutOfMemoryError) as e:
                     r["errors"].append(f"{name}: {type(e).__name__}: {' '.join(str(e).split())}")
                 case["seconds"] = time.monotonic() - t
+                self._after_case(case)
                 r["summary"] = summarize(r)
                 self.save(False)
         finally:
@@ -390,6 +391,16 @@ class AgentSuite:
             cg.close()
             r["summary"] = summarize(r)
             r["elapsed_s"] = time.monotonic() - o.t0
+
+    def _after_case(self, case: dict):
+        """What a finished case left in this process: live runners (must be 0: one keeps its VRAM and RAM), RSS,
+        torch's allocated VRAM."""
+        from betelgeuse.worker.runner import ModelRunner
+        gc.collect()
+        case["runners_alive_after"] = sum(isinstance(x, ModelRunner) for x in gc.get_objects())
+        case["rss_after"] = _rss()
+        if self.cuda:
+            case["vram_allocated_after"] = self.torch.cuda.memory_allocated()
 
     def _agent(self, case: dict, prefix_cache_bytes):
         o, V = self.o, self.mcfg.n_vocab
@@ -457,6 +468,13 @@ def _numbers(obj) -> dict:
         elif k == "stats" and v is not None:          # the cache's counters object (hits, evictions, ...)
             out[k] = _numbers(v)
     return out
+
+
+def _rss() -> int:
+    """This process's resident set, bytes (/proc/self/statm)."""
+    import os
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _store_status(engine) -> dict:
