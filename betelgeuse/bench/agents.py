@@ -205,10 +205,6 @@ def concurrency_figures(recs: list[dict]) -> dict:
             "ttft_max_s": float(ttft.max()), "wall_s": last - t0}
 
 
-def _pct(v: list, q: float):
-    return float(np.percentile(np.array(v), q)) if v else None
-
-
 # ---- the suite ---------------------------------------------------------------------------------------
 class OutOfTime(Exception):
     pass
@@ -269,24 +265,24 @@ class AgentSuite:
             client = GrpcStoreClient(store.socket, store.fd_socket)
             engine = LLMEngine(cfg, client)
             case["engine_start_s"] = time.perf_counter() - t
+            p = engine.runner.plan
+            case["plan"] = {"n_vram": p.n_vram, "n_host": p.n_host, "n_staging": p.n_staging,
+                            "arena_bytes": p.arena_bytes, "notes": list(p.notes),
+                            "resident_share": (p.n_vram + p.n_host) / self.mcfg.n_expert}
+            pc = getattr(engine, "prefix_cache", None)
+            case["prefix_cache"] = {"engine_has_prefix_cache": hasattr(engine, "prefix_cache"),
+                                    "enabled": pc is not None and prefix_cache_bytes != 0,
+                                    "type": type(pc).__name__ if pc is not None else None}
+            return engine, client, store, PassRecorder(engine.runner)
         except BaseException:
             self._close(case, engine, client, store)
             raise
-        p = engine.runner.plan
-        case["plan"] = {"n_vram": p.n_vram, "n_host": p.n_host, "n_staging": p.n_staging, "arena_bytes": p.arena_bytes,
-                        "notes": list(p.notes), "resident_share": (p.n_vram + p.n_host) / self.mcfg.n_expert}
-        pc = getattr(engine, "prefix_cache", None)
-        case["prefix_cache"] = {"engine_has_prefix_cache": hasattr(engine, "prefix_cache"),
-                                "enabled": pc is not None and prefix_cache_bytes != 0,
-                                "type": type(pc).__name__ if pc is not None else None}
-        rec = PassRecorder(engine.runner)
-        return engine, client, store, rec
 
     def _close(self, case: dict, engine, client, store):
         from betelgeuse.bench.procs import arena_mappings
         try:
             if engine is not None:
-                case["prefix_cache"]["final"] = _numbers(getattr(engine, "prefix_cache", None))
+                case.setdefault("prefix_cache", {})["final"] = _numbers(getattr(engine, "prefix_cache", None))
                 engine.close()
                 # drop every view of the store's arena (directory, slot views) so its memfd is unmapped now: the
                 # next case's store pre-faults its own arena in the same cgroup
@@ -375,8 +371,12 @@ class AgentSuite:
                 except OutOfTime:
                     case["partial"] = True
                     r["skipped"].append({"case": name, "reason": "time budget (cut mid-case)"})
-                except (BetelgeuseError, self.torch.OutOfMemoryError) as e:
+                except (BetelgeuseError, self.torch.OutOfMemoryError) as e:     # refused budget, dead store, OOM
                     r["errors"].append(f"{name}: {type(e).__name__}: {' '.join(str(e).split())}")
+                except Exception as e:              # noqa: BLE001 - a bug: recorded with its traceback, next case
+                    import traceback
+                    traceback.print_exc(file=sys.stderr)
+                    r["errors"].append(f"{name}: internal error {type(e).__name__}: {' '.join(str(e).split())}")
                 case["seconds"] = time.monotonic() - t
                 self._after_case(case)
                 r["summary"] = summarize(r)
