@@ -2,6 +2,7 @@
 
     betelgeuse bench --model /var/tmp/bench.gguf --memory-max 12G --vram-budget 12GiB --time-budget 480
     betelgeuse bench --quick            # a small model on the CPU: checks the whole path in ~1 minute
+    betelgeuse bench --suite agents     # serving: agent-loop TTFT with/without the prefix cache, concurrent clients
 
 `add_parser(subparsers)` registers the subcommand; `run(args) -> int` runs it (exit code). Also
 runnable as `python -m betelgeuse.bench.cli ...`.
@@ -57,6 +58,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--disk-sample", help="bytes per disk ceiling sample (default 1GiB)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="small model on the CPU, few tokens: validates the whole path")
+    p.add_argument("--suite", choices=["passes", "agents"], default="passes",
+                   help="passes: prefill/decode passes against ceilings (default); agents: the scheduler under agent "
+                        "loops and concurrent clients (betelgeuse/bench/agents.py)")
+    from betelgeuse.bench.agents import add_arguments
+    add_arguments(p)
     p.set_defaults(func=run)
     return p
 
@@ -116,6 +122,9 @@ def ensure_model(path: Path, spec, log) -> dict:
 
 
 def run(args) -> int:
+    if getattr(args, "suite", "passes") == "agents":
+        from betelgeuse.bench.agents import run as run_agents
+        return run_agents(args)
     t0 = time.monotonic()
     from betelgeuse.bench.harness import BenchOptions, Harness
     from betelgeuse.bench.report import machine_info, write_results

@@ -237,13 +237,13 @@ def _write_png(rgb: np.ndarray, path: Path) -> None:
     path.write_bytes(png)
 
 
-def write_results(r: dict, out_dir: str | Path, png: bool) -> dict:
+def write_results(r: dict, out_dir: str | Path, png: bool, render=None) -> dict:
     """Write bench.json and bench.md (and bench.png when `png`); atomically, so a kill mid-write
-    leaves the previous version. Returns {kind: path}."""
+    leaves the previous version. `render(r) -> str` makes the markdown (default: this suite's). Returns {kind: path}."""
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
     paths = {"json": d / "bench.json", "md": d / "bench.md"}
-    for kind, text in (("json", json.dumps(r, indent=1, default=str)), ("md", markdown(r))):
+    for kind, text in (("json", json.dumps(r, indent=1, default=str)), ("md", (render or markdown)(r))):
         tmp = paths[kind].with_suffix(".tmp")
         tmp.write_text(text)
         os.replace(tmp, paths[kind])
