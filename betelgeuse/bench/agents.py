@@ -748,23 +748,8 @@ def run(args) -> int:
     results["options"] = {k: getattr(o, k) for k in o.__slots__ if k != "t0"}
     results["options"]["user_tokens_per_turn"] = agent_user_lengths(o)
     log(f"device {device}; results -> {out}")
-    try:
-        AgentSuite(o, results, save).run()
-        results["status"] = "complete" if not results["errors"] else "complete with errors"
-    except KeyboardInterrupt:
-        results["status"] = "interrupted"
-        raise
-    except BetelgeuseError as e:
-        results["status"] = "failed"
-        results["errors"].append(str(e))
-        raise
-    finally:
-        if results["status"] == "running":
-            results["status"] = "failed"
-        paths = save(True)
-        log(f"wrote {', '.join(paths.values())}")
-    for e in results["errors"]:
-        log(f"error: {e}")
+    from betelgeuse.bench.report import run_recorded
+    rc = run_recorded(results, save, AgentSuite(o, results, save).run, log)
     md = markdown(results)
     print(md[md.find("## Judged figures"):md.find("## Agent loop")].strip())     # the figures, with their ratios
-    return 0 if not results["errors"] else 1
+    return rc

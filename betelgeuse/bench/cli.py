@@ -179,24 +179,8 @@ def run(args) -> int:
                      routing=args.routing)
     results["options"] = {k: getattr(o, k) for k in o.__slots__ if k != "t0"}
     log(f"device {device}; results -> {out}")
-    try:
-        Harness(o, results, save).run()
-        results["status"] = "complete" if not results["errors"] else "complete with errors"
-    except KeyboardInterrupt:
-        results["status"] = "interrupted"
-        raise
-    except BetelgeuseError as e:
-        results["status"] = "failed"
-        results["errors"].append(str(e))
-        raise
-    finally:
-        if results["status"] == "running":
-            results["status"] = "failed"
-        paths = save(True)
-        log(f"wrote {', '.join(paths.values())}")
-    for e in results["errors"]:
-        log(f"error: {e}")
-    return 0 if not results["errors"] else 1
+    from betelgeuse.bench.report import run_recorded
+    return run_recorded(results, save, Harness(o, results, save).run, log)
 
 
 def _argv(args) -> list[str]:

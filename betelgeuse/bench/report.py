@@ -251,3 +251,27 @@ def write_results(r: dict, out_dir: str | Path, png: bool, render=None) -> dict:
         paths["png"] = d / "bench.png"
         r["png_renderer"] = write_png(r, paths["png"])
     return {k: str(v) for k, v in paths.items()}
+
+
+def run_recorded(results: dict, save, run, log) -> int:
+    """Run a suite (run()) with its results saved whatever happens: status complete / complete with errors /
+    interrupted / failed, the files written in the end, every recorded error logged. Returns the exit status."""
+    from betelgeuse.errors import BetelgeuseError
+    try:
+        run()
+        results["status"] = "complete" if not results["errors"] else "complete with errors"
+    except KeyboardInterrupt:
+        results["status"] = "interrupted"
+        raise
+    except BetelgeuseError as e:
+        results["status"] = "failed"
+        results["errors"].append(str(e))
+        raise
+    finally:
+        if results["status"] == "running":
+            results["status"] = "failed"
+        paths = save(True)
+        log(f"wrote {', '.join(paths.values())}")
+    for e in results["errors"]:
+        log(f"error: {e}")
+    return 0 if not results["errors"] else 1

@@ -1,82 +1,17 @@
 #!/usr/bin/env bash
 # The serving benchmark (`betelgeuse bench --suite agents`: agent loop with the prefix cache off/on, 1-16
 # concurrent clients, expert loads per batched decode pass) on the lent GPU machine, in ONE command
-# (< 9 minutes, model writing included).
+# (< 9 minutes, model writing included): deploy/device/bench.sh with `--suite agents` (its wheels, budgets and
+# model handling).
 #
 #   bash deploy/device/bench_agents.sh           # GPU: bench geometry, 12G memory.max, 12 GiB VRAM, BUDGET s (470)
 #   bash deploy/device/bench_agents.sh --quick   # CPU, small model: validates this script end to end (~1 min)
 #   BUDGET=300 bash deploy/device/bench_agents.sh --clients 1,8 --turns 6
 #
-# Extra arguments go to `betelgeuse bench --suite agents` (see docs/benchmarks/README.md). Results land in
-# $OUT/$RUN_NAME/: bench.json, bench.md, bench.log, store.log (4 files, 2 folders deep); bench.md is printed
-# last. The model (~32 GB, the same file as deploy/device/bench.sh's) is written to $WORK (default
-# /var/tmp/betelgeuse-bench) once and reused by later runs on the same machine.
+# Results land in $OUT/$RUN_NAME/: bench.json, bench.md, bench.log, store.log; bench.md is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-ROOT=$PWD
-OUT=${OUT:-$ROOT/.bench-out}
-WORK=${WORK:-/var/tmp/betelgeuse-bench}
-if [ -n "${PYTHON:-}" ]; then PY=$PYTHON; elif [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
-
-quick=0
-for a in "$@"; do [ "$a" = "--quick" ] && quick=1; done
-if [ $quick = 1 ]; then
-  BUDGET=${BUDGET:-150}; RUN_NAME=${RUN_NAME:-$(date -u +%Y%m%d-%H%M%S)-agents-quick}; WORK=${WORK_QUICK:-/tmp/betelgeuse-bench-quick}
-else
-  BUDGET=${BUDGET:-470}; RUN_NAME=${RUN_NAME:-$(date -u +%Y%m%d-%H%M%S)-agents-gpu}
-fi
-DEST=$OUT/$RUN_NAME
-mkdir -p "$DEST" "$WORK"
-LOG=$DEST/bench.log
-
-# 1. Python modules: the carried wheels (gguf, grpcio, protobuf, ...) where this Python lacks them
-export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
-check_modules() {
-  "$PY" - <<'EOF'
-import importlib
-mods = ["torch", "numpy", "gguf", "grpc", "google.protobuf", "grpc_health.v1", "tokenizers", "prometheus_client"]
-bad = []
-for m in mods:
-    try:
-        importlib.import_module(m)
-    except Exception as e:  # noqa: BLE001
-        bad.append(f"{m} ({type(e).__name__})")
-print(" ".join(bad))
-EOF
-}
-missing=$(check_modules)
-if [ -n "$missing" ] && ls .whl/*.whl >/dev/null 2>&1; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    >>"$LOG" 2>&1 || { echo "bench_agents.sh: installing .whl/*.whl failed (see $LOG)"; tail -5 "$LOG"; exit 2; }
-  export PYTHONPATH=/tmp/site:$ROOT
-  missing=$(check_modules)
-fi
-if [ -n "$missing" ]; then echo "bench_agents.sh: missing Python modules: $missing (carry their wheels in .whl/)"; exit 2; fi
-
-# 2. the generated gRPC modules are gitignored: carried (services/pb/betelgeuse) or generated here
-if [ ! -f services/pb/betelgeuse/v1/store_pb2.py ]; then
-  "$PY" -m services.codegen >>"$LOG" 2>&1 || {
-    echo "bench_agents.sh: services/pb/betelgeuse is missing and cannot be generated (no grpcio-tools): carry it"; exit 2; }
-fi
-
-# 3. the machine, for the log
-{
-  echo "== $(date -u) $(uname -a)"
-  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv
-  df -h "$WORK" | tail -1
-  free -g | head -2
-  "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
-} >>"$LOG" 2>&1
-
-# 4. the benchmark (its own time budget; the hard timeout only guards against a hang)
-echo "== betelgeuse bench --suite agents --time-budget $BUDGET $*" >>"$LOG"
-timeout --signal=INT $((${BUDGET%.*} + 60)) "$PY" -m betelgeuse.bench.cli --suite agents --work-dir "$WORK" \
-  --out "$DEST" --run-name "$RUN_NAME" --time-budget "$BUDGET" "$@" >>"$LOG" 2>&1
-rc=$?
-store_log=$(ls -t "$WORK"/run-*/store.log 2>/dev/null | head -1)
-[ -n "$store_log" ] && tail -n 400 "$store_log" >"$DEST/store.log"
-echo "== exit $rc" >>"$LOG"
-tail -n 25 "$LOG"
-echo
-if [ -f "$DEST/bench.md" ]; then cat "$DEST/bench.md"; else echo "bench_agents.sh: no bench.md written (exit $rc)"; fi
-exit $rc
+kind=gpu
+for a in "$@"; do [ "$a" = "--quick" ] && kind=quick; done
+export RUN_NAME=${RUN_NAME:-$(date -u +%Y%m%d-%H%M%S)-agents-$kind}
+exec bash deploy/device/bench.sh --suite agents "$@"
