@@ -189,21 +189,35 @@ def _tensor_qtypes(f) -> list[int]:
     return [int(getattr(t, "qtype")) for t in infos]
 
 
+# the settings keys a CLI command that starts its own engine takes as flags (named, typed and described by
+# betelgeuse/settings.py); its own --device / --dtype stand for worker.device / engine.dtype
+_ENGINE_SECTIONS = ("slots", "budget", "engine")
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("out-of-core engine (the default path)")
     g.add_argument("--engine", choices=["two-process", "in-process", "reference"], default="two-process",
                    help="two-process: a real store process + this process as the worker (default); "
                         "in-process: the store's logic in this process; reference: all experts from the file")
-    g.add_argument("--vram-slots", default="5", help="VRAM hot slots per layer, or auto (default 5)")
-    g.add_argument("--host-slots", default="15", help="host slots per layer, or auto (default 15)")
-    g.add_argument("--no-vram-backing", action="store_true",
-                   help="VRAM experts keep no host copy (more resident capacity; disk reads after a restart)")
-    g.add_argument("--schedule", choices=["layer_major", "standard"], default="layer_major")
-    g.add_argument("--routing", choices=["exact", "resident"], default="exact",
-                   help="resident: APPROXIMATE, ranks after the first choose among resident experts (default exact)")
-    g.add_argument("--sub-batch", type=int, default=16, help="tokens per expert matmul (default 16)")
-    g.add_argument("--memory-max", default=None, help="host memory for both processes, e.g. 12G (default: the cgroup's)")
-    g.add_argument("--vram-budget", default="12GiB", help="VRAM budget (default 12GiB)")
+    from betelgeuse.settings import add_flags
+    add_flags(p, sections=_ENGINE_SECTIONS, exclude=("engine.dtype",), group="settings (betelgeuse/settings.py)")
+
+
+def _engine_settings(args):
+    """The settings of a command that starts its own engine: defaults < BETELGEUSE_* < its flags, validated
+    (with the EngineConfig) before anything starts. Returns (Resolved, the flags given: "section.key" -> value)."""
+    from betelgeuse.settings import flag_values, resolve_settings
+    from services.common import engine_config
+    flags = flag_values(args)
+    given = {f"{s}.{k}": v for (s, k), (v, _) in flags.items()}
+    flags[("model", "path")] = (args.model, "argument MODEL")
+    flags[("worker", "device")] = (args.device, "flag --device")
+    flags[("engine", "dtype")] = (args.dtype, "flag --dtype")
+    if args.dtype != "auto":
+        given["engine.dtype"] = args.dtype
+    r = resolve_settings(None, flags=flags)
+    engine_config(r.settings, use_torch=False)          # cross-key checks (max_batched_tokens >= prefill_chunk, ...)
+    return r, given
 
 
 class _OutOfCore:
@@ -212,15 +226,10 @@ class _OutOfCore:
 
     def __init__(self, args):
         import tempfile
-        from betelgeuse.config import EngineConfig, parse_slots
-        from betelgeuse.settings import parse_size
         from betelgeuse.worker.runner import ModelRunner
-        self.cfg = EngineConfig(
-            model_path=args.model, device=args.device, dtype=args.dtype, schedule=args.schedule, sub_batch=args.sub_batch,
-            routing=args.routing, vram_backing=not args.no_vram_backing,
-            vram_slots=parse_slots(args.vram_slots), host_slots=parse_slots(args.host_slots),
-            vram_budget=parse_size(args.vram_budget, "--vram-budget"),
-            memory_max=parse_size(args.memory_max, "--memory-max") if args.memory_max else None)
+        from services.common import engine_config
+        r, given = _engine_settings(args)
+        self.cfg = engine_config(r.settings)
         self.cluster = None
         if args.engine == "in-process":
             from betelgeuse.gguf import GGUFModelFile
@@ -233,10 +242,7 @@ class _OutOfCore:
             from services.launcher import Cluster
             from services.store_client import GrpcStoreClient
             self._tmp = tempfile.TemporaryDirectory(prefix="betelgeuse-")
-            self.cluster = Cluster(args.model, self._tmp.name, device="cpu" if args.device == "cpu" else args.device,
-                                   vram_slots=args.vram_slots, host_slots=args.host_slots, memory_max=args.memory_max,
-                                   vram_backing=not args.no_vram_backing,
-                                   vram_budget=args.vram_budget, store_metrics="")
+            self.cluster = Cluster(args.model, self._tmp.name, device=args.device, settings=given, store_metrics="")
             self.cluster.start_store()
             client = GrpcStoreClient(self.cluster.store_socket, self.cluster.fd_socket)
         try:
@@ -348,12 +354,9 @@ def _stream_grpc(address: str, args, ids) -> int:
     return 0
 
 
-# generate's flags that configure an engine it starts itself; with --server (an engine that is already
-# running, with its own configuration) each is refused rather than silently ignored
-_ENGINE_DESTS = {"model": "MODEL", "device": "--device", "dtype": "--dtype", "engine": "--engine",
-                 "vram_slots": "--vram-slots", "host_slots": "--host-slots", "no_vram_backing": "--no-vram-backing",
-                 "schedule": "--schedule", "routing": "--routing", "sub_batch": "--sub-batch",
-                 "memory_max": "--memory-max", "vram_budget": "--vram-budget"}
+# generate's own flags that configure an engine it starts itself (besides the settings flags); with --server (an
+# engine that is already running, with its own configuration) each is refused rather than silently ignored
+_ENGINE_DESTS = {"model": "MODEL", "device": "--device", "dtype": "--dtype", "engine": "--engine"}
 
 
 def _generate_defaults() -> dict:
@@ -367,7 +370,9 @@ def cmd_generate(args) -> int:
     if args.server:
         # a thin client: no torch, no model; the server validates the request (INVALID_ARGUMENT)
         defaults = _generate_defaults()
+        from betelgeuse.settings import flag_values
         given = [flag for dest, flag in _ENGINE_DESTS.items() if getattr(args, dest) != defaults[dest]]
+        given += [label.removeprefix("flag ") for _, label in flag_values(args).values()]
         if given:
             raise InvalidRequestError(f"{', '.join(given)}: not with --server (the server runs with its own "
                                       f"configuration); drop {'them' if len(given) > 1 else 'it'}")
@@ -391,11 +396,9 @@ def cmd_generate(args) -> int:
         return _generate_reference(args, sampling, ids)
     import tempfile
     from services.launcher import Cluster
+    _, given = _engine_settings(args)                  # a bad value is refused before anything starts
     with tempfile.TemporaryDirectory(prefix="betelgeuse-") as tmp:
-        cluster = Cluster(args.model, tmp, device=args.device, vram_slots=args.vram_slots, host_slots=args.host_slots,
-                          memory_max=args.memory_max, vram_budget=args.vram_budget, schedule=args.schedule,
-                          sub_batch=args.sub_batch, routing=args.routing, vram_backing=not args.no_vram_backing,
-                          worker_metrics="", store_metrics="")
+        cluster = Cluster(args.model, tmp, device=args.device, settings=given, worker_metrics="", store_metrics="")
         try:
             cluster.start_store()
             cluster.start_worker()
@@ -421,19 +424,45 @@ def _generate_reference(args, sampling, ids) -> int:
     return 0
 
 
+# serve owns these keys: the sockets live in --runtime-dir, the gRPC address is --host/--port, the model is MODEL
+_SERVE_OWN = ("model.path", "store.socket", "store.fd_socket", "worker.listen")
+
+
 def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", help="GGUF model file (default: a built-in tiny synthetic model)")
-    p.add_argument("--config", help="TOML settings (deploy/betelgeuse.toml); flags override it")
+    p.add_argument("--config", help="TOML settings (deploy/betelgeuse.toml); BETELGEUSE_* variables and flags "
+                   "override it")
     p.add_argument("--host", default="127.0.0.1",
                    help="address the gRPC API and /metrics listen on (default 127.0.0.1; 0.0.0.0 = all interfaces)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051)")
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
     p.add_argument("--runtime-dir", default=None,
                    help="sockets and logs (default: a temporary directory, removed on a clean stop, kept if a process dies)")
-    p.add_argument("--worker-metrics", default=None, help="HOST:PORT of the worker's /metrics (default HOST:9464)")
-    p.add_argument("--store-metrics", default=None, help="HOST:PORT of the store's /metrics (default HOST:9465)")
-    p.add_argument("--http", default="127.0.0.1:8000", help="OpenAI-compatible HTTP API HOST:PORT ('' = off)")
-    _engine_args(p)
+    from betelgeuse.settings import add_flags
+    add_flags(p, exclude=_SERVE_OWN, group="settings (betelgeuse/settings.py; both processes get them)")
+
+
+def serve_cluster(args, model: str, runtime_dir: str):
+    """serve's Cluster and the settings both children will resolve: defaults < --config < BETELGEUSE_* < serve's
+    flags, validated here (with the EngineConfig) before anything starts; the children get --config and the
+    flags (their environment is ours), plus what serve owns (sockets, addresses)."""
+    from betelgeuse.settings import flag_values, resolve_settings
+    from services.common import engine_config
+    from services.launcher import Cluster
+    flags = flag_values(args)
+    r = resolve_settings(args.config, flags=flags)
+    given = {f"{s}.{k}": v for (s, k), (v, _) in flags.items()}
+    for key, port in (("worker.metrics", 9464), ("store.metrics", 9465)):
+        section, name = key.split(".")
+        if r.sources[(section, name)] == "default":           # beside the API by default
+            given[key] = f"{args.host}:{port}"
+    cluster = Cluster(model, runtime_dir, device=r.settings.worker.device, config=args.config, settings=given,
+                      port=args.port, host=args.host, http=r.settings.worker.http,
+                      worker_metrics=given.get("worker.metrics", r.settings.worker.metrics),
+                      store_metrics=given.get("store.metrics", r.settings.store.metrics))
+    flags.update({k: (v, "serve") for k, v in cluster.child_settings().items()})
+    r = resolve_settings(args.config, flags=flags)
+    engine_config(r.settings, use_torch=False)                  # cross-key checks
+    return cluster, r
 
 
 def cmd_serve(args) -> int:
@@ -447,8 +476,16 @@ def cmd_serve(args) -> int:
     import signal
     import tempfile
     import threading
-    from services.launcher import Cluster
 
+    model = args.model or default_model()
+    tmp = None if args.runtime_dir else tempfile.mkdtemp(prefix="betelgeuse-")
+    try:
+        cluster, _ = serve_cluster(args, model, args.runtime_dir or tmp)
+    except BaseException:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    wm, sm = cluster.worker_metrics, cluster.store_metrics
     stop = threading.Event()
     got: list[int] = []
 
@@ -457,15 +494,6 @@ def cmd_serve(args) -> int:
         stop.set()
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    model = args.model or default_model()
-    wm = args.worker_metrics or f"{args.host}:9464"
-    sm = args.store_metrics or f"{args.host}:9465"
-    tmp = None if args.runtime_dir else tempfile.mkdtemp(prefix="betelgeuse-")
-    cluster = Cluster(model, args.runtime_dir or tmp, device=args.device, vram_slots=args.vram_slots,
-                      host_slots=args.host_slots, memory_max=args.memory_max, vram_budget=args.vram_budget,
-                      schedule=args.schedule, sub_batch=args.sub_batch, routing=args.routing,
-                      vram_backing=not args.no_vram_backing, config=args.config,
-                      port=args.port, host=args.host, http=args.http, worker_metrics=wm, store_metrics=sm)
     say = lambda msg: print(msg, file=sys.stderr, flush=True)   # noqa: E731
     clean = False
     try:

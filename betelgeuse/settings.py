@@ -1,25 +1,31 @@
-"""The one configuration file, read by both processes (deploy/betelgeuse.toml,
-installed as /etc/betelgeuse/betelgeuse.toml). Defaults here match that file.
+"""The one configuration model (pydantic-settings), read by both processes and the CLI.
 
-    settings = load_settings(path)     # raises BetelgeuseError naming the key and the problem
-    settings.slots.vram_per_layer      # int, or AUTO ("auto": sized from the budgets)
-    settings.budget.vram               # bytes
+    r = resolve_settings(path, flags=...)   # defaults < the TOML file < BETELGEUSE_* environment < flags
+    r.settings.slots.vram_per_layer          # int, or AUTO ("auto": sized from the budgets)
+    r.sources[("budget", "vram")]            # "default" | the file's path | "env NAME" | "flag --x"
 
-Every key can also come from the environment: BETELGEUSE_<SECTION>_<KEY> (BETELGEUSE_ENGINE_SUB_BATCH=8,
-BETELGEUSE_MODEL_PATH=/srv/m.gguf, BETELGEUSE_WORKER_LISTEN=0.0.0.0:50051,unix:/run/b.sock), its value written
-as in TOML or bare ("auto", "12GiB"). Precedence: flags > environment > file > defaults; `resolve_settings`
-also says where each value came from (`betelgeuse config show`).
+`Settings` is the only place a key is defined: its type (and validator), default, help text, flag name
+and, for engine keys, the EngineConfig field it feeds. From it derive the TOML file's keys
+(deploy/betelgeuse.toml, installed as /etc/betelgeuse/betelgeuse.toml), the environment variables
+BETELGEUSE_<SECTION>_<KEY> (BETELGEUSE_ENGINE_SUB_BATCH=8, BETELGEUSE_MODEL_PATH=/srv/m.gguf,
+BETELGEUSE_WORKER_LISTEN=0.0.0.0:50051,unix:/run/b.sock; a value written as in TOML or bare: "auto",
+"12GiB"), the argparse flags of the store, worker, serve and generate (`add_flags`), the child processes'
+arguments (`to_flags`), the EngineConfig (`engine_kwargs`) and `betelgeuse config show` (`render_toml`).
+A bad value is one BetelgeuseError line naming where it came from and the key, never a ValidationError dump.
 """
 
-from __future__ import annotations
-
-import dataclasses
+import argparse
 import json
 import os
 import re
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Any, ClassVar, Literal, get_args, get_origin
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict, TomlConfigSettingsSource
 
 from betelgeuse.errors import BetelgeuseError
 
@@ -28,265 +34,416 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g"
           "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
 
 
-def parse_size(value: int | str, key: str = "size") -> int:
+# ------------------------------------------------------------------------------------- value parsers
+# Each raises ValueError with the problem; the caller prefixes where the value came from and its key.
+
+def _size(value) -> int:
     """Bytes from 12884901888, "12GiB", "12G" or "1.5 GiB".
 
-    Bare K/M/G/T follow systemd's MemoryMax= (powers of 1024); KB/MB/GB are SI, KiB/MiB/GiB binary.
-    """
-    if isinstance(value, bool):
-        raise BetelgeuseError(f"{key}: expected a size like \"12GiB\", got {value!r}")
+    Bare K/M/G/T follow systemd's MemoryMax= (powers of 1024); KB/MB/GB are SI, KiB/MiB/GiB binary."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"expected a size like \"12GiB\", got {value!r}")
     if isinstance(value, int):
         if value < 0:
-            raise BetelgeuseError(f"{key}: a size cannot be negative ({value})")
+            raise ValueError(f"a size cannot be negative ({value})")
         return value
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", value)
     unit = m.group(2).lower() if m else ""
     if not m or unit not in _UNITS:
-        raise BetelgeuseError(f"{key}: cannot parse size {value!r} (use bytes or e.g. \"12GiB\", \"512MiB\", \"12G\")")
+        raise ValueError(f"cannot parse size {value!r} (use bytes or e.g. \"12GiB\", \"512MiB\", \"12G\")")
     mult = 1024 ** "bkmgt".index(unit) if unit in ("k", "m", "g", "t") else _UNITS[unit]
     return int(float(m.group(1)) * mult)
 
 
-def split_hostport(addr: str, key: str = "address") -> tuple[str, int]:
-    """"127.0.0.1:9464" -> ("127.0.0.1", 9464); "[::1]:9464" -> ("::1", 9464)."""
+def parse_size(value: int | str, key: str = "size") -> int:
+    """Bytes from a size (see _size); BetelgeuseError naming `key`."""
+    try:
+        return _size(value)
+    except ValueError as e:
+        raise BetelgeuseError(f"{key}: {e}") from None
+
+
+def _hostport(addr: str) -> tuple[str, int]:
     host, sep, port = addr.rpartition(":")
     if not sep or not port.isdigit() or not host or int(port) > 65535:
-        raise BetelgeuseError(f"{key}: expected HOST:PORT, got {addr!r}")
+        raise ValueError(f"expected HOST:PORT, got {addr!r}")
     return host.strip("[]"), int(port)
 
 
-@dataclass(slots=True)
-class ModelSettings:
-    path: str = ""                          # the GGUF file (required to serve)
+def split_hostport(addr: str, key: str = "address") -> tuple[str, int]:
+    """"127.0.0.1:9464" -> ("127.0.0.1", 9464); "[::1]:9464" -> ("::1", 9464)."""
+    try:
+        return _hostport(addr)
+    except ValueError as e:
+        raise BetelgeuseError(f"{key}: {e}") from None
 
 
-@dataclass(slots=True)
-class SlotSettings:
-    vram_per_layer: int | str = 5           # VRAM hot slots per MoE layer, or "auto"
-    host_per_layer: int | str = 15          # host-RAM slots per MoE layer, or "auto"
-    vram_backing: bool = True               # VRAM experts keep a host copy (fast worker restart); false: more capacity
+def _size_or_auto(value):
+    return AUTO if value == AUTO else _size(value)
 
 
-@dataclass(slots=True)
-class BudgetSettings:
-    vram: int = 12 * 1024**3                # bytes everything both processes put on the GPU may use
-    memory_max: int | None = None           # bytes for both processes; None = the cgroup's memory.max
+def _memory_max(value):                      # "auto" (or None) = the cgroup's memory.max
+    return None if value in (AUTO, None) else _size(value)
 
 
-@dataclass(slots=True)
-class WorkerSettings:
-    # gRPC listen addresses: "HOST:PORT" or "unix:/path" (grpc syntax)
-    listen: list[str] = field(default_factory=lambda: ["127.0.0.1:50051", "unix:/run/betelgeuse/api.sock"])
-    metrics: str = "127.0.0.1:9464"         # HOST:PORT of /metrics; "" = off
-    device: str = "auto"                    # "auto" | "cuda" | "cuda:N" | "cpu"
-    http: str = "127.0.0.1:8000"            # HOST:PORT of the OpenAI-compatible HTTP API; "" = off
-    max_request_bytes: int = 4 * 1024**2    # largest gRPC message the worker accepts (bytes)
-    drain_grace: float = 60.0               # seconds SIGTERM lets running requests finish (fit TimeoutStopSec=90s)
-    api_keys: list[str] = field(default_factory=list)   # non-empty: InferenceService needs one (metadata)
-    api_key_file: str = ""                  # one API key per line (a secret kept out of this file)
-    tls_cert: str = ""                      # PEM certificate chain: TCP listeners use TLS when set
-    tls_key: str = ""                       # PEM private key for tls_cert
-    tls_client_ca: str = ""                 # PEM CA bundle: set = clients must present a certificate (mTLS)
-    store_timeout: float = 10.0             # seconds for one store control call (a Load adds per-expert time)
-    store_probe_timeout: float = 2.0        # a store that does not answer a ping in this long is down
-
-
-@dataclass(slots=True)
-class StoreSettings:
-    socket: str = "/run/betelgeuse/store.sock"     # control gRPC over a Unix socket
-    fd_socket: str = "/run/betelgeuse/store.fds"   # memfd hand-off (SCM_RIGHTS)
-    metrics: str = "127.0.0.1:9465"
-    socket_group: str = ""                  # group allowed on the sockets (0660); "" = the service's user only (0600)
-
-
-@dataclass(slots=True)
-class EngineSettings:
-    # defaults equal betelgeuse.config.EngineConfig's (tests/test_settings.py checks)
-    schedule: str = "layer_major"           # "layer_major" | "standard"
-    sub_batch: int = 16                     # tokens per expert matmul in layer-major prefill
-    micro_batch: int = 3                    # tokens per micro-batch in the standard schedule
-    staging_slots: int | str = AUTO         # shared slots for disk reads in flight, or "auto"
-    ring_slots: int = 32                    # device slots experts stream into (two banks = launch groups)
-    kernels: str = "auto"                   # expert math: "auto" | "torch" | "triton"
-    decode_consolidate_every: int = 32      # decode tokens between consolidations of the decode's usage (0 = off)
-    cuda_graphs: bool = True                # CUDA: decode steps replay captured graphs
-    prefetch: bool = True                   # read the next layer's likely experts ahead
-    routing: str = "exact"                  # "exact" | "resident" (approximate, see docs/architecture.md)
-    max_context: int = 4096                 # tokens per sequence
-    max_running: int = 4                    # sequences with a live KV cache at once (decoded together)
-    max_queue: int = 16                     # waiting requests before RESOURCE_EXHAUSTED
-    max_batched_tokens: int = 512           # prompt tokens per prefill pass while other sequences decode
-    prefill_chunk: int = 64                 # tokens per position-aligned chunk = prefix-cache block size
-    prefix_cache_bytes: int | str = AUTO    # device KV prefix cache in bytes (0 = off; "auto": 2 contexts, <= 512 MiB)
-    dtype: str = "auto"                     # "auto" | "float32" | "bfloat16" | "float16"
-    worker_reserve: int | str = AUTO        # host bytes the worker needs outside the arena, or "auto"
-    read_threads: int = 8                   # concurrent preadv calls in the store
-    max_prompt_bytes: int = 256 * 1024      # prompt text / chat content bytes, refused before tokenizing
-
-
-@dataclass(slots=True)
-class LogSettings:
-    level: str = "info"                     # "debug" | "info" | "warning" | "error"
-    format: str = "text"                    # "text" (logfmt fields) | "json" (one object per line)
-
-
-@dataclass(slots=True)
-class Settings:
-    model: ModelSettings = field(default_factory=ModelSettings)
-    slots: SlotSettings = field(default_factory=SlotSettings)
-    budget: BudgetSettings = field(default_factory=BudgetSettings)
-    worker: WorkerSettings = field(default_factory=WorkerSettings)
-    store: StoreSettings = field(default_factory=StoreSettings)
-    engine: EngineSettings = field(default_factory=EngineSettings)
-    log: LogSettings = field(default_factory=LogSettings)
-
-
-def _slot_count(value, key: str) -> int | str:
+def _slot_count(value):
     if value == AUTO:
         return AUTO
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise BetelgeuseError(f"{key}: expected a slot count >= 0 or \"auto\", got {value!r}")
+        raise ValueError(f"expected a slot count >= 0 or \"auto\", got {value!r}")
     return value
 
 
-def _count(value, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise BetelgeuseError(f"{key}: expected an integer >= 0, got {value!r}")
-    return value
-
-
-def _bool(value, key: str) -> bool:
-    if not isinstance(value, bool):
-        raise BetelgeuseError(f"{key}: expected true or false, got {value!r}")
-    return value
-
-
-def _choice(*choices: str):
-    def conv(value, key: str) -> str:
-        if value not in choices:
-            raise BetelgeuseError(f"{key}: expected one of {', '.join(choices)}, got {value!r}")
+def _count(minimum: int):
+    def conv(value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"expected an integer >= {minimum}, got {value!r}")
         return value
     return conv
 
 
-def _string(value, key: str) -> str:
-    if not isinstance(value, str):
-        raise BetelgeuseError(f"{key}: expected a string, got {value!r}")
+def _bool(value):
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r}")
     return value
 
 
-def _listen(value, key: str) -> list[str]:
+def _choice(*choices: str):
+    def conv(value):
+        if value not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}, got {value!r}")
+        return value
+    return conv
+
+
+def _string(value):
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {value!r}")
+    return value
+
+
+def _listen(value):
     values = [v.strip() for v in value.split(",")] if isinstance(value, str) else value
+    if isinstance(values, list) and all(isinstance(v, str) for v in values):      # --listen a,b --listen c
+        values = [p.strip() for v in values for p in v.split(",")]
     if not isinstance(values, list) or not values or not all(isinstance(v, str) and v for v in values):
-        raise BetelgeuseError(f"{key}: expected an address or a list of addresses, got {value!r}")
+        raise ValueError(f"expected an address or a list of addresses, got {value!r}")
     for v in values:
         if not v.startswith("unix:"):
-            split_hostport(v, key)
+            _hostport(v)
     return values
 
 
-def _seconds(value, key: str) -> float:
+def _seconds(value):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise BetelgeuseError(f"{key}: expected a number of seconds >= 0, got {value!r}")
+        raise ValueError(f"expected a number of seconds >= 0, got {value!r}")
     return float(value)
 
 
-def _strings(value, key: str) -> list[str]:
+def _strings(value):
     if isinstance(value, str):                   # from the environment: comma-separated
         value = [v.strip() for v in value.split(",") if v.strip()]
     if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-        raise BetelgeuseError(f"{key}: expected a list of non-empty strings")
+        raise ValueError("expected a list of non-empty strings")
     return value
 
 
-def _hostport_or_off(value, key: str) -> str:
-    value = _string(value, key)
+def _hostport_or_off(value):
+    value = _string(value)
     if value:
-        split_hostport(value, key)
+        _hostport(value)
     return value
 
 
-_CONVERT = {
-    ("model", "path"): _string,
-    ("slots", "vram_per_layer"): _slot_count,
-    ("slots", "host_per_layer"): _slot_count,
-    ("budget", "vram"): parse_size,
-    ("budget", "memory_max"): lambda v, k: None if v == AUTO else parse_size(v, k),
-    ("worker", "listen"): _listen,
-    ("worker", "metrics"): _hostport_or_off,
-    ("worker", "device"): _string,
-    ("worker", "http"): _hostport_or_off,
-    ("worker", "max_request_bytes"): parse_size,
-    ("worker", "drain_grace"): _seconds,
-    ("worker", "api_keys"): _strings,
-    ("worker", "api_key_file"): _string,
-    ("worker", "tls_cert"): _string,
-    ("worker", "tls_key"): _string,
-    ("worker", "tls_client_ca"): _string,
-    ("worker", "store_timeout"): _seconds,
-    ("worker", "store_probe_timeout"): _seconds,
-    ("store", "socket_group"): _string,
-    ("store", "socket"): _string,
-    ("store", "fd_socket"): _string,
-    ("store", "metrics"): _hostport_or_off,
-    ("engine", "schedule"): _choice("layer_major", "standard"),
-    ("engine", "routing"): _choice("exact", "resident"),
-    ("engine", "sub_batch"): _count,
-    ("engine", "micro_batch"): _count,
-    ("engine", "staging_slots"): _slot_count,
-    ("engine", "ring_slots"): _count,
-    ("engine", "kernels"): _choice("auto", "torch", "triton"),
-    ("engine", "decode_consolidate_every"): _count,
-    ("engine", "cuda_graphs"): _bool,
-    ("engine", "prefetch"): _bool,
-    ("slots", "vram_backing"): _bool,
-    ("engine", "max_context"): _count,
-    ("engine", "max_running"): _count,
-    ("engine", "max_queue"): _count,
-    ("engine", "max_batched_tokens"): _count,
-    ("engine", "prefill_chunk"): _count,
-    ("engine", "prefix_cache_bytes"): lambda v, k: AUTO if v == AUTO else parse_size(v, k),
-    ("engine", "dtype"): _choice("auto", "float32", "bfloat16", "float16"),
-    ("engine", "worker_reserve"): lambda v, k: AUTO if v == AUTO else parse_size(v, k),
-    ("engine", "read_threads"): _count,
-    ("log", "level"): _choice("debug", "info", "warning", "error"),
-    ("log", "format"): _choice("text", "json"),
-    ("engine", "max_prompt_bytes"): parse_size,
-}
+class _Metavar(str):
+    """Annotated metadata: how a flag's value is written in --help."""
 
 
-def settings_from_dict(data: dict, source: str = "config") -> Settings:
-    settings = Settings()
-    for section, values in data.items():
-        if not hasattr(settings, section) or section not in Settings.__dataclass_fields__:
-            known = ", ".join(f"[{s}]" for s in Settings.__dataclass_fields__)
-            raise BetelgeuseError(f"{source}: unknown section [{section}] (known: {known})")
-        if not isinstance(values, dict):
-            raise BetelgeuseError(f"{source}: [{section}] must be a table")
-        target = getattr(settings, section)
-        for key, value in values.items():
-            conv = _CONVERT.get((section, key))
-            if conv is None:
-                known = ", ".join(f.name for f in dataclasses.fields(target))
-                raise BetelgeuseError(f"{source}: unknown key {section}.{key} (known in [{section}]: {known})")
-            setattr(target, key, conv(value, f"{source}: {section}.{key}"))
-    return settings
+def _t(base, conv, metavar: str, *extra):
+    return Annotated[base, BeforeValidator(conv), _Metavar(metavar), *extra]
+
+
+Size = _t(int, _size, "SIZE")
+SizeOrAuto = _t(int | Literal["auto"], _size_or_auto, "SIZE|auto")
+MemoryMax = _t(int | None, _memory_max, "SIZE|auto")
+Slots = _t(int | Literal["auto"], _slot_count, "N|auto")
+Count0 = _t(int, _count(0), "N")
+Count1 = _t(int, _count(1), "N")
+Count2 = _t(int, _count(2), "N")
+Count8 = _t(int, _count(8), "N")
+Seconds = _t(float, _seconds, "SECONDS")
+Flag = _t(bool, _bool, "")
+Text = _t(str, _string, "TEXT")
+Path_ = _t(str, _string, "PATH")
+HostPortOrOff = _t(str, _hostport_or_off, "HOST:PORT")
+Listen = _t(list[str], _listen, "ADDR", NoDecode)
+Strings = _t(list[str], _strings, "TEXT", NoDecode)
+
+
+def _choices(*values: str):
+    return _t(Literal[values], _choice(*values), "{" + ",".join(values) + "}")
+
+
+def setting(default: Any, help: str, example: Any, *, flag: str | None | bool = None, engine: str | None = None,
+            factory=None) -> Any:
+    """A key: its default, help text (the flag's --help), a non-default example (the tests round-trip it
+    through every source), its flag (None: --KEY; False: no flag, e.g. a secret) and the EngineConfig field
+    it feeds (keys of [engine] feed the field of their own name)."""
+    extra = {"flag": flag, "engine": engine}
+    if factory is not None:
+        return Field(default_factory=factory, description=help, examples=[example], json_schema_extra=extra)
+    return Field(default, description=help, examples=[example], json_schema_extra=extra)
+
+
+# --------------------------------------------------------------------------------------- the model
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    ENGINE: ClassVar[bool] = False          # True: every key feeds the EngineConfig field of its own name
+
+
+class ModelSettings(_Section):
+    path: Path_ = setting("", "the GGUF file (required to serve)", "/srv/models/m.gguf", flag="--model",
+                          engine="model_path")
+
+
+class SlotSettings(_Section):
+    vram_per_layer: Slots = setting(5, "VRAM hot slots per MoE layer, or auto (sized from the budgets)", AUTO,
+                                    flag="--vram-slots", engine="vram_slots")
+    host_per_layer: Slots = setting(15, "host-RAM slots per MoE layer (the store's arena), or auto", 7,
+                                    flag="--host-slots", engine="host_slots")
+    vram_backing: Flag = setting(True, "VRAM experts keep a host copy (fast worker restart); off: more resident "
+                                 "capacity, disk reads after a restart", False, flag="--vram-backing",
+                                 engine="vram_backing")
+
+
+class BudgetSettings(_Section):
+    vram: Size = setting(12 * 1024**3, "bytes everything both processes put on the GPU may use", 8 * 1024**3,
+                         flag="--vram-budget", engine="vram_budget")
+    memory_max: MemoryMax = setting(None, "bytes of host memory for both processes; auto = the cgroup's "
+                                    "memory.max", 6 * 1024**3, flag="--memory-max", engine="memory_max")
+
+
+class WorkerSettings(_Section):
+    listen: Listen = setting(None, "gRPC listen addresses: HOST:PORT or unix:/path (repeatable or comma-separated)",
+                             ["127.0.0.1:6000", "unix:/tmp/b.sock"],
+                             factory=lambda: ["127.0.0.1:50051", "unix:/run/betelgeuse/api.sock"])
+    metrics: HostPortOrOff = setting("127.0.0.1:9464", "HOST:PORT of the worker's /metrics ('' = off)",
+                                     "127.0.0.1:19464", flag="--worker-metrics")
+    device: Text = setting("auto", "auto | cuda | cuda:N | cpu", "cpu", engine="device")
+    http: HostPortOrOff = setting("127.0.0.1:8000", "HOST:PORT of the OpenAI-compatible HTTP API ('' = off)", "")
+    max_request_bytes: Size = setting(4 * 1024**2, "largest gRPC message the worker accepts (bytes)", 1 << 20)
+    drain_grace: Seconds = setting(60.0, "seconds SIGTERM lets running requests finish (fit TimeoutStopSec=90s)", 5.5)
+    api_keys: Strings = setting(None, "non-empty: InferenceService calls need one (metadata)", ["k1", "k2"],
+                                flag=False, factory=list)
+    api_key_file: Path_ = setting("", "file with one API key per line (a secret kept out of the config file)",
+                                  "/etc/betelgeuse/keys")
+    tls_cert: Path_ = setting("", "PEM certificate chain: TCP listeners use TLS when set", "/etc/b/cert.pem")
+    tls_key: Path_ = setting("", "PEM private key for tls_cert", "/etc/b/key.pem")
+    tls_client_ca: Path_ = setting("", "PEM CA bundle: set = clients must present a certificate (mTLS)",
+                                   "/etc/b/ca.pem")
+    store_timeout: Seconds = setting(10.0, "seconds for one store control call (a Load adds per-expert time)", 3.0)
+    store_probe_timeout: Seconds = setting(2.0, "a store that does not answer a ping in this many seconds is down",
+                                           1.0)
+
+
+class StoreSettings(_Section):
+    socket: Path_ = setting("/run/betelgeuse/store.sock", "the store's control socket (gRPC over a Unix socket)",
+                            "/tmp/b/store.sock", flag="--store-socket")
+    fd_socket: Path_ = setting("/run/betelgeuse/store.fds", "the arena fd hand-off socket (SCM_RIGHTS)",
+                               "/tmp/b/store.fds", flag="--fd-socket")
+    metrics: HostPortOrOff = setting("127.0.0.1:9465", "HOST:PORT of the store's /metrics ('' = off)",
+                                     "127.0.0.1:19465", flag="--store-metrics")
+    socket_group: Text = setting("", "group allowed on the store's sockets (0660); '' = the service's user only",
+                                 "betelgeuse")
+
+
+class EngineSettings(_Section):
+    # defaults equal betelgeuse.config.EngineConfig's (tests/test_settings.py checks)
+    ENGINE: ClassVar[bool] = True
+    schedule: _choices("layer_major", "standard") = setting(
+        "layer_major", "layer_major (single-pass prefill) | standard (3-token micro-batches)", "standard")
+    routing: _choices("exact", "resident") = setting(
+        "exact", "exact | resident (APPROXIMATE: ranks >= 1 among resident experts)", "resident")
+    sub_batch: Count1 = setting(16, "tokens per expert matmul in layer-major prefill", 8)
+    micro_batch: Count1 = setting(3, "tokens per micro-batch in the standard schedule", 2)
+    staging_slots: Slots = setting(AUTO, "shared slots for disk reads in flight, or auto", 12)
+    ring_slots: Count2 = setting(32, "device slots experts stream into (two banks = launch groups)", 16)
+    kernels: _choices("auto", "torch", "triton") = setting("auto", "expert math: auto | torch | triton", "torch")
+    decode_consolidate_every: Count0 = setting(32, "decode tokens between consolidations of the decode's usage "
+                                               "(0 = end of request only)", 0)
+    cuda_graphs: Flag = setting(True, "CUDA: decode steps replay captured graphs", False)
+    prefetch: Flag = setting(True, "read the next layer's likely experts ahead during prefill", False)
+    max_context: Count8 = setting(4096, "tokens per sequence (KV cache length)", 2048)
+    max_running: Count1 = setting(4, "sequences with a live KV cache at once (decoded together)", 2)
+    max_queue: Count0 = setting(16, "waiting requests before Generate answers RESOURCE_EXHAUSTED", 4)
+    max_batched_tokens: Count1 = setting(512, "prompt tokens per prefill pass while other sequences decode", 256)
+    prefill_chunk: Count1 = setting(64, "tokens per position-aligned chunk = the prefix cache's block size", 32)
+    prefix_cache_bytes: SizeOrAuto = setting(AUTO, "device KV prefix cache in bytes (0 = off; auto: two contexts, "
+                                             "<= 512 MiB)", 1 << 30)
+    dtype: _choices("auto", "float32", "bfloat16", "float16") = setting(
+        "auto", "compute dtype: auto = float32 on CPU, bfloat16 on CUDA", "float32")
+    worker_reserve: SizeOrAuto = setting(AUTO, "host bytes the worker needs outside the arena, or auto", 2 << 30)
+    read_threads: Count1 = setting(8, "concurrent preadv calls in the store", 4)
+    read_request_bytes: Size = setting(4 * 1024**2, "bytes of one preadv call in the store", 1 << 20)
+    max_prompt_bytes: Size = setting(256 * 1024, "prompt text / chat content bytes, refused before tokenizing",
+                                     1 << 20)
+    tokenize_threads: Count1 = setting(2, "requests tokenized at once (on the RPC threads)", 4)
+
+
+class LogSettings(_Section):
+    level: _choices("debug", "info", "warning", "error") = setting("info", "debug | info | warning | error",
+                                                                 "debug", flag="--log-level")
+    format: _choices("text", "json") = setting("text", "text (key=value fields) | json (one object per line)",
+                                             "json", flag="--log-format")
 
 
 ENV_PREFIX = "BETELGEUSE_"
-KEYS = tuple(_CONVERT)                       # (section, key) of every setting, in file order per section
+
+
+class Settings(BaseSettings):
+    """Every section of the file. Settings() is the defaults alone (it reads no file and no environment:
+    resolve_settings gathers those itself, to say where each value came from)."""
+    model_config = SettingsConfigDict(extra="forbid", validate_assignment=True, env_prefix=ENV_PREFIX,
+                                      env_nested_delimiter="_", env_nested_max_split=1, case_sensitive=False)
+
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    slots: SlotSettings = Field(default_factory=SlotSettings)
+    budget: BudgetSettings = Field(default_factory=BudgetSettings)
+    worker: WorkerSettings = Field(default_factory=WorkerSettings)
+    store: StoreSettings = Field(default_factory=StoreSettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    log: LogSettings = Field(default_factory=LogSettings)
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings):
+        return (init_settings,)
+
+
+SECTIONS: dict[str, type[_Section]] = {name: f.annotation for name, f in Settings.model_fields.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class Key:
+    """One key of the model, with everything derived from its definition."""
+    section: str
+    key: str
+    field: FieldInfo
+
+    @property
+    def name(self) -> str:
+        return f"{self.section}.{self.key}"
+
+    @property
+    def env(self) -> str:
+        return env_name(self.section, self.key)
+
+    @property
+    def flag(self) -> str | None:
+        f = (self.field.json_schema_extra or {}).get("flag")
+        return None if f is False else (f or "--" + self.key.replace("_", "-"))
+
+    @property
+    def engine(self) -> str | None:
+        e = (self.field.json_schema_extra or {}).get("engine")
+        return e or (self.key if SECTIONS[self.section].ENGINE else None)
+
+    @property
+    def default(self):
+        return self.field.get_default(call_default_factory=True)
+
+    @property
+    def example(self):
+        return self.field.examples[0]
+
+    @property
+    def is_bool(self) -> bool:
+        return self.field.annotation is bool
+
+    @property
+    def is_text(self) -> bool:
+        """A string (or a choice of strings): environment and flag text is taken as it is."""
+        a = self.field.annotation
+        return a is str or (get_origin(a) is Literal and all(isinstance(v, str) for v in get_args(a)))
+
+    @property
+    def metavar(self) -> str:
+        return next((m for m in self.field.metadata if isinstance(m, _Metavar)), "VALUE")
 
 
 def env_name(section: str, key: str) -> str:
     return f"{ENV_PREFIX}{section}_{key}".upper()
 
 
-def _env_value(raw: str):
-    """An environment value as TOML would read it (16, true, "x", [..]); anything else stays a string."""
+KEYS_INFO: tuple[Key, ...] = tuple(Key(s, k, f) for s, cls in SECTIONS.items() for k, f in cls.model_fields.items())
+KEYS = tuple((k.section, k.key) for k in KEYS_INFO)        # (section, key) of every setting, in file order
+BY_KEY = {(k.section, k.key): k for k in KEYS_INFO}
+assert len({k.flag for k in KEYS_INFO if k.flag}) == len([k for k in KEYS_INFO if k.flag]), "two keys share a flag"
+assert all(k.field.examples for k in KEYS_INFO), "every key has an example"
+
+
+def engine_kwargs(s: Settings) -> dict[str, Any]:
+    """EngineConfig's keyword arguments: every key that feeds the engine, under the engine's field name
+    (worker.device still says "auto"; the process resolves it)."""
+    return {k.engine: getattr(getattr(s, k.section), k.key) for k in KEYS_INFO if k.engine}
+
+
+# ------------------------------------------------------------------------------------ the sources
+
+def from_text(key: Key, raw):
+    """A value written as text (an environment variable, a flag) as TOML would read it: 16, true, "x", [..];
+    anything else (auto, 12GiB, a path) stays the text. Strings are taken as they are (a quoted one unquoted)."""
+    if not isinstance(raw, str):
+        return raw
+    if key.is_text and not (len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "\"'"):
+        return raw
     try:
         return tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         return raw
+
+
+class _Environment(EnvSettingsSource):
+    """pydantic-settings' environment source (BETELGEUSE_<SECTION>_<KEY>, split once after the section),
+    reading a given mapping (tests) instead of os.environ."""
+
+    def __init__(self, environ):
+        self._environ = environ
+        super().__init__(Settings)
+
+    def _load_env_vars(self):
+        return {k.lower(): v for k, v in self._environ.items()}
+
+
+def _read_env(environ) -> tuple[dict, dict, list[str]]:
+    """{section: {key: value}} of the BETELGEUSE_* variables, their names, and those that match no key."""
+    data, names, ignored = {}, {}, []
+    for section, values in _Environment(environ)().items():
+        if not isinstance(values, dict):            # BETELGEUSE_ENGINE=... itself: not a key
+            continue
+        for key, raw in values.items():
+            k = BY_KEY.get((section, key))
+            if k is None or isinstance(raw, dict):
+                ignored.append(env_name(section, key))
+                continue
+            data.setdefault(section, {})[key] = from_text(k, raw)
+            names[(section, key)] = f"env {k.env}"
+    return data, names, ignored
+
+
+def _read_toml(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.exists():
+        raise BetelgeuseError(f"config file {p} does not exist")
+    try:
+        return TomlConfigSettingsSource(Settings, toml_file=p).toml_data
+    except PermissionError:
+        raise BetelgeuseError(f"config file {p} is not readable") from None
+    except IsADirectoryError:
+        raise BetelgeuseError(f"config file {p} is a directory") from None
+    except tomllib.TOMLDecodeError as e:
+        raise BetelgeuseError(f"config file {p}: invalid TOML: {e}") from None
 
 
 @dataclass(slots=True)
@@ -295,36 +452,124 @@ class Resolved:
     sources: dict[tuple[str, str], str]      # (section, key) -> "default" | the file's path | "env NAME" | "flag --x"
     ignored_env: list[str]                   # BETELGEUSE_<SECTION>_* names that match no key (typos)
 
-    def set(self, section: str, key: str, value, source: str) -> None:
-        """An override (a flag) through the same validation as the file."""
-        conv = _CONVERT[(section, key)]
-        setattr(getattr(self.settings, section), key, conv(value, f"{source}"))
-        self.sources[(section, key)] = source
+
+def _one_line(err: ValidationError, where: dict, file: str) -> str:
+    """The first problem of a ValidationError as one line: where the value came from, the key, what is wrong."""
+    e = err.errors()[0]
+    loc = tuple(str(x) for x in e["loc"])
+    section = loc[0]
+    if section not in SECTIONS:
+        known = ", ".join(f"[{s}]" for s in SECTIONS)
+        return f"{file}: unknown section [{section}] (known: {known})"
+    if len(loc) == 1:
+        return f"{file}: [{section}] must be a table"
+    key = loc[1]
+    if e["type"] == "extra_forbidden":
+        known = ", ".join(SECTIONS[section].model_fields)
+        return f"{where.get((section, key), file)}: unknown key {section}.{key} (known in [{section}]: {known})"
+    msg = str(e["ctx"]["error"]) if e["type"] == "value_error" else e["msg"]
+    return f"{where.get((section, key), f'{file}: {section}.{key}')}: {msg}"
 
 
-def resolve_settings(path: str | Path | None, env: dict[str, str] | None = None) -> Resolved:
-    """Defaults, then the TOML file (None: none), then BETELGEUSE_* variables of `env` (default os.environ)."""
-    data = _read_toml(path) if path is not None else {}
-    settings = settings_from_dict(data, str(path))
+def resolve_settings(path: str | Path | None, env: dict[str, str] | None = None,
+                     flags: dict[tuple[str, str], tuple[Any, str]] | None = None, data: dict | None = None) -> Resolved:
+    """Defaults, then the TOML file (None: none; or `data`, its contents), then BETELGEUSE_* variables of `env`
+    (default os.environ), then `flags` ((section, key) -> (value, "flag --x")); validated once."""
+    file = str(path) if path is not None else "config"
+    layers = []                                   # (data, {(section, key): source label}, {(section, key): where})
+    if path is not None or data is not None:
+        data = _read_toml(path) if data is None else data
+        keys = {(s, k) for s, vals in data.items() if isinstance(vals, dict) for k in vals}
+        layers.append((data, {k: file for k in keys}, {k: f"{file}: {k[0]}.{k[1]}" for k in keys}))
+    env_data, env_names, ignored = _read_env(os.environ if env is None else env)
+    layers.append((env_data, env_names, env_names))
+    flags = flags or {}
+    flag_data: dict = {}
+    for (section, key), (value, label) in flags.items():
+        flag_data.setdefault(section, {})[key] = value
+    layers.append((flag_data, {k: label for k, (_, label) in flags.items()},
+                   {k: f"{label} ({k[0]}.{k[1]})" for k, (_, label) in flags.items()}))
+    merged: dict = {}
     sources = {k: "default" for k in KEYS}
-    for section, values in data.items():
-        for key in values:
-            sources[(section, key)] = str(path)
-    env = os.environ if env is None else env
-    r = Resolved(settings, sources, [])
-    names = {env_name(s, k): (s, k) for s, k in KEYS}
-    for name, raw in env.items():
-        if name in names:
-            r.set(*names[name], _env_value(raw), f"env {name}")
-        elif any(name.startswith(f"{ENV_PREFIX}{s.upper()}_") for s in Settings.__dataclass_fields__):
-            r.ignored_env.append(name)
-    return r
+    where: dict = {}
+    for values, labels, wheres in layers:
+        for section, vals in values.items():
+            if not isinstance(vals, dict) or not isinstance(merged.get(section, {}), dict):
+                merged[section] = vals
+                continue
+            merged.setdefault(section, {}).update(vals)
+        sources.update({k: v for k, v in labels.items() if k in sources})
+        where.update(wheres)
+    try:
+        settings = Settings(**merged)
+    except ValidationError as e:
+        raise BetelgeuseError(_one_line(e, where, file)) from None
+    return Resolved(settings, sources, ignored)
 
 
 def load_settings(path: str | Path | None, env: dict[str, str] | None = None) -> Settings:
     """Settings from a TOML file (None: none) and BETELGEUSE_* variables of `env` (default os.environ)."""
     return resolve_settings(path, env).settings
 
+
+def settings_from_dict(data: dict, source: str = "config") -> Settings:
+    """Settings from a TOML table (no environment): what the file `source` holding `data` gives."""
+    return resolve_settings(source, env={}, data=data).settings
+
+
+# ------------------------------------------------------------------------------------------- flags
+
+def add_flags(p: argparse.ArgumentParser, sections=None, exclude=(), aliases: dict[str, str] | None = None,
+              group: str | None = None) -> None:
+    """One flag per key of `sections` (default: all) but `exclude` ("section.key"), named, typed and described
+    by the model; each defaults to None (not given: the file, the environment or the default decides).
+    `aliases`: "section.key" -> another spelling of its flag (the store's and worker's --metrics)."""
+    g = p.add_argument_group(group) if group else p
+    for k in KEYS_INFO:
+        if k.flag is None or (sections is not None and k.section not in sections) or k.name in exclude:
+            continue
+        names = [k.flag] + ([aliases[k.name]] if aliases and k.name in aliases else [])
+        default = k.default
+        shown = _toml_value(default) if not isinstance(default, list) else ",".join(default)
+        help_ = f"{k.field.description} (default {shown}; env {k.env}; [{k.section}] {k.key})".replace("%", "%%")
+        if k.is_bool:
+            g.add_argument(*names, dest=k.name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        elif get_origin(k.field.annotation) is list:
+            g.add_argument(*names, dest=k.name, action="append", default=None, metavar=k.metavar, help=help_)
+        else:
+            g.add_argument(*names, dest=k.name, default=None, metavar=k.metavar, help=help_)
+
+
+def flag_values(ns: argparse.Namespace) -> dict[tuple[str, str], tuple[Any, str]]:
+    """The keys given as flags in a namespace add_flags filled: (section, key) -> (value, "flag --x")."""
+    out = {}
+    for k in KEYS_INFO:
+        v = getattr(ns, k.name, None)
+        if v is None or k.flag is None:
+            continue
+        flag = k.flag if v is not False or not k.is_bool else "--no-" + k.flag[2:]
+        out[(k.section, k.key)] = (from_text(k, v) if not isinstance(v, list) else v, f"flag {flag}")
+    return out
+
+
+def to_flags(values: dict[tuple[str, str], Any]) -> list[str]:
+    """Flags that set these values (a child process's arguments); add_flags + flag_values read them back."""
+    argv = []
+    for (section, key), v in values.items():
+        k = BY_KEY[(section, key)]
+        if k.flag is None:
+            raise BetelgeuseError(f"{k.name} has no flag (set it in the file or as {k.env})")
+        if k.is_bool:
+            argv.append(k.flag if v else "--no-" + k.flag[2:])
+        elif isinstance(v, list):
+            for item in v:
+                argv += [k.flag, item]
+        else:
+            argv += [k.flag, AUTO if v is None else str(v)]
+    return argv
+
+
+# -------------------------------------------------------------------------------------- config show
 
 def _toml_value(v) -> str:
     if v is None:
@@ -353,7 +598,7 @@ def render_toml(r: Resolved) -> str:
     """The effective configuration as a TOML file (it loads back to the same settings), each value
     commented with where it came from."""
     lines = []
-    for section in Settings.__dataclass_fields__:
+    for section in SECTIONS:
         lines.append(f"[{section}]")
         target = getattr(r.settings, section)
         rows = [(k, shown_value(k, getattr(target, k))) for s, k in KEYS if s == section]
@@ -364,17 +609,3 @@ def render_toml(r: Resolved) -> str:
     if r.ignored_env:
         lines.append("# ignored (no such key): " + ", ".join(sorted(r.ignored_env)))
     return "\n".join(lines).rstrip("\n") + "\n"
-
-
-def _read_toml(path: str | Path) -> dict:
-    p = Path(path)
-    try:
-        with p.open("rb") as f:
-            data = tomllib.load(f)
-    except FileNotFoundError:
-        raise BetelgeuseError(f"config file {p} does not exist") from None
-    except PermissionError:
-        raise BetelgeuseError(f"config file {p} is not readable") from None
-    except tomllib.TOMLDecodeError as e:
-        raise BetelgeuseError(f"config file {p}: invalid TOML: {e}") from None
-    return data

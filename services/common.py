@@ -6,10 +6,10 @@ import argparse
 import logging
 import sys
 
-from betelgeuse.config import EngineConfig, parse_slots
+from betelgeuse.config import EngineConfig
 from betelgeuse.errors import BetelgeuseError
-from betelgeuse.logs import FORMATS, LEVELS, setup as setup_logging
-from betelgeuse.settings import Resolved, Settings, resolve_settings
+from betelgeuse.logs import setup as setup_logging
+from betelgeuse.settings import Resolved, Settings, add_flags, engine_kwargs, flag_values, resolve_settings
 
 log = logging.getLogger("betelgeuse")
 
@@ -28,21 +28,11 @@ def resolve_device(device: str, use_torch: bool = True) -> str:
 
 
 def engine_config(s: Settings, use_torch: bool = True) -> EngineConfig:
-    """The engine's configuration from the settings file (both processes derive the same one)."""
-    eng = getattr(s, "engine", None)
-    extra = {}
-    if eng is not None:
-        for name in ("schedule", "routing", "sub_batch", "micro_batch", "staging_slots", "ring_slots", "kernels",
-                     "decode_consolidate_every", "cuda_graphs", "prefetch",
-                     "max_context", "max_running", "max_queue", "max_batched_tokens", "prefill_chunk",
-                     "prefix_cache_bytes", "dtype", "worker_reserve", "read_threads",
-                     "max_prompt_bytes"):
-            if hasattr(eng, name):
-                extra[name] = getattr(eng, name)
-    return EngineConfig(
-        model_path=s.model.path, device=resolve_device(s.worker.device, use_torch),
-        vram_slots=s.slots.vram_per_layer, host_slots=s.slots.host_per_layer, vram_backing=s.slots.vram_backing,
-        vram_budget=s.budget.vram, memory_max=s.budget.memory_max, **extra)
+    """The engine's configuration from the settings (both processes derive the same one): every key the
+    model marks as feeding the engine, under its EngineConfig name; only the device is resolved here."""
+    kw = engine_kwargs(s)
+    kw["device"] = resolve_device(kw["device"], use_torch)
+    return EngineConfig(**kw)
 
 
 def listen_metrics(registry, addr: str):
@@ -56,82 +46,43 @@ def listen_metrics(registry, addr: str):
         raise BetelgeuseError(f"cannot serve /metrics on {addr}: {e.strerror or e}") from None
 
 
-def common_args(p: argparse.ArgumentParser):
-    p.add_argument("--config", help="TOML settings file (deploy/betelgeuse.toml)")
-    p.add_argument("--model", help="GGUF model (overrides [model] path)")
-    p.add_argument("--store-socket", help="store control socket path (overrides [store] socket)")
-    p.add_argument("--fd-socket", help="arena fd hand-off socket path (overrides [store] fd_socket)")
-    p.add_argument("--metrics", help="HOST:PORT for /metrics of this process ('' = off)")
-    p.add_argument("--device", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--vram-slots", help="VRAM slots per layer or 'auto'")
-    p.add_argument("--host-slots", help="host slots per layer or 'auto'")
-    p.add_argument("--no-vram-backing", action="store_true",
-                   help="VRAM experts keep no host copy: more resident capacity, disk reads after a worker restart")
-    p.add_argument("--memory-max", help="bytes for both processes, e.g. 12G (default: the cgroup's)")
-    p.add_argument("--vram-budget", help="bytes of VRAM, e.g. 12GiB")
-    p.add_argument("--schedule", choices=["layer_major", "standard"])
-    p.add_argument("--routing", choices=["exact", "resident"], help="resident: approximate (ranks >= 1 among resident experts)")
-    p.add_argument("--sub-batch", type=int)
-    p.add_argument("--max-context", type=int)
+def common_args(p: argparse.ArgumentParser, metrics: str | None = None, exclude=()):
+    """--config, -v and one flag per settings key (betelgeuse/settings.py); `metrics` ("worker" | "store"):
+    whose /metrics address --metrics also sets."""
+    p.add_argument("--config", help="TOML settings file (deploy/betelgeuse.toml); flags override it, "
+                   "BETELGEUSE_<SECTION>_<KEY> variables too")
     p.add_argument("-v", "--verbose", action="store_true", help="same as --log-level debug")
-    log_args(p)
-
-
-def log_args(p: argparse.ArgumentParser):
-    p.add_argument("--log-level", choices=LEVELS, help="debug | info | warning | error (default info; "
-                   "env BETELGEUSE_LOG_LEVEL; [log] level)")
-    p.add_argument("--log-format", choices=FORMATS, help="text (key=value fields) | json (one object per line) "
-                   "(default text; env BETELGEUSE_LOG_FORMAT; [log] format)")
+    add_flags(p, exclude=exclude, aliases={f"{metrics}.metrics": "--metrics"} if metrics else None)
 
 
 def configure_logging(a=None, s: Settings | None = None) -> tuple[str, str]:
-    """Logging from, in order of precedence: flags, BETELGEUSE_LOG_* environment, the [log] table, defaults."""
+    """Logging from, in order of precedence: flags, BETELGEUSE_LOG_* environment, the [log] table, defaults
+    (before the settings are read: run_main's pre-parse; after: the resolved settings already agree)."""
     import os
-    level = (getattr(a, "log_level", None) or ("debug" if getattr(a, "verbose", False) else None)
+    flag = lambda *names: next((getattr(a, n) for n in names if getattr(a, n, None)), None)  # noqa: E731
+    level = (flag("log_level", "log.level") or ("debug" if getattr(a, "verbose", False) else None)
              or os.environ.get("BETELGEUSE_LOG_LEVEL") or (s.log.level if s else "info"))
-    fmt = getattr(a, "log_format", None) or os.environ.get("BETELGEUSE_LOG_FORMAT") or (s.log.format if s else "text")
+    fmt = flag("log_format", "log.format") or os.environ.get("BETELGEUSE_LOG_FORMAT") or (s.log.format if s else "text")
     setup_logging(level.lower(), fmt.lower())
     return level, fmt
 
 
-# flag dest -> (section, key) of the setting it overrides (`betelgeuse config show` names the flag as the source)
-FLAG_KEYS = {"model": ("model", "path"), "store_socket": ("store", "socket"), "fd_socket": ("store", "fd_socket"),
-             "device": ("worker", "device"), "vram_slots": ("slots", "vram_per_layer"),
-             "host_slots": ("slots", "host_per_layer"), "no_vram_backing": ("slots", "vram_backing"),
-             "memory_max": ("budget", "memory_max"), "vram_budget": ("budget", "vram"),
-             "schedule": ("engine", "schedule"), "routing": ("engine", "routing"), "sub_batch": ("engine", "sub_batch"),
-             "max_context": ("engine", "max_context"), "log_level": ("log", "level"), "log_format": ("log", "format")}
-
-
 def resolve_from_args(a, require_model: bool = True) -> Resolved:
     """Defaults < --config file < BETELGEUSE_* environment < flags, each value with its source."""
-    r = resolve_settings(a.config)
-    for dest, (section, key) in FLAG_KEYS.items():
-        v = getattr(a, dest, None)
-        if v is None or v is False or v == "":
-            continue
-        flag = "--" + dest.replace("_", "-")
-        if dest in ("vram_slots", "host_slots"):
-            v = parse_slots(v)
-        elif dest == "no_vram_backing":
-            v = False
-        r.set(section, key, v, f"flag {flag}")
-    if getattr(a, "verbose", False) and not getattr(a, "log_level", None):
-        r.set("log", "level", "debug", "flag --verbose")
+    flags = flag_values(a)
+    if getattr(a, "verbose", False) and ("log", "level") not in flags:
+        flags[("log", "level")] = ("debug", "flag --verbose")
+    r = resolve_settings(getattr(a, "config", None), flags=flags)
     if require_model and not r.settings.model.path:
         raise BetelgeuseError("no model: give --model PATH or [model] path in the config file")
     return r
 
 
-def settings_from_args(a) -> tuple[Settings, dict]:
-    """Settings from --config, the environment and flag overrides; the dict holds EngineConfig overrides."""
-    r = resolve_from_args(a)
-    s = r.settings
+def settings_from_args(a) -> Settings:
+    """Settings from --config, the environment and the flags; logging configured from them."""
+    s = resolve_from_args(a).settings
     configure_logging(a, s)
-    over = {k: v for k, v in (("schedule", a.schedule), ("routing", a.routing), ("sub_batch", a.sub_batch),
-                              ("max_context", a.max_context))
-            if v is not None}
-    return s, over
+    return s
 
 
 PR_SET_PDEATHSIG = 1

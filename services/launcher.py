@@ -95,15 +95,8 @@ class Cluster:
     model: str
     runtime_dir: str
     device: str = "cpu"
-    vram_slots: str | int | None = None
-    host_slots: str | int | None = None
-    memory_max: str | None = None
-    vram_budget: str | None = None
-    schedule: str | None = None
-    sub_batch: int | None = None
-    routing: str | None = None
-    vram_backing: bool = True
-    config: str | None = None
+    config: str | None = None         # --config for both children (they read it, and the environment, themselves)
+    settings: dict = field(default_factory=dict)  # "section.key" -> value: settings both children get as flags
     port: int = 0                     # worker gRPC port (0 = pick a free one)
     host: str = "127.0.0.1"           # worker gRPC listen host (0.0.0.0 / :: = every interface)
     worker_metrics: str = "127.0.0.1:0"
@@ -129,17 +122,18 @@ class Cluster:
             self.http = f"127.0.0.1:{free_port()}"
         self.http_url = f"http://{self.http}" if self.http else ""
 
-    def _common(self, metrics: str) -> list[str]:
-        a = ["--model", self.model, "--store-socket", self.store_socket, "--fd-socket", self.fd_socket,
-             "--device", self.device, "--metrics", metrics]
-        for flag, v in (("--config", self.config), ("--vram-slots", self.vram_slots), ("--host-slots", self.host_slots),
-                        ("--memory-max", self.memory_max), ("--vram-budget", self.vram_budget),
-                        ("--schedule", self.schedule), ("--sub-batch", self.sub_batch), ("--routing", self.routing)):
-            if v is not None:
-                a += [flag, str(v)]
-        if not self.vram_backing:
-            a.append("--no-vram-backing")
-        return a
+    def child_settings(self) -> dict[tuple[str, str], object]:
+        """What the children are told: the launcher's own keys (model, sockets in runtime_dir, addresses), then
+        `settings`. Both get the same ones (each process uses its own [worker] / [store] keys)."""
+        own = {"model.path": self.model, "store.socket": self.store_socket, "store.fd_socket": self.fd_socket,
+               "worker.device": self.device, "worker.metrics": self.worker_metrics,
+               "store.metrics": self.store_metrics, "worker.listen": [self.listen], "worker.http": self.http}
+        return {tuple(k.split(".", 1)): v for k, v in {**own, **self.settings}.items()}
+
+    def child_args(self) -> list[str]:
+        """The children's arguments: --config and the flags the settings model derives for child_settings()."""
+        from betelgeuse.settings import to_flags
+        return (["--config", self.config] if self.config else []) + to_flags(self.child_settings())
 
     def _spawn(self, name: str, module: str, args: list[str], preexec=None) -> Proc:
         log_path = os.path.join(self.runtime_dir, f"{name}.log")
@@ -164,7 +158,7 @@ class Cluster:
         return st.get("pid") == pid
 
     def start_store(self, timeout: float = 120.0, preexec=None) -> Proc:
-        self.store = self._spawn("store", "services.store_main", self._common(self.store_metrics) + self.extra_store_args,
+        self.store = self._spawn("store", "services.store_main", self.child_args() + self.extra_store_args,
                                  preexec)
         t0 = time.monotonic()
         while not self._store_answers(self.store.pid):
@@ -178,8 +172,7 @@ class Cluster:
 
     def start_worker(self, timeout: float = 180.0, preexec=None, wait: bool = True, abort=None) -> Proc:
         self.worker = self._spawn("worker", "services.worker_main",
-                                  self._common(self.worker_metrics) + ["--listen", self.listen, "--http", self.http]
-                                  + self.extra_worker_args,
+                                  self.child_args() + self.extra_worker_args,
                                   preexec)
         if wait:
             self.wait_serving(timeout, abort=abort)

@@ -16,7 +16,6 @@ is refused while the first one's lease is open.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import fcntl
 import grp
 import logging
@@ -280,11 +279,10 @@ def _sync_metrics(m, store: ExpertStore, stop: threading.Event):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="betelgeuse-store", description=__doc__.splitlines()[0])
-    common_args(p)
-    a = p.parse_args(argv)
-    settings, over = settings_from_args(a)
-    cfg = dataclasses.replace(engine_config(settings, use_torch=False), **over)
-    metrics_addr = a.metrics if a.metrics is not None else settings.store.metrics
+    common_args(p, metrics="store")
+    settings = settings_from_args(p.parse_args(argv))
+    cfg = engine_config(settings, use_torch=False)
+    metrics_addr = settings.store.metrics
 
     group_gid = group_id(settings.store.socket_group)
     for path in (settings.store.socket, settings.store.fd_socket):

@@ -9,7 +9,6 @@ NOT_SERVING while the store is away (the engine re-attaches by itself when it is
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import signal
 import threading
@@ -19,7 +18,6 @@ from betelgeuse import __version__, sdnotify
 from betelgeuse.logs import event
 from betelgeuse.errors import StoreUnavailableError
 from betelgeuse.metrics import make_worker_metrics
-from betelgeuse.settings import split_hostport
 from betelgeuse.store.cgroup import CgroupMemory
 from betelgeuse.worker.engine import LLMEngine
 from services.common import common_args, engine_config, listen_metrics, run_main, settings_from_args
@@ -59,18 +57,12 @@ def store_probe(engine: LLMEngine, client: GrpcStoreClient, stop: threading.Even
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="betelgeuse-worker", description=__doc__.splitlines()[0])
-    common_args(p)
-    p.add_argument("--listen", action="append", help="gRPC address HOST:PORT or unix:/path (repeatable)")
-    p.add_argument("--http", help="HOST:PORT of the OpenAI-compatible HTTP API ('' = off; overrides [worker] http)")
+    common_args(p, metrics="worker")
     p.add_argument("--store-wait", type=float, default=120.0, help="seconds to wait for the store at start-up")
     a = p.parse_args(argv)
-    settings, over = settings_from_args(a)
-    cfg = dataclasses.replace(engine_config(settings), **over)
-    listen = a.listen or settings.worker.listen
-    metrics_addr = a.metrics if a.metrics is not None else settings.worker.metrics
-    http_addr = a.http if a.http is not None else settings.worker.http
-    if http_addr:
-        split_hostport(http_addr, "--http")
+    settings = settings_from_args(a)
+    cfg = engine_config(settings)
+    listen, metrics_addr, http_addr = settings.worker.listen, settings.worker.metrics, settings.worker.http
     ws = settings.worker
     api_keys = load_api_keys(ws.api_keys, ws.api_key_file)
     tls = server_credentials(ws.tls_cert, ws.tls_key, ws.tls_client_ca) if (ws.tls_cert or ws.tls_key) else None

@@ -88,7 +88,7 @@ def write_toml(path: Path, sections: dict[str, dict]) -> Path:
     def val(v):
         if isinstance(v, bool):
             return "true" if v else "false"
-        if isinstance(v, int):
+        if isinstance(v, (int, float)):
             return str(v)
         if isinstance(v, str):
             return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -374,7 +374,7 @@ def test_a_second_worker_is_refused(cluster, channel, reference):
     """Before: two workers on one store livelocked (2,045 attaches in 20 s, 1 of 5,069 requests OK)."""
     from services.launcher import Cluster, free_port
     other = Cluster(cluster.model, cluster.runtime_dir, device="cpu", worker_metrics="", port=free_port())
-    p = other._spawn("worker2", "services.worker_main", other._common("") + ["--listen", other.address])
+    p = other._spawn("worker2", "services.worker_main", other.child_args())
     TALLY["faults"] += 1
     assert _wait_exit(p.popen) == 2
     assert "another worker (pid" in p.log() and "Traceback" not in p.log(), p.log()[-2000:]
@@ -385,7 +385,7 @@ def test_a_second_store_on_the_runtime_dir_is_refused(cluster, channel, referenc
     """Before: a second store silently took over the socket paths."""
     from services.launcher import Cluster
     other = Cluster(cluster.model, cluster.runtime_dir, device="cpu", store_metrics="")
-    p = other._spawn("store2", "services.store_main", other._common(""))
+    p = other._spawn("store2", "services.store_main", other.child_args())
     TALLY["faults"] += 1
     assert _wait_exit(p.popen) == 2
     assert f"another expert store (pid {cluster.store.pid})" in p.log(), p.log()[-2000:]
@@ -398,7 +398,7 @@ def test_a_regular_file_at_the_socket_path_is_not_deleted(cluster, tmp_path):
     run.mkdir()
     (run / "store.sock").write_text("precious")
     other = Cluster(cluster.model, str(run), device="cpu", store_metrics="")
-    p = other._spawn("store", "services.store_main", other._common(""))
+    p = other._spawn("store", "services.store_main", other.child_args())
     assert _wait_exit(p.popen) == 2
     assert "is not a socket; refusing" in p.log(), p.log()
     assert (run / "store.sock").read_text() == "precious"
@@ -426,8 +426,8 @@ def test_a_busy_metrics_port_is_one_line_naming_it(cluster):
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         addr = f"127.0.0.1:{busy.getsockname()[1]}"
-        other = Cluster(cluster.model, cluster.runtime_dir, device="cpu", port=free_port())
-        p = other._spawn("worker3", "services.worker_main", other._common(addr) + ["--listen", other.address])
+        other = Cluster(cluster.model, cluster.runtime_dir, device="cpu", port=free_port(), worker_metrics=addr)
+        p = other._spawn("worker3", "services.worker_main", other.child_args())
         assert _wait_exit(p.popen) == 2
     assert f"betelgeuse: error: cannot serve /metrics on {addr}" in p.log() and "Traceback" not in p.log(), p.log()
     TALLY["bad_inputs"] += 1

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from betelgeuse.errors import BetelgeuseError
-from betelgeuse.settings import AUTO, Settings, load_settings, parse_size, split_hostport
+from betelgeuse.settings import AUTO, Settings, load_settings, parse_size, settings_from_dict, split_hostport
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -84,15 +84,48 @@ def test_missing_file(tmp_path):
 
 
 def test_engine_defaults_match_engine_config():
+    """Every EngineConfig field is fed by exactly one key of the model (no hand-kept list between them), with
+    the same default; the two exceptions are the model (required) and the device (the file's "auto" is
+    resolved by each process)."""
     import dataclasses
 
     from betelgeuse.config import EngineConfig
-    from betelgeuse.settings import EngineSettings
+    from betelgeuse.settings import KEYS_INFO
 
-    cfg = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
-    for f in dataclasses.fields(EngineSettings):
-        assert f.name in cfg, f"[engine] {f.name} is not an EngineConfig field"
-        assert f.default == cfg[f.name], (f.name, f.default, cfg[f.name])
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    feeds = [k for k in KEYS_INFO if k.engine]
+    assert sorted(k.engine for k in feeds) == sorted(fields), "keys feeding the engine != EngineConfig fields"
+    for k in feeds:
+        if k.engine in ("model_path", "device"):
+            continue
+        assert k.default == fields[k.engine].default, (k.name, k.default, fields[k.engine].default)
+
+
+def test_engine_config_derives_every_key(tmp_path):
+    """Each engine key's example, set in a file, arrives in the EngineConfig under its engine name."""
+    from betelgeuse.settings import KEYS_INFO
+    from services.common import engine_config
+    feeds = [k for k in KEYS_INFO if k.engine and k.engine not in ("model_path", "device")]
+    data = {}
+    for k in feeds:
+        data.setdefault(k.section, {})[k.key] = k.example
+    data["engine"]["max_batched_tokens"] = 256            # cross-key checks of EngineConfig hold for the examples
+    cfg = engine_config(settings_from_dict(data), use_torch=False)
+    for k in feeds:
+        assert getattr(cfg, k.engine) == data[k.section][k.key], k.name
+
+
+def test_bad_values_are_one_line_naming_the_key(tmp_path):
+    """pydantic's ValidationError never reaches the user: one line, the source and the key."""
+    for text, needles in [("[engine]\nmax_running = 0\n", ["engine.max_running", ">= 1"]),
+                          ("[engine]\nprefix_cache_bytes = 'lots'\n", ["engine.prefix_cache_bytes", "cannot parse size"]),
+                          ("[worker]\ndrain_grace = -1\n", ["worker.drain_grace", "seconds >= 0"]),
+                          ("[worker]\nlisten = ['localhost']\n", ["worker.listen", "HOST:PORT"]),
+                          ("[log]\nlevel = 'loud'\n", ["log.level", "expected one of"])]:
+        with pytest.raises(BetelgeuseError) as e:
+            _load(tmp_path, text)
+        msg = str(e.value)
+        assert all(n in msg for n in needles) and "\n" not in msg and "validation error" not in msg, msg
 
 
 def test_engine_section(tmp_path):

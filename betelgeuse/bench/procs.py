@@ -28,7 +28,7 @@ class StoreProcess:
     def __init__(self, model: str, run_dir: Path, tag: str, slots: tuple[str, str], device: str,
                  memory_max: int | None, vram_budget: int, log_path: Path, vram_backing: bool = True,
                  engine: dict | None = None):
-        """engine: [engine] settings the store plans with (BETELGEUSE_ENGINE_<KEY>), which the worker's
+        """engine: [engine] settings the store plans with (passed as flags), which the worker's
         EngineConfig must equal (max_running and the prefix cache size the VRAM the plan leaves for slots)."""
         d = run_dir / f"store-{tag}"
         d.mkdir(parents=True, exist_ok=True)
@@ -36,17 +36,15 @@ class StoreProcess:
         for p in (self.socket, self.fd_socket):
             if os.path.exists(p):
                 os.unlink(p)
-        cmd = [sys.executable, "-m", "services.store_main", "--model", model, "--store-socket", self.socket,
-               "--fd-socket", self.fd_socket, "--metrics", "", "--vram-slots", slots[0], "--host-slots", slots[1],
-               "--vram-budget", str(vram_budget), "--device", device]
-        if memory_max:
-            cmd += ["--memory-max", str(memory_max)]
-        if not vram_backing:
-            cmd.append("--no-vram-backing")
+        from betelgeuse.settings import to_flags
         from services.launcher import python_env
+        settings = {("model", "path"): model, ("store", "socket"): self.socket, ("store", "fd_socket"): self.fd_socket,
+                    ("store", "metrics"): "", ("slots", "vram_per_layer"): slots[0],
+                    ("slots", "host_per_layer"): slots[1], ("budget", "vram"): vram_budget, ("worker", "device"): device,
+                    ("budget", "memory_max"): memory_max or None, ("slots", "vram_backing"): vram_backing,
+                    **{("engine", k): v for k, v in (engine or {}).items()}}
+        cmd = [sys.executable, "-m", "services.store_main", *to_flags(settings)]      # the settings model's flags
         env = python_env()
-        for k, v in (engine or {}).items():
-            env[f"BETELGEUSE_ENGINE_{k.upper()}"] = str(v)
         self.log_path = log_path
         self.log = open(log_path, "ab")
         self.log.write(f"\n$ {' '.join(cmd)}\n".encode())
