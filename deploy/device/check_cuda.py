@@ -93,6 +93,23 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+def slot_passes(runner, ids, tag: str, got: dict, dec: dict):
+    """cold / warm / consolidated all-token logits into got, then 4 greedy decode steps' logits into dec (the store
+    pass stays open across them): what must be bit-identical across slot configurations."""
+    for name, cons in (("cold", False), ("warm", True), ("consolidated", False)):
+        logits, st = runner.forward(ids, runner.new_cache(len(ids) + 8), all_logits=True, consolidate=cons)
+        runner.settle()
+        got[f"{tag} {name} {st.reads}"] = logits.cpu()
+    kv = runner.new_cache(len(ids) + 8)
+    lg, _ = runner.forward(ids, kv)
+    steps = []
+    for _ in range(4):
+        lg, _ = runner.forward([int(lg[-1].argmax())], kv, consolidate=False)
+        steps.append(lg.cpu())
+    runner.consolidate()
+    dec[tag] = torch.cat(steps)
+
+
 # ---- 1. invariance ---------------------------------------------------------------------------------
 
 def check_invariance(path: Path, device: str, ids: list[int], tmp: Path):
@@ -103,19 +120,7 @@ def check_invariance(path: Path, device: str, ids: list[int], tmp: Path):
     for vram, host in configs:
         runner, store = runner_for(path, device, vram, host)
         try:
-            for name, cons in (("cold", False), ("warm", True), ("consolidated", False)):
-                logits, st = runner.forward(ids, runner.new_cache(len(ids) + 8), all_logits=True, consolidate=cons)
-                runner.settle()
-                got[f"{vram}/{host} {name} {st.reads}"] = logits.cpu()
-            # decode steps (the store pass stays open across them): bit-identical across configs too
-            kv = runner.new_cache(len(ids) + 8)
-            lg, _ = runner.forward(ids, kv)
-            steps = []
-            for _ in range(4):
-                lg, _ = runner.forward([int(lg[-1].argmax())], kv, consolidate=False)
-                steps.append(lg.cpu())
-            runner.consolidate()
-            dec[f"{vram}/{host}"] = torch.cat(steps)
+            slot_passes(runner, ids, f"{vram}/{host}", got, dec)
         finally:
             close(runner, store)
     # the real store process, one config

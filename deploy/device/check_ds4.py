@@ -30,7 +30,7 @@ sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 
-from check_cuda import RESULTS, ROWS, close, row, runner_for, sync  # noqa: E402
+from check_cuda import RESULTS, ROWS, close, row, runner_for, slot_passes, sync  # noqa: E402
 
 from betelgeuse.gguf.quants import dequantize  # noqa: E402
 from betelgeuse.gguf.synth import spec_from_preset, write_model  # noqa: E402
@@ -139,18 +139,7 @@ def check_engine(device: str, tmp: Path):
         runner, store = runner_for(path, device, vram, host)
         try:
             backends.add(runner.kern.backend)
-            for name, cons in (("cold", False), ("warm", True), ("consolidated", False)):
-                lg, st = runner.forward(ids, runner.new_cache(len(ids) + 8), all_logits=True, consolidate=cons)
-                runner.settle()
-                got[f"{vram}/{host} {name} {st.reads}"] = lg.cpu()
-            kv = runner.new_cache(len(ids) + 8)
-            lg, _ = runner.forward(ids, kv)
-            steps = []
-            for _ in range(4):
-                lg, _ = runner.forward([int(lg[-1].argmax())], kv, consolidate=False)
-                steps.append(lg.cpu())
-            runner.consolidate()
-            dec[f"{vram}/{host}"] = torch.cat(steps)
+            slot_passes(runner, ids, f"{vram}/{host}", got, dec)
             dtype = runner.dtype
         finally:
             close(runner, store)
