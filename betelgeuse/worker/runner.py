@@ -27,6 +27,7 @@ the resident tiers).
 
 from __future__ import annotations
 
+import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -99,6 +100,16 @@ class ModelRunner:
     def __init__(self, cfg: EngineConfig, store: StoreClient):
         self.cfg = cfg
         self.device = torch.device(cfg.device)
+        if self.device.type == "cuda":
+            # the caching allocator's reserve, not live tensors, went over the VRAM budget (gpu-agents1: 11.8 GB
+            # allocated at most, 16.6 GB reserved): expandable segments grow and reuse one mapping instead of
+            # keeping fragmented blocks per size (read when the allocator starts; an operator's setting wins)
+            if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+                os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+                try:                                # the allocator may have started already (the bench measured)
+                    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+                except (AttributeError, RuntimeError):
+                    pass
         self.dtype = cfg.torch_dtype()
         self.file = GGUFModelFile.open(cfg.model_path)
         self.mcfg = self.file.config
