@@ -348,6 +348,29 @@ def check_pp(paths: dict[str, Path], device: str, n_tokens: dict[str, int]):
     RESULTS["pp"] = res
 
 
+def run_steps(steps, only: str):
+    """Run the named checks listed in `only` (comma-separated), each timed; a check that raises is a FAIL row and
+    the others still run (one table with every check)."""
+    for name, fn in steps:
+        if name not in only.split(","):
+            continue
+        t = time.perf_counter()
+        try:
+            fn()
+        except Exception as e:                       # keep going: one table with every check
+            import traceback
+            traceback.print_exc()
+            row(name, False, f"raised {type(e).__name__}: {e}")
+        print(f"  ({name}: {time.perf_counter() - t:.1f} s)", flush=True)
+
+
+def results_table(title: str) -> str:
+    """The markdown table of every row so far."""
+    return "\n".join([f"## {title} on {RESULTS['device']} (torch {RESULTS['torch']})", "",
+                      "| check | result | detail |", "|---|---|---|"]
+                     + [f"| {c} | {r} | {d.replace('|', '/')} |" for c, r, d in ROWS])
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
@@ -374,20 +397,8 @@ def main() -> int:
              ("pinned", lambda: check_pinned(paths["mid"], a.device)),
              ("overlap", lambda: check_overlap(paths["mid"], a.device, ids_for(paths["mid"], a.tokens), outdir)),
              ("pp", lambda: check_pp(paths, a.device, {"tiny": max(8, a.tokens // 2), "mid": a.tokens}))]
-    steps = [(n, f) for n, f in steps if n in a.only.split(",")]
-    for name, fn in steps:
-        t = time.perf_counter()
-        try:
-            fn()
-        except Exception as e:                       # keep going: one table with every check
-            import traceback
-            traceback.print_exc()
-            row(name, False, f"raised {type(e).__name__}: {e}")
-        print(f"  ({name}: {time.perf_counter() - t:.1f} s)", flush=True)
-    table = [f"## check_cuda on {RESULTS['device']} (torch {RESULTS['torch']})", "",
-             "| check | result | detail |", "|---|---|---|"]
-    table += [f"| {c} | {r} | {d.replace('|', '/')} |" for c, r, d in ROWS]
-    md = "\n".join(table)
+    run_steps(steps, a.only)
+    md = results_table("check_cuda")
     print("\n" + md)
     if outdir:
         (outdir / "check_cuda.md").write_text(md + "\n")

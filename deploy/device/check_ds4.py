@@ -30,7 +30,8 @@ sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 
-from check_cuda import RESULTS, ROWS, close, row, runner_for, slot_passes, sync  # noqa: E402
+from check_cuda import (RESULTS, ROWS, close, results_table, row, run_steps, runner_for, slot_passes,  # noqa: E402
+                        sync)
 
 from betelgeuse.gguf.quants import dequantize  # noqa: E402
 from betelgeuse.gguf.synth import spec_from_preset, write_model  # noqa: E402
@@ -182,20 +183,9 @@ def main() -> int:
     tmp.mkdir(parents=True, exist_ok=True)
     RESULTS["device"] = torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu"
     RESULTS["torch"] = torch.__version__
-    for name, fn in (("kernel", lambda: check_kernel(a.device, H=a.hidden, F=a.ff)), ("engine", lambda: check_engine(a.device, tmp))):
-        if name not in a.only.split(","):
-            continue
-        t = time.perf_counter()
-        try:
-            fn()
-        except Exception as e:                       # keep going: one table with every check
-            import traceback
-            traceback.print_exc()
-            row(name, False, f"raised {type(e).__name__}: {e}")
-        print(f"  ({name}: {time.perf_counter() - t:.1f} s)", flush=True)
-    md = "\n".join([f"## check_ds4 on {RESULTS['device']} (torch {RESULTS['torch']})", "",
-                    "| check | result | detail |", "|---|---|---|"]
-                   + [f"| {c} | {r} | {d.replace('|', '/')} |" for c, r, d in ROWS])
+    run_steps((("kernel", lambda: check_kernel(a.device, H=a.hidden, F=a.ff)),
+               ("engine", lambda: check_engine(a.device, tmp))), a.only)
+    md = results_table("check_ds4")
     print("\n" + md, flush=True)
     if a.out:
         out = Path(a.out)
