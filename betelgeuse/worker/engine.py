@@ -12,6 +12,7 @@ The runner does the passes; this module only schedules them and turns tokens int
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -31,7 +32,7 @@ from betelgeuse.model.sampler import (apply_allowed, apply_penalties, make_gener
 from betelgeuse.store.client import StoreClient
 from betelgeuse.tokenizer import Tokenizer
 from betelgeuse.worker.api import GenerateRequest, ModelInfo, ServerInfo, TokenEvent
-from betelgeuse.worker.prefix_cache import PrefixCache
+from betelgeuse.worker.prefix_cache import PrefixCache, PrefixStats
 from betelgeuse.worker.runner import ModelRunner, PassStats
 from betelgeuse.worker.sequence import RequestHandle, Sequence, check_alive
 
@@ -64,7 +65,7 @@ class LLMEngine:
         self.grammars = Grammars(self.tokenizer)
         self.metrics = metrics
         self.prefix_cache = self._make_prefix_cache()   # None: off, or not possible for this model/schedule
-        self._evicted = 0                               # prefix-cache evictions already counted in metrics
+        self._exported = PrefixStats()                  # prefix-cache counters already added to the metrics
         self.on_tick = on_tick                      # called every loop turn (watchdog ping)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -281,7 +282,7 @@ class LLMEngine:
                 pc.acquire(blocks)
                 seq.blocks = blocks
                 seq.n_done = seq.usage.cached_tokens = pc.load(seq.kv, blocks)
-                self._prefix_gauges(reused=seq.n_done)
+                self._prefix_metrics()
         rest = len(P) - seq.n_done
         take = rest
         if limit is not None and rest > limit:
@@ -294,7 +295,7 @@ class LLMEngine:
         seq.n_done += take
         if pc is not None:
             seq.blocks = pc.insert(seq.kv, P, seq.n_done, seq.blocks)
-            self._prefix_gauges()
+            self._prefix_metrics()
         if not last:
             return
         logits, st = out
@@ -326,18 +327,18 @@ class LLMEngine:
             self.metrics.prefix_cache_capacity.set(pc.capacity_bytes)
         return pc
 
-    def _prefix_gauges(self, reused: int | None = None):
+    def _prefix_metrics(self):
+        """The prefix cache's own counters (PrefixStats) into the metrics: what grew since the last export."""
         m, pc = self.metrics, self.prefix_cache
         if not m or pc is None:
             return
-        if reused is not None:
-            m.prefix_cache_queries.inc()
-            if reused:
-                m.prefix_cache_hits.inc()
-                m.prefix_cache_tokens.inc(reused)
+        st, old = pc.stats, self._exported
+        m.prefix_cache_queries.inc(st.queries - old.queries)
+        m.prefix_cache_hits.inc(st.hits - old.hits)
+        m.prefix_cache_tokens.inc(st.tokens_reused - old.tokens_reused)
+        m.prefix_cache_evictions.inc(st.evictions - old.evictions)
         m.prefix_cache_bytes.set(pc.bytes_used)
-        m.prefix_cache_evictions.inc(pc.stats.evictions - self._evicted)
-        self._evicted = pc.stats.evictions
+        self._exported = dataclasses.replace(st)
 
     def _decode(self, seq: Sequence):
         if seq.finished:
