@@ -99,10 +99,15 @@ def prefix_cache_bytes(cfg: EngineConfig, c, dt: int) -> int:
     return min(PREFIX_CACHE_AUTO_MAX, 2 * cfg.max_context * c.n_layer * 2 * c.n_head_kv * c.head_dim * dt)
 
 
+def compute_dtype_bytes(cfg: EngineConfig) -> int:
+    """Bytes per element of the worker's activations, KV and prefix cache (EngineConfig.torch_dtype)."""
+    return 2 if cfg.is_cuda and cfg.dtype in ("auto", "bfloat16", "float16") else 4
+
+
 def vram_fixed_bytes(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int) -> int:
     """Worker VRAM outside the hot slots: dense weights, KV caches, the prefix cache, execution ring, activations."""
     c = f.config
-    dt = 2 if cfg.is_cuda and cfg.dtype in ("auto", "bfloat16", "float16") else 4
+    dt = compute_dtype_bytes(cfg)
     kv = cfg.max_running * cfg.max_context * c.n_layer * 2 * c.n_head_kv * c.head_dim * dt
     ring = cfg.ring_slots * slot_bytes
     deq = 2 * 3 * c.n_ff_exp * c.n_embd * dt                       # two experts' dequantized matrices in flight
@@ -130,7 +135,7 @@ def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, me
     if fixed > cfg.vram_budget:
         raise BudgetError(f"the VRAM budget {_gib(cfg.vram_budget)} does not hold the worker's fixed needs "
                           f"{_gib(fixed)} (dense weights, KV cache for {cfg.max_running} x {cfg.max_context} tokens, "
-                          f"prefix cache {_gib(prefix_cache_bytes(cfg, c, 2 if cfg.is_cuda else 4))}, ring)")
+                          f"prefix cache {_gib(prefix_cache_bytes(cfg, c, compute_dtype_bytes(cfg)))}, ring)")
     if cfg.vram_slots == "auto":
         n_vram = min(c.n_expert, (cfg.vram_budget - fixed) // per_layer_slot)
         notes.append(f"vram_slots=auto -> {n_vram} per layer")
