@@ -722,24 +722,15 @@ def options_from_args(args, model: str, device: str, t0: float, work: Path) -> A
 
 def run(args) -> int:
     """`betelgeuse bench --suite agents`: write/reuse the model, run the suite, write bench.json / bench.md."""
-    from betelgeuse.bench.cli import _argv, ensure_model
+    from betelgeuse.bench.cli import _argv, ensure_model, target
     from betelgeuse.bench.report import machine_info, write_results
-    from betelgeuse.gguf.synth import spec_from_preset
-    from services.common import resolve_device
     t0 = time.monotonic()
 
     def log(msg):
         print(f"[bench agents {time.monotonic() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
-    device = resolve_device(_opt(args, "device", "auto"))
-    work = Path(args.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
-    preset = _opt(args, "preset", "bench")
-    spec = spec_from_preset(preset, n_layer=_opt(args, "layers", None), router_skew=args.router_skew, seed=args.seed)
-    model = Path(args.model) if args.model else work / f"{preset}-L{spec.n_layer}-skew{spec.router_skew:g}-seed{spec.seed}.gguf"
+    device, work, _, spec, model, run_name, out = target(args, _opt, "-agents")
     o = options_from_args(args, str(model), device, t0, work)
-    run_name = args.run_name or time.strftime("%Y%m%d-%H%M%S") + f"-agents-{device.split(':')[0]}"
-    out = Path(args.out) if args.out else Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / run_name
     results = {"suite": "agents", "run": run_name, "status": "running",
                "command": shlex.join(["betelgeuse", "bench"] + _argv(args)), "device": device, "machine": machine_info(),
                "models": {}, "cases": [], "skipped": [], "errors": []}

@@ -121,6 +121,24 @@ def ensure_model(path: Path, spec, log) -> dict:
     return {"path": str(path), "reused": False, "bytes": size, "write_s": dt, "write_GBps": size / dt / 1e9}
 
 
+def target(args, opt, suffix: str):
+    """What every suite resolves from its arguments: (device, work dir, preset, model spec, model path, run name,
+    results folder). opt(args, name, default) reads an option with the suite's --quick defaults; suffix names the
+    suite in the default run name ("<date><suffix>-<device>")."""
+    from betelgeuse.gguf.synth import spec_from_preset
+    from services.common import resolve_device
+    device = resolve_device(opt(args, "device", "auto"))
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    preset = opt(args, "preset", "bench")
+    spec = spec_from_preset(preset, n_layer=opt(args, "layers", None), router_skew=args.router_skew, seed=args.seed)
+    name = f"{preset}-L{spec.n_layer}-skew{spec.router_skew:g}-seed{spec.seed}.gguf"
+    model = Path(args.model) if args.model else work / name
+    run_name = args.run_name or time.strftime("%Y%m%d-%H%M%S") + f"{suffix}-{device.split(':')[0]}"
+    out = Path(args.out) if args.out else Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / run_name
+    return device, work, preset, spec, model, run_name, out
+
+
 def run(args) -> int:
     if getattr(args, "suite", "passes") == "agents":
         from betelgeuse.bench.agents import run as run_agents
@@ -130,25 +148,15 @@ def run(args) -> int:
     from betelgeuse.bench.report import machine_info, write_results
     from betelgeuse.gguf.synth import spec_from_preset
     from betelgeuse.settings import parse_size
-    from services.common import resolve_device
 
     def log(msg):
         print(f"[bench {time.monotonic() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
-    device = resolve_device(_opt(args, "device", "auto"))
-    work = Path(args.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
+    device, work, preset, spec, model, run_name, out = target(args, _opt, "")
     mm = _opt(args, "memory_max", "12G")
     memory_max = None if str(mm).lower() == "none" else parse_size(mm, "--memory-max")
-    preset = _opt(args, "preset", "bench")
-    layers = _opt(args, "layers", None)
-    spec = spec_from_preset(preset, n_layer=layers, router_skew=args.router_skew, seed=args.seed)
-    name = f"{preset}-L{spec.n_layer}-skew{spec.router_skew:g}-seed{spec.seed}.gguf"
-    model = Path(args.model) if args.model else work / name
     vs = _opt(args, "variant_skew", "0")
     variant_skew = None if str(vs).lower() == "none" else float(vs)
-    run_name = args.run_name or time.strftime("%Y%m%d-%H%M%S") + f"-{device.split(':')[0]}"
-    out = Path(args.out) if args.out else Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / run_name
     results = {"run": run_name, "status": "running", "command": shlex.join(["betelgeuse", "bench"] + _argv(args)),
                "device": device, "machine": machine_info(), "models": {}, "cases": [], "skipped": [], "errors": []}
     save = lambda final: write_results(results, out, png=final)        # noqa: E731
