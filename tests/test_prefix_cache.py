@@ -138,10 +138,11 @@ def test_eviction_is_lru_bounded_and_spares_held_blocks(model):
         pc.acquire(hb), pc.acquire(he)
         assert cached(prompt(17, V, seed=14)) == [] and pc.stats.evictions == 2
         pc.release(hb), pc.release(he), pc.release(held)
-        # a prompt whose blocks were evicted is computed again, with the same bits
+        # a prompt whose blocks were evicted is a miss: nothing is loaded, it is prefilled whole (a miss's bits are
+        # those of a hit: test_prefix_hit_and_pieces_are_bit_identical_to_one_pass)
         kv = rn.new_cache(64)
         got = pc.load(kv, pc.lookup(d))
-        assert got == 0
+        assert got == 0 and kv.length == 0
     finally:
         close_runner(rn, st)
 

@@ -45,16 +45,7 @@ def cluster(service_model, certs, tmp_path_factory):
         "api_key_file": str(certs / "keys.txt"), "tls_cert": str(certs / "cert.pem"), "tls_key": str(certs / "key.pem"),
         "drain_grace": 3}})
     unix = f"unix:{d / 'run' / 'api.sock'}"
-    wport = h.free_port()
-    c = h.Cluster(str(service_model), str(d / "run"), device="cpu", config=str(cfg), worker_metrics=f"127.0.0.1:{wport}",
-                  store_metrics="", extra_worker_args=["--listen", unix], health_address=unix)
-    c.worker_metrics_url = f"http://127.0.0.1:{wport}/metrics"
-    try:
-        c.start_store()
-        c.start_worker()
-    except BaseException:
-        c.stop()
-        raise
+    c = h.start_cluster(service_model, d / "run", cfg, extra_worker_args=["--listen", unix], health_address=unix)
     yield c
     c.stop()
 

@@ -67,6 +67,8 @@ def test_greedy_generate_matches_reference_and_metrics(cluster, channel, service
     u = f.usage
     assert u.prompt_n == len(ids) and u.predicted_n == n
     assert u.prompt_ms > 0 and u.predicted_ms > 0 and u.ttft_ms >= u.prompt_ms
+    # the request's own clock over gRPC: queue (arrival -> admission) + prefill (admission -> first token) = TTFT
+    assert 0 <= u.queue_ms and u.queue_ms + u.prompt_ms == pytest.approx(u.ttft_ms, abs=50.0) and u.cached_tokens == 0
     assert u.prompt_per_second == pytest.approx(u.prompt_n / (u.prompt_ms / 1e3), rel=1e-6)
     # decode passes produce tokens 2..n: the first comes out of the prefill pass
     assert u.predicted_per_second == pytest.approx((n - 1) / (u.predicted_ms / 1e3), rel=1e-6)
