@@ -115,3 +115,39 @@ def test_promotion_to_vram_copies_from_ram_not_disk(model, want):
         assert ((snap["tier"] == 2) & (snap["host_slot"] < 0)).any()          # the host slots were given back
     finally:
         close_runner(runner, store)
+
+
+def test_tiers_swap_with_a_full_host_tier(model):
+    """Without backing copies, a consolidation that promotes host experts to VRAM while it demotes VRAM experts
+    to the host tier needs host slots for the demoted ones while the promoted ones would keep theirs for one
+    round: the host tier is full, so the promotions give their slots up (found on the device with 8 sequences
+    decoding: the store failed its end_pass with 'pop from empty list'). And VRAM experts (no host slot) that
+    fall out of both tiers go back to disk (they stayed VRAM-tier, more than the worker has VRAM slots)."""
+    import numpy as np
+    runner, store = in_process_runner(model, 4, 4, vram_backing=False)
+    try:
+        E = store.plan.n_expert
+        kv = runner.new_cache(64)
+        want_logits, _ = runner.forward(PROMPT, kv, all_logits=True)
+        runner.settle()
+        # every layer: experts 0-3 the most used, then 4-7; the next rounds the other way round
+        for top, nxt in (((0, 1, 2, 3), (4, 5, 6, 7)), ((4, 5, 6, 7), (0, 1, 2, 3)), ((0, 1, 2, 3), (4, 5, 6, 7))):
+            usage = np.zeros((store.plan.n_layer, E), dtype=np.int64)
+            usage[:, list(top)] = 1000
+            usage[:, list(nxt)] = 100
+            store.score[:] = 0
+            runner.close_pass(False)
+            store.begin_pass(runner.store.session)
+            store.end_pass(runner.store.session, usage, True)
+            runner.settle()
+            snap = store.directory.snapshot()
+            for l in range(store.plan.n_layer):
+                assert sorted(np.nonzero(snap["tier"][l] == 2)[0].tolist()) == sorted(top), l   # VRAM
+                assert sorted(np.nonzero(snap["tier"][l] == 1)[0].tolist()) == sorted(nxt), l   # host
+                slots = snap["host_slot"][l][snap["host_slot"][l] >= 0]
+                assert len(set(slots.tolist())) == len(slots)                                     # one owner each
+            logits, _ = runner.forward(PROMPT, runner.new_cache(64), all_logits=True)
+            runner.settle()
+            assert torch.equal(logits, want_logits)
+    finally:
+        close_runner(runner, store)

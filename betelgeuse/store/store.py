@@ -313,14 +313,25 @@ class ExpertStore:
             def needs_slot(e):       # host tier, or a VRAM expert with a backing copy
                 return e in want and (want[e] == TIER_HOST or p.vram_backing)
 
-            def in_transit(e):       # promoted to VRAM without backing: keeps its host slot for one round, so the
-                return (not p.vram_backing and want.get(e) == TIER_VRAM   # worker copies it from RAM, not disk
-                        and cur_tier[e] != TIER_VRAM and (owner == e).any())
+            # promoted to VRAM without backing: keeps its host slot for one round, so the worker copies it from RAM,
+            # not disk; but only while the host tier's own experts still get slots (experts demoted from VRAM need
+            # new ones): the lowest-ranked transits give theirs up first (the worker then reads those from disk)
+            transit = [e for e in want if not p.vram_backing and want[e] == TIER_VRAM
+                       and cur_tier[e] != TIER_VRAM and (owner == e).any()]
+            need = sum(1 for e in want if needs_slot(e) and not (owner == e).any())
+            n_free = sum(1 for e in owner if e < 0 or (not needs_slot(int(e)) and int(e) not in transit))
+            transit = set(transit[:max(0, len(transit) - max(0, need - n_free))])
+
+            def in_transit(e):
+                return e in transit
             leaving = [i for i, e in enumerate(owner) if e >= 0 and not needs_slot(int(e)) and not in_transit(int(e))]
             free = [i for i, e in enumerate(owner) if e < 0] + leaving
             for i in leaving:
                 if int(owner[i]) not in want:
                     moves.append((l, int(owner[i]), TIER_DISK, -1))
+            for e in np.nonzero(cur_tier == TIER_VRAM)[0]:   # VRAM without a host slot, no longer wanted
+                if int(e) not in want and not (owner == e).any():
+                    moves.append((l, int(e), TIER_DISK, -1))
             to_vram = []                               # disk-tier experts promoted to VRAM without backing
             for e, tier in want.items():
                 held = np.nonzero(owner == e)[0]
