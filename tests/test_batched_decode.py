@@ -17,8 +17,9 @@ def model(tmp_path_factory):
     return write_synth(tmp_path_factory.mktemp("batch") / "engine.gguf", **ENGINE_SPEC)
 
 
-def _solo(model, P):
+def _solo(model, P, static=False):
     rn, st = in_process_runner(model, 0, 0)
+    rn._static_decode = static
     try:
         kv = rn.new_cache(64)
         lg, _ = rn.forward(P, kv)
@@ -31,10 +32,14 @@ def _solo(model, P):
         close_runner(rn, st)
 
 
-@pytest.mark.parametrize("vram,host", [(5, 15), (32, 0)])
-def test_batched_decode_equals_solo(model, vram, host):
-    want = [_solo(model, P) for P in PROMPTS]
+# static: the CUDA decode form (device-side positions, whole-cache attention) forced on the CPU, so that the
+# per-sequence steps of worker/seq_graphs.py run here too (eagerly: graphs need CUDA; deploy/device/check_cuda.py
+# checks capture and replay on the GPU)
+@pytest.mark.parametrize("vram,host,static", [(5, 15, False), (32, 0, False), (5, 15, True)])
+def test_batched_decode_equals_solo(model, vram, host, static):
+    want = [_solo(model, P, static) for P in PROMPTS]
     rn, st = in_process_runner(model, vram, host)
+    rn._static_decode = static
     try:
         kvs, last = [], []
         for P in PROMPTS:
@@ -55,6 +60,8 @@ def test_batched_decode_equals_solo(model, vram, host):
         for i, g in enumerate(got):
             assert torch.equal(torch.stack(g), want[i][:len(g)]), i
         # every expert was applied once per layer for all rows that chose it: fewer applications than rows
+        if static:                               # the per-sequence steps (SeqGraphs) ran
+            assert sum(isinstance(k, tuple) and k[0] == "batch" for k in rn._graphs) == len(PROMPTS)
         n, apps = loads[0]
         assert apps < n * ENGINE_SPEC["n_expert_used"] * ENGINE_SPEC["n_layer"]
     finally:

@@ -45,6 +45,7 @@ from betelgeuse.model.layers import layer_back, layer_front, pass_chunks
 from betelgeuse.store.client import StoreClient
 from betelgeuse.store.directory import SlotDirectory
 from betelgeuse.worker.expert_cache import TIER_DISK, TIER_HOST, TIER_VRAM, ExpertCache
+from betelgeuse.worker.seq_graphs import SeqGraphs, capture
 
 TIER_NAMES = {TIER_VRAM: "vram", TIER_HOST: "host", TIER_DISK: "disk"}
 
@@ -281,7 +282,8 @@ class ModelRunner:
 
         A sequence's logits do not depend on its batch (invariant 6): everything but the MoE runs per sequence with
         the same ops as a solo decode; the Triton expert kernels are row-invariant; the torch backend applies
-        experts one row at a time here (a solo decode step has one row per expert anyway)."""
+        experts one row at a time here (a solo decode step has one row per expert anyway). On CUDA (the static
+        form) each sequence's dense part replays its own graphs from its second step on (worker/seq_graphs.py)."""
         n = len(tokens)
         assert n == len(kvs) and n >= 1
         ids_t = self.model.check_ids(tokens)
@@ -293,27 +295,41 @@ class ModelRunner:
         try:
             snap = self._begin_work(stats)
             self.kern.sub_batch = 1
-            pos = [kv.begin_static() if static else kv.begin(1) for kv in kvs]
-            xs = [self.model.embed(ids_t[i:i + 1]) for i in range(n)]
+            if static:                              # CUDA: each sequence's own graphs (worker/seq_graphs.py)
+                seqs = [self._seq_graphs(kv) for kv in kvs]
+                for i, (kv, sg) in enumerate(zip(kvs, seqs)):
+                    kv.begin_static()
+                    sg.embed(ids_t[i:i + 1])
+            else:
+                pos = [kv.begin(1) for kv in kvs]
+                xs = [self.model.embed(ids_t[i:i + 1]) for i in range(n)]
             for l in range(L):
                 ls = LayerStats()
                 t = time.perf_counter()
                 hs, auxs, tids, tws = [], [], [], []
                 for i in range(n):
-                    xs[i] = self.model.attention_block(l, xs[i], kvs[i], pos[i], static=static)
-                    h, aux = self.model.moe_input(l, xs[i])
-                    ti, tw = self.model.route(l, h, ids_t[i:i + 1], self._resident_mask(snap, l))
-                    hs.append(h), auxs.append(aux), tids.append(ti), tws.append(tw)
+                    if static:
+                        h, ti, tw = seqs[i].front(l)
+                    else:
+                        xs[i] = self.model.attention_block(l, xs[i], kvs[i], pos[i])
+                        h, aux = self.model.moe_input(l, xs[i])
+                        ti, tw = self.model.route(l, h, ids_t[i:i + 1], self._resident_mask(snap, l))
+                        auxs.append(aux)
+                    hs.append(h), tids.append(ti), tws.append(tw)
                 t1 = time.perf_counter()
                 ls.attn_s = t1 - t
                 routed = self._moe_layer(l, torch.cat(hs), torch.cat(tids), torch.cat(tws), snap, stats, ls, False)
                 for i in range(n):
-                    xs[i] = self.model.moe_output(l, xs[i], auxs[i], hs[i], routed[i:i + 1])
+                    if static:
+                        seqs[i].back(l, routed[i:i + 1])
+                    else:
+                        xs[i] = self.model.moe_output(l, xs[i], auxs[i], hs[i], routed[i:i + 1])
                 ls.moe_s = time.perf_counter() - t1
                 stats.layers.append(ls)
             for kv in kvs:
                 kv.commit()
-            logits = torch.cat([self.model.logits(x) for x in xs]).float()
+            heads = [sg.head() for sg in seqs] if static else [self.model.logits(x) for x in xs]
+            logits = torch.cat(heads).float()
             counts = self._end_sync()
         except BaseException:
             self._abandon()
@@ -322,6 +338,16 @@ class ModelRunner:
             self.kern.sub_batch = sb
         self._end_forward(stats, counts, False, *start)
         return logits, stats
+
+    def _seq_graphs(self, kv) -> SeqGraphs:
+        """A sequence's batched-decode graphs (eager on its first step, captured on its second), kept with the
+        solo decode graphs, least recently used first."""
+        key = ("batch", kv.uid)
+        sg = self._graphs.get(key)
+        if sg is None:
+            sg = SeqGraphs(self.model, kv, self.mcfg.n_layer, self.cache.is_cuda and self.cfg.cuda_graphs)
+        self._remember(key, sg)
+        return sg
 
     def _abandon(self):
         """Close the store's pass after an exception; a dead store is the caller's problem already."""
@@ -496,12 +522,9 @@ class ModelRunner:
             gen = self._decode_ops(static_ids, kv, pos, lstats, out)
             graphs, eager, pool = [], [], None
             while True:
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
-                    item = next(gen, None)
+                g, item = capture(pool, lambda: next(gen, None))      # captured, then replayed once
                 pool = g.pool()
                 graphs.append(g)
-                g.replay()
                 if item is None:
                     break
                 eager.append(item)

@@ -12,7 +12,8 @@
    it runs at pinned speed (GB/s of a 256 MiB copy: arena view vs a pageable tensor).
 3. overlap: torch.profiler trace of one layer-major prefill (mid model, 5/15, warm and cold): the
    fraction of host->device memcpy time that overlaps compute kernels on another stream.
-4. PP tok/s layer-major vs standard on the tiny and the mid model, same slot config and state.
+4. batch: batched decode with per-sequence CUDA graphs (eager, captured, replayed) == each sequence alone.
+5. PP tok/s layer-major vs standard on the tiny and the mid model, same slot config and state.
 """
 
 from __future__ import annotations
@@ -234,6 +235,51 @@ def check_prefix(path: Path, device: str, ids: list[int], chunk: int = 16):
         close(runner, store)
 
 
+def check_batch(path: Path, device: str, steps: int = 6):
+    """Batched decode with each sequence's own CUDA graphs (worker/seq_graphs.py: eager, captured, replayed) equals
+    each sequence decoded alone, while sequences sit out and rejoin (the batch changes, no sequence recaptures)."""
+    prompts = [ids_for(path, n, seed) for n, seed in ((40, 3), (17, 5), (29, 7))]
+    runner, store = runner_for(path, device, 5, 15)
+    try:
+        solo = []
+        for P in prompts:
+            kv = runner.new_cache(len(P) + steps + 8)
+            lg, _ = runner.forward(P, kv)
+            out = []
+            for _ in range(steps):
+                lg, _ = runner.forward([int(lg[-1].argmax())], kv, consolidate=False)
+                out.append(lg[0].cpu())
+            solo.append(out)
+            runner.consolidate()
+        kvs, last = [], []
+        for P in prompts:
+            kv = runner.new_cache(len(P) + steps + 8)
+            lg, _ = runner.forward(P, kv)
+            kvs.append(kv), last.append(int(lg[-1].argmax()))
+        got, ms = [[] for _ in prompts], []
+        for step in range(steps):
+            live = [0, 2] if step in (1, 3) else [0, 1, 2]          # sequence 1 sits out and rejoins
+            t = time.perf_counter()
+            lg, _ = runner.decode_batch([last[i] for i in live], [kvs[i] for i in live])
+            sync(device)
+            ms.append((time.perf_counter() - t) * 1e3)
+            for j, i in enumerate(live):
+                got[i].append(lg[j].cpu())
+                last[i] = int(lg[j].argmax())
+        runner.consolidate()
+        ok = all(torch.equal(x, y) for i in range(len(prompts)) for x, y in zip(got[i], solo[i]))
+        sgs = [runner._graphs.get(("batch", kv.uid)) for kv in kvs]
+        modes = [sg.mode if sg is not None else "none (no static form here)" for sg in sgs]
+        graphs = runner._static_decode and runner.cache.is_cuda and runner.cfg.cuda_graphs
+        diff = max((x - y).abs().max().item() for i in range(len(prompts)) for x, y in zip(got[i], solo[i]))
+        row("batch: graphs == solo", ok and (not graphs or all(m == "replay" for m in modes)),
+            f"{steps} steps, 3 sequences (one sits out twice), modes {modes}, max |diff| {diff:.3e}; "
+            f"pass ms {' '.join(f'{x:.0f}' for x in ms)}")
+        RESULTS["batch"] = {"pass_ms": ms, "modes": modes}
+    finally:
+        close(runner, store)
+
+
 # ---- 2. pinned arena -----------------------------------------------------------------------------------
 
 def gbps(src: torch.Tensor, dst: torch.Tensor, reps: int = 5) -> float:
@@ -378,7 +424,7 @@ def main() -> int:
     p.add_argument("--mid-layers", type=int, default=12)
     p.add_argument("--tokens", type=int, default=256, help="prompt tokens for the mid model (tiny: half)")
     p.add_argument("--mid-preset", default="small", help="synth preset of the mid model (bench: the benchmark geometry)")
-    p.add_argument("--only", default="invariance,prefix,pinned,overlap,pp", help="comma-separated steps to run")
+    p.add_argument("--only", default="invariance,prefix,batch,pinned,overlap,pp", help="comma-separated steps to run")
     a = p.parse_args()
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         print("check_cuda: error: CUDA is not available (use --device cpu to run the checks on the CPU)")
@@ -394,6 +440,7 @@ def main() -> int:
     ids_tiny = ids_for(paths["tiny"], 48, seed=0)
     steps = [("invariance", lambda: check_invariance(paths["tiny"], a.device, ids_tiny, tmp)),
              ("prefix", lambda: check_prefix(paths["mid"], a.device, ids_for(paths["mid"], 150, seed=4))),
+             ("batch", lambda: check_batch(paths["mid"], a.device)),
              ("pinned", lambda: check_pinned(paths["mid"], a.device)),
              ("overlap", lambda: check_overlap(paths["mid"], a.device, ids_for(paths["mid"], a.tokens), outdir)),
              ("pp", lambda: check_pp(paths, a.device, {"tiny": max(8, a.tokens // 2), "mid": a.tokens}))]
