@@ -73,7 +73,7 @@ def test_agent_loop_resends_the_conversation(agents_run):
             assert t["token_s"] == sorted(t["token_s"]) and t["token_s"][0] == pytest.approx(t["ttft_s"], abs=1e-5)
             assert t["usage"]["prompt_n"] == t["prompt_tokens"]
         assert 180 <= turns[-1]["prompt_tokens"] <= 220
-        assert [x["prompt_tokens"] for x in c["repeat"]] == [REPEAT, REPEAT]
+        assert [x["prompt_tokens"] for x in c["repeat"]] == [REPEAT, REPEAT, REPEAT + 1]
     # greedy: the prefix cache (when there is one) must not change a single token
     assert r["summary"]["agent_same_tokens"] is True
     assert [t["tokens"] for t in off["turns"]] == [t["tokens"] for t in on["turns"]]
@@ -84,11 +84,13 @@ def test_agent_loop_resends_the_conversation(agents_run):
     if not on["prefix_cache"]["engine_has_prefix_cache"]:
         assert all(t["cached_tokens"] == 0 for t in on["turns"] + on["repeat"])
         pytest.skip("the engine has no prefix cache yet: cached tokens are 0")
-    # the second submission of the same prompt reuses its whole cached prefix (at least one block, never all of it:
-    # the last token is computed to give the logits)
-    assert 0 < on["repeat"][1]["cached_tokens"] < REPEAT
+    # the second submission of the same prompt is served whole from the cache (no pass); the same prompt + 1 token
+    # reuses its whole blocks and computes the rest (the last token always: it gives the logits)
+    assert on["repeat"][1]["cached_tokens"] == REPEAT
+    assert 0 < on["repeat"][2]["cached_tokens"] < REPEAT + 1
+    assert s["agent_cache_on"]["repeat_plus1_cached"] == on["repeat"][2]["cached_tokens"]
     assert all(t["cached_tokens"] > 0 for t in on["turns"][1:])                   # every later turn hits
-    assert all(t["cached_tokens"] < t["prompt_tokens"] for t in on["turns"])
+    assert all(t["cached_tokens"] < t["prompt_tokens"] for t in on["turns"])            # new tokens every turn
 
 
 def test_concurrency_figures_consistent(agents_run):

@@ -147,6 +147,44 @@ def test_eviction_is_lru_bounded_and_spares_held_blocks(model):
         close_runner(rn, st)
 
 
+def test_a_whole_prompt_entry_serves_an_exact_repeat_only(model):
+    """After its last pass a prompt also keeps its last partial block and its last logits: the same prompt again
+    loads everything (no token left to compute) and gets those logits; a longer or different prompt does not
+    match it; the logits rows are bounded and the oldest unreferenced entry makes room."""
+    rn, st = in_process_runner(model, 0, 0, prefill_chunk=C)
+    try:
+        c = rn.mcfg
+        block_bytes = c.n_layer * 2 * c.n_head_kv * C * c.head_dim * 4
+        pc = PrefixCache(c.n_layer, c.n_head_kv, c.head_dim, C, 8 * block_bytes, rn.device, rn.dtype, V)
+        assert pc.tail_logits.shape == (2, V)                   # one row per 4 blocks' budget
+        assert pc.n_blocks == (8 * block_bytes - 2 * V * 4) // block_bytes == 7
+        for P in (SYSTEM, SYSTEM[:24]):                          # a partial last block; exactly 3 blocks
+            kv = rn.new_cache(64)
+            logits, _ = rn.forward(P, kv)
+            held = pc.insert(kv, P, len(P), [])
+            held = pc.insert_tail(kv, P, held, logits[-1])
+            assert len(held) == len(P) // C + 1                # its whole blocks + the entry
+            pc.release(held)
+            blocks = pc.lookup(P)
+            kv2 = rn.new_cache(64)
+            assert pc.load(kv2, blocks) == len(P) == kv2.length
+            for l in range(c.n_layer):                           # every position's K/V, bit for bit
+                assert torch.equal(kv2.k[l][:, :len(P)], kv.k[l][:, :len(P)])
+                assert torch.equal(kv2.v[l][:, :len(P)], kv.v[l][:, :len(P)])
+            assert torch.equal(pc.logits(blocks), logits[-1])
+            more = pc.lookup(P + [7])                            # a longer prompt: whole blocks only
+            assert pc.logits(more) is None and len(more) == len(P) // C
+        assert len(pc.tail_row) == 2 and pc.bytes_used <= pc.capacity_bytes
+        third = prompt(12, V, seed=9)                            # a third entry: the oldest one goes
+        kv = rn.new_cache(64)
+        logits, _ = rn.forward(third, kv)
+        pc.release(pc.insert_tail(kv, third, pc.insert(kv, third, len(third), []), logits[-1]))
+        assert len(pc.tail_row) == 2
+        assert pc.logits(pc.lookup(SYSTEM)) is None and pc.logits(pc.lookup(third)) is not None
+    finally:
+        close_runner(rn, st)
+
+
 # ---- the engine: agent turns, metrics, chunked prefill beside decodes --------------------------------------------
 
 def _engine(model, **kw):
@@ -210,6 +248,30 @@ def test_agent_turns_reuse_the_conversation_exactly(model):
         assert 0 < _sample(reg, "betelgeuse_prefix_cache_used_bytes") <= _sample(reg, "betelgeuse_prefix_cache_capacity_bytes")
         # prompt tokens actually prefilled: the miss engine prefilled everything, the cached one the rest
         assert _sample(reg, "betelgeuse_prompt_tokens_total") == sum(map(len, turns)) - reused
+    finally:
+        close_on()
+        close_off()
+
+
+def test_a_repeated_prompt_runs_no_pass_and_matches_a_miss(model):
+    """The same prompt twice: the second request's first token comes from the cached logits (no prompt token
+    computed), and every token and logprob equals an engine without a prefix cache; a prompt one token longer
+    prefills only from its last whole block."""
+    P = SYSTEM + prompt(14, V, seed=70)                          # 41 tokens: 5 whole blocks + 1
+    on, close_on = _engine(model)
+    off, close_off = _engine(model, prefix_cache_bytes=0)
+    try:
+        reg = on.metrics.registry
+        want, _ = _gen(off, P)
+        first, fin1 = _gen(on, P)
+        computed = _sample(reg, "betelgeuse_prompt_tokens_total")
+        again, fin2 = _gen(on, P)
+        assert first == want and again == want
+        assert fin1.usage.cached_tokens == 0 and fin2.usage.cached_tokens == len(P)
+        assert _sample(reg, "betelgeuse_prompt_tokens_total") == computed        # no prompt token computed
+        longer, fin3 = _gen(on, P + [3])
+        want3, _ = _gen(off, P + [3])
+        assert longer == want3 and fin3.usage.cached_tokens == len(P) // C * C
     finally:
         close_on()
         close_off()

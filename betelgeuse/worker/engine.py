@@ -283,6 +283,10 @@ class LLMEngine:
                 seq.blocks = blocks
                 seq.n_done = seq.usage.cached_tokens = pc.load(seq.kv, blocks)
                 self._prefix_metrics()
+                if seq.n_done == len(P):                # the whole prompt was cached: no pass, the same logits
+                    self._prompt_done(seq)
+                    self._emit_token(seq, pc.logits(blocks))
+                    return
         rest = len(P) - seq.n_done
         take = rest
         if limit is not None and rest > limit:
@@ -293,17 +297,24 @@ class LLMEngine:
         if out is None:
             return
         seq.n_done += take
+        logits, st = out
         if pc is not None:
             seq.blocks = pc.insert(seq.kv, P, seq.n_done, seq.blocks)
+            if last:
+                seq.blocks = pc.insert_tail(seq.kv, P, seq.blocks, logits)
             self._prefix_metrics()
         if not last:
             return
-        logits, st = out
+        self._prompt_done(seq)
+        self._emit_token(seq, logits)
+
+    def _prompt_done(self, seq: Sequence):
+        """Usage of the prompt phase: admission to the first token's logits, tokens computed per second."""
+        P = seq.prompt_ids
         seq.usage.prompt_n = len(P)
         seq.usage.prompt_ms = (time.monotonic() - seq.t_prefill_start) * 1e3
         computed = len(P) - seq.usage.cached_tokens
         seq.usage.prompt_per_second = computed / (seq.usage.prompt_ms / 1e3) if seq.usage.prompt_ms > 0 else 0.0
-        self._emit_token(seq, logits)
 
     def _make_prefix_cache(self) -> PrefixCache | None:
         from betelgeuse.store.plan import prefix_cache_bytes
@@ -316,7 +327,7 @@ class LLMEngine:
             log.info("prefix cache off: %s", "the standard schedule prefills in micro-batches"
                      if r.chunk is not None else f"{c.arch} state is not cut into position-aligned blocks")
             return None
-        pc = PrefixCache(c.n_layer, c.n_head_kv, c.head_dim, r.chunk, nbytes, r.device, r.dtype)
+        pc = PrefixCache(c.n_layer, c.n_head_kv, c.head_dim, r.chunk, nbytes, r.device, r.dtype, c.n_vocab)
         if not pc.enabled:
             log.warning("prefix cache off: %d bytes hold no block of %d tokens (%d bytes)", nbytes, r.chunk,
                         pc.block_bytes)

@@ -5,6 +5,7 @@ up to each block (vLLM's automatic prefix caching), reused by later requests tha
     pc.acquire(blocks); n = pc.load(kv, blocks)    # copy them into the sequence's KV cache: kv.length = n
     ... prefill prompt[n:] ...
     held = pc.insert(kv, prompt, done, held)       # the new full blocks of prompt[:done] (copied in), held too
+    held = pc.insert_tail(kv, prompt, held, logits)  # after the last pass: the whole prompt (see below)
     pc.release(held)                       # the request ended: its blocks become evictable (LRU)
 
 A block is `block` tokens (= EngineConfig.prefill_chunk), aligned to absolute positions: the engine prefills in
@@ -12,8 +13,15 @@ position-aligned chunks, so a block's K/V are the same bits whichever request co
 logits bit-identical to a miss (tests/test_prefix_cache.py). Only prompt blocks are cached: K/V written by decode
 steps come from one-row passes and would not match what a prefill computes for the same tokens.
 
+The whole prompt: after its last prefill pass a request also keeps its prompt's last, partial block (1..block
+tokens) and the logits of its last position, under the hash of the whole prompt. A later request with exactly the
+same prompt loads every block and runs no pass at all: its first token is sampled from the same logits a miss
+computes (bit-identical: they are that miss's logits), so a repeated prompt (a retry, a regeneration, n
+completions) costs a copy. A prompt that only starts with a cached one still prefills from its last whole block.
+
 Memory: one preallocated pool [n_layer, 2, n_blocks, n_head_kv, block, head_dim] on the worker's device, its size
-the configured budget (the slot plan subtracts it from the VRAM budget). Blocks held by a running request
+the configured budget (the slot plan subtracts it from the VRAM budget), less the whole-prompt logits rows
+[n_tails, n_vocab] float32 preallocated beside it. Blocks held by a running request
 (reference count > 0) are never evicted; the others are evicted least recently used first, the tail of a chain
 before its head (a head evicted first would leave its tail unreachable).
 """
@@ -39,12 +47,20 @@ class PrefixStats:
 
 class PrefixCache:
     def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, block: int, capacity_bytes: int,
-                 device, dtype):
+                 device, dtype, n_vocab: int = 0):
+        """n_vocab: the logits row of a whole-prompt entry (0: no whole-prompt entries)."""
         assert block >= 1
         self.block = block
         elt = torch.empty((), dtype=dtype).element_size()
         self.block_bytes = n_layer * 2 * n_head_kv * block * head_dim * elt
-        self.n_blocks = capacity_bytes // self.block_bytes
+        # whole-prompt entries: at most one per 4 blocks (each also holds a block), 16 at most, within the budget
+        n_tails = min(16, capacity_bytes // self.block_bytes // 4) if n_vocab else 0
+        if n_vocab and not n_tails and capacity_bytes >= self.block_bytes + 4 * n_vocab:
+            n_tails = 1
+        self.tail_logits = torch.zeros((n_tails, n_vocab), dtype=torch.float32, device=device)
+        self.tail_row: dict[int, int] = {}                          # whole-prompt block id -> its logits row
+        self.tail_free = list(range(n_tails - 1, -1, -1))
+        self.n_blocks = (capacity_bytes - self.tail_logits.numel() * 4) // self.block_bytes
         # [n_layer, 2 (k, v), n_blocks, n_head_kv, block, head_dim]
         self.pool = torch.zeros((n_layer, 2, self.n_blocks, n_head_kv, block, head_dim), dtype=dtype, device=device)
         self.digest: list[bytes | None] = [None] * self.n_blocks      # chained hash of the prefix ending here
@@ -62,15 +78,17 @@ class PrefixCache:
 
     @property
     def bytes_used(self) -> int:
-        return (self.n_blocks - len(self.free)) * self.block_bytes
+        return (self.n_blocks - len(self.free)) * self.block_bytes + len(self.tail_row) * self.tail_logits.shape[1] * 4
 
     @property
     def capacity_bytes(self) -> int:
-        return self.n_blocks * self.block_bytes
+        return self.n_blocks * self.block_bytes + self.tail_logits.numel() * 4
 
     @staticmethod
-    def _hash(parent: bytes, toks) -> bytes:
-        return hashlib.blake2b(parent + np.asarray(toks, dtype=np.int64).tobytes(), digest_size=16).digest()
+    def _hash(parent: bytes, toks, whole: bool = False) -> bytes:
+        """The chained hash of a prefix; `whole` marks the end of a whole prompt (never equal to a block's)."""
+        return hashlib.blake2b((b"W" if whole else b"") + parent + np.asarray(toks, dtype=np.int64).tobytes(),
+                               digest_size=16).digest()
 
     # ---- lookup and reference counts --------------------------------------------------------------------
     def lookup(self, prompt: list[int]) -> list[int]:
@@ -87,13 +105,25 @@ class PrefixCache:
                 break
             out.append(blk)
             parent = blk
+        n = len(out) * B
+        if len(out) == (len(prompt) - 1) // B and self.tail_row:     # every whole block: the whole prompt too?
+            toks = tuple(prompt[n:])
+            blk = self.index.get(self._hash(h, toks, whole=True))
+            if blk is not None and self.tokens[blk] == toks and self.parent[blk] == parent:
+                out.append(blk)
+                n = len(prompt)
         for blk in reversed(out):                   # head most recent: the tail goes first
             if blk in self.lru:
                 self.lru.move_to_end(blk)
         if out:
             self.stats.hits += 1
-            self.stats.tokens_reused += len(out) * B
+            self.stats.tokens_reused += n
         return out
+
+    def logits(self, blocks: list[int]) -> torch.Tensor | None:
+        """The last position's logits [n_vocab] float32 (a copy) when `blocks` end with a whole prompt, else None."""
+        row = self.tail_row.get(blocks[-1]) if blocks else None
+        return None if row is None else self.tail_logits[row].clone()
 
     def acquire(self, blocks: list[int]):
         for blk in blocks:
@@ -112,18 +142,21 @@ class PrefixCache:
     def load(self, kv, blocks: list[int]) -> int:
         """Copy the blocks' K/V into positions [0, n*block) of an empty sequence cache; returns n*block tokens."""
         assert kv.length == 0, kv.length
-        n = len(blocks)
-        if not n:
-            return 0
-        B = self.block
-        idx = torch.tensor(blocks, dtype=torch.long, device=self.pool.device)
+        tail = blocks[-1] if blocks and blocks[-1] in self.tail_row else None
+        full = blocks[:-1] if tail is not None else blocks
+        n, B = len(full), self.block
+        t = len(self.tokens[tail]) if tail is not None else 0
+        if n:
+            idx = torch.tensor(full, dtype=torch.long, device=self.pool.device)
         for l in range(self.pool.shape[0]):
             for j, dst in enumerate((kv.k[l], kv.v[l])):
                 kvh, _, hd = dst.shape
-                # [n, kvh, B, hd] -> the cache's [kvh, n*B, hd] layout
-                dst[:, :n * B].view(kvh, n, B, hd).copy_(self.pool[l, j].index_select(0, idx).transpose(0, 1))
-        kv.length = n * B
-        return n * B
+                if n:       # [n, kvh, B, hd] -> the cache's [kvh, n*B, hd] layout
+                    dst[:, :n * B].view(kvh, n, B, hd).copy_(self.pool[l, j].index_select(0, idx).transpose(0, 1))
+                if t:       # the whole prompt's last t tokens
+                    dst[:, n * B:n * B + t].copy_(self.pool[l, j, tail, :, :t])
+        kv.length = n * B + t
+        return kv.length
 
     def insert(self, kv, prompt: list[int], done: int, held: list[int]) -> list[int]:
         """After a prefill pass: cache the full blocks of prompt[:done] past `held` (the chain this request
@@ -152,16 +185,62 @@ class PrefixCache:
             self._write(kv, new, done // B)
         return chain
 
+    def insert_tail(self, kv, prompt: list[int], held: list[int], logits: torch.Tensor) -> list[int]:
+        """After the last prefill pass: keep the whole prompt (its last 1..block tokens' K/V from kv and `logits`
+        [n_vocab], its last position's) when `held` holds its chain of whole blocks. Returns the chain, the new
+        entry held too; unchanged when there is no room (no logits row or block that nobody holds)."""
+        B, P = self.block, len(prompt)
+        n_full = (P - 1) // B
+        # (a prompt of whole blocks holds its last one as a block too: the entry hangs off the block before it)
+        if not self.tail_logits.shape[0] or len(held) < n_full or kv.length < P:
+            return held
+        toks = tuple(prompt[n_full * B:])
+        parent = held[n_full - 1] if n_full else -1
+        h = self._hash(self.digest[parent] if n_full else b"", toks, whole=True)
+        blk = self.index.get(h)
+        if blk is not None and self.tokens[blk] == toks and self.parent[blk] == parent:
+            self.acquire([blk])                     # the same prompt finished meanwhile: share its entry
+            return held + [blk]
+        if not self.tail_free:                      # every logits row taken: the oldest evictable entry goes
+            old = next((b for b in self.lru if b in self.tail_row), None)
+            if old is None:
+                return held
+            self.lru.pop(old)
+            self._drop(old)
+            self.free.append(old)
+        blk = self._allocate()
+        if blk is None:
+            return held
+        row = self.tail_free.pop()
+        self.tail_row[blk] = row
+        self.digest[blk], self.tokens[blk], self.parent[blk] = h, toks, parent
+        self.index[h] = blk
+        self.stats.inserted += 1
+        self.tail_logits[row].copy_(logits.reshape(-1))
+        t = len(toks)
+        for l in range(self.pool.shape[0]):
+            for j, src in enumerate((kv.k[l], kv.v[l])):
+                self.pool[l, j, blk, :, :t].copy_(src[:, n_full * B:P])
+        self.acquire([blk])
+        return held + [blk]
+
     def _allocate(self) -> int | None:
         if self.free:
             return self.free.pop()
         if not self.lru:
             return None
         blk, _ = self.lru.popitem(last=False)
+        self._drop(blk)
+        return blk
+
+    def _drop(self, blk: int):
+        """Forget an evicted block (and its logits row if it ends a whole prompt)."""
         self.index.pop(self.digest[blk], None)
         self.digest[blk], self.tokens[blk], self.parent[blk] = None, None, -1
+        row = self.tail_row.pop(blk, None)
+        if row is not None:
+            self.tail_free.append(row)
         self.stats.evictions += 1
-        return blk
 
     def _write(self, kv, new: list[tuple[int, int]], n_full: int):
         """Copy prompt blocks new[j][1] of kv into pool blocks new[j][0]: two gathers + two scatters per layer."""
