@@ -186,6 +186,9 @@ def test_an_unattributable_step_failure_spares_the_waiting_and_the_engine(engine
 
 def test_a_pass_exception_fails_its_sequence_alone(engine, alone, monkeypatch):
     reqs = [_req(i) for i in range(4)]
+    # a prompt never sent before: a repeated one is served whole from the prefix cache, with no pass to fail
+    reqs[2] = GenerateRequest(prompt_ids=prompt(14, N_VOCAB, seed=999), max_tokens=4, ignore_eos=True,
+                              sampling=SamplingParams(temperature=0.0))
     real = engine.runner.forward
     bad_first = reqs[2].prompt_ids[0]
 

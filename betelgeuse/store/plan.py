@@ -21,6 +21,9 @@ from betelgeuse.store.layout import ArenaLayout, SlotLayout
 
 HEADROOM = 256 * MiB            # left free in the cgroup for page tables, sockets, the unexpected
 CUDA_CONTEXT_BYTES = 1 * GiB    # VRAM the CUDA context and torch's allocator take beyond tensors (767 MiB measured on an H200)
+# VRAM of one running sequence's captured decode graphs (worker/seq_graphs.py: ~100 graphs, their private pool and
+# their instantiated kernel nodes); gpu-agents3 went 158 MiB higher device-wide with 8 sequences replaying them
+GRAPHS_BYTES_PER_SEQ = 32 * MiB
 
 
 def _gib(n: int) -> str:
@@ -105,7 +108,8 @@ def compute_dtype_bytes(cfg: EngineConfig) -> int:
 
 
 def vram_fixed_bytes(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int) -> int:
-    """Worker VRAM outside the hot slots: dense weights, KV caches, the prefix cache, execution ring, activations."""
+    """Worker VRAM outside the hot slots: dense weights, KV caches, the prefix cache, execution ring, activations,
+    the CUDA context and the running sequences' decode graphs."""
     c = f.config
     dt = compute_dtype_bytes(cfg)
     kv = cfg.max_running * cfg.max_context * c.n_layer * 2 * c.n_head_kv * c.head_dim * dt
@@ -120,6 +124,8 @@ def vram_fixed_bytes(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int) -> in
         act += attention_scratch_bytes(c, cfg.max_context)
     kv += prefix_cache_bytes(cfg, c, dt)
     ctx = CUDA_CONTEXT_BYTES if cfg.is_cuda else 0
+    if cfg.is_cuda and cfg.cuda_graphs:
+        ctx += cfg.max_running * GRAPHS_BYTES_PER_SEQ
     return dense_bytes(f, dt) + kv + ring + deq + act + ctx
 
 
