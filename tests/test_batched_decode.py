@@ -60,8 +60,10 @@ def test_batched_decode_equals_solo(model, vram, host, static):
         for i, g in enumerate(got):
             assert torch.equal(torch.stack(g), want[i][:len(g)]), i
         # every expert was applied once per layer for all rows that chose it: fewer applications than rows
-        if static:                               # the per-sequence steps (SeqGraphs) ran
+        if static:                               # the per-sequence steps (SeqGraphs) ran; a finished one lets go
             assert sum(isinstance(k, tuple) and k[0] == "batch" for k in rn._graphs) == len(PROMPTS)
+            rn.release(kvs[1])
+            assert ("batch", kvs[1].uid) not in rn._graphs and ("batch", kvs[0].uid) in rn._graphs
         n, apps = loads[0]
         assert apps < n * ENGINE_SPEC["n_expert_used"] * ENGINE_SPEC["n_layer"]
     finally:

@@ -202,6 +202,21 @@ def test_a_pass_exception_fails_its_sequence_alone(engine, alone, monkeypatch):
     assert [g for i, g in enumerate(got) if i != 2] == [a for i, a in enumerate(alone[:4]) if i != 2]
 
 
+def test_a_failing_release_still_ends_the_request(engine, monkeypatch):
+    """Freeing a finished sequence (its decode graphs, its prefix blocks) that raises is logged, and the request still
+    gets its final event. Before: the sequence had left the running set, so the engine's catch-all could not fail it,
+    and the client waited forever."""
+    def boom(kv):
+        raise RuntimeError("injected fault in release")
+    monkeypatch.setattr(engine.runner, "release", boom)
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("r", _run(engine, _req(9, n=3))), daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "the request never ended"
+    assert out["r"][1] == "length" and len(out["r"][0]) == 3
+
+
 # ---- item 2: bounded work before admission ------------------------------------------------------------------------
 
 def test_oversized_prompts_are_refused_before_tokenizing(engine, monkeypatch):

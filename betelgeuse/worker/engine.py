@@ -451,10 +451,15 @@ class LLMEngine:
         """The sequence leaves the running set: its KV cache goes, its prefix blocks become evictable."""
         if seq in self.running:
             self.running.remove(seq)
-        seq.kv = None
-        if seq.blocks and self.prefix_cache is not None:
-            self.prefix_cache.release(seq.blocks)
-        seq.blocks = []
+        kv, blocks = seq.kv, seq.blocks
+        seq.kv, seq.blocks = None, []
+        try:                        # a failure here must not keep the request from its final event
+            if kv is not None:
+                self.runner.release(kv)          # its captured decode graphs
+            if blocks and self.prefix_cache is not None:
+                self.prefix_cache.release(blocks)
+        except Exception:                        # noqa: BLE001
+            log.exception("releasing the resources of request %s failed", seq.request.request_id or seq.seq_id)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: str = "", stop_token_id: int | None = None):
         self._free(seq)

@@ -542,6 +542,12 @@ class ModelRunner:
         stats.layers = lstats
         return logits.clone()
 
+    def release(self, kv):
+        """A sequence is done: drop its captured decode graphs (solo and batched) and their memory pools now, not
+        when the LRU bound reaches them (the slot plan counts graphs for max_running sequences)."""
+        for key in [k for k in self._graphs if k[0] == kv.uid or k == ("batch", kv.uid)]:
+            del self._graphs[key]
+
     def _remember(self, key, value):
         """Captured decode graphs, least recently used first; a few sequences' worth (each holds its own
         small activation pool)."""
