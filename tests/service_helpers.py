@@ -164,13 +164,13 @@ def wait_health(channel, want: int, timeout: float = 60.0) -> int:
 
 
 def request(*, text=None, ids=None, messages=None, max_tokens=16, temperature=0.0, top_p=None, top_k=0,
-            seed=None, ignore_eos=False, stop=()) -> pb.GenerateRequest:
+            seed=None, ignore_eos=False, stop=(), cache_salt="") -> pb.GenerateRequest:
     s = pb.SamplingParams(temperature=temperature, top_k=top_k)
     if top_p is not None:
         s.top_p = top_p
     if seed is not None:
         s.seed = seed
-    r = pb.GenerateRequest(sampling=s, ignore_eos=ignore_eos, stop=list(stop))
+    r = pb.GenerateRequest(sampling=s, ignore_eos=ignore_eos, stop=list(stop), cache_salt=cache_salt)
     if max_tokens is not None:
         r.max_tokens = max_tokens
     if text is not None:

@@ -125,6 +125,15 @@ def test_agent_turns_report_cached_tokens_and_match_the_reference(cluster, clien
     cached = r2.usage.prompt_tokens_details.cached_tokens
     assert cached == r2.model_extra["timings"]["cached_tokens"]
     assert 64 <= cached <= n1 and cached % 64 == 0, (cached, n1)
+    # the same request again: served whole from the cache; under another tenant's cache_salt: nothing reused, the
+    # same reply; a salt over 256 bytes is refused with a 400 that names it
+    r3 = client.chat.completions.create(model=model_id, messages=msgs, max_tokens=8, temperature=0)
+    assert r3.choices[0].message.content == want and r3.usage.prompt_tokens_details.cached_tokens == len(ids)
+    r4 = client.chat.completions.create(model=model_id, messages=msgs, max_tokens=8, temperature=0,
+                                        extra_body={"cache_salt": "tenant-b"})
+    assert r4.choices[0].message.content == want and r4.usage.prompt_tokens_details.cached_tokens == 0
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        client.chat.completions.create(model=model_id, messages=msgs, max_tokens=8, extra_body={"cache_salt": "x" * 300})
 
 
 def test_stream_equals_grpc_and_reference_for_a_seed(cluster, client, channel, model_id):

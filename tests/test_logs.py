@@ -152,6 +152,9 @@ def test_real_processes_log_requests_and_store_events(service_model, tmp_path, m
             assert r.code == grpc.StatusCode.INVALID_ARGUMENT
     finally:
         c.stop()
+    # req-b repeats req-a's prompt: served whole from the prefix cache
+    assert finals["req-a"].usage.cached_tokens == 0
+    assert finals["req-b"].usage.cached_tokens == finals["req-b"].usage.prompt_n > 0
     worker = _json_lines(Path(c.worker.log_path))
     requests = {e["id"]: e for e in worker if e.get("event") == "request"}
     assert [e["id"] for e in worker if e.get("event") == "request"] == ["req-a", "req-b", "req-bad"]
@@ -161,7 +164,7 @@ def test_real_processes_log_requests_and_store_events(service_model, tmp_path, m
         assert final.finish_reason == pb.FINISH_REASON_LENGTH
         assert e["status"] == "length" and e["level"] == "info"
         assert e["prompt_tokens"] == u.prompt_n and e["completion_tokens"] == u.predicted_n
-        assert e["cached_tokens"] == 0
+        assert e["cached_tokens"] == u.cached_tokens
         assert (e["reads_vram"], e["reads_host"], e["reads_disk"]) == \
             (u.expert_reads_vram, u.expert_reads_host, u.expert_reads_disk)
         assert e["disk_bytes"] == u.disk_bytes

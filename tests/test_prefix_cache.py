@@ -101,6 +101,11 @@ def test_lookup_leaves_a_token_and_checks_the_whole_prefix(model):
         other = [P[0] ^ 1] + P[1:] + [5]                        # same blocks 2 and 3, another first token
         assert pc.lookup(other) == []
         assert pc.stats.hits == 2 and pc.stats.queries == 3 and pc.stats.tokens_reused == 5 * C
+        # cache_salt: another salt's chain never matches the shared one, nor the shared one a salted chain
+        assert pc.lookup(P + [5], salt="tenant-b") == []
+        pc.release(pc.insert(kv, P, len(P), [], salt="tenant-b"))
+        assert len(pc.lookup(P + [5], salt="tenant-b")) == 3 and pc.lookup(P + [5], salt="tenant-c") == []
+        assert pc.lookup(P + [5]) == pc.lookup(P + [5], salt="")
     finally:
         close_runner(rn, st)
 

@@ -502,11 +502,12 @@ def test_sigstop_of_the_worker(cluster, channel, reference):
 
 def test_kill9_of_the_worker_mid_stream_comes_back_warm(cluster, channel, reference):
     p = PROMPTS[4]
-    for _ in range(4):                                          # until every expert the prompt needs is resident
-        r = gen(channel, h.request(ids=p, max_tokens=6, ignore_eos=True))
+    for i in range(4):                                          # until every expert the prompt needs is resident
+        # (a salt of its own each time: a repeat would be served whole from the prefix cache, with no prefill)
+        r = gen(channel, h.request(ids=p, max_tokens=6, ignore_eos=True, cache_salt=f"warm-{i}"))
         if r.final.usage.expert_reads_disk == 0:
             break
-    assert r.final.usage.expert_reads_disk == 0
+    assert r.final.usage.expert_reads_disk == 0 and r.final.usage.cached_tokens == 0
     t, out = _start_long(channel)
     cluster.worker.kill9()
     TALLY["faults"] += 1

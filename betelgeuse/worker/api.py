@@ -59,6 +59,9 @@ class GenerateRequest:
     tool_choice: str | dict | None = None             # "none" | "auto" | "required" | {"type":"function","function":{"name":..}}
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)   # extra template variables (enable_thinking)
     grammar: Grammar | None = None                    # constrained output (response_format)
+    # prompts with different salts never share prefix-cache entries (vLLM's cache_salt): one tenant cannot learn
+    # from its time to first token what another has sent; "" = the shared cache
+    cache_salt: str = ""
 
 
 @dataclass(slots=True)

@@ -37,6 +37,7 @@ from betelgeuse.worker.runner import ModelRunner, PassStats
 from betelgeuse.worker.sequence import RequestHandle, Sequence, check_alive
 
 log = logging.getLogger("betelgeuse.engine")
+MAX_CACHE_SALT_BYTES = 256             # GenerateRequest.cache_salt
 
 
 def _text_bytes(x) -> int:
@@ -140,6 +141,9 @@ class LLMEngine:
         bad = next((t for t in req.stop_token_ids if not 0 <= t < self.runner.mcfg.n_vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"stop token id {bad} is out of range [0, {self.runner.mcfg.n_vocab})")
+        if len(req.cache_salt.encode()) > MAX_CACHE_SALT_BYTES:
+            raise InvalidRequestError(f"cache_salt is {len(req.cache_salt.encode())} bytes, over the limit of "
+                                      f"{MAX_CACHE_SALT_BYTES}")
         if len(self.waiting) >= self.cfg.max_queue:      # cheap, before the tokenizing work
             raise QueueFullError(f"the request queue is full ({self.cfg.max_queue} waiting); retry later")
         ids = self.prompt_ids(req)
@@ -278,7 +282,7 @@ class LLMEngine:
         if not seq.looked_up:
             seq.looked_up = True
             if pc is not None:
-                blocks = pc.lookup(P)
+                blocks = pc.lookup(P, seq.request.cache_salt)
                 pc.acquire(blocks)
                 seq.blocks = blocks
                 seq.n_done = seq.usage.cached_tokens = pc.load(seq.kv, blocks)
@@ -299,9 +303,10 @@ class LLMEngine:
         seq.n_done += take
         logits, st = out
         if pc is not None:
-            seq.blocks = pc.insert(seq.kv, P, seq.n_done, seq.blocks)
+            salt = seq.request.cache_salt
+            seq.blocks = pc.insert(seq.kv, P, seq.n_done, seq.blocks, salt)
             if last:
-                seq.blocks = pc.insert_tail(seq.kv, P, seq.blocks, logits)
+                seq.blocks = pc.insert_tail(seq.kv, P, seq.blocks, logits, salt)
             self._prefix_metrics()
         if not last:
             return

@@ -19,6 +19,9 @@ same prompt loads every block and runs no pass at all: its first token is sample
 computes (bit-identical: they are that miss's logits), so a repeated prompt (a retry, a regeneration, n
 completions) costs a copy. A prompt that only starts with a cached one still prefills from its last whole block.
 
+cache_salt: a request's salt is the root of its chain's hashes, so prompts under different salts never share an
+entry (vLLM's cache_salt: one tenant cannot learn from its time to first token what another has sent).
+
 Memory: one preallocated pool [n_layer, 2, n_blocks, n_head_kv, block, head_dim] on the worker's device, its size
 the configured budget (the slot plan subtracts it from the VRAM budget), less the whole-prompt logits rows
 [n_tails, n_vocab] float32 preallocated beside it. Blocks held by a running request
@@ -85,17 +88,23 @@ class PrefixCache:
         return self.n_blocks * self.block_bytes + self.tail_logits.numel() * 4
 
     @staticmethod
+    def _root(salt: str) -> bytes:
+        """The chain's start: b"" for the shared cache, a hash of the salt for a request's own (cache_salt)."""
+        return hashlib.blake2b(b"S" + salt.encode(), digest_size=16).digest() if salt else b""
+
+    @staticmethod
     def _hash(parent: bytes, toks, whole: bool = False) -> bytes:
         """The chained hash of a prefix; `whole` marks the end of a whole prompt (never equal to a block's)."""
         return hashlib.blake2b((b"W" if whole else b"") + parent + np.asarray(toks, dtype=np.int64).tobytes(),
                                digest_size=16).digest()
 
     # ---- lookup and reference counts --------------------------------------------------------------------
-    def lookup(self, prompt: list[int]) -> list[int]:
+    def lookup(self, prompt: list[int], salt: str = "") -> list[int]:
         """Block ids of the longest cached prefix of `prompt` in whole blocks, leaving at least one token to
-        prefill (its logits start the generation). Marks them recently used."""
+        prefill (its logits start the generation), or the whole prompt's entry. Marks them recently used.
+        salt: only entries inserted with the same salt match."""
         self.stats.queries += 1
-        out, h, parent = [], b"", -1
+        out, h, parent = [], self._root(salt), -1
         B = self.block
         for i in range((len(prompt) - 1) // B):
             toks = tuple(prompt[i * B:(i + 1) * B])
@@ -158,13 +167,13 @@ class PrefixCache:
         kv.length = n * B + t
         return kv.length
 
-    def insert(self, kv, prompt: list[int], done: int, held: list[int]) -> list[int]:
+    def insert(self, kv, prompt: list[int], done: int, held: list[int], salt: str = "") -> list[int]:
         """After a prefill pass: cache the full blocks of prompt[:done] past `held` (the chain this request
         already holds: matched or inserted before), copying their K/V from kv. Returns the new chain, all held.
         A block someone else inserted meanwhile is shared, not copied; a full cache of held blocks stops here."""
         B = self.block
         chain = list(held)
-        h = self.digest[chain[-1]] if chain else b""
+        h = self.digest[chain[-1]] if chain else self._root(salt)
         new: list[tuple[int, int]] = []                 # (block id, block index in the prompt) to copy
         for i in range(len(chain), done // B):
             toks = tuple(prompt[i * B:(i + 1) * B])
@@ -185,7 +194,7 @@ class PrefixCache:
             self._write(kv, new, done // B)
         return chain
 
-    def insert_tail(self, kv, prompt: list[int], held: list[int], logits: torch.Tensor) -> list[int]:
+    def insert_tail(self, kv, prompt: list[int], held: list[int], logits: torch.Tensor, salt: str = "") -> list[int]:
         """After the last prefill pass: keep the whole prompt (its last 1..block tokens' K/V from kv and `logits`
         [n_vocab], its last position's) when `held` holds its chain of whole blocks. Returns the chain, the new
         entry held too; unchanged when there is no room (no logits row or block that nobody holds)."""
@@ -196,7 +205,7 @@ class PrefixCache:
             return held
         toks = tuple(prompt[n_full * B:])
         parent = held[n_full - 1] if n_full else -1
-        h = self._hash(self.digest[parent] if n_full else b"", toks, whole=True)
+        h = self._hash(self.digest[parent] if n_full else self._root(salt), toks, whole=True)
         blk = self.index.get(h)
         if blk is not None and self.tokens[blk] == toks and self.parent[blk] == parent:
             self.acquire([blk])                     # the same prompt finished meanwhile: share its entry

@@ -106,6 +106,7 @@ class _Sampling(_Model):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    cache_salt: Annotated[str, Field(max_length=256)] | None = None   # vLLM's: a separate prefix cache per salt
 
 
 class ChatCompletionRequest(_Sampling):
@@ -166,7 +167,7 @@ def _common(r: _Sampling) -> dict:
             frequency_penalty=r.frequency_penalty or 0.0,
             repetition_penalty=1.0 if r.repetition_penalty is None else r.repetition_penalty),
         stop=[r.stop] if isinstance(r.stop, str) else list(r.stop or []),
-        stop_token_ids=list(r.stop_token_ids or []), ignore_eos=r.ignore_eos)
+        stop_token_ids=list(r.stop_token_ids or []), ignore_eos=r.ignore_eos, cache_salt=r.cache_salt or "")
 
 
 def _content(m: Message) -> str:
