@@ -119,6 +119,13 @@ def test_concurrency_figures_consistent(agents_run):
     assert f1["aggregate_decode_tps"] == pytest.approx(f1["tg_mean"])  # one client: the same figure
     assert r["summary"]["aggregate_8_over_1"] == pytest.approx(conc[8]["figures"]["aggregate_decode_tps"]
                                                                / f1["aggregate_decode_tps"])
+    # the disk ceiling, sampled before each case: tokens per pass over the pass's disk bytes at that rate
+    for n, c in conc.items():
+        s = r["summary"]["concurrency"][str(n)]
+        d = c["passes"]["decode"]
+        assert c["disk_bps"] > 0 and s["disk_bps"] == c["disk_bps"]
+        want = d["mean_batch"] * c["disk_bps"] / d["disk_bytes_per_pass"] if d["disk_bytes_per_pass"] else None
+        assert s["decode_disk_bound_tps"] == (pytest.approx(want) if want else None)
 
 
 def test_cgroup_and_markdown(agents_run):

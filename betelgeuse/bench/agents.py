@@ -40,7 +40,7 @@ from betelgeuse.errors import BetelgeuseError, InvalidRequestError
 AGENTS_QUICK = dict(preset="small", layers=2, device="cpu", memory_max="4G", vram_budget="2GiB", slots="8+24",
                     time_budget=150.0, turns=6, agent_prompts="64,320", system_tokens=32, turn_tokens=8,
                     repeat_prompt=128, clients="1,2,4,8,16", client_prompt="16,32", client_tokens=12,
-                    warm_prompt=32, warm_tokens=4, case_cap=40.0)
+                    warm_prompt=32, warm_tokens=4, case_cap=40.0, disk_sample="32MiB")
 GB = 1e9
 MiB = 1 << 20
 
@@ -79,6 +79,9 @@ class AgentOptions:
     prefix_cache_bytes: int | str = "auto"  # of the "on" agent case and the concurrency cases
     max_batched_tokens: int | None = None
     prefill_chunk: int | None = None
+    # the disk's rate, sampled before every concurrency case (the bound of its decode passes' disk reads)
+    disk_sample_bytes: int = 1 << 30
+    disk_sample_s: float = 1.5
 
 
 # ---- requests -------------------------------------------------------------------------------------------
@@ -431,12 +434,27 @@ class AgentSuite:
         finally:
             self._close(case, engine, client, store)
 
+    def _disk_rate(self, k: int) -> float:
+        """Bytes/s of whole random experts read as the store reads them (its reader settings), sampled now: the
+        ceiling of this case's disk reads, measured in the same run."""
+        from betelgeuse.bench.ceilings import measure_disk
+        from betelgeuse.config import EngineConfig
+        from betelgeuse.gguf.reader import GGUFModelFile
+        rc = EngineConfig(model_path=self.o.model)
+        f = GGUFModelFile.open(self.o.model)
+        try:
+            return measure_disk(f, rc.read_threads, rc.read_request_bytes, self.o.disk_sample_bytes,
+                                self.o.disk_sample_s, self.o.seed + k, self.o.t0).bps
+        finally:
+            f.close()
+
     def _clients(self, case: dict, n: int):
         o, V = self.o, self.mcfg.n_vocab
         lo, hi = o.client_prompt
         lens = [lo + (i * 37) % (hi - lo + 1) for i in range(n)]
         prompts = [synthetic_ids(lens[i], V, o.seed, 4, n, i) for i in range(n)]
         case.update(kind="concurrency", clients=n, prefix_cache_bytes=o.prefix_cache_bytes)
+        case["disk_bps"] = self._disk_rate(len(self.results["cases"]))
         engine, client, store, rec = self._open(case, n, self._ctx(hi + o.client_tokens), o.prefix_cache_bytes)
         try:
             case["warmup"] = self._warm(engine, n)
@@ -531,14 +549,19 @@ def summarize(r: dict) -> dict:
     for c in _by_name(r, "concurrency"):
         f = c.get("figures", {})
         dec = c.get("passes", {}).get("decode", {})
+        # the disk alone: a decode pass of mean_batch tokens cannot take less than its disk bytes at the disk's rate
+        disk_s = dec.get("disk_bytes_per_pass", 0) / c["disk_bps"] if c.get("disk_bps") else None
         conc[str(c["clients"])] = {"aggregate_decode_tps": f.get("aggregate_decode_tps"), "ttft_p50_s": f.get("ttft_p50_s"),
                                    "ttft_p99_s": f.get("ttft_p99_s"), "tg_mean": f.get("tg_mean"),
                                    "slots": f"{c.get('plan', {}).get('n_vram', '?')}+{c.get('plan', {}).get('n_host', '?')}",
                                    "decode_loads_per_pass": dec.get("loads_per_pass"), "decode_disk_share": dec.get("disk_share"),
-                                   "decode_mean_batch": dec.get("mean_batch")}
+                                   "decode_mean_batch": dec.get("mean_batch"), "disk_bps": c.get("disk_bps"),
+                                   "decode_disk_bound_tps": dec["mean_batch"] / disk_s if disk_s else None}
     s["concurrency"] = conc
     a1, a8 = (conc.get(k, {}).get("aggregate_decode_tps") for k in ("1", "8"))
     s["aggregate_8_over_1"] = a8 / a1 if a1 and a8 else None
+    b8 = conc.get("8", {}).get("decode_disk_bound_tps")
+    s["disk_bound_8_over_1"] = b8 / a1 if a1 and b8 else None      # the most the disk allows 8 clients, over 1
     return s
 
 
@@ -573,9 +596,12 @@ def markdown(r: dict) -> str:
           f"{_f(on.get('repeat_plus1_ttft_s'), '{:.3f}')} s ({on.get('repeat_plus1_cached', 0)} cached) / "
           f"{_f(off.get('repeat_plus1_ttft_s'), '{:.3f}')} s | report |"]
     c = s.get("concurrency", {})
+    bound = (f"; the disk alone allows 8 clients {_f(c.get('8', {}).get('decode_disk_bound_tps'))} tok/s = "
+             f"{_f(s.get('disk_bound_8_over_1'))}x (its bytes per pass at {_f((c.get('8', {}).get('disk_bps') or 0) / GB)} "
+             f"GB/s, sampled before the case)" if s.get("disk_bound_8_over_1") else "")
     L.append(f"| Aggregate decode 8 clients / 1 client | {_f(s.get('aggregate_8_over_1'))}x "
-             f"({_f(c.get('8', {}).get('aggregate_decode_tps'))} / {_f(c.get('1', {}).get('aggregate_decode_tps'))} tok/s) "
-             f"| {tgt('>= 4x')} |")
+             f"({_f(c.get('8', {}).get('aggregate_decode_tps'))} / {_f(c.get('1', {}).get('aggregate_decode_tps'))} tok/s"
+             f"{bound}) | {tgt('>= 4x')} |")
     one, eight = c.get("1", {}), c.get("8", {})
     L.append(f"| Expert loads per decode pass, 1 vs 8 sequences (disk share) | {_f(one.get('decode_loads_per_pass'), '{:.0f}')} "
              f"({_pct(one.get('decode_disk_share'))}) vs {_f(eight.get('decode_loads_per_pass'), '{:.0f}')} "
@@ -722,7 +748,9 @@ def options_from_args(args, model: str, device: str, t0: float, work: Path) -> A
                      clients=_ints(_opt(args, "clients", "1,2,4,8,16"), "--clients"),
                      client_prompt=_pair(_opt(args, "client_prompt", "64,128"), "--client-prompt"),
                      prefix_cache_bytes=pcb, max_batched_tokens=args.max_batched_tokens,
-                     prefill_chunk=args.prefill_chunk, **{k: int(v) for k, v in ints.items()})
+                     prefill_chunk=args.prefill_chunk,
+                     disk_sample_bytes=parse_size(_opt(args, "disk_sample", "1GiB"), "--disk-sample"),
+                     **{k: int(v) for k, v in ints.items()})
     if o.turns < 2:
         raise InvalidRequestError(f"--turns must be >= 2 (a conversation that grows), got {o.turns}")
     agent_user_lengths(o)                # refuses a first prompt shorter than the system prompt
