@@ -286,13 +286,8 @@ class AgentSuite:
         try:
             if engine is not None:
                 case.setdefault("prefix_cache", {})["final"] = _numbers(getattr(engine, "prefix_cache", None))
-                engine.close()
-                # drop every view of the store's arena (directory, slot views) so its memfd is unmapped now: the
-                # next case's store pre-faults its own arena in the same cgroup
-                rn = getattr(engine, "runner", None)
-                for name in ("cache", "directory", "_masks", "_snap"):
-                    if rn is not None and hasattr(rn, name):
-                        setattr(rn, name, None)
+                engine.close()           # the runner drops its views of the store's arena (ModelRunner.close)
+                # so its memfd is unmapped now: the next case's store pre-faults its own arena in the same cgroup
                 engine.runner = None
             if client is not None:
                 client.close()

@@ -701,9 +701,13 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     def close(self):
+        """Close the expert cache and the file, and drop every view of the store's arena (slot views, directory,
+        its snapshot and mask) and the captured graphs, so the arena's memfd is unmapped once the caller lets go."""
         if self.cache is not None:
             self.cache.close()
         self.file.close()
+        self.cache = self.directory = self._snap = self._masks = None
+        self._graphs = OrderedDict()
         if self.device.type == "cuda":
-            self.model = self.cache = None
+            self.model = None
             torch.cuda.empty_cache()

@@ -147,14 +147,11 @@ def run(o, clients, mem, vram):
                 rn.consolidate()
                 rn.settle()
         finally:
-            rn.close()
-            for name in ("cache", "directory", "_masks", "_snap", "_graphs"):
-                setattr(rn, name, None)        # every view of the arena: its memfd is unmapped before the next store
+            rn.close()                         # drops its views of the arena: unmapped before the next store starts
             del rn
             gc.collect()
             client.close()
             store.stop()
-            torch.cuda.empty_cache() if o.device == "cuda" else None
     cols = ["backing", "slots", "n", "path", "tok_per_s", "wall_ms", "disk_wait_ms", "other_blocked_ms", "host_ms",
             "dense_ms", "moe_ms", "vram", "host", "disk", "disk_MB", "store_calls", "kernels", "gpu_busy_ms"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
