@@ -98,6 +98,14 @@ class PrefixCache:
         return hashlib.blake2b((b"W" if whole else b"") + parent + np.asarray(toks, dtype=np.int64).tobytes(),
                                digest_size=16).digest()
 
+    def _find(self, h: bytes, toks: tuple, parent: int) -> int | None:
+        """The cached block with chained hash h, if its own tokens and the block before it are also the prompt's
+        (a hash collision or a re-used parent id never matches)."""
+        blk = self.index.get(h)
+        if blk is None or self.tokens[blk] != toks or self.parent[blk] != parent:
+            return None
+        return blk
+
     # ---- lookup and reference counts --------------------------------------------------------------------
     def lookup(self, prompt: list[int], salt: str = "") -> list[int]:
         """Block ids of the longest cached prefix of `prompt` in whole blocks, leaving at least one token to
@@ -109,16 +117,16 @@ class PrefixCache:
         for i in range((len(prompt) - 1) // B):
             toks = tuple(prompt[i * B:(i + 1) * B])
             h = self._hash(h, toks)
-            blk = self.index.get(h)
-            if blk is None or self.tokens[blk] != toks or self.parent[blk] != parent:
+            blk = self._find(h, toks, parent)
+            if blk is None:
                 break
             out.append(blk)
             parent = blk
         n = len(out) * B
         if len(out) == (len(prompt) - 1) // B and self.tail_row:     # every whole block: the whole prompt too?
             toks = tuple(prompt[n:])
-            blk = self.index.get(self._hash(h, toks, whole=True))
-            if blk is not None and self.tokens[blk] == toks and self.parent[blk] == parent:
+            blk = self._find(self._hash(h, toks, whole=True), toks, parent)
+            if blk is not None:
                 out.append(blk)
                 n = len(prompt)
         for blk in reversed(out):                   # head most recent: the tail goes first
@@ -179,8 +187,8 @@ class PrefixCache:
             toks = tuple(prompt[i * B:(i + 1) * B])
             h = self._hash(h, toks)
             parent = chain[-1] if chain else -1
-            blk = self.index.get(h)
-            if blk is None or self.tokens[blk] != toks or self.parent[blk] != parent:
+            blk = self._find(h, toks, parent)
+            if blk is None:
                 blk = self._allocate()
                 if blk is None:
                     break
@@ -206,8 +214,8 @@ class PrefixCache:
         toks = tuple(prompt[n_full * B:])
         parent = held[n_full - 1] if n_full else -1
         h = self._hash(self.digest[parent] if n_full else self._root(salt), toks, whole=True)
-        blk = self.index.get(h)
-        if blk is not None and self.tokens[blk] == toks and self.parent[blk] == parent:
+        blk = self._find(h, toks, parent)
+        if blk is not None:
             self.acquire([blk])                     # the same prompt finished meanwhile: share its entry
             return held + [blk]
         if not self.tail_free:                      # every logits row taken: the oldest evictable entry goes
