@@ -301,7 +301,7 @@ class LLMEngine:
         if out is None:
             return
         seq.n_done += take
-        logits, st = out
+        logits, _ = out
         if pc is not None:
             salt = seq.request.cache_salt
             seq.blocks = pc.insert(seq.kv, P, seq.n_done, seq.blocks, salt)

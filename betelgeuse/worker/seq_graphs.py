@@ -131,11 +131,7 @@ class SeqGraphs:
         else:
             self.g_head, self.logits_out = self._run(self._head)
         out = self.logits_out.clone()
-        self.mode = _next(self.mode) if self.graphs else EAGER
-        if self.mode == REPLAY and self.g_embed is None:    # (eager -> capture -> replay)
-            raise AssertionError("replay without captured graphs")
+        if self.graphs:                                     # eager -> capture -> replay
+            self.mode = CAPTURE if self.mode == EAGER else REPLAY
+        assert self.mode != REPLAY or self.g_embed is not None, "replay without captured graphs"
         return out
-
-
-def _next(mode: str) -> str:
-    return {EAGER: CAPTURE, CAPTURE: REPLAY, REPLAY: REPLAY}[mode]
