@@ -65,6 +65,7 @@ BAD_REQUESTS = {  # name -> (request, words the message must contain)
     "max_tokens 0": (h.request(text="Hi", max_tokens=0), ["max_tokens"]),
     "prompt beyond the context": (h.request(ids=[7] * 2048), ["2048", "context"]),
     "unknown chat role": (h.request(messages=[{"role": "wizard", "content": "x"}]), ["wizard"]),
+    "cache_salt over 256 bytes": (h.request(text="Hi", cache_salt="s" * 257), ["cache_salt", "257", "256"]),
 }
 _stop = h.request(text="Hi")
 _stop.stop_token_ids.append(5000)
