@@ -48,6 +48,7 @@ class GrpcStoreClient:
         self._lock = threading.Lock()
         # on_lost(StoreUnavailableError): the store's end of our lease closed (it died): called at once, from a thread
         self.on_lost = on_lost
+        self._releases: list = []     # Release calls sent and not yet seen answered (release() does not wait)
 
     def _drop_lease(self):
         """Close our lease socket (shutdown first: it wakes the watcher's recv, which close alone does not)."""
@@ -98,6 +99,7 @@ class GrpcStoreClient:
         with self._lock:
             if self.channel is not None:
                 self.channel.close()
+            self._releases = []                     # the old session's slots are freed by the new attach
             self.channel = grpc.insecure_channel(f"unix:{self.socket_path}")
             self.stub = pb_grpc.ExpertStoreStub(self.channel)
         try:
@@ -131,6 +133,7 @@ class GrpcStoreClient:
     BEGIN_PASS_TIMEOUT = 120.0    # BeginPass first waits for a pending consolidation's disk reads
 
     def begin_pass(self) -> int:
+        self._reap(wait=True)
         return self._call(self.stub.BeginPass, pb.BeginPassRequest(session=self.session),
                           timeout=max(self.timeout, self.BEGIN_PASS_TIMEOUT)).epoch
 
@@ -150,9 +153,33 @@ class GrpcStoreClient:
         return self._call(self.stub.Prefetch, req).queued
 
     def release(self, slots) -> None:
-        self._call(self.stub.Release, pb.ReleaseRequest(session=self.session, staging_slots=list(slots)))
+        """Hand staging slots back without waiting for the answer: a round trip is ~1 ms and a batched decode pass
+        releases slots several times a layer (deploy/device/profile_batch.py --top). The store frees them when the
+        call arrives (a load meanwhile just finds fewer free slots); a failed release raises from the next call that
+        reaps (release, begin_pass, end_pass), and every release is answered before a pass begins or ends."""
+        self._reap(wait=False)
+        req = pb.ReleaseRequest(session=self.session, staging_slots=list(slots))
+        try:
+            self._releases.append(self.stub.Release.future(req, timeout=self.timeout))
+        except ValueError as e:                      # the channel was closed (abort)
+            raise StoreUnavailableError(f"expert store unavailable: {e}") from None
+
+    def _reap(self, wait: bool):
+        """Check the answered release calls (wait: all of them); the first failure raises."""
+        pending, self._releases = self._releases, []
+        for i, f in enumerate(pending):
+            if not wait and not f.done():
+                self._releases = pending[i:]
+                return
+            try:
+                f.result()
+            except grpc.RpcError as e:
+                raise _unavailable(e) from None
+            except grpc.FutureCancelledError:
+                raise StoreUnavailableError("expert store unavailable: a release call was cancelled") from None
 
     def end_pass(self, usage: np.ndarray, consolidate: bool) -> int:
+        self._reap(wait=True)
         L, E = usage.shape
         req = pb.EndPassRequest(session=self.session, n_layer=L, n_expert=E,
                                 usage=usage.astype(np.uint32).ravel().tolist(), consolidate=consolidate)

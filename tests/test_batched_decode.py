@@ -17,28 +17,37 @@ def model(tmp_path_factory):
     return write_synth(tmp_path_factory.mktemp("batch") / "engine.gguf", **ENGINE_SPEC)
 
 
-def _solo(model, P, static=False):
-    rn, st = in_process_runner(model, 0, 0)
+def _solo(model, P, static=False, lanes=None):
+    """P decoded alone for STEPS greedy tokens -> logits [STEPS, n_vocab]. lanes: through decode_batch with one
+    sequence (how the engine decodes a lone sequence in the static form) on a runner of that many lanes;
+    else runner.forward, one row."""
+    rn, st = in_process_runner(model, 0, 0, **({"max_running": lanes} if lanes else {}))
     rn._static_decode = static
     try:
         kv = rn.new_cache(64)
         lg, _ = rn.forward(P, kv)
         out = []
         for _ in range(STEPS):
-            lg, _ = rn.forward([int(lg[-1].argmax())], kv, consolidate=False)
+            tok = int(lg[-1].argmax())
+            lg, _ = rn.decode_batch([tok], [kv]) if lanes else rn.forward([tok], kv, consolidate=False)
             out.append(lg[0])
         return torch.stack(out)
     finally:
         close_runner(rn, st)
 
 
-# static: the CUDA decode form (device-side positions, whole-cache attention) forced on the CPU, so that the
-# per-sequence steps of worker/seq_graphs.py run here too (eagerly: graphs need CUDA; deploy/device/check_cuda.py
-# checks capture and replay on the GPU)
+# static: the CUDA decode form (device-side positions, whole-cache attention) forced on the CPU, so that the batched
+# lanes of worker/lanes.py run here too (eagerly: graphs need CUDA; deploy/device/check_cuda.py checks capture and
+# replay on the GPU). There a sequence alone is decoded through the same lanes (one sequence, the others idle), and
+# the lanes' row-batched ops also agree with forward()'s one-row decode to rounding.
 @pytest.mark.parametrize("vram,host,static", [(5, 15, False), (32, 0, False), (5, 15, True)])
 def test_batched_decode_equals_solo(model, vram, host, static):
-    want = [_solo(model, P, static) for P in PROMPTS]
-    rn, st = in_process_runner(model, vram, host)
+    want = [_solo(model, P, static, lanes=4 if static else None) for P in PROMPTS]
+    if static:                                   # the lanes' math against the one-row decode: rounding only
+        ref = [_solo(model, P, static) for P in PROMPTS]
+        for w, r in zip(want, ref):
+            torch.testing.assert_close(w, r, rtol=1e-4, atol=1e-4)
+    rn, st = in_process_runner(model, vram, host, max_running=4)
     rn._static_decode = static
     try:
         kvs, last = [], []
@@ -60,10 +69,11 @@ def test_batched_decode_equals_solo(model, vram, host, static):
         for i, g in enumerate(got):
             assert torch.equal(torch.stack(g), want[i][:len(g)]), i
         # every expert was applied once per layer for all rows that chose it: fewer applications than rows
-        if static:                               # the per-sequence steps (SeqGraphs) ran; a finished one lets go
-            assert sum(isinstance(k, tuple) and k[0] == "batch" for k in rn._graphs) == len(PROMPTS)
+        if static:                               # every sequence kept its own lane; a finished one lets go of it
+            lanes = rn._lanes
+            assert sorted(x.lane for x in lanes.seqs.values()) == [0, 1, 2]
             rn.release(kvs[1])
-            assert ("batch", kvs[1].uid) not in rn._graphs and ("batch", kvs[0].uid) in rn._graphs
+            assert kvs[1].uid not in lanes.seqs and kvs[0].uid in lanes.seqs
         n, apps = loads[0]
         assert apps < n * ENGINE_SPEC["n_expert_used"] * ENGINE_SPEC["n_layer"]
     finally:

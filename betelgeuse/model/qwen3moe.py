@@ -53,6 +53,18 @@ class Qwen3MoeModel:
                         positions: torch.Tensor, static: bool = False) -> torch.Tensor:
         """x [T,H] -> x + attn(attn_norm(x)) [T,H]; appends this layer's k/v at `positions` [T].
         static: the graph-capturable decode form (T = 1, positions = cache.pos on the device)."""
+        q, k, v = self.qkv(layer, x, positions)
+        if static:
+            return self.attn_out(layer, x, self.attend_static(layer, q, k, v, cache, positions))
+        end = cache.write(layer, k, v, positions)
+        attn = causal_attention(q, cache.k[layer][:, :end], cache.v[layer][:, :end], positions)
+        return self.attn_out(layer, x, attn)
+
+    # the three parts of attention_block, also run apart by batched decode (worker/lanes.py): qkv and attn_out on
+    # the rows of all sequences at once, attend_static per sequence (its own KV cache)
+    def qkv(self, layer: int, x: torch.Tensor, positions: torch.Tensor):
+        """x [T,H], positions [T] (T rows: tokens of one sequence, or one token of each of T sequences) ->
+        q [n_head,T,hd], k, v [n_head_kv,T,hd]: attn_norm, projections, per-head q/k RMSNorm, RoPE."""
         cfg, w = self.cfg, self.dense.layers[layer]
         T, hd = x.shape[0], cfg.head_dim
         n = rms_norm(x, w.attn_norm, cfg.rms_eps)
@@ -61,14 +73,20 @@ class Qwen3MoeModel:
         k = rms_norm(F.linear(n, w.wk).view(T, cfg.n_head_kv, hd), w.k_norm, cfg.rms_eps).transpose(0, 1)
         v = F.linear(n, w.wv).view(T, cfg.n_head_kv, hd).transpose(0, 1)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if static:
-            cache.write_static(layer, k, v, positions)
-            attn = static_decode_attention(q, cache.k[layer], cache.v[layer], positions)
-            return x + F.linear(attn, w.wo)
-        end = cache.write(layer, k, v, positions)
-        attn = causal_attention(q, cache.k[layer][:, :end], cache.v[layer][:, :end], positions)
-        return x + F.linear(attn, w.wo)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attend_static(self, layer: int, q, k, v, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
+        """One token of one sequence: q [n_head,1,hd], k/v [n_head_kv,1,hd] written at the device position pos [1],
+        attention over the whole static cache -> [1, n_head*hd]."""
+        cache.write_static(layer, k, v, pos)
+        return static_decode_attention(q, cache.k[layer], cache.v[layer], pos)
+
+    def attn_out(self, layer: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """x [T,H], attn [T, n_head*hd] -> the residual x + wo attn [T,H]."""
+        return x + F.linear(attn, self.dense.layers[layer].wo)
+
+    # batched decode may run qkv / attn_out over rows of several sequences (worker/lanes.py)
+    lane_decode = True
 
     # the routed experts' activation: (name, clamp limit); the engine's expert kernels read it
     expert_act = ("swiglu", None)

@@ -236,7 +236,8 @@ class LLMEngine:
         if pre is not None:
             self._prefill(pre, limit=self.cfg.max_batched_tokens if decoding else None)
         decoding = [s for s in decoding if not s.finished]
-        if len(decoding) > 1:
+        # in the static form (CUDA) a lone sequence decodes through the batched lanes too: the same bits as batched
+        if len(decoding) > 1 or (decoding and self.runner.decodes_in_lanes):
             self._decode_batch(decoding)
         elif decoding:
             self._decode(decoding[0])
@@ -483,7 +484,10 @@ class LLMEngine:
             m.request_duration.observe(time.monotonic() - seq.arrival)
             m.request_prompt_tokens.observe(len(seq.prompt_ids))
             m.request_generation_tokens.observe(len(seq.out_ids))
-        if reason != "cancelled" and self.store_ok and len(seq.out_ids) > 1:
+        # the finished request's working set moves into the resident tiers; while others still run, their batch's
+        # periodic decode consolidation (decode_consolidate_every) counts its usage instead: one consolidation per
+        # request end stalled the batch's next pass on its disk reads, over and over as requests came and went
+        if reason != "cancelled" and self.store_ok and len(seq.out_ids) > 1 and not self.running:
             try:
                 self.runner.consolidate()
             except StoreUnavailableError as e:

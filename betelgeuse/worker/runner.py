@@ -45,7 +45,8 @@ from betelgeuse.model.layers import layer_back, layer_front, pass_chunks
 from betelgeuse.store.client import StoreClient
 from betelgeuse.store.directory import SlotDirectory
 from betelgeuse.worker.expert_cache import TIER_DISK, TIER_HOST, TIER_VRAM, ExpertCache
-from betelgeuse.worker.seq_graphs import SeqGraphs, capture
+from betelgeuse.worker.lanes import Lanes
+from betelgeuse.worker.graphs import capture
 
 TIER_NAMES = {TIER_VRAM: "vram", TIER_HOST: "host", TIER_DISK: "disk"}
 
@@ -128,6 +129,7 @@ class ModelRunner:
         self._pass_open = False
         self._decode_since = 0              # decode passes since the store pass was opened
         self._calls = 0                     # store round trips (all time)
+        self._lanes: Lanes | None = None    # batched decode in the static form (worker/lanes.py), made on first use
         self.attach()
 
     # ---- store session --------------------------------------------------------------------
@@ -280,10 +282,12 @@ class ModelRunner:
         and the output head per sequence, the MoE step over all their rows at once (each expert loaded once per
         layer for every sequence that chose it). Returns logits [n, n_vocab] float32 and the shared pass's stats.
 
-        A sequence's logits do not depend on its batch (invariant 6): everything but the MoE runs per sequence with
-        the same ops as a solo decode; the Triton expert kernels are row-invariant; the torch backend applies
-        experts one row at a time here (a solo decode step has one row per expert anyway). On CUDA (the static
-        form) each sequence's dense part replays its own graphs from its second step on (worker/seq_graphs.py)."""
+        A sequence's logits do not depend on its batch (invariant 6). In the static form (CUDA; worker/lanes.py) the
+        dense part runs once per layer over max_running fixed lanes, the same row-wise ops on the same shapes
+        whoever fills the other lanes, and attention per sequence; a lone sequence decodes through here too (the
+        engine's solo decode), so it gets the same bits. Otherwise each sequence's dense part runs alone with the ops
+        of a solo decode. The Triton expert kernels are row-invariant; the torch backend applies experts one row at a
+        time here (a solo decode step has one row per expert anyway)."""
         n = len(tokens)
         assert n == len(kvs) and n >= 1
         ids_t = self.model.check_ids(tokens)
@@ -295,41 +299,41 @@ class ModelRunner:
         try:
             snap = self._begin_work(stats)
             self.kern.sub_batch = 1
-            if static:                              # CUDA: each sequence's own graphs (worker/seq_graphs.py)
-                seqs = [self._seq_graphs(kv) for kv in kvs]
-                for i, (kv, sg) in enumerate(zip(kvs, seqs)):
+            if static:                              # CUDA: row-batched dense part over fixed lanes (worker/lanes.py)
+                ln = self._lane_set()
+                idx = ln.join(kvs)
+                for kv in kvs:
                     kv.begin_static()
-                    sg.embed(ids_t[i:i + 1])
+                ln.begin(ids_t, kvs, idx)
             else:
                 pos = [kv.begin(1) for kv in kvs]
                 xs = [self.model.embed(ids_t[i:i + 1]) for i in range(n)]
             for l in range(L):
                 ls = LayerStats()
                 t = time.perf_counter()
-                hs, auxs, tids, tws = [], [], [], []
-                for i in range(n):
-                    if static:
-                        h, ti, tw = seqs[i].front(l)
-                    else:
+                if static:
+                    h, ti, tw = ln.front(l, kvs, idx)
+                else:
+                    hs, auxs, tids, tws = [], [], [], []
+                    for i in range(n):
                         xs[i] = self.model.attention_block(l, xs[i], kvs[i], pos[i])
-                        h, aux = self.model.moe_input(l, xs[i])
-                        ti, tw = self.model.route(l, h, ids_t[i:i + 1], self._resident_mask(snap, l))
-                        auxs.append(aux)
-                    hs.append(h), tids.append(ti), tws.append(tw)
+                        hi, aux = self.model.moe_input(l, xs[i])
+                        ti, tw = self.model.route(l, hi, ids_t[i:i + 1], self._resident_mask(snap, l))
+                        hs.append(hi), auxs.append(aux), tids.append(ti), tws.append(tw)
+                    h, ti, tw = torch.cat(hs), torch.cat(tids), torch.cat(tws)
                 t1 = time.perf_counter()
                 ls.attn_s = t1 - t
-                routed = self._moe_layer(l, torch.cat(hs), torch.cat(tids), torch.cat(tws), snap, stats, ls, False)
-                for i in range(n):
-                    if static:
-                        seqs[i].back(l, routed[i:i + 1])
-                    else:
+                routed = self._moe_layer(l, h, ti, tw, snap, stats, ls, False)
+                if static:
+                    ln.back(routed, idx)
+                else:
+                    for i in range(n):
                         xs[i] = self.model.moe_output(l, xs[i], auxs[i], hs[i], routed[i:i + 1])
                 ls.moe_s = time.perf_counter() - t1
                 stats.layers.append(ls)
             for kv in kvs:
                 kv.commit()
-            heads = [sg.head() for sg in seqs] if static else [self.model.logits(x) for x in xs]
-            logits = torch.cat(heads).float()
+            logits = (ln.head(kvs, idx) if static else torch.cat([self.model.logits(x) for x in xs])).float()
             counts = self._end_sync()
         except BaseException:
             self._abandon()
@@ -339,15 +343,20 @@ class ModelRunner:
         self._end_forward(stats, counts, False, *start)
         return logits, stats
 
-    def _seq_graphs(self, kv) -> SeqGraphs:
-        """A sequence's batched-decode graphs (eager on its first step, captured on its second), kept with the
-        solo decode graphs, least recently used first."""
-        key = ("batch", kv.uid)
-        sg = self._graphs.get(key)
-        if sg is None:
-            sg = SeqGraphs(self.model, kv, self.mcfg.n_layer, self.cache.is_cuda and self.cfg.cuda_graphs)
-        self._remember(key, sg)
-        return sg
+    @property
+    def decodes_in_lanes(self) -> bool:
+        """decode_batch runs the static form's lanes (worker/lanes.py), whose bits differ from forward()'s one-row
+        decode: the engine then decodes a lone sequence with decode_batch as well."""
+        return self._static_decode
+
+    def _lane_set(self) -> Lanes:
+        """The batched decode lanes (max_running of them; their graphs are captured once per runner)."""
+        if self._lanes is None:
+            if not getattr(self.model, "lane_decode", False):
+                raise BetelgeuseError(f"{self.mcfg.arch}: no row-batched decode (lane_decode) for the static form")
+            self._lanes = Lanes(self.model, self.mcfg.n_layer, max(1, self.cfg.max_running),
+                                self.cache.is_cuda and self.cfg.cuda_graphs)
+        return self._lanes
 
     def _abandon(self):
         """Close the store's pass after an exception; a dead store is the caller's problem already."""
@@ -391,15 +400,26 @@ class ModelRunner:
         copied, missing = self.cache.sync_vram(snap, epoch)
         self._blocked += self.cache.fill_wait_s
         if missing:
+            # after a consolidation without backing copies, often hundreds: the reads run in parallel in the store,
+            # each landed expert is copied at once, and the staging slots go back a batch at a time, after one
+            # sync for the batch's copies (not one sync and one store round trip per expert)
             where = {(l, e): j for l, e, j in missing}
+            limit = max(1, self.plan.n_staging // 2)   # staging slots held at once: the store keeps reading
+            held: list[int] = []
             t = time.perf_counter()
             for got in self._call(self.store.load, list(where)):
                 self.cache.fill_vram(got.layer, got.expert, where[(got.layer, got.expert)],
                                      self.cache.staging_slot(got.slot), snap)
                 stats.disk_bytes += got.disk_bytes
                 stats.reads["disk"] += 1
-                self._sync()                           # the copy is done before the staging slot goes back
-                self._call(self.store.release, [got.slot])
+                held.append(got.slot)
+                if len(held) >= limit:
+                    self._sync()                       # the copies are done before their staging slots go back
+                    self._call(self.store.release, held)
+                    held = []
+            self._sync()
+            if held:
+                self._call(self.store.release, held)
             self.cache.fill_done()
             stats.disk_wait_s += time.perf_counter() - t
         return copied + len(missing)
@@ -543,10 +563,13 @@ class ModelRunner:
         return logits.clone()
 
     def release(self, kv):
-        """A sequence is done: drop its captured decode graphs (solo and batched) and their memory pools now, not
-        when the LRU bound reaches them (the slot plan counts graphs for max_running sequences)."""
-        for key in [k for k in self._graphs if k[0] == kv.uid or k == ("batch", kv.uid)]:
+        """A sequence is done: drop its captured decode graphs (solo, and its batched-decode lane with its attention
+        graphs) and their memory pools now, not when an LRU bound reaches them (the slot plan counts graphs for
+        max_running sequences)."""
+        for key in [k for k in self._graphs if k[0] == kv.uid]:
             del self._graphs[key]
+        if self._lanes is not None:
+            self._lanes.leave(kv.uid)
 
     def _remember(self, key, value):
         """Captured decode graphs, least recently used first; a few sequences' worth (each holds its own
@@ -708,6 +731,7 @@ class ModelRunner:
         self.file.close()
         self.cache = self.directory = self._snap = self._masks = None
         self._graphs = OrderedDict()
+        self._lanes = None
         if self.device.type == "cuda":
             self.model = None
             torch.cuda.empty_cache()

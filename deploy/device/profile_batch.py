@@ -51,7 +51,8 @@ def summary(sts) -> dict:
             "store_calls": tot(lambda s: s.store_calls)}
 
 
-def kernels_of(fn) -> dict:
+def kernels_of(fn, top: int = 0) -> dict:
+    """One pass under torch.profiler: kernels launched, GPU busy ms; top > 0 also prints the top kernels by GPU time."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
@@ -59,7 +60,33 @@ def kernels_of(fn) -> dict:
         torch.cuda.synchronize()
     ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = sum(e.device_time for e in ev) / 1e3
+    if top:
+        by: dict = {}
+        for e in ev:
+            n, t = by.get(e.name, (0, 0.0))
+            by[e.name] = (n + 1, t + e.device_time / 1e3)
+        print("    GPU time by kernel (count, ms):")
+        for name, (n, t) in sorted(by.items(), key=lambda kv: -kv[1][1])[:top]:
+            print(f"      {t:8.2f} ms {n:6d}x  {name[:110]}")
     return {"kernels": len(ev), "gpu_busy_ms": busy}
+
+
+def host_profile(fn, top: int):
+    """One pass under cProfile: the host's time by function (tottime and cumulative), top entries."""
+    import cProfile
+    import io
+    import pstats
+    pr = cProfile.Profile()
+    pr.enable()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    pr.disable()
+    for key in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats(key).print_stats(top)
+        text = buf.getvalue()
+        print(f"    host profile by {key}:\n" + "\n".join("      " + ln for ln in text.splitlines()[6:] if ln.strip()))
 
 
 def main():
@@ -75,6 +102,8 @@ def main():
     a.add_argument("--run-dir", default="/var/tmp/betelgeuse-profile")
     a.add_argument("--device", default="cuda", help="cpu: checks this script on a small model")
     a.add_argument("--preset", default="bench", help="the synth preset written when MODEL does not exist")
+    a.add_argument("--trace", action="store_true", help="one line per measured pass (wall, disk, VRAM fills)")
+    a.add_argument("--top", type=int, default=0, help="> 0: for the largest N, the top kernels and a cProfile")
     o = a.parse_args()
     clients = [int(x) for x in o.clients.split(",")]
     mem, vram = parse_size(o.memory_max), parse_size(o.vram_budget)
@@ -129,6 +158,11 @@ def run(o, clients, mem, vram):
                         toks = [int(x.argmax()) for x in lg]
                         if i >= o.warm_steps:
                             sts.append(st)
+                            if o.trace:
+                                print(f"      pass {i}: {st.seconds * 1e3:.1f} ms, disk wait {st.disk_wait_s * 1e3:.1f} ms, "
+                                      f"blocked {st.blocked_s * 1e3:.1f} ms, reads {st.reads}, disk "
+                                      f"{st.disk_bytes / 1e6:.1f} MB, vram filled {st.vram_filled}, "
+                                      f"store calls {st.store_calls}", flush=True)
                     s = summary(sts)
                     s.update(backing=backing, n=n, path=name, slots=f"{p.n_vram}+{p.n_host}")
 
@@ -139,7 +173,10 @@ def run(o, clients, mem, vram):
                         else:
                             lg, _ = rn.decode_batch(toks, kvs)
                         toks = [int(x.argmax()) for x in lg]
-                    s.update(kernels_of(one) if o.device == "cuda" else {"kernels": 0, "gpu_busy_ms": 0.0})
+                    top = o.top if n == max(clients) else 0
+                    s.update(kernels_of(one, top) if o.device == "cuda" else {"kernels": 0, "gpu_busy_ms": 0.0})
+                    if top:
+                        host_profile(one, top)
                     s["tok_per_s"] = n * 1e3 / s["wall_ms"]
                     results.append(s)
                     print("   ", name, " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
