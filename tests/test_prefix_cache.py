@@ -336,12 +336,16 @@ def test_scheduler_limits_are_validated_with_numbers(model):
         f.close()
 
 
-def test_streams_stay_whole_with_clients_joining_cancelling_and_timing_out(model):
+# static: the CUDA decode form forced on the CPU, so decodes (solo ones too) run on the lanes of worker/lanes.py,
+# which 12 clients share 4 at a time (a lane is given back when its request ends, cancels or times out)
+@pytest.mark.parametrize("static", [False, True])
+def test_streams_stay_whole_with_clients_joining_cancelling_and_timing_out(model, static):
     """12 clients sharing a system prompt join a 4-slot engine at staggered times (prefix hits, pieces of 8 tokens
     beside batched decodes); 3 cancel after 2 tokens, 3 have a deadline that expires mid-generation. Every stream
     ends with exactly one final event; the others' tokens equal their solo runs, the cut ones' are a prefix of theirs;
     no block stays referenced afterwards."""
     eng, close = _engine(model, max_running=4, max_batched_tokens=C)
+    eng.runner._static_decode = static
     try:
         prompts = [SYSTEM + prompt(5 + 3 * i, V, seed=80 + i) for i in range(12)]
         solo = [_gen(eng, P, n=10)[0] for P in prompts]
@@ -376,5 +380,7 @@ def test_streams_stay_whole_with_clients_joining_cancelling_and_timing_out(model
                 assert finals[0].finish_reason == "length" and toks == solo[i], i
         assert any(res[i][1][0].finish_reason == "cancelled" for i in range(12) if i % 4 == 2)
         assert int(eng.prefix_cache.refs.sum()) == 0 and eng.prefix_cache.stats.hits >= 11
+        if static:                                   # every finished request gave its lane back
+            assert eng.runner._lanes is not None and not eng.runner._lanes.seqs
     finally:
         close()
