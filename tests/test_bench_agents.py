@@ -151,3 +151,19 @@ def test_bad_options_refused(tmp_path, args, msg):
     p = _bench("--quick", "--preset", "tiny", "--work-dir", str(tmp_path), *args, timeout=60)
     assert p.returncode != 0 and msg in p.stderr and "Traceback" not in p.stderr, p.stderr
     assert not list(tmp_path.glob("*.gguf"))              # refused before any model is written
+
+
+def test_concurrency_only(tmp_path):
+    """--no-agent-loop: the concurrency cases alone (the agent-loop cases are listed as skipped, with the reason);
+    the report still renders, without agent-loop figures."""
+    out = tmp_path / "out"
+    p = _bench("--quick", "--preset", "tiny", "--layers", "2", "--slots", "2+6", "--memory-max", "4G", "--no-agent-loop",
+               "--clients", "1", "--client-prompt", "8,16", "--client-tokens", "4", "--warm-prompt", "16",
+               "--warm-tokens", "2", "--time-budget", "40", "--work-dir", str(tmp_path), "--out", str(out),
+               "--run-name", "agents-conc")
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads((out / "bench.json").read_text())
+    assert [c["name"] for c in r["cases"]] == ["1 client"] and r["errors"] == []
+    assert [s["case"] for s in r["skipped"]] == ["agent loop, prefix cache off", "agent loop, prefix cache on"]
+    assert {s["reason"] for s in r["skipped"]} == {"--no-agent-loop"}
+    assert r["cases"][0]["figures"]["completed"] == 1 and "## Concurrency" in (out / "bench.md").read_text()

@@ -68,6 +68,7 @@ class AgentOptions:
     system_tokens: int = 96
     turn_tokens: int = 24                   # completion tokens per turn
     repeat_prompt: int = 500
+    agent_loop: bool = True                 # False (--no-agent-loop): the concurrency cases only
     # concurrency
     clients: tuple = (1, 2, 4, 8, 16)
     client_prompt: tuple = (64, 128)        # prompt tokens, min and max over the clients
@@ -353,6 +354,9 @@ class AgentSuite:
         r["vram"] = {"baseline_bytes": vram_base, "budget": o.vram_budget}
         plan = [("agent loop, prefix cache off", lambda c: self._agent(c, 0)),
                 ("agent loop, prefix cache on", lambda c: self._agent(c, o.prefix_cache_bytes))]
+        if not o.agent_loop:
+            r["skipped"] += [{"case": name, "reason": "--no-agent-loop"} for name, _ in plan]
+            plan = []
         first = [n for n in (1, 8) if n in o.clients]          # the judged ratio first, the costliest (16) last
         for n in first + sorted(n for n in o.clients if n not in first):
             plan.append((f"{n} client{'s' if n > 1 else ''}", lambda c, n=n: self._clients(c, n)))
@@ -689,6 +693,7 @@ def add_arguments(p):
     g.add_argument("--turn-tokens", type=int, help="completion tokens per turn (default 24)")
     g.add_argument("--repeat-prompt", type=int, help="tokens of the prompt submitted twice (default 500)")
     g.add_argument("--clients", help="client counts, comma-separated (default 1,2,4,8,16)")
+    g.add_argument("--no-agent-loop", action="store_true", help="skip the agent-loop cases (concurrency only)")
     g.add_argument("--client-prompt", help="MIN,MAX prompt tokens of the concurrent clients (default 64,128)")
     g.add_argument("--client-tokens", type=int, help="completion tokens per concurrent client (default 48)")
     g.add_argument("--warm-prompt", type=int, help="warm-up prompt tokens (default 64)")
@@ -745,7 +750,7 @@ def options_from_args(args, model: str, device: str, t0: float, work: Path) -> A
                      prefix_cache_bytes=pcb, max_batched_tokens=args.max_batched_tokens,
                      prefill_chunk=args.prefill_chunk,
                      disk_sample_bytes=parse_size(_opt(args, "disk_sample", "1GiB"), "--disk-sample"),
-                     **{k: int(v) for k, v in ints.items()})
+                     agent_loop=not getattr(args, "no_agent_loop", False), **{k: int(v) for k, v in ints.items()})
     if o.turns < 2:
         raise InvalidRequestError(f"--turns must be >= 2 (a conversation that grows), got {o.turns}")
     agent_user_lengths(o)                # refuses a first prompt shorter than the system prompt

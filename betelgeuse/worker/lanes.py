@@ -5,13 +5,19 @@ part), then the MoE over every sequence's rows at once. Run one sequence at a ti
 per layer and sequence: at 8 sequences ~75 ms of an 8-sequence pass's ~84 ms of GPU time, and 16 graph launches
 per layer (deploy/device/profile_batch.py). Here it runs ONCE per layer over B = max_running rows ("lanes"):
 
-    pre[l]     lanes [B]: the residual of layer l-1 (x + routed; the embedding at l = 0), attn_norm, q/k/v
-               projections, q/k norms, RoPE at each lane's position                       (one graph, all lanes)
+    pre[l]     the previous layer's MoE rows combined (kernels.moe.combine) into their lanes of `routed`, the
+               residual x + routed (the embedding at l = 0); attn_norm, q/k/v projections, q/k norms, RoPE at each
+               lane's position, into the shared q/k/v lane buffers                       (one graph, all lanes)
     attend     per sequence, on its own lane's q/k/v row: K/V written into its cache, attention over it
                                                                                       (one graph per sequence)
-    post[l]    lanes [B]: wo projection + residual, ffn_norm, router softmax / top-k      (one graph, all lanes)
-    MoE        the running lanes' rows (index_select), eager as before; their output rows go back into `routed`
-    head       the last residual, output norm, logits [B, n_vocab]                         (one graph, all lanes)
+    post[l]    wo projection + residual, ffn_norm, router softmax / top-k (all lanes); the running lanes' rows
+               (idx[:n]) routed and counted (kernels.moe.route: sorted by expert, device only)      (one graph)
+    MoE        the experts of those rows, eagerly as in any pass (a wholly VRAM layer one group, else the
+               host-synced loads and groups): the only host work of a layer
+    head       the last combine and residual, output norm, logits of the running lanes [n, n_vocab] (one graph)
+
+pre, post and head depend on n (the routing's shapes), so they are captured per batch size n (the last
+MAX_VARIANTS sizes are kept); the attention graphs do not, and are captured once per sequence.
 
 Why the bits do not depend on the batch (invariant 6): every op of pre / post / head is row-wise (a matmul row's
 reduction never mixes rows) and always runs on the same shapes, [B, ...], whoever occupies the other lanes (a
@@ -21,8 +27,8 @@ whatever its last token left (finite: the embedding is recomputed for every lane
 into a running row. A sequence keeps its lane while it runs (its attention graph has the lane's row baked in);
 one decoding alone runs the same B-row ops, so the engine decodes a lone sequence through here too.
 
-Graphs: the lane graphs are eager on their first step, captured on their second and replayed after (they do not
-depend on which sequences run: captured once); a sequence's attention graphs likewise, from its own first step.
+Graphs: the lane graphs of a batch size are eager on its first step, captured on its second and replayed after
+(which sequences fill the lanes does not matter); a sequence's attention graphs likewise, from its own first step.
 Eager, captured and replayed steps run the same kernels on the same shapes, so the bits never depend on which it
 was (invariant 1). On the CPU (tests force this form there) everything runs eagerly.
 """
@@ -48,7 +54,21 @@ class _SeqAttn:
         self.last = 0                       # the step it last ran (a free lane for a newcomer: least recent first)
 
 
+class _Part:
+    """One lane graph (a layer's pre or post part, or the head) for one number of running rows n: eager on its first
+    step, captured on its second, replayed after; `out` is what the part returned (static once captured)."""
+
+    __slots__ = ("mode", "graph", "out")
+
+    def __init__(self):
+        self.mode, self.graph, self.out = EAGER, None, None
+
+
 class Lanes:
+    # the lane graphs of at most this many batch sizes n are kept (each holds its outputs: ~2 MB per layer and n at
+    # the benchmark geometry's n = 8; the slot plan counts GRAPHS_BYTES_PER_SEQ per running sequence for all graphs)
+    MAX_VARIANTS = 4
+
     def __init__(self, model, n_layer: int, n_lanes: int, graphs: bool):
         m = model
         self.m, self.L, self.B = m, n_layer, n_lanes
@@ -56,19 +76,23 @@ class Lanes:
         self.graphs_on = graphs
         self.ids = torch.zeros(n_lanes, dtype=torch.int64, device=dev)       # each lane's token this step
         self.pos = torch.zeros(n_lanes, dtype=torch.int64, device=dev)       # each lane's position this step
+        self.idx = torch.zeros(n_lanes, dtype=torch.int64, device=dev)       # [:n] the running rows' lanes
         self.routed = torch.zeros((n_lanes, H), dtype=m.dtype, device=dev)   # the MoE output rows of the layer
-        self.attn = torch.zeros((n_lanes, m.cfg.n_head * m.cfg.head_dim), dtype=m.dtype, device=dev)
-        self.mode = EAGER
-        self.pool = None
-        self.g_pre: list = [None] * n_layer
-        self.g_post: list = [None] * n_layer
-        self.g_head = None
-        self.out_pre: list = [None] * n_layer      # (x, q, k, v) of layer l
-        self.out_post: list = [None] * n_layer     # (x after attention, h, aux, expert ids, weights) of layer l
-        self.out_head = None
+        c = m.cfg
+        self.attn = torch.zeros((n_lanes, c.n_head * c.head_dim), dtype=m.dtype, device=dev)
+        # the layer's q/k/v of every lane [heads, B, hd], where each sequence's attention graph reads its row: one
+        # set for every layer and every n (an attention graph must not depend on how many rows run)
+        self.q = torch.zeros((c.n_head, n_lanes, c.head_dim), dtype=m.dtype, device=dev)
+        self.k = torch.zeros((c.n_head_kv, n_lanes, c.head_dim), dtype=m.dtype, device=dev)
+        self.v = torch.zeros_like(self.k)
+        self.pool = None                            # one private pool for every lane graph (they run in turn)
+        self.parts: dict = {}                       # ("pre" | "post", layer, n) or ("head", n) -> _Part
+        self.recent: list = []                      # numbers of running rows, most recent last (MAX_VARIANTS kept)
+        self.keep: dict = {}                        # n -> tensors lane graphs read across parts (RoPE tables): alive
         self.seqs: dict = {}                        # kv uid -> _SeqAttn
         self.step_no = 0
         self._idx: dict = {}                        # tuple of lanes -> LongTensor of them on the device
+        self._r = None                              # this step's routing of the previous layer (its combine is next)
 
     # ---- lanes ------------------------------------------------------------------------------------------
     def join(self, kvs) -> torch.Tensor:
@@ -103,81 +127,100 @@ class Lanes:
         self.seqs.pop(uid, None)
 
     # ---- the parts, as plain functions of the static buffers (eager and captured: the same code) ---------
-    def _pre(self, l: int):
+    # n: the running rows, idx[:n] their lanes; route(l, h, ids, w) -> the layer's Routing of those rows
+    # (kernels.moe.route, device only); combine(r) -> their MoE output rows [n,H]
+    def _pre(self, l: int, n: int, combine):
         m = self.m
         if l == 0:
             x = m.embed(self.ids)
         else:
-            xa, h, aux = self.out_post[l - 1][:3]
-            x = m.moe_output(l - 1, xa, aux, h, self.routed)
-        return (x, *m.qkv(l, x, self.pos))
+            x = self._residual(l - 1, n, combine)
+        q, k, v = m.qkv(l, x, self.pos)
+        if l == 0:
+            self.keep[n] = m.rope.cos_sin(self.pos, x.dtype)     # read by every layer's pre part (memoized)
+        self.q.copy_(q), self.k.copy_(k), self.v.copy_(v)
+        return (x,)
+
+    def _residual(self, l: int, n: int, combine):
+        """Layer l's MoE output rows into their lanes, then the residual x + routed for every lane."""
+        xa, h, aux, r = self._post_out(l, n)
+        self.routed.index_copy_(0, self.idx[:n], combine(r))
+        return self.m.moe_output(l, xa, aux, h, self.routed)
 
     def _attend(self, l: int, s: _SeqAttn):
-        _, q, k, v = self.out_pre[l]
         i = s.lane
-        a = self.m.attend_static(l, q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], s.kv, s.kv.pos)
+        a = self.m.attend_static(l, self.q[:, i:i + 1], self.k[:, i:i + 1], self.v[:, i:i + 1], s.kv, s.kv.pos)
         self.attn[i:i + 1].copy_(a)
 
-    def _post(self, l: int):
+    def _post(self, l: int, n: int, route):
         m = self.m
-        xa = m.attn_out(l, self.out_pre[l][0], self.attn)
+        xa = m.attn_out(l, self.parts["pre", l, n].out[0], self.attn)
         h, aux = m.moe_input(l, xa)
         ti, tw = m.route(l, h, self.ids, None)
-        return xa, h, aux, ti, tw
+        i = self.idx[:n]
+        return xa, h, aux, route(l, h.index_select(0, i), ti.index_select(0, i), tw.index_select(0, i))
 
-    def _head(self):
-        m, L = self.m, self.L
-        xa, h, aux = self.out_post[L - 1][:3]
-        return m.logits(m.moe_output(L - 1, xa, aux, h, self.routed))
+    def _post_out(self, l: int, n: int):
+        return self.parts["post", l, n].out
 
-    def _run(self, mode, pool, fn, *args):
-        """fn(*args) in `mode` -> (graph or None, pool, result)."""
-        if mode == CAPTURE:
-            g, out = capture(pool, lambda: fn(*args))
-            return g, g.pool(), out
-        return None, pool, fn(*args)
+    def _head(self, n: int, combine):
+        return self.m.logits(self._residual(self.L - 1, n, combine)).index_select(0, self.idx[:n])
+
+    def _run(self, key, fn, *args):
+        """Part `key` = fn(*args) in its mode (eager, capture, replay) -> its output."""
+        p = self.parts.get(key)
+        if p is None:
+            p = self.parts[key] = _Part()
+        if p.mode == REPLAY:
+            p.graph.replay()
+        elif p.mode == CAPTURE:
+            p.graph, p.out = capture(self.pool, lambda: fn(*args))
+            self.pool = p.graph.pool()
+        else:
+            p.out = fn(*args)
+        return p.out
 
     # ---- one step ---------------------------------------------------------------------------------------
     def begin(self, ids: torch.Tensor, kvs, idx: torch.Tensor):
         """ids [n] on the device, the sequences' caches (kv.begin_static() done) and their lanes idx [n]."""
+        n = len(kvs)
+        self.idx[:n].copy_(idx)
         self.ids.index_copy_(0, idx, ids)
         self.pos.index_copy_(0, idx, torch.cat([kv.pos for kv in kvs]))
 
-    def front(self, l: int, kvs, idx: torch.Tensor):
-        """Layer l's dense part for every lane, attention per sequence -> (h [n,H], expert ids [n,k], weights [n,k])
-        of the running rows, for the MoE."""
-        if self.mode == REPLAY:
-            self.g_pre[l].replay()
-        else:
-            self.g_pre[l], self.pool, self.out_pre[l] = self._run(self.mode, self.pool, self._pre, l)
+    def front(self, l: int, kvs, route, combine):
+        """Layer l for every lane up to its routing: the previous layer's MoE rows combined into the residual, the
+        dense part, attention per sequence -> the Routing of the running rows (their expert work: the caller's)."""
+        n = len(kvs)
+        self._run(("pre", l, n), self._pre, l, n, combine)
         for kv in kvs:
             s = self.seqs[kv.uid]
             if s.mode == REPLAY:
                 s.graphs[l].replay()
+            elif s.mode == CAPTURE:
+                s.graphs[l], _ = capture(s.pool, lambda: self._attend(l, s))
+                s.pool = s.graphs[l].pool()
             else:
-                s.graphs[l], s.pool, _ = self._run(s.mode, s.pool, self._attend, l, s)
-        if self.mode == REPLAY:
-            self.g_post[l].replay()
-        else:
-            self.g_post[l], self.pool, self.out_post[l] = self._run(self.mode, self.pool, self._post, l)
-        _, h, _, ti, tw = self.out_post[l]
-        return h.index_select(0, idx), ti.index_select(0, idx), tw.index_select(0, idx)
+                self._attend(l, s)
+        return self._run(("post", l, n), self._post, l, n, route)[3]
 
-    def back(self, routed: torch.Tensor, idx: torch.Tensor):
-        """routed [n,H]: the layer's MoE output rows of the running lanes."""
-        self.routed.index_copy_(0, idx, routed)
-
-    def head(self, kvs, idx: torch.Tensor) -> torch.Tensor:
+    def head(self, kvs, combine) -> torch.Tensor:
         """-> logits [n, n_vocab] float32 of the running lanes (a fresh tensor); ends the step."""
-        if self.mode == REPLAY:
-            self.g_head.replay()
-        else:
-            self.g_head, self.pool, self.out_head = self._run(self.mode, self.pool, self._head)
-        out = self.out_head.index_select(0, idx)
+        n = len(kvs)
+        out = self._run(("head", n), self._head, n, combine).clone()
+        if n in self.recent:
+            self.recent.remove(n)
+        self.recent.append(n)
+        while len(self.recent) > self.MAX_VARIANTS:       # the batch size seen least recently lets its graphs go
+            old = self.recent.pop(0)
+            for key in [k for k in self.parts if k[-1] == old]:
+                del self.parts[key]
+            self.keep.pop(old, None)
         if self.graphs_on:                                  # eager -> capture -> replay
-            self.mode = CAPTURE if self.mode == EAGER else REPLAY
+            for key, p in self.parts.items():
+                if key[-1] == n:
+                    p.mode = CAPTURE if p.mode == EAGER else REPLAY
             for kv in kvs:
                 s = self.seqs[kv.uid]
                 s.mode = CAPTURE if s.mode == EAGER else REPLAY
-        assert self.mode != REPLAY or self.g_head is not None, "replay without captured lane graphs"
         return out

@@ -310,30 +310,15 @@ class ModelRunner:
                 xs = [self.model.embed(ids_t[i:i + 1]) for i in range(n)]
             for l in range(L):
                 ls = LayerStats()
-                t = time.perf_counter()
                 if static:
-                    h, ti, tw = ln.front(l, kvs, idx)
+                    self._lane_layer(ln, l, kvs, snap, stats, ls)
                 else:
-                    hs, auxs, tids, tws = [], [], [], []
-                    for i in range(n):
-                        xs[i] = self.model.attention_block(l, xs[i], kvs[i], pos[i])
-                        hi, aux = self.model.moe_input(l, xs[i])
-                        ti, tw = self.model.route(l, hi, ids_t[i:i + 1], self._resident_mask(snap, l))
-                        hs.append(hi), auxs.append(aux), tids.append(ti), tws.append(tw)
-                    h, ti, tw = torch.cat(hs), torch.cat(tids), torch.cat(tws)
-                t1 = time.perf_counter()
-                ls.attn_s = t1 - t
-                routed = self._moe_layer(l, h, ti, tw, snap, stats, ls, False)
-                if static:
-                    ln.back(routed, idx)
-                else:
-                    for i in range(n):
-                        xs[i] = self.model.moe_output(l, xs[i], auxs[i], hs[i], routed[i:i + 1])
-                ls.moe_s = time.perf_counter() - t1
+                    xs = self._rows_layer(l, xs, ids_t, kvs, pos, snap, stats, ls)
                 stats.layers.append(ls)
             for kv in kvs:
                 kv.commit()
-            logits = (ln.head(kvs, idx) if static else torch.cat([self.model.logits(x) for x in xs])).float()
+            logits = (ln.head(kvs, self.kern.combine) if static
+                      else torch.cat([self.model.logits(x) for x in xs])).float()
             counts = self._end_sync()
         except BaseException:
             self._abandon()
@@ -342,6 +327,39 @@ class ModelRunner:
             self.kern.sub_batch = sb
         self._end_forward(stats, counts, False, *start)
         return logits, stats
+
+    def _lane_layer(self, ln: Lanes, l: int, kvs, snap, stats, ls: LayerStats):
+        """Layer l of a batched decode on the lanes: the dense part, the routing of the running rows and the previous
+        layer's combine in the lane graphs; then the experts (a wholly VRAM layer in one group, else the host-synced
+        partial path), eagerly."""
+        t = time.perf_counter()
+        r = ln.front(l, kvs, self._route_rows, self.kern.combine)
+        t1 = time.perf_counter()
+        ls.attn_s = t1 - t
+        ev = self._timing_start()
+        if self.cache.all_vram[l]:
+            ls.synced = False
+            self._apply(r, l, self._vram_group(l), ls)
+        else:
+            self._moe_partial(l, r, snap, stats, ls, False)
+        self._timing_end(ev, ls)
+        ls.moe_s = time.perf_counter() - t1
+
+    def _rows_layer(self, l: int, xs, ids_t, kvs, pos, snap, stats, ls: LayerStats):
+        """Layer l of a batched decode, each sequence's dense part alone (the ops of its solo decode), the MoE over
+        all rows -> the sequences' residuals [1,H] each."""
+        t = time.perf_counter()
+        hs, auxs, tids, tws = [], [], [], []
+        for i in range(len(kvs)):
+            xs[i] = self.model.attention_block(l, xs[i], kvs[i], pos[i])
+            h, aux = self.model.moe_input(l, xs[i])
+            ti, tw = self.model.route(l, h, ids_t[i:i + 1], self._resident_mask(snap, l))
+            hs.append(h), auxs.append(aux), tids.append(ti), tws.append(tw)
+        t1 = time.perf_counter()
+        ls.attn_s = t1 - t
+        routed = self._moe_layer(l, torch.cat(hs), torch.cat(tids), torch.cat(tws), snap, stats, ls, False)
+        ls.moe_s = time.perf_counter() - t1
+        return [self.model.moe_output(l, xs[i], auxs[i], hs[i], routed[i:i + 1]) for i in range(len(kvs))]
 
     @property
     def decodes_in_lanes(self) -> bool:
@@ -458,11 +476,16 @@ class ModelRunner:
     def _route(self, l, h, ids, w, ls, chunks=None):
         """Rows sorted by expert and counted (device, no sync). A layer wholly in VRAM is computed here in one
         group (ls.synced = False); otherwise ls.synced stays True: the caller runs _moe_partial (host sync)."""
-        r = self.kern.route(h, ids, w, chunks)
-        self._counts[l] += r.counts
+        r = self._route_rows(l, h, ids, w, chunks)
         if self.cache.all_vram[l]:
             ls.synced = False
             self._apply(r, l, self._vram_group(l), ls)
+        return r
+
+    def _route_rows(self, l, h, ids, w, chunks=None):
+        """kernels.moe.route, its rows per expert added to the pass's counts (device only: graph-capturable)."""
+        r = self.kern.route(h, ids, w, chunks)
+        self._counts[l] += r.counts
         return r
 
     def _moe_partial(self, l, r, snap, stats, ls, readahead):

@@ -276,7 +276,9 @@ def check_batch(path: Path, device: str, steps: int = 6):
         runner.consolidate()
         ok = all(torch.equal(x, y) for i in range(len(prompts)) for x, y in zip(got[i], solo[i]))
         ln = runner._lanes
-        modes = ([ln.mode] + [ln.seqs[kv.uid].mode for kv in kvs]) if ln is not None else ["none (no static form)"]
+        # lane graphs (per number of running rows: 3 and 2 here) and each sequence's attention graphs
+        modes = (sorted({p.mode for p in ln.parts.values()}) + [ln.seqs[kv.uid].mode for kv in kvs]
+                 if ln is not None else ["none (no static form)"])
         graphs = runner._static_decode and runner.cache.is_cuda and runner.cfg.cuda_graphs
         diff = max((x - y).abs().max().item() for i in range(len(prompts)) for x, y in zip(got[i], solo[i]))
         rdiff = max((x - y).abs().max().item() for i in range(len(prompts)) for x, y in zip(solo[i], rows[i]))
