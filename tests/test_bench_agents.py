@@ -111,6 +111,7 @@ def test_concurrency_figures_consistent(agents_run):
         assert 1 <= dec["mean_batch"] <= n
         assert dec["reads"]["vram"] + dec["reads"]["host"] + dec["reads"]["disk"] == dec["loads"] > 0
         assert 0 <= dec["disk_share"] <= 1
+        assert 0 <= dec["open_ms_max"] <= dec["open_ms"] <= dec["passes"] * dec["pass_ms_mean"]
     one, eight = conc[1]["passes"]["decode"], conc[8]["passes"]["decode"]
     assert one["mean_batch"] == 1 and eight["mean_batch"] > 1          # the 8 sequences decoded in shared passes
     # a shared pass loads the union of the sequences' experts: more per pass, fewer per token
@@ -167,3 +168,25 @@ def test_concurrency_only(tmp_path):
     assert [s["case"] for s in r["skipped"]] == ["agent loop, prefix cache off", "agent loop, prefix cache on"]
     assert {s["reason"] for s in r["skipped"]} == {"--no-agent-loop"}
     assert r["cases"][0]["figures"]["completed"] == 1 and "## Concurrency" in (out / "bench.md").read_text()
+
+
+def test_requests_cut_mid_stream_still_count():
+    """A request that fails (or is cut by its deadline) after some tokens keeps its timings and does not break the
+    figures (gpu-agents8: a KeyError on 'ttft_s' lost the whole 8-client case); one that got no token is left out."""
+    from betelgeuse.bench.agents import concurrency_figures, run_request
+    from betelgeuse.errors import BetelgeuseError
+    from betelgeuse.worker.api import TokenEvent
+
+    class Cut:                                   # an engine whose stream yields 3 tokens, then fails
+        def submit(self, req, deadline=None):
+            def stream():
+                for i in range(3):
+                    yield TokenEvent(token_id=7 + i, text="", index=i)
+                raise BetelgeuseError("deadline exceeded")
+            return stream()
+
+    rec = run_request(Cut(), [5, 6], 8, None)
+    assert rec["error"].endswith("deadline exceeded") and rec["completion_tokens"] == 3 and rec["ttft_s"] > 0
+    f = concurrency_figures([rec, {"t_submit": rec["t_submit"], "times": [], "error": "x", "ttft_s": None}])
+    assert f["clients"] == 2 and f["completion_tokens"] == 3 and f["completed"] == 0 and f["ttft_p50_s"] > 0
+    assert concurrency_figures([{"error": "x", "times": []}]) == {"completed": 0, "clients": 1, "errors": 1}

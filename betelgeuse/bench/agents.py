@@ -106,13 +106,14 @@ def run_request(engine, ids: list[int], max_tokens: int, deadline: float | None)
                 rec["tokens"].append(ev.token_id)
             elif isinstance(ev, FinalEvent):
                 final = ev
-    except BetelgeuseError as e:
+    except BetelgeuseError as e:               # failed (or cut by its deadline) after the tokens it got
         rec["error"] = f"{type(e).__name__}: {e}"
-        return rec
-    u = final.usage if final is not None else None
-    rec["finish_reason"] = final.finish_reason if final is not None else None
-    rec["usage"] = dataclasses.asdict(u) if u is not None else {}
-    rec["cached_tokens"] = int(getattr(u, "cached_tokens", 0) or 0)   # 0 until the engine has a prefix cache
+        final = None
+    if "error" not in rec:
+        u = final.usage if final is not None else None
+        rec["finish_reason"] = final.finish_reason if final is not None else None
+        rec["usage"] = dataclasses.asdict(u) if u is not None else {}
+        rec["cached_tokens"] = int(getattr(u, "cached_tokens", 0) or 0)   # 0 until the engine has a prefix cache
     n = len(rec["times"])
     rec["completion_tokens"] = n
     rec["ttft_s"] = rec["times"][0] - t0 if n else None
@@ -182,15 +183,17 @@ def pass_summary(passes: list, n_layer: int) -> dict:
                      "loads_per_token": loads / toks if toks else None,
                      "disk_share": reads["disk"] / loads if loads else 0.0, "disk_bytes": disk_bytes,
                      "disk_bytes_per_pass": disk_bytes / len(ps),
-                     "disk_wait_ms": sum(p.disk_wait_s for p in ps) * 1e3, "pass_ms_mean": secs / len(ps) * 1e3}
+                     "disk_wait_ms": sum(p.disk_wait_s for p in ps) * 1e3, "pass_ms_mean": secs / len(ps) * 1e3,
+                     # opening the store pass: waiting for a pending consolidation, then VRAM fills (no backing: disk)
+                     "open_ms": sum(p.open_s for p in ps) * 1e3, "open_ms_max": max(p.open_s for p in ps) * 1e3}
     return out
 
 
 def concurrency_figures(recs: list[dict]) -> dict:
     """Aggregate decode tok/s and TTFT percentiles of clients that started together (definitions: module doc)."""
-    ok = [r for r in recs if r.get("times")]
+    ok = [r for r in recs if r.get("times") and r.get("ttft_s") is not None]
     if not ok:
-        return {"completed": 0}
+        return {"completed": 0, "clients": len(recs), "errors": sum("error" in r for r in recs)}
     t0 = min(r["t_submit"] for r in recs)
     first = max(r["times"][0] for r in ok)
     last = max(r["times"][-1] for r in ok)
@@ -204,7 +207,7 @@ def concurrency_figures(recs: list[dict]) -> dict:
             "end_to_end_tps": total / (last - t0) if last > t0 else None,
             "tg_mean": float(np.mean(tg)) if tg else None, "tg_min": min(tg) if tg else None,
             "tg_max": max(tg) if tg else None,
-            "usage_tg_mean": float(np.mean([r["usage"].get("predicted_per_second", 0.0) for r in ok])),
+            "usage_tg_mean": float(np.mean([r.get("usage", {}).get("predicted_per_second", 0.0) for r in ok])),
             "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99)),
             "ttft_max_s": float(ttft.max()), "wall_s": last - t0}
 
@@ -607,7 +610,7 @@ def markdown(r: dict) -> str:
              f"({_pct(eight.get('decode_disk_share'))}) | report |")
     if "agent_same_tokens" in s:
         L.append(f"| Greedy tokens of every turn identical with the cache on and off | {s['agent_same_tokens']} | True |")
-    if not cached_any:
+    if not cached_any and _by_name(r, "agent"):
         L += ["", "No prompt token came from a prefix cache in this run (`cached_tokens` 0 on every turn): "
               + ("the engine has no prefix cache yet." if not any(x.get("prefix_cache", {}).get("engine_has_prefix_cache")
                                                                    for x in _by_name(r, "agent")) else "check the cache.")]
@@ -647,7 +650,7 @@ def markdown(r: dict) -> str:
                  f"{f.get('completed', 0)}/{x['clients']} |")
     L += ["", "## Expert loads per decode pass (one batched pass = one decode step of every running sequence)", "",
           "| Clients | Decode passes | Mean batch | Loads / pass | Loads / layer / pass | Loads / token | VRAM / host / disk | "
-          "Disk share | Disk MB / pass | Pass ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+          "Disk share | Disk MB / pass | Pass ms | Pass-open ms (sum / max) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in sorted(_by_name(r, "concurrency"), key=lambda x: x["clients"]):
         d = x.get("passes", {}).get("decode")
         if not d:
@@ -656,7 +659,8 @@ def markdown(r: dict) -> str:
         L.append(f"| {x['clients']} | {d['passes']} | {d['mean_batch']:.2f} | {d['loads_per_pass']:.1f} | "
                  f"{d['loads_per_layer_pass']:.2f} | {_f(d['loads_per_token'], '{:.1f}')} | "
                  f"{rd['vram']} / {rd['host']} / {rd['disk']} | {_pct(d['disk_share'])} | "
-                 f"{d['disk_bytes_per_pass'] / MiB:.2f} | {d['pass_ms_mean']:.1f} |")
+                 f"{d['disk_bytes_per_pass'] / MiB:.2f} | {d['pass_ms_mean']:.1f} | "
+                 f"{_f(d.get('open_ms'), '{:,.0f}')} / {_f(d.get('open_ms_max'), '{:,.0f}')} |")
     mem, vram = r.get("memory", {}), r.get("vram", {})
     L += ["", "## Budgets", "",
           f"- Peak VRAM: {_f(None if vram.get('peak_bytes') is None else vram['peak_bytes'] / MiB, '{:,.0f}')} MiB "
@@ -674,6 +678,8 @@ def markdown(r: dict) -> str:
           "- Loads: expert applications of the runner's passes (one per (layer, expert) a pass used, by the tier it "
           "came from), over the measured phase only (after the warm-up); a batched decode pass loads each expert "
           "once for every sequence that chose it.",
+          "- Pass-open ms: the decode passes' time opening the store pass (BeginPass, which first waits for a "
+          "pending consolidation's disk reads, then the VRAM slots filled for the new placement): stalls, not compute.",
           "- Every case runs on a fresh store (empty slots) and engine after the same warm-up (`clients` requests of "
           f"{o.get('warm_prompt')} prompt + {o.get('warm_tokens')} completion tokens at once); the store plans its "
           "slots with the case's max_running / max_context / prefix_cache_bytes.", ""]

@@ -78,6 +78,7 @@ class PassStats:
     h2d_bytes: int = 0
     prefetched: int = 0         # experts whose disk read was issued ahead, before they were asked for
     vram_filled: int = 0        # experts copied into VRAM hot slots at the start of the pass
+    open_s: float = 0.0         # opening the store pass: BeginPass (it waits for a pending consolidation) + VRAM fills
     host_s: float = 0.0         # wall minus the time the host was blocked (syncs on the GPU, the disk)
     blocked_s: float = 0.0      # host blocked: routing syncs, waits for disk reads and copies, the end sync
     store_calls: int = 0        # round trips to the store during this pass
@@ -176,11 +177,13 @@ class ModelRunner:
     def _open_pass(self, stats: PassStats):
         if self._pass_open:
             return
+        t = time.perf_counter()
         self._call(self.store.begin_pass)
         self._pass_open = True
         self._decode_since = 0
         self._snap = self.directory.snapshot()
         stats.vram_filled = self._sync_vram(self._snap, self.directory.epoch, stats)
+        stats.open_s = time.perf_counter() - t
 
     def close_pass(self, consolidate: bool):
         """End the store pass (if one is open) with the usage counted since it opened."""

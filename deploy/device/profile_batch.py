@@ -161,7 +161,7 @@ def run(o, clients, mem, vram):
                             if o.trace:
                                 print(f"      pass {i}: {st.seconds * 1e3:.1f} ms, disk wait {st.disk_wait_s * 1e3:.1f} ms, "
                                       f"blocked {st.blocked_s * 1e3:.1f} ms, reads {st.reads}, disk "
-                                      f"{st.disk_bytes / 1e6:.1f} MB, vram filled {st.vram_filled}, "
+                                      f"{st.disk_bytes / 1e6:.1f} MB, pass open {st.open_s * 1e3:.1f} ms, vram filled {st.vram_filled}, "
                                       f"store calls {st.store_calls}", flush=True)
                     s = summary(sts)
                     s.update(backing=backing, n=n, path=name, slots=f"{p.n_vram}+{p.n_host}")
