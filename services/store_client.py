@@ -49,6 +49,7 @@ class GrpcStoreClient:
         # on_lost(StoreUnavailableError): the store's end of our lease closed (it died): called at once, from a thread
         self.on_lost = on_lost
         self._releases: list = []     # Release calls sent and not yet seen answered (release() does not wait)
+        self.consolidating = False    # the last BeginPass: a consolidation was still filling its slots
 
     def _drop_lease(self):
         """Close our lease socket (shutdown first: it wakes the watcher's recv, which close alone does not)."""
@@ -132,10 +133,12 @@ class GrpcStoreClient:
 
     BEGIN_PASS_TIMEOUT = 120.0    # BeginPass first waits for a pending consolidation's disk reads
 
-    def begin_pass(self) -> int:
+    def begin_pass(self, wait: bool = True) -> int:
         self._reap(wait=True)
-        return self._call(self.stub.BeginPass, pb.BeginPassRequest(session=self.session),
-                          timeout=max(self.timeout, self.BEGIN_PASS_TIMEOUT)).epoch
+        reply = self._call(self.stub.BeginPass, pb.BeginPassRequest(session=self.session, no_wait=not wait),
+                           timeout=max(self.timeout, self.BEGIN_PASS_TIMEOUT))
+        self.consolidating = reply.consolidating
+        return reply.epoch
 
     def load(self, keys):
         keys = list(keys)

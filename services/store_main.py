@@ -77,7 +77,8 @@ class StoreServicer(pb_grpc.ExpertStoreServicer):
         return pb.AttachReply(session=session, layout_json=plan)
 
     def BeginPass(self, request, context):
-        return pb.BeginPassReply(epoch=self._guard(context, lambda: self.store.begin_pass(request.session)))
+        epoch = self._guard(context, lambda: self.store.begin_pass(request.session, not request.no_wait))
+        return pb.BeginPassReply(epoch=epoch, consolidating=self.store.consolidating)
 
     def Load(self, request, context):
         keys = [(x.layer, x.expert) for x in request.experts]

@@ -247,7 +247,7 @@ def test_an_engine_stuck_in_a_store_call_is_stalled(engine):
     client = engine.test_client
     gate = threading.Event()
     real = client.begin_pass
-    client.begin_pass = lambda: (gate.wait(30), real())[1]
+    client.begin_pass = lambda wait=True: (gate.wait(30), real(wait))[1]
     try:
         h = engine.submit(_req(0, n=2))
         time.sleep(1.5)

@@ -19,8 +19,10 @@ from betelgeuse.store.store import ExpertStore, Loaded
 
 class StoreClient(Protocol):
     def attach(self) -> tuple[Arena, SlotPlan]: ...          # maps the arena; (re)binds a session
-    def begin_pass(self) -> int: ...                          # directory epoch, frozen until end_pass
+    def begin_pass(self, wait: bool = True) -> int: ...       # directory epoch, frozen until end_pass; wait: for
+                                                              # a consolidation still reading (else applied later)
     def load(self, keys: list[tuple[int, int]]) -> Iterator[Loaded]: ...   # completion order
+    consolidating: bool                                       # the last begin_pass left a consolidation filling
     def prefetch(self, keys: list[tuple[int, int]]) -> int: ...
     def release(self, slots: list[int]) -> None: ...
     def end_pass(self, usage: np.ndarray, consolidate: bool) -> int: ...   # usage [n_layer, n_expert]
@@ -38,8 +40,12 @@ class InProcessStoreClient:
         # the same memfd, mapped a second time, exactly as the worker process would
         return Arena.attach(os.dup(self.store.arena.fd), self.store.arena.nbytes), SlotPlan.from_json(plan_json)
 
-    def begin_pass(self):
-        return self.store.begin_pass(self.session)
+    def begin_pass(self, wait=True):
+        return self.store.begin_pass(self.session, wait)
+
+    @property
+    def consolidating(self) -> bool:
+        return self.store.consolidating
 
     def load(self, keys):
         return self.store.load(self.session, keys)

@@ -102,7 +102,11 @@ class ExpertStore:
         self.score = np.zeros((L, E), dtype=np.float64)                  # decayed usage, for consolidation
         self._usage = np.zeros((L, E), dtype=np.int64)                   # since the last consolidation
         self._host_owner = np.full((L, plan.host_per_layer), -1, dtype=np.int64)  # host slot -> expert
-        self._consolidating: threading.Thread | None = None
+        self._consolidating: threading.Thread | None = None   # filling the slots of a planned consolidation
+        self._moves = None                                          # its moves, applied at a BeginPass once filled
+        self._fill_stats = (0.0, 0, 0)                              # its fill: seconds, disk reads, staged copies
+        self._fill_error: str | None = None                         # why its fill failed (then it is not applied)
+        self._filling: set[tuple[int, int]] = set()                 # staged copies being copied into host slots
         self.counters = StoreCounters()
         self.started = time.monotonic()
 
@@ -132,16 +136,25 @@ class ExpertStore:
         if session != self.session:
             raise StoreUnavailableError("this worker session was replaced by a newer attach; attach again")
 
-    def begin_pass(self, session: str) -> int:
+    def begin_pass(self, session: str, wait: bool = True) -> int:
+        """Freeze the directory for a pass. A consolidation whose reads have landed is applied first; one still
+        reading is waited for (wait) or left to a later pass (wait=False: this pass runs on the placement it has,
+        decode passes do not stall on a consolidation's disk reads)."""
         self._check(session)
         t = self._consolidating
-        if t is not None:
-            t.join()                       # apply a pending consolidation before freezing
+        if t is not None and (wait or not t.is_alive()):
+            t.join()
+            self._commit_consolidation()
         with self.cv:
             self.pass_active = True
             self.directory.pass_active = True
             self.counters.passes += 1
             return self.directory.epoch
+
+    @property
+    def consolidating(self) -> bool:
+        """A planned consolidation is still filling its slots (it is applied at a later begin_pass)."""
+        return self._consolidating is not None
 
     def end_pass(self, session: str, usage: np.ndarray, consolidate: bool) -> int:
         self._check(session)
@@ -150,13 +163,16 @@ class ExpertStore:
             self.pass_active = False
             self.directory.pass_active = False
             self._usage += usage
-            if not consolidate:
-                return 0
+            if not consolidate or self._consolidating is not None:
+                return 0                   # a consolidation still in flight: this usage waits for the next one
             self.score = 0.5 * self.score + self._usage
             self._usage[:] = 0
             moves = self._plan_consolidation()
+            if moves:
+                self._vacate(moves)
         if moves:
-            self._consolidating = threading.Thread(target=self._apply_consolidation, args=(moves,), daemon=True)
+            self._moves = moves
+            self._consolidating = threading.Thread(target=self._fill_consolidation, args=(moves,), daemon=True)
             self._consolidating.start()
         return len(moves)
 
@@ -217,6 +233,9 @@ class ExpertStore:
     def prefetch(self, session: str, keys: list[tuple[int, int]]) -> int:
         """Read-ahead into free staging slots; never evicts and keeps half the slots for demand."""
         self._check(session)
+        return self._readahead(keys)
+
+    def _readahead(self, keys: list[tuple[int, int]]) -> int:
         queued = 0
         with self.cv:
             for key in keys:
@@ -255,7 +274,7 @@ class ExpertStore:
         """A staging slot for a demand read: a free one, else the least recently used unclaimed staged copy."""
         if self._free:
             return self._free.pop()
-        victim = next((k for k in self._staged if k not in self._claimed), None)
+        victim = next((k for k in self._staged if k not in self._claimed and k not in self._filling), None)
         if victim is not None:               # evict the least recently used staged copy
             key, slot = victim, self._staged.pop(victim)
             if key in self._readahead_keys:
@@ -352,8 +371,24 @@ class ExpertStore:
                 moves.append((l, e, TIER_VRAM, free.pop(0) if free else -1))
         return moves
 
-    def _apply_consolidation(self, moves):
-        # 1. fill the slots that change hands (from a staged copy, else from disk); 2. the directory in one go
+    def _vacate(self, moves):
+        """Consolidation, step 1 (between passes, under cv): every host slot about to change hands leaves its
+        current owner in the directory now (host tier -> disk; a VRAM expert keeps its VRAM place without the
+        backing slot), so no pass reads a slot while its new expert is written into it."""
+        with self.directory.batch():
+            for l, e, _, slot in moves:
+                if slot < 0:
+                    continue
+                o = int(self._host_owner[l, slot])
+                if o < 0 or o == e:
+                    continue
+                tier = self.directory.lookup(l, o)[0]
+                self.directory.set(l, o, TIER_VRAM if tier == TIER_VRAM else TIER_DISK, -1)
+                self._host_owner[l, slot] = -1
+
+    def _fill_consolidation(self, moves):
+        """Consolidation, step 2 (a thread; passes may run meanwhile): the vacated slots get their new experts'
+        bytes (from a staged copy, else from disk at read-ahead priority)."""
         t0 = time.monotonic()
         reads0, copies0 = self.counters.consolidation_reads, self.counters.consolidation_copies
         futures = []
@@ -363,16 +398,37 @@ class ExpertStore:
             off = self.layout.host_slot_offset(l, slot)
             with self.cv:
                 staged = self._staged.get((l, e))
+                if staged is not None:
+                    self._filling.add((l, e))     # a demand read must not evict this copy while it is copied
             if staged is not None:
                 src = self.layout.staging_slot_offset(staged)
                 n = self.layout.slot.slot_bytes
                 self.arena.view(off, n)[:] = self.arena.view(src, n)
+                with self.cv:
+                    self._filling.discard((l, e))
                 self.counters.consolidation_copies += 1
             else:
                 futures.append(self.reader.read(self._ranges((l, e), off), priority=READAHEAD))
                 self.counters.consolidation_reads += 1
-        for f in futures:
-            f.result()
+        try:
+            for f in futures:
+                f.result()
+        except Exception as e:              # noqa: BLE001 - a failed read: the placement stays as it is
+            self._fill_error = f"{type(e).__name__}: {e}"
+        # disk -> VRAM promotions without a host slot are read by the worker after the commit: stage what fits now
+        self._readahead([(l, e) for l, e, tier, slot in moves if tier == TIER_VRAM and slot < 0])
+        self._fill_stats = (time.monotonic() - t0, self.counters.consolidation_reads - reads0,
+                            self.counters.consolidation_copies - copies0)
+
+    def _commit_consolidation(self):
+        """Consolidation, step 3 (at a BeginPass, once the bytes landed): the new placement in one directory change."""
+        moves, self._moves, self._consolidating = self._moves, None, None
+        err, self._fill_error = self._fill_error, None
+        if err is not None:                  # the vacated slots stay free (host_owner -1): the next plan reuses them
+            log.warning("consolidation not applied: filling its slots failed: %s", err)
+            return
+        if not moves:
+            return
         with self.cv, self.directory.batch():       # one epoch change: a snapshot sees all of it or none
             for l, e, tier, slot in moves:          # slots given up first, so each slot has one holder
                 self._host_owner[l][self._host_owner[l] == e] = -1
@@ -383,13 +439,11 @@ class ExpertStore:
                     self._host_owner[l, slot] = e
                     self.directory.set(l, e, tier, slot)
             self.counters.consolidations += 1
+        ms, reads, copies = self._fill_stats
         by_tier = {n: sum(1 for m in moves if m[2] == tier) for n, tier in (("to_vram", TIER_VRAM), ("to_host", TIER_HOST),
                                                                                  ("evicted", TIER_DISK))}
-        event(log, "consolidation", moves=len(moves), **by_tier,
-              disk_reads=self.counters.consolidation_reads - reads0,
-              staged_copies=self.counters.consolidation_copies - copies0,
-              ms=(time.monotonic() - t0) * 1e3, n=self.counters.consolidations)
-        self._consolidating = None
+        event(log, "consolidation", moves=len(moves), **by_tier, disk_reads=reads, staged_copies=copies,
+              ms=ms * 1e3, n=self.counters.consolidations)
 
     # ---- status ------------------------------------------------------------------------------
     def tier_counts(self) -> dict[str, int]:
@@ -412,7 +466,7 @@ class ExpertStore:
             "demand_loads": c.demand_loads, "staged_hits": c.staged_hits, "readahead_reads": c.readahead_reads,
             "readahead_wasted": c.readahead_wasted, "consolidation_reads": c.consolidation_reads,
             "consolidation_copies": c.consolidation_copies, "passes": c.passes, "consolidations": c.consolidations,
-            "attaches": c.attaches,
+            "attaches": c.attaches, "consolidation_pending": self._consolidating is not None,
         }
 
     def close(self):
