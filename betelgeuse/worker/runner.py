@@ -155,6 +155,7 @@ class ModelRunner:
                                and getattr(self.model, "static_decode", True))
         self._pass_open = False
         self._usage = np.zeros((self.mcfg.n_layer, self.mcfg.n_expert), dtype=np.int64)
+        self._lanes = None                  # its graphs captured the old _counts: recaptured on the next decode
 
     def _kernels(self) -> MoEKernels:
         qts = self.cache.qtypes
