@@ -143,7 +143,7 @@ class Lanes:
 
     def _residual(self, l: int, n: int, combine):
         """Layer l's MoE output rows into their lanes, then the residual x + routed for every lane."""
-        xa, h, aux, r = self._post_out(l, n)
+        xa, h, aux, r = self.parts["post", l, n].out
         self.routed.index_copy_(0, self.idx[:n], combine(r))
         return self.m.moe_output(l, xa, aux, h, self.routed)
 
@@ -159,9 +159,6 @@ class Lanes:
         ti, tw = m.route(l, h, self.ids, None)
         i = self.idx[:n]
         return xa, h, aux, route(l, h.index_select(0, i), ti.index_select(0, i), tw.index_select(0, i))
-
-    def _post_out(self, l: int, n: int):
-        return self.parts["post", l, n].out
 
     def _head(self, n: int, combine):
         return self.m.logits(self._residual(self.L - 1, n, combine)).index_select(0, self.idx[:n])

@@ -353,8 +353,7 @@ class ModelRunner:
         ls.attn_s = t1 - t
         ev = self._timing_start()
         if self.cache.all_vram[l]:
-            ls.synced = False
-            self._apply(r, l, self._vram_group(l), ls)
+            self._vram_layer(l, r, ls)
         else:
             self._moe_partial(l, r, snap, stats, ls, False)
         self._timing_end(ev, ls)
@@ -493,9 +492,13 @@ class ModelRunner:
         group (ls.synced = False); otherwise ls.synced stays True: the caller runs _moe_partial (host sync)."""
         r = self._route_rows(l, h, ids, w, chunks)
         if self.cache.all_vram[l]:
-            ls.synced = False
-            self._apply(r, l, self._vram_group(l), ls)
+            self._vram_layer(l, r, ls)
         return r
+
+    def _vram_layer(self, l, r, ls):
+        """A layer wholly in VRAM: all its experts in one group, no host sync (ls.synced = False)."""
+        ls.synced = False
+        self._apply(r, l, self._vram_group(l), ls)
 
     def _route_rows(self, l, h, ids, w, chunks=None):
         """kernels.moe.route, its rows per expert added to the pass's counts (device only: graph-capturable)."""
