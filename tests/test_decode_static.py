@@ -28,6 +28,7 @@ def _decode(model, vram, host, static, steps=5):
     try:
         kv = rn.new_cache(64)
         lg, _ = rn.forward(PROMPT, kv)
+        rn.settle()      # the prefill's consolidation applied: decode passes do not wait for it (they would race it)
         outs, reads = [], []
         for _ in range(steps):
             lg, s = rn.forward([int(lg[-1].argmax())], kv, consolidate=False)
