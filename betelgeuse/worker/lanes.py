@@ -213,6 +213,10 @@ class Lanes:
             for key in [k for k in self.parts if k[-1] == old]:
                 del self.parts[key]
             self.keep.pop(old, None)
+            if all(p.graph is None for p in self.parts.values()):
+                # the pool's last graph went: PyTorch frees a pool whose graphs are all gone and asserts
+                # (use_count > 0) on a capture into its old id, so the next capture opens a new one
+                self.pool = None
         if self.graphs_on:                                  # eager -> capture -> replay
             for key, p in self.parts.items():
                 if key[-1] == n:

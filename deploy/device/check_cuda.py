@@ -236,11 +236,12 @@ def check_prefix(path: Path, device: str, ids: list[int], chunk: int = 16):
         close(runner, store)
 
 
-def check_batch(path: Path, device: str, steps: int = 6):
+def check_batch(path: Path, device: str, steps: int = 8):
     """Batched decode over the lanes (worker/lanes.py: row-batched dense graphs and per-sequence attention graphs,
     eager, captured, replayed) equals each sequence decoded alone through them (how the engine decodes a lone
     sequence), while sequences sit out and rejoin (the batch changes, nothing recaptures); and agrees with the
-    one-row decode of runner.forward to rounding (reported)."""
+    one-row decode of runner.forward to rounding (reported). Twice: keeping the graphs of 4 batch sizes, then of 1,
+    where a change of batch size drops every captured graph of the shared pool and a later size captures anew."""
     prompts = [ids_for(path, n, seed) for n, seed in ((40, 3), (17, 5), (29, 7))]
     runner, store = runner_for(path, device, 5, 15)
     try:
@@ -258,32 +259,40 @@ def check_batch(path: Path, device: str, steps: int = 6):
                 (solo if lanes else rows).append(out)
                 runner.release(kv)
                 runner.consolidate()
-        kvs, last = [], []
-        for P in prompts:
-            kv = runner.new_cache(len(P) + steps + 8)
-            lg, _ = runner.forward(P, kv)
-            kvs.append(kv), last.append(int(lg[-1].argmax()))
-        got, ms = [[] for _ in prompts], []
-        for step in range(steps):
-            live = [0, 2] if step in (1, 3) else [0, 1, 2]          # sequence 1 sits out and rejoins
-            t = time.perf_counter()
-            lg, _ = runner.decode_batch([last[i] for i in live], [kvs[i] for i in live])
-            sync(device)
-            ms.append((time.perf_counter() - t) * 1e3)
-            for j, i in enumerate(live):
-                got[i].append(lg[j].cpu())
-                last[i] = int(lg[j].argmax())
-        runner.consolidate()
-        ok = all(torch.equal(x, y) for i in range(len(prompts)) for x, y in zip(got[i], solo[i]))
-        ln = runner._lanes
-        # lane graphs (per number of running rows: 3 and 2 here) and each sequence's attention graphs
-        modes = (sorted({p.mode for p in ln.parts.values()}) + [ln.seqs[kv.uid].mode for kv in kvs]
-                 if ln is not None else ["none (no static form)"])
         graphs = runner._static_decode and runner.cache.is_cuda and runner.cfg.cuda_graphs
-        diff = max((x - y).abs().max().item() for i in range(len(prompts)) for x, y in zip(got[i], solo[i]))
+        ok, diff, modes, ms = True, 0.0, [], []
+        # sequence 1 sits out and rejoins: sizes 3 2 3 2 3 3 3 3, then 3 3 3 2 2 2 3 3 (one size kept: 3's graphs
+        # all go at the first 2, whose graphs are then captured into a new pool, and go again at the next 3)
+        for keep, outs in ((None, (1, 3)), (1, (3, 4, 5))):
+            kvs, last = [], []
+            for P in prompts:
+                kv = runner.new_cache(len(P) + steps + 8)
+                lg, _ = runner.forward(P, kv)
+                kvs.append(kv), last.append(int(lg[-1].argmax()))
+            if runner._lanes is not None and keep is not None:
+                runner._lanes.MAX_VARIANTS = keep
+            got = [[] for _ in prompts]
+            for step in range(steps):
+                live = [0, 2] if step in outs else [0, 1, 2]
+                t = time.perf_counter()
+                lg, _ = runner.decode_batch([last[i] for i in live], [kvs[i] for i in live])
+                sync(device)
+                ms.append((time.perf_counter() - t) * 1e3)
+                for j, i in enumerate(live):
+                    got[i].append(lg[j].cpu())
+                    last[i] = int(lg[j].argmax())
+            runner.consolidate()
+            ok = ok and all(torch.equal(x, y) for i in range(len(prompts)) for x, y in zip(got[i], solo[i]))
+            ln = runner._lanes
+            # lane graphs (per number of running rows: 3 and 2 here) and each sequence's attention graphs
+            modes += (sorted({p.mode for p in ln.parts.values()}) + [ln.seqs[kv.uid].mode for kv in kvs]
+                      if ln is not None else ["none (no static form)"])
+            diff = max([diff] + [(x - y).abs().max().item() for i in range(len(prompts)) for x, y in zip(got[i], solo[i])])
+            for kv in kvs:
+                runner.release(kv)
         rdiff = max((x - y).abs().max().item() for i in range(len(prompts)) for x, y in zip(solo[i], rows[i]))
         row("batch: graphs == solo", ok and (not graphs or all(m == "replay" for m in modes)),
-            f"{steps} steps, 3 sequences (one sits out twice), modes (lanes, seqs) {modes}, max |diff| {diff:.3e}; "
+            f"2 x {steps} steps, 3 sequences (one sits out), 4 then 1 sizes kept, modes (lanes, seqs) {modes}, max |diff| {diff:.3e}; "
             f"pass ms {' '.join(f'{x:.0f}' for x in ms)}")
         row("batch: lanes ~ one-row decode", rdiff < 0.5, f"max |diff| {rdiff:.3e} (bf16 rounding of a different M)")
         RESULTS["batch"] = {"pass_ms": ms, "modes": modes, "lanes_vs_rows_max_diff": rdiff}
