@@ -42,7 +42,8 @@ class EngineConfig:
     max_running: int = 4                # sequences with a live KV cache at once (they decode together, one batch)
     max_queue: int = 16                 # waiting requests beyond which Generate is refused (RESOURCE_EXHAUSTED)
     max_batched_tokens: int = 512       # prompt tokens one prefill pass takes while other sequences decode
-                                        # (chunked prefill: a long prompt no longer stalls running decodes)
+                                        # (chunked prefill: a long prompt no longer stalls running decodes), and
+                                        # of several prompts prefilled together (prefill_pass_tokens)
     prefill_chunk: int = PREFILL_CHUNK  # tokens: attention/routing run in position-aligned chunks of this size, the
                                         # prefix cache's block size (a prefix hit is then bit-identical to a miss)
     prefix_cache_bytes: int | str = "auto"  # bytes of the device KV prefix cache (0 = off; "auto" = two full
@@ -83,6 +84,12 @@ class EngineConfig:
             raise BetelgeuseError(f"max_running must be >= 1 and max_queue >= 0, got {self.max_running} / {self.max_queue}")
         if self.max_context < 8:
             raise BetelgeuseError(f"max_context must be >= 8, got {self.max_context}")
+
+    @property
+    def prefill_pass_tokens(self) -> int:
+        """The most prompt tokens one prefill pass holds while nothing decodes (one whole prompt of up to
+        max_context, or several prompts of max_batched_tokens in all): the slot plan reserves its activations."""
+        return max(self.max_context, self.max_batched_tokens)
 
     @property
     def is_cuda(self) -> bool:

@@ -318,6 +318,39 @@ def test_a_long_prompt_is_prefilled_in_pieces_beside_running_decodes(model):
         close()
 
 
+@pytest.mark.parametrize("max_batched", [80, 24])
+def test_prompts_arriving_together_share_prefill_passes(model, max_batched):
+    """Four prompts submitted at once are prefilled together: in one pass when it can hold them all
+    (prefill_pass_tokens = max(max_context, max_batched_tokens) while nothing decodes), else the first pass takes
+    whole prompts and whole chunks of the next, and the rest follow in max_batched_tokens pieces beside the decodes;
+    every request's tokens and logprobs equal its solo run."""
+    prompts = [SYSTEM[:11] + prompt(n, V, seed=90 + n) for n in (3, 9, 14, 5)]          # 14 .. 25 tokens, 75 in all
+    eng, close = _engine(model, max_running=4, max_context=48, max_batched_tokens=max_batched, prefix_cache_bytes=0)
+    try:
+        solo = [_gen(eng, P, n=5)[0] for P in prompts]
+        passes = []
+        real = eng.runner.prefill_batch
+
+        def spy(parts, *a, **k):                         # records each shared pass's pieces, then runs it
+            if sum(len(ids) for ids, _ in parts) > len(parts):     # a prefill (a lone decode comes here too)
+                passes.append([len(ids) for ids, _ in parts])
+            return real(parts, *a, **k)
+        eng.runner.prefill_batch = spy
+        reqs = [GenerateRequest(prompt_ids=P, max_tokens=5, ignore_eos=True,
+                                sampling=SamplingParams(temperature=0.0, logprobs=True, top_logprobs=5)) for P in prompts]
+        with eng.cv:                                     # the engine loop waits: all four are queued before a step
+            handles = [eng.submit(r) for r in reqs]
+        got = [[(e.token_id, e.logprob, tuple(e.top_logprobs)) for e in list(h)[:-1]] for h in handles]
+        assert got == solo
+        assert sum(map(sum, passes)) == sum(map(len, prompts)), passes
+        if max_batched == 80:                            # 75 tokens in all: one pass
+            assert passes == [[len(P) for P in prompts]]
+        else:                                            # 48 then 24 a pass; a cut piece ends on a chunk boundary
+            assert passes[0] == [14, 20, 8] and all(sum(p) <= 24 for p in passes[1:]), passes
+    finally:
+        close()
+
+
 def test_scheduler_limits_are_validated_with_numbers(model):
     with pytest.raises(BetelgeuseError, match="prefill_chunk"):
         EngineConfig(model_path="m", prefill_chunk=0)

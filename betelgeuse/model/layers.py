@@ -125,6 +125,7 @@ class Chunk:
     a: int
     b: int
     positions: torch.Tensor         # [b - a] int64 on the device (the same tensor for every layer of the pass)
+    cache: object = None            # the chunk's sequence cache when a pass holds several sequences (None: the pass's)
 
 
 def pass_chunks(positions: torch.Tensor, start: int, chunk: int | None) -> list[Chunk]:
@@ -148,13 +149,13 @@ def layer_front(model, layer: int, x: torch.Tensor, cache, chunks: list[Chunk], 
     """Attention, MoE input and routing of one layer, chunk by chunk: x [T,H] -> (x [T,H], h [T,H], auxs (one per
     chunk), top ids [T,k], top weights [T,k]). The experts then run over all T rows at once (row-invariant)."""
     if len(chunks) == 1:
-        x = model.attention_block(layer, x, cache, chunks[0].positions)
+        x = model.attention_block(layer, x, cache if chunks[0].cache is None else chunks[0].cache, chunks[0].positions)
         h, aux = model.moe_input(layer, x)
         ti, tw = model.route(layer, h, ids, resident)
         return x, h, [aux], ti, tw
     xs, hs, auxs, tis, tws = [], [], [], [], []
     for c in chunks:
-        xc = model.attention_block(layer, x[c.a:c.b], cache, c.positions)
+        xc = model.attention_block(layer, x[c.a:c.b], cache if c.cache is None else c.cache, c.positions)
         h, aux = model.moe_input(layer, xc)
         ti, tw = model.route(layer, h, ids[c.a:c.b], resident)
         xs.append(xc), hs.append(h), auxs.append(aux), tis.append(ti), tws.append(tw)

@@ -115,8 +115,9 @@ def vram_fixed_bytes(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int) -> in
     kv = cfg.max_running * cfg.max_context * c.n_layer * 2 * c.n_head_kv * c.head_dim * dt
     ring = cfg.ring_slots * slot_bytes
     deq = 2 * 3 * c.n_ff_exp * c.n_embd * dt                       # two experts' dequantized matrices in flight
-    # prefill activations for a full-context prompt: residual, y[T, k, H] (float32), q/k/v, last logits row
-    act = cfg.max_context * (c.n_embd * (4 + 4 * c.n_expert_used) + (c.n_head + 2 * c.n_head_kv) * c.head_dim * dt * 2)
+    # prefill activations of the largest prefill pass (a full-context prompt, or several prompts together):
+    # residual, y[T, k, H] (float32), q/k/v, last logits row
+    act = cfg.prefill_pass_tokens * (c.n_embd * (4 + 4 * c.n_expert_used) + (c.n_head + 2 * c.n_head_kv) * c.head_dim * dt * 2)
     act += c.n_vocab * 4 * 4
     if c.arch == "deepseek4":        # no per-token K/V: a window ring plus compressed entries (ds4layout)
         from betelgeuse.gguf.ds4layout import attention_scratch_bytes, state_bytes

@@ -2,9 +2,10 @@
 
     submit() ─► waiting (bounded) ─► step(): 1. drop cancelled/expired
                                             2. admit waiting requests while fewer than max_running run
-                                            3. one prefill pass for the oldest prefilling sequence: its prompt
-                                               after the longest cached prefix (prefix cache), at most
-                                               max_batched_tokens of it while others decode (chunked prefill)
+                                            3. one prefill pass over the prefilling sequences, oldest first:
+                                               each prompt after its longest cached prefix (prefix cache), in
+                                               whole chunks, at most max_batched_tokens in all while others
+                                               decode (chunked prefill), prefill_pass_tokens while none do
                                             4. one decode token for every decoding sequence, in one batched pass
                                             5. finish: FinalEvent, free the KV cache, release prefix blocks, consolidate
 The runner does the passes; this module only schedules them and turns tokens into events.
@@ -230,11 +231,12 @@ class LLMEngine:
         for seq in admitted:
             self._admit(seq)
         decoding = [s for s in self.running if not s.finished and not s.prefilling]
-        # 3. one prefill pass, 4. one decode token for each decoding sequence (their outputs never depend on the
-        # batch: runner.decode_batch), so a long prompt arriving never stalls the running decodes for long
-        pre = next((s for s in self.running if s.prefilling and not s.finished), None)
-        if pre is not None:
-            self._prefill(pre, limit=self.cfg.max_batched_tokens if decoding else None)
+        # 3. one prefill pass over the prefilling sequences (several prompts share it: each expert loaded once for
+        # all), 4. one decode token for each decoding sequence (their outputs never depend on the batch:
+        # runner.decode_batch), so a long prompt arriving never stalls the running decodes for long
+        pre = [s for s in self.running if s.prefilling and not s.finished]
+        if pre:
+            self._prefill(pre, decoding=bool(decoding))
         decoding = [s for s in decoding if not s.finished]
         # in the static form (CUDA) a lone sequence decodes through the batched lanes too: the same bits as batched
         if len(decoding) > 1 or (decoding and self.runner.decodes_in_lanes):
@@ -248,25 +250,35 @@ class LLMEngine:
         self.last_tick = time.monotonic()
         check_alive(seq)
 
-    def _pass(self, seq: Sequence, ids: list[int], consolidate: bool) -> tuple[torch.Tensor, PassStats] | None:
+    def _pass(self, seqs: list[Sequence], run, what: str) -> tuple[list[torch.Tensor], PassStats] | None:
+        """run(should_stop) -> (logits per sequence, the pass's stats): one pass for `seqs`. A cancelled or expired
+        sequence stops it between layers and is finished; the others lose only the pass (nothing was committed:
+        the next step redoes it). Any other failure cannot be pinned on one of several sequences: it fails all of
+        them (invariant 7); the engine and the waiting ones go on. Returns None when the pass did not complete."""
+        def should_stop():
+            for seq in seqs:
+                self._beat(seq)
         try:
-            logits, st = self.runner.forward(ids, seq.kv, consolidate=consolidate,
-                                             should_stop=lambda: self._beat(seq))
+            logits, st = run(should_stop)
         except CancelledError:
-            self._finish(seq, "cancelled")
+            for seq in [s for s in seqs if s.cancelled or s.expired] or seqs:
+                self._finish(seq, "cancelled")
             return None
         except StoreUnavailableError as e:
             self._store_down(e)
             return None
         except BetelgeuseError as e:
-            self._drop(seq, e)
+            for seq in seqs:
+                self._drop(seq, e)
             return None
-        except Exception:                            # noqa: BLE001 (a bug or a bad value in this sequence's pass)
-            log.exception("pass of request %s failed", seq.request.request_id or seq.seq_id)
-            self._drop(seq, InternalError("internal error computing this request; see the worker log"))
+        except Exception:                            # noqa: BLE001 (a bug or a bad value in this pass)
+            log.exception("%s of %s failed", what, ", ".join(str(s.request.request_id or s.seq_id) for s in seqs))
+            for seq in seqs:
+                self._drop(seq, InternalError(f"internal error in {what}; see the worker log"))
             return None
-        self._account(seq, st)
-        return logits[-1], st
+        for i, seq in enumerate(seqs):
+            self._account(seq, st, count_metrics=i == 0)    # each request waited the whole pass; metrics once
+        return logits, st
 
     def _admit(self, seq: Sequence):
         seq.t_prefill_start = time.monotonic()
@@ -276,43 +288,79 @@ class LLMEngine:
         seq.kv = self.runner.new_cache(len(seq.prompt_ids) + seq.max_tokens)
         self.running.append(seq)
 
-    def _prefill(self, seq: Sequence, limit: int | None):
-        """One prefill pass of `seq`: at its first, the longest cached prefix is copied in instead of computed;
-        then at most `limit` prompt tokens (whole chunks, so the pieces give the bits of one pass), or the rest."""
-        pc, P = self.prefix_cache, seq.prompt_ids
-        if not seq.looked_up:
-            seq.looked_up = True
-            if pc is not None:
-                blocks = pc.lookup(P, seq.request.cache_salt)
-                pc.acquire(blocks)
-                seq.blocks = blocks
-                seq.n_done = seq.usage.cached_tokens = pc.load(seq.kv, blocks)
-                self._prefix_metrics()
-                if seq.n_done == len(P):                # the whole prompt was cached: no pass, the same logits
-                    self._prompt_done(seq)
-                    self._emit_token(seq, pc.logits(blocks))
-                    return
-        rest = len(P) - seq.n_done
-        take = rest
-        if limit is not None and rest > limit:
-            c = self.runner.chunk or 1
-            take = max(c, limit // c * c)               # whole chunks: the next piece starts on a boundary
-        last = take == rest
-        out = self._pass(seq, P[seq.n_done:seq.n_done + take], consolidate=True)
+    def _prefill(self, seqs: list[Sequence], decoding: bool):
+        """One prefill pass over prefilling sequences, oldest first. At a sequence's first, the longest cached
+        prefix is copied in instead of computed (a whole cached prompt needs no pass). Then a piece of whole chunks
+        of each (so the pieces give the bits of one pass): the first takes its rest, or at most max_batched_tokens
+        of it while others decode (chunked prefill); the next join while the pass holds at most max_batched_tokens
+        prompt tokens (prefill_pass_tokens while nothing decodes). The standard schedule prefills one at a time."""
+        cap = self.cfg.max_batched_tokens if decoding else self.cfg.prefill_pass_tokens
+        c = self.runner.chunk or 1
+        pieces: list[tuple[Sequence, int]] = []
+        for seq in seqs:
+            if not self._lookup_prefix(seq):
+                continue                                # the whole prompt was cached: its first token is out
+            rest = len(seq.prompt_ids) - seq.n_done
+            room = cap - sum(t for _, t in pieces)
+            if not pieces:
+                take = rest if not decoding or rest <= cap else max(c, cap // c * c)
+            elif rest <= room:
+                take = rest
+            else:
+                take = room // c * c
+                if take <= 0:
+                    continue
+            pieces.append((seq, take))
+            if self.cfg.schedule == "standard":
+                break
+        if not pieces:
+            return
+        seqs = [s for s, _ in pieces]
+        parts = [(s.prompt_ids[s.n_done:s.n_done + t], s.kv) for s, t in pieces]
+        out = self._pass(seqs, lambda stop: self._prefill_run(parts, stop), "a prefill pass")
         if out is None:
             return
-        seq.n_done += take
-        logits, _ = out
-        if pc is not None:
-            salt = seq.request.cache_salt
-            seq.blocks = pc.insert(seq.kv, P, seq.n_done, seq.blocks, salt)
+        pc = self.prefix_cache
+        for (seq, take), logits in zip(pieces, out[0]):
+            seq.n_done += take
+            last = seq.n_done == len(seq.prompt_ids)
+            if pc is not None:
+                salt, P = seq.request.cache_salt, seq.prompt_ids
+                seq.blocks = pc.insert(seq.kv, P, seq.n_done, seq.blocks, salt)
+                if last:
+                    seq.blocks = pc.insert_tail(seq.kv, P, seq.blocks, logits, salt)
+                self._prefix_metrics()
             if last:
-                seq.blocks = pc.insert_tail(seq.kv, P, seq.blocks, logits, salt)
-            self._prefix_metrics()
-        if not last:
-            return
+                self._prompt_done(seq)
+                self._emit_token(seq, logits)
+
+    def _prefill_run(self, parts, stop):
+        """The prefill pass itself: runner.prefill_batch (forward() for the standard schedule) -> (last-row logits
+        [n_vocab] per piece, stats)."""
+        if len(parts) == 1:
+            lg, st = self.runner.forward(*parts[0], consolidate=True, should_stop=stop)
+            return [lg[-1]], st
+        lgs, st = self.runner.prefill_batch(parts, consolidate=True, should_stop=stop)
+        return [lg[-1] for lg in lgs], st
+
+    def _lookup_prefix(self, seq: Sequence) -> bool:
+        """At a sequence's first prefill: the longest cached prefix is copied into its KV cache (prefix cache).
+        -> False when that was the whole prompt: its first token is emitted from the cached logits, no pass."""
+        pc, P = self.prefix_cache, seq.prompt_ids
+        if seq.looked_up or pc is None:
+            seq.looked_up = True
+            return True
+        seq.looked_up = True
+        blocks = pc.lookup(P, seq.request.cache_salt)
+        pc.acquire(blocks)
+        seq.blocks = blocks
+        seq.n_done = seq.usage.cached_tokens = pc.load(seq.kv, blocks)
+        self._prefix_metrics()
+        if seq.n_done < len(P):
+            return True
         self._prompt_done(seq)
-        self._emit_token(seq, logits)
+        self._emit_token(seq, pc.logits(blocks))
+        return False
 
     def _prompt_done(self, seq: Sequence):
         """Usage of the prompt phase: admission to the first token's logits, tokens computed per second."""
@@ -358,33 +406,23 @@ class LLMEngine:
         self._exported = dataclasses.replace(st)
 
     def _decode(self, seq: Sequence):
-        if seq.finished:
-            return
-        out = self._pass(seq, [seq.out_ids[-1]], consolidate=False)
+        """One decode token of a lone sequence through forward()'s one-row decode (not the static form)."""
+        def run(stop):
+            lg, st = self.runner.forward([seq.out_ids[-1]], seq.kv, consolidate=False, should_stop=stop)
+            return [lg[-1]], st
+        out = self._pass([seq], run, "a decode pass")
         if out is not None:
-            self._emit_token(seq, out[0])
+            self._emit_token(seq, out[0][0])
 
     def _decode_batch(self, seqs: list[Sequence]):
         """One decode token for each sequence in one pass (runner.decode_batch: each expert loaded once per layer
-        for all of them; a sequence's logits do not depend on its batch). A failure of the pass itself cannot be
-        pinned on one sequence: it fails the batch's sequences (invariant 7), the engine and the waiting ones go on."""
-        try:
-            logits, st = self.runner.decode_batch([s.out_ids[-1] for s in seqs], [s.kv for s in seqs])
-        except StoreUnavailableError as e:
-            self._store_down(e)
-            return
-        except BetelgeuseError as e:
-            for seq in seqs:
-                self._drop(seq, e)
-            return
-        except Exception:                            # noqa: BLE001
-            log.exception("batched decode pass of %d requests failed", len(seqs))
-            for seq in seqs:
-                self._drop(seq, InternalError("internal error in a batched decode pass; see the worker log"))
-            return
-        for i, seq in enumerate(seqs):
-            self._account(seq, st, count_metrics=i == 0)    # each request waited the whole pass; metrics once
-            self._emit_token(seq, logits[i])
+        for all of them; a sequence's logits do not depend on its batch)."""
+        out = self._pass(seqs, lambda stop: self.runner.decode_batch([s.out_ids[-1] for s in seqs],
+                                                                     [s.kv for s in seqs]),
+                         f"a batched decode pass of {len(seqs)} requests")
+        if out is not None:
+            for seq, logits in zip(seqs, out[0]):
+                self._emit_token(seq, logits)
 
     def _emit_token(self, seq: Sequence, logits: torch.Tensor):
         """Sample and emit one token; a failure here is this sequence's alone (invariant 7)."""

@@ -42,7 +42,7 @@ from betelgeuse.gguf.reader import GGUFModelFile
 from betelgeuse.kernels.moe import Group, MoEKernels, triton_available
 from betelgeuse.model import engine_model
 from betelgeuse.model.kv_cache import KVCache
-from betelgeuse.model.layers import layer_back, layer_front, pass_chunks
+from betelgeuse.model.layers import Chunk, layer_back, layer_front, pass_chunks
 from betelgeuse.store.client import StoreClient
 from betelgeuse.store.directory import SlotDirectory
 from betelgeuse.worker.expert_cache import TIER_DISK, TIER_HOST, TIER_VRAM, ExpertCache
@@ -224,18 +224,38 @@ class ModelRunner:
         consolidate=True closes the store pass with consolidation (a prefill); False keeps it open (decode).
         should_stop() is called between layers and may raise (cancellation): the pass is abandoned,
         the KV cache is left uncommitted and the store's pass is closed without consolidation."""
-        ids_t = self.model.check_ids(ids)
         schedule = schedule or self.cfg.schedule
-        stats = PassStats("prefill" if len(ids) > 1 else "decode", schedule, len(ids))
+        if schedule == "standard" and len(ids) > 1:
+            ids_t = self.model.check_ids(ids)
+            return self._pass(PassStats("prefill", schedule, len(ids)), consolidate, should_stop,
+                              lambda snap, stats: self._standard(ids_t, kv, snap, stats, all_logits))
+        logits, stats = self.prefill_batch([(ids, kv)], all_logits, consolidate, should_stop, schedule)
+        return logits[0], stats
+
+    def prefill_batch(self, parts: list[tuple[list[int], KVCache]], all_logits: bool = False, consolidate: bool = True,
+                      should_stop=None, schedule: str = "layer_major") -> tuple[list[torch.Tensor], PassStats]:
+        """Prompt pieces of several sequences in ONE layer-major pass [(ids [T_i], kv_i)] -> each piece's logits
+        ([T_i or 1, n_vocab] float32) and the shared pass's stats. Every expert of a layer is loaded once for the
+        rows of all the pieces (on the benchmark geometry a 128-token prompt already uses nearly every expert, so
+        eight prompts cost about one prefill's disk reads, not eight). Each piece runs in its own position-aligned
+        chunks (pass_chunks) with its own cache, and an expert's rows stay within their chunk: a piece's logits are
+        bit-identical to its forward() alone. consolidate / should_stop: as forward()."""
+        assert parts
+        n_tok = sum(len(ids) for ids, _ in parts)
+        stats = PassStats("prefill" if n_tok > len(parts) else "decode", schedule, n_tok)
+        idss = [self.model.check_ids(ids) for ids, _ in parts]
+        return self._pass(stats, consolidate, should_stop,
+                          lambda snap, stats: self._layer_major(idss, [kv for _, kv in parts], snap, stats, all_logits))
+
+    def _pass(self, stats: PassStats, consolidate: bool, should_stop, work):
+        """One store-backed pass: open (or go on with) the store pass, work(snap, stats) -> logits (a tensor or a
+        list of them, made float32), the end sync, the usage; an exception closes the store pass first."""
         self.should_stop = should_stop or (lambda: None)
         start = self._start_forward()
         try:
             snap = self._begin_work(stats)
-            if schedule == "standard" and len(ids) > 1:
-                logits = self._standard(ids_t, kv, snap, stats, all_logits)
-            else:
-                logits = self._layer_major(ids_t, kv, snap, stats, all_logits)
-            logits = logits.float()
+            logits = work(snap, stats)
+            logits = [x.float() for x in logits] if isinstance(logits, list) else logits.float()
             counts = self._end_sync()
         except BaseException:
             self._abandon()
@@ -401,14 +421,19 @@ class ModelRunner:
             self._pass_open = False
 
     # ---- layer-major --------------------------------------------------------------------------
-    def _layer_major(self, ids, kv, snap, stats, all_logits):
-        T = ids.numel()
-        if T == 1 and self._static_decode:
-            return self._decode_static(ids, kv, snap, stats)
-        start = kv.length
-        positions = kv.begin(T)
-        chunks = pass_chunks(positions, start, self.chunk)
+    def _layer_major(self, idss, kvs, snap, stats, all_logits) -> list[torch.Tensor]:
+        """Pieces idss [T_i] of sequences kvs in one pass -> each piece's logits (all rows or its last)."""
+        if len(idss) == 1 and idss[0].numel() == 1 and self._static_decode:
+            return [self._decode_static(idss[0], kvs[0], snap, stats)]
+        chunks, ends = [], []                       # every piece's chunks, rows offset into the pass; piece ends
+        for ids, kv in zip(idss, kvs):
+            a, start = (ends[-1] if ends else 0), kv.length
+            positions = kv.begin(ids.numel())
+            chunks += [Chunk(a + c.a, a + c.b, c.positions, kv) for c in pass_chunks(positions, start, self.chunk)]
+            ends.append(a + ids.numel())
+        ids = idss[0] if len(idss) == 1 else torch.cat(idss)
         x = self.model.embed(ids)
+        T = ids.numel()
         k, E = self.mcfg.n_expert_used, self.mcfg.n_expert
         # read ahead the next layer only when most of its experts will be needed: P(used) = 1-(1-k/E)^T
         readahead = self.cfg.prefetch and T > 1 and 1.0 - (1.0 - k / E) ** T >= 0.5
@@ -416,15 +441,18 @@ class ModelRunner:
             self.should_stop()
             ls = LayerStats()
             t = time.perf_counter()
-            x, h, auxs, top_ids, top_w = layer_front(self.model, l, x, kv, chunks, ids, self._resident_mask(snap, l))
+            x, h, auxs, top_ids, top_w = layer_front(self.model, l, x, kvs[0], chunks, ids,
+                                                     self._resident_mask(snap, l))
             t1 = time.perf_counter()
             ls.attn_s = t1 - t
             routed = self._moe_layer(l, h, top_ids, top_w, snap, stats, ls, readahead, chunks)
             x = layer_back(self.model, l, x, auxs, h, routed, chunks)
             ls.moe_s = time.perf_counter() - t1
             stats.layers.append(ls)
-        kv.commit()
-        return self.model.logits(x if all_logits else x[-1:])
+        for kv in kvs:
+            kv.commit()
+        # the head per piece (its own rows only: a matmul's bits may depend on its row count)
+        return [self.model.logits(x[a:b] if all_logits else x[b - 1:b]) for a, b in zip([0] + ends[:-1], ends)]
 
     def _sync_vram(self, snap, epoch, stats) -> int:
         """VRAM hot slots = the directory's VRAM tier: copies from host backing slots, and disk reads through

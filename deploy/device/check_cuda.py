@@ -225,6 +225,21 @@ def check_prefix(path: Path, device: str, ids: list[int], chunk: int = 16):
         runner.consolidate()
         ok = all(torch.equal(x[0], y) and torch.equal(x[1], y) for x, y in zip(b, solo))
         row("prefix: batched decode after hit == solo", ok, "4 steps, 2 sequences (hit, pieces) vs the miss alone")
+        # three prompts (the whole one, its second half after the cached head, a short one) in ONE prefill pass:
+        # every piece's logits (all rows) equal it prefilled alone
+        short = ids[: chunk + 3]
+        alone = [runner.forward(p, runner.new_cache(n + 8), all_logits=True)[0] for p in (ids, short)]
+        kv4 = runner.new_cache(n + 8)
+        pc.load(kv4, pc.lookup(ids))
+        alone.insert(1, runner.forward(ids[got:], kv4, all_logits=True)[0])
+        kv5 = runner.new_cache(n + 8)
+        pc.load(kv5, pc.lookup(ids))
+        together, st = runner.prefill_batch([(ids, runner.new_cache(n + 8)), (ids[got:], kv5),
+                                             (short, runner.new_cache(n + 8))], all_logits=True)
+        ok = all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(together, alone))
+        diff = max((x - y).abs().max().item() for x, y in zip(together, alone))
+        row("prefix: batched prefill == solo", ok, f"pieces {[n, n - got, len(short)]} in one pass, max |diff| "
+            f"{diff:.3e}, {sum(st.reads.values())} expert applications")
         ref = ReferenceModel.load(path, device=device, dtype=runner.dtype, chunk=chunk)
         with torch.no_grad():
             want = ref.forward(torch.tensor(ids), ref.new_cache(n + 8)).float()
