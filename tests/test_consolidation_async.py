@@ -111,3 +111,31 @@ def test_a_prefill_waits_for_the_fill(model):
         assert time.perf_counter() - t >= 0.25 and store.counters.consolidations == applied + 1
     finally:
         close_runner(rn, store)
+
+
+def test_request_end_consolidation_does_not_wait_for_a_fill(model):
+    """A request's end (runner.consolidate, store pass closed or open) returns while the prefill's consolidation is
+    still filling: waiting held the engine thread for its disk reads (~1.4 s before a repeated prompt's cached first
+    token on the GPU, gpu-agents12-loop); its usage goes into a later consolidation, and settle() still waits."""
+    rn, store = in_process_runner(model, 4, 8)
+    gate = _gate_fills(store)
+    try:
+        kv = rn.new_cache(64)
+        rn.forward(PROMPT, kv)                           # closes with a consolidation: its fill is held
+        assert store.consolidating
+        for open_pass in (False, True):
+            if open_pass:
+                rn.forward([5], kv, consolidate=False)   # a decode pass keeps the store pass open
+            t = time.perf_counter()
+            rn.consolidate()
+            assert time.perf_counter() - t < 5 and store.consolidating and not rn._pass_open
+        done = threading.Thread(target=rn.settle)
+        done.start()
+        done.join(0.5)
+        assert done.is_alive()                          # settle waits for the held fill
+        gate.set()
+        done.join(30)
+        assert not done.is_alive() and not store.consolidating
+    finally:
+        gate.set()
+        close_runner(rn, store)

@@ -200,22 +200,25 @@ class ModelRunner:
         usage, self._usage = self._usage, np.zeros_like(self._usage)
         self._call(self.store.end_pass, usage, consolidate)
 
-    def _empty_pass(self, consolidate: bool):
-        """A store pass with no work: begin_pass applies a pending consolidation; end_pass may plan a new one."""
-        self._call(self.store.begin_pass)
+    def _empty_pass(self, consolidate: bool, wait: bool):
+        """A store pass with no work: begin_pass applies a pending consolidation (wait: also one still filling);
+        end_pass may plan a new one."""
+        self._call(self.store.begin_pass, wait)
         self._call(self.store.end_pass, np.zeros_like(self._usage), consolidate)
 
     def consolidate(self):
-        """End-of-request consolidation (with the decode usage of the open pass, if any)."""
+        """End-of-request consolidation (with the decode usage of the open pass, if any). Never waits for one still
+        filling (its usage then goes into the next): waiting held the engine thread for its disk reads, ~1.4 s
+        before a repeated prompt's cached first token on the benchmark geometry (gpu-agents12-loop)."""
         if self._pass_open:
             self.close_pass(True)
         else:
-            self._empty_pass(True)
+            self._empty_pass(True, wait=False)
 
     def settle(self):
         """Wait until a pending consolidation is applied (begin_pass waits for it)."""
         self.close_pass(False)
-        self._empty_pass(False)
+        self._empty_pass(False, wait=True)
 
     # ---- one pass ---------------------------------------------------------------------------
     def forward(self, ids: list[int], kv: KVCache, all_logits: bool = False, consolidate: bool = True,
