@@ -230,9 +230,10 @@ class ModelRunner:
         schedule = schedule or self.cfg.schedule
         if schedule == "standard" and len(ids) > 1:
             ids_t = self.model.check_ids(ids)
-            return self._pass(PassStats("prefill", schedule, len(ids)), consolidate, should_stop,
-                              lambda snap, stats: self._standard(ids_t, kv, snap, stats, all_logits))
-        logits, stats = self.prefill_batch([(ids, kv)], all_logits, consolidate, should_stop, schedule)
+            logits, stats = self._pass(PassStats("prefill", schedule, len(ids)), consolidate, should_stop,
+                                       lambda snap, stats: [self._standard(ids_t, kv, snap, stats, all_logits)])
+        else:
+            logits, stats = self.prefill_batch([(ids, kv)], all_logits, consolidate, should_stop, schedule)
         return logits[0], stats
 
     def prefill_batch(self, parts: list[tuple[list[int], KVCache]], all_logits: bool = False, consolidate: bool = True,
@@ -251,14 +252,14 @@ class ModelRunner:
                           lambda snap, stats: self._layer_major(idss, [kv for _, kv in parts], snap, stats, all_logits))
 
     def _pass(self, stats: PassStats, consolidate: bool, should_stop, work):
-        """One store-backed pass: open (or go on with) the store pass, work(snap, stats) -> logits (a tensor or a
-        list of them, made float32), the end sync, the usage; an exception closes the store pass first."""
+        """One store-backed pass: open (or go on with) the store pass, work(snap, stats) -> a list of logits (made
+        float32), the end sync, the usage; an exception closes the store pass first."""
         self.should_stop = should_stop or (lambda: None)
         start = self._start_forward()
         try:
             snap = self._begin_work(stats)
             logits = work(snap, stats)
-            logits = [x.float() for x in logits] if isinstance(logits, list) else logits.float()
+            logits = [x.float() for x in logits]
             counts = self._end_sync()
         except BaseException:
             self._abandon()
