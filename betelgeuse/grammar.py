@@ -34,9 +34,8 @@ def _schema(schema: Any) -> dict:
     return {**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}}
 
 
-def tool_call_grammar(tools: list[dict], name: str | None) -> Grammar:
-    """A Lark grammar for Hermes tool calls: exactly one call of `name`, or (name None: tool_choice "required")
-    one or more calls of any of `tools`, each `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`."""
+def _functions(tools: list[dict], name: str | None) -> dict[str, dict]:
+    """name -> parameters schema of the functions a forced call may use (one, or all for "required")."""
     funcs = {}
     for t in tools:
         f = t.get("function") if isinstance(t, dict) else None
@@ -48,14 +47,86 @@ def tool_call_grammar(tools: list[dict], name: str | None) -> Grammar:
         funcs = {name: funcs[name]}
     if not funcs:
         raise InvalidRequestError("tool_choice needs at least one function in tools")
+    return funcs
+
+
+def _lit(s: str) -> str:
+    return json.dumps(s, ensure_ascii=False)
+
+
+def _hermes_rules(funcs: dict[str, dict], one: bool) -> list[str]:
+    """Each call `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`; several separated by "\\n"."""
     rules = []
     for i, (fname, params) in enumerate(funcs.items()):
         obj = {"type": "object", "properties": {"name": {"const": fname}, "arguments": params},
                "required": ["name", "arguments"], "additionalProperties": False}
         rules.append(f"call{i}: \"<tool_call>\\n\" %json {json.dumps(_schema(obj))} \"\\n</tool_call>\"")
     alts = " | ".join(f"call{i}" for i in range(len(funcs)))
-    start = "start: call" if name is not None else 'start: call ("\\n" call)*'
-    return Grammar("lark", "\n".join([start, f"call: {alts}", *rules]))
+    return ["body: call" if one else 'body: call ("\\n" call)*', f"call: {alts}", *rules]
+
+
+def _dsml_rules(funcs: dict[str, dict], one: bool) -> list[str]:
+    """One `<｜DSML｜tool_calls>` block (as DeepSeek-V4's template writes it after the content) holding one invoke,
+    or ("required") one or more; each parameter in the schema's order, required ones always, string-typed ones as
+    raw text (string="true", enums as their values), the others as JSON (string="false")."""
+    from betelgeuse.toolcalls import DSML
+    p_end = _lit(f"</{DSML}parameter>\n")
+    rules = []
+    for i, (fname, params) in enumerate(funcs.items()):
+        params = params if isinstance(params, dict) else {}
+        required = set(params.get("required") or [])
+        parts = []
+        for k, (key, sch) in enumerate((params.get("properties") or {}).items()):
+            sch = sch if isinstance(sch, dict) else {}
+            rule = f"p{i}_{k}"
+            if sch.get("type") == "string":
+                head = _lit(f'<{DSML}parameter name="{key}" string="true">')
+                if isinstance(sch.get("enum"), list):
+                    rules.append(f"{rule}: {head} ({' | '.join(_lit(str(v)) for v in sch['enum'])}) {p_end}")
+                else:           # raw text up to the close tag (lazy), at most maxLength characters when given
+                    n = sch.get("maxLength")
+                    rx = f"/(?s:.{{0,{int(n)}}})/" if isinstance(n, int) else "/(?s:.*)/"
+                    rules += [f"{rule}: {head} s{i}_{k}", f"s{i}_{k}[suffix={p_end}]: {rx}"]
+            else:
+                head = _lit(f'<{DSML}parameter name="{key}" string="false">')
+                rules.append(f"{rule}: {head} %json {json.dumps(_schema(sch))} {p_end}")
+            parts.append(rule if key in required else rule + "?")
+        seq = " ".join(parts)
+        # an invoke without arguments is written with one empty line
+        rules.append(f"args{i}: {seq}" if required else f'args{i}: "\\n"' + (f" | {seq}" if parts else ""))
+        invoke_open, invoke_close = _lit(f'<{DSML}invoke name="{fname}">\n'), _lit(f"</{DSML}invoke>\n")
+        rules.append(f"call{i}: {invoke_open} args{i} {invoke_close}")
+    alts = " | ".join(f"call{i}" for i in range(len(funcs)))
+    block_open, block_close = _lit(f"\n\n<{DSML}tool_calls>\n"), _lit(f"</{DSML}tool_calls>")
+    return [f"body: {block_open} {'call' if one else 'call+'} {block_close}", f"call: {alts}", *rules]
+
+
+def tool_call_grammar(tools: list[dict], name: str | None, dialect=None, reasoning: bool = False) -> Grammar:
+    """A Lark grammar for forced tool calls in the dialect's own markup (betelgeuse.reasoning): exactly one call of
+    `name`, or (name None: tool_choice "required") one or more calls of any of `tools`. `reasoning`: the prompt
+    left a think block open, which the output closes first (any text up to the close tag)."""
+    from betelgeuse.reasoning import QWEN3
+    d = dialect or QWEN3
+    funcs = _functions(tools, name)
+    rules = (_dsml_rules if d.tools.name == "deepseek_v4" else _hermes_rules)(funcs, name is not None)
+    return Grammar("lark", "\n".join([*_start(d, reasoning), *rules]))
+
+
+def _start(dialect, reasoning: bool) -> list[str]:
+    """`start: body`, or the reasoning first: any text up to the dialect's close tag, then its separator."""
+    if not reasoning or dialect.think_close is None:
+        return ["start: body"]
+    return [f"start: think {_lit(dialect.think_sep)} body" if dialect.think_sep else "start: think body",
+            f"think[suffix={_lit(dialect.think_close)}]: /(?s:.*)/"]
+
+
+def after_reasoning(g: Grammar, dialect, reasoning: bool) -> Grammar:
+    """A response_format grammar (JSON) applied after an open think block closes (as vLLM applies structured output
+    after the reasoning end); lark and regex grammars govern the whole output as given."""
+    if not reasoning or dialect.think_close is None or g.kind not in ("json_object", "json_schema"):
+        return g
+    schema = _schema({"type": "object"} if g.kind == "json_object" else g.value)
+    return Grammar("lark", "\n".join([*_start(dialect, True), f"body: %json {json.dumps(schema)}"]))
 
 
 class Constraint:

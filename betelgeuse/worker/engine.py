@@ -64,7 +64,10 @@ class LLMEngine:
         self.runner = ModelRunner(cfg, store)
         self.tokenizer = Tokenizer.from_metadata(self.runner.file.metadata)
         from betelgeuse.grammar import Grammars
+        from betelgeuse.reasoning import dialect_for
         self.grammars = Grammars(self.tokenizer)
+        # how this model family writes reasoning and tool calls (its chat template says; the arch if it has none)
+        self.dialect = dialect_for(self.tokenizer.chat_template, self.runner.mcfg.arch)
         self.metrics = metrics
         self.prefix_cache = self._make_prefix_cache()   # None: off, or not possible for this model/schedule
         self._exported = PrefixStats()                  # prefix-cache counters already added to the metrics
@@ -154,11 +157,15 @@ class LLMEngine:
         if not self.store_ok:
             raise StoreUnavailableError("the expert store is unavailable; retry when health is SERVING")
         stop_ids = set(req.stop_token_ids) | (set() if req.ignore_eos else set(self.tokenizer.eos_ids))
-        constraint, parse_tools = self._constraint(req)
+        # a chat whose rendered prompt leaves a think block open: the output starts as reasoning
+        reasoning = req.messages is not None and self.dialect.opens_reasoning(
+            self.tokenizer.decode(ids[-16:], skip_special=False))
+        constraint, parse_tools = self._constraint(req, reasoning)
         room = ctx - len(ids)
         seq = Sequence(req, ids, room if req.max_tokens is None else min(req.max_tokens, room), frozenset(stop_ids),
                        TextStream(self.tokenizer, req.stop), deadline=deadline,
-                       generator=make_generator(req.sampling), constraint=constraint, parse_tools=parse_tools)
+                       generator=make_generator(req.sampling), constraint=constraint, parse_tools=parse_tools,
+                       dialect=self.dialect, reasoning=reasoning)
         with self.cv:
             if len(self.waiting) >= self.cfg.max_queue:
                 raise QueueFullError(f"the request queue is full ({self.cfg.max_queue} waiting); retry later")
@@ -167,9 +174,10 @@ class LLMEngine:
         self._gauges()
         return RequestHandle(seq, self._wake)
 
-    def _constraint(self, req: GenerateRequest):
-        """(grammar constraint or None, parse tool calls?) from response_format and tools / tool_choice."""
-        from betelgeuse.grammar import tool_call_grammar
+    def _constraint(self, req: GenerateRequest, reasoning: bool = False):
+        """(grammar constraint or None, parse tool calls?) from response_format and tools / tool_choice, in the
+        model's dialect; `reasoning`: the output starts inside a think block, which it closes first."""
+        from betelgeuse.grammar import after_reasoning, tool_call_grammar
         choice, tools = req.tool_choice, req.tools or []
         if req.tools is not None and not isinstance(req.tools, list):
             raise InvalidRequestError("tools must be a list")
@@ -181,12 +189,12 @@ class LLMEngine:
             raise InvalidRequestError("tool_choice needs tools")
         forced = None
         if choice == "required":
-            forced = tool_call_grammar(tools, None)
+            forced = tool_call_grammar(tools, None, self.dialect, reasoning)
         elif isinstance(choice, dict):
-            forced = tool_call_grammar(tools, choice["function"]["name"])
+            forced = tool_call_grammar(tools, choice["function"]["name"], self.dialect, reasoning)
         if forced is not None and req.grammar is not None:
             raise InvalidRequestError("response_format cannot be combined with a forced tool_choice")
-        g = forced or req.grammar
+        g = forced or (after_reasoning(req.grammar, self.dialect, reasoning) if req.grammar is not None else None)
         return (self.grammars.constraint(g) if g is not None else None), bool(tools) and choice != "none"
 
     def _wake(self):

@@ -39,7 +39,9 @@ class Sequence:
     usage: Usage = field(default_factory=Usage)
     finished: bool = False
     constraint: object = None                     # grammar.Constraint | None (response_format, forced tool call)
-    parse_tools: bool = False                     # the request has tools: parse <tool_call> blocks at the end
+    parse_tools: bool = False                     # the request has tools: parse its calls at the end
+    dialect: object = None                        # reasoning.Dialect: how the model writes reasoning and tool calls
+    reasoning: bool = False                       # the output starts inside a think block (the prompt opened it)
 
     @property
     def prefilling(self) -> bool:
@@ -62,8 +64,9 @@ class Sequence:
         tail = self.stream.flush() if not self.stream.stopped else ""
         calls: list[ToolCall] = []
         if self.parse_tools and reason in ("stop", "length"):
-            from betelgeuse.toolcalls import parse_tool_calls
-            calls = parse_tool_calls(self.stream.text)[1]
+            # calls in the answer only: a call written while reasoning is never executed
+            from betelgeuse.reasoning import QWEN3, parse_output
+            calls = parse_output(self.dialect or QWEN3, self.stream.text, self.reasoning, tools=True).calls
             if calls and reason == "stop":
                 reason = "tool_calls"
         self.emit(FinalEvent(finish_reason=reason, text=self.stream.text, token_ids=list(self.out_ids),
@@ -78,6 +81,11 @@ class RequestHandle:
 
     def __init__(self, seq: Sequence, wake):
         self.seq, self._wake = seq, wake
+
+    @property
+    def reasoning(self) -> bool:
+        """The output starts inside a think block (the rendered prompt opened it)."""
+        return self.seq.reasoning
 
     def __iter__(self):
         while True:

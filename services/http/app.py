@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
 from typing import Any
 
 import anyio
@@ -26,8 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from betelgeuse.errors import (BetelgeuseError, CancelledError, InvalidRequestError, ModelFormatError,
                                QueueFullError, StoreUnavailableError)
-from betelgeuse.toolcalls import ToolCallStream, parse_tool_calls
 from betelgeuse.worker import api
+from services.http import output
 from services.http import protocol as p
 
 log = logging.getLogger("betelgeuse.http")
@@ -124,42 +123,26 @@ class Front:
                                  for i, lp in ev.top_logprobs]}
 
     def submit(self, req: api.GenerateRequest):
-        req.request_id = req.request_id or uuid.uuid4().hex
-        return self.engine.submit(req)
+        return output.submit(self.engine, req)
 
     # ---- chat ------------------------------------------------------------------------------------------------
     def chat_full(self, body: p.ChatCompletionRequest, req: api.GenerateRequest) -> dict:
-        handle = self.submit(req)
-        lps, final = [], None
-        try:
-            for ev in handle:
-                if isinstance(ev, api.TokenEvent):
-                    if req.sampling.logprobs:
-                        lps.append(self.chat_logprobs(ev))
-                else:
-                    final = ev
-        finally:
-            handle.cancel()
-        assert final is not None
-        text = final.text + final.tail
-        content, calls = text, []
-        if req.tools and req.tool_choice != "none":
-            content, calls = parse_tool_calls(text)
-            calls = final.tool_calls or calls
-        msg: dict[str, Any] = {"role": "assistant", "content": content if (content or not calls) else None}
-        if calls:
-            msg["tool_calls"] = [_tool_call_json(c) for c in calls]
-        choice = {"index": 0, "message": msg, "logprobs": {"content": lps} if req.sampling.logprobs else None,
-                  "finish_reason": final.finish_reason, "stop_reason": _stop_reason(final)}
+        ans = output.collect(self.engine, req)
+        msg: dict[str, Any] = {"role": "assistant", "content": ans.content if (ans.content or not ans.calls) else None}
+        if ans.reasoning:
+            msg["reasoning_content"] = ans.reasoning
+        if ans.calls:
+            msg["tool_calls"] = [_tool_call_json(c) for c in ans.calls]
+        lps = [self.chat_logprobs(ev) for ev in ans.tokens] if req.sampling.logprobs else None
+        choice = {"index": 0, "message": msg, "logprobs": {"content": lps} if lps is not None else None,
+                  "finish_reason": ans.finish_reason, "stop_reason": _stop_reason(ans.final)}
         return {"id": f"chatcmpl-{req.request_id}", "object": "chat.completion", "created": int(time.time()),
-                "model": body.model, "choices": [choice], "usage": _usage(final.usage, len(final.token_ids)),
-                "timings": _timings(final.usage)}
+                "model": body.model, "choices": [choice], "usage": _usage(ans.final.usage, len(ans.final.token_ids)),
+                "timings": _timings(ans.final.usage)}
 
     async def chat_stream(self, body: p.ChatCompletionRequest, req: api.GenerateRequest, handle):
         cid, created = f"chatcmpl-{req.request_id}", int(time.time())
-        parse = bool(req.tools) and req.tool_choice != "none"
-        calls = ToolCallStream() if parse else None
-        n_calls = 0
+        n_calls, lp = 0, None
 
         def chunk(delta: dict, finish=None, logprobs=None, **extra) -> str:
             c = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
@@ -167,45 +150,34 @@ class Front:
             return _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": body.model,
                          "choices": [c]})
 
-        def deltas(text: str, flush: bool = False) -> list[dict]:
-            nonlocal n_calls
-            if calls is None:
-                return [{"content": text}] if text else []
-            out = []
-            for kind, x in calls.push(text) + (calls.flush() if flush else []):
-                if kind == "content":
-                    out.append({"content": x})
-                else:
-                    out.append({"tool_calls": [_tool_call_json(x, n_calls)]})
-                    n_calls += 1
-            return out
-
         yield chunk({"role": "assistant", "content": ""})
-        async for ev in _events(handle):
-            if isinstance(ev, BaseException):
-                status, err, code = classify(ev)
+        async for kind, x in output.parts(self.engine, req, handle):
+            if kind in ("final", "error") and lp is not None:
+                yield chunk({"content": ""}, logprobs=lp)      # a token whose text is not out yet: its logprobs
+                lp = None
+            if kind == "error":
+                status, err, code = classify(x)
                 self.count("ChatCompletions", code)
                 yield _sse(err)
                 break
-            if isinstance(ev, api.TokenEvent):
-                ds = deltas(ev.text)
-                lp = {"content": [self.chat_logprobs(ev)]} if req.sampling.logprobs else None
-                if lp is not None and not ds:
-                    ds = [{"content": ""}]
-                for i, d in enumerate(ds):
-                    yield chunk(d, logprobs=lp if i == 0 else None)
-                continue
-            for d in deltas(ev.tail, flush=True):
-                yield chunk(d)
-            finish = ev.finish_reason
-            if finish == "stop" and n_calls:
-                finish = "tool_calls"
-            yield chunk({}, finish=finish, stop_reason=_stop_reason(ev))
-            if body.stream_options and body.stream_options.include_usage:
-                yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": body.model,
-                            "choices": [], "usage": _usage(ev.usage, len(ev.token_ids)),
-                            "timings": _timings(ev.usage)})
-            self.count("ChatCompletions", "OK")
+            if kind == "token":
+                if lp is not None:
+                    yield chunk({"content": ""}, logprobs=lp)
+                lp = {"content": [self.chat_logprobs(x)]} if req.sampling.logprobs else None
+            elif kind in ("content", "reasoning"):
+                yield chunk({"content" if kind == "content" else "reasoning_content": x}, logprobs=lp)
+                lp = None
+            elif kind == "tool_call":
+                yield chunk({"tool_calls": [_tool_call_json(x, n_calls)]}, logprobs=lp)
+                n_calls, lp = n_calls + 1, None
+            else:
+                finish = "tool_calls" if x.finish_reason == "stop" and n_calls else x.finish_reason
+                yield chunk({}, finish=finish, stop_reason=_stop_reason(x))
+                if body.stream_options and body.stream_options.include_usage:
+                    yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": body.model,
+                                "choices": [], "usage": _usage(x.usage, len(x.token_ids)),
+                                "timings": _timings(x.usage)})
+                self.count("ChatCompletions", "OK")
         yield "data: [DONE]\n\n"
 
     # ---- completions -----------------------------------------------------------------------------------------

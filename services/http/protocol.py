@@ -41,6 +41,8 @@ class ToolCallIn(_Model):
 class Message(_Model):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[Union[TextPart, dict[str, Any]]], None] = None
+    reasoning_content: str | None = None        # an earlier answer's reasoning (the template decides whether it shows)
+    reasoning: str | None = None                # vLLM's newer name for the same
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
@@ -77,6 +79,36 @@ class JsonSchemaSpec(_Model):
 class ResponseFormat(_Model):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaSpec | None = None
+
+
+class StructuredOutputs(_Model):
+    """vLLM's `structured_outputs` extension: exactly one of a JSON schema, a regex, a Lark grammar, a choice."""
+    json_: Union[dict[str, Any], str, None] = Field(default=None, alias="json")
+    regex: str | None = None
+    grammar: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+
+
+def structured_grammar(so: StructuredOutputs | None) -> api.Grammar | None:
+    if so is None:
+        return None
+    given = [k for k in ("json_", "regex", "grammar", "choice") if getattr(so, k) is not None]
+    if len(given) != 1:
+        raise UnsupportedParam("structured_outputs", "structured_outputs needs exactly one of json, regex, grammar, "
+                               "choice")
+    if so.json_ is not None:
+        import json
+        try:
+            schema = json.loads(so.json_) if isinstance(so.json_, str) else so.json_
+        except ValueError:
+            raise UnsupportedParam("structured_outputs", "structured_outputs.json is not valid JSON") from None
+        return api.Grammar("json_schema", schema)
+    if so.regex is not None:
+        return api.Grammar("regex", so.regex)
+    if so.grammar is not None:
+        return api.Grammar("lark", so.grammar)
+    import re
+    return api.Grammar("regex", "|".join(re.escape(c) for c in so.choice))
 
 
 class StreamOptions(_Model):
@@ -118,6 +150,7 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None    # vLLM's extension (regex, Lark, JSON schema, choice)
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -194,6 +227,8 @@ def chat_request(r: ChatCompletionRequest) -> api.GenerateRequest:
                                for c in m.tool_calls]
         if m.tool_call_id:
             d["tool_call_id"] = m.tool_call_id
+        if m.role == "assistant" and (m.reasoning_content or m.reasoning):
+            d["reasoning_content"] = m.reasoning_content or m.reasoning
         if m.name:
             d["name"] = m.name
         messages.append(d)
@@ -205,6 +240,10 @@ def chat_request(r: ChatCompletionRequest) -> api.GenerateRequest:
         if rf.json_schema is None or rf.json_schema.schema_ is None:
             raise UnsupportedParam("response_format", "response_format json_schema needs json_schema.schema")
         grammar = api.Grammar("json_schema", rf.json_schema.schema_)
+    if r.structured_outputs is not None:
+        if grammar is not None:
+            raise UnsupportedParam("structured_outputs", "give response_format or structured_outputs, not both")
+        grammar = structured_grammar(r.structured_outputs)
     tc = r.tool_choice
     choice = tc.model_dump() if isinstance(tc, NamedToolChoice) else tc
     kw["sampling"].logprobs = r.logprobs or bool(r.top_logprobs)

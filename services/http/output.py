@@ -1,0 +1,93 @@
+"""A chat completion's output as every API front needs it: reasoning, answer text and tool calls, split in the
+model's own dialect (betelgeuse.reasoning), whole or streamed. Chat Completions, Anthropic Messages and OpenAI
+Responses differ only in how they spell these parts.
+
+    ans = collect(engine, req)                        # the whole completion (blocking: run it on a worker thread)
+    async for kind, x in parts(engine, req, handle):  # "reasoning" | "content" (str), "tool_call" (ToolCall),
+        ...                                           # "token" (TokenEvent), "final" (FinalEvent), "error" (exc)
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from betelgeuse.reasoning import QWEN3, OutputParser, collect as collect_items
+from betelgeuse.worker import api
+
+
+def parses_tools(req: api.GenerateRequest) -> bool:
+    return bool(req.tools) and req.tool_choice != "none"
+
+
+def parser(engine, req: api.GenerateRequest, handle) -> OutputParser | None:
+    """The output parser of a chat request (None for raw text prompts: their output is only text)."""
+    if req.messages is None:
+        return None
+    return OutputParser(getattr(engine, "dialect", QWEN3), bool(getattr(handle, "reasoning", False)),
+                        tools=parses_tools(req))
+
+
+def submit(engine, req: api.GenerateRequest):
+    req.request_id = req.request_id or uuid.uuid4().hex
+    return engine.submit(req)
+
+
+@dataclass(slots=True)
+class Answer:
+    final: api.FinalEvent
+    reasoning: str = ""
+    content: str = ""
+    calls: list[api.ToolCall] = field(default_factory=list)
+    tokens: list[api.TokenEvent] = field(default_factory=list)
+
+    @property
+    def finish_reason(self) -> str:
+        """The engine's, with "tool_calls" when the answer has calls (a stop string may end a call's block)."""
+        r = self.final.finish_reason
+        return "tool_calls" if self.calls and r == "stop" else r
+
+
+def collect(engine, req: api.GenerateRequest, handle=None) -> Answer:
+    """Submit (unless given the handle) and drain one request; its output split (blocking)."""
+    handle = handle or submit(engine, req)
+    tokens, final = [], None
+    try:
+        for ev in handle:
+            if isinstance(ev, api.TokenEvent):
+                tokens.append(ev)
+            else:
+                final = ev
+    finally:
+        handle.cancel()
+    assert final is not None
+    p = parser(engine, req, handle)
+    text = final.text + final.tail
+    if p is None:
+        return Answer(final, content=text, tokens=tokens)
+    got = collect_items(p.push(text) + p.flush())
+    return Answer(final, got.reasoning, got.content, final.tool_calls or got.calls, tokens)
+
+
+async def parts(engine, req: api.GenerateRequest, handle):
+    """The request's output as (kind, value) pairs, in order (see the module doc); the stream ends after a
+    "final" or an "error". Leaving early (client gone) cancels the request in the engine."""
+    from services.http.app import _events
+    p = parser(engine, req, handle)
+
+    def split(text: str, flush: bool = False) -> list:
+        if p is None:
+            return [("content", text)] if text else []
+        return p.push(text) + (p.flush() if flush else [])
+    async for ev in _events(handle):
+        if isinstance(ev, BaseException):
+            yield "error", ev
+            return
+        if isinstance(ev, api.TokenEvent):
+            yield "token", ev
+            for item in split(ev.text):
+                yield item
+            continue
+        for item in split(ev.tail, flush=True):
+            yield item
+        yield "final", ev
