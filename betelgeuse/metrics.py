@@ -124,6 +124,10 @@ class WorkerMetrics:
     prefix_cache_evictions: Counter   # blocks evicted (LRU, unreferenced only)
     prefix_cache_bytes: Gauge         # bytes of cached blocks
     prefix_cache_capacity: Gauge      # bytes of the pool (0 = off)
+    prefix_cache_usage: Gauge         # used / capacity, 0..1 (0 when off)
+    kv_cache_tokens: Gauge            # [state] used (K/V written) | reserved (allocated) by running requests
+    kv_cache_capacity: Gauge          # tokens of K/V the memory plan reserves (max_running x context)
+    kv_cache_usage: Gauge             # reserved / capacity, 0..1 (vLLM's kv_cache_usage_perc)
     cgroup_memory: Gauge              # [kind] current | max
 
     def set_cgroup_reader(self, current: Callable[[], float], maximum: Callable[[], float]) -> None:
@@ -184,6 +188,14 @@ def make_worker_metrics(version: str = "0.1.0") -> WorkerMetrics:
         prefix_cache_bytes=Gauge("betelgeuse_prefix_cache_used_bytes", "Bytes of cached K/V blocks.", registry=reg),
         prefix_cache_capacity=Gauge("betelgeuse_prefix_cache_capacity_bytes", "Bytes of the prefix-cache pool "
                                     "(0 = off).", registry=reg),
+        prefix_cache_usage=Gauge("betelgeuse_prefix_cache_usage_ratio", "Prefix-cache bytes used / capacity (0..1; 0 "
+                                 "when off).", registry=reg),
+        kv_cache_tokens=Gauge("betelgeuse_kv_cache_tokens", "K/V cache tokens of the running requests: state=used "
+                              "(written) | reserved (allocated: prompt + max_tokens).", ["state"], registry=reg),
+        kv_cache_capacity=Gauge("betelgeuse_kv_cache_capacity_tokens", "K/V cache tokens the memory plan reserves "
+                                "(max_running x the context).", registry=reg),
+        kv_cache_usage=Gauge("betelgeuse_kv_cache_usage_ratio", "Reserved K/V cache tokens / capacity (0..1).",
+                             registry=reg),
         cgroup_memory=_cgroup_gauge(reg),
     )
     for phase in PHASES:
@@ -201,6 +213,8 @@ def make_worker_metrics(version: str = "0.1.0") -> WorkerMetrics:
             m.expert_slots.labels(tier=tier, state=state)
     for pool in ("dense_weights", "experts", "kv_cache", "workspace"):
         m.vram_used_bytes.labels(pool=pool)
+    for state in ("used", "reserved"):
+        m.kv_cache_tokens.labels(state=state)
     for kind in ("current", "max"):
         m.cgroup_memory.labels(kind=kind)
     return m

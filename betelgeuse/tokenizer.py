@@ -308,7 +308,7 @@ _TEMPLATES: dict[str, Any] = {}
 
 
 def _compile(source: str):
-    """Jinja2 sandboxed like transformers: trim/lstrip blocks, raise_exception, tojson, strftime_now."""
+    """Jinja2 sandboxed like transformers: trim/lstrip blocks, raise_exception, tojson, strftime_now (and from_json)."""
     if source in _TEMPLATES:
         return _TEMPLATES[source]
     from jinja2.exceptions import TemplateError
@@ -323,6 +323,7 @@ def _compile(source: str):
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = tojson
+    env.filters["from_json"] = json.loads          # DeepSeek-V4's template reads tool-call arguments given as JSON text
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     try:

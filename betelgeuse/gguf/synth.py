@@ -66,6 +66,7 @@ class SynthSpec:
     qtype: str = "Q8_0"          # "F32" | "F16" | "BF16" | "Q8_0": big matrices; norms and router stay F32
     router_skew: float = 0.0     # Zipf-like expert popularity exponent; 0 = no added bias (module doc)
     seed: int = 0
+    chat_template: str = "default"   # gguf/templates.py: default | qwen3 | deepseek-v4
 
 
 PRESETS: dict[str, SynthSpec] = {
@@ -108,6 +109,8 @@ def spec_from_preset(name: str, **overrides):
 
 def validate(spec: SynthSpec) -> None:
     """User mistakes in a spec -> InvalidRequestError naming the field."""
+    from betelgeuse.gguf.templates import chat_template
+    chat_template(spec.chat_template)
     if spec.qtype not in _QTYPES:
         raise InvalidRequestError(f"qtype {spec.qtype!r} not supported (use one of {', '.join(_QTYPES)})")
     for f in ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_expert", "n_expert_used",
@@ -284,11 +287,13 @@ def _add_metadata(w: GGUFWriter, spec: SynthSpec) -> None:
     w.add_uint32("betelgeuse.synth.seed", s.seed)
     w.add_float32("betelgeuse.synth.router_skew", s.router_skew)
     w.add_uint32("betelgeuse.synth.skew_dim", skew_dim(s))
-    add_tokenizer(w, s.n_vocab)
+    add_tokenizer(w, s.n_vocab, s.chat_template)
 
 
-def add_tokenizer(w: GGUFWriter, n_vocab: int) -> None:
-    """A byte-level BPE of `n_vocab` tokens trained on CORPUS, Qwen-style specials, the chat template."""
+def add_tokenizer(w: GGUFWriter, n_vocab: int, chat_template: str = "default") -> None:
+    """A byte-level BPE of `n_vocab` tokens trained on CORPUS, Qwen-style specials, the chat template (by name:
+    gguf/templates.py)."""
+    from betelgeuse.gguf.templates import chat_template as template_named
     from betelgeuse.tokenizer import train_vocab
     v = train_vocab(CORPUS, n_vocab)
     w.add_tokenizer_model("gpt2")
@@ -300,7 +305,7 @@ def add_tokenizer(w: GGUFWriter, n_vocab: int) -> None:
     w.add_eos_token_id(v.im_end_id)
     w.add_pad_token_id(v.endoftext_id)
     w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    w.add_chat_template(template_named(chat_template))
 
 
 # Tokenizer training text: a few paragraphs of plain English plus some non-ASCII, so that the

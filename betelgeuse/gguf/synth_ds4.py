@@ -73,6 +73,7 @@ class DS4Spec:
     dense: str = "release"                     # "release" (Q8_0/BF16/F32 as the converter) | "F32"
     router_skew: float = 0.0                   # (qwen3moe's knob; not implemented for deepseek4: 0 only)
     seed: int = 0
+    chat_template: str = "default"   # gguf/templates.py: default | qwen3 | deepseek-v4
 
     def ratios(self) -> tuple[int, ...]:
         if self.compress_ratios:
@@ -323,7 +324,7 @@ def add_metadata(w: GGUFWriter, spec: DS4Spec, tokenizer: bool = True) -> None:
     w.add_uint32(f"{a}.embedding_length_out", s.n_embd * s.hc_mult)
     w.add_uint32("betelgeuse.synth.seed", s.seed)
     if tokenizer:
-        add_tokenizer(w, s.n_vocab)
+        add_tokenizer(w, s.n_vocab, s.chat_template)
 
 
 def write_deepseek4(path: str | os.PathLike, spec: DS4Spec, source: Callable[[str], np.ndarray] | None = None,

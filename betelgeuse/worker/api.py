@@ -115,6 +115,7 @@ Event = TokenEvent | FinalEvent
 
 class RequestHandle(Protocol):
     reasoning: bool                                # the output starts inside a think block (the prompt opened it)
+    prompt_tokens: int                             # the prompt's length in tokens
     def __iter__(self) -> Iterator[Event]: ...    # ends with exactly one FinalEvent, or raises a BetelgeuseError
     def cancel(self) -> None: ...                  # the engine stops work on it promptly
 

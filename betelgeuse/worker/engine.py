@@ -79,6 +79,7 @@ class LLMEngine:
         self.started = time.monotonic()
         self._stop = False
         self._store_lost: StoreUnavailableError | None = None   # set by a health probe on another thread
+        self._gauges()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
@@ -411,6 +412,7 @@ class LLMEngine:
         m.prefix_cache_tokens.inc(st.tokens_reused - old.tokens_reused)
         m.prefix_cache_evictions.inc(st.evictions - old.evictions)
         m.prefix_cache_bytes.set(pc.bytes_used)
+        m.prefix_cache_usage.set(pc.bytes_used / pc.capacity_bytes if pc.capacity_bytes else 0.0)
         self._exported = dataclasses.replace(st)
 
     def _decode(self, seq: Sequence):
@@ -661,9 +663,18 @@ class LLMEngine:
                           memory=mem, uptime_s=time.monotonic() - self.started)
 
     def _gauges(self):
-        if self.metrics:
-            self.metrics.requests_running.set(len(self.running))
-            self.metrics.requests_waiting.set(len(self.waiting))
+        m = self.metrics
+        if m:
+            m.requests_running.set(len(self.running))
+            m.requests_waiting.set(len(self.waiting))
+            kvs = [s.kv for s in self.running if s.kv is not None]
+            used, reserved = sum(kv.length for kv in kvs), sum(kv.max_len for kv in kvs)
+            cap = self.cfg.max_running * min(self.cfg.max_context,
+                                             self.runner.mcfg.context_length or self.cfg.max_context)
+            m.kv_cache_tokens.labels(state="used").set(used)
+            m.kv_cache_tokens.labels(state="reserved").set(reserved)
+            m.kv_cache_capacity.set(cap)
+            m.kv_cache_usage.set(min(1.0, reserved / cap) if cap else 0.0)
 
     def close(self):
         self._stop = True

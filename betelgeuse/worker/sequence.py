@@ -83,6 +83,10 @@ class RequestHandle:
         self.seq, self._wake = seq, wake
 
     @property
+    def prompt_tokens(self) -> int:
+        return len(self.seq.prompt_ids)
+
+    @property
     def reasoning(self) -> bool:
         """The output starts inside a think block (the rendered prompt opened it)."""
         return self.seq.reasoning

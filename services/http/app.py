@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from betelgeuse.errors import (BetelgeuseError, CancelledError, InvalidRequestError, ModelFormatError,
                                QueueFullError, StoreUnavailableError)
 from betelgeuse.worker import api
-from services.http import output
+from services.http import anthropic, output, responses
 from services.http import protocol as p
 
 log = logging.getLogger("betelgeuse.http")
@@ -53,9 +53,9 @@ def classify(e: BaseException) -> tuple[int, dict, str]:
     """(HTTP status, OpenAI error body, gRPC-style code name) of an exception."""
     for cls, status, type_, code in ERRORS:
         if isinstance(e, cls):
-            return status, error_body(str(e), type_, getattr(e, "param", None)), code
+            return status, error_body(str(e), type_, getattr(e, "param", None), getattr(e, "error_code", None)), code
     if isinstance(e, BetelgeuseError):
-        return 400, error_body(str(e), "invalid_request_error"), "INVALID_ARGUMENT"
+        return 400, error_body(str(e), "invalid_request_error", getattr(e, "param", None)), "INVALID_ARGUMENT"
     return 500, error_body("internal error; see the worker log", "server_error"), "INTERNAL"
 
 
@@ -271,6 +271,13 @@ async def _events(handle):
         handle.cancel()
 
 
+def _error(request: Request, body: dict, status: int, headers=None) -> JSONResponse:
+    """An error in the shape of the API the path belongs to (OpenAI's, or Anthropic's under /v1/messages)."""
+    if request.url.path.startswith(anthropic.PREFIX):
+        return anthropic.error_response(status, body)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
 def _first_param(exc: RequestValidationError) -> tuple[str | None, str]:
     errs = exc.errors()
     if not errs:
@@ -283,6 +290,8 @@ def _first_param(exc: RequestValidationError) -> tuple[str | None, str]:
         return None, "the request body is not valid JSON"
     if e.get("type") == "missing":
         return param, f"missing required parameter: {param}"
+    if e.get("type") == "extra_forbidden":
+        return param, f"unknown parameter: {param} (not supported by this server)"
     return param, f"{param}: {msg}" if param else msg
 
 
@@ -297,15 +306,15 @@ def build_app(engine, metrics=None) -> FastAPI:
         n = request.headers.get("content-length")
         if n is not None and (not n.isdigit() or int(n) > MAX_BODY_BYTES):
             front.count(_method(request), "INVALID_ARGUMENT")
-            return JSONResponse(error_body(f"the request body is larger than {MAX_BODY_BYTES} bytes",
-                                           "invalid_request_error"), status_code=413)
+            return _error(request, error_body(f"the request body is larger than {MAX_BODY_BYTES} bytes",
+                                              "invalid_request_error"), 413)
         return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         param, msg = _first_param(exc)
         front.count(_method(request), "INVALID_ARGUMENT")
-        return JSONResponse(error_body(msg, "invalid_request_error", param), status_code=400)
+        return _error(request, error_body(msg, "invalid_request_error", param), 400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
@@ -314,19 +323,19 @@ def build_app(engine, metrics=None) -> FastAPI:
             msg = f"no such endpoint: {request.method} {request.url.path}"
         elif exc.status_code == 405:
             msg = f"method {request.method} is not allowed on {request.url.path}"
-        return JSONResponse(error_body(msg, STATUS_TYPES.get(exc.status_code, "invalid_request_error")),
-                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return _error(request, error_body(msg, STATUS_TYPES.get(exc.status_code, "invalid_request_error")),
+                      exc.status_code, getattr(exc, "headers", None))
 
     @app.exception_handler(ModelNotFound)
     async def _model(request: Request, exc: ModelNotFound):
         front.count(_method(request), "NOT_FOUND")
-        return JSONResponse(error_body(str(exc), "invalid_request_error", "model", "model_not_found"), status_code=404)
+        return _error(request, error_body(str(exc), "invalid_request_error", "model", "model_not_found"), 404)
 
     @app.exception_handler(BetelgeuseError)        # the user's problem: handled in ExceptionMiddleware, no re-raise
     async def _ours(request: Request, exc: BetelgeuseError):
         status, body, code = classify(exc)
         front.count(_method(request), code)
-        return JSONResponse(body, status_code=status)
+        return _error(request, body, status)
 
     @app.exception_handler(Exception)              # a bug: Starlette's ServerErrorMiddleware logs it once
     async def _any(request: Request, exc: Exception):
@@ -334,7 +343,7 @@ def build_app(engine, metrics=None) -> FastAPI:
         if status >= 500:
             log.error("internal error in %s %s", request.method, request.url.path, exc_info=exc)
         front.count(_method(request), code)
-        return JSONResponse(body, status_code=status)
+        return _error(request, body, status)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: p.ChatCompletionRequest):
@@ -392,6 +401,16 @@ def build_app(engine, metrics=None) -> FastAPI:
     async def detokenize(body: p.DetokenizeRequest):
         return {"content": await anyio.to_thread.run_sync(engine.detokenize, body.tokens)}
 
+    anthropic.add_routes(app, front)
+    responses.add_routes(app, front)
+
+    if metrics is not None:
+        @app.get("/metrics", include_in_schema=False)
+        async def prometheus():                   # the worker's registry, also on the API port
+            from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+            from starlette.responses import Response
+            return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
     app.openapi = lambda: _openapi(app)
     return app
 
@@ -434,9 +453,11 @@ def _openapi(app: FastAPI) -> dict:
 
 
 METHODS = {"/v1/chat/completions": "ChatCompletions", "/v1/completions": "Completions", "/tokenize": "HttpTokenize",
-           "/detokenize": "HttpDetokenize"}
+           "/detokenize": "HttpDetokenize", "/v1/messages": "Messages", "/v1/messages/count_tokens": "MessagesCountTokens",
+           "/v1/responses": "Responses"}
 
 
 def _method(request: Request) -> str:
     """A bounded label set for betelgeuse_requests_total (a fuzzer's random paths must not grow it)."""
-    return METHODS.get(request.url.path, "HttpOther")
+    path = request.url.path
+    return METHODS.get(path, "Responses" if path.startswith("/v1/responses/") else "HttpOther")
