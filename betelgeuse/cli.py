@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from collections import Counter
 from typing import Callable
@@ -572,47 +573,36 @@ def cmd_config(args) -> int:
 
 
 def _chat_args(p: argparse.ArgumentParser) -> None:
+    from betelgeuse.chat import DEFAULT_MAX_TOKENS
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the OpenAI-compatible API (betelgeuse serve's HTTP)")
     p.add_argument("--model", help="model id (default: the first of GET /v1/models)")
+    p.add_argument("--api-key", default=os.environ.get("BETELGEUSE_API_KEY"),
+                   help="sent as Authorization: Bearer (default: $BETELGEUSE_API_KEY)")
     p.add_argument("--system", help="a system message opening the conversation")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--seed", type=int, help="seed of the sampling (reproducible answers)")
-    p.add_argument("--max-tokens", type=int, help="per answer (default: until EOS or the context)")
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help=f"per answer (default {DEFAULT_MAX_TOKENS}; 0: until EOS or the context)")
     p.add_argument("--no-thinking", action="store_true", help="chat_template_kwargs enable_thinking=false (Qwen3)")
 
 
 def cmd_chat(args) -> int:
-    """An interactive chat over the HTTP API: each turn resends the whole conversation (as agents do) and
-    streams the answer. /reset starts over, /exit (or EOF, Ctrl-D) leaves."""
-    from betelgeuse.chat import ChatClient
-    client = ChatClient(args.url, args.model)
+    """An interactive chat over the HTTP API (betelgeuse/chat.py): line editing and history on a terminal, slash
+    commands handled here (/help), Ctrl-C stops an answer, Ctrl-D or /exit leaves."""
+    from betelgeuse.chat import ChatClient, ChatSession, line_editing
+    client = ChatClient(args.url, args.model, api_key=args.api_key)
     tty = sys.stdin.isatty()
+    session = ChatSession(client, system=args.system, thinking=False if args.no_thinking else None,
+                          params={"temperature": args.temperature, "seed": args.seed,
+                                  "max_tokens": args.max_tokens or None})
+    save = line_editing() if tty else (lambda: None)
     if tty:
-        print(f"chatting with {client.model} at {args.url}  (/reset, /exit)", file=sys.stderr)
-    history = [{"role": "system", "content": args.system}] if args.system else []
-    extra = {"chat_template_kwargs": {"enable_thinking": False}} if args.no_thinking else {}
-    while True:
-        try:
-            line = input("> " if tty else "")
-        except EOFError:
-            return 0
-        if line.strip() in ("/exit", "/quit"):
-            return 0
-        if line.strip() == "/reset":
-            history = history[:1] if args.system else []
-            continue
-        if not line.strip():
-            continue
-        history.append({"role": "user", "content": line})
-        try:
-            answer = client.stream(history, lambda t: print(t, end="", flush=True), temperature=args.temperature,
-                                   seed=args.seed, max_tokens=args.max_tokens, **extra)
-        except BetelgeuseError as e:
-            history.pop()
-            print(f"\n{PROG}: error: {e}", file=sys.stderr)
-            continue
-        print()
-        history.append({"role": "assistant", "content": answer})
+        print(f"chatting with {client.model} at {args.url}  (/help for commands, Ctrl-C stops an answer, "
+              "Ctrl-D leaves)", file=sys.stderr)
+    try:
+        return session.run(input, "> " if tty else "")
+    finally:
+        save()
 
 
 # name -> (help, add arguments, run); the lead adds serve / bench here
