@@ -36,6 +36,11 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                529: "overloaded_error"}
 
 
+ERROR_SCHEMA = {"type": "object", "required": ["type", "error"], "properties": {
+    "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"], "properties": {
+        "type": {"type": "string"}, "message": {"type": "string"}}}}}
+
+
 def error_body(status: int, message: str) -> dict:
     return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
 

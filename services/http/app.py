@@ -369,7 +369,10 @@ def build_app(engine, metrics=None) -> FastAPI:
 
     def model_card() -> dict:
         mi = engine.model_info()
+        # OpenAI's model object, with Anthropic's fields too (its client lists models from the same path)
         return {"id": front.model_name, "object": "model", "created": front.created, "owned_by": "betelgeuse",
+                "type": "model", "display_name": front.model_name,
+                "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(front.created)),
                 "max_model_len": mi.context_length,
                 "meta": {"arch": mi.arch, "quant": mi.quant, "n_layer": mi.n_layer, "n_expert": mi.n_expert,
                          "n_expert_used": mi.n_expert_used, "n_vocab": mi.n_vocab, "routing": mi.routing}}
@@ -421,6 +424,9 @@ ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error":
                    "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
 
 
+STREAMING = ("/v1/chat/completions", "/v1/completions", anthropic.PREFIX, "/v1/responses")
+
+
 def _openapi(app: FastAPI) -> dict:
     """FastAPI's schema, with what this server really answers: 400 (not 422) with OpenAI's error body,
     the other error statuses, and SSE for the streaming endpoints."""
@@ -429,7 +435,10 @@ def _openapi(app: FastAPI) -> dict:
     from fastapi.openapi.utils import get_openapi
     doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
     err = {"description": "error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    anth = {"description": "error (Anthropic's shape)",
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/AnthropicError"}}}}
     doc.setdefault("components", {}).setdefault("schemas", {})["Error"] = ERROR_SCHEMA
+    doc["components"]["schemas"]["AnthropicError"] = anthropic.ERROR_SCHEMA
     for path, ops in doc.get("paths", {}).items():
         for method, op in ops.items():
             rs = op.setdefault("responses", {})
@@ -439,13 +448,13 @@ def _openapi(app: FastAPI) -> dict:
                 codes.append("400")
             if path.startswith("/v1/") and (method == "post" or "{" in path):
                 codes.append("404")
-            if path in ("/v1/chat/completions", "/v1/completions"):
+            if path in STREAMING:
                 codes += ["429", "503"]
                 rs["200"]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
             if path == "/health":
                 codes.append("503")
             for c in codes:
-                rs[c] = err
+                rs[c] = anth if path.startswith(anthropic.PREFIX) else err
     for name in ("HTTPValidationError", "ValidationError"):
         doc["components"]["schemas"].pop(name, None)
     app.openapi_schema = doc
