@@ -101,13 +101,16 @@ def tok(tiny_model):
     return Tokenizer.from_file(tiny_model)
 
 
-def _constrained(tok, grammar: Grammar, seed: int, n: int = 200) -> tuple[str, bool]:
+def _constrained(tok, grammar: Grammar, seed: int, n: int = 200, nudge=None) -> tuple[str, bool]:
+    """Random logits through the grammar's mask until it is done; nudge(ids, logits) may bias them first."""
     from betelgeuse.grammar import Grammars
     c = Grammars(tok).constraint(grammar)
     g = torch.Generator().manual_seed(seed)
     ids = []
     for _ in range(n):
         logits = torch.randn(tok.n_vocab, generator=g) * 3
+        if nudge is not None:
+            nudge(ids, logits)
         t = int(torch.multinomial(torch.softmax(logits.masked_fill(~c.allowed(), float("-inf")), -1), 1, generator=g))
         if t in tok.eos_ids:
             break

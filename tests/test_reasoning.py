@@ -11,7 +11,6 @@ import dataclasses
 import json
 
 import pytest
-import torch
 
 from betelgeuse.reasoning import DEEPSEEK_V4, HERMES_ONLY, QWEN3, OutputParser, collect, dialect_for, parse_output
 
@@ -134,31 +133,24 @@ def test_forced_dsml_calls_are_valid_under_random_logits(tok):
     """A forced tool choice compiles to DSML in the schema's types; whatever the logits, the output parses to a
     valid call (and, with the prompt's think block open, the reasoning closes first)."""
     jsonschema = pytest.importorskip("jsonschema")
-    from betelgeuse.grammar import Grammars, tool_call_grammar
+    from betelgeuse.grammar import tool_call_grammar
+    from test_chat_features import _constrained
     params = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Oslo", "Lima"]},
                                                "days": {"type": "integer", "minimum": 1, "maximum": 9},
                                                "note": {"type": "string", "maxLength": 6}},
               "required": ["city", "days"], "additionalProperties": False}
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}},
              {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
-    G = Grammars(tok)
+    close = tok.encode("</think>")
+
+    def nudge(ids, logits):          # a random model never spells </think>: after 8 tokens of reasoning, make it
+        if 8 <= len(ids) < 8 + len(close):
+            logits[close[len(ids) - 8]] += 100
     for seed, (name, opened) in enumerate([("get_weather", False), (None, False), ("get_weather", True)]):
-        c = G.constraint(tool_call_grammar(tools, name, DEEPSEEK_V4, opened))
-        g, ids, close = torch.Generator().manual_seed(seed), [], tok.encode("</think>")
-        for _ in range(400):
-            logits = torch.randn(tok.n_vocab, generator=g) * 3
-            if opened and 8 <= len(ids) < 8 + len(close):    # a random model never spells </think>: after 8 tokens
-                logits[close[len(ids) - 8]] += 100           # of reasoning, make it
-            t = int(torch.multinomial(torch.softmax(logits.masked_fill(~c.allowed(), float("-inf")), -1), 1,
-                                      generator=g))
-            if t in tok.eos_ids:
-                break
-            c.accept(t)
-            ids.append(t)
-            if c.done:
-                break
-        got = parse_output(DEEPSEEK_V4, tok.decode(ids), opened, tools=True)
-        assert got.calls and not got.content, tok.decode(ids)
+        text, _ = _constrained(tok, tool_call_grammar(tools, name, DEEPSEEK_V4, opened), seed, 400,
+                               nudge if opened else None)
+        got = parse_output(DEEPSEEK_V4, text, opened, tools=True)
+        assert got.calls and not got.content, text
         for call in got.calls:
             assert call.name in ("get_weather", "get_time") and (name is None or call.name == name)
             if call.name == "get_weather":

@@ -193,18 +193,10 @@ class Front:
         return out
 
     def completion_full(self, body: p.CompletionRequest, req: api.GenerateRequest) -> dict:
-        handle = self.submit(req)
-        evs, final = [], None
-        try:
-            for ev in handle:
-                if isinstance(ev, api.TokenEvent):
-                    evs.append(ev)
-                else:
-                    final = ev
-        finally:
-            handle.cancel()
-        choice = {"index": 0, "text": final.text + final.tail,
-                  "logprobs": self.legacy_logprobs(evs) if req.sampling.logprobs else None,
+        ans = output.collect(self.engine, req)              # a text prompt: the whole text is the answer
+        final = ans.final
+        choice = {"index": 0, "text": ans.content,
+                  "logprobs": self.legacy_logprobs(ans.tokens) if req.sampling.logprobs else None,
                   "finish_reason": final.finish_reason, "stop_reason": _stop_reason(final)}
         return {"id": f"cmpl-{req.request_id}", "object": "text_completion", "created": int(time.time()),
                 "model": body.model, "choices": [choice], "usage": _usage(final.usage, len(final.token_ids)),
