@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from betelgeuse.api import Grammar
 from betelgeuse.errors import InvalidRequestError
-from betelgeuse.worker.api import Grammar
 
 JSON_OPTIONS = {"whitespace_flexible": False}
 
@@ -161,7 +161,7 @@ class Grammars:
         self._lock = threading.Lock()
         # tokens the grammar must never pick: UNUSED padding pieces are ordinary BPE entries to llguidance
         # but decode to nothing here, so text and grammar would disagree
-        from betelgeuse.tokenizer import UNUSED
+        from betelgeuse.gguf.vocab import UNUSED
         self._never = torch.tensor([t == UNUSED for t in tokenizer._types], dtype=torch.bool)
 
     def _lltok(self):

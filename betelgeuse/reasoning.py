@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from betelgeuse.api import ToolCall
 from betelgeuse.toolcalls import DSML, DSML_V4, HERMES, Syntax, ToolCallStream, partial_suffix
-from betelgeuse.worker.api import ToolCall
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
-from betelgeuse.worker.api import ToolCall
+from betelgeuse.api import ToolCall
 
 
 def new_call_id() -> str:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
+from betelgeuse import api
 from betelgeuse.errors import InvalidRequestError
-from betelgeuse.worker import api
 from services.pb.betelgeuse.v1 import inference_pb2 as pb
 
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "cancelled": pb.FINISH_REASON_CANCELLED,

@@ -17,9 +17,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from betelgeuse.api import FinalEvent
 from betelgeuse.errors import (BetelgeuseError, CancelledError, InternalError, InvalidRequestError, ModelFormatError,
                                QueueFullError, ShuttingDownError, StoreBusyError, StoreUnavailableError)
-from betelgeuse.worker.api import FinalEvent
 from services import convert
 from services.pb.betelgeuse.v1 import inference_pb2 as pb
 from services.pb.betelgeuse.v1 import inference_pb2_grpc as pb_grpc

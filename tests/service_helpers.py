@@ -216,9 +216,9 @@ def run_stream(call, on_token=None) -> Streamed:
 @functools.lru_cache(maxsize=2)
 def _reference(model_path: str):
     import torch
-    from betelgeuse.model.qwen3moe import ReferenceModel
+    from betelgeuse.model.qwen3moe import Qwen3MoeReference
     from betelgeuse.tokenizer import Tokenizer
-    model = ReferenceModel.load(model_path, device="cpu", dtype=torch.float32)
+    model = Qwen3MoeReference.load(model_path, device="cpu", dtype=torch.float32)
     return model, Tokenizer.from_metadata(model.file.metadata)
 
 

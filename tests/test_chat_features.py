@@ -10,10 +10,10 @@ import re
 import pytest
 import torch
 
+from betelgeuse.api import Grammar, SamplingParams
 from betelgeuse.errors import InvalidRequestError
-from betelgeuse.model.sampler import apply_penalties, sample, validate
+from betelgeuse.sampling import apply_penalties, sample, validate
 from betelgeuse.toolcalls import ToolCallStream, parse_tool_calls
-from betelgeuse.worker.api import Grammar, SamplingParams
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "n": 2}}\n</tool_call>'
 
@@ -76,7 +76,7 @@ def test_min_p_support_matches_transformers():
         scaled = logits / temp
         keep = tr.MinPLogitsWarper(min_p)(torch.zeros(1, 1, dtype=torch.long), scaled.clone()[None])[0] > -1e30
         p = SamplingParams(temperature=temp, min_p=min_p, seed=5)
-        from betelgeuse.model.sampler import make_generator
+        from betelgeuse.sampling import make_generator
         gen = make_generator(p)
         drawn = {sample(logits, p, gen) for _ in range(400)}
         assert drawn <= set(torch.nonzero(keep).flatten().tolist())

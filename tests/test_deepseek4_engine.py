@@ -1,6 +1,6 @@
 """deepseek4 through the out-of-core engine (runner, slots, store), in one process on the CPU.
 
-Invariant 1 for the second architecture: logits bit-identical to the deepseek4 ReferenceModel (experts
+Invariant 1 for the second architecture: logits bit-identical to the deepseek4 Deepseek4Reference (experts
 dequantized from the file's mmap, no store) whatever the slot configuration, cold, warm and after
 consolidation; decode steps (which carry the sliding-window ring, the open compression windows and the
 compressed entries) too. MXFP4 routed experts (what published files hold) and Q8_0 ones.

@@ -12,7 +12,8 @@ from gguf import GGMLQuantizationType as GT, GGUFValueType, quants
 from betelgeuse.errors import ModelFormatError, UnsupportedError
 from betelgeuse.gguf import GGUFModelFile
 from betelgeuse.gguf.quants import dequantize
-from betelgeuse.gguf.synth import spec_from_preset, write_gguf
+from betelgeuse.gguf.synth import spec_from_preset
+from betelgeuse.gguf.synth_common import write_gguf
 from betelgeuse.gguf.synth_ds4 import ARCH, DS4_PRESETS, add_metadata, model_nbytes, tensor_plan, write_deepseek4
 
 

@@ -105,7 +105,7 @@ def _fp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _tokenizer(dir_: Path, n_vocab: int) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from betelgeuse.gguf.synth import CORPUS
+    from betelgeuse.gguf.synth_common import CORPUS
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -225,11 +225,11 @@ def test_writer_matches_llama_cpp_converter(tmp_path):
     assert a.metadata["general.architecture"] == b.metadata["general.architecture"] == "deepseek4"
     assert a.metadata["general.file_type"] == b.metadata["general.file_type"]
     # and the converter's file runs: our reader validates it and the forward pass gives our file's bits
-    from betelgeuse.model.deepseek4 import ReferenceModel
+    from betelgeuse.model.deepseek4 import Deepseek4Reference
     ids = torch.arange(40) * 7 % spec.n_vocab
     logits = []
     for path in (theirs, ours):
-        m = ReferenceModel.load(path)
+        m = Deepseek4Reference.load(path)
         logits.append(m.forward(ids, m.new_cache(40)))
     assert torch.equal(logits[0], logits[1])
     print(f"\n[ds4-layout] {len(tb)} tensors: names, shapes, types and bytes equal; "

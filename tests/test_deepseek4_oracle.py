@@ -4,7 +4,7 @@ A tiny seeded random HF model (layers: sliding-only, ratio-4 CSA with the indexe
 first two hash-routed; sliding window 16, so a 200-token prompt crosses the window, 50 CSA windows and an
 HCA window) has its weights rounded through the quantizer of the type each one is stored in (so the
 reference computes exactly the model the file holds), is written as a `deepseek4` GGUF in llama.cpp's layout,
-and read back by our ReferenceModel. Logits are compared over the whole prompt, token-by-token decode and
+and read back by our Deepseek4Reference. Logits are compared over the whole prompt, token-by-token decode and
 odd-sized chunked prefill, for F32, Q8_0 and MXFP4 routed experts. Expert and indexer top-k choices turn
 1e-7 noise into different selections near ties, so the test asserts the selection margins are far from ties.
 Tolerance: 1e-4 x max |logit| (float32 noise is ~1e-6 relative; a wrong RoPE pairing, a missing clamp or a
@@ -21,7 +21,7 @@ import torch
 
 from betelgeuse.gguf import ds4layout
 from betelgeuse.gguf.synth_ds4 import DS4Spec, qtype_of, write_deepseek4
-from betelgeuse.model.deepseek4 import ReferenceModel
+from betelgeuse.model.deepseek4 import Deepseek4Reference
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -118,7 +118,7 @@ def prompt():
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def pair(request, tmp_path_factory, prompt):
-    """(variant, HF logits [T, V], our ReferenceModel) for one quant variant."""
+    """(variant, HF logits [T, V], our Deepseek4Reference) for one quant variant."""
     from dataclasses import replace
     spec = replace(SPEC, **VARIANTS[request.param])
     hf = random_hf_model(spec)
@@ -127,7 +127,7 @@ def pair(request, tmp_path_factory, prompt):
     write_deepseek4(path, spec, source=lambda n: stored[n], progress=False)
     with torch.no_grad():
         ref = hf(prompt[None]).logits[0].float()
-    return request.param, ref, ReferenceModel.load(path)
+    return request.param, ref, Deepseek4Reference.load(path)
 
 
 def _check(ours: torch.Tensor, ref: torch.Tensor, what: str) -> float:

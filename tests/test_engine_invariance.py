@@ -2,7 +2,7 @@
 
 Same schedule: logits are bit-identical whatever the slot configuration (0/0, 0/20, 5/15, 2/3,
 everything in the "VRAM" tier, everything resident), cold, warm (staged copies, no consolidation yet)
-and after consolidation, and bit-identical to `ReferenceModel` (all experts dequantized from the
+and after consolidation, and bit-identical to `Qwen3MoeReference` (all experts dequantized from the
 file's mmap: no slots, no store). Each configuration must really have used the tiers it claims,
 otherwise the equality would be vacuous.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from betelgeuse.model.qwen3moe import ReferenceModel
+from betelgeuse.model.qwen3moe import Qwen3MoeReference
 
 from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, write_synth
 
@@ -37,7 +37,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(model):
-    ref = ReferenceModel.load(model)
+    ref = Qwen3MoeReference.load(model)
     with torch.no_grad():
         logits = ref.forward(torch.tensor(PROMPT), ref.new_cache(64)).float()
     return ref, logits
@@ -168,7 +168,7 @@ def test_tolerance_can_fail(model, reference):
     """Positive control: the tolerance is tight enough that one changed input token (whose effect on
     later positions is of the size of a real bug) exceeds it."""
     _, want = reference
-    ref = ReferenceModel.load(model)
+    ref = Qwen3MoeReference.load(model)
     ids = list(PROMPT)
     ids[7] = (ids[7] + 1) % ENGINE_SPEC["n_vocab"]              # one token changed is a different input
     with torch.no_grad():

@@ -14,7 +14,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from betelgeuse.errors import ModelFormatError, UnsupportedError
-from betelgeuse.gguf import GGUFModelFile, synth
+from betelgeuse.gguf import GGUFModelFile, synth, synth_common
 from betelgeuse.gguf.header import parse_header, read_header
 
 QWEN_MERGES = 151387   # merges in Qwen3's tokenizer
@@ -64,14 +64,14 @@ def write_sparse(path, spec, extra_strings=0):
     if extra_strings:   # Qwen-sized merges (synth's tiny corpus only yields a few hundred)
         w.add_array("test.merges", [f"\u0120t{i % 977} x{i}" for i in range(extra_strings)])
     for name, shape, gt, _ in plan:
-        w.add_tensor_info(name, shape, np.dtype(np.float32), synth._nbytes(shape, gt), raw_dtype=gt)
+        w.add_tensor_info(name, shape, np.dtype(np.float32), synth_common.nbytes(shape, gt), raw_dtype=gt)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     end = w.fout[0].tell()
     w.close()
     data = gguf.GGUFWriter.ggml_pad(end, gguf.GGUF_DEFAULT_ALIGNMENT)
-    os.truncate(path, data + sum(gguf.GGUFWriter.ggml_pad(synth._nbytes(s, g), gguf.GGUF_DEFAULT_ALIGNMENT)
+    os.truncate(path, data + sum(gguf.GGUFWriter.ggml_pad(synth_common.nbytes(s, g), gguf.GGUF_DEFAULT_ALIGNMENT)
                                  for _, s, g, _ in plan))
 
 

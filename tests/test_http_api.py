@@ -65,8 +65,8 @@ def raw(cluster, method: str, path: str, body: bytes | None = None, ctype="appli
 
 def reference(model, ids, n, temperature=0.0, seed=None, top_p=1.0):
     """The in-process reference generation (betelgeuse generate --engine reference): full text incl. tail."""
+    from betelgeuse.api import SamplingParams
     from betelgeuse.model.generate import generate
-    from betelgeuse.worker.api import SamplingParams
     m, tok = h._reference(str(model))
     gen = generate(m, ids, n, SamplingParams(temperature=temperature, seed=seed, top_p=top_p), sorted(tok.eos_ids),
                    (), tok)

@@ -14,9 +14,9 @@ import time
 import pytest
 import torch
 
+from betelgeuse import sampling
+from betelgeuse.api import GenerateRequest, SamplingParams
 from betelgeuse.errors import BudgetError, InternalError, InvalidRequestError
-from betelgeuse.model import sampler
-from betelgeuse.worker.api import GenerateRequest, SamplingParams
 from engine_helpers import ENGINE_SPEC, prompt, write_synth
 
 N_VOCAB = ENGINE_SPEC["n_vocab"]
@@ -30,7 +30,7 @@ def test_tiny_temperature_samples_the_best_token(t):
     g = torch.Generator().manual_seed(0)
     for seed in range(20):
         x = torch.randn(N_VOCAB, generator=g) * 4
-        tok = sampler.sample(x, SamplingParams(temperature=t, seed=seed), sampler.make_generator(
+        tok = sampling.sample(x, SamplingParams(temperature=t, seed=seed), sampling.make_generator(
             SamplingParams(seed=seed)))
         assert tok == int(x.argmax())
 
@@ -39,7 +39,7 @@ def test_tiny_temperature_samples_the_best_token(t):
 def test_extreme_accepted_parameters_give_a_token(t, top_k, top_p):
     x = torch.randn(N_VOCAB, generator=torch.Generator().manual_seed(1))
     p = SamplingParams(temperature=t, top_k=top_k, top_p=top_p, seed=3)
-    tok = sampler.sample(x, p, sampler.make_generator(p))
+    tok = sampling.sample(x, p, sampling.make_generator(p))
     assert 0 <= tok < N_VOCAB
 
 
@@ -52,7 +52,7 @@ def test_non_finite_logits_are_an_internal_error(bad, t):
     else:
         x[7] = bad
     with pytest.raises(InternalError, match="non-finite|masked"):
-        sampler.sample(x, SamplingParams(temperature=t, seed=1), sampler.make_generator(SamplingParams(seed=1)))
+        sampling.sample(x, SamplingParams(temperature=t, seed=1), sampling.make_generator(SamplingParams(seed=1)))
 
 
 @pytest.mark.parametrize("t", [0.0, 1e-38, 0.7])
@@ -64,7 +64,7 @@ def test_masked_logits_are_not_an_error(t):
     mask[keep] = 0
     for seed in range(10):
         p = SamplingParams(temperature=t, seed=seed)
-        assert sampler.sample(x + mask, p, sampler.make_generator(p)) in keep
+        assert sampling.sample(x + mask, p, sampling.make_generator(p)) in keep
 
 
 # ---- an in-process engine ------------------------------------------------------------------------------------------
@@ -137,7 +137,7 @@ def test_a_failing_sequence_fails_alone(engine, alone, monkeypatch):
     catch-all failed every running and waiting request ("internal error in the engine")."""
     reqs = [_req(i) for i in range(N_REQ)]
     reqs[4] = _req(4, seed=666, temperature=0.5)
-    real = sampler.sample
+    real = sampling.sample
 
     def faulty(logits, params, generator=None):
         if params.seed == 666:

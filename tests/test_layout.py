@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from betelgeuse.store.arena import Arena
-from betelgeuse.store.directory import directory_nbytes
-from betelgeuse.store.layout import PAGE, ArenaLayout, SlotLayout
+from betelgeuse.store.layout import PAGE, ArenaLayout, SlotLayout, directory_nbytes
 from betelgeuse.store.reader import ExpertReader, fs_type
 
 gguf = pytest.importorskip("gguf")

@@ -7,7 +7,7 @@ Why exact is possible: dense ops run in position-aligned chunks of `prefill_chun
 the experts' rows never depend on their neighbours (torch: sub-batches inside one chunk; triton: row-invariant), so
 a token's K/V are the same bits whichever pass, and whichever request, computed them. The comparison is the same
 engine in another cache state (as the slot-configuration invariance is); the miss path itself is checked against
-ReferenceModel (chunked the same way), and that against transformers, in test_engine_invariance / test_model_oracle.
+Qwen3MoeReference (chunked the same way), and that against transformers, in test_engine_invariance / test_model_oracle.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import time
 import pytest
 import torch
 
+from betelgeuse.api import GenerateRequest, SamplingParams
 from betelgeuse.config import EngineConfig
 from betelgeuse.errors import BetelgeuseError
-from betelgeuse.model.qwen3moe import ReferenceModel
-from betelgeuse.worker.api import GenerateRequest, SamplingParams
+from betelgeuse.model.qwen3moe import Qwen3MoeReference
 from betelgeuse.worker.prefix_cache import PrefixCache
 
 from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, write_synth
@@ -51,7 +51,7 @@ def test_prefix_hit_and_pieces_are_bit_identical_to_one_pass(model, vram, host):
     try:
         whole, _ = rn.forward(turn2, rn.new_cache(96), all_logits=True)
         # the engine's own miss path against the reference model, chunked the same way (bit-identical)
-        ref = ReferenceModel.load(model, chunk=C)
+        ref = Qwen3MoeReference.load(model, chunk=C)
         with torch.no_grad():
             want = ref.forward(torch.tensor(turn2), ref.new_cache(96))
         assert torch.equal(whole, want)

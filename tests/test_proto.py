@@ -83,7 +83,7 @@ def test_repo_modules_import_and_register_the_service():
 
 
 def _api_classes():
-    from betelgeuse.worker import api
+    from betelgeuse import api
     return {name: obj for name, obj in vars(api).items()
             if dataclasses.is_dataclass(obj) and obj.__module__ == api.__name__}
 

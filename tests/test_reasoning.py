@@ -59,10 +59,9 @@ def test_split_whole_and_streamed(dialect, opened, tools, raw, reasoning, conten
 
 
 def test_dialect_from_the_template():
-    from betelgeuse.gguf.synth import CHAT_TEMPLATE
-    from betelgeuse.gguf.templates import DEEPSEEK_V4 as DS_T, QWEN3 as Q_T
+    from betelgeuse.gguf.templates import DEEPSEEK_V4 as DS_T, DEFAULT, QWEN3 as Q_T
     assert dialect_for(Q_T) is QWEN3 and dialect_for(DS_T) is DEEPSEEK_V4
-    assert dialect_for(CHAT_TEMPLATE) is QWEN3                  # it knows enable_thinking's empty think block
+    assert dialect_for(DEFAULT) is QWEN3                        # it knows enable_thinking's empty think block
     assert dialect_for("{{ messages }}<tool_call>") is HERMES_ONLY     # Qwen2.5-style: tools, no thinking
     assert dialect_for(None, "deepseek4") is DEEPSEEK_V4
     assert QWEN3.opens_reasoning("<|im_start|>assistant\n<think>\n") and not QWEN3.opens_reasoning("</think>\n\n")

@@ -2,7 +2,7 @@
 an unlucky operator would. Bounded in time; real processes, sockets and signals; nothing mocked.
 
 - a concurrent load with cancellations and deadlines, every stream checked against the single-client reference
-  (greedy against the independent in-process ReferenceModel);
+  (greedy against the independent in-process Qwen3MoeReference);
 - property-based fuzzing (hypothesis) of every GenerateRequest field and of raw request bytes, against the
   invariant "a clear status, and the server still healthy and still giving the reference tokens";
 - bounded admission: oversized prompts, request ids and messages are refused before any work;
@@ -60,7 +60,7 @@ def cluster(service_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(service_model):
-    """Greedy tokens of each prompt from the in-process ReferenceModel (an independent implementation)."""
+    """Greedy tokens of each prompt from the in-process Qwen3MoeReference (an independent implementation)."""
     return {tuple(p): h.reference_greedy(service_model, p, 6, ignore_eos=True)[0] for p in PROMPTS}
 
 
@@ -86,7 +86,7 @@ def assert_healthy(channel, reference, service_model=None):
 # ---- a concurrent load with cancellations and deadlines ----------------------------------------------------------
 
 def test_concurrent_load_matches_the_single_client_reference(cluster, channel, reference):
-    """24 streams from 8 clients: greedy (== the ReferenceModel), seeded sampling (== the same request sent alone),
+    """24 streams from 8 clients: greedy (== the Qwen3MoeReference), seeded sampling (== the same request sent alone),
     cancelled after 2 tokens (a prefix of the reference), 0.4 s deadlines (a prefix, or complete)."""
     seeded = {i: gen(channel, h.request(ids=PROMPTS[i], max_tokens=6, temperature=0.8, seed=40 + i,
                                         ignore_eos=True)).tokens for i in range(3)}

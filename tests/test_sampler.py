@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
+from betelgeuse.api import SamplingParams
 from betelgeuse.errors import InvalidRequestError
-from betelgeuse.model.sampler import make_generator, sample
-from betelgeuse.worker.api import SamplingParams
+from betelgeuse.sampling import make_generator, sample
 
 V = 50
 

@@ -182,8 +182,8 @@ def test_numerically_sane_in_transformers(tiny_path, hf):
 def test_router_skew_holds_at_depth(tmp_path, hf):
     """Expert popularity at the last layer, from transformers' own router logits over real text."""
     import torch
+    from betelgeuse.gguf.synth_common import CORPUS
     from betelgeuse.tokenizer import Tokenizer
-    from betelgeuse.gguf.synth import CORPUS
     spec = replace(TINY, n_layer=4, n_expert=32, n_expert_used=4)
     shares = []
     for s in (0.0, 1.5):

@@ -1,7 +1,7 @@
 """The two-process engine: a real store process (`python -m services.store_main`) and a worker
 (this test process through GrpcStoreClient, or a real `services.worker_main` process).
 
-- logits through the store process are bit-identical to the in-process `ReferenceModel`, cold and
+- logits through the store process are bit-identical to the in-process `Qwen3MoeReference`, cold and
   after consolidation, and (one config) agree with Hugging Face transformers reading the same file;
 - the two processes are different pids mapping the same memfd (same inode in /proc/<pid>/maps);
 - no expert bytes cross the control socket: the serialized gRPC bytes of a whole pass (counted by a
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from betelgeuse.config import EngineConfig
-from betelgeuse.model.qwen3moe import ReferenceModel
+from betelgeuse.model.qwen3moe import Qwen3MoeReference
 from betelgeuse.worker.runner import ModelRunner
 
 from engine_helpers import (WIDE_SPEC, StoreSockets, arena_mappings, counting_store_client, free_port, generate,
@@ -35,7 +35,7 @@ def wide(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(wide):
-    ref = ReferenceModel.load(wide)
+    ref = Qwen3MoeReference.load(wide)
     with torch.no_grad():
         return ref.forward(torch.tensor(PROMPT), ref.new_cache(64)).float()
 
@@ -96,7 +96,7 @@ def test_store_process_matches_reference_and_sends_no_expert_bytes(wide, referen
 def test_worker_process_serves_reference_tokens(wide, reference, store, tmp_path):
     """A real worker process: its own pid, the store's memfd in its maps, greedy tokens as the reference."""
     proc, socks = store
-    ref = ReferenceModel.load(wide)
+    ref = Qwen3MoeReference.load(wide)
     kv = ref.new_cache(64)
     want = []
     with torch.no_grad():

@@ -11,7 +11,7 @@ transformers model's, already rounded through the quantizer); without one it dra
 matrices N(0, 1/fan_in), norms 1 + N(0, 0.05), mHC projections N(0, 0.02) (HF's init range), MXFP4 experts
 as random codes with one E8M0 scale per block chosen for the same std, tid2eid k distinct random experts
 per token. Streams chunk by chunk (the V4-Flash-shaped preset is ~31 GB) at disk speed: the MXFP4 experts
-(88% of its bytes) are views of one random 34 MiB tile of blocks at random offsets (`synth.tiled_chunks`),
+(88% of its bytes) are views of one random 34 MiB tile of blocks at random offsets (`synth_common.tiled_chunks`),
 BF16 matrices one table gather per weight.
 """
 
@@ -29,7 +29,8 @@ from gguf import GGMLQuantizationType as GT, GGUFWriter, quants
 from betelgeuse.errors import InvalidRequestError
 from betelgeuse.gguf import ds4layout
 from betelgeuse.gguf.modelconfig import DS4_RATIOS, Deepseek4Params, ModelConfig
-from betelgeuse.gguf.synth import _CHUNK_ELEMS, _matrix_chunks, _rng, add_tokenizer, tiled_chunks, write_gguf
+from betelgeuse.gguf.synth_common import (CHUNK_ELEMS, add_tokenizer, matrix_chunks, nbytes, tensor_rng,
+                                          tiled_chunks, write_gguf)
 
 ARCH = "deepseek4"
 MOSTLY_MXFP4_MOE = 38          # LlamaFileType (gguf 0.19 does not name it)
@@ -197,7 +198,7 @@ def _bf16_chunks(rng: np.random.Generator, seed: int, rows: int, cols: int, std:
     """A random (rows, cols) BF16 matrix ~N(0, std), row chunks: one table gather per two weights (~15x faster
     than drawing normals and rounding them)."""
     table = _bf16_table(seed, std)
-    step = max(1, _CHUNK_ELEMS // cols)
+    step = max(1, CHUNK_ELEMS // cols)
     for r0 in range(0, rows, step):
         n = min(step, rows - r0) * cols
         m = (n + 1) // 2
@@ -220,7 +221,7 @@ def _distinct_ids(rng: np.random.Generator, rows: int, n: int, k: int) -> np.nda
 
 
 def _random_chunks(spec: DS4Spec, name: str, shape: tuple[int, ...], gt: GT, cfg) -> Iterator[np.ndarray]:
-    rng, k = _rng(spec, name), ds4layout.kind(name)
+    rng, k = tensor_rng(spec, name), ds4layout.kind(name)
     if gt == GT.I32:                                   # tid2eid [V, k]: k distinct experts per token
         V, kk = shape
         yield _distinct_ids(rng, V, cfg.n_expert, kk)
@@ -250,7 +251,7 @@ def _random_chunks(spec: DS4Spec, name: str, shape: tuple[int, ...], gt: GT, cfg
     elif gt == GT.BF16:
         yield from _bf16_chunks(rng, spec.seed, rows, cols, std)
     else:
-        yield from _matrix_chunks(rng, rows, cols, std, {GT.F32: "F32", GT.Q8_0: "Q8_0"}[gt])
+        yield from matrix_chunks(rng, rows, cols, std, {GT.F32: "F32", GT.Q8_0: "Q8_0"}[gt])
 
 
 def _source_chunks(arr, gt: GT) -> Iterator[np.ndarray]:
@@ -336,5 +337,4 @@ def write_deepseek4(path: str | os.PathLike, spec: DS4Spec, source: Callable[[st
 
 
 def model_nbytes(spec: DS4Spec) -> int:
-    from betelgeuse.gguf.synth import _nbytes
-    return sum(_nbytes(shape, gt) for _, shape, gt, _ in tensor_plan(spec))
+    return sum(nbytes(shape, gt) for _, shape, gt, _ in tensor_plan(spec))

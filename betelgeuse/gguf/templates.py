@@ -1,7 +1,7 @@
 """Chat templates that synthetic models can carry (`SynthSpec.chat_template` / `DS4Spec.chat_template` name one), so
 that tests exercise the real families' prompt formats and output dialects (betelgeuse.reasoning):
 
-- "default": the small Qwen3-style ChatML of `synth.CHAT_TEMPLATE` (tools, tool responses, enable_thinking=false).
+- "default": the small Qwen3-style ChatML of `DEFAULT` (tools, tool responses, enable_thinking=false).
 - "qwen3": Qwen3's template, written here to render what Qwen3's own tokenizer_config template renders: the
   `<tools>` system block, Hermes `<tool_call>` JSON, tool results as `<tool_response>` in a user turn, an assistant
   turn after the last real user query showing its reasoning as `<think>\\n...\\n</think>\\n\\n`, earlier turns
@@ -148,9 +148,56 @@ DEEPSEEK_V4 = (
 )
 
 
+# Qwen3-style ChatML with Qwen3's tool block (tools in <tools></tools>, calls as <tool_call>{json}</tool_call>,
+# results as <tool_response> in a user turn) and its `enable_thinking=False` empty think block.
+DEFAULT = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}"
+    "\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{- raise_exception('unknown role: ' + message['role']) }}"
+    "{%- endif %}"
+    "{%- if message['role'] == 'system' %}"
+    "{%- if not loop.first %}{{- '<|im_start|>system\\n' + message['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif message['role'] == 'user' %}"
+    "{{- '<|im_start|>user\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{%- if message['tool_calls'] %}"
+    "{%- for tool_call in message['tool_calls'] %}"
+    "{%- if (loop.first and message['content']) or (not loop.first) %}{{- '\\n' }}{%- endif %}"
+    "{%- if tool_call['function'] %}{%- set tool_call = tool_call['function'] %}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + tool_call['name'] + '\", \"arguments\": ' }}"
+    "{%- if tool_call['arguments'] is string %}{{- tool_call['arguments'] }}"
+    "{%- else %}{{- tool_call['arguments'] | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+
 def chat_template(name: str) -> str:
-    from betelgeuse.gguf.synth import CHAT_TEMPLATE
-    table = {"default": CHAT_TEMPLATE, "qwen3": QWEN3, "deepseek-v4": DEEPSEEK_V4}
+    table = {"default": DEFAULT, "qwen3": QWEN3, "deepseek-v4": DEEPSEEK_V4}
     if name not in table:
         from betelgeuse.errors import InvalidRequestError
         raise InvalidRequestError(f"unknown chat template {name!r} (known: {', '.join(table)})")

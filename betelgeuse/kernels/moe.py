@@ -2,8 +2,8 @@
 
   torch   the reference (CPU, CI; also the fallback on CUDA for K-quants): a loop over the
           group's experts, each dequantized from its slot and applied to its rows in sub-batches of
-          `sub_batch` (layers.run_expert), ranks combined in order (layers.moe_combine). Bit-identical
-          to ReferenceModel on the same device and dtype.
+          `sub_batch` (torch_moe.run_expert), ranks combined in order (torch_moe.moe_combine). Bit-identical
+          to the reference models on the same device and dtype.
   triton  the GPU hot path (also runs under TRITON_INTERPRET=1 on the CPU in tests): rows sorted by
           expert on the device, then ONE gate_up + ONE down launch per tier group, whatever the number
           of experts in it, dequantizing Q8_0/F16/BF16/F32/MXFP4 bytes inside the matmul, then one combine.
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from betelgeuse.model.layers import ExpertWork, moe_combine, plan_experts, run_expert
+from betelgeuse.kernels.torch_moe import ExpertWork, moe_combine, plan_experts, run_expert
 
 # GGML types the triton kernels read directly (F32, F16, Q8_0, BF16, MXFP4)
 TRITON_QTYPES = frozenset({0, 1, 8, 30, 39})

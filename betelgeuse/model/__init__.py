@@ -6,14 +6,11 @@ logits, new_cache, check_ids, expert_act); `engine_model` and `reference_model` 
 file's `general.architecture`, so the engine (worker/runner.py) and the CLI are written once."""
 
 from betelgeuse.model.kv_cache import KVCache
-from betelgeuse.model.layers import (ExpertWork, apply_experts, expert_ffn, moe_combine, plan_experts,
-                                     run_expert)
-from betelgeuse.model.qwen3moe import Qwen3MoeModel, ReferenceModel
+from betelgeuse.model.qwen3moe import Qwen3MoeModel, Qwen3MoeReference
 from betelgeuse.model.weights import DenseWeights, LayerWeights
 
-__all__ = ["DenseWeights", "ExpertWork", "KVCache", "LayerWeights", "Qwen3MoeModel", "ReferenceModel",
-           "apply_experts", "engine_model", "expert_ffn", "moe_combine", "plan_experts", "reference_model",
-           "run_expert"]
+__all__ = ["DenseWeights", "KVCache", "LayerWeights", "Qwen3MoeModel", "Qwen3MoeReference", "engine_model",
+           "reference_model"]
 
 
 def engine_model(f, device, dtype):
@@ -35,6 +32,6 @@ def reference_model(path, device="cpu", dtype=None, **kw):
     except Exception:           # let the model's own loader name the problem
         pass
     if arch == "deepseek4":
-        from betelgeuse.model.deepseek4 import ReferenceModel as DS4Reference
-        return DS4Reference.load(path, device=device, dtype=dtype, **kw)
-    return ReferenceModel.load(path, device=device, dtype=dtype, **kw)
+        from betelgeuse.model.deepseek4 import Deepseek4Reference
+        return Deepseek4Reference.load(path, device=device, dtype=dtype, **kw)
+    return Qwen3MoeReference.load(path, device=device, dtype=dtype, **kw)

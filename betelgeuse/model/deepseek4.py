@@ -1,7 +1,7 @@
 """The DeepSeek-V4 (`deepseek4`) forward pass in torch, split into the pieces the out-of-core engine drives.
 
 Same method surface as `Qwen3MoeModel` (embed / attention_block / moe_input / route / moe_output / logits,
-new_cache, check_ids, expert_act); `ReferenceModel` adds experts dequantized on demand from the file and
+new_cache, check_ids, expert_act); `Deepseek4Reference` adds experts dequantized on demand from the file and
 runs the whole pass in-process (the oracle test compares it with transformers 5.24 `deepseek_v4`).
 
 Math (research note §1, transformers `modeling_deepseek_v4.py`, llama.cpp `src/models/deepseek4.cpp`):
@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from betelgeuse.config import PREFILL_CHUNK
 from betelgeuse.errors import InvalidRequestError, ModelFormatError, UnsupportedError
 from betelgeuse.gguf import ds4layout
-from betelgeuse.model.layers import check_token_ids, expert_ffn
+from betelgeuse.kernels.torch_moe import expert_ffn
+from betelgeuse.model.layers import check_token_ids
 from betelgeuse.model.reference import ReferenceExperts
 
 QUERY_CHUNK = ds4layout.QUERY_CHUNK   # attention queries per block (bounds the score tensor; attention_block)
@@ -57,17 +58,17 @@ def _unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @dataclass(slots=True)
-class Rope:
+class InterleavedRope:
     """Interleaved-pair RoPE (pairs (2i, 2i+1)) on the last 2*len(inv_freq) dims of a head."""
     inv_freq: torch.Tensor          # [rope_dim/2] float32
 
     @classmethod
-    def plain(cls, dim: int, theta: float, device) -> "Rope":
+    def plain(cls, dim: int, theta: float, device) -> "InterleavedRope":
         return cls((1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))).to(device))
 
     @classmethod
     def yarn(cls, dim: int, theta: float, factor: float, orig_ctx: int, beta_fast: float, beta_slow: float,
-             device) -> "Rope":
+             device) -> "InterleavedRope":
         """transformers' _compute_yarn_parameters (truncate=True), op for op; the attention factor is 1
         (DeepSeek-V4 applies no YaRN mscale; llama.cpp cancels ggml's with dsv4_rope_attn_factor)."""
         def corr_dim(rot):
@@ -167,12 +168,12 @@ class Deepseek4Model:
         self.device = dense[ds4layout.TOKEN_EMBD].device
         self.dtype = dense[ds4layout.TOKEN_EMBD].dtype
         p = self.p
-        self.rope_main = Rope.plain(p.rope_dim, cfg.rope_theta, self.device)
+        self.rope_main = InterleavedRope.plain(p.rope_dim, cfg.rope_theta, self.device)
         if p.rope_scaling == "yarn":
-            self.rope_comp = Rope.yarn(p.rope_dim, p.compress_rope_theta, p.rope_factor, p.rope_orig_ctx,
+            self.rope_comp = InterleavedRope.yarn(p.rope_dim, p.compress_rope_theta, p.rope_factor, p.rope_orig_ctx,
                                        p.yarn_beta_fast, p.yarn_beta_slow, self.device)
         else:
-            self.rope_comp = Rope.plain(p.rope_dim, p.compress_rope_theta, self.device)
+            self.rope_comp = InterleavedRope.plain(p.rope_dim, p.compress_rope_theta, self.device)
         if len(set(p.swiglu_limit)) != 1:
             raise UnsupportedError(f"{cfg.name}: per-layer swiglu_clamp_exp values {sorted(set(p.swiglu_limit))} "
                                    "differ, which is not supported")
@@ -430,7 +431,7 @@ class Deepseek4Model:
         return F.linear(n, self.w[ds4layout.OUTPUT]).float()
 
 
-class ReferenceModel(ReferenceExperts, Deepseek4Model):
+class Deepseek4Reference(ReferenceExperts, Deepseek4Model):
     """The in-process path: experts dequantized from the file's mmap each time they are needed
     (model/reference.py)."""
 

@@ -1,7 +1,7 @@
 """The qwen3moe forward pass, split into the pieces the out-of-core engine reuses.
 
 `Qwen3MoeModel` owns everything but the routed experts: embedding, attention blocks, the MoE input
-norm, routing and the output head. `ReferenceModel` adds experts dequantized on demand from the
+norm, routing and the output head. `Qwen3MoeReference` adds experts dequantized on demand from the
 file's mmap and runs the whole pass in-process; it is the reference the engine must match bit for
 bit (same device and dtype) and the path the CLI uses today.
 
@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from betelgeuse.config import PREFILL_CHUNK
 from betelgeuse.model.kv_cache import KVCache
-from betelgeuse.model.layers import (Rope, apply_rope, causal_attention, check_token_ids, rms_norm,
-                                    static_decode_attention)
+from betelgeuse.model.layers import (NeoxRope, apply_rope, causal_attention, check_token_ids, rms_norm,
+                                     static_decode_attention)
 from betelgeuse.model.reference import ReferenceExperts
 from betelgeuse.model.weights import DenseWeights
 
@@ -31,7 +31,7 @@ class Qwen3MoeModel:
         self.dense = dense
         self.device = dense.token_embd.device
         self.dtype = dense.token_embd.dtype
-        self.rope = Rope.create(cfg.head_dim, cfg.rope_theta, self.device)
+        self.rope = NeoxRope.create(cfg.head_dim, cfg.rope_theta, self.device)
 
     # prefill may run in position-aligned chunks (layers.pass_chunks) and resume after a cached prefix:
     # the per-token K/V of a block depend only on the tokens up to it
@@ -124,7 +124,7 @@ class Qwen3MoeModel:
         return F.linear(n, self.dense.output).float()
 
 
-class ReferenceModel(ReferenceExperts, Qwen3MoeModel):
+class Qwen3MoeReference(ReferenceExperts, Qwen3MoeModel):
     """The in-process path: experts dequantized from the file's mmap each time they are needed
     (model/reference.py)."""
 

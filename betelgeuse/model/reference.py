@@ -2,7 +2,7 @@
 they are needed, the whole pass in this process (no slots, no store). It is what the engine must match bit for bit
 on the same device and dtype, and what the tests compare against transformers.
 
-An architecture's ReferenceModel = this mixin + its model class (the engine's model interface: embed,
+An architecture's reference model (Qwen3MoeReference, Deepseek4Reference) = this mixin + its model class (the engine's model interface: embed,
 attention_block, moe_input, route, moe_output, logits, expert_act) + `load_dense(file, device, dtype)`.
 """
 
@@ -13,9 +13,10 @@ from pathlib import Path
 
 import torch
 
-from betelgeuse.errors import ModelFormatError
 from betelgeuse.config import PREFILL_CHUNK
-from betelgeuse.model.layers import ExpertWeights, apply_experts, layer_back, layer_front, pass_chunks
+from betelgeuse.errors import ModelFormatError
+from betelgeuse.kernels.torch_moe import ExpertWeights, apply_experts
+from betelgeuse.model.layers import layer_back, layer_front, pass_chunks
 
 
 class ReferenceExperts:

@@ -2,7 +2,7 @@
 
 Shapes are torch order ([out, in] for matrices), as `GGUFModelFile.load_tensor` returns them.
 The routed experts (`ffn_{gate,up,down}_exps`) are deliberately absent: they come from the file
-(ReferenceModel) or from slots (the out-of-core engine).
+(the reference models) or from slots (the out-of-core engine).
 """
 
 from __future__ import annotations

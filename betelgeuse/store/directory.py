@@ -24,11 +24,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from betelgeuse.store.layout import DIRECTORY_ENTRY_BYTES, DIRECTORY_HEADER_BYTES, ArenaLayout, directory_nbytes
+
 if TYPE_CHECKING:  # pragma: no cover
     from betelgeuse.store.arena import Arena
-    from betelgeuse.store.layout import ArenaLayout
 
-TIER_DISK, TIER_HOST, TIER_VRAM = 0, 1, 2
+TIER_DISK, TIER_HOST, TIER_VRAM = 0, 1, 2     # an entry's tier: where the expert's bytes are (the one definition)
+TIER_NAMES = {TIER_VRAM: "vram", TIER_HOST: "host", TIER_DISK: "disk"}
 MAGIC = int.from_bytes(b"BTLGSLOT", "little")
 VERSION = 1
 
@@ -37,17 +39,13 @@ HEADER_DTYPE = np.dtype(
      ("n_layer", "<i4"), ("n_expert", "<i4"), ("host_per_layer", "<i4"), ("reserved", "<u1", (20,))]
 )  # fmt: skip
 ENTRY_DTYPE = np.dtype([("tier", "i1"), ("host_slot", "<i4"), ("generation", "<u4")], align=True)
-assert HEADER_DTYPE.itemsize == 64 and ENTRY_DTYPE.itemsize == 12
-
-
-def directory_nbytes(n_layer: int, n_expert: int) -> int:
-    return HEADER_DTYPE.itemsize + n_layer * n_expert * ENTRY_DTYPE.itemsize
+assert HEADER_DTYPE.itemsize == DIRECTORY_HEADER_BYTES and ENTRY_DTYPE.itemsize == DIRECTORY_ENTRY_BYTES
 
 
 class SlotDirectory:
     __slots__ = ("layout", "_hdr", "_ent", "_writer")
 
-    def __init__(self, arena: "Arena", layout: "ArenaLayout", create: bool):
+    def __init__(self, arena: "Arena", layout: ArenaLayout, create: bool):
         """create=True (the store): initialise every entry to disk tier, no slot, generation 0.
         create=False (the worker): attach to a directory the store wrote; checks that it matches."""
         self.layout = layout

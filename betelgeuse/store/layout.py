@@ -19,6 +19,15 @@ PAGE = 4096
 N_PARTS = 3  # gate, up, down (a fused gate_up tensor is two ranges of it; the caller splits it)
 
 
+# the slot directory at the arena's start (store/directory.py): a 64-byte header and a 12-byte entry per expert
+DIRECTORY_HEADER_BYTES = 64
+DIRECTORY_ENTRY_BYTES = 12
+
+
+def directory_nbytes(n_layer: int, n_expert: int) -> int:
+    return DIRECTORY_HEADER_BYTES + n_layer * n_expert * DIRECTORY_ENTRY_BYTES
+
+
 def round_up(n: int, align: int = PAGE) -> int:
     return -(-n // align) * align
 
@@ -97,8 +106,6 @@ class ArenaLayout:
         assert self.n_layer > 0 and self.n_expert > 0, self
         assert 0 <= self.host_per_layer <= self.n_expert and self.n_staging >= 0, self
         if self.directory_bytes == 0:
-            from betelgeuse.store.directory import directory_nbytes  # one source for its size
-
             object.__setattr__(self, "directory_bytes", round_up(directory_nbytes(self.n_layer, self.n_expert)))
         assert self.directory_offset == 0 and self.directory_bytes % PAGE == 0, self
 

@@ -29,13 +29,12 @@ from betelgeuse.errors import BetelgeuseError, StoreBusyError, StoreUnavailableE
 from betelgeuse.gguf.reader import GGUFModelFile
 from betelgeuse.logs import event
 from betelgeuse.store.arena import Arena
-from betelgeuse.store.directory import SlotDirectory
+from betelgeuse.store.directory import TIER_DISK, TIER_HOST, TIER_VRAM, SlotDirectory
 from betelgeuse.store.plan import SlotPlan
 from betelgeuse.store.reader import ExpertReader
 
 log = logging.getLogger("betelgeuse.store")
 
-TIER_DISK, TIER_HOST, TIER_VRAM = 0, 1, 2
 DEMAND, READAHEAD = 0, 1
 
 

@@ -22,17 +22,17 @@ from collections import deque
 import torch
 
 from betelgeuse import __version__
+from betelgeuse.api import GenerateRequest, ModelInfo, ServerInfo, TokenEvent
 from betelgeuse.config import EngineConfig
 from betelgeuse.errors import (BetelgeuseError, CancelledError, InternalError, InvalidRequestError, QueueFullError,
                                ShuttingDownError, StoreUnavailableError)
 from betelgeuse.gguf.qtypes import qtype_name
 from betelgeuse.logs import event
-from betelgeuse.model.generate import TextStream
-from betelgeuse.model.sampler import (apply_allowed, apply_penalties, make_generator, sample, token_logprobs,
-                                      validate)
+from betelgeuse.sampling import (apply_allowed, apply_penalties, make_generator, sample, token_logprobs,
+                                 validate)
 from betelgeuse.store.client import StoreClient
+from betelgeuse.textstream import TextStream
 from betelgeuse.tokenizer import Tokenizer
-from betelgeuse.worker.api import GenerateRequest, ModelInfo, ServerInfo, TokenEvent
 from betelgeuse.worker.prefix_cache import PrefixCache, PrefixStats
 from betelgeuse.worker.runner import ModelRunner, PassStats
 from betelgeuse.worker.sequence import RequestHandle, Sequence, check_alive

@@ -24,9 +24,9 @@ from gguf.constants import GGMLQuantizationType
 from betelgeuse.gguf.quants import dequantize, dequantize_q8_0_parts
 from betelgeuse.gguf.reader import GGUFModelFile
 from betelgeuse.store.arena import Arena, register_pinned, unregister_pinned
+from betelgeuse.store.directory import TIER_VRAM
 from betelgeuse.store.plan import SlotPlan
 
-TIER_DISK, TIER_HOST, TIER_VRAM = 0, 1, 2
 
 
 @dataclass(slots=True)

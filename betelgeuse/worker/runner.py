@@ -44,12 +44,11 @@ from betelgeuse.model import engine_model
 from betelgeuse.model.kv_cache import KVCache
 from betelgeuse.model.layers import Chunk, layer_back, layer_front, pass_chunks
 from betelgeuse.store.client import StoreClient
-from betelgeuse.store.directory import SlotDirectory
-from betelgeuse.worker.expert_cache import TIER_DISK, TIER_HOST, TIER_VRAM, ExpertCache
-from betelgeuse.worker.lanes import Lanes
+from betelgeuse.store.directory import TIER_DISK, TIER_HOST, TIER_NAMES, TIER_VRAM, SlotDirectory
+from betelgeuse.worker.expert_cache import ExpertCache
 from betelgeuse.worker.graphs import capture
+from betelgeuse.worker.lanes import Lanes
 
-TIER_NAMES = {TIER_VRAM: "vram", TIER_HOST: "host", TIER_DISK: "disk"}
 
 
 @dataclass(slots=True)

@@ -7,9 +7,9 @@ import queue
 import time
 from dataclasses import dataclass, field
 
+from betelgeuse.api import Event, FinalEvent, GenerateRequest, ToolCall, Usage
 from betelgeuse.errors import BetelgeuseError, CancelledError
-from betelgeuse.model.generate import TextStream
-from betelgeuse.worker.api import Event, FinalEvent, GenerateRequest, ToolCall, Usage
+from betelgeuse.textstream import TextStream
 
 _ids = itertools.count(1)
 _END = object()

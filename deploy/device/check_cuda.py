@@ -36,7 +36,7 @@ import torch  # noqa: E402
 from betelgeuse.config import EngineConfig  # noqa: E402
 from betelgeuse.gguf.reader import GGUFModelFile  # noqa: E402
 from betelgeuse.gguf.synth import PRESETS, write_model  # noqa: E402
-from betelgeuse.model.qwen3moe import ReferenceModel  # noqa: E402
+from betelgeuse.model.qwen3moe import Qwen3MoeReference  # noqa: E402
 from betelgeuse.store.client import InProcessStoreClient  # noqa: E402
 from betelgeuse.store.plan import plan_slots  # noqa: E402
 from betelgeuse.store.store import ExpertStore  # noqa: E402
@@ -164,12 +164,12 @@ def check_invariance(path: Path, device: str, ids: list[int], tmp: Path):
     row("invariance: slots x passes x store", all(same.values()),
         f"{sum(same.values())}/{len(same)} runs bit-identical (" + ", ".join(k for k, v in same.items() if not v) + ")")
     dtype = runner.dtype
-    ref_dev = ReferenceModel.load(path, device=device, dtype=dtype)
+    ref_dev = Qwen3MoeReference.load(path, device=device, dtype=dtype)
     with torch.no_grad():
         want_dev = ref_dev.forward(torch.tensor(ids), ref_dev.new_cache(len(ids) + 8)).float().cpu()
     row("invariance: == reference on device", torch.equal(first, want_dev),
         f"{dtype}, max |diff| {(first - want_dev).abs().max().item():.3e}")
-    ref_cpu = ReferenceModel.load(path)
+    ref_cpu = Qwen3MoeReference.load(path)
     with torch.no_grad():
         want = ref_cpu.forward(torch.tensor(ids), ref_cpu.new_cache(len(ids) + 8)).float()
     diff = (first - want).abs().max().item()
@@ -240,7 +240,7 @@ def check_prefix(path: Path, device: str, ids: list[int], chunk: int = 16):
         diff = max((x - y).abs().max().item() for x, y in zip(together, alone))
         row("prefix: batched prefill == solo", ok, f"pieces {[n, n - got, len(short)]} in one pass, max |diff| "
             f"{diff:.3e}, {sum(st.reads.values())} expert applications")
-        ref = ReferenceModel.load(path, device=device, dtype=runner.dtype, chunk=chunk)
+        ref = Qwen3MoeReference.load(path, device=device, dtype=runner.dtype, chunk=chunk)
         with torch.no_grad():
             want = ref.forward(torch.tensor(ids), ref.new_cache(n + 8)).float()
         allr, _ = runner.forward(ids, runner.new_cache(n + 8), all_logits=True)

@@ -11,7 +11,7 @@
    splitting the experts bit-identical to one group; µs per expert application, triton vs torch, decode-shaped.
 2. engine: ds4-tiny (MXFP4 experts, 150-token prompt crossing its windows) through the runner on the device,
    kernels "auto" must pick triton; logits bit-identical across slot configurations 0/0, 2/3 and 8/0 (cold,
-   warm, consolidated, and 4 decode steps), and to the deepseek4 ReferenceModel on the same device and dtype;
+   warm, consolidated, and 4 decode steps), and to the deepseek4 Deepseek4Reference on the same device and dtype;
    vs the CPU float32 reference: max-abs diff and greedy agreement (reported).
 """
 
@@ -157,7 +157,7 @@ def check_engine(device: str, tmp: Path):
         r_dev = ref.forward(torch.tensor(ids, device=device), ref.new_cache(len(ids) + 8)).float().cpu()
         ref32 = reference_model(path)
         r_cpu = ref32.forward(torch.tensor(ids), ref32.new_cache(len(ids) + 8)).float()
-    row("ds4 engine = ReferenceModel (same device/dtype)", bool(torch.equal(first.float(), r_dev)),
+    row("ds4 engine = Deepseek4Reference (same device/dtype)", bool(torch.equal(first.float(), r_dev)),
         f"max |diff| {(first.float() - r_dev).abs().max().item():.3e} ({dtype})")
     d = (first.float() - r_cpu).abs().max().item()
     greedy = float((first.float().argmax(-1) == r_cpu.argmax(-1)).float().mean())

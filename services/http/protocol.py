@@ -12,8 +12,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from betelgeuse import api
 from betelgeuse.errors import InvalidRequestError
-from betelgeuse.worker import api
 
 MAX_STOP = 16
 

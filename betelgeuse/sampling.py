@@ -6,8 +6,8 @@ import math
 
 import torch
 
+from betelgeuse.api import SamplingParams
 from betelgeuse.errors import InternalError, InvalidRequestError
-from betelgeuse.worker.api import SamplingParams
 
 
 def validate(params: SamplingParams) -> None:

@@ -1,0 +1,73 @@
+"""What a GGUF file says about its vocabulary, in llama.cpp's terms: the token types, and the pre-tokenizer
+split regexes by `tokenizer.ggml.pre`. Also `train_vocab`, the byte-level BPE trainer of the synthetic model
+writer (synth_common.add_tokenizer). The tokenizer (betelgeuse/tokenizer.py) builds on these.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from tokenizers import Regex, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as HFTokenizer
+
+# Token types (llama.cpp's llama_token_type / gguf.TokenType)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# Pre-tokenizer split regexes by `tokenizer.ggml.pre` (llama.cpp's names).
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+PRE_SPLITS = {
+    "qwen2": QWEN2_SPLIT, "deepseek-r1-qwen": QWEN2_SPLIT, "megrez": QWEN2_SPLIT,
+    "llama3": LLAMA3_SPLIT, "llama-bpe": LLAMA3_SPLIT, "smaug-bpe": LLAMA3_SPLIT, "dbrx": LLAMA3_SPLIT,
+    "default": GPT2_SPLIT, "gpt-2": GPT2_SPLIT, "gpt2": GPT2_SPLIT,
+}
+
+
+def byte_level_pre_tokenizer(split: str) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+@dataclass(slots=True)
+class Vocab:
+    tokens: list[str]            # byte-level spelling, id order
+    token_types: list[int]
+    merges: list[str]            # "a b", rank order
+    endoftext_id: int
+    im_start_id: int
+    im_end_id: int
+
+
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def train_vocab(corpus: list[str], n_vocab: int, max_merges: int = 4000) -> Vocab:
+    """Byte-level BPE trained on `corpus` (Qwen2 split) + ChatML specials + `<|extra_N|>` fill.
+
+    Layout, like Qwen's GGUFs: 256 byte tokens and merges, then the specials (CONTROL), then
+    unused padding (UNUSED) so that exactly `n_vocab` entries exist.
+    """
+    assert n_vocab >= 256 + len(SPECIALS), n_vocab
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = byte_level_pre_tokenizer(QWEN2_SPLIT)
+    trainer = trainers.BpeTrainer(vocab_size=min(n_vocab - len(SPECIALS), 256 + max_merges), min_frequency=1,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+                                  special_tokens=[])
+    tok.train_from_iterator(corpus, trainer)
+    model = json.loads(tok.to_str())["model"]
+    by_id = sorted(model["vocab"].items(), key=lambda kv: kv[1])
+    assert [i for _, i in by_id] == list(range(len(by_id)))
+    tokens = [t for t, _ in by_id]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    assert set(pre_tokenizers.ByteLevel.alphabet()) <= set(tokens)
+    types = [NORMAL] * len(tokens)
+    base = len(tokens)
+    tokens += list(SPECIALS)
+    types += [CONTROL] * len(SPECIALS)
+    tokens += [f"<|extra_{k}|>" for k in range(n_vocab - len(tokens))]
+    types += [UNUSED] * (n_vocab - len(types))
+    return Vocab(tokens, types, merges, base, base + 1, base + 2)
