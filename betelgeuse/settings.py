@@ -10,7 +10,7 @@ and, for engine keys, the EngineConfig field it feeds. From it derive the TOML f
 BETELGEUSE_<SECTION>_<KEY> (BETELGEUSE_ENGINE_SUB_BATCH=8, BETELGEUSE_MODEL_PATH=/srv/m.gguf,
 BETELGEUSE_WORKER_LISTEN=0.0.0.0:50051,unix:/run/b.sock; a value written as in TOML or bare: "auto",
 "12GiB"), the argparse flags of the store, worker, serve and generate (`add_flags`), the child processes'
-arguments (`to_flags`), the EngineConfig (`engine_kwargs`) and `betelgeuse config show` (`render_toml`).
+arguments (`to_flags`), the EngineConfig (`engine_kwargs`, `engine_config`) and `betelgeuse config show` (`render_toml`).
 A bad value is one BetelgeuseError line naming where it came from and the key, never a ValidationError dump.
 """
 
@@ -27,6 +27,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict, TomlConfigSettingsSource
 
+from betelgeuse.config import EngineConfig
 from betelgeuse.errors import BetelgeuseError
 
 AUTO = "auto"
@@ -387,6 +388,26 @@ def engine_kwargs(s: Settings) -> dict[str, Any]:
     """EngineConfig's keyword arguments: every key that feeds the engine, under the engine's field name
     (worker.device still says "auto"; the process resolves it)."""
     return {k.engine: getattr(getattr(s, k.section), k.key) for k in KEYS_INFO if k.engine}
+
+
+def resolve_device(device: str, use_torch: bool = True) -> str:
+    """'auto' -> 'cuda' or 'cpu'. The store passes use_torch=False: it must not import torch (hundreds of MB
+    under the shared MemoryMax) and only needs the answer to size the VRAM tier; it looks for the driver's
+    device node instead."""
+    if device != "auto":
+        return device
+    if not use_torch:
+        return "cuda" if os.path.exists("/dev/nvidiactl") and os.environ.get("CUDA_VISIBLE_DEVICES") != "" else "cpu"
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def engine_config(s: Settings, use_torch: bool = True) -> EngineConfig:
+    """The engine's configuration from the settings (both processes derive the same one): every key the
+    model marks as feeding the engine, under its EngineConfig name; only the device is resolved here."""
+    kw = engine_kwargs(s)
+    kw["device"] = resolve_device(kw["device"], use_torch)
+    return EngineConfig(**kw)
 
 
 # ------------------------------------------------------------------------------------ the sources

@@ -1,4 +1,5 @@
-"""Glue shared by the two process entry points: settings -> EngineConfig, CLI flags, clean exits."""
+"""Glue shared by the process entry points: CLI flags, logging, /metrics, clean exits (settings -> EngineConfig is
+betelgeuse.settings.engine_config)."""
 
 from __future__ import annotations
 
@@ -6,33 +7,11 @@ import argparse
 import logging
 import sys
 
-from betelgeuse.config import EngineConfig
 from betelgeuse.errors import BetelgeuseError
 from betelgeuse.logs import setup as setup_logging
-from betelgeuse.settings import Resolved, Settings, add_flags, engine_kwargs, flag_values, resolve_settings
+from betelgeuse.settings import Resolved, Settings, add_flags, flag_values, resolve_settings
 
 log = logging.getLogger("betelgeuse")
-
-
-def resolve_device(device: str, use_torch: bool = True) -> str:
-    """'auto' -> 'cuda' or 'cpu'. The store passes use_torch=False: it must not import torch (hundreds of MB
-    under the shared MemoryMax) and only needs the answer to size the VRAM tier; it looks for the driver's
-    device node instead."""
-    if device != "auto":
-        return device
-    if not use_torch:
-        import os
-        return "cuda" if os.path.exists("/dev/nvidiactl") and os.environ.get("CUDA_VISIBLE_DEVICES") != "" else "cpu"
-    import torch
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def engine_config(s: Settings, use_torch: bool = True) -> EngineConfig:
-    """The engine's configuration from the settings (both processes derive the same one): every key the
-    model marks as feeding the engine, under its EngineConfig name; only the device is resolved here."""
-    kw = engine_kwargs(s)
-    kw["device"] = resolve_device(kw["device"], use_torch)
-    return EngineConfig(**kw)
 
 
 def listen_metrics(registry, addr: str):

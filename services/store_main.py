@@ -36,11 +36,12 @@ from betelgeuse.errors import BetelgeuseError, StoreBusyError, StoreUnavailableE
 from betelgeuse.gguf.reader import GGUFModelFile
 from betelgeuse.logs import event
 from betelgeuse.metrics import make_store_metrics
+from betelgeuse.settings import engine_config
 from betelgeuse.store.arena import peer_credentials, send_fd
 from betelgeuse.store.cgroup import CgroupMemory
 from betelgeuse.store.plan import plan_slots
 from betelgeuse.store.store import ExpertStore, Lease
-from services.common import common_args, engine_config, listen_metrics, run_main, settings_from_args
+from services.common import common_args, listen_metrics, run_main, settings_from_args
 from services.pb.betelgeuse.v1 import store_pb2 as pb
 from services.pb.betelgeuse.v1 import store_pb2_grpc as pb_grpc
 

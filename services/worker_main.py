@@ -15,12 +15,13 @@ import threading
 import time
 
 from betelgeuse import __version__, sdnotify
-from betelgeuse.logs import event
 from betelgeuse.errors import StoreUnavailableError
+from betelgeuse.logs import event
 from betelgeuse.metrics import make_worker_metrics
+from betelgeuse.settings import engine_config
 from betelgeuse.store.cgroup import CgroupMemory
 from betelgeuse.worker.engine import LLMEngine
-from services.common import common_args, engine_config, listen_metrics, run_main, settings_from_args
+from services.common import common_args, listen_metrics, run_main, settings_from_args
 from services.grpc_server import build_server, load_api_keys, server_credentials, set_health
 from services.store_client import GrpcStoreClient
 

@@ -21,7 +21,7 @@ CLIENTS = (1, 2, 8)
 
 def _bench(*args, timeout=BUDGET + 90):
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "betelgeuse.bench.cli", "--suite", "agents", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "services.bench.cli", "--suite", "agents", *args], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -173,9 +173,9 @@ def test_concurrency_only(tmp_path):
 def test_requests_cut_mid_stream_still_count():
     """A request that fails (or is cut by its deadline) after some tokens keeps its timings and does not break the
     figures (gpu-agents8: a KeyError on 'ttft_s' lost the whole 8-client case); one that got no token is left out."""
-    from betelgeuse.bench.agents import concurrency_figures, run_request
+    from betelgeuse.api import TokenEvent
     from betelgeuse.errors import BetelgeuseError
-    from betelgeuse.worker.api import TokenEvent
+    from services.bench.agents import concurrency_figures, run_request
 
     class Cut:                                   # an engine whose stream yields 3 tokens, then fails
         def submit(self, req, deadline=None):

@@ -36,7 +36,7 @@ def _png_chunks(data: bytes):
 def bench_run(tmp_path_factory):
     work = tmp_path_factory.mktemp("bench")
     out = work / "out"
-    cmd = [sys.executable, "-m", "betelgeuse.bench.cli", "--quick", "--preset", "tiny", "--router-skew", "1",
+    cmd = [sys.executable, "-m", "services.bench.cli", "--quick", "--preset", "tiny", "--router-skew", "1",
            "--variant-skew", "0", "--variant-layers", "2", "--slots", "2+6,auto", "--prompts", "8,16",
            "--standard-prompts", "8", "--decode", "4", "--memory-max", "4G", "--time-budget", str(BUDGET),
            "--disk-sample", "4MiB", "--work-dir", str(work), "--out", str(out), "--run-name", "smoke"]

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from gguf import GGUFReader, GGMLQuantizationType
 
-from betelgeuse.cli import main
+from betelgeuse.api import SamplingParams
 from betelgeuse.model.generate import generate
-from betelgeuse.model.qwen3moe import ReferenceModel
+from betelgeuse.model.qwen3moe import Qwen3MoeReference
 from betelgeuse.tokenizer import Tokenizer
-from betelgeuse.worker.api import SamplingParams
+from services.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -62,7 +62,7 @@ def test_logits_writes_float32_tokens_by_vocab(tiny_model, tmp_path, capsys):
 def test_generate_streams_the_decoded_completion(tiny_model, capsys):
     rc, out, err = _run(capsys, "generate", tiny_model, "--token-ids", "10,20,30", "--max-tokens", "12")
     assert rc == 0, err
-    model = ReferenceModel.load(tiny_model)
+    model = Qwen3MoeReference.load(tiny_model)
     tok = Tokenizer.from_metadata(model.file.metadata)
     ids = list(generate(model, [10, 20, 30], 12, SamplingParams(), stop_ids=tok.eos_ids))
     assert 0 < len(ids) <= 12
@@ -148,7 +148,7 @@ def test_every_bad_input_is_one_line_and_exit_2(tiny_model, tmp_path, capsys):
 def test_real_process_reports_one_line(args, fragment, tiny_model, tmp_path):
     argv = [a.format(model=tiny_model, tmp=tmp_path) for a in args]
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, "-m", "betelgeuse.cli", *argv], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "services.cli", *argv], capture_output=True, text=True,
                        env=env, cwd=tmp_path, timeout=120)
     assert p.returncode == 2
     assert "Traceback" not in p.stderr

@@ -26,7 +26,7 @@ def cluster(service_model, tmp_path_factory):
 
 def _chat(cluster, stdin: str, *args) -> subprocess.CompletedProcess:
     from services.launcher import python_env
-    return subprocess.run([sys.executable, "-m", "betelgeuse.cli", "chat", "--url", cluster.http_url, *args],
+    return subprocess.run([sys.executable, "-m", "services.cli", "chat", "--url", cluster.http_url, *args],
                           input=stdin, capture_output=True, text=True, timeout=120, env=python_env())
 
 
@@ -48,7 +48,7 @@ def test_chat_errors_are_one_line(cluster, tmp_path):
     r = _chat(cluster, "Hi\n", "--temperature", "9")
     assert r.returncode == 0 and "betelgeuse: error: HTTP 400: temperature" in r.stderr and "Traceback" not in r.stderr
     from services.launcher import free_port
-    r = subprocess.run([sys.executable, "-m", "betelgeuse.cli", "chat", "--url", f"http://127.0.0.1:{free_port()}"],
+    r = subprocess.run([sys.executable, "-m", "services.cli", "chat", "--url", f"http://127.0.0.1:{free_port()}"],
                        input="Hi\n", capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.startswith("betelgeuse: error: cannot reach the API")
 
@@ -79,7 +79,7 @@ def test_ctrl_c_stops_the_answer_not_the_chat(cluster):
     from services.launcher import python_env
     url = cluster.worker_metrics_url
     before = h.scrape(url)
-    p = subprocess.Popen([sys.executable, "-m", "betelgeuse.cli", "chat", "--url", cluster.http_url, "--temperature",
+    p = subprocess.Popen([sys.executable, "-m", "services.cli", "chat", "--url", cluster.http_url, "--temperature",
                           "1", "--seed", "5", "--max-tokens", "1900"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env=python_env())
     try:

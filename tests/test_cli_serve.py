@@ -41,7 +41,7 @@ class Serve:
     def __init__(self, tmp_path: Path, model: Path):
         self.port, self.http, self.run = free_port(), free_port(), str(tmp_path / "run")
         env = dict(os.environ, PYTHONPATH=str(REPO))
-        self.p = subprocess.Popen([sys.executable, "-m", "betelgeuse.cli", "serve", str(model), "--port",
+        self.p = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", str(model), "--port",
                                    str(self.port), "--runtime-dir", self.run, "--worker-metrics", "127.0.0.1:0",
                                    "--store-metrics", "127.0.0.1:0", "--http", f"127.0.0.1:{self.http}"],
                                   env=env, stderr=subprocess.PIPE, text=True)

@@ -28,7 +28,7 @@ service_model = h.service_model
 def _show(*argv, env=None) -> subprocess.CompletedProcess:
     e = {k: v for k, v in os.environ.items() if not k.startswith("BETELGEUSE_")}
     e.update(env or {}, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "betelgeuse.cli", "config", "show", *map(str, argv)],
+    return subprocess.run([sys.executable, "-m", "services.cli", "config", "show", *map(str, argv)],
                           capture_output=True, text=True, env=e, timeout=60, cwd=ROOT)
 
 
@@ -190,7 +190,7 @@ def test_every_key_round_trips_from_every_source(key, tmp_path):
 def test_the_launchers_child_args_give_the_parents_settings(tmp_path, monkeypatch):
     """serve resolves file < environment < its flags once; the children get --config and flags derived from the
     model, read the same environment, and resolve exactly the parent's object (worker and store alike)."""
-    from betelgeuse.cli import build_parser, serve_cluster
+    from services.cli import build_parser, serve_cluster
     from services.common import resolve_from_args
     for k in [k for k in os.environ if k.startswith("BETELGEUSE_")]:
         monkeypatch.delenv(k)
@@ -222,7 +222,7 @@ def test_a_bad_serve_flag_is_one_line_and_starts_nothing(tmp_path):
     e["PYTHONPATH"] = str(ROOT)
     for argv, needle in [(["--max-running", "-1"], "max_running"), (["--vram-budget", "lots"], "budget.vram"),
                          (["--max-batched-tokens", "8"], "max_batched_tokens"), (["--listen", "x"], "unrecognized")]:
-        r = subprocess.run([sys.executable, "-m", "betelgeuse.cli", "serve", str(tmp_path / "m.gguf"),
+        r = subprocess.run([sys.executable, "-m", "services.cli", "serve", str(tmp_path / "m.gguf"),
                             "--runtime-dir", str(tmp_path / "run"), *argv], capture_output=True, text=True,
                            env=e, timeout=60, cwd=ROOT)
         assert r.returncode == 2 and needle in r.stderr and r.stderr.count("\n") == 1, (argv, r.stderr)

@@ -99,10 +99,10 @@ def test_install_sh():
 def test_default_cmd_parses_with_the_cli():
     """ENTRYPOINT + CMD as the image runs them: `betelgeuse worker --config ...` reaches the worker's own parser."""
     argv = json.loads(dict(_instructions())["CMD"])
-    r = subprocess.run([sys.executable, "-m", "betelgeuse.cli", argv[0], "--help"], cwd=ROOT, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "services.cli", argv[0], "--help"], cwd=ROOT, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0 and "--config" in r.stdout, r.stdout + r.stderr
-    r = subprocess.run([sys.executable, "-m", "betelgeuse.cli", "store", "--config", "/nonexistent.toml"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "services.cli", "store", "--config", "/nonexistent.toml"], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "/nonexistent.toml" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
@@ -128,10 +128,10 @@ def test_wheel_holds_what_the_image_runs(tmp_path):
     (whl,) = (tmp_path / "dist").glob("betelgeuse-*.whl")
     names = zipfile.ZipFile(whl).namelist()
     for need in ("services/pb/betelgeuse/v1/inference_pb2_grpc.py", "services/pb/betelgeuse/v1/store_pb2.py",
-                 "services/worker_main.py", "services/store_main.py", "betelgeuse/cli.py"):
+                 "services/worker_main.py", "services/store_main.py", "services/cli.py"):
         assert need in names, need
     ep = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "betelgeuse = betelgeuse.cli:main" in zipfile.ZipFile(whl).read(ep).decode()
+    assert "betelgeuse = services.cli:main" in zipfile.ZipFile(whl).read(ep).decode()
 
 
 def _healthcheck_code() -> str:

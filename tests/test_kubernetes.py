@@ -134,7 +134,7 @@ def test_config_agrees_with_the_pod():
         assert m["config"]["readOnly"] is True
         cfg_arg = c["args"][c["args"].index("--config") + 1]
         assert Path(cfg_arg).parent == Path(m["config"]["mountPath"]) and Path(cfg_arg).name == "betelgeuse.toml"
-    from betelgeuse.cli import PROCESS_MAINS
+    from services.cli import PROCESS_MAINS
     assert worker["args"][0] == "worker" and store["args"][0] == "store"
     assert set(PROCESS_MAINS) == {"worker", "store"}
     ports = {p["name"]: p["containerPort"] for c in (worker, store) for p in c["ports"]}

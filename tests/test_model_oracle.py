@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from betelgeuse.cli import main
+from betelgeuse.api import SamplingParams
+from betelgeuse.kernels.torch_moe import apply_experts, expert_ffn
 from betelgeuse.model.generate import generate
-from betelgeuse.model.layers import apply_experts, expert_ffn
-from betelgeuse.model.qwen3moe import ReferenceModel
-from betelgeuse.worker.api import SamplingParams
+from betelgeuse.model.qwen3moe import Qwen3MoeReference
+from services.cli import main
 
 from conftest import ORACLE_OVERRIDES, ORACLE_QTYPES
 
@@ -71,7 +71,7 @@ def test_cli_logits_match_transformers(qtype, oracle_models, hf_models, tmp_path
 def test_greedy_continuation_matches_transformers(qtype, oracle_models, hf_models):
     """16 greedy tokens: ours decode one token at a time through the KV cache; the reference
     re-runs the whole sequence each step without a cache."""
-    model = ReferenceModel.load(oracle_models[qtype])
+    model = Qwen3MoeReference.load(oracle_models[qtype])
     ours = list(generate(model, PROMPT, 16, SamplingParams(temperature=0.0)))
     hf, seq = hf_models[qtype], list(PROMPT)
     for _ in range(16):
@@ -82,7 +82,7 @@ def test_greedy_continuation_matches_transformers(qtype, oracle_models, hf_model
 
 
 def test_incremental_decode_matches_full_forward(oracle_models):
-    model = ReferenceModel.load(oracle_models["F32"])
+    model = Qwen3MoeReference.load(oracle_models["F32"])
     full = model.forward(PROMPT, model.new_cache(len(PROMPT)))
     cache = model.new_cache(len(PROMPT))
     parts = [model.forward(PROMPT[:5], cache)] + [model.forward(PROMPT[i:i + 1], cache) for i in range(5, len(PROMPT))]
@@ -139,7 +139,7 @@ def test_apply_experts_rejects_incomplete_order():
 
 
 def test_generate_stop_ids_and_length(oracle_models):
-    model = ReferenceModel.load(oracle_models["Q8_0"])
+    model = Qwen3MoeReference.load(oracle_models["Q8_0"])
     g = generate(model, PROMPT, 6, SamplingParams())
     free = list(g)
     assert len(free) == 6 and g.finish_reason == "length"

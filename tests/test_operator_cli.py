@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from betelgeuse.cli import main
+from services.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,7 +30,7 @@ def _run(capsys, *argv) -> tuple[int, str, str]:
 
 def _cli(*argv, timeout=120, **kw) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "betelgeuse.cli", *map(str, argv)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "services.cli", *map(str, argv)], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT, **kw)
 
 
@@ -89,7 +89,7 @@ def test_inspect_not_a_gguf(tmp_path, capsys):
 
 
 def test_bench_says_before_writing_a_second_model(tmp_path, monkeypatch, capsys):
-    from betelgeuse.bench import cli as bench_cli
+    from services.bench import cli as bench_cli
 
     class Stop(Exception):
         pass
@@ -106,7 +106,7 @@ def test_bench_says_before_writing_a_second_model(tmp_path, monkeypatch, capsys)
 
 
 def test_generate_server_is_a_thin_client():
-    code = ("import sys; from betelgeuse.cli import main; rc = main(sys.argv[1:]); "
+    code = ("import sys; from services.cli import main; rc = main(sys.argv[1:]); "
             "print('TORCH' if 'torch' in sys.modules else 'NOTORCH', rc)")
     from services.launcher import free_port
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -171,7 +171,7 @@ def test_serve_host_keeps_logs_when_a_child_dies(tiny_model):
     from services.launcher import free_port
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    p = subprocess.Popen([sys.executable, "-m", "betelgeuse.cli", "serve", str(tiny_model), "--host", "127.0.0.1",
+    p = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", str(tiny_model), "--host", "127.0.0.1",
                           "--port", str(port), "--worker-metrics", "127.0.0.1:0", "--store-metrics", "127.0.0.1:0"],
                          env=env, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
@@ -240,7 +240,7 @@ def test_cuda_version_label_agrees():
 def test_readme_model_table_matches_the_code():
     from betelgeuse.gguf import SUPPORTED_ARCHS
     from betelgeuse.gguf.qtypes import SUPPORTED_QTYPES, qtype_name
-    from betelgeuse.tokenizer import PRE_SPLITS
+    from betelgeuse.gguf.vocab import PRE_SPLITS
     text = (ROOT / "README.md").read_text()
     table = text[text.index("## Models"):]
     table = table[:table.index("Where to get one")]

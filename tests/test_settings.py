@@ -103,8 +103,7 @@ def test_engine_defaults_match_engine_config():
 
 def test_engine_config_derives_every_key(tmp_path):
     """Each engine key's example, set in a file, arrives in the EngineConfig under its engine name."""
-    from betelgeuse.settings import KEYS_INFO
-    from services.common import engine_config
+    from betelgeuse.settings import KEYS_INFO, engine_config
     feeds = [k for k in KEYS_INFO if k.engine and k.engine not in ("model_path", "device")]
     data = {}
     for k in feeds:

@@ -68,7 +68,7 @@ fi
 
 # 4. the benchmark (its own time budget; the hard timeout only guards against a hang)
 echo "== betelgeuse bench --time-budget $BUDGET $*" >>"$LOG"
-timeout --signal=INT $((${BUDGET%.*} + 60)) "$PY" -m betelgeuse.bench.cli --work-dir "$WORK" --out "$DEST" \
+timeout --signal=INT $((${BUDGET%.*} + 60)) "$PY" -m services.bench.cli --work-dir "$WORK" --out "$DEST" \
   --run-name "$RUN_NAME" --time-budget "$BUDGET" "$@" >>"$LOG" 2>&1
 rc=$?
 store_log=$(ls -t "$WORK"/run-*/store.log 2>/dev/null | head -1)

@@ -51,7 +51,7 @@ if [ ! -f "$MODEL" ]; then
   "$PY" - "$MODEL" "$PRESET" >>"$LOG" 2>&1 <<'EOF' || { say "writing the model failed"; tail -20 "$LOG"; exit 2; }
 import sys
 from pathlib import Path
-from betelgeuse.bench.cli import ensure_model
+from services.bench.args import ensure_model
 from betelgeuse.gguf.synth import spec_from_preset
 r = ensure_model(Path(sys.argv[1]), spec_from_preset(sys.argv[2]), lambda m: print(m, flush=True))
 print(f"model: {r['bytes'] / 1e9:.1f} GB in {r['write_s']:.1f} s = {r['write_GBps']:.2f} GB/s (fsync included)")

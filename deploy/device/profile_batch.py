@@ -28,11 +28,11 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from betelgeuse.bench.procs import BenchCgroup, StoreProcess, mkdir  # noqa: E402
 from betelgeuse.config import EngineConfig  # noqa: E402
 from betelgeuse.gguf.reader import GGUFModelFile  # noqa: E402
 from betelgeuse.settings import parse_size  # noqa: E402
 from betelgeuse.worker.runner import ModelRunner  # noqa: E402
+from services.bench.procs import BenchCgroup, StoreProcess, mkdir  # noqa: E402
 from services.store_client import GrpcStoreClient  # noqa: E402
 
 

@@ -23,8 +23,9 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from betelgeuse.worker import api
+from betelgeuse import api
 from services.http import output
+from services.http.errors import classify
 from services.http.protocol import MAX_STOP, StructuredOutputs, UnsupportedParam, structured_grammar
 
 PREFIX = "/v1/messages"
@@ -300,7 +301,6 @@ def _event(name: str, data: dict) -> str:
 async def stream(front, body: MessagesRequest, req: api.GenerateRequest, handle):
     """Server-sent events in Anthropic's order: message_start, ping, per block start / deltas / stop (a block
     ends when the kind of output changes), message_delta (stop_reason, usage), message_stop."""
-    from services.http.app import classify
     n_prompt = getattr(handle, "prompt_tokens", 0)
     yield _event("message_start", {"message": {
         "id": f"msg_{req.request_id}", "type": "message", "role": "assistant", "model": body.model, "content": [],

@@ -23,40 +23,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from betelgeuse.errors import (BetelgeuseError, CancelledError, InvalidRequestError, ModelFormatError,
-                               QueueFullError, StoreUnavailableError)
-from betelgeuse.worker import api
+from betelgeuse import api
+from betelgeuse.errors import BetelgeuseError
 from services.http import anthropic, output, responses
 from services.http import protocol as p
+from services.http.errors import STATUS_TYPES, classify, error_body
+from services.http.output import events
 
 log = logging.getLogger("betelgeuse.http")
 
-# error class -> (HTTP status, OpenAI error type, gRPC code name for betelgeuse_requests_total)
-ERRORS = [
-    (InvalidRequestError, 400, "invalid_request_error", "INVALID_ARGUMENT"),
-    (QueueFullError, 429, "rate_limit_error", "RESOURCE_EXHAUSTED"),
-    (StoreUnavailableError, 503, "service_unavailable_error", "UNAVAILABLE"),
-    (CancelledError, 499, "cancelled", "CANCELLED"),
-    (ModelFormatError, 500, "server_error", "FAILED_PRECONDITION"),
-]
 MAX_BODY_BYTES = 32 * 1024 * 1024   # a request body larger than this is refused (413) before it is read or parsed
-STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
-                429: "rate_limit_error", 503: "service_unavailable_error"}
 
-
-def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def classify(e: BaseException) -> tuple[int, dict, str]:
-    """(HTTP status, OpenAI error body, gRPC-style code name) of an exception."""
-    for cls, status, type_, code in ERRORS:
-        if isinstance(e, cls):
-            return status, error_body(str(e), type_, getattr(e, "param", None), getattr(e, "error_code", None)), code
-    if isinstance(e, BetelgeuseError):
-        return 400, error_body(str(e), "invalid_request_error", getattr(e, "param", None)), "INVALID_ARGUMENT"
-    return 500, error_body("internal error; see the worker log", "server_error"), "INTERNAL"
 
 
 def _usage(u: api.Usage, n_out: int) -> dict:
@@ -212,7 +189,7 @@ class Front:
             return _sse({"id": cid, "object": "text_completion", "created": created, "model": body.model,
                          "choices": [c]})
 
-        async for ev in _events(handle):
+        async for ev in events(handle):
             if isinstance(ev, BaseException):
                 status, err, code = classify(ev)
                 self.count("Completions", code)
@@ -238,29 +215,6 @@ class Front:
 class ModelNotFound(BetelgeuseError):
     def __init__(self, name: str, served: str):
         super().__init__(f"the model {name!r} does not exist; this server serves {served!r} (GET /v1/models)")
-
-
-async def _events(handle):
-    """The handle's events, pulled on worker threads (the engine's queue blocks); an exception is yielded, not
-    raised. Leaving early (client gone) cancels the request in the engine."""
-    it = iter(handle)
-    done = object()
-
-    def nxt():
-        try:
-            return next(it, done)
-        except BaseException as e:       # noqa: BLE001 (a BetelgeuseError from the engine, or a bug)
-            return e
-    try:
-        while True:
-            ev = await anyio.to_thread.run_sync(nxt, abandon_on_cancel=True)
-            if ev is done:
-                return
-            yield ev
-            if isinstance(ev, BaseException):
-                return
-    finally:
-        handle.cancel()
 
 
 def _error(request: Request, body: dict, status: int, headers=None) -> JSONResponse:

@@ -12,8 +12,10 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
+import anyio
+
+from betelgeuse import api
 from betelgeuse.reasoning import QWEN3, OutputParser, collect as collect_items
-from betelgeuse.worker import api
 
 
 def parses_tools(req: api.GenerateRequest) -> bool:
@@ -69,17 +71,39 @@ def collect(engine, req: api.GenerateRequest, handle=None) -> Answer:
     return Answer(final, got.reasoning, got.content, final.tool_calls or got.calls, tokens)
 
 
+async def events(handle):
+    """The handle's events, pulled on worker threads (the engine's queue blocks); an exception is yielded, not
+    raised. Leaving early (client gone) cancels the request in the engine."""
+    it = iter(handle)
+    done = object()
+
+    def nxt():
+        try:
+            return next(it, done)
+        except BaseException as e:       # noqa: BLE001 (a BetelgeuseError from the engine, or a bug)
+            return e
+    try:
+        while True:
+            ev = await anyio.to_thread.run_sync(nxt, abandon_on_cancel=True)
+            if ev is done:
+                return
+            yield ev
+            if isinstance(ev, BaseException):
+                return
+    finally:
+        handle.cancel()
+
+
 async def parts(engine, req: api.GenerateRequest, handle):
     """The request's output as (kind, value) pairs, in order (see the module doc); the stream ends after a
     "final" or an "error". Leaving early (client gone) cancels the request in the engine."""
-    from services.http.app import _events
     p = parser(engine, req, handle)
 
     def split(text: str, flush: bool = False) -> list:
         if p is None:
             return [("content", text)] if text else []
         return p.push(text) + (p.flush() if flush else [])
-    async for ev in _events(handle):
+    async for ev in events(handle):
         if isinstance(ev, BaseException):
             yield "error", ev
             return

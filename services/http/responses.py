@@ -34,9 +34,10 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from betelgeuse import api
 from betelgeuse.errors import BetelgeuseError
-from betelgeuse.worker import api
 from services.http import output
+from services.http.errors import classify, error_body
 from services.http.protocol import StructuredOutputs, UnsupportedParam, structured_grammar
 
 STORE_MAX = 256                 # responses kept for previous_response_id
@@ -368,7 +369,6 @@ class Front:
         return resp
 
     async def stream(self, body: ResponsesRequest, req: api.GenerateRequest, conv: list[dict], handle):
-        from services.http.app import classify
         rid, created, seq = f"resp_{req.request_id}", int(time.time()), 0
         items: list[dict] = []                  # finished output items
         cur: dict | None = None                 # the open item: {"kind", "id", "text"}
@@ -461,7 +461,6 @@ def add_routes(app: FastAPI, front) -> None:
     from fastapi import Request
     from fastapi.responses import JSONResponse
 
-    from services.http.app import error_body
     rf = Front(front)
     app.state.responses = rf
 

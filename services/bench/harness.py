@@ -20,23 +20,20 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from betelgeuse.bench import ceilings as C
-from betelgeuse.bench.profile import profile_pass
-from betelgeuse.bench.procs import (BenchCgroup, Monitor, StoreProcess, arena_mappings, cgroup_of, mkdir,
-                                    vram_used_before_cuda)
 from betelgeuse.config import GiB, EngineConfig
 from betelgeuse.errors import BetelgeuseError
 from betelgeuse.gguf.reader import GGUFModelFile
 from betelgeuse.worker.runner import ModelRunner
+from services.bench import ceilings as C
+from services.bench.args import OutOfTime
+from services.bench.procs import (BenchCgroup, Monitor, StoreProcess, arena_mappings, cgroup_of, mkdir,
+                                  vram_used_before_cuda)
+from services.bench.profile import profile_pass
 
 
 # one sequence at a time, no prefix cache: the plan (KV reserve for 2 x max_context) of the earlier runs, so their
 # figures stay comparable; `bench --suite agents` measures the scheduler and the prefix cache
 BENCH_ENGINE = {"max_running": 2, "prefix_cache_bytes": 0}
-
-
-class OutOfTime(Exception):
-    """Raised from should_stop: the pass is abandoned (KV uncommitted, no consolidation)."""
 
 
 @dataclass(slots=True)

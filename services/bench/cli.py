@@ -5,7 +5,7 @@
     betelgeuse bench --suite agents     # serving: agent-loop TTFT with/without the prefix cache, concurrent clients
 
 `add_parser(subparsers)` registers the subcommand; `run(args) -> int` runs it (exit code). Also
-runnable as `python -m betelgeuse.bench.cli ...`.
+runnable as `python -m services.bench.cli ...`.
 """
 
 from __future__ import annotations
@@ -13,13 +13,11 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import shutil
 import sys
 import time
-from pathlib import Path
 
-from betelgeuse.errors import BetelgeuseError, InvalidRequestError
-from betelgeuse.store.reader import drop_page_cache
+from betelgeuse.errors import BetelgeuseError
+from services.bench.args import bench_argv, ensure_model, opt_reader, parse_ints, parse_slots, target
 
 QUICK = dict(preset="small", layers=4, prompts="8,16", standard_prompts="8", decode=4, slots="2+6,auto", device="cpu",
              memory_max="4G", vram_budget="2GiB", time_budget=150.0, variant_layers=2, standard_cap=10.0, decode_cap=10.0,
@@ -60,94 +58,25 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="small model on the CPU, few tokens: validates the whole path")
     p.add_argument("--suite", choices=["passes", "agents"], default="passes",
                    help="passes: prefill/decode passes against ceilings (default); agents: the scheduler under agent "
-                        "loops and concurrent clients (betelgeuse/bench/agents.py)")
-    from betelgeuse.bench.agents import add_arguments
+                        "loops and concurrent clients (services/bench/agents.py)")
+    from services.bench.agents import add_arguments
     add_arguments(p)
     p.set_defaults(func=run)
     return p
 
 
-def _ints(text: str, flag: str) -> tuple[int, ...]:
-    try:
-        v = tuple(int(x) for x in str(text).split(",") if x.strip())
-    except ValueError:
-        raise InvalidRequestError(f"{flag}: expected comma-separated integers, got {text!r}") from None
-    if not v or min(v) < 1:
-        raise InvalidRequestError(f"{flag}: expected positive integers, got {text!r}")
-    return v
-
-
-def _slots(text: str) -> tuple[str, ...]:
-    out = []
-    for s in (x.strip() for x in text.split(",") if x.strip()):
-        v, plus, h = s.partition("+")
-        if s != "auto" and not (plus and v.isdigit() and h.isdigit()):
-            raise InvalidRequestError(f"--slots: {s!r} is neither 'V+H' (e.g. 5+15) nor 'auto'")
-        out.append(s)
-    if not out:
-        raise InvalidRequestError("--slots is empty")
-    return tuple(out)
-
-
-def _opt(args, name, default):
-    v = getattr(args, name, None)
-    if v is None and args.quick:
-        v = QUICK.get(name)
-    return default if v is None else v
-
-
-def ensure_model(path: Path, spec, log) -> dict:
-    """Reuse `path` if it exists, else write `spec` there (fsync'd, then dropped from the page cache so
-    the run starts cold and writeback does not compete with the reads). Returns facts for the results."""
-    from betelgeuse.gguf.synth import model_nbytes, write_model
-    if path.exists():
-        return {"path": str(path), "reused": True, "bytes": path.stat().st_size}
-    need = model_nbytes(spec)
-    free = shutil.disk_usage(path.parent).free
-    if need + (1 << 30) > free:
-        raise BetelgeuseError(f"not enough disk for {path}: needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
-    log(f"writing {path} ({need / 1e9:.1f} GB, router skew {spec.router_skew}) ...")
-    t = time.perf_counter()
-    try:
-        import tqdm
-        progress = sys.stderr.isatty() and bool(tqdm.__version__)
-    except ImportError:                      # gguf's own dependency, but not on every device
-        progress = False
-    write_model(path, spec, progress=progress)
-    drop_page_cache(str(path))
-    dt = time.perf_counter() - t
-    size = path.stat().st_size
-    log(f"wrote {path} in {dt:.1f} s ({size / dt / 1e9:.2f} GB/s incl. fsync)")
-    return {"path": str(path), "reused": False, "bytes": size, "write_s": dt, "write_GBps": size / dt / 1e9}
-
-
-def target(args, opt, suffix: str):
-    """What every suite resolves from its arguments: (device, work dir, preset, model spec, model path, run name,
-    results folder). opt(args, name, default) reads an option with the suite's --quick defaults; suffix names the
-    suite in the default run name ("<date><suffix>-<device>")."""
-    from betelgeuse.gguf.synth import spec_from_preset
-    from services.common import resolve_device
-    device = resolve_device(opt(args, "device", "auto"))
-    work = Path(args.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
-    preset = opt(args, "preset", "bench")
-    spec = spec_from_preset(preset, n_layer=opt(args, "layers", None), router_skew=args.router_skew, seed=args.seed)
-    name = f"{preset}-L{spec.n_layer}-skew{spec.router_skew:g}-seed{spec.seed}.gguf"
-    model = Path(args.model) if args.model else work / name
-    run_name = args.run_name or time.strftime("%Y%m%d-%H%M%S") + f"{suffix}-{device.split(':')[0]}"
-    out = Path(args.out) if args.out else Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / run_name
-    return device, work, preset, spec, model, run_name, out
+_opt = opt_reader(QUICK)
 
 
 def run(args) -> int:
     if getattr(args, "suite", "passes") == "agents":
-        from betelgeuse.bench.agents import run as run_agents
+        from services.bench.agents import run as run_agents
         return run_agents(args)
     t0 = time.monotonic()
-    from betelgeuse.bench.harness import BenchOptions, Harness
-    from betelgeuse.bench.report import machine_info, write_results
     from betelgeuse.gguf.synth import spec_from_preset
     from betelgeuse.settings import parse_size
+    from services.bench.harness import BenchOptions, Harness
+    from services.bench.report import machine_info, write_results
 
     def log(msg):
         print(f"[bench {time.monotonic() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
@@ -157,7 +86,7 @@ def run(args) -> int:
     memory_max = None if str(mm).lower() == "none" else parse_size(mm, "--memory-max")
     vs = _opt(args, "variant_skew", "0")
     variant_skew = None if str(vs).lower() == "none" else float(vs)
-    results = {"run": run_name, "status": "running", "command": shlex.join(["betelgeuse", "bench"] + _argv(args)),
+    results = {"run": run_name, "status": "running", "command": shlex.join(["betelgeuse", "bench"] + bench_argv(args)),
                "device": device, "machine": machine_info(), "models": {}, "cases": [], "skipped": [], "errors": []}
     save = lambda final: write_results(results, out, png=final)        # noqa: E731
     if variant_skew is not None:
@@ -175,9 +104,9 @@ def run(args) -> int:
             variant = str(vpath)
         except BetelgeuseError as e:
             results["skipped"].append({"case": "variant model", "reason": str(e)})
-    o = BenchOptions(model=str(model), variant=variant, device=device, slots=_slots(_opt(args, "slots", "5+15,auto")),
-                     prompts=_ints(_opt(args, "prompts", "64,512"), "--prompts"),
-                     standard_prompts=_ints(_opt(args, "standard_prompts", "64"), "--standard-prompts"),
+    o = BenchOptions(model=str(model), variant=variant, device=device, slots=parse_slots(_opt(args, "slots", "5+15,auto")),
+                     prompts=parse_ints(_opt(args, "prompts", "64,512"), "--prompts"),
+                     standard_prompts=parse_ints(_opt(args, "standard_prompts", "64"), "--standard-prompts"),
                      decode=int(_opt(args, "decode", 128)), memory_max=memory_max,
                      vram_budget=parse_size(_opt(args, "vram_budget", "12GiB"), "--vram-budget"),
                      cgroup=not args.no_cgroup, time_budget=float(_opt(args, "time_budget", 480.0)), t0=t0,
@@ -187,17 +116,8 @@ def run(args) -> int:
                      routing=args.routing)
     results["options"] = {k: getattr(o, k) for k in o.__slots__ if k != "t0"}
     log(f"device {device}; results -> {out}")
-    from betelgeuse.bench.report import run_recorded
+    from services.bench.report import run_recorded
     return run_recorded(results, save, Harness(o, results, save).run, log)
-
-
-def _argv(args) -> list[str]:
-    """The bench's own arguments, for the exact command in the results."""
-    argv = getattr(args, "argv", None)
-    if argv is None:
-        argv = sys.argv[1:]
-        argv = argv[1:] if argv[:1] == ["bench"] else argv       # run from `betelgeuse bench ...`
-    return list(argv)
 
 
 def main(argv=None) -> int:

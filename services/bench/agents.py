@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from betelgeuse.errors import BetelgeuseError, InvalidRequestError
+from services.bench.args import OutOfTime, bench_argv, ensure_model, opt_reader, parse_ints, parse_slots, target
 
 AGENTS_QUICK = dict(preset="small", layers=2, device="cpu", memory_max="4G", vram_budget="2GiB", slots="8+24",
                     time_budget=150.0, turns=6, agent_prompts="64,320", system_tokens=32, turn_tokens=8,
@@ -93,7 +94,7 @@ def synthetic_ids(n: int, n_vocab: int, *seed) -> list[int]:
 
 def run_request(engine, ids: list[int], max_tokens: int, deadline: float | None) -> dict:
     """One greedy request through engine.submit; every figure on the client's clock (perf_counter)."""
-    from betelgeuse.worker.api import FinalEvent, GenerateRequest, SamplingParams, TokenEvent
+    from betelgeuse.api import FinalEvent, GenerateRequest, SamplingParams, TokenEvent
     req = GenerateRequest(prompt_ids=list(ids), max_tokens=max_tokens, ignore_eos=True,
                           sampling=SamplingParams(temperature=0.0))
     t0 = time.perf_counter()
@@ -213,10 +214,6 @@ def concurrency_figures(recs: list[dict]) -> dict:
 
 
 # ---- the suite ---------------------------------------------------------------------------------------
-class OutOfTime(Exception):
-    pass
-
-
 class AgentSuite:
     def __init__(self, o: AgentOptions, results: dict, save):
         import torch
@@ -243,10 +240,10 @@ class AgentSuite:
         return max(64, min(self.ctx_model, -(-(tokens + 16) // 64) * 64))
 
     def _open(self, case: dict, max_running: int, max_context: int, prefix_cache_bytes):
-        from betelgeuse.bench.harness import slots_pair
-        from betelgeuse.bench.procs import StoreProcess, cgroup_of, mkdir
         from betelgeuse.config import EngineConfig
         from betelgeuse.worker.engine import LLMEngine
+        from services.bench.harness import slots_pair
+        from services.bench.procs import StoreProcess, cgroup_of, mkdir
         from services.store_client import GrpcStoreClient
         o = self.o
         sched = {"max_running": max_running, "max_context": max_context, "prefix_cache_bytes": prefix_cache_bytes,
@@ -286,7 +283,7 @@ class AgentSuite:
             raise
 
     def _close(self, case: dict, engine, client, store):
-        from betelgeuse.bench.procs import arena_mappings
+        from services.bench.procs import arena_mappings
         try:
             if engine is not None:
                 case.setdefault("prefix_cache", {})["final"] = _numbers(getattr(engine, "prefix_cache", None))
@@ -348,7 +345,7 @@ class AgentSuite:
 
     # ---- the run -------------------------------------------------------------------------------------
     def run(self):
-        from betelgeuse.bench.procs import BenchCgroup, Monitor, vram_used_before_cuda
+        from services.bench.procs import BenchCgroup, Monitor, vram_used_before_cuda
         o, r = self.o, self.results
         cg = BenchCgroup(o.memory_max, o.cgroup)
         r["memory"] = {"cgroup": cg.cg.path if cg.cg else None, "reason": cg.reason}
@@ -439,9 +436,9 @@ class AgentSuite:
     def _disk_rate(self, k: int) -> float:
         """Bytes/s of whole random experts read as the store reads them (its reader settings), sampled now: the
         ceiling of this case's disk reads, measured in the same run."""
-        from betelgeuse.bench.ceilings import measure_disk
         from betelgeuse.config import EngineConfig
         from betelgeuse.gguf.reader import GGUFModelFile
+        from services.bench.ceilings import measure_disk
         rc = EngineConfig(model_path=self.o.model)
         f = GGUFModelFile.open(self.o.model)
         try:
@@ -572,7 +569,7 @@ def _f(x, fmt="{:.2f}"):
 
 
 def markdown(r: dict) -> str:
-    from betelgeuse.bench.report import _pct
+    from services.bench.report import _pct
     m, s, o = r.get("machine", {}), r.get("summary", {}), r.get("options", {})
     gpu = o.get("device", "cpu").startswith("cuda")
     L = [f"# Betelgeuse agents benchmark: {r.get('run', '')}", "", f"Command: `{r.get('command', '')}`", "",
@@ -710,16 +707,11 @@ def add_arguments(p):
     g.add_argument("--prefill-chunk", type=int, help="EngineConfig.prefill_chunk (default: the engine's)")
 
 
-def _opt(args, name, default):
-    v = getattr(args, name, None)
-    if v is None and args.quick:
-        v = AGENTS_QUICK.get(name)
-    return default if v is None else v
+_opt = opt_reader(AGENTS_QUICK)
 
 
 def _pair(text, flag) -> tuple[int, int]:
-    from betelgeuse.bench.cli import _ints
-    v = _ints(text, flag)
+    v = parse_ints(text, flag)
     if len(v) != 2 or v[0] > v[1]:
         raise InvalidRequestError(f"{flag}: expected MIN,MAX (MIN <= MAX), got {text!r}")
     return v
@@ -727,10 +719,9 @@ def _pair(text, flag) -> tuple[int, int]:
 
 def options_from_args(args, model: str, device: str, t0: float, work: Path) -> AgentOptions:
     import os
-    from betelgeuse.bench.cli import _ints, _slots
     from betelgeuse.settings import parse_size
     mm = _opt(args, "memory_max", "12G")
-    slots = _slots(_opt(args, "slots", "auto"))
+    slots = parse_slots(_opt(args, "slots", "auto"))
     if len(slots) != 1:
         raise InvalidRequestError(f"--suite agents takes one slot configuration, got {len(slots)}")
     first, last = _pair(_opt(args, "agent_prompts", "300,2000"), "--agent-prompts")
@@ -751,7 +742,7 @@ def options_from_args(args, model: str, device: str, t0: float, work: Path) -> A
                      time_budget=float(_opt(args, "time_budget", 480.0)), t0=t0,
                      case_cap=float(_opt(args, "case_cap", 150.0)), seed=args.seed,
                      run_dir=str(work / f"run-{os.getpid()}"), first_prompt=first, last_prompt=last,
-                     clients=_ints(_opt(args, "clients", "1,2,4,8,16"), "--clients"),
+                     clients=parse_ints(_opt(args, "clients", "1,2,4,8,16"), "--clients"),
                      client_prompt=_pair(_opt(args, "client_prompt", "64,128"), "--client-prompt"),
                      prefix_cache_bytes=pcb, max_batched_tokens=args.max_batched_tokens,
                      prefill_chunk=args.prefill_chunk,
@@ -765,8 +756,7 @@ def options_from_args(args, model: str, device: str, t0: float, work: Path) -> A
 
 def run(args) -> int:
     """`betelgeuse bench --suite agents`: write/reuse the model, run the suite, write bench.json / bench.md."""
-    from betelgeuse.bench.cli import _argv, ensure_model, target
-    from betelgeuse.bench.report import machine_info, write_results
+    from services.bench.report import machine_info, write_results
     t0 = time.monotonic()
 
     def log(msg):
@@ -775,14 +765,14 @@ def run(args) -> int:
     device, work, _, spec, model, run_name, out = target(args, _opt, "-agents")
     o = options_from_args(args, str(model), device, t0, work)
     results = {"suite": "agents", "run": run_name, "status": "running",
-               "command": shlex.join(["betelgeuse", "bench"] + _argv(args)), "device": device, "machine": machine_info(),
+               "command": shlex.join(["betelgeuse", "bench"] + bench_argv(args)), "device": device, "machine": machine_info(),
                "models": {}, "cases": [], "skipped": [], "errors": []}
     save = lambda final: write_results(results, out, png=False, render=markdown)     # noqa: E731
     results["models"]["main"] = ensure_model(model, spec, log)
     results["options"] = {k: getattr(o, k) for k in o.__slots__ if k != "t0"}
     results["options"]["user_tokens_per_turn"] = agent_user_lengths(o)
     log(f"device {device}; results -> {out}")
-    from betelgeuse.bench.report import run_recorded
+    from services.bench.report import run_recorded
     rc = run_recorded(results, save, AgentSuite(o, results, save).run, log)
     md = markdown(results)
     print(md[md.find("## Judged figures"):md.find("## Agent loop")].strip())     # the figures, with their ratios

@@ -207,8 +207,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 def _engine_settings(args):
     """The settings of a command that starts its own engine: defaults < BETELGEUSE_* < its flags, validated
     (with the EngineConfig) before anything starts. Returns (Resolved, the flags given: "section.key" -> value)."""
-    from betelgeuse.settings import flag_values, resolve_settings
-    from services.common import engine_config
+    from betelgeuse.settings import engine_config, flag_values, resolve_settings
     flags = flag_values(args)
     given = {f"{s}.{k}": v for (s, k), (v, _) in flags.items()}
     flags[("model", "path")] = (args.model, "argument MODEL")
@@ -227,8 +226,8 @@ class _OutOfCore:
 
     def __init__(self, args):
         import tempfile
+        from betelgeuse.settings import engine_config
         from betelgeuse.worker.runner import ModelRunner
-        from services.common import engine_config
         r, given = _engine_settings(args)
         self.cfg = engine_config(r.settings)
         self.cluster = None
@@ -382,8 +381,8 @@ def cmd_generate(args) -> int:
         if args.max_tokens < 1:
             raise InvalidRequestError(f"--max-tokens must be >= 1, got {args.max_tokens}")
         return _stream_grpc(args.server, args, ids)
-    from betelgeuse.model.sampler import validate
-    from betelgeuse.worker.api import SamplingParams
+    from betelgeuse.api import SamplingParams
+    from betelgeuse.sampling import validate
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     validate(sampling)                                  # before the (slow) model load
     if ids is None and args.prompt is None:
@@ -446,8 +445,7 @@ def serve_cluster(args, model: str, runtime_dir: str):
     """serve's Cluster and the settings both children will resolve: defaults < --config < BETELGEUSE_* < serve's
     flags, validated here (with the EngineConfig) before anything starts; the children get --config and the
     flags (their environment is ours), plus what serve owns (sockets, addresses)."""
-    from betelgeuse.settings import flag_values, resolve_settings
-    from services.common import engine_config
+    from betelgeuse.settings import engine_config, flag_values, resolve_settings
     from services.launcher import Cluster
     flags = flag_values(args)
     r = resolve_settings(args.config, flags=flags)
@@ -634,7 +632,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_, description=help_)
         add_args(p)
         p.set_defaults(run=run)
-    from betelgeuse.bench import cli as bench_cli       # `betelgeuse bench`: its own module (many flags)
+    from services.bench import cli as bench_cli       # `betelgeuse bench`: its own module (many flags)
     bench_cli.add_parser(sub).set_defaults(run=bench_cli.run)
     return parser
 

@@ -1,0 +1,102 @@
+"""What both bench suites (`--suite passes`: cli.py, harness.py; `--suite agents`: agents.py) share: reading
+their arguments (with each suite's --quick defaults), the model and results folder they target, the model written
+or reused, and the OutOfTime signal that abandons a case when the time budget runs out.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from betelgeuse.errors import BetelgeuseError, InvalidRequestError
+from betelgeuse.store.reader import drop_page_cache
+
+
+class OutOfTime(Exception):
+    """Raised from a case's should_stop: the pass is abandoned (KV uncommitted, no consolidation)."""
+
+
+def opt_reader(quick: dict):
+    """opt(args, name, default): the flag's value, else (with --quick) quick[name], else default."""
+    def opt(args, name, default):
+        v = getattr(args, name, None)
+        if v is None and args.quick:
+            v = quick.get(name)
+        return default if v is None else v
+    return opt
+
+
+def parse_ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        v = tuple(int(x) for x in str(text).split(",") if x.strip())
+    except ValueError:
+        raise InvalidRequestError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+    if not v or min(v) < 1:
+        raise InvalidRequestError(f"{flag}: expected positive integers, got {text!r}")
+    return v
+
+
+def parse_slots(text: str) -> tuple[str, ...]:
+    out = []
+    for s in (x.strip() for x in text.split(",") if x.strip()):
+        v, plus, h = s.partition("+")
+        if s != "auto" and not (plus and v.isdigit() and h.isdigit()):
+            raise InvalidRequestError(f"--slots: {s!r} is neither 'V+H' (e.g. 5+15) nor 'auto'")
+        out.append(s)
+    if not out:
+        raise InvalidRequestError("--slots is empty")
+    return tuple(out)
+
+
+def ensure_model(path: Path, spec, log) -> dict:
+    """Reuse `path` if it exists, else write `spec` there (fsync'd, then dropped from the page cache so
+    the run starts cold and writeback does not compete with the reads). Returns facts for the results."""
+    from betelgeuse.gguf.synth import model_nbytes, write_model
+    if path.exists():
+        return {"path": str(path), "reused": True, "bytes": path.stat().st_size}
+    need = model_nbytes(spec)
+    free = shutil.disk_usage(path.parent).free
+    if need + (1 << 30) > free:
+        raise BetelgeuseError(f"not enough disk for {path}: needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
+    log(f"writing {path} ({need / 1e9:.1f} GB, router skew {spec.router_skew}) ...")
+    t = time.perf_counter()
+    try:
+        import tqdm
+        progress = sys.stderr.isatty() and bool(tqdm.__version__)
+    except ImportError:                      # gguf's own dependency, but not on every device
+        progress = False
+    write_model(path, spec, progress=progress)
+    drop_page_cache(str(path))
+    dt = time.perf_counter() - t
+    size = path.stat().st_size
+    log(f"wrote {path} in {dt:.1f} s ({size / dt / 1e9:.2f} GB/s incl. fsync)")
+    return {"path": str(path), "reused": False, "bytes": size, "write_s": dt, "write_GBps": size / dt / 1e9}
+
+
+def target(args, opt, suffix: str):
+    """What every suite resolves from its arguments: (device, work dir, preset, model spec, model path, run name,
+    results folder). opt(args, name, default) reads an option with the suite's --quick defaults; suffix names the
+    suite in the default run name ("<date><suffix>-<device>")."""
+    from betelgeuse.gguf.synth import spec_from_preset
+    from betelgeuse.settings import resolve_device
+    device = resolve_device(opt(args, "device", "auto"))
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    preset = opt(args, "preset", "bench")
+    spec = spec_from_preset(preset, n_layer=opt(args, "layers", None), router_skew=args.router_skew, seed=args.seed)
+    name = f"{preset}-L{spec.n_layer}-skew{spec.router_skew:g}-seed{spec.seed}.gguf"
+    model = Path(args.model) if args.model else work / name
+    run_name = args.run_name or time.strftime("%Y%m%d-%H%M%S") + f"{suffix}-{device.split(':')[0]}"
+    out = Path(args.out) if args.out else Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / run_name
+    return device, work, preset, spec, model, run_name, out
+
+
+def bench_argv(args) -> list[str]:
+    """The bench's own arguments, for the exact command in the results."""
+    argv = getattr(args, "argv", None)
+    if argv is None:
+        argv = sys.argv[1:]
+        argv = argv[1:] if argv[:1] == ["bench"] else argv       # run from `betelgeuse bench ...`
+    return list(argv)
