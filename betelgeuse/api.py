@@ -10,6 +10,11 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Protocol
 
 
+MAX_TEMPERATURE = 2.0              # OpenAI's limit; the engine refuses more, so every edge (gRPC, HTTP) does
+MAX_STOP = 16                      # stop strings per request (OpenAI allows 4; vLLM any)
+MAX_TOP_LOGPROBS = 20              # OpenAI's limit
+
+
 @dataclass(slots=True)
 class SamplingParams:
     temperature: float = 0.0        # 0 = greedy

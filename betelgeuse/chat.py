@@ -23,6 +23,12 @@ from typing import Callable
 from betelgeuse.errors import BetelgeuseError
 
 DEFAULT_MAX_TOKENS = 2048          # per answer: a runaway random or looping model stops here, not at the context
+
+
+def default_max_tokens(context: int) -> int:
+    """DEFAULT_MAX_TOKENS, or half the context when that is smaller: the server refuses (400) a max_tokens that the
+    prompt plus the answer cannot fit, and a chat's prompt grows every turn."""
+    return min(DEFAULT_MAX_TOKENS, context // 2) if context > 1 else DEFAULT_MAX_TOKENS
 HISTORY_LINES = 1000
 
 
@@ -31,7 +37,9 @@ class ChatClient:
         self.url, self.timeout, self.api_key = url.rstrip("/"), timeout, api_key
         if self.url.endswith("/v1"):
             self.url = self.url[:-3]
-        self.model = model or self._get("/v1/models")["data"][0]["id"]
+        card = self._get("/v1/models")["data"][0]
+        self.model = model or card["id"]
+        self.context = int(card.get("max_model_len") or 0)     # tokens (0: not said)
 
     def _open(self, path: str, body: dict | None = None):
         data = json.dumps(body).encode() if body is not None else None

@@ -78,7 +78,9 @@ class Formatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         fields = getattr(record, "fields", None) or {}
-        msg = record.getMessage()
+        msg = record.getMessage().rstrip()
+        if "\n" in msg and self.fmt == "text":      # one event, one line, whoever wrote the message (uvicorn, grpc)
+            msg = msg.replace("\n", "\\n")
         exc = self.formatException(record.exc_info) if record.exc_info else None
         if self.fmt == "json":
             out = {"ts": _ts(record.created), "level": record.levelname.lower(), "logger": record.name}

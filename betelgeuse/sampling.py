@@ -6,15 +6,15 @@ import math
 
 import torch
 
-from betelgeuse.api import SamplingParams
+from betelgeuse.api import MAX_TEMPERATURE, MAX_TOP_LOGPROBS, SamplingParams
 from betelgeuse.errors import InternalError, InvalidRequestError
 
 
 def validate(params: SamplingParams) -> None:
     """Raise InvalidRequestError naming the first bad field."""
     t, k, p = params.temperature, params.top_k, params.top_p
-    if not isinstance(t, (int, float)) or math.isnan(t) or math.isinf(t) or t < 0:
-        raise InvalidRequestError(f"temperature must be a finite number >= 0, got {t}")
+    if not isinstance(t, (int, float)) or math.isnan(t) or math.isinf(t) or not 0 <= t <= MAX_TEMPERATURE:
+        raise InvalidRequestError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {t}")
     if not isinstance(k, int) or k < 0:
         raise InvalidRequestError(f"top_k must be an integer >= 0 (0 = off), got {k}")
     if not isinstance(p, (int, float)) or math.isnan(p) or not 0 < p <= 1:
@@ -22,9 +22,6 @@ def validate(params: SamplingParams) -> None:
     if params.seed is not None and (not isinstance(params.seed, int) or params.seed < 0):
         raise InvalidRequestError(f"seed must be a non-negative integer, got {params.seed}")
     validate_features(params)
-
-
-MAX_TOP_LOGPROBS = 20               # OpenAI's limit
 
 
 def _finite(x) -> bool:

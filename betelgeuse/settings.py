@@ -233,13 +233,20 @@ class WorkerSettings(_Section):
                                      "127.0.0.1:19464", flag="--worker-metrics")
     device: Text = setting("auto", "auto | cuda | cuda:N | cpu", "cpu", engine="device")
     http: HostPortOrOff = setting("127.0.0.1:8000", "HOST:PORT of the OpenAI-compatible HTTP API ('' = off)", "")
+    http_max_connections: Count1 = setting(256, "open HTTP connections at most; one more is answered 503 and closed",
+                                           32)
+    http_header_timeout: Seconds = setting(10.0, "seconds a new HTTP connection has to send a request's headers", 3.0)
+    http_body_timeout: Seconds = setting(60.0, "seconds an HTTP request's body may take to arrive", 20.0)
+    http_keep_alive: Seconds = setting(5.0, "seconds an idle HTTP keep-alive connection stays open", 2.0)
     max_request_bytes: Size = setting(4 * 1024**2, "largest gRPC message the worker accepts (bytes)", 1 << 20)
     drain_grace: Seconds = setting(60.0, "seconds SIGTERM lets running requests finish (fit TimeoutStopSec=90s)", 5.5)
-    api_keys: Strings = setting(None, "non-empty: InferenceService calls need one (metadata)", ["k1", "k2"],
+    api_keys: Strings = setting(None, "non-empty: every gRPC InferenceService call and every HTTP path but /health "
+                                "and /metrics needs one", ["k1", "k2"],
                                 flag=False, factory=list)
     api_key_file: Path_ = setting("", "file with one API key per line (a secret kept out of the config file)",
                                   "/etc/betelgeuse/keys")
-    tls_cert: Path_ = setting("", "PEM certificate chain: TCP listeners use TLS when set", "/etc/b/cert.pem")
+    tls_cert: Path_ = setting("", "PEM certificate chain: the TCP gRPC listeners and HTTP use TLS when set",
+                              "/etc/b/cert.pem")
     tls_key: Path_ = setting("", "PEM private key for tls_cert", "/etc/b/key.pem")
     tls_client_ca: Path_ = setting("", "PEM CA bundle: set = clients must present a certificate (mTLS)",
                                    "/etc/b/ca.pem")

@@ -317,6 +317,9 @@ def default_model() -> str:
 def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", help="GGUF model file (default: a built-in tiny synthetic model)")
     p.add_argument("--server", help="stream from a running server at HOST:PORT or unix:/path instead of starting one")
+    p.add_argument("--api-key", default=os.environ.get("BETELGEUSE_API_KEY"),
+                   help="with --server: sent as 'authorization: Bearer KEY' (default: $BETELGEUSE_API_KEY)")
+    p.add_argument("--tls-ca", help="with --server: connect with TLS, verifying the server against this PEM CA file")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--dtype", default="auto", help="compute dtype: auto | float32 | bfloat16 | float16")
     src = p.add_mutually_exclusive_group()
@@ -339,7 +342,8 @@ def _stream_grpc(address: str, args, ids) -> int:
     final = None
     for ev in generate_stream(address, prompt_text=args.prompt, prompt_ids=ids, max_tokens=args.max_tokens,
                               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                              stop=args.stop, ignore_eos=args.ignore_eos):
+                              stop=args.stop, ignore_eos=args.ignore_eos, api_key=getattr(args, "api_key", None),
+                              tls_ca=getattr(args, "tls_ca", None)):
         if ev.WhichOneof("event") == "token":
             _write(ev.token.text)
         else:
@@ -381,6 +385,9 @@ def cmd_generate(args) -> int:
         if args.max_tokens < 1:
             raise InvalidRequestError(f"--max-tokens must be >= 1, got {args.max_tokens}")
         return _stream_grpc(args.server, args, ids)
+    if args.tls_ca:
+        raise InvalidRequestError("--tls-ca: only with --server (the processes generate starts itself listen on "
+                                  "loopback without TLS)")
     from betelgeuse.api import SamplingParams
     from betelgeuse.sampling import validate
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
@@ -493,7 +500,19 @@ def cmd_serve(args) -> int:
         stop.set()
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    say = lambda msg: print(msg, file=sys.stderr, flush=True)   # noqa: E731
+
+    def say(msg: str):
+        try:
+            print(msg, file=sys.stderr, flush=True)
+        except OSError:                           # stderr gone (its terminal closed): keep serving, quietly
+            pass
+    def _on_hup(_signum, _frame):                # os.write: no buffered stream to re-enter from a signal handler
+        try:
+            os.write(2, b"betelgeuse: SIGHUP ignored (SIGTERM or Ctrl-C stops serve)\n")
+        except OSError:
+            pass
+    # SIGHUP (the terminal closing, `kill -HUP`) never stops serve: the children (in their own sessions) go on
+    signal.signal(signal.SIGHUP, _on_hup)
     clean = False
     try:
         try:
@@ -579,16 +598,19 @@ def _chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", help="a system message opening the conversation")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--seed", type=int, help="seed of the sampling (reproducible answers)")
-    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
-                   help=f"per answer (default {DEFAULT_MAX_TOKENS}; 0: until EOS or the context)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help=f"per answer (default {DEFAULT_MAX_TOKENS}, or half the model's context when smaller; 0: "
+                   "until EOS or the context)")
     p.add_argument("--no-thinking", action="store_true", help="chat_template_kwargs enable_thinking=false (Qwen3)")
 
 
 def cmd_chat(args) -> int:
     """An interactive chat over the HTTP API (betelgeuse/chat.py): line editing and history on a terminal, slash
     commands handled here (/help), Ctrl-C stops an answer, Ctrl-D or /exit leaves."""
-    from betelgeuse.chat import ChatClient, ChatSession, line_editing
+    from betelgeuse.chat import ChatClient, ChatSession, default_max_tokens, line_editing
     client = ChatClient(args.url, args.model, api_key=args.api_key)
+    if args.max_tokens is None:
+        args.max_tokens = default_max_tokens(client.context)
     tty = sys.stdin.isatty()
     session = ChatSession(client, system=args.system, thinking=False if args.no_thinking else None,
                           params={"temperature": args.temperature, "seed": args.seed,

@@ -6,7 +6,6 @@ One interceptor maps betelgeuse errors to status codes and counts every RPC's ou
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import time
@@ -18,9 +17,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from betelgeuse.api import FinalEvent
-from betelgeuse.errors import (BetelgeuseError, CancelledError, InternalError, InvalidRequestError, ModelFormatError,
-                               QueueFullError, ShuttingDownError, StoreBusyError, StoreUnavailableError)
+from betelgeuse.errors import BetelgeuseError, InternalError, InvalidRequestError
 from services import convert
+from services.auth import MISSING, ApiKeys, load_api_keys  # noqa: F401 (load_api_keys: the worker's import)
 from services.pb.betelgeuse.v1 import inference_pb2 as pb
 from services.pb.betelgeuse.v1 import inference_pb2_grpc as pb_grpc
 
@@ -28,23 +27,10 @@ log = logging.getLogger("betelgeuse.grpc")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
 MAX_REQUEST_ID_BYTES = 256          # request_id is echoed once, in the first streamed message
 
-STATUS = {
-    InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
-    QueueFullError: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    StoreUnavailableError: grpc.StatusCode.UNAVAILABLE,
-    CancelledError: grpc.StatusCode.CANCELLED,
-    ModelFormatError: grpc.StatusCode.FAILED_PRECONDITION,
-    InternalError: grpc.StatusCode.INTERNAL,
-    ShuttingDownError: grpc.StatusCode.UNAVAILABLE,
-    StoreBusyError: grpc.StatusCode.FAILED_PRECONDITION,
-}
 
-
-def status_of(e: BetelgeuseError) -> grpc.StatusCode:
-    for cls, code in STATUS.items():
-        if isinstance(e, cls):
-            return code
-    return grpc.StatusCode.INVALID_ARGUMENT
+def status_of(e: BaseException) -> grpc.StatusCode:
+    """The gRPC code of an exception, from the one error table (betelgeuse/errors.py); a bug is INTERNAL."""
+    return grpc.StatusCode[e.grpc_code if isinstance(e, BetelgeuseError) else InternalError.grpc_code]
 
 
 class _Undecodable:
@@ -66,29 +52,6 @@ def _tolerant(deserializer, type_name: str):
     return deserialize
 
 
-def _presented_key(metadata) -> str | None:
-    for k, v in metadata or ():
-        if k == "authorization" and isinstance(v, str) and v[:7].lower() == "bearer ":
-            return v[7:].strip()
-        if k == "x-api-key" and isinstance(v, str):
-            return v.strip()
-    return None
-
-
-def load_api_keys(keys: list[str], key_file: str = "") -> list[str]:
-    """The configured keys plus one per non-empty, non-# line of key_file."""
-    out = [k for k in keys if k]
-    if key_file:
-        try:
-            with open(key_file) as f:
-                out += [l.strip() for l in f if l.strip() and not l.lstrip().startswith("#")]
-        except OSError as e:
-            raise BetelgeuseError(f"api_key_file {key_file}: {e.strerror or e}") from None
-        if not out:
-            raise BetelgeuseError(f"api_key_file {key_file} holds no key")
-    return out
-
-
 class ErrorInterceptor(grpc.ServerInterceptor):
     """BetelgeuseError -> its status code with the message; anything else -> INTERNAL, logged.
     Also counts each InferenceService RPC by method and final code (betelgeuse_requests), refuses
@@ -97,17 +60,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):
 
     def __init__(self, metrics=None, api_keys: list[str] | None = None):
         self.metrics = metrics
-        self.api_keys = [k.encode() for k in (api_keys or [])]
-
-    def _authorized(self, metadata) -> bool:
-        got = _presented_key(metadata)
-        if got is None:
-            return False
-        got_b = got.encode()
-        ok = False
-        for k in self.api_keys:                     # every key compared, no early exit
-            ok |= hmac.compare_digest(got_b, k)
-        return ok
+        self.api_keys = ApiKeys(api_keys)
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
@@ -119,7 +72,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):
             if self.metrics:
                 self.metrics.requests.labels(method=method, code=code.name).inc()
 
-        denied = bool(self.api_keys) and not self._authorized(details.invocation_metadata)
+        denied = not self.api_keys.authorized(details.invocation_metadata)
         in_type = getattr(handler.request_deserializer, "__self__", None)
         deser = _tolerant(handler.request_deserializer, getattr(in_type, "__name__", "request"))
 
@@ -127,8 +80,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):
             """Abort for a missing key or an undecodable body (both counted); False when the call may go on."""
             if denied:
                 count(grpc.StatusCode.UNAUTHENTICATED)
-                context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key (send metadata "
-                              "'authorization: Bearer KEY' or 'x-api-key: KEY')")
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, MISSING.replace("send ", "send metadata "))
             if isinstance(request, _Undecodable):
                 log.warning("%s: %s (peer %s)", method, request.why, context.peer())
                 count(grpc.StatusCode.INVALID_ARGUMENT)

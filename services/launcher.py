@@ -34,6 +34,7 @@ class Proc:
     name: str
     popen: subprocess.Popen
     log_path: str
+    started: float = field(default_factory=time.monotonic)
 
     @property
     def pid(self) -> int:
@@ -43,7 +44,7 @@ class Proc:
         try:
             with open(self.log_path, errors="replace") as f:
                 return f.read()
-        except FileNotFoundError:
+        except OSError:                              # gone with the runtime directory, or unreadable
             return ""
 
     def alive(self) -> bool:
@@ -136,6 +137,7 @@ class Cluster:
         return (["--config", self.config] if self.config else []) + to_flags(self.child_settings())
 
     def _spawn(self, name: str, module: str, args: list[str], preexec=None) -> Proc:
+        os.makedirs(self.runtime_dir, exist_ok=True)    # someone may have removed it (tmp cleaners, an operator)
         log_path = os.path.join(self.runtime_dir, f"{name}.log")
         with open(log_path, "ab") as logf:
             p = subprocess.Popen([sys.executable, "-m", module, *args], stdout=logf, stderr=subprocess.STDOUT,
@@ -205,6 +207,7 @@ class Cluster:
 
     @staticmethod
     def _last_line(p: Proc) -> str:
+        """The child's last error line from its log (a missing or unreadable log gives "(no output)")."""
         lines = [l for l in p.log().splitlines() if l.strip()]
         err = [l.removeprefix("betelgeuse: error:").strip() for l in lines if l.startswith("betelgeuse: error:")]
         return (err or lines or ["(no output)"])[-1]     # the child's own message, without its prefix
@@ -220,35 +223,59 @@ class Cluster:
         if self.store is not None:
             self.store.stop(20.0)
 
+    def store_sockets_gone(self) -> bool:
+        """The running store's sockets are no longer at their paths (the runtime directory was removed): no new
+        worker could reach it, so it must be restarted."""
+        return self.store is not None and self.store.alive() and not (
+            os.path.exists(self.store_socket) and os.path.exists(self.fd_socket))
+
     def supervise(self, stop: threading.Event, say=print, max_restarts: int = 5, window: float = 120.0):
         """Until `stop` is set: restart a child that exits (store first; the worker re-attaches by itself, and a
-        new worker re-maps the warm arena), naming it and how it ended. More than `max_restarts` restarts in
-        `window` seconds is a crash loop: raise BetelgeuseError naming the process."""
+        new worker re-maps the warm arena), naming it and how it ended; restart the store when its sockets are gone
+        (the runtime directory removed: it is made again). A child restarts at once, then, while it keeps failing,
+        after a back-off (0.5 s, doubling to 8 s), so a transient cause (the store still holding the dead worker's lease) clears
+        instead of burning the budget. More than `max_restarts` restarts in `window` seconds is a crash loop: raise
+        BetelgeuseError naming the process. Nothing else ends supervision: a failure of its own (a log it cannot
+        read, a directory it must re-create) is said and retried."""
         restarts: list[float] = []
+        backoff = {"store": 0.0, "worker": 0.0}
+        not_before = {"store": 0.0, "worker": 0.0}
         while not stop.wait(0.2):
             for name in ("store", "worker"):
                 p = getattr(self, name)
-                if p.alive():
-                    continue
+                gone = name == "store" and self.store_sockets_gone()
                 now = time.monotonic()
+                if (p.alive() and not gone) or now < not_before[name]:
+                    if p.alive() and not gone and now - p.started > 30.0:
+                        backoff[name] = 0.0            # up for a while: the next failure restarts at once
+                    continue
                 restarts = [t for t in restarts if now - t < window] + [now]
                 last = self._last_line(p)
                 if len(restarts) > max_restarts:
                     raise BetelgeuseError(f"the {name} (pid {p.pid}) {describe_exit(p.popen.returncode)} "
                                           f"({len(restarts) - 1} restarts in {window:.0f} s; giving up): {last}")
-                say(f"betelgeuse: the {name} (pid {p.pid}) {describe_exit(p.popen.returncode)}; restarting it "
-                    f"(last log line: {last})")
+                if gone:
+                    say(f"betelgeuse: the store's sockets in {self.runtime_dir} are gone (was the directory "
+                        "removed?); restarting the store")
+                else:
+                    say(f"betelgeuse: the {name} (pid {p.pid}) {describe_exit(p.popen.returncode)}; restarting it "
+                        f"(last log line: {last})")
+                backoff[name] = min(8.0, backoff[name] * 2 or 0.5)
+                not_before[name] = now + backoff[name]
                 try:
                     if name == "store":
+                        if gone:
+                            self.store.stop(20.0)
                         self.start_store()
                         say(f"betelgeuse: store restarted (pid {self.store.pid}); the worker re-attaches by itself")
                     else:
                         self.start_worker(abort=stop.is_set)
                         say(f"betelgeuse: worker restarted (pid {self.worker.pid}), re-attached to the warm store")
-                except BetelgeuseError as e:
-                    # the new child died while starting (e.g. the store had not yet seen the old worker's lease
-                    # end): the next turn restarts it again, and the crash-loop limit above still applies
-                    say(f"betelgeuse: restarting the {name} failed: {e}")
+                except KeyboardInterrupt:           # stop was set while the worker was starting
+                    return
+                except Exception as e:              # noqa: BLE001 (the new child died while starting, or our own
+                    # bookkeeping failed: the next turn, after the back-off, tries again; the crash-loop limit holds)
+                    say(f"betelgeuse: restarting the {name} failed: {' '.join(str(e).split())}")
 
     def __enter__(self):
         self.start_store()

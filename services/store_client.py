@@ -129,7 +129,10 @@ class GrpcStoreClient:
                 reply = pb_grpc.ExpertStoreStub(ch).Status(pb.StatusRequest(), timeout=timeout or self.probe_timeout)
             except grpc.RpcError as e:
                 raise _unavailable(e) from None
-        return json.loads(reply.json)
+        st = json.loads(reply.json)
+        if st.get("refusing"):                       # up, but refusing work (its model file changed under it)
+            raise StoreUnavailableError(f"expert store unavailable: {st['refusing']}")
+        return st
 
     BEGIN_PASS_TIMEOUT = 120.0    # BeginPass first waits for a pending consolidation's disk reads
 

@@ -74,6 +74,8 @@ class StoreServicer(pb_grpc.ExpertStoreServicer):
         except StoreBusyError as e:
             log.warning("refused a second worker (pid %d): %s", lease.pid, e)
             context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        except StoreUnavailableError as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         event(log, "attach", worker_pid=lease.pid, session=session[:8], attaches=self.store.counters.attaches)
         return pb.AttachReply(session=session, layout_json=plan)
 
@@ -279,7 +281,33 @@ def _sync_metrics(m, store: ExpertStore, stop: threading.Event):
         m.workers_attached.set(1 if st["session"] else 0)
 
 
+def watch_model(store: ExpertStore, health_servicer, m, stop: threading.Event, every: float = 1.0):
+    """Every second: is the model file still the one opened (betelgeuse/store/watch.py)? A change turns health
+    NOT_SERVING (the worker's probe sees the reason and refuses work with it); the same file again, SERVING."""
+    was = None
+    while not stop.wait(every):
+        try:
+            why = store.watch.check()
+        except OSError as e:                     # the descriptor itself failed: nothing can be read either
+            why = f"the model file {store.model.path} cannot be checked: {e.strerror or e}"
+            store.watch.why = why
+        if why == was:
+            continue
+        serving = why is None
+        health_servicer.set("", health_pb2.HealthCheckResponse.SERVING if serving else
+                            health_pb2.HealthCheckResponse.NOT_SERVING)
+        m.ready.set(1 if serving else 0)
+        if serving:
+            event(log, "model_file", status="same again", path=store.model.path, action="serving")
+        else:
+            event(log, "model_file", logging.ERROR, status="changed", path=store.model.path, action="refusing work",
+                  why=why)
+        was = why
+
+
 def main(argv=None) -> int:
+    hups = []                                     # SIGHUP: logged and ignored (logs go to stderr, nothing to re-open)
+    signal.signal(signal.SIGHUP, lambda *_: hups.append(1))
     p = argparse.ArgumentParser(prog="betelgeuse-store", description=__doc__.splitlines()[0])
     common_args(p, metrics="store")
     settings = settings_from_args(p.parse_args(argv))
@@ -342,8 +370,13 @@ def main(argv=None) -> int:
 
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    threading.Thread(target=watch_model, args=(store, health_servicer, m, stop), name="model-watch",
+                     daemon=True).start()
     interval = sdnotify.watchdog_interval()
-    while not stop.wait(interval / 2 if interval else 1.0):
+    while not stop.wait(min(interval / 2, 1.0) if interval else 1.0):
+        while hups:
+            hups.pop()
+            event(log, "sighup", role="store", action="ignored (logs go to stderr: nothing to re-open)")
         if interval:
             sdnotify.notify(watchdog=True)
     sdnotify.notify(stopping=True, status="stopping")

@@ -14,15 +14,19 @@ import signal
 import threading
 import time
 
+if __name__ == "__main__":     # before the imports below (torch takes seconds): a SIGHUP meanwhile is not fatal either
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
 from betelgeuse import __version__, sdnotify
-from betelgeuse.errors import StoreUnavailableError
+from betelgeuse.errors import BetelgeuseError, StoreUnavailableError
 from betelgeuse.logs import event
 from betelgeuse.metrics import make_worker_metrics
 from betelgeuse.settings import engine_config
 from betelgeuse.store.cgroup import CgroupMemory
 from betelgeuse.worker.engine import LLMEngine
+from services.auth import load_api_keys
 from services.common import common_args, listen_metrics, run_main, settings_from_args
-from services.grpc_server import build_server, load_api_keys, server_credentials, set_health
+from services.grpc_server import build_server, server_credentials, set_health
 from services.store_client import GrpcStoreClient
 
 log = logging.getLogger("betelgeuse.worker")
@@ -56,7 +60,31 @@ def store_probe(engine: LLMEngine, client: GrpcStoreClient, stop: threading.Even
                 client.abort()
 
 
+FD_RESERVE = 512            # descriptors beyond the HTTP connections: gRPC clients, the store, the model, logs, torch
+
+
+def raise_fd_limit(http_connections: int) -> int:
+    """Lift the soft RLIMIT_NOFILE towards the hard one (systemd's default soft limit is 1024) so that the HTTP cap
+    plus FD_RESERVE fit; one that cannot fit is refused at start, naming the numbers. Returns the soft limit."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = http_connections + FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < need:
+        new = need if hard == resource.RLIM_INFINITY else min(hard, max(need, 4096))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        soft = new
+    if soft != resource.RLIM_INFINITY and soft < need:
+        raise BetelgeuseError(f"[worker] http_max_connections = {http_connections} needs {need} file descriptors "
+                              f"with the {FD_RESERVE} the rest of the worker uses, but the limit is {soft} (raise "
+                              "LimitNOFILE= / ulimit -n, or lower http_max_connections)")
+    return soft
+
+
 def main(argv=None) -> int:
+    # SIGHUP (a terminal closing, `kill -HUP`, a log rotator) never stops the worker: its logs go to stderr (the
+    # journal, or the launcher's file), so there is nothing to re-open; it is logged and ignored
+    hups = []
+    signal.signal(signal.SIGHUP, lambda *_: hups.append(time.monotonic()))
     p = argparse.ArgumentParser(prog="betelgeuse-worker", description=__doc__.splitlines()[0])
     common_args(p, metrics="worker")
     p.add_argument("--store-wait", type=float, default=120.0, help="seconds to wait for the store at start-up")
@@ -67,6 +95,8 @@ def main(argv=None) -> int:
     ws = settings.worker
     api_keys = load_api_keys(ws.api_keys, ws.api_key_file)
     tls = server_credentials(ws.tls_cert, ws.tls_key, ws.tls_client_ca) if (ws.tls_cert or ws.tls_key) else None
+    if http_addr:
+        raise_fd_limit(ws.http_max_connections)
 
     m = make_worker_metrics(__version__)
     m.vram_budget_bytes.set(cfg.vram_budget)
@@ -104,10 +134,12 @@ def main(argv=None) -> int:
     health_ref.append(health_servicer)
     server.start()
     http = None
-    if http_addr:                                 # the same engine, queue, limits and metrics as gRPC
+    if http_addr:                                 # the same engine, queue, limits, metrics, keys and TLS as gRPC
         from services.http.app import build_app
-        from services.http.server import HttpServer
-        http = HttpServer(build_app(engine, metrics=m), http_addr)
+        from services.http.server import HttpServer, Limits
+        limits = Limits(ws.http_max_connections, ws.http_header_timeout, ws.http_body_timeout, ws.http_keep_alive)
+        http = HttpServer(build_app(engine, metrics=m, api_keys=api_keys), http_addr, limits,
+                          tls={"cert": ws.tls_cert, "key": ws.tls_key, "client_ca": ws.tls_client_ca} if tls else None)
         http.start()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -122,6 +154,9 @@ def main(argv=None) -> int:
           max_context=cfg.max_context,
           api_keys=len(api_keys) or None, tls=tls is not None)
     while not stop.is_set():
+        while hups:
+            event(log, "sighup", role="worker", action="ignored (logs go to stderr: nothing to re-open)")
+            hups.pop()
         ok = engine.is_ready()
         set_health(health_servicer, ok)
         m.ready.set(1 if ok else 0)

@@ -32,6 +32,7 @@ from betelgeuse.store.arena import Arena
 from betelgeuse.store.directory import TIER_DISK, TIER_HOST, TIER_VRAM, SlotDirectory
 from betelgeuse.store.plan import SlotPlan
 from betelgeuse.store.reader import ExpertReader
+from betelgeuse.store.watch import ModelWatch
 
 log = logging.getLogger("betelgeuse.store")
 
@@ -81,6 +82,9 @@ class ExpertStore:
         self.arena = Arena.create(self.layout.total_bytes)
         self.directory = SlotDirectory(self.arena, self.layout, create=True)
         self.reader = ExpertReader(model.path, self.arena, threads=read_threads, request_bytes=read_request_bytes)
+        # the file as opened: a read that lands after the file changed is refused, and so is all work until the
+        # file is the same again (store_main checks it every second; Load checks it too)
+        self.watch = ModelWatch(model.path, model.data_offset)
         L, E = plan.n_layer, plan.n_expert
         # per (layer, expert): the three parts' file ranges, for reads into any slot
         self._parts = [[model.expert_parts(l, e) for e in range(E)] for l in range(L)]
@@ -115,6 +119,7 @@ class ExpertStore:
         worker is alive (its `lease` — the store's end of the worker's fd-socket connection — is open, or for an
         in-process client, its pid is this process), a different worker is refused with StoreBusyError."""
         lease = lease or Lease(worker_pid)
+        self._servable()
         with self.cv:
             cur = self._lease
             if self.session is not None and cur is not None and cur.alive and cur.key != lease.key:
@@ -134,6 +139,12 @@ class ExpertStore:
     def _check(self, session: str):
         if session != self.session:
             raise StoreUnavailableError("this worker session was replaced by a newer attach; attach again")
+        self._servable()
+
+    def _servable(self):
+        """Refuse work while the model file is not the one opened (see betelgeuse/store/watch.py)."""
+        if self.watch.why is not None:
+            raise StoreUnavailableError(self.watch.why)
 
     def begin_pass(self, session: str, wait: bool = True) -> int:
         """Freeze the directory for a pass. A consolidation whose reads have landed is applied first; one still
@@ -178,6 +189,7 @@ class ExpertStore:
     # ---- demand loads and read-ahead -------------------------------------------------------
     def load(self, session: str, keys: list[tuple[int, int]]) -> Iterator[Loaded]:
         """Yields each expert as its bytes land in a staging slot, in completion order."""
+        self.watch.check()                          # checked on reads: a stat and an fstat when nothing changed
         self._check(session)
         done: queue.Queue = queue.Queue()
         pending = []
@@ -217,7 +229,10 @@ class ExpertStore:
                 continue
             with self.cv:
                 if key in self._failed:
-                    raise BetelgeuseError(f"reading expert {key} from {self.model.path} failed: {self._failed.pop(key)}")
+                    why = self._failed.pop(key)
+                    if self.watch.check() is not None:
+                        raise StoreUnavailableError(self.watch.why)
+                    raise BetelgeuseError(f"reading expert {key} from {self.model.path} failed: {why}")
                 slot = self._staged.pop(key)
                 self._claimed.discard(key)
                 self._handed[slot] = key
@@ -291,18 +306,21 @@ class ExpertStore:
         return self.layout.slot.read_ranges(self._parts[key[0]][key[1]], slot_offset)
 
     def _start_read(self, key, slot: int, priority: int):
+        stamp = self.watch.stamp()
         fut = self.reader.read(self._ranges(key, self.layout.staging_slot_offset(slot)), priority=priority)
         self._inflight[key] = (slot, fut, priority)
         nbytes = sum(p.nbytes for p in self._parts[key[0]][key[1]])
 
         def landed(f, key=key, slot=slot, nbytes=nbytes):
+            # the bytes count only if the file was the checked one from before the read to after it landed
+            err = f.exception() or (None if self.watch.unchanged(stamp) else "the model file changed during the read")
             with self.cv:
                 self._inflight.pop(key, None)
-                if f.exception() is not None:
+                if err is not None:
                     self._free.append(slot)
                     self.counters.extra["read_errors"] = self.counters.extra.get("read_errors", 0) + 1
                     if key in self._waiters:
-                        self._failed[key] = str(f.exception())
+                        self._failed[key] = str(err)
                 else:
                     self._staged[key] = slot
                     self._ready_bytes[key] = nbytes
@@ -390,6 +408,7 @@ class ExpertStore:
         bytes (from a staged copy, else from disk at read-ahead priority)."""
         t0 = time.monotonic()
         reads0, copies0 = self.counters.consolidation_reads, self.counters.consolidation_copies
+        stamp = self.watch.stamp()
         futures = []
         for l, e, tier, slot in moves:
             if slot < 0 or self._host_owner[l, slot] == e:
@@ -414,6 +433,8 @@ class ExpertStore:
                 f.result()
         except Exception as e:              # noqa: BLE001 - a failed read: the placement stays as it is
             self._fill_error = f"{type(e).__name__}: {e}"
+        if self._fill_error is None and not self.watch.unchanged(stamp):
+            self._fill_error = "the model file changed during the consolidation's reads"
         # disk -> VRAM promotions without a host slot are read by the worker after the commit: stage what fits now
         self._readahead([(l, e) for l, e, tier, slot in moves if tier == TIER_VRAM and slot < 0])
         self._fill_stats = (time.monotonic() - t0, self.counters.consolidation_reads - reads0,
@@ -466,8 +487,10 @@ class ExpertStore:
             "readahead_wasted": c.readahead_wasted, "consolidation_reads": c.consolidation_reads,
             "consolidation_copies": c.consolidation_copies, "passes": c.passes, "consolidations": c.consolidations,
             "attaches": c.attaches, "consolidation_pending": self._consolidating is not None,
+            "refusing": self.watch.why,
         }
 
     def close(self):
         self.reader.close()
         self.arena.close()
+        self.watch.close()

@@ -22,7 +22,7 @@ from collections import deque
 import torch
 
 from betelgeuse import __version__
-from betelgeuse.api import GenerateRequest, ModelInfo, ServerInfo, TokenEvent
+from betelgeuse.api import MAX_STOP, GenerateRequest, ModelInfo, ServerInfo, TokenEvent
 from betelgeuse.config import EngineConfig
 from betelgeuse.errors import (BetelgeuseError, CancelledError, InternalError, InvalidRequestError, QueueFullError,
                                ShuttingDownError, StoreUnavailableError)
@@ -39,6 +39,33 @@ from betelgeuse.worker.sequence import RequestHandle, Sequence, check_alive
 
 log = logging.getLogger("betelgeuse.engine")
 MAX_CACHE_SALT_BYTES = 256             # GenerateRequest.cache_salt
+
+
+MAX_NESTING = 64                       # levels of lists / objects in chat_template_kwargs, tools, schemas
+
+
+def check_text(x, field: str) -> None:
+    """Refuse what the tokenizer and the template renderer cannot take, naming where it is: a lone surrogate
+    (JSON's "\\udc80" parses to one; it is no Unicode character and has no UTF-8), or objects nested deeper than
+    MAX_NESTING (the renderer would recurse past Python's limit). Iterative, so any depth is safe to walk."""
+    todo = [(x, field, 0)]
+    while todo:
+        v, where, depth = todo.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise InvalidRequestError(f"{where} holds a lone surrogate (U+{ord(v[e.start]):04X}) at character "
+                                          f"{e.start}: text must be valid Unicode") from None
+            continue
+        if isinstance(v, (dict, list, tuple)):
+            if depth >= MAX_NESTING:
+                raise InvalidRequestError(f"{where} is nested deeper than {MAX_NESTING} levels")
+            items = v.items() if isinstance(v, dict) else enumerate(v)
+            for k, item in items:
+                if isinstance(k, str):
+                    todo.append((k, f"{where} (a key)", depth + 1))
+                todo.append((item, f"{where}.{k}", depth + 1))
 
 
 def _text_bytes(x) -> int:
@@ -76,6 +103,7 @@ class LLMEngine:
         self.running: list[Sequence] = []
         self.cv = threading.Condition()
         self.store_ok = True
+        self.store_why = ""                          # why the store is unavailable (its last error), for refusals
         self.started = time.monotonic()
         self._stop = False
         self._store_lost: StoreUnavailableError | None = None   # set by a health probe on another thread
@@ -99,9 +127,12 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt of {len(req.prompt_ids)} tokens does not fit the context of {ctx} tokens")
         if req.prompt_text is not None:
             self.check_text_bytes(len(req.prompt_text.encode("utf-8", "surrogatepass")))
+            check_text(req.prompt_text, "prompt")
         if req.messages is not None:
             self.check_text_bytes(_text_bytes(req.messages) + _text_bytes(getattr(req, "tools", None)),
                                   "the chat messages' text")
+            for name in ("messages", "tools", "chat_template_kwargs"):
+                check_text(getattr(req, name, None), name)
         if req.prompt_ids is None:
             with self._tokenize_slots:
                 return self._check_ids(self._encode(req))
@@ -146,6 +177,11 @@ class LLMEngine:
         bad = next((t for t in req.stop_token_ids if not 0 <= t < self.runner.mcfg.n_vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"stop token id {bad} is out of range [0, {self.runner.mcfg.n_vocab})")
+        if len(req.stop) > MAX_STOP:
+            raise InvalidRequestError(f"stop has {len(req.stop)} strings, over the limit of {MAX_STOP}")
+        check_text(list(req.stop), "stop")
+        if req.grammar is not None:
+            check_text(req.grammar.value, "the output format (response_format / structured_outputs)")
         if len(req.cache_salt.encode()) > MAX_CACHE_SALT_BYTES:
             raise InvalidRequestError(f"cache_salt is {len(req.cache_salt.encode())} bytes, over the limit of "
                                       f"{MAX_CACHE_SALT_BYTES}")
@@ -155,8 +191,17 @@ class LLMEngine:
         ctx = min(self.cfg.max_context, self.runner.mcfg.context_length or self.cfg.max_context)
         if len(ids) >= ctx:
             raise InvalidRequestError(f"prompt of {len(ids)} tokens does not fit the context of {ctx} tokens")
+        if req.max_tokens is not None and len(ids) + req.max_tokens > ctx:
+            # OpenAI's (and vLLM's) answer: a 400 naming the numbers, never a silent cut at the context
+            e = InvalidRequestError(
+                f"max_tokens {req.max_tokens} does not fit the context: the prompt is {len(ids)} tokens of the "
+                f"context's {ctx}, so at most {ctx - len(ids)} new tokens (or leave max_tokens unset: until EOS or "
+                "the end of the context)")
+            e.param = "max_tokens"
+            raise e
         if not self.store_ok:
-            raise StoreUnavailableError("the expert store is unavailable; retry when health is SERVING")
+            raise StoreUnavailableError(f"the expert store is unavailable ({self.store_why or 'restarting'}); retry "
+                                        "when health is SERVING")
         stop_ids = set(req.stop_token_ids) | (set() if req.ignore_eos else set(self.tokenizer.eos_ids))
         # a chat whose rendered prompt leaves a think block open: the output starts as reasoning
         reasoning = req.messages is not None and self.dialect.opens_reasoning(
@@ -561,6 +606,7 @@ class LLMEngine:
     # ---- the store going away and coming back ------------------------------------------------------
     def _store_down(self, err: StoreUnavailableError):
         log.warning("store unavailable: %s", err)
+        self.store_why = str(err)
         self.store_ok = False
         if self.on_state:
             self.on_state(False)
@@ -590,11 +636,13 @@ class LLMEngine:
                     self.on_state(True)
             except BetelgeuseError as e:             # gone, or (briefly) still holding our old lease
                 log.debug("re-attach failed: %s", e)
+                self.store_why = str(e)
                 time.sleep(0.5)
 
     # ---- info ---------------------------------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = False, parse_special: bool = False) -> list[int]:
         self.check_text_bytes(len(text.encode("utf-8", "surrogatepass")), "the text")
+        check_text(text, "the text")
         with self._tokenize_slots:
             return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
 

@@ -5,7 +5,8 @@ that Claude-style agents (ANTHROPIC_BASE_URL) can talk to Betelgeuse.
     (input_schema) and tool_choice (auto | any | tool | none), stop_sequences, max_tokens, temperature, top_p,
     top_k, thinking (enabled | disabled -> the template's thinking switch), stream (message_start, ping,
     content_block_start / _delta / _stop, message_delta, message_stop), usage with cache_read_input_tokens from the
-    prefix cache. The x-api-key and anthropic-version headers are accepted (auth is not checked here).
+    prefix cache. The x-api-key header carries the API key where keys are configured (services/http/app.py checks it
+    for every path); anthropic-version is accepted.
 
 Refused with a 400 naming them, as Anthropic's API does with unknown input: any field this module does not know,
 and known features it cannot honour (image / document / search-result blocks, server tools such as web search,
@@ -19,36 +20,20 @@ import json
 from typing import Annotated, Any, Literal, Union
 
 import anyio
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from betelgeuse import api
 from services.http import output
-from services.http.errors import classify
+from services.http.errors import ANTHROPIC_PREFIX, anthropic_body, anthropic_type, classify
 from services.http.protocol import MAX_STOP, StructuredOutputs, UnsupportedParam, structured_grammar
 
-PREFIX = "/v1/messages"
-
-# HTTP status -> Anthropic's error type (the one place; the project-wide error table gains this column later)
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
-               429: "rate_limit_error", 499: "api_error", 500: "api_error", 503: "overloaded_error",
-               529: "overloaded_error"}
-
+PREFIX = ANTHROPIC_PREFIX
 
 ERROR_SCHEMA = {"type": "object", "required": ["type", "error"], "properties": {
     "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"], "properties": {
         "type": {"type": "string"}, "message": {"type": "string"}}}}}
-
-
-def error_body(status: int, message: str) -> dict:
-    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
-
-
-def error_response(status: int, openai_body: dict) -> JSONResponse:
-    """An OpenAI-shaped error body of the shared handlers, reshaped for /v1/messages."""
-    return JSONResponse(error_body(status, openai_body["error"]["message"]), status_code=status)
 
 
 class _Strict(BaseModel):
@@ -316,7 +301,7 @@ async def stream(front, body: MessagesRequest, req: api.GenerateRequest, handle)
         if kind == "error":
             status, err, code = classify(x)
             front.count("Messages", code)
-            yield _event("error", {"error": error_body(status, err["error"]["message"])["error"]})
+            yield _event("error", {"error": anthropic_body(anthropic_type(x), err["error"]["message"])["error"]})
             return
         if kind == "token":
             continue
@@ -352,14 +337,14 @@ async def stream(front, body: MessagesRequest, req: api.GenerateRequest, handle)
 
 def add_routes(app: FastAPI, front) -> None:
     @app.post(PREFIX, response_model=None)
-    async def messages(body: MessagesRequest):
+    async def messages(body: MessagesRequest, request: Request):
         front.check_model(body.model)
         req = to_request(body)
         if body.stream:
             handle = await anyio.to_thread.run_sync(front.submit, req)    # errors before the stream: a status
             return StreamingResponse(stream(front, body, req, handle), media_type="text/event-stream")
-        ans = await anyio.to_thread.run_sync(output.collect, front.engine, req)
-        front.count("Messages", "OK")
+        ans = await output.answer(front.engine, req, request)
+        front.count("Messages", "CANCELLED" if ans.final.finish_reason == "cancelled" else "OK")
         return full_response(body, req, ans)
 
     @app.post(PREFIX + "/count_tokens", response_model=None)

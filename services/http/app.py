@@ -24,16 +24,17 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from betelgeuse import api
-from betelgeuse.errors import BetelgeuseError
+from betelgeuse.errors import BetelgeuseError, InternalError, InvalidRequestError, NotFoundError, RequestTooLargeError
+from services.auth import ApiKeys
 from services.http import anthropic, output, responses
 from services.http import protocol as p
-from services.http.errors import STATUS_TYPES, classify, error_body
+from services.http.errors import MethodNotAllowedError, classify, error_body, error_response
 from services.http.output import events
 
 log = logging.getLogger("betelgeuse.http")
 
 MAX_BODY_BYTES = 32 * 1024 * 1024   # a request body larger than this is refused (413) before it is read or parsed
-
+OPEN_PATHS = ("/health", "/metrics")  # answered without an API key (probes, Prometheus); everything else needs one
 
 
 def _usage(u: api.Usage, n_out: int) -> dict:
@@ -103,8 +104,7 @@ class Front:
         return output.submit(self.engine, req)
 
     # ---- chat ------------------------------------------------------------------------------------------------
-    def chat_full(self, body: p.ChatCompletionRequest, req: api.GenerateRequest) -> dict:
-        ans = output.collect(self.engine, req)
+    def chat_full(self, body: p.ChatCompletionRequest, req: api.GenerateRequest, ans: output.Answer) -> dict:
         msg: dict[str, Any] = {"role": "assistant", "content": ans.content if (ans.content or not ans.calls) else None}
         if ans.reasoning:
             msg["reasoning_content"] = ans.reasoning
@@ -169,8 +169,8 @@ class Front:
             off += len(ev.text)
         return out
 
-    def completion_full(self, body: p.CompletionRequest, req: api.GenerateRequest) -> dict:
-        ans = output.collect(self.engine, req)              # a text prompt: the whole text is the answer
+    def completion_full(self, body: p.CompletionRequest, req: api.GenerateRequest, ans: output.Answer) -> dict:
+        # a text prompt: the whole text is the answer
         final = ans.final
         choice = {"index": 0, "text": ans.content,
                   "logprobs": self.legacy_logprobs(ans.tokens) if req.sampling.logprobs else None,
@@ -212,16 +212,13 @@ class Front:
         yield "data: [DONE]\n\n"
 
 
-class ModelNotFound(BetelgeuseError):
+class ModelNotFound(NotFoundError):
+    param, error_code = "model", "model_not_found"
+
     def __init__(self, name: str, served: str):
         super().__init__(f"the model {name!r} does not exist; this server serves {served!r} (GET /v1/models)")
 
 
-def _error(request: Request, body: dict, status: int, headers=None) -> JSONResponse:
-    """An error in the shape of the API the path belongs to (OpenAI's, or Anthropic's under /v1/messages)."""
-    if request.url.path.startswith(anthropic.PREFIX):
-        return anthropic.error_response(status, body)
-    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _first_param(exc: RequestValidationError) -> tuple[str | None, str]:
@@ -241,77 +238,103 @@ def _first_param(exc: RequestValidationError) -> tuple[str | None, str]:
     return param, f"{param}: {msg}" if param else msg
 
 
-def build_app(engine, metrics=None) -> FastAPI:
+class Edge:
+    """Pure ASGI middleware around the routes (inside Starlette's ServerErrorMiddleware, outside the exception
+    handlers): API keys on every path but OPEN_PATHS, the body-size limit from Content-Length (before a byte of the
+    body is read), and a bug -> one log line and a 500 in the path's shape. Catching bugs here, not in an
+    `Exception` handler, keeps ServerErrorMiddleware from re-raising them to uvicorn, which would log a second,
+    multi-line traceback for the same event."""
+
+    def __init__(self, app, front: "Front", keys: ApiKeys):
+        self.app, self.front, self.keys = app, front, keys
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        try:
+            if path not in OPEN_PATHS:
+                self.keys.check(scope["headers"])
+            n = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"content-length"), None)
+            if n is not None and (not n.isdigit() or int(n) > MAX_BODY_BYTES):
+                raise RequestTooLargeError(f"the request body is larger than {MAX_BODY_BYTES} bytes")
+        except BetelgeuseError as e:
+            self.front.count(_method(path), e.grpc_code)
+            return await error_response(path, e)(scope, receive, send)
+        started = False
+
+        async def tracked(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+        try:
+            await self.app(scope, receive, tracked)
+        except RecursionError:                       # JSON nested past the parser's limit: the body's fault
+            e = InvalidRequestError("the request body is nested too deeply")
+            self.front.count(_method(path), e.grpc_code)
+            if not started:
+                await error_response(path, e)(scope, receive, send)
+        except Exception as e:                       # noqa: BLE001 (a bug: logged once, on one line)
+            log.error("internal error in %s %s", scope.get("method"), path, exc_info=e)
+            self.front.count(_method(path), InternalError.grpc_code)
+            if not started:
+                await error_response(path, e)(scope, receive, send)
+
+
+def build_app(engine, metrics=None, api_keys: list[str] | None = None) -> FastAPI:
+    """The routes over `engine`; with `api_keys`, every path but /health and /metrics needs one of them."""
     front = Front(engine, metrics)
     app = FastAPI(title="Betelgeuse OpenAI-compatible API", version="1",
                   description="OpenAI-compatible chat/completions over the Betelgeuse engine.")
     app.state.front = front
-
-    @app.middleware("http")
-    async def _body_limit(request: Request, call_next):
-        n = request.headers.get("content-length")
-        if n is not None and (not n.isdigit() or int(n) > MAX_BODY_BYTES):
-            front.count(_method(request), "INVALID_ARGUMENT")
-            return _error(request, error_body(f"the request body is larger than {MAX_BODY_BYTES} bytes",
-                                              "invalid_request_error"), 413)
-        return await call_next(request)
+    app.add_middleware(Edge, front=front, keys=ApiKeys(api_keys))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         param, msg = _first_param(exc)
-        front.count(_method(request), "INVALID_ARGUMENT")
-        return _error(request, error_body(msg, "invalid_request_error", param), 400)
+        front.count(_method(request.url.path), "INVALID_ARGUMENT")
+        return error_response(request.url.path, p.UnsupportedParam(param, msg))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         msg = exc.detail if isinstance(exc.detail, str) else "error"
         if exc.status_code == 404:
-            msg = f"no such endpoint: {request.method} {request.url.path}"
+            e = NotFoundError(f"no such endpoint: {request.method} {request.url.path}")
         elif exc.status_code == 405:
-            msg = f"method {request.method} is not allowed on {request.url.path}"
-        return _error(request, error_body(msg, STATUS_TYPES.get(exc.status_code, "invalid_request_error")),
-                      exc.status_code, getattr(exc, "headers", None))
+            e = MethodNotAllowedError(f"method {request.method} is not allowed on {request.url.path}")
+        else:
+            e = InvalidRequestError(msg)
+            e.http_status = exc.status_code
+        r = error_response(request.url.path, e)
+        r.headers.update(getattr(exc, "headers", None) or {})
+        return r
 
-    @app.exception_handler(ModelNotFound)
-    async def _model(request: Request, exc: ModelNotFound):
-        front.count(_method(request), "NOT_FOUND")
-        return _error(request, error_body(str(exc), "invalid_request_error", "model", "model_not_found"), 404)
-
-    @app.exception_handler(BetelgeuseError)        # the user's problem: handled in ExceptionMiddleware, no re-raise
+    @app.exception_handler(BetelgeuseError)        # ours (the table says its status): no re-raise, no traceback
     async def _ours(request: Request, exc: BetelgeuseError):
-        status, body, code = classify(exc)
-        front.count(_method(request), code)
-        return _error(request, body, status)
-
-    @app.exception_handler(Exception)              # a bug: Starlette's ServerErrorMiddleware logs it once
-    async def _any(request: Request, exc: Exception):
-        status, body, code = classify(exc)
-        if status >= 500:
-            log.error("internal error in %s %s", request.method, request.url.path, exc_info=exc)
-        front.count(_method(request), code)
-        return _error(request, body, status)
+        front.count(_method(request.url.path), exc.grpc_code)
+        return error_response(request.url.path, exc)
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(body: p.ChatCompletionRequest):
+    async def chat_completions(body: p.ChatCompletionRequest, request: Request):
         front.check_model(body.model)
         req = p.chat_request(body)
         if body.stream:
             handle = await anyio.to_thread.run_sync(front.submit, req)    # errors before the stream: a status
             return StreamingResponse(front.chat_stream(body, req, handle), media_type="text/event-stream")
-        out = await anyio.to_thread.run_sync(front.chat_full, body, req)
-        front.count("ChatCompletions", "OK")
-        return out
+        ans = await output.answer(engine, req, request)
+        front.count("ChatCompletions", "CANCELLED" if ans.final.finish_reason == "cancelled" else "OK")
+        return front.chat_full(body, req, ans)
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(body: p.CompletionRequest):
+    async def completions(body: p.CompletionRequest, request: Request):
         front.check_model(body.model)
         req = p.completion_request(body)
         if body.stream:
             handle = await anyio.to_thread.run_sync(front.submit, req)
             return StreamingResponse(front.completion_stream(body, req, handle), media_type="text/event-stream")
-        out = await anyio.to_thread.run_sync(front.completion_full, body, req)
-        front.count("Completions", "OK")
-        return out
+        ans = await output.answer(engine, req, request)
+        front.count("Completions", "CANCELLED" if ans.final.finish_reason == "cancelled" else "OK")
+        return front.completion_full(body, req, ans)
 
     def model_card() -> dict:
         mi = engine.model_info()
@@ -412,7 +435,6 @@ METHODS = {"/v1/chat/completions": "ChatCompletions", "/v1/completions": "Comple
            "/v1/responses": "Responses"}
 
 
-def _method(request: Request) -> str:
+def _method(path: str) -> str:
     """A bounded label set for betelgeuse_requests_total (a fuzzer's random paths must not grow it)."""
-    path = request.url.path
     return METHODS.get(path, "Responses" if path.startswith("/v1/responses/") else "HttpOther")

@@ -3,19 +3,24 @@ model's own dialect (betelgeuse.reasoning), whole or streamed. Chat Completions,
 Responses differ only in how they spell these parts.
 
     ans = collect(engine, req)                        # the whole completion (blocking: run it on a worker thread)
+    ans = await answer(engine, req, request)          # the same from an endpoint: the client leaving cancels it
     async for kind, x in parts(engine, req, handle):  # "reasoning" | "content" (str), "tool_call" (ToolCall),
         ...                                           # "token" (TokenEvent), "final" (FinalEvent), "error" (exc)
 """
 
 from __future__ import annotations
 
+import logging
 import uuid
 from dataclasses import dataclass, field
 
 import anyio
 
 from betelgeuse import api
+from betelgeuse.errors import BetelgeuseError
 from betelgeuse.reasoning import QWEN3, OutputParser, collect as collect_items
+
+log = logging.getLogger("betelgeuse.http")
 
 
 def parses_tools(req: api.GenerateRequest) -> bool:
@@ -73,7 +78,8 @@ def collect(engine, req: api.GenerateRequest, handle=None) -> Answer:
 
 async def events(handle):
     """The handle's events, pulled on worker threads (the engine's queue blocks); an exception is yielded, not
-    raised. Leaving early (client gone) cancels the request in the engine."""
+    raised (a bug is logged here, on one line: the stream's error event only points at the log). Leaving early
+    (client gone) cancels the request in the engine."""
     it = iter(handle)
     done = object()
 
@@ -87,11 +93,37 @@ async def events(handle):
             ev = await anyio.to_thread.run_sync(nxt, abandon_on_cancel=True)
             if ev is done:
                 return
+            if isinstance(ev, BaseException) and not isinstance(ev, BetelgeuseError):
+                log.error("internal error in a streamed answer", exc_info=ev)
             yield ev
             if isinstance(ev, BaseException):
                 return
     finally:
         handle.cancel()
+
+
+async def answer(engine, req: api.GenerateRequest, request) -> Answer:
+    """The whole answer of a non-streamed HTTP request (submit and collect on worker threads). Meanwhile the
+    connection is watched: a client that leaves (ASGI http.disconnect) cancels the request in the engine at once,
+    which then stops between layers; the answer (finish_reason "cancelled") goes nowhere."""
+    handle = await anyio.to_thread.run_sync(submit, engine, req)    # errors before any work: a status
+
+    async def watch():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        handle.cancel()
+    ans = err = None
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch)
+        try:
+            ans = await anyio.to_thread.run_sync(collect, engine, req, handle)
+        except Exception as e:         # noqa: BLE001 (raised below, outside the group: not wrapped in an ExceptionGroup)
+            err = e
+        finally:
+            tg.cancel_scope.cancel()
+    if err is not None:
+        raise err
+    return ans
 
 
 async def parts(engine, req: api.GenerateRequest, handle):

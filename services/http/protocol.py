@@ -1,9 +1,13 @@
 """OpenAI request bodies (pydantic), and their conversion to api.GenerateRequest (from_openai).
 
-Field names, types and ranges follow the OpenAI API reference; vLLM's extras (top_k, min_p,
-repetition_penalty, chat_template_kwargs, stop_token_ids, ignore_eos) are accepted too. Unknown fields are
-ignored (as vLLM does: agent frameworks send user, metadata, store, ...); fields we know and cannot honour
-are refused with a 400 naming them (see UNSUPPORTED).
+Field names, types and ranges follow the OpenAI API reference (the sampling limits are the engine's own,
+betelgeuse/sampling.py, so gRPC refuses the same values); vLLM's extras (top_k, min_p, repetition_penalty,
+chat_template_kwargs, stop_token_ids, ignore_eos, cache_salt, structured_outputs and its older guided_json /
+guided_regex / guided_choice / guided_grammar spellings) are honoured too. Every other field is refused with a 400
+naming it: an unknown one ("unknown parameter: x"), and one we know and cannot honour (n > 1, logit_bias,
+min_tokens > 0, audio, prediction, web_search_options, functions, ...). OpenAI's bookkeeping fields that change
+nothing in the output (user, metadata, store, service_tier, prompt_cache_key, safety_identifier, verbosity) are
+accepted and unused.
 """
 
 from __future__ import annotations
@@ -14,17 +18,17 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from betelgeuse import api
 from betelgeuse.errors import InvalidRequestError
-
-MAX_STOP = 16
+from betelgeuse.api import MAX_STOP, MAX_TEMPERATURE, MAX_TOP_LOGPROBS
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
 
 class TextPart(_Model):
     type: Literal["text"]
     text: str
+    cache_control: dict[str, Any] | None = None     # accepted (some agent frameworks mark parts): nothing to do
 
 
 class FunctionCall(_Model):
@@ -46,6 +50,8 @@ class Message(_Model):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+    refusal: str | None = None                  # an earlier answer's fields, replayed by clients: unused
+    annotations: list[Any] | None = None
 
 
 class FunctionDef(_Model):
@@ -89,19 +95,18 @@ class StructuredOutputs(_Model):
     choice: Annotated[list[str], Field(min_length=1)] | None = None
 
 
-def structured_grammar(so: StructuredOutputs | None) -> api.Grammar | None:
+def structured_grammar(so: StructuredOutputs | None, field: str = "structured_outputs") -> api.Grammar | None:
     if so is None:
         return None
     given = [k for k in ("json_", "regex", "grammar", "choice") if getattr(so, k) is not None]
     if len(given) != 1:
-        raise UnsupportedParam("structured_outputs", "structured_outputs needs exactly one of json, regex, grammar, "
-                               "choice")
+        raise UnsupportedParam(field, f"{field} needs exactly one of json, regex, grammar, choice")
     if so.json_ is not None:
         import json
         try:
             schema = json.loads(so.json_) if isinstance(so.json_, str) else so.json_
         except ValueError:
-            raise UnsupportedParam("structured_outputs", "structured_outputs.json is not valid JSON") from None
+            raise UnsupportedParam(field, f"{field}: the JSON schema is not valid JSON") from None
         return api.Grammar("json_schema", schema)
     if so.regex is not None:
         return api.Grammar("regex", so.regex)
@@ -115,7 +120,7 @@ class StreamOptions(_Model):
     include_usage: bool = False
 
 
-Temperature = Annotated[float, Field(ge=0, le=2)]
+Temperature = Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 
 
@@ -139,25 +144,46 @@ class _Sampling(_Model):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     cache_salt: Annotated[str, Field(max_length=256)] | None = None   # vLLM's: a separate prefix cache per salt
+    min_tokens: Annotated[int, Field(ge=0)] | None = None              # vLLM's: refused unless 0
+    # vLLM's structured output: structured_outputs, and the older spellings of its four kinds
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
+    # OpenAI's bookkeeping: accepted, changes nothing in the output
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
 
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tools: list[Tool] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
-    structured_outputs: StructuredOutputs | None = None    # vLLM's extension (regex, Lark, JSON schema, choice)
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None   # none: no thinking
+    verbosity: Literal["low", "medium", "high"] | None = None       # accepted, unused
+    modalities: list[Literal["text"]] | None = None                  # text only
+    # known, and refused when given (see REFUSED)
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    functions: Any = None
+    function_call: Any = None
 
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, Annotated[list[str], Field(min_length=1, max_length=1)],
                   Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]]
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None     # legacy: the number of top alternatives
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None     # legacy: the number of top alternatives
     echo: bool = False
     suffix: str | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None
@@ -186,11 +212,37 @@ class UnsupportedParam(InvalidRequestError):
         self.param = param
 
 
+REFUSED = {"audio": "audio output is not supported (text only)",
+           "prediction": "predicted outputs are not supported",
+           "web_search_options": "web search is not supported",
+           "functions": "functions (deprecated) is not supported: send tools",
+           "function_call": "function_call (deprecated) is not supported: send tool_choice"}
+GUIDED = {"guided_json": "json_", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _grammar(r: _Sampling) -> api.Grammar | None:
+    """structured_outputs, or one of vLLM's older guided_* fields (the same four kinds); not both."""
+    guided = [k for k in GUIDED if getattr(r, k) is not None]
+    if guided and r.structured_outputs is not None:
+        raise UnsupportedParam(guided[0], f"give structured_outputs or {guided[0]}, not both")
+    if len(guided) > 1:
+        raise UnsupportedParam(guided[1], f"give one of {', '.join(guided)}, not several")
+    if guided:
+        so = StructuredOutputs.model_validate({GUIDED[guided[0]].rstrip("_"): getattr(r, guided[0])})
+        return structured_grammar(so, guided[0])
+    return structured_grammar(r.structured_outputs)
+
+
 def _common(r: _Sampling) -> dict:
+    for name, why in REFUSED.items():
+        if getattr(r, name, None) is not None:
+            raise UnsupportedParam(name, f"{name}: {why}")
     if r.n not in (None, 1):
         raise UnsupportedParam("n", "n must be 1 (one choice per request)")
     if r.logit_bias:
         raise UnsupportedParam("logit_bias", "logit_bias is not supported")
+    if r.min_tokens:
+        raise UnsupportedParam("min_tokens", "min_tokens is not supported (only 0): the answer may end at any token")
     top_k = r.top_k or 0
     return dict(
         sampling=api.SamplingParams(
@@ -212,6 +264,10 @@ def _content(m: Message) -> str:
             out.append(part.text)
         else:
             kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                extra = sorted(set(part) - set(TextPart.model_fields))
+                raise UnsupportedParam("messages", f"unknown parameter in a text content part: {', '.join(extra) or 'text'}"
+                                       if extra else "a text content part needs a string text")
             raise UnsupportedParam("messages", f"content part type {kind!r} is not supported (text only)")
     return "".join(out)
 
@@ -240,18 +296,23 @@ def chat_request(r: ChatCompletionRequest) -> api.GenerateRequest:
         if rf.json_schema is None or rf.json_schema.schema_ is None:
             raise UnsupportedParam("response_format", "response_format json_schema needs json_schema.schema")
         grammar = api.Grammar("json_schema", rf.json_schema.schema_)
-    if r.structured_outputs is not None:
+    so = _grammar(r)
+    if so is not None:
         if grammar is not None:
             raise UnsupportedParam("structured_outputs", "give response_format or structured_outputs, not both")
-        grammar = structured_grammar(r.structured_outputs)
+        grammar = so
     tc = r.tool_choice
     choice = tc.model_dump() if isinstance(tc, NamedToolChoice) else tc
     kw["sampling"].logprobs = r.logprobs or bool(r.top_logprobs)
     kw["sampling"].top_logprobs = r.top_logprobs or 0
+    template_kwargs = dict(r.chat_template_kwargs or {})
+    if r.reasoning_effort is not None:           # as Responses' reasoning.effort: "none" turns thinking off
+        template_kwargs.setdefault("enable_thinking", r.reasoning_effort != "none")
+        template_kwargs.setdefault("thinking", r.reasoning_effort != "none")
     return api.GenerateRequest(
         messages=messages, max_tokens=r.max_completion_tokens or r.max_tokens,
         tools=[t.model_dump(exclude_none=True) for t in r.tools] if r.tools else None,
-        tool_choice=choice, chat_template_kwargs=dict(r.chat_template_kwargs or {}), grammar=grammar, **kw)
+        tool_choice=choice, chat_template_kwargs=template_kwargs, grammar=grammar, **kw)
 
 
 def completion_request(r: CompletionRequest) -> api.GenerateRequest:
@@ -267,4 +328,4 @@ def completion_request(r: CompletionRequest) -> api.GenerateRequest:
     if r.logprobs is not None:
         kw["sampling"].logprobs, kw["sampling"].top_logprobs = True, r.logprobs
     return api.GenerateRequest(prompt_text=text, prompt_ids=ids, max_tokens=r.max_tokens,
-                               parse_special=r.parse_special, **kw)
+                               parse_special=r.parse_special, grammar=_grammar(r), **kw)

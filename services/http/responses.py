@@ -30,14 +30,14 @@ from collections import OrderedDict
 from typing import Annotated, Any, Literal, Union
 
 import anyio
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from betelgeuse import api
-from betelgeuse.errors import BetelgeuseError
+from betelgeuse.errors import NotFoundError
 from services.http import output
-from services.http.errors import classify, error_body
+from services.http.errors import classify
 from services.http.protocol import StructuredOutputs, UnsupportedParam, structured_grammar
 
 STORE_MAX = 256                 # responses kept for previous_response_id
@@ -152,7 +152,7 @@ class Store:
             return hit is not None
 
 
-class NotFound(BetelgeuseError):
+class NotFound(NotFoundError):
     """A stored response that is not there (HTTP 404)."""
 
     def __init__(self, message: str, param: str | None = None):
@@ -354,8 +354,7 @@ class Front:
                                for c in calls]
         self.store.put(resp["id"], conv + [m], resp)
 
-    def full(self, body: ResponsesRequest, req: api.GenerateRequest, conv: list[dict]) -> dict:
-        ans = output.collect(self.front.engine, req)
+    def full(self, body: ResponsesRequest, req: api.GenerateRequest, conv: list[dict], ans: output.Answer) -> dict:
         items = []
         if ans.reasoning:
             items.append(reasoning_item(_id("rs"), ans.reasoning))
@@ -458,26 +457,19 @@ class Front:
 
 
 def add_routes(app: FastAPI, front) -> None:
-    from fastapi import Request
-    from fastapi.responses import JSONResponse
-
     rf = Front(front)
     app.state.responses = rf
 
-    @app.exception_handler(NotFound)
-    async def _not_found(request: Request, exc: NotFound):
-        front.count("Responses", "NOT_FOUND")
-        return JSONResponse(error_body(str(exc), "invalid_request_error", exc.param), status_code=404)
-
     @app.post("/v1/responses", response_model=None)
-    async def create(body: ResponsesRequest):
+    async def create(body: ResponsesRequest, request: Request):
         front.check_model(body.model)
         req, conv = to_request(body, rf.store)
         if body.stream:
             handle = await anyio.to_thread.run_sync(front.submit, req)
             return StreamingResponse(rf.stream(body, req, conv, handle), media_type="text/event-stream")
-        out = await anyio.to_thread.run_sync(rf.full, body, req, conv)
-        front.count("Responses", "OK")
+        ans = await output.answer(front.engine, req, request)
+        out = await anyio.to_thread.run_sync(rf.full, body, req, conv, ans)
+        front.count("Responses", "CANCELLED" if ans.final.finish_reason == "cancelled" else "OK")
         return out
 
     @app.get("/v1/responses/{response_id}", response_model=None)
