@@ -1,6 +1,9 @@
 """Issue 9, items 8 and 12 with a real store + worker: optional API keys (metadata, constant-time comparison) and
 TLS on the TCP listener, both from the configuration file; and SIGTERM draining for the configured grace — new
 work refused, a short stream finishes, a long one ends with a final message (finish_reason CANCELLED), exit 0.
+Issue 25, item 1: the same keys and TLS on the HTTP API (every path but /health and /metrics, both headers, in
+each API's error shape), and the project's own clients sending them (`betelgeuse generate --server --api-key`,
+BETELGEUSE_API_KEY, `--tls-ca`; `betelgeuse chat --api-key`).
 
 The worker listens on TLS TCP and on a plain unix: socket (local, guarded by file modes); health is not
 behind the key (load balancers and systemd probes have none). The certificate is made here by `openssl`.
@@ -8,11 +11,17 @@ behind the key (load balancers and systemd probes have none). The certificate is
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import signal
+import ssl
 import subprocess
+import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
@@ -45,7 +54,8 @@ def cluster(service_model, certs, tmp_path_factory):
         "api_key_file": str(certs / "keys.txt"), "tls_cert": str(certs / "cert.pem"), "tls_key": str(certs / "key.pem"),
         "drain_grace": 3}})
     unix = f"unix:{d / 'run' / 'api.sock'}"
-    c = h.start_cluster(service_model, d / "run", cfg, extra_worker_args=["--listen", unix], health_address=unix)
+    c = h.start_cluster(service_model, d / "run", cfg, extra_worker_args=["--listen", unix], health_address=unix,
+                        http="auto")
     yield c
     c.stop()
 
@@ -84,6 +94,87 @@ def test_plaintext_is_refused_on_the_tls_port(cluster):
         with pytest.raises(grpc.RpcError) as e:
             h.health_status(ch)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def _https(cluster, certs, path: str, body=None, headers=None):
+    """(status, parsed JSON or text) of one HTTPS request to the worker's HTTP API, verified against the test CA."""
+    ctx = ssl.create_default_context(cafile=str(certs / "cert.pem"))
+    req = urllib.request.Request(f"https://{cluster.http}{path}", data=json.dumps(body).encode() if body else None,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60, context=ctx) as r:
+            status, raw = r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read().decode()
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw
+
+
+HTTP_CALLS = [("/v1/chat/completions", {"model": "service-tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}),
+              ("/v1/completions", {"model": "service-tiny", "max_tokens": 2, "prompt": "Hi"}),
+              ("/v1/messages", {"model": "service-tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}),
+              ("/v1/messages/count_tokens", {"model": "service-tiny", "messages": [{"role": "user", "content": "Hi"}]}),
+              ("/v1/responses", {"model": "service-tiny", "max_output_tokens": 2, "input": "Hi"}),
+              ("/tokenize", {"content": "Hi"}), ("/detokenize", {"tokens": [5, 6]}), ("/v1/models", None),
+              ("/v1/responses/resp_nothing", None), ("/openapi.json", None)]
+
+
+def test_http_api_needs_a_key_and_speaks_tls(cluster, certs):
+    """Issue 25 item 1. Before: with keys configured, gRPC answered UNAUTHENTICATED but every HTTP path answered 200
+    with no key or a wrong one, over plain HTTP."""
+    for path, body in HTTP_CALLS:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"x-api-key": KEY[:-1]}, {"Authorization": KEY},
+                        {"Authorization": f"Basic {KEY}"}):
+            st, got = _https(cluster, certs, path, body, headers)
+            assert st == 401, (path, headers, st, got)
+            if path.startswith("/v1/messages"):
+                assert got == {"type": "error", "error": {"type": "authentication_error", "message":
+                                                          got["error"]["message"]}}, got
+            else:
+                assert got["error"]["type"] == "authentication_error", got
+            assert "API key" in got["error"]["message"]
+        for headers in ({"Authorization": f"Bearer {KEY}"}, {"x-api-key": KEY}):
+            st, got = _https(cluster, certs, path, body, headers)
+            assert st == (404 if "resp_nothing" in path else 200), (path, headers, st, got)
+    for path in ("/health", "/metrics"):                            # open, for probes and Prometheus
+        st, _ = _https(cluster, certs, path)
+        assert st == 200, path
+    s = h.scrape(cluster.worker_metrics_url)
+    assert h.value(s, "betelgeuse_requests_total", method="ChatCompletions", code="UNAUTHENTICATED") == 5
+    with pytest.raises(Exception):                                 # plain HTTP on the TLS port: no answer
+        urllib.request.urlopen(f"http://{cluster.http}/health", timeout=10)
+
+
+def _cli(*args, env=None):
+    from services.launcher import python_env
+    return subprocess.run([sys.executable, "-m", "betelgeuse.cli", *args], capture_output=True, text=True, timeout=120,
+                          env=python_env(**(env or {})))
+
+
+def test_the_clients_send_the_key(cluster, certs):
+    """Issue 25 item 1. Before: `betelgeuse generate --api-key` was an unrecognized argument and services/client.py
+    sent no credentials, so the project's own clients could not talk to a server with keys."""
+    gen = ["generate", "--server", cluster.address, "--tls-ca", str(certs / "cert.pem"), "--token-ids", "5,6,7,8",
+           "--max-tokens", "4", "--ignore-eos"]
+    r = _cli(*gen, "--api-key", KEY)
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr
+    want = r.stdout
+    r = _cli(*gen, env={"BETELGEUSE_API_KEY": KEY})
+    assert r.returncode == 0 and r.stdout == want, r.stderr
+    r = _cli(*gen, "--api-key", "wrong")
+    assert r.returncode == 2 and "UNAUTHENTICATED" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    chat = ["chat", "--url", f"https://{cluster.http}", "--max-tokens", "2", "--temperature", "0"]
+    tls = {"SSL_CERT_FILE": str(certs / "cert.pem")}
+    from services.launcher import python_env
+    ok = subprocess.run([sys.executable, "-m", "betelgeuse.cli", *chat, "--api-key", KEY], input="Hi\n",
+                        capture_output=True, text=True, timeout=120, env=python_env(**tls))
+    assert ok.returncode == 0 and ok.stdout.strip() and "error" not in ok.stderr, ok.stderr
+    bad = subprocess.run([sys.executable, "-m", "betelgeuse.cli", *chat], input="Hi\n", capture_output=True,
+                         text=True, timeout=120, env={k: v for k, v in python_env(**tls).items()
+                                                      if k != "BETELGEUSE_API_KEY"})
+    assert bad.returncode == 2 and "HTTP 401" in bad.stderr, bad.stderr
 
 
 def test_sigterm_drains_then_cancels_cleanly(cluster, tls_channel):
