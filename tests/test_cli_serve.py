@@ -1,8 +1,11 @@
 """`betelgeuse serve`: both processes come up behind one command, answer over gRPC, are supervised (a crashed
 child is restarted and named), and go away with it — on SIGTERM (exit 0, even with a second signal during the
-shutdown) and on `kill -9` of serve itself (the children die with their parent). Issue 9, item 7."""
+shutdown) and on `kill -9` of serve itself (the children die with their parent). Issue 9, item 7. Issue 25, items
+4 and 5: SIGHUP to any of the three is never fatal, and a removed runtime directory is made again (the store,
+whose sockets went with it, restarted) instead of killing serve."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -136,5 +139,48 @@ def test_kill9_of_serve_leaves_no_orphan(tmp_path, model):
             time.sleep(0.2)
         assert not _children_of(s.run), ("the children outlived a kill -9 of serve",
                                          Path(s.run, "worker.log").read_text()[-3000:])
+    finally:
+        s.cleanup()
+
+
+def test_sighup_and_a_removed_runtime_directory_are_survived(tmp_path, model):
+    """Before: SIGHUP killed serve and both children (exit -1, the stream in flight lost); and a removed runtime
+    directory followed by a worker crash made serve die with a traceback (FileNotFoundError ... worker.log),
+    taking the store with it."""
+    s = Serve(tmp_path, model)
+    try:
+        s.wait_serving()
+        want = s.generate()
+        kids = _children_of(s.run)
+        out = {}
+
+        def stream():
+            try:
+                evs = list(generate_stream(s.address, prompt_text="Hello", max_tokens=200, ignore_eos=True, timeout=60))
+                out["final"] = evs[-1].final
+            except Exception as e:                     # noqa: BLE001 (reported below)
+                out["error"] = e
+        t = threading.Thread(target=stream)
+        t.start()
+        time.sleep(0.5)
+        for pid in (s.p.pid, kids["store"], kids["worker"]):
+            os.kill(pid, signal.SIGHUP)
+        t.join(60)
+        assert "error" not in out and len(out["final"].token_ids) == 200, out
+        assert s.p.poll() is None and _children_of(s.run) == kids, "".join(s.lines)
+        s.wait_line("SIGHUP ignored")
+        assert "sighup" in Path(s.run, "worker.log").read_text() and "sighup" in Path(s.run, "store.log").read_text()
+        # the runtime directory removed (sockets, logs, lock), then the worker killed
+        shutil.rmtree(s.run)
+        os.kill(kids["worker"], signal.SIGKILL)
+        s.wait_line("sockets in")                          # the store's sockets went with the directory: restarted
+        s.wait_line("store restarted")
+        s.wait_line("worker restarted")
+        s.wait_serving()
+        assert s.generate() == want
+        assert s.p.poll() is None and set(_children_of(s.run)) == {"store", "worker"}
+        assert not any("Traceback" in l for l in s.lines), "".join(s.lines)
+        s.p.send_signal(signal.SIGTERM)
+        assert s.p.wait(timeout=60) == 0, "".join(s.lines)
     finally:
         s.cleanup()
