@@ -12,7 +12,10 @@
 # directory mounted read-only, `--ulimit memlock=-1`, GPUs only on the worker (`--gpus all`), and a
 # 12 GiB memory limit without swap on each or, better, on a common parent cgroup (a Kubernetes pod:
 # deploy/kubernetes/). The configuration baked in below listens on 0.0.0.0 so the ports can be
-# published; mount your own at /etc/betelgeuse/betelgeuse.toml to change it.
+# published: gRPC 50051, the OpenAI-compatible HTTP API 8000 (/v1/chat/completions, /v1/messages, /v1/responses,
+# ...), /metrics 9464 (worker) and 9465 (store), WITH NO API KEY AND NO TLS: anyone who reaches a published port can
+# run the model. Mount your own /etc/betelgeuse/betelgeuse.toml with [worker] api_key_file and tls_cert / tls_key
+# (they apply to gRPC and HTTP alike; /health and /metrics stay open), or publish on a trusted network only.
 # Health: grpc.health.v1 on the worker's gRPC port (SERVING once the model is loaded); for the store
 # container pass --no-healthcheck, or set BETELGEUSE_HEALTH_TARGET=unix:/run/betelgeuse/store.sock.
 #
@@ -60,8 +63,8 @@ ENV PATH=/opt/betelgeuse/.venv/bin:$PATH \
 # numeric, so that the runtime can tell it is not root without reading /etc/passwd
 USER 10001:10001
 VOLUME ["/run/betelgeuse"]
-# gRPC, worker /metrics, store /metrics
-EXPOSE 50051 9464 9465
+# gRPC, the HTTP API, worker /metrics, store /metrics
+EXPOSE 50051 8000 9464 9465
 HEALTHCHECK --interval=30s --timeout=5s --start-period=30m --retries=3 \
     CMD ["python", "-c", "import os, sys, grpc; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; ch = grpc.insecure_channel(os.environ['BETELGEUSE_HEALTH_TARGET']); r = g.HealthStub(ch).Check(h.HealthCheckRequest(service=''), timeout=4); sys.exit(r.status != h.HealthCheckResponse.SERVING)"]
 ENTRYPOINT ["betelgeuse"]

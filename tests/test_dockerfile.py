@@ -186,3 +186,13 @@ def test_container_config_rewrite(tmp_path):
     s = load_settings(cfg)
     assert "0.0.0.0:50051" in s.worker.listen
     assert s.worker.metrics == "0.0.0.0:9464" and s.store.metrics == "0.0.0.0:9465"
+    # issue 25: every port the rewritten file opens is EXPOSEd, and the image says it has no key and no TLS
+    ports = {int(a.rsplit(":", 1)[1]) for a in [*s.worker.listen, s.worker.http, s.worker.metrics, s.store.metrics]
+             if a.startswith("0.0.0.0:")}
+    exposed = {int(p) for op, a in _instructions() if op == "EXPOSE" for p in a.split()}
+    assert ports == exposed == {50051, 8000, 9464, 9465}, (ports, exposed)
+    assert not s.worker.api_keys and not s.worker.tls_cert
+    assert "NO API KEY AND NO TLS" in DOCKERFILE.read_text()
+    readme = (ROOT / "README.md").read_text()
+    warning = readme[readme.index("The image's baked-in configuration"):][:600]
+    assert all(str(p) in warning for p in exposed), warning

@@ -142,6 +142,7 @@ def test_config_agrees_with_the_pod():
     assert [port_of(a) for a in tcp] == [ports["grpc"]] and tcp[0].startswith("0.0.0.0:")
     assert port_of(s.worker.metrics) == ports["worker-metrics"] and s.worker.metrics.startswith("0.0.0.0:")
     assert port_of(s.store.metrics) == ports["store-metrics"]
+    assert port_of(s.worker.http) == ports["http"] and s.worker.http.startswith("0.0.0.0:")    # routed by Envoy
     # probes: gRPC health on the gRPC port, HTTP on the metrics ports
     assert worker["readinessProbe"]["grpc"]["port"] == ports["grpc"]
     assert worker["startupProbe"]["grpc"]["port"] == ports["grpc"]
@@ -158,23 +159,39 @@ def test_headless_service_and_router():
     names = {p["name"] for c in pod()["spec"]["containers"] for p in c["ports"]}
     assert all(p["targetPort"] in names for p in svc_ports.values())
     envoy = yaml.safe_load(find("ConfigMap", "betelgeuse-router")["data"]["envoy.yaml"])
-    (cluster,) = envoy["static_resources"]["clusters"]
-    assert cluster["type"] == "STRICT_DNS" and cluster["lb_policy"] in ("RING_HASH", "MAGLEV")
-    sock = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
-    assert sock["address"] == svc["metadata"]["name"] and sock["port_value"] == svc_ports["grpc"]["port"]
-    assert "http2_protocol_options" in str(cluster["typed_extension_protocol_options"])   # gRPC upstream
-    assert "grpc_health_check" in cluster["health_checks"][0]
-    (listener,) = envoy["static_resources"]["listeners"]
-    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    (route,) = hcm["route_config"]["virtual_hosts"][0]["routes"]
-    assert route["route"]["cluster"] == cluster["name"]
-    assert route["route"]["hash_policy"] == [{"header": {"header_name": SESSION_HEADER}}]
-    assert route["route"]["timeout"] == "0s"                  # streams are not cut
+    clusters = {c["name"]: c for c in envoy["static_resources"]["clusters"]}
+    listeners = {l["name"]: l for l in envoy["static_resources"]["listeners"]}
+    router_ports = {p["name"]: p["port"] for p in find("Service", "betelgeuse-router")["spec"]["ports"]}
     dep = find("Deployment", "betelgeuse-router")
-    mount = dep["spec"]["template"]["spec"]["containers"][0]["volumeMounts"][0]["mountPath"]
-    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    envoy_c = dep["spec"]["template"]["spec"]["containers"][0]
+    envoy_ports = {p["name"]: p["containerPort"] for p in envoy_c["ports"]}
+    # gRPC (HTTP/2 upstream, grpc.health.v1) and, issue 25 item 9, the HTTP API (HTTP/1.1, GET /health): each a
+    # listener on its Service port, a route to its cluster hashed on the session header, upstream = the pods' port
+    for name, cname, upstream in (("grpc", "betelgeuse", "grpc"), ("http", "betelgeuse-http", "http")):
+        cluster, listener = clusters[cname], listeners[name]
+        assert cluster["type"] == "STRICT_DNS" and cluster["lb_policy"] in ("RING_HASH", "MAGLEV")
+        sock = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+        assert sock["address"] == svc["metadata"]["name"] and sock["port_value"] == svc_ports[upstream]["port"]
+        hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+        (route,) = hcm["route_config"]["virtual_hosts"][0]["routes"]
+        assert route["route"]["cluster"] == cname
+        assert route["route"]["hash_policy"] == [{"header": {"header_name": SESSION_HEADER}}]
+        assert route["route"]["timeout"] == "0s"                  # streams are not cut
+        assert listener["address"]["socket_address"]["port_value"] == router_ports[name] == envoy_ports[name]
+    assert "http2_protocol_options" in str(clusters["betelgeuse"]["typed_extension_protocol_options"])   # gRPC
+    assert "grpc_health_check" in clusters["betelgeuse"]["health_checks"][0]
+    assert clusters["betelgeuse-http"]["health_checks"][0]["http_health_check"]["path"] == "/health"
+    assert "typed_extension_protocol_options" not in clusters["betelgeuse-http"]             # HTTP/1.1 to uvicorn
+    # item 9: the admin port is not on 0.0.0.0 (nor exposed); readiness comes from a listener of its own
+    assert envoy["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+    assert envoy["admin"]["address"]["socket_address"]["port_value"] not in envoy_ports.values()
+    assert envoy_c["readinessProbe"]["httpGet"]["port"] == "ready"
+    ready = listeners["ready"]["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"][0]
+    assert ready["name"] == "envoy.filters.http.health_check"
+    assert envoy_ports["ready"] == listeners["ready"]["address"]["socket_address"]["port_value"]
+    mount = envoy_c["volumeMounts"][0]["mountPath"]
+    args = envoy_c["args"]
     assert args[args.index("--config-path") + 1] == f"{mount}/envoy.yaml"
-    assert listener["address"]["socket_address"]["port_value"] == find("Service", "betelgeuse-router")["spec"]["ports"][0]["port"]
     assert SESSION_HEADER in (ROOT / "docs" / "scaling.md").read_text()
 
 

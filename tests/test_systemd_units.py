@@ -117,6 +117,12 @@ def test_unit_semantics():
     assert one(worker, "Service", "PrivateDevices") == "no"
     assert {"char-nvidiactl rw", "char-nvidia-uvm rw"} <= set(values(worker, "Service", "DeviceAllow"))
     assert one(store, "Service", "PrivateDevices") == "yes"
+    # issue 25, item 2: descriptors sized for the HTTP connection cap (the default soft limit, 1024, is what a
+    # flood of idle connections exhausted), and the worker's own check agrees with the unit
+    from betelgeuse.settings import Settings
+    from services.worker_main import FD_RESERVE
+    assert int(one(worker, "Service", "LimitNOFILE")) >= 8 * (Settings().worker.http_max_connections + FD_RESERVE)
+    assert int(one(store, "Service", "LimitNOFILE")) >= 4096
 
 
 def test_config_paths_agree_with_units():
