@@ -149,7 +149,7 @@ def test_http_api_needs_a_key_and_speaks_tls(cluster, certs):
 
 def _cli(*args, env=None):
     from services.launcher import python_env
-    return subprocess.run([sys.executable, "-m", "betelgeuse.cli", *args], capture_output=True, text=True, timeout=120,
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True, timeout=120,
                           env=python_env(**(env or {})))
 
 
@@ -168,10 +168,10 @@ def test_the_clients_send_the_key(cluster, certs):
     chat = ["chat", "--url", f"https://{cluster.http}", "--max-tokens", "2", "--temperature", "0"]
     tls = {"SSL_CERT_FILE": str(certs / "cert.pem")}
     from services.launcher import python_env
-    ok = subprocess.run([sys.executable, "-m", "betelgeuse.cli", *chat, "--api-key", KEY], input="Hi\n",
+    ok = subprocess.run([sys.executable, "-m", "services.cli", *chat, "--api-key", KEY], input="Hi\n",
                         capture_output=True, text=True, timeout=120, env=python_env(**tls))
     assert ok.returncode == 0 and ok.stdout.strip() and "error" not in ok.stderr, ok.stderr
-    bad = subprocess.run([sys.executable, "-m", "betelgeuse.cli", *chat], input="Hi\n", capture_output=True,
+    bad = subprocess.run([sys.executable, "-m", "services.cli", *chat], input="Hi\n", capture_output=True,
                          text=True, timeout=120, env={k: v for k, v in python_env(**tls).items()
                                                       if k != "BETELGEUSE_API_KEY"})
     assert bad.returncode == 2 and "HTTP 401" in bad.stderr, bad.stderr
