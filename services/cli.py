@@ -474,7 +474,8 @@ def serve_cluster(args, model: str, runtime_dir: str):
 def cmd_serve(args) -> int:
     """Both processes for a development run, supervised until SIGTERM (exit 0) or Ctrl-C (exit 130).
 
-    A child that crashes is restarted and named; the worker is stopped first (it drains), then the store;
+    A child that crashes is restarted and named (a worker killed by a signal while starting too); SIGHUP is
+    ignored; the worker is stopped first (it drains), then the store;
     further signals during the shutdown do not interrupt it, and the children die with this process
     (PR_SET_PDEATHSIG) even if it is killed with SIGKILL. If start-up fails or the supervision gives up, the
     runtime directory with both logs is kept and named."""
@@ -483,6 +484,7 @@ def cmd_serve(args) -> int:
     import tempfile
     import threading
 
+    from services.launcher import describe_exit
     model = args.model or default_model()
     tmp = None if args.runtime_dir else tempfile.mkdtemp(prefix="betelgeuse-")
     try:
@@ -521,6 +523,14 @@ def cmd_serve(args) -> int:
                 cluster.start_worker(abort=stop.is_set)
         except KeyboardInterrupt:                # a signal while starting
             pass
+        except BetelgeuseError:
+            # a worker killed by a signal while starting (an operator's kill, the OOM killer) is restarted by the
+            # supervision below, like one killed later; one that exited on its own (a bad configuration, a model
+            # it cannot load) ends serve with its message
+            w = cluster.worker
+            if w is None or w.popen.returncode is None or w.popen.returncode >= 0 or not cluster.store.alive():
+                raise
+            say(f"betelgeuse: the worker (pid {w.pid}) {describe_exit(w.popen.returncode)} while starting")
         if not stop.is_set():
             say(f"serving {model}\n  gRPC     {cluster.listen}  (betelgeuse.v1.InferenceService, health, reflection)\n"
                 f"  metrics  http://{wm}/metrics (worker), http://{sm}/metrics (store)\n"

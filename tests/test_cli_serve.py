@@ -35,8 +35,10 @@ def _children_of(runtime_dir: str) -> dict[str, int]:
                 state = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[0]
             except OSError:
                 continue
-            if runtime_dir in cmd and "services." in cmd and state != "Z":
-                pids["store" if "store_main" in cmd else "worker"] = int(d)
+            if runtime_dir in cmd and state != "Z":       # serve's own command line names the directory too
+                for name in ("store", "worker"):
+                    if f"services.{name}_main" in cmd:
+                        pids[name] = int(d)
     return pids
 
 
@@ -180,6 +182,27 @@ def test_sighup_and_a_removed_runtime_directory_are_survived(tmp_path, model):
         assert s.generate() == want
         assert s.p.poll() is None and set(_children_of(s.run)) == {"store", "worker"}
         assert not any("Traceback" in l for l in s.lines), "".join(s.lines)
+        s.p.send_signal(signal.SIGTERM)
+        assert s.p.wait(timeout=60) == 0, "".join(s.lines)
+    finally:
+        s.cleanup()
+
+
+def test_a_worker_killed_while_starting_is_restarted(tmp_path, model):
+    """Before: a worker killed by a signal before serve itself had seen its health SERVING (the issue: right after a
+    probe of its own had) made serve exit 2 instead of restarting it."""
+    s = Serve(tmp_path, model)
+    try:
+        deadline = time.monotonic() + 60
+        while "worker" not in _children_of(s.run):
+            assert time.monotonic() < deadline and s.p.poll() is None, "".join(s.lines)
+            time.sleep(0.02)
+        pid = _children_of(s.run)["worker"]
+        os.kill(pid, signal.SIGKILL)                      # while it loads the model, long before SERVING
+        s.wait_line(f"the worker (pid {pid}) was killed by SIGKILL while starting")
+        s.wait_line("worker restarted")
+        s.wait_serving()
+        assert s.generate() and s.p.poll() is None
         s.p.send_signal(signal.SIGTERM)
         assert s.p.wait(timeout=60) == 0, "".join(s.lines)
     finally:

@@ -35,12 +35,19 @@ def test_tiny_temperature_samples_the_best_token(t):
         assert tok == int(x.argmax())
 
 
-@pytest.mark.parametrize("t,top_k,top_p", [(1e300, 0, 1.0), (1.7e308, 5, 0.5), (1e-30, 3, 1e-9), (2.0, 10 ** 9, 1.0)])
+@pytest.mark.parametrize("t,top_k,top_p", [(2.0, 0, 1.0), (2.0, 5, 0.5), (1e-30, 3, 1e-9), (2.0, 10 ** 9, 1.0)])
 def test_extreme_accepted_parameters_give_a_token(t, top_k, top_p):
     x = torch.randn(N_VOCAB, generator=torch.Generator().manual_seed(1))
     p = SamplingParams(temperature=t, top_k=top_k, top_p=top_p, seed=3)
     tok = sampling.sample(x, p, sampling.make_generator(p))
     assert 0 <= tok < N_VOCAB
+
+
+@pytest.mark.parametrize("t", [2.0000001, 9.0, 1e300, 1.7e308])
+def test_temperatures_over_the_edge_limit_are_refused(t):
+    """Issue 25: the limit is OpenAI's 2, on every edge (gRPC accepted 9 while HTTP refused it)."""
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        sampling.validate(SamplingParams(temperature=t))
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), "all -inf"])

@@ -2,6 +2,7 @@
 that fails on request, for tests/test_edge.py's walk of the error table.
 
     python tests/scripts/fault_server.py --grpc 127.0.0.1:P --http 127.0.0.1:Q [--log-format json]
+    ... --list: first print the names of the error classes the worker defines (the table to walk), one JSON line
 
 The engine reads the fault from the request's text (a prompt, the last message's content, Responses' input):
 "raise:NAME" raises the error class NAME (any BetelgeuseError subclass, or RuntimeError = a bug) when the request
@@ -23,18 +24,24 @@ from betelgeuse.logs import setup  # noqa: E402
 from betelgeuse import api  # noqa: E402
 
 
-def error_class(name: str) -> type[BaseException]:
-    import services.http.app  # noqa: F401 (its classes join the table: ModelNotFound, MethodNotAllowedError, ...)
+def worker_error_classes() -> list[type[BaseException]]:
+    """Every BetelgeuseError subclass the worker process defines (what its edges may have to report), walked here
+    rather than with betelgeuse's own helper."""
+    import services.http.app  # noqa: F401 (its classes join the table: ModelNotFound, ...)
     import services.http.responses  # noqa: F401
-    if name == "RuntimeError":
-        return RuntimeError
-    todo = [BetelgeuseError]                  # every subclass (walked here, not with betelgeuse's own helper)
+    import services.worker_main  # noqa: F401 (and everything the worker imports)
+    out, todo = [], [BetelgeuseError]
     while todo:
         c = todo.pop()
-        if c.__name__ == name:
-            return c
+        out.append(c)
         todo += c.__subclasses__()
-    raise LookupError(name)
+    return out
+
+
+def error_class(name: str) -> type[BaseException]:
+    if name == "RuntimeError":
+        return RuntimeError
+    return next(c for c in worker_error_classes() if c.__name__ == name)
 
 
 def make(name: str) -> BaseException:
@@ -102,10 +109,14 @@ class FaultEngine:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--grpc", required=True)
-    ap.add_argument("--http", required=True)
+    ap.add_argument("--grpc")
+    ap.add_argument("--http")
     ap.add_argument("--log-format", default="text")
+    ap.add_argument("--list", action="store_true", help="first print the names of the worker's error classes (JSON)")
     a = ap.parse_args()
+    if a.list:
+        import json
+        print(json.dumps([c.__name__ for c in worker_error_classes()]), flush=True)
     setup("info", a.log_format)
     from services.grpc_server import build_server, set_health
     from services.http.app import build_app
