@@ -137,8 +137,7 @@ def main(argv=None) -> int:
     if http_addr:                                 # the same engine, queue, limits, metrics, keys and TLS as gRPC
         from services.http.app import build_app
         from services.http.server import HttpServer, Limits
-        limits = Limits(ws.http_max_connections, ws.http_header_timeout, ws.http_body_timeout, ws.http_keep_alive)
-        http = HttpServer(build_app(engine, metrics=m, api_keys=api_keys), http_addr, limits,
+        http = HttpServer(build_app(engine, metrics=m, api_keys=api_keys), http_addr, Limits.of(ws),
                           tls={"cert": ws.tls_cert, "key": ws.tls_key, "client_ca": ws.tls_client_ca} if tls else None)
         http.start()
     stop = threading.Event()

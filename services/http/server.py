@@ -1,6 +1,6 @@
 """uvicorn on a thread of the worker process, bound exclusively to one HOST:PORT, with the edge's limits.
 
-    srv = HttpServer(build_app(engine, metrics), "127.0.0.1:8000", Limits()); srv.start(); ...; srv.stop()
+    srv = HttpServer(build_app(engine, metrics), "127.0.0.1:8000", Limits.of(settings.worker)); srv.start(); ...
 
 The socket is bound here (no SO_REUSEPORT, so a second server on a busy port fails at once with a line
 naming the address) and handed to uvicorn, which installs no signal handlers off the main thread.
@@ -36,10 +36,16 @@ log = logging.getLogger("betelgeuse.http")
 
 @dataclass(slots=True, frozen=True)
 class Limits:
-    max_connections: int = 256
-    header_timeout: float = 10.0        # seconds
-    body_timeout: float = 60.0          # seconds
-    keep_alive: float = 5.0             # seconds
+    max_connections: int
+    header_timeout: float               # seconds
+    body_timeout: float                 # seconds
+    keep_alive: float                   # seconds
+
+    @classmethod
+    def of(cls, worker) -> "Limits":
+        """From the [worker] settings (betelgeuse/settings.py holds the defaults)."""
+        return cls(worker.http_max_connections, worker.http_header_timeout, worker.http_body_timeout,
+                   worker.http_keep_alive)
 
 
 def bind(addr: str) -> socket.socket:
@@ -68,7 +74,7 @@ def _canned(status: int, reason: str, message: str, kind: str, extra: str = "") 
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with a connection cap and header / body deadlines (see the module doc)."""
 
-    limits = Limits()                     # set per server by HttpServer (a subclass per server)
+    limits: Limits                        # set per server by HttpServer (a subclass per server)
 
     def connection_made(self, transport):
         self._deadline = None
@@ -142,10 +148,10 @@ class GuardedH11Protocol(H11Protocol):
 
 
 class HttpServer:
-    def __init__(self, app, addr: str, limits: Limits | None = None, tls: dict | None = None):
+    def __init__(self, app, addr: str, limits: Limits, tls: dict | None = None):
         """`tls`: {"cert", "key", "client_ca"} PEM paths (the gRPC listener's); client_ca requires client certs."""
         import uvicorn
-        self.addr, self.limits = addr, limits or Limits()
+        self.addr, self.limits = addr, limits
         self.sock = bind(addr)
         self.port = self.sock.getsockname()[1]
         proto = type("GuardedH11Protocol", (GuardedH11Protocol,), {"limits": self.limits})

@@ -120,11 +120,12 @@ def main():
     setup("info", a.log_format)
     from services.grpc_server import build_server, set_health
     from services.http.app import build_app
-    from services.http.server import HttpServer
+    from betelgeuse.settings import Settings
+    from services.http.server import HttpServer, Limits
     engine = FaultEngine()
     server, health, _ = build_server(engine, [a.grpc])
     server.start()
-    http = HttpServer(build_app(engine), a.http)
+    http = HttpServer(build_app(engine), a.http, Limits.of(Settings().worker))
     http.start()
     set_health(health, True)
     stop = threading.Event()
