@@ -6,8 +6,9 @@
 Streaming is server-sent events as OpenAI sends them (`data: {chunk}` ... `data: [DONE]`). Every byte of
 text reaches the client in a delta: the text held back as a possible stop-string prefix is sent as a last
 delta before the finish chunk. Errors are OpenAI's body {"error": {"message", "type", "param", "code"}} with
-the HTTP status of the problem, never a traceback; an error after a stream started is one `data: {"error":..}`
-event followed by `data: [DONE]`.
+the HTTP status of the problem (the one table, betelgeuse/errors.py), never a traceback; an error after a stream
+started is one `data: {"error":..}` event followed by `data: [DONE]`. With [worker] api_keys every path but /health
+and /metrics needs a key (Edge, below); the connection limits are services/http/server.py's.
 """
 
 from __future__ import annotations
