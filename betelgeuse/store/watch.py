@@ -4,7 +4,7 @@
     w.check() -> None | "why the file cannot be served now"     # cheap when nothing changed: one stat, one fstat
 
 The digest is SHA-256 over the GGUF header and tensor index (the file's first `data_offset` bytes, at most
-HEADER_MAX) and SAMPLES blocks of SAMPLE_BYTES spread evenly over the tensor data (~256 KiB read in all). A check
+HEADER_MAX) and SAMPLES pages spread evenly over the tensor data (~256 KiB read in all, dropped from the page cache again). A check
 stats the path and the open descriptor; only when (size, mtime, ctime) moved since the last check is the digest
 recomputed (ctime moves on every write and cannot be set back, so an in-place overwrite is always seen, even
 one that restores the mtime). The verdict:
@@ -18,12 +18,13 @@ read the file fails with the reason (the worker reports it: UNAVAILABLE / 503).
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import threading
 
 HEADER_MAX = 64 << 20          # bytes of header hashed at most (a GGUF header with a huge vocabulary is ~10 MiB)
 SAMPLES = 64
-SAMPLE_BYTES = 4096
+SAMPLE_BYTES = mmap.PAGESIZE   # one page, page-aligned
 
 
 class ModelWatch:
@@ -51,11 +52,12 @@ class ModelWatch:
         h.update(os.pread(self.fd, min(self.data_offset, size, HEADER_MAX), 0))
         span = max(size - self.data_offset, 0)
         for i in range(SAMPLES if span else 0):
-            off = self.data_offset + span * i // SAMPLES
+            off = (self.data_offset + span * i // SAMPLES) // SAMPLE_BYTES * SAMPLE_BYTES    # whole pages
             n = min(SAMPLE_BYTES, size - off)
             h.update(os.pread(self.fd, n, off))
             # the blocks are expert bytes, which only the store's O_DIRECT reads may bring in: leave no page cached
-            os.posix_fadvise(self.fd, off, n, os.POSIX_FADV_DONTNEED)
+            # (DONTNEED drops whole pages only, hence the aligned blocks)
+            os.posix_fadvise(self.fd, off, SAMPLE_BYTES, os.POSIX_FADV_DONTNEED)
         return h.digest()
 
     def stamp(self) -> tuple[int, int, int]:
