@@ -4,10 +4,10 @@
     w.check() -> None | "why the file cannot be served now"     # cheap when nothing changed: one stat, one fstat
 
 The digest is SHA-256 over the GGUF header and tensor index (the file's first `data_offset` bytes, at most
-HEADER_MAX) and SAMPLES pages spread evenly over the tensor data (~256 KiB read in all, dropped from the page cache again). A check
-stats the path and the open descriptor; only when (size, mtime, ctime) moved since the last check is the digest
-recomputed (ctime moves on every write and cannot be set back, so an in-place overwrite is always seen, even
-one that restores the mtime). The verdict:
+HEADER_MAX) and SAMPLES pages spread evenly over the tensor data (~256 KiB read in all, dropped from the page cache
+again: expert bytes come in only by the store's O_DIRECT reads). A check stats the path and the open descriptor;
+only when (size, mtime, ctime) moved since the last check is the digest recomputed (ctime moves on every write and
+cannot be set back, so an in-place overwrite is always seen, even one that restores the mtime). The verdict:
 - the path names another file (replaced, renamed, removed): refused until it names the opened file again;
 - the opened file's size or digest differs from the one at open: refused (torn or overwritten in place);
 - size and digest equal again (the original put back in place, any mtime): served again.
