@@ -1,6 +1,7 @@
 """GGUF model files: validated reader, model config, expert byte ranges, torch dequantization."""
 
-from betelgeuse.gguf.modelconfig import SUPPORTED_ARCHS, ModelConfig
+from betelgeuse.gguf.layouts import SUPPORTED_ARCHS
+from betelgeuse.gguf.modelconfig import ModelConfig
 from betelgeuse.gguf.qtypes import SUPPORTED_QTYPES, qtype_name, row_nbytes, tensor_nbytes
 from betelgeuse.gguf.reader import ExpertPart, GGUFModelFile, TensorInfo, blk
 

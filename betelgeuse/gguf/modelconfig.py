@@ -7,8 +7,6 @@ from dataclasses import dataclass
 
 from betelgeuse.errors import ModelFormatError, UnsupportedError
 
-SUPPORTED_ARCHS = ("qwen3moe", "deepseek4")
-
 # llama.cpp's llama_expert_gating_func_type (the values written as {arch}.expert_gating_func)
 GATING_FUNCS = {0: "none", 1: "softmax", 2: "sigmoid", 3: "softmax_weight", 4: "sqrtsoftplus"}
 DS4_RATIOS = (0, 4, 128)     # per-layer compress ratio: 0 sliding window only, 4 CSA (+indexer), 128 HCA
@@ -107,31 +105,18 @@ def _get(meta: dict[str, object], key: str, kind: type, where: str, default: obj
         raise ModelFormatError(f"{where}: metadata {key!r} should be {kind.__name__}, got {v!r}") from None
 
 
-def check_arch(meta: dict[str, object], where: str) -> str:
-    """general.architecture, which must be one we run."""
-    arch = meta.get("general.architecture")
-    if not isinstance(arch, str):
-        raise ModelFormatError(f"{where}: missing metadata key 'general.architecture'")
-    if arch not in SUPPORTED_ARCHS:
-        raise UnsupportedError(f"{where}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
-    return arch
-
-
 def get_int(meta: dict[str, object], key: str, where: str, default: int | None = None) -> int:
     """An integer metadata value; ModelFormatError naming the key when missing or mistyped."""
     return _get(meta, key, int, where, default)  # type: ignore[return-value]
 
 
-def config_from_metadata(meta: dict[str, object], *, where: str, stem: str, n_vocab: int, n_expert: int,
-                         n_ff_exp: int | None) -> ModelConfig:
-    """Build the config from metadata plus the facts only tensor shapes know (`n_vocab`, `n_expert`,
-    and `n_ff_exp` when the metadata lacks it). The reader cross-checks shapes afterwards.
-    `where` (the file path) prefixes every error message; `stem` is the fallback model name."""
-    name = where
-    a = check_arch(meta, where)
-    if a == "deepseek4":
-        return _deepseek4_config(meta, where=where, stem=stem, n_vocab=n_vocab, n_expert=n_expert,
-                                 n_ff_exp=n_ff_exp)
+# An architecture's config reader (gguf/layouts.py: Layout.config) builds the config from metadata plus the facts only
+# tensor shapes know (`n_vocab`, `n_expert`, and `n_ff_exp` when the metadata lacks it); the reader cross-checks
+# shapes afterwards. `where` (the file path) prefixes every error message; `stem` is the fallback model name.
+
+def qwen3moe_config(meta: dict[str, object], *, where: str, stem: str, n_vocab: int, n_expert: int,
+                    n_ff_exp: int | None) -> ModelConfig:
+    a, name = "qwen3moe", where
     n_embd = _get(meta, f"{a}.embedding_length", int, name)
     n_head = _get(meta, f"{a}.attention.head_count", int, name)
     head_dim = _get(meta, f"{a}.attention.key_length", int, name, n_embd // n_head if n_head else 0)
@@ -183,7 +168,7 @@ def _array(meta: dict[str, object], key: str, n: int, kind: type, where: str, de
         raise ModelFormatError(f"{where}: metadata {key!r} should hold {kind.__name__}s, got {v[:4]!r}") from None
 
 
-def _deepseek4_config(meta: dict[str, object], *, where: str, stem: str, n_vocab: int, n_expert: int,
+def deepseek4_config(meta: dict[str, object], *, where: str, stem: str, n_vocab: int, n_expert: int,
                       n_ff_exp: int | None) -> ModelConfig:
     a, name = "deepseek4", where
     # block_count includes the MTP (nextn) blocks when a file carries them; the trunk is the layers before

@@ -28,15 +28,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
 from betelgeuse.errors import ModelFormatError, UnsupportedError
 from betelgeuse.gguf.header import GGUF_MAGIC, GGUFHeader, TensorEntry, parse_header
-from betelgeuse.gguf.modelconfig import ModelConfig, check_arch, config_from_metadata, get_int
+from betelgeuse.gguf.layouts import OUTPUT, OUTPUT_NORM, TOKEN_EMBD, Layout, blk, check_arch
+from betelgeuse.gguf.modelconfig import ModelConfig, get_int
 from betelgeuse.gguf.qtypes import SUPPORTED_QTYPES, block_size, qtype_name, tensor_nbytes
 
 QT_I32 = 26                    # GGMLQuantizationType.I32
-
-TOKEN_EMBD, OUTPUT_NORM, OUTPUT = "token_embd.weight", "output_norm.weight", "output.weight"
-# Per-layer tensors every qwen3moe block needs (the expert gate/up may instead be fused).
-LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
-                 "ffn_norm", "ffn_gate_inp", "ffn_down_exps")
 
 
 @dataclass(slots=True, frozen=True)
@@ -55,11 +51,6 @@ class ExpertPart:              # one matrix of one expert: a contiguous byte ran
     nbytes: int
     qtype: int
     shape: tuple[int, int]     # torch order: gate/up (n_ff, n_embd), down (n_embd, n_ff)
-
-
-def blk(layer: int, name: str) -> str:
-    """'blk.3.attn_q.weight' for (3, 'attn_q')."""
-    return f"blk.{layer}.{name}.weight"
 
 
 def _tensor_table(path: str, entries: list[TensorEntry], size: int) -> list[TensorInfo]:
@@ -134,7 +125,7 @@ class GGUFModelFile:
             raise ModelFormatError(f"{path}: cannot read: {e.strerror}") from None
         header = parse_header(mm, path)
         table = _tensor_table(path, header.tensors, size)
-        check_arch(header.metadata, path)
+        layout = check_arch(header.metadata, path)  # an unknown architecture is named before its tensors
 
         tensors: dict[str, TensorInfo] = {}
         for info in table:
@@ -149,18 +140,17 @@ class GGUFModelFile:
             assert info.nbytes == tensor_nbytes(info.qtype, info.shape)
             tensors[info.name] = info
 
-        config = cls._config(path, header.metadata, tensors)
-        cls._check_shapes(path, config, tensors)
+        config = cls._config(path, layout, header.metadata, tensors)
+        cls._check_tensors(path, layout, config, tensors)
         # read-only buffer -> read-only array; views keep the map alive after close()
         f = cls(path, np.frombuffer(mm, dtype=np.uint8), header, tensors, config)
         f._mm = mm
         return f
 
     @staticmethod
-    def _config(path: str, metadata: dict[str, object], tensors: dict[str, TensorInfo]) -> ModelConfig:
+    def _config(path: str, layout: Layout, metadata: dict[str, object], tensors: dict[str, TensorInfo]) -> ModelConfig:
         """Check every required tensor is present, then read the config (shape facts from layer 0)."""
-        arch = check_arch(metadata, path)
-        n_layer = get_int(metadata, f"{arch}.block_count", path)
+        n_layer = get_int(metadata, f"{layout.arch}.block_count", path)
 
         def need(name: str) -> TensorInfo:
             if name not in tensors:
@@ -169,10 +159,8 @@ class GGUFModelFile:
 
         embd = need(TOKEN_EMBD)
         need(OUTPUT_NORM)
-        # deepseek4's other tensors are checked against the full layout once the config is known
-        layer_tensors = ("ffn_down_exps",) if arch == "deepseek4" else LAYER_TENSORS
         for i in range(n_layer):
-            for t in layer_tensors:
+            for t in layout.required:
                 need(blk(i, t))
             if blk(i, "ffn_gate_up_exps") in tensors:
                 if blk(i, "ffn_gate_exps") in tensors or blk(i, "ffn_up_exps") in tensors:
@@ -192,52 +180,23 @@ class GGUFModelFile:
             n_ff = g.shape[1] if len(g.shape) == 3 else None
         if len(g.shape) != 3:
             raise ModelFormatError(f"{path}: tensor {g.name!r} should be 3-D (n_expert, n_ff, n_embd), got {list(g.shape)}")
-        return config_from_metadata(metadata, where=path, stem=Path(path).stem, n_vocab=embd.shape[0],
-                                    n_expert=g.shape[0], n_ff_exp=n_ff)
+        return layout.config(metadata, where=path, stem=Path(path).stem, n_vocab=embd.shape[0],
+                             n_expert=g.shape[0], n_ff_exp=n_ff)
 
     @staticmethod
-    def _check_shapes(path: str, c: ModelConfig, tensors: dict[str, TensorInfo]) -> None:
-        if c.arch == "deepseek4":
-            from betelgeuse.gguf import ds4layout
-            for name, shape in ds4layout.tensors(c):
-                if name not in tensors:
-                    raise ModelFormatError(f"{path}: required tensor {name!r} is missing")
-                got = tensors[name].shape
-                if got != shape:
-                    raise ModelFormatError(f"{path}: tensor {name!r} has shape {list(got)}, expected {list(shape)} "
-                                           f"from the metadata (torch order)")
-                want_int = name.endswith("ffn_gate_tid2eid.weight")
-                if want_int != (tensors[name].qtype == QT_I32):
-                    raise ModelFormatError(f"{path}: tensor {name!r} has type {qtype_name(tensors[name].qtype)}, "
-                                           f"expected {'I32' if want_int else 'a float type'}")
-            return
-        q, kv = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
-        want: dict[str, tuple[int, ...]] = {TOKEN_EMBD: (c.n_vocab, c.n_embd), OUTPUT_NORM: (c.n_embd,)}
-        if OUTPUT in tensors:
-            want[OUTPUT] = (c.n_vocab, c.n_embd)
-        for i in range(c.n_layer):
-            want |= {
-                blk(i, "attn_norm"): (c.n_embd,),
-                blk(i, "attn_q"): (q, c.n_embd),
-                blk(i, "attn_k"): (kv, c.n_embd),
-                blk(i, "attn_v"): (kv, c.n_embd),
-                blk(i, "attn_output"): (c.n_embd, q),
-                blk(i, "attn_q_norm"): (c.head_dim,),
-                blk(i, "attn_k_norm"): (c.head_dim,),
-                blk(i, "ffn_norm"): (c.n_embd,),
-                blk(i, "ffn_gate_inp"): (c.n_expert, c.n_embd),
-                blk(i, "ffn_down_exps"): (c.n_expert, c.n_embd, c.n_ff_exp),
-            }
-            if blk(i, "ffn_gate_up_exps") in tensors:
-                want[blk(i, "ffn_gate_up_exps")] = (c.n_expert, 2 * c.n_ff_exp, c.n_embd)
-            else:
-                want[blk(i, "ffn_gate_exps")] = (c.n_expert, c.n_ff_exp, c.n_embd)
-                want[blk(i, "ffn_up_exps")] = (c.n_expert, c.n_ff_exp, c.n_embd)
-        for name, shape in want.items():
+    def _check_tensors(path: str, layout: Layout, c: ModelConfig, tensors: dict[str, TensorInfo]) -> None:
+        """Every tensor of the architecture's layout is present, has its shape and (I32 or float) its kind of type."""
+        for name, shape in layout.tensors(c, tensors):
+            if name not in tensors:
+                raise ModelFormatError(f"{path}: required tensor {name!r} is missing")
             got = tensors[name].shape
             if got != shape:
                 raise ModelFormatError(f"{path}: tensor {name!r} has shape {list(got)}, expected {list(shape)} "
                                        f"from the metadata (torch order)")
+            want_int = layout.is_int(name)
+            if want_int != (tensors[name].qtype == QT_I32):
+                raise ModelFormatError(f"{path}: tensor {name!r} has type {qtype_name(tensors[name].qtype)}, "
+                                       f"expected {'I32' if want_int else 'a float type'}")
 
     # ---- access -----------------------------------------------------------------------------
 
