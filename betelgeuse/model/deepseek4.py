@@ -1,6 +1,6 @@
 """The DeepSeek-V4 (`deepseek4`) forward pass in torch, split into the pieces the out-of-core engine drives.
 
-Same method surface as `Qwen3MoeModel` (embed / attention_block / moe_input / route / moe_output / logits,
+The MoEModel surface of model/interface.py (embed / attention_block / moe_input / route / moe_output / logits,
 new_cache, check_ids, expert_act); `Deepseek4Reference` adds experts dequantized on demand from the file and
 runs the whole pass in-process (the oracle test compares it with transformers 5.24 `deepseek_v4`).
 
@@ -155,9 +155,14 @@ class DS4Cache:
 # ---- the model ------------------------------------------------------------------------------------
 
 class Deepseek4Model:
-    # the compressed entries are built from whole blocks of 4/128 tokens inside one pass: prefill runs as one chunk
-    # and the state is not cut into prefix-cache blocks
+    # capabilities (model/interface.py). The compressed entries are built from whole blocks of 4/128 tokens inside
+    # one pass: prefill runs as one chunk and the state is not cut into prefix-cache blocks. No graph-capturable
+    # decode form yet: the compressed entries and open windows change shape per token, so the runner decodes
+    # deepseek4 eagerly on CUDA too (and without the lanes)
     chunked_prefill = False
+    static_decode = False
+    lane_decode = False
+
     def __init__(self, cfg, dense: dict[str, torch.Tensor]):
         assert cfg.arch == "deepseek4" and cfg.ds4 is not None, cfg.arch
         self.cfg, self.p = cfg, cfg.ds4
@@ -197,11 +202,7 @@ class Deepseek4Model:
                 out[name] = f.load_tensor(name, device, torch.float32 if k in _FP32_KINDS else dtype)
         return out
 
-    # -- surface shared with Qwen3MoeModel --
-
-    # no graph-capturable decode form yet: the compressed entries and open windows change shape per token,
-    # so the runner decodes deepseek4 eagerly on CUDA too (worker/runner.py _static_decode)
-    static_decode = False
+    # -- the MoEModel surface (model/interface.py) --
 
     @property
     def expert_act(self) -> tuple[str, float | None]:

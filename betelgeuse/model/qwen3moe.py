@@ -33,9 +33,17 @@ class Qwen3MoeModel:
         self.dtype = dense.token_embd.dtype
         self.rope = NeoxRope.create(cfg.head_dim, cfg.rope_theta, self.device)
 
-    # prefill may run in position-aligned chunks (layers.pass_chunks) and resume after a cached prefix:
-    # the per-token K/V of a block depend only on the tokens up to it
+    # capabilities (model/interface.py). Prefill may run in position-aligned chunks (chunks.pass_chunks) and resume
+    # after a cached prefix: the per-token K/V of a block depend only on the tokens up to it. Decode has the static
+    # form (attention_block(static=True)), and batched decode may run qkv / attn_out over rows of several sequences
+    # (worker/lanes.py)
     chunked_prefill = True
+    static_decode = True
+    lane_decode = True
+
+    @staticmethod
+    def load_dense(f, device, dtype) -> DenseWeights:
+        return DenseWeights.load(f, device, dtype)
 
     def new_cache(self, max_len: int) -> KVCache:
         return KVCache.for_config(self.cfg, max_len, self.device, self.dtype)
@@ -85,9 +93,6 @@ class Qwen3MoeModel:
         """x [T,H], attn [T, n_head*hd] -> the residual x + wo attn [T,H]."""
         return x + F.linear(attn, self.dense.layers[layer].wo)
 
-    # batched decode may run qkv / attn_out over rows of several sequences (worker/lanes.py)
-    lane_decode = True
-
     # the routed experts' activation: (name, clamp limit); the engine's expert kernels read it
     expert_act = ("swiglu", None)
 
@@ -132,10 +137,6 @@ class Qwen3MoeReference(ReferenceExperts, Qwen3MoeModel):
                  chunk: int | None = PREFILL_CHUNK):
         Qwen3MoeModel.__init__(self, f.config, dense)
         self._init_reference(f, sub_batch, kernels, chunk)
-
-    @staticmethod
-    def load_dense(f, device, dtype) -> DenseWeights:
-        return DenseWeights.load(f, device, dtype)
 
 
 def resident_topk(probs: torch.Tensor, k: int, resident: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,8 @@
 they are needed, the whole pass in this process (no slots, no store). It is what the engine must match bit for bit
 on the same device and dtype, and what the tests compare against transformers.
 
-An architecture's reference model (Qwen3MoeReference, Deepseek4Reference) = this mixin + its model class (the engine's model interface: embed,
-attention_block, moe_input, route, moe_output, logits, expert_act) + `load_dense(file, device, dtype)`.
+An architecture's reference model (Qwen3MoeReference, Deepseek4Reference) = this mixin + its model class (the
+MoEModel surface of model/interface.py, load_dense included).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class ReferenceExperts:
         self.sub_batch = sub_batch
         # position-aligned prefill chunks, as the engine's (EngineConfig.prefill_chunk); None for architectures
         # whose prefill is one chunk
-        self.chunk = chunk if getattr(self, "chunked_prefill", False) else None
+        self.chunk = chunk if self.chunked_prefill else None
         self.kernels = kernels          # "auto": the engine's Triton expert kernels on CUDA where the type allows
         from betelgeuse.gguf.quants import dequantize
         self._dequantize = dequantize

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from betelgeuse.config import GiB, MiB, EngineConfig
 from betelgeuse.errors import BudgetError
 from betelgeuse.gguf.reader import GGUFModelFile
+from betelgeuse.model.registry import arch_of
 from betelgeuse.store.layout import ArenaLayout, SlotLayout
 
 HEADROOM = 256 * MiB            # left free in the cgroup for page tables, sockets, the unexpected
@@ -94,12 +95,13 @@ PREFIX_CACHE_AUTO_MAX = 512 * MiB
 
 def prefix_cache_bytes(cfg: EngineConfig, c, dt: int) -> int:
     """Bytes of the KV prefix cache: the configured size, or "auto" = two full contexts' KV (at most 512 MiB);
-    0 for architectures whose state is not block-cacheable (deepseek4's compressed entries)."""
-    if c.arch == "deepseek4":
+    0 for architectures whose state is not block-cacheable (model/registry.py Arch.prefix_cache)."""
+    arch = arch_of(c)
+    if not arch.prefix_cache:
         return 0
     if cfg.prefix_cache_bytes != "auto":
         return int(cfg.prefix_cache_bytes)
-    return min(PREFIX_CACHE_AUTO_MAX, 2 * cfg.max_context * c.n_layer * 2 * c.n_head_kv * c.head_dim * dt)
+    return min(PREFIX_CACHE_AUTO_MAX, 2 * arch.state_bytes(c, cfg.max_context, dt))
 
 
 def compute_dtype_bytes(cfg: EngineConfig) -> int:
@@ -111,18 +113,16 @@ def vram_fixed_bytes(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int) -> in
     """Worker VRAM outside the hot slots: dense weights, KV caches, the prefix cache, execution ring, activations,
     the CUDA context and the running sequences' decode graphs."""
     c = f.config
+    arch = arch_of(c)
     dt = compute_dtype_bytes(cfg)
-    kv = cfg.max_running * cfg.max_context * c.n_layer * 2 * c.n_head_kv * c.head_dim * dt
+    kv = cfg.max_running * arch.state_bytes(c, cfg.max_context, dt)     # every running sequence's state, full
     ring = cfg.ring_slots * slot_bytes
     deq = 2 * 3 * c.n_ff_exp * c.n_embd * dt                       # two experts' dequantized matrices in flight
     # prefill activations of the largest prefill pass (a full-context prompt, or several prompts together):
     # residual, y[T, k, H] (float32), q/k/v, last logits row
     act = cfg.prefill_pass_tokens * (c.n_embd * (4 + 4 * c.n_expert_used) + (c.n_head + 2 * c.n_head_kv) * c.head_dim * dt * 2)
     act += c.n_vocab * 4 * 4
-    if c.arch == "deepseek4":        # no per-token K/V: a window ring plus compressed entries (ds4layout)
-        from betelgeuse.gguf.ds4layout import attention_scratch_bytes, state_bytes
-        kv = cfg.max_running * state_bytes(c, cfg.max_context, dt)
-        act += attention_scratch_bytes(c, cfg.max_context)
+    act += arch.scratch_bytes(c, cfg.max_context)
     kv += prefix_cache_bytes(cfg, c, dt)
     ctx = CUDA_CONTEXT_BYTES if cfg.is_cuda else 0
     if cfg.is_cuda and cfg.cuda_graphs:

@@ -1,0 +1,89 @@
+"""The model interface: what an architecture gives the runner (worker/runner.py) and its own reference path.
+
+The runner owns the routed experts (their bytes come from slots in three tiers), so a model is not one forward();
+it is a per-layer surface that the runner drives around the experts:
+
+    x = embed(ids)                                         # ids [T] -> the residual (qwen3moe [T,H], deepseek4 [T,hc,H])
+    for layer in range(cfg.n_layer):
+        x = attention_block(layer, x, cache, positions)    # appends this layer's state of the T tokens to `cache`
+        h, aux = moe_input(layer, x)                       # h [T,H]: the router's and the experts' input
+        ids, w = route(layer, h, token_ids, resident)      # [T,k] expert ids (int64) and weights (h's dtype)
+        routed = sum_r w_r * expert_{ids_r}(h)             # the runner's (kernels/moe.py), activation expert_act
+        x = moe_output(layer, x, aux, h, routed)           # the residual after the MoE block (+ a shared expert)
+    logits(x)                                              # [T, n_vocab] float32
+
+`cache` is the model's per-sequence state (new_cache; begin/commit around a pass, truncate, nbytes). Capabilities
+are class-level flags that the runner reads (it never guesses with getattr and a default):
+
+  chunked_prefill  a token's state depends only on the tokens up to it: a prompt may be prefilled in
+                   position-aligned chunks (model/chunks.py) and resumed after a cached prefix (the prefix cache)
+  static_decode    attention_block(..., static=True) is the graph-capturable one-token form (the position in a
+                   device tensor, attention over the whole fixed-size cache): CUDA decodes in it, in graphs
+  lane_decode      the model is a LaneDecode too: batched decode runs its dense part row-batched over fixed lanes
+                   (worker/lanes.py); needs static_decode
+
+A new architecture: a model file with a class of this surface (and its reference: model/reference.py's mixin plus
+the class), its GGUF layout (gguf/layouts.py) and one line in model/registry.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class SequenceState(Protocol):
+    """A sequence's model state (KV cache, or deepseek4's window and compressed entries)."""
+    max_len: int                    # tokens it can hold
+    length: int                     # tokens every layer holds
+
+    def begin(self, n_tokens: int) -> torch.Tensor: ...      # a pass appends n_tokens -> their positions [n]
+    def commit(self) -> None: ...                            # the pass is done: length += n_tokens
+    def truncate(self, n: int) -> None: ...                  # keep the first n tokens (prefix reuse)
+    def nbytes(self) -> int: ...
+
+
+@runtime_checkable
+class MoEModel(Protocol):
+    """An architecture's forward pass without its routed experts (module doc: the per-layer surface)."""
+    chunked_prefill: ClassVar[bool]
+    static_decode: ClassVar[bool]
+    lane_decode: ClassVar[bool]
+    cfg: Any                        # gguf.modelconfig.ModelConfig
+    device: torch.device
+    dtype: torch.dtype              # the compute dtype
+    expert_act: tuple[str, float | None]   # the routed experts' activation: ("swiglu", clamp limit or None)
+
+    @classmethod
+    def load_dense(cls, f, device, dtype) -> Any: ...         # every weight but the routed experts, from a GGUFModelFile
+    def new_cache(self, max_len: int) -> SequenceState: ...
+    def check_ids(self, ids) -> torch.Tensor: ...             # token ids -> LongTensor [T] on the device, or InvalidRequestError
+    def embed(self, ids: torch.Tensor) -> torch.Tensor: ...
+    def attention_block(self, layer: int, x: torch.Tensor, cache, positions: torch.Tensor,
+                        static: bool = False) -> torch.Tensor: ...
+    def moe_input(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, Any]: ...
+    def route(self, layer: int, h: torch.Tensor, token_ids: torch.Tensor | None = None,
+              resident: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def moe_output(self, layer: int, x: torch.Tensor, aux, h: torch.Tensor, routed: torch.Tensor) -> torch.Tensor: ...
+    def logits(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class LaneDecode(Protocol):
+    """attention_block in three parts, so batched decode runs the projections over the rows of all sequences at once
+    and the attention per sequence (worker/lanes.py)."""
+    rope: Any                       # .cos_sin(positions, dtype): the tables qkv reads (the lanes keep them alive)
+
+    def qkv(self, layer: int, x: torch.Tensor, positions: torch.Tensor): ...   # x [T,H] -> q, k, v heads-first
+    def attend_static(self, layer: int, q, k, v, cache, pos: torch.Tensor) -> torch.Tensor: ...
+    def attn_out(self, layer: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor: ...
+
+
+def check_model(model) -> None:
+    """The model has the surface and its flags agree with its methods (a new architecture's mistakes, caught when
+    the runner starts rather than in the first batched decode)."""
+    assert isinstance(model, MoEModel), f"{type(model).__name__} lacks the MoEModel surface (model/interface.py)"
+    assert not model.lane_decode or (model.static_decode and isinstance(model, LaneDecode)), \
+        f"{type(model).__name__}: lane_decode needs static_decode and the LaneDecode methods"
