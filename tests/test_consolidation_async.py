@@ -128,7 +128,7 @@ def test_request_end_consolidation_does_not_wait_for_a_fill(model):
                 rn.forward([5], kv, consolidate=False)   # a decode pass keeps the store pass open
             t = time.perf_counter()
             rn.consolidate()
-            assert time.perf_counter() - t < 5 and store.consolidating and not rn._pass_open
+            assert time.perf_counter() - t < 5 and store.consolidating and not rn.session.pass_open
         done = threading.Thread(target=rn.settle)
         done.start()
         done.join(0.5)

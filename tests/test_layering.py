@@ -203,3 +203,35 @@ def test_imports_point_down_the_floors():
         if _floor(b) > _floor(a):
             up.append(f"{imp} (floor {_floor(a)} -> floor {_floor(b)})")
     assert not up, "imports that climb a floor:\n  " + "\n  ".join(up)
+
+
+# Levels inside a room, bottom to top, for the modules listed (others are not placed): the runner drives objects
+# passed in below it, none of which imports it back; the model's ground (its interface, the registry, the pass
+# chunks) imports no architecture.
+LEVELS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "worker": (
+        ("stats", "graphs", "expert_cache"),
+        ("store_session",),
+        ("moe_step", "lanes"),
+        ("decode_graphs",),
+        ("runner",),
+        ("engine",),
+    ),
+    "model": (
+        ("interface", "registry", "chunks", "layers", "kv_cache", "weights"),
+        ("reference",),
+        ("qwen3moe", "deepseek4"),
+    ),
+}
+
+
+def test_imports_point_down_inside_the_rooms():
+    up = []
+    for room, levels in LEVELS.items():
+        level = {f"betelgeuse.{room}.{m}": i for i, names in enumerate(levels) for m in names}
+        assert all(m in MODULES for m in level), sorted(set(level) - set(MODULES))
+        for imp in IMPORTS:
+            a, b = level.get(imp.src), level.get(imp.dst)
+            if a is not None and b is not None and b > a:
+                up.append(f"{imp} (level {a} -> level {b} of {room}/)")
+    assert not up, "imports that climb inside a room:\n  " + "\n  ".join(up)

@@ -3,7 +3,7 @@ and its logits are bit-identical to the same prompt computed from scratch (DESIG
 extended to the KV cache); a prompt prefilled in pieces beside running decodes gives the bits of one pass; the
 cache stays within its budget, evicts least recently used unreferenced blocks, never those of a running request.
 
-Why exact is possible: dense ops run in position-aligned chunks of `prefill_chunk` tokens (layers.pass_chunks) and
+Why exact is possible: dense ops run in position-aligned chunks of `prefill_chunk` tokens (chunks.pass_chunks) and
 the experts' rows never depend on their neighbours (torch: sub-batches inside one chunk; triton: row-invariant), so
 a token's K/V are the same bits whichever pass, and whichever request, computed them. The comparison is the same
 engine in another cache state (as the slot-configuration invariance is); the miss path itself is checked against

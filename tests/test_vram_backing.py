@@ -136,7 +136,7 @@ def test_tiers_swap_with_a_full_host_tier(model):
             usage[:, list(top)] = 1000
             usage[:, list(nxt)] = 100
             store.score[:] = 0
-            runner.close_pass(False)
+            runner.session.close_pass(False)
             store.begin_pass(runner.store.session)
             store.end_pass(runner.store.session, usage, True)
             runner.settle()

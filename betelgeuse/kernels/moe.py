@@ -83,7 +83,7 @@ class MoEKernels:
 
     # ---- per layer ------------------------------------------------------------------------------
     def route(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, chunks=None) -> Routing:
-        """chunks: the pass's position-aligned chunks (layers.pass_chunks); the torch backend keeps each
+        """chunks: the pass's position-aligned chunks (chunks.pass_chunks); the torch backend keeps each
         sub-batch inside one chunk (the triton kernels compute every row alone: nothing to keep)."""
         T, k = ids.shape
         y = torch.empty(T * k, h.shape[-1], dtype=h.dtype, device=h.device)

@@ -21,7 +21,7 @@ ExpertWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]   # gate [F,H], 
 
 
 class Rows(Protocol):
-    """Rows [a, b) of a pass: one position-aligned chunk (model.layers.Chunk)."""
+    """Rows [a, b) of a pass: one position-aligned chunk (model.chunks.Chunk)."""
     a: int
     b: int
 
@@ -60,7 +60,7 @@ class ExpertWork:
 def plan_experts(ids: torch.Tensor, chunks: Sequence[Rows] | None = None) -> dict[int, ExpertWork]:
     """ids [T,k] (top-k expert ids per token) -> {expert: ExpertWork}, keys ascending. With several pass chunks,
     each expert's rows are also split by chunk (ExpertWork.segments), so that a row's sub-batch holds only rows
-    of its own chunk: its bits then do not depend on the tokens outside that chunk (model.layers.pass_chunks).
+    of its own chunk: its bits then do not depend on the tokens outside that chunk (model.chunks.pass_chunks).
 
     The row indices stay on ids' device, so applying an expert needs no host->device copy (on CUDA a
     copy from pageable memory would synchronise the stream and serialise copies with compute); the

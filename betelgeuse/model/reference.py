@@ -16,7 +16,7 @@ import torch
 from betelgeuse.config import PREFILL_CHUNK
 from betelgeuse.errors import ModelFormatError
 from betelgeuse.kernels.torch_moe import ExpertWeights, apply_experts
-from betelgeuse.model.layers import layer_back, layer_front, pass_chunks
+from betelgeuse.model.chunks import layer_back, layer_front, pass_chunks
 
 
 class ReferenceExperts:

@@ -1,6 +1,6 @@
 """CUDA graph capture for the decode paths: the eager -> capture -> replay modes and a capture without syncs.
 
-The solo static decode (runner._decode_static) and the batched decode lanes (worker/lanes.py) run a step eagerly
+The solo static decode (worker/decode_graphs.py) and the batched decode lanes (worker/lanes.py) run a step eagerly
 first (it also warms the kernels up), capture it on the next step and replay it after: the same kernels on the
 same shapes each time, so the bits never depend on which it was (invariant 1).
 """

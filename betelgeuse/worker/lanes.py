@@ -72,7 +72,7 @@ class Lanes:
     def __init__(self, model, n_layer: int, n_lanes: int, graphs: bool):
         m = model
         self.m, self.L, self.B = m, n_layer, n_lanes
-        dev, H = m.device, m.dense.token_embd.shape[1]
+        dev, H = m.device, m.cfg.n_embd
         self.graphs_on = graphs
         self.ids = torch.zeros(n_lanes, dtype=torch.int64, device=dev)       # each lane's token this step
         self.pos = torch.zeros(n_lanes, dtype=torch.int64, device=dev)       # each lane's position this step

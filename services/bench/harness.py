@@ -200,14 +200,8 @@ class Harness:
         rn = self.runner
         if rn is None or rn.cache is None:
             return
-        if self.cuda:
-            torch.cuda.synchronize(self.dev)
-        cache, rn.cache, rn.directory = rn.cache, None, None
-        cache.close()
-        arena = cache.arena
-        del cache
-        gc.collect()
-        arena.close()
+        rn.detach()
+        gc.collect()                    # the arena's last views go: it is unmapped
         rn.store.close()
         if self.cuda:
             torch.cuda.empty_cache()

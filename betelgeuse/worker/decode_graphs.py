@@ -1,0 +1,101 @@
+"""A lone sequence's decode token in the static form, with CUDA graphs per (sequence, residency pattern).
+
+The first step of a (sequence, residency pattern) runs eagerly (it also warms up the kernels); the second captures
+the capturable runs between host-dependent layers as CUDA graphs; later steps replay them: a wholly VRAM-resident
+model decodes a token in one graph launch. A layer that is not wholly in VRAM yields to the host (MoEStep.partial)
+between two graphs. Eager and replayed steps run the same kernels on the same shapes, so the bits do not depend on
+which it was (invariant 1).
+
+The engine decodes a lone sequence through the batched lanes (worker/lanes.py) in the static form; this path is
+the runner's forward() of one token (and what the tests force on the CPU, eagerly).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from betelgeuse.worker.graphs import capture
+from betelgeuse.worker.moe_step import MoEStep
+from betelgeuse.worker.stats import LayerStats, PassStats
+
+
+class SoloDecode:
+    """The static-form decode of one attachment (its graphs read the slot pool and the pass counts)."""
+
+    def __init__(self, model, moe: MoEStep, graphs: bool, keep: int):
+        self.model, self.moe = model, moe
+        self.graphs_on = graphs
+        self.keep = keep                    # (sequence, pattern) entries kept, least recently used dropped first
+        self._graphs: OrderedDict = OrderedDict()   # (kv uid, all-VRAM pattern) -> "warm" | captured decode graphs
+
+    def _ops(self, ids, kv, pos, lstats, out: dict):
+        """One decode token as a generator: runs the capturable work and yields (layer, routing) where a
+        layer's experts need the host (a layer not wholly in VRAM); the caller does that part eagerly."""
+        m, moe = self.model, self.moe
+        x = m.embed(ids)
+        for l in range(moe.n_layer):
+            x = m.attention_block(l, x, kv, pos, static=True)
+            h, aux = m.moe_input(l, x)
+            top_ids, top_w = m.route(l, h, ids, None)
+            r = moe.route(l, h, top_ids, top_w, lstats[l])
+            if lstats[l].synced:
+                yield l, r
+            x = m.moe_output(l, x, aux, h, moe.kern.combine(r))
+        out["logits"] = m.logits(x)
+
+    def decode(self, ids, kv, snap, stats: PassStats) -> torch.Tensor:
+        """ids [1] on the device -> logits [1, n_vocab]; appends the token to kv (commits)."""
+        pos = kv.begin_static()
+        lstats = [LayerStats() for _ in range(self.moe.n_layer)]
+        key = (kv.uid, self.moe.cache.all_vram.tobytes())
+        ent = self._graphs.get(key) if self.graphs_on else None
+
+        def eager_part(item):
+            l, r = item
+            self.moe.partial(l, r, snap, stats, lstats[l], False)
+
+        out: dict = {}
+        if ent is None:
+            for item in self._ops(ids, kv, pos, lstats, out):
+                eager_part(item)
+            if self.graphs_on:
+                self._remember(key, "warm")
+            logits = out["logits"]
+        elif ent == "warm":
+            static_ids = ids.clone()
+            gen = self._ops(static_ids, kv, pos, lstats, out)
+            graphs, eager, pool = [], [], None
+            while True:
+                g, item = capture(pool, lambda: next(gen, None))      # captured, then replayed once
+                pool = g.pool()
+                graphs.append(g)
+                if item is None:
+                    break
+                eager.append(item)
+                eager_part(item)
+            self._remember(key, (graphs, eager, static_ids, out["logits"]))
+            logits = out["logits"]
+        else:
+            graphs, eager, static_ids, logits = ent
+            static_ids.copy_(ids)
+            for i, g in enumerate(graphs):
+                g.replay()
+                if i < len(eager):
+                    eager_part(eager[i])
+        kv.commit()
+        stats.layers = lstats
+        return logits.clone()
+
+    def release(self, uid):
+        """A sequence is done: its captured graphs and their memory pools go now, not when the LRU bound reaches them
+        (the slot plan counts graphs for max_running sequences)."""
+        for key in [k for k in self._graphs if k[0] == uid]:
+            del self._graphs[key]
+
+    def _remember(self, key, value):
+        self._graphs.pop(key, None)
+        self._graphs[key] = value
+        while len(self._graphs) > self.keep:
+            self._graphs.pop(next(iter(self._graphs)))

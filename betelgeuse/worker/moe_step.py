@@ -1,0 +1,217 @@
+"""One layer's routed experts over the three tiers, in the order their bytes become ready.
+
+    route      rows sorted by expert and counted on the device (kernels.moe.route; graph-capturable). A layer wholly
+               in VRAM is computed right there in one launch group, with no host sync
+    partial    otherwise ONE host sync for the per-expert row counts (the loads depend on them), then:
+                 1. demand loads for the disk experts, so the disk starts now; read-ahead of layer l+1 behind them
+                 2. the first host batch's copy into a ring bank starts, the VRAM group computes meanwhile
+                 3. host-tier experts in batches: a batch is copied into one bank while the other bank computes
+                 4. disk experts in batches as they land in staging slots (the same path as 3); a staging slot goes
+                    back to the store once its copy is done, and the layer never holds more than half the
+                    staging slots while it blocks (the store keeps reading into the rest)
+    serial     the standard schedule's baseline: each expert fetched on demand and waited for (copy, sync, compute)
+
+This is mixtral-offloading's load_experts(unordered=True) over three tiers. Expert outputs land in
+y[token * k + rank] and are reduced in rank order, and each row is computed by the same kernel whatever group it is
+in, so neither the tier an expert came from nor the order of the groups changes a bit (invariant 1).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from betelgeuse.config import EngineConfig
+from betelgeuse.kernels.moe import Group, MoEKernels
+from betelgeuse.store.directory import TIER_DISK, TIER_HOST, TIER_NAMES, TIER_VRAM
+from betelgeuse.worker.stats import LayerStats, PassClock, PassStats
+from betelgeuse.worker.store_session import StoreSession
+
+
+class MoEStep:
+    """The expert step of one attachment (its slot pool, kernels and pass counts; a re-attach makes a new one)."""
+
+    def __init__(self, cfg: EngineConfig, session: StoreSession, kern: MoEKernels, clock: PassClock):
+        self.cfg, self.session, self.kern, self.clock = cfg, session, kern, clock
+        self.cache = session.cache
+        self.counts = session.counts
+        self.n_layer = session.file.config.n_layer
+        self._masks = None                  # (directory snapshot, [n_layer, n_expert] resident mask on the device)
+
+    def resident_mask(self, snap, l: int):
+        """[n_expert] bool on the device for the approximate `resident` routing mode; None in exact mode.
+        One upload per pass (the directory is frozen for the pass), not one per layer."""
+        if self.cfg.routing != "resident":
+            return None
+        if self._masks is None or self._masks[0] is not snap:
+            self._masks = (snap, torch.from_numpy(snap["tier"] > 0).to(self.session.device))
+        return self._masks[1][l]
+
+    # ---- a layer ---------------------------------------------------------------------------------------
+    def layer(self, l, h, ids, w, snap, stats: PassStats, ls: LayerStats, readahead: bool, chunks=None) -> torch.Tensor:
+        """sum_r w_r expert_r(h) [T,H] for layer l, experts from whatever tier holds them."""
+        ev = self.clock.layer_start()
+        r = self.route(l, h, ids, w, ls, chunks)
+        if ls.synced:
+            self.partial(l, r, snap, stats, ls, readahead)
+        out = self.kern.combine(r)
+        self.clock.layer_end(ev, ls)
+        return out
+
+    def route(self, l, h, ids, w, ls: LayerStats, chunks=None):
+        """Rows sorted by expert and counted (device, no sync). A layer wholly in VRAM is computed here in one
+        group (ls.synced = False); otherwise ls.synced stays True: the caller runs partial() (host sync)."""
+        r = self.route_rows(l, h, ids, w, chunks)
+        if self.cache.all_vram[l]:
+            self.vram_layer(l, r, ls)
+        return r
+
+    def route_rows(self, l, h, ids, w, chunks=None):
+        """kernels.moe.route, its rows per expert added to the pass's counts (device only: graph-capturable)."""
+        r = self.kern.route(h, ids, w, chunks)
+        self.counts[l] += r.counts
+        return r
+
+    def experts(self, l, r, snap, stats: PassStats, ls: LayerStats):
+        """The experts of a routed layer (the batched decode lanes route in their graphs): a wholly VRAM layer in one
+        group, else the host-synced partial path; timed as a layer's MoE compute."""
+        ev = self.clock.layer_start()
+        if self.cache.all_vram[l]:
+            self.vram_layer(l, r, ls)
+        else:
+            self.partial(l, r, snap, stats, ls, False)
+        self.clock.layer_end(ev, ls)
+
+    def vram_layer(self, l, r, ls: LayerStats):
+        """A layer wholly in VRAM: all its experts in one group, no host sync (ls.synced = False)."""
+        ls.synced = False
+        self._apply(r, l, self._vram_group(l), ls)
+
+    def partial(self, l, r, snap, stats: PassStats, ls: LayerStats, readahead: bool):
+        """The experts of a layer that is not wholly VRAM-resident (module doc, steps 1-4; writes r.y)."""
+        cache = self.cache
+        counts = self.clock.wait(lambda: r.counts.cpu().numpy())     # host sync: routing decides the loads
+        used = np.nonzero(counts)[0]
+        tiers = snap["tier"][l][used]
+        by_tier = {t: used[tiers == t] for t in (TIER_VRAM, TIER_HOST, TIER_DISK)}
+        ls.vram, ls.host, ls.disk = (len(by_tier[t]) for t in (TIER_VRAM, TIER_HOST, TIER_DISK))
+        for t, n in ((TIER_VRAM, ls.vram), (TIER_HOST, ls.host), (TIER_DISK, ls.disk)):
+            stats.reads[TIER_NAMES[t]] += n
+        # 1. demand loads first, so the disk starts now; read-ahead of the next layer behind them
+        disk = [int(e) for e in by_tier[TIER_DISK]]
+        loads = self.session.load([(l, e) for e in disk]) if disk else iter(())
+        if readahead and l + 1 < self.n_layer:
+            nxt = snap["tier"][l + 1]
+            stats.prefetched += self.session.prefetch([(l + 1, int(e)) for e in np.nonzero(nxt == TIER_DISK)[0]])
+        timing = self.clock.copy_timing(ls)
+        B = cache.bank_size
+        hslots = snap["host_slot"][l]
+        host = [int(e) for e in by_tier[TIER_HOST]]
+        batches = [host[i:i + B] for i in range(0, len(host), B)]
+        # 2. the first host batch's copy starts, the VRAM group computes meanwhile, 3. host batches follow
+        staged = [self._to_bank(b, [cache.host_slot(l, int(hslots[e])) for e in b], timing) for b in batches[:1]]
+        if ls.vram:
+            self._apply(r, l, self._vram_group(l, by_tier[TIER_VRAM]), ls)
+        for i, b in enumerate(batches):
+            bank, g = staged[0] if i == 0 else self._to_bank(b, [cache.host_slot(l, int(hslots[e])) for e in b], timing)
+            self._apply(r, l, g, ls)
+            cache.bank_done(bank)
+        # 4. disk experts in batches as they land; a staging slot goes back once its copy is done
+        self._disk_groups(l, r, loads, len(disk), stats, ls, timing)
+
+    def serial(self, l, r, used, snap, stats: PassStats, ls: LayerStats):
+        """The standard schedule: the layer's used experts in ascending id, each fetched and waited for (no overlap)."""
+        cache = self.cache
+        tiers, hslots = snap["tier"][l], snap["host_slot"][l]
+        for e in used:
+            e = int(e)
+            tier = int(tiers[e])
+            stats.reads[TIER_NAMES[tier]] += 1
+            if tier == TIER_VRAM:
+                ls.vram += 1
+                g = self._group([e], [int(cache.vram_base[l, e])])
+            elif tier == TIER_HOST:
+                ls.host += 1
+                _, g = self._to_bank([e], [cache.host_slot(l, int(hslots[e]))], None)
+            else:
+                ls.disk += 1
+                tw = time.perf_counter()
+                (got,) = list(self.session.load([(l, e)]))
+                ls.disk_wait_s += time.perf_counter() - tw
+                stats.disk_bytes += got.disk_bytes
+                _, g = self._to_bank([e], [cache.staging_slot(got.slot)], None)
+                self.clock.sync()
+                self.session.release([got.slot])
+            self.clock.sync()                          # no overlap: the copy is waited for
+            tc = time.perf_counter()
+            self._apply(r, l, g, ls)
+            self.clock.sync()
+            ls.compute_ms += (time.perf_counter() - tc) * 1e3
+
+    # ---- groups, banks and staging slots ----------------------------------------------------------------
+    def _group(self, experts, offs) -> Group:
+        host, dev = self.cache.table(list(experts), list(offs))
+        return Group(np.asarray(experts, dtype=np.int64), host, dev)
+
+    def _vram_group(self, l: int, experts=None) -> Group:
+        c = self.cache
+        return Group(experts, c.vram_base[l], c.vram_base_dev[l])
+
+    def _apply(self, r, l: int, g: Group, ls: LayerStats):
+        self.kern.apply(r, l, self.cache.pool, g, self.cache.slot_bytes)
+        ls.groups += 1
+
+    def _to_bank(self, experts, srcs, timing) -> tuple[int, Group]:
+        bank, offs = self.cache.to_bank(srcs, timing)
+        return bank, self._group(experts, offs)
+
+    def _disk_groups(self, l, r, loads, n_disk, stats: PassStats, ls: LayerStats, timing):
+        cache = self.cache
+        B = cache.bank_size
+        limit = max(1, min(B, self.session.plan.n_staging // 2))   # staging slots this layer may hold at once
+        held: list[tuple[int, list[int]]] = []               # (bank, staging slots) whose copies may be in flight
+        batch = []
+
+        def flush():
+            nonlocal batch
+            if batch:
+                bank, g = self._to_bank([x.expert for x in batch], [cache.staging_slot(x.slot) for x in batch], timing)
+                self._apply(r, l, g, ls)
+                cache.bank_done(bank)
+                held.append((bank, [x.slot for x in batch]))
+                batch = []
+
+        for _ in range(n_disk):
+            if batch and len(batch) + sum(len(s) for _, s in held) >= limit:
+                flush()
+            held = self._release(held, keep=limit - 1 - len(batch))   # never hold many slots while blocking
+            tw = time.perf_counter()
+            got = next(loads)
+            dt = time.perf_counter() - tw
+            ls.disk_wait_s += dt
+            self.clock.blocked += dt
+            stats.disk_bytes += got.disk_bytes
+            batch.append(got)
+            if len(batch) == B:
+                flush()
+        flush()
+        self._release(held, keep=0)
+
+    def _release(self, held, keep: int):
+        """Release staging slots whose bank copies finished (CUDA: event query, no sync); while more than
+        `keep` slots remain held, wait for the oldest copies. Returns what is still held."""
+        if not held:
+            return held
+        if self.cache.is_cuda:
+            done = [hb for hb in held if self.cache.bank_ready_event(hb[0]).query()]
+            rest = [hb for hb in held if hb not in done]
+            while rest and sum(len(s) for _, s in rest) > max(keep, 0):
+                self.clock.wait(self.cache.bank_ready_event(rest[0][0]).synchronize)
+                done.append(rest.pop(0))
+        else:
+            done, rest = held, []             # CPU copies are synchronous
+        if done:
+            self.session.release([s for _, slots in done for s in slots])
+        return rest

@@ -1,0 +1,135 @@
+"""What a pass reports (PassStats, one LayerStats per layer) and the clock that measures it (PassClock).
+
+The host's time in a pass splits into work and waiting: `blocked` counts the waits (routing syncs, disk reads,
+bank copies, the end-of-pass sync), so host_s = seconds - blocked_s is what the Python side itself cost. Per-layer
+compute and copy times are CUDA events when the bench turns `timing` on (read once, after the pass's end sync), CPU
+wall times otherwise.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class LayerStats:
+    attn_s: float = 0.0         # attention + routing, wall (host enqueue time; the GPU may still be busy)
+    moe_s: float = 0.0          # wall from routing to the last expert group enqueued
+    disk_wait_s: float = 0.0    # blocked waiting for the store to land an expert
+    copy_ms: float = 0.0        # host->device copy time (CUDA events on the copy stream; CPU: memcpy wall)
+    compute_ms: float = 0.0     # MoE compute time of the layer (CUDA events when timing; CPU: wall)
+    copy_events: list = field(default_factory=list, repr=False)   # per bank copy: (start, end) CUDA events or CPU ms
+    vram: int = 0
+    host: int = 0
+    disk: int = 0
+    synced: bool = True         # the layer needed the host sync (not wholly VRAM-resident)
+    groups: int = 0             # expert launch groups
+
+
+@dataclass(slots=True)
+class PassStats:
+    kind: str                   # "prefill" | "decode"
+    schedule: str
+    n_tokens: int
+    seconds: float = 0.0
+    reads: dict = field(default_factory=lambda: {"vram": 0, "host": 0, "disk": 0})
+    disk_bytes: int = 0         # bytes read from disk for experts this pass used (expert payload bytes)
+    disk_wait_s: float = 0.0
+    h2d_bytes: int = 0
+    prefetched: int = 0         # experts whose disk read was issued ahead, before they were asked for
+    vram_filled: int = 0        # experts copied into VRAM hot slots at the start of the pass
+    open_s: float = 0.0         # opening the store pass: BeginPass (it waits for a pending consolidation) + VRAM fills
+    host_s: float = 0.0         # wall minus the time the host was blocked (syncs on the GPU, the disk)
+    blocked_s: float = 0.0      # host blocked: routing syncs, waits for disk reads and copies, the end sync
+    store_calls: int = 0        # round trips to the store during this pass
+    layers: list = field(default_factory=list)
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.n_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def disk_share(self) -> float:
+        n = sum(self.reads.values())
+        return self.reads["disk"] / n if n else 0.0
+
+    @property
+    def applications(self) -> int:
+        """Expert applications (one expert applied to its rows of one layer)."""
+        return sum(self.reads.values())
+
+
+class PassClock:
+    """One pass's blocked time and per-layer compute timing (begin() starts a pass, finish() fills its stats)."""
+
+    __slots__ = ("device", "is_cuda", "timing", "blocked", "_events", "_t0")
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self.timing = False             # per-layer CUDA events (the bench turns it on)
+        self.blocked = 0.0              # seconds the host waited in this pass
+        self._events: list = []         # (LayerStats, start, end) CUDA events of this pass
+        self._t0 = 0.0
+
+    def begin(self):
+        self.blocked = 0.0
+        self._events = []
+        self._t0 = time.perf_counter()
+
+    def wait(self, fn, *args):
+        """fn(*args), the time it took counted as blocked (a sync, a wait for the disk or a copy)."""
+        t = time.perf_counter()
+        out = fn(*args)
+        self.blocked += time.perf_counter() - t
+        return out
+
+    def sync(self):
+        """Wait for the device's queued work (CUDA); nothing to wait for on the CPU."""
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+
+    def copy_timing(self, ls: LayerStats) -> list | None:
+        """Where bank copies record their timing: the layer's copy_events (CPU always; CUDA when timing), or None."""
+        return ls.copy_events if self.timing or not self.is_cuda else None
+
+    # ---- the MoE compute of a layer ------------------------------------------------------------------
+    def layer_start(self):
+        if not self.timing:
+            return time.perf_counter() if not self.is_cuda else None
+        if self.is_cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def layer_end(self, ev, ls: LayerStats):
+        if ev is None:
+            return
+        if isinstance(ev, float):
+            ls.compute_ms += (time.perf_counter() - ev) * 1e3
+            return
+        ev1 = torch.cuda.Event(enable_timing=True)
+        ev1.record()
+        self._events.append((ls, ev, ev1))
+
+    def abandon(self):
+        self._events = []
+
+    def finish(self, stats: PassStats):
+        """After the pass's end sync: its wall and blocked time, the layers' compute and copy times."""
+        stats.seconds = time.perf_counter() - self._t0
+        stats.blocked_s = self.blocked
+        stats.host_s = max(0.0, stats.seconds - self.blocked)
+        for ls, ev0, ev1 in self._events:
+            ls.compute_ms += ev0.elapsed_time(ev1)
+        self._events = []
+        for ls in stats.layers:
+            if ls.copy_events and not isinstance(ls.copy_events[0], float):
+                ls.copy_ms = sum(ev0.elapsed_time(ev1) for ev0, ev1 in ls.copy_events)
+            else:
+                ls.copy_ms = sum(ls.copy_events)
+            ls.copy_events = []

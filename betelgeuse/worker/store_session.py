@@ -1,0 +1,203 @@
+"""The worker's session with the expert store: attachment, store passes and all of the worker's consolidation policy.
+
+  attach     map the store's arena (registered as pinned on CUDA), the worker's device slot pool (ExpertCache) and
+             the slot directory; a re-attach (the store restarted) drops the old mapping first
+  passes     the directory is frozen from begin_pass to end_pass. A prefill opens a store pass and closes it with
+             consolidation. Decode steps keep the store pass open across tokens (no round trip per token: usage is
+             counted on the device and sent once at the close) until the request ends or every
+             `decode_consolidate_every` decode passes, when the decode's own usage is consolidated (its working set
+             moves into the resident tiers).
+  no waits   a decode pass does not wait for a consolidation still filling its slots (the store applies it at a
+             later begin_pass; while it fills, the session reopens the store pass each token to pick it up), and
+             neither does the end-of-request consolidation: waiting for its disk reads stalled the next token or
+             the next request's first token for seconds (docs/benchmarks)
+  request    a request that decoded ends with a consolidation of its usage only when no other sequence runs: while
+             others run, their periodic decode consolidation counts its usage instead (one consolidation per request
+             end stalled the batch's next pass on its disk reads, over and over as requests came and went)
+  VRAM       at the start of a store pass the VRAM hot slots are made to match the directory's VRAM tier: copies
+             from the host backing slots, and disk reads through the store for VRAM experts without a backing copy
+
+The session also counts the expert rows of each pass on the device ([n_layer, n_expert], the routing adds into it;
+one sync at the pass's end) and the store round trips.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from betelgeuse.config import EngineConfig
+from betelgeuse.gguf.reader import GGUFModelFile
+from betelgeuse.store.client import StoreClient
+from betelgeuse.store.directory import SlotDirectory
+from betelgeuse.store.plan import SlotPlan
+from betelgeuse.worker.expert_cache import ExpertCache
+from betelgeuse.worker.stats import PassClock, PassStats
+
+
+class StoreSession:
+    def __init__(self, cfg: EngineConfig, store: StoreClient, file: GGUFModelFile, device: torch.device,
+                 dtype: torch.dtype, clock: PassClock):
+        self.cfg, self.store, self.file, self.device, self.dtype, self.clock = cfg, store, file, device, dtype, clock
+        self.cache: ExpertCache | None = None
+        self.plan: SlotPlan | None = None
+        self.directory: SlotDirectory | None = None
+        self.counts: torch.Tensor | None = None   # [n_layer, n_expert] int64 on the device: rows per expert, this pass
+        self.snap = None                          # the directory snapshot of the open store pass
+        self.pass_open = False
+        self.decode_since = 0                     # decode passes since the store pass was opened
+        self._resume_since = 0                    # carried over a close/reopen while a consolidation fills
+        self.calls = 0                            # store round trips (all time)
+        self._usage: np.ndarray | None = None     # rows per expert since the store pass opened (host)
+
+    # ---- attachment ------------------------------------------------------------------------------------
+    def attach(self):
+        """(Re)attach to the store: map its arena, register it as pinned; the VRAM slots refill on the next pass."""
+        if self.cache is not None:
+            self.cache.close()
+        arena, plan = self.store.attach()
+        self.plan = plan
+        self.cache = ExpertCache(plan, arena, self.file, self.device, self.dtype, self.cfg.ring_slots)
+        self.directory = SlotDirectory(arena, plan.layout, create=False)
+        L, E = self.file.config.n_layer, self.file.config.n_expert
+        self.counts = torch.zeros((L, E), dtype=torch.int64, device=self.device)
+        self.pass_open = False
+        self._usage = np.zeros((L, E), dtype=np.int64)
+
+    def call(self, fn, *args):
+        """One store round trip (counted)."""
+        self.calls += 1
+        return fn(*args)
+
+    def load(self, keys):
+        return self.call(self.store.load, keys)
+
+    def prefetch(self, keys) -> int:
+        return self.call(self.store.prefetch, keys)
+
+    def release(self, slots):
+        self.call(self.store.release, slots)
+
+    # ---- one pass ----------------------------------------------------------------------------------------
+    def begin(self, stats: PassStats):
+        """Open the store pass if needed (snapshot, VRAM sync), reset the per-pass tables -> the snapshot."""
+        self._open(stats)
+        self.cache.pass_begin()
+        self.counts.zero_()
+        return self.snap
+
+    def _open(self, stats: PassStats):
+        """A prefill waits for a pending consolidation (its experts are what the consolidation is placing); a decode
+        does not (module doc)."""
+        if self.pass_open:
+            return
+        t = time.perf_counter()
+        self.call(self.store.begin_pass, stats.kind != "decode")
+        self.pass_open = True
+        self.decode_since, self._resume_since = self._resume_since, 0
+        self.snap = self.directory.snapshot()
+        stats.vram_filled = self._sync_vram(self.snap, self.directory.epoch, stats)
+        stats.open_s = time.perf_counter() - t
+
+    def end_counts(self) -> np.ndarray:
+        """The pass's one end-of-pass sync: rows per expert [n_layer, n_expert] to the host (blocked time)."""
+        return self.clock.wait(lambda: self.counts.cpu().numpy())
+
+    def end(self, counts: np.ndarray, consolidate: bool):
+        """After a pass's end sync: its usage, then the store pass closed with consolidation after a prefill and every
+        `decode_consolidate_every` decode passes, or closed and reopened while a consolidation fills."""
+        self._usage += counts
+        if consolidate:
+            self.close_pass(True)
+            return
+        self.decode_since += 1
+        every = self.cfg.decode_consolidate_every
+        if every and self.decode_since >= every:
+            self.close_pass(True)                    # the decode working set moves into resident tiers
+        elif self.pass_open and self.store.consolidating:
+            # the open pass did not wait for a consolidation still filling its slots: close it (its usage counted,
+            # no new consolidation) so that the next token's BeginPass applies it once it landed
+            self._resume_since = self.decode_since      # the decode consolidation's count goes on
+            self.close_pass(False)
+
+    def abandon(self):
+        """Close the store's pass after an exception in a pass; a dead store is the caller's problem already."""
+        try:
+            self.clock.sync()
+            self.close_pass(False)
+        except Exception:                            # noqa: BLE001
+            self.pass_open = False
+
+    def close_pass(self, consolidate: bool):
+        """End the store pass (if one is open) with the usage counted since it opened."""
+        if not self.pass_open:
+            return
+        self.pass_open = False
+        usage, self._usage = self._usage, np.zeros_like(self._usage)
+        self.call(self.store.end_pass, usage, consolidate)
+
+    def _empty_pass(self, consolidate: bool, wait: bool):
+        """A store pass with no work: begin_pass applies a pending consolidation (wait: also one still filling);
+        end_pass may plan a new one."""
+        self.call(self.store.begin_pass, wait)
+        self.call(self.store.end_pass, np.zeros_like(self._usage), consolidate)
+
+    # ---- consolidation -------------------------------------------------------------------------------
+    def consolidate(self):
+        """Consolidate now, with the decode usage of the open pass if any; never waits for one still filling (its
+        usage then goes into the next)."""
+        if self.pass_open:
+            self.close_pass(True)
+        else:
+            self._empty_pass(True, wait=False)
+
+    def request_done(self, others_running: bool, decoded: bool = True):
+        """A request ended. decoded: it ended normally after decode passes (a cancelled or failed request, or one whose
+        only token came from its prefill, has nothing of its own left to consolidate: its prefill did). Its
+        working set is consolidated only when no other sequence runs (module doc)."""
+        if decoded and not others_running:
+            self.consolidate()
+
+    def settle(self):
+        """Wait until a pending consolidation is applied (begin_pass waits for it)."""
+        self.close_pass(False)
+        self._empty_pass(False, wait=True)
+
+    # ---- VRAM hot slots --------------------------------------------------------------------------------
+    def _sync_vram(self, snap, epoch, stats: PassStats) -> int:
+        """VRAM hot slots = the directory's VRAM tier: copies from host backing slots, and disk reads through the
+        store for VRAM experts that have no backing copy (vram_backing = false). Returns experts filled."""
+        cache = self.cache
+        copied, missing = cache.sync_vram(snap, epoch)
+        self.clock.blocked += cache.fill_wait_s
+        if missing:
+            # after a consolidation without backing copies, often hundreds: the reads run in parallel in the store,
+            # each landed expert is copied at once, and the staging slots go back a batch at a time, after one
+            # sync for the batch's copies (not one sync and one store round trip per expert)
+            where = {(l, e): j for l, e, j in missing}
+            limit = max(1, self.plan.n_staging // 2)   # staging slots held at once: the store keeps reading
+            held: list[int] = []
+            t = time.perf_counter()
+            for got in self.load(list(where)):
+                cache.fill_vram(got.layer, got.expert, where[(got.layer, got.expert)], cache.staging_slot(got.slot), snap)
+                stats.disk_bytes += got.disk_bytes
+                stats.reads["disk"] += 1
+                held.append(got.slot)
+                if len(held) >= limit:
+                    self.clock.sync()                  # the copies are done before their staging slots go back
+                    self.release(held)
+                    held = []
+            self.clock.sync()
+            if held:
+                self.release(held)
+            cache.fill_done()
+            stats.disk_wait_s += time.perf_counter() - t
+        return copied + len(missing)
+
+    def close(self):
+        """Close the device slot pool and drop every view of the arena (directory, snapshot)."""
+        if self.cache is not None:
+            self.cache.close()
+        self.cache = self.directory = self.snap = None
