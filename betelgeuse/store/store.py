@@ -31,6 +31,7 @@ from betelgeuse.logs import event
 from betelgeuse.store.arena import Arena
 from betelgeuse.store.directory import TIER_DISK, TIER_HOST, TIER_VRAM, SlotDirectory
 from betelgeuse.store.plan import SlotPlan
+from betelgeuse.store.residency import plan_moves
 from betelgeuse.store.reader import ExpertReader
 from betelgeuse.store.watch import ModelWatch
 
@@ -177,7 +178,8 @@ class ExpertStore:
                 return 0                   # a consolidation still in flight: this usage waits for the next one
             self.score = 0.5 * self.score + self._usage
             self._usage[:] = 0
-            moves = self._plan_consolidation()
+            tiers = self.directory.snapshot()["tier"].astype(np.int64)
+            moves = plan_moves(self.score, tiers, self._host_owner, self.plan)
             if moves:
                 self._vacate(moves)
         if moves:
@@ -330,64 +332,6 @@ class ExpertStore:
         fut.add_done_callback(landed)
 
     # ---- consolidation ---------------------------------------------------------------------
-    def _plan_consolidation(self) -> list[tuple[int, int, int, int]]:
-        """(layer, expert, tier, host_slot) moves so the top n_vram experts by score are VRAM-tier and the
-        next n_host host-tier. Experts never used keep their place; physical placement only."""
-        p = self.plan
-        moves = []
-        for l in range(p.n_layer):
-            cur_tier = np.array([self.directory.lookup(l, e)[0] for e in range(p.n_expert)])
-            # rank: score desc, currently resident first, expert id asc (stable and deterministic)
-            order = sorted(range(p.n_expert), key=lambda e: (-self.score[l, e], -int(cur_tier[e] > 0), e))
-            want = {}
-            for rank, e in enumerate(order[: p.n_vram + p.n_host]):
-                if self.score[l, e] <= 0 and cur_tier[e] == TIER_DISK:
-                    continue
-                want[e] = TIER_VRAM if rank < p.n_vram else TIER_HOST
-            owner = self._host_owner[l]
-
-            def needs_slot(e):       # host tier, or a VRAM expert with a backing copy
-                return e in want and (want[e] == TIER_HOST or p.vram_backing)
-
-            # promoted to VRAM without backing: keeps its host slot for one round, so the worker copies it from RAM,
-            # not disk; but only while the host tier's own experts still get slots (experts demoted from VRAM need
-            # new ones): the lowest-ranked transits give theirs up first (the worker then reads those from disk)
-            transit = [e for e in want if not p.vram_backing and want[e] == TIER_VRAM
-                       and cur_tier[e] != TIER_VRAM and (owner == e).any()]
-            need = sum(1 for e in want if needs_slot(e) and not (owner == e).any())
-            n_free = sum(1 for e in owner if e < 0 or (not needs_slot(int(e)) and int(e) not in transit))
-            transit = set(transit[:max(0, len(transit) - max(0, need - n_free))])
-
-            def in_transit(e):
-                return e in transit
-            leaving = [i for i, e in enumerate(owner) if e >= 0 and not needs_slot(int(e)) and not in_transit(int(e))]
-            free = [i for i, e in enumerate(owner) if e < 0] + leaving
-            for i in leaving:
-                if int(owner[i]) not in want:
-                    moves.append((l, int(owner[i]), TIER_DISK, -1))
-            for e in np.nonzero(cur_tier == TIER_VRAM)[0]:   # VRAM without a host slot, no longer wanted
-                if int(e) not in want and not (owner == e).any():
-                    moves.append((l, int(e), TIER_DISK, -1))
-            to_vram = []                               # disk-tier experts promoted to VRAM without backing
-            for e, tier in want.items():
-                held = np.nonzero(owner == e)[0]
-                if in_transit(e):                      # VRAM now, its host slot freed at the next consolidation
-                    moves.append((l, e, tier, int(held[0])))
-                elif not needs_slot(e) and cur_tier[e] == TIER_DISK and not held.size:
-                    to_vram.append(e)
-                elif not needs_slot(e):                # VRAM without a backing copy (the worker holds the bytes)
-                    if cur_tier[e] != tier or held.size:
-                        moves.append((l, e, tier, -1))
-                elif not held.size:
-                    moves.append((l, e, tier, free.pop(0)))
-                elif cur_tier[e] != tier:
-                    moves.append((l, e, tier, int(held[0])))
-            # host slots nobody else needs carry disk -> VRAM promotions for one round (filled from the staged copy
-            # when there is one), so the worker fills its VRAM slot from RAM instead of reading the disk again
-            for e in to_vram:
-                moves.append((l, e, TIER_VRAM, free.pop(0) if free else -1))
-        return moves
-
     def _vacate(self, moves):
         """Consolidation, step 1 (between passes, under cv): every host slot about to change hands leaves its
         current owner in the directory now (host tier -> disk; a VRAM expert keeps its VRAM place without the

@@ -1,0 +1,75 @@
+"""The residency policy: which experts the resident tiers should hold, as moves from the current placement.
+
+A pure function of arrays (no threads, no arena): the store (store/store.py) calls it under its lock when a pass
+ends with consolidation, then vacates, fills and commits the moves (invariant 5: the directory changes only between
+passes). Rank per layer: decayed usage score descending, currently resident first, expert id ascending (stable and
+deterministic); the top n_vram go to VRAM, the next n_host to the host tier. Experts never used keep their place:
+this is physical placement only, it never changes a result (invariant 1).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from betelgeuse.store.directory import TIER_DISK, TIER_HOST, TIER_VRAM
+from betelgeuse.store.plan import SlotPlan
+
+Move = tuple[int, int, int, int]        # (layer, expert, new tier, host slot or -1)
+
+
+def plan_moves(score: np.ndarray, tiers: np.ndarray, host_owner: np.ndarray, plan: SlotPlan) -> list[Move]:
+    """score [n_layer, n_expert] float (decayed usage), tiers [n_layer, n_expert] (the directory's current TIER_*),
+    host_owner [n_layer, host_per_layer] (the expert in each host slot, -1 free) -> the moves that place the top
+    n_vram experts of each layer in VRAM and the next n_host in host slots."""
+    p = plan
+    moves: list[Move] = []
+    for l in range(p.n_layer):
+        cur_tier = tiers[l]
+        # rank: score desc, currently resident first, expert id asc (stable and deterministic)
+        order = sorted(range(p.n_expert), key=lambda e: (-score[l, e], -int(cur_tier[e] > 0), e))
+        want = {}
+        for rank, e in enumerate(order[: p.n_vram + p.n_host]):
+            if score[l, e] <= 0 and cur_tier[e] == TIER_DISK:
+                continue
+            want[e] = TIER_VRAM if rank < p.n_vram else TIER_HOST
+        owner = host_owner[l]
+
+        def needs_slot(e):       # host tier, or a VRAM expert with a backing copy
+            return e in want and (want[e] == TIER_HOST or p.vram_backing)
+
+        # promoted to VRAM without backing: keeps its host slot for one round, so the worker copies it from RAM,
+        # not disk; but only while the host tier's own experts still get slots (experts demoted from VRAM need
+        # new ones): the lowest-ranked transits give theirs up first (the worker then reads those from disk)
+        transit = [e for e in want if not p.vram_backing and want[e] == TIER_VRAM
+                   and cur_tier[e] != TIER_VRAM and (owner == e).any()]
+        need = sum(1 for e in want if needs_slot(e) and not (owner == e).any())
+        n_free = sum(1 for e in owner if e < 0 or (not needs_slot(int(e)) and int(e) not in transit))
+        transit = set(transit[:max(0, len(transit) - max(0, need - n_free))])
+
+        leaving = [i for i, e in enumerate(owner) if e >= 0 and not needs_slot(int(e)) and int(e) not in transit]
+        free = [i for i, e in enumerate(owner) if e < 0] + leaving
+        for i in leaving:
+            if int(owner[i]) not in want:
+                moves.append((l, int(owner[i]), TIER_DISK, -1))
+        for e in np.nonzero(cur_tier == TIER_VRAM)[0]:   # VRAM without a host slot, no longer wanted
+            if int(e) not in want and not (owner == e).any():
+                moves.append((l, int(e), TIER_DISK, -1))
+        to_vram = []                               # disk-tier experts promoted to VRAM without backing
+        for e, tier in want.items():
+            held = np.nonzero(owner == e)[0]
+            if e in transit:                       # VRAM now, its host slot freed at the next consolidation
+                moves.append((l, e, tier, int(held[0])))
+            elif not needs_slot(e) and cur_tier[e] == TIER_DISK and not held.size:
+                to_vram.append(e)
+            elif not needs_slot(e):                # VRAM without a backing copy (the worker holds the bytes)
+                if cur_tier[e] != tier or held.size:
+                    moves.append((l, e, tier, -1))
+            elif not held.size:
+                moves.append((l, e, tier, free.pop(0)))
+            elif cur_tier[e] != tier:
+                moves.append((l, e, tier, int(held[0])))
+        # host slots nobody else needs carry disk -> VRAM promotions for one round (filled from the staged copy
+        # when there is one), so the worker fills its VRAM slot from RAM instead of reading the disk again
+        for e in to_vram:
+            moves.append((l, e, TIER_VRAM, free.pop(0) if free else -1))
+    return moves

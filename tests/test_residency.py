@@ -1,0 +1,130 @@
+"""The residency policy (store/residency.py plan_moves) alone: no store, no threads, no arena.
+
+The expected placement is worked out here from the policy's statement (top n_vram experts of a layer by decayed
+score in VRAM, the next n_host in host slots; ties: currently resident first, then the lower id; never-used experts
+keep their place), and a placement is evolved over many consolidation rounds with the store's vacate-then-commit
+steps, checking after each round that every slot has one holder and every tier its size.
+"""
+
+import numpy as np
+import pytest
+
+from betelgeuse.store.directory import TIER_DISK, TIER_HOST, TIER_VRAM
+from betelgeuse.store.plan import SlotPlan
+from betelgeuse.store.residency import plan_moves
+
+
+def _plan(n_layer, n_expert, n_vram, n_host, backing=True) -> SlotPlan:
+    return SlotPlan("m.gguf", n_layer, n_expert, n_vram, n_host, 4, (4096, 4096, 4096), 0, 0, None, [], backing)
+
+
+class Placement:
+    """tiers [L, E], host_slot [L, E] and host_owner [L, slots], changed as the store changes them."""
+
+    def __init__(self, plan: SlotPlan):
+        L, E = plan.n_layer, plan.n_expert
+        self.plan = plan
+        self.tier = np.full((L, E), TIER_DISK, dtype=np.int64)
+        self.slot = np.full((L, E), -1, dtype=np.int64)
+        self.owner = np.full((L, plan.host_per_layer), -1, dtype=np.int64)
+
+    def apply(self, moves):
+        for l, e, _, slot in moves:            # vacate: a slot changing hands leaves its owner first
+            if slot >= 0 and self.owner[l, slot] not in (-1, e):
+                o = self.owner[l, slot]
+                self.tier[l, o] = TIER_VRAM if self.tier[l, o] == TIER_VRAM else TIER_DISK
+                self.slot[l, o] = -1
+                self.owner[l, slot] = -1
+        for l, e, tier, slot in moves:         # commit: slots given up first, then taken
+            self.owner[l][self.owner[l] == e] = -1
+            if slot < 0:
+                self.tier[l, e], self.slot[l, e] = tier, -1
+        for l, e, tier, slot in moves:
+            if slot >= 0:
+                self.owner[l, slot] = e
+                self.tier[l, e], self.slot[l, e] = tier, slot
+
+    def check(self):
+        p = self.plan
+        for l in range(p.n_layer):
+            assert (self.tier[l] == TIER_VRAM).sum() <= p.n_vram
+            assert (self.tier[l] == TIER_HOST).sum() <= p.n_host
+            for e in range(p.n_expert):
+                s = self.slot[l, e]
+                assert (self.tier[l, e] == TIER_HOST) <= (s >= 0), (l, e)      # a host expert has its slot
+                assert self.tier[l, e] != TIER_DISK or s < 0, (l, e)
+                if s >= 0:
+                    assert self.owner[l, s] == e, (l, e, s)                    # one holder per slot
+            held = self.owner[l][self.owner[l] >= 0]
+            assert len(set(held.tolist())) == len(held)
+            if p.vram_backing:                                                 # every VRAM expert keeps a copy
+                assert all(self.slot[l, e] >= 0 for e in np.nonzero(self.tier[l] == TIER_VRAM)[0])
+
+
+def test_fresh_placement_is_the_top_of_the_ranking():
+    p = _plan(1, 8, 2, 3)
+    score = np.array([[0, 5, 1, 9, 0, 3, 3, 0]], dtype=np.float64)
+    pl = Placement(p)
+    pl.apply(plan_moves(score, pl.tier, pl.owner, p))
+    pl.check()
+    # rank: 3 (9), 1 (5), 5 and 6 (3: the lower id first), 2 (1); unused 0, 4, 7 stay on disk
+    assert set(np.nonzero(pl.tier[0] == TIER_VRAM)[0]) == {3, 1}
+    assert set(np.nonzero(pl.tier[0] == TIER_HOST)[0]) == {5, 6, 2}
+    assert all(pl.tier[0, e] == TIER_DISK for e in (0, 4, 7))
+
+
+def test_ties_keep_resident_experts_and_unused_ones_keep_their_place():
+    p = _plan(1, 6, 1, 1)
+    pl = Placement(p)
+    pl.apply(plan_moves(np.array([[0, 0, 0, 0, 2, 1]], float), pl.tier, pl.owner, p))
+    assert pl.tier[0, 4] == TIER_VRAM and pl.tier[0, 5] == TIER_HOST
+    # now every score is equal: the resident experts win the ties (not the lower ids 0..3), so nothing moves
+    assert plan_moves(np.ones((1, 6)), pl.tier, pl.owner, p) == []
+    # a demoted VRAM expert with a backing copy keeps its host slot (a tier change, no copy)
+    slot4 = pl.slot[0, 4]
+    moves = plan_moves(np.array([[0, 0, 0, 0, 1, 3]], float), pl.tier, pl.owner, p)
+    assert (0, 4, TIER_HOST, slot4) in moves
+    pl.apply(moves)
+    pl.check()
+    assert pl.tier[0, 5] == TIER_VRAM and pl.tier[0, 4] == TIER_HOST
+
+
+def test_without_backing_copies_a_promoted_expert_keeps_its_host_slot_one_round():
+    p = _plan(1, 6, 1, 3, backing=False)
+    pl = Placement(p)
+    pl.apply(plan_moves(np.array([[0, 0, 0, 3, 2, 1]], float), pl.tier, pl.owner, p))
+    pl.check()
+    assert pl.tier[0, 3] == TIER_VRAM and pl.slot[0, 3] >= 0        # disk -> VRAM: carried by the free host slot
+    assert (pl.tier[0] == TIER_HOST).sum() == 2
+    # expert 4 (host) is promoted: it keeps its slot this round (the worker copies it from RAM)
+    slot4 = pl.slot[0, 4]
+    moves = plan_moves(np.array([[0, 0, 0, 0, 9, 1]], float), pl.tier, pl.owner, p)
+    assert (0, 4, TIER_VRAM, slot4) in moves
+    pl.apply(moves)
+    pl.check()
+    # the next round gives the transit slot up: expert 4 stays in VRAM without a host slot
+    pl.apply(plan_moves(np.array([[0, 0, 0, 0, 9, 1]], float), pl.tier, pl.owner, p))
+    pl.check()
+    assert pl.tier[0, 4] == TIER_VRAM and pl.slot[0, 4] == -1
+
+
+@pytest.mark.parametrize("backing", [True, False])
+def test_rounds_of_shifting_usage_keep_the_invariants_and_reach_the_ranking(backing):
+    p = _plan(3, 16, 3, 5, backing)
+    rng = np.random.default_rng(7)
+    pl = Placement(p)
+    score = np.zeros((3, 16))
+    for _ in range(40):
+        hot = rng.choice(16, size=6, replace=False)
+        usage = np.zeros((3, 16))
+        usage[:, hot] = rng.integers(1, 20, size=(3, 6))
+        score = 0.5 * score + usage
+        pl.apply(plan_moves(score, pl.tier, pl.owner, p))
+        pl.check()
+        for l in range(3):
+            used = [e for e in range(16) if score[l, e] > 0]
+            ranked = sorted(used, key=lambda e: -score[l, e])
+            # no ties among positive scores here (random integers halved): the top ones are placed exactly
+            if len(set(score[l, ranked[:p.n_vram + p.n_host + 1]])) == len(ranked[:p.n_vram + p.n_host + 1]):
+                assert set(np.nonzero(pl.tier[l] == TIER_VRAM)[0]) == set(ranked[:p.n_vram])
+                assert set(np.nonzero(pl.tier[l] == TIER_HOST)[0]) == set(ranked[p.n_vram:p.n_vram + p.n_host])
