@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from betelgeuse.config import EngineConfig
-from betelgeuse.kernels.moe import Group, MoEKernels
+from betelgeuse.errors import BetelgeuseError
+from betelgeuse.kernels.moe import Group, MoEKernels, triton_available
 from betelgeuse.store.directory import TIER_DISK, TIER_HOST, TIER_NAMES, TIER_VRAM
 from betelgeuse.worker.stats import LayerStats, PassClock, PassStats
 from betelgeuse.worker.store_session import StoreSession
@@ -33,12 +34,24 @@ from betelgeuse.worker.store_session import StoreSession
 class MoEStep:
     """The expert step of one attachment (its slot pool, kernels and pass counts; a re-attach makes a new one)."""
 
-    def __init__(self, cfg: EngineConfig, session: StoreSession, kern: MoEKernels, clock: PassClock):
-        self.cfg, self.session, self.kern, self.clock = cfg, session, kern, clock
+    def __init__(self, cfg: EngineConfig, session: StoreSession, clock: PassClock, act_limit: float | None):
+        self.cfg, self.session, self.clock = cfg, session, clock
         self.cache = session.cache
         self.counts = session.counts
         self.n_layer = session.file.config.n_layer
+        self.kern = self._kernels(act_limit)
         self._masks = None                  # (directory snapshot, [n_layer, n_expert] resident mask on the device)
+
+    def _kernels(self, act_limit: float | None) -> MoEKernels:
+        """The expert kernels: triton on CUDA where the experts' types allow (or when asked for), else torch."""
+        qts, want, c = self.cache.qtypes, self.cfg.kernels, self.session.file.config
+        ok = MoEKernels.supports(qts) and triton_available()
+        if want == "triton" and not ok:
+            raise BetelgeuseError("kernels = 'triton' needs the triton package and Q8_0/F16/BF16/F32/MXFP4 experts "
+                                  f"(this model's expert types: {sorted({q for p in qts for q in p})})")
+        backend = "triton" if want == "triton" or (want == "auto" and self.cache.is_cuda and ok) else "torch"
+        return MoEKernels(backend, c.n_expert, c.n_ff_exp, self.cache.starts, qts, self.cfg.sub_batch,
+                          weights_fn=self.cache.weights, act_limit=act_limit)
 
     def resident_mask(self, snap, l: int):
         """[n_expert] bool on the device for the approximate `resident` routing mode; None in exact mode.

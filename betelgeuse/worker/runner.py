@@ -29,7 +29,6 @@ import torch
 from betelgeuse.config import EngineConfig
 from betelgeuse.errors import BetelgeuseError
 from betelgeuse.gguf.reader import GGUFModelFile
-from betelgeuse.kernels.moe import MoEKernels, triton_available
 from betelgeuse.model.chunks import Chunk, layer_back, layer_front, pass_chunks
 from betelgeuse.model.interface import SequenceState, check_model
 from betelgeuse.model.registry import engine_model
@@ -41,6 +40,7 @@ from betelgeuse.worker.stats import LayerStats, PassClock, PassStats
 from betelgeuse.worker.store_session import StoreSession
 
 __all__ = ["LayerStats", "ModelRunner", "PassStats"]
+
 
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, store: StoreClient):
@@ -77,8 +77,8 @@ class ModelRunner:
         """(Re)attach to the store: map its arena, refill VRAM slots on the next pass; the expert step, the decode
         graphs and the lanes start over (their graphs read the old slot pool and pass counts)."""
         self.session.attach()
-        self.kern = self._kernels()
-        self.moe = MoEStep(self.cfg, self.session, self.kern, self.clock)
+        self.moe = MoEStep(self.cfg, self.session, self.clock, act_limit=self.model.expert_act[1])
+        self.kern = self.moe.kern
         # decode in the static (graph-capturable) form: always on CUDA in exact routing, so that whether a step
         # was replayed from a graph never changes its bits (a model whose state is not fixed-shape says
         # static_decode = False: model/interface.py)
@@ -87,17 +87,6 @@ class ModelRunner:
         self.solo = SoloDecode(self.model, self.moe, self.cache.is_cuda and self.cfg.cuda_graphs,
                                keep=2 * max(1, self.cfg.max_running))
         self._lanes = None
-
-    def _kernels(self) -> MoEKernels:
-        qts = self.cache.qtypes
-        want = self.cfg.kernels
-        ok = MoEKernels.supports(qts) and triton_available()
-        if want == "triton" and not ok:
-            raise BetelgeuseError("kernels = 'triton' needs the triton package and Q8_0/F16/BF16/F32/MXFP4 experts "
-                                  f"(this model's expert types: {sorted({q for p in qts for q in p})})")
-        backend = "triton" if want == "triton" or (want == "auto" and self.device.type == "cuda" and ok) else "torch"
-        return MoEKernels(backend, self.mcfg.n_expert, self.mcfg.n_ff_exp, self.cache.starts, qts, self.cfg.sub_batch,
-                          weights_fn=self.cache.weights, act_limit=self.model.expert_act[1])
 
     @property
     def store(self) -> StoreClient:
