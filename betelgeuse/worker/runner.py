@@ -380,7 +380,7 @@ class ModelRunner:
         self.kern = self.moe = self.solo = self._lanes = None
 
     def close(self):
-        """Close the slot pool and the file (_let_go)."""
+        """Close the slot pool and the file (_let_go); on CUDA the model's weights go too."""
         self._let_go()
         self.file.close()
         if self.device.type == "cuda":
