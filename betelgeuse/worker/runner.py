@@ -372,12 +372,14 @@ class ModelRunner:
         graph (the bench swaps stores under one memory limit). Set `store` and attach() to go on."""
         self.clock.sync()
         self._let_go()
+        self.kern = None                    # its weights_fn holds the slot pool
 
     def _let_go(self):
         """Drop every view of the store's arena (slot pool, directory, its snapshot, the mask) and the captured
-        graphs, so the arena's memfd is unmapped once the caller lets go."""
+        graphs, so the arena's memfd is unmapped once the caller lets go (the kernels stay: callers read
+        kern.backend after a close)."""
         self.session.close()
-        self.kern = self.moe = self.solo = self._lanes = None
+        self.moe = self.solo = self._lanes = None
 
     def close(self):
         """Close the slot pool and the file (_let_go); on CUDA the model's weights go too."""
