@@ -1,89 +1,54 @@
-"""Engine configuration: one slotted dataclass, validated once, passed down (nano-vllm's Config)."""
+"""Engine configuration: one slotted dataclass, validated once, passed down (nano-vllm's Config).
+
+EngineConfig has no defaults, types or checks of its own: its fields are built from the settings model
+(betelgeuse/settings.py, the one place a key is defined). Every key marked there as feeding the engine is one
+field, named by its engine name (slots.vram_per_layer -> vram_slots, engine.sub_batch -> sub_batch), with the
+key's type, default and check; the help text of each is in settings.py (and `betelgeuse serve --help`). Two
+fields differ on purpose: `model_path` has no default (an engine needs a model), and `device` defaults to "cpu"
+(a library user gets the CPU; the processes resolve the settings' "auto" in engine_config below).
+
+    cfg = EngineConfig(model_path="m.gguf", vram_slots=5, host_slots=15)   # by hand (tests, scripts)
+    cfg = engine_config(settings)                                            # from the file, environment and flags
+    engine_settings(cfg)                                                     # back: {(section, key): value}, e.g.
+                                                                             # a store child's flags (to_flags)
+
+A hand-built config is held to the same rules as the file: __post_init__ runs every key's own check (a bad value
+is a BetelgeuseError naming the field), then the checks across keys.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import field, make_dataclass
+from typing import Any
 
 from betelgeuse.errors import BetelgeuseError
+from betelgeuse.settings import KEYS_INFO, Key, Settings
 
 GiB = 1 << 30
 MiB = 1 << 20
 
-SCHEDULES = ("layer_major", "standard")
-PREFILL_CHUNK = 64      # tokens: the default position-aligned prefill chunk (engine and reference must agree)
+# EngineConfig field -> the settings key that feeds it, in the file's order
+ENGINE_KEYS: dict[str, Key] = {k.engine: k for k in KEYS_INFO if k.engine}
+_OWN_DEFAULTS = {"device": "cpu"}       # model_path: required
+
+PREFILL_CHUNK = ENGINE_KEYS["prefill_chunk"].default   # tokens: the default position-aligned prefill chunk (the
+                                                       # engine and the reference model must agree)
 
 
-@dataclass(slots=True)
-class EngineConfig:
-    model_path: str
-    device: str = "cpu"                 # "cpu" | "cuda" | "cuda:N"
-    dtype: str = "auto"                 # compute dtype: "auto" = float32 on CPU, bfloat16 on CUDA
-    schedule: str = "layer_major"       # "layer_major" (single pass, overlap) | "standard" (3-token micro-batches, on demand)
-    sub_batch: int = 16                 # tokens per expert matmul in layer-major prefill
-    micro_batch: int = 3                # tokens per micro-batch in the standard schedule
-    vram_slots: int | str = 5           # VRAM hot slots per MoE layer, or "auto"
-    host_slots: int | str = 15          # host-only slots per MoE layer (besides the VRAM experts' backing copies), or "auto"
-    vram_backing: bool = True           # VRAM experts keep a host copy: a restarted worker refills VRAM from RAM.
-                                        # False: VRAM slots add capacity; their experts are (re)read from disk
-    staging_slots: int | str = "auto"   # shared staging slots for disk reads in flight / waiting for their copy
-    ring_slots: int = 32                # device slots host/disk experts stream into (execution ring: two banks
-                                        # of ring_slots/2; a bank is one batch of experts = one kernel launch group)
-    kernels: str = "auto"               # expert math: "auto" (triton on CUDA where the quant type allows, else torch),
-                                        # "torch" (the reference loop), "triton" (also on the CPU under TRITON_INTERPRET=1)
-    cuda_graphs: bool = True            # CUDA: decode steps replay captured graphs (host-dependent layers stay eager)
-    decode_consolidate_every: int = 32  # decode tokens between consolidations of the decode's own usage (0 = only at
-                                        # the end of a request): a long generation's working set moves into resident tiers
-    prefetch: bool = True               # read the next layer's likely experts ahead during prefill
-    routing: str = "exact"              # "exact" (the model's top-k) | "resident" (approximate: ranks >= 1 among resident experts)
-    vram_budget: int = 12 * GiB         # bytes, for everything the worker puts on the GPU
-    memory_max: int | None = None       # bytes for both processes; None = from the cgroup (or unlimited)
-    worker_reserve: int | str = "auto"  # host bytes the worker needs outside the arena (torch, CUDA context, dense weights staging)
-    max_context: int = 4096             # tokens per sequence (KV cache length)
-    max_running: int = 4                # sequences with a live KV cache at once (they decode together, one batch)
-    max_queue: int = 16                 # waiting requests beyond which Generate is refused (RESOURCE_EXHAUSTED)
-    max_batched_tokens: int = 512       # prompt tokens one prefill pass takes while other sequences decode
-                                        # (chunked prefill: a long prompt no longer stalls running decodes), and
-                                        # of several prompts prefilled together (prefill_pass_tokens)
-    prefill_chunk: int = PREFILL_CHUNK  # tokens: attention/routing run in position-aligned chunks of this size, the
-                                        # prefix cache's block size (a prefix hit is then bit-identical to a miss)
-    prefix_cache_bytes: int | str = "auto"  # bytes of the device KV prefix cache (0 = off; "auto" = two full
-                                        # contexts' KV, at most 512 MiB); the slot plan subtracts it
-    read_threads: int = 8               # concurrent preadv calls in the store
-    read_request_bytes: int = 4 * MiB   # size of one preadv call
-    max_prompt_bytes: int = 256 * 1024  # UTF-8 bytes of prompt text / chat message content, checked before tokenizing
-    tokenize_threads: int = 2           # requests tokenized at once (on the RPC threads, never the engine thread)
+class _EngineConfig:
+    """EngineConfig's behaviour: the checks and the derived values (its fields come from the settings)."""
+    __slots__ = ()
 
     def __post_init__(self):
-        if self.routing not in ("exact", "resident"):
-            raise BetelgeuseError(f"routing must be 'exact' or 'resident', got {self.routing!r}")
-        if self.kernels not in ("auto", "torch", "triton"):
-            raise BetelgeuseError(f"kernels must be 'auto', 'torch' or 'triton', got {self.kernels!r}")
-        if self.decode_consolidate_every < 0:
-            raise BetelgeuseError(f"decode_consolidate_every must be >= 0, got {self.decode_consolidate_every}")
-        if self.schedule not in SCHEDULES:
-            raise BetelgeuseError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        for name in ("vram_slots", "host_slots", "staging_slots"):
-            v = getattr(self, name)
-            if isinstance(v, str):
-                if v != "auto":
-                    raise BetelgeuseError(f"{name} must be a number or 'auto', got {v!r}")
-            elif v < 0:
-                raise BetelgeuseError(f"{name} must be >= 0, got {v}")
-        if self.sub_batch < 1 or self.micro_batch < 1:
-            raise BetelgeuseError("sub_batch and micro_batch must be >= 1")
-        if self.ring_slots < 2:
-            raise BetelgeuseError(f"ring_slots must be >= 2 (copy into one while computing another), got {self.ring_slots}")
-        if self.prefill_chunk < 1:
-            raise BetelgeuseError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        for name, key in ENGINE_KEYS.items():
+            try:
+                setattr(self, name, key.check(getattr(self, name)))
+            except ValueError as e:
+                raise BetelgeuseError(f"{name}: {e}") from None
         if self.max_batched_tokens < self.prefill_chunk:
             raise BetelgeuseError(f"max_batched_tokens ({self.max_batched_tokens}) must be >= prefill_chunk "
                                   f"({self.prefill_chunk}): a prefill pass takes whole chunks")
-        if self.prefix_cache_bytes != "auto" and (isinstance(self.prefix_cache_bytes, str) or self.prefix_cache_bytes < 0):
-            raise BetelgeuseError(f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
-        if self.max_running < 1 or self.max_queue < 0:
-            raise BetelgeuseError(f"max_running must be >= 1 and max_queue >= 0, got {self.max_running} / {self.max_queue}")
-        if self.max_context < 8:
-            raise BetelgeuseError(f"max_context must be >= 8, got {self.max_context}")
 
     @property
     def prefill_pass_tokens(self) -> int:
@@ -99,20 +64,49 @@ class EngineConfig:
         import torch
         if self.dtype == "auto":
             return torch.bfloat16 if self.is_cuda else torch.float32
-        try:
-            return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
-        except KeyError:
-            raise BetelgeuseError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}") from None
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
 
 
-def parse_slots(value: str | int) -> int | str:
-    """A slot count from a flag or a file: a number >= 0, or 'auto'."""
-    if value == "auto":
-        return value
-    try:
-        n = int(value)
-    except (TypeError, ValueError):
-        raise BetelgeuseError(f"slots must be a number or 'auto', got {value!r}") from None
-    if n < 0:
-        raise BetelgeuseError(f"slots must be >= 0, got {n}")
-    return n
+def _field(name: str, key: Key):
+    if name == "model_path":
+        return name, str
+    return name, key.field.annotation, field(default=_OWN_DEFAULTS.get(name, key.default))
+
+
+EngineConfig = make_dataclass("EngineConfig", [_field(n, k) for n, k in ENGINE_KEYS.items()], bases=(_EngineConfig,),
+                              slots=True)
+EngineConfig.__module__ = __name__          # pickles, reprs and documents as betelgeuse.config.EngineConfig
+EngineConfig.__doc__ = "The engine's configuration; a field per settings key (betelgeuse/settings.py):\n\n" + "\n".join(
+    f"    {n:<26} [{k.section}] {k.key}: {k.field.description}" for n, k in ENGINE_KEYS.items())
+
+
+def engine_kwargs(s: Settings) -> dict[str, Any]:
+    """EngineConfig's keyword arguments: every key that feeds the engine, under the engine's field name
+    (worker.device still says "auto"; the process resolves it)."""
+    return {name: getattr(getattr(s, k.section), k.key) for name, k in ENGINE_KEYS.items()}
+
+
+def engine_settings(cfg) -> dict[tuple[str, str], Any]:
+    """The settings that give `cfg` back: (section, key) -> value for every key that feeds the engine (what a store
+    child is told, so that it plans with the worker's own configuration)."""
+    return {(k.section, k.key): getattr(cfg, name) for name, k in ENGINE_KEYS.items()}
+
+
+def resolve_device(device: str, use_torch: bool = True) -> str:
+    """'auto' -> 'cuda' or 'cpu'. The store passes use_torch=False: it must not import torch (hundreds of MB
+    under the shared MemoryMax) and only needs the answer to size the VRAM tier; it looks for the driver's
+    device node instead."""
+    if device != "auto":
+        return device
+    if not use_torch:
+        return "cuda" if os.path.exists("/dev/nvidiactl") and os.environ.get("CUDA_VISIBLE_DEVICES") != "" else "cpu"
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def engine_config(s: Settings, use_torch: bool = True):
+    """The engine's configuration from the settings (both processes derive the same one); only the device is
+    resolved here."""
+    kw = engine_kwargs(s)
+    kw["device"] = resolve_device(kw["device"], use_torch)
+    return EngineConfig(**kw)

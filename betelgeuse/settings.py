@@ -4,13 +4,14 @@
     r.settings.slots.vram_per_layer          # int, or AUTO ("auto": sized from the budgets)
     r.sources[("budget", "vram")]            # "default" | the file's path | "env NAME" | "flag --x"
 
-`Settings` is the only place a key is defined: its type (and validator), default, help text, flag name
+`Settings` is the only place a key is defined: its type (and check), default, help text, flag name
 and, for engine keys, the EngineConfig field it feeds. From it derive the TOML file's keys
 (deploy/betelgeuse.toml, installed as /etc/betelgeuse/betelgeuse.toml), the environment variables
 BETELGEUSE_<SECTION>_<KEY> (BETELGEUSE_ENGINE_SUB_BATCH=8, BETELGEUSE_MODEL_PATH=/srv/m.gguf,
 BETELGEUSE_WORKER_LISTEN=0.0.0.0:50051,unix:/run/b.sock; a value written as in TOML or bare: "auto",
-"12GiB"), the argparse flags of the store, worker, serve and generate (`add_flags`), the child processes'
-arguments (`to_flags`), the EngineConfig (`engine_kwargs`, `engine_config`) and `betelgeuse config show` (`render_toml`).
+"12GiB"), the argparse flags of the store, worker, serve, generate and bench (`add_flags`), the child
+processes' arguments (`to_flags`), `betelgeuse config show` (`render_toml`) and the EngineConfig class
+itself (betelgeuse/config.py builds its fields from the keys that feed the engine).
 A bad value is one BetelgeuseError line naming where it came from and the key, never a ValidationError dump.
 """
 
@@ -21,13 +22,12 @@ import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, get_args, get_origin
+from typing import Annotated, Any, Callable, ClassVar, Literal, get_args, get_origin
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict, TomlConfigSettingsSource
 
-from betelgeuse.config import EngineConfig
 from betelgeuse.errors import BetelgeuseError
 
 AUTO = "auto"
@@ -267,7 +267,7 @@ class StoreSettings(_Section):
 
 
 class EngineSettings(_Section):
-    # defaults equal betelgeuse.config.EngineConfig's (tests/test_settings.py checks)
+    # every key feeds the EngineConfig field of its own name (betelgeuse/config.py builds that class from these)
     ENGINE: ClassVar[bool] = True
     schedule: _choices("layer_major", "standard") = setting(
         "layer_major", "layer_major (single-pass prefill) | standard (3-token micro-batches)", "standard")
@@ -276,26 +276,38 @@ class EngineSettings(_Section):
     sub_batch: Count1 = setting(16, "tokens per expert matmul in layer-major prefill", 8)
     micro_batch: Count1 = setting(3, "tokens per micro-batch in the standard schedule", 2)
     staging_slots: Slots = setting(AUTO, "shared slots for disk reads in flight, or auto", 12)
+    # the execution ring: two banks of ring_slots/2; a bank is one batch of experts = one kernel launch group
     ring_slots: Count2 = setting(32, "device slots experts stream into (two banks = launch groups)", 16)
+    # auto: triton on CUDA where the quant type allows, else torch (the reference loop); triton also runs on the
+    # CPU under TRITON_INTERPRET=1
     kernels: _choices("auto", "torch", "triton") = setting("auto", "expert math: auto | torch | triton", "torch")
+    # a long generation's working set moves into the resident tiers while it runs
     decode_consolidate_every: Count0 = setting(32, "decode tokens between consolidations of the decode's usage "
                                                "(0 = end of request only)", 0)
+    # host-dependent layers stay eager
     cuda_graphs: Flag = setting(True, "CUDA: decode steps replay captured graphs", False)
     prefetch: Flag = setting(True, "read the next layer's likely experts ahead during prefill", False)
     max_context: Count8 = setting(4096, "tokens per sequence (KV cache length)", 2048)
     max_running: Count1 = setting(4, "sequences with a live KV cache at once (decoded together)", 2)
     max_queue: Count0 = setting(16, "waiting requests before Generate answers RESOURCE_EXHAUSTED", 4)
+    # chunked prefill: a long prompt no longer stalls running decodes; also the prompt tokens of several prompts
+    # prefilled together (EngineConfig.prefill_pass_tokens)
     max_batched_tokens: Count1 = setting(512, "prompt tokens per prefill pass while other sequences decode", 256)
+    # attention and routing run in position-aligned chunks of this size, so a prefix-cache hit is bit-identical
+    # to a miss; the engine and the reference model must agree (config.PREFILL_CHUNK)
     prefill_chunk: Count1 = setting(64, "tokens per position-aligned chunk = the prefix cache's block size", 32)
+    # the slot plan subtracts it from the VRAM budget
     prefix_cache_bytes: SizeOrAuto = setting(AUTO, "device KV prefix cache in bytes (0 = off; auto: two contexts, "
                                              "<= 512 MiB)", 1 << 30)
     dtype: _choices("auto", "float32", "bfloat16", "float16") = setting(
         "auto", "compute dtype: auto = float32 on CPU, bfloat16 on CUDA", "float32")
+    # torch, the CUDA context, the dense weights' staging
     worker_reserve: SizeOrAuto = setting(AUTO, "host bytes the worker needs outside the arena, or auto", 2 << 30)
     read_threads: Count1 = setting(8, "concurrent preadv calls in the store", 4)
     read_request_bytes: Size = setting(4 * 1024**2, "bytes of one preadv call in the store", 1 << 20)
     max_prompt_bytes: Size = setting(256 * 1024, "prompt text / chat content bytes, refused before tokenizing",
                                      1 << 20)
+    # never on the engine thread
     tokenize_threads: Count1 = setting(2, "requests tokenized at once (on the RPC threads)", 4)
 
 
@@ -362,6 +374,11 @@ class Key:
         return self.field.get_default(call_default_factory=True)
 
     @property
+    def check(self) -> Callable[[Any], Any]:
+        """The key's converter: a value as the file would hold it -> the value (ValueError naming the problem)."""
+        return next((m.func for m in self.field.metadata if isinstance(m, BeforeValidator)), lambda v: v)
+
+    @property
     def example(self):
         return self.field.examples[0]
 
@@ -389,32 +406,6 @@ KEYS = tuple((k.section, k.key) for k in KEYS_INFO)        # (section, key) of e
 BY_KEY = {(k.section, k.key): k for k in KEYS_INFO}
 assert len({k.flag for k in KEYS_INFO if k.flag}) == len([k for k in KEYS_INFO if k.flag]), "two keys share a flag"
 assert all(k.field.examples for k in KEYS_INFO), "every key has an example"
-
-
-def engine_kwargs(s: Settings) -> dict[str, Any]:
-    """EngineConfig's keyword arguments: every key that feeds the engine, under the engine's field name
-    (worker.device still says "auto"; the process resolves it)."""
-    return {k.engine: getattr(getattr(s, k.section), k.key) for k in KEYS_INFO if k.engine}
-
-
-def resolve_device(device: str, use_torch: bool = True) -> str:
-    """'auto' -> 'cuda' or 'cpu'. The store passes use_torch=False: it must not import torch (hundreds of MB
-    under the shared MemoryMax) and only needs the answer to size the VRAM tier; it looks for the driver's
-    device node instead."""
-    if device != "auto":
-        return device
-    if not use_torch:
-        return "cuda" if os.path.exists("/dev/nvidiactl") and os.environ.get("CUDA_VISIBLE_DEVICES") != "" else "cpu"
-    import torch
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def engine_config(s: Settings, use_torch: bool = True) -> EngineConfig:
-    """The engine's configuration from the settings (both processes derive the same one): every key the
-    model marks as feeding the engine, under its EngineConfig name; only the device is resolved here."""
-    kw = engine_kwargs(s)
-    kw["device"] = resolve_device(kw["device"], use_torch)
-    return EngineConfig(**kw)
 
 
 # ------------------------------------------------------------------------------------ the sources
@@ -499,24 +490,30 @@ def _one_line(err: ValidationError, where: dict, file: str) -> str:
     return f"{where.get((section, key), f'{file}: {section}.{key}')}: {msg}"
 
 
+def _given(values: dict[tuple[str, str], tuple[Any, str]]) -> tuple[dict, dict, dict]:
+    """A layer of single values ((section, key) -> (value, its label)): (data, labels, where)."""
+    data: dict = {}
+    for (section, key), (value, _) in values.items():
+        data.setdefault(section, {})[key] = value
+    return (data, {k: label for k, (_, label) in values.items()},
+            {k: f"{label} ({k[0]}.{k[1]})" for k, (_, label) in values.items()})
+
+
 def resolve_settings(path: str | Path | None, env: dict[str, str] | None = None,
-                     flags: dict[tuple[str, str], tuple[Any, str]] | None = None, data: dict | None = None) -> Resolved:
-    """Defaults, then the TOML file (None: none; or `data`, its contents), then BETELGEUSE_* variables of `env`
-    (default os.environ), then `flags` ((section, key) -> (value, "flag --x")); validated once."""
+                     flags: dict[tuple[str, str], tuple[Any, str]] | None = None, data: dict | None = None,
+                     defaults: dict[tuple[str, str], tuple[Any, str]] | None = None) -> Resolved:
+    """Defaults (the model's, then a command's own `defaults`, same shape as `flags`), then the TOML file (None:
+    none; or `data`, its contents), then BETELGEUSE_* variables of `env` (default os.environ), then `flags`
+    ((section, key) -> (value, "flag --x")); validated once."""
     file = str(path) if path is not None else "config"
-    layers = []                                   # (data, {(section, key): source label}, {(section, key): where})
+    layers = [_given(defaults or {})]             # (data, {(section, key): source label}, {(section, key): where})
     if path is not None or data is not None:
         data = _read_toml(path) if data is None else data
         keys = {(s, k) for s, vals in data.items() if isinstance(vals, dict) for k in vals}
         layers.append((data, {k: file for k in keys}, {k: f"{file}: {k[0]}.{k[1]}" for k in keys}))
     env_data, env_names, ignored = _read_env(os.environ if env is None else env)
     layers.append((env_data, env_names, env_names))
-    flags = flags or {}
-    flag_data: dict = {}
-    for (section, key), (value, label) in flags.items():
-        flag_data.setdefault(section, {})[key] = value
-    layers.append((flag_data, {k: label for k, (_, label) in flags.items()},
-                   {k: f"{label} ({k[0]}.{k[1]})" for k, (_, label) in flags.items()}))
+    layers.append(_given(flags or {}))
     merged: dict = {}
     sources = {k: "default" for k in KEYS}
     where: dict = {}
@@ -548,16 +545,17 @@ def settings_from_dict(data: dict, source: str = "config") -> Settings:
 # ------------------------------------------------------------------------------------------- flags
 
 def add_flags(p: argparse.ArgumentParser, sections=None, exclude=(), aliases: dict[str, str] | None = None,
-              group: str | None = None) -> None:
+              group: str | None = None, defaults: dict[str, Any] | None = None) -> None:
     """One flag per key of `sections` (default: all) but `exclude` ("section.key"), named, typed and described
     by the model; each defaults to None (not given: the file, the environment or the default decides).
-    `aliases`: "section.key" -> another spelling of its flag (the store's and worker's --metrics)."""
+    `aliases`: "section.key" -> another spelling of its flag (the store's and worker's --metrics); `defaults`:
+    "section.key" -> the command's own default, shown in the help (the command passes it to resolve_settings)."""
     g = p.add_argument_group(group) if group else p
     for k in KEYS_INFO:
         if k.flag is None or (sections is not None and k.section not in sections) or k.name in exclude:
             continue
         names = [k.flag] + ([aliases[k.name]] if aliases and k.name in aliases else [])
-        default = k.default
+        default = (defaults or {}).get(k.name, k.default)
         shown = _toml_value(default) if not isinstance(default, list) else ",".join(default)
         help_ = f"{k.field.description} (default {shown}; env {k.env}; [{k.section}] {k.key})".replace("%", "%%")
         if k.is_bool:

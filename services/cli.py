@@ -207,7 +207,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 def _engine_settings(args):
     """The settings of a command that starts its own engine: defaults < BETELGEUSE_* < its flags, validated
     (with the EngineConfig) before anything starts. Returns (Resolved, the flags given: "section.key" -> value)."""
-    from betelgeuse.settings import engine_config, flag_values, resolve_settings
+    from betelgeuse.config import engine_config
+    from betelgeuse.settings import flag_values, resolve_settings
     flags = flag_values(args)
     given = {f"{s}.{k}": v for (s, k), (v, _) in flags.items()}
     flags[("model", "path")] = (args.model, "argument MODEL")
@@ -226,7 +227,7 @@ class _OutOfCore:
 
     def __init__(self, args):
         import tempfile
-        from betelgeuse.settings import engine_config
+        from betelgeuse.config import engine_config
         from betelgeuse.worker.runner import ModelRunner
         r, given = _engine_settings(args)
         self.cfg = engine_config(r.settings)
@@ -452,7 +453,8 @@ def serve_cluster(args, model: str, runtime_dir: str):
     """serve's Cluster and the settings both children will resolve: defaults < --config < BETELGEUSE_* < serve's
     flags, validated here (with the EngineConfig) before anything starts; the children get --config and the
     flags (their environment is ours), plus what serve owns (sockets, addresses)."""
-    from betelgeuse.settings import engine_config, flag_values, resolve_settings
+    from betelgeuse.config import engine_config
+    from betelgeuse.settings import flag_values, resolve_settings
     from services.launcher import Cluster
     flags = flag_values(args)
     r = resolve_settings(args.config, flags=flags)

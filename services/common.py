@@ -1,5 +1,5 @@
 """Glue shared by the process entry points: CLI flags, logging, /metrics, clean exits (settings -> EngineConfig is
-betelgeuse.settings.engine_config)."""
+betelgeuse.config.engine_config)."""
 
 from __future__ import annotations
 

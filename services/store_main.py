@@ -32,11 +32,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 import numpy as np
 
 from betelgeuse import __version__, sdnotify
+from betelgeuse.config import engine_config
 from betelgeuse.errors import BetelgeuseError, StoreBusyError, StoreUnavailableError
 from betelgeuse.gguf.reader import GGUFModelFile
 from betelgeuse.logs import event
 from betelgeuse.metrics import make_store_metrics
-from betelgeuse.settings import engine_config
 from betelgeuse.store.arena import peer_credentials, send_fd
 from betelgeuse.store.cgroup import CgroupMemory
 from betelgeuse.store.plan import plan_slots

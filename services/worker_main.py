@@ -21,7 +21,7 @@ from betelgeuse import __version__, sdnotify
 from betelgeuse.errors import BetelgeuseError, StoreUnavailableError
 from betelgeuse.logs import event
 from betelgeuse.metrics import make_worker_metrics
-from betelgeuse.settings import engine_config
+from betelgeuse.config import engine_config
 from betelgeuse.store.cgroup import CgroupMemory
 from betelgeuse.worker.engine import LLMEngine
 from services.auth import load_api_keys

@@ -83,5 +83,5 @@ def test_partial_residency_avoids_disk_and_reports_quality(model):
 
 def test_bad_routing_value():
     from betelgeuse.config import EngineConfig
-    with pytest.raises(BetelgeuseError, match="routing must be"):
+    with pytest.raises(BetelgeuseError, match="routing: expected one of exact, resident"):
         EngineConfig(model_path="x.gguf", routing="nearest")

@@ -103,7 +103,8 @@ def test_engine_defaults_match_engine_config():
 
 def test_engine_config_derives_every_key(tmp_path):
     """Each engine key's example, set in a file, arrives in the EngineConfig under its engine name."""
-    from betelgeuse.settings import KEYS_INFO, engine_config
+    from betelgeuse.config import engine_config
+    from betelgeuse.settings import KEYS_INFO
     feeds = [k for k in KEYS_INFO if k.engine and k.engine not in ("model_path", "device")]
     data = {}
     for k in feeds:
@@ -112,6 +113,41 @@ def test_engine_config_derives_every_key(tmp_path):
     cfg = engine_config(settings_from_dict(data), use_torch=False)
     for k in feeds:
         assert getattr(cfg, k.engine) == data[k.section][k.key], k.name
+
+
+def _examples() -> dict:
+    """Every engine key's example, as EngineConfig keyword arguments (the cross-key checks hold for them)."""
+    from betelgeuse.config import ENGINE_KEYS
+    kw = {name: k.example for name, k in ENGINE_KEYS.items()}
+    kw["max_batched_tokens"] = 256
+    return kw
+
+
+def test_hand_built_engine_config_is_held_to_the_keys_checks():
+    """EngineConfig(...) by hand runs each settings key's own check (no second table of rules): a bad value of any
+    field is one BetelgeuseError naming the field; a value written as in the file is converted."""
+    from betelgeuse.config import ENGINE_KEYS, EngineConfig
+    for name in ENGINE_KEYS:
+        with pytest.raises(BetelgeuseError, match=f"^{name}: ") as e:
+            EngineConfig(**{**_examples(), name: object()})
+        assert "\n" not in str(e.value)
+    assert EngineConfig(model_path="m", vram_budget="8GiB", memory_max="auto").vram_budget == 8 << 30
+    with pytest.raises(BetelgeuseError, match="max_batched_tokens .* prefill_chunk"):
+        EngineConfig(model_path="m", prefill_chunk=64, max_batched_tokens=32)
+
+
+def test_engine_config_round_trips_through_a_childs_flags():
+    """engine_settings(cfg) -> to_flags -> add_flags/flag_values -> engine_config gives cfg back: what a store child
+    started for a worker's EngineConfig plans with (services/assembly.py)."""
+    import argparse
+
+    from betelgeuse.config import EngineConfig, engine_config, engine_settings
+    from betelgeuse.settings import add_flags, flag_values, resolve_settings, to_flags
+    for cfg in (EngineConfig(**_examples()), EngineConfig(model_path="/m.gguf")):
+        p = argparse.ArgumentParser()
+        add_flags(p)
+        r = resolve_settings(None, env={}, flags=flag_values(p.parse_args(to_flags(engine_settings(cfg)))))
+        assert engine_config(r.settings, use_torch=False) == cfg
 
 
 def test_bad_values_are_one_line_naming_the_key(tmp_path):

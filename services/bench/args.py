@@ -80,7 +80,7 @@ def target(args, opt, suffix: str):
     results folder). opt(args, name, default) reads an option with the suite's --quick defaults; suffix names the
     suite in the default run name ("<date><suffix>-<device>")."""
     from betelgeuse.gguf.synth import spec_from_preset
-    from betelgeuse.settings import resolve_device
+    from betelgeuse.config import resolve_device
     device = resolve_device(opt(args, "device", "auto"))
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
