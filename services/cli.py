@@ -226,28 +226,14 @@ class _OutOfCore:
     ModelRunner in this process; .forward(ids) -> logits [T, n_vocab]."""
 
     def __init__(self, args):
-        import tempfile
         from betelgeuse.config import engine_config
-        from betelgeuse.worker.runner import ModelRunner
-        r, given = _engine_settings(args)
+        from services.assembly import open_runner, open_store
+        r, _ = _engine_settings(args)
         self.cfg = engine_config(r.settings)
-        self.cluster = None
-        if args.engine == "in-process":
-            from betelgeuse.gguf import GGUFModelFile
-            from betelgeuse.store.client import InProcessStoreClient
-            from betelgeuse.store.plan import plan_slots
-            from betelgeuse.store.store import ExpertStore
-            f = GGUFModelFile.open(args.model)
-            client = InProcessStoreClient(ExpertStore(f, plan_slots(f, self.cfg, None)))
-        else:
-            from services.launcher import Cluster
-            from services.store_client import GrpcStoreClient
-            self._tmp = tempfile.TemporaryDirectory(prefix="betelgeuse-")
-            self.cluster = Cluster(args.model, self._tmp.name, device=args.device, settings=given, store_metrics="")
-            self.cluster.start_store()
-            client = GrpcStoreClient(self.cluster.store_socket, self.cluster.fd_socket)
+        self.runner = None
+        self.store = open_store(self.cfg, "in-process" if args.engine == "in-process" else "process")
         try:
-            self.runner = ModelRunner(self.cfg, client)
+            self.runner = open_runner(self.cfg, self.store)
         except BaseException:
             self.close()
             raise
@@ -257,10 +243,9 @@ class _OutOfCore:
         return logits
 
     def close(self):
-        if getattr(self, "runner", None) is not None:
+        if self.runner is not None:
             self.runner.close()
-        if self.cluster is not None:
-            self.cluster.stop()
+        self.store.close()
 
 
 def _logits_args(p: argparse.ArgumentParser) -> None:

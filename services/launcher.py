@@ -1,12 +1,15 @@
-"""Start the two processes for a development run, a test or the CLI (no systemd involved).
+"""The one launcher: start Betelgeuse's processes for a development run, a test, the bench or the CLI (no systemd
+involved).
 
     with Cluster(model, tmpdir) as c:        # store process, then worker process, health SERVING
-        client = c.client()                  # InferenceService stub
+        ch = c.channel()                     # to the worker: InferenceService, health
+    p = spawn("store", "services.store_main", args, log_path)     # one child, on its own (the tests' way)
 Each process is a real `python -m services.store_main|worker_main` with its own sockets under
 `runtime_dir`; they are ended by PID on exit (SIGTERM, then SIGKILL after a grace period), and die with
 their parent (BETELGEUSE_PARENT_PID: services.common.run_main sets PR_SET_PDEATHSIG), so a `kill -9` of `betelgeuse serve` or of a test leaves no orphan.
 `Cluster.supervise()` restarts a child that crashes (the worker comes back warm: the store keeps the arena)
-and says which one died and how.
+and says which one died and how. A store child for one EngineConfig, with its client, is services/assembly.py's
+open_store(cfg, mode="process").
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class Proc:
     popen: subprocess.Popen
     log_path: str
     started: float = field(default_factory=time.monotonic)
+    args: list = field(default_factory=list)      # the command line it was started with
 
     @property
     def pid(self) -> int:
@@ -47,16 +51,41 @@ class Proc:
         except OSError:                              # gone with the runtime directory, or unreadable
             return ""
 
+    def last_line(self) -> str:
+        """The child's last error line from its log, without its prefix (else its last line; a missing or unreadable
+        log gives "(no output)")."""
+        lines = [l for l in self.log().splitlines() if l.strip()]
+        err = [l.removeprefix("betelgeuse: error:").strip() for l in lines if l.startswith("betelgeuse: error:")]
+        return (err or lines or ["(no output)"])[-1]
+
     def alive(self) -> bool:
         return self.popen.poll() is None
 
-    def stop(self, grace: float = 10.0):
-        terminate(self.popen, grace)
+    def signal(self, sig: int):
+        if self.alive():
+            os.kill(self.pid, sig)
 
-    def kill9(self):
+    def stop(self, grace: float = 10.0) -> int:
+        """SIGTERM, SIGKILL after `grace` seconds; the exit code."""
+        return terminate(self.popen, grace)
+
+    def kill9(self) -> int:
+        """SIGKILL (no clean shutdown); the exit code."""
         if self.popen.poll() is None:
             self.popen.kill()
-            self.popen.wait()
+        return self.popen.wait()
+
+
+def spawn(name: str, module: str, args: list[str], log_path, env: dict | None = None, preexec=None,
+          cwd: str | None = None) -> Proc:
+    """`python -m module args` in a session of its own, stdout and stderr appended to `log_path`, stdin empty;
+    `env` default: python_env(). The caller ends it by its PID (Proc.stop)."""
+    cmd = [sys.executable, "-m", module, *args]
+    with open(log_path, "ab") as logf:
+        p = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             env=python_env() if env is None else env, preexec_fn=preexec, cwd=cwd,
+                             start_new_session=True)
+    return Proc(name, p, str(log_path), args=cmd)
 
 
 def describe_exit(code: int | None) -> str:
@@ -138,12 +167,8 @@ class Cluster:
 
     def _spawn(self, name: str, module: str, args: list[str], preexec=None) -> Proc:
         os.makedirs(self.runtime_dir, exist_ok=True)    # someone may have removed it (tmp cleaners, an operator)
-        log_path = os.path.join(self.runtime_dir, f"{name}.log")
-        with open(log_path, "ab") as logf:
-            p = subprocess.Popen([sys.executable, "-m", module, *args], stdout=logf, stderr=subprocess.STDOUT,
-                                 env=python_env(BETELGEUSE_PARENT_PID=str(os.getpid())), preexec_fn=preexec,
-                                 start_new_session=True)
-        return Proc(name, p, log_path)
+        return spawn(name, module, args, os.path.join(self.runtime_dir, f"{name}.log"),
+                     env=python_env(BETELGEUSE_PARENT_PID=str(os.getpid())), preexec=preexec)
 
     def _store_answers(self, pid: int) -> bool:
         """The store process `pid` (not a dead predecessor's stale socket) answers on the control socket."""
@@ -207,21 +232,20 @@ class Cluster:
 
     @staticmethod
     def _last_line(p: Proc) -> str:
-        """The child's last error line from its log (a missing or unreadable log gives "(no output)")."""
-        lines = [l for l in p.log().splitlines() if l.strip()]
-        err = [l.removeprefix("betelgeuse: error:").strip() for l in lines if l.startswith("betelgeuse: error:")]
-        return (err or lines or ["(no output)"])[-1]     # the child's own message, without its prefix
+        return p.last_line()
 
     def channel(self):
         import grpc
         return grpc.insecure_channel(self.address)
 
-    def stop(self):
-        """Worker first (it drains), then the store. Runs to the end even if signals arrive meanwhile."""
+    def stop(self) -> int | None:
+        """Worker first (it drains), then the store. Runs to the end even if signals arrive meanwhile. The store's
+        exit code (None: none was started)."""
         if self.worker is not None:
             self.worker.stop(self.worker_stop_grace)
         if self.store is not None:
-            self.store.stop(20.0)
+            return self.store.stop(20.0)
+        return None
 
     def store_sockets_gone(self) -> bool:
         """The running store's sockets are no longer at their paths (the runtime directory was removed): no new

@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import mmap
 import os
-import signal
-import subprocess
-import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
 import numpy as np
 
-from services.launcher import free_port, python_env, terminate  # noqa: F401  (free_port: for the tests)
+from services.launcher import Proc, free_port, python_env, spawn  # noqa: F401  (free_port, Proc: for the tests)
 
 REPO = Path(__file__).resolve().parents[1]
 ARENA_MAP_NAME = "memfd:betelgeuse-arena"   # how /proc/<pid>/maps names the store's memfd
@@ -53,17 +50,17 @@ def prompt(n: int, n_vocab: int, seed: int = 0) -> list[int]:
 # ---- in-process engine ---------------------------------------------------------------------------
 
 def in_process_runner(path, vram_slots, host_slots, **cfg):
-    """(runner, store) with a real ExpertStore in this process (its memfd mapped twice)."""
+    """(runner, store): a ModelRunner over a real ExpertStore in this process (its memfd mapped twice), assembled as
+    every composition root does (betelgeuse/assembly.py); 2 read threads unless cfg says otherwise."""
+    from betelgeuse.assembly import open_runner, open_store
     from betelgeuse.config import EngineConfig
-    from betelgeuse.gguf.reader import GGUFModelFile
-    from betelgeuse.store.client import InProcessStoreClient
-    from betelgeuse.store.plan import plan_slots
-    from betelgeuse.store.store import ExpertStore
-    from betelgeuse.worker.runner import ModelRunner
-    c = EngineConfig(model_path=str(path), vram_slots=vram_slots, host_slots=host_slots, **cfg)
-    f = GGUFModelFile.open(str(path))
-    store = ExpertStore(f, plan_slots(f, c, None), read_threads=2)
-    return ModelRunner(c, InProcessStoreClient(store)), store
+    c = EngineConfig(model_path=str(path), vram_slots=vram_slots, host_slots=host_slots, **{"read_threads": 2, **cfg})
+    store = open_store(c)
+    try:
+        return open_runner(c, store), store.store
+    except BaseException:
+        store.close()
+        raise
 
 
 def close_runner(runner, store):
@@ -84,44 +81,10 @@ def _cgroup_preexec(cg):
     return enter
 
 
-@dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen
-    log: Path
-    args: list = field(default_factory=list)
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-    def signal(self, sig: int):
-        if self.alive():
-            os.kill(self.pid, sig)
-
-    def stop(self, timeout: float = 10.0) -> int:
-        """SIGTERM our own child by PID, SIGKILL if it does not go; returns its exit code."""
-        return terminate(self.popen, timeout)
-
-    def kill9(self) -> int:
-        self.signal(signal.SIGKILL)
-        return self.popen.wait(10)
-
-
 def _spawn(name: str, module: str, args: list[str], log_dir: Path, cgroup=None) -> Proc:
     log = Path(log_dir) / f"{name}-{time.monotonic_ns()}.log"
-    env = python_env(OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", module, *args]
-    with open(log, "wb") as out:
-        p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             preexec_fn=_cgroup_preexec(cgroup) if cgroup is not None else None)
-    return Proc(name, p, log, cmd)
+    return spawn(name, module, args, log, env=python_env(OMP_NUM_THREADS="1"), cwd=str(REPO),
+                 preexec=_cgroup_preexec(cgroup) if cgroup is not None else None)
 
 
 @dataclass
@@ -155,14 +118,14 @@ def wait_store(p: Proc, sockets: StoreSockets, timeout: float = 60.0) -> dict:
     t0 = time.monotonic()
     while True:
         if not p.alive():
-            raise AssertionError(f"store exited with {p.popen.returncode}:\n{p.output()}")
+            raise AssertionError(f"store exited with {p.popen.returncode}:\n{p.log()}")
         if os.path.exists(sockets.fds):
             try:
                 return store_status(sockets.control, timeout=2.0)
             except grpc.RpcError:
                 pass
         if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"store not ready after {timeout} s:\n{p.output()}")
+            raise AssertionError(f"store not ready after {timeout} s:\n{p.log()}")
         time.sleep(0.1)
 
 
@@ -203,13 +166,13 @@ def wait_health(port: int, want: str, timeout: float, proc: Proc | None = None) 
     last = None
     while time.monotonic() - t0 < timeout:
         if proc is not None and not proc.alive():
-            raise AssertionError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.output()}")
+            raise AssertionError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log()}")
         last = health(port)
         if last == want:
             return time.monotonic() - t0
         time.sleep(0.2)
     raise AssertionError(f"health stayed {last}, wanted {want} within {timeout} s"
-                         + (f":\n{proc.output()}" if proc else ""))
+                         + (f":\n{proc.log()}" if proc else ""))
 
 
 def generate(port: int, ids: list[int], max_tokens: int = 4, timeout: float = 60.0):

@@ -93,7 +93,7 @@ def test_fitting_config_runs_under_the_cgroup_limit(wide, tmp_path, cgroup_facto
     finally:
         rc_w = worker.stop() if worker else 0
         rc_s = store.stop()
-    assert (rc_w, rc_s) == (0, 0), (worker.output() if worker else "") + store.output()
+    assert (rc_w, rc_s) == (0, 0), (worker.log() if worker else "") + store.log()
     assert cg.oom_kills() == 0
 
 
@@ -103,7 +103,7 @@ def test_config_that_cannot_fit_is_refused_at_start(wide, tmp_path, cgroup_facto
     socks = StoreSockets(tmp_path)
     store = start_store(wide, socks, 4, 12, cgroup=cg, wait=False)
     rc = store.popen.wait(60)
-    out = store.output()
+    out = store.log()
     print(f"\n[cgroup] refused: rc {rc}: {out.strip().splitlines()[-1] if out.strip() else ''}")
     assert rc == 2, (rc, out)                  # not -SIGKILL (an OOM kill), not 1 (a crash)
     assert rc != -signal.SIGKILL

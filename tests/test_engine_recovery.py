@@ -104,6 +104,6 @@ def test_store_kill_is_reported_and_recovered(wide, tmp_path):
         assert store_status(socks.control)["pid"] == stores[-1].pid
         assert worker.alive() and health(port) == "SERVING"
     finally:
-        assert worker.stop() == 0, worker.output()
+        assert worker.stop() == 0, worker.log()
         for s in stores:
             s.stop()

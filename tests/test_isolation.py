@@ -83,23 +83,16 @@ def engine_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(engine_model):
+    from betelgeuse.assembly import open_engine, open_store
     from betelgeuse.config import EngineConfig
-    from betelgeuse.gguf.reader import GGUFModelFile
-    from betelgeuse.store.client import InProcessStoreClient
-    from betelgeuse.store.plan import plan_slots
-    from betelgeuse.store.store import ExpertStore
-    from betelgeuse.worker.engine import LLMEngine
     cfg = EngineConfig(model_path=str(engine_model), vram_slots=5, host_slots=15, max_running=2, max_queue=16,
-                       max_prompt_bytes=4096)
-    f = GGUFModelFile.open(str(engine_model))
-    store = ExpertStore(f, plan_slots(f, cfg, None), read_threads=2)
-    client = InProcessStoreClient(store)
-    eng = LLMEngine(cfg, client)
-    eng.test_client = client
+                       max_prompt_bytes=4096, read_threads=2)
+    store = open_store(cfg)
+    eng = open_engine(cfg, store)
+    eng.test_client = store.client
     yield eng
     eng.close()
     store.close()
-    f.close()
 
 
 def _run(engine, req: GenerateRequest):

@@ -33,6 +33,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("model",),                                  # the architectures' forward passes
     ("store",),                                  # the expert store: arena, directory, reads, residency
     ("worker",),                                 # engine, runner, caches
+    ("assembly",),                               # the composition root: store + client + runner / engine from a config
 )
 # the same room twice would make the order ambiguous
 assert len({r for f in FLOORS for r in f}) == sum(len(f) for f in FLOORS)

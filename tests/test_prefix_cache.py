@@ -193,21 +193,15 @@ def test_a_whole_prompt_entry_serves_an_exact_repeat_only(model):
 # ---- the engine: agent turns, metrics, chunked prefill beside decodes --------------------------------------------
 
 def _engine(model, **kw):
-    from betelgeuse.gguf.reader import GGUFModelFile
+    from betelgeuse.assembly import open_engine, open_store
     from betelgeuse.metrics import make_worker_metrics
-    from betelgeuse.store.client import InProcessStoreClient
-    from betelgeuse.store.plan import plan_slots
-    from betelgeuse.store.store import ExpertStore
-    from betelgeuse.worker.engine import LLMEngine
-    cfg = EngineConfig(model_path=str(model), vram_slots=5, host_slots=15, prefill_chunk=C, **kw)
-    f = GGUFModelFile.open(str(model))
-    store = ExpertStore(f, plan_slots(f, cfg, None), read_threads=2)
-    eng = LLMEngine(cfg, InProcessStoreClient(store), metrics=make_worker_metrics())
+    cfg = EngineConfig(model_path=str(model), vram_slots=5, host_slots=15, prefill_chunk=C, read_threads=2, **kw)
+    store = open_store(cfg)
+    eng = open_engine(cfg, store, metrics=make_worker_metrics())
 
     def close():
         eng.close()
         store.close()
-        f.close()
     return eng, close
 
 

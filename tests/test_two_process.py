@@ -115,7 +115,7 @@ def test_worker_process_serves_reference_tokens(wide, reference, store, tmp_path
             assert list(final.token_ids) == want, (i, list(final.token_ids), want)
         assert final.usage.expert_reads_vram + final.usage.expert_reads_host > 0
     finally:
-        assert worker.stop() == 0, worker.output()
+        assert worker.stop() == 0, worker.log()
 
 
 def test_store_process_matches_transformers(oracle_models, tmp_path):
