@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,11 +36,7 @@ from betelgeuse.config import EngineConfig  # noqa: E402
 from betelgeuse.gguf.reader import GGUFModelFile  # noqa: E402
 from betelgeuse.gguf.synth import PRESETS, write_model  # noqa: E402
 from betelgeuse.model.qwen3moe import Qwen3MoeReference  # noqa: E402
-from betelgeuse.store.client import InProcessStoreClient  # noqa: E402
-from betelgeuse.store.plan import plan_slots  # noqa: E402
-from betelgeuse.store.store import ExpertStore  # noqa: E402
-from betelgeuse.worker.runner import ModelRunner  # noqa: E402
-from services.launcher import python_env  # noqa: E402
+from services.assembly import open_runner, open_store  # noqa: E402
 
 MiB = 1 << 20
 ROWS: list[tuple[str, str, str]] = []        # (check, result, detail) for the markdown table
@@ -73,20 +68,20 @@ def ids_for(path, n: int, seed: int = 1) -> list[int]:
     return [int(x) for x in torch.randint(3, V, (n,), generator=torch.Generator().manual_seed(seed))]
 
 
-def runner_for(path, device, vram, host, client=None, **kw):
+def runner_for(path, device, vram, host, mode="in-process", **kw):
+    """(runner, store): the store in this process, or (mode "process") the real store process over its sockets."""
     cfg = EngineConfig(model_path=str(path), device=device, vram_slots=vram, host_slots=host, **kw)
-    store = None
-    if client is None:
-        f = GGUFModelFile.open(str(path))
-        store = ExpertStore(f, plan_slots(f, cfg, None))
-        client = InProcessStoreClient(store)
-    return ModelRunner(cfg, client), store
+    store = open_store(cfg, mode)
+    try:
+        return open_runner(cfg, store), store
+    except BaseException:
+        store.close()
+        raise
 
 
 def close(runner, store):
     runner.close()
-    if store is not None:
-        store.close()
+    store.close()
 
 
 def sync(device):
@@ -113,7 +108,7 @@ def slot_passes(runner, ids, tag: str, got: dict, dec: dict):
 
 # ---- 1. invariance ---------------------------------------------------------------------------------
 
-def check_invariance(path: Path, device: str, ids: list[int], tmp: Path):
+def check_invariance(path: Path, device: str, ids: list[int]):
     E = GGUFModelFile.open(str(path)).config.n_expert
     configs = [(0, 0), (0, E), (5, 15), (E, 0)]
     got: dict[str, torch.Tensor] = {}
@@ -125,36 +120,14 @@ def check_invariance(path: Path, device: str, ids: list[int], tmp: Path):
         finally:
             close(runner, store)
     # the real store process, one config
-    sock = Path(tempfile.mkdtemp(prefix="bg-check-", dir=tmp))
-    proc = subprocess.Popen([sys.executable, "-m", "services.store_main", "--model", str(path), "--store-socket",
-                             str(sock / "s.sock"), "--fd-socket", str(sock / "f.sock"), "--metrics", "",
-                             "--device", device, "--vram-slots", "5", "--host-slots", "15"], cwd=REPO,
-                            env=python_env(), stdout=subprocess.DEVNULL,
-                            stderr=open(sock / "store.log", "wb"))
+    runner, store = runner_for(path, device, 5, 15, mode="process")
     try:
-        from betelgeuse.errors import StoreUnavailableError
-        from services.store_client import GrpcStoreClient
-        client = GrpcStoreClient(str(sock / "s.sock"), str(sock / "f.sock"))
-        t0 = time.monotonic()
-        while True:                                  # the store may still be pre-faulting its arena
-            try:
-                runner, _ = runner_for(path, device, 5, 15, client=client)
-                break
-            except StoreUnavailableError:
-                assert proc.poll() is None, (sock / "store.log").read_text()
-                assert time.monotonic() - t0 < 120, "store process not ready after 120 s"
-                time.sleep(0.25)
-        try:
-            for name in ("cold", "consolidated"):
-                logits, st = runner.forward(ids, runner.new_cache(len(ids) + 8), all_logits=True)
-                runner.settle()
-                got[f"5/15 store-process {name} {st.reads}"] = logits.cpu()
-        finally:
-            runner.close()
-            client.close()
+        for name in ("cold", "consolidated"):
+            logits, st = runner.forward(ids, runner.new_cache(len(ids) + 8), all_logits=True)
+            runner.settle()
+            got[f"5/15 store-process {name} {st.reads}"] = logits.cpu()
     finally:
-        proc.terminate()
-        proc.wait(30)
+        close(runner, store)
     first = next(iter(got.values()))
     same = {k: torch.equal(v, first) for k, v in got.items()}
     d0 = next(iter(dec.values()))
@@ -473,7 +446,7 @@ def main() -> int:
     RESULTS["device"] = torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu"
     RESULTS["torch"] = torch.__version__
     ids_tiny = ids_for(paths["tiny"], 48, seed=0)
-    steps = [("invariance", lambda: check_invariance(paths["tiny"], a.device, ids_tiny, tmp)),
+    steps = [("invariance", lambda: check_invariance(paths["tiny"], a.device, ids_tiny)),
              ("prefix", lambda: check_prefix(paths["mid"], a.device, ids_for(paths["mid"], 150, seed=4))),
              ("batch", lambda: check_batch(paths["mid"], a.device)),
              ("pinned", lambda: check_pinned(paths["mid"], a.device)),

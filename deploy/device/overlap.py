@@ -11,13 +11,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from torch.profiler import ProfilerActivity, profile
 
+from betelgeuse.assembly import open_runner, open_store
 from betelgeuse.config import EngineConfig
-from betelgeuse.gguf.reader import GGUFModelFile
 from betelgeuse.gguf.synth import PRESETS, write_model
-from betelgeuse.store.client import InProcessStoreClient
-from betelgeuse.store.plan import plan_slots
-from betelgeuse.store.store import ExpertStore
-from betelgeuse.worker.runner import ModelRunner
 from check_cuda import _union as union  # one interval union for both device scripts
 
 
@@ -44,9 +40,7 @@ if not os.path.exists(path):
     write_model(path, replace(PRESETS["bench"], n_layer=a.layers), progress=False)
 vs, hs = (int(x) for x in a.slots.split(","))
 cfg = EngineConfig(model_path=path, device="cuda", vram_slots=vs, host_slots=hs)
-f = GGUFModelFile.open(path)
-store = ExpertStore(f, plan_slots(f, cfg, None))
-r = ModelRunner(cfg, InProcessStoreClient(store))
+r = open_runner(cfg, open_store(cfg))
 ids = list(range(100, 100 + a.tokens))
 for _ in range(2):                                   # cold, then consolidate -> warm state
     r.forward(ids, r.new_cache(len(ids) + 4))

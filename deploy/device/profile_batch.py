@@ -31,9 +31,8 @@ import torch  # noqa: E402
 from betelgeuse.config import EngineConfig  # noqa: E402
 from betelgeuse.gguf.reader import GGUFModelFile  # noqa: E402
 from betelgeuse.settings import parse_size  # noqa: E402
-from betelgeuse.worker.runner import ModelRunner  # noqa: E402
-from services.bench.procs import BenchCgroup, StoreProcess, mkdir  # noqa: E402
-from services.store_client import GrpcStoreClient  # noqa: E402
+from services.assembly import open_runner, open_store  # noqa: E402
+from services.bench.procs import BenchCgroup, mkdir  # noqa: E402
 
 
 def summary(sts) -> dict:
@@ -125,15 +124,11 @@ def run(o, clients, mem, vram):
     g = torch.Generator().manual_seed(0)
     results = []
     for backing in [x == "on" for x in o.backing.split(",")]:
-        sched = {"max_running": max(clients), "max_context": o.prompt + o.steps + o.warm_steps + 64,
-                 "prefix_cache_bytes": 0}
-        store = StoreProcess(o.model, mkdir(o.run_dir), f"b{int(backing)}", ("auto", "auto"), o.device, mem, vram,
-                             mkdir(o.run_dir) / "store.log", backing, engine=sched)
-        store.wait_ready()
-        client = GrpcStoreClient(store.socket, store.fd_socket)
-        cfg = EngineConfig(model_path=o.model, device=o.device, vram_budget=vram, memory_max=mem, vram_backing=backing,
-                           **sched)
-        rn = ModelRunner(cfg, client)
+        cfg = EngineConfig(model_path=o.model, device=o.device, vram_slots="auto", host_slots="auto", vram_budget=vram,
+                           memory_max=mem, vram_backing=backing, max_running=max(clients),
+                           max_context=o.prompt + o.steps + o.warm_steps + 64, prefix_cache_bytes=0)
+        store = open_store(cfg, "process", str(mkdir(o.run_dir) / f"store-b{int(backing)}"), timeout=300.0)
+        rn = open_runner(cfg, store)
         p = rn.plan
         print(f"\n== vram_backing={backing}: {p.n_vram} VRAM + {p.n_host} host slots per layer, "
               f"{p.n_staging} staging", flush=True)
@@ -187,8 +182,7 @@ def run(o, clients, mem, vram):
             rn.close()                         # drops its views of the arena: unmapped before the next store starts
             del rn
             gc.collect()
-            client.close()
-            store.stop()
+            store.close()
     cols = ["backing", "slots", "n", "path", "tok_per_s", "wall_ms", "disk_wait_ms", "other_blocked_ms", "host_ms",
             "dense_ms", "moe_ms", "vram", "host", "disk", "disk_MB", "store_calls", "kernels", "gpu_busy_ms"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]

@@ -16,24 +16,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
+from betelgeuse.assembly import open_runner, open_store  # noqa: E402
 from betelgeuse.config import EngineConfig  # noqa: E402
 from betelgeuse.gguf.reader import GGUFModelFile  # noqa: E402
-from betelgeuse.store.client import InProcessStoreClient  # noqa: E402
-from betelgeuse.store.plan import plan_slots  # noqa: E402
-from betelgeuse.store.store import ExpertStore  # noqa: E402
-from betelgeuse.worker.runner import ModelRunner  # noqa: E402
 
 a = argparse.ArgumentParser()
 a.add_argument("model")
 a.add_argument("--tokens", type=int, default=64)
 a.add_argument("--decode", type=int, default=24)
 o = a.parse_args()
-f = GGUFModelFile.open(o.model)
-E = f.config.n_expert
-cfg = EngineConfig(model_path=o.model, device="cuda", vram_slots=E, host_slots=0, vram_budget=100 << 30)
-store = ExpertStore(f, plan_slots(f, cfg, None))
-rn = ModelRunner(cfg, InProcessStoreClient(store))
-ids = torch.randint(0, f.config.n_vocab, (o.tokens,)).tolist()
+with GGUFModelFile.open(o.model) as f:
+    c = f.config
+cfg = EngineConfig(model_path=o.model, device="cuda", vram_slots=c.n_expert, host_slots=0, vram_budget=100 << 30)
+rn = open_runner(cfg, open_store(cfg))
+ids = torch.randint(0, c.n_vocab, (o.tokens,)).tolist()
 rn.forward(ids, rn.new_cache(o.tokens + 8))
 rn.settle()
 rn.forward(ids, rn.new_cache(o.tokens + 8))          # fills VRAM, consolidates the rest

@@ -3,13 +3,9 @@ pinned arena, and layer-major vs standard timing on a small model. Prints a tabl
     python3 deploy/device/smoke_cuda.py [--preset tiny|small]"""
 import argparse, time, os
 import torch
+from betelgeuse.assembly import open_runner, open_store
 from betelgeuse.config import EngineConfig
-from betelgeuse.gguf.reader import GGUFModelFile
 from betelgeuse.gguf.synth import write_model, PRESETS
-from betelgeuse.store.plan import plan_slots
-from betelgeuse.store.store import ExpertStore
-from betelgeuse.store.client import InProcessStoreClient
-from betelgeuse.worker.runner import ModelRunner
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--preset", default="small")
@@ -24,10 +20,9 @@ rows = []
 base = None
 for vs, hs in [(0, 0), (5, 15), ("auto", "auto")]:
     cfg = EngineConfig(model_path=path, device=a.device, vram_slots=vs, host_slots=hs)
-    f = GGUFModelFile.open(path)
-    plan = plan_slots(f, cfg, None)
-    store = ExpertStore(f, plan)
-    r = ModelRunner(cfg, InProcessStoreClient(store))
+    store = open_store(cfg)
+    r = open_runner(cfg, store)
+    plan = r.plan
     for p in range(2):
         kv = r.new_cache(a.tokens + 4)
         logits, st = r.forward(ids, kv, all_logits=True)

@@ -36,12 +36,17 @@ from pathlib import Path
 import numpy as np
 
 from betelgeuse.errors import BetelgeuseError, InvalidRequestError
-from services.bench.args import OutOfTime, bench_argv, ensure_model, opt_reader, parse_ints, parse_slots, target
+from betelgeuse.config import EngineConfig
+from services.bench.args import (OutOfTime, bench_argv, engine_from_args, ensure_model, opt_reader, options_record,
+                                 parse_ints, parse_slots, target)
 
-AGENTS_QUICK = dict(preset="small", layers=2, device="cpu", memory_max="4G", vram_budget="2GiB", slots="8+24",
-                    time_budget=150.0, turns=6, agent_prompts="64,320", system_tokens=32, turn_tokens=8,
-                    repeat_prompt=128, clients="1,2,4,8,16", client_prompt="16,32", client_tokens=12,
-                    warm_prompt=32, warm_tokens=4, case_cap=40.0, disk_sample="32MiB")
+AGENTS_QUICK = {"preset": "small", "layers": 2, "device": "cpu", "budget.memory_max": "4G", "budget.vram": "2GiB",
+                "slots": "8+24", "time_budget": 150.0, "turns": 6, "agent_prompts": "64,320", "system_tokens": 32,
+                "turn_tokens": 8, "repeat_prompt": 128, "clients": "1,2,4,8,16", "client_prompt": "16,32",
+                "client_tokens": 12, "warm_prompt": 32, "warm_tokens": 4, "case_cap": 40.0, "disk_sample": "32MiB"}
+# the scheduler keys a case records (engine_config): it sets the first three, prefix_cache_bytes is 0 (cache off) or
+# the settings' size, the last two are the settings'
+SCHEDULER_KEYS = ("max_running", "max_context", "max_queue", "prefix_cache_bytes", "max_batched_tokens", "prefill_chunk")
 GB = 1e9
 MiB = 1 << 20
 
@@ -49,13 +54,10 @@ MiB = 1 << 20
 @dataclass(slots=True)
 class AgentOptions:
     model: str
+    engine: EngineConfig                    # the engine's keys (settings, flags); a case sets its scheduler keys
     device: str = "cpu"
     slots: str = "auto"                     # "V+H" or "auto", the same for every case
-    memory_max: int | None = 12 << 30
-    vram_budget: int = 12 << 30
     cgroup: bool = True
-    vram_backing: bool = True
-    routing: str = "exact"
     time_budget: float = 480.0              # seconds for the whole run, from t0 (model writing included)
     t0: float = field(default_factory=time.monotonic)
     reserve_s: float = 10.0                 # kept for writing results
@@ -77,10 +79,6 @@ class AgentOptions:
     # the same warm-up before every measured phase
     warm_prompt: int = 64
     warm_tokens: int = 8
-    # scheduler keys (None: EngineConfig's defaults)
-    prefix_cache_bytes: int | str = "auto"  # of the "on" agent case and the concurrency cases
-    max_batched_tokens: int | None = None
-    prefill_chunk: int | None = None
     # the disk's rate, sampled before every concurrency case (the bound of its decode passes' disk reads)
     disk_sample_bytes: int = 1 << 30
     disk_sample_s: float = 1.5
@@ -240,34 +238,26 @@ class AgentSuite:
         return max(64, min(self.ctx_model, -(-(tokens + 16) // 64) * 64))
 
     def _open(self, case: dict, max_running: int, max_context: int, prefix_cache_bytes):
-        from betelgeuse.config import EngineConfig
-        from betelgeuse.worker.engine import LLMEngine
+        """A fresh store child and engine for one case, both with the case's scheduler keys (the store plans the
+        slots: it counts the same KV / prefix-cache reserve as this engine)."""
+        from services.assembly import open_engine, open_store
         from services.bench.harness import slots_pair
-        from services.bench.procs import StoreProcess, cgroup_of, mkdir
-        from services.store_client import GrpcStoreClient
+        from services.bench.procs import cgroup_of, mkdir
         o = self.o
-        sched = {"max_running": max_running, "max_context": max_context, "prefix_cache_bytes": prefix_cache_bytes,
-                 "max_queue": max(16, 2 * max_running)}
-        if o.max_batched_tokens is not None:
-            sched["max_batched_tokens"] = o.max_batched_tokens
-        if o.prefill_chunk is not None:
-            sched["prefill_chunk"] = o.prefill_chunk
-        case["engine_config"] = dict(sched)
         v, h = slots_pair(o.slots)
-        cfg = EngineConfig(model_path=o.model, device=o.device, vram_budget=o.vram_budget, memory_max=o.memory_max,
-                           routing=o.routing, vram_backing=o.vram_backing,
-                           vram_slots=v if v == "auto" else int(v), host_slots=h if h == "auto" else int(h), **sched)
-        # the store plans the slots: it must count the same KV / prefix-cache reserve as this engine
+        cfg = dataclasses.replace(o.engine, vram_slots=v, host_slots=h, max_running=max_running,
+                                  max_context=max_context, prefix_cache_bytes=prefix_cache_bytes,
+                                  max_queue=max(16, 2 * max_running))
+        case["engine_config"] = {k: getattr(cfg, k) for k in SCHEDULER_KEYS}
         self.tags += 1
-        store = StoreProcess(o.model, mkdir(o.run_dir), f"agents-{self.tags}", (v, h), o.device, o.memory_max,
-                             o.vram_budget, mkdir(o.run_dir) / "store.log", o.vram_backing, engine=sched)
-        engine = client = None
+        store = open_store(cfg, "process", str(mkdir(o.run_dir) / f"store-agents-{self.tags}"), timeout=300.0)
+        engine = None
+        client = store.client
         try:
-            case["store_start_s"] = store.wait_ready()
+            case["store_start_s"] = store.ready_s
             case["cgroups"] = {"store": cgroup_of(store.proc.pid), "worker": cgroup_of("self")}
             t = time.perf_counter()
-            client = GrpcStoreClient(store.socket, store.fd_socket)
-            engine = LLMEngine(cfg, client)
+            engine = open_engine(cfg, store)
             case["engine_start_s"] = time.perf_counter() - t
             p = engine.runner.plan
             case["plan"] = {"n_vram": p.n_vram, "n_host": p.n_host, "n_staging": p.n_staging,
@@ -299,10 +289,10 @@ class AgentSuite:
                 self.torch.cuda.empty_cache()
             case["arena_mappings_after_close"] = arena_mappings()
         finally:
-            rc = store.stop()
+            rc = store.close()
             case["store_exit"] = rc
             if rc not in (0, None):
-                case["store_error"] = store.last_line()
+                case["store_error"] = store.proc.last_line()
 
     def _warm(self, engine, clients: int = 1) -> dict:
         """The same warm-up before every measured phase: `clients` short requests at once (Triton compiles, CUDA
@@ -347,13 +337,13 @@ class AgentSuite:
     def run(self):
         from services.bench.procs import BenchCgroup, Monitor, vram_used_before_cuda
         o, r = self.o, self.results
-        cg = BenchCgroup(o.memory_max, o.cgroup)
+        cg = BenchCgroup(o.engine.memory_max, o.cgroup)
         r["memory"] = {"cgroup": cg.cg.path if cg.cg else None, "reason": cg.reason}
         vram_base = vram_used_before_cuda() if self.cuda else 0
         mon = Monitor(cg.cg, self.torch.device(o.device), vram_base)
-        r["vram"] = {"baseline_bytes": vram_base, "budget": o.vram_budget}
+        r["vram"] = {"baseline_bytes": vram_base, "budget": o.engine.vram_budget}
         plan = [("agent loop, prefix cache off", lambda c: self._agent(c, 0)),
-                ("agent loop, prefix cache on", lambda c: self._agent(c, o.prefix_cache_bytes))]
+                ("agent loop, prefix cache on", lambda c: self._agent(c, o.engine.prefix_cache_bytes))]
         if not o.agent_loop:
             r["skipped"] += [{"case": name, "reason": "--no-agent-loop"} for name, _ in plan]
             plan = []
@@ -436,10 +426,9 @@ class AgentSuite:
     def _disk_rate(self, k: int) -> float:
         """Bytes/s of whole random experts read as the store reads them (its reader settings), sampled now: the
         ceiling of this case's disk reads, measured in the same run."""
-        from betelgeuse.config import EngineConfig
         from betelgeuse.gguf.reader import GGUFModelFile
         from services.bench.ceilings import measure_disk
-        rc = EngineConfig(model_path=self.o.model)
+        rc = self.o.engine
         f = GGUFModelFile.open(self.o.model)
         try:
             return measure_disk(f, rc.read_threads, rc.read_request_bytes, self.o.disk_sample_bytes,
@@ -452,9 +441,9 @@ class AgentSuite:
         lo, hi = o.client_prompt
         lens = [lo + (i * 37) % (hi - lo + 1) for i in range(n)]
         prompts = [synthetic_ids(lens[i], V, o.seed, 4, n, i) for i in range(n)]
-        case.update(kind="concurrency", clients=n, prefix_cache_bytes=o.prefix_cache_bytes)
+        case.update(kind="concurrency", clients=n, prefix_cache_bytes=o.engine.prefix_cache_bytes)
         case["disk_bps"] = self._disk_rate(len(self.results["cases"]))
-        engine, client, store, rec = self._open(case, n, self._ctx(hi + o.client_tokens), o.prefix_cache_bytes)
+        engine, client, store, rec = self._open(case, n, self._ctx(hi + o.client_tokens), o.engine.prefix_cache_bytes)
         try:
             case["warmup"] = self._warm(engine, n)
             rec.take()
@@ -702,9 +691,8 @@ def add_arguments(p):
     g.add_argument("--warm-prompt", type=int, help="warm-up prompt tokens (default 64)")
     g.add_argument("--warm-tokens", type=int, help="warm-up completion tokens (default 8)")
     g.add_argument("--case-cap", type=float, help="seconds per case before its requests are cut (default 150)")
-    g.add_argument("--prefix-cache-bytes", help="the cache-on cases' prefix_cache_bytes: 'auto' or a size (default auto)")
-    g.add_argument("--max-batched-tokens", type=int, help="EngineConfig.max_batched_tokens (default: the engine's)")
-    g.add_argument("--prefill-chunk", type=int, help="EngineConfig.prefill_chunk (default: the engine's)")
+    # the engine's keys are the bench's engine flags (services/bench/args.py): --prefix-cache-bytes is the cache-on
+    # cases' size; each case sets max_running, max_context and max_queue itself (SCHEDULER_KEYS)
 
 
 _opt = opt_reader(AGENTS_QUICK)
@@ -720,14 +708,12 @@ def _pair(text, flag) -> tuple[int, int]:
 def options_from_args(args, model: str, device: str, t0: float, work: Path) -> AgentOptions:
     import os
     from betelgeuse.settings import parse_size
-    mm = _opt(args, "memory_max", "12G")
     slots = parse_slots(_opt(args, "slots", "auto"))
     if len(slots) != 1:
         raise InvalidRequestError(f"--suite agents takes one slot configuration, got {len(slots)}")
     first, last = _pair(_opt(args, "agent_prompts", "300,2000"), "--agent-prompts")
-    pcb = _opt(args, "prefix_cache_bytes", "auto")
-    pcb = "auto" if str(pcb) == "auto" else parse_size(pcb, "--prefix-cache-bytes")
-    if pcb == 0:
+    engine = engine_from_args(args, AGENTS_QUICK, model, device)
+    if engine.prefix_cache_bytes == 0:
         raise InvalidRequestError("--prefix-cache-bytes 0: the cache-off case is always run; give the cache-on size")
     ints = {k: _opt(args, k, d) for k, d in (("turns", 8), ("system_tokens", 96), ("turn_tokens", 24),
                                               ("repeat_prompt", 500), ("client_tokens", 48), ("warm_prompt", 64),
@@ -735,17 +721,12 @@ def options_from_args(args, model: str, device: str, t0: float, work: Path) -> A
     bad = [k for k, v in ints.items() if int(v) < 1]
     if bad:
         raise InvalidRequestError(f"--{bad[0].replace('_', '-')} must be >= 1, got {ints[bad[0]]}")
-    o = AgentOptions(model=model, device=device, slots=slots[0],
-                     memory_max=None if str(mm).lower() == "none" else parse_size(mm, "--memory-max"),
-                     vram_budget=parse_size(_opt(args, "vram_budget", "12GiB"), "--vram-budget"),
-                     cgroup=not args.no_cgroup, vram_backing=not args.no_vram_backing, routing=args.routing,
+    o = AgentOptions(model=model, engine=engine, device=device, slots=slots[0], cgroup=not args.no_cgroup,
                      time_budget=float(_opt(args, "time_budget", 480.0)), t0=t0,
                      case_cap=float(_opt(args, "case_cap", 150.0)), seed=args.seed,
                      run_dir=str(work / f"run-{os.getpid()}"), first_prompt=first, last_prompt=last,
                      clients=parse_ints(_opt(args, "clients", "1,2,4,8,16"), "--clients"),
                      client_prompt=_pair(_opt(args, "client_prompt", "64,128"), "--client-prompt"),
-                     prefix_cache_bytes=pcb, max_batched_tokens=args.max_batched_tokens,
-                     prefill_chunk=args.prefill_chunk,
                      disk_sample_bytes=parse_size(_opt(args, "disk_sample", "1GiB"), "--disk-sample"),
                      agent_loop=not getattr(args, "no_agent_loop", False), **{k: int(v) for k, v in ints.items()})
     if o.turns < 2:
@@ -769,7 +750,7 @@ def run(args) -> int:
                "models": {}, "cases": [], "skipped": [], "errors": []}
     save = lambda final: write_results(results, out, png=False, render=markdown)     # noqa: E731
     results["models"]["main"] = ensure_model(model, spec, log)
-    results["options"] = {k: getattr(o, k) for k in o.__slots__ if k != "t0"}
+    results["options"] = options_record(o)
     results["options"]["user_tokens_per_turn"] = agent_user_lengths(o)
     log(f"device {device}; results -> {out}")
     from services.bench.report import run_recorded

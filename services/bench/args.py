@@ -1,6 +1,7 @@
 """What both bench suites (`--suite passes`: cli.py, harness.py; `--suite agents`: agents.py) share: reading
-their arguments (with each suite's --quick defaults), the model and results folder they target, the model written
-or reused, and the OutOfTime signal that abandons a case when the time budget runs out.
+their arguments (with each suite's --quick defaults), the engine's keys as flags and the EngineConfig they give,
+the model and results folder they target, the model written or reused, and the OutOfTime signal that abandons a
+case when the time budget runs out.
 """
 
 from __future__ import annotations
@@ -26,6 +27,45 @@ def opt_reader(quick: dict):
             v = quick.get(name)
         return default if v is None else v
     return opt
+
+
+# the engine's keys, flags of every suite (named, typed and described by betelgeuse/settings.py); --slots (a list of
+# V+H configurations, a case each) stands for slots.vram_per_layer / host_per_layer
+ENGINE_SECTIONS = ("slots", "budget", "engine")
+SLOT_KEYS = ("slots.vram_per_layer", "slots.host_per_layer")
+BENCH_DEFAULTS = {"budget.memory_max": "12G"}      # the deployment's budget, as the bench's cgroup
+
+
+def add_engine_flags(p) -> None:
+    from betelgeuse.settings import add_flags
+    add_flags(p, sections=ENGINE_SECTIONS, exclude=SLOT_KEYS, defaults=BENCH_DEFAULTS,
+              group="engine settings (betelgeuse/settings.py; --memory-max none or auto: no cgroup of the bench's; the "
+                    "passes suite defaults to --max-running 2 --prefix-cache-bytes 0)")
+
+
+def engine_from_args(args, quick: dict, model: str, device: str, suite: dict | None = None):
+    """The suite's EngineConfig for `model` on `device` (a case replaces the slots and its own keys): the model's
+    defaults < the bench's (BENCH_DEFAULTS, then the suite's `suite`, then with --quick the "section.key" entries of
+    `quick`) < BETELGEUSE_* < the flags. `--memory-max none` is the bench's spelling of auto: no cgroup of its own,
+    the store plans against the cgroup it runs in."""
+    from betelgeuse.config import EngineConfig, engine_kwargs
+    from betelgeuse.settings import flag_values, resolve_settings
+    defaults = {**BENCH_DEFAULTS, **(suite or {}), **({k: v for k, v in quick.items() if "." in k} if args.quick else {})}
+    flags = flag_values(args)
+    mm = flags.get(("budget", "memory_max"))
+    if mm is not None and str(mm[0]).lower() == "none":
+        flags[("budget", "memory_max")] = ("auto", mm[1])
+    r = resolve_settings(None, flags=flags,
+                         defaults={tuple(k.split(".", 1)): (v, "bench default") for k, v in defaults.items()})
+    return EngineConfig(**{**engine_kwargs(r.settings), "model_path": model, "device": device})
+
+
+def options_record(o) -> dict:
+    """A suite's options as bench.json records them: every field but the start time, the engine's keys flat."""
+    import dataclasses
+    out = {k: getattr(o, k) for k in o.__slots__ if k not in ("t0", "engine")}
+    out.update({k: v for k, v in dataclasses.asdict(o.engine).items() if k not in ("model_path", "device")})
+    return out
 
 
 def parse_ints(text: str, flag: str) -> tuple[int, ...]:

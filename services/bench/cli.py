@@ -17,11 +17,12 @@ import sys
 import time
 
 from betelgeuse.errors import BetelgeuseError
-from services.bench.args import bench_argv, ensure_model, opt_reader, parse_ints, parse_slots, target
+from services.bench.args import (add_engine_flags, bench_argv, engine_from_args, ensure_model, opt_reader, options_record,
+                                 parse_ints, parse_slots, target)
 
-QUICK = dict(preset="small", layers=4, prompts="8,16", standard_prompts="8", decode=4, slots="2+6,auto", device="cpu",
-             memory_max="4G", vram_budget="2GiB", time_budget=150.0, variant_layers=2, standard_cap=10.0, decode_cap=10.0,
-             disk_sample="32MiB")
+QUICK = {"preset": "small", "layers": 4, "prompts": "8,16", "standard_prompts": "8", "decode": 4, "slots": "2+6,auto",
+         "device": "cpu", "budget.memory_max": "4G", "budget.vram": "2GiB", "time_budget": 150.0, "variant_layers": 2,
+         "standard_cap": 10.0, "decode_cap": 10.0, "disk_sample": "32MiB"}
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -39,12 +40,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="router skew of a second, smaller model ('none': no variant; default 0)")
     p.add_argument("--variant-layers", type=int, help="layers of the second model (default 8)")
     p.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto)")
-    p.add_argument("--routing", choices=["exact", "resident"], default="exact",
-                   help="resident: the APPROXIMATE routing mode (ranks after the first among resident experts)")
-    p.add_argument("--no-vram-backing", action="store_true",
-                   help="the store keeps no host copies of VRAM experts (VRAM slots add resident capacity)")
-    p.add_argument("--memory-max", help="cgroup memory.max for both processes (default 12G; 'none': no cgroup limit)")
-    p.add_argument("--vram-budget", help="VRAM for everything both processes place on the GPU (default 12GiB)")
     p.add_argument("--no-cgroup", action="store_true", help="do not create a cgroup (the store still plans to --memory-max)")
     p.add_argument("--slots", help="slot configurations, 'V+H' or 'auto', comma-separated (default 5+15,auto)")
     p.add_argument("--prompts", help="prompt lengths, comma-separated (default 64,512)")
@@ -61,6 +56,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "loops and concurrent clients (services/bench/agents.py)")
     from services.bench.agents import add_arguments
     add_arguments(p)
+    add_engine_flags(p)
     p.set_defaults(func=run)
     return p
 
@@ -75,15 +71,14 @@ def run(args) -> int:
     t0 = time.monotonic()
     from betelgeuse.gguf.synth import spec_from_preset
     from betelgeuse.settings import parse_size
-    from services.bench.harness import BenchOptions, Harness
+    from services.bench.harness import BENCH_ENGINE, BenchOptions, Harness
     from services.bench.report import machine_info, write_results
 
     def log(msg):
         print(f"[bench {time.monotonic() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
     device, work, preset, spec, model, run_name, out = target(args, _opt, "")
-    mm = _opt(args, "memory_max", "12G")
-    memory_max = None if str(mm).lower() == "none" else parse_size(mm, "--memory-max")
+    engine = engine_from_args(args, QUICK, str(model), device, suite=BENCH_ENGINE)
     vs = _opt(args, "variant_skew", "0")
     variant_skew = None if str(vs).lower() == "none" else float(vs)
     results = {"run": run_name, "status": "running", "command": shlex.join(["betelgeuse", "bench"] + bench_argv(args)),
@@ -104,17 +99,16 @@ def run(args) -> int:
             variant = str(vpath)
         except BetelgeuseError as e:
             results["skipped"].append({"case": "variant model", "reason": str(e)})
-    o = BenchOptions(model=str(model), variant=variant, device=device, slots=parse_slots(_opt(args, "slots", "5+15,auto")),
+    o = BenchOptions(model=str(model), engine=engine, variant=variant, device=device,
+                     slots=parse_slots(_opt(args, "slots", "5+15,auto")),
                      prompts=parse_ints(_opt(args, "prompts", "64,512"), "--prompts"),
                      standard_prompts=parse_ints(_opt(args, "standard_prompts", "64"), "--standard-prompts"),
-                     decode=int(_opt(args, "decode", 128)), memory_max=memory_max,
-                     vram_budget=parse_size(_opt(args, "vram_budget", "12GiB"), "--vram-budget"),
-                     cgroup=not args.no_cgroup, time_budget=float(_opt(args, "time_budget", 480.0)), t0=t0,
+                     decode=int(_opt(args, "decode", 128)), cgroup=not args.no_cgroup,
+                     time_budget=float(_opt(args, "time_budget", 480.0)), t0=t0,
                      standard_cap=float(_opt(args, "standard_cap", 20.0)), decode_cap=float(_opt(args, "decode_cap", 20.0)),
                      disk_sample_bytes=parse_size(_opt(args, "disk_sample", "1GiB"), "--disk-sample"),
-                     seed=args.seed, run_dir=str(work / f"run-{os.getpid()}"), vram_backing=not args.no_vram_backing,
-                     routing=args.routing)
-    results["options"] = {k: getattr(o, k) for k in o.__slots__ if k != "t0"}
+                     seed=args.seed, run_dir=str(work / f"run-{os.getpid()}"))
+    results["options"] = options_record(o)
     log(f"device {device}; results -> {out}")
     from services.bench.report import run_recorded
     return run_recorded(results, save, Harness(o, results, save).run, log)

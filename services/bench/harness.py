@@ -13,6 +13,7 @@ micro-batches) through the runner's should_stop hook, and results are written af
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from dataclasses import dataclass, field
@@ -24,16 +25,17 @@ from betelgeuse.config import GiB, EngineConfig
 from betelgeuse.errors import BetelgeuseError
 from betelgeuse.gguf.reader import GGUFModelFile
 from betelgeuse.worker.runner import ModelRunner
+from services.assembly import ChildStore, open_runner, open_store
 from services.bench import ceilings as C
 from services.bench.args import OutOfTime
-from services.bench.procs import (BenchCgroup, Monitor, StoreProcess, arena_mappings, cgroup_of, mkdir,
-                                  vram_used_before_cuda)
+from services.bench.procs import BenchCgroup, Monitor, arena_mappings, cgroup_of, mkdir, vram_used_before_cuda
 from services.bench.profile import profile_pass
 
 
-# one sequence at a time, no prefix cache: the plan (KV reserve for 2 x max_context) of the earlier runs, so their
-# figures stay comparable; `bench --suite agents` measures the scheduler and the prefix cache
-BENCH_ENGINE = {"max_running": 2, "prefix_cache_bytes": 0}
+# the suite's defaults (flags override them): one sequence at a time, no prefix cache: the plan (KV reserve for
+# 2 x max_context) of the earlier runs, so their figures stay comparable; `bench --suite agents` measures the
+# scheduler and the prefix cache
+BENCH_ENGINE = {"engine.max_running": 2, "engine.prefix_cache_bytes": 0}
 
 
 @dataclass(slots=True)
@@ -48,14 +50,13 @@ class Case:
 @dataclass(slots=True)
 class BenchOptions:
     model: str                              # main model (made by the CLI if absent)
+    engine: EngineConfig                    # the engine's keys (settings, flags); a case sets the model and slots
     variant: str | None = None              # second model (other router skew), or None
     device: str = "cpu"
     slots: tuple = ("5+15", "auto")
     prompts: tuple = (64, 512)
     standard_prompts: tuple = (64,)
     decode: int = 128
-    memory_max: int | None = 12 * GiB
-    vram_budget: int = 12 * GiB
     cgroup: bool = True
     time_budget: float = 480.0              # seconds for the whole run, from `t0`
     t0: float = field(default_factory=time.monotonic)
@@ -66,12 +67,11 @@ class BenchOptions:
     reserve_s: float = 10.0                 # kept for writing results
     seed: int = 0
     run_dir: str = "/tmp/betelgeuse-bench"  # sockets, store logs
-    vram_backing: bool = True               # False: the store keeps no host copies of VRAM experts
-    routing: str = "exact"                  # "resident": the approximate routing mode (outputs differ)
 
 
-def slots_pair(s: str) -> tuple[str, str]:
-    return ("auto", "auto") if s == "auto" else tuple(s.split("+"))
+def slots_pair(s: str) -> tuple[int | str, int | str]:
+    """"5+15" -> (5, 15); "auto" -> ("auto", "auto"): EngineConfig's vram_slots, host_slots."""
+    return ("auto", "auto") if s == "auto" else tuple(int(x) for x in s.split("+"))
 
 
 def plan_cases(o: BenchOptions) -> list[Case]:
@@ -128,11 +128,11 @@ class Harness:
     # ---- the run ----------------------------------------------------------------------------------
     def run(self) -> None:
         o, r = self.o, self.results
-        cg = BenchCgroup(o.memory_max, o.cgroup)
+        cg = BenchCgroup(o.engine.memory_max, o.cgroup)
         r["memory"] = {"cgroup": cg.cg.path if cg.cg else None, "reason": cg.reason}
         vram_base = vram_used_before_cuda() if self.cuda else 0
         mon = Monitor(cg.cg, self.dev, vram_base)
-        r["vram"] = {"baseline_bytes": vram_base, "budget": o.vram_budget}
+        r["vram"] = {"baseline_bytes": vram_base, "budget": o.engine.vram_budget}
         try:
             self._ceilings_h2d()
             for case in plan_cases(o):
@@ -167,17 +167,15 @@ class Harness:
         if self.cuda:
             torch.cuda.empty_cache()
 
-    def _runner_for(self, model: str, store: StoreProcess) -> ModelRunner:
-        from services.store_client import GrpcStoreClient
-        client = GrpcStoreClient(store.socket, store.fd_socket)
-        if self.runner is not None and self.runner_model == model:
-            self.runner.store = client
+    def _runner_for(self, cfg: EngineConfig, store: ChildStore) -> ModelRunner:
+        """A runner over this case's store: the last case's, re-attached, if it ran the same model (its dense
+        weights stay loaded), else a new one."""
+        if self.runner is not None and self.runner_model == cfg.model_path:
+            self.runner.store = store.client
             self.runner.attach()
             return self.runner
         self._drop_runner()
-        cfg = EngineConfig(model_path=model, device=self.o.device, vram_budget=self.o.vram_budget,
-                           memory_max=self.o.memory_max, routing=self.o.routing, **BENCH_ENGINE)
-        self.runner, self.runner_model = ModelRunner(cfg, client), model
+        self.runner, self.runner_model = open_runner(cfg, store), cfg.model_path
         return self.runner
 
     def _rebound(self):
@@ -222,19 +220,22 @@ class Harness:
         out = {"name": case.name, "model": case.model, "router_skew": _skew(f), "n_layer": c.n_layer,
                "slots_requested": case.slots, "prompt_tokens": case.prompt, "passes": [], "skipped": []}
         r["cases"].append(out)
-        rc = EngineConfig(model_path=case.model)       # the store's reader settings (its defaults)
-        s = C.measure_disk(f, rc.read_threads, rc.read_request_bytes, o.disk_sample_bytes,
+        v, h = slots_pair(case.slots)
+        cfg = dataclasses.replace(o.engine, model_path=case.model, vram_slots=v, host_slots=h)
+        s = C.measure_disk(f, cfg.read_threads, cfg.read_request_bytes, o.disk_sample_bytes,   # as the store reads
                            o.disk_sample_s, o.seed + len(r["cases"]), o.t0)
         self.ceil.disk.append(s)
         out["disk_bps"] = s.bps
-        store = StoreProcess(case.model, mkdir(o.run_dir), str(len(r["cases"])), slots_pair(case.slots), o.device,
-                             o.memory_max, o.vram_budget, mkdir(o.run_dir) / "store.log", o.vram_backing,
-                             engine=BENCH_ENGINE)
         try:
-            out["store_start_s"] = store.wait_ready()
+            store = open_store(cfg, "process", str(mkdir(o.run_dir) / f"store-{len(r['cases'])}"), timeout=300.0)
+        except BaseException:
+            f.close()
+            raise
+        try:
+            out["store_start_s"] = store.ready_s
             out["cgroups"] = {"store": cgroup_of(store.proc.pid), "worker": cgroup_of("self")}
             t = time.perf_counter()
-            rn = self._runner_for(case.model, store)
+            rn = self._runner_for(cfg, store)
             out["attach_s"] = time.perf_counter() - t
             self._measure_compute()                 # every case: the ceiling is the best seen in the run
             p = rn.plan
@@ -276,10 +277,10 @@ class Harness:
         finally:
             self._detach()
             out["arena_mappings_after_detach"] = arena_mappings()
-            rc = store.stop()
+            rc = store.close()
             out["store_exit"] = rc
             if rc not in (0, None):
-                out["store_error"] = store.last_line()
+                out["store_error"] = store.proc.last_line()
             f.close()
 
     def _prefill(self, rn: ModelRunner, f: GGUFModelFile, kind: str, ids: list, kv):

@@ -1,85 +1,21 @@
-"""The benchmark's processes and budgets: the expert-store child, the cgroup both processes share,
-and a monitor thread that records peak cgroup memory and peak VRAM while passes run.
+"""The benchmark's budgets: the cgroup both processes share, and a monitor thread that records peak cgroup
+memory and peak VRAM while passes run.
 
-The store is the real `python -m services.store_main` (a fresh process = empty slots: a cold start);
-the worker is the bench process itself, which moves itself into the cgroup before starting the store,
-so both are inside it (memory charged before the move stays with the parent: torch's import, not the
-arena, the KV cache or the dense weights, which come later).
+The store is the real `python -m services.store_main`, a fresh child per case (empty slots: a cold start), started
+by services/assembly.py's open_store(cfg, mode="process"); the worker is the bench process itself, which moves
+itself into the cgroup before starting the store, so both are inside it (memory charged before the move stays with
+the parent: torch's import, not the arena, the KV cache or the dense weights, which come later).
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 
 from betelgeuse.errors import BetelgeuseError
 from betelgeuse.store.cgroup import CgroupMemory, make_cgroup, move_pid, remove_cgroup
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-class StoreProcess:
-    """One `services.store_main` child with its own sockets; ended by its pid only."""
-
-    def __init__(self, model: str, run_dir: Path, tag: str, slots: tuple[str, str], device: str,
-                 memory_max: int | None, vram_budget: int, log_path: Path, vram_backing: bool = True,
-                 engine: dict | None = None):
-        """engine: [engine] settings the store plans with (passed as flags), which the worker's
-        EngineConfig must equal (max_running and the prefix cache size the VRAM the plan leaves for slots)."""
-        d = run_dir / f"store-{tag}"
-        d.mkdir(parents=True, exist_ok=True)
-        self.socket, self.fd_socket = str(d / "store.sock"), str(d / "fd.sock")
-        for p in (self.socket, self.fd_socket):
-            if os.path.exists(p):
-                os.unlink(p)
-        from betelgeuse.settings import to_flags
-        from services.launcher import python_env
-        settings = {("model", "path"): model, ("store", "socket"): self.socket, ("store", "fd_socket"): self.fd_socket,
-                    ("store", "metrics"): "", ("slots", "vram_per_layer"): slots[0],
-                    ("slots", "host_per_layer"): slots[1], ("budget", "vram"): vram_budget, ("worker", "device"): device,
-                    ("budget", "memory_max"): memory_max or None, ("slots", "vram_backing"): vram_backing,
-                    **{("engine", k): v for k, v in (engine or {}).items()}}
-        cmd = [sys.executable, "-m", "services.store_main", *to_flags(settings)]      # the settings model's flags
-        env = python_env()
-        self.log_path = log_path
-        self.log = open(log_path, "ab")
-        self.log.write(f"\n$ {' '.join(cmd)}\n".encode())
-        self.log.flush()
-        self.proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=self.log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float = 300.0) -> float:
-        """Seconds until both sockets listen; BetelgeuseError with the store's last line if it exits."""
-        t0 = time.monotonic()
-        while not (os.path.exists(self.fd_socket) and os.path.exists(self.socket)):
-            rc = self.proc.poll()
-            if rc is not None:
-                raise BetelgeuseError(f"the expert store exited with status {rc} at start-up: {self.last_line()}")
-            if time.monotonic() - t0 > timeout:
-                self.stop()
-                raise BetelgeuseError(f"the expert store did not become ready within {timeout:.0f} s")
-            time.sleep(0.05)
-        return time.monotonic() - t0
-
-    def last_line(self) -> str:
-        try:
-            lines = [ln for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()]
-        except OSError:
-            return "(no log)"
-        errs = [ln for ln in lines if "error" in ln.lower()]
-        return (errs or lines or ["(no output)"])[-1].strip()
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self, timeout: float = 15.0) -> int | None:
-        from services.launcher import terminate
-        rc = terminate(self.proc, timeout)
-        self.log.close()
-        return rc
 
 
 class BenchCgroup:
