@@ -58,3 +58,37 @@ def test_bad_store_mode(tmp_path):
     from services.assembly import open_store
     with pytest.raises(BetelgeuseError, match="store mode must be one of in-process, process, got 'remote'"):
         open_store(EngineConfig(model_path=str(tmp_path / "m.gguf")), "remote")
+
+
+# the parts a composition root wires, and the modules allowed to build them: the two assembly modules; the engine
+# (its own runner); the store process (it is the store); the worker process (it connects to a store it did not start)
+PARTS = ("ExpertStore", "InProcessStoreClient", "GrpcStoreClient", "ModelRunner", "LLMEngine")
+BUILDERS = {"betelgeuse/assembly.py": {"ExpertStore", "InProcessStoreClient", "ModelRunner", "LLMEngine"},
+            "services/assembly.py": {"GrpcStoreClient"},
+            "betelgeuse/worker/engine.py": {"ModelRunner"},
+            "services/store_main.py": {"ExpertStore"},
+            "services/worker_main.py": {"GrpcStoreClient", "LLMEngine"}}
+
+
+def test_parts_are_wired_in_one_place():
+    """No module of the library, the application, the device scripts or the tests' process helpers builds a store,
+    a client, a runner or an engine by hand (they go through open_store / open_runner / open_engine; BUILDERS are
+    the exceptions), nor starts a child process but through the one launcher (services/launcher.py)."""
+    import ast
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    files = [p for d in ("betelgeuse", "services", "deploy/device") for p in sorted((root / d).rglob("*.py"))
+             if "services/pb/" not in p.as_posix()] + [root / "tests" / "engine_helpers.py",
+                                                       root / "tests" / "service_helpers.py"]
+    assert len(files) > 50
+    bad = []
+    for path in files:
+        rel = path.relative_to(root).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+                if name in PARTS and name not in BUILDERS.get(rel, ()):
+                    bad.append(f"{rel}:{node.lineno}: {name}(...)")
+                if name == "Popen" and rel != "services/launcher.py":
+                    bad.append(f"{rel}:{node.lineno}: Popen(...) beside the launcher")
+    assert not bad, "parts built outside the assembly:\n  " + "\n  ".join(bad)
