@@ -435,6 +435,9 @@ class ExpertStore:
         }
 
     def close(self):
+        t = self._consolidating
+        if t is not None:                    # a consolidation still reading: its reads land before the reader closes
+            t.join()
         self.reader.close()
         self.arena.close()
         self.watch.close()
