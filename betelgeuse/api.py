@@ -1,6 +1,6 @@
 """What the GPU worker offers the service layer: requests in, events out.
 
-`services/grpc_server.py` converts protobuf to these dataclasses (from_pb) and back (to_pb); nothing
+`services/grpc/server.py` converts protobuf to these dataclasses (from_pb) and back (to_pb); nothing
 here knows about protobuf. Tests may drive an `Engine` in-process.
 """
 

@@ -22,8 +22,8 @@ from betelgeuse.assembly import LocalStore, open_engine, open_runner  # noqa: F4
 from betelgeuse.assembly import open_store as open_local_store
 from betelgeuse.config import EngineConfig, engine_settings
 from betelgeuse.errors import BetelgeuseError
+from services.grpc.store_client import GrpcStoreClient
 from services.launcher import Cluster, Proc
-from services.store_client import GrpcStoreClient
 
 MODES = ("in-process", "process")
 

@@ -324,7 +324,7 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
 
 def _stream_grpc(address: str, args, ids) -> int:
     """Stream one Generate over gRPC; text to stdout, usage to stderr."""
-    from services.client import generate_stream
+    from services.grpc.client import generate_stream
     final = None
     for ev in generate_stream(address, prompt_text=args.prompt, prompt_ids=ids, max_tokens=args.max_tokens,
                               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,

@@ -26,8 +26,8 @@ from betelgeuse.store.cgroup import CgroupMemory
 from betelgeuse.worker.engine import LLMEngine
 from services.auth import load_api_keys
 from services.common import common_args, listen_metrics, run_main, settings_from_args
-from services.grpc_server import build_server, server_credentials, set_health
-from services.store_client import GrpcStoreClient
+from services.grpc.server import build_server, server_credentials, set_health
+from services.grpc.store_client import GrpcStoreClient
 
 log = logging.getLogger("betelgeuse.worker")
 

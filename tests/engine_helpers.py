@@ -235,7 +235,7 @@ class ByteCounter(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterc
 def counting_store_client(sockets: StoreSockets):
     """A GrpcStoreClient whose control channel counts bytes (the counter is `.counter`)."""
     from services.pb.betelgeuse.v1 import store_pb2_grpc as spb_grpc
-    from services.store_client import GrpcStoreClient
+    from services.grpc.store_client import GrpcStoreClient
 
     class Counting(GrpcStoreClient):
         def attach(self):

@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from service_helpers import health_status, wait_health
-from services.client import generate_stream
+from services.grpc.client import generate_stream
 from services.launcher import free_port
 
 REPO = Path(__file__).resolve().parents[1]

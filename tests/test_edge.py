@@ -122,7 +122,7 @@ def _row(name: str):
 
 
 def test_the_table_is_whole_and_its_codes_exist(faults):
-    from services.grpc_server import status_of
+    from services.grpc.server import status_of
     names = faults.table
     assert {"ShuttingDownError", "InternalError", "StoreUnavailableError", "UnsupportedParam", "ModelNotFound",
             "NotFound", "MethodNotAllowedError"} <= set(names), names

@@ -408,7 +408,7 @@ def test_a_regular_file_at_the_socket_path_is_not_deleted(cluster, tmp_path):
 def test_a_busy_grpc_port_fails_naming_it():
     """Before: gRPC's default SO_REUSEPORT let a second server bind the same port; connections then split."""
     from betelgeuse.errors import BetelgeuseError
-    from services.grpc_server import build_server
+    from services.grpc.server import build_server
     from services.launcher import free_port
     addr = f"127.0.0.1:{free_port()}"
     s1, _, _ = build_server(None, [addr])

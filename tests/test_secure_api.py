@@ -154,7 +154,7 @@ def _cli(*args, env=None):
 
 
 def test_the_clients_send_the_key(cluster, certs):
-    """Issue 25 item 1. Before: `betelgeuse generate --api-key` was an unrecognized argument and services/client.py
+    """Issue 25 item 1. Before: `betelgeuse generate --api-key` was an unrecognized argument and services/grpc/client.py
     sent no credentials, so the project's own clients could not talk to a server with keys."""
     gen = ["generate", "--server", cluster.address, "--tls-ca", str(certs / "cert.pem"), "--token-ids", "5,6,7,8",
            "--max-tokens", "4", "--ignore-eos"]

@@ -1,7 +1,7 @@
 """How the worker reaches the store: a small interface, two implementations.
 
 `InProcessStoreClient` calls an `ExpertStore` in the same process (tests, single-process runs);
-`services/store_client.py` implements the same methods over gRPC on a Unix socket and receives
+`services/grpc/store_client.py` implements the same methods over gRPC on a Unix socket and receives
 the arena's file descriptor over a second socket. The engine only sees this interface.
 """
 

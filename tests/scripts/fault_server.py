@@ -1,4 +1,4 @@
-"""The worker's two real edges (gRPC: services/grpc_server.py; HTTP: services/http/app.py + server.py) over an engine
+"""The worker's two real edges (gRPC: services/grpc/server.py; HTTP: services/http/app.py + server.py) over an engine
 that fails on request, for tests/test_edge.py's walk of the error table.
 
     python tests/scripts/fault_server.py --grpc 127.0.0.1:P --http 127.0.0.1:Q [--log-format json]
@@ -118,7 +118,7 @@ def main():
         import json
         print(json.dumps([c.__name__ for c in worker_error_classes()]), flush=True)
     setup("info", a.log_format)
-    from services.grpc_server import build_server, set_health
+    from services.grpc.server import build_server, set_health
     from services.http.app import build_app
     from betelgeuse.settings import Settings
     from services.http.server import HttpServer, Limits

@@ -1,6 +1,6 @@
 """A small Python client for agents: stream a generation from a Betelgeuse server.
 
-    from services.client import generate_stream
+    from services.grpc.client import generate_stream
     for ev in generate_stream("127.0.0.1:50051", prompt_text="Hello", max_tokens=32,
                               api_key=os.environ.get("BETELGEUSE_API_KEY"), tls_ca=None):
         if ev.WhichOneof("event") == "token": print(ev.token.text, end="", flush=True)

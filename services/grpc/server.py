@@ -1,6 +1,6 @@
 """The public gRPC server of the worker: InferenceService, grpc.health.v1, reflection.
 
-Thin by design (TGI's server.py): convert with services/convert.py, call the engine, convert back.
+Thin by design (TGI's server.py): convert with services/grpc/convert.py, call the engine, convert back.
 One interceptor maps betelgeuse errors to status codes and counts every RPC's outcome.
 """
 
@@ -18,8 +18,8 @@ from grpc_reflection.v1alpha import reflection
 
 from betelgeuse.api import FinalEvent
 from betelgeuse.errors import BetelgeuseError, InternalError, InvalidRequestError
-from services import convert
 from services.auth import MISSING, ApiKeys, load_api_keys  # noqa: F401 (load_api_keys: the worker's import)
+from services.grpc import convert
 from services.pb.betelgeuse.v1 import inference_pb2 as pb
 from services.pb.betelgeuse.v1 import inference_pb2_grpc as pb_grpc
 
