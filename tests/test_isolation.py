@@ -143,7 +143,7 @@ def test_a_failing_sequence_fails_alone(engine, alone, monkeypatch):
         if params.seed == 666:
             raise RuntimeError("injected sampler fault")
         return real(logits, params, generator)
-    monkeypatch.setattr("betelgeuse.worker.engine.sample", faulty)
+    monkeypatch.setattr("betelgeuse.worker.outputs.sample", faulty)
     got = _concurrently(engine, reqs)
     assert isinstance(got[4], InternalError), got[4]
     assert [g for i, g in enumerate(got) if i != 4] == [a for i, a in enumerate(alone) if i != 4]

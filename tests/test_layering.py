@@ -216,6 +216,7 @@ LEVELS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("moe_step", "lanes"),
         ("decode_graphs",),
         ("runner",),
+        ("scheduler", "inputs", "kv_manager", "outputs"),
         ("engine",),
     ),
     "model": (
@@ -236,3 +237,13 @@ def test_imports_point_down_inside_the_rooms():
             if a is not None and b is not None and b > a:
                 up.append(f"{imp} (level {a} -> level {b} of {room}/)")
     assert not up, "imports that climb inside a room:\n  " + "\n  ".join(up)
+
+
+# the engine's scheduling policy stands alone: unit-tested on fake sequences without torch (tests/test_scheduler.py)
+POLICY_ONLY = {"betelgeuse.worker.scheduler": ("__future__", "time", "collections", "dataclasses", "typing")}
+
+
+def test_policy_modules_import_only_the_standard_library():
+    bad = [str(imp) for imp in IMPORTS if imp.src in POLICY_ONLY
+           and imp.dst.split(".")[0] not in POLICY_ONLY[imp.src]]
+    assert not bad, "a policy-only module imports more than its allowed standard modules:\n  " + "\n  ".join(bad)

@@ -137,6 +137,11 @@ class PrefixCache:
             self.stats.tokens_reused += n
         return out
 
+    def covered(self, blocks: list[int]) -> int:
+        """Prompt tokens a lookup's chain holds: what load() will copy in (the whole prompt's entry counts its own)."""
+        tail = blocks[-1] if blocks and blocks[-1] in self.tail_row else None
+        return (len(blocks) - 1) * self.block + len(self.tokens[tail]) if tail is not None else len(blocks) * self.block
+
     def logits(self, blocks: list[int]) -> torch.Tensor | None:
         """The last position's logits [n_vocab] float32 (a copy) when `blocks` end with a whole prompt, else None."""
         row = self.tail_row.get(blocks[-1]) if blocks else None

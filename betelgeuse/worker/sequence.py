@@ -15,7 +15,7 @@ _ids = itertools.count(1)
 _END = object()
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)         # a sequence is itself: found in the running set by identity, not by value
 class Sequence:
     request: GenerateRequest
     prompt_ids: list[int]
@@ -27,13 +27,12 @@ class Sequence:
     kv: object = None                             # KVCache while running
     n_done: int = 0                               # prompt tokens whose K/V are in kv (cached prefix + prefilled)
     blocks: list = field(default_factory=list)    # prefix-cache blocks this sequence holds (its prompt's chain)
-    looked_up: bool = False                       # the prefix cache was asked (at its first prefill pass)
     seq_id: int = field(default_factory=lambda: next(_ids))
     out_ids: list[int] = field(default_factory=list)
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: bool = False
     arrival: float = field(default_factory=time.monotonic)
-    t_prefill_start: float = 0.0
+    t_prefill_start: float = 0.0                  # admitted (Scheduler.schedule)
     t_first: float = 0.0
     t_last: float = 0.0
     usage: Usage = field(default_factory=Usage)

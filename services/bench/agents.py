@@ -129,42 +129,21 @@ def _slim(rec: dict) -> dict:
 
 # ---- pass statistics ---------------------------------------------------------------------------------
 class PassRecorder:
-    """Every PassStats the engine's runner returns: its public methods are wrapped on the instance, so the engine's
-    own calls go through the wrappers; a stats object returned by nested wrappers is kept once."""
+    """Every PassStats of the engine's passes, through its on_pass hook (called on the engine thread after each
+    pass that completed); take() hands over what a phase of the suite recorded."""
 
-    def __init__(self, runner):
-        from betelgeuse.worker.runner import PassStats
-        self._cls = PassStats
+    def __init__(self, engine):
         self._lock = threading.Lock()
         self.passes: list = []
-        self._seen: set[int] = set()
-        self.wrapped: list[str] = []
-        for name in dir(type(runner)):
-            attr = getattr(type(runner), name, None)
-            if name.startswith("_") or isinstance(attr, property) or not callable(attr):
-                continue
-            try:
-                setattr(runner, name, self._wrap(getattr(runner, name)))
-                self.wrapped.append(name)
-            except (AttributeError, TypeError):
-                pass
+        engine.on_pass = self.add
 
-    def _wrap(self, fn):
-        def call(*a, **k):
-            out = fn(*a, **k)
-            for x in (out if isinstance(out, (tuple, list)) else (out,)):
-                st = x if isinstance(x, self._cls) else getattr(x, "stats", None)
-                if isinstance(st, self._cls):
-                    with self._lock:
-                        if id(st) not in self._seen:
-                            self._seen.add(id(st))
-                            self.passes.append(st)
-            return out
-        return call
+    def add(self, stats):
+        with self._lock:
+            self.passes.append(stats)
 
     def take(self) -> list:
         with self._lock:
-            out, self.passes, self._seen = self.passes, [], set()
+            out, self.passes = self.passes, []
         return out
 
 
@@ -267,7 +246,7 @@ class AgentSuite:
             case["prefix_cache"] = {"engine_has_prefix_cache": hasattr(engine, "prefix_cache"),
                                     "enabled": pc is not None and prefix_cache_bytes != 0,
                                     "type": type(pc).__name__ if pc is not None else None}
-            return engine, client, store, PassRecorder(engine.runner)
+            return engine, client, store, PassRecorder(engine)
         except BaseException:
             self._close(case, engine, client, store)
             raise

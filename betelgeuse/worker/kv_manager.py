@@ -1,0 +1,107 @@
+"""A sequence's memory in the worker: its KV cache (the model's per-sequence state, runner.new_cache) and its blocks
+in the prefix cache (worker/prefix_cache.py), whose counters go to the metrics (vLLM's KV cache manager).
+
+    n = kvm.hit(seq)         # at admission (the scheduler's prefix_hit): the longest cached prefix, held for seq
+    kvm.admit(seq)           # its KV cache, the held prefix copied in (seq.n_done tokens)
+    kvm.prefilled(seq, logits)   # after each prefill pass: its new whole blocks; the whole prompt after the last
+    kvm.free(seq)            # it ended: its KV cache goes (the runner's graphs of it: runner.request_done), its blocks
+                             # become evictable
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from betelgeuse.config import EngineConfig
+from betelgeuse.logs import event
+from betelgeuse.store.plan import prefix_cache_bytes
+from betelgeuse.worker.prefix_cache import PrefixCache, PrefixStats
+from betelgeuse.worker.sequence import Sequence
+
+log = logging.getLogger("betelgeuse.engine")
+
+
+class KVManager:
+    def __init__(self, cfg: EngineConfig, runner, metrics=None):
+        self.runner, self.metrics = runner, metrics
+        self.prefix = self._make_prefix_cache(cfg)      # None: off, or not possible for this model/schedule
+        self._exported = PrefixStats()                  # prefix-cache counters already added to the metrics
+
+    def _make_prefix_cache(self, cfg: EngineConfig) -> PrefixCache | None:
+        r, c = self.runner, self.runner.mcfg
+        elt = torch.empty((), dtype=r.dtype).element_size()
+        nbytes = prefix_cache_bytes(cfg, c, elt)
+        if nbytes == 0:
+            return None
+        if r.chunk is None or cfg.schedule != "layer_major":
+            log.info("prefix cache off: %s", "the standard schedule prefills in micro-batches"
+                     if r.chunk is not None else f"{c.arch} state is not cut into position-aligned blocks")
+            return None
+        pc = PrefixCache(c.n_layer, c.n_head_kv, c.head_dim, r.chunk, nbytes, r.device, r.dtype, c.n_vocab)
+        if not pc.enabled:
+            log.warning("prefix cache off: %d bytes hold no block of %d tokens (%d bytes)", nbytes, r.chunk,
+                        pc.block_bytes)
+            return None
+        event(log, "prefix_cache", logging.INFO, blocks=pc.n_blocks, block_tokens=pc.block,
+              bytes=pc.capacity_bytes, device=str(r.device))
+        if self.metrics:
+            self.metrics.prefix_cache_capacity.set(pc.capacity_bytes)
+        return pc
+
+    def hit(self, seq: Sequence) -> int:
+        """The longest cached prefix of the prompt, held for the sequence (seq.blocks) -> its tokens (0: a miss).
+        A whole cached prompt (every token) needs no pass: its first token comes from cached_logits."""
+        pc = self.prefix
+        blocks = pc.lookup(seq.prompt_ids, seq.request.cache_salt)
+        pc.acquire(blocks)
+        seq.blocks = blocks
+        return pc.covered(blocks)
+
+    def admit(self, seq: Sequence):
+        """The sequence's KV cache for its prompt and its whole output; the held prefix copied into it."""
+        seq.kv = self.runner.new_cache(len(seq.prompt_ids) + seq.max_tokens)
+        if self.prefix is not None:
+            n = self.prefix.load(seq.kv, seq.blocks)
+            assert n == seq.n_done, (n, seq.n_done)         # what the scheduler planned from hit()
+            seq.usage.cached_tokens = n
+            self._export()
+
+    def cached_logits(self, seq: Sequence) -> torch.Tensor:
+        """The whole cached prompt's last-position logits [n_vocab] float32."""
+        return self.prefix.logits(seq.blocks)
+
+    def prefilled(self, seq: Sequence, logits: torch.Tensor):
+        """After a prefill pass gave seq.n_done prompt tokens: the prompt's new whole blocks go into the prefix
+        cache, and after its last piece the whole prompt with its last position's logits [n_vocab]."""
+        pc = self.prefix
+        if pc is None:
+            return
+        salt, P = seq.request.cache_salt, seq.prompt_ids
+        seq.blocks = pc.insert(seq.kv, P, seq.n_done, seq.blocks, salt)
+        if not seq.prefilling:
+            seq.blocks = pc.insert_tail(seq.kv, P, seq.blocks, logits, salt)
+        self._export()
+
+    def free(self, seq: Sequence):
+        """The sequence ended: it lets go of its KV cache, and its prefix blocks become evictable."""
+        blocks = seq.blocks
+        seq.kv, seq.blocks = None, []
+        if blocks and self.prefix is not None:
+            self.prefix.release(blocks)
+
+    def _export(self):
+        """The prefix cache's own counters (PrefixStats) into the metrics: what grew since the last export."""
+        m, pc = self.metrics, self.prefix
+        if not m or pc is None:
+            return
+        st, old = pc.stats, self._exported
+        m.prefix_cache_queries.inc(st.queries - old.queries)
+        m.prefix_cache_hits.inc(st.hits - old.hits)
+        m.prefix_cache_tokens.inc(st.tokens_reused - old.tokens_reused)
+        m.prefix_cache_evictions.inc(st.evictions - old.evictions)
+        m.prefix_cache_bytes.set(pc.bytes_used)
+        m.prefix_cache_usage.set(pc.bytes_used / pc.capacity_bytes if pc.capacity_bytes else 0.0)
+        self._exported = dataclasses.replace(st)
