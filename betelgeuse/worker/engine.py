@@ -85,15 +85,9 @@ class LLMEngine:
     def prefix_cache(self):
         return self.kv_manager.prefix
 
-    @property
-    def grammars(self):
-        return self.inputs.grammars
-
     # ---- requests in --------------------------------------------------------------------------
-    def check_text_bytes(self, n: int, what: str = "the prompt"):
-        self.inputs.check_text_bytes(n, what)
-
     def prompt_ids(self, req: GenerateRequest) -> list[int]:
+        """The request's prompt as checked token ids (the Anthropic front counts tokens with it)."""
         return self.inputs.prompt_ids(req)
 
     def submit(self, req: GenerateRequest, deadline: float | None = None) -> RequestHandle:
@@ -154,6 +148,7 @@ class LLMEngine:
                     self._end(seq, Finish.failed(InternalError("internal error in the engine; see the worker log")))
 
     def step(self):
+        """Schedule, then carry the plan out: end, admit, and each pass run and its outputs processed in turn."""
         with self.cv:
             plan = self.scheduler.schedule()
         for seq in plan.ended:
