@@ -144,7 +144,7 @@ def test_request_end_consolidation_does_not_wait_for_a_fill(model):
 def test_request_done_consolidates_only_when_no_other_sequence_runs(model):
     """runner.request_done (the engine's end of a request): the sequence lets go of its lane at once; its decode usage
     is consolidated only when it decoded and nothing else runs, else the open store pass goes on (the running
-    batch's periodic decode consolidation counts that usage)."""
+    batch's periodic decode consolidation counts that usage); when nothing else runs the pass closes either way."""
     rn, store = in_process_runner(model, 4, 8, max_running=2)
     rn._static_decode = True                             # the lanes, as CUDA decodes (eagerly on the CPU)
     try:
@@ -159,10 +159,10 @@ def test_request_done_consolidates_only_when_no_other_sequence_runs(model):
         assert rn.session.pass_open and kvs[0].uid in rn._lanes.seqs
         rn.request_done(kvs[0], others_running=True)
         assert rn.session.pass_open and kvs[0].uid not in rn._lanes.seqs and kvs[1].uid in rn._lanes.seqs
-        rn.request_done(kvs[1], others_running=False, decoded=False)     # cancelled: nothing consolidated
-        assert rn.session.pass_open and not rn._lanes.seqs
-        assert store._usage.sum() == 0                                  # the decode usage is still the worker's
         score = store.score.copy()
+        rn.request_done(kvs[1], others_running=False, decoded=False)     # cancelled: nothing consolidated, but
+        assert not rn.session.pass_open and not rn._lanes.seqs          # an idle worker never holds a pass open
+        assert store._usage.sum() > 0 and np.array_equal(store.score, score)   # the usage sent, not consolidated
         rn.request_done(kvs[1], others_running=False)
         assert not rn.session.pass_open and store._usage.sum() == 0     # sent and consolidated:
         assert not np.array_equal(store.score, score)                   # the scores took the decode usage

@@ -215,6 +215,11 @@ def test_a_failing_release_still_ends_the_request(engine, monkeypatch):
     t.join(30)
     assert not t.is_alive(), "the request never ended"
     assert out["r"][1] == "length" and len(out["r"][0]) == 3
+    # and the end-of-request rule still ran: an idle worker holds no store pass open (the directory not frozen)
+    t_end = time.monotonic() + 5
+    while engine.runner.session.pass_open and time.monotonic() < t_end:
+        time.sleep(0.02)
+    assert not engine.runner.session.pass_open
 
 
 # ---- item 2: bounded work before admission ------------------------------------------------------------------------

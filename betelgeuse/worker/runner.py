@@ -139,9 +139,12 @@ class ModelRunner:
     def request_done(self, kv, others_running: bool, decoded: bool = True):
         """A request ended: release its sequence (release) and apply the end-of-request consolidation rule
         (StoreSession.request_done: only when it decoded and no other sequence runs). May raise
-        StoreUnavailableError (the store went away); the sequence is released first either way."""
-        self.release(kv)
-        self.session.request_done(others_running, decoded)
+        StoreUnavailableError (the store went away); a release that raises still applies the rule, then raises
+        (else an idle worker would keep its store pass open and the directory frozen)."""
+        try:
+            self.release(kv)
+        finally:
+            self.session.request_done(others_running, decoded)
 
     # ---- one pass ---------------------------------------------------------------------------
     def forward(self, ids: list[int], kv: SequenceState, all_logits: bool = False, consolidate: bool = True,

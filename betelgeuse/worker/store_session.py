@@ -156,9 +156,14 @@ class StoreSession:
     def request_done(self, others_running: bool, decoded: bool = True):
         """A request ended. decoded: it ended normally after decode passes (a cancelled or failed request, or one whose
         only token came from its prefill, has nothing of its own left to consolidate: its prefill did). Its
-        working set is consolidated only when no other sequence runs (module doc)."""
-        if decoded and not others_running:
+        working set is consolidated only when no other sequence runs (module doc). When none runs, the store pass
+        closes either way: an idle worker never holds the directory frozen (a pending consolidation could not apply)."""
+        if others_running:
+            return
+        if decoded:
             self.consolidate()
+        else:
+            self.close_pass(False)
 
     def settle(self):
         """Wait until a pending consolidation is applied (begin_pass waits for it)."""
