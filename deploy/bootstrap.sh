@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# prometheus: promtool checks the rules; strace: tests/test_systemd_sandbox.py traces the syscalls
+# prometheus: promtool checks the rules; strace: tests/services/test_systemd_sandbox.py traces the syscalls
 apt_pkgs=(prometheus strace)
 missing=()
 for p in "${apt_pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done

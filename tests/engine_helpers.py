@@ -283,7 +283,7 @@ def expert_page_mask(path: str) -> np.ndarray:
 # ---- the Hugging Face oracle ---------------------------------------------------------------------------
 
 def hf_model(path: Path, n_ff_exp: int):
-    """transformers' own Qwen3MoE reading the same GGUF (see tests/test_model_oracle.py)."""
+    """transformers' own Qwen3MoE reading the same GGUF (see tests/model/test_model_oracle.py)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     import torch

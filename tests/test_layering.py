@@ -239,7 +239,7 @@ def test_imports_point_down_inside_the_rooms():
     assert not up, "imports that climb inside a room:\n  " + "\n  ".join(up)
 
 
-# the engine's scheduling policy stands alone: unit-tested on fake sequences without torch (tests/test_scheduler.py)
+# the engine's scheduling policy stands alone: unit-tested on fake sequences without torch (tests/worker/test_scheduler.py)
 POLICY_ONLY = {"betelgeuse.worker.scheduler": ("__future__", "time", "collections", "dataclasses", "typing")}
 
 

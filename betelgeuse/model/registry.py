@@ -43,7 +43,7 @@ class Arch:
     # (config, tokens, compute dtype bytes) -> bytes of one sequence's state holding that many tokens
     state_bytes: Callable[[ModelConfig, int, int], int]
     # the state is per token and cut into position-aligned blocks, so a prefix cache can hold it
-    # (= the engine class's chunked_prefill; tests/test_model_interface.py keeps them equal)
+    # (= the engine class's chunked_prefill; tests/model/test_model_interface.py keeps them equal)
     prefix_cache: bool = True
     # (config, context tokens) -> peak float32 attention scratch bytes beyond the per-token activations
     scratch_bytes: Callable[[ModelConfig, int], int] = _no_scratch

@@ -23,7 +23,7 @@ from betelgeuse.store.layout import ArenaLayout, SlotLayout
 HEADROOM = 256 * MiB            # left free in the cgroup for page tables, sockets, the unexpected
 CUDA_CONTEXT_BYTES = 1 * GiB    # VRAM the CUDA context and torch's allocator take beyond tensors (767 MiB measured on an H200)
 # VRAM of one running sequence's captured decode graphs (worker/lanes.py: its attention graph per layer, their private pool and
-# their instantiated kernel nodes); gpu-agents3 went 158 MiB higher device-wide with 8 sequences replaying them
+# their instantiated kernel nodes); with 8 sequences replaying them device-wide use went 158 MiB higher (docs/benchmarks/gpu-agents3)
 GRAPHS_BYTES_PER_SEQ = 32 * MiB
 
 

@@ -22,7 +22,7 @@ MAX_VARIANTS sizes are kept); the attention graphs do not, and are captured once
 Why the bits do not depend on the batch (invariant 6): every op of pre / post / head is row-wise (a matmul row's
 reduction never mixes rows) and always runs on the same shapes, [B, ...], whoever occupies the other lanes (a
 fixed M, so the library picks the same kernel; measured row-position-invariant on CPU and CUDA, checked on both:
-tests/test_batched_decode.py, deploy/device/check_cuda.py). Attention is per sequence. A lane that is free holds
+tests/worker/test_batched_decode.py, deploy/device/check_cuda.py). Attention is per sequence. A lane that is free holds
 whatever its last token left (finite: the embedding is recomputed for every lane each step) and is never read
 into a running row. A sequence keeps its lane while it runs (its attention graph has the lane's row baked in);
 one decoding alone runs the same B-row ops, so the engine decodes a lone sequence through here too.

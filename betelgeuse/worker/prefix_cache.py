@@ -10,7 +10,7 @@ up to each block (vLLM's automatic prefix caching), reused by later requests tha
 
 A block is `block` tokens (= EngineConfig.prefill_chunk), aligned to absolute positions: the engine prefills in
 position-aligned chunks, so a block's K/V are the same bits whichever request computed it, and a prefix hit gives
-logits bit-identical to a miss (tests/test_prefix_cache.py). Only prompt blocks are cached: K/V written by decode
+logits bit-identical to a miss (tests/worker/test_prefix_cache.py). Only prompt blocks are cached: K/V written by decode
 steps come from one-row passes and would not match what a prefill computes for the same tokens.
 
 The whole prompt: after its last prefill pass a request also keeps its prompt's last, partial block (1..block

@@ -10,7 +10,7 @@
 
 Policy only: no torch, no runner, no events. The engine carries a plan out (worker/engine.py: KV caches, the passes,
 the outputs); a sequence that ends meanwhile (its first token was its last) simply leaves the later pass
-(StepPlan.passes). The unit tests drive it on fake sequences (tests/test_scheduler.py).
+(StepPlan.passes). The unit tests drive it on fake sequences (tests/worker/test_scheduler.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     python deploy/grafana/make_dashboard.py          # rewrite the JSON
     python deploy/grafana/make_dashboard.py --check  # exit 1 if the committed JSON is stale
 
-Edit the panels here, never the JSON. tests/test_dashboards.py checks that the committed JSON is
+Edit the panels here, never the JSON. tests/services/test_dashboards.py checks that the committed JSON is
 current, that every expression parses (promtool) and uses only metrics defined in
 betelgeuse/metrics.py, and that every panel returns data from a real Prometheus.
 Grafana 10+; the data source is a variable (uid "prometheus" when provisioned from provisioning/).

@@ -1,5 +1,5 @@
 """The worker's two real edges (gRPC: services/grpc/server.py; HTTP: services/http/app.py + server.py) over an engine
-that fails on request, for tests/test_edge.py's walk of the error table.
+that fails on request, for tests/services/test_edge.py's walk of the error table.
 
     python tests/scripts/fault_server.py --grpc 127.0.0.1:P --http 127.0.0.1:Q [--log-format json]
     ... --list: first print the names of the error classes the worker defines (the table to walk), one JSON line

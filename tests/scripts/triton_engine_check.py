@@ -1,4 +1,4 @@
-"""Run under TRITON_INTERPRET=1 (tests/test_kernels.py): the engine with the Triton expert kernels on the CPU.
+"""Run under TRITON_INTERPRET=1 (tests/kernels/test_kernels.py): the engine with the Triton expert kernels on the CPU.
 
     triton_engine_check.py MODEL.gguf            # qwen3moe ENGINE_SPEC (Q8_0 experts), 40-token prompt
     triton_engine_check.py MODEL.gguf ds4-tiny   # deepseek4 ds4-tiny (MXFP4 experts, clamped SwiGLU), 150 tokens

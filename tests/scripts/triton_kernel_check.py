@@ -1,4 +1,4 @@
-"""Run under TRITON_INTERPRET=1 (tests/test_kernels.py): the Triton expert kernels against the torch reference.
+"""Run under TRITON_INTERPRET=1 (tests/kernels/test_kernels.py): the Triton expert kernels against the torch reference.
 
 For each weight type: random experts quantized by gguf-py, random routing; prints one JSON line with the
 max |diff| against the torch path (float32 compute), and three bit-for-bit properties the engine relies on:

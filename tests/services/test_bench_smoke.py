@@ -1,0 +1,119 @@
+"""`betelgeuse bench` at a tiny geometry on the CPU: it runs end to end (a real store process, a real
+cgroup where the machine allows one, real O_DIRECT reads) within its time budget and writes a
+well-formed bench.json / bench.md / bench.png. No performance targets: those are judged on the GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BUDGET = 40.0
+
+
+def _png_chunks(data: bytes):
+    """Parse a PNG by the spec: signature, then (length, type, data, CRC) chunks; check every CRC."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG signature"
+    pos, out = 8, []
+    while pos < len(data):
+        (n,) = struct.unpack(">I", data[pos:pos + 4])
+        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + n]
+        (crc,) = struct.unpack(">I", data[pos + 8 + n:pos + 12 + n])
+        assert zlib.crc32(kind + body) & 0xFFFFFFFF == crc, f"bad CRC in {kind!r}"
+        out.append((kind, body))
+        pos += 12 + n
+    return out
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    work = tmp_path_factory.mktemp("bench")
+    out = work / "out"
+    cmd = [sys.executable, "-m", "services.bench.cli", "--quick", "--preset", "tiny", "--router-skew", "1",
+           "--variant-skew", "0", "--variant-layers", "2", "--slots", "2+6,auto", "--prompts", "8,16",
+           "--standard-prompts", "8", "--decode", "4", "--memory-max", "4G", "--time-budget", str(BUDGET),
+           "--disk-sample", "4MiB", "--work-dir", str(work), "--out", str(out), "--run-name", "smoke"]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=BUDGET + 90)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return out, json.loads((out / "bench.json").read_text()), p
+
+
+def test_runs_within_budget_and_writes_json(bench_run):
+    out, r, _ = bench_run
+    assert r["status"] == "complete" and r["errors"] == []
+    assert r["elapsed_s"] < BUDGET + 15, r["elapsed_s"]          # the budget is honoured, model writing included
+    assert r["models"]["main"]["bytes"] == os.path.getsize(r["models"]["main"]["path"])
+    assert r["command"].startswith("betelgeuse bench") and r["machine"]["torch"]
+    first = r["cases"][0]
+    assert first["router_skew"] == 1.0 and first["plan"]["n_vram"] == 2 and first["plan"]["n_host"] == 6
+    labels = [p["label"] for p in first["passes"]]
+    assert labels[:2] == ["cold", "warm"], labels
+    cold, warm = first["passes"][:2]
+    # a fresh store has empty slots: every expert of the cold pass comes from disk
+    assert cold["reads"]["disk"] > 0 and cold["reads"]["vram"] == cold["reads"]["host"] == 0
+    assert cold["disk_share"] == 1.0 and cold["disk_bytes"] > 0
+    assert warm["reads"]["vram"] + warm["reads"]["host"] > 0          # consolidation placed experts
+    for p in (cold, warm):
+        assert p["n_tokens"] == 8 and p["tok_per_s"] > 0 and len(p["layers"]) == first["n_layer"]
+        b = p["bound"]
+        assert b["bound_s"] == max(b["disk_s"], b["h2d_s"], b["compute_s"]) > 0
+        assert b["achieved"] == pytest.approx(b["bound_s"] / p["seconds"])
+        # the first case is bounded by the first disk sample, taken just before it
+        assert b["disk_s"] == pytest.approx(p["disk_bytes"] / r["ceilings"]["disk"][0]["bps"], rel=1e-9)
+        assert b["h2d_s"] == pytest.approx(p["h2d_bytes"] / r["ceilings"]["h2d_bps"], rel=1e-9)
+    assert r["ceilings"]["h2d_bps"] > 0 and r["ceilings"]["disk"][0]["bps"] > 0
+    # the compute ceiling: the engine's own kernels at 1, 16 and 64 rows per expert, more rows never cheaper
+    mm = {int(k): v for k, v in r["ceilings"]["mm_s"].items()}
+    assert sorted(mm) == [1, 16, 64] and all(v > 0 for v in mm.values()) and all(v > 0 for v in r["ceilings"]["hbm_bps"].values())
+    for p in (cold, warm):
+        # host cost: host time + blocked time = the pass's wall; per application = host time / applications
+        assert p["host_s"] + p["blocked_s"] == pytest.approx(p["seconds"], rel=1e-6)
+        assert p["host_us_per_application"] == pytest.approx(p["host_s"] / p["loads"] * 1e6)
+        assert p["store_calls"] >= 2
+    for case in r["cases"]:
+        assert case["arena_mappings_after_detach"] == 0, case["name"]    # old arenas never linger
+        assert case["store_exit"] == 0, case.get("store_error")
+        if "decode" in case:
+            d = case["decode"]
+            assert 1 <= d["tokens"] <= 4 and d["tg_peak"] >= d["tg_mean"] > 0
+    # every planned case either ran or is listed as skipped
+    ran = {c["name"] for c in r["cases"]}
+    assert "2+6 p8" in ran
+    assert all(s["reason"] for s in r["skipped"])
+
+
+def test_cgroup_holds_both_processes(bench_run):
+    _, r, _ = bench_run
+    mem = r["memory"]
+    if mem.get("cgroup") is None:
+        pytest.skip(f"no memory cgroup on this machine: {mem.get('reason')}")
+    assert mem["limit"] == 4 << 30 and mem["oom_kills"] == 0 and mem["peak"] > 0
+    for case in r["cases"]:                      # read from /proc/<pid>/cgroup during the run
+        assert case["cgroups"]["store"] == case["cgroups"]["worker"] == mem["cgroup"]
+    assert not os.path.exists(mem["cgroup"])     # removed afterwards
+
+
+def test_markdown_and_png_well_formed(bench_run):
+    out, r, _ = bench_run
+    md = (out / "bench.md").read_text()
+    n_passes = sum(len(c["passes"]) for c in r["cases"])
+    rows = [ln for ln in md.splitlines() if ln.startswith("| ") and ("| layer_major |" in ln or "| standard |" in ln)]
+    assert len(rows) == n_passes, md
+    header = next(ln for ln in md.splitlines() if ln.startswith("| Case | Router skew"))
+    assert all(ln.count("|") == header.count("|") for ln in rows)
+    assert "PP tok/s" in header and "Disk read share" in header and "Disk wait ms" in header
+    assert "Peak cgroup memory" in md and "Peak VRAM" in md
+    chunks = _png_chunks((out / "bench.png").read_bytes())
+    kinds = [k for k, _ in chunks]
+    assert kinds[0] == b"IHDR" and kinds[-1] == b"IEND" and b"IDAT" in kinds
+    w, h = struct.unpack(">II", chunks[0][1][:8])
+    assert w >= 100 and h >= 100
+    zlib.decompress(b"".join(b for k, b in chunks if k == b"IDAT"))   # the image data inflates

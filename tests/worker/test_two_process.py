@@ -1,0 +1,146 @@
+"""The two-process engine: a real store process (`python -m services.store_main`) and a worker
+(this test process through GrpcStoreClient, or a real `services.worker_main` process).
+
+- logits through the store process are bit-identical to the in-process `Qwen3MoeReference`, cold and
+  after consolidation, and (one config) agree with Hugging Face transformers reading the same file;
+- the two processes are different pids mapping the same memfd (same inode in /proc/<pid>/maps);
+- no expert bytes cross the control socket: the serialized gRPC bytes of a whole pass (counted by a
+  client interceptor) and the bytes the store process wrote to any fd (/proc/<pid>/io wchar) are
+  far below one expert, while the pass moved dozens of experts.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from betelgeuse.config import EngineConfig
+from betelgeuse.model.qwen3moe import Qwen3MoeReference
+from betelgeuse.worker.runner import ModelRunner
+
+from engine_helpers import (WIDE_SPEC, StoreSockets, arena_mappings, counting_store_client, free_port, generate,
+                            hf_model, prompt, proc_io, start_store, start_worker, write_synth)
+
+PROMPT = prompt(24, WIDE_SPEC["n_vocab"], seed=4)
+VRAM, HOST = 2, 6          # of 16 experts: all three tiers in use after consolidation
+REL_TOL = 1e-4             # same justification as tests/model/test_model_oracle.py
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    return write_synth(tmp_path_factory.mktemp("twoproc") / "wide.gguf", **WIDE_SPEC)
+
+
+@pytest.fixture(scope="module")
+def reference(wide):
+    ref = Qwen3MoeReference.load(wide)
+    with torch.no_grad():
+        return ref.forward(torch.tensor(PROMPT), ref.new_cache(64)).float()
+
+
+@pytest.fixture
+def store(wide, tmp_path):
+    socks = StoreSockets(tmp_path)
+    p = start_store(wide, socks, VRAM, HOST)
+    try:
+        yield p, socks
+    finally:
+        p.stop()
+
+
+def _inode(line: str) -> str:
+    return line.split()[4]          # /proc/<pid>/maps: address perms offset dev inode path
+
+
+def test_store_process_matches_reference_and_sends_no_expert_bytes(wide, reference, store):
+    proc, socks = store
+    client = counting_store_client(socks)
+    runner = ModelRunner(EngineConfig(model_path=str(wide), vram_slots=VRAM, host_slots=HOST), client)
+    try:
+        # separate processes, one arena
+        assert proc.pid != os.getpid()
+        mine, theirs = arena_mappings(os.getpid()), arena_mappings(proc.pid)
+        assert mine and theirs, (mine, theirs)
+        assert {_inode(x) for x in mine} & {_inode(x) for x in theirs}, "not the same memfd"
+
+        expert_bytes = runner.file.expert_nbytes(0)
+        assert expert_bytes > 100_000
+        results = []
+        for name in ("cold", "consolidated", "repeat"):
+            c0, r0, w0 = client.counter.total, client.counter.received, proc_io(proc.pid)["wchar"]
+            logits, st = runner.forward(PROMPT, runner.new_cache(64), all_logits=True)
+            control = client.counter.total - c0
+            wchar = proc_io(proc.pid)["wchar"] - w0
+            moved = sum(st.reads.values()) * expert_bytes        # expert bytes the pass used, any tier
+            print(f"\n[two-process] {name}: reads {st.reads}, disk {st.disk_bytes} B, control socket "
+                  f"{control} B serialized ({client.counter.received - r0} B replies), store wrote {wchar} B; "
+                  f"one expert {expert_bytes} B, experts used {moved} B")
+            assert torch.equal(logits, reference), f"{name}: max |diff| {(logits - reference).abs().max():.3e}"
+            assert control < expert_bytes / 20, (control, expert_bytes)
+            assert wchar < expert_bytes / 10, (wchar, expert_bytes)
+            assert control < moved / 1000
+            results.append(st)
+            runner.settle()
+        cold, _, cons = results
+        assert cold.reads["disk"] == sum(cold.reads.values()) and cold.disk_bytes >= cold.reads["disk"] * expert_bytes
+        assert cons.reads["vram"] > 0 and cons.reads["host"] > 0 and cons.reads["disk"] > 0, cons.reads
+        st = client.status()
+        assert st["pid"] == proc.pid and st["disk_bytes"] > 0
+    finally:
+        runner.close()
+        client.close()
+
+
+def test_worker_process_serves_reference_tokens(wide, reference, store, tmp_path):
+    """A real worker process: its own pid, the store's memfd in its maps, greedy tokens as the reference."""
+    proc, socks = store
+    ref = Qwen3MoeReference.load(wide)
+    kv = ref.new_cache(64)
+    want = []
+    with torch.no_grad():
+        logits = ref.forward(torch.tensor(PROMPT), kv)[-1]
+        for _ in range(5):
+            want.append(int(logits.argmax()))
+            logits = ref.forward(torch.tensor(want[-1:]), kv)[-1]
+    port = free_port()
+    worker = start_worker(wide, socks, port, VRAM, HOST)
+    try:
+        assert len({os.getpid(), proc.pid, worker.pid}) == 3
+        w, s = arena_mappings(worker.pid), arena_mappings(proc.pid)
+        assert w and s and {_inode(x) for x in w} & {_inode(x) for x in s}
+        for i in range(2):                                  # cold, then warm after consolidation
+            final = generate(port, PROMPT, max_tokens=5)
+            assert list(final.token_ids) == want, (i, list(final.token_ids), want)
+        assert final.usage.expert_reads_vram + final.usage.expert_reads_host > 0
+    finally:
+        assert worker.stop() == 0, worker.log()
+
+
+def test_store_process_matches_transformers(oracle_models, tmp_path):
+    """One configuration against the independent oracle: the F32 oracle model, 2 VRAM + 3 host of 8."""
+    from conftest import ORACLE_OVERRIDES
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    path = oracle_models["F32"]
+    ids = prompt(16, ORACLE_OVERRIDES["n_vocab"], seed=9)
+    with torch.no_grad():
+        want = hf_model(path, ORACLE_OVERRIDES["n_ff_exp"])(torch.tensor([ids])).logits[0].float()
+    socks = StoreSockets(tmp_path)
+    proc = start_store(path, socks, 2, 3)
+    client = counting_store_client(socks)
+    runner = ModelRunner(EngineConfig(model_path=str(path), vram_slots=2, host_slots=3), client)
+    try:
+        for _ in range(2):
+            got, st = runner.forward(ids, runner.new_cache(32), all_logits=True)
+            runner.settle()
+            scale = want.abs().max().item()
+            diff = (got - want).abs().max().item()
+            print(f"\n[two-process] vs transformers: max |diff| {diff:.3e} (tolerance {REL_TOL * scale:.3e}), reads {st.reads}")
+            assert scale > 0.5 and diff <= REL_TOL * scale
+            assert torch.equal(got.argmax(-1), want.argmax(-1))
+    finally:
+        runner.close()
+        client.close()
+        proc.stop()
