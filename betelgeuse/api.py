@@ -53,6 +53,9 @@ class GenerateRequest:
     messages: list[dict[str, Any]] | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_tokens: int | None = None   # None = until EOS / a stop, or the end of the context
+    fit_context: bool = False       # True: max_tokens is only an upper bound, the output also ends at the end of
+                                    # the context (Anthropic clients send 32000 whatever the model); False: a
+                                    # max_tokens beyond the context is refused (OpenAI's and vLLM's answer)
     stop: list[str] = field(default_factory=list)            # stop strings (not included in the output)
     stop_token_ids: list[int] = field(default_factory=list)  # besides the model's EOS ids
     ignore_eos: bool = False

@@ -132,11 +132,12 @@ class RequestProcessor:
 
     def room(self, req: GenerateRequest, ids: list[int]) -> int:
         """Tokens of output the context leaves after the prompt; refused when the prompt fills it, or when max_tokens
-        asks for more (OpenAI's and vLLM's answer: a 400 naming the numbers, never a silent cut at the context)."""
+        asks for more (OpenAI's and vLLM's answer: a 400 naming the numbers, never a silent cut at the context) unless
+        the request says max_tokens is only an upper bound (fit_context: the Anthropic edge)."""
         ctx = self.ctx
         if len(ids) >= ctx:
             raise InvalidRequestError(f"prompt of {len(ids)} tokens does not fit the context of {ctx} tokens")
-        if req.max_tokens is not None and len(ids) + req.max_tokens > ctx:
+        if req.max_tokens is not None and len(ids) + req.max_tokens > ctx and not req.fit_context:
             e = InvalidRequestError(
                 f"max_tokens {req.max_tokens} does not fit the context: the prompt is {len(ids)} tokens of the "
                 f"context's {ctx}, so at most {ctx - len(ids)} new tokens (or leave max_tokens unset: until EOS or "

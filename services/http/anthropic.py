@@ -12,6 +12,8 @@ Refused with a 400 naming them, as Anthropic's API does with unknown input: any 
 and known features it cannot honour (image / document / search-result blocks, server tools such as web search,
 mcp_servers, container). Errors have Anthropic's shape {"type": "error", "error": {"type", "message"}}.
 `thinking.budget_tokens` is accepted and not enforced (max_tokens bounds the whole answer, reasoning included).
+max_tokens is an upper bound here: the answer also ends at the end of the context (stop_reason "max_tokens"),
+since Anthropic clients send their own large max_tokens (Claude Code: 32000) whatever the served model's context.
 """
 
 from __future__ import annotations
@@ -228,7 +230,7 @@ def to_request(r: MessagesRequest) -> api.GenerateRequest:
             raise UnsupportedParam("output_config.format", "give output_config.format or structured_outputs, not both")
         grammar = api.Grammar("json_schema", r.output_config.format.schema_)
     return api.GenerateRequest(
-        messages=_messages(r), max_tokens=r.max_tokens, stop=list(r.stop_sequences or []),
+        messages=_messages(r), max_tokens=r.max_tokens, fit_context=True, stop=list(r.stop_sequences or []),
         sampling=api.SamplingParams(temperature=1.0 if r.temperature is None else r.temperature,
                                     top_p=1.0 if r.top_p is None else r.top_p, top_k=r.top_k or 0),
         tools=tools, tool_choice=choice, chat_template_kwargs=_template_kwargs(r), grammar=grammar)

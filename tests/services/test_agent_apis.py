@@ -342,3 +342,13 @@ def test_readme_agent_examples_run(cluster):
         block = next(b for b in blocks if marker in b)
         code = block.replace("http://127.0.0.1:8000", cluster.http_url)
         exec(compile(code, "README.md", "exec"), {})
+
+
+def test_messages_max_tokens_is_an_upper_bound(claude, oa, model_id):
+    """Claude Code sends max_tokens=32000 whatever the model: /v1/messages answers (the output also ends at the end of
+    the context) instead of the 400 the OpenAI edge gives for a max_tokens beyond the context. Before: a 400."""
+    r = claude.messages.create(model=model_id, max_tokens=32000, extra_body={**T0, **scripted("Hi there")},
+                               messages=[{"role": "user", "content": "hello"}])
+    assert r.content[0].text == "Hi there" and r.stop_reason == "end_turn"
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        oa.chat.completions.create(model=model_id, max_tokens=32000, messages=[{"role": "user", "content": "hello"}])
