@@ -7,6 +7,10 @@ threads. Requests of priority 0 (demand: a pass waits on them) are always taken 
 (read-ahead); FIFO within a priority. Where O_DIRECT is refused or meaningless (tmpfs, ramfs: the
 file already is page cache) the reader falls back to buffered reads + POSIX_FADV_DONTNEED, and
 says so in `mode`.
+
+Test-only: `BETELGEUSE_TEST_READ_JITTER=SEED:MAX_MS` (or `jitter=`, see Jitter) holds each read's completion
+back by a seeded random delay, so expert arrivals come late and out of order (adversarial timing: the tests and
+the device checks set it, production never does; off, it costs one `is None` test per read).
 """
 
 from __future__ import annotations
@@ -16,14 +20,17 @@ import itertools
 import mmap
 import os
 import queue
+import random
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
-from betelgeuse.errors import ModelFormatError
+from betelgeuse.errors import BetelgeuseError, ModelFormatError
 from betelgeuse.store.arena import Arena
 
 PAGE = 4096
+JITTER_ENV = "BETELGEUSE_TEST_READ_JITTER"
 MEMORY_FS = frozenset({"tmpfs", "ramfs", "hugetlbfs", "devtmpfs"})
 
 
@@ -42,10 +49,52 @@ class ReaderStats:
 
 
 @dataclass(slots=True)
+class Jitter:
+    """Adversarial timing, for tests only (production never sets it). Each draw n (a read, a delivery order, a
+    consolidation copy) takes Random(seed, n): a read's completion (its future, so the store's `landed`) is held
+    back by delay() in [0, max_s), and the store hands staged copies out in a shuffled() order, so demand loads,
+    read-ahead and consolidation fills land late and in an order unrelated to the order asked for."""
+    seed: int
+    max_s: float
+    _draws: Iterator[int] = field(default_factory=itertools.count, repr=False)
+
+    def _rng(self) -> random.Random:
+        return random.Random(self.seed * 1_000_003 + next(self._draws))
+
+    def delay(self) -> float:
+        return self._rng().random() * self.max_s
+
+    def shuffled(self, items) -> list:
+        out = list(items)
+        self._rng().shuffle(out)
+        return out
+
+    @classmethod
+    def parse(cls, text: str) -> "Jitter":
+        """'SEED:MAX_MS' (e.g. '7:20') -> a Jitter; anything else -> BetelgeuseError naming the variable."""
+        try:
+            seed, ms = text.split(":")
+            jitter = cls(int(seed), float(ms) / 1e3)
+        except ValueError:
+            jitter = None
+        if jitter is None or not 0 <= jitter.max_s < 60:
+            raise BetelgeuseError(f"{JITTER_ENV}={text!r}: expected SEED:MAX_MS (integer seed, 0 <= MAX_MS < 60000), "
+                                  "e.g. 7:20")
+        return jitter
+
+    @classmethod
+    def from_env(cls, environ=os.environ) -> "Jitter | None":
+        """From BETELGEUSE_TEST_READ_JITTER; unset or empty -> None (off: production)."""
+        text = environ.get(JITTER_ENV, "").strip()
+        return cls.parse(text) if text else None
+
+
+@dataclass(slots=True)
 class _Job:  # one read() call
     future: cf.Future
     pending: int  # pieces not yet done
     lock: threading.Lock
+    delay: float  # seconds its completion is held back (test-only Jitter; 0 otherwise)
     error: BaseException | None = None  # the first failure; later pieces are skipped
 
 
@@ -92,8 +141,9 @@ def _direct_works(fd: int) -> bool:
 
 class ExpertReader:
     def __init__(self, path: str, arena: Arena, threads: int = 8, request_bytes: int = 4 << 20,
-                 direct: bool | None = None):  # fmt: skip
-        """direct=None: O_DIRECT where the filesystem honours it; False forces buffered."""
+                 direct: bool | None = None, jitter: Jitter | None = None):  # fmt: skip
+        """direct=None: O_DIRECT where the filesystem honours it; False forces buffered.
+        jitter: test-only adversarial timing (default: from BETELGEUSE_TEST_READ_JITTER, normally unset)."""
         assert threads >= 1 and request_bytes >= PAGE and request_bytes % PAGE == 0, (threads, request_bytes)
         self.path, self.arena, self.request_bytes = path, arena, request_bytes
         self.fs = fs_type(path)
@@ -123,6 +173,7 @@ class ExpertReader:
         self._stats_lock = threading.Lock()
         self._q: queue.PriorityQueue = queue.PriorityQueue()
         self._seq = itertools.count()  # FIFO within a priority
+        self.jitter = Jitter.from_env() if jitter is None else jitter  # test-only; None in production
         self._closed = False
         self._threads = [threading.Thread(target=self._run, name=f"bg-reader-{i}", daemon=True) for i in range(threads)]
         for t in self._threads:
@@ -139,7 +190,7 @@ class ExpertReader:
         fut: cf.Future = cf.Future()
         fut.set_running_or_notify_cancel()  # running: cancel() returns False (bytes may be landing)
         pieces: list[_Piece] = []
-        job = _Job(fut, 0, threading.Lock())
+        job = _Job(fut, 0, threading.Lock(), 0.0 if self.jitter is None else self.jitter.delay())
         payload = device = 0
         for off, n, dest in ranges:
             assert off >= 0 and n > 0 and dest % PAGE == 0, (off, n, dest)
@@ -181,10 +232,19 @@ class ExpertReader:
                     job.error = err
                 last = job.pending == 0
             if last:
-                if job.error is not None:
-                    job.future.set_exception(job.error)
+                if job.delay:
+                    t = threading.Timer(job.delay, self._finish, (job,))
+                    t.daemon = True
+                    t.start()
                 else:
-                    job.future.set_result(None)
+                    self._finish(job)
+
+    @staticmethod
+    def _finish(job: _Job) -> None:
+        if job.error is not None:
+            job.future.set_exception(job.error)
+        else:
+            job.future.set_result(None)
 
     def _read_piece(self, p: _Piece) -> None:
         buf = self.arena.view(p.dest, p.nbytes)

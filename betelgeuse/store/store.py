@@ -193,6 +193,8 @@ class ExpertStore:
         """Yields each expert as its bytes land in a staging slot, in completion order."""
         self.watch.check()                          # checked on reads: a stat and an fstat when nothing changed
         self._check(session)
+        if self.reader.jitter is not None:        # test-only adversarial timing: staged copies answer out of order
+            keys = self.reader.jitter.shuffled(keys)
         done: queue.Queue = queue.Queue()
         pending = []
         with self.cv:
@@ -363,6 +365,8 @@ class ExpertStore:
                 if staged is not None:
                     self._filling.add((l, e))     # a demand read must not evict this copy while it is copied
             if staged is not None:
+                if self.reader.jitter is not None:    # test-only: a slow fill, so passes go on beside it
+                    time.sleep(self.reader.jitter.delay())
                 src = self.layout.staging_slot_offset(staged)
                 n = self.layout.slot.slot_bytes
                 self.arena.view(off, n)[:] = self.arena.view(src, n)

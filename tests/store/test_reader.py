@@ -8,7 +8,7 @@ import pytest
 
 from betelgeuse.errors import ModelFormatError
 from betelgeuse.store.arena import Arena
-from betelgeuse.store.reader import PAGE, ExpertReader, fs_type
+from betelgeuse.store.reader import JITTER_ENV, PAGE, ExpertReader, Jitter, fs_type
 from pagecache import drop_cache, resident_pages
 
 DISK_DIR = "/var/tmp"
@@ -98,6 +98,25 @@ def test_forced_buffered_mode_reads_right_and_drops_its_pages(disk_file):
         reader.read(ranges).result(timeout=60)
         _check(arena, data, ranges)
     assert resident_pages(path) <= 4, "buffered fallback must POSIX_FADV_DONTNEED what it read"
+
+
+def test_jitter_lands_reads_late_and_out_of_order(disk_file, monkeypatch):
+    """The test-only adversary (store/reader.py Jitter, tests/test_adversarial_timing.py): each read's future resolves
+    up to max_s late, in an order unrelated to the order asked, with the right bytes; off unless asked for."""
+    path, data = disk_file
+    monkeypatch.delenv(JITTER_ENV, raising=False)
+    with Arena.create(PAGE) as arena, ExpertReader(path, arena, threads=1) as reader:
+        assert reader.jitter is None
+    ranges = [(i * 3 * PAGE + 5, 100, i * PAGE) for i in range(16)]
+    with Arena.create(16 * PAGE) as arena, ExpertReader(path, arena, threads=2, jitter=Jitter(5, 0.03)) as reader:
+        order = []
+        futures = [reader.read([r]) for r in ranges]
+        for i, f in enumerate(futures):
+            f.add_done_callback(lambda _, i=i: order.append(i))
+        for f in futures:
+            f.result(timeout=30)
+        _check(arena, data, ranges)
+    assert sorted(order) == list(range(16)) and order != list(range(16)), order
 
 
 def test_demand_overtakes_read_ahead(disk_file):
