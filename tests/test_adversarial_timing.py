@@ -1,0 +1,233 @@
+"""Invariants 1 and 6 under adversarial timing (issue 28): when and in what order experts land must never change a bit.
+
+The store's test-only jitter (BETELGEUSE_TEST_READ_JITTER=SEED:MS, store/reader.py Jitter) holds every disk read
+back by a seeded random delay (demand loads, read-ahead, consolidation fills), hands staged copies out in a shuffled
+order and slows consolidation copies, so experts land late, out of order, in launch groups of varying composition,
+and passes run while a consolidation is still filling. Every architecture's engine must still give its reference's
+logits (experts dequantized from the file's mmap, no store) bit for bit: prefill cold / after a consolidation /
+consolidated, decode steps that run beside filling consolidations, batched decode, and (qwen3moe) prefix-cache hits.
+deepseek4 has no prefix cache (its compressed state is not cut into blocks: Deepseek4Model.chunked_prefill = False),
+so it has no prefix case. The issue's own reproduction (the two-process `betelgeuse logits` on a 16-expert ds4-tiny)
+runs once under the jitter too. The same checks on CUDA: deploy/device/check_cuda.py / check_ds4.py
+--adversarial-timing SEED:MS.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from betelgeuse.gguf.synth import spec_from_preset, write_model
+from betelgeuse.model import reference_model
+from betelgeuse.store.reader import JITTER_ENV, Jitter
+from betelgeuse.worker.prefix_cache import PrefixCache
+
+from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, write_synth
+from services.launcher import python_env
+
+JITTER = "28:5"               # seed 28, reads held back up to 5 ms (a read itself takes ~0.1 ms here)
+DECODE = 8                    # decode steps
+C = 8                         # qwen3moe's prefill chunk in the prefix case (prompts span several blocks)
+
+
+@dataclass(frozen=True)
+class Arch:
+    path: Path
+    vram: int                 # a partially resident configuration: every pass mixes VRAM, host and disk experts
+    host: int
+    prompt: list[int]
+    ref: object               # the architecture's reference model (model/reference.py)
+
+
+@pytest.fixture(scope="module")
+def archs(tmp_path_factory) -> dict[str, Arch]:
+    d = tmp_path_factory.mktemp("timing")
+    q = write_synth(d / "qwen3moe.gguf", **ENGINE_SPEC)                          # 3 layers, 32 experts, top-4
+    ds4 = d / "ds4-16.gguf"                                                      # the issue's: 16 experts, top-4
+    spec = replace(spec_from_preset("ds4-tiny"), n_expert=16, n_expert_used=4, seed=2)
+    write_model(ds4, spec, progress=False)
+    return {"qwen3moe": Arch(q, 5, 15, prompt(40, ENGINE_SPEC["n_vocab"], seed=3), reference_model(q)),
+            # 150 tokens cross ds4-tiny's sliding window (16) and its CSA (4) and HCA (128) compression windows
+            "deepseek4": Arch(ds4, 3, 5, [int(x) for x in np.random.default_rng(4).integers(0, spec.n_vocab, 150)],
+                              reference_model(ds4))}
+
+
+@pytest.fixture(autouse=True)
+def adversarial(monkeypatch):
+    """Every store made in a test of this module (in-process, or a child process inheriting it) is jittered."""
+    monkeypatch.setenv(JITTER_ENV, JITTER)
+
+
+def _runner(a: Arch, **cfg):
+    runner, store = in_process_runner(a.path, a.vram, a.host, **cfg)
+    assert store.reader.jitter is not None, "the store is not jittered: the test would prove nothing"
+    return runner, store
+
+
+def _close(runner, store):
+    """Wait for a consolidation still filling (its thread writes the arena), then close."""
+    try:
+        runner.settle()
+    finally:
+        close_runner(runner, store)
+
+
+def _ref_decode(ref, prompt_ids, steps, n):
+    """The reference's prefill rows of `prompt_ids` then its one-token decode rows of `steps` -> [len + n, V]."""
+    kv = ref.new_cache(len(prompt_ids) + n + 1)
+    with torch.no_grad():
+        rows = [ref.forward(torch.tensor(prompt_ids), kv)] + [ref.forward(torch.tensor([t]), kv) for t in steps[:n]]
+    return torch.cat(rows).float()
+
+
+def _equal(got, want, what):
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    d = (got - want).abs().amax(dim=-1)
+    assert torch.equal(got, want), (f"{what}: {int((d > 0).sum())} of {len(d)} rows differ from the reference, "
+                                    f"the first at {int(torch.nonzero(d)[0])}, max |diff| {float(d.max()):.3e}")
+
+
+def test_jitter_parses_and_is_off_unless_set(monkeypatch):
+    monkeypatch.delenv(JITTER_ENV)
+    assert Jitter.from_env() is None
+    j = Jitter.parse("3:5")
+    assert (j.seed, j.max_s) == (3, 0.005) and all(0 <= j.delay() < 0.005 for _ in range(50))
+    assert Jitter.parse("3:5").shuffled(range(20)) == Jitter.parse("3:5").shuffled(range(20)) != list(range(20))
+    for bad in ("3", "x:5", "3:-1", "3:nan", "3:5:1"):
+        with pytest.raises(Exception, match=JITTER_ENV):
+            Jitter.parse(bad)
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek4"])
+def test_prefill_bit_identical_whatever_the_arrival(archs, arch):
+    """Cold (everything from disk, landing in random order); after a consolidation that was still filling when the
+    pass began (the prefill waits for it); consolidated (VRAM, host and disk experts in one pass)."""
+    a = archs[arch]
+    ref = a.ref
+    with torch.no_grad():
+        want = ref.forward(torch.tensor(a.prompt), ref.new_cache(len(a.prompt))).float()
+    runner, store = _runner(a)
+    try:
+        reads = []
+        for name in ("cold", "after a filling consolidation", "consolidated"):
+            logits, st = runner.forward(a.prompt, runner.new_cache(len(a.prompt)), all_logits=True, consolidate=True)
+            _equal(logits, want, f"{arch} {name} prefill")
+            reads.append(st.reads)
+        assert reads[0]["vram"] == reads[0]["host"] == 0 < reads[0]["disk"], reads
+        assert all(reads[2][t] > 0 for t in ("vram", "host", "disk")), reads
+    finally:
+        _close(runner, store)
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek4"])
+def test_decode_beside_filling_consolidations(archs, arch):
+    """Prefill, then DECODE one-token passes (greedy on the reference's tokens) with a consolidation every 3 tokens:
+    decode passes do not wait for a consolidation still filling (they run on the placement they have and pick the
+    new one up when it lands), so placements change mid-sequence at moments the jitter decides. Twice: cold, then
+    warm. Every row is the reference's decode row bit for bit."""
+    a = archs[arch]
+    ref = a.ref
+    P = a.prompt[:-DECODE]
+    steps = a.prompt[-DECODE:]
+    want = _ref_decode(ref, P, steps, DECODE)
+    runner, store = _runner(a, decode_consolidate_every=3)
+    try:
+        busy = []
+        for rnd in ("cold", "warm"):
+            kv = runner.new_cache(len(a.prompt) + 1)
+            rows = [runner.forward(P, kv, all_logits=True)[0]]
+            for t in steps:
+                busy.append(store.consolidating)
+                rows.append(runner.forward([t], kv, consolidate=False)[0].reshape(1, -1))
+            runner.consolidate()
+            _equal(torch.cat(rows), want, f"{arch} {rnd} decode")
+        assert any(busy), "no decode pass ran while a consolidation was filling: the jitter did not bite"
+        assert store.counters.consolidations >= 3
+    finally:
+        _close(runner, store)
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek4"])
+def test_batched_decode_bit_identical_whatever_the_arrival(archs, arch):
+    """Three sequences decode together (runner.decode_batch: each expert loaded once per layer for all their rows)
+    while consolidations fill; each row equals the reference's solo decode of that sequence."""
+    a = archs[arch]
+    ref = a.ref
+    prompts = [a.prompt[:n] for n in (13, 21, 30)]
+    steps = [a.prompt[i:i + 3] for i in (1, 5, 9)]                          # 3 tokens fed to each sequence
+    want = [_ref_decode(ref, p, s, 3)[len(p):] for p, s in zip(prompts, steps)]
+    runner, store = _runner(a, decode_consolidate_every=2, max_running=4)
+    try:
+        kvs = [runner.new_cache(len(a.prompt) + 8) for _ in prompts]
+        for p, kv in zip(prompts, kvs):
+            runner.forward(p, kv)
+        got = [[] for _ in prompts]
+        for i in range(3):
+            logits, _ = runner.decode_batch([s[i] for s in steps], kvs)
+            for j in range(len(prompts)):
+                got[j].append(logits[j])
+        runner.consolidate()
+        for j, w in enumerate(want):
+            _equal(torch.stack(got[j]), w, f"{arch} batched decode, sequence {j}")
+    finally:
+        _close(runner, store)
+
+
+def test_qwen3moe_prefix_hit_bit_identical_whatever_the_arrival(archs):
+    """A prompt whose first blocks come from the prefix cache (only the rest prefilled, with experts landing in
+    random order) gives the bits of the whole prompt computed from scratch, which are the reference's."""
+    a = archs["qwen3moe"]
+    V = ENGINE_SPEC["n_vocab"]
+    turn1 = prompt(27, V, seed=1) + prompt(9, V, seed=2)                    # 36 tokens: 4 whole blocks of C
+    turn2 = turn1 + prompt(21, V, seed=3)
+    ref = reference_model(a.path, chunk=C)
+    with torch.no_grad():
+        want = ref.forward(torch.tensor(turn2), ref.new_cache(96)).float()
+    runner, store = _runner(a, prefill_chunk=C)
+    try:
+        miss, _ = runner.forward(turn2, runner.new_cache(96), all_logits=True)
+        _equal(miss, want, "qwen3moe prefix miss")
+        c = runner.mcfg
+        pc = PrefixCache(c.n_layer, c.n_head_kv, c.head_dim, runner.chunk, 1 << 22, runner.device, runner.dtype)
+        kv1 = runner.new_cache(96)
+        runner.forward(turn1, kv1)
+        pc.insert(kv1, turn1, len(turn1), [])
+        kv2 = runner.new_cache(96)
+        n = pc.load(kv2, pc.lookup(turn2))
+        assert n == 32
+        hit, st = runner.forward(turn2[n:], kv2, all_logits=True)
+        assert st.n_tokens == len(turn2) - n
+        again, _ = runner.forward(turn2, runner.new_cache(96), all_logits=True)
+        _equal(again, want, "qwen3moe prefix miss (warm)")
+        whole, _ = runner.forward(turn2[n:], _prefilled(runner, turn2[:n]), all_logits=True)
+        _equal(hit, whole, "qwen3moe prefix hit vs the same rows after a computed prefix")
+    finally:
+        _close(runner, store)
+
+
+def _prefilled(runner, ids):
+    kv = runner.new_cache(96)
+    runner.forward(ids, kv)
+    return kv
+
+
+def test_issue_reproduction_two_process_logits(archs, tmp_path):
+    """The issue's recipe: `betelgeuse logits --vram-slots 5 --host-slots 15` (a real store process, jittered through
+    the inherited environment) on a 16-expert ds4-tiny, 270 random token ids, against the reference."""
+    a = archs["deepseek4"]
+    r = np.random.default_rng(3)
+    ids = [int(x) for x in r.integers(10, 500, 270)]
+    out = tmp_path / "out.npy"
+    p = subprocess.run([sys.executable, "-m", "services.cli", "logits", str(a.path), "--token-ids",
+                        ",".join(map(str, ids)), "-o", str(out), "--vram-slots", "5", "--host-slots", "15"],
+                       env=python_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    with torch.no_grad():
+        want = a.ref.forward(torch.tensor(ids), a.ref.new_cache(len(ids))).float()
+    _equal(torch.from_numpy(np.load(out)), want, "two-process logits under jitter")
