@@ -14,6 +14,10 @@
    fraction of host->device memcpy time that overlaps compute kernels on another stream.
 4. batch: batched decode with per-sequence CUDA graphs (eager, captured, replayed) == each sequence alone.
 5. PP tok/s layer-major vs standard on the tiny and the mid model, same slot config and state.
+
+--adversarial-timing SEED:MS runs them all with the store's test-only jitter (store/reader.py Jitter: every expert
+read held back up to MS ms, staged copies handed out shuffled, consolidation fills slowed), in-process stores and
+the store process alike: the invariance rows must still be bit-identical.
 """
 
 from __future__ import annotations
@@ -33,9 +37,11 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from betelgeuse.config import EngineConfig  # noqa: E402
+from betelgeuse.errors import BetelgeuseError  # noqa: E402
 from betelgeuse.gguf.reader import GGUFModelFile  # noqa: E402
 from betelgeuse.gguf.synth import PRESETS, write_model  # noqa: E402
 from betelgeuse.model.qwen3moe import Qwen3MoeReference  # noqa: E402
+from betelgeuse.store.reader import JITTER_ENV, Jitter  # noqa: E402
 from services.assembly import open_runner, open_store  # noqa: E402
 
 MiB = 1 << 20
@@ -418,9 +424,28 @@ def run_steps(steps, only: str):
         print(f"  ({name}: {time.perf_counter() - t:.1f} s)", flush=True)
 
 
+def timing_flag(p: argparse.ArgumentParser):
+    p.add_argument("--adversarial-timing", metavar="SEED:MS",
+                   help="test-only: every store these checks make (in-process and the store process) holds each expert "
+                        "read back by a seeded random delay of up to MS ms and hands staged copies out shuffled")
+
+
+def use_timing(value: str | None):
+    """--adversarial-timing: checked now (a bad value fails before any work), then set for every store made from here
+    on (ExpertReader reads it; child processes inherit it)."""
+    if value:
+        try:
+            Jitter.parse(value)
+        except BetelgeuseError as e:
+            raise SystemExit(f"{Path(sys.argv[0]).name}: error: --adversarial-timing: {e}") from None
+        os.environ[JITTER_ENV] = value
+        RESULTS["adversarial_timing"] = value
+
+
 def results_table(title: str) -> str:
     """The markdown table of every row so far."""
-    return "\n".join([f"## {title} on {RESULTS['device']} (torch {RESULTS['torch']})", "",
+    timing = f", adversarial timing {RESULTS['adversarial_timing']}" if RESULTS.get("adversarial_timing") else ""
+    return "\n".join([f"## {title} on {RESULTS['device']} (torch {RESULTS['torch']}{timing})", "",
                       "| check | result | detail |", "|---|---|---|"]
                      + [f"| {c} | {r} | {d.replace('|', '/')} |" for c, r, d in ROWS])
 
@@ -433,7 +458,9 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=256, help="prompt tokens for the mid model (tiny: half)")
     p.add_argument("--mid-preset", default="small", help="synth preset of the mid model (bench: the benchmark geometry)")
     p.add_argument("--only", default="invariance,prefix,batch,pinned,overlap,pp", help="comma-separated steps to run")
+    timing_flag(p)
     a = p.parse_args()
+    use_timing(a.adversarial_timing)
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         print("check_cuda: error: CUDA is not available (use --device cpu to run the checks on the CPU)")
         return 2

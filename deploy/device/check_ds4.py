@@ -13,6 +13,8 @@
    kernels "auto" must pick triton; logits bit-identical across slot configurations 0/0, 2/3 and 8/0 (cold,
    warm, consolidated, and 4 decode steps), and to the deepseek4 Deepseek4Reference on the same device and dtype;
    vs the CPU float32 reference: max-abs diff and greedy agreement (reported).
+
+--adversarial-timing SEED:MS: the engine step under the store's test-only jitter (as check_cuda.py).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ sys.path.insert(0, str(HERE))
 import torch  # noqa: E402
 
 from check_cuda import (RESULTS, ROWS, close, results_table, row, run_steps, runner_for, slot_passes,  # noqa: E402
-                        sync)
+                        sync, timing_flag, use_timing)
 
 from betelgeuse.gguf.quants import dequantize  # noqa: E402
 from betelgeuse.gguf.synth import spec_from_preset, write_model  # noqa: E402
@@ -175,7 +177,9 @@ def main() -> int:
     p.add_argument("--only", default="kernel,engine", help="comma-separated steps to run")
     p.add_argument("--hidden", type=int, default=4096, help="kernel check: expert input width H (V4-Flash: 4096)")
     p.add_argument("--ff", type=int, default=2048, help="kernel check: expert width F (V4-Flash: 2048)")
+    timing_flag(p)
     a = p.parse_args()
+    use_timing(a.adversarial_timing)
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         print("check_ds4: error: CUDA is not available (use --device cpu to run the checks on the CPU)")
         return 2
