@@ -10,6 +10,9 @@ deepseek4 has no prefix cache (its compressed state is not cut into blocks: Deep
 so it has no prefix case. The issue's own reproduction (the two-process `betelgeuse logits` on a 16-expert ds4-tiny)
 runs once under the jitter too. The same checks on CUDA: deploy/device/check_cuda.py / check_ds4.py
 --adversarial-timing SEED:MS.
+
+These checks can fail: test_the_jitter_exposes_an_arrival_order_combine plants a combine that sums expert outputs in
+the order they landed and shows that the check answers "differs" under the jitter, and "same" without it.
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ import pytest
 import torch
 
 from betelgeuse.gguf.synth import spec_from_preset, write_model
+from betelgeuse.kernels.moe import MoEKernels
 from betelgeuse.model import reference_model
 from betelgeuse.store.reader import JITTER_ENV, Jitter
+from betelgeuse.worker.moe_step import MoEStep
 from betelgeuse.worker.prefix_cache import PrefixCache
 
 from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, write_synth
@@ -88,11 +93,19 @@ def _ref_decode(ref, prompt_ids, steps, n):
     return torch.cat(rows).float()
 
 
-def _equal(got, want, what):
-    assert got.shape == want.shape, (what, got.shape, want.shape)
+def verdict(got, want) -> str:
+    """The invariance check: "same" when got is want bit for bit, else "differs: ..." (which rows, how much)."""
+    assert got.shape == want.shape, (got.shape, want.shape)
+    if torch.equal(got, want):
+        return "same"
     d = (got - want).abs().amax(dim=-1)
-    assert torch.equal(got, want), (f"{what}: {int((d > 0).sum())} of {len(d)} rows differ from the reference, "
-                                    f"the first at {int(torch.nonzero(d)[0])}, max |diff| {float(d.max()):.3e}")
+    return (f"differs: {int((d > 0).sum())} of {len(d)} rows, the first at {int(torch.nonzero(d)[0])}, "
+            f"max |diff| {float(d.max()):.3e}")
+
+
+def _equal(got, want, what):
+    v = verdict(got, want)
+    assert v == "same", f"{what}: {v} (from the reference)"
 
 
 def test_jitter_parses_and_is_off_unless_set(monkeypatch):
@@ -225,3 +238,56 @@ def test_issue_reproduction_two_process_logits(archs, tmp_path):
     with torch.no_grad():
         want = a.ref.forward(torch.tensor(ids), a.ref.new_cache(len(ids))).float()
     _equal(torch.from_numpy(np.load(out)), want, "two-process logits under jitter")
+
+
+@pytest.fixture
+def naive_combine(monkeypatch):
+    """Plants the bug the jitter must expose: each token's expert outputs summed in the order their groups were
+    applied (on a cold pass: the order the experts landed from disk, MoEStep._disk_groups), as a naive
+    `out[t] += w * expert(h[t])` would, instead of y[token, rank] reduced in rank order (kernels.moe.combine)."""
+    order: dict[int, list[int]] = {}                       # id(Routing) -> experts in the order they were applied
+    apply = MoEStep._apply
+
+    def recording_apply(self, r, l, g, ls):
+        ex = g.experts if g.experts is not None else np.nonzero(g.base_host >= 0)[0]
+        order.setdefault(id(r), []).extend(int(e) for e in ex if int(e) in r.plan)
+        apply(self, r, l, g, ls)
+
+    def arrival_order_combine(self, r):
+        T, k = r.ids.shape
+        y3, w = r.y.view(T, k, -1), r.w.to(r.y.dtype)
+        out = torch.zeros(T, y3.shape[-1], dtype=y3.dtype)
+        for e in order.pop(id(r)):
+            t, rk = r.plan[e].tokens, r.plan[e].ranks      # each token once per expert: += in arrival order
+            out.index_add_(0, t, y3[t, rk] * w[t, rk, None])
+        return out
+
+    monkeypatch.setattr(MoEStep, "_apply", recording_apply)
+    monkeypatch.setattr(MoEKernels, "combine", arrival_order_combine)
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek4"])
+def test_the_jitter_exposes_an_arrival_order_combine(archs, arch, naive_combine, monkeypatch):
+    """The adversarial tests can fail: with an arrival-order combine planted (naive_combine), a cold prefill (every
+    expert from disk) is repeatable without the jitter (one read thread, no read-ahead: reads land in the order they
+    were asked for) but not under it, where the invariance check answers "differs". So the hook, not luck,
+    is what exposes an order dependence; the real combine passes the same checks (the tests above)."""
+    a = archs[arch]
+
+    def cold_prefill():
+        runner, store = in_process_runner(a.path, a.vram, a.host, read_threads=1, prefetch=False)
+        try:
+            logits, st = runner.forward(a.prompt, runner.new_cache(len(a.prompt)), all_logits=True, consolidate=False)
+            assert st.reads["vram"] == st.reads["host"] == 0 < st.reads["disk"], st.reads
+            return logits, store.reader.jitter is not None
+        finally:
+            _close(runner, store)
+
+    monkeypatch.delenv(JITTER_ENV)
+    (base, jit0), (again, jit1) = cold_prefill(), cold_prefill()
+    assert not jit0 and not jit1
+    assert verdict(again, base) == "same", "the planted combine is not repeatable even without the jitter"
+    monkeypatch.setenv(JITTER_ENV, JITTER)
+    jittered, jit2 = cold_prefill()
+    assert jit2
+    assert verdict(jittered, base).startswith("differs"), f"{arch}: the jitter did not expose the planted combine"
