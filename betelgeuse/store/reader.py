@@ -8,9 +8,10 @@ threads. Requests of priority 0 (demand: a pass waits on them) are always taken 
 file already is page cache) the reader falls back to buffered reads + POSIX_FADV_DONTNEED, and
 says so in `mode`.
 
-Test-only: `BETELGEUSE_TEST_READ_JITTER=SEED:MAX_MS` (or `jitter=`, see Jitter) holds each read's completion
-back by a seeded random delay, so expert arrivals come late and out of order (adversarial timing: the tests and
-the device checks set it, production never does; off, it costs one `is None` test per read).
+Test-only: `BETELGEUSE_TEST_READ_JITTER=SEED:MAX_MS` (or `jitter=`, see Jitter) slows each piece's preadv and holds
+each read's completion back by seeded random delays, so bytes land late, the pieces of one read land in any order,
+and expert arrivals come late and out of order (adversarial timing: the tests and the device checks set it,
+production never does; off, it costs one `is None` test per read).
 """
 
 from __future__ import annotations
@@ -50,10 +51,12 @@ class ReaderStats:
 
 @dataclass(slots=True)
 class Jitter:
-    """Adversarial timing, for tests only (production never sets it). Each draw n (a read, a delivery order, a
-    consolidation copy) takes Random(seed, n): a read's completion (its future, so the store's `landed`) is held
-    back by delay() in [0, max_s), and the store hands staged copies out in a shuffled() order, so demand loads,
-    read-ahead and consolidation fills land late and in an order unrelated to the order asked for."""
+    """Adversarial timing, for tests only (production never sets it). Each draw n (a piece, a read, a delivery order,
+    a consolidation copy) takes Random(seed, n): every piece's preadv starts up to max_s late in its reader thread (a
+    slow disk: the bytes themselves land late, the pieces of one read in any order), a read's completion (its
+    future, so the store's `landed`) is held back by a further delay() in [0, max_s), and the store hands staged
+    copies out in a shuffled() order, so demand loads, read-ahead and consolidation fills land late and in an order
+    unrelated to the order asked for."""
     seed: int
     max_s: float
     _draws: Iterator[int] = field(default_factory=itertools.count, repr=False)
@@ -104,6 +107,7 @@ class _Piece:  # one preadv: file [offset, offset+nbytes) -> arena [dest, dest+n
     offset: int
     nbytes: int
     dest: int
+    delay: float = 0.0  # seconds its preadv is held back in the reader thread (test-only Jitter; 0 otherwise)
 
 
 def drop_page_cache(path: str) -> None:
@@ -200,7 +204,8 @@ class ExpertReader:
             lo, hi = off - off % PAGE, -(-(off + n) // PAGE) * PAGE
             assert dest + (hi - lo) <= self.arena.nbytes, (dest, hi - lo, self.arena.nbytes)
             for c in range(lo, hi, self.request_bytes):
-                pieces.append(_Piece(job, c, min(self.request_bytes, hi - c), dest + (c - lo)))
+                pieces.append(_Piece(job, c, min(self.request_bytes, hi - c), dest + (c - lo),
+                                     0.0 if self.jitter is None else self.jitter.delay()))
             payload, device = payload + n, device + (hi - lo)
         job.pending = len(pieces)
         with self._stats_lock:
@@ -222,6 +227,8 @@ class ExpertReader:
             job = piece.job
             err = None
             if job.error is None:  # skip the rest of a failed job
+                if piece.delay:    # test-only: a slow disk, the bytes land late
+                    time.sleep(piece.delay)
                 try:
                     self._read_piece(piece)
                 except Exception as e:  # noqa: BLE001 - handed to the caller through the future

@@ -102,7 +102,8 @@ def test_forced_buffered_mode_reads_right_and_drops_its_pages(disk_file):
 
 def test_jitter_lands_reads_late_and_out_of_order(disk_file, monkeypatch):
     """The test-only adversary (store/reader.py Jitter, tests/test_adversarial_timing.py): each read's future resolves
-    up to max_s late, in an order unrelated to the order asked, with the right bytes; off unless asked for."""
+    up to max_s late, in an order unrelated to the order asked, with the right bytes; the pieces of one read land late
+    and out of order; off unless asked for."""
     path, data = disk_file
     monkeypatch.delenv(JITTER_ENV, raising=False)
     with Arena.create(PAGE) as arena, ExpertReader(path, arena, threads=1) as reader:
@@ -117,6 +118,15 @@ def test_jitter_lands_reads_late_and_out_of_order(disk_file, monkeypatch):
             f.result(timeout=30)
         _check(arena, data, ranges)
     assert sorted(order) == list(range(16)) and order != list(range(16)), order
+    # a slow disk: the pieces of ONE read (16 one-page preadv calls) land late and in any order, the bytes right
+    with Arena.create(16 * PAGE) as arena, ExpertReader(path, arena, threads=2, request_bytes=PAGE,
+                                                        jitter=Jitter(6, 0.01)) as reader:
+        landed, read_piece = [], reader._read_piece
+        reader._read_piece = lambda p: (read_piece(p), landed.append(p.offset // PAGE))
+        one = [(PAGE + 7, 15 * PAGE, 0)]                   # 16 pages from file page 1
+        reader.read(one).result(timeout=30)
+        _check(arena, data, one)
+    assert sorted(landed) == list(range(1, 17)) and landed != sorted(landed), landed
 
 
 def test_demand_overtakes_read_ahead(disk_file):
