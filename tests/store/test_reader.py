@@ -101,7 +101,7 @@ def test_forced_buffered_mode_reads_right_and_drops_its_pages(disk_file):
 
 
 def test_jitter_lands_reads_late_and_out_of_order(disk_file, monkeypatch):
-    """The test-only adversary (store/reader.py Jitter, tests/test_adversarial_timing.py): each read's future resolves
+    """The test-only adversary (store/reader.py Jitter, tests/worker/test_adversarial_timing.py): each read's future resolves
     up to max_s late, in an order unrelated to the order asked, with the right bytes; the pieces of one read land late
     and out of order; off unless asked for."""
     path, data = disk_file
