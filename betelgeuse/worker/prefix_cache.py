@@ -28,11 +28,14 @@ the configured budget (the slot plan subtracts it from the VRAM budget), less th
 (reference count > 0) are never evicted; the others are evicted least recently used first, the tail of a chain
 before its head (a head evicted first would leave its tail unreachable).
 
-The host tier (worker/prefix_host.py, `host`; None: none): an evicted block (a whole prompt's entry with its logits)
-is copied to host memory that the expert store holds, and a lookup that runs out of device blocks goes on there;
-the blocks it finds are copied back into the device pool (promoted, as if just inserted), so everything after the
-lookup sees device blocks only. The bits are the ones the device held, so a hit from the host is as exact as one
-from the device. The device keeps a chain's head longer than its tail, so the host holds the rest of a chain.
+The host tier (worker/prefix_host.py, `host`; None: none), in host memory that the expert store holds: every block
+the pool takes (a whole prompt's entry with its logits) is also copied there as it is inserted (write-through: a
+worker killed by SIGKILL cannot flush anything, and the copy is a few milliseconds beside the prefill that made the
+block); an evicted block the host tier has dropped meanwhile is copied again. A lookup that runs out of device
+blocks goes on in the host tier; the blocks it finds are copied back into the pool (promoted, as if just inserted),
+so everything after the lookup sees device blocks only. The bits are the ones the device held: a hit from the host
+is as exact as one from the device. The device keeps a chain's head longer than its tail, so the host tier holds
+the rest of a chain, or all of it after a restart.
 """
 
 from __future__ import annotations
@@ -134,6 +137,8 @@ class PrefixCache:
                 break
             out.append(blk)
             parent, h = blk, self.digest[blk]
+            if self.host is not None:
+                self.host.touch(h)                  # used: the host tier keeps it longer too
         host: list[tuple[int, bytes, bytes, tuple]] = []     # (host slot, hash, parent's hash, tokens)
         for i in range(len(out), n_full if self.host is not None else 0):
             toks = tuple(prompt[i * B:(i + 1) * B])
@@ -263,6 +268,8 @@ class PrefixCache:
             chain.append(blk)
         if new:
             self._write(kv, new, done // B)
+            for blk, _ in new:
+                self._to_host(blk)
         return chain
 
     def insert_tail(self, kv, prompt: list[int], held: list[int], logits: torch.Tensor, salt: str = "") -> list[int]:
@@ -298,6 +305,7 @@ class PrefixCache:
         for l in range(self.pool.shape[0]):
             for j, src in enumerate((kv.k[l], kv.v[l])):
                 self.pool[l, j, blk, :, :t].copy_(src[:, n_full * B:P])
+        self._to_host(blk)
         self.acquire([blk])
         return held + [blk]
 
@@ -323,16 +331,21 @@ class PrefixCache:
 
     def _drop(self, blk: int):
         """Forget an evicted block (and its logits row if it ends a whole prompt), spilled to the host tier first."""
-        row = self.tail_row.get(blk)
-        if self.host is not None and self.digest[blk] is not None:
-            self.host.put(self.digest[blk], self.pdigest[blk], self.tokens[blk], self.pool[:, :, blk],
-                          None if row is None else self.tail_logits[row])
+        if self.digest[blk] is not None:
+            self._to_host(blk)                      # (a copy only if the host tier dropped it meanwhile)
         self.index.pop(self.digest[blk], None)
         self.digest[blk], self.pdigest[blk], self.tokens[blk], self.parent[blk] = None, None, None, -1
         row = self.tail_row.pop(blk, None)
         if row is not None:
             self.tail_free.append(row)
         self.stats.evictions += 1
+
+    def _to_host(self, blk: int):
+        """Copy a cached block (and a whole prompt's logits) into the host tier, if there is one."""
+        if self.host is not None:
+            row = self.tail_row.get(blk)
+            self.host.put(self.digest[blk], self.pdigest[blk], self.tokens[blk], self.pool[:, :, blk],
+                          None if row is None else self.tail_logits[row])
 
     def _write(self, kv, new: list[tuple[int, int]], n_full: int):
         """Copy prompt blocks new[j][1] of kv into pool blocks new[j][0]: two gathers + two scatters per layer."""

@@ -1,5 +1,6 @@
-"""The prefix cache's host tier: blocks evicted from the device pool (worker/prefix_cache.py) spill here, in host
-memory the expert store holds, so that they outlive the worker (a restarted worker finds them) as the arena does.
+"""The prefix cache's host tier: the blocks of the device pool (worker/prefix_cache.py) are copied here as they are
+cached, in host memory the expert store holds: the tier holds more than the pool (evicted blocks come back from
+here), and it outlives the worker (a restarted worker finds them) as the arena does.
 
     tier = HostTier(arena, n_layer, n_head_kv, head_dim, block, dtype, n_vocab)   # formats or adopts the region
     slot = tier.find(h, toks, ph)               # the entry with chained hash h, its tokens and parent hash checked
@@ -99,6 +100,12 @@ class HostTier:
     def _touch(self, slot: int):
         self.hdr["clock"] += 1
         self.ent["stamp"][slot] = self.hdr["clock"][0]
+
+    def touch(self, h: bytes):
+        """Mark the entry with chained hash h (if any) recently used."""
+        slot = self.index.get(h)
+        if slot is not None:
+            self._touch(slot)
 
     def find(self, h: bytes, toks: tuple, ph: bytes) -> int | None:
         """The entry with chained hash h whose own tokens and parent's hash are also the prompt's (a hash collision
