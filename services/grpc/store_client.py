@@ -206,6 +206,9 @@ class GrpcStoreClient:
         return json.loads(self._call(self.stub.Status, pb.StatusRequest()).json)
 
     def close(self) -> None:
+        if self._prefix is not None:                 # received and never taken by a runner
+            self._prefix.close()
+            self._prefix = None
         with self._lock:
             if self.channel is not None:
                 self.channel.close()
