@@ -1,7 +1,7 @@
 """TTFT of a repeated prompt after `kill -9` of the worker (answered from the prefix cache's host tier, which the
 store keeps) against the same prompt recomputed (the host tier off), on real processes (store + worker, CPU).
 
-    .venv/bin/python tests/scripts/prefix_restart_ttft.py [--model tiny.gguf] [--tokens 512]
+    .venv/bin/python tests/scripts/prefix_restart_ttft.py [--model m.gguf] [--tokens 512] [--device cuda]
 
 Prints one line per case: the TTFT the worker measured (usage.ttft_ms, arrival to first token) and the prompt
 tokens it took from the cache (usage.cached_tokens). Without --model it writes the synth `tiny` preset.
@@ -26,8 +26,8 @@ def final(c: Cluster, ids: list[int]):
     return list(generate_stream(c.address, prompt_ids=ids, max_tokens=1, ignore_eos=True))[-1].final
 
 
-def run(model: str, ids: list[int], host_bytes: str, tmp: str) -> tuple:
-    c = Cluster(model, tmp, settings={"engine.prefix_host_bytes": host_bytes, "engine.max_context": 2048},
+def run(model: str, ids: list[int], host_bytes: str, tmp: str, device: str) -> tuple:
+    c = Cluster(model, tmp, device=device, settings={"engine.prefix_host_bytes": host_bytes, "engine.max_context": 2048},
                 worker_metrics="", store_metrics="")
     try:
         c.start_store()
@@ -46,6 +46,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="")
     p.add_argument("--tokens", type=int, default=512)
+    p.add_argument("--device", default="cpu")
     o = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="prefix-restart-") as tmp:
         model = o.model
@@ -55,7 +56,7 @@ def main() -> int:
             write_model(model, PRESETS["tiny"], progress=False)
         ids = [int(x) for x in np.random.default_rng(0).integers(3, 1000, o.tokens)]
         for name, host in (("host tier on (auto)", "auto"), ("host tier off (recompute)", "0")):
-            first, again = run(model, ids, host, str(Path(tmp) / host))
+            first, again = run(model, ids, host, str(Path(tmp) / host), o.device)
             print(f"{name:27s} first {first.ttft_ms:8.1f} ms | after kill -9 of the worker: TTFT "
                   f"{again.ttft_ms:8.1f} ms, cached_tokens {again.cached_tokens}/{again.prompt_n}")
     return 0
