@@ -125,6 +125,9 @@ class WorkerMetrics:
     prefix_cache_bytes: Gauge         # bytes of cached blocks
     prefix_cache_capacity: Gauge      # bytes of the pool (0 = off)
     prefix_cache_usage: Gauge         # used / capacity, 0..1 (0 when off)
+    prefix_host_hits: Counter         # lookups that reused >= 1 block from the host tier
+    prefix_host_bytes: Gauge          # bytes of blocks in the host tier
+    prefix_host_capacity: Gauge       # bytes of the host tier (0 = none)
     kv_cache_tokens: Gauge            # [state] used (K/V written) | reserved (allocated) by running requests
     kv_cache_capacity: Gauge          # tokens of K/V the memory plan reserves (max_running x context)
     kv_cache_usage: Gauge             # reserved / capacity, 0..1 (vLLM's kv_cache_usage_perc)
@@ -190,6 +193,12 @@ def make_worker_metrics(version: str = "0.1.0") -> WorkerMetrics:
                                     "(0 = off).", registry=reg),
         prefix_cache_usage=Gauge("betelgeuse_prefix_cache_usage_ratio", "Prefix-cache bytes used / capacity (0..1; 0 "
                                  "when off).", registry=reg),
+        prefix_host_hits=Counter("betelgeuse_prefix_host_hits", "Lookups that reused at least one block from the "
+                                 "prefix cache's host tier.", registry=reg),
+        prefix_host_bytes=Gauge("betelgeuse_prefix_host_used_bytes", "Bytes of K/V blocks in the prefix cache's host "
+                                "tier (held by the store, kept across worker restarts).", registry=reg),
+        prefix_host_capacity=Gauge("betelgeuse_prefix_host_capacity_bytes", "Bytes of the prefix cache's host tier "
+                                   "(0 = none).", registry=reg),
         kv_cache_tokens=Gauge("betelgeuse_kv_cache_tokens", "K/V cache tokens of the running requests: state=used "
                               "(written) | reserved (allocated: prompt + max_tokens).", ["state"], registry=reg),
         kv_cache_capacity=Gauge("betelgeuse_kv_cache_capacity_tokens", "K/V cache tokens the memory plan reserves "

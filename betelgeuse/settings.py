@@ -299,6 +299,10 @@ class EngineSettings(_Section):
     # the slot plan subtracts it from the VRAM budget
     prefix_cache_bytes: SizeOrAuto = setting(AUTO, "device KV prefix cache in bytes (0 = off; auto: two contexts, "
                                              "<= 512 MiB)", 1 << 30)
+    # a memfd the store owns (it outlives the worker): blocks evicted from the device cache spill there, and a
+    # restarted worker finds them; the slot plan counts it in the memory budget, before the host expert slots
+    prefix_host_bytes: SizeOrAuto = setting(AUTO, "host-RAM tier of the prefix cache, held by the store (0 = off; "
+                                            "auto: 4 x the device cache, <= 1/8 of the free memory)", 1 << 30)
     dtype: _choices("auto", "float32", "bfloat16", "float16") = setting(
         "auto", "compute dtype: auto = float32 on CPU, bfloat16 on CUDA", "float32")
     # torch, the CUDA context, the dense weights' staging

@@ -37,7 +37,7 @@ from betelgeuse.errors import BetelgeuseError, StoreBusyError, StoreUnavailableE
 from betelgeuse.gguf.reader import GGUFModelFile
 from betelgeuse.logs import event
 from betelgeuse.metrics import make_store_metrics
-from betelgeuse.store.arena import peer_credentials, send_fd
+from betelgeuse.store.arena import peer_credentials, send_fds
 from betelgeuse.store.cgroup import CgroupMemory
 from betelgeuse.store.plan import plan_slots
 from betelgeuse.store.store import ExpertStore, Lease
@@ -162,7 +162,7 @@ def peer_allowed(uid: int, gid: int, pid: int, group_gid: int | None) -> bool:
 
 def serve_fds(store: ExpertStore, path: str, header: dict, stop: threading.Event, leases: Leases,
               group_gid: int | None = None) -> socket.socket:
-    """Hand a read-only arena fd (SCM_RIGHTS) and an attach token to an allowed peer of `path` (the worker);
+    """Hand a read-only arena fd (and the prefix host tier's, writable) (SCM_RIGHTS) and an attach token to an allowed peer of `path` (the worker);
     the connection then stays open as its lease. A thread per connection."""
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(path)
@@ -196,11 +196,14 @@ def serve_fds(store: ExpertStore, path: str, header: dict, stop: threading.Event
                     conn.close()
                     continue
                 token, _lease = issued
-                ro = store.arena.readonly_fd()
+                fds = [store.arena.readonly_fd()]
+                if store.prefix_arena is not None:       # the worker writes the prefix host tier (only it reads it)
+                    fds.append(os.dup(store.prefix_arena.fd))
                 try:
-                    send_fd(conn, ro, {**header, "token": token})
+                    send_fds(conn, fds, {**header, "token": token})
                 finally:
-                    os.close(ro)
+                    for fd in fds:
+                        os.close(fd)
             except OSError as e:
                 log.warning("fd hand-off failed: %s", e)
                 conn.close()
@@ -328,8 +331,8 @@ def main(argv=None) -> int:
     current = cg.in_use() if cg else 0          # page cache (the worker's mmap reads) can be reclaimed
     plan = plan_slots(model, cfg, limit, current)
     event(log, "plan", model=cfg.model_path, n_vram=plan.n_vram, n_host=plan.n_host, n_staging=plan.n_staging,
-          vram_backing=cfg.vram_backing, arena_bytes=plan.arena_bytes, memory_limit_bytes=limit,
-          memory_in_use_bytes=current, vram_budget_bytes=cfg.vram_budget)
+          vram_backing=cfg.vram_backing, arena_bytes=plan.arena_bytes, prefix_host_bytes=plan.prefix_host_bytes,
+          memory_limit_bytes=limit, memory_in_use_bytes=current, vram_budget_bytes=cfg.vram_budget)
     sdnotify.notify(status=f"pre-faulting a {plan.arena_bytes / 2**30:.2f} GiB arena",
                     extend_timeout_us=int(120e6))
     store = ExpertStore(model, plan, read_threads=cfg.read_threads, read_request_bytes=cfg.read_request_bytes)
@@ -357,7 +360,8 @@ def main(argv=None) -> int:
         if server.add_insecure_port(f"unix:{settings.store.socket}") == 0:
             raise BetelgeuseError(f"cannot listen on unix:{settings.store.socket}")
         server.start()
-        fd_srv = serve_fds(store, settings.store.fd_socket, {"arena_bytes": store.arena.nbytes}, stop, leases,
+        fd_srv = serve_fds(store, settings.store.fd_socket, {"arena_bytes": store.arena.nbytes,
+                                                                    "prefix_bytes": plan.prefix_host_bytes}, stop, leases,
                            group_gid)
     finally:
         os.umask(old_umask)

@@ -156,14 +156,17 @@ class Arena:
 
 # -- passing the fd ------------------------------------------------------------------------------
 # Wire format on a SOCK_STREAM Unix socket: a 4-byte little-endian length, then that many bytes of
-# UTF-8 JSON; the fd rides as SCM_RIGHTS ancillary data on the same sendmsg (so on the first byte).
+# UTF-8 JSON; the fds (the arena's, then the prefix host tier's if any) ride as SCM_RIGHTS ancillary data on the
+# same sendmsg (so on the first byte).
 _LEN = struct.Struct("<I")
+MAX_FDS = 2
 
 
-def send_fd(sock: socket.socket, fd: int, header: dict) -> None:
+def send_fds(sock: socket.socket, fds: list[int], header: dict) -> None:
+    assert 1 <= len(fds) <= MAX_FDS, fds
     body = json.dumps(header).encode()
     msg = _LEN.pack(len(body)) + body
-    sent = socket.send_fds(sock, [msg], [fd])
+    sent = socket.send_fds(sock, [msg], fds)
     if sent < len(msg):
         sock.sendall(msg[sent:])
 
@@ -185,9 +188,9 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     return struct.unpack("3i", raw)
 
 
-def recv_fd(sock: socket.socket) -> tuple[int, dict]:
-    """Receive one (fd, header) sent by send_fd. The caller owns the returned fd."""
-    data, fds, _flags, _addr = socket.recv_fds(sock, _LEN.size, 1)
+def recv_fds(sock: socket.socket) -> tuple[list[int], dict]:
+    """Receive the (fds, header) sent by send_fds. The caller owns the returned fds."""
+    data, fds, _flags, _addr = socket.recv_fds(sock, _LEN.size, MAX_FDS)
     if not data:
         for fd in fds:
             os.close(fd)
@@ -199,9 +202,10 @@ def recv_fd(sock: socket.socket) -> tuple[int, dict]:
         (n,) = _LEN.unpack(data)
         header = json.loads(_recv_exact(sock, n))
     except BaseException:
-        os.close(fds[0])
+        for fd in fds:
+            os.close(fd)
         raise
-    return fds[0], header
+    return fds, header
 
 
 # -- CUDA pinning ---------------------------------------------------------------------------------

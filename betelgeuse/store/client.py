@@ -19,6 +19,8 @@ from betelgeuse.store.store import ExpertStore, Loaded
 
 class StoreClient(Protocol):
     def attach(self) -> tuple[Arena, SlotPlan]: ...          # maps the arena; (re)binds a session
+    def take_prefix_arena(self) -> Arena | None: ...          # the prefix host tier of the last attach, mapped
+                                                              # writable (the caller owns it); None: the store has none
     def begin_pass(self, wait: bool = True) -> int: ...       # directory epoch, frozen until end_pass; wait: for
                                                               # a consolidation still reading (else applied later)
     def load(self, keys: list[tuple[int, int]]) -> Iterator[Loaded]: ...   # completion order
@@ -34,11 +36,18 @@ class InProcessStoreClient:
     def __init__(self, store: ExpertStore):
         self.store = store
         self.session = ""
+        self._prefix: Arena | None = None
 
     def attach(self):
         self.session, plan_json = self.store.attach(os.getpid())
+        p = self.store.prefix_arena
+        self._prefix = None if p is None else Arena.attach(os.dup(p.fd), p.nbytes, readonly=False)
         # the same memfd, mapped a second time, exactly as the worker process would
         return Arena.attach(os.dup(self.store.arena.fd), self.store.arena.nbytes), SlotPlan.from_json(plan_json)
+
+    def take_prefix_arena(self):
+        out, self._prefix = self._prefix, None
+        return out
 
     def begin_pass(self, wait=True):
         return self.store.begin_pass(self.session, wait)

@@ -6,7 +6,8 @@ the numbers, before any memory is touched (invariant 3: refused, never OOM-kille
 
 Per MoE layer: `n_vram` hot slots in the worker's VRAM, each backed by a host slot (so a restarted
 worker refills VRAM from RAM, not disk), plus `n_host` host-only slots. Disk experts pass through
-`n_staging` shared staging slots.
+`n_staging` shared staging slots. Beside the arena, the store holds `prefix_host_bytes` for the prefix cache's
+host tier (worker/prefix_host.py), planned before the host slots and counted in the same memory budget.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from betelgeuse.config import GiB, MiB, EngineConfig
 from betelgeuse.errors import BudgetError
 from betelgeuse.gguf.reader import GGUFModelFile
 from betelgeuse.model.registry import arch_of
-from betelgeuse.store.layout import ArenaLayout, SlotLayout
+from betelgeuse.store.layout import ArenaLayout, SlotLayout, round_down
 
 HEADROOM = 256 * MiB            # left free in the cgroup for page tables, sockets, the unexpected
 CUDA_CONTEXT_BYTES = 1 * GiB    # VRAM the CUDA context and torch's allocator take beyond tensors (767 MiB measured on an H200)
@@ -45,6 +46,7 @@ class SlotPlan:
     memory_limit: int | None    # bytes for both processes (None = unlimited)
     notes: list[str] = field(default_factory=list)
     vram_backing: bool = True   # VRAM experts keep a host backing slot
+    prefix_host_bytes: int = 0  # the prefix cache's host tier: a memfd beside the arena (0 = none)
 
     @property
     def host_per_layer(self) -> int:
@@ -62,6 +64,11 @@ class SlotPlan:
     @property
     def arena_bytes(self) -> int:
         return self.layout.total_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the store holds: the arena and the prefix cache's host tier."""
+        return self.arena_bytes + self.prefix_host_bytes
 
     @property
     def vram_slot_bytes(self) -> int:
@@ -102,6 +109,24 @@ def prefix_cache_bytes(cfg: EngineConfig, c, dt: int) -> int:
     if cfg.prefix_cache_bytes != "auto":
         return int(cfg.prefix_cache_bytes)
     return min(PREFIX_CACHE_AUTO_MAX, 2 * arch.state_bytes(c, cfg.max_context, dt))
+
+
+PREFIX_HOST_AUTO_DEVICE_FACTOR = 4      # auto: the host tier holds 4 device caches' worth of blocks...
+PREFIX_HOST_AUTO_FREE_SHARE = 8         # ...but at most 1/8 of the memory left free for the expert slots
+
+
+def prefix_host_bytes(cfg: EngineConfig, c, dt: int, free: int | None) -> int:
+    """Bytes of the prefix cache's host tier (a multiple of 4 KiB): the configured size, or "auto" = 4 x the device
+    cache, at most 1/8 of `free` (the host memory left for the arena; None: no limit); 0 where the device prefix
+    cache is off (nothing would ever spill)."""
+    if prefix_cache_bytes(cfg, c, dt) == 0 or cfg.schedule != "layer_major":
+        return 0
+    if cfg.prefix_host_bytes != "auto":
+        return round_down(int(cfg.prefix_host_bytes))
+    n = PREFIX_HOST_AUTO_DEVICE_FACTOR * prefix_cache_bytes(cfg, c, dt)
+    if free is not None:
+        n = min(n, max(0, free) // PREFIX_HOST_AUTO_FREE_SHARE)
+    return round_down(n)
 
 
 def compute_dtype_bytes(cfg: EngineConfig) -> int:
@@ -165,6 +190,10 @@ def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, me
     limit = min(limits) if limits else None
     if cfg.memory_max is not None and memory_limit is not None and cfg.memory_max > memory_limit:
         notes.append(f"memory_max {_gib(cfg.memory_max)} is above the cgroup limit {_gib(memory_limit)}: using the cgroup's")
+    free = None if limit is None else limit - memory_current - reserve - HEADROOM
+    prefix_host = prefix_host_bytes(cfg, c, compute_dtype_bytes(cfg), free)
+    if prefix_host:
+        notes.append(f"prefix host tier {_gib(prefix_host)}")
     non_resident = c.n_expert - n_vram
     if cfg.staging_slots == "auto":
         n_staging = max(4, min(2 * non_resident, 512))   # one layer on demand + the next layer read ahead
@@ -180,7 +209,7 @@ def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, me
             n_host = c.n_expert - n_vram
             notes.append("host_slots=auto with no memory limit -> every expert resident")
         else:
-            free = limit - memory_current - reserve - HEADROOM
+            free -= prefix_host
             if cfg.staging_slots == "auto":
                 while n_staging > 4 and arena_for(0, n_staging) > free:
                     n_staging //= 2
@@ -198,12 +227,12 @@ def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, me
         n_host = min(int(cfg.host_slots), non_resident)
 
     plan = SlotPlan(f.path, c.n_layer, c.n_expert, n_vram, n_host, n_staging, part_max, fixed, reserve, limit, notes,
-                    cfg.vram_backing)
+                    cfg.vram_backing, prefix_host)
     if limit is not None:
-        need = plan.arena_bytes + reserve + memory_current + HEADROOM
+        need = plan.host_bytes + reserve + memory_current + HEADROOM
         if need > limit:
             raise BudgetError(
                 f"slots do not fit the memory limit {_gib(limit)}: arena {_gib(plan.arena_bytes)} "
                 f"({plan.host_per_layer} host slots x {c.n_layer} layers + {n_staging} staging, {slot.slot_bytes} bytes each) "
-                f"+ worker {_gib(reserve)} + in use {_gib(memory_current)} + headroom {_gib(HEADROOM)} = {_gib(need)}")
+                f"+ prefix host tier {_gib(prefix_host)} + worker {_gib(reserve)} + in use {_gib(memory_current)} + headroom {_gib(HEADROOM)} = {_gib(need)}")
     return plan

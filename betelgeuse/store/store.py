@@ -81,6 +81,10 @@ class ExpertStore:
         self.model, self.plan = model, plan
         self.layout = plan.layout
         self.arena = Arena.create(self.layout.total_bytes)
+        # the prefix cache's host tier: bytes the store holds for the worker (it writes them: worker/prefix_host.py),
+        # so that they outlive a worker restart as the arena does; a new store starts it empty (a new memfd)
+        self.prefix_arena = (Arena.create(plan.prefix_host_bytes, name="betelgeuse-prefix")
+                             if plan.prefix_host_bytes else None)
         self.directory = SlotDirectory(self.arena, self.layout, create=True)
         self.reader = ExpertReader(model.path, self.arena, threads=read_threads, request_bytes=read_request_bytes)
         # the file as opened: a read that lands after the file changed is refused, and so is all work until the
@@ -426,7 +430,8 @@ class ExpertStore:
         return {
             "pid": os.getpid(), "session": self.session, "pass_active": self.pass_active,
             "epoch": int(self.directory.epoch), "uptime_s": time.monotonic() - self.started,
-            "arena_bytes": self.layout.total_bytes, "slot_bytes": self.layout.slot.slot_bytes,
+            "arena_bytes": self.layout.total_bytes, "prefix_host_bytes": self.plan.prefix_host_bytes,
+            "slot_bytes": self.layout.slot.slot_bytes,
             "n_vram": self.plan.n_vram, "n_host": self.plan.n_host, "n_staging": self.plan.n_staging,
             "slots": self.tier_counts(), "read_mode": self.reader.mode,
             "disk_bytes": int(r.bytes_read), "disk_payload_bytes": int(r.payload_bytes), "disk_reads": int(r.reads),
@@ -444,4 +449,6 @@ class ExpertStore:
             t.join()
         self.reader.close()
         self.arena.close()
+        if self.prefix_arena is not None:
+            self.prefix_arena.close()
         self.watch.close()

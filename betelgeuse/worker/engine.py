@@ -301,6 +301,7 @@ class LLMEngine:
         while not self._stop and not self.store_ok:
             try:
                 self.runner.attach()
+                self.kv_manager.bind_host()          # the new store's prefix host tier (empty)
                 self.store_ok = True
                 log.info("re-attached to the expert store")
                 if self.on_state:

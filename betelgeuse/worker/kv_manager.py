@@ -6,6 +6,7 @@ in the prefix cache (worker/prefix_cache.py), whose counters go to the metrics (
     kvm.prefilled(seq, logits)   # after each prefill pass: its new whole blocks; the whole prompt after the last
     kvm.free(seq)            # it ended: its KV cache goes (the runner's graphs of it: runner.request_done), its blocks
                              # become evictable
+    kvm.bind_host()          # after each (re)attach: the prefix cache's host tier in the store's memory
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from betelgeuse.config import EngineConfig
 from betelgeuse.logs import event
 from betelgeuse.store.plan import prefix_cache_bytes
 from betelgeuse.worker.prefix_cache import PrefixCache, PrefixStats
+from betelgeuse.worker.prefix_host import HostTier
 from betelgeuse.worker.sequence import Sequence
 
 log = logging.getLogger("betelgeuse.engine")
@@ -29,6 +31,24 @@ class KVManager:
         self.runner, self.metrics = runner, metrics
         self.prefix = self._make_prefix_cache(cfg)      # None: off, or not possible for this model/schedule
         self._exported = PrefixStats()                  # prefix-cache counters already added to the metrics
+        self.bind_host()
+
+    def bind_host(self):
+        """The prefix cache's host tier in the store's memory of the current attachment (worker/prefix_host.py):
+        adopted with the blocks it holds (a restarted worker), or formatted (a new store). None: no tier."""
+        pc, arena = self.prefix, self.runner.session.prefix_arena
+        if pc is None:
+            return
+        pc.host = None
+        if arena is not None:
+            c = self.runner.mcfg
+            pc.host = HostTier(arena, c.n_layer, c.n_head_kv, c.head_dim, pc.block, pc.pool.dtype,
+                               pc.tail_logits.shape[1])
+            event(log, "prefix_host_tier", slots=pc.host.n_slots, bytes=pc.host.capacity_bytes,
+                  adopted_blocks=len(pc.host.index))
+        if self.metrics:
+            self.metrics.prefix_host_capacity.set(pc.host.capacity_bytes if pc.host else 0)
+        self._export()
 
     def _make_prefix_cache(self, cfg: EngineConfig) -> PrefixCache | None:
         r, c = self.runner, self.runner.mcfg
@@ -104,4 +124,6 @@ class KVManager:
         m.prefix_cache_evictions.inc(st.evictions - old.evictions)
         m.prefix_cache_bytes.set(pc.bytes_used)
         m.prefix_cache_usage.set(pc.bytes_used / pc.capacity_bytes if pc.capacity_bytes else 0.0)
+        m.prefix_host_hits.inc(st.host_hits - old.host_hits)
+        m.prefix_host_bytes.set(pc.host.bytes_used if pc.host else 0)
         self._exported = dataclasses.replace(st)

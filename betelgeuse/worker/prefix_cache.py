@@ -27,6 +27,15 @@ the configured budget (the slot plan subtracts it from the VRAM budget), less th
 [n_tails, n_vocab] float32 preallocated beside it. Blocks held by a running request
 (reference count > 0) are never evicted; the others are evicted least recently used first, the tail of a chain
 before its head (a head evicted first would leave its tail unreachable).
+
+The host tier (worker/prefix_host.py, `host`; None: none), in host memory that the expert store holds: every block
+the pool takes (a whole prompt's entry with its logits) is also copied there as it is inserted (write-through: a
+worker killed by SIGKILL cannot flush anything, and the copy is a few milliseconds beside the prefill that made the
+block); an evicted block the host tier has dropped meanwhile is copied again. A lookup that runs out of device
+blocks goes on in the host tier; the blocks it finds are copied back into the pool (promoted, as if just inserted),
+so everything after the lookup sees device blocks only. The bits are the ones the device held: a hit from the host
+is as exact as one from the device. The device keeps a chain's head longer than its tail, so the host tier holds
+the rest of a chain, or all of it after a restart.
 """
 
 from __future__ import annotations
@@ -38,6 +47,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from betelgeuse.worker.prefix_host import HostTier
+
 
 @dataclass(slots=True)
 class PrefixStats:
@@ -46,6 +57,8 @@ class PrefixStats:
     tokens_reused: int = 0      # prompt tokens served from the cache
     inserted: int = 0           # blocks written
     evictions: int = 0          # blocks dropped to make room
+    host_hits: int = 0          # lookups that reused at least one block from the host tier
+    host_blocks: int = 0        # blocks copied back from the host tier
 
 
 class PrefixCache:
@@ -67,6 +80,7 @@ class PrefixCache:
         # [n_layer, 2 (k, v), n_blocks, n_head_kv, block, head_dim]
         self.pool = torch.zeros((n_layer, 2, self.n_blocks, n_head_kv, block, head_dim), dtype=dtype, device=device)
         self.digest: list[bytes | None] = [None] * self.n_blocks      # chained hash of the prefix ending here
+        self.pdigest: list[bytes | None] = [None] * self.n_blocks     # ... and of the prefix before it (the root)
         self.tokens: list[tuple | None] = [None] * self.n_blocks      # the block's own tokens (checked on a hit)
         self.parent = np.full(self.n_blocks, -1, dtype=np.int64)     # the block before it (-1 = the first block)
         self.refs = np.zeros(self.n_blocks, dtype=np.int64)
@@ -74,6 +88,7 @@ class PrefixCache:
         self.lru: OrderedDict[int, None] = OrderedDict()              # unreferenced cached blocks, oldest first
         self.free = list(range(self.n_blocks - 1, -1, -1))
         self.stats = PrefixStats()
+        self.host: HostTier | None = None        # where evicted blocks go (set by the owner: KVManager)
 
     @property
     def enabled(self) -> bool:
@@ -112,30 +127,78 @@ class PrefixCache:
         prefill (its logits start the generation), or the whole prompt's entry. Marks them recently used.
         salt: only entries inserted with the same salt match."""
         self.stats.queries += 1
-        out, h, parent = [], self._root(salt), -1
+        out, h, parent = [], self._root(salt), -1     # h: the chained hash of the prefix matched so far
         B = self.block
-        for i in range((len(prompt) - 1) // B):
+        n_full = (len(prompt) - 1) // B
+        for i in range(n_full):
             toks = tuple(prompt[i * B:(i + 1) * B])
-            h = self._hash(h, toks)
-            blk = self._find(h, toks, parent)
+            blk = self._find(self._hash(h, toks), toks, parent)
             if blk is None:
                 break
             out.append(blk)
-            parent = blk
-        n = len(out) * B
-        if len(out) == (len(prompt) - 1) // B and self.tail_row:     # every whole block: the whole prompt too?
-            toks = tuple(prompt[n:])
-            blk = self._find(self._hash(h, toks, whole=True), toks, parent)
+            parent, h = blk, self.digest[blk]
+            if self.host is not None:
+                self.host.touch(h)                  # used: the host tier keeps it longer too
+        host: list[tuple[int, bytes, bytes, tuple]] = []     # (host slot, hash, parent's hash, tokens)
+        for i in range(len(out), n_full if self.host is not None else 0):
+            toks = tuple(prompt[i * B:(i + 1) * B])
+            slot = self.host.find(self._hash(h, toks), toks, h)
+            if slot is None:
+                break
+            host.append((slot, self._hash(h, toks), h, toks))
+            h = host[-1][1]
+        if len(out) + len(host) == n_full:             # every whole block: the whole prompt too?
+            toks = tuple(prompt[n_full * B:])
+            hw = self._hash(h, toks, whole=True)
+            blk = self._find(hw, toks, parent) if self.tail_row and not host else None
             if blk is not None:
                 out.append(blk)
-                n = len(prompt)
+            elif self.host is not None and self.tail_logits.shape[0]:
+                slot = self.host.find(hw, toks, h)
+                if slot is not None:
+                    host.append((slot, hw, h, toks))
+        if host:
+            got = self._promote(out, host)
+            out += got
+            self.stats.host_hits += bool(got)
+            self.stats.host_blocks += len(got)
         for blk in reversed(out):                   # head most recent: the tail goes first
             if blk in self.lru:
                 self.lru.move_to_end(blk)
         if out:
             self.stats.hits += 1
-            self.stats.tokens_reused += n
+            self.stats.tokens_reused += self.covered(out)
         return out
+
+    def _promote(self, chain: list[int], host: list[tuple[int, bytes, bytes, tuple]]) -> list[int]:
+        """Copy host entries (the continuation of the device blocks `chain`) into device blocks, in order, while
+        there is room -> their block ids. The chain is held meanwhile (evictions for room spill other blocks to
+        the host, never the entries being read: they are pinned there)."""
+        self.acquire(chain)
+        self.host.pinned.update(slot for slot, *_ in host)
+        new: list[int] = []
+        try:
+            for slot, h, ph, toks in host:
+                row = self._tail_row() if self.host.whole(slot) else None
+                if self.host.whole(slot) and row is None:
+                    break
+                blk = self._allocate()
+                if blk is None:
+                    if row is not None:
+                        self.tail_free.append(row)
+                    break
+                parent = (chain + new)[-1] if chain or new else -1
+                self.digest[blk], self.pdigest[blk], self.tokens[blk], self.parent[blk] = h, ph, toks, parent
+                self.index[h] = blk
+                if row is not None:
+                    self.tail_row[blk] = row
+                self.host.get(slot, self.pool[:, :, blk], None if row is None else self.tail_logits[row])
+                self.acquire([blk])
+                new.append(blk)
+        finally:
+            self.host.pinned.clear()
+            self.release(chain + new)
+        return new
 
     def covered(self, blocks: list[int]) -> int:
         """Prompt tokens a lookup's chain holds: what load() will copy in (the whole prompt's entry counts its own)."""
@@ -190,7 +253,7 @@ class PrefixCache:
         new: list[tuple[int, int]] = []                 # (block id, block index in the prompt) to copy
         for i in range(len(chain), done // B):
             toks = tuple(prompt[i * B:(i + 1) * B])
-            h = self._hash(h, toks)
+            ph, h = h, self._hash(h, toks)
             parent = chain[-1] if chain else -1
             blk = self._find(h, toks, parent)
             if blk is None:
@@ -198,13 +261,15 @@ class PrefixCache:
                 if blk is None:
                     break
                 new.append((blk, i))
-                self.digest[blk], self.tokens[blk], self.parent[blk] = h, toks, parent
+                self.digest[blk], self.pdigest[blk], self.tokens[blk], self.parent[blk] = h, ph, toks, parent
                 self.index[h] = blk
                 self.stats.inserted += 1
             self.acquire([blk])
             chain.append(blk)
         if new:
             self._write(kv, new, done // B)
+            for blk, _ in new:
+                self._to_host(blk)
         return chain
 
     def insert_tail(self, kv, prompt: list[int], held: list[int], logits: torch.Tensor, salt: str = "") -> list[int]:
@@ -218,24 +283,21 @@ class PrefixCache:
             return held
         toks = tuple(prompt[n_full * B:])
         parent = held[n_full - 1] if n_full else -1
-        h = self._hash(self.digest[parent] if n_full else self._root(salt), toks, whole=True)
+        ph = self.digest[parent] if n_full else self._root(salt)
+        h = self._hash(ph, toks, whole=True)
         blk = self._find(h, toks, parent)
         if blk is not None:
             self.acquire([blk])                     # the same prompt finished meanwhile: share its entry
             return held + [blk]
-        if not self.tail_free:                      # every logits row taken: the oldest evictable entry goes
-            old = next((b for b in self.lru if b in self.tail_row), None)
-            if old is None:
-                return held
-            self.lru.pop(old)
-            self._drop(old)
-            self.free.append(old)
+        row = self._tail_row()
+        if row is None:
+            return held
         blk = self._allocate()
         if blk is None:
+            self.tail_free.append(row)
             return held
-        row = self.tail_free.pop()
         self.tail_row[blk] = row
-        self.digest[blk], self.tokens[blk], self.parent[blk] = h, toks, parent
+        self.digest[blk], self.pdigest[blk], self.tokens[blk], self.parent[blk] = h, ph, toks, parent
         self.index[h] = blk
         self.stats.inserted += 1
         self.tail_logits[row].copy_(logits.reshape(-1))
@@ -243,8 +305,20 @@ class PrefixCache:
         for l in range(self.pool.shape[0]):
             for j, src in enumerate((kv.k[l], kv.v[l])):
                 self.pool[l, j, blk, :, :t].copy_(src[:, n_full * B:P])
+        self._to_host(blk)
         self.acquire([blk])
         return held + [blk]
+
+    def _tail_row(self) -> int | None:
+        """A logits row for a whole-prompt entry: a free one, else the oldest evictable entry's (it goes)."""
+        if not self.tail_free:
+            old = next((b for b in self.lru if b in self.tail_row), None)
+            if old is None:
+                return None
+            self.lru.pop(old)
+            self._drop(old)
+            self.free.append(old)
+        return self.tail_free.pop()
 
     def _allocate(self) -> int | None:
         if self.free:
@@ -256,13 +330,22 @@ class PrefixCache:
         return blk
 
     def _drop(self, blk: int):
-        """Forget an evicted block (and its logits row if it ends a whole prompt)."""
+        """Forget an evicted block (and its logits row if it ends a whole prompt), spilled to the host tier first."""
+        if self.digest[blk] is not None:
+            self._to_host(blk)                      # (a copy only if the host tier dropped it meanwhile)
         self.index.pop(self.digest[blk], None)
-        self.digest[blk], self.tokens[blk], self.parent[blk] = None, None, -1
+        self.digest[blk], self.pdigest[blk], self.tokens[blk], self.parent[blk] = None, None, None, -1
         row = self.tail_row.pop(blk, None)
         if row is not None:
             self.tail_free.append(row)
         self.stats.evictions += 1
+
+    def _to_host(self, blk: int):
+        """Copy a cached block (and a whole prompt's logits) into the host tier, if there is one."""
+        if self.host is not None:
+            row = self.tail_row.get(blk)
+            self.host.put(self.digest[blk], self.pdigest[blk], self.tokens[blk], self.pool[:, :, blk],
+                          None if row is None else self.tail_logits[row])
 
     def _write(self, kv, new: list[tuple[int, int]], n_full: int):
         """Copy prompt blocks new[j][1] of kv into pool blocks new[j][0]: two gathers + two scatters per layer."""

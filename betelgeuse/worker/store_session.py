@@ -1,7 +1,8 @@
 """The worker's session with the expert store: attachment, store passes and all of the worker's consolidation policy.
 
   attach     map the store's arena (registered as pinned on CUDA), the worker's device slot pool (ExpertCache) and
-             the slot directory; a re-attach (the store restarted) drops the old mapping first
+             the slot directory, and the prefix cache's host tier (`prefix_arena`, writable, pinned on CUDA: the
+             KV manager formats or adopts it); a re-attach (the store restarted) drops the old mappings first
   passes     the directory is frozen from begin_pass to end_pass. A prefill opens a store pass and closes it with
              consolidation. Decode steps keep the store pass open across tokens (no round trip per token: usage is
              counted on the device and sent once at the close) until the request ends or every
@@ -30,6 +31,7 @@ import torch
 
 from betelgeuse.config import EngineConfig
 from betelgeuse.gguf.reader import GGUFModelFile
+from betelgeuse.store.arena import Arena, register_pinned, unregister_pinned
 from betelgeuse.store.client import StoreClient
 from betelgeuse.store.directory import SlotDirectory
 from betelgeuse.store.plan import SlotPlan
@@ -51,13 +53,19 @@ class StoreSession:
         self._resume_since = 0                    # carried over a close/reopen while a consolidation fills
         self.calls = 0                            # store round trips (all time)
         self._usage: np.ndarray | None = None     # rows per expert since the store pass opened (host)
+        self.prefix_arena: Arena | None = None    # the prefix cache's host tier, held by the store (None: none)
+        self._prefix_pinned = False
 
     # ---- attachment ------------------------------------------------------------------------------------
     def attach(self):
         """(Re)attach to the store: map its arena, register it as pinned; the VRAM slots refill on the next pass."""
         if self.cache is not None:
             self.cache.close()
+        self._close_prefix()
         arena, plan = self.store.attach()
+        self.prefix_arena = self.store.take_prefix_arena()
+        if self.prefix_arena is not None and self.device.type == "cuda":
+            self._prefix_pinned = register_pinned(self.prefix_arena)
         self.plan = plan
         self.cache = ExpertCache(plan, arena, self.file, self.device, self.dtype, self.cfg.ring_slots)
         self.directory = SlotDirectory(arena, plan.layout, create=False)
@@ -201,8 +209,19 @@ class StoreSession:
             stats.disk_wait_s += time.perf_counter() - t
         return copied + len(missing)
 
+    def _close_prefix(self):
+        """Unregister and unmap the prefix host tier (the store keeps it; the next attach maps it again)."""
+        if self.prefix_arena is None:
+            return
+        if self._prefix_pinned:
+            unregister_pinned(self.prefix_arena)
+            self._prefix_pinned = False
+        self.prefix_arena.close()
+        self.prefix_arena = None
+
     def close(self):
-        """Close the device slot pool and drop every view of the arena (directory, snapshot)."""
+        """Close the device slot pool and drop every view of the arena (directory, snapshot) and the prefix tier."""
         if self.cache is not None:
             self.cache.close()
+        self._close_prefix()
         self.cache = self.directory = self.snap = None

@@ -187,6 +187,23 @@ def check_prefix(path: Path, device: str, ids: list[int], chunk: int = 16):
         row("prefix: hit == miss", torch.equal(hit.cpu(), whole.cpu()),
             f"{got} of {n} tokens from the cache, max |diff| {(hit - whole).abs().max().item():.3e}")
         row("prefix: pieces == one pass", torch.equal(out.cpu(), whole.cpu()), f"pieces {pieces}")
+        # the host tier (the store's memfd, pinned): the head's blocks went there as they were cached; a new device
+        # pool (a restarted worker) adopts them and copies them back: the bits of the miss again
+        from betelgeuse.worker.prefix_host import HostTier
+        arena = runner.session.prefix_arena
+        if arena is not None:
+            pc1 = PrefixCache(c.n_layer, c.n_head_kv, c.head_dim, chunk, 64 << 20, runner.device, runner.dtype)
+            pc1.host = HostTier(arena, c.n_layer, c.n_head_kv, c.head_dim, chunk, runner.dtype, 0)
+            pc1.insert(kv1, head, len(head), [])            # written through to the host tier
+            pc2 = PrefixCache(c.n_layer, c.n_head_kv, c.head_dim, chunk, 64 << 20, runner.device, runner.dtype)
+            pc2.host = HostTier(arena, c.n_layer, c.n_head_kv, c.head_dim, chunk, runner.dtype, 0)
+            kv6 = runner.new_cache(n + 8)
+            got6 = pc2.load(kv6, pc2.lookup(ids))
+            hit6, _ = runner.forward(ids[got6:], kv6)
+            row("prefix: host-tier hit == miss", got6 == got and pc2.stats.host_blocks > 0
+                and torch.equal(hit6.cpu(), whole.cpu()), f"{got6} tokens from the host tier "
+                f"({pc2.stats.host_blocks} blocks, pinned {runner.session._prefix_pinned}), max |diff| "
+                f"{(hit6 - whole).abs().max().item():.3e}")
         # decode after the hit, batched with the piecewise sequence, equals solo decode after the miss
         kvm = runner.new_cache(n + 8)
         lg, _ = runner.forward(ids, kvm)

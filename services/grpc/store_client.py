@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 
 from betelgeuse.errors import BetelgeuseError, StoreBusyError, StoreUnavailableError
-from betelgeuse.store.arena import Arena, recv_fd
+from betelgeuse.store.arena import Arena, recv_fds
 from betelgeuse.store.plan import SlotPlan
 from betelgeuse.store.store import Loaded
 from services.pb.betelgeuse.v1 import store_pb2 as pb
@@ -50,6 +50,7 @@ class GrpcStoreClient:
         self.on_lost = on_lost
         self._releases: list = []     # Release calls sent and not yet seen answered (release() does not wait)
         self.consolidating = False    # the last BeginPass: a consolidation was still filling its slots
+        self._prefix: Arena | None = None   # the prefix host tier received at the last attach (take_prefix_arena)
 
     def _drop_lease(self):
         """Close our lease socket (shutdown first: it wakes the watcher's recv, which close alone does not)."""
@@ -88,7 +89,7 @@ class GrpcStoreClient:
         try:
             s.settimeout(self.timeout)
             s.connect(self.fd_socket_path)
-            fd, header = recv_fd(s)
+            fds, header = recv_fds(s)
         except OSError as e:
             s.close()
             raise StoreUnavailableError(f"cannot reach the expert store at {self.fd_socket_path}: {e.strerror or e}") from None
@@ -107,14 +108,24 @@ class GrpcStoreClient:
             reply = self._call(self.stub.Attach, pb.AttachRequest(worker_pid=os.getpid(),
                                                                   attach_token=header.get("token", "")))
         except BaseException:
-            os.close(fd)
+            for fd in fds:
+                os.close(fd)
             s.close()
             raise
         with self._lock:
             self._lease = s
         threading.Thread(target=self._watch, args=(s,), name="store-lease", daemon=True).start()
         self.session = reply.session
-        return Arena.attach(fd, header["arena_bytes"], readonly=True), SlotPlan.from_json(reply.layout_json)
+        if self._prefix is not None:
+            self._prefix.close()
+        # the prefix host tier: written by this worker only once Attach made it the store's one worker
+        self._prefix = Arena.attach(fds[1], header["prefix_bytes"], readonly=False) if len(fds) > 1 else None
+        return Arena.attach(fds[0], header["arena_bytes"], readonly=True), SlotPlan.from_json(reply.layout_json)
+
+    def take_prefix_arena(self) -> Arena | None:
+        """The prefix host tier received at the last attach (writable; the caller owns it), or None."""
+        out, self._prefix = self._prefix, None
+        return out
 
     def abort(self) -> None:
         """From another thread: the store stopped answering. Calls in flight fail now (StoreUnavailableError)."""
@@ -195,6 +206,9 @@ class GrpcStoreClient:
         return json.loads(self._call(self.stub.Status, pb.StatusRequest()).json)
 
     def close(self) -> None:
+        if self._prefix is not None:                 # received and never taken by a runner
+            self._prefix.close()
+            self._prefix = None
         with self._lock:
             if self.channel is not None:
                 self.channel.close()

@@ -2,9 +2,11 @@
 child is restarted and named), and go away with it — on SIGTERM (exit 0, even with a second signal during the
 shutdown) and on `kill -9` of serve itself (the children die with their parent). Issue 9, item 7. Issue 25, items
 4 and 5: SIGHUP to any of the three is never fatal, and a removed runtime directory is made again (the store,
-whose sockets went with it, restarted) instead of killing serve."""
+whose sockets went with it, restarted) instead of killing serve. Issue 24, item 4: a prompt repeated after `kill -9`
+of the worker is answered from the prefix cache's host tier, which the store holds."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -14,6 +16,7 @@ import time
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
 
@@ -60,8 +63,18 @@ class Serve:
         self.wait_line("serving ", timeout=30)          # serve itself has seen it (it supervises from then on)
 
     def generate(self):
-        events = list(generate_stream(self.address, prompt_text="Hello", max_tokens=4, ignore_eos=True))
-        return list(events[-1].final.token_ids)
+        return list(self.final().token_ids)
+
+    def final(self, **prompt):
+        """The final event of a greedy 4-token generation (of "Hello" unless `prompt` says otherwise)."""
+        events = list(generate_stream(self.address, **(prompt or {"prompt_text": "Hello"}), max_tokens=4,
+                                      ignore_eos=True))
+        return events[-1].final
+
+    def adopted(self) -> list[int]:
+        """Blocks each worker start found in the prefix cache's host tier, from the worker log."""
+        with open(os.path.join(self.run, "worker.log"), errors="replace") as f:
+            return [int(n) for n in re.findall(r"prefix_host_tier .*?adopted_blocks=(\d+)", f.read())]
 
     def wait_line(self, text: str, timeout=60):
         t0 = time.monotonic()
@@ -96,19 +109,28 @@ def test_serve_restarts_crashed_children_and_stops_cleanly(tmp_path, model):
             assert r.status == 200
         kids = _children_of(s.run)
         assert set(kids) == {"store", "worker"}, kids
-        # kill -9 of the worker: serve names it, restarts it, and the new one serves the same tokens
+        agent = [int(x) for x in np.random.default_rng(7).integers(3, 1000, 150)]   # 2 blocks of 64 + 22 tokens
+        first = s.final(prompt_ids=agent)
+        assert first.usage.cached_tokens == 0 and s.adopted() == [0]
+        # kill -9 of the worker: serve names it, restarts it, and the new one serves the same tokens; the repeated
+        # prompt comes from the prefix cache's host tier that the store kept (no prefill at all: every token cached)
         os.kill(kids["worker"], signal.SIGKILL)
         line = s.wait_line(f"the worker (pid {kids['worker']}) was killed by SIGKILL; restarting")
         s.wait_line("worker restarted")
         s.wait_serving()
+        assert s.adopted()[-1] >= 4, s.adopted()                # "Hello" (1 entry) and the agent's 3
+        again = s.final(prompt_ids=agent)
+        assert list(again.token_ids) == list(first.token_ids) and again.usage.cached_tokens == len(agent), again
         assert s.generate() == want, line
-        # kill -9 of the store: restarted; the worker re-attaches by itself
+        # kill -9 of the store: restarted; the worker re-attaches by itself (to an empty host tier)
         os.kill(kids["store"], signal.SIGKILL)
         s.wait_line(f"the store (pid {kids['store']}) was killed by SIGKILL; restarting")
         s.wait_line("store restarted")
         time.sleep(1.0)
         s.wait_serving()
         assert s.generate() == want
+        assert s.adopted()[-1] == 0, s.adopted()
+        assert list(s.final(prompt_ids=agent).token_ids) == list(first.token_ids)
         kids = _children_of(s.run)
         assert set(kids) == {"store", "worker"}, kids
         # SIGTERM, and a second one during the shutdown: still exit 0 and no process left behind

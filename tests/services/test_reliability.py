@@ -273,12 +273,14 @@ def test_big_prompts_are_refused_before_work_and_do_not_stall_others(cluster, ch
 # ---- the store trusts no one (item 11) -------------------------------------------------------------------------
 
 def _recv_arena(path):
-    from betelgeuse.store.arena import recv_fd
+    from betelgeuse.store.arena import recv_fds
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(10)
     s.connect(path)
-    fd, hdr = recv_fd(s)
-    return s, fd, hdr
+    fds, hdr = recv_fds(s)
+    for extra in fds[1:]:                               # the prefix host tier's
+        os.close(extra)
+    return s, fds[0], hdr
 
 
 def test_store_sockets_are_private_whatever_the_umask(cluster):

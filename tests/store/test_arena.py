@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from betelgeuse.errors import StoreUnavailableError
-from betelgeuse.store.arena import Arena, recv_fd, register_pinned, send_fd
+from betelgeuse.store.arena import Arena, recv_fds, register_pinned, send_fds
 from betelgeuse.store.cgroup import CgroupMemory, make_cgroup, remove_cgroup
 from betelgeuse.store.directory import TIER_DISK, TIER_HOST, TIER_VRAM, SlotDirectory
 from betelgeuse.store.layout import ArenaLayout, SlotLayout
@@ -25,11 +25,11 @@ WORKER = textwrap.dedent(
     """
     import socket, sys
     import numpy as np
-    from betelgeuse.store.arena import Arena, recv_fd
+    from betelgeuse.store.arena import Arena, recv_fds
     from betelgeuse.store.directory import SlotDirectory
     from betelgeuse.store.layout import ArenaLayout
     sock = socket.socket(fileno=int(sys.argv[1]))
-    fd, hdr = recv_fd(sock)
+    (fd,), hdr = recv_fds(sock)
     arena = Arena.attach(fd, hdr["nbytes"], readonly=False)   # the store's own O_RDWR fd: this test writes back
     lay = ArenaLayout.from_dict(hdr["layout"])
     d = SlotDirectory(arena, lay, create=False)
@@ -64,7 +64,7 @@ def test_fd_passed_to_another_process_shares_the_bytes():
     proc = subprocess.Popen([sys.executable, "-c", WORKER, str(child.fileno())], pass_fds=[child.fileno()], env=_env())
     try:
         child.close()
-        send_fd(parent, arena.fd, {"nbytes": arena.nbytes, "layout": lay.to_dict()})
+        send_fds(parent, [arena.fd], {"nbytes": arena.nbytes, "layout": lay.to_dict()})
         ok, entry, tier_sum, epoch, pid, active = eval(parent.recv(4096).decode())
         assert ok, "the worker saw other bytes than the store wrote"
         assert entry == (TIER_VRAM, 2, 1)
@@ -105,11 +105,11 @@ def test_close_with_live_view_keeps_view_valid():
     assert int(v.sum()) == 3 * 8192
 
 
-def test_recv_fd_on_closed_socket_is_a_clear_error():
+def test_recv_fds_on_closed_socket_is_a_clear_error():
     a, b = socket.socketpair()
     b.close()
     with pytest.raises(StoreUnavailableError):
-        recv_fd(a)
+        recv_fds(a)
     a.close()
 
 

@@ -1,0 +1,176 @@
+"""The prefix cache's host tier: the blocks of the device pool (worker/prefix_cache.py) are copied here as they are
+cached, in host memory the expert store holds: the tier holds more than the pool (evicted blocks come back from
+here), and it outlives the worker (a restarted worker finds them) as the arena does.
+
+    tier = HostTier(arena, n_layer, n_head_kv, head_dim, block, dtype, n_vocab)   # formats or adopts the region
+    slot = tier.find(h, toks, ph)               # the entry with chained hash h, its tokens and parent hash checked
+    tier.put(h, ph, toks, kv_block, logits)     # copy a device block (and a whole prompt's logits) in, D2H
+    tier.get(slot, kv_block, logits_row)        # and back, H2D
+
+Who writes: the store creates the memfd (sized by the slot plan within the memory budget, pre-faulted, zeros) and
+never reads or writes it; it hands the worker a writable fd with the arena's. Only the attached worker writes (the
+store's lease admits one worker at a time, and the worker touches the region only once Attach accepted it), so the
+index needs no lock and no protocol: it is a table in the region itself, which a worker adopts when it attaches.
+A new store is a new memfd: the tier starts empty.
+
+Layout (little endian, numpy structured arrays over the region):
+
+    header  (4 KiB): magic u64, version u32, n_slots u32, slot_bytes u64, clock u64, geometry tag (16 bytes)
+    entries [n_slots] of (seq u64, stamp u64, digest 16 B, parent digest 16 B, n_tok i32, whole i32, tokens i32[block])
+    slots   [n_slots] x slot_bytes, 4 KiB aligned: K/V [n_layer, 2, n_head_kv, block, head_dim] in the compute dtype,
+            then the whole prompt's last logits [n_vocab] float32 (used by whole-prompt entries only)
+
+`seq` is each entry's generation: odd while its slot is being written (the key is cleared first, the bytes
+copied, the key set, then it goes even), so a worker killed mid-copy leaves an odd entry that its successor treats
+as free: a reader never sees a torn block. `stamp` is a clock bumped per use: the least recently used entry is
+evicted first (entries pinned by a lookup in progress are spared). The geometry tag (model shape, block, dtype)
+must match, else the region is formatted anew (a worker started with another dtype or chunk size).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import torch
+
+from betelgeuse.store.arena import Arena
+from betelgeuse.store.layout import PAGE, round_up
+
+MAGIC = int.from_bytes(b"BTLGPFX1", "little")
+VERSION = 1
+HEADER_BYTES = PAGE
+HEADER_DTYPE = np.dtype([("magic", "<u8"), ("version", "<u4"), ("n_slots", "<u4"), ("slot_bytes", "<u8"),
+                         ("clock", "<u8"), ("tag", "S16")])
+
+
+def entry_dtype(block: int) -> np.dtype:
+    return np.dtype([("seq", "<u8"), ("stamp", "<u8"), ("digest", "S16"), ("pdigest", "S16"), ("n_tok", "<i4"),
+                     ("whole", "<i4"), ("tokens", "<i4", (block,))])
+
+
+class HostTier:
+    def __init__(self, arena: Arena, n_layer: int, n_head_kv: int, head_dim: int, block: int, dtype: torch.dtype,
+                 n_vocab: int):
+        self.arena = arena
+        self.kv_shape = (n_layer, 2, n_head_kv, block, head_dim)
+        self.dtype = dtype
+        self.kv_bytes = int(np.prod(self.kv_shape)) * torch.empty((), dtype=dtype).element_size()
+        self.n_vocab = n_vocab
+        self.slot_bytes = round_up(self.kv_bytes + 4 * n_vocab)
+        ent = entry_dtype(block)
+        n = max(0, (arena.nbytes - HEADER_BYTES) // (self.slot_bytes + ent.itemsize))
+        while n and HEADER_BYTES + round_up(n * ent.itemsize) + n * self.slot_bytes > arena.nbytes:
+            n -= 1
+        self.n_slots = n
+        self.base = HEADER_BYTES + round_up(n * ent.itemsize)
+        self.hdr = arena.numpy(0, HEADER_DTYPE.itemsize, dtype=HEADER_DTYPE)[0:1]
+        self.ent = arena.numpy(HEADER_BYTES, n * ent.itemsize, dtype=ent) if n else np.zeros(0, dtype=ent)
+        tag = hashlib.blake2b(repr((self.kv_shape, str(dtype), n_vocab)).encode(), digest_size=16).digest()
+        h = self.hdr[0]
+        self.adopted = (int(h["magic"]) == MAGIC and int(h["version"]) == VERSION and int(h["n_slots"]) == n
+                        and int(h["slot_bytes"]) == self.slot_bytes and bytes(h["tag"]) == tag)
+        if not self.adopted:                     # a new region (zeros), or one another geometry wrote
+            self.hdr["magic"] = 0
+            self.ent["seq"], self.ent["n_tok"] = 0, 0
+            self.hdr["version"], self.hdr["n_slots"], self.hdr["slot_bytes"] = VERSION, n, self.slot_bytes
+            self.hdr["clock"], self.hdr["tag"] = 0, tag
+            self.hdr["magic"] = MAGIC            # last: a region with the magic set is formatted
+        # the index: chained hash -> slot, of the entries that are whole (even seq, a key)
+        valid = np.nonzero((self.ent["seq"] % 2 == 0) & (self.ent["n_tok"] > 0))[0]
+        self.index: dict[bytes, int] = {bytes(self.ent["digest"][i]): int(i) for i in valid}
+        self.pinned: set[int] = set()            # slots a lookup is reading: never evicted meanwhile
+        self.hits = 0                            # blocks copied back to the device
+        self.spills = 0                          # blocks copied in
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.n_slots * self.slot_bytes
+
+    @property
+    def bytes_used(self) -> int:
+        return len(self.index) * self.slot_bytes
+
+    def _views(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slot's K/V [n_layer, 2, n_head_kv, block, head_dim] and logits [n_vocab] float32 (views)."""
+        raw = self.arena.torch(self.base + slot * self.slot_bytes, self.slot_bytes)
+        kv = raw[:self.kv_bytes].view(self.dtype).view(self.kv_shape)
+        return kv, raw[self.kv_bytes:self.kv_bytes + 4 * self.n_vocab].view(torch.float32)
+
+    def _touch(self, slot: int):
+        self.hdr["clock"] += 1
+        self.ent["stamp"][slot] = self.hdr["clock"][0]
+
+    def touch(self, h: bytes):
+        """Mark the entry with chained hash h (if any) recently used."""
+        slot = self.index.get(h)
+        if slot is not None:
+            self._touch(slot)
+
+    def find(self, h: bytes, toks: tuple, ph: bytes) -> int | None:
+        """The entry with chained hash h whose own tokens and parent's hash are also the prompt's (a hash collision
+        never matches), marked recently used."""
+        slot = self.index.get(h)
+        if slot is None:
+            return None
+        e = self.ent[slot]
+        n = int(e["n_tok"])
+        if n != len(toks) or bytes(e["pdigest"]) != ph or tuple(e["tokens"][:n].tolist()) != toks:
+            return None
+        self._touch(slot)
+        return slot
+
+    def whole(self, slot: int) -> bool:
+        return bool(self.ent["whole"][slot])
+
+    def tokens(self, slot: int) -> tuple:
+        return tuple(self.ent["tokens"][slot][:int(self.ent["n_tok"][slot])].tolist())
+
+    def put(self, h: bytes, ph: bytes, toks: tuple, kv: torch.Tensor, logits: torch.Tensor | None = None) -> bool:
+        """Copy in a device block kv [n_layer, 2, n_head_kv, block, head_dim] (its first len(toks) positions
+        matter) under chained hash h (parent's hash ph), with a whole prompt's last `logits` [n_vocab]. An entry
+        already there is only marked used. False: every slot is pinned (nothing is written)."""
+        if h in self.index:
+            self._touch(self.index[h])
+            return True
+        slot = self._victim()
+        if slot is None:
+            return False
+        e = self.ent
+        e["seq"][slot] |= 1                      # odd: being written (a successor would treat it as free)
+        old = bytes(e["digest"][slot])
+        if self.index.get(old) == slot:
+            del self.index[old]
+        e["n_tok"][slot] = 0
+        dst_kv, dst_logits = self._views(slot)
+        dst_kv.copy_(kv)                         # D2H, synchronous: the bytes are there before the entry is
+        if logits is not None:
+            dst_logits.copy_(logits.reshape(-1))
+        e["digest"][slot], e["pdigest"][slot], e["whole"][slot] = h, ph, int(logits is not None)
+        e["tokens"][slot][:len(toks)] = toks
+        e["n_tok"][slot] = len(toks)
+        self._touch(slot)
+        e["seq"][slot] += 1                      # even: whole
+        self.index[h] = slot
+        self.spills += 1
+        return True
+
+    def get(self, slot: int, kv: torch.Tensor, logits: torch.Tensor | None = None):
+        """Copy an entry back into a device block kv [n_layer, 2, n_head_kv, block, head_dim] (H2D), and its
+        logits into `logits` [n_vocab] for a whole prompt's entry."""
+        src_kv, src_logits = self._views(slot)
+        kv.copy_(src_kv)
+        if logits is not None:
+            logits.copy_(src_logits)
+        self.hits += 1
+
+    def _victim(self) -> int | None:
+        """A free slot, else the least recently used one not pinned; None when every slot is pinned."""
+        if not self.n_slots:
+            return None
+        free = (self.ent["n_tok"] == 0) | (self.ent["seq"] % 2 == 1)
+        stamps = np.where(free, 0, self.ent["stamp"].astype(np.float64))
+        if self.pinned:
+            stamps[list(self.pinned)] = np.inf
+        slot = int(np.argmin(stamps))
+        return None if stamps[slot] == np.inf else slot
