@@ -81,6 +81,10 @@ def _synth_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS) + sorted(DS4_PRESETS),
                    help="qwen3moe: tiny/small/bench; deepseek4: ds4-tiny/ds4-flash (V4-Flash's layer shapes)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--router", choices=["preset", "calibrated", "uniform"], default="preset",
+                   help="preset: the preset's router_skew; calibrated: popularity and temporal locality fitted to "
+                        "real decode statistics (gguf/synth_router.py; sets router_skew/drift/scale itself); "
+                        "uniform: no skew, no locality (the worst case for caching)")
     qwen = {f.name for f in dataclasses.fields(SynthSpec)}
     for fld in list(dataclasses.fields(SynthSpec)) + [f for f in dataclasses.fields(DS4Spec) if f.name not in qwen]:
         kind = {"int": int, "float": float, "str": str}.get(str(fld.type).replace("'", ""))
@@ -98,7 +102,7 @@ def _synth_args(p: argparse.ArgumentParser) -> None:
 def cmd_synth(args) -> int:
     from betelgeuse.gguf.synth import spec_from_preset, write_model
     overrides = {k[5:]: v for k, v in vars(args).items() if k.startswith("spec_") and v is not None}
-    spec = spec_from_preset(args.preset, **overrides)
+    spec = spec_from_preset(args.preset, router=args.router, **overrides)
     try:
         write_model(args.out, spec, progress=not args.no_progress)
     except OSError as e:
@@ -653,6 +657,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(run=run)
     from services.bench import cli as bench_cli       # `betelgeuse bench`: its own module (many flags)
     bench_cli.add_parser(sub).set_defaults(run=bench_cli.run)
+    from services import routing_cli                  # `betelgeuse routing`: statistics, trace conversion
+    routing_cli.add_parser(sub).set_defaults(run=routing_cli.run)
     return parser
 
 
