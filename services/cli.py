@@ -8,6 +8,7 @@ keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -53,6 +54,27 @@ def _dtype(name: str):
 def _load_model(args):
     from betelgeuse.model import reference_model
     return reference_model(args.model, device=args.device, dtype=_dtype(args.dtype))
+
+
+@contextlib.contextmanager
+def _recording(args, model):
+    """--record-routing with the reference engine: the model's route() recorded into the trace file, written at the
+    end (the out-of-core engine records in its runner)."""
+    path = getattr(args, "engine.record_routing", None)
+    if not path:
+        yield
+        return
+    from betelgeuse.routing.trace import Recorder, TraceWriter
+    c = model.cfg
+    try:
+        rec = Recorder(TraceWriter(path, c.n_layer, c.n_expert, c.n_expert_used, model=args.model, arch=c.arch))
+    except OSError as e:
+        raise InvalidRequestError(f"cannot write the routing trace {path}: {e.strerror or e}") from None
+    model.route = rec.wrap(model.route)
+    try:
+        yield
+    finally:
+        rec.close()
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -275,7 +297,8 @@ def cmd_logits(args) -> int:
     if len(ids) > cfg.context_length:
         raise InvalidRequestError(f"{len(ids)} tokens exceed the model's context of {cfg.context_length}")
     if args.engine == "reference":
-        logits = model.forward(ids, model.new_cache(len(ids)))
+        with _recording(args, model):
+            logits = model.forward(ids, model.new_cache(len(ids)))
     else:
         engine = _OutOfCore(args)
         try:
@@ -415,8 +438,9 @@ def _generate_reference(args, sampling, ids) -> int:
         ids = tok.encode(args.prompt)
     stop_ids = [] if args.ignore_eos else list(tok.eos_ids)
     gen = generate(model, ids, args.max_tokens, sampling, stop_ids, args.stop, tok)
-    for _ in gen:
-        _write(gen.new_text)
+    with _recording(args, model):
+        for _ in gen:
+            _write(gen.new_text)
     _write(gen.tail + "\n")
     return 0
 

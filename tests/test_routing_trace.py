@@ -131,3 +131,54 @@ def test_routing_cli(tmp_path, capsys):
     assert "nothing to convert" in capsys.readouterr().err
     assert main(["stats", str(tmp_path / "r.jsonl"), "--format", "krasis", "--experts", "4"]) == 2
     assert "not a krasis routing file" in capsys.readouterr().err
+
+
+def test_engine_records_replays_and_records_again(tmp_path, tiny_model):
+    """The out-of-core engine (a real in-process store, layer-major prefill then decode) records what its router
+    chose -- the reference model's routing of the same tokens --, and a replayed trace drives exactly those choices
+    on other tokens: recording the replay gives the same file."""
+    from betelgeuse.routing.measure import reference_trace
+    from betelgeuse.routing.trace import Recorder, Replayer, TraceWriter
+    from tests.engine_helpers import close_runner, in_process_runner
+
+    def run(rn, ids, decode):
+        kv = rn.new_cache(len(ids) + len(decode) + 1)
+        logits, _ = rn.forward(ids, kv)
+        for tok in decode:
+            rn.forward([tok], kv, consolidate=False)
+        return logits
+
+    a, b = tmp_path / "a.bgrt", tmp_path / "b.bgrt"
+    rn, st = in_process_runner(tiny_model, 2, 4, record_routing=str(a))
+    c = rn.mcfg
+    ids, decode = list(range(5, 75)), [9, 9, 40]
+    try:
+        run(rn, ids, decode)
+    finally:
+        close_runner(rn, st)
+    ref_ids, _, _ = reference_trace(tiny_model, ids + decode)
+    assert (read_trace(a).ids == ref_ids).all()
+    rn, st = in_process_runner(tiny_model, 2, 4)
+    try:
+        rn.hook_routing(Recorder(TraceWriter(b, c.n_layer, c.n_expert, c.n_expert_used, model=str(tiny_model),
+                                             arch=c.arch)),
+                        Replayer(read_trace(a), c.n_layer, c.n_expert, c.n_expert_used))
+        run(rn, list(range(100, 170)), [1, 2, 3])
+        rn.hook_routing()                              # back to the model's own routing; the recorder is closed
+        assert "route" not in rn.model.__dict__
+    finally:
+        close_runner(rn, st)
+    assert b.read_bytes() == a.read_bytes()
+
+
+def test_cli_records_routing(tmp_path, tiny_model):
+    """`betelgeuse logits --record-routing` with the reference engine and the out-of-core engine: the same trace."""
+    from services.cli import main
+    ids = ",".join(str(i) for i in range(3, 40))
+    for engine in ("reference", "in-process"):
+        assert main(["logits", str(tiny_model), "--token-ids", ids, "-o", str(tmp_path / f"{engine}.npy"),
+                     "--engine", engine, "--record-routing", str(tmp_path / f"{engine}.bgrt")]) == 0
+    r, e = read_trace(tmp_path / "reference.bgrt"), read_trace(tmp_path / "in-process.bgrt")
+    assert r.ids.shape[0] == 37 and (r.ids == e.ids).all()
+    assert main(["logits", str(tiny_model), "--token-ids", ids, "-o", str(tmp_path / "x.npy"), "--engine",
+                 "reference", "--record-routing", str(tmp_path / "no" / "such" / "dir.bgrt")]) == 2

@@ -9,9 +9,9 @@ Format (version 1), little-endian, appendable:
 The token count is (file size - header) / record size; a partial record is an error. Rows of concurrent sequences
 interleave in routing order (the engine routes them layer by layer in the same order at every layer).
 
-Recording: `Recorder.wrap(model.route)` returns a route() that records each layer's rows; a token is written once
-every layer has routed it, so any schedule works as long as each layer sees its rows in token order (layer-major
-chunks, one token at a time, micro-batches). Replay: `Replayer.wrap(model.route)` returns a route() whose ids (and
+Recording: `Recorder.wrap(model.route)` returns a route() that records each layer's rows; a token is written (at
+flush) once every layer has routed it, so any schedule works as long as each layer sees its rows in token order
+(layer-major chunks, one token at a time, micro-batches). Replay: `Replayer.wrap(model.route)` returns a route() whose ids (and
 weights, if recorded; else 1/k each) are the next rows of the trace for that layer, cycling at its end. The router
 still runs (same work as exact routing); its choice is discarded. Outputs of a replayed pass are meaningless unless
 the trace was recorded from the same model on the same tokens (then they are the recorded run's, bit for bit).
@@ -67,10 +67,8 @@ class TraceWriter:
             assert weights is not None, "this trace records weights"
             rec["w"] = weights
         self.f.write(rec.tobytes())
+        self.f.flush()                  # a reader (or a killed process) sees whole forwards
         self.n_tokens += ids.shape[0]
-
-    def flush(self) -> None:
-        self.f.flush()
 
     def close(self) -> None:
         if not self.f.closed:
@@ -108,47 +106,52 @@ def read_trace(path: str | os.PathLike) -> Trace:
 
 
 class Recorder:
-    """Collects each layer's routed rows and writes whole tokens (every layer routed) to a TraceWriter."""
+    """Collects each layer's routed rows and writes whole tokens (every layer routed) to a sink (a TraceWriter, or
+    anything with header / append / close). The rows stay where the router made them (no device sync per layer)
+    until flush(), which the engine calls after a forward's end sync."""
 
-    def __init__(self, writer: TraceWriter):
-        self.w = writer
-        L = writer.header["n_layer"]
-        self.rows: list[list] = [[] for _ in range(L)]     # per layer: pending (ids [n, k], weights [n, k]) blocks
+    def __init__(self, sink):
+        self.sink = sink
+        self.rows: list[list] = [[] for _ in range(sink.header["n_layer"])]   # per layer: (ids [n, k], weights)
 
     def wrap(self, route):
         def recording_route(layer, h, token_ids=None, resident=None):
             ids, w = route(layer, h, token_ids, resident)
-            self.add(layer, ids, w)
+            self.rows[layer].append((ids.detach().clone(), w.detach().float().clone()))
             return ids, w
         return recording_route
 
-    def add(self, layer: int, ids, w) -> None:
-        self.rows[layer].append((ids.detach().cpu().numpy(), w.detach().float().cpu().numpy()))
-        self._flush_complete()
-
-    def _flush_complete(self) -> None:
+    def flush(self) -> None:
+        """Write the tokens every layer has routed; keep the rest."""
+        import torch
         ready = min(sum(len(b[0]) for b in blocks) for blocks in self.rows)
         if not ready:
             return
         ids, ws = [], []
         for l, blocks in enumerate(self.rows):
-            i = np.concatenate([b[0] for b in blocks])
-            w = np.concatenate([b[1] for b in blocks])
-            ids.append(i[:ready])
-            ws.append(w[:ready])
+            i, w = torch.cat([b[0] for b in blocks]), torch.cat([b[1] for b in blocks])
+            ids.append(i[:ready].cpu().numpy())
+            ws.append(w[:ready].cpu().numpy())
             self.rows[l] = [(i[ready:], w[ready:])] if len(i) > ready else []
-        self.w.append(np.stack(ids, 1), np.stack(ws, 1))
+        self.sink.append(np.stack(ids, 1), np.stack(ws, 1))
+
+    def discard(self) -> None:
+        """Drop rows not yet written (an abandoned pass routed some layers only)."""
+        self.rows = [[] for _ in self.rows]
 
     def close(self) -> None:
+        self.flush()
         pending = [sum(len(b[0]) for b in blocks) for blocks in self.rows]
-        self.w.close()
+        self.sink.close()
         if any(pending):
             raise ValueError(f"routing recorder closed with tokens routed by some layers only (rows per layer "
                              f"{pending})")
 
 
 class Replayer:
-    """Drives route() from a trace: layer l's n-th routed row gets the trace's token n (mod its length)."""
+    """Drives route() from a trace: layer l's n-th routed row gets the trace's token n (mod its length), counted
+    from the position set by begin() (the engine sets a pass's first position: the same prompt replayed twice, cold
+    and warm, gets the same choices, and decode goes on where the prompt ended)."""
 
     def __init__(self, trace: Trace, n_layer: int, n_expert: int, k: int):
         h = trace.header
@@ -160,6 +163,9 @@ class Replayer:
         self.trace = trace
         self.cursor = [0] * n_layer
         self.k = k
+
+    def begin(self, position: int) -> None:
+        self.cursor = [position] * len(self.cursor)
 
     def wrap(self, route):
         import torch
