@@ -85,9 +85,10 @@ def plan_cases(o: BenchOptions) -> list[Case]:
     cases = [Case(f"{s0} p{p0}", o.model, s0, p0, lm(p0))]
     cases += [Case(f"{s} p{p0}", o.model, s, p0, lm(p0)) for s in rest]
     cases += [Case(f"{s0} p{p}", o.model, s0, p, lm(p)) for p in more]
-    cases += [Case(f"variant {label} {s0} p{p0}", path, s0, p0, ("cold", "warm") + (("decode",) if o.decode else ()))
-              for label, path in o.variants]
+    vm = ("cold", "warm") + (("decode",) if o.decode else ())
+    cases += [Case(f"variant {label} {s0} p{p0}", path, s0, p0, vm) for label, path in o.variants]
     cases += [Case(f"{s} p{p}", o.model, s, p, lm(p)) for s in rest for p in more]
+    cases += [Case(f"variant {label} {s0} p{p}", path, s0, p, vm) for label, path in o.variants for p in more]
     cases += [Case(f"{s0} p{p} standard cold", o.model, s0, p, ("std_cold",)) for p in o.standard_prompts]
     return cases
 
