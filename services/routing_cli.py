@@ -7,7 +7,7 @@ the routing a GGUF file produces through the reference model.
     betelgeuse routing convert routes.jsonl out.bgrt --format jsonl --experts 60
     betelgeuse routing measure model.gguf --tokens 512 [--decode 64]
 
-`add_parser(subparsers)` registers the subcommand; also runnable as `python -m services.routing_cli ...`.
+`add_parser(subparsers)` registers the subcommand (services/cli.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 
-from betelgeuse.errors import BetelgeuseError, InvalidRequestError
+from betelgeuse.errors import InvalidRequestError
 
 FORMATS = ("trace", "flame", "jsonl", "strata", "krasis", "fiddler")
 PROFILES = ("krasis", "fiddler")
@@ -97,7 +97,8 @@ def table(st: dict) -> str:
     else:
         lines.append(f"profile: {st['n_layer']} layers, {st['n_expert']} experts, "
                      f"{st['selections_per_layer']:.0f} selections per layer")
-    lines.append(f"gini {f(o['gini'])}  top share " + "  ".join(f"{k * 100:g}%: {f(v)}" for k, v in o["top_share"].items()))
+    shares = "  ".join(f"{k * 100:g}%: {f(v)}" for k, v in o["top_share"].items())
+    lines.append(f"gini {f(o['gini'])}  top share {shares}")
     if "rank_weight" in o:
         lines.append("rank weight " + " ".join(f"{x:.3f}" for x in o["rank_weight"]))
     return "\n".join(lines)
@@ -110,7 +111,8 @@ def run(args) -> int:
     src = load(args.path, args.format, args.experts, args.k, args.seq_len)
     if args.routing_cmd == "convert":
         if src[0] != "trace":
-            raise InvalidRequestError(f"--format {args.format} is a profile (counts, no token order): nothing to convert")
+            raise InvalidRequestError(f"--format {args.format} is a profile (counts, no token order): nothing to "
+                                      "convert")
         from betelgeuse.routing.trace import write_trace
         _, ids, w, starts, E = src
         try:
@@ -145,19 +147,3 @@ def _measure(args) -> int:
     st["router"] = read_router_metadata(md)
     print(json.dumps(st, indent=1) if args.json else table(st))
     return 0
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="betelgeuse")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    add_parser(sub)
-    args = parser.parse_args(["routing"] + list(sys.argv[1:] if argv is None else argv))
-    try:
-        return args.run(args)
-    except BetelgeuseError as e:
-        print(f"betelgeuse: error: {e}", file=sys.stderr)
-        return e.exit_code
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -116,7 +116,10 @@ def test_public_trace_readers(tmp_path):
 
 
 def test_routing_cli(tmp_path, capsys):
-    from services.routing_cli import main
+    from services.cli import main as cli
+
+    def main(argv):
+        return cli(["routing"] + argv)
     recs = [{"layer": layer, "token_idx": t, "topk_ids": [t % 3, 3]} for t in range(6) for layer in (0, 1)]
     (tmp_path / "r.jsonl").write_text("\n".join(json.dumps(r) for r in recs))
     assert main(["convert", str(tmp_path / "r.jsonl"), str(tmp_path / "r.bgrt"), "--format", "jsonl",

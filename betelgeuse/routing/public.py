@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 
-def read_flame_csvs(folder: str | Path, k: int, seq_len: int = 64) -> tuple[np.ndarray, np.ndarray, list[int], list[int]]:
+def read_flame_csvs(folder: str | Path, k: int, seq_len: int = 64):
     """A folder holding `Layer_N/*.csv` (or the CSV files themselves, each name containing `layerN`) -> (ids [T, L, k]
     by descending probability, weights [T, L, k], sequence starts, the layer numbers in trace order)."""
     folder = Path(folder)

@@ -11,7 +11,8 @@ interleave in routing order (the engine routes them layer by layer in the same o
 
 Recording: `Recorder.wrap(model.route)` returns a route() that records each layer's rows; a token is written (at
 flush) once every layer has routed it, so any schedule works as long as each layer sees its rows in token order
-(layer-major chunks, one token at a time, micro-batches). Replay: `Replayer.wrap(model.route)` returns a route() whose ids (and
+(layer-major chunks, one token at a time, micro-batches). Replay: `Replayer.wrap(model.route)` returns a route()
+whose ids (and
 weights, if recorded; else 1/k each) are the next rows of the trace for that layer, cycling at its end. The router
 still runs (same work as exact routing); its choice is discarded. Outputs of a replayed pass are meaningless unless
 the trace was recorded from the same model on the same tokens (then they are the recorded run's, bit for bit).

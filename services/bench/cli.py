@@ -136,7 +136,8 @@ def _check_trace(path: str, spec) -> None:
         raise InvalidRequestError(f"--routing-trace {e}") from None
     if spec is not None and (h["n_layer"], h["n_expert"], h["k"]) != (spec.n_layer, spec.n_expert, spec.n_expert_used):
         raise InvalidRequestError(f"--routing-trace {path} is for {h['n_layer']} layers x {h['n_expert']} experts "
-                                  f"top-{h['k']}; the model is {spec.n_layer} x {spec.n_expert} top-{spec.n_expert_used}")
+                                  f"top-{h['k']}; the model is {spec.n_layer} x {spec.n_expert} "
+                                  f"top-{spec.n_expert_used}")
 
 
 def main(argv=None) -> int:

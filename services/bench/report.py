@@ -83,7 +83,8 @@ def markdown(r: dict) -> str:
         b = p.get("bound", {})
         slots = f"{plan.get('n_vram', '?')}+{plan.get('n_host', '?')} ({case['slots_requested']})"
         label = p["label"] + ("" if p.get("complete", True) else " (partial)")
-        L.append(f"| {case['name']} | {case.get('router', case.get('router_skew'))} | {slots} | {label} | {p['schedule']} | "
+        router = case.get("router", case.get("router_skew"))
+        L.append(f"| {case['name']} | {router} | {slots} | {label} | {p['schedule']} | "
                  f"{p['n_tokens']}/{p.get('prompt_tokens', p['n_tokens'])} | {p['tok_per_s']:.2f} | "
                  f"{_pct(p.get('disk_share'))} | {_f(p.get('disk_wait_ms'), '{:,.0f}')} | "
                  f"{_f(None if 'h2d_bytes' not in p else p['h2d_bytes'] / GB)} | {_f(p.get('ttft_s'), '{:.3f}')} | "
