@@ -209,7 +209,8 @@ def calibrate(n_expert: int, k: int, scores: np.ndarray, gate: str = "softmax", 
               target: dict = TARGET) -> dict:
     """{"router_skew", "router_drift", "router_scale", "simulated": stats}: skew and drift such that the simulated
     repeat_next and top_share_25 hit the target (a bisection on drift around one on skew: both statistics increase
-    with both knobs; a target out of reach ends at a bound, and the simulated statistics say so); then, for a
+    with both knobs; where no skew is small enough, the drift that errs least on both; the simulated statistics
+    say how close it got); then, for a
     softmax top-8 router, the logit scale (it moves the weights, not the choice) that gives rank 0 its target mean
     weight."""
     def quick(skew, drift):
@@ -220,6 +221,13 @@ def calibrate(n_expert: int, k: int, scores: np.ndarray, gate: str = "softmax", 
 
     drift = _bisect(lambda d: quick(skew_for(d), d)["repeat_next"], 0.0, 0.98, target["repeat_next"], 8)
     skew = skew_for(drift)
+    if skew < 0.01:
+        # the drift alone concentrates the choices beyond the target (many experts, few chosen, a short window):
+        # trade locality for popularity, the drift with the smallest worst error in units of the tolerance
+        def err(d):
+            q = quick(0.0, d)
+            return max(abs(q[k] - target[k]) / TOLERANCE[k] for k in ("repeat_next", "top_share_25"))
+        drift, skew = min(np.linspace(0.4 * drift, drift, 9), key=err), 0.0
 
     def rank0(sc):
         return float(simulate(n_expert, k, skew, drift, scores, gate, dims, sc)[1][..., 0].mean())
