@@ -22,7 +22,7 @@ from betelgeuse.gguf.synth import spec_from_preset, write_model
 from betelgeuse.gguf.synth_router import read_router_metadata
 from betelgeuse.gguf.header import read_header
 from betelgeuse.routing.measure import random_prompt, reference_trace
-from betelgeuse.routing.stats import trace_stats
+from betelgeuse.routing_stats import trace_stats
 
 torch.set_num_threads(1)
 work = Path(sys.argv[1])
