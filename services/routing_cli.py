@@ -24,7 +24,7 @@ PROFILES = ("krasis", "fiddler")
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("routing", help="routing statistics, trace conversion, a model's routing",
-                              description=__doc__.splitlines()[0])
+                              description=" ".join(__doc__.split("\n\n")[0].split()))
     sub = p.add_subparsers(dest="routing_cmd", required=True)
     s = sub.add_parser("stats", help="statistics of a trace or profile (betelgeuse/routing_stats.py)")
     s.add_argument("path")

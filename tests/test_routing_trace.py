@@ -185,3 +185,17 @@ def test_cli_records_routing(tmp_path, tiny_model):
     assert r.ids.shape[0] == 37 and (r.ids == e.ids).all()
     assert main(["logits", str(tiny_model), "--token-ids", ids, "-o", str(tmp_path / "x.npy"), "--engine",
                  "reference", "--record-routing", str(tmp_path / "no" / "such" / "dir.bgrt")]) == 2
+
+
+def test_bench_refuses_record_routing(tmp_path, monkeypatch, capsys):
+    """The bench writes no trace of its own runners (each case would overwrite the last's): the key is not one of
+    its flags, and set in the environment it is one error line naming its source."""
+    from services.cli import main
+    monkeypatch.setenv("BETELGEUSE_ENGINE_RECORD_ROUTING", str(tmp_path / "t.bgrt"))
+    assert main(["bench", "--quick", "--device", "cpu", "--work-dir", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "engine.record_routing (env BETELGEUSE_ENGINE_RECORD_ROUTING)" in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob("*.gguf"))
+    monkeypatch.delenv("BETELGEUSE_ENGINE_RECORD_ROUTING")
+    assert main(["bench", "--quick", "--record-routing", str(tmp_path / "t.bgrt")]) == 2
+    assert "unrecognized arguments: --record-routing" in capsys.readouterr().err

@@ -30,15 +30,18 @@ def opt_reader(quick: dict):
 
 
 # the engine's keys, flags of every suite (named, typed and described by betelgeuse/settings.py); --slots (a list of
-# V+H configurations, a case each) stands for slots.vram_per_layer / host_per_layer
+# V+H configurations, a case each) stands for slots.vram_per_layer / host_per_layer; engine.record_routing is not a
+# bench key: every case opens its own runner (one trace file would hold only the last), and the passes suite records
+# what each case routed itself (bench.json's "routing"); --routing-trace replays a trace
 ENGINE_SECTIONS = ("slots", "budget", "engine")
 SLOT_KEYS = ("slots.vram_per_layer", "slots.host_per_layer")
+NOT_BENCH_KEYS = SLOT_KEYS + ("engine.record_routing",)
 BENCH_DEFAULTS = {"budget.memory_max": "12G"}      # the deployment's budget, as the bench's cgroup
 
 
 def add_engine_flags(p) -> None:
     from betelgeuse.settings import add_flags
-    add_flags(p, sections=ENGINE_SECTIONS, exclude=SLOT_KEYS, defaults=BENCH_DEFAULTS,
+    add_flags(p, sections=ENGINE_SECTIONS, exclude=NOT_BENCH_KEYS, defaults=BENCH_DEFAULTS,
               group="engine settings (betelgeuse/settings.py; --memory-max none or auto: no cgroup of the bench's; the "
                     "passes suite defaults to --max-running 2 --prefix-cache-bytes 0)")
 
@@ -57,6 +60,10 @@ def engine_from_args(args, quick: dict, model: str, device: str, suite: dict | N
         flags[("budget", "memory_max")] = ("auto", mm[1])
     r = resolve_settings(None, flags=flags,
                          defaults={tuple(k.split(".", 1)): (v, "bench default") for k, v in defaults.items()})
+    if r.settings.engine.record_routing:
+        raise InvalidRequestError(f"engine.record_routing ({r.sources[('engine', 'record_routing')]}): the bench does "
+                                  "not write traces (the passes suite reports each case's routing in bench.json; "
+                                  "--routing-trace replays a trace); unset it")
     return EngineConfig(**{**engine_kwargs(r.settings), "model_path": model, "device": device})
 
 
