@@ -108,8 +108,9 @@ def test_markdown_and_png_well_formed(bench_run):
     n_passes = sum(len(c["passes"]) for c in r["cases"])
     rows = [ln for ln in md.splitlines() if ln.startswith("| ") and ("| layer_major |" in ln or "| standard |" in ln)]
     assert len(rows) == n_passes, md
-    header = next(ln for ln in md.splitlines() if ln.startswith("| Case | Router skew"))
+    header = next(ln for ln in md.splitlines() if ln.startswith("| Case | Router |"))
     assert all(ln.count("|") == header.count("|") for ln in rows)
+    assert all(ln.split(" | ")[1] in ("skew 1", "uniform (worst case)") for ln in rows), rows   # the case's router
     assert "PP tok/s" in header and "Disk read share" in header and "Disk wait ms" in header
     assert "Peak cgroup memory" in md and "Peak VRAM" in md
     chunks = _png_chunks((out / "bench.png").read_bytes())
