@@ -273,6 +273,9 @@ class EngineSettings(_Section):
         "layer_major", "layer_major (single-pass prefill) | standard (3-token micro-batches)", "standard")
     routing: _choices("exact", "resident") = setting(
         "exact", "exact | resident (APPROXIMATE: ranks >= 1 among resident experts)", "resident")
+    record_routing: Path_ = setting("", "write every routed token's expert choices to this trace file "
+                                    "(docs/benchmarks/routing-locality.md; decode runs without CUDA graphs)",
+                                    "/tmp/routing.bgrt")
     sub_batch: Count1 = setting(16, "tokens per expert matmul in layer-major prefill", 8)
     micro_batch: Count1 = setting(3, "tokens per micro-batch in the standard schedule", 2)
     staging_slots: Slots = setting(AUTO, "shared slots for disk reads in flight, or auto", 12)

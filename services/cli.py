@@ -8,6 +8,7 @@ keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -55,6 +56,27 @@ def _load_model(args):
     return reference_model(args.model, device=args.device, dtype=_dtype(args.dtype))
 
 
+@contextlib.contextmanager
+def _recording(args, model):
+    """--record-routing with the reference engine: the model's route() recorded into the trace file, written at the
+    end (the out-of-core engine records in its runner)."""
+    path = getattr(args, "engine.record_routing", None)
+    if not path:
+        yield
+        return
+    from betelgeuse.routing.trace import Recorder, TraceWriter
+    c = model.cfg
+    try:
+        rec = Recorder(TraceWriter(path, c.n_layer, c.n_expert, c.n_expert_used, model=args.model, arch=c.arch))
+    except OSError as e:
+        raise InvalidRequestError(f"cannot write the routing trace {path}: {e.strerror or e}") from None
+    model.route = rec.wrap(model.route)
+    try:
+        yield
+    finally:
+        rec.close()
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="GGUF model file")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
@@ -81,6 +103,10 @@ def _synth_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS) + sorted(DS4_PRESETS),
                    help="qwen3moe: tiny/small/bench; deepseek4: ds4-tiny/ds4-flash (V4-Flash's layer shapes)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--router", choices=["preset", "calibrated", "uniform"], default="preset",
+                   help="preset: the preset's router_skew; calibrated: popularity and temporal locality fitted to "
+                        "real decode statistics (gguf/synth_router.py; sets router_skew/drift/scale itself); "
+                        "uniform: no skew, no locality (the worst case for caching)")
     qwen = {f.name for f in dataclasses.fields(SynthSpec)}
     for fld in list(dataclasses.fields(SynthSpec)) + [f for f in dataclasses.fields(DS4Spec) if f.name not in qwen]:
         kind = {"int": int, "float": float, "str": str}.get(str(fld.type).replace("'", ""))
@@ -98,7 +124,7 @@ def _synth_args(p: argparse.ArgumentParser) -> None:
 def cmd_synth(args) -> int:
     from betelgeuse.gguf.synth import spec_from_preset, write_model
     overrides = {k[5:]: v for k, v in vars(args).items() if k.startswith("spec_") and v is not None}
-    spec = spec_from_preset(args.preset, **overrides)
+    spec = spec_from_preset(args.preset, router=args.router, **overrides)
     try:
         write_model(args.out, spec, progress=not args.no_progress)
     except OSError as e:
@@ -271,7 +297,8 @@ def cmd_logits(args) -> int:
     if len(ids) > cfg.context_length:
         raise InvalidRequestError(f"{len(ids)} tokens exceed the model's context of {cfg.context_length}")
     if args.engine == "reference":
-        logits = model.forward(ids, model.new_cache(len(ids)))
+        with _recording(args, model):
+            logits = model.forward(ids, model.new_cache(len(ids)))
     else:
         engine = _OutOfCore(args)
         try:
@@ -411,8 +438,9 @@ def _generate_reference(args, sampling, ids) -> int:
         ids = tok.encode(args.prompt)
     stop_ids = [] if args.ignore_eos else list(tok.eos_ids)
     gen = generate(model, ids, args.max_tokens, sampling, stop_ids, args.stop, tok)
-    for _ in gen:
-        _write(gen.new_text)
+    with _recording(args, model):
+        for _ in gen:
+            _write(gen.new_text)
     _write(gen.tail + "\n")
     return 0
 
@@ -653,6 +681,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(run=run)
     from services.bench import cli as bench_cli       # `betelgeuse bench`: its own module (many flags)
     bench_cli.add_parser(sub).set_defaults(run=bench_cli.run)
+    from services import routing_cli                  # `betelgeuse routing`: statistics, trace conversion
+    routing_cli.add_parser(sub).set_defaults(run=routing_cli.run)
     return parser
 
 

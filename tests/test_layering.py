@@ -25,12 +25,13 @@ GENERATED = ("services/pb/betelgeuse",)          # protoc output (services/codeg
 # top-level module or a subpackage of betelgeuse.
 FLOORS: tuple[tuple[str, ...], ...] = (
     # the shared vocabulary and leaf utilities: requests and events, sampling, errors, configuration, logs
-    ("__init__", "errors", "api", "sampling", "config", "settings", "logs", "metrics", "sdnotify", "chat"),
+    ("__init__", "errors", "api", "sampling", "config", "settings", "logs", "metrics", "sdnotify", "chat",
+     "routing_stats"),
     ("gguf",),                                   # the file format: reader, header, quant types, synthetic writers
     # text: the tokenizer (built from a GGUF's vocabulary), stop strings, tool calls, reasoning, grammars
     ("tokenizer", "textstream", "toolcalls", "reasoning", "grammar"),
     ("kernels",),                                # expert math over slots: the torch reference and Triton
-    ("model",),                                  # the architectures' forward passes
+    ("model", "routing"),                        # the architectures' forward passes; routing traces through them
     ("store",),                                  # the expert store: arena, directory, reads, residency
     ("worker",),                                 # engine, runner, caches
     ("assembly",),                               # the composition root: store + client + runner / engine from a config

@@ -57,6 +57,11 @@ class SynthSpec:
     rms_eps: float = 1e-6
     qtype: str = "Q8_0"          # "F32" | "F16" | "BF16" | "Q8_0": big matrices; norms and router stay F32
     router_skew: float = 0.0     # Zipf-like expert popularity exponent; 0 = no added bias (module doc)
+    router_drift: float = 0.0    # share of the router logits' variance read from a drifting state (synth_router.py)
+    router_scale: float = 1.0    # all router logits x this (moves the weights, not the choice)
+    router_window: float = 8.0   # the drift's attention kernel ~ (1 + Delta / window)^-decay
+    router_decay: float = 1.0
+    router_target: str = ""      # name of the statistics the router was calibrated to ("" = none)
     seed: int = 0
     chat_template: str = "default"   # gguf/templates.py: default | qwen3 | deepseek-v4
 
@@ -80,11 +85,15 @@ _FILE_TYPES = {"F32": LlamaFileType.ALL_F32, "F16": LlamaFileType.MOSTLY_F16,
 _EMB_STD = 1.0               # token embedding std
 _SKEW_CONST = 1.0            # A: value of the constant channel (must fit Q8_0: A/d <= 127)
 _RESID_VAR_PER_LAYER = 0.35  # residual variance added per layer (attention + MoE), measured with HF on tiny/small
+_RESID_VAR_CALIBRATED = (0.045, 0.0005)   # the same for calibrated-router files (expected_skew_input)
+ROUTERS = ("preset", "calibrated", "uniform")
 
 
-def spec_from_preset(name: str, **overrides):
+def spec_from_preset(name: str, router: str | None = None, **overrides):
     """A preset with some fields replaced (the CLI's `--layers`, `--seed`, ...). `ds4-*` presets are
-    `deepseek4` models (DS4Spec); a field the preset's spec does not have is an error naming it."""
+    `deepseek4` models (DS4Spec); a field the preset's spec does not have is an error naming it.
+    router: "preset" / None (the preset's router_skew), "calibrated" (`calibrated`: locality and popularity fitted
+    to real decode statistics) or "uniform" (skew 0, no drift: the worst case for caching)."""
     presets = {**PRESETS, **DS4_PRESETS}
     if name not in presets:
         raise InvalidRequestError(f"unknown synth preset {name!r} (known: {', '.join(presets)})")
@@ -93,7 +102,14 @@ def spec_from_preset(name: str, **overrides):
     bad = sorted(set(given) - set(base.__dataclass_fields__))
     if bad:
         raise InvalidRequestError(f"preset {name!r} ({type(base).__name__}) has no field(s) {', '.join(bad)}")
-    return replace(base, **given)
+    if router not in (None, *ROUTERS):
+        raise InvalidRequestError(f"unknown router {router!r} (known: {', '.join(ROUTERS)})")
+    spec = replace(base, **given)
+    if router == "uniform":
+        return replace(spec, router_skew=0.0, router_drift=0.0, router_scale=1.0, router_target="")
+    if router == "calibrated":
+        return calibrated(spec)
+    return spec
 
 
 def validate(spec: SynthSpec) -> None:
@@ -112,6 +128,10 @@ def validate(spec: SynthSpec) -> None:
         raise InvalidRequestError(f"n_head {spec.n_head} not a multiple of n_head_kv {spec.n_head_kv}")
     if spec.router_skew < 0:
         raise InvalidRequestError(f"router_skew must be >= 0, got {spec.router_skew}")
+    if not 0 <= spec.router_drift < 1:
+        raise InvalidRequestError(f"router_drift must be in [0, 1), got {spec.router_drift}")
+    if spec.router_scale <= 0 or spec.router_window <= 0 or spec.router_decay <= 0:
+        raise InvalidRequestError("router_scale, router_window and router_decay must be positive")
     if spec.qtype == "Q8_0":
         for f in ("n_embd", "n_ff_exp"):
             if getattr(spec, f) % 32:
@@ -129,26 +149,51 @@ def skew_dim(spec: SynthSpec) -> int:
 
 def expected_skew_input(spec: SynthSpec, layer: int) -> float:
     """E[x[j]] at the router input of `layer`: A / rms(h), rms from the calibrated growth model."""
+    if spec.router_drift:
+        # a calibrated router's file (attention values read only the tokens' own dims): residual variance
+        # 1 + a x + b x^2 at x = layer + 0.5, measured through the reference model on the small preset (8 layers)
+        # and on the bench geometry (16 layers): 1.32 and 1.83 at their last layers
+        x = layer + 0.5
+        return _SKEW_CONST / math.sqrt(1.0 + _RESID_VAR_CALIBRATED[0] * x + _RESID_VAR_CALIBRATED[1] * x * x)
     var = _EMB_STD ** 2 + (_SKEW_CONST ** 2 - _EMB_STD ** 2) / spec.n_embd + _RESID_VAR_PER_LAYER * (layer + 0.5)
     return _SKEW_CONST / math.sqrt(var)
 
 
 # ---- weight generators: each yields the tensor's bytes in order, chunk by chunk ----
 
-def _norm(rng: np.random.Generator, n: int, keep: int | None) -> Iterator[np.ndarray]:
+def _norm(rng: np.random.Generator, n: int, keep) -> Iterator[np.ndarray]:
     w = (1.0 + 0.05 * rng.standard_normal(n)).astype(np.float32)
     if keep is not None:
-        w[keep] = 1.0                                 # the constant channel passes norms unscaled
+        w[keep] = 1.0                 # the constant channel (and a calibrated router's dims) pass norms unscaled
     yield w
 
 
-def _router(rng: np.random.Generator, spec: SynthSpec, layer: int, j: int) -> Iterator[np.ndarray]:
+def _router(rng: np.random.Generator, spec: SynthSpec, layer: int, j: int, plan=None) -> Iterator[np.ndarray]:
     w = (rng.standard_normal((spec.n_expert, spec.n_embd)) / math.sqrt(spec.n_embd)).astype(np.float32)
     rank = rng.permutation(spec.n_expert)             # popularity rank of each expert in this layer
     c = -np.log1p(rank.astype(np.float64))
     c -= c.mean()
+    if plan is not None:                              # a calibrated router (synth_router.py): reads N, D and j only
+        yield plan.router(spec.n_expert, spec.n_embd, spec.router_skew, spec.router_drift, spec.router_scale,
+                          expected_skew_input(spec, layer), c, rng)
+        return
     w[:, j] = (spec.router_skew * c / expected_skew_input(spec, layer)).astype(np.float32)
+    if spec.router_scale != 1.0:
+        w *= np.float32(spec.router_scale)
     yield w
+
+
+def router_plan(spec: SynthSpec):
+    """The calibrated-router wiring of a spec with router_drift > 0 (synth_router.RouterPlan), else None. Layer 0's
+    last query head (and so the last KV head) carries the kernel."""
+    if not spec.router_drift:
+        return None
+    from betelgeuse.gguf.synth_router import plan_router
+    hd = spec.head_dim
+    qn = next(_norm(tensor_rng(spec, "blk.0.attn_q_norm.weight"), hd, None))
+    kn = next(_norm(tensor_rng(spec, "blk.0.attn_k_norm.weight"), hd, None))
+    return plan_router(spec.seed, spec.n_embd, skew_dim(spec), hd, spec.rope_theta, qn, kn, head=spec.n_head - 1,
+                       window=spec.router_window, decay=spec.router_decay)
 
 
 def tensor_plan(spec: SynthSpec) -> list[tuple[str, tuple[int, ...], GT, Callable[[], Iterator[np.ndarray]]]]:
@@ -156,32 +201,47 @@ def tensor_plan(spec: SynthSpec) -> list[tuple[str, tuple[int, ...], GT, Callabl
     q, j, s = spec.qtype, skew_dim(spec), spec
     gq, f32 = _QTYPES[q], GT.F32
     qd, kvd, e, ff = s.n_head * s.head_dim, s.n_head_kv * s.head_dim, s.n_embd, s.n_ff_exp
+    rp = router_plan(s)
+    # a calibrated router's reserved dims (synth_router.py): no layer writes j, D or N (D: only the kernel head);
+    # D is zero in the embedding; attention values read only N, the tokens' own coordinates (values that read
+    # the residual would carry context means from layer to layer, which makes its RMS grow with depth in a way
+    # that depends on the geometry; the router's weights need that growth predictable)
+    D = () if rp is None else tuple(int(x) for x in rp.drift_dims)
+    held = (j,) if rp is None else rp.reserved
+    keep = j if rp is None else list(held)
+    not_n = () if rp is None else tuple(int(x) for x in np.setdiff1d(np.arange(e), rp.noise_dims))
     plan = []
 
     def add(name, shape, gt, fn):
         plan.append((name, shape, gt, lambda: fn(tensor_rng(s, name))))
 
     add("token_embd.weight", (s.n_vocab, e), gq,
-        lambda r: matrix_chunks(r, s.n_vocab, e, _EMB_STD, q, const_col=(j, _SKEW_CONST)))
+        lambda r: matrix_chunks(r, s.n_vocab, e, _EMB_STD, q, const_col=(j, _SKEW_CONST), zero_cols=D))
     for i in range(s.n_layer):
         p = f"blk.{i}."
-        add(p + "attn_norm.weight", (e,), f32, lambda r: _norm(r, e, j))
-        add(p + "attn_q.weight", (qd, e), gq, lambda r: matrix_chunks(r, qd, e, e ** -0.5, q))
-        add(p + "attn_k.weight", (kvd, e), gq, lambda r: matrix_chunks(r, kvd, e, e ** -0.5, q))
-        add(p + "attn_v.weight", (kvd, e), gq, lambda r: matrix_chunks(r, kvd, e, e ** -0.5, q))
-        add(p + "attn_output.weight", (e, qd), gq, lambda r: matrix_chunks(r, e, qd, qd ** -0.5, q, zero_row=j))
+        k0 = rp is not None and i == 0            # layer 0 holds the kernel head (synth_router.py)
+        add(p + "attn_norm.weight", (e,), f32, lambda r: _norm(r, e, keep))
+        add(p + "attn_q.weight", (qd, e), gq, lambda r, k0=k0: matrix_chunks(
+            r, qd, e, e ** -0.5, q, set_rows=rp.query_rows(e) if k0 else None))
+        add(p + "attn_k.weight", (kvd, e), gq, lambda r, k0=k0: matrix_chunks(
+            r, kvd, e, e ** -0.5, q, set_rows=rp.key_rows(e, s.n_head // s.n_head_kv) if k0 else None))
+        add(p + "attn_v.weight", (kvd, e), gq, lambda r: matrix_chunks(
+            r, kvd, e, (e - len(not_n)) ** -0.5, q, zero_cols=not_n))
+        add(p + "attn_output.weight", (e, qd), gq, lambda r, k0=k0: matrix_chunks(
+            r, e, qd, qd ** -0.5, q, zero_rows=held, zero_cols=rp.head_cols() if k0 else (),
+            set_rows=rp.output_rows(qd) if k0 else None))
         add(p + "attn_q_norm.weight", (s.head_dim,), f32, lambda r: _norm(r, s.head_dim, None))
         add(p + "attn_k_norm.weight", (s.head_dim,), f32, lambda r: _norm(r, s.head_dim, None))
-        add(p + "ffn_norm.weight", (e,), f32, lambda r: _norm(r, e, j))
-        add(p + "ffn_gate_inp.weight", (s.n_expert, e), f32, lambda r, i=i: _router(r, s, i, j))
+        add(p + "ffn_norm.weight", (e,), f32, lambda r: _norm(r, e, keep))
+        add(p + "ffn_gate_inp.weight", (s.n_expert, e), f32, lambda r, i=i: _router(r, s, i, j, rp))
         # experts one after another: expert x's slice of each *_exps tensor is contiguous
         add(p + "ffn_gate_exps.weight", (s.n_expert, ff, e), gq,
             lambda r: (c for _ in range(s.n_expert) for c in matrix_chunks(r, ff, e, e ** -0.5, q)))
         add(p + "ffn_up_exps.weight", (s.n_expert, ff, e), gq,
             lambda r: (c for _ in range(s.n_expert) for c in matrix_chunks(r, ff, e, e ** -0.5, q)))
         add(p + "ffn_down_exps.weight", (s.n_expert, e, ff), gq,
-            lambda r: (c for _ in range(s.n_expert) for c in matrix_chunks(r, e, ff, ff ** -0.5, q, zero_row=j)))
-    add("output_norm.weight", (e,), f32, lambda r: _norm(r, e, j))
+            lambda r: (c for _ in range(s.n_expert) for c in matrix_chunks(r, e, ff, ff ** -0.5, q, zero_rows=held)))
+    add("output_norm.weight", (e,), f32, lambda r: _norm(r, e, keep))
     add("output.weight", (s.n_vocab, e), gq, lambda r: matrix_chunks(r, s.n_vocab, e, e ** -0.5, q))
     return plan
 
@@ -215,6 +275,8 @@ def _add_metadata(w: GGUFWriter, spec: SynthSpec) -> None:
     w.add_uint32("betelgeuse.synth.seed", s.seed)
     w.add_float32("betelgeuse.synth.router_skew", s.router_skew)
     w.add_uint32("betelgeuse.synth.skew_dim", skew_dim(s))
+    from betelgeuse.gguf.synth_router import add_router_metadata
+    add_router_metadata(w, s, router_plan(s), gate="softmax")
     add_tokenizer(w, s.n_vocab, s.chat_template)
 
 
@@ -228,3 +290,19 @@ def write_model(path: str | os.PathLike, spec, progress: bool = True) -> None:
     write_gguf(path, ARCH, tensor_plan(spec), lambda w: _add_metadata(w, spec), progress)
 
 
+
+
+def calibrated(spec):
+    """`spec` (SynthSpec or DS4Spec) with a router calibrated to synth_router.TARGET for its geometry: skew, drift
+    and logit scale from a simulation of its realised wiring (synth_router.calibrate)."""
+    from betelgeuse.gguf import synth_router as R
+    from betelgeuse.gguf.synth_ds4 import router_plan as ds4_router_plan
+    probe = replace(spec, router_drift=0.5)
+    if isinstance(spec, DS4Spec):
+        plan, gate = ds4_router_plan(probe), "sqrtsoftplus"
+    else:
+        validate(probe)
+        plan, gate = router_plan(probe), "softmax"
+    c = R.calibrate(spec.n_expert, spec.n_expert_used, plan.scores, gate, plan.dims)
+    return replace(spec, router_skew=c["router_skew"], router_drift=c["router_drift"], router_scale=c["router_scale"],
+                   router_target=R.TARGET_NAME)

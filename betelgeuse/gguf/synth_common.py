@@ -39,28 +39,39 @@ def _q8_blocks(rng: np.random.Generator, rows: int, cols: int, std: float) -> np
 
 
 def matrix_chunks(rng: np.random.Generator, rows: int, cols: int, std: float, qtype: str,
-                   zero_row: int | None = None, const_col: tuple[int, float] | None = None) -> Iterator[np.ndarray]:
-    """A (rows, cols) matrix in `qtype`, row chunks; optional zero row / constant column."""
+                  zero_row: int | None = None, const_col: tuple[int, float] | None = None,
+                  zero_rows=(), zero_cols=(), set_rows: dict | None = None) -> Iterator[np.ndarray]:
+    """A (rows, cols) matrix in `qtype`, row chunks; optional zero rows / zero columns / a constant column, and rows
+    given outright (set_rows {row: float [cols]}, applied last). The random draws never depend on these options."""
     step = max(1, CHUNK_ELEMS // cols)
+    zr = sorted({*zero_rows, *(() if zero_row is None else (zero_row,))})
+    zc = np.asarray(sorted(zero_cols), np.int64)
     for r0 in range(0, rows, step):
         n = min(step, rows - r0)
+        mine = [r - r0 for r in zr if r0 <= r < r0 + n]
+        given = {r - r0: v for r, v in (set_rows or {}).items() if r0 <= r < r0 + n}
         if qtype == "Q8_0":
             blk = _q8_blocks(rng, n, cols, std)        # (n, cols/32, 34)
-            if zero_row is not None and r0 <= zero_row < r0 + n:
-                blk[zero_row - r0] = 0                # d = 0, qs = 0
+            if zc.size:
+                blk[:, zc // 32, 2 + zc % 32] = 0     # the columns' qs
+            blk[mine] = 0                             # d = 0, qs = 0
             if const_col is not None:
                 j, a = const_col
                 b, p = divmod(j, 32)
                 d = blk[:, b, 0:2].copy().view(np.float16)[:, 0].astype(np.float32)
                 q = np.clip(np.rint(a / d), -127, 127).astype(np.int8)
                 blk[:, b, 2 + p] = q.view(np.uint8)
+            for r, v in given.items():
+                blk[r] = quants.quantize(np.asarray(v, np.float32)[None], GT.Q8_0).reshape(cols // 32, 34)
             yield blk
             continue
         x = rng.standard_normal((n, cols), dtype=np.float32) * np.float32(std)
-        if zero_row is not None and r0 <= zero_row < r0 + n:
-            x[zero_row - r0] = 0
+        x[:, zc] = 0
+        x[mine] = 0
         if const_col is not None:
             x[:, const_col[0]] = const_col[1]
+        for r, v in given.items():
+            x[r] = v
         yield x if qtype == "F32" else x.astype(np.float16) if qtype == "F16" else quants.quantize(x, GT.BF16)
 
 

@@ -72,7 +72,12 @@ class DS4Spec:
     rms_eps: float = 1e-6
     expert_qtype: str = "MXFP4"                # "F32" | "Q8_0" | "MXFP4"
     dense: str = "release"                     # "release" (Q8_0/BF16/F32 as the converter) | "F32"
-    router_skew: float = 0.0                   # (qwen3moe's knob; not implemented for deepseek4: 0 only)
+    router_skew: float = 0.0                   # popularity (synth_router.py); only with router_drift > 0
+    router_drift: float = 0.0                  # a calibrated router (synth_router.py; synth.calibrated): 0 = random
+    router_scale: float = 1.0
+    router_window: float = 8.0
+    router_decay: float = 1.0
+    router_target: str = ""
     seed: int = 0
     chat_template: str = "default"   # gguf/templates.py: default | qwen3 | deepseek-v4
 
@@ -127,8 +132,14 @@ def validate(spec: DS4Spec) -> None:
     s = spec
     if s.expert_qtype not in ("F32", "Q8_0", "MXFP4"):
         raise InvalidRequestError(f"expert_qtype {s.expert_qtype!r} not supported (F32, Q8_0, MXFP4)")
-    if s.router_skew:
-        raise InvalidRequestError(f"router_skew {s.router_skew} is not implemented for deepseek4 synth models (use 0)")
+    if s.router_skew and not s.router_drift:
+        raise InvalidRequestError(f"router_skew {s.router_skew} needs the calibrated router for deepseek4 synth models "
+                                  "(router_drift > 0: `--router calibrated`)")
+    if not 0 <= s.router_drift < 1 or s.router_skew < 0:
+        raise InvalidRequestError(f"router_drift must be in [0, 1) and router_skew >= 0, got {s.router_drift}, "
+                                  f"{s.router_skew}")
+    if s.router_drift and min(s.head_dim - s.rope_dim, s.o_lora_rank) < 8:
+        raise InvalidRequestError("a calibrated router needs head_dim - rope_dim and o_lora_rank of 8 or more")
     if s.dense not in ("release", "F32"):
         raise InvalidRequestError(f"dense {s.dense!r} not supported (release, F32)")
     for f in ("n_layer", "n_embd", "n_head", "head_dim", "rope_dim", "q_lora_rank", "o_groups", "o_lora_rank",
@@ -254,6 +265,183 @@ def _random_chunks(spec: DS4Spec, name: str, shape: tuple[int, ...], gt: GT, cfg
         yield from matrix_chunks(rng, rows, cols, std, {GT.F32: "F32", GT.Q8_0: "Q8_0"}[gt])
 
 
+# ---- a calibrated router (gguf/synth_router.py) ---------------------------------------------------------------
+
+_RHO_K = 0.25                  # share of the kernel head's key (= value) energy on its constant rope dims
+_UNIT = {GT.F32: (4, 1), GT.BF16: (2, 1), GT.I32: (4, 1), GT.Q8_0: (34, 32), GT.MXFP4: (17, 32)}   # bytes, elements
+
+
+def constant_dim(spec: DS4Spec) -> int:
+    """The constant residual channel j of a file with a calibrated router (as qwen3moe's synth.skew_dim)."""
+    return int(np.random.default_rng([spec.seed, 7]).integers(spec.n_embd))
+
+
+def _first(spec: DS4Spec, name: str, shape) -> np.ndarray:
+    return next(_random_chunks(spec, name, shape, GT.F32, spec.config()))
+
+
+def router_plan(spec: DS4Spec):
+    """The calibrated-router wiring (synth_router.RouterPlan) of a spec with router_drift > 0, else None.
+
+    The kernel head is layer 0's last query head. Its query (q_b rows reading one q_a row that reads only j) lives
+    on the rope dims (interleaved pairs) and is normalised per head; the shared key/value row gets, on its rope
+    dims, a constant part of _RHO_K of its energy (attn_kv rows reading only j), so scores depend on the distance
+    alone (within the sliding window) while the values keep the tokens' own projections on the other dims. The
+    head's non-rope output reaches D through o_lora rows R of its group (the group's last |D| rows) and one-hot
+    rows of the output projection; layer 0's attention post-mix is the same for every stream (post rows of
+    hc_attn_fn zero, bases 0), so every stream holds the same z and the streams' mixing keeps it."""
+    if not spec.router_drift:
+        return None
+    from betelgeuse.gguf.synth_router import (RouterPlan, drift_gain, kernel_design, kernel_scores, pair_vectors,
+                                              pick_dims, SIM_TOKENS)
+    hd, rd, j = spec.head_dim, spec.rope_dim, constant_dim(spec)
+    nope = hd - rd
+    D, N, rng = pick_dims(spec.seed, spec.n_embd, j, min(nope, spec.o_lora_rank, spec.n_embd // 8))
+    kn = _first(spec, "blk.0.attn_kv_a_norm.weight", (hd,)).astype(np.float64)
+    # score = q.k / sqrt(hd); q (RMS 1 over hd) has all its energy on the rope dims, k the share _RHO_K there:
+    # with vectors of RMS 1 over the rd rope dims, score = sum x_i y_i kn_i sqrt(rho hd) / rd cos(Delta theta_i)
+    f = math.sqrt(rd / (_RHO_K * hd))
+    a = kernel_design(rd, spec.rope_theta, spec.router_window, spec.router_decay, horizon=spec.sliding_window - 1)
+    xq, xk, (pq, pk), a_real = pair_vectors(a * f, np.ones(rd // 2), kn[nope::2], rd)
+    uq, uk = np.zeros(hd), np.zeros(rd)
+    uq[nope::2], uk[0::2] = xq, xk
+    uq[nope + 2 * pq + 1] = math.sqrt(rd - (xq ** 2).sum())
+    uk[2 * pk + 1] = math.sqrt(rd - (xk ** 2).sum())
+    scores = kernel_scores(a_real / f, rd, spec.rope_theta, SIM_TOKENS)
+    scores[spec.sliding_window:] = -np.inf
+    value_var = (1.0 - _RHO_K) * hd / nope            # per non-rope dim of the normalised key/value row
+    proj = np.linalg.qr(rng.standard_normal((nope, nope)))[0][:D.size]
+    return RouterPlan(j=j, drift_dims=D, noise_dims=N, head=spec.n_head - 1, head_dim=hd, uq=uq, uk=uk, a=a_real / f,
+                      scores=scores, gain=drift_gain(scores) / math.sqrt(value_var), proj=proj)
+
+
+def _encode(v: np.ndarray, gt: GT) -> np.ndarray:
+    """A float row [cols] in `gt`'s bytes [cols / elements per unit, unit bytes]."""
+    v = np.asarray(v, np.float32)[None]
+    b = v if gt == GT.F32 else quants.quantize(v, gt)
+    return np.ascontiguousarray(b).view(np.uint8).reshape(-1, _UNIT[gt][0])
+
+
+def _edited(chunks, gt: GT, cols: int, zero_rows=None, zero_cols=(), set_rows=None, const_col=None):
+    """The chunks of a [rows, cols] tensor (any chunking, in order) with edits, applied to copies: zero_rows
+    (period, mask [period]): rows r with mask[r % period] all zero; zero_cols: these columns zero (qs bytes for
+    Q8_0); const_col (j, value) (F32/BF16); set_rows {row: float [cols]} (rows inside one chunk), last."""
+    ub, per = _UNIT[gt]
+    upr = cols // per                                   # units per row
+    zc = np.asarray(sorted(zero_cols), np.int64)
+    off = 0
+    for ch in chunks:
+        b = np.array(ch, copy=True)
+        u = b.view(np.uint8).reshape(-1, ub)
+        n = u.shape[0]
+        rows = np.arange(off // upr, (off + n - 1) // upr + 1)
+        if zero_rows is not None:
+            period, mask = zero_rows
+            for r in rows[mask[rows % period]]:
+                u[max(0, r * upr - off): max(0, (r + 1) * upr - off)] = 0
+        if zc.size:
+            idx = rows[:, None] * upr + (zc // per)[None, :] - off
+            ok = (idx >= 0) & (idx < n)
+            if per == 1:
+                u[idx[ok]] = 0
+            else:                                       # Q8_0: the column's qs byte
+                u[idx[ok], 2 + np.broadcast_to(zc % 32, idx.shape)[ok]] = 0
+        if const_col is not None:
+            idx = rows * upr + const_col[0] - off
+            u[idx[(idx >= 0) & (idx < n)]] = _encode(np.full(1, const_col[1]), gt)[0]
+        for r, v in (set_rows or {}).items():
+            if rows[0] <= r <= rows[-1]:
+                assert r * upr - off >= 0 and (r + 1) * upr - off <= n, "set_rows needs whole rows in a chunk"
+                u[r * upr - off:(r + 1) * upr - off] = _encode(v, gt)
+        off += n
+        yield b
+
+
+def _calibrated_chunks(spec: DS4Spec, plan, name: str, shape: tuple[int, ...], gt: GT, cfg) -> Iterator[np.ndarray]:
+    """A tensor of a file with a calibrated router: the random one with the wiring of router_plan (and synth_router's
+    module doc) applied: reserved dims j, D, N never written by a sublayer, layer 0's kernel head, the routers."""
+    k = ds4layout.kind(name)
+    layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
+    base = lambda: _random_chunks(spec, name, shape, gt, cfg)          # noqa: E731
+    hd, rd, H, g, ol = spec.head_dim, spec.rope_dim, spec.n_head, spec.o_groups, spec.o_lora_rank
+    nope, h, j, D = hd - rd, plan.head, plan.j, plan.drift_dims
+    held = np.zeros(spec.n_embd, bool)
+    held[list(plan.reserved)] = True
+    gs, hh = h // (H // g), h % (H // g)                 # the head's group, its index inside the group
+    R = np.arange(ol - D.size, ol)                        # the group's o_lora rows that carry z
+    cols, E = shape[-1], spec.n_expert
+    if k == "token_embd":
+        yield from _edited(base(), gt, cols, zero_cols=D, const_col=(j, 1.0))
+    elif k in ("attn_norm", "ffn_norm"):
+        w = next(base()).copy()
+        w[held] = 1.0                                     # the reserved dims pass the norms unscaled
+        yield w
+    elif k == "attn_sinks" and layer == 0:
+        w = next(base()).copy()
+        w[h] = -30.0                                      # the kernel head puts no weight on its sink
+        yield w
+    elif k == "hc_attn_fn" and layer == 0:
+        w = next(base()).copy()
+        w[spec.hc_mult:2 * spec.hc_mult] = 0.0            # layer 0's attention post-mix: the same for every stream
+        yield w
+    elif k == "hc_attn_base" and layer == 0:
+        w = next(base()).copy()
+        w[spec.hc_mult:2 * spec.hc_mult] = 0.0
+        yield w
+    elif k == "attn_q_a" and layer == 0:
+        v = np.zeros(cols, np.float32)
+        v[j] = 1.0
+        yield from _edited(base(), gt, cols, set_rows={shape[0] - 1: v})
+    elif k == "attn_q_b" and layer == 0:
+        rows = {}
+        for r in range(hd):
+            v = np.zeros(cols, np.float32)
+            v[cols - 1] = plan.uq[r]                      # reads only q_a's last row (the constant)
+            rows[h * hd + r] = v
+        yield from _edited(base(), gt, cols, set_rows=rows)
+    elif k == "attn_kv":
+        rows = {}
+        if layer == 0:
+            kappa = math.sqrt(_RHO_K / (1 - _RHO_K) * nope / rd)
+            for r in range(rd):
+                v = np.zeros(cols, np.float32)
+                v[j] = kappa * plan.uk[r]
+                rows[nope + r] = v
+        yield from _edited(base(), gt, cols, zero_cols=np.r_[j, D], set_rows=rows)
+    elif k == "attn_output_a" and layer == 0:
+        rows = {}
+        for i, r in enumerate(R):
+            v = np.zeros(cols, np.float32)
+            v[hh * hd: hh * hd + nope] = plan.gain * plan.proj[i]
+            rows[gs * ol + int(r)] = v
+        yield from _edited(base(), gt, cols, zero_cols=np.arange(hh * hd, (hh + 1) * hd), set_rows=rows)
+    elif k == "attn_output_b":
+        rows, zc = {}, ()
+        if layer == 0:
+            zc = gs * ol + R
+            for i, d in enumerate(D):
+                v = np.zeros(cols, np.float32)
+                v[gs * ol + R[i]] = 1.0
+                rows[int(d)] = v
+        yield from _edited(base(), gt, cols, zero_rows=(spec.n_embd, held), zero_cols=zc, set_rows=rows)
+    elif k in ("ffn_down_shexp", "ffn_down_exps"):
+        yield from _edited(base(), gt, cols, zero_rows=(spec.n_embd, held))
+    elif k == "ffn_gate_inp":
+        rng = tensor_rng(spec, name)
+        c = -np.log1p(rng.permutation(E).astype(np.float64))
+        w = plan.router(E, spec.n_embd, spec.router_skew, spec.router_drift, spec.router_scale, 1.0, c - c.mean(), rng)
+        yield w if gt == GT.F32 else quants.quantize(w, gt)
+    elif k == "exp_probs_b":
+        yield np.zeros(shape, np.float32)                 # popularity comes through j, in the logits
+    elif k == "ffn_gate_tid2eid":                         # hash layers: k experts per token, drawn with popularity
+        rng = tensor_rng(spec, name)
+        c = -np.log1p(rng.permutation(E).astype(np.float64))
+        key = spec.router_skew * c[None, :] + rng.gumbel(size=(shape[0], E))
+        yield np.argsort(-key, axis=1)[:, :shape[1]].astype(np.int32)
+    else:
+        yield from base()
+
+
 def _source_chunks(arr, gt: GT) -> Iterator[np.ndarray]:
     a = np.ascontiguousarray(arr)
     if gt == GT.I32:
@@ -267,10 +455,13 @@ def _source_chunks(arr, gt: GT) -> Iterator[np.ndarray]:
 def tensor_plan(spec: DS4Spec, source: Callable[[str], np.ndarray] | None = None):
     """(name, torch shape, type, chunk generator) for every tensor, in llama.cpp's order."""
     cfg = spec.config()
+    rp = router_plan(spec) if source is None else None
     plan = []
     for name, shape in ds4layout.tensors(cfg):
         gt = qtype_of(spec, name, shape)
-        if source is None:
+        if rp is not None:
+            gen = (lambda n=name, s=shape, g=gt: _calibrated_chunks(spec, rp, n, s, g, cfg))
+        elif source is None:
             gen = (lambda n=name, s=shape, g=gt: _random_chunks(spec, n, s, g, cfg))
         else:
             gen = (lambda n=name, s=shape, g=gt: _source_chunks(source(n), g))
@@ -324,6 +515,12 @@ def add_metadata(w: GGUFWriter, spec: DS4Spec, tokenizer: bool = True) -> None:
     w.add_uint32(f"{a}.hash_layer_count", s.hash_layers())
     w.add_uint32(f"{a}.embedding_length_out", s.n_embd * s.hc_mult)
     w.add_uint32("betelgeuse.synth.seed", s.seed)
+    rp = router_plan(s)
+    if rp is not None:
+        from betelgeuse.gguf.synth_router import add_router_metadata
+        w.add_float32("betelgeuse.synth.router_skew", s.router_skew)
+        w.add_uint32("betelgeuse.synth.skew_dim", rp.j)
+        add_router_metadata(w, s, rp, gate="sqrtsoftplus")
     if tokenizer:
         add_tokenizer(w, s.n_vocab, s.chat_template)
 

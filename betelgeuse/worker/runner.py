@@ -70,7 +70,18 @@ class ModelRunner:
         self.clock = PassClock(self.device)
         self.session = StoreSession(cfg, store, self.file, self.device, self.dtype, self.clock)
         self._lanes: Lanes | None = None    # batched decode in the static form (worker/lanes.py), made on first use
+        self._recorder = self._replayer = None   # routing hooks around the model's route() (hook_routing)
         self.attach()
+        if cfg.record_routing:
+            from betelgeuse.routing.trace import Recorder, TraceWriter
+            c = self.mcfg
+            try:
+                sink = TraceWriter(cfg.record_routing, c.n_layer, c.n_expert, c.n_expert_used,
+                                   model=cfg.model_path, arch=c.arch)
+            except OSError as e:
+                raise BetelgeuseError(f"cannot write the routing trace {cfg.record_routing}: "
+                                      f"{e.strerror or e}") from None
+            self.hook_routing(recorder=Recorder(sink))
 
     # ---- the store -------------------------------------------------------------------------------------
     def attach(self):
@@ -79,14 +90,44 @@ class ModelRunner:
         self.session.attach()
         self.moe = MoEStep(self.cfg, self.session, self.clock, act_limit=self.model.expert_act[1])
         self.kern = self.moe.kern
-        # decode in the static (graph-capturable) form: always on CUDA in exact routing, so that whether a step
-        # was replayed from a graph never changes its bits (a model whose state is not fixed-shape says
-        # static_decode = False: model/interface.py)
-        self._static_decode = (self.device.type == "cuda" and self.cfg.routing == "exact"
-                               and self.model.static_decode)
+        self._static_decode = self._static_form()
         self.solo = SoloDecode(self.model, self.moe, self.cache.is_cuda and self.cfg.cuda_graphs,
                                keep=2 * max(1, self.cfg.max_running))
         self._lanes = None
+
+    def _static_form(self) -> bool:
+        """Decode in the static (graph-capturable) form: always on CUDA in exact routing, so that whether a step
+        was replayed from a graph never changes its bits (a model whose state is not fixed-shape says
+        static_decode = False: model/interface.py); not while routing hooks (recording, replay) run in Python at
+        every layer."""
+        return (self.device.type == "cuda" and self.cfg.routing == "exact" and self.model.static_decode
+                and self._recorder is None and self._replayer is None)
+
+    def hook_routing(self, recorder=None, replayer=None):
+        """Record the routed choices (routing.trace.Recorder: written after each pass) and/or take them from a trace
+        instead of the router (routing.trace.Replayer: outputs meaningless, for measuring caching and I/O on other
+        routing); no arguments: the model's own routing, unrecorded. Decode leaves the static form meanwhile."""
+        if self._recorder is not None and self._recorder is not recorder:
+            self._recorder.close()
+        route = type(self.model).route.__get__(self.model)          # the model's own
+        if replayer is not None:
+            route = replayer.wrap(route)
+        if recorder is not None:
+            route = recorder.wrap(route)
+        if recorder is None and replayer is None:
+            self.model.__dict__.pop("route", None)
+        else:
+            self.model.route = route
+        self._recorder, self._replayer = recorder, replayer
+        self._static_decode = self._static_form()
+        self._lanes = None
+
+    def _replay_from(self, kvs):
+        """A replayed pass starts at its sequence's position in the trace (one sequence per pass)."""
+        if self._replayer is not None:
+            if len(kvs) != 1:
+                raise BetelgeuseError("routing replay drives one sequence per pass")
+            self._replayer.begin(kvs[0].length)
 
     @property
     def store(self) -> StoreClient:
@@ -156,6 +197,7 @@ class ModelRunner:
         schedule = schedule or self.cfg.schedule
         if schedule == "standard" and len(ids) > 1:
             ids_t = self.model.check_ids(ids)
+            self._replay_from([kv])
             logits, stats = self._pass(PassStats("prefill", schedule, len(ids)), consolidate, should_stop,
                                        lambda snap, stats: [self._standard(ids_t, kv, snap, stats, all_logits)])
         else:
@@ -175,6 +217,7 @@ class ModelRunner:
         n_tok = sum(len(ids) for ids, _ in parts)
         stats = PassStats("prefill" if n_tok > len(parts) else "decode", schedule, n_tok)
         idss = [self.model.check_ids(ids) for ids, _ in parts]
+        self._replay_from([kv for _, kv in parts])
         return self._pass(stats, consolidate, should_stop,
                           lambda snap, stats: self._layer_major(idss, [kv for _, kv in parts], snap, stats, all_logits))
 
@@ -210,10 +253,14 @@ class ModelRunner:
         stats.store_calls = self.session.calls - calls0
         stats.h2d_bytes = self.cache.h2d_bytes - h2d0
         stats.disk_wait_s += sum(x.disk_wait_s for x in stats.layers)
+        if self._recorder is not None:
+            self._recorder.flush()
 
     def _abandon(self):
         self.clock.abandon()
         self.session.abandon()
+        if self._recorder is not None:
+            self._recorder.discard()                # the abandoned pass's rows (some layers only)
 
     def decode_batch(self, tokens: list[int], kvs: list[SequenceState]) -> tuple[torch.Tensor, PassStats]:
         """One decode token for each of several sequences in ONE pass (continuous batching): attention, routing
@@ -229,6 +276,7 @@ class ModelRunner:
         n = len(tokens)
         assert n == len(kvs) and n >= 1
         ids_t = self.model.check_ids(tokens)
+        self._replay_from(kvs)
         stats = PassStats("decode", "layer_major", n)
         start = self._begin()
         static = self._static_decode
@@ -385,8 +433,11 @@ class ModelRunner:
         self.moe = self.solo = self._lanes = None
 
     def close(self):
-        """Close the slot pool and the file (_let_go); on CUDA the model's weights go too."""
+        """Close the slot pool and the file (_let_go) and a routing recorder; on CUDA the model's weights go too."""
         self._let_go()
+        if self._recorder is not None:
+            self._recorder.close()
+            self._recorder = None
         self.file.close()
         if self.device.type == "cuda":
             self.model = None

@@ -30,15 +30,18 @@ def opt_reader(quick: dict):
 
 
 # the engine's keys, flags of every suite (named, typed and described by betelgeuse/settings.py); --slots (a list of
-# V+H configurations, a case each) stands for slots.vram_per_layer / host_per_layer
+# V+H configurations, a case each) stands for slots.vram_per_layer / host_per_layer; engine.record_routing is not a
+# bench key: every case opens its own runner (one trace file would hold only the last), and the passes suite records
+# what each case routed itself (bench.json's "routing"); --routing-trace replays a trace
 ENGINE_SECTIONS = ("slots", "budget", "engine")
 SLOT_KEYS = ("slots.vram_per_layer", "slots.host_per_layer")
+NOT_BENCH_KEYS = SLOT_KEYS + ("engine.record_routing",)
 BENCH_DEFAULTS = {"budget.memory_max": "12G"}      # the deployment's budget, as the bench's cgroup
 
 
 def add_engine_flags(p) -> None:
     from betelgeuse.settings import add_flags
-    add_flags(p, sections=ENGINE_SECTIONS, exclude=SLOT_KEYS, defaults=BENCH_DEFAULTS,
+    add_flags(p, sections=ENGINE_SECTIONS, exclude=NOT_BENCH_KEYS, defaults=BENCH_DEFAULTS,
               group="engine settings (betelgeuse/settings.py; --memory-max none or auto: no cgroup of the bench's; the "
                     "passes suite defaults to --max-running 2 --prefix-cache-bytes 0)")
 
@@ -57,6 +60,10 @@ def engine_from_args(args, quick: dict, model: str, device: str, suite: dict | N
         flags[("budget", "memory_max")] = ("auto", mm[1])
     r = resolve_settings(None, flags=flags,
                          defaults={tuple(k.split(".", 1)): (v, "bench default") for k, v in defaults.items()})
+    if r.settings.engine.record_routing:
+        raise InvalidRequestError(f"engine.record_routing ({r.sources[('engine', 'record_routing')]}): the bench does "
+                                  "not write traces (the passes suite reports each case's routing in bench.json; "
+                                  "--routing-trace replays a trace); unset it")
     return EngineConfig(**{**engine_kwargs(r.settings), "model_path": model, "device": device})
 
 
@@ -95,12 +102,12 @@ def ensure_model(path: Path, spec, log) -> dict:
     the run starts cold and writeback does not compete with the reads). Returns facts for the results."""
     from betelgeuse.gguf.synth import model_nbytes, write_model
     if path.exists():
-        return {"path": str(path), "reused": True, "bytes": path.stat().st_size}
+        return {"path": str(path), "reused": True, "bytes": path.stat().st_size, "router": router_label(spec)}
     need = model_nbytes(spec)
     free = shutil.disk_usage(path.parent).free
     if need + (1 << 30) > free:
         raise BetelgeuseError(f"not enough disk for {path}: needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
-    log(f"writing {path} ({need / 1e9:.1f} GB, router skew {spec.router_skew}) ...")
+    log(f"writing {path} ({need / 1e9:.1f} GB, router {router_label(spec)}) ...")
     t = time.perf_counter()
     try:
         import tqdm
@@ -112,7 +119,8 @@ def ensure_model(path: Path, spec, log) -> dict:
     dt = time.perf_counter() - t
     size = path.stat().st_size
     log(f"wrote {path} in {dt:.1f} s ({size / dt / 1e9:.2f} GB/s incl. fsync)")
-    return {"path": str(path), "reused": False, "bytes": size, "write_s": dt, "write_GBps": size / dt / 1e9}
+    return {"path": str(path), "reused": False, "bytes": size, "write_s": dt, "write_GBps": size / dt / 1e9,
+            "router": router_label(spec)}
 
 
 def target(args, opt, suffix: str):
@@ -125,12 +133,40 @@ def target(args, opt, suffix: str):
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     preset = opt(args, "preset", "bench")
-    spec = spec_from_preset(preset, n_layer=opt(args, "layers", None), router_skew=args.router_skew, seed=args.seed)
-    name = f"{preset}-L{spec.n_layer}-skew{spec.router_skew:g}-seed{spec.seed}.gguf"
+    router = getattr(args, "router", None) or "preset"
+    spec = spec_from_preset(preset, router=router, n_layer=opt(args, "layers", None), router_skew=args.router_skew,
+                            seed=args.seed)
+    name = f"{preset}-L{spec.n_layer}-{router_label(spec)}-seed{spec.seed}.gguf"
     model = Path(args.model) if args.model else work / name
     run_name = args.run_name or time.strftime("%Y%m%d-%H%M%S") + f"{suffix}-{device.split(':')[0]}"
     out = Path(args.out) if args.out else Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / run_name
     return device, work, preset, spec, model, run_name, out
+
+
+def router_label(spec) -> str:
+    """How a bench model's router is named in its file name: calibrated, or skew<s> (skew0: uniform)."""
+    return "calibrated" if spec.router_target else f"skew{spec.router_skew:g}"
+
+
+def variant_specs(text: str, preset: str, layers: int, seed: int) -> list:
+    """--variant-skew: comma-separated routers of the smaller comparison models (a skew, `uniform`, `calibrated`;
+    `none`: no variant) -> [(label, spec)]."""
+    from betelgeuse.gguf.synth import spec_from_preset
+    out = []
+    for item in (x.strip() for x in str(text).split(",") if x.strip()):
+        if item.lower() == "none":
+            continue
+        if item in ("uniform", "calibrated"):
+            spec = spec_from_preset(preset, router=item, n_layer=layers, seed=seed)
+        else:
+            try:
+                skew = float(item)
+            except ValueError:
+                raise InvalidRequestError(f"--variant-skew: {item!r} is neither a skew, 'uniform', 'calibrated' nor "
+                                          "'none'") from None
+            spec = spec_from_preset(preset, n_layer=layers, router_skew=skew, seed=seed)
+        out.append((router_label(spec), spec))
+    return out
 
 
 def bench_argv(args) -> list[str]:

@@ -18,7 +18,7 @@ import time
 
 from betelgeuse.errors import BetelgeuseError
 from services.bench.args import (add_engine_flags, bench_argv, engine_from_args, ensure_model, opt_reader, options_record,
-                                 parse_ints, parse_slots, target)
+                                 parse_ints, parse_slots, target, variant_specs)
 
 QUICK = {"preset": "small", "layers": 4, "prompts": "8,16", "standard_prompts": "8", "decode": 4, "slots": "2+6,auto",
          "device": "cpu", "budget.memory_max": "4G", "budget.vram": "2GiB", "time_budget": 150.0, "variant_layers": 2,
@@ -29,16 +29,23 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench", help="benchmark prefill/decode against measured ceilings",
                               description=__doc__.splitlines()[0])
     p.add_argument("--model", help="benchmark GGUF; written from --preset if it does not exist "
-                                   "(default: WORK_DIR/<preset>-L<layers>-skew<s>.gguf)")
+                                   "(default: WORK_DIR/<preset>-L<layers>-<router>-seed<n>.gguf)")
     p.add_argument("--work-dir", default="/var/tmp/betelgeuse-bench", help="models, sockets, store logs")
     p.add_argument("--out", help="results folder (default docs/benchmarks/RUN_NAME)")
     p.add_argument("--run-name", help="default: <date>-<device>")
     p.add_argument("--preset", help="synth preset for a model that must be written (default bench)")
     p.add_argument("--layers", type=int, help="override the preset's layer count")
+    p.add_argument("--router", choices=["preset", "calibrated", "uniform"],
+                   help="the model's router: preset (its router skew, default), calibrated (popularity and temporal "
+                        "locality fitted to real decode statistics), uniform (the worst case for caching)")
     p.add_argument("--router-skew", type=float, help="override the preset's router skew")
     p.add_argument("--variant-skew", default=None,
-                   help="router skew of a second, smaller model ('none': no variant; default 0)")
-    p.add_argument("--variant-layers", type=int, help="layers of the second model (default 8)")
+                   help="routers of smaller comparison models, comma-separated: a skew, 'uniform' or 'calibrated' "
+                        "('none': no variant; default 0 = uniform)")
+    p.add_argument("--variant-layers", type=int, help="layers of the comparison models (default 8)")
+    p.add_argument("--routing-trace", help="drive every pass's expert choices from this routing trace (betelgeuse "
+                                           "routing convert; a recorded --record-routing file) instead of the router: "
+                                           "measures caching and I/O on that routing; outputs are MEANINGLESS")
     p.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto)")
     p.add_argument("--no-cgroup", action="store_true", help="do not create a cgroup (the store still plans to --memory-max)")
     p.add_argument("--slots", help="slot configurations, 'V+H' or 'auto', comma-separated (default 5+15,auto)")
@@ -69,7 +76,6 @@ def run(args) -> int:
         from services.bench.agents import run as run_agents
         return run_agents(args)
     t0 = time.monotonic()
-    from betelgeuse.gguf.synth import spec_from_preset
     from betelgeuse.settings import parse_size
     from services.bench.harness import BENCH_ENGINE, BenchOptions, Harness
     from services.bench.report import machine_info, write_results
@@ -79,27 +85,31 @@ def run(args) -> int:
 
     device, work, preset, spec, model, run_name, out = target(args, _opt, "")
     engine = engine_from_args(args, QUICK, str(model), device, suite=BENCH_ENGINE)
-    vs = _opt(args, "variant_skew", "0")
-    variant_skew = None if str(vs).lower() == "none" else float(vs)
+    variants = variant_specs(_opt(args, "variant_skew", "0"), preset, _opt(args, "variant_layers", 8), args.seed)
+    if args.routing_trace:
+        _check_trace(args.routing_trace, None if args.model else spec)
+        if variants:
+            log("--routing-trace: the comparison models are skipped (the trace fits one geometry)")
+            variants = []
     results = {"run": run_name, "status": "running", "command": shlex.join(["betelgeuse", "bench"] + bench_argv(args)),
                "device": device, "machine": machine_info(), "models": {}, "cases": [], "skipped": [], "errors": []}
     save = lambda final: write_results(results, out, png=final)        # noqa: E731
-    if variant_skew is not None:
+    vpaths = [model.with_name(f"{model.stem}-variant-L{vspec.n_layer}-{label}.gguf") for label, vspec in variants]
+    for n, ((label, vspec), vpath) in enumerate(zip(variants, vpaths)):
         from betelgeuse.gguf.synth import model_nbytes
-        vspec = spec_from_preset(preset, n_layer=_opt(args, "variant_layers", 8), router_skew=variant_skew, seed=args.seed)
-        vpath = model.with_name(f"{model.stem}-variant-L{vspec.n_layer}-skew{variant_skew:g}.gguf")
         if not vpath.exists():   # said before any work, so a user can stop before gigabytes are written
-            log(f"this run also writes a second model, {vpath} ({model_nbytes(vspec) / 1e9:.1f} GB, router skew "
-                f"{variant_skew:g}), to compare router skews; --variant-skew none skips it")
+            log(f"this run also writes {'a second' if n == 0 else 'another'} model, {vpath} "
+                f"({model_nbytes(vspec) / 1e9:.1f} GB, router {label}), to compare routers; --variant-skew none "
+                "skips it")
     results["models"]["main"] = ensure_model(model, spec, log)
-    variant = None
-    if variant_skew is not None:
+    done = []
+    for n, ((label, vspec), vpath) in enumerate(zip(variants, vpaths)):
         try:
-            results["models"]["variant"] = ensure_model(vpath, vspec, log)
-            variant = str(vpath)
+            results["models"]["variant" if n == 0 else f"variant{n + 1}"] = ensure_model(vpath, vspec, log)
+            done.append((label, str(vpath)))
         except BetelgeuseError as e:
-            results["skipped"].append({"case": "variant model", "reason": str(e)})
-    o = BenchOptions(model=str(model), engine=engine, variant=variant, device=device,
+            results["skipped"].append({"case": f"variant model ({label})", "reason": str(e)})
+    o = BenchOptions(model=str(model), engine=engine, variants=tuple(done), device=device,
                      slots=parse_slots(_opt(args, "slots", "5+15,auto")),
                      prompts=parse_ints(_opt(args, "prompts", "64,512"), "--prompts"),
                      standard_prompts=parse_ints(_opt(args, "standard_prompts", "64"), "--standard-prompts"),
@@ -107,11 +117,27 @@ def run(args) -> int:
                      time_budget=float(_opt(args, "time_budget", 480.0)), t0=t0,
                      standard_cap=float(_opt(args, "standard_cap", 20.0)), decode_cap=float(_opt(args, "decode_cap", 20.0)),
                      disk_sample_bytes=parse_size(_opt(args, "disk_sample", "1GiB"), "--disk-sample"),
-                     seed=args.seed, run_dir=str(work / f"run-{os.getpid()}"))
+                     seed=args.seed, run_dir=str(work / f"run-{os.getpid()}"), routing_trace=args.routing_trace)
     results["options"] = options_record(o)
     log(f"device {device}; results -> {out}")
     from services.bench.report import run_recorded
     return run_recorded(results, save, Harness(o, results, save).run, log)
+
+
+def _check_trace(path: str, spec) -> None:
+    """A --routing-trace that cannot drive the model is refused before anything is written."""
+    from betelgeuse.errors import InvalidRequestError
+    from betelgeuse.routing.trace import read_trace
+    try:
+        h = read_trace(path).header
+    except OSError as e:
+        raise InvalidRequestError(f"--routing-trace {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise InvalidRequestError(f"--routing-trace {e}") from None
+    if spec is not None and (h["n_layer"], h["n_expert"], h["k"]) != (spec.n_layer, spec.n_expert, spec.n_expert_used):
+        raise InvalidRequestError(f"--routing-trace {path} is for {h['n_layer']} layers x {h['n_expert']} experts "
+                                  f"top-{h['k']}; the model is {spec.n_layer} x {spec.n_expert} "
+                                  f"top-{spec.n_expert_used}")
 
 
 def main(argv=None) -> int:

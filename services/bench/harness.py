@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -51,7 +52,7 @@ class Case:
 class BenchOptions:
     model: str                              # main model (made by the CLI if absent)
     engine: EngineConfig                    # the engine's keys (settings, flags); a case sets the model and slots
-    variant: str | None = None              # second model (other router skew), or None
+    variants: tuple = ()                    # ((router label, path), ...): smaller models with other routers
     device: str = "cpu"
     slots: tuple = ("5+15", "auto")
     prompts: tuple = (64, 512)
@@ -67,6 +68,7 @@ class BenchOptions:
     reserve_s: float = 10.0                 # kept for writing results
     seed: int = 0
     run_dir: str = "/tmp/betelgeuse-bench"  # sockets, store logs
+    routing_trace: str | None = None        # replay this routing trace instead of the router (outputs meaningless)
 
 
 def slots_pair(s: str) -> tuple[int | str, int | str]:
@@ -83,9 +85,10 @@ def plan_cases(o: BenchOptions) -> list[Case]:
     cases = [Case(f"{s0} p{p0}", o.model, s0, p0, lm(p0))]
     cases += [Case(f"{s} p{p0}", o.model, s, p0, lm(p0)) for s in rest]
     cases += [Case(f"{s0} p{p}", o.model, s0, p, lm(p)) for p in more]
-    if o.variant:
-        cases.append(Case(f"variant {s0} p{p0}", o.variant, s0, p0, ("cold", "warm") + (("decode",) if o.decode else ())))
+    vm = ("cold", "warm") + (("decode",) if o.decode else ())
+    cases += [Case(f"variant {label} {s0} p{p0}", path, s0, p0, vm) for label, path in o.variants]
     cases += [Case(f"{s} p{p}", o.model, s, p, lm(p)) for s in rest for p in more]
+    cases += [Case(f"variant {label} {s0} p{p}", path, s0, p, vm) for label, path in o.variants for p in more]
     cases += [Case(f"{s0} p{p} standard cold", o.model, s0, p, ("std_cold",)) for p in o.standard_prompts]
     return cases
 
@@ -98,6 +101,7 @@ class Harness:
         self.ceil = C.Ceilings()
         self.runner: ModelRunner | None = None
         self.runner_model = ""
+        self.replay = None                  # the --routing-trace replayer of the current runner
         self.calib = 1.0            # actual / estimated seconds of the last layer-major pass
 
     # ---- time -------------------------------------------------------------------------------------
@@ -176,7 +180,19 @@ class Harness:
             return self.runner
         self._drop_runner()
         self.runner, self.runner_model = open_runner(cfg, store), cfg.model_path
+        self.replay = self._replayer(self.runner) if self.o.routing_trace else None
+        if self.replay is not None:
+            self.runner.hook_routing(replayer=self.replay)
         return self.runner
+
+    def _replayer(self, rn: ModelRunner):
+        """The --routing-trace replayer for this runner's model (its geometry must be the trace's)."""
+        from betelgeuse.routing.trace import Replayer, read_trace
+        c = rn.mcfg
+        try:
+            return Replayer(read_trace(self.o.routing_trace), c.n_layer, c.n_expert, c.n_expert_used)
+        except (OSError, ValueError) as e:
+            raise BetelgeuseError(f"--routing-trace {self.o.routing_trace}: {e}") from None
 
     def _rebound(self):
         """Bounds of every pass with the final compute ceiling (disk: the sample of the pass's own case)."""
@@ -217,7 +233,8 @@ class Harness:
         o, r = self.o, self.results
         f = GGUFModelFile.open(case.model)
         c = f.config
-        out = {"name": case.name, "model": case.model, "router_skew": _skew(f), "n_layer": c.n_layer,
+        out = {"name": case.name, "model": case.model, "router_skew": _skew(f), "router": router_label(f, o),
+               "n_layer": c.n_layer,
                "slots_requested": case.slots, "prompt_tokens": case.prompt, "passes": [], "skipped": []}
         r["cases"].append(out)
         v, h = slots_pair(case.slots)
@@ -273,6 +290,7 @@ class Harness:
                 if kind in ("cold", "warm") and rec.get("complete"):
                     self.calib = max(0.05, rec["seconds"] / max(est / self.calib, 1e-6))
                 self.save(False)
+            out["routing"] = self._routing(rn, f, ids, out.get("decode", {}).get("token_ids", []))
             out["store_status"] = rn.store.status()
         finally:
             self._detach()
@@ -314,15 +332,47 @@ class Harness:
             rec["settle_s"] = time.perf_counter() - t
         return rec, logits
 
+    def _routing(self, rn: ModelRunner, f: GGUFModelFile, ids: list, gen: list) -> dict:
+        """What the passes routed: one more, untimed prefill of the prompt and the decoded tokens with the routing
+        recorded (a token's experts depend only on the tokens before it: a prefill routes them as the decode did),
+        its statistics (betelgeuse/routing_stats.py) for the prompt and for the decode."""
+        from betelgeuse.gguf.synth_router import read_router_metadata, summary
+        from betelgeuse.routing.measure import ArraySink
+        from betelgeuse.routing.trace import Recorder
+        from betelgeuse.routing_stats import trace_stats
+        c = f.config
+        out = {"router": read_router_metadata(f.metadata), "prompt_tokens": len(ids), "decode_tokens": len(gen)}
+        if self.remaining() < 2 * self._estimate(f, "warm", len(ids) + len(gen)):
+            out["skipped"] = "time budget"
+            return out
+        sink = ArraySink(c.n_layer)
+        rn.hook_routing(Recorder(sink), self.replay)
+        try:
+            rn.forward(ids + gen, rn.new_cache(len(ids) + len(gen) + 8), consolidate=False)
+        finally:
+            rn.hook_routing(None, self.replay)       # the recorder is flushed and closed
+        tr, w = sink.arrays()
+        hashed = int(f.metadata.get(f"{c.arch}.hash_layer_count", 0))     # deepseek4: routed by token id
+        for part, sl in (("prompt", slice(0, len(ids))), ("decode", slice(len(ids), None))):
+            if len(tr[sl]) > 1:
+                st = trace_stats(tr[sl], c.n_expert, weights=w[sl])
+                out[part] = summary(st)
+                out[part]["repeat_next_by_layer"] = [round(x["repeat_next"], 4) for x in st["layers"]]
+                if hashed:
+                    out[part + "_routed_layers"] = summary(trace_stats(tr[sl, hashed:], c.n_expert,
+                                                                       weights=w[sl, hashed:]))
+        return out
+
     def _decode(self, rn: ModelRunner, kv, logits) -> dict:
         tok = int(logits[-1].argmax())
         end = time.monotonic() + min(self.o.decode_cap, self.remaining())
         secs, reads, disk_bytes, disk_wait = [], {"vram": 0, "host": 0, "disk": 0}, 0, 0.0
-        host_s, calls, h2d = 0.0, 0, 0
+        host_s, calls, h2d, toks = 0.0, 0, 0, []
         for _ in range(self.o.decode):
             if time.monotonic() > end:
                 break
             t = time.perf_counter()
+            toks.append(tok)
             lg, st = rn.forward([tok], kv, consolidate=False)
             tok = int(lg[-1].argmax())
             secs.append(time.perf_counter() - t)
@@ -339,7 +389,7 @@ class Harness:
                 "store_calls_per_token": calls / len(secs) if secs else None, "h2d_bytes": h2d,
                 "tg_mean": len(secs) / sum(secs) if secs else 0.0, "tg_peak": 1.0 / min(secs) if secs else 0.0,
                 "token_s": secs, "reads": reads, "disk_share": reads["disk"] / n if n else 0.0,
-                "disk_bytes": disk_bytes, "disk_wait_ms": disk_wait * 1e3}
+                "disk_bytes": disk_bytes, "disk_wait_ms": disk_wait * 1e3, "token_ids": toks}
 
 
 def pass_record(kind: str, st, ttft: float, ceil: C.Ceilings, f: GGUFModelFile, slot_bytes: int) -> dict:
@@ -361,6 +411,19 @@ def pass_record(kind: str, st, ttft: float, ceil: C.Ceilings, f: GGUFModelFile, 
             "bound": C.pass_bound(ceil, ceil.disk_bps, st.n_tokens, loads, st.disk_bytes, st.h2d_bytes, c.n_layer,
                                   c.n_expert_used, st.seconds),
             "layers": layers}
+
+
+def router_label(f: GGUFModelFile, o: BenchOptions) -> str:
+    """The routing a case's passes saw, for the tables."""
+    if o.routing_trace:
+        return f"REPLAYED {os.path.basename(o.routing_trace)}"
+    md = f.metadata
+    if md.get("betelgeuse.routing.target"):
+        return f"calibrated ({md['betelgeuse.routing.target']})"
+    skew, drift = md.get("betelgeuse.synth.router_skew"), md.get("betelgeuse.synth.router_drift", 0.0)
+    if skew is None:
+        return "the file's own"
+    return "uniform (worst case)" if not skew and not drift else f"skew {float(skew):g}"
 
 
 def _skew(f: GGUFModelFile):

@@ -12,6 +12,7 @@ import sys
 import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -107,8 +108,9 @@ def test_markdown_and_png_well_formed(bench_run):
     n_passes = sum(len(c["passes"]) for c in r["cases"])
     rows = [ln for ln in md.splitlines() if ln.startswith("| ") and ("| layer_major |" in ln or "| standard |" in ln)]
     assert len(rows) == n_passes, md
-    header = next(ln for ln in md.splitlines() if ln.startswith("| Case | Router skew"))
+    header = next(ln for ln in md.splitlines() if ln.startswith("| Case | Router |"))
     assert all(ln.count("|") == header.count("|") for ln in rows)
+    assert all(ln.split(" | ")[1] in ("skew 1", "uniform (worst case)") for ln in rows), rows   # the case's router
     assert "PP tok/s" in header and "Disk read share" in header and "Disk wait ms" in header
     assert "Peak cgroup memory" in md and "Peak VRAM" in md
     chunks = _png_chunks((out / "bench.png").read_bytes())
@@ -117,3 +119,35 @@ def test_markdown_and_png_well_formed(bench_run):
     w, h = struct.unpack(">II", chunks[0][1][:8])
     assert w >= 100 and h >= 100
     zlib.decompress(b"".join(b for k, b in chunks if k == b"IDAT"))   # the image data inflates
+
+
+def test_routing_trace_drives_the_passes(tmp_path):
+    """`bench --routing-trace`: every pass's experts come from the trace (here: each token takes the previous token's
+    experts but one, a made-up routing far from the model's), the report says the outputs are meaningless, and the
+    routing the case records is the trace's, token for token."""
+    from betelgeuse.gguf.synth import PRESETS
+    from betelgeuse.routing.trace import write_trace
+    from betelgeuse.routing_stats import trace_stats
+    s = PRESETS["tiny"]
+    L, E, k = 2, s.n_expert, s.n_expert_used
+    ids = np.array([[[(t // 2 + r) % E for r in range(k)]] * L for t in range(64)])    # [T, L, k]
+    write_trace(tmp_path / "t.bgrt", ids, E)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "services.bench.cli", "--quick", "--preset", "tiny", "--layers", str(L),
+           "--routing-trace", str(tmp_path / "t.bgrt"), "--slots", "2+6", "--prompts", "8", "--standard-prompts", "8",
+           "--decode", "3", "--memory-max", "4G", "--time-budget", "60", "--disk-sample", "4MiB",
+           "--work-dir", str(tmp_path), "--out", str(out), "--run-name", "replay"]
+    p = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True,
+                       timeout=150)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads((out / "bench.json").read_text())
+    case = r["cases"][0]
+    assert case["router"] == "REPLAYED t.bgrt" and not any("variant" in c["name"] for c in r["cases"])
+    rt = case["routing"]
+    want = trace_stats(ids[:8], E)["overall"]
+    assert rt["prompt"]["repeat_next"] == pytest.approx(want["repeat_next"])
+    assert want["repeat_next"] == pytest.approx((4 + 3 * (k - 1) / k) / 7)     # odd tokens repeat all, even k-1
+    assert "Routing REPLAYED" in (out / "bench.md").read_text()
+    bad = subprocess.run(cmd[:-4] + ["--layers", "3", "--out", str(tmp_path / "o2")], cwd=REPO,
+                         env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=150)
+    assert bad.returncode == 2 and "is for 2 layers" in bad.stderr
