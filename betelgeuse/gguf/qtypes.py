@@ -10,7 +10,8 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from betelgeuse.errors import UnsupportedError
 
 SUPPORTED_QTYPES: frozenset[int] = frozenset(
-    int(q) for q in (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_K, QT.Q6_K, QT.MXFP4, QT.I32)
+    int(q) for q in (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_K, QT.Q6_K, QT.MXFP4, QT.I32,
+                     QT.Q5_K, QT.Q3_K, QT.Q2_K, QT.IQ4_XS, QT.IQ4_NL, QT.IQ2_XXS, QT.IQ2_XS, QT.IQ3_XXS)
 )
 
 

@@ -12,11 +12,12 @@ from gguf import GGMLQuantizationType as QT
 
 from betelgeuse.errors import UnsupportedError
 from betelgeuse.gguf.quants import SUPPORTED_QTYPES, dequantize, row_nbytes, tensor_nbytes
+from betelgeuse.gguf.quants_synth import random_blocks
 
 SHAPES_32 = [(32,), (3, 64), (2, 5, 96), (8, 16, 32)]    # block-32 / element types
 SHAPES_256 = [(256,), (3, 512), (2, 4, 256), (5, 768)]   # K-quants: rows of 256-multiples
-# byte offsets of the f16 super-block scales inside one K-quant block
-K_LAYOUT = {QT.Q4_K: (144, (0, 2)), QT.Q6_K: (210, (208,))}
+# the types gguf-py dequantizes but cannot quantize: random valid blocks
+K_TYPES = [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q3_K, QT.Q2_K, QT.IQ4_XS, QT.IQ2_XXS, QT.IQ2_XS, QT.IQ3_XXS]
 
 
 def bits(a) -> np.ndarray:
@@ -25,14 +26,10 @@ def bits(a) -> np.ndarray:
 
 
 def random_k_blocks(qtype, shape, rng) -> np.ndarray:
-    """Random valid K-quant bytes for `shape`: random bits, f16 scales set to small finite values.
-    gguf cannot quantize to Q4_K/Q6_K, so this is how real-looking blocks are made."""
-    type_size, f16_at = K_LAYOUT[qtype]
-    n_blocks = int(np.prod(shape)) // 256
-    b = rng.integers(0, 256, (n_blocks, type_size), dtype=np.uint8)
-    for p in f16_at:
-        b[:, p:p + 2] = rng.uniform(-0.05, 0.05, (n_blocks, 1)).astype(np.float16).view(np.uint8)
-    return b.reshape(*shape[:-1], -1)
+    """Random valid bytes for `shape` of a type gguf cannot quantize: random bits, f16 scales set to small
+    finite values (every code, sign and scale bit pattern occurs)."""
+    blk = gguf.GGML_QUANT_SIZES[qtype][0]
+    return random_blocks(qtype, int(np.prod(shape)) // blk, rng).reshape(*shape[:-1], -1)
 
 
 def ours(data: np.ndarray, qtype, shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
@@ -41,7 +38,9 @@ def ours(data: np.ndarray, qtype, shape, dtype=torch.float32, device="cpu") -> t
 
 
 def test_supported_set():
-    assert SUPPORTED_QTYPES == {int(q) for q in (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_K, QT.Q6_K, QT.MXFP4, QT.I32)}
+    assert SUPPORTED_QTYPES == {int(q) for q in (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_K, QT.Q6_K, QT.MXFP4, QT.I32,
+                                                 QT.Q5_K, QT.Q3_K, QT.Q2_K, QT.IQ4_XS, QT.IQ4_NL, QT.IQ2_XXS,
+                                                 QT.IQ2_XS, QT.IQ3_XXS)}
 
 
 @pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.BF16, QT.Q8_0])
@@ -61,9 +60,9 @@ def test_quantizable_types_match_gguf(qtype, shape):
     assert np.abs(got.numpy() - x).max() <= tol * np.abs(x).max() + 1e-12
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K])
+@pytest.mark.parametrize("qtype", K_TYPES + [QT.IQ4_NL])
 @pytest.mark.parametrize("shape", SHAPES_256)
-def test_k_quants_match_gguf(qtype, shape):
+def test_k_and_i_quants_match_gguf(qtype, shape):
     rng = np.random.default_rng(hash((int(qtype), shape)) % 2**32)
     q = random_k_blocks(qtype, shape, rng)
     ref = gguf.quants.dequantize(q, qtype)
@@ -72,6 +71,38 @@ def test_k_quants_match_gguf(qtype, shape):
     assert got.shape == shape
     np.testing.assert_array_equal(bits(got.numpy()), bits(ref))
     assert np.isfinite(ref).all() and np.abs(ref).max() > 0
+
+
+def test_iq_tables_match_llama_cpp():
+    """The sign table (computed here) is gguf's; grid rows spot-checked against llama.cpp's ggml-common.h
+    (iq2xxs_grid[1], [255], iq2xs_grid[7], iq3xxs_grid[5], little-endian bytes = elements 0..)."""
+    from betelgeuse.gguf.quants import IQ4_KVALUES, iq_grid, ksigns
+    assert bytes(ksigns()) == gguf.quants.IQ2_XXS.ksigns
+    assert IQ4_KVALUES == gguf.quants.IQ4_NL.kvalues
+
+    def row(v: int, n: int) -> list[int]:
+        return list(v.to_bytes(n, "little"))
+    assert list(iq_grid(QT.IQ2_XXS)[1]) == row(0x080808080808082b, 8)
+    assert list(iq_grid(QT.IQ2_XXS)[255]) == row(0x2b2b2b1908081908, 8)
+    assert list(iq_grid(QT.IQ2_XS)[7]) == row(0x080808080819192b, 8)
+    assert list(iq_grid(QT.IQ3_XXS)[5]) == row(0x04040c3e, 4)
+    assert [g.shape for g in map(iq_grid, (QT.IQ2_XXS, QT.IQ2_XS, QT.IQ3_XXS))] == [(256, 8), (512, 8), (256, 4)]
+
+
+def test_known_values_q2_k_and_iq4_nl():
+    """Hand-built blocks, independent of any library. Q2_K: sub-block s has scale s % 16 and min 1, every
+    2-bit quant 2 (x = d * s * 2 - dmin); IQ4_NL: nibble j % 16 -> d * kvalues[j % 16]."""
+    block = np.zeros(84, np.uint8)
+    block[:16] = np.arange(16, dtype=np.uint8) | 0x10
+    block[16:80] = 0b10101010
+    block[80:84] = np.array([0.5, 0.25], np.float16).view(np.uint8)
+    got = ours(block, QT.Q2_K, (256,)).numpy()
+    np.testing.assert_array_equal(got, np.repeat(np.arange(16, dtype=np.float32) * 0.5 * 2 - 0.25, 16))
+    nl = np.zeros(18, np.uint8)
+    nl[:2] = np.array([2.0], np.float16).view(np.uint8)
+    nl[2:] = np.arange(16, dtype=np.uint8) | (np.arange(16, dtype=np.uint8)[::-1] << 4)
+    kv = np.array(gguf.quants.IQ4_NL.kvalues, np.float32)
+    np.testing.assert_array_equal(ours(nl, QT.IQ4_NL, (32,)).numpy(), 2.0 * np.concatenate([kv, kv[::-1]]))
 
 
 def test_known_values_q8_0():
@@ -132,10 +163,12 @@ def test_row_nbytes():
 def test_unsupported_type_raises():
     with pytest.raises(UnsupportedError, match="Q4_0"):
         dequantize(torch.zeros(18, dtype=torch.uint8), QT.Q4_0, (32,))
+    with pytest.raises(UnsupportedError, match="IQ1_S"):
+        dequantize(torch.zeros(50, dtype=torch.uint8), QT.IQ1_S, (256,))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K])
+@pytest.mark.parametrize("qtype", K_TYPES)
 def test_cuda_matches_gguf(qtype):
     rng = np.random.default_rng(7)
     q = random_k_blocks(qtype, (4, 512), rng)
