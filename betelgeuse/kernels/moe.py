@@ -1,12 +1,14 @@
 """One layer's routed experts over slot indices: one interface, two backends.
 
-  torch   the reference (CPU, CI; also the fallback on CUDA for K-quants): a loop over the
+  torch   the reference (CPU, CI; also the fallback on CUDA for other types): a loop over the
           group's experts, each dequantized from its slot and applied to its rows in sub-batches of
           `sub_batch` (torch_moe.run_expert), ranks combined in order (torch_moe.moe_combine). Bit-identical
           to the reference models on the same device and dtype.
   triton  the GPU hot path (also runs under TRITON_INTERPRET=1 on the CPU in tests): rows sorted by
           expert on the device, then ONE gate_up + ONE down launch per tier group, whatever the number
-          of experts in it, dequantizing Q8_0/F16/BF16/F32/MXFP4 bytes inside the matmul, then one combine.
+          of experts in it, dequantizing the expert bytes inside the matmul (every type of TRITON_QTYPES:
+          F32/F16/BF16, Q8_0, MXFP4, the K-quants Q6_K..Q2_K, IQ4_XS/IQ4_NL, IQ3_XXS, IQ2_XS, IQ2_XXS),
+          then one combine.
 
 A layer is used like this (the runner owns tiers, copies and the store):
 
@@ -26,10 +28,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from betelgeuse.gguf.qtypes import row_nbytes
 from betelgeuse.kernels.torch_moe import ExpertWork, moe_combine, plan_experts, run_expert
 
-# GGML types the triton kernels read directly (F32, F16, Q8_0, BF16, MXFP4)
-TRITON_QTYPES = frozenset({0, 1, 8, 30, 39})
+# GGML types the triton kernels read directly (triton_quants.QT_CODES: F32, F16, Q8_0, BF16, MXFP4, Q4_K, Q5_K,
+# Q6_K, Q3_K, Q2_K, IQ4_XS, IQ4_NL, IQ2_XXS, IQ2_XS, IQ3_XXS); kept here so that the torch-only path never
+# imports triton
+TRITON_QTYPES = frozenset({0, 1, 8, 30, 39, 12, 13, 14, 11, 10, 23, 20, 16, 17, 18})
 
 
 def triton_available() -> bool:
@@ -76,10 +81,17 @@ class MoEKernels:
             from betelgeuse.kernels import triton_moe
             self._tk = triton_moe
             assert self.supports(qtypes), qtypes
+            self._aligned = self._starts_aligned(starts)
 
     @staticmethod
     def supports(qtypes: list[tuple[int, int]]) -> bool:
         return all(a in TRITON_QTYPES and b in TRITON_QTYPES for a, b in qtypes)
+
+    @staticmethod
+    def _starts_aligned(starts: torch.Tensor) -> bool:
+        """Every part starts 16-byte aligned in its slot (GGUF data is 32-aligned): the kernels may then load
+        whole 16-byte vectors of the blocks (one host sync, at construction)."""
+        return bool((starts.remainder(16) == 0).all())
 
     # ---- per layer ------------------------------------------------------------------------------
     def route(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, chunks=None) -> Routing:
@@ -106,9 +118,12 @@ class MoEKernels:
             qg, qd = self.qtypes[layer]
             tk = self._tk
             st = self.starts[layer] if starts is None else starts
+            aligned = slot_bytes % 16 == 0 and (self._aligned if starts is None else self._starts_aligned(starts))
+            H = r.h.shape[1]
             tk.gate_up(r.h, pool, g.base_dev, st, r.rows, r.off, r.inter, self.F, r.ids.shape[1],
-                       tk.QT_CODES[qg], self.limit)
-            tk.down(r.inter, pool, g.base_dev, st, r.rows, r.off, r.y, r.ids.shape[0], tk.QT_CODES[qd])
+                       tk.QT_CODES[qg], self.limit, row_nbytes(qg, H), aligned)
+            tk.down(r.inter, pool, g.base_dev, st, r.rows, r.off, r.y, r.ids.shape[0], tk.QT_CODES[qd],
+                    row_nbytes(qd, self.F), aligned)
             return
         T, k = r.ids.shape
         y3 = r.y.view(T, k, -1)
@@ -132,12 +147,12 @@ class MoEKernels:
 
 
 def pack_experts(parts_of, experts, n_expert: int, device) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, int]:
-    """A pool holding the raw bytes of `experts` back to back (the in-process reference path):
-    parts_of(e) -> (gate, up, down) uint8 CPU tensors. Returns (pool uint8 on `device`, starts [E,3] int64
-    on `device` (offset of each part inside its expert's slot), base [E] int64 (-1 = not packed), slot bytes)."""
+    """A pool holding the raw bytes of `experts` one slot each (the in-process reference path), every part at a
+    64-byte aligned offset as in the worker's slots: parts_of(e) -> (gate, up, down) uint8 CPU tensors. Returns
+    (pool uint8 on `device`, starts [E,3] int64 on `device` (offset of each part inside its expert's slot),
+    base [E] int64 (-1 = not packed), slot bytes)."""
     raws = {int(e): parts_of(int(e)) for e in experts}
-    slot = max([sum(p.numel() for p in ps) for ps in raws.values()] + [64])
-    slot = -(-slot // 64) * 64
+    slot = max([sum(-(-p.numel() // 64) * 64 for p in ps) for ps in raws.values()] + [64])
     buf = torch.zeros(max(1, len(raws)) * slot, dtype=torch.uint8)
     starts = np.zeros((n_expert, 3), dtype=np.int64)
     base = np.full(n_expert, -1, dtype=np.int64)
@@ -146,5 +161,5 @@ def pack_experts(parts_of, experts, n_expert: int, device) -> tuple[torch.Tensor
         for k, p in enumerate(ps):
             starts[e, k] = o - base[e]
             buf[o: o + p.numel()] = p
-            o += p.numel()
+            o += -(-p.numel() // 64) * 64
     return buf.to(device), torch.from_numpy(starts).to(device), base, slot

@@ -71,7 +71,8 @@ class ReferenceExperts:
 
     def _moe(self, layer: int, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, chunks=None) -> torch.Tensor:
         """sum_r w_r expert_r(h) [T,H], computed as the engine does (so it matches bit for bit): on CUDA with
-        Q8_0/F16/BF16/F32/MXFP4 experts the Triton kernels over this layer's experts packed in a pool, otherwise the
+        experts of a type the kernels read (moe.TRITON_QTYPES) the Triton kernels over this layer's experts packed
+        in a pool, otherwise the
         torch reference (apply_experts); the model's SwiGLU clamp either way (None: plain SwiGLU)."""
         limit = self.expert_act[1]
         parts = self.file.expert_parts(layer, 0)

@@ -25,7 +25,8 @@ import torch
 
 from betelgeuse.config import EngineConfig
 from betelgeuse.errors import BetelgeuseError
-from betelgeuse.kernels.moe import Group, MoEKernels, triton_available
+from betelgeuse.gguf.qtypes import qtype_name
+from betelgeuse.kernels.moe import TRITON_QTYPES, Group, MoEKernels, triton_available
 from betelgeuse.store.directory import TIER_DISK, TIER_HOST, TIER_NAMES, TIER_VRAM
 from betelgeuse.worker.stats import LayerStats, PassClock, PassStats
 from betelgeuse.worker.store_session import StoreSession
@@ -47,8 +48,9 @@ class MoEStep:
         qts, want, c = self.cache.qtypes, self.cfg.kernels, self.session.file.config
         ok = MoEKernels.supports(qts) and triton_available()
         if want == "triton" and not ok:
-            raise BetelgeuseError("kernels = 'triton' needs the triton package and Q8_0/F16/BF16/F32/MXFP4 experts "
-                                  f"(this model's expert types: {sorted({q for p in qts for q in p})})")
+            raise BetelgeuseError("kernels = 'triton' needs the triton package and experts of the types the kernels "
+                                  f"read ({', '.join(sorted(qtype_name(q) for q in TRITON_QTYPES))}; this model's "
+                                  f"expert types: {', '.join(sorted({qtype_name(q) for p in qts for q in p}))})")
         backend = "triton" if want == "triton" or (want == "auto" and self.cache.is_cuda and ok) else "torch"
         return MoEKernels(backend, c.n_expert, c.n_ff_exp, self.cache.starts, qts, self.cfg.sub_batch,
                           weights_fn=self.cache.weights, act_limit=act_limit)

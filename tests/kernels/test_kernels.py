@@ -1,6 +1,8 @@
 """The Triton expert kernels (the GPU hot path), run on the CPU by Triton's interpreter (TRITON_INTERPRET=1).
 
-1. Kernel level, per weight type (Q8_0, F16, BF16, F32, MXFP4: every E2M1 code, a range of E8M0 scales): against the torch reference (dequantize, then
+1. Kernel level, per weight type (F32, F16, BF16, Q8_0, MXFP4: every E2M1 code, a range of E8M0 scales; Q6_K, Q5_K,
+   Q4_K, Q3_K, Q2_K, IQ4_XS, IQ4_NL, IQ3_XXS, IQ2_XS, IQ2_XXS: random valid blocks): the in-kernel dequantization
+   equals gguf-py's values bit for bit; the fused kernels against the torch reference (dequantize, then
    SwiGLU with F.linear) within float32 summation-order noise (~1e-6 x sqrt(K) relative; the tolerance
    2e-6 x scale x sqrt(H+F) would still catch a wrong scale, a swapped gate/up or a missed block by orders
    of magnitude); a row computed alone is bit-identical to the same row in a full launch; two launch groups
@@ -38,12 +40,24 @@ def _run(script: str, *args, timeout: int = 600) -> dict:
 
 def test_triton_kernels_match_torch_and_are_row_invariant():
     res = _run("triton_kernel_check.py")
-    assert set(res) == {"Q8_0", "F16", "BF16", "F32", "MXFP4"}
+    assert set(res) == {"Q8_0", "F16", "BF16", "F32", "MXFP4", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K",
+                        "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ3_XXS"}
     for name, r in res.items():
-        assert r["max_abs"] <= 2e-6 * r["scale"] * (64 + 96) ** 0.5, (name, r)
+        assert r["tile_exact"], name                    # in-kernel dequantization == gguf-py's values, bit for bit
+        assert r["max_abs"] <= 2e-6 * r["scale"] * r["K"] ** 0.5, (name, r)
         assert r["row_invariant"], name
+    for name in ("Q8_0", "MXFP4", "Q4_K", "IQ2_XXS"):
+        r = res[name]
         assert r["split_equal"], name
         assert r["limit_max_abs"] <= 1e-5 * max(1.0, r["limit_scale"]), (name, r)
+
+
+def test_triton_types_are_the_kernel_codes():
+    """moe.TRITON_QTYPES (what the runner checks without importing triton) is the set the kernels dispatch on."""
+    from betelgeuse.kernels.moe import TRITON_QTYPES
+    from betelgeuse.kernels.triton_quants import QT_CODES
+    assert TRITON_QTYPES == set(QT_CODES)
+    assert sorted(QT_CODES.values()) == list(range(len(QT_CODES)))
 
 
 @pytest.mark.slow

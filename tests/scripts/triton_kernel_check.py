@@ -1,79 +1,113 @@
 """Run under TRITON_INTERPRET=1 (tests/kernels/test_kernels.py): the Triton expert kernels against the torch reference.
 
-For each weight type: random experts quantized by gguf-py, random routing; prints one JSON line with the
-max |diff| against the torch path (float32 compute), and three bit-for-bit properties the engine relies on:
-a row alone equals the same row inside a full launch (row invariance), two groups that split the experts
-equal one group (tier invariance), and the clamped SwiGLU matches its torch formula.
+For each weight type the kernels read (F32, F16, BF16, Q8_0, MXFP4 and the K-/i-quants): random experts (gguf-py's
+quantizer where it has one, else random valid blocks: every code, sign and scale pattern), random routing; prints
+one JSON line with, per type: whether the kernels' in-kernel dequantization (triton_quants.tile) gives the torch
+path's (= gguf-py's) values bit for bit, the max |diff| of the fused kernels against the torch path (float32
+compute), and the bit-for-bit property the engine relies on: a row alone equals the same row inside a full
+launch (row invariance); for the types in FULL also that two groups that split the experts equal one group
+(tier invariance) and that the clamped SwiGLU matches its torch formula. Q4_K also runs in bfloat16 (the GPU's dtype: the tile rounded to bf16).
+
+    triton_kernel_check.py [TYPE ...]       # default: every type
 """
 
 import json
 import os
+import sys
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run me with TRITON_INTERPRET=1"
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from gguf import quants as gq  # noqa: E402
 from gguf.constants import GGMLQuantizationType as QT  # noqa: E402
 
 from betelgeuse.gguf.quants import dequantize  # noqa: E402
+from betelgeuse.gguf.quants_synth import quantize  # noqa: E402
+from betelgeuse.gguf.qtypes import block_size  # noqa: E402
+from betelgeuse.kernels import triton_quants  # noqa: E402
 from betelgeuse.kernels.moe import Group, MoEKernels, pack_experts  # noqa: E402
 
-E, H, FF, T, K = 6, 64, 96, 21, 3     # F = 96: a partial 64-column block; T = 21: a partial 16-row block
-out = {}
-for name, qt in (("Q8_0", 8), ("F16", 1), ("BF16", 30), ("F32", 0), ("MXFP4", 39)):
-    g = torch.Generator().manual_seed(qt)
-    W = [[torch.randn(FF, H, generator=g), torch.randn(FF, H, generator=g), torch.randn(H, FF, generator=g) * 0.1]
-         for _ in range(E)]
+# the group split and the clamped SwiGLU (the kernels' epilogue and grid, not the dequantization) on these
+FULL = ("Q8_0", "MXFP4", "Q4_K", "IQ2_XXS")
+TYPES = ["Q8_0", "F16", "BF16", "F32", "MXFP4", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ2_XXS",
+         "IQ2_XS", "IQ3_XXS"]
 
-    def q(x):
-        if qt in (8, 39):
-            return torch.from_numpy(gq.quantize(x.numpy(), QT(qt)).view(np.uint8).reshape(-1).copy())
-        if qt == 30:
-            return x.bfloat16().contiguous().view(torch.uint8).reshape(-1)
-        return (x.half() if qt == 1 else x).contiguous().view(torch.uint8).reshape(-1)
-    raw = [[q(m) for m in ws] for ws in W]
-    if qt == 39:
-        # gguf's quantizer never writes code 8 (-0) and keeps exponents near 127: expert 0 gets random blocks
-        # (every code, exponents 114..127) so the kernel's code and scale tables are checked whole
-        for i, m in enumerate(W[0]):
-            blocks = torch.randint(0, 256, (m.numel() // 32, 17), generator=g, dtype=torch.uint8)
-            blocks[:, 0] = torch.randint(114, 128, (blocks.shape[0],), generator=g, dtype=torch.uint8)
-            raw[0][i] = blocks.reshape(-1)
-        codes = torch.cat([torch.cat([r.view(-1, 17)[:, 1:] & 15, r.view(-1, 17)[:, 1:] >> 4]) for r in raw[0]])
-        assert torch.bincount(codes.reshape(-1).long(), minlength=16).min() > 0
-    deq = [[dequantize(r, qt, tuple(m.shape)) for r, m in zip(rs, ws)] for rs, ws in zip(raw, W)]
+
+def experts_of(qt: int, E: int, H: int, FF: int, g: torch.Generator):
+    """E experts' (gate [FF,H], up [FF,H], down [H,FF]) raw bytes: gguf-py's quantizer of random values where it has
+    one (expert 0 of MXFP4: random blocks, every code and exponents 114..127), else random valid blocks."""
+    rng = np.random.default_rng(qt)
+    shapes = [(FF, H), (FF, H), (H, FF)]
+    out = []
+    for e in range(E):
+        parts = []
+        for k, shp in enumerate(shapes):
+            std = 1.0 if k < 2 else 0.1
+            if qt == 39 and e == 0:
+                blocks = torch.randint(0, 256, (shp[0] * shp[1] // 32, 17), generator=g, dtype=torch.uint8)
+                blocks[:, 0] = torch.randint(114, 128, (blocks.shape[0],), generator=g, dtype=torch.uint8)
+                parts.append(blocks.reshape(-1))
+                continue
+            x = (torch.randn(shp, generator=g) * std).numpy()
+            raw = quantize(x, qt, shp, rng, std)
+            parts.append(torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(-1).copy()))
+        out.append(parts)
+    return out
+
+
+def check(name: str) -> dict:
+    qt = int(QT[name])
+    g = torch.Generator().manual_seed(qt)
+    super_block = block_size(qt)[0] == 256
+    # F = 96: a partial 32/64-column block; T = 21: a partial 16-row block (K-quant rows are 256-multiples)
+    E, H, FF, T, K = (3, 256, 256, 9, 2) if super_block else (6, 64, 96, 21, 3)
+    raw = experts_of(qt, E, H, FF, g)
+    shapes = [(FF, H), (FF, H), (H, FF)]
+    deq = [[dequantize(r, qt, s) for r, s in zip(rs, shapes)] for rs in raw]
+    # the tile at each K step a config may use (BK 256 and 128 for the 256-element types), 64 rows per program
+    tile_exact = all(torch.equal(triton_quants.dequantize(r, qt, s, bk=bk, bn=64).view(torch.int32),
+                                 d.view(torch.int32))
+                     for k, (r, s, d) in enumerate(zip(raw[0], shapes, deq[0]))
+                     for bk in (((256, 128) if k == 0 else (256,)) if super_block else (32,)))
     h = torch.randn(T, H, generator=g)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
     w = torch.rand(T, K, generator=g)
     pool, starts, base, slot = pack_experts(lambda e: raw[e], range(E), E, "cpu")
-    tk = MoEKernels("triton", E, FF, starts[None], [(qt, qt)], 16)
-    tr = MoEKernels("torch", E, FF, starts[None], [(qt, qt)], 16, weights_fn=lambda b, l, e: deq[e])
     full = Group(None, base, torch.from_numpy(base))
 
-    def run(kern, hh, ii, ww, groups):
-        r = kern.route(hh, ii, ww)
+    def kern(backend, limit=None):
+        return MoEKernels(backend, E, FF, starts[None], [(qt, qt)], 16, act_limit=limit,
+                          weights_fn=lambda b, l, e: deq[e])
+
+    def run(k, hh, ii, ww, groups):
+        r = k.route(hh, ii, ww)
         for grp in groups:
-            kern.apply(r, 0, pool, grp, slot)
-        return kern.combine(r)
+            k.apply(r, 0, pool, grp, slot)
+        return k.combine(r)
+    tk = kern("triton")
     o_t = run(tk, h, ids, w, [full])
-    o_r = run(tr, h, ids, w, [full])
+    o_r = run(kern("torch"), h, ids, w, [full])
     alone = run(tk, h[5:6], ids[5:6], w[5:6], [full])
+    res = {"tile_exact": tile_exact, "max_abs": float((o_t - o_r).abs().max()), "scale": float(o_r.abs().max()),
+           "K": H + FF, "row_invariant": bool(torch.equal(alone[0], o_t[5]))}
+    if name not in FULL:
+        return res
     b1, b2 = base.copy(), base.copy()
     b1[::2], b2[1::2] = -1, -1
     split = run(tk, h, ids, w, [Group(None, b, torch.from_numpy(b)) for b in (b2, b1)])
     # clamped SwiGLU (DeepSeek-V4): min(gate, L), clamp(up, -L, L)
     lim = 1.5
-    tl_ = MoEKernels("triton", E, FF, starts[None], [(qt, qt)], 16, act_limit=lim)
-    o_l = run(tl_, h, ids, w, [full])
+    o_l = run(kern("triton", lim), h, ids, w, [full])
     want = torch.zeros(T, H)
     for t in range(T):
         for r in range(K):
             gw, uw, dw = deq[int(ids[t, r])]
             a = F.silu(torch.clamp(h[t] @ gw.T, max=lim)) * torch.clamp(h[t] @ uw.T, -lim, lim)
             want[t] += w[t, r] * (a @ dw.T)
-    out[name] = {"max_abs": float((o_t - o_r).abs().max()), "scale": float(o_r.abs().max()),
-                 "row_invariant": bool(torch.equal(alone[0], o_t[5])), "split_equal": bool(torch.equal(split, o_t)),
-                 "limit_max_abs": float((o_l - want).abs().max()), "limit_scale": float(want.abs().max())}
-print(json.dumps(out))
+    res.update(split_equal=bool(torch.equal(split, o_t)), limit_max_abs=float((o_l - want).abs().max()),
+               limit_scale=float(want.abs().max()))
+    return res
+
+
+print(json.dumps({name: check(name) for name in (sys.argv[1:] or TYPES)}))
