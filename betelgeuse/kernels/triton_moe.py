@@ -1,7 +1,7 @@
 """Triton kernels for one layer's routed experts, reading quantized bytes straight from slots.
 
 vLLM's fused MoE idea (rows sorted by expert, one program per block of one expert's rows) with the
-dequantization fused into the matmul (triton_quants.tile) and the expert addressed by a byte offset into one
+dequantization fused into the matmul (triton_quants.wdot) and the expert addressed by a byte offset into one
 device pool (VRAM hot slots + execution ring), so a whole tier group of experts is one launch:
 
   gate_up   grid (cdiv(F, BN), row blocks): program (n, b) takes row block b (rows = (token, rank) pairs
@@ -32,12 +32,12 @@ import torch
 import triton
 import triton.language as tl
 
-from betelgeuse.kernels.triton_quants import QT_CODES, SUPER, tables, tile  # noqa: F401
+from betelgeuse.kernels.triton_quants import QT_CODES, SUPER, tables, wdot  # noqa: F401
 
 # rows per block, output columns per program, K step, warps: constants for every launch whatever the row count
 # (row invariance); TYPE_CONFIG[qt] overrides them per weight type (deploy/device/kernel_roofline.py measures
 # them on the H200); CONFIG can be replaced once per process (deploy/device/kernel_sweep.py)
-CONFIG = {"BM": 16, "BN": 64, "BN_GATE_UP": 32, "BK": 256, "num_warps": 4, "num_stages": 3}
+CONFIG = {"BM": 16, "BN": 64, "BN_GATE_UP": 64, "BK": 256, "num_warps": 4, "num_stages": 3}
 TYPE_CONFIG: dict[int, dict] = {}
 
 
@@ -86,16 +86,8 @@ def _gate_up_kernel(h_ptr, pool, tab, base_ptr, starts_ptr, rows_ptr, off_ptr, i
             accg = tl.zeros((BN, BM), dtype=tl.float32)
             accu = tl.zeros((BN, BM), dtype=tl.float32)
             for kk in range(0, H, BK):
-                c = kk + tl.arange(0, BK)
-                xt = tl.load(h_ptr + tok[None, :] * H + c[:, None], mask=mr[None, :], other=0)     # [BK, BM]
-                wg = tile(pool, tab, gra, kk, mn, QT, BK, BN).to(xt.dtype)
-                wu = tile(pool, tab, ura, kk, mn, QT, BK, BN).to(xt.dtype)
-                if IEEE:
-                    accg = tl.dot(wg, xt, accg, input_precision="ieee")
-                    accu = tl.dot(wu, xt, accu, input_precision="ieee")
-                else:
-                    accg = tl.dot(wg, xt, accg)
-                    accu = tl.dot(wu, xt, accu)
+                accg = wdot(accg, h_ptr, tok * H, mr, pool, tab, gra, kk, mn, QT, BK, BN, IEEE)
+                accu = wdot(accu, h_ptr, tok * H, mr, pool, tab, ura, kk, mn, QT, BK, BN, IEEE)
             if HAS_LIMIT:                       # DeepSeek-V4's clamped SwiGLU
                 accg = tl.minimum(accg, limit)
                 accu = tl.minimum(tl.maximum(accu, -limit), limit)
@@ -124,14 +116,9 @@ def _down_kernel(inter_ptr, pool, tab, base_ptr, starts_ptr, rows_ptr, off_ptr, 
                 db = tl.multiple_of(db, 16)
             dra = db + n.to(tl.int64) * row_bytes
             acc = tl.zeros((BN, BM), dtype=tl.float32)
+            xrow = rows.to(tl.int64) * F
             for kk in range(0, F, BK):
-                c = kk + tl.arange(0, BK)
-                at = tl.load(inter_ptr + rows.to(tl.int64)[None, :] * F + c[:, None], mask=mr[None, :], other=0)
-                w = tile(pool, tab, dra, kk, mn, QT, BK, BN).to(at.dtype)
-                if IEEE:
-                    acc = tl.dot(w, at, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(w, at, acc)
+                acc = wdot(acc, inter_ptr, xrow, mr, pool, tab, dra, kk, mn, QT, BK, BN, IEEE)
             ptr = y_ptr + flat[None, :] * H + n[:, None]
             tl.store(ptr, acc.to(y_ptr.dtype.element_ty), mask=mn[:, None] & mr[None, :])
 

@@ -1,31 +1,34 @@
-"""In-kernel dequantization: one weight tile [BN, BK] float32 of a row-major quantized [N, K] matrix, from its
-bytes in the device pool, for each GGML type the expert kernels read (triton_moe._gate_up_kernel / _down_kernel).
+"""In-kernel dequantization and the K-step product for each GGML type the expert kernels read.
 
-A tile is rows n (row byte addresses `ra` [BN] int64 = tensor start + n * row bytes) x columns kk .. kk+BK. It is
-built as a 4-D tensor whose dims follow the block layout, so each byte is loaded once and broadcast to the
-elements it encodes, then reshaped to [BN, BK] in element order (the x tile is then plain contiguous columns):
+`wdot(acc, ...)` adds W[n, kk:kk+BK] @ X[m, kk:kk+BK]^T to acc [BN, BM] for BN weight rows n (byte addresses
+`ra` [BN] int64 = tensor start + n * row bytes) of a row-major quantized [N, K] matrix in the device pool and BM
+activation rows m (element offsets `xrow` [BM] into x). Each type is read as a few 2-D "pieces" [BN, P] in its
+byte order (a piece's column c is byte or group c of the blocks, so loads are contiguous runs and no element
+tensor is ever reshaped); each piece is turned into weights and multiplied, on the tensor cores, with the
+activation columns its elements belong to (x is gathered in piece order: a handful of contiguous runs):
 
-  type     block (elements, bytes)  tile dims (BK = 256)          element j of the super-block
-  Q4_K     256, 144                 [BN, 4 g, 2 nibble, 32 i]     64 g + 32 nibble + i
-  Q5_K     256, 176                 [BN, 4 g, 2 nibble, 32 i]     64 g + 32 nibble + i
-  Q6_K     256, 210                 [BN, 8 u, 2 c, 16 i]          32 u + 16 c + i  (u = 4 h + t, 16-element scales)
-  Q3_K     256, 110                 [BN, 8 u, 2 c, 16 i]          32 u + 16 c + i
-  Q2_K     256, 84                  [BN, 8 u, 2 c, 16 i]          32 u + 16 c + i
-  IQ4_XS   256, 136                 [BN, 8 s, 2 nibble, 16 i]     32 s + 16 nibble + i
-  IQ2_XXS  256, 66                  [BN, 8 s, 4 l, 8 k]           32 s + 8 l + k
-  IQ2_XS   256, 74                  [BN, 16 c, 2 l, 8 k]          16 c + 8 l + k
-  IQ3_XXS  256, 98                  [BN, 32 g, 2 p, 4 k]          8 g + 4 p + k
-  IQ4_NL   32, 18                   [BN, BK/32 blocks, 2 nibble, 16 i]
-  Q8_0     32, 34                   [BN, BK/32 blocks, 32]
-  MXFP4    32, 17                   [BN, BK/32 blocks, 2 nibble, 16 i]
-  F16 / BF16 / F32                  [BN, BK]
+  type     block (elements, bytes)  pieces per 256 elements (BK = 256)         element of piece column c
+  Q4_K     256, 144                 low, high nibbles of qs[128]               64 (c//32) + 32 nibble + c%32
+  Q5_K     256, 176                 as Q4_K, the 5th bit from qh[32]
+  Q6_K     256, 210                 low, high nibbles of ql[128], 2 bits of qh 128 (c//64) + 64 nibble + c%64
+  Q3_K     256, 110                 4 bit pairs t of qs[64], 1 bit of hmask     128 (c//32) + 32 t + c%32
+  Q2_K     256, 84                  4 bit pairs t of qs[64]                    128 (c//32) + 32 t + c%32
+  IQ4_XS   256, 136                 low, high nibbles of qs[128]               32 (c//16) + 16 nibble + c%16
+  IQ2_XXS  256, 66                  32 groups of 8 (grid row, sign row)        c (element order)
+  IQ2_XS   256, 74                  32 groups of 8
+  IQ3_XXS  256, 98                  64 half-groups of 4, 32 sign rows of 8
+  Q8_0     32, 34                   BK/32 blocks of 32                         c
+  MXFP4    32, 17                   low, high nibbles of qs[16] per block      32 (c//16) + 16 nibble + c%16
+  IQ4_NL   32, 18                   low, high nibbles of qs[16] per block      32 (c//16) + 16 nibble + c%16
+  F16 / BF16 / F32                  [BN, BK]                                   c
 
-The 256-element types also take BK = 128 (half a super-block: the first dim halves). Code books, grids and the
-i-quant signs come from one float32 table tensor (`tables`): gathers from it are rows of 4-8 contiguous floats.
-Quant integers become floats by the exponent trick ((q | 0x4B000000) as float32 = 2^23 + q, minus 2^23: exact,
-and no int-to-float conversion, which runs at a quarter of the FMA rate). Scales are computed per sub-block in
-float32 as gguf-py does (d * sc, dmin * m), so a tile equals `gguf/quants.py`'s values up to the one rounding of
-a fused multiply-add (exactly, for F16/BF16/F32/Q8_0/MXFP4/IQ4_NL whose products are single roundings).
+The 256-element types also take BK = 128 (half a super-block). Integer quants become weights without an
+int-to-float conversion (a quarter of the FMA rate) nor a subtraction: the q bits are placed at the top of a float
+32 mantissa, f = 1 + q / 2^b exactly, and w = A f + B is one fused multiply-add with per-sub-block A = 2^b d sc,
+B = -(2^b d sc + offset) (so the exponent's 1 and the quants' zero point fold into B, rounded once at the sub-block's
+scale). Code books, grids and the i-quant signs come from one float32 table (`tables`), gathered as rows of 4-8
+contiguous floats. The weights agree with `gguf/quants.py` (= gguf-py's values) to the last bit or two of float32
+(one fused rounding instead of two), exactly for F16/BF16/F32/MXFP4/IQ4_NL/IQ4_XS and the grid types.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import triton.language as tl
 
 from betelgeuse.gguf.quants import IQ4_KVALUES, _MXFP4_KVALUES, iq_grid, ksigns
 
-# kernel codes (constexpr QT) of the GGML types, and the bytes of one block of each
+# kernel codes (constexpr QT) of the GGML types
 QT_CODES = {8: 0, 1: 1, 30: 2, 0: 3, 39: 4, 12: 5, 13: 6, 14: 7, 11: 8, 10: 9, 23: 10, 20: 11, 16: 12, 17: 13, 18: 14}
 # Q8_0 F16 BF16 F32 MXFP4 Q4_K Q5_K Q6_K Q3_K Q2_K IQ4_XS IQ4_NL IQ2_XXS IQ2_XS IQ3_XXS
 SUPER = frozenset({5, 6, 7, 8, 9, 10, 12, 13, 14})      # 256-element super-blocks (K a multiple of 256)
@@ -62,10 +65,17 @@ def tables(device) -> torch.Tensor:
     return _TABLES[key]
 
 
+# ---- small helpers ------------------------------------------------------------------------------------
+
 @triton.jit
 def _f16(pool, addr, mask):
     """float32 of the little-endian f16 at byte `addr` (2-byte aligned: every block with an f16 is even-sized)."""
     return tl.load((pool + addr).to(tl.pointer_type(tl.float16)), mask=mask, other=0).to(tl.float32)
+
+
+@triton.jit
+def _u8(pool, addr, mask):
+    return tl.load(pool + addr, mask=mask, other=0).to(tl.int32)
 
 
 @triton.jit
@@ -75,18 +85,39 @@ def _u16(pool, addr, mask):
 
 
 @triton.jit
-def _i2f(q):
-    """int32 0 <= q < 2^23 -> float32 q, exactly, without an int-to-float conversion."""
-    return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+def _u32(pool, addr, mask):
+    """int32 bits of the little-endian u32 at byte `addr` (2-byte aligned: two u16 loads)."""
+    return _u16(pool, addr, mask) | (_u16(pool, addr + 2, mask) << 16)
 
 
 @triton.jit
-def _k_scale_min(pool, b4, s, m4):
-    """Q4_K/Q5_K 6-bit (scale, min) of sub-blocks s (int32, broadcastable) of blocks b4; bytes 4-15 of a block."""
+def _unit(bits):
+    """float32 from mantissa bits (the quant already shifted to the top of the mantissa): 1 + q / 2^b."""
+    return (bits | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _spread(v, BN: tl.constexpr, G: tl.constexpr, R: tl.constexpr):
+    """[BN, G] -> [BN, G * R]: each value repeated for the R columns of its group."""
+    return tl.reshape(tl.broadcast_to(v[:, :, None], (BN, G, R)), (BN, G * R))
+
+
+@triton.jit
+def _mma(acc, w, x_ptr, xrow, mr, cols, IEEE: tl.constexpr):
+    """acc += w [BN, P] @ x[xrow, cols]^T, x gathered as [P, BM] (cols [P] element offsets within a row)."""
+    xt = tl.load(x_ptr + xrow[None, :] + cols[:, None], mask=mr[None, :], other=0)
+    if IEEE:
+        return tl.dot(w.to(xt.dtype), xt, acc, input_precision="ieee")
+    return tl.dot(w.to(xt.dtype), xt, acc)
+
+
+@triton.jit
+def _k_scale_min(pool, b, s, m):
+    """Q4_K/Q5_K 6-bit (scale, min) of sub-blocks s (int32, broadcastable) of blocks b; bytes 4-15 of a block."""
     j4 = s % 4
-    b0 = tl.load(pool + b4 + 4 + j4, mask=m4, other=0).to(tl.int32)
-    b1 = tl.load(pool + b4 + 8 + j4, mask=m4, other=0).to(tl.int32)
-    b2 = tl.load(pool + b4 + 12 + j4, mask=m4, other=0).to(tl.int32)
+    b0 = _u8(pool, b + 4 + j4, m)
+    b1 = _u8(pool, b + 8 + j4, m)
+    b2 = _u8(pool, b + 12 + j4, m)
     lo = s < 4
     sc = tl.where(lo, b0 & 63, (b2 & 15) | ((b0 >> 6) << 4))
     mi = tl.where(lo, b1 & 63, (b2 >> 4) | ((b1 >> 6) << 4))
@@ -94,59 +125,68 @@ def _k_scale_min(pool, b4, s, m4):
 
 
 @triton.jit
-def _signs(tab, sidx, k):
-    """+-1 of element k (0..7) of the groups with 7-bit sign indices sidx (ksigns' parity bit included)."""
-    return tl.load(tab + 32 + sidx * 8 + k)
+def _grid_rows(tab, off: tl.constexpr, idx, W: tl.constexpr, BN: tl.constexpr, G: tl.constexpr):
+    """[BN, G] row indices into a float table of W-wide rows at `off` -> [BN, G * W] (rows side by side)."""
+    k = tl.arange(0, W)
+    v = tl.load(tab + off + idx[:, :, None] * W + k[None, None, :])
+    return tl.reshape(v, (BN, G * W))
 
+
+# ---- the K step per type --------------------------------------------------------------------------------
 
 @triton.jit
-def tile(pool, tab, ra, kk, mn, QT: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
-    """[BN, BK] float32 weights: rows at byte addresses ra [BN] int64 (mask mn [BN]), columns kk .. kk+BK."""
-    m4 = mn[:, None, None, None]
+def wdot(acc, x_ptr, xrow, mr, pool, tab, ra, kk, mn,
+         QT: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+    """acc [BN, BM] += W[rows at ra (mask mn), kk .. kk+BK] @ x[xrow (mask mr), kk .. kk+BK]^T."""
+    m2 = mn[:, None]
+    ra2 = ra[:, None]
     if QT >= 1 and QT <= 3:                             # F16 / BF16 / F32
         c = kk + tl.arange(0, BK)
         if QT == 1:
-            p = (pool + ra[:, None] + c[None, :] * 2).to(tl.pointer_type(tl.float16))
+            p = (pool + ra2 + c[None, :] * 2).to(tl.pointer_type(tl.float16))
         elif QT == 2:
-            p = (pool + ra[:, None] + c[None, :] * 2).to(tl.pointer_type(tl.bfloat16))
+            p = (pool + ra2 + c[None, :] * 2).to(tl.pointer_type(tl.bfloat16))
         else:
-            p = (pool + ra[:, None] + c[None, :] * 4).to(tl.pointer_type(tl.float32))
-        w = tl.load(p, mask=mn[:, None], other=0).to(tl.float32)
-    elif (QT == 0 or QT == 4) or QT == 11:              # 32-element blocks: Q8_0 (34 B), MXFP4 (17 B), IQ4_NL (18 B)
+            p = (pool + ra2 + c[None, :] * 4).to(tl.pointer_type(tl.float32))
+        acc = _mma(acc, tl.load(p, mask=m2, other=0), x_ptr, xrow, mr, c, IEEE)
+    elif QT == 0:                                       # Q8_0: 34-byte blocks, f16 d | int8 q[32]
         NB: tl.constexpr = BK // 32
-        if QT == 0:
-            BS: tl.constexpr = 34
-        elif QT == 4:
+        c = tl.arange(0, BK)
+        blk = ra2 + ((kk // 32 + c // 32) * 34)[None, :]
+        q = _u8(pool, blk + 2 + (c % 32)[None, :], m2)                        # int8 as u8
+        d = _spread(_f16(pool, ra2 + ((kk // 32 + tl.arange(0, NB)) * 34)[None, :], m2), BN, NB, 32)
+        # f = 1 + (q + 128) / 256: w = d q = 256 d f - 384 d
+        w = (256.0 * d) * _unit((q ^ 0x80) << 15) - 384.0 * d
+        acc = _mma(acc, w, x_ptr, xrow, mr, kk + c, IEEE)
+    elif QT == 4 or QT == 11:                           # MXFP4 (17 B: E8M0 | qs[16]) / IQ4_NL (18 B: f16 d | qs[16])
+        NB: tl.constexpr = BK // 32
+        if QT == 4:
             BS: tl.constexpr = 17
+            QO: tl.constexpr = 1
         else:
             BS: tl.constexpr = 18
-        blk = ra[:, None, None, None] + ((kk // 32 + tl.arange(0, NB)) * BS)[None, :, None, None]   # [BN, NB, 1, 1]
-        if QT == 0:
-            j = tl.arange(0, 32)[None, None, None, :]
-            q = tl.load(pool + blk + 2 + j, mask=m4, other=0).to(tl.int32)                      # int8 as u8
-            d = _f16(pool, blk, m4)
-            w = _i2f(q ^ 0x80) - 128.0                                                            # q ^ 0x80 = q + 128
-            w = tl.reshape(w * d, (BN, BK))
+            QO: tl.constexpr = 2
+        c = tl.arange(0, BK // 2)
+        qs = _u8(pool, ra2 + ((kk // 32 + c // 16) * BS + QO + c % 16)[None, :], m2)   # [BN, BK/2]
+        blk0 = ra2 + ((kk // 32 + tl.arange(0, NB)) * BS)[None, :]                      # [BN, NB]
+        if QT == 4:
+            # E8M0 -> 2^(e-128) as float32 bits (ggml_e8m0_to_fp32_half): subnormal for e < 2
+            e8 = _u8(pool, blk0, m2)
+            d = _spread(tl.where(e8 < 2, (e8 + 1) * 0x00200000, (e8 - 1) << 23).to(tl.float32, bitcast=True),
+                        BN, NB, 16)
         else:
-            nib = tl.arange(0, 2)[None, None, :, None]
-            i = tl.arange(0, 16)[None, None, None, :]
+            d = _spread(_f16(pool, blk0, m2), BN, NB, 16)
+        for nib in tl.static_range(2):
             if QT == 4:
-                QO: tl.constexpr = 1                                 # codes after the E8M0 byte
+                # the doubled e2m1 value of a code s|e e|m is 2^127 x the float32 with bits s<<31 | eem<<22
+                # (normal for e > 0, subnormal for e = 0): two exact products, no table
+                v = ((qs << (22 - 4 * nib)) & 0x01C00000) | ((qs << (28 - 4 * nib)) & -2147483648)
+                w = (v.to(tl.float32, bitcast=True) * 1.7014118346046923e38) * d       # 2^127
             else:
-                QO: tl.constexpr = 2                                 # after the f16 scale
-            code = (tl.load(pool + blk + QO + i, mask=m4, other=0).to(tl.int32) >> (nib * 4)) & 15
-            if QT == 4:
-                # E8M0 -> 2^(e-128) as float32 bits (ggml_e8m0_to_fp32_half): subnormal for e < 2
-                e8 = tl.load(pool + blk, mask=m4, other=0).to(tl.int32)
-                d = tl.where(e8 < 2, (e8 + 1) * 0x00200000, (e8 - 1) << 23).to(tl.float32, bitcast=True)
-                v = tl.load(tab + 16 + code)                        # doubled e2m1 value: d * v exact
-            else:
-                d = _f16(pool, blk, m4)
-                v = tl.load(tab + code)                             # IQ4 code book
-            w = tl.reshape(d * v, (BN, BK))
-    else:                                                   # 256-element super-blocks, BK = 256 or 128
-        H: tl.constexpr = 256 // BK                          # tiles per super-block
-        half = (kk // BK) % H
+                w = d * tl.load(tab + ((qs >> (4 * nib)) & 15))                           # the IQ4 code book
+            acc = _mma(acc, w, x_ptr, xrow, mr, kk + (c // 16) * 32 + nib * 16 + c % 16, IEEE)
+    else:                                               # 256-element super-blocks, BK = 256 or 128
+        half = (kk // BK) % (256 // BK)                  # which half of the super-block (BK = 128)
         if QT == 5:
             BS: tl.constexpr = 144
         elif QT == 6:
@@ -165,120 +205,158 @@ def tile(pool, tab, ra, kk, mn, QT: tl.constexpr, BK: tl.constexpr, BN: tl.const
             BS: tl.constexpr = 74
         else:
             BS: tl.constexpr = 98
-        b4 = (ra + (kk // 256) * BS)[:, None, None, None]     # [BN, 1, 1, 1] block addresses
-        if QT == 5 or QT == 6:                                # Q4_K / Q5_K: [BN, g, nibble, i]
-            NG: tl.constexpr = BK // 64
-            g = (half * NG + tl.arange(0, NG))[None, :, None, None]
-            nib = tl.arange(0, 2)[None, None, :, None]
-            i = tl.arange(0, 32)[None, None, None, :]
-            s = g * 2 + nib                                    # sub-block of 32
+        b = ra2 + (kk // 256) * BS                       # [BN, 1] block addresses
+        if QT == 5 or QT == 6:                           # Q4_K / Q5_K: scales of 32, mins
+            NQ: tl.constexpr = BK // 2                   # qs bytes in this tile
+            NG: tl.constexpr = BK // 64                  # 32-byte groups g: sub-blocks 2g (low), 2g+1 (high)
+            c = tl.arange(0, NQ)
+            g = half * NG + tl.arange(0, NG)
             if QT == 5:
-                qs = tl.load(pool + b4 + 16 + g * 32 + i, mask=m4, other=0).to(tl.int32)
-                q = (qs >> (nib * 4)) & 15
+                qs = _u8(pool, b + 16 + half * NQ + c[None, :], m2)
             else:
-                qs = tl.load(pool + b4 + 48 + g * 32 + i, mask=m4, other=0).to(tl.int32)
-                qh = tl.load(pool + b4 + 16 + i, mask=m4, other=0).to(tl.int32)
-                q = ((qs >> (nib * 4)) & 15) | (((qh >> s) & 1) << 4)
-            sc, mi = _k_scale_min(pool, b4, s, m4)
-            dl = _f16(pool, b4, m4) * sc
-            ml = _f16(pool, b4 + 2, m4) * mi
-            w = dl * _i2f(q) - ml
-        elif QT >= 7 and QT <= 9:                             # Q6_K / Q3_K / Q2_K: [BN, u, c, i], scale per 2u + c
-            NU: tl.constexpr = BK // 32
-            u = (half * NU + tl.arange(0, NU))[None, :, None, None]
-            c = tl.arange(0, 2)[None, None, :, None]
-            i = tl.arange(0, 16)[None, None, None, :]
-            h = u // 4                                         # 128-element half
-            t = u % 4
-            if QT == 7:
-                # ql: byte 64h + 32(t%2) + i, nibble t//2; qh: byte 128 + 32h + i, bits 2t; int8 scales at 192
-                ql = tl.load(pool + b4 + h * 64 + (t % 2) * 32 + c * 16 + i, mask=m4, other=0).to(tl.int32)
-                qh = tl.load(pool + b4 + 128 + h * 32 + c * 16 + i, mask=m4, other=0).to(tl.int32)
-                q = ((ql >> ((t // 2) * 4)) & 15) | (((qh >> (t * 2)) & 3) << 4)
-                sc = tl.load((pool + b4 + 192 + u * 2 + c).to(tl.pointer_type(tl.int8)), mask=m4, other=0)
-                w = (_f16(pool, b4 + 208, m4) * sc.to(tl.float32)) * (_i2f(q) - 32.0)
-            elif QT == 8:
-                # qs: byte 32 + 32h + i, bits 2t; hmask: byte i, bit u (set: no -4); 6-bit scales at 96
-                ql = tl.load(pool + b4 + 32 + h * 32 + c * 16 + i, mask=m4, other=0).to(tl.int32)
-                hm = tl.load(pool + b4 + c * 16 + i, mask=m4, other=0).to(tl.int32)
-                q = ((ql >> (t * 2)) & 3) + (((hm >> u) & 1) << 2)        # q + 4, in 0..7
-                s = u * 2 + c
-                lo = tl.load(pool + b4 + 96 + s % 8, mask=m4, other=0).to(tl.int32)
-                hi = tl.load(pool + b4 + 104 + s % 4, mask=m4, other=0).to(tl.int32)
-                sc = (((lo >> ((s // 8) * 4)) & 15) | (((hi >> ((s // 4) * 2)) & 3) << 4)) - 32
-                w = (_f16(pool, b4 + 108, m4) * sc.to(tl.float32)) * (_i2f(q) - 4.0)
+                qs = _u8(pool, b + 48 + half * NQ + c[None, :], m2)
+                qh = tl.reshape(tl.broadcast_to(_u8(pool, b + 16 + tl.arange(0, 32)[None, :], m2)[:, None, :],
+                                                (BN, NG, 32)), (BN, NQ))                   # qh[c % 32]
+            d = _f16(pool, b, m2)
+            dm = _f16(pool, b + 2, m2)
+            if QT == 5:
+                S: tl.constexpr = 16.0                   # f = 1 + q/16 (q at mantissa bits 19-22)
             else:
-                # qs: byte 16 + 32h + i, bits 2t; scales at 0 (low nibble scale, high nibble min)
-                qs = tl.load(pool + b4 + 16 + h * 32 + c * 16 + i, mask=m4, other=0).to(tl.int32)
-                q = (qs >> (t * 2)) & 3
-                sb = tl.load(pool + b4 + u * 2 + c, mask=m4, other=0).to(tl.int32)
-                dl = _f16(pool, b4 + 80, m4) * (sb & 15).to(tl.float32)
-                ml = _f16(pool, b4 + 82, m4) * (sb >> 4).to(tl.float32)
-                w = dl * _i2f(q) - ml
-        elif QT == 10:                                         # IQ4_XS: [BN, s, nibble, i]
+                S: tl.constexpr = 32.0                   # f = 1 + q/32, the 5th bit (qh bit 2g+nib) at 22
+            for nib in tl.static_range(2):
+                sc, mi = _k_scale_min(pool, b, (g * 2 + nib)[None, :], m2)          # [BN, NG]
+                if QT == 5:
+                    if nib == 0:
+                        f = (qs << 19) & 0x00780000
+                    else:
+                        f = (qs << 15) & 0x00780000
+                else:
+                    hb = (qh >> (c // 32 * 2 + half * NG * 2 + nib)[None, :]) & 1
+                    if nib == 0:
+                        f = ((qs << 18) & 0x003C0000) | (hb << 22)
+                    else:
+                        f = ((qs << 14) & 0x003C0000) | (hb << 22)
+                a = S * (d * sc)
+                w = _spread(a, BN, NG, 32) * _unit(f) + _spread(-(a + dm * mi), BN, NG, 32)
+                acc = _mma(acc, w, x_ptr, xrow, mr, kk + (c // 32) * 64 + nib * 32 + c % 32, IEEE)
+        elif QT == 7:                                    # Q6_K: ql[128] | qh[64] | int8 scales[16] | f16 d
+            NQ: tl.constexpr = BK // 2                   # ql bytes: element 128 h + 64 nibble + c % 64
+            NH: tl.constexpr = BK // 128
+            c = tl.arange(0, NQ)
+            ql = _u8(pool, b + half * NQ + c[None, :], m2)
+            qh = _u8(pool, b + 128 + half * 32 + ((c // 64) * 32 + c % 32)[None, :], m2)
+            d = _f16(pool, b + 208, m2)
+            for nib in tl.static_range(2):
+                # scales of 16: 8 h + 4 nibble + (c % 64) // 16; q = ql nibble | qh bits 4 nib + 2 ((c // 32) % 2)
+                si = (half * NH + tl.arange(0, NQ // 16) // 4) * 8 + nib * 4 + tl.arange(0, NQ // 16) % 4
+                sc = tl.load((pool + b + 192 + si[None, :]).to(tl.pointer_type(tl.int8)), mask=m2, other=0)
+                a = 64.0 * (d * sc.to(tl.float32))                                   # f = 1 + q/64
+                hb = (qh >> (nib * 4 + ((c // 32) % 2) * 2)[None, :]) & 3
+                f = (((ql >> (4 * nib)) & 15) << 17) | (hb << 21)
+                w = _spread(a, BN, NQ // 16, 16) * _unit(f) + _spread(-1.5 * a, BN, NQ // 16, 16)
+                acc = _mma(acc, w, x_ptr, xrow, mr, kk + (c // 64) * 128 + nib * 64 + c % 64, IEEE)
+        elif QT == 8 or QT == 9:                         # Q3_K / Q2_K: 4 bit pairs t of qs; scales of 16
+            NQ: tl.constexpr = BK // 4                   # qs bytes: element 128 h + 32 t + c % 32
+            NH: tl.constexpr = BK // 128
+            c = tl.arange(0, NQ)
+            h = half * NH + c // 32                      # 128-element half of the super-block
+            if QT == 8:
+                qs = _u8(pool, b + 32 + half * NQ + c[None, :], m2)
+                hm = _u8(pool, b + (c % 32)[None, :], m2)
+                d = _f16(pool, b + 108, m2)
+            else:
+                qs = _u8(pool, b + 16 + half * NQ + c[None, :], m2)
+                d = _f16(pool, b + 80, m2)
+                dm = _f16(pool, b + 82, m2)
+            j = tl.arange(0, NQ // 16)
+            for t in tl.static_range(4):
+                s = ((half * NH + j // 2) * 8 + t * 2 + j % 2)[None, :]          # sub-block of 16, [1, NQ/16]
+                if QT == 8:
+                    lo = _u8(pool, b + 96 + s % 8, m2)
+                    hi = _u8(pool, b + 104 + s % 4, m2)
+                    sc = (((lo >> ((s // 8) * 4)) & 15) | (((hi >> ((s // 4) * 2)) & 3) << 4)) - 32
+                    a = 8.0 * (d * sc.to(tl.float32))                           # f = 1 + (q + 4)/8
+                    f = (((qs >> (2 * t)) & 3) << 20) | (((hm >> (h * 4 + t)[None, :]) & 1) << 22)
+                    w = _spread(a, BN, NQ // 16, 16) * _unit(f) + _spread(-1.5 * a, BN, NQ // 16, 16)
+                else:
+                    sb = _u8(pool, b + s, m2)
+                    a = 4.0 * (d * (sb & 15).to(tl.float32))                     # f = 1 + q/4
+                    w = _spread(a, BN, NQ // 16, 16) * _unit(((qs >> (2 * t)) & 3) << 21) + \
+                        _spread(-(a + dm * (sb >> 4).to(tl.float32)), BN, NQ // 16, 16)
+                acc = _mma(acc, w, x_ptr, xrow, mr, kk + (c // 32) * 128 + t * 32 + c % 32, IEEE)
+        elif QT == 10:                                   # IQ4_XS: f16 d | u16 scales_h | scales_l[4] | qs[128]
+            NQ: tl.constexpr = BK // 2                   # qs bytes: element 32 (c//16) + 16 nibble + c % 16
             NS: tl.constexpr = BK // 32
-            s = (half * NS + tl.arange(0, NS))[None, :, None, None]
-            nib = tl.arange(0, 2)[None, None, :, None]
-            i = tl.arange(0, 16)[None, None, None, :]
-            code = (tl.load(pool + b4 + 8 + s * 16 + i, mask=m4, other=0).to(tl.int32) >> (nib * 4)) & 15
-            lo = tl.load(pool + b4 + 4 + s // 2, mask=m4, other=0).to(tl.int32)
-            hi = _u16(pool, b4 + 2, m4)
-            sc = (((lo >> ((s % 2) * 4)) & 15) | (((hi >> (s * 2)) & 3) << 4)) - 32
-            w = (_f16(pool, b4, m4) * sc.to(tl.float32)) * tl.load(tab + code)
-        elif QT == 12:                                         # IQ2_XXS: [BN, s, l, k]
-            NS: tl.constexpr = BK // 32
-            s = (half * NS + tl.arange(0, NS))[None, :, None, None]
-            l4 = tl.arange(0, 4)[None, None, :, None]
-            k = tl.arange(0, 8)[None, None, None, :]
-            gi = tl.load(pool + b4 + 2 + s * 8 + l4, mask=m4, other=0).to(tl.int32)       # [BN, NS, 4, 1]
-            aux = _u16(pool, b4 + 6 + s * 8, m4) | (_u16(pool, b4 + 8 + s * 8, m4) << 16)
-            db = _f16(pool, b4, m4) * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.25
-            grid = tl.load(tab + 1056 + gi * 8 + k)
-            w = db * grid * _signs(tab, (aux >> (l4 * 7)) & 127, k)
-        elif QT == 13:                                         # IQ2_XS: [BN, c, l, k]
-            NC: tl.constexpr = BK // 16
-            c = (half * NC + tl.arange(0, NC))[None, :, None, None]
-            l2 = tl.arange(0, 2)[None, None, :, None]
-            k = tl.arange(0, 8)[None, None, None, :]
-            q = _u16(pool, b4 + 2 + c * 4 + l2 * 2, m4)                                    # [BN, NC, 2, 1]
-            sb = tl.load(pool + b4 + 66 + c // 2, mask=m4, other=0).to(tl.int32)
-            db = _f16(pool, b4, m4) * (0.5 + ((sb >> ((c % 2) * 4)) & 15).to(tl.float32)) * 0.25
-            grid = tl.load(tab + 3104 + (q & 511) * 8 + k)
-            w = db * grid * _signs(tab, q >> 9, k)
-        else:                                                  # IQ3_XXS: [BN, g, p, k], g = 4 s + l
-            NG: tl.constexpr = BK // 8
-            g = (half * NG + tl.arange(0, NG))[None, :, None, None]
-            p = tl.arange(0, 2)[None, None, :, None]
-            k = tl.arange(0, 4)[None, None, None, :]
-            gi = tl.load(pool + b4 + 2 + g * 2 + p, mask=m4, other=0).to(tl.int32)        # [BN, NG, 2, 1]
-            s = g // 4
-            aux = _u16(pool, b4 + 66 + s * 4, m4) | (_u16(pool, b4 + 68 + s * 4, m4) << 16)
-            db = _f16(pool, b4, m4) * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.5
-            grid = tl.load(tab + 7200 + gi * 4 + k)
-            w = db * grid * _signs(tab, (aux >> ((g % 4) * 7)) & 127, p * 4 + k)
-        w = tl.reshape(w, (BN, BK))
-    return w
+            c = tl.arange(0, NQ)
+            s = (half * NS + tl.arange(0, NS))[None, :]
+            qs = _u8(pool, b + 8 + half * NQ + c[None, :], m2)
+            lo = _u8(pool, b + 4 + s // 2, m2)
+            sc = (((lo >> ((s % 2) * 4)) & 15) | (((_u16(pool, b + 2, m2) >> (s * 2)) & 3) << 4)) - 32
+            dl = _spread(_f16(pool, b, m2) * sc.to(tl.float32), BN, NS, 16)
+            for nib in tl.static_range(2):
+                w = dl * tl.load(tab + ((qs >> (4 * nib)) & 15))
+                acc = _mma(acc, w, x_ptr, xrow, mr, kk + (c // 16) * 32 + nib * 16 + c % 16, IEEE)
+        elif QT == 12 or QT == 13:                       # IQ2_XXS / IQ2_XS: groups of 8 = a grid row x signs
+            NGR: tl.constexpr = BK // 8                  # groups in this tile
+            l = half * NGR + tl.arange(0, NGR)           # group index in the super-block
+            d = _f16(pool, b, m2)
+            if QT == 12:
+                # sub-block s = l // 4: grid index byte 2 + 8 s + l % 4; u32 at 6 + 8 s: 4 x 7-bit signs, scale
+                gi = _u8(pool, b + (2 + (l // 4) * 8 + l % 4)[None, :], m2)
+                aux = _u32(pool, b + (6 + (l // 4) * 8)[None, :], m2)
+                si = (aux >> ((l % 4) * 7)[None, :]) & 127
+                db = d * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.25
+                GO: tl.constexpr = 1056
+            else:
+                # u16 at 2 + 2 l: 9-bit grid index, 7-bit signs; 4-bit scale per 16 elements: byte 66 + l // 4
+                q = _u16(pool, b + (2 + l * 2)[None, :], m2)
+                gi = q & 511
+                si = q >> 9
+                sb = _u8(pool, b + (66 + l // 4)[None, :], m2)
+                db = d * (0.5 + ((sb >> (((l // 2) % 2) * 4)[None, :]) & 15).to(tl.float32)) * 0.25
+                GO: tl.constexpr = 3104
+            w = _grid_rows(tab, GO, gi, 8, BN, NGR) * _spread(db, BN, NGR, 8) * _grid_rows(tab, 32, si, 8, BN, NGR)
+            acc = _mma(acc, w, x_ptr, xrow, mr, kk + tl.arange(0, BK), IEEE)
+        else:                                            # IQ3_XXS: grid[64] of 4-rows, u32 x 8 signs/scale at 66
+            NGR: tl.constexpr = BK // 8
+            l = half * NGR + tl.arange(0, NGR)           # group of 8 = two grid rows, sub-block l // 4
+            aux = _u32(pool, b + (66 + (l // 4) * 4)[None, :], m2)
+            si = (aux >> ((l % 4) * 7)[None, :]) & 127
+            db = _f16(pool, b, m2) * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.5
+            gi = _u8(pool, b + 2 + (half * 2 * NGR + tl.arange(0, 2 * NGR))[None, :], m2)
+            w = _grid_rows(tab, 7200, gi, 4, BN, 2 * NGR) * _spread(db, BN, NGR, 8) * _grid_rows(tab, 32, si, 8, BN, NGR)
+            acc = _mma(acc, w, x_ptr, xrow, mr, kk + tl.arange(0, BK), IEEE)
+    return acc
 
+
+# ---- a check: the tile itself ---------------------------------------------------------------------------
 
 @triton.jit
-def _dequant_kernel(pool, tab, out_ptr, base, N, K, row_bytes,
-                    QT: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
+def _dequant_kernel(pool, tab, eye_ptr, out_ptr, N, K, row_bytes,
+                    QT: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, IEEE: tl.constexpr):
+    """W[n-block, kk .. kk+BK] @ I[kk+m0 .. kk+m0+BM]^T = the weights of BM columns, exactly (one product each)."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     kk = tl.program_id(1) * BK
+    m = tl.program_id(2) * BM + tl.arange(0, BM)
     mn = n < N
-    w = tile(pool, tab, base + n.to(tl.int64) * row_bytes, kk, mn, QT, BK, BN)
-    c = kk + tl.arange(0, BK)
-    tl.store(out_ptr + n.to(tl.int64)[:, None] * K + c[None, :], w, mask=mn[:, None])
+    acc = wdot(tl.zeros((BN, BM), dtype=tl.float32), eye_ptr, (kk + m).to(tl.int64) * K, m < BK,
+               pool, tab, n.to(tl.int64) * row_bytes, kk, mn, QT, BK, BN, IEEE)
+    tl.store(out_ptr + n.to(tl.int64)[:, None] * K + (kk + m)[None, :], acc, mask=mn[:, None])
 
 
-def dequantize(raw: torch.Tensor, qtype: int, shape: tuple[int, int], bk: int = 256, bn: int = 16) -> torch.Tensor:
-    """float32 [N, K] of a quantized [N, K] matrix through the kernels' tile (checks: tests/scripts, check_cuda):
-    raw uint8 on the device, K a multiple of bk (of 32 for the 32-element types)."""
+def dequantize(raw: torch.Tensor, qtype: int, shape: tuple[int, int], bk: int = 256, bn: int = 64,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """float32 [N, K] of a quantized [N, K] matrix (raw uint8 on the device) as the kernels see it: wdot against
+    rows of the identity in `dtype` (float32: the tile's values; bfloat16: rounded to bf16, as the GPU's dots
+    read them). K a multiple of bk (of 32 for the 32-element types). For checks (tests/scripts, check_cuda)."""
     from betelgeuse.gguf.qtypes import row_nbytes
     N, K = shape
     qt = QT_CODES[int(qtype)]
     assert K % bk == 0 and (qt not in SUPER or bk in (128, 256)), (K, bk)
     out = torch.empty(N, K, dtype=torch.float32, device=raw.device)
-    _dequant_kernel[(triton.cdiv(N, bn), K // bk)](raw, tables(raw.device), out, 0, N, K, row_nbytes(qtype, K),
-                                                 QT=qt, BK=bk, BN=bn)
+    eye = torch.eye(K, dtype=dtype, device=raw.device)
+    bm = bk                                              # identity rows per program: the whole K step
+    _dequant_kernel[(triton.cdiv(N, bn), K // bk, bk // bm)](raw, tables(raw.device), eye, out, N, K,
+                                                            row_nbytes(qtype, K), QT=qt, BK=bk, BN=bn, BM=bm,
+                                                            IEEE=dtype == torch.float32)
     return out

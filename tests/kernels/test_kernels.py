@@ -2,7 +2,7 @@
 
 1. Kernel level, per weight type (F32, F16, BF16, Q8_0, MXFP4: every E2M1 code, a range of E8M0 scales; Q6_K, Q5_K,
    Q4_K, Q3_K, Q2_K, IQ4_XS, IQ4_NL, IQ3_XXS, IQ2_XS, IQ2_XXS: random valid blocks): the in-kernel dequantization
-   equals gguf-py's values bit for bit; the fused kernels against the torch reference (dequantize, then
+   equals gguf-py's values to float32 rounding (a fused multiply-add's last bit); the fused kernels against the torch reference (dequantize, then
    SwiGLU with F.linear) within float32 summation-order noise (~1e-6 x sqrt(K) relative; the tolerance
    2e-6 x scale x sqrt(H+F) would still catch a wrong scale, a swapped gate/up or a missed block by orders
    of magnitude); a row computed alone is bit-identical to the same row in a full launch; two launch groups
@@ -43,7 +43,7 @@ def test_triton_kernels_match_torch_and_are_row_invariant():
     assert set(res) == {"Q8_0", "F16", "BF16", "F32", "MXFP4", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K",
                         "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ3_XXS"}
     for name, r in res.items():
-        assert r["tile_exact"], name                    # in-kernel dequantization == gguf-py's values, bit for bit
+        assert r["tile_err"] <= 4e-7, (name, r)          # in-kernel dequantization == gguf-py's values to float32 ulps
         assert r["max_abs"] <= 2e-6 * r["scale"] * r["K"] ** 0.5, (name, r)
         assert r["row_invariant"], name
     for name in ("Q8_0", "MXFP4", "Q4_K", "IQ2_XXS"):
