@@ -198,6 +198,7 @@ def cmd_inspect(args) -> int:
     ]
     counts = Counter(qtype_name(q) for q in _tensor_qtypes(f))
     lines.append("quant types:   " + ", ".join(f"{n} x{k}" for n, k in sorted(counts.items())))
+    lines += _kernel_paths(f)
     total = 0
     for layer in range(c.n_layer):
         parts = f.expert_parts(layer, 0)
@@ -208,6 +209,26 @@ def cmd_inspect(args) -> int:
     lines.append(f"expert bytes:  {total} ({total / 2**30:.3f} GiB)")
     _write("\n".join(lines) + "\n")
     return 0
+
+
+def _kernel_paths(f) -> list[str]:
+    """Per tensor type, where it is computed: routed experts in the GPU's fused Triton kernels (in-kernel
+    dequantization) or on the torch path (each expert dequantized per use, ~1 ms of host time each); the other
+    tensors are dequantized once at load."""
+    from betelgeuse.gguf.qtypes import qtype_name
+    from betelgeuse.kernels.moe import TRITON_QTYPES
+    expert = Counter(qtype_name(p.qtype) for layer in range(f.config.n_layer) for p in f.expert_parts(layer, 0))
+    out = []
+    for name in sorted(expert):
+        q = next(p.qtype for layer in range(f.config.n_layer) for p in f.expert_parts(layer, 0)
+                 if qtype_name(p.qtype) == name)
+        path = ("GPU kernel (Triton, dequantized in the matmul)" if q in TRITON_QTYPES
+                else "torch path (dequantized per expert and use: slower)")
+        out.append(f"  experts {name:8s} {path}")
+    dense = sorted({qtype_name(q) for q in _tensor_qtypes(f)} - set(expert))
+    if dense:
+        out.append(f"  other   {', '.join(dense)}: dequantized once at load")
+    return ["kernels:"] + out
 
 
 def _tensor_qtypes(f) -> list[int]:

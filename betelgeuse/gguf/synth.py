@@ -3,8 +3,10 @@
 Every test and benchmark gets a model without a download. `write_model` streams: it never holds
 more than one chunk (~16 MiB) of weights in RAM, so the bench preset (~32 GB) writes at disk speed.
 Q8_0 matrices are generated as quantized blocks directly (random int8 `qs`, an f16 scale per block
-chosen for the target std) instead of quantizing float weights; F32/F16/BF16 matrices are drawn
-from a normal distribution. Same spec (seed included) -> byte-identical file.
+chosen for the target std) instead of quantizing float weights; the K- and i-quants (`qtype` Q4_K, Q2_K,
+IQ2_XXS, ..., and the Q4_K_M mix) as random valid blocks calibrated to the target std (gguf-py cannot
+quantize to them; gguf/quants_synth.py); F32/F16/BF16 matrices are drawn from a normal distribution.
+Same spec (seed included) -> byte-identical file.
 
 Scales (why the model is numerically sane): matrices have std 1/sqrt(fan_in), so a unit-RMS input
 gives unit-variance outputs; embeddings ~N(0, 1); norm weights 1 + N(0, 0.05). The residual stream
@@ -34,6 +36,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as GT, GGUFWriter, LlamaFileType
 
 from betelgeuse.errors import InvalidRequestError
+from betelgeuse.gguf.qtypes import block_size
+from betelgeuse.gguf.quants_synth import BLOCK_TYPES
 from betelgeuse.gguf.synth_common import add_tokenizer, matrix_chunks, nbytes, tensor_rng, write_gguf
 from betelgeuse.gguf.synth_ds4 import DS4_PRESETS, DS4Spec, write_deepseek4
 from betelgeuse.gguf.synth_ds4 import model_nbytes as ds4_nbytes
@@ -55,7 +59,9 @@ class SynthSpec:
     context_length: int = 4096
     rope_theta: float = 1_000_000.0
     rms_eps: float = 1e-6
-    qtype: str = "Q8_0"          # "F32" | "F16" | "BF16" | "Q8_0": big matrices; norms and router stay F32
+    qtype: str = "Q8_0"          # big matrices (norms and router stay F32): "F32" | "F16" | "BF16" | "Q8_0" all of
+                                 # them; an expert type of quants_synth.BLOCK_TYPES ("Q4_K", "Q2_K", "IQ2_XXS", ...):
+                                 # the experts, Q8_0 elsewhere; "Q4_K_M": experts Q4_K, attention Q6_K/Q8_0 (_mix)
     router_skew: float = 0.0     # Zipf-like expert popularity exponent; 0 = no added bias (module doc)
     router_drift: float = 0.0    # share of the router logits' variance read from a drifting state (synth_router.py)
     router_scale: float = 1.0    # all router logits x this (moves the weights, not the choice)
@@ -81,7 +87,20 @@ PRESETS: dict[str, SynthSpec] = {
 
 _QTYPES = {"F32": GT.F32, "F16": GT.F16, "BF16": GT.BF16, "Q8_0": GT.Q8_0}
 _FILE_TYPES = {"F32": LlamaFileType.ALL_F32, "F16": LlamaFileType.MOSTLY_F16,
-               "BF16": LlamaFileType.MOSTLY_BF16, "Q8_0": LlamaFileType.MOSTLY_Q8_0}
+               "BF16": LlamaFileType.MOSTLY_BF16, "Q8_0": LlamaFileType.MOSTLY_Q8_0,
+               **{n: LlamaFileType(v) for n, v in BLOCK_TYPES.items()}, "Q4_K_M": LlamaFileType.MOSTLY_Q4_K_M}
+_ROLES = ("embd", "attn_qko", "attn_v", "output", "experts")
+
+
+def _mix(qtype: str) -> dict[str, str]:
+    """The type of each matrix role for a spec's qtype (see SynthSpec.qtype). Q4_K_M follows llama.cpp's mix in
+    spirit: Q6_K for attention q/k/output and the output head, Q8_0 for attn_v and the embedding (whose constant
+    channel needs Q8_0), Q4_K experts."""
+    if qtype in _QTYPES:
+        return dict.fromkeys(_ROLES, qtype)
+    if qtype == "Q4_K_M":
+        return {"embd": "Q8_0", "attn_qko": "Q6_K", "attn_v": "Q8_0", "output": "Q6_K", "experts": "Q4_K"}
+    return {**dict.fromkeys(_ROLES, "Q8_0"), "experts": qtype}
 _EMB_STD = 1.0               # token embedding std
 _SKEW_CONST = 1.0            # A: value of the constant channel (must fit Q8_0: A/d <= 127)
 _RESID_VAR_PER_LAYER = 0.35  # residual variance added per layer (attention + MoE), measured with HF on tiny/small
@@ -99,6 +118,8 @@ def spec_from_preset(name: str, router: str | None = None, **overrides):
         raise InvalidRequestError(f"unknown synth preset {name!r} (known: {', '.join(presets)})")
     base = presets[name]
     given = {k: v for k, v in overrides.items() if v is not None}
+    if "qtype" in given and "expert_qtype" in base.__dataclass_fields__:
+        given["expert_qtype"] = given.pop("qtype")     # deepseek4: --qtype names the routed experts' type
     bad = sorted(set(given) - set(base.__dataclass_fields__))
     if bad:
         raise InvalidRequestError(f"preset {name!r} ({type(base).__name__}) has no field(s) {', '.join(bad)}")
@@ -116,8 +137,18 @@ def validate(spec: SynthSpec) -> None:
     """User mistakes in a spec -> InvalidRequestError naming the field."""
     from betelgeuse.gguf.templates import chat_template
     chat_template(spec.chat_template)
-    if spec.qtype not in _QTYPES:
-        raise InvalidRequestError(f"qtype {spec.qtype!r} not supported (use one of {', '.join(_QTYPES)})")
+    if spec.qtype not in _FILE_TYPES:
+        raise InvalidRequestError(f"qtype {spec.qtype!r} not supported (use one of {', '.join(_FILE_TYPES)})")
+    mix = _mix(spec.qtype)
+    for role, dims in (("experts", ("n_embd", "n_ff_exp")), ("attn_qko", ("n_embd",))):
+        blk = block_size(int(GT[mix[role]]))[0]
+        for f in dims:
+            if getattr(spec, f) % blk:
+                raise InvalidRequestError(f"{f}={getattr(spec, f)} must be a multiple of {blk} for {mix[role]} "
+                                          f"({role} of qtype {spec.qtype})")
+    blk = block_size(int(GT[mix["attn_qko"]]))[0]
+    if (spec.n_head * spec.head_dim) % blk:
+        raise InvalidRequestError(f"n_head*head_dim must be a multiple of {blk} for {mix['attn_qko']} (qtype {spec.qtype})")
     for f in ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_expert", "n_expert_used",
               "n_ff_exp", "n_vocab", "context_length"):
         if getattr(spec, f) <= 0:
@@ -132,7 +163,7 @@ def validate(spec: SynthSpec) -> None:
         raise InvalidRequestError(f"router_drift must be in [0, 1), got {spec.router_drift}")
     if spec.router_scale <= 0 or spec.router_window <= 0 or spec.router_decay <= 0:
         raise InvalidRequestError("router_scale, router_window and router_decay must be positive")
-    if spec.qtype == "Q8_0":
+    if "Q8_0" in mix.values():
         for f in ("n_embd", "n_ff_exp"):
             if getattr(spec, f) % 32:
                 raise InvalidRequestError(f"{f}={getattr(spec, f)} must be a multiple of 32 for Q8_0")
@@ -198,8 +229,10 @@ def router_plan(spec: SynthSpec):
 
 def tensor_plan(spec: SynthSpec) -> list[tuple[str, tuple[int, ...], GT, Callable[[], Iterator[np.ndarray]]]]:
     """(name, torch-order shape, type, chunk generator) for every tensor, in file order."""
-    q, j, s = spec.qtype, skew_dim(spec), spec
-    gq, f32 = _QTYPES[q], GT.F32
+    j, s = skew_dim(spec), spec
+    mix = _mix(spec.qtype)
+    qe, qa, qv, qo, q = mix["embd"], mix["attn_qko"], mix["attn_v"], mix["output"], mix["experts"]
+    f32 = GT.F32
     qd, kvd, e, ff = s.n_head * s.head_dim, s.n_head_kv * s.head_dim, s.n_embd, s.n_ff_exp
     rp = router_plan(s)
     # a calibrated router's reserved dims (synth_router.py): no layer writes j, D or N (D: only the kernel head);
@@ -213,36 +246,41 @@ def tensor_plan(spec: SynthSpec) -> list[tuple[str, tuple[int, ...], GT, Callabl
     plan = []
 
     def add(name, shape, gt, fn):
-        plan.append((name, shape, gt, lambda: fn(tensor_rng(s, name))))
+        plan.append((name, shape, GT[gt] if isinstance(gt, str) else gt, lambda: fn(tensor_rng(s, name))))
 
-    add("token_embd.weight", (s.n_vocab, e), gq,
-        lambda r: matrix_chunks(r, s.n_vocab, e, _EMB_STD, q, const_col=(j, _SKEW_CONST), zero_cols=D))
+    def mat(r, rows, cols, std, qt, **kw):
+        return matrix_chunks(r, rows, cols, std, qt, seed=s.seed, **kw)
+
+    add("token_embd.weight", (s.n_vocab, e), qe,
+        lambda r: mat(r, s.n_vocab, e, _EMB_STD, qe, const_col=(j, _SKEW_CONST), zero_cols=D))
     for i in range(s.n_layer):
         p = f"blk.{i}."
         k0 = rp is not None and i == 0            # layer 0 holds the kernel head (synth_router.py)
+        # its rows are given outright, which needs a quantizer: Q8_0 there when the mix has a K-quant attention
+        qk = "Q8_0" if k0 and qa in BLOCK_TYPES else qa
         add(p + "attn_norm.weight", (e,), f32, lambda r: _norm(r, e, keep))
-        add(p + "attn_q.weight", (qd, e), gq, lambda r, k0=k0: matrix_chunks(
-            r, qd, e, e ** -0.5, q, set_rows=rp.query_rows(e) if k0 else None))
-        add(p + "attn_k.weight", (kvd, e), gq, lambda r, k0=k0: matrix_chunks(
-            r, kvd, e, e ** -0.5, q, set_rows=rp.key_rows(e, s.n_head // s.n_head_kv) if k0 else None))
-        add(p + "attn_v.weight", (kvd, e), gq, lambda r: matrix_chunks(
-            r, kvd, e, (e - len(not_n)) ** -0.5, q, zero_cols=not_n))
-        add(p + "attn_output.weight", (e, qd), gq, lambda r, k0=k0: matrix_chunks(
-            r, e, qd, qd ** -0.5, q, zero_rows=held, zero_cols=rp.head_cols() if k0 else (),
+        add(p + "attn_q.weight", (qd, e), qk, lambda r, k0=k0, qk=qk: mat(
+            r, qd, e, e ** -0.5, qk, set_rows=rp.query_rows(e) if k0 else None))
+        add(p + "attn_k.weight", (kvd, e), qk, lambda r, k0=k0, qk=qk: mat(
+            r, kvd, e, e ** -0.5, qk, set_rows=rp.key_rows(e, s.n_head // s.n_head_kv) if k0 else None))
+        add(p + "attn_v.weight", (kvd, e), qv, lambda r: mat(
+            r, kvd, e, (e - len(not_n)) ** -0.5, qv, zero_cols=not_n))
+        add(p + "attn_output.weight", (e, qd), qk, lambda r, k0=k0, qk=qk: mat(
+            r, e, qd, qd ** -0.5, qk, zero_rows=held, zero_cols=rp.head_cols() if k0 else (),
             set_rows=rp.output_rows(qd) if k0 else None))
         add(p + "attn_q_norm.weight", (s.head_dim,), f32, lambda r: _norm(r, s.head_dim, None))
         add(p + "attn_k_norm.weight", (s.head_dim,), f32, lambda r: _norm(r, s.head_dim, None))
         add(p + "ffn_norm.weight", (e,), f32, lambda r: _norm(r, e, keep))
         add(p + "ffn_gate_inp.weight", (s.n_expert, e), f32, lambda r, i=i: _router(r, s, i, j, rp))
         # experts one after another: expert x's slice of each *_exps tensor is contiguous
-        add(p + "ffn_gate_exps.weight", (s.n_expert, ff, e), gq,
-            lambda r: (c for _ in range(s.n_expert) for c in matrix_chunks(r, ff, e, e ** -0.5, q)))
-        add(p + "ffn_up_exps.weight", (s.n_expert, ff, e), gq,
-            lambda r: (c for _ in range(s.n_expert) for c in matrix_chunks(r, ff, e, e ** -0.5, q)))
-        add(p + "ffn_down_exps.weight", (s.n_expert, e, ff), gq,
-            lambda r: (c for _ in range(s.n_expert) for c in matrix_chunks(r, e, ff, ff ** -0.5, q, zero_rows=held)))
+        add(p + "ffn_gate_exps.weight", (s.n_expert, ff, e), q,
+            lambda r: (c for _ in range(s.n_expert) for c in mat(r, ff, e, e ** -0.5, q)))
+        add(p + "ffn_up_exps.weight", (s.n_expert, ff, e), q,
+            lambda r: (c for _ in range(s.n_expert) for c in mat(r, ff, e, e ** -0.5, q)))
+        add(p + "ffn_down_exps.weight", (s.n_expert, e, ff), q,
+            lambda r: (c for _ in range(s.n_expert) for c in mat(r, e, ff, ff ** -0.5, q, zero_rows=held)))
     add("output_norm.weight", (e,), f32, lambda r: _norm(r, e, keep))
-    add("output.weight", (s.n_vocab, e), gq, lambda r: matrix_chunks(r, s.n_vocab, e, e ** -0.5, q))
+    add("output.weight", (s.n_vocab, e), qo, lambda r: mat(r, s.n_vocab, e, e ** -0.5, qo))
     return plan
 
 
@@ -257,7 +295,7 @@ def _add_metadata(w: GGUFWriter, spec: SynthSpec) -> None:
     s = spec
     w.add_name(f"betelgeuse-synth-{s.n_layer}L-{s.n_expert}x{s.n_ff_exp}-{s.qtype}")
     w.add_file_type(int(_FILE_TYPES[s.qtype]))
-    if s.qtype == "Q8_0":
+    if s.qtype not in ("F32", "F16", "BF16"):
         w.add_quantization_version(2)
     w.add_block_count(s.n_layer)
     w.add_context_length(s.context_length)

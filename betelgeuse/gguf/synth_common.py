@@ -17,6 +17,9 @@ from typing import Callable, Iterator
 import numpy as np
 from gguf import GGMLQuantizationType as GT, GGUFWriter, quants
 
+from betelgeuse.gguf.qtypes import block_size, tensor_nbytes
+from betelgeuse.gguf.quants_synth import BLOCK_TYPES, block_tile
+
 CHUNK_ELEMS = 8 << 20       # weights generated per chunk (Q8_0: ~8.5 MiB, F32: 32 MiB)
 _Q8_UNIFORM_STD = math.sqrt((256 ** 2 - 1) / 12) * math.sqrt(1 + 1 / 48)  # int8 uniform x scale jitter
 
@@ -40,11 +43,18 @@ def _q8_blocks(rng: np.random.Generator, rows: int, cols: int, std: float) -> np
 
 def matrix_chunks(rng: np.random.Generator, rows: int, cols: int, std: float, qtype: str,
                   zero_row: int | None = None, const_col: tuple[int, float] | None = None,
-                  zero_rows=(), zero_cols=(), set_rows: dict | None = None) -> Iterator[np.ndarray]:
+                  zero_rows=(), zero_cols=(), set_rows: dict | None = None, seed: int = 0) -> Iterator[np.ndarray]:
     """A (rows, cols) matrix in `qtype`, row chunks; optional zero rows / zero columns / a constant column, and rows
-    given outright (set_rows {row: float [cols]}, applied last). The random draws never depend on these options."""
-    step = max(1, CHUNK_ELEMS // cols)
+    given outright (set_rows {row: float [cols]}, applied last). The random draws never depend on these options.
+    The K-/i-quants (quants_synth.BLOCK_TYPES) are random valid blocks of values ~std: views of a per-seed tile
+    (block_tile) at random offsets, so a writer runs at disk speed; of the options they take only zero rows
+    (all-zero bytes: d = 0), for which the chunks holding them are copied."""
     zr = sorted({*zero_rows, *(() if zero_row is None else (zero_row,))})
+    if qtype in BLOCK_TYPES:
+        assert const_col is None and not len(zero_cols) and not set_rows, f"{qtype}: zero rows only"
+        yield from _block_chunks(rng, rows, cols, std, int(GT[qtype]), zr, seed)
+        return
+    step = max(1, CHUNK_ELEMS // cols)
     zc = np.asarray(sorted(zero_cols), np.int64)
     for r0 in range(0, rows, step):
         n = min(step, rows - r0)
@@ -75,6 +85,23 @@ def matrix_chunks(rng: np.random.Generator, rows: int, cols: int, std: float, qt
         yield x if qtype == "F32" else x.astype(np.float16) if qtype == "F16" else quants.quantize(x, GT.BF16)
 
 
+def _block_chunks(rng: np.random.Generator, rows: int, cols: int, std: float, qt: int, zero_rows: list[int],
+                  seed: int) -> Iterator[np.ndarray]:
+    """matrix_chunks of a block type: uint8 [blocks, type_size] chunks, the blocks of `zero_rows` all zero."""
+    blk, size = block_size(qt)
+    tile, per_row = block_tile(qt, seed, std), cols // blk
+    zb = np.asarray(zero_rows, np.int64)[:, None] * per_row + np.arange(per_row)    # the zero rows' blocks
+    zb = zb.ravel()
+    u0 = 0
+    for ch in tiled_chunks(rng, tile, rows * per_row, len(tile) // 2):
+        mine = zb[(zb >= u0) & (zb < u0 + len(ch))] - u0
+        if mine.size:
+            ch = ch.copy()
+            ch[mine] = 0
+        u0 += len(ch)
+        yield ch
+
+
 def tiled_chunks(rng: np.random.Generator, tile: np.ndarray, n: int, per: int) -> Iterator[np.ndarray]:
     """`n` units (rows of `tile`: blocks, elements) in chunks of at most `per`, each a view of `tile` at a random
     offset: no generation and no copy per chunk, so a writer that uses it runs at disk speed. `tile` holds at
@@ -87,9 +114,7 @@ def tiled_chunks(rng: np.random.Generator, tile: np.ndarray, n: int, per: int) -
 
 
 def nbytes(shape: tuple[int, ...], gt: GT) -> int:
-    n = math.prod(shape)
-    return {GT.F32: 4 * n, GT.F16: 2 * n, GT.BF16: 2 * n, GT.Q8_0: n // 32 * 34, GT.MXFP4: n // 32 * 17,
-            GT.I32: 4 * n}[gt]
+    return tensor_nbytes(int(gt), tuple(shape))
 
 
 def add_tokenizer(w: GGUFWriter, n_vocab: int, chat_template: str = "default") -> None:

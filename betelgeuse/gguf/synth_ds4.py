@@ -29,6 +29,8 @@ from gguf import GGMLQuantizationType as GT, GGUFWriter, quants
 from betelgeuse.errors import InvalidRequestError
 from betelgeuse.gguf import ds4layout
 from betelgeuse.gguf.modelconfig import DS4_RATIOS, Deepseek4Params, ModelConfig
+from betelgeuse.gguf.qtypes import block_size
+from betelgeuse.gguf.quants_synth import BLOCK_TYPES
 from betelgeuse.gguf.synth_common import (CHUNK_ELEMS, add_tokenizer, matrix_chunks, nbytes, tensor_rng,
                                           tiled_chunks, write_gguf)
 
@@ -70,7 +72,7 @@ class DS4Spec:
     swiglu_limit: float = 10.0
     routed_scale: float = 1.5
     rms_eps: float = 1e-6
-    expert_qtype: str = "MXFP4"                # "F32" | "Q8_0" | "MXFP4"
+    expert_qtype: str = "MXFP4"                # "F32" | "Q8_0" | "MXFP4" | a type of quants_synth.BLOCK_TYPES
     dense: str = "release"                     # "release" (Q8_0/BF16/F32 as the converter) | "F32"
     router_skew: float = 0.0                   # popularity (synth_router.py); only with router_drift > 0
     router_drift: float = 0.0                  # a calibrated router (synth_router.py; synth.calibrated): 0 = random
@@ -124,14 +126,17 @@ DS4_PRESETS: dict[str, DS4Spec] = {
                          n_vocab=129280),
 }
 
-_QT = {"F32": GT.F32, "Q8_0": GT.Q8_0, "MXFP4": GT.MXFP4, "BF16": GT.BF16}
 _F32_2D = ("hc_attn_fn", "hc_ffn_fn", "output_hc_fn", "attn_compressor_ape", "indexer_compressor_ape")
 
 
 def validate(spec: DS4Spec) -> None:
     s = spec
-    if s.expert_qtype not in ("F32", "Q8_0", "MXFP4"):
-        raise InvalidRequestError(f"expert_qtype {s.expert_qtype!r} not supported (F32, Q8_0, MXFP4)")
+    if s.expert_qtype not in ("F32", "Q8_0", "MXFP4", *BLOCK_TYPES):
+        raise InvalidRequestError(f"expert_qtype {s.expert_qtype!r} not supported "
+                                  f"({', '.join(('F32', 'Q8_0', 'MXFP4', *BLOCK_TYPES))})")
+    if s.expert_qtype in BLOCK_TYPES and (s.n_embd % 256 or s.n_ff_exp % 256):
+        raise InvalidRequestError(f"n_embd {s.n_embd} and n_ff_exp {s.n_ff_exp} must be multiples of 256 for "
+                                  f"{s.expert_qtype} experts")
     if s.router_skew and not s.router_drift:
         raise InvalidRequestError(f"router_skew {s.router_skew} needs the calibrated router for deepseek4 synth models "
                                   "(router_drift > 0: `--router calibrated`)")
@@ -161,7 +166,7 @@ def qtype_of(spec: DS4Spec, name: str, shape: tuple[int, ...]) -> GT:
     """The type a tensor is stored in (module doc)."""
     k = ds4layout.kind(name)
     if k in ds4layout.EXPERTS:
-        return _QT[spec.expert_qtype]
+        return GT[spec.expert_qtype]
     if k == "ffn_gate_tid2eid":
         return GT.I32
     if len(shape) == 1 or k in _F32_2D or spec.dense == "F32":
@@ -259,6 +264,8 @@ def _random_chunks(spec: DS4Spec, name: str, shape: tuple[int, ...], gt: GT, cfg
         std = 1.0
     if gt == GT.MXFP4:
         yield from _mxfp4_chunks(rng, spec.seed, rows * cols // 32, std)
+    elif gt.name in BLOCK_TYPES:
+        yield from matrix_chunks(rng, rows, cols, std, gt.name, seed=spec.seed)
     elif gt == GT.BF16:
         yield from _bf16_chunks(rng, spec.seed, rows, cols, std)
     else:
@@ -268,7 +275,12 @@ def _random_chunks(spec: DS4Spec, name: str, shape: tuple[int, ...], gt: GT, cfg
 # ---- a calibrated router (gguf/synth_router.py) ---------------------------------------------------------------
 
 _RHO_K = 0.25                  # share of the kernel head's key (= value) energy on its constant rope dims
-_UNIT = {GT.F32: (4, 1), GT.BF16: (2, 1), GT.I32: (4, 1), GT.Q8_0: (34, 32), GT.MXFP4: (17, 32)}   # bytes, elements
+
+
+def _unit(gt: GT) -> tuple[int, int]:
+    """(bytes, elements) of one unit of `gt`: an element (F32, BF16, I32) or a block (Q8_0, MXFP4, the K-quants)."""
+    elems, size = block_size(int(gt))
+    return size, elems
 
 
 def constant_dim(spec: DS4Spec) -> int:
@@ -319,14 +331,14 @@ def _encode(v: np.ndarray, gt: GT) -> np.ndarray:
     """A float row [cols] in `gt`'s bytes [cols / elements per unit, unit bytes]."""
     v = np.asarray(v, np.float32)[None]
     b = v if gt == GT.F32 else quants.quantize(v, gt)
-    return np.ascontiguousarray(b).view(np.uint8).reshape(-1, _UNIT[gt][0])
+    return np.ascontiguousarray(b).view(np.uint8).reshape(-1, _unit(gt)[0])
 
 
 def _edited(chunks, gt: GT, cols: int, zero_rows=None, zero_cols=(), set_rows=None, const_col=None):
     """The chunks of a [rows, cols] tensor (any chunking, in order) with edits, applied to copies: zero_rows
     (period, mask [period]): rows r with mask[r % period] all zero; zero_cols: these columns zero (qs bytes for
     Q8_0); const_col (j, value) (F32/BF16); set_rows {row: float [cols]} (rows inside one chunk), last."""
-    ub, per = _UNIT[gt]
+    ub, per = _unit(gt)
     upr = cols // per                                   # units per row
     zc = np.asarray(sorted(zero_cols), np.int64)
     off = 0
@@ -345,6 +357,7 @@ def _edited(chunks, gt: GT, cols: int, zero_rows=None, zero_cols=(), set_rows=No
             if per == 1:
                 u[idx[ok]] = 0
             else:                                       # Q8_0: the column's qs byte
+                assert gt == GT.Q8_0, gt
                 u[idx[ok], 2 + np.broadcast_to(zc % 32, idx.shape)[ok]] = 0
         if const_col is not None:
             idx = rows * upr + const_col[0] - off
@@ -443,6 +456,8 @@ def _calibrated_chunks(spec: DS4Spec, plan, name: str, shape: tuple[int, ...], g
 
 
 def _source_chunks(arr, gt: GT) -> Iterator[np.ndarray]:
+    if gt.name in BLOCK_TYPES:
+        raise InvalidRequestError(f"real weights cannot be written as {gt.name} (gguf-py has no quantizer for it)")
     a = np.ascontiguousarray(arr)
     if gt == GT.I32:
         yield a.astype(np.int32)
@@ -473,7 +488,8 @@ def add_metadata(w: GGUFWriter, spec: DS4Spec, tokenizer: bool = True) -> None:
     """The keys llama.cpp's converter writes for DeepseekV4ForCausalLM (plus a small tokenizer)."""
     s, a = spec, ARCH
     w.add_name(f"betelgeuse-synth-ds4-{s.n_layer}L-{s.n_expert}x{s.n_ff_exp}-{s.expert_qtype}")
-    w.add_file_type(MOSTLY_MXFP4_MOE if s.expert_qtype == "MXFP4" else (0 if s.dense == "F32" else 7))
+    w.add_file_type(MOSTLY_MXFP4_MOE if s.expert_qtype == "MXFP4" else BLOCK_TYPES.get(s.expert_qtype)
+                    or (0 if s.dense == "F32" else 7))
     w.add_quantization_version(2)
     w.add_block_count(s.n_layer)
     w.add_context_length(s.context_length)

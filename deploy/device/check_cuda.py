@@ -14,6 +14,10 @@
    fraction of host->device memcpy time that overlaps compute kernels on another stream.
 4. batch: batched decode with per-sequence CUDA graphs (eager, captured, replayed) == each sequence alone.
 5. PP tok/s layer-major vs standard on the tiny and the mid model, same slot config and state.
+6. kernels: every expert type the kernels read (Q8_0, MXFP4, the K- and i-quants) at the bench geometry, through
+   deploy/device/kernel_roofline.check (vs the torch path in bf16, row invariance, the in-kernel weights); and a
+   Q4_K_M model (Q4_K experts, Q6_K/Q8_0 attention) through the runner: logits bit-identical across slot
+   configurations, passes and decode steps, and equal to the reference model on the device.
 
 --adversarial-timing SEED:MS runs them all with the store's test-only jitter (store/reader.py Jitter: every expert
 read held back up to MS ms, staged copies handed out shuffled, consolidation fills slowed), in-process stores and
@@ -425,6 +429,45 @@ def check_pp(paths: dict[str, Path], device: str, n_tokens: dict[str, int]):
     RESULTS["pp"] = res
 
 
+# ---- 6. every expert type in the kernels; a K-quant model through the engine ------------------------------
+
+def check_kernel_types(device: str, tmp: Path):
+    cuda = device.startswith("cuda")
+    res = {}
+    if not cuda:
+        row("kernels", None, "the device's kernels per type (skipped on the CPU: tests/test_kernels.py runs them there)")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import kernel_roofline as kr
+    for t in kr.TYPES if cuda else ():
+        r = kr.check("bench", t, 0)
+        res[t] = r
+        row(f"kernels: {t}", r["finite"] and r["row_invariant"] and r["rel_err"] < 3e-2 and r["weights_rel_err"] < 1e-2,
+            f"vs torch (bf16) {r['rel_err']:.1e}, weights {r['weights_rel_err']:.1e}, row-invariant {r['row_invariant']}")
+    from betelgeuse.gguf.synth import spec_from_preset
+    spec = spec_from_preset("tiny", qtype="Q4_K_M", n_embd=256, n_ff_exp=256, n_head=4, head_dim=64)
+    path = tmp / "check-tiny-q4km.gguf"
+    if not path.exists():
+        write_model(path, spec, progress=False)
+    ids = ids_for(path, 40, seed=2)
+    got: dict[str, torch.Tensor] = {}
+    dec: dict[str, torch.Tensor] = {}
+    for vram, host in ((0, 0), (3, 5), (spec.n_expert, 0)):
+        runner, store = runner_for(path, device, vram, host)
+        try:
+            backend = runner.kern.backend
+            slot_passes(runner, ids, f"{vram}/{host}", got, dec)
+        finally:
+            close(runner, store)
+    first, d0 = next(iter(got.values())), next(iter(dec.values()))
+    same = all(torch.equal(v, first) for v in got.values()) and all(torch.equal(v, d0) for v in dec.values())
+    ref = ReferenceModel.load(path, device=device, dtype=runner.dtype)
+    with torch.no_grad():
+        want = ref.forward(torch.tensor(ids), ref.new_cache(len(ids) + 8)).float().cpu()
+    row("kernels: Q4_K_M engine", same and backend == ("triton" if cuda else "torch") and torch.equal(first, want),
+        f"{backend}, {len(got)} runs + decode bit-identical: {same}; == reference on device: {torch.equal(first, want)}")
+    RESULTS["kernels"] = res
+
+
 def run_steps(steps, only: str):
     """Run the named checks listed in `only` (comma-separated), each timed; a check that raises is a FAIL row and
     the others still run (one table with every check)."""
@@ -474,7 +517,8 @@ def main() -> int:
     p.add_argument("--mid-layers", type=int, default=12)
     p.add_argument("--tokens", type=int, default=256, help="prompt tokens for the mid model (tiny: half)")
     p.add_argument("--mid-preset", default="small", help="synth preset of the mid model (bench: the benchmark geometry)")
-    p.add_argument("--only", default="invariance,prefix,batch,pinned,overlap,pp", help="comma-separated steps to run")
+    p.add_argument("--only", default="invariance,prefix,batch,pinned,overlap,pp,kernels",
+                   help="comma-separated steps to run")
     timing_flag(p)
     a = p.parse_args()
     use_timing(a.adversarial_timing)
@@ -495,7 +539,8 @@ def main() -> int:
              ("batch", lambda: check_batch(paths["mid"], a.device)),
              ("pinned", lambda: check_pinned(paths["mid"], a.device)),
              ("overlap", lambda: check_overlap(paths["mid"], a.device, ids_for(paths["mid"], a.tokens), outdir)),
-             ("pp", lambda: check_pp(paths, a.device, {"tiny": max(8, a.tokens // 2), "mid": a.tokens}))]
+             ("pp", lambda: check_pp(paths, a.device, {"tiny": max(8, a.tokens // 2), "mid": a.tokens})),
+             ("kernels", lambda: check_kernel_types(a.device, tmp))]
     run_steps(steps, a.only)
     md = results_table("check_cuda")
     print("\n" + md)

@@ -134,9 +134,10 @@ def target(args, opt, suffix: str):
     work.mkdir(parents=True, exist_ok=True)
     preset = opt(args, "preset", "bench")
     router = getattr(args, "router", None) or "preset"
+    qtype = getattr(args, "qtype", None)
     spec = spec_from_preset(preset, router=router, n_layer=opt(args, "layers", None), router_skew=args.router_skew,
-                            seed=args.seed)
-    name = f"{preset}-L{spec.n_layer}-{router_label(spec)}-seed{spec.seed}.gguf"
+                            seed=args.seed, qtype=qtype)
+    name = f"{preset}-L{spec.n_layer}-{router_label(spec)}-seed{spec.seed}{'-' + qtype if qtype else ''}.gguf"
     model = Path(args.model) if args.model else work / name
     run_name = args.run_name or time.strftime("%Y%m%d-%H%M%S") + f"{suffix}-{device.split(':')[0]}"
     out = Path(args.out) if args.out else Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / run_name
@@ -148,23 +149,23 @@ def router_label(spec) -> str:
     return "calibrated" if spec.router_target else f"skew{spec.router_skew:g}"
 
 
-def variant_specs(text: str, preset: str, layers: int, seed: int) -> list:
+def variant_specs(text: str, preset: str, layers: int, seed: int, qtype: str | None = None) -> list:
     """--variant-skew: comma-separated routers of the smaller comparison models (a skew, `uniform`, `calibrated`;
-    `none`: no variant) -> [(label, spec)]."""
+    `none`: no variant) -> [(label, spec)], each in the main model's --qtype."""
     from betelgeuse.gguf.synth import spec_from_preset
     out = []
     for item in (x.strip() for x in str(text).split(",") if x.strip()):
         if item.lower() == "none":
             continue
         if item in ("uniform", "calibrated"):
-            spec = spec_from_preset(preset, router=item, n_layer=layers, seed=seed)
+            spec = spec_from_preset(preset, router=item, n_layer=layers, seed=seed, qtype=qtype)
         else:
             try:
                 skew = float(item)
             except ValueError:
                 raise InvalidRequestError(f"--variant-skew: {item!r} is neither a skew, 'uniform', 'calibrated' nor "
                                           "'none'") from None
-            spec = spec_from_preset(preset, n_layer=layers, router_skew=skew, seed=seed)
+            spec = spec_from_preset(preset, n_layer=layers, router_skew=skew, seed=seed, qtype=qtype)
         out.append((router_label(spec), spec))
     return out
 

@@ -7,7 +7,8 @@
   h2d      host->device bandwidth from a memfd arena registered with cudaHostRegister (the worker's
            real path); on the CPU, memcpy bandwidth out of the same kind of arena.
   compute  expert applications through the engine's own kernels (runner.kern), a bank of experts in one
-           launch group at 1, 16 and 64 rows per expert, with the HBM bytes/s they reach.
+           launch group at 1, 16 and 64 rows per expert, with the HBM bytes/s they reach, per expert type of
+           the model (each gate-up/down type pair; the bound uses their mean over the layers).
 
 A pass's bound is max(disk bytes / disk bandwidth, h2d bytes / copy bandwidth, expert compute):
 the time the pass could not beat even with perfect overlap. achieved = bound / actual (<= ~1).
@@ -47,6 +48,9 @@ class Ceilings:
     deq_s: float = 0.0              # (dequantization is fused into the kernels: 0)
     mm_s: dict = field(default_factory=dict)   # rows -> seconds of one expert application to `rows` rows
     hbm_bps: dict = field(default_factory=dict)  # rows -> expert bytes/s those applications read
+    # per expert type ("Q4_K/Q6_K": gate-up / down GGML types of a layer): {"layers", "backend", "mm_s", "hbm_bps"};
+    # mm_s / hbm_bps above are their means weighted by the layers of each type
+    by_type: dict = field(default_factory=dict)
     sub_batch: int = 16
     disk: list = field(default_factory=list)   # [DiskSample], in run order
 
@@ -74,6 +78,8 @@ class Ceilings:
         d = asdict(self)
         d["mm_s"] = {str(k): v for k, v in self.mm_s.items()}
         d["hbm_bps"] = {str(k): v for k, v in self.hbm_bps.items()}
+        d["by_type"] = {t: dict(v, mm_s={str(k): x for k, x in v["mm_s"].items()},
+                                hbm_bps={str(k): x for k, x in v["hbm_bps"].items()}) for t, v in self.by_type.items()}
         d["disk"] = [dict(asdict(s), bps=s.bps) for s in self.disk]
         d["disk_bps"] = self.disk_bps
         return d
@@ -192,6 +198,28 @@ def measure_compute(runner, reps: int, rounds: int = 5, layer: int = 0,
         secs[rows] = t / n
         bps[rows] = n * nbytes / t
     return secs, bps
+
+
+def measure_compute_by_type(runner, reps: int, rounds: int = 5, rows_list: tuple = (1, 16, 64)) -> dict:
+    """{"gate-up/down types": {"layers": n, "backend": ..., "mm_s": {rows: s}, "hbm_bps": {rows: B/s}}}: one
+    measure_compute on the first layer of each expert type pair of the model (a Q4_K_M-like file mixes them)."""
+    from betelgeuse.gguf.qtypes import qtype_name
+    by: dict = {}
+    for layer, (a, b) in enumerate(runner.cache.qtypes):
+        label = f"{qtype_name(a)}/{qtype_name(b)}"
+        if label in by:
+            by[label]["layers"] += 1
+            continue
+        secs, bps = measure_compute(runner, reps, rounds, layer=layer, rows_list=rows_list)
+        by[label] = {"layers": 1, "backend": runner.kern.backend, "mm_s": secs, "hbm_bps": bps}
+    return by
+
+
+def layer_mean(by_type: dict, key: str) -> dict:
+    """{rows: mean of by_type[*][key][rows] weighted by each type's layers}."""
+    n = sum(v["layers"] for v in by_type.values())
+    rows = set.intersection(*(set(v[key]) for v in by_type.values())) if by_type else set()
+    return {r: sum(v[key][r] * v["layers"] for v in by_type.values()) / n for r in sorted(rows)}
 
 
 def pass_bound(ceil: Ceilings, disk_bps: float, n_tokens: int, loads: int, disk_bytes: int, h2d_bytes: int,

@@ -39,6 +39,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="the model's router: preset (its router skew, default), calibrated (popularity and temporal "
                         "locality fitted to real decode statistics), uniform (the worst case for caching)")
     p.add_argument("--router-skew", type=float, help="override the preset's router skew")
+    p.add_argument("--qtype", help="the preset's weight type (synth --qtype: Q8_0, Q4_K, Q2_K, IQ2_XXS, ..., Q4_K_M; "
+                                   "deepseek4: the experts' type)")
     p.add_argument("--variant-skew", default=None,
                    help="routers of smaller comparison models, comma-separated: a skew, 'uniform' or 'calibrated' "
                         "('none': no variant; default 0 = uniform)")
@@ -85,7 +87,8 @@ def run(args) -> int:
 
     device, work, preset, spec, model, run_name, out = target(args, _opt, "")
     engine = engine_from_args(args, QUICK, str(model), device, suite=BENCH_ENGINE)
-    variants = variant_specs(_opt(args, "variant_skew", "0"), preset, _opt(args, "variant_layers", 8), args.seed)
+    variants = variant_specs(_opt(args, "variant_skew", "0"), preset, _opt(args, "variant_layers", 8), args.seed,
+                             args.qtype)
     if args.routing_trace:
         _check_trace(args.routing_trace, None if args.model else spec)
         if variants:

@@ -204,10 +204,16 @@ class Harness:
 
     def _measure_compute(self):
         rn = self.runner
-        mm, bps = C.measure_compute(rn, 20 if self.cuda else 3)
+        by = C.measure_compute_by_type(rn, 20 if self.cuda else 3)
         self.ceil.sub_batch = rn.cfg.sub_batch
-        self.ceil.mm_s = {k: min(v, self.ceil.mm_s.get(k, v)) for k, v in mm.items()}
-        self.ceil.hbm_bps = {k: max(v, self.ceil.hbm_bps.get(k, v)) for k, v in bps.items()}
+        for t, v in by.items():                     # the best seen per type
+            old = self.ceil.by_type.get(t)
+            if old is not None:
+                v["mm_s"] = {k: min(x, old["mm_s"].get(k, x)) for k, x in v["mm_s"].items()}
+                v["hbm_bps"] = {k: max(x, old["hbm_bps"].get(k, x)) for k, x in v["hbm_bps"].items()}
+            self.ceil.by_type[t] = v
+        self.ceil.mm_s = C.layer_mean(self.ceil.by_type, "mm_s")
+        self.ceil.hbm_bps = C.layer_mean(self.ceil.by_type, "hbm_bps")
 
     def _detach(self):
         """Unmap the store's arena and free the VRAM slots, so the next store's arena fits the cgroup."""

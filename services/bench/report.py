@@ -140,7 +140,10 @@ def markdown(r: dict) -> str:
           f"({'pinned arena' if ceil.get('h2d_pinned') else 'memcpy / pageable'})",
           "- Expert compute (the engine's kernels, one launch group of a bank of experts; per expert application): "
           + ", ".join(f"{k} rows {v * 1e6:.1f} µs ({ceil.get('hbm_bps', {}).get(k, 0) / GB:.0f} GB/s of expert bytes)"
-                      for k, v in ceil.get("mm_s", {}).items()), ""]
+                      for k, v in ceil.get("mm_s", {}).items())]
+    L += [f"  - {t} ({v['layers']} layers, {v['backend']}): "
+          + ", ".join(f"{k} rows {x / GB:.0f} GB/s" for k, x in v["hbm_bps"].items())
+          for t, v in ceil.get("by_type", {}).items()] + [""]
     skipped = r.get("skipped", []) + [dict(s, case=c["name"]) for c in r.get("cases", []) for s in c.get("skipped", [])]
     if skipped:
         L += ["## Skipped", ""] + [f"- {s.get('case')} {s.get('pass', '')}: {s['reason']}" for s in skipped] + [""]

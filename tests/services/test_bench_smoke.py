@@ -74,6 +74,10 @@ def test_runs_within_budget_and_writes_json(bench_run):
     # the compute ceiling: the engine's own kernels at 1, 16 and 64 rows per expert, more rows never cheaper
     mm = {int(k): v for k, v in r["ceilings"]["mm_s"].items()}
     assert sorted(mm) == [1, 16, 64] and all(v > 0 for v in mm.values()) and all(v > 0 for v in r["ceilings"]["hbm_bps"].values())
+    # ... per expert type of the model (gate-up / down), whose layer-weighted mean the bound uses
+    by = r["ceilings"]["by_type"]
+    assert sum(v["layers"] for v in by.values()) == first["n_layer"] and all(
+        "/" in t and sorted(int(k) for k in v["hbm_bps"]) == [1, 16, 64] for t, v in by.items()), by
     for p in (cold, warm):
         # host cost: host time + blocked time = the pass's wall; per application = host time / applications
         assert p["host_s"] + p["blocked_s"] == pytest.approx(p["seconds"], rel=1e-6)
