@@ -34,9 +34,9 @@ import triton.language as tl
 
 from betelgeuse.kernels.triton_quants import QT_CODES, SUPER, tables, wdot  # noqa: F401
 
-# rows per block, output columns per program, K step, warps: constants for every launch whatever the row count
-# (row invariance); TYPE_CONFIG[qt] overrides them per weight type (deploy/device/kernel_roofline.py measures
-# them on the H200); CONFIG can be replaced once per process (deploy/device/kernel_sweep.py)
+# rows per block, output columns per program (down; gate_up), K step, warps, pipeline depth: constants for every
+# launch whatever the row count (row invariance); TYPE_CONFIG[qt] overrides them per weight type, as
+# deploy/device/kernel_roofline.py picks them on the H200 (BN 64 = wgmma's M: the weights feed it from registers)
 CONFIG = {"BM": 16, "BN": 64, "BN_GATE_UP": 64, "BK": 256, "num_warps": 4, "num_stages": 3}
 TYPE_CONFIG: dict[int, dict] = {}
 

@@ -68,7 +68,7 @@ CONFIGS = [                       # candidate launch constants per type (triton_
     {"BN": 64, "BN_GATE_UP": 64, "BK": 256, "num_warps": 4, "num_stages": 3},
     {"BN": 64, "BN_GATE_UP": 64, "BK": 128, "num_warps": 4, "num_stages": 3},
     {"BN": 128, "BN_GATE_UP": 128, "BK": 256, "num_warps": 8, "num_stages": 3},
-    {"BN": 64, "BN_GATE_UP": 64, "BK": 256, "num_warps": 4, "num_stages": 2},
+    {"BN": 32, "BN_GATE_UP": 32, "BK": 256, "num_warps": 4, "num_stages": 3},
 ]
 TARGET = {1: 1500.0, 16: 1200.0}
 dev = torch.device("cuda")
