@@ -150,14 +150,16 @@ def wdot(acc, x_ptr, xrow, mr, pool, tab, ra, kk, mn,
             p = (pool + ra2 + c[None, :] * 4).to(tl.pointer_type(tl.float32))
         acc = _mma(acc, tl.load(p, mask=m2, other=0), x_ptr, xrow, mr, c, IEEE)
     elif QT == 0:                                       # Q8_0: 34-byte blocks, f16 d | int8 q[32]
+        # the quants as u16 words (blocks are 2-byte aligned): piece 0 = the low bytes (even elements), piece 1 =
+        # the high bytes (odd elements); f = 1 + (q + 128) / 256 (q ^ 0x80 = q + 128 at mantissa bits 15-22)
         NB: tl.constexpr = BK // 32
-        c = tl.arange(0, BK)
-        blk = ra2 + ((kk // 32 + c // 32) * 34)[None, :]
-        q = _u8(pool, blk + 2 + (c % 32)[None, :], m2)                        # int8 as u8
-        d = _spread(_f16(pool, ra2 + ((kk // 32 + tl.arange(0, NB)) * 34)[None, :], m2), BN, NB, 32)
-        # f = 1 + (q + 128) / 256: w = d q = 256 d f - 384 d
-        w = (256.0 * d) * _unit((q ^ 0x80) << 15) - 384.0 * d
-        acc = _mma(acc, w, x_ptr, xrow, mr, kk + c, IEEE)
+        c = tl.arange(0, BK // 2)                                             # word c: block c // 16
+        v = _u16(pool, ra2 + ((kk // 32 + c // 16) * 34 + 2 + (c % 16) * 2)[None, :], m2)
+        d = _spread(_f16(pool, ra2 + ((kk // 32 + tl.arange(0, NB)) * 34)[None, :], m2), BN, NB, 16)
+        a = 256.0 * d                                                         # w = d q = 256 d f - 384 d
+        for byte in tl.static_range(2):
+            f = ((v << (15 - 8 * byte)) ^ 0x00400000) & 0x007F8000
+            acc = _mma(acc, a * _unit(f) - 384.0 * d, x_ptr, xrow, mr, kk + (c // 16) * 32 + (c % 16) * 2 + byte, IEEE)
     elif QT == 4 or QT == 11:                           # MXFP4 (17 B: E8M0 | qs[16]) / IQ4_NL (18 B: f16 d | qs[16])
         NB: tl.constexpr = BK // 32
         if QT == 4:
@@ -249,11 +251,11 @@ def wdot(acc, x_ptr, xrow, mr, pool, tab, ra, kk, mn,
             for nib in tl.static_range(2):
                 # scales of 16: 8 h + 4 nibble + (c % 64) // 16; q = ql nibble | qh bits 4 nib + 2 ((c // 32) % 2)
                 si = (half * NH + tl.arange(0, NQ // 16) // 4) * 8 + nib * 4 + tl.arange(0, NQ // 16) % 4
-                sc = tl.load((pool + b + 192 + si[None, :]).to(tl.pointer_type(tl.int8)), mask=m2, other=0)
-                a = 64.0 * (d * sc.to(tl.float32))                                   # f = 1 + q/64
-                hb = (qh >> (nib * 4 + ((c // 32) % 2) * 2)[None, :]) & 3
-                f = (((ql >> (4 * nib)) & 15) << 17) | (hb << 21)
-                w = _spread(a, BN, NQ // 16, 16) * _unit(f) + _spread(-1.5 * a, BN, NQ // 16, 16)
+                sc = (_u8(pool, b + 192 + si[None, :], m2) ^ 0x80) - 128                    # int8
+                a = (64.0 * d) * sc.to(tl.float32)                                   # f = 1 + q/64
+                # q's 4 low bits from ql's nibble, 2 high bits from qh at bits 4 nib + 2 ((c // 32) % 2)
+                f = ((ql << (17 - 4 * nib)) & 0x001E0000) | ((qh << (21 - nib * 4 - ((c // 32) % 2) * 2)[None, :]) & 0x00600000)
+                w = _spread(a, BN, NQ // 16, 16) * (_unit(f) - 1.5)                 # d sc (q - 32), exactly
                 acc = _mma(acc, w, x_ptr, xrow, mr, kk + (c // 64) * 128 + nib * 64 + c % 64, IEEE)
         elif QT == 8 or QT == 9:                         # Q3_K / Q2_K: 4 bit pairs t of qs; scales of 16
             NQ: tl.constexpr = BK // 4                   # qs bytes: element 128 h + 32 t + c % 32
