@@ -150,19 +150,23 @@ def warm(tasks: list[tuple[str, str, int]]):
 
 
 def warm_parallel(tasks: list[tuple[str, str, int]], workers: int, timeout: float) -> float:
+    import tempfile
     t = time.perf_counter()
     chunks = [tasks[i::workers] for i in range(workers) if tasks[i::workers]]
+    logs = [tempfile.TemporaryFile(mode="w+") for _ in chunks]
     procs = [subprocess.Popen([sys.executable, __file__, "--warm", json.dumps(c)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True) for c in chunks]
-    for p in procs:
+                              stderr=log) for c, log in zip(chunks, logs)]
+    for p, log in zip(procs, logs):
         try:
-            _, err = p.communicate(timeout=max(1.0, timeout - (time.perf_counter() - t)))
+            p.wait(timeout=max(1.0, timeout - (time.perf_counter() - t)))
             if p.returncode:
-                print(f"  (a compile worker failed: {err.strip().splitlines()[-1] if err.strip() else p.returncode})",
-                      flush=True)
+                log.seek(0)
+                err = log.read().strip().splitlines()
+                print(f"  (a compile worker failed: {err[-1] if err else p.returncode})", flush=True)
         except subprocess.TimeoutExpired:
             p.kill()
             print("  (a compile worker ran out of time: the rest compiles in the main process)", flush=True)
+        log.close()
     return time.perf_counter() - t
 
 
@@ -338,7 +342,7 @@ def main() -> int:
     p.add_argument("--geoms", default=",".join(GEOMS))
     p.add_argument("--configs", default=",".join(str(i) for i in range(len(CONFIGS))), help="indices into CONFIGS")
     p.add_argument("--workers", type=int, default=min(14, (os.cpu_count() or 2) - 2))
-    p.add_argument("--budget", type=float, default=165.0, help="seconds: later cases are skipped past it")
+    p.add_argument("--budget", type=float, default=160.0, help="seconds: later cases are skipped past it")
     p.add_argument("--dry-run", action="store_true",
                    help="the CPU under TRITON_INTERPRET=1 on tiny geometries (checks this script, not the GPU)")
     p.add_argument("--warm", help=argparse.SUPPRESS)
