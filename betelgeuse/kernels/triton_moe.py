@@ -47,9 +47,9 @@ def config(qt: int) -> dict:
 
 
 @triton.jit
-def _find_block(off_ptr, n_exp, b, BM: tl.constexpr, EP: tl.constexpr):
-    """Row block b -> (expert e, its block index mb): the experts' blocks in expert order, cdiv(rows, BM) each;
-    e = n_exp past the last block."""
+def _find_block(off_ptr, base_ptr, n_exp, b, BM: tl.constexpr, EP: tl.constexpr):
+    """Row block b -> (expert e, its block index mb, e's pool offset): the experts' blocks in expert order,
+    cdiv(rows, BM) each; offset -1 past the last block or for an expert not in this group."""
     ei = tl.arange(0, EP)
     me = ei < n_exp
     lo = tl.load(off_ptr + ei, mask=me, other=0)
@@ -58,7 +58,25 @@ def _find_block(off_ptr, n_exp, b, BM: tl.constexpr, EP: tl.constexpr):
     cum = tl.cumsum(nb, 0)                                   # inclusive
     e = tl.sum((cum <= b).to(tl.int32), 0)
     first = tl.sum(tl.where(ei == e, cum - nb, 0), 0)
-    return e, b - first
+    base = tl.load(base_ptr + tl.minimum(e, n_exp - 1))
+    return e, b - first, tl.where(e < n_exp, base, -1)
+
+
+@triton.jit
+def _rows_of(off_ptr, rows_ptr, e, mb, BM: tl.constexpr):
+    """Block mb of expert e: (sorted-row indices [BM], their mask, their token*k+rank values int64)."""
+    rows = tl.load(off_ptr + e) + mb * BM + tl.arange(0, BM)
+    mr = rows < tl.load(off_ptr + e + 1)
+    return rows, mr, tl.load(rows_ptr + rows, mask=mr, other=0).to(tl.int64)
+
+
+@triton.jit
+def _part_rows(base, starts_ptr, e, part: tl.constexpr, n, row_bytes, ALIGNED: tl.constexpr):
+    """Byte addresses [BN] int64 in the pool of rows n of part `part` (gate 0, up 1, down 2) of expert e."""
+    b = base + tl.load(starts_ptr + e * 3 + part)
+    if ALIGNED:
+        b = tl.multiple_of(b, 16)
+    return b + n.to(tl.int64) * row_bytes
 
 
 @triton.jit
@@ -67,33 +85,25 @@ def _gate_up_kernel(h_ptr, pool, tab, base_ptr, starts_ptr, rows_ptr, off_ptr, i
                     QT: tl.constexpr, HAS_LIMIT: tl.constexpr, IEEE: tl.constexpr, ALIGNED: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EP: tl.constexpr):
     pn = tl.program_id(0)
-    e, mb = _find_block(off_ptr, n_exp, tl.program_id(1), BM, EP)
-    if e < n_exp:
-        base = tl.load(base_ptr + e)
-        if base >= 0:
-            rows = tl.load(off_ptr + e) + mb * BM + tl.arange(0, BM)
-            mr = rows < tl.load(off_ptr + e + 1)
-            tok = (tl.load(rows_ptr + rows, mask=mr, other=0) // k_top).to(tl.int64)
-            n = pn * BN + tl.arange(0, BN)
-            mn = n < F
-            gb = base + tl.load(starts_ptr + e * 3)
-            ub = base + tl.load(starts_ptr + e * 3 + 1)
-            if ALIGNED:
-                gb = tl.multiple_of(gb, 16)
-                ub = tl.multiple_of(ub, 16)
-            gra = gb + n.to(tl.int64) * row_bytes
-            ura = ub + n.to(tl.int64) * row_bytes
-            accg = tl.zeros((BN, BM), dtype=tl.float32)
-            accu = tl.zeros((BN, BM), dtype=tl.float32)
-            for kk in range(0, H, BK):
-                accg = wdot(accg, h_ptr, tok * H, mr, pool, tab, gra, kk, mn, QT, BK, BN, IEEE)
-                accu = wdot(accu, h_ptr, tok * H, mr, pool, tab, ura, kk, mn, QT, BK, BN, IEEE)
-            if HAS_LIMIT:                       # DeepSeek-V4's clamped SwiGLU
-                accg = tl.minimum(accg, limit)
-                accu = tl.minimum(tl.maximum(accu, -limit), limit)
-            act = accg / (1.0 + tl.exp(-accg)) * accu
-            ptr = inter_ptr + rows.to(tl.int64)[None, :] * F + n[:, None]
-            tl.store(ptr, act.to(inter_ptr.dtype.element_ty), mask=mn[:, None] & mr[None, :])
+    e, mb, base = _find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
+    if base >= 0:
+        rows, mr, flat = _rows_of(off_ptr, rows_ptr, e, mb, BM)
+        tok = flat // k_top
+        n = pn * BN + tl.arange(0, BN)
+        mn = n < F
+        gra = _part_rows(base, starts_ptr, e, 0, n, row_bytes, ALIGNED)
+        ura = _part_rows(base, starts_ptr, e, 1, n, row_bytes, ALIGNED)
+        accg = tl.zeros((BN, BM), dtype=tl.float32)
+        accu = tl.zeros((BN, BM), dtype=tl.float32)
+        for kk in range(0, H, BK):
+            accg = wdot(accg, h_ptr, tok * H, mr, pool, tab, gra, kk, mn, QT, BK, BN, IEEE)
+            accu = wdot(accu, h_ptr, tok * H, mr, pool, tab, ura, kk, mn, QT, BK, BN, IEEE)
+        if HAS_LIMIT:                       # DeepSeek-V4's clamped SwiGLU
+            accg = tl.minimum(accg, limit)
+            accu = tl.minimum(tl.maximum(accu, -limit), limit)
+        act = accg / (1.0 + tl.exp(-accg)) * accu
+        ptr = inter_ptr + rows.to(tl.int64)[None, :] * F + n[:, None]
+        tl.store(ptr, act.to(inter_ptr.dtype.element_ty), mask=mn[:, None] & mr[None, :])
 
 
 @triton.jit
@@ -102,25 +112,18 @@ def _down_kernel(inter_ptr, pool, tab, base_ptr, starts_ptr, rows_ptr, off_ptr, 
                  QT: tl.constexpr, IEEE: tl.constexpr, ALIGNED: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EP: tl.constexpr):
     pn = tl.program_id(0)
-    e, mb = _find_block(off_ptr, n_exp, tl.program_id(1), BM, EP)
-    if e < n_exp:
-        base = tl.load(base_ptr + e)
-        if base >= 0:
-            rows = tl.load(off_ptr + e) + mb * BM + tl.arange(0, BM)
-            mr = rows < tl.load(off_ptr + e + 1)
-            flat = tl.load(rows_ptr + rows, mask=mr, other=0).to(tl.int64)
-            n = pn * BN + tl.arange(0, BN)
-            mn = n < H
-            db = base + tl.load(starts_ptr + e * 3 + 2)
-            if ALIGNED:
-                db = tl.multiple_of(db, 16)
-            dra = db + n.to(tl.int64) * row_bytes
-            acc = tl.zeros((BN, BM), dtype=tl.float32)
-            xrow = rows.to(tl.int64) * F
-            for kk in range(0, F, BK):
-                acc = wdot(acc, inter_ptr, xrow, mr, pool, tab, dra, kk, mn, QT, BK, BN, IEEE)
-            ptr = y_ptr + flat[None, :] * H + n[:, None]
-            tl.store(ptr, acc.to(y_ptr.dtype.element_ty), mask=mn[:, None] & mr[None, :])
+    e, mb, base = _find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
+    if base >= 0:
+        rows, mr, flat = _rows_of(off_ptr, rows_ptr, e, mb, BM)
+        n = pn * BN + tl.arange(0, BN)
+        mn = n < H
+        dra = _part_rows(base, starts_ptr, e, 2, n, row_bytes, ALIGNED)
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        xrow = rows.to(tl.int64) * F
+        for kk in range(0, F, BK):
+            acc = wdot(acc, inter_ptr, xrow, mr, pool, tab, dra, kk, mn, QT, BK, BN, IEEE)
+        ptr = y_ptr + flat[None, :] * H + n[:, None]
+        tl.store(ptr, acc.to(y_ptr.dtype.element_ty), mask=mn[:, None] & mr[None, :])
 
 
 @triton.jit

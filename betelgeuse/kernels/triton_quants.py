@@ -189,24 +189,8 @@ def wdot(acc, x_ptr, xrow, mr, pool, tab, ra, kk, mn,
             acc = _mma(acc, w, x_ptr, xrow, mr, kk + (c // 16) * 32 + nib * 16 + c % 16, IEEE)
     else:                                               # 256-element super-blocks, BK = 256 or 128
         half = (kk // BK) % (256 // BK)                  # which half of the super-block (BK = 128)
-        if QT == 5:
-            BS: tl.constexpr = 144
-        elif QT == 6:
-            BS: tl.constexpr = 176
-        elif QT == 7:
-            BS: tl.constexpr = 210
-        elif QT == 8:
-            BS: tl.constexpr = 110
-        elif QT == 9:
-            BS: tl.constexpr = 84
-        elif QT == 10:
-            BS: tl.constexpr = 136
-        elif QT == 12:
-            BS: tl.constexpr = 66
-        elif QT == 13:
-            BS: tl.constexpr = 74
-        else:
-            BS: tl.constexpr = 98
+        # bytes of a block of QT 5..14: Q4_K Q5_K Q6_K Q3_K Q2_K IQ4_XS (IQ4_NL) IQ2_XXS IQ2_XS IQ3_XXS
+        BS: tl.constexpr = (144, 176, 210, 110, 84, 136, 18, 66, 74, 98)[QT - 5]
         b = ra2 + (kk // 256) * BS                       # [BN, 1] block addresses
         if QT == 5 or QT == 6:                           # Q4_K / Q5_K: scales of 32, mins
             NQ: tl.constexpr = BK // 2                   # qs bytes in this tile
