@@ -217,15 +217,11 @@ def _kernel_paths(f) -> list[str]:
     tensors are dequantized once at load."""
     from betelgeuse.gguf.qtypes import qtype_name
     from betelgeuse.kernels.moe import TRITON_QTYPES
-    expert = Counter(qtype_name(p.qtype) for layer in range(f.config.n_layer) for p in f.expert_parts(layer, 0))
-    out = []
-    for name in sorted(expert):
-        q = next(p.qtype for layer in range(f.config.n_layer) for p in f.expert_parts(layer, 0)
-                 if qtype_name(p.qtype) == name)
-        path = ("GPU kernel (Triton, dequantized in the matmul)" if q in TRITON_QTYPES
-                else "torch path (dequantized per expert and use: slower)")
-        out.append(f"  experts {name:8s} {path}")
-    dense = sorted({qtype_name(q) for q in _tensor_qtypes(f)} - set(expert))
+    expert = {p.qtype for layer in range(f.config.n_layer) for p in f.expert_parts(layer, 0)}
+    out = [f"  experts {qtype_name(q):8s} " + ("GPU kernel (Triton, dequantized in the matmul)" if q in TRITON_QTYPES
+                                               else "torch path (dequantized per expert and use: slower)")
+           for q in sorted(expert, key=qtype_name)]
+    dense = sorted({qtype_name(int(t.qtype)) for t in f.tensors.values() if "_exps." not in t.name})
     if dense:
         out.append(f"  other   {', '.join(dense)}: dequantized once at load")
     return ["kernels:"] + out
