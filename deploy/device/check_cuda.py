@@ -58,12 +58,14 @@ def row(check: str, ok: bool | None, detail: str):
     print(f"[{ROWS[-1][1]:>4}] {check}: {detail}", flush=True)
 
 
-def models(tmp: Path, mid_layers: int, mid_preset: str = "small") -> dict[str, Path]:
+def models(tmp: Path, mid_layers: int, mid_preset: str = "small", names=("tiny", "mid")) -> dict[str, Path]:
     """tiny: 4 layers x 16 experts (~3 MB); mid: the 'small' preset (64 experts, top-8, hidden 512)
-    with `mid_layers` layers (12: ~330 MB, so a 256 MiB arena view exists)."""
+    with `mid_layers` layers (12: ~330 MB, so a 256 MiB arena view exists); only those in `names` are written."""
     specs = {"tiny": PRESETS["tiny"], "mid": replace(PRESETS[mid_preset], n_layer=mid_layers)}
     out = {}
     for name, spec in specs.items():
+        if name not in names:
+            continue
         p = tmp / f"check-{name}-{spec.n_embd}x{spec.n_expert}-{spec.n_layer}L.gguf"
         if not p.exists():
             t = time.perf_counter()
@@ -438,6 +440,8 @@ def check_kernel_types(device: str, tmp: Path):
         row("kernels", None, "the device's kernels per type (skipped on the CPU: tests/test_kernels.py runs them there)")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import kernel_roofline as kr
+    if cuda:                                          # the types' kernels compiled in parallel (the Triton cache)
+        kr.warm_parallel([("bench", t, 0) for t in kr.TYPES], min(len(kr.TYPES), (os.cpu_count() or 2) - 2), 240.0)
     for t in kr.TYPES if cuda else ():
         r = kr.check("bench", t, 0)
         res[t] = r
@@ -460,7 +464,7 @@ def check_kernel_types(device: str, tmp: Path):
             close(runner, store)
     first, d0 = next(iter(got.values())), next(iter(dec.values()))
     same = all(torch.equal(v, first) for v in got.values()) and all(torch.equal(v, d0) for v in dec.values())
-    ref = ReferenceModel.load(path, device=device, dtype=runner.dtype)
+    ref = Qwen3MoeReference.load(path, device=device, dtype=runner.dtype)
     with torch.no_grad():
         want = ref.forward(torch.tensor(ids), ref.new_cache(len(ids) + 8)).float().cpu()
     row("kernels: Q4_K_M engine", same and backend == ("triton" if cuda else "torch") and torch.equal(first, want),
@@ -530,11 +534,13 @@ def main() -> int:
     outdir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     if outdir:
         outdir.mkdir(parents=True, exist_ok=True)
-    paths = models(tmp, a.mid_layers, a.mid_preset)
+    only = set(a.only.split(","))
+    paths = models(tmp, a.mid_layers, a.mid_preset,
+                   names=[n for n, uses in (("tiny", {"invariance", "pp"}),
+                                            ("mid", {"prefix", "batch", "pinned", "overlap", "pp"})) if only & uses])
     RESULTS["device"] = torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu"
     RESULTS["torch"] = torch.__version__
-    ids_tiny = ids_for(paths["tiny"], 48, seed=0)
-    steps = [("invariance", lambda: check_invariance(paths["tiny"], a.device, ids_tiny)),
+    steps = [("invariance", lambda: check_invariance(paths["tiny"], a.device, ids_for(paths["tiny"], 48, seed=0))),
              ("prefix", lambda: check_prefix(paths["mid"], a.device, ids_for(paths["mid"], 150, seed=4))),
              ("batch", lambda: check_batch(paths["mid"], a.device)),
              ("pinned", lambda: check_pinned(paths["mid"], a.device)),

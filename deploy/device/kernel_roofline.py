@@ -56,7 +56,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from gguf.constants import GGMLQuantizationType as GT  # noqa: E402
 
-from betelgeuse.gguf.qtypes import block_size, row_nbytes  # noqa: E402
+from betelgeuse.gguf.qtypes import row_nbytes  # noqa: E402
 
 TYPES = ["Q8_0", "MXFP4", "Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ4_NL", "IQ3_XXS", "IQ2_XS", "IQ2_XXS"]
 # name: (hidden H, expert FFN F, experts per layer E, SwiGLU limit)
@@ -243,7 +243,7 @@ def measure(gname: str, tname: str, cfgs: list[int]) -> dict:
                          "gate_up_gbps": gu_bytes / t_gu / 1e9, "down_gbps": dn_bytes / t_dn / 1e9,
                          "gate_up_us": t_gu * 1e6, "down_us": t_dn * 1e6}
         out[ci] = {"config": {**c}, "rows": res}
-    del pool
+    pool = None                   # the banks are freed before the next type
     torch.cuda.empty_cache()
     return {"expert_bytes": nbytes, "bpw": nbytes * 8 / (3 * H * F), "banks": n_banks, "reps": reps,
             "configs": out}
@@ -371,7 +371,7 @@ def main() -> int:
     copy_s = graph_time(lambda i: y.copy_(x), 8)
     meta = {"device": "cpu (dry run)" if DRY else torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "copy_gbps": 2 * x.numel() * 4 / copy_s / 1e9, "configs": CONFIGS}
-    del x, y
+    x = y = None
     tasks = [(g, t, c) for g in geoms for t in types for c in cfgs]
     print(f"compiling {len(tasks) * 2} kernels in {a.workers} workers ...", flush=True)
     meta["compile_s"] = warm_parallel(tasks, a.workers, timeout=a.budget * 0.45) if a.workers > 0 else 0.0
