@@ -18,7 +18,13 @@ rows alone == the same rows in the full launch, bit for bit) and for its in-kern
 vs quants.dequantize, bf16). Compiles are done first by worker processes in parallel (the Triton cache).
 
 Prints a markdown table (targets: 1 row >= 1500 GB/s, 16 rows >= 1200 GB/s) and the TYPE_CONFIG to keep; writes
-$OUT/kernel_roofline.{md,json}. gguf is installed from .whl/ into /tmp/site where this Python lacks it.
+$OUT/kernel_roofline.{md,json}. gguf is installed from .whl/ into /tmp/site where this Python lacks it
+(`bash deploy/device/wheels.sh` here, then carry .whl). One device run that checks the kernels of every type, then
+times them (check_cuda also needs services/pb/betelgeuse carried; ~5 minutes in all):
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && \
+      PYTHONPATH=/tmp/site:$PWD python3 deploy/device/check_cuda.py --only kernels && \
+      PYTHONPATH=/tmp/site:$PWD python3 deploy/device/kernel_roofline.py
 """
 
 from __future__ import annotations
