@@ -74,3 +74,30 @@ def test_uniform_router_is_the_worst_case(tmp_path):
     assert read_router_metadata(read_header(p).metadata)["target"] is None
     s = _stats(p)
     assert s["repeat_next"] < 0.15 and s["lru_hit_40"] < 0.6 and s["top_share_25"] < 0.5, s
+
+
+@pytest.mark.parametrize("preset,geometry,experts", [
+    ("tiny", {**QWEN, "n_ff_exp": 256, "qtype": "Q4_K_M"}, "Q4_K"),
+    ("ds4-tiny", {**DS4, "n_embd": 256, "n_ff_exp": 256, "qtype": "Q2_K"}, "Q2_K")])
+def test_calibrated_router_with_k_quant_experts(tmp_path, preset, geometry, experts):
+    """A calibrated router and a K-quant file (synth --qtype) together: the experts in their type with the reserved
+    rows zero, qwen3moe's Q4_K_M attention Q6_K except layer 0's kernel head (given rows need a quantizer: Q8_0),
+    and the routing still within the tolerance."""
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from betelgeuse.gguf import synth, synth_ds4
+    spec = spec_from_preset(preset, router="calibrated", **geometry)
+    p = tmp_path / "k.gguf"
+    write_model(p, spec, progress=False)
+    tensors = {t.name: t for t in GGUFReader(p).tensors}
+    types = {k: t.tensor_type.name for k, t in tensors.items()}
+    assert {v for k, v in types.items() if "_exps." in k} == {experts}
+    if preset == "tiny":
+        assert types["blk.0.attn_q.weight"] == types["blk.0.attn_output.weight"] == "Q8_0"
+        assert types["blk.1.attn_q.weight"] == types["blk.1.attn_output.weight"] == "Q6_K"
+    held = list((synth if preset == "tiny" else synth_ds4).router_plan(spec).reserved)
+    t = tensors["blk.1.ffn_down_exps.weight"]
+    down = dequantize(t.data, t.tensor_type).reshape([int(x) for x in reversed(t.shape)])     # [E, H, F]
+    assert (down[:, held] == 0).all() and (np.abs(down).sum(axis=2) > 0).sum() == down.shape[0] * (256 - len(held))
+    _within(_stats(p, skip_layers=1 if preset.startswith("ds4") else 0), TARGET)
