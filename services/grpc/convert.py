@@ -67,7 +67,7 @@ def request_from_pb(m: pb.GenerateRequest) -> api.GenerateRequest:
         request_id=m.request_id, parse_special=m.parse_special,
         tools=_json(m.tools, "tools", list), tool_choice=choice,
         chat_template_kwargs=_json(m.chat_template_kwargs, "chat_template_kwargs", dict) or {},
-        grammar=grammar, cache_salt=m.cache_salt)
+        grammar=grammar, cache_salt=m.cache_salt, fit_context=m.fit_context)
 
 
 def usage_to_pb(u: api.Usage) -> pb.Usage:
