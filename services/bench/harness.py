@@ -211,6 +211,7 @@ class Harness:
             if old is not None:
                 v["mm_s"] = {k: min(x, old["mm_s"].get(k, x)) for k, x in v["mm_s"].items()}
                 v["hbm_bps"] = {k: max(x, old["hbm_bps"].get(k, x)) for k, x in v["hbm_bps"].items()}
+                v["layers"] = old["layers"]         # the weights stay the main model's (it is measured first)
             self.ceil.by_type[t] = v
         self.ceil.mm_s = C.layer_mean(self.ceil.by_type, "mm_s")
         self.ceil.hbm_bps = C.layer_mean(self.ceil.by_type, "hbm_bps")
