@@ -115,7 +115,7 @@ class Client:
         completion_tokens and cached_tokens come from the final usage."""
         body = json.dumps({"model": self.model_id, "prompt": list(ids), "max_tokens": max_tokens, "temperature": 0.0,
                            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
-        rec = {"prompt_tokens": len(ids), "times": [], "t_submit": time.perf_counter()}
+        rec = {"prompt_tokens": len(ids), "times": [], "text": "", "t_submit": time.perf_counter()}
         c = self._conn()
         try:
             c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
@@ -140,6 +140,7 @@ class Client:
                 for ch in ev.get("choices", []):
                     if ch.get("text"):
                         rec["times"].append(now)
+                        rec["text"] += ch["text"]
                     if ch.get("finish_reason"):
                         rec["finish_reason"] = ch["finish_reason"]
                         rec["t_final"] = now
@@ -707,8 +708,8 @@ def options_from_args(args, model: str, device: str, t0: float, work: Path) -> S
     for c in o.configs:
         try:
             build_parser().parse_args(serve_argv(o, c, "/tmp/x", 1, 2, True))
-        except SystemExit:
-            raise InvalidRequestError(f"--serve-args: serve does not accept {args.serve_args!r}") from None
+        except (SystemExit, BetelgeuseError) as e:
+            raise InvalidRequestError(f"--serve-args: serve does not accept {args.serve_args!r}: {e}") from None
     return o
 
 
