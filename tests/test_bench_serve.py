@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-BUDGET = 50.0
+BUDGET = 90.0         # an upper bound: the run takes ~30 s
 
 
 def _bench(*args, timeout=BUDGET + 60):
@@ -36,7 +36,7 @@ def serve_run(tmp_path_factory):
 def test_the_live_service_gives_the_table(serve_run):
     work, out, r, p = serve_run
     assert r["suite"] == "serve" and r["status"] == "complete" and r["errors"] == [] and r["skipped"] == []
-    assert r["command"].startswith("betelgeuse bench --suite serve") and r["elapsed_s"] < BUDGET + 10
+    assert r["command"].startswith("betelgeuse bench --suite serve") and r["elapsed_s"] < BUDGET
     assert r["disk"]["bps"] > 0 and r["disk"]["bytes"] > 0
     assert [c["name"] for c in r["cases"]] == ["auto", "2+6"]
     for c in r["cases"]:

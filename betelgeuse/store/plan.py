@@ -222,7 +222,8 @@ def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, me
         if not cfg.is_cuda and limit is not None and cfg.worker_reserve == "auto":
             # on the CPU the "VRAM" tier is the worker's RAM: each slot costs a slot there and (backed) one in the
             # arena, beside the worker's 1 GiB, its fixed needs and a minimal arena (4 staging slots)
-            room = limit - memory_current - HEADROOM - 1 * GiB - fixed - ArenaLayout(c.n_layer, c.n_expert, 0, 4, slot).total_bytes
+            least_arena = ArenaLayout(c.n_layer, c.n_expert, 0, 4, slot).total_bytes
+            room = limit - memory_current - HEADROOM - 1 * GiB - fixed - least_arena
             cpu_cap = max(0, room // (per_layer_slot * (2 if cfg.vram_backing else 1)))
             if cpu_cap < n_vram:
                 notes.append(f"vram_slots=auto capped from {n_vram} to {cpu_cap}: on the CPU the VRAM tier is the "
