@@ -38,11 +38,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 
 from betelgeuse.errors import BetelgeuseError, InvalidRequestError
-from services.bench.agents import agent_user_lengths, concurrency_figures, synthetic_ids
-from services.bench.args import bench_argv, ensure_model, opt_reader, parse_ints, target
+from services.bench.agents import _pair, agent_user_lengths, concurrency_figures, synthetic_ids
+from services.bench.args import ensure_model, opt_reader, parse_ints, target
 
 GB = 1e9
 MiB = 1 << 20
@@ -662,13 +661,6 @@ def add_arguments(p):
 _opt = opt_reader(SERVE_QUICK)
 
 
-def _pair(text, flag) -> tuple[int, int]:
-    v = parse_ints(text, flag)
-    if len(v) != 2 or v[0] > v[1]:
-        raise InvalidRequestError(f"{flag}: expected MIN,MAX (MIN <= MAX), got {text!r}")
-    return v
-
-
 def parse_configs(text: str) -> tuple[str, ...]:
     out = []
     for s in (x.strip() for x in str(text).split(",") if x.strip()):
@@ -707,9 +699,7 @@ def options_from_args(args, model: str, device: str, t0: float, work: Path) -> S
                      client_prompt=_pair(_opt(args, "client_prompt", "128,128"), "--client-prompt"),
                      first_prompt=first, last_prompt=last,
                      disk_sample_bytes=parse_size(_opt(args, "disk_sample", "1GiB"), "--disk-sample"), **ints)
-    if o.turns < 2:
-        raise InvalidRequestError(f"--turns must be >= 2 (a conversation that grows), got {o.turns}")
-    agent_user_lengths(o)                          # refuses a first prompt shorter than the system prompt
+    agent_user_lengths(o)                          # refuses < 2 turns, a first prompt shorter than the system prompt
     # every serve's flags parse (a bad --serve-args is refused here, not after the model is written)
     from services.cli import build_parser
     for c in o.configs:
@@ -722,18 +712,15 @@ def options_from_args(args, model: str, device: str, t0: float, work: Path) -> S
 
 def run(args) -> int:
     """`betelgeuse bench --suite serve`: write/reuse the model, run the suite, write bench.json / bench.md."""
-    from services.bench.report import machine_info, run_recorded, write_results
+    from services.bench.args import suite_log, suite_results
+    from services.bench.report import run_recorded, write_results
     t0 = time.monotonic()
-
-    def log(msg):
-        print(f"[bench serve {time.monotonic() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
-
+    log = suite_log("serve", t0)
     device, work, _, spec, model, run_name, out = target(args, _opt, "-serve")
     o = options_from_args(args, str(model), device, t0, work)
     out.mkdir(parents=True, exist_ok=True)
-    results = {"suite": "serve", "run": run_name, "status": "running", "out": str(out),
-               "command": shlex.join(["betelgeuse", "bench"] + bench_argv(args)), "device": device,
-               "machine": machine_info(), "models": {}, "cases": [], "skipped": [], "errors": []}
+    results = suite_results(args, "serve", run_name, device)
+    results["out"] = str(out)
     save = lambda final: write_results(results, out, png=False, render=markdown)     # noqa: E731
     results["models"]["main"] = ensure_model(model, spec, log)
     import dataclasses
