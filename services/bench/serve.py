@@ -41,7 +41,7 @@ from pathlib import Path
 
 from betelgeuse.errors import BetelgeuseError, InvalidRequestError
 from services.bench.agents import _pair, agent_user_lengths, concurrency_figures, synthetic_ids
-from services.bench.args import ensure_model, opt_reader, parse_ints, target
+from services.bench.args import OutOfTime, ensure_model, opt_reader, parse_ints, target
 
 GB = 1e9
 MiB = 1 << 20
@@ -92,6 +92,7 @@ class Client:
         self.host, _, port = hostport.rpartition(":")
         self.port, self.timeout = int(port), timeout
         self.model_id = ""
+        self.deadline: float | None = None     # monotonic: a stream still open then is cut (the connection closed)
 
     def _conn(self, timeout=None):
         return http.client.HTTPConnection(self.host, self.port, timeout=timeout or self.timeout)
@@ -124,6 +125,9 @@ class Client:
                 rec["error"] = f"HTTP {r.status}: {r.read().decode(errors='replace')[:300]}"
                 return _finish(rec)
             while True:
+                if self.deadline is not None and time.monotonic() > self.deadline:
+                    rec["error"] = CUT
+                    break
                 line = r.readline()
                 if not line:
                     break
@@ -154,6 +158,9 @@ class Client:
         finally:
             c.close()
         return _finish(rec)
+
+
+CUT = "cut by the time budget"
 
 
 def _finish(rec: dict) -> dict:
@@ -271,7 +278,7 @@ def serve_argv(o: ServeOptions, config: str, runtime_dir: str, port: int, http_p
     the bench's engine flags the user gave, --serve-args."""
     argv = ["serve", o.model, "--runtime-dir", runtime_dir, "--port", str(port), "--http",
             f"127.0.0.1:{http_port}", "--worker-metrics", "127.0.0.1:0", "--store-metrics", "127.0.0.1:0",
-            "--device", o.device]
+            "--device", o.device, "--drain-grace", "5"]     # (a stream cut by the budget ends at once)
     if config == "shipped":
         if not SHIPPED.exists():
             raise BetelgeuseError(f"--config shipped: {SHIPPED} does not exist (run from a checkout)")
@@ -405,6 +412,8 @@ class ServeSuite:
 
     def _one(self, client: Client, ids: list[int], n: int, what: str) -> dict:
         rec = client.complete(ids, n)
+        if rec.get("error") == CUT:
+            raise OutOfTime(what)
         if "error" in rec:
             raise BetelgeuseError(f"{what}: {rec['error']}")
         return rec
@@ -424,6 +433,15 @@ class ServeSuite:
         return recs
 
     def _phases(self, case: dict, client: Client, deadline: float):
+        """The measured phases, each begun while the case's deadline allows; a stream still open at the deadline is
+        cut (the connection closed, the phase listed under skipped)."""
+        client.deadline = deadline
+        try:
+            self._measure(case, client, deadline)
+        except OutOfTime as e:
+            case.setdefault("skipped", []).append({"phase": str(e), "reason": "time budget (cut mid-phase)"})
+
+    def _measure(self, case: dict, client: Client, deadline: float):
         o, V, g = self.o, self.geom["n_vocab"], self.geom
         skipped = case.setdefault("skipped", [])
 
@@ -447,8 +465,11 @@ class ServeSuite:
             # the same warm-up at this batch size first (its decode graphs captured, its kernels compiled)
             warm = self._together(client, [synthetic_ids(o.warm_prompt, V, o.seed, 96, n, i) for i in range(n)],
                                   o.warm_tokens)
-            if any("error" in x for x in warm):
-                raise BetelgeuseError(f"warm-up of {n} clients: {next(x['error'] for x in warm if 'error' in x)}")
+            werr = [x["error"] for x in warm if "error" in x]
+            if werr:
+                if CUT in werr:
+                    raise OutOfTime(f"warm-up of {n} clients")
+                raise BetelgeuseError(f"warm-up of {n} clients: {werr[0]}")
             prompts = [synthetic_ids(lo + (i * 37) % (hi - lo + 1), V, o.seed, 92, n, i) for i in range(n)]
             recs = self._together(client, prompts, o.client_tokens)
             fig = concurrency_figures(recs)
@@ -456,24 +477,24 @@ class ServeSuite:
                                                    g["n_expert_used"], g["expert_bytes"], n)
             case["clients"][str(n)] = {"figures": fig, "requests": [_slim(x) for x in recs]}
             errs = [x["error"] for x in recs if "error" in x]
+            self.save(False)
+            if CUT in errs:
+                raise OutOfTime(f"{n} clients")
             if errs:
                 case.setdefault("errors", []).append(f"{n} clients: {len(errs)} failed: {errs[0]}")
-            self.save(False)
         if left("agent loop"):
             users = agent_user_lengths(o)
             ids, turns = synthetic_ids(o.system_tokens, V, o.seed, 93), []
+            case["agent"] = turns
             for t, n_user in enumerate(users):
                 if not left(f"agent loop turn {t + 1}"):
                     break
                 ids = ids + synthetic_ids(n_user, V, o.seed, 94, t)
-                rec = client.complete(ids, o.turn_tokens)
-                if "error" in rec:
-                    raise BetelgeuseError(f"agent loop turn {t + 1}: {rec['error']}")
+                rec = self._one(client, ids, o.turn_tokens, f"agent loop turn {t + 1}")
                 turns.append(_slim(rec))
                 # the conversation goes on with the completion's tokens: the same count of new ids (the client
                 # sees text, not ids; the server's greedy ids are in no response)
                 ids = ids + synthetic_ids(rec.get("completion_tokens", o.turn_tokens), V, o.seed, 95, t)
-            case["agent"] = turns
 
 
 # ---- summary and markdown ----------------------------------------------------------------------------------
