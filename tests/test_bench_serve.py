@@ -50,15 +50,16 @@ def test_the_live_service_gives_the_table(serve_run):
         else:
             assert mem["reason"] and "--memory-max" in c["serve_command"]
         cold, again = c["cold"], c["again"]
-        assert cold["completion_tokens"] == again["completion_tokens"] == 8
+        assert cold["completion_tokens"] == again["completion_tokens"] == 48
         assert 0 < cold["ttft_s"] < 30 and cold["tg"] > 0 and again["tg"] > 0
         assert again["cached_tokens"] >= 16 and cold["cached_tokens"] == 0     # the prefix cache, whole 16-token blocks
         assert again["text"] == cold["text"] != ""                              # greedy: the cache changes no token
         for n in ("1", "2"):
             f = c["clients"][n]["figures"]
             assert f["completed"] == f["clients"] == int(n) and f["aggregate_decode_tps"] > 0, f
-            assert f["disk_bound_tps"] > 0 and 0 < f["ttft_p50_s"] <= f["ttft_max_s"] < 30
-            assert all(x["completion_tokens"] == 6 and x["prompt_tokens"] == 16 for x in c["clients"][n]["requests"])
+            assert 0 < f["ttft_p50_s"] <= f["ttft_max_s"] < 30
+            assert all(x["completion_tokens"] == 24 and x["prompt_tokens"] == 16 for x in c["clients"][n]["requests"])
+        _check_bounds(c)
         turns = c["agent"]
         assert [t["prompt_tokens"] for t in turns][0] == 40 and len(turns) == 3
         assert all(a["prompt_tokens"] < b["prompt_tokens"] for a, b in zip(turns, turns[1:]))
@@ -67,12 +68,19 @@ def test_the_live_service_gives_the_table(serve_run):
         assert s["aggregate_over_1"]["1"] == 1.0 and s["aggregate_over_1"]["2"] > 0
         assert s["ttft_p50_most_over_lone"] > 0 and s["most_clients"] == 2
     auto, fixed = r["cases"]
+    # 2+6 keeps 6 of the 16 experts per layer resident: its decode reads the disk, and that bounds it (no H2D rate
+    # on the CPU)
+    for w in (fixed["cold"]["bound"]["decode"], fixed["clients"]["2"]["bound"]["decode"]):
+        assert w["disk_bytes"] > 0 and w["limiter"] == "disk" and 0 < w["bound_tps"] < float("inf"), w
     assert (auto["plan"]["vram_slots_requested"], auto["plan"]["host_slots_requested"]) == ("auto", "auto")
     assert (fixed["plan"]["vram_slots"], fixed["plan"]["host_slots"]) == (2, 6)
     assert "--vram-slots auto --host-slots auto" in auto["serve_command"]
+    assert r["h2d"]["bps"] is None and r["h2d"]["why"]                  # n/a on the CPU
     md = (out / "bench.md").read_text()
-    for want in ("## The service", "| `auto` | `2+6` |", "| one 32-token prompt: TTFT / TG over 8 tokens |",
-                 "| 2 clients (16-token prompts, 6 tokens each)", "disk bound", "agent loop, 3 turns",
+    for want in ("## The service", "| `auto` | `2+6` |", "| one 32-token prompt: TTFT / TG over 48 tokens (its bound) |",
+                 "| 2 clients (16-token prompts, 24 tokens each)", "achieved",
+                 "## What the service moved, and the bound it sets", "| 2 clients | decode window |",
+                 "agent loop, 3 turns",
                  "TTFT p50, 2 clients together ÷ the lone cold prompt", "## Definitions"):
         assert want in md, want
     assert "## The service" in p.stdout                               # the figures, printed
@@ -80,6 +88,38 @@ def test_the_live_service_gives_the_table(serve_run):
     # nothing left running from this run
     left = subprocess.run(["pgrep", "-f", str(work)], capture_output=True, text=True).stdout.split()
     assert left == [], left
+
+
+def _check_bounds(c: dict):
+    """Each measured phase's bound against what the service moved (its counters, read around the phase): finite
+    where the disk was read, the rate within it (<= 1.2: the disk rate is a sample), its per-token bytes the bytes
+    over the tokens, and the counters agreeing with what each request's own usage (the final event's timings) says."""
+    phases = [(c["cold"], [c["cold"]]), (c["again"], [c["again"]])]
+    phases += [(x, x["requests"]) for x in c["clients"].values()]
+    for holder, requests in phases:
+        b = holder["bound"]
+        for name, w in b.items():
+            assert w["tokens"] > 0 and w["seconds"] > 0 and w["h2d_s"] is None and w["disk_bps"] > 0, (name, w)
+            assert w["disk_bytes_per_token"] * w["tokens"] == pytest.approx(w["disk_bytes"])
+            assert w["h2d_bytes_per_token"] * w["tokens"] == pytest.approx(w["h2d_bytes"])
+            if w["disk_bytes"] == 0:
+                assert w["bound_tps"] is None and w["limiter"] is None and w["achieved"] is None, (name, w)
+            else:
+                assert w["limiter"] == "disk" and w["bound_tps"] == pytest.approx(w["tokens"] / w["disk_s"])
+                assert w["disk_s"] == pytest.approx(w["disk_bytes"] / w["disk_bps"])
+                assert 0 < w["achieved"] <= 1.2, (name, w)
+        d, ph = b["decode"], b["phase"]
+        # the decode window opens once every request has its first token: no prefill in it, and it is part of the phase
+        assert d["prefill_tokens"] == 0 and d["decode_tokens"] == d["tokens"] <= ph["tokens"], b
+        assert d["disk_bytes"] <= ph["disk_bytes"] and d["h2d_bytes"] <= ph["h2d_bytes"], b
+        assert ph["tokens"] == sum(x["completion_tokens"] for x in requests)
+        assert ph["prefill_tokens"] == sum(x["prompt_tokens"] - x["cached_tokens"] for x in requests), b
+        if len(requests) == 1:
+            # one request alone in the phase: the worker's counters moved exactly by its own usage; the store read at
+            # least the expert bytes the request's passes waited for (4 KiB rounding and read-ahead on top)
+            u = requests[0]["usage"]
+            assert ph["h2d_bytes"] == u["h2d_bytes"] and ph["disk_bytes"] >= u["disk_bytes"], (ph, u)
+            assert ph["decode_tokens"] == requests[0]["completion_tokens"] - 1
 
 
 @pytest.mark.parametrize("args,words", [
