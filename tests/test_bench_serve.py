@@ -131,3 +131,38 @@ def test_bad_options_are_one_line_before_any_work(tmp_path, args, words):
     p = _bench("--quick", "--work-dir", str(tmp_path / "w"), "--out", str(tmp_path / "o"), *args, timeout=60)
     assert p.returncode != 0 and words in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert not list((tmp_path / "w").glob("*.gguf"))                 # refused before the model is written
+
+
+def test_a_stream_that_sends_nothing_is_cut_at_the_deadline():
+    """A long prefill sends no byte for a minute: the client's read gives up at the case's deadline (the phase is cut
+    and the run keeps its time budget), not when the next token comes."""
+    import http.server
+    import threading
+    import time
+
+    from services.bench.serve import CUT, Client
+    release = threading.Event()
+
+    class Slow(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.flush()
+            release.wait(30)                        # "prefilling"
+
+        def log_message(self, *a):
+            pass
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        c = Client(f"127.0.0.1:{srv.server_port}")
+        c.deadline = time.monotonic() + 0.5
+        t = time.monotonic()
+        rec = c.complete([1, 2, 3], 4)
+        assert rec["error"] == CUT and rec["times"] == [] and time.monotonic() - t < 5, rec
+    finally:
+        release.set()
+        srv.shutdown()
+        srv.server_close()

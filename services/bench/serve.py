@@ -119,8 +119,14 @@ class Client:
                            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
         rec = {"prompt_tokens": len(ids), "times": [], "text": "", "t_submit": time.perf_counter()}
         c = self._conn()
+
+        def wait_at_most():
+            # a read blocked past the deadline (a long prefill sends nothing) times out there: the stream is cut
+            if self.deadline is not None and c.sock is not None:
+                c.sock.settimeout(max(0.05, min(self.timeout, self.deadline - time.monotonic())))
         try:
             c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            wait_at_most()
             r = c.getresponse()
             if r.status != 200:
                 rec["error"] = f"HTTP {r.status}: {r.read().decode(errors='replace')[:300]}"
@@ -129,6 +135,7 @@ class Client:
                 if self.deadline is not None and time.monotonic() > self.deadline:
                     rec["error"] = CUT
                     break
+                wait_at_most()
                 line = r.readline()
                 if not line:
                     break
@@ -157,7 +164,8 @@ class Client:
                     rec["cached_tokens"] = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
                     rec["usage"] = ev.get("timings", {})
         except (OSError, http.client.HTTPException, ValueError) as e:
-            rec["error"] = f"{type(e).__name__}: {e}"
+            past = self.deadline is not None and time.monotonic() >= self.deadline
+            rec["error"] = CUT if past and isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
         finally:
             c.close()
         return _finish(rec)
