@@ -169,5 +169,6 @@ def describe(w: dict | None) -> str:
     if w.get("bound_tps") is None:
         why = "nothing read from disk" + ("" if w.get("h2d_bps") else ", no H2D rate")
         return f"bound none ({why}); {moved}"
-    ach = "–" if w.get("achieved") is None else f"{w['achieved']:.2f}"
+    a = w.get("achieved")
+    ach = "–" if a is None else f"{a:.2f}" if a >= 0.1 else f"{a:.2g}"
     return f"bound {w['bound_tps']:.1f} ({w['limiter']}), achieved {ach}; {moved}"
