@@ -15,7 +15,8 @@
 # hard timeout, BUDGET + 60 s, within 9). Each configuration gets an even share of what is left when it starts, and
 # runs its phases most important first: the 512-token prompt (TTFT, TG), the same prompt again, 1 / 4 / 8 clients
 # (aggregate decode and its bound, TTFT against the lone prompt), then the agent loop; what the share does not reach
-# is listed under "Skipped" (a phase cut mid-way keeps what it measured).
+# is listed under "Skipped" (a phase cut mid-way keeps what it measured; --no-agent-loop gives the agent loop's time to
+# the next configuration).
 # Results land in $OUT/$RUN_NAME/: bench.json, bench.md, bench.log, serve-<k>-<config>.log (the end of each serve's
 # own log, the store's and the worker's); bench.md is printed last.
 set -uo pipefail

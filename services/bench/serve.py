@@ -73,6 +73,7 @@ class ServeOptions:
     client_prompt: tuple = (128, 128)
     client_tokens: int = 64
     turns: int = 6
+    agent_loop: bool = True                # False (--no-agent-loop): its time goes to the next configuration
     first_prompt: int = 346
     last_prompt: int = 1756
     system_tokens: int = 96
@@ -358,6 +359,7 @@ class ServeSuite:
         from services.bench.ceilings import measure_h2d
         nbytes, reps = 256 * MiB, 8
         bps, pinned = measure_h2d(torch.device(self.o.device), nbytes, reps)
+        torch.cuda.empty_cache()                 # (the bench's CUDA context stays: in each serve's VRAM baseline)
         return {"bps": bps, "pinned": pinned, "bytes": nbytes * reps,
                 "why": "" if pinned else "cudaHostRegister refused: a pageable copy rate"}
 
@@ -537,7 +539,9 @@ class ServeSuite:
                 raise OutOfTime(f"{n} clients")
             if errs:
                 case.setdefault("errors", []).append(f"{n} clients: {len(errs)} failed: {errs[0]}")
-        if left("agent loop"):
+        if not o.agent_loop:
+            skipped.append({"phase": "agent loop", "reason": "--no-agent-loop"})
+        elif left("agent loop"):
             users = agent_user_lengths(o)
             ids, turns = synthetic_ids(o.system_tokens, V, o.seed, 93), []
             case["agent"] = turns
@@ -779,7 +783,7 @@ def add_arguments(p):
     g.add_argument("--prompt", type=int, help="tokens of the cold prompt, sent twice (default 512)")
     g.add_argument("--json", action="store_true", help="print bench.json to stdout (default: the figures)")
     # shared with --suite agents: --clients (default 1,4,8 here), --client-prompt (128,128), --client-tokens (64),
-    # --turns (6), --agent-prompts (346,1756), --system-tokens, --turn-tokens, --warm-prompt, --warm-tokens;
+    # --no-agent-loop, --turns (6), --agent-prompts (346,1756), --system-tokens, --turn-tokens, --warm-prompt, --warm-tokens;
     # with the passes suite: --decode (128), --disk-sample
 
 
@@ -819,6 +823,7 @@ def options_from_args(args, model: str, device: str, t0: float, work: Path) -> S
                      serve_args=serve_args, engine_flags=engine_flags, memory_max=memory_max,
                      cgroup=not args.no_cgroup and memory_max is not None,
                      time_budget=float(_opt(args, "time_budget", 480.0)), t0=t0,
+                     agent_loop=not getattr(args, "no_agent_loop", False),
                      seed=args.seed, run_dir=str(work / f"run-{os.getpid()}"),
                      clients=parse_ints(_opt(args, "clients", "1,4,8"), "--clients"),
                      client_prompt=_pair(_opt(args, "client_prompt", "128,128"), "--client-prompt"),
