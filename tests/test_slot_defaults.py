@@ -44,8 +44,8 @@ def test_the_default_config_plans_auto(tiny):
     assert "vram_slots=auto -> 16 per layer: VRAM budget 12,288 MiB - fixed" in d["why"]
     assert d["staging_bytes"] == p0.n_staging * slot and d["arena_bytes"] == p0.arena_bytes
     # on the GPU, a VRAM budget for 4 slots per layer and a memory limit: each tier is sized from its budget and
-    # says so (the plan needs no GPU to be computed)
-    gpu = dict(model_path=tiny.path, device="cuda")
+    # says so (the plan needs no GPU to be computed; no prefix host tier, which would take its share of the limit)
+    gpu = dict(model_path=tiny.path, device="cuda", prefix_host_bytes=0)
     budget = plan_slots(tiny, EngineConfig(**gpu), None).vram_fixed + 4 * c.n_layer * slot
     cfg = EngineConfig(**gpu, vram_budget=budget)
     full = plan_slots(tiny, cfg, None)
