@@ -831,10 +831,18 @@ def options_from_args(args, model: str, device: str, t0: float, work: Path) -> S
                      disk_sample_bytes=parse_size(_opt(args, "disk_sample", "1GiB"), "--disk-sample"), **ints)
     agent_user_lengths(o)                          # refuses < 2 turns, a first prompt shorter than the system prompt
     # every serve's flags parse (a bad --serve-args is refused here, not after the model is written)
-    from services.cli import build_parser
+    import argparse
+
+    from services.launcher import serve_arguments
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):
+            raise InvalidRequestError(message)
+    p = Parser(prog="betelgeuse serve")
+    serve_arguments(p)
     for c in o.configs:
         try:
-            build_parser().parse_args(serve_argv(o, c, "/tmp/x", 1, 2, True))
+            p.parse_args(serve_argv(o, c, "/tmp/x", 1, 2, True)[1:])
         except (SystemExit, BetelgeuseError) as e:
             raise InvalidRequestError(f"--serve-args: serve does not accept {args.serve_args!r}: {e}") from None
     return o
