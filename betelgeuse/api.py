@@ -151,6 +151,7 @@ class ModelInfo:
     sub_batch: int
     routing: str = "exact"          # "exact" | "resident" (approximate: outputs depend on residency)
     vram_backing: bool = True       # VRAM experts keep host copies
+    plan: dict | None = None        # the slot plan: what was chosen and the budgets it came from (SlotPlan.describe)
 
 
 @dataclass(slots=True)

@@ -209,10 +209,12 @@ class ModelSettings(_Section):
 
 
 class SlotSettings(_Section):
-    vram_per_layer: Slots = setting(5, "VRAM hot slots per MoE layer, or auto (sized from the budgets)", AUTO,
+    # auto: VRAM slots fill the VRAM budget after the worker's fixed needs, host slots the memory budget after the
+    # worker's reserve (store/plan.py); a fixed count is kept as given (and refused if it does not fit)
+    vram_per_layer: Slots = setting(AUTO, "VRAM hot slots per MoE layer, or auto (sized from the VRAM budget)", 5,
                                     flag="--vram-slots", engine="vram_slots")
-    host_per_layer: Slots = setting(15, "host-RAM slots per MoE layer (the store's arena), or auto", 7,
-                                    flag="--host-slots", engine="host_slots")
+    host_per_layer: Slots = setting(AUTO, "host-RAM slots per MoE layer (the store's arena), or auto (sized from "
+                                    "the memory budget)", 7, flag="--host-slots", engine="host_slots")
     vram_backing: Flag = setting(True, "VRAM experts keep a host copy (fast worker restart); off: more resident "
                                  "capacity, disk reads after a restart", False, flag="--vram-backing",
                                  engine="vram_backing")

@@ -16,6 +16,7 @@ from collections import Counter
 from typing import Callable
 
 from betelgeuse.errors import BetelgeuseError, InvalidRequestError
+from services.launcher import serve_arguments
 
 PROG = "betelgeuse"
 
@@ -462,23 +463,6 @@ def _generate_reference(args, sampling, ids) -> int:
     return 0
 
 
-# serve owns these keys: the sockets live in --runtime-dir, the gRPC address is --host/--port, the model is MODEL
-_SERVE_OWN = ("model.path", "store.socket", "store.fd_socket", "worker.listen")
-
-
-def _serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", help="GGUF model file (default: a built-in tiny synthetic model)")
-    p.add_argument("--config", help="TOML settings (deploy/betelgeuse.toml); BETELGEUSE_* variables and flags "
-                   "override it")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address the gRPC API and /metrics listen on (default 127.0.0.1; 0.0.0.0 = all interfaces)")
-    p.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051)")
-    p.add_argument("--runtime-dir", default=None,
-                   help="sockets and logs (default: a temporary directory, removed on a clean stop, kept if a process dies)")
-    from betelgeuse.settings import add_flags
-    add_flags(p, exclude=_SERVE_OWN, group="settings (betelgeuse/settings.py; both processes get them)")
-
-
 def serve_cluster(args, model: str, runtime_dir: str):
     """serve's Cluster and the settings both children will resolve: defaults < --config < BETELGEUSE_* < serve's
     flags, validated here (with the EngineConfig) before anything starts; the children get --config and the
@@ -674,7 +658,7 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "logits": ("write the logits of a token sequence to .npy", _logits_args, cmd_logits),
     "generate": ("generate text: starts both processes (or --server ADDR) and streams over gRPC", _generate_args,
                  cmd_generate),
-    "serve": ("run the expert store and the worker for a development run", _serve_args, cmd_serve),
+    "serve": ("run the expert store and the worker for a development run", serve_arguments, cmd_serve),
     "demo": ("start both processes on a built-in random-weight model and stream one generation", _demo_args,
              cmd_demo),
     "config": ("print the effective configuration (file, BETELGEUSE_* environment, flags) and each value's source",

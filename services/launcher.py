@@ -26,6 +26,25 @@ from dataclasses import dataclass, field
 from betelgeuse.errors import BetelgeuseError, StoreUnavailableError
 
 
+# `betelgeuse serve` owns these keys: the sockets live in --runtime-dir, the gRPC address is --host/--port, the model
+# is MODEL
+SERVE_OWN = ("model.path", "store.socket", "store.fd_socket", "worker.listen")
+
+
+def serve_arguments(p) -> None:
+    """`betelgeuse serve`'s arguments (services/cli.py's command; the serve bench checks its flags against them)."""
+    p.add_argument("model", nargs="?", help="GGUF model file (default: a built-in tiny synthetic model)")
+    p.add_argument("--config", help="TOML settings (deploy/betelgeuse.toml); BETELGEUSE_* variables and flags "
+                   "override it")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address the gRPC API and /metrics listen on (default 127.0.0.1; 0.0.0.0 = all interfaces)")
+    p.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051)")
+    p.add_argument("--runtime-dir", default=None,
+                   help="sockets and logs (default: a temporary directory, removed on a clean stop, kept if a process dies)")
+    from betelgeuse.settings import add_flags
+    add_flags(p, exclude=SERVE_OWN, group="settings (betelgeuse/settings.py; both processes get them)")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -331,8 +331,8 @@ def main(argv=None) -> int:
     current = cg.in_use() if cg else 0          # page cache (the worker's mmap reads) can be reclaimed
     plan = plan_slots(model, cfg, limit, current)
     event(log, "plan", model=cfg.model_path, n_vram=plan.n_vram, n_host=plan.n_host, n_staging=plan.n_staging,
-          vram_backing=cfg.vram_backing, arena_bytes=plan.arena_bytes, prefix_host_bytes=plan.prefix_host_bytes,
-          memory_limit_bytes=limit, memory_in_use_bytes=current, vram_budget_bytes=cfg.vram_budget)
+          prefix_host_bytes=plan.prefix_host_bytes,
+          **{k: v for k, v in plan.describe().items() if k not in ("vram_slots", "host_slots", "staging_slots")})
     sdnotify.notify(status=f"pre-faulting a {plan.arena_bytes / 2**30:.2f} GiB arena",
                     extend_timeout_us=int(120e6))
     store = ExpertStore(model, plan, read_threads=cfg.read_threads, read_request_bytes=cfg.read_request_bytes)

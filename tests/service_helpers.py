@@ -56,9 +56,17 @@ def service_model(tmp_path_factory) -> Path:
 
 # ---- processes ---------------------------------------------------------------------------------------------------
 
-def start_cluster(model: Path, runtime_dir: Path, config: Path | None = None, **kw) -> Cluster:
-    """Store then worker (real `python -m services.*_main` processes), /metrics on free loopback ports."""
+# The service tests' slots: a partial residency (5 VRAM + 11 host of the tiny model's 16 experts), so requests
+# read experts from every tier; the defaults (auto: every tiny expert resident) are tested in test_slot_defaults.py.
+TEST_SLOTS = {"slots.vram_per_layer": 5, "slots.host_per_layer": 15}
+
+
+def start_cluster(model: Path, runtime_dir: Path, config: Path | None = None, slots: dict | None = TEST_SLOTS,
+                  **kw) -> Cluster:
+    """Store then worker (real `python -m services.*_main` processes), /metrics on free loopback ports; `slots`
+    (flags, over the config file) default TEST_SLOTS, None: the configuration's own."""
     wport, sport = free_port(), free_port()
+    kw["settings"] = {**(slots or {}), **kw.get("settings", {})}
     c = Cluster(str(model), str(runtime_dir), device="cpu", config=str(config) if config else None,
                 worker_metrics=f"127.0.0.1:{wport}", store_metrics=f"127.0.0.1:{sport}", **kw)
     c.worker_metrics_url = f"http://127.0.0.1:{wport}/metrics"

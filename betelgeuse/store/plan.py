@@ -32,6 +32,11 @@ def _gib(n: int) -> str:
     return f"{n / GiB:.2f} GiB ({n} bytes)"
 
 
+def _mib(n: int) -> str:
+    """Bytes for a reader: "1,173 MiB", "8.00 MiB", "24 KiB"."""
+    return f"{n / MiB:,.0f} MiB" if n >= 10 * MiB else f"{n / MiB:.2f} MiB" if n >= MiB else f"{n / 1024:,.0f} KiB"
+
+
 @dataclass(slots=True)
 class SlotPlan:
     model_path: str
@@ -44,9 +49,14 @@ class SlotPlan:
     vram_fixed: int             # estimated worker VRAM outside hot slots (weights, KV, ring, activations)
     worker_reserve: int         # host bytes the worker needs outside the arena
     memory_limit: int | None    # bytes for both processes (None = unlimited)
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)   # why: how each auto tier was sized, what capped it
     vram_backing: bool = True   # VRAM experts keep a host backing slot
     prefix_host_bytes: int = 0  # the prefix cache's host tier: a memfd beside the arena (0 = none)
+    requested: tuple[str, str] = ("auto", "auto")     # vram_slots, host_slots as configured ("auto" or a count)
+    vram_budget: int = 0        # bytes everything on the GPU may use (the budget the VRAM tier was sized from)
+    vram_parts: dict = field(default_factory=dict)    # vram_fixed by part (VRAM_PARTS), bytes
+    memory_source: str = "none"  # where memory_limit came from: "cgroup memory.max" | "memory_max" | "none"
+    memory_in_use: int = 0      # bytes the cgroup held when the plan was made (counted against the limit)
 
     @property
     def host_per_layer(self) -> int:
@@ -74,6 +84,24 @@ class SlotPlan:
     def vram_slot_bytes(self) -> int:
         return self.n_layer * self.n_vram * self.slot.slot_bytes
 
+    @property
+    def staging_bytes(self) -> int:
+        return self.n_staging * self.slot.slot_bytes
+
+    def describe(self) -> dict:
+        """What the plan chose and the budgets it came from, flat (the store's "plan" log line, /v1/models
+        meta.plan, the gRPC ModelInfo.plan): slots per layer and as requested, bytes of each VRAM part, the arena,
+        the budgets, and `why` (how each auto tier was sized)."""
+        parts = {f"{k}_bytes": self.vram_parts.get(k, 0) for k in VRAM_PARTS}
+        return {"vram_slots": self.n_vram, "host_slots": self.n_host, "staging_slots": self.n_staging,
+                "vram_slots_requested": str(self.requested[0]), "host_slots_requested": str(self.requested[1]),
+                "vram_backing": self.vram_backing, "slot_bytes": self.slot.slot_bytes,
+                "vram_slot_bytes": self.vram_slot_bytes, **parts, "vram_fixed_bytes": self.vram_fixed,
+                "vram_budget_bytes": self.vram_budget, "arena_bytes": self.arena_bytes,
+                "staging_bytes": self.staging_bytes, "worker_reserve_bytes": self.worker_reserve,
+                "memory_limit_bytes": self.memory_limit, "memory_limit_source": self.memory_source,
+                "memory_in_use_bytes": self.memory_in_use, "why": "; ".join(self.notes)}
+
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
@@ -81,6 +109,7 @@ class SlotPlan:
     def from_json(cls, text: str) -> "SlotPlan":
         d = json.loads(text)
         d["part_max"] = tuple(d["part_max"])
+        d["requested"] = tuple(d.get("requested", ("auto", "auto")))
         return cls(**d)
 
 
@@ -134,25 +163,29 @@ def compute_dtype_bytes(cfg: EngineConfig) -> int:
     return 2 if cfg.is_cuda and cfg.dtype in ("auto", "bfloat16", "float16") else 4
 
 
-def vram_fixed_bytes(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int) -> int:
-    """Worker VRAM outside the hot slots: dense weights, KV caches, the prefix cache, execution ring, activations,
-    the CUDA context and the running sequences' decode graphs."""
+# the worker's VRAM outside the hot slots, by part (SlotPlan.vram_parts; describe() names each "<part>_bytes")
+VRAM_PARTS = ("dense", "kv", "prefix_cache", "ring", "activations", "cuda_context")
+
+
+def vram_needs(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int) -> dict[str, int]:
+    """Worker VRAM outside the hot slots, bytes by part (VRAM_PARTS): dense weights, KV caches of every running
+    sequence, the prefix cache, the execution ring, activations (two experts dequantized in flight, the largest
+    prefill pass, scratch), the CUDA context and the running sequences' decode graphs."""
     c = f.config
     arch = arch_of(c)
     dt = compute_dtype_bytes(cfg)
     kv = cfg.max_running * arch.state_bytes(c, cfg.max_context, dt)     # every running sequence's state, full
-    ring = cfg.ring_slots * slot_bytes
     deq = 2 * 3 * c.n_ff_exp * c.n_embd * dt                       # two experts' dequantized matrices in flight
     # prefill activations of the largest prefill pass (a full-context prompt, or several prompts together):
     # residual, y[T, k, H] (float32), q/k/v, last logits row
     act = cfg.prefill_pass_tokens * (c.n_embd * (4 + 4 * c.n_expert_used) + (c.n_head + 2 * c.n_head_kv) * c.head_dim * dt * 2)
     act += c.n_vocab * 4 * 4
     act += arch.scratch_bytes(c, cfg.max_context)
-    kv += prefix_cache_bytes(cfg, c, dt)
     ctx = CUDA_CONTEXT_BYTES if cfg.is_cuda else 0
     if cfg.is_cuda and cfg.cuda_graphs:
         ctx += cfg.max_running * GRAPHS_BYTES_PER_SEQ
-    return dense_bytes(f, dt) + kv + ring + deq + act + ctx
+    return {"dense": dense_bytes(f, dt), "kv": kv, "prefix_cache": prefix_cache_bytes(cfg, c, dt),
+            "ring": cfg.ring_slots * slot_bytes, "activations": deq + act, "cuda_context": ctx}
 
 
 def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, memory_current: int = 0) -> SlotPlan:
@@ -162,15 +195,40 @@ def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, me
     per_layer_slot = c.n_layer * slot.slot_bytes      # bytes for one slot in every layer
     notes: list[str] = []
 
+    # the effective budget is the tighter of the configured one and the cgroup's: a --memory-max above the real
+    # limit must never replace it (the arena would be OOM-killed while pre-faulting instead of refused here)
+    limits = [x for x in (cfg.memory_max, memory_limit) if x is not None]
+    limit = min(limits) if limits else None
+    source = ("none" if limit is None else "cgroup memory.max" if limit == memory_limit and
+              (cfg.memory_max is None or memory_limit < cfg.memory_max) else "memory_max")
+    if cfg.memory_max is not None and memory_limit is not None and cfg.memory_max > memory_limit:
+        notes.append(f"memory_max {_gib(cfg.memory_max)} is above the cgroup limit {_gib(memory_limit)}: using the cgroup's")
+
     # 1. VRAM: hot slots after everything else the worker places on the GPU
-    fixed = vram_fixed_bytes(f, cfg, slot.slot_bytes)
+    parts = vram_needs(f, cfg, slot.slot_bytes)
+    fixed = sum(parts.values())
     if fixed > cfg.vram_budget:
         raise BudgetError(f"the VRAM budget {_gib(cfg.vram_budget)} does not hold the worker's fixed needs "
-                          f"{_gib(fixed)} (dense weights, KV cache for {cfg.max_running} x {cfg.max_context} tokens, "
-                          f"prefix cache {_gib(prefix_cache_bytes(cfg, c, compute_dtype_bytes(cfg)))}, ring)")
+                          f"{_gib(fixed)} (dense weights {_gib(parts['dense'])}, KV cache for {cfg.max_running} x "
+                          f"{cfg.max_context} tokens {_gib(parts['kv'])}, prefix cache {_gib(parts['prefix_cache'])}, "
+                          f"ring {_gib(parts['ring'])}, activations {_gib(parts['activations'])})")
     if cfg.vram_slots == "auto":
         n_vram = min(c.n_expert, (cfg.vram_budget - fixed) // per_layer_slot)
-        notes.append(f"vram_slots=auto -> {n_vram} per layer")
+        notes.append(f"vram_slots=auto -> {n_vram} per layer: VRAM budget {_mib(cfg.vram_budget)} - fixed "
+                     f"{_mib(fixed)} (dense {_mib(parts['dense'])}, KV {_mib(parts['kv'])}, prefix cache "
+                     f"{_mib(parts['prefix_cache'])}, ring {_mib(parts['ring'])}, activations {_mib(parts['activations'])}"
+                     f", CUDA context {_mib(parts['cuda_context'])}) over {c.n_layer} layers x {_mib(slot.slot_bytes)}"
+                     + (f" (every expert: {c.n_expert})" if n_vram == c.n_expert else ""))
+        if not cfg.is_cuda and limit is not None and cfg.worker_reserve == "auto":
+            # on the CPU the "VRAM" tier is the worker's RAM: each slot costs a slot there and (backed) one in the
+            # arena, beside the worker's 1 GiB, its fixed needs and a minimal arena (4 staging slots)
+            least_arena = ArenaLayout(c.n_layer, c.n_expert, 0, 4, slot).total_bytes
+            room = limit - memory_current - HEADROOM - 1 * GiB - fixed - least_arena
+            cpu_cap = max(0, room // (per_layer_slot * (2 if cfg.vram_backing else 1)))
+            if cpu_cap < n_vram:
+                notes.append(f"vram_slots=auto capped from {n_vram} to {cpu_cap}: on the CPU the VRAM tier is the "
+                             f"worker's RAM, within the memory limit {_mib(limit)}")
+                n_vram = cpu_cap
     else:
         n_vram = min(int(cfg.vram_slots), c.n_expert)
         need = fixed + n_vram * per_layer_slot
@@ -184,12 +242,6 @@ def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, me
         reserve = (1 * GiB + fixed + n_vram * per_layer_slot) if not cfg.is_cuda else 2 * GiB
     else:
         reserve = int(cfg.worker_reserve)
-    # the effective budget is the tighter of the configured one and the cgroup's: a --memory-max above the real
-    # limit must never replace it (the arena would be OOM-killed while pre-faulting instead of refused here)
-    limits = [x for x in (cfg.memory_max, memory_limit) if x is not None]
-    limit = min(limits) if limits else None
-    if cfg.memory_max is not None and memory_limit is not None and cfg.memory_max > memory_limit:
-        notes.append(f"memory_max {_gib(cfg.memory_max)} is above the cgroup limit {_gib(memory_limit)}: using the cgroup's")
     free = None if limit is None else limit - memory_current - reserve - HEADROOM
     prefix_host = prefix_host_bytes(cfg, c, compute_dtype_bytes(cfg), free)
     if prefix_host:
@@ -220,14 +272,25 @@ def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, me
                 notes.append(f"vram_slots=auto capped from {n_vram} to {cap}: each VRAM expert needs a host backing slot")
                 n_vram = backing = cap
             n_host = max(0, min(c.n_expert - n_vram, cap - backing))
-            notes.append(f"host_slots=auto -> {n_host} per layer")
+            notes.append(f"host_slots=auto -> {n_host} per layer: memory limit {_mib(limit)} ({source}) - in use "
+                         f"{_mib(memory_current)} - worker reserve {_mib(reserve)} - headroom {_mib(HEADROOM)} - "
+                         f"{n_staging} staging slots leaves room for {cap} slots per layer ({_mib(slot.slot_bytes)} each)"
+                         + (f", {backing} of them the VRAM tier's backing copies" if backing else "")
+                         + (f" (every expert resident: {c.n_expert})" if n_vram + n_host == c.n_expert else ""))
         # (staging stays as sized above even when every expert has a resident slot: a cold pass still reads
         # every expert through staging, and 4 slots serialised a cold 512-token pass behind 4 reads in flight)
     else:
         n_host = min(int(cfg.host_slots), non_resident)
 
+    if cfg.vram_slots != "auto":
+        notes.append(f"vram_slots={n_vram} as configured" + (f" (the model has {c.n_expert})" if
+                                                              int(cfg.vram_slots) > c.n_expert else ""))
+    if cfg.host_slots != "auto":
+        notes.append(f"host_slots={n_host} as configured" + (f" (at most the {non_resident} experts not in VRAM)" if
+                                                              int(cfg.host_slots) > non_resident else ""))
     plan = SlotPlan(f.path, c.n_layer, c.n_expert, n_vram, n_host, n_staging, part_max, fixed, reserve, limit, notes,
-                    cfg.vram_backing, prefix_host)
+                    cfg.vram_backing, prefix_host, (str(cfg.vram_slots), str(cfg.host_slots)), cfg.vram_budget, parts,
+                    source, memory_current)
     if limit is not None:
         need = plan.host_bytes + reserve + memory_current + HEADROOM
         if need > limit:

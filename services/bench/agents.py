@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import shlex
 import sys
 import threading
 import time
@@ -37,7 +36,7 @@ import numpy as np
 
 from betelgeuse.errors import BetelgeuseError, InvalidRequestError
 from betelgeuse.config import EngineConfig
-from services.bench.args import (OutOfTime, bench_argv, engine_from_args, ensure_model, opt_reader, options_record,
+from services.bench.args import (OutOfTime, engine_from_args, ensure_model, opt_reader, options_record,
                                  parse_ints, parse_slots, target)
 
 AGENTS_QUICK = {"preset": "small", "layers": 2, "device": "cpu", "budget.memory_max": "4G", "budget.vram": "2GiB",
@@ -716,17 +715,13 @@ def options_from_args(args, model: str, device: str, t0: float, work: Path) -> A
 
 def run(args) -> int:
     """`betelgeuse bench --suite agents`: write/reuse the model, run the suite, write bench.json / bench.md."""
-    from services.bench.report import machine_info, write_results
+    from services.bench.args import suite_log, suite_results
+    from services.bench.report import write_results
     t0 = time.monotonic()
-
-    def log(msg):
-        print(f"[bench agents {time.monotonic() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
-
+    log = suite_log("agents", t0)
     device, work, _, spec, model, run_name, out = target(args, _opt, "-agents")
     o = options_from_args(args, str(model), device, t0, work)
-    results = {"suite": "agents", "run": run_name, "status": "running",
-               "command": shlex.join(["betelgeuse", "bench"] + bench_argv(args)), "device": device, "machine": machine_info(),
-               "models": {}, "cases": [], "skipped": [], "errors": []}
+    results = suite_results(args, "agents", run_name, device)
     save = lambda final: write_results(results, out, png=False, render=markdown)     # noqa: E731
     results["models"]["main"] = ensure_model(model, spec, log)
     results["options"] = options_record(o)

@@ -6,6 +6,7 @@ case when the time budget runs out.
 
 from __future__ import annotations
 
+import shlex
 import shutil
 import sys
 import time
@@ -177,3 +178,18 @@ def bench_argv(args) -> list[str]:
         argv = sys.argv[1:]
         argv = argv[1:] if argv[:1] == ["bench"] else argv       # run from `betelgeuse bench ...`
     return list(argv)
+
+
+def suite_log(name: str, t0: float):
+    """log(msg): one stderr line "[bench NAME  12.3s] msg", seconds since t0."""
+    def log(msg):
+        print(f"[bench {name} {time.monotonic() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+    return log
+
+
+def suite_results(args, suite: str, run_name: str, device: str) -> dict:
+    """A suite's results as they start: the run, the exact command, the machine; cases, skipped and errors empty."""
+    from services.bench.report import machine_info
+    return {"suite": suite, "run": run_name, "status": "running",
+            "command": shlex.join(["betelgeuse", "bench"] + bench_argv(args)), "device": device,
+            "machine": machine_info(), "models": {}, "cases": [], "skipped": [], "errors": []}

@@ -3,6 +3,7 @@
     betelgeuse bench --model /var/tmp/bench.gguf --memory-max 12G --vram-budget 12GiB --time-budget 480
     betelgeuse bench --quick            # a small model on the CPU: checks the whole path in ~1 minute
     betelgeuse bench --suite agents     # serving: agent-loop TTFT with/without the prefix cache, concurrent clients
+    betelgeuse bench --suite serve      # the live service (`betelgeuse serve`, both processes, cgroup) over HTTP
 
 `add_parser(subparsers)` registers the subcommand; `run(args) -> int` runs it (exit code). Also
 runnable as `python -m services.bench.cli ...`.
@@ -60,11 +61,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--disk-sample", help="bytes per disk ceiling sample (default 1GiB)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="small model on the CPU, few tokens: validates the whole path")
-    p.add_argument("--suite", choices=["passes", "agents"], default="passes",
+    p.add_argument("--suite", choices=["passes", "agents", "serve"], default="passes",
                    help="passes: prefill/decode passes against ceilings (default); agents: the scheduler under agent "
-                        "loops and concurrent clients (services/bench/agents.py)")
-    from services.bench.agents import add_arguments
-    add_arguments(p)
+                        "loops and concurrent clients (services/bench/agents.py); serve: the live `betelgeuse serve` "
+                        "over its OpenAI HTTP API (services/bench/serve.py)")
+    from services.bench import agents, serve
+    agents.add_arguments(p)
+    serve.add_arguments(p)
     add_engine_flags(p)
     p.set_defaults(func=run)
     return p
@@ -77,6 +80,9 @@ def run(args) -> int:
     if getattr(args, "suite", "passes") == "agents":
         from services.bench.agents import run as run_agents
         return run_agents(args)
+    if getattr(args, "suite", "passes") == "serve":
+        from services.bench.serve import run as run_serve
+        return run_serve(args)
     t0 = time.monotonic()
     from betelgeuse.settings import parse_size
     from services.bench.harness import BENCH_ENGINE, BenchOptions, Harness

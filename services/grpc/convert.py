@@ -94,7 +94,12 @@ def event_to_pb(ev: api.Event, request_id: str) -> pb.GenerateResponse:
 
 
 def model_info_to_pb(mi: api.ModelInfo) -> pb.ModelInfo:
-    return pb.ModelInfo(**{f: getattr(mi, f) for f in api.ModelInfo.__dataclass_fields__})
+    d = {f: getattr(mi, f) for f in api.ModelInfo.__dataclass_fields__}
+    plan = d.pop("plan")
+    out = pb.ModelInfo(**d)
+    if plan is not None:
+        out.plan.CopyFrom(pb.SlotPlan(**{k: v for k, v in plan.items() if v is not None}))
+    return out
 
 
 def server_info_to_pb(si: api.ServerInfo) -> pb.ServerInfo:

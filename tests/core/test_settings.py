@@ -18,7 +18,7 @@ def test_shipped_file_equals_defaults():
     d = Settings()
     d.model.path = s.model.path  # the one value a deployment must set
     assert s == d
-    assert (s.slots.vram_per_layer, s.slots.host_per_layer) == (5, 15)
+    assert (s.slots.vram_per_layer, s.slots.host_per_layer) == (AUTO, AUTO)      # sized from the budgets
     assert s.budget.vram == 12 * 2**30 and s.budget.memory_max is None
     assert s.worker.listen == ["127.0.0.1:50051", "unix:/run/betelgeuse/api.sock"]
     assert s.store.metrics == "127.0.0.1:9465"
@@ -52,9 +52,9 @@ def _load(tmp_path, text):
 
 
 def test_auto_and_overrides(tmp_path):
-    s = _load(tmp_path, '[slots]\nvram_per_layer = "auto"\nhost_per_layer = 40\n[budget]\nvram = "8G"\n'
+    s = _load(tmp_path, '[slots]\nvram_per_layer = 7\nhost_per_layer = 40\n[budget]\nvram = "8G"\n'
                         'memory_max = "10GiB"\n[worker]\nlisten = "unix:/tmp/x.sock"\nmetrics = ""\n')
-    assert s.slots.vram_per_layer == AUTO and s.slots.host_per_layer == 40
+    assert s.slots.vram_per_layer == 7 and s.slots.host_per_layer == 40            # fixed counts stay possible
     assert s.budget.vram == 8 * 2**30 and s.budget.memory_max == 10 * 2**30
     assert s.worker.listen == ["unix:/tmp/x.sock"] and s.worker.metrics == ""
 

@@ -1,0 +1,174 @@
+"""The serve suite's bound: what the live service moved in a measured phase, against rates measured in the same run.
+
+A phase (the lone prompt, N clients released together) is bracketed by two snapshots of the service's own counters,
+and a third is taken the moment the decode window opens (the first token of the last client: every prompt of the
+phase has been prefilled by then, so from there to the end only decode passes run):
+
+  worker  GET /metrics on the HTTP port: betelgeuse_generation_tokens (tokens of decode passes),
+          betelgeuse_prompt_tokens, betelgeuse_host_to_device_bytes / _seconds, betelgeuse_engine_busy_seconds{phase},
+          betelgeuse_disk_wait_seconds{phase}; each pass is counted when it ends
+  store   its Status RPC on the control socket: disk_bytes = device bytes read (O_DIRECT, 4 KiB rounding included),
+          counted as each read completes; read at the call (its /metrics copies the same counter only every 0.5 s)
+
+A window's bound (tok/s) = tokens / max(disk bytes / disk rate, H2D bytes / H2D rate): the rate no schedule could beat
+with what it actually moved, if disk and copies overlapped perfectly with everything else. The disk rate is the
+store's reader on random whole experts of the model file before the first serve; the H2D rate a pinned copy (a memfd
+arena registered with cudaHostRegister, as the worker's) to the GPU, measured by the bench on the same device before
+the first serve; on the CPU there is no H2D rate (n/a) and the disk alone bounds.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from betelgeuse.errors import BetelgeuseError
+
+GB = 1e9
+
+
+@dataclass(slots=True)
+class Snapshot:
+    t: float                    # perf_counter when the scrape began (the client's clock)
+    generation_tokens: float    # decode passes' tokens (a request's first token comes from its prefill)
+    prompt_tokens: float        # tokens prefilled
+    h2d_bytes: float
+    h2d_seconds: float          # the copy stream's busy seconds
+    busy_s: dict = field(default_factory=dict)        # phase -> engine wall seconds
+    disk_wait_s: dict = field(default_factory=dict)   # phase -> seconds compute stalled on disk-resident experts
+    disk_bytes: int = 0         # the store's device bytes read
+
+
+def parse_metrics(text: str) -> dict:
+    """{(sample name, ((label, value), ...)): value} of a Prometheus text exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _get(m: dict, name: str, **labels) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    if key not in m:
+        raise BetelgeuseError(f"the worker's /metrics has no {name}{labels or ''}")
+    return m[key]
+
+
+class Meter:
+    """Snapshots of one serve's counters: the worker's /metrics through `client` (serve.Client), the store's Status
+    over `store_socket`. mark() takes one on a thread of its own (the caller is a client reading its stream)."""
+
+    def __init__(self, client, store_socket: str):
+        import grpc
+        from services.pb.betelgeuse.v1 import store_pb2, store_pb2_grpc
+        self.client = client
+        self._channel = grpc.insecure_channel(f"unix:{store_socket}")
+        self._status = store_pb2_grpc.ExpertStoreStub(self._channel).Status
+        self._request = store_pb2.StatusRequest()
+        self._marked: list = []
+        self._threads: list[threading.Thread] = []
+
+    def snapshot(self) -> Snapshot:
+        import json
+
+        import grpc
+        t = time.perf_counter()
+        status, body = self.client.get("/metrics")
+        if status != 200 or not isinstance(body, str):
+            raise BetelgeuseError(f"GET /metrics answered {status}: {str(body)[:200]}")
+        m = parse_metrics(body)
+        try:
+            st = json.loads(self._status(self._request, timeout=5).json)
+        except grpc.RpcError as e:
+            raise BetelgeuseError(f"the store's Status: {e.code().name}: {e.details()}") from None
+        phases = ("prefill", "decode")
+        return Snapshot(t, _get(m, "betelgeuse_generation_tokens_total"), _get(m, "betelgeuse_prompt_tokens_total"),
+                        _get(m, "betelgeuse_host_to_device_bytes_total"),
+                        _get(m, "betelgeuse_host_to_device_seconds_total"),
+                        {p: _get(m, "betelgeuse_engine_busy_seconds_total", phase=p) for p in phases},
+                        {p: _get(m, "betelgeuse_disk_wait_seconds_total", phase=p) for p in phases},
+                        int(st["disk_bytes"]))
+
+    def mark(self):
+        """A snapshot now, on a thread of its own (read with marked() once the phase is over)."""
+        def run():
+            try:
+                self._marked.append(self.snapshot())
+            except BetelgeuseError as e:
+                self._marked.append(e)
+        t = threading.Thread(target=run, name="serve-meter", daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def marked(self) -> Snapshot | None:
+        """The first mark() since the last call (None: none, or it failed), all marks' threads joined."""
+        for t in self._threads:
+            t.join(30)
+        got, self._marked, self._threads = self._marked, [], []
+        return got[0] if got and isinstance(got[0], Snapshot) else None
+
+    def close(self):
+        self._channel.close()
+
+
+def window(a: Snapshot, b: Snapshot, disk_bps: float, h2d_bps: float | None, tokens: float | None = None) -> dict:
+    """What moved from a to b and the bound it sets: tokens (default: the decode passes' tokens between them) over
+    the longer of disk bytes / disk_bps and H2D bytes / h2d_bps (None: no H2D rate, the disk alone)."""
+    tokens = b.generation_tokens - a.generation_tokens if tokens is None else tokens
+    disk, h2d = b.disk_bytes - a.disk_bytes, b.h2d_bytes - a.h2d_bytes
+    secs = {"disk": disk / disk_bps if disk_bps else None, "h2d": h2d / h2d_bps if h2d_bps else None}
+    parts = {k: v for k, v in secs.items() if v is not None}
+    limiter = max(parts, key=parts.get) if parts and max(parts.values()) > 0 else None
+    return {"tokens": tokens, "seconds": b.t - a.t, "disk_bytes": disk, "h2d_bytes": h2d,
+            "disk_bytes_per_token": disk / tokens if tokens else None,
+            "h2d_bytes_per_token": h2d / tokens if tokens else None,
+            "disk_s": secs["disk"], "h2d_s": secs["h2d"], "disk_bps": disk_bps, "h2d_bps": h2d_bps,
+            "limiter": limiter, "bound_tps": tokens / parts[limiter] if limiter and tokens else None,
+            "prefill_tokens": b.prompt_tokens - a.prompt_tokens,
+            "decode_tokens": b.generation_tokens - a.generation_tokens,
+            "busy_s": {p: b.busy_s[p] - a.busy_s.get(p, 0.0) for p in b.busy_s},
+            "disk_wait_s": {p: b.disk_wait_s[p] - a.disk_wait_s.get(p, 0.0) for p in b.disk_wait_s},
+            "h2d_busy_s": b.h2d_seconds - a.h2d_seconds}
+
+
+def bounds(a: Snapshot, opened: Snapshot | None, b: Snapshot, disk_bps: float, h2d_bps: float | None,
+           completion_tokens: int, decode_tps: float | None, end_to_end_tps: float | None) -> dict:
+    """A phase's two windows: "decode" (the decode window opened -> the end, against the clients' decode rate) and
+    "phase" (the whole phase, prefill included, its completion tokens against the end-to-end rate); achieved =
+    the rate / its bound."""
+    out = {"phase": window(a, b, disk_bps, h2d_bps, tokens=completion_tokens)}
+    out["phase"]["achieved"] = _over(end_to_end_tps, out["phase"]["bound_tps"])
+    if opened is not None:
+        out["decode"] = window(opened, b, disk_bps, h2d_bps)
+        out["decode"]["achieved"] = _over(decode_tps, out["decode"]["bound_tps"])
+    return out
+
+
+def _over(a, b):
+    return a / b if a is not None and b else None
+
+
+def size(x: float | None) -> str:
+    """Bytes for a table: GB, MB or kB (SI), three significant figures."""
+    if x is None:
+        return "–"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g} {unit}"
+    return f"{x:.0f} B"
+
+
+def describe(w: dict | None) -> str:
+    """One window as the tables print it: bound (limiter), achieved, the disk and H2D bytes it moved."""
+    if not w:
+        return "bound –"
+    moved = f"disk {size(w['disk_bytes'])}, H2D {size(w['h2d_bytes'])}"
+    if w.get("bound_tps") is None:
+        why = "nothing read from disk" + ("" if w.get("h2d_bps") else ", no H2D rate")
+        return f"bound none ({why}); {moved}"
+    a = w.get("achieved")
+    ach = "–" if a is None else f"{a:.2f}" if a >= 0.1 else f"{a:.2g}"
+    return f"bound {w['bound_tps']:.1f} ({w['limiter']}), achieved {ach}; {moved}"

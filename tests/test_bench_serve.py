@@ -1,0 +1,168 @@
+"""`betelgeuse bench --suite serve` on the CPU at the tiny geometry: it starts the real `betelgeuse serve` (both
+processes; in a memory cgroup of its own where the machine allows one), drives it over the OpenAI HTTP API with its
+own client and writes the issue-24 table (bench.json / bench.md) with consistent figures, for the default `auto`
+plan and a fixed 2+6 one. No performance targets: those are judged on the GPU (deploy/device/bench_serve.sh)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BUDGET = 90.0         # an upper bound: the run takes ~30 s
+
+
+def _bench(*args, timeout=BUDGET + 60):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "services.bench.cli", "--suite", "serve", *args], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def serve_run(tmp_path_factory):
+    work = tmp_path_factory.mktemp("serve-bench")
+    out = work / "out"
+    p = _bench("--quick", "--config", "auto,2+6", "--prefill-chunk", "16", "--time-budget", str(BUDGET),
+               "--work-dir", str(work), "--out", str(out), "--run-name", "serve-smoke")
+    assert p.returncode == 0, p.stderr[-3000:]
+    return work, out, json.loads((out / "bench.json").read_text()), p
+
+
+def test_the_live_service_gives_the_table(serve_run):
+    work, out, r, p = serve_run
+    assert r["suite"] == "serve" and r["status"] == "complete" and r["errors"] == [] and r["skipped"] == []
+    assert r["command"].startswith("betelgeuse bench --suite serve") and r["elapsed_s"] < BUDGET
+    assert r["disk"]["bps"] > 0 and r["disk"]["bytes"] > 0
+    assert [c["name"] for c in r["cases"]] == ["auto", "2+6"]
+    for c in r["cases"]:
+        assert c["serve_exit"] == 0 and not c.get("errors") and not c.get("skipped"), c
+        assert c["serve_command"].startswith("betelgeuse serve ") and "--http 127.0.0.1:" in c["serve_command"]
+        # the budgets: a cgroup of its own (memory.max 4G, no swap) where the machine allows one, else why not
+        mem = c["memory"]
+        if mem["cgroup"]:
+            assert mem["limit"] == 4 << 30 and 0 < mem["peak"] < 4 << 30 and mem["oom_kills"] == 0
+            assert (c["plan"]["memory_limit_bytes"], c["plan"]["memory_limit_source"]) == (4 << 30, "cgroup memory.max")
+        else:
+            assert mem["reason"] and "--memory-max" in c["serve_command"]
+        cold, again = c["cold"], c["again"]
+        assert cold["completion_tokens"] == again["completion_tokens"] == 48
+        assert 0 < cold["ttft_s"] < 30 and cold["tg"] > 0 and again["tg"] > 0
+        assert again["cached_tokens"] >= 16 and cold["cached_tokens"] == 0     # the prefix cache, whole 16-token blocks
+        assert again["text"] == cold["text"] != ""                              # greedy: the cache changes no token
+        for n in ("1", "2"):
+            f = c["clients"][n]["figures"]
+            assert f["completed"] == f["clients"] == int(n) and f["aggregate_decode_tps"] > 0, f
+            assert 0 < f["ttft_p50_s"] <= f["ttft_max_s"] < 30
+            assert all(x["completion_tokens"] == 24 and x["prompt_tokens"] == 16 for x in c["clients"][n]["requests"])
+        _check_bounds(c)
+        turns = c["agent"]
+        assert [t["prompt_tokens"] for t in turns][0] == 40 and len(turns) == 3
+        assert all(a["prompt_tokens"] < b["prompt_tokens"] for a, b in zip(turns, turns[1:]))
+        assert turns[-1]["cached_tokens"] >= 32                                # the conversation so far, from the cache
+        s = r["summary"][c["name"]]
+        assert s["aggregate_over_1"]["1"] == 1.0 and s["aggregate_over_1"]["2"] > 0
+        assert s["ttft_p50_most_over_lone"] > 0 and s["most_clients"] == 2
+    auto, fixed = r["cases"]
+    # 2+6 keeps 6 of the 16 experts per layer resident: its decode reads the disk, and that bounds it (no H2D rate
+    # on the CPU)
+    for w in (fixed["cold"]["bound"]["decode"], fixed["clients"]["2"]["bound"]["decode"]):
+        assert w["disk_bytes"] > 0 and w["limiter"] == "disk" and 0 < w["bound_tps"] < float("inf"), w
+    assert (auto["plan"]["vram_slots_requested"], auto["plan"]["host_slots_requested"]) == ("auto", "auto")
+    assert (fixed["plan"]["vram_slots"], fixed["plan"]["host_slots"]) == (2, 6)
+    assert "--vram-slots auto --host-slots auto" in auto["serve_command"]
+    assert r["h2d"]["bps"] is None and r["h2d"]["why"]                  # n/a on the CPU
+    md = (out / "bench.md").read_text()
+    for want in ("## The service", "| `auto` | `2+6` |", "| one 32-token prompt: TTFT / TG over 48 tokens (its bound) |",
+                 "| 2 clients (16-token prompts, 24 tokens each)", "achieved",
+                 "## What the service moved, and the bound it sets", "| 2 clients | decode window |",
+                 "agent loop, 3 turns",
+                 "TTFT p50, 2 clients together ÷ the lone cold prompt", "## Definitions"):
+        assert want in md, want
+    assert "## The service" in p.stdout                               # the figures, printed
+    assert sorted(x.name for x in out.glob("serve-*.log")) == ["serve-0-auto.log", "serve-1-2_6.log"]
+    # nothing left running from this run
+    left = subprocess.run(["pgrep", "-f", str(work)], capture_output=True, text=True).stdout.split()
+    assert left == [], left
+
+
+def _check_bounds(c: dict):
+    """Each measured phase's bound against what the service moved (its counters, read around the phase): finite
+    where the disk was read, the rate within it (<= 1.2: the disk rate is a sample), its per-token bytes the bytes
+    over the tokens, and the counters agreeing with what each request's own usage (the final event's timings) says."""
+    phases = [(c["cold"], [c["cold"]]), (c["again"], [c["again"]])]
+    phases += [(x, x["requests"]) for x in c["clients"].values()]
+    for holder, requests in phases:
+        b = holder["bound"]
+        for name, w in b.items():
+            assert w["tokens"] > 0 and w["seconds"] > 0 and w["h2d_s"] is None and w["disk_bps"] > 0, (name, w)
+            assert w["disk_bytes_per_token"] * w["tokens"] == pytest.approx(w["disk_bytes"])
+            assert w["h2d_bytes_per_token"] * w["tokens"] == pytest.approx(w["h2d_bytes"])
+            if w["disk_bytes"] == 0:
+                assert w["bound_tps"] is None and w["limiter"] is None and w["achieved"] is None, (name, w)
+            else:
+                assert w["limiter"] == "disk" and w["bound_tps"] == pytest.approx(w["tokens"] / w["disk_s"])
+                assert w["disk_s"] == pytest.approx(w["disk_bytes"] / w["disk_bps"])
+                assert 0 < w["achieved"] <= 1.2, (name, w)
+        d, ph = b["decode"], b["phase"]
+        # the decode window opens once every request has its first token: no prefill in it, and it is part of the phase
+        assert d["prefill_tokens"] == 0 and d["decode_tokens"] == d["tokens"] <= ph["tokens"], b
+        assert d["disk_bytes"] <= ph["disk_bytes"] and d["h2d_bytes"] <= ph["h2d_bytes"], b
+        assert ph["tokens"] == sum(x["completion_tokens"] for x in requests)
+        assert ph["prefill_tokens"] == sum(x["prompt_tokens"] - x["cached_tokens"] for x in requests), b
+        if len(requests) == 1:
+            # one request alone in the phase: the worker's counters moved exactly by its own usage; the store read at
+            # least the expert bytes the request's passes waited for (4 KiB rounding and read-ahead on top)
+            u = requests[0]["usage"]
+            assert ph["h2d_bytes"] == u["h2d_bytes"] and ph["disk_bytes"] >= u["disk_bytes"], (ph, u)
+            assert ph["decode_tokens"] == requests[0]["completion_tokens"] - 1
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--config", "5x"], "--config: '5x' is none of shipped, auto, V+H"),
+    (["--serve-args", "--no-such-flag 1"], "--serve-args: serve does not accept"),
+    (["--clients", "0"], "--clients: expected positive integers"),
+])
+def test_bad_options_are_one_line_before_any_work(tmp_path, args, words):
+    p = _bench("--quick", "--work-dir", str(tmp_path / "w"), "--out", str(tmp_path / "o"), *args, timeout=60)
+    assert p.returncode != 0 and words in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert not list((tmp_path / "w").glob("*.gguf"))                 # refused before the model is written
+
+
+def test_a_stream_that_sends_nothing_is_cut_at_the_deadline():
+    """A long prefill sends no byte for a minute: the client's read gives up at the case's deadline (the phase is cut
+    and the run keeps its time budget), not when the next token comes."""
+    import http.server
+    import threading
+    import time
+
+    from services.bench.serve import CUT, Client
+    release = threading.Event()
+
+    class Slow(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.flush()
+            release.wait(30)                        # "prefilling"
+
+        def log_message(self, *a):
+            pass
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        c = Client(f"127.0.0.1:{srv.server_port}")
+        c.deadline = time.monotonic() + 0.5
+        t = time.monotonic()
+        rec = c.complete([1, 2, 3], 4)
+        assert rec["error"] == CUT and rec["times"] == [] and time.monotonic() - t < 5, rec
+    finally:
+        release.set()
+        srv.shutdown()
+        srv.server_close()

@@ -1,0 +1,123 @@
+"""Slots default to auto (issue 24, item 1): the flags, the shipped file, the image and the Kubernetes ConfigMap
+plan `--vram-slots auto --host-slots auto`; the plan says what it chose and from which budgets (the store's "plan"
+log line, GET /v1/models meta.plan, gRPC ModelInfo.plan); fixed counts stay possible; a budget too small is still
+refused with the numbers."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+import service_helpers as h
+from service_helpers import service_model  # noqa: F401  (the tiny model, a fixture)
+from betelgeuse.config import GiB, MiB, EngineConfig
+from betelgeuse.errors import BudgetError
+from betelgeuse.gguf.reader import GGUFModelFile
+from betelgeuse.settings import AUTO, load_settings
+from betelgeuse.store.plan import HEADROOM, VRAM_PARTS, plan_slots
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny(service_model):
+    f = GGUFModelFile.open(str(service_model))
+    yield f
+    f.close()
+
+
+def test_the_default_config_plans_auto(tiny):
+    cfg = EngineConfig(model_path=tiny.path)
+    assert (cfg.vram_slots, cfg.host_slots) == (AUTO, AUTO)
+    c = tiny.config
+    p0 = plan_slots(tiny, cfg, None)
+    slot = p0.slot.slot_bytes
+    assert p0.n_vram == c.n_expert and p0.n_host == 0        # no limit, a 12 GiB "VRAM" budget: every expert
+    d = p0.describe()
+    assert sum(d[f"{k}_bytes"] for k in VRAM_PARTS) == d["vram_fixed_bytes"] == p0.vram_fixed > 0
+    assert d["vram_budget_bytes"] == 12 * GiB and d["memory_limit_bytes"] is None and d["memory_limit_source"] == "none"
+    assert (d["vram_slots_requested"], d["host_slots_requested"]) == ("auto", "auto")
+    assert "vram_slots=auto -> 16 per layer: VRAM budget 12,288 MiB - fixed" in d["why"]
+    assert d["staging_bytes"] == p0.n_staging * slot and d["arena_bytes"] == p0.arena_bytes
+    # on the GPU, a VRAM budget for 4 slots per layer and a memory limit: each tier is sized from its budget and
+    # says so (the plan needs no GPU to be computed; no prefix host tier, which would take its share of the limit)
+    gpu = dict(model_path=tiny.path, device="cuda", prefix_host_bytes=0)
+    budget = plan_slots(tiny, EngineConfig(**gpu), None).vram_fixed + 4 * c.n_layer * slot
+    cfg = EngineConfig(**gpu, vram_budget=budget)
+    full = plan_slots(tiny, cfg, None)
+    assert (full.n_vram, full.n_host) == (4, c.n_expert - 4)
+    limit = full.worker_reserve + HEADROOM + 64 * MiB + full.arena_bytes - 4 * c.n_layer * slot   # 4 slots short
+    p = plan_slots(tiny, cfg, limit, memory_current=64 * MiB)
+    assert (p.n_vram, p.n_host) == (4, c.n_expert - 8)
+    assert p.arena_bytes + p.worker_reserve + 64 * MiB + HEADROOM <= limit
+    d = p.describe()
+    assert d["memory_limit_bytes"] == limit and d["memory_limit_source"] == "cgroup memory.max"
+    assert f"host_slots=auto -> {p.n_host} per layer: memory limit" in d["why"] and "in use 64 MiB" in d["why"]
+    assert d["cuda_context_bytes"] >= GiB
+    # the same limit given as --memory-max instead of the cgroup's
+    q = plan_slots(tiny, EngineConfig(**gpu, vram_budget=budget, memory_max=limit), None, 64 * MiB)
+    assert (q.n_vram, q.n_host, q.describe()["memory_limit_source"]) == (p.n_vram, p.n_host, "memory_max")
+
+
+def test_fixed_counts_stay_possible(tiny):
+    p = plan_slots(tiny, EngineConfig(model_path=tiny.path, vram_slots=5, host_slots=15), None)
+    assert (p.n_vram, p.n_host) == (5, 11)
+    d = p.describe()
+    assert (d["vram_slots_requested"], d["host_slots_requested"]) == ("5", "15")
+    assert "vram_slots=5 as configured" in d["why"] and "host_slots=11 as configured (at most the 11" in d["why"]
+
+
+def test_a_too_small_budget_is_refused_with_the_numbers(tiny):
+    with pytest.raises(BudgetError, match=r"VRAM budget 0\.00 GiB \(1048576 bytes\) does not hold the worker's "
+                                          r"fixed needs .*dense weights .*KV cache for 4 x 4096 tokens"):
+        plan_slots(tiny, EngineConfig(model_path=tiny.path, vram_budget=1 << 20), None)
+    p0 = plan_slots(tiny, EngineConfig(model_path=tiny.path), None)
+    with pytest.raises(BudgetError, match=r"slots do not fit the memory limit .*arena .*\+ worker .*\+ headroom"):
+        plan_slots(tiny, EngineConfig(model_path=tiny.path), p0.worker_reserve)
+
+
+def test_the_shipped_configurations_plan_auto():
+    """deploy/betelgeuse.toml (installed by install.sh, baked into the image) and the Kubernetes ConfigMap."""
+    s = load_settings(ROOT / "deploy" / "betelgeuse.toml", env={})
+    assert (s.slots.vram_per_layer, s.slots.host_per_layer) == (AUTO, AUTO)
+    docker = (ROOT / "Dockerfile").read_text()
+    assert "COPY deploy/betelgeuse.toml /etc/betelgeuse/betelgeuse.toml" in docker
+    assert not re.search(r"slots|per_layer", docker.split("COPY deploy/betelgeuse.toml", 1)[1])   # not edited after
+    import yaml
+    cm = next(d for d in yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / "configmap.yaml").read_text())
+              if d and d.get("kind") == "ConfigMap")
+    import tomllib
+    slots = tomllib.loads(cm["data"]["betelgeuse.toml"])["slots"]
+    assert slots.get("vram_per_layer", AUTO) == AUTO and slots.get("host_per_layer", AUTO) == AUTO
+
+
+def test_models_and_the_log_line_show_the_chosen_plan(service_model, tmp_path):
+    """A cluster on the defaults: /v1/models meta.plan, gRPC ModelInfo.plan and the store's "plan" line agree."""
+    c = h.start_cluster(service_model, tmp_path / "run", slots=None, http="auto")
+    try:
+        with urllib.request.urlopen(f"{c.http_url}/v1/models", timeout=10) as r:
+            card = json.load(r)["data"][0]
+        plan = card["meta"]["plan"]
+        with c.channel() as ch:
+            mi = h.stub(ch).GetModelInfo(h.pb.GetModelInfoRequest(), timeout=10).model
+        store_log = c.store.log()
+    finally:
+        c.stop()
+    assert (plan["vram_slots_requested"], plan["host_slots_requested"]) == ("auto", "auto")
+    assert (plan["vram_slots"], plan["host_slots"]) == (mi.vram_slots_per_layer, mi.host_slots_per_layer)
+    assert plan["vram_slots"] + plan["host_slots"] == 16          # no limit that binds: every tiny expert resident
+    assert plan["vram_budget_bytes"] == 12 * GiB and plan["vram_fixed_bytes"] == sum(
+        plan[f"{k}_bytes"] for k in VRAM_PARTS)
+    assert plan["prefix_cache_bytes"] > 0 and plan["kv_bytes"] > 0 and plan["ring_bytes"] == 32 * plan["slot_bytes"]
+    assert "vram_slots=auto ->" in plan["why"]
+    assert mi.plan.vram_slots == plan["vram_slots"] and mi.plan.kv_bytes == plan["kv_bytes"]
+    assert mi.plan.why == plan["why"] and mi.plan.vram_budget_bytes == 12 * GiB
+    assert mi.plan.HasField("memory_limit_bytes") == (plan["memory_limit_bytes"] is not None)
+    line = next(ln for ln in store_log.splitlines() if " plan " in f" {ln} " or '"plan"' in ln)
+    for k in ("vram_budget_bytes", "kv_bytes", "prefix_cache_bytes", "ring_bytes", "staging_bytes",
+              "memory_limit_bytes", "why"):
+        assert f"{k}=" in line or f'"{k}"' in line, line
