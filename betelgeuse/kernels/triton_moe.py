@@ -37,8 +37,10 @@ from betelgeuse.kernels.triton_quants import QT_CODES, SUPER, tables, wdot  # no
 # rows per block, output columns per program (down; gate_up), K step, warps, pipeline depth: constants for every
 # launch whatever the row count (row invariance); TYPE_CONFIG[qt] overrides them per weight type, as
 # deploy/device/kernel_roofline.py picks them on the H200 (BN 64 = wgmma's M: the weights feed it from registers)
+# F32 (code 3): BK 128, as a [64, 256] float32 weight tile per K step staged twice for gate and up by the software
+# pipeliner needs 280 KiB of shared memory, over sm_90's 227 KiB (tests/scripts/kernel_smem.py checks every type)
 CONFIG = {"BM": 16, "BN": 64, "BN_GATE_UP": 64, "BK": 256, "num_warps": 4, "num_stages": 3}
-TYPE_CONFIG: dict[int, dict] = {}
+TYPE_CONFIG: dict[int, dict] = {3: {"BK": 128}}
 
 
 def config(qt: int) -> dict:

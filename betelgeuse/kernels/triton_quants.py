@@ -26,8 +26,12 @@ The 256-element types also take BK = 128 (half a super-block). Integer quants be
 int-to-float conversion (a quarter of the FMA rate) nor a subtraction: the q bits are placed at the top of a float
 32 mantissa, f = 1 + q / 2^b exactly, and w = A f + B is one fused multiply-add with per-sub-block A = 2^b d sc,
 B = -(2^b d sc + offset) (so the exponent's 1 and the quants' zero point fold into B, rounded once at the sub-block's
-scale). Code books, grids and the i-quant signs come from one float32 table (`tables`), gathered as rows of 4-8
-contiguous floats. The weights agree with `gguf/quants.py` (= gguf-py's values) to the last bit or two of float32
+scale). The IQ4 code book (float16) and the i-quant grids (bytes, rows of 4 or 8) come from one small byte table
+(`tables`, L1-resident); the i-quant signs are computed (7 sign bits and their parity), not gathered. Table gathers
+stay narrow on purpose: Triton's software pipeliner stages every load of >= 32 bits per thread through shared
+memory, num_stages - 1 buffers deep, and [BN, BK] float32 gathers per K step need 256-550 KiB there, more than a
+block has (227 KiB on sm_90); tests/kernels/test_kernels_smem.py compiles every type for sm_90 and checks the bound.
+The weights agree with `gguf/quants.py` (= gguf-py's values) to the last bit or two of float32
 (one fused rounding instead of two), exactly for F16/BF16/F32/MXFP4/IQ4_NL/IQ4_XS and the grid types.
 """
 
@@ -38,30 +42,29 @@ import torch
 import triton
 import triton.language as tl
 
-from betelgeuse.gguf.quants import IQ4_KVALUES, _MXFP4_KVALUES, iq_grid, ksigns
+from betelgeuse.gguf.quants import IQ4_KVALUES, iq_grid
 
 # kernel codes (constexpr QT) of the GGML types
 QT_CODES = {8: 0, 1: 1, 30: 2, 0: 3, 39: 4, 12: 5, 13: 6, 14: 7, 11: 8, 10: 9, 23: 10, 20: 11, 16: 12, 17: 13, 18: 14}
 # Q8_0 F16 BF16 F32 MXFP4 Q4_K Q5_K Q6_K Q3_K Q2_K IQ4_XS IQ4_NL IQ2_XXS IQ2_XS IQ3_XXS
 SUPER = frozenset({5, 6, 7, 8, 9, 10, 12, 13, 14})      # 256-element super-blocks (K a multiple of 256)
 
-# offsets (float32 elements) of the tables in `tables()`
-KV_IQ4, KV_MXFP4, SIGNS, GRID_IQ2XXS, GRID_IQ2XS, GRID_IQ3XXS, TABLES_LEN = 0, 16, 32, 1056, 3104, 7200, 8224
+# byte offsets of the tables in `tables()` (the kernels use them as literals)
+KV_IQ4, GRID_IQ2XXS, GRID_IQ2XS, GRID_IQ3XXS, TABLES_LEN = 0, 32, 2080, 6176, 7200
 _TABLES: dict[str, torch.Tensor] = {}
 
 
 def tables(device) -> torch.Tensor:
-    """float32 [TABLES_LEN] on `device`: IQ4 code book, doubled e2m1 values, the i-quant signs as +-1 [128, 8],
-    and the IQ2_XXS [256, 8], IQ2_XS [512, 8], IQ3_XXS [256, 4] grids (gguf-py's, as gguf/quants.py)."""
+    """uint8 [TABLES_LEN] on `device`: the IQ4 code book as float16 [16] (exact: integers < 128), then the IQ2_XXS
+    [256, 8], IQ2_XS [512, 8] and IQ3_XXS [256, 4] grids as bytes (gguf-py's, as gguf/quants.py; values < 64)."""
     key = str(device)
     if key not in _TABLES:
-        s = np.array(ksigns(), dtype=np.int64)[:, None] >> np.arange(8)
-        parts = [np.array(IQ4_KVALUES, np.float32), np.array(_MXFP4_KVALUES, np.float32),
-                 np.where((s & 1) == 0, 1.0, -1.0).astype(np.float32).reshape(-1)]
-        parts += [iq_grid(q).astype(np.float32).reshape(-1) for q in (16, 17, 18)]
-        t = np.concatenate(parts)
-        assert t.size == TABLES_LEN and [p.size for p in parts] == [16, 16, 1024, 2048, 4096, 1024]
-        _TABLES[key] = torch.from_numpy(t).to(device)
+        grids = [iq_grid(q).reshape(-1) for q in (16, 17, 18)]
+        assert all(int(g.max()) < 64 for g in grids)            # 6 bits: the kernels' 1 + q/64 mantissa trick
+        parts = [np.array(IQ4_KVALUES, np.float16).view(np.uint8), *grids]
+        assert np.cumsum([0] + [p.size for p in parts]).tolist() == [KV_IQ4, GRID_IQ2XXS, GRID_IQ2XS, GRID_IQ3XXS,
+                                                                     TABLES_LEN]
+        _TABLES[key] = torch.from_numpy(np.concatenate(parts)).to(device)
     return _TABLES[key]
 
 
@@ -125,11 +128,25 @@ def _k_scale_min(pool, b, s, m):
 
 
 @triton.jit
-def _grid_rows(tab, off: tl.constexpr, idx, W: tl.constexpr, BN: tl.constexpr, G: tl.constexpr):
-    """[BN, G] row indices into a float table of W-wide rows at `off` -> [BN, G * W] (rows side by side)."""
-    k = tl.arange(0, W)
-    v = tl.load(tab + off + idx[:, :, None] * W + k[None, None, :])
-    return tl.reshape(v, (BN, G * W))
+def _iq4_values(tab, q):
+    """float32 IQ4 code book values of 4-bit codes q (tables' float16 [16] at byte 0: 2-byte gathers, unstaged)."""
+    return tl.load(tab.to(tl.pointer_type(tl.float16)) + q).to(tl.float32)
+
+
+@triton.jit
+def _grid_weights(tab, off: tl.constexpr, gi, W: tl.constexpr, si, db, BN: tl.constexpr, G: tl.constexpr):
+    """The i-quant weights [BN, G * 8] of G groups of 8 = grid rows x scale x signs: gi [BN, G * 8 // W] row
+    indices into tables' W-byte rows at byte `off` (values q < 64), db [BN, G] the groups' scales, si [BN, G] their
+    7 sign bits (the 8th: the parity of the 7). w = (64 db) (1 + q/64 - 1) = db q rounded once, as db * grid."""
+    GR: tl.constexpr = G * 8 // W
+    q = tl.load(tab + off + gi[:, :, None] * W + tl.arange(0, W)[None, None, :]).to(tl.int32)   # [BN, GR, W]
+    u = _unit(tl.reshape(q, (BN, G * 8)) << 17) - 1.0                      # q / 64, exactly
+    w = _spread(64.0 * db, BN, G, 8) * u
+    p = si ^ (si >> 4)
+    p = p ^ (p >> 2)
+    p = p ^ (p >> 1)
+    neg = (_spread(si | ((p & 1) << 7), BN, G, 8) >> (tl.arange(0, G * 8) % 8)[None, :]) & 1
+    return (w.to(tl.int32, bitcast=True) ^ (neg << 31)).to(tl.float32, bitcast=True)
 
 
 # ---- the K step per type --------------------------------------------------------------------------------
@@ -185,7 +202,7 @@ def wdot(acc, x_ptr, xrow, mr, pool, tab, ra, kk, mn,
                 v = ((qs << (22 - 4 * nib)) & 0x01C00000) | ((qs << (28 - 4 * nib)) & -2147483648)
                 w = (v.to(tl.float32, bitcast=True) * 1.7014118346046923e38) * d       # 2^127
             else:
-                w = d * tl.load(tab + ((qs >> (4 * nib)) & 15))                           # the IQ4 code book
+                w = d * _iq4_values(tab, (qs >> (4 * nib)) & 15)
             acc = _mma(acc, w, x_ptr, xrow, mr, kk + (c // 16) * 32 + nib * 16 + c % 16, IEEE)
     else:                                               # 256-element super-blocks, BK = 256 or 128
         half = (kk // BK) % (256 // BK)                  # which half of the super-block (BK = 128)
@@ -280,7 +297,7 @@ def wdot(acc, x_ptr, xrow, mr, pool, tab, ra, kk, mn,
             sc = (((lo >> ((s % 2) * 4)) & 15) | (((_u16(pool, b + 2, m2) >> (s * 2)) & 3) << 4)) - 32
             dl = _spread(_f16(pool, b, m2) * sc.to(tl.float32), BN, NS, 16)
             for nib in tl.static_range(2):
-                w = dl * tl.load(tab + ((qs >> (4 * nib)) & 15))
+                w = dl * _iq4_values(tab, (qs >> (4 * nib)) & 15)
                 acc = _mma(acc, w, x_ptr, xrow, mr, kk + (c // 16) * 32 + nib * 16 + c % 16, IEEE)
         elif QT == 12 or QT == 13:                       # IQ2_XXS / IQ2_XS: groups of 8 = a grid row x signs
             NGR: tl.constexpr = BK // 8                  # groups in this tile
@@ -292,7 +309,7 @@ def wdot(acc, x_ptr, xrow, mr, pool, tab, ra, kk, mn,
                 aux = _u32(pool, b + (6 + (l // 4) * 8)[None, :], m2)
                 si = (aux >> ((l % 4) * 7)[None, :]) & 127
                 db = d * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.25
-                GO: tl.constexpr = 1056
+                GO: tl.constexpr = 32                   # GRID_IQ2XXS
             else:
                 # u16 at 2 + 2 l: 9-bit grid index, 7-bit signs; 4-bit scale per 16 elements: byte 66 + l // 4
                 q = _u16(pool, b + (2 + l * 2)[None, :], m2)
@@ -300,8 +317,8 @@ def wdot(acc, x_ptr, xrow, mr, pool, tab, ra, kk, mn,
                 si = q >> 9
                 sb = _u8(pool, b + (66 + l // 4)[None, :], m2)
                 db = d * (0.5 + ((sb >> (((l // 2) % 2) * 4)[None, :]) & 15).to(tl.float32)) * 0.25
-                GO: tl.constexpr = 3104
-            w = _grid_rows(tab, GO, gi, 8, BN, NGR) * _spread(db, BN, NGR, 8) * _grid_rows(tab, 32, si, 8, BN, NGR)
+                GO: tl.constexpr = 2080                 # GRID_IQ2XS
+            w = _grid_weights(tab, GO, gi, 8, si, db, BN, NGR)
             acc = _mma(acc, w, x_ptr, xrow, mr, kk + tl.arange(0, BK), IEEE)
         else:                                            # IQ3_XXS: grid[64] of 4-rows, u32 x 8 signs/scale at 66
             NGR: tl.constexpr = BK // 8
@@ -310,7 +327,7 @@ def wdot(acc, x_ptr, xrow, mr, pool, tab, ra, kk, mn,
             si = (aux >> ((l % 4) * 7)[None, :]) & 127
             db = _f16(pool, b, m2) * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.5
             gi = _u8(pool, b + 2 + (half * 2 * NGR + tl.arange(0, 2 * NGR))[None, :], m2)
-            w = _grid_rows(tab, 7200, gi, 4, BN, 2 * NGR) * _spread(db, BN, NGR, 8) * _grid_rows(tab, 32, si, 8, BN, NGR)
+            w = _grid_weights(tab, 6176, gi, 4, si, db, BN, NGR)     # GRID_IQ3XXS
             acc = _mma(acc, w, x_ptr, xrow, mr, kk + tl.arange(0, BK), IEEE)
     return acc
 
