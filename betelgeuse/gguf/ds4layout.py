@@ -147,20 +147,25 @@ def hf_to_gguf(state: dict) -> dict:
 QUERY_CHUNK = 128        # = model.deepseek4.QUERY_CHUNK (attention queries per block); no torch import here
 
 
+def comp_rows(ratio: int) -> int:
+    """Rows of a compressor's open-window buffer (model.deepseek4.CompState): ratio 4 keeps two windows (the next
+    entry pools the previous window's first half), ratio 128 one."""
+    return 2 * ratio if ratio == 4 else ratio
+
+
 def state_bytes(cfg, max_len: int, dtype_bytes: int) -> int:
-    """One sequence's cache state at `max_len` tokens (model.deepseek4.DS4Cache): per layer the last
-    window-1 K=V rows; per compressor its entries (one per `ratio` tokens), the open window's projected
-    rows (kv + gate) and, ratio 4, the previous window's first half; the indexer's the same at its width."""
+    """One sequence's cache state for `max_len` tokens (model.deepseek4.DS4Cache, fixed shapes allocated whole):
+    per layer the window ring [window, hd]; per compressor its open-window rows (kv + gate) [comp_rows, C] and its
+    entries [ceil(max_len / ratio), d]; the indexer's compressor the same at its width."""
     p, hd = cfg.ds4, cfg.head_dim
     n = 0
     for r in p.compress_ratios:
-        n += (p.sliding_window - 1) * hd
+        n += p.sliding_window * hd
         if r:
-            coff = 2 if r == 4 else 1
-            n += -(-max_len // r) * hd + 2 * r * coff * hd + (2 * r * hd if r == 4 else 0)
+            n += 2 * comp_rows(r) * (2 if r == 4 else 1) * hd + -(-max_len // r) * hd
             if r == 4:
                 ihd = p.index_head_dim
-                n += -(-max_len // r) * ihd + 2 * r * 2 * ihd + 2 * r * ihd
+                n += 2 * comp_rows(r) * 2 * ihd + -(-max_len // r) * ihd
     return n * dtype_bytes
 
 
