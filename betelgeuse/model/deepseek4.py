@@ -367,25 +367,19 @@ class Deepseek4Model:
         b, hd, H = f"blk.{l}.", self.cfg.head_dim, self.cfg.n_head
         st = cache.layers[l]
         ratio = p.compress_ratios[l]
-        q, kv = rows[0], rows[1]
-        keys, mask = ops.ring_write(st.swa, kv, pos)                           # [W, hd], [W] visible
+        q, cos, sin = rows[0], *(self.rope_comp if ratio else self.rope_main).cos_sin(pos)
+        ents = top = None
         if ratio:
             ops.compress_step(st.comp.kv, st.comp.gate, st.comp.entries, rows[2], rows[3],
                               w[b + "attn_compressor_ape.weight"], w[b + "attn_compressor_norm.weight"],
                               self.rope_comp, pos, ratio, self.cfg.rms_eps)
-            N = st.comp.entries.shape[0]
-            visible = torch.arange(N, device=pos.device) < torch.div(pos + 1, ratio, rounding_mode="floor")  # [N]
+            ents = st.comp.entries
             if ratio == 4:
                 ops.compress_step(st.idx.kv, st.idx.gate, st.idx.entries, rows[4], rows[5],
                                   w[b + "indexer_compressor_ape.weight"], w[b + "indexer_compressor_norm.weight"],
                                   self.rope_comp, pos, ratio, self.cfg.rms_eps)
-                top = ops.index_topk(rows[6], rows[7], st.idx.entries, visible, min(p.index_topk, N))   # [k]
-                ents, vis = st.comp.entries.index_select(0, top), visible.index_select(0, top)
-            else:
-                ents, vis = st.comp.entries, visible
-            keys, mask = torch.cat([keys, ents]), torch.cat([mask, vis])
-        cos, sin = (self.rope_comp if ratio else self.rope_main).cos_sin(pos)
-        o = ops.attend(q, keys, mask[None], w[b + "attn_sinks.weight"], cos, sin)   # [1, H, hd] de-rotated
+                top = ops.index_topk(rows[6], rows[7], st.idx.entries, pos, min(p.index_topk, ents.shape[0]))
+        o = ops.decode_attend(q, rows[1], st.swa, ents, top, pos, ratio, w[b + "attn_sinks.weight"], cos, sin)
         return o.reshape(1, H * hd)
 
     def _attend_prefill(self, layer: int, rows: tuple, cache: DS4Cache, positions: torch.Tensor) -> torch.Tensor:
@@ -525,11 +519,12 @@ class Deepseek4Model:
 
     def moe_output(self, layer: int, x: torch.Tensor, aux, h: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
         """routed [T, D] = sum_r w_r expert_r(h); adds the shared expert and mixes back into the streams."""
-        b = f"blk.{layer}."
-        shared = expert_ffn(h, self.w[b + "ffn_gate_shexp.weight"], self.w[b + "ffn_up_shexp.weight"],
-                            self.w[b + "ffn_down_shexp.weight"], float(self.p.swiglu_limit_shexp[layer]))
+        b, w = f"blk.{layer}.", self.w
+        shared = self.ops.shared_ffn(h, w.get(b + "ffn_gate_up_shexp.weight"), w[b + "ffn_gate_shexp.weight"],
+                                     w[b + "ffn_up_shexp.weight"], w[b + "ffn_down_shexp.weight"],
+                                     float(self.p.swiglu_limit_shexp[layer]))
         post, comb = aux
-        return self.ops.hc_post(x, routed + shared, post, comb)
+        return self.ops.hc_post(x, routed, post, comb, shared)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """X [T, hc, D] -> logits [T, n_vocab] float32."""
@@ -607,9 +602,11 @@ class TorchOps:
         return post, comb, _rms(u, norm, eps)
 
     @staticmethod
-    def hc_post(X, out, post, comb):
-        """X' [T, hc, D] = post_k * out + sum_j comb[j, k] X_j."""
+    def hc_post(X, out, post, comb, extra=None):
+        """X' [T, hc, D] = post_k * (out + extra) + sum_j comb[j, k] X_j."""
         dt = X.dtype
+        if extra is not None:
+            out = out + extra
         return post.to(dt).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), X)
 
     @staticmethod
@@ -624,14 +621,6 @@ class TorchOps:
     @staticmethod
     def rope(x, cos, sin):
         return apply_rope(x, cos, sin)
-
-    @staticmethod
-    def ring_write(ring, kv, pos):
-        """kv [1, hd] into the window ring [W, hd] at row pos % W -> (ring, visible [W]: the rows that hold
-        positions pos-W+1..pos, i.e. those >= 0)."""
-        W = ring.shape[0]
-        ring.index_copy_(0, pos.remainder(W), kv)
-        return ring, pos - (pos - torch.arange(W, device=pos.device)).remainder(W) >= 0
 
     @staticmethod
     def compress_step(kv_buf, gate_buf, entries, kv, gate, ape, norm, rope, pos, ratio: int, eps: float):
@@ -656,14 +645,31 @@ class TorchOps:
         entries.index_copy_(0, w, pool_entries(ck[None], cg[None], norm, cos, sin, eps))
 
     @staticmethod
-    def index_topk(iq, iw, keys, visible, k: int):
-        """One query's indexer scores over every entry [N] (the invisible ones -inf) -> the top-k rows [k]."""
+    def index_topk(iq, iw, keys, pos, k: int):
+        """One query's indexer scores over every entry [N] (those not visible at pos -inf) -> the top-k rows [k]."""
+        visible = torch.arange(keys.shape[0], device=pos.device) < torch.div(pos + 1, 4, rounding_mode="floor")
         return index_scores(iq, iw, keys).masked_fill(~visible[None], float("-inf")).topk(k, dim=-1).indices[0]
 
     @staticmethod
-    def attend(q, keys, mask, sinks, cos, sin):
-        """q [Q, H, hd] over keys [S, hd] (mask [Q, S]) with the sinks, de-rotated at the queries' positions."""
-        return apply_rope(attend_ref(q, keys, mask, sinks), cos, -sin)
+    def decode_attend(q, kv, ring, entries, top, pos, ratio: int, sinks, cos, sin):
+        """The token's K=V row kv [1, hd] into the window ring [W, hd] at pos % W; then one query q [1, H, hd] at
+        pos over the ring (its rows that hold a position >= 0) and,
+        on compressed layers, the entries (top [k]: those rows; None: every row) visible at pos (row < (pos+1) //
+        ratio), with the sinks -> [1, H, hd] de-rotated at pos (cos/sin [1, r])."""
+        W, dev = ring.shape[0], pos.device
+        ring.index_copy_(0, pos.remainder(W), kv)
+        keys, mask = ring, pos - (pos - torch.arange(W, device=dev)).remainder(W) >= 0
+        if entries is not None:
+            visible = torch.arange(entries.shape[0], device=dev) < torch.div(pos + 1, ratio, rounding_mode="floor")
+            if top is not None:
+                entries, visible = entries.index_select(0, top), visible.index_select(0, top)
+            keys, mask = torch.cat([keys, entries]), torch.cat([mask, visible])
+        return apply_rope(attend_ref(q, keys, mask[None], sinks), cos, -sin)
+
+    @staticmethod
+    def shared_ffn(h, gate_up, gate, up, down, limit: float):
+        """The shared expert (clamped SwiGLU) on h [T, H]; gate_up (the fused gate | up rows, CUDA) unused here."""
+        return expert_ffn(h, gate, up, down, limit)
 
     @staticmethod
     def route_topk(logits, bias, k: int, norm: bool, scale: float, dtype):
