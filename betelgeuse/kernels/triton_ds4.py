@@ -354,6 +354,17 @@ class TritonOps(TorchOps):
     """TorchOps' methods as fused Triton launches (module doc)."""
 
     @staticmethod
+    def prepare(w: dict, n_layer: int) -> None:
+        """The shared expert's gate and up rows in one [2F, H] matrix (one matmul per call, no concatenation in
+        the decode step), the separate names kept as views of it: the same bytes as before."""
+        for l in range(n_layer):
+            b = f"blk.{l}."
+            gu = torch.cat([w[b + "ffn_gate_shexp.weight"], w[b + "ffn_up_shexp.weight"]])
+            F_ = gu.shape[0] // 2
+            w[b + "ffn_gate_up_shexp.weight"] = gu
+            w[b + "ffn_gate_shexp.weight"], w[b + "ffn_up_shexp.weight"] = gu[:F_], gu[F_:]
+
+    @staticmethod
     def hc_pre(X, fn, base, scale, norm, iters: int, hc_eps: float, eps: float):
         T, HC, D = X.shape
         K, M = HC * D, fn.shape[0]
@@ -466,8 +477,8 @@ class TritonOps(TorchOps):
 
     @staticmethod
     def shared_ffn(h, gate_up, gate, up, down, limit: float):
-        """h [T, H], gate_up [2F, H] (gate rows, then up: TritonOps.prepare), down [H, F] -> [T, H]: the clamped
-        SwiGLU expert."""
+        """h [T, H], gate_up [2F, H] (gate rows, then up: prepare; None: concatenated here), down [H, F] -> [T, H]:
+        the clamped SwiGLU expert."""
         gu = F.linear(h, gate_up if gate_up is not None else torch.cat([gate, up]))
         T, Fw = gu.shape[0], gu.shape[1] // 2
         act = torch.empty((T, Fw), dtype=h.dtype, device=h.device)

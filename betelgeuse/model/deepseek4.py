@@ -240,6 +240,7 @@ class Deepseek4Model:
         # CUDA: the fused Triton kernels of kernels/triton_ds4.py for the per-row math (mHC, norms + RoPE, the
         # compressor's step, the static attention, the routing); the CPU keeps the torch reference below
         self.ops = ops_for(self.device)
+        self.ops.prepare(self.w, cfg.n_layer)
 
     @classmethod
     def load_dense(cls, f, device="cpu", dtype=torch.float32) -> dict[str, torch.Tensor]:
@@ -581,6 +582,10 @@ def attend_ref(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sinks: t
 class TorchOps:
     """The per-row math of a deepseek4 layer in torch: the CPU path (the exact reference against transformers) and
     what kernels/triton_ds4.py's fused kernels must equal within float noise (tests/test_ds4_kernels.py)."""
+
+    @staticmethod
+    def prepare(w: dict, n_layer: int) -> None:
+        """Rearrange the dense weights for these ops once at load (TorchOps: nothing)."""
 
     @staticmethod
     def hc_pre(X, fn, base, scale, norm, iters: int, hc_eps: float, eps: float):

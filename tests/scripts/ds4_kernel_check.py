@@ -181,8 +181,13 @@ for dt in (torch.float32, torch.bfloat16):
     Hs, Fs = 32, 1100
     h = rnd(T, Hs, dtype=dt)
     gate, up, down = rnd(Fs, Hs, dtype=dt, s=0.5), rnd(Fs, Hs, dtype=dt, s=0.5), rnd(Hs, Fs, dtype=dt, s=0.05)
-    a = tri.shared_ffn(h, torch.cat([gate, up]), gate, up, down, 2.0)
+    w = {"blk.0.ffn_gate_shexp.weight": gate.clone(), "blk.0.ffn_up_shexp.weight": up.clone()}
+    tri.prepare(w, 1)                   # gate | up fused once, the separate names views of it
+    gu_w = w["blk.0.ffn_gate_up_shexp.weight"]
+    a = tri.shared_ffn(h, gu_w, w["blk.0.ffn_gate_shexp.weight"], w["blk.0.ffn_up_shexp.weight"], down, 2.0)
     b = ref.shared_ffn(h, None, gate, up, down, 2.0)
+    views = (w["blk.0.ffn_up_shexp.weight"].data_ptr() == gu_w.data_ptr() + Fs * Hs * gu_w.element_size()
+             and torch.equal(w["blk.0.ffn_gate_shexp.weight"], gate) and torch.equal(w["blk.0.ffn_up_shexp.weight"], up))
     gu = torch.nn.functional.linear(h, torch.cat([gate, up]))
     act = torch.empty(T, Fs, dtype=dt)
     triton_ds4._swiglu_kernel[(T, 2)](gu, act, Fs, 2.0, BF=1024)
@@ -192,6 +197,7 @@ for dt in (torch.float32, torch.bfloat16):
         triton_ds4._swiglu_kernel[(1, 2)](gu[i:i + 1].contiguous(), one, Fs, 2.0, BF=1024)
         inv &= torch.equal(one, act[i:i + 1])
     case(f"shared_ffn/{dn}", [(a, b)], row_inv=inv)
+    out[f"shared_ffn/{dn}"]["exact"] = views
 
 json.dump(out, sys.stdout)
 print()
