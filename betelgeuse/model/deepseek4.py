@@ -47,11 +47,6 @@ from betelgeuse.model.reference import ReferenceExperts
 
 QUERY_CHUNK = ds4layout.QUERY_CHUNK   # attention queries per block (bounds the score tensor; attention_block)
 
-# tensors kept in float32 whatever the compute dtype (transformers' _keep_in_fp32_modules_strict)
-_FP32_KINDS = ("attn_norm", "ffn_norm", "output_norm", "attn_sinks", "attn_q_a_norm", "attn_kv_a_norm",
-               "hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
-               "output_hc_fn", "output_hc_base", "output_hc_scale", "attn_compressor_ape", "attn_compressor_norm",
-               "indexer_compressor_ape", "indexer_compressor_norm", "exp_probs_b")
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -254,7 +249,7 @@ class Deepseek4Model:
             if k == "ffn_gate_tid2eid":
                 out[name] = f.load_tensor(name, device, torch.int64)
             else:
-                out[name] = f.load_tensor(name, device, torch.float32 if k in _FP32_KINDS else dtype)
+                out[name] = f.load_tensor(name, device, torch.float32 if k in ds4layout.FP32_KINDS else dtype)
         return out
 
     # -- the MoEModel surface (model/interface.py) --
