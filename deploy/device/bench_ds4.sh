@@ -14,8 +14,8 @@
 # 1. the wheels in .whl/ into /tmp/site where this Python lacks a module (as bench.sh), PYTHONPATH=/tmp/site:$PWD
 # 2. the ds4-flash model (8 layers, 256 MXFP4 experts of 13.4 MB per layer) at $WORK/ds4-flash.gguf, written
 #    once (fsync'd and dropped from the page cache, as `betelgeuse bench` does) and reused by later runs
-# 3. deploy/device/check_ds4.py (CHECK_STEPS, default kernel,engine; every step with CHECK_ONLY=1): its rows say
-#    PASS/FAIL; the bench runs either way
+# 3. deploy/device/check_ds4.py (CHECK_STEPS, default kernel,engine,vram with the vram step on this model; every
+#    step on ds4-tiny with CHECK_ONLY=1): its rows say PASS/FAIL; the bench runs either way
 # 4. bench.sh --preset ds4-flash --variant-skew none --memory-max 12G --vram-budget 12GiB with the time left
 #    (BUDGET = TOTAL - elapsed - 75 s: bench.sh's hard timeout is BUDGET + 60)
 # 5. deploy/device/ds4_summary.py: the issue-21 figures from bench.json (also $OUT/$RUN_NAME/ds4_summary.md)
@@ -54,7 +54,7 @@ fi
 if [ "$CHECK_ONLY" = 1 ]; then
   say "check_ds4.py (${CHECK_STEPS:-every step})"
   timeout $(( TOTAL - 20 )) "$PY" deploy/device/check_ds4.py --out "$DEST" --tmp "$WORK/check" \
-    --only "${CHECK_STEPS:-kernel,engine,ops,decode,launches}" ${CHECK_ARGS:-} >>"$LOG" 2>&1
+    --only "${CHECK_STEPS:-kernel,engine,ops,decode,launches,vram}" ${CHECK_ARGS:-} >>"$LOG" 2>&1
   rc=$?
   say "check_ds4.py exit $rc"
   [ -f "$DEST/check_ds4.md" ] && cat "$DEST/check_ds4.md"
@@ -81,8 +81,8 @@ fi
 
 # 3. the quick correctness checks on the device
 say "check_ds4.py"
-timeout 200 "$PY" deploy/device/check_ds4.py --out "$DEST" --tmp "$WORK/check" --only "${CHECK_STEPS:-kernel,engine}" \
-  ${CHECK_ARGS:-} >>"$LOG" 2>&1
+timeout 260 "$PY" deploy/device/check_ds4.py --out "$DEST" --tmp "$WORK/check" --only "${CHECK_STEPS:-kernel,engine,vram}" \
+  --vram-model "$MODEL" ${CHECK_ARGS:-} >>"$LOG" 2>&1
 say "check_ds4.py exit $?"
 [ -f "$DEST/check_ds4.md" ] && cat "$DEST/check_ds4.md"
 

@@ -22,6 +22,11 @@
    sequences over the lanes, one sitting out, == each alone; graphs replayed).
 5. launches: kernels per layer of one decode step from torch.profiler, eager (the kernels a step runs) and replayed
    (what the profiler sees of the graphs), lanes and solo; PASS when the eager lanes step is <= 60 per layer.
+6. vram: the worker's VRAM outside the expert slots, measured, against the slot plan's terms (store/plan.py
+   vram_fixed_bytes): a runner with no VRAM slots over --vram-model (bench_ds4.sh passes ds4-flash; default
+   ds4-tiny) and max_running 2, a 64-token prompt, then two sequences decoding 8 steps in the lanes with graphs and
+   one alone (the graph pools): dense weights, graph pools, the non-torch part of the device (context, Triton
+   modules) and the device-wide peak beside each plan term; PASS when the peak stays within the plan's total.
 
 --adversarial-timing SEED:MS: the engine step under the store's test-only jitter (as check_cuda.py).
 """
@@ -41,8 +46,8 @@ sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 
-from check_cuda import (RESULTS, ROWS, check_batch, close, results_table, row, run_steps, runner_for,  # noqa: E402
-                        slot_passes, sync, timing_flag, use_timing)
+from check_cuda import (RESULTS, ROWS, check_batch, close, ids_for, results_table, row, run_steps,  # noqa: E402
+                        runner_for, slot_passes, sync, timing_flag, use_timing)
 
 from betelgeuse.gguf.quants import dequantize  # noqa: E402
 from betelgeuse.gguf.synth import spec_from_preset, write_model  # noqa: E402
@@ -325,12 +330,77 @@ def check_launches(device: str, tmp: Path):
     RESULTS["launches"] = res
 
 
+def check_vram(device: str, tmp: Path, model: str | None):
+    if not device.startswith("cuda"):
+        row("ds4 vram vs plan", None, "CUDA only")
+        return
+    from betelgeuse.config import GiB, MiB
+    from betelgeuse.gguf.reader import GGUFModelFile
+    from betelgeuse.model.registry import arch_of
+    from betelgeuse.store import plan as P
+    path = Path(model) if model and Path(model).exists() else _tiny(tmp)[0]
+    dev = torch.device(device)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    free0, total = torch.cuda.mem_get_info()
+    alloc0, res0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    runner, store = runner_for(path, device, 0, 0, max_running=2, vram_budget=100 * GiB)
+    try:
+        cfg, f = runner.cfg, runner.file
+        c = f.config
+        a, dt = arch_of(c), P.compute_dtype_bytes(cfg)
+        plan = runner.plan
+        slot = plan.slot.slot_bytes
+        terms = {"dense": P.dense_bytes(f, dt), "state x max_running": cfg.max_running * a.state_bytes(c, cfg.max_context, dt),
+                 "ring": cfg.ring_slots * slot, "activations + scratch": a.activation_bytes(c, cfg.prefill_pass_tokens, dt)
+                 + a.scratch_bytes(c, cfg.max_context), "graphs": cfg.max_running * P.GRAPHS_BYTES_PER_SEQ,
+                 "context": P.CUDA_CONTEXT_BYTES}
+        torch.cuda.synchronize()
+        dense = torch.cuda.memory_allocated() - alloc0 - cfg.ring_slots * slot
+        prompts = [ids_for(path, 64, seed) for seed in (11, 12)]
+        kvs = [runner.new_cache(len(p) + 16) for p in prompts]
+        last = []
+        for p, kv in zip(prompts, kvs):
+            lg, _ = runner.forward(p, kv)
+            last.append(int(lg[-1].argmax()))
+        torch.cuda.synchronize()
+        res_before = torch.cuda.memory_reserved()
+        for _ in range(8):
+            lg, _ = runner.decode_batch(last, kvs)
+            last = [int(x.argmax()) for x in lg]
+        kv3 = runner.new_cache(len(prompts[0]) + 16)
+        lg, _ = runner.forward(prompts[0], kv3)
+        for _ in range(4):
+            lg, _ = runner.forward([int(lg[-1].argmax())], kv3, consolidate=False)
+        torch.cuda.synchronize()
+        graphs = torch.cuda.memory_reserved() - res_before
+        free1, _ = torch.cuda.mem_get_info()
+        used = (total - free1) - (total - free0)
+        non_torch = used - (torch.cuda.memory_reserved() - res0)
+        peak = non_torch + torch.cuda.max_memory_reserved() - res0       # device-wide peak, approximately
+        fixed = plan.vram_fixed
+        meas = {"dense": dense, "graphs (reserved growth over decode)": graphs, "non-torch (context, modules)": non_torch,
+                "torch max allocated": torch.cuda.max_memory_allocated() - alloc0,
+                "torch max reserved": torch.cuda.max_memory_reserved() - res0, "device peak": peak}
+        for kv in kvs + [kv3]:
+            runner.release(kv)
+    finally:
+        close(runner, store)
+    row("ds4 vram vs plan", peak <= fixed,
+        f"{path.name}, 0 VRAM slots: device peak {peak / MiB:,.0f} MiB vs plan fixed {fixed / MiB:,.0f} MiB; "
+        + "; ".join(f"{k} {v / MiB:,.1f}" for k, v in meas.items()) + " || plan: "
+        + "; ".join(f"{k} {v / MiB:,.1f}" for k, v in terms.items()))
+    RESULTS["vram"] = {"model": str(path), "measured": meas, "plan_terms": terms, "plan_fixed": fixed}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--tmp", default="/tmp/bg-check")
     p.add_argument("--out", help="directory for check_ds4.md / check_ds4.json")
-    p.add_argument("--only", default="kernel,engine,ops,decode,launches", help="comma-separated steps to run")
+    p.add_argument("--only", default="kernel,engine,ops,decode,launches,vram", help="comma-separated steps to run")
+    p.add_argument("--vram-model", help="the model of the vram step (bench_ds4.sh: ds4-flash; default ds4-tiny)")
     p.add_argument("--hidden", type=int, default=4096, help="kernel check: expert input width H (V4-Flash: 4096)")
     p.add_argument("--ff", type=int, default=2048, help="kernel check: expert width F (V4-Flash: 2048)")
     timing_flag(p)
@@ -347,7 +417,8 @@ def main() -> int:
                ("engine", lambda: check_engine(a.device, tmp)),
                ("ops", lambda: check_ops(a.device)),
                ("decode", lambda: check_decode(a.device, tmp)),
-               ("launches", lambda: check_launches(a.device, tmp))), a.only)
+               ("launches", lambda: check_launches(a.device, tmp)),
+               ("vram", lambda: check_vram(a.device, tmp, a.vram_model))), a.only)
     md = results_table("check_ds4")
     print("\n" + md, flush=True)
     if a.out:
