@@ -1,5 +1,7 @@
-"""Peak bytes of the tensors a piece of torch code allocates, on any device (the CPU included): a TorchDispatchMode
-that counts each op's fresh output storages and drops them when the last tensor viewing them is collected.
+"""What a piece of torch code allocates and launches, measured on any device (the CPU included).
+
+PeakLive: peak bytes of the tensors it allocates: a TorchDispatchMode that counts each op's fresh output storages
+and drops them when the last tensor viewing them is collected.
 
 Storages that existed before (weights, caches: in-place writes into them, views of them) are not counted, nor an
 op's internal temporaries that never reach Python: what it measures is the live activations, the thing the slot
@@ -10,6 +12,7 @@ in a fraction of the time, its values meaningless.
 
 from __future__ import annotations
 
+import collections
 import weakref
 
 import torch
@@ -63,3 +66,53 @@ class PeakLive(TorchDispatchMode):
                 self.peak = max(self.peak, self.current)
             weakref.finalize(t, self._drop, key)
         return out
+
+
+# ops that make a view or only allocate: no kernel runs on CUDA for them
+_NO_KERNEL = {"view", "_unsafe_view", "reshape", "slice", "select", "expand", "transpose", "t", "unsqueeze", "squeeze",
+              "as_strided", "permute", "alias", "detach", "split", "split_with_sizes", "unbind", "lift_fresh",
+              "empty", "empty_like", "empty_strided", "new_empty"}
+
+
+class KernelCount(TorchDispatchMode):
+    """Ops that launch a kernel on CUDA (views and bare allocations excluded), by name; with stub_triton, the Triton
+    launches too: an estimate of a CUDA step's launches from a CPU run."""
+
+    def __init__(self, triton_launches: collections.Counter | None = None):
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+        self.triton = triton_launches if triton_launches is not None else collections.Counter()
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values()) + sum(self.triton.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in _NO_KERNEL:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _Launcher:
+    """A Triton kernel whose launches only count (the wrapper's output allocations still happen)."""
+
+    def __init__(self, name: str, counter: collections.Counter):
+        self.name, self.counter = name, counter
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.counter[self.name] += 1
+        return launch
+
+
+def stub_triton(monkeypatch) -> collections.Counter:
+    """deepseek4's Triton kernels (kernels/triton_ds4.py, triton_norm's RMSNorm) replaced by counters: TritonOps runs
+    on the CPU with CUDA's allocations and launch count, its values meaningless. Returns the launch counter."""
+    from betelgeuse.kernels import triton_ds4, triton_norm
+    counter: collections.Counter = collections.Counter()
+    monkeypatch.setattr(triton_norm, "_rms_kernel", _Launcher("_rms_kernel", counter))
+    for name in dir(triton_ds4):
+        if name.startswith("_") and name.endswith("_kernel"):
+            monkeypatch.setattr(triton_ds4, name, _Launcher(name, counter))
+    return counter

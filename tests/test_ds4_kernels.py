@@ -55,3 +55,47 @@ def test_triton_ops_are_batch_invariant(results):
     assert {k.split("/")[0] for k in inv} == {"hc_pre", "hc_post", "rms_rope", "rope", "rms", "route_topk",
                                               "route_hash", "shared_ffn"}
     assert all(inv.values()), [k for k, v in inv.items() if not v]
+
+
+LAUNCH_TARGET = 60      # kernels per layer of a decode step (issue 21); the device figure: check_ds4.py launches
+
+
+def test_decode_step_launches_per_layer(monkeypatch, tmp_path):
+    """A static one-token pass of ds4-tiny with TritonOps (launches counted, not run) launches few kernels per
+    layer: the dense part (attention, mHC, routing, shared expert) leaves room under the target for the runner's
+    MoE step (its route / apply / combine)."""
+    import torch
+
+    from betelgeuse.gguf.reader import GGUFModelFile
+    from betelgeuse.gguf.synth import spec_from_preset, write_model
+    from betelgeuse.kernels.triton_ds4 import TritonOps
+    from betelgeuse.model.deepseek4 import Deepseek4Model
+    from memtrack import KernelCount, stub_triton
+    launches = stub_triton(monkeypatch)
+    path = tmp_path / "ds4-tiny.gguf"
+    write_model(path, spec_from_preset("ds4-tiny"), progress=False)
+    with GGUFModelFile.open(str(path)) as f:
+        c = f.config
+        m = Deepseek4Model(c, Deepseek4Model.load_dense(f, "cpu", torch.float32))
+    m.ops = TritonOps()
+    m.ops.prepare(m.w, c.n_layer)
+    cache = m.new_cache(64)
+    ids = torch.tensor([5])
+    routed = torch.zeros(1, c.n_embd)                    # the MoE step's output (the runner's kernels)
+    with torch.no_grad():
+        for step in range(2):                           # the second: every per-pass table already made once
+            pos = cache.begin_static()
+            with KernelCount(launches) as k:
+                x = m.embed(ids)
+                per = []
+                for layer in range(c.n_layer):
+                    before = k.total
+                    x = m.attention_block(layer, x, cache, pos, static=True)
+                    h, aux = m.moe_input(layer, x)
+                    m.route(layer, h, ids, None)
+                    x = m.moe_output(layer, x, aux, h, routed)
+                    per.append(k.total - before)
+            cache.commit()
+            launches.clear()
+    assert set(c.ds4.compress_ratios) == {0, 4, 128}     # every kind of layer counted
+    assert max(per) <= LAUNCH_TARGET - 10, (per, k.ops.most_common(12))

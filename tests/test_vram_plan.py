@@ -23,7 +23,7 @@ from betelgeuse.gguf import ds4layout
 from betelgeuse.gguf.reader import GGUFModelFile
 from betelgeuse.model.registry import ARCHS
 from betelgeuse.store.plan import dense_bytes
-from memtrack import PeakLive
+from memtrack import PeakLive, stub_triton
 
 
 def test_plan_counts_the_dense_weights_exactly(tiny_model, tmp_path):
@@ -39,22 +39,12 @@ def test_plan_counts_the_dense_weights_exactly(tiny_model, tmp_path):
             del dense
 
 
-class _NoLaunch:
-    """A Triton kernel whose launches do nothing (the wrapper's output allocations still happen)."""
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
-
-
 @pytest.fixture
 def stubbed_triton(monkeypatch):
     pytest.importorskip("triton")
-    from betelgeuse.kernels import triton_ds4, triton_norm
-    monkeypatch.setattr(triton_norm, "_rms_kernel", _NoLaunch())
-    for name in dir(triton_ds4):
-        if name.startswith("_") and name.endswith("_kernel"):
-            monkeypatch.setattr(triton_ds4, name, _NoLaunch())
-    return triton_ds4.TritonOps()
+    from betelgeuse.kernels.triton_ds4 import TritonOps
+    stub_triton(monkeypatch)
+    return TritonOps()
 
 
 def test_ds4_activation_estimate_bounds_a_prefill_pass(stubbed_triton):
