@@ -5,7 +5,7 @@ and drops them when the last tensor viewing them is collected.
 
 Storages that existed before (weights, caches: in-place writes into them, views of them) are not counted, nor an
 op's internal temporaries that never reach Python: what it measures is the live activations, the thing the slot
-plan's activation estimate must bound (tests/test_vram_plan.py). shapes_only=True skips the arithmetic of the
+plan's activation estimate must bound (tests/store/test_vram_plan.py). shapes_only=True skips the arithmetic of the
 matrix products (their outputs are allocated, not computed): the allocation pattern of a pass at full model shapes
 in a fraction of the time, its values meaningless.
 """

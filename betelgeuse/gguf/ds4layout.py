@@ -189,7 +189,7 @@ def activation_bytes(cfg, n_tokens: int, dtype_bytes: int) -> int:
         the de-rotation's float32 rope part [2, H, r] and the indexer's head weights [nh]
       MoE: the residual streams in and out [2, hc, D] and the expert input [D] (compute dtype); the routed rows
         [k, D] and their sum [D] in float32; the shared expert's gate | up and activation [3 F_shared]
-    Checked against the allocations of a pass at V4-Flash shapes (tests/test_vram_plan.py)."""
+    Checked against the allocations of a pass at V4-Flash shapes (tests/store/test_vram_plan.py)."""
     p, D, H, hd = cfg.ds4, cfg.n_embd, cfg.n_head, cfg.head_dim
     nh, ihd, r, hc = p.index_n_heads, p.index_head_dim, p.rope_dim, p.hc_mult
     csa = 4 in p.compress_ratios

@@ -1,7 +1,7 @@
 """Fused Triton kernels for deepseek4's per-row math on CUDA: a few launches per layer instead of hundreds.
 
 `TritonOps` has the methods of model.deepseek4.TorchOps (the CPU path, the exact reference against
-transformers) and must equal them within float noise (tests/test_ds4_kernels.py runs both under
+transformers) and must equal them within float noise (tests/kernels/test_ds4_kernels.py runs both under
 TRITON_INTERPRET=1). What each replaces:
 
   hc_pre      mHC before a sublayer: unweighted RMS of the 4 streams, the [24, 4D] mix, sigmoid pre/post, the
@@ -252,8 +252,9 @@ def _decode_attn_kernel(q_ptr, kv_ptr, ring_ptr, ent_ptr, top_ptr, pos_ptr, sink
                         MODE: tl.constexpr, HD: tl.constexpr, HB: tl.constexpr, BS: tl.constexpr,
                         IEEE: tl.constexpr):
     """Heads [HB*pid, ..) of one query over keys j in [0, W + NE): ring rows (visible: the position the row holds
-    is >= 0; row pos % W is the token's own K=V row kv, which program 0 also stores there) then entries (MODE 1: rows top[j - W]; 2: row j - W; visible: row < (pos+1) // RATIO). Online
-    softmax started at the head's sink (it only enlarges the denominator); K = V."""
+    is >= 0; row pos % W is the token's own K=V row kv, which program 0 also stores there) then entries (MODE 1:
+    rows top[j - W]; 2: row j - W; visible: row < (pos+1) // RATIO). Online softmax started at the head's sink (it
+    only enlarges the denominator); K = V."""
     hb = tl.program_id(0) * HB + tl.arange(0, HB)
     mh = hb < H
     dd = tl.arange(0, HD)

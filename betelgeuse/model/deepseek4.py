@@ -576,7 +576,7 @@ def attend_ref(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sinks: t
 
 class TorchOps:
     """The per-row math of a deepseek4 layer in torch: the CPU path (the exact reference against transformers) and
-    what kernels/triton_ds4.py's fused kernels must equal within float noise (tests/test_ds4_kernels.py)."""
+    what kernels/triton_ds4.py's fused kernels must equal within float noise (tests/kernels/test_ds4_kernels.py)."""
 
     @staticmethod
     def prepare(w: dict, n_layer: int) -> None:

@@ -1,7 +1,7 @@
 """kernels/triton_ds4.py's TritonOps against model/deepseek4.py's TorchOps (the CPU path, exact against
 transformers), method by method, in float32 and bfloat16.
 
-    TRITON_INTERPRET=1 python tests/scripts/ds4_kernel_check.py    # tests/test_ds4_kernels.py: tiny shapes, CPU
+    TRITON_INTERPRET=1 python tests/scripts/ds4_kernel_check.py    # tests/kernels/test_ds4_kernels.py: tiny shapes, CPU
     compare("cuda", FLASH)                                          # deploy/device/check_ds4.py: V4-Flash shapes
 
 Prints (returns) per case ("method/dtype/variant") the max |diff| against TorchOps and the scale of the reference

@@ -8,7 +8,7 @@ measured on the CPU by tests/memtrack.py (the live tensors a piece of code alloc
   but not computed), stays within Arch.activation_bytes + the attention scratch, which is not a wild over-estimate
   either (each VRAM slot the estimate takes is 13 MB of experts that do not fit).
 
-The per-sequence state (state_bytes == DS4Cache.nbytes) is tests/test_model_interface.py's; graph pools and the
+The per-sequence state (state_bytes == DS4Cache.nbytes) is tests/model/test_model_interface.py's; graph pools and the
 CUDA context are measured on the device (deploy/device/check_ds4.py, step vram).
 """
 

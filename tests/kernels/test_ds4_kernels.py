@@ -1,5 +1,5 @@
 """deepseek4's fused Triton kernels (kernels/triton_ds4.py TritonOps, the CUDA path) against TorchOps (the CPU
-path, itself exact against transformers: tests/test_deepseek4_oracle.py), method by method under Triton's
+path, itself exact against transformers: tests/model/test_deepseek4_oracle.py), method by method under Triton's
 interpreter (TRITON_INTERPRET=1), in float32 (IEEE dots: within summation-order noise) and bfloat16 (the CUDA
 compute dtype: within a few bf16 ulps).
 
@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]          # tests/
 
 
 @pytest.fixture(scope="module")
