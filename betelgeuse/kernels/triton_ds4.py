@@ -31,8 +31,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from betelgeuse.model.deepseek4 import TorchOps
-
 HC_SPLIT_K = 1024          # columns of the [M, hc*D] mHC matrix per partial-product program
 
 
@@ -351,8 +349,8 @@ def _ieee(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32
 
 
-class TritonOps(TorchOps):
-    """TorchOps' methods as fused Triton launches (module doc)."""
+class TritonOps:
+    """model.deepseek4.TorchOps' methods (the same signatures) as fused Triton launches (module doc)."""
 
     @staticmethod
     def prepare(w: dict, n_layer: int) -> None:

@@ -49,6 +49,18 @@ def test_triton_ops_match_torch_ops(results, dtype):
     assert failures(cases) == [], {k: cases[k] for k in failures(cases)}
 
 
+def test_triton_ops_have_the_torch_ops_surface():
+    """TritonOps replaces TorchOps on CUDA (model.deepseek4.ops_for): every method, the same signature."""
+    import inspect
+
+    from betelgeuse.kernels.triton_ds4 import TritonOps
+    from betelgeuse.model.deepseek4 import TorchOps
+    public = [n for n in vars(TorchOps) if not n.startswith("_")]
+    assert set(METHODS) | {"prepare"} <= set(public)
+    for name in public:
+        assert inspect.signature(getattr(TritonOps, name)) == inspect.signature(getattr(TorchOps, name)), name
+
+
 def test_triton_ops_are_batch_invariant(results):
     inv = {k: v["row_invariant"] for k, v in results.items() if "row_invariant" in v}
     # every row-batched method is covered (the decode-step kernels run one sequence per launch)
