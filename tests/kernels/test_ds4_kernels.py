@@ -8,7 +8,8 @@ compressor rows), and batch invariance: each row of a launch computed alone equa
 launch (DESIGN.md invariant 6: a sequence's bits do not depend on what else runs). The engine-level checks on a
 GPU (eager vs graph replay, batch invariance of a whole decode step) are deploy/device/check_ds4.py's.
 
-The check runs in a child process: the interpreter is chosen when triton is imported.
+And the whole model (ds4-tiny) with TritonOps against TorchOps, prefill and static decode, within float32 noise.
+The checks run in a child process: the interpreter is chosen when triton is imported.
 """
 
 from __future__ import annotations
@@ -27,13 +28,21 @@ HERE = Path(__file__).resolve().parents[1]          # tests/
 
 
 @pytest.fixture(scope="module")
-def results() -> dict:
+def checked(tmp_path_factory) -> dict:
+    from betelgeuse.gguf.synth import spec_from_preset, write_model
+    path = tmp_path_factory.mktemp("ds4k") / "ds4-tiny.gguf"
+    write_model(path, spec_from_preset("ds4-tiny"), progress=False)
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
                PYTHONPATH=str(HERE.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, str(HERE / "scripts" / "ds4_kernel_check.py")], capture_output=True,
-                       text=True, env=env, timeout=300)
+    p = subprocess.run([sys.executable, str(HERE / "scripts" / "ds4_kernel_check.py"), str(path)],
+                       capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def results(checked) -> dict:
+    return checked["ops"]
 
 
 METHODS = ("hc_pre", "hc_post", "rms_rope", "rope", "rms", "compress_step", "index_topk", "decode_attend",
@@ -47,6 +56,15 @@ def test_triton_ops_match_torch_ops(results, dtype):
     cases = {k: v for k, v in results.items() if k.split("/")[1] == dtype}
     assert {k.split("/")[0] for k in cases} == set(METHODS)
     assert failures(cases) == [], {k: cases[k] for k in failures(cases)}
+
+
+def test_model_with_triton_ops_matches_torch_ops(checked):
+    """The whole model (ds4-tiny, float32) with TritonOps: prefill and static one-token passes within float32 noise
+    of TorchOps, the same greedy tokens (the ops as the model calls them: its shapes, strides and state)."""
+    r = checked["model"]
+    assert r["rows"] == 22 + 3
+    assert r["max_abs"] <= 1e-5 * max(1.0, r["scale"]), r
+    assert r["greedy_equal"], r
 
 
 def test_triton_ops_have_the_torch_ops_surface():

@@ -1,7 +1,7 @@
 """kernels/triton_ds4.py's TritonOps against model/deepseek4.py's TorchOps (the CPU path, exact against
 transformers), method by method, in float32 and bfloat16.
 
-    TRITON_INTERPRET=1 python tests/scripts/ds4_kernel_check.py    # tests/kernels/test_ds4_kernels.py: tiny shapes, CPU
+    TRITON_INTERPRET=1 python tests/scripts/ds4_kernel_check.py [DS4.gguf]   # tests/kernels/test_ds4_kernels.py
     compare("cuda", FLASH)                                          # deploy/device/check_ds4.py: V4-Flash shapes
 
 Prints (returns) per case ("method/dtype/variant") the max |diff| against TorchOps and the scale of the reference
@@ -219,8 +219,32 @@ def compare(device: str = "cpu", dims: dict = TINY, dtypes=(torch.float32, torch
     return out
 
 
+def compare_model(path: str, prompt_len: int = 22, decode: tuple = (5, 9, 11)) -> dict:
+    """The whole deepseek4 reference model of `path` (float32, CPU) with TritonOps against TorchOps: a prefill of
+    prompt_len tokens, then one-token passes (the static decode form) -> max |diff| of the logits, their scale and
+    whether the greedy tokens agree. ds4-tiny's window (16) and its ratio-4 windows close inside these passes."""
+    from betelgeuse.model.registry import reference_model
+    outs = {}
+    for name in ("triton", "torch"):
+        m = reference_model(path)
+        if name == "triton":
+            m.ops = TritonOps()
+            m.ops.prepare(m.w, m.cfg.n_layer)
+        cache = m.new_cache(prompt_len + len(decode) + 8)
+        with torch.no_grad():
+            lg = [m.forward(torch.arange(3, 3 + prompt_len), cache)]
+            lg += [m.forward(torch.tensor([t]), cache) for t in decode]
+        outs[name] = torch.cat(lg)
+    a, b = outs["triton"], outs["torch"]
+    return {"max_abs": float((a - b).abs().max()), "scale": float(b.abs().max()),
+            "greedy_equal": bool(torch.equal(a.argmax(-1), b.argmax(-1))), "rows": a.shape[0]}
+
+
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run me with TRITON_INTERPRET=1"
     _widen_interpreter_bf16_dot()
-    json.dump(compare(), sys.stdout)
+    out = {"ops": compare()}
+    if len(sys.argv) > 1:                   # a deepseek4 GGUF: the whole model too
+        out["model"] = compare_model(sys.argv[1])
+    json.dump(out, sys.stdout)
     print()
