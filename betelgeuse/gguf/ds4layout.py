@@ -21,6 +21,11 @@ FP8 = ("attn_q_a", "attn_q_b", "attn_kv", "attn_output_b", "ffn_gate_shexp", "ff
 BF16 = ("token_embd", "output", "attn_output_a", "attn_compressor_kv", "attn_compressor_gate",
         "indexer_compressor_kv", "indexer_compressor_gate", "indexer.proj", "ffn_gate_inp")
 EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+# kinds the engine keeps in float32 whatever the compute dtype (transformers' _keep_in_fp32_modules_strict)
+FP32_KINDS = ("attn_norm", "ffn_norm", "output_norm", "attn_sinks", "attn_q_a_norm", "attn_kv_a_norm",
+              "hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
+              "output_hc_fn", "output_hc_base", "output_hc_scale", "attn_compressor_ape", "attn_compressor_norm",
+              "indexer_compressor_ape", "indexer_compressor_norm", "exp_probs_b")
 
 
 def kind(name: str) -> str:
@@ -147,21 +152,51 @@ def hf_to_gguf(state: dict) -> dict:
 QUERY_CHUNK = 128        # = model.deepseek4.QUERY_CHUNK (attention queries per block); no torch import here
 
 
+def comp_rows(ratio: int) -> int:
+    """Rows of a compressor's open-window buffer (model.deepseek4.CompState): ratio 4 keeps two windows (the next
+    entry pools the previous window's first half), ratio 128 one."""
+    return 2 * ratio if ratio == 4 else ratio
+
+
 def state_bytes(cfg, max_len: int, dtype_bytes: int) -> int:
-    """One sequence's cache state at `max_len` tokens (model.deepseek4.DS4Cache): per layer the last
-    window-1 K=V rows; per compressor its entries (one per `ratio` tokens), the open window's projected
-    rows (kv + gate) and, ratio 4, the previous window's first half; the indexer's the same at its width."""
+    """One sequence's cache state for `max_len` tokens (model.deepseek4.DS4Cache, fixed shapes allocated whole):
+    per layer the window ring [window, hd]; per compressor its open-window rows (kv + gate) [comp_rows, C] and its
+    entries [ceil(max_len / ratio), d]; the indexer's compressor the same at its width."""
     p, hd = cfg.ds4, cfg.head_dim
     n = 0
     for r in p.compress_ratios:
-        n += (p.sliding_window - 1) * hd
+        n += p.sliding_window * hd
         if r:
-            coff = 2 if r == 4 else 1
-            n += -(-max_len // r) * hd + 2 * r * coff * hd + (2 * r * hd if r == 4 else 0)
+            n += 2 * comp_rows(r) * (2 if r == 4 else 1) * hd + -(-max_len // r) * hd
             if r == 4:
                 ihd = p.index_head_dim
-                n += -(-max_len // r) * ihd + 2 * r * 2 * ihd + 2 * r * ihd
+                n += 2 * comp_rows(r) * 2 * ihd + -(-max_len // r) * ihd
     return n * dtype_bytes
+
+
+def dense_elem_bytes(name: str, dtype_bytes: int) -> int:
+    """Bytes per element of a non-expert tensor once loaded (model.deepseek4 load_dense): the FP32_KINDS in float32,
+    tid2eid as int64, the rest in the compute dtype."""
+    k = kind(name)
+    return 8 if k == "ffn_gate_tid2eid" else (4 if k in FP32_KINDS else dtype_bytes)
+
+
+def activation_bytes(cfg, n_tokens: int, dtype_bytes: int) -> int:
+    """Peak activations of a prefill pass of n_tokens (one chunk: deepseek4 prefills whole), beyond the attention
+    scratch (attention_scratch_bytes). Per token, the larger of the two phases of a layer (CUDA's fused kernels):
+      attention: the residual streams in [hc, D]; q, the attention output and its de-rotated copy [3, H, hd]; the
+        indexer's queries [nh, ihd]; the compressors' kv + gate rows [2 (2 hd + 2 ihd)]; K=V [hd] (compute dtype);
+        the de-rotation's float32 rope part [2, H, r] and the indexer's head weights [nh]
+      MoE: the residual streams in and out [2, hc, D] and the expert input [D] (compute dtype); the routed rows
+        [k, D] and their sum [D] in float32; the shared expert's gate | up and activation [3 F_shared]
+    Checked against the allocations of a pass at V4-Flash shapes (tests/store/test_vram_plan.py)."""
+    p, D, H, hd = cfg.ds4, cfg.n_embd, cfg.n_head, cfg.head_dim
+    nh, ihd, r, hc = p.index_n_heads, p.index_head_dim, p.rope_dim, p.hc_mult
+    csa = 4 in p.compress_ratios
+    attn = dtype_bytes * (hc * D + 3 * H * hd + hd + (2 * (2 * hd + 2 * ihd) + nh * ihd if csa else 2 * hd)) \
+        + 4 * (2 * H * r + nh)
+    moe = dtype_bytes * (2 * hc * D + D + 3 * p.n_shared * cfg.n_ff_exp) + 4 * (cfg.n_expert_used + 1) * D
+    return n_tokens * max(attn, moe) + cfg.n_vocab * 4 * 4
 
 
 def attention_scratch_bytes(cfg, max_len: int) -> int:

@@ -17,9 +17,16 @@ Math (research note §1, transformers `modeling_deepseek_v4.py`, llama.cpp `src/
     weights renormalised x routed_scale; SwiGLU experts with clamps; plus the shared expert.
   head: hc collapse (sigmoid mix, no Sinkhorn), RMSNorm, output.
 
-Cache state per layer (`DS4Cache`): the last window-1 K=V rows, and per compressor (attention's and the
-indexer's) the tokens of the open window, the compressed entries emitted so far and (CSA) the previous
-window's first-half rows; so decode and chunked prefill equal a whole-prompt prefill.
+Cache state per layer (`DS4Cache`), in fixed shapes sized for the sequence's max_len: the K=V rows of the last
+`window` positions (a ring), and per compressor (attention's and the indexer's) the projected rows of the open
+window (CSA: and of the previous one, whose first half the next entry pools) and the compressed entries. A decode
+step (one token) runs the static form: the position on the device, every shape fixed, so it is graph-capturable
+(worker/decode_graphs.py, worker/lanes.py); a longer pass runs the prefill form from the host length. Decode and
+chunked prefill equal a whole-prompt prefill within float noise (tests/test_deepseek4_oracle.py).
+
+The per-row math goes through `ops`: TorchOps here (the CPU path, exact against transformers), the fused Triton
+kernels of kernels/triton_ds4.py on CUDA (a few launches per layer instead of hundreds: the Sinkhorn iterations of
+mHC alone were ~120 small ops per sublayer).
 """
 
 from __future__ import annotations
@@ -34,16 +41,12 @@ from betelgeuse.config import PREFILL_CHUNK
 from betelgeuse.errors import InvalidRequestError, ModelFormatError, UnsupportedError
 from betelgeuse.gguf import ds4layout
 from betelgeuse.kernels.torch_moe import expert_ffn
+from betelgeuse.model.kv_cache import _UIDS
 from betelgeuse.model.layers import check_token_ids
 from betelgeuse.model.reference import ReferenceExperts
 
 QUERY_CHUNK = ds4layout.QUERY_CHUNK   # attention queries per block (bounds the score tensor; attention_block)
 
-# tensors kept in float32 whatever the compute dtype (transformers' _keep_in_fp32_modules_strict)
-_FP32_KINDS = ("attn_norm", "ffn_norm", "output_norm", "attn_sinks", "attn_q_a_norm", "attn_kv_a_norm",
-               "hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
-               "output_hc_fn", "output_hc_base", "output_hc_scale", "attn_compressor_ape", "attn_compressor_norm",
-               "indexer_compressor_ape", "indexer_compressor_norm", "exp_probs_b")
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -98,38 +101,55 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([nope, (rope.float() * cos + rot.float() * sin).to(x.dtype)], dim=-1)
 
 
-# ---- per-sequence state ---------------------------------------------------------------------------
+# ---- per-sequence state: fixed shapes sized for max_len ---------------------------------------------
 
 @dataclass(slots=True)
 class CompState:
-    """One compressor's state (attention's or the indexer's) in one layer."""
-    buf_kv: torch.Tensor            # [n, C] projected rows of the open window (n < ratio)
-    buf_gate: torch.Tensor          # [n, C]
-    entries: torch.Tensor           # [N, d] compressed entries so far (entry w covers tokens w*ratio..)
-    overlap_kv: torch.Tensor | None = None     # [ratio, d] CSA: the last closed window's first half
-    overlap_gate: torch.Tensor | None = None
+    """One compressor's state (attention's or the indexer's) in one layer, in fixed shapes."""
+    kv: torch.Tensor                # [R, C] projected rows of the last R positions: position p at row p % R
+    gate: torch.Tensor              # [R, C] (R = 2 x ratio for the overlapping ratio-4 windows, ratio for 128)
+    entries: torch.Tensor           # [ceil(max_len / ratio), d] entry w (tokens w*ratio..) at row w; the rows of
+                                    # windows not yet closed are scratch (the static decode writes them each step)
 
 
 @dataclass(slots=True)
 class LayerState:
-    swa: torch.Tensor                # [n, head_dim] the last <= window-1 K=V rows (positions length-n..length-1)
+    swa: torch.Tensor                # [window, head_dim] K=V ring: position p at row p % window
     comp: CompState | None = None
     idx: CompState | None = None
 
 
 @dataclass(slots=True)
 class DS4Cache:
+    """A sequence's deepseek4 state in fixed shapes (model/interface.py SequenceState): nothing changes shape per
+    token, so a decode step is graph-capturable; `pos` is the static decode's position on the device."""
     layers: list[LayerState]
     max_len: int                     # tokens
     length: int = 0                  # tokens every layer has consumed
     _pending: int = field(default=0, repr=False)
+    uid: int = field(default_factory=lambda: next(_UIDS))      # identity for captured decode graphs
+    pos: torch.Tensor | None = field(default=None, repr=False)  # [1] int64 on the device (begin_static)
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].swa.device
 
     def begin(self, n_tokens: int) -> torch.Tensor:
         if self.length + n_tokens > self.max_len:
             raise InvalidRequestError(
                 f"sequence of {self.length + n_tokens} tokens exceeds the cache of {self.max_len} tokens")
         self._pending = n_tokens
-        return torch.arange(self.length, self.length + n_tokens, device=self.layers[0].swa.device)
+        return torch.arange(self.length, self.length + n_tokens, device=self.device)
+
+    def begin_static(self) -> torch.Tensor:
+        """A one-token pass in the static form: the position in a device tensor [1] updated in place."""
+        if self.length + 1 > self.max_len:
+            raise InvalidRequestError(f"sequence of {self.length + 1} tokens exceeds the cache of {self.max_len} tokens")
+        if self.pos is None:
+            self.pos = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.pos.fill_(self.length)
+        self._pending = 1
+        return self.pos
 
     def commit(self) -> None:
         self.length += self._pending
@@ -142,26 +162,51 @@ class DS4Cache:
             return
         raise UnsupportedError(f"a deepseek4 cache cannot be truncated from {self.length} to {n} tokens")
 
-    def nbytes(self) -> int:
+    def tensors(self) -> list[torch.Tensor]:
         ts = []
         for s in self.layers:
             ts.append(s.swa)
             for c in (s.comp, s.idx):
                 if c is not None:
-                    ts += [c.buf_kv, c.buf_gate, c.entries] + [t for t in (c.overlap_kv, c.overlap_gate) if t is not None]
-        return sum(t.numel() * t.element_size() for t in ts)
+                    ts += [c.kv, c.gate, c.entries]
+        return ts
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+class _RopeTables:
+    """Both RoPE tables at a pass's positions (float32 [T, rope_dim] cos/sin each), computed once per positions
+    tensor (every layer of a pass, and every lane graph of a batched decode, passes the same one); reset() per pass.
+    cos_sin(positions, dtype) -> ((cos, sin) main, (cos, sin) compressed); the dtype is unused (RoPE in float32)."""
+
+    __slots__ = ("main", "comp", "_memo")
+
+    def __init__(self, main: InterleavedRope, comp: InterleavedRope):
+        self.main, self.comp, self._memo = main, comp, {}
+
+    def reset(self):
+        self._memo = {}
+
+    def cos_sin(self, positions: torch.Tensor, dtype=None):
+        hit = self._memo.get(id(positions))
+        if hit is not None and hit[0] is positions:
+            return hit[1]
+        out = (self.main.cos_sin(positions), self.comp.cos_sin(positions))
+        self._memo[id(positions)] = (positions, out)
+        return out
 
 
 # ---- the model ------------------------------------------------------------------------------------
 
 class Deepseek4Model:
     # capabilities (model/interface.py). The compressed entries are built from whole blocks of 4/128 tokens inside
-    # one pass: prefill runs as one chunk and the state is not cut into prefix-cache blocks. No graph-capturable
-    # decode form yet: the compressed entries and open windows change shape per token, so the runner decodes
-    # deepseek4 eagerly on CUDA too (and without the lanes)
+    # one pass: prefill runs as one chunk and the state is not cut into prefix-cache blocks. Decode has the static
+    # form (the state in fixed shapes, the position on the device; every one-token pass runs it, eager or captured),
+    # and batched decode runs the row-wise part over fixed lanes (worker/lanes.py)
     chunked_prefill = False
-    static_decode = False
-    lane_decode = False
+    static_decode = True
+    lane_decode = True
 
     def __init__(self, cfg, dense: dict[str, torch.Tensor]):
         assert cfg.arch == "deepseek4" and cfg.ds4 is not None, cfg.arch
@@ -179,6 +224,7 @@ class Deepseek4Model:
                                        p.yarn_beta_fast, p.yarn_beta_slow, self.device)
         else:
             self.rope_comp = InterleavedRope.plain(p.rope_dim, p.compress_rope_theta, self.device)
+        self.rope = _RopeTables(self.rope_main, self.rope_comp)
         if len(set(p.swiglu_limit)) != 1:
             raise UnsupportedError(f"{cfg.name}: per-layer swiglu_clamp_exp values {sorted(set(p.swiglu_limit))} "
                                    "differ, which is not supported")
@@ -186,6 +232,10 @@ class Deepseek4Model:
             t = self.w[f"blk.{l}.ffn_gate_tid2eid.weight"]
             if int(t.min()) < 0 or int(t.max()) >= cfg.n_expert:
                 raise ModelFormatError(f"{cfg.name}: blk.{l}.ffn_gate_tid2eid holds expert ids outside 0..{cfg.n_expert - 1}")
+        # CUDA: the fused Triton kernels of kernels/triton_ds4.py for the per-row math (mHC, norms + RoPE, the
+        # compressor's step, the static attention, the routing); the CPU keeps the torch reference below
+        self.ops = ops_for(self.device)
+        self.ops.prepare(self.w, cfg.n_layer)
 
     @classmethod
     def load_dense(cls, f, device="cpu", dtype=torch.float32) -> dict[str, torch.Tensor]:
@@ -199,7 +249,7 @@ class Deepseek4Model:
             if k == "ffn_gate_tid2eid":
                 out[name] = f.load_tensor(name, device, torch.int64)
             else:
-                out[name] = f.load_tensor(name, device, torch.float32 if k in _FP32_KINDS else dtype)
+                out[name] = f.load_tensor(name, device, torch.float32 if k in ds4layout.FP32_KINDS else dtype)
         return out
 
     # -- the MoEModel surface (model/interface.py) --
@@ -209,21 +259,22 @@ class Deepseek4Model:
         return "swiglu", float(self.p.swiglu_limit[0])
 
     def new_cache(self, max_len: int) -> DS4Cache:
+        """The state of one sequence of up to max_len tokens, every tensor allocated now (ds4layout.state_bytes)."""
         assert max_len > 0, max_len
-        hd, dev, dt = self.cfg.head_dim, self.device, self.dtype
+        hd, dev, dt, p = self.cfg.head_dim, self.device, self.dtype, self.p
 
         def comp(ratio: int, d: int) -> CompState:
-            c = (2 if ratio == 4 else 1) * d
-            e = torch.zeros(0, c, device=dev, dtype=dt)
-            return CompState(buf_kv=e, buf_gate=e, entries=torch.zeros(0, d, device=dev, dtype=dt))
+            rows, c = ds4layout.comp_rows(ratio), (2 if ratio == 4 else 1) * d
+            return CompState(kv=torch.zeros(rows, c, device=dev, dtype=dt), gate=torch.zeros(rows, c, device=dev, dtype=dt),
+                             entries=torch.zeros(-(-max_len // ratio), d, device=dev, dtype=dt))
 
         layers = []
-        for r in self.p.compress_ratios:
-            s = LayerState(swa=torch.zeros(0, hd, device=dev, dtype=dt))
+        for r in p.compress_ratios:
+            s = LayerState(swa=torch.zeros(p.sliding_window, hd, device=dev, dtype=dt))
             if r:
                 s.comp = comp(r, hd)
                 if r == 4:
-                    s.idx = comp(r, self.p.index_head_dim)
+                    s.idx = comp(r, p.index_head_dim)
             layers.append(s)
         return DS4Cache(layers=layers, max_len=max_len)
 
@@ -231,44 +282,167 @@ class Deepseek4Model:
         return check_token_ids(ids, self.cfg.n_vocab, self.device)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [T] -> X [T, hc, D]: the embedding copied into each residual stream."""
+        """ids [T] -> X [T, hc, D]: the embedding copied into each residual stream. Starts a pass (RoPE tables)."""
+        self.rope.reset()
         e = F.embedding(ids.to(self.device), self.w[ds4layout.TOKEN_EMBD])
         return e.unsqueeze(1).expand(-1, self.p.hc_mult, -1).contiguous()
 
     def _hc_pre(self, X: torch.Tensor, l: int, s: str):
-        """X [T, hc, D] -> post [T, hc], comb [T, hc, hc] (float32), u [T, D] (X's dtype)."""
-        p, hc = self.p, self.p.hc_mult
-        fn, base, scale = (self.w[f"blk.{l}.hc_{s}_{k}.weight"] for k in ("fn", "base", "scale"))
-        T = X.shape[0]
-        flat = _unweighted_rms(X.reshape(T, -1).float(), self.cfg.rms_eps)
-        m = F.linear(flat, fn.float())
-        pre_w, post_w, comb_w = m.split([hc, hc, hc * hc], dim=-1)
-        pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
-        pre = torch.sigmoid(pre_w * scale[0] + pre_b) + p.hc_eps
-        post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
-        comb = torch.softmax(comb_w.view(T, hc, hc) * scale[2] + comb_b.view(hc, hc), dim=-1) + p.hc_eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + p.hc_eps)
-        for _ in range(p.hc_sinkhorn_iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + p.hc_eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + p.hc_eps)
-        u = (pre.unsqueeze(-1) * X).sum(dim=1).to(X.dtype)
-        return post, comb, u
+        """X [T, hc, D] -> post [T, hc], comb [T, hc, hc] (float32), h [T, D] = RMSNorm_w(sum_j pre_j X_j) (X's
+        dtype; w = the sublayer's attn_norm / ffn_norm)."""
+        b = f"blk.{l}."
+        fn, base, scale = (self.w[f"{b}hc_{s}_{k}.weight"] for k in ("fn", "base", "scale"))
+        norm = self.w[b + ("attn_norm.weight" if s == "attn" else "ffn_norm.weight")]
+        return self.ops.hc_pre(X, fn, base, scale, norm, self.p.hc_sinkhorn_iters, self.p.hc_eps, self.cfg.rms_eps)
+
+    def attention_block(self, layer: int, x: torch.Tensor, cache: DS4Cache, positions: torch.Tensor,
+                        static: bool = False) -> torch.Tensor:
+        """X [T, hc, D] -> X after the attention sublayer; consumes T tokens of this layer's cache state.
+        One token (T = 1, positions [1] on the device: a decode step) always runs the static form
+        (attend_static: fixed shapes, graph-capturable), so eager and captured decode steps and the reference's
+        decode are the same ops; longer passes run the prefill form (_attend_prefill)."""
+        carry, rows = self.lane_rows(layer, x, positions)
+        if x.shape[0] == 1:
+            o = self.attend_static(layer, rows, cache, positions)
+        else:
+            assert not static, "the static form is one token"
+            o = self._attend_prefill(layer, rows, cache, positions)
+        return self.attn_out(layer, carry, o)
+
+    # -- the attention sublayer in three parts (LaneDecode: worker/lanes.py runs lane_rows / attn_out over the rows
+    #    of every running sequence at once and attend_static per sequence) --
+
+    def lane_rows(self, layer: int, x: torch.Tensor, positions: torch.Tensor):
+        """X [T, hc, D], positions [T] -> (carry for attn_out, rows): the row-wise part of attention (mHC mix,
+        attn_norm, the projections, q/kv norms and RoPE). rows: q [T, H, hd], kv [T, hd] (both rotated), and on
+        compressed layers the compressor's kv, gate [T, C]; ratio 4 adds the indexer's compressor kv, gate, its
+        rotated queries [T, nh, ihd] and head weights [T, nh] (float32)."""
+        cfg, p, w, l, ops = self.cfg, self.p, self.w, layer, self.ops
+        b, eps, hd, H = f"blk.{l}.", cfg.rms_eps, cfg.head_dim, cfg.n_head
+        T = x.shape[0]
+        post, comb, u = self._hc_pre(x, l, "attn")
+        ratio = p.compress_ratios[l]
+        main, compressed = self.rope.cos_sin(positions)
+        cos, sin = compressed if ratio else main
+        qr = ops.rms(F.linear(u, w[b + "attn_q_a.weight"]), w[b + "attn_q_a_norm.weight"], eps)
+        q = ops.rms_rope(F.linear(qr, w[b + "attn_q_b.weight"]).view(T, H, hd), None, cos, sin, eps)
+        kv = ops.rms_rope(F.linear(u, w[b + "attn_kv.weight"]), w[b + "attn_kv_a_norm.weight"], cos, sin, eps)
+        rows = [q, kv]
+        if ratio:
+            rows += [F.linear(u, w[b + "attn_compressor_kv.weight"]), F.linear(u, w[b + "attn_compressor_gate.weight"])]
+            if ratio == 4:      # the lightning indexer: its compressor's inputs, queries and head weights
+                nh, ihd = p.index_n_heads, p.index_head_dim
+                iq = ops.rope(F.linear(qr, w[b + "indexer.attn_q_b.weight"]).view(T, nh, ihd), cos, sin)
+                rows += [F.linear(u, w[b + "indexer_compressor_kv.weight"]),
+                         F.linear(u, w[b + "indexer_compressor_gate.weight"]), iq,
+                         F.linear(u, w[b + "indexer.proj.weight"]).float() * nh ** -0.5]
+        return (x, post, comb), tuple(rows)
 
     @staticmethod
-    def _hc_post(X: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-        """X' [T, hc, D] = post_k * out + sum_j comb[j, k] X_j."""
-        dt = X.dtype
-        return post.to(dt).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), X)
+    def lane_row(rows: tuple, i: int) -> tuple:
+        """Lane i's rows of lane_rows' output (views [1, ...])."""
+        return tuple(t[i:i + 1] for t in rows)
 
-    def _compress(self, st: CompState, kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor,
-                  norm: torch.Tensor, ratio: int, d: int) -> torch.Tensor:
-        """Feed T projected rows (kv, gate [T, C]); close every full window; returns all entries [N, d]."""
-        kv, gate = torch.cat([st.buf_kv, kv]), torch.cat([st.buf_gate, gate])
+    def attn_out(self, layer: int, carry, o: torch.Tensor) -> torch.Tensor:
+        """carry = (X, post, comb) of lane_rows, o [T, H*hd] (de-rotated) -> X after the attention sublayer:
+        grouped low-rank output projection, mixed back into the streams."""
+        x, post, comb = carry
+        p, b, T = self.p, f"blk.{layer}.", o.shape[0]
+        g = p.o_groups
+        wa = self.w[b + "attn_output_a.weight"].view(g, p.o_lora_rank, -1)          # [g, o_lora, H*hd/g]
+        y = torch.bmm(o.reshape(T, g, -1).transpose(0, 1), wa.transpose(1, 2)).transpose(0, 1)   # [T, g, o_lora]
+        out = F.linear(y.reshape(T, -1), self.w[b + "attn_output_b.weight"])
+        return self.ops.hc_post(x, out, post, comb)
+
+    def attend_static(self, layer: int, rows: tuple, cache: DS4Cache, pos: torch.Tensor) -> torch.Tensor:
+        """One token of one sequence (rows of lane_rows with T = 1) at the device position pos [1]: its K=V row
+        into the window ring, its compressor rows into the open window and the window's entry (re)computed,
+        the indexer's top-k over every visible entry, attention over the ring and the chosen entries with the
+        invisible ones masked -> o [1, H*hd] (de-rotated). Fixed shapes whatever the position: graph-capturable."""
+        p, w, l, ops = self.p, self.w, layer, self.ops
+        b, hd, H = f"blk.{l}.", self.cfg.head_dim, self.cfg.n_head
+        st = cache.layers[l]
+        ratio = p.compress_ratios[l]
+        q, cos, sin = rows[0], *(self.rope_comp if ratio else self.rope_main).cos_sin(pos)
+        ents = top = None
+        if ratio:
+            ops.compress_step(st.comp.kv, st.comp.gate, st.comp.entries, rows[2], rows[3],
+                              w[b + "attn_compressor_ape.weight"], w[b + "attn_compressor_norm.weight"],
+                              self.rope_comp, pos, ratio, self.cfg.rms_eps)
+            ents = st.comp.entries
+            if ratio == 4:
+                ops.compress_step(st.idx.kv, st.idx.gate, st.idx.entries, rows[4], rows[5],
+                                  w[b + "indexer_compressor_ape.weight"], w[b + "indexer_compressor_norm.weight"],
+                                  self.rope_comp, pos, ratio, self.cfg.rms_eps)
+                top = ops.index_topk(rows[6], rows[7], st.idx.entries, pos, min(p.index_topk, ents.shape[0]))
+        o = ops.decode_attend(q, rows[1], st.swa, ents, top, pos, ratio, w[b + "attn_sinks.weight"], cos, sin)
+        return o.reshape(1, H * hd)
+
+    def _attend_prefill(self, layer: int, rows: tuple, cache: DS4Cache, positions: torch.Tensor) -> torch.Tensor:
+        """T > 1 tokens of one sequence from its host length on: the window ring, the compressors (every window the
+        pass closes) and attention in blocks of QUERY_CHUNK queries -> o [T, H*hd] (de-rotated)."""
+        cfg, p, w, l = self.cfg, self.p, self.w, layer
+        b, hd, H, W = f"blk.{l}.", cfg.head_dim, cfg.n_head, p.sliding_window
+        q, kv = rows[0], rows[1]
+        T, start, dev = q.shape[0], cache.length, q.device
+        st = cache.layers[l]
+        ratio = p.compress_ratios[l]
+        n_prev = min(start, W - 1)
+        # the ring's last n_prev rows in position order, then this pass's rows
+        keys = torch.cat([st.swa.index_select(0, _ring_rows(start - n_prev, n_prev, W, dev)), kv])
+        kpos = torch.arange(keys.shape[0], device=dev) + (start - n_prev)
+        m = min(T, W)
+        st.swa.index_copy_(0, _ring_rows(start + T - m, m, W, dev), kv[T - m:])
+        entries = ikeys = None
+        if ratio:
+            entries = self._compress_prefill(st.comp, rows[2], rows[3], w[b + "attn_compressor_ape.weight"],
+                                             w[b + "attn_compressor_norm.weight"], ratio, hd, start)   # [N, hd]
+            if ratio == 4:      # the indexer's compressor consumes these tokens too
+                ikeys = self._compress_prefill(st.idx, rows[4], rows[5], w[b + "indexer_compressor_ape.weight"],
+                                               w[b + "indexer_compressor_norm.weight"], 4, p.index_head_dim, start)
+                iq, iw = rows[6], rows[7]
+                assert ikeys.shape[0] == entries.shape[0], (ikeys.shape, entries.shape)
+        sinks = w[b + "attn_sinks.weight"]
+        o = torch.empty(T, H, hd, dtype=q.dtype, device=dev)
+        # queries in chunks: a chunk's window keys are its own rows plus the window-1 before them, so the
+        # scores are [H, Q, Q + window - 1 + N] whatever the prompt length (not [H, T, T + N])
+        for a in range(0, T, QUERY_CHUNK):
+            e = min(T, a + QUERY_CHUNK)
+            s0, s1 = max(0, n_prev + a - (W - 1)), n_prev + e
+            qp = positions[a:e, None]
+            kc, kp = keys[s0:s1], kpos[s0:s1]
+            mask = (kp[None, :] <= qp) & (qp - kp[None, :] < W)          # [Q, S]
+            if ratio:
+                N = entries.shape[0]
+                visible = torch.arange(N, device=dev)[None, :] < (qp + 1) // ratio  # [Q, N]
+                if ratio == 4 and N:
+                    visible = visible & self._index_select(l, iq[a:e], iw[a:e], ikeys, visible)
+                kc = torch.cat([kc, entries])
+                mask = torch.cat([mask, visible], dim=1)
+            o[a:e] = attend_ref(q[a:e], kc, mask, sinks)
+        cos, sin = (self.rope_comp if ratio else self.rope_main).cos_sin(positions)
+        return apply_rope(o, cos, -sin).reshape(T, H * hd)                       # undo K=V's rotation
+
+    def _compress_prefill(self, st: CompState, kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor,
+                          norm: torch.Tensor, ratio: int, d: int, start: int) -> torch.Tensor:
+        """Feed T projected rows (kv, gate [T, C]) at positions start..; close every window they complete (entries
+        written at their rows); returns the closed entries [N, d]."""
+        R, T, dev = st.kv.shape[0], kv.shape[0], kv.device
+        open_n, w0 = start % ratio, start // ratio          # rows of the open window fed already; its index
+        if open_n:
+            idx = _ring_rows(start - open_n, open_n, R, dev)
+            kv, gate = torch.cat([st.kv.index_select(0, idx), kv]), torch.cat([st.gate.index_select(0, idx), gate])
+        overlap = None
+        if ratio == 4 and w0 >= 1:      # the previous window's first half, read before the ring is overwritten
+            idx = _ring_rows(ratio * (w0 - 1), ratio, R, dev)
+            overlap = (st.kv.index_select(0, idx)[:, :d], st.gate.index_select(0, idx)[:, :d] + ape[:, :d])
+        n = min(T, R)
+        st.kv.index_copy_(0, _ring_rows(start + T - n, n, R, dev), kv[kv.shape[0] - n:])
+        st.gate.index_copy_(0, _ring_rows(start + T - n, n, R, dev), gate[gate.shape[0] - n:])
         usable = kv.shape[0] // ratio * ratio
-        st.buf_kv, st.buf_gate = kv[usable:], gate[usable:]
         if usable == 0:
-            return st.entries
-        nw, first = usable // ratio, st.entries.shape[0] * ratio
+            return st.entries[:w0]
+        nw = usable // ratio
         ck = kv[:usable].view(nw, ratio, -1)
         cg = gate[:usable].view(nw, ratio, -1) + ape
         if ratio == 4:      # overlapping windows: entry w pools window w-1's first half and window w's second
@@ -277,98 +451,20 @@ class Deepseek4Model:
             nk[:, ratio:], ng[:, ratio:] = ck[..., d:], cg[..., d:]
             if nw > 1:
                 nk[1:, :ratio], ng[1:, :ratio] = ck[:-1, :, :d], cg[:-1, :, :d]
-            if st.overlap_kv is not None:
-                nk[0, :ratio], ng[0, :ratio] = st.overlap_kv.to(nk.dtype), st.overlap_gate.to(ng.dtype)
-            st.overlap_kv, st.overlap_gate = ck[-1, :, :d].clone(), cg[-1, :, :d].clone()
+            if overlap is not None:
+                nk[0, :ratio], ng[0, :ratio] = overlap[0].to(nk.dtype), overlap[1].to(ng.dtype)
             ck, cg = nk, ng
-        pooled = (ck * cg.softmax(dim=1, dtype=torch.float32).to(ck.dtype)).sum(dim=1)
-        comp = _rms(pooled, norm, self.cfg.rms_eps)
-        pos = torch.arange(nw, device=comp.device) * ratio + first
+        pos = torch.arange(nw, device=dev) * ratio + w0 * ratio
         cos, sin = self.rope_comp.cos_sin(pos)
-        comp = apply_rope(comp, cos, sin)
-        st.entries = torch.cat([st.entries, comp])
-        return st.entries
-
-    def attention_block(self, layer: int, x: torch.Tensor, cache: DS4Cache, positions: torch.Tensor,
-                        static: bool = False) -> torch.Tensor:
-        """X [T, hc, D] -> X after the attention sublayer; consumes T tokens of this layer's cache state.
-        static (the graph-capturable decode form) is not supported: static_decode = False."""
-        assert not static, "deepseek4 has no static decode form"
-        cfg, p, w, l = self.cfg, self.p, self.w, layer
-        b, eps, hd, H = f"blk.{l}.", cfg.rms_eps, cfg.head_dim, cfg.n_head
-        T = x.shape[0]
-        post, comb, u = self._hc_pre(x, l, "attn")
-        u = _rms(u, w[b + "attn_norm.weight"], eps)
-        ratio = p.compress_ratios[l]
-        rope = self.rope_comp if ratio else self.rope_main
-        cos, sin = rope.cos_sin(positions)
-        qr = _rms(F.linear(u, w[b + "attn_q_a.weight"]), w[b + "attn_q_a_norm.weight"], eps)
-        q = _unweighted_rms(F.linear(qr, w[b + "attn_q_b.weight"]).view(T, H, hd), eps)
-        q = apply_rope(q, cos, sin)                                           # [T, H, hd]
-        kv = apply_rope(_rms(F.linear(u, w[b + "attn_kv.weight"]), w[b + "attn_kv_a_norm.weight"], eps), cos, sin)
-        st = cache.layers[l]
-        n_prev = st.swa.shape[0]
-        keys = torch.cat([st.swa, kv])                    # [n_prev + T, hd]: positions positions[0]-n_prev ..
-        kpos = torch.arange(keys.shape[0], device=x.device) + (positions[0] - n_prev)
-        st.swa = keys[max(0, keys.shape[0] - (p.sliding_window - 1)):]
-        entries = ikeys = None
-        if ratio:
-            entries = self._compress(st.comp, F.linear(u, w[b + "attn_compressor_kv.weight"]),
-                                     F.linear(u, w[b + "attn_compressor_gate.weight"]),
-                                     w[b + "attn_compressor_ape.weight"], w[b + "attn_compressor_norm.weight"],
-                                     ratio, hd)                                    # [N, hd]
-            if ratio == 4:      # always: the indexer's compressor consumes these tokens too
-                ikeys, iq, iw = self._indexer_inputs(l, u, qr, positions, st.idx)
-                assert ikeys.shape[0] == entries.shape[0], (ikeys.shape, entries.shape)
-        sinks = w[b + "attn_sinks.weight"].float().view(H, 1, 1)
-        o = torch.empty(T, H, hd, dtype=x.dtype, device=x.device)
-        # queries in chunks: a chunk's window keys are its own rows plus the window-1 before them, so the
-        # scores are [H, Q, Q + window - 1 + N] whatever the prompt length (not [H, T, T + N])
-        for a in range(0, T, QUERY_CHUNK):
-            e = min(T, a + QUERY_CHUNK)
-            s0, s1 = max(0, n_prev + a - (p.sliding_window - 1)), n_prev + e
-            qp = positions[a:e, None]
-            kc, kp = keys[s0:s1], kpos[s0:s1]
-            mask = (kp[None, :] <= qp) & (qp - kp[None, :] < p.sliding_window)          # [Q, S]
-            if ratio:
-                N = entries.shape[0]
-                visible = torch.arange(N, device=x.device)[None, :] < (qp + 1) // ratio  # [Q, N]
-                if ratio == 4 and N:
-                    visible = visible & self._index_select(l, iq[a:e], iw[a:e], ikeys, visible)
-                kc = torch.cat([kc, entries])
-                mask = torch.cat([mask, visible], dim=1)
-            scores = torch.einsum("thd,sd->hts", q[a:e], kc) * hd ** -0.5               # [H, Q, S+N]
-            scores = scores.masked_fill(~mask[None], float("-inf"))
-            comb_l = torch.cat([scores, sinks.to(scores.dtype).expand(H, e - a, 1)], dim=-1)
-            comb_l = comb_l - comb_l.max(dim=-1, keepdim=True).values
-            probs = F.softmax(comb_l, dim=-1, dtype=comb_l.dtype)[..., :-1]
-            o[a:e] = torch.einsum("hts,sd->thd", probs.to(kc.dtype), kc)
-        o = apply_rope(o, cos, -sin)                                              # undo K=V's rotation
-        g = p.o_groups
-        wa = w[b + "attn_output_a.weight"].view(g, p.o_lora_rank, -1)          # [g, o_lora, H*hd/g]
-        y = torch.bmm(o.reshape(T, g, -1).transpose(0, 1), wa.transpose(1, 2)).transpose(0, 1)   # [T, g, o_lora]
-        out = F.linear(y.reshape(T, -1), w[b + "attn_output_b.weight"])
-        return self._hc_post(x, out, post, comb)
-
-    def _indexer_inputs(self, l: int, u: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, st: CompState):
-        """A CSA layer's lightning indexer: feeds its compressor -> (keys [N, ihd], q [T, nh, ihd], weights [T, nh])."""
-        p, w, b = self.p, self.w, f"blk.{l}."
-        ihd, nh, T = p.index_head_dim, p.index_n_heads, u.shape[0]
-        keys = self._compress(st, F.linear(u, w[b + "indexer_compressor_kv.weight"]),
-                              F.linear(u, w[b + "indexer_compressor_gate.weight"]),
-                              w[b + "indexer_compressor_ape.weight"], w[b + "indexer_compressor_norm.weight"], 4, ihd)
-        cos, sin = self.rope_comp.cos_sin(positions)
-        q = apply_rope(F.linear(qr, w[b + "indexer.attn_q_b.weight"]).view(T, nh, ihd), cos, sin)
-        wts = F.linear(u, w[b + "indexer.proj.weight"]).float() * nh ** -0.5
-        return keys, q, wts
+        st.entries[w0:w0 + nw] = pool_entries(ck, cg, norm, cos, sin, self.cfg.rms_eps)
+        return st.entries[:w0 + nw]
 
     def _index_select(self, l: int, q: torch.Tensor, wts: torch.Tensor, keys: torch.Tensor,
                       visible: torch.Tensor) -> torch.Tensor:
         """score(t, w) = sum_h wts[t,h] relu(q[t,h] . K[w]) / sqrt(ihd) -> the top index_topk visible entries
         of each query [Q, N] bool."""
         p, N = self.p, keys.shape[0]
-        sc = F.relu(torch.einsum("thd,nd->thn", q.float(), keys.float())) * p.index_head_dim ** -0.5   # [Q, nh, N]
-        score = (sc * wts.unsqueeze(-1)).sum(dim=1).masked_fill(~visible, float("-inf"))           # [Q, N]
+        score = index_scores(q, wts, keys).masked_fill(~visible, float("-inf"))           # [Q, N]
         top = score.topk(min(p.index_topk, N), dim=-1).indices
         if self.margins is not None and N > p.index_topk:
             srt = score.sort(dim=-1, descending=True).values
@@ -380,47 +476,51 @@ class Deepseek4Model:
 
     def moe_input(self, layer: int, x: torch.Tensor):
         """X [T, hc, D] -> (h [T, D] = ffn_norm of the collapsed streams, aux = (post, comb))."""
-        post, comb, u = self._hc_pre(x, layer, "ffn")
-        return _rms(u, self.w[f"blk.{layer}.ffn_norm.weight"], self.cfg.rms_eps), (post, comb)
+        post, comb, h = self._hc_pre(x, layer, "ffn")
+        return h, (post, comb)
 
     def route(self, layer: int, h: torch.Tensor, token_ids: torch.Tensor | None = None,
-              resident: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              resident: torch.Tensor | None = None, pool: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, D] -> (ids [T, k] int64, weights [T, k] in h's dtype).
 
         scores = sqrt(softplus(router h)); hash layers take ids = tid2eid[token_ids], the others the top-k of
         scores + exp_probs_b (the bias selects only); weights = scores[ids] / sum x expert_weights_scale.
-        resident [n_expert] bool: the approximate `resident` mode (rank 0 exact, ranks 1.. among resident
-        experts first); hash layers ignore it (their choice is static)."""
+        resident [n_expert] bool turns on an approximate mode (hash layers ignore it: their choice is static):
+        `resident` (rank 0 exact, ranks 1.. among resident experts first) or, pool=True, `pool` (every rank among
+        the resident experts first, the reference report's routing; disk experts only when fewer than k are)."""
         p, b, k = self.p, f"blk.{layer}.", self.cfg.n_expert_used
-        scores = F.softplus(F.linear(h, self.w[b + "ffn_gate_inp.weight"]).float()).sqrt()   # [T, E]
+        logits = F.linear(h, self.w[b + "ffn_gate_inp.weight"])
         if layer < p.n_hash_layers:
             if token_ids is None:
                 raise ValueError("hash-routed layers need the token ids")
-            ids = self.w[b + "ffn_gate_tid2eid.weight"][token_ids.to(self.device)]
+            return self.ops.route_hash(logits, self.w[b + "ffn_gate_tid2eid.weight"], token_ids.to(self.device),
+                                       p.weights_norm, p.routed_scale, h.dtype)
+        bias = self.w[b + "exp_probs_b.bias"]
+        if resident is None:
+            ids, wts = self.ops.route_topk(logits, bias, k, p.weights_norm, p.routed_scale, h.dtype)
+            if self.margins is not None and k < logits.shape[1]:
+                srt = (_sqrt_softplus(logits) + bias).sort(dim=-1, descending=True).values
+                self.margins.append((layer, "experts", float((srt[:, k - 1] - srt[:, k]).min())))
+            return ids, wts
+        scores = _sqrt_softplus(logits)
+        sel = scores + bias
+        boost = (sel.max() - sel.min() + 1.0) * resident.to(sel.dtype)[None, :]
+        if pool:
+            ids = torch.topk(sel + boost, k, dim=-1).indices
         else:
-            sel = scores + self.w[b + "exp_probs_b.bias"]
-            if resident is None:
-                ids = torch.topk(sel, k, dim=-1).indices
-                if self.margins is not None and k < sel.shape[1]:
-                    srt = sel.sort(dim=-1, descending=True).values
-                    self.margins.append((layer, "experts", float((srt[:, k - 1] - srt[:, k]).min())))
-            else:
-                first = sel.argmax(dim=-1, keepdim=True)
-                boost = (sel.max() - sel.min() + 1.0) * resident.to(sel.dtype)[None, :]
-                rest = (sel + boost).scatter(1, first, float("-inf"))
-                ids = torch.cat([first, torch.topk(rest, k - 1, dim=-1).indices], dim=-1)
-        wts = scores.gather(1, ids)
-        if p.weights_norm:
-            wts = wts / (wts.sum(dim=-1, keepdim=True) + 1e-20)
-        return ids, (wts * p.routed_scale).to(h.dtype)
+            first = sel.argmax(dim=-1, keepdim=True)
+            rest = (sel + boost).scatter(1, first, float("-inf"))
+            ids = torch.cat([first, torch.topk(rest, k - 1, dim=-1).indices], dim=-1)
+        return ids, _route_weights(scores.gather(1, ids), p.weights_norm, p.routed_scale, h.dtype)
 
     def moe_output(self, layer: int, x: torch.Tensor, aux, h: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
         """routed [T, D] = sum_r w_r expert_r(h); adds the shared expert and mixes back into the streams."""
-        b = f"blk.{layer}."
-        shared = expert_ffn(h, self.w[b + "ffn_gate_shexp.weight"], self.w[b + "ffn_up_shexp.weight"],
-                            self.w[b + "ffn_down_shexp.weight"], float(self.p.swiglu_limit_shexp[layer]))
+        b, w = f"blk.{layer}.", self.w
+        shared = self.ops.shared_ffn(h, w.get(b + "ffn_gate_up_shexp.weight"), w[b + "ffn_gate_shexp.weight"],
+                                     w[b + "ffn_up_shexp.weight"], w[b + "ffn_down_shexp.weight"],
+                                     float(self.p.swiglu_limit_shexp[layer]))
         post, comb = aux
-        return self._hc_post(x, routed + shared, post, comb)
+        return self.ops.hc_post(x, routed, post, comb, shared)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """X [T, hc, D] -> logits [T, n_vocab] float32."""
@@ -430,6 +530,170 @@ class Deepseek4Model:
         hcol = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
         n = _rms(hcol, self.w[ds4layout.OUTPUT_NORM], self.cfg.rms_eps)
         return F.linear(n, self.w[ds4layout.OUTPUT]).float()
+
+
+def _ring_rows(first: int, n: int, rows: int, device) -> torch.Tensor:
+    """Ring rows [n] of positions first..first+n-1 (position p at row p % rows); no host-to-device copy."""
+    return (torch.arange(n, device=device) + first) % rows
+
+
+def _sqrt_softplus(logits: torch.Tensor) -> torch.Tensor:
+    return F.softplus(logits.float()).sqrt()
+
+
+def _route_weights(wts: torch.Tensor, norm: bool, scale: float, dtype) -> torch.Tensor:
+    if norm:
+        wts = wts / (wts.sum(dim=-1, keepdim=True) + 1e-20)
+    return (wts * scale).to(dtype)
+
+
+def index_scores(q: torch.Tensor, wts: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The lightning indexer: q [Q, nh, ihd], wts [Q, nh] float32, keys [N, ihd] -> score [Q, N] float32 =
+    sum_h wts[., h] relu(q[., h] . K[w]) / sqrt(ihd)."""
+    sc = F.relu(torch.einsum("thd,nd->thn", q.float(), keys.float())) * keys.shape[-1] ** -0.5   # [Q, nh, N]
+    return (sc * wts.unsqueeze(-1)).sum(dim=1)
+
+
+def pool_entries(ck: torch.Tensor, cg: torch.Tensor, norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """Windows ck, cg [nw, S, d] (gates with ape, -inf where a slot is empty) -> entries [nw, d]: softmax-gated
+    sum over the slots per channel, RMSNorm, RoPE at the windows' first positions (cos/sin [nw, r])."""
+    pooled = (ck * cg.softmax(dim=1, dtype=torch.float32).to(ck.dtype)).sum(dim=1)
+    return apply_rope(_rms(pooled, norm, eps), cos, sin)
+
+
+def attend_ref(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """q [Q, H, hd], keys [S, hd] (K = V), mask [Q, S] bool (True = attend), sinks [H] float32 -> [Q, H, hd]:
+    softmax over [q.k / sqrt(hd), sink_h] (the sink only enlarges the denominator), weighted sum of the keys."""
+    H, Q = q.shape[1], q.shape[0]
+    scores = torch.einsum("thd,sd->hts", q, keys) * q.shape[-1] ** -0.5                   # [H, Q, S]
+    scores = scores.masked_fill(~mask[None], float("-inf"))
+    comb_l = torch.cat([scores, sinks.float().view(H, 1, 1).to(scores.dtype).expand(H, Q, 1)], dim=-1)
+    comb_l = comb_l - comb_l.max(dim=-1, keepdim=True).values
+    probs = F.softmax(comb_l, dim=-1, dtype=comb_l.dtype)[..., :-1]
+    return torch.einsum("hts,sd->thd", probs.to(keys.dtype), keys)
+
+
+class TorchOps:
+    """The per-row math of a deepseek4 layer in torch: the CPU path (the exact reference against transformers) and
+    what kernels/triton_ds4.py's fused kernels must equal within float noise (tests/kernels/test_ds4_kernels.py)."""
+
+    @staticmethod
+    def prepare(w: dict, n_layer: int) -> None:
+        """Rearrange the dense weights for these ops once at load (TorchOps: nothing)."""
+
+    @staticmethod
+    def hc_pre(X, fn, base, scale, norm, iters: int, hc_eps: float, eps: float):
+        """mHC before a sublayer: X [T, hc, D] -> post [T, hc], comb [T, hc, hc] (float32, Sinkhorn-normalised),
+        h [T, D] = RMSNorm_norm(sum_j pre_j X_j) in X's dtype."""
+        hc, T = X.shape[1], X.shape[0]
+        flat = _unweighted_rms(X.reshape(T, -1).float(), eps)
+        m = F.linear(flat, fn.float())
+        pre_w, post_w, comb_w = m.split([hc, hc, hc * hc], dim=-1)
+        pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
+        pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
+        post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+        comb = torch.softmax(comb_w.view(T, hc, hc) * scale[2] + comb_b.view(hc, hc), dim=-1) + hc_eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+        for _ in range(iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+        u = (pre.unsqueeze(-1) * X).sum(dim=1).to(X.dtype)
+        return post, comb, _rms(u, norm, eps)
+
+    @staticmethod
+    def hc_post(X, out, post, comb, extra=None):
+        """X' [T, hc, D] = post_k * (out + extra) + sum_j comb[j, k] X_j."""
+        dt = X.dtype
+        if extra is not None:
+            out = out + extra
+        return post.to(dt).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), X)
+
+    @staticmethod
+    def rms(x, w, eps: float):
+        return _rms(x, w, eps)
+
+    @staticmethod
+    def rms_rope(x, w, cos, sin, eps: float):
+        """RMSNorm over the last dim (w None: unweighted, in x's dtype as V4's per-head q norm), then RoPE."""
+        return apply_rope(_unweighted_rms(x, eps) if w is None else _rms(x, w, eps), cos, sin)
+
+    @staticmethod
+    def rope(x, cos, sin):
+        return apply_rope(x, cos, sin)
+
+    @staticmethod
+    def compress_step(kv_buf, gate_buf, entries, kv, gate, ape, norm, rope, pos, ratio: int, eps: float):
+        """One token's compressor rows (kv, gate [1, C]) into the open window at row pos % R, and the window's
+        entry w = pos // ratio pooled from its rows (ratio 4: the previous window's first half too; window 0's
+        missing half gated -inf) into entries[w]. The rows of the window not yet fed are stale: the entry is
+        final, and visible, once the window's last token came (visibility: w < (t + 1) // ratio)."""
+        R, d, dev = kv_buf.shape[0], entries.shape[1], pos.device
+        kv_buf.index_copy_(0, pos.remainder(R), kv)
+        gate_buf.index_copy_(0, pos.remainder(R), gate)
+        w = torch.div(pos, ratio, rounding_mode="floor")                      # [1]
+        if ratio == 4:
+            j = torch.arange(4, device=dev)
+            cur, prev = (w % 2) * 4 + j, ((w + 1) % 2) * 4 + j
+            ck = torch.cat([kv_buf.index_select(0, prev)[:, :d], kv_buf.index_select(0, cur)[:, d:]])
+            cg = torch.cat([gate_buf.index_select(0, prev)[:, :d] + ape[:, :d],
+                            gate_buf.index_select(0, cur)[:, d:] + ape[:, d:]])
+            cg = cg.masked_fill((w == 0) & (torch.arange(8, device=dev) < 4)[:, None], float("-inf"))
+        else:
+            ck, cg = kv_buf, gate_buf + ape
+        cos, sin = rope.cos_sin(w * ratio)
+        entries.index_copy_(0, w, pool_entries(ck[None], cg[None], norm, cos, sin, eps))
+
+    @staticmethod
+    def index_topk(iq, iw, keys, pos, k: int):
+        """One query's indexer scores over every entry [N] (those not visible at pos -inf) -> the top-k rows [k]."""
+        visible = torch.arange(keys.shape[0], device=pos.device) < torch.div(pos + 1, 4, rounding_mode="floor")
+        return index_scores(iq, iw, keys).masked_fill(~visible[None], float("-inf")).topk(k, dim=-1).indices[0]
+
+    @staticmethod
+    def decode_attend(q, kv, ring, entries, top, pos, ratio: int, sinks, cos, sin):
+        """The token's K=V row kv [1, hd] into the window ring [W, hd] at pos % W; then one query q [1, H, hd] at
+        pos over the ring (its rows that hold a position >= 0) and,
+        on compressed layers, the entries (top [k]: those rows; None: every row) visible at pos (row < (pos+1) //
+        ratio), with the sinks -> [1, H, hd] de-rotated at pos (cos/sin [1, r])."""
+        W, dev = ring.shape[0], pos.device
+        ring.index_copy_(0, pos.remainder(W), kv)
+        keys, mask = ring, pos - (pos - torch.arange(W, device=dev)).remainder(W) >= 0
+        if entries is not None:
+            visible = torch.arange(entries.shape[0], device=dev) < torch.div(pos + 1, ratio, rounding_mode="floor")
+            if top is not None:
+                entries, visible = entries.index_select(0, top), visible.index_select(0, top)
+            keys, mask = torch.cat([keys, entries]), torch.cat([mask, visible])
+        return apply_rope(attend_ref(q, keys, mask[None], sinks), cos, -sin)
+
+    @staticmethod
+    def shared_ffn(h, gate_up, gate, up, down, limit: float):
+        """The shared expert (clamped SwiGLU) on h [T, H]; gate_up (the fused gate | up rows, CUDA) unused here."""
+        return expert_ffn(h, gate, up, down, limit)
+
+    @staticmethod
+    def route_topk(logits, bias, k: int, norm: bool, scale: float, dtype):
+        """sqrt(softplus(logits)) [T, E]; ids = top-k of scores + bias; weights = scores[ids] renormalised x scale."""
+        scores = _sqrt_softplus(logits)
+        ids = torch.topk(scores + bias, k, dim=-1).indices
+        return ids, _route_weights(scores.gather(1, ids), norm, scale, dtype)
+
+    @staticmethod
+    def route_hash(logits, tid2eid, token_ids, norm: bool, scale: float, dtype):
+        ids = tid2eid[token_ids]
+        return ids, _route_weights(_sqrt_softplus(logits).gather(1, ids), norm, scale, dtype)
+
+
+def ops_for(device: torch.device):
+    """The fused Triton kernels on CUDA (kernels/triton_ds4.py) where triton is installed, else TorchOps."""
+    if device.type == "cuda":
+        try:
+            from betelgeuse.kernels.triton_ds4 import TritonOps
+            return TritonOps()
+        except ImportError:
+            pass
+    return TorchOps()
+
 
 
 class Deepseek4Reference(ReferenceExperts, Deepseek4Model):

@@ -72,13 +72,19 @@ class MoEModel(Protocol):
 
 @runtime_checkable
 class LaneDecode(Protocol):
-    """attention_block in three parts, so batched decode runs the projections over the rows of all sequences at once
-    and the attention per sequence (worker/lanes.py)."""
-    rope: Any                       # .cos_sin(positions, dtype): the tables qkv reads (the lanes keep them alive)
+    """attention_block in three parts, so batched decode runs the row-wise part over the rows of all sequences at
+    once and the attention per sequence (worker/lanes.py):
 
-    def qkv(self, layer: int, x: torch.Tensor, positions: torch.Tensor): ...   # x [T,H] -> q, k, v heads-first
-    def attend_static(self, layer: int, q, k, v, cache, pos: torch.Tensor) -> torch.Tensor: ...
-    def attn_out(self, layer: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor: ...
+        carry, rows = lane_rows(layer, x, positions)     # x [B, ...] one row per lane; rows: a tuple of tensors
+        o_i = attend_static(layer, lane_row(rows, i), cache_i, pos_i)     # per sequence -> [1, n_head*head_dim]
+        x = attn_out(layer, carry, o)                    # o [B, n_head*head_dim]
+    """
+    rope: Any                       # .cos_sin(positions, dtype): the tables lane_rows reads (the lanes keep them alive)
+
+    def lane_rows(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[Any, tuple]: ...
+    def lane_row(self, rows: tuple, i: int) -> tuple: ...
+    def attend_static(self, layer: int, rows: tuple, cache, pos: torch.Tensor) -> torch.Tensor: ...
+    def attn_out(self, layer: int, carry, attn: torch.Tensor) -> torch.Tensor: ...
 
 
 def check_model(model) -> None:

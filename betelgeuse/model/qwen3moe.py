@@ -63,13 +63,21 @@ class Qwen3MoeModel:
         static: the graph-capturable decode form (T = 1, positions = cache.pos on the device)."""
         q, k, v = self.qkv(layer, x, positions)
         if static:
-            return self.attn_out(layer, x, self.attend_static(layer, q, k, v, cache, positions))
+            return self.attn_out(layer, x, self.attend_static(layer, (q, k, v), cache, positions))
         end = cache.write(layer, k, v, positions)
         attn = causal_attention(q, cache.k[layer][:, :end], cache.v[layer][:, :end], positions)
         return self.attn_out(layer, x, attn)
 
-    # the three parts of attention_block, also run apart by batched decode (worker/lanes.py): qkv and attn_out on
-    # the rows of all sequences at once, attend_static per sequence (its own KV cache)
+    # the three parts of attention_block, also run apart by batched decode (worker/lanes.py, model/interface.py
+    # LaneDecode): qkv and attn_out on the rows of all sequences at once, attend_static per sequence (its own KV cache)
+    def lane_rows(self, layer: int, x: torch.Tensor, positions: torch.Tensor):
+        """x [B,H] -> (carry = x for attn_out, rows = (q, k, v) heads-first [heads, B, hd])."""
+        return x, self.qkv(layer, x, positions)
+
+    @staticmethod
+    def lane_row(rows: tuple, i: int) -> tuple:
+        return tuple(t[:, i:i + 1] for t in rows)
+
     def qkv(self, layer: int, x: torch.Tensor, positions: torch.Tensor):
         """x [T,H], positions [T] (T rows: tokens of one sequence, or one token of each of T sequences) ->
         q [n_head,T,hd], k, v [n_head_kv,T,hd]: attn_norm, projections, per-head q/k RMSNorm, RoPE."""
@@ -83,9 +91,10 @@ class Qwen3MoeModel:
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def attend_static(self, layer: int, q, k, v, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
-        """One token of one sequence: q [n_head,1,hd], k/v [n_head_kv,1,hd] written at the device position pos [1],
-        attention over the whole static cache -> [1, n_head*hd]."""
+    def attend_static(self, layer: int, rows: tuple, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
+        """One token of one sequence: rows = q [n_head,1,hd], k/v [n_head_kv,1,hd]; k/v written at the device
+        position pos [1], attention over the whole static cache -> [1, n_head*hd]."""
+        q, k, v = rows
         cache.write_static(layer, k, v, pos)
         return static_decode_attention(q, cache.k[layer], cache.v[layer], pos)
 

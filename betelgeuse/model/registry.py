@@ -35,6 +35,17 @@ def _no_scratch(c: ModelConfig, n_tokens: int) -> int:
     return 0
 
 
+def _compute_dtype(name: str, dtype_bytes: int) -> int:
+    return dtype_bytes
+
+
+def _activations(c: ModelConfig, n_tokens: int, dtype_bytes: int) -> int:
+    """A prefill pass's activations (qwen3moe): per token the residual and the routed rows y [k, H] in float32,
+    q/k/v and their rotated copies; the last logits row."""
+    return (n_tokens * (c.n_embd * (4 + 4 * c.n_expert_used) + (c.n_head + 2 * c.n_head_kv) * c.head_dim * dtype_bytes * 2)
+            + c.n_vocab * 4 * 4)
+
+
 @dataclass(frozen=True, slots=True)
 class Arch:
     name: str                       # general.architecture (the key of gguf/layouts.py LAYOUTS too)
@@ -47,6 +58,10 @@ class Arch:
     prefix_cache: bool = True
     # (config, context tokens) -> peak float32 attention scratch bytes beyond the per-token activations
     scratch_bytes: Callable[[ModelConfig, int], int] = _no_scratch
+    # (tensor name, compute dtype bytes) -> bytes per element of a dense (non-expert) tensor once loaded
+    elem_bytes: Callable[[str, int], int] = _compute_dtype
+    # (config, tokens, compute dtype bytes) -> peak activation bytes of a prefill pass of that many tokens
+    activation_bytes: Callable[[ModelConfig, int, int], int] = _activations
 
     @property
     def layout(self) -> Layout:
@@ -64,7 +79,8 @@ ARCHS: dict[str, Arch] = {
                      "betelgeuse.model.qwen3moe:Qwen3MoeReference", _kv_bytes),
     "deepseek4": Arch("deepseek4", "betelgeuse.model.deepseek4:Deepseek4Model",
                       "betelgeuse.model.deepseek4:Deepseek4Reference", ds4layout.state_bytes,
-                      prefix_cache=False, scratch_bytes=ds4layout.attention_scratch_bytes),
+                      prefix_cache=False, scratch_bytes=ds4layout.attention_scratch_bytes,
+                      elem_bytes=ds4layout.dense_elem_bytes, activation_bytes=ds4layout.activation_bytes),
 }
 assert set(ARCHS) == set(LAYOUTS), (set(ARCHS), set(LAYOUTS))
 

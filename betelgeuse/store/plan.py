@@ -114,7 +114,9 @@ class SlotPlan:
 
 
 def dense_bytes(f: GGUFModelFile, dtype_bytes: int) -> int:
-    """Bytes of every non-expert tensor once dequantized to the compute dtype."""
+    """Bytes of every non-expert tensor once loaded: the compute dtype, or what the architecture keeps wider
+    (model/registry.py Arch.elem_bytes: deepseek4's float32 norms / mHC / sinks, int64 tid2eid)."""
+    elem = arch_of(f.config).elem_bytes
     n = 0
     for t in f.tensors.values():
         if "_exps." in t.name:
@@ -122,7 +124,7 @@ def dense_bytes(f: GGUFModelFile, dtype_bytes: int) -> int:
         elems = 1
         for s in t.shape:
             elems *= s
-        n += elems * dtype_bytes
+        n += elems * elem(t.name, dtype_bytes)
     return n
 
 
@@ -176,11 +178,9 @@ def vram_needs(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int) -> dict[str
     dt = compute_dtype_bytes(cfg)
     kv = cfg.max_running * arch.state_bytes(c, cfg.max_context, dt)     # every running sequence's state, full
     deq = 2 * 3 * c.n_ff_exp * c.n_embd * dt                       # two experts' dequantized matrices in flight
-    # prefill activations of the largest prefill pass (a full-context prompt, or several prompts together):
-    # residual, y[T, k, H] (float32), q/k/v, last logits row
-    act = cfg.prefill_pass_tokens * (c.n_embd * (4 + 4 * c.n_expert_used) + (c.n_head + 2 * c.n_head_kv) * c.head_dim * dt * 2)
-    act += c.n_vocab * 4 * 4
-    act += arch.scratch_bytes(c, cfg.max_context)
+    # activations of the largest prefill pass (a full-context prompt, or several prompts together) and the
+    # attention scratch of its blocks (model/registry.py: each architecture's own shapes)
+    act = arch.activation_bytes(c, cfg.prefill_pass_tokens, dt) + arch.scratch_bytes(c, cfg.max_context)
     ctx = CUDA_CONTEXT_BYTES if cfg.is_cuda else 0
     if cfg.is_cuda and cfg.cuda_graphs:
         ctx += cfg.max_running * GRAPHS_BYTES_PER_SEQ

@@ -6,11 +6,13 @@ per layer and sequence: at 8 sequences ~75 ms of an 8-sequence pass's ~84 ms of 
 per layer (deploy/device/profile_batch.py). Here it runs ONCE per layer over B = max_running rows ("lanes"):
 
     pre[l]     the previous layer's MoE rows combined (kernels.moe.combine) into their lanes of `routed`, the
-               residual x + routed (the embedding at l = 0); attn_norm, q/k/v projections, q/k norms, RoPE at each
-               lane's position, into the shared q/k/v lane buffers                       (one graph, all lanes)
-    attend     per sequence, on its own lane's q/k/v row: K/V written into its cache, attention over it
-                                                                                      (one graph per sequence)
-    post[l]    wo projection + residual, ffn_norm, router softmax / top-k (all lanes); the running lanes' rows
+               residual x + routed (the embedding at l = 0); the row-wise part of attention (model.lane_rows:
+               qwen3moe's attn_norm, q/k/v projections, q/k norms, RoPE; deepseek4's mHC mix, projections, norms,
+               RoPE, compressor and indexer inputs) at each lane's position, into the shared lane buffers
+                                                                                        (one graph, all lanes)
+    attend     per sequence, on its own lane's rows (model.attend_static): its state written (K/V; deepseek4's
+               window ring, open compressor windows and entries), attention over it   (one graph per sequence)
+    post[l]    the output projection + residual, the MoE input, routing (all lanes); the running lanes' rows
                (idx[:n]) routed and counted (kernels.moe.route: sorted by expert, device only)      (one graph)
     MoE        the experts of those rows, eagerly as in any pass (a wholly VRAM layer one group, else the
                host-synced loads and groups): the only host work of a layer
@@ -80,11 +82,12 @@ class Lanes:
         self.routed = torch.zeros((n_lanes, H), dtype=m.dtype, device=dev)   # the MoE output rows of the layer
         c = m.cfg
         self.attn = torch.zeros((n_lanes, c.n_head * c.head_dim), dtype=m.dtype, device=dev)
-        # the layer's q/k/v of every lane [heads, B, hd], where each sequence's attention graph reads its row: one
-        # set for every layer and every n (an attention graph must not depend on how many rows run)
-        self.q = torch.zeros((c.n_head, n_lanes, c.head_dim), dtype=m.dtype, device=dev)
-        self.k = torch.zeros((c.n_head_kv, n_lanes, c.head_dim), dtype=m.dtype, device=dev)
-        self.v = torch.zeros_like(self.k)
+        # the layer's attention inputs of every lane (model.lane_rows: qwen3moe's q/k/v heads-first, deepseek4's
+        # q, K=V and compressor rows), where each sequence's attention graph reads its row: one set per shape of
+        # the rows, shared by every layer of that shape and every n (an attention graph must not depend on how many
+        # rows run); made on the first (eager) step of a shape, before any capture reads them
+        self.rows: dict = {}
+        self.layer_rows: list = [None] * n_layer      # layer -> its buffers in self.rows (set by its pre part)
         self.pool = None                            # one private pool for every lane graph (they run in turn)
         self.parts: dict = {}                       # ("pre" | "post", layer, n) or ("head", n) -> _Part
         self.recent: list = []                      # numbers of running rows, most recent last (MAX_VARIANTS kept)
@@ -135,11 +138,21 @@ class Lanes:
             x = m.embed(self.ids)
         else:
             x = self._residual(l - 1, n, combine)
-        q, k, v = m.qkv(l, x, self.pos)
+        carry, rows = m.lane_rows(l, x, self.pos)
         if l == 0:
-            self.keep[n] = m.rope.cos_sin(self.pos, x.dtype)     # read by every layer's pre part (memoized)
-        self.q.copy_(q), self.k.copy_(k), self.v.copy_(v)
-        return (x,)
+            self.keep[n] = m.rope.cos_sin(self.pos, self.attn.dtype)     # read by every layer's pre part (memoized)
+        bufs = self.layer_rows[l] = self._rows(rows)
+        for buf, t in zip(bufs, rows):
+            buf.copy_(t)
+        return (carry,)
+
+    def _rows(self, rows: tuple) -> list:
+        """The lane buffers for rows of these shapes."""
+        key = tuple((tuple(t.shape), t.dtype) for t in rows)
+        bufs = self.rows.get(key)
+        if bufs is None:
+            bufs = self.rows[key] = [torch.zeros_like(t) for t in rows]
+        return bufs
 
     def _residual(self, l: int, n: int, combine):
         """Layer l's MoE output rows into their lanes, then the residual x + routed for every lane."""
@@ -148,9 +161,9 @@ class Lanes:
         return self.m.moe_output(l, xa, aux, h, self.routed)
 
     def _attend(self, l: int, s: _SeqAttn):
-        i = s.lane
-        a = self.m.attend_static(l, self.q[:, i:i + 1], self.k[:, i:i + 1], self.v[:, i:i + 1], s.kv, s.kv.pos)
-        self.attn[i:i + 1].copy_(a)
+        i, m = s.lane, self.m
+        rows = m.lane_row(self.layer_rows[l], i)
+        self.attn[i:i + 1].copy_(m.attend_static(l, rows, s.kv, s.kv.pos))
 
     def _post(self, l: int, n: int, route):
         m = self.m

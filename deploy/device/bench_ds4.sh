@@ -1,25 +1,32 @@
 #!/usr/bin/env bash
-# DeepSeek-V4-Flash-shaped benchmark on the lent GPU machine, in ONE command (< 9.5 minutes in all):
+# DeepSeek-V4-Flash-shaped runs on the lent GPU machine, each ONE command under 8 minutes on a bare H200:
 #
-#   bash deploy/device/bench_ds4.sh            # write ds4-flash (31 GB, if absent), check_ds4.py, the bench
-#   TOTAL=500 bash deploy/device/bench_ds4.sh --prompts 64 --decode 32     # extra args go to `betelgeuse bench`
+#   bash deploy/device/bench_ds4.sh            # speed: write ds4-flash (31 GB, if absent), quick checks, the bench,
+#                                              # then the issue-21 figures (decode tok/s, host µs / expert
+#                                              # application, launches / layer, peak VRAM vs budget, disk bound)
+#   CHECK_ONLY=1 bash deploy/device/bench_ds4.sh   # correctness: every check_ds4.py step (kernels, engine, the fused
+#                                              # ops at V4-Flash shapes, eager == graph replay, batch invariance,
+#                                              # launches per decode layer); no model write, no bench
+#   TOTAL=400 bash deploy/device/bench_ds4.sh --prompts 64 --decode 32     # extra args go to `betelgeuse bench`
 #   PRESET=ds4-tiny CHECK_ARGS="--device cpu --hidden 256 --ff 128" TRITON_INTERPRET=1 TOTAL=400 \
 #     bash deploy/device/bench_ds4.sh --device cpu --no-cgroup --slots 2+3 --prompts 8 --decode 2   # CPU dry run
 #
 # 1. the wheels in .whl/ into /tmp/site where this Python lacks a module (as bench.sh), PYTHONPATH=/tmp/site:$PWD
 # 2. the ds4-flash model (8 layers, 256 MXFP4 experts of 13.4 MB per layer) at $WORK/ds4-flash.gguf, written
 #    once (fsync'd and dropped from the page cache, as `betelgeuse bench` does) and reused by later runs
-# 3. deploy/device/check_ds4.py: the MXFP4 Triton kernels against the torch reference on the device, and the
-#    ds4 engine bit-identical across slot configurations (its rows say PASS/FAIL; the bench runs either way)
+# 3. deploy/device/check_ds4.py (CHECK_STEPS, default kernel,engine,vram with the vram step on this model; every
+#    step on ds4-tiny with CHECK_ONLY=1): its rows say PASS/FAIL; the bench runs either way
 # 4. bench.sh --preset ds4-flash --variant-skew none --memory-max 12G --vram-budget 12GiB with the time left
 #    (BUDGET = TOTAL - elapsed - 75 s: bench.sh's hard timeout is BUDGET + 60)
+# 5. deploy/device/ds4_summary.py: the issue-21 figures from bench.json (also $OUT/$RUN_NAME/ds4_summary.md)
 # Results in $OUT/$RUN_NAME/: bench_ds4.log, check_ds4.md, check_ds4.json, bench.json, bench.md, bench.png,
-# bench.log, store.log (8 files, 2 folders deep).
+# bench.log, store.log, ds4_summary.md (9 files, 2 folders deep).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
 T0=$(date +%s)
-TOTAL=${TOTAL:-560}
+TOTAL=${TOTAL:-460}
+CHECK_ONLY=${CHECK_ONLY:-0}
 OUT=${OUT:-$ROOT/.bench-out}
 WORK=${WORK:-/var/tmp/betelgeuse-bench}
 export RUN_NAME=${RUN_NAME:-$(date -u +%Y%m%d-%H%M%S)-ds4}
@@ -43,6 +50,17 @@ if [ ! -f services/pb/betelgeuse/v1/store_pb2.py ]; then
 fi
 { command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv; df -h "$WORK" | tail -1; } >>"$LOG" 2>&1
 
+# 3 alone (CHECK_ONLY=1): every check, no model, no bench
+if [ "$CHECK_ONLY" = 1 ]; then
+  say "check_ds4.py (${CHECK_STEPS:-every step})"
+  timeout $(( TOTAL - 20 )) "$PY" deploy/device/check_ds4.py --out "$DEST" --tmp "$WORK/check" \
+    --only "${CHECK_STEPS:-kernel,engine,ops,decode,launches,vram}" ${CHECK_ARGS:-} >>"$LOG" 2>&1
+  rc=$?
+  say "check_ds4.py exit $rc"
+  [ -f "$DEST/check_ds4.md" ] && cat "$DEST/check_ds4.md"
+  exit $rc
+fi
+
 # 2. the model
 PRESET=${PRESET:-ds4-flash}
 MODEL=$WORK/$PRESET.gguf
@@ -63,7 +81,8 @@ fi
 
 # 3. the quick correctness checks on the device
 say "check_ds4.py"
-timeout 200 "$PY" deploy/device/check_ds4.py --out "$DEST" --tmp "$WORK/check" ${CHECK_ARGS:-} >>"$LOG" 2>&1
+timeout 260 "$PY" deploy/device/check_ds4.py --out "$DEST" --tmp "$WORK/check" --only "${CHECK_STEPS:-kernel,engine,vram}" \
+  --vram-model "$MODEL" ${CHECK_ARGS:-} >>"$LOG" 2>&1
 say "check_ds4.py exit $?"
 [ -f "$DEST/check_ds4.md" ] && cat "$DEST/check_ds4.md"
 
@@ -75,4 +94,7 @@ BUDGET=$BUDGET OUT=$OUT WORK=$WORK bash deploy/device/bench.sh --model "$MODEL" 
   --memory-max 12G --vram-budget 12GiB "$@"
 rc=$?
 say "bench.sh exit $rc"
+
+# 5. the issue-21 figures
+[ -f "$DEST/bench.json" ] && "$PY" deploy/device/ds4_summary.py "$DEST/bench.json" --out "$DEST/ds4_summary.md" | tee -a "$LOG"
 exit $rc

@@ -13,6 +13,20 @@
    kernels "auto" must pick triton; logits bit-identical across slot configurations 0/0, 2/3 and 8/0 (cold,
    warm, consolidated, and 4 decode steps), and to the deepseek4 Deepseek4Reference on the same device and dtype;
    vs the CPU float32 reference: max-abs diff and greedy agreement (reported).
+3. ops: the fused per-row kernels (kernels/triton_ds4.py TritonOps) against TorchOps method by method, float32 and
+   bfloat16, at tiny and V4-Flash shapes (tests/scripts/ds4_kernel_check.py; a row alone == in its launch).
+4. decode: ds4-tiny all in VRAM, a 122-token prompt and 8 greedy steps (across the 128-token HCA window): eager
+   (cuda_graphs off) == graph capture / replay bit for bit, solo (runner.forward) and lanes (decode_batch); solo
+   decode == the reference's one-token passes (same device/dtype); the model with TritonOps vs TorchOps on the device
+   (float32: within noise, same greedy tokens; bfloat16 reported); then check_cuda's batch step on ds4-tiny (3
+   sequences over the lanes, one sitting out, == each alone; graphs replayed).
+5. launches: kernels per layer of one decode step from torch.profiler, eager (the kernels a step runs) and replayed
+   (what the profiler sees of the graphs), lanes and solo; PASS when the eager lanes step is <= 60 per layer.
+6. vram: the worker's VRAM outside the expert slots, measured, against the slot plan's terms (store/plan.py
+   vram_fixed_bytes): a runner with no VRAM slots over --vram-model (bench_ds4.sh passes ds4-flash; default
+   ds4-tiny) and max_running 2, a 64-token prompt, then two sequences decoding 8 steps in the lanes with graphs and
+   one alone (the graph pools): dense weights, graph pools, the non-torch part of the device (context, Triton
+   modules) and the device-wide peak beside each plan term; PASS when the peak stays within the plan's total.
 
 --adversarial-timing SEED:MS: the engine step under the store's test-only jitter (as check_cuda.py).
 """
@@ -32,8 +46,8 @@ sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 
-from check_cuda import (RESULTS, ROWS, close, results_table, row, run_steps, runner_for, slot_passes,  # noqa: E402
-                        sync, timing_flag, use_timing)
+from check_cuda import (RESULTS, ROWS, check_batch, close, ids_for, results_table, row, run_steps,  # noqa: E402
+                        runner_for, slot_passes, sync, timing_flag, use_timing)
 
 from betelgeuse.gguf.quants import dequantize  # noqa: E402
 from betelgeuse.gguf.synth import spec_from_preset, write_model  # noqa: E402
@@ -41,6 +55,8 @@ from betelgeuse.kernels.moe import Group, MoEKernels, pack_experts  # noqa: E402
 from betelgeuse.model import reference_model  # noqa: E402
 
 MX = 39          # GGML MXFP4
+LAUNCH_TARGET = 60           # kernels per layer of a decode step (issue 21)
+sys.path.insert(0, str(HERE.parents[1] / "tests" / "scripts"))
 
 
 def _mx_raw(g: torch.Generator, rows: int, cols: int) -> torch.Tensor:
@@ -129,11 +145,17 @@ def check_kernel(device: str, E: int = 8, H: int = 4096, F: int = 2048, T: int =
     RESULTS["kernel"] = res
 
 
-def check_engine(device: str, tmp: Path):
+def _tiny(tmp: Path):
+    """(path, spec) of the ds4-tiny model the engine checks share (written once)."""
     spec = replace(spec_from_preset("ds4-tiny"), seed=2)
     path = tmp / "check-ds4-tiny-s2.gguf"
     if not path.exists():
         write_model(path, spec, progress=False)
+    return path, spec
+
+
+def check_engine(device: str, tmp: Path):
+    path, spec = _tiny(tmp)
     E = spec.n_expert
     import numpy as np
     ids = [int(x) for x in np.random.default_rng(4).integers(0, spec.n_vocab, 150)]
@@ -169,12 +191,216 @@ def check_engine(device: str, tmp: Path):
                          "max_abs_vs_cpu_f32": d, "greedy_agreement": greedy}
 
 
+def check_ops(device: str):
+    import os
+    from ds4_kernel_check import FLASH, TINY, compare, failures, _widen_interpreter_bf16_dot
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        _widen_interpreter_bf16_dot()
+    res = {}
+    for name, dims in (("tiny", TINY), ("flash", FLASH)) if device.startswith("cuda") else (("tiny", TINY),):
+        r = compare(device, dims)
+        bad = failures(r)
+        worst = max(r, key=lambda k: r[k]["max_abs"] / max(r[k]["scale"], 1e-30))
+        row(f"ds4 ops {name} shapes", not bad,
+            f"{len(r)} cases, TritonOps vs TorchOps (f32 + bf16; ids, copied state rows and rows alone bit-exact); "
+            f"failing {bad[:8]}; worst {worst}: max|diff| {r[worst]['max_abs']:.3e} of {r[worst]['scale']:.3g}")
+        res[name] = r
+    RESULTS["ops"] = res
+
+
+def _greedy_decode(runner, prompt: list[int], steps: int, how: str):
+    """Logits [steps, V] of `steps` greedy decode tokens after the prompt ("solo": runner.forward one token, as a
+    lone sequence outside the lanes; "lanes": decode_batch, as the engine decodes), the tokens, and whether the
+    last step was replayed from a captured graph."""
+    kv = runner.new_cache(len(prompt) + steps + 8)
+    lg, _ = runner.forward(prompt, kv)
+    out, toks = [], []
+    for _ in range(steps):
+        toks.append(int(lg[-1].argmax()))
+        lg, _ = (runner.decode_batch([toks[-1]], [kv]) if how == "lanes"
+                 else runner.forward([toks[-1]], kv, consolidate=False))
+        out.append(lg[-1:].float().cpu())
+    if how == "lanes":
+        ln = runner._lanes
+        replayed = ln is not None and ln.seqs[kv.uid].mode == "replay" and all(p.mode == "replay" for p in ln.parts.values())
+    else:
+        replayed = any(isinstance(v, tuple) for k, v in runner.solo._graphs.items() if k[0] == kv.uid)
+    runner.release(kv)
+    runner.consolidate()
+    return torch.cat(out), toks, replayed
+
+
+def check_decode(device: str, tmp: Path, steps: int = 8):
+    from betelgeuse.kernels.triton_ds4 import TritonOps
+    from betelgeuse.model.deepseek4 import TorchOps
+    path, spec = _tiny(tmp)
+    import numpy as np
+    prompt = [int(x) for x in np.random.default_rng(5).integers(0, spec.n_vocab, 122)]
+    got, toks, replayed = {}, {}, {}
+    for graphs in (False, True):
+        runner, store = runner_for(path, device, spec.n_expert, 0, cuda_graphs=graphs)
+        try:
+            static = runner.decodes_in_lanes
+            for how in ("solo", "lanes"):
+                got[graphs, how], toks[graphs, how], replayed[graphs, how] = _greedy_decode(runner, prompt, steps, how)
+            dtype = runner.dtype
+        finally:
+            close(runner, store)
+    cuda = device.startswith("cuda")
+    for how in ("solo", "lanes"):
+        same = bool(torch.equal(got[False, how], got[True, how]))
+        row(f"ds4 decode {how}: eager == graphs", same and (replayed[True, how] or not cuda),
+            f"{steps} steps from a {len(prompt)}-token prompt bit-identical: {same}; graphs replayed: {replayed[True, how]}; "
+            f"static form: {static}; max |diff| {(got[False, how] - got[True, how]).abs().max().item():.3e}")
+    # the reference's one-token passes on the same tokens (same device, dtype and kernels)
+    with torch.no_grad():
+        ref = reference_model(path, device=device, dtype=dtype)
+        ref.forward(torch.tensor(prompt, device=device), cache := ref.new_cache(len(prompt) + steps + 8))
+        r = [ref.forward(torch.tensor([t], device=device), cache).float().cpu() for t in toks[False, "solo"]]
+    rl = torch.cat(r)
+    row("ds4 decode solo == Deepseek4Reference", bool(torch.equal(rl, got[False, "solo"])),
+        f"{steps} one-token passes, max |diff| {(rl - got[False, 'solo']).abs().max().item():.3e} ({dtype})")
+    # the whole model with the fused kernels vs TorchOps on the device, teacher-forced on the same tokens
+    res = {}
+    for dt in (torch.float32, torch.bfloat16) if cuda else (torch.float32,):
+        outs = {}
+        for name in ("triton", "torch"):
+            with torch.no_grad():
+                m = reference_model(path, device=device, dtype=dt)
+                if name == "torch":
+                    m.ops = TorchOps()
+                elif not isinstance(m.ops, TritonOps):      # a CPU dry run: the kernels in Triton's interpreter
+                    m.ops = TritonOps()
+                    m.ops.prepare(m.w, m.cfg.n_layer)
+                c = m.new_cache(len(prompt) + steps + 8)
+                lg = [m.forward(torch.tensor(prompt, device=device), c).float().cpu()]
+                lg += [m.forward(torch.tensor([t], device=device), c).float().cpu() for t in toks[False, "solo"]]
+            outs[name] = torch.cat(lg)
+            del m
+        a, b = outs["triton"], outs["torch"]
+        d, sc = (a - b).abs().max().item(), b.abs().max().item()
+        agree = float((a.argmax(-1) == b.argmax(-1)).float().mean())
+        key = str(dt).split(".")[-1]
+        res[key] = {"max_abs": d, "scale": sc, "greedy_agreement": agree}
+        row(f"ds4 model TritonOps vs TorchOps {key}", (d <= 1e-3 * sc and agree == 1.0) if dt == torch.float32 else None,
+            f"{len(prompt)}-token prefill + {steps} decode passes: max |diff| {d:.3e} (max |logit| {sc:.2f}), "
+            f"greedy agreement {agree:.1%}")
+    RESULTS["decode"] = {"ops_model": res, "replayed": {f"{g} {h}": v for (g, h), v in replayed.items()}}
+    if cuda:
+        check_batch(path, device)
+
+
+def check_launches(device: str, tmp: Path):
+    """Kernels per layer of one decode step (torch.profiler), ds4-tiny all in VRAM."""
+    from services.bench.profile import profile_pass
+    if not device.startswith("cuda"):
+        row("ds4 launches per layer", None, "CUDA only (torch.profiler kernel events)")
+        return
+    path, spec = _tiny(tmp)
+    prompt = list(range(3, 125))
+    res = {}
+    for graphs in (False, True):
+        runner, store = runner_for(path, device, spec.n_expert, 0, cuda_graphs=graphs)
+        try:
+            for how in ("lanes", "solo"):
+                kv = runner.new_cache(len(prompt) + 16)
+                runner.forward(prompt, kv)
+
+                def step():
+                    return (runner.decode_batch([7], [kv]) if how == "lanes"
+                            else runner.forward([7], kv, consolidate=False))
+                for _ in range(3):                  # eager, capture, replay
+                    step()
+                sync(device)
+                t = time.perf_counter()
+                step()
+                sync(device)
+                wall = time.perf_counter() - t
+                prof = profile_pass(step, spec.n_layer, wall, torch.device(device))
+                res[f"{how} {'replayed' if graphs else 'eager'}"] = dict(prof, step_ms=wall * 1e3)
+                runner.release(kv)
+                runner.consolidate()
+        finally:
+            close(runner, store)
+    eager = res["lanes eager"]["launches_per_layer"]
+    row("ds4 launches per layer (decode)", eager <= LAUNCH_TARGET,
+        f"lanes eager {eager:.1f} (target <= {LAUNCH_TARGET}); " + "; ".join(
+            f"{k} {v['launches_per_layer']:.1f}/layer, {v['memcpys']} copies, {v['step_ms']:.2f} ms/step"
+            for k, v in res.items() if k != "lanes eager"))
+    RESULTS["launches"] = res
+
+
+def check_vram(device: str, tmp: Path, model: str | None):
+    if not device.startswith("cuda"):
+        row("ds4 vram vs plan", None, "CUDA only")
+        return
+    from betelgeuse.config import GiB, MiB
+    from betelgeuse.gguf.reader import GGUFModelFile
+    from betelgeuse.model.registry import arch_of
+    from betelgeuse.store import plan as P
+    path = Path(model) if model and Path(model).exists() else _tiny(tmp)[0]
+    dev = torch.device(device)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    free0, total = torch.cuda.mem_get_info()
+    alloc0, res0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    runner, store = runner_for(path, device, 0, 0, max_running=2, vram_budget=100 * GiB)
+    try:
+        cfg, f = runner.cfg, runner.file
+        c = f.config
+        a, dt = arch_of(c), P.compute_dtype_bytes(cfg)
+        plan = runner.plan
+        slot = plan.slot.slot_bytes
+        terms = {"dense": P.dense_bytes(f, dt), "state x max_running": cfg.max_running * a.state_bytes(c, cfg.max_context, dt),
+                 "ring": cfg.ring_slots * slot, "activations + scratch": a.activation_bytes(c, cfg.prefill_pass_tokens, dt)
+                 + a.scratch_bytes(c, cfg.max_context), "graphs": cfg.max_running * P.GRAPHS_BYTES_PER_SEQ,
+                 "context": P.CUDA_CONTEXT_BYTES}
+        torch.cuda.synchronize()
+        dense = torch.cuda.memory_allocated() - alloc0 - cfg.ring_slots * slot
+        prompts = [ids_for(path, 64, seed) for seed in (11, 12)]
+        kvs = [runner.new_cache(len(p) + 16) for p in prompts]
+        last = []
+        for p, kv in zip(prompts, kvs):
+            lg, _ = runner.forward(p, kv)
+            last.append(int(lg[-1].argmax()))
+        torch.cuda.synchronize()
+        res_before = torch.cuda.memory_reserved()
+        for _ in range(8):
+            lg, _ = runner.decode_batch(last, kvs)
+            last = [int(x.argmax()) for x in lg]
+        kv3 = runner.new_cache(len(prompts[0]) + 16)
+        lg, _ = runner.forward(prompts[0], kv3)
+        for _ in range(4):
+            lg, _ = runner.forward([int(lg[-1].argmax())], kv3, consolidate=False)
+        torch.cuda.synchronize()
+        graphs = torch.cuda.memory_reserved() - res_before
+        free1, _ = torch.cuda.mem_get_info()
+        used = (total - free1) - (total - free0)
+        non_torch = used - (torch.cuda.memory_reserved() - res0)
+        peak = non_torch + torch.cuda.max_memory_reserved() - res0       # device-wide peak, approximately
+        fixed = plan.vram_fixed
+        meas = {"dense": dense, "graphs (reserved growth over decode)": graphs, "non-torch (context, modules)": non_torch,
+                "torch max allocated": torch.cuda.max_memory_allocated() - alloc0,
+                "torch max reserved": torch.cuda.max_memory_reserved() - res0, "device peak": peak}
+        for kv in kvs + [kv3]:
+            runner.release(kv)
+    finally:
+        close(runner, store)
+    row("ds4 vram vs plan", peak <= fixed,
+        f"{path.name}, 0 VRAM slots: device peak {peak / MiB:,.0f} MiB vs plan fixed {fixed / MiB:,.0f} MiB; "
+        + "; ".join(f"{k} {v / MiB:,.1f}" for k, v in meas.items()) + " || plan: "
+        + "; ".join(f"{k} {v / MiB:,.1f}" for k, v in terms.items()))
+    RESULTS["vram"] = {"model": str(path), "measured": meas, "plan_terms": terms, "plan_fixed": fixed}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--tmp", default="/tmp/bg-check")
     p.add_argument("--out", help="directory for check_ds4.md / check_ds4.json")
-    p.add_argument("--only", default="kernel,engine", help="comma-separated steps to run")
+    p.add_argument("--only", default="kernel,engine,ops,decode,launches,vram", help="comma-separated steps to run")
+    p.add_argument("--vram-model", help="the model of the vram step (bench_ds4.sh: ds4-flash; default ds4-tiny)")
     p.add_argument("--hidden", type=int, default=4096, help="kernel check: expert input width H (V4-Flash: 4096)")
     p.add_argument("--ff", type=int, default=2048, help="kernel check: expert width F (V4-Flash: 2048)")
     timing_flag(p)
@@ -188,7 +414,11 @@ def main() -> int:
     RESULTS["device"] = torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu"
     RESULTS["torch"] = torch.__version__
     run_steps((("kernel", lambda: check_kernel(a.device, H=a.hidden, F=a.ff)),
-               ("engine", lambda: check_engine(a.device, tmp))), a.only)
+               ("engine", lambda: check_engine(a.device, tmp)),
+               ("ops", lambda: check_ops(a.device)),
+               ("decode", lambda: check_decode(a.device, tmp)),
+               ("launches", lambda: check_launches(a.device, tmp)),
+               ("vram", lambda: check_vram(a.device, tmp, a.vram_model))), a.only)
     md = results_table("check_ds4")
     print("\n" + md, flush=True)
     if a.out:

@@ -1,0 +1,486 @@
+"""Fused Triton kernels for deepseek4's per-row math on CUDA: a few launches per layer instead of hundreds.
+
+`TritonOps` has the methods of model.deepseek4.TorchOps (the CPU path, the exact reference against
+transformers) and must equal them within float noise (tests/kernels/test_ds4_kernels.py runs both under
+TRITON_INTERPRET=1). What each replaces:
+
+  hc_pre      mHC before a sublayer: unweighted RMS of the 4 streams, the [24, 4D] mix, sigmoid pre/post, the
+              softmax + 20 Sinkhorn iterations of the 4x4 comb (~120 small torch ops), the collapse and the
+              sublayer's RMSNorm -> 2 launches (a split-K partial product, then one program per row)
+  hc_post     post_k * (routed + shared) + comb^T X -> 1 launch
+  rms_rope    RMSNorm (weighted, unweighted or none) then interleaved RoPE on the last dims, optionally also
+              written into the window ring at the device position -> 1 launch (was ~12)
+  compress_step   a decode token's row into the open window, the window's entry pooled (softmax gates over its
+              slots), RMSNorm, RoPE at the window start, into the entries -> 1 launch (was ~25)
+  index_topk  the lightning indexer's scores over every entry (relu(q.k) weighted over heads, invisible -inf)
+              -> 1 launch + torch.topk
+  decode_attend   one query over the window ring and the chosen / visible compressed entries, with the sinks
+              (online softmax, the sink as the first element) -> 1 launch + the de-rotation (rms_rope, no norm)
+  route_topk / route_hash   sqrt(softplus), bias, top-k by repeated argmax, renormalised weights -> 1 launch
+  shared_ffn  the shared expert's clamped SwiGLU -> 1 launch between two matmuls
+
+Every kernel runs one program per row (or per row and column block), with block sizes that never depend on the
+number of rows, so a row's bits do not depend on the other rows of its launch (batch invariance, invariant 6);
+eager and graph-replayed steps run the same kernels (invariant 1).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+HC_SPLIT_K = 1024          # columns of the [M, hc*D] mHC matrix per partial-product program
+
+
+@triton.jit
+def _hc_partial_kernel(x_ptr, fn_ptr, pm_ptr, pss_ptr, K, S,
+                       M: tl.constexpr, MP: tl.constexpr, KS: tl.constexpr, BK: tl.constexpr):
+    """Program (t, s): columns [s*KS, (s+1)*KS) of row t: pm[t, s, :M] = fn[:, cols] . x[cols], pss[t, s] = sum x^2."""
+    t = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    r = tl.arange(0, MP)
+    mr = r < M
+    acc = tl.zeros((MP,), dtype=tl.float32)
+    ss = tl.zeros((BK,), dtype=tl.float32)
+    for kk in range(0, KS, BK):
+        c = s * KS + kk + tl.arange(0, BK)
+        mc = c < K
+        x = tl.load(x_ptr + t * K + c, mask=mc, other=0).to(tl.float32)
+        f = tl.load(fn_ptr + r[:, None] * K + c[None, :], mask=mr[:, None] & mc[None, :], other=0)
+        acc += tl.sum(f * x[None, :], axis=1)
+        ss += x * x
+    tl.store(pm_ptr + (t * S + s) * MP + r, acc)
+    tl.store(pss_ptr + t * S + s, tl.sum(ss, axis=0))
+
+
+@triton.jit
+def _hc_finish_kernel(x_ptr, pm_ptr, pss_ptr, base_ptr, scale_ptr, norm_ptr, post_ptr, comb_ptr, h_ptr,
+                      D, K, S, iters, hc_eps, eps,
+                      HC: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    sp = tl.arange(0, SP)
+    ms = sp < S
+    j = tl.arange(0, HC)
+    rinv = tl.rsqrt(tl.sum(tl.load(pss_ptr + t * S + sp, mask=ms, other=0), axis=0) / K + eps)
+    prow = pm_ptr + (t * S + sp) * MP                                            # [SP] partial rows
+    pre_m = tl.sum(tl.load(prow[:, None] + j[None, :], mask=ms[:, None], other=0), axis=0) * rinv
+    post_m = tl.sum(tl.load(prow[:, None] + HC + j[None, :], mask=ms[:, None], other=0), axis=0) * rinv
+    jk = j[:, None] * HC + j[None, :]                                            # [HC, HC]
+    comb_m = tl.sum(tl.load(prow[:, None, None] + 2 * HC + jk[None, :, :], mask=ms[:, None, None], other=0),
+                    axis=0) * rinv
+    s0 = tl.load(scale_ptr)
+    s1 = tl.load(scale_ptr + 1)
+    s2 = tl.load(scale_ptr + 2)
+    pre = tl.sigmoid(pre_m * s0 + tl.load(base_ptr + j)) + hc_eps
+    post = 2 * tl.sigmoid(post_m * s1 + tl.load(base_ptr + HC + j))
+    c = comb_m * s2 + tl.load(base_ptr + 2 * HC + jk)
+    c = tl.exp(c - tl.max(c, axis=1)[:, None])
+    c = c / tl.sum(c, axis=1)[:, None] + hc_eps
+    c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
+    for _ in range(iters - 1):
+        c = c / (tl.sum(c, axis=1)[:, None] + hc_eps)
+        c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
+    tl.store(post_ptr + t * HC + j, post)
+    tl.store(comb_ptr + t * HC * HC + jk, c)
+    # u = sum_j pre_j X_j in X's dtype, then the sublayer's RMSNorm (u recomputed rather than re-read: no barrier)
+    ssu = tl.zeros((BD,), dtype=tl.float32)
+    for d0 in range(0, D, BD):
+        d = d0 + tl.arange(0, BD)
+        md = d < D
+        xt = tl.load(x_ptr + t * HC * D + j[:, None] * D + d[None, :], mask=md[None, :], other=0).to(tl.float32)
+        u = tl.sum(pre[:, None] * xt, axis=0).to(h_ptr.dtype.element_ty).to(tl.float32)
+        ssu += u * u
+    ru = tl.rsqrt(tl.sum(ssu, axis=0) / D + eps)
+    for d0 in range(0, D, BD):
+        d = d0 + tl.arange(0, BD)
+        md = d < D
+        xt = tl.load(x_ptr + t * HC * D + j[:, None] * D + d[None, :], mask=md[None, :], other=0).to(tl.float32)
+        u = tl.sum(pre[:, None] * xt, axis=0).to(h_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(norm_ptr + d, mask=md, other=0)
+        tl.store(h_ptr + t * D + d, (w * (u * ru)).to(h_ptr.dtype.element_ty), mask=md)
+
+
+@triton.jit
+def _hc_post_kernel(x_ptr, a_ptr, b_ptr, post_ptr, comb_ptr, out_ptr, D,
+                    HAS_B: tl.constexpr, HC: tl.constexpr, BD: tl.constexpr):
+    """out[t, k] = post_k * (a + b)[t] + sum_j comb[t, j, k] X[t, j] (post and comb rounded to X's dtype, as torch)."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    md = d < D
+    j = tl.arange(0, HC)
+    dt = out_ptr.dtype.element_ty
+    o = tl.load(a_ptr + t * D + d, mask=md, other=0)
+    if HAS_B:
+        o = (o.to(tl.float32) + tl.load(b_ptr + t * D + d, mask=md, other=0).to(tl.float32)).to(dt)
+    o = o.to(tl.float32)
+    post = tl.load(post_ptr + t * HC + j).to(dt).to(tl.float32)
+    comb = tl.load(comb_ptr + t * HC * HC + j[:, None] * HC + j[None, :]).to(dt).to(tl.float32)   # [j, k]
+    xt = tl.load(x_ptr + t * HC * D + j[:, None] * D + d[None, :], mask=md[None, :], other=0).to(tl.float32)
+    mix = tl.sum(comb[:, :, None] * xt[:, None, :], axis=0)                                         # [k, BD]
+    res = post[:, None] * o[None, :] + mix
+    tl.store(out_ptr + t * HC * D + j[:, None] * D + d[None, :], res.to(dt), mask=md[None, :])
+
+
+@triton.jit
+def _rms_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, ring_ptr, pos_ptr, D, R, NH, W, eps,
+                     NORM: tl.constexpr, NEG_SIN: tl.constexpr, RING: tl.constexpr, BD: tl.constexpr):
+    """Row `row` = token t * NH + head of x [rows, D]: NORM 0 none, 1 unweighted (in x's dtype, as V4's q norm),
+    2 weighted (float32, as _rms); then RoPE on the last R dims (pairs (2i, 2i+1); cos/sin [T, R] float32).
+    RING: the row also into ring[pos % W] (a decode token's K=V row into its window)."""
+    row = tl.program_id(0).to(tl.int64)
+    t = row // NH
+    c = tl.arange(0, BD)
+    mc = c < D
+    dt = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * D + c, mask=mc, other=0).to(tl.float32)
+    xp = tl.load(x_ptr + row * D + (c ^ 1), mask=mc, other=0).to(tl.float32)     # the RoPE pair partner
+    if NORM == 1:
+        r = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps).to(dt).to(tl.float32)
+        x = (x * r).to(dt).to(tl.float32)
+        xp = (xp * r).to(dt).to(tl.float32)
+    elif NORM == 2:
+        r = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+        x = (tl.load(w_ptr + c, mask=mc, other=0) * (x * r)).to(dt).to(tl.float32)
+        xp = (tl.load(w_ptr + (c ^ 1), mask=mc, other=0) * (xp * r)).to(dt).to(tl.float32)
+    rc = c - (D - R)
+    inr = (rc >= 0) & mc
+    cs = tl.load(cos_ptr + t * R + rc, mask=inr, other=1.0)
+    sn = tl.load(sin_ptr + t * R + rc, mask=inr, other=0.0)
+    if NEG_SIN:
+        sn = -sn
+    rot = tl.where((c % 2) == 0, -xp, xp)
+    y = tl.where(inr, x * cs + rot * sn, x).to(dt)
+    tl.store(out_ptr + row * D + c, y, mask=mc)
+    if RING:
+        p = tl.load(pos_ptr)
+        tl.store(ring_ptr + (p % W) * D + c, y, mask=mc)
+
+
+@triton.jit
+def _compress_step_kernel(kvb_ptr, gb_ptr, ent_ptr, kv_ptr, g_ptr, ape_ptr, norm_ptr, inv_ptr, pos_ptr, eps,
+                          D, C, R_ROPE,
+                          RATIO: tl.constexpr, ROWS: tl.constexpr, SLOTS: tl.constexpr, BD: tl.constexpr):
+    """One decode token at pos: its compressor row (kv, gate [C]) into the buffers at row pos % ROWS; entry
+    w = pos // RATIO pooled over its SLOTS slots (RATIO 4: the previous window's first half, channels [0, D),
+    and this window's second half, channels [D, 2D); window 0's missing half gated -inf; RATIO 128: this window),
+    RMSNorm, RoPE at position w * RATIO on the last R_ROPE dims, into ent[w]."""
+    dt = ent_ptr.dtype.element_ty
+    pos = tl.load(pos_ptr)
+    w = pos // RATIO
+    row_new = pos % ROWS
+    for c0 in range(0, C, BD):                      # the new row into the buffers
+        c = c0 + tl.arange(0, BD)
+        mc = c < C
+        tl.store(kvb_ptr + row_new * C + c, tl.load(kv_ptr + c, mask=mc, other=0), mask=mc)
+        tl.store(gb_ptr + row_new * C + c, tl.load(g_ptr + c, mask=mc, other=0), mask=mc)
+    s = tl.arange(0, SLOTS)
+    if RATIO == 4:
+        half = s // 4                               # 0: previous window (first half), 1: this one (second half)
+        row = tl.where(half == 0, ((w + 1) % 2) * 4 + s, (w % 2) * 4 + (s - 4))
+        choff = half * D
+        dead = (half == 0) & (w == 0)
+    else:
+        row = s
+        choff = s * 0
+        dead = s < 0
+    arow = s % RATIO
+    ss = tl.zeros((BD,), dtype=tl.float32)
+    for d0 in range(0, D, BD):                      # pooled (rounded to the dtype, as torch's) into ent[w]
+        d = d0 + tl.arange(0, BD)
+        md = d < D
+        ch = choff[:, None] + d[None, :]
+        m2 = md[None, :] & (s >= 0)[:, None]
+        new = row[:, None] == row_new
+        k = tl.where(new, tl.load(kv_ptr + ch, mask=m2, other=0),
+                     tl.load(kvb_ptr + row[:, None] * C + ch, mask=m2, other=0)).to(tl.float32)
+        g = tl.where(new, tl.load(g_ptr + ch, mask=m2, other=0),
+                     tl.load(gb_ptr + row[:, None] * C + ch, mask=m2, other=0)).to(tl.float32)
+        g = g + tl.load(ape_ptr + arow[:, None] * C + ch, mask=m2, other=0)
+        g = tl.where(dead[:, None], float("-inf"), g)
+        e = tl.exp(g - tl.max(g, axis=0)[None, :])
+        sm = (e / tl.sum(e, axis=0)[None, :]).to(dt).to(tl.float32)
+        pooled = tl.sum((k * sm).to(dt).to(tl.float32), axis=0).to(dt)
+        tl.store(ent_ptr + w * D + d, pooled, mask=md)
+        pf = pooled.to(tl.float32)
+        ss += tl.where(md, pf * pf, 0)
+    tl.debug_barrier()
+    rinv = tl.rsqrt(tl.sum(ss, axis=0) / D + eps)
+    angle0 = (w * RATIO).to(tl.float32)
+    for d0 in range(0, D, BD):                      # RMSNorm and RoPE in place (pairs stay inside a block)
+        d = d0 + tl.arange(0, BD)
+        md = d < D
+        x = tl.load(ent_ptr + w * D + d, mask=md, other=0).to(tl.float32)
+        xp = tl.load(ent_ptr + w * D + (d ^ 1), mask=md, other=0).to(tl.float32)
+        x = (tl.load(norm_ptr + d, mask=md, other=0) * (x * rinv)).to(dt).to(tl.float32)
+        xp = (tl.load(norm_ptr + (d ^ 1), mask=md, other=0) * (xp * rinv)).to(dt).to(tl.float32)
+        rc = d - (D - R_ROPE)
+        inr = (rc >= 0) & md
+        ang = angle0 * tl.load(inv_ptr + rc // 2, mask=inr, other=0)
+        rot = tl.where((d % 2) == 0, -xp, xp)
+        y = tl.where(inr, x * tl.cos(ang) + rot * tl.sin(ang), x).to(dt)
+        tl.debug_barrier()
+        tl.store(ent_ptr + w * D + d, y, mask=md)
+
+
+@triton.jit
+def _index_scores_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, out_ptr, N, wscale, kscale, RATIO,
+                         NH: tl.constexpr, IHD: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+    """out[n] = sum_h w[h] * wscale * relu(q[h] . K[n]) * kscale for the visible entries n < (pos+1) // RATIO,
+    else -inf."""
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    mn = n < N
+    h = tl.arange(0, NH)
+    dd = tl.arange(0, IHD)
+    q = tl.load(q_ptr + h[:, None] * IHD + dd[None, :])
+    k = tl.load(k_ptr + n.to(tl.int64)[:, None] * IHD + dd[None, :], mask=mn[:, None], other=0)
+    if IEEE:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    wts = tl.load(w_ptr + h).to(tl.float32) * wscale
+    sc = tl.sum(tl.maximum(s, 0) * kscale * wts[:, None], axis=0)
+    vis = mn & (n < (tl.load(pos_ptr) + 1) // RATIO)
+    tl.store(out_ptr + n, tl.where(vis, sc, float("-inf")), mask=mn)
+
+
+@triton.jit
+def _decode_attn_kernel(q_ptr, kv_ptr, ring_ptr, ent_ptr, top_ptr, pos_ptr, sinks_ptr, out_ptr, H, W, NE, RATIO, scale,
+                        MODE: tl.constexpr, HD: tl.constexpr, HB: tl.constexpr, BS: tl.constexpr,
+                        IEEE: tl.constexpr):
+    """Heads [HB*pid, ..) of one query over keys j in [0, W + NE): ring rows (visible: the position the row holds
+    is >= 0; row pos % W is the token's own K=V row kv, which program 0 also stores there) then entries (MODE 1:
+    rows top[j - W]; 2: row j - W; visible: row < (pos+1) // RATIO). Online softmax started at the head's sink (it
+    only enlarges the denominator); K = V."""
+    hb = tl.program_id(0) * HB + tl.arange(0, HB)
+    mh = hb < H
+    dd = tl.arange(0, HD)
+    pos = tl.load(pos_ptr)
+    own = pos % W
+    kv_new = tl.load(kv_ptr + dd)
+    if tl.program_id(0) == 0:
+        tl.store(ring_ptr + own * HD + dd, kv_new)
+    q = tl.load(q_ptr + hb[:, None] * HD + dd[None, :], mask=mh[:, None], other=0)
+    m_i = tl.load(sinks_ptr + hb, mask=mh, other=0).to(tl.float32)
+    l_i = tl.full((HB,), 1.0, tl.float32)
+    acc = tl.zeros((HB, HD), dtype=tl.float32)
+    n_keys = W + NE if MODE > 0 else W
+    for j0 in range(0, n_keys, BS):
+        j = j0 + tl.arange(0, BS)
+        ring = j < W
+        held = pos - ((pos - j) % W + W) % W                       # the position ring row j holds
+        e = j - W
+        if MODE == 1:
+            er = tl.load(top_ptr + e, mask=(~ring) & (e < NE), other=0)
+        else:
+            er = e
+        valid = tl.where(ring, held >= 0, (e < NE) & (er < (pos + 1) // RATIO)) & (j < n_keys)
+        rows = tl.where(ring, j, er).to(tl.int64)
+        kp = tl.where(ring[:, None], ring_ptr + rows[:, None] * HD, ent_ptr + rows[:, None] * HD) + dd[None, :]
+        k = tl.load(kp, mask=valid[:, None] & (rows != own)[:, None] | ~ring[:, None], other=0)
+        k = tl.where((ring & (rows == own))[:, None], kv_new[None, :], k)
+        k = tl.where(valid[:, None], k, 0)
+        if IEEE:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(valid[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, k.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
+        m_i = m_new
+    o = acc / l_i[:, None]
+    tl.store(out_ptr + hb[:, None] * HD + dd[None, :], o.to(out_ptr.dtype.element_ty), mask=mh[:, None])
+
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, tid_ptr, tok_ptr, ids_ptr, w_ptr, E, scale,
+                  K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, NORM: tl.constexpr, HASH: tl.constexpr):
+    """Row t: s = sqrt(softplus(logits)); ids = tid2eid[token] (HASH) or the top-K of s + bias (repeated argmax);
+    w = s[ids] (/ their sum + 1e-20 when NORM) x scale."""
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, EP)
+    me = e < E
+    x = tl.load(logits_ptr + t * E + e, mask=me, other=0).to(tl.float32)
+    s = tl.sqrt(tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0)))))
+    kr = tl.arange(0, KP)
+    ids = tl.zeros((KP,), dtype=tl.int64)
+    vals = tl.zeros((KP,), dtype=tl.float32)
+    if HASH:
+        tok = tl.load(tok_ptr + t)
+        ids = tl.load(tid_ptr + tok * K + kr, mask=kr < K, other=0).to(tl.int64)
+        for i in range(K):
+            idx = tl.sum(tl.where(kr == i, ids, 0), axis=0)
+            vals = tl.where(kr == i, tl.sum(tl.where(e == idx, s, 0.0), axis=0), vals)
+    else:
+        sel = tl.where(me, s + tl.load(bias_ptr + e, mask=me, other=0), float("-inf"))
+        for i in range(K):
+            idx = tl.argmax(sel, axis=0)
+            ids = tl.where(kr == i, idx.to(tl.int64), ids)
+            vals = tl.where(kr == i, tl.sum(tl.where(e == idx, s, 0.0), axis=0), vals)
+            sel = tl.where(e == idx, float("-inf"), sel)
+    if NORM:
+        vals = vals / (tl.sum(tl.where(kr < K, vals, 0.0), axis=0) + 1e-20)
+    tl.store(ids_ptr + t * K + kr, ids, mask=kr < K)
+    tl.store(w_ptr + t * K + kr, (vals * scale).to(w_ptr.dtype.element_ty), mask=kr < K)
+
+
+@triton.jit
+def _swiglu_kernel(gu_ptr, out_ptr, Fw, limit, BF: tl.constexpr):
+    """gu [T, 2F] (gate | up) -> out [T, F] = silu(min(g, limit)) * clamp(u, -limit, limit), rounded per torch op."""
+    t = tl.program_id(0).to(tl.int64)
+    f = tl.program_id(1) * BF + tl.arange(0, BF)
+    mf = f < Fw
+    dt = out_ptr.dtype.element_ty
+    g = tl.minimum(tl.load(gu_ptr + t * 2 * Fw + f, mask=mf, other=0).to(tl.float32), limit)
+    u = tl.load(gu_ptr + t * 2 * Fw + Fw + f, mask=mf, other=0).to(tl.float32)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    tl.store(out_ptr + t * Fw + f, (act * u).to(dt), mask=mf)
+
+
+def _ieee(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32
+
+
+class TritonOps:
+    """model.deepseek4.TorchOps' methods (the same signatures) as fused Triton launches (module doc)."""
+
+    @staticmethod
+    def prepare(w: dict, n_layer: int) -> None:
+        """The shared expert's gate and up rows in one [2F, H] matrix (one matmul per call, no concatenation in
+        the decode step), the separate names kept as views of it: the same bytes as before."""
+        for l in range(n_layer):
+            b = f"blk.{l}."
+            gu = torch.cat([w[b + "ffn_gate_shexp.weight"], w[b + "ffn_up_shexp.weight"]])
+            F_ = gu.shape[0] // 2
+            w[b + "ffn_gate_up_shexp.weight"] = gu
+            w[b + "ffn_gate_shexp.weight"], w[b + "ffn_up_shexp.weight"] = gu[:F_], gu[F_:]
+
+    @staticmethod
+    def hc_pre(X, fn, base, scale, norm, iters: int, hc_eps: float, eps: float):
+        T, HC, D = X.shape
+        K, M = HC * D, fn.shape[0]
+        assert M == (2 + HC) * HC and fn.shape[1] == K, (fn.shape, X.shape)
+        X = X.contiguous()
+        MP = triton.next_power_of_2(M)
+        KS = min(HC_SPLIT_K, triton.next_power_of_2(K))
+        S = triton.cdiv(K, KS)
+        pm = torch.empty((T, S, MP), dtype=torch.float32, device=X.device)
+        pss = torch.empty((T, S), dtype=torch.float32, device=X.device)
+        _hc_partial_kernel[(T, S)](X, fn, pm, pss, K, S, M=M, MP=MP, KS=KS, BK=min(256, KS))
+        post = torch.empty((T, HC), dtype=torch.float32, device=X.device)
+        comb = torch.empty((T, HC, HC), dtype=torch.float32, device=X.device)
+        h = torch.empty((T, D), dtype=X.dtype, device=X.device)
+        _hc_finish_kernel[(T,)](X, pm, pss, base, scale, norm, post, comb, h, D, K, S, iters, hc_eps, eps,
+                                HC=HC, MP=MP, SP=triton.next_power_of_2(S), BD=min(1024, triton.next_power_of_2(D)))
+        return post, comb, h
+
+    @staticmethod
+    def hc_post(X, out, post, comb, extra=None):
+        T, HC, D = X.shape
+        res = torch.empty_like(X)
+        X, out = X.contiguous(), out.contiguous()
+        b = out if extra is None else extra.contiguous()
+        BD = min(256, triton.next_power_of_2(D))
+        _hc_post_kernel[(T, triton.cdiv(D, BD))](X, out, b, post, comb, res, D, HAS_B=extra is not None, HC=HC, BD=BD)
+        return res
+
+    @staticmethod
+    def _rms_rope(x, w, cos, sin, eps, norm: int, neg_sin: bool = False, ring=None, pos=None):
+        D = x.shape[-1]
+        xc = x.contiguous()
+        rows = xc.numel() // D
+        T = cos.shape[0]
+        out = torch.empty_like(xc)
+        _rms_rope_kernel[(rows,)](xc, w if w is not None else xc, cos, sin, out,
+                                  ring if ring is not None else out, pos if pos is not None else cos,
+                                  D, cos.shape[1], rows // T, ring.shape[0] if ring is not None else 1, float(eps),
+                                  NORM=norm, NEG_SIN=neg_sin, RING=ring is not None,
+                                  BD=triton.next_power_of_2(D))
+        return out
+
+    @classmethod
+    def rms_rope(cls, x, w, cos, sin, eps: float):
+        return cls._rms_rope(x, w, cos, sin, eps, 1 if w is None else 2)
+
+    @classmethod
+    def rope(cls, x, cos, sin):
+        return cls._rms_rope(x, None, cos, sin, 0.0, 0)
+
+    @staticmethod
+    def rms(x, w, eps: float):
+        from betelgeuse.kernels.triton_norm import rms_norm
+        return rms_norm(x, w, eps)
+
+    @staticmethod
+    def compress_step(kv_buf, gate_buf, entries, kv, gate, ape, norm, rope, pos, ratio: int, eps: float):
+        rows, C = kv_buf.shape
+        D = entries.shape[1]
+        _compress_step_kernel[(1,)](kv_buf, gate_buf, entries, kv.contiguous(), gate.contiguous(), ape, norm,
+                                    rope.inv_freq, pos, float(eps), D, C, 2 * rope.inv_freq.numel(),
+                                    RATIO=ratio, ROWS=rows, SLOTS=2 * ratio if ratio == 4 else ratio,
+                                    BD=min(128, triton.next_power_of_2(D)))
+
+    @staticmethod
+    def index_topk(iq, iw, keys, pos, k: int):
+        N, IHD = keys.shape
+        NH = iq.shape[1]
+        score = torch.empty((1, N), dtype=torch.float32, device=keys.device)
+        BN = 64
+        _index_scores_kernel[(triton.cdiv(N, BN),)](iq.contiguous(), iw.contiguous(), keys, pos, score, N,
+                                                    NH ** -0.5, IHD ** -0.5, 4, NH=NH, IHD=IHD, BN=BN,
+                                                    IEEE=_ieee(keys))
+        return score.topk(k, dim=-1).indices[0]
+
+    @classmethod
+    def decode_attend(cls, q, kv, ring, entries, top, pos, ratio: int, sinks, cos, sin):
+        _, H, HD = q.shape
+        W = ring.shape[0]
+        mode = 0 if entries is None else (1 if top is not None else 2)
+        NE = 0 if entries is None else (top.numel() if top is not None else entries.shape[0])
+        o = torch.empty_like(q)
+        HB = 16
+        _decode_attn_kernel[(triton.cdiv(H, HB),)](q.contiguous(), kv.contiguous(), ring, entries if entries is not None else ring,
+                                                   top if top is not None else pos, pos, sinks, o, H, W, NE,
+                                                   max(ratio, 1), HD ** -0.5, MODE=mode, HD=HD, HB=HB, BS=32,
+                                                   IEEE=_ieee(q))
+        return cls._rms_rope(o, None, cos, sin, 0.0, 0, neg_sin=True)
+
+    @staticmethod
+    def _route(logits, bias, tid2eid, token_ids, k, norm, scale, dtype, hashed: bool):
+        T, E = logits.shape
+        ids = torch.empty((T, k), dtype=torch.int64, device=logits.device)
+        w = torch.empty((T, k), dtype=dtype, device=logits.device)
+        lg = logits.contiguous()
+        _route_kernel[(T,)](lg, bias if bias is not None else lg, tid2eid if tid2eid is not None else ids,
+                            token_ids if token_ids is not None else ids, ids, w, E, float(scale),
+                            K=k, KP=triton.next_power_of_2(k), EP=triton.next_power_of_2(E), NORM=bool(norm),
+                            HASH=hashed)
+        return ids, w
+
+    @classmethod
+    def route_topk(cls, logits, bias, k: int, norm: bool, scale: float, dtype):
+        return cls._route(logits, bias, None, None, k, norm, scale, dtype, False)
+
+    @classmethod
+    def route_hash(cls, logits, tid2eid, token_ids, norm: bool, scale: float, dtype):
+        return cls._route(logits, None, tid2eid.contiguous(), token_ids.contiguous(), tid2eid.shape[1], norm, scale,
+                          dtype, True)
+
+    @staticmethod
+    def shared_ffn(h, gate_up, gate, up, down, limit: float):
+        """h [T, H], gate_up [2F, H] (gate rows, then up: prepare; None: concatenated here), down [H, F] -> [T, H]:
+        the clamped SwiGLU expert."""
+        gu = F.linear(h, gate_up if gate_up is not None else torch.cat([gate, up]))
+        T, Fw = gu.shape[0], gu.shape[1] // 2
+        act = torch.empty((T, Fw), dtype=h.dtype, device=h.device)
+        BF = 1024
+        _swiglu_kernel[(T, triton.cdiv(Fw, BF))](gu, act, Fw, float(limit), BF=BF)
+        return F.linear(act, down)

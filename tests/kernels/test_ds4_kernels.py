@@ -1,0 +1,131 @@
+"""deepseek4's fused Triton kernels (kernels/triton_ds4.py TritonOps, the CUDA path) against TorchOps (the CPU
+path, itself exact against transformers: tests/model/test_deepseek4_oracle.py), method by method under Triton's
+interpreter (TRITON_INTERPRET=1), in float32 (IEEE dots: within summation-order noise) and bfloat16 (the CUDA
+compute dtype: within a few bf16 ulps).
+
+Also bit-for-bit: the ids each routing / indexer kernel picks, the state rows the decode steps copy (window ring,
+compressor rows), and batch invariance: each row of a launch computed alone equals the same row in the full
+launch (DESIGN.md invariant 6: a sequence's bits do not depend on what else runs). The engine-level checks on a
+GPU (eager vs graph replay, batch invariance of a whole decode step) are deploy/device/check_ds4.py's.
+
+And the whole model (ds4-tiny) with TritonOps against TorchOps, prefill and static decode, within float32 noise.
+The checks run in a child process: the interpreter is chosen when triton is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+HERE = Path(__file__).resolve().parents[1]          # tests/
+
+
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory) -> dict:
+    from betelgeuse.gguf.synth import spec_from_preset, write_model
+    path = tmp_path_factory.mktemp("ds4k") / "ds4-tiny.gguf"
+    write_model(path, spec_from_preset("ds4-tiny"), progress=False)
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(HERE.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, str(HERE / "scripts" / "ds4_kernel_check.py"), str(path)],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def results(checked) -> dict:
+    return checked["ops"]
+
+
+METHODS = ("hc_pre", "hc_post", "rms_rope", "rope", "rms", "compress_step", "index_topk", "decode_attend",
+           "route_topk", "route_hash", "shared_ffn")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_triton_ops_match_torch_ops(results, dtype):
+    sys.path.insert(0, str(HERE / "scripts"))
+    from ds4_kernel_check import failures     # the tolerances (float32: summation-order noise, bf16: a few ulps)
+    cases = {k: v for k, v in results.items() if k.split("/")[1] == dtype}
+    assert {k.split("/")[0] for k in cases} == set(METHODS)
+    assert failures(cases) == [], {k: cases[k] for k in failures(cases)}
+
+
+def test_model_with_triton_ops_matches_torch_ops(checked):
+    """The whole model (ds4-tiny, float32) with TritonOps: prefill and static one-token passes within float32 noise
+    of TorchOps, the same greedy tokens (the ops as the model calls them: its shapes, strides and state)."""
+    r = checked["model"]
+    assert r["rows"] == 22 + 3
+    assert r["max_abs"] <= 1e-5 * max(1.0, r["scale"]), r
+    assert r["greedy_equal"], r
+
+
+def test_triton_ops_have_the_torch_ops_surface():
+    """TritonOps replaces TorchOps on CUDA (model.deepseek4.ops_for): every method, the same signature."""
+    import inspect
+
+    from betelgeuse.kernels.triton_ds4 import TritonOps
+    from betelgeuse.model.deepseek4 import TorchOps
+    public = [n for n in vars(TorchOps) if not n.startswith("_")]
+    assert set(METHODS) | {"prepare"} <= set(public)
+    for name in public:
+        assert inspect.signature(getattr(TritonOps, name)) == inspect.signature(getattr(TorchOps, name)), name
+
+
+def test_triton_ops_are_batch_invariant(results):
+    inv = {k: v["row_invariant"] for k, v in results.items() if "row_invariant" in v}
+    # every row-batched method is covered (the decode-step kernels run one sequence per launch)
+    assert {k.split("/")[0] for k in inv} == {"hc_pre", "hc_post", "rms_rope", "rope", "rms", "route_topk",
+                                              "route_hash", "shared_ffn"}
+    assert all(inv.values()), [k for k, v in inv.items() if not v]
+
+
+LAUNCH_TARGET = 60      # kernels per layer of a decode step (issue 21); the device figure: check_ds4.py launches
+
+
+def test_decode_step_launches_per_layer(monkeypatch, tmp_path):
+    """A static one-token pass of ds4-tiny with TritonOps (launches counted, not run) launches few kernels per
+    layer: the dense part (attention, mHC, routing, shared expert) leaves room under the target for the runner's
+    MoE step (its route / apply / combine)."""
+    import torch
+
+    from betelgeuse.gguf.reader import GGUFModelFile
+    from betelgeuse.gguf.synth import spec_from_preset, write_model
+    from betelgeuse.kernels.triton_ds4 import TritonOps
+    from betelgeuse.model.deepseek4 import Deepseek4Model
+    from memtrack import KernelCount, stub_triton
+    launches = stub_triton(monkeypatch)
+    path = tmp_path / "ds4-tiny.gguf"
+    write_model(path, spec_from_preset("ds4-tiny"), progress=False)
+    with GGUFModelFile.open(str(path)) as f:
+        c = f.config
+        m = Deepseek4Model(c, Deepseek4Model.load_dense(f, "cpu", torch.float32))
+    m.ops = TritonOps()
+    m.ops.prepare(m.w, c.n_layer)
+    cache = m.new_cache(64)
+    ids = torch.tensor([5])
+    routed = torch.zeros(1, c.n_embd)                    # the MoE step's output (the runner's kernels)
+    with torch.no_grad():
+        for step in range(2):                           # the second: every per-pass table already made once
+            pos = cache.begin_static()
+            with KernelCount(launches) as k:
+                x = m.embed(ids)
+                per = []
+                for layer in range(c.n_layer):
+                    before = k.total
+                    x = m.attention_block(layer, x, cache, pos, static=True)
+                    h, aux = m.moe_input(layer, x)
+                    m.route(layer, h, ids, None)
+                    x = m.moe_output(layer, x, aux, h, routed)
+                    per.append(k.total - before)
+            cache.commit()
+            launches.clear()
+    assert set(c.ds4.compress_ratios) == {0, 4, 128}     # every kind of layer counted
+    assert max(per) <= LAUNCH_TARGET - 10, (per, k.ops.most_common(12))

@@ -1,0 +1,250 @@
+"""kernels/triton_ds4.py's TritonOps against model/deepseek4.py's TorchOps (the CPU path, exact against
+transformers), method by method, in float32 and bfloat16.
+
+    TRITON_INTERPRET=1 python tests/scripts/ds4_kernel_check.py [DS4.gguf]   # tests/kernels/test_ds4_kernels.py
+    compare("cuda", FLASH)                                          # deploy/device/check_ds4.py: V4-Flash shapes
+
+Prints (returns) per case ("method/dtype/variant") the max |diff| against TorchOps and the scale of the reference
+(max |ref|), plus the bit-for-bit facts: `exact` (index outputs: ids, the state rows a step copies, the fused
+shared-expert weights' views), `row_invariant` (each row of a launch computed alone equals the same row in the full
+launch: batch invariance). The tiny shapes keep the partial blocks: D not a power of two, 20 heads (a partial
+16-head block), K = 3 (a partial top-k block), hc_pre's split-K over two column blocks. `failures` applies the
+tolerances: float32 summation-order noise, bfloat16 a few ulps.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+
+from betelgeuse.kernels import triton_ds4
+from betelgeuse.kernels.triton_ds4 import TritonOps
+from betelgeuse.model.deepseek4 import InterleavedRope, TorchOps
+
+# D_pre: hc_pre's stream width; hd / r / H: head dim, rope dims, heads; d: the compressor's entry width; nh / ihd /
+# N / k: the indexer's heads, head dim, entries, top-k; W / NE: window, compressed entries; E / K: experts, top-k;
+# Hs / Fs: the shared expert
+TINY = dict(D_pre=320, D_post=48, rms_D=48, hd=64, r=16, H=20, d=32, nh=16, ihd=32, N=70, k=4, W=16, NE=9,
+            E=24, K=3, Hs=32, Fs=1100)
+FLASH = dict(D_pre=4096, D_post=4096, rms_D=1024, hd=512, r=64, H=64, d=512, nh=64, ihd=128, N=1024, k=512, W=128,
+             NE=1024, E=256, K=6, Hs=4096, Fs=2048)
+REL_TOL = {"float32": 2e-6, "bfloat16": 1 / 32}   # of max |ref|; one bf16 ulp at |x| is <= |x| / 128
+
+
+def failures(res: dict) -> list[str]:
+    """The cases outside tolerance or not bit-exact / batch-invariant where they must be."""
+    bad = []
+    for name, r in res.items():
+        if r["max_abs"] > REL_TOL[name.split("/")[1]] * r["scale"] or not r["exact"] or not r.get("row_invariant", True):
+            bad.append(name)
+    return bad
+
+
+def _widen_interpreter_bf16_dot():
+    """The interpreter multiplies bfloat16 operands as their raw uint16 bits; a bf16 x bf16 product is exact in
+    float32, so widening them first is what the GPU's tensor cores compute (up to summation order)."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+    dot = interpreter.InterpreterBuilder.create_dot
+
+    def widened(self, a, b, d, *args):
+        def widen(h):
+            if h.dtype != tl.bfloat16:
+                return h
+            return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+        return dot(self, widen(a), widen(b), d, *args)
+    interpreter.InterpreterBuilder.create_dot = widened
+
+
+def compare(device: str = "cpu", dims: dict = TINY, dtypes=(torch.float32, torch.bfloat16)) -> dict:
+    g = torch.Generator().manual_seed(21)
+    ref, tri = TorchOps(), TritonOps()
+    out: dict[str, dict] = {}
+    dev = torch.device(device)
+    D_pre, D_post, rms_D, hd, r, H, d = (dims[x] for x in ("D_pre", "D_post", "rms_D", "hd", "r", "H", "d"))
+    nh, ihd, N, k, W, NE, E, K, Hs, Fs = (dims[x] for x in ("nh", "ihd", "N", "k", "W", "NE", "E", "K", "Hs", "Fs"))
+
+    def rnd(*shape, dtype=torch.float32, s=1.0):
+        return (torch.randn(*shape, generator=g) * s).to(device=dev, dtype=dtype)
+
+    def tensor(x):
+        return torch.tensor(x, device=dev)
+
+    def diff(a, b) -> float:
+        return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+
+    def scale(a) -> float:
+        return float(a.float().abs().max()) if a.numel() else 0.0
+
+    def case(name, pairs, exact=(), row_inv=None):
+        """pairs: [(triton, torch)] tensors compared within noise; exact: pairs that must be equal bit for bit."""
+        out[name] = {"max_abs": max((diff(a, b) for a, b in pairs), default=0.0),
+                     "scale": max((scale(b) for _, b in pairs), default=1.0),
+                     "exact": all(torch.equal(a, b) for a, b in exact)}
+        if row_inv is not None:
+            out[name]["row_invariant"] = row_inv
+
+    def rows_alone(fn, full, *args, n):
+        """fn(*row i of each batched arg) == row i of full (a tuple of outputs) for every i, bit for bit."""
+        for i in range(n):
+            one = fn(*(a[i:i + 1] if isinstance(a, torch.Tensor) else a for a in args))
+            one = one if isinstance(one, tuple) else (one,)
+            if not all(torch.equal(o, f[i:i + 1]) for o, f in zip(one, full)):
+                return False
+        return True
+
+    T, HC = 3, 4
+    for dt in dtypes:
+        dn = str(dt).split(".")[1]
+        eps, hc_eps = 1e-6, 1e-6
+
+        # hc_pre (tiny: D = 320 -> K = hc*D = 1280, two split-K column blocks of HC_SPLIT_K = 1024)
+        D = D_pre
+        assert dims is not TINY or HC * D > triton_ds4.HC_SPLIT_K
+        X = rnd(T, HC, D, dtype=dt)
+        fn, base, sc, norm = rnd((2 + HC) * HC, HC * D, s=0.05), rnd((2 + HC) * HC), rnd(3).abs(), 1 + rnd(D, s=0.1)
+        a = tri.hc_pre(X, fn, base, sc, norm, 20, hc_eps, eps)
+        b = ref.hc_pre(X, fn, base, sc, norm, 20, hc_eps, eps)
+        case(f"hc_pre/{dn}", list(zip(a, b)),
+             row_inv=rows_alone(lambda x: tri.hc_pre(x, fn, base, sc, norm, 20, hc_eps, eps), a, X, n=T))
+
+        # hc_post, with and without the shared expert's output added
+        D = D_post
+        X, o, e = rnd(T, HC, D, dtype=dt), rnd(T, D, dtype=dt), rnd(T, D, dtype=dt)
+        post, comb = (torch.rand(T, HC, generator=g) * 2).to(dev), torch.rand(T, HC, HC, generator=g).to(dev)
+        for var, ex in (("plain", None), ("extra", e)):
+            a = tri.hc_post(X, o, post, comb, ex)
+            b = ref.hc_post(X, o, post, comb, ex)
+            args = (X, o, post, comb) + ((ex,) if ex is not None else ())
+            case(f"hc_post/{dn}/{var}", [(a, b)], row_inv=rows_alone(tri.hc_post, (a,), *args, n=T))
+
+        # the norms + interleaved RoPE: per-head unweighted (q), weighted (kv), none (the indexer's q, de-rotation)
+        rope = InterleavedRope.plain(r, 10000.0, dev)
+        cos, sin = rope.cos_sin(tensor([0, 7, 300]))
+        q, kv, w = rnd(T, H, hd, dtype=dt, s=3), rnd(T, hd, dtype=dt, s=3), 1 + rnd(hd, s=0.1)
+        a = tri.rms_rope(q, None, cos, sin, eps)
+        case(f"rms_rope/{dn}/unweighted", [(a, ref.rms_rope(q, None, cos, sin, eps))],
+             row_inv=rows_alone(lambda x, c, s: tri.rms_rope(x, None, c, s, eps), (a,), q, cos, sin, n=T))
+        a = tri.rms_rope(kv, w, cos, sin, eps)
+        case(f"rms_rope/{dn}/weighted", [(a, ref.rms_rope(kv, w, cos, sin, eps))],
+             row_inv=rows_alone(lambda x, c, s: tri.rms_rope(x, w, c, s, eps), (a,), kv, cos, sin, n=T))
+        a = tri.rope(q, cos, sin)
+        case(f"rope/{dn}", [(a, ref.rope(q, cos, sin))], row_inv=rows_alone(tri.rope, (a,), q, cos, sin, n=T))
+        x2 = rnd(T, rms_D, dtype=dt, s=3)
+        w2 = 1 + rnd(rms_D, s=0.1)
+        a = tri.rms(x2, w2, eps)
+        case(f"rms/{dn}", [(a, ref.rms(x2, w2, eps))], row_inv=rows_alone(lambda x: tri.rms(x, w2, eps), (a,), x2, n=T))
+
+        # the compressor's decode step, token by token from position 0: the open window's rows, the entries
+        # (ratio 4: overlapping windows, window 0's missing half gated -inf; ratio 128: positions across a window end)
+        for ratio, positions in ((4, range(0, 13)), (128, [0, 1, 2, 126, 127, 128, 129])):
+            R, C = (8, 2 * d) if ratio == 4 else (128, d)
+            crope = InterleavedRope.yarn(r, 160000.0, 4.0, 64, 32.0, 1.0, dev)
+            ape, cnorm = rnd(ratio, C, s=0.5), 1 + rnd(d, s=0.1)
+            states = {s: tuple(torch.zeros(n, c, dtype=dt, device=dev)
+                              for n, c in ((R, C), (R, C), (max(positions) // ratio + 1, d))) for s in ("tri", "ref")}
+            worst, exact = [], True
+            for p in positions:
+                ckv, cg = rnd(1, C, dtype=dt), rnd(1, C, dtype=dt)
+                pos = tensor([p])
+                tri.compress_step(*states["tri"], ckv, cg, ape, cnorm, crope, pos, ratio, eps)
+                ref.compress_step(*states["ref"], ckv, cg, ape, cnorm, crope, pos, ratio, eps)
+                (ka, ga, ea), (kb, gb, eb) = states["tri"], states["ref"]
+                exact &= torch.equal(ka, kb) and torch.equal(ga, gb)
+                w0 = p // ratio
+                worst.append((ea[w0], eb[w0]))
+            case(f"compress_step/{dn}/ratio{ratio}", worst)
+            out[f"compress_step/{dn}/ratio{ratio}"]["exact"] = exact
+
+        # the lightning indexer's scores -> top-k (more entries visible than k, so no -inf ties)
+        keys, iq, iw = rnd(N, ihd, dtype=dt), rnd(1, nh, ihd, dtype=dt), rnd(1, nh)
+        for p in (4 * (k + 1), 4 * N + 3):        # k + 1 and all N entries visible
+            pos = tensor([p])
+            a, b = tri.index_topk(iq, iw, keys, pos, k), ref.index_topk(iq, iw, keys, pos, k)
+            case(f"index_topk/{dn}/pos{p}", [], exact=[(a.sort().values, b.sort().values)])
+
+        # one decode query over the window ring (partly filled, then wrapped) and the compressed entries
+        sinks = rnd(H)
+        q1, kv1 = rnd(1, H, hd, dtype=dt), rnd(1, hd, dtype=dt)
+        ents = rnd(NE, hd, dtype=dt)
+        top = torch.randperm(NE, generator=g)[:min(k, NE)].to(dev)   # some not visible at the early positions
+        for var, e_, t_, ratio in (("window", None, None, 0), ("hca", ents, None, 128), ("csa", ents, top, 4)):
+            for p in (5, W + 5, 128 * (NE - 1) + 60):    # ring partly filled; wrapped; all but one HCA entry
+                pos = tensor([p])
+                c1, s1 = rope.cos_sin(pos)
+                ring0 = rnd(W, hd, dtype=dt)
+                ra, rb = ring0.clone(), ring0.clone()
+                a = tri.decode_attend(q1, kv1, ra, e_, t_, pos, ratio, sinks, c1, s1)
+                b = ref.decode_attend(q1, kv1, rb, e_, t_, pos, ratio, sinks, c1, s1)
+                case(f"decode_attend/{dn}/{var}/pos{p}", [(a, b)], exact=[(ra, rb)])
+
+        # routing: sqrt(softplus) scores, top-k of scores + bias (or the hash table), renormalised weights
+        V = 10
+        logits, bias = rnd(5, E, s=3), rnd(E, s=0.5)
+        tid2eid, toks = torch.randint(0, E, (V, K), generator=g).to(dev), tensor([3, 9, 0, 3, 5])
+        for nrm in (True, False):
+            a = tri.route_topk(logits, bias, K, nrm, 1.5, dt)
+            b = ref.route_topk(logits, bias, K, nrm, 1.5, dt)
+            case(f"route_topk/{dn}/norm{int(nrm)}", [(a[1], b[1])], exact=[(a[0], b[0])],
+                 row_inv=rows_alone(lambda lg: tri.route_topk(lg, bias, K, nrm, 1.5, dt), a, logits, n=5))
+            a = tri.route_hash(logits, tid2eid, toks, nrm, 1.5, dt)
+            b = ref.route_hash(logits, tid2eid, toks, nrm, 1.5, dt)
+            case(f"route_hash/{dn}/norm{int(nrm)}", [(a[1], b[1])], exact=[(a[0], b[0])],
+                 row_inv=rows_alone(lambda lg, tk: tri.route_hash(lg, tid2eid, tk, nrm, 1.5, dt), a, logits, toks, n=5))
+
+        # the shared expert: clamped SwiGLU (limit 2: binding) between the two matmuls (tiny: F = 1100, two blocks)
+        h = rnd(T, Hs, dtype=dt)
+        gate, up, down = rnd(Fs, Hs, dtype=dt, s=0.5), rnd(Fs, Hs, dtype=dt, s=0.5), rnd(Hs, Fs, dtype=dt, s=0.05)
+        w = {"blk.0.ffn_gate_shexp.weight": gate.clone(), "blk.0.ffn_up_shexp.weight": up.clone()}
+        tri.prepare(w, 1)                   # gate | up fused once, the separate names views of it
+        gu_w = w["blk.0.ffn_gate_up_shexp.weight"]
+        a = tri.shared_ffn(h, gu_w, w["blk.0.ffn_gate_shexp.weight"], w["blk.0.ffn_up_shexp.weight"], down, 2.0)
+        b = ref.shared_ffn(h, None, gate, up, down, 2.0)
+        views = (w["blk.0.ffn_up_shexp.weight"].data_ptr() == gu_w.data_ptr() + Fs * Hs * gu_w.element_size()
+                 and torch.equal(w["blk.0.ffn_gate_shexp.weight"], gate) and torch.equal(w["blk.0.ffn_up_shexp.weight"], up))
+        gu = torch.nn.functional.linear(h, torch.cat([gate, up]))
+        act = torch.empty(T, Fs, dtype=dt, device=dev)
+        nb = -(-Fs // 1024)
+        triton_ds4._swiglu_kernel[(T, nb)](gu, act, Fs, 2.0, BF=1024)
+        inv = True
+        for i in range(T):
+            one = torch.empty(1, Fs, dtype=dt, device=dev)
+            triton_ds4._swiglu_kernel[(1, nb)](gu[i:i + 1].contiguous(), one, Fs, 2.0, BF=1024)
+            inv &= torch.equal(one, act[i:i + 1])
+        case(f"shared_ffn/{dn}", [(a, b)], row_inv=inv)
+        out[f"shared_ffn/{dn}"]["exact"] = views
+
+    return out
+
+
+def compare_model(path: str, prompt_len: int = 22, decode: tuple = (5, 9, 11)) -> dict:
+    """The whole deepseek4 reference model of `path` (float32, CPU) with TritonOps against TorchOps: a prefill of
+    prompt_len tokens, then one-token passes (the static decode form) -> max |diff| of the logits, their scale and
+    whether the greedy tokens agree. ds4-tiny's window (16) and its ratio-4 windows close inside these passes."""
+    from betelgeuse.model.registry import reference_model
+    outs = {}
+    for name in ("triton", "torch"):
+        m = reference_model(path)
+        if name == "triton":
+            m.ops = TritonOps()
+            m.ops.prepare(m.w, m.cfg.n_layer)
+        cache = m.new_cache(prompt_len + len(decode) + 8)
+        with torch.no_grad():
+            lg = [m.forward(torch.arange(3, 3 + prompt_len), cache)]
+            lg += [m.forward(torch.tensor([t]), cache) for t in decode]
+        outs[name] = torch.cat(lg)
+    a, b = outs["triton"], outs["torch"]
+    return {"max_abs": float((a - b).abs().max()), "scale": float(b.abs().max()),
+            "greedy_equal": bool(torch.equal(a.argmax(-1), b.argmax(-1))), "rows": a.shape[0]}
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run me with TRITON_INTERPRET=1"
+    _widen_interpreter_bf16_dot()
+    out = {"ops": compare()}
+    if len(sys.argv) > 1:                   # a deepseek4 GGUF: the whole model too
+        out["model"] = compare_model(sys.argv[1])
+    json.dump(out, sys.stdout)
+    print()
