@@ -28,4 +28,17 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q -e '.[test]'
   touch "$stamp"
 fi
+# The deepseek41 oracle: NeMo AutoModel 0.7.0's `deepseek_v41` (tests/nemo_oracle.py). Its wheel declares heavy
+# requirements (another torch, transformers 5.18, megatron-fsdp...) that the CPU model code does not import, so
+# it is never pip-installed: the pinned wheel (checked against its sha256) is unpacked into .venv/oracles and
+# the tests put that directory on sys.path. Everything it does import (transformers, tokenizers) is in [test].
+nemo=.venv/oracles/nemo_automodel-0.7.0
+if [ ! -d "$nemo/nemo_automodel" ]; then
+  mkdir -p .venv/oracles
+  .venv/bin/python -m pip download -q --no-deps --only-binary=:all: nemo-automodel==0.7.0 -d .venv/oracles
+  whl=.venv/oracles/nemo_automodel-0.7.0-py3-none-any.whl
+  echo "37b8397a73c17e4a8bffd0cd3becc0507abecc1ebfea3b3eb6468eed57ba6674  $whl" | sha256sum -c --quiet
+  .venv/bin/python -m zipfile -e "$whl" "$nemo"
+  rm -f "$whl"
+fi
 .venv/bin/python -m services.codegen
