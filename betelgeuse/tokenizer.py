@@ -15,12 +15,12 @@ import secrets
 from datetime import datetime
 from typing import Any
 
-from tokenizers import AddedToken, decoders, models
+
 from tokenizers import Tokenizer as HFTokenizer
 
 from betelgeuse.errors import InvalidRequestError, ModelFormatError, UnsupportedError
 from betelgeuse.gguf.header import read_header
-from betelgeuse.gguf.vocab import CONTROL, NORMAL, PRE_SPLITS, UNUSED, USER_DEFINED, byte_level_pre_tokenizer
+from betelgeuse.gguf.vocab import CONTROL, NORMAL, PRE_SPLITS, UNUSED, USER_DEFINED, bpe_tokenizer
 
 # ---- GGUF metadata -------------------------------------------------------------------------
 
@@ -72,17 +72,7 @@ class Tokenizer:
         pre = metadata.get("tokenizer.ggml.pre", "default")
         if pre not in PRE_SPLITS:
             raise UnsupportedError(f"tokenizer pre-tokenizer {pre!r} not supported (known: {', '.join(PRE_SPLITS)})")
-        vocab = {}
-        for i, t in enumerate(tokens):
-            vocab.setdefault(t, i)  # first id wins on duplicate spellings
-        merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
-        tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
-        tok.pre_tokenizer = byte_level_pre_tokenizer(PRE_SPLITS[pre])
-        tok.decoder = decoders.ByteLevel()
-        special = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == CONTROL]
-        user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED]
-        tok.add_special_tokens(special)
-        tok.add_tokens(user)
+        tok = bpe_tokenizer(list(tokens), types, list(metadata.get("tokenizer.ggml.merges", [])), PRE_SPLITS[pre])
         return cls(tok, metadata, list(tokens), types)
 
     @classmethod

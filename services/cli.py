@@ -100,16 +100,20 @@ _SYNTH_ALIASES = {"n_layer": "--layers", "n_embd": "--hidden", "n_head": "--head
 def _synth_args(p: argparse.ArgumentParser) -> None:
     from betelgeuse.gguf.synth import PRESETS, SynthSpec
     from betelgeuse.gguf.synth_ds4 import DS4_PRESETS, DS4Spec
+    from betelgeuse.gguf.synth_ds41 import DS41_PRESETS, DS41Spec
     p.add_argument("out", help="output .gguf path")
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS) + sorted(DS4_PRESETS),
-                   help="qwen3moe: tiny/small/bench; deepseek4: ds4-tiny/ds4-flash (V4-Flash's layer shapes)")
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS) + sorted(DS4_PRESETS) + sorted(DS41_PRESETS),
+                   help="qwen3moe: tiny/small/bench; deepseek4: ds4-tiny/ds4-flash (V4-Flash's layer shapes); "
+                        "deepseek41: ds41-tiny/ds41-flash (V4.1-Flash's layer shapes, Engram tables 64x smaller)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--router", choices=["preset", "calibrated", "uniform"], default="preset",
                    help="preset: the preset's router_skew; calibrated: popularity and temporal locality fitted to "
                         "real decode statistics (gguf/synth_router.py; sets router_skew/drift/scale itself); "
                         "uniform: no skew, no locality (the worst case for caching)")
     qwen = {f.name for f in dataclasses.fields(SynthSpec)}
-    for fld in list(dataclasses.fields(SynthSpec)) + [f for f in dataclasses.fields(DS4Spec) if f.name not in qwen]:
+    ds4 = qwen | {f.name for f in dataclasses.fields(DS4Spec)}
+    for fld in (list(dataclasses.fields(SynthSpec)) + [f for f in dataclasses.fields(DS4Spec) if f.name not in qwen]
+                + [f for f in dataclasses.fields(DS41Spec) if f.name not in ds4]):
         kind = {"int": int, "float": float, "str": str}.get(str(fld.type).replace("'", ""))
         if kind is None and fld.type in (int, float, str):
             kind = fld.type

@@ -1,6 +1,7 @@
 """Each architecture's GGUF layout: how its metadata becomes a ModelConfig and which tensors a file must hold.
 
-One layout per architecture (qwen3moe's table here, deepseek4's in ds4layout.py) and one line in LAYOUTS. The
+One layout per architecture (qwen3moe's table here, deepseek4's in ds4layout.py, deepseek41's in ds41layout.py) and
+one line in LAYOUTS. The
 reader (reader.py) validates every file against its architecture's layout, so a missing tensor or a bad shape is
 named when the file is opened, not deep inside a pass; the model registry (model/registry.py) points at it.
 Torch-free: the store process opens model files too.
@@ -12,7 +13,7 @@ from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 
 from betelgeuse.errors import ModelFormatError, UnsupportedError
-from betelgeuse.gguf import ds4layout
+from betelgeuse.gguf import ds4layout, ds41layout
 from betelgeuse.gguf.modelconfig import ModelConfig, deepseek4_config, qwen3moe_config
 
 TOKEN_EMBD, OUTPUT_NORM, OUTPUT = "token_embd.weight", "output_norm.weight", "output.weight"
@@ -23,7 +24,8 @@ Shape = tuple[int, ...]
 @dataclass(frozen=True, slots=True)
 class Layout:
     arch: str                       # general.architecture
-    # (metadata, where=, stem=, n_vocab=, n_expert=, n_ff_exp=) -> the checked ModelConfig (gguf/modelconfig.py)
+    # (metadata, where=, stem=, n_vocab=, n_expert=, n_ff_exp=, shapes=) -> the checked ModelConfig
+    # (gguf/modelconfig.py; shapes = {tensor name: torch shape} of the file)
     config: Callable[..., ModelConfig]
     # per-layer tensor kinds whose absence is named before the config is read (the expert gate/up, separate or
     # fused, are checked for every architecture)
@@ -82,6 +84,9 @@ LAYOUTS: dict[str, Layout] = {
     # config is read
     "deepseek4": Layout("deepseek4", deepseek4_config, ("ffn_down_exps",), lambda c, names: ds4layout.tensors(c),
                         int_tensors=("ffn_gate_tid2eid.weight",)),
+    # deepseek41's layer roles (CSA2) are read from which optional tensors a layer has: its config takes `shapes`
+    "deepseek41": Layout("deepseek41", ds41layout.deepseek41_config, ("ffn_down_exps",),
+                         lambda c, names: ds41layout.tensors(c)),
 }
 SUPPORTED_ARCHS = tuple(LAYOUTS)
 

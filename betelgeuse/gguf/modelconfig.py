@@ -3,6 +3,7 @@ reader). One frozen value object that every other module takes instead of the me
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from betelgeuse.errors import ModelFormatError, UnsupportedError
@@ -59,7 +60,8 @@ class ModelConfig:
     rms_eps: float          # {arch}.attention.layer_norm_rms_epsilon
     norm_topk_prob: bool    # True for qwen3moe (llama.cpp hard-codes it)
     name: str               # general.name or file stem
-    ds4: Deepseek4Params | None = None   # deepseek4 only
+    ds4: Deepseek4Params | None = None   # deepseek4 and deepseek41 (the keys V4.1 shares with V4)
+    ds41: "Deepseek41Params | None" = None   # deepseek41 only (gguf/ds41layout.py: CSA2 roles, Engram)
 
     def validate(self, where: str) -> None:
         """Invariants a forward pass relies on; a file that breaks them is malformed, not a bug."""
@@ -112,10 +114,12 @@ def get_int(meta: dict[str, object], key: str, where: str, default: int | None =
 
 # An architecture's config reader (gguf/layouts.py: Layout.config) builds the config from metadata plus the facts only
 # tensor shapes know (`n_vocab`, `n_expert`, and `n_ff_exp` when the metadata lacks it); the reader cross-checks
-# shapes afterwards. `where` (the file path) prefixes every error message; `stem` is the fallback model name.
+# shapes afterwards. `where` (the file path) prefixes every error message; `stem` is the fallback model name;
+# `shapes` ({tensor name: torch shape} of the whole file) is for an architecture whose layer structure is told by
+# which optional tensors a layer has (deepseek41's CSA2 roles: gguf/ds41layout.py), unused by the others.
 
 def qwen3moe_config(meta: dict[str, object], *, where: str, stem: str, n_vocab: int, n_expert: int,
-                    n_ff_exp: int | None) -> ModelConfig:
+                    n_ff_exp: int | None, shapes: Mapping[str, tuple[int, ...]] | None = None) -> ModelConfig:
     a, name = "qwen3moe", where
     n_embd = _get(meta, f"{a}.embedding_length", int, name)
     n_head = _get(meta, f"{a}.attention.head_count", int, name)
@@ -169,13 +173,17 @@ def _array(meta: dict[str, object], key: str, n: int, kind: type, where: str, de
 
 
 def deepseek4_config(meta: dict[str, object], *, where: str, stem: str, n_vocab: int, n_expert: int,
-                      n_ff_exp: int | None) -> ModelConfig:
-    a, name = "deepseek4", where
+                     n_ff_exp: int | None, shapes: Mapping[str, tuple[int, ...]] | None = None,
+                     arch: str = "deepseek4", ratios_known: tuple[int, ...] = DS4_RATIOS,
+                     hash_default: int | None = None) -> ModelConfig:
+    """The keys deepseek4 and deepseek41 share (llama.cpp's V4.1 converter subclasses V4's); `arch` is the key
+    prefix, `ratios_known` the compress ratios the architecture has, `hash_default` hash_layer_count when absent."""
+    a, name = arch, where
     # block_count includes the MTP (nextn) blocks when a file carries them; the trunk is the layers before
     n_layer = _get(meta, f"{a}.block_count", int, name) - _get(meta, f"{a}.nextn_predict_layers", int, name, 0)
     gating = _get(meta, f"{a}.expert_gating_func", int, name)
     if gating != 4:
-        raise UnsupportedError(f"{name}: deepseek4 expects {a}.expert_gating_func = 4 (sqrtsoftplus), "
+        raise UnsupportedError(f"{name}: {a} expects {a}.expert_gating_func = 4 (sqrtsoftplus), "
                                f"got {gating} ({GATING_FUNCS.get(gating, 'unknown')})")
     n_head = _get(meta, f"{a}.attention.head_count", int, name)
     head_dim = _get(meta, f"{a}.attention.key_length", int, name)
@@ -186,10 +194,10 @@ def deepseek4_config(meta: dict[str, object], *, where: str, stem: str, n_vocab:
     if n_kv != 1:
         raise ModelFormatError(f"{name}: deepseek4 has one shared K=V head, got head_count_kv {n_kv}")
     ratios = _array(meta, f"{a}.attention.compress_ratios", n_layer, int, name)
-    bad = sorted({r for r in ratios if r not in DS4_RATIOS})
+    bad = sorted({r for r in ratios if r not in ratios_known})
     if bad:
-        raise UnsupportedError(f"{name}: unknown deepseek4 compress ratio(s) {bad} in {a}.attention.compress_ratios "
-                               f"(supported: {', '.join(map(str, DS4_RATIOS))})")
+        raise UnsupportedError(f"{name}: unknown {a} compress ratio(s) {bad} in {a}.attention.compress_ratios "
+                               f"(supported: {', '.join(map(str, ratios_known))})")
     clamp = _array(meta, f"{a}.swiglu_clamp_exp", n_layer, float, name)
     scaling = str(meta.get(f"{a}.rope.scaling.type", "none"))
     if scaling not in ("none", "yarn"):
@@ -201,7 +209,7 @@ def deepseek4_config(meta: dict[str, object], *, where: str, stem: str, n_vocab:
         o_lora_rank=_get(meta, f"{a}.attention.output_lora_rank", int, name),
         rope_dim=_get(meta, f"{a}.rope.dimension_count", int, name),
         n_shared=_get(meta, f"{a}.expert_shared_count", int, name),
-        n_hash_layers=_get(meta, f"{a}.hash_layer_count", int, name),
+        n_hash_layers=_get(meta, f"{a}.hash_layer_count", int, name, hash_default),
         sliding_window=_get(meta, f"{a}.attention.sliding_window", int, name),
         index_n_heads=_get(meta, f"{a}.attention.indexer.head_count", int, name),
         index_head_dim=_get(meta, f"{a}.attention.indexer.key_length", int, name),

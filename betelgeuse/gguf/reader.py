@@ -181,7 +181,7 @@ class GGUFModelFile:
         if len(g.shape) != 3:
             raise ModelFormatError(f"{path}: tensor {g.name!r} should be 3-D (n_expert, n_ff, n_embd), got {list(g.shape)}")
         return layout.config(metadata, where=path, stem=Path(path).stem, n_vocab=embd.shape[0],
-                             n_expert=g.shape[0], n_ff_exp=n_ff)
+                             n_expert=g.shape[0], n_ff_exp=n_ff, shapes={n: t.shape for n, t in tensors.items()})
 
     @staticmethod
     def _check_tensors(path: str, layout: Layout, c: ModelConfig, tensors: dict[str, TensorInfo]) -> None:

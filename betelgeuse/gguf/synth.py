@@ -41,6 +41,8 @@ from betelgeuse.gguf.quants_synth import BLOCK_TYPES
 from betelgeuse.gguf.synth_common import add_tokenizer, matrix_chunks, nbytes, tensor_rng, write_gguf
 from betelgeuse.gguf.synth_ds4 import DS4_PRESETS, DS4Spec, write_deepseek4
 from betelgeuse.gguf.synth_ds4 import model_nbytes as ds4_nbytes
+from betelgeuse.gguf.synth_ds41 import DS41_PRESETS, DS41Spec, write_deepseek41
+from betelgeuse.gguf.synth_ds41 import model_nbytes as ds41_nbytes
 
 ARCH = "qwen3moe"
 
@@ -110,10 +112,11 @@ ROUTERS = ("preset", "calibrated", "uniform")
 
 def spec_from_preset(name: str, router: str | None = None, **overrides):
     """A preset with some fields replaced (the CLI's `--layers`, `--seed`, ...). `ds4-*` presets are
-    `deepseek4` models (DS4Spec); a field the preset's spec does not have is an error naming it.
+    `deepseek4` models (DS4Spec), `ds41-*` presets `deepseek41` ones (DS41Spec); a field the preset's spec does not
+    have is an error naming it.
     router: "preset" / None (the preset's router_skew), "calibrated" (`calibrated`: locality and popularity fitted
     to real decode statistics) or "uniform" (skew 0, no drift: the worst case for caching)."""
-    presets = {**PRESETS, **DS4_PRESETS}
+    presets = {**PRESETS, **DS4_PRESETS, **DS41_PRESETS}
     if name not in presets:
         raise InvalidRequestError(f"unknown synth preset {name!r} (known: {', '.join(presets)})")
     base = presets[name]
@@ -286,6 +289,8 @@ def tensor_plan(spec: SynthSpec) -> list[tuple[str, tuple[int, ...], GT, Callabl
 
 def model_nbytes(spec) -> int:
     """Bytes of tensor data (without header) of the file `write_model` would write."""
+    if isinstance(spec, DS41Spec):          # registry: before DS4Spec, its base class
+        return ds41_nbytes(spec)
     if isinstance(spec, DS4Spec):
         return ds4_nbytes(spec)
     return sum(nbytes(shape, gt) for _, shape, gt, _ in tensor_plan(spec))
@@ -321,6 +326,9 @@ def _add_metadata(w: GGUFWriter, spec: SynthSpec) -> None:
 def write_model(path: str | os.PathLike, spec, progress: bool = True) -> None:
     """Write `spec` (a SynthSpec, or a DS4Spec for `deepseek4`) as a GGUF file at `path` (atomically:
     `path.partial`, then rename)."""
+    if isinstance(spec, DS41Spec):          # registry: before DS4Spec, its base class
+        write_deepseek41(path, spec, progress=progress)
+        return
     if isinstance(spec, DS4Spec):
         write_deepseek4(path, spec, progress=progress)
         return

@@ -485,9 +485,10 @@ def tensor_plan(spec: DS4Spec, source: Callable[[str], np.ndarray] | None = None
 
 
 def add_metadata(w: GGUFWriter, spec: DS4Spec, tokenizer: bool = True) -> None:
-    """The keys llama.cpp's converter writes for DeepseekV4ForCausalLM (plus a small tokenizer)."""
-    s, a = spec, ARCH
-    w.add_name(f"betelgeuse-synth-ds4-{s.n_layer}L-{s.n_expert}x{s.n_ff_exp}-{s.expert_qtype}")
+    """The keys llama.cpp's converter writes for DeepseekV4ForCausalLM (plus a small tokenizer), under the writer's
+    architecture prefix (deepseek41 files share them)."""
+    s, a = spec, w.arch
+    w.add_name(f"betelgeuse-synth-{'ds4' if a == ARCH else a}-{s.n_layer}L-{s.n_expert}x{s.n_ff_exp}-{s.expert_qtype}")
     w.add_file_type(MOSTLY_MXFP4_MOE if s.expert_qtype == "MXFP4" else BLOCK_TYPES.get(s.expert_qtype)
                     or (0 if s.dense == "F32" else 7))
     w.add_quantization_version(2)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from tokenizers import Regex, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
 # Token types (llama.cpp's llama_token_type / gguf.TokenType)
@@ -30,6 +30,20 @@ PRE_SPLITS = {
 def byte_level_pre_tokenizer(split: str) -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+def bpe_tokenizer(tokens: list[str], types: list[int], merges: list[str], split: str) -> HFTokenizer:
+    """A `tokenizers` byte-level BPE from a GGUF vocabulary: tokens (id order), their types (CONTROL ones become
+    special added tokens, USER_DEFINED ones plain added tokens), "a b" merges, the pre-tokenizer's split regex."""
+    vocab = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)  # first id wins on duplicate spellings
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], ignore_merges=False))
+    tok.pre_tokenizer = byte_level_pre_tokenizer(split)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED])
+    return tok
 
 
 @dataclass(slots=True)

@@ -209,7 +209,7 @@ class Deepseek4Model:
     lane_decode = True
 
     def __init__(self, cfg, dense: dict[str, torch.Tensor]):
-        assert cfg.arch == "deepseek4" and cfg.ds4 is not None, cfg.arch
+        assert cfg.ds4 is not None, cfg.arch         # deepseek4, or deepseek41 (model/deepseek41.py subclasses)
         self.cfg, self.p = cfg, cfg.ds4
         self.w = dense
         # margins: a list to record, per discrete choice, (layer, "experts"|"indexer", min gap) between the
@@ -562,6 +562,30 @@ def pool_entries(ck: torch.Tensor, cg: torch.Tensor, norm: torch.Tensor, cos: to
     return apply_rope(_rms(pooled, norm, eps), cos, sin)
 
 
+def hc_mix(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float,
+           eps: float):
+    """A sublayer's mHC mix from the streams X [T, hc, D] -> pre [T, hc], post [T, hc], comb [T, hc, hc] (float32;
+    comb Sinkhorn-normalised)."""
+    hc, T = X.shape[1], X.shape[0]
+    flat = _unweighted_rms(X.reshape(T, -1).float(), eps)
+    m = F.linear(flat, fn.float())
+    pre_w, post_w, comb_w = m.split([hc, hc, hc * hc], dim=-1)
+    pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
+    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
+    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    comb = torch.softmax(comb_w.view(T, hc, hc) * scale[2] + comb_b.view(hc, hc), dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    return pre, post, comb
+
+
+def hc_collapse(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """u [T, D] = sum_j pre_j X_j (X's dtype)."""
+    return (pre.unsqueeze(-1) * X).sum(dim=1).to(X.dtype)
+
+
 def attend_ref(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     """q [Q, H, hd], keys [S, hd] (K = V), mask [Q, S] bool (True = attend), sinks [H] float32 -> [Q, H, hd]:
     softmax over [q.k / sqrt(hd), sink_h] (the sink only enlarges the denominator), weighted sum of the keys."""
@@ -586,20 +610,8 @@ class TorchOps:
     def hc_pre(X, fn, base, scale, norm, iters: int, hc_eps: float, eps: float):
         """mHC before a sublayer: X [T, hc, D] -> post [T, hc], comb [T, hc, hc] (float32, Sinkhorn-normalised),
         h [T, D] = RMSNorm_norm(sum_j pre_j X_j) in X's dtype."""
-        hc, T = X.shape[1], X.shape[0]
-        flat = _unweighted_rms(X.reshape(T, -1).float(), eps)
-        m = F.linear(flat, fn.float())
-        pre_w, post_w, comb_w = m.split([hc, hc, hc * hc], dim=-1)
-        pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
-        pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
-        post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
-        comb = torch.softmax(comb_w.view(T, hc, hc) * scale[2] + comb_b.view(hc, hc), dim=-1) + hc_eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-        for _ in range(iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-        u = (pre.unsqueeze(-1) * X).sum(dim=1).to(X.dtype)
-        return post, comb, _rms(u, norm, eps)
+        pre, post, comb = hc_mix(X, fn, base, scale, iters, hc_eps, eps)
+        return post, comb, _rms(hc_collapse(X, pre), norm, eps)
 
     @staticmethod
     def hc_post(X, out, post, comb, extra=None):

@@ -3,6 +3,7 @@
 The runner owns the routed experts (their bytes come from slots in three tiers), so a model is not one forward();
 it is a per-layer surface that the runner drives around the experts:
 
+    engram_begin(cache, ids, source)                       # EngramModel only (deepseek41): after cache.begin
     x = embed(ids)                                         # ids [T] -> the residual (qwen3moe [T,H], deepseek4 [T,hc,H])
     for layer in range(cfg.n_layer):
         x = attention_block(layer, x, cache, positions)    # appends this layer's state of the T tokens to `cache`
@@ -21,6 +22,10 @@ are class-level flags that the runner reads (it never guesses with getattr and a
                    device tensor, attention over the whole fixed-size cache): CUDA decodes in it, in graphs
   lane_decode      the model is a LaneDecode too: batched decode runs its dense part row-batched over fixed lanes
                    (worker/lanes.py); needs static_decode
+
+A model whose file has Engram tables (deepseek41) is an EngramModel too: before its layers, a pass hashes each
+sequence's new tokens into table rows, which `source` delivers (the engine: the store, worker/engram_feed.py;
+the reference: the file's map, model/engram.py FileRows).
 
 A new architecture: a model file with a class of this surface (and its reference: model/reference.py's mixin plus
 the class), its GGUF layout (gguf/layouts.py) and one line in model/registry.py.
@@ -85,6 +90,12 @@ class LaneDecode(Protocol):
     def lane_row(self, rows: tuple, i: int) -> tuple: ...
     def attend_static(self, layer: int, rows: tuple, cache, pos: torch.Tensor) -> torch.Tensor: ...
     def attn_out(self, layer: int, carry, attn: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class EngramModel(Protocol):
+    """Rows of hashed n-gram tables looked up per token before the layers (module doc)."""
+    def engram_begin(self, cache, ids, source) -> None: ...    # source.rows(engram index, rows [n, n_cols])
 
 
 def check_model(model) -> None:

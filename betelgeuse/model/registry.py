@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from betelgeuse.errors import UnsupportedError
-from betelgeuse.gguf import ds4layout
+from betelgeuse.gguf import ds4layout, ds41layout
 from betelgeuse.gguf.layouts import LAYOUTS, Layout
 from betelgeuse.gguf.modelconfig import ModelConfig
 
@@ -81,6 +81,9 @@ ARCHS: dict[str, Arch] = {
                       "betelgeuse.model.deepseek4:Deepseek4Reference", ds4layout.state_bytes,
                       prefix_cache=False, scratch_bytes=ds4layout.attention_scratch_bytes,
                       elem_bytes=ds4layout.dense_elem_bytes, activation_bytes=ds4layout.activation_bytes),
+    "deepseek41": Arch("deepseek41", "betelgeuse.model.deepseek41:Deepseek41Model",
+                       "betelgeuse.model.deepseek41:Deepseek41Reference", ds41layout.state_bytes,
+                       prefix_cache=False, scratch_bytes=ds41layout.attention_scratch_bytes),
 }
 assert set(ARCHS) == set(LAYOUTS), (set(ARCHS), set(LAYOUTS))
 

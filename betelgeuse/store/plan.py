@@ -119,7 +119,7 @@ def dense_bytes(f: GGUFModelFile, dtype_bytes: int) -> int:
     elem = arch_of(f.config).elem_bytes
     n = 0
     for t in f.tensors.values():
-        if "_exps." in t.name:
+        if "_exps." in t.name or ".engram_embd." in t.name:      # experts and Engram tables stay on disk
             continue
         elems = 1
         for s in t.shape:

@@ -16,7 +16,7 @@ import torch
 from betelgeuse.gguf import SUPPORTED_ARCHS
 from betelgeuse.gguf.layouts import LAYOUTS
 from betelgeuse.gguf.reader import GGUFModelFile
-from betelgeuse.model.interface import LaneDecode, MoEModel, SequenceState, check_model
+from betelgeuse.model.interface import EngramModel, LaneDecode, MoEModel, SequenceState, check_model
 from betelgeuse.model.registry import ARCHS, arch_of, engine_model, reference_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,7 +28,9 @@ def files(tiny_model, tmp_path_factory) -> dict[str, Path]:
     from betelgeuse.gguf.synth import spec_from_preset, write_model
     ds4 = tmp_path_factory.mktemp("iface") / "ds4.gguf"
     write_model(ds4, replace(spec_from_preset("ds4-tiny"), expert_qtype="Q8_0", seed=3), progress=False)
-    return {"qwen3moe": tiny_model, "deepseek4": ds4}
+    ds41 = ds4.with_name("ds41.gguf")
+    write_model(ds41, replace(spec_from_preset("ds41-tiny"), expert_qtype="Q8_0", seed=3), progress=False)
+    return {"qwen3moe": tiny_model, "deepseek4": ds4, "deepseek41": ds41}
 
 
 def test_registry_covers_the_layouts():
@@ -53,8 +55,12 @@ def test_engine_model_has_the_surface_its_flags_say(files, name):
         n, dt = 40, 4
         cache = m.new_cache(n)
         ids = m.check_ids(list(range(3, 3 + n)))
-        x = m.embed(ids)
         pos = cache.begin(n)
+        assert isinstance(m, EngramModel) == (name == "deepseek41")
+        if isinstance(m, EngramModel):          # rows from the file's map here (the engine's: from the store)
+            from betelgeuse.model.engram import FileRows
+            m.engram_begin(cache, ids, FileRows(f, f.config.ds41.engram, m.device, m.dtype))
+        x = m.embed(ids)
         for layer in range(f.config.n_layer):
             x = m.attention_block(layer, x, cache, pos)
         cache.commit()

@@ -1,0 +1,399 @@
+"""The DeepSeek-V4.1 (`deepseek41`) forward pass: V4's model (model/deepseek4.py) with V4.1's deltas, through the
+same engine interface (embed / attention_block / moe_input / route / moe_output / logits, new_cache, check_ids).
+
+Deltas from V4 (research note §0, §4, §7-B; NeMo AutoModel 0.7.0 `deepseek_v41`, llama.cpp `deepseek41.cpp`):
+  lagged mHC   a sublayer's mix (pre, post, comb) is computed from the streams it receives, but the streams are
+               collapsed with the PREVIOUS sublayer's pre (layer 0's attention: a one-hot on stream 0; the head:
+               the last FFN's pre; no output_hc_* tensors). The carried pre [T, hc] float32 rides in the residual
+               tensor x [T, hc + 1, D] as an extra row (`_pack`: its bits, so bf16 streams carry it exactly), so
+               the engine passes one tensor between sublayers as for V4.
+  attention    no per-head q norm; CSA2: compressed KV only on KV-source layers (ratio 2: softmax-gated pairs,
+               ratio 1: one normed projection per token; no ape), shared by the compressed layers after them;
+               indexer keys derived from that latent (`indexer.attn_k` + `k_norm`) by key owners; index sources
+               score them and keep the top-k, the layers after them reuse that selection; from the candidate layer
+               on, a two-level filter (the top candidate_blocks blocks of candidate_block_size entries, always the
+               latest visible block) restricts what later index sources may pick.
+  MoE          no hash-routed layers; `exp_probs_b_vl` (the vision routing bias) is ignored for text.
+  Engram       before the attention mix of its layers (model/engram.py): rows of a hashed n-gram table, read by the
+               store from disk in the engine and from the file's map in the reference.
+  rms eps from the file (1e-20 in V4.1-Flash).
+Not mirrored: the release's fake-quantized caches (FP8 window KV, NVFP4 compressed KV, MXFP4 indexer q/k; NeMo
+`quantize_cache`): this engine computes them in the compute dtype, as it does V4's (the oracle test turns NeMo's
+off).
+
+Cross-layer state within a pass (DS41Cache): a KV source's compressed entries and indexer keys persist; the top-k
+mask of the pass's tokens (`sel`) and the candidate mask (`cand`) go from an index layer to the layers after it.
+A pass holds one chunk per sequence (chunked_prefill = False), so these masks always belong to the pending tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from betelgeuse.config import PREFILL_CHUNK
+from betelgeuse.errors import InvalidRequestError, UnsupportedError
+from betelgeuse.gguf import ds41layout
+from betelgeuse.model.deepseek4 import Deepseek4Model, TorchOps, _rms, apply_rope, hc_collapse, hc_mix
+from betelgeuse.model.engram import ENGRAM_TOKENS, EngramState, FileRows, NgramHasher, engram_residual
+from betelgeuse.kernels.torch_moe import expert_ffn
+from betelgeuse.model.reference import ReferenceExperts
+
+QUERY_CHUNK = ds41layout.QUERY_CHUNK
+
+# tensors kept in float32 whatever the compute dtype (NeMo's _keep_in_fp32_modules_strict, plus the norms)
+_FP32_KINDS = ("attn_norm", "ffn_norm", "output_norm", "attn_sinks", "attn_q_a_norm", "attn_kv_a_norm",
+               "hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
+               "attn_compressor_kv", "attn_compressor_gate", "attn_compressor_norm", "indexer.k_norm", "exp_probs_b",
+               "engram_q", "engram_k")
+
+
+# ---- per-sequence state ---------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class SourceState:
+    """A KV-source layer's compressed stream."""
+    buf_kv: torch.Tensor            # [n, hd] float32: projected rows of the open window (n < ratio)
+    buf_gate: torch.Tensor          # [n, hd] float32
+    entries: torch.Tensor           # [N, hd] rotated latent entries (entry w covers tokens w*ratio..)
+    ikeys: torch.Tensor | None      # [N, index_head_dim] rotated indexer keys (key owners)
+
+
+@dataclass(slots=True)
+class DS41Cache:
+    swa: list[torch.Tensor]          # per layer [n, head_dim]: the last <= window-1 K=V rows
+    src: dict[int, SourceState]      # per KV-source layer
+    max_len: int                     # tokens
+    engram: EngramState | None = None
+    length: int = 0                  # tokens every layer has consumed
+    sel: torch.Tensor | None = None  # [T, N] bool: the last index layer's top-k for the pass's tokens
+    cand: torch.Tensor | None = None # [T, N] bool: the candidate layer's blocks for the pass's tokens
+    _pending: int = field(default=0, repr=False)
+
+    def begin(self, n_tokens: int) -> torch.Tensor:
+        if self.length + n_tokens > self.max_len:
+            raise InvalidRequestError(
+                f"sequence of {self.length + n_tokens} tokens exceeds the cache of {self.max_len} tokens")
+        self._pending = n_tokens
+        return torch.arange(self.length, self.length + n_tokens, device=self.swa[0].device)
+
+    def commit(self) -> None:
+        self.length += self._pending
+        self._pending = 0
+        self.sel = self.cand = None
+        g = self.engram
+        if g is not None and g.new is not None:
+            g.hist = np.concatenate([g.hist, g.new])[max(0, len(g.hist) + len(g.new) - g.keep):]
+            g.pending = g.new = None
+
+    def truncate(self, n: int) -> None:
+        """Only a no-op: compressed state cannot be rewound to an arbitrary prefix."""
+        if n == self.length:
+            self._pending = 0
+            return
+        raise UnsupportedError(f"a deepseek41 cache cannot be truncated from {self.length} to {n} tokens")
+
+    def nbytes(self) -> int:
+        ts = list(self.swa)
+        for s in self.src.values():
+            ts += [s.buf_kv, s.buf_gate, s.entries] + ([s.ikeys] if s.ikeys is not None else [])
+        return sum(t.numel() * t.element_size() for t in ts)
+
+
+def select_candidate_blocks(scores: torch.Tensor, lengths: torch.Tensor, blocks: int, block_size: int,
+                            margins: list | None = None, layer: int = -1) -> torch.Tensor:
+    """scores [Q, N] (causally masked), lengths [Q] visible entries -> [Q, N] bool: the top `blocks` blocks of
+    `block_size` entries by their best score, always the latest visible block (NeMo `_select_candidate_blocks`)."""
+    Q, N = scores.shape
+    bs = F.pad(scores, (0, -N % block_size), value=float("-inf")).view(Q, -1, block_size).amax(dim=-1)
+    last = torch.div(lengths - 1, block_size, rounding_mode="floor")
+    nb = bs.shape[1]
+    bs = bs.masked_fill(torch.arange(nb, device=scores.device)[None, :] == last[:, None], float("inf"))
+    k = min(blocks, nb)
+    top = bs.topk(k, dim=-1)
+    if margins is not None and nb > k:
+        srt = bs.sort(dim=-1, descending=True).values
+        a, b = srt[:, k - 1], srt[:, k]
+        ok = torch.isfinite(a) & torch.isfinite(b)
+        if ok.any():
+            margins.append((layer, "candidates", float((a[ok] - b[ok]).min())))
+    keep = torch.zeros_like(bs, dtype=torch.bool).scatter(1, top.indices, top.values > float("-inf"))
+    return keep.repeat_interleave(block_size, dim=1)[:, :N]
+
+
+# ---- the model ------------------------------------------------------------------------------------
+
+class Deepseek41Model(Deepseek4Model):
+    # capabilities (model/interface.py): one chunk per sequence and pass (the cross-layer masks are the pass's
+    # tokens); decode runs eagerly: the state (DS41Cache) grows per token, so there is no static (graph-capturable)
+    # form, and no row-batched lanes, whatever deepseek4's (the class this one extends) are
+    chunked_prefill = False
+    static_decode = False
+    lane_decode = False
+
+    def __init__(self, cfg, dense: dict[str, torch.Tensor]):
+        assert cfg.arch == "deepseek41" and cfg.ds41 is not None, cfg.arch
+        super().__init__(cfg, dense)
+        self.q = cfg.ds41
+        g = self.q.engram
+        self.hasher = NgramHasher(g) if g is not None else None
+
+    @classmethod
+    def load_dense(cls, f, device="cpu", dtype=torch.float32) -> dict[str, torch.Tensor]:
+        """Every non-expert tensor except the Engram tables (read row by row) dequantized on `device`: matrices in
+        `dtype`, norms / mHC / sinks / bias / the compressor in float32."""
+        out = {}
+        for name, _ in ds41layout.tensors(f.config):
+            k = ds41layout.kind(name)
+            if k in ds41layout.EXPERTS or k == ds41layout.ENGRAM_TABLE:
+                continue
+            out[name] = f.load_tensor(name, device, torch.float32 if k in _FP32_KINDS else dtype)
+        return out
+
+    # -- the carried pre-mix (module doc) --
+
+    def _hc_mix(self, X: torch.Tensor, l: int, s: str):
+        """X [T, hc, D] -> the sublayer's mix: pre [T, hc], post [T, hc], comb [T, hc, hc] (float32)."""
+        fn, base, scale = (self.w[f"blk.{l}.hc_{s}_{k}.weight"] for k in ("fn", "base", "scale"))
+        return hc_mix(X, fn, base, scale, self.p.hc_sinkhorn_iters, self.p.hc_eps, self.cfg.rms_eps)
+
+    @property
+    def _pre_width(self) -> int:
+        """Elements of the residual's dtype holding the float32 pre [hc] (2 per float32 in bf16/fp16)."""
+        return self.p.hc_mult * 4 // torch.empty((), dtype=self.dtype).element_size()
+
+    def _pack(self, X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """X [T, hc, D], pre [T, hc] float32 -> x [T, hc + 1, D] (pre's bits in the extra row)."""
+        T, hc, D = X.shape
+        assert self._pre_width <= D, (self._pre_width, D)
+        row = X.new_zeros(T, 1, D)
+        row[:, 0, :self._pre_width] = pre.float().contiguous().view(X.dtype)
+        return torch.cat([X, row], dim=1)
+
+    def _unpack(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hc = self.p.hc_mult
+        assert x.shape[1] == hc + 1, x.shape
+        return x[:, :hc], x[:, hc, :self._pre_width].contiguous().view(torch.float32)
+
+    # -- surface shared with the other architectures --
+
+    def new_cache(self, max_len: int) -> DS41Cache:
+        assert max_len > 0, max_len
+        hd, dev, dt = self.cfg.head_dim, self.device, self.dtype
+        src = {}
+        for l in sorted(self.q.kv_sources):
+            f32 = torch.zeros(0, hd, device=dev, dtype=torch.float32)
+            src[l] = SourceState(buf_kv=f32, buf_gate=f32, entries=torch.zeros(0, hd, device=dev, dtype=dt),
+                                 ikeys=(torch.zeros(0, self.p.index_head_dim, device=dev, dtype=dt)
+                                        if l in self.q.key_owners else None))
+        eng = (EngramState(hist=np.zeros(0, dtype=np.int64), keep=self.q.engram.max_ngram - 1)
+               if self.hasher is not None else None)
+        return DS41Cache(swa=[torch.zeros(0, hd, device=dev, dtype=dt) for _ in range(self.cfg.n_layer)], src=src,
+                         max_len=max_len, engram=eng)
+
+    def engram_begin(self, cache: DS41Cache, ids, source) -> None:
+        """The pending tokens' Engram rows (hashed with the sequence's history) and where their values come from
+        (`source.rows(engram index, rows [n, n_cols])`); call after cache.begin, before the layers."""
+        if self.hasher is None:
+            return
+        ids = np.asarray(ids.cpu() if isinstance(ids, torch.Tensor) else ids, dtype=np.int64).reshape(-1)
+        g = cache.engram
+        g.pending, g.new, g.source = self.hasher.rows(g.hist, ids), self.hasher.compress(ids), source
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] -> x [T, hc + 1, D]: the embedding in each stream, and the one-hot pre of layer 0's attention."""
+        X = super().embed(ids)
+        pre = torch.zeros(X.shape[0], self.p.hc_mult, device=X.device, dtype=torch.float32)
+        pre[:, 0] = 1.0
+        return self._pack(X, pre)
+
+    def attention_block(self, layer: int, x: torch.Tensor, cache: DS41Cache, positions: torch.Tensor,
+                        static: bool = False) -> torch.Tensor:
+        """x [T, hc + 1, D] -> x after (Engram and) the attention sublayer; consumes T tokens of the cache."""
+        assert not static, "deepseek41 has no static decode form"
+        X, pre = self._unpack(x)
+        g = self.q.engram
+        if g is not None and layer in g.layer_ids:
+            X = self._engram(layer, X, cache)
+        pre_a, post, comb = self._hc_mix(X, layer, "attn")
+        u = _rms(hc_collapse(X, pre), self.w[f"blk.{layer}.attn_norm.weight"], self.cfg.rms_eps)
+        out = self._attention(layer, u, cache, positions)
+        return self._pack(TorchOps.hc_post(X, out, post, comb), pre_a)
+
+    def moe_input(self, layer: int, x: torch.Tensor):
+        """x -> (h [T, D] = ffn_norm of the streams collapsed with the attention's pre, aux = the FFN's mix)."""
+        X, pre_a = self._unpack(x)
+        pre_f, post, comb = self._hc_mix(X, layer, "ffn")
+        h = _rms(hc_collapse(X, pre_a), self.w[f"blk.{layer}.ffn_norm.weight"], self.cfg.rms_eps)
+        return h, (pre_f, post, comb)
+
+    def moe_output(self, layer: int, x: torch.Tensor, aux, h: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        b = f"blk.{layer}."
+        shared = expert_ffn(h, self.w[b + "ffn_gate_shexp.weight"], self.w[b + "ffn_up_shexp.weight"],
+                            self.w[b + "ffn_down_shexp.weight"], float(self.p.swiglu_limit_shexp[layer]))
+        X, _ = self._unpack(x)
+        pre_f, post, comb = aux
+        return self._pack(TorchOps.hc_post(X, routed + shared, post, comb), pre_f)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hc + 1, D] -> logits [T, n_vocab] float32: the streams collapsed with the last FFN's pre."""
+        X, pre = self._unpack(x)
+        n = _rms(hc_collapse(X, pre), self.w[ds41layout.OUTPUT_NORM], self.cfg.rms_eps)
+        return F.linear(n, self.w[ds41layout.OUTPUT]).float()
+
+    # -- Engram --
+
+    def _engram(self, layer: int, X: torch.Tensor, cache: DS41Cache) -> torch.Tensor:
+        """The layer's Engram on the streams of the pending tokens, ENGRAM_TOKENS at a time."""
+        g, st = self.q.engram, cache.engram
+        assert st is not None and st.pending is not None and st.source is not None, \
+            "engram_begin must run before the layers"
+        T = X.shape[0]
+        assert st.pending.shape[0] == T, (st.pending.shape, T)
+        e, b = g.index(layer), f"blk.{layer}."
+        outs = []
+        for a in range(0, T, ENGRAM_TOKENS):
+            z = min(T, a + ENGRAM_TOKENS)
+            emb = st.source.rows(e, st.pending[a:z, e]).reshape(z - a, -1)
+            outs.append(engram_residual(X[a:z], emb, self.w[b + "engram_wkv.weight"], self.w[b + "engram_q.weight"],
+                                        self.w[b + "engram_k.weight"], self.cfg.rms_eps))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    # -- CSA2 attention --
+
+    def _compress(self, l: int, u: torch.Tensor, st: SourceState) -> None:
+        """A KV source consumes T tokens: every closed window becomes a rotated entry (and an indexer key)."""
+        w, b, eps, r = self.w, f"blk.{l}.", self.cfg.rms_eps, self.p.compress_ratios[l]
+        first = st.entries.shape[0]
+        if r == 1:
+            latent = _rms(F.linear(u, w[b + "attn_compressor_kv.weight"].to(u.dtype)),
+                          w[b + "attn_compressor_norm.weight"], eps)
+        else:
+            kv = torch.cat([st.buf_kv, F.linear(u.float(), w[b + "attn_compressor_kv.weight"])])
+            gate = torch.cat([st.buf_gate, F.linear(u.float(), w[b + "attn_compressor_gate.weight"])])
+            usable = kv.shape[0] // r * r
+            st.buf_kv, st.buf_gate = kv[usable:], gate[usable:]
+            if usable == 0:
+                return
+            nw = usable // r
+            pooled = (kv[:usable].view(nw, r, -1) * gate[:usable].view(nw, r, -1).softmax(dim=1)).sum(dim=1)
+            latent = _rms(pooled.to(u.dtype), w[b + "attn_compressor_norm.weight"], eps)
+        pos = (torch.arange(latent.shape[0], device=u.device) + first) * r
+        cos, sin = self.rope_comp.cos_sin(pos)
+        st.entries = torch.cat([st.entries, apply_rope(latent, cos, sin)])
+        if st.ikeys is not None:
+            k = _rms(F.linear(latent, w[b + "indexer.attn_k.weight"]), w[b + "indexer.k_norm.weight"], eps)
+            st.ikeys = torch.cat([st.ikeys, apply_rope(k, cos, sin)])
+
+    def _index(self, l: int, u: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, cache: DS41Cache,
+               n: int) -> torch.Tensor:
+        """An index source's selection for the pass's T queries over the shared stream's n entries -> [T, n] bool;
+        the candidate layer also leaves its blocks in cache.cand for the index layers after it."""
+        p, q, w, b = self.p, self.q, self.w, f"blk.{l}."
+        T, r = u.shape[0], p.compress_ratios[l]
+        keys = cache.src[q.key_source[l]].ikeys
+        assert keys.shape[0] == n, (keys.shape, n)
+        lengths = torch.div(positions + 1, r, rounding_mode="floor")                 # visible entries per query
+        if n == 0:
+            sel = torch.zeros(T, 0, dtype=torch.bool, device=u.device)
+            if l == q.candidate_layer:
+                cache.cand = sel
+            return sel
+        nh, ihd = p.index_n_heads, p.index_head_dim
+        cos, sin = self.rope_comp.cos_sin(positions)
+        iq = apply_rope(F.linear(qr, w[b + "indexer.attn_q_b.weight"]).view(T, nh, ihd), cos, sin)
+        wts = F.linear(u, w[b + "indexer.proj.weight"]).float() * (ihd ** -0.5 * nh ** -0.5)
+        uses_cand = 0 <= q.candidate_layer < l
+        if uses_cand:
+            assert cache.cand is not None and cache.cand.shape == (T, n), "candidate mask of another stream"
+        sels, cands = [], []
+        for a in range(0, T, QUERY_CHUNK):
+            e = min(T, a + QUERY_CHUNK)
+            sc = torch.einsum("thd,nd->thn", iq[a:e].float(), keys.float())
+            score = (sc.relu() * wts[a:e].unsqueeze(-1)).sum(dim=1)                     # [Q, n]
+            allowed = torch.arange(n, device=u.device)[None, :] < lengths[a:e, None]
+            score = score.masked_fill(~allowed, float("-inf"))
+            if l == q.candidate_layer:
+                cands.append(select_candidate_blocks(score, lengths[a:e], q.candidate_blocks, q.candidate_block_size,
+                                                     self.margins, l) & allowed)
+            elif uses_cand:
+                score = score.masked_fill(~cache.cand[a:e], float("-inf"))
+            k = min(p.index_topk, n)
+            top = score.topk(k, dim=-1)
+            if self.margins is not None and n > k:
+                srt = score.sort(dim=-1, descending=True).values
+                ok = torch.isfinite(srt[:, k])
+                if ok.any():
+                    self.margins.append((l, "indexer", float((srt[ok, k - 1] - srt[ok, k]).min())))
+            sels.append(torch.zeros(e - a, n, dtype=torch.bool, device=u.device)
+                        .scatter(1, top.indices, torch.isfinite(top.values)))
+        if cands:
+            cache.cand = torch.cat(cands)
+        return torch.cat(sels)
+
+    def _attention(self, l: int, u: torch.Tensor, cache: DS41Cache, positions: torch.Tensor) -> torch.Tensor:
+        """u [T, D] (attn-normed) -> the attention output [T, D]."""
+        cfg, p, q, w = self.cfg, self.p, self.q, self.w
+        b, eps, hd, H, T = f"blk.{l}.", cfg.rms_eps, cfg.head_dim, cfg.n_head, u.shape[0]
+        ratio = p.compress_ratios[l]
+        cos, sin = (self.rope_comp if ratio else self.rope_main).cos_sin(positions)
+        qr = _rms(F.linear(u, w[b + "attn_q_a.weight"]), w[b + "attn_q_a_norm.weight"], eps)
+        qh = apply_rope(F.linear(qr, w[b + "attn_q_b.weight"]).view(T, H, hd), cos, sin)        # no per-head norm
+        kv = apply_rope(_rms(F.linear(u, w[b + "attn_kv.weight"]), w[b + "attn_kv_a_norm.weight"], eps), cos, sin)
+        n_prev = cache.swa[l].shape[0]
+        keys = torch.cat([cache.swa[l], kv])
+        kpos = torch.arange(keys.shape[0], device=u.device) + (positions[0] - n_prev)
+        cache.swa[l] = keys[max(0, keys.shape[0] - (p.sliding_window - 1)):]
+        entries = sel = None
+        if ratio:
+            if l in q.kv_sources:
+                self._compress(l, u, cache.src[l])
+            entries = cache.src[q.kv_source[l]].entries                                      # [N, hd]
+            N = entries.shape[0]
+            if l in q.index_sources:
+                sel = cache.sel = self._index(l, u, qr, positions, cache, N)
+            else:
+                sel = cache.sel
+                assert sel is not None and sel.shape == (T, N), "a reuse layer before its index layer"
+        sinks = w[b + "attn_sinks.weight"].float().view(H, 1, 1)
+        o = torch.empty(T, H, hd, dtype=u.dtype, device=u.device)
+        for a in range(0, T, QUERY_CHUNK):
+            e = min(T, a + QUERY_CHUNK)
+            s0, s1 = max(0, n_prev + a - (p.sliding_window - 1)), n_prev + e
+            qp = positions[a:e, None]
+            kc, kp = keys[s0:s1], kpos[s0:s1]
+            mask = (kp[None, :] <= qp) & (qp - kp[None, :] < p.sliding_window)
+            if ratio:
+                kc = torch.cat([kc, entries])
+                mask = torch.cat([mask, sel[a:e]], dim=1)
+            scores = torch.einsum("thd,sd->hts", qh[a:e].float(), kc.float()) * hd ** -0.5
+            scores = scores.masked_fill(~mask[None], float("-inf"))
+            sc = torch.cat([scores, sinks.expand(H, e - a, 1)], dim=-1)
+            sc = sc - sc.max(dim=-1, keepdim=True).values
+            probs = F.softmax(sc, dim=-1)[..., :-1]
+            o[a:e] = torch.einsum("hts,sd->thd", probs, kc.float()).to(u.dtype)
+        o = apply_rope(o, cos, -sin)                                                       # undo K=V's rotation
+        g = p.o_groups
+        wa = w[b + "attn_output_a.weight"].view(g, p.o_lora_rank, -1)
+        y = torch.bmm(o.reshape(T, g, -1).transpose(0, 1), wa.transpose(1, 2)).transpose(0, 1)
+        return F.linear(y.reshape(T, -1), w[b + "attn_output_b.weight"])
+
+
+class Deepseek41Reference(ReferenceExperts, Deepseek41Model):
+    """The in-process path: experts dequantized from the file's map when needed, Engram rows read from the map."""
+
+    def __init__(self, f, dense: dict[str, torch.Tensor], sub_batch: int = 16, kernels: str = "auto",
+                 chunk: int | None = PREFILL_CHUNK):
+        Deepseek41Model.__init__(self, f.config, dense)
+        self._init_reference(f, sub_batch, kernels, chunk)
+        g = self.q.engram
+        self.engram_rows = FileRows(f, g, self.device, self.dtype) if g is not None else None
+
+    @torch.inference_mode()
+    def forward(self, ids, cache) -> torch.Tensor:
+        ids = self.check_ids(ids)
+        self.engram_begin(cache, ids, self.engram_rows)
+        return ReferenceExperts.forward(self, ids, cache)
