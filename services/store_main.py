@@ -110,6 +110,17 @@ class StoreServicer(pb_grpc.ExpertStoreServicer):
         import json
         return pb.StatusReply(json=json.dumps(self.store.status()))
 
+    def EngramRead(self, request, context):
+        bank = self._guard(context, lambda: self.store.engram_read(
+            request.session, np.asarray(request.tables, dtype=np.int64), np.asarray(request.rows, dtype=np.int64),
+            list(request.release)))
+        return pb.EngramReadReply(bank=bank)
+
+    def EngramWait(self, request, context):
+        got = self._guard(context, lambda: self.store.engram_wait(request.session, request.bank))
+        return pb.EngramLanded(bank=got.bank, rows=got.rows, disk_rows=got.disk_rows, cache_rows=got.cache_rows,
+                               disk_bytes=got.disk_bytes, read_seconds=got.read_seconds)
+
 
 class Leases:
     """Attach tokens handed out with the arena fd; each is bound to the connection it went out on, and dies
@@ -335,7 +346,8 @@ def main(argv=None) -> int:
           **{k: v for k, v in plan.describe().items() if k not in ("vram_slots", "host_slots", "staging_slots")})
     sdnotify.notify(status=f"pre-faulting a {plan.arena_bytes / 2**30:.2f} GiB arena",
                     extend_timeout_us=int(120e6))
-    store = ExpertStore(model, plan, read_threads=cfg.read_threads, read_request_bytes=cfg.read_request_bytes)
+    store = ExpertStore(model, plan, read_threads=cfg.read_threads, read_request_bytes=cfg.read_request_bytes,
+                        engram_read_depth=cfg.engram_read_depth)
 
     m = make_store_metrics(__version__)
     m.arena_bytes.set(plan.arena_bytes)

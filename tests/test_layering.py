@@ -212,6 +212,7 @@ def test_imports_point_down_the_floors():
 # chunks) imports no architecture.
 LEVELS: dict[str, tuple[tuple[str, ...], ...]] = {
     "worker": (
+        ("engram_feed",),
         ("stats", "graphs", "expert_cache"),
         ("store_session",),
         ("moe_step", "lanes"),
@@ -221,9 +222,10 @@ LEVELS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("engine",),
     ),
     "model": (
-        ("interface", "registry", "chunks", "layers", "kv_cache", "weights"),
+        ("interface", "registry", "chunks", "layers", "kv_cache", "weights", "engram"),
         ("reference",),
         ("qwen3moe", "deepseek4"),
+        ("deepseek41",),                         # V4's model with V4.1's deltas
     ),
 }
 

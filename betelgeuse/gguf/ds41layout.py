@@ -41,6 +41,9 @@ ENGRAM_TABLE = "engram_embd"
 # the released model's candidate filter (NeMo DeepseekV41TextConfig defaults), for files without the keys
 RELEASE_CANDIDATE = (20, 2048, 8)
 INT64_MAX = (1 << 63) - 1
+# tokens per Engram sub-batch: the unit of rows the store stages (a bank holds ENGRAM_TOKENS x n_cols rows) and of
+# the wkv projection (the same split in the reference and the engine: a row's bits never depend on the fetching)
+ENGRAM_TOKENS = 16
 
 # the release checkpoint's storage class of each GGUF tensor kind (what synth and convert key their types on):
 # FP8 E4M3 with ue8m0 32x32 block scales; BF16; FP32 (norms, mHC, sinks, router bias, the compressor)

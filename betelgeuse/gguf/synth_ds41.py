@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType as GT, GGUFWriter
 from betelgeuse.errors import InvalidRequestError
 from betelgeuse.gguf import ds41layout
 from betelgeuse.gguf.ds41layout import Deepseek41Params, EngramParams
-from betelgeuse.gguf.synth_common import add_tokenizer, nbytes as _nbytes, tensor_rng as _rng, tiled_chunks, write_gguf
+from betelgeuse.gguf.synth_common import add_tokenizer, nbytes, tensor_rng, tiled_chunks, write_gguf
 from betelgeuse.gguf.synth_ds4 import DS4Spec, _QT, _random_chunks, _source_chunks
 from betelgeuse.gguf.synth_ds4 import add_metadata as add_ds4_metadata
 
@@ -191,7 +191,7 @@ def _table_tile(seed: int, qtype: int) -> np.ndarray:
 def _table_chunks(spec: DS41Spec, name: str, shape: tuple[int, ...], gt: GT) -> Iterator[np.ndarray]:
     """A random Engram table: views of a tile of random blocks at random offsets (a 1.6 GB table costs only its
     write); BF16/F32 tables as N(0, 1) rows."""
-    rng = _rng(spec, name)
+    rng = tensor_rng(spec, name)
     rows, cols = shape
     if gt in (GT.F32, GT.BF16):
         yield from _float_rows(rng, rows, cols, 0.0, 1.0, gt)
@@ -221,7 +221,7 @@ def tensor_plan(spec: DS41Spec, source: Callable[[str], np.ndarray] | None = Non
         elif ds41layout.kind(name) == ds41layout.ENGRAM_TABLE:
             gen = (lambda n=name, s=shape, g=gt: _table_chunks(spec, n, s, g))
         elif ds41layout.kind(name) in ("engram_q", "engram_k"):      # branch norm weights: 1 + noise
-            gen = (lambda n=name, s=shape, g=gt: _float_rows(_rng(spec, n), s[0], s[1], 1.0, 0.1, g))
+            gen = (lambda n=name, s=shape, g=gt: _float_rows(tensor_rng(spec, n), s[0], s[1], 1.0, 0.1, g))
         else:
             gen = (lambda n=name, s=shape, g=gt: _random_chunks(spec, n, s, g, cfg))
         plan.append((name, shape, gt, gen))
@@ -267,11 +267,11 @@ def write_deepseek41(path: str | os.PathLike, spec: DS41Spec, source: Callable[[
 
 
 def model_nbytes(spec: DS41Spec) -> int:
-    return sum(_nbytes(shape, gt) for _, shape, gt, _ in tensor_plan(spec))
+    return sum(nbytes(shape, gt) for _, shape, gt, _ in tensor_plan(spec))
 
 
 def engram_table_bytes(spec: DS41Spec) -> int:
-    return sum(_nbytes(shape, gt) for name, shape, gt, _ in tensor_plan(spec)
+    return sum(nbytes(shape, gt) for name, shape, gt, _ in tensor_plan(spec)
                if ds41layout.kind(name) == ds41layout.ENGRAM_TABLE)
 
 

@@ -22,9 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-# tokens per Engram sub-batch: the unit of rows the store stages and of the wkv projection (the same fixed split
-# in the reference and the engine, so a row's bits never depend on how the rows were fetched)
-ENGRAM_TOKENS = 16
+from betelgeuse.gguf.ds41layout import ENGRAM_TOKENS  # noqa: F401  (tokens per sub-batch: re-exported)
 
 
 class NgramHasher:

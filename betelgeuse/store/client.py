@@ -14,6 +14,7 @@ import numpy as np
 
 from betelgeuse.store.arena import Arena
 from betelgeuse.store.plan import SlotPlan
+from betelgeuse.store.engram import EngramLanded
 from betelgeuse.store.store import ExpertStore, Loaded
 
 
@@ -28,6 +29,10 @@ class StoreClient(Protocol):
     def prefetch(self, keys: list[tuple[int, int]]) -> int: ...
     def release(self, slots: list[int]) -> None: ...
     def end_pass(self, usage: np.ndarray, consolidate: bool) -> int: ...   # usage [n_layer, n_expert]
+    # deepseek41's Engram rows (store/engram.py): start reading (table, row) pairs into a bank, releasing the
+    # banks the worker is done with; then wait until they landed (compact, request order, at the bank's offset)
+    def engram_read(self, tables: np.ndarray, rows: np.ndarray, release: list[int]) -> int: ...
+    def engram_wait(self, bank: int) -> EngramLanded: ...
     def status(self) -> dict: ...
     def close(self) -> None: ...
 
@@ -67,6 +72,12 @@ class InProcessStoreClient:
 
     def end_pass(self, usage, consolidate):
         return self.store.end_pass(self.session, usage, consolidate)
+
+    def engram_read(self, tables, rows, release):
+        return self.store.engram_read(self.session, tables, rows, release)
+
+    def engram_wait(self, bank):
+        return self.store.engram_wait(self.session, bank)
 
     def status(self):
         return self.store.status()

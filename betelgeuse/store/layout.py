@@ -101,6 +101,7 @@ class ArenaLayout:
     slot: SlotLayout
     directory_offset: int = 0  # the directory lives at the start of the arena
     directory_bytes: int = 0  # 0 = computed from the directory's size (see __post_init__)
+    engram_bytes: int = 0  # the Engram rows' region after the staging slots (store/engram.py), 0 = none
 
     def __post_init__(self):
         assert self.n_layer > 0 and self.n_expert > 0, self
@@ -118,8 +119,12 @@ class ArenaLayout:
         return self.host_base + self.n_layer * self.host_per_layer * self.slot.slot_bytes
 
     @property
-    def total_bytes(self) -> int:
+    def engram_base(self) -> int:
         return self.staging_base + self.n_staging * self.slot.slot_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.engram_base + round_up(self.engram_bytes)
 
     def host_slot_offset(self, layer: int, i: int) -> int:
         """Arena offset of host slot i (0 <= i < host_per_layer) of `layer`."""
@@ -136,10 +141,11 @@ class ArenaLayout:
             "n_layer": self.n_layer, "n_expert": self.n_expert, "host_per_layer": self.host_per_layer,
             "n_staging": self.n_staging, "slot_bytes": self.slot.slot_bytes,
             "part_capacity": list(self.slot.part_capacity), "directory_bytes": self.directory_bytes,
+            "engram_bytes": self.engram_bytes,
         }  # fmt: skip
 
     @classmethod
     def from_dict(cls, d: dict) -> "ArenaLayout":
         slot = SlotLayout(slot_bytes=d["slot_bytes"], part_capacity=tuple(d["part_capacity"]))
         return cls(d["n_layer"], d["n_expert"], d["host_per_layer"], d["n_staging"], slot,
-                   directory_bytes=d["directory_bytes"])  # fmt: skip
+                   directory_bytes=d["directory_bytes"], engram_bytes=d.get("engram_bytes", 0))  # fmt: skip

@@ -57,6 +57,7 @@ class SlotPlan:
     vram_parts: dict = field(default_factory=dict)    # vram_fixed by part (VRAM_PARTS), bytes
     memory_source: str = "none"  # where memory_limit came from: "cgroup memory.max" | "memory_max" | "none"
     memory_in_use: int = 0      # bytes the cgroup held when the plan was made (counted against the limit)
+    engram: dict | None = None  # the Engram rows' region (store/engram.EngramLayout.to_dict), None: no Engram
 
     @property
     def host_per_layer(self) -> int:
@@ -69,7 +70,18 @@ class SlotPlan:
 
     @property
     def layout(self) -> ArenaLayout:
-        return ArenaLayout(self.n_layer, self.n_expert, self.host_per_layer, self.n_staging, self.slot)
+        return ArenaLayout(self.n_layer, self.n_expert, self.host_per_layer, self.n_staging, self.slot,
+                           engram_bytes=self.engram_layout.nbytes if self.engram else 0)
+
+    @property
+    def engram_layout(self):
+        """The Engram region (store/engram.EngramLayout), placed after the staging slots; None without Engram."""
+        if not self.engram:
+            return None
+        from betelgeuse.store.engram import EngramLayout
+        lay = EngramLayout.from_dict(self.engram)
+        base = ArenaLayout(self.n_layer, self.n_expert, self.host_per_layer, self.n_staging, self.slot).engram_base
+        return lay if lay.base == base else EngramLayout.from_dict({**self.engram, "base": base})
 
     @property
     def arena_bytes(self) -> int:
@@ -188,6 +200,27 @@ def vram_needs(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int) -> dict[str
             "ring": cfg.ring_slots * slot_bytes, "activations": deq + act, "cuda_context": ctx}
 
 
+def _engram_bytes(engram: dict | None) -> int:
+    from betelgeuse.store.engram import EngramLayout
+    return EngramLayout.from_dict(engram).nbytes if engram else 0
+
+
+def engram_plan(f: GGUFModelFile, cfg: EngineConfig) -> dict | None:
+    """The Engram region (banks + row cache; store/engram.py) of a model whose file has Engram tables, else None.
+    Its bytes are part of the arena, so the memory budget below counts them."""
+    g = f.config.ds41.engram if f.config.ds41 is not None else None
+    if g is None:
+        return None
+    from betelgeuse.gguf.ds41layout import ENGRAM_TOKENS
+    from betelgeuse.store.engram import EngramLayout, EngramTable
+    tables = []
+    for layer in g.layer_ids:
+        t = f.tensors[f"blk.{layer}.engram_embd.weight"]
+        tables.append(EngramTable(layer, t.offset, t.nbytes // t.shape[0], t.shape[0], t.qtype))
+    rows = max(ENGRAM_TOKENS * g.n_cols, len(g.layer_ids) * g.n_cols)
+    return EngramLayout.for_tables(tables, 0, rows, cfg.engram_cache_bytes).to_dict()
+
+
 def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, memory_current: int = 0) -> SlotPlan:
     c = f.config
     part_max = tuple(max(f.expert_parts(layer, 0)[k].nbytes for layer in range(c.n_layer)) for k in range(3))
@@ -203,6 +236,9 @@ def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, me
               (cfg.memory_max is None or memory_limit < cfg.memory_max) else "memory_max")
     if cfg.memory_max is not None and memory_limit is not None and cfg.memory_max > memory_limit:
         notes.append(f"memory_max {_gib(cfg.memory_max)} is above the cgroup limit {_gib(memory_limit)}: using the cgroup's")
+
+    engram = engram_plan(f, cfg)        # the Engram region of the arena (None: no Engram tables)
+    engram_bytes = _engram_bytes(engram)
 
     # 1. VRAM: hot slots after everything else the worker places on the GPU
     parts = vram_needs(f, cfg, slot.slot_bytes)
@@ -222,7 +258,7 @@ def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, me
         if not cfg.is_cuda and limit is not None and cfg.worker_reserve == "auto":
             # on the CPU the "VRAM" tier is the worker's RAM: each slot costs a slot there and (backed) one in the
             # arena, beside the worker's 1 GiB, its fixed needs and a minimal arena (4 staging slots)
-            least_arena = ArenaLayout(c.n_layer, c.n_expert, 0, 4, slot).total_bytes
+            least_arena = ArenaLayout(c.n_layer, c.n_expert, 0, 4, slot, engram_bytes=engram_bytes).total_bytes
             room = limit - memory_current - HEADROOM - 1 * GiB - fixed - least_arena
             cpu_cap = max(0, room // (per_layer_slot * (2 if cfg.vram_backing else 1)))
             if cpu_cap < n_vram:
@@ -254,7 +290,7 @@ def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, me
 
     def arena_for(host_per_layer: int, n_stage: int) -> int:
         """Arena bytes with `host_per_layer` host slots per layer (VRAM backing copies included)."""
-        return ArenaLayout(c.n_layer, c.n_expert, host_per_layer, n_stage, slot).total_bytes
+        return ArenaLayout(c.n_layer, c.n_expert, host_per_layer, n_stage, slot, engram_bytes=engram_bytes).total_bytes
 
     if cfg.host_slots == "auto":
         if limit is None:
@@ -290,12 +326,13 @@ def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, me
                                                               int(cfg.host_slots) > non_resident else ""))
     plan = SlotPlan(f.path, c.n_layer, c.n_expert, n_vram, n_host, n_staging, part_max, fixed, reserve, limit, notes,
                     cfg.vram_backing, prefix_host, (str(cfg.vram_slots), str(cfg.host_slots)), cfg.vram_budget, parts,
-                    source, memory_current)
+                    source, memory_current, engram)
     if limit is not None:
         need = plan.host_bytes + reserve + memory_current + HEADROOM
         if need > limit:
             raise BudgetError(
                 f"slots do not fit the memory limit {_gib(limit)}: arena {_gib(plan.arena_bytes)} "
-                f"({plan.host_per_layer} host slots x {c.n_layer} layers + {n_staging} staging, {slot.slot_bytes} bytes each) "
+                f"({plan.host_per_layer} host slots x {c.n_layer} layers + {n_staging} staging, {slot.slot_bytes} bytes each"
+                f"{f'; Engram banks and row cache {_gib(engram_bytes)}' if engram_bytes else ''}) "
                 f"+ prefix host tier {_gib(prefix_host)} + worker {_gib(reserve)} + in use {_gib(memory_current)} + headroom {_gib(HEADROOM)} = {_gib(need)}")
     return plan

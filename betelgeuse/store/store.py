@@ -30,6 +30,7 @@ from betelgeuse.gguf.reader import GGUFModelFile
 from betelgeuse.logs import event
 from betelgeuse.store.arena import Arena
 from betelgeuse.store.directory import TIER_DISK, TIER_HOST, TIER_VRAM, SlotDirectory
+from betelgeuse.store.engram import EngramLanded, EngramRows
 from betelgeuse.store.plan import SlotPlan
 from betelgeuse.store.residency import plan_moves
 from betelgeuse.store.reader import ExpertReader
@@ -77,7 +78,8 @@ class StoreCounters:
 
 
 class ExpertStore:
-    def __init__(self, model: GGUFModelFile, plan: SlotPlan, read_threads: int = 8, read_request_bytes: int = 4 << 20):
+    def __init__(self, model: GGUFModelFile, plan: SlotPlan, read_threads: int = 8, read_request_bytes: int = 4 << 20,
+                 engram_read_depth: int = 32):
         self.model, self.plan = model, plan
         self.layout = plan.layout
         self.arena = Arena.create(self.layout.total_bytes)
@@ -90,6 +92,10 @@ class ExpertStore:
         # the file as opened: a read that lands after the file changed is refused, and so is all work until the
         # file is the same again (store_main checks it every second; Load checks it too)
         self.watch = ModelWatch(model.path, model.data_offset)
+        # deepseek41's Engram rows: banks, row cache and a reader of their own (store/engram.py)
+        lay = plan.engram_layout
+        self.engram = (EngramRows(model.path, self.arena, lay, engram_read_depth, self.watch)
+                       if lay is not None else None)
         L, E = plan.n_layer, plan.n_expert
         # per (layer, expert): the three parts' file ranges, for reads into any slot
         self._parts = [[model.expert_parts(l, e) for e in range(E)] for l in range(L)]
@@ -134,6 +140,8 @@ class ExpertStore:
             # a new worker replaces the old one: what the old one held is free again
             for slot in list(self._handed):
                 self._free_slot(slot)
+            if self.engram is not None:
+                self.engram.release_all()
             self.session = uuid.uuid4().hex
             self.pass_active = False
             self.directory.pass_active = False
@@ -283,6 +291,22 @@ class ExpertStore:
                 self._staged[key] = slot
                 self._staged.move_to_end(key)
             self.cv.notify_all()
+
+    # ---- Engram rows (deepseek41) ------------------------------------------------------------
+    def engram_read(self, session: str, tables, rows, release=()) -> int:
+        """Start reading Engram rows (table index, row) into a free bank, after releasing `release`; -> the bank."""
+        self.watch.check()                          # as load: a read of a changed file is refused
+        self._check(session)
+        if self.engram is None:
+            raise BetelgeuseError(f"{self.model.path} has no Engram tables")
+        return self.engram.read(tables, rows, release)
+
+    def engram_wait(self, session: str, bank: int) -> EngramLanded:
+        """Block until a bank's rows landed (compact, in request order, at its rows offset)."""
+        self._check(session)
+        if self.engram is None:
+            raise BetelgeuseError(f"{self.model.path} has no Engram tables")
+        return self.engram.wait(bank, timeout=120.0)
 
     # ---- internals (hold self.cv) --------------------------------------------------------
     def _watch(self, key, done: queue.Queue):
@@ -441,6 +465,7 @@ class ExpertStore:
             "consolidation_copies": c.consolidation_copies, "passes": c.passes, "consolidations": c.consolidations,
             "attaches": c.attaches, "consolidation_pending": self._consolidating is not None,
             "refusing": self.watch.why,
+            **(self.engram.status() if self.engram is not None else {}),
         }
 
     def close(self):
@@ -448,6 +473,8 @@ class ExpertStore:
         if t is not None:                    # a consolidation still reading: its reads land before the reader closes
             t.join()
         self.reader.close()
+        if self.engram is not None:
+            self.engram.close()
         self.arena.close()
         if self.prefix_arena is not None:
             self.prefix_arena.close()

@@ -14,7 +14,7 @@ dense part runs over fixed lanes; a lone forward() token in the static form repl
 a bit (invariants 1 and 6).
 
 Below the runner, passed in as objects: the store session (worker/store_session.py: attachment, store passes and
-every consolidation rule of the worker), the MoE step (worker/moe_step.py), the pass clock and stats
+every consolidation rule of the worker; deepseek41's Engram feed, worker/engram_feed.py), the MoE step (worker/moe_step.py), the pass clock and stats
 (worker/stats.py), the solo decode graphs (worker/decode_graphs.py) and the lanes (worker/lanes.py).
 """
 
@@ -239,7 +239,15 @@ class ModelRunner:
     def _begin(self) -> tuple[int, int]:
         """The pass's clock starts -> (h2d bytes, store calls) so far."""
         self.clock.begin()
+        if self.session.engram is not None:
+            self.session.engram.take_stats()
         return self.cache.h2d_bytes, self.session.calls
+
+    def _engram_begin(self, pieces) -> None:
+        """deepseek41 (an EngramModel): the pass's pieces [(cache, ids)] are known (caches begun): hash them and
+        start their Engram reads, so they run under the layers before the first Engram layer."""
+        if self.session.engram is not None:
+            self.session.engram.begin(self.model, pieces)
 
     def _end(self, stats: PassStats, counts: np.ndarray, consolidate: bool, h2d0: int, calls0: int):
         """After a pass's end sync: the VRAM reads of wholly resident layers (known only now), the store pass
@@ -249,8 +257,12 @@ class ModelRunner:
                 ls.vram = int((counts[l] > 0).sum())
                 stats.reads["vram"] += ls.vram
         self.session.end(counts, consolidate)
+        eng = self.session.engram
+        if eng is not None:
+            stats.engram = eng.take_stats()
+            self.clock.blocked += stats.engram.wait_s
         self.clock.finish(stats)
-        stats.store_calls = self.session.calls - calls0
+        stats.store_calls = self.session.calls - calls0 + (2 * stats.engram.requests if eng is not None else 0)
         stats.h2d_bytes = self.cache.h2d_bytes - h2d0
         stats.disk_wait_s += sum(x.disk_wait_s for x in stats.layers)
         if self._recorder is not None:
@@ -292,6 +304,7 @@ class ModelRunner:
                 ln.begin(ids_t, kvs, idx)
             else:
                 pos = [kv.begin(1) for kv in kvs]
+                self._engram_begin([(kv, ids_t[i:i + 1]) for i, kv in enumerate(kvs)])
                 xs = [self.model.embed(ids_t[i:i + 1]) for i in range(n)]
             for l in range(self.mcfg.n_layer):
                 ls = LayerStats()
@@ -366,6 +379,7 @@ class ModelRunner:
             positions = kv.begin(ids.numel())
             chunks += [Chunk(a + c.a, a + c.b, c.positions, kv) for c in pass_chunks(positions, start, self.chunk)]
             ends.append(a + ids.numel())
+        self._engram_begin(list(zip(kvs, idss)))
         ids = idss[0] if len(idss) == 1 else torch.cat(idss)
         x = self.model.embed(ids)
         T = ids.numel()
@@ -399,6 +413,7 @@ class ModelRunner:
             self.should_stop()
             chunk = ids[s:s + mb]
             positions = kv.begin(chunk.numel())
+            self._engram_begin([(kv, chunk)])
             x = m.embed(chunk)
             for l in range(self.mcfg.n_layer):
                 ls = layer_stats[l]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from betelgeuse.worker.engram_feed import EngramStats
 
 @dataclass(slots=True)
 class LayerStats:
@@ -46,6 +47,7 @@ class PassStats:
     blocked_s: float = 0.0      # host blocked: routing syncs, waits for disk reads and copies, the end sync
     store_calls: int = 0        # round trips to the store during this pass
     layers: list = field(default_factory=list)
+    engram: EngramStats | None = None   # deepseek41: Engram rows of this pass (worker/engram_feed.py)
 
     @property
     def tok_per_s(self) -> float:

@@ -19,7 +19,8 @@
              from the host backing slots, and disk reads through the store for VRAM experts without a backing copy
 
 The session also counts the expert rows of each pass on the device ([n_layer, n_expert], the routing adds into it;
-one sync at the pass's end) and the store round trips.
+one sync at the pass's end) and the store round trips, and holds deepseek41's Engram feed (worker/engram_feed.py: Engram rows
+from the store through the same arena), made at each attach.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from betelgeuse.store.arena import Arena, register_pinned, unregister_pinned
 from betelgeuse.store.client import StoreClient
 from betelgeuse.store.directory import SlotDirectory
 from betelgeuse.store.plan import SlotPlan
+from betelgeuse.worker.engram_feed import EngramFeed
 from betelgeuse.worker.expert_cache import ExpertCache
 from betelgeuse.worker.stats import PassClock, PassStats
 
@@ -46,6 +48,7 @@ class StoreSession:
         self.cache: ExpertCache | None = None
         self.plan: SlotPlan | None = None
         self.directory: SlotDirectory | None = None
+        self.engram: EngramFeed | None = None     # deepseek41's Engram rows through the store (engram_feed.py)
         self.counts: torch.Tensor | None = None   # [n_layer, n_expert] int64 on the device: rows per expert, this pass
         self.snap = None                          # the directory snapshot of the open store pass
         self.pass_open = False
@@ -69,6 +72,8 @@ class StoreSession:
         self.plan = plan
         self.cache = ExpertCache(plan, arena, self.file, self.device, self.dtype, self.cfg.ring_slots)
         self.directory = SlotDirectory(arena, plan.layout, create=False)
+        lay = plan.engram_layout
+        self.engram = EngramFeed(self.store, arena, lay, self.device, self.dtype) if lay is not None else None
         L, E = self.file.config.n_layer, self.file.config.n_expert
         self.counts = torch.zeros((L, E), dtype=torch.int64, device=self.device)
         self.pass_open = False
@@ -224,4 +229,4 @@ class StoreSession:
         if self.cache is not None:
             self.cache.close()
         self._close_prefix()
-        self.cache = self.directory = self.snap = None
+        self.cache = self.directory = self.snap = self.engram = None

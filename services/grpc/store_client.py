@@ -18,6 +18,7 @@ import numpy as np
 
 from betelgeuse.errors import BetelgeuseError, StoreBusyError, StoreUnavailableError
 from betelgeuse.store.arena import Arena, recv_fds
+from betelgeuse.store.engram import EngramLanded
 from betelgeuse.store.plan import SlotPlan
 from betelgeuse.store.store import Loaded
 from services.pb.betelgeuse.v1 import store_pb2 as pb
@@ -201,6 +202,16 @@ class GrpcStoreClient:
         req = pb.EndPassRequest(session=self.session, n_layer=L, n_expert=E,
                                 usage=usage.astype(np.uint32).ravel().tolist(), consolidate=consolidate)
         return self._call(self.stub.EndPass, req).promoted
+
+    def engram_read(self, tables, rows, release) -> int:
+        req = pb.EngramReadRequest(session=self.session, tables=np.asarray(tables, dtype=np.uint32).tolist(),
+                                   rows=np.asarray(rows, dtype=np.uint64).tolist(), release=list(release))
+        return self._call(self.stub.EngramRead, req).bank
+
+    def engram_wait(self, bank: int) -> EngramLanded:
+        m = self._call(self.stub.EngramWait, pb.EngramWaitRequest(session=self.session, bank=bank),
+                       timeout=max(self.timeout, self.BEGIN_PASS_TIMEOUT))
+        return EngramLanded(m.bank, m.rows, m.disk_rows, m.cache_rows, m.disk_bytes, m.read_seconds)
 
     def status(self) -> dict:
         return json.loads(self._call(self.stub.Status, pb.StatusRequest()).json)

@@ -1,0 +1,152 @@
+"""deepseek41 through the out-of-core engine (runner, slots, store, Engram rows from the store), in one process on
+the CPU.
+
+Invariant 1 with the Engram tier: logits bit-identical to the deepseek41 ReferenceModel (experts dequantized from the
+file's map, Engram rows read from the map) whatever the slot configuration, cold, warm and after consolidation, and
+whether the rows came from disk or the store's row cache; decode steps (which carry the n-gram history, the sliding
+window, the open compression windows and the shared compressed streams) too. The Engram reads are counted (rows,
+disk rows, cache rows, whole 4 KiB pages) and go through the store's own reader (O_DIRECT where the filesystem allows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from betelgeuse.gguf.synth import spec_from_preset, write_model
+from betelgeuse.model import reference_model
+from betelgeuse.model.deepseek41 import DS41Cache
+
+from engine_helpers import close_runner, in_process_runner
+
+E = 8
+PROMPT = [int(x) for x in np.random.default_rng(4).integers(0, 512, 150)]
+CONFIGS = [(0, 0), (2, 3), (E, 0)]
+
+
+def _model(tmp_path_factory, engram_qtype="Q8_0", expert_qtype="MXFP4"):
+    spec = replace(spec_from_preset("ds41-tiny"), expert_qtype=expert_qtype, engram_qtype=engram_qtype, seed=2,
+                   engram_key_length=256 if engram_qtype.endswith("_K") else 32)
+    path = tmp_path_factory.mktemp("ds41e") / f"ds41-{engram_qtype}.gguf"
+    write_model(path, spec, progress=False)
+    ref = reference_model(path)
+    with torch.no_grad():
+        want = ref.forward(torch.tensor(PROMPT), ref.new_cache(200)).float()
+    return path, ref, want
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return _model(tmp_path_factory)
+
+
+def _all_rows(ref) -> np.ndarray:
+    """Every (table, row) of the prompt, as keys: what a cold pass must read once each."""
+    rows = ref.hasher.rows(np.zeros(0, np.int64), np.array(PROMPT))           # [T, n_eng, n_cols]
+    return (np.arange(rows.shape[1])[None, :, None] << 40) | rows
+
+
+def _passes(path, want, vram, host, **cfg):
+    runner, store = in_process_runner(path, vram, host, **cfg)
+    try:
+        assert type(runner.model).__name__ == "Deepseek41Model" and runner.session.engram is not None
+        stats = []
+        for name, consolidate in (("cold", False), ("warm", True), ("consolidated", False)):
+            kv = runner.new_cache(200)
+            assert isinstance(kv, DS41Cache)
+            logits, st = runner.forward(PROMPT, kv, all_logits=True, consolidate=consolidate)
+            runner.settle()
+            diff = (logits - want).abs().max().item()
+            assert torch.equal(logits, want), f"{vram}/{host} {name}: max |diff| {diff:.3e}, not bit-identical"
+            stats.append(st)
+        return stats, store.status()
+    finally:
+        close_runner(runner, store)
+
+
+@pytest.mark.parametrize("vram,host", CONFIGS, ids=[f"{v}v{h}h" for v, h in CONFIGS])
+def test_logits_bit_identical_across_slots_and_passes(model, vram, host):
+    path, ref, want = model
+    stats, status = _passes(path, want, vram, host)
+    g = ref.q.engram
+    cold, warm = stats[0].engram, stats[1].engram
+    assert cold.rows == len(PROMPT) * g.n_cols * len(g.layer_ids)          # 150 tokens x 4 columns x 2 layers
+    # cold: every distinct row comes from disk at least once (a later sub-batch finds it cached unless the two were
+    # in flight together: banks read concurrently do not wait for each other's rows)
+    assert 0 < cold.unique_rows <= cold.rows and cold.disk_rows + cold.cache_rows == cold.unique_rows
+    assert len(np.unique(_all_rows(ref))) <= cold.disk_rows
+    assert cold.disk_bytes > 0 and cold.disk_bytes % 4096 == 0                # whole pages (tests/test_engram_store.py)
+    assert warm.disk_rows == 0 and warm.cache_rows == warm.unique_rows     # the row cache answers a repeat
+    assert status["engram_disk_rows"] == cold.disk_rows and status["engram_read_mode"] in ("direct", "buffered")
+    assert stats[0].reads["disk"] > 0
+
+
+def test_without_row_cache_every_pass_reads_the_disk(model):
+    path, _, want = model
+    stats, status = _passes(path, want, 2, 3, engram_cache_bytes=0)
+    assert all(s.engram.disk_rows == s.engram.unique_rows > 0 for s in stats)
+    assert status["engram_cache_capacity"] == 0
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q2_K"])
+def test_k_quant_tables(tmp_path_factory, qtype):
+    """Tables in the K-quants llama.cpp's Q2_K / Q4_K files use (256-value rows = one super-block): the rows the
+    store reads are dequantized as gguf-py does, and the engine equals the reference bit for bit."""
+    from gguf import quants
+    path, ref, want = _model(tmp_path_factory, engram_qtype=qtype)
+    t = ref.file.tensors["blk.1.engram_embd.weight"]
+    rb = t.nbytes // t.shape[0]
+    raw = np.asarray(ref.file.raw(t.name)).reshape(t.shape[0], rb)[[0, 5, t.shape[0] - 1]]
+    got = ref.engram_rows.rows(0, np.array([[0, 5, t.shape[0] - 1]])).reshape(3, -1).numpy()
+    assert np.array_equal(got, quants.dequantize(raw.copy(), t.qtype).reshape(3, -1))
+    _passes(path, want, 2, 3)
+
+
+def test_decode_bit_identical(model):
+    """Prefill 120 tokens, then 30 single-token passes; every row equals the reference's decode, whose rows match its
+    whole-prompt prefill within float32 noise (the n-gram history crosses the passes)."""
+    path, ref, want = model
+    kv = ref.new_cache(200)
+    with torch.no_grad():
+        ref_rows = torch.cat([ref.forward(torch.tensor(PROMPT[:120]), kv)] +
+                             [ref.forward(torch.tensor([t]), kv) for t in PROMPT[120:]])
+    assert (ref_rows - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+    runner, store = in_process_runner(path, 3, E - 3)
+    try:
+        for _ in range(2):                                            # cold, then after consolidation
+            rkv = runner.new_cache(200)
+            rows = [runner.forward(PROMPT[:120], rkv, all_logits=True)[0]]
+            steps = [runner.forward([t], rkv, consolidate=False) for t in PROMPT[120:]]
+            rows += [lg for lg, _ in steps]
+            runner.consolidate()
+            runner.settle()
+            got = torch.cat(rows)
+            assert torch.equal(got, ref_rows), f"max |diff| {(got - ref_rows).abs().max():.3e}"
+            g = steps[-1][1].engram
+            assert g.rows == 8 and g.requests == 1                   # one store round trip per step for both layers
+    finally:
+        close_runner(runner, store)
+
+
+def test_batched_decode_and_prefill_bit_identical(model):
+    """decode_batch (one pass, each expert loaded once, Engram rows of all sequences in one plan) and prefill_batch
+    give each sequence the reference's own rows."""
+    path, ref, _ = model
+    prompts, nxt, want = (PROMPT[:35], PROMPT[40:60]), (7, 9), []
+    for p, t in zip(prompts, nxt):
+        kv = ref.new_cache(64)
+        first = ref.forward(torch.tensor(p), kv)
+        want.append((first, ref.forward(torch.tensor([t]), kv)[-1]))
+    runner, store = in_process_runner(path, 2, 3)
+    try:
+        kvs = [runner.new_cache(64) for _ in prompts]
+        firsts, _ = runner.prefill_batch([(list(p), kv) for p, kv in zip(prompts, kvs)], all_logits=True)
+        logits, st = runner.decode_batch(list(nxt), kvs)
+        for i in range(2):
+            assert torch.equal(firsts[i], want[i][0]) and torch.equal(logits[i], want[i][1])
+        assert st.engram.rows == 2 * 4 * 2 and st.engram.requests == 1
+    finally:
+        close_runner(runner, store)
