@@ -101,6 +101,11 @@ class Usage:
     h2d_bytes: int = 0
     cached_tokens: int = 0          # prompt tokens served from the prefix cache (llama.cpp: cache_n)
     queue_ms: float = 0.0           # arrival to the start of its prefill (waiting for a running slot)
+    # deepseek41's Engram rows for this request: rows its tokens read, bytes the store read from disk for them,
+    # time compute waited for them
+    engram_rows: int = 0
+    engram_disk_bytes: int = 0
+    engram_wait_ms: float = 0.0
 
 
 @dataclass(slots=True)

@@ -132,6 +132,8 @@ class WorkerMetrics:
     kv_cache_capacity: Gauge          # tokens of K/V the memory plan reserves (max_running x context)
     kv_cache_usage: Gauge             # reserved / capacity, 0..1 (vLLM's kv_cache_usage_perc)
     cgroup_memory: Gauge              # [kind] current | max
+    engram_rows: Counter              # [phase] deepseek41 Engram table rows the tokens read
+    engram_wait_seconds: Counter      # [phase] seconds compute waited for Engram rows from the store
 
     def set_cgroup_reader(self, current: Callable[[], float], maximum: Callable[[], float]) -> None:
         _set_cgroup_reader(self.cgroup_memory, current, maximum)
@@ -206,10 +208,16 @@ def make_worker_metrics(version: str = "0.1.0") -> WorkerMetrics:
         kv_cache_usage=Gauge("betelgeuse_kv_cache_usage_ratio", "Reserved K/V cache tokens / capacity (0..1).",
                              registry=reg),
         cgroup_memory=_cgroup_gauge(reg),
+        engram_rows=Counter("betelgeuse_engram_rows", "Engram table rows read for the tokens (deepseek41).", ["phase"],
+                            registry=reg),
+        engram_wait_seconds=Counter("betelgeuse_engram_wait_seconds", "Seconds compute waited for Engram rows "
+                                    "from the store (deepseek41).", ["phase"], registry=reg),
     )
     for phase in PHASES:
         m.busy_seconds.labels(phase=phase)
         m.disk_wait_seconds.labels(phase=phase)
+        m.engram_rows.labels(phase=phase)
+        m.engram_wait_seconds.labels(phase=phase)
         for tier in TIERS:
             m.expert_reads.labels(tier=tier, phase=phase)
     for method in RPC_METHODS:
@@ -245,6 +253,7 @@ class StoreMetrics:
     arena_bytes: Gauge                # size of the memfd host-slot arena
     workers_attached: Gauge           # worker processes holding the arena
     cgroup_memory: Gauge              # [kind] current | max
+    engram_rows: Counter              # [source] deepseek41 Engram rows served: disk | cache (the store's row cache)
 
     def set_cgroup_reader(self, current: Callable[[], float], maximum: Callable[[], float]) -> None:
         _set_cgroup_reader(self.cgroup_memory, current, maximum)
@@ -271,11 +280,17 @@ def make_store_metrics(version: str = "0.1.0") -> StoreMetrics:
         workers_attached=Gauge("betelgeuse_workers_attached", "Worker processes attached to the arena.",
                                registry=reg),
         cgroup_memory=_cgroup_gauge(reg),
+        engram_rows=Counter("betelgeuse_engram_store_rows", "Engram rows the store served, by source (disk | cache).",
+                            ["source"], registry=reg),
     )
+    for source in ("disk", "cache"):
+        m.engram_rows.labels(source=source)
     for reason in READ_REASONS:
         m.disk_read_bytes.labels(reason=reason)
         m.disk_reads.labels(reason=reason)
         m.expert_loads.labels(reason=reason)
+    m.disk_read_bytes.labels(reason="engram")         # deepseek41's Engram rows (the store's own reader)
+    m.disk_reads.labels(reason="engram")
     for state in ("used", "free"):
         m.expert_slots.labels(tier="host", state=state)
     for kind in ("current", "max"):

@@ -293,6 +293,12 @@ def _sync_metrics(m, store: ExpertStore, stop: threading.Event):
         m.expert_slots.labels(tier="host", state="used").set(used)
         m.expert_slots.labels(tier="host", state="free").set(store.plan.n_layer * store.plan.host_per_layer - used)
         m.workers_attached.set(1 if st["session"] else 0)
+        if store.engram is not None:                 # deepseek41: Engram rows, on the Engram tier's own reader
+            e = store.engram.reader.stats.copy()
+            m.disk_read_bytes.labels(reason="engram").inc(delta("be", e.request_bytes[0]))
+            m.disk_reads.labels(reason="engram").inc(delta("re", e.requests[0]))
+            m.engram_rows.labels(source="disk").inc(delta("ed", st["engram_disk_rows"]))
+            m.engram_rows.labels(source="cache").inc(delta("ec", st["engram_cache_rows"]))
 
 
 def watch_model(store: ExpertStore, health_servicer, m, stop: threading.Event, every: float = 1.0):
@@ -353,6 +359,8 @@ def main(argv=None) -> int:
     m.arena_bytes.set(plan.arena_bytes)
     m.disk_direct_io.set(1 if store.reader.mode == "direct" else 0)
     store.reader.on_read = m.disk_read_duration.observe     # seconds per preadv piece, from the reader threads
+    if store.engram is not None:
+        store.engram.reader.on_read = m.disk_read_duration.observe
     if cg:
         m.set_cgroup_reader(cg.current, lambda: float(cg.limit() or "nan"))
     stop = threading.Event()

@@ -38,6 +38,21 @@ class EngramStats:
     wait_s: float = 0.0        # blocked waiting for rows to land
     seconds: float = 0.0       # in the feed in all: waits, copies into VRAM, dequantization
 
+    def add(self, o: "EngramStats") -> "EngramStats":
+        for f in self.__slots__:
+            setattr(self, f, getattr(self, f) + getattr(o, f))
+        return self
+
+    def record(self, n_tokens: int, seconds: float) -> dict:
+        """The bench's figures for a pass (or a decode run) of n_tokens tokens that took `seconds`."""
+        per = 1 / max(n_tokens, 1)
+        return {"rows": self.rows, "unique_rows": self.unique_rows, "disk_rows": self.disk_rows,
+                "cache_rows": self.cache_rows, "disk_bytes": self.disk_bytes, "requests": self.requests,
+                "rows_per_token": self.rows * per, "disk_bytes_per_token": self.disk_bytes * per,
+                "wait_ms": self.wait_s * 1e3, "feed_ms": self.seconds * 1e3,
+                "wait_share": self.wait_s / seconds if seconds > 0 else None,
+                "feed_share": self.seconds / seconds if seconds > 0 else None}
+
 
 @dataclass(slots=True)
 class _Job:

@@ -126,6 +126,11 @@ class OutputProcessor:
         u.disk_bytes += st.disk_bytes
         u.disk_wait_ms += st.disk_wait_s * 1e3
         u.h2d_bytes += st.h2d_bytes
+        g = st.engram                               # deepseek41's Engram rows of the pass
+        if g is not None:
+            u.engram_rows += g.rows
+            u.engram_disk_bytes += g.disk_bytes
+            u.engram_wait_ms += g.wait_s * 1e3
         phase = "prefill" if st.kind == "prefill" else "decode"
         m = self.metrics if count_metrics else None
         if m:
@@ -136,6 +141,9 @@ class OutputProcessor:
             m.disk_wait_seconds.labels(phase=phase).inc(st.disk_wait_s)
             m.h2d_bytes.inc(st.h2d_bytes)
             m.h2d_seconds.inc(sum(l.copy_ms for l in st.layers) / 1e3)
+            if g is not None:
+                m.engram_rows.labels(phase=phase).inc(g.rows)
+                m.engram_wait_seconds.labels(phase=phase).inc(g.wait_s)
 
     # ---- the end ------------------------------------------------------------------------------------
     def finish(self, seq: Sequence, fin: Finish):

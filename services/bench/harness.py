@@ -374,7 +374,7 @@ class Harness:
         tok = int(logits[-1].argmax())
         end = time.monotonic() + min(self.o.decode_cap, self.remaining())
         secs, reads, disk_bytes, disk_wait = [], {"vram": 0, "host": 0, "disk": 0}, 0, 0.0
-        host_s, calls, h2d, toks = 0.0, 0, 0, []
+        host_s, calls, h2d, toks, engram = 0.0, 0, 0, [], None
         for _ in range(self.o.decode):
             if time.monotonic() > end:
                 break
@@ -387,6 +387,8 @@ class Harness:
                 reads[k_] += st.reads[k_]
             disk_bytes, disk_wait = disk_bytes + st.disk_bytes, disk_wait + st.disk_wait_s
             host_s, calls, h2d = host_s + st.host_s, calls + st.store_calls, h2d + st.h2d_bytes
+            if st.engram is not None:
+                engram = st.engram if engram is None else engram.add(st.engram)
         n = sum(reads.values())
         c = rn.mcfg
         bound = C.pass_bound(self.ceil, self.ceil.disk_bps, len(secs), n, disk_bytes, h2d, c.n_layer, c.n_expert_used,
@@ -396,7 +398,8 @@ class Harness:
                 "store_calls_per_token": calls / len(secs) if secs else None, "h2d_bytes": h2d,
                 "tg_mean": len(secs) / sum(secs) if secs else 0.0, "tg_peak": 1.0 / min(secs) if secs else 0.0,
                 "token_s": secs, "reads": reads, "disk_share": reads["disk"] / n if n else 0.0,
-                "disk_bytes": disk_bytes, "disk_wait_ms": disk_wait * 1e3, "token_ids": toks}
+                "disk_bytes": disk_bytes, "disk_wait_ms": disk_wait * 1e3, "token_ids": toks,
+                "engram": engram.record(len(secs), sum(secs)) if engram is not None else None}
 
 
 def pass_record(kind: str, st, ttft: float, ceil: C.Ceilings, f: GGUFModelFile, slot_bytes: int) -> dict:
@@ -414,7 +417,7 @@ def pass_record(kind: str, st, ttft: float, ceil: C.Ceilings, f: GGUFModelFile, 
             "tok_per_s": st.tok_per_s, "ttft_s": ttft, "reads": dict(st.reads), "loads": loads,
             "disk_share": st.disk_share, "disk_bytes": st.disk_bytes, "disk_wait_ms": st.disk_wait_s * 1e3,
             "h2d_bytes": st.h2d_bytes, "prefetched": st.prefetched, "vram_filled": st.vram_filled,
-            "k": c.n_expert_used,
+            "k": c.n_expert_used, "engram": st.engram.record(st.n_tokens, st.seconds) if st.engram else None,
             "bound": C.pass_bound(ceil, ceil.disk_bps, st.n_tokens, loads, st.disk_bytes, st.h2d_bytes, c.n_layer,
                                   c.n_expert_used, st.seconds),
             "layers": layers}

@@ -118,6 +118,18 @@ def markdown(r: dict) -> str:
                      f"{_pct(d['disk_share'])} | {d['disk_wait_ms']:,.0f} | {_f(bt)} ({b.get('limiter', '–')}) | "
                      f"{_pct(b.get('achieved'))} | {_f(d.get('host_us_per_application'), '{:.1f}')} | "
                      f"{_f(d.get('store_calls_per_token'), '{:.2f}')} | {_f(prof.get('launches_per_layer'), '{:.1f}')} |")
+    eng = [(case, p) for case, p in _passes(r) if p.get("engram")]
+    eng += [(case, dict(case["decode"], label="decode")) for case in r.get("cases", [])
+            if (case.get("decode") or {}).get("engram")]
+    if eng:
+        L += ["", "## Engram rows (deepseek41: read by the store from disk, O_DIRECT)", "",
+              "| Case | Pass | Rows / token | Disk bytes / token | Rows from disk / cache | Store requests | "
+              "Engram wait ms | Wait share of the pass | Feed share of the pass |", "|---|---|---|---|---|---|---|---|---|"]
+        for case, p in eng:
+            e = p["engram"]
+            L.append(f"| {case['name']} | {p['label']} | {e['rows_per_token']:.1f} | {e['disk_bytes_per_token']:,.0f} | "
+                     f"{e['disk_rows']} / {e['cache_rows']} | {e['requests']} | {e['wait_ms']:,.1f} | "
+                     f"{_pct(e.get('wait_share'))} | {_pct(e.get('feed_share'))} |")
     L += ["", "## Warm layer-major vs standard (same prompt, same warm state)", ""]
     for case in r.get("cases", []):
         ps = {p["label"]: p for p in case.get("passes", [])}
