@@ -212,6 +212,9 @@ def cmd_inspect(args) -> int:
         lines.append(f"layer {layer:3d}:     expert {nbytes} B ({kinds}), {nbytes * c.n_expert} B for {c.n_expert} experts")
         total += nbytes * c.n_expert
     lines.append(f"expert bytes:  {total} ({total / 2**30:.3f} GiB)")
+    if getattr(c, "ds41", None) is not None:          # registry: the architecture's own lines (CSA2 roles, Engram)
+        from betelgeuse.gguf.ds41layout import describe
+        lines += describe(f)
     _write("\n".join(lines) + "\n")
     return 0
 
@@ -655,10 +658,33 @@ def cmd_chat(args) -> int:
         save()
 
 
+def _convert_args(p: argparse.ArgumentParser) -> None:
+    from betelgeuse.gguf.convert_ds41 import OUTTYPES
+    p.add_argument("checkpoint", help="directory of a DeepSeek-V4.1 checkpoint in the Hugging Face layout "
+                                      "(config.json, *.safetensors, tokenizer.json)")
+    p.add_argument("out", help="output .gguf path (llama.cpp's deepseek41 layout)")
+    p.add_argument("--outtype", choices=sorted(OUTTYPES), default="q8_0",
+                   help="type of the FP8 matrices and the Engram tables: q8_0 (llama.cpp's converter), bf16 or f32 "
+                        "(exact); routed experts are always MXFP4 (the FP4 checkpoint's bits)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def cmd_convert(args) -> int:
+    from betelgeuse.gguf.convert_ds41 import convert
+    try:
+        convert(args.checkpoint, args.out, args.outtype, progress=not args.no_progress)
+    except OSError as e:
+        raise InvalidRequestError(f"cannot convert {args.checkpoint} to {args.out}: {e.strerror or e}") from None
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
 # name -> (help, add arguments, run); the lead adds serve / bench here
 COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
-    "synth": ("write a seeded random-weight qwen3moe or deepseek4 GGUF", _synth_args, cmd_synth),
+    "synth": ("write a seeded random-weight qwen3moe, deepseek4 or deepseek41 GGUF", _synth_args, cmd_synth),
     "inspect": ("print a GGUF model's geometry, quant types and expert sizes", _inspect_args, cmd_inspect),
+    "convert": ("convert a DeepSeek-V4.1 checkpoint (Hugging Face layout) to a deepseek41 GGUF", _convert_args,
+                cmd_convert),
     "logits": ("write the logits of a token sequence to .npy", _logits_args, cmd_logits),
     "generate": ("generate text: starts both processes (or --server ADDR) and streams over gRPC", _generate_args,
                  cmd_generate),

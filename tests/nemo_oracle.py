@@ -143,3 +143,78 @@ def round_trip(m, spec, qtype_of) -> dict[str, np.ndarray]:
 def logits(m, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return m(ids[None]).logits[0].float()
+
+
+# ---- the release checkpoint layout (for `betelgeuse convert`) ---------------------------------------------
+
+FP8_NAMES = r"layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|engram\.wkv)\.weight"
+F32_NAMES = r"(layers\.\d+\.(hc_(attn|ffn)_(fn|base|scale)|attn\.attn_sink|attn\.compressor\.(wkv|wgate)\.weight|ffn\.gate\.bias(_vl)?))"
+
+
+def _pow2_scale(amax: torch.Tensor, top: float) -> torch.Tensor:
+    return torch.exp2(torch.ceil(torch.log2(amax.clamp_min(1e-30) / top)))
+
+
+def fp8_blocks(w: torch.Tensor, rowwise: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [r, c] -> (E4M3 [r, c], ue8m0 scales [ceil(r/32), ceil(c/32)], or [r, c/32] row-wise): the release's FP8."""
+    r, c = w.shape
+    br = 1 if rowwise else 32
+    nr, nc = -(-r // br), -(-c // 32)
+    pad = torch.nn.functional.pad(w.float(), (0, nc * 32 - c, 0, nr * br - r))
+    scale = _pow2_scale(pad.abs().view(nr, br, nc, 32).amax(dim=(1, 3)), 448.0)
+    q = (pad / scale.repeat_interleave(br, 0).repeat_interleave(32, 1)).clamp(-448, 448)
+    return q[:r, :c].to(torch.float8_e4m3fn), scale.to(torch.float8_e8m0fnu)
+
+
+def fp4_packed(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [r, c] -> (int8 [r, c/2]: E2M1 codes, even column in the low nibble; ue8m0 scales [r, c/32])."""
+    r, c = w.shape
+    b = w.float().view(r, c // 32, 32)
+    scale = _pow2_scale(b.abs().amax(-1), 6.0)
+    x = b / scale.unsqueeze(-1)
+    levels = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+    mag = (x.abs().unsqueeze(-1) - levels).abs().argmin(-1)
+    codes = (mag | ((x < 0) & (mag > 0)).to(torch.int64) << 3).to(torch.uint8).view(r, c)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).view(torch.int8)
+    return packed, scale.to(torch.float8_e8m0fnu)
+
+
+def write_release_checkpoint(m, spec, out) -> dict[str, torch.Tensor]:
+    """NeMo's weights (its `to_hf`, the release names) written as DeepSeek's release checkpoint: FP8 32x32-block
+    matrices, FP4 experts, FP8 row-scaled Engram tables, BF16 / F32 for the rest, two shards and an index,
+    config.json (nested text_config + quantization_config) and tokenizer.json. -> the stored tensors."""
+    import json
+    import re
+    from pathlib import Path
+    from safetensors.torch import save_file
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    stored = {}
+    for name, t in released_state(m).items():
+        if re.fullmatch(r"layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight", name):
+            stored[name], stored[name[:-6] + "scale"] = fp4_packed(t)
+        elif re.fullmatch(FP8_NAMES, name) or name.endswith("engram.embed.weight"):
+            stored[name], stored[name[:-6] + "scale"] = fp8_blocks(t, rowwise="engram.embed" in name)
+        elif re.fullmatch(F32_NAMES, name) or t.dim() == 1:
+            stored[name] = t.float().contiguous()
+        else:
+            stored[name] = t.to(torch.bfloat16).contiguous()
+    names = sorted(stored)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for fname, keys in shards.items():
+        save_file({k: stored[k] for k in keys}, str(out / fname), metadata={"format": "pt"})
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: f for f, ks in shards.items() for k in ks}}))
+    cfg = m.config.to_dict()
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                  "weight_block_size": [32, 32]}
+    (out / "config.json").write_text(json.dumps(cfg, default=str))
+    tokenizer(spec).backend_tokenizer.save(str(out / "tokenizer.json"))
+    return stored
+
+
+def load_release_checkpoint(m, stored: dict[str, torch.Tensor]) -> None:
+    """Load the checkpoint into `m` through NeMo's own `from_hf` (its FP8 / FP4 / ue8m0 decoding, not ours)."""
+    native = m.state_dict_adapter.from_hf({k: v.clone() for k, v in stored.items()})
+    missing, unexpected = m.load_state_dict(native, strict=False)
+    assert not unexpected and not missing, (missing, unexpected)

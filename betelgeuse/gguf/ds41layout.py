@@ -401,6 +401,28 @@ def compressed_token_map(tokenizer) -> tuple[list[int], int]:
     return out, len(key_to_id)
 
 
+def describe(f) -> list[str]:
+    """`betelgeuse inspect`'s lines for a deepseek41 file: the CSA2 roles and the Engram tables."""
+    from betelgeuse.gguf.qtypes import qtype_name
+    c, p = f.config, f.config.ds41
+    r = c.ds4.compress_ratios
+    out = [f"compression:   ratios {list(r)}; KV sources {sorted(p.kv_sources)}, index sources "
+           f"{sorted(p.index_sources)}, candidate layer {p.candidate_layer} ({p.candidate_blocks} blocks of "
+           f"{p.candidate_block_size})"]
+    g = p.engram
+    if g is None:
+        return out + ["engram:        none"]
+    out.append(f"engram:        layers {list(g.layer_ids)}, n-grams 2..{g.max_ngram} x {g.n_heads} heads = {g.n_cols} "
+               f"rows of {g.key_length} per token and layer (read from disk by the store)")
+    total = 0
+    for l, rows in zip(g.layer_ids, g.rows):
+        t = f.tensors[f"blk.{l}.{ENGRAM_TABLE}.weight"]
+        total += t.nbytes
+        out.append(f"engram {l:3d}:    {rows} rows x {t.nbytes // rows} B ({qtype_name(t.qtype)}), {t.nbytes} B")
+    out.append(f"engram bytes:  {total} ({total / 2**30:.3f} GiB)")
+    return out
+
+
 # ---- memory (the store's slot plan) ------------------------------------------------------------------
 
 QUERY_CHUNK = 128        # = model.deepseek41.QUERY_CHUNK (attention queries per block); no torch import here

@@ -484,11 +484,12 @@ def tensor_plan(spec: DS4Spec, source: Callable[[str], np.ndarray] | None = None
     return plan
 
 
-def add_metadata(w: GGUFWriter, spec: DS4Spec, tokenizer: bool = True) -> None:
+def add_metadata(w: GGUFWriter, spec: DS4Spec, tokenizer: bool = True, name: str | None = None) -> None:
     """The keys llama.cpp's converter writes for DeepseekV4ForCausalLM (plus a small tokenizer), under the writer's
     architecture prefix (deepseek41 files share them)."""
     s, a = spec, w.arch
-    w.add_name(f"betelgeuse-synth-{'ds4' if a == ARCH else a}-{s.n_layer}L-{s.n_expert}x{s.n_ff_exp}-{s.expert_qtype}")
+    w.add_name(name or f"betelgeuse-synth-{'ds4' if a == ARCH else a}-{s.n_layer}L-{s.n_expert}x{s.n_ff_exp}-"
+                       f"{s.expert_qtype}")
     w.add_file_type(MOSTLY_MXFP4_MOE if s.expert_qtype == "MXFP4" else BLOCK_TYPES.get(s.expert_qtype)
                     or (0 if s.dense == "F32" else 7))
     w.add_quantization_version(2)

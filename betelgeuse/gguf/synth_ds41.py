@@ -28,6 +28,7 @@ from betelgeuse.gguf.synth_ds4 import add_metadata as add_ds4_metadata
 
 ARCH = ds41layout.ARCH
 ENGRAM_QTYPES = ("Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "BF16", "F32")
+_DERIVE = object()             # "derive the Engram constants from the spec" (the default of config / add_metadata)
 
 
 @dataclass(slots=True, frozen=True)
@@ -72,8 +73,8 @@ class DS41Spec(DS4Spec):
                             multipliers=tuple(map(tuple, mult)), primes=tuple(map(tuple, primes)),
                             offsets=tuple(map(tuple, offs)), token_map=tuple(tmap), rows=rows)
 
-    def config(self):
-        """The ModelConfig a reader builds from the file this spec writes."""
+    def config(self, engram=_DERIVE):
+        """The ModelConfig a reader builds from the file this spec writes (`engram`: other Engram constants)."""
         base = DS4Spec.config(self)
         kv, idx = self._layers(self.kv_sources), self._layers(self.index_sources)
         names = {f"blk.{i}.attn_compressor_kv.weight" for i in kv} | {f"blk.{i}.indexer.attn_k.weight" for i in kv}
@@ -85,7 +86,7 @@ class DS41Spec(DS4Spec):
         p = Deepseek41Params(kv_source=src[3], key_source=src[4], topk_source=src[5], kv_sources=src[0],
                              key_owners=src[1], index_sources=src[2], candidate_layer=cand,
                              candidate_blocks=self.candidate_blocks, candidate_block_size=self.candidate_block_size,
-                             engram=self.engram_params())
+                             engram=self.engram_params() if engram is _DERIVE else engram)
         return replace(base, arch=ARCH, name=f"betelgeuse-synth-ds41-{self.n_layer}L", ds41=p)
 
 
@@ -228,15 +229,17 @@ def tensor_plan(spec: DS41Spec, source: Callable[[str], np.ndarray] | None = Non
     return plan
 
 
-def add_metadata(w: GGUFWriter, spec: DS41Spec, tokenizer: bool = True) -> None:
-    """V4's keys under `deepseek41.` (what llama.cpp's V4.1 converter writes) plus the candidate filter and Engram."""
+def add_metadata(w: GGUFWriter, spec: DS41Spec, tokenizer: bool = True, engram=_DERIVE,
+                 name: str | None = None) -> None:
+    """V4's keys under `deepseek41.` (what llama.cpp's V4.1 converter writes) plus the candidate filter and Engram
+    (`engram`: the constants to write; by default derived from the spec and its synth tokenizer)."""
     a = ARCH
-    add_ds4_metadata(w, spec, tokenizer=False)
+    add_ds4_metadata(w, spec, tokenizer=False, name=name)
     cand = spec.candidate_layer if spec.candidate_layer < spec.n_layer else -1
     w.add_int32(f"{a}.attention.indexer.candidate_layer", cand)
     w.add_uint32(f"{a}.attention.indexer.candidate_block_count", spec.candidate_blocks)
     w.add_uint32(f"{a}.attention.indexer.candidate_block_size", spec.candidate_block_size)
-    add_engram_metadata(w, spec.engram_params())
+    add_engram_metadata(w, spec.engram_params() if engram is _DERIVE else engram)
     if tokenizer:
         add_tokenizer(w, spec.n_vocab, spec.chat_template)
 
