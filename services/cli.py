@@ -392,7 +392,9 @@ def _stream_grpc(address: str, args, ids) -> int:
         print(f"prompt {u.prompt_n} tok in {u.prompt_ms:.0f} ms ({u.prompt_per_second:.1f} tok/s), "
               f"generated {u.predicted_n} tok ({u.predicted_per_second:.1f} tok/s), TTFT {u.ttft_ms:.0f} ms, "
               f"expert reads vram/host/disk {u.expert_reads_vram}/{u.expert_reads_host}/{u.expert_reads_disk}, "
-              f"disk {u.disk_bytes / 2**20:.1f} MiB, disk wait {u.disk_wait_ms:.0f} ms", file=sys.stderr)
+              f"disk {u.disk_bytes / 2**20:.1f} MiB, disk wait {u.disk_wait_ms:.0f} ms"
+              + (f", Engram rows {u.engram_rows} ({u.engram_disk_bytes / 2**20:.2f} MiB from disk, wait "
+                 f"{u.engram_wait_ms:.0f} ms)" if u.engram_rows else ""), file=sys.stderr)
     return 0
 
 
