@@ -65,6 +65,13 @@ fi
 PRESET=${PRESET:-ds4-flash}
 MODEL=$WORK/$PRESET.gguf
 if [ ! -f "$MODEL" ]; then
+  # the disk (64 GB) holds one Flash-shaped model: other synth models in $WORK go when this one does not fit
+  need=$("$PY" -c "import sys; from betelgeuse.gguf.synth import model_nbytes, spec_from_preset; print(model_nbytes(spec_from_preset(sys.argv[1])) + (1 << 30))" "$PRESET")
+  if [ "$(df --output=avail -B1 "$WORK" | tail -1)" -lt "${need:-0}" ]; then
+    for old in "$WORK"/*.gguf; do
+      if [ -f "$old" ] && [ "$old" != "$MODEL" ]; then say "removing $old (the disk cannot hold both)"; rm -f "$old"; fi
+    done
+  fi
   say "writing $MODEL"
   "$PY" - "$MODEL" "$PRESET" >>"$LOG" 2>&1 <<'EOF' || { say "writing the model failed"; tail -20 "$LOG"; exit 2; }
 import sys

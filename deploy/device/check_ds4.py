@@ -9,9 +9,10 @@
    float32 (IEEE dots: within summation-order noise) and bfloat16 (the engine's CUDA dtype: within bf16 rounding),
    with V4's limit 10 and a binding limit; a row alone bit-identical to the same row in a full launch; two groups
    splitting the experts bit-identical to one group; µs per expert application, triton vs torch, decode-shaped.
-2. engine: ds4-tiny (MXFP4 experts, 150-token prompt crossing its windows) through the runner on the device,
+2. engine: ds4-tiny (`--preset ds41-tiny`: deepseek41, Engram rows through the store) (MXFP4 experts, 150-token
+   prompt crossing its windows) through the runner on the device,
    kernels "auto" must pick triton; logits bit-identical across slot configurations 0/0, 2/3 and 8/0 (cold,
-   warm, consolidated, and 4 decode steps), and to the deepseek4 Deepseek4Reference on the same device and dtype;
+   warm, consolidated, and 4 decode steps), and to the reference model on the same device and dtype;
    vs the CPU float32 reference: max-abs diff and greedy agreement (reported).
 3. ops: the fused per-row kernels (kernels/triton_ds4.py TritonOps) against TorchOps method by method, float32 and
    bfloat16, at tiny and V4-Flash shapes (tests/scripts/ds4_kernel_check.py; a row alone == in its launch).
@@ -145,17 +146,18 @@ def check_kernel(device: str, E: int = 8, H: int = 4096, F: int = 2048, T: int =
     RESULTS["kernel"] = res
 
 
-def _tiny(tmp: Path):
-    """(path, spec) of the ds4-tiny model the engine checks share (written once)."""
-    spec = replace(spec_from_preset("ds4-tiny"), seed=2)
-    path = tmp / "check-ds4-tiny-s2.gguf"
+def _tiny(tmp: Path, preset: str = "ds4-tiny"):
+    """(path, spec) of the tiny model (ds4-tiny, or --preset's) the engine checks share (written once)."""
+    spec = replace(spec_from_preset(preset), seed=2)
+    path = tmp / f"check-{preset}-s2.gguf"
     if not path.exists():
         write_model(path, spec, progress=False)
     return path, spec
 
 
-def check_engine(device: str, tmp: Path):
-    path, spec = _tiny(tmp)
+def check_engine(device: str, tmp: Path, preset: str = "ds4-tiny"):
+    path, spec = _tiny(tmp, preset)
+    tag = preset.split("-")[0]
     E = spec.n_expert
     import numpy as np
     ids = [int(x) for x in np.random.default_rng(4).integers(0, spec.n_vocab, 150)]
@@ -169,23 +171,23 @@ def check_engine(device: str, tmp: Path):
         finally:
             close(runner, store)
     want = "triton" if device.startswith("cuda") else "torch"
-    row("ds4 engine backend", backends == {want}, f"kernels auto picked {sorted(backends)} (want {want})")
+    row(f"{tag} engine backend", backends == {want}, f"kernels auto picked {sorted(backends)} (want {want})")
     keys = list(got)
     first = got[keys[0]]
     same = all(torch.equal(first, got[k]) for k in keys)
     dsame = all(torch.equal(dec[keys[0].split()[0]], d) for d in dec.values())
-    row("ds4 engine invariance", same and dsame, f"{len(keys)} prefill passes over 3 slot configs bit-identical: {same}; "
+    row(f"{tag} engine invariance", same and dsame, f"{len(keys)} prefill passes over 3 slot configs bit-identical: {same}; "
         f"4 decode steps bit-identical: {dsame}; reads {[k.split(' ', 2)[2] for k in keys[-3:]]}")
     with torch.no_grad():
         ref = reference_model(path, device=device, dtype=dtype)
         r_dev = ref.forward(torch.tensor(ids, device=device), ref.new_cache(len(ids) + 8)).float().cpu()
         ref32 = reference_model(path)
         r_cpu = ref32.forward(torch.tensor(ids), ref32.new_cache(len(ids) + 8)).float()
-    row("ds4 engine = Deepseek4Reference (same device/dtype)", bool(torch.equal(first.float(), r_dev)),
+    row(f"{tag} engine = its reference model (same device/dtype)", bool(torch.equal(first.float(), r_dev)),
         f"max |diff| {(first.float() - r_dev).abs().max().item():.3e} ({dtype})")
     d = (first.float() - r_cpu).abs().max().item()
     greedy = float((first.float().argmax(-1) == r_cpu.argmax(-1)).float().mean())
-    row("ds4 engine vs CPU float32 reference", None, f"max |diff| {d:.3e} (max |logit| {r_cpu.abs().max().item():.2f}), "
+    row(f"{tag} engine vs CPU float32 reference", None, f"max |diff| {d:.3e} (max |logit| {r_cpu.abs().max().item():.2f}), "
         f"greedy agreement {greedy:.1%} over {len(ids)} positions")
     RESULTS["engine"] = {"passes": keys, "bit_identical": same, "decode_bit_identical": dsame, "backends": sorted(backends),
                          "max_abs_vs_cpu_f32": d, "greedy_agreement": greedy}
@@ -403,6 +405,8 @@ def main() -> int:
     p.add_argument("--vram-model", help="the model of the vram step (bench_ds4.sh: ds4-flash; default ds4-tiny)")
     p.add_argument("--hidden", type=int, default=4096, help="kernel check: expert input width H (V4-Flash: 4096)")
     p.add_argument("--ff", type=int, default=2048, help="kernel check: expert width F (V4-Flash: 2048)")
+    p.add_argument("--preset", default="ds4-tiny", help="engine check's model: ds4-tiny, or ds41-tiny (deepseek41 with "
+                                                        "its Engram rows read by the store)")
     timing_flag(p)
     a = p.parse_args()
     use_timing(a.adversarial_timing)
@@ -414,7 +418,7 @@ def main() -> int:
     RESULTS["device"] = torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu"
     RESULTS["torch"] = torch.__version__
     run_steps((("kernel", lambda: check_kernel(a.device, H=a.hidden, F=a.ff)),
-               ("engine", lambda: check_engine(a.device, tmp)),
+               ("engine", lambda: check_engine(a.device, tmp, a.preset)),
                ("ops", lambda: check_ops(a.device)),
                ("decode", lambda: check_decode(a.device, tmp)),
                ("launches", lambda: check_launches(a.device, tmp)),

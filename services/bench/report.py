@@ -122,7 +122,7 @@ def markdown(r: dict) -> str:
     eng += [(case, dict(case["decode"], label="decode")) for case in r.get("cases", [])
             if (case.get("decode") or {}).get("engram")]
     if eng:
-        L += ["", "## Engram rows (deepseek41: read by the store from disk, O_DIRECT)", "",
+        L += ["", "## Engram rows (deepseek41: read by the store from the tables on disk)", "",
               "| Case | Pass | Rows / token | Disk bytes / token | Rows from disk / cache | Store requests | "
               "Engram wait ms | Wait share of the pass | Feed share of the pass |", "|---|---|---|---|---|---|---|---|---|"]
         for case, p in eng:
