@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import nemo_oracle
-from betelgeuse.cli import main
+from services.cli import main
 from betelgeuse.gguf.reader import GGUFModelFile
 from betelgeuse.gguf.synth_ds41 import DS41_PRESETS
-from betelgeuse.model.deepseek41 import ReferenceModel
+from betelgeuse.model.deepseek41 import Deepseek41Reference
 
 SPEC = replace(DS41_PRESETS["ds41-tiny"], n_vocab=320, swiglu_limit=1.0, seed=6)
 PROMPT = torch.randint(0, SPEC.n_vocab, (96,), generator=torch.Generator().manual_seed(3))
@@ -40,7 +40,7 @@ def test_convert_bf16_round_trip_matches_nemo(checkpoint, tmp_path):
     assert main(["convert", str(d), str(out), "--outtype", "bf16", "--no-progress"]) == 0
     f = GGUFModelFile.open(out)
     assert f.config.arch == "deepseek41" and f.config.ds41.engram.layer_ids == (1, 4)
-    model = ReferenceModel.from_file(f)
+    model = Deepseek41Reference.from_file(f)
     ours = model.forward(PROMPT, model.new_cache(len(PROMPT)))
     diff, scale = float((ours - ref).abs().max()), float(ref.abs().max())
     print(f"\n[convert] bf16 file vs NeMo on the checkpoint: max |logit diff| {diff:.3e} (max |logit| {scale:.2f})")

@@ -1,7 +1,7 @@
 """deepseek41 through the out-of-core engine (runner, slots, store, Engram rows from the store), in one process on
 the CPU.
 
-Invariant 1 with the Engram tier: logits bit-identical to the deepseek41 ReferenceModel (experts dequantized from the
+Invariant 1 with the Engram tier: logits bit-identical to the Deepseek41Reference (experts dequantized from the
 file's map, Engram rows read from the map) whatever the slot configuration, cold, warm and after consolidation, and
 whether the rows came from disk or the store's row cache; decode steps (which carry the n-gram history, the sliding
 window, the open compression windows and the shared compressed streams) too. The Engram reads are counted (rows,

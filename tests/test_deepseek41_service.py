@@ -12,7 +12,7 @@ import pytest
 import service_helpers as h
 
 channel = h.channel          # the module fixture, under its name here
-from betelgeuse.cli import main
+from services.cli import main
 
 
 @pytest.fixture(scope="module")

@@ -154,7 +154,7 @@ def tokenizer_metadata(ckpt: Checkpoint) -> dict:
 
 def _pre_name(j: dict) -> str:
     """The GGUF pre-tokenizer name of tokenizer.json's split regex (llama.cpp's names); DeepSeek's own otherwise."""
-    from betelgeuse.tokenizer import PRE_SPLITS
+    from betelgeuse.gguf.vocab import PRE_SPLITS
     pre = j.get("pre_tokenizer") or {}
     parts = pre.get("pretokenizers", [pre])
     regs = [p.get("pattern", {}).get("Regex") for p in parts if p.get("type") == "Split"]
@@ -308,7 +308,7 @@ def plan(ck: Checkpoint, spec: DS41Spec, outtype: str):
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, outtype: str = "q8_0", progress: bool = True) -> None:
     """Convert the checkpoint directory `src` into the GGUF `dst` (module doc)."""
-    from betelgeuse.gguf.synth import write_gguf
+    from betelgeuse.gguf.synth_common import write_gguf
     from betelgeuse.gguf.synth_ds41 import ARCH, add_metadata
     if outtype not in OUTTYPES:
         raise InvalidRequestError(f"--outtype {outtype!r}: use one of {', '.join(OUTTYPES)}")

@@ -192,7 +192,7 @@ def deepseek4_config(meta: dict[str, object], *, where: str, stem: str, n_vocab:
         raise ModelFormatError(f"{name}: deepseek4 shares K and V: value_length {v_dim} != key_length {head_dim}")
     n_kv = _get(meta, f"{a}.attention.head_count_kv", int, name, 1)
     if n_kv != 1:
-        raise ModelFormatError(f"{name}: deepseek4 has one shared K=V head, got head_count_kv {n_kv}")
+        raise ModelFormatError(f"{name}: {a} has one shared K=V head, got head_count_kv {n_kv}")
     ratios = _array(meta, f"{a}.attention.compress_ratios", n_layer, int, name)
     bad = sorted({r for r in ratios if r not in ratios_known})
     if bad:
