@@ -63,6 +63,41 @@ def in_process_runner(path, vram_slots, host_slots, **cfg):
         raise
 
 
+def synth_reference(tmp_path_factory, preset: str, prompt: list[int], n_ctx: int, **overrides):
+    """(path, reference model, its logits of `prompt` [T, V] float32) for a synth preset with `overrides`."""
+    import torch
+    from betelgeuse.gguf.synth import spec_from_preset, write_model
+    from betelgeuse.model import reference_model
+    spec = replace(spec_from_preset(preset), **overrides)
+    path = tmp_path_factory.mktemp(preset) / f"{preset}-{abs(hash(tuple(sorted(overrides.items()))))}.gguf"
+    write_model(path, spec, progress=False)
+    ref = reference_model(path)
+    with torch.no_grad():
+        want = ref.forward(torch.tensor(prompt), ref.new_cache(n_ctx)).float()
+    return path, ref, want
+
+
+def three_passes(path, prompt: list[int], want, vram: int, host: int, n_ctx: int, check=None, **cfg):
+    """Cold, warm (consolidating) and consolidated passes of `prompt` through the in-process engine, each asserted
+    bit-identical to `want`; check(runner, cache) runs once first. -> (the passes' stats, the store's status)."""
+    import torch
+    runner, store = in_process_runner(path, vram, host, **cfg)
+    try:
+        stats = []
+        for name, consolidate in (("cold", False), ("warm", True), ("consolidated", False)):
+            kv = runner.new_cache(n_ctx)
+            if check is not None and not stats:
+                check(runner, kv)
+            logits, st = runner.forward(prompt, kv, all_logits=True, consolidate=consolidate)
+            runner.settle()
+            diff = (logits - want).abs().max().item()
+            assert torch.equal(logits, want), f"{vram}/{host} {name}: max |diff| {diff:.3e}, not bit-identical"
+            stats.append(st)
+        return stats, store.status()
+    finally:
+        close_runner(runner, store)
+
+
 def close_runner(runner, store):
     runner.close()
     store.close()

@@ -10,32 +10,22 @@ disk rows, cache rows, whole 4 KiB pages) and go through the store's own reader 
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 import torch
 
-from betelgeuse.gguf.synth import spec_from_preset, write_model
-from betelgeuse.model import reference_model
 from betelgeuse.model.deepseek41 import DS41Cache
 
-from engine_helpers import close_runner, in_process_runner
+from engine_helpers import close_runner, in_process_runner, synth_reference, three_passes
 
 E = 8
 PROMPT = [int(x) for x in np.random.default_rng(4).integers(0, 512, 150)]
 CONFIGS = [(0, 0), (2, 3), (E, 0)]
 
 
-def _model(tmp_path_factory, engram_qtype="Q8_0", expert_qtype="MXFP4"):
-    spec = replace(spec_from_preset("ds41-tiny"), expert_qtype=expert_qtype, engram_qtype=engram_qtype, seed=2,
-                   engram_key_length=256 if engram_qtype.endswith("_K") else 32)
-    path = tmp_path_factory.mktemp("ds41e") / f"ds41-{engram_qtype}.gguf"
-    write_model(path, spec, progress=False)
-    ref = reference_model(path)
-    with torch.no_grad():
-        want = ref.forward(torch.tensor(PROMPT), ref.new_cache(200)).float()
-    return path, ref, want
+def _model(tmp_path_factory, engram_qtype="Q8_0"):
+    return synth_reference(tmp_path_factory, "ds41-tiny", PROMPT, 200, engram_qtype=engram_qtype, seed=2,
+                           engram_key_length=256 if engram_qtype.endswith("_K") else 32)
 
 
 @pytest.fixture(scope="module")
@@ -50,21 +40,10 @@ def _all_rows(ref) -> np.ndarray:
 
 
 def _passes(path, want, vram, host, **cfg):
-    runner, store = in_process_runner(path, vram, host, **cfg)
-    try:
+    def check(runner, kv):
         assert type(runner.model).__name__ == "Deepseek41Model" and runner.session.engram is not None
-        stats = []
-        for name, consolidate in (("cold", False), ("warm", True), ("consolidated", False)):
-            kv = runner.new_cache(200)
-            assert isinstance(kv, DS41Cache)
-            logits, st = runner.forward(PROMPT, kv, all_logits=True, consolidate=consolidate)
-            runner.settle()
-            diff = (logits - want).abs().max().item()
-            assert torch.equal(logits, want), f"{vram}/{host} {name}: max |diff| {diff:.3e}, not bit-identical"
-            stats.append(st)
-        return stats, store.status()
-    finally:
-        close_runner(runner, store)
+        assert isinstance(kv, DS41Cache)
+    return three_passes(path, PROMPT, want, vram, host, 200, check, **cfg)
 
 
 @pytest.mark.parametrize("vram,host", CONFIGS, ids=[f"{v}v{h}h" for v, h in CONFIGS])

@@ -11,9 +11,8 @@ from betelgeuse.errors import ModelFormatError, UnsupportedError
 from betelgeuse.gguf import ds41layout
 from betelgeuse.gguf.header import read_header
 from betelgeuse.gguf.reader import GGUFModelFile
-from betelgeuse.gguf.synth_common import write_gguf
-from betelgeuse.gguf.synth_ds41 import (ARCH, DS41_PRESETS, add_metadata, engram_table_bytes, model_nbytes,
-                                        tensor_plan, write_deepseek41)
+from betelgeuse.gguf import synth_ds41
+from betelgeuse.gguf.synth_ds41 import DS41_PRESETS, engram_table_bytes, model_nbytes, write_deepseek41
 
 # llama.cpp PR #28696's converter (DeepseekV41Model._map_dsv4_tensor_name's V4.1 entries, and V4's map it
 # inherits): release checkpoint name -> GGUF name, for layer 14 of the released model
@@ -50,16 +49,8 @@ def test_release_names_are_llama_cpp_names():
 
 
 def _write(path, spec, meta_edit=None, plan_edit=None):
-    plan = tensor_plan(spec)
-    if plan_edit:
-        plan = plan_edit(plan)
-
-    def meta(w):
-        add_metadata(w, spec, tokenizer=False)
-        if meta_edit:
-            meta_edit(w.kv_data[0])
-    write_gguf(path, ARCH, plan, meta, progress=False)
-    return path
+    from test_deepseek4_gguf import _write as write_edited
+    return write_edited(path, spec, meta_edit, plan_edit, writer=synth_ds41)
 
 
 @pytest.fixture(scope="module")

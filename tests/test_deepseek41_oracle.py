@@ -22,6 +22,7 @@ import torch
 import nemo_oracle
 from betelgeuse.gguf.synth_ds41 import DS41_PRESETS, qtype_of, write_deepseek41
 from betelgeuse.model.deepseek41 import Deepseek41Reference
+from oracle_checks import check_logits, chunked_logits, decode_logits, prefill_margins
 
 REL_TOL = 1e-4
 PROMPT_LEN = 150
@@ -48,19 +49,12 @@ def pair(request, tmp_path_factory, prompt):
 
 
 def _check(ours: torch.Tensor, ref: torch.Tensor, what: str) -> float:
-    diff = float((ours - ref).abs().max())
-    scale = float(ref.abs().max())
-    print(f"\n[ds41-oracle] {what}: max-abs logit difference vs NeMo = {diff:.3e} (max |logit| {scale:.2f})")
-    assert scale > 0.5 and float(ref.std()) > 0.1
-    assert diff <= REL_TOL * scale, (what, diff, scale)
-    return diff
+    return check_logits(ours, ref, f"{what} vs NeMo", "ds41-oracle", REL_TOL)
 
 
 def test_prefill_matches_nemo(pair, prompt):
     q, ref, model = pair
-    model.margins = []
-    ours = model.forward(prompt, model.new_cache(PROMPT_LEN))
-    margins, model.margins = model.margins, None
+    ours, margins = prefill_margins(model, prompt)
     _check(ours, ref, f"{q} prefill")
     kinds = {k for _, k, _ in margins}
     assert kinds == {"experts", "indexer", "candidates"}, kinds
@@ -72,17 +66,10 @@ def test_prefill_matches_nemo(pair, prompt):
 
 def test_decode_matches_nemo(pair, prompt):
     q, ref, model = pair
-    cache = model.new_cache(PROMPT_LEN)
-    steps = torch.cat([model.forward(prompt[:DECODE_FROM], cache)]
-                      + [model.forward(prompt[i:i + 1], cache) for i in range(DECODE_FROM, PROMPT_LEN)])
-    _check(steps, ref, f"{q} token-by-token decode")
+    _check(decode_logits(model, prompt, DECODE_FROM), ref, f"{q} token-by-token decode")
 
 
 def test_chunked_prefill_matches_nemo(pair, prompt):
     q, ref, model = pair
-    cache, out, i = model.new_cache(PROMPT_LEN), [], 0
-    for n in (1, 3, 7, 13, 29, 61, 5, 31):        # odd sizes crossing ratio-2 windows, candidate blocks, the window
-        out.append(model.forward(prompt[i:i + n], cache))
-        i += n
-    assert i == PROMPT_LEN
-    _check(torch.cat(out), ref, f"{q} chunked prefill")
+    # odd sizes crossing ratio-2 windows, candidate blocks, the sliding window
+    _check(chunked_logits(model, prompt, (1, 3, 7, 13, 29, 61, 5, 31)), ref, f"{q} chunked prefill")

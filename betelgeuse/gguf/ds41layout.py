@@ -241,25 +241,12 @@ def deepseek41_config(meta: dict, *, where: str, stem: str, n_vocab: int, n_expe
 # ---- tensor layout -----------------------------------------------------------------------------------
 
 def layer_tensors(cfg, i: int) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """(name, torch shape) of layer i's tensors."""
-    p4, p, D, H, hd = cfg.ds4, cfg.ds41, cfg.n_embd, cfg.n_head, cfg.head_dim
-    mix, hcD = (2 + p4.hc_mult) * p4.hc_mult, p4.hc_mult * D
-    E, F = cfg.n_expert, cfg.n_ff_exp
+    """(name, torch shape) of layer i's tensors: V4's attention and experts, V4.1's optional CSA2 and Engram ones."""
+    from betelgeuse.gguf.ds4layout import attention_tensors, expert_tensors
+    p4, p, D, hd = cfg.ds4, cfg.ds41, cfg.n_embd, cfg.head_dim
     ihd, nh = p4.index_head_dim, p4.index_n_heads
     b = f"blk.{i}."
-    yield b + "attn_norm.weight", (D,)
-    yield b + "attn_sinks.weight", (H,)
-    yield b + "attn_q_a.weight", (p4.q_lora_rank, D)
-    yield b + "attn_q_a_norm.weight", (p4.q_lora_rank,)
-    yield b + "attn_q_b.weight", (H * hd, p4.q_lora_rank)
-    yield b + "attn_kv.weight", (hd, D)
-    yield b + "attn_kv_a_norm.weight", (hd,)
-    yield b + "attn_output_a.weight", (p4.o_groups * p4.o_lora_rank, H * hd // p4.o_groups)
-    yield b + "attn_output_b.weight", (D, p4.o_groups * p4.o_lora_rank)
-    for s in ("attn", "ffn"):
-        yield b + f"hc_{s}_fn.weight", (mix, hcD)
-        yield b + f"hc_{s}_base.weight", (mix,)
-        yield b + f"hc_{s}_scale.weight", (3,)
+    yield from attention_tensors(cfg, i)
     if i in p.kv_sources:
         yield b + "attn_compressor_kv.weight", (hd, D)
         if p4.compress_ratios[i] > 1:
@@ -271,15 +258,9 @@ def layer_tensors(cfg, i: int) -> Iterator[tuple[str, tuple[int, ...]]]:
     if i in p.key_owners:
         yield b + "indexer.attn_k.weight", (ihd, hd)
         yield b + "indexer.k_norm.weight", (ihd,)
-    yield b + "ffn_gate_inp.weight", (E, D)
-    yield b + "exp_probs_b.bias", (E,)
-    yield b + "ffn_norm.weight", (D,)
-    yield b + "ffn_gate_exps.weight", (E, F, D)
-    yield b + "ffn_down_exps.weight", (E, D, F)
-    yield b + "ffn_up_exps.weight", (E, F, D)
-    yield b + "ffn_gate_shexp.weight", (p4.n_shared * F, D)
-    yield b + "ffn_down_shexp.weight", (D, p4.n_shared * F)
-    yield b + "ffn_up_shexp.weight", (p4.n_shared * F, D)
+    yield b + "ffn_gate_inp.weight", (cfg.n_expert, D)
+    yield b + "exp_probs_b.bias", (cfg.n_expert,)
+    yield from expert_tensors(cfg, i)
     g = p.engram
     if g is not None and i in g.layer_ids:
         e = g.index(i)

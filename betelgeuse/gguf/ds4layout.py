@@ -36,11 +36,10 @@ def kind(name: str) -> str:
     return ".".join(parts[:-1])
 
 
-def layer_tensors(cfg, i: int) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """(name, torch shape) of layer i's tensors, in llama.cpp's load order."""
+def attention_tensors(cfg, i: int) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Layer i's attention projections and mHC mixers (V4 and V4.1 alike)."""
     p, D, H, hd = cfg.ds4, cfg.n_embd, cfg.n_head, cfg.head_dim
     mix, hcD = (2 + p.hc_mult) * p.hc_mult, p.hc_mult * D
-    E, F, k = cfg.n_expert, cfg.n_ff_exp, cfg.n_expert_used
     b = f"blk.{i}."
     yield b + "attn_norm.weight", (D,)
     yield b + "attn_sinks.weight", (H,)
@@ -55,6 +54,27 @@ def layer_tensors(cfg, i: int) -> Iterator[tuple[str, tuple[int, ...]]]:
         yield b + f"hc_{s}_fn.weight", (mix, hcD)
         yield b + f"hc_{s}_base.weight", (mix,)
         yield b + f"hc_{s}_scale.weight", (3,)
+
+
+def expert_tensors(cfg, i: int) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Layer i's FFN norm, routed experts (merged, expert-major) and shared expert (V4 and V4.1 alike)."""
+    p, D, E, F = cfg.ds4, cfg.n_embd, cfg.n_expert, cfg.n_ff_exp
+    b = f"blk.{i}."
+    yield b + "ffn_norm.weight", (D,)
+    yield b + "ffn_gate_exps.weight", (E, F, D)
+    yield b + "ffn_down_exps.weight", (E, D, F)
+    yield b + "ffn_up_exps.weight", (E, F, D)
+    yield b + "ffn_gate_shexp.weight", (p.n_shared * F, D)
+    yield b + "ffn_down_shexp.weight", (D, p.n_shared * F)
+    yield b + "ffn_up_shexp.weight", (p.n_shared * F, D)
+
+
+def layer_tensors(cfg, i: int) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(name, torch shape) of layer i's tensors, in llama.cpp's load order."""
+    p, D, hd = cfg.ds4, cfg.n_embd, cfg.head_dim
+    E, k = cfg.n_expert, cfg.n_expert_used
+    b = f"blk.{i}."
+    yield from attention_tensors(cfg, i)
     ratio = p.compress_ratios[i]
     if ratio:
         coff = 2 if ratio == 4 else 1
@@ -75,13 +95,7 @@ def layer_tensors(cfg, i: int) -> Iterator[tuple[str, tuple[int, ...]]]:
         yield b + "ffn_gate_tid2eid.weight", (cfg.n_vocab, k)
     else:
         yield b + "exp_probs_b.bias", (E,)
-    yield b + "ffn_norm.weight", (D,)
-    yield b + "ffn_gate_exps.weight", (E, F, D)
-    yield b + "ffn_down_exps.weight", (E, D, F)
-    yield b + "ffn_up_exps.weight", (E, F, D)
-    yield b + "ffn_gate_shexp.weight", (p.n_shared * F, D)
-    yield b + "ffn_down_shexp.weight", (D, p.n_shared * F)
-    yield b + "ffn_up_shexp.weight", (p.n_shared * F, D)
+    yield from expert_tensors(cfg, i)
 
 
 def tensors(cfg) -> list[tuple[str, tuple[int, ...]]]:

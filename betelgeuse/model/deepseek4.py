@@ -119,8 +119,33 @@ class LayerState:
     idx: CompState | None = None
 
 
+class CompressedCache:
+    """begin / commit / truncate of a sequence state with compressed entries (DS4Cache, deepseek41's DS41Cache):
+    `length` tokens consumed, `max_len` the limit, `_pending` the tokens of the pass in flight, `device`."""
+    __slots__ = ()
+    arch = "deepseek4"
+
+    def begin(self, n_tokens: int) -> torch.Tensor:
+        if self.length + n_tokens > self.max_len:
+            raise InvalidRequestError(
+                f"sequence of {self.length + n_tokens} tokens exceeds the cache of {self.max_len} tokens")
+        self._pending = n_tokens
+        return torch.arange(self.length, self.length + n_tokens, device=self.device)
+
+    def commit(self) -> None:
+        self.length += self._pending
+        self._pending = 0
+
+    def truncate(self, n: int) -> None:
+        """Only a no-op or a full reset: compressed state cannot be rewound to an arbitrary prefix."""
+        if n == self.length:
+            self._pending = 0
+            return
+        raise UnsupportedError(f"a {self.arch} cache cannot be truncated from {self.length} to {n} tokens")
+
+
 @dataclass(slots=True)
-class DS4Cache:
+class DS4Cache(CompressedCache):
     """A sequence's deepseek4 state in fixed shapes (model/interface.py SequenceState): nothing changes shape per
     token, so a decode step is graph-capturable; `pos` is the static decode's position on the device."""
     layers: list[LayerState]
@@ -134,13 +159,6 @@ class DS4Cache:
     def device(self) -> torch.device:
         return self.layers[0].swa.device
 
-    def begin(self, n_tokens: int) -> torch.Tensor:
-        if self.length + n_tokens > self.max_len:
-            raise InvalidRequestError(
-                f"sequence of {self.length + n_tokens} tokens exceeds the cache of {self.max_len} tokens")
-        self._pending = n_tokens
-        return torch.arange(self.length, self.length + n_tokens, device=self.device)
-
     def begin_static(self) -> torch.Tensor:
         """A one-token pass in the static form: the position in a device tensor [1] updated in place."""
         if self.length + 1 > self.max_len:
@@ -150,17 +168,6 @@ class DS4Cache:
         self.pos.fill_(self.length)
         self._pending = 1
         return self.pos
-
-    def commit(self) -> None:
-        self.length += self._pending
-        self._pending = 0
-
-    def truncate(self, n: int) -> None:
-        """Only a no-op or a full reset: compressed state cannot be rewound to an arbitrary prefix."""
-        if n == self.length:
-            self._pending = 0
-            return
-        raise UnsupportedError(f"a deepseek4 cache cannot be truncated from {self.length} to {n} tokens")
 
     def tensors(self) -> list[torch.Tensor]:
         ts = []

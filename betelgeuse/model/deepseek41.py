@@ -35,10 +35,11 @@ import torch
 import torch.nn.functional as F
 
 from betelgeuse.config import PREFILL_CHUNK
-from betelgeuse.errors import InvalidRequestError, UnsupportedError
 from betelgeuse.gguf import ds41layout
-from betelgeuse.model.deepseek4 import Deepseek4Model, TorchOps, _rms, apply_rope, hc_collapse, hc_mix
-from betelgeuse.model.engram import ENGRAM_TOKENS, EngramState, FileRows, NgramHasher, engram_residual
+from betelgeuse.model.deepseek4 import (CompressedCache, Deepseek4Model, TorchOps, _rms, apply_rope, hc_collapse,
+                                        hc_mix)
+from betelgeuse.gguf.ds41layout import ENGRAM_TOKENS
+from betelgeuse.model.engram import EngramState, FileRows, NgramHasher, engram_residual
 from betelgeuse.kernels.torch_moe import expert_ffn
 from betelgeuse.model.reference import ReferenceExperts
 
@@ -63,7 +64,7 @@ class SourceState:
 
 
 @dataclass(slots=True)
-class DS41Cache:
+class DS41Cache(CompressedCache):
     swa: list[torch.Tensor]          # per layer [n, head_dim]: the last <= window-1 K=V rows
     src: dict[int, SourceState]      # per KV-source layer
     max_len: int                     # tokens
@@ -72,29 +73,19 @@ class DS41Cache:
     sel: torch.Tensor | None = None  # [T, N] bool: the last index layer's top-k for the pass's tokens
     cand: torch.Tensor | None = None # [T, N] bool: the candidate layer's blocks for the pass's tokens
     _pending: int = field(default=0, repr=False)
+    arch = "deepseek41"
 
-    def begin(self, n_tokens: int) -> torch.Tensor:
-        if self.length + n_tokens > self.max_len:
-            raise InvalidRequestError(
-                f"sequence of {self.length + n_tokens} tokens exceeds the cache of {self.max_len} tokens")
-        self._pending = n_tokens
-        return torch.arange(self.length, self.length + n_tokens, device=self.swa[0].device)
+    @property
+    def device(self):
+        return self.swa[0].device
 
     def commit(self) -> None:
-        self.length += self._pending
-        self._pending = 0
+        CompressedCache.commit(self)
         self.sel = self.cand = None
         g = self.engram
         if g is not None and g.new is not None:
             g.hist = np.concatenate([g.hist, g.new])[max(0, len(g.hist) + len(g.new) - g.keep):]
             g.pending = g.new = None
-
-    def truncate(self, n: int) -> None:
-        """Only a no-op: compressed state cannot be rewound to an arbitrary prefix."""
-        if n == self.length:
-            self._pending = 0
-            return
-        raise UnsupportedError(f"a deepseek41 cache cannot be truncated from {self.length} to {n} tokens")
 
     def nbytes(self) -> int:
         ts = list(self.swa)

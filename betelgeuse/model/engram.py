@@ -22,7 +22,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from betelgeuse.gguf.ds41layout import ENGRAM_TOKENS  # noqa: F401  (tokens per sub-batch: re-exported)
 
 
 class NgramHasher:

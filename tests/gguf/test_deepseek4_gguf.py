@@ -14,7 +14,7 @@ from betelgeuse.gguf import GGUFModelFile
 from betelgeuse.gguf.quants import dequantize
 from betelgeuse.gguf.synth import spec_from_preset
 from betelgeuse.gguf.synth_common import write_gguf
-from betelgeuse.gguf.synth_ds4 import ARCH, DS4_PRESETS, add_metadata, model_nbytes, tensor_plan, write_deepseek4
+from betelgeuse.gguf.synth_ds4 import DS4_PRESETS, model_nbytes, write_deepseek4
 
 
 def test_mxfp4_is_bit_identical_to_gguf():
@@ -38,16 +38,20 @@ def test_i32_tensor():
     assert t.dtype == torch.int64 and t.flatten().tolist() == a.tolist()
 
 
-def _write(path, spec, meta_edit=None, plan_edit=None):
-    plan = tensor_plan(spec)
+def _write(path, spec, meta_edit=None, plan_edit=None, writer=None):
+    """A synth file with its metadata (meta_edit(kv dict)) or tensor plan (plan_edit(plan)) tampered with; `writer`:
+    the synth module (default synth_ds4; tests/test_deepseek41_gguf.py passes synth_ds41)."""
+    import betelgeuse.gguf.synth_ds4 as writer_ds4
+    writer = writer or writer_ds4
+    plan = writer.tensor_plan(spec)
     if plan_edit:
         plan = plan_edit(plan)
 
     def meta(w):
-        add_metadata(w, spec, tokenizer=False)
+        writer.add_metadata(w, spec, tokenizer=False)
         if meta_edit:
             meta_edit(w.kv_data[0])
-    write_gguf(path, ARCH, plan, meta, progress=False)
+    write_gguf(path, writer.ARCH, plan, meta, progress=False)
     return path
 
 

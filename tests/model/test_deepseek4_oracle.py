@@ -23,6 +23,8 @@ from betelgeuse.gguf import ds4layout
 from betelgeuse.gguf.synth_ds4 import DS4Spec, qtype_of, write_deepseek4
 from betelgeuse.model.deepseek4 import Deepseek4Reference
 
+from oracle_checks import check_logits, chunked_logits, decode_logits, prefill_margins
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
@@ -131,19 +133,12 @@ def pair(request, tmp_path_factory, prompt):
 
 
 def _check(ours: torch.Tensor, ref: torch.Tensor, what: str) -> float:
-    diff = float((ours - ref).abs().max())
-    scale = float(ref.abs().max())
-    print(f"\n[ds4-oracle] {what}: max-abs logit difference vs transformers = {diff:.3e} (max |logit| {scale:.2f})")
-    assert scale > 0.5 and float(ref.std()) > 0.1
-    assert diff <= REL_TOL * scale, (what, diff, scale)
-    return diff
+    return check_logits(ours, ref, f"{what} vs transformers", "ds4-oracle", REL_TOL)
 
 
 def test_prefill_matches_transformers(pair, prompt):
     q, ref, model = pair
-    model.margins = []
-    ours = model.forward(prompt, model.new_cache(PROMPT_LEN))
-    margins, model.margins = model.margins, None
+    ours, margins = prefill_margins(model, prompt)
     _check(ours, ref, f"{q} prefill")
     kinds = {k for _, k, _ in margins}
     assert kinds == {"experts", "indexer"}, kinds
@@ -154,17 +149,10 @@ def test_prefill_matches_transformers(pair, prompt):
 
 def test_decode_matches_transformers(pair, prompt):
     q, ref, model = pair
-    cache = model.new_cache(PROMPT_LEN)
-    steps = torch.cat([model.forward(prompt[:DECODE_FROM], cache)]
-                      + [model.forward(prompt[i:i + 1], cache) for i in range(DECODE_FROM, PROMPT_LEN)])
-    _check(steps, ref, f"{q} token-by-token decode")
+    _check(decode_logits(model, prompt, DECODE_FROM), ref, f"{q} token-by-token decode")
 
 
 def test_chunked_prefill_matches_transformers(pair, prompt):
     q, ref, model = pair
-    cache, out, i = model.new_cache(PROMPT_LEN), [], 0
-    for n in (1, 3, 7, 13, 29, 61, 5, 81):        # odd sizes crossing windows of 4, 16 and 128
-        out.append(model.forward(prompt[i:i + n], cache))
-        i += n
-    assert i == PROMPT_LEN
-    _check(torch.cat(out), ref, f"{q} chunked prefill")
+    # odd sizes crossing windows of 4, 16 and 128
+    _check(chunked_logits(model, prompt, (1, 3, 7, 13, 29, 61, 5, 81)), ref, f"{q} chunked prefill")

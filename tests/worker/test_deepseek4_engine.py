@@ -8,17 +8,13 @@ compressed entries) too. MXFP4 routed experts (what published files hold) and Q8
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 import torch
 
-from betelgeuse.gguf.synth import spec_from_preset, write_model
-from betelgeuse.model import reference_model
 from betelgeuse.model.deepseek4 import DS4Cache
 
-from engine_helpers import close_runner, in_process_runner
+from engine_helpers import close_runner, in_process_runner, synth_reference, three_passes
 
 E = 8
 PROMPT = [int(x) for x in np.random.default_rng(4).integers(0, 512, 150)]   # crosses SWA 16, CSA 4, HCA 128
@@ -26,13 +22,7 @@ CONFIGS = [(0, 0), (2, 3), (E, 0), (3, E - 3)]
 
 
 def _model(tmp_path_factory, qtype):
-    spec = replace(spec_from_preset("ds4-tiny"), expert_qtype=qtype, seed=2)
-    path = tmp_path_factory.mktemp("ds4e") / f"ds4-{qtype}.gguf"
-    write_model(path, spec, progress=False)
-    ref = reference_model(path)
-    with torch.no_grad():
-        want = ref.forward(torch.tensor(PROMPT), ref.new_cache(200)).float()
-    return path, ref, want
+    return synth_reference(tmp_path_factory, "ds4-tiny", PROMPT, 200, expert_qtype=qtype, seed=2)
 
 
 @pytest.fixture(scope="module")
@@ -56,28 +46,19 @@ def test_q8_0_experts_bit_identical(model_q8):
 
 def _check_slots(model, vram, host):
     path, _, want = model
-    runner, store = in_process_runner(path, vram, host)
-    try:
-        assert type(runner.model).__name__ == "Deepseek4Model"
-        reads = []
-        for name, consolidate in (("cold", False), ("warm", True), ("consolidated", False)):
-            kv = runner.new_cache(200)
-            assert isinstance(kv, DS4Cache)
-            logits, st = runner.forward(PROMPT, kv, all_logits=True, consolidate=consolidate)
-            runner.settle()
-            diff = (logits - want).abs().max().item()
-            assert torch.equal(logits, want), f"{vram}/{host} {name}: max |diff| {diff:.3e}, not bit-identical"
-            reads.append(st.reads)
-        n = sum(reads[0].values())
-        assert reads[0] == {"vram": 0, "host": 0, "disk": n}          # cold: everything from disk
-        if vram:
-            assert reads[2]["vram"] > 0, reads
-        if host:
-            assert reads[2]["host"] > 0, reads
-        if vram + host >= E:
-            assert reads[2]["disk"] == 0, reads
-    finally:
-        close_runner(runner, store)
+
+    def check(runner, kv):
+        assert type(runner.model).__name__ == "Deepseek4Model" and isinstance(kv, DS4Cache)
+    stats, _ = three_passes(path, PROMPT, want, vram, host, 200, check)
+    reads = [st.reads for st in stats]
+    n = sum(reads[0].values())
+    assert reads[0] == {"vram": 0, "host": 0, "disk": n}          # cold: everything from disk
+    if vram:
+        assert reads[2]["vram"] > 0, reads
+    if host:
+        assert reads[2]["host"] > 0, reads
+    if vram + host >= E:
+        assert reads[2]["disk"] == 0, reads
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])

@@ -1,0 +1,43 @@
+"""What the architecture oracle tests (deepseek4 vs transformers, deepseek41 vs NeMo) check the same way: logits
+within float32 noise of the reference's, the top-k margins of a prefill, and the two other ways to feed a prompt
+(token-by-token decode, odd-sized chunks), which must give the whole-prompt logits."""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_logits(ours: torch.Tensor, ref: torch.Tensor, what: str, tag: str, rel_tol: float) -> float:
+    """max |ours - ref| <= rel_tol x max |ref| (printed, with the tag and what was compared)."""
+    diff = float((ours - ref).abs().max())
+    scale = float(ref.abs().max())
+    print(f"\n[{tag}] {what}: max-abs logit difference = {diff:.3e} (max |logit| {scale:.2f})")
+    assert scale > 0.5 and float(ref.std()) > 0.1
+    assert diff <= rel_tol * scale, (what, diff, scale)
+    return diff
+
+
+def prefill_margins(model, prompt: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """A whole-prompt prefill's logits and its selection margins [(layer, kind, min gap between k-th and k+1-th)]."""
+    model.margins = []
+    try:
+        return model.forward(prompt, model.new_cache(len(prompt))), model.margins
+    finally:
+        model.margins = None
+
+
+def decode_logits(model, prompt: torch.Tensor, start: int) -> torch.Tensor:
+    """A prefill of prompt[:start], then one token at a time: every position's logits."""
+    cache = model.new_cache(len(prompt))
+    return torch.cat([model.forward(prompt[:start], cache)]
+                     + [model.forward(prompt[i:i + 1], cache) for i in range(start, len(prompt))])
+
+
+def chunked_logits(model, prompt: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+    """The prompt in pieces of `sizes` (which must add up to it): every position's logits."""
+    cache, out, i = model.new_cache(len(prompt)), [], 0
+    for n in sizes:
+        out.append(model.forward(prompt[i:i + n], cache))
+        i += n
+    assert i == len(prompt), (i, len(prompt))
+    return torch.cat(out)
