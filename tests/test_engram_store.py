@@ -91,3 +91,25 @@ def test_banks_are_bounded_and_misuse_is_refused(table):
     finally:
         er.close()
         arena.close()
+
+
+def test_rows_of_a_file_changed_meanwhile_are_refused(table):
+    """As expert loads (store/watch.py): a read that lands after the file was written to is an error, not rows."""
+    from betelgeuse.store.watch import ModelWatch
+    path, tables = table
+    lay = EngramLayout.for_tables(tables, 0, 48, 0, n_banks=2)
+    arena = Arena.create(lay.nbytes)
+    watch = ModelWatch(str(path), OFFSET)
+    er = EngramRows(str(path), arena, lay, read_depth=2, watch=watch)
+    try:
+        er.wait(er.read(np.array([0]), np.array([3])), timeout=10)       # unchanged: fine
+        with open(path, "r+b") as f:                                    # overwritten in place
+            f.seek(OFFSET + 5 * ROW)
+            f.write(b"\xff" * ROW)
+        watch.check()
+        with pytest.raises(BetelgeuseError, match="model file changed"):
+            er.wait(er.read(np.array([0]), np.array([5])), timeout=10)
+    finally:
+        er.close()
+        arena.close()
+        watch.close()
