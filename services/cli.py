@@ -180,6 +180,7 @@ def cmd_inspect(args) -> int:
         lines.append(f"  {key} = {_header_value(value, hdr.value_types.get(key, ()))}")
     _write("\n".join(lines) + "\n")
     from betelgeuse.gguf import GGUFModelFile
+    from betelgeuse.gguf.layouts import LAYOUTS
     try:
         f = GGUFModelFile.open(args.model)
     except UnsupportedError as e:
@@ -212,9 +213,7 @@ def cmd_inspect(args) -> int:
         lines.append(f"layer {layer:3d}:     expert {nbytes} B ({kinds}), {nbytes * c.n_expert} B for {c.n_expert} experts")
         total += nbytes * c.n_expert
     lines.append(f"expert bytes:  {total} ({total / 2**30:.3f} GiB)")
-    if getattr(c, "ds41", None) is not None:          # registry: the architecture's own lines (CSA2 roles, Engram)
-        from betelgeuse.gguf.ds41layout import describe
-        lines += describe(f)
+    lines += LAYOUTS[c.arch].describe(f)              # the architecture's own lines (deepseek41: CSA2 roles, Engram)
     _write("\n".join(lines) + "\n")
     return 0
 

@@ -34,6 +34,8 @@ class Layout:
     # are checked in the form the file has them
     tensors: Callable[[ModelConfig, Container[str]], Iterable[tuple[str, Shape]]]
     int_tensors: tuple[str, ...] = ()   # names' endings of the tensors stored as I32 (the others are float types)
+    # an open GGUFModelFile -> `betelgeuse inspect`'s lines of what only this architecture has
+    describe: Callable[..., list[str]] = lambda f: []
 
     def is_int(self, name: str) -> bool:
         return name.endswith(self.int_tensors) if self.int_tensors else False
@@ -86,7 +88,7 @@ LAYOUTS: dict[str, Layout] = {
                         int_tensors=("ffn_gate_tid2eid.weight",)),
     # deepseek41's layer roles (CSA2) are read from which optional tensors a layer has: its config takes `shapes`
     "deepseek41": Layout("deepseek41", ds41layout.deepseek41_config, ("ffn_down_exps",),
-                         lambda c, names: ds41layout.tensors(c)),
+                         lambda c, names: ds41layout.tensors(c), describe=ds41layout.describe),
 }
 SUPPORTED_ARCHS = tuple(LAYOUTS)
 
