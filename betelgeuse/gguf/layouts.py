@@ -1,9 +1,9 @@
 """Each architecture's GGUF layout: how its metadata becomes a ModelConfig and which tensors a file must hold.
 
 One layout per architecture (qwen3moe's table here, deepseek4's in ds4layout.py, deepseek41's in ds41layout.py) and
-one line in LAYOUTS. The
-reader (reader.py) validates every file against its architecture's layout, so a missing tensor or a bad shape is
-named when the file is opened, not deep inside a pass; the model registry (model/registry.py) points at it.
+one line in LAYOUTS. The reader (reader.py) validates every file against its architecture's layout, so a missing
+tensor or a bad shape is named when the file is opened, not deep inside a pass; the model registry
+(model/registry.py) points at it.
 Torch-free: the store process opens model files too.
 """
 
