@@ -22,8 +22,9 @@ from gguf import GGMLQuantizationType as GT, GGUFWriter
 from betelgeuse.errors import InvalidRequestError
 from betelgeuse.gguf import ds41layout
 from betelgeuse.gguf.ds41layout import Deepseek41Params, EngramParams
-from betelgeuse.gguf.synth_common import add_tokenizer, nbytes, tensor_rng, tiled_chunks, write_gguf
-from betelgeuse.gguf.synth_ds4 import DS4Spec, _QT, _random_chunks, _source_chunks
+from betelgeuse.gguf.quants_synth import random_blocks
+from betelgeuse.gguf.synth_common import add_tokenizer, matrix_chunks, nbytes, tensor_rng, tiled_chunks, write_gguf
+from betelgeuse.gguf.synth_ds4 import DS4Spec, _random_chunks, _source_chunks
 from betelgeuse.gguf.synth_ds4 import add_metadata as add_ds4_metadata
 
 ARCH = ds41layout.ARCH
@@ -130,6 +131,9 @@ DS41_PRESETS: dict[str, DS41Spec] = {
 
 def validate(spec: DS41Spec) -> None:
     from betelgeuse.gguf.synth_ds4 import validate as validate_ds4
+    if spec.router_drift or spec.router_skew:     # synth_ds4's wiring assumes V4's mHC and hash layers
+        raise InvalidRequestError("a calibrated router (--router calibrated, router_skew) is not implemented for "
+                                  "deepseek41 synth models (use the preset's or --router uniform)")
     validate_ds4(replace(spec, compress_ratios=tuple(0 for _ in spec.ratios())))
     if len(spec.ratios()) != spec.n_layer or any(r not in ds41layout.RATIOS for r in spec.ratios()):
         raise InvalidRequestError(f"compress_ratios {spec.ratios()} must list {spec.n_layer} values in "
@@ -154,7 +158,7 @@ def qtype_of(spec: DS41Spec, name: str, shape: tuple[int, ...]) -> GT:
     matrices Q8_0 and BF16 matrices BF16 (dense="release"), all F32 (dense="F32"); 1-D, mHC, compressor F32."""
     k = ds41layout.kind(name)
     if k in ds41layout.EXPERTS:
-        return _QT[spec.expert_qtype]
+        return GT[spec.expert_qtype]
     if k == ds41layout.ENGRAM_TABLE:
         return GT[spec.engram_qtype]
     if len(shape) == 1 or k in ds41layout.F32_2D or spec.dense == "F32":
@@ -166,40 +170,30 @@ def qtype_of(spec: DS41Spec, name: str, shape: tuple[int, ...]) -> GT:
     return GT.F32
 
 
-# f16 scale fields of a K-quant block (byte offset) and their value, so that random bytes make a sane block
-_KQ_SCALES = {GT.Q2_K: ((80, 0.01), (82, 0.005)), GT.Q3_K: ((108, 0.01),), GT.Q4_K: ((0, 0.01), (2, 0.005)),
-              GT.Q5_K: ((0, 0.01), (2, 0.005)), GT.Q6_K: ((208, 0.01),)}
-_TABLE_PER = 1 << 16            # blocks per chunk of a table
+_TABLE_PER = 1 << 16            # blocks per chunk of a Q8_0 table
+_TABLE_STD = 0.6               # the tables' values ~N(0, 0.6)-sized: Q8_0 int8 x 0.008, K-quants calibrated
 
 
-@functools.lru_cache(maxsize=8)
-def _table_tile(seed: int, qtype: int) -> np.ndarray:
-    """2 x _TABLE_PER random blocks of a block type, uint8 [n, type_size] (read-only; the tables are views of it)."""
-    from gguf.constants import GGML_QUANT_SIZES
-    gt = GT(qtype)
-    _, size = GGML_QUANT_SIZES[gt]
-    n = 2 * _TABLE_PER
-    rng = np.random.Generator(np.random.SFC64(np.random.SeedSequence([seed, qtype, 41])))
-    raw = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
-    if gt == GT.Q8_0:
-        raw[:, :2] = np.array([0.008], dtype=np.float16).view(np.uint8)    # int8 x 0.008: std ~0.6
-    for off, val in _KQ_SCALES.get(gt, ()):
-        raw[:, off:off + 2] = np.array([val], dtype=np.float16).view(np.uint8)
+@functools.lru_cache(maxsize=4)
+def _q8_tile(seed: int) -> np.ndarray:
+    """2 x _TABLE_PER random Q8_0 blocks uint8 [n, 34], d = 0.008 (read-only; the tables are views of it)."""
+    rng = np.random.Generator(np.random.SFC64(np.random.SeedSequence([seed, int(GT.Q8_0), 41])))
+    raw = random_blocks(int(GT.Q8_0), 2 * _TABLE_PER, rng, d=0.008)
     raw.flags.writeable = False
     return raw
 
 
 def _table_chunks(spec: DS41Spec, name: str, shape: tuple[int, ...], gt: GT) -> Iterator[np.ndarray]:
     """A random Engram table: views of a tile of random blocks at random offsets (a 1.6 GB table costs only its
-    write); BF16/F32 tables as N(0, 1) rows."""
+    write; K-quants through synth_common.matrix_chunks' tiles); BF16/F32 tables as N(0, 1) rows."""
     rng = tensor_rng(spec, name)
     rows, cols = shape
     if gt in (GT.F32, GT.BF16):
         yield from _float_rows(rng, rows, cols, 0.0, 1.0, gt)
-        return
-    from gguf.constants import GGML_QUANT_SIZES
-    blk, _ = GGML_QUANT_SIZES[gt]
-    yield from tiled_chunks(rng, _table_tile(spec.seed, int(gt)), rows * cols // blk, _TABLE_PER)
+    elif gt == GT.Q8_0:
+        yield from tiled_chunks(rng, _q8_tile(spec.seed), rows * cols // 32, _TABLE_PER)
+    else:
+        yield from matrix_chunks(rng, rows, cols, _TABLE_STD, gt.name, seed=spec.seed)
 
 
 def _float_rows(rng: np.random.Generator, rows: int, cols: int, mean: float, std: float, gt: GT) -> Iterator[np.ndarray]:

@@ -40,7 +40,7 @@ def test_i32_tensor():
 
 def _write(path, spec, meta_edit=None, plan_edit=None, writer=None):
     """A synth file with its metadata (meta_edit(kv dict)) or tensor plan (plan_edit(plan)) tampered with; `writer`:
-    the synth module (default synth_ds4; tests/test_deepseek41_gguf.py passes synth_ds41)."""
+    the synth module (default synth_ds4; tests/gguf/test_deepseek41_gguf.py passes synth_ds41)."""
     import betelgeuse.gguf.synth_ds4 as writer_ds4
     writer = writer or writer_ds4
     plan = writer.tensor_plan(spec)

@@ -57,7 +57,7 @@ def test_logits_bit_identical_across_slots_and_passes(model, vram, host):
     # in flight together: banks read concurrently do not wait for each other's rows)
     assert 0 < cold.unique_rows <= cold.rows and cold.disk_rows + cold.cache_rows == cold.unique_rows
     assert len(np.unique(_all_rows(ref))) <= cold.disk_rows
-    assert cold.disk_bytes > 0 and cold.disk_bytes % 4096 == 0                # whole pages (tests/test_engram_store.py)
+    assert cold.disk_bytes > 0 and cold.disk_bytes % 4096 == 0                # whole pages (tests/store/test_engram_store.py)
     assert warm.disk_rows == 0 and warm.cache_rows == warm.unique_rows     # the row cache answers a repeat
     assert status["engram_disk_rows"] == cold.disk_rows and status["engram_read_mode"] in ("direct", "buffered")
     assert stats[0].reads["disk"] > 0
