@@ -147,3 +147,13 @@ def test_flash_preset_sizes():
     rows = c.ds41.engram.rows
     assert 6.0e6 < rows[0] < 6.1e6                                   # 1/64 of the release's 384M rows
     assert 3.2e9 < engram_table_bytes(s) < 3.3e9 and 35e9 < model_nbytes(s) < 37e9
+
+
+@pytest.mark.parametrize("router", ["calibrated", None])
+def test_calibrated_router_is_refused(tmp_path, router):
+    """synth_ds4's calibrated-router wiring assumes V4's mHC: a deepseek41 file with one is refused by name."""
+    from betelgeuse.errors import InvalidRequestError
+    from betelgeuse.gguf.synth import spec_from_preset, write_model
+    extra = {} if router else {"router_skew": 1.0}
+    with pytest.raises(InvalidRequestError, match="not implemented for deepseek41"):
+        write_model(tmp_path / "r.gguf", spec_from_preset("ds41-tiny", router=router, **extra), progress=False)
