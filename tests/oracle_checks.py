@@ -26,6 +26,15 @@ def prefill_margins(model, prompt: torch.Tensor) -> tuple[torch.Tensor, list]:
         model.margins = None
 
 
+def check_margins(margins: list, kinds: set[str], what: str, tag: str) -> None:
+    """Every kind of top-k selection happened, and no choice can flip: the smallest gap is 10x above float32 noise
+    (~1e-6 on O(1) scores)."""
+    assert {k for _, k, _ in margins} == kinds, margins
+    worst = min(m for _, _, m in margins)
+    print(f"[{tag}] {what}: smallest top-k selection margin {worst:.2e}")
+    assert worst > 1e-5, margins
+
+
 def decode_logits(model, prompt: torch.Tensor, start: int) -> torch.Tensor:
     """A prefill of prompt[:start], then one token at a time: every position's logits."""
     cache = model.new_cache(len(prompt))

@@ -165,15 +165,22 @@ def validate(spec: DS4Spec) -> None:
 def qtype_of(spec: DS4Spec, name: str, shape: tuple[int, ...]) -> GT:
     """The type a tensor is stored in (module doc)."""
     k = ds4layout.kind(name)
-    if k in ds4layout.EXPERTS:
-        return GT[spec.expert_qtype]
     if k == "ffn_gate_tid2eid":
         return GT.I32
-    if len(shape) == 1 or k in _F32_2D or spec.dense == "F32":
+    return release_qtype(spec, k, shape, ds4layout.FP8, ds4layout.BF16, _F32_2D)
+
+
+def release_qtype(spec: DS4Spec, kind: str, shape: tuple[int, ...], fp8, bf16, f32_2d) -> GT:
+    """The type a tensor of `kind` takes as llama.cpp's converter maps the release checkpoint: routed experts
+    `expert_qtype`; 1-D, the `f32_2d` kinds and everything of dense="F32" F32; the checkpoint's FP8 matrices Q8_0,
+    its BF16 ones BF16 (the layout's `fp8` / `bf16` kinds); F32 otherwise (deepseek4 and deepseek41 share it)."""
+    if kind in ds4layout.EXPERTS:
+        return GT[spec.expert_qtype]
+    if len(shape) == 1 or kind in f32_2d or spec.dense == "F32":
         return GT.F32
-    if k in ds4layout.FP8:
+    if kind in fp8:
         return GT.Q8_0
-    if k in ds4layout.BF16:
+    if kind in bf16:
         return GT.BF16
     return GT.F32
 

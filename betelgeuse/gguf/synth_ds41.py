@@ -24,7 +24,7 @@ from betelgeuse.gguf import ds41layout
 from betelgeuse.gguf.ds41layout import Deepseek41Params, EngramParams
 from betelgeuse.gguf.quants_synth import random_blocks
 from betelgeuse.gguf.synth_common import add_tokenizer, matrix_chunks, nbytes, tensor_rng, tiled_chunks, write_gguf
-from betelgeuse.gguf.synth_ds4 import DS4Spec, _random_chunks, _source_chunks
+from betelgeuse.gguf.synth_ds4 import DS4Spec, _random_chunks, _source_chunks, release_qtype
 from betelgeuse.gguf.synth_ds4 import add_metadata as add_ds4_metadata
 
 ARCH = ds41layout.ARCH
@@ -154,20 +154,12 @@ def validate(spec: DS41Spec) -> None:
 
 
 def qtype_of(spec: DS41Spec, name: str, shape: tuple[int, ...]) -> GT:
-    """The type a tensor is stored in: experts `expert_qtype`; Engram tables `engram_qtype`; the checkpoint's FP8
-    matrices Q8_0 and BF16 matrices BF16 (dense="release"), all F32 (dense="F32"); 1-D, mHC, compressor F32."""
+    """The type a tensor is stored in: Engram tables `engram_qtype`; the rest as deepseek4's (synth_ds4.release_qtype:
+    experts `expert_qtype`, the checkpoint's FP8 matrices Q8_0 and BF16 ones BF16, 1-D, mHC, compressor F32)."""
     k = ds41layout.kind(name)
-    if k in ds41layout.EXPERTS:
-        return GT[spec.expert_qtype]
     if k == ds41layout.ENGRAM_TABLE:
         return GT[spec.engram_qtype]
-    if len(shape) == 1 or k in ds41layout.F32_2D or spec.dense == "F32":
-        return GT.F32
-    if k in ds41layout.FP8:
-        return GT.Q8_0
-    if k in ds41layout.BF16:
-        return GT.BF16
-    return GT.F32
+    return release_qtype(spec, k, shape, ds41layout.FP8, ds41layout.BF16, ds41layout.F32_2D)
 
 
 _TABLE_PER = 1 << 16            # blocks per chunk of a Q8_0 table

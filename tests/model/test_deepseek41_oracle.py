@@ -22,7 +22,7 @@ import torch
 import nemo_oracle
 from betelgeuse.gguf.synth_ds41 import DS41_PRESETS, qtype_of, write_deepseek41
 from betelgeuse.model.deepseek41 import Deepseek41Reference
-from oracle_checks import check_logits, chunked_logits, decode_logits, prefill_margins
+from oracle_checks import check_logits, check_margins, chunked_logits, decode_logits, prefill_margins
 
 REL_TOL = 1e-4
 PROMPT_LEN = 150
@@ -56,11 +56,7 @@ def test_prefill_matches_nemo(pair, prompt):
     q, ref, model = pair
     ours, margins = prefill_margins(model, prompt)
     _check(ours, ref, f"{q} prefill")
-    kinds = {k for _, k, _ in margins}
-    assert kinds == {"experts", "indexer", "candidates"}, kinds
-    worst = min(m for _, _, m in margins)
-    print(f"[ds41-oracle] {q}: smallest top-k selection margin {worst:.2e}")
-    assert worst > 1e-5, margins
+    check_margins(margins, {"experts", "indexer", "candidates"}, q, "ds41-oracle")
     assert model.engram_rows.rows_read > 0
 
 
