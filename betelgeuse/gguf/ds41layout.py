@@ -31,6 +31,7 @@ from typing import Iterator
 import numpy as np
 
 from betelgeuse.errors import ModelFormatError, UnsupportedError
+from betelgeuse.gguf import ds4layout
 from betelgeuse.gguf.modelconfig import _get, deepseek4_config
 
 ARCH = "deepseek41"
@@ -44,6 +45,7 @@ INT64_MAX = (1 << 63) - 1
 # tokens per Engram sub-batch: the unit of rows the store stages (a bank holds ENGRAM_TOKENS x n_cols rows) and of
 # the wkv projection (the same split in the reference and the engine: a row's bits never depend on the fetching)
 ENGRAM_TOKENS = 16
+ENGRAM_BANKS = 4        # sub-batches of rows in flight per worker (store/engram.py; the plan's activation bytes)
 
 # the release checkpoint's storage class of each GGUF tensor kind (what synth and convert key their types on):
 # FP8 E4M3 with ue8m0 32x32 block scales; BF16; FP32 (norms, mHC, sinks, router bias, the compressor)
@@ -51,6 +53,12 @@ FP8 = ("attn_q_a", "attn_q_b", "attn_kv", "attn_output_a", "attn_output_b", "ffn
        "ffn_down_shexp", "indexer.attn_q_b", "engram_wkv")
 BF16 = ("token_embd", "output", "indexer.proj", "indexer.attn_k", "ffn_gate_inp", "engram_q", "engram_k")
 F32_2D = ("hc_attn_fn", "hc_ffn_fn", "attn_compressor_kv", "attn_compressor_gate")
+# the kinds the model loads in float32 whatever the compute dtype (NeMo's _keep_in_fp32_modules_strict, plus the
+# norms): model.deepseek41 load_dense, and the slot plan's dense bytes (dense_elem_bytes)
+FP32_KINDS = ("attn_norm", "ffn_norm", "output_norm", "attn_sinks", "attn_q_a_norm", "attn_kv_a_norm",
+              "hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
+              "attn_compressor_kv", "attn_compressor_gate", "attn_compressor_norm", "indexer.k_norm", "exp_probs_b",
+              "engram_q", "engram_k")
 
 
 @dataclass(slots=True, frozen=True)
@@ -242,11 +250,10 @@ def deepseek41_config(meta: dict, *, where: str, stem: str, n_vocab: int, n_expe
 
 def layer_tensors(cfg, i: int) -> Iterator[tuple[str, tuple[int, ...]]]:
     """(name, torch shape) of layer i's tensors: V4's attention and experts, V4.1's optional CSA2 and Engram ones."""
-    from betelgeuse.gguf.ds4layout import attention_tensors, expert_tensors
     p4, p, D, hd = cfg.ds4, cfg.ds41, cfg.n_embd, cfg.head_dim
     ihd, nh = p4.index_head_dim, p4.index_n_heads
     b = f"blk.{i}."
-    yield from attention_tensors(cfg, i)
+    yield from ds4layout.attention_tensors(cfg, i)
     if i in p.kv_sources:
         yield b + "attn_compressor_kv.weight", (hd, D)
         if p4.compress_ratios[i] > 1:
@@ -260,7 +267,7 @@ def layer_tensors(cfg, i: int) -> Iterator[tuple[str, tuple[int, ...]]]:
         yield b + "indexer.k_norm.weight", (ihd,)
     yield b + "ffn_gate_inp.weight", (cfg.n_expert, D)
     yield b + "exp_probs_b.bias", (cfg.n_expert,)
-    yield from expert_tensors(cfg, i)
+    yield from ds4layout.expert_tensors(cfg, i)
     g = p.engram
     if g is not None and i in g.layer_ids:
         e = g.index(i)
@@ -432,3 +439,24 @@ def attention_scratch_bytes(cfg, max_len: int) -> int:
     q = min(QUERY_CHUNK, max_len)
     keys = q + p4.sliding_window - 1 + n_comp
     return 4 * (3 * cfg.n_head * q * keys + 3 * q * p4.index_n_heads * n_comp) + 2 * q * n_comp
+
+
+def dense_elem_bytes(name: str, dtype_bytes: int) -> int:
+    """Bytes per element of a non-expert tensor once loaded (model.deepseek41 load_dense): the FP32_KINDS in
+    float32, the rest in the compute dtype (the Engram tables are never loaded: the plan skips them)."""
+    return 4 if kind(name) in FP32_KINDS else dtype_bytes
+
+
+def activation_bytes(cfg, n_tokens: int, dtype_bytes: int) -> int:
+    """Peak activations of a prefill pass of n_tokens: deepseek4's (gguf/ds4layout.py activation_bytes: the same
+    sublayer shapes), plus the carried pre-mix row of the residual ([hc + 1, D] per token instead of [hc, D]) and,
+    with Engram, the worker's feed: its VRAM staging buffer (one bank: ENGRAM_TOKENS x n_cols rows, at most a
+    float32 row each) and the dequantized rows of the banks in flight (ENGRAM_BANKS) in the compute dtype, and one
+    sub-batch's Engram residual (the wkv projection [ENGRAM_TOKENS, (hc + 1) D] in float32)."""
+    n = ds4layout.activation_bytes(cfg, n_tokens, dtype_bytes) + n_tokens * cfg.n_embd * dtype_bytes
+    g = cfg.ds41.engram
+    if g is not None:
+        rows = max(ENGRAM_TOKENS * g.n_cols, len(g.layer_ids) * g.n_cols)      # = store/plan.py engram_plan's bank
+        n += rows * g.key_length * (4 + ENGRAM_BANKS * dtype_bytes)
+        n += ENGRAM_TOKENS * (cfg.ds4.hc_mult + 1) * cfg.n_embd * 4
+    return n

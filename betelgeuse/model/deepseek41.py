@@ -45,12 +45,6 @@ from betelgeuse.model.reference import ReferenceExperts
 
 QUERY_CHUNK = ds41layout.QUERY_CHUNK
 
-# tensors kept in float32 whatever the compute dtype (NeMo's _keep_in_fp32_modules_strict, plus the norms)
-_FP32_KINDS = ("attn_norm", "ffn_norm", "output_norm", "attn_sinks", "attn_q_a_norm", "attn_kv_a_norm",
-               "hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
-               "attn_compressor_kv", "attn_compressor_gate", "attn_compressor_norm", "indexer.k_norm", "exp_probs_b",
-               "engram_q", "engram_k")
-
 
 # ---- per-sequence state ---------------------------------------------------------------------------
 
@@ -124,6 +118,9 @@ class Deepseek41Model(Deepseek4Model):
     chunked_prefill = False
     static_decode = False
     lane_decode = False
+    # deepseek4's LaneDecode methods work on its fixed-shape DS4Cache: blocked here (None), so the class is no
+    # LaneDecode (model/interface.py check_model)
+    lane_rows = lane_row = attend_static = attn_out = None
 
     def __init__(self, cfg, dense: dict[str, torch.Tensor]):
         assert cfg.arch == "deepseek41" and cfg.ds41 is not None, cfg.arch
@@ -141,7 +138,7 @@ class Deepseek41Model(Deepseek4Model):
             k = ds41layout.kind(name)
             if k in ds41layout.EXPERTS or k == ds41layout.ENGRAM_TABLE:
                 continue
-            out[name] = f.load_tensor(name, device, torch.float32 if k in _FP32_KINDS else dtype)
+            out[name] = f.load_tensor(name, device, torch.float32 if k in ds41layout.FP32_KINDS else dtype)
         return out
 
     # -- the carried pre-mix (module doc) --

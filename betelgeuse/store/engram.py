@@ -26,10 +26,9 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from betelgeuse.errors import BetelgeuseError
+from betelgeuse.gguf.ds41layout import ENGRAM_BANKS
 from betelgeuse.store.layout import PAGE, round_up
 from betelgeuse.store.reader import ExpertReader
-
-ENGRAM_BANKS = 4                 # sub-batches of rows in flight per worker
 
 
 @dataclass(slots=True, frozen=True)
