@@ -20,7 +20,7 @@ from betelgeuse.gguf.reader import GGUFModelFile
 from betelgeuse.settings import AUTO, load_settings
 from betelgeuse.store.plan import HEADROOM, VRAM_PARTS, plan_slots
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
