@@ -4,7 +4,10 @@ For each configuration (--config shipped,auto or V+H; --serve-args adds flags) i
 (both processes, services/cli.py through services/launcher.py) in a memory cgroup of its own (memory.max =
 --memory-max, memory.swap.max = 0; where none can be made it says so and serve gets --memory-max instead), waits for
 /health, and drives it over the OpenAI HTTP API with its own client: POST /v1/completions, streamed, greedy
-(temperature 0), ignore_eos, prompts as token ids, every time on the client's clock.
+(temperature 0), ignore_eos, prompts as token ids, every time on the client's clock. Tokens are counted, not text:
+each request asks for logprobs (`logprobs: 0`), so every generated token arrives in a chunk of its own with a
+logprobs entry even when its text is "" or held back (a synthetic model's unused tokens, part of a UTF-8 character).
+Beside the client's TTFT / TG the table prints the server's own (usage timings: ttft_ms, predicted_per_second).
 
   cold prompt   one --prompt-token prompt (default 512): TTFT, TG over --decode tokens (default 128)
   again         the same prompt again (the prefix cache): TTFT, TG, cached tokens
@@ -30,6 +33,7 @@ import http.client
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import threading
@@ -112,12 +116,15 @@ class Client:
             c.close()
 
     def complete(self, ids: list[int], max_tokens: int, on_first=None) -> dict:
-        """One streamed greedy completion of token ids; per-chunk times on the client's clock (perf_counter). A
-        chunk is one token (a token whose text is held back, part of a UTF-8 character, arrives with the next);
-        completion_tokens and cached_tokens come from the final usage. on_first() is called when the first token
-        arrives."""
+        """One streamed greedy completion of token ids; per-token times on the client's clock (perf_counter).
+        Tokens are counted, not text: the stream is asked for logprobs (`logprobs: 0`), so the server sends one
+        chunk per generated token with its entry in logprobs.tokens even when the token's text is "" (an unused or
+        control token) or held back (part of a UTF-8 character); a chunk with text and no logprobs (the held-back
+        tail) is no token. completion_tokens and cached_tokens come from the final usage, the server's own timings
+        (ttft_ms, predicted_per_second) from its `timings`. on_first() is called when the first token arrives."""
         body = json.dumps({"model": self.model_id, "prompt": list(ids), "max_tokens": max_tokens, "temperature": 0.0,
-                           "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
+                           "ignore_eos": True, "logprobs": 0, "stream": True,
+                           "stream_options": {"include_usage": True}})
         rec = {"prompt_tokens": len(ids), "times": [], "text": "", "t_submit": time.perf_counter()}
         c = self._conn()
 
@@ -151,10 +158,12 @@ class Client:
                     rec["error"] = str(ev["error"].get("message", ev["error"]))
                     break
                 for ch in ev.get("choices", []):
-                    if ch.get("text"):
-                        rec["times"].append(now)
-                        rec["text"] += ch["text"]
-                        if on_first is not None and len(rec["times"]) == 1:
+                    rec["text"] += ch.get("text") or ""
+                    n_tok = len((ch.get("logprobs") or {}).get("tokens") or ())
+                    if n_tok:
+                        first = not rec["times"]
+                        rec["times"] += [now] * n_tok
+                        if on_first is not None and first:
                             on_first()
                     if ch.get("finish_reason"):
                         rec["finish_reason"] = ch["finish_reason"]
@@ -185,6 +194,26 @@ def _finish(rec: dict) -> dict:
     if "error" in rec:
         rec["finish_reason"] = None
     return rec
+
+
+def server_figures(recs: list[dict]) -> dict:
+    """The server's own clock for the same requests (usage `timings`: ttft_ms, predicted_per_second), the
+    cross-check printed beside the client's figures: TTFT p50 / max (s) and per-request TG min / max (tok/s)."""
+    u = [r["usage"] for r in recs if r.get("usage") and r["usage"].get("predicted_n")]
+    if not u:
+        return {}
+    ttft = [x["ttft_ms"] / 1e3 for x in u]
+    tg = [x["predicted_per_second"] for x in u if x.get("predicted_per_second")]
+    return {"server_ttft_p50_s": statistics.median(ttft), "server_ttft_max_s": max(ttft),
+            "server_tg_min": min(tg) if tg else None, "server_tg_max": max(tg) if tg else None}
+
+
+def _server(x: dict | None) -> str:
+    """One request's server timings as a table's cross-check: "server 0.052 s / 23.9 tok/s"."""
+    u = (x or {}).get("usage") or {}
+    if not u.get("predicted_n"):
+        return "server –"
+    return f"server {u['ttft_ms'] / 1e3:.3f} s / {u.get('predicted_per_second', 0):.1f} tok/s"
 
 
 def _slim(rec: dict) -> dict:
@@ -481,9 +510,10 @@ class ServeSuite:
             opened = self.meter.marked()
         b = self._snapshot(case, what)
         recs.figures = fig = concurrency_figures(recs)
+        fig.update(server_figures(recs))
         r = self.results
         if a is not None and b is not None:
-            tokens = sum(x.get("completion_tokens", len(x.get("times", []))) for x in recs)   # (a chunk may hold two)
+            tokens = sum(x.get("completion_tokens", len(x.get("times", []))) for x in recs)   # the server's count
             recs.bound = bounds(a, opened, b, r["disk"]["bps"], r["h2d"]["bps"], tokens,
                                 fig.get("aggregate_decode_tps"), fig.get("end_to_end_tps"))
             self.log(f"{case['name']}: {what}: decode {describe(recs.bound.get('decode'))}")
@@ -652,7 +682,9 @@ def markdown(r: dict) -> str:
          f"RAM {m.get('ram_bytes', 0) / 2**30:.0f} GiB; torch {m.get('torch', '')}; device `{r.get('device', '')}`; "
          f"model {Path(o.get('model', '')).name}", "",
          "The live service: `betelgeuse serve` (store + worker) driven over the OpenAI HTTP API by the bench's own "
-         "client (streamed /v1/completions, greedy, ignore_eos, prompts as token ids, client clock).", ""]
+         "client (streamed /v1/completions, greedy, ignore_eos, prompts as token ids, client clock; tokens counted by "
+         "their logprobs entries, one chunk each, text or none). \"server\": the same requests' TTFT / TG on the "
+         "server's clock (usage timings), a cross-check.", ""]
     if r.get("status") != "complete":
         L += [f"**Partial results** (status: {r.get('status')}).", ""]
     if not cases:
@@ -684,7 +716,7 @@ def markdown(r: dict) -> str:
                 return "–"
             cached = f" ({x.get('cached_tokens', 0)} cached)" if key == "again" else ""
             return (f"{_f(x.get('ttft_s'), '{:.3f}')} s / {_f(x.get('tg'), '{:.1f}')} tok/s{cached} "
-                    f"({describe((x.get('bound') or {}).get('decode'))})")
+                    f"({describe((x.get('bound') or {}).get('decode'))}; {_server(x)})")
         return fn
     row(f"one {o.get('prompt')}-token prompt: TTFT / TG over {o.get('decode')} tokens (its bound)", one("cold"))
     row("the same prompt again (prefix cache): TTFT / TG (its bound)", one("again"))
@@ -693,12 +725,16 @@ def markdown(r: dict) -> str:
     for n in ns:
         def conc(c, n=n):
             f = c.get("clients", {}).get(str(n), {}).get("figures")
-            if not f or f.get("aggregate_decode_tps") is None:
+            if not f:
                 return "–"
+            srv = (f"server: {_f(f.get('server_tg_min'), '{:.1f}')}-{_f(f.get('server_tg_max'), '{:.1f}')} tok/s, "
+                   f"TTFT {_f(f.get('server_ttft_p50_s'), '{:.2f}')} s, {_f(f.get('server_ttft_max_s'), '{:.2f}')} s")
+            if f.get("aggregate_decode_tps") is None:
+                return f"– ({srv})"
             b = (c["clients"][str(n)].get("bound") or {}).get("decode")
             return (f"{_f(f['aggregate_decode_tps'], '{:.1f}')} tok/s (end-to-end {_f(f.get('end_to_end_tps'), '{:.1f}')}; "
                     f"{describe(b)}) / {_f(f.get('tg_min'), '{:.1f}')}-{_f(f.get('tg_max'), '{:.1f}')} / "
-                    f"{_f(f.get('ttft_p50_s'), '{:.2f}')} s, {_f(f.get('ttft_max_s'), '{:.2f}')} s")
+                    f"{_f(f.get('ttft_p50_s'), '{:.2f}')} s, {_f(f.get('ttft_max_s'), '{:.2f}')} s ({srv})")
         prompt = f"{lo}" if lo == hi else f"{lo}-{hi}"
         row(f"{n} client{'s' if n > 1 else ''} ({prompt}-token prompts, {o.get('client_tokens')} tokens each): "
             "aggregate decode (its bound) / per request / TTFT p50, max", conc)
