@@ -718,8 +718,8 @@ def markdown(r: dict) -> str:
             return (f"{_f(x.get('ttft_s'), '{:.3f}')} s / {_f(x.get('tg'), '{:.1f}')} tok/s{cached} "
                     f"({describe((x.get('bound') or {}).get('decode'))}; {_server(x)})")
         return fn
-    row(f"one {o.get('prompt')}-token prompt: TTFT / TG over {o.get('decode')} tokens (its bound)", one("cold"))
-    row("the same prompt again (prefix cache): TTFT / TG (its bound)", one("again"))
+    row(f"one {o.get('prompt')}-token prompt: TTFT / TG over {o.get('decode')} tokens (its bound; server's)", one("cold"))
+    row("the same prompt again (prefix cache): TTFT / TG (its bound; server's)", one("again"))
     ns = sorted({int(n) for c in cases for n in c.get("clients", {})})
     lo, hi = o.get("client_prompt", ("?", "?"))
     for n in ns:
@@ -737,7 +737,7 @@ def markdown(r: dict) -> str:
                     f"{_f(f.get('ttft_p50_s'), '{:.2f}')} s, {_f(f.get('ttft_max_s'), '{:.2f}')} s ({srv})")
         prompt = f"{lo}" if lo == hi else f"{lo}-{hi}"
         row(f"{n} client{'s' if n > 1 else ''} ({prompt}-token prompts, {o.get('client_tokens')} tokens each): "
-            "aggregate decode (its bound) / per request / TTFT p50, max", conc)
+            "aggregate decode (its bound) / per request / TTFT p50, max (server's)", conc)
 
     def agent(c):
         a = s.get(c["name"], {})

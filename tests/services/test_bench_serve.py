@@ -52,6 +52,7 @@ def test_the_live_service_gives_the_table(serve_run):
             assert mem["reason"] and "--memory-max" in c["serve_command"]
         cold, again = c["cold"], c["again"]
         assert cold["completion_tokens"] == again["completion_tokens"] == 48
+        assert len(cold["token_s"]) == len(again["token_s"]) == 48                 # every token timed
         assert 0 < cold["ttft_s"] < 30 and cold["tg"] > 0 and again["tg"] > 0
         assert again["cached_tokens"] >= 16 and cold["cached_tokens"] == 0     # the prefix cache, whole 16-token blocks
         assert again["text"] == cold["text"] != ""                              # greedy: the cache changes no token
@@ -78,10 +79,10 @@ def test_the_live_service_gives_the_table(serve_run):
     assert "--vram-slots auto --host-slots auto" in auto["serve_command"]
     assert r["h2d"]["bps"] is None and r["h2d"]["why"]                  # n/a on the CPU
     md = (out / "bench.md").read_text()
-    for want in ("## The service", "| `auto` | `2+6` |", "| one 32-token prompt: TTFT / TG over 48 tokens (its bound) |",
+    for want in ("## The service", "| `auto` | `2+6` |", "| one 32-token prompt: TTFT / TG over 48 tokens (its bound; server's) |",
                  "| 2 clients (16-token prompts, 24 tokens each)", "achieved",
                  "## What the service moved, and the bound it sets", "| 2 clients | decode window |",
-                 "agent loop, 3 turns",
+                 "agent loop, 3 turns", "; server 0.", "(server: ",
                  "TTFT p50, 2 clients together ÷ the lone cold prompt", "## Definitions"):
         assert want in md, want
     assert "## The service" in p.stdout                               # the figures, printed
