@@ -665,24 +665,27 @@ class TorchOps:
 
     @staticmethod
     def index_topk(iq, iw, keys, pos, k: int):
-        """One query's indexer scores over every entry [N] (those not visible at pos -inf) -> the top-k rows [k]."""
-        visible = torch.arange(keys.shape[0], device=pos.device) < torch.div(pos + 1, 4, rounding_mode="floor")
-        return index_scores(iq, iw, keys).masked_fill(~visible[None], float("-inf")).topk(k, dim=-1).indices[0]
+        """One query's indexer scores over the entries visible at pos -> the top rows [min(k, visible)], best
+        first. Only the visible rows are scored (keys [N] is sized by the sequence's max_len, which must not
+        change a bit: the CPU path is eager, so the count is read on the host)."""
+        n = _visible(pos, 4)
+        return index_scores(iq, iw, keys[:n]).topk(min(k, n), dim=-1).indices[0]
 
     @staticmethod
     def decode_attend(q, kv, ring, entries, top, pos, ratio: int, sinks, cos, sin):
         """The token's K=V row kv [1, hd] into the window ring [W, hd] at pos % W; then one query q [1, H, hd] at
-        pos over the ring (its rows that hold a position >= 0) and,
-        on compressed layers, the entries (top [k]: those rows; None: every row) visible at pos (row < (pos+1) //
-        ratio), with the sinks -> [1, H, hd] de-rotated at pos (cos/sin [1, r])."""
+        pos over the ring (its rows that hold a position >= 0) and, on compressed layers, the entries visible at
+        pos (row < (pos+1) // ratio; top [k]: those of these rows, in top's order; None: every one), with the
+        sinks -> [1, H, hd] de-rotated at pos (cos/sin [1, r]). Only the visible entries are keys: entries [N] is
+        sized by the sequence's max_len, and masked keys would still change the CPU's reduction order (the bits
+        would depend on max_len); the CPU path is eager, so the count is read on the host."""
         W, dev = ring.shape[0], pos.device
         ring.index_copy_(0, pos.remainder(W), kv)
         keys, mask = ring, pos - (pos - torch.arange(W, device=dev)).remainder(W) >= 0
         if entries is not None:
-            visible = torch.arange(entries.shape[0], device=dev) < torch.div(pos + 1, ratio, rounding_mode="floor")
-            if top is not None:
-                entries, visible = entries.index_select(0, top), visible.index_select(0, top)
-            keys, mask = torch.cat([keys, entries]), torch.cat([mask, visible])
+            n = _visible(pos, ratio)
+            ents = entries[:n] if top is None else entries.index_select(0, top[top < n])
+            keys, mask = torch.cat([keys, ents]), torch.cat([mask, mask.new_ones(ents.shape[0])])
         return apply_rope(attend_ref(q, keys, mask[None], sinks), cos, -sin)
 
     @staticmethod
@@ -701,6 +704,11 @@ class TorchOps:
     def route_hash(logits, tid2eid, token_ids, norm: bool, scale: float, dtype):
         ids = tid2eid[token_ids]
         return ids, _route_weights(_sqrt_softplus(logits).gather(1, ids), norm, scale, dtype)
+
+
+def _visible(pos: torch.Tensor, ratio: int) -> int:
+    """The entries visible at the device position pos [1]: (pos + 1) // ratio (a host read)."""
+    return int(pos.item() + 1) // ratio
 
 
 def ops_for(device: torch.device):

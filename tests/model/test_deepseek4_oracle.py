@@ -152,3 +152,20 @@ def test_chunked_prefill_matches_transformers(pair, prompt):
     q, ref, model = pair
     # odd sizes crossing windows of 4, 16 and 128
     _check(chunked_logits(model, prompt, (1, 3, 7, 13, 29, 61, 5, 81)), ref, f"{q} chunked prefill")
+
+
+def test_decode_bits_do_not_depend_on_the_cache_size(pair, prompt):
+    """A decode row is the same bits whatever max_len the sequence's state was sized for (its compressed-entry
+    tensors have ceil(max_len / ratio) rows; only the visible ones may take part): decode from 13 crosses the
+    window ring's wrap (16) and closes CSA windows; the caches differ in their HCA rows (1 vs 3)."""
+    q, _, model = pair
+    start, steps = 13, prompt[13:21]
+
+    def rows(max_len):
+        kv = model.new_cache(max_len)
+        with torch.no_grad():
+            model.forward(prompt[:start], kv)
+            return torch.cat([model.forward(t.view(1), kv) for t in steps])
+
+    a, b = rows(start + len(steps)), rows(start + len(steps) + 300)
+    assert torch.equal(a, b), f"{q}: decode rows differ by cache size, max |diff| {float((a - b).abs().max()):.3e}"
