@@ -383,6 +383,13 @@ def test_max_tokens_beyond_the_context_is_a_400_naming_the_numbers(cluster, chan
     r = gen(channel, text="Hi", max_tokens=100000)
     TALLY["bad_inputs"] += 1
     assert r.code == grpc.StatusCode.INVALID_ARGUMENT and "100000" in r.details and "2048" in r.details, r.details
+    # a gRPC client may ask for max_tokens as an upper bound (fit_context, as /v1/messages does): the output ends at
+    # the end of the context. A prompt 3 tokens short of the 2,048-token context gives exactly 3 tokens
+    req = h.request(ids=[7] * 2045, max_tokens=100000, ignore_eos=True)
+    req.fit_context = True
+    TALLY["requests"] += 1
+    r = h.run_stream(h.stub(channel).Generate(req, timeout=60))
+    assert r.code is None and len(r.tokens) == 3, (r.code, r.details, len(r.tokens))
     st, _, got = chat(cluster, {"max_tokens": 4})              # what fits is served
     assert st == 200 and got["choices"][0]["finish_reason"] in ("stop", "length"), got
 
