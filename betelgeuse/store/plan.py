@@ -22,6 +22,11 @@ from betelgeuse.model.registry import arch_of
 from betelgeuse.store.layout import ArenaLayout, SlotLayout, round_down
 
 HEADROOM = 256 * MiB            # left free in the cgroup for page tables, sockets, the unexpected
+# auto staging: one layer's misses on demand + the next layer's read ahead (2 x the non-resident experts, <= 512
+# slots), but in BYTES at most 1 GiB (~0.6 s of reads at 1.8 GB/s keeps the disk's queue full) and at most 1/8 of the
+# memory left for the arena: with V4-Flash's 13-19 MB experts 512 slots were 7-10 GB, and the host tier got nothing
+STAGING_AUTO_MAX_BYTES = 1 * GiB
+STAGING_AUTO_FREE_SHARE = 8
 CUDA_CONTEXT_BYTES = 1 * GiB    # VRAM the CUDA context and torch's allocator take beyond tensors (767 MiB measured on an H200)
 # VRAM of one running sequence's captured decode graphs (worker/lanes.py: its attention graph per layer, their private pool and
 # their instantiated kernel nodes); with 8 sequences replaying them device-wide use went 158 MiB higher (docs/benchmarks/gpu-agents3)
@@ -284,7 +289,9 @@ def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, me
         notes.append(f"prefix host tier {_gib(prefix_host)}")
     non_resident = c.n_expert - n_vram
     if cfg.staging_slots == "auto":
-        n_staging = max(4, min(2 * non_resident, 512))   # one layer on demand + the next layer read ahead
+        cap_bytes = STAGING_AUTO_MAX_BYTES if free is None else min(STAGING_AUTO_MAX_BYTES,
+                                                                    max(0, free) // STAGING_AUTO_FREE_SHARE)
+        n_staging = max(4, min(2 * non_resident, 512, cap_bytes // slot.slot_bytes))
     else:
         n_staging = max(1, int(cfg.staging_slots))
 

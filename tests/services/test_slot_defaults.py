@@ -45,7 +45,8 @@ def test_the_default_config_plans_auto(tiny):
     assert d["staging_bytes"] == p0.n_staging * slot and d["arena_bytes"] == p0.arena_bytes
     # on the GPU, a VRAM budget for 4 slots per layer and a memory limit: each tier is sized from its budget and
     # says so (the plan needs no GPU to be computed; no prefix host tier, which would take its share of the limit)
-    gpu = dict(model_path=tiny.path, device="cuda", prefix_host_bytes=0)
+    # (staging fixed here: its auto size depends on the limit too, test_auto_staging_leaves_the_memory_to_host_slots)
+    gpu = dict(model_path=tiny.path, device="cuda", prefix_host_bytes=0, staging_slots=8)
     budget = plan_slots(tiny, EngineConfig(**gpu), None).vram_fixed + 4 * c.n_layer * slot
     cfg = EngineConfig(**gpu, vram_budget=budget)
     full = plan_slots(tiny, cfg, None)
@@ -121,3 +122,26 @@ def test_models_and_the_log_line_show_the_chosen_plan(service_model, tmp_path):
     for k in ("vram_budget_bytes", "kv_bytes", "prefix_cache_bytes", "ring_bytes", "staging_bytes",
               "memory_limit_bytes", "why"):
         assert f"{k}=" in line or f'"{k}"' in line, line
+
+
+def test_auto_staging_leaves_the_memory_to_host_slots(tiny):
+    """Auto staging is sized in bytes too: at most 1/8 of the memory left for the arena (and 1 GiB), so large
+    experts (V4-Flash's 13-19 MB: 512 staging slots were 7-10 GB) do not take the host tier's memory. Fails when
+    staging is 2 x the non-resident experts whatever their size (the host tier then gets fewer slots)."""
+    from betelgeuse.store import plan as plan_mod
+    gpu = dict(model_path=tiny.path, device="cuda", prefix_host_bytes=0)
+    c = tiny.config
+    slot = plan_slots(tiny, EngineConfig(**gpu), None).slot.slot_bytes
+    budget = plan_slots(tiny, EngineConfig(**gpu), None).vram_fixed + 2 * c.n_layer * slot
+    cfg = EngineConfig(**gpu, vram_budget=budget, vram_backing=False)
+    reserve = plan_slots(tiny, cfg, None).worker_reserve
+    per_layer = c.n_layer * slot
+    free = 12 * per_layer                          # room for 12 slots per layer after reserve and headroom
+    p = plan_slots(tiny, cfg, reserve + HEADROOM + free, memory_current=0)
+    non_resident = c.n_expert - p.n_vram
+    assert 2 * non_resident * slot > free // plan_mod.STAGING_AUTO_FREE_SHARE   # the byte cap binds here
+    assert p.n_staging == max(4, free // plan_mod.STAGING_AUTO_FREE_SHARE // slot)
+    assert p.staging_bytes <= max(4 * slot, free // plan_mod.STAGING_AUTO_FREE_SHARE)
+    # what staging does not take goes to host slots (the arena's other parts are small on this model)
+    assert p.n_host >= min(non_resident, (free - p.staging_bytes) // per_layer - 1)
+    assert p.arena_bytes <= free
