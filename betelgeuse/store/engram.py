@@ -169,9 +169,15 @@ class EngramRows:
             self.counters.requests += 1
             self.counters.rows += n
             self.counters.cache_rows += n - len(misses)
+        jitter = self.reader.jitter               # test-only adversarial timing (store/reader.py Jitter); None: off
         if not misses:
             req.landed = EngramLanded(bank, n, 0, n, 0, 0.0)
-            req.done.set()
+            if jitter is None:
+                req.done.set()
+            else:                                 # rows from the row cache land late too
+                t = threading.Timer(jitter.delay(), self._settle, (bank, req))
+                t.daemon = True
+                t.start()
             return bank
         # the pages holding the missed rows, sorted and coalesced into runs of adjacent pages
         starts = np.array([L.tables[tables[k]].offset + int(rows[k]) * L.tables[tables[k]].row_bytes for k in misses],
@@ -189,6 +195,8 @@ class EngramRows:
             ranges.append((off, min(run.size * PAGE, fsize - off), area + pos * PAGE))
             pos += run.size
         where = {int(p): i for i, p in enumerate(pages)}                  # file page -> its page in the area
+        if jitter is not None:                    # the runs queued (so landing) in any order
+            ranges = jitter.shuffled(ranges)
         stamp = self.watch.stamp() if self.watch is not None else None
         t0 = time.perf_counter()
         try:
@@ -210,7 +218,10 @@ class EngramRows:
                     self.counters.read_errors += 1
                 else:
                     pview = self.arena.numpy(area, pages.size * PAGE)
-                    for j, k in enumerate(misses):
+                    # rows copied out (and into the LRU row cache: which rows it keeps) in any order under the jitter
+                    order = range(len(misses)) if jitter is None else jitter.shuffled(range(len(misses)))
+                    for j in order:
+                        k = misses[j]
                         a = where[int(first[j])] * PAGE + int(starts[j]) % PAGE
                         row = pview[a:a + int(sizes[j])]
                         compact[k, :row.size] = row
@@ -219,11 +230,16 @@ class EngramRows:
                     self.counters.disk_bytes += device
                     req.landed = EngramLanded(bank, n, len(misses), n - len(misses), device,
                                               time.perf_counter() - t0)
-                req.done.set()
-                if req.release_on_land:
-                    self._free_bank(bank)
+            self._settle(bank, req)
         fut.add_done_callback(landed)
         return bank
+
+    def _settle(self, bank: int, req: _Request) -> None:
+        """A request's rows are in its bank (or it failed): wake its waiter; a bank released meanwhile is free now."""
+        with self.lock:
+            req.done.set()
+            if req.release_on_land:
+                self._free_bank(bank)
 
     def _cache_put(self, key: tuple[int, int], row: np.ndarray) -> None:
         """(under lock) keep a row in the LRU cache, evicting the least recently used."""

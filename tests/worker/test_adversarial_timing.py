@@ -6,19 +6,27 @@ order and slows consolidation copies, so experts land late, out of order, in lau
 and passes run while a consolidation is still filling. Every architecture's engine must still give its reference's
 logits (experts dequantized from the file's mmap, no store) bit for bit: prefill cold / after a consolidation /
 consolidated, decode steps that run beside filling consolidations, batched decode, and (qwen3moe) prefix-cache hits.
+deepseek41 runs the same checks with its Engram rows jittered too (store/engram.py: each row request's page reads held
+back and queued in shuffled order, rows copied into its bank and the LRU row cache in shuffled order, and even rows
+answered from the row cache land late), against its Deepseek41Reference (Engram rows read from the file's map).
 deepseek4 has no prefix cache (its compressed state is not cut into blocks: Deepseek4Model.chunked_prefill = False),
 so it has no prefix case. The issue's own reproduction (the two-process `betelgeuse logits` on a 16-expert ds4-tiny)
 runs once under the jitter too. The same checks on CUDA: deploy/device/check_cuda.py / check_ds4.py
 --adversarial-timing SEED:MS.
 
 These checks can fail: test_the_jitter_exposes_an_arrival_order_combine plants a combine that sums expert outputs in
-the order they landed and shows that the check answers "differs" under the jitter, and "same" without it.
+the order they landed and shows that the check answers "differs" under the jitter, and "same" without it (qwen3moe,
+deepseek4; deepseek41's top-2 sum commutes, so no such order can show); test_the_jitter_exposes_an_arrival_order_
+engram_placement plants an Engram reader that packs pages in the order they land: the reference's bits without the
+jitter, "differs" under it.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -29,6 +37,7 @@ import torch
 from betelgeuse.gguf.synth import spec_from_preset, write_model
 from betelgeuse.kernels.moe import MoEKernels
 from betelgeuse.model import reference_model
+from betelgeuse.store.layout import PAGE
 from betelgeuse.store.reader import JITTER_ENV, Jitter
 from betelgeuse.worker.moe_step import MoEStep
 from betelgeuse.worker.prefix_cache import PrefixCache
@@ -39,6 +48,7 @@ from services.launcher import python_env
 JITTER = "28:5"               # seed 28, reads held back up to 5 ms (a read itself takes ~0.1 ms here)
 DECODE = 8                    # decode steps
 C = 8                         # qwen3moe's prefill chunk in the prefix case (prompts span several blocks)
+ARCHS = ["qwen3moe", "deepseek4", "deepseek41"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +59,8 @@ class Arch:
     prompt: list[int]
     decode_at: int            # the decode test prefills this many tokens of `prompt`, then decodes DECODE more
     ref: object               # the architecture's reference model (model/reference.py)
+    cfg: tuple = ()           # EngineConfig overrides, (name, value) pairs
+    decode: int = DECODE      # decode steps of the decode test
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +70,19 @@ def archs(tmp_path_factory) -> dict[str, Arch]:
     ds4 = d / "ds4-16.gguf"                                                      # the issue's: 16 experts, top-4
     spec = replace(spec_from_preset("ds4-tiny"), n_expert=16, n_expert_used=4, seed=2)
     write_model(ds4, spec, progress=False)
+    ds41 = d / "ds41-tiny.gguf"
+    write_model(ds41, replace(spec_from_preset("ds41-tiny"), seed=2), progress=False)
+    ds41_prompt = [int(x) for x in np.random.default_rng(4).integers(0, 512, 64)]
     return {"qwen3moe": Arch(q, 5, 15, prompt(40, ENGINE_SPEC["n_vocab"], seed=3), 32, reference_model(q)),
             # 150 tokens cross ds4-tiny's sliding window (16) and its CSA (4) and HCA (128) compression windows;
             # decode from 124 closes CSA and HCA windows (127) during decode
             "deepseek4": Arch(ds4, 3, 5, [int(x) for x in np.random.default_rng(4).integers(0, spec.n_vocab, 150)],
-                              124, reference_model(ds4))}
+                              124, reference_model(ds4)),
+            # ds41-tiny (8 experts, top-2, Engram before layers 1 and 4; its CPU decode step is ~0.7 s, so a shorter
+            # prompt and fewer steps): 64 tokens cross its sliding window (16) and candidate blocks (4 x 4); a row
+            # cache of ~240 of the prompt's 512 Engram rows, so every pass reads rows from disk and which rows stay
+            # cached depends on when they land
+            "deepseek41": Arch(ds41, 2, 3, ds41_prompt, 48, reference_model(ds41), (("engram_cache_bytes", 8192),), 4)}
 
 
 @pytest.fixture(autouse=True)
@@ -72,8 +92,9 @@ def adversarial(monkeypatch):
 
 
 def _runner(a: Arch, **cfg):
-    runner, store = in_process_runner(a.path, a.vram, a.host, **cfg)
+    runner, store = in_process_runner(a.path, a.vram, a.host, **{**dict(a.cfg), **cfg})
     assert store.reader.jitter is not None, "the store is not jittered: the test would prove nothing"
+    assert store.engram is None or store.engram.reader.jitter is not None, "Engram rows are not jittered"
     return runner, store
 
 
@@ -119,7 +140,7 @@ def test_jitter_parses_and_is_off_unless_set(monkeypatch):
             Jitter.parse(bad)
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek4"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_prefill_bit_identical_whatever_the_arrival(archs, arch):
     """Cold (everything from disk, landing in random order); after a consolidation that was still filling when the
     pass began (the prefill waits for it); consolidated (VRAM, host and disk experts in one pass)."""
@@ -134,13 +155,15 @@ def test_prefill_bit_identical_whatever_the_arrival(archs, arch):
             logits, st = runner.forward(a.prompt, runner.new_cache(len(a.prompt)), all_logits=True, consolidate=True)
             _equal(logits, want, f"{arch} {name} prefill")
             reads.append(st.reads)
+            # deepseek41: Engram rows from disk in every pass (the row cache holds under half of them), late and shuffled
+            assert st.engram is None or 0 < st.engram.disk_rows < st.engram.unique_rows, st.engram
         assert reads[0]["vram"] == reads[0]["host"] == 0 < reads[0]["disk"], reads
         assert all(reads[2][t] > 0 for t in ("vram", "host", "disk")), reads
     finally:
         _close(runner, store)
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek4"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_decode_beside_filling_consolidations(archs, arch):
     """Prefill, then DECODE one-token passes (the prompt's next tokens) with a consolidation every 3 tokens:
     decode passes do not wait for a consolidation still filling (they run on the placement they have and pick the
@@ -149,13 +172,13 @@ def test_decode_beside_filling_consolidations(archs, arch):
     a = archs[arch]
     ref = a.ref
     P = a.prompt[:a.decode_at]
-    steps = a.prompt[a.decode_at:a.decode_at + DECODE]
-    want = _ref_decode(ref, P, steps, DECODE)
+    steps = a.prompt[a.decode_at:a.decode_at + a.decode]
+    want = _ref_decode(ref, P, steps, a.decode)
     runner, store = _runner(a, decode_consolidate_every=3)
     try:
         busy = []
         for rnd in ("cold", "warm"):
-            kv = runner.new_cache(len(P) + DECODE)
+            kv = runner.new_cache(len(P) + a.decode)
             rows = [runner.forward(P, kv, all_logits=True)[0]]
             for t in steps:
                 busy.append(store.consolidating)
@@ -168,7 +191,7 @@ def test_decode_beside_filling_consolidations(archs, arch):
         _close(runner, store)
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek4"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_batched_decode_bit_identical_whatever_the_arrival(archs, arch):
     """Three sequences decode together (runner.decode_batch: each expert loaded once per layer for all their rows)
     while consolidations fill; each row equals the reference's solo decode of that sequence."""
@@ -266,7 +289,7 @@ def naive_combine(monkeypatch):
     monkeypatch.setattr(MoEKernels, "combine", arrival_order_combine)
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek4"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek4"])   # not deepseek41: its top-2 sums commute (a+b == b+a)
 def test_the_jitter_exposes_an_arrival_order_combine(archs, arch, naive_combine, monkeypatch):
     """The adversarial tests can fail: with an arrival-order combine planted (naive_combine), a cold prefill (every
     expert from disk) is repeatable without the jitter (one read thread, no read-ahead: reads land in the order they
@@ -275,7 +298,7 @@ def test_the_jitter_exposes_an_arrival_order_combine(archs, arch, naive_combine,
     a = archs[arch]
 
     def cold_prefill():
-        runner, store = in_process_runner(a.path, a.vram, a.host, read_threads=1, prefetch=False)
+        runner, store = in_process_runner(a.path, a.vram, a.host, read_threads=1, prefetch=False, **dict(a.cfg))
         try:
             logits, st = runner.forward(a.prompt, runner.new_cache(len(a.prompt)), all_logits=True, consolidate=False)
             assert st.reads["vram"] == st.reads["host"] == 0 < st.reads["disk"], st.reads
@@ -291,3 +314,63 @@ def test_the_jitter_exposes_an_arrival_order_combine(archs, arch, naive_combine,
     jittered, jit2 = cold_prefill()
     assert jit2
     assert verdict(jittered, base).startswith("differs"), f"{arch}: the jitter did not expose the planted combine"
+
+
+@pytest.fixture
+def arrival_order_pages(monkeypatch):
+    """Plants the Engram bug the jitter must expose: each 4 KiB page of a row request read on its own and packed into
+    the bank's page area in the order the pages LANDED, while the rows are looked up where the pages would sit in file
+    order (store/engram.py places each run of pages at its file-order position, so the landing order cannot matter)."""
+    from betelgeuse.store.engram import EngramRows
+    init = EngramRows.__init__
+
+    def planted_init(self, *args, **kw):
+        init(self, *args, **kw)
+        reader, real = self.reader, self.reader.read
+
+        def read(runs, priority=0):
+            area = min(dest for _, _, dest in runs)
+            ranges = [(off + a, min(PAGE, n - a), dest + a) for off, n, dest in runs for a in range(0, n, PAGE)]
+            landed, lock, out = [], threading.Lock(), cf.Future()
+            out.set_running_or_notify_cancel()
+
+            def one(run, f):
+                with lock:
+                    landed.append(run)
+                    if len(landed) < len(ranges):
+                        return
+                blobs = [bytes(reader.arena.view(dest, PAGE)) for _, _, dest in landed]
+                reader.arena.view(area, sum(map(len, blobs)))[:] = b"".join(blobs)
+                out.set_result(None)
+            for run in ranges:
+                real([run], priority).add_done_callback(lambda f, run=run: one(run, f))
+            return out
+        reader.read = read
+
+    monkeypatch.setattr(EngramRows, "__init__", planted_init)
+
+
+def test_the_jitter_exposes_an_arrival_order_engram_placement(archs, arrival_order_pages, monkeypatch):
+    """The Engram half of the proof (deepseek41): with arrival_order_pages planted, a cold prefill is the reference's
+    without the jitter (one Engram read thread: runs land in the order asked, which is file order) and repeatable,
+    but under the jitter (runs queued shuffled, each held back) the invariance check answers "differs"."""
+    a = archs["deepseek41"]
+    with torch.no_grad():
+        want = a.ref.forward(torch.tensor(a.prompt), a.ref.new_cache(len(a.prompt))).float()
+
+    def cold_prefill():
+        runner, store = in_process_runner(a.path, a.vram, a.host, engram_read_depth=1, engram_cache_bytes=0)
+        try:
+            logits, st = runner.forward(a.prompt, runner.new_cache(len(a.prompt)), all_logits=True, consolidate=False)
+            assert st.engram.disk_rows > 0
+            return logits, store.engram.reader.jitter is not None
+        finally:
+            _close(runner, store)
+
+    monkeypatch.delenv(JITTER_ENV)
+    base, jit0 = cold_prefill()
+    assert not jit0 and verdict(base, want) == "same", "the planted placement differs even without the jitter"
+    monkeypatch.setenv(JITTER_ENV, JITTER)
+    jittered, jit1 = cold_prefill()
+    assert jit1
+    assert verdict(jittered, want).startswith("differs"), "the jitter did not expose the planted Engram placement"
