@@ -361,16 +361,23 @@ class Deepseek4Model:
         out = F.linear(y.reshape(T, -1), self.w[b + "attn_output_b.weight"])
         return self.ops.hc_post(x, out, post, comb)
 
-    def attend_static(self, layer: int, rows: tuple, cache: DS4Cache, pos: torch.Tensor) -> torch.Tensor:
+    def attend_static(self, layer: int, rows: tuple, cache: DS4Cache, pos: torch.Tensor,
+                      tables: tuple | None = None) -> torch.Tensor:
         """One token of one sequence (rows of lane_rows with T = 1) at the device position pos [1]: its K=V row
         into the window ring, its compressor rows into the open window and the window's entry (re)computed,
         the indexer's top-k over every visible entry, attention over the ring and the chosen entries with the
-        invisible ones masked -> o [1, H*hd] (de-rotated). Fixed shapes whatever the position: graph-capturable."""
+        invisible ones masked -> o [1, H*hd] (de-rotated). Fixed shapes whatever the position: graph-capturable.
+        tables: the RoPE tables at pos, (main cos, sin, compressed cos, sin) [1, rope_dim] each (the lanes' tables of
+        the step, this lane's row); None: self.rope's at pos (the pass's, made once by the first layer's lane_rows).
+        Either way no layer recomputes them (issue 21: ~5 launches per layer)."""
         p, w, l, ops = self.p, self.w, layer, self.ops
         b, hd, H = f"blk.{l}.", self.cfg.head_dim, self.cfg.n_head
         st = cache.layers[l]
         ratio = p.compress_ratios[l]
-        q, cos, sin = rows[0], *(self.rope_comp if ratio else self.rope_main).cos_sin(pos)
+        if tables is None:
+            main, comp = self.rope.cos_sin(pos)
+            tables = (*main, *comp)
+        q, (cos, sin) = rows[0], (tables[2:] if ratio else tables[:2])
         ents = top = None
         if ratio:
             ops.compress_step(st.comp.kv, st.comp.gate, st.comp.entries, rows[2], rows[3],

@@ -81,14 +81,17 @@ class LaneDecode(Protocol):
     once and the attention per sequence (worker/lanes.py):
 
         carry, rows = lane_rows(layer, x, positions)     # x [B, ...] one row per lane; rows: a tuple of tensors
-        o_i = attend_static(layer, lane_row(rows, i), cache_i, pos_i)     # per sequence -> [1, n_head*head_dim]
+        o_i = attend_static(layer, lane_row(rows, i), cache_i, pos_i, lane_row(tables, i))   # -> [1, n_head*head_dim]
         x = attn_out(layer, carry, o)                    # o [B, n_head*head_dim]
     """
-    rope: Any                       # .cos_sin(positions, dtype): the tables lane_rows reads (the lanes keep them alive)
+    # .cos_sin(positions, dtype): the tables lane_rows reads (the lanes keep them alive); flattened, they are the
+    # `tables` (the step's, made once) attend_static may read at its lane's position instead of recomputing them
+    rope: Any
 
     def lane_rows(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[Any, tuple]: ...
     def lane_row(self, rows: tuple, i: int) -> tuple: ...
-    def attend_static(self, layer: int, rows: tuple, cache, pos: torch.Tensor) -> torch.Tensor: ...
+    def attend_static(self, layer: int, rows: tuple, cache, pos: torch.Tensor,
+                      tables: tuple | None = None) -> torch.Tensor: ...
     def attn_out(self, layer: int, carry, attn: torch.Tensor) -> torch.Tensor: ...
 
 

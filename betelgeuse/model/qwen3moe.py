@@ -91,9 +91,10 @@ class Qwen3MoeModel:
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def attend_static(self, layer: int, rows: tuple, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
+    def attend_static(self, layer: int, rows: tuple, cache: KVCache, pos: torch.Tensor,
+                      tables: tuple | None = None) -> torch.Tensor:
         """One token of one sequence: rows = q [n_head,1,hd], k/v [n_head_kv,1,hd]; k/v written at the device
-        position pos [1], attention over the whole static cache -> [1, n_head*hd]."""
+        position pos [1], attention over the whole static cache -> [1, n_head*hd]. (tables unused: q/k come rotated.)"""
         q, k, v = rows
         cache.write_static(layer, k, v, pos)
         return static_decode_attention(q, cache.k[layer], cache.v[layer], pos)

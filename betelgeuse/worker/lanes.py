@@ -43,6 +43,11 @@ from betelgeuse.errors import BetelgeuseError
 from betelgeuse.worker.graphs import CAPTURE, EAGER, REPLAY, capture
 
 
+def _flat(t) -> list:
+    """Nested tuples of tensors (a model's RoPE tables) -> their tensors in order."""
+    return [t] if isinstance(t, torch.Tensor) else [x for u in t for x in _flat(u)]
+
+
 class _SeqAttn:
     """One sequence's attention graphs (one per layer) and its lane."""
 
@@ -87,6 +92,8 @@ class Lanes:
         # the rows, shared by every layer of that shape and every n (an attention graph must not depend on how many
         # rows run); made on the first (eager) step of a shape, before any capture reads them
         self.rows: dict = {}
+        self.tables = None                          # [k, B, ...] the step's RoPE tables of every lane (model.rope.cos_sin,
+                                                    # flattened: k tables of one shape)
         self.layer_rows: list = [None] * n_layer      # layer -> its buffers in self.rows (set by its pre part)
         self.pool = None                            # one private pool for every lane graph (they run in turn)
         self.parts: dict = {}                       # ("pre" | "post", layer, n) or ("head", n) -> _Part
@@ -141,6 +148,12 @@ class Lanes:
         carry, rows = m.lane_rows(l, x, self.pos)
         if l == 0:
             self.keep[n] = m.rope.cos_sin(self.pos, self.attn.dtype)     # read by every layer's pre part (memoized)
+            # and, stacked into the shared table buffer in one launch (like the rows: the attention graphs must not
+            # depend on n), by every layer's attention: the tables are made once per step, not per layer and sequence
+            tabs = _flat(self.keep[n])
+            if self.tables is None:
+                self.tables = torch.zeros((len(tabs), *tabs[0].shape), dtype=tabs[0].dtype, device=tabs[0].device)
+            torch.stack(tabs, out=self.tables)
         bufs = self.layer_rows[l] = self._rows(rows)
         for buf, t in zip(bufs, rows):
             buf.copy_(t)
@@ -162,8 +175,8 @@ class Lanes:
 
     def _attend(self, l: int, s: _SeqAttn):
         i, m = s.lane, self.m
-        rows = m.lane_row(self.layer_rows[l], i)
-        self.attn[i:i + 1].copy_(m.attend_static(l, rows, s.kv, s.kv.pos))
+        rows, tables = m.lane_row(self.layer_rows[l], i), m.lane_row(self.tables.unbind(0), i)
+        self.attn[i:i + 1].copy_(m.attend_static(l, rows, s.kv, s.kv.pos, tables))
 
     def _post(self, l: int, n: int, route):
         m = self.m

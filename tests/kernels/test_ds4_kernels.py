@@ -90,17 +90,15 @@ def test_triton_ops_are_batch_invariant(results):
 LAUNCH_TARGET = 60      # kernels per layer of a decode step (issue 21); the device figure: check_ds4.py launches
 
 
-def test_decode_step_launches_per_layer(monkeypatch, tmp_path):
-    """A static one-token pass of ds4-tiny with TritonOps (launches counted, not run) launches few kernels per
-    layer: the dense part (attention, mHC, routing, shared expert) leaves room under the target for the runner's
-    MoE step (its route / apply / combine)."""
+def _counted_model(monkeypatch, tmp_path):
+    """(ds4-tiny with TritonOps whose Triton launches only count, the launch counter)."""
     import torch
 
     from betelgeuse.gguf.reader import GGUFModelFile
     from betelgeuse.gguf.synth import spec_from_preset, write_model
     from betelgeuse.kernels.triton_ds4 import TritonOps
     from betelgeuse.model.deepseek4 import Deepseek4Model
-    from memtrack import KernelCount, stub_triton
+    from memtrack import stub_triton
     launches = stub_triton(monkeypatch)
     path = tmp_path / "ds4-tiny.gguf"
     write_model(path, spec_from_preset("ds4-tiny"), progress=False)
@@ -109,6 +107,24 @@ def test_decode_step_launches_per_layer(monkeypatch, tmp_path):
         m = Deepseek4Model(c, Deepseek4Model.load_dense(f, "cpu", torch.float32))
     m.ops = TritonOps()
     m.ops.prepare(m.w, c.n_layer)
+    return m, launches
+
+
+def _rope_ops(k) -> int:
+    """RoPE table launches a counted step made (the tables' cos and sin; Triton's compressor makes its own)."""
+    return k.ops["cos"] + k.ops["sin"]
+
+
+def test_decode_step_launches_per_layer(monkeypatch, tmp_path):
+    """A static one-token pass of ds4-tiny with TritonOps (launches counted, not run) launches few kernels per
+    layer: the dense part (attention, mHC, routing, shared expert) leaves room under the target for the runner's
+    MoE step (its route / apply / combine). The RoPE tables are made once per step (cos and sin of both ropes), not
+    per layer."""
+    import torch
+
+    from memtrack import KernelCount
+    m, launches = _counted_model(monkeypatch, tmp_path)
+    c = m.cfg
     cache = m.new_cache(64)
     ids = torch.tensor([5])
     routed = torch.zeros(1, c.n_embd)                    # the MoE step's output (the runner's kernels)
@@ -129,3 +145,42 @@ def test_decode_step_launches_per_layer(monkeypatch, tmp_path):
             launches.clear()
     assert set(c.ds4.compress_ratios) == {0, 4, 128}     # every kind of layer counted
     assert max(per) <= LAUNCH_TARGET - 10, (per, k.ops.most_common(12))
+    assert _rope_ops(k) == 4, k.ops
+
+
+def test_lanes_decode_step_launches_per_layer(monkeypatch, tmp_path):
+    """A batched decode step over the lanes (worker/lanes.py, eager: the kernels a captured step replays) of one and
+    of three sequences launches, per layer, the dense part over all lanes plus each sequence's attention; the RoPE
+    tables are made once per step for every lane (pre of layer 0) and read by every layer's attention (issue 21: they
+    were recomputed per layer and sequence, ~5 launches each: lanes 64.8 per layer against solo 58.8 on the H200)."""
+    import torch
+
+    from betelgeuse.worker.lanes import Lanes
+    from memtrack import KernelCount
+    m, launches = _counted_model(monkeypatch, tmp_path)
+    c = m.cfg
+    lanes = Lanes(m, c.n_layer, 4, graphs=False)
+    caches = [m.new_cache(64) for _ in range(3)]
+    for n in (1, 3):
+        kvs = caches[:n]
+        routed = torch.zeros(n, c.n_embd)               # the MoE step's output rows (the runner's kernels)
+        with torch.no_grad():
+            for step in range(2):
+                idx = lanes.join(kvs)
+                pos = [kv.begin_static() for kv in kvs]
+                with KernelCount(launches) as k:
+                    lanes.begin(torch.tensor([5, 6, 7][:n]), kvs, idx)
+                    per = []
+                    for layer in range(c.n_layer):
+                        before = k.total
+                        lanes.front(layer, kvs, lambda l, h, ti, tw: None, lambda r: routed)
+                        per.append(k.total - before)
+                    lanes.head(kvs, lambda r: routed)
+                for kv in kvs:
+                    kv.commit()
+                launches.clear()
+        assert len(pos) == n
+        # the dense part is the solo step's (<= 50) plus the lanes' own index copies; each more sequence adds its
+        # attention (the decode-step kernels, one sequence per launch)
+        assert max(per) <= LAUNCH_TARGET - 10 + 8 * (n - 1), (n, per, k.ops.most_common(12))
+        assert _rope_ops(k) == 4, (n, k.ops)
