@@ -8,7 +8,8 @@ per layer (deploy/device/profile_batch.py). Here it runs ONCE per layer over B =
     pre[l]     the previous layer's MoE rows combined (kernels.moe.combine) into their lanes of `routed`, the
                residual x + routed (the embedding at l = 0); the row-wise part of attention (model.lane_rows:
                qwen3moe's attn_norm, q/k/v projections, q/k norms, RoPE; deepseek4's mHC mix, projections, norms,
-               RoPE, compressor and indexer inputs) at each lane's position, into the shared lane buffers
+               RoPE, compressor and indexer inputs) at each lane's position, into the shared lane buffers; at l = 0
+               also the step's RoPE tables of every lane (model.rope), which every layer's attention reads
                                                                                         (one graph, all lanes)
     attend     per sequence, on its own lane's rows (model.attend_static): its state written (K/V; deepseek4's
                window ring, open compressor windows and entries), attention over it   (one graph per sequence)
