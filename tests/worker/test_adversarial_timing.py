@@ -61,6 +61,7 @@ class Arch:
     ref: object               # the architecture's reference model (model/reference.py)
     cfg: tuple = ()           # EngineConfig overrides, (name, value) pairs
     decode: int = DECODE      # decode steps of the decode test
+    batch_steps: int = 3      # batched decode steps of the batched test
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +83,7 @@ def archs(tmp_path_factory) -> dict[str, Arch]:
             # prompt and fewer steps): 64 tokens cross its sliding window (16) and candidate blocks (4 x 4); a row
             # cache of ~240 of the prompt's 512 Engram rows, so every pass reads rows from disk and which rows stay
             # cached depends on when they land
-            "deepseek41": Arch(ds41, 2, 3, ds41_prompt, 48, reference_model(ds41), (("engram_cache_bytes", 8192),), 4)}
+            "deepseek41": Arch(ds41, 2, 3, ds41_prompt, 48, reference_model(ds41), (("engram_cache_bytes", 8192),), 4, 2)}
 
 
 @pytest.fixture(autouse=True)
@@ -198,15 +199,16 @@ def test_batched_decode_bit_identical_whatever_the_arrival(archs, arch):
     a = archs[arch]
     ref = a.ref
     prompts = [a.prompt[:n] for n in (13, 21, 30)]
-    steps = [a.prompt[i:i + 3] for i in (1, 5, 9)]                          # 3 tokens fed to each sequence
-    want = [_ref_decode(ref, p, s, 3)[len(p):] for p, s in zip(prompts, steps)]
+    ns = a.batch_steps
+    steps = [a.prompt[i:i + ns] for i in (1, 5, 9)]                         # ns tokens fed to each sequence
+    want = [_ref_decode(ref, p, s, ns)[len(p):] for p, s in zip(prompts, steps)]
     runner, store = _runner(a, decode_consolidate_every=2, max_running=4)
     try:
         kvs = [runner.new_cache(len(a.prompt) + 8) for _ in prompts]
         for p, kv in zip(prompts, kvs):
             runner.forward(p, kv)
         got = [[] for _ in prompts]
-        for i in range(3):
+        for i in range(ns):
             logits, _ = runner.decode_batch([s[i] for s in steps], kvs)
             for j in range(len(prompts)):
                 got[j].append(logits[j])
