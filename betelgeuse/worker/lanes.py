@@ -93,8 +93,8 @@ class Lanes:
         # the rows, shared by every layer of that shape and every n (an attention graph must not depend on how many
         # rows run); made on the first (eager) step of a shape, before any capture reads them
         self.rows: dict = {}
-        self.tables = None                          # [k, B, ...] the step's RoPE tables of every lane (model.rope.cos_sin,
-                                                    # flattened: k tables of one shape)
+        # [k, B, ...] the step's RoPE tables of every lane (model.rope.cos_sin flattened: k tables of one shape)
+        self.tables = None
         self.layer_rows: list = [None] * n_layer      # layer -> its buffers in self.rows (set by its pre part)
         self.pool = None                            # one private pool for every lane graph (they run in turn)
         self.parts: dict = {}                       # ("pre" | "post", layer, n) or ("head", n) -> _Part
