@@ -19,7 +19,8 @@ from engine_helpers import ENGINE_SPEC, prompt, write_synth
 V = ENGINE_SPEC["n_vocab"]
 C = 8                               # prefill_chunk
 N = 8                               # clients
-WINDOW = 0.3                        # wide: the 2-core CI runner may be slow to start eight threads
+WINDOW = 2.0                        # wide (a loaded 2-core CI runner may be slow to start eight threads) and free:
+                                    # admission starts as soon as max_running = 8 wait
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +86,8 @@ def test_a_burst_of_eight_shares_one_prefill_pass_fairly_and_exactly(model):
         firsts = [i for i, (_, k) in enumerate(order) if k == 1]
         seconds = [i for i, (_, k) in enumerate(order) if k == 2]
         assert len(firsts) == N and max(firsts) < min(seconds), order       # all from the one pass: before a 2nd
-        for g in got:                               # queued about the window, not a whole pass
-            assert g[-1].usage.queue_ms < 1000 * WINDOW + 500, g[-1].usage
+        for g in got:                               # queued until the 8th arrived, not for the whole window
+            assert g[-1].usage.queue_ms < 1000 * WINDOW, g[-1].usage
     finally:
         eng.close()
         store.close()
