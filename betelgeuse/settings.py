@@ -293,7 +293,12 @@ class EngineSettings(_Section):
     cuda_graphs: Flag = setting(True, "CUDA: decode steps replay captured graphs", False)
     prefetch: Flag = setting(True, "read the next layer's likely experts ahead during prefill", False)
     max_context: Count8 = setting(4096, "tokens per sequence (KV cache length)", 2048)
-    max_running: Count1 = setting(4, "sequences with a live KV cache at once (decoded together)", 2)
+    # the slot plan reserves KV for max_running x max_context tokens and decode graphs for max_running sequences
+    max_running: Count1 = setting(8, "sequences with a live KV cache at once (decoded together)", 2)
+    # an idle engine waits this long after a request arrives before it starts a prefill pass, so that requests
+    # arriving together (milliseconds apart) share one pass instead of the rest waiting for all of the first one's
+    admission_window: Seconds = setting(0.02, "seconds an idle engine gathers requests arriving together into one "
+                                        "prefill pass (0 = start at once)", 0.0)
     max_queue: Count0 = setting(16, "waiting requests before Generate answers RESOURCE_EXHAUSTED", 4)
     # chunked prefill: a long prompt no longer stalls running decodes; also the prompt tokens of several prompts
     # prefilled together (EngineConfig.prefill_pass_tokens)

@@ -60,7 +60,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(metrics)
         self.scheduler = Scheduler(
             Limits(cfg.max_running, cfg.max_batched_tokens, cfg.prefill_pass_tokens, self.runner.chunk or 1,
-                   one_prefill=cfg.schedule == "standard"),
+                   one_prefill=cfg.schedule == "standard", admission_window=cfg.admission_window),
             self.kv_manager.hit if self.kv_manager.prefix is not None else None,
             lambda: self.runner.decodes_in_lanes)
         self.cv = threading.Condition()             # guards the queue (submit adds, schedule admits)
@@ -151,6 +151,8 @@ class LLMEngine:
         """Schedule, then carry the plan out: end, admit, and each pass run and its outputs processed in turn."""
         with self.cv:
             plan = self.scheduler.schedule()
+            if plan.hold:                   # idle: the rest of a burst may still arrive (Limits.admission_window)
+                self.cv.wait(plan.hold)
         for seq in plan.ended:
             self._end(seq, Finish("cancelled"))
         for seq in plan.admitted:

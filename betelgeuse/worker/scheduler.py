@@ -2,7 +2,9 @@
 
     schedule() -> StepPlan   1. end the cancelled and expired sequences (queued or running)
                              2. admit queued sequences, oldest first, while fewer than max_running run; each starts
-                                after its longest cached prefix (the prefix cache's hit: n_done tokens already in)
+                                after its longest cached prefix (the prefix cache's hit: n_done tokens already in).
+                                An idle engine first holds admission for up to admission_window seconds after the
+                                oldest arrival (StepPlan.hold), so requests arriving together share one prefill pass
                              3. one prefill pass: a piece of each prompt still to prefill, oldest first, in whole
                                 chunks, at most max_batched_tokens in all while others decode (chunked prefill) and
                                 prefill_pass_tokens while none do; the standard schedule prefills one prompt a pass
@@ -25,6 +27,7 @@ class Seq(Protocol):
     """What the scheduler reads and writes of a sequence (worker/sequence.py's Sequence)."""
     prompt_ids: list[int]
     n_done: int                 # prompt tokens whose K/V are in its cache (the scheduler sets a prefix hit's)
+    arrival: float              # time.monotonic() when it was queued
     cancelled: bool
     finished: bool              # its final event (or error) is out
     t_prefill_start: float      # time.monotonic() at admission
@@ -43,9 +46,11 @@ class Limits:
     prefill_pass_tokens: int    # ... while none do
     chunk: int = 1              # a piece that is cut ends on a chunk boundary (position-aligned prefill chunks)
     one_prefill: bool = False   # the standard schedule: one prompt a prefill pass
+    admission_window: float = 0.0   # seconds an idle engine waits after the oldest arrival before admitting
 
     def __post_init__(self):
         assert self.max_running >= 1 and self.chunk >= 1 and self.max_batched_tokens >= 1, self
+        assert self.admission_window >= 0, self
 
 
 @dataclass(slots=True)
@@ -69,6 +74,8 @@ class StepPlan:
     prefill: list = field(default_factory=list)     # 3. [(sequence, prompt tokens)] of one pass, oldest first
     decode: list = field(default_factory=list)      # 4. one token each in one pass
     lanes: bool = False                             # a lone sequence decodes in the batched form too
+    hold: float = 0.0                               # > 0: nothing admitted; wait this many seconds (or for a
+                                                    #   new arrival), then schedule again (Scheduler._hold)
 
     def decode_form(self, n: int) -> str:
         """How n sequences decode: "batch" (decode_batch; a lone one too in the static form) or "solo"."""
@@ -118,8 +125,10 @@ class Scheduler:
         self.waiting.clear()
         return out
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, now: float | None = None) -> StepPlan:
+        """The next step's plan; `now` is time.monotonic() (tests pass their own clock)."""
         lim = self.limits
+        now = time.monotonic() if now is None else now
         plan = StepPlan(lanes=self.lanes())
         # 1. the engine stops working on cancelled and expired sequences now
         for q in (self.running, self.waiting):
@@ -128,10 +137,11 @@ class Scheduler:
                 plan.ended.append(seq)
         # 4. decided first: the sequences decoding when the step begins (a prompt this step completes decodes next)
         plan.decode = [s for s in self.running if not s.prefilling]
-        # 2. admission
-        while self.waiting and len(self.running) < lim.max_running:
+        # 2. admission (an idle engine may first wait for the rest of a burst)
+        plan.hold = self._hold(now)
+        while not plan.hold and self.waiting and len(self.running) < lim.max_running:
             seq = self.waiting.popleft()
-            seq.t_prefill_start = time.monotonic()
+            seq.t_prefill_start = now
             if self.prefix_hit is not None:
                 seq.n_done = self.prefix_hit(seq)
                 assert 0 <= seq.n_done <= len(seq.prompt_ids), (seq.n_done, len(seq.prompt_ids))
@@ -142,6 +152,17 @@ class Scheduler:
         # 3. the prefill pass
         plan.prefill = self._pieces([s for s in self.running if s.prefilling], decoding=bool(plan.decode))
         return plan
+
+    def _hold(self, now: float) -> float:
+        """Seconds to wait before admitting anyone: while nothing runs and fewer than max_running wait, until the
+        oldest waiting one has waited admission_window. Requests that arrive together (a client's parallel calls:
+        milliseconds apart, each through HTTP, gRPC and the tokenizer) then share one layer-major prefill pass, whose
+        disk reads are about one prompt's, instead of the first starting a pass alone and the rest waiting for all of
+        it (seconds when its experts come from disk). Never while something runs: no decode waits for it."""
+        lim = self.limits
+        if not lim.admission_window or self.running or not self.waiting or len(self.waiting) >= lim.max_running:
+            return 0.0
+        return max(0.0, self.waiting[0].arrival + lim.admission_window - now)
 
     def _pieces(self, seqs: list, decoding: bool) -> list[tuple]:
         """Pieces of whole chunks, oldest first, so that they give the bits of one pass: the first takes its rest,

@@ -25,6 +25,7 @@ class FakeSeq:
     cancelled: bool = False
     finished: bool = False
     deadline: float | None = None
+    arrival: float = 0.0
     t_prefill_start: float = 0.0
 
     @property
@@ -261,3 +262,88 @@ def test_a_random_workload_keeps_the_limits_and_finishes_every_request(seed):
     assert admitted == [q for q in made if q in admitted]      # admitted in arrival order
     assert all(q.finished for q in made), [q for q in made if not q.finished]
     assert not s.running and not s.waiting
+
+
+# ---- the admission window: a burst of requests shares one prefill pass ------------------------------------------
+
+def burst(s: Scheduler, lengths, t0: float, gap: float) -> list[FakeSeq]:
+    """Requests arriving `gap` seconds apart from t0 (a client's parallel calls reach the engine milliseconds apart)."""
+    qs = seqs(*lengths)
+    for i, q in enumerate(qs):
+        q.arrival, q.max_tokens = t0 + i * gap, 6
+    return qs
+
+
+def drive(s: Scheduler, arrivals: list[FakeSeq], t: float, step_s: float) -> tuple[list, list]:
+    """The engine on a fake clock: requests join the queue at their arrival, a step with work takes step_s, a hold
+    waits its time (or until the next arrival). -> the prefill passes' pieces and the order of tokens [(name, k)]."""
+    pending, passes, tokens = list(arrivals), [], []
+    while pending or s.waiting or s.running:
+        while pending and pending[0].arrival <= t:
+            s.add(pending.pop(0))
+        plan = s.schedule(now=t)
+        if plan.hold:
+            assert not plan.admitted and not plan.prefill and not plan.decode
+            t = min([t + plan.hold] + [q.arrival for q in pending[:1]])
+            continue
+        if not plan.admitted and not plan.prefill and not plan.decode:
+            t = pending[0].arrival                  # idle, nothing queued
+            continue
+        passes += [[n for _, n in p.pieces] for p in plan.passes() if p.kind == "prefill"]
+        before = {q.name: len(q.out) for q in s.running}
+        run_plan(s, plan)
+        tokens += [(q.name, len(q.out)) for q in arrivals if len(q.out) > before.get(q.name, len(q.out))]
+        t += step_s
+    return passes, tokens
+
+
+def test_an_idle_engine_holds_admission_for_the_window_after_the_first_arrival():
+    s = sched(max_running=8, admission_window=0.02)
+    a, b, c = burst(s, (16, 16, 16), t0=100.0, gap=0.006)
+    s.add(a)
+    plan = s.schedule(now=100.005)
+    assert plan.hold == pytest.approx(0.015) and plan.admitted == [] and list(s.waiting) == [a]
+    s.add(b)
+    s.add(c)
+    assert s.schedule(now=100.019).hold == pytest.approx(0.001)     # timed from the OLDEST arrival, not the newest
+    plan = s.schedule(now=100.020)
+    assert plan.hold == 0 and plan.admitted == [a, b, c] and a.t_prefill_start == 100.020
+    assert plan.prefill == [(a, 16), (b, 16), (c, 16)]              # one pass for the burst
+
+
+def test_the_window_never_holds_while_something_runs_or_a_full_batch_waits():
+    s = sched(max_running=2, admission_window=0.02)
+    a, b, c = burst(s, (4, 4, 4), t0=10.0, gap=0.0)
+    s.add(a)
+    s.add(b)                                        # as many waiting as may run: nothing to gather
+    plan = s.schedule(now=10.0)
+    assert plan.hold == 0 and plan.admitted == [a, b]
+    run_plan(s, plan)
+    s.finish(b)
+    s.add(c)                                        # a decodes: c joins at once, a's decode never waits
+    plan = s.schedule(now=10.001)
+    assert plan.hold == 0 and plan.admitted == [c] and plan.decode == [a]
+    off = sched(max_running=8)                      # admission_window 0: the first arrival starts a pass at once
+    (d,) = burst(off, (4,), t0=10.0, gap=0.0)
+    off.add(d)
+    assert off.schedule(now=10.0).admitted == [d]
+
+
+@pytest.mark.parametrize("window", [0.02, 0.0])
+def test_a_burst_gets_every_first_token_before_anyone_gets_a_third(window):
+    """Eight 16-token prompts arriving 1 ms apart at an idle engine whose passes take 50 ms (beside decodes a prefill
+    pass takes 8 tokens). With the window: one prefill pass, and all first tokens come from it. Without it (the
+    contrast: this is what the window fixes) the first arrival's pass runs alone and the other seven are prefilled
+    8 tokens a step beside its decodes: it has its 6th token before the last of them has a first."""
+    s = sched(max_running=8, max_batched=8, pass_tokens=256, chunk=8, admission_window=window)
+    qs = burst(s, [16] * 8, t0=0.0, gap=0.001)
+    passes, tokens = drive(s, qs, t=0.0, step_s=0.05)
+    firsts = [i for i, (_, k) in enumerate(tokens) if k == 1]
+    thirds = [i for i, (_, k) in enumerate(tokens) if k == 3]
+    assert len(firsts) == 8 and all(q.finished for q in qs)
+    if window:
+        assert passes == [[16] * 8]
+        assert max(firsts) < min(i for i, (_, k) in enumerate(tokens) if k == 2)
+    else:
+        assert passes[0] == [16] and len(passes) > 2
+        assert max(firsts) > min(thirds)
