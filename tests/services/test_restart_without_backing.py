@@ -1,0 +1,66 @@
+"""A worker killed with `kill -9` while VRAM experts keep no host copy (`vram_backing = false`, what `auto` picks where
+host RAM binds) comes back exact: its VRAM tier is refilled from disk through the store on its first pass (real store
+and worker processes, the tiny model, greedy tokens against the independent in-process reference).
+
+With copies (`tests/services/test_reliability.py::test_kill9_of_the_worker_mid_stream_comes_back_warm`) the first
+request after the restart reads nothing from disk; here it must (the copies are gone), and the next one nothing again.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+import service_helpers as h
+from service_helpers import service_model  # noqa: F401  (the tiny model, a fixture)
+
+PROMPT = [(11 * j) % 1000 + 3 for j in range(9)]
+LONG = [(5 * j) % 1000 + 7 for j in range(7)]
+
+
+@pytest.fixture(scope="module")
+def cluster(service_model, tmp_path_factory):
+    # 5 VRAM + 11 host slots per layer: all 16 tiny experts resident, none of the VRAM ones with a host copy
+    c = h.start_cluster(service_model, tmp_path_factory.mktemp("nobacking") / "run",
+                        settings={"slots.vram_backing": False})
+    yield c
+    c.stop()
+
+
+def gen(channel, ids, n, salt=""):
+    return h.run_stream(h.stub(channel).Generate(h.request(ids=ids, max_tokens=n, ignore_eos=True, cache_salt=salt),
+                                                 timeout=120))
+
+
+def test_kill9_of_the_worker_refills_vram_from_disk_and_stays_exact(cluster, service_model):
+    want = h.reference_greedy(service_model, PROMPT, 6, ignore_eos=True)[0]
+    with cluster.channel() as ch:
+        mi = h.stub(ch).GetModelInfo(h.pb.GetModelInfoRequest(), timeout=10).model
+        assert (mi.plan.vram_backing, mi.plan.vram_backing_requested) == (False, "false")
+        assert mi.plan.resident_experts_per_layer == 16 and mi.plan.vram_slots == 5
+        for i in range(10):              # until the prompt's experts are resident (a new salt: no prefix-cache hit)
+            r = gen(ch, PROMPT, 6, f"warm-{i}")
+            assert r.code is None and r.tokens == want, (r.code, r.details)
+            print("warm", i, r.final.usage.expert_reads_disk)
+            if r.final.usage.expert_reads_disk == 0:
+                break
+        assert r.final.usage.expert_reads_disk == 0, r.final.usage
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.update(r=gen(ch, LONG, 1500)))
+        t.start()
+        time.sleep(1.0)                  # a few tokens in
+        cluster.worker.kill9()
+        t.join(30)
+        assert out["r"].code == grpc.StatusCode.UNAVAILABLE, (out["r"].code, out["r"].details)
+    cluster.start_worker()
+    with cluster.channel() as ch:
+        r = gen(ch, PROMPT, 6, "after")
+        assert r.code is None and r.tokens == want, (r.code, r.details)
+        # the 5 VRAM experts of each of the 4 layers had no host copy: read from disk (some also by the pass itself)
+        assert r.final.usage.expert_reads_disk >= 5 * 4, r.final.usage
+        r = gen(ch, PROMPT, 6, "again")
+        assert r.code is None and r.tokens == want
+        assert r.final.usage.expert_reads_disk == 0, r.final.usage       # the VRAM tier is full again
