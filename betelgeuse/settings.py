@@ -317,7 +317,7 @@ class EngineSettings(_Section):
     # a memfd the store owns (it outlives the worker): blocks evicted from the device cache spill there, and a
     # restarted worker finds them; the slot plan counts it in the memory budget, before the host expert slots
     prefix_host_bytes: SizeOrAuto = setting(AUTO, "host-RAM tier of the prefix cache, held by the store (0 = off; "
-                                            "auto: 4 x the device cache, <= 1/8 of the free memory)", 1 << 30)
+                                            "auto: 2 x the device cache, <= 1/16 of the free memory)", 1 << 30)
     dtype: _choices("auto", "float32", "bfloat16", "float16") = setting(
         "auto", "compute dtype: auto = float32 on CPU, bfloat16 on CUDA", "float32")
     # torch, the CUDA context, the dense weights' staging
