@@ -109,6 +109,12 @@ def _bool(value):
     return value
 
 
+def _bool_or_auto(value):
+    if value != AUTO and not isinstance(value, bool):
+        raise ValueError(f"expected true, false or \"auto\", got {value!r}")
+    return value
+
+
 def _choice(*choices: str):
     def conv(value):
         if value not in choices:
@@ -174,6 +180,7 @@ Count2 = _t(int, _count(2), "N")
 Count8 = _t(int, _count(8), "N")
 Seconds = _t(float, _seconds, "SECONDS")
 Flag = _t(bool, _bool, "")
+FlagOrAuto = _t(bool | Literal["auto"], _bool_or_auto, "auto|true|false")
 Text = _t(str, _string, "TEXT")
 Path_ = _t(str, _string, "PATH")
 HostPortOrOff = _t(str, _hostport_or_off, "HOST:PORT")
@@ -215,9 +222,12 @@ class SlotSettings(_Section):
                                     flag="--vram-slots", engine="vram_slots")
     host_per_layer: Slots = setting(AUTO, "host-RAM slots per MoE layer (the store's arena), or auto (sized from "
                                     "the memory budget)", 7, flag="--host-slots", engine="host_slots")
-    vram_backing: Flag = setting(True, "VRAM experts keep a host copy (fast worker restart); off: more resident "
-                                 "capacity, disk reads after a restart", False, flag="--vram-backing",
-                                 engine="vram_backing")
+    # auto: kept only where they cost no resident expert (no memory limit, or the memory holds every expert beside
+    # them); dropped where host RAM binds, their slots going to the host tier (store/plan.py)
+    vram_backing: FlagOrAuto = setting(AUTO, "VRAM experts keep a host copy: true = a restarted worker refills VRAM "
+                                       "from RAM; false = more distinct experts resident, a restart refills VRAM "
+                                       "from disk; auto = true unless host RAM binds", False, flag="--vram-backing",
+                                       engine="vram_backing")
 
 
 class BudgetSettings(_Section):
@@ -312,7 +322,7 @@ class EngineSettings(_Section):
     # a memfd the store owns (it outlives the worker): blocks evicted from the device cache spill there, and a
     # restarted worker finds them; the slot plan counts it in the memory budget, before the host expert slots
     prefix_host_bytes: SizeOrAuto = setting(AUTO, "host-RAM tier of the prefix cache, held by the store (0 = off; "
-                                            "auto: 4 x the device cache, <= 1/8 of the free memory)", 1 << 30)
+                                            "auto: 2 x the device cache, <= 1/16 of the free memory)", 1 << 30)
     dtype: _choices("auto", "float32", "bfloat16", "float16") = setting(
         "auto", "compute dtype: auto = float32 on CPU, bfloat16 on CUDA", "float32")
     # torch, the CUDA context, the dense weights' staging
@@ -402,6 +412,11 @@ class Key:
     @property
     def is_bool(self) -> bool:
         return self.field.annotation is bool
+
+    @property
+    def is_bool_or_auto(self) -> bool:
+        """true | false | "auto": --KEY [auto|true|false] (bare: true) and --no-KEY."""
+        return self.field.annotation == (bool | Literal["auto"])
 
     @property
     def is_text(self) -> bool:
@@ -577,6 +592,10 @@ def add_flags(p: argparse.ArgumentParser, sections=None, exclude=(), aliases: di
         help_ = f"{k.field.description} (default {shown}; env {k.env}; [{k.section}] {k.key})".replace("%", "%%")
         if k.is_bool:
             g.add_argument(*names, dest=k.name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        elif k.is_bool_or_auto:
+            g.add_argument(*names, dest=k.name, nargs="?", const=True, default=None, metavar=k.metavar, help=help_)
+            g.add_argument("--no-" + k.flag[2:], dest=k.name, action="store_const", const=False,
+                           help=f"the same as {k.flag} false")
         elif get_origin(k.field.annotation) is list:
             g.add_argument(*names, dest=k.name, action="append", default=None, metavar=k.metavar, help=help_)
         else:
@@ -590,7 +609,7 @@ def flag_values(ns: argparse.Namespace) -> dict[tuple[str, str], tuple[Any, str]
         v = getattr(ns, k.name, None)
         if v is None or k.flag is None:
             continue
-        flag = k.flag if v is not False or not k.is_bool else "--no-" + k.flag[2:]
+        flag = k.flag if v is not False or not (k.is_bool or k.is_bool_or_auto) else "--no-" + k.flag[2:]
         out[(k.section, k.key)] = (from_text(k, v) if not isinstance(v, list) else v, f"flag {flag}")
     return out
 
@@ -602,7 +621,7 @@ def to_flags(values: dict[tuple[str, str], Any]) -> list[str]:
         k = BY_KEY[(section, key)]
         if k.flag is None:
             raise BetelgeuseError(f"{k.name} has no flag (set it in the file or as {k.env})")
-        if k.is_bool:
+        if k.is_bool or (k.is_bool_or_auto and isinstance(v, bool)):
             argv.append(k.flag if v else "--no-" + k.flag[2:])
         elif isinstance(v, list):
             for item in v:

@@ -348,7 +348,6 @@ def main(argv=None) -> int:
     current = cg.in_use() if cg else 0          # page cache (the worker's mmap reads) can be reclaimed
     plan = plan_slots(model, cfg, limit, current)
     event(log, "plan", model=cfg.model_path, n_vram=plan.n_vram, n_host=plan.n_host, n_staging=plan.n_staging,
-          prefix_host_bytes=plan.prefix_host_bytes,
           **{k: v for k, v in plan.describe().items() if k not in ("vram_slots", "host_slots", "staging_slots")})
     sdnotify.notify(status=f"pre-faulting a {plan.arena_bytes / 2**30:.2f} GiB arena",
                     extend_timeout_us=int(120e6))

@@ -326,3 +326,61 @@ def hf_model(path: Path, n_ff_exp: int):
     return transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32,
         moe_intermediate_size=n_ff_exp, norm_topk_prob=True).eval()
+
+
+def backing_workload(path, backing, vram: int, arena_slots: int, rounds: list[list[list[int]]], max_tokens: int,
+                     **cfg) -> dict:
+    """`vram_backing` on vs off at one memory budget, through the engine (the real scheduler and consolidation policy)
+    over a store in this process. The budget is a memory limit whose arena holds `arena_slots` host slots per layer
+    (plus the same staging slots and worker reserve either way); `vram` VRAM slots per layer; host slots auto.
+    Each round submits its prompts together (greedy, `ignore_eos`, `max_tokens` each); the last round is measured:
+    its decode passes' disk bytes (experts a pass had to read) and the store's disk bytes over the round (those plus
+    consolidation fills and the round's prefill). -> {"plan", "tokens" (per prompt of the last round), "decoded",
+    "decode_disk_bytes", "store_disk_bytes", "decode_disk_reads"}."""
+    import threading
+    from betelgeuse.api import FinalEvent, GenerateRequest, SamplingParams, TokenEvent
+    from betelgeuse.assembly import open_engine, open_store
+    from betelgeuse.config import EngineConfig
+    from betelgeuse.gguf.reader import GGUFModelFile
+    from betelgeuse.store.plan import HEADROOM, plan_slots
+    kw = {"model_path": str(path), "vram_slots": vram, "read_threads": 2, "staging_slots": 16, "prefix_cache_bytes": 0,
+          "prefix_host_bytes": 0, "max_running": max(len(r) for r in rounds), **cfg}
+    f = GGUFModelFile.open(str(path))
+    try:   # the budget: the arena of `arena_slots` host slots per layer, no copies, + the worker's reserve + headroom
+        sized = plan_slots(f, EngineConfig(**kw, host_slots=arena_slots, vram_backing=False), None)
+    finally:
+        f.close()
+    limit = sized.arena_bytes + sized.worker_reserve + HEADROOM
+    c = EngineConfig(**kw, host_slots="auto", vram_backing=backing)
+    store = open_store(c, limit)
+    engine = open_engine(c, store)
+    passes: list = []
+    engine.on_pass = passes.append
+    try:
+        def one(ids, out, i):
+            req = GenerateRequest(prompt_ids=list(ids), max_tokens=max_tokens, ignore_eos=True,
+                                  sampling=SamplingParams(temperature=0.0))
+            toks = []
+            for ev in engine.submit(req):
+                if isinstance(ev, TokenEvent):
+                    toks.append(ev.token_id)
+                elif isinstance(ev, FinalEvent):
+                    out[i] = toks
+        for r in rounds:
+            passes.clear()
+            before = store.store.status()["disk_bytes"]
+            out: dict = {}
+            ts = [threading.Thread(target=one, args=(ids, out, i)) for i, ids in enumerate(r)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(600)
+            assert len(out) == len(r), "a request did not finish"
+        dec = [p for p in passes if p.kind == "decode"]
+        p = store.store.plan
+        return {"plan": p, "tokens": [out[i] for i in range(len(r))], "decoded": sum(p.n_tokens for p in dec),
+                "decode_disk_bytes": sum(p.disk_bytes for p in dec), "decode_disk_reads": sum(p.reads["disk"] for p in dec),
+                "store_disk_bytes": store.store.status()["disk_bytes"] - before}
+    finally:
+        engine.close()
+        store.close()

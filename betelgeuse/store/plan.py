@@ -4,8 +4,11 @@ Computed once, by the store at start-up, from the model file, the configuration 
 sent to the worker as JSON when it attaches. A configuration that cannot fit raises BudgetError with
 the numbers, before any memory is touched (invariant 3: refused, never OOM-killed).
 
-Per MoE layer: `n_vram` hot slots in the worker's VRAM, each backed by a host slot (so a restarted
-worker refills VRAM from RAM, not disk), plus `n_host` host-only slots. Disk experts pass through
+Per MoE layer: `n_vram` hot slots in the worker's VRAM, plus `n_host` host-only slots: `n_vram + n_host` distinct
+experts resident. With `vram_backing` each VRAM expert also keeps a host copy (a restarted worker refills VRAM from
+RAM, not disk) at the cost of `n_vram` host slots; `vram_backing = auto` keeps the copies only where they cost no
+resident expert (no memory limit, or the memory holds every expert beside them) and otherwise gives their RAM to the
+host tier. Disk experts pass through
 `n_staging` shared staging slots. Beside the arena, the store holds `prefix_host_bytes` for the prefix cache's
 host tier (worker/prefix_host.py), planned before the host slots and counted in the same memory budget.
 """
@@ -63,6 +66,12 @@ class SlotPlan:
     memory_source: str = "none"  # where memory_limit came from: "cgroup memory.max" | "memory_max" | "none"
     memory_in_use: int = 0      # bytes the cgroup held when the plan was made (counted against the limit)
     engram: dict | None = None  # the Engram rows' region (store/engram.EngramLayout.to_dict), None: no Engram
+    vram_backing_requested: str = "true"   # as configured: "auto", "true" or "false"
+
+    @property
+    def resident_per_layer(self) -> int:
+        """Distinct experts resident per layer (VRAM and host tiers; a backing copy is not another expert)."""
+        return self.n_vram + self.n_host
 
     @property
     def host_per_layer(self) -> int:
@@ -112,10 +121,12 @@ class SlotPlan:
         parts = {f"{k}_bytes": self.vram_parts.get(k, 0) for k in VRAM_PARTS}
         return {"vram_slots": self.n_vram, "host_slots": self.n_host, "staging_slots": self.n_staging,
                 "vram_slots_requested": str(self.requested[0]), "host_slots_requested": str(self.requested[1]),
-                "vram_backing": self.vram_backing, "slot_bytes": self.slot.slot_bytes,
+                "vram_backing": self.vram_backing, "vram_backing_requested": self.vram_backing_requested,
+                "resident_experts_per_layer": self.resident_per_layer, "slot_bytes": self.slot.slot_bytes,
                 "vram_slot_bytes": self.vram_slot_bytes, **parts, "vram_fixed_bytes": self.vram_fixed,
                 "vram_budget_bytes": self.vram_budget, "arena_bytes": self.arena_bytes,
-                "staging_bytes": self.staging_bytes, "worker_reserve_bytes": self.worker_reserve,
+                "staging_bytes": self.staging_bytes, "prefix_host_bytes": self.prefix_host_bytes,
+                "worker_reserve_bytes": self.worker_reserve,
                 "memory_limit_bytes": self.memory_limit, "memory_limit_source": self.memory_source,
                 "memory_in_use_bytes": self.memory_in_use, "why": "; ".join(self.notes)}
 
@@ -159,13 +170,17 @@ def prefix_cache_bytes(cfg: EngineConfig, c, dt: int) -> int:
     return min(PREFIX_CACHE_AUTO_MAX, 2 * arch.state_bytes(c, cfg.max_context, dt))
 
 
-PREFIX_HOST_AUTO_DEVICE_FACTOR = 4      # auto: the host tier holds 4 device caches' worth of blocks...
-PREFIX_HOST_AUTO_FREE_SHARE = 8         # ...but at most 1/8 of the memory left free for the expert slots
+# auto: the host tier holds 2 device caches' worth of blocks, but at most 1/16 of the memory left free for the
+# expert slots. On the benchmark geometry (96 KiB of KV per token in bfloat16) the device cache is 512 MiB (~10
+# prompts of 512 tokens) and this tier ~600 MiB of a 12G cgroup (~13 more): about two dozen such prompts kept in all,
+# while the 600 MiB it no longer takes (1/8 took 1.2 GiB) holds 2-3 more experts per layer (243 MB a slot per layer)
+PREFIX_HOST_AUTO_DEVICE_FACTOR = 2
+PREFIX_HOST_AUTO_FREE_SHARE = 16
 
 
 def prefix_host_bytes(cfg: EngineConfig, c, dt: int, free: int | None) -> int:
-    """Bytes of the prefix cache's host tier (a multiple of 4 KiB): the configured size, or "auto" = 4 x the device
-    cache, at most 1/8 of `free` (the host memory left for the arena; None: no limit); 0 where the device prefix
+    """Bytes of the prefix cache's host tier (a multiple of 4 KiB): the configured size, or "auto" = 2 x the device
+    cache, at most 1/16 of `free` (the host memory left for the arena; None: no limit); 0 where the device prefix
     cache is off (nothing would ever spill)."""
     if prefix_cache_bytes(cfg, c, dt) == 0 or cfg.schedule != "layer_major":
         return 0
@@ -265,7 +280,7 @@ def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, me
             # arena, beside the worker's 1 GiB, its fixed needs and a minimal arena (4 staging slots)
             least_arena = ArenaLayout(c.n_layer, c.n_expert, 0, 4, slot, engram_bytes=engram_bytes).total_bytes
             room = limit - memory_current - HEADROOM - 1 * GiB - fixed - least_arena
-            cpu_cap = max(0, room // (per_layer_slot * (2 if cfg.vram_backing else 1)))
+            cpu_cap = max(0, room // (per_layer_slot * (2 if cfg.vram_backing is True else 1)))
             if cpu_cap < n_vram:
                 notes.append(f"vram_slots=auto capped from {n_vram} to {cpu_cap}: on the CPU the VRAM tier is the "
                              f"worker's RAM, within the memory limit {_mib(limit)}")
@@ -284,9 +299,13 @@ def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, me
     else:
         reserve = int(cfg.worker_reserve)
     free = None if limit is None else limit - memory_current - reserve - HEADROOM
-    prefix_host = prefix_host_bytes(cfg, c, compute_dtype_bytes(cfg), free)
+    dt = compute_dtype_bytes(cfg)
+    prefix_host = prefix_host_bytes(cfg, c, dt, free)
     if prefix_host:
-        notes.append(f"prefix host tier {_gib(prefix_host)}")
+        per_token = max(1, arch_of(c).state_bytes(c, cfg.max_context, dt) // cfg.max_context)
+        notes.append(f"prefix host tier {_gib(prefix_host)}: ~{prefix_host // per_token:,} tokens of KV "
+                     f"({_mib(per_token)} a token)" + (" (auto: 2 x the device cache, at most 1/16 of the free memory)"
+                                                       if cfg.prefix_host_bytes == "auto" else ""))
     non_resident = c.n_expert - n_vram
     if cfg.staging_slots == "auto":
         cap_bytes = STAGING_AUTO_MAX_BYTES if free is None else min(STAGING_AUTO_MAX_BYTES,
@@ -299,6 +318,10 @@ def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, me
         """Arena bytes with `host_per_layer` host slots per layer (VRAM backing copies included)."""
         return ArenaLayout(c.n_layer, c.n_expert, host_per_layer, n_stage, slot, engram_bytes=engram_bytes).total_bytes
 
+    asked = cfg.vram_backing                              # True | False | "auto"
+    backing = asked is True or (asked == "auto" and limit is None)
+    why_backing = ("as configured" if asked != "auto" else
+                   "auto: no memory limit, the copies cost no resident expert" if limit is None else "")
     if cfg.host_slots == "auto":
         if limit is None:
             n_host = c.n_expert - n_vram
@@ -310,20 +333,33 @@ def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, me
                     n_staging //= 2
             # host slots per layer the memory allows, the VRAM tier's backing copies included
             cap = max(0, (free - arena_for(0, n_staging)) // per_layer_slot)
-            backing = n_vram if cfg.vram_backing else 0
-            if cfg.vram_slots == "auto" and backing > cap:
+            if asked == "auto":
+                # a copy costs a resident expert unless the memory holds every expert beside the copies
+                backing = cap >= c.n_expert
+                why_backing = (f"auto: the memory holds every expert beside them ({cap} slots per layer, {c.n_expert} "
+                               "experts)" if backing else f"auto: host RAM binds ({cap} slots per layer for "
+                               f"{c.n_expert} experts), so the {n_vram} slots per layer the copies would take hold "
+                               "other experts; a restarted worker reads its VRAM tier from disk")
+            n_backing = n_vram if backing else 0
+            if cfg.vram_slots == "auto" and n_backing > cap:
                 notes.append(f"vram_slots=auto capped from {n_vram} to {cap}: each VRAM expert needs a host backing slot")
-                n_vram = backing = cap
-            n_host = max(0, min(c.n_expert - n_vram, cap - backing))
+                n_vram = n_backing = cap
+            n_host = max(0, min(c.n_expert - n_vram, cap - n_backing))
             notes.append(f"host_slots=auto -> {n_host} per layer: memory limit {_mib(limit)} ({source}) - in use "
                          f"{_mib(memory_current)} - worker reserve {_mib(reserve)} - headroom {_mib(HEADROOM)} - "
-                         f"{n_staging} staging slots leaves room for {cap} slots per layer ({_mib(slot.slot_bytes)} each)"
-                         + (f", {backing} of them the VRAM tier's backing copies" if backing else "")
-                         + (f" (every expert resident: {c.n_expert})" if n_vram + n_host == c.n_expert else ""))
+                         f"prefix host tier {_mib(prefix_host)} - {n_staging} staging slots leaves room for {cap} slots "
+                         f"per layer ({_mib(slot.slot_bytes)} each)"
+                         + (f", {n_backing} of them the VRAM tier's backing copies" if n_backing else ""))
         # (staging stays as sized above even when every expert has a resident slot: a cold pass still reads
         # every expert through staging, and 4 slots serialised a cold 512-token pass behind 4 reads in flight)
     else:
         n_host = min(int(cfg.host_slots), non_resident)
+        if asked == "auto" and limit is not None:
+            # fixed host slots: the copies add no resident expert either way; kept when they fit the memory
+            backing = arena_for(n_host + n_vram, n_staging) + prefix_host <= free
+            why_backing = ("auto: they fit the memory limit" if backing else
+                           f"auto: {n_vram} more host slots per layer would not fit the memory limit; a restarted "
+                           "worker reads its VRAM tier from disk")
 
     if cfg.vram_slots != "auto":
         notes.append(f"vram_slots={n_vram} as configured" + (f" (the model has {c.n_expert})" if
@@ -331,9 +367,12 @@ def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, me
     if cfg.host_slots != "auto":
         notes.append(f"host_slots={n_host} as configured" + (f" (at most the {non_resident} experts not in VRAM)" if
                                                               int(cfg.host_slots) > non_resident else ""))
+    notes.append(f"vram_backing={'on' if backing else 'off'} ({why_backing}): {n_vram + n_host} distinct experts "
+                 f"resident per layer of {c.n_expert} ({n_vram} VRAM + {n_host} host"
+                 + (f"; the arena also holds the {n_vram} VRAM experts' copies)" if backing and n_vram else ")"))
     plan = SlotPlan(f.path, c.n_layer, c.n_expert, n_vram, n_host, n_staging, part_max, fixed, reserve, limit, notes,
-                    cfg.vram_backing, prefix_host, (str(cfg.vram_slots), str(cfg.host_slots)), cfg.vram_budget, parts,
-                    source, memory_current, engram)
+                    backing, prefix_host, (str(cfg.vram_slots), str(cfg.host_slots)), cfg.vram_budget, parts,
+                    source, memory_current, engram, str(asked).lower())
     if limit is not None:
         need = plan.host_bytes + reserve + memory_current + HEADROOM
         if need > limit:

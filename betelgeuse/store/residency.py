@@ -3,8 +3,11 @@
 A pure function of arrays (no threads, no arena): the store (store/store.py) calls it under its lock when a pass
 ends with consolidation, then vacates, fills and commits the moves (invariant 5: the directory changes only between
 passes). Rank per layer: decayed usage score descending, currently resident first, expert id ascending (stable and
-deterministic); the top n_vram go to VRAM, the next n_host to the host tier. Experts never used keep their place:
-this is physical placement only, it never changes a result (invariant 1).
+deterministic); the top n_vram + n_host are resident. With VRAM backing copies the top n_vram of them go to VRAM,
+the rest to the host tier. Without copies a swap between the tiers costs disk reads (a VRAM expert demoted to the host
+tier has no copy in RAM, so the store reads it again), so VRAM membership is sticky: within the resident set a VRAM
+expert's score counts VRAM_STICKY times when ranking for VRAM (a host expert replaces it only when used that much more).
+Experts never used keep their place: this is physical placement only, it never changes a result (invariant 1).
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ from betelgeuse.store.directory import TIER_DISK, TIER_HOST, TIER_VRAM
 from betelgeuse.store.plan import SlotPlan
 
 Move = tuple[int, int, int, int]        # (layer, expert, new tier, host slot or -1)
+# without backing copies: a VRAM expert keeps its VRAM slot against host experts scored up to this factor higher (a swap
+# reads the demoted expert from disk; the host tier's H2D copy of the other costs ~1/30 of that on the benchmark's H200)
+VRAM_STICKY = 2.0
 
 
 def plan_moves(score: np.ndarray, tiers: np.ndarray, host_owner: np.ndarray, plan: SlotPlan) -> list[Move]:
@@ -27,8 +33,12 @@ def plan_moves(score: np.ndarray, tiers: np.ndarray, host_owner: np.ndarray, pla
         cur_tier = tiers[l]
         # rank: score desc, currently resident first, expert id asc (stable and deterministic)
         order = sorted(range(p.n_expert), key=lambda e: (-score[l, e], -int(cur_tier[e] > 0), e))
+        top = order[: p.n_vram + p.n_host]
+        if not p.vram_backing:           # VRAM membership within the resident set is sticky (module doc)
+            top = sorted(top, key=lambda e: (-score[l, e] * (VRAM_STICKY if cur_tier[e] == TIER_VRAM else 1.0),
+                                              -int(cur_tier[e] == TIER_VRAM), -int(cur_tier[e] > 0), e))
         want = {}
-        for rank, e in enumerate(order[: p.n_vram + p.n_host]):
+        for rank, e in enumerate(top):
             if score[l, e] <= 0 and cur_tier[e] == TIER_DISK:
                 continue
             want[e] = TIER_VRAM if rank < p.n_vram else TIER_HOST

@@ -697,8 +697,11 @@ def markdown(r: dict) -> str:
 
     def plan(c):
         p = c.get("plan", {})
+        backing = {True: "on", False: "off"}.get(p.get("vram_backing"), "?")
         return (f"{p.get('vram_slots', '?')} VRAM + {p.get('host_slots', '?')} host (asked "
-                f"{p.get('vram_slots_requested', '?')}+{p.get('host_slots_requested', '?')})")
+                f"{p.get('vram_slots_requested', '?')}+{p.get('host_slots_requested', '?')}); VRAM backing copies "
+                f"{backing} (asked {p.get('vram_backing_requested', '?')}): "
+                f"{p.get('resident_experts_per_layer', '?')} distinct experts resident")
     row("slots per layer", plan)
 
     def budgets(c):

@@ -89,7 +89,8 @@ def test_every_key_has_a_variable():
     ("BETELGEUSE_ENGINE_SUB_BATCH", "many", "expected an integer"),
     ("BETELGEUSE_BUDGET_VRAM", "lots", "cannot parse size"),
     ("BETELGEUSE_ENGINE_ROUTING", "nearest", "expected one of exact, resident"),
-    ("BETELGEUSE_SLOTS_VRAM_BACKING", "maybe", "expected true or false"),
+    ("BETELGEUSE_ENGINE_PREFETCH", "maybe", "expected true or false"),
+    ("BETELGEUSE_SLOTS_VRAM_BACKING", "maybe", 'expected true, false or "auto"'),
 ])
 def test_bad_environment_values_name_the_variable(name, value, needle):
     with pytest.raises(BetelgeuseError, match=needle) as e:

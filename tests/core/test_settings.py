@@ -171,3 +171,21 @@ def test_engine_section(tmp_path):
         _load(tmp_path, '[engine]\nschedule = "fast"\n')
     with pytest.raises(BetelgeuseError, match="engine.prefetch"):
         _load(tmp_path, '[engine]\nprefetch = 1\n')
+
+
+def test_vram_backing_takes_auto_true_and_false_as_flags():
+    """`--vram-backing [auto|true|false]` (bare: true) and `--no-vram-backing`; a child's flags give the value back."""
+    import argparse
+    from betelgeuse.settings import add_flags, flag_values, resolve_settings, to_flags
+    p = argparse.ArgumentParser()
+    add_flags(p, sections=["slots"])
+
+    def value(argv):
+        return resolve_settings(None, env={}, flags=flag_values(p.parse_args(argv))).settings.slots.vram_backing
+    assert value([]) == "auto"
+    for argv, want in ((["--vram-backing"], True), (["--no-vram-backing"], False), (["--vram-backing", "auto"], "auto"),
+                       (["--vram-backing", "false"], False), (["--vram-backing", "true"], True)):
+        assert value(argv) == want, argv
+        assert value(to_flags({("slots", "vram_backing"): want})) == want, argv
+    with pytest.raises(BetelgeuseError, match=r'flag --vram-backing \(slots.vram_backing\): expected true, false or "auto"'):
+        value(["--vram-backing", "maybe"])

@@ -52,15 +52,31 @@ def test_the_default_config_plans_auto(tiny):
     full = plan_slots(tiny, cfg, None)
     assert (full.n_vram, full.n_host) == (4, c.n_expert - 4)
     limit = full.worker_reserve + HEADROOM + 64 * MiB + full.arena_bytes - 4 * c.n_layer * slot   # 4 slots short
-    p = plan_slots(tiny, cfg, limit, memory_current=64 * MiB)
-    assert (p.n_vram, p.n_host) == (4, c.n_expert - 8)
+    # backing copies forced on: 4 of the n_expert - 4 host slots per layer are the VRAM tier's copies
+    p = plan_slots(tiny, EngineConfig(**gpu, vram_budget=budget, vram_backing=True), limit, memory_current=64 * MiB)
+    assert (p.n_vram, p.n_host, p.vram_backing, p.resident_per_layer) == (4, c.n_expert - 8, True, c.n_expert - 4)
     assert p.arena_bytes + p.worker_reserve + 64 * MiB + HEADROOM <= limit
     d = p.describe()
     assert d["memory_limit_bytes"] == limit and d["memory_limit_source"] == "cgroup memory.max"
     assert f"host_slots=auto -> {p.n_host} per layer: memory limit" in d["why"] and "in use 64 MiB" in d["why"]
+    assert (d["vram_backing"], d["vram_backing_requested"], d["resident_experts_per_layer"]) == (True, "true", 12)
+    assert "vram_backing=on (as configured): 12 distinct experts resident per layer of 16 (4 VRAM + 8 host; the " \
+           "arena also holds the 4 VRAM experts' copies)" in d["why"]
     assert d["cuda_context_bytes"] >= GiB
+    # auto (the default): host RAM binds, so the copies' slots hold other experts instead: every expert resident
+    a = plan_slots(tiny, cfg, limit, memory_current=64 * MiB)
+    assert (a.n_vram, a.n_host, a.vram_backing, a.host_per_layer) == (4, c.n_expert - 4, False, c.n_expert - 4)
+    assert a.arena_bytes == p.arena_bytes
+    d = a.describe()
+    assert (d["vram_backing"], d["vram_backing_requested"], d["resident_experts_per_layer"]) == (False, "auto", 16)
+    assert "vram_backing=off (auto: host RAM binds (12 slots per layer for 16 experts)" in d["why"], d["why"]
+    assert "16 distinct experts resident per layer of 16 (4 VRAM + 12 host)" in d["why"]
+    # ...and with the memory for every expert beside the copies, auto keeps them
+    roomy = plan_slots(tiny, cfg, limit + 4 * c.n_layer * slot, memory_current=64 * MiB)
+    assert (roomy.n_vram, roomy.n_host, roomy.vram_backing) == (4, c.n_expert - 4, True)
+    assert "vram_backing=on (auto: the memory holds every expert beside them" in roomy.describe()["why"]
     # the same limit given as --memory-max instead of the cgroup's
-    q = plan_slots(tiny, EngineConfig(**gpu, vram_budget=budget, memory_max=limit), None, 64 * MiB)
+    q = plan_slots(tiny, EngineConfig(**gpu, vram_budget=budget, memory_max=limit, vram_backing=True), None, 64 * MiB)
     assert (q.n_vram, q.n_host, q.describe()["memory_limit_source"]) == (p.n_vram, p.n_host, "memory_max")
 
 
@@ -115,7 +131,10 @@ def test_models_and_the_log_line_show_the_chosen_plan(service_model, tmp_path):
     assert plan["vram_budget_bytes"] == 12 * GiB and plan["vram_fixed_bytes"] == sum(
         plan[f"{k}_bytes"] for k in VRAM_PARTS)
     assert plan["prefix_cache_bytes"] > 0 and plan["kv_bytes"] > 0 and plan["ring_bytes"] == 32 * plan["slot_bytes"]
-    assert "vram_slots=auto ->" in plan["why"]
+    assert "vram_slots=auto ->" in plan["why"] and "vram_backing=on (auto: no memory limit" in plan["why"]
+    assert plan["resident_experts_per_layer"] == mi.plan.resident_experts_per_layer == 16
+    assert plan["vram_backing_requested"] == mi.plan.vram_backing_requested == "auto"
+    assert plan["prefix_host_bytes"] == mi.plan.prefix_host_bytes
     assert mi.plan.vram_slots == plan["vram_slots"] and mi.plan.kv_bytes == plan["kv_bytes"]
     assert mi.plan.why == plan["why"] and mi.plan.vram_budget_bytes == 12 * GiB
     assert mi.plan.HasField("memory_limit_bytes") == (plan["memory_limit_bytes"] is not None)

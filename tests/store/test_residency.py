@@ -11,7 +11,7 @@ import pytest
 
 from betelgeuse.store.directory import TIER_DISK, TIER_HOST, TIER_VRAM
 from betelgeuse.store.plan import SlotPlan
-from betelgeuse.store.residency import plan_moves
+from betelgeuse.store.residency import VRAM_STICKY, plan_moves
 
 
 def _plan(n_layer, n_expert, n_vram, n_host, backing=True) -> SlotPlan:
@@ -126,5 +126,27 @@ def test_rounds_of_shifting_usage_keep_the_invariants_and_reach_the_ranking(back
             ranked = sorted(used, key=lambda e: -score[l, e])
             # no ties among positive scores here (random integers halved): the top ones are placed exactly
             if len(set(score[l, ranked[:p.n_vram + p.n_host + 1]])) == len(ranked[:p.n_vram + p.n_host + 1]):
-                assert set(np.nonzero(pl.tier[l] == TIER_VRAM)[0]) == set(ranked[:p.n_vram])
-                assert set(np.nonzero(pl.tier[l] == TIER_HOST)[0]) == set(ranked[p.n_vram:p.n_vram + p.n_host])
+                vram, host = np.nonzero(pl.tier[l] == TIER_VRAM)[0], np.nonzero(pl.tier[l] == TIER_HOST)[0]
+                if backing:
+                    assert set(vram) == set(ranked[:p.n_vram])
+                    assert set(host) == set(ranked[p.n_vram:p.n_vram + p.n_host])
+                else:       # the same resident set; in VRAM, no expert a host one outscores VRAM_STICKY times
+                    assert set(vram) | set(host) == set(ranked[:p.n_vram + p.n_host])
+                    assert len(vram) == min(p.n_vram, len(used))
+                    assert all(VRAM_STICKY * score[l, v] >= score[l, h] for v in vram for h in host), (l, vram, host)
+
+
+@pytest.mark.parametrize("backing", [True, False])
+def test_without_backing_copies_vram_membership_is_sticky(backing):
+    """Expert 0 in VRAM, 1 in the host tier (every expert resident). Without copies a swap reads the demoted expert
+    from disk, so 1 takes 0's VRAM slot only when scored more than VRAM_STICKY times higher; with copies at once."""
+    p = _plan(1, 2, 1, 1, backing=backing)
+    pl = Placement(p)
+    pl.apply(plan_moves(np.array([[2.0, 1.0]]), pl.tier, pl.owner, p))
+    assert (pl.tier[0, 0], pl.tier[0, 1]) == (TIER_VRAM, TIER_HOST)
+    pl.apply(plan_moves(np.array([[1.0, 0.9 * VRAM_STICKY]]), pl.tier, pl.owner, p))
+    pl.check()
+    assert (pl.tier[0, 0], pl.tier[0, 1]) == ((TIER_HOST, TIER_VRAM) if backing else (TIER_VRAM, TIER_HOST))
+    pl.apply(plan_moves(np.array([[1.0, 1.1 * VRAM_STICKY]]), pl.tier, pl.owner, p))
+    pl.check()
+    assert (pl.tier[0, 0], pl.tier[0, 1]) == (TIER_HOST, TIER_VRAM)
