@@ -154,7 +154,7 @@ class ModelInfo:
     host_slots_per_layer: int
     schedule: str                   # "layer_major" | "standard"
     sub_batch: int
-    routing: str = "exact"          # "exact" | "resident" (approximate: outputs depend on residency)
+    routing: str = "exact"          # "exact" | "resident" | "pool" (approximate: outputs depend on residency)
     vram_backing: bool = True       # VRAM experts keep host copies
     plan: dict | None = None        # the slot plan: what was chosen and the budgets it came from (SlotPlan.describe)
 

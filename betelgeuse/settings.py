@@ -283,8 +283,9 @@ class EngineSettings(_Section):
     ENGINE: ClassVar[bool] = True
     schedule: _choices("layer_major", "standard") = setting(
         "layer_major", "layer_major (single-pass prefill) | standard (3-token micro-batches)", "standard")
-    routing: _choices("exact", "resident") = setting(
-        "exact", "exact | resident (APPROXIMATE: ranks >= 1 among resident experts)", "resident")
+    routing: _choices("exact", "resident", "pool") = setting(
+        "exact", "exact | resident (APPROXIMATE: ranks >= 1 among resident experts) | pool (APPROXIMATE: every "
+        "rank among resident experts, the reference report's routing)", "resident")
     record_routing: Path_ = setting("", "write every routed token's expert choices to this trace file "
                                     "(docs/benchmarks/routing-locality.md; decode runs without CUDA graphs)",
                                     "/tmp/routing.bgrt")

@@ -44,6 +44,7 @@ from betelgeuse.kernels.torch_moe import expert_ffn
 from betelgeuse.model.kv_cache import _UIDS
 from betelgeuse.model.layers import check_token_ids
 from betelgeuse.model.reference import ReferenceExperts
+from betelgeuse.routing.approx import Residency, approx_topk
 
 QUERY_CHUNK = ds4layout.QUERY_CHUNK   # attention queries per block (bounds the score tensor; attention_block)
 
@@ -494,14 +495,15 @@ class Deepseek4Model:
         return h, (post, comb)
 
     def route(self, layer: int, h: torch.Tensor, token_ids: torch.Tensor | None = None,
-              resident: torch.Tensor | None = None, pool: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              resident: Residency | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, D] -> (ids [T, k] int64, weights [T, k] in h's dtype).
 
         scores = sqrt(softplus(router h)); hash layers take ids = tid2eid[token_ids], the others the top-k of
         scores + exp_probs_b (the bias selects only); weights = scores[ids] / sum x expert_weights_scale.
-        resident [n_expert] bool turns on an approximate mode (hash layers ignore it: their choice is static):
-        `resident` (rank 0 exact, ranks 1.. among resident experts first) or, pool=True, `pool` (every rank among
-        the resident experts first, the reference report's routing; disk experts only when fewer than k are)."""
+        resident, a routing.approx.Residency, turns on an approximate mode on the scored layers: `resident` (rank 0
+        exact) or `pool` (every rank among the resident experts first). Hash layers ignore it and stay exact: their
+        experts are a fixed function of the token id (the table the model was trained with), so there is no score
+        order to bend, and a repeated token reuses the experts it read before anyway."""
         p, b, k = self.p, f"blk.{layer}.", self.cfg.n_expert_used
         logits = F.linear(h, self.w[b + "ffn_gate_inp.weight"])
         if layer < p.n_hash_layers:
@@ -517,14 +519,7 @@ class Deepseek4Model:
                 self.margins.append((layer, "experts", float((srt[:, k - 1] - srt[:, k]).min())))
             return ids, wts
         scores = _sqrt_softplus(logits)
-        sel = scores + bias
-        boost = (sel.max() - sel.min() + 1.0) * resident.to(sel.dtype)[None, :]
-        if pool:
-            ids = torch.topk(sel + boost, k, dim=-1).indices
-        else:
-            first = sel.argmax(dim=-1, keepdim=True)
-            rest = (sel + boost).scatter(1, first, float("-inf"))
-            ids = torch.cat([first, torch.topk(rest, k - 1, dim=-1).indices], dim=-1)
+        ids = approx_topk(scores + bias, k, resident)
         return ids, _route_weights(scores.gather(1, ids), p.weights_norm, p.routed_scale, h.dtype)
 
     def moe_output(self, layer: int, x: torch.Tensor, aux, h: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from betelgeuse.model.layers import (NeoxRope, apply_rope, causal_attention, che
                                      static_decode_attention)
 from betelgeuse.model.reference import ReferenceExperts
 from betelgeuse.model.weights import DenseWeights
+from betelgeuse.routing.approx import Residency, approx_topk
 
 
 class Qwen3MoeModel:
@@ -115,19 +116,19 @@ class Qwen3MoeModel:
         return x + routed
 
     def route(self, layer: int, h: torch.Tensor, token_ids: torch.Tensor | None = None,
-              resident: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              resident: Residency | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T,H] -> (ids [T,k] int64, weights [T,k] in h's dtype): softmax over all experts in
         float32, top-k, renormalised when norm_topk_prob (always true for llama.cpp's qwen3moe).
 
-        resident [n_expert] bool turns on the approximate `resident` routing mode (DESIGN.md §3.1, off by
-        default): rank 0 is the model's own first choice; ranks 1..k-1 choose only among resident experts
-        (non-resident ones only when fewer than k-1 are resident). Not exact: outputs depend on residency."""
+        resident, a routing.approx.Residency, turns on an approximate mode (DESIGN.md §3.1, off by default):
+        `resident` (rank 0 exact, ranks 1.. among resident experts first) or `pool` (every rank among them
+        first). Not exact: outputs depend on residency."""
         logits = F.linear(h, self.dense.layers[layer].router)                  # [T, n_expert]
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         if resident is None:
             top, ids = torch.topk(probs, self.cfg.n_expert_used, dim=-1)
         else:
-            ids = resident_topk(probs, self.cfg.n_expert_used, resident)
+            ids = approx_topk(probs, self.cfg.n_expert_used, resident)
             top = probs.gather(1, ids)
         if getattr(self.cfg, "norm_topk_prob", True):
             top = top / top.sum(dim=-1, keepdim=True)
@@ -148,12 +149,3 @@ class Qwen3MoeReference(ReferenceExperts, Qwen3MoeModel):
         Qwen3MoeModel.__init__(self, f.config, dense)
         self._init_reference(f, sub_batch, kernels, chunk)
 
-
-def resident_topk(probs: torch.Tensor, k: int, resident: torch.Tensor) -> torch.Tensor:
-    """probs [T,E] float32, resident [E] bool -> ids [T,k]: the top-1 of all experts, then the k-1 most
-    probable among the rest, resident experts ranked before non-resident ones (by a +2 offset: probs <= 1)."""
-    first = probs.argmax(dim=-1, keepdim=True)                              # [T,1]
-    score = probs + 2.0 * resident.to(probs.dtype)[None, :]
-    score = score.scatter(1, first, float("-inf"))                         # rank 0 is taken
-    rest = torch.topk(score, k - 1, dim=-1).indices if k > 1 else first[:, :0]
-    return torch.cat([first, rest], dim=-1)

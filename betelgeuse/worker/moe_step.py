@@ -27,6 +27,7 @@ from betelgeuse.config import EngineConfig
 from betelgeuse.errors import BetelgeuseError
 from betelgeuse.gguf.qtypes import qtype_name
 from betelgeuse.kernels.moe import TRITON_QTYPES, Group, MoEKernels, triton_available
+from betelgeuse.routing.approx import Residency
 from betelgeuse.store.directory import TIER_DISK, TIER_HOST, TIER_NAMES, TIER_VRAM
 from betelgeuse.worker.stats import LayerStats, PassClock, PassStats
 from betelgeuse.worker.store_session import StoreSession
@@ -41,7 +42,10 @@ class MoEStep:
         self.counts = session.counts
         self.n_layer = session.file.config.n_layer
         self.kern = self._kernels(act_limit)
-        self._masks = None                  # (directory snapshot, [n_layer, n_expert] resident mask on the device)
+        # the routing mode (EngineConfig.routing); the bench sets "exact" for one untimed pass to measure an
+        # approximate mode's divergence on the same state
+        self.routing = cfg.routing
+        self._masks = None      # (directory snapshot, [n_layer, n_expert] resident mask on the device, [n_layer] counts)
 
     def _kernels(self, act_limit: float | None) -> MoEKernels:
         """The expert kernels: triton on CUDA where the experts' types allow (or when asked for), else torch."""
@@ -55,14 +59,20 @@ class MoEStep:
         return MoEKernels(backend, c.n_expert, c.n_ff_exp, self.cache.starts, qts, self.cfg.sub_batch,
                           weights_fn=self.cache.weights, act_limit=act_limit)
 
-    def resident_mask(self, snap, l: int):
-        """[n_expert] bool on the device for the approximate `resident` routing mode; None in exact mode.
-        One upload per pass (the directory is frozen for the pass), not one per layer."""
-        if self.cfg.routing != "resident":
+    def residency(self, snap, l: int) -> Residency | None:
+        """Layer l's resident set for an approximate routing mode (routing/approx.py); None in exact mode, and
+        for a layer with no resident expert (cold start) or all of them resident: that layer routes exactly.
+        The set is VRAM or host slots alike (location invariance); one upload per pass (the directory is frozen
+        for the pass), not one per layer."""
+        if self.routing == "exact":
             return None
         if self._masks is None or self._masks[0] is not snap:
-            self._masks = (snap, torch.from_numpy(snap["tier"] > 0).to(self.session.device))
-        return self._masks[1][l]
+            held = snap["tier"] != TIER_DISK                                         # [n_layer, n_expert]
+            self._masks = (snap, torch.from_numpy(held).to(self.session.device), held.sum(axis=1))
+        n = int(self._masks[2][l])
+        if n == 0 or n == self._masks[1].shape[1]:
+            return None
+        return Residency(self.routing, self._masks[1][l])
 
     # ---- a layer ---------------------------------------------------------------------------------------
     def layer(self, l, h, ids, w, snap, stats: PassStats, ls: LayerStats, readahead: bool, chunks=None) -> torch.Tensor:

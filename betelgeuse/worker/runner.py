@@ -345,7 +345,7 @@ class ModelRunner:
         for i in range(len(kvs)):
             xs[i] = m.attention_block(l, xs[i], kvs[i], pos[i])
             h, aux = m.moe_input(l, xs[i])
-            ti, tw = m.route(l, h, ids_t[i:i + 1], self.moe.resident_mask(snap, l))
+            ti, tw = m.route(l, h, ids_t[i:i + 1], self.moe.residency(snap, l))
             hs.append(h), auxs.append(aux), tids.append(ti), tws.append(tw)
         t1 = time.perf_counter()
         ls.attn_s = t1 - t
@@ -391,7 +391,7 @@ class ModelRunner:
             ls = LayerStats()
             t = time.perf_counter()
             x, h, auxs, top_ids, top_w = layer_front(self.model, l, x, kvs[0], chunks, ids,
-                                                     self.moe.resident_mask(snap, l))
+                                                     self.moe.residency(snap, l))
             t1 = time.perf_counter()
             ls.attn_s = t1 - t
             routed = self.moe.layer(l, h, top_ids, top_w, snap, stats, ls, readahead, chunks)
@@ -420,7 +420,7 @@ class ModelRunner:
                 t = time.perf_counter()
                 x = m.attention_block(l, x, kv, positions)
                 h, aux = m.moe_input(l, x)
-                top_ids, top_w = m.route(l, h, chunk, self.moe.resident_mask(snap, l))
+                top_ids, top_w = m.route(l, h, chunk, self.moe.residency(snap, l))
                 r = self.moe.route_rows(l, h, top_ids, top_w)
                 used = np.nonzero(r.counts.cpu().numpy())[0]
                 t1 = time.perf_counter()

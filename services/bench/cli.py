@@ -3,6 +3,7 @@
     betelgeuse bench --model /var/tmp/bench.gguf --memory-max 12G --vram-budget 12GiB --time-budget 480
     betelgeuse bench --quick            # a small model on the CPU: checks the whole path in ~1 minute
     betelgeuse bench --suite agents     # serving: agent-loop TTFT with/without the prefix cache, concurrent clients
+    betelgeuse bench --routing exact,pool   # each case in exact routing, then in the APPROXIMATE pool mode beside it
     betelgeuse bench --suite serve      # the live service (`betelgeuse serve`, both processes, cgroup) over HTTP
 
 `add_parser(subparsers)` registers the subcommand; `run(args) -> int` runs it (exit code). Also
@@ -17,7 +18,7 @@ import shlex
 import sys
 import time
 
-from betelgeuse.errors import BetelgeuseError
+from betelgeuse.errors import BetelgeuseError, InvalidRequestError
 from services.bench.args import (add_engine_flags, bench_argv, engine_from_args, ensure_model, opt_reader, options_record,
                                  parse_ints, parse_slots, target, variant_specs)
 
@@ -92,6 +93,7 @@ def run(args) -> int:
         print(f"[bench {time.monotonic() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
     device, work, preset, spec, model, run_name, out = target(args, _opt, "")
+    routings = parse_routings(args)
     engine = engine_from_args(args, QUICK, str(model), device, suite=BENCH_ENGINE)
     variants = variant_specs(_opt(args, "variant_skew", "0"), preset, _opt(args, "variant_layers", 8), args.seed,
                              args.qtype)
@@ -126,11 +128,28 @@ def run(args) -> int:
                      time_budget=float(_opt(args, "time_budget", 480.0)), t0=t0,
                      standard_cap=float(_opt(args, "standard_cap", 20.0)), decode_cap=float(_opt(args, "decode_cap", 20.0)),
                      disk_sample_bytes=parse_size(_opt(args, "disk_sample", "1GiB"), "--disk-sample"),
-                     seed=args.seed, run_dir=str(work / f"run-{os.getpid()}"), routing_trace=args.routing_trace)
+                     seed=args.seed, run_dir=str(work / f"run-{os.getpid()}"), routing_trace=args.routing_trace,
+                     routings=routings or (engine.routing,))
     results["options"] = options_record(o)
     log(f"device {device}; results -> {out}")
     from services.bench.report import run_recorded
     return run_recorded(results, save, Harness(o, results, save).run, log)
+
+
+def parse_routings(args) -> tuple[str, ...]:
+    """The passes suite's --routing takes a comma-separated list (each main-model case runs in each mode, e.g.
+    exact,pool); the engine key gets the first. () when the flag is not given (the settings decide)."""
+    from betelgeuse.routing.approx import ROUTING_MODES
+    text = getattr(args, "engine.routing", None)
+    if text is None:
+        return ()
+    modes = tuple(x.strip() for x in str(text).split(",") if x.strip())
+    bad = [m for m in modes if m not in ROUTING_MODES]
+    if not modes or bad or len(set(modes)) != len(modes):
+        raise InvalidRequestError(f"--routing {text!r}: expected distinct modes of {', '.join(ROUTING_MODES)}, "
+                                  "comma-separated (e.g. exact,pool)")
+    setattr(args, "engine.routing", modes[0])
+    return modes
 
 
 def _check_trace(path: str, spec) -> None:

@@ -46,6 +46,7 @@ class Case:
     slots: str                  # "V+H" or "auto"
     prompt: int                 # tokens
     passes: tuple               # subset of ("cold", "warm", "std", "decode", "std_cold")
+    routing: str = "exact"      # EngineConfig.routing of the case (routing/approx.py: the approximate modes)
 
 
 @dataclass(slots=True)
@@ -69,6 +70,7 @@ class BenchOptions:
     seed: int = 0
     run_dir: str = "/tmp/betelgeuse-bench"  # sockets, store logs
     routing_trace: str | None = None        # replay this routing trace instead of the router (outputs meaningless)
+    routings: tuple = ("exact",)            # each main-model case runs in each of these routing modes (--routing a,b)
 
 
 def slots_pair(s: str) -> tuple[int | str, int | str]:
@@ -77,7 +79,19 @@ def slots_pair(s: str) -> tuple[int | str, int | str]:
 
 
 def plan_cases(o: BenchOptions) -> list[Case]:
-    """Priority order: what the reference table needs first, the slow or secondary cases last."""
+    """Priority order: what the reference table needs first, the slow or secondary cases last. With several
+    routing modes (--routing exact,pool) each main-model case runs in each, one right after the other, the first
+    mode's name unchanged and the others' suffixed with the mode."""
+    first, more = (o.routings or ("exact",))[0], tuple(o.routings[1:])
+    out = []
+    for c in _plan_cases(o):
+        main = not c.name.startswith("variant") and "std_cold" not in c.passes
+        out.append(dataclasses.replace(c, routing=first, name=c.name + (f" {first}" if first != "exact" and main else "")))
+        out += [dataclasses.replace(c, name=f"{c.name} {r}", routing=r) for r in more if main]
+    return out
+
+
+def _plan_cases(o: BenchOptions) -> list[Case]:
     s0, rest = o.slots[0], list(o.slots[1:])
     p0, more = o.prompts[0], list(o.prompts[1:])
     std = lambda p: ("std",) if p in o.standard_prompts else ()      # noqa: E731
@@ -103,6 +117,7 @@ class Harness:
         self.runner_model = ""
         self.replay = None                  # the --routing-trace replayer of the current runner
         self.calib = 1.0            # actual / estimated seconds of the last layer-major pass
+        self.exact_logits = {}      # (model, prompt ids) -> exact routing's logits [T, n_vocab] (divergence)
 
     # ---- time -------------------------------------------------------------------------------------
     def remaining(self) -> float:
@@ -175,6 +190,7 @@ class Harness:
         """A runner over this case's store: the last case's, re-attached, if it ran the same model (its dense
         weights stay loaded), else a new one."""
         if self.runner is not None and self.runner_model == cfg.model_path:
+            self.runner.cfg = dataclasses.replace(self.runner.cfg, routing=cfg.routing)   # MoEStep reads it at attach
             self.runner.store = store.client
             self.runner.attach()
             return self.runner
@@ -195,12 +211,21 @@ class Harness:
             raise BetelgeuseError(f"--routing-trace {self.o.routing_trace}: {e}") from None
 
     def _rebound(self):
-        """Bounds of every pass with the final compute ceiling (disk: the sample of the pass's own case)."""
+        """Bounds of every pass and decode run with the final compute ceiling and the disk rate beside the pass
+        (ceilings.case_disk_rate: the samples before and after its case, the pass's own reads)."""
         for case in self.results["cases"]:
-            for p in case["passes"]:
-                if "loads" in p:
-                    p["bound"] = C.pass_bound(self.ceil, case["disk_bps"], p["n_tokens"], p["loads"], p["disk_bytes"],
-                                              p["h2d_bytes"], case["n_layer"], p["k"], p["seconds"])
+            samples = [case.get("disk_bps", 0.0), case.get("disk_bps_after", 0.0)]
+            runs = [(p, p) for p in case["passes"] if "loads" in p]
+            d = case.get("decode") or {}
+            if d.get("tokens"):
+                runs.append((d, dict(d, n_tokens=d["tokens"], loads=sum(d["reads"].values()))))
+            for dest, p in runs:
+                bps, src = C.case_disk_rate(samples, p.get("store_disk_bytes", 0), p.get("store_disk_busy_s", 0.0),
+                                            p.get("read_threads", 1))
+                b = C.pass_bound(self.ceil, bps, p["n_tokens"], p["loads"], p["disk_bytes"], p["h2d_bytes"],
+                                 case["n_layer"], p["k"], p["seconds"])
+                b["disk_source"] = src
+                dest["bound"] = b
 
     def _measure_compute(self):
         rn = self.runner
@@ -245,11 +270,9 @@ class Harness:
                "slots_requested": case.slots, "prompt_tokens": case.prompt, "passes": [], "skipped": []}
         r["cases"].append(out)
         v, h = slots_pair(case.slots)
-        cfg = dataclasses.replace(o.engine, model_path=case.model, vram_slots=v, host_slots=h)
-        s = C.measure_disk(f, cfg.read_threads, cfg.read_request_bytes, o.disk_sample_bytes,   # as the store reads
-                           o.disk_sample_s, o.seed + len(r["cases"]), o.t0)
-        self.ceil.disk.append(s)
-        out["disk_bps"] = s.bps
+        cfg = dataclasses.replace(o.engine, model_path=case.model, vram_slots=v, host_slots=h, routing=case.routing)
+        out["routing_mode"] = case.routing
+        out["disk_bps"] = self._disk_sample(f, cfg)
         try:
             store = open_store(cfg, "process", str(mkdir(o.run_dir) / f"store-{len(r['cases'])}"), timeout=300.0)
         except BaseException:
@@ -298,15 +321,44 @@ class Harness:
                     self.calib = max(0.05, rec["seconds"] / max(est / self.calib, 1e-6))
                 self.save(False)
             out["routing"] = self._routing(rn, f, ids, out.get("decode", {}).get("token_ids", []))
+            if case.routing != "exact":
+                out["divergence"] = self._divergence(rn, f, case, ids)
             out["store_status"] = rn.store.status()
         finally:
             self._detach()
+            if self.remaining() > 0:            # the disk sampled again right after the case: its passes' bound
+                out["disk_bps_after"] = self._disk_sample(f, cfg)
             out["arena_mappings_after_detach"] = arena_mappings()
             rc = store.close()
             out["store_exit"] = rc
             if rc not in (0, None):
                 out["store_error"] = store.proc.last_line()
             f.close()
+
+    def _disk_sample(self, f: GGUFModelFile, cfg: EngineConfig) -> float:
+        """One disk ceiling sample with the store's reader settings (appended to the run's samples) -> bytes/s."""
+        s = C.measure_disk(f, cfg.read_threads, cfg.read_request_bytes, self.o.disk_sample_bytes,
+                           self.o.disk_sample_s, self.o.seed + len(self.ceil.disk) + 1, self.o.t0)
+        self.ceil.disk.append(s)
+        return s.bps
+
+    def _divergence(self, rn: ModelRunner, f: GGUFModelFile, case: Case, ids: list) -> dict:
+        """An approximate case's outputs against exact routing on its prompt (teacher-forced, all rows), both on the
+        store state the case left (untimed, nothing consolidated): routing/approx.py divergence. The exact logits do
+        not depend on the slots (invariant 1): they are computed once per (model, prompt) in the run."""
+        from betelgeuse.routing.approx import divergence
+        key = (case.model, tuple(ids))
+        if self.remaining() < 2 * self._estimate(f, "warm", len(ids)):
+            return {"skipped": "time budget"}
+        approx, _ = rn.forward(ids, rn.new_cache(len(ids) + 1), all_logits=True, consolidate=False)
+        if key not in self.exact_logits:
+            rn.moe.routing = "exact"
+            try:
+                self.exact_logits[key] = rn.forward(ids, rn.new_cache(len(ids) + 1), all_logits=True,
+                                                    consolidate=False)[0].float().cpu()
+            finally:
+                rn.moe.routing = case.routing
+        return divergence(self.exact_logits[key], approx.float().cpu()).to_json()
 
     def _prefill(self, rn: ModelRunner, f: GGUFModelFile, kind: str, ids: list, kv):
         schedule = "standard" if kind in ("std", "std_cold") else "layer_major"
@@ -330,7 +382,7 @@ class Harness:
             return rec, None
         ttft = time.perf_counter() - t
         rec = pass_record(kind, st, ttft, self.ceil, f, rn.plan.slot.slot_bytes)
-        rec["store_disk_bytes"] = rn.store.status()["disk_bytes"] - st0["disk_bytes"]
+        rec.update(store_delta(st0, rn.store.status(), rn.cfg.read_threads))
         if not self.cuda:
             rec["copy_s"] = rn.cache.copy_seconds - copy0
         if consolidate:
@@ -372,6 +424,7 @@ class Harness:
 
     def _decode(self, rn: ModelRunner, kv, logits) -> dict:
         tok = int(logits[-1].argmax())
+        st0 = rn.store.status()
         end = time.monotonic() + min(self.o.decode_cap, self.remaining())
         secs, reads, disk_bytes, disk_wait = [], {"vram": 0, "host": 0, "disk": 0}, 0, 0.0
         host_s, calls, h2d, toks, engram = 0.0, 0, 0, [], None
@@ -391,9 +444,12 @@ class Harness:
                 engram = st.engram if engram is None else engram.add(st.engram)
         n = sum(reads.values())
         c = rn.mcfg
-        bound = C.pass_bound(self.ceil, self.ceil.disk_bps, len(secs), n, disk_bytes, h2d, c.n_layer, c.n_expert_used,
+        own = store_delta(st0, rn.store.status(), rn.cfg.read_threads)
+        bps, src = C.case_disk_rate([self.ceil.disk_bps], own["store_disk_bytes"], own["store_disk_busy_s"],
+                                    own["read_threads"])
+        bound = C.pass_bound(self.ceil, bps, len(secs), n, disk_bytes, h2d, c.n_layer, c.n_expert_used,
                              sum(secs)) if secs else {}
-        return {"tokens": len(secs), "requested": self.o.decode, "seconds": sum(secs), "bound": bound,
+        return {**own, "k": c.n_expert_used, "tokens": len(secs), "requested": self.o.decode, "seconds": sum(secs), "bound": bound,
                 "host_s": host_s, "host_us_per_application": host_s / n * 1e6 if n else None,
                 "store_calls_per_token": calls / len(secs) if secs else None, "h2d_bytes": h2d,
                 "tg_mean": len(secs) / sum(secs) if secs else 0.0, "tg_peak": 1.0 / min(secs) if secs else 0.0,
@@ -421,6 +477,13 @@ def pass_record(kind: str, st, ttft: float, ceil: C.Ceilings, f: GGUFModelFile, 
             "bound": C.pass_bound(ceil, ceil.disk_bps, st.n_tokens, loads, st.disk_bytes, st.h2d_bytes, c.n_layer,
                                   c.n_expert_used, st.seconds),
             "layers": layers}
+
+
+def store_delta(before: dict, after: dict, read_threads: int) -> dict:
+    """What the store's disk did between two status() calls: bytes and the reader threads' summed busy seconds."""
+    return {"store_disk_bytes": after["disk_bytes"] - before["disk_bytes"],
+            "store_disk_busy_s": after.get("disk_busy_seconds", 0.0) - before.get("disk_busy_seconds", 0.0),
+            "read_threads": read_threads}
 
 
 def router_label(f: GGUFModelFile, o: BenchOptions) -> str:

@@ -49,6 +49,29 @@ def _pct(x):
     return _f(None if x is None else 100 * x, "{:.2f}%")
 
 
+# the approximate routing modes, as the report names them (betelgeuse/routing/approx.py; report.py stays torch-free)
+APPROX_NOTE = {"resident": "`resident` = rank 0 exact, ranks >= 1 among resident experts",
+               "pool": "`pool` = every rank among resident experts (the reference report's routing)"}
+
+
+def case_label(case: dict) -> str:
+    """A case's name; an approximate routing mode's case carries its divergence from exact beside it."""
+    mode = case.get("routing_mode", "exact")
+    if mode == "exact":
+        return case["name"]
+    d = case.get("divergence") or {}
+    div = (f"top-1 {d['top1']:.1%}, KL {d['kl']:.4f} nats/token" if "top1" in d
+           else f"divergence not measured: {d.get('skipped', 'case incomplete')}")
+    return f"{case['name']} (APPROXIMATE {mode}; vs exact: {div})"
+
+
+def achieved_label(b: dict) -> str:
+    """The achieved fraction of a bound, or "bound wrong" where the pass beat it (ceilings.BOUND_WRONG)."""
+    if b.get("bound_wrong"):
+        return f"**bound wrong** (pass beat it: {b['achieved']:.2f})"
+    return _pct(b.get("achieved"))
+
+
 def _passes(r: dict):
     for case in r.get("cases", []):
         for p in case.get("passes", []):
@@ -65,9 +88,12 @@ def markdown(r: dict) -> str:
     if r.get("status") != "complete":
         L += [f"**Partial results** (status: {r.get('status')}).", ""]
     o = r.get("options", {})
-    if o.get("routing", "exact") != "exact":
-        L += [f"**Routing: {o['routing']} (APPROXIMATE: ranks after the first choose among resident experts; "
-              "outputs differ from the model's).**", ""]
+    approx = [m for m in o.get("routings") or (o.get("routing", "exact"),) if m != "exact"]
+    if approx:
+        L += [f"**Routing {', '.join(o.get('routings') or (o['routing'],))}: {'; '.join(APPROX_NOTE[m] for m in approx)}. "
+              "APPROXIMATE modes' outputs differ from the model's: every figure of theirs is printed beside its "
+              "divergence from exact routing on the case's prompt (top-1 agreement, mean KL per token; "
+              "betelgeuse/routing/approx.py).**", ""]
     if o.get("vram_backing") is False:
         L += ["Slots: VRAM experts keep no host copy (`--no-vram-backing`): VRAM slots add resident capacity.", ""]
     if o.get("routing_trace"):
@@ -84,11 +110,11 @@ def markdown(r: dict) -> str:
         slots = f"{plan.get('n_vram', '?')}+{plan.get('n_host', '?')} ({case['slots_requested']})"
         label = p["label"] + ("" if p.get("complete", True) else " (partial)")
         router = case.get("router", case.get("router_skew"))
-        L.append(f"| {case['name']} | {router} | {slots} | {label} | {p['schedule']} | "
+        L.append(f"| {case_label(case)} | {router} | {slots} | {label} | {p['schedule']} | "
                  f"{p['n_tokens']}/{p.get('prompt_tokens', p['n_tokens'])} | {p['tok_per_s']:.2f} | "
                  f"{_pct(p.get('disk_share'))} | {_f(p.get('disk_wait_ms'), '{:,.0f}')} | "
                  f"{_f(None if 'h2d_bytes' not in p else p['h2d_bytes'] / GB)} | {_f(p.get('ttft_s'), '{:.3f}')} | "
-                 f"{_f(b.get('bound_s'), '{:.3f}')} ({b.get('limiter', '–')}) | {_pct(b.get('achieved'))} |")
+                 f"{_f(b.get('bound_s'), '{:.3f}')} ({b.get('limiter', '–')}) | {achieved_label(b)} |")
     L += routing_section(r)
     L += ["", "## Host cost per pass", "",
           "Host time = wall minus the time the host was blocked (routing syncs, disk waits, copy waits, the end "
@@ -101,7 +127,7 @@ def markdown(r: dict) -> str:
         if "host_s" not in p:
             continue
         prof = case.get("profile", {}).get(p["label"], {})
-        L.append(f"| {case['name']} | {p['label']} | {p['loads']} | {p['host_s'] * 1e3:,.1f} | "
+        L.append(f"| {case_label(case)} | {p['label']} | {p['loads']} | {p['host_s'] * 1e3:,.1f} | "
                  f"{_f(p.get('host_us_per_application'), '{:.1f}')} | {p.get('store_calls', '–')} | "
                  f"{_f(prof.get('launches_per_layer'), '{:.1f}')} | {_pct(prof.get('gpu_busy'))} |")
     L += ["", "## Decode", "",
@@ -114,9 +140,9 @@ def markdown(r: dict) -> str:
             b = d.get("bound", {})
             prof = case.get("profile", {}).get("decode", {})
             bt = d["tokens"] / b["bound_s"] if b.get("bound_s") else None
-            L.append(f"| {case['name']} | {d['tokens']}/{d['requested']} | {d['tg_mean']:.2f} | {d['tg_peak']:.2f} | "
+            L.append(f"| {case_label(case)} | {d['tokens']}/{d['requested']} | {d['tg_mean']:.2f} | {d['tg_peak']:.2f} | "
                      f"{_pct(d['disk_share'])} | {d['disk_wait_ms']:,.0f} | {_f(bt)} ({b.get('limiter', '–')}) | "
-                     f"{_pct(b.get('achieved'))} | {_f(d.get('host_us_per_application'), '{:.1f}')} | "
+                     f"{achieved_label(b)} | {_f(d.get('host_us_per_application'), '{:.1f}')} | "
                      f"{_f(d.get('store_calls_per_token'), '{:.2f}')} | {_f(prof.get('launches_per_layer'), '{:.1f}')} |")
     eng = [(case, p) for case, p in _passes(r) if p.get("engram")]
     eng += [(case, dict(case["decode"], label="decode")) for case in r.get("cases", [])
@@ -147,7 +173,10 @@ def markdown(r: dict) -> str:
           f"swap limit {mem.get('swap_limit', '–')}, swap peak {mem.get('swap_peak', '–')}",
           "", "## Ceilings (measured in this run)", "",
           "- Disk (O_DIRECT, store reader settings): " + ", ".join(
-              f"{s['bps'] / GB:.2f} GB/s ({s['mode']}, t={s['at_s']:.0f}s)" for s in ceil.get("disk", [])),
+              f"{s['bps'] / GB:.2f} GB/s ({s['mode']}, t={s['at_s']:.0f}s)" for s in ceil.get("disk", []))
+          + "; sampled before and after every case: a pass's disk bound uses the fastest of those two and the rate of "
+            "its own reads (bytes x reader threads / their time in preadv); a pass that still beats its bound by "
+            "more than 2% is printed as **bound wrong**, not as a fraction",
           f"- Host->device: {ceil.get('h2d_bps', 0) / GB:.2f} GB/s "
           f"({'pinned arena' if ceil.get('h2d_pinned') else 'memcpy / pageable'})",
           "- Expert compute (the engine's kernels, one launch group of a bank of experts; per expert application): "

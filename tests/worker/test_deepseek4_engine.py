@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from betelgeuse.model.deepseek4 import DS4Cache
+from betelgeuse.routing.approx import Residency
 
 from engine_helpers import close_runner, in_process_runner, synth_reference, three_passes
 
@@ -96,11 +97,11 @@ def test_resident_routing_mode(model):
     resident = torch.zeros(E, dtype=torch.bool)
     resident[[1, 5, 6]] = True
     exact, _ = ref.route(3, h)
-    ids, w = ref.route(3, h, None, resident)
+    ids, w = ref.route(3, h, None, Residency("resident", resident))
     assert torch.equal(ids[:, 0], exact[:, 0]) and bool(resident[ids[:, 1:]].all())
     assert torch.allclose(w.sum(-1), torch.full((20,), ref.p.routed_scale))
     toks = torch.arange(20)
-    assert torch.equal(ref.route(0, h, toks, resident)[0], ref.route(0, h, toks)[0])
+    assert torch.equal(ref.route(0, h, toks, Residency("resident", resident))[0], ref.route(0, h, toks)[0])
 
 
 def test_batched_decode_bit_identical(model):

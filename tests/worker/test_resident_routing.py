@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from betelgeuse.errors import BetelgeuseError
-from betelgeuse.model.qwen3moe import resident_topk
+from betelgeuse.routing.approx import Residency, approx_topk
 from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, write_synth
 
 
@@ -31,7 +31,7 @@ def test_resident_topk_matches_brute_force(n_resident):
     probs = torch.softmax(torch.randn(50, 16, generator=g), dim=-1)
     resident = torch.zeros(16, dtype=torch.bool)
     resident[torch.randperm(16, generator=g)[:n_resident]] = True
-    got = resident_topk(probs, 4, resident).tolist()
+    got = approx_topk(probs, 4, Residency("resident", resident)).tolist()
     want = _brute_force(probs.numpy(), 4, resident.numpy())
     # the same experts at each rank (topk order among equal-probability experts is not specified)
     assert [r[0] for r in got] == [r[0] for r in want]
@@ -83,5 +83,5 @@ def test_partial_residency_avoids_disk_and_reports_quality(model):
 
 def test_bad_routing_value():
     from betelgeuse.config import EngineConfig
-    with pytest.raises(BetelgeuseError, match="routing: expected one of exact, resident"):
+    with pytest.raises(BetelgeuseError, match="routing: expected one of exact, resident, pool"):
         EngineConfig(model_path="x.gguf", routing="nearest")

@@ -1,0 +1,119 @@
+"""The approximate `pool` routing mode (routing/approx.py; DESIGN.md §3.1, off by default): every rank chooses
+among the layer's resident experts (VRAM and host slots alike), the reference report's routing.
+
+Checked: the selection against a brute force (both approximate modes, ranks in order), location invariance on the
+engine (the same resident SET held in different tiers -> bit-identical logits), a cold store routes exactly, a warm
+repeated prompt reads nothing from disk, deepseek4/deepseek41 route their scored layers within the pool and keep
+their hash layers, and the divergence helper against a hand computation; the divergence of pool routing from exact
+on the CPU oracle model is printed.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from betelgeuse.routing.approx import Divergence, Residency, approx_topk, divergence
+from betelgeuse.store.directory import TIER_DISK, TIER_HOST, TIER_VRAM
+from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, synth_reference, write_synth
+
+
+def _brute_force(score: np.ndarray, k: int, resident: np.ndarray, mode: str) -> list[list[int]]:
+    out = []
+    for row in score:
+        key = lambda e: (not resident[e], -row[e], e)       # noqa: E731 resident first, by score, ties by id
+        if mode == "pool":
+            out.append(sorted(range(len(row)), key=key)[:k])
+        else:
+            first = min(range(len(row)), key=lambda e: (-row[e], e))
+            out.append([first] + sorted((e for e in range(len(row)) if e != first), key=key)[:k - 1])
+    return out
+
+
+@pytest.mark.parametrize("mode", ["pool", "resident"])
+@pytest.mark.parametrize("n_resident", [0, 2, 4, 9, 16])
+def test_selection_matches_brute_force(mode, n_resident):
+    g = torch.Generator().manual_seed(n_resident)
+    score = torch.randn(40, 16, generator=g)
+    score[:5, :4] = 0.25                                    # ties: broken by the lower expert id
+    mask = torch.zeros(16, dtype=torch.bool)
+    mask[torch.randperm(16, generator=g)[:n_resident]] = True
+    got = approx_topk(score, 4, Residency(mode, mask)).tolist()
+    assert got == _brute_force(score.numpy(), 4, mask.numpy(), mode)
+
+
+def test_divergence_by_hand():
+    exact = torch.tensor([[0.0, 1.0, 2.0], [3.0, 0.0, 0.0]])
+    approx = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
+    p = np.exp([0.0, 1.0, 2.0]) / np.exp([0.0, 1.0, 2.0]).sum()
+    q = np.exp([0.0, 2.0, 1.0]) / np.exp([0.0, 2.0, 1.0]).sum()
+    d = divergence(exact, approx)
+    assert d.tokens == 2 and d.top1 == 0.5
+    assert math.isclose(d.kl, float((p * np.log(p / q)).sum()) / 2, rel_tol=1e-12)
+    assert divergence(exact, exact) == Divergence(2, 1.0, 0.0)
+    with pytest.raises(ValueError, match="one shape"):
+        divergence(exact, approx[:1])
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    return write_synth(tmp_path_factory.mktemp("pool") / "engine.gguf", **ENGINE_SPEC)
+
+
+def _passes(path, vram, host, routing, ids):
+    """A cold pass (consolidating), then the same prompt again -> (cold logits, warm logits, warm stats, tiers)."""
+    runner, store = in_process_runner(path, vram, host, routing=routing)
+    try:
+        cold, _ = runner.forward(ids, runner.new_cache(len(ids) + 1), all_logits=True)
+        runner.settle()
+        tiers = runner.session.directory.snapshot()["tier"].copy()
+        warm, st = runner.forward(ids, runner.new_cache(len(ids) + 1), all_logits=True, consolidate=False)
+        return cold, warm, st, tiers
+    finally:
+        close_runner(runner, store)
+
+
+def test_pool_location_invariant_cold_exact_warm_no_disk(qwen):
+    ids = prompt(24, ENGINE_SPEC["n_vocab"], seed=5)
+    k = ENGINE_SPEC["n_expert_used"]
+    exact_cold, exact_warm, st_exact, _ = _passes(qwen, 2, 6, "exact", ids)
+    a_cold, a_warm, st_a, tiers_a = _passes(qwen, 2, 6, "pool", ids)
+    b_cold, b_warm, st_b, tiers_b = _passes(qwen, 6, 2, "pool", ids)
+    # a cold store has no resident expert: every layer routes exactly
+    assert torch.equal(a_cold, exact_cold) and torch.equal(b_cold, exact_cold)
+    # the same resident set in different tiers
+    assert np.array_equal(tiers_a != TIER_DISK, tiers_b != TIER_DISK)
+    assert (tiers_a == TIER_VRAM).sum() != (tiers_b == TIER_VRAM).sum() and (tiers_a == TIER_HOST).any()
+    assert ((tiers_a != TIER_DISK).sum(axis=1) >= k).all()
+    assert torch.equal(a_warm, b_warm), f"max |diff| {(a_warm - b_warm).abs().max():.3e}"
+    # every rank within the pool: a warm repeated prompt reads nothing from disk (exact routing does)
+    assert st_a.reads["disk"] == 0 and st_b.reads["disk"] == 0 and st_exact.reads["disk"] > 0
+    assert not torch.equal(a_warm, exact_warm)
+    d = divergence(exact_warm, a_warm)
+    print(f"\n[pool routing] 2+6 of {ENGINE_SPEC['n_expert']} slots, CPU oracle model: disk expert loads "
+          f"{st_exact.reads['disk']} -> 0; {d.label()} (random-weight router: not representative)")
+    assert 0.0 < d.kl and 0.0 <= d.top1 <= 1.0
+
+
+@pytest.mark.parametrize("preset", ["ds4-tiny", "ds41-tiny"])
+def test_deepseek4_pool_routes_scored_layers_in_the_pool(tmp_path_factory, preset):
+    """deepseek4 and deepseek41 (which inherits route()): the scored layers choose every rank within the pool,
+    weights from the model's own scores; hash layers keep their token-id choice; an all-false pool is refused by
+    the runner (MoEStep.residency gives None), so only partial pools reach route()."""
+    _, ref, _ = synth_reference(tmp_path_factory, preset, [1, 2, 3], 8)
+    E = ref.cfg.n_expert
+    h = torch.randn(20, ref.cfg.n_embd, generator=torch.Generator().manual_seed(0))
+    toks = torch.arange(20)
+    mask = torch.zeros(E, dtype=torch.bool)
+    mask[torch.randperm(E, generator=torch.Generator().manual_seed(1))[:ref.cfg.n_expert_used + 1]] = True
+    scored = [l for l in range(ref.cfg.n_layer) if l >= ref.p.n_hash_layers]
+    for l in range(ref.cfg.n_layer):
+        exact, _ = ref.route(l, h, toks)
+        ids, w = ref.route(l, h, toks, Residency("pool", mask))
+        if l in scored:
+            assert bool(mask[ids].all())
+            assert torch.allclose(w.float().sum(-1), torch.full((20,), ref.p.routed_scale), rtol=1e-3)
+        else:
+            assert torch.equal(ids, exact)
+    assert scored

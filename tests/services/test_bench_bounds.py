@@ -1,0 +1,90 @@
+"""Honest bounds (services/bench/ceilings.py, harness._rebound): a pass is bounded by the disk rate measured beside
+it (the samples before and after its case, the rate of its own reads), and a pass that still beats its bound is
+reported as "bound wrong", never as a fraction above 1. Also the bench's routing modes per case (--routing a,b)."""
+
+import argparse
+import types
+
+import pytest
+
+from betelgeuse.config import EngineConfig
+from betelgeuse.errors import InvalidRequestError
+from services.bench import ceilings as C
+from services.bench.cli import parse_routings
+from services.bench.harness import BenchOptions, Harness, plan_cases
+from services.bench.report import markdown
+
+GB = 1e9
+
+
+def _ceil() -> C.Ceilings:
+    return C.Ceilings(h2d_bps=50 * GB, mm_s={1: 1e-6, 16: 2e-6, 64: 4e-6})
+
+
+def _pass(disk_bytes: float, seconds: float, **extra) -> dict:
+    return {"label": "warm", "schedule": "layer_major", "complete": True, "n_tokens": 64, "prompt_tokens": 64,
+            "tok_per_s": 64 / seconds, "loads": 100, "k": 4, "disk_bytes": int(disk_bytes), "h2d_bytes": 0,
+            "seconds": seconds, **extra}
+
+
+def _harness(cases: list) -> Harness:
+    h = Harness(BenchOptions(model="m.gguf", engine=EngineConfig(model_path="m.gguf")), {"cases": cases}, None)
+    h.ceil = _ceil()
+    return h
+
+
+def test_case_disk_rate_takes_the_fastest_beside_the_pass():
+    assert C.case_disk_rate([1.0 * GB, 1.8 * GB]) == (1.8 * GB, "sample after")
+    assert C.case_disk_rate([1.8 * GB, 1.0 * GB]) == (1.8 * GB, "sample before")
+    # the pass's own reads: 2 GB in 4 threads x 1 s of preadv each = 2 GB/s at least
+    assert C.case_disk_rate([1.0 * GB, 1.2 * GB], 2 * GB, 4.0, 4) == (2 * GB, "the pass's own reads")
+    assert C.case_disk_rate([1.0 * GB], 2 * GB, 0.0, 4) == (1.0 * GB, "sample before")
+
+
+def test_a_pass_beating_the_stale_sample_is_rebound():
+    """The issue's case: one sample before the case (1.0 GB/s), the disk ran at 1.8 GB/s during it; a warm pass read
+    1.5 GB in 1.0 s. Against the stale sample it 'achieved' 1.5; beside the after-sample it is 0.83 of its bound."""
+    case = {"name": "auto p64", "n_layer": 8, "disk_bps": 1.0 * GB, "disk_bps_after": 1.8 * GB,
+            "passes": [_pass(1.5 * GB, 1.0)], "plan": {}, "slots_requested": "auto"}
+    stale = C.pass_bound(_ceil(), case["disk_bps"], 64, 100, int(1.5 * GB), 0, 8, 4, 1.0)
+    assert stale["bound_wrong"] and stale["achieved"] == pytest.approx(1.5)
+    _harness([case])._rebound()
+    b = case["passes"][0]["bound"]
+    assert not b["bound_wrong"] and b["achieved"] == pytest.approx(1.5 / 1.8) and b["disk_source"] == "sample after"
+
+
+def test_a_pass_beating_every_rate_is_flagged_not_printed():
+    """A pass (and a decode run) faster than every rate measured beside it: the bound is wrong, and the report
+    says so instead of printing a fraction above 100%."""
+    case = {"name": "auto p64", "n_layer": 8, "disk_bps": 1.0 * GB, "disk_bps_after": 1.1 * GB, "plan": {},
+            "slots_requested": "auto", "passes": [_pass(3 * GB, 1.5, store_disk_bytes=int(3 * GB),
+                                                         store_disk_busy_s=8.0, read_threads=4)],
+            "decode": {"tokens": 10, "requested": 10, "seconds": 1.0, "tg_mean": 10.0, "tg_peak": 12.0, "k": 4,
+                       "reads": {"vram": 0, "host": 0, "disk": 80}, "disk_share": 1.0, "disk_bytes": int(1.05 * GB),
+                       "disk_wait_ms": 0.0, "h2d_bytes": 0}}
+    _harness([case])._rebound()
+    b, d = case["passes"][0]["bound"], case["decode"]["bound"]
+    # own reads: 3 GB x 4 threads / 8 s in preadv = 1.5 GB/s, faster than both samples; still beaten (2.0 s in 1.5 s)
+    assert b["disk_source"] == "the pass's own reads" and b["disk_bps"] == pytest.approx(1.5 * GB)
+    assert b["bound_wrong"] and b["achieved"] == pytest.approx(2.0 / 1.5)
+    assert not d["bound_wrong"] and d["achieved"] == pytest.approx(1.05 / 1.1)
+    rows = markdown({"cases": [case], "options": {}}).splitlines()
+    warm = next(ln for ln in rows if ln.startswith("| auto p64 |") and "| warm |" in ln)
+    assert "**bound wrong** (pass beat it: 1.33)" in warm and "133.33%" not in warm
+    dec = next(ln for ln in rows if ln.startswith("| auto p64 | 10/10 |"))
+    assert "95.45%" in dec and "bound wrong" not in dec
+
+
+def test_routing_modes_per_case():
+    ns = argparse.Namespace(**{"engine.routing": "exact,pool"})
+    assert parse_routings(ns) == ("exact", "pool") and getattr(ns, "engine.routing") == "exact"
+    assert parse_routings(argparse.Namespace()) == ()
+    for bad in ("exact,nearest", "pool,pool", ","):
+        with pytest.raises(InvalidRequestError, match="--routing"):
+            parse_routings(argparse.Namespace(**{"engine.routing": bad}))
+    o = BenchOptions(model="m.gguf", engine=EngineConfig(model_path="m.gguf"), slots=("auto",), prompts=(64,),
+                     standard_prompts=(), decode=8, routings=("exact", "pool"), variants=(("uniform", "v.gguf"),))
+    got = [(c.name, c.routing) for c in plan_cases(o)]
+    assert got == [("auto p64", "exact"), ("auto p64 pool", "pool"), ("variant uniform auto p64", "exact")]
+    o.routings = ("pool",)
+    assert [(c.name, c.routing) for c in plan_cases(o)][0] == ("auto p64 pool", "pool")
