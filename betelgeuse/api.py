@@ -106,6 +106,7 @@ class Usage:
     engram_rows: int = 0
     engram_disk_bytes: int = 0
     engram_wait_ms: float = 0.0
+    routing: str = "exact"          # the engine's routing mode: "exact", or APPROXIMATE "resident" | "pool"
 
 
 @dataclass(slots=True)

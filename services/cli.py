@@ -393,7 +393,8 @@ def _stream_grpc(address: str, args, ids) -> int:
               f"expert reads vram/host/disk {u.expert_reads_vram}/{u.expert_reads_host}/{u.expert_reads_disk}, "
               f"disk {u.disk_bytes / 2**20:.1f} MiB, disk wait {u.disk_wait_ms:.0f} ms"
               + (f", Engram rows {u.engram_rows} ({u.engram_disk_bytes / 2**20:.2f} MiB from disk, wait "
-                 f"{u.engram_wait_ms:.0f} ms)" if u.engram_rows else ""), file=sys.stderr)
+                 f"{u.engram_wait_ms:.0f} ms)" if u.engram_rows else "")
+              + (f", routing {u.routing} (APPROXIMATE)" if u.routing not in ("", "exact") else ""), file=sys.stderr)
     return 0
 
 

@@ -57,7 +57,7 @@ class LLMEngine:
         self.dialect = dialect_for(self.tokenizer.chat_template, self.runner.mcfg.arch)
         self.inputs = RequestProcessor(cfg, self.runner.mcfg, self.tokenizer, self.dialect)
         self.kv_manager = KVManager(cfg, self.runner, metrics)
-        self.outputs = OutputProcessor(metrics)
+        self.outputs = OutputProcessor(metrics, cfg.routing)
         self.scheduler = Scheduler(
             Limits(cfg.max_running, cfg.max_batched_tokens, cfg.prefill_pass_tokens, self.runner.chunk or 1,
                    one_prefill=cfg.schedule == "standard", admission_window=cfg.admission_window),

@@ -42,13 +42,15 @@ class Finish:
 
 
 class OutputProcessor:
-    def __init__(self, metrics=None):
+    def __init__(self, metrics=None, routing: str = "exact"):
         self.metrics = metrics
+        self.routing = routing          # every request's usage names the routing mode (approximate ones differ)
 
     # ---- the prompt phase -------------------------------------------------------------------------
     def admitted(self, seq: Sequence):
         """Usage of the queue: arrival to admission (Scheduler.schedule stamped t_prefill_start)."""
         seq.usage.queue_ms = (seq.t_prefill_start - seq.arrival) * 1e3
+        seq.usage.routing = self.routing
         if self.metrics:
             self.metrics.request_queue.observe(seq.t_prefill_start - seq.arrival)
 

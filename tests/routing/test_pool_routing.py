@@ -117,3 +117,15 @@ def test_deepseek4_pool_routes_scored_layers_in_the_pool(tmp_path_factory, prese
         else:
             assert torch.equal(ids, exact)
     assert scored
+
+
+def test_every_request_usage_names_the_routing_mode():
+    """Usage (the HTTP `timings`, gRPC Usage, `generate --usage`) carries the engine's routing mode."""
+    import types
+    from betelgeuse import api
+    from betelgeuse.worker.outputs import OutputProcessor
+    from services.grpc.convert import usage_to_pb
+    seq = types.SimpleNamespace(usage=api.Usage(), t_prefill_start=2.0, arrival=1.0)
+    OutputProcessor(None, "pool").admitted(seq)
+    assert seq.usage.routing == "pool" and usage_to_pb(seq.usage).routing == "pool"
+    assert api.Usage().routing == "exact"

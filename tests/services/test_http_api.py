@@ -104,6 +104,7 @@ def test_chat_greedy_matches_reference_and_usage(cluster, client, model_id):
     t = r.model_extra["timings"]
     assert t["prompt_n"] == len(ids) and t["prompt_per_second"] > 0 and t["ttft_ms"] > 0
     assert t["expert_reads_vram"] + t["expert_reads_host"] + t["expert_reads_disk"] > 0
+    assert t["routing"] == "exact"              # an approximate mode would be named here (and in meta.routing)
 
 
 def test_agent_turns_report_cached_tokens_and_match_the_reference(cluster, client, model_id):
