@@ -44,7 +44,7 @@ from betelgeuse.kernels.torch_moe import expert_ffn
 from betelgeuse.model.kv_cache import _UIDS
 from betelgeuse.model.layers import check_token_ids
 from betelgeuse.model.reference import ReferenceExperts
-from betelgeuse.routing.approx import Residency, approx_topk
+from betelgeuse.routing.approx import Residency, approx_hash, approx_topk
 
 QUERY_CHUNK = ds4layout.QUERY_CHUNK   # attention queries per block (bounds the score tensor; attention_block)
 
@@ -500,17 +500,20 @@ class Deepseek4Model:
 
         scores = sqrt(softplus(router h)); hash layers take ids = tid2eid[token_ids], the others the top-k of
         scores + exp_probs_b (the bias selects only); weights = scores[ids] / sum x expert_weights_scale.
-        resident, a routing.approx.Residency, turns on an approximate mode on the scored layers: `resident` (rank 0
-        exact) or `pool` (every rank among the resident experts first). Hash layers ignore it and stay exact: their
-        experts are a fixed function of the token id (the table the model was trained with), so there is no score
-        order to bend, and a repeated token reuses the experts it read before anyway."""
+        resident, a routing.approx.Residency, turns on an approximate mode: `resident` (rank 0 exact, ranks 1..
+        among the resident experts first; hash layers stay exact) or `pool` (every rank among the resident experts
+        first; on hash layers the table's experts rank first, then the router's scores: routing/approx.py)."""
         p, b, k = self.p, f"blk.{layer}.", self.cfg.n_expert_used
         logits = F.linear(h, self.w[b + "ffn_gate_inp.weight"])
         if layer < p.n_hash_layers:
             if token_ids is None:
                 raise ValueError("hash-routed layers need the token ids")
-            return self.ops.route_hash(logits, self.w[b + "ffn_gate_tid2eid.weight"], token_ids.to(self.device),
-                                       p.weights_norm, p.routed_scale, h.dtype)
+            table, tids = self.w[b + "ffn_gate_tid2eid.weight"], token_ids.to(self.device)
+            if resident is None or resident.mode != "pool":
+                return self.ops.route_hash(logits, table, tids, p.weights_norm, p.routed_scale, h.dtype)
+            scores = _sqrt_softplus(logits)
+            ids = approx_hash(table[tids].long(), scores, resident)
+            return ids, _route_weights(scores.gather(1, ids), p.weights_norm, p.routed_scale, h.dtype)
         bias = self.w[b + "exp_probs_b.bias"]
         if resident is None:
             ids, wts = self.ops.route_topk(logits, bias, k, p.weights_norm, p.routed_scale, h.dtype)

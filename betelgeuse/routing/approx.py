@@ -9,6 +9,10 @@ is resident: every figure they produce is printed beside its divergence from exa
   pool      the reference report's routing: EVERY rank among the resident experts first (by the model's score),
             non-resident ones only when fewer than k are resident. A warm repeated prompt reads nothing from disk
 
+deepseek4's hash-routed layers (experts = a table row of the token id): `resident` leaves them exact; `pool` ranks
+the table's experts first (in table order), then the rest by the router's score, and takes resident ones first
+(approx_hash): a layer whose table experts are resident routes exactly, and a warm repeated prompt reads nothing.
+
 Both are location-invariant: the choice depends on the resident SET, never on which tier (VRAM or host) holds an
 expert. A layer with no resident expert (cold start), or with all of them resident, routes exactly (the runner
 passes no Residency for it: MoEStep.residency). The selection is a stable sort on the model's own score (no
@@ -50,6 +54,19 @@ def approx_topk(score: torch.Tensor, k: int, res: Residency) -> torch.Tensor:
         return _resident_first(order, res.mask, k)
     first, rest = order[:, :1], order[:, 1:]
     return torch.cat([first, _resident_first(rest, res.mask, k - 1)], dim=-1)
+
+
+def approx_hash(table_ids: torch.Tensor, score: torch.Tensor, res: Residency) -> torch.Tensor:
+    """A hash-routed layer: table_ids [T,k] (the table row of each token), score [T,E] -> ids [T,k] (module doc)."""
+    if res.mode != "pool":
+        return table_ids
+    T, E = score.shape
+    k = table_ids.shape[1]
+    by_score = torch.sort(score, dim=-1, descending=True, stable=True).indices                 # [T,E]
+    key = torch.empty_like(by_score).scatter_(1, by_score, torch.arange(k, k + E, device=score.device).expand(T, E))
+    key.scatter_(1, table_ids, torch.arange(k, device=score.device).expand(T, k))            # table experts first
+    order = torch.sort(key, dim=-1, stable=True).indices
+    return _resident_first(order, res.mask, k)
 
 
 def _resident_first(order: torch.Tensor, mask: torch.Tensor, n: int) -> torch.Tensor:

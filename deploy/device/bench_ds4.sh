@@ -4,6 +4,10 @@
 #   bash deploy/device/bench_ds4.sh            # speed: write ds4-flash (31 GB, if absent), quick checks, the bench,
 #                                              # then the issue-21 figures (decode tok/s, host µs / expert
 #                                              # application, launches / layer, peak VRAM vs budget, disk bound)
+#   CHECK_STEPS=vram bash deploy/device/bench_ds4.sh --slots auto --prompts 64 --decode 64
+#                                              # issue 21's target table in ~7 min: each case in exact routing and
+#                                              # then in the APPROXIMATE pool mode (ROUTING, default exact,pool),
+#                                              # one bench run sharing the model write; PASS/MISS per target
 #   CHECK_ONLY=1 bash deploy/device/bench_ds4.sh   # correctness: every check_ds4.py step (kernels, engine, the fused
 #                                              # ops at V4-Flash shapes, eager == graph replay, batch invariance,
 #                                              # launches per decode layer); no model write, no bench
@@ -16,8 +20,9 @@
 #    once (fsync'd and dropped from the page cache, as `betelgeuse bench` does) and reused by later runs
 # 3. deploy/device/check_ds4.py (CHECK_STEPS, default kernel,engine,vram with the vram step on this model; every
 #    step on ds4-tiny with CHECK_ONLY=1): its rows say PASS/FAIL; the bench runs either way
-# 4. bench.sh --preset ds4-flash --variant-skew none --memory-max 12G --vram-budget 12GiB with the time left
-#    (BUDGET = TOTAL - elapsed - 75 s: bench.sh's hard timeout is BUDGET + 60)
+# 4. bench.sh --preset ds4-flash --variant-skew none --memory-max 12G --vram-budget 12GiB --routing $ROUTING with
+#    the time left (BUDGET = TOTAL - elapsed - 75 s: bench.sh's hard timeout is BUDGET + 60); ROUTING (default
+#    exact,pool) runs each case in each routing mode, the pool case beside its exact one with its divergence
 # 5. deploy/device/ds4_summary.py: the issue-21 figures from bench.json (also $OUT/$RUN_NAME/ds4_summary.md)
 # Results in $OUT/$RUN_NAME/: bench_ds4.log, check_ds4.md, check_ds4.json, bench.json, bench.md, bench.png,
 # bench.log, store.log, ds4_summary.md (9 files, 2 folders deep).
@@ -98,7 +103,7 @@ BUDGET=$(( TOTAL - ($(date +%s) - T0) - 75 ))
 if [ "$BUDGET" -lt 60 ]; then say "only $BUDGET s left for the bench: skipped"; exit 3; fi
 say "bench.sh with BUDGET=$BUDGET"
 BUDGET=$BUDGET OUT=$OUT WORK=$WORK bash deploy/device/bench.sh --model "$MODEL" --preset "$PRESET" --variant-skew none \
-  --memory-max 12G --vram-budget 12GiB "$@"
+  --memory-max 12G --vram-budget 12GiB --routing "${ROUTING:-exact,pool}" "$@"
 rc=$?
 say "bench.sh exit $rc"
 

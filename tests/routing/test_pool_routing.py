@@ -74,49 +74,73 @@ def _passes(path, vram, host, routing, ids):
         close_runner(runner, store)
 
 
-def test_pool_location_invariant_cold_exact_warm_no_disk(qwen):
-    ids = prompt(24, ENGINE_SPEC["n_vocab"], seed=5)
-    k = ENGINE_SPEC["n_expert_used"]
-    exact_cold, exact_warm, st_exact, _ = _passes(qwen, 2, 6, "exact", ids)
-    a_cold, a_warm, st_a, tiers_a = _passes(qwen, 2, 6, "pool", ids)
-    b_cold, b_warm, st_b, tiers_b = _passes(qwen, 6, 2, "pool", ids)
+@pytest.fixture(scope="module")
+def ds4(tmp_path_factory):
+    return synth_reference(tmp_path_factory, "ds4-tiny", [1, 2, 3], 8, seed=3)[0]
+
+
+# (model fixture, n_expert, k, two slot configurations of one resident count in different tiers)
+ENGINES = {"qwen3moe": ("qwen", 32, 4, (2, 6), (6, 2)), "deepseek4": ("ds4", 8, 2, (2, 3), (4, 1))}
+
+
+@pytest.mark.parametrize("arch", list(ENGINES))
+def test_pool_location_invariant_cold_exact_warm_no_disk(request, arch):
+    name, E, k, cfg_a, cfg_b = ENGINES[arch]
+    path = request.getfixturevalue(name)
+    ids = prompt(24, 300, seed=5)
+    exact_cold, exact_warm, st_exact, _ = _passes(path, *cfg_a, "exact", ids)
+    a_cold, a_warm, st_a, tiers_a = _passes(path, *cfg_a, "pool", ids)
+    b_cold, b_warm, st_b, tiers_b = _passes(path, *cfg_b, "pool", ids)
     # a cold store has no resident expert: every layer routes exactly
     assert torch.equal(a_cold, exact_cold) and torch.equal(b_cold, exact_cold)
     # the same resident set in different tiers
     assert np.array_equal(tiers_a != TIER_DISK, tiers_b != TIER_DISK)
     assert (tiers_a == TIER_VRAM).sum() != (tiers_b == TIER_VRAM).sum() and (tiers_a == TIER_HOST).any()
-    assert ((tiers_a != TIER_DISK).sum(axis=1) >= k).all()
+    assert ((tiers_a != TIER_DISK).sum(axis=1) >= k).all() and ((tiers_a != TIER_DISK).sum(axis=1) < E).all()
     assert torch.equal(a_warm, b_warm), f"max |diff| {(a_warm - b_warm).abs().max():.3e}"
-    # every rank within the pool: a warm repeated prompt reads nothing from disk (exact routing does)
+    # every rank within the pool (deepseek4's hash layers too): a warm repeated prompt reads nothing from disk
     assert st_a.reads["disk"] == 0 and st_b.reads["disk"] == 0 and st_exact.reads["disk"] > 0
     assert not torch.equal(a_warm, exact_warm)
     d = divergence(exact_warm, a_warm)
-    print(f"\n[pool routing] 2+6 of {ENGINE_SPEC['n_expert']} slots, CPU oracle model: disk expert loads "
+    print(f"\n[pool routing] {arch} {cfg_a[0]}+{cfg_a[1]} of {E} slots, CPU oracle model: disk expert loads "
           f"{st_exact.reads['disk']} -> 0; {d.label()} (random-weight router: not representative)")
     assert 0.0 < d.kl and 0.0 <= d.top1 <= 1.0
 
 
 @pytest.mark.parametrize("preset", ["ds4-tiny", "ds41-tiny"])
-def test_deepseek4_pool_routes_scored_layers_in_the_pool(tmp_path_factory, preset):
-    """deepseek4 and deepseek41 (which inherits route()): the scored layers choose every rank within the pool,
-    weights from the model's own scores; hash layers keep their token-id choice; an all-false pool is refused by
-    the runner (MoEStep.residency gives None), so only partial pools reach route()."""
+def test_deepseek4_pool_routes_every_layer_in_the_pool(tmp_path_factory, preset):
+    """deepseek4 and deepseek41 (which inherits route()): every rank within the pool, weights from the model's own
+    scores. Scored layers: the brute force on scores + bias. Hash layers: the table's experts first (table order),
+    then the router's scores; a token whose table experts are all resident routes exactly; `resident` mode leaves
+    hash layers exact."""
     _, ref, _ = synth_reference(tmp_path_factory, preset, [1, 2, 3], 8)
-    E = ref.cfg.n_expert
+    E, k = ref.cfg.n_expert, ref.cfg.n_expert_used
     h = torch.randn(20, ref.cfg.n_embd, generator=torch.Generator().manual_seed(0))
     toks = torch.arange(20)
     mask = torch.zeros(E, dtype=torch.bool)
-    mask[torch.randperm(E, generator=torch.Generator().manual_seed(1))[:ref.cfg.n_expert_used + 1]] = True
-    scored = [l for l in range(ref.cfg.n_layer) if l >= ref.p.n_hash_layers]
+    mask[torch.randperm(E, generator=torch.Generator().manual_seed(1))[:k + 1]] = True
+    pool, res = Residency("pool", mask), Residency("resident", mask)
     for l in range(ref.cfg.n_layer):
         exact, _ = ref.route(l, h, toks)
-        ids, w = ref.route(l, h, toks, Residency("pool", mask))
-        if l in scored:
-            assert bool(mask[ids].all())
-            assert torch.allclose(w.float().sum(-1), torch.full((20,), ref.p.routed_scale), rtol=1e-3)
-        else:
-            assert torch.equal(ids, exact)
-    assert scored
+        ids, w = ref.route(l, h, toks, pool)
+        assert bool(mask[ids].all())
+        assert torch.allclose(w.float().sum(-1), torch.full((20,), ref.p.routed_scale), rtol=1e-3)
+        scores = torch.nn.functional.softplus(torch.nn.functional.linear(h, ref.w[f"blk.{l}.ffn_gate_inp.weight"])
+                                              .float()).sqrt()
+        if l >= ref.p.n_hash_layers:
+            want = _brute_force((scores + ref.w[f"blk.{l}.exp_probs_b.bias"]).numpy(), k, mask.numpy(), "pool")
+            assert ids.tolist() == want
+            continue
+        table = exact.tolist()
+        for t, row in enumerate(scores.numpy()):
+            pref = table[t] + sorted((e for e in range(E) if e not in table[t]), key=lambda e: (-row[e], e))
+            assert ids[t].tolist() == sorted(pref, key=lambda e: not mask[e])[:k]
+        assert torch.equal(ref.route(l, h, toks, res)[0], exact)              # `resident`: hash layers stay exact
+        full = Residency("pool", torch.zeros(E, dtype=torch.bool).index_fill_(0, exact[0], True))
+        got, w0 = ref.route(l, h[:1], toks[:1], full)
+        want_ids, want_w = ref.route(l, h[:1], toks[:1])
+        assert torch.equal(got, want_ids) and torch.equal(w0, want_w)         # table experts resident: exact
+    assert ref.p.n_hash_layers >= 1 or preset == "ds41-tiny"
 
 
 def test_every_request_usage_names_the_routing_mode():
