@@ -45,7 +45,8 @@ class MoEStep:
         # the routing mode (EngineConfig.routing); the bench sets "exact" for one untimed pass to measure an
         # approximate mode's divergence on the same state
         self.routing = cfg.routing
-        self._masks = None      # (directory snapshot, [n_layer, n_expert] resident mask on the device, [n_layer] counts)
+        # (directory snapshot, [n_layer, n_expert] resident mask on the device, [n_layer] resident counts)
+        self._masks = None
 
     def _kernels(self, act_limit: float | None) -> MoEKernels:
         """The expert kernels: triton on CUDA where the experts' types allow (or when asked for), else torch."""

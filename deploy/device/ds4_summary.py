@@ -31,8 +31,8 @@ VRAM_TARGET_MIB = 12288
 def _case(r: dict, mode: str) -> dict:
     """The first main-model layer-major case of this routing mode, of the 64-token prompt where one ran ({} if
     none ran)."""
-    cs = [c for c in r.get("cases", []) if c.get("routing_mode", "exact") == mode and not c["name"].startswith("variant")
-          and any(p.get("label") == "warm" for p in c.get("passes", []))]
+    cs = [c for c in r.get("cases", []) if c.get("routing_mode", "exact") == mode
+          and not c["name"].startswith("variant") and any(p.get("label") == "warm" for p in c.get("passes", []))]
     return next((c for c in cs if c.get("prompt_tokens") == 64), cs[0] if cs else {})
 
 
@@ -49,7 +49,8 @@ def targets(r: dict) -> list[str]:
     """Issue 21's target table from the exact and pool cases of the 64-token prompt."""
     ex, pool = _case(r, "exact"), _case(r, "pool")
     exd, pd, pw = ex.get("decode") or {}, pool.get("decode") or {}, _pass(pool, "warm")
-    L = [f"## Issue 21 targets (ds4-flash, {pool.get('prompt_tokens') or ex.get('prompt_tokens')}-token prompt; exact case "
+    n = pool.get("prompt_tokens") or ex.get("prompt_tokens")
+    L = [f"## Issue 21 targets (ds4-flash, {n}-token prompt; exact case "
          f"`{ex.get('name', 'not run')}`, pool case `{pool.get('name', 'not run')}`)", "",
          "| figure | target | measured | verdict |", "|---|---|---|---|"]
     L.append(_row("decode TG, exact (tok/s)", "– (context)", _f(exd.get("tg_mean"), "{:.2f}"), None))
@@ -57,8 +58,8 @@ def targets(r: dict) -> list[str]:
     L.append(_row("decode host µs / expert application, exact", "≤ 100", _f(hu), None if hu is None else hu <= 100))
     ln = (ex.get("profile", {}).get("decode") or {}).get("launches_per_layer")
     L.append(_row("kernel launches / layer, decode, exact", "≤ 60", _f(ln), None if ln is None else ln <= 60))
-    bounds = [p.get("bound", {}) for c in (ex, pool) for p in c.get("passes", []) + ([c["decode"]] if c.get("decode") else [])
-              if p.get("bound")]
+    runs = [p for c in (ex, pool) for p in c.get("passes", []) + ([c["decode"]] if c.get("decode") else [])]
+    bounds = [p["bound"] for p in runs if p.get("bound")]
     ach = [b["achieved"] for b in bounds]
     wrong = sum(bool(b.get("bound_wrong")) for b in bounds)
     L.append(_row("every pass and decode run, achieved of its bound", "0.8-1.0, bound honest",

@@ -3,7 +3,6 @@ it (the samples before and after its case, the rate of its own reads), and a pas
 reported as "bound wrong", never as a fraction above 1. Also the bench's routing modes per case (--routing a,b)."""
 
 import argparse
-import types
 
 import pytest
 
@@ -88,3 +87,39 @@ def test_routing_modes_per_case():
     assert got == [("auto p64", "exact"), ("auto p64 pool", "pool"), ("variant uniform auto p64", "exact")]
     o.routings = ("pool",)
     assert [(c.name, c.routing) for c in plan_cases(o)][0] == ("auto p64 pool", "pool")
+
+
+def test_bench_runs_exact_and_pool_with_divergence_and_honest_bounds(tmp_path):
+    """`bench --routing exact,pool` end to end (a real store process, O_DIRECT samples): the pool case runs beside
+    the exact one, with its divergence from exact in bench.json and beside its figures in bench.md; its warm repeated
+    prompt reads nothing from disk; every pass is bounded by a disk rate measured beside it."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[2]
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "services.bench.cli", "--quick", "--preset", "tiny", "--variant-skew", "none",
+           "--slots", "2+6", "--prompts", "8", "--standard-prompts", "8", "--decode", "2", "--routing", "exact,pool",
+           "--memory-max", "4G", "--time-budget", "60", "--disk-sample", "4MiB", "--work-dir", str(tmp_path),
+           "--out", str(out), "--run-name", "pool"]
+    p = subprocess.run(cmd, cwd=repo, env=dict(os.environ, PYTHONPATH=str(repo)), capture_output=True, text=True,
+                       timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads((out / "bench.json").read_text())
+    ex, pool = r["cases"][:2]
+    assert (ex["name"], ex["routing_mode"], pool["name"], pool["routing_mode"]) == ("2+6 p8", "exact", "2+6 p8 pool",
+                                                                                    "pool")
+    d = pool["divergence"]
+    assert d["tokens"] == 8 and 0.0 <= d["top1"] <= 1.0 and d["kl"] > 0.0 and "divergence" not in ex
+    warm = next(q for q in pool["passes"] if q["label"] == "warm")
+    assert warm["reads"]["disk"] == 0, warm["reads"]
+    for c in (ex, pool):
+        assert c["disk_bps"] > 0 and c["disk_bps_after"] > 0
+        for q in c["passes"] + [c["decode"]]:
+            if "loads" in q or "tg_mean" in q:
+                assert q["bound"]["disk_source"] in ("sample before", "sample after", "the pass's own reads")
+    md = (out / "bench.md").read_text()
+    assert f"| 2+6 p8 pool (APPROXIMATE pool; vs exact: top-1 {d['top1']:.1%}, KL {d['kl']:.4f} nats/token) |" in md
+    assert "`pool` = every rank among resident experts" in md
