@@ -320,11 +320,14 @@ def cmd_logits(args) -> int:
         raise InvalidRequestError(f"token id {bad} is out of range [0, {cfg.n_vocab})")
     if len(ids) > cfg.context_length:
         raise InvalidRequestError(f"{len(ids)} tokens exceed the model's context of {cfg.context_length}")
+    note = ""
     if args.engine == "reference":
         with _recording(args, model):
             logits = model.forward(ids, model.new_cache(len(ids)))
     else:
         engine = _OutOfCore(args)
+        if engine.cfg.routing != "exact":
+            note = f" (APPROXIMATE routing {engine.cfg.routing}: the experts depend on what the slots hold)"
         try:
             logits = engine.forward(ids)
         finally:
@@ -333,7 +336,7 @@ def cmd_logits(args) -> int:
         np.save(args.output, logits.cpu().numpy().astype(np.float32))
     except OSError as e:
         raise InvalidRequestError(f"cannot write {args.output}: {e.strerror or e}") from None
-    print(f"wrote {args.output}: float32 {list(logits.shape)}", file=sys.stderr)
+    print(f"wrote {args.output}: float32 {list(logits.shape)}{note}", file=sys.stderr)
     return 0
 
 

@@ -57,6 +57,9 @@ def test_logits_writes_float32_tokens_by_vocab(tiny_model, tmp_path, capsys):
     n_vocab = len(GGUFReader(tiny_model).fields["tokenizer.ggml.tokens"].contents())
     assert a.dtype == np.float32 and a.shape == (3, n_vocab)
     assert np.isfinite(a).all() and a.std() > 0
+    assert "APPROXIMATE" not in err
+    rc, _, err = _run(capsys, "logits", tiny_model, "--token-ids", "1,2,3", "--output", out, "--routing", "pool")
+    assert rc == 0 and "APPROXIMATE routing pool" in err, err
 
 
 def test_generate_streams_the_decoded_completion(tiny_model, capsys):
