@@ -28,24 +28,95 @@ Weight formats: triton_quants (QT codes, tile layouts and the in-kernel dequanti
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
 
 from betelgeuse.kernels.triton_quants import QT_CODES, SUPER, tables, wdot  # noqa: F401
 
-# rows per block, output columns per program (down; gate_up), K step, warps, pipeline depth: constants for every
-# launch whatever the row count (row invariance); TYPE_CONFIG[qt] overrides them per weight type, as
-# deploy/device/kernel_roofline.py picks them on the H200 (BN 64 = wgmma's M: the weights feed it from registers)
-# F32 (code 3): BK 128, as a [64, 256] float32 weight tile per K step staged twice for gate and up by the software
-# pipeliner needs 280 KiB of shared memory, over sm_90's 227 KiB (tests/scripts/kernel_smem.py checks every type)
-CONFIG = {"BM": 16, "BN": 64, "BN_GATE_UP": 64, "BK": 256, "num_warps": 4, "num_stages": 3}
+# Launch constants. Two kinds, so that a row's bits never depend on the launch (DESIGN.md invariant 6):
+#   reduction keys (per weight type only, never per row count): BK = the K step of one tile product, KC = the K
+#     chunk (elements, a multiple of BK; 0 = all of K): each output is sum_c p_c over the chunks c in order
+#     (((p_0 + p_1) + p_2) ...), p_c accumulated over its chunk in BK steps from zero.
+#   schedule keys (per weight type and rows bucket): BN / BN_GATE_UP output rows per program, SPLIT (1 = one
+#     program per chunk, the partials written to a workspace and summed in chunk order by the tile's last program;
+#     0 = one program walks the chunks and sums the same partials in the same order: the same bits), num_warps,
+#     num_stages. They change which program computes what, not the arithmetic of an output (tensor-core MMA
+#     computes each output from its own row and column; the sweep checks the buckets' configs agree bit for bit).
+# BM (rows per block) is fixed: the MMA's N side. CONFIG is the default; triton_tuning.json (written by
+# `deploy/device/kernel_roofline.py --sweep` on the GPU) overrides it per type and bucket; TYPE_CONFIG[qt] (tests,
+# the roofline's candidates) overrides both for every bucket. F32 (code 3): BK 128, as a [64, 256] float32 weight
+# tile per K step staged twice for gate and up by the software pipeliner needs 280 KiB of shared memory, over
+# sm_90's 227 KiB (tests/scripts/kernel_smem.py checks every type).
+CONFIG = {"BM": 16, "BN": 64, "BN_GATE_UP": 64, "BK": 256, "KC": 0, "SPLIT": 0, "num_warps": 4, "num_stages": 3}
+REDUCE_KEYS = frozenset({"BK", "KC"})
+SCHEDULE_KEYS = frozenset({"BN", "BN_GATE_UP", "SPLIT", "num_warps", "num_stages"})
+BUCKETS = (1, 16)                     # rows per expert the launch is tuned for: bucket_of(rows, experts)
 TYPE_CONFIG: dict[int, dict] = {3: {"BK": 128}}
+TUNING_FILE = Path(__file__).with_name("triton_tuning.json")
+TUNING_ENV = "BETELGEUSE_TRITON_TUNING"   # a tuning file to use instead of TUNING_FILE; "off": CONFIG only
+WS_LIMIT = 64 << 20                   # bytes of split-K partials per launch; a larger launch walks its chunks
 
 
-def config(qt: int) -> dict:
-    """The launch constants of kernel type code `qt`: CONFIG with the type's overrides."""
-    return {**CONFIG, **TYPE_CONFIG.get(qt, {})}
+def load_tuning(path: Path | str | None = None) -> dict[int, dict]:
+    """{kernel type code: {"reduce": {...}, bucket: {...}}} from a tuning file (`path`, else $BETELGEUSE_TRITON_TUNING,
+    else TUNING_FILE): {"types": {"Q4_K": {"BK": 256, "KC": 512, "rows1": {schedule}, "rows16": {schedule}}}}.
+    A key in the wrong place or a type the kernels do not read raises ValueError naming it."""
+    from gguf.constants import GGMLQuantizationType as GT
+    if path is None:
+        path = os.environ.get(TUNING_ENV) or TUNING_FILE
+        if str(path).lower() == "off":
+            return {}
+    path = Path(path)
+    if not path.exists():
+        if path == TUNING_FILE:
+            return {}
+        raise ValueError(f"{TUNING_ENV}: no tuning file at {path}")
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
+    out: dict[int, dict] = {}
+    for name, t in (doc.get("types") or {}).items():
+        try:
+            code = QT_CODES[int(GT[name])]
+        except (KeyError, ValueError):
+            raise ValueError(f"{path}: {name!r} is not a type the expert kernels read") from None
+        ent: dict = {"reduce": {}}
+        for k, v in t.items():
+            if k in REDUCE_KEYS:
+                ent["reduce"][k] = int(v)
+            elif k.startswith("rows") and k[4:].isdigit() and int(k[4:]) in BUCKETS:
+                bad = set(v) - SCHEDULE_KEYS
+                if bad:
+                    raise ValueError(f"{path}: {name}.{k} has {sorted(bad)}; a rows bucket sets only "
+                                     f"{sorted(SCHEDULE_KEYS)} (the reduction keys {sorted(REDUCE_KEYS)} are per type)")
+                ent[int(k[4:])] = {kk: int(vv) for kk, vv in v.items()}
+            else:
+                raise ValueError(f"{path}: {name}: unknown key {k!r} (per type: {sorted(REDUCE_KEYS)}, "
+                                 f"rows{BUCKETS[0]}/rows{BUCKETS[1]}: schedules)")
+        out[code] = ent
+    return out
+
+
+TUNING: dict[int, dict] = load_tuning()
+
+
+def bucket_of(rows: int, n_experts: int) -> int:
+    """The rows bucket of a launch of `rows` (token, rank) rows over a layer of `n_experts`: 1 while the rows are at
+    most one per expert on average (decode, short prompts), else 16."""
+    return 1 if rows <= n_experts else 16
+
+
+def config(qt: int, bucket: int = 16) -> dict:
+    """The launch constants of kernel type code `qt` for a rows bucket: CONFIG, the tuning's reduction keys and
+    bucket schedule, then TYPE_CONFIG's overrides."""
+    t = TUNING.get(qt, {})
+    return {**CONFIG, **t.get("reduce", {}), **t.get(bucket, {}), **TYPE_CONFIG.get(qt, {})}
 
 
 @triton.jit
@@ -73,18 +144,63 @@ def _rows_of(off_ptr, rows_ptr, e, mb, BM: tl.constexpr):
 
 
 @triton.jit
-def _part_rows(base, starts_ptr, e, part: tl.constexpr, n, row_bytes, ALIGNED: tl.constexpr):
-    """Byte addresses [BN] int64 in the pool of rows n of part `part` (gate 0, up 1, down 2) of expert e."""
+def _part_rows(base, starts_ptr, e, part: tl.constexpr, n, row_bytes, ALIGNED: tl.constexpr, RA: tl.constexpr):
+    """Byte addresses [BN] int64 in the pool of rows n of part `part` (gate 0, up 1, down 2) of expert e. ALIGNED:
+    every row starts at a multiple of RA bytes (16-byte aligned part + row_bytes a multiple of RA), which lets the
+    compiler load a block's bytes in RA-byte words (Triton only infers 16 | row_bytes by itself: rows of 252 or 330
+    bytes were read byte by byte)."""
     b = base + tl.load(starts_ptr + e * 3 + part)
     if ALIGNED:
         b = tl.multiple_of(b, 16)
-    return b + n.to(tl.int64) * row_bytes
+    r = b + n.to(tl.int64) * row_bytes
+    if ALIGNED:
+        r = tl.multiple_of(r, RA)
+    return r
 
 
 @triton.jit
-def _gate_up_kernel(h_ptr, pool, tab, base_ptr, starts_ptr, rows_ptr, off_ptr, inter_ptr,
-                    H, F, row_bytes, n_exp, k_top, limit,
+def _gu_chunk(h_ptr, xrow, mr, pool, tab, gra, ura, k0, k1, mn,
+              QT: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+    """(gate, up) partial products [BN, BM] over K columns k0 .. k1 (BK steps), accumulated from zero."""
+    accg = tl.zeros((BN, BM), dtype=tl.float32)
+    accu = tl.zeros((BN, BM), dtype=tl.float32)
+    for kk in range(k0, k1, BK):
+        accg = wdot(accg, h_ptr, xrow, mr, pool, tab, gra, kk, mn, QT, BK, BN, IEEE)
+        accu = wdot(accu, h_ptr, xrow, mr, pool, tab, ura, kk, mn, QT, BK, BN, IEEE)
+    return accg, accu
+
+
+@triton.jit
+def _dn_chunk(x_ptr, xrow, mr, pool, tab, dra, k0, k1, mn,
+              QT: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for kk in range(k0, k1, BK):
+        acc = wdot(acc, x_ptr, xrow, mr, pool, tab, dra, kk, mn, QT, BK, BN, IEEE)
+    return acc
+
+
+@triton.jit
+def _partial_ptr(ws_ptr, tile, c, NCH, WS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr):
+    """[BN, BM] pointers to partial c of `tile` (WS floats per partial, the tile's NCH partials contiguous)."""
+    o = (tile.to(tl.int64) * NCH + c) * WS
+    return ws_ptr + o + tl.arange(0, BN)[:, None] * BM + tl.arange(0, BM)[None, :]
+
+
+@triton.jit
+def _arrive(cnt_ptr, tile, NCH):
+    """After this program's partial is stored: True for the tile's last program to arrive (which then sums the
+    partials in chunk order and resets the counter for the next launch). The barrier + acq_rel atomic make every
+    thread's partial visible before the count (CUTLASS's semaphore pattern); the last program reads with .cg."""
+    tl.debug_barrier()
+    done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == NCH - 1
+    return done
+
+
+@triton.jit
+def _gate_up_kernel(h_ptr, pool, tab, base_ptr, starts_ptr, rows_ptr, off_ptr, inter_ptr, ws_ptr, cnt_ptr,
+                    H, F, row_bytes, n_exp, k_top, limit, KC,
                     QT: tl.constexpr, HAS_LIMIT: tl.constexpr, IEEE: tl.constexpr, ALIGNED: tl.constexpr,
+                    RA: tl.constexpr, SPLIT: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EP: tl.constexpr):
     pn = tl.program_id(0)
     e, mb, base = _find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
@@ -93,25 +209,54 @@ def _gate_up_kernel(h_ptr, pool, tab, base_ptr, starts_ptr, rows_ptr, off_ptr, i
         tok = flat // k_top
         n = pn * BN + tl.arange(0, BN)
         mn = n < F
-        gra = _part_rows(base, starts_ptr, e, 0, n, row_bytes, ALIGNED)
-        ura = _part_rows(base, starts_ptr, e, 1, n, row_bytes, ALIGNED)
-        accg = tl.zeros((BN, BM), dtype=tl.float32)
-        accu = tl.zeros((BN, BM), dtype=tl.float32)
-        for kk in range(0, H, BK):
-            accg = wdot(accg, h_ptr, tok * H, mr, pool, tab, gra, kk, mn, QT, BK, BN, IEEE)
-            accu = wdot(accu, h_ptr, tok * H, mr, pool, tab, ura, kk, mn, QT, BK, BN, IEEE)
-        if HAS_LIMIT:                       # DeepSeek-V4's clamped SwiGLU
-            accg = tl.minimum(accg, limit)
-            accu = tl.minimum(tl.maximum(accu, -limit), limit)
-        act = accg / (1.0 + tl.exp(-accg)) * accu
-        ptr = inter_ptr + rows.to(tl.int64)[None, :] * F + n[:, None]
-        tl.store(ptr, act.to(inter_ptr.dtype.element_ty), mask=mn[:, None] & mr[None, :])
+        gra = _part_rows(base, starts_ptr, e, 0, n, row_bytes, ALIGNED, RA)
+        ura = _part_rows(base, starts_ptr, e, 1, n, row_bytes, ALIGNED, RA)
+        NCH = (H + KC - 1) // KC
+        xrow = tok * H
+        if SPLIT:                           # this program: chunk program_id(2) of the tile
+            pc = tl.program_id(2)
+            accg, accu = _gu_chunk(h_ptr, xrow, mr, pool, tab, gra, ura, pc * KC, tl.minimum(pc * KC + KC, H), mn,
+                                   QT, BN, BM, BK, IEEE)
+            tile = tl.program_id(1) * tl.num_programs(0) + pn
+            pp = _partial_ptr(ws_ptr, tile, pc, NCH, 2 * BN * BM, BN, BM)
+            tl.store(pp, accg)
+            tl.store(pp + BN * BM, accu)
+            last = _arrive(cnt_ptr, tile, NCH)
+            if last:
+                pp = _partial_ptr(ws_ptr, tile, 0, NCH, 2 * BN * BM, BN, BM)
+                accg = tl.load(pp, cache_modifier=".cg")
+                accu = tl.load(pp + BN * BM, cache_modifier=".cg")
+                for c in range(1, NCH):
+                    pp = _partial_ptr(ws_ptr, tile, c, NCH, 2 * BN * BM, BN, BM)
+                    accg = accg + tl.load(pp, cache_modifier=".cg")
+                    accu = accu + tl.load(pp + BN * BM, cache_modifier=".cg")
+                tl.atomic_xchg(cnt_ptr + tile, 0)
+                _gu_store(accg, accu, inter_ptr, rows, mr, n, mn, F, limit, HAS_LIMIT)
+        else:                               # the same partials, walked and summed in the same order
+            accg, accu = _gu_chunk(h_ptr, xrow, mr, pool, tab, gra, ura, 0, tl.minimum(KC, H), mn,
+                                   QT, BN, BM, BK, IEEE)
+            for c in range(1, NCH):
+                pg, pu = _gu_chunk(h_ptr, xrow, mr, pool, tab, gra, ura, c * KC, tl.minimum(c * KC + KC, H), mn,
+                                   QT, BN, BM, BK, IEEE)
+                accg = accg + pg
+                accu = accu + pu
+            _gu_store(accg, accu, inter_ptr, rows, mr, n, mn, F, limit, HAS_LIMIT)
 
 
 @triton.jit
-def _down_kernel(inter_ptr, pool, tab, base_ptr, starts_ptr, rows_ptr, off_ptr, y_ptr,
-                 H, F, row_bytes, n_exp,
-                 QT: tl.constexpr, IEEE: tl.constexpr, ALIGNED: tl.constexpr,
+def _gu_store(accg, accu, inter_ptr, rows, mr, n, mn, F, limit, HAS_LIMIT: tl.constexpr):
+    if HAS_LIMIT:                           # DeepSeek-V4's clamped SwiGLU
+        accg = tl.minimum(accg, limit)
+        accu = tl.minimum(tl.maximum(accu, -limit), limit)
+    act = accg / (1.0 + tl.exp(-accg)) * accu
+    ptr = inter_ptr + rows.to(tl.int64)[None, :] * F + n[:, None]
+    tl.store(ptr, act.to(inter_ptr.dtype.element_ty), mask=mn[:, None] & mr[None, :])
+
+
+@triton.jit
+def _down_kernel(inter_ptr, pool, tab, base_ptr, starts_ptr, rows_ptr, off_ptr, y_ptr, ws_ptr, cnt_ptr,
+                 H, F, row_bytes, n_exp, KC,
+                 QT: tl.constexpr, IEEE: tl.constexpr, ALIGNED: tl.constexpr, RA: tl.constexpr, SPLIT: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EP: tl.constexpr):
     pn = tl.program_id(0)
     e, mb, base = _find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
@@ -119,13 +264,29 @@ def _down_kernel(inter_ptr, pool, tab, base_ptr, starts_ptr, rows_ptr, off_ptr, 
         rows, mr, flat = _rows_of(off_ptr, rows_ptr, e, mb, BM)
         n = pn * BN + tl.arange(0, BN)
         mn = n < H
-        dra = _part_rows(base, starts_ptr, e, 2, n, row_bytes, ALIGNED)
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        dra = _part_rows(base, starts_ptr, e, 2, n, row_bytes, ALIGNED, RA)
         xrow = rows.to(tl.int64) * F
-        for kk in range(0, F, BK):
-            acc = wdot(acc, inter_ptr, xrow, mr, pool, tab, dra, kk, mn, QT, BK, BN, IEEE)
+        NCH = (F + KC - 1) // KC
         ptr = y_ptr + flat[None, :] * H + n[:, None]
-        tl.store(ptr, acc.to(y_ptr.dtype.element_ty), mask=mn[:, None] & mr[None, :])
+        if SPLIT:
+            pc = tl.program_id(2)
+            acc = _dn_chunk(inter_ptr, xrow, mr, pool, tab, dra, pc * KC, tl.minimum(pc * KC + KC, F), mn,
+                            QT, BN, BM, BK, IEEE)
+            tile = tl.program_id(1) * tl.num_programs(0) + pn
+            tl.store(_partial_ptr(ws_ptr, tile, pc, NCH, BN * BM, BN, BM), acc)
+            last = _arrive(cnt_ptr, tile, NCH)
+            if last:
+                acc = tl.load(_partial_ptr(ws_ptr, tile, 0, NCH, BN * BM, BN, BM), cache_modifier=".cg")
+                for c in range(1, NCH):
+                    acc = acc + tl.load(_partial_ptr(ws_ptr, tile, c, NCH, BN * BM, BN, BM), cache_modifier=".cg")
+                tl.atomic_xchg(cnt_ptr + tile, 0)
+                tl.store(ptr, acc.to(y_ptr.dtype.element_ty), mask=mn[:, None] & mr[None, :])
+        else:
+            acc = _dn_chunk(inter_ptr, xrow, mr, pool, tab, dra, 0, tl.minimum(KC, F), mn, QT, BN, BM, BK, IEEE)
+            for c in range(1, NCH):
+                acc = acc + _dn_chunk(inter_ptr, xrow, mr, pool, tab, dra, c * KC, tl.minimum(c * KC + KC, F), mn,
+                                      QT, BN, BM, BK, IEEE)
+            tl.store(ptr, acc.to(y_ptr.dtype.element_ty), mask=mn[:, None] & mr[None, :])
 
 
 @triton.jit
@@ -146,6 +307,49 @@ def _launch_rows(R: int, E: int, BM: int) -> int:
     return triton.cdiv(R, BM) + min(R, E)
 
 
+_WS: dict = {}
+_WS_OLD: list = []        # replaced workspaces stay alive: a captured CUDA graph may still point at them
+
+
+def _workspace(device, n_floats: int, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 partials >= n_floats, int32 tile counters >= n_tiles, all zero) for launches on the current stream
+    of `device`: launches on one stream run one after the other, and each tile's last program resets its counter."""
+    dev = torch.device(device)
+    key = (str(dev), torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0)
+    ws, cnt = _WS.get(key, (None, None))
+    if ws is None or ws.numel() < n_floats or cnt.numel() < n_tiles:
+        if ws is not None:
+            _WS_OLD.append((ws, cnt))
+        ws = torch.empty(max(n_floats, 0 if ws is None else ws.numel()), dtype=torch.float32, device=dev)
+        cnt = torch.zeros(max(n_tiles, 0 if cnt is None else cnt.numel()), dtype=torch.int32, device=dev)
+        _WS[key] = (ws, cnt)
+    return ws, cnt
+
+
+def _row_align(row_bytes: int) -> int:
+    """The largest power of two <= 16 dividing row_bytes (with 16-byte aligned parts: every row's alignment)."""
+    return min(16, row_bytes & -row_bytes)
+
+
+def _launch(kernel, args: list, grid_nb: int, R: int, E: int, K: int, qt: int, which: str, bn: int, c: dict,
+            bk: int, consts: dict, device):
+    """Launch gate_up or down: grid (output blocks, row blocks[, chunks]); chunks as programs when the bucket's
+    schedule says SPLIT and the partials fit WS_LIMIT, else walked by one program (the same sums)."""
+    kc = chunk(qt, K, bk)
+    nch = triton.cdiv(K, kc)
+    nrb = _launch_rows(R, E, c["BM"])
+    per = (2 if which == "gate_up" else 1) * bn * c["BM"]
+    split = bool(c["SPLIT"]) and nch > 1 and grid_nb * nrb * nch * per * 4 <= WS_LIMIT
+    if split:
+        ws, cnt = _workspace(device, grid_nb * nrb * nch * per, grid_nb * nrb)
+        grid = (grid_nb, nrb, nch)
+    else:
+        ws, cnt = _workspace(device, 1, 1)
+        grid = (grid_nb, nrb)
+    kernel[grid](*args[:8], ws, cnt, *args[8:], kc, **consts, SPLIT=split, BM=c["BM"], BN=bn, BK=bk,
+                 EP=triton.next_power_of_2(E), num_warps=c["num_warps"], num_stages=c["num_stages"])
+
+
 def gate_up(h, pool, base, starts, rows, off, inter, n_ff: int, k_top: int, qt: int, limit: float | None,
             row_bytes: int, aligned: bool):
     """h [T,H]; base [E] int64 (-1 = skip); starts [E,3] int64; rows [R] int32 sorted (token*k+rank);
@@ -153,14 +357,14 @@ def gate_up(h, pool, base, starts, rows, off, inter, n_ff: int, k_top: int, qt: 
     row_bytes: bytes of one H-element row of gate/up; aligned: every tensor start is 16-byte aligned."""
     T, H = h.shape
     E = base.numel()
-    c = config(qt)
-    bk = block_k(qt, H, n_ff)
-    grid = (triton.cdiv(n_ff, c["BN_GATE_UP"]), _launch_rows(rows.numel(), E, c["BM"]))
-    _gate_up_kernel[grid](h, pool, tables(pool.device), base, starts, rows, off, inter, H, n_ff, row_bytes, E, k_top,
-                          float(limit) if limit is not None else 0.0,
-                          QT=qt, HAS_LIMIT=limit is not None, IEEE=h.dtype == torch.float32, ALIGNED=aligned,
-                          BM=c["BM"], BN=c["BN_GATE_UP"], BK=bk, EP=triton.next_power_of_2(E),
-                          num_warps=c["num_warps"], num_stages=c["num_stages"])
+    R = rows.numel()
+    c = config(qt, bucket_of(R, E))
+    bn = c["BN_GATE_UP"]
+    _launch(_gate_up_kernel, [h, pool, tables(pool.device), base, starts, rows, off, inter, H, n_ff, row_bytes, E,
+                              k_top, float(limit) if limit is not None else 0.0],
+            triton.cdiv(n_ff, bn), R, E, H, qt, "gate_up", bn, c, block_k(qt, H, n_ff),
+            dict(QT=qt, HAS_LIMIT=limit is not None, IEEE=h.dtype == torch.float32, ALIGNED=aligned,
+                 RA=_row_align(row_bytes)), pool.device)
 
 
 def down(inter, pool, base, starts, rows, off, y, n_tokens: int, qt: int, row_bytes: int, aligned: bool):
@@ -168,12 +372,12 @@ def down(inter, pool, base, starts, rows, off, y, n_tokens: int, qt: int, row_by
     F = inter.shape[1]
     H = y.shape[1]
     E = base.numel()
-    c = config(qt)
-    grid = (triton.cdiv(H, c["BN"]), _launch_rows(rows.numel(), E, c["BM"]))
-    _down_kernel[grid](inter, pool, tables(pool.device), base, starts, rows, off, y, H, F, row_bytes, E,
-                       QT=qt, IEEE=inter.dtype == torch.float32, ALIGNED=aligned, BM=c["BM"], BN=c["BN"],
-                       BK=block_k(qt, H, F), EP=triton.next_power_of_2(E),
-                       num_warps=c["num_warps"], num_stages=c["num_stages"])
+    R = rows.numel()
+    c = config(qt, bucket_of(R, E))
+    bn = c["BN"]
+    _launch(_down_kernel, [inter, pool, tables(pool.device), base, starts, rows, off, y, H, F, row_bytes, E],
+            triton.cdiv(H, bn), R, E, F, qt, "down", bn, c, block_k(qt, H, F),
+            dict(QT=qt, IEEE=inter.dtype == torch.float32, ALIGNED=aligned, RA=_row_align(row_bytes)), pool.device)
 
 
 def combine(y, w, out):
@@ -195,3 +399,13 @@ def block_k(qt: int, H: int, F: int) -> int:
         bk //= 2
     assert H % bk == 0 and F % bk == 0, (H, F, bk)
     return bk
+
+
+def chunk(qt: int, K: int, bk: int) -> int:
+    """The K chunk (elements) of type code qt over K columns: its config's KC (a multiple of bk), all of K for KC 0
+    or KC >= K. A reduction key: the same for every rows bucket."""
+    kc = config(qt)["KC"]
+    if kc <= 0 or kc >= K:
+        return K
+    assert kc % bk == 0, (qt, kc, bk)
+    return kc

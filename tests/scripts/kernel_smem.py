@@ -83,16 +83,23 @@ def shared(task: tuple[str, str, dict]) -> int:
     tab = {torch.uint8: "*u8", torch.float16: "*fp16", torch.float32: "*fp32"}[triton_quants.tables("cpu").dtype]
     ptrs = {"pool": "*u8", "tab": tab, "base_ptr": "*i64", "starts_ptr": "*i64", "rows_ptr": "*i32",
             "off_ptr": "*i32"}
+    ws = {"ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+    K = H if which == "gate_up" else F
+    kc = triton_moe.chunk(qt, K, bk)
+    split = bool(cfg["SPLIT"]) and kc < K
+    rb = row_nbytes(gtype, K)
     if which == "gate_up":
-        ints = {"H": H, "F": F, "row_bytes": row_nbytes(gtype, H), "n_exp": E, "k_top": K_TOP}
-        sig = {"h_ptr": "*bf16", **ptrs, "inter_ptr": "*bf16", **{k: "i32" for k in ints}, "limit": "fp32"}
-        cst = {"QT": qt, "HAS_LIMIT": False, "IEEE": False, "ALIGNED": True, "BM": cfg["BM"],
-               "BN": cfg["BN_GATE_UP"], "BK": bk, "EP": E}
-        return _compile(triton_moe._gate_up_kernel, sig, ints, cst, cfg)
-    ints = {"H": H, "F": F, "row_bytes": row_nbytes(gtype, F), "n_exp": E}
-    sig = {"inter_ptr": "*bf16", **ptrs, "y_ptr": "*bf16", **{k: "i32" for k in ints}}
-    cst = {"QT": qt, "IEEE": False, "ALIGNED": True, "BM": cfg["BM"], "BN": cfg["BN"], "BK": bk, "EP": E}
-    return _compile(triton_moe._down_kernel, sig, ints, cst, cfg)
+        ints = {"H": H, "F": F, "row_bytes": rb, "n_exp": E, "k_top": K_TOP}
+        sig = {"h_ptr": "*bf16", **ptrs, "inter_ptr": "*bf16", **ws, **{k: "i32" for k in ints}, "limit": "fp32",
+               "KC": "i32"}
+        cst = {"QT": qt, "HAS_LIMIT": False, "IEEE": False, "ALIGNED": True, "RA": triton_moe._row_align(rb),
+               "SPLIT": split, "BM": cfg["BM"], "BN": cfg["BN_GATE_UP"], "BK": bk, "EP": E}
+        return _compile(triton_moe._gate_up_kernel, sig, {**ints, "KC": kc}, cst, cfg)
+    ints = {"H": H, "F": F, "row_bytes": rb, "n_exp": E}
+    sig = {"inter_ptr": "*bf16", **ptrs, "y_ptr": "*bf16", **ws, **{k: "i32" for k in ints}, "KC": "i32"}
+    cst = {"QT": qt, "IEEE": False, "ALIGNED": True, "RA": triton_moe._row_align(rb), "SPLIT": split,
+           "BM": cfg["BM"], "BN": cfg["BN"], "BK": bk, "EP": E}
+    return _compile(triton_moe._down_kernel, sig, {**ints, "KC": kc}, cst, cfg)
 
 
 def main() -> int:

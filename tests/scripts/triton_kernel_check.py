@@ -8,7 +8,13 @@ compute), and the bit-for-bit property the engine relies on: a row alone equals 
 launch (row invariance); for the types in FULL also that two groups that split the experts equal one group
 (tier invariance) and that the clamped SwiGLU matches its torch formula. Q4_K also runs in bfloat16 (the GPU's dtype: the tile rounded to bf16).
 
-    triton_kernel_check.py [TYPE ...]       # default: every type
+    triton_kernel_check.py [--config NAME] [TYPE ...]       # default: every type, the committed launch constants
+
+--config chunked runs the kernels with split-K: K in chunks (KC) whose partials are summed in chunk order, the
+1-row bucket's launches one program per chunk (partials in a workspace, summed by each tile's last program), the
+16-row bucket's one program walking the chunks, at different output blocks per program; so the row-invariance
+check (a row alone is in bucket 1, the full launch in bucket 16) also checks that both schedules give the same
+bits. --config chunked16 splits the 16-row bucket too (and walks the 1-row one).
 """
 
 import json
@@ -25,7 +31,7 @@ from gguf.constants import GGMLQuantizationType as QT  # noqa: E402
 from betelgeuse.gguf.quants import dequantize  # noqa: E402
 from betelgeuse.gguf.quants_synth import quantize  # noqa: E402
 from betelgeuse.gguf.qtypes import block_size  # noqa: E402
-from betelgeuse.kernels import triton_quants  # noqa: E402
+from betelgeuse.kernels import triton_moe, triton_quants  # noqa: E402
 from betelgeuse.kernels.moe import Group, MoEKernels, pack_experts  # noqa: E402
 
 # the group split and the clamped SwiGLU (the kernels' epilogue and grid, not the dequantization) on these
@@ -56,13 +62,30 @@ def experts_of(qt: int, E: int, H: int, FF: int, g: torch.Generator):
     return out
 
 
-def check(name: str) -> dict:
+def set_config(qt: int, name: str, super_block: bool):
+    """The tuning of `name` for kernel type qt (see the module doc), at the test models' K (256, or 64 / 96)."""
+    code = triton_quants.QT_CODES[qt]
+    triton_moe.TUNING.pop(code, None)
+    if name == "default":
+        return
+    split, walk = ({"SPLIT": 1, "BN": 16, "BN_GATE_UP": 32, "num_warps": 2, "num_stages": 2},
+                   {"SPLIT": 0, "BN": 64, "BN_GATE_UP": 64, "num_warps": 4, "num_stages": 3})
+    if name == "chunked16":
+        split, walk = {**walk, "SPLIT": 1, "BN": 32}, {**split, "SPLIT": 0}
+    reduce = {"BK": 128, "KC": 128} if super_block else {"KC": 32}   # 2 chunks of 256; 2 of 64, 3 of 96
+    triton_moe.TUNING[code] = {"reduce": reduce, 1: split, 16: walk}
+
+
+def check(name: str, config: str = "default") -> dict:
     qt = int(QT[name])
     g = torch.Generator().manual_seed(qt)
     super_block = block_size(qt)[0] == 256
+    set_config(qt, config, super_block)
     # F = 96: a partial 32/64-column block; T = 21: a partial 16-row block (K-quant rows are 256-multiples, so the
     # super-block types run the smallest such experts, two of them: the interpreter's time is per program)
     E, H, FF, T, K = (2, 256, 256, 9, 2) if super_block else (6, 64, 96, 21, 3)
+    # the row alone (T*k <= E experts: the 1-row bucket; the full launch: the 16-row bucket)
+    assert triton_moe.bucket_of(K, E) == 1 and triton_moe.bucket_of(T * K, E) == 16
     raw = experts_of(qt, E, H, FF, g)
     shapes = [(FF, H), (FF, H), (H, FF)]
     deq = [[dequantize(r, qt, s) for r, s in zip(rs, shapes)] for rs in raw]
@@ -113,4 +136,8 @@ def check(name: str) -> dict:
     return res
 
 
-print(json.dumps({name: check(name) for name in (sys.argv[1:] or TYPES)}))
+args = sys.argv[1:]
+cfg = "default"
+if args[:1] == ["--config"]:
+    cfg, args = args[1], args[2:]
+print(json.dumps({name: check(name, cfg) for name in (args or TYPES)}))
