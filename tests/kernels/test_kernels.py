@@ -52,6 +52,26 @@ def test_triton_kernels_match_torch_and_are_row_invariant():
         assert r["limit_max_abs"] <= 1e-5 * max(1.0, r["limit_scale"]), (name, r)
 
 
+def test_split_k_schedules_match_torch_and_each_other_bit_for_bit():
+    """Split-K (tests/scripts/triton_kernel_check.py --config chunked): K in chunks summed in chunk order; the 1-row
+    bucket launches one program per chunk (partials in a workspace, summed by each tile's last program), the 16-row
+    bucket walks the chunks in one program, at other output blocks, warps and stages. Within float noise of the torch
+    path for every type, and a row alone (bucket 1, split) == the same row in the full launch (bucket 16, walked).
+    chunked16: the 16-row bucket split, the 1-row bucket walked."""
+    res = _run("triton_kernel_check.py", "--config", "chunked")
+    assert len(res) == 15
+    for name, r in res.items():
+        assert r["max_abs"] <= 2e-6 * r["scale"] * r["K"] ** 0.5, (name, r)
+        assert r["row_invariant"], name
+    for name in ("Q8_0", "MXFP4", "Q4_K", "IQ2_XXS"):
+        assert res[name]["split_equal"], name
+        assert res[name]["limit_max_abs"] <= 1e-5 * max(1.0, res[name]["limit_scale"]), (name, res[name])
+    res = _run("triton_kernel_check.py", "--config", "chunked16", "Q8_0", "Q3_K")
+    for name, r in res.items():
+        assert r["max_abs"] <= 2e-6 * r["scale"] * r["K"] ** 0.5, (name, r)
+        assert r["row_invariant"], name
+
+
 def test_triton_types_are_the_kernel_codes():
     """moe.TRITON_QTYPES (what the runner checks without importing triton) is the set the kernels dispatch on."""
     from betelgeuse.kernels.moe import TRITON_QTYPES

@@ -1,0 +1,77 @@
+"""The expert kernels' launch table (betelgeuse/kernels/triton_tuning.json, triton_moe.load_tuning / config): the
+committed file loads; reduction keys (BK, KC) only per type, schedules only per rows bucket; a bad file is refused
+with a message naming the problem; a bucket's schedule never changes a reduction key."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("triton")
+
+from betelgeuse.kernels import triton_moe  # noqa: E402
+from betelgeuse.kernels.triton_quants import QT_CODES  # noqa: E402
+
+Q4_K = QT_CODES[12]
+
+
+def _file(tmp_path, types) -> str:
+    p = tmp_path / "tuning.json"
+    p.write_text(json.dumps({"types": types}))
+    return str(p)
+
+
+def test_committed_table_loads_and_keeps_reduction_keys_per_type():
+    tab = triton_moe.load_tuning(triton_moe.TUNING_FILE)
+    for code, ent in tab.items():
+        assert set(ent) <= {"reduce", *triton_moe.BUCKETS}
+        assert set(ent["reduce"]) <= triton_moe.REDUCE_KEYS
+        for b in triton_moe.BUCKETS:
+            assert set(ent.get(b, {})) <= triton_moe.SCHEDULE_KEYS
+            c = triton_moe.config(code, b)
+            assert c["KC"] == 0 or c["KC"] % c["BK"] == 0, (code, c)
+
+
+def test_buckets_share_reduction_keys(tmp_path, monkeypatch):
+    path = _file(tmp_path, {"Q4_K": {"BK": 256, "KC": 512,
+                                     "rows1": {"BN": 16, "BN_GATE_UP": 16, "SPLIT": 1, "num_warps": 2},
+                                     "rows16": {"BN": 64, "SPLIT": 0}}})
+    monkeypatch.setattr(triton_moe, "TUNING", triton_moe.load_tuning(path))
+    c1, c16 = triton_moe.config(Q4_K, 1), triton_moe.config(Q4_K, 16)
+    assert (c1["BN"], c1["SPLIT"], c1["num_warps"]) == (16, 1, 2) and (c16["BN"], c16["SPLIT"]) == (64, 0)
+    assert c1["KC"] == c16["KC"] == 512 and c1["BK"] == c16["BK"] == 256
+    assert triton_moe.chunk(Q4_K, 2048, 256) == 512 and triton_moe.chunk(Q4_K, 512, 256) == 512
+    assert triton_moe.chunk(Q4_K, 256, 256) == 256                      # one chunk: all of K
+    monkeypatch.setitem(triton_moe.TYPE_CONFIG, Q4_K, {"BN": 32})       # overrides every bucket
+    assert triton_moe.config(Q4_K, 1)["BN"] == triton_moe.config(Q4_K, 16)["BN"] == 32
+    assert triton_moe.config(QT_CODES[8], 1) == {**triton_moe.CONFIG, **triton_moe.TYPE_CONFIG.get(0, {})}
+    assert triton_moe.bucket_of(8, 128) == 1 and triton_moe.bucket_of(128, 128) == 1
+    assert triton_moe.bucket_of(129, 128) == 16
+
+
+@pytest.mark.parametrize("types, words", [
+    ({"Q4_K": {"rows1": {"KC": 512}}}, ["rows1", "KC", "per type"]),
+    ({"Q4_K": {"BN": 32}}, ["unknown key 'BN'"]),
+    ({"Q4_K": {"rows7": {"BN": 32}}}, ["unknown key 'rows7'"]),
+    ({"Q4_Z": {"BK": 256}}, ["'Q4_Z'", "not a type"]),
+    ({"Q4_0": {"BK": 256}}, ["'Q4_0'", "not a type"]),
+])
+def test_bad_tables_are_refused_by_name(tmp_path, types, words):
+    with pytest.raises(ValueError) as e:
+        triton_moe.load_tuning(_file(tmp_path, types))
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_environment_chooses_the_table(tmp_path, monkeypatch):
+    monkeypatch.setenv(triton_moe.TUNING_ENV, "off")
+    assert triton_moe.load_tuning() == {}
+    monkeypatch.setenv(triton_moe.TUNING_ENV, str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="no tuning file"):
+        triton_moe.load_tuning()
+    (tmp_path / "bad.json").write_text("{")
+    monkeypatch.setenv(triton_moe.TUNING_ENV, str(tmp_path / "bad.json"))
+    with pytest.raises(ValueError, match="not JSON"):
+        triton_moe.load_tuning()
+    monkeypatch.setenv(triton_moe.TUNING_ENV, _file(tmp_path, {"Q2_K": {"KC": 256, "rows1": {"SPLIT": 1}}}))
+    assert triton_moe.load_tuning() == {QT_CODES[10]: {"reduce": {"KC": 256}, 1: {"SPLIT": 1}}}
