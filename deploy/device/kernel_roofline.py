@@ -144,25 +144,30 @@ def set_config(code: int, cfg: dict | None):
 def warm(tasks: list[tuple[str, str, int]]):
     """Compile the kernels of (geometry, type, config) tasks by launching them once on the timed routings (the same
     specializations and the same split-or-walk choice as the timed launches: same H, F, E, rows, dtypes, limit)."""
-    from betelgeuse.kernels.moe import Group
     from betelgeuse.kernels.triton_quants import QT_CODES
     for gname, tname, ci in tasks:
-        H, F, E, limit = GEOMS[gname]
-        qt = int(GT[tname])
-        set_config(QT_CODES[qt], CONFIGS[ci])
-        kern, slot = kernels_for(qt, H, F, E, limit)
-        pool = torch.zeros(BANK * slot, dtype=torch.uint8, device=dev)
-        for rows in ROWS:
-            r = kern.route(*routing(BANK, rows, K_TOP, H))
-            kern.apply(r, 0, pool, Group(None, None, base_table(E, 0, BANK, slot)), slot)
-            kern.combine(r)
-        if ci == 0:                                    # the check's in-kernel weights (triton_quants.dequantize)
-            from betelgeuse.kernels import triton_quants
-            for K in (H, F):
-                raw = torch.zeros(64 * row_nbytes(qt, K), dtype=torch.uint8, device=dev)
-                triton_quants.dequantize(raw, qt, (64, K), dtype=DTYPE)
-        pool = None
+        try:
+            _warm_one(gname, tname, ci, QT_CODES)
+        except Exception as e:                         # the timed run reports it; compile the other tasks
+            print(f"warm {gname}/{tname}/{ci}: {type(e).__name__}: {str(e)[:160]}", file=sys.stderr)
     torch.cuda.synchronize()
+
+
+def _warm_one(gname: str, tname: str, ci: int, QT_CODES: dict):
+    H, F, E, limit = GEOMS[gname]
+    qt = int(GT[tname])
+    set_config(QT_CODES[qt], CONFIGS[ci])
+    kern, slot = kernels_for(qt, H, F, E, limit)
+    pool = torch.zeros(BANK * slot, dtype=torch.uint8, device=dev)
+    for rows in ROWS:
+        r = kern.route(*routing(BANK, rows, K_TOP, H))
+        kern.apply(r, 0, pool, Group(None, None, base_table(E, 0, BANK, slot)), slot)
+        kern.combine(r)
+    if ci == 0:                                    # the check's in-kernel weights (triton_quants.dequantize)
+        from betelgeuse.kernels import triton_quants
+        for K in (H, F):
+            raw = torch.zeros(64 * row_nbytes(qt, K), dtype=torch.uint8, device=dev)
+            triton_quants.dequantize(raw, qt, (64, K), dtype=DTYPE)
 
 
 def warm_parallel(tasks: list[tuple[str, str, int]], workers: int, timeout: float) -> float:
@@ -170,7 +175,8 @@ def warm_parallel(tasks: list[tuple[str, str, int]], workers: int, timeout: floa
     t = time.perf_counter()
     chunks = [tasks[i::workers] for i in range(workers) if tasks[i::workers]]
     logs = [tempfile.TemporaryFile(mode="w+") for _ in chunks]
-    procs = [subprocess.Popen([sys.executable, __file__, "--warm", json.dumps(c)], stdout=subprocess.DEVNULL,
+    procs = [subprocess.Popen([sys.executable, __file__, "--warm", json.dumps({"rows": ROWS, "tasks": c})],
+                              stdout=subprocess.DEVNULL,
                               stderr=log) for c, log in zip(chunks, logs)]
     for p, log in zip(procs, logs):
         try:
@@ -221,7 +227,6 @@ def graph_time(fn, reps: int) -> float:
 def measure(gname: str, tname: str, cfgs: list[int]) -> dict:
     """GB/s of the launch pair (and of gate_up, down) at ROWS for each config in cfgs, on rotating banks."""
     from betelgeuse.kernels import triton_moe as tk
-    from betelgeuse.kernels.moe import Group
     from betelgeuse.kernels.triton_quants import QT_CODES
     H, F, E, limit = GEOMS[gname]
     qt = int(GT[tname])
@@ -238,31 +243,40 @@ def measure(gname: str, tname: str, cfgs: list[int]) -> dict:
         set_config(code, CONFIGS[ci])
         kern, _ = kernels_for(qt, H, F, E, limit)
         res = {}
-        for rows in ROWS:
-            h, ids, w = routing(BANK, rows, K_TOP, H)
-            r = kern.route(h, ids, w)
-            kern.apply(r, 0, pool, Group(None, None, bases[0]), slot)       # compile check outside the graph
-            st = kern.starts[0]
-            c = tk.config(code)
-            aligned = kern._aligned
-
-            def gu(i):
-                tk.gate_up(r.h, pool, bases[i % n_banks], st, r.rows, r.off, r.inter, F, K_TOP, code, limit,
-                           row_nbytes(qt, H), aligned)
-
-            def dn(i):
-                tk.down(r.inter, pool, bases[i % n_banks], st, r.rows, r.off, r.y, r.ids.shape[0], code,
-                        row_nbytes(qt, F), aligned)
-            t_gu, t_dn = graph_time(gu, reps), graph_time(dn, reps)
-            gu_bytes, dn_bytes = BANK * 2 * F * row_nbytes(qt, H), BANK * H * row_nbytes(qt, F)
-            res[rows] = {"us": (t_gu + t_dn) * 1e6, "gbps": bank_bytes / (t_gu + t_dn) / 1e9,
-                         "gate_up_gbps": gu_bytes / t_gu / 1e9, "down_gbps": dn_bytes / t_dn / 1e9,
-                         "gate_up_us": t_gu * 1e6, "down_us": t_dn * 1e6}
-        out[ci] = {"config": {**c}, "rows": res}
+        try:
+            _time_config(kern, tk, code, qt, H, F, limit, pool, bases, slot, n_banks, reps, bank_bytes, res)
+        except Exception as e:                         # e.g. OutOfResources: this config is out, not the type
+            out[ci] = {"config": dict(CONFIGS[ci]), "error": f"{type(e).__name__}: {str(e)[:160]}"}
+            print(f"  {gname}/{tname} config {ci}: {out[ci]['error']}", flush=True)
+            continue
+        out[ci] = {"config": {**tk.config(code)}, "rows": res}
     pool = None                   # the banks are freed before the next type
     torch.cuda.empty_cache()
     return {"expert_bytes": nbytes, "bpw": nbytes * 8 / (3 * H * F), "banks": n_banks, "reps": reps,
             "configs": out}
+
+
+def _time_config(kern, tk, code, qt, H, F, limit, pool, bases, slot, n_banks, reps, bank_bytes, res):
+    E = kern.E
+    for rows in ROWS:
+        h, ids, w = routing(BANK, rows, K_TOP, H)
+        r = kern.route(h, ids, w)
+        kern.apply(r, 0, pool, Group(None, None, bases[0]), slot)           # compile check outside the graph
+        st = kern.starts[0]
+        aligned = kern._aligned
+
+        def gu(i):
+            tk.gate_up(r.h, pool, bases[i % n_banks], st, r.rows, r.off, r.inter, F, K_TOP, code, limit,
+                       row_nbytes(qt, H), aligned)
+
+        def dn(i):
+            tk.down(r.inter, pool, bases[i % n_banks], st, r.rows, r.off, r.y, r.ids.shape[0], code,
+                    row_nbytes(qt, F), aligned)
+        t_gu, t_dn = graph_time(gu, reps), graph_time(dn, reps)
+        gu_bytes, dn_bytes = BANK * 2 * F * row_nbytes(qt, H), BANK * H * row_nbytes(qt, F)
+        res[rows] = {"us": (t_gu + t_dn) * 1e6, "gbps": bank_bytes / (t_gu + t_dn) / 1e9,
+                     "gate_up_gbps": gu_bytes / t_gu / 1e9, "down_gbps": dn_bytes / t_dn / 1e9,
+                     "gate_up_us": t_gu * 1e6, "down_us": t_dn * 1e6}
 
 
 # ---- checks ---------------------------------------------------------------------------------------------
@@ -398,13 +412,14 @@ def choose(per_geom: dict, cfgs: list[int]) -> tuple[int, int] | None:
     the first config's; None if no config passes."""
     from betelgeuse.kernels.triton_moe import REDUCE_KEYS
 
-    def rel(ci, rows):
-        return sum(d["m"]["configs"][ci]["rows"][rows]["us"] / d["m"]["configs"][cfgs[0]]["rows"][rows]["us"]
+    def rel(ci, rows):                 # relative to the first config (absolute µs if it did not run)
+        return sum(d["m"]["configs"][ci]["rows"][rows]["us"]
+                   / (d["m"]["configs"][cfgs[0]]["rows"][rows]["us"] if cfgs[0] in d["ck"] else 1.0)
                    for d in per_geom.values())
 
     def same_bits(a, b):
         return all(torch.equal(d["ck"][a][1][k], d["ck"][b][1][k]) for d in per_geom.values() for k in d["ck"][a][1])
-    ok = [ci for ci in cfgs if all(d["ck"][ci][0]["ok"] for d in per_geom.values())]
+    ok = [ci for ci in cfgs if all(ci in d["ck"] and d["ck"][ci][0]["ok"] for d in per_geom.values())]
     best, score = None, math.inf
     for key in {tuple(CONFIGS[ci][k] for k in sorted(REDUCE_KEYS)) for ci in ok}:
         grp = [ci for ci in ok if tuple(CONFIGS[ci][k] for k in sorted(REDUCE_KEYS)) == key]
@@ -431,9 +446,10 @@ def sweep(types: list[str], geoms: list[str], cfgs: list[int], meta: dict, budge
             try:
                 m = measure(g, t, cfgs)
                 ctx = check_setup(g, t)
-                ck = {ci: check_config(ctx, CONFIGS[ci]) for ci in cfgs}
+                ran = [ci for ci in cfgs if "rows" in m["configs"][ci]]
+                ck = {ci: check_config(ctx, CONFIGS[ci]) for ci in ran}
                 data.setdefault(t, {})[g] = {"m": m, "ck": ck, "ctx": ctx}
-                for ci in cfgs:
+                for ci in ran:
                     rw = m["configs"][ci]["rows"]
                     print(f"{g}/{t} [{ci}] {label(CONFIGS[ci]):40s} " + " / ".join(f"{rw[n]['gbps']:5.0f}" for n in ROWS)
                           + f" GB/s at {ROWS} rows; err {ck[ci][0]['rel_err']:.1e}"
@@ -444,8 +460,7 @@ def sweep(types: list[str], geoms: list[str], cfgs: list[int], meta: dict, budge
                 print(f"{g}/{t}: {type(e).__name__}: {str(e)[:200]}", flush=True)
     types_out, figures, lines, fails = {}, {}, [], []
     for t, per in data.items():
-        per = {g: d for g, d in per.items() if len(d["ck"]) == len(cfgs)}
-        pick = choose(per, cfgs) if per else None
+        pick = choose(per, cfgs)
         if pick is None:
             fails.append(f"{t}: no config passes its checks")
             continue
@@ -456,7 +471,7 @@ def sweep(types: list[str], geoms: list[str], cfgs: list[int], meta: dict, budge
         for g, d in per.items():
             for rows, ci in ((1, b1), (16, b16)):
                 v = d["m"]["configs"][ci]["rows"][rows]["gbps"]
-                v0 = d["m"]["configs"][cfgs[0]]["rows"][rows]["gbps"]
+                v0 = d["m"]["configs"][cfgs[0]].get("rows", {}).get(rows, {}).get("gbps", float("nan"))
                 figures[f"{g}/{t}/rows{rows}"] = {"gbps": round(v, 1), "baseline_gbps": round(v0, 1), "config": ci}
                 ok = "✓" if v >= TARGET[rows] else ""
                 lines.append(f"| {g} | {t} | {rows} | {label(CONFIGS[ci])} | {v:.0f} {ok} | "
@@ -507,10 +522,12 @@ def main() -> int:
                         "$OUT/triton_tuning.json (for betelgeuse/kernels/triton_tuning.json)")
     p.add_argument("--warm", help=argparse.SUPPRESS)
     a = p.parse_args()
-    if a.warm:
-        warm([tuple(t) for t in json.loads(a.warm)])
-        return 0
     global DRY, dev, ROWS, BANK, DTYPE, K_TOP
+    if a.warm:
+        job = json.loads(a.warm)
+        ROWS = tuple(job["rows"])
+        warm([tuple(t) for t in job["tasks"]])
+        return 0
     a.geoms = a.geoms or ("bench" if a.sweep else ",".join(GEOMS))
     a.budget = a.budget or (220.0 if a.sweep else 160.0)
     if a.sweep:
@@ -552,8 +569,8 @@ def main() -> int:
                 continue
             try:
                 r = measure(g, t, cfgs)
-                r["best"] = min(r["configs"], key=lambda ci: r["configs"][ci]["rows"][ROWS[0]]["us"]
-                                + r["configs"][ci]["rows"][ROWS[1]]["us"])
+                r["best"] = min((ci for ci in r["configs"] if "rows" in r["configs"][ci]),
+                                key=lambda ci: r["configs"][ci]["rows"][ROWS[0]]["us"] + r["configs"][ci]["rows"][ROWS[1]]["us"])
                 r["check"] = check(g, t, r["best"])
                 results[key] = r
                 b = r["configs"][r["best"]]["rows"]
@@ -569,8 +586,9 @@ def main() -> int:
     for t in types:                                    # the faster config over the geometries measured
         rs = [results[f"{g}/{t}"] for g in geoms if "best" in results.get(f"{g}/{t}", {})]
         if rs:
-            ci = min(cfgs, key=lambda c: sum(r["configs"][c]["rows"][n]["us"] / r["configs"][cfgs[0]]["rows"][n]["us"]
-                                             for r in rs for n in ROWS[:2]))
+            ran = [c for c in cfgs if all("rows" in r["configs"][c] for r in rs)]
+            ci = min(ran, key=lambda c: sum(r["configs"][c]["rows"][n]["us"] / r["configs"][ran[0]]["rows"][n]["us"]
+                                            for r in rs for n in ROWS[:2]))
             keep[QT_CODES[int(GT[t])]] = {k: v for k, v in CONFIGS[ci].items()}
     fails = [k for k, r in results.items()
              if ("check" in r and not (r["check"]["row_invariant"] and r["check"]["finite"] and r["check"]["rel_err"] < 3e-2))

@@ -75,3 +75,33 @@ def test_environment_chooses_the_table(tmp_path, monkeypatch):
         triton_moe.load_tuning()
     monkeypatch.setenv(triton_moe.TUNING_ENV, _file(tmp_path, {"Q2_K": {"KC": 256, "rows1": {"SPLIT": 1}}}))
     assert triton_moe.load_tuning() == {QT_CODES[10]: {"reduce": {"KC": 256}, 1: {"SPLIT": 1}}}
+
+
+def _roofline():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / "deploy" / "device" / "kernel_roofline.py"
+    spec = importlib.util.spec_from_file_location("kernel_roofline", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)                         # torch and gguf, no GPU
+    return mod
+
+
+def test_sweep_pairs_bucket_configs_only_with_the_same_bits():
+    """kernel_roofline.choose: per type one (BK, KC); per bucket the fastest schedule whose outputs equal the other
+    bucket's pick bit for bit; configs that fail their checks are never taken."""
+    import torch
+    rl = _roofline()
+    assert [rl.CONFIGS[i]["KC"] for i in (0, 1, 4)] == [0, 512, 512] and rl.CONFIGS[1]["SPLIT"] == 1
+    assert rl.CONFIGS[4]["SPLIT"] == 0
+    us = {0: (10.0, 20.0), 1: (4.0, 30.0), 4: (9.0, 12.0)}            # (1 row, 16 rows) µs
+    y = torch.arange(6.0)
+
+    def per(out1, ok=True):
+        m = {"configs": {ci: {"rows": {1: {"us": a}, 16: {"us": b}}} for ci, (a, b) in us.items()}}
+        outs = {0: y + 1, 1: out1, 4: y}
+        ck = {ci: ({"ok": ok or ci != 1}, {"rows1": outs[ci], "rows16": outs[ci]}) for ci in us}
+        return {"bench": {"m": m, "ck": ck}}
+    assert rl.choose(per(y.clone()), [0, 1, 4]) == (1, 4)               # split for 1 row, walked for 16
+    assert rl.choose(per(y + 1e-3), [0, 1, 4]) == (4, 4)                # other bits: not paired
+    assert rl.choose(per(y.clone(), ok=False), [0, 1, 4]) == (4, 4)     # a failed check is never taken
