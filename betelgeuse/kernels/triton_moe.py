@@ -4,10 +4,10 @@ vLLM's fused MoE idea (rows sorted by expert, one program per block of one exper
 dequantization fused into the matmul (triton_quants.wdot) and the expert addressed by a byte offset into one
 device pool (VRAM hot slots + execution ring), so a whole tier group of experts is one launch:
 
-  gate_up   grid (cdiv(F, BN), row blocks): program (n, b) takes row block b (rows = (token, rank) pairs
-            sorted by expert; block b = rows mb*BM.. of expert e), computes g = W_gate x and u = W_up x for
-            its BN output columns over H in BK steps, writes act = silu(g) * u -> inter [R, F] (sorted-row order)
-  down      grid (cdiv(H, BN), row blocks): y[token*k + rank] = W_down act over F
+  gate_up   grid (cdiv(F, BN), row blocks[, K chunks]): program (n, b) takes row block b (rows = (token, rank)
+            pairs sorted by expert; block b = rows mb*BM.. of expert e), computes g = W_gate x and u = W_up x for
+            its BN output columns over H, writes act = silu(g) * u -> inter [R, F] (sorted-row order)
+  down      grid (cdiv(H, BN), row blocks[, K chunks]): y[token*k + rank] = W_down act over F
   combine   grid (T, cdiv(H, BN)): out[t] = sum_r w[t, r] * y[t*k + r], r = 0..k-1 in order (fp32)
 
 Row blocks are enumerated over the experts that have rows (each expert's rows in blocks of BM, found from the
@@ -17,11 +17,18 @@ programs past the last block, or of experts whose base offset is -1 (not in this
 
 The tile product is acc[BN, BM] += W[BN, BK] @ X^T[BK, BM]: the dequantized weights are the MMA's M side and the
 rows (up to BM = 16) its N side, so a decode step (1 row per expert) and 16 rows cost the same weight traffic.
+K runs in chunks of KC columns (split-K): each chunk's partial is accumulated from zero in BK steps and the
+partials are summed in chunk order. A decode step has few experts (16 of a bank, 1 row each): one program per
+(output block, row block) would leave most of 132 SMs idle, so SPLIT launches one program per chunk too; each
+writes its partial [BN, BM] (fp32) to a workspace and bumps its tile's counter (acq_rel), and the tile's last
+program sums the partials in chunk order, runs the epilogue and resets the counter (no atomics on values: the
+sum's order is fixed whichever program arrives last). Without SPLIT one program walks the chunks.
 
-Row invariance (DESIGN.md invariant 6): block sizes are constants per weight type (never tuned by the row count),
-the K loop runs in the same BK steps, and tensor-core MMA computes each output element from its own row and column
-only, so a row's bits depend neither on the other rows of its block nor on how many rows an expert has, nor on
-which group (tier) the expert is in.
+Row invariance (DESIGN.md invariant 6): the reduction keys (BK, KC) are constants per weight type (never tuned by
+the row count), every output is the same sum of the same chunk partials whether the chunks were split over
+programs or walked, and tensor-core MMA computes each output element from its own row and column only, so a row's
+bits depend neither on the other rows of its block nor on how many rows an expert has or the launch has (its rows
+bucket picks only the schedule), nor on which group (tier) the expert is in.
 
 Weight formats: triton_quants (QT codes, tile layouts and the in-kernel dequantization of each GGML type).
 """

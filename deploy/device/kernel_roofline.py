@@ -73,7 +73,8 @@ K_TOP = 8
 ROWS = (1, 16, 64)
 # candidate launch constants per type (triton_moe keys; TYPE_CONFIG overrides every bucket with one): the
 # baseline, split-K in 4 / 8 chunks at 64, 32, 16 output rows per program (one program per chunk: enough
-# programs for 132 SMs on one expert), and the same chunks walked by one program (for 16 rows). Configs with the
+# programs for 132 SMs on one expert), the same chunks walked by one program (for 16 rows), and one without the
+# software pipeline (no shared-memory staging: more programs per SM hide the latency instead). Configs with the
 # same (BK, KC) give the same bits, so --sweep may take one for 1 row and another for 16 rows.
 CONFIGS = [
     {"BK": 256, "KC": 0, "BN": 64, "BN_GATE_UP": 64, "SPLIT": 0, "num_warps": 4, "num_stages": 3},
@@ -84,6 +85,7 @@ CONFIGS = [
     {"BK": 256, "KC": 256, "BN": 64, "BN_GATE_UP": 64, "SPLIT": 1, "num_warps": 4, "num_stages": 2},
     {"BK": 256, "KC": 256, "BN": 32, "BN_GATE_UP": 32, "SPLIT": 1, "num_warps": 2, "num_stages": 2},
     {"BK": 256, "KC": 256, "BN": 64, "BN_GATE_UP": 64, "SPLIT": 0, "num_warps": 4, "num_stages": 3},
+    {"BK": 256, "KC": 512, "BN": 32, "BN_GATE_UP": 32, "SPLIT": 1, "num_warps": 4, "num_stages": 1},
 ]
 TARGET = {1: 1500.0, 16: 1200.0}
 dev = torch.device("cuda")
