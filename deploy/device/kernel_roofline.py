@@ -3,6 +3,15 @@
 
     python3 deploy/device/kernel_roofline.py                 # every type, both geometries; OUT=/dir for the files
     python3 deploy/device/kernel_roofline.py --types Q4_K,Q8_0 --geoms bench --configs 0
+    python3 deploy/device/kernel_roofline.py --sweep         # the launch table: $OUT/triton_tuning.json (~4 min)
+
+--sweep times every CONFIGS entry per type at 1 and 16 rows (bench geometry unless --geoms), checks each against
+the torch path (both rows buckets, two runs bit-equal, rows alone == in the full launch), and picks per type one
+pair of reduction keys (BK, KC) and per rows bucket the fastest schedule (BN, SPLIT, warps, stages) whose outputs
+equal the other bucket's pick bit for bit. It prints a table (type, rows, best config, GB/s, share of the copy
+bandwidth, the baseline config's GB/s) and writes $OUT/triton_tuning.json (commit it as
+betelgeuse/kernels/triton_tuning.json: the kernels load it at import) and $OUT/kernel_sweep.md; then it loads the
+table as the kernels do and checks rows alone == in 16-row launches once more. Exit 1 if any check failed.
 
 For each expert type (Q8_0, MXFP4, the K-quants, the i-quants) and geometry (the bench's: hidden 2048, expert FFN
 768, 128 experts; ds4-flash's: 4096, 2048, 256 experts, its clamped SwiGLU): a bank of 16 experts (one ring bank of
