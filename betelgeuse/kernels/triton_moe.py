@@ -106,6 +106,9 @@ def load_tuning(path: Path | str | None = None) -> dict[int, dict]:
             else:
                 raise ValueError(f"{path}: {name}: unknown key {k!r} (per type: {sorted(REDUCE_KEYS)}, "
                                  f"rows{BUCKETS[0]}/rows{BUCKETS[1]}: schedules)")
+        bk, kc = ent["reduce"].get("BK", CONFIG["BK"]), ent["reduce"].get("KC", 0)
+        if bk not in (32, 64, 128, 256) or kc < 0 or kc % bk:
+            raise ValueError(f"{path}: {name}: BK {bk} must be 32..256 (a power of two) and KC {kc} a multiple of it")
         out[code] = ent
     return out
 

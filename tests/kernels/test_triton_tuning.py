@@ -56,6 +56,8 @@ def test_buckets_share_reduction_keys(tmp_path, monkeypatch):
     ({"Q4_K": {"rows7": {"BN": 32}}}, ["unknown key 'rows7'"]),
     ({"Q4_Z": {"BK": 256}}, ["'Q4_Z'", "not a type"]),
     ({"Q4_0": {"BK": 256}}, ["'Q4_0'", "not a type"]),
+    ({"Q4_K": {"BK": 256, "KC": 384}}, ["Q4_K", "KC 384", "multiple"]),
+    ({"Q8_0": {"KC": 100}}, ["Q8_0", "KC 100"]),
 ])
 def test_bad_tables_are_refused_by_name(tmp_path, types, words):
     with pytest.raises(ValueError) as e:
