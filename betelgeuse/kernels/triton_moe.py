@@ -199,7 +199,8 @@ def _partial_ptr(ws_ptr, tile, c, NCH, WS: tl.constexpr, BN: tl.constexpr, BM: t
 @triton.jit
 def _arrive(cnt_ptr, tile, NCH):
     """After this program's partial is stored: True for the tile's last program to arrive (which then sums the
-    partials in chunk order and resets the counter for the next launch). The barrier + acq_rel atomic make every
+    partials in chunk order, 0 + p_0 + p_1 + ... as the walking loop does, and resets the counter for the next
+    launch). The barrier + acq_rel atomic make every
     thread's partial visible before the count (CUTLASS's semaphore pattern); the last program reads with .cg."""
     tl.debug_barrier()
     done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == NCH - 1
@@ -232,25 +233,29 @@ def _gate_up_kernel(h_ptr, pool, tab, base_ptr, starts_ptr, rows_ptr, off_ptr, i
             tl.store(pp, accg)
             tl.store(pp + BN * BM, accu)
             last = _arrive(cnt_ptr, tile, NCH)
-            if last:
-                pp = _partial_ptr(ws_ptr, tile, 0, NCH, 2 * BN * BM, BN, BM)
-                accg = tl.load(pp, cache_modifier=".cg")
-                accu = tl.load(pp + BN * BM, cache_modifier=".cg")
-                for c in range(1, NCH):
+            if last:                        # 0 + p_0 + p_1 + ... in chunk order
+                totg = tl.zeros((BN, BM), dtype=tl.float32)
+                totu = tl.zeros((BN, BM), dtype=tl.float32)
+                for c in range(0, NCH):
                     pp = _partial_ptr(ws_ptr, tile, c, NCH, 2 * BN * BM, BN, BM)
-                    accg = accg + tl.load(pp, cache_modifier=".cg")
-                    accu = accu + tl.load(pp + BN * BM, cache_modifier=".cg")
+                    totg = totg + tl.load(pp, cache_modifier=".cg")
+                    totu = totu + tl.load(pp + BN * BM, cache_modifier=".cg")
                 tl.atomic_xchg(cnt_ptr + tile, 0)
-                _gu_store(accg, accu, inter_ptr, rows, mr, n, mn, F, limit, HAS_LIMIT)
-        else:                               # the same partials, walked and summed in the same order
-            accg, accu = _gu_chunk(h_ptr, xrow, mr, pool, tab, gra, ura, 0, tl.minimum(KC, H), mn,
-                                   QT, BN, BM, BK, IEEE)
-            for c in range(1, NCH):
-                pg, pu = _gu_chunk(h_ptr, xrow, mr, pool, tab, gra, ura, c * KC, tl.minimum(c * KC + KC, H), mn,
-                                   QT, BN, BM, BK, IEEE)
-                accg = accg + pg
-                accu = accu + pu
-            _gu_store(accg, accu, inter_ptr, rows, mr, n, mn, F, limit, HAS_LIMIT)
+                _gu_store(totg, totu, inter_ptr, rows, mr, n, mn, F, limit, HAS_LIMIT)
+        else:                               # the same partials and sums, in one (pipelined) loop over K
+            totg = tl.zeros((BN, BM), dtype=tl.float32)
+            totu = tl.zeros((BN, BM), dtype=tl.float32)
+            accg = tl.zeros((BN, BM), dtype=tl.float32)
+            accu = tl.zeros((BN, BM), dtype=tl.float32)
+            for kk in range(0, H, BK):
+                accg = wdot(accg, h_ptr, xrow, mr, pool, tab, gra, kk, mn, QT, BK, BN, IEEE)
+                accu = wdot(accu, h_ptr, xrow, mr, pool, tab, ura, kk, mn, QT, BK, BN, IEEE)
+                if ((kk + BK) % KC == 0) | (kk + BK >= H):          # a chunk ends: add its partial, restart
+                    totg = totg + accg
+                    totu = totu + accu
+                    accg = tl.zeros((BN, BM), dtype=tl.float32)
+                    accu = tl.zeros((BN, BM), dtype=tl.float32)
+            _gu_store(totg, totu, inter_ptr, rows, mr, n, mn, F, limit, HAS_LIMIT)
 
 
 @triton.jit
@@ -286,17 +291,20 @@ def _down_kernel(inter_ptr, pool, tab, base_ptr, starts_ptr, rows_ptr, off_ptr, 
             tl.store(_partial_ptr(ws_ptr, tile, pc, NCH, BN * BM, BN, BM), acc)
             last = _arrive(cnt_ptr, tile, NCH)
             if last:
-                acc = tl.load(_partial_ptr(ws_ptr, tile, 0, NCH, BN * BM, BN, BM), cache_modifier=".cg")
-                for c in range(1, NCH):
-                    acc = acc + tl.load(_partial_ptr(ws_ptr, tile, c, NCH, BN * BM, BN, BM), cache_modifier=".cg")
+                tot = tl.zeros((BN, BM), dtype=tl.float32)
+                for c in range(0, NCH):
+                    tot = tot + tl.load(_partial_ptr(ws_ptr, tile, c, NCH, BN * BM, BN, BM), cache_modifier=".cg")
                 tl.atomic_xchg(cnt_ptr + tile, 0)
-                tl.store(ptr, acc.to(y_ptr.dtype.element_ty), mask=mn[:, None] & mr[None, :])
+                tl.store(ptr, tot.to(y_ptr.dtype.element_ty), mask=mn[:, None] & mr[None, :])
         else:
-            acc = _dn_chunk(inter_ptr, xrow, mr, pool, tab, dra, 0, tl.minimum(KC, F), mn, QT, BN, BM, BK, IEEE)
-            for c in range(1, NCH):
-                acc = acc + _dn_chunk(inter_ptr, xrow, mr, pool, tab, dra, c * KC, tl.minimum(c * KC + KC, F), mn,
-                                      QT, BN, BM, BK, IEEE)
-            tl.store(ptr, acc.to(y_ptr.dtype.element_ty), mask=mn[:, None] & mr[None, :])
+            tot = tl.zeros((BN, BM), dtype=tl.float32)
+            acc = tl.zeros((BN, BM), dtype=tl.float32)
+            for kk in range(0, F, BK):
+                acc = wdot(acc, inter_ptr, xrow, mr, pool, tab, dra, kk, mn, QT, BK, BN, IEEE)
+                if ((kk + BK) % KC == 0) | (kk + BK >= F):
+                    tot = tot + acc
+                    acc = tl.zeros((BN, BM), dtype=tl.float32)
+            tl.store(ptr, tot.to(y_ptr.dtype.element_ty), mask=mn[:, None] & mr[None, :])
 
 
 @triton.jit

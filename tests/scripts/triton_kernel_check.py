@@ -72,7 +72,8 @@ def set_config(qt: int, name: str, super_block: bool):
                    {"SPLIT": 0, "BN": 64, "BN_GATE_UP": 64, "num_warps": 4, "num_stages": 3})
     if name == "chunked16":
         split, walk = {**walk, "SPLIT": 1, "BN": 32}, {**split, "SPLIT": 0}
-    reduce = {"BK": 128, "KC": 128} if super_block else {"KC": 32}   # 2 chunks of 256; 2 of 64, 3 of 96
+    # 2 chunks of 256; 2 of 64, 3 of 96 (chunked16: 1 of 64, 2 of 96, the first two K steps long)
+    reduce = {"BK": 128, "KC": 128} if super_block else {"KC": 64 if name == "chunked16" else 32}
     triton_moe.TUNING[code] = {"reduce": reduce, 1: split, 16: walk}
 
 
