@@ -186,7 +186,7 @@ def warm_parallel(tasks: list[tuple[str, str, int]], workers: int, timeout: floa
     t = time.perf_counter()
     chunks = [tasks[i::workers] for i in range(workers) if tasks[i::workers]]
     logs = [tempfile.TemporaryFile(mode="w+") for _ in chunks]
-    procs = [subprocess.Popen([sys.executable, __file__, "--warm", json.dumps({"rows": ROWS, "tasks": c})],
+    procs = [subprocess.Popen([sys.executable, __file__, "--warm", json.dumps({"rows": ROWS, "tuned": CONFIGS == [None], "tasks": c})],
                               stdout=subprocess.DEVNULL,
                               stderr=log) for c, log in zip(chunks, logs)]
     for p, log in zip(procs, logs):
@@ -257,7 +257,7 @@ def measure(gname: str, tname: str, cfgs: list[int]) -> dict:
         try:
             _time_config(kern, tk, code, qt, H, F, limit, pool, bases, slot, n_banks, reps, bank_bytes, res)
         except Exception as e:                         # e.g. OutOfResources: this config is out, not the type
-            out[ci] = {"config": dict(CONFIGS[ci]), "error": f"{type(e).__name__}: {str(e)[:160]}"}
+            out[ci] = {"config": dict(CONFIGS[ci] or {}), "error": f"{type(e).__name__}: {str(e)[:160]}"}
             print(f"  {gname}/{tname} config {ci}: {out[ci]['error']}", flush=True)
             continue
         out[ci] = {"config": {**tk.config(code)}, "rows": res}
@@ -531,18 +531,29 @@ def main() -> int:
     p.add_argument("--sweep", action="store_true",
                    help="time every config at 1 and 16 rows, check each, write the per-(type, rows bucket) table "
                         "$OUT/triton_tuning.json (for betelgeuse/kernels/triton_tuning.json)")
+    p.add_argument("--tuned", action="store_true",
+                   help="time the launch table as the kernels load it (betelgeuse/kernels/triton_tuning.json, "
+                        "$BETELGEUSE_TRITON_TUNING) instead of CONFIGS")
     p.add_argument("--warm", help=argparse.SUPPRESS)
     a = p.parse_args()
     global DRY, dev, ROWS, BANK, DTYPE, K_TOP
     if a.warm:
         job = json.loads(a.warm)
         ROWS = tuple(job["rows"])
+        if job.get("tuned"):
+            CONFIGS[:] = [None]
         warm([tuple(t) for t in job["tasks"]])
         return 0
     a.geoms = a.geoms or ("bench" if a.sweep else ",".join(GEOMS))
     a.budget = a.budget or (220.0 if a.sweep else 160.0)
     if a.sweep:
         ROWS = (1, 16)
+    if a.tuned:
+        if a.sweep:
+            print("kernel_roofline: error: --tuned times the installed table; --sweep makes one (not both)")
+            return 2
+        CONFIGS[:] = [None]                            # set_config(code, None): no override, the table
+        a.configs = "0"
     if a.dry_run:
         assert os.environ.get("TRITON_INTERPRET") == "1", "--dry-run needs TRITON_INTERPRET=1"
         DRY, dev, ROWS, BANK, DTYPE, a.workers, a.budget = True, torch.device("cpu"), (1, 16), 2, torch.float32, 0, 1e9
@@ -600,7 +611,7 @@ def main() -> int:
             ran = [c for c in cfgs if all("rows" in r["configs"][c] for r in rs)]
             ci = min(ran, key=lambda c: sum(r["configs"][c]["rows"][n]["us"] / r["configs"][ran[0]]["rows"][n]["us"]
                                             for r in rs for n in ROWS[:2]))
-            keep[QT_CODES[int(GT[t])]] = {k: v for k, v in CONFIGS[ci].items()}
+            keep[QT_CODES[int(GT[t])]] = dict(CONFIGS[ci] or {"tuned": "triton_tuning.json"})
     fails = [k for k, r in results.items()
              if ("check" in r and not (r["check"]["row_invariant"] and r["check"]["finite"] and r["check"]["rel_err"] < 3e-2))
              or ("error" in r and not r["error"].startswith("skipped"))]
