@@ -186,9 +186,9 @@ def warm_parallel(tasks: list[tuple[str, str, int]], workers: int, timeout: floa
     t = time.perf_counter()
     chunks = [tasks[i::workers] for i in range(workers) if tasks[i::workers]]
     logs = [tempfile.TemporaryFile(mode="w+") for _ in chunks]
-    procs = [subprocess.Popen([sys.executable, __file__, "--warm", json.dumps({"rows": ROWS, "tuned": CONFIGS == [None], "tasks": c})],
-                              stdout=subprocess.DEVNULL,
-                              stderr=log) for c, log in zip(chunks, logs)]
+    job = {"rows": ROWS, "tuned": CONFIGS == [None]}
+    procs = [subprocess.Popen([sys.executable, __file__, "--warm", json.dumps({**job, "tasks": c})],
+                              stdout=subprocess.DEVNULL, stderr=log) for c, log in zip(chunks, logs)]
     for p, log in zip(procs, logs):
         try:
             p.wait(timeout=max(1.0, timeout - (time.perf_counter() - t)))
@@ -462,7 +462,8 @@ def sweep(types: list[str], geoms: list[str], cfgs: list[int], meta: dict, budge
                 data.setdefault(t, {})[g] = {"m": m, "ck": ck, "ctx": ctx}
                 for ci in ran:
                     rw = m["configs"][ci]["rows"]
-                    print(f"{g}/{t} [{ci}] {label(CONFIGS[ci]):40s} " + " / ".join(f"{rw[n]['gbps']:5.0f}" for n in ROWS)
+                    gbps = " / ".join(f"{rw[n]['gbps']:5.0f}" for n in ROWS)
+                    print(f"{g}/{t} [{ci}] {label(CONFIGS[ci]):40s} {gbps}"
                           + f" GB/s at {ROWS} rows; err {ck[ci][0]['rel_err']:.1e}"
                           + ("" if ck[ci][0]["ok"] else f" CHECK FAILED {ck[ci][0]}"), flush=True)
             except Exception as e:                     # one table with every case
@@ -506,8 +507,9 @@ def sweep(types: list[str], geoms: list[str], cfgs: list[int], meta: dict, budge
                 fails.append(f"{g}/{t} with the table: {res}")
     md = "\n".join([
         f"## Expert kernel launch sweep on {meta['device']} (torch {meta['torch']}, triton {meta['triton']})", "",
-        f"Bank of {BANK} experts, bf16 activations, gate_up + down; copy {meta['copy_gbps']:.0f} GB/s (read + write). "
-        f"Targets: 1 row >= {TARGET[1]:.0f} GB/s, 16 rows >= {TARGET[16]:.0f} GB/s. {len(cfgs)} configs per type.", "",
+        f"Bank of {BANK} experts, bf16 activations, gate_up + down; copy {meta['copy_gbps']:.0f} GB/s (read + "
+        f"write). Targets: 1 row >= {TARGET[1]:.0f} GB/s, 16 rows >= {TARGET[16]:.0f} GB/s. {len(cfgs)} configs "
+        "per type.", "",
         "| geometry | type | rows | best config | GB/s | vs copy | baseline GB/s | vs torch |",
         "|---|---|---|---|---|---|---|---|", *lines, "",
         "checks: " + ("all pass (every config tried; the table loaded: rows alone == in 16-row launches)"
@@ -525,7 +527,8 @@ def main() -> int:
     p.add_argument("--geoms", help=f"default: {','.join(GEOMS)} (--sweep: bench)")
     p.add_argument("--configs", default=",".join(str(i) for i in range(len(CONFIGS))), help="indices into CONFIGS")
     p.add_argument("--workers", type=int, default=min(14, (os.cpu_count() or 2) - 2))
-    p.add_argument("--budget", type=float, help="seconds: later cases are skipped past it (default 160, --sweep 220)")
+    p.add_argument("--budget", type=float,
+                   help="seconds: later cases are skipped past it (default 160, --sweep 270)")
     p.add_argument("--dry-run", action="store_true",
                    help="the CPU under TRITON_INTERPRET=1 on tiny geometries (checks this script, not the GPU)")
     p.add_argument("--sweep", action="store_true",
@@ -545,7 +548,7 @@ def main() -> int:
         warm([tuple(t) for t in job["tasks"]])
         return 0
     a.geoms = a.geoms or ("bench" if a.sweep else ",".join(GEOMS))
-    a.budget = a.budget or (220.0 if a.sweep else 160.0)
+    a.budget = a.budget or (270.0 if a.sweep else 160.0)
     if a.sweep:
         ROWS = (1, 16)
     if a.tuned:
@@ -557,7 +560,7 @@ def main() -> int:
     if a.dry_run:
         assert os.environ.get("TRITON_INTERPRET") == "1", "--dry-run needs TRITON_INTERPRET=1"
         DRY, dev, ROWS, BANK, DTYPE, a.workers, a.budget = True, torch.device("cpu"), (1, 16), 2, torch.float32, 0, 1e9
-        K_TOP = 2                  # 2 experts per bank: 1 row each = 1 token (bucket 1), 16 rows = 16 tokens (bucket 16)
+        K_TOP = 2                  # 2 experts a bank: 1 row each = 1 token (bucket 1), 16 rows = 16 tokens (16)
         for g in list(GEOMS):      # K 512 / 256: KC 256 splits gate_up in 2 chunks
             GEOMS[g] = (512, 256, 8, GEOMS[g][3])
     elif not torch.cuda.is_available():
@@ -592,7 +595,7 @@ def main() -> int:
             try:
                 r = measure(g, t, cfgs)
                 r["best"] = min((ci for ci in r["configs"] if "rows" in r["configs"][ci]),
-                                key=lambda ci: r["configs"][ci]["rows"][ROWS[0]]["us"] + r["configs"][ci]["rows"][ROWS[1]]["us"])
+                                key=lambda ci: sum(r["configs"][ci]["rows"][n]["us"] for n in ROWS[:2]))
                 r["check"] = check(g, t, r["best"])
                 results[key] = r
                 b = r["configs"][r["best"]]["rows"]
