@@ -34,6 +34,9 @@ CUDA_CONTEXT_BYTES = 1 * GiB    # VRAM the CUDA context and torch's allocator ta
 # VRAM of one running sequence's captured decode graphs (worker/lanes.py: its attention graph per layer, their private pool and
 # their instantiated kernel nodes); with 8 sequences replaying them device-wide use went 158 MiB higher (docs/benchmarks/gpu-agents3)
 GRAPHS_BYTES_PER_SEQ = 32 * MiB
+# the Triton expert kernels' split-K partials: at most kernels/triton_moe.WS_LIMIT (64 MiB) per stream, and two
+# streams hold one (the eager stream and the graph-capture stream); counted on CUDA with the activations
+SPLITK_WORKSPACE_BYTES = 2 * 64 * MiB
 
 
 def _gib(n: int) -> str:
@@ -213,6 +216,8 @@ def vram_needs(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int) -> dict[str
     # activations of the largest prefill pass (a full-context prompt, or several prompts together) and the
     # attention scratch of its blocks (model/registry.py: each architecture's own shapes)
     act = arch.activation_bytes(c, cfg.prefill_pass_tokens, dt) + arch.scratch_bytes(c, cfg.max_context)
+    if cfg.is_cuda:
+        act += SPLITK_WORKSPACE_BYTES
     ctx = CUDA_CONTEXT_BYTES if cfg.is_cuda else 0
     if cfg.is_cuda and cfg.cuda_graphs:
         ctx += cfg.max_running * GRAPHS_BYTES_PER_SEQ

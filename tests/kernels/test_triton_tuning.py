@@ -107,3 +107,10 @@ def test_sweep_pairs_bucket_configs_only_with_the_same_bits():
     assert rl.choose(per(y.clone()), [0, 1, 4]) == (1, 4)               # split for 1 row, walked for 16
     assert rl.choose(per(y + 1e-3), [0, 1, 4]) == (4, 4)                # other bits: not paired
     assert rl.choose(per(y.clone(), ok=False), [0, 1, 4]) == (4, 4)     # a failed check is never taken
+
+
+def test_the_vram_plan_counts_the_split_k_workspace():
+    """The split-K partials (<= WS_LIMIT per stream, eager + graph-capture streams) are inside the VRAM plan."""
+    from betelgeuse.kernels import triton_moe
+    from betelgeuse.store import plan
+    assert plan.SPLITK_WORKSPACE_BYTES >= 2 * triton_moe.WS_LIMIT
