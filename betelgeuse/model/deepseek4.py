@@ -44,7 +44,7 @@ from betelgeuse.kernels.torch_moe import expert_ffn
 from betelgeuse.model.kv_cache import _UIDS
 from betelgeuse.model.layers import check_token_ids
 from betelgeuse.model.reference import ReferenceExperts
-from betelgeuse.routing.approx import Residency, approx_hash, approx_topk
+from betelgeuse.routing_approx import Residency, approx_hash, approx_topk
 
 QUERY_CHUNK = ds4layout.QUERY_CHUNK   # attention queries per block (bounds the score tensor; attention_block)
 
@@ -500,9 +500,9 @@ class Deepseek4Model:
 
         scores = sqrt(softplus(router h)); hash layers take ids = tid2eid[token_ids], the others the top-k of
         scores + exp_probs_b (the bias selects only); weights = scores[ids] / sum x expert_weights_scale.
-        resident, a routing.approx.Residency, turns on an approximate mode: `resident` (rank 0 exact, ranks 1..
+        resident, a routing_approx.Residency, turns on an approximate mode: `resident` (rank 0 exact, ranks 1..
         among the resident experts first; hash layers stay exact) or `pool` (every rank among the resident experts
-        first; on hash layers the table's experts rank first, then the router's scores: routing/approx.py)."""
+        first; on hash layers the table's experts rank first, then the router's scores: routing_approx.py)."""
         p, b, k = self.p, f"blk.{layer}.", self.cfg.n_expert_used
         logits = F.linear(h, self.w[b + "ffn_gate_inp.weight"])
         if layer < p.n_hash_layers:

@@ -21,7 +21,7 @@ from betelgeuse.model.layers import (NeoxRope, apply_rope, causal_attention, che
                                      static_decode_attention)
 from betelgeuse.model.reference import ReferenceExperts
 from betelgeuse.model.weights import DenseWeights
-from betelgeuse.routing.approx import Residency, approx_topk
+from betelgeuse.routing_approx import Residency, approx_topk
 
 
 class Qwen3MoeModel:
@@ -120,7 +120,7 @@ class Qwen3MoeModel:
         """h [T,H] -> (ids [T,k] int64, weights [T,k] in h's dtype): softmax over all experts in
         float32, top-k, renormalised when norm_topk_prob (always true for llama.cpp's qwen3moe).
 
-        resident, a routing.approx.Residency, turns on an approximate mode (DESIGN.md §3.1, off by default):
+        resident, a routing_approx.Residency, turns on an approximate mode (DESIGN.md §3.1, off by default):
         `resident` (rank 0 exact, ranks 1.. among resident experts first) or `pool` (every rank among them
         first). Not exact: outputs depend on residency."""
         logits = F.linear(h, self.dense.layers[layer].router)                  # [T, n_expert]

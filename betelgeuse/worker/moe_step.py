@@ -27,7 +27,7 @@ from betelgeuse.config import EngineConfig
 from betelgeuse.errors import BetelgeuseError
 from betelgeuse.gguf.qtypes import qtype_name
 from betelgeuse.kernels.moe import TRITON_QTYPES, Group, MoEKernels, triton_available
-from betelgeuse.routing.approx import Residency
+from betelgeuse.routing_approx import Residency
 from betelgeuse.store.directory import TIER_DISK, TIER_HOST, TIER_NAMES, TIER_VRAM
 from betelgeuse.worker.stats import LayerStats, PassClock, PassStats
 from betelgeuse.worker.store_session import StoreSession
@@ -61,7 +61,7 @@ class MoEStep:
                           weights_fn=self.cache.weights, act_limit=act_limit)
 
     def residency(self, snap, l: int) -> Residency | None:
-        """Layer l's resident set for an approximate routing mode (routing/approx.py); None in exact mode, and
+        """Layer l's resident set for an approximate routing mode (routing_approx.py); None in exact mode, and
         for a layer with no resident expert (cold start) or all of them resident: that layer routes exactly.
         The set is VRAM or host slots alike (location invariance); one upload per pass (the directory is frozen
         for the pass), not one per layer."""

@@ -139,7 +139,7 @@ def run(args) -> int:
 def parse_routings(args) -> tuple[str, ...]:
     """The passes suite's --routing takes a comma-separated list (each main-model case runs in each mode, e.g.
     exact,pool); the engine key gets the first. () when the flag is not given (the settings decide)."""
-    from betelgeuse.routing.approx import ROUTING_MODES
+    from betelgeuse.routing_approx import ROUTING_MODES
     text = getattr(args, "engine.routing", None)
     if text is None:
         return ()

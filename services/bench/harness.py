@@ -46,7 +46,7 @@ class Case:
     slots: str                  # "V+H" or "auto"
     prompt: int                 # tokens
     passes: tuple               # subset of ("cold", "warm", "std", "decode", "std_cold")
-    routing: str = "exact"      # EngineConfig.routing of the case (routing/approx.py: the approximate modes)
+    routing: str = "exact"      # EngineConfig.routing of the case (routing_approx.py: the approximate modes)
 
 
 @dataclass(slots=True)
@@ -344,9 +344,9 @@ class Harness:
 
     def _divergence(self, rn: ModelRunner, f: GGUFModelFile, case: Case, ids: list) -> dict:
         """An approximate case's outputs against exact routing on its prompt (teacher-forced, all rows), both on the
-        store state the case left (untimed, nothing consolidated): routing/approx.py divergence. The exact logits do
+        store state the case left (untimed, nothing consolidated): routing_approx.py divergence. The exact logits do
         not depend on the slots (invariant 1): they are computed once per (model, prompt) in the run."""
-        from betelgeuse.routing.approx import divergence
+        from betelgeuse.routing_approx import divergence
         key = (case.model, tuple(ids))
         if self.remaining() < 2 * self._estimate(f, "warm", len(ids)):
             return {"skipped": "time budget"}

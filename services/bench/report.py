@@ -49,7 +49,7 @@ def _pct(x):
     return _f(None if x is None else 100 * x, "{:.2f}%")
 
 
-# the approximate routing modes, as the report names them (betelgeuse/routing/approx.py; report.py stays torch-free)
+# the approximate routing modes, as the report names them (betelgeuse/routing_approx.py; report.py stays torch-free)
 APPROX_NOTE = {"resident": "`resident` = rank 0 exact, ranks >= 1 among resident experts",
                "pool": "`pool` = every rank among resident experts (the reference report's routing)"}
 
@@ -93,7 +93,7 @@ def markdown(r: dict) -> str:
         L += [f"**Routing {', '.join(o.get('routings') or (o['routing'],))}: {'; '.join(APPROX_NOTE[m] for m in approx)}. "
               "APPROXIMATE modes' outputs differ from the model's: every figure of theirs is printed beside its "
               "divergence from exact routing on the case's prompt (top-1 agreement, mean KL per token; "
-              "betelgeuse/routing/approx.py).**", ""]
+              "betelgeuse/routing_approx.py).**", ""]
     if o.get("vram_backing") is False:
         L += ["Slots: VRAM experts keep no host copy (`--no-vram-backing`): VRAM slots add resident capacity.", ""]
     if o.get("routing_trace"):

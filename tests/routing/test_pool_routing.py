@@ -1,4 +1,4 @@
-"""The approximate `pool` routing mode (routing/approx.py; DESIGN.md §3.1, off by default): every rank chooses
+"""The approximate `pool` routing mode (routing_approx.py; DESIGN.md §3.1, off by default): every rank chooses
 among the layer's resident experts (VRAM and host slots alike), the reference report's routing.
 
 Checked: the selection against a brute force (both approximate modes, ranks in order), location invariance on the
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from betelgeuse.routing.approx import Divergence, Residency, approx_topk, divergence
+from betelgeuse.routing_approx import Divergence, Residency, approx_topk, divergence
 from betelgeuse.store.directory import TIER_DISK, TIER_HOST, TIER_VRAM
 from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, synth_reference, write_synth
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from betelgeuse.model.deepseek4 import DS4Cache
-from betelgeuse.routing.approx import Residency
+from betelgeuse.routing_approx import Residency
 
 from engine_helpers import close_runner, in_process_runner, synth_reference, three_passes
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from betelgeuse.errors import BetelgeuseError
-from betelgeuse.routing.approx import Residency, approx_topk
+from betelgeuse.routing_approx import Residency, approx_topk
 from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, write_synth
 
 
