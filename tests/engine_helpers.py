@@ -123,6 +123,21 @@ def lanes_decode(path, prompts, steps, vram, host, together, stats=None):
         close_runner(runner, store)
 
 
+def close_to_reference_decode(ref, prompts, outs):
+    """Each prompt's greedy decode logits outs[i] [steps, V] (lanes_decode) equal the reference model's one-token
+    passes on the same greedy path within float noise."""
+    import torch
+    for P, a in zip(prompts, outs):
+        kv = ref.new_cache(64)
+        with torch.no_grad():
+            lg = ref.forward(torch.tensor(P), kv)
+            rows = []
+            for _ in range(a.shape[0]):
+                lg = ref.forward(torch.tensor([int(lg[-1].argmax())]), kv)
+                rows.append(lg[-1])
+        torch.testing.assert_close(a, torch.stack(rows), rtol=1e-4, atol=1e-4 * float(a.abs().max()))
+
+
 def close_runner(runner, store):
     runner.close()
     store.close()

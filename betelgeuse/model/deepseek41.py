@@ -51,7 +51,6 @@ from betelgeuse.model.deepseek4 import (CompressedCache, Deepseek4Model, TorchOp
 from betelgeuse.model.kv_cache import _UIDS
 from betelgeuse.gguf.ds41layout import ENGRAM_TOKENS
 from betelgeuse.model.engram import EngramState, FileRows, NgramHasher, engram_residual
-from betelgeuse.kernels.torch_moe import expert_ffn
 from betelgeuse.model.reference import ReferenceExperts
 
 QUERY_CHUNK = ds41layout.QUERY_CHUNK
@@ -62,7 +61,7 @@ QUERY_CHUNK = ds41layout.QUERY_CHUNK
 @dataclass(slots=True)
 class SourceState:
     """A KV-source layer's compressed stream, in fixed shapes: entry w (tokens w*ratio..) at row w."""
-    buf_kv: torch.Tensor            # [ratio, hd] float32: projected rows of the open window, position p at row p % ratio
+    buf_kv: torch.Tensor            # [ratio, hd] float32: the open window's projected rows, position p at row p % ratio
     buf_gate: torch.Tensor          # [ratio, hd] float32 (ratio 1: no rows)
     entries: torch.Tensor           # [ceil(max_len / ratio) + 1, hd] rotated latent entries; the rows of windows not
                                     # yet closed are scratch (the static decode writes the open one each step), the
@@ -129,7 +128,7 @@ def select_candidate_blocks(scores: torch.Tensor, lengths: torch.Tensor, blocks:
         if ok.any():
             margins.append((layer, "candidates", float((a[ok] - b[ok]).min())))
     keep = torch.zeros_like(bs, dtype=torch.bool).scatter(1, top.indices, top.values > float("-inf"))
-    return keep.repeat_interleave(block_size, dim=1)[:, :N]
+    return keep[:, :, None].expand(Q, nb, block_size).reshape(Q, nb * block_size)[:, :N]   # no host sync
 
 
 # ---- the model ------------------------------------------------------------------------------------
@@ -266,7 +265,7 @@ class Deepseek41Model(Deepseek4Model):
         pre_a, post, comb = self._hc_mix(X, layer, "attn")
         u = _rms(hc_collapse(X, pre), self.w[f"blk.{layer}.attn_norm.weight"], self.cfg.rms_eps)
         out = self._attention(layer, u, cache, positions)
-        return self._pack(TorchOps.hc_post(X, out, post, comb), pre_a)
+        return self._pack(self.ops.hc_post(X, out, post, comb), pre_a)
 
     # -- the static form in three parts (LaneDecode, model/interface.py: worker/lanes.py runs lane_rows / attn_out
     #    over the rows of every running sequence at once and attend_static per sequence) --
@@ -345,7 +344,7 @@ class Deepseek41Model(Deepseek4Model):
     def attn_out(self, layer: int, carry, o: torch.Tensor) -> torch.Tensor:
         """carry of _rows, o [T, H*hd] (de-rotated) -> x [T, hc + 1, D] after the attention sublayer."""
         X, post, comb, pre_a = carry
-        return self._pack(TorchOps.hc_post(X, self._out_proj(layer, o), post, comb), pre_a)
+        return self._pack(self.ops.hc_post(X, self._out_proj(layer, o), post, comb), pre_a)
 
     def _out_proj(self, layer: int, o: torch.Tensor) -> torch.Tensor:
         """o [T, H*hd] -> [T, D]: the grouped low-rank output projection."""
@@ -412,11 +411,13 @@ class Deepseek41Model(Deepseek4Model):
 
     def moe_output(self, layer: int, x: torch.Tensor, aux, h: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
         b = f"blk.{layer}."
-        shared = expert_ffn(h, self.w[b + "ffn_gate_shexp.weight"], self.w[b + "ffn_up_shexp.weight"],
-                            self.w[b + "ffn_down_shexp.weight"], float(self.p.swiglu_limit_shexp[layer]))
+        w = self.w
+        shared = self.ops.shared_ffn(h, w.get(b + "ffn_gate_up_shexp.weight"), w[b + "ffn_gate_shexp.weight"],
+                                     w[b + "ffn_up_shexp.weight"], w[b + "ffn_down_shexp.weight"],
+                                     float(self.p.swiglu_limit_shexp[layer]))
         X, _ = self._unpack(x)
         pre_f, post, comb = aux
-        return self._pack(TorchOps.hc_post(X, routed + shared, post, comb), pre_f)
+        return self._pack(self.ops.hc_post(X, routed, post, comb, shared), pre_f)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hc + 1, D] -> logits [T, n_vocab] float32: the streams collapsed with the last FFN's pre."""

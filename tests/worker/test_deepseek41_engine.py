@@ -16,7 +16,8 @@ import torch
 
 from betelgeuse.model.deepseek41 import DS41Cache
 
-from engine_helpers import close_runner, in_process_runner, lanes_decode, synth_reference, three_passes
+from engine_helpers import (close_runner, close_to_reference_decode, in_process_runner, lanes_decode, synth_reference,
+                            three_passes)
 
 E = 8
 PROMPT = [int(x) for x in np.random.default_rng(4).integers(0, 512, 150)]
@@ -149,11 +150,4 @@ def test_lanes_batch_invariant(model):
         for a, b in zip(alone, got):
             assert torch.equal(a, b), (vram, host, (a - b).abs().max())
         assert all(s.engram.rows == 3 * 4 * 2 and s.engram.requests == 1 for s in stats)
-    for P, a in zip(prompts, alone):
-        kv = ref.new_cache(64)
-        lg = ref.forward(torch.tensor(P), kv)
-        rows = []
-        for _ in range(a.shape[0]):
-            lg = ref.forward(torch.tensor([int(lg[-1].argmax())]), kv)
-            rows.append(lg[-1])
-        torch.testing.assert_close(a, torch.stack(rows), rtol=1e-4, atol=1e-4 * float(a.abs().max()))
+    close_to_reference_decode(ref, prompts, alone)
