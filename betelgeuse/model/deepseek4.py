@@ -627,6 +627,13 @@ class TorchOps:
         return post, comb, _rms(hc_collapse(X, pre), norm, eps)
 
     @staticmethod
+    def hc_pre_lagged(X, lag, fn, base, scale, norm, iters: int, hc_eps: float, eps: float):
+        """deepseek41's lagged mHC: X [T, hc, D], lag [T, hc] float32 (the previous sublayer's pre) -> this mix's
+        pre [T, hc], post, comb (float32), h [T, D] = RMSNorm_norm(sum_j lag_j X_j) in X's dtype."""
+        pre, post, comb = hc_mix(X, fn, base, scale, iters, hc_eps, eps)
+        return pre, post, comb, _rms(hc_collapse(X, lag), norm, eps)
+
+    @staticmethod
     def hc_post(X, out, post, comb, extra=None):
         """X' [T, hc, D] = post_k * (out + extra) + sum_j comb[j, k] X_j."""
         dt = X.dtype

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from betelgeuse.config import PREFILL_CHUNK
 from betelgeuse.gguf import ds41layout
 from betelgeuse.model.deepseek4 import (CompressedCache, Deepseek4Model, TorchOps, _ring_rows, _rms, _visible,
-                                        apply_rope, hc_collapse, hc_mix)
+                                        apply_rope, hc_collapse)
 from betelgeuse.model.kv_cache import _UIDS
 from betelgeuse.gguf.ds41layout import ENGRAM_TOKENS
 from betelgeuse.model.engram import EngramState, FileRows, NgramHasher, engram_residual
@@ -164,10 +164,14 @@ class Deepseek41Model(Deepseek4Model):
 
     # -- the carried pre-mix (module doc) --
 
-    def _hc_mix(self, X: torch.Tensor, l: int, s: str):
-        """X [T, hc, D] -> the sublayer's mix: pre [T, hc], post [T, hc], comb [T, hc, hc] (float32)."""
-        fn, base, scale = (self.w[f"blk.{l}.hc_{s}_{k}.weight"] for k in ("fn", "base", "scale"))
-        return hc_mix(X, fn, base, scale, self.p.hc_sinkhorn_iters, self.p.hc_eps, self.cfg.rms_eps)
+    def _hc_pre(self, X: torch.Tensor, lag: torch.Tensor, l: int, s: str):
+        """X [T, hc, D], lag [T, hc] (the previous sublayer's pre) -> the sublayer's mix: pre [T, hc], post [T, hc],
+        comb [T, hc, hc] (float32), and h [T, D] = its norm (attn_norm / ffn_norm) of the streams collapsed by lag."""
+        b = f"blk.{l}."
+        fn, base, scale = (self.w[f"{b}hc_{s}_{k}.weight"] for k in ("fn", "base", "scale"))
+        norm = self.w[b + ("attn_norm.weight" if s == "attn" else "ffn_norm.weight")]
+        return self.ops.hc_pre_lagged(X, lag, fn, base, scale, norm, self.p.hc_sinkhorn_iters, self.p.hc_eps,
+                                      self.cfg.rms_eps)
 
     @property
     def _pre_width(self) -> int:
@@ -262,8 +266,7 @@ class Deepseek41Model(Deepseek4Model):
         g = self.q.engram
         if g is not None and layer in g.layer_ids:
             X = self._engram(layer, X, cache)
-        pre_a, post, comb = self._hc_mix(X, layer, "attn")
-        u = _rms(hc_collapse(X, pre), self.w[f"blk.{layer}.attn_norm.weight"], self.cfg.rms_eps)
+        pre_a, post, comb, u = self._hc_pre(X, pre, layer, "attn")
         out = self._attention(layer, u, cache, positions)
         return self._pack(self.ops.hc_post(X, out, post, comb), pre_a)
 
@@ -292,24 +295,24 @@ class Deepseek41Model(Deepseek4Model):
         if emb is not None:
             X = engram_residual(X, emb, w[b + "engram_wkv.weight"], w[b + "engram_q.weight"],
                                 w[b + "engram_k.weight"], eps)
-        pre_a, post, comb = self._hc_mix(X, l, "attn")
-        u = _rms(hc_collapse(X, pre), w[b + "attn_norm.weight"], eps)
+        pre_a, post, comb, u = self._hc_pre(X, pre, l, "attn")
         ratio = p.compress_ratios[l]
         main, compressed = self.rope.cos_sin(positions)
         cos, sin = compressed if ratio else main
-        qr = _rms(F.linear(u, w[b + "attn_q_a.weight"]), w[b + "attn_q_a_norm.weight"], eps)
-        rows = [apply_rope(F.linear(qr, w[b + "attn_q_b.weight"]).view(T, H, hd), cos, sin),     # no per-head norm
-                apply_rope(_rms(F.linear(u, w[b + "attn_kv.weight"]), w[b + "attn_kv_a_norm.weight"], eps), cos, sin)]
+        ops = self.ops                              # TorchOps: the prefill form's functions, the same bits
+        qr = ops.rms(F.linear(u, w[b + "attn_q_a.weight"]), w[b + "attn_q_a_norm.weight"], eps)
+        rows = [ops.rope(F.linear(qr, w[b + "attn_q_b.weight"]).view(T, H, hd), cos, sin),      # no per-head norm
+                ops.rms_rope(F.linear(u, w[b + "attn_kv.weight"]), w[b + "attn_kv_a_norm.weight"], cos, sin, eps)]
         if l in q.kv_sources:
             if ratio == 1:
-                rows.append(_rms(F.linear(u, w[b + "attn_compressor_kv.weight"].to(u.dtype)),
-                                 w[b + "attn_compressor_norm.weight"], eps))
+                rows.append(ops.rms(F.linear(u, w[b + "attn_compressor_kv.weight"].to(u.dtype)),
+                                    w[b + "attn_compressor_norm.weight"], eps))
             else:
                 rows += [F.linear(u.float(), w[b + "attn_compressor_kv.weight"]),
                          F.linear(u.float(), w[b + "attn_compressor_gate.weight"])]
         if l in q.index_sources:
             nh, ihd = p.index_n_heads, p.index_head_dim
-            rows += [apply_rope(F.linear(qr, w[b + "indexer.attn_q_b.weight"]).view(T, nh, ihd), cos, sin),
+            rows += [ops.rope(F.linear(qr, w[b + "indexer.attn_q_b.weight"]).view(T, nh, ihd), cos, sin),
                      F.linear(u, w[b + "indexer.proj.weight"]).float() * (ihd ** -0.5 * nh ** -0.5)]
         return (X, post, comb, pre_a), tuple(rows)
 
@@ -405,8 +408,7 @@ class Deepseek41Model(Deepseek4Model):
     def moe_input(self, layer: int, x: torch.Tensor):
         """x -> (h [T, D] = ffn_norm of the streams collapsed with the attention's pre, aux = the FFN's mix)."""
         X, pre_a = self._unpack(x)
-        pre_f, post, comb = self._hc_mix(X, layer, "ffn")
-        h = _rms(hc_collapse(X, pre_a), self.w[f"blk.{layer}.ffn_norm.weight"], self.cfg.rms_eps)
+        pre_f, post, comb, h = self._hc_pre(X, pre_a, layer, "ffn")
         return h, (pre_f, post, comb)
 
     def moe_output(self, layer: int, x: torch.Tensor, aux, h: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:

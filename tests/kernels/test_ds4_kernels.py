@@ -48,7 +48,7 @@ def results(checked) -> dict:
     return checked["ops"]
 
 
-METHODS = ("hc_pre", "hc_post", "rms_rope", "rope", "rms", "compress_step", "index_topk", "decode_attend",
+METHODS = ("hc_pre", "hc_pre_lagged", "hc_post", "rms_rope", "rope", "rms", "compress_step", "index_topk", "decode_attend",
            "route_topk", "route_hash", "shared_ffn")
 
 
@@ -95,7 +95,7 @@ def test_triton_ops_have_the_torch_ops_surface():
 def test_triton_ops_are_batch_invariant(results):
     inv = {k: v["row_invariant"] for k, v in results.items() if "row_invariant" in v}
     # every row-batched method is covered (the decode-step kernels run one sequence per launch)
-    assert {k.split("/")[0] for k in inv} == {"hc_pre", "hc_post", "rms_rope", "rope", "rms", "route_topk",
+    assert {k.split("/")[0] for k in inv} == {"hc_pre", "hc_pre_lagged", "hc_post", "rms_rope", "rope", "rms", "route_topk",
                                               "route_hash", "shared_ffn"}
     assert all(inv.values()), [k for k, v in inv.items() if not v]
 

@@ -109,6 +109,12 @@ def compare(device: str = "cpu", dims: dict = TINY, dtypes=(torch.float32, torch
         b = ref.hc_pre(X, fn, base, sc, norm, 20, hc_eps, eps)
         case(f"hc_pre/{dn}", list(zip(a, b)),
              row_inv=rows_alone(lambda x: tri.hc_pre(x, fn, base, sc, norm, 20, hc_eps, eps), a, X, n=T))
+        lag = torch.rand(T, HC, generator=g).to(dev)        # deepseek41: collapsed by the previous sublayer's pre
+        a = tri.hc_pre_lagged(X, lag, fn, base, sc, norm, 20, hc_eps, eps)
+        b = ref.hc_pre_lagged(X, lag, fn, base, sc, norm, 20, hc_eps, eps)
+        case(f"hc_pre_lagged/{dn}", list(zip(a, b)),
+             row_inv=rows_alone(lambda x, c: tri.hc_pre_lagged(x, c, fn, base, sc, norm, 20, hc_eps, eps), a, X, lag,
+                                n=T))
 
         # hc_post, with and without the shared expert's output added
         D = D_post
