@@ -316,21 +316,27 @@ class Deepseek41Model(Deepseek4Model):
                      F.linear(u, w[b + "indexer.proj.weight"]).float() * (ihd ** -0.5 * nh ** -0.5)]
         return (X, post, comb, pre_a), tuple(rows)
 
-    def attend_static(self, layer: int, rows: tuple, cache: DS41Cache, pos: torch.Tensor) -> torch.Tensor:
+    def attend_static(self, layer: int, rows: tuple, cache: DS41Cache, pos: torch.Tensor,
+                      tables: tuple | None = None) -> torch.Tensor:
         """One token of one sequence (rows of _rows with T = 1) at the device position pos [1]: a KV source's
         compressor step (the open window's entry (re)computed, and its indexer key), an index source's top-k over
         the visible entries (the candidate layer's blocks; the candidate filter after it), attention over the window
-        ring and the chosen entries (ops.decode_attend) -> o [1, H*hd] (de-rotated). Fixed shapes: graph-capturable."""
+        ring and the chosen entries (ops.decode_attend) -> o [1, H*hd] (de-rotated). Fixed shapes: graph-capturable.
+        tables: the RoPE tables at pos as deepseek4's attend_static takes them (the lanes' step tables, this lane's
+        row; None: self.rope's, made once per pass)."""
         p, q, w, l = self.p, self.q, self.w, layer
         b, hd, H = f"blk.{l}.", self.cfg.head_dim, self.cfg.n_head
         ratio = p.compress_ratios[l]
-        cos, sin = (self.rope_comp if ratio else self.rope_main).cos_sin(pos)
+        if tables is None:
+            main, comp = self.rope.cos_sin(pos)
+            tables = (*main, *comp)
+        cos, sin = tables[2:] if ratio else tables[:2]
         ents = top = None
         if ratio:
             i = 2
             if l in q.kv_sources:
                 n_in = 1 if ratio == 1 else 2
-                self._compress_static(l, rows[i:i + n_in], cache.src[l], pos)
+                self._compress_static(l, rows[i:i + n_in], cache.src[l], pos, (cos, sin))
                 i += n_in
             ents = cache.src[q.kv_source[l]].entries
             if cache.tops is None:
@@ -357,21 +363,21 @@ class Deepseek41Model(Deepseek4Model):
         y = torch.bmm(o.reshape(T, g, -1).transpose(0, 1), wa.transpose(1, 2)).transpose(0, 1)
         return F.linear(y.reshape(T, -1), self.w[b + "attn_output_b.weight"])
 
-    def _compress_static(self, l: int, rows: tuple, st: SourceState, pos: torch.Tensor) -> None:
+    def _compress_static(self, l: int, rows: tuple, st: SourceState, pos: torch.Tensor, tables) -> None:
         """One token of a KV source: its compressor row into the open window (ratio 2) and the window's entry
         w = pos // ratio pooled from the window's rows (the row not yet fed is stale: the entry is final, and
         visible, once the window's last token came), normed, rotated at w * ratio, into entries[w]; a key owner's
-        indexer key from it into ikeys[w]."""
+        indexer key from it into ikeys[w]. tables: the compressed RoPE tables at pos (ratio 1: the entry's)."""
         w, b, eps, r = self.w, f"blk.{l}.", self.cfg.rms_eps, self.p.compress_ratios[l]
         if r == 1:
-            latent, win = rows[0], pos
+            latent, win, (cos, sin) = rows[0], pos, tables
         else:
             st.buf_kv.index_copy_(0, pos.remainder(r), rows[0])
             st.buf_gate.index_copy_(0, pos.remainder(r), rows[1])
             pooled = (st.buf_kv.view(1, r, -1) * st.buf_gate.view(1, r, -1).softmax(dim=1)).sum(dim=1)
             latent = _rms(pooled.to(self.dtype), w[b + "attn_compressor_norm.weight"], eps)
             win = torch.div(pos, r, rounding_mode="floor")
-        cos, sin = self.rope_comp.cos_sin(win * r)
+            cos, sin = self.rope_comp.cos_sin(win * r)
         st.entries.index_copy_(0, win, apply_rope(latent, cos, sin))
         if st.ikeys is not None:
             k = _rms(F.linear(latent, w[b + "indexer.attn_k.weight"]), w[b + "indexer.k_norm.weight"], eps)
