@@ -98,6 +98,46 @@ def three_passes(path, prompt: list[int], want, vram: int, host: int, n_ctx: int
         close_runner(runner, store)
 
 
+def lanes_decode(path, prompts, steps, vram, host, together, stats=None):
+    """Greedy decode of `prompts` through the static form's lanes (worker/lanes.py, 3 lanes, eagerly on the CPU):
+    together in one batch per step, or each alone -> logits [steps, n_vocab] per prompt (stats: a list that gets
+    each decode step's PassStats)."""
+    import torch
+    runner, store = in_process_runner(path, vram, host, max_running=3)
+    runner._static_decode = True
+    try:
+        groups = [list(range(len(prompts)))] if together else [[i] for i in range(len(prompts))]
+        out = [[] for _ in prompts]
+        for g in groups:
+            kvs = [runner.new_cache(64) for _ in g]
+            toks = [int(runner.forward(prompts[i], kv)[0][-1].argmax()) for i, kv in zip(g, kvs)]
+            for _ in range(steps):
+                lg, st = runner.decode_batch(toks, kvs)
+                if stats is not None:
+                    stats.append(st)
+                for j, i in enumerate(g):
+                    out[i].append(lg[j])
+                toks = [int(x) for x in lg.argmax(-1)]
+        return [torch.stack(o) for o in out]
+    finally:
+        close_runner(runner, store)
+
+
+def close_to_reference_decode(ref, prompts, outs):
+    """Each prompt's greedy decode logits outs[i] [steps, V] (lanes_decode) equal the reference model's one-token
+    passes on the same greedy path within float noise."""
+    import torch
+    for P, a in zip(prompts, outs):
+        kv = ref.new_cache(64)
+        with torch.no_grad():
+            lg = ref.forward(torch.tensor(P), kv)
+            rows = []
+            for _ in range(a.shape[0]):
+                lg = ref.forward(torch.tensor([int(lg[-1].argmax())]), kv)
+                rows.append(lg[-1])
+        torch.testing.assert_close(a, torch.stack(rows), rtol=1e-4, atol=1e-4 * float(a.abs().max()))
+
+
 def close_runner(runner, store):
     runner.close()
     store.close()

@@ -35,9 +35,10 @@ def check_margins(margins: list, kinds: set[str], what: str, tag: str) -> None:
     assert worst > 1e-5, margins
 
 
-def decode_logits(model, prompt: torch.Tensor, start: int) -> torch.Tensor:
-    """A prefill of prompt[:start], then one token at a time: every position's logits."""
-    cache = model.new_cache(len(prompt))
+def decode_logits(model, prompt: torch.Tensor, start: int, max_len: int | None = None) -> torch.Tensor:
+    """A prefill of prompt[:start], then one token at a time (a state sized for max_len, default the prompt's):
+    every position's logits."""
+    cache = model.new_cache(max_len or len(prompt))
     return torch.cat([model.forward(prompt[:start], cache)]
                      + [model.forward(prompt[i:i + 1], cache) for i in range(start, len(prompt))])
 

@@ -417,16 +417,21 @@ QUERY_CHUNK = 128        # = model.deepseek41.QUERY_CHUNK (attention queries per
 
 
 def state_bytes(cfg, max_len: int, dtype_bytes: int) -> int:
-    """One sequence's cache state at `max_len` tokens (model.deepseek41.DS41Cache): per layer the last window-1 K=V
-    rows; per KV source its compressed entries (one per `ratio` tokens) and open window (float32 kv + gate), per
-    key owner its indexer keys."""
+    """One sequence's cache state for `max_len` tokens (model.deepseek41.DS41Cache, fixed shapes allocated whole): per
+    layer the window ring [window, hd]; per KV source its open window's rows (float32 kv + gate, `ratio` rows when
+    ratio > 1) and its entries [ceil(max_len / ratio) + 1, hd], per key owner its indexer keys at that count; the
+    Engram rows of a static decode step [n_eng, 1, n_cols * key_length]."""
     p4, p, hd = cfg.ds4, cfg.ds41, cfg.head_dim
-    n = cfg.n_layer * (p4.sliding_window - 1) * hd * dtype_bytes
+    n = cfg.n_layer * p4.sliding_window * hd * dtype_bytes
     for i in p.kv_sources:
         r = p4.compress_ratios[i]
-        n += -(-max_len // r) * hd * dtype_bytes + 2 * r * hd * 4
+        rows = -(-max_len // r) + 1
+        n += rows * hd * dtype_bytes + (2 * r * hd * 4 if r > 1 else 0)
         if i in p.key_owners:
-            n += -(-max_len // r) * p4.index_head_dim * dtype_bytes
+            n += rows * p4.index_head_dim * dtype_bytes
+    g = p.engram
+    if g is not None:
+        n += len(g.layer_ids) * g.n_cols * g.key_length * dtype_bytes
     return n
 
 

@@ -7,6 +7,8 @@ TRITON_INTERPRET=1). What each replaces:
   hc_pre      mHC before a sublayer: unweighted RMS of the 4 streams, the [24, 4D] mix, sigmoid pre/post, the
               softmax + 20 Sinkhorn iterations of the 4x4 comb (~120 small torch ops), the collapse and the
               sublayer's RMSNorm -> 2 launches (a split-K partial product, then one program per row)
+  hc_pre_lagged   the same with the streams collapsed by the previous sublayer's pre (deepseek41), the mix's own
+              pre returned for the next sublayer -> 2 launches
   hc_post     post_k * (routed + shared) + comb^T X -> 1 launch
   rms_rope    RMSNorm (weighted, unweighted or none) then interleaved RoPE on the last dims, optionally also
               written into the window ring at the device position -> 1 launch (was ~12)
@@ -57,8 +59,10 @@ def _hc_partial_kernel(x_ptr, fn_ptr, pm_ptr, pss_ptr, K, S,
 
 @triton.jit
 def _hc_finish_kernel(x_ptr, pm_ptr, pss_ptr, base_ptr, scale_ptr, norm_ptr, post_ptr, comb_ptr, h_ptr,
-                      D, K, S, iters, hc_eps, eps,
-                      HC: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr):
+                      pre_ptr, lag_ptr, D, K, S, iters, hc_eps, eps,
+                      HC: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr, LAG: tl.constexpr):
+    """Row t: pre, post, comb of the mix; h = RMSNorm(sum_j c_j X_j) with c = pre, or (LAG: deepseek41's lagged
+    mHC) c = lag[t] (the previous sublayer's pre), this mix's pre then stored in pre_ptr."""
     t = tl.program_id(0).to(tl.int64)
     sp = tl.arange(0, SP)
     ms = sp < S
@@ -84,6 +88,9 @@ def _hc_finish_kernel(x_ptr, pm_ptr, pss_ptr, base_ptr, scale_ptr, norm_ptr, pos
         c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
     tl.store(post_ptr + t * HC + j, post)
     tl.store(comb_ptr + t * HC * HC + jk, c)
+    if LAG:
+        tl.store(pre_ptr + t * HC + j, pre)
+        pre = tl.load(lag_ptr + t * HC + j)
     # u = sum_j pre_j X_j in X's dtype, then the sublayer's RMSNorm (u recomputed rather than re-read: no barrier)
     ssu = tl.zeros((BD,), dtype=tl.float32)
     for d0 in range(0, D, BD):
@@ -363,8 +370,16 @@ class TritonOps:
             w[b + "ffn_gate_up_shexp.weight"] = gu
             w[b + "ffn_gate_shexp.weight"], w[b + "ffn_up_shexp.weight"] = gu[:F_], gu[F_:]
 
+    @classmethod
+    def hc_pre(cls, X, fn, base, scale, norm, iters: int, hc_eps: float, eps: float):
+        return cls._hc_pre(X, None, fn, base, scale, norm, iters, hc_eps, eps)[1:]
+
+    @classmethod
+    def hc_pre_lagged(cls, X, lag, fn, base, scale, norm, iters: int, hc_eps: float, eps: float):
+        return cls._hc_pre(X, lag.contiguous(), fn, base, scale, norm, iters, hc_eps, eps)
+
     @staticmethod
-    def hc_pre(X, fn, base, scale, norm, iters: int, hc_eps: float, eps: float):
+    def _hc_pre(X, lag, fn, base, scale, norm, iters: int, hc_eps: float, eps: float):
         T, HC, D = X.shape
         K, M = HC * D, fn.shape[0]
         assert M == (2 + HC) * HC and fn.shape[1] == K, (fn.shape, X.shape)
@@ -378,9 +393,12 @@ class TritonOps:
         post = torch.empty((T, HC), dtype=torch.float32, device=X.device)
         comb = torch.empty((T, HC, HC), dtype=torch.float32, device=X.device)
         h = torch.empty((T, D), dtype=X.dtype, device=X.device)
-        _hc_finish_kernel[(T,)](X, pm, pss, base, scale, norm, post, comb, h, D, K, S, iters, hc_eps, eps,
-                                HC=HC, MP=MP, SP=triton.next_power_of_2(S), BD=min(1024, triton.next_power_of_2(D)))
-        return post, comb, h
+        pre = torch.empty((T, HC), dtype=torch.float32, device=X.device) if lag is not None else None
+        _hc_finish_kernel[(T,)](X, pm, pss, base, scale, norm, post, comb, h, pre if lag is not None else post,
+                                lag if lag is not None else post, D, K, S, iters, hc_eps, eps,
+                                HC=HC, MP=MP, SP=triton.next_power_of_2(S), BD=min(1024, triton.next_power_of_2(D)),
+                                LAG=lag is not None)
+        return pre, post, comb, h
 
     @staticmethod
     def hc_post(X, out, post, comb, extra=None):

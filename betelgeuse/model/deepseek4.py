@@ -121,8 +121,9 @@ class LayerState:
 
 
 class CompressedCache:
-    """begin / commit / truncate of a sequence state with compressed entries (DS4Cache, deepseek41's DS41Cache):
-    `length` tokens consumed, `max_len` the limit, `_pending` the tokens of the pass in flight, `device`."""
+    """begin / begin_static / commit / truncate of a sequence state with compressed entries (DS4Cache, deepseek41's
+    DS41Cache): `length` tokens consumed, `max_len` the limit, `_pending` the tokens of the pass in flight, `device`,
+    `pos` the static form's position [1] on the device."""
     __slots__ = ()
     arch = "deepseek4"
 
@@ -132,6 +133,16 @@ class CompressedCache:
                 f"sequence of {self.length + n_tokens} tokens exceeds the cache of {self.max_len} tokens")
         self._pending = n_tokens
         return torch.arange(self.length, self.length + n_tokens, device=self.device)
+
+    def begin_static(self) -> torch.Tensor:
+        """A one-token pass in the static form: the position in a device tensor [1] (`pos`) updated in place."""
+        if self.length + 1 > self.max_len:
+            raise InvalidRequestError(f"sequence of {self.length + 1} tokens exceeds the cache of {self.max_len} tokens")
+        if self.pos is None:
+            self.pos = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.pos.fill_(self.length)
+        self._pending = 1
+        return self.pos
 
     def commit(self) -> None:
         self.length += self._pending
@@ -159,16 +170,6 @@ class DS4Cache(CompressedCache):
     @property
     def device(self) -> torch.device:
         return self.layers[0].swa.device
-
-    def begin_static(self) -> torch.Tensor:
-        """A one-token pass in the static form: the position in a device tensor [1] updated in place."""
-        if self.length + 1 > self.max_len:
-            raise InvalidRequestError(f"sequence of {self.length + 1} tokens exceeds the cache of {self.max_len} tokens")
-        if self.pos is None:
-            self.pos = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self.pos.fill_(self.length)
-        self._pending = 1
-        return self.pos
 
     def tensors(self) -> list[torch.Tensor]:
         ts = []
@@ -624,6 +625,13 @@ class TorchOps:
         h [T, D] = RMSNorm_norm(sum_j pre_j X_j) in X's dtype."""
         pre, post, comb = hc_mix(X, fn, base, scale, iters, hc_eps, eps)
         return post, comb, _rms(hc_collapse(X, pre), norm, eps)
+
+    @staticmethod
+    def hc_pre_lagged(X, lag, fn, base, scale, norm, iters: int, hc_eps: float, eps: float):
+        """deepseek41's lagged mHC: X [T, hc, D], lag [T, hc] float32 (the previous sublayer's pre) -> this mix's
+        pre [T, hc], post, comb (float32), h [T, D] = RMSNorm_norm(sum_j lag_j X_j) in X's dtype."""
+        pre, post, comb = hc_mix(X, fn, base, scale, iters, hc_eps, eps)
+        return pre, post, comb, _rms(hc_collapse(X, lag), norm, eps)
 
     @staticmethod
     def hc_post(X, out, post, comb, extra=None):

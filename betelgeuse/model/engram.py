@@ -72,6 +72,10 @@ class EngramState:
     pending: np.ndarray | None = None       # int64 [T, n_eng, n_cols]: rows of the pending tokens
     new: np.ndarray | None = None           # int64 [T]: their compressed ids (history once committed)
     source: object = None                   # rows(engram index, rows [n, n_cols]) -> [n, n_cols, key_length]
+    # a one-token pass's rows staged before the layers (Deepseek41Model.engram_stage), so the static decode form
+    # reads a fixed device buffer and no host lookup sits inside a captured graph
+    vals: torch.Tensor | None = None        # [n_eng, 1, n_cols * key_length] in the compute dtype, on the device
+    staged: bool = False                    # vals holds the pending token's rows
 
 
 def engram_residual(X: torch.Tensor, emb: torch.Tensor, wkv: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor,

@@ -25,7 +25,8 @@ are class-level flags that the runner reads (it never guesses with getattr and a
 
 A model whose file has Engram tables (deepseek41) is an EngramModel too: before its layers, a pass hashes each
 sequence's new tokens into table rows, which `source` delivers (the engine: the store, worker/engram_feed.py;
-the reference: the file's map, model/engram.py FileRows).
+the reference: the file's map, model/engram.py FileRows); a static decode step has them staged into fixed device
+buffers before its layers (engram_stage).
 
 A new architecture: a model file with a class of this surface (and its reference: model/reference.py's mixin plus
 the class), its GGUF layout (gguf/layouts.py) and one line in model/registry.py.
@@ -99,6 +100,9 @@ class LaneDecode(Protocol):
 class EngramModel(Protocol):
     """Rows of hashed n-gram tables looked up per token before the layers (module doc)."""
     def engram_begin(self, cache, ids, source) -> None: ...    # source.rows(engram index, rows [n, n_cols])
+    # a static decode step: each one-token cache's rows into its fixed device buffer (and lanes [n] of n_lanes'
+    # buffer), before the layers, so no lookup sits inside a captured graph
+    def engram_stage(self, caches, lanes=None, n_lanes: int = 0) -> None: ...
 
 
 def check_model(model) -> None:

@@ -249,6 +249,14 @@ class ModelRunner:
         if self.session.engram is not None:
             self.session.engram.begin(self.model, pieces)
 
+    def _engram_stage(self, kvs, ids_t: torch.Tensor, lanes: torch.Tensor | None = None, n_lanes: int = 0) -> None:
+        """A static decode step (one token per sequence, ids_t [n]): its Engram rows hashed, read and staged into
+        fixed device buffers before the layers (Deepseek41Model.engram_stage; the lanes' too), so no host lookup
+        sits inside the captured graphs."""
+        if self.session.engram is not None:
+            self._engram_begin([(kv, ids_t[i:i + 1]) for i, kv in enumerate(kvs)])
+            self.model.engram_stage(kvs, lanes, n_lanes)
+
     def _end(self, stats: PassStats, counts: np.ndarray, consolidate: bool, h2d0: int, calls0: int):
         """After a pass's end sync: the VRAM reads of wholly resident layers (known only now), the store pass
         (StoreSession.end: consolidation after a prefill, the decode cadence) and the pass's figures."""
@@ -301,6 +309,7 @@ class ModelRunner:
                 idx = ln.join(kvs)
                 for kv in kvs:
                     kv.begin_static()
+                self._engram_stage(kvs, ids_t, idx, ln.B)
                 ln.begin(ids_t, kvs, idx)
             else:
                 pos = [kv.begin(1) for kv in kvs]
@@ -372,6 +381,7 @@ class ModelRunner:
     def _layer_major(self, idss, kvs, snap, stats, all_logits) -> list[torch.Tensor]:
         """Pieces idss [T_i] of sequences kvs in one pass -> each piece's logits (all rows or its last)."""
         if len(idss) == 1 and idss[0].numel() == 1 and self._static_decode:
+            self._engram_stage(kvs, idss[0])
             return [self.solo.decode(idss[0], kvs[0], snap, stats)]
         chunks, ends = [], []                       # every piece's chunks, rows offset into the pass; piece ends
         for ids, kv in zip(idss, kvs):

@@ -16,7 +16,8 @@
    vs the CPU float32 reference: max-abs diff and greedy agreement (reported).
 3. ops: the fused per-row kernels (kernels/triton_ds4.py TritonOps) against TorchOps method by method, float32 and
    bfloat16, at tiny and V4-Flash shapes (tests/scripts/ds4_kernel_check.py; a row alone == in its launch).
-4. decode: ds4-tiny all in VRAM, a 122-token prompt and 8 greedy steps (across the 128-token HCA window): eager
+4. decode: ds4-tiny (`--preset ds41-tiny`: deepseek41, its Engram rows staged before each step) all in VRAM, a
+   122-token prompt and 8 greedy steps (across the 128-token HCA window): eager
    (cuda_graphs off) == graph capture / replay bit for bit, solo (runner.forward) and lanes (decode_batch); solo
    decode == the reference's one-token passes (same device/dtype); the model with TritonOps vs TorchOps on the device
    (float32: within noise, same greedy tokens; bfloat16 reported); then check_cuda's batch step on ds4-tiny (3
@@ -232,10 +233,11 @@ def _greedy_decode(runner, prompt: list[int], steps: int, how: str):
     return torch.cat(out), toks, replayed
 
 
-def check_decode(device: str, tmp: Path, steps: int = 8):
+def check_decode(device: str, tmp: Path, steps: int = 8, preset: str = "ds4-tiny"):
     from betelgeuse.kernels.triton_ds4 import TritonOps
     from betelgeuse.model.deepseek4 import TorchOps
-    path, spec = _tiny(tmp)
+    path, spec = _tiny(tmp, preset)
+    tag = preset.split("-")[0]
     import numpy as np
     prompt = [int(x) for x in np.random.default_rng(5).integers(0, spec.n_vocab, 122)]
     got, toks, replayed = {}, {}, {}
@@ -251,7 +253,7 @@ def check_decode(device: str, tmp: Path, steps: int = 8):
     cuda = device.startswith("cuda")
     for how in ("solo", "lanes"):
         same = bool(torch.equal(got[False, how], got[True, how]))
-        row(f"ds4 decode {how}: eager == graphs", same and (replayed[True, how] or not cuda),
+        row(f"{tag} decode {how}: eager == graphs", same and (replayed[True, how] or not cuda),
             f"{steps} steps from a {len(prompt)}-token prompt bit-identical: {same}; graphs replayed: {replayed[True, how]}; "
             f"static form: {static}; max |diff| {(got[False, how] - got[True, how]).abs().max().item():.3e}")
     # the reference's one-token passes on the same tokens (same device, dtype and kernels)
@@ -260,7 +262,7 @@ def check_decode(device: str, tmp: Path, steps: int = 8):
         ref.forward(torch.tensor(prompt, device=device), cache := ref.new_cache(len(prompt) + steps + 8))
         r = [ref.forward(torch.tensor([t], device=device), cache).float().cpu() for t in toks[False, "solo"]]
     rl = torch.cat(r)
-    row("ds4 decode solo == Deepseek4Reference", bool(torch.equal(rl, got[False, "solo"])),
+    row(f"{tag} decode solo == {type(ref).__name__}", bool(torch.equal(rl, got[False, "solo"])),
         f"{steps} one-token passes, max |diff| {(rl - got[False, 'solo']).abs().max().item():.3e} ({dtype})")
     # the whole model with the fused kernels vs TorchOps on the device, teacher-forced on the same tokens
     res = {}
@@ -284,7 +286,7 @@ def check_decode(device: str, tmp: Path, steps: int = 8):
         agree = float((a.argmax(-1) == b.argmax(-1)).float().mean())
         key = str(dt).split(".")[-1]
         res[key] = {"max_abs": d, "scale": sc, "greedy_agreement": agree}
-        row(f"ds4 model TritonOps vs TorchOps {key}", (d <= 1e-3 * sc and agree == 1.0) if dt == torch.float32 else None,
+        row(f"{tag} model TritonOps vs TorchOps {key}", (d <= 1e-3 * sc and agree == 1.0) if dt == torch.float32 else None,
             f"{len(prompt)}-token prefill + {steps} decode passes: max |diff| {d:.3e} (max |logit| {sc:.2f}), "
             f"greedy agreement {agree:.1%}")
     RESULTS["decode"] = {"ops_model": res, "replayed": {f"{g} {h}": v for (g, h), v in replayed.items()}}
@@ -292,13 +294,15 @@ def check_decode(device: str, tmp: Path, steps: int = 8):
         check_batch(path, device)
 
 
-def check_launches(device: str, tmp: Path):
-    """Kernels per layer of one decode step (torch.profiler), ds4-tiny all in VRAM."""
+def check_launches(device: str, tmp: Path, preset: str = "ds4-tiny"):
+    """Kernels per layer of one decode step (torch.profiler), ds4-tiny (or --preset's) all in VRAM. The target
+    holds deepseek4; deepseek41's is reported (its lagged mHC, compressor and indexer steps are torch ops)."""
     from services.bench.profile import profile_pass
+    tag = preset.split("-")[0]
     if not device.startswith("cuda"):
-        row("ds4 launches per layer", None, "CUDA only (torch.profiler kernel events)")
+        row(f"{tag} launches per layer", None, "CUDA only (torch.profiler kernel events)")
         return
-    path, spec = _tiny(tmp)
+    path, spec = _tiny(tmp, preset)
     prompt = list(range(3, 125))
     res = {}
     for graphs in (False, True):
@@ -325,7 +329,7 @@ def check_launches(device: str, tmp: Path):
         finally:
             close(runner, store)
     eager = res["lanes eager"]["launches_per_layer"]
-    row("ds4 launches per layer (decode)", eager <= LAUNCH_TARGET,
+    row(f"{tag} launches per layer (decode)", eager <= LAUNCH_TARGET if tag == "ds4" else None,
         f"lanes eager {eager:.1f} (target <= {LAUNCH_TARGET}); " + "; ".join(
             f"{k} {v['launches_per_layer']:.1f}/layer, {v['memcpys']} copies, {v['step_ms']:.2f} ms/step"
             for k, v in res.items() if k != "lanes eager"))
@@ -405,8 +409,8 @@ def main() -> int:
     p.add_argument("--vram-model", help="the model of the vram step (bench_ds4.sh: ds4-flash; default ds4-tiny)")
     p.add_argument("--hidden", type=int, default=4096, help="kernel check: expert input width H (V4-Flash: 4096)")
     p.add_argument("--ff", type=int, default=2048, help="kernel check: expert width F (V4-Flash: 2048)")
-    p.add_argument("--preset", default="ds4-tiny", help="engine check's model: ds4-tiny, or ds41-tiny (deepseek41 with "
-                                                        "its Engram rows read by the store)")
+    p.add_argument("--preset", default="ds4-tiny", help="engine, decode and launches checks' model: ds4-tiny, or "
+                                                        "ds41-tiny (deepseek41 with its Engram rows read by the store)")
     timing_flag(p)
     a = p.parse_args()
     use_timing(a.adversarial_timing)
@@ -420,8 +424,8 @@ def main() -> int:
     run_steps((("kernel", lambda: check_kernel(a.device, H=a.hidden, F=a.ff)),
                ("engine", lambda: check_engine(a.device, tmp, a.preset)),
                ("ops", lambda: check_ops(a.device)),
-               ("decode", lambda: check_decode(a.device, tmp)),
-               ("launches", lambda: check_launches(a.device, tmp)),
+               ("decode", lambda: check_decode(a.device, tmp, preset=a.preset)),
+               ("launches", lambda: check_launches(a.device, tmp, a.preset)),
                ("vram", lambda: check_vram(a.device, tmp, a.vram_model))), a.only)
     md = results_table("check_ds4")
     print("\n" + md, flush=True)

@@ -8,7 +8,8 @@ compressor rows), and batch invariance: each row of a launch computed alone equa
 launch (DESIGN.md invariant 6: a sequence's bits do not depend on what else runs). The engine-level checks on a
 GPU (eager vs graph replay, batch invariance of a whole decode step) are deploy/device/check_ds4.py's.
 
-And the whole model (ds4-tiny) with TritonOps against TorchOps, prefill and static decode, within float32 noise.
+And the whole model (ds4-tiny, and ds41-tiny: deepseek41 on the same kernels) with TritonOps against TorchOps,
+prefill and static decode, within float32 noise.
 The checks run in a child process: the interpreter is chosen when triton is imported.
 """
 
@@ -32,9 +33,11 @@ def checked(tmp_path_factory) -> dict:
     from betelgeuse.gguf.synth import spec_from_preset, write_model
     path = tmp_path_factory.mktemp("ds4k") / "ds4-tiny.gguf"
     write_model(path, spec_from_preset("ds4-tiny"), progress=False)
+    path41 = path.with_name("ds41-tiny.gguf")
+    write_model(path41, spec_from_preset("ds41-tiny"), progress=False)
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
                PYTHONPATH=str(HERE.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, str(HERE / "scripts" / "ds4_kernel_check.py"), str(path)],
+    p = subprocess.run([sys.executable, str(HERE / "scripts" / "ds4_kernel_check.py"), str(path), str(path41)],
                        capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -45,7 +48,7 @@ def results(checked) -> dict:
     return checked["ops"]
 
 
-METHODS = ("hc_pre", "hc_post", "rms_rope", "rope", "rms", "compress_step", "index_topk", "decode_attend",
+METHODS = ("hc_pre", "hc_pre_lagged", "hc_post", "rms_rope", "rope", "rms", "compress_step", "index_topk", "decode_attend",
            "route_topk", "route_hash", "shared_ffn")
 
 
@@ -67,6 +70,16 @@ def test_model_with_triton_ops_matches_torch_ops(checked):
     assert r["greedy_equal"], r
 
 
+def test_deepseek41_with_triton_ops_matches_torch_ops(checked):
+    """deepseek41 (ds41-tiny, float32) on deepseek4's kernels (decode_attend, routing) with its own steps in fixed
+    shapes (every entry scored, the invisible -inf; chosen rows padded with the spare row): prefill and static
+    one-token passes from position 3 within float32 noise of TorchOps, the same greedy tokens."""
+    r = checked["model41"]
+    assert r["rows"] == 3 + 7
+    assert r["max_abs"] <= 1e-5 * max(1.0, r["scale"]), r
+    assert r["greedy_equal"], r
+
+
 def test_triton_ops_have_the_torch_ops_surface():
     """TritonOps replaces TorchOps on CUDA (model.deepseek4.ops_for): every method, the same signature."""
     import inspect
@@ -82,7 +95,7 @@ def test_triton_ops_have_the_torch_ops_surface():
 def test_triton_ops_are_batch_invariant(results):
     inv = {k: v["row_invariant"] for k, v in results.items() if "row_invariant" in v}
     # every row-batched method is covered (the decode-step kernels run one sequence per launch)
-    assert {k.split("/")[0] for k in inv} == {"hc_pre", "hc_post", "rms_rope", "rope", "rms", "route_topk",
+    assert {k.split("/")[0] for k in inv} == {"hc_pre", "hc_pre_lagged", "hc_post", "rms_rope", "rope", "rms", "route_topk",
                                               "route_hash", "shared_ffn"}
     assert all(inv.values()), [k for k, v in inv.items() if not v]
 

@@ -9,7 +9,8 @@ tokenizer and config; we read ours from the file. Logits are compared over a who
 decode and odd-sized chunked prefill, for an all-F32 file and a release-typed one (Q8_0/BF16 dense, MXFP4 experts,
 Q8_0 Engram table). Top-k choices (experts, indexer, candidate blocks) must be far from ties (margins), so float32
 noise cannot flip one. Tolerance 1e-4 x max |logit|: a wrong lag of the mHC mix, a missing Engram gate or a
-mis-shared compressed stream moves logits by O(0.1-1).
+mis-shared compressed stream moves logits by O(0.1-1). Decode runs the static form (fixed-shape state, the position on
+the device: what CUDA captures in graphs); its bits must not depend on the size the state was allocated for.
 """
 
 from __future__ import annotations
@@ -69,3 +70,13 @@ def test_chunked_prefill_matches_nemo(pair, prompt):
     q, ref, model = pair
     # odd sizes crossing ratio-2 windows, candidate blocks, the sliding window
     _check(chunked_logits(model, prompt, (1, 3, 7, 13, 29, 61, 5, 31)), ref, f"{q} chunked prefill")
+
+
+def test_decode_bits_do_not_depend_on_the_cache_size(pair, prompt):
+    """A static decode row is the same bits whatever max_len the state was sized for (entries and indexer keys have
+    ceil(max_len / ratio) + 1 rows; only the visible ones may be scored or attended): decode from 13 crosses the
+    window ring's wrap (16), closes ratio-2 windows and grows the ratio-1 stream past the top-k and a candidate block."""
+    q, _, model = pair
+    with torch.no_grad():
+        a, b = (decode_logits(model, prompt[:21], 13, n) for n in (21, 321))
+    assert torch.equal(a, b), f"{q}: decode rows differ by cache size, max |diff| {float((a - b).abs().max()):.3e}"

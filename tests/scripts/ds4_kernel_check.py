@@ -109,6 +109,12 @@ def compare(device: str = "cpu", dims: dict = TINY, dtypes=(torch.float32, torch
         b = ref.hc_pre(X, fn, base, sc, norm, 20, hc_eps, eps)
         case(f"hc_pre/{dn}", list(zip(a, b)),
              row_inv=rows_alone(lambda x: tri.hc_pre(x, fn, base, sc, norm, 20, hc_eps, eps), a, X, n=T))
+        lag = torch.rand(T, HC, generator=g).to(dev)        # deepseek41: collapsed by the previous sublayer's pre
+        a = tri.hc_pre_lagged(X, lag, fn, base, sc, norm, 20, hc_eps, eps)
+        b = ref.hc_pre_lagged(X, lag, fn, base, sc, norm, 20, hc_eps, eps)
+        case(f"hc_pre_lagged/{dn}", list(zip(a, b)),
+             row_inv=rows_alone(lambda x, c: tri.hc_pre_lagged(x, c, fn, base, sc, norm, 20, hc_eps, eps), a, X, lag,
+                                n=T))
 
         # hc_post, with and without the shared expert's output added
         D = D_post
@@ -220,7 +226,7 @@ def compare(device: str = "cpu", dims: dict = TINY, dtypes=(torch.float32, torch
 
 
 def compare_model(path: str, prompt_len: int = 22, decode: tuple = (5, 9, 11)) -> dict:
-    """The whole deepseek4 reference model of `path` (float32, CPU) with TritonOps against TorchOps: a prefill of
+    """The whole deepseek4 (or deepseek41) reference model of `path` (float32, CPU) with TritonOps against TorchOps: a prefill of
     prompt_len tokens, then one-token passes (the static decode form) -> max |diff| of the logits, their scale and
     whether the greedy tokens agree. ds4-tiny's window (16) and its ratio-4 windows close inside these passes."""
     from betelgeuse.model.registry import reference_model
@@ -246,5 +252,8 @@ if __name__ == "__main__":
     out = {"ops": compare()}
     if len(sys.argv) > 1:                   # a deepseek4 GGUF: the whole model too
         out["model"] = compare_model(sys.argv[1])
+    if len(sys.argv) > 2:                   # a deepseek41 GGUF: its static decode from position 3 on, so the
+        # indexer's top-k has fewer visible entries than k (the spare row reaches decode_attend's kernel)
+        out["model41"] = compare_model(sys.argv[2], prompt_len=3, decode=(5, 9, 11, 7, 2, 30, 8))
     json.dump(out, sys.stdout)
     print()

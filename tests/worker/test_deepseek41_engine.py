@@ -16,7 +16,8 @@ import torch
 
 from betelgeuse.model.deepseek41 import DS41Cache
 
-from engine_helpers import close_runner, in_process_runner, synth_reference, three_passes
+from engine_helpers import (close_runner, close_to_reference_decode, in_process_runner, lanes_decode, synth_reference,
+                            three_passes)
 
 E = 8
 PROMPT = [int(x) for x in np.random.default_rng(4).integers(0, 512, 150)]
@@ -84,9 +85,12 @@ def test_k_quant_tables(tmp_path_factory, qtype):
     _passes(path, want, 2, 3)
 
 
-def test_decode_bit_identical(model):
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_decode_bit_identical(model, static):
     """Prefill 120 tokens, then 30 single-token passes; every row equals the reference's decode, whose rows match its
-    whole-prompt prefill within float32 noise (the n-gram history crosses the passes)."""
+    whole-prompt prefill within float32 noise (the n-gram history crosses the passes). static: the runner's static
+    decode (worker/decode_graphs.py SoloDecode, CUDA's form, eagerly here, the Engram rows staged before the layers)
+    — the same bits."""
     path, ref, want = model
     kv = ref.new_cache(200)
     with torch.no_grad():
@@ -94,6 +98,7 @@ def test_decode_bit_identical(model):
                              [ref.forward(torch.tensor([t]), kv) for t in PROMPT[120:]])
     assert (ref_rows - want).abs().max().item() <= 1e-4 * want.abs().max().item()
     runner, store = in_process_runner(path, 3, E - 3)
+    runner._static_decode = static
     try:
         for _ in range(2):                                            # cold, then after consolidation
             rkv = runner.new_cache(200)
@@ -129,3 +134,20 @@ def test_batched_decode_and_prefill_bit_identical(model):
         assert st.engram.rows == 2 * 4 * 2 and st.engram.requests == 1
     finally:
         close_runner(runner, store)
+
+
+def test_lanes_batch_invariant(model):
+    """Batched decode in the static form (the lanes: CUDA's batched decode; Engram rows staged into the lanes'
+    buffer) crossing ratio-2 windows, the window ring's wrap and the candidate blocks: each sequence's logits
+    bit-identical batched or alone and across slot configurations, one Engram store round trip per step, and equal
+    to the reference's decode within float noise (row-batched projections may round differently from one-row ones)."""
+    path, ref, _ = model
+    prompts = [PROMPT[:30], PROMPT[50:63], PROMPT[70:77]]
+    alone = lanes_decode(path, prompts, 6, 0, 0, together=False)
+    for vram, host in ((0, 0), (E, 0), (2, 3)):
+        stats = []
+        got = lanes_decode(path, prompts, 6, vram, host, together=True, stats=stats)
+        for a, b in zip(alone, got):
+            assert torch.equal(a, b), (vram, host, (a - b).abs().max())
+        assert all(s.engram.rows == 3 * 4 * 2 and s.engram.requests == 1 for s in stats)
+    close_to_reference_decode(ref, prompts, alone)

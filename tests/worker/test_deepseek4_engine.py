@@ -15,7 +15,8 @@ import torch
 from betelgeuse.model.deepseek4 import DS4Cache
 from betelgeuse.routing_approx import Residency
 
-from engine_helpers import close_runner, in_process_runner, synth_reference, three_passes
+from engine_helpers import (close_runner, close_to_reference_decode, in_process_runner, lanes_decode, synth_reference,
+                            three_passes)
 
 E = 8
 PROMPT = [int(x) for x in np.random.default_rng(4).integers(0, 512, 150)]   # crosses SWA 16, CSA 4, HCA 128
@@ -124,43 +125,15 @@ def test_batched_decode_bit_identical(model):
         close_runner(runner, store)
 
 
-def _lanes(path, prompts, steps, vram, host, together):
-    """Greedy decode of `prompts` through the static form's lanes (worker/lanes.py, 3 lanes, eagerly on the CPU):
-    together in one batch per step, or each alone -> logits [steps, n_vocab] per prompt."""
-    runner, store = in_process_runner(path, vram, host, max_running=3)
-    runner._static_decode = True
-    try:
-        groups = [list(range(len(prompts)))] if together else [[i] for i in range(len(prompts))]
-        out = [[] for _ in prompts]
-        for g in groups:
-            kvs = [runner.new_cache(64) for _ in g]
-            toks = [int(runner.forward(prompts[i], kv)[0][-1].argmax()) for i, kv in zip(g, kvs)]
-            for _ in range(steps):
-                lg, _ = runner.decode_batch(toks, kvs)
-                for j, i in enumerate(g):
-                    out[i].append(lg[j])
-                toks = [int(x) for x in lg.argmax(-1)]
-        return [torch.stack(o) for o in out]
-    finally:
-        close_runner(runner, store)
-
-
 def test_lanes_batch_invariant(model):
     """Batched decode in the static form (the lanes: CUDA's batched decode) crossing compressor windows: each
     sequence's logits bit-identical batched or alone and across slot configurations, and equal to the reference's
     decode within float noise (the lanes' row-batched projections may round differently from one-row ones)."""
     path, ref, _ = model
     prompts = [PROMPT[:30], PROMPT[50:63], PROMPT[70:77]]
-    alone = _lanes(path, prompts, 6, 0, 0, together=False)
+    alone = lanes_decode(path, prompts, 6, 0, 0, together=False)
     for vram, host in ((0, 0), (E, 0), (2, 3)):
-        got = _lanes(path, prompts, 6, vram, host, together=True)
+        got = lanes_decode(path, prompts, 6, vram, host, together=True)
         for a, b in zip(alone, got):
             assert torch.equal(a, b), (vram, host, (a - b).abs().max())
-    for P, a in zip(prompts, alone):
-        kv = ref.new_cache(64)
-        lg = ref.forward(torch.tensor(P), kv)
-        rows = []
-        for _ in range(a.shape[0]):
-            lg = ref.forward(torch.tensor([int(lg[-1].argmax())]), kv)
-            rows.append(lg[-1])
-        torch.testing.assert_close(a, torch.stack(rows), rtol=1e-4, atol=1e-4 * float(a.abs().max()))
+    close_to_reference_decode(ref, prompts, alone)
