@@ -34,11 +34,12 @@ def ds4(tmp_path_factory):
 
 
 def _decode(path, on: bool, form: str, prompts, vram=2, host=3):
-    """Each prompt prefilled, then STEPS greedy decode steps of all of them together (form "batch": decode_batch
-    over the static lanes) or one at a time (form "sliced" / "static": forward() of one token) -> (logits
+    """Each prompt prefilled, then STEPS greedy decode steps of all of them together (decode_batch: form "batch" over
+    the static lanes, "rows" each sequence's dense part alone) or one at a time (form "sliced" / "static": forward()
+    of one token) -> (logits
     [steps, n, V], the decode passes' stats, the store's read-ahead reads)."""
     rn, st = in_process_runner(path, vram, host, prefetch_decode=on, max_running=len(prompts))
-    rn._static_decode = form != "sliced"
+    rn._static_decode = form in ("static", "batch")
     try:
         kvs = [rn.new_cache(128) for _ in prompts]
         toks = [int(rn.forward(p, kv)[0][-1].argmax()) for p, kv in zip(prompts, kvs)]
@@ -46,7 +47,7 @@ def _decode(path, on: bool, form: str, prompts, vram=2, host=3):
         reads0 = st.counters.readahead_reads
         outs, stats = [], []
         for _ in range(STEPS):
-            if form == "batch":
+            if form in ("batch", "rows"):
                 lg, s = rn.decode_batch(toks, kvs)
                 stats.append(s)
             else:
@@ -67,9 +68,9 @@ def _sum(stats, name):
     return sum(getattr(s, name) for s in stats)
 
 
-@pytest.mark.parametrize("form", ["sliced", "static", "batch"])
+@pytest.mark.parametrize("form", ["sliced", "static", "batch", "rows"])
 def test_qwen3moe_guesses_keep_bits_and_are_read(qwen, form):
-    prompts = PROMPTS if form == "batch" else PROMPTS[:1]
+    prompts = PROMPTS if form in ("batch", "rows") else PROMPTS[:1]
     off, s_off, ra_off = _decode(qwen, False, form, prompts)
     on, s_on, ra_on = _decode(qwen, True, form, prompts)
     assert torch.equal(on, off)
