@@ -12,8 +12,9 @@ transfer: l's row counts and the guess's expert marks together) and its reads ov
 attention. The residual stream changes little from one layer to the next in a trained model, which is what makes
 the guess good; hash-routed layers (deepseek4) route by token id, so their guess is exact.
 
-The guessed experts that sit on disk are read ahead through the store's prefetch (free staging slots only, half
-kept for demand loads; at read-ahead priority), after layer l's own demand reads have started. Only WHEN bytes
+The guessed experts that sit on disk are read ahead through the store's prefetch (at read-ahead priority, in at most
+half the staging slots), after layer l's own demand reads have started, and without waiting for the store's answer
+(read when layer l+1 is scored: a round trip per layer would cost about what a guess saves). Only WHEN bytes
 arrive changes: a guess is never used to compute (layer l+1 routes itself as always), so outputs are the same bits
 with it on or off (invariant 1).
 
@@ -47,9 +48,7 @@ class Guesser:
 
     def __init__(self, session, n_layer: int):
         self.session = session
-        f = session.file
-        # disk bytes of one expert, per layer (a layer's experts are slices of the same tensors: one size)
-        self.expert_bytes = [sum(p.nbytes for p in f.expert_parts(l, 0)) for l in range(n_layer)]
+        self.expert_bytes = [session.file.expert_nbytes(l) for l in range(n_layer)]   # one expert's disk bytes
         self._open: dict = {}               # guessed layer -> (pass stats, guessed disk experts, reads started)
 
     @staticmethod
@@ -67,11 +66,9 @@ class Guesser:
         """Start the reads of layer `layer`'s guessed experts that sit on disk (store prefetch)."""
         e = np.nonzero(marks)[0]
         disk = e[snap["tier"][layer][e] == TIER_DISK]
-        queued = self.session.prefetch([(layer, int(x)) for x in disk]) if len(disk) else 0
-        stats.guessed += len(disk)
-        stats.prefetched += queued
-        stats.guess_bytes += queued * self.expert_bytes[layer]
-        self._open[layer] = (stats, disk, queued)
+        if len(disk):
+            # not waited for: the store's answer (reads started) is read when the layer is scored
+            self._open[layer] = (stats, disk, self.session.prefetch_start([(layer, int(x)) for x in disk]))
 
     def check(self, layer: int, disk: np.ndarray, ahead_used: int, stats: PassStats):
         """Layer `layer` ran with these disk experts, `ahead_used` of them answered from reads ahead: score the guess
@@ -79,7 +76,11 @@ class Guesser:
         o = self._open.pop(layer, None)
         if o is None or o[0] is not stats:
             return
-        _, guessed, queued = o
+        _, guessed, answer = o
+        queued = answer()
+        stats.guessed += len(guessed)
+        stats.prefetched += queued
+        stats.guess_bytes += queued * self.expert_bytes[layer]
         stats.guess_hits += int(np.intersect1d(guessed, disk).size)
         stats.guess_disk += len(disk)
         stats.guess_wasted_bytes += max(0, queued - ahead_used) * self.expert_bytes[layer]
