@@ -26,6 +26,8 @@ PHASES = ("prefill", "decode")
 TIERS = ("vram", "host", "disk")           # where an expert was read from (api.Usage expert_reads_*)
 SLOT_TIERS = ("vram", "host", "staging")   # api.ServerInfo.slots_used keys
 READ_REASONS = ("demand", "prefetch")
+GUESS_OUTCOMES = ("hit", "miss")           # decode's guessed experts (worker/guess.py)
+GUESS_BYTES = ("used", "wasted")           # bytes read ahead for them
 FINISH_REASONS = ("stop", "length", "cancelled")  # api.FinalEvent.finish_reason
 RPC_METHODS = ("Generate", "Tokenize", "Detokenize", "GetModelInfo", "GetServerInfo")
 RPC_CODES = ("OK", "CANCELLED", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED",
@@ -134,6 +136,8 @@ class WorkerMetrics:
     cgroup_memory: Gauge              # [kind] current | max
     engram_rows: Counter              # [phase] deepseek41 Engram table rows the tokens read
     engram_wait_seconds: Counter      # [phase] seconds compute waited for Engram rows from the store
+    decode_guesses: Counter           # [outcome] decode's guessed next-layer experts on disk: hit | miss
+    decode_guess_bytes: Counter       # [outcome] bytes read ahead for them: used | wasted
 
     def set_cgroup_reader(self, current: Callable[[], float], maximum: Callable[[], float]) -> None:
         _set_cgroup_reader(self.cgroup_memory, current, maximum)
@@ -212,7 +216,16 @@ def make_worker_metrics(version: str = "0.1.0") -> WorkerMetrics:
                             registry=reg),
         engram_wait_seconds=Counter("betelgeuse_engram_wait_seconds", "Seconds compute waited for Engram rows "
                                     "from the store (deepseek41).", ["phase"], registry=reg),
+        decode_guesses=Counter("betelgeuse_decode_guesses", "Decode's guessed next-layer experts that were on disk, "
+                               "by outcome: hit (the layer used it) | miss.", ["outcome"], registry=reg),
+        decode_guess_bytes=Counter("betelgeuse_decode_guess_read_bytes", "Bytes read ahead for decode's guessed "
+                                   "experts, by outcome: used | wasted (no load of their layer took them).",
+                                   ["outcome"], registry=reg),
     )
+    for outcome in GUESS_OUTCOMES:
+        m.decode_guesses.labels(outcome=outcome)
+    for outcome in GUESS_BYTES:
+        m.decode_guess_bytes.labels(outcome=outcome)
     for phase in PHASES:
         m.busy_seconds.labels(phase=phase)
         m.disk_wait_seconds.labels(phase=phase)

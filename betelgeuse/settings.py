@@ -303,6 +303,9 @@ class EngineSettings(_Section):
     # host-dependent layers stay eager
     cuda_graphs: Flag = setting(True, "CUDA: decode steps replay captured graphs", False)
     prefetch: Flag = setting(True, "read the next layer's likely experts ahead during prefill", False)
+    # decode: layer l+1's router applied to layer l's residual guesses its experts; the guessed disk ones are read
+    # ahead (worker/guess.py). Only when bytes arrive changes, never a bit of the output
+    prefetch_decode: Flag = setting(True, "decode: guess the next layer's experts and read the disk ones ahead", False)
     max_context: Count8 = setting(4096, "tokens per sequence (KV cache length)", 2048)
     # the slot plan reserves KV for max_running x max_context tokens and decode graphs for max_running sequences
     max_running: Count1 = setting(8, "sequences with a live KV cache at once (decoded together)", 2)

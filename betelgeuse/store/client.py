@@ -8,7 +8,7 @@ the arena's file descriptor over a second socket. The engine only sees this inte
 from __future__ import annotations
 
 import os
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
@@ -26,7 +26,10 @@ class StoreClient(Protocol):
                                                               # a consolidation still reading (else applied later)
     def load(self, keys: list[tuple[int, int]]) -> Iterator[Loaded]: ...   # completion order
     consolidating: bool                                       # the last begin_pass left a consolidation filling
-    def prefetch(self, keys: list[tuple[int, int]]) -> int: ...
+    def prefetch(self, keys: list[tuple[int, int]]) -> int: ...          # reads ahead started
+    # as prefetch, without waiting for the answer (decode's guesses: a round trip per layer would cost more than a
+    # read); call the result for the number of reads started
+    def prefetch_start(self, keys: list[tuple[int, int]]) -> Callable[[], int]: ...
     def release(self, slots: list[int]) -> None: ...
     def end_pass(self, usage: np.ndarray, consolidate: bool) -> int: ...   # usage [n_layer, n_expert]
     # deepseek41's Engram rows (store/engram.py): start reading (table, row) pairs into a bank, releasing the
@@ -66,6 +69,10 @@ class InProcessStoreClient:
 
     def prefetch(self, keys):
         return self.store.prefetch(self.session, keys)
+
+    def prefetch_start(self, keys):
+        n = self.store.prefetch(self.session, keys)
+        return lambda: n
 
     def release(self, slots):
         self.store.release(self.session, slots)

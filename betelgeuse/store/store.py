@@ -6,7 +6,8 @@ in-process for tests, over gRPC on a Unix socket in production (services/store_m
 Slots, per DESIGN.md §1-3:
   host slots   [n_layer, n_vram + n_host]  resident experts (the VRAM tier's backing copies too)
   staging      [n_staging]                 disk reads on their way to the worker; a staged expert
-                                           stays until its slot is needed (a small victim cache)
+                                           stays until its slot is needed (a small victim cache); reads
+                                           ahead (prefetch) hold at most half of them
 Invariant 5: the directory changes only between passes (consolidation); staging slots change only
 when no one references them (a slot handed to the worker is its own until it releases it).
 """
@@ -261,19 +262,25 @@ class ExpertStore:
             yield Loaded(key[0], key[1], slot, nbytes, pre)
 
     def prefetch(self, session: str, keys: list[tuple[int, int]]) -> int:
-        """Read-ahead into free staging slots; never evicts and keeps half the slots for demand."""
+        """Read-ahead into staging slots (module doc), in the keys' order -> reads started."""
         self._check(session)
         return self._readahead(keys)
 
     def _readahead(self, keys: list[tuple[int, int]]) -> int:
+        """Reads ahead take a free staging slot or the least recently used staged copy (as a demand read does: once
+        the staging slots have all held an expert, none is ever free again, so a read ahead that waited for a free
+        one never ran), while at most half of the staging slots hold reads ahead not yet asked for: the other half
+        stays for demand."""
         queued = 0
         with self.cv:
             for key in keys:
                 if key in self._staged or key in self._inflight or self.directory.lookup(*key)[0] != TIER_DISK:
                     continue
-                if len(self._free) <= self.plan.n_staging // 2:
+                if len(self._readahead_keys) >= self.plan.n_staging // 2:
                     break
-                slot = self._free.pop()
+                slot = self._alloc_slot()
+                if slot is None:
+                    break
                 self._readahead_keys.add(key)
                 self._start_read(key, slot, READAHEAD)
                 self.counters.readahead_reads += 1
@@ -350,6 +357,7 @@ class ExpertStore:
                 self._inflight.pop(key, None)
                 if err is not None:
                     self._free.append(slot)
+                    self._readahead_keys.discard(key)
                     self.counters.extra["read_errors"] = self.counters.extra.get("read_errors", 0) + 1
                     if key in self._waiters:
                         self._failed[key] = str(err)

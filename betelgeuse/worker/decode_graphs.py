@@ -17,6 +17,7 @@ from collections import OrderedDict
 import torch
 
 from betelgeuse.worker.graphs import capture
+from betelgeuse.worker.guess import guess_next
 from betelgeuse.worker.moe_step import MoEStep
 from betelgeuse.worker.stats import LayerStats, PassStats
 
@@ -31,8 +32,10 @@ class SoloDecode:
         self._graphs: OrderedDict = OrderedDict()   # (kv uid, all-VRAM pattern) -> "warm" | captured decode graphs
 
     def _ops(self, ids, kv, pos, lstats, out: dict):
-        """One decode token as a generator: runs the capturable work and yields (layer, routing) where a
-        layer's experts need the host (a layer not wholly in VRAM); the caller does that part eagerly."""
+        """One decode token as a generator: runs the capturable work and yields (layer, routing, guess) where a
+        layer's experts need the host (a layer not wholly in VRAM); the caller does that part eagerly. guess: the
+        next layer's guessed experts from this layer's residual after attention (worker/guess.py), or None; whether
+        there is one depends only on the residency pattern, which keys the graphs."""
         m, moe = self.model, self.moe
         x = m.embed(ids)
         for l in range(moe.n_layer):
@@ -41,7 +44,7 @@ class SoloDecode:
             top_ids, top_w = m.route(l, h, ids, None)
             r = moe.route(l, h, top_ids, top_w, lstats[l])
             if lstats[l].synced:
-                yield l, r
+                yield l, r, (guess_next(m, l, x, ids) if moe.wants_guess(l) else None)
             x = m.moe_output(l, x, aux, h, moe.kern.combine(r))
         out["logits"] = m.logits(x)
 
@@ -53,8 +56,8 @@ class SoloDecode:
         ent = self._graphs.get(key) if self.graphs_on else None
 
         def eager_part(item):
-            l, r = item
-            self.moe.partial(l, r, snap, stats, lstats[l], False)
+            l, r, guess = item
+            self.moe.partial(l, r, snap, stats, lstats[l], False, guess)
 
         out: dict = {}
         if ent is None:

@@ -14,7 +14,9 @@ per layer (deploy/device/profile_batch.py). Here it runs ONCE per layer over B =
     attend     per sequence, on its own lane's rows (model.attend_static): its state written (K/V; deepseek4's
                window ring, open compressor windows and entries), attention over it   (one graph per sequence)
     post[l]    the output projection + residual, the MoE input, routing (all lanes); the running lanes' rows
-               (idx[:n]) routed and counted (kernels.moe.route: sorted by expert, device only)      (one graph)
+               (idx[:n]) routed and counted (kernels.moe.route: sorted by expert, device only); with decode
+               guesses on, layer l+1's router on the residual guesses their next experts (worker/guess.py)
+                                                                                                    (one graph)
     MoE        the experts of those rows, eagerly as in any pass (a wholly VRAM layer one group, else the
                host-synced loads and groups): the only host work of a layer
     head       the last combine and residual, output norm, logits of the running lanes [n, n_vocab] (one graph)
@@ -42,6 +44,7 @@ import torch
 
 from betelgeuse.errors import BetelgeuseError
 from betelgeuse.worker.graphs import CAPTURE, EAGER, REPLAY, capture
+from betelgeuse.worker.guess import guess_next
 
 
 def _flat(t) -> list:
@@ -77,9 +80,12 @@ class Lanes:
     # the benchmark geometry's n = 8; the slot plan counts GRAPHS_BYTES_PER_SEQ per running sequence for all graphs)
     MAX_VARIANTS = 4
 
-    def __init__(self, model, n_layer: int, n_lanes: int, graphs: bool):
+    def __init__(self, model, n_layer: int, n_lanes: int, graphs: bool, guess: bool = False):
         m = model
         self.m, self.L, self.B = m, n_layer, n_lanes
+        # the post part of a layer l < L-1 also guesses layer l+1's experts of the running rows (worker/guess.py):
+        # always, whatever the residency (a lane graph must not depend on it); the MoE step uses it where worth it
+        self.guess = guess
         dev, H = m.device, m.cfg.n_embd
         self.graphs_on = graphs
         self.ids = torch.zeros(n_lanes, dtype=torch.int64, device=dev)       # each lane's token this step
@@ -170,7 +176,7 @@ class Lanes:
 
     def _residual(self, l: int, n: int, combine):
         """Layer l's MoE output rows into their lanes, then the residual x + routed for every lane."""
-        xa, h, aux, r = self.parts["post", l, n].out
+        xa, h, aux, r, _ = self.parts["post", l, n].out
         self.routed.index_copy_(0, self.idx[:n], combine(r))
         return self.m.moe_output(l, xa, aux, h, self.routed)
 
@@ -185,7 +191,8 @@ class Lanes:
         h, aux = m.moe_input(l, xa)
         ti, tw = m.route(l, h, self.ids, None)
         i = self.idx[:n]
-        return xa, h, aux, route(l, h.index_select(0, i), ti.index_select(0, i), tw.index_select(0, i))
+        guess = (guess_next(m, l, xa, self.ids).index_select(0, i) if self.guess and l + 1 < self.L else None)
+        return xa, h, aux, route(l, h.index_select(0, i), ti.index_select(0, i), tw.index_select(0, i)), guess
 
     def _head(self, n: int, combine):
         return self.m.logits(self._residual(self.L - 1, n, combine)).index_select(0, self.idx[:n])
@@ -214,7 +221,8 @@ class Lanes:
 
     def front(self, l: int, kvs, route, combine):
         """Layer l for every lane up to its routing: the previous layer's MoE rows combined into the residual, the
-        dense part, attention per sequence -> the Routing of the running rows (their expert work: the caller's)."""
+        dense part, attention per sequence -> (the Routing of the running rows (their expert work: the caller's),
+        layer l+1's guessed experts of those rows [n,k] or None)."""
         n = len(kvs)
         self._run(("pre", l, n), self._pre, l, n, combine)
         for kv in kvs:
@@ -226,7 +234,7 @@ class Lanes:
                 s.pool = s.graphs[l].pool()
             else:
                 self._attend(l, s)
-        return self._run(("post", l, n), self._post, l, n, route)[3]
+        return self._run(("post", l, n), self._post, l, n, route)[3:]
 
     def head(self, kvs, combine) -> torch.Tensor:
         """-> logits [n, n_vocab] float32 of the running lanes (a fresh tensor); ends the step."""

@@ -2,8 +2,10 @@
 
     route      rows sorted by expert and counted on the device (kernels.moe.route; graph-capturable). A layer wholly
                in VRAM is computed right there in one launch group, with no host sync
-    partial    otherwise ONE host sync for the per-expert row counts (the loads depend on them), then:
+    partial    otherwise ONE host sync for the per-expert row counts (the loads depend on them; in decode the next
+               layer's guessed experts ride along: worker/guess.py), then:
                  1. demand loads for the disk experts, so the disk starts now; read-ahead of layer l+1 behind them
+                    (prefill: all its disk experts; decode: the guessed ones, once this layer's reads have started)
                  2. the first host batch's copy into a ring bank starts, the VRAM group computes meanwhile
                  3. host-tier experts in batches: a batch is copied into one bank while the other bank computes
                  4. disk experts in batches as they land in staging slots (the same path as 3); a staging slot goes
@@ -29,6 +31,7 @@ from betelgeuse.gguf.qtypes import qtype_name
 from betelgeuse.kernels.moe import TRITON_QTYPES, Group, MoEKernels, triton_available
 from betelgeuse.routing_approx import Residency
 from betelgeuse.store.directory import TIER_DISK, TIER_HOST, TIER_NAMES, TIER_VRAM
+from betelgeuse.worker.guess import Guesser
 from betelgeuse.worker.stats import LayerStats, PassClock, PassStats
 from betelgeuse.worker.store_session import StoreSession
 
@@ -47,6 +50,10 @@ class MoEStep:
         self.routing = cfg.routing
         # (directory snapshot, [n_layer, n_expert] resident mask on the device, [n_layer] resident counts)
         self._masks = None
+        # decode guesses the next layer's experts (worker/guess.py); exact routing only (an approximate mode's choice
+        # depends on residency, and prefers resident experts anyway)
+        self.guessing = cfg.prefetch_decode and cfg.routing == "exact"
+        self.guesser = Guesser(session, self.n_layer)
 
     def _kernels(self, act_limit: float | None) -> MoEKernels:
         """The expert kernels: triton on CUDA where the experts' types allow (or when asked for), else torch."""
@@ -76,12 +83,14 @@ class MoEStep:
         return Residency(self.routing, self._masks[1][l])
 
     # ---- a layer ---------------------------------------------------------------------------------------
-    def layer(self, l, h, ids, w, snap, stats: PassStats, ls: LayerStats, readahead: bool, chunks=None) -> torch.Tensor:
-        """sum_r w_r expert_r(h) [T,H] for layer l, experts from whatever tier holds them."""
+    def layer(self, l, h, ids, w, snap, stats: PassStats, ls: LayerStats, readahead: bool, chunks=None,
+              guess=None) -> torch.Tensor:
+        """sum_r w_r expert_r(h) [T,H] for layer l, experts from whatever tier holds them. guess: layer l+1's guessed
+        ids [T,k] on the device (worker/guess.py) or None."""
         ev = self.clock.layer_start()
         r = self.route(l, h, ids, w, ls, chunks)
         if ls.synced:
-            self.partial(l, r, snap, stats, ls, readahead)
+            self.partial(l, r, snap, stats, ls, readahead, guess)
         out = self.kern.combine(r)
         self.clock.layer_end(ev, ls)
         return out
@@ -100,14 +109,20 @@ class MoEStep:
         self.counts[l] += r.counts
         return r
 
-    def experts(self, l, r, snap, stats: PassStats, ls: LayerStats):
+    def wants_guess(self, l: int) -> bool:
+        """Layer l+1's experts are worth guessing at layer l: decode guesses on, layer l has the host sync the guess
+        rides on, and layer l+1 is not wholly in VRAM."""
+        c = self.cache
+        return self.guessing and l + 1 < self.n_layer and not c.all_vram[l] and not c.all_vram[l + 1]
+
+    def experts(self, l, r, snap, stats: PassStats, ls: LayerStats, guess=None):
         """The experts of a routed layer (the batched decode lanes route in their graphs): a wholly VRAM layer in one
         group, else the host-synced partial path; timed as a layer's MoE compute."""
         ev = self.clock.layer_start()
         if self.cache.all_vram[l]:
             self.vram_layer(l, r, ls)
         else:
-            self.partial(l, r, snap, stats, ls, False)
+            self.partial(l, r, snap, stats, ls, False, guess)
         self.clock.layer_end(ev, ls)
 
     def vram_layer(self, l, r, ls: LayerStats):
@@ -115,10 +130,13 @@ class MoEStep:
         ls.synced = False
         self._apply(r, l, self._vram_group(l), ls)
 
-    def partial(self, l, r, snap, stats: PassStats, ls: LayerStats, readahead: bool):
-        """The experts of a layer that is not wholly VRAM-resident (module doc, steps 1-4; writes r.y)."""
+    def partial(self, l, r, snap, stats: PassStats, ls: LayerStats, readahead: bool, guess=None):
+        """The experts of a layer that is not wholly VRAM-resident (module doc, steps 1-4; writes r.y). guess: layer
+        l+1's guessed ids [T,k] on the device, or None (read ahead only where wants_guess(l))."""
         cache = self.cache
-        counts = self.clock.wait(lambda: r.counts.cpu().numpy())     # host sync: routing decides the loads
+        guess = guess if guess is not None and self.wants_guess(l) else None
+        # host sync: routing decides the loads (with the next layer's guess in the same transfer)
+        counts, marks = self.clock.wait(self.guesser.to_host, r.counts, guess)
         used = np.nonzero(counts)[0]
         tiers = snap["tier"][l][used]
         by_tier = {t: used[tiers == t] for t in (TIER_VRAM, TIER_HOST, TIER_DISK)}
@@ -131,6 +149,11 @@ class MoEStep:
         if readahead and l + 1 < self.n_layer:
             nxt = snap["tier"][l + 1]
             stats.prefetched += self.session.prefetch([(l + 1, int(e)) for e in np.nonzero(nxt == TIER_DISK)[0]])
+        # decode: the guessed experts of l+1 once this layer's own reads have started (never queued before them)
+        ahead = None if marks is None else (lambda: self.guesser.read_ahead(l + 1, marks, snap, stats))
+        if ahead is not None and not disk:
+            ahead()
+            ahead = None
         timing = self.clock.copy_timing(ls)
         B = cache.bank_size
         hslots = snap["host_slot"][l]
@@ -145,7 +168,8 @@ class MoEStep:
             self._apply(r, l, g, ls)
             cache.bank_done(bank)
         # 4. disk experts in batches as they land; a staging slot goes back once its copy is done
-        self._disk_groups(l, r, loads, len(disk), stats, ls, timing)
+        ahead_used = self._disk_groups(l, r, loads, len(disk), stats, ls, timing, ahead)
+        self.guesser.check(l, by_tier[TIER_DISK], ahead_used, stats)
 
     def serial(self, l, r, used, snap, stats: PassStats, ls: LayerStats):
         """The standard schedule: the layer's used experts in ascending id, each fetched and waited for (no overlap)."""
@@ -193,8 +217,12 @@ class MoEStep:
         bank, offs = self.cache.to_bank(srcs, timing)
         return bank, self._group(experts, offs)
 
-    def _disk_groups(self, l, r, loads, n_disk, stats: PassStats, ls: LayerStats, timing):
+    def _disk_groups(self, l, r, loads, n_disk, stats: PassStats, ls: LayerStats, timing, ahead=None) -> int:
+        """The disk experts in batches as they land (module doc, step 4); ahead() (the next layer's guessed reads) is
+        called once the first has landed, when every read of this layer has started. -> the loads answered from a
+        read ahead."""
         cache = self.cache
+        ahead_used = 0
         B = cache.bank_size
         limit = max(1, min(B, self.session.plan.n_staging // 2))   # staging slots this layer may hold at once
         held: list[tuple[int, list[int]]] = []               # (bank, staging slots) whose copies may be in flight
@@ -218,12 +246,17 @@ class MoEStep:
             dt = time.perf_counter() - tw
             ls.disk_wait_s += dt
             self.clock.blocked += dt
+            if ahead is not None:
+                ahead()
+                ahead = None
+            ahead_used += got.prefetched
             stats.disk_bytes += got.disk_bytes
             batch.append(got)
             if len(batch) == B:
                 flush()
         flush()
         self._release(held, keep=0)
+        return ahead_used
 
     def _release(self, held, keep: int):
         """Release staging slots whose bank copies finished (CUDA: event query, no sync); while more than

@@ -34,6 +34,7 @@ from betelgeuse.model.interface import SequenceState, check_model
 from betelgeuse.model.registry import engine_model
 from betelgeuse.store.client import StoreClient
 from betelgeuse.worker.decode_graphs import SoloDecode
+from betelgeuse.worker.guess import guess_next
 from betelgeuse.worker.lanes import Lanes
 from betelgeuse.worker.moe_step import MoEStep
 from betelgeuse.worker.stats import LayerStats, PassClock, PassStats
@@ -339,10 +340,10 @@ class ModelRunner:
         """Layer l of a batched decode on the lanes: the dense part, the routing of the running rows and the previous
         layer's combine in the lane graphs; then the experts, eagerly (MoEStep.experts)."""
         t = time.perf_counter()
-        r = ln.front(l, kvs, self.moe.route_rows, self.kern.combine)
+        r, guess = ln.front(l, kvs, self.moe.route_rows, self.kern.combine)
         t1 = time.perf_counter()
         ls.attn_s = t1 - t
-        self.moe.experts(l, r, snap, stats, ls)
+        self.moe.experts(l, r, snap, stats, ls, guess)
         ls.moe_s = time.perf_counter() - t1
 
     def _rows_layer(self, l: int, xs, ids_t, kvs, pos, snap, stats, ls: LayerStats):
@@ -356,11 +357,20 @@ class ModelRunner:
             h, aux = m.moe_input(l, xs[i])
             ti, tw = m.route(l, h, ids_t[i:i + 1], self.moe.residency(snap, l))
             hs.append(h), auxs.append(aux), tids.append(ti), tws.append(tw)
+        guess = self._guess(l, torch.cat(xs), ids_t)
         t1 = time.perf_counter()
         ls.attn_s = t1 - t
-        routed = self.moe.layer(l, torch.cat(hs), torch.cat(tids), torch.cat(tws), snap, stats, ls, False)
+        routed = self.moe.layer(l, torch.cat(hs), torch.cat(tids), torch.cat(tws), snap, stats, ls, False,
+                                guess=guess)
         ls.moe_s = time.perf_counter() - t1
         return [m.moe_output(l, xs[i], auxs[i], hs[i], routed[i:i + 1]) for i in range(len(kvs))]
+
+    def _guess(self, l: int, x, ids):
+        """Layer l+1's guessed experts [T,k] from x, the residual after layer l's attention (worker/guess.py), where
+        worth it (MoEStep.wants_guess; not while a routing replay stands in for the router), else None."""
+        if self._replayer is None and self.moe.wants_guess(l):
+            return guess_next(self.model, l, x, ids)
+        return None
 
     @property
     def decodes_in_lanes(self) -> bool:
@@ -374,7 +384,7 @@ class ModelRunner:
             if not self.model.lane_decode:
                 raise BetelgeuseError(f"{self.mcfg.arch}: no row-batched decode (lane_decode) for the static form")
             self._lanes = Lanes(self.model, self.mcfg.n_layer, max(1, self.cfg.max_running),
-                                self.cache.is_cuda and self.cfg.cuda_graphs)
+                                self.cache.is_cuda and self.cfg.cuda_graphs, guess=self.moe.guessing)
         return self._lanes
 
     # ---- layer-major --------------------------------------------------------------------------
@@ -404,7 +414,9 @@ class ModelRunner:
                                                      self.moe.residency(snap, l))
             t1 = time.perf_counter()
             ls.attn_s = t1 - t
-            routed = self.moe.layer(l, h, top_ids, top_w, snap, stats, ls, readahead, chunks)
+            # decode (few rows, no read-ahead of the whole next layer): guess its experts instead
+            guess = None if readahead else self._guess(l, x, ids)
+            routed = self.moe.layer(l, h, top_ids, top_w, snap, stats, ls, readahead, chunks, guess)
             x = layer_back(self.model, l, x, auxs, h, routed, chunks)
             ls.moe_s = time.perf_counter() - t1
             stats.layers.append(ls)

@@ -41,6 +41,13 @@ class PassStats:
     disk_wait_s: float = 0.0
     h2d_bytes: int = 0
     prefetched: int = 0         # experts whose disk read was issued ahead, before they were asked for
+    # decode's guesses of the next layer's experts (worker/guess.py): guessed experts on disk, those the layer then
+    # used, the disk experts of the guessed layers, bytes of the reads started for guesses, and of those not used
+    guessed: int = 0
+    guess_hits: int = 0
+    guess_disk: int = 0
+    guess_bytes: int = 0
+    guess_wasted_bytes: int = 0
     vram_filled: int = 0        # experts copied into VRAM hot slots at the start of the pass
     open_s: float = 0.0         # opening the store pass: BeginPass (it waits for a pending consolidation) + VRAM fills
     host_s: float = 0.0         # wall minus the time the host was blocked (syncs on the GPU, the disk)

@@ -90,6 +90,10 @@ class StoreSession:
     def prefetch(self, keys) -> int:
         return self.call(self.store.prefetch, keys)
 
+    def prefetch_start(self, keys):
+        """prefetch without waiting for the store's answer -> a function that waits for it (reads started)."""
+        return self.call(self.store.prefetch_start, keys)
+
     def release(self, slots):
         self.call(self.store.release, slots)
 

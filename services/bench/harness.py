@@ -428,6 +428,7 @@ class Harness:
         end = time.monotonic() + min(self.o.decode_cap, self.remaining())
         secs, reads, disk_bytes, disk_wait = [], {"vram": 0, "host": 0, "disk": 0}, 0, 0.0
         host_s, calls, h2d, toks, engram = 0.0, 0, 0, [], None
+        guess = dict.fromkeys(GUESS_FIELDS, 0)          # decode's guesses of the next layer (worker/guess.py)
         for _ in range(self.o.decode):
             if time.monotonic() > end:
                 break
@@ -440,6 +441,8 @@ class Harness:
                 reads[k_] += st.reads[k_]
             disk_bytes, disk_wait = disk_bytes + st.disk_bytes, disk_wait + st.disk_wait_s
             host_s, calls, h2d = host_s + st.host_s, calls + st.store_calls, h2d + st.h2d_bytes
+            for k_ in guess:
+                guess[k_] += getattr(st, k_)
             if st.engram is not None:
                 engram = st.engram if engram is None else engram.add(st.engram)
         n = sum(reads.values())
@@ -454,8 +457,12 @@ class Harness:
                 "store_calls_per_token": calls / len(secs) if secs else None, "h2d_bytes": h2d,
                 "tg_mean": len(secs) / sum(secs) if secs else 0.0, "tg_peak": 1.0 / min(secs) if secs else 0.0,
                 "token_s": secs, "reads": reads, "disk_share": reads["disk"] / n if n else 0.0,
-                "disk_bytes": disk_bytes, "disk_wait_ms": disk_wait * 1e3, "token_ids": toks,
+                "disk_bytes": disk_bytes, "disk_wait_ms": disk_wait * 1e3, "token_ids": toks, "guess": guess,
+                "guess_hit_rate": guess["guess_hits"] / guess["guessed"] if guess["guessed"] else None,
                 "engram": engram.record(len(secs), sum(secs)) if engram is not None else None}
+
+
+GUESS_FIELDS = ("guessed", "guess_hits", "guess_disk", "guess_bytes", "guess_wasted_bytes")
 
 
 def pass_record(kind: str, st, ttft: float, ceil: C.Ceilings, f: GGUFModelFile, slot_bytes: int) -> dict:

@@ -170,6 +170,20 @@ class GrpcStoreClient:
         req = pb.LoadRequest(session=self.session, experts=[pb.ExpertId(layer=l, expert=e) for l, e in keys])
         return self._call(self.stub.Prefetch, req).queued
 
+    def prefetch_start(self, keys):
+        """Prefetch without waiting for the answer -> a function that waits for it (the reads started)."""
+        req = pb.LoadRequest(session=self.session, experts=[pb.ExpertId(layer=l, expert=e) for l, e in keys])
+        f = self._call(self.stub.Prefetch.future, req)
+
+        def queued() -> int:
+            try:
+                return f.result().queued
+            except grpc.RpcError as e:
+                raise _unavailable(e) from None
+            except grpc.FutureCancelledError:
+                raise StoreUnavailableError("expert store unavailable: a prefetch call was cancelled") from None
+        return queued
+
     def release(self, slots) -> None:
         """Hand staging slots back without waiting for the answer: a round trip is ~1 ms and a batched decode pass
         releases slots several times a layer (deploy/device/profile_batch.py --top). The store frees them when the

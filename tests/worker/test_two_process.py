@@ -93,6 +93,35 @@ def test_store_process_matches_reference_and_sends_no_expert_bytes(wide, referen
         client.close()
 
 
+def test_decode_guesses_through_the_store_process(wide, store):
+    """Decode's guessed reads ahead (worker/guess.py) over gRPC, where the Prefetch call is not waited for: the reads
+    start (counted from the store's answers) and the decoded logits are the bits of the same decode without them."""
+    _, socks = store
+    outs = {}
+    for on in (True, False):                     # guesses first: staged copies left by a run are not read again
+        client = counting_store_client(socks)
+        runner = ModelRunner(EngineConfig(model_path=str(wide), vram_slots=VRAM, host_slots=HOST,
+                                          prefetch_decode=on), client)
+        try:
+            kv = runner.new_cache(64)
+            lg, _ = runner.forward(PROMPT, kv)
+            runner.settle()
+            rows, stats = [], []
+            for _ in range(6):
+                lg, st = runner.forward([int(lg[-1].argmax())], kv, consolidate=False)
+                rows.append(lg)
+                stats.append(st)
+            outs[on] = torch.cat(rows)
+            if on:
+                assert sum(s.guessed for s in stats) > 0 and sum(s.prefetched for s in stats) > 0
+            else:
+                assert sum(s.guessed + s.prefetched for s in stats) == 0
+        finally:
+            runner.close()
+            client.close()
+    assert torch.equal(outs[True], outs[False])
+
+
 def test_worker_process_serves_reference_tokens(wide, reference, store, tmp_path):
     """A real worker process: its own pid, the store's memfd in its maps, greedy tokens as the reference."""
     proc, socks = store

@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""Decode with and without the next layer's guessed experts read ahead (worker/guess.py), side by side in one run.
+
+    python3 deploy/device/guess_ab.py MODEL.gguf [--device cpu|cuda] [--slots 4+8] [--prompt 64] [--decode 32]
+                                       [--rounds 2] [--staging auto]
+
+The same prompt and greedy decode, `prefetch_decode` off then on, `rounds` times (alternating, each a fresh store
+and runner in this process: real O_DIRECT reads, cold staging), decoded by runner.forward one token at a time (the
+bench's decode; on CUDA the static solo decode with its graphs). Prints per setting: decode tok/s, disk wait ms per
+token, disk MB per token, the guesses (experts guessed on disk, hit rate = used / guessed, recall = used / disk
+experts of guessed layers), bytes read ahead and wasted; and whether the two settings' decoded logits are the same
+bits (they must be: a guess only changes when bytes arrive). Exit status 1 when they differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from betelgeuse.assembly import open_runner, open_store  # noqa: E402
+from betelgeuse.config import EngineConfig  # noqa: E402
+
+FIELDS = ("guessed", "guess_hits", "guess_disk", "guess_bytes", "guess_wasted_bytes")
+
+
+def one(a, on: bool) -> tuple[torch.Tensor, dict]:
+    vram, host = (int(x) for x in a.slots.split("+"))
+    cfg = EngineConfig(model_path=a.model, device=a.device, vram_slots=vram, host_slots=host, prefetch_decode=on,
+                       decode_consolidate_every=0, **({} if a.staging == "auto" else {"staging_slots": int(a.staging)}))
+    store = open_store(cfg)
+    rn = open_runner(cfg, store)
+    try:
+        n_vocab = rn.mcfg.n_vocab
+        ids = [int(x) for x in np.random.default_rng(a.seed).integers(3, n_vocab, a.prompt)]
+        kv = rn.new_cache(a.prompt + a.decode + 8)
+        lg, _ = rn.forward(ids, kv)
+        rn.settle()
+        tok = int(lg[-1].argmax())
+        out, tot = [], dict.fromkeys(("seconds", "disk_wait_s", "disk_bytes", *FIELDS), 0.0)
+        for _ in range(a.decode):
+            t = time.perf_counter()
+            lg, st = rn.forward([tok], kv, consolidate=False)
+            tot["seconds"] += time.perf_counter() - t
+            out.append(lg[-1:].float().cpu())
+            tok = int(lg[-1].argmax())
+            for k in tot:
+                if k != "seconds":
+                    tot[k] += getattr(st, k)
+        return torch.cat(out), tot
+    finally:
+        rn.close()
+        store.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--slots", default="4+8", help="VRAM+host slots per layer (few, so that decode misses)")
+    ap.add_argument("--staging", default="auto")
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=7)
+    a = ap.parse_args()
+    runs = {False: [], True: []}
+    logits = {}
+    for _ in range(a.rounds):
+        for on in (False, True):
+            lg, tot = one(a, on)
+            runs[on].append(tot)
+            logits.setdefault(on, lg)
+    same = torch.equal(logits[False], logits[True])
+    print(f"model {Path(a.model).name}, device {a.device}, slots {a.slots}, prompt {a.prompt}, "
+          f"{a.decode} decode tokens x {a.rounds} rounds each")
+    print("| prefetch_decode | tok/s | disk wait ms / token | disk MB / token | guessed / token | hit rate | recall | "
+          "read ahead MB / token | wasted MB / token |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for on in (False, True):
+        t = {k: sum(r[k] for r in runs[on]) for k in runs[on][0]}
+        n = a.decode * a.rounds
+        hit = t["guess_hits"] / t["guessed"] if t["guessed"] else float("nan")
+        rec = t["guess_hits"] / t["guess_disk"] if t["guess_disk"] else float("nan")
+        print(f"| {'on' if on else 'off'} | {n / t['seconds']:.2f} | {t['disk_wait_s'] / n * 1e3:.2f} | "
+              f"{t['disk_bytes'] / n / 1e6:.2f} | {t['guessed'] / n:.1f} | {hit:.1%} | {rec:.1%} | "
+              f"{t['guess_bytes'] / n / 1e6:.2f} | {t['guess_wasted_bytes'] / n / 1e6:.2f} |")
+    print(f"decoded logits on vs off: {'IDENTICAL' if same else 'DIFFERENT'}")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
