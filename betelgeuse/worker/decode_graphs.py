@@ -29,7 +29,7 @@ class SoloDecode:
         self.model, self.moe = model, moe
         self.graphs_on = graphs
         self.keep = keep                    # (sequence, pattern) entries kept, least recently used dropped first
-        self._graphs: OrderedDict = OrderedDict()   # (kv uid, all-VRAM pattern) -> "warm" | captured decode graphs
+        self._graphs: OrderedDict = OrderedDict()   # (kv uid, all-VRAM pattern, routing mode) -> "warm" | captured decode graphs
 
     def _ops(self, ids, kv, pos, lstats, out: dict):
         """One decode token as a generator: runs the capturable work and yields (layer, routing, guess) where a
@@ -41,7 +41,7 @@ class SoloDecode:
         for l in range(moe.n_layer):
             x = m.attention_block(l, x, kv, pos, static=True)
             h, aux = m.moe_input(l, x)
-            top_ids, top_w = m.route(l, h, ids, None)
+            top_ids, top_w = moe.route_static(m, l, h, ids)
             r = moe.route(l, h, top_ids, top_w, lstats[l])
             if lstats[l].synced:
                 yield l, r, (guess_next(m, l, x, ids) if moe.wants_guess(l) else None)
@@ -52,7 +52,8 @@ class SoloDecode:
         """ids [1] on the device -> logits [1, n_vocab]; appends the token to kv (commits)."""
         pos = kv.begin_static()
         lstats = [LayerStats() for _ in range(self.moe.n_layer)]
-        key = (kv.uid, self.moe.cache.all_vram.tobytes())
+        self.moe.refresh_static(snap)
+        key = (kv.uid, self.moe.cache.all_vram.tobytes(), self.moe.routing)
         ent = self._graphs.get(key) if self.graphs_on else None
 
         def eager_part(item):

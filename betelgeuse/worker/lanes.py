@@ -21,8 +21,10 @@ per layer (deploy/device/profile_batch.py). Here it runs ONCE per layer over B =
                host-synced loads and groups): the only host work of a layer
     head       the last combine and residual, output norm, logits of the running lanes [n, n_vocab] (one graph)
 
-pre, post and head depend on n (the routing's shapes), so they are captured per batch size n (the last
-MAX_VARIANTS sizes are kept); the attention graphs do not, and are captured once per sequence.
+pre, post and head depend on n (the routing's shapes) and on the routing mode (post routes every lane with the
+runner's router: MoEStep.route_static, in an approximate mode over resident sets the host refreshes in place), so
+they are captured per variant (n, mode) (the last MAX_VARIANTS are kept); the attention graphs do not, and are
+captured once per sequence.
 
 Why the bits do not depend on the batch (invariant 6): every op of pre / post / head is row-wise (a matmul row's
 reduction never mixes rows) and always runs on the same shapes, [B, ...], whoever occupies the other lanes (a
@@ -80,7 +82,7 @@ class Lanes:
     # the benchmark geometry's n = 8; the slot plan counts GRAPHS_BYTES_PER_SEQ per running sequence for all graphs)
     MAX_VARIANTS = 4
 
-    def __init__(self, model, n_layer: int, n_lanes: int, graphs: bool, guess: bool = False):
+    def __init__(self, model, n_layer: int, n_lanes: int, graphs: bool, guess: bool = False, router=None):
         m = model
         self.m, self.L, self.B = m, n_layer, n_lanes
         # the post part of a layer l < L-1 also guesses layer l+1's experts of the running rows (worker/guess.py):
@@ -88,6 +90,10 @@ class Lanes:
         self.guess = guess
         dev, H = m.device, m.cfg.n_embd
         self.graphs_on = graphs
+        # router(model, l, h, token_ids) -> (ids, weights) of every lane in the graphs (MoEStep.route_static: the
+        # routing mode's choice over its fixed resident buffers); the model's exact routing by default
+        self.router = router or (lambda m_, l, h, t: m_.route(l, h, t, None))
+        self.mode = "exact"                         # this step's routing mode: part of every lane graph's key
         self.ids = torch.zeros(n_lanes, dtype=torch.int64, device=dev)       # each lane's token this step
         self.pos = torch.zeros(n_lanes, dtype=torch.int64, device=dev)       # each lane's position this step
         self.idx = torch.zeros(n_lanes, dtype=torch.int64, device=dev)       # [:n] the running rows' lanes
@@ -103,9 +109,10 @@ class Lanes:
         self.tables = None
         self.layer_rows: list = [None] * n_layer      # layer -> its buffers in self.rows (set by its pre part)
         self.pool = None                            # one private pool for every lane graph (they run in turn)
-        self.parts: dict = {}                       # ("pre" | "post", layer, n) or ("head", n) -> _Part
-        self.recent: list = []                      # numbers of running rows, most recent last (MAX_VARIANTS kept)
-        self.keep: dict = {}                        # n -> tensors lane graphs read across parts (RoPE tables): alive
+        # a variant v = (n running rows, routing mode): the lane graphs are captured per variant
+        self.parts: dict = {}                       # ("pre" | "post", layer, v) or ("head", v) -> _Part
+        self.recent: list = []                      # variants, most recent last (MAX_VARIANTS kept)
+        self.keep: dict = {}                        # v -> tensors lane graphs read across parts (RoPE tables): alive
         self.seqs: dict = {}                        # kv uid -> _SeqAttn
         self.step_no = 0
         self._idx: dict = {}                        # tuple of lanes -> LongTensor of them on the device
@@ -144,20 +151,20 @@ class Lanes:
         self.seqs.pop(uid, None)
 
     # ---- the parts, as plain functions of the static buffers (eager and captured: the same code) ---------
-    # n: the running rows, idx[:n] their lanes; route(l, h, ids, w) -> the layer's Routing of those rows
+    # v = (n, mode): n running rows, idx[:n] their lanes; route(l, h, ids, w) -> the layer's Routing of those rows
     # (kernels.moe.route, device only); combine(r) -> their MoE output rows [n,H]
-    def _pre(self, l: int, n: int, combine):
+    def _pre(self, l: int, v: tuple, combine):
         m = self.m
         if l == 0:
             x = m.embed(self.ids)
         else:
-            x = self._residual(l - 1, n, combine)
+            x = self._residual(l - 1, v, combine)
         carry, rows = m.lane_rows(l, x, self.pos)
         if l == 0:
-            self.keep[n] = m.rope.cos_sin(self.pos, self.attn.dtype)     # read by every layer's pre part (memoized)
+            self.keep[v] = m.rope.cos_sin(self.pos, self.attn.dtype)     # read by every layer's pre part (memoized)
             # and, stacked into the shared table buffer in one launch (like the rows: the attention graphs must not
             # depend on n), by every layer's attention: the tables are made once per step, not per layer and sequence
-            tabs = _flat(self.keep[n])
+            tabs = _flat(self.keep[v])
             if self.tables is None:
                 self.tables = torch.zeros((len(tabs), *tabs[0].shape), dtype=tabs[0].dtype, device=tabs[0].device)
             torch.stack(tabs, out=self.tables)
@@ -174,10 +181,10 @@ class Lanes:
             bufs = self.rows[key] = [torch.zeros_like(t) for t in rows]
         return bufs
 
-    def _residual(self, l: int, n: int, combine):
+    def _residual(self, l: int, v: tuple, combine):
         """Layer l's MoE output rows into their lanes, then the residual x + routed for every lane."""
-        xa, h, aux, r, _ = self.parts["post", l, n].out
-        self.routed.index_copy_(0, self.idx[:n], combine(r))
+        xa, h, aux, r, _ = self.parts["post", l, v].out
+        self.routed.index_copy_(0, self.idx[:v[0]], combine(r))
         return self.m.moe_output(l, xa, aux, h, self.routed)
 
     def _attend(self, l: int, s: _SeqAttn):
@@ -185,17 +192,17 @@ class Lanes:
         rows, tables = m.lane_row(self.layer_rows[l], i), m.lane_row(self.tables.unbind(0), i)
         self.attn[i:i + 1].copy_(m.attend_static(l, rows, s.kv, s.kv.pos, tables))
 
-    def _post(self, l: int, n: int, route):
+    def _post(self, l: int, v: tuple, route):
         m = self.m
-        xa = m.attn_out(l, self.parts["pre", l, n].out[0], self.attn)
+        xa = m.attn_out(l, self.parts["pre", l, v].out[0], self.attn)
         h, aux = m.moe_input(l, xa)
-        ti, tw = m.route(l, h, self.ids, None)
-        i = self.idx[:n]
+        ti, tw = self.router(m, l, h, self.ids)
+        i = self.idx[:v[0]]
         guess = (guess_next(m, l, xa, self.ids).index_select(0, i) if self.guess and l + 1 < self.L else None)
         return xa, h, aux, route(l, h.index_select(0, i), ti.index_select(0, i), tw.index_select(0, i)), guess
 
-    def _head(self, n: int, combine):
-        return self.m.logits(self._residual(self.L - 1, n, combine)).index_select(0, self.idx[:n])
+    def _head(self, v: tuple, combine):
+        return self.m.logits(self._residual(self.L - 1, v, combine)).index_select(0, self.idx[:v[0]])
 
     def _run(self, key, fn, *args):
         """Part `key` = fn(*args) in its mode (eager, capture, replay) -> its output."""
@@ -212,9 +219,11 @@ class Lanes:
         return p.out
 
     # ---- one step ---------------------------------------------------------------------------------------
-    def begin(self, ids: torch.Tensor, kvs, idx: torch.Tensor):
-        """ids [n] on the device, the sequences' caches (kv.begin_static() done) and their lanes idx [n]."""
+    def begin(self, ids: torch.Tensor, kvs, idx: torch.Tensor, mode: str = "exact"):
+        """ids [n] on the device, the sequences' caches (kv.begin_static() done), their lanes idx [n] and the step's
+        routing mode (the router's; its resident sets are refreshed by the caller)."""
         n = len(kvs)
+        self.mode = mode
         self.idx[:n].copy_(idx)
         self.ids.index_copy_(0, idx, ids)
         self.pos.index_copy_(0, idx, torch.cat([kv.pos for kv in kvs]))
@@ -223,8 +232,8 @@ class Lanes:
         """Layer l for every lane up to its routing: the previous layer's MoE rows combined into the residual, the
         dense part, attention per sequence -> (the Routing of the running rows (their expert work: the caller's),
         layer l+1's guessed experts of those rows [n,k] or None)."""
-        n = len(kvs)
-        self._run(("pre", l, n), self._pre, l, n, combine)
+        v = (len(kvs), self.mode)
+        self._run(("pre", l, v), self._pre, l, v, combine)
         for kv in kvs:
             s = self.seqs[kv.uid]
             if s.mode == REPLAY:
@@ -234,16 +243,16 @@ class Lanes:
                 s.pool = s.graphs[l].pool()
             else:
                 self._attend(l, s)
-        return self._run(("post", l, n), self._post, l, n, route)[3:]
+        return self._run(("post", l, v), self._post, l, v, route)[3:]
 
     def head(self, kvs, combine) -> torch.Tensor:
         """-> logits [n, n_vocab] float32 of the running lanes (a fresh tensor); ends the step."""
-        n = len(kvs)
-        out = self._run(("head", n), self._head, n, combine).clone()
-        if n in self.recent:
-            self.recent.remove(n)
-        self.recent.append(n)
-        while len(self.recent) > self.MAX_VARIANTS:       # the batch size seen least recently lets its graphs go
+        v = (len(kvs), self.mode)
+        out = self._run(("head", v), self._head, v, combine).clone()
+        if v in self.recent:
+            self.recent.remove(v)
+        self.recent.append(v)
+        while len(self.recent) > self.MAX_VARIANTS:       # the variant seen least recently lets its graphs go
             old = self.recent.pop(0)
             for key in [k for k in self.parts if k[-1] == old]:
                 del self.parts[key]
@@ -254,7 +263,7 @@ class Lanes:
                 self.pool = None
         if self.graphs_on:                                  # eager -> capture -> replay
             for key, p in self.parts.items():
-                if key[-1] == n:
+                if key[-1] == v:
                     p.mode = CAPTURE if p.mode == EAGER else REPLAY
             for kv in kvs:
                 s = self.seqs[kv.uid]

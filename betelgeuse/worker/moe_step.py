@@ -54,6 +54,12 @@ class MoEStep:
         # depends on residency, and prefers resident experts anyway)
         self.guessing = cfg.prefetch_decode and cfg.routing == "exact"
         self.guesser = Guesser(session, self.n_layer)
+        # the captured decode graphs' resident sets (route_static): fixed device storage that refresh_static
+        # overwrites in place when residency changes, so a replayed graph reads the current set
+        E, dev = session.file.config.n_expert, session.device
+        self._static_mask = torch.zeros((self.n_layer, E), dtype=torch.bool, device=dev)   # resident (VRAM or host)
+        self._static_on = torch.zeros(self.n_layer, dtype=torch.bool, device=dev)          # 0 < resident < E
+        self._static_held = None                    # the host copy of _static_mask last uploaded
 
     def _kernels(self, act_limit: float | None) -> MoEKernels:
         """The expert kernels: triton on CUDA where the experts' types allow (or when asked for), else torch."""
@@ -81,6 +87,31 @@ class MoEStep:
         if n == 0 or n == self._masks[1].shape[1]:
             return None
         return Residency(self.routing, self._masks[1][l])
+
+    def refresh_static(self, snap):
+        """Before a static-form decode step: the pass's resident sets into the fixed buffers route_static reads
+        (copy_ into the same storage, stream-ordered after the previous step's graphs; only when they changed)."""
+        if self.routing == "exact":
+            return
+        held = snap["tier"] != TIER_DISK                                             # [n_layer, n_expert]
+        if self._static_held is not None and np.array_equal(held, self._static_held):
+            return
+        n = held.sum(axis=1)
+        self._static_mask.copy_(torch.from_numpy(held))
+        self._static_on.copy_(torch.from_numpy((n > 0) & (n < held.shape[1])))
+        self._static_held = held
+
+    def route_static(self, model, l: int, h, token_ids):
+        """model.route in the captured decode graphs (device only, fixed shapes): in an approximate mode both the
+        exact and the approximate choice over the fixed resident buffers (refresh_static), one of them picked per
+        layer on the device by torch.where. Bit-identical to model.route(l, h, token_ids, residency(snap, l)):
+        where copies its operands' bits, and the flag is off exactly where residency() says None."""
+        exact = model.route(l, h, token_ids, None)
+        if self.routing == "exact":
+            return exact
+        ids, w = model.route(l, h, token_ids, Residency(self.routing, self._static_mask[l]))
+        on = self._static_on[l]
+        return torch.where(on, ids, exact[0]), torch.where(on, w, exact[1])
 
     # ---- a layer ---------------------------------------------------------------------------------------
     def layer(self, l, h, ids, w, snap, stats: PassStats, ls: LayerStats, readahead: bool, chunks=None,

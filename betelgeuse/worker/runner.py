@@ -97,11 +97,11 @@ class ModelRunner:
         self._lanes = None
 
     def _static_form(self) -> bool:
-        """Decode in the static (graph-capturable) form: always on CUDA in exact routing, so that whether a step
-        was replayed from a graph never changes its bits (a model whose state is not fixed-shape says
-        static_decode = False: model/interface.py); not while routing hooks (recording, replay) run in Python at
-        every layer."""
-        return (self.device.type == "cuda" and self.cfg.routing == "exact" and self.model.static_decode
+        """Decode in the static (graph-capturable) form: always on CUDA, so that whether a step was replayed from a
+        graph never changes its bits (a model whose state is not fixed-shape says static_decode = False:
+        model/interface.py), in every routing mode (the graphs route with MoEStep.route_static); not while routing
+        hooks (recording, replay) run in Python at every layer."""
+        return (self.device.type == "cuda" and self.model.static_decode
                 and self._recorder is None and self._replayer is None)
 
     def hook_routing(self, recorder=None, replayer=None):
@@ -311,7 +311,8 @@ class ModelRunner:
                 for kv in kvs:
                     kv.begin_static()
                 self._engram_stage(kvs, ids_t, idx, ln.B)
-                ln.begin(ids_t, kvs, idx)
+                self.moe.refresh_static(snap)
+                ln.begin(ids_t, kvs, idx, self.moe.routing)
             else:
                 pos = [kv.begin(1) for kv in kvs]
                 self._engram_begin([(kv, ids_t[i:i + 1]) for i, kv in enumerate(kvs)])
@@ -384,7 +385,8 @@ class ModelRunner:
             if not self.model.lane_decode:
                 raise BetelgeuseError(f"{self.mcfg.arch}: no row-batched decode (lane_decode) for the static form")
             self._lanes = Lanes(self.model, self.mcfg.n_layer, max(1, self.cfg.max_running),
-                                self.cache.is_cuda and self.cfg.cuda_graphs, guess=self.moe.guessing)
+                                self.cache.is_cuda and self.cfg.cuda_graphs, guess=self.moe.guessing,
+                                router=self.moe.route_static)
         return self._lanes
 
     # ---- layer-major --------------------------------------------------------------------------
