@@ -18,7 +18,8 @@
    bfloat16, at tiny and V4-Flash shapes (tests/scripts/ds4_kernel_check.py; a row alone == in its launch).
 4. decode: ds4-tiny (`--preset ds41-tiny`: deepseek41, its Engram rows staged before each step) all in VRAM, a
    122-token prompt and 8 greedy steps (across the 128-token HCA window): eager
-   (cuda_graphs off) == graph capture / replay bit for bit, solo (runner.forward) and lanes (decode_batch); solo
+   (cuda_graphs off) == graph capture / replay bit for bit, solo (runner.forward) and lanes (decode_batch), in exact
+   routing and in pool routing (2 VRAM + 3 host slots, settled after the prompt); solo
    decode == the reference's one-token passes (same device/dtype); the model with TritonOps vs TorchOps on the device
    (float32: within noise, same greedy tokens; bfloat16 reported); then check_cuda's batch step on ds4-tiny (3
    sequences over the lanes, one sitting out, == each alone; graphs replayed).
@@ -211,12 +212,15 @@ def check_ops(device: str):
     RESULTS["ops"] = res
 
 
-def _greedy_decode(runner, prompt: list[int], steps: int, how: str):
+def _greedy_decode(runner, prompt: list[int], steps: int, how: str, settle: bool = False):
     """Logits [steps, V] of `steps` greedy decode tokens after the prompt ("solo": runner.forward one token, as a
     lone sequence outside the lanes; "lanes": decode_batch, as the engine decodes), the tokens, and whether the
-    last step was replayed from a captured graph."""
+    last step was replayed from a captured graph. settle: the prompt's consolidation applied before the decode
+    (an approximate routing mode depends on residency: it must not change under the steps at its own pace)."""
     kv = runner.new_cache(len(prompt) + steps + 8)
     lg, _ = runner.forward(prompt, kv)
+    if settle:
+        runner.settle()
     out, toks = [], []
     for _ in range(steps):
         toks.append(int(lg[-1].argmax()))
@@ -256,6 +260,24 @@ def check_decode(device: str, tmp: Path, steps: int = 8, preset: str = "ds4-tiny
         row(f"{tag} decode {how}: eager == graphs", same and (replayed[True, how] or not cuda),
             f"{steps} steps from a {len(prompt)}-token prompt bit-identical: {same}; graphs replayed: {replayed[True, how]}; "
             f"static form: {static}; max |diff| {(got[False, how] - got[True, how]).abs().max().item():.3e}")
+    # pool routing (routing/approx.py) in the graphs: 2 VRAM + 3 host slots of the 8 experts per layer (every layer
+    # partly resident after the prompt), eager == capture / replay bit for bit, solo and lanes
+    pool = {}
+    for graphs in (False, True):
+        runner, store = runner_for(path, device, 2, 3, cuda_graphs=graphs, routing="pool")
+        try:
+            for how in ("solo", "lanes"):
+                pool[graphs, how] = _greedy_decode(runner, prompt, steps, how, settle=True)
+        finally:
+            close(runner, store)
+    for how in ("solo", "lanes"):
+        (a, ta, _), (b, tb, rep) = pool[False, how], pool[True, how]
+        same = bool(torch.equal(a, b))
+        row(f"ds4 decode {how} pool: eager == graphs", same and (rep or not cuda),
+            f"{steps} pool-routed steps (2+3 of {spec.n_expert} slots) bit-identical: {same}; graphs replayed: {rep}; "
+            f"same tokens: {ta == tb}; differs from exact: {not torch.equal(a, got[False, how])}; "
+            f"max |diff| {(a - b).abs().max().item():.3e}")
+    replayed.update({(g, f"{h} pool"): v[2] for (g, h), v in pool.items()})
     # the reference's one-token passes on the same tokens (same device, dtype and kernels)
     with torch.no_grad():
         ref = reference_model(path, device=device, dtype=dtype)
