@@ -12,7 +12,8 @@
    it runs at pinned speed (GB/s of a 256 MiB copy: arena view vs a pageable tensor).
 3. overlap: torch.profiler trace of one layer-major prefill (mid model, 5/15, warm and cold): the
    fraction of host->device memcpy time that overlaps compute kernels on another stream.
-4. batch: batched decode with per-sequence CUDA graphs (eager, captured, replayed) == each sequence alone.
+4. batch: batched decode with per-sequence CUDA graphs (eager, captured, replayed) == each sequence alone; pool
+   routing's decode (tiny, 2+4 of 16 slots) eager == graph replay bit for bit, solo and lanes.
 5. PP tok/s layer-major vs standard on the tiny and the mid model, same slot config and state.
 6. kernels: every expert type the kernels read (Q8_0, MXFP4, the K- and i-quants) at the bench geometry, through
    deploy/device/kernel_roofline.check (vs the torch path in bf16, row invariance, the in-kernel weights); and a
@@ -251,6 +252,55 @@ def check_prefix(path: Path, device: str, ids: list[int], chunk: int = 16):
         RESULTS["prefix"] = {"cached": got, "tokens": n, "pieces": pieces}
     finally:
         close(runner, store)
+
+
+def greedy_decode(runner, prompt: list[int], steps: int, how: str, settle: bool = False):
+    """Logits [steps, V] of `steps` greedy decode tokens after the prompt ("solo": runner.forward one token, as a
+    lone sequence outside the lanes; "lanes": decode_batch, as the engine decodes), the tokens, and whether the
+    last step was replayed from a captured graph. settle: the prompt's consolidation applied before the decode
+    (an approximate routing mode depends on residency: it must not change under the steps at its own pace)."""
+    kv = runner.new_cache(len(prompt) + steps + 8)
+    lg, _ = runner.forward(prompt, kv)
+    if settle:
+        runner.settle()
+    out, toks = [], []
+    for _ in range(steps):
+        toks.append(int(lg[-1].argmax()))
+        lg, _ = (runner.decode_batch([toks[-1]], [kv]) if how == "lanes"
+                 else runner.forward([toks[-1]], kv, consolidate=False))
+        out.append(lg[-1:].float().cpu())
+    if how == "lanes":
+        ln = runner._lanes
+        replayed = ln is not None and ln.seqs[kv.uid].mode == "replay" and all(p.mode == "replay" for p in ln.parts.values())
+    else:
+        replayed = any(isinstance(v, tuple) for k, v in runner.solo._graphs.items() if k[0] == kv.uid)
+    runner.release(kv)
+    runner.consolidate()
+    return torch.cat(out), toks, replayed
+
+
+def check_pool_decode(path: Path, device: str, prompt: list[int], vram: int, host: int, label: str,
+                      exact: dict | None = None, steps: int = 8) -> dict:
+    """pool routing (routing/approx.py) in the decode graphs: vram + host slots per layer (each layer partly
+    resident after the prompt, settled), eager (cuda_graphs off) == capture / replay bit for bit, solo and lanes.
+    exact: {(False, how): exact routing's eager logits} to report that pool differed. -> {(graphs, how pool): replayed}"""
+    pool = {}
+    for graphs in (False, True):
+        runner, store = runner_for(path, device, vram, host, cuda_graphs=graphs, routing="pool")
+        try:
+            for how in ("solo", "lanes"):
+                pool[graphs, how] = greedy_decode(runner, prompt, steps, how, settle=True)
+        finally:
+            close(runner, store)
+    cuda = device.startswith("cuda")
+    for how in ("solo", "lanes"):
+        (a, ta, _), (b, tb, rep) = pool[False, how], pool[True, how]
+        same = bool(torch.equal(a, b))
+        differs = "" if exact is None else f"differs from exact: {not torch.equal(a, exact[False, how])}; "
+        row(f"{label} {how} pool: eager == graphs", same and (rep or not cuda),
+            f"{steps} pool-routed steps ({vram}+{host} slots) bit-identical: {same}; graphs replayed: {rep}; "
+            f"same tokens: {ta == tb}; {differs}max |diff| {(a - b).abs().max().item():.3e}")
+    return {(g, f"{h} pool"): v[2] for (g, h), v in pool.items()}
 
 
 def check_batch(path: Path, device: str, steps: int = 8):
@@ -521,7 +571,7 @@ def main() -> int:
     p.add_argument("--mid-layers", type=int, default=12)
     p.add_argument("--tokens", type=int, default=256, help="prompt tokens for the mid model (tiny: half)")
     p.add_argument("--mid-preset", default="small", help="synth preset of the mid model (bench: the benchmark geometry)")
-    p.add_argument("--only", default="invariance,prefix,batch,pinned,overlap,pp,kernels",
+    p.add_argument("--only", default="invariance,prefix,batch,pool,pinned,overlap,pp,kernels",
                    help="comma-separated steps to run")
     timing_flag(p)
     a = p.parse_args()
@@ -536,13 +586,15 @@ def main() -> int:
         outdir.mkdir(parents=True, exist_ok=True)
     only = set(a.only.split(","))
     paths = models(tmp, a.mid_layers, a.mid_preset,
-                   names=[n for n, uses in (("tiny", {"invariance", "pp"}),
+                   names=[n for n, uses in (("tiny", {"invariance", "pool", "pp"}),
                                             ("mid", {"prefix", "batch", "pinned", "overlap", "pp"})) if only & uses])
     RESULTS["device"] = torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu"
     RESULTS["torch"] = torch.__version__
     steps = [("invariance", lambda: check_invariance(paths["tiny"], a.device, ids_for(paths["tiny"], 48, seed=0))),
              ("prefix", lambda: check_prefix(paths["mid"], a.device, ids_for(paths["mid"], 150, seed=4))),
              ("batch", lambda: check_batch(paths["mid"], a.device)),
+             ("pool", lambda: check_pool_decode(paths["tiny"], a.device, ids_for(paths["tiny"], 40, seed=6), 2, 4,
+                                                "tiny decode")),
              ("pinned", lambda: check_pinned(paths["mid"], a.device)),
              ("overlap", lambda: check_overlap(paths["mid"], a.device, ids_for(paths["mid"], a.tokens), outdir)),
              ("pp", lambda: check_pp(paths, a.device, {"tiny": max(8, a.tokens // 2), "mid": a.tokens})),

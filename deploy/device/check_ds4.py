@@ -49,8 +49,8 @@ sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 
-from check_cuda import (RESULTS, ROWS, check_batch, close, ids_for, results_table, row, run_steps,  # noqa: E402
-                        runner_for, slot_passes, sync, timing_flag, use_timing)
+from check_cuda import (RESULTS, ROWS, check_batch, check_pool_decode, close, greedy_decode, ids_for,  # noqa: E402
+                        results_table, row, run_steps, runner_for, slot_passes, sync, timing_flag, use_timing)
 
 from betelgeuse.gguf.quants import dequantize  # noqa: E402
 from betelgeuse.gguf.synth import spec_from_preset, write_model  # noqa: E402
@@ -212,31 +212,6 @@ def check_ops(device: str):
     RESULTS["ops"] = res
 
 
-def _greedy_decode(runner, prompt: list[int], steps: int, how: str, settle: bool = False):
-    """Logits [steps, V] of `steps` greedy decode tokens after the prompt ("solo": runner.forward one token, as a
-    lone sequence outside the lanes; "lanes": decode_batch, as the engine decodes), the tokens, and whether the
-    last step was replayed from a captured graph. settle: the prompt's consolidation applied before the decode
-    (an approximate routing mode depends on residency: it must not change under the steps at its own pace)."""
-    kv = runner.new_cache(len(prompt) + steps + 8)
-    lg, _ = runner.forward(prompt, kv)
-    if settle:
-        runner.settle()
-    out, toks = [], []
-    for _ in range(steps):
-        toks.append(int(lg[-1].argmax()))
-        lg, _ = (runner.decode_batch([toks[-1]], [kv]) if how == "lanes"
-                 else runner.forward([toks[-1]], kv, consolidate=False))
-        out.append(lg[-1:].float().cpu())
-    if how == "lanes":
-        ln = runner._lanes
-        replayed = ln is not None and ln.seqs[kv.uid].mode == "replay" and all(p.mode == "replay" for p in ln.parts.values())
-    else:
-        replayed = any(isinstance(v, tuple) for k, v in runner.solo._graphs.items() if k[0] == kv.uid)
-    runner.release(kv)
-    runner.consolidate()
-    return torch.cat(out), toks, replayed
-
-
 def check_decode(device: str, tmp: Path, steps: int = 8, preset: str = "ds4-tiny"):
     from betelgeuse.kernels.triton_ds4 import TritonOps
     from betelgeuse.model.deepseek4 import TorchOps
@@ -250,7 +225,7 @@ def check_decode(device: str, tmp: Path, steps: int = 8, preset: str = "ds4-tiny
         try:
             static = runner.decodes_in_lanes
             for how in ("solo", "lanes"):
-                got[graphs, how], toks[graphs, how], replayed[graphs, how] = _greedy_decode(runner, prompt, steps, how)
+                got[graphs, how], toks[graphs, how], replayed[graphs, how] = greedy_decode(runner, prompt, steps, how)
             dtype = runner.dtype
         finally:
             close(runner, store)
@@ -260,24 +235,9 @@ def check_decode(device: str, tmp: Path, steps: int = 8, preset: str = "ds4-tiny
         row(f"{tag} decode {how}: eager == graphs", same and (replayed[True, how] or not cuda),
             f"{steps} steps from a {len(prompt)}-token prompt bit-identical: {same}; graphs replayed: {replayed[True, how]}; "
             f"static form: {static}; max |diff| {(got[False, how] - got[True, how]).abs().max().item():.3e}")
-    # pool routing (routing/approx.py) in the graphs: 2 VRAM + 3 host slots of the 8 experts per layer (every layer
-    # partly resident after the prompt), eager == capture / replay bit for bit, solo and lanes
-    pool = {}
-    for graphs in (False, True):
-        runner, store = runner_for(path, device, 2, 3, cuda_graphs=graphs, routing="pool")
-        try:
-            for how in ("solo", "lanes"):
-                pool[graphs, how] = _greedy_decode(runner, prompt, steps, how, settle=True)
-        finally:
-            close(runner, store)
-    for how in ("solo", "lanes"):
-        (a, ta, _), (b, tb, rep) = pool[False, how], pool[True, how]
-        same = bool(torch.equal(a, b))
-        row(f"ds4 decode {how} pool: eager == graphs", same and (rep or not cuda),
-            f"{steps} pool-routed steps (2+3 of {spec.n_expert} slots) bit-identical: {same}; graphs replayed: {rep}; "
-            f"same tokens: {ta == tb}; differs from exact: {not torch.equal(a, got[False, how])}; "
-            f"max |diff| {(a - b).abs().max().item():.3e}")
-    replayed.update({(g, f"{h} pool"): v[2] for (g, h), v in pool.items()})
+    # pool routing in the graphs (check_cuda.check_pool_decode): 2 VRAM + 3 host slots per layer of ds4-tiny's 8
+    q = max(1, spec.n_expert // 4)
+    replayed.update(check_pool_decode(path, device, prompt, q, q + 1, f"{tag} decode", exact=got, steps=steps))
     # the reference's one-token passes on the same tokens (same device, dtype and kernels)
     with torch.no_grad():
         ref = reference_model(path, device=device, dtype=dtype)
