@@ -29,7 +29,8 @@ class SoloDecode:
         self.model, self.moe = model, moe
         self.graphs_on = graphs
         self.keep = keep                    # (sequence, pattern) entries kept, least recently used dropped first
-        self._graphs: OrderedDict = OrderedDict()   # (kv uid, all-VRAM pattern, routing mode) -> "warm" | captured decode graphs
+        # (kv uid, all-VRAM pattern, routing mode) -> "warm" | captured decode graphs
+        self._graphs: OrderedDict = OrderedDict()
 
     def _ops(self, ids, kv, pos, lstats, out: dict):
         """One decode token as a generator: runs the capturable work and yields (layer, routing, guess) where a

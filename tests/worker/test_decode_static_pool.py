@@ -1,11 +1,11 @@
 """The approximate routing modes in the static decode form (what the CUDA graphs capture), on the CPU.
 
 The captured graphs route with MoEStep.route_static: the exact and the approximate choice over fixed resident
-buffers, one picked per layer on the device. Checked: route_static is bit-identical to the eager route with
-MoEStep.residency() on every layer kind (cold, all resident, partial; deepseek4's hash layers too) for both modes,
-and a pool decode in the static form (solo and lanes) is location-invariant (the same resident SET in different
-tiers -> the same bits), reads nothing from disk once warm, and picks the same tokens as the eager (sliced) pool
-decode. The CUDA graph replay itself is checked on the device (deploy/device/check_ds4.py, decode step).
+buffers, one picked per layer on the device. Checked, for qwen3moe, deepseek4 and deepseek41: route_static is
+bit-identical to the eager route with MoEStep.residency() on every layer kind (cold, all resident, partial;
+deepseek4's hash layers too) in both modes, and a pool decode in the static form (solo and lanes) is
+location-invariant (the same resident SET in different tiers -> the same bits), reads nothing from disk once warm,
+and picks the same tokens as the eager (sliced) pool decode. The CUDA graph replay itself is checked on the device (deploy/device/check_ds4.py, decode step).
 """
 
 import numpy as np
@@ -26,8 +26,14 @@ def ds4(tmp_path_factory):
     return synth_reference(tmp_path_factory, "ds4-tiny", [1, 2, 3], 8, seed=3)[0]
 
 
+@pytest.fixture(scope="module")
+def ds41(tmp_path_factory):
+    return synth_reference(tmp_path_factory, "ds41-tiny", [1, 2, 3], 8, seed=3)[0]
+
+
 # (model fixture, n_expert, two slot configurations of one resident count in different tiers)
-ENGINES = {"qwen3moe": ("qwen", 32, (2, 6), (6, 2)), "deepseek4": ("ds4", 8, (2, 3), (4, 1))}
+ENGINES = {"qwen3moe": ("qwen", 32, (2, 6), (6, 2)), "deepseek4": ("ds4", 8, (2, 3), (4, 1)),
+           "deepseek41": ("ds41", 8, (2, 3), (4, 1))}
 
 
 @pytest.mark.parametrize("mode", ["pool", "resident"])
