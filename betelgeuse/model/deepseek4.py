@@ -321,6 +321,9 @@ class Deepseek4Model:
     # -- the attention sublayer in three parts (LaneDecode: worker/lanes.py runs lane_rows / attn_out over the rows
     #    of every running sequence at once and attend_static per sequence) --
 
+    # lane_rows' rows are all lane-first [T, ...]: the lanes copy a layer's rows in one launch per dtype (worker/lanes.py)
+    LANE_ROWS_FIRST = True
+
     def lane_rows(self, layer: int, x: torch.Tensor, positions: torch.Tensor):
         """X [T, hc, D], positions [T] -> (carry for attn_out, rows): the row-wise part of attention (mHC mix,
         attn_norm, the projections, q/kv norms and RoPE). rows: q [T, H, hd], kv [T, hd] (both rotated), and on

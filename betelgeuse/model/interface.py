@@ -88,6 +88,8 @@ class LaneDecode(Protocol):
     # .cos_sin(positions, dtype): the tables lane_rows reads (the lanes keep them alive); flattened, they are the
     # `tables` (the step's, made once) attend_static may read at its lane's position instead of recomputing them
     rope: Any
+    # optional LANE_ROWS_FIRST = True: every row of lane_rows is lane-first [B, ...] (lane_row slices dim 0), so the
+    # lanes keep a layer's rows side by side in one buffer per dtype and copy them in one launch
 
     def lane_rows(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[Any, tuple]: ...
     def lane_row(self, rows: tuple, i: int) -> tuple: ...

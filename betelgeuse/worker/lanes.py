@@ -168,18 +168,42 @@ class Lanes:
             if self.tables is None:
                 self.tables = torch.zeros((len(tabs), *tabs[0].shape), dtype=tabs[0].dtype, device=tabs[0].device)
             torch.stack(tabs, out=self.tables)
-        bufs = self.layer_rows[l] = self._rows(rows)
-        for buf, t in zip(bufs, rows):
-            buf.copy_(t)
+        bufs, packs = self._rows(rows)
+        self.layer_rows[l] = bufs
+        for flat, members in packs:         # one copy per dtype: the rows side by side in one [B, sum] buffer
+            torch.cat([rows[j].reshape(flat.shape[0], -1) for j in members], dim=1, out=flat)
+        if not packs:
+            for buf, t in zip(bufs, rows):
+                buf.copy_(t)
         return (carry,)
 
-    def _rows(self, rows: tuple) -> list:
-        """The lane buffers for rows of these shapes."""
+    def _rows(self, rows: tuple) -> tuple:
+        """The lane buffers for rows of these shapes -> (a buffer per row, packs). A model whose rows are lane-first
+        ([B, ...], model.LANE_ROWS_FIRST) gets one flat [B, sum of a row's elements] buffer per dtype, the rows' buffers
+        views of its column ranges (a lane's row of each stays contiguous), so a layer's rows are copied in one launch
+        per dtype (packs: (flat buffer, the rows' indices in it)); otherwise a buffer per row (packs empty)."""
         key = tuple((tuple(t.shape), t.dtype) for t in rows)
-        bufs = self.rows.get(key)
-        if bufs is None:
-            bufs = self.rows[key] = [torch.zeros_like(t) for t in rows]
-        return bufs
+        ent = self.rows.get(key)
+        if ent is not None:
+            return ent
+        if not getattr(self.m, "LANE_ROWS_FIRST", False):
+            ent = self.rows[key] = ([torch.zeros_like(t) for t in rows], [])
+            return ent
+        B = rows[0].shape[0]
+        assert all(t.shape[0] == B for t in rows), [tuple(t.shape) for t in rows]
+        bufs: list = [None] * len(rows)
+        packs = []
+        for dt in dict.fromkeys(t.dtype for t in rows):
+            members = [j for j, t in enumerate(rows) if t.dtype == dt]
+            widths = [rows[j][0].numel() for j in members]
+            flat = torch.zeros((B, sum(widths)), dtype=dt, device=rows[members[0]].device)
+            a = 0
+            for j, w in zip(members, widths):
+                bufs[j] = flat[:, a:a + w].view(rows[j].shape)
+                a += w
+            packs.append((flat, members))
+        ent = self.rows[key] = (bufs, packs)
+        return ent
 
     def _residual(self, l: int, v: tuple, combine):
         """Layer l's MoE output rows into their lanes, then the residual x + routed for every lane."""
