@@ -411,12 +411,14 @@ class TritonOps:
         return res
 
     @staticmethod
-    def _rms_rope(x, w, cos, sin, eps, norm: int, neg_sin: bool = False, ring=None, pos=None):
+    def _rms_rope(x, w, cos, sin, eps, norm: int, neg_sin: bool = False, ring=None, pos=None, out=None):
         D = x.shape[-1]
         xc = x.contiguous()
         rows = xc.numel() // D
         T = cos.shape[0]
-        out = torch.empty_like(xc)
+        if out is None:
+            out = torch.empty_like(xc)
+        assert out.is_contiguous() and out.shape == xc.shape and out.dtype == xc.dtype, (out.shape, xc.shape)
         _rms_rope_kernel[(rows,)](xc, w if w is not None else xc, cos, sin, out,
                                   ring if ring is not None else out, pos if pos is not None else cos,
                                   D, cos.shape[1], rows // T, ring.shape[0] if ring is not None else 1, float(eps),
@@ -458,7 +460,7 @@ class TritonOps:
         return score.topk(k, dim=-1).indices[0]
 
     @classmethod
-    def decode_attend(cls, q, kv, ring, entries, top, pos, ratio: int, sinks, cos, sin):
+    def decode_attend(cls, q, kv, ring, entries, top, pos, ratio: int, sinks, cos, sin, out=None):
         _, H, HD = q.shape
         W = ring.shape[0]
         mode = 0 if entries is None else (1 if top is not None else 2)
@@ -469,7 +471,7 @@ class TritonOps:
                                                    top if top is not None else pos, pos, sinks, o, H, W, NE,
                                                    max(ratio, 1), HD ** -0.5, MODE=mode, HD=HD, HB=HB, BS=32,
                                                    IEEE=_ieee(q))
-        return cls._rms_rope(o, None, cos, sin, 0.0, 0, neg_sin=True)
+        return cls._rms_rope(o, None, cos, sin, 0.0, 0, neg_sin=True, out=out)   # out: the de-rotation writes there
 
     @staticmethod
     def _route(logits, bias, tid2eid, token_ids, k, norm, scale, dtype, hashed: bool):

@@ -367,14 +367,15 @@ class Deepseek4Model:
         return self.ops.hc_post(x, out, post, comb)
 
     def attend_static(self, layer: int, rows: tuple, cache: DS4Cache, pos: torch.Tensor,
-                      tables: tuple | None = None) -> torch.Tensor:
+                      tables: tuple | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """One token of one sequence (rows of lane_rows with T = 1) at the device position pos [1]: its K=V row
         into the window ring, its compressor rows into the open window and the window's entry (re)computed,
         the indexer's top-k over every visible entry, attention over the ring and the chosen entries with the
         invisible ones masked -> o [1, H*hd] (de-rotated). Fixed shapes whatever the position: graph-capturable.
         tables: the RoPE tables at pos, (main cos, sin, compressed cos, sin) [1, rope_dim] each (the lanes' tables of
         the step, this lane's row); None: self.rope's at pos (the pass's, made once by the first layer's lane_rows).
-        Either way no layer recomputes them (issue 21: ~5 launches per layer)."""
+        Either way no layer recomputes them (issue 21: ~5 launches per layer). out [1, H*hd]: written there (the
+        lanes' attention rows: on CUDA the kernel's own output, no copy)."""
         p, w, l, ops = self.p, self.w, layer, self.ops
         b, hd, H = f"blk.{l}.", self.cfg.head_dim, self.cfg.n_head
         st = cache.layers[l]
@@ -394,7 +395,8 @@ class Deepseek4Model:
                                   w[b + "indexer_compressor_ape.weight"], w[b + "indexer_compressor_norm.weight"],
                                   self.rope_comp, pos, ratio, self.cfg.rms_eps)
                 top = ops.index_topk(rows[6], rows[7], st.idx.entries, pos, min(p.index_topk, ents.shape[0]))
-        o = ops.decode_attend(q, rows[1], st.swa, ents, top, pos, ratio, w[b + "attn_sinks.weight"], cos, sin)
+        o = ops.decode_attend(q, rows[1], st.swa, ents, top, pos, ratio, w[b + "attn_sinks.weight"], cos, sin,
+                              None if out is None else out.view(1, H, hd))
         return o.reshape(1, H * hd)
 
     def _attend_prefill(self, layer: int, rows: tuple, cache: DS4Cache, positions: torch.Tensor) -> torch.Tensor:
@@ -688,13 +690,13 @@ class TorchOps:
         return index_scores(iq, iw, keys[:n]).topk(min(k, n), dim=-1).indices[0]
 
     @staticmethod
-    def decode_attend(q, kv, ring, entries, top, pos, ratio: int, sinks, cos, sin):
+    def decode_attend(q, kv, ring, entries, top, pos, ratio: int, sinks, cos, sin, out=None):
         """The token's K=V row kv [1, hd] into the window ring [W, hd] at pos % W; then one query q [1, H, hd] at
         pos over the ring (its rows that hold a position >= 0) and, on compressed layers, the entries visible at
         pos (row < (pos+1) // ratio; top [k]: those of these rows, in top's order; None: every one), with the
         sinks -> [1, H, hd] de-rotated at pos (cos/sin [1, r]). Only the visible entries are keys: entries [N] is
         sized by the sequence's max_len, and masked keys would still change the CPU's reduction order (the bits
-        would depend on max_len); the CPU path is eager, so the count is read on the host."""
+        would depend on max_len); the CPU path is eager, so the count is read on the host. out: written there."""
         W, dev = ring.shape[0], pos.device
         ring.index_copy_(0, pos.remainder(W), kv)
         keys, mask = ring, pos - (pos - torch.arange(W, device=dev)).remainder(W) >= 0
@@ -702,7 +704,8 @@ class TorchOps:
             n = _visible(pos, ratio)
             ents = entries[:n] if top is None else entries.index_select(0, top[top < n])
             keys, mask = torch.cat([keys, ents]), torch.cat([mask, mask.new_ones(ents.shape[0])])
-        return apply_rope(attend_ref(q, keys, mask[None], sinks), cos, -sin)
+        o = apply_rope(attend_ref(q, keys, mask[None], sinks), cos, -sin)
+        return o if out is None else out.copy_(o)
 
     @staticmethod
     def shared_ffn(h, gate_up, gate, up, down, limit: float):

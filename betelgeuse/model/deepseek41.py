@@ -317,13 +317,13 @@ class Deepseek41Model(Deepseek4Model):
         return (X, post, comb, pre_a), tuple(rows)
 
     def attend_static(self, layer: int, rows: tuple, cache: DS41Cache, pos: torch.Tensor,
-                      tables: tuple | None = None) -> torch.Tensor:
+                      tables: tuple | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """One token of one sequence (rows of _rows with T = 1) at the device position pos [1]: a KV source's
         compressor step (the open window's entry (re)computed, and its indexer key), an index source's top-k over
         the visible entries (the candidate layer's blocks; the candidate filter after it), attention over the window
         ring and the chosen entries (ops.decode_attend) -> o [1, H*hd] (de-rotated). Fixed shapes: graph-capturable.
         tables: the RoPE tables at pos as deepseek4's attend_static takes them (the lanes' step tables, this lane's
-        row; None: self.rope's, made once per pass)."""
+        row; None: self.rope's, made once per pass). out [1, H*hd]: written there (deepseek4's)."""
         p, q, w, l = self.p, self.q, self.w, layer
         b, hd, H = f"blk.{l}.", self.cfg.head_dim, self.cfg.n_head
         ratio = p.compress_ratios[l]
@@ -347,7 +347,7 @@ class Deepseek41Model(Deepseek4Model):
                 top = cache.tops.get(q.topk_source[l])
                 assert top is not None, "a reuse layer before its index layer"
         o = self.ops.decode_attend(rows[0], rows[1], cache.swa[l], ents, top, pos, ratio, w[b + "attn_sinks.weight"],
-                                   cos, sin)
+                                   cos, sin, None if out is None else out.view(1, H, hd))
         return o.reshape(1, H * hd)
 
     def attn_out(self, layer: int, carry, o: torch.Tensor) -> torch.Tensor:

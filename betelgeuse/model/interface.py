@@ -82,7 +82,8 @@ class LaneDecode(Protocol):
     once and the attention per sequence (worker/lanes.py):
 
         carry, rows = lane_rows(layer, x, positions)     # x [B, ...] one row per lane; rows: a tuple of tensors
-        o_i = attend_static(layer, lane_row(rows, i), cache_i, pos_i, lane_row(tables, i))   # -> [1, n_head*head_dim]
+        o_i = attend_static(layer, lane_row(rows, i), cache_i, pos_i, lane_row(tables, i), out=o[i:i + 1])
+                                                         # -> [1, n_head*head_dim], written into out when given
         x = attn_out(layer, carry, o)                    # o [B, n_head*head_dim]
     """
     # .cos_sin(positions, dtype): the tables lane_rows reads (the lanes keep them alive); flattened, they are the
@@ -94,7 +95,7 @@ class LaneDecode(Protocol):
     def lane_rows(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[Any, tuple]: ...
     def lane_row(self, rows: tuple, i: int) -> tuple: ...
     def attend_static(self, layer: int, rows: tuple, cache, pos: torch.Tensor,
-                      tables: tuple | None = None) -> torch.Tensor: ...
+                      tables: tuple | None = None, out: torch.Tensor | None = None) -> torch.Tensor: ...
     def attn_out(self, layer: int, carry, attn: torch.Tensor) -> torch.Tensor: ...
 
 

@@ -93,12 +93,14 @@ class Qwen3MoeModel:
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def attend_static(self, layer: int, rows: tuple, cache: KVCache, pos: torch.Tensor,
-                      tables: tuple | None = None) -> torch.Tensor:
+                      tables: tuple | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """One token of one sequence: rows = q [n_head,1,hd], k/v [n_head_kv,1,hd]; k/v written at the device
-        position pos [1], attention over the whole static cache -> [1, n_head*hd]. (tables unused: q/k come rotated.)"""
+        position pos [1], attention over the whole static cache -> [1, n_head*hd] (copied into out when given).
+        (tables unused: q/k come rotated.)"""
         q, k, v = rows
         cache.write_static(layer, k, v, pos)
-        return static_decode_attention(q, cache.k[layer], cache.v[layer], pos)
+        o = static_decode_attention(q, cache.k[layer], cache.v[layer], pos)
+        return o if out is None else out.copy_(o)
 
     def attn_out(self, layer: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """x [T,H], attn [T, n_head*hd] -> the residual x + wo attn [T,H]."""

@@ -214,7 +214,7 @@ class Lanes:
     def _attend(self, l: int, s: _SeqAttn):
         i, m = s.lane, self.m
         rows, tables = m.lane_row(self.layer_rows[l], i), m.lane_row(self.tables.unbind(0), i)
-        self.attn[i:i + 1].copy_(m.attend_static(l, rows, s.kv, s.kv.pos, tables))
+        m.attend_static(l, rows, s.kv, s.kv.pos, tables, out=self.attn[i:i + 1])       # written in place
 
     def _post(self, l: int, v: tuple, route):
         m = self.m
