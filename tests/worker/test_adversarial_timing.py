@@ -157,8 +157,9 @@ def test_prefill_bit_identical_whatever_the_arrival(archs, arch):
             logits, st = runner.forward(a.prompt, runner.new_cache(len(a.prompt)), all_logits=True, consolidate=True)
             _equal(logits, want, f"{arch} {name} prefill")
             reads.append(st.reads)
-            # deepseek41: Engram rows from disk in every pass (the row cache holds under half), late and shuffled
-            assert st.engram is None or 0 < st.engram.disk_rows < st.engram.unique_rows, st.engram
+            # deepseek41: Engram rows from disk in every pass (the row cache holds under half), late and shuffled;
+            # how many the cache answers depends on what the shuffled copies left in it (none at all, at times)
+            assert st.engram is None or 0 < st.engram.disk_rows <= st.engram.unique_rows, st.engram
         assert reads[0]["vram"] == reads[0]["host"] == 0 < reads[0]["disk"], reads
         assert all(reads[2][t] > 0 for t in ("vram", "host", "disk")), reads
     finally:
@@ -301,7 +302,8 @@ def test_the_jitter_exposes_an_arrival_order_combine(archs, arch, naive_combine,
     a = archs[arch]
 
     def cold_prefill():
-        runner, store = in_process_runner(a.path, a.vram, a.host, read_threads=1, prefetch=False, **dict(a.cfg))
+        runner, store = in_process_runner(a.path, a.vram, a.host, read_threads=1, prefetch=False, prefetch_decode=False,
+                                          **dict(a.cfg))   # no read-ahead of either kind: reads land as asked
         try:
             logits, st = runner.forward(a.prompt, runner.new_cache(len(a.prompt)), all_logits=True, consolidate=False)
             assert st.reads["vram"] == st.reads["host"] == 0 < st.reads["disk"], st.reads
