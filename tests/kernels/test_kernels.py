@@ -29,9 +29,14 @@ pytest.importorskip("triton")
 HERE = Path(__file__).resolve().parents[1]
 
 
-def _run(script: str, *args, timeout: int = 600) -> dict:
+def _run(script: str, *args, timeout: int = 600, tuning: str | None = None) -> dict:
+    """The script's last stdout line as JSON, run under the Triton interpreter. tuning="off": the kernels' default
+    launch shapes instead of the committed H200 table (whose split-K shapes are many more interpreted programs;
+    the split schedules have their own test)."""
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
                PYTHONPATH=str(HERE.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if tuning is not None:
+        env["BETELGEUSE_TRITON_TUNING"] = tuning
     p = subprocess.run([sys.executable, str(HERE / "scripts" / script), *args], capture_output=True, text=True,
                        env=env, timeout=timeout)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -82,7 +87,7 @@ def test_triton_types_are_the_kernel_codes():
 
 @pytest.mark.slow
 def test_engine_with_triton_kernels_is_location_invariant(tmp_path):
-    res = _run("triton_engine_check.py", str(tmp_path / "engine.gguf"))["configs"]
+    res = _run("triton_engine_check.py", str(tmp_path / "engine.gguf"), tuning="off")["configs"]
     assert len(res) == 3
     for key, r in res.items():
         assert r["bit_identical"], key
@@ -97,7 +102,7 @@ def test_engine_with_triton_kernels_is_location_invariant(tmp_path):
 def test_deepseek4_engine_with_triton_mxfp4_is_location_invariant(tmp_path):
     """deepseek4 (ds4-tiny: MXFP4 routed experts, the clamped SwiGLU with a limit that binds) on the triton
     backend: bit-identical across slot configurations and passes, within float32 noise of the torch engine."""
-    out = _run("triton_engine_check.py", str(tmp_path / "ds4.gguf"), "ds4-tiny")
+    out = _run("triton_engine_check.py", str(tmp_path / "ds4.gguf"), "ds4-tiny", tuning="off")
     res = out["configs"]
     assert out["expert_act"] == ["swiglu", 0.25] and out["clamp_effect"] > 0.05, out   # the clamp changes logits
     assert len(res) == 3

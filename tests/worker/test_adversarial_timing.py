@@ -375,7 +375,13 @@ def test_the_jitter_exposes_an_arrival_order_engram_placement(archs, arrival_ord
     monkeypatch.delenv(JITTER_ENV)
     base, jit0 = cold_prefill()
     assert not jit0 and verdict(base, want) == "same", "the planted placement differs even without the jitter"
-    monkeypatch.setenv(JITTER_ENV, JITTER)
-    jittered, jit1 = cold_prefill()
-    assert jit1
-    assert verdict(jittered, want).startswith("differs"), "the jitter did not expose the planted Engram placement"
+    # a few seeds: the pages of a tiny table are few, and one seed's hold-backs may, by chance, keep their order
+    verdicts = []
+    for seed in (28, 29, 30):
+        monkeypatch.setenv(JITTER_ENV, f"{seed}:5")
+        jittered, jit1 = cold_prefill()
+        assert jit1
+        verdicts.append(verdict(jittered, want))
+        if verdicts[-1].startswith("differs"):
+            break
+    assert verdicts[-1].startswith("differs"), f"the jitter did not expose the planted Engram placement: {verdicts}"
