@@ -137,13 +137,16 @@ class MoEKernels:
             run_expert(r.h, y3, work, self.weights_fn(pool[b: b + slot_bytes], layer, e), self.sub_batch,
                        self.limit)
 
-    def combine(self, r: Routing) -> torch.Tensor:
-        """[T,H]: ranks reduced 0..k-1 in order, so no tier or group order changes a bit."""
+    def combine(self, r: Routing, out: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[T,H]: ranks reduced 0..k-1 in order, so no tier or group order changes a bit. out [B,H] and rows [T]
+        (the batched decode lanes): row t written into out[rows[t]] (triton: by the kernel itself), out returned."""
         T, k = r.ids.shape
         if self.backend == "triton":
-            out = torch.empty(T, r.y.shape[1], dtype=r.h.dtype, device=r.h.device)
-            return self._tk.combine(r.y, r.w, out)
-        return moe_combine(r.y.view(T, k, -1), r.w)
+            if out is None:
+                out = torch.empty(T, r.y.shape[1], dtype=r.h.dtype, device=r.h.device)
+            return self._tk.combine(r.y, r.w, out, rows)
+        y = moe_combine(r.y.view(T, k, -1), r.w)
+        return y if out is None else out.index_copy_(0, rows, y)
 
 
 def pack_experts(parts_of, experts, n_expert: int, device) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, int]:

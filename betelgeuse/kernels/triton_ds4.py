@@ -352,6 +352,19 @@ def _swiglu_kernel(gu_ptr, out_ptr, Fw, limit, BF: tl.constexpr):
     tl.store(out_ptr + t * Fw + f, (act * u).to(dt), mask=mf)
 
 
+@triton.jit
+def _copy_rows_kernel(idx_ptr, srcs, dsts, s_stride, d_stride, widths, N: tl.constexpr, GATHER: tl.constexpr,
+                      BN: tl.constexpr):
+    """Row r of each of N byte matrices: dsts[j][r] = srcs[j][idx[r]] (GATHER) or srcs[j][r], widths[j] bytes (row
+    strides in bytes): any dtypes, the bytes moved as they are."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BN + tl.arange(0, BN)
+    s = tl.load(idx_ptr + r).to(tl.int64) if GATHER else r
+    for j in tl.static_range(N):
+        m = c < widths[j]
+        tl.store(dsts[j] + r * d_stride[j] + c, tl.load(srcs[j] + s * s_stride[j] + c, mask=m), mask=m)
+
+
 def _ieee(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32
 
@@ -399,6 +412,29 @@ class TritonOps:
                                 HC=HC, MP=MP, SP=triton.next_power_of_2(S), BD=min(1024, triton.next_power_of_2(D)),
                                 LAG=lag is not None)
         return pre, post, comb, h
+
+    @staticmethod
+    def _copy_rows(srcs, dsts, idx=None) -> None:
+        """TorchOps.copy_rows (idx [R]: dsts[j] = srcs[j]'s rows idx) in ONE launch, whatever the number and dtypes of
+        the tensors: their rows moved as bytes (each row's elements contiguous; row strides any)."""
+        S = [s.reshape(s.shape[0], -1).view(torch.uint8) for s in srcs]
+        D = [d.view(d.shape[0], -1).view(torch.uint8) for d in dsts]
+        assert all(s.shape[1] == d.shape[1] and s.stride(1) == d.stride(1) == 1 for s, d in zip(S, D)), \
+            [(s.shape, d.shape) for s, d in zip(S, D)]
+        W = max(s.shape[1] for s in S)
+        _copy_rows_kernel[(D[0].shape[0], triton.cdiv(W, 1024))](
+            idx if idx is not None else S[0], tuple(S), tuple(D), tuple(s.stride(0) for s in S),
+            tuple(d.stride(0) for d in D), tuple(s.shape[1] for s in S), N=len(S), GATHER=idx is not None, BN=1024)
+
+    @classmethod
+    def copy_rows(cls, srcs, dsts) -> None:
+        cls._copy_rows(srcs, dsts)
+
+    @classmethod
+    def gather_rows(cls, idx, ts) -> list:
+        out = [torch.empty((idx.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device) for t in ts]
+        cls._copy_rows(ts, out, idx)
+        return out
 
     @staticmethod
     def hc_post(X, out, post, comb, extra=None):

@@ -308,7 +308,7 @@ def _down_kernel(inter_ptr, pool, tab, base_ptr, starts_ptr, rows_ptr, off_ptr, 
 
 
 @triton.jit
-def _combine_kernel(y_ptr, w_ptr, out_ptr, H, k_top, BN: tl.constexpr):
+def _combine_kernel(y_ptr, w_ptr, out_ptr, rows_ptr, H, k_top, BN: tl.constexpr, ROWS: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     mn = n < H
@@ -317,7 +317,8 @@ def _combine_kernel(y_ptr, w_ptr, out_ptr, H, k_top, BN: tl.constexpr):
         w = tl.load(w_ptr + t * k_top + r).to(tl.float32)
         yr = tl.load(y_ptr + (t * k_top + r) * H + n, mask=mn, other=0).to(tl.float32)
         acc = acc + w * yr
-    tl.store(out_ptr + t * H + n, acc.to(out_ptr.dtype.element_ty), mask=mn)
+    o = tl.load(rows_ptr + t).to(tl.int64) if ROWS else t
+    tl.store(out_ptr + o * H + n, acc.to(out_ptr.dtype.element_ty), mask=mn)
 
 
 def _launch_rows(R: int, E: int, BM: int) -> int:
@@ -398,11 +399,14 @@ def down(inter, pool, base, starts, rows, off, y, n_tokens: int, qt: int, row_by
             dict(QT=qt, IEEE=inter.dtype == torch.float32, ALIGNED=aligned, RA=_row_align(row_bytes)), pool.device)
 
 
-def combine(y, w, out):
-    """y [T*k, H], w [T, k] -> out [T, H] = sum over ranks in order (float32 accumulation)."""
+def combine(y, w, out, rows=None):
+    """y [T*k, H], w [T, k] -> out [T, H] = sum over ranks in order (float32 accumulation); rows [T]: row t into
+    out[rows[t]] instead (out [B, H] contiguous: the batched decode lanes' rows, no index_copy_)."""
     T, k = w.shape
     H = y.shape[1]
-    _combine_kernel[(T, triton.cdiv(H, 256))](y, w.contiguous(), out, H, k, BN=256)
+    assert out.is_contiguous() and out.shape[1] == H, (out.shape, H)
+    _combine_kernel[(T, triton.cdiv(H, 256))](y, w.contiguous(), out, rows if rows is not None else w, H, k, BN=256,
+                                              ROWS=rows is not None)
     return out
 
 

@@ -625,6 +625,18 @@ class TorchOps:
         """Rearrange the dense weights for these ops once at load (TorchOps: nothing)."""
 
     @staticmethod
+    def copy_rows(srcs, dsts) -> None:
+        """dsts[j] = srcs[j] (lane-first [B, ...] each): the batched decode lanes' attention rows into their buffers
+        (worker/lanes.py; TritonOps: one launch for all of them, any dtypes)."""
+        for s, d in zip(srcs, dsts):
+            d.copy_(s)
+
+    @staticmethod
+    def gather_rows(idx, ts) -> list:
+        """Rows idx [n] of each of ts (lane-first [B, ...]) -> [n, ...] each (TritonOps: one launch for all)."""
+        return [t.index_select(0, idx) for t in ts]
+
+    @staticmethod
     def hc_pre(X, fn, base, scale, norm, iters: int, hc_eps: float, eps: float):
         """mHC before a sublayer: X [T, hc, D] -> post [T, hc], comb [T, hc, hc] (float32, Sinkhorn-normalised),
         h [T, D] = RMSNorm_norm(sum_j pre_j X_j) in X's dtype."""

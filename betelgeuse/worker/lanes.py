@@ -170,11 +170,15 @@ class Lanes:
             torch.stack(tabs, out=self.tables)
         bufs, packs = self._rows(rows)
         self.layer_rows[l] = bufs
-        for flat, members in packs:         # one copy per dtype: the rows side by side in one [B, sum] buffer
-            torch.cat([rows[j].reshape(flat.shape[0], -1) for j in members], dim=1, out=flat)
-        if not packs:
-            for buf, t in zip(bufs, rows):
-                buf.copy_(t)
+        ops = getattr(m, "ops", None)
+        if packs and hasattr(ops, "copy_rows"):
+            ops.copy_rows(rows, bufs)       # deepseek4: every row into its buffer (TritonOps: one launch in all)
+        else:
+            for flat, members in packs:     # one copy per dtype: the rows side by side in one [B, sum] buffer
+                torch.cat([rows[j].reshape(flat.shape[0], -1) for j in members], dim=1, out=flat)
+            if not packs:
+                for buf, t in zip(bufs, rows):
+                    buf.copy_(t)
         return (carry,)
 
     def _rows(self, rows: tuple) -> tuple:
@@ -208,7 +212,7 @@ class Lanes:
     def _residual(self, l: int, v: tuple, combine):
         """Layer l's MoE output rows into their lanes, then the residual x + routed for every lane."""
         xa, h, aux, r, _ = self.parts["post", l, v].out
-        self.routed.index_copy_(0, self.idx[:v[0]], combine(r))
+        combine(r, out=self.routed, rows=self.idx[:v[0]])        # the kernel writes the rows into their lanes
         return self.m.moe_output(l, xa, aux, h, self.routed)
 
     def _attend(self, l: int, s: _SeqAttn):
@@ -221,9 +225,11 @@ class Lanes:
         xa = m.attn_out(l, self.parts["pre", l, v].out[0], self.attn)
         h, aux = m.moe_input(l, xa)
         ti, tw = self.router(m, l, h, self.ids)
+        ts = [h, ti, tw] + ([guess_next(m, l, xa, self.ids)] if self.guess and l + 1 < self.L else [])
         i = self.idx[:v[0]]
-        guess = (guess_next(m, l, xa, self.ids).index_select(0, i) if self.guess and l + 1 < self.L else None)
-        return xa, h, aux, route(l, h.index_select(0, i), ti.index_select(0, i), tw.index_select(0, i)), guess
+        gather = getattr(getattr(m, "ops", None), "gather_rows", None)      # deepseek4's: TritonOps one launch
+        run = gather(i, ts) if gather is not None else [t.index_select(0, i) for t in ts]     # the running rows
+        return xa, h, aux, route(l, *run[:3]), (run[3] if len(run) > 3 else None)
 
     def _head(self, v: tuple, combine):
         return self.m.logits(self._residual(self.L - 1, v, combine)).index_select(0, self.idx[:v[0]])

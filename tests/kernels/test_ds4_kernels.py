@@ -186,16 +186,43 @@ def test_lanes_decode_step_launches_per_layer(monkeypatch, tmp_path):
                     per = []
                     for layer in range(c.n_layer):
                         before = k.total
-                        lanes.front(layer, kvs, lambda l, h, ti, tw: None, lambda r: routed)
+                        lanes.front(layer, kvs, lambda l, h, ti, tw: None, lambda r, **kw: routed)
                         per.append(k.total - before)
-                    lanes.head(kvs, lambda r: routed)
+                    lanes.head(kvs, lambda r, **kw: routed)
                 for kv in kvs:
                     kv.commit()
                 launches.clear()
         assert len(pos) == n
         # the dense part is the solo step's plus the lanes' own copies: a layer's attention rows into the lane
-        # buffers in one launch per dtype (they were one per row, up to 8) and each sequence's attention written in
-        # place into its lane (was a copy): 47 per layer at n = 1 and 61 at n = 3 before, here 39 and 51; each more
-        # sequence adds its attention (the decode-step kernels, one sequence per launch)
-        assert max(per) <= LAUNCH_TARGET - 20 + 6 * (n - 1), (n, per, k.ops.most_common(12))
+        # buffers and the running rows' h, expert ids and weights (and guesses) out of the lanes in one launch each
+        # whatever their dtypes (TritonOps.copy_rows / gather_rows; were a cat per dtype and 3 index_selects), the
+        # MoE rows combined straight into their lanes (no index_copy_), each sequence's attention written in place:
+        # 39 per layer at n = 1 and 51 at n = 3 before, here 36 and 48; each more sequence adds its attention
+        assert max(per) <= LAUNCH_TARGET - 24 + 6 * (n - 1), (n, per, k.ops.most_common(12))
         assert _rope_ops(k) == 4, (n, k.ops)
+
+
+def test_triton_lane_copies_equal_torch():
+    """TritonOps.copy_rows / gather_rows (the lanes' copies, one launch for tensors of any dtypes, worker/lanes.py)
+    move the same bits as TorchOps' copy_ / index_select, into strided column views too (TRITON_INTERPRET=1)."""
+    code = """
+import torch
+from betelgeuse.kernels.triton_ds4 import TritonOps
+from betelgeuse.model.deepseek4 import TorchOps
+g = torch.Generator().manual_seed(0)
+ts = [torch.randn(4, 3, 8, generator=g).bfloat16(), torch.randint(0, 9, (4, 6), generator=g),
+      torch.randn(4, 5, generator=g)]
+i = torch.tensor([3, 0])
+same = [torch.equal(a, b) for a, b in zip(TritonOps.gather_rows(i, ts), TorchOps.gather_rows(i, ts))]
+flat, ref = torch.zeros(4, 40, dtype=torch.bfloat16), torch.ones(4, 40, dtype=torch.bfloat16)
+outs = [[f[:, :24].view(4, 3, 8), f[:, 24:29]] for f in (flat, ref)]
+src = [ts[0], ts[2][:, :5].bfloat16().contiguous()]
+TritonOps.copy_rows(src, outs[0])
+TorchOps.copy_rows(src, outs[1])
+same.append(torch.equal(flat[:, :29], ref[:, :29]) and not flat[:, 29:].any())
+print(all(same), same)
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
+                       cwd=Path(__file__).parents[2])
+    assert r.stdout.startswith("True"), (r.stdout, r.stderr[-2000:])
