@@ -204,7 +204,8 @@ def test_lanes_decode_step_launches_per_layer(monkeypatch, tmp_path):
 
 def test_triton_lane_copies_equal_torch():
     """TritonOps.copy_rows / gather_rows (the lanes' copies, one launch for tensors of any dtypes, worker/lanes.py)
-    move the same bits as TorchOps' copy_ / index_select, into strided column views too (TRITON_INTERPRET=1)."""
+    move the same bits as TorchOps' copy_ / index_select, into strided column views too; the MoE combine with rows
+    writes row t into out[rows[t]] the bits it returns alone (the lanes' residual, no index_copy_; TRITON_INTERPRET=1)."""
     code = """
 import torch
 from betelgeuse.kernels.triton_ds4 import TritonOps
@@ -220,6 +221,11 @@ src = [ts[0], ts[2][:, :5].bfloat16().contiguous()]
 TritonOps.copy_rows(src, outs[0])
 TorchOps.copy_rows(src, outs[1])
 same.append(torch.equal(flat[:, :29], ref[:, :29]) and not flat[:, 29:].any())
+from betelgeuse.kernels import triton_moe
+y, w = torch.randn(6, 16, generator=g), torch.randn(2, 3, generator=g)
+one = triton_moe.combine(y, w, torch.empty(2, 16))
+into = triton_moe.combine(y, w, torch.zeros(4, 16), torch.tensor([3, 1]))
+same.append(torch.equal(into[[3, 1]], one) and not into[[0, 2]].any())
 print(all(same), same)
 """
     env = dict(os.environ, TRITON_INTERPRET="1")
