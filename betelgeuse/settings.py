@@ -103,6 +103,14 @@ def _count(minimum: int):
     return conv
 
 
+def _running(value):
+    if value == AUTO:
+        return AUTO
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"expected a number of sequences >= 1 or \"auto\", got {value!r}")
+    return value
+
+
 def _bool(value):
     if not isinstance(value, bool):
         raise ValueError(f"expected true or false, got {value!r}")
@@ -176,6 +184,7 @@ MemoryMax = _t(int | None, _memory_max, "SIZE|auto")
 Slots = _t(int | Literal["auto"], _slot_count, "N|auto")
 Count0 = _t(int, _count(0), "N")
 Count1 = _t(int, _count(1), "N")
+Running = _t(int | Literal["auto"], _running, "N|auto")
 Count2 = _t(int, _count(2), "N")
 Count8 = _t(int, _count(8), "N")
 Seconds = _t(float, _seconds, "SECONDS")
@@ -307,8 +316,10 @@ class EngineSettings(_Section):
     # ahead (worker/guess.py). Only when bytes arrive changes, never a bit of the output
     prefetch_decode: Flag = setting(True, "decode: guess the next layer's experts and read the disk ones ahead", False)
     max_context: Count8 = setting(4096, "tokens per sequence (KV cache length)", 2048)
-    # the slot plan reserves KV for max_running x max_context tokens and decode graphs for max_running sequences
-    max_running: Count1 = setting(8, "sequences with a live KV cache at once (decoded together)", 2)
+    # the slot plan reserves KV for max_running x max_context tokens and decode graphs for max_running sequences;
+    # auto: as many as fit (1..8) beside a minimum of VRAM expert slots per layer (store/plan.py plan_running)
+    max_running: Running = setting(AUTO, "sequences with a live KV cache at once (decoded together), or auto (as "
+                                   "many as the VRAM budget holds, 1-8, beside a minimum of VRAM expert slots)", 2)
     # an idle engine waits this long after a request arrives before it starts a prefill pass, so that requests
     # arriving together (milliseconds apart) share one pass instead of the rest waiting for all of the first one's
     admission_window: Seconds = setting(0.02, "seconds an idle engine gathers requests arriving together into one "

@@ -11,6 +11,10 @@ resident expert (no memory limit, or the memory holds every expert beside them) 
 host tier. Disk experts pass through
 `n_staging` shared staging slots. Beside the arena, the store holds `prefix_host_bytes` for the prefix cache's
 host tier (worker/prefix_host.py), planned before the host slots and counted in the same memory budget.
+
+Before any slot: `max_running` (the sequences whose KV the worker reserves, each a full `max_context`), as
+configured, or `auto` = the most of 1..MAX_RUNNING_AUTO whose KV and decode graphs leave the VRAM budget room for a
+minimum of VRAM expert slots per layer (plan_running).
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ GRAPHS_BYTES_PER_SEQ = 32 * MiB
 # the Triton expert kernels' split-K partials: at most kernels/triton_moe.WS_LIMIT (64 MiB) per stream, and two
 # streams hold one (the eager stream and the graph-capture stream); counted on CUDA with the activations
 SPLITK_WORKSPACE_BYTES = 2 * 64 * MiB
+# max_running = auto: at most this many sequences (8 clients were where the aggregate decode rate had flattened on
+# the bench geometry, docs/scaling.md); fewer where their KV would leave the VRAM tier under its minimum
+MAX_RUNNING_AUTO = 8
 
 
 def _gib(n: int) -> str:
@@ -70,6 +77,8 @@ class SlotPlan:
     memory_in_use: int = 0      # bytes the cgroup held when the plan was made (counted against the limit)
     engram: dict | None = None  # the Engram rows' region (store/engram.EngramLayout.to_dict), None: no Engram
     vram_backing_requested: str = "true"   # as configured: "auto", "true" or "false"
+    max_running: int = 8        # sequences whose KV (and decode graphs) vram_fixed reserves: the worker runs this many
+    max_running_requested: str = "8"       # as configured: "auto" or a count
 
     @property
     def resident_per_layer(self) -> int:
@@ -131,7 +140,8 @@ class SlotPlan:
                 "staging_bytes": self.staging_bytes, "prefix_host_bytes": self.prefix_host_bytes,
                 "worker_reserve_bytes": self.worker_reserve,
                 "memory_limit_bytes": self.memory_limit, "memory_limit_source": self.memory_source,
-                "memory_in_use_bytes": self.memory_in_use, "why": "; ".join(self.notes)}
+                "memory_in_use_bytes": self.memory_in_use, "max_running": self.max_running,
+                "max_running_requested": self.max_running_requested, "why": "; ".join(self.notes)}
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -204,14 +214,14 @@ def compute_dtype_bytes(cfg: EngineConfig) -> int:
 VRAM_PARTS = ("dense", "kv", "prefix_cache", "ring", "activations", "cuda_context")
 
 
-def vram_needs(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int) -> dict[str, int]:
-    """Worker VRAM outside the hot slots, bytes by part (VRAM_PARTS): dense weights, KV caches of every running
-    sequence, the prefix cache, the execution ring, activations (two experts dequantized in flight, the largest
-    prefill pass, scratch), the CUDA context and the running sequences' decode graphs."""
+def vram_needs(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int, running: int) -> dict[str, int]:
+    """Worker VRAM outside the hot slots, bytes by part (VRAM_PARTS), with `running` sequences: dense weights, KV
+    caches of every running sequence, the prefix cache, the execution ring, activations (two experts dequantized in
+    flight, the largest prefill pass, scratch), the CUDA context and the running sequences' decode graphs."""
     c = f.config
     arch = arch_of(c)
     dt = compute_dtype_bytes(cfg)
-    kv = cfg.max_running * arch.state_bytes(c, cfg.max_context, dt)     # every running sequence's state, full
+    kv = running * arch.state_bytes(c, cfg.max_context, dt)     # every running sequence's state, full
     deq = 2 * 3 * c.n_ff_exp * c.n_embd * dt                       # two experts' dequantized matrices in flight
     # activations of the largest prefill pass (a full-context prompt, or several prompts together) and the
     # attention scratch of its blocks (model/registry.py: each architecture's own shapes)
@@ -220,9 +230,49 @@ def vram_needs(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int) -> dict[str
         act += SPLITK_WORKSPACE_BYTES
     ctx = CUDA_CONTEXT_BYTES if cfg.is_cuda else 0
     if cfg.is_cuda and cfg.cuda_graphs:
-        ctx += cfg.max_running * GRAPHS_BYTES_PER_SEQ
+        ctx += running * GRAPHS_BYTES_PER_SEQ
     return {"dense": dense_bytes(f, dt), "kv": kv, "prefix_cache": prefix_cache_bytes(cfg, c, dt),
             "ring": cfg.ring_slots * slot_bytes, "activations": deq + act, "cuda_context": ctx}
+
+
+def plan_running(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int) -> tuple[int, dict[str, int], str]:
+    """Sequences to reserve KV for -> (max_running, vram_needs with them, why).
+
+    A number is kept as given. `auto`: the most of 1..MAX_RUNNING_AUTO whose fixed needs leave the VRAM budget
+    `least` VRAM expert slots per layer, `least` being the configured vram_slots, or with vram_slots = auto the
+    model's top-k (n_expert_used, at most n_expert). Why that floor: a decode step computes top-k experts per token
+    and layer; below that the VRAM tier cannot hold even one token's experts, every step streams its experts
+    through the ring, and the extra sequences' KV was bought with the slots that made each step fast. Where not
+    even one sequence leaves the floor, auto takes 1 (the least that serves) and the VRAM tier gets what is left."""
+    c = f.config
+    if cfg.max_running != "auto":
+        n = int(cfg.max_running)
+        return n, vram_needs(f, cfg, slot_bytes, n), f"max_running={n} as configured"
+    least = c.n_expert_used if cfg.vram_slots == "auto" else int(cfg.vram_slots)
+    least = min(least, c.n_expert)
+    floor = "top-k" if cfg.vram_slots == "auto" else "vram_slots as configured"
+    per_layer_slot = c.n_layer * slot_bytes           # one slot in every layer
+    for n in range(MAX_RUNNING_AUTO, 0, -1):
+        parts = vram_needs(f, cfg, slot_bytes, n)
+        if sum(parts.values()) + least * per_layer_slot <= cfg.vram_budget:
+            kv_each = parts["kv"] // n
+            over = sum(vram_needs(f, cfg, slot_bytes, n + 1).values()) + least * per_layer_slot - cfg.vram_budget
+            more = "" if n == MAX_RUNNING_AUTO else f"; {n + 1} would need {_mib(over)} more"
+            return n, parts, (f"max_running=auto -> {n} (of at most {MAX_RUNNING_AUTO}): KV {_mib(kv_each)} a sequence "
+                              f"({cfg.max_context} tokens) leaves the VRAM budget {_mib(cfg.vram_budget)} room for "
+                              f"at least {least} VRAM expert slots per layer ({floor}){more}")
+    parts = vram_needs(f, cfg, slot_bytes, 1)
+    return 1, parts, (f"max_running=auto -> 1: even one sequence's KV ({_mib(parts['kv'])}) leaves the VRAM budget "
+                      f"{_mib(cfg.vram_budget)} less than {least} VRAM expert slots per layer ({floor}, "
+                      f"{_mib(least * per_layer_slot)})")
+
+
+def _fitting_running(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int, vram_slots: int) -> int:
+    """The most sequences (0..the configured max_running) whose fixed needs leave `vram_slots` per layer in the
+    VRAM budget (for a refusal's message)."""
+    per_layer_slot = f.config.n_layer * slot_bytes
+    return next((n for n in range(int(cfg.max_running), 0, -1)
+                 if sum(vram_needs(f, cfg, slot_bytes, n).values()) + vram_slots * per_layer_slot <= cfg.vram_budget), 0)
 
 
 def _engram_bytes(engram: dict | None) -> int:
@@ -265,14 +315,20 @@ def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, me
     engram = engram_plan(f, cfg)        # the Engram region of the arena (None: no Engram tables)
     engram_bytes = _engram_bytes(engram)
 
+    # 0. the running sequences: their KV and decode graphs are part of the fixed needs below
+    running, parts, why_running = plan_running(f, cfg, slot.slot_bytes)
+    notes.append(why_running)
+
     # 1. VRAM: hot slots after everything else the worker places on the GPU
-    parts = vram_needs(f, cfg, slot.slot_bytes)
     fixed = sum(parts.values())
     if fixed > cfg.vram_budget:
+        fits = _fitting_running(f, cfg, slot.slot_bytes, 0) if cfg.max_running != "auto" else 0
         raise BudgetError(f"the VRAM budget {_gib(cfg.vram_budget)} does not hold the worker's fixed needs "
-                          f"{_gib(fixed)} (dense weights {_gib(parts['dense'])}, KV cache for {cfg.max_running} x "
+                          f"{_gib(fixed)} (dense weights {_gib(parts['dense'])}, KV cache for {running} x "
                           f"{cfg.max_context} tokens {_gib(parts['kv'])}, prefix cache {_gib(parts['prefix_cache'])}, "
-                          f"ring {_gib(parts['ring'])}, activations {_gib(parts['activations'])})")
+                          f"ring {_gib(parts['ring'])}, activations {_gib(parts['activations'])})"
+                          + (f"; max_running={running} is over what fits: at most {fits} sequences' KV fit (set "
+                             f"max_running = {fits} or \"auto\")" if fits else ""))
     if cfg.vram_slots == "auto":
         n_vram = min(c.n_expert, (cfg.vram_budget - fixed) // per_layer_slot)
         notes.append(f"vram_slots=auto -> {n_vram} per layer: VRAM budget {_mib(cfg.vram_budget)} - fixed "
@@ -294,8 +350,12 @@ def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, me
         n_vram = min(int(cfg.vram_slots), c.n_expert)
         need = fixed + n_vram * per_layer_slot
         if need > cfg.vram_budget:
-            raise BudgetError(f"{n_vram} VRAM slots per layer need {_gib(need)} of VRAM (fixed {_gib(fixed)} + "
-                              f"{n_vram} x {c.n_layer} layers x {slot.slot_bytes} bytes), over the budget {_gib(cfg.vram_budget)}")
+            fits = _fitting_running(f, cfg, slot.slot_bytes, n_vram) if cfg.max_running != "auto" else 0
+            raise BudgetError(f"{n_vram} VRAM slots per layer need {_gib(need)} of VRAM (fixed {_gib(fixed)}, KV cache "
+                              f"for {running} x {cfg.max_context} tokens {_gib(parts['kv'])} of it, + "
+                              f"{n_vram} x {c.n_layer} layers x {slot.slot_bytes} bytes), over the budget {_gib(cfg.vram_budget)}"
+                              + (f"; beside them at most {fits} sequences' KV fit (max_running = {fits})"
+                                 if fits and fits < running else ""))
 
     # 2. host: the worker's own needs, then the arena
     if cfg.worker_reserve == "auto":
@@ -377,7 +437,7 @@ def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, me
                  + (f"; the arena also holds the {n_vram} VRAM experts' copies)" if backing and n_vram else ")"))
     plan = SlotPlan(f.path, c.n_layer, c.n_expert, n_vram, n_host, n_staging, part_max, fixed, reserve, limit, notes,
                     backing, prefix_host, (str(cfg.vram_slots), str(cfg.host_slots)), cfg.vram_budget, parts,
-                    source, memory_current, engram, str(asked).lower())
+                    source, memory_current, engram, str(asked).lower(), running, str(cfg.max_running))
     if limit is not None:
         need = plan.host_bytes + reserve + memory_current + HEADROOM
         if need > limit:

@@ -52,6 +52,8 @@ class LLMEngine:
         self.last_tick = time.monotonic()           # the loop's heartbeat (watchdog: is the engine stuck?)
         self.metrics = metrics
         self.runner = ModelRunner(cfg, store)
+        # max_running = auto is resolved by the store's plan on attach: the engine runs the runner's number
+        cfg = self.cfg = self.runner.cfg
         self.tokenizer = Tokenizer.from_metadata(self.runner.file.metadata)
         # how this model family writes reasoning and tool calls (its chat template says; the arch if it has none)
         self.dialect = dialect_for(self.tokenizer.chat_template, self.runner.mcfg.arch)

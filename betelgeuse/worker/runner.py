@@ -20,6 +20,7 @@ every consolidation rule of the worker; deepseek41's Engram feed, worker/engram_
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -89,6 +90,11 @@ class ModelRunner:
         """(Re)attach to the store: map its arena, refill VRAM slots on the next pass; the expert step, the decode
         graphs and the lanes start over (their graphs read the old slot pool and pass counts)."""
         self.session.attach()
+        if self.cfg.max_running == "auto":
+            # the store's plan chose how many sequences' KV (and decode graphs) it reserved (store/plan.py
+            # plan_running): the worker runs that many. It depends on the model and the VRAM side of the config
+            # alone, so a re-attached store's plan gives the same number
+            self.cfg = dataclasses.replace(self.cfg, max_running=self.plan.max_running)
         self.moe = MoEStep(self.cfg, self.session, self.clock, act_limit=self.model.expert_act[1])
         self.kern = self.moe.kern
         self._static_decode = self._static_form()
