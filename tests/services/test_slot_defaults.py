@@ -149,7 +149,8 @@ def test_auto_staging_leaves_the_memory_to_host_slots(tiny):
     experts (V4-Flash's 13-19 MB: 512 staging slots were 7-10 GB) do not take the host tier's memory. Fails when
     staging is 2 x the non-resident experts whatever their size (the host tier then gets fewer slots)."""
     from betelgeuse.store import plan as plan_mod
-    gpu = dict(model_path=tiny.path, device="cuda", prefix_host_bytes=0)
+    # max_running fixed: with auto, 2 VRAM slots per layer (under the top-k) would buy fewer sequences more slots
+    gpu = dict(model_path=tiny.path, device="cuda", prefix_host_bytes=0, max_running=8)
     c = tiny.config
     slot = plan_slots(tiny, EngineConfig(**gpu), None).slot.slot_bytes
     budget = plan_slots(tiny, EngineConfig(**gpu), None).vram_fixed + 2 * c.n_layer * slot
@@ -165,3 +166,49 @@ def test_auto_staging_leaves_the_memory_to_host_slots(tiny):
     # what staging does not take goes to host slots (the arena's other parts are small on this model)
     assert p.n_host >= min(non_resident, (free - p.staging_bytes) // per_layer - 1)
     assert p.arena_bytes <= free
+
+
+def test_serving_auto_runs_the_plans_number_of_sequences(service_model, tmp_path, tiny):
+    """Real processes on the defaults (max_running = auto) under a VRAM budget that holds the KV of 3 sequences beside
+    the top-k's VRAM slots: the plan says 3 (meta.plan, ModelInfo.plan, the worker's KV capacity), and 5 clients at
+    once get 3 running, 2 waiting; never more running. Fails when the worker keeps a fixed 8 (5 would run) or reads
+    "auto" as anything but the plan's number."""
+    import http.client
+    import time
+    c = tiny.config
+    one = plan_slots(tiny, EngineConfig(model_path=tiny.path, max_running=1), None)
+    per_seq = 2 * c.n_layer * c.n_head_kv * c.head_dim * 4096 * 4         # K and V, float32 on the CPU
+    budget = one.vram_fixed + 2 * per_seq + c.n_expert_used * c.n_layer * one.slot.slot_bytes
+    cl = h.start_cluster(service_model, tmp_path / "run", slots=None, http="auto",
+                         settings={"budget.vram": budget, "worker.drain_grace": 2.0})
+    conns = []
+    try:
+        with urllib.request.urlopen(f"{cl.http_url}/v1/models", timeout=10) as r:
+            card = json.load(r)["data"][0]
+        plan = card["meta"]["plan"]
+        assert (plan["max_running"], plan["max_running_requested"]) == (3, "auto"), plan["why"]
+        assert "max_running=auto -> 3 (of at most 8)" in plan["why"] and plan["kv_bytes"] == 3 * per_seq
+        with cl.channel() as ch:
+            mi = h.stub(ch).GetModelInfo(h.pb.GetModelInfoRequest(), timeout=10).model
+        assert (mi.plan.max_running, mi.plan.max_running_requested) == (3, "auto")
+        host, port = cl.http.rsplit(":", 1)
+        body = json.dumps({"model": card["id"], "prompt": "Hi", "ignore_eos": True, "stream": True, "temperature": 0,
+                           "max_tokens": 1000})             # the model's context: 2048
+        for _ in range(5):
+            x = http.client.HTTPConnection(host, int(port), timeout=30)
+            x.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            conns.append(x)
+        seen, deadline = [], time.monotonic() + 30
+        while time.monotonic() < deadline:
+            s = h.scrape(cl.worker_metrics_url)
+            seen.append((h.value(s, "betelgeuse_requests_running"), h.value(s, "betelgeuse_requests_waiting")))
+            if seen[-1] == (3, 2):
+                break
+            time.sleep(0.05)
+        assert seen[-1] == (3, 2) and max(r for r, _ in seen) <= 3, seen
+        assert h.value(s, "betelgeuse_kv_cache_capacity_tokens") == 3 * min(4096, c.context_length)
+    finally:
+        for x in conns:
+            x.close()
+        cl.stop()
+    assert "max_running=3" in cl.worker.log(), cl.worker.log()[-2000:]
