@@ -19,6 +19,7 @@ minimum of VRAM expert slots per layer (plan_running).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 
@@ -275,6 +276,11 @@ def _fitting_running(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int, vram_
                  if sum(vram_needs(f, cfg, slot_bytes, n).values()) + vram_slots * per_layer_slot <= cfg.vram_budget), 0)
 
 
+def _auto_running(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int) -> int:
+    """What max_running = auto would take with this configuration (for a refusal's message)."""
+    return plan_running(f, dataclasses.replace(cfg, max_running="auto"), slot_bytes)[0]
+
+
 def _engram_bytes(engram: dict | None) -> int:
     from betelgeuse.store.engram import EngramLayout
     return EngramLayout.from_dict(engram).nbytes if engram else 0
@@ -328,7 +334,8 @@ def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, me
                           f"{cfg.max_context} tokens {_gib(parts['kv'])}, prefix cache {_gib(parts['prefix_cache'])}, "
                           f"ring {_gib(parts['ring'])}, activations {_gib(parts['activations'])})"
                           + (f"; max_running={running} is over what fits: at most {fits} sequences' KV fit (set "
-                             f"max_running = {fits} or \"auto\")" if fits else ""))
+                             f"max_running = {fits}, or \"auto\": {_auto_running(f, cfg, slot.slot_bytes)} beside "
+                             "the top-k's VRAM slots)" if fits else ""))
     if cfg.vram_slots == "auto":
         n_vram = min(c.n_expert, (cfg.vram_budget - fixed) // per_layer_slot)
         notes.append(f"vram_slots=auto -> {n_vram} per layer: VRAM budget {_mib(cfg.vram_budget)} - fixed "

@@ -77,7 +77,8 @@ def test_an_explicit_count_is_kept_and_refused_with_the_numbers_when_it_cannot_f
     assert (p.max_running, p.describe()["max_running_requested"]) == (2, "2")
     assert "max_running=2 as configured" in p.describe()["why"]
     with pytest.raises(BudgetError, match=r"KV cache for 8 x 4096 tokens .*max_running=8 is over what fits: at most "
-                                          r"4 sequences' KV fit \(set max_running = 4 or \"auto\"\)"):
+                                          r"4 sequences' KV fit \(set max_running = 4, or \"auto\": 3 beside the "
+                                          r"top-k's VRAM slots\)"):
         plan_slots(tiny, _gpu(tiny, vram_budget=one + 3 * _per_seq(tiny), max_running=8), None)
     # the fixed needs of 8 fit, 2 VRAM slots per layer beside them do not (one does): 7 sequences would
     per_layer = c.n_layer * plan_slots(tiny, _gpu(tiny), None).slot.slot_bytes
