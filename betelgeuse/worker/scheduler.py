@@ -41,7 +41,8 @@ class Seq(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    max_running: int            # sequences with a KV cache at once
+    max_running: int            # sequences with a KV cache at once: a number, never "auto" (the slot plan resolves
+                                # auto, store/plan.py plan_running; the engine passes the runner's resolved config)
     max_batched_tokens: int     # prompt tokens of a prefill pass while others decode
     prefill_pass_tokens: int    # ... while none do
     chunk: int = 1              # a piece that is cut ends on a chunk boundary (position-aligned prefill chunks)
