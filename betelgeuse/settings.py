@@ -87,12 +87,14 @@ def _memory_max(value):                      # "auto" (or None) = the cgroup's m
     return None if value in (AUTO, None) else _size(value)
 
 
-def _slot_count(value):
-    if value == AUTO:
-        return AUTO
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"expected a slot count >= 0 or \"auto\", got {value!r}")
-    return value
+def _count_or_auto(minimum: int, what: str):
+    def conv(value):
+        if value == AUTO:
+            return AUTO
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"expected {what} >= {minimum} or \"auto\", got {value!r}")
+        return value
+    return conv
 
 
 def _count(minimum: int):
@@ -101,14 +103,6 @@ def _count(minimum: int):
             raise ValueError(f"expected an integer >= {minimum}, got {value!r}")
         return value
     return conv
-
-
-def _running(value):
-    if value == AUTO:
-        return AUTO
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"expected a number of sequences >= 1 or \"auto\", got {value!r}")
-    return value
 
 
 def _bool(value):
@@ -181,10 +175,10 @@ def _t(base, conv, metavar: str, *extra):
 Size = _t(int, _size, "SIZE")
 SizeOrAuto = _t(int | Literal["auto"], _size_or_auto, "SIZE|auto")
 MemoryMax = _t(int | None, _memory_max, "SIZE|auto")
-Slots = _t(int | Literal["auto"], _slot_count, "N|auto")
+Slots = _t(int | Literal["auto"], _count_or_auto(0, "a slot count"), "N|auto")
 Count0 = _t(int, _count(0), "N")
 Count1 = _t(int, _count(1), "N")
-Running = _t(int | Literal["auto"], _running, "N|auto")
+Running = _t(int | Literal["auto"], _count_or_auto(1, "a number of sequences"), "N|auto")
 Count2 = _t(int, _count(2), "N")
 Count8 = _t(int, _count(8), "N")
 Seconds = _t(float, _seconds, "SECONDS")
