@@ -33,6 +33,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from betelgeuse.routing_approx import Residency
+
 HC_SPLIT_K = 1024          # columns of the [M, hc*D] mHC matrix per partial-product program
 
 
@@ -307,6 +309,53 @@ def _decode_attn_kernel(q_ptr, kv_ptr, ring_ptr, ent_ptr, top_ptr, pos_ptr, sink
 
 
 @triton.jit
+def _route_approx_kernel(logits_ptr, bias_ptr, tid_ptr, tok_ptr, mask_ptr, ids_ptr, w_ptr, E, scale,
+                         K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, NORM: tl.constexpr,
+                         HASH: tl.constexpr, RANK0: tl.constexpr):
+    """An approximate routing mode's choice (routing_approx.py), row t, by repeated argmax over the experts left:
+    each rank from the resident ones left (mask) while any is left, else from all left; RANK0 (`resident`): rank 0
+    from all (the exact first choice). A top-k layer picks the best s + bias, a hash layer (HASH, `pool`) the
+    table's experts first in table order, then the best s. Ties go to the lower id (tl.argmax's first maximum),
+    as the stable sort of approx_topk / approx_hash does. Weights as _route_kernel's."""
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, EP)
+    me = e < E
+    x = tl.load(logits_ptr + t * E + e, mask=me, other=0).to(tl.float32)
+    s = tl.sqrt(tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0)))))
+    res = (tl.load(mask_ptr + e, mask=me, other=0) != 0) & me
+    kr = tl.arange(0, KP)
+    ids = tl.zeros((KP,), dtype=tl.int64)
+    vals = tl.zeros((KP,), dtype=tl.float32)
+    if HASH:
+        tok = tl.load(tok_ptr + t)
+        tab = tl.load(tid_ptr + tok * K + kr, mask=kr < K, other=-1).to(tl.int64)
+        # each expert's place in the token's table row (KP: not in it)
+        tpos = tl.min(tl.where(tab[:, None] == e[None, :], kr[:, None], KP), axis=0)
+        key = tl.where(me, s, float("-inf"))
+    else:
+        tpos = tl.full((EP,), KP, dtype=tl.int32)
+        key = tl.where(me, s + tl.load(bias_ptr + e, mask=me, other=0), float("-inf"))
+    left = me
+    for i in range(K):
+        lr = left & res
+        cand = tl.where(tl.sum(lr.to(tl.int32), axis=0) > 0, lr, left)
+        if RANK0:
+            if i == 0:
+                cand = left
+        tab_c = cand & (tpos < KP)
+        by_tab = tl.argmin(tl.where(tab_c, tpos, KP), axis=0)
+        by_key = tl.argmax(tl.where(cand & (tpos >= KP), key, float("-inf")), axis=0)
+        idx = tl.where(tl.sum(tab_c.to(tl.int32), axis=0) > 0, by_tab, by_key)
+        ids = tl.where(kr == i, idx.to(tl.int64), ids)
+        vals = tl.where(kr == i, tl.sum(tl.where(e == idx, s, 0.0), axis=0), vals)
+        left = left & (e != idx)
+    if NORM:
+        vals = vals / (tl.sum(tl.where(kr < K, vals, 0.0), axis=0) + 1e-20)
+    tl.store(ids_ptr + t * K + kr, ids, mask=kr < K)
+    tl.store(w_ptr + t * K + kr, (vals * scale).to(w_ptr.dtype.element_ty), mask=kr < K)
+
+
+@triton.jit
 def _route_kernel(logits_ptr, bias_ptr, tid_ptr, tok_ptr, ids_ptr, w_ptr, E, scale,
                   K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, NORM: tl.constexpr, HASH: tl.constexpr):
     """Row t: s = sqrt(softplus(logits)); ids = tid2eid[token] (HASH) or the top-K of s + bias (repeated argmax);
@@ -529,6 +578,21 @@ class TritonOps:
     def route_hash(cls, logits, tid2eid, token_ids, norm: bool, scale: float, dtype):
         return cls._route(logits, None, tid2eid.contiguous(), token_ids.contiguous(), tid2eid.shape[1], norm, scale,
                           dtype, True)
+
+    @staticmethod
+    def route_approx(logits, bias, tid2eid, token_ids, k: int, resident: Residency, norm: bool, scale: float, dtype):
+        """TorchOps.route_approx in one launch (_route_approx_kernel)."""
+        T, E = logits.shape
+        hashed = tid2eid is not None
+        assert not hashed or resident.mode == "pool", resident.mode
+        ids = torch.empty((T, k), dtype=torch.int64, device=logits.device)
+        w = torch.empty((T, k), dtype=dtype, device=logits.device)
+        lg = logits.contiguous()
+        _route_approx_kernel[(T,)](lg, bias if bias is not None else lg, tid2eid.contiguous() if hashed else ids,
+                                   token_ids.contiguous() if hashed else ids, resident.mask.contiguous(), ids, w, E,
+                                   float(scale), K=k, KP=triton.next_power_of_2(k), EP=triton.next_power_of_2(E),
+                                   NORM=bool(norm), HASH=hashed, RANK0=resident.mode == "resident")
+        return ids, w
 
     @staticmethod
     def shared_ffn(h, gate_up, gate, up, down, limit: float):

@@ -517,9 +517,8 @@ class Deepseek4Model:
             table, tids = self.w[b + "ffn_gate_tid2eid.weight"], token_ids.to(self.device)
             if resident is None or resident.mode != "pool":
                 return self.ops.route_hash(logits, table, tids, p.weights_norm, p.routed_scale, h.dtype)
-            scores = _sqrt_softplus(logits)
-            ids = approx_hash(table[tids].long(), scores, resident)
-            return ids, _route_weights(scores.gather(1, ids), p.weights_norm, p.routed_scale, h.dtype)
+            return self.ops.route_approx(logits, None, table, tids, k, resident, p.weights_norm, p.routed_scale,
+                                         h.dtype)
         bias = self.w[b + "exp_probs_b.bias"]
         if resident is None:
             ids, wts = self.ops.route_topk(logits, bias, k, p.weights_norm, p.routed_scale, h.dtype)
@@ -527,9 +526,7 @@ class Deepseek4Model:
                 srt = (_sqrt_softplus(logits) + bias).sort(dim=-1, descending=True).values
                 self.margins.append((layer, "experts", float((srt[:, k - 1] - srt[:, k]).min())))
             return ids, wts
-        scores = _sqrt_softplus(logits)
-        ids = approx_topk(scores + bias, k, resident)
-        return ids, _route_weights(scores.gather(1, ids), p.weights_norm, p.routed_scale, h.dtype)
+        return self.ops.route_approx(logits, bias, None, None, k, resident, p.weights_norm, p.routed_scale, h.dtype)
 
     def moe_output(self, layer: int, x: torch.Tensor, aux, h: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
         """routed [T, D] = sum_r w_r expert_r(h); adds the shared expert and mixes back into the streams."""
@@ -735,6 +732,18 @@ class TorchOps:
     def route_hash(logits, tid2eid, token_ids, norm: bool, scale: float, dtype):
         ids = tid2eid[token_ids]
         return ids, _route_weights(_sqrt_softplus(logits).gather(1, ids), norm, scale, dtype)
+
+    @staticmethod
+    def route_approx(logits, bias, tid2eid, token_ids, k: int, resident: Residency, norm: bool, scale: float, dtype):
+        """An approximate routing mode's choice (routing_approx.py) over resident.mask [E] bool: a top-k layer's
+        (bias [E], tid2eid None) or, in `pool`, a hash layer's (bias None, tid2eid [V, k], token_ids [T]); weights as
+        route_topk's / route_hash's: scores[ids] renormalised x scale."""
+        scores = _sqrt_softplus(logits)
+        if tid2eid is not None:
+            ids = approx_hash(tid2eid[token_ids].long(), scores, resident)
+        else:
+            ids = approx_topk(scores + bias, k, resident)
+        return ids, _route_weights(scores.gather(1, ids), norm, scale, dtype)
 
 
 def _visible(pos: torch.Tensor, ratio: int) -> int:

@@ -29,7 +29,7 @@ class SoloDecode:
         self.model, self.moe = model, moe
         self.graphs_on = graphs
         self.keep = keep                    # (sequence, pattern) entries kept, least recently used dropped first
-        # (kv uid, all-VRAM pattern, routing mode) -> "warm" | captured decode graphs
+        # (kv uid, all-VRAM pattern, routing variant: MoEStep.static_variant) -> "warm" | captured graphs
         self._graphs: OrderedDict = OrderedDict()
 
     def _ops(self, ids, kv, pos, lstats, out: dict):
@@ -54,7 +54,7 @@ class SoloDecode:
         pos = kv.begin_static()
         lstats = [LayerStats() for _ in range(self.moe.n_layer)]
         self.moe.refresh_static(snap)
-        key = (kv.uid, self.moe.cache.all_vram.tobytes(), self.moe.routing)
+        key = (kv.uid, self.moe.cache.all_vram.tobytes(), self.moe.static_variant())
         ent = self._graphs.get(key) if self.graphs_on else None
 
         def eager_part(item):

@@ -21,9 +21,10 @@ per layer (deploy/device/profile_batch.py). Here it runs ONCE per layer over B =
                host-synced loads and groups): the only host work of a layer
     head       the last combine and residual, output norm, logits of the running lanes [n, n_vocab] (one graph)
 
-pre, post and head depend on n (the routing's shapes) and on the routing mode (post routes every lane with the
-runner's router: MoEStep.route_static, in an approximate mode over resident sets the host refreshes in place), so
-they are captured per variant (n, mode) (the last MAX_VARIANTS are kept); the attention graphs do not, and are
+pre, post and head depend on n (the routing's shapes) and on the routing variant (post routes every lane with the
+runner's router: MoEStep.route_static; the variant, MoEStep.static_variant, is the mode and which layers route
+approximately over resident sets the host refreshes in place, so a graph holds each layer's one selection), so they
+are captured per variant (n, routing variant) (the last MAX_VARIANTS are kept); the attention graphs do not, and are
 captured once per sequence.
 
 Why the bits do not depend on the batch (invariant 6): every op of pre / post / head is row-wise (a matmul row's
@@ -93,7 +94,7 @@ class Lanes:
         # router(model, l, h, token_ids) -> (ids, weights) of every lane in the graphs (MoEStep.route_static: the
         # routing mode's choice over its fixed resident buffers); the model's exact routing by default
         self.router = router or (lambda m_, l, h, t: m_.route(l, h, t, None))
-        self.mode = "exact"                         # this step's routing mode: part of every lane graph's key
+        self.mode = "exact"                         # this step's routing variant: part of every lane graph's key
         self.ids = torch.zeros(n_lanes, dtype=torch.int64, device=dev)       # each lane's token this step
         self.pos = torch.zeros(n_lanes, dtype=torch.int64, device=dev)       # each lane's position this step
         self.idx = torch.zeros(n_lanes, dtype=torch.int64, device=dev)       # [:n] the running rows' lanes
@@ -109,7 +110,7 @@ class Lanes:
         self.tables = None
         self.layer_rows: list = [None] * n_layer      # layer -> its buffers in self.rows (set by its pre part)
         self.pool = None                            # one private pool for every lane graph (they run in turn)
-        # a variant v = (n running rows, routing mode): the lane graphs are captured per variant
+        # a variant v = (n running rows, routing variant): the lane graphs are captured per variant
         self.parts: dict = {}                       # ("pre" | "post", layer, v) or ("head", v) -> _Part
         self.recent: list = []                      # variants, most recent last (MAX_VARIANTS kept)
         self.keep: dict = {}                        # v -> tensors lane graphs read across parts (RoPE tables): alive
@@ -249,9 +250,9 @@ class Lanes:
         return p.out
 
     # ---- one step ---------------------------------------------------------------------------------------
-    def begin(self, ids: torch.Tensor, kvs, idx: torch.Tensor, mode: str = "exact"):
+    def begin(self, ids: torch.Tensor, kvs, idx: torch.Tensor, mode="exact"):
         """ids [n] on the device, the sequences' caches (kv.begin_static() done), their lanes idx [n] and the step's
-        routing mode (the router's; its resident sets are refreshed by the caller)."""
+        routing variant (hashable: MoEStep.static_variant; its resident sets are refreshed by the caller)."""
         n = len(kvs)
         self.mode = mode
         self.idx[:n].copy_(idx)

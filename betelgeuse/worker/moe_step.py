@@ -58,7 +58,7 @@ class MoEStep:
         # overwrites in place when residency changes, so a replayed graph reads the current set
         E, dev = session.file.config.n_expert, session.device
         self._static_mask = torch.zeros((self.n_layer, E), dtype=torch.bool, device=dev)   # resident (VRAM or host)
-        self._static_on = torch.zeros(self.n_layer, dtype=torch.bool, device=dev)          # 0 < resident < E
+        self._static_on = np.zeros(self.n_layer, dtype=bool)     # 0 < resident < E: the layer routes approximately
         self._static_held = None                    # the host copy of _static_mask last uploaded
 
     def _kernels(self, act_limit: float | None) -> MoEKernels:
@@ -98,20 +98,22 @@ class MoEStep:
             return
         n = held.sum(axis=1)
         self._static_mask.copy_(torch.from_numpy(held))
-        self._static_on.copy_(torch.from_numpy((n > 0) & (n < held.shape[1])))
+        self._static_on = (n > 0) & (n < held.shape[1])
         self._static_held = held
 
+    def static_variant(self):
+        """What the captured decode graphs' routing depends on besides the resident sets they read in place: the
+        mode and which layers route approximately (refresh_static's; residency() says None for the others). A
+        graph keyed by it holds each layer's ONE selection: no exact top-k beside an approximate one."""
+        return "exact" if self.routing == "exact" else (self.routing, self._static_on.tobytes())
+
     def route_static(self, model, l: int, h, token_ids):
-        """model.route in the captured decode graphs (device only, fixed shapes): in an approximate mode both the
-        exact and the approximate choice over the fixed resident buffers (refresh_static), one of them picked per
-        layer on the device by torch.where. Bit-identical to model.route(l, h, token_ids, residency(snap, l)):
-        where copies its operands' bits, and the flag is off exactly where residency() says None."""
-        exact = model.route(l, h, token_ids, None)
-        if self.routing == "exact":
-            return exact
-        ids, w = model.route(l, h, token_ids, Residency(self.routing, self._static_mask[l]))
-        on = self._static_on[l]
-        return torch.where(on, ids, exact[0]), torch.where(on, w, exact[1])
+        """model.route in the captured decode graphs (device only, fixed shapes): a layer that routes approximately
+        (static_variant, which keys the graphs) selects over the fixed resident buffers (refresh_static), the
+        others exactly. Bit-identical to model.route(l, h, token_ids, residency(snap, l)) of the refreshed snap."""
+        if self.routing == "exact" or not self._static_on[l]:
+            return model.route(l, h, token_ids, None)
+        return model.route(l, h, token_ids, Residency(self.routing, self._static_mask[l]))
 
     # ---- a layer ---------------------------------------------------------------------------------------
     def layer(self, l, h, ids, w, snap, stats: PassStats, ls: LayerStats, readahead: bool, chunks=None,

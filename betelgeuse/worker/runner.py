@@ -318,7 +318,7 @@ class ModelRunner:
                     kv.begin_static()
                 self._engram_stage(kvs, ids_t, idx, ln.B)
                 self.moe.refresh_static(snap)
-                ln.begin(ids_t, kvs, idx, self.moe.routing)
+                ln.begin(ids_t, kvs, idx, self.moe.static_variant())
             else:
                 pos = [kv.begin(1) for kv in kvs]
                 self._engram_begin([(kv, ids_t[i:i + 1]) for i, kv in enumerate(kvs)])

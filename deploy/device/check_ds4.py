@@ -315,6 +315,36 @@ def check_launches(device: str, tmp: Path, preset: str = "ds4-tiny"):
         f"lanes eager {eager:.1f} (target <= {LAUNCH_TARGET}); " + "; ".join(
             f"{k} {v['launches_per_layer']:.1f}/layer, {v['memcpys']} copies, {v['step_ms']:.2f} ms/step"
             for k, v in res.items() if k != "lanes eager"))
+    # pool routing against exact on the same slots, each layer partly resident (E-2 VRAM + 1 host: one expert on
+    # disk): the graphs hold one selection per layer (MoEStep.static_variant), so pool launches no more than exact
+    # (it was exact + its own selection + the pick between them: ~20 more per layer)
+    E = spec.n_expert
+    modes = {}
+    for routing in ("exact", "pool"):
+        runner, store = runner_for(path, device, E - 2, 1, cuda_graphs=True, routing=routing)
+        try:
+            kv = runner.new_cache(len(prompt) + 16)
+            runner.forward(prompt, kv)
+            runner.settle()
+
+            def step():
+                return runner.decode_batch([7], [kv])
+            for _ in range(3):                      # eager, capture, replay
+                step()
+            sync(device)
+            t = time.perf_counter()
+            step()
+            sync(device)
+            wall = time.perf_counter() - t
+            modes[routing] = dict(profile_pass(step, spec.n_layer, wall, torch.device(device)), step_ms=wall * 1e3)
+            runner.release(kv)
+        finally:
+            close(runner, store)
+    ex, po = (modes[k]["launches_per_layer"] for k in ("exact", "pool"))
+    row(f"{tag} launches per layer, pool vs exact (lanes replayed, {E - 2}+1 slots)", po <= ex + 1.0,
+        f"pool {po:.1f}/layer ({modes['pool']['step_ms']:.2f} ms/step), exact {ex:.1f}/layer "
+        f"({modes['exact']['step_ms']:.2f} ms/step)")
+    res["pool vs exact"] = modes
     RESULTS["launches"] = res
 
 

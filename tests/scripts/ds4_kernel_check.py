@@ -22,6 +22,7 @@ import torch
 from betelgeuse.kernels import triton_ds4
 from betelgeuse.kernels.triton_ds4 import TritonOps
 from betelgeuse.model.deepseek4 import InterleavedRope, TorchOps
+from betelgeuse.routing_approx import Residency
 
 # D_pre: hc_pre's stream width; hd / r / H: head dim, rope dims, heads; d: the compressor's entry width; nh / ihd /
 # N / k: the indexer's heads, head dim, entries, top-k; W / NE: window, compressed entries; E / K: experts, top-k;
@@ -204,6 +205,25 @@ def compare(device: str = "cpu", dims: dict = TINY, dtypes=(torch.float32, torch
             b = ref.route_hash(logits, tid2eid, toks, nrm, 1.5, dt)
             case(f"route_hash/{dn}/norm{int(nrm)}", [(a[1], b[1])], exact=[(a[0], b[0])],
                  row_inv=rows_alone(lambda lg, tk: tri.route_hash(lg, tid2eid, tk, nrm, 1.5, dt), a, logits, toks, n=5))
+        # the approximate modes (routing_approx.py) in one launch: the same ids bit for bit over resident sets that
+        # leave some ranks to non-resident experts (2 resident < K), fill every rank (E // 2), none and all; scores
+        # with ties (the lower id first); a hash table of distinct experts per row (pool only)
+        tied, tied_b = logits.clone(), bias.clone()
+        tied[:, 1::2], tied_b[1::2] = tied[:, 0::2], tied_b[0::2]
+        table = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(V)]).to(dev)
+        masks = {"few": torch.arange(E) % (E // 2) == 1, "half": torch.arange(E) % 2 == 0,
+                 "none": torch.zeros(E, dtype=torch.bool), "all": torch.ones(E, dtype=torch.bool)}
+        for (mn, mask), mode, lg in ((m, mo, lg) for m in masks.items() for mo in ("pool", "resident")
+                                     for lg in (logits, tied)):
+            res = Residency(mode, mask.to(dev))
+            args = [(tied_b if lg is tied else bias, None, None)] + ([(None, table, toks)] if mode == "pool" else [])
+            for bi, tb, tk in args:
+                a = tri.route_approx(lg, bi, tb, tk, K, res, True, 1.5, dt)
+                b = ref.route_approx(lg, bi, tb, tk, K, res, True, 1.5, dt)
+                kind = "hash" if tb is not None else "topk"
+                case(f"route_approx/{dn}/{mode}-{kind}-{mn}-{'tied' if lg is tied else 'plain'}", [(a[1], b[1])],
+                     exact=[(a[0], b[0])],
+                     row_inv=rows_alone(lambda x: tri.route_approx(x, bi, tb, tk, K, res, True, 1.5, dt), a, lg, n=1))
 
         # the shared expert: clamped SwiGLU (limit 2: binding) between the two matmuls (tiny: F = 1100, two blocks)
         h = rnd(T, Hs, dtype=dt)

@@ -1,11 +1,11 @@
 """The approximate routing modes in the static decode form (what the CUDA graphs capture), on the CPU.
 
-The captured graphs route with MoEStep.route_static: the exact and the approximate choice over fixed resident
-buffers, one picked per layer on the device. Checked, for qwen3moe, deepseek4 and deepseek41: route_static is
+The captured graphs route with MoEStep.route_static: per layer either the approximate choice over fixed resident
+buffers or the exact one (the graphs are keyed by which: MoEStep.static_variant). Checked, for qwen3moe, deepseek4 and deepseek41: route_static is
 bit-identical to the eager route with MoEStep.residency() on every layer kind (cold, all resident, partial;
 deepseek4's hash layers too) in both modes, and a pool decode in the static form (solo and lanes) is
 location-invariant (the same resident SET in different tiers -> the same bits), reads nothing from disk once warm,
-and picks the same tokens as the eager (sliced) pool decode. The CUDA graph replay itself is checked on the device (deploy/device/check_ds4.py, decode step).
+and picks the same tokens as the eager (sliced) pool decode; and route_static launches one selection per layer. The CUDA graph replay itself is checked on the device (deploy/device/check_ds4.py, decode step).
 """
 
 import numpy as np
@@ -100,3 +100,38 @@ def test_static_pool_decode_location_invariant(request, arch):
         # the static form's own attention differs from the sliced one's within float32 noise, not its routing
         assert torch.equal(a.argmax(-1), sliced.argmax(-1)), lanes
         assert (a - sliced).abs().max() <= 1e-3 * sliced.abs().max(), lanes
+
+
+def test_route_static_launches_one_selection(monkeypatch, ds4):
+    """The captured decode graphs hold ONE selection per layer (MoEStep.static_variant keys them): a pool layer's
+    route_static launches what exact routing launches (the router matmul and one fused selection kernel,
+    TritonOps.route_approx), never the exact top-k beside it; a layer that routes exactly (cold, all resident) only
+    the exact one. ds4-tiny with TritonOps whose Triton launches are counted, not run."""
+    from betelgeuse.kernels.triton_ds4 import TritonOps
+    from memtrack import KernelCount, stub_triton
+    launches = stub_triton(monkeypatch)
+    rn, st = in_process_runner(ds4, 2, 2, routing="pool")
+    try:
+        m, moe = rn.model, rn.moe
+        m.ops = TritonOps()
+        L, E = rn.mcfg.n_layer, rn.mcfg.n_expert
+        tier = np.full((L, E), TIER_DISK, dtype=np.int8)
+        tier[1] = TIER_HOST                                      # all resident: exact
+        tier[2:, :3] = TIER_VRAM                                 # partial: pool (layer 2 hash-routed in ds4-tiny)
+        moe.refresh_static({"tier": tier})
+        on = [0 < n < E for n in (tier != TIER_DISK).sum(axis=1)]
+        assert moe.static_variant() == ("pool", np.array(on).tobytes())
+        h, tok = torch.randn(3, rn.mcfg.n_embd).to(m.dtype), torch.tensor([3, 17, 4])
+
+        def count(fn) -> tuple[int, dict]:
+            launches.clear()
+            with KernelCount(launches) as k:
+                fn()
+            return k.total, dict(launches)
+        for l in range(L):
+            exact, ex_kernels = count(lambda: m.route(l, h, tok, None))
+            got, kernels = count(lambda: moe.route_static(m, l, h, tok))
+            assert got == exact, (l, on[l], got, exact, kernels)
+            assert kernels == ({"_route_approx_kernel": 1} if on[l] else ex_kernels), (l, kernels)
+    finally:
+        close_runner(rn, st)
