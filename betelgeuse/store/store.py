@@ -472,6 +472,8 @@ class ExpertStore:
             "readahead_wasted": c.readahead_wasted, "consolidation_reads": c.consolidation_reads,
             "consolidation_copies": c.consolidation_copies, "passes": c.passes, "consolidations": c.consolidations,
             "attaches": c.attaches, "consolidation_pending": self._consolidating is not None,
+            # disk reads started and not landed yet (demand, read-ahead): 0 with no consolidation pending = quiet
+            "reads_in_flight": len(self._inflight),
             "refusing": self.watch.why,
             **(self.engram.status() if self.engram is not None else {}),
         }

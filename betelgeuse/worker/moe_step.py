@@ -107,6 +107,13 @@ class MoEStep:
         graph keyed by it holds each layer's ONE selection: no exact top-k beside an approximate one."""
         return "exact" if self.routing == "exact" else (self.routing, self._static_on.tobytes())
 
+    def _may_use_disk(self, snap, l: int) -> bool:
+        """Whether layer l can route to a disk-tier expert (its read-ahead is worth starting): not in `pool` mode
+        with at least k experts resident (every rank then chooses among them: a warm pool pass reads nothing)."""
+        if self.routing != "pool":
+            return True
+        return int((snap["tier"][l] != TIER_DISK).sum()) < self.session.file.config.n_expert_used
+
     def route_static(self, model, l: int, h, token_ids):
         """model.route in the captured decode graphs (device only, fixed shapes): a layer that routes approximately
         (static_variant, which keys the graphs) selects over the fixed resident buffers (refresh_static), the
@@ -179,7 +186,7 @@ class MoEStep:
         # 1. demand loads first, so the disk starts now; read-ahead of the next layer behind them
         disk = [int(e) for e in by_tier[TIER_DISK]]
         loads = self.session.load([(l, e) for e in disk]) if disk else iter(())
-        if readahead and l + 1 < self.n_layer:
+        if readahead and l + 1 < self.n_layer and self._may_use_disk(snap, l + 1):
             nxt = snap["tier"][l + 1]
             stats.prefetched += self.session.prefetch([(l + 1, int(e)) for e in np.nonzero(nxt == TIER_DISK)[0]])
         # decode: the guessed experts of l+1 once this layer's own reads have started (never queued before them)

@@ -171,9 +171,10 @@ class ModelRunner:
         """Consolidate now (with the decode usage of the open store pass, if any); never waits for one still filling."""
         self.session.consolidate()
 
-    def settle(self):
-        """Wait until a pending consolidation is applied."""
-        self.session.settle()
+    def settle(self, timeout: float | None = None) -> float:
+        """Wait until the store is quiet (StoreSession.settle: consolidation applied and its VRAM fills done, no read
+        in flight) -> seconds waited."""
+        return self.session.settle(timeout)
 
     def release(self, kv):
         """A sequence is done: drop its captured decode graphs (solo, and its batched-decode lane with its attention

@@ -49,6 +49,7 @@ class PassStats:
     guess_bytes: int = 0
     guess_wasted_bytes: int = 0
     vram_filled: int = 0        # experts copied into VRAM hot slots at the start of the pass
+    fill_disk: int = 0          # of those, read from disk (no host backing copy): fills, not uses (reads counts uses)
     open_s: float = 0.0         # opening the store pass: BeginPass (it waits for a pending consolidation) + VRAM fills
     host_s: float = 0.0         # wall minus the time the host was blocked (syncs on the GPU, the disk)
     blocked_s: float = 0.0      # host blocked: routing syncs, waits for disk reads and copies, the end sync

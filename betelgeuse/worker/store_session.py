@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from betelgeuse.config import EngineConfig
+from betelgeuse.errors import BetelgeuseError
 from betelgeuse.gguf.reader import GGUFModelFile
 from betelgeuse.store.arena import Arena, register_pinned, unregister_pinned
 from betelgeuse.store.client import StoreClient
@@ -182,10 +183,24 @@ class StoreSession:
         else:
             self.close_pass(False)
 
-    def settle(self):
-        """Wait until a pending consolidation is applied (begin_pass waits for it)."""
+    def settle(self, timeout: float | None = None) -> float:
+        """Wait until the store is quiet -> seconds waited: a pending consolidation applied (begin_pass waits for its
+        fill), the VRAM tier it placed filled here (copies from host slots, and disk reads for experts without a
+        backing copy: the consolidation's, not the next pass's), and no store read in flight (read-ahead of an
+        earlier pass still landing). The next pass then finds every expert the directory calls resident in its slot:
+        it reads from disk only what it routes to the disk tier. timeout: seconds, then BetelgeuseError."""
+        t = time.perf_counter()
         self.close_pass(False)
-        self._empty_pass(False, wait=True)
+        self._open(PassStats("prefill", "settle", 0))          # not a decode: begin_pass waits; VRAM filled
+        self.close_pass(False)
+        while True:
+            st = self.call(self.store.status)
+            if not st.get("consolidation_pending") and not st.get("reads_in_flight"):
+                return time.perf_counter() - t
+            if timeout is not None and time.perf_counter() - t > timeout:
+                raise BetelgeuseError(f"the store did not settle within {timeout:.0f} s (consolidation pending: "
+                                      f"{st.get('consolidation_pending')}, reads in flight: {st.get('reads_in_flight')})")
+            time.sleep(0.005)                                     # polled: the store has no wait call for its reads
 
     # ---- VRAM hot slots --------------------------------------------------------------------------------
     def _sync_vram(self, snap, epoch, stats: PassStats) -> int:
@@ -204,8 +219,8 @@ class StoreSession:
             t = time.perf_counter()
             for got in self.load(list(where)):
                 cache.fill_vram(got.layer, got.expert, where[(got.layer, got.expert)], cache.staging_slot(got.slot), snap)
-                stats.disk_bytes += got.disk_bytes
-                stats.reads["disk"] += 1
+                stats.disk_bytes += got.disk_bytes      # the pass waits for them: its bound counts their bytes
+                stats.fill_disk += 1                    # not a use: the pass's route counts the expert as VRAM
                 held.append(got.slot)
                 if len(held) >= limit:
                     self.clock.sync()                  # the copies are done before their staging slots go back

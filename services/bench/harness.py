@@ -2,7 +2,7 @@
 ceilings sampled in the same run, inside one cgroup, within a time budget.
 
 A case = (model, slots, prompt length): a fresh store (empty slots) ->
-  cold    layer-major prefill (consolidates at its end; settle() waits until it is applied)
+  cold    layer-major prefill (consolidates at its end; settle() waits until the store is quiet: printed)
   warm    the same prompt again, layer-major (reads what consolidation left out)
   std     the same prompt, standard schedule, on the same warm state (consolidate=False: state unchanged)
   decode  greedy tokens after the warm pass (its KV cache), no consolidation
@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -386,9 +387,11 @@ class Harness:
         if not self.cuda:
             rec["copy_s"] = rn.cache.copy_seconds - copy0
         if consolidate:
-            t = time.perf_counter()
-            rn.settle()
-            rec["settle_s"] = time.perf_counter() - t
+            # the next pass starts on a quiet store (ModelRunner.settle: the consolidation applied, its VRAM fills
+            # done, no read in flight), so a warm pass's reads are its own: a warm pool pass reads nothing
+            rec["settle_s"] = rn.settle(timeout=max(60.0, self.remaining()))
+            print(f"[bench] after the {kind} pass ({len(ids)} tokens, routing {rn.moe.routing}): the store settled in "
+                  f"{rec['settle_s']:.3f} s", file=sys.stderr, flush=True)
         return rec, logits
 
     def _routing(self, rn: ModelRunner, f: GGUFModelFile, ids: list, gen: list) -> dict:
@@ -479,7 +482,7 @@ def pass_record(kind: str, st, ttft: float, ceil: C.Ceilings, f: GGUFModelFile, 
             "host_us_per_application": st.host_s / loads * 1e6 if loads else None,
             "tok_per_s": st.tok_per_s, "ttft_s": ttft, "reads": dict(st.reads), "loads": loads,
             "disk_share": st.disk_share, "disk_bytes": st.disk_bytes, "disk_wait_ms": st.disk_wait_s * 1e3,
-            "h2d_bytes": st.h2d_bytes, "prefetched": st.prefetched, "vram_filled": st.vram_filled,
+            "h2d_bytes": st.h2d_bytes, "prefetched": st.prefetched, "vram_filled": st.vram_filled, "fill_disk": st.fill_disk,
             "k": c.n_expert_used, "engram": st.engram.record(st.n_tokens, st.seconds) if st.engram else None,
             "bound": C.pass_bound(ceil, ceil.disk_bps, st.n_tokens, loads, st.disk_bytes, st.h2d_bytes, c.n_layer,
                                   c.n_expert_used, st.seconds),
