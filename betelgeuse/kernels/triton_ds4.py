@@ -580,7 +580,8 @@ class TritonOps:
                           dtype, True)
 
     @staticmethod
-    def route_approx(logits, bias, tid2eid, token_ids, k: int, resident: Residency, norm: bool, scale: float, dtype):
+    def route_approx(logits, bias, tid2eid, token_ids, k: int, resident: Residency, norm: bool, scale: float,
+                     dtype):
         """TorchOps.route_approx in one launch (_route_approx_kernel)."""
         T, E = logits.shape
         hashed = tid2eid is not None

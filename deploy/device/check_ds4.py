@@ -276,10 +276,22 @@ def check_decode(device: str, tmp: Path, steps: int = 8, preset: str = "ds4-tiny
         check_batch(path, device)
 
 
+def _profiled_step(step, n_layer: int, device: str) -> dict:
+    """A decode step run eagerly, captured and replayed, then once timed and once profiled (torch.profiler)."""
+    from services.bench.profile import profile_pass
+    for _ in range(3):                              # eager, capture, replay
+        step()
+    sync(device)
+    t = time.perf_counter()
+    step()
+    sync(device)
+    wall = time.perf_counter() - t
+    return dict(profile_pass(step, n_layer, wall, torch.device(device)), step_ms=wall * 1e3)
+
+
 def check_launches(device: str, tmp: Path, preset: str = "ds4-tiny"):
     """Kernels per layer of one decode step (torch.profiler), ds4-tiny (or --preset's) all in VRAM. The target
     holds deepseek4; deepseek41's is reported (its lagged mHC, compressor and indexer steps are torch ops)."""
-    from services.bench.profile import profile_pass
     tag = preset.split("-")[0]
     if not device.startswith("cuda"):
         row(f"{tag} launches per layer", None, "CUDA only (torch.profiler kernel events)")
@@ -297,15 +309,7 @@ def check_launches(device: str, tmp: Path, preset: str = "ds4-tiny"):
                 def step():
                     return (runner.decode_batch([7], [kv]) if how == "lanes"
                             else runner.forward([7], kv, consolidate=False))
-                for _ in range(3):                  # eager, capture, replay
-                    step()
-                sync(device)
-                t = time.perf_counter()
-                step()
-                sync(device)
-                wall = time.perf_counter() - t
-                prof = profile_pass(step, spec.n_layer, wall, torch.device(device))
-                res[f"{how} {'replayed' if graphs else 'eager'}"] = dict(prof, step_ms=wall * 1e3)
+                res[f"{how} {'replayed' if graphs else 'eager'}"] = _profiled_step(step, spec.n_layer, device)
                 runner.release(kv)
                 runner.consolidate()
         finally:
@@ -327,16 +331,7 @@ def check_launches(device: str, tmp: Path, preset: str = "ds4-tiny"):
             runner.forward(prompt, kv)
             runner.settle()
 
-            def step():
-                return runner.decode_batch([7], [kv])
-            for _ in range(3):                      # eager, capture, replay
-                step()
-            sync(device)
-            t = time.perf_counter()
-            step()
-            sync(device)
-            wall = time.perf_counter() - t
-            modes[routing] = dict(profile_pass(step, spec.n_layer, wall, torch.device(device)), step_ms=wall * 1e3)
+            modes[routing] = _profiled_step(lambda: runner.decode_batch([7], [kv]), spec.n_layer, device)
             runner.release(kv)
         finally:
             close(runner, store)
