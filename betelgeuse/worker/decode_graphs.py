@@ -17,7 +17,7 @@ from collections import OrderedDict
 import torch
 
 from betelgeuse.worker.graphs import capture
-from betelgeuse.worker.guess import guess_next
+from betelgeuse.worker.guess import guess_ahead
 from betelgeuse.worker.moe_step import MoEStep
 from betelgeuse.worker.stats import LayerStats, PassStats
 
@@ -35,8 +35,8 @@ class SoloDecode:
     def _ops(self, ids, kv, pos, lstats, out: dict):
         """One decode token as a generator: runs the capturable work and yields (layer, routing, guess) where a
         layer's experts need the host (a layer not wholly in VRAM); the caller does that part eagerly. guess: the
-        next layer's guessed experts from this layer's residual after attention (worker/guess.py), or None; whether
-        there is one depends only on the residency pattern, which keys the graphs."""
+        next layers' guessed experts [T,D,k] from this layer's residual after attention (worker/guess.py), or None;
+        whether there is one depends only on the residency pattern, which keys the graphs."""
         m, moe = self.model, self.moe
         x = m.embed(ids)
         for l in range(moe.n_layer):
@@ -45,7 +45,7 @@ class SoloDecode:
             top_ids, top_w = moe.route_static(m, l, h, ids)
             r = moe.route(l, h, top_ids, top_w, lstats[l])
             if lstats[l].synced:
-                yield l, r, (guess_next(m, l, x, ids) if moe.wants_guess(l) else None)
+                yield l, r, (guess_ahead(m, l, x, ids, moe.depth, moe.n_layer) if moe.wants_guess(l) else None)
             x = m.moe_output(l, x, aux, h, moe.kern.combine(r))
         out["logits"] = m.logits(x)
 

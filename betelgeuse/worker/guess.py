@@ -1,26 +1,35 @@
-"""Speculative expert reads in decode: layer l+1's experts guessed at layer l, their disk reads started early.
+"""Speculative expert reads in decode: the next `prefetch_depth` layers' experts guessed at layer l, their disk reads
+started early.
 
 Without it a decode step reads its few disk experts one layer at a time: layer l+1's reads start only after layer
 l's experts ran and l+1's attention and routing did, so the disk waits for the GPU and the GPU for the disk. At
-layer l the residual after l's attention exists already; layer l+1's own MoE input and router applied to it (the
-model's functions, through the model interface and without the runner's routing hooks) guess l+1's choice, as
-mixtral-offloading's speculative expert loading does (arXiv 2312.17238 §3.2: the next layer's gate on the current
-hidden state). Why after l's attention and not after l's MoE: the MoE output is ready only once l's experts have
-landed, too late to hide anything but l+1's attention, and its guess would need a host sync of its own; the
-residual after attention is ready before l's routing sync, so the guess rides to the host on that sync (one
-transfer: l's row counts and the guess's expert marks together) and its reads overlap l's experts and l+1's
-attention. The residual stream changes little from one layer to the next in a trained model, which is what makes
-the guess good; hash-routed layers (deepseek4) route by token id, so their guess is exact.
+layer l the residual after l's attention exists already; layer l+d's own MoE input and router applied to it (the
+model's functions, through the model interface and without the runner's routing hooks) guess l+d's choice, for
+d = 1..D (D = `prefetch_depth`), as mixtral-offloading's speculative expert loading does (arXiv 2312.17238 §3.2:
+the next layer's gate on the current hidden state). Why after l's attention and not after l's MoE: the MoE output
+is ready only once l's experts have landed, too late to hide anything but l+1's attention, and its guess would need
+a host sync of its own; the residual after attention is ready before l's routing sync, so the guesses ride to the
+host on that sync (one transfer: l's row counts and the D layers' expert marks together) and their reads overlap
+l's experts and the next layers' attention. The residual stream changes little from one layer to the next in a
+trained model, which is what makes the guess good (and worse the further ahead: D trades recall of the far layers
+against wasted reads); hash-routed layers (deepseek4) route by token id, so their guess is exact.
+
+Why deeper than one layer: a single expert read comes off the disk at ~80% of the deep rate (docs/benchmarks/
+gpu-run22-readdepth), so what holds decode at ~half its disk bound is the disk standing idle between a layer's last
+read and the next layer's first, not queue depth. Guessing D layers ahead keeps reads queued across that gap.
 
 The guessed experts that sit on disk are read ahead through the store's prefetch (at read-ahead priority, in at most
-half the staging slots), after layer l's own demand reads have started, and without waiting for the store's answer
-(read when layer l+1 is scored: a round trip per layer would cost about what a guess saves). Only WHEN bytes
-arrive changes: a guess is never used to compute (layer l+1 routes itself as always), so outputs are the same bits
-with it on or off (invariant 1).
+half the staging slots, in layer order: the nearest layer first), after layer l's own demand reads have started, and
+without waiting for the store's answer (read when a guessed layer is scored: a round trip per layer would cost about
+what a guess saves). A (layer, expert) already asked for in this pass is not asked again (a layer guessed from
+several earlier layers: the nearer guesses only add what the farther missed; the store also skips what it has
+staged or in flight). Only WHEN bytes arrive changes: a guess is never used to compute (every layer routes itself
+as always), so outputs are the same bits with it on or off, at any depth (invariant 1).
 
-Counted per pass (PassStats): guessed (guessed experts on disk), guess_hits (those the layer then used), guess_disk
-(the disk experts of guessed layers), guess_bytes (reads started for guesses), guess_wasted_bytes (those reads that
-no demand load of their layer took: about, as a read ahead may still serve a later token from its staged copy).
+Counted per pass (PassStats), per guessed layer: guessed (its guessed experts on disk, all guesses of it together),
+guess_hits (those the layer then used), guess_disk (the layer's disk experts), guess_bytes (reads started for its
+guesses), guess_wasted_bytes (those reads that no demand load of the layer took: about, as a read ahead may still
+serve a later token from its staged copy, and the store's answer counts a call's reads, not which of its keys).
 """
 
 from __future__ import annotations
@@ -32,55 +41,102 @@ from betelgeuse.store.directory import TIER_DISK
 from betelgeuse.worker.stats import PassStats
 
 
-def guess_next(model, layer: int, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+def guess_ahead(model, layer: int, x: torch.Tensor, token_ids: torch.Tensor, depth: int,
+                n_layer: int) -> torch.Tensor | None:
     """x: the residual after layer `layer`'s attention (the model's form: [T,H], deepseek4 [T,hc,H]), token_ids [T]
-    -> layer+1's guessed expert ids [T, k] int64 on the device (no sync). The model's own routing of layer+1 on
-    that residual (unhooked: a routing recorder or replayer sees only the real routing)."""
-    h, _ = model.moe_input(layer + 1, x)
-    return type(model).route(model, layer + 1, h, token_ids, None)[0]
+    -> the guessed expert ids [T, D', k] int64 on the device (no sync) of layers layer+1 .. layer+D' (row-first, as
+    every per-row tensor of a decode step: the lanes gather the running rows of all of them at once),
+    D' = min(depth, n_layer - 1 - layer); None where D' = 0. Each is that layer's own routing on this residual
+    (unhooked: a routing recorder or replayer sees only the real routing)."""
+    n = min(depth, n_layer - 1 - layer)
+    if n <= 0:
+        return None
+    guesses = []
+    for t in range(layer + 1, layer + 1 + n):
+        h, _ = model.moe_input(t, x)
+        guesses.append(type(model).route(model, t, h, token_ids, None)[0])
+    return torch.stack(guesses, dim=1)
+
+
+class _Ask:
+    """One prefetch call of guessed reads: its keys (nearest layer first) and the store's answer, read once."""
+
+    __slots__ = ("keys", "answer", "n")
+
+    def __init__(self, keys: list[tuple[int, int]], answer):
+        self.keys, self.answer, self.n = keys, answer, None
+
+    def queued(self, layer: int) -> int:
+        """Reads started for `layer`'s keys: the store queues a call's keys in order until its read-ahead half of the
+        staging slots is full, so the first n keys are taken as the n started (about: it also skips keys it has
+        staged or in flight)."""
+        if self.n is None:
+            self.n = self.answer()
+        return sum(1 for t, _ in self.keys[:self.n] if t == layer)
 
 
 class Guesser:
     """The host side of one attachment's guesses: the guessed ids to the host with a layer's row counts, the reads
-    ahead, and the counts of hits and waste (module doc)."""
+    ahead (each (layer, expert) asked once per pass), and the counts of hits and waste (module doc)."""
 
-    __slots__ = ("session", "expert_bytes", "_open")
+    __slots__ = ("session", "expert_bytes", "_stats", "_asked", "_guessed", "_asks")
 
     def __init__(self, session, n_layer: int):
         self.session = session
         self.expert_bytes = [session.file.expert_nbytes(l) for l in range(n_layer)]   # one expert's disk bytes
-        self._open: dict = {}               # guessed layer -> (pass stats, guessed disk experts, reads started)
+        self._stats = None                  # the pass the state below belongs to
+        self._asked: set = set()            # (layer, expert) read ahead in this pass
+        self._guessed: dict = {}            # guessed layer -> its guessed disk experts (set), all guesses of it
+        self._asks: dict = {}               # guessed layer -> the _Asks holding its keys
+
+    def _pass(self, stats: PassStats):
+        if self._stats is not stats:
+            self._stats, self._asked, self._guessed, self._asks = stats, set(), {}, {}
 
     @staticmethod
     def to_host(counts: torch.Tensor, guess: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray | None]:
-        """A layer's rows per expert [E] (device) and the next layer's guess [T, k] (or None) -> on the host in ONE
-        transfer: (counts [E], guessed marks [E] or None). This is the layer's routing sync; the guess adds none."""
+        """A layer's rows per expert [E] (device) and the next layers' guesses [T, D, k] (or None) -> on the host in
+        ONE transfer: (counts [E], guessed marks [D, E] or None). This is the layer's routing sync; the guess adds
+        none."""
         if guess is None:
             return counts.cpu().numpy(), None
-        E = counts.numel()
-        marks = torch.zeros(E, dtype=counts.dtype, device=counts.device).index_fill_(0, guess.reshape(-1), 1)
+        E, D = counts.numel(), guess.shape[1]
+        flat = guess + E * torch.arange(D, device=guess.device).view(1, D, 1)      # [T, D, k] into marks [D*E]
+        marks = torch.zeros(D * E, dtype=counts.dtype, device=counts.device).index_fill_(0, flat.reshape(-1), 1)
         both = torch.cat([counts, marks]).cpu().numpy()
-        return both[:E], both[E:]
+        return both[:E], both[E:].reshape(D, E)
 
-    def read_ahead(self, layer: int, marks: np.ndarray, snap, stats: PassStats):
-        """Start the reads of layer `layer`'s guessed experts that sit on disk (store prefetch)."""
-        e = np.nonzero(marks)[0]
-        disk = e[snap["tier"][layer][e] == TIER_DISK]
-        if len(disk):
-            # not waited for: the store's answer (reads started) is read when the layer is scored
-            self._open[layer] = (stats, disk, self.session.prefetch_start([(layer, int(x)) for x in disk]))
+    def read_ahead(self, layer: int, layers, marks: np.ndarray, snap, stats: PassStats):
+        """Start the reads of the guessed experts that sit on disk of `layers` (ascending, each in layer+1 ..
+        layer+D; marks [D, E] row d-1 = layer+d), nearest layer first, in one store prefetch; what this pass asked
+        for already is not asked again."""
+        self._pass(stats)
+        keys = []
+        for t in layers:
+            e = np.nonzero(marks[t - layer - 1])[0]
+            disk = [int(x) for x in e[snap["tier"][t][e] == TIER_DISK]]
+            self._guessed.setdefault(t, set()).update(disk)
+            keys += [(t, x) for x in disk if (t, x) not in self._asked]
+        if keys:
+            self._asked.update(keys)
+            # not waited for: the store's answer (reads started) is read when a guessed layer is scored
+            ask = _Ask(keys, self.session.prefetch_start(keys))
+            for t in dict.fromkeys(t for t, _ in keys):
+                self._asks.setdefault(t, []).append(ask)
 
     def check(self, layer: int, disk: np.ndarray, ahead_used: int, stats: PassStats):
-        """Layer `layer` ran with these disk experts, `ahead_used` of them answered from reads ahead: score the guess
-        made for it in this pass, if any."""
-        o = self._open.pop(layer, None)
-        if o is None or o[0] is not stats:
+        """Layer `layer` ran with these disk experts, `ahead_used` of them answered from reads ahead: score the
+        guesses made for it in this pass, if any."""
+        if self._stats is not stats:
             return
-        _, guessed, answer = o
-        queued = answer()
+        guessed = self._guessed.pop(layer, None)
+        asks = self._asks.pop(layer, ())
+        if guessed is None:
+            return
+        queued = sum(a.queued(layer) for a in asks)
         stats.guessed += len(guessed)
         stats.prefetched += queued
         stats.guess_bytes += queued * self.expert_bytes[layer]
-        stats.guess_hits += int(np.intersect1d(guessed, disk).size)
+        stats.guess_hits += len(guessed.intersection(int(x) for x in disk))
         stats.guess_disk += len(disk)
         stats.guess_wasted_bytes += max(0, queued - ahead_used) * self.expert_bytes[layer]

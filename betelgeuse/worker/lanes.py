@@ -15,7 +15,7 @@ per layer (deploy/device/profile_batch.py). Here it runs ONCE per layer over B =
                window ring, open compressor windows and entries), attention over it   (one graph per sequence)
     post[l]    the output projection + residual, the MoE input, routing (all lanes); the running lanes' rows
                (idx[:n]) routed and counted (kernels.moe.route: sorted by expert, device only); with decode
-               guesses on, layer l+1's router on the residual guesses their next experts (worker/guess.py)
+               guesses on, layers l+1 .. l+D's routers on the residual guess their next experts (worker/guess.py)
                                                                                                     (one graph)
     MoE        the experts of those rows, eagerly as in any pass (a wholly VRAM layer one group, else the
                host-synced loads and groups): the only host work of a layer
@@ -47,7 +47,7 @@ import torch
 
 from betelgeuse.errors import BetelgeuseError
 from betelgeuse.worker.graphs import CAPTURE, EAGER, REPLAY, capture
-from betelgeuse.worker.guess import guess_next
+from betelgeuse.worker.guess import guess_ahead
 
 
 def _flat(t) -> list:
@@ -83,11 +83,12 @@ class Lanes:
     # the benchmark geometry's n = 8; the slot plan counts GRAPHS_BYTES_PER_SEQ per running sequence for all graphs)
     MAX_VARIANTS = 4
 
-    def __init__(self, model, n_layer: int, n_lanes: int, graphs: bool, guess: bool = False, router=None):
+    def __init__(self, model, n_layer: int, n_lanes: int, graphs: bool, guess: int = 0, router=None):
         m = model
         self.m, self.L, self.B = m, n_layer, n_lanes
-        # the post part of a layer l < L-1 also guesses layer l+1's experts of the running rows (worker/guess.py):
-        # always, whatever the residency (a lane graph must not depend on it); the MoE step uses it where worth it
+        # the post part of a layer l < L-1 also guesses the experts of the running rows in layers l+1 .. l+guess
+        # (worker/guess.py; 0: no guesses): always, whatever the residency (a lane graph must not depend on it); the
+        # MoE step uses them where worth it
         self.guess = guess
         dev, H = m.device, m.cfg.n_embd
         self.graphs_on = graphs
@@ -226,7 +227,8 @@ class Lanes:
         xa = m.attn_out(l, self.parts["pre", l, v].out[0], self.attn)
         h, aux = m.moe_input(l, xa)
         ti, tw = self.router(m, l, h, self.ids)
-        ts = [h, ti, tw] + ([guess_next(m, l, xa, self.ids)] if self.guess and l + 1 < self.L else [])
+        guess = guess_ahead(m, l, xa, self.ids, self.guess, self.L)         # [B, D, k] or None
+        ts = [h, ti, tw] + ([guess] if guess is not None else [])
         i = self.idx[:v[0]]
         gather = getattr(getattr(m, "ops", None), "gather_rows", None)      # deepseek4's: TritonOps one launch
         run = gather(i, ts) if gather is not None else [t.index_select(0, i) for t in ts]     # the running rows
@@ -262,7 +264,7 @@ class Lanes:
     def front(self, l: int, kvs, route, combine):
         """Layer l for every lane up to its routing: the previous layer's MoE rows combined into the residual, the
         dense part, attention per sequence -> (the Routing of the running rows (their expert work: the caller's),
-        layer l+1's guessed experts of those rows [n,k] or None)."""
+        layers l+1 .. l+D's guessed experts of those rows [n,D,k] or None)."""
         v = (len(kvs), self.mode)
         self._run(("pre", l, v), self._pre, l, v, combine)
         for kv in kvs:

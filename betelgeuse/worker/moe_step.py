@@ -3,9 +3,10 @@
     route      rows sorted by expert and counted on the device (kernels.moe.route; graph-capturable). A layer wholly
                in VRAM is computed right there in one launch group, with no host sync
     partial    otherwise ONE host sync for the per-expert row counts (the loads depend on them; in decode the next
-               layer's guessed experts ride along: worker/guess.py), then:
-                 1. demand loads for the disk experts, so the disk starts now; read-ahead of layer l+1 behind them
-                    (prefill: all its disk experts; decode: the guessed ones, once this layer's reads have started)
+               `prefetch_depth` layers' guessed experts ride along: worker/guess.py), then:
+                 1. demand loads for the disk experts, so the disk starts now; read-ahead behind them (prefill: all
+                    of layer l+1's disk experts; decode: the guessed ones of layers l+1 .. l+D, nearest first, once
+                    this layer's reads have started)
                  2. the first host batch's copy into a ring bank starts, the VRAM group computes meanwhile
                  3. host-tier experts in batches: a batch is copied into one bank while the other bank computes
                  4. disk experts in batches as they land in staging slots (the same path as 3); a staging slot goes
@@ -50,9 +51,10 @@ class MoEStep:
         self.routing = cfg.routing
         # (directory snapshot, [n_layer, n_expert] resident mask on the device, [n_layer] resident counts)
         self._masks = None
-        # decode guesses the next layer's experts (worker/guess.py); exact routing only (an approximate mode's choice
-        # depends on residency, and prefers resident experts anyway)
+        # decode guesses the next `depth` layers' experts (worker/guess.py); exact routing only (an approximate
+        # mode's choice depends on residency, and prefers resident experts anyway)
         self.guessing = cfg.prefetch_decode and cfg.routing == "exact"
+        self.depth = cfg.prefetch_depth if self.guessing else 0
         self.guesser = Guesser(session, self.n_layer)
         # the captured decode graphs' resident sets (route_static): fixed device storage that refresh_static
         # overwrites in place when residency changes, so a replayed graph reads the current set
@@ -125,8 +127,8 @@ class MoEStep:
     # ---- a layer ---------------------------------------------------------------------------------------
     def layer(self, l, h, ids, w, snap, stats: PassStats, ls: LayerStats, readahead: bool, chunks=None,
               guess=None) -> torch.Tensor:
-        """sum_r w_r expert_r(h) [T,H] for layer l, experts from whatever tier holds them. guess: layer l+1's guessed
-        ids [T,k] on the device (worker/guess.py) or None."""
+        """sum_r w_r expert_r(h) [T,H] for layer l, experts from whatever tier holds them. guess: layers l+1 ..
+        l+D's guessed ids [T,D,k] on the device (worker/guess.guess_ahead) or None."""
         ev = self.clock.layer_start()
         r = self.route(l, h, ids, w, ls, chunks)
         if ls.synced:
@@ -149,11 +151,17 @@ class MoEStep:
         self.counts[l] += r.counts
         return r
 
-    def wants_guess(self, l: int) -> bool:
-        """Layer l+1's experts are worth guessing at layer l: decode guesses on, layer l has the host sync the guess
-        rides on, and layer l+1 is not wholly in VRAM."""
+    def guess_layers(self, l: int) -> list[int]:
+        """The layers whose experts are worth guessing at layer l: decode guesses on, layer l has the host sync the
+        guesses ride on, and of layers l+1 .. l+depth those not wholly in VRAM (nearest first)."""
         c = self.cache
-        return self.guessing and l + 1 < self.n_layer and not c.all_vram[l] and not c.all_vram[l + 1]
+        if not self.depth or c.all_vram[l]:
+            return []
+        return [t for t in range(l + 1, min(l + 1 + self.depth, self.n_layer)) if not c.all_vram[t]]
+
+    def wants_guess(self, l: int) -> bool:
+        """Layer l guesses (guess_layers): depends only on the all-VRAM pattern, which keys the decode graphs."""
+        return bool(self.guess_layers(l))
 
     def experts(self, l, r, snap, stats: PassStats, ls: LayerStats, guess=None):
         """The experts of a routed layer (the batched decode lanes route in their graphs): a wholly VRAM layer in one
@@ -171,8 +179,8 @@ class MoEStep:
         self._apply(r, l, self._vram_group(l), ls)
 
     def partial(self, l, r, snap, stats: PassStats, ls: LayerStats, readahead: bool, guess=None):
-        """The experts of a layer that is not wholly VRAM-resident (module doc, steps 1-4; writes r.y). guess: layer
-        l+1's guessed ids [T,k] on the device, or None (read ahead only where wants_guess(l))."""
+        """The experts of a layer that is not wholly VRAM-resident (module doc, steps 1-4; writes r.y). guess: layers
+        l+1 .. l+D's guessed ids [T,D,k] on the device, or None (read ahead only for guess_layers(l))."""
         cache = self.cache
         guess = guess if guess is not None and self.wants_guess(l) else None
         # host sync: routing decides the loads (with the next layer's guess in the same transfer)
@@ -189,8 +197,8 @@ class MoEStep:
         if readahead and l + 1 < self.n_layer and self._may_use_disk(snap, l + 1):
             nxt = snap["tier"][l + 1]
             stats.prefetched += self.session.prefetch([(l + 1, int(e)) for e in np.nonzero(nxt == TIER_DISK)[0]])
-        # decode: the guessed experts of l+1 once this layer's own reads have started (never queued before them)
-        ahead = None if marks is None else (lambda: self.guesser.read_ahead(l + 1, marks, snap, stats))
+        # decode: the guessed experts of l+1 .. l+D once this layer's own reads have started (never queued before them)
+        ahead = None if marks is None else (lambda: self.guesser.read_ahead(l, self.guess_layers(l), marks, snap, stats))
         if ahead is not None and not disk:
             ahead()
             ahead = None

@@ -35,7 +35,7 @@ from betelgeuse.model.interface import SequenceState, check_model
 from betelgeuse.model.registry import engine_model
 from betelgeuse.store.client import StoreClient
 from betelgeuse.worker.decode_graphs import SoloDecode
-from betelgeuse.worker.guess import guess_next
+from betelgeuse.worker.guess import guess_ahead
 from betelgeuse.worker.lanes import Lanes
 from betelgeuse.worker.moe_step import MoEStep
 from betelgeuse.worker.stats import LayerStats, PassClock, PassStats
@@ -374,10 +374,11 @@ class ModelRunner:
         return [m.moe_output(l, xs[i], auxs[i], hs[i], routed[i:i + 1]) for i in range(len(kvs))]
 
     def _guess(self, l: int, x, ids):
-        """Layer l+1's guessed experts [T,k] from x, the residual after layer l's attention (worker/guess.py), where
-        worth it (MoEStep.wants_guess; not while a routing replay stands in for the router), else None."""
+        """Layers l+1 .. l+D's guessed experts [T,D,k] from x, the residual after layer l's attention
+        (worker/guess.py), where worth it (MoEStep.wants_guess; not while a routing replay stands in for the router),
+        else None."""
         if self._replayer is None and self.moe.wants_guess(l):
-            return guess_next(self.model, l, x, ids)
+            return guess_ahead(self.model, l, x, ids, self.moe.depth, self.mcfg.n_layer)
         return None
 
     @property
@@ -392,7 +393,7 @@ class ModelRunner:
             if not self.model.lane_decode:
                 raise BetelgeuseError(f"{self.mcfg.arch}: no row-batched decode (lane_decode) for the static form")
             self._lanes = Lanes(self.model, self.mcfg.n_layer, max(1, self.cfg.max_running),
-                                self.cache.is_cuda and self.cfg.cuda_graphs, guess=self.moe.guessing,
+                                self.cache.is_cuda and self.cfg.cuda_graphs, guess=self.moe.depth,
                                 router=self.moe.route_static)
         return self._lanes
 
@@ -423,7 +424,7 @@ class ModelRunner:
                                                      self.moe.residency(snap, l))
             t1 = time.perf_counter()
             ls.attn_s = t1 - t
-            # decode (few rows, no read-ahead of the whole next layer): guess its experts instead
+            # decode (few rows, no read-ahead of the whole next layer): guess the next layers' experts instead
             guess = None if readahead else self._guess(l, x, ids)
             routed = self.moe.layer(l, h, top_ids, top_w, snap, stats, ls, readahead, chunks, guess)
             x = layer_back(self.model, l, x, auxs, h, routed, chunks)
