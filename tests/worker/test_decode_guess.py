@@ -1,10 +1,12 @@
-"""Speculative expert reads in decode (worker/guess.py): layer l+1's experts guessed at layer l and read ahead.
+"""Speculative expert reads in decode (worker/guess.py): layers l+1 .. l+D's experts guessed at layer l, read ahead.
 
 A guess only changes when bytes arrive, never what is computed: decode logits must be the same bits with
-`prefetch_decode` on and off, in every decode form (the sliced one-row decode, the static solo decode, the static
-batched lanes) and for both architectures. The guesses must actually be made and read (counters > 0, the store's
-read-ahead counter moves) and, where the next layer's choice is predictable, hit: deepseek4's hash-routed layers
-route by token id, so a guess of one is exact.
+`prefetch_decode` off and on at every `prefetch_depth` (1, 2, 3), in every decode form (the sliced one-row decode,
+the static solo decode, the static batched lanes) and for every architecture. The guesses must actually be made and
+read (counters > 0, the store's read-ahead counter moves) and, where the next layer's choice is predictable, hit:
+deepseek4's hash-routed layers route by token id, so a guess of one is exact. At depth D the reads ahead go to the
+store as the brief of the module says: a call's keys nearest layer first, at most D layers ahead of the layer that
+asked, a (layer, expert) asked once per pass, and layers further than one ahead asked for at all when D > 1.
 """
 
 from __future__ import annotations
@@ -26,6 +28,14 @@ def qwen(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def ds41(tmp_path_factory):
+    from betelgeuse.gguf.synth import spec_from_preset, write_model
+    path = tmp_path_factory.mktemp("guess-ds41") / "ds41.gguf"
+    write_model(path, spec_from_preset("ds41-tiny", expert_qtype="Q8_0", seed=2), progress=False)
+    return path
+
+
+@pytest.fixture(scope="module")
 def ds4(tmp_path_factory):
     from betelgeuse.gguf.synth import spec_from_preset, write_model
     path = tmp_path_factory.mktemp("guess-ds4") / "ds4.gguf"
@@ -33,13 +43,23 @@ def ds4(tmp_path_factory):
     return path
 
 
-def _decode(path, on: bool, form: str, prompts, vram=2, host=3):
+def _decode(path, depth: int, form: str, prompts, vram=2, host=3, asks=None):
     """Each prompt prefilled, then STEPS greedy decode steps of all of them together (decode_batch: form "batch" over
     the static lanes, "rows" each sequence's dense part alone) or one at a time (form "sliced" / "static": forward()
-    of one token) -> (logits
-    [steps, n, V], the decode passes' stats, the store's read-ahead reads)."""
-    rn, st = in_process_runner(path, vram, host, prefetch_decode=on, max_running=len(prompts))
+    of one token), guessing `depth` layers ahead (0: prefetch_decode off) -> (logits [steps, n, V], the decode passes'
+    stats, the store's read-ahead reads). asks: a list that gets, per decode pass, the keys of each guessed read-ahead
+    call the session sent the store (the real call runs)."""
+    rn, st = in_process_runner(path, vram, host, prefetch_decode=depth > 0, prefetch_depth=max(1, depth),
+                               max_running=len(prompts))
     rn._static_decode = form in ("static", "batch")
+    if asks is not None:
+        real = rn.session.prefetch_start
+
+        def spy(keys):
+            assert asks, "a guessed read ahead outside decode"
+            asks[-1].append(list(keys))
+            return real(keys)
+        rn.session.prefetch_start = spy
     try:
         kvs = [rn.new_cache(128) for _ in prompts]
         toks = [int(rn.forward(p, kv)[0][-1].argmax()) for p, kv in zip(prompts, kvs)]
@@ -47,6 +67,8 @@ def _decode(path, on: bool, form: str, prompts, vram=2, host=3):
         reads0 = st.counters.readahead_reads
         outs, stats = [], []
         for _ in range(STEPS):
+            if asks is not None:
+                asks.append([])      # one decode pass per step: one token of the one prompt, or one batched step
             if form in ("batch", "rows"):
                 lg, s = rn.decode_batch(toks, kvs)
                 stats.append(s)
@@ -68,25 +90,60 @@ def _sum(stats, name):
     return sum(getattr(s, name) for s in stats)
 
 
+def _check_asks(asks, depth: int):
+    """The guessed reads ahead of each pass at this depth (module doc)."""
+    spans = []
+    for calls in asks:
+        seen = set()
+        for keys in calls:
+            layers = [t for t, _ in keys]
+            assert layers == sorted(layers), keys                       # nearest layer first
+            assert layers[-1] - layers[0] < depth, (depth, keys)        # at most `depth` layers from one residual
+            assert not seen.intersection(keys), (keys, seen)            # asked once per pass
+            seen.update(keys)
+            spans.append(layers[-1] - layers[0])
+    assert spans, "no guessed reads ahead"
+    if depth > 1:
+        assert max(spans) >= 1, "no call guessed beyond the next layer"
+
+
 @pytest.mark.parametrize("form", ["sliced", "static", "batch", "rows"])
-def test_qwen3moe_guesses_keep_bits_and_are_read(qwen, form):
+def test_qwen3moe_guesses_keep_bits_at_every_depth(qwen, form):
     prompts = PROMPTS if form in ("batch", "rows") else PROMPTS[:1]
-    off, s_off, ra_off = _decode(qwen, False, form, prompts)
-    on, s_on, ra_on = _decode(qwen, True, form, prompts)
-    assert torch.equal(on, off)
+    off, s_off, ra_off = _decode(qwen, 0, form, prompts)
     assert _sum(s_off, "guessed") == 0 and ra_off == 0            # off = as before: no read ahead in decode
-    guessed, prefetched = _sum(s_on, "guessed"), _sum(s_on, "prefetched")
-    assert guessed > 0 and prefetched > 0 and ra_on == prefetched, (guessed, prefetched, ra_on)
-    assert _sum(s_on, "guess_bytes") > 0
-    assert 0 < _sum(s_on, "guess_hits") <= guessed
+    for depth in (1, 2, 3):
+        asks: list = []
+        on, s_on, ra_on = _decode(qwen, depth, form, prompts, asks=asks)
+        assert torch.equal(on, off), depth
+        guessed, prefetched = _sum(s_on, "guessed"), _sum(s_on, "prefetched")
+        assert guessed > 0 and prefetched > 0 and ra_on == prefetched, (depth, guessed, prefetched, ra_on)
+        assert _sum(s_on, "guess_bytes") > 0
+        assert 0 < _sum(s_on, "guess_hits") <= guessed
+        _check_asks(asks, depth)
 
 
 @pytest.mark.parametrize("form", ["sliced", "static"])
 def test_deepseek4_guesses_keep_bits_and_hash_layers_hit(ds4, form):
-    off, _, _ = _decode(ds4, False, form, [DS4_PROMPT])
-    on, s_on, ra = _decode(ds4, True, form, [DS4_PROMPT])
-    assert torch.equal(on, off)
-    assert _sum(s_on, "guessed") > 0 and ra > 0
-    # layer 1 is hash-routed (ds4-tiny: 2 hash layers): its guess at layer 0 is its choice, token id for token id
-    hits, guessed = _sum(s_on, "guess_hits"), _sum(s_on, "guessed")
-    assert hits > 0 and hits <= guessed
+    off, _, _ = _decode(ds4, 0, form, [DS4_PROMPT])
+    for depth in (1, 3):
+        asks: list = []
+        on, s_on, ra = _decode(ds4, depth, form, [DS4_PROMPT], asks=asks)
+        assert torch.equal(on, off), depth
+        assert _sum(s_on, "guessed") > 0 and ra > 0
+        # layer 1 is hash-routed (ds4-tiny: 2 hash layers): its guess at layer 0 is its choice, token id for token id
+        hits, guessed = _sum(s_on, "guess_hits"), _sum(s_on, "guessed")
+        assert hits > 0 and hits <= guessed
+        _check_asks(asks, depth)
+
+
+@pytest.mark.parametrize("form", ["sliced", "static"])
+def test_deepseek41_guesses_keep_bits_at_depth(ds41, form):
+    """deepseek41 (Engram rows through the store beside the experts): depth 1 and 3 decode the bits of off."""
+    off, _, _ = _decode(ds41, 0, form, [DS4_PROMPT])
+    for depth in (1, 3):
+        asks: list = []
+        on, s_on, ra = _decode(ds41, depth, form, [DS4_PROMPT], asks=asks)
+        assert torch.equal(on, off), depth
+        assert _sum(s_on, "guessed") > 0 and ra > 0
+        _check_asks(asks, depth)
