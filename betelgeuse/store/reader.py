@@ -41,11 +41,12 @@ class ReaderStats:
     payload_bytes: int = 0  # bytes the callers asked for
     reads: int = 0  # preadv calls
     busy_seconds: float = 0.0  # summed over threads: time inside preadv
+    active_seconds: float = 0.0  # wall time with at least one preadv in flight (the disk busy; <= wall, unlike busy)
     requests: list[int] = field(default_factory=lambda: [0, 0])  # read() calls per priority
     request_bytes: list[int] = field(default_factory=lambda: [0, 0])  # device bytes per priority
 
     def copy(self) -> "ReaderStats":
-        return ReaderStats(self.bytes_read, self.payload_bytes, self.reads, self.busy_seconds,
+        return ReaderStats(self.bytes_read, self.payload_bytes, self.reads, self.busy_seconds, self.active_seconds,
                            list(self.requests), list(self.request_bytes))  # fmt: skip
 
 
@@ -175,6 +176,8 @@ class ExpertReader:
         self.stats = ReaderStats()
         self.on_read = None  # callable(seconds) after each finished piece, from its thread (a latency histogram)
         self._stats_lock = threading.Lock()
+        self._in_flight = 0         # pieces inside preadv now (under _stats_lock) and since when one was (perf_counter)
+        self._active_since = 0.0
         self._q: queue.PriorityQueue = queue.PriorityQueue()
         self._seq = itertools.count()  # FIFO within a priority
         self.jitter = Jitter.from_env() if jitter is None else jitter  # test-only; None in production
@@ -256,13 +259,18 @@ class ExpertReader:
     def _read_piece(self, p: _Piece) -> None:
         buf = self.arena.view(p.dest, p.nbytes)
         want = min(p.nbytes, max(0, self.file_size - p.offset))  # what the file has; the rest is zero
-        got, t0, calls = 0, time.perf_counter(), 0
-        while got < want:
-            r = os.preadv(self.fd, [buf[got:]], p.offset + got)
-            calls += 1
-            if r == 0:
-                raise OSError(f"{self.path}: unexpected end of file at byte {p.offset + got}")
-            got += r
+        with self._stats_lock:
+            if self._in_flight == 0:
+                self._active_since = time.perf_counter()
+            self._in_flight += 1
+        t0 = time.perf_counter()
+        try:
+            got, calls = self._preadv(p, buf, want)
+        finally:
+            with self._stats_lock:
+                self._in_flight -= 1
+                if self._in_flight == 0:
+                    self.stats.active_seconds += time.perf_counter() - self._active_since
         busy = time.perf_counter() - t0
         if got < p.nbytes:
             buf[got:] = bytes(p.nbytes - got)  # the rounded-up tail past EOF
@@ -275,6 +283,23 @@ class ExpertReader:
             self.stats.busy_seconds += busy
         if self.on_read is not None:
             self.on_read(busy)
+
+    def _preadv(self, p: _Piece, buf, want: int) -> tuple[int, int]:
+        """The piece's bytes the file has into buf -> (bytes read, preadv calls)."""
+        got = calls = 0
+        while got < want:
+            r = os.preadv(self.fd, [buf[got:]], p.offset + got)
+            calls += 1
+            if r == 0:
+                raise OSError(f"{self.path}: unexpected end of file at byte {p.offset + got}")
+            got += r
+        return got, calls
+
+    def active_seconds(self) -> float:
+        """Wall seconds the disk had at least one read in flight, up to now (the open interval included)."""
+        with self._stats_lock:
+            open_s = time.perf_counter() - self._active_since if self._in_flight else 0.0
+            return self.stats.active_seconds + open_s
 
     def close(self) -> None:
         """Stop the threads after the pieces already queued; pending futures then resolve normally."""

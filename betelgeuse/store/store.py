@@ -467,7 +467,7 @@ class ExpertStore:
             "n_vram": self.plan.n_vram, "n_host": self.plan.n_host, "n_staging": self.plan.n_staging,
             "slots": self.tier_counts(), "read_mode": self.reader.mode,
             "disk_bytes": int(r.bytes_read), "disk_payload_bytes": int(r.payload_bytes), "disk_reads": int(r.reads),
-            "disk_busy_seconds": float(r.busy_seconds),
+            "disk_busy_seconds": float(r.busy_seconds), "disk_active_seconds": self.reader.active_seconds(),
             "demand_loads": c.demand_loads, "staged_hits": c.staged_hits, "readahead_reads": c.readahead_reads,
             "readahead_wasted": c.readahead_wasted, "consolidation_reads": c.consolidation_reads,
             "consolidation_copies": c.consolidation_copies, "passes": c.passes, "consolidations": c.consolidations,

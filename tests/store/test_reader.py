@@ -2,6 +2,7 @@
 
 import os
 import random
+import time
 
 import numpy as np
 import pytest
@@ -76,6 +77,23 @@ def test_direct_random_ranges_match_file_and_bypass_page_cache(disk_file):
     assert st.payload_bytes == sum(n for _, n, _ in ranges)
     assert st.bytes_read == spans - (PAGE - (FILE_BYTES % PAGE))  # the device bytes stop at EOF
     assert st.requests == [1, 1] and st.reads >= len(ranges) and st.busy_seconds > 0
+
+
+def test_active_seconds_count_the_disk_busy_not_the_threads_or_the_gaps(disk_file):
+    """active_seconds: wall time with a read in flight. Overlapping pieces on 4 threads count once (<= the threads'
+    summed busy seconds), and an idle gap between two reads not at all (the disk-busy fraction the bench prints)."""
+    path, _ = disk_file
+    ranges, need = _random_ranges(random.Random(3), FILE_BYTES, 24, 1 << 20)
+    with Arena.create(need) as arena, ExpertReader(path, arena, threads=4, request_bytes=256 << 10) as reader:
+        t = time.perf_counter()
+        reader.read(ranges[:12], priority=0).result(timeout=60)
+        time.sleep(0.3)                                     # the disk idles
+        reader.read(ranges[12:], priority=1).result(timeout=60)
+        wall = time.perf_counter() - t
+        st = reader.stats.copy()
+        active = reader.active_seconds()
+    assert 0 < st.active_seconds == active <= st.busy_seconds + 1e-6, (active, st.busy_seconds)
+    assert active < wall - 0.25, (active, wall)
 
 
 def test_page_cache_measurement_can_fail(disk_file):
