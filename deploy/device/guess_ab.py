@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
-"""Decode with and without the next layer's guessed experts read ahead (worker/guess.py), side by side in one run.
+"""Decode without guesses and with the next D layers' guessed experts read ahead (worker/guess.py), side by side.
 
     python3 deploy/device/guess_ab.py MODEL.gguf [--device cpu|cuda] [--slots 4+8] [--prompt 64] [--decode 32]
-                                       [--rounds 2] [--staging auto]
+                                       [--rounds 2] [--staging auto] [--depth 1,2,3]
 
-The same prompt and greedy decode, `prefetch_decode` off then on, `rounds` times (alternating, each a fresh store
-and runner in this process: real O_DIRECT reads, cold staging), decoded by runner.forward one token at a time (the
-bench's decode; on CUDA the static solo decode with its graphs). Prints per setting: decode tok/s, disk wait ms per
-token, disk MB per token, the guesses (experts guessed on disk, hit rate = used / guessed, recall = used / disk
-experts of guessed layers), bytes read ahead and wasted; and whether the two settings' decoded logits are the same
-bits (they must be: a guess only changes when bytes arrive). Exit status 1 when they differ.
+The same prompt and greedy decode, `prefetch_decode` off, then on at each `prefetch_depth` of --depth, `rounds` times
+(alternating, each a fresh store and runner in this process: real O_DIRECT reads, cold staging), decoded by
+runner.forward one token at a time (the bench's decode; on CUDA the static solo decode with its graphs). Prints per
+setting: decode tok/s, disk wait ms per token, disk MB per token, the disk's busy share of the decode's wall time
+(reads in flight / wall: what guessing deeper should raise), the guesses (experts guessed on disk, hit rate = used /
+guessed, recall = used / disk experts of guessed layers), bytes read ahead and wasted; and whether every setting's
+decoded logits are the bits of off (they must be: a guess only changes when bytes arrive). Exit status 1 when not.
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ from betelgeuse.config import EngineConfig  # noqa: E402
 FIELDS = ("guessed", "guess_hits", "guess_disk", "guess_bytes", "guess_wasted_bytes")
 
 
-def one(a, on: bool) -> tuple[torch.Tensor, dict]:
+def one(a, depth: int) -> tuple[torch.Tensor, dict]:
+    """One fresh store and runner guessing `depth` layers ahead (0: off) -> (decoded logits, totals)."""
     vram, host = (int(x) for x in a.slots.split("+"))
-    cfg = EngineConfig(model_path=a.model, device=a.device, vram_slots=vram, host_slots=host, prefetch_decode=on,
-                       decode_consolidate_every=0, **({} if a.staging == "auto" else {"staging_slots": int(a.staging)}))
+    cfg = EngineConfig(model_path=a.model, device=a.device, vram_slots=vram, host_slots=host,
+                       prefetch_decode=depth > 0, prefetch_depth=max(depth, 1), decode_consolidate_every=0,
+                       **({} if a.staging == "auto" else {"staging_slots": int(a.staging)}))
     store = open_store(cfg)
     rn = open_runner(cfg, store)
     try:
@@ -45,6 +48,7 @@ def one(a, on: bool) -> tuple[torch.Tensor, dict]:
         rn.settle()
         tok = int(lg[-1].argmax())
         out, tot = [], dict.fromkeys(("seconds", "disk_wait_s", "disk_bytes", *FIELDS), 0.0)
+        active0 = store.status()["disk_active_seconds"]
         for _ in range(a.decode):
             t = time.perf_counter()
             lg, st = rn.forward([tok], kv, consolidate=False)
@@ -54,6 +58,7 @@ def one(a, on: bool) -> tuple[torch.Tensor, dict]:
             for k in tot:
                 if k != "seconds":
                     tot[k] += getattr(st, k)
+        tot["disk_active_s"] = store.status()["disk_active_seconds"] - active0
         return torch.cat(out), tot
     finally:
         rn.close()
@@ -70,30 +75,38 @@ def main() -> int:
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--depth", default="1", help="prefetch_depth settings to run beside off, e.g. 1,2,3")
     a = ap.parse_args()
-    runs = {False: [], True: []}
+    try:
+        depths = [int(x) for x in a.depth.split(",")]
+        assert depths and all(d >= 1 for d in depths)
+    except (ValueError, AssertionError):
+        ap.error(f"--depth: expected layer counts >= 1 like 1,2,3, got {a.depth!r}")
+    settings = [0, *depths]
+    runs = {d: [] for d in settings}
     logits = {}
     for _ in range(a.rounds):
-        for on in (False, True):
-            lg, tot = one(a, on)
-            runs[on].append(tot)
-            logits.setdefault(on, lg)
-    same = torch.equal(logits[False], logits[True])
+        for d in settings:
+            lg, tot = one(a, d)
+            runs[d].append(tot)
+            logits.setdefault(d, lg)
+    same = {d: torch.equal(logits[0], logits[d]) for d in depths}
     print(f"model {Path(a.model).name}, device {a.device}, slots {a.slots}, prompt {a.prompt}, "
           f"{a.decode} decode tokens x {a.rounds} rounds each")
-    print("| prefetch_decode | tok/s | disk wait ms / token | disk MB / token | guessed / token | hit rate | recall | "
-          "read ahead MB / token | wasted MB / token |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for on in (False, True):
-        t = {k: sum(r[k] for r in runs[on]) for k in runs[on][0]}
+    print("| prefetch_depth | tok/s | disk wait ms / token | disk MB / token | disk busy | guessed / token | hit rate | "
+          "recall | read ahead MB / token | wasted MB / token |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for d in settings:
+        t = {k: sum(r[k] for r in runs[d]) for k in runs[d][0]}
         n = a.decode * a.rounds
         hit = t["guess_hits"] / t["guessed"] if t["guessed"] else float("nan")
         rec = t["guess_hits"] / t["guess_disk"] if t["guess_disk"] else float("nan")
-        print(f"| {'on' if on else 'off'} | {n / t['seconds']:.2f} | {t['disk_wait_s'] / n * 1e3:.2f} | "
-              f"{t['disk_bytes'] / n / 1e6:.2f} | {t['guessed'] / n:.1f} | {hit:.1%} | {rec:.1%} | "
-              f"{t['guess_bytes'] / n / 1e6:.2f} | {t['guess_wasted_bytes'] / n / 1e6:.2f} |")
-    print(f"decoded logits on vs off: {'IDENTICAL' if same else 'DIFFERENT'}")
-    return 0 if same else 1
+        print(f"| {d or 'off'} | {n / t['seconds']:.2f} | {t['disk_wait_s'] / n * 1e3:.2f} | "
+              f"{t['disk_bytes'] / n / 1e6:.2f} | {t['disk_active_s'] / t['seconds']:.1%} | {t['guessed'] / n:.1f} | "
+              f"{hit:.1%} | {rec:.1%} | {t['guess_bytes'] / n / 1e6:.2f} | {t['guess_wasted_bytes'] / n / 1e6:.2f} |")
+    for d in depths:
+        print(f"decoded logits depth {d} vs off: {'IDENTICAL' if same[d] else 'DIFFERENT'}")
+    return 0 if all(same.values()) else 1
 
 
 if __name__ == "__main__":

@@ -431,7 +431,8 @@ class Harness:
         end = time.monotonic() + min(self.o.decode_cap, self.remaining())
         secs, reads, disk_bytes, disk_wait = [], {"vram": 0, "host": 0, "disk": 0}, 0, 0.0
         host_s, calls, h2d, toks, engram = 0.0, 0, 0, [], None
-        guess = dict.fromkeys(GUESS_FIELDS, 0)          # decode's guesses of the next layer (worker/guess.py)
+        guess = dict.fromkeys(GUESS_FIELDS, 0)          # decode's guesses of the next layers (worker/guess.py)
+        t_start = time.perf_counter()
         for _ in range(self.o.decode):
             if time.monotonic() > end:
                 break
@@ -450,6 +451,7 @@ class Harness:
                 engram = st.engram if engram is None else engram.add(st.engram)
         n = sum(reads.values())
         c = rn.mcfg
+        wall = time.perf_counter() - t_start
         own = store_delta(st0, rn.store.status(), rn.cfg.read_threads)
         bps, src = C.case_disk_rate([self.ceil.disk_bps], own["store_disk_bytes"], own["store_disk_busy_s"],
                                     own["read_threads"])
@@ -462,6 +464,10 @@ class Harness:
                 "token_s": secs, "reads": reads, "disk_share": reads["disk"] / n if n else 0.0,
                 "disk_bytes": disk_bytes, "disk_wait_ms": disk_wait * 1e3, "token_ids": toks, "guess": guess,
                 "guess_hit_rate": guess["guess_hits"] / guess["guessed"] if guess["guessed"] else None,
+                "guess_recall": guess["guess_hits"] / guess["guess_disk"] if guess["guess_disk"] else None,
+                # the disk's busy share of the decode's wall time (reads in flight / wall): idle disk made visible
+                "disk_busy_fraction": own["store_disk_active_s"] / wall if secs and wall > 0 else None,
+                "disk_active_ms_per_token": own["store_disk_active_s"] / len(secs) * 1e3 if secs else None,
                 "engram": engram.record(len(secs), sum(secs)) if engram is not None else None}
 
 
@@ -490,9 +496,11 @@ def pass_record(kind: str, st, ttft: float, ceil: C.Ceilings, f: GGUFModelFile, 
 
 
 def store_delta(before: dict, after: dict, read_threads: int) -> dict:
-    """What the store's disk did between two status() calls: bytes and the reader threads' summed busy seconds."""
+    """What the store's disk did between two status() calls: bytes, the reader threads' summed busy seconds, and the
+    wall seconds with a read in flight (active: counted once however many threads read)."""
     return {"store_disk_bytes": after["disk_bytes"] - before["disk_bytes"],
             "store_disk_busy_s": after.get("disk_busy_seconds", 0.0) - before.get("disk_busy_seconds", 0.0),
+            "store_disk_active_s": after.get("disk_active_seconds", 0.0) - before.get("disk_active_seconds", 0.0),
             "read_threads": read_threads}
 
 

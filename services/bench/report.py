@@ -139,9 +139,9 @@ def markdown(r: dict) -> str:
                  f"{_f(prof.get('launches_per_layer'), '{:.1f}')} | {_pct(prof.get('gpu_busy'))} |")
     L += ["", "## Decode", "",
           "| Case | Tokens | TG tok/s mean | TG tok/s peak | Disk read share | Disk wait ms | Bound tok/s (limiter) | "
-          "Achieved | Host µs / application | Store calls / token | Launches / layer | Guess hit rate | "
+          "Achieved | Disk busy | Host µs / application | Store calls / token | Launches / layer | Guess hit rate | "
           "Read ahead MB (wasted) |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for case in r.get("cases", []):
         d = case.get("decode")
         if d:
@@ -150,7 +150,8 @@ def markdown(r: dict) -> str:
             bt = d["tokens"] / b["bound_s"] if b.get("bound_s") else None
             L.append(f"| {case_label(case)} | {d['tokens']}/{d['requested']} | {d['tg_mean']:.2f} | {d['tg_peak']:.2f} | "
                      f"{_pct(d['disk_share'])} | {d['disk_wait_ms']:,.0f} | {_f(bt)} ({b.get('limiter', '–')}) | "
-                     f"{achieved_label(b)} | {_f(d.get('host_us_per_application'), '{:.1f}')} | "
+                     f"{achieved_label(b)} | {_pct(d.get('disk_busy_fraction'))} | "
+                     f"{_f(d.get('host_us_per_application'), '{:.1f}')} | "
                      f"{_f(d.get('store_calls_per_token'), '{:.2f}')} | {_f(prof.get('launches_per_layer'), '{:.1f}')} | "
                      f"{_pct(d.get('guess_hit_rate'))} | {_guess_mb(d.get('guess'))} |")
     eng = [(case, p) for case, p in _passes(r) if p.get("engram")]

@@ -93,6 +93,9 @@ def test_runs_within_budget_and_writes_json(bench_run):
         if "decode" in case:
             d = case["decode"]
             assert 1 <= d["tokens"] <= 4 and d["tg_peak"] >= d["tg_mean"] > 0
+            # the disk's busy share of the decode's wall (reads in flight / wall): a fraction, the reads' own
+            assert 0 <= d["disk_busy_fraction"] <= 1 and d["disk_active_ms_per_token"] >= 0
+            assert d["store_disk_active_s"] <= d["store_disk_busy_s"] + 1e-6
     # every planned case either ran or is listed as skipped
     ran = {c["name"] for c in r["cases"]}
     assert "2+6 p8" in ran
