@@ -48,7 +48,7 @@ def one(a, depth: int) -> tuple[torch.Tensor, dict]:
         rn.settle()
         tok = int(lg[-1].argmax())
         out, tot = [], dict.fromkeys(("seconds", "disk_wait_s", "disk_bytes", *FIELDS), 0.0)
-        active0 = store.status()["disk_active_seconds"]
+        active0 = rn.store.status()["disk_active_seconds"]
         for _ in range(a.decode):
             t = time.perf_counter()
             lg, st = rn.forward([tok], kv, consolidate=False)
@@ -58,7 +58,7 @@ def one(a, depth: int) -> tuple[torch.Tensor, dict]:
             for k in tot:
                 if k != "seconds":
                     tot[k] += getattr(st, k)
-        tot["disk_active_s"] = store.status()["disk_active_seconds"] - active0
+        tot["disk_active_s"] = rn.store.status()["disk_active_seconds"] - active0
         return torch.cat(out), tot
     finally:
         rn.close()
