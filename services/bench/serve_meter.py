@@ -8,7 +8,9 @@ phase has been prefilled by then, so from there to the end only decode passes ru
           betelgeuse_prompt_tokens, betelgeuse_host_to_device_bytes / _seconds, betelgeuse_engine_busy_seconds{phase},
           betelgeuse_disk_wait_seconds{phase}; each pass is counted when it ends
   store   its Status RPC on the control socket: disk_bytes = device bytes read (O_DIRECT, 4 KiB rounding included),
-          counted as each read completes; read at the call (its /metrics copies the same counter only every 0.5 s)
+          counted as each read completes; read at the call (its /metrics copies the same counter only every 0.5 s);
+          disk_active_seconds = wall seconds with a read in flight (a window's disk busy share = its delta / the
+          window's seconds: what the disk stood idle is 1 minus it)
 
 A window's bound (tok/s) = tokens / max(disk bytes / disk rate, H2D bytes / H2D rate): the rate no schedule could beat
 with what it actually moved, if disk and copies overlapped perfectly with everything else. The disk rate is the
@@ -38,6 +40,7 @@ class Snapshot:
     busy_s: dict = field(default_factory=dict)        # phase -> engine wall seconds
     disk_wait_s: dict = field(default_factory=dict)   # phase -> seconds compute stalled on disk-resident experts
     disk_bytes: int = 0         # the store's device bytes read
+    disk_active_s: float = 0.0  # the store's wall seconds with a read in flight
 
 
 def parse_metrics(text: str) -> dict:
@@ -90,7 +93,7 @@ class Meter:
                         _get(m, "betelgeuse_host_to_device_seconds_total"),
                         {p: _get(m, "betelgeuse_engine_busy_seconds_total", phase=p) for p in phases},
                         {p: _get(m, "betelgeuse_disk_wait_seconds_total", phase=p) for p in phases},
-                        int(st["disk_bytes"]))
+                        int(st["disk_bytes"]), float(st.get("disk_active_seconds", 0.0)))
 
     def mark(self):
         """A snapshot now, on a thread of its own (read with marked() once the phase is over)."""
@@ -131,7 +134,8 @@ def window(a: Snapshot, b: Snapshot, disk_bps: float, h2d_bps: float | None, tok
             "decode_tokens": b.generation_tokens - a.generation_tokens,
             "busy_s": {p: b.busy_s[p] - a.busy_s.get(p, 0.0) for p in b.busy_s},
             "disk_wait_s": {p: b.disk_wait_s[p] - a.disk_wait_s.get(p, 0.0) for p in b.disk_wait_s},
-            "h2d_busy_s": b.h2d_seconds - a.h2d_seconds}
+            "h2d_busy_s": b.h2d_seconds - a.h2d_seconds,
+            "disk_busy_fraction": (b.disk_active_s - a.disk_active_s) / (b.t - a.t) if b.t > a.t else None}
 
 
 def bounds(a: Snapshot, opened: Snapshot | None, b: Snapshot, disk_bps: float, h2d_bps: float | None,
@@ -162,10 +166,13 @@ def size(x: float | None) -> str:
 
 
 def describe(w: dict | None) -> str:
-    """One window as the tables print it: bound (limiter), achieved, the disk and H2D bytes it moved."""
+    """One window as the tables print it: bound (limiter), achieved, the disk's busy share, the disk and H2D bytes
+    it moved."""
     if not w:
         return "bound –"
-    moved = f"disk {size(w['disk_bytes'])}, H2D {size(w['h2d_bytes'])}"
+    busy = w.get("disk_busy_fraction")
+    moved = (f"disk {size(w['disk_bytes'])}" + ("" if busy is None else f" (busy {busy:.0%})")
+             + f", H2D {size(w['h2d_bytes'])}")
     if w.get("bound_tps") is None:
         why = "nothing read from disk" + ("" if w.get("h2d_bps") else ", no H2D rate")
         return f"bound none ({why}); {moved}"

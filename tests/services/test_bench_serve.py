@@ -74,6 +74,7 @@ def test_the_live_service_gives_the_table(serve_run):
     # on the CPU)
     for w in (fixed["cold"]["bound"]["decode"], fixed["clients"]["2"]["bound"]["decode"]):
         assert w["disk_bytes"] > 0 and w["limiter"] == "disk" and 0 < w["bound_tps"] < float("inf"), w
+        assert 0 < w["disk_busy_fraction"] <= 1, w          # the store's reads in flight / the window's wall
     assert (auto["plan"]["vram_slots_requested"], auto["plan"]["host_slots_requested"]) == ("auto", "auto")
     assert (fixed["plan"]["vram_slots"], fixed["plan"]["host_slots"]) == (2, 6)
     assert "--vram-slots auto --host-slots auto" in auto["serve_command"]
