@@ -66,20 +66,24 @@ class _Ask:
     def __init__(self, keys: list[tuple[int, int]], answer):
         self.keys, self.answer, self.n = keys, answer, None
 
+    def queued_n(self) -> int:
+        """Reads the call started (the store's answer; waited for on the first call)."""
+        if self.n is None:
+            self.n = self.answer()
+        return self.n
+
     def queued(self, layer: int) -> int:
         """Reads started for `layer`'s keys: the store queues a call's keys in order until its read-ahead half of the
         staging slots is full, so the first n keys are taken as the n started (about: it also skips keys it has
         staged or in flight)."""
-        if self.n is None:
-            self.n = self.answer()
-        return sum(1 for t, _ in self.keys[:self.n] if t == layer)
+        return sum(1 for t, _ in self.keys[:self.queued_n()] if t == layer)
 
 
 class Guesser:
     """The host side of one attachment's guesses: the guessed ids to the host with a layer's row counts, the reads
     ahead (each (layer, expert) asked once per pass), and the counts of hits and waste (module doc)."""
 
-    __slots__ = ("session", "expert_bytes", "_stats", "_asked", "_guessed", "_asks")
+    __slots__ = ("session", "expert_bytes", "_stats", "_asked", "_guessed", "_asks", "_pending")
 
     def __init__(self, session, n_layer: int):
         self.session = session
@@ -88,10 +92,11 @@ class Guesser:
         self._asked: set = set()            # (layer, expert) read ahead in this pass
         self._guessed: dict = {}            # guessed layer -> its guessed disk experts (set), all guesses of it
         self._asks: dict = {}               # guessed layer -> the _Asks holding its keys
+        self._pending: list = []            # _Asks whose answer was not read yet
 
     def _pass(self, stats: PassStats):
         if self._stats is not stats:
-            self._stats, self._asked, self._guessed, self._asks = stats, set(), {}, {}
+            self._stats, self._asked, self._guessed, self._asks, self._pending = stats, set(), {}, {}, []
 
     @staticmethod
     def to_host(counts: torch.Tensor, guess: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray | None]:
@@ -109,8 +114,12 @@ class Guesser:
     def read_ahead(self, layer: int, layers, marks: np.ndarray, snap, stats: PassStats):
         """Start the reads of the guessed experts that sit on disk of `layers` (ascending, each in layer+1 ..
         layer+D; marks [D, E] row d-1 = layer+d), nearest layer first, in one store prefetch; what this pass asked
-        for already is not asked again."""
+        for already is not asked again, unless the store did not start it (its read-ahead half of the staging slots
+        was full: the earlier calls' answers, sent a layer ago, are read here, as a guessed layer's score would)."""
         self._pass(stats)
+        for ask in self._pending:
+            self._asked.difference_update(ask.keys[ask.queued_n():])
+        self._pending = []
         keys = []
         for t in layers:
             e = np.nonzero(marks[t - layer - 1])[0]
@@ -121,6 +130,7 @@ class Guesser:
             self._asked.update(keys)
             # not waited for: the store's answer (reads started) is read when a guessed layer is scored
             ask = _Ask(keys, self.session.prefetch_start(keys))
+            self._pending.append(ask)
             for t in dict.fromkeys(t for t, _ in keys):
                 self._asks.setdefault(t, []).append(ask)
 

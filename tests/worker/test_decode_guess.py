@@ -6,7 +6,8 @@ the static solo decode, the static batched lanes) and for every architecture. Th
 read (counters > 0, the store's read-ahead counter moves) and, where the next layer's choice is predictable, hit:
 deepseek4's hash-routed layers route by token id, so a guess of one is exact. At depth D the reads ahead go to the
 store as the brief of the module says: a call's keys nearest layer first, at most D layers ahead of the layer that
-asked, a (layer, expert) asked once per pass, and layers further than one ahead asked for at all when D > 1.
+asked, a (layer, expert) asked once per pass unless the store did not start it (its read-ahead share of the staging
+slots was full), and layers further than one ahead asked for at all when D > 1.
 """
 
 from __future__ import annotations
@@ -43,22 +44,28 @@ def ds4(tmp_path_factory):
     return path
 
 
-def _decode(path, depth: int, form: str, prompts, vram=2, host=3, asks=None):
+def _decode(path, depth: int, form: str, prompts, vram=2, host=3, asks=None, **cfg):
     """Each prompt prefilled, then STEPS greedy decode steps of all of them together (decode_batch: form "batch" over
     the static lanes, "rows" each sequence's dense part alone) or one at a time (form "sliced" / "static": forward()
     of one token), guessing `depth` layers ahead (0: prefetch_decode off) -> (logits [steps, n, V], the decode passes'
-    stats, the store's read-ahead reads). asks: a list that gets, per decode pass, the keys of each guessed read-ahead
-    call the session sent the store (the real call runs)."""
+    stats, the store's read-ahead reads). asks: a list that gets, per decode pass, [keys, reads started] of each guessed
+    read-ahead call the session sent the store (the real call runs; reads started once the guesser read the answer)."""
     rn, st = in_process_runner(path, vram, host, prefetch_decode=depth > 0, prefetch_depth=max(1, depth),
-                               max_running=len(prompts))
+                               max_running=len(prompts), **cfg)
     rn._static_decode = form in ("static", "batch")
     if asks is not None:
         real = rn.session.prefetch_start
 
         def spy(keys):
             assert asks, "a guessed read ahead outside decode"
-            asks[-1].append(list(keys))
-            return real(keys)
+            call = [list(keys), None]
+            asks[-1].append(call)
+            answer = real(keys)
+
+            def started():
+                call[1] = answer()
+                return call[1]
+            return started
         rn.session.prefetch_start = spy
     try:
         kvs = [rn.new_cache(128) for _ in prompts]
@@ -95,12 +102,12 @@ def _check_asks(asks, depth: int):
     spans = []
     for calls in asks:
         seen = set()
-        for keys in calls:
+        for keys, started in calls:
             layers = [t for t, _ in keys]
             assert layers == sorted(layers), keys                       # nearest layer first
             assert layers[-1] - layers[0] < depth, (depth, keys)        # at most `depth` layers from one residual
-            assert not seen.intersection(keys), (keys, seen)            # asked once per pass
-            seen.update(keys)
+            assert not seen.intersection(keys), (keys, seen)            # asked once per pass ...
+            seen.update(keys[:len(keys) if started is None else started])   # ... unless not started
             spans.append(layers[-1] - layers[0])
     assert spans, "no guessed reads ahead"
     if depth > 1:
@@ -121,6 +128,23 @@ def test_qwen3moe_guesses_keep_bits_at_every_depth(qwen, form):
         assert _sum(s_on, "guess_bytes") > 0
         assert 0 < _sum(s_on, "guess_hits") <= guessed
         _check_asks(asks, depth)
+
+
+def test_reads_the_store_did_not_start_are_asked_again(qwen):
+    """Few staging slots (read ahead may hold 2): at depth 3 the store starts only the nearest of a call's keys, and a
+    key it did not start is asked for again from a nearer layer; the bits stay those of off."""
+    off, _, _ = _decode(qwen, 0, "sliced", PROMPTS[:1], staging_slots=4)
+    asks: list = []
+    on, s_on, ra = _decode(qwen, 3, "sliced", PROMPTS[:1], asks=asks, staging_slots=4)
+    assert torch.equal(on, off)
+    _check_asks(asks, 3)
+    again = 0
+    for calls in asks:
+        skipped = set()
+        for keys, started in calls:
+            again += len(skipped.intersection(keys))
+            skipped.update(keys[started:])
+    assert again > 0 and ra == _sum(s_on, "prefetched") > 0, (again, ra)
 
 
 @pytest.mark.parametrize("form", ["sliced", "static"])
