@@ -214,6 +214,7 @@ g = torch.Generator().manual_seed(0)
 ts = [torch.randn(4, 3, 8, generator=g).bfloat16(), torch.randint(0, 9, (4, 6), generator=g),
       torch.randn(4, 5, generator=g)]
 i = torch.tensor([3, 0])
+ts.append(torch.randint(0, 9, (4, 3, 2), generator=g))     # decode guesses of 3 layers ahead [B, D, k] (worker/guess.py)
 same = [torch.equal(a, b) for a, b in zip(TritonOps.gather_rows(i, ts), TorchOps.gather_rows(i, ts))]
 flat, ref = torch.zeros(4, 40, dtype=torch.bfloat16), torch.ones(4, 40, dtype=torch.bfloat16)
 outs = [[f[:, :24].view(4, 3, 8), f[:, 24:29]] for f in (flat, ref)]
