@@ -258,6 +258,7 @@ class StoreMetrics:
     disk_read_bytes: Counter          # [reason] bytes read from the GGUF file (experts, Engram rows)
     disk_reads: Counter               # [reason] read requests issued (preadv calls)
     disk_read_duration: Histogram     # seconds per read request
+    disk_active_seconds: Counter      # wall seconds with a read in flight (the disk busy; its rate's gap to 1: idle)
     disk_direct_io: Gauge             # 1 = O_DIRECT, 0 = buffered fallback + POSIX_FADV_DONTNEED
     expert_loads: Counter             # [reason] experts written into host slots
     expert_evictions: Counter         # experts dropped from host slots
@@ -280,6 +281,9 @@ def make_store_metrics(version: str = "0.1.0") -> StoreMetrics:
         ready=Gauge("betelgeuse_ready", "1 when serving (arena ready, socket listening), else 0.", registry=reg),
         disk_read_bytes=Counter("betelgeuse_disk_read_bytes", "Bytes read from disk.", ["reason"], registry=reg),
         disk_reads=Counter("betelgeuse_disk_reads", "Disk read requests.", ["reason"], registry=reg),
+        disk_active_seconds=Counter("betelgeuse_disk_active_seconds",
+                                    "Wall seconds with at least one disk read in flight (rate: the disk's busy "
+                                    "share; 1 - rate: the share it stood idle).", registry=reg),
         disk_read_duration=Histogram("betelgeuse_disk_read_duration_seconds", "Latency of one disk read request.",
                                      buckets=DISK_READ_BUCKETS, registry=reg),
         disk_direct_io=Gauge("betelgeuse_disk_direct_io",

@@ -286,6 +286,7 @@ def _sync_metrics(m, store: ExpertStore, stop: threading.Event):
         m.disk_read_bytes.labels(reason="prefetch").inc(delta("bp", r.request_bytes[1]))
         m.disk_reads.labels(reason="demand").inc(delta("rd", r.requests[0]))
         m.disk_reads.labels(reason="prefetch").inc(delta("rp", r.requests[1]))
+        m.disk_active_seconds.inc(delta("da", st["disk_active_seconds"]))
         m.expert_loads.labels(reason="demand").inc(delta("ld", st["demand_loads"] - st["staged_hits"]))
         m.expert_loads.labels(reason="prefetch").inc(delta("lp", st["readahead_reads"] + st["consolidation_reads"]))
         m.consolidations.inc(delta("c", st["consolidations"]))

@@ -104,6 +104,10 @@ ROWS = [
         ("timeseries", "Disk wait share of busy time", "percentunit",
          [(rule("instance:betelgeuse_disk_wait_share:rate5m"), "{{phase}} {{instance}}")],
          "Time compute stalled on disk-resident experts (5 minutes, per replica; alert: BetelgeuseDiskWaitHigh)."),
+        ("timeseries", "Disk busy share", "percentunit",
+         [(rate("betelgeuse_disk_active_seconds_total"), "{{instance}}")],
+         "Wall time with a store read in flight; what is left to 100% the disk stood idle (decode's gap to its disk "
+         "bound when reads are issued late)."),
         ("timeseries", "Disk read latency", "s",
          [(quantile(q, "betelgeuse_disk_read_duration_seconds"), f"p{int(q * 100)}") for q in (0.5, 0.99)], ""),
         ("timeseries", "Host to device bytes/s", "Bps",

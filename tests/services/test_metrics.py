@@ -62,6 +62,7 @@ WORKER = {  # family name (without _total) -> type
 STORE = {
     "betelgeuse_disk_read_bytes": "counter",
     "betelgeuse_disk_reads": "counter",
+    "betelgeuse_disk_active_seconds": "counter",
     "betelgeuse_disk_read_duration_seconds": "histogram",
     "betelgeuse_disk_direct_io": "gauge",
     "betelgeuse_expert_slots": "gauge",
@@ -84,6 +85,7 @@ def test_worker_and_store_serve_expected_families(served):
     w.requests.labels(method="Generate", code="OK").inc()
     w.set_cgroup_reader(lambda: 1234.0, lambda: 12 * 2**30)
     s.disk_read_bytes.labels(reason="demand").inc(4096)
+    s.disk_active_seconds.inc(0.25)
     s.disk_read_duration.observe(0.004)
     s.expert_slots.labels(tier="host", state="used").set(720)
 
@@ -121,6 +123,7 @@ def test_worker_and_store_serve_expected_families(served):
 
     sf = fams["store"]
     assert _value(sf["betelgeuse_disk_read_bytes"], "betelgeuse_disk_read_bytes_total", reason="demand") == 4096
+    assert _value(sf["betelgeuse_disk_active_seconds"], "betelgeuse_disk_active_seconds_total") == 0.25
     assert _value(sf["betelgeuse_disk_read_duration_seconds"], "betelgeuse_disk_read_duration_seconds_count") == 1
     assert _value(sf["betelgeuse_expert_slots"], "betelgeuse_expert_slots", tier="host", state="used") == 720
 
