@@ -65,6 +65,10 @@ def _unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 class InterleavedRope:
     """Interleaved-pair RoPE (pairs (2i, 2i+1)) on the last 2*len(inv_freq) dims of a head."""
     inv_freq: torch.Tensor          # [rope_dim/2] float32
+    pairs: torch.Tensor = field(init=False)     # [rope_dim] float32: each inverse frequency twice (for its pair)
+
+    def __post_init__(self):
+        self.pairs = self.inv_freq.repeat_interleave(2)
 
     @classmethod
     def plain(cls, dim: int, theta: float, device) -> "InterleavedRope":
@@ -86,10 +90,15 @@ class InterleavedRope:
         ext_factor = 1 - ramp
         return cls((inter * (1 - ext_factor) + extra * ext_factor).to(device))
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin [T, rope_dim] float32 (each angle repeated for its pair)."""
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        return freqs.cos().repeat_interleave(2, -1), freqs.sin().repeat_interleave(2, -1)
+    def cos_sin(self, positions: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, rope_dim] float32 (each angle repeated for its pair; out [2, T, rope_dim]:
+        written there). Three kernels: the angles are float32(p) * inv_freq, each computed for both of its pair's
+        dims (the same bits as computing it once and repeating it)."""
+        pairs = self.pairs
+        if out is None:
+            out = torch.empty((2, positions.shape[0], pairs.shape[0]), dtype=torch.float32, device=pairs.device)
+        freqs = positions[:, None] * pairs[None, :]    # int64 x float32: the position cast to float32 in the kernel
+        return torch.cos(freqs, out=out[0]), torch.sin(freqs, out=out[1])
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -197,11 +206,16 @@ class _RopeTables:
     def reset(self):
         self._memo = {}
 
-    def cos_sin(self, positions: torch.Tensor, dtype=None):
+    def cos_sin(self, positions: torch.Tensor, dtype=None, out: torch.Tensor | None = None):
+        """out [4, T, rope_dim] float32: the tables written there (main cos, sin, compressed cos, sin: the batched
+        decode lanes' table buffer, worker/lanes.py, so they need no stacking)."""
         hit = self._memo.get(id(positions))
-        if hit is not None and hit[0] is positions:
+        if hit is not None and hit[0] is positions and (out is None or hit[1][0][0].data_ptr() == out.data_ptr()):
             return hit[1]
-        out = (self.main.cos_sin(positions), self.comp.cos_sin(positions))
+        if out is None:
+            out = torch.empty((4, positions.shape[0], 2 * self.main.inv_freq.shape[0]), dtype=torch.float32,
+                              device=self.main.inv_freq.device)
+        out = (self.main.cos_sin(positions, out[:2]), self.comp.cos_sin(positions, out[2:]))
         self._memo[id(positions)] = (positions, out)
         return out
 
@@ -323,6 +337,8 @@ class Deepseek4Model:
 
     # lane_rows' rows are all lane-first [T, ...]: the lanes copy a layer's rows in one launch per dtype (worker/lanes.py)
     LANE_ROWS_FIRST = True
+    # rope.cos_sin(positions, dtype, out=[4, T, rope_dim]) writes the tables into the lanes' table buffer
+    TABLES_OUT = True
 
     def lane_rows(self, layer: int, x: torch.Tensor, positions: torch.Tensor):
         """X [T, hc, D], positions [T] -> (carry for attn_out, rows): the row-wise part of attention (mHC mix,
