@@ -337,33 +337,41 @@ class Deepseek4Model:
 
     # lane_rows' rows are all lane-first [T, ...]: the lanes copy a layer's rows in one launch per dtype (worker/lanes.py)
     LANE_ROWS_FIRST = True
-    # rope.cos_sin(positions, dtype, out=[4, T, rope_dim]) writes the tables into the lanes' table buffer
-    TABLES_OUT = True
+    # rope.cos_sin(positions, dtype, out=[4, T, rope_dim]) writes the tables into the lanes' table buffer, and
+    # lane_rows(..., out=buffers) its rows into the lanes' row buffers
+    TABLES_OUT = ROWS_OUT = True
 
-    def lane_rows(self, layer: int, x: torch.Tensor, positions: torch.Tensor):
+    def lane_rows(self, layer: int, x: torch.Tensor, positions: torch.Tensor, out: tuple | None = None):
         """X [T, hc, D], positions [T] -> (carry for attn_out, rows): the row-wise part of attention (mHC mix,
         attn_norm, the projections, q/kv norms and RoPE). rows: q [T, H, hd], kv [T, hd] (both rotated), and on
         compressed layers the compressor's kv, gate [T, C]; ratio 4 adds the indexer's compressor kv, gate, its
-        rotated queries [T, nh, ihd] and head weights [T, nh] (float32)."""
+        rotated queries [T, nh, ihd] and head weights [T, nh] (float32). out: a buffer per row (the rows' shapes and
+        dtypes; each token's row contiguous): every row written there by the op that makes it (the batched decode
+        lanes' buffers, worker/lanes.py: no copy), rows = out."""
         cfg, p, w, l, ops = self.cfg, self.p, self.w, layer, self.ops
         b, eps, hd, H = f"blk.{l}.", cfg.rms_eps, cfg.head_dim, cfg.n_head
         T = x.shape[0]
+        o = out if out is not None else (None,) * 8
         post, comb, u = self._hc_pre(x, l, "attn")
         ratio = p.compress_ratios[l]
         main, compressed = self.rope.cos_sin(positions)
         cos, sin = compressed if ratio else main
         qr = ops.rms(F.linear(u, w[b + "attn_q_a.weight"]), w[b + "attn_q_a_norm.weight"], eps)
-        q = ops.rms_rope(F.linear(qr, w[b + "attn_q_b.weight"]).view(T, H, hd), None, cos, sin, eps)
-        kv = ops.rms_rope(F.linear(u, w[b + "attn_kv.weight"]), w[b + "attn_kv_a_norm.weight"], cos, sin, eps)
+        q = ops.rms_rope(F.linear(qr, w[b + "attn_q_b.weight"]).view(T, H, hd), None, cos, sin, eps, out=o[0])
+        kv = ops.rms_rope(F.linear(u, w[b + "attn_kv.weight"]), w[b + "attn_kv_a_norm.weight"], cos, sin, eps,
+                          out=o[1])
         rows = [q, kv]
         if ratio:
-            rows += [F.linear(u, w[b + "attn_compressor_kv.weight"]), F.linear(u, w[b + "attn_compressor_gate.weight"])]
+            rows += [_linear(u, w[b + "attn_compressor_kv.weight"], o[2]),
+                     _linear(u, w[b + "attn_compressor_gate.weight"], o[3])]
             if ratio == 4:      # the lightning indexer: its compressor's inputs, queries and head weights
                 nh, ihd = p.index_n_heads, p.index_head_dim
-                iq = ops.rope(F.linear(qr, w[b + "indexer.attn_q_b.weight"]).view(T, nh, ihd), cos, sin)
-                rows += [F.linear(u, w[b + "indexer_compressor_kv.weight"]),
-                         F.linear(u, w[b + "indexer_compressor_gate.weight"]), iq,
-                         F.linear(u, w[b + "indexer.proj.weight"]).float() * nh ** -0.5]
+                iq = ops.rope(F.linear(qr, w[b + "indexer.attn_q_b.weight"]).view(T, nh, ihd), cos, sin, out=o[6])
+                iw = F.linear(u, w[b + "indexer.proj.weight"]).float()
+                rows += [_linear(u, w[b + "indexer_compressor_kv.weight"], o[4]),
+                         _linear(u, w[b + "indexer_compressor_gate.weight"], o[5]), iq,
+                         iw * nh ** -0.5 if o[7] is None else torch.mul(iw, nh ** -0.5, out=o[7])]
+        assert out is None or len(rows) == len(out), (len(rows), len(out))
         return (x, post, comb), tuple(rows)
 
     @staticmethod
@@ -563,6 +571,17 @@ class Deepseek4Model:
         return F.linear(n, self.w[ds4layout.OUTPUT]).float()
 
 
+def _into(t: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """t, or t copied into out (same shape) and out."""
+    return t if out is None else out.copy_(t)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w) (x [T, K], w [N, K]), or the same matmul written into out [T, N] (a lane buffer's column range:
+    the library's gemm writes it at its row stride, no copy)."""
+    return F.linear(x, w) if out is None else torch.mm(x, w.t(), out=out)
+
+
 def _ring_rows(first: int, n: int, rows: int, device) -> torch.Tensor:
     """Ring rows [n] of positions first..first+n-1 (position p at row p % rows); no host-to-device copy."""
     return (torch.arange(n, device=device) + first) % rows
@@ -676,13 +695,14 @@ class TorchOps:
         return _rms(x, w, eps)
 
     @staticmethod
-    def rms_rope(x, w, cos, sin, eps: float):
-        """RMSNorm over the last dim (w None: unweighted, in x's dtype as V4's per-head q norm), then RoPE."""
-        return apply_rope(_unweighted_rms(x, eps) if w is None else _rms(x, w, eps), cos, sin)
+    def rms_rope(x, w, cos, sin, eps: float, out=None):
+        """RMSNorm over the last dim (w None: unweighted, in x's dtype as V4's per-head q norm), then RoPE (out:
+        written there, x's shape: the batched decode lanes' buffers)."""
+        return _into(apply_rope(_unweighted_rms(x, eps) if w is None else _rms(x, w, eps), cos, sin), out)
 
     @staticmethod
-    def rope(x, cos, sin):
-        return apply_rope(x, cos, sin)
+    def rope(x, cos, sin, out=None):
+        return _into(apply_rope(x, cos, sin), out)
 
     @staticmethod
     def compress_step(kv_buf, gate_buf, entries, kv, gate, ape, norm, rope, pos, ratio: int, eps: float):

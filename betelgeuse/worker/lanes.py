@@ -174,6 +174,12 @@ class Lanes:
             else:
                 self.keep[v] = m.rope.cos_sin(self.pos, self.attn.dtype)
                 torch.stack(_flat(self.keep[v]), out=self.tables)
+        if getattr(m, "ROWS_OUT", False):
+            # deepseek4: every row written into its lane buffer by the op that makes it; the buffers are shaped
+            # after the layer's rows on its first (eager) step, which then makes them again into the buffers
+            if self.layer_rows[l] is None:
+                self.layer_rows[l] = self._rows(m.lane_rows(l, x, self.pos)[1])[0]
+            return (m.lane_rows(l, x, self.pos, out=self.layer_rows[l])[0],)
         carry, rows = m.lane_rows(l, x, self.pos)
         bufs, packs = self._rows(rows)
         self.layer_rows[l] = bufs
