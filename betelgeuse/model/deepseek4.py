@@ -307,8 +307,9 @@ class Deepseek4Model:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] -> X [T, hc, D]: the embedding copied into each residual stream. Starts a pass (RoPE tables)."""
         self.rope.reset()
-        e = F.embedding(ids.to(self.device), self.w[ds4layout.TOKEN_EMBD])
-        return e.unsqueeze(1).expand(-1, self.p.hc_mult, -1).contiguous()
+        # one gather from the table seen as [V, hc, D] (each row repeated, a view): the copy per stream in it
+        e = self.w[ds4layout.TOKEN_EMBD]
+        return e.unsqueeze(1).expand(-1, self.p.hc_mult, -1).index_select(0, ids.to(self.device))
 
     def _hc_pre(self, X: torch.Tensor, l: int, s: str):
         """X [T, hc, D] -> post [T, hc], comb [T, hc, hc] (float32), h [T, D] = RMSNorm_w(sum_j pre_j X_j) (X's
@@ -386,8 +387,11 @@ class Deepseek4Model:
         p, b, T = self.p, f"blk.{layer}.", o.shape[0]
         g = p.o_groups
         wa = self.w[b + "attn_output_a.weight"].view(g, p.o_lora_rank, -1)          # [g, o_lora, H*hd/g]
-        y = torch.bmm(o.reshape(T, g, -1).transpose(0, 1), wa.transpose(1, 2)).transpose(0, 1)   # [T, g, o_lora]
-        out = F.linear(y.reshape(T, -1), self.w[b + "attn_output_b.weight"])
+        # y [T, g, o_lora] written by the batched matmul through its [g, T, o_lora] view (the library's strided
+        # batched gemm writes there: no copy to make the rows contiguous)
+        y = torch.empty((T, g, p.o_lora_rank), dtype=o.dtype, device=o.device)
+        torch.bmm(o.reshape(T, g, -1).transpose(0, 1), wa.transpose(1, 2), out=y.transpose(0, 1))
+        out = F.linear(y.view(T, -1), self.w[b + "attn_output_b.weight"])
         return self.ops.hc_post(x, out, post, comb)
 
     def attend_static(self, layer: int, rows: tuple, cache: DS4Cache, pos: torch.Tensor,
