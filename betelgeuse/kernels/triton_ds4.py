@@ -133,11 +133,12 @@ def _hc_post_kernel(x_ptr, a_ptr, b_ptr, post_ptr, comb_ptr, out_ptr, D,
 
 
 @triton.jit
-def _rms_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, ring_ptr, pos_ptr, D, R, NH, W, eps,
+def _rms_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, ring_ptr, pos_ptr, D, R, NH, W, OT, eps,
                      NORM: tl.constexpr, NEG_SIN: tl.constexpr, RING: tl.constexpr, BD: tl.constexpr):
     """Row `row` = token t * NH + head of x [rows, D]: NORM 0 none, 1 unweighted (in x's dtype, as V4's q norm),
     2 weighted (float32, as _rms); then RoPE on the last R dims (pairs (2i, 2i+1); cos/sin [T, R] float32).
-    RING: the row also into ring[pos % W] (a decode token's K=V row into its window)."""
+    RING: the row also into ring[pos % W] (a decode token's K=V row into its window). out: token t's NH rows
+    contiguous at out_ptr + t * OT (OT = NH * D, or a lane buffer's row stride)."""
     row = tl.program_id(0).to(tl.int64)
     t = row // NH
     c = tl.arange(0, BD)
@@ -161,7 +162,7 @@ def _rms_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, ring_ptr, pos_ptr,
         sn = -sn
     rot = tl.where((c % 2) == 0, -xp, xp)
     y = tl.where(inr, x * cs + rot * sn, x).to(dt)
-    tl.store(out_ptr + row * D + c, y, mask=mc)
+    tl.store(out_ptr + t * OT + (row - t * NH) * D + c, y, mask=mc)
     if RING:
         p = tl.load(pos_ptr)
         tl.store(ring_ptr + (p % W) * D + c, y, mask=mc)
@@ -503,21 +504,27 @@ class TritonOps:
         T = cos.shape[0]
         if out is None:
             out = torch.empty_like(xc)
-        assert out.is_contiguous() and out.shape == xc.shape and out.dtype == xc.dtype, (out.shape, xc.shape)
+        # out: any token stride (the batched decode lanes' buffers: column ranges of one flat buffer), each token's
+        # rows contiguous
+        assert out.shape == xc.shape and out.dtype == xc.dtype and out[0].is_contiguous(), (out.shape, xc.shape)
+        if out.shape[0] != T:       # rows of several tokens per leading index: no token stride but the packed one
+            assert out.is_contiguous(), (out.shape, out.stride())
+        OT = out.stride(0) if out.shape[0] == T else rows // T * D
         _rms_rope_kernel[(rows,)](xc, w if w is not None else xc, cos, sin, out,
                                   ring if ring is not None else out, pos if pos is not None else cos,
-                                  D, cos.shape[1], rows // T, ring.shape[0] if ring is not None else 1, float(eps),
+                                  D, cos.shape[1], rows // T, ring.shape[0] if ring is not None else 1,
+                                  OT, float(eps),
                                   NORM=norm, NEG_SIN=neg_sin, RING=ring is not None,
                                   BD=triton.next_power_of_2(D))
         return out
 
     @classmethod
-    def rms_rope(cls, x, w, cos, sin, eps: float):
-        return cls._rms_rope(x, w, cos, sin, eps, 1 if w is None else 2)
+    def rms_rope(cls, x, w, cos, sin, eps: float, out=None):
+        return cls._rms_rope(x, w, cos, sin, eps, 1 if w is None else 2, out=out)
 
     @classmethod
-    def rope(cls, x, cos, sin):
-        return cls._rms_rope(x, None, cos, sin, 0.0, 0)
+    def rope(cls, x, cos, sin, out=None):
+        return cls._rms_rope(x, None, cos, sin, 0.0, 0, out=out)
 
     @staticmethod
     def rms(x, w, eps: float):

@@ -65,6 +65,10 @@ def _unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 class InterleavedRope:
     """Interleaved-pair RoPE (pairs (2i, 2i+1)) on the last 2*len(inv_freq) dims of a head."""
     inv_freq: torch.Tensor          # [rope_dim/2] float32
+    pairs: torch.Tensor = field(init=False)     # [rope_dim] float32: each inverse frequency twice (for its pair)
+
+    def __post_init__(self):
+        self.pairs = self.inv_freq.repeat_interleave(2)
 
     @classmethod
     def plain(cls, dim: int, theta: float, device) -> "InterleavedRope":
@@ -86,10 +90,15 @@ class InterleavedRope:
         ext_factor = 1 - ramp
         return cls((inter * (1 - ext_factor) + extra * ext_factor).to(device))
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin [T, rope_dim] float32 (each angle repeated for its pair)."""
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        return freqs.cos().repeat_interleave(2, -1), freqs.sin().repeat_interleave(2, -1)
+    def cos_sin(self, positions: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, rope_dim] float32 (each angle repeated for its pair; out [2, T, rope_dim]:
+        written there). Three kernels: the angles are float32(p) * inv_freq, each computed for both of its pair's
+        dims (the same bits as computing it once and repeating it)."""
+        pairs = self.pairs
+        if out is None:
+            out = torch.empty((2, positions.shape[0], pairs.shape[0]), dtype=torch.float32, device=pairs.device)
+        freqs = positions[:, None] * pairs[None, :]    # int64 x float32: the position cast to float32 in the kernel
+        return torch.cos(freqs, out=out[0]), torch.sin(freqs, out=out[1])
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -197,11 +206,16 @@ class _RopeTables:
     def reset(self):
         self._memo = {}
 
-    def cos_sin(self, positions: torch.Tensor, dtype=None):
+    def cos_sin(self, positions: torch.Tensor, dtype=None, out: torch.Tensor | None = None):
+        """out [4, T, rope_dim] float32: the tables written there (main cos, sin, compressed cos, sin: the batched
+        decode lanes' table buffer, worker/lanes.py, so they need no stacking)."""
         hit = self._memo.get(id(positions))
-        if hit is not None and hit[0] is positions:
+        if hit is not None and hit[0] is positions and (out is None or hit[1][0][0].data_ptr() == out.data_ptr()):
             return hit[1]
-        out = (self.main.cos_sin(positions), self.comp.cos_sin(positions))
+        if out is None:
+            out = torch.empty((4, positions.shape[0], 2 * self.main.inv_freq.shape[0]), dtype=torch.float32,
+                              device=self.main.inv_freq.device)
+        out = (self.main.cos_sin(positions, out[:2]), self.comp.cos_sin(positions, out[2:]))
         self._memo[id(positions)] = (positions, out)
         return out
 
@@ -293,8 +307,9 @@ class Deepseek4Model:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] -> X [T, hc, D]: the embedding copied into each residual stream. Starts a pass (RoPE tables)."""
         self.rope.reset()
-        e = F.embedding(ids.to(self.device), self.w[ds4layout.TOKEN_EMBD])
-        return e.unsqueeze(1).expand(-1, self.p.hc_mult, -1).contiguous()
+        # one gather from the table seen as [V, hc, D] (each row repeated, a view): the copy per stream in it
+        e = self.w[ds4layout.TOKEN_EMBD]
+        return e.unsqueeze(1).expand(-1, self.p.hc_mult, -1).index_select(0, ids.to(self.device))
 
     def _hc_pre(self, X: torch.Tensor, l: int, s: str):
         """X [T, hc, D] -> post [T, hc], comb [T, hc, hc] (float32), h [T, D] = RMSNorm_w(sum_j pre_j X_j) (X's
@@ -323,31 +338,41 @@ class Deepseek4Model:
 
     # lane_rows' rows are all lane-first [T, ...]: the lanes copy a layer's rows in one launch per dtype (worker/lanes.py)
     LANE_ROWS_FIRST = True
+    # rope.cos_sin(positions, dtype, out=[4, T, rope_dim]) writes the tables into the lanes' table buffer, and
+    # lane_rows(..., out=buffers) its rows into the lanes' row buffers
+    TABLES_OUT = ROWS_OUT = True
 
-    def lane_rows(self, layer: int, x: torch.Tensor, positions: torch.Tensor):
+    def lane_rows(self, layer: int, x: torch.Tensor, positions: torch.Tensor, out: tuple | None = None):
         """X [T, hc, D], positions [T] -> (carry for attn_out, rows): the row-wise part of attention (mHC mix,
         attn_norm, the projections, q/kv norms and RoPE). rows: q [T, H, hd], kv [T, hd] (both rotated), and on
         compressed layers the compressor's kv, gate [T, C]; ratio 4 adds the indexer's compressor kv, gate, its
-        rotated queries [T, nh, ihd] and head weights [T, nh] (float32)."""
+        rotated queries [T, nh, ihd] and head weights [T, nh] (float32). out: a buffer per row (the rows' shapes and
+        dtypes; each token's row contiguous): every row written there by the op that makes it (the batched decode
+        lanes' buffers, worker/lanes.py: no copy), rows = out."""
         cfg, p, w, l, ops = self.cfg, self.p, self.w, layer, self.ops
         b, eps, hd, H = f"blk.{l}.", cfg.rms_eps, cfg.head_dim, cfg.n_head
         T = x.shape[0]
+        o = out if out is not None else (None,) * 8
         post, comb, u = self._hc_pre(x, l, "attn")
         ratio = p.compress_ratios[l]
         main, compressed = self.rope.cos_sin(positions)
         cos, sin = compressed if ratio else main
         qr = ops.rms(F.linear(u, w[b + "attn_q_a.weight"]), w[b + "attn_q_a_norm.weight"], eps)
-        q = ops.rms_rope(F.linear(qr, w[b + "attn_q_b.weight"]).view(T, H, hd), None, cos, sin, eps)
-        kv = ops.rms_rope(F.linear(u, w[b + "attn_kv.weight"]), w[b + "attn_kv_a_norm.weight"], cos, sin, eps)
+        q = ops.rms_rope(F.linear(qr, w[b + "attn_q_b.weight"]).view(T, H, hd), None, cos, sin, eps, out=o[0])
+        kv = ops.rms_rope(F.linear(u, w[b + "attn_kv.weight"]), w[b + "attn_kv_a_norm.weight"], cos, sin, eps,
+                          out=o[1])
         rows = [q, kv]
         if ratio:
-            rows += [F.linear(u, w[b + "attn_compressor_kv.weight"]), F.linear(u, w[b + "attn_compressor_gate.weight"])]
+            rows += [_linear(u, w[b + "attn_compressor_kv.weight"], o[2]),
+                     _linear(u, w[b + "attn_compressor_gate.weight"], o[3])]
             if ratio == 4:      # the lightning indexer: its compressor's inputs, queries and head weights
                 nh, ihd = p.index_n_heads, p.index_head_dim
-                iq = ops.rope(F.linear(qr, w[b + "indexer.attn_q_b.weight"]).view(T, nh, ihd), cos, sin)
-                rows += [F.linear(u, w[b + "indexer_compressor_kv.weight"]),
-                         F.linear(u, w[b + "indexer_compressor_gate.weight"]), iq,
-                         F.linear(u, w[b + "indexer.proj.weight"]).float() * nh ** -0.5]
+                iq = ops.rope(F.linear(qr, w[b + "indexer.attn_q_b.weight"]).view(T, nh, ihd), cos, sin, out=o[6])
+                iw = F.linear(u, w[b + "indexer.proj.weight"]).float()
+                rows += [_linear(u, w[b + "indexer_compressor_kv.weight"], o[4]),
+                         _linear(u, w[b + "indexer_compressor_gate.weight"], o[5]), iq,
+                         iw * nh ** -0.5 if o[7] is None else torch.mul(iw, nh ** -0.5, out=o[7])]
+        assert out is None or len(rows) == len(out), (len(rows), len(out))
         return (x, post, comb), tuple(rows)
 
     @staticmethod
@@ -362,8 +387,11 @@ class Deepseek4Model:
         p, b, T = self.p, f"blk.{layer}.", o.shape[0]
         g = p.o_groups
         wa = self.w[b + "attn_output_a.weight"].view(g, p.o_lora_rank, -1)          # [g, o_lora, H*hd/g]
-        y = torch.bmm(o.reshape(T, g, -1).transpose(0, 1), wa.transpose(1, 2)).transpose(0, 1)   # [T, g, o_lora]
-        out = F.linear(y.reshape(T, -1), self.w[b + "attn_output_b.weight"])
+        # y [T, g, o_lora] written by the batched matmul through its [g, T, o_lora] view (the library's strided
+        # batched gemm writes there: no copy to make the rows contiguous)
+        y = torch.empty((T, g, p.o_lora_rank), dtype=o.dtype, device=o.device)
+        torch.bmm(o.reshape(T, g, -1).transpose(0, 1), wa.transpose(1, 2), out=y.transpose(0, 1))
+        out = F.linear(y.view(T, -1), self.w[b + "attn_output_b.weight"])
         return self.ops.hc_post(x, out, post, comb)
 
     def attend_static(self, layer: int, rows: tuple, cache: DS4Cache, pos: torch.Tensor,
@@ -547,6 +575,17 @@ class Deepseek4Model:
         return F.linear(n, self.w[ds4layout.OUTPUT]).float()
 
 
+def _into(t: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """t, or t copied into out (same shape) and out."""
+    return t if out is None else out.copy_(t)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w) (x [T, K], w [N, K]), or the same matmul written into out [T, N] (a lane buffer's column range:
+    the library's gemm writes it at its row stride, no copy)."""
+    return F.linear(x, w) if out is None else torch.mm(x, w.t(), out=out)
+
+
 def _ring_rows(first: int, n: int, rows: int, device) -> torch.Tensor:
     """Ring rows [n] of positions first..first+n-1 (position p at row p % rows); no host-to-device copy."""
     return (torch.arange(n, device=device) + first) % rows
@@ -660,13 +699,14 @@ class TorchOps:
         return _rms(x, w, eps)
 
     @staticmethod
-    def rms_rope(x, w, cos, sin, eps: float):
-        """RMSNorm over the last dim (w None: unweighted, in x's dtype as V4's per-head q norm), then RoPE."""
-        return apply_rope(_unweighted_rms(x, eps) if w is None else _rms(x, w, eps), cos, sin)
+    def rms_rope(x, w, cos, sin, eps: float, out=None):
+        """RMSNorm over the last dim (w None: unweighted, in x's dtype as V4's per-head q norm), then RoPE (out:
+        written there, x's shape: the batched decode lanes' buffers)."""
+        return _into(apply_rope(_unweighted_rms(x, eps) if w is None else _rms(x, w, eps), cos, sin), out)
 
     @staticmethod
-    def rope(x, cos, sin):
-        return apply_rope(x, cos, sin)
+    def rope(x, cos, sin, out=None):
+        return _into(apply_rope(x, cos, sin), out)
 
     @staticmethod
     def compress_step(kv_buf, gate_buf, entries, kv, gate, ape, norm, rope, pos, ratio: int, eps: float):

@@ -140,6 +140,7 @@ class Deepseek41Model(Deepseek4Model):
     chunked_prefill = False
     static_decode = True
     lane_decode = True
+    ROWS_OUT = False        # its lane_rows makes its rows itself (the lanes copy them into their buffers)
 
     def __init__(self, cfg, dense: dict[str, torch.Tensor]):
         assert cfg.arch == "deepseek41" and cfg.ds41 is not None, cfg.arch

@@ -90,7 +90,9 @@ class LaneDecode(Protocol):
     # `tables` (the step's, made once) attend_static may read at its lane's position instead of recomputing them
     rope: Any
     # optional LANE_ROWS_FIRST = True: every row of lane_rows is lane-first [B, ...] (lane_row slices dim 0), so the
-    # lanes keep a layer's rows side by side in one buffer per dtype and copy them in one launch
+    # lanes keep a layer's rows side by side in one buffer per dtype and copy them in one launch; optional
+    # ROWS_OUT = True: lane_rows(layer, x, positions, out=buffers) writes them there itself (no copy), and
+    # TABLES_OUT = True: rope.cos_sin(positions, dtype, out=table buffer) writes the tables there (no stacking)
 
     def lane_rows(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[Any, tuple]: ...
     def lane_row(self, rows: tuple, i: int) -> tuple: ...

@@ -19,7 +19,8 @@ per layer (deploy/device/profile_batch.py). Here it runs ONCE per layer over B =
                                                                                                     (one graph)
     MoE        the experts of those rows, eagerly as in any pass (a wholly VRAM layer one group, else the
                host-synced loads and groups): the only host work of a layer
-    head       the last combine and residual, output norm, logits of the running lanes [n, n_vocab] (one graph)
+    head       the last combine and residual, output norm, logits of every lane (one graph); the running lanes'
+               rows [n, n_vocab] gathered from them (a fresh tensor)
 
 pre, post and head depend on n (the routing's shapes) and on the routing variant (post routes every lane with the
 runner's router: MoEStep.route_static; the variant, MoEStep.static_variant, is the mode and which layers route
@@ -161,15 +162,26 @@ class Lanes:
             x = m.embed(self.ids)
         else:
             x = self._residual(l - 1, v, combine)
-        carry, rows = m.lane_rows(l, x, self.pos)
         if l == 0:
-            self.keep[v] = m.rope.cos_sin(self.pos, self.attn.dtype)     # read by every layer's pre part (memoized)
-            # and, stacked into the shared table buffer in one launch (like the rows: the attention graphs must not
-            # depend on n), by every layer's attention: the tables are made once per step, not per layer and sequence
-            tabs = _flat(self.keep[v])
+            # the step's RoPE tables, read by every layer's pre part (memoized) and, from the shared table buffer
+            # (like the rows: the attention graphs must not depend on n), by every layer's attention: made once per
+            # step, not per layer and sequence; a rope taking out= (model.TABLES_OUT) writes them there itself
             if self.tables is None:
+                tabs = _flat(m.rope.cos_sin(self.pos, self.attn.dtype))
                 self.tables = torch.zeros((len(tabs), *tabs[0].shape), dtype=tabs[0].dtype, device=tabs[0].device)
-            torch.stack(tabs, out=self.tables)
+                m.rope.reset()
+            if getattr(m, "TABLES_OUT", False):
+                self.keep[v] = m.rope.cos_sin(self.pos, self.attn.dtype, out=self.tables)
+            else:
+                self.keep[v] = m.rope.cos_sin(self.pos, self.attn.dtype)
+                torch.stack(_flat(self.keep[v]), out=self.tables)
+        if getattr(m, "ROWS_OUT", False):
+            # deepseek4: every row written into its lane buffer by the op that makes it; the buffers are shaped
+            # after the layer's rows on its first (eager) step, which then makes them again into the buffers
+            if self.layer_rows[l] is None:
+                self.layer_rows[l] = self._rows(m.lane_rows(l, x, self.pos)[1])[0]
+            return (m.lane_rows(l, x, self.pos, out=self.layer_rows[l])[0],)
+        carry, rows = m.lane_rows(l, x, self.pos)
         bufs, packs = self._rows(rows)
         self.layer_rows[l] = bufs
         ops = getattr(m, "ops", None)
@@ -235,7 +247,7 @@ class Lanes:
         return xa, h, aux, route(l, *run[:3]), (run[3] if len(run) > 3 else None)
 
     def _head(self, v: tuple, combine):
-        return self.m.logits(self._residual(self.L - 1, v, combine)).index_select(0, self.idx[:v[0]])
+        return self.m.logits(self._residual(self.L - 1, v, combine))
 
     def _run(self, key, fn, *args):
         """Part `key` = fn(*args) in its mode (eager, capture, replay) -> its output."""
@@ -257,6 +269,15 @@ class Lanes:
         routing variant (hashable: MoEStep.static_variant; its resident sets are refreshed by the caller)."""
         n = len(kvs)
         self.mode = mode
+        copy_rows = getattr(getattr(self.m, "ops", None), "copy_rows", None)
+        if copy_rows is not None:
+            # deepseek4's (TritonOps: one launch for all): each sequence's token and position into its lane (the
+            # lanes known on the host: one-row views), the lanes into idx
+            assert ids.dtype == idx.dtype == self.ids.dtype, (ids.dtype, idx.dtype)     # bytes moved as they are
+            lanes = [self.seqs[kv.uid].lane for kv in kvs]
+            copy_rows([idx.view(1, n)] + [ids[j:j + 1] for j in range(n)] + [kv.pos for kv in kvs],
+                      [self.idx[:n].view(1, n)] + [self.ids[i:i + 1] for i in lanes] + [self.pos[i:i + 1] for i in lanes])
+            return
         self.idx[:n].copy_(idx)
         self.ids.index_copy_(0, idx, ids)
         self.pos.index_copy_(0, idx, torch.cat([kv.pos for kv in kvs]))
@@ -281,7 +302,8 @@ class Lanes:
     def head(self, kvs, combine) -> torch.Tensor:
         """-> logits [n, n_vocab] float32 of the running lanes (a fresh tensor); ends the step."""
         v = (len(kvs), self.mode)
-        out = self._run(("head", v), self._head, v, combine).clone()
+        # the running lanes' rows, gathered after the part (a captured part's output is static): a fresh tensor
+        out = self._run(("head", v), self._head, v, combine).index_select(0, self.idx[:v[0]])
         if v in self.recent:
             self.recent.remove(v)
         self.recent.append(v)
