@@ -309,8 +309,10 @@ class EngineSettings(_Section):
     # decode: layer l+1's router applied to layer l's residual guesses its experts; the guessed disk ones are read
     # ahead (worker/guess.py). Only when bytes arrive changes, never a bit of the output
     prefetch_decode: Flag = setting(True, "decode: guess the next layer's experts and read the disk ones ahead", False)
-    # how many layers ahead decode guesses (layers l+1 .. l+depth from layer l's residual; 1 = the next layer only)
-    prefetch_depth: Count1 = setting(1, "decode: layers ahead whose experts are guessed and read ahead", 3)
+    # how many layers ahead decode guesses (layers l+1 .. l+depth from layer l's residual; 1 = the next layer only).
+    # 3: on the H200, 16 layers of the bench geometry decoded at 33.5 / 41.5 / 46.1 / 51.8 tok/s with off / 1 / 2 / 3
+    # (docs/benchmarks/gpu-run23-depth), each guessed layer further ahead wasting ~1-3 MB/token more of read-ahead
+    prefetch_depth: Count1 = setting(3, "decode: layers ahead whose experts are guessed and read ahead", 2)
     max_context: Count8 = setting(4096, "tokens per sequence (KV cache length)", 2048)
     # the slot plan reserves KV for max_running x max_context tokens and decode graphs for max_running sequences;
     # auto: as many as fit (1..8) beside a minimum of VRAM expert slots per layer (store/plan.py plan_running)
