@@ -78,6 +78,7 @@ class LLMEngine:
         self.settle_idle = True
         self._unsettled = False                     # work may remain (set by every busy turn, cleared by "done")
         self.settle_steps = 0                       # idle settle steps that filled a layer (all time)
+        self._settle_run, self._settle_t0 = 0, 0.0  # steps of the idle settling under way and when it began
         self._gauges()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
@@ -151,7 +152,7 @@ class LLMEngine:
             if idle:
                 self._settle_idle()
                 continue
-            self._unsettled = self.settle_idle
+            self._unsettled, self._settle_run = self.settle_idle, 0     # a busy turn: settle again once idle
             try:
                 self.step()
             except Exception:                        # noqa: BLE001
@@ -178,13 +179,20 @@ class LLMEngine:
             self._unsettled = False
             return
         if got == "step":
+            if not self._settle_run:
+                self._settle_t0 = time.perf_counter()
             self.settle_steps += 1
+            self._settle_run += 1
         elif got == "wait":
             with self.cv:
                 if not self.waiting:
                     self.cv.wait(SETTLE_POLL_S)
         else:
             self._unsettled = False
+            if self._settle_run:
+                log.info("settled while idle: %d layer(s) of VRAM fills in %.3f s", self._settle_run,
+                         time.perf_counter() - self._settle_t0)
+                self._settle_run = 0
 
     def step(self):
         """Schedule, then carry the plan out: end, admit, and each pass run and its outputs processed in turn."""
