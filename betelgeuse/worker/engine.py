@@ -40,6 +40,8 @@ from betelgeuse.worker.sequence import RequestHandle, Sequence, check_alive
 
 log = logging.getLogger("betelgeuse.engine")
 
+SETTLE_POLL_S = 0.02     # idle, with a consolidation still reading in the store: how often to look for it landed
+
 
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, store: StoreClient, metrics=None, on_tick=None, on_state=None,
@@ -71,6 +73,12 @@ class LLMEngine:
         self.started = time.monotonic()
         self._stop = False
         self._store_lost: StoreUnavailableError | None = None   # set by a health probe on another thread
+        # idle settling: while nothing runs or waits, the store's pending consolidation and the VRAM fills it left
+        # are advanced a step (one layer) per loop turn, so a request after an idle gap finds the store settled
+        self.settle_idle = True
+        self._unsettled = False                     # work may remain (set by every busy turn, cleared by "done")
+        self.settle_steps = 0                       # idle settle steps that filled a layer (all time)
+        self._settle_run, self._settle_t0 = 0, 0.0  # steps of the idle settling under way and when it began
         self._gauges()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
@@ -137,9 +145,14 @@ class LLMEngine:
                 if self.store_ok:
                     self._store_down(err)
             with self.cv:
-                if not self.waiting and not self.running:
+                idle = not self.waiting and not self.running
+                if idle and not self._unsettled:
                     self.cv.wait(0.5)
                     continue
+            if idle:
+                self._settle_idle()
+                continue
+            self._unsettled, self._settle_run = self.settle_idle, 0     # a busy turn: settle again once idle
             try:
                 self.step()
             except Exception:                        # noqa: BLE001
@@ -148,6 +161,38 @@ class LLMEngine:
                 log.exception("engine step failed")
                 for seq in list(self.running):
                     self._end(seq, Finish.failed(InternalError("internal error in the engine; see the worker log")))
+
+    def _settle_idle(self):
+        """One idle settle step (StoreSession.settle_step); the loop checks the queue between steps, so a request
+        that arrives waits for at most one step (one layer's VRAM fills). While only the store's consolidation is
+        left (its reads land in the store), the loop waits on the queue for SETTLE_POLL_S before asking again."""
+        if not self.store_ok:
+            self._unsettled = False                  # the re-attach sets it again
+            return
+        try:
+            got = self.runner.settle_step()
+        except StoreUnavailableError as e:
+            self._store_down(e)
+            return
+        except Exception:                            # noqa: BLE001 (the next request's pass does the fills)
+            log.exception("idle settling failed")
+            self._unsettled = False
+            return
+        if got == "step":
+            if not self._settle_run:
+                self._settle_t0 = time.perf_counter()
+            self.settle_steps += 1
+            self._settle_run += 1
+        elif got == "wait":
+            with self.cv:
+                if not self.waiting:
+                    self.cv.wait(SETTLE_POLL_S)
+        else:
+            self._unsettled = False
+            if self._settle_run:
+                log.info("settled while idle: %d layer(s) of VRAM fills in %.3f s", self._settle_run,
+                         time.perf_counter() - self._settle_t0)
+                self._settle_run = 0
 
     def step(self):
         """Schedule, then carry the plan out: end, admit, and each pass run and its outputs processed in turn."""
@@ -307,6 +352,7 @@ class LLMEngine:
                 self.runner.attach()
                 self.kv_manager.bind_host()          # the new store's prefix host tier (empty)
                 self.store_ok = True
+                self._unsettled = self.settle_idle   # the new attachment's VRAM slots fill while idle
                 log.info("re-attached to the expert store")
                 if self.on_state:
                     self.on_state(True)

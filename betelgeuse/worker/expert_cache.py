@@ -112,42 +112,77 @@ class ExpertCache:
         if epoch is not None and epoch == self._synced_epoch:
             return 0, []
         copied, missing = 0, []
+        for l in range(self.plan.n_layer):
+            copied += self._sync_layer(l, snap, missing)
+        self._wait_copies(copied)
+        self._synced_epoch = epoch if not missing else None
+        self._upload_vram_table()
+        return copied, missing
+
+    def _sync_layer(self, l: int, snap: np.ndarray, missing: list[tuple[int, int, int]]) -> int:
+        """Layer l's VRAM slots = its VRAM-tier experts of the snapshot: copies from host backing slots (enqueued),
+        experts without a backing copy appended to `missing` as (layer, expert, vram slot) -> experts copied."""
         tiers, hslots = snap["tier"], snap["host_slot"]
         V = self.plan.n_vram
-        for l in range(self.plan.n_layer):
-            want = np.nonzero(tiers[l] == TIER_VRAM)[0]
-            assert len(want) <= V, (l, len(want), V)
-            keep = set()
-            for j in range(V):
-                e = int(self.vram_owner[l, j, 0])
-                # an expert's bytes never change (they are the file's): a VRAM copy stays valid while the
-                # expert stays VRAM-tier, whatever happens to its host backing slot
-                if e >= 0 and tiers[l, e] == TIER_VRAM:
-                    keep.add(e)
-                elif e >= 0:
-                    self.vram_owner[l, j] = -1
-                    self.vram_index[l, e] = -1
-                    self.vram_base[l, e] = -1
-            free = [j for j in range(V) if self.vram_owner[l, j, 0] < 0]
-            for e in want:
-                if int(e) in keep:
-                    continue
-                j = free.pop(0)
-                if hslots[l, e] < 0:
-                    missing.append((l, int(e), j))
-                    continue
-                src = self.host_slot(l, int(hslots[l, e]))
-                self.vram[l, j].copy_(src, non_blocking=self.pinned)
-                self.h2d_bytes += src.numel()
-                self._own(l, int(e), j, snap)
-                copied += 1
+        copied = 0
+        want = np.nonzero(tiers[l] == TIER_VRAM)[0]
+        assert len(want) <= V, (l, len(want), V)
+        keep = set()
+        for j in range(V):
+            e = int(self.vram_owner[l, j, 0])
+            # an expert's bytes never change (they are the file's): a VRAM copy stays valid while the
+            # expert stays VRAM-tier, whatever happens to its host backing slot
+            if e >= 0 and tiers[l, e] == TIER_VRAM:
+                keep.add(e)
+            elif e >= 0:
+                self.vram_owner[l, j] = -1
+                self.vram_index[l, e] = -1
+                self.vram_base[l, e] = -1
+        free = [j for j in range(V) if self.vram_owner[l, j, 0] < 0]
+        for e in want:
+            if int(e) in keep:
+                continue
+            j = free.pop(0)
+            if hslots[l, e] < 0:
+                missing.append((l, int(e), j))
+                continue
+            src = self.host_slot(l, int(hslots[l, e]))
+            self.vram[l, j].copy_(src, non_blocking=self.pinned)
+            self.h2d_bytes += src.numel()
+            self._own(l, int(e), j, snap)
+            copied += 1
+        return copied
+
+    def unsynced_layers(self, snap: np.ndarray, epoch: int) -> list[int]:
+        """The layers whose VRAM slots do not hold exactly their VRAM-tier experts of the snapshot (none when
+        `epoch` is the one already synced)."""
+        if epoch == self._synced_epoch:
+            return []
+        differ = (snap["tier"] == TIER_VRAM) != (self.vram_index >= 0)        # [n_layer, n_expert]
+        return [int(l) for l in np.nonzero(differ.any(axis=1))[0]]
+
+    def sync_vram_layer(self, l: int, snap: np.ndarray) -> tuple[int, list[tuple[int, int, int]]]:
+        """sync_vram for layer l alone (idle settling: one layer a step) -> (copied, missing) as sync_vram; the
+        copies are waited for here. The caller fills `missing` (fill_vram, fill_done) and, once unsynced_layers is
+        empty, calls mark_synced."""
+        self.fill_wait_s = 0.0
+        missing: list[tuple[int, int, int]] = []
+        copied = self._sync_layer(l, snap, missing)
+        self._wait_copies(copied)
+        self._synced_epoch = None
+        self._upload_vram_table()
+        return copied, missing
+
+    def _wait_copies(self, copied: int):
+        """Wait for the enqueued host -> VRAM copies (fill_wait_s: the time blocked on the copy engine)."""
         if self.is_cuda and copied:
             t = time.perf_counter()
             torch.cuda.current_stream(self.device).synchronize()
             self.fill_wait_s = time.perf_counter() - t
-        self._synced_epoch = epoch if not missing else None
-        self._upload_vram_table()
-        return copied, missing
+
+    def mark_synced(self, epoch: int):
+        """Every layer's VRAM slots match the directory at `epoch`: the next sync_vram of that epoch does nothing."""
+        self._synced_epoch = epoch
 
     def _own(self, layer: int, expert: int, j: int, snap: np.ndarray):
         self.vram_owner[layer, j] = (expert, snap["host_slot"][layer, expert], snap["generation"][layer, expert])

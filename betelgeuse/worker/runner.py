@@ -176,6 +176,11 @@ class ModelRunner:
         in flight) -> seconds waited."""
         return self.session.settle(timeout)
 
+    def settle_step(self) -> str:
+        """One bounded step of idle settling (StoreSession.settle_step: one layer's VRAM fills) -> "step", "wait"
+        (a consolidation still filling in the store) or "done"."""
+        return self.session.settle_step()
+
     def release(self, kv):
         """A sequence is done: drop its captured decode graphs (solo, and its batched-decode lane with its attention
         graphs) and their memory pools now, not when an LRU bound reaches them (the slot plan counts graphs for

@@ -202,6 +202,32 @@ class StoreSession:
                                       f"{st.get('consolidation_pending')}, reads in flight: {st.get('reads_in_flight')})")
             time.sleep(0.005)                                     # polled: the store has no wait call for its reads
 
+    def settle_step(self) -> str:
+        """One bounded step of idle settling (the engine calls it while no request runs or waits) -> "step": one
+        layer's VRAM slots were made to match the directory (copies from host slots, disk reads for experts without a
+        backing copy), more may remain; "wait": nothing to do but a consolidation still filling in the store (a
+        later step applies it); "done": the store is settled for this worker (the next pass fills nothing).
+        Each step is one short store pass that never waits for a consolidation's reads: begin_pass applies one
+        whose reads have landed, and a request arriving meanwhile waits for at most this step (one layer's fills).
+        The filled layers are what the next pass's VRAM sync then skips; its reads are the consolidation's, not a
+        request's (PassStats of kind "settle", not reported as a pass)."""
+        self.close_pass(False)                       # idle: none is open (request_done closed it)
+        self.call(self.store.begin_pass, False)
+        self.pass_open = True
+        try:
+            snap, epoch = self.directory.snapshot(), self.directory.epoch
+            todo = self.cache.unsynced_layers(snap, epoch)
+            if todo:
+                _, missing = self.cache.sync_vram_layer(todo[0], snap)
+                self._fill_missing(missing, snap, PassStats("prefill", "settle", 0))
+            if len(todo) <= 1:
+                self.cache.mark_synced(epoch)
+        finally:
+            self.close_pass(False)
+        if todo:
+            return "step"
+        return "wait" if self.store.consolidating else "done"
+
     # ---- VRAM hot slots --------------------------------------------------------------------------------
     def _sync_vram(self, snap, epoch, stats: PassStats) -> int:
         """VRAM hot slots = the directory's VRAM tier: copies from host backing slots, and disk reads through the
@@ -209,29 +235,35 @@ class StoreSession:
         cache = self.cache
         copied, missing = cache.sync_vram(snap, epoch)
         self.clock.blocked += cache.fill_wait_s
-        if missing:
-            # after a consolidation without backing copies, often hundreds: the reads run in parallel in the store,
-            # each landed expert is copied at once, and the staging slots go back a batch at a time, after one
-            # sync for the batch's copies (not one sync and one store round trip per expert)
-            where = {(l, e): j for l, e, j in missing}
-            limit = max(1, self.plan.n_staging // 2)   # staging slots held at once: the store keeps reading
-            held: list[int] = []
-            t = time.perf_counter()
-            for got in self.load(list(where)):
-                cache.fill_vram(got.layer, got.expert, where[(got.layer, got.expert)], cache.staging_slot(got.slot), snap)
-                stats.disk_bytes += got.disk_bytes      # the pass waits for them: its bound counts their bytes
-                stats.fill_disk += 1                    # not a use: the pass's route counts the expert as VRAM
-                held.append(got.slot)
-                if len(held) >= limit:
-                    self.clock.sync()                  # the copies are done before their staging slots go back
-                    self.release(held)
-                    held = []
-            self.clock.sync()
-            if held:
-                self.release(held)
-            cache.fill_done()
-            stats.disk_wait_s += time.perf_counter() - t
+        self._fill_missing(missing, snap, stats)
         return copied + len(missing)
+
+    def _fill_missing(self, missing: list[tuple[int, int, int]], snap, stats: PassStats):
+        """Read the VRAM-tier experts without a backing copy, [(layer, expert, vram slot)], through the store into
+        their VRAM slots. After a consolidation without backing copies, often hundreds: the reads run in parallel in
+        the store, each landed expert is copied at once, and the staging slots go back a batch at a time, after one
+        sync for the batch's copies (not one sync and one store round trip per expert)."""
+        if not missing:
+            return
+        cache = self.cache
+        where = {(l, e): j for l, e, j in missing}
+        limit = max(1, self.plan.n_staging // 2)   # staging slots held at once: the store keeps reading
+        held: list[int] = []
+        t = time.perf_counter()
+        for got in self.load(list(where)):
+            cache.fill_vram(got.layer, got.expert, where[(got.layer, got.expert)], cache.staging_slot(got.slot), snap)
+            stats.disk_bytes += got.disk_bytes      # the pass waits for them: its bound counts their bytes
+            stats.fill_disk += 1                    # not a use: the pass's route counts the expert as VRAM
+            held.append(got.slot)
+            if len(held) >= limit:
+                self.clock.sync()                  # the copies are done before their staging slots go back
+                self.release(held)
+                held = []
+        self.clock.sync()
+        if held:
+            self.release(held)
+        cache.fill_done()
+        stats.disk_wait_s += time.perf_counter() - t
 
     def _close_prefix(self):
         """Unregister and unmap the prefix host tier (the store keeps it; the next attach maps it again)."""
