@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from betelgeuse.kernels import triton_mmvq as mv
 from betelgeuse.kernels.triton_quants import QT_CODES, SUPER, tables, wdot  # noqa: F401
 
 # Launch constants. Two kinds, so that a row's bits never depend on the launch (DESIGN.md invariant 6):
@@ -54,14 +55,20 @@ from betelgeuse.kernels.triton_quants import QT_CODES, SUPER, tables, wdot  # no
 #     0 = one program walks the chunks and sums the same partials in the same order: the same bits), num_warps,
 #     num_stages. They change which program computes what, not the arithmetic of an output (tensor-core MMA
 #     computes each output from its own row and column; the sweep checks the buckets' configs agree bit for bit).
+# MV (a reduction key) = 1: the decode schedule of triton_mmvq (llama.cpp's mmvq layout, float activations, no
+# tensor cores) for the types it has, in both buckets: its own fixed arithmetic, so BN, BM_MV (rows per program),
+# num_warps and num_stages may differ per bucket with the same bits; BK, KC and SPLIT do not apply to it (one
+# program walks all of K), and a launch it cannot take (rows not 4-byte aligned, K not a multiple of its step)
+# runs the MMA path (a property of the tensor's geometry, the same for every launch of it).
 # BM (rows per block) is fixed: the MMA's N side. CONFIG is the default; triton_tuning.json (written by
 # `deploy/device/kernel_roofline.py --sweep` on the GPU) overrides it per type and bucket; TYPE_CONFIG[qt] (tests,
 # the roofline's candidates) overrides both for every bucket. F32 (code 3): BK 128, as a [64, 256] float32 weight
 # tile per K step staged twice for gate and up by the software pipeliner needs 280 KiB of shared memory, over
 # sm_90's 227 KiB (tests/scripts/kernel_smem.py checks every type).
-CONFIG = {"BM": 16, "BN": 64, "BN_GATE_UP": 64, "BK": 256, "KC": 0, "SPLIT": 0, "num_warps": 4, "num_stages": 3}
-REDUCE_KEYS = frozenset({"BK", "KC"})
-SCHEDULE_KEYS = frozenset({"BN", "BN_GATE_UP", "SPLIT", "num_warps", "num_stages"})
+CONFIG = {"BM": 16, "BN": 64, "BN_GATE_UP": 64, "BK": 256, "KC": 0, "SPLIT": 0, "num_warps": 4, "num_stages": 3,
+          "MV": 0, "BM_MV": 4}
+REDUCE_KEYS = frozenset({"BK", "KC", "MV"})
+SCHEDULE_KEYS = frozenset({"BN", "BN_GATE_UP", "SPLIT", "num_warps", "num_stages", "BM_MV"})
 BUCKETS = (1, 16)                     # rows per expert the launch is tuned for: bucket_of(rows, experts)
 TYPE_CONFIG: dict[int, dict] = {3: {"BK": 128}}
 TUNING_FILE = Path(__file__).with_name("triton_tuning.json")
@@ -109,8 +116,19 @@ def load_tuning(path: Path | str | None = None) -> dict[int, dict]:
         bk, kc = ent["reduce"].get("BK", CONFIG["BK"]), ent["reduce"].get("KC", 0)
         if bk not in (32, 64, 128, 256) or kc < 0 or kc % bk:
             raise ValueError(f"{path}: {name}: BK {bk} must be 32..256 (a power of two) and KC {kc} a multiple of it")
+        if ent["reduce"].get("MV", 0) not in (0, 1) or (ent["reduce"].get("MV") and code not in mv.STEP):
+            raise ValueError(f"{path}: {name}: MV must be 0 or 1, and 1 only for the types of the decode schedule "
+                             f"({sorted(n for n, c in _names().items() if c in mv.STEP)})")
+        for b in BUCKETS:
+            if ent.get(b, {}).get("BM_MV", 1) not in (1, 2, 4, 8, 16):
+                raise ValueError(f"{path}: {name}.rows{b}: BM_MV must be 1, 2, 4, 8 or 16")
         out[code] = ent
     return out
+
+
+def _names() -> dict[str, int]:
+    from gguf.constants import GGMLQuantizationType as GT
+    return {GT(t).name: c for t, c in QT_CODES.items()}
 
 
 TUNING: dict[int, dict] = load_tuning()
@@ -308,6 +326,54 @@ def _down_kernel(inter_ptr, pool, tab, base_ptr, starts_ptr, rows_ptr, off_ptr, 
 
 
 @triton.jit
+def _gate_up_mv_kernel(h_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, inter_ptr, H, F, row_bytes, n_exp, k_top,
+                       limit, QT: tl.constexpr, HAS_LIMIT: tl.constexpr, RA: tl.constexpr, BM: tl.constexpr,
+                       BN: tl.constexpr, S: tl.constexpr, LOG2S: tl.constexpr, EP: tl.constexpr):
+    """The decode schedule (triton_mmvq): BN output columns of gate and up for BM rows of one expert, all of H."""
+    e, mb, base = _find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
+    if base >= 0:
+        rows, mr, flat = _rows_of(off_ptr, rows_ptr, e, mb, BM)
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        mn = n < F
+        m2 = mn[:, None]
+        gra = _part_rows(base, starts_ptr, e, 0, n, row_bytes, True, RA)[:, None]
+        ura = _part_rows(base, starts_ptr, e, 1, n, row_bytes, True, RA)[:, None]
+        xrow = (flat // k_top) * H
+        accg = tl.zeros((BN, BM, S), dtype=tl.float32)
+        accu = tl.zeros((BN, BM, S), dtype=tl.float32)
+        for kk in range(0, H, S):
+            x = mv.mv_x(h_ptr, xrow, mr, kk, QT, S)
+            accg = mv.mv_acc(accg, mv.mv_weights(pool, gra, kk, m2, QT, BN, S), x)
+            accu = mv.mv_acc(accu, mv.mv_weights(pool, ura, kk, m2, QT, BN, S), x)
+        _gu_store(mv.mv_total(accg, BN, BM, S, LOG2S), mv.mv_total(accu, BN, BM, S, LOG2S), inter_ptr, rows, mr, n,
+                  mn, F, limit, HAS_LIMIT)
+
+
+@triton.jit
+def _down_mv_kernel(inter_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, y_ptr, H, F, row_bytes, n_exp,
+                    QT: tl.constexpr, RA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, S: tl.constexpr,
+                    LOG2S: tl.constexpr, EP: tl.constexpr):
+    e, mb, base = _find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
+    if base >= 0:
+        rows, mr, flat = _rows_of(off_ptr, rows_ptr, e, mb, BM)
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        mn = n < H
+        dra = _part_rows(base, starts_ptr, e, 2, n, row_bytes, True, RA)[:, None]
+        xrow = rows.to(tl.int64) * F
+        acc = tl.zeros((BN, BM, S), dtype=tl.float32)
+        for kk in range(0, F, S):
+            acc = mv.mv_acc(acc, mv.mv_weights(pool, dra, kk, mn[:, None], QT, BN, S), mv.mv_x(inter_ptr, xrow, mr, kk, QT, S))
+        tot = mv.mv_total(acc, BN, BM, S, LOG2S)
+        tl.store(y_ptr + flat[None, :] * H + n[:, None], tot.to(y_ptr.dtype.element_ty), mask=mn[:, None] & mr[None, :])
+
+
+def mv_ok(qt: int, K: int, row_bytes: int, aligned: bool) -> bool:
+    """Whether a launch of type code qt over K columns can take the decode schedule (triton_mmvq): rows at 4-byte
+    multiples (word loads) and K whole steps."""
+    return qt in mv.STEP and aligned and row_bytes % 4 == 0 and K % mv.STEP[qt] == 0
+
+
+@triton.jit
 def _combine_kernel(y_ptr, w_ptr, out_ptr, rows_ptr, H, k_top, BN: tl.constexpr, ROWS: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -379,6 +445,14 @@ def gate_up(h, pool, base, starts, rows, off, inter, n_ff: int, k_top: int, qt: 
     R = rows.numel()
     c = config(qt, bucket_of(R, E))
     bn = c["BN_GATE_UP"]
+    if c["MV"] and mv_ok(qt, H, row_bytes, aligned):
+        S = mv.STEP[qt]
+        _gate_up_mv_kernel[(triton.cdiv(n_ff, bn), _launch_rows(R, E, c["BM_MV"]))](
+            h, pool, base, starts, rows, off, inter, H, n_ff, row_bytes, E, k_top,
+            float(limit) if limit is not None else 0.0, QT=qt, HAS_LIMIT=limit is not None, RA=_row_align(row_bytes),
+            BM=c["BM_MV"], BN=bn, S=S, LOG2S=mv.log2(S), EP=triton.next_power_of_2(E), num_warps=c["num_warps"],
+            num_stages=c["num_stages"])
+        return
     _launch(_gate_up_kernel, [h, pool, tables(pool.device), base, starts, rows, off, inter, H, n_ff, row_bytes, E,
                               k_top, float(limit) if limit is not None else 0.0],
             triton.cdiv(n_ff, bn), R, E, H, qt, "gate_up", bn, c, block_k(qt, H, n_ff),
@@ -394,6 +468,13 @@ def down(inter, pool, base, starts, rows, off, y, n_tokens: int, qt: int, row_by
     R = rows.numel()
     c = config(qt, bucket_of(R, E))
     bn = c["BN"]
+    if c["MV"] and mv_ok(qt, F, row_bytes, aligned):
+        S = mv.STEP[qt]
+        _down_mv_kernel[(triton.cdiv(H, bn), _launch_rows(R, E, c["BM_MV"]))](
+            inter, pool, base, starts, rows, off, y, H, F, row_bytes, E, QT=qt, RA=_row_align(row_bytes),
+            BM=c["BM_MV"], BN=bn, S=S, LOG2S=mv.log2(S), EP=triton.next_power_of_2(E), num_warps=c["num_warps"],
+            num_stages=c["num_stages"])
+        return
     _launch(_down_kernel, [inter, pool, tables(pool.device), base, starts, rows, off, y, H, F, row_bytes, E],
             triton.cdiv(H, bn), R, E, F, qt, "down", bn, c, block_k(qt, H, F),
             dict(QT=qt, IEEE=inter.dtype == torch.float32, ALIGNED=aligned, RA=_row_align(row_bytes)), pool.device)

@@ -30,7 +30,7 @@ from gguf.constants import GGMLQuantizationType as QT  # noqa: E402
 
 from betelgeuse.gguf.quants import dequantize  # noqa: E402
 from betelgeuse.gguf.quants_synth import quantize  # noqa: E402
-from betelgeuse.gguf.qtypes import block_size  # noqa: E402
+from betelgeuse.gguf.qtypes import block_size, row_nbytes  # noqa: E402
 from betelgeuse.kernels import triton_moe, triton_quants  # noqa: E402
 from betelgeuse.kernels.moe import Group, MoEKernels, pack_experts  # noqa: E402
 
@@ -68,6 +68,11 @@ def set_config(qt: int, name: str, super_block: bool):
     triton_moe.TUNING.pop(code, None)
     if name == "default":
         return
+    if name == "mv":        # the decode schedule: 1 row x 4 / 8 columns a program (bucket 1), 16 x 16 (bucket 16)
+        triton_moe.TUNING[code] = {"reduce": {"MV": 1},
+                                   1: {"BM_MV": 1, "BN": 4, "BN_GATE_UP": 8, "num_warps": 1, "num_stages": 1},
+                                   16: {"BM_MV": 16, "BN": 16, "BN_GATE_UP": 16, "num_warps": 4, "num_stages": 2}}
+        return
     split, walk = ({"SPLIT": 1, "BN": 16, "BN_GATE_UP": 32, "num_warps": 2, "num_stages": 2},
                    {"SPLIT": 0, "BN": 64, "BN_GATE_UP": 64, "num_warps": 4, "num_stages": 3})
     if name == "chunked16":
@@ -84,7 +89,7 @@ def check(name: str, config: str = "default") -> dict:
     set_config(qt, config, super_block)
     # F = 96: a partial 32/64-column block; T = 21: a partial 16-row block (K-quant rows are 256-multiples, so the
     # super-block types run the smallest such experts, two of them: the interpreter's time is per program)
-    E, H, FF, T, K = (2, 256, 256, 9, 2) if super_block else (6, 64, 96, 21, 3)
+    E, H, FF, T, K = (2, 256, 256, 9, 2) if super_block or config == "mv" else (6, 64, 96, 21, 3)
     # the row alone (T*k <= E experts: the 1-row bucket; the full launch: the 16-row bucket)
     assert triton_moe.bucket_of(K, E) == 1 and triton_moe.bucket_of(T * K, E) == 16
     raw = experts_of(qt, E, H, FF, g)
@@ -118,6 +123,14 @@ def check(name: str, config: str = "default") -> dict:
     alone = run(tk, h[5:6], ids[5:6], w[5:6], [full])
     res = {"tile_err": tile_err, "max_abs": float((o_t - o_r).abs().max()), "scale": float(o_r.abs().max()),
            "K": H + FF, "row_invariant": bool(torch.equal(alone[0], o_t[5]))}
+    if config == "mv":      # the schedule really ran: it can take these launches, and its bits are not the MMA path's
+        code = triton_quants.QT_CODES[qt]
+        aligned = slot % 16 == 0 and bool((torch.as_tensor(starts) % 16 == 0).all())
+        res["mv_taken"] = all(triton_moe.mv_ok(code, k, row_nbytes(qt, k), aligned) for k in (H, FF))
+        res["run_to_run"] = bool(torch.equal(run(tk, h, ids, w, [full]), o_t))
+        tun = triton_moe.TUNING.pop(code)
+        res["differs_from_mma"] = not torch.equal(run(kern("triton"), h, ids, w, [full]), o_t)
+        triton_moe.TUNING[code] = tun
     if name not in FULL:
         return res
     b1, b2 = base.copy(), base.copy()
