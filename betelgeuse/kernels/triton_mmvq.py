@@ -35,21 +35,24 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from betelgeuse.kernels.triton_quants import _spread, _unit
+from betelgeuse.kernels.triton_quants import _unit
 
-# elements per K step of each kernel type code that has this schedule (triton_quants.QT_CODES)
-STEP = {0: 64, 4: 128, 5: 256}        # Q8_0, MXFP4, Q4_K
+# the tile of one K step per kernel type code (triton_quants.QT_CODES): [D1, D2, D3] positions, S = their product
+DIMS = {0: (2, 8, 4), 4: (4, 4, 8), 5: (4, 8, 8)}          # Q8_0, MXFP4, Q4_K
+STEP = {qt: d[0] * d[1] * d[2] for qt, d in DIMS.items()}
 
 
 @triton.jit
-def _words(pool, addr, i, mask):
-    """int32 words at byte address `addr` (4-byte aligned, [BN, 1]) + 4 i (i [W] word indices)."""
-    return tl.load((pool + addr).to(tl.pointer_type(tl.int32)) + i[None, :], mask=mask, other=0)
+def _ix(D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
+    """The tile's index tensors [1, D1, 1, 1], [1, 1, D2, 1], [1, 1, 1, D3] (broadcast, never reshaped: a reshape
+    moves registers through shared memory)."""
+    return (tl.arange(0, D1)[None, :, None, None], tl.arange(0, D2)[None, None, :, None],
+            tl.arange(0, D3)[None, None, None, :])
 
 
 @triton.jit
 def _word(pool, addr, mask):
-    """int32 word [BN, 1] at 4-byte aligned byte addresses addr [BN, 1]."""
+    """int32 words at 4-byte aligned byte addresses `addr` (any shape broadcastable with mask)."""
     return tl.load((pool + addr).to(tl.pointer_type(tl.int32)), mask=mask, other=0)
 
 
@@ -60,88 +63,140 @@ def _half(bits):
 
 
 @triton.jit
-def mv_cols(QT: tl.constexpr, S: tl.constexpr):
-    """[S] element index within a step of each tile position (the table in the module doc)."""
-    p = tl.arange(0, S)
-    if QT == 0:
-        return p
-    elif QT == 4:
-        return (p // 32) * 32 + (p % 2) * 16 + ((p // 8) % 4) * 4 + (p // 2) % 4
-    else:
-        return (p // 64) * 64 + (p % 2) * 32 + ((p // 8) % 8) * 4 + (p // 2) % 4
+def mv_cols(QT: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
+    """[1, D1, D2, D3] element index within a step of each tile position (the table in the module doc)."""
+    a, b, c = _ix(D1, D2, D3)
+    if QT == 0:                                     # block a, word b, byte c
+        return a * 32 + b * 4 + c
+    elif QT == 4:                                   # block a, word b, nibble c (byte c // 2, high c % 2)
+        return a * 32 + (c % 2) * 16 + b * 4 + c // 2
+    else:                                           # 32-byte group a, word b, nibble c
+        return a * 64 + (c % 2) * 32 + b * 4 + c // 2
 
 
 @triton.jit
-def mv_weights(pool, ra2, kk, m2, QT: tl.constexpr, BN: tl.constexpr, S: tl.constexpr):
-    """float32 [BN, S]: the weights of rows at byte addresses ra2 [BN, 1] (mask m2), step kk .. kk+S, in tile order."""
-    p = tl.arange(0, S)
-    if QT == 0:                                     # Q8_0: two 34-byte blocks = 17 words
-        b = ra2 + (kk // 64) * 68
-        i = tl.arange(0, 16)
-        a = _words(pool, b, i, m2)                  # words 0..15
-        c = _words(pool, b + 4, i, m2)              # words 1..16 (L1)
-        # quant word i: block 0's at bytes 2 + 4i (halves of words i, i+1), block 1's = word 9 + (i - 8) = c[i]
-        v = tl.where((i < 8)[None, :], ((a >> 16) & 0xFFFF) | (c << 16), c)
-        d0 = _half(_word(pool, b, m2))
-        d1 = _half(_word(pool, b + 32, m2) >> 16)
-        d = tl.where((p < 32)[None, :], d0, d1)     # [BN, S]
-        q = _spread(v, BN, 16, 4)                   # word of position p: p // 4, byte p % 4
-        # q ^ 0x80 = q + 128 at mantissa bits 15-22: f = 1 + (q + 128) / 256, w = d q = 256 d f - 384 d
-        f = (((q >> ((p % 4) * 8)[None, :]) & 255) ^ 0x80) << 15
-        return (256.0 * d) * _unit(f) - 384.0 * d
-    elif QT == 4:                                   # MXFP4: four 17-byte blocks = 17 words
-        b = ra2 + (kk // 128) * 68
-        t = tl.arange(0, 16)                        # quant word t: block t // 4, bytes 17 (t // 4) + 1 + 4 (t % 4)
-        o = (t // 4) * 17 + 1 + (t % 4) * 4
-        lo = _words(pool, b, o // 4, m2)
-        hi = _words(pool, b, o // 4 + 1, m2)
-        s = ((o % 4) * 8)[None, :]                  # 8, 16, 24 or 0 (block 3: word-aligned)
-        r = tl.where(s == 0, 8, s)                  # (no shift by 32 below)
-        v = tl.where(s == 0, lo, ((lo >> r) & ((1 << (32 - r)) - 1)) | (hi << (32 - r)))
-        e8 = (_words(pool, b, tl.arange(0, 4) * 4, m2) >> (tl.arange(0, 4) * 8)[None, :]) & 255   # block j's byte 17 j
+def _join4(v0, v1, v2, v3):
+    """[..., 4] with v_i at i: the new dimension in each thread's registers (tl.join), no data movement. join(a, b)
+    adds a last dimension [a, b], so the nested joins take their operands in bit-reversed order."""
+    return tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), v0.shape + [4])
+
+
+@triton.jit
+def _join8(v0, v1, v2, v3, v4, v5, v6, v7):
+    return tl.reshape(tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7))),
+                      v0.shape + [8])
+
+
+@triton.jit
+def _nib(v, n: tl.constexpr, al, be):
+    """al 1.f + be of the 4-bit field n of words v (f = 1 + q/16, the quant at mantissa bits 19-22)."""
+    return al * _unit(((v >> (4 * n)) & 15) << 19) + be
+
+
+@triton.jit
+def _e2m1(v, n: tl.constexpr, d):
+    """d x the doubled e2m1 value of the 4-bit code n of words v: 2^127 x the float32 with bits s<<31 | eem<<22."""
+    q = v >> (4 * n)
+    e = ((q << 22) & 0x01C00000) | ((q << 28) & -2147483648)
+    return (e.to(tl.float32, bitcast=True) * 1.7014118346046923e38) * d
+
+
+@triton.jit
+def _i8(v, u: tl.constexpr, a, d):
+    """d q of the int8 byte u of words v: f = 1 + (q + 128) / 256 at mantissa bits 15-22, w = 256 d f - 384 d."""
+    return a * _unit((((v >> (8 * u)) & 255) ^ 0x80) << 15) - 384.0 * d
+
+
+@triton.jit
+def mv_weights(pool, ra, kk, mn, QT: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
+    """float32 [BN, D1, D2, D3]: the weights of rows at byte addresses ra [BN] (mask mn), step kk, in tile order.
+    Words are loaded as [BN, D1, D2] (contiguous along D2: vector loads), each word's D3 values unpacked in the
+    registers of the thread that holds it."""
+    a = tl.arange(0, D1)[None, :, None]
+    bb = tl.arange(0, D2)[None, None, :]
+    m = mn[:, None, None]
+    r = ra[:, None, None]
+    if QT == 0:                                     # Q8_0: two 34-byte blocks = 17 words (68 B)
+        b = r + (kk // 64) * 68
+        wi = a * 8 + bb                             # quant word: block 0's at bytes 2 + 4 wi (halves of words
+        lo = _word(pool, b + wi * 4, m)             # wi, wi + 1), block 1's at 36 + 4 (wi - 8) = word wi + 1
+        hi = _word(pool, b + wi * 4 + 4, m)
+        v = tl.where(wi < 8, ((lo >> 16) & 0xFFFF) | (hi << 16), hi)
+        d = tl.where(a == 0, _half(_word(pool, b, m)), _half(_word(pool, b + 32, m) >> 16))      # [BN, 2, 1]
+        s = 256.0 * d
+        return _join4(_i8(v, 0, s, d), _i8(v, 1, s, d), _i8(v, 2, s, d), _i8(v, 3, s, d))
+    elif QT == 4:                                   # MXFP4: four 17-byte blocks = 17 words (68 B)
+        b = r + (kk // 128) * 68
+        o = a * 17 + 1 + bb * 4                     # quant word bb of block a: bytes o .. o + 3
+        lo = _word(pool, b + (o // 4) * 4, m)
+        hi = _word(pool, b + (o // 4) * 4 + 4, m)
+        s = (o % 4) * 8                             # 8, 16, 24, or 0 (block 3: word-aligned)
+        t = tl.where(s == 0, 8, s)                  # (no shift by 32)
+        v = tl.where(s == 0, lo, ((lo >> t) & ((1 << (32 - t)) - 1)) | (hi << (32 - t)))
+        e8 = (_word(pool, b + a * 16, m) >> (a * 8)) & 255          # block a's byte 17 a: word 4 a, byte a
         # E8M0 -> 2^(e-128) as float32 bits (ggml_e8m0_to_fp32_half): subnormal for e < 2
-        d = _spread(tl.where(e8 < 2, (e8 + 1) * 0x00200000, (e8 - 1) << 23).to(tl.float32, bitcast=True), BN, 4, 32)
-        qs = (_spread(v, BN, 16, 8) >> ((p % 8) * 4)[None, :]) & 15
-        # the doubled e2m1 value of a code s|e e|m is 2^127 x the float32 with bits s<<31 | eem<<22
-        e = ((qs << 22) & 0x01C00000) | ((qs << 28) & -2147483648)
-        return (e.to(tl.float32, bitcast=True) * 1.7014118346046923e38) * d
+        d = tl.where(e8 < 2, (e8 + 1) * 0x00200000, (e8 - 1) << 23).to(tl.float32, bitcast=True)    # [BN, 4, 1]
+        return _join8(_e2m1(v, 0, d), _e2m1(v, 1, d), _e2m1(v, 2, d), _e2m1(v, 3, d),
+                      _e2m1(v, 4, d), _e2m1(v, 5, d), _e2m1(v, 6, d), _e2m1(v, 7, d))
     else:                                           # Q4_K: f16 d | f16 dmin | scales[12] | qs[128]
-        b = ra2 + (kk // 256) * 144
-        w0 = _word(pool, b, m2)
-        j = tl.arange(0, 8)
-        sh = ((j % 4) * 8)[None, :]
-        b1 = (_word(pool, b + 4, m2) >> sh) & 255   # scales[j % 4]
-        b2 = (_word(pool, b + 8, m2) >> sh) & 255   # scales[4 + j % 4]
-        b3 = (_word(pool, b + 12, m2) >> sh) & 255  # scales[8 + j % 4]
-        lo = (j < 4)[None, :]
-        sc = tl.where(lo, b1 & 63, (b3 & 15) | ((b1 >> 6) << 4)).to(tl.float32)       # [BN, 8] sub-block scales
-        mi = tl.where(lo, b2 & 63, (b3 >> 4) | ((b2 >> 6) << 4)).to(tl.float32)
-        a = 16.0 * (_half(w0) * sc)                 # f = 1 + q/16: w = d sc q - dmin m = a f - (a + dmin m)
-        c = -(a + _half(w0 >> 16) * mi)
-        # sub-block of position p: 2 (p // 64) + p % 2
-        a = tl.reshape(tl.broadcast_to(tl.reshape(a, (BN, 4, 1, 2)), (BN, 4, 32, 2)), (BN, S))
-        c = tl.reshape(tl.broadcast_to(tl.reshape(c, (BN, 4, 1, 2)), (BN, 4, 32, 2)), (BN, S))
-        q = _spread(_words(pool, b + 16, tl.arange(0, 32), m2), BN, 32, 8)
-        f = ((q >> ((p % 8) * 4)[None, :]) & 15) << 19
-        return a * _unit(f) + c
+        b = r + (kk // 256) * 144
+        w0 = _word(pool, b, m)
+        sh = (a % 2) * 16                           # sub-blocks 2a (low nibbles), 2a + 1: scales bytes (2a) % 4, +1
+        b1 = _word(pool, b + 4, m) >> sh            # scales[j % 4] at bits 0-7 (j = 2a) and 8-15 (j = 2a + 1)
+        b2 = _word(pool, b + 8, m) >> sh            # scales[4 + j % 4]
+        b3 = _word(pool, b + 12, m) >> sh           # scales[8 + j % 4]
+        d = _half(w0)
+        dm = _half(w0 >> 16)
+        lo = a < 2                                  # j < 4
+        q = _word(pool, b + 16 + (a * 8 + bb) * 4, m)                   # [BN, 4, 8] qs words
+        als, bes = (), ()
+        for h in tl.static_range(2):                # w = d sc q - dmin m = al f - (al + dmin m), f = 1 + q/16
+            c1 = (b1 >> (8 * h)) & 255
+            c2 = (b2 >> (8 * h)) & 255
+            c3 = (b3 >> (8 * h)) & 255
+            sc = tl.where(lo, c1 & 63, (c3 & 15) | ((c1 >> 6) << 4)).to(tl.float32)    # [BN, 4, 1]
+            mi = tl.where(lo, c2 & 63, (c3 >> 4) | ((c2 >> 6) << 4)).to(tl.float32)
+            al = 16.0 * (d * sc)
+            als = als + (al,)
+            bes = bes + (-(al + dm * mi),)
+        return _join8(_nib(q, 0, als[0], bes[0]), _nib(q, 1, als[1], bes[1]), _nib(q, 2, als[0], bes[0]),
+                      _nib(q, 3, als[1], bes[1]), _nib(q, 4, als[0], bes[0]), _nib(q, 5, als[1], bes[1]),
+                      _nib(q, 6, als[0], bes[0]), _nib(q, 7, als[1], bes[1]))
 
 
 @triton.jit
-def mv_x(x_ptr, xrow, mr, kk, QT: tl.constexpr, S: tl.constexpr):
-    """float32 [BM, S]: the activations of rows at element offsets xrow [BM] (mask mr), step kk, in tile order."""
-    return tl.load(x_ptr + xrow[:, None] + (kk + mv_cols(QT, S))[None, :], mask=mr[:, None], other=0).to(tl.float32)
+def mv_x(x_ptr, xrow, mr, kk, QT: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
+    """float32 [BM, D1, D2, D3]: activations of rows at element offsets xrow [BM] (mask mr), step kk, tile order."""
+    return tl.load(x_ptr + xrow[:, None, None, None] + kk + mv_cols(QT, D1, D2, D3), mask=mr[:, None, None, None],
+                   other=0).to(tl.float32)
 
 
 @triton.jit
-def mv_acc(acc, w, x):
-    """acc [BN, BM, S] + w [BN, S] x [BM, S] elementwise (one fused multiply-add per element)."""
-    return tl.fma(tl.broadcast_to(w[:, None, :], acc.shape), tl.broadcast_to(x[None, :, :], acc.shape), acc)
+def mv_zeros(BN: tl.constexpr, BM: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
+    """The accumulator: [BN, D1, D2, D3] for one row a program (no row dimension: the weights' own layout, so the
+    loop moves no registers through shared memory), else [BN, BM, D1, D2, D3]."""
+    if BM == 1:
+        z = tl.zeros((BN, D1, D2, D3), dtype=tl.float32)
+    else:
+        z = tl.zeros((BN, BM, D1, D2, D3), dtype=tl.float32)
+    return z
+
+
+@triton.jit
+def mv_acc(acc, w, x, BM: tl.constexpr):
+    """acc + w [BN, D...] x [BM, D...] elementwise (one fused multiply-add per element)."""
+    if BM == 1:
+        r = tl.fma(w, tl.broadcast_to(x, w.shape), acc)
+    else:
+        r = tl.fma(tl.broadcast_to(w[:, None], acc.shape), tl.broadcast_to(x[None, :], acc.shape), acc)
+    return r
 
 
 @triton.jit
 def mv_total(acc, BN: tl.constexpr, BM: tl.constexpr, S: tl.constexpr, LOG2S: tl.constexpr):
-    """[BN, BM] = acc [BN, BM, S] summed over positions by the pairwise tree (2i + 2i+1, level by level)."""
-    a = acc
+    """[BN, BM] = acc (mv_zeros' shape, S positions) summed by the pairwise tree over the positions in tile order
+    (2i + 2i+1, level by level)."""
+    a = tl.reshape(acc, (BN, BM, S))
     for lvl in tl.static_range(LOG2S):
         lo, hi = tl.split(tl.reshape(a, (BN, BM, S >> (lvl + 1), 2)))
         a = lo + hi

@@ -328,43 +328,49 @@ def _down_kernel(inter_ptr, pool, tab, base_ptr, starts_ptr, rows_ptr, off_ptr, 
 @triton.jit
 def _gate_up_mv_kernel(h_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, inter_ptr, H, F, row_bytes, n_exp, k_top,
                        limit, QT: tl.constexpr, HAS_LIMIT: tl.constexpr, RA: tl.constexpr, BM: tl.constexpr,
-                       BN: tl.constexpr, S: tl.constexpr, LOG2S: tl.constexpr, EP: tl.constexpr):
+                       BN: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, S: tl.constexpr,
+                       LOG2S: tl.constexpr, EP: tl.constexpr):
     """The decode schedule (triton_mmvq): BN output columns of gate and up for BM rows of one expert, all of H."""
     e, mb, base = _find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
     if base >= 0:
         rows, mr, flat = _rows_of(off_ptr, rows_ptr, e, mb, BM)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         mn = n < F
-        m2 = mn[:, None]
-        gra = _part_rows(base, starts_ptr, e, 0, n, row_bytes, True, RA)[:, None]
-        ura = _part_rows(base, starts_ptr, e, 1, n, row_bytes, True, RA)[:, None]
+        gra = _part_rows(base, starts_ptr, e, 0, n, row_bytes, True, RA)
+        ura = _part_rows(base, starts_ptr, e, 1, n, row_bytes, True, RA)
         xrow = (flat // k_top) * H
-        accg = tl.zeros((BN, BM, S), dtype=tl.float32)
-        accu = tl.zeros((BN, BM, S), dtype=tl.float32)
+        accg = mv.mv_zeros(BN, BM, D1, D2, D3)
+        accu = mv.mv_zeros(BN, BM, D1, D2, D3)
         for kk in range(0, H, S):
-            x = mv.mv_x(h_ptr, xrow, mr, kk, QT, S)
-            accg = mv.mv_acc(accg, mv.mv_weights(pool, gra, kk, m2, QT, BN, S), x)
-            accu = mv.mv_acc(accu, mv.mv_weights(pool, ura, kk, m2, QT, BN, S), x)
+            x = mv.mv_x(h_ptr, xrow, mr, kk, QT, D1, D2, D3)
+            accg = mv.mv_acc(accg, mv.mv_weights(pool, gra, kk, mn, QT, D1, D2, D3), x, BM)
+            accu = mv.mv_acc(accu, mv.mv_weights(pool, ura, kk, mn, QT, D1, D2, D3), x, BM)
         _gu_store(mv.mv_total(accg, BN, BM, S, LOG2S), mv.mv_total(accu, BN, BM, S, LOG2S), inter_ptr, rows, mr, n,
                   mn, F, limit, HAS_LIMIT)
 
 
 @triton.jit
 def _down_mv_kernel(inter_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, y_ptr, H, F, row_bytes, n_exp,
-                    QT: tl.constexpr, RA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, S: tl.constexpr,
-                    LOG2S: tl.constexpr, EP: tl.constexpr):
+                    QT: tl.constexpr, RA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D1: tl.constexpr,
+                    D2: tl.constexpr, D3: tl.constexpr, S: tl.constexpr, LOG2S: tl.constexpr, EP: tl.constexpr):
     e, mb, base = _find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
     if base >= 0:
         rows, mr, flat = _rows_of(off_ptr, rows_ptr, e, mb, BM)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         mn = n < H
-        dra = _part_rows(base, starts_ptr, e, 2, n, row_bytes, True, RA)[:, None]
+        dra = _part_rows(base, starts_ptr, e, 2, n, row_bytes, True, RA)
         xrow = rows.to(tl.int64) * F
-        acc = tl.zeros((BN, BM, S), dtype=tl.float32)
+        acc = mv.mv_zeros(BN, BM, D1, D2, D3)
         for kk in range(0, F, S):
-            acc = mv.mv_acc(acc, mv.mv_weights(pool, dra, kk, mn[:, None], QT, BN, S), mv.mv_x(inter_ptr, xrow, mr, kk, QT, S))
+            acc = mv.mv_acc(acc, mv.mv_weights(pool, dra, kk, mn, QT, D1, D2, D3),
+                            mv.mv_x(inter_ptr, xrow, mr, kk, QT, D1, D2, D3), BM)
         tot = mv.mv_total(acc, BN, BM, S, LOG2S)
         tl.store(y_ptr + flat[None, :] * H + n[:, None], tot.to(y_ptr.dtype.element_ty), mask=mn[:, None] & mr[None, :])
+
+
+def _mv_dims(qt: int) -> dict:
+    d1, d2, d3 = mv.DIMS[qt]
+    return dict(D1=d1, D2=d2, D3=d3, S=mv.STEP[qt], LOG2S=mv.log2(mv.STEP[qt]))
 
 
 def mv_ok(qt: int, K: int, row_bytes: int, aligned: bool) -> bool:
@@ -446,11 +452,10 @@ def gate_up(h, pool, base, starts, rows, off, inter, n_ff: int, k_top: int, qt: 
     c = config(qt, bucket_of(R, E))
     bn = c["BN_GATE_UP"]
     if c["MV"] and mv_ok(qt, H, row_bytes, aligned):
-        S = mv.STEP[qt]
         _gate_up_mv_kernel[(triton.cdiv(n_ff, bn), _launch_rows(R, E, c["BM_MV"]))](
             h, pool, base, starts, rows, off, inter, H, n_ff, row_bytes, E, k_top,
             float(limit) if limit is not None else 0.0, QT=qt, HAS_LIMIT=limit is not None, RA=_row_align(row_bytes),
-            BM=c["BM_MV"], BN=bn, S=S, LOG2S=mv.log2(S), EP=triton.next_power_of_2(E), num_warps=c["num_warps"],
+            BM=c["BM_MV"], BN=bn, **_mv_dims(qt), EP=triton.next_power_of_2(E), num_warps=c["num_warps"],
             num_stages=c["num_stages"])
         return
     _launch(_gate_up_kernel, [h, pool, tables(pool.device), base, starts, rows, off, inter, H, n_ff, row_bytes, E,
@@ -469,10 +474,9 @@ def down(inter, pool, base, starts, rows, off, y, n_tokens: int, qt: int, row_by
     c = config(qt, bucket_of(R, E))
     bn = c["BN"]
     if c["MV"] and mv_ok(qt, F, row_bytes, aligned):
-        S = mv.STEP[qt]
         _down_mv_kernel[(triton.cdiv(H, bn), _launch_rows(R, E, c["BM_MV"]))](
             inter, pool, base, starts, rows, off, y, H, F, row_bytes, E, QT=qt, RA=_row_align(row_bytes),
-            BM=c["BM_MV"], BN=bn, S=S, LOG2S=mv.log2(S), EP=triton.next_power_of_2(E), num_warps=c["num_warps"],
+            BM=c["BM_MV"], BN=bn, **_mv_dims(qt), EP=triton.next_power_of_2(E), num_warps=c["num_warps"],
             num_stages=c["num_stages"])
         return
     _launch(_down_kernel, [inter, pool, tables(pool.device), base, starts, rows, off, y, H, F, row_bytes, E],

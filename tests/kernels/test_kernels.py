@@ -77,6 +77,22 @@ def test_split_k_schedules_match_torch_and_each_other_bit_for_bit():
         assert r["row_invariant"], name
 
 
+def test_decode_schedule_matches_torch_and_is_row_invariant():
+    """The mmvq-layout decode schedule (triton_mmvq; tests/scripts/triton_kernel_check.py --config mv): the tuning's
+    MV = 1 for both buckets, 1 row x 32 / 64 columns a program in the 1-row bucket and 16 rows x 64 / 32 in the
+    16-row one. Within float noise of the torch path; a row alone (bucket 1) == the same row in the full launch
+    (bucket 16) and two runs equal, bit for bit; the schedule really ran (it takes these launches and its bits are
+    not the MMA path's); Q4_K also through the clamped SwiGLU and a split launch group."""
+    res = _run("triton_kernel_check.py", "--config", "mv", "Q8_0", "MXFP4", "Q4_K")
+    assert set(res) == {"Q8_0", "MXFP4", "Q4_K"}
+    for name, r in res.items():
+        assert r["mv_taken"] and r["differs_from_mma"], (name, r)
+        assert r["max_abs"] <= 2e-6 * r["scale"] * r["K"] ** 0.5, (name, r)
+        assert r["row_invariant"] and r["run_to_run"], (name, r)
+    assert res["Q4_K"]["split_equal"], res["Q4_K"]
+    assert res["Q4_K"]["limit_max_abs"] <= 1e-5 * max(1.0, res["Q4_K"]["limit_scale"]), res["Q4_K"]
+
+
 def test_triton_types_are_the_kernel_codes():
     """moe.TRITON_QTYPES (what the runner checks without importing triton) is the set the kernels dispatch on."""
     from betelgeuse.kernels.moe import TRITON_QTYPES
