@@ -95,8 +95,34 @@ CONFIGS = [
     {"BK": 256, "KC": 256, "BN": 32, "BN_GATE_UP": 32, "SPLIT": 1, "num_warps": 2, "num_stages": 2},
     {"BK": 256, "KC": 256, "BN": 64, "BN_GATE_UP": 64, "SPLIT": 0, "num_warps": 4, "num_stages": 3},
     {"BK": 256, "KC": 512, "BN": 32, "BN_GATE_UP": 32, "SPLIT": 1, "num_warps": 4, "num_stages": 1},
+    # the decode schedule (triton_mmvq, MV = 1: its own arithmetic, the same bits at every BN / BM_MV / warps /
+    # stages, so both buckets pick from these; Q8_0, MXFP4, Q4_K only): BN output rows x BM_MV rows a program
+    {"BK": 256, "KC": 0, "MV": 1, "BM_MV": 1, "BN": 8, "BN_GATE_UP": 8, "SPLIT": 0, "num_warps": 4, "num_stages": 1},
+    {"BK": 256, "KC": 0, "MV": 1, "BM_MV": 1, "BN": 16, "BN_GATE_UP": 16, "SPLIT": 0, "num_warps": 4, "num_stages": 2},
+    {"BK": 256, "KC": 0, "MV": 1, "BM_MV": 1, "BN": 32, "BN_GATE_UP": 32, "SPLIT": 0, "num_warps": 8, "num_stages": 1},
+    {"BK": 256, "KC": 0, "MV": 1, "BM_MV": 1, "BN": 4, "BN_GATE_UP": 4, "SPLIT": 0, "num_warps": 2, "num_stages": 2},
+    {"BK": 256, "KC": 0, "MV": 1, "BM_MV": 16, "BN": 2, "BN_GATE_UP": 2, "SPLIT": 0, "num_warps": 8, "num_stages": 1},
+    {"BK": 256, "KC": 0, "MV": 1, "BM_MV": 8, "BN": 4, "BN_GATE_UP": 4, "SPLIT": 0, "num_warps": 8, "num_stages": 1},
+    {"BK": 256, "KC": 0, "MV": 1, "BM_MV": 4, "BN": 8, "BN_GATE_UP": 8, "SPLIT": 0, "num_warps": 4, "num_stages": 2},
 ]
+for _c in CONFIGS:                  # the MMA path's entries: MV 0 (BM_MV, a key of the decode schedule, unused)
+    _c.setdefault("MV", 0)
+    _c.setdefault("BM_MV", 4)
 TARGET = {1: 1500.0, 16: 1200.0}
+
+
+def applies(tname: str, ci: int) -> bool:
+    """Whether CONFIGS[ci] is a candidate for type tname: the decode schedule's only for the types it has."""
+    from betelgeuse.kernels.triton_mmvq import STEP
+    from betelgeuse.kernels.triton_quants import QT_CODES
+    c = CONFIGS[ci]
+    return c is None or not c.get("MV") or QT_CODES[int(GT[tname])] in STEP
+
+
+def table_keys(c: dict, keys) -> dict:
+    """The launch table's entry of config c for `keys` (REDUCE_KEYS or SCHEDULE_KEYS): the decode schedule's keys
+    only where it is on."""
+    return {k: c[k] for k in sorted(keys) if c["MV"] or k not in ("MV", "BM_MV")}
 dev = torch.device("cuda")
 DRY = False                       # --dry-run: the CPU under TRITON_INTERPRET=1, tiny geometries, no graphs
 DTYPE = torch.bfloat16            # the engine's CUDA dtype (the dry run: float32, which the interpreter emulates)
@@ -412,6 +438,8 @@ def table(results: dict, meta: dict) -> str:
 # ---- the sweep: a launch table per (type, rows bucket) -------------------------------------------------------
 
 def label(c: dict) -> str:
+    if c.get("MV"):
+        return f"mmvq BN {c['BN']}/{c['BN_GATE_UP']} rows {c['BM_MV']} w{c['num_warps']} s{c['num_stages']}"
     return (f"BN {c['BN']}/{c['BN_GATE_UP']} BK {c['BK']} KC {c['KC'] or 'K'} {'split' if c['SPLIT'] else 'walk'} "
             f"w{c['num_warps']} s{c['num_stages']}")
 
@@ -455,9 +483,9 @@ def sweep(types: list[str], geoms: list[str], cfgs: list[int], meta: dict, budge
                 print(f"{g}/{t}: skipped (time budget)", flush=True)
                 continue
             try:
-                m = measure(g, t, cfgs)
+                m = measure(g, t, [ci for ci in cfgs if applies(t, ci)])
                 ctx = check_setup(g, t)
-                ran = [ci for ci in cfgs if "rows" in m["configs"][ci]]
+                ran = [ci for ci in cfgs if "rows" in m["configs"].get(ci, {})]
                 ck = {ci: check_config(ctx, CONFIGS[ci]) for ci in ran}
                 data.setdefault(t, {})[g] = {"m": m, "ck": ck, "ctx": ctx}
                 for ci in ran:
@@ -472,14 +500,13 @@ def sweep(types: list[str], geoms: list[str], cfgs: list[int], meta: dict, budge
                 print(f"{g}/{t}: {type(e).__name__}: {str(e)[:200]}", flush=True)
     types_out, figures, lines, fails = {}, {}, [], []
     for t, per in data.items():
-        pick = choose(per, cfgs)
+        pick = choose(per, [ci for ci in cfgs if applies(t, ci)])
         if pick is None:
             fails.append(f"{t}: no config passes its checks")
             continue
         b1, b16 = pick
-        types_out[t] = {**{k: CONFIGS[b1][k] for k in sorted(REDUCE_KEYS)},
-                        "rows1": {k: CONFIGS[b1][k] for k in sorted(SCHEDULE_KEYS)},
-                        "rows16": {k: CONFIGS[b16][k] for k in sorted(SCHEDULE_KEYS)}}
+        types_out[t] = {**table_keys(CONFIGS[b1], REDUCE_KEYS), "rows1": table_keys(CONFIGS[b1], SCHEDULE_KEYS),
+                        "rows16": table_keys(CONFIGS[b16], SCHEDULE_KEYS)}
         for g, d in per.items():
             for rows, ci in ((1, b1), (16, b16)):
                 v = d["m"]["configs"][ci]["rows"][rows]["gbps"]
@@ -579,7 +606,7 @@ def main() -> int:
     meta = {"device": "cpu (dry run)" if DRY else torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "copy_gbps": 2 * x.numel() * 4 / copy_s / 1e9, "configs": CONFIGS}
     x = y = None
-    tasks = [(g, t, c) for g in geoms for t in types for c in cfgs]
+    tasks = [(g, t, c) for g in geoms for t in types for c in cfgs if applies(t, c)]
     print(f"compiling {len(tasks) * 2} kernels in {a.workers} workers ...", flush=True)
     meta["compile_s"] = warm_parallel(tasks, a.workers, timeout=a.budget * 0.45) if a.workers > 0 else 0.0
     print(f"  done in {meta['compile_s']:.0f} s", flush=True)
@@ -593,7 +620,7 @@ def main() -> int:
                 results[key] = {"error": "skipped (time budget)"}
                 continue
             try:
-                r = measure(g, t, cfgs)
+                r = measure(g, t, [ci for ci in cfgs if applies(t, ci)])
                 r["best"] = min((ci for ci in r["configs"] if "rows" in r["configs"][ci]),
                                 key=lambda ci: sum(r["configs"][ci]["rows"][n]["us"] for n in ROWS[:2]))
                 r["check"] = check(g, t, r["best"])
@@ -611,7 +638,7 @@ def main() -> int:
     for t in types:                                    # the faster config over the geometries measured
         rs = [results[f"{g}/{t}"] for g in geoms if "best" in results.get(f"{g}/{t}", {})]
         if rs:
-            ran = [c for c in cfgs if all("rows" in r["configs"][c] for r in rs)]
+            ran = [c for c in cfgs if all("rows" in r["configs"].get(c, {}) for r in rs)]
             ci = min(ran, key=lambda c: sum(r["configs"][c]["rows"][n]["us"] / r["configs"][ran[0]]["rows"][n]["us"]
                                             for r in rs for n in ROWS[:2]))
             keep[QT_CODES[int(GT[t])]] = dict(CONFIGS[ci] or {"tuned": "triton_tuning.json"})

@@ -58,11 +58,28 @@ def test_buckets_share_reduction_keys(tmp_path, monkeypatch):
     ({"Q4_0": {"BK": 256}}, ["'Q4_0'", "not a type"]),
     ({"Q4_K": {"BK": 256, "KC": 384}}, ["Q4_K", "KC 384", "multiple"]),
     ({"Q8_0": {"KC": 100}}, ["Q8_0", "KC 100"]),
+    ({"Q6_K": {"MV": 1}}, ["Q6_K", "MV", "decode schedule", "Q4_K"]),         # a type triton_mmvq lacks
+    ({"Q4_K": {"MV": 2}}, ["Q4_K", "MV must be 0 or 1"]),
+    ({"Q4_K": {"rows1": {"MV": 1}}}, ["rows1", "'MV'", "per type"]),           # a reduction key, not a schedule
+    ({"Q4_K": {"MV": 1, "rows16": {"BM_MV": 3}}}, ["rows16", "BM_MV"]),
 ])
 def test_bad_tables_are_refused_by_name(tmp_path, types, words):
     with pytest.raises(ValueError) as e:
         triton_moe.load_tuning(_file(tmp_path, types))
     assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_decode_schedule_is_a_reduction_key(tmp_path, monkeypatch):
+    """MV (triton_mmvq) is set per type, for both buckets; BM_MV (rows a program) per bucket."""
+    path = _file(tmp_path, {"Q4_K": {"MV": 1, "rows1": {"BM_MV": 1, "BN": 8}, "rows16": {"BM_MV": 16, "BN": 2}}})
+    monkeypatch.setattr(triton_moe, "TUNING", triton_moe.load_tuning(path))
+    c1, c16 = triton_moe.config(Q4_K, 1), triton_moe.config(Q4_K, 16)
+    assert c1["MV"] == c16["MV"] == 1 and (c1["BM_MV"], c1["BN"], c16["BM_MV"], c16["BN"]) == (1, 8, 16, 2)
+    assert triton_moe.config(QT_CODES[8])["MV"] == 0                       # off by default
+    assert triton_moe.mv_ok(Q4_K, 2048, 1152, True) and not triton_moe.mv_ok(Q4_K, 2048, 1152, False)
+    assert triton_moe.mv_ok(QT_CODES[8], 2048, 2176, True)                 # Q8_0: K whole 64-element steps
+    assert not triton_moe.mv_ok(QT_CODES[8], 96, 102, True)               # half a step; rows not 4-byte multiples
+    assert not triton_moe.mv_ok(QT_CODES[14], 2048, 1680, True)           # Q6_K: not in triton_mmvq
 
 
 def test_environment_chooses_the_table(tmp_path, monkeypatch):

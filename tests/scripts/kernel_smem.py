@@ -115,6 +115,15 @@ def shared(task: tuple[str, str, dict]) -> int:
     return _compile(triton_moe._down_kernel, sig, {**ints, "KC": kc}, cst, cfg)
 
 
+def _mv_type(name: str) -> bool:
+    """Whether the decode schedule (triton_mmvq) has type `name` (its configs are candidates for those only)."""
+    from gguf.constants import GGMLQuantizationType as GT
+
+    from betelgeuse.kernels.triton_mmvq import STEP
+    from betelgeuse.kernels.triton_quants import QT_CODES
+    return QT_CODES[int(GT[name])] in STEP
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--types", default=",".join(TYPES))
@@ -134,7 +143,8 @@ def main() -> int:
         roofline = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(roofline)                # its import needs torch and gguf, no GPU
         configs += roofline.CONFIGS
-    tasks = [(t, which, c) for t in a.types.split(",") for c in configs for which in ("gate_up", "down")]
+    tasks = [(t, which, c) for t in a.types.split(",") for c in configs for which in ("gate_up", "down")
+             if not c.get("MV") or _mv_type(t)]
     with ProcessPoolExecutor(max_workers=max(1, a.jobs)) as ex:
         got = list(ex.map(shared, tasks))
     rows = []
