@@ -1,10 +1,10 @@
 """The decode (few-row) schedule of the expert kernels: llama.cpp's mmvq layout with float activations.
 
 llama.cpp's ggml-cuda mmvq.cu / vecdotq.cuh: each program owns a few output rows (BN) and walks K in whole quant
-blocks; a block's bytes are loaded as 32-bit words (16-byte vectors where the row alignment allows) and unpacked
-with shifts and masks, never byte by byte; the scales are decoded once per block. No tensor cores and no shared
-memory: a 1-row launch needs neither (the MMA path pads one row to 16 and stages every dequantized tile through
-shared memory for the dot's operand layout). Unlike llama.cpp the activations stay float (bf16 / fp32 as the
+blocks; a block's bytes are loaded as 32-bit words (a warp's threads read consecutive words) and unpacked with
+shifts and masks in the registers of the thread holding the word (tl.join), never byte by byte; the scales are
+decoded once per block. No tensor cores, and for one row a program no shared memory in the K loop (the MMA path
+pads one row to 16 and moves every dequantized tile through shared memory into the dot's operand layout). Unlike llama.cpp the activations stay float (bf16 / fp32 as the
 engine holds them, multiplied in fp32): pre-quantizing them to Q8_1 changes the numerics, which the engine's
 exactness contract (within float noise of the torch path) does not allow by default.
 
@@ -19,15 +19,16 @@ so that a row's bits do not depend on the launch (DESIGN.md invariant 6):
 So both rows buckets can take this schedule at different BN / rows per program / warps with the same bits; a
 type's launch table switches it on with the reduction key MV = 1 (triton_moe), for both buckets.
 
-  type   step S  words per row and step                         element of position p
-  Q8_0   64      2 blocks (68 B, 17 words; quants of the        p
-                 first at byte 2: two overlapping word loads)
-  MXFP4  128     4 blocks (68 B, 17 words; quants at byte       32 b + 16 hi + 4 t + u, p = 8 (4 b + t) + 2 u + hi
-                 17 b + 1: funnel shifts of two words)
-  Q4_K   256     1 super-block (144 B: 4 header words, 32       64 g + 32 hi + 4 i + u, p = 64 g + 8 i + 2 u + hi
-                 qs words)
-(u: byte in a word, hi: the high nibble.) Requires rows at 4-byte multiples (aligned parts, row bytes % 4 == 0) and
-K a multiple of S; triton_moe.mv_ok checks and takes the MMA path otherwise.
+  type   step S  words per row and step                  tile [D1, D2, D3]     element of position (a, b, c)
+  Q8_0   64      2 blocks (68 B, 17 words; quants of the  block, word, byte     32 a + 4 b + c
+                 first at byte 2: two overlapping loads)
+  MXFP4  128     4 blocks (68 B, 17 words; quants at      block, word, nibble   32 a + 16 (c % 2) + 4 b + c // 2
+                 byte 17 a + 1: funnel shifts of words)
+  Q4_K   256     1 super-block (144 B: 4 header words,    group, word, nibble   64 a + 32 (c % 2) + 4 b + c // 2
+                 32 qs words)
+  Q5_K   256     1 super-block (176 B: + 8 qh words)      group, word, nibble   as Q4_K
+(Positions in row-major tile order.) Requires rows at 4-byte multiples (aligned parts, row bytes % 4 == 0) and K
+a multiple of S; triton_moe.mv_ok checks, and the launch takes the MMA path otherwise.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import triton.language as tl
 from betelgeuse.kernels.triton_quants import _unit
 
 # the tile of one K step per kernel type code (triton_quants.QT_CODES): [D1, D2, D3] positions, S = their product
-DIMS = {0: (2, 8, 4), 4: (4, 4, 8), 5: (4, 8, 8)}          # Q8_0, MXFP4, Q4_K
+DIMS = {0: (2, 8, 4), 4: (4, 4, 8), 5: (4, 8, 8), 6: (4, 8, 8)}          # Q8_0, MXFP4, Q4_K, Q5_K
 STEP = {qt: d[0] * d[1] * d[2] for qt, d in DIMS.items()}
 
 
@@ -70,7 +71,7 @@ def mv_cols(QT: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constex
         return a * 32 + b * 4 + c
     elif QT == 4:                                   # block a, word b, nibble c (byte c // 2, high c % 2)
         return a * 32 + (c % 2) * 16 + b * 4 + c // 2
-    else:                                           # 32-byte group a, word b, nibble c
+    else:                                           # Q4_K / Q5_K: 32-byte group a, word b, nibble c
         return a * 64 + (c % 2) * 32 + b * 4 + c // 2
 
 
@@ -88,9 +89,14 @@ def _join8(v0, v1, v2, v3, v4, v5, v6, v7):
 
 
 @triton.jit
-def _nib(v, n: tl.constexpr, al, be):
-    """al 1.f + be of the 4-bit field n of words v (f = 1 + q/16, the quant at mantissa bits 19-22)."""
-    return al * _unit(((v >> (4 * n)) & 15) << 19) + be
+def _kq(v, qh, n: tl.constexpr, al, be, QT: tl.constexpr):
+    """al f + be of nibble n of words v: Q4_K f = 1 + q/16 (q at mantissa bits 19-22); Q5_K f = 1 + q/32, the 5th
+    bit at bit 8 (n // 2) + n % 2 of qh, placed at mantissa bit 22."""
+    if QT == 5:
+        f = ((v >> (4 * n)) & 15) << 19
+    else:
+        f = (((v >> (4 * n)) & 15) << 18) | (((qh >> (8 * (n // 2) + n % 2)) & 1) << 22)
+    return al * _unit(f) + be
 
 
 @triton.jit
@@ -138,8 +144,19 @@ def mv_weights(pool, ra, kk, mn, QT: tl.constexpr, D1: tl.constexpr, D2: tl.cons
         d = tl.where(e8 < 2, (e8 + 1) * 0x00200000, (e8 - 1) << 23).to(tl.float32, bitcast=True)    # [BN, 4, 1]
         return _join8(_e2m1(v, 0, d), _e2m1(v, 1, d), _e2m1(v, 2, d), _e2m1(v, 3, d),
                       _e2m1(v, 4, d), _e2m1(v, 5, d), _e2m1(v, 6, d), _e2m1(v, 7, d))
-    else:                                           # Q4_K: f16 d | f16 dmin | scales[12] | qs[128]
-        b = r + (kk // 256) * 144
+    else:
+        if QT == 5:                                 # Q4_K: f16 d | f16 dmin | scales[12] | qs[128] (144 B)
+            b = r + (kk // 256) * 144
+            q = _word(pool, b + 16 + (a * 8 + bb) * 4, m)               # [BN, 4, 8] qs words
+            qh = q                                  # (unused)
+            S: tl.constexpr = 16.0                  # f = 1 + q/16
+        else:                                       # Q5_K: f16 d | f16 dmin | scales[12] | qh[32] | qs[128] (176 B)
+            b = r + (kk // 256) * 176
+            q = _word(pool, b + 48 + (a * 8 + bb) * 4, m)
+            # the 5th bit of the quant of qs byte c's nibble hi: qh[c % 32] bit 2 (c // 32) + hi, i.e. of qh word bb
+            # (c % 32 = 4 bb + byte) bit 8 byte + 2 a + hi
+            qh = _word(pool, b + 16 + bb * 4, m) >> (2 * a)              # [BN, 4, 8]
+            S: tl.constexpr = 32.0                  # f = 1 + q/32
         w0 = _word(pool, b, m)
         sh = (a % 2) * 16                           # sub-blocks 2a (low nibbles), 2a + 1: scales bytes (2a) % 4, +1
         b1 = _word(pool, b + 4, m) >> sh            # scales[j % 4] at bits 0-7 (j = 2a) and 8-15 (j = 2a + 1)
@@ -148,20 +165,20 @@ def mv_weights(pool, ra, kk, mn, QT: tl.constexpr, D1: tl.constexpr, D2: tl.cons
         d = _half(w0)
         dm = _half(w0 >> 16)
         lo = a < 2                                  # j < 4
-        q = _word(pool, b + 16 + (a * 8 + bb) * 4, m)                   # [BN, 4, 8] qs words
         als, bes = (), ()
-        for h in tl.static_range(2):                # w = d sc q - dmin m = al f - (al + dmin m), f = 1 + q/16
+        for h in tl.static_range(2):                # w = d sc q - dmin m = al f - (al + dmin m), f = 1 + q/S
             c1 = (b1 >> (8 * h)) & 255
             c2 = (b2 >> (8 * h)) & 255
             c3 = (b3 >> (8 * h)) & 255
             sc = tl.where(lo, c1 & 63, (c3 & 15) | ((c1 >> 6) << 4)).to(tl.float32)    # [BN, 4, 1]
             mi = tl.where(lo, c2 & 63, (c3 >> 4) | ((c2 >> 6) << 4)).to(tl.float32)
-            al = 16.0 * (d * sc)
+            al = S * (d * sc)
             als = als + (al,)
             bes = bes + (-(al + dm * mi),)
-        return _join8(_nib(q, 0, als[0], bes[0]), _nib(q, 1, als[1], bes[1]), _nib(q, 2, als[0], bes[0]),
-                      _nib(q, 3, als[1], bes[1]), _nib(q, 4, als[0], bes[0]), _nib(q, 5, als[1], bes[1]),
-                      _nib(q, 6, als[0], bes[0]), _nib(q, 7, als[1], bes[1]))
+        return _join8(_kq(q, qh, 0, als[0], bes[0], QT), _kq(q, qh, 1, als[1], bes[1], QT),
+                      _kq(q, qh, 2, als[0], bes[0], QT), _kq(q, qh, 3, als[1], bes[1], QT),
+                      _kq(q, qh, 4, als[0], bes[0], QT), _kq(q, qh, 5, als[1], bes[1], QT),
+                      _kq(q, qh, 6, als[0], bes[0], QT), _kq(q, qh, 7, als[1], bes[1], QT))
 
 
 @triton.jit

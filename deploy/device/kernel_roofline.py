@@ -96,7 +96,7 @@ CONFIGS = [
     {"BK": 256, "KC": 256, "BN": 64, "BN_GATE_UP": 64, "SPLIT": 0, "num_warps": 4, "num_stages": 3},
     {"BK": 256, "KC": 512, "BN": 32, "BN_GATE_UP": 32, "SPLIT": 1, "num_warps": 4, "num_stages": 1},
     # the decode schedule (triton_mmvq, MV = 1: its own arithmetic, the same bits at every BN / BM_MV / warps /
-    # stages, so both buckets pick from these; Q8_0, MXFP4, Q4_K only): BN output rows x BM_MV rows a program
+    # stages, so both buckets pick from these; Q8_0, MXFP4, Q4_K, Q5_K only): BN output rows x BM_MV rows a program
     {"BK": 256, "KC": 0, "MV": 1, "BM_MV": 1, "BN": 8, "BN_GATE_UP": 8, "SPLIT": 0, "num_warps": 4, "num_stages": 1},
     {"BK": 256, "KC": 0, "MV": 1, "BM_MV": 1, "BN": 16, "BN_GATE_UP": 16, "SPLIT": 0, "num_warps": 4, "num_stages": 2},
     {"BK": 256, "KC": 0, "MV": 1, "BM_MV": 1, "BN": 32, "BN_GATE_UP": 32, "SPLIT": 0, "num_warps": 8, "num_stages": 1},

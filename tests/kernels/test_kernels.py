@@ -83,8 +83,8 @@ def test_decode_schedule_matches_torch_and_is_row_invariant():
     16-row one. Within float noise of the torch path; a row alone (bucket 1) == the same row in the full launch
     (bucket 16) and two runs equal, bit for bit; the schedule really ran (it takes these launches and its bits are
     not the MMA path's); Q4_K also through the clamped SwiGLU and a split launch group."""
-    res = _run("triton_kernel_check.py", "--config", "mv", "Q8_0", "MXFP4", "Q4_K")
-    assert set(res) == {"Q8_0", "MXFP4", "Q4_K"}
+    res = _run("triton_kernel_check.py", "--config", "mv", "Q8_0", "MXFP4", "Q4_K", "Q5_K")
+    assert set(res) == {"Q8_0", "MXFP4", "Q4_K", "Q5_K"}
     for name, r in res.items():
         assert r["mv_taken"] and r["differs_from_mma"], (name, r)
         assert r["max_abs"] <= 2e-6 * r["scale"] * r["K"] ** 0.5, (name, r)
