@@ -45,8 +45,7 @@ STEP = {qt: d[0] * d[1] * d[2] for qt, d in DIMS.items()}
 
 @triton.jit
 def _ix(D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
-    """The tile's index tensors [1, D1, 1, 1], [1, 1, D2, 1], [1, 1, 1, D3] (broadcast, never reshaped: a reshape
-    moves registers through shared memory)."""
+    """The tile's index tensors [1, D1, 1, 1], [1, 1, D2, 1], [1, 1, 1, D3]."""
     return (tl.arange(0, D1)[None, :, None, None], tl.arange(0, D2)[None, None, :, None],
             tl.arange(0, D3)[None, None, None, :])
 
@@ -116,8 +115,8 @@ def _i8(v, u: tl.constexpr, a, d):
 @triton.jit
 def mv_weights(pool, ra, kk, mn, QT: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
     """float32 [BN, D1, D2, D3]: the weights of rows at byte addresses ra [BN] (mask mn), step kk, in tile order.
-    Words are loaded as [BN, D1, D2] (contiguous along D2: vector loads), each word's D3 values unpacked in the
-    registers of the thread that holds it."""
+    Words are loaded as [BN, D1, D2] (consecutive words along D2: a warp's loads coalesce), each word's D3 values
+    unpacked in the registers of the thread that holds it."""
     a = tl.arange(0, D1)[None, :, None]
     bb = tl.arange(0, D2)[None, None, :]
     m = mn[:, None, None]
