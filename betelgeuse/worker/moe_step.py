@@ -181,6 +181,14 @@ class MoEStep:
     def partial(self, l, r, snap, stats: PassStats, ls: LayerStats, readahead: bool, guess=None):
         """The experts of a layer that is not wholly VRAM-resident (module doc, steps 1-4; writes r.y). guess: layers
         l+1 .. l+D's guessed ids [T,D,k] on the device, or None (read ahead only for guess_layers(l))."""
+        clock, t0 = self.clock, time.perf_counter()
+        b0, s0 = clock.blocked, clock.store_s
+        try:
+            self._partial(l, r, snap, stats, ls, readahead, guess)
+        finally:             # the step's own host time: its wall less blocked waits and store messages
+            stats.moe_host_s += time.perf_counter() - t0 - (clock.blocked - b0) - (clock.store_s - s0)
+
+    def _partial(self, l, r, snap, stats: PassStats, ls: LayerStats, readahead: bool, guess):
         cache = self.cache
         guess = guess if guess is not None and self.wants_guess(l) else None
         # host sync: routing decides the loads (with the next layer's guess in the same transfer)
@@ -290,10 +298,8 @@ class MoEStep:
                 flush()
             held = self._release(held, keep=limit - 1 - len(batch))   # never hold many slots while blocking
             tw = time.perf_counter()
-            got = next(loads)
-            dt = time.perf_counter() - tw
-            ls.disk_wait_s += dt
-            self.clock.blocked += dt
+            got = self.clock.wait_store(next, loads)
+            ls.disk_wait_s += time.perf_counter() - tw
             if ahead is not None:
                 ahead()
                 ahead = None

@@ -80,23 +80,32 @@ class StoreSession:
         self.pass_open = False
         self._usage = np.zeros((L, E), dtype=np.int64)
 
-    def call(self, fn, *args):
-        """One store round trip (counted)."""
+    def call(self, kind: str, fn, *args):
+        """One message to the store (counted, its host time in the pass clock by kind: stats.py)."""
         self.calls += 1
-        return fn(*args)
+        return self.clock.message(kind, fn, *args)
 
     def load(self, keys):
-        return self.call(self.store.load, keys)
+        """Demand loads -> the experts as they land (a wait for the next is the store delivering: store_wait)."""
+        return self.call("load", self.store.load, keys)
 
     def prefetch(self, keys) -> int:
-        return self.call(self.store.prefetch, keys)
+        return self.call("prefetch", self.store.prefetch, keys)
 
     def prefetch_start(self, keys):
         """prefetch without waiting for the store's answer -> a function that waits for it (reads started)."""
-        return self.call(self.store.prefetch_start, keys)
+        answer = self.call("prefetch", self.store.prefetch_start, keys)
+
+        def queued() -> int:
+            t = time.perf_counter()
+            try:
+                return answer()
+            finally:
+                self.clock.add_message("prefetch", time.perf_counter() - t)
+        return queued
 
     def release(self, slots):
-        self.call(self.store.release, slots)
+        self.call("release", self.store.release, slots)
 
     # ---- one pass ----------------------------------------------------------------------------------------
     def begin(self, stats: PassStats):
@@ -112,7 +121,7 @@ class StoreSession:
         if self.pass_open:
             return
         t = time.perf_counter()
-        self.call(self.store.begin_pass, stats.kind != "decode")
+        self.call("begin_pass", self.store.begin_pass, stats.kind != "decode")
         self.pass_open = True
         self.decode_since, self._resume_since = self._resume_since, 0
         self.snap = self.directory.snapshot()
@@ -154,13 +163,13 @@ class StoreSession:
             return
         self.pass_open = False
         usage, self._usage = self._usage, np.zeros_like(self._usage)
-        self.call(self.store.end_pass, usage, consolidate)
+        self.call("end_pass", self.store.end_pass, usage, consolidate)
 
     def _empty_pass(self, consolidate: bool, wait: bool):
         """A store pass with no work: begin_pass applies a pending consolidation (wait: also one still filling);
         end_pass may plan a new one."""
-        self.call(self.store.begin_pass, wait)
-        self.call(self.store.end_pass, np.zeros_like(self._usage), consolidate)
+        self.call("begin_pass", self.store.begin_pass, wait)
+        self.call("end_pass", self.store.end_pass, np.zeros_like(self._usage), consolidate)
 
     # ---- consolidation -------------------------------------------------------------------------------
     def consolidate(self):
@@ -250,7 +259,8 @@ class StoreSession:
         limit = max(1, self.plan.n_staging // 2)   # staging slots held at once: the store keeps reading
         held: list[int] = []
         t = time.perf_counter()
-        for got in self.load(list(where)):
+        loads = self.load(list(where))
+        for got in iter(lambda: self.clock.wait_store(next, loads, None), None):
             cache.fill_vram(got.layer, got.expert, where[(got.layer, got.expert)], cache.staging_slot(got.slot), snap)
             stats.disk_bytes += got.disk_bytes      # the pass waits for them: its bound counts their bytes
             stats.fill_disk += 1                    # not a use: the pass's route counts the expert as VRAM

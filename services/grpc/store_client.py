@@ -156,10 +156,19 @@ class GrpcStoreClient:
         return reply.epoch
 
     def load(self, keys):
+        """Demand loads, sent now (the store starts reading at once) -> the experts in completion order."""
         keys = list(keys)
         req = pb.LoadRequest(session=self.session, experts=[pb.ExpertId(layer=l, expert=e) for l, e in keys])
         try:
-            for m in self.stub.Load(req, timeout=self.timeout + self.per_expert * len(keys)):
+            call = self.stub.Load(req, timeout=self.timeout + self.per_expert * len(keys))
+        except ValueError as e:                      # the channel was closed (abort)
+            raise StoreUnavailableError(f"expert store unavailable: {e}") from None
+        return self._landed(call)
+
+    @staticmethod
+    def _landed(call):
+        try:
+            for m in call:
                 yield Loaded(m.layer, m.expert, m.staging_slot, m.disk_bytes, m.prefetched)
         except grpc.RpcError as e:
             raise _unavailable(e) from None
