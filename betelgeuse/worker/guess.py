@@ -111,9 +111,11 @@ class Guesser:
         both = torch.cat([counts, marks]).cpu().numpy()
         return both[:E], both[E:].reshape(D, E)
 
-    def read_ahead(self, layer: int, layers, marks: np.ndarray, snap, stats: PassStats):
+    def read_ahead(self, layer: int, layers, marks: np.ndarray, snap, stats: PassStats, send=None):
         """Start the reads of the guessed experts that sit on disk of `layers` (ascending, each in layer+1 ..
-        layer+D; marks [D, E] row d-1 = layer+d), nearest layer first, in one store prefetch; what this pass asked
+        layer+D; marks [D, E] row d-1 = layer+d), nearest layer first, in one message: send(keys) -> a function
+        answering the reads started (default: the store's prefetch; MoEStep puts them on layer `layer`'s own load
+        message when it has one); what this pass asked
         for already is not asked again, unless the store did not start it (its read-ahead half of the staging slots
         was full: the earlier calls' answers, sent a layer ago, are read here, as a guessed layer's score would)."""
         self._pass(stats)
@@ -129,7 +131,7 @@ class Guesser:
         if keys:
             self._asked.update(keys)
             # not waited for: the store's answer (reads started) is read when a guessed layer is scored
-            ask = _Ask(keys, self.session.prefetch_start(keys))
+            ask = _Ask(keys, (send or self.session.prefetch_start)(keys))
             self._pending.append(ask)
             for t in dict.fromkeys(t for t, _ in keys):
                 self._asks.setdefault(t, []).append(ask)

@@ -57,6 +57,7 @@ class StoreSession:
         self._resume_since = 0                    # carried over a close/reopen while a consolidation fills
         self.calls = 0                            # store round trips (all time)
         self._usage: np.ndarray | None = None     # rows per expert since the store pass opened (host)
+        self._give: list[int] = []                # staging slots to hand back with the next message (release)
         self.prefix_arena: Arena | None = None    # the prefix cache's host tier, held by the store (None: none)
         self._prefix_pinned = False
 
@@ -78,6 +79,7 @@ class StoreSession:
         L, E = self.file.config.n_layer, self.file.config.n_expert
         self.counts = torch.zeros((L, E), dtype=torch.int64, device=self.device)
         self.pass_open = False
+        self._give = []                           # the new session holds no staging slot
         self._usage = np.zeros((L, E), dtype=np.int64)
 
     def call(self, kind: str, fn, *args):
@@ -85,16 +87,18 @@ class StoreSession:
         self.calls += 1
         return self.clock.message(kind, fn, *args)
 
-    def load(self, keys):
-        """Demand loads -> the experts as they land (a wait for the next is the store delivering: store_wait)."""
-        return self.call("load", self.store.load, keys)
+    def load(self, keys, ahead=()) -> "LoadStream":
+        """Demand loads in ONE message with the staging slots waiting to go back and (decode) the next layer's guessed
+        experts to read ahead once the loads' reads have started -> the experts as they land (a wait for the next is
+        the store delivering: store_wait)."""
+        return LoadStream(self.call("load", self.store.load, keys, self._handing(), ahead))
 
     def prefetch(self, keys) -> int:
-        return self.call("prefetch", self.store.prefetch, keys)
+        return self.call("prefetch", self.store.prefetch, keys, self._handing())
 
     def prefetch_start(self, keys):
         """prefetch without waiting for the store's answer -> a function that waits for it (reads started)."""
-        answer = self.call("prefetch", self.store.prefetch_start, keys)
+        answer = self.call("prefetch", self.store.prefetch_start, keys, self._handing())
 
         def queued() -> int:
             t = time.perf_counter()
@@ -104,8 +108,21 @@ class StoreSession:
                 self.clock.add_message("prefetch", time.perf_counter() - t)
         return queued
 
-    def release(self, slots):
-        self.call("release", self.store.release, slots)
+    def release(self, slots, later: bool = False):
+        """Hand staging slots back (their copies are done). later: with the next message to the store (a load, a read
+        ahead, the pass's end), which hands them back before anything else; else now (the store needs them to go on
+        reading this layer's loads)."""
+        self._give += slots
+        if not later:
+            self.flush_releases()
+
+    def flush_releases(self):
+        if self._give:
+            self.call("release", self.store.release, self._handing())
+
+    def _handing(self) -> list[int]:
+        out, self._give = self._give, []
+        return out
 
     # ---- one pass ----------------------------------------------------------------------------------------
     def begin(self, stats: PassStats):
@@ -160,16 +177,17 @@ class StoreSession:
     def close_pass(self, consolidate: bool):
         """End the store pass (if one is open) with the usage counted since it opened."""
         if not self.pass_open:
+            self.flush_releases()                    # no staging slot stays held by an idle worker
             return
         self.pass_open = False
         usage, self._usage = self._usage, np.zeros_like(self._usage)
-        self.call("end_pass", self.store.end_pass, usage, consolidate)
+        self.call("end_pass", self.store.end_pass, usage, consolidate, self._handing())
 
     def _empty_pass(self, consolidate: bool, wait: bool):
         """A store pass with no work: begin_pass applies a pending consolidation (wait: also one still filling);
         end_pass may plan a new one."""
         self.call("begin_pass", self.store.begin_pass, wait)
-        self.call("end_pass", self.store.end_pass, np.zeros_like(self._usage), consolidate)
+        self.call("end_pass", self.store.end_pass, np.zeros_like(self._usage), consolidate, self._handing())
 
     # ---- consolidation -------------------------------------------------------------------------------
     def consolidate(self):
@@ -270,8 +288,7 @@ class StoreSession:
                 self.release(held)
                 held = []
         self.clock.sync()
-        if held:
-            self.release(held)
+        self.release(held, later=True)
         cache.fill_done()
         stats.disk_wait_s += time.perf_counter() - t
 
@@ -291,3 +308,25 @@ class StoreSession:
             self.cache.close()
         self._close_prefix()
         self.cache = self.directory = self.snap = self.engram = None
+
+
+class LoadStream:
+    """A load's experts as they land (Loaded, completion order); ahead_queued: the reads ahead its message started
+    (final once the stream is consumed)."""
+
+    __slots__ = ("_it", "ahead_queued")
+
+    def __init__(self, it):
+        self._it = iter(it)
+        self.ahead_queued = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        got = next(self._it)
+        self.ahead_queued = got.ahead_queued
+        return got
+
+    def queued(self) -> int:
+        return self.ahead_queued
