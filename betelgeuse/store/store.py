@@ -201,6 +201,7 @@ class ExpertStore:
         if moves:
             self._moves = moves
             self._consolidating = threading.Thread(target=self._fill_consolidation, args=(moves,), daemon=True)
+            self.directory.filling = True          # the worker sees it in its mapping (directory.py)
             self._consolidating.start()
         return len(moves)
 
@@ -404,6 +405,12 @@ class ExpertStore:
     def _fill_consolidation(self, moves):
         """Consolidation, step 2 (a thread; passes may run meanwhile): the vacated slots get their new experts'
         bytes (from a staged copy, else from disk at read-ahead priority)."""
+        try:
+            self._fill(moves)
+        finally:
+            self.directory.filling = False
+
+    def _fill(self, moves):
         t0 = time.monotonic()
         reads0, copies0 = self.counters.consolidation_reads, self.counters.consolidation_copies
         stamp = self.watch.stamp()

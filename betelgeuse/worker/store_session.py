@@ -9,7 +9,8 @@
              `decode_consolidate_every` decode passes, when the decode's own usage is consolidated (its working set
              moves into the resident tiers).
   no waits   a decode pass does not wait for a consolidation still filling its slots (the store applies it at a
-             later begin_pass; while it fills, the session reopens the store pass each token to pick it up), and
+             later begin_pass; once the directory's header says the fill is done, the session reopens the store
+             pass to pick it up: no message per token while it fills), and
              neither does the end-of-request consolidation: waiting for its disk reads stalled the next token or
              the next request's first token for seconds (docs/benchmarks)
   request    a request that decoded ends with a consolidation of its usage only when no other sequence runs: while
@@ -160,9 +161,10 @@ class StoreSession:
         every = self.cfg.decode_consolidate_every
         if every and self.decode_since >= every:
             self.close_pass(True)                    # the decode working set moves into resident tiers
-        elif self.pass_open and self.store.consolidating:
-            # the open pass did not wait for a consolidation still filling its slots: close it (its usage counted,
-            # no new consolidation) so that the next token's BeginPass applies it once it landed
+        elif self.pass_open and self.store.consolidating and not self.directory.filling:
+            # the open pass did not wait for a consolidation still filling its slots: once the fill is done (the
+            # directory's header says so, no message), close it (its usage counted, no new consolidation) so that
+            # the next token's BeginPass applies it once it landed
             self._resume_since = self.decode_since      # the decode consolidation's count goes on
             self.close_pass(False)
 
