@@ -329,6 +329,10 @@ class MoEStep:
         if self.cache.is_cuda:
             done = [hb for hb in held if self.cache.bank_ready_event(hb[0]).query()]
             rest = [hb for hb in held if hb not in done]
+            if later:      # the layer goes on without waiting: they go back once their copies are done (the bank's
+                for b, slots in rest:      # event; one recorded later on the same copy stream is later still)
+                    self.session.release(slots, later=True, event=self.cache.bank_ready_event(b))
+                rest = []
             while rest and sum(len(s) for _, s in rest) > max(keep, 0):
                 self.clock.wait(self.cache.bank_ready_event(rest[0][0]).synchronize)
                 done.append(rest.pop(0))

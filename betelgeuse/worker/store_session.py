@@ -59,6 +59,7 @@ class StoreSession:
         self.calls = 0                            # store round trips (all time)
         self._usage: np.ndarray | None = None     # rows per expert since the store pass opened (host)
         self._give: list[int] = []                # staging slots to hand back with the next message (release)
+        self._give_after: list = []               # (CUDA event, staging slots): the same, once the event completed
         self.prefix_arena: Arena | None = None    # the prefix cache's host tier, held by the store (None: none)
         self._prefix_pinned = False
 
@@ -80,7 +81,7 @@ class StoreSession:
         L, E = self.file.config.n_layer, self.file.config.n_expert
         self.counts = torch.zeros((L, E), dtype=torch.int64, device=self.device)
         self.pass_open = False
-        self._give = []                           # the new session holds no staging slot
+        self._give, self._give_after = [], []     # the new session holds no staging slot
         self._usage = np.zeros((L, E), dtype=np.int64)
 
     def call(self, kind: str, fn, *args):
@@ -109,20 +110,28 @@ class StoreSession:
                 self.clock.add_message("prefetch", time.perf_counter() - t)
         return queued
 
-    def release(self, slots, later: bool = False):
-        """Hand staging slots back (their copies are done). later: with the next message to the store (a load, a read
-        ahead, the pass's end), which hands them back before anything else; else now (the store needs them to go on
-        reading this layer's loads)."""
-        self._give += slots
+    def release(self, slots, later: bool = False, event=None):
+        """Hand staging slots back (their copies are done, or: done once the CUDA `event` has completed). later: with
+        the next message to the store (a load, a read ahead, the pass's end), which hands them back before anything
+        else; else now (the store needs them to go on reading this layer's loads)."""
+        if event is not None:
+            self._give_after.append((event, list(slots)))
+        else:
+            self._give += slots
         if not later:
             self.flush_releases()
 
     def flush_releases(self):
-        if self._give:
+        if self._give or self._give_after:
             self.call("release", self.store.release, self._handing())
 
     def _handing(self) -> list[int]:
-        out, self._give = self._give, []
+        """The staging slots to hand back with a message now: their copies done (a copy still running is waited
+        for: blocked; by the next layer's message it has long finished)."""
+        for ev, slots in self._give_after:
+            self.clock.wait(ev.synchronize)
+            self._give += slots
+        out, self._give, self._give_after = self._give, [], []
         return out
 
     # ---- one pass ----------------------------------------------------------------------------------------
