@@ -295,10 +295,10 @@ class StoreSession:
             stats.fill_disk += 1                    # not a use: the pass's route counts the expert as VRAM
             held.append(got.slot)
             if len(held) >= limit:
-                self.clock.sync()                  # the copies are done before their staging slots go back
+                self.clock.wait(self.clock.sync)   # the copies are done before their staging slots go back
                 self.release(held)
                 held = []
-        self.clock.sync()
+        self.clock.wait(self.clock.sync)
         self.release(held, later=True)
         cache.fill_done()
         stats.disk_wait_s += time.perf_counter() - t
