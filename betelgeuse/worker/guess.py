@@ -18,10 +18,10 @@ Why deeper than one layer: a single expert read comes off the disk at ~80% of th
 gpu-run22-readdepth), so what holds decode at ~half its disk bound is the disk standing idle between a layer's last
 read and the next layer's first, not queue depth. Guessing D layers ahead keeps reads queued across that gap.
 
-The guessed experts that sit on disk are read ahead through the store's prefetch (at read-ahead priority, in at most
-half the staging slots, in layer order: the nearest layer first), after layer l's own demand reads have started, and
-without waiting for the store's answer (read when a guessed layer is scored: a round trip per layer would cost about
-what a guess saves). A (layer, expert) already asked for in this pass is not asked again (a layer guessed from
+The guessed experts that sit on disk are read ahead (at read-ahead priority, in at most half the staging slots, in
+layer order: the nearest layer first), after layer l's own demand reads have started, and without waiting for the
+store's answer (read when a guessed layer is scored: a round trip per layer would cost about what a guess saves): in
+the same message as layer l's loads when it has any (worker/moe_step.py), else as a prefetch of their own. A (layer, expert) already asked for in this pass is not asked again (a layer guessed from
 several earlier layers: the nearer guesses only add what the farther missed; the store also skips what it has
 staged or in flight). Only WHEN bytes arrive changes: a guess is never used to compute (every layer routes itself
 as always), so outputs are the same bits with it on or off, at any depth (invariant 1).
