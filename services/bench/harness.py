@@ -432,6 +432,7 @@ class Harness:
         secs, reads, disk_bytes, disk_wait = [], {"vram": 0, "host": 0, "disk": 0}, 0, 0.0
         host_s, calls, h2d, toks, engram = 0.0, 0, 0, [], None
         split = HostSplit()                             # the host time's parts (worker/stats.py)
+        token_host = []                                 # per token: (host s, expert applications)
         guess = dict.fromkeys(GUESS_FIELDS, 0)          # decode's guesses of the next layers (worker/guess.py)
         t_start = time.perf_counter()
         for _ in range(self.o.decode):
@@ -447,6 +448,7 @@ class Harness:
             disk_bytes, disk_wait = disk_bytes + st.disk_bytes, disk_wait + st.disk_wait_s
             host_s, calls, h2d = host_s + st.host_s, calls + st.store_calls, h2d + st.h2d_bytes
             split.add(st)
+            token_host.append((st.host_s, st.applications))
             for k_ in guess:
                 guess[k_] += getattr(st, k_)
             if st.engram is not None:
@@ -463,6 +465,10 @@ class Harness:
                 "host_s": host_s, "host_us_per_application": host_s / n * 1e6 if n else None,
                 "store_calls_per_token": calls / len(secs) if secs else None, "h2d_bytes": h2d,
                 **split.record(len(secs), n),
+                # the typical token, apart from the first steps' graph capture and the VRAM fills after consolidations
+                "host_us_per_application_median": (float(np.median([h / a * 1e6 for h, a in token_host if a]))
+                                                   if any(a for _, a in token_host) else None),
+                "token_host_s": [h for h, _ in token_host],
                 "tg_mean": len(secs) / sum(secs) if secs else 0.0, "tg_peak": 1.0 / min(secs) if secs else 0.0,
                 "token_s": secs, "reads": reads, "disk_share": reads["disk"] / n if n else 0.0,
                 "disk_bytes": disk_bytes, "disk_wait_ms": disk_wait * 1e3, "token_ids": toks, "guess": guess,
