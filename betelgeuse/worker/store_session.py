@@ -232,7 +232,7 @@ class StoreSession:
         self._open(PassStats("prefill", "settle", 0))          # not a decode: begin_pass waits; VRAM filled
         self.close_pass(False)
         while True:
-            st = self.call(self.store.status)
+            st = self.call("status", self.store.status)
             if not st.get("consolidation_pending") and not st.get("reads_in_flight"):
                 return time.perf_counter() - t
             if timeout is not None and time.perf_counter() - t > timeout:
