@@ -506,8 +506,8 @@ class HostSplit:
                 "other_host_s": self.other_host_s,
                 "store_us_per_application": per_app(store_s), "moe_host_us_per_application": per_app(self.moe_host_s),
                 "other_host_us_per_application": per_app(self.other_host_s),
-                "store_messages_per_token": {k: n / tokens for k, (n, _) in sorted(self.rpc.items())} if tokens else {},
-                "store_ms_per_token": {k: sec / tokens * 1e3 for k, (_, sec) in sorted(self.rpc.items())} if tokens else {}}
+                "store_messages_per_token": {k: n / max(1, tokens) for k, (n, _) in sorted(self.rpc.items())},
+                "store_ms_per_token": {k: sec / max(1, tokens) * 1e3 for k, (_, sec) in sorted(self.rpc.items())}}
 
 
 GUESS_FIELDS = ("guessed", "guess_hits", "guess_disk", "guess_bytes", "guess_wasted_bytes")
