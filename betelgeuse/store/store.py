@@ -212,12 +212,16 @@ class ExpertStore:
         decode layer's store work."""
         self.watch.check()                          # checked on reads: a stat and an fstat when nothing changed
         self._check(session)
+        with self.cv:                               # now, even if the stream is never read (a failed pass)
+            self._release(release)
+        return self._load(session, keys, ahead)
+
+    def _load(self, session, keys, ahead) -> Iterator[Loaded]:
         if self.reader.jitter is not None:        # test-only adversarial timing: staged copies answer out of order
             keys = self.reader.jitter.shuffled(keys)
         done: queue.Queue = queue.Queue()
         pending = []
         with self.cv:
-            self._release(release)
             for key in keys:
                 tier, hslot, _ = self.directory.lookup(*key)
                 if tier == TIER_HOST or (tier == TIER_VRAM and hslot >= 0):
