@@ -250,7 +250,7 @@ class StoreSession:
         The filled layers are what the next pass's VRAM sync then skips; its reads are the consolidation's, not a
         request's (PassStats of kind "settle", not reported as a pass)."""
         self.close_pass(False)                       # idle: none is open (request_done closed it)
-        self.call(self.store.begin_pass, False)
+        self.call("begin_pass", self.store.begin_pass, False)
         self.pass_open = True
         try:
             snap, epoch = self.directory.snapshot(), self.directory.epoch
