@@ -85,17 +85,19 @@ class StoreServicer(pb_grpc.ExpertStoreServicer):
 
     def Load(self, request, context):
         keys = [(x.layer, x.expert) for x in request.experts]
-        it = self._guard(context, lambda: self.store.load(request.session, keys))
+        ahead = [(x.layer, x.expert) for x in request.ahead]
+        it = self._guard(context, lambda: self.store.load(request.session, keys, list(request.release), ahead))
         try:
             for got in it:
                 yield pb.Loaded(layer=got.layer, expert=got.expert, staging_slot=got.slot,
-                                disk_bytes=got.disk_bytes, prefetched=got.prefetched)
+                                disk_bytes=got.disk_bytes, prefetched=got.prefetched, ahead_queued=got.ahead_queued)
         except StoreUnavailableError as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
 
     def Prefetch(self, request, context):
         keys = [(x.layer, x.expert) for x in request.experts]
-        return pb.PrefetchReply(queued=self._guard(context, lambda: self.store.prefetch(request.session, keys)))
+        return pb.PrefetchReply(queued=self._guard(context, lambda: self.store.prefetch(request.session, keys,
+                                                                                         list(request.release))))
 
     def Release(self, request, context):
         self._guard(context, lambda: self.store.release(request.session, list(request.staging_slots)))
@@ -103,7 +105,8 @@ class StoreServicer(pb_grpc.ExpertStoreServicer):
 
     def EndPass(self, request, context):
         usage = np.asarray(request.usage, dtype=np.int64).reshape(request.n_layer, request.n_expert)
-        n = self._guard(context, lambda: self.store.end_pass(request.session, usage, request.consolidate))
+        n = self._guard(context, lambda: self.store.end_pass(request.session, usage, request.consolidate,
+                                                             list(request.release)))
         return pb.EndPassReply(promoted=n or 0)
 
     def Status(self, request, context):

@@ -24,14 +24,19 @@ class StoreClient(Protocol):
                                                               # writable (the caller owns it); None: the store has none
     def begin_pass(self, wait: bool = True) -> int: ...       # directory epoch, frozen until end_pass; wait: for
                                                               # a consolidation still reading (else applied later)
-    def load(self, keys: list[tuple[int, int]]) -> Iterator[Loaded]: ...   # completion order
+    # demand loads, in completion order; the same message first hands back the staging slots `release` and, once
+    # the loads' reads have started, reads `ahead` ahead (Loaded.ahead_queued: those started): a decode layer's
+    # whole store traffic in one message
+    def load(self, keys: list[tuple[int, int]], release: list[int] = (),
+             ahead: list[tuple[int, int]] = ()) -> Iterator[Loaded]: ...
     consolidating: bool                                       # the last begin_pass left a consolidation filling
-    def prefetch(self, keys: list[tuple[int, int]]) -> int: ...          # reads ahead started
+    def prefetch(self, keys: list[tuple[int, int]], release: list[int] = ()) -> int: ...   # reads ahead started
     # as prefetch, without waiting for the answer (decode's guesses: a round trip per layer would cost more than a
     # read); call the result for the number of reads started
-    def prefetch_start(self, keys: list[tuple[int, int]]) -> Callable[[], int]: ...
+    def prefetch_start(self, keys: list[tuple[int, int]], release: list[int] = ()) -> Callable[[], int]: ...
     def release(self, slots: list[int]) -> None: ...
-    def end_pass(self, usage: np.ndarray, consolidate: bool) -> int: ...   # usage [n_layer, n_expert]
+    # usage [n_layer, n_expert]; `release` handed back first
+    def end_pass(self, usage: np.ndarray, consolidate: bool, release: list[int] = ()) -> int: ...
     # deepseek41's Engram rows (store/engram.py): start reading (table, row) pairs into a bank, releasing the
     # banks the worker is done with; then wait until they landed (compact, request order, at the bank's offset)
     def engram_read(self, tables: np.ndarray, rows: np.ndarray, release: list[int]) -> int: ...
@@ -64,21 +69,21 @@ class InProcessStoreClient:
     def consolidating(self) -> bool:
         return self.store.consolidating
 
-    def load(self, keys):
-        return self.store.load(self.session, keys)
+    def load(self, keys, release=(), ahead=()):
+        return self.store.load(self.session, keys, release, ahead)
 
-    def prefetch(self, keys):
-        return self.store.prefetch(self.session, keys)
+    def prefetch(self, keys, release=()):
+        return self.store.prefetch(self.session, keys, release)
 
-    def prefetch_start(self, keys):
-        n = self.store.prefetch(self.session, keys)
+    def prefetch_start(self, keys, release=()):
+        n = self.store.prefetch(self.session, keys, release)
         return lambda: n
 
     def release(self, slots):
         self.store.release(self.session, slots)
 
-    def end_pass(self, usage, consolidate):
-        return self.store.end_pass(self.session, usage, consolidate)
+    def end_pass(self, usage, consolidate, release=()):
+        return self.store.end_pass(self.session, usage, consolidate, release)
 
     def engram_read(self, tables, rows, release):
         return self.store.engram_read(self.session, tables, rows, release)

@@ -4,11 +4,14 @@ It lives at the start of the arena, so the worker reads it without a round trip 
 Only the store writes it. Layout (little endian, numpy structured arrays over the arena bytes):
 
     header  (64 bytes): magic u64, version u32, pass_active u32, epoch u64, store_pid i64,
-                        n_layer i32, n_expert i32, host_per_layer i32, reserved
+                        n_layer i32, n_expert i32, host_per_layer i32, filling u32, reserved
     entries [n_layer, n_expert] of (tier i1, host_slot i4, generation u4), 12 bytes each
 
 `epoch` is a sequence lock: the store makes it odd while it writes and even again after, so every
 change bumps it by 2. A reader copies the entries between two equal, even reads of it (snapshot).
+`filling` is 1 while a planned consolidation fills its slots (the worker keeps a decode's store pass open
+until it is 0, then reopens it to apply the placement, without asking the store each token; a store that
+never sets it reads as 0: the worker then asks at every token, as before).
 `generation` of an entry is bumped whenever the bytes behind it may have changed (new host slot, or
 rewritten in place), so the worker can tell that a slot it copied from was reused (invariant 5).
 VRAM-tier experts keep a host backing slot (host_slot >= 0), so a restarted worker can refill VRAM
@@ -36,7 +39,8 @@ VERSION = 1
 
 HEADER_DTYPE = np.dtype(
     [("magic", "<u8"), ("version", "<u4"), ("pass_active", "<u4"), ("epoch", "<u8"), ("store_pid", "<i8"),
-     ("n_layer", "<i4"), ("n_expert", "<i4"), ("host_per_layer", "<i4"), ("reserved", "<u1", (20,))]
+     ("n_layer", "<i4"), ("n_expert", "<i4"), ("host_per_layer", "<i4"), ("filling", "<u4"),
+     ("reserved", "<u1", (16,))]
 )  # fmt: skip
 ENTRY_DTYPE = np.dtype([("tier", "i1"), ("host_slot", "<i4"), ("generation", "<u4")], align=True)
 assert HEADER_DTYPE.itemsize == DIRECTORY_HEADER_BYTES and ENTRY_DTYPE.itemsize == DIRECTORY_ENTRY_BYTES
@@ -87,6 +91,15 @@ class SlotDirectory:
     def pass_active(self, value: bool) -> None:
         assert self._writer, "only the store writes the directory"
         self._hdr["pass_active"] = 1 if value else 0
+
+    @property
+    def filling(self) -> bool:
+        return bool(self._hdr["filling"][0])
+
+    @filling.setter
+    def filling(self, value: bool) -> None:
+        assert self._writer, "only the store writes the directory"
+        self._hdr["filling"] = 1 if value else 0
 
     # -- reads (either process) --------------------------------------------------------------
     def lookup(self, layer: int, expert: int) -> tuple[int, int, int]:

@@ -62,6 +62,7 @@ class Loaded:
     slot: int               # staging slot index
     disk_bytes: int         # bytes read from disk for this expert (0 if it was staged before this pass)
     prefetched: bool
+    ahead_queued: int = 0   # reads ahead of the load's `ahead` started before this message (final in the last)
 
 
 @dataclass(slots=True)
@@ -180,10 +181,12 @@ class ExpertStore:
         """A planned consolidation is still filling its slots (it is applied at a later begin_pass)."""
         return self._consolidating is not None
 
-    def end_pass(self, session: str, usage: np.ndarray, consolidate: bool) -> int:
+    def end_pass(self, session: str, usage: np.ndarray, consolidate: bool, release=()) -> int:
+        """End the pass (after handing back `release`) with its usage; consolidate: plan the next placement."""
         self._check(session)
         assert usage.shape == self._usage.shape, (usage.shape, self._usage.shape)
         with self.cv:
+            self._release(release)
             self.pass_active = False
             self.directory.pass_active = False
             self._usage += usage
@@ -198,14 +201,22 @@ class ExpertStore:
         if moves:
             self._moves = moves
             self._consolidating = threading.Thread(target=self._fill_consolidation, args=(moves,), daemon=True)
+            self.directory.filling = True          # the worker sees it in its mapping (directory.py)
             self._consolidating.start()
         return len(moves)
 
     # ---- demand loads and read-ahead -------------------------------------------------------
-    def load(self, session: str, keys: list[tuple[int, int]]) -> Iterator[Loaded]:
-        """Yields each expert as its bytes land in a staging slot, in completion order."""
+    def load(self, session: str, keys: list[tuple[int, int]], release=(), ahead=()) -> Iterator[Loaded]:
+        """Yields each expert as its bytes land in a staging slot, in completion order. First hands back the staging
+        slots `release`; once every demand read has started, reads `ahead` ahead (as prefetch): one message does a
+        decode layer's store work."""
         self.watch.check()                          # checked on reads: a stat and an fstat when nothing changed
         self._check(session)
+        with self.cv:                               # now, even if the stream is never read (a failed pass)
+            self._release(release)
+        return self._load(session, keys, ahead)
+
+    def _load(self, session, keys, ahead) -> Iterator[Loaded]:
         if self.reader.jitter is not None:        # test-only adversarial timing: staged copies answer out of order
             keys = self.reader.jitter.shuffled(keys)
         done: queue.Queue = queue.Queue()
@@ -222,13 +233,13 @@ class ExpertStore:
                 else:
                     pending.append(key)
         try:
-            yield from self._deliver(session, keys, pending, done)
+            yield from self._deliver(session, keys, pending, done, list(ahead))
         finally:
             with self.cv:
                 self._claimed.difference_update(keys)
 
-    def _deliver(self, session, keys, pending, done) -> Iterator[Loaded]:
-        delivered = 0
+    def _deliver(self, session, keys, pending, done, ahead) -> Iterator[Loaded]:
+        delivered, queued = 0, 0
         while delivered < len(keys):
             with self.cv:
                 while pending:
@@ -238,6 +249,8 @@ class ExpertStore:
                     key = pending.pop(0)
                     self._start_read(key, slot, DEMAND)
                     self._watch(key, done)
+                if ahead and not pending:           # never queued before this load's own reads
+                    queued, ahead = self._readahead(ahead), None
             try:
                 key = done.get(timeout=0.05)
             except queue.Empty:
@@ -259,12 +272,15 @@ class ExpertStore:
                 if pre or nbytes == 0:
                     self.counters.staged_hits += 1
             delivered += 1
-            yield Loaded(key[0], key[1], slot, nbytes, pre)
+            yield Loaded(key[0], key[1], slot, nbytes, pre, queued)
 
-    def prefetch(self, session: str, keys: list[tuple[int, int]]) -> int:
-        """Read-ahead into staging slots (module doc), in the keys' order -> reads started."""
+    def prefetch(self, session: str, keys: list[tuple[int, int]], release=()) -> int:
+        """Read-ahead into staging slots (module doc), in the keys' order, after handing back `release` -> reads
+        started."""
         self._check(session)
-        return self._readahead(keys)
+        with self.cv:
+            self._release(release)
+            return self._readahead(keys)
 
     def _readahead(self, keys: list[tuple[int, int]]) -> int:
         """Reads ahead take a free staging slot or the least recently used staged copy (as a demand read does: once
@@ -290,13 +306,18 @@ class ExpertStore:
     def release(self, session: str, slots: list[int]) -> None:
         self._check(session)
         with self.cv:
-            for slot in slots:
-                key = self._handed.pop(slot, None)
-                if key is None:
-                    continue
-                # keep the bytes as a staged copy (LRU); the slot is reused when a read needs it
-                self._staged[key] = slot
-                self._staged.move_to_end(key)
+            self._release(slots)
+
+    def _release(self, slots):
+        """Staging slots the worker hands back (under cv): their bytes stay as staged copies (LRU), reused when a read
+        needs the slot."""
+        for slot in slots:
+            key = self._handed.pop(slot, None)
+            if key is None:
+                continue
+            self._staged[key] = slot
+            self._staged.move_to_end(key)
+        if slots:
             self.cv.notify_all()
 
     # ---- Engram rows (deepseek41) ------------------------------------------------------------
@@ -388,6 +409,12 @@ class ExpertStore:
     def _fill_consolidation(self, moves):
         """Consolidation, step 2 (a thread; passes may run meanwhile): the vacated slots get their new experts'
         bytes (from a staged copy, else from disk at read-ahead priority)."""
+        try:
+            self._fill(moves)
+        finally:
+            self.directory.filling = False
+
+    def _fill(self, moves):
         t0 = time.monotonic()
         reads0, copies0 = self.counters.consolidation_reads, self.counters.consolidation_copies
         stamp = self.watch.stamp()
@@ -474,6 +501,7 @@ class ExpertStore:
             "attaches": c.attaches, "consolidation_pending": self._consolidating is not None,
             # disk reads started and not landed yet (demand, read-ahead): 0 with no consolidation pending = quiet
             "reads_in_flight": len(self._inflight),
+            "staging_handed": len(self._handed),    # staging slots the worker holds (not yet handed back)
             "refusing": self.watch.why,
             **(self.engram.status() if self.engram is not None else {}),
         }

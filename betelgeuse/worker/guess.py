@@ -18,10 +18,10 @@ Why deeper than one layer: a single expert read comes off the disk at ~80% of th
 gpu-run22-readdepth), so what holds decode at ~half its disk bound is the disk standing idle between a layer's last
 read and the next layer's first, not queue depth. Guessing D layers ahead keeps reads queued across that gap.
 
-The guessed experts that sit on disk are read ahead through the store's prefetch (at read-ahead priority, in at most
-half the staging slots, in layer order: the nearest layer first), after layer l's own demand reads have started, and
-without waiting for the store's answer (read when a guessed layer is scored: a round trip per layer would cost about
-what a guess saves). A (layer, expert) already asked for in this pass is not asked again (a layer guessed from
+The guessed experts that sit on disk are read ahead (at read-ahead priority, in at most half the staging slots, in
+layer order: the nearest layer first), after layer l's own demand reads have started, and without waiting for the
+store's answer (read when a guessed layer is scored: a round trip per layer would cost about what a guess saves): in
+the same message as layer l's loads when it has any (worker/moe_step.py), else as a prefetch of their own. A (layer, expert) already asked for in this pass is not asked again (a layer guessed from
 several earlier layers: the nearer guesses only add what the farther missed; the store also skips what it has
 staged or in flight). Only WHEN bytes arrive changes: a guess is never used to compute (every layer routes itself
 as always), so outputs are the same bits with it on or off, at any depth (invariant 1).
@@ -111,9 +111,11 @@ class Guesser:
         both = torch.cat([counts, marks]).cpu().numpy()
         return both[:E], both[E:].reshape(D, E)
 
-    def read_ahead(self, layer: int, layers, marks: np.ndarray, snap, stats: PassStats):
+    def read_ahead(self, layer: int, layers, marks: np.ndarray, snap, stats: PassStats, send=None):
         """Start the reads of the guessed experts that sit on disk of `layers` (ascending, each in layer+1 ..
-        layer+D; marks [D, E] row d-1 = layer+d), nearest layer first, in one store prefetch; what this pass asked
+        layer+D; marks [D, E] row d-1 = layer+d), nearest layer first, in one message: send(keys) -> a function
+        answering the reads started (default: the store's prefetch; MoEStep puts them on layer `layer`'s own load
+        message when it has one); what this pass asked
         for already is not asked again, unless the store did not start it (its read-ahead half of the staging slots
         was full: the earlier calls' answers, sent a layer ago, are read here, as a guessed layer's score would)."""
         self._pass(stats)
@@ -129,7 +131,7 @@ class Guesser:
         if keys:
             self._asked.update(keys)
             # not waited for: the store's answer (reads started) is read when a guessed layer is scored
-            ask = _Ask(keys, self.session.prefetch_start(keys))
+            ask = _Ask(keys, (send or self.session.prefetch_start)(keys))
             self._pending.append(ask)
             for t in dict.fromkeys(t for t, _ in keys):
                 self._asks.setdefault(t, []).append(ask)

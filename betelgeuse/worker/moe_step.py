@@ -5,13 +5,15 @@
     partial    otherwise ONE host sync for the per-expert row counts (the loads depend on them; in decode the next
                `prefetch_depth` layers' guessed experts ride along: worker/guess.py), then:
                  1. demand loads for the disk experts, so the disk starts now; read-ahead behind them (prefill: all
-                    of layer l+1's disk experts; decode: the guessed ones of layers l+1 .. l+D, nearest first, once
-                    this layer's reads have started)
+                    of layer l+1's disk experts; decode: the guessed ones of layers l+1 .. l+D, nearest first, in the
+                    same message as the loads, started by the store once this layer's reads have: a decode layer with
+                    a miss sends the store ONE message, one with none sends none, or one read ahead of guesses)
                  2. the first host batch's copy into a ring bank starts, the VRAM group computes meanwhile
                  3. host-tier experts in batches: a batch is copied into one bank while the other bank computes
                  4. disk experts in batches as they land in staging slots (the same path as 3); a staging slot goes
                     back to the store once its copy is done, and the layer never holds more than half the
-                    staging slots while it blocks (the store keeps reading into the rest)
+                    staging slots while it blocks (the store keeps reading into the rest); the layer's last ones
+                    go back with the next message (StoreSession.release later=True)
     serial     the standard schedule's baseline: each expert fetched on demand and waited for (copy, sync, compute)
 
 This is mixtral-offloading's load_experts(unordered=True) over three tiers. Expert outputs land in
@@ -181,6 +183,14 @@ class MoEStep:
     def partial(self, l, r, snap, stats: PassStats, ls: LayerStats, readahead: bool, guess=None):
         """The experts of a layer that is not wholly VRAM-resident (module doc, steps 1-4; writes r.y). guess: layers
         l+1 .. l+D's guessed ids [T,D,k] on the device, or None (read ahead only for guess_layers(l))."""
+        clock, t0 = self.clock, time.perf_counter()
+        b0, s0 = clock.blocked, clock.store_s
+        try:
+            self._partial(l, r, snap, stats, ls, readahead, guess)
+        finally:             # the step's own host time: its wall less blocked waits and store messages
+            stats.moe_host_s += time.perf_counter() - t0 - (clock.blocked - b0) - (clock.store_s - s0)
+
+    def _partial(self, l, r, snap, stats: PassStats, ls: LayerStats, readahead: bool, guess):
         cache = self.cache
         guess = guess if guess is not None and self.wants_guess(l) else None
         # host sync: routing decides the loads (with the next layer's guess in the same transfer)
@@ -191,17 +201,26 @@ class MoEStep:
         ls.vram, ls.host, ls.disk = (len(by_tier[t]) for t in (TIER_VRAM, TIER_HOST, TIER_DISK))
         for t, n in ((TIER_VRAM, ls.vram), (TIER_HOST, ls.host), (TIER_DISK, ls.disk)):
             stats.reads[TIER_NAMES[t]] += n
-        # 1. demand loads first, so the disk starts now; read-ahead of the next layer behind them
+        # 1. demand loads first, so the disk starts now; read-ahead behind them. Decode: the guessed experts of
+        # l+1 .. l+D ride on this layer's load message (the store starts them once the loads' reads have started,
+        # never before); a layer with no miss sends them alone, the answer read when a guessed layer is scored
         disk = [int(e) for e in by_tier[TIER_DISK]]
-        loads = self.session.load([(l, e) for e in disk]) if disk else iter(())
+        keys = [(l, e) for e in disk]
+        loads = None
+
+        def send_ahead(ahead):
+            nonlocal loads
+            if not keys:
+                return self.session.prefetch_start(ahead)
+            loads = self.session.load(keys, ahead)
+            return loads.queued
+        if marks is not None:
+            self.guesser.read_ahead(l, self.guess_layers(l), marks, snap, stats, send_ahead)
+        if loads is None:
+            loads = self.session.load(keys) if keys else iter(())
         if readahead and l + 1 < self.n_layer and self._may_use_disk(snap, l + 1):
             nxt = snap["tier"][l + 1]
             stats.prefetched += self.session.prefetch([(l + 1, int(e)) for e in np.nonzero(nxt == TIER_DISK)[0]])
-        # decode: the guessed experts of l+1 .. l+D once this layer's own reads have started (never queued before them)
-        ahead = None if marks is None else (lambda: self.guesser.read_ahead(l, self.guess_layers(l), marks, snap, stats))
-        if ahead is not None and not disk:
-            ahead()
-            ahead = None
         timing = self.clock.copy_timing(ls)
         B = cache.bank_size
         hslots = snap["host_slot"][l]
@@ -216,7 +235,7 @@ class MoEStep:
             self._apply(r, l, g, ls)
             cache.bank_done(bank)
         # 4. disk experts in batches as they land; a staging slot goes back once its copy is done
-        ahead_used = self._disk_groups(l, r, loads, len(disk), stats, ls, timing, ahead)
+        ahead_used = self._disk_groups(l, r, loads, len(disk), stats, ls, timing)
         self.guesser.check(l, by_tier[TIER_DISK], ahead_used, stats)
 
     def serial(self, l, r, used, snap, stats: PassStats, ls: LayerStats):
@@ -241,7 +260,7 @@ class MoEStep:
                 stats.disk_bytes += got.disk_bytes
                 _, g = self._to_bank([e], [cache.staging_slot(got.slot)], None)
                 self.clock.sync()
-                self.session.release([got.slot])
+                self.session.release([got.slot], later=True)
             self.clock.sync()                          # no overlap: the copy is waited for
             tc = time.perf_counter()
             self._apply(r, l, g, ls)
@@ -265,10 +284,9 @@ class MoEStep:
         bank, offs = self.cache.to_bank(srcs, timing)
         return bank, self._group(experts, offs)
 
-    def _disk_groups(self, l, r, loads, n_disk, stats: PassStats, ls: LayerStats, timing, ahead=None) -> int:
-        """The disk experts in batches as they land (module doc, step 4); ahead() (the next layer's guessed reads) is
-        called once the first has landed, when every read of this layer has started. -> the loads answered from a
-        read ahead."""
+    def _disk_groups(self, l, r, loads, n_disk, stats: PassStats, ls: LayerStats, timing) -> int:
+        """The disk experts in batches as they land (module doc, step 4); the last staging slots go back with the next
+        message to the store. -> the loads answered from a read ahead."""
         cache = self.cache
         ahead_used = 0
         B = cache.bank_size
@@ -290,35 +308,36 @@ class MoEStep:
                 flush()
             held = self._release(held, keep=limit - 1 - len(batch))   # never hold many slots while blocking
             tw = time.perf_counter()
-            got = next(loads)
-            dt = time.perf_counter() - tw
-            ls.disk_wait_s += dt
-            self.clock.blocked += dt
-            if ahead is not None:
-                ahead()
-                ahead = None
+            got = self.clock.wait_store(next, loads)
+            ls.disk_wait_s += time.perf_counter() - tw
             ahead_used += got.prefetched
             stats.disk_bytes += got.disk_bytes
             batch.append(got)
             if len(batch) == B:
                 flush()
         flush()
-        self._release(held, keep=0)
+        self._release(held, keep=0, later=True)
         return ahead_used
 
-    def _release(self, held, keep: int):
+    def _release(self, held, keep: int, later: bool = False):
         """Release staging slots whose bank copies finished (CUDA: event query, no sync); while more than
-        `keep` slots remain held, wait for the oldest copies. Returns what is still held."""
+        `keep` slots remain held, wait for the oldest copies. later: they go back with the next message to the
+        store (the layer's last), else now (the store needs them for this layer's loads). Returns what is still
+        held."""
         if not held:
             return held
         if self.cache.is_cuda:
             done = [hb for hb in held if self.cache.bank_ready_event(hb[0]).query()]
             rest = [hb for hb in held if hb not in done]
+            if later:      # the layer goes on without waiting: they go back once their copies are done (the bank's
+                for b, slots in rest:      # event; one recorded later on the same copy stream is later still)
+                    self.session.release(slots, later=True, event=self.cache.bank_ready_event(b))
+                rest = []
             while rest and sum(len(s) for _, s in rest) > max(keep, 0):
                 self.clock.wait(self.cache.bank_ready_event(rest[0][0]).synchronize)
                 done.append(rest.pop(0))
         else:
             done, rest = held, []             # CPU copies are synchronous
         if done:
-            self.session.release([s for _, slots in done for s in slots])
+            self.session.release([s for _, slots in done for s in slots], later)
         return rest

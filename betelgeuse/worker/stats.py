@@ -1,7 +1,12 @@
 """What a pass reports (PassStats, one LayerStats per layer) and the clock that measures it (PassClock).
 
 The host's time in a pass splits into work and waiting: `blocked` counts the waits (routing syncs, disk reads,
-bank copies, the end-of-pass sync), so host_s = seconds - blocked_s is what the Python side itself cost. Per-layer
+bank copies, the end-of-pass sync), so host_s = seconds - blocked_s is what the Python side itself cost. The host
+time splits further into the store messages (`store_rpc`: per kind, messages sent and the seconds the host spent
+sending them and waiting for their replies, replies that wait on no disk), the per-layer expert step's own host
+time (`moe_host_s`: MoEStep.partial's Python, copies and launches) and the rest (`other_host_s`: the dense part,
+graph replays, pass bookkeeping). A wait for expert bytes the store is still reading from disk (a Load stream's next
+message) is blocked time, counted apart as `store_wait_s`. Per-layer
 compute and copy times are CUDA events when the bench turns `timing` on (read once, after the pass's end sync), CPU
 wall times otherwise.
 """
@@ -53,13 +58,26 @@ class PassStats:
     open_s: float = 0.0         # opening the store pass: BeginPass (it waits for a pending consolidation) + VRAM fills
     host_s: float = 0.0         # wall minus the time the host was blocked (syncs on the GPU, the disk)
     blocked_s: float = 0.0      # host blocked: routing syncs, waits for disk reads and copies, the end sync
-    store_calls: int = 0        # round trips to the store during this pass
+    store_calls: int = 0        # messages to the store during this pass (round trips and one-way sends)
+    store_rpc: dict = field(default_factory=dict)   # message kind -> [messages, host seconds in them] (module doc)
+    store_wait_s: float = 0.0   # blocked waiting for the store to deliver expert bytes (part of blocked_s)
+    moe_host_s: float = 0.0     # host time in the layers' expert steps, outside store messages and blocked waits
     layers: list = field(default_factory=list)
     engram: EngramStats | None = None   # deepseek41: Engram rows of this pass (worker/engram_feed.py)
 
     @property
     def tok_per_s(self) -> float:
         return self.n_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def store_s(self) -> float:
+        """Host seconds in store messages (not blocked: sends, and replies that wait on no disk)."""
+        return sum(s for _, s in self.store_rpc.values())
+
+    @property
+    def other_host_s(self) -> float:
+        """Host time that is neither a store message nor the layers' expert steps (the dense part, graphs, ...)."""
+        return max(0.0, self.host_s - self.store_s - self.moe_host_s)
 
     @property
     def disk_share(self) -> float:
@@ -75,18 +93,22 @@ class PassStats:
 class PassClock:
     """One pass's blocked time and per-layer compute timing (begin() starts a pass, finish() fills its stats)."""
 
-    __slots__ = ("device", "is_cuda", "timing", "blocked", "_events", "_t0")
+    __slots__ = ("device", "is_cuda", "timing", "blocked", "store_wait", "store", "store_s", "_events", "_t0")
 
     def __init__(self, device: torch.device):
         self.device = device
         self.is_cuda = device.type == "cuda"
         self.timing = False             # per-layer CUDA events (the bench turns it on)
         self.blocked = 0.0              # seconds the host waited in this pass
+        self.store_wait = 0.0           # of them: waits for the store to deliver expert bytes
+        self.store: dict = {}           # store message kind -> [messages, host seconds] in this pass
+        self.store_s = 0.0              # their seconds summed (MoEStep takes differences of it)
         self._events: list = []         # (LayerStats, start, end) CUDA events of this pass
         self._t0 = 0.0
 
     def begin(self):
-        self.blocked = 0.0
+        self.blocked = self.store_wait = self.store_s = 0.0
+        self.store = {}
         self._events = []
         self._t0 = time.perf_counter()
 
@@ -96,6 +118,29 @@ class PassClock:
         out = fn(*args)
         self.blocked += time.perf_counter() - t
         return out
+
+    def wait_store(self, fn, *args):
+        """fn(*args), a wait for expert bytes the store is delivering: blocked, and counted as store_wait."""
+        t = time.perf_counter()
+        out = fn(*args)
+        dt = time.perf_counter() - t
+        self.blocked += dt
+        self.store_wait += dt
+        return out
+
+    def message(self, kind: str, fn, *args):
+        """fn(*args), one message to the store of this kind: counted, its host time summed (host, not blocked)."""
+        t = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.add_message(kind, time.perf_counter() - t, 1)
+
+    def add_message(self, kind: str, seconds: float, n: int = 0):
+        rec = self.store.setdefault(kind, [0, 0.0])
+        rec[0] += n
+        rec[1] += seconds
+        self.store_s += seconds
 
     def sync(self):
         """Wait for the device's queued work (CUDA); nothing to wait for on the CPU."""
@@ -134,6 +179,8 @@ class PassClock:
         stats.seconds = time.perf_counter() - self._t0
         stats.blocked_s = self.blocked
         stats.host_s = max(0.0, stats.seconds - self.blocked)
+        stats.store_wait_s = self.store_wait
+        stats.store_rpc = {k: list(v) for k, v in self.store.items()}
         for ls, ev0, ev1 in self._events:
             ls.compute_ms += ev0.elapsed_time(ev1)
         self._events = []

@@ -9,7 +9,8 @@
              `decode_consolidate_every` decode passes, when the decode's own usage is consolidated (its working set
              moves into the resident tiers).
   no waits   a decode pass does not wait for a consolidation still filling its slots (the store applies it at a
-             later begin_pass; while it fills, the session reopens the store pass each token to pick it up), and
+             later begin_pass; once the directory's header says the fill is done, the session reopens the store
+             pass to pick it up: no message per token while it fills), and
              neither does the end-of-request consolidation: waiting for its disk reads stalled the next token or
              the next request's first token for seconds (docs/benchmarks)
   request    a request that decoded ends with a consolidation of its usage only when no other sequence runs: while
@@ -57,6 +58,8 @@ class StoreSession:
         self._resume_since = 0                    # carried over a close/reopen while a consolidation fills
         self.calls = 0                            # store round trips (all time)
         self._usage: np.ndarray | None = None     # rows per expert since the store pass opened (host)
+        self._give: list[int] = []                # staging slots to hand back with the next message (release)
+        self._give_after: list = []               # (CUDA event, staging slots): the same, once the event completed
         self.prefix_arena: Arena | None = None    # the prefix cache's host tier, held by the store (None: none)
         self._prefix_pinned = False
 
@@ -78,25 +81,58 @@ class StoreSession:
         L, E = self.file.config.n_layer, self.file.config.n_expert
         self.counts = torch.zeros((L, E), dtype=torch.int64, device=self.device)
         self.pass_open = False
+        self._give, self._give_after = [], []     # the new session holds no staging slot
         self._usage = np.zeros((L, E), dtype=np.int64)
 
-    def call(self, fn, *args):
-        """One store round trip (counted)."""
+    def call(self, kind: str, fn, *args):
+        """One message to the store (counted, its host time in the pass clock by kind: stats.py)."""
         self.calls += 1
-        return fn(*args)
+        return self.clock.message(kind, fn, *args)
 
-    def load(self, keys):
-        return self.call(self.store.load, keys)
+    def load(self, keys, ahead=()) -> "LoadStream":
+        """Demand loads in ONE message with the staging slots waiting to go back and (decode) the next layer's guessed
+        experts to read ahead once the loads' reads have started -> the experts as they land (a wait for the next is
+        the store delivering: store_wait)."""
+        return LoadStream(self.call("load", self.store.load, keys, self._handing(), ahead))
 
     def prefetch(self, keys) -> int:
-        return self.call(self.store.prefetch, keys)
+        return self.call("prefetch", self.store.prefetch, keys, self._handing())
 
     def prefetch_start(self, keys):
         """prefetch without waiting for the store's answer -> a function that waits for it (reads started)."""
-        return self.call(self.store.prefetch_start, keys)
+        answer = self.call("prefetch", self.store.prefetch_start, keys, self._handing())
 
-    def release(self, slots):
-        self.call(self.store.release, slots)
+        def queued() -> int:
+            t = time.perf_counter()
+            try:
+                return answer()
+            finally:
+                self.clock.add_message("prefetch", time.perf_counter() - t)
+        return queued
+
+    def release(self, slots, later: bool = False, event=None):
+        """Hand staging slots back (their copies are done, or: done once the CUDA `event` has completed). later: with
+        the next message to the store (a load, a read ahead, the pass's end), which hands them back before anything
+        else; else now (the store needs them to go on reading this layer's loads)."""
+        if event is not None:
+            self._give_after.append((event, list(slots)))
+        else:
+            self._give += slots
+        if not later:
+            self.flush_releases()
+
+    def flush_releases(self):
+        if self._give or self._give_after:
+            self.call("release", self.store.release, self._handing())
+
+    def _handing(self) -> list[int]:
+        """The staging slots to hand back with a message now: their copies done (a copy still running is waited
+        for: blocked; by the next layer's message it has long finished)."""
+        for ev, slots in self._give_after:
+            self.clock.wait(ev.synchronize)
+            self._give += slots
+        out, self._give, self._give_after = self._give, [], []
+        return out
 
     # ---- one pass ----------------------------------------------------------------------------------------
     def begin(self, stats: PassStats):
@@ -112,7 +148,7 @@ class StoreSession:
         if self.pass_open:
             return
         t = time.perf_counter()
-        self.call(self.store.begin_pass, stats.kind != "decode")
+        self.call("begin_pass", self.store.begin_pass, stats.kind != "decode")
         self.pass_open = True
         self.decode_since, self._resume_since = self._resume_since, 0
         self.snap = self.directory.snapshot()
@@ -134,9 +170,10 @@ class StoreSession:
         every = self.cfg.decode_consolidate_every
         if every and self.decode_since >= every:
             self.close_pass(True)                    # the decode working set moves into resident tiers
-        elif self.pass_open and self.store.consolidating:
-            # the open pass did not wait for a consolidation still filling its slots: close it (its usage counted,
-            # no new consolidation) so that the next token's BeginPass applies it once it landed
+        elif self.pass_open and self.store.consolidating and not self.directory.filling:
+            # the open pass did not wait for a consolidation still filling its slots: once the fill is done (the
+            # directory's header says so, no message), close it (its usage counted, no new consolidation) so that
+            # the next token's BeginPass applies it once it landed
             self._resume_since = self.decode_since      # the decode consolidation's count goes on
             self.close_pass(False)
 
@@ -151,16 +188,17 @@ class StoreSession:
     def close_pass(self, consolidate: bool):
         """End the store pass (if one is open) with the usage counted since it opened."""
         if not self.pass_open:
+            self.flush_releases()                    # no staging slot stays held by an idle worker
             return
         self.pass_open = False
         usage, self._usage = self._usage, np.zeros_like(self._usage)
-        self.call(self.store.end_pass, usage, consolidate)
+        self.call("end_pass", self.store.end_pass, usage, consolidate, self._handing())
 
     def _empty_pass(self, consolidate: bool, wait: bool):
         """A store pass with no work: begin_pass applies a pending consolidation (wait: also one still filling);
         end_pass may plan a new one."""
-        self.call(self.store.begin_pass, wait)
-        self.call(self.store.end_pass, np.zeros_like(self._usage), consolidate)
+        self.call("begin_pass", self.store.begin_pass, wait)
+        self.call("end_pass", self.store.end_pass, np.zeros_like(self._usage), consolidate, self._handing())
 
     # ---- consolidation -------------------------------------------------------------------------------
     def consolidate(self):
@@ -194,7 +232,7 @@ class StoreSession:
         self._open(PassStats("prefill", "settle", 0))          # not a decode: begin_pass waits; VRAM filled
         self.close_pass(False)
         while True:
-            st = self.call(self.store.status)
+            st = self.call("status", self.store.status)
             if not st.get("consolidation_pending") and not st.get("reads_in_flight"):
                 return time.perf_counter() - t
             if timeout is not None and time.perf_counter() - t > timeout:
@@ -212,7 +250,7 @@ class StoreSession:
         The filled layers are what the next pass's VRAM sync then skips; its reads are the consolidation's, not a
         request's (PassStats of kind "settle", not reported as a pass)."""
         self.close_pass(False)                       # idle: none is open (request_done closed it)
-        self.call(self.store.begin_pass, False)
+        self.call("begin_pass", self.store.begin_pass, False)
         self.pass_open = True
         try:
             snap, epoch = self.directory.snapshot(), self.directory.epoch
@@ -250,18 +288,18 @@ class StoreSession:
         limit = max(1, self.plan.n_staging // 2)   # staging slots held at once: the store keeps reading
         held: list[int] = []
         t = time.perf_counter()
-        for got in self.load(list(where)):
+        loads = self.load(list(where))
+        for got in iter(lambda: self.clock.wait_store(next, loads, None), None):
             cache.fill_vram(got.layer, got.expert, where[(got.layer, got.expert)], cache.staging_slot(got.slot), snap)
             stats.disk_bytes += got.disk_bytes      # the pass waits for them: its bound counts their bytes
             stats.fill_disk += 1                    # not a use: the pass's route counts the expert as VRAM
             held.append(got.slot)
             if len(held) >= limit:
-                self.clock.sync()                  # the copies are done before their staging slots go back
+                self.clock.wait(self.clock.sync)   # the copies are done before their staging slots go back
                 self.release(held)
                 held = []
-        self.clock.sync()
-        if held:
-            self.release(held)
+        self.clock.wait(self.clock.sync)
+        self.release(held, later=True)
         cache.fill_done()
         stats.disk_wait_s += time.perf_counter() - t
 
@@ -281,3 +319,25 @@ class StoreSession:
             self.cache.close()
         self._close_prefix()
         self.cache = self.directory = self.snap = self.engram = None
+
+
+class LoadStream:
+    """A load's experts as they land (Loaded, completion order); ahead_queued: the reads ahead its message started
+    (final once the stream is consumed)."""
+
+    __slots__ = ("_it", "ahead_queued")
+
+    def __init__(self, it):
+        self._it = iter(it)
+        self.ahead_queued = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        got = next(self._it)
+        self.ahead_queued = got.ahead_queued
+        return got
+
+    def queued(self) -> int:
+        return self.ahead_queued

@@ -8,6 +8,7 @@
 #                                              # issue 21's target table in ~7 min: each case in exact routing and
 #                                              # then in the APPROXIMATE pool mode (ROUTING, default exact,pool),
 #                                              # one bench run sharing the model write; PASS/MISS per target
+#   STORE_MESSAGES=1 ... bash deploy/device/bench_ds4.sh ...   # also times one store message on this CPU first
 #   CHECK_ONLY=1 bash deploy/device/bench_ds4.sh   # correctness: every check_ds4.py step (kernels, engine, the fused
 #                                              # ops at V4-Flash shapes, eager == graph replay, batch invariance,
 #                                              # launches per decode layer); no model write, no bench
@@ -91,7 +92,13 @@ else
   say "reusing $MODEL"
 fi
 
-# 3. the quick correctness checks on the device
+# 3. the quick correctness checks on the device (STORE_MESSAGES=1 first: one store message's host cost on this CPU,
+#    deploy/device/store_messages.py, ~20 s, store_messages.md)
+if [ "${STORE_MESSAGES:-0}" = 1 ]; then
+  say "store_messages.py"
+  timeout 120 "$PY" deploy/device/store_messages.py --out "$DEST/store_messages.md" >>"$LOG" 2>&1
+  [ -f "$DEST/store_messages.md" ] && cat "$DEST/store_messages.md"
+fi
 say "check_ds4.py"
 timeout 260 "$PY" deploy/device/check_ds4.py --out "$DEST" --tmp "$WORK/check" --only "${CHECK_STEPS:-kernel,engine,vram}" \
   --vram-model "$MODEL" ${CHECK_ARGS:-} >>"$LOG" 2>&1

@@ -56,6 +56,14 @@ def targets(r: dict) -> list[str]:
     L.append(_row("decode TG, exact (tok/s)", "– (context)", _f(exd.get("tg_mean"), "{:.2f}"), None))
     hu = exd.get("host_us_per_application")
     L.append(_row("decode host µs / expert application, exact", "≤ 100", _f(hu), None if hu is None else hu <= 100))
+    if "store_s" in exd:      # the host time's parts (worker/stats.py) and the store wait, beside the target
+        kinds = ", ".join(f"{k} {v:.2f}" for k, v in exd.get("store_messages_per_token", {}).items()) or "none"
+        L.append(_row("  of it: store messages / expert step / rest (µs per application)", "–",
+                      " / ".join(_f(exd.get(k)) for k in ("store_us_per_application", "moe_host_us_per_application",
+                                                          "other_host_us_per_application"))
+                      + f"; median token {_f(exd.get('host_us_per_application_median'))} µs"
+                      + f"; store wait {exd['store_wait_s'] / max(1, exd['tokens']) * 1e3:.1f} ms/token (blocked); "
+                      f"messages/token: {kinds}", None))
     ln = (ex.get("profile", {}).get("decode") or {}).get("launches_per_layer")
     L.append(_row("kernel launches / layer, decode, exact", "≤ 60", _f(ln), None if ln is None else ln <= 60))
     runs = [p for c in (ex, pool) for p in c.get("passes", []) + ([c["decode"]] if c.get("decode") else [])]

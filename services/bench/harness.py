@@ -431,6 +431,8 @@ class Harness:
         end = time.monotonic() + min(self.o.decode_cap, self.remaining())
         secs, reads, disk_bytes, disk_wait = [], {"vram": 0, "host": 0, "disk": 0}, 0, 0.0
         host_s, calls, h2d, toks, engram = 0.0, 0, 0, [], None
+        split = HostSplit()                             # the host time's parts (worker/stats.py)
+        token_host = []                                 # per token: (host s, expert applications)
         guess = dict.fromkeys(GUESS_FIELDS, 0)          # decode's guesses of the next layers (worker/guess.py)
         t_start = time.perf_counter()
         for _ in range(self.o.decode):
@@ -445,6 +447,8 @@ class Harness:
                 reads[k_] += st.reads[k_]
             disk_bytes, disk_wait = disk_bytes + st.disk_bytes, disk_wait + st.disk_wait_s
             host_s, calls, h2d = host_s + st.host_s, calls + st.store_calls, h2d + st.h2d_bytes
+            split.add(st)
+            token_host.append((st.host_s, st.applications))
             for k_ in guess:
                 guess[k_] += getattr(st, k_)
             if st.engram is not None:
@@ -460,6 +464,11 @@ class Harness:
         return {**own, "k": c.n_expert_used, "tokens": len(secs), "requested": self.o.decode, "seconds": sum(secs), "bound": bound,
                 "host_s": host_s, "host_us_per_application": host_s / n * 1e6 if n else None,
                 "store_calls_per_token": calls / len(secs) if secs else None, "h2d_bytes": h2d,
+                **split.record(len(secs), n),
+                # the typical token, apart from the first steps' graph capture and the VRAM fills after consolidations
+                "host_us_per_application_median": (float(np.median([h / a * 1e6 for h, a in token_host if a]))
+                                                   if any(a for _, a in token_host) else None),
+                "token_host_s": [h for h, _ in token_host],
                 "tg_mean": len(secs) / sum(secs) if secs else 0.0, "tg_peak": 1.0 / min(secs) if secs else 0.0,
                 "token_s": secs, "reads": reads, "disk_share": reads["disk"] / n if n else 0.0,
                 "disk_bytes": disk_bytes, "disk_wait_ms": disk_wait * 1e3, "token_ids": toks, "guess": guess,
@@ -469,6 +478,36 @@ class Harness:
                 "disk_busy_fraction": own["store_disk_active_s"] / wall if secs and wall > 0 else None,
                 "disk_active_ms_per_token": own["store_disk_active_s"] / len(secs) * 1e3 if secs else None,
                 "engram": engram.record(len(secs), sum(secs)) if engram is not None else None}
+
+
+class HostSplit:
+    """A decode run's host time by part (PassStats: store messages by kind, the layers' expert steps, the rest) and
+    its waits for the store's expert bytes (blocked: store_wait_s), summed over passes."""
+
+    __slots__ = ("rpc", "store_wait_s", "moe_host_s", "other_host_s")
+
+    def __init__(self):
+        self.rpc: dict = {}
+        self.store_wait_s = self.moe_host_s = self.other_host_s = 0.0
+
+    def add(self, st):
+        for k, (n, sec) in st.store_rpc.items():
+            rec = self.rpc.setdefault(k, [0, 0.0])
+            rec[0] += n
+            rec[1] += sec
+        self.store_wait_s += st.store_wait_s
+        self.moe_host_s += st.moe_host_s
+        self.other_host_s += st.other_host_s
+
+    def record(self, tokens: int, applications: int) -> dict:
+        per_app = (lambda s: s / applications * 1e6) if applications else (lambda s: None)
+        store_s = sum(sec for _, sec in self.rpc.values())
+        return {"store_s": store_s, "store_wait_s": self.store_wait_s, "moe_host_s": self.moe_host_s,
+                "other_host_s": self.other_host_s,
+                "store_us_per_application": per_app(store_s), "moe_host_us_per_application": per_app(self.moe_host_s),
+                "other_host_us_per_application": per_app(self.other_host_s),
+                "store_messages_per_token": {k: n / max(1, tokens) for k, (n, _) in sorted(self.rpc.items())},
+                "store_ms_per_token": {k: sec / max(1, tokens) * 1e3 for k, (_, sec) in sorted(self.rpc.items())}}
 
 
 GUESS_FIELDS = ("guessed", "guess_hits", "guess_disk", "guess_bytes", "guess_wasted_bytes")

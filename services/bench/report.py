@@ -79,6 +79,18 @@ def _guess_mb(g: dict | None) -> str:
     return f"{g['guess_bytes'] / 1e6:,.1f} ({g['guess_wasted_bytes'] / 1e6:,.1f})"
 
 
+def _host_split(d: dict) -> str:
+    """A decode record's host time by part, per expert application (µs), its store wait per token (ms) and its store
+    messages per token by kind: three table cells ("–" for a record from before the split)."""
+    if "store_s" not in d:
+        return "– | – | –"
+    n = max(1, d["tokens"])
+    parts = " / ".join(_f(d.get(k), "{:.1f}") for k in ("store_us_per_application", "moe_host_us_per_application",
+                                                          "other_host_us_per_application"))
+    kinds = ", ".join(f"{k} {v:.2f}" for k, v in d.get("store_messages_per_token", {}).items()) or "none"
+    return f"{parts} | {d['store_wait_s'] / n * 1e3:,.1f} | {kinds}"
+
+
 def _passes(r: dict):
     for case in r.get("cases", []):
         for p in case.get("passes", []):
@@ -140,8 +152,9 @@ def markdown(r: dict) -> str:
     L += ["", "## Decode", "",
           "| Case | Tokens | TG tok/s mean | TG tok/s peak | Disk read share | Disk wait ms | Bound tok/s (limiter) | "
           "Achieved | Disk busy | Host µs / application | Store calls / token | Launches / layer | Guess hit rate | "
-          "Read ahead MB (wasted) |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "Read ahead MB (wasted) | Host µs / app.: store messages / expert step / rest | Store wait ms / token | "
+          "Store messages / token by kind |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for case in r.get("cases", []):
         d = case.get("decode")
         if d:
@@ -153,7 +166,7 @@ def markdown(r: dict) -> str:
                      f"{achieved_label(b)} | {_pct(d.get('disk_busy_fraction'))} | "
                      f"{_f(d.get('host_us_per_application'), '{:.1f}')} | "
                      f"{_f(d.get('store_calls_per_token'), '{:.2f}')} | {_f(prof.get('launches_per_layer'), '{:.1f}')} | "
-                     f"{_pct(d.get('guess_hit_rate'))} | {_guess_mb(d.get('guess'))} |")
+                     f"{_pct(d.get('guess_hit_rate'))} | {_guess_mb(d.get('guess'))} | {_host_split(d)} |")
     eng = [(case, p) for case, p in _passes(r) if p.get("engram")]
     eng += [(case, dict(case["decode"], label="decode")) for case in r.get("cases", [])
             if (case.get("decode") or {}).get("engram")]

@@ -37,6 +37,10 @@ def _unavailable(e: grpc.RpcError) -> BetelgeuseError:
     return StoreUnavailableError(f"expert store unavailable ({code.name if code else 'error'}): {detail}")
 
 
+def _ids(keys) -> list:
+    return [pb.ExpertId(layer=l, expert=e) for l, e in keys]
+
+
 class GrpcStoreClient:
     def __init__(self, socket_path: str, fd_socket_path: str, timeout: float = 10.0, per_expert: float = 0.5,
                  probe_timeout: float = 2.0, on_lost=None):
@@ -155,24 +159,34 @@ class GrpcStoreClient:
         self.consolidating = reply.consolidating
         return reply.epoch
 
-    def load(self, keys):
+    def load(self, keys, release=(), ahead=()):
+        """Demand loads, sent now (the store starts reading at once; it first takes back `release` and reads `ahead`
+        ahead once the loads' reads have started) -> the experts in completion order."""
         keys = list(keys)
-        req = pb.LoadRequest(session=self.session, experts=[pb.ExpertId(layer=l, expert=e) for l, e in keys])
+        req = pb.LoadRequest(session=self.session, experts=_ids(keys), release=list(release), ahead=_ids(ahead))
         try:
-            for m in self.stub.Load(req, timeout=self.timeout + self.per_expert * len(keys)):
-                yield Loaded(m.layer, m.expert, m.staging_slot, m.disk_bytes, m.prefetched)
+            call = self.stub.Load(req, timeout=self.timeout + self.per_expert * len(keys))
+        except ValueError as e:                      # the channel was closed (abort)
+            raise StoreUnavailableError(f"expert store unavailable: {e}") from None
+        return self._landed(call)
+
+    @staticmethod
+    def _landed(call):
+        try:
+            for m in call:
+                yield Loaded(m.layer, m.expert, m.staging_slot, m.disk_bytes, m.prefetched, m.ahead_queued)
         except grpc.RpcError as e:
             raise _unavailable(e) from None
         except ValueError as e:
             raise StoreUnavailableError(f"expert store unavailable: {e}") from None
 
-    def prefetch(self, keys) -> int:
-        req = pb.LoadRequest(session=self.session, experts=[pb.ExpertId(layer=l, expert=e) for l, e in keys])
+    def prefetch(self, keys, release=()) -> int:
+        req = pb.LoadRequest(session=self.session, experts=_ids(keys), release=list(release))
         return self._call(self.stub.Prefetch, req).queued
 
-    def prefetch_start(self, keys):
+    def prefetch_start(self, keys, release=()):
         """Prefetch without waiting for the answer -> a function that waits for it (the reads started)."""
-        req = pb.LoadRequest(session=self.session, experts=[pb.ExpertId(layer=l, expert=e) for l, e in keys])
+        req = pb.LoadRequest(session=self.session, experts=_ids(keys), release=list(release))
         f = self._call(self.stub.Prefetch.future, req)
 
         def queued() -> int:
@@ -210,11 +224,12 @@ class GrpcStoreClient:
             except grpc.FutureCancelledError:
                 raise StoreUnavailableError("expert store unavailable: a release call was cancelled") from None
 
-    def end_pass(self, usage: np.ndarray, consolidate: bool) -> int:
+    def end_pass(self, usage: np.ndarray, consolidate: bool, release=()) -> int:
         self._reap(wait=True)
         L, E = usage.shape
         req = pb.EndPassRequest(session=self.session, n_layer=L, n_expert=E,
-                                usage=usage.astype(np.uint32).ravel().tolist(), consolidate=consolidate)
+                                usage=usage.astype(np.uint32).ravel().tolist(), consolidate=consolidate,
+                                release=list(release))
         return self._call(self.stub.EndPass, req).promoted
 
     def engram_read(self, tables, rows, release) -> int:

@@ -4,6 +4,7 @@ well-formed bench.json / bench.md / bench.png. No performance targets: those are
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import struct
@@ -96,6 +97,10 @@ def test_runs_within_budget_and_writes_json(bench_run):
             # the disk's busy share of the decode's wall (reads in flight / wall): a fraction, the reads' own
             assert 0 <= d["disk_busy_fraction"] <= 1 and d["disk_active_ms_per_token"] >= 0
             assert d["store_disk_active_s"] <= d["store_disk_busy_s"] + 1e-6
+            # the host time's parts (worker/stats.py): store messages by kind, the expert steps, the rest
+            assert d["store_s"] + d["moe_host_s"] + d["other_host_s"] == pytest.approx(d["host_s"], abs=1e-4)
+            assert d["store_s"] == pytest.approx(sum(d["store_ms_per_token"].values()) * d["tokens"] / 1e3)
+            assert sum(d["store_messages_per_token"].values()) == pytest.approx(d["store_calls_per_token"])
     # every planned case either ran or is listed as skipped
     ran = {c["name"] for c in r["cases"]}
     assert "2+6 p8" in ran
@@ -124,6 +129,11 @@ def test_markdown_and_png_well_formed(bench_run):
     assert all(ln.split(" | ")[1] in ("skew 1", "uniform (worst case)") for ln in rows), rows   # the case's router
     assert "PP tok/s" in header and "Disk read share" in header and "Disk wait ms" in header
     assert "Peak cgroup memory" in md and "Peak VRAM" in md
+    lines = md.splitlines()
+    i = next(i for i, ln in enumerate(lines) if ln.startswith("| Case | Tokens |"))
+    assert "Store messages / token by kind" in lines[i]
+    decode = list(itertools.takewhile(lambda ln: ln.startswith("| "), lines[i + 2:]))
+    assert decode and all(ln.count("|") == lines[i].count("|") for ln in decode), decode
     chunks = _png_chunks((out / "bench.png").read_bytes())
     kinds = [k for k, _ in chunks]
     assert kinds[0] == b"IHDR" and kinds[-1] == b"IEND" and b"IDAT" in kinds

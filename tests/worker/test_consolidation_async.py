@@ -74,8 +74,10 @@ def test_decode_runs_while_a_consolidation_fills(model, backing):
         snap = store.directory.snapshot()
         for l, s in filling:
             assert not (snap["host_slot"][l] == s).any(), (l, s)
-        got, _ = _decode(rn, kv, lg, STEPS // 2)                              # decode does not wait
+        got, st = _decode(rn, kv, lg, STEPS // 2)                             # decode does not wait
         assert store.consolidating and store.directory.epoch == epoch      # nothing applied mid-fill
+        # while the fill runs (the directory's header says so) a decode keeps its store pass: no pass messages
+        assert store.directory.filling and not {"begin_pass", "end_pass"} & set(st.store_rpc), st.store_rpc
         gate.set()
         store._consolidating.join(30)
         rest, _ = _decode(rn, kv, got[-1:], STEPS - STEPS // 2)

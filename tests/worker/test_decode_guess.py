@@ -54,19 +54,35 @@ def _decode(path, depth: int, form: str, prompts, vram=2, host=3, asks=None, **c
                                max_running=len(prompts), **cfg)
     rn._static_decode = form in ("static", "batch")
     if asks is not None:
-        real = rn.session.prefetch_start
+        real, real_load = rn.session.prefetch_start, rn.session.load
 
-        def spy(keys):
+        def record(keys, answer):
             assert asks, "a guessed read ahead outside decode"
             call = [list(keys), None]
             asks[-1].append(call)
-            answer = real(keys)
 
             def started():
                 call[1] = answer()
                 return call[1]
             return started
-        rn.session.prefetch_start = spy
+
+        def spy(keys):                   # a layer without a miss: its guesses go alone
+            return record(keys, real(keys))
+
+        class Riding:                    # a layer with a miss: its guesses ride on its load (worker/moe_step.py)
+            def __init__(self, stream, keys):
+                self.stream, self.queued = stream, record(keys, stream.queued)
+
+            def __iter__(self):
+                return self
+
+            def __next__(self):
+                return next(self.stream)
+
+        def spy_load(keys, ahead=()):
+            stream = real_load(keys, ahead)
+            return Riding(stream, ahead) if ahead else stream
+        rn.session.prefetch_start, rn.session.load = spy, spy_load
     try:
         kvs = [rn.new_cache(128) for _ in prompts]
         toks = [int(rn.forward(p, kv)[0][-1].argmax()) for p, kv in zip(prompts, kvs)]

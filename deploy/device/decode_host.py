@@ -1,0 +1,125 @@
+"""A decode's host time per token through a real store process, split as the bench splits it (issue 21).
+
+Writes a tiny synth model (`--preset ds4-tiny` or `tiny`, the qwen3moe one), starts a `services.store_main` child
+with few slots (so decode layers miss), prefills a prompt, settles the store and decodes `--tokens` greedy tokens one
+at a time, then prints the median per token of: wall, host (wall less blocked), store messages, layers with a miss,
+expert applications, the worker's CPU ms (getrusage), the store's CPU ms (/proc), the host ms inside the client's
+store calls, and (where the checkout has it: worker/stats.py) the host split: store messages, the expert steps, the
+rest, and the blocked wait for the store's expert bytes. Run it in two checkouts (PYTHONPATH=<checkout>) for an A/B.
+
+    python3 deploy/device/decode_host.py [--preset ds4-tiny] [--vram 2 --host 3] [--tokens 64] [--device cpu]
+
+On a CPU the dense part's compute is host time too: compare messages, CPU ms and the split, not host alone. With
+several torch threads on a busy machine, set OMP_NUM_THREADS=1 (spinning threads swamp everything else).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+
+def _model(preset: str, tmp: Path) -> Path:
+    from betelgeuse.gguf.synth import PRESETS, spec_from_preset, write_model
+    path = tmp / f"{preset}.gguf"
+    if preset == "tiny":       # tests/engine_helpers.py's ENGINE_SPEC: 3 layers, 32 experts, top-4
+        spec = replace(PRESETS["tiny"], n_layer=3, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_expert=32,
+                       n_expert_used=4, n_ff_exp=64, n_vocab=320, context_length=512, router_skew=0.5, seed=11,
+                       qtype="Q8_0")
+    else:
+        spec = spec_from_preset(preset, expert_qtype="Q8_0", seed=2)
+    write_model(path, spec, progress=False)
+    return path
+
+
+def run(a, tmp: Path) -> dict:
+    from betelgeuse.config import EngineConfig
+    from services.assembly import open_runner, open_store
+    cfg = EngineConfig(model_path=str(_model(a.preset, tmp)), vram_slots=a.vram, host_slots=a.host, read_threads=2,
+                       device=a.device)
+    store = open_store(cfg, "process", str(tmp / "store"))
+    client = store.client
+    inside = [0.0]                              # host seconds inside the client's store calls
+    for name in ("load", "prefetch", "prefetch_start", "release", "begin_pass", "end_pass"):
+        fn = getattr(client, name)
+
+        def timed(*args, _fn=fn, **kw):
+            t = time.perf_counter()
+            try:
+                return _fn(*args, **kw)
+            finally:
+                inside[0] += time.perf_counter() - t
+        setattr(client, name, timed)
+    try:
+        rn = open_runner(cfg, store)
+        spid, tick = client.status()["pid"], os.sysconf("SC_CLK_TCK")
+
+        def store_cpu() -> float:
+            f = open(f"/proc/{spid}/stat").read().rsplit(")", 1)[1].split()
+            return (int(f[11]) + int(f[12])) / tick
+
+        def own_cpu() -> float:
+            r = resource.getrusage(resource.RUSAGE_SELF)
+            return r.ru_utime + r.ru_stime
+
+        ids = [int(x) for x in np.random.default_rng(4).integers(3, rn.mcfg.n_vocab, a.prompt)]
+        kv = rn.new_cache(a.prompt + a.tokens + 8)
+        lg, _ = rn.forward(ids, kv)
+        rn.settle()
+        tok = int(lg[-1].argmax())
+        rows, sc0 = [], None
+        for i in range(a.tokens):
+            if i == a.skip:
+                sc0 = store_cpu()
+            c0, in0 = own_cpu(), inside[0]
+            lg, st = rn.forward([tok], kv, consolidate=False)
+            c1 = own_cpu()
+            tok = int(lg[-1].argmax())
+            if i < a.skip:                      # the first steps (graph capture on CUDA)
+                continue
+            row = dict(wall_ms=st.seconds * 1e3, host_ms=st.host_s * 1e3, messages=st.store_calls,
+                       miss_layers=sum(1 for ls in st.layers if ls.disk), applications=st.applications,
+                       worker_cpu_ms=(c1 - c0) * 1e3, in_store_calls_ms=(inside[0] - in0) * 1e3)
+            if hasattr(st, "store_rpc"):
+                row.update(store_messages_ms=st.store_s * 1e3, moe_host_ms=st.moe_host_s * 1e3,
+                           other_host_ms=st.other_host_s * 1e3, store_wait_ms=st.store_wait_s * 1e3)
+            rows.append(row)
+        n = len(rows)
+        out = {k: round(statistics.median(r[k] for r in rows), 3) for k in rows[0]}
+        out.update(mean_messages=round(sum(r["messages"] for r in rows) / n, 2),
+                   mean_miss_layers=round(sum(r["miss_layers"] for r in rows) / n, 2),
+                   store_cpu_ms=round((store_cpu() - sc0) / n * 1e3, 2),
+                   host_us_per_application=round(sum(r["host_ms"] for r in rows) / max(1, sum(
+                       r["applications"] for r in rows)) * 1e3, 1))
+        rn.close()
+        return {"preset": a.preset, "slots": f"{a.vram}+{a.host}", "layers": rn.mcfg.n_layer, "tokens": n,
+                "per_token_median": out}
+    finally:
+        store.close()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="ds4-tiny", choices=["ds4-tiny", "tiny"])
+    p.add_argument("--vram", type=int, default=2)
+    p.add_argument("--host", type=int, default=3)
+    p.add_argument("--prompt", type=int, default=40)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--skip", type=int, default=3, help="first decode steps left out (graph capture)")
+    p.add_argument("--device", default="cpu")
+    a = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bg-decode-host-") as d:
+        print(json.dumps(run(a, Path(d))))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
