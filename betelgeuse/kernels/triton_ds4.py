@@ -61,16 +61,24 @@ def _hc_partial_kernel(x_ptr, fn_ptr, pm_ptr, pss_ptr, K, S,
 
 @triton.jit
 def _hc_finish_kernel(x_ptr, pm_ptr, pss_ptr, base_ptr, scale_ptr, norm_ptr, post_ptr, comb_ptr, h_ptr,
-                      pre_ptr, lag_ptr, D, K, S, iters, hc_eps, eps,
+                      pre_ptr, lag_ptr, D, K, S, iters, hc_eps, eps, T,
                       HC: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr, LAG: tl.constexpr):
-    """Row t: pre, post, comb of the mix; h = RMSNorm(sum_j c_j X_j) with c = pre, or (LAG: deepseek41's lagged
-    mHC) c = lag[t] (the previous sublayer's pre), this mix's pre then stored in pre_ptr."""
+    """Program (t, l): row t's pre, post, comb of the mix; h = RMSNorm(sum_j c_j X_j) with c = pre, or (LAG:
+    deepseek41's lagged mHC) c = lag[t] (the previous sublayer's pre), this mix's pre then stored in pre_ptr.
+    l > 0 (the decode guess, several layers' mixes of the same rows): layer l's mix rows are pm's columns
+    [l*M, (l+1)*M) (M = (2 + HC) * HC), its base / scale / norm rows l of stacked [*, M] / [*, 3] / [*, D], its
+    outputs row l*T + t ([n, T, ...])."""
     t = tl.program_id(0).to(tl.int64)
+    ly = tl.program_id(1).to(tl.int64)
+    base_ptr += ly * (2 + HC) * HC
+    scale_ptr += ly * 3
+    norm_ptr += ly * D
+    o = ly * T + t                                                              # the output row
     sp = tl.arange(0, SP)
     ms = sp < S
     j = tl.arange(0, HC)
     rinv = tl.rsqrt(tl.sum(tl.load(pss_ptr + t * S + sp, mask=ms, other=0), axis=0) / K + eps)
-    prow = pm_ptr + (t * S + sp) * MP                                            # [SP] partial rows
+    prow = pm_ptr + (t * S + sp) * MP + ly * (2 + HC) * HC                       # [SP] partial rows
     pre_m = tl.sum(tl.load(prow[:, None] + j[None, :], mask=ms[:, None], other=0), axis=0) * rinv
     post_m = tl.sum(tl.load(prow[:, None] + HC + j[None, :], mask=ms[:, None], other=0), axis=0) * rinv
     jk = j[:, None] * HC + j[None, :]                                            # [HC, HC]
@@ -88,10 +96,10 @@ def _hc_finish_kernel(x_ptr, pm_ptr, pss_ptr, base_ptr, scale_ptr, norm_ptr, pos
     for _ in range(iters - 1):
         c = c / (tl.sum(c, axis=1)[:, None] + hc_eps)
         c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
-    tl.store(post_ptr + t * HC + j, post)
-    tl.store(comb_ptr + t * HC * HC + jk, c)
+    tl.store(post_ptr + o * HC + j, post)
+    tl.store(comb_ptr + o * HC * HC + jk, c)
     if LAG:
-        tl.store(pre_ptr + t * HC + j, pre)
+        tl.store(pre_ptr + o * HC + j, pre)
         pre = tl.load(lag_ptr + t * HC + j)
     # u = sum_j pre_j X_j in X's dtype, then the sublayer's RMSNorm (u recomputed rather than re-read: no barrier)
     ssu = tl.zeros((BD,), dtype=tl.float32)
@@ -108,7 +116,7 @@ def _hc_finish_kernel(x_ptr, pm_ptr, pss_ptr, base_ptr, scale_ptr, norm_ptr, pos
         xt = tl.load(x_ptr + t * HC * D + j[:, None] * D + d[None, :], mask=md[None, :], other=0).to(tl.float32)
         u = tl.sum(pre[:, None] * xt, axis=0).to(h_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(norm_ptr + d, mask=md, other=0)
-        tl.store(h_ptr + t * D + d, (w * (u * ru)).to(h_ptr.dtype.element_ty), mask=md)
+        tl.store(h_ptr + o * D + d, (w * (u * ru)).to(h_ptr.dtype.element_ty), mask=md)
 
 
 @triton.jit
@@ -357,20 +365,24 @@ def _route_approx_kernel(logits_ptr, bias_ptr, tid_ptr, tok_ptr, mask_ptr, ids_p
 
 
 @triton.jit
-def _route_kernel(logits_ptr, bias_ptr, tid_ptr, tok_ptr, ids_ptr, w_ptr, E, scale,
+def _route_kernel(logits_ptr, bias_ptr, tid_ptr, tok_ptr, ids_ptr, w_ptr, E, scale, TB, NB,
                   K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, NORM: tl.constexpr, HASH: tl.constexpr):
-    """Row t: s = sqrt(softplus(logits)); ids = tid2eid[token] (HASH) or the top-K of s + bias (repeated argmax);
-    w = s[ids] (/ their sum + 1e-20 when NORM) x scale."""
-    t = tl.program_id(0).to(tl.int64)
+    """Row r: s = sqrt(softplus(logits)); ids = tid2eid[token] (HASH) or the top-K of s + bias (repeated argmax);
+    w = s[ids] (/ their sum + 1e-20 when NORM) x scale. Rows r of logits [NB*TB, E] (the decode guess: NB layers'
+    logits of TB rows each) take bias row r // TB of [NB, E] and write ids / w row (r % TB) * NB + r // TB (a [TB, NB,
+    K] layout); one layer: NB = 1, TB = the rows."""
+    r = tl.program_id(0).to(tl.int64)
+    bias_ptr += (r // TB) * E
+    t = (r % TB) * NB + r // TB                                                  # the output row
     e = tl.arange(0, EP)
     me = e < E
-    x = tl.load(logits_ptr + t * E + e, mask=me, other=0).to(tl.float32)
+    x = tl.load(logits_ptr + r * E + e, mask=me, other=0).to(tl.float32)
     s = tl.sqrt(tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0)))))
     kr = tl.arange(0, KP)
     ids = tl.zeros((KP,), dtype=tl.int64)
     vals = tl.zeros((KP,), dtype=tl.float32)
     if HASH:
-        tok = tl.load(tok_ptr + t)
+        tok = tl.load(tok_ptr + r)
         ids = tl.load(tid_ptr + tok * K + kr, mask=kr < K, other=0).to(tl.int64)
         for i in range(K):
             idx = tl.sum(tl.where(kr == i, ids, 0), axis=0)
@@ -458,7 +470,7 @@ class TritonOps:
         h = torch.empty((T, D), dtype=X.dtype, device=X.device)
         pre = torch.empty((T, HC), dtype=torch.float32, device=X.device) if lag is not None else None
         _hc_finish_kernel[(T,)](X, pm, pss, base, scale, norm, post, comb, h, pre if lag is not None else post,
-                                lag if lag is not None else post, D, K, S, iters, hc_eps, eps,
+                                lag if lag is not None else post, D, K, S, iters, hc_eps, eps, T,
                                 HC=HC, MP=MP, SP=triton.next_power_of_2(S), BD=min(1024, triton.next_power_of_2(D)),
                                 LAG=lag is not None)
         return pre, post, comb, h
@@ -572,7 +584,7 @@ class TritonOps:
         w = torch.empty((T, k), dtype=dtype, device=logits.device)
         lg = logits.contiguous()
         _route_kernel[(T,)](lg, bias if bias is not None else lg, tid2eid if tid2eid is not None else ids,
-                            token_ids if token_ids is not None else ids, ids, w, E, float(scale),
+                            token_ids if token_ids is not None else ids, ids, w, E, float(scale), T, 1,
                             K=k, KP=triton.next_power_of_2(k), EP=triton.next_power_of_2(E), NORM=bool(norm),
                             HASH=hashed)
         return ids, w
@@ -585,6 +597,43 @@ class TritonOps:
     def route_hash(cls, logits, tid2eid, token_ids, norm: bool, scale: float, dtype):
         return cls._route(logits, None, tid2eid.contiguous(), token_ids.contiguous(), tid2eid.shape[1], norm, scale,
                           dtype, True)
+
+    @staticmethod
+    def guess_route(X, lag, g, first: int, n: int, token_ids, k: int, iters: int, hc_eps: float, eps: float):
+        """TorchOps.guess_route for all n layers at once: their mHC mix rows in one partial pass over the stacked
+        hc_ffn_fn rows (layers first .. first+n-1 are contiguous in GuessStack), their finishes (h [n, T, D]) in one
+        launch, their routers in one batched matmul, their top-ks in one launch writing [T, n, k]; hash layers in
+        the range (the first few layers only) then take the token's table row (a gather and a copy each)."""
+        T, HC, D = X.shape
+        fn = g.fn[first:first + n]                                                  # [n, M, K], contiguous
+        M, K = fn.shape[1], fn.shape[2]
+        assert M == (2 + HC) * HC and K == HC * D, (fn.shape, X.shape)
+        X = X.contiguous()
+        MP = triton.next_power_of_2(n * M)
+        KS = min(HC_SPLIT_K, triton.next_power_of_2(K))
+        S = triton.cdiv(K, KS)
+        pm = torch.empty((T, S, MP), dtype=torch.float32, device=X.device)
+        pss = torch.empty((T, S), dtype=torch.float32, device=X.device)
+        # the partial tile [MP, BK] kept at the one-layer size (MP 32 x 256): n layers' rows in narrower column steps
+        _hc_partial_kernel[(T, S)](X, fn, pm, pss, K, S, M=n * M, MP=MP, KS=KS, BK=min(256, KS, max(16, 8192 // MP)))
+        post = torch.empty((n, T, HC), dtype=torch.float32, device=X.device)
+        comb = torch.empty((n, T, HC, HC), dtype=torch.float32, device=X.device)
+        h = torch.empty((n, T, D), dtype=X.dtype, device=X.device)
+        pre = torch.empty((n, T, HC), dtype=torch.float32, device=X.device) if lag is not None else post
+        _hc_finish_kernel[(T, n)](X, pm, pss, g.base[first], g.scale[first], g.norm[first], post, comb, h, pre,
+                                  lag.contiguous() if lag is not None else post, D, K, S, iters, hc_eps, eps, T,
+                                  HC=HC, MP=MP, SP=triton.next_power_of_2(S),
+                                  BD=min(1024, triton.next_power_of_2(D)), LAG=lag is not None)
+        logits = torch.bmm(h, g.router[first:first + n].transpose(1, 2))           # [n, T, E]
+        E = logits.shape[2]
+        ids = torch.empty((T, n, k), dtype=torch.int64, device=X.device)
+        w = torch.empty((T, n, k), dtype=torch.float32, device=X.device)
+        _route_kernel[(n * T,)](logits, g.bias[first], ids, ids, ids, w, E, 1.0, T, n,
+                                K=k, KP=triton.next_power_of_2(k), EP=triton.next_power_of_2(E), NORM=False,
+                                HASH=False)
+        for t in range(first, min(first + n, len(g.tid2eid))):
+            ids[:, t - first] = g.tid2eid[t][token_ids]
+        return ids
 
     @staticmethod
     def route_approx(logits, bias, tid2eid, token_ids, k: int, resident: Residency, norm: bool, scale: float,

@@ -222,6 +222,45 @@ class _RopeTables:
 
 # ---- the model ------------------------------------------------------------------------------------
 
+@dataclass(slots=True)
+class GuessStack:
+    """The per-layer tensors a decode guess reads (worker/guess.py), each stacked over all layers in one contiguous
+    tensor [n_layer, ...], so that layers l+1..l+D are one contiguous slice (one launch for all of them: the mHC mix
+    rows of D layers in one partial pass, their routers in one batched matmul). The model's own per-layer names
+    are views of these (stack_guess: no extra memory). bias [n_layer, E] holds zeros on hash layers (no bias);
+    tid2eid: the hash layers' tables [V, k] (their guess is exact: the token's row)."""
+    fn: torch.Tensor            # [L, M, hc*D] hc_ffn_fn (M = (2 + hc) * hc), float32
+    base: torch.Tensor          # [L, M] hc_ffn_base
+    scale: torch.Tensor         # [L, 3] hc_ffn_scale
+    norm: torch.Tensor          # [L, D] ffn_norm
+    router: torch.Tensor        # [L, E, D] ffn_gate_inp
+    bias: torch.Tensor          # [L, E] exp_probs_b (0 on hash layers)
+    tid2eid: list               # [n_hash] of [V, k]
+
+
+def stack_guess(w: dict, n_layer: int, n_hash: int) -> GuessStack:
+    """Stack the guess's per-layer tensors of w (GuessStack) and re-point w's names to views of the stacks: the same
+    bytes as before (the loaded copies are dropped), so the VRAM plan's dense figure stays true. Run at load,
+    before anything (a captured graph) holds the old tensors."""
+    def stack(name: str) -> torch.Tensor:
+        names = [f"blk.{l}.{name}" for l in range(n_layer)]
+        st = torch.stack([w[n] for n in names])
+        for l, n in enumerate(names):
+            w[n] = st[l]
+        return st
+
+    E = w["blk.0.ffn_gate_inp.weight"].shape[0]
+    bias = torch.zeros((n_layer, E), dtype=torch.float32, device=w["blk.0.ffn_gate_inp.weight"].device)
+    for l in range(n_hash, n_layer):
+        b = f"blk.{l}.exp_probs_b.bias"
+        bias[l] = w[b]
+        w[b] = bias[l]
+    return GuessStack(fn=stack("hc_ffn_fn.weight"), base=stack("hc_ffn_base.weight"),
+                      scale=stack("hc_ffn_scale.weight"), norm=stack("ffn_norm.weight"),
+                      router=stack("ffn_gate_inp.weight"), bias=bias,
+                      tid2eid=[w[f"blk.{l}.ffn_gate_tid2eid.weight"] for l in range(min(n_hash, n_layer))])
+
+
 class Deepseek4Model:
     # capabilities (model/interface.py). The compressed entries are built from whole blocks of 4/128 tokens inside
     # one pass: prefill runs as one chunk and the state is not cut into prefix-cache blocks. Decode has the static
@@ -259,6 +298,7 @@ class Deepseek4Model:
         # compressor's step, the static attention, the routing); the CPU keeps the torch reference below
         self.ops = ops_for(self.device)
         self.ops.prepare(self.w, cfg.n_layer)
+        self.guess_stack = stack_guess(self.w, cfg.n_layer, p.n_hash_layers)
 
     @classmethod
     def load_dense(cls, f, device="cpu", dtype=torch.float32) -> dict[str, torch.Tensor]:
@@ -528,6 +568,20 @@ class Deepseek4Model:
         post, comb, h = self._hc_pre(x, layer, "ffn")
         return h, (post, comb)
 
+    def guess_ids(self, layer: int, x: torch.Tensor, token_ids: torch.Tensor, n: int) -> torch.Tensor:
+        """x: the residual after layer `layer`'s attention, token_ids [T] -> the expert ids [T, n, k] int64 (on the
+        device, no sync) that layers layer+1 .. layer+n's moe_input and route pick on x (worker/guess.py): TorchOps
+        layer by layer, TritonOps all n layers at once (GuessStack); no routing hooks, no margins."""
+        X, lag = self._guess_streams(x)
+        p = self.p
+        return self.ops.guess_route(X, lag, self.guess_stack, layer + 1, n, token_ids.to(self.device),
+                                    self.cfg.n_expert_used, p.hc_sinkhorn_iters, p.hc_eps, self.cfg.rms_eps)
+
+    def _guess_streams(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x -> (the streams X [T, hc, D], the lag of a lagged mHC [T, hc] or None: deepseek4 collapses by each
+        layer's own pre)."""
+        return x, None
+
     def route(self, layer: int, h: torch.Tensor, token_ids: torch.Tensor | None = None,
               resident: Residency | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, D] -> (ids [T, k] int64, weights [T, k] in h's dtype).
@@ -767,6 +821,24 @@ class TorchOps:
         scores = _sqrt_softplus(logits)
         ids = torch.topk(scores + bias, k, dim=-1).indices
         return ids, _route_weights(scores.gather(1, ids), norm, scale, dtype)
+
+    @classmethod
+    def guess_route(cls, X, lag, g, first: int, n: int, token_ids, k: int, iters: int, hc_eps: float,
+                    eps: float):
+        """The expert ids [T, n, k] int64 layers first .. first+n-1 pick from the streams X [T, hc, D] (lag [T, hc]:
+        deepseek41's lagged collapse, else None): each layer's ffn mHC + norm, router and top-k of scores + bias, as
+        moe_input and route_topk compute them; hash layers the token's row of their table (exact, no router)."""
+        out = []
+        for t in range(first, first + n):
+            if t < len(g.tid2eid):
+                out.append(g.tid2eid[t][token_ids])
+                continue
+            if lag is None:
+                h = cls.hc_pre(X, g.fn[t], g.base[t], g.scale[t], g.norm[t], iters, hc_eps, eps)[2]
+            else:
+                h = cls.hc_pre_lagged(X, lag, g.fn[t], g.base[t], g.scale[t], g.norm[t], iters, hc_eps, eps)[3]
+            out.append(torch.topk(_sqrt_softplus(F.linear(h, g.router[t])) + g.bias[t], k, dim=-1).indices)
+        return torch.stack(out, dim=1)
 
     @staticmethod
     def route_hash(logits, tid2eid, token_ids, norm: bool, scale: float, dtype):

@@ -412,6 +412,10 @@ class Deepseek41Model(Deepseek4Model):
         top = score.topk(min(p.index_topk, n), dim=-1)
         return torch.where(torch.isfinite(top.values), top.indices, spare)[0]
 
+    def _guess_streams(self, x: torch.Tensor):
+        """x -> (X [T, hc, D], the attention's pre [T, hc]: every layer's ffn collapses the streams by this lag)."""
+        return self._unpack(x)
+
     def moe_input(self, layer: int, x: torch.Tensor):
         """x -> (h [T, D] = ffn_norm of the streams collapsed with the attention's pre, aux = the FFN's mix)."""
         X, pre_a = self._unpack(x)

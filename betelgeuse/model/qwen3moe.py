@@ -33,6 +33,14 @@ class Qwen3MoeModel:
         self.device = dense.token_embd.device
         self.dtype = dense.token_embd.dtype
         self.rope = NeoxRope.create(cfg.head_dim, cfg.rope_theta, self.device)
+        # the decode guess's per-layer tensors stacked (layers l+1..l+D one contiguous slice: one batched matmul for
+        # all of them, guess_ids); each layer's router / ffn_norm re-pointed to its view: no extra memory
+        ls = dense.layers
+        self._routers = torch.stack([w.router for w in ls])                 # [L, E, H]
+        self._ffn_norms = torch.stack([w.ffn_norm for w in ls])             # [L, H]
+        for l, w in enumerate(ls):
+            w.router, w.ffn_norm = self._routers[l], self._ffn_norms[l]
+        self._ones = torch.ones_like(self._ffn_norms[0])                    # an unweighted rms_norm's weight [H]
 
     # capabilities (model/interface.py). Prefill may run in position-aligned chunks (chunks.pass_chunks) and resume
     # after a cached prefix: the per-token K/V of a block depend only on the tokens up to it. Decode has the static
@@ -135,6 +143,17 @@ class Qwen3MoeModel:
         if getattr(self.cfg, "norm_topk_prob", True):
             top = top / top.sum(dim=-1, keepdim=True)
         return ids, top.to(h.dtype)
+
+    def guess_ids(self, layer: int, x: torch.Tensor, token_ids: torch.Tensor, n: int) -> torch.Tensor:
+        """x [T,H] (the residual after layer `layer`'s attention) -> the expert ids [T, n, k] int64 (a view; on the
+        device, no sync) that layers layer+1 .. layer+n's moe_input and route pick on x (worker/guess.py), all n
+        at once: one norm, each layer's ffn_norm weight (rms_norm's bits: weight x normed), one batched matmul
+        against the stacked routers, one softmax and one top-k. token_ids unused (no hash layers)."""
+        rows = slice(layer + 1, layer + 1 + n)
+        xn = rms_norm(x, self._ones, self.cfg.rms_eps)                       # [T,H], the normed x in x's dtype
+        h = self._ffn_norms[rows].unsqueeze(1) * xn                           # [n,T,H]
+        probs = torch.softmax(torch.bmm(h, self._routers[rows].transpose(1, 2)), dim=-1, dtype=torch.float32)
+        return torch.topk(probs, self.cfg.n_expert_used, dim=-1).indices.permute(1, 0, 2)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [T,H] -> logits [T, n_vocab] (float32 whatever the compute dtype)."""

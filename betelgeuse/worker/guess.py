@@ -47,10 +47,18 @@ def guess_ahead(model, layer: int, x: torch.Tensor, token_ids: torch.Tensor, dep
     -> the guessed expert ids [T, D', k] int64 on the device (no sync) of layers layer+1 .. layer+D' (row-first, as
     every per-row tensor of a decode step: the lanes gather the running rows of all of them at once),
     D' = min(depth, n_layer - 1 - layer); None where D' = 0. Each is that layer's own routing on this residual
-    (unhooked: a routing recorder or replayer sees only the real routing)."""
+    (unhooked: a routing recorder or replayer sees only the real routing), all D' layers at once (model.guess_ids
+    over router weights stacked at load)."""
     n = min(depth, n_layer - 1 - layer)
     if n <= 0:
         return None
+    # the model's all-layers-at-once form: the ids guess_per_layer picks, in a few launches for all n layers
+    return model.guess_ids(layer, x, token_ids, n)
+
+
+def guess_per_layer(model, layer: int, x: torch.Tensor, token_ids: torch.Tensor, n: int) -> torch.Tensor:
+    """What guess_ids must equal: layers layer+1 .. layer+n's own moe_input and (unhooked) route on x, one layer
+    at a time -> ids [T, n, k] (the tests' reference; ~2-7 launches per layer on CUDA)."""
     guesses = []
     for t in range(layer + 1, layer + 1 + n):
         h, _ = model.moe_input(t, x)

@@ -80,6 +80,17 @@ def test_deepseek41_with_triton_ops_matches_torch_ops(checked):
     assert r["greedy_equal"], r
 
 
+def test_fused_guess_picks_the_per_layer_ids(checked):
+    """The decode guess of layers l+1..l+D in one pass (TritonOps.guess_route over GuessStack: one mHC partial, one
+    finish, one batched router matmul, one top-k for all D layers) picks exactly the ids each layer's own moe_input
+    and route pick (worker.guess.guess_per_layer), from every layer at depths 1, 2, 3 (the last layers: fewer), on
+    ds4-tiny (hash layers in range: their table rows) and ds41-tiny (the lagged collapse)."""
+    for key, cases in (("guess", 3 * 2 + 2 + 1), ("guess41", 3 * 4 + 2 + 1)):
+        r = checked[key]
+        assert r["cases"] == cases and r["bad"] == [], (key, r)
+    assert checked["guess"]["n_hash"] > 0
+
+
 def test_triton_ops_have_the_torch_ops_surface():
     """TritonOps replaces TorchOps on CUDA (model.deepseek4.ops_for): every method, the same signature."""
     import inspect
@@ -159,6 +170,35 @@ def test_decode_step_launches_per_layer(monkeypatch, tmp_path):
     assert set(c.ds4.compress_ratios) == {0, 4, 128}     # every kind of layer counted
     assert max(per) <= LAUNCH_TARGET - 10, (per, k.ops.most_common(12))
     assert _rope_ops(k) == 4, k.ops
+
+
+def test_decode_guess_launches(monkeypatch, tmp_path):
+    """The guess a decode layer makes of the next 3 layers' experts (worker/guess.guess_ahead at depth 3) launches 4
+    kernels whatever the depth (one mHC partial and one finish over the stacked rows of all guessed layers, one
+    batched router matmul, one top-k), plus a gather and a copy per hash-routed layer in range (the first few only);
+    each layer's own moe_input and route (guess_per_layer, the earlier form) launched 4 per guessed layer plus a
+    stack: 13 at depth 3, which this bound fails."""
+    import torch
+
+    from betelgeuse.worker.guess import guess_ahead, guess_per_layer
+    from memtrack import KernelCount
+    m, launches = _counted_model(monkeypatch, tmp_path)
+    L, n_hash = m.cfg.n_layer, m.p.n_hash_layers
+    x, ids = torch.randn(1, m.p.hc_mult, m.cfg.n_embd), torch.tensor([5])
+
+    def count(fn) -> int:
+        launches.clear()
+        with torch.no_grad(), KernelCount(launches) as k:
+            fn()
+        return k.total
+    for layer in range(L - 1):
+        n = min(3, L - 1 - layer)
+        hashed = len(range(layer + 1, min(layer + 1 + n, n_hash)))
+        fused = count(lambda: guess_ahead(m, layer, x, ids, 3, L))
+        assert fused <= 4 + 2 * hashed, (layer, fused)
+        per = count(lambda: guess_per_layer(m, layer, x, ids, n))
+        assert per == 4 * n + 1, (layer, per)
+    assert count(lambda: guess_per_layer(m, 0, x, ids, 3)) == 13 > 4 + 2 * 1
 
 
 def test_lanes_decode_step_launches_per_layer(monkeypatch, tmp_path):

@@ -271,14 +271,50 @@ def compare_model(path: str, prompt_len: int = 22, decode: tuple = (5, 9, 11)) -
             "greedy_equal": bool(torch.equal(a.argmax(-1), b.argmax(-1))), "rows": a.shape[0]}
 
 
+def compare_guess(path: str, T: int = 3) -> dict:
+    """The decode guess (model.guess_ids: TritonOps.guess_route, every guessed layer in one pass each of mHC, router
+    and top-k) against the per-layer reference (worker.guess.guess_per_layer: TorchOps' moe_input and route, layer
+    by layer) on the streams of T rows, from every layer at depths 1..3 (fewer where fewer layers remain) -> the
+    cases compared and those whose ids differ (the hash layers' rows included)."""
+    from betelgeuse.model.registry import reference_model
+    from betelgeuse.worker.guess import guess_per_layer
+    ref, m = reference_model(path), reference_model(path)
+    m.ops = TritonOps()
+    m.ops.prepare(m.w, m.cfg.n_layer)
+    g = torch.Generator().manual_seed(7)
+    p, L = m.p, m.cfg.n_layer
+    # each layer's mix made far from uniform and its own (the same in both models: their per-layer names are views
+    # of the stacks), else a layer's mHC mixed up with another's would hardly move h after the RMSNorm
+    for st in (ref.guess_stack, m.guess_stack):
+        g.manual_seed(8)
+        st.base.copy_(torch.randn(st.base.shape, generator=g) * 4)
+        st.scale.copy_(torch.rand(st.scale.shape, generator=g) * 0.5)
+        st.fn.copy_(torch.randn(st.fn.shape, generator=g) * 4)
+    X = torch.randn(T, p.hc_mult, m.cfg.n_embd, generator=g)
+    x = X if not hasattr(m, "_pack") else m._pack(X, torch.rand(T, p.hc_mult, generator=g) + 0.1)
+    tok = torch.tensor([5, 77, 300][:T])
+    cases, bad = 0, []
+    with torch.no_grad():
+        for layer in range(L - 1):
+            for depth in (1, 2, 3):
+                n = min(depth, L - 1 - layer)
+                a, b = m.guess_ids(layer, x, tok, n), guess_per_layer(ref, layer, x, tok, n)
+                cases += 1
+                if a.shape != b.shape or not torch.equal(a, b):
+                    bad.append([layer, depth])
+    return {"cases": cases, "bad": bad, "n_layer": L, "n_hash": p.n_hash_layers}
+
+
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run me with TRITON_INTERPRET=1"
     _widen_interpreter_bf16_dot()
     out = {"ops": compare()}
     if len(sys.argv) > 1:                   # a deepseek4 GGUF: the whole model too
         out["model"] = compare_model(sys.argv[1])
+        out["guess"] = compare_guess(sys.argv[1])
     if len(sys.argv) > 2:                   # a deepseek41 GGUF: its static decode from position 3 on, so the
         # indexer's top-k has fewer visible entries than k (the spare row reaches decode_attend's kernel)
         out["model41"] = compare_model(sys.argv[2], prompt_len=3, decode=(5, 9, 11, 7, 2, 30, 8))
+        out["guess41"] = compare_guess(sys.argv[2])
     json.dump(out, sys.stdout)
     print()
