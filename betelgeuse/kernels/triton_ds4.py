@@ -365,29 +365,29 @@ def _route_approx_kernel(logits_ptr, bias_ptr, tid_ptr, tok_ptr, mask_ptr, ids_p
 
 
 @triton.jit
-def _route_kernel(logits_ptr, bias_ptr, tid_ptr, tok_ptr, ids_ptr, w_ptr, E, scale, TB, NB,
+def _route_kernel(logits_ptr, bias_ptr, tid_ptr, tok_ptr, ids_ptr, w_ptr, E, scale, TB, NB, NH, TS,
                   K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, NORM: tl.constexpr, HASH: tl.constexpr):
     """Row r: s = sqrt(softplus(logits)); ids = tid2eid[token] (HASH) or the top-K of s + bias (repeated argmax);
     w = s[ids] (/ their sum + 1e-20 when NORM) x scale. Rows r of logits [NB*TB, E] (the decode guess: NB layers'
-    logits of TB rows each) take bias row r // TB of [NB, E] and write ids / w row (r % TB) * NB + r // TB (a [TB, NB,
-    K] layout); one layer: NB = 1, TB = the rows."""
+    logits of TB rows each) are layer r // TB's: bias row r // TB of [NB, E], token r % TB, ids / w written to row
+    (r % TB) * NB + r // TB (a [TB, NB, K] layout), and the first NH layers hash-routed (their tables [V, K] TS
+    elements apart); one layer: NB = 1, TB = the rows, NH = 0."""
     r = tl.program_id(0).to(tl.int64)
-    bias_ptr += (r // TB) * E
-    t = (r % TB) * NB + r // TB                                                  # the output row
+    lay = r // TB
+    bias_ptr += lay * E
+    t = (r % TB) * NB + lay                                                      # the output row
     e = tl.arange(0, EP)
     me = e < E
     x = tl.load(logits_ptr + r * E + e, mask=me, other=0).to(tl.float32)
     s = tl.sqrt(tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0)))))
     kr = tl.arange(0, KP)
-    ids = tl.zeros((KP,), dtype=tl.int64)
-    vals = tl.zeros((KP,), dtype=tl.float32)
     if HASH:
-        tok = tl.load(tok_ptr + r)
-        ids = tl.load(tid_ptr + tok * K + kr, mask=kr < K, other=0).to(tl.int64)
-        for i in range(K):
-            idx = tl.sum(tl.where(kr == i, ids, 0), axis=0)
-            vals = tl.where(kr == i, tl.sum(tl.where(e == idx, s, 0.0), axis=0), vals)
+        ids, vals = _hash_pick(tid_ptr, tok_ptr + r % TB, s, e, kr, K, KP)
+    elif lay < NH:
+        ids, vals = _hash_pick(tid_ptr + lay * TS, tok_ptr + r % TB, s, e, kr, K, KP)
     else:
+        ids = tl.zeros((KP,), dtype=tl.int64)
+        vals = tl.zeros((KP,), dtype=tl.float32)
         sel = tl.where(me, s + tl.load(bias_ptr + e, mask=me, other=0), float("-inf"))
         for i in range(K):
             idx = tl.argmax(sel, axis=0)
@@ -398,6 +398,18 @@ def _route_kernel(logits_ptr, bias_ptr, tid_ptr, tok_ptr, ids_ptr, w_ptr, E, sca
         vals = vals / (tl.sum(tl.where(kr < K, vals, 0.0), axis=0) + 1e-20)
     tl.store(ids_ptr + t * K + kr, ids, mask=kr < K)
     tl.store(w_ptr + t * K + kr, (vals * scale).to(w_ptr.dtype.element_ty), mask=kr < K)
+
+
+@triton.jit
+def _hash_pick(tid_ptr, tok_ptr, s, e, kr, K: tl.constexpr, KP: tl.constexpr):
+    """A hash-routed row: ids = the token's row of the table tid_ptr [V, K], vals = s[ids] ([KP] each)."""
+    tok = tl.load(tok_ptr)
+    ids = tl.load(tid_ptr + tok * K + kr, mask=kr < K, other=0).to(tl.int64)
+    vals = tl.zeros((KP,), dtype=tl.float32)
+    for i in range(K):
+        idx = tl.sum(tl.where(kr == i, ids, 0), axis=0)
+        vals = tl.where(kr == i, tl.sum(tl.where(e == idx, s, 0.0), axis=0), vals)
+    return ids, vals
 
 
 @triton.jit
@@ -584,7 +596,7 @@ class TritonOps:
         w = torch.empty((T, k), dtype=dtype, device=logits.device)
         lg = logits.contiguous()
         _route_kernel[(T,)](lg, bias if bias is not None else lg, tid2eid if tid2eid is not None else ids,
-                            token_ids if token_ids is not None else ids, ids, w, E, float(scale), T, 1,
+                            token_ids if token_ids is not None else ids, ids, w, E, float(scale), T, 1, 0, 0,
                             K=k, KP=triton.next_power_of_2(k), EP=triton.next_power_of_2(E), NORM=bool(norm),
                             HASH=hashed)
         return ids, w
@@ -602,8 +614,8 @@ class TritonOps:
     def guess_route(X, lag, g, first: int, n: int, token_ids, k: int, iters: int, hc_eps: float, eps: float):
         """TorchOps.guess_route for all n layers at once: their mHC mix rows in one partial pass over the stacked
         hc_ffn_fn rows (layers first .. first+n-1 are contiguous in GuessStack), their finishes (h [n, T, D]) in one
-        launch, their routers in one batched matmul, their top-ks in one launch writing [T, n, k]; hash layers in
-        the range (the first few layers only) then take the token's table row (a gather and a copy each)."""
+        launch, their routers in one batched matmul, their top-ks in one launch writing [T, n, k] (hash layers in range: the
+        token's table row, as route_hash)."""
         T, HC, D = X.shape
         fn = g.fn[first:first + n]                                                  # [n, M, K], contiguous
         M, K = fn.shape[1], fn.shape[2]
@@ -628,11 +640,11 @@ class TritonOps:
         E = logits.shape[2]
         ids = torch.empty((T, n, k), dtype=torch.int64, device=X.device)
         w = torch.empty((T, n, k), dtype=torch.float32, device=X.device)
-        _route_kernel[(n * T,)](logits, g.bias[first], ids, ids, ids, w, E, 1.0, T, n,
-                                K=k, KP=triton.next_power_of_2(k), EP=triton.next_power_of_2(E), NORM=False,
-                                HASH=False)
-        for t in range(first, min(first + n, len(g.tid2eid))):
-            ids[:, t - first] = g.tid2eid[t][token_ids]
+        nh = max(0, min(n, g.tid2eid.shape[0] - first))                          # hash layers in range
+        tid = g.tid2eid[first] if nh else ids
+        _route_kernel[(n * T,)](logits, g.bias[first], tid, token_ids.contiguous(), ids, w, E, 1.0, T, n, nh,
+                                tid[0].numel() if nh else 0, K=k, KP=triton.next_power_of_2(k),
+                                EP=triton.next_power_of_2(E), NORM=False, HASH=False)
         return ids
 
     @staticmethod

@@ -227,23 +227,23 @@ class GuessStack:
     """The per-layer tensors a decode guess reads (worker/guess.py), each stacked over all layers in one contiguous
     tensor [n_layer, ...], so that layers l+1..l+D are one contiguous slice (one launch for all of them: the mHC mix
     rows of D layers in one partial pass, their routers in one batched matmul). The model's own per-layer names
-    are views of these (stack_guess: no extra memory). bias [n_layer, E] holds zeros on hash layers (no bias);
-    tid2eid: the hash layers' tables [V, k] (their guess is exact: the token's row)."""
+    are views of these (stack_guess: no extra memory). bias holds zeros on hash layers (no bias); tid2eid: the hash
+    layers' tables (their guess is exact: the token's row)."""
     fn: torch.Tensor            # [L, M, hc*D] hc_ffn_fn (M = (2 + hc) * hc), float32
     base: torch.Tensor          # [L, M] hc_ffn_base
     scale: torch.Tensor         # [L, 3] hc_ffn_scale
     norm: torch.Tensor          # [L, D] ffn_norm
     router: torch.Tensor        # [L, E, D] ffn_gate_inp
     bias: torch.Tensor          # [L, E] exp_probs_b (0 on hash layers)
-    tid2eid: list               # [n_hash] of [V, k]
+    tid2eid: torch.Tensor       # [n_hash, V, k] int64 ffn_gate_tid2eid
 
 
 def stack_guess(w: dict, n_layer: int, n_hash: int) -> GuessStack:
     """Stack the guess's per-layer tensors of w (GuessStack) and re-point w's names to views of the stacks: the same
     bytes as before (the loaded copies are dropped), so the VRAM plan's dense figure stays true. Run at load,
     before anything (a captured graph) holds the old tensors."""
-    def stack(name: str) -> torch.Tensor:
-        names = [f"blk.{l}.{name}" for l in range(n_layer)]
+    def stack(name: str, n: int = n_layer) -> torch.Tensor:
+        names = [f"blk.{l}.{name}" for l in range(n)]
         st = torch.stack([w[n] for n in names])
         for l, n in enumerate(names):
             w[n] = st[l]
@@ -258,7 +258,8 @@ def stack_guess(w: dict, n_layer: int, n_hash: int) -> GuessStack:
     return GuessStack(fn=stack("hc_ffn_fn.weight"), base=stack("hc_ffn_base.weight"),
                       scale=stack("hc_ffn_scale.weight"), norm=stack("ffn_norm.weight"),
                       router=stack("ffn_gate_inp.weight"), bias=bias,
-                      tid2eid=[w[f"blk.{l}.ffn_gate_tid2eid.weight"] for l in range(min(n_hash, n_layer))])
+                      tid2eid=stack("ffn_gate_tid2eid.weight", min(n_hash, n_layer)) if n_hash else
+                      torch.zeros((0, 1, 1), dtype=torch.int64, device=bias.device))
 
 
 class Deepseek4Model:
@@ -830,7 +831,7 @@ class TorchOps:
         moe_input and route_topk compute them; hash layers the token's row of their table (exact, no router)."""
         out = []
         for t in range(first, first + n):
-            if t < len(g.tid2eid):
+            if t < g.tid2eid.shape[0]:
                 out.append(g.tid2eid[t][token_ids])
                 continue
             if lag is None:
