@@ -243,10 +243,11 @@ def stack_guess(w: dict, n_layer: int, n_hash: int) -> GuessStack:
     bytes as before (the loaded copies are dropped), so the VRAM plan's dense figure stays true. Run at load,
     before anything (a captured graph) holds the old tensors."""
     def stack(name: str, n: int = n_layer) -> torch.Tensor:
-        names = [f"blk.{l}.{name}" for l in range(n)]
-        st = torch.stack([w[n] for n in names])
-        for l, n in enumerate(names):
-            w[n] = st[l]
+        first = w[f"blk.0.{name}"]
+        st = first.new_empty((n, *first.shape))
+        for l in range(n):                   # each loaded copy dropped as soon as it is in: peak one layer over
+            st[l] = w[f"blk.{l}.{name}"]
+            w[f"blk.{l}.{name}"] = st[l]
         return st
 
     E = w["blk.0.ffn_gate_inp.weight"].shape[0]

@@ -36,9 +36,10 @@ class Qwen3MoeModel:
         # the decode guess's per-layer tensors stacked (layers l+1..l+D one contiguous slice: one batched matmul for
         # all of them, guess_ids); each layer's router / ffn_norm re-pointed to its view: no extra memory
         ls = dense.layers
-        self._routers = torch.stack([w.router for w in ls])                 # [L, E, H]
-        self._ffn_norms = torch.stack([w.ffn_norm for w in ls])             # [L, H]
-        for l, w in enumerate(ls):
+        self._routers = ls[0].router.new_empty((len(ls), *ls[0].router.shape))            # [L, E, H]
+        self._ffn_norms = ls[0].ffn_norm.new_empty((len(ls), *ls[0].ffn_norm.shape))      # [L, H]
+        for l, w in enumerate(ls):           # each loaded copy dropped as soon as it is in: peak one layer over
+            self._routers[l], self._ffn_norms[l] = w.router, w.ffn_norm
             w.router, w.ffn_norm = self._routers[l], self._ffn_norms[l]
         self._ones = torch.ones_like(self._ffn_norms[0])                    # an unweighted rms_norm's weight [H]
 
