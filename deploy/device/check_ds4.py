@@ -16,6 +16,8 @@
    vs the CPU float32 reference: max-abs diff and greedy agreement (reported).
 3. ops: the fused per-row kernels (kernels/triton_ds4.py TritonOps) against TorchOps method by method, float32 and
    bfloat16, at tiny and V4-Flash shapes (tests/scripts/ds4_kernel_check.py; a row alone == in its launch).
+3b. guess: the decode guess of layers l+1..l+3 in one pass (TritonOps.guess_route) picks the ids each layer's own
+   moe_input + route pick (TorchOps layer by layer), ds4-tiny and ds41-tiny, from every layer at depths 1-3.
 4. decode: ds4-tiny (`--preset ds41-tiny`: deepseek41, its Engram rows staged before each step) all in VRAM, a
    122-token prompt and 8 greedy steps (across the 128-token HCA window): eager
    (cuda_graphs off) == graph capture / replay bit for bit, solo (runner.forward) and lanes (decode_batch), in exact
@@ -210,6 +212,18 @@ def check_ops(device: str):
             f"failing {bad[:8]}; worst {worst}: max|diff| {r[worst]['max_abs']:.3e} of {r[worst]['scale']:.3g}")
         res[name] = r
     RESULTS["ops"] = res
+
+
+def check_guess(device: str, tmp: Path):
+    """The decode guess of layers l+1..l+3 in one pass (TritonOps.guess_route) picks the ids of each layer's own
+    moe_input + route (TorchOps, layer by layer), ds4-tiny (hash layers) and ds41-tiny (lagged mHC), float32."""
+    from ds4_kernel_check import compare_guess
+    for preset in ("ds4-tiny", "ds41-tiny"):
+        r = compare_guess(str(_tiny(tmp, preset)[0]), device=device)
+        row(f"{preset.split('-')[0]} fused guess ids == per-layer", not r["bad"],
+            f"{r['cases']} cases (every layer, depth 1-3, {r['n_hash']} hash layers of {r['n_layer']}); differing "
+            f"(layer, depth): {r['bad'][:8]}")
+        RESULTS[f"guess {preset}"] = r
 
 
 def check_decode(device: str, tmp: Path, steps: int = 8, preset: str = "ds4-tiny"):
@@ -412,7 +426,7 @@ def main() -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tmp", default="/tmp/bg-check")
     p.add_argument("--out", help="directory for check_ds4.md / check_ds4.json")
-    p.add_argument("--only", default="kernel,engine,ops,decode,launches,vram", help="comma-separated steps to run")
+    p.add_argument("--only", default="kernel,engine,ops,guess,decode,launches,vram", help="comma-separated steps to run")
     p.add_argument("--vram-model", help="the model of the vram step (bench_ds4.sh: ds4-flash; default ds4-tiny)")
     p.add_argument("--hidden", type=int, default=4096, help="kernel check: expert input width H (V4-Flash: 4096)")
     p.add_argument("--ff", type=int, default=2048, help="kernel check: expert width F (V4-Flash: 2048)")
@@ -431,6 +445,7 @@ def main() -> int:
     run_steps((("kernel", lambda: check_kernel(a.device, H=a.hidden, F=a.ff)),
                ("engine", lambda: check_engine(a.device, tmp, a.preset)),
                ("ops", lambda: check_ops(a.device)),
+               ("guess", lambda: check_guess(a.device, tmp)),
                ("decode", lambda: check_decode(a.device, tmp, preset=a.preset)),
                ("launches", lambda: check_launches(a.device, tmp, a.preset)),
                ("vram", lambda: check_vram(a.device, tmp, a.vram_model))), a.only)

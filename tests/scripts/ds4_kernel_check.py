@@ -271,15 +271,16 @@ def compare_model(path: str, prompt_len: int = 22, decode: tuple = (5, 9, 11)) -
             "greedy_equal": bool(torch.equal(a.argmax(-1), b.argmax(-1))), "rows": a.shape[0]}
 
 
-def compare_guess(path: str, T: int = 3) -> dict:
+def compare_guess(path: str, T: int = 3, device: str = "cpu") -> dict:
     """The decode guess (model.guess_ids: TritonOps.guess_route, every guessed layer in one pass each of mHC, router
     and top-k) against the per-layer reference (worker.guess.guess_per_layer: TorchOps' moe_input and route, layer
     by layer) on the streams of T rows, from every layer at depths 1..3 (fewer where fewer layers remain) -> the
     cases compared and those whose ids differ (the hash layers' rows included)."""
     from betelgeuse.model.registry import reference_model
     from betelgeuse.worker.guess import guess_per_layer
-    ref, m = reference_model(path), reference_model(path)
-    m.ops = TritonOps()
+    from betelgeuse.model.deepseek4 import TorchOps
+    ref, m = reference_model(path, device), reference_model(path, device)
+    ref.ops, m.ops = TorchOps(), TritonOps()
     m.ops.prepare(m.w, m.cfg.n_layer)
     g = torch.Generator().manual_seed(7)
     p, L = m.p, m.cfg.n_layer
@@ -292,7 +293,7 @@ def compare_guess(path: str, T: int = 3) -> dict:
         st.fn.copy_(torch.randn(st.fn.shape, generator=g) * 4)
     X = torch.randn(T, p.hc_mult, m.cfg.n_embd, generator=g)
     x = X if not hasattr(m, "_pack") else m._pack(X, torch.rand(T, p.hc_mult, generator=g) + 0.1)
-    tok = torch.tensor([5, 77, 300][:T])
+    x, tok = x.to(device), torch.tensor([5, 77, 300][:T], device=device)
     cases, bad = 0, []
     with torch.no_grad():
         for layer in range(L - 1):
