@@ -68,3 +68,19 @@ def test_stacked_routers_are_the_model_weights(paths, arch):
                                                               ("hc_ffn_fn.weight", st.fn), ("ffn_norm.weight", st.norm))]
         for w, view in pairs:
             assert w.data_ptr() == view.data_ptr() and w.shape == view.shape, l
+
+
+def test_qwen3moe_guess_launches(paths):
+    """qwen3moe's guess of 3 layers: one norm (6 torch ops on the CPU, one Triton launch on CUDA), the ffn_norm
+    multiply, one bmm, one softmax, one top-k = 10 ops here (5 launches on CUDA), whatever the depth; each layer's
+    own moe_input and route (the earlier form) made 34 (19 on CUDA), which this bound fails."""
+    from memtrack import KernelCount
+    m = reference_model(paths["qwen3moe"])
+    x, tok = torch.randn(1, m.cfg.n_embd), torch.tensor([5])
+    counts = {}
+    for name, fn in (("fused", lambda: guess_ahead(m, 0, x, tok, 3, m.cfg.n_layer)),
+                     ("per", lambda: guess_per_layer(m, 0, x, tok, 3))):
+        with torch.no_grad(), KernelCount() as k:
+            fn()
+        counts[name] = k.total
+    assert counts["fused"] <= 10 and counts["per"] == 34, counts
