@@ -251,16 +251,20 @@ def stack_guess(w: dict, n_layer: int, n_hash: int) -> GuessStack:
         return st
 
     E = w["blk.0.ffn_gate_inp.weight"].shape[0]
-    bias = torch.zeros((n_layer, E), dtype=torch.float32, device=w["blk.0.ffn_gate_inp.weight"].device)
+    dev = w["blk.0.ffn_gate_inp.weight"].device
+    bias = torch.zeros((n_layer, E), dtype=torch.float32, device=dev)
     for l in range(n_hash, n_layer):
         b = f"blk.{l}.exp_probs_b.bias"
         bias[l] = w[b]
         w[b] = bias[l]
-    return GuessStack(fn=stack("hc_ffn_fn.weight"), base=stack("hc_ffn_base.weight"),
-                      scale=stack("hc_ffn_scale.weight"), norm=stack("ffn_norm.weight"),
-                      router=stack("ffn_gate_inp.weight"), bias=bias,
-                      tid2eid=stack("ffn_gate_tid2eid.weight", min(n_hash, n_layer)) if n_hash else
-                      torch.zeros((0, 1, 1), dtype=torch.int64, device=bias.device))
+    st = GuessStack(fn=stack("hc_ffn_fn.weight"), base=stack("hc_ffn_base.weight"),
+                    scale=stack("hc_ffn_scale.weight"), norm=stack("ffn_norm.weight"),
+                    router=stack("ffn_gate_inp.weight"), bias=bias,
+                    tid2eid=stack("ffn_gate_tid2eid.weight", min(n_hash, n_layer)) if n_hash else
+                    torch.zeros((0, 1, 1), dtype=torch.int64, device=dev))
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()             # the dropped per-layer copies back to the device, not the allocator's cache
+    return st
 
 
 class Deepseek4Model:

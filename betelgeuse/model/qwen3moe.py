@@ -42,6 +42,8 @@ class Qwen3MoeModel:
             self._routers[l], self._ffn_norms[l] = w.router, w.ffn_norm
             w.router, w.ffn_norm = self._routers[l], self._ffn_norms[l]
         self._ones = torch.ones_like(self._ffn_norms[0])                    # an unweighted rms_norm's weight [H]
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()         # the dropped per-layer copies back to the device, not the allocator's cache
 
     # capabilities (model/interface.py). Prefill may run in position-aligned chunks (chunks.pass_chunks) and resume
     # after a cached prefix: the per-token K/V of a block depend only on the tokens up to it. Decode has the static
