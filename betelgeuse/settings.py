@@ -310,8 +310,8 @@ class EngineSettings(_Section):
     # ahead (worker/guess.py). Only when bytes arrive changes, never a bit of the output
     prefetch_decode: Flag = setting(True, "decode: guess the next layer's experts and read the disk ones ahead", False)
     # how many layers ahead decode guesses (layers l+1 .. l+depth from layer l's residual; 1 = the next layer only).
-    # 3: on the H200, 16 layers of the bench geometry decoded at 33.5 / 41.5 / 46.1 / 51.8 tok/s with off / 1 / 2 / 3
-    # (docs/benchmarks/gpu-run23-depth), each guessed layer further ahead wasting ~1-3 MB/token more of read-ahead
+    # 3: the depth the live service was measured at (docs/benchmarks/gpu-run26-serve); in-process on 16 bench layers
+    # depths 1-3 decode equally fast within the disk's noise (gpu-run27-fusedguess), depth 3 wasting ~2x the read-ahead
     prefetch_depth: Count1 = setting(3, "decode: layers ahead whose experts are guessed and read ahead", 2)
     max_context: Count8 = setting(4096, "tokens per sequence (KV cache length)", 2048)
     # the slot plan reserves KV for max_running x max_context tokens and decode graphs for max_running sequences;
