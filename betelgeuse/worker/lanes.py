@@ -179,38 +179,33 @@ class Lanes:
             # deepseek4: every row written into its lane buffer by the op that makes it; the buffers are shaped
             # after the layer's rows on its first (eager) step, which then makes them again into the buffers
             if self.layer_rows[l] is None:
-                self.layer_rows[l] = self._rows(m.lane_rows(l, x, self.pos)[1])[0]
+                self.layer_rows[l] = self._rows(m.lane_rows(l, x, self.pos)[1])
             return (m.lane_rows(l, x, self.pos, out=self.layer_rows[l])[0],)
         carry, rows = m.lane_rows(l, x, self.pos)
-        bufs, packs = self._rows(rows)
-        self.layer_rows[l] = bufs
-        ops = getattr(m, "ops", None)
-        if packs and hasattr(ops, "copy_rows"):
-            ops.copy_rows(rows, bufs)       # deepseek4: every row into its buffer (TritonOps: one launch in all)
+        bufs = self.layer_rows[l] = self._rows(rows)
+        copy_rows = getattr(getattr(m, "ops", None), "copy_rows", None)
+        if copy_rows is not None:
+            copy_rows(rows, bufs)           # deepseek4's: every row into its buffer (TritonOps: one launch in all)
         else:
-            for flat, members in packs:     # one copy per dtype: the rows side by side in one [B, sum] buffer
-                torch.cat([rows[j].reshape(flat.shape[0], -1) for j in members], dim=1, out=flat)
-            if not packs:
-                for buf, t in zip(bufs, rows):
-                    buf.copy_(t)
+            for buf, t in zip(bufs, rows):
+                buf.copy_(t)
         return (carry,)
 
-    def _rows(self, rows: tuple) -> tuple:
-        """The lane buffers for rows of these shapes -> (a buffer per row, packs). A model whose rows are lane-first
-        ([B, ...], model.LANE_ROWS_FIRST) gets one flat [B, sum of a row's elements] buffer per dtype, the rows' buffers
-        views of its column ranges (a lane's row of each stays contiguous), so a layer's rows are copied in one launch
-        per dtype (packs: (flat buffer, the rows' indices in it)); otherwise a buffer per row (packs empty)."""
+    def _rows(self, rows: tuple) -> list:
+        """The lane buffers for rows of these shapes, one per row. A model whose rows are lane-first ([B, ...],
+        model.LANE_ROWS_FIRST) gets one flat [B, sum of a row's elements] buffer per dtype, the rows' buffers views of
+        its column ranges (a lane's row of each stays contiguous: the layout its CUDA checks ran on); otherwise a
+        buffer per row."""
         key = tuple((tuple(t.shape), t.dtype) for t in rows)
-        ent = self.rows.get(key)
-        if ent is not None:
-            return ent
+        bufs = self.rows.get(key)
+        if bufs is not None:
+            return bufs
         if not getattr(self.m, "LANE_ROWS_FIRST", False):
-            ent = self.rows[key] = ([torch.zeros_like(t) for t in rows], [])
-            return ent
+            bufs = self.rows[key] = [torch.zeros_like(t) for t in rows]
+            return bufs
         B = rows[0].shape[0]
         assert all(t.shape[0] == B for t in rows), [tuple(t.shape) for t in rows]
-        bufs: list = [None] * len(rows)
-        packs = []
+        bufs = [None] * len(rows)
         for dt in dict.fromkeys(t.dtype for t in rows):
             members = [j for j, t in enumerate(rows) if t.dtype == dt]
             widths = [rows[j][0].numel() for j in members]
@@ -219,9 +214,8 @@ class Lanes:
             for j, w in zip(members, widths):
                 bufs[j] = flat[:, a:a + w].view(rows[j].shape)
                 a += w
-            packs.append((flat, members))
-        ent = self.rows[key] = (bufs, packs)
-        return ent
+        self.rows[key] = bufs
+        return bufs
 
     def _residual(self, l: int, v: tuple, combine):
         """Layer l's MoE output rows into their lanes, then the residual x + routed for every lane."""
