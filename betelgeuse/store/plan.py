@@ -253,26 +253,28 @@ def plan_running(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int) -> tuple[
     least = min(least, c.n_expert)
     floor = "top-k" if cfg.vram_slots == "auto" else "vram_slots as configured"
     per_layer_slot = c.n_layer * slot_bytes           # one slot in every layer
-    for n in range(MAX_RUNNING_AUTO, 0, -1):
+    n = _fitting_running(f, cfg, slot_bytes, least, MAX_RUNNING_AUTO)
+    if n:
         parts = vram_needs(f, cfg, slot_bytes, n)
-        if sum(parts.values()) + least * per_layer_slot <= cfg.vram_budget:
-            kv_each = parts["kv"] // n
-            over = sum(vram_needs(f, cfg, slot_bytes, n + 1).values()) + least * per_layer_slot - cfg.vram_budget
-            more = "" if n == MAX_RUNNING_AUTO else f"; {n + 1} would need {_mib(over)} more"
-            return n, parts, (f"max_running=auto -> {n} (of at most {MAX_RUNNING_AUTO}): KV {_mib(kv_each)} a sequence "
-                              f"({cfg.max_context} tokens) leaves the VRAM budget {_mib(cfg.vram_budget)} room for "
-                              f"at least {least} VRAM expert slots per layer ({floor}){more}")
+        kv_each = parts["kv"] // n
+        over = sum(vram_needs(f, cfg, slot_bytes, n + 1).values()) + least * per_layer_slot - cfg.vram_budget
+        more = "" if n == MAX_RUNNING_AUTO else f"; {n + 1} would need {_mib(over)} more"
+        return n, parts, (f"max_running=auto -> {n} (of at most {MAX_RUNNING_AUTO}): KV {_mib(kv_each)} a sequence "
+                          f"({cfg.max_context} tokens) leaves the VRAM budget {_mib(cfg.vram_budget)} room for "
+                          f"at least {least} VRAM expert slots per layer ({floor}){more}")
     parts = vram_needs(f, cfg, slot_bytes, 1)
     return 1, parts, (f"max_running=auto -> 1: even one sequence's KV ({_mib(parts['kv'])}) leaves the VRAM budget "
                       f"{_mib(cfg.vram_budget)} less than {least} VRAM expert slots per layer ({floor}, "
                       f"{_mib(least * per_layer_slot)})")
 
 
-def _fitting_running(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int, vram_slots: int) -> int:
-    """The most sequences (0..the configured max_running) whose fixed needs leave `vram_slots` per layer in the
-    VRAM budget (for a refusal's message)."""
+def _fitting_running(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int, vram_slots: int,
+                     top: int | None = None) -> int:
+    """The most sequences (0..top, default the configured max_running) whose fixed needs leave `vram_slots` per
+    layer in the VRAM budget."""
     per_layer_slot = f.config.n_layer * slot_bytes
-    return next((n for n in range(int(cfg.max_running), 0, -1)
+    top = int(cfg.max_running) if top is None else top
+    return next((n for n in range(top, 0, -1)
                  if sum(vram_needs(f, cfg, slot_bytes, n).values()) + vram_slots * per_layer_slot <= cfg.vram_budget), 0)
 
 

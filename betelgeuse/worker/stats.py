@@ -120,12 +120,10 @@ class PassClock:
         return out
 
     def wait_store(self, fn, *args):
-        """fn(*args), a wait for expert bytes the store is delivering: blocked, and counted as store_wait."""
-        t = time.perf_counter()
-        out = fn(*args)
-        dt = time.perf_counter() - t
-        self.blocked += dt
-        self.store_wait += dt
+        """fn(*args), a wait for expert bytes the store is delivering: blocked (wait), and counted as store_wait."""
+        b = self.blocked
+        out = self.wait(fn, *args)
+        self.store_wait += self.blocked - b
         return out
 
     def message(self, kind: str, fn, *args):
