@@ -111,6 +111,21 @@ class MoEStep:
         graph keyed by it holds each layer's ONE selection: no exact top-k beside an approximate one."""
         return "exact" if self.routing == "exact" else (self.routing, self._static_on.tobytes())
 
+    def warm_routes(self, model):
+        """An approximate mode, at attach: every layer's approximate selection run once, on one row, over the
+        [n_layer, n_expert] mask storage the passes read (residency() and route_static have one layout, so each row
+        has the same byte alignment there). On CUDA its Triton kernels compile at their first launch (one variant per
+        layer kind and mask alignment, ~0.3 s each on the device's host): done in a pass, that is host time, and the
+        first pass that routes approximately is the first warm one (a cold store routes exactly). The class's own
+        route: a routing hook (recorder, replay) never sees these rows."""
+        if self.routing == "exact":
+            return
+        c = self.session.file.config
+        h = torch.zeros((1, c.n_embd), dtype=model.dtype, device=model.device)
+        tok = torch.zeros(1, dtype=torch.int64)
+        for l in range(self.n_layer):      # the static mask is all False here: a legal set (no expert resident)
+            type(model).route(model, l, h, tok, Residency(self.routing, self._static_mask[l]))
+
     def _may_use_disk(self, snap, l: int) -> bool:
         """Whether layer l can route to a disk-tier expert (its read-ahead is worth starting): not in `pool` mode
         with at least k experts resident (every rank then chooses among them: a warm pool pass reads nothing)."""

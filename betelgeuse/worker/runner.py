@@ -96,6 +96,7 @@ class ModelRunner:
             # alone, so a re-attached store's plan gives the same number
             self.cfg = dataclasses.replace(self.cfg, max_running=self.plan.max_running)
         self.moe = MoEStep(self.cfg, self.session, self.clock, act_limit=self.model.expert_act[1])
+        self.moe.warm_routes(self.model)          # an approximate mode's kernels compiled now, not in a pass
         self.kern = self.moe.kern
         self._static_decode = self._static_form()
         self.solo = SoloDecode(self.model, self.moe, self.cache.is_cuda and self.cfg.cuda_graphs,

@@ -135,3 +135,35 @@ def test_route_static_launches_one_selection(monkeypatch, ds4):
             assert kernels == ({"_route_approx_kernel": 1} if on[l] else ex_kernels), (l, kernels)
     finally:
         close_runner(rn, st)
+
+
+def test_approx_selection_launched_at_attach(monkeypatch, ds4):
+    """Triton compiles a kernel variant at its first launch (~0.3 s of host time each on the device): an approximate
+    mode runs every layer's selection once at attach (MoEStep.warm_routes), so no pass pays a compile (the first warm
+    pool pass of ds4-flash spent ~590 of its 698 ms of host time compiling: docs/benchmarks/gpu-run25-ds4). A variant
+    is what the JIT specializes TritonOps.route_approx's launch on: the constexprs, the weights' dtype, E % 16 and each
+    pointer's dtype and 16-byte alignment; recorded here on TorchOps.route_approx, which gets the same arguments."""
+    from betelgeuse.model.deepseek4 import TorchOps
+    real, seen = TorchOps.route_approx, []
+
+    def spy(logits, bias, tid2eid, token_ids, k, resident, norm, scale, dtype):
+        ptrs = (logits, bias, tid2eid, token_ids, resident.mask)
+        seen.append((k, tid2eid is not None, resident.mode, bool(norm), dtype, logits.shape[1] % 16 == 0,
+                     tuple(None if t is None else (t.dtype, t.data_ptr() % 16 == 0) for t in ptrs)))
+        return real(logits, bias, tid2eid, token_ids, k, resident, norm, scale, dtype)
+    monkeypatch.setattr(TorchOps, "route_approx", staticmethod(spy))
+    rn, st = in_process_runner(ds4, 2, 3, routing="pool")
+    try:
+        at_attach = set(seen)
+        seen.clear()
+        kv = rn.new_cache(40)
+        lg, _ = rn.forward(prompt(24, 300, seed=5), kv)       # cold: routes exactly, fills the slots
+        rn.settle()
+        assert not seen
+        _, warm = rn.forward(prompt(24, 300, seed=5), rn.new_cache(40), consolidate=False)
+        rn.forward([int(lg[-1].argmax())], kv, consolidate=False)
+        in_pass = set(seen)
+        assert warm.reads["disk"] == 0 and len(in_pass) >= 2, (warm.reads, in_pass)   # hash and top-k layers
+        assert in_pass <= at_attach, in_pass - at_attach
+    finally:
+        close_runner(rn, st)
