@@ -149,6 +149,12 @@ def _seconds(value):
     return float(value)
 
 
+def _share(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"expected a share between 0 and 1, got {value!r}")
+    return float(value)
+
+
 def _strings(value):
     if isinstance(value, str):                   # from the environment: comma-separated
         value = [v.strip() for v in value.split(",") if v.strip()]
@@ -182,6 +188,7 @@ Running = _t(int | Literal["auto"], _count_or_auto(1, "a number of sequences"), 
 Count2 = _t(int, _count(2), "N")
 Count8 = _t(int, _count(8), "N")
 Seconds = _t(float, _seconds, "SECONDS")
+Share = _t(float, _share, "0..1")
 Flag = _t(bool, _bool, "")
 FlagOrAuto = _t(bool | Literal["auto"], _bool_or_auto, "auto|true|false")
 Text = _t(str, _string, "TEXT")
@@ -313,6 +320,10 @@ class EngineSettings(_Section):
     # 3: the depth the live service was measured at (docs/benchmarks/gpu-run26-serve); in-process on 16 bench layers
     # depths 1-3 decode equally fast within the disk's noise (gpu-run27-fusedguess), depth 3 wasting ~2x the read-ahead
     prefetch_depth: Count1 = setting(3, "decode: layers ahead whose experts are guessed and read ahead", 2)
+    # the waste budget (worker/guess.py): a layer's guesses from d layers back are read ahead only while their hit
+    # rate (used / guessed on disk, online per attachment) is at least this; 0 reads every guess
+    prefetch_min_hit: Share = setting(0.5, "decode: the hit rate a guessing depth needs for its guesses to be read "
+                                      "ahead (0 = read every guess)", 0.25)
     max_context: Count8 = setting(4096, "tokens per sequence (KV cache length)", 2048)
     # the slot plan reserves KV for max_running x max_context tokens and decode graphs for max_running sequences;
     # auto: as many as fit (1..8) beside a minimum of VRAM expert slots per layer (store/plan.py plan_running)

@@ -86,7 +86,8 @@ class StoreServicer(pb_grpc.ExpertStoreServicer):
     def Load(self, request, context):
         keys = [(x.layer, x.expert) for x in request.experts]
         ahead = [(x.layer, x.expert) for x in request.ahead]
-        it = self._guard(context, lambda: self.store.load(request.session, keys, list(request.release), ahead))
+        drop = [(x.layer, x.expert) for x in request.drop]
+        it = self._guard(context, lambda: self.store.load(request.session, keys, list(request.release), ahead, drop))
         try:
             for got in it:
                 yield pb.Loaded(layer=got.layer, expert=got.expert, staging_slot=got.slot,
@@ -96,8 +97,9 @@ class StoreServicer(pb_grpc.ExpertStoreServicer):
 
     def Prefetch(self, request, context):
         keys = [(x.layer, x.expert) for x in request.experts]
+        drop = [(x.layer, x.expert) for x in request.drop]
         return pb.PrefetchReply(queued=self._guard(context, lambda: self.store.prefetch(request.session, keys,
-                                                                                         list(request.release))))
+                                                                                         list(request.release), drop)))
 
     def Release(self, request, context):
         self._guard(context, lambda: self.store.release(request.session, list(request.staging_slots)))

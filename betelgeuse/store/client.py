@@ -26,14 +26,16 @@ class StoreClient(Protocol):
                                                               # a consolidation still reading (else applied later)
     # demand loads, in completion order; the same message first hands back the staging slots `release` and, once
     # the loads' reads have started, reads `ahead` ahead (Loaded.ahead_queued: those started): a decode layer's
-    # whole store traffic in one message
+    # whole store traffic in one message. `drop` (here and in prefetch_start): reads ahead no longer wanted (a
+    # layer's unused guesses), forgotten where they have not started, before anything else is read
     def load(self, keys: list[tuple[int, int]], release: list[int] = (),
-             ahead: list[tuple[int, int]] = ()) -> Iterator[Loaded]: ...
+             ahead: list[tuple[int, int]] = (), drop: list[tuple[int, int]] = ()) -> Iterator[Loaded]: ...
     consolidating: bool                                       # the last begin_pass left a consolidation filling
     def prefetch(self, keys: list[tuple[int, int]], release: list[int] = ()) -> int: ...   # reads ahead started
     # as prefetch, without waiting for the answer (decode's guesses: a round trip per layer would cost more than a
     # read); call the result for the number of reads started
-    def prefetch_start(self, keys: list[tuple[int, int]], release: list[int] = ()) -> Callable[[], int]: ...
+    def prefetch_start(self, keys: list[tuple[int, int]], release: list[int] = (),
+                       drop: list[tuple[int, int]] = ()) -> Callable[[], int]: ...
     def release(self, slots: list[int]) -> None: ...
     # usage [n_layer, n_expert]; `release` handed back first
     def end_pass(self, usage: np.ndarray, consolidate: bool, release: list[int] = ()) -> int: ...
@@ -69,14 +71,14 @@ class InProcessStoreClient:
     def consolidating(self) -> bool:
         return self.store.consolidating
 
-    def load(self, keys, release=(), ahead=()):
-        return self.store.load(self.session, keys, release, ahead)
+    def load(self, keys, release=(), ahead=(), drop=()):
+        return self.store.load(self.session, keys, release, ahead, drop)
 
     def prefetch(self, keys, release=()):
         return self.store.prefetch(self.session, keys, release)
 
-    def prefetch_start(self, keys, release=()):
-        n = self.store.prefetch(self.session, keys, release)
+    def prefetch_start(self, keys, release=(), drop=()):
+        n = self.store.prefetch(self.session, keys, release, drop)
         return lambda: n
 
     def release(self, slots):

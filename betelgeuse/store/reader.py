@@ -4,7 +4,9 @@ Reads bypass the page cache with O_DIRECT, so "disk reads" are disk reads and th
 never charged to the cgroup. Each range is rounded out to 4 KiB (GGUF tensors are only 32-byte
 aligned) and split into <= request_bytes `os.preadv` calls, which release the GIL, run by a pool of
 threads. Requests of priority 0 (demand: a pass waits on them) are always taken before priority 1
-(read-ahead); FIFO within a priority. Where O_DIRECT is refused or meaningless (tmpfs, ramfs: the
+(read-ahead); FIFO within a priority. A read ahead that no piece of has started can be cancelled (its bytes are never
+read: the store forgets a guess the layer did not use) or promoted to demand priority (a load asked for it: it no
+longer waits behind the reads ahead queued before it); a started one always finishes. Where O_DIRECT is refused or meaningless (tmpfs, ramfs: the
 file already is page cache) the reader falls back to buffered reads + POSIX_FADV_DONTNEED, and
 says so in `mode`.
 
@@ -44,10 +46,17 @@ class ReaderStats:
     active_seconds: float = 0.0  # wall time with at least one preadv in flight (the disk busy; <= wall, unlike busy)
     requests: list[int] = field(default_factory=lambda: [0, 0])  # read() calls per priority
     request_bytes: list[int] = field(default_factory=lambda: [0, 0])  # device bytes per priority
+    cancelled: int = 0  # read() calls cancelled before any piece started (never read)
+    cancelled_bytes: int = 0  # their device bytes (counted in request_bytes too)
+    promoted: int = 0  # read-ahead calls promoted to demand priority while pieces were still queued
+    started: list[int] = field(default_factory=lambda: [0, 0])  # read() calls whose first piece started, per priority
+    wait_seconds: list[float] = field(default_factory=lambda: [0.0, 0.0])  # their summed queue wait: read() (or
+    # promote()) to their first piece's start, per priority at the start
 
     def copy(self) -> "ReaderStats":
         return ReaderStats(self.bytes_read, self.payload_bytes, self.reads, self.busy_seconds, self.active_seconds,
-                           list(self.requests), list(self.request_bytes))  # fmt: skip
+                           list(self.requests), list(self.request_bytes), self.cancelled, self.cancelled_bytes,
+                           self.promoted, list(self.started), list(self.wait_seconds))  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -93,6 +102,18 @@ class Jitter:
         return cls.parse(text) if text else None
 
 
+class ReadCancelled(Exception):
+    """The exception of a read's future once ExpertReader.cancel took it back before any of its bytes were read."""
+
+
+class ReadFuture(cf.Future):
+    """A read() call's future; `job` lets the reader cancel or promote it (ExpertReader.cancel / promote)."""
+
+    def __init__(self):
+        super().__init__()
+        self.job: _Job | None = None
+
+
 @dataclass(slots=True)
 class _Job:  # one read() call
     future: cf.Future
@@ -100,6 +121,12 @@ class _Job:  # one read() call
     lock: threading.Lock
     delay: float  # seconds its completion is held back (test-only Jitter; 0 otherwise)
     error: BaseException | None = None  # the first failure; later pieces are skipped
+    priority: int = 0  # now (a promoted read ahead: 0)
+    queued_at: float = 0.0  # perf_counter of read() (or promote())
+    started: bool = False  # a piece was taken by a reader thread: it can no longer be cancelled
+    cancelled: bool = False
+    device_bytes: int = 0
+    pieces: list = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -109,6 +136,7 @@ class _Piece:  # one preadv: file [offset, offset+nbytes) -> arena [dest, dest+n
     nbytes: int
     dest: int
     delay: float = 0.0  # seconds its preadv is held back in the reader thread (test-only Jitter; 0 otherwise)
+    taken: bool = False  # a thread took it (or its job was cancelled): a second queue entry (promote) is skipped
 
 
 def drop_page_cache(path: str) -> None:
@@ -191,13 +219,16 @@ class ExpertReader:
         [floor(off), ceil(off + n)) to arena_dest (4 KiB aligned), so byte `off` lands at
         arena_dest + off % 4096. Bytes past EOF read as zero. The future resolves to None when
         every piece is done, or to the first OSError (then only after every piece already started has
-        finished, so the destination is quiet when the future resolves). It cannot be cancelled."""
+        finished, so the destination is quiet when the future resolves), or to ReadCancelled (cancel(): no byte
+        of it was read)."""
         assert not self._closed, "reader is closed"
         assert priority in (0, 1), priority
-        fut: cf.Future = cf.Future()
-        fut.set_running_or_notify_cancel()  # running: cancel() returns False (bytes may be landing)
+        fut = ReadFuture()
+        fut.set_running_or_notify_cancel()  # running: Future.cancel() returns False (bytes may be landing)
         pieces: list[_Piece] = []
-        job = _Job(fut, 0, threading.Lock(), 0.0 if self.jitter is None else self.jitter.delay())
+        job = _Job(fut, 0, threading.Lock(), 0.0 if self.jitter is None else self.jitter.delay(), priority=priority,
+                   queued_at=time.perf_counter())
+        fut.job = job
         payload = device = 0
         for off, n, dest in ranges:
             assert off >= 0 and n > 0 and dest % PAGE == 0, (off, n, dest)
@@ -210,7 +241,7 @@ class ExpertReader:
                 pieces.append(_Piece(job, c, min(self.request_bytes, hi - c), dest + (c - lo),
                                      0.0 if self.jitter is None else self.jitter.delay()))
             payload, device = payload + n, device + (hi - lo)
-        job.pending = len(pieces)
+        job.pending, job.pieces, job.device_bytes = len(pieces), pieces, device
         with self._stats_lock:
             self.stats.payload_bytes += payload
             self.stats.requests[priority] += 1
@@ -221,12 +252,67 @@ class ExpertReader:
             self._q.put((priority, next(self._seq), p))
         return fut
 
+    def cancel(self, fut: cf.Future) -> bool:
+        """Take back a read none of whose pieces has started -> True (its future resolves now to ReadCancelled, its
+        callbacks run in this thread, and no byte of it will be read: the destination is free now); False when one
+        has started (it finishes as any read does)."""
+        job = getattr(fut, "job", None)
+        if job is None:
+            return False
+        with job.lock:
+            if job.started or job.cancelled or not job.pieces:
+                return False
+            job.cancelled = True
+            for p in job.pieces:
+                p.taken = True   # the queued entries are skipped when a thread pops them
+        with self._stats_lock:
+            self.stats.cancelled += 1
+            self.stats.cancelled_bytes += job.device_bytes
+        fut.set_exception(ReadCancelled("read cancelled before it started"))
+        return True
+
+    def promote(self, fut: cf.Future) -> bool:
+        """A read ahead a demand load now waits for: its pieces not yet taken go to the queue again at demand
+        priority (their old entries are skipped), so it no longer waits behind the reads ahead queued before it ->
+        whether any piece was still queued."""
+        job = getattr(fut, "job", None)
+        if job is None:
+            return False
+        with job.lock:
+            if job.priority == 0 or job.cancelled:
+                return False
+            job.priority, rest = 0, [p for p in job.pieces if not p.taken]
+            if not job.started:
+                job.queued_at = time.perf_counter()     # the demand's wait starts now
+            for p in rest:
+                self._q.put((0, next(self._seq), p))
+        if rest:
+            with self._stats_lock:
+                self.stats.promoted += 1
+        return bool(rest)
+
     # -- worker threads ------------------------------------------------------------------------
+    def _take(self, piece: _Piece) -> bool:
+        """A popped queue entry -> whether to read it (not a promoted piece's second entry, not a cancelled job's)."""
+        job = piece.job
+        with job.lock:
+            if piece.taken:
+                return False
+            piece.taken = True
+            first, job.started, prio = not job.started, True, job.priority
+        if first:
+            with self._stats_lock:
+                self.stats.started[prio] += 1
+                self.stats.wait_seconds[prio] += time.perf_counter() - job.queued_at
+        return True
+
     def _run(self) -> None:
         while True:
             _prio, _seq, piece = self._q.get()
             if piece is None:
                 return
+            if not self._take(piece):
+                continue
             job = piece.job
             err = None
             if job.error is None:  # skip the rest of a failed job

@@ -8,6 +8,11 @@ Slots, per DESIGN.md §1-3:
   staging      [n_staging]                 disk reads on their way to the worker; a staged expert
                                            stays until its slot is needed (a small victim cache); reads
                                            ahead (prefetch) hold at most half of them
+Reads ahead never delay a demand read: the reader takes demand pieces first; a load of an expert whose read ahead is
+still queued promotes it to demand priority; a demand read that finds no staging slot takes the slot of the newest
+read ahead not yet started (cancelled: never read); and a message's `drop` forgets the reads ahead the worker no longer
+wants (a layer's guesses it did not use, worker/guess.py) where they have not started (started ones finish and stay
+staged as any read ahead does).
 Invariant 5: the directory changes only between passes (consolidation); staging slots change only
 when no one references them (a slot handed to the worker is its own until it releases it).
 """
@@ -71,6 +76,11 @@ class StoreCounters:
     staged_hits: int = 0            # loads answered from a staged copy (read-ahead or an earlier pass)
     readahead_reads: int = 0
     readahead_wasted: int = 0       # read ahead, then evicted unused
+    readahead_dropped: int = 0      # read ahead asked for, forgotten before it started (drop, or a demand read's slot)
+    readahead_promoted: int = 0     # read ahead still queued when a load asked for it: moved to demand priority
+    readahead_skipped: int = 0      # read ahead asked for but already staged, in flight, or not on disk
+    readahead_bytes: int = 0        # bytes of reads ahead that landed
+    readahead_used: int = 0         # of them, bytes a load took (the rest: read ahead and never used, yet)
     consolidation_reads: int = 0
     consolidation_copies: int = 0   # filled from a staged copy instead of disk
     passes: int = 0
@@ -206,14 +216,15 @@ class ExpertStore:
         return len(moves)
 
     # ---- demand loads and read-ahead -------------------------------------------------------
-    def load(self, session: str, keys: list[tuple[int, int]], release=(), ahead=()) -> Iterator[Loaded]:
+    def load(self, session: str, keys: list[tuple[int, int]], release=(), ahead=(), drop=()) -> Iterator[Loaded]:
         """Yields each expert as its bytes land in a staging slot, in completion order. First hands back the staging
-        slots `release`; once every demand read has started, reads `ahead` ahead (as prefetch): one message does a
-        decode layer's store work."""
+        slots `release` and forgets the reads ahead of `drop` not started yet; once every demand read has started,
+        reads `ahead` ahead (as prefetch): one message does a decode layer's store work."""
         self.watch.check()                          # checked on reads: a stat and an fstat when nothing changed
         self._check(session)
         with self.cv:                               # now, even if the stream is never read (a failed pass)
             self._release(release)
+            self._drop(drop)
         return self._load(session, keys, ahead)
 
     def _load(self, session, keys, ahead) -> Iterator[Loaded]:
@@ -229,6 +240,7 @@ class ExpertStore:
                 self.counters.demand_loads += 1
                 self._claimed.add(key)
                 if key in self._staged or key in self._inflight:
+                    self._promote(key)
                     self._watch(key, done)
                 else:
                     pending.append(key)
@@ -244,6 +256,8 @@ class ExpertStore:
             with self.cv:
                 while pending:
                     slot = self._alloc_slot()
+                    if slot is None:
+                        slot = self._steal_slot()
                     if slot is None:
                         break
                     key = pending.pop(0)
@@ -269,17 +283,20 @@ class ExpertStore:
                 nbytes = self._ready_bytes.pop(key, 0)
                 pre = key in self._readahead_keys
                 self._readahead_keys.discard(key)
+                if pre:
+                    self.counters.readahead_used += nbytes
                 if pre or nbytes == 0:
                     self.counters.staged_hits += 1
             delivered += 1
             yield Loaded(key[0], key[1], slot, nbytes, pre, queued)
 
-    def prefetch(self, session: str, keys: list[tuple[int, int]], release=()) -> int:
-        """Read-ahead into staging slots (module doc), in the keys' order, after handing back `release` -> reads
-        started."""
+    def prefetch(self, session: str, keys: list[tuple[int, int]], release=(), drop=()) -> int:
+        """Read-ahead into staging slots (module doc), in the keys' order, after handing back `release` and forgetting
+        the reads ahead of `drop` not started yet -> reads started."""
         self._check(session)
         with self.cv:
             self._release(release)
+            self._drop(drop)
             return self._readahead(keys)
 
     def _readahead(self, keys: list[tuple[int, int]]) -> int:
@@ -291,6 +308,7 @@ class ExpertStore:
         with self.cv:
             for key in keys:
                 if key in self._staged or key in self._inflight or self.directory.lookup(*key)[0] != TIER_DISK:
+                    self.counters.readahead_skipped += 1
                     continue
                 if len(self._readahead_keys) >= self.plan.n_staging // 2:
                     break
@@ -358,6 +376,43 @@ class ExpertStore:
             return slot
         return None
 
+    def _cancel_ahead(self, key) -> int | None:
+        """Forget the read ahead of `key` if it has not started and no load waits for it -> its staging slot (free to
+        reuse: none of its bytes will be written), else None."""
+        cur = self._inflight.get(key)
+        if cur is None or cur[2] != READAHEAD or key in self._claimed or key in self._waiters:
+            return None
+        del self._inflight[key]                      # first: the cancelled future's callback finds no read to land
+        if not self.reader.cancel(cur[1]):
+            self._inflight[key] = cur                # started: it lands as any read does
+            return None
+        self._readahead_keys.discard(key)
+        self.counters.readahead_dropped += 1
+        return cur[0]
+
+    def _drop(self, keys):
+        """The reads ahead of `keys` the worker no longer wants: those not started are forgotten, their slots free."""
+        for key in keys:
+            slot = self._cancel_ahead(tuple(key))
+            if slot is not None:
+                self._free.append(slot)
+
+    def _steal_slot(self) -> int | None:
+        """A staging slot for a demand read when none is free or evictable: the newest read ahead not started yet."""
+        for key in reversed(list(self._inflight)):
+            slot = self._cancel_ahead(key)
+            if slot is not None:
+                return slot
+        return None
+
+    def _promote(self, key):
+        """A load waits for `key`: a read ahead of it still queued goes ahead of every other read ahead."""
+        cur = self._inflight.get(key)
+        if cur is not None and cur[2] == READAHEAD:
+            self._inflight[key] = (cur[0], cur[1], DEMAND)
+            if self.reader.promote(cur[1]):
+                self.counters.readahead_promoted += 1
+
     def _free_slot(self, slot: int):
         self._handed.pop(slot, None)
         self._free.append(slot)
@@ -375,7 +430,10 @@ class ExpertStore:
             # the bytes count only if the file was the checked one from before the read to after it landed
             err = f.exception() or (None if self.watch.unchanged(stamp) else "the model file changed during the read")
             with self.cv:
-                self._inflight.pop(key, None)
+                cur = self._inflight.get(key)
+                if cur is None or cur[1] is not f:       # cancelled (_cancel_ahead): its slot is no longer its own
+                    return
+                del self._inflight[key]
                 if err is not None:
                     self._free.append(slot)
                     self._readahead_keys.discard(key)
@@ -385,6 +443,8 @@ class ExpertStore:
                 else:
                     self._staged[key] = slot
                     self._ready_bytes[key] = nbytes
+                    if key in self._readahead_keys:
+                        self.counters.readahead_bytes += nbytes
                 for q in self._waiters.pop(key, []):     # staged (or failed) before anyone is told
                     q.put(key)
                 self.cv.notify_all()
@@ -496,7 +556,12 @@ class ExpertStore:
             "disk_bytes": int(r.bytes_read), "disk_payload_bytes": int(r.payload_bytes), "disk_reads": int(r.reads),
             "disk_busy_seconds": float(r.busy_seconds), "disk_active_seconds": self.reader.active_seconds(),
             "demand_loads": c.demand_loads, "staged_hits": c.staged_hits, "readahead_reads": c.readahead_reads,
-            "readahead_wasted": c.readahead_wasted, "consolidation_reads": c.consolidation_reads,
+            "readahead_wasted": c.readahead_wasted, "readahead_dropped": c.readahead_dropped,
+            "readahead_promoted": c.readahead_promoted, "readahead_skipped": c.readahead_skipped,
+            "readahead_bytes": c.readahead_bytes, "readahead_used": c.readahead_used,
+            # demand reads started and their summed wait in the reader's queue (a promoted read ahead: from the load)
+            "demand_started": r.started[0], "demand_wait_s": r.wait_seconds[0],
+            "consolidation_reads": c.consolidation_reads,
             "consolidation_copies": c.consolidation_copies, "passes": c.passes, "consolidations": c.consolidations,
             "attaches": c.attaches, "consolidation_pending": self._consolidating is not None,
             # disk reads started and not landed yet (demand, read-ahead): 0 with no consolidation pending = quiet

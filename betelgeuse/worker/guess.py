@@ -26,10 +26,24 @@ several earlier layers: the nearer guesses only add what the farther missed; the
 staged or in flight). Only WHEN bytes arrive changes: a guess is never used to compute (every layer routes itself
 as always), so outputs are the same bits with it on or off, at any depth (invariant 1).
 
+Reads ahead spend the disk on bytes that get used (the store's side: store/store.py; a demand read never waits behind
+a guess there):
+  drop      once a guessed layer is scored (its routing known), its guesses it does not use go to the store with that
+            layer's own message (its load, or its read ahead; a prefetch of no keys when it sends neither): the store
+            forgets those not started yet (ones started finish and stay staged, as any read ahead)
+  budget    every guess is scored (hit = the layer used it), read ahead or not, per (guessed layer, depth d): a hit
+            rate online per attachment (counts halved past HIT_WINDOW guesses, so it follows the model's routing).
+            Layer t's guesses from d layers back are read ahead only while that hit rate is >= `prefetch_min_hit`
+            (the first HIT_WARMUP guesses always are): a model whose guesses are poor does not flood the disk, and
+            hash-routed layers (exact guesses) keep being read ahead however poor the others' guesses are
+
 Counted per pass (PassStats), per guessed layer: guessed (its guessed experts on disk, all guesses of it together),
 guess_hits (those the layer then used), guess_disk (the layer's disk experts), guess_bytes (reads started for its
 guesses), guess_wasted_bytes (those reads that no demand load of the layer took: about, as a read ahead may still
-serve a later token from its staged copy, and the store's answer counts a call's reads, not which of its keys).
+serve a later token from its staged copy, and the store's answer counts a call's reads, not which of its keys; a read
+the store dropped before it started counts here too: the store's own counters, readahead_bytes and readahead_used,
+count the bytes read ahead and used), guess_held (guessed disk experts not read ahead: their depth's hit rate was
+below the budget).
 """
 
 from __future__ import annotations
@@ -87,24 +101,49 @@ class _Ask:
         return sum(1 for t, _ in self.keys[:self.queued_n()] if t == layer)
 
 
+HIT_WARMUP = 16       # guesses of a (layer, depth) read ahead whatever their hit rate, before it is trusted
+HIT_WINDOW = 256      # past this many guesses a (layer, depth)'s counts are halved: the rate follows recent routing
+
+
 class Guesser:
     """The host side of one attachment's guesses: the guessed ids to the host with a layer's row counts, the reads
-    ahead (each (layer, expert) asked once per pass), and the counts of hits and waste (module doc)."""
+    ahead (each (layer, expert) asked once per pass, while its depth's hit rate is within the budget), the drops of
+    a scored layer's unused guesses, and the counts of hits and waste (module doc)."""
 
-    __slots__ = ("session", "expert_bytes", "_stats", "_asked", "_guessed", "_asks", "_pending")
+    __slots__ = ("session", "expert_bytes", "min_hit", "hits", "tries", "_stats", "_asked", "_guessed", "_asks",
+                 "_pending", "_by_depth")
 
-    def __init__(self, session, n_layer: int):
+    def __init__(self, session, n_layer: int, depth: int = 0, min_hit: float = 0.0):
         self.session = session
         self.expert_bytes = [session.file.expert_nbytes(l) for l in range(n_layer)]   # one expert's disk bytes
+        self.min_hit = min_hit
+        # per (guessed layer, depth - 1): guessed disk experts the layer then used, of guessed (this attachment)
+        self.hits = np.zeros((n_layer, max(depth, 1)), dtype=np.float64)
+        self.tries = np.zeros((n_layer, max(depth, 1)), dtype=np.float64)
         self._stats = None                  # the pass the state below belongs to
         self._asked: set = set()            # (layer, expert) read ahead in this pass
         self._guessed: dict = {}            # guessed layer -> its guessed disk experts (set), all guesses of it
         self._asks: dict = {}               # guessed layer -> the _Asks holding its keys
         self._pending: list = []            # _Asks whose answer was not read yet
+        self._by_depth: dict = {}           # guessed layer -> {depth: its guessed disk experts from that depth}
 
     def _pass(self, stats: PassStats):
         if self._stats is not stats:
             self._stats, self._asked, self._guessed, self._asks, self._pending = stats, set(), {}, {}, []
+            self._by_depth = {}
+
+    def worth(self, layer: int, depth: int) -> bool:
+        """Whether layer `layer`'s guesses from `depth` layers back are read ahead (module doc: budget)."""
+        n = self.tries[layer, depth - 1]
+        return n < HIT_WARMUP or self.hits[layer, depth - 1] >= self.min_hit * n
+
+    def unused(self, layer: int, disk) -> list[tuple[int, int]]:
+        """Layer `layer` is scored and uses these disk experts: the reads ahead asked for it in this pass that it does
+        not use (for the store to drop where they have not started)."""
+        if layer not in self._asks:
+            return []
+        used = {int(x) for x in disk}
+        return list(dict.fromkeys(k for a in self._asks[layer] for k in a.keys if k[0] == layer and k[1] not in used))
 
     @staticmethod
     def to_host(counts: torch.Tensor, guess: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray | None]:
@@ -134,6 +173,9 @@ class Guesser:
         for t in layers:
             e = np.nonzero(marks[t - layer - 1])[0]
             disk = [int(x) for x in e[snap["tier"][t][e] == TIER_DISK]]
+            self._by_depth.setdefault(t, {})[t - layer] = disk
+            if not self.worth(t, t - layer):
+                continue
             self._guessed.setdefault(t, set()).update(disk)
             keys += [(t, x) for x in disk if (t, x) not in self._asked]
         if keys:
@@ -149,7 +191,16 @@ class Guesser:
         guesses made for it in this pass, if any."""
         if self._stats is not stats:
             return
+        used, every = {int(x) for x in disk}, set()
+        for d, g in self._by_depth.pop(layer, {}).items():         # every depth's guess scored, read or not
+            if self.tries[layer, d - 1] >= HIT_WINDOW:
+                self.hits[layer, d - 1] /= 2
+                self.tries[layer, d - 1] /= 2
+            self.tries[layer, d - 1] += len(g)
+            self.hits[layer, d - 1] += len(used.intersection(g))
+            every.update(g)
         guessed = self._guessed.pop(layer, None)
+        stats.guess_held += len(every.difference(guessed or ()))
         asks = self._asks.pop(layer, ())
         if guessed is None:
             return

@@ -57,7 +57,7 @@ class MoEStep:
         # mode's choice depends on residency, and prefers resident experts anyway)
         self.guessing = cfg.prefetch_decode and cfg.routing == "exact"
         self.depth = cfg.prefetch_depth if self.guessing else 0
-        self.guesser = Guesser(session, self.n_layer)
+        self.guesser = Guesser(session, self.n_layer, self.depth, cfg.prefetch_min_hit)
         # the captured decode graphs' resident sets (route_static): fixed device storage that refresh_static
         # overwrites in place when residency changes, so a replayed graph reads the current set
         E, dev = session.file.config.n_expert, session.device
@@ -218,21 +218,26 @@ class MoEStep:
             stats.reads[TIER_NAMES[t]] += n
         # 1. demand loads first, so the disk starts now; read-ahead behind them. Decode: the guessed experts of
         # l+1 .. l+D ride on this layer's load message (the store starts them once the loads' reads have started,
-        # never before); a layer with no miss sends them alone, the answer read when a guessed layer is scored
+        # never before); a layer with no miss sends them alone, the answer read when a guessed layer is scored.
+        # Either message drops this layer's guesses it does not use (a prefetch of none carries them otherwise)
         disk = [int(e) for e in by_tier[TIER_DISK]]
         keys = [(l, e) for e in disk]
-        loads = None
+        drop = self.guesser.unused(l, disk)
+        loads = sent = None
 
         def send_ahead(ahead):
-            nonlocal loads
+            nonlocal loads, sent
+            sent = True
             if not keys:
-                return self.session.prefetch_start(ahead)
-            loads = self.session.load(keys, ahead)
+                return self.session.prefetch_start(ahead, drop)
+            loads = self.session.load(keys, ahead, drop)
             return loads.queued
         if marks is not None:
             self.guesser.read_ahead(l, self.guess_layers(l), marks, snap, stats, send_ahead)
         if loads is None:
-            loads = self.session.load(keys) if keys else iter(())
+            loads = self.session.load(keys, (), drop) if keys else iter(())
+            if drop and not keys and not sent:
+                self.session.prefetch_start([], drop)
         if readahead and l + 1 < self.n_layer and self._may_use_disk(snap, l + 1):
             nxt = snap["tier"][l + 1]
             stats.prefetched += self.session.prefetch([(l + 1, int(e)) for e in np.nonzero(nxt == TIER_DISK)[0]])

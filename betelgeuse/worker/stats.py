@@ -53,6 +53,7 @@ class PassStats:
     guess_disk: int = 0
     guess_bytes: int = 0
     guess_wasted_bytes: int = 0
+    guess_held: int = 0         # guessed disk experts not read ahead: their depth's hit rate below the budget
     vram_filled: int = 0        # experts copied into VRAM hot slots at the start of the pass
     fill_disk: int = 0          # of those, read from disk (no host backing copy): fills, not uses (reads counts uses)
     open_s: float = 0.0         # opening the store pass: BeginPass (it waits for a pending consolidation) + VRAM fills

@@ -89,18 +89,20 @@ class StoreSession:
         self.calls += 1
         return self.clock.message(kind, fn, *args)
 
-    def load(self, keys, ahead=()) -> "LoadStream":
-        """Demand loads in ONE message with the staging slots waiting to go back and (decode) the next layer's guessed
-        experts to read ahead once the loads' reads have started -> the experts as they land (a wait for the next is
-        the store delivering: store_wait)."""
-        return LoadStream(self.call("load", self.store.load, keys, self._handing(), ahead))
+    def load(self, keys, ahead=(), drop=()) -> "LoadStream":
+        """Demand loads in ONE message with the staging slots waiting to go back, (decode) the next layers' guessed
+        experts to read ahead once the loads' reads have started and this layer's guesses it did not use (`drop`: the
+        store forgets those not started) -> the experts as they land (a wait for the next is the store delivering:
+        store_wait)."""
+        return LoadStream(self.call("load", self.store.load, keys, self._handing(), ahead, drop))
 
     def prefetch(self, keys) -> int:
         return self.call("prefetch", self.store.prefetch, keys, self._handing())
 
-    def prefetch_start(self, keys):
-        """prefetch without waiting for the store's answer -> a function that waits for it (reads started)."""
-        answer = self.call("prefetch", self.store.prefetch_start, keys, self._handing())
+    def prefetch_start(self, keys, drop=()):
+        """prefetch (and drop, as load) without waiting for the store's answer -> a function that waits for it (reads
+        started)."""
+        answer = self.call("prefetch", self.store.prefetch_start, keys, self._handing(), drop)
 
         def queued() -> int:
             t = time.perf_counter()

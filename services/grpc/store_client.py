@@ -159,11 +159,12 @@ class GrpcStoreClient:
         self.consolidating = reply.consolidating
         return reply.epoch
 
-    def load(self, keys, release=(), ahead=()):
+    def load(self, keys, release=(), ahead=(), drop=()):
         """Demand loads, sent now (the store starts reading at once; it first takes back `release` and reads `ahead`
         ahead once the loads' reads have started) -> the experts in completion order."""
         keys = list(keys)
-        req = pb.LoadRequest(session=self.session, experts=_ids(keys), release=list(release), ahead=_ids(ahead))
+        req = pb.LoadRequest(session=self.session, experts=_ids(keys), release=list(release), ahead=_ids(ahead),
+                             drop=_ids(drop))
         try:
             call = self.stub.Load(req, timeout=self.timeout + self.per_expert * len(keys))
         except ValueError as e:                      # the channel was closed (abort)
@@ -184,9 +185,9 @@ class GrpcStoreClient:
         req = pb.LoadRequest(session=self.session, experts=_ids(keys), release=list(release))
         return self._call(self.stub.Prefetch, req).queued
 
-    def prefetch_start(self, keys, release=()):
+    def prefetch_start(self, keys, release=(), drop=()):
         """Prefetch without waiting for the answer -> a function that waits for it (the reads started)."""
-        req = pb.LoadRequest(session=self.session, experts=_ids(keys), release=list(release))
+        req = pb.LoadRequest(session=self.session, experts=_ids(keys), release=list(release), drop=_ids(drop))
         f = self._call(self.stub.Prefetch.future, req)
 
         def queued() -> int:

@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""Where decode's guessed reads ahead go (worker/guess.py), through a real store process: used, wasted, dropped.
+
+    python3 deploy/device/guess_waste.py [MODEL.gguf] [--device cpu|cuda] [--slots 2+6] [--depth 3] [--prompt 24]
+                                         [--decode 24] [--jitter 7:4] [--read-threads 2] [--min-hit X]
+
+A `services.store_main` child (gRPC on a Unix socket, as served), one prompt, greedy decode one token at a time with
+`prefetch_depth` layers guessed ahead. Without MODEL a tiny 8-layer qwen3moe synth model is written (few slots: decode
+misses). `--jitter SEED:MS` slows the store's reads (store/reader.py Jitter: each piece up to MS late), so that on a
+page-cache file reads queue as on a busy disk (off: `--jitter ""`). Prints one line of `key=value` figures:
+decode tok/s; the passes' guess counts (guessed, hits, bytes read ahead, wasted); the store's (status deltas): disk
+bytes, reads ahead started / dropped before starting / promoted to demand / evicted unused, bytes read ahead that no
+load took, demand reads' mean queue wait (ms) — counters an older store lacks print as `-`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+
+STATUS = ("disk_bytes", "demand_loads", "staged_hits", "readahead_reads", "readahead_wasted", "readahead_dropped",
+          "readahead_promoted", "readahead_skipped", "readahead_bytes", "readahead_used", "demand_wait_s",
+          "demand_started")
+PASS = ("guessed", "guess_hits", "guess_disk", "prefetched", "guess_bytes", "guess_wasted_bytes", "disk_bytes",
+        "store_wait_s")
+
+
+def tiny_model(d: Path) -> Path:
+    from dataclasses import replace
+    from betelgeuse.gguf.synth import PRESETS, write_model
+    path = d / "guess-waste.gguf"
+    write_model(path, replace(PRESETS["tiny"], n_layer=8, n_embd=64, n_expert=32, n_expert_used=4, n_ff_exp=128,
+                              n_vocab=320, router_skew=0.5, seed=3, qtype="Q8_0"), progress=False)
+    return path
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("model", nargs="?")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--slots", default="2+6", help="VRAM+host slots per layer (few, so that decode misses)")
+    ap.add_argument("--depth", type=int, default=3)
+    ap.add_argument("--prompt", type=int, default=24)
+    ap.add_argument("--decode", type=int, default=24)
+    ap.add_argument("--jitter", default="7:4", help="SEED:MS slow reads in the store ('' = off)")
+    ap.add_argument("--read-threads", type=int, default=2)
+    ap.add_argument("--min-hit", type=float, default=None, help="prefetch_min_hit (where the engine has it)")
+    a = ap.parse_args()
+    if a.jitter:
+        os.environ["BETELGEUSE_TEST_READ_JITTER"] = a.jitter        # the store child inherits it
+    from betelgeuse.config import EngineConfig
+    from services.assembly import open_runner, open_store
+    tmp = Path(tempfile.mkdtemp(prefix="guess-waste-"))
+    model = a.model or str(tiny_model(tmp))
+    vram, host = (int(x) for x in a.slots.split("+"))
+    extra = {} if a.min_hit is None else {"prefetch_min_hit": a.min_hit}
+    cfg = EngineConfig(model_path=model, device=a.device, vram_slots=vram, host_slots=host, read_threads=a.read_threads,
+                       prefetch_decode=True, prefetch_depth=a.depth, decode_consolidate_every=0, **extra)
+    store = open_store(cfg, "process", str(tmp / "store"), timeout=120.0)
+    try:
+        rn = open_runner(cfg, store)
+        ids = [int(x) for x in np.random.default_rng(5).integers(3, rn.mcfg.n_vocab, a.prompt)]
+        kv = rn.new_cache(a.prompt + a.decode + 8)
+        lg, _ = rn.forward(ids, kv)
+        rn.settle()
+        tok = int(lg[-1].argmax())
+        s0 = store.client.status()
+        tot = dict.fromkeys(PASS, 0.0)
+        t = time.perf_counter()
+        for _ in range(a.decode):
+            lg, st = rn.forward([tok], kv, consolidate=False)
+            tok = int(lg[-1].argmax())
+            for k in PASS:
+                tot[k] += getattr(st, k)
+        wall = time.perf_counter() - t
+        rn.request_done(kv, others_running=False)
+        rn.settle()
+        s1 = store.client.status()
+        rn.close()
+    finally:
+        store.close()
+    d = {k: (s1[k] - s0[k] if k in s1 else None) for k in STATUS}
+    out = {"tok_s": a.decode / wall, **{k: tot[k] for k in PASS}, **{f"store_{k}": v for k, v in d.items()}}
+    if d["demand_started"]:
+        out["demand_wait_ms_mean"] = d["demand_wait_s"] / d["demand_started"] * 1e3
+    if d["readahead_bytes"] is not None:
+        out["store_readahead_unused_bytes"] = d["readahead_bytes"] - d["readahead_used"]
+    print(" ".join(f"{k}={'-' if v is None else (f'{v:.3g}' if isinstance(v, float) else v)}" for k, v in out.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
