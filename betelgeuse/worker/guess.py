@@ -101,7 +101,7 @@ class _Ask:
         return sum(1 for t, _ in self.keys[:self.queued_n()] if t == layer)
 
 
-HIT_WARMUP = 16       # guesses of a (layer, depth) read ahead whatever their hit rate, before it is trusted
+HIT_WARMUP = 8        # guesses of a (layer, depth) read ahead whatever their hit rate, before it is trusted
 HIT_WINDOW = 256      # past this many guesses a (layer, depth)'s counts are halved: the rate follows recent routing
 
 

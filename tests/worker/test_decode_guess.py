@@ -44,8 +44,8 @@ def ds4(tmp_path_factory):
     return path
 
 
-def _decode(path, depth: int, form: str, prompts, vram=2, host=3, asks=None, **cfg):
-    """Each prompt prefilled, then STEPS greedy decode steps of all of them together (decode_batch: form "batch" over
+def _decode(path, depth: int, form: str, prompts, vram=2, host=3, asks=None, steps=STEPS, **cfg):
+    """Each prompt prefilled, then `steps` (STEPS) greedy decode steps of all of them together (decode_batch: form "batch" over
     the static lanes, "rows" each sequence's dense part alone) or one at a time (form "sliced" / "static": forward()
     of one token), guessing `depth` layers ahead (0: prefetch_decode off) -> (logits [steps, n, V], the decode passes'
     stats, the store's read-ahead reads). asks: a list that gets, per decode pass, [keys, reads started] of each guessed
@@ -66,8 +66,8 @@ def _decode(path, depth: int, form: str, prompts, vram=2, host=3, asks=None, **c
                 return call[1]
             return started
 
-        def spy(keys):                   # a layer without a miss: its guesses go alone
-            return record(keys, real(keys))
+        def spy(keys, drop=()):          # a layer without a miss: its guesses go alone
+            return record(keys, real(keys, drop)) if keys else real(keys, drop)
 
         class Riding:                    # a layer with a miss: its guesses ride on its load (worker/moe_step.py)
             def __init__(self, stream, keys):
@@ -79,8 +79,8 @@ def _decode(path, depth: int, form: str, prompts, vram=2, host=3, asks=None, **c
             def __next__(self):
                 return next(self.stream)
 
-        def spy_load(keys, ahead=()):
-            stream = real_load(keys, ahead)
+        def spy_load(keys, ahead=(), drop=()):
+            stream = real_load(keys, ahead, drop)
             return Riding(stream, ahead) if ahead else stream
         rn.session.prefetch_start, rn.session.load = spy, spy_load
     try:
@@ -89,7 +89,7 @@ def _decode(path, depth: int, form: str, prompts, vram=2, host=3, asks=None, **c
         rn.settle()
         reads0 = st.counters.readahead_reads
         outs, stats = [], []
-        for _ in range(STEPS):
+        for _ in range(steps):
             if asks is not None:
                 asks.append([])      # one decode pass per step: one token of the one prompt, or one batched step
             if form in ("batch", "rows"):
@@ -180,3 +180,16 @@ def test_deepseek_guesses_keep_bits_and_hash_layers_hit(request, arch, form):
             # layer 1 is hash-routed (ds4-tiny: 2 hash layers): its guess at layer 0 is its choice, token for token
             hits, guessed = _sum(s_on, "guess_hits"), _sum(s_on, "guessed")
             assert hits > 0 and hits <= guessed
+
+
+def test_waste_budget_holds_back_poor_depths_and_keeps_bits(qwen):
+    """prefetch_min_hit (worker/guess.py, the budget): at 1.0 a (layer, depth) whose guesses ever missed stops being
+    read ahead once warmed up (held, counted), at 0 every guess is read; the bits are those of off either way."""
+    off, _, _ = _decode(qwen, 0, "sliced", PROMPTS[:1], steps=10)
+    runs = {h: _decode(qwen, 2, "sliced", PROMPTS[:1], steps=10, prefetch_min_hit=h) for h in (0.0, 1.0)}
+    for h, (on, s_on, ra) in runs.items():
+        assert torch.equal(on, off), h
+        assert ra == _sum(s_on, "prefetched"), h
+    (_, s_all, ra_all), (_, s_few, ra_few) = runs[0.0], runs[1.0]
+    assert _sum(s_all, "guess_held") == 0 and _sum(s_few, "guess_held") > 0
+    assert 0 < ra_few < ra_all, (ra_few, ra_all)
