@@ -44,12 +44,14 @@ def ds4(tmp_path_factory):
     return path
 
 
-def _decode(path, depth: int, form: str, prompts, vram=2, host=3, asks=None, steps=STEPS, **cfg):
+def _decode(path, depth: int, form: str, prompts, vram=2, host=3, asks=None, steps=STEPS, drops=None, **cfg):
     """Each prompt prefilled, then `steps` (STEPS) greedy decode steps of all of them together (decode_batch: form "batch" over
     the static lanes, "rows" each sequence's dense part alone) or one at a time (form "sliced" / "static": forward()
     of one token), guessing `depth` layers ahead (0: prefetch_decode off) -> (logits [steps, n, V], the decode passes'
     stats, the store's read-ahead reads). asks: a list that gets, per decode pass, [keys, reads started] of each guessed
-    read-ahead call the session sent the store (the real call runs; reads started once the guesser read the answer)."""
+    read-ahead call the session sent the store (the real call runs; reads started once the guesser read the answer);
+    drops (with asks): a list that gets each message's drop (a scored layer's unused guesses) beside the keys asked
+    for in its pass before it."""
     rn, st = in_process_runner(path, vram, host, prefetch_decode=depth > 0, prefetch_depth=max(1, depth),
                                max_running=len(prompts), **cfg)
     rn._static_decode = form in ("static", "batch")
@@ -66,7 +68,12 @@ def _decode(path, depth: int, form: str, prompts, vram=2, host=3, asks=None, ste
                 return call[1]
             return started
 
+        def dropping(drop):
+            if drop and drops is not None:
+                drops.append((list(drop), {k for keys, _ in asks[-1] for k in keys}))
+
         def spy(keys, drop=()):          # a layer without a miss: its guesses go alone
+            dropping(drop)
             return record(keys, real(keys, drop)) if keys else real(keys, drop)
 
         class Riding:                    # a layer with a miss: its guesses ride on its load (worker/moe_step.py)
@@ -80,6 +87,7 @@ def _decode(path, depth: int, form: str, prompts, vram=2, host=3, asks=None, ste
                 return next(self.stream)
 
         def spy_load(keys, ahead=(), drop=()):
+            dropping(drop)
             stream = real_load(keys, ahead, drop)
             return Riding(stream, ahead) if ahead else stream
         rn.session.prefetch_start, rn.session.load = spy, spy_load
@@ -186,10 +194,16 @@ def test_waste_budget_holds_back_poor_depths_and_keeps_bits(qwen):
     """prefetch_min_hit (worker/guess.py, the budget): at 1.0 a (layer, depth) whose guesses ever missed stops being
     read ahead once warmed up (held, counted), at 0 every guess is read; the bits are those of off either way."""
     off, _, _ = _decode(qwen, 0, "sliced", PROMPTS[:1], steps=10)
-    runs = {h: _decode(qwen, 2, "sliced", PROMPTS[:1], steps=10, prefetch_min_hit=h) for h in (0.0, 1.0)}
+    drops: list = []
+    runs = {h: _decode(qwen, 2, "sliced", PROMPTS[:1], steps=10, prefetch_min_hit=h, asks=[],
+                       drops=drops if h == 0.0 else None) for h in (0.0, 1.0)}
     for h, (on, s_on, ra) in runs.items():
         assert torch.equal(on, off), h
         assert ra == _sum(s_on, "prefetched"), h
     (_, s_all, ra_all), (_, s_few, ra_few) = runs[0.0], runs[1.0]
     assert _sum(s_all, "guess_held") == 0 and _sum(s_few, "guess_held") > 0
     assert 0 < ra_few < ra_all, (ra_few, ra_all)
+    # a scored layer's unused guesses go to the store as a drop: keys of that one layer, asked for earlier in the pass
+    assert drops, "no unused guess was dropped"
+    for keys, asked in drops:
+        assert len({t for t, _ in keys}) == 1 and asked.issuperset(keys), (keys, asked)
