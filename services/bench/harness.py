@@ -510,7 +510,7 @@ class HostSplit:
                 "store_ms_per_token": {k: sec / max(1, tokens) * 1e3 for k, (_, sec) in sorted(self.rpc.items())}}
 
 
-GUESS_FIELDS = ("guessed", "guess_hits", "guess_disk", "guess_bytes", "guess_wasted_bytes")
+GUESS_FIELDS = ("guessed", "guess_hits", "guess_disk", "guess_bytes", "guess_wasted_bytes", "guess_held")
 
 
 def pass_record(kind: str, st, ttft: float, ceil: C.Ceilings, f: GGUFModelFile, slot_bytes: int) -> dict:
@@ -536,8 +536,14 @@ def pass_record(kind: str, st, ttft: float, ceil: C.Ceilings, f: GGUFModelFile, 
 
 def store_delta(before: dict, after: dict, read_threads: int) -> dict:
     """What the store's disk did between two status() calls: bytes, the reader threads' summed busy seconds, and the
-    wall seconds with a read in flight (active: counted once however many threads read)."""
-    return {"store_disk_bytes": after["disk_bytes"] - before["disk_bytes"],
+    wall seconds with a read in flight (active: counted once however many threads read); and its reads ahead: bytes
+    landed, of them used by a load, reads dropped before they started, promoted to demand, and the demand reads'
+    queue wait (None where the store does not count them)."""
+    ahead = {f"store_{k}": (after[k] - before[k] if k in after and k in before else None)
+             for k in ("readahead_bytes", "readahead_dropped", "readahead_promoted", "demand_started", "demand_wait_s")}
+    ahead["store_readahead_used_bytes"] = (after["readahead_used"] - before["readahead_used"]
+                                           if "readahead_used" in after and "readahead_used" in before else None)
+    return {**ahead, "store_disk_bytes": after["disk_bytes"] - before["disk_bytes"],
             "store_disk_busy_s": after.get("disk_busy_seconds", 0.0) - before.get("disk_busy_seconds", 0.0),
             "store_disk_active_s": after.get("disk_active_seconds", 0.0) - before.get("disk_active_seconds", 0.0),
             "read_threads": read_threads}

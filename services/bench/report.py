@@ -72,8 +72,13 @@ def achieved_label(b: dict) -> str:
     return _pct(b.get("achieved"))
 
 
-def _guess_mb(g: dict | None) -> str:
-    """Decode's reads ahead for guessed experts (worker/guess.py): 'MB (wasted MB)'."""
+def _guess_mb(d: dict) -> str:
+    """Decode's reads ahead for guessed experts (worker/guess.py): 'MB (wasted MB)', the store's own count where the
+    record has it (bytes read ahead that landed, and of them those no load took: a dropped guess was never read)."""
+    if d.get("store_readahead_bytes") is not None:
+        got = d["store_readahead_bytes"]
+        return f"{got / 1e6:,.1f} ({(got - d['store_readahead_used_bytes']) / 1e6:,.1f})"
+    g = d.get("guess")
     if not g:
         return "–"
     return f"{g['guess_bytes'] / 1e6:,.1f} ({g['guess_wasted_bytes'] / 1e6:,.1f})"
@@ -166,7 +171,7 @@ def markdown(r: dict) -> str:
                      f"{achieved_label(b)} | {_pct(d.get('disk_busy_fraction'))} | "
                      f"{_f(d.get('host_us_per_application'), '{:.1f}')} | "
                      f"{_f(d.get('store_calls_per_token'), '{:.2f}')} | {_f(prof.get('launches_per_layer'), '{:.1f}')} | "
-                     f"{_pct(d.get('guess_hit_rate'))} | {_guess_mb(d.get('guess'))} | {_host_split(d)} |")
+                     f"{_pct(d.get('guess_hit_rate'))} | {_guess_mb(d)} | {_host_split(d)} |")
     eng = [(case, p) for case, p in _passes(r) if p.get("engram")]
     eng += [(case, dict(case["decode"], label="decode")) for case in r.get("cases", [])
             if (case.get("decode") or {}).get("engram")]
