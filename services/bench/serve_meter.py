@@ -41,6 +41,8 @@ class Snapshot:
     disk_wait_s: dict = field(default_factory=dict)   # phase -> seconds compute stalled on disk-resident experts
     disk_bytes: int = 0         # the store's device bytes read
     disk_active_s: float = 0.0  # the store's wall seconds with a read in flight
+    readahead_bytes: int = 0    # the store's bytes read ahead that landed ...
+    readahead_used: int = 0     # ... and of them those a load took (the rest: read ahead, unused)
 
 
 def parse_metrics(text: str) -> dict:
@@ -93,7 +95,8 @@ class Meter:
                         _get(m, "betelgeuse_host_to_device_seconds_total"),
                         {p: _get(m, "betelgeuse_engine_busy_seconds_total", phase=p) for p in phases},
                         {p: _get(m, "betelgeuse_disk_wait_seconds_total", phase=p) for p in phases},
-                        int(st["disk_bytes"]), float(st.get("disk_active_seconds", 0.0)))
+                        int(st["disk_bytes"]), float(st.get("disk_active_seconds", 0.0)),
+                        int(st.get("readahead_bytes", 0)), int(st.get("readahead_used", 0)))
 
     def mark(self):
         """A snapshot now, on a thread of its own (read with marked() once the phase is over)."""
@@ -135,7 +138,9 @@ def window(a: Snapshot, b: Snapshot, disk_bps: float, h2d_bps: float | None, tok
             "busy_s": {p: b.busy_s[p] - a.busy_s.get(p, 0.0) for p in b.busy_s},
             "disk_wait_s": {p: b.disk_wait_s[p] - a.disk_wait_s.get(p, 0.0) for p in b.disk_wait_s},
             "h2d_busy_s": b.h2d_seconds - a.h2d_seconds,
-            "disk_busy_fraction": (b.disk_active_s - a.disk_active_s) / (b.t - a.t) if b.t > a.t else None}
+            "disk_busy_fraction": (b.disk_active_s - a.disk_active_s) / (b.t - a.t) if b.t > a.t else None,
+            "readahead_bytes": b.readahead_bytes - a.readahead_bytes,
+            "readahead_unused_bytes": (b.readahead_bytes - a.readahead_bytes) - (b.readahead_used - a.readahead_used)}
 
 
 def bounds(a: Snapshot, opened: Snapshot | None, b: Snapshot, disk_bps: float, h2d_bps: float | None,
@@ -171,7 +176,9 @@ def describe(w: dict | None) -> str:
     if not w:
         return "bound –"
     busy = w.get("disk_busy_fraction")
+    ahead = w.get("readahead_bytes")
     moved = (f"disk {size(w['disk_bytes'])}" + ("" if busy is None else f" (busy {busy:.0%})")
+             + ("" if not ahead else f", read ahead {size(ahead)} (unused {size(w['readahead_unused_bytes'])})")
              + f", H2D {size(w['h2d_bytes'])}")
     if w.get("bound_tps") is None:
         why = "nothing read from disk" + ("" if w.get("h2d_bps") else ", no H2D rate")
