@@ -21,6 +21,7 @@ every consolidation rule of the worker; deepseek41's Engram feed, worker/engram_
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 
@@ -30,11 +31,13 @@ import torch
 from betelgeuse.config import EngineConfig
 from betelgeuse.errors import BetelgeuseError
 from betelgeuse.gguf.reader import GGUFModelFile
+from betelgeuse.logs import event
 from betelgeuse.model.chunks import Chunk, layer_back, layer_front, pass_chunks
 from betelgeuse.model.interface import SequenceState, check_model
 from betelgeuse.model.registry import engine_model
 from betelgeuse.store.client import StoreClient
 from betelgeuse.worker.decode_graphs import SoloDecode
+from betelgeuse.worker.flex_cache import FlexCache
 from betelgeuse.worker.guess import guess_ahead
 from betelgeuse.worker.lanes import Lanes
 from betelgeuse.worker.moe_step import MoEStep
@@ -42,6 +45,8 @@ from betelgeuse.worker.stats import LayerStats, PassClock, PassStats
 from betelgeuse.worker.store_session import StoreSession
 
 __all__ = ["LayerStats", "ModelRunner", "PassStats"]
+
+log = logging.getLogger("betelgeuse.worker")
 
 
 class ModelRunner:
@@ -95,13 +100,32 @@ class ModelRunner:
             # plan_running): the worker runs that many. It depends on the model and the VRAM side of the config
             # alone, so a re-attached store's plan gives the same number
             self.cfg = dataclasses.replace(self.cfg, max_running=self.plan.max_running)
-        self.moe = MoEStep(self.cfg, self.session, self.clock, act_limit=self.model.expert_act[1])
+        self.flex = self._flex_cache()
+        self.moe = MoEStep(self.cfg, self.session, self.clock, act_limit=self.model.expert_act[1], flex=self.flex)
         self.moe.warm_routes(self.model)          # an approximate mode's kernels compiled now, not in a pass
         self.kern = self.moe.kern
         self._static_decode = self._static_form()
         self.solo = SoloDecode(self.model, self.moe, self.cache.is_cuda and self.cfg.cuda_graphs,
                                keep=2 * max(1, self.cfg.max_running))
         self._lanes = None
+
+    def _flex_cache(self) -> FlexCache | None:
+        """The attachment's flex cache (worker/flex_cache.py) in the plan's KV reservation that running sequences
+        leave unused, or None (flex_cache off, or no room); the sequences holding KV carry over a re-attach."""
+        old = getattr(self, "flex", None)
+        flex = FlexCache.for_plan(self.plan, self.mcfg.n_expert, self.device,
+                                  self.cache.is_cuda and self.cfg.cuda_graphs) if self.cfg.flex_cache else None
+        if flex is not None:
+            flex.hold(old.held if old is not None else 0)
+        event(log, "flex_cache", on=flex is not None, **(flex.describe() if flex is not None else
+                                                           {"why": "off" if not self.cfg.flex_cache else "no room"}))
+        return flex
+
+    def hold_kv(self, n: int):
+        """`n` sequences hold KV, or are about to: the flex cache gives their reserved room back first (called
+        before a sequence's KV is allocated, and after one let go of it)."""
+        if self.flex is not None:
+            self.flex.hold(n)
 
     def _static_form(self) -> bool:
         """Decode in the static (graph-capturable) form: always on CUDA, so that whether a step was replayed from a
@@ -484,6 +508,8 @@ class ModelRunner:
         kern.backend after a close)."""
         self.session.close()
         self.moe = self.solo = self._lanes = None
+        if getattr(self, "flex", None) is not None:
+            self.flex.clear()                        # its chunks go with the slot pool (the held count stays)
 
     def close(self):
         """Close the slot pool and the file (_let_go) and a routing recorder; on CUDA the model's weights go too."""
