@@ -30,7 +30,6 @@ class KVManager:
     def __init__(self, cfg: EngineConfig, runner, metrics=None):
         self.runner, self.metrics = runner, metrics
         self.prefix = self._make_prefix_cache(cfg)      # None: off, or not possible for this model/schedule
-        self.holding = 0                                # sequences holding a KV cache (admitted, not freed)
         self._exported = PrefixStats()                  # prefix-cache counters already added to the metrics
         self.bind_host()
 
@@ -83,13 +82,7 @@ class KVManager:
 
     def admit(self, seq: Sequence):
         """The sequence's KV cache for its prompt and its whole output; the held prefix copied into it."""
-        self.runner.hold_kv(self.holding + 1)          # the flex cache gives the room back first (flex_cache.py)
-        try:
-            seq.kv = self.runner.new_cache(len(seq.prompt_ids) + seq.max_tokens)
-        except BaseException:
-            self.runner.hold_kv(self.holding)
-            raise
-        self.holding += 1
+        seq.kv = self.runner.new_cache(len(seq.prompt_ids) + seq.max_tokens)
         if self.prefix is not None:
             n = self.prefix.load(seq.kv, seq.blocks)
             assert n == seq.n_done, (n, seq.n_done)         # what the scheduler planned from hit()
@@ -115,9 +108,6 @@ class KVManager:
     def free(self, seq: Sequence):
         """The sequence ended: it lets go of its KV cache, and its prefix blocks become evictable."""
         blocks = seq.blocks
-        if seq.kv is not None:
-            self.holding -= 1
-            self.runner.hold_kv(self.holding)          # the flex cache may grow into its room again
         seq.kv, seq.blocks = None, []
         if blocks and self.prefix is not None:
             self.prefix.release(blocks)

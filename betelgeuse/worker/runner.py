@@ -78,6 +78,8 @@ class ModelRunner:
         self.session = StoreSession(cfg, store, self.file, self.device, self.dtype, self.clock)
         self._lanes: Lanes | None = None    # batched decode in the static form (worker/lanes.py), made on first use
         self._recorder = self._replayer = None   # routing hooks around the model's route() (hook_routing)
+        self.flex: FlexCache | None = None  # the flex expert cache of the attachment (_flex_cache)
+        self._kv_live: set[int] = set()     # uids of the sequence states made by new_cache and not released
         self.attach()
         if cfg.record_routing:
             from betelgeuse.routing.trace import Recorder, TraceWriter
@@ -112,18 +114,17 @@ class ModelRunner:
     def _flex_cache(self) -> FlexCache | None:
         """The attachment's flex cache (worker/flex_cache.py) in the plan's KV reservation that running sequences
         leave unused, or None (flex_cache off, or no room); the sequences holding KV carry over a re-attach."""
-        old = getattr(self, "flex", None)
         flex = FlexCache.for_plan(self.plan, self.mcfg.n_expert, self.device,
                                   self.cache.is_cuda and self.cfg.cuda_graphs) if self.cfg.flex_cache else None
         if flex is not None:
-            flex.hold(old.held if old is not None else 0)
+            flex.hold(len(self._kv_live))
         event(log, "flex_cache", on=flex is not None, **(flex.describe() if flex is not None else
                                                            {"why": "off" if not self.cfg.flex_cache else "no room"}))
         return flex
 
-    def hold_kv(self, n: int):
-        """`n` sequences hold KV, or are about to: the flex cache gives their reserved room back first (called
-        before a sequence's KV is allocated, and after one let go of it)."""
+    def _hold_kv(self, n: int):
+        """`n` sequences hold KV, or are about to: the flex cache gives their reserved room back first (before a
+        sequence's state is allocated: new_cache), or may grow into it again (after one is released: release)."""
         if self.flex is not None:
             self.flex.hold(n)
 
@@ -189,8 +190,16 @@ class ModelRunner:
         self.clock.timing = on
 
     def new_cache(self, max_len: int | None = None) -> SequenceState:
-        """The model's per-sequence state (qwen3moe: KVCache; deepseek4: DS4Cache, same begin/commit)."""
-        return self.model.new_cache(max_len or self.cfg.max_context)
+        """The model's per-sequence state (qwen3moe: KVCache; deepseek4: DS4Cache, same begin/commit). It holds its
+        share of the plan's KV reservation until release(): the flex cache gives that room back first."""
+        self._hold_kv(len(self._kv_live) + 1)
+        try:
+            kv = self.model.new_cache(max_len or self.cfg.max_context)
+        except BaseException:
+            self._hold_kv(len(self._kv_live))
+            raise
+        self._kv_live.add(kv.uid)
+        return kv
 
     def consolidate(self):
         """Consolidate now (with the decode usage of the open store pass, if any); never waits for one still filling."""
@@ -210,6 +219,8 @@ class ModelRunner:
         """A sequence is done: drop its captured decode graphs (solo, and its batched-decode lane with its attention
         graphs) and their memory pools now, not when an LRU bound reaches them (the slot plan counts graphs for
         max_running sequences)."""
+        self._kv_live.discard(kv.uid)
+        self._hold_kv(len(self._kv_live))
         if self.solo is not None:
             self.solo.release(kv.uid)
         if self._lanes is not None:

@@ -39,7 +39,6 @@ def _decode_twice(model, flex: bool, steps: int = 8):
     form), one sequence holding KV -> (decode logits [2 * steps] of [V], disk bytes of the decode passes, flex hits)."""
     rn, st = in_process_runner(model, TIERS["vram_slots"], TIERS["host_slots"], max_running=2, flex_cache=flex, **CFG)
     try:
-        rn.hold_kv(1)
         assert (rn.flex is not None) == flex
         out, disk, hits = [], 0, 0
         for rep in range(2):
@@ -54,6 +53,7 @@ def _decode_twice(model, flex: bool, steps: int = 8):
                 hits += s.flex_hits
                 out.append(lg)
                 tok = int(lg.argmax())
+            rn.release(kv)               # the one sequence ends: its KV room is the cache's again
         return out, disk, hits
     finally:
         close_runner(rn, st)
@@ -81,7 +81,7 @@ def test_admission_shrinks_the_cache_before_allocating_kv(model):
     store = open_store(cfg)
     eng = open_engine(cfg, store)
     try:
-        rn, kvm = eng.runner, eng.kv_manager
+        rn = eng.runner
         flex = rn.flex
         budget = rn.plan.vram_parts["kv"]                     # the plan's KV bytes for max_running sequences
         assert flex is not None and flex.units == 3 and flex.unit_bytes * 3 == budget
@@ -97,10 +97,10 @@ def test_admission_shrinks_the_cache_before_allocating_kv(model):
             if total > budget:
                 over.append((flex.describe(), held, extra, budget))
 
-        real_new, real_keep, real_free = rn.new_cache, flex.keep, kvm.free
+        real_new, real_keep, real_release = rn.model.new_cache, flex.keep, rn.release
 
-        def new_cache(n):
-            check(flex.unit_bytes)       # before the allocation: the new sequence's reservation counted in
+        def new_cache(n):                # the model's allocation, called by the runner once the cache made room
+            check(flex.unit_bytes)       # the new sequence's reservation counted in
             kv = real_new(n)
             live[kv.uid] = kv.nbytes()
             check()
@@ -110,11 +110,10 @@ def test_admission_shrinks_the_cache_before_allocating_kv(model):
             real_keep(*a, **k)
             check()
 
-        def free(seq):
-            if seq.kv is not None:
-                live.pop(seq.kv.uid, None)
-            real_free(seq)
-        rn.new_cache, flex.keep, kvm.free = new_cache, keep, free
+        def release(kv):
+            live.pop(kv.uid, None)
+            real_release(kv)
+        rn.model.new_cache, flex.keep, rn.release = new_cache, keep, release
 
         list(eng.submit(_req(prompt(24, V, seed=5), 8)))
         lone = flex.nbytes
@@ -130,7 +129,7 @@ def test_admission_shrinks_the_cache_before_allocating_kv(model):
             t.join(120)
         assert not over, f"flex + KV bytes over the plan's KV reservation: {over[:3]}"
         assert all(g is not None and g[-1].finish_reason == "length" for g in got), got
-        assert kvm.holding == 0 and flex.held == 0
+        assert not live and flex.held == 0
         assert seen["checks"] > 10 and seen["peak"] <= budget
     finally:
         eng.close()
