@@ -114,12 +114,14 @@ class ModelRunner:
     def _flex_cache(self) -> FlexCache | None:
         """The attachment's flex cache (worker/flex_cache.py) in the plan's KV reservation that running sequences
         leave unused, or None (flex_cache off, or no room); the sequences holding KV carry over a re-attach."""
+        want = self.cfg.flex_cache
+        on = self.cache.is_cuda if want == "auto" else bool(want)
         flex = FlexCache.for_plan(self.plan, self.mcfg.n_expert, self.device,
-                                  self.cache.is_cuda and self.cfg.cuda_graphs) if self.cfg.flex_cache else None
+                                  self.cache.is_cuda and self.cfg.cuda_graphs) if on else None
         if flex is not None:
             flex.hold(len(self._kv_live))
-        event(log, "flex_cache", on=flex is not None, **(flex.describe() if flex is not None else
-                                                           {"why": "off" if not self.cfg.flex_cache else "no room"}))
+        event(log, "flex_cache", on=flex is not None, requested=str(want),
+              **(flex.describe() if flex is not None else {"why": "off" if not on else "no spare KV reservation"}))
         return flex
 
     def _hold_kv(self, n: int):

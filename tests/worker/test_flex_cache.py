@@ -59,6 +59,14 @@ def _decode_twice(model, flex: bool, steps: int = 8):
         close_runner(rn, st)
 
 
+def test_flex_cache_auto_is_off_on_the_cpu(model):
+    rn, st = in_process_runner(model, TIERS["vram_slots"], TIERS["host_slots"], max_running=2, **CFG)
+    try:
+        assert rn.cfg.flex_cache == "auto" and rn.flex is None
+    finally:
+        close_runner(rn, st)
+
+
 def test_repeated_misses_read_less_from_disk_with_the_same_bits(model):
     off, disk_off, hits_off = _decode_twice(model, False)
     on, disk_on, hits_on = _decode_twice(model, True)
@@ -77,7 +85,8 @@ def test_admission_shrinks_the_cache_before_allocating_kv(model):
     together: each admission gives back a unit before the KV is allocated. The byte counter (flex bytes + the KV
     caches held) stays within the plan's KV reservation at every KV allocation and every fill."""
     from betelgeuse.assembly import open_engine, open_store
-    cfg = EngineConfig(model_path=str(model), read_threads=2, max_running=3, admission_window=0.2, **TIERS, **CFG)
+    cfg = EngineConfig(model_path=str(model), read_threads=2, max_running=3, admission_window=0.2, flex_cache=True,
+                       **TIERS, **CFG)
     store = open_store(cfg)
     eng = open_engine(cfg, store)
     try:
