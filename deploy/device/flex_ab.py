@@ -65,7 +65,7 @@ def one(a, flex: bool):
         return (torch.cat(out), rows, peak, plan.vram_fixed + plan.vram_slot_bytes,
                 rn.flex.describe() if rn.flex is not None else None)
     finally:
-        rn.close()
+        rn.close()          # the cache's chunks go with the slot pool
         store.close()
 
 
@@ -74,11 +74,8 @@ def main() -> int:
     ap.add_argument("model")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--slots", default="16+35", help="VRAM+host slots per layer (the serve plan's, bench geometry)")
-    ap.add_argument("--max-running", type=int, default=8)
-    ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--decode", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=7)
+    for flag, n in (("--max-running", 8), ("--prompt", 512), ("--decode", 64), ("--rounds", 2), ("--seed", 7)):
+        ap.add_argument(flag, type=int, default=n)
     a = ap.parse_args()
     res = {flex: one(a, flex) for flex in (False, True)}
     bad = 0
