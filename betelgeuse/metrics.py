@@ -138,6 +138,8 @@ class WorkerMetrics:
     engram_wait_seconds: Counter      # [phase] seconds compute waited for Engram rows from the store
     decode_guesses: Counter           # [outcome] decode's guessed next-layer experts on disk: hit | miss
     decode_guess_bytes: Counter       # [outcome] bytes read ahead for them: used | wasted
+    flex_hits: Counter                # routed experts computed from a flex cache copy (worker/flex_cache.py)
+    flex_slots: Gauge                 # [state] flex cache expert slots: allocated | used
 
     def set_cgroup_reader(self, current: Callable[[], float], maximum: Callable[[], float]) -> None:
         _set_cgroup_reader(self.cgroup_memory, current, maximum)
@@ -221,11 +223,17 @@ def make_worker_metrics(version: str = "0.1.0") -> WorkerMetrics:
         decode_guess_bytes=Counter("betelgeuse_decode_guess_read_bytes", "Bytes read ahead for decode's guessed "
                                    "experts, by outcome: used | wasted (no load of their layer took them).",
                                    ["outcome"], registry=reg),
+        flex_hits=Counter("betelgeuse_flex_cache_hits", "Routed experts computed from a copy in the flex cache (VRAM "
+                          "reserved for sequences not running): a disk read or host copy saved each.", registry=reg),
+        flex_slots=Gauge("betelgeuse_flex_cache_slots", "Flex cache expert slots: state=allocated | used.", ["state"],
+                         registry=reg),
     )
     for outcome in GUESS_OUTCOMES:
         m.decode_guesses.labels(outcome=outcome)
     for outcome in GUESS_BYTES:
         m.decode_guess_bytes.labels(outcome=outcome)
+    for state in ("allocated", "used"):
+        m.flex_slots.labels(state=state)
     for phase in PHASES:
         m.busy_seconds.labels(phase=phase)
         m.disk_wait_seconds.labels(phase=phase)

@@ -319,6 +319,11 @@ class EngineSettings(_Section):
     # how many layers ahead decode guesses (layers l+1 .. l+depth from layer l's residual; 1 = the next layer only).
     # 3: the depth the live service was measured at (docs/benchmarks/gpu-run26-serve); in-process on 16 bench layers
     # depths 1-3 decode equally fast within the disk's noise (gpu-run27-fusedguess), depth 3 wasting ~2x the read-ahead
+    # the worker keeps copies of recently read experts in the VRAM the plan reserves for sequences not running
+    # (worker/flex_cache.py); given back before a sequence's KV needs it. Only where bytes come from changes. auto: on
+    # CUDA; off on the CPU, the tests' path, whose tier tests count which tier each expert came from
+    flex_cache: FlagOrAuto = setting(AUTO, "keep copies of recently read experts in the VRAM reserved for sequences "
+                                     "not running (given back when they run): true | false | auto (on CUDA)", False)
     prefetch_depth: Count1 = setting(3, "decode: layers ahead whose experts are guessed and read ahead", 2)
     # the waste budget (worker/guess.py): a layer's guesses from d layers back are read ahead only while their hit
     # rate (used / guessed on disk, online per attachment) is at least this; 0 reads every guess

@@ -437,6 +437,9 @@ class LLMEngine:
             m.kv_cache_tokens.labels(state="reserved").set(reserved)
             m.kv_cache_capacity.set(cap)
             m.kv_cache_usage.set(min(1.0, reserved / cap) if cap else 0.0)
+            flex = self.runner.flex
+            m.flex_slots.labels(state="allocated").set(flex.n_slots if flex is not None else 0)
+            m.flex_slots.labels(state="used").set(flex.n_held if flex is not None else 0)
 
     def close(self):
         self._stop = True

@@ -85,8 +85,9 @@ class ExpertCache:
         self._bank_free = [torch.cuda.Event() for _ in range(self.n_banks)] if self.is_cuda else []
         # per-batch slot tables (pool offsets) for ring groups: a pinned host row per batch of a pass, copied to
         # the device on the compute stream (so a row is never rewritten before its copy ran: one pass's rows
-        # are distinct, and a pass ends with a sync)
-        self.n_tables = L * (-(-E // self.bank_size) + 2) + 4
+        # are distinct, and a pass ends with a sync); a layer may also take one per flex cache chunk (at most
+        # max_running of them: worker/flex_cache.py)
+        self.n_tables = L * (-(-E // self.bank_size) + 2 + plan.max_running) + 4
         self.tables_host = torch.full((self.n_tables, E), -1, dtype=torch.int64, pin_memory=self.is_cuda)
         self.tables_dev = torch.full((self.n_tables, E), -1, dtype=torch.int64, device=device)
         self._table = 0

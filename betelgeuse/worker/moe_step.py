@@ -34,6 +34,7 @@ from betelgeuse.gguf.qtypes import qtype_name
 from betelgeuse.kernels.moe import TRITON_QTYPES, Group, MoEKernels, triton_available
 from betelgeuse.routing_approx import Residency
 from betelgeuse.store.directory import TIER_DISK, TIER_HOST, TIER_NAMES, TIER_VRAM
+from betelgeuse.worker.flex_cache import FlexCache
 from betelgeuse.worker.guess import Guesser
 from betelgeuse.worker.stats import LayerStats, PassClock, PassStats
 from betelgeuse.worker.store_session import StoreSession
@@ -42,8 +43,10 @@ from betelgeuse.worker.store_session import StoreSession
 class MoEStep:
     """The expert step of one attachment (its slot pool, kernels and pass counts; a re-attach makes a new one)."""
 
-    def __init__(self, cfg: EngineConfig, session: StoreSession, clock: PassClock, act_limit: float | None):
+    def __init__(self, cfg: EngineConfig, session: StoreSession, clock: PassClock, act_limit: float | None,
+                 flex: FlexCache | None = None):
         self.cfg, self.session, self.clock = cfg, session, clock
+        self.flex = flex                  # copies of recent disk experts in spare VRAM (worker/flex_cache.py), or None
         self.cache = session.cache
         self.counts = session.counts
         self.n_layer = session.file.config.n_layer
@@ -212,6 +215,9 @@ class MoEStep:
         counts, marks = self.clock.wait(self.guesser.to_host, r.counts, guess)
         used = np.nonzero(counts)[0]
         tiers = snap["tier"][l][used]
+        flexed = used[:0]
+        if self.flex is not None:         # experts held in the flex cache are computed from their copies (step 2)
+            used, tiers, flexed = self.flex.split(l, used, tiers)
         by_tier = {t: used[tiers == t] for t in (TIER_VRAM, TIER_HOST, TIER_DISK)}
         ls.vram, ls.host, ls.disk = (len(by_tier[t]) for t in (TIER_VRAM, TIER_HOST, TIER_DISK))
         for t, n in ((TIER_VRAM, ls.vram), (TIER_HOST, ls.host), (TIER_DISK, ls.disk)):
@@ -233,6 +239,8 @@ class MoEStep:
             loads = self.session.load(keys, ahead, drop)
             return loads.queued
         if marks is not None:
+            if self.flex is not None:     # a guessed expert held in the flex cache needs no read
+                marks = self._unflexed(l, marks)
             self.guesser.read_ahead(l, self.guess_layers(l), marks, snap, stats, send_ahead)
         if loads is None:
             loads = self.session.load(keys, (), drop) if keys else iter(())
@@ -240,7 +248,10 @@ class MoEStep:
                 self.session.prefetch_start([], drop)
         if readahead and l + 1 < self.n_layer and self._may_use_disk(snap, l + 1):
             nxt = snap["tier"][l + 1]
-            stats.prefetched += self.session.prefetch([(l + 1, int(e)) for e in np.nonzero(nxt == TIER_DISK)[0]])
+            ahead = np.nonzero(nxt == TIER_DISK)[0]
+            if self.flex is not None:
+                ahead = ahead[~self.flex.held_mask(l + 1, ahead)]
+            stats.prefetched += self.session.prefetch([(l + 1, int(e)) for e in ahead])
         timing = self.clock.copy_timing(ls)
         B = cache.bank_size
         hslots = snap["host_slot"][l]
@@ -250,6 +261,8 @@ class MoEStep:
         staged = [self._to_bank(b, [cache.host_slot(l, int(hslots[e])) for e in b], timing) for b in batches[:1]]
         if ls.vram:
             self._apply(r, l, self._vram_group(l, by_tier[TIER_VRAM]), ls)
+        if len(flexed):
+            self._flex_groups(l, r, flexed, stats, ls)
         for i, b in enumerate(batches):
             bank, g = staged[0] if i == 0 else self._to_bank(b, [cache.host_slot(l, int(hslots[e])) for e in b], timing)
             self._apply(r, l, g, ls)
@@ -296,9 +309,22 @@ class MoEStep:
         c = self.cache
         return Group(experts, c.vram_base[l], c.vram_base_dev[l])
 
-    def _apply(self, r, l: int, g: Group, ls: LayerStats):
-        self.kern.apply(r, l, self.cache.pool, g, self.cache.slot_bytes)
+    def _apply(self, r, l: int, g: Group, ls: LayerStats, pool: torch.Tensor | None = None):
+        self.kern.apply(r, l, self.cache.pool if pool is None else pool, g, self.cache.slot_bytes)
         ls.groups += 1
+
+    def _flex_groups(self, l, r, experts, stats: PassStats, ls: LayerStats):
+        """Flex cache hits: one group per chunk, computed in place like VRAM experts (counted as VRAM reads)."""
+        for chunk, es, offs in self.flex.groups(l, experts):
+            self._apply(r, l, self._group(es, offs), ls, chunk)
+        ls.vram += len(experts)
+        stats.reads["vram"] += len(experts)
+        stats.flex_hits += len(experts)
+
+    def _unflexed(self, l: int, marks: np.ndarray) -> np.ndarray:
+        """Guessed marks [D, E] of layers l+1 .. l+D without the experts the flex cache holds."""
+        held = self.flex.where[l + 1: l + 1 + marks.shape[0]] >= 0
+        return np.where(held, 0, marks) if held.any() else marks
 
     def _to_bank(self, experts, srcs, timing) -> tuple[int, Group]:
         bank, offs = self.cache.to_bank(srcs, timing)
@@ -317,8 +343,11 @@ class MoEStep:
         def flush():
             nonlocal batch
             if batch:
-                bank, g = self._to_bank([x.expert for x in batch], [cache.staging_slot(x.slot) for x in batch], timing)
+                es = [x.expert for x in batch]
+                bank, g = self._to_bank(es, [cache.staging_slot(x.slot) for x in batch], timing)
                 self._apply(r, l, g, ls)
+                if self.flex is not None:      # copies for the flex cache, before the bank may be rewritten
+                    self.flex.keep(l, es, cache.pool, g.base_host[es])
                 cache.bank_done(bank)
                 held.append((bank, [x.slot for x in batch]))
                 batch = []

@@ -146,6 +146,7 @@ class OutputProcessor:
                 m.decode_guesses.labels(outcome="miss").inc(st.guessed - st.guess_hits)
                 m.decode_guess_bytes.labels(outcome="used").inc(max(0, st.guess_bytes - st.guess_wasted_bytes))
                 m.decode_guess_bytes.labels(outcome="wasted").inc(st.guess_wasted_bytes)
+            m.flex_hits.inc(st.flex_hits)
             m.h2d_bytes.inc(st.h2d_bytes)
             m.h2d_seconds.inc(sum(l.copy_ms for l in st.layers) / 1e3)
             if g is not None:

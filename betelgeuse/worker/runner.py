@@ -21,6 +21,7 @@ every consolidation rule of the worker; deepseek41's Engram feed, worker/engram_
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 
@@ -30,11 +31,13 @@ import torch
 from betelgeuse.config import EngineConfig
 from betelgeuse.errors import BetelgeuseError
 from betelgeuse.gguf.reader import GGUFModelFile
+from betelgeuse.logs import event
 from betelgeuse.model.chunks import Chunk, layer_back, layer_front, pass_chunks
 from betelgeuse.model.interface import SequenceState, check_model
 from betelgeuse.model.registry import engine_model
 from betelgeuse.store.client import StoreClient
 from betelgeuse.worker.decode_graphs import SoloDecode
+from betelgeuse.worker.flex_cache import FlexCache
 from betelgeuse.worker.guess import guess_ahead
 from betelgeuse.worker.lanes import Lanes
 from betelgeuse.worker.moe_step import MoEStep
@@ -42,6 +45,8 @@ from betelgeuse.worker.stats import LayerStats, PassClock, PassStats
 from betelgeuse.worker.store_session import StoreSession
 
 __all__ = ["LayerStats", "ModelRunner", "PassStats"]
+
+log = logging.getLogger("betelgeuse.worker")
 
 
 class ModelRunner:
@@ -73,6 +78,8 @@ class ModelRunner:
         self.session = StoreSession(cfg, store, self.file, self.device, self.dtype, self.clock)
         self._lanes: Lanes | None = None    # batched decode in the static form (worker/lanes.py), made on first use
         self._recorder = self._replayer = None   # routing hooks around the model's route() (hook_routing)
+        self.flex: FlexCache | None = None  # the flex expert cache of the attachment (_flex_cache)
+        self._kv_live: set[int] = set()     # uids of the sequence states made by new_cache and not released
         self.attach()
         if cfg.record_routing:
             from betelgeuse.routing.trace import Recorder, TraceWriter
@@ -95,13 +102,33 @@ class ModelRunner:
             # plan_running): the worker runs that many. It depends on the model and the VRAM side of the config
             # alone, so a re-attached store's plan gives the same number
             self.cfg = dataclasses.replace(self.cfg, max_running=self.plan.max_running)
-        self.moe = MoEStep(self.cfg, self.session, self.clock, act_limit=self.model.expert_act[1])
+        self.flex = self._flex_cache()
+        self.moe = MoEStep(self.cfg, self.session, self.clock, act_limit=self.model.expert_act[1], flex=self.flex)
         self.moe.warm_routes(self.model)          # an approximate mode's kernels compiled now, not in a pass
         self.kern = self.moe.kern
         self._static_decode = self._static_form()
         self.solo = SoloDecode(self.model, self.moe, self.cache.is_cuda and self.cfg.cuda_graphs,
                                keep=2 * max(1, self.cfg.max_running))
         self._lanes = None
+
+    def _flex_cache(self) -> FlexCache | None:
+        """The attachment's flex cache (worker/flex_cache.py) in the plan's KV reservation that running sequences
+        leave unused, or None (flex_cache off, or no room); the sequences holding KV carry over a re-attach."""
+        want = self.cfg.flex_cache
+        on = self.cache.is_cuda if want == "auto" else bool(want)
+        flex = FlexCache.for_plan(self.plan, self.mcfg.n_expert, self.device,
+                                  self.cache.is_cuda and self.cfg.cuda_graphs) if on else None
+        if flex is not None:
+            flex.hold(len(self._kv_live))
+        event(log, "flex_cache", on=flex is not None, requested=str(want),
+              **(flex.describe() if flex is not None else {"why": "off" if not on else "no spare KV reservation"}))
+        return flex
+
+    def _hold_kv(self, n: int):
+        """`n` sequences hold KV, or are about to: the flex cache gives their reserved room back first (before a
+        sequence's state is allocated: new_cache), or may grow into it again (after one is released: release)."""
+        if self.flex is not None:
+            self.flex.hold(n)
 
     def _static_form(self) -> bool:
         """Decode in the static (graph-capturable) form: always on CUDA, so that whether a step was replayed from a
@@ -165,8 +192,16 @@ class ModelRunner:
         self.clock.timing = on
 
     def new_cache(self, max_len: int | None = None) -> SequenceState:
-        """The model's per-sequence state (qwen3moe: KVCache; deepseek4: DS4Cache, same begin/commit)."""
-        return self.model.new_cache(max_len or self.cfg.max_context)
+        """The model's per-sequence state (qwen3moe: KVCache; deepseek4: DS4Cache, same begin/commit). It holds its
+        share of the plan's KV reservation until release(): the flex cache gives that room back first."""
+        self._hold_kv(len(self._kv_live) + 1)
+        try:
+            kv = self.model.new_cache(max_len or self.cfg.max_context)
+        except BaseException:
+            self._hold_kv(len(self._kv_live))
+            raise
+        self._kv_live.add(kv.uid)
+        return kv
 
     def consolidate(self):
         """Consolidate now (with the decode usage of the open store pass, if any); never waits for one still filling."""
@@ -186,6 +221,8 @@ class ModelRunner:
         """A sequence is done: drop its captured decode graphs (solo, and its batched-decode lane with its attention
         graphs) and their memory pools now, not when an LRU bound reaches them (the slot plan counts graphs for
         max_running sequences)."""
+        self._kv_live.discard(kv.uid)
+        self._hold_kv(len(self._kv_live))
         if self.solo is not None:
             self.solo.release(kv.uid)
         if self._lanes is not None:
@@ -484,6 +521,8 @@ class ModelRunner:
         kern.backend after a close)."""
         self.session.close()
         self.moe = self.solo = self._lanes = None
+        if getattr(self, "flex", None) is not None:
+            self.flex.clear()                        # its chunks go with the slot pool (the held count stays)
 
     def close(self):
         """Close the slot pool and the file (_let_go) and a routing recorder; on CUDA the model's weights go too."""

@@ -45,6 +45,7 @@ class PassStats:
     disk_bytes: int = 0         # bytes read from disk for experts this pass used (expert payload bytes)
     disk_wait_s: float = 0.0
     h2d_bytes: int = 0
+    flex_hits: int = 0          # of reads["vram"]: experts computed from a flex cache copy (worker/flex_cache.py)
     prefetched: int = 0         # experts whose disk read was issued ahead, before they were asked for
     # decode's guesses of the next layer's experts (worker/guess.py): guessed experts on disk, those the layer then
     # used, the disk experts of the guessed layers, bytes of the reads started for guesses, and of those not used

@@ -1,0 +1,197 @@
+"""The flex expert cache: copies of recently read experts in the VRAM the plan reserves for sequences not running.
+
+The slot plan (store/plan.py) reserves VRAM for `max_running` sequences' full-context KV and decode graphs before it
+sizes the VRAM tier; a lone stream holds 1/max_running of that reservation. While fewer sequences hold KV, the worker
+keeps copies of the experts it staged from disk in the rest (mixtral-offloading's LRU expert cache, in room nobody
+uses), least recently used first out:
+
+    room       `unit` bytes per sequence not holding KV (its KV at max_context + its decode graphs: what the plan
+               reserved for it), as chunks of floor(unit / slot_bytes) expert slots, one chunk per free unit,
+               allocated when the first copy needs it
+    fill       MoEStep._disk_groups: an expert staged from disk, once its ring-bank copy landed, is copied
+               device-to-device into a flex slot (the same slot layout as the VRAM tier, so the same kernels read it)
+    use        MoEStep._partial, before the tier split: a routed host- or disk-tier expert held here is computed from
+               its copy, in one launch group per chunk, like a VRAM expert: no store message, no disk read, no H2D
+               copy. The bytes are the file's whatever slot holds them, so outputs keep every bit (invariant 1)
+    shrink     before a sequence's KV is allocated (KVManager.admit -> ModelRunner.hold_kv) chunks go until
+               chunks + sequences holding KV <= max_running: the worker's VRAM never exceeds the plan's figure
+               for max_running sequences (invariant 3). Growing back is lazy: the next fill after a sequence ended
+
+The store's directory does not change (a copy is not a tier: dropping one loses nothing but a future read), and an
+expert the directory moves into the VRAM tier leaves the cache at its next use (the VRAM copy serves it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from betelgeuse.logs import event
+from betelgeuse.store.directory import TIER_VRAM
+from betelgeuse.store.plan import GRAPHS_BYTES_PER_SEQ, SlotPlan
+
+log = logging.getLogger("betelgeuse.worker")
+
+
+@dataclass(slots=True)
+class FlexStats:
+    hits: int = 0               # routed experts computed from a flex copy (each a disk read or H2D copy saved)
+    fills: int = 0              # experts copied in
+    evictions: int = 0          # copies dropped for a newer one (LRU)
+    dropped: int = 0            # copies dropped by a shrink (a sequence's KV took the room) or a move to VRAM
+
+
+class FlexCache:
+    def __init__(self, slot_bytes: int, unit_bytes: int, units: int, n_layer: int, n_expert: int,
+                 device: torch.device):
+        self.slot_bytes, self.unit_bytes, self.units, self.device = slot_bytes, unit_bytes, units, device
+        self.per_chunk = unit_bytes // slot_bytes          # slots per chunk (one unused sequence's reservation)
+        assert self.per_chunk > 0 and units > 0, (unit_bytes, slot_bytes, units)
+        self.chunks: list[torch.Tensor | None] = [None] * units    # uint8 [per_chunk * slot_bytes] each
+        self.where = np.full((n_layer, n_expert), -1, dtype=np.int64)   # (layer, expert) -> flex slot, -1 = none
+        self.owner = np.full((units * self.per_chunk, 2), -1, dtype=np.int64)   # flex slot -> (layer, expert)
+        self.lru: OrderedDict[int, None] = OrderedDict()   # occupied flex slots, least recently used first
+        self.free: list[int] = []                          # empty slots of allocated chunks
+        self.held = 0                                      # sequences holding KV (their units are not ours)
+        self.stats = FlexStats()
+
+    @classmethod
+    def for_plan(cls, plan: SlotPlan, n_expert: int, device: torch.device, graphs: bool) -> "FlexCache | None":
+        """The cache for an attachment's plan: one unit = a sequence's KV reservation (vram_parts["kv"] /
+        max_running) + its decode graphs where the plan counted them (CUDA graphs). None where a unit holds no
+        expert slot or the plan reserved for one sequence only (a running sequence always holds it)."""
+        n = plan.max_running
+        unit = plan.vram_parts.get("kv", 0) // max(1, n) + (GRAPHS_BYTES_PER_SEQ if graphs else 0)
+        if n < 2 or unit < plan.slot.slot_bytes:
+            return None
+        return cls(plan.slot.slot_bytes, unit, n, plan.n_layer, n_expert, device)
+
+    # ---- room ----------------------------------------------------------------------------------------
+    @property
+    def n_chunks(self) -> int:
+        return sum(c is not None for c in self.chunks)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes the cache holds now."""
+        return self.n_chunks * self.per_chunk * self.slot_bytes
+
+    @property
+    def n_slots(self) -> int:
+        return self.n_chunks * self.per_chunk
+
+    @property
+    def n_held(self) -> int:
+        """Experts held."""
+        return len(self.lru)
+
+    def hold(self, n: int):
+        """`n` sequences hold (or are about to hold) KV: give back chunks until chunks + n <= units, before the
+        caller allocates. A smaller n lets later fills grow the cache again."""
+        self.held = n
+        keep = max(0, self.units - n)
+        for c in reversed(range(self.units)):
+            if self.n_chunks <= keep:
+                break
+            if self.chunks[c] is not None:
+                self._drop_chunk(c)
+
+    def clear(self):
+        """Give back every chunk (the worker lets go of its slot pool); the count of sequences holding KV stays."""
+        for c in range(self.units):
+            if self.chunks[c] is not None:
+                self._drop_chunk(c)
+
+    def _drop_chunk(self, c: int):
+        lo, hi = c * self.per_chunk, (c + 1) * self.per_chunk
+        for s in range(lo, hi):
+            if self.owner[s, 0] >= 0:
+                self._forget(s)
+                self.stats.dropped += 1
+        self.free = [s for s in self.free if not lo <= s < hi]
+        self.chunks[c] = None          # the caching allocator reuses it for the KV (stream-ordered)
+        event(log, "flex_cache_shrink", logging.DEBUG, chunks=self.n_chunks, slots=self.n_slots, held_kv=self.held)
+
+    def _forget(self, s: int):
+        l, e = self.owner[s]
+        self.where[l, e] = -1
+        self.owner[s] = -1
+        self.lru.pop(s, None)
+
+    def _slot(self) -> int | None:
+        """A slot for a new copy: an empty one, a new chunk's within the room, else the least recently used one's."""
+        if not self.free and self.n_chunks < self.units - self.held:
+            c = self.chunks.index(None)
+            self.chunks[c] = torch.empty((self.per_chunk * self.slot_bytes,), dtype=torch.uint8, device=self.device)
+            self.free = list(range(c * self.per_chunk, (c + 1) * self.per_chunk))
+            event(log, "flex_cache_grow", logging.DEBUG, chunks=self.n_chunks, slots=self.n_slots, held_kv=self.held)
+        if self.free:
+            return self.free.pop(0)
+        if self.lru:
+            s = next(iter(self.lru))
+            self._forget(s)
+            self.stats.evictions += 1
+            return s
+        return None
+
+    # ---- use -----------------------------------------------------------------------------------------
+    def split(self, layer: int, used: np.ndarray, tiers: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A layer's routed experts `used` (ascending) and their directory tiers -> (used, tiers) without the experts
+        computed from a flex copy, and those experts (ascending). A copy of an expert now in the VRAM tier goes."""
+        slots = self.where[layer, used]
+        held = slots >= 0
+        if not held.any():
+            return used, tiers, used[:0]
+        vram = held & (tiers == TIER_VRAM)
+        for s in slots[vram]:
+            self._forget(int(s))
+            self.stats.dropped += 1
+        hit = held & ~vram
+        for s in slots[hit]:
+            self.lru.move_to_end(int(s))
+        self.stats.hits += int(hit.sum())
+        return used[~hit], tiers[~hit], used[hit]
+
+    def held_mask(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        """bool per expert of `layer`: a copy is held (a read ahead of it would be wasted)."""
+        return self.where[layer, experts] >= 0
+
+    def groups(self, layer: int, experts: np.ndarray):
+        """Flex-held experts of a layer -> [(chunk tensor, experts, byte offsets in the chunk)], one per chunk."""
+        slots = self.where[layer, experts]
+        assert (slots >= 0).all(), (layer, experts, slots)
+        chunk = slots // self.per_chunk
+        out = []
+        for c in np.unique(chunk):
+            m = chunk == c
+            out.append((self.chunks[int(c)], experts[m], (slots[m] - c * self.per_chunk) * self.slot_bytes))
+        return out
+
+    # ---- fill ----------------------------------------------------------------------------------------
+    def keep(self, layer: int, experts, pool: torch.Tensor, offs):
+        """Copies of experts just staged (pool bytes [off, off + slot_bytes) each, e.g. a ring bank), on the current
+        stream: ordered after what wrote the bank and before what rewrites it once the caller's bank_done follows."""
+        sb = self.slot_bytes
+        for e, off in zip(experts, offs):
+            e, off = int(e), int(off)
+            if self.where[layer, e] >= 0:
+                self.lru.move_to_end(int(self.where[layer, e]))
+                continue
+            s = self._slot()
+            if s is None:
+                return
+            c, i = divmod(s, self.per_chunk)
+            self.chunks[c][i * sb:(i + 1) * sb].copy_(pool[off: off + sb])
+            self.where[layer, e] = s
+            self.owner[s] = (layer, e)
+            self.lru[s] = None
+            self.stats.fills += 1
+
+    def describe(self) -> dict:
+        return {"units": self.units, "unit_bytes": self.unit_bytes, "slots_per_unit": self.per_chunk,
+                "held_kv": self.held, "slots": self.n_slots, "experts": self.n_held, "bytes": self.nbytes,
+                "hits": self.stats.hits, "fills": self.stats.fills, "evictions": self.stats.evictions}

@@ -1,0 +1,145 @@
+"""The flex expert cache (worker/flex_cache.py): copies of experts read from disk, kept in the VRAM the plan reserves
+for sequences not running, computed from in place of a disk read.
+
+What must hold, with a real store (its reader threads, its staging slots) and the tiny engine model on the CPU:
+- a decode whose misses repeat (the same prompt decoded twice, the store's staging slots too few to keep anything)
+  reads fewer disk bytes with the cache on than off, and its logits are the same bits;
+- the cache lives only in the reservation running sequences do not use: before a sequence's KV is allocated the cache
+  gives the room back, so its bytes + the KV caches held never exceed the plan's KV reservation for max_running
+  sequences (a byte counter checked at every KV allocation and every fill), and it did hold more than that leaves
+  before the admissions (else the check proves nothing).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from betelgeuse.api import GenerateRequest, SamplingParams
+from betelgeuse.config import EngineConfig
+
+from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, write_synth
+
+V = ENGINE_SPEC["n_vocab"]
+# 2 VRAM + 3 host slots of 32 experts per layer, 6 staging slots: nearly every routed expert is a disk read, and the
+# store keeps almost none staged. max_context 1024: one sequence's KV (768 KiB) holds 21 flex slots of 36 KiB
+TIERS = dict(vram_slots=2, host_slots=3)
+CFG = dict(max_context=1024, staging_slots=6, decode_consolidate_every=0, prefix_cache_bytes=0)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_synth(tmp_path_factory.mktemp("flex") / "engine.gguf", **ENGINE_SPEC)
+
+
+def _decode_twice(model, flex: bool, steps: int = 8):
+    """One prompt prefilled and decoded `steps` tokens, twice over (the second: decode_batch in the static lanes'
+    form), one sequence holding KV -> (decode logits [2 * steps] of [V], disk bytes of the decode passes, flex hits)."""
+    rn, st = in_process_runner(model, TIERS["vram_slots"], TIERS["host_slots"], max_running=2, flex_cache=flex, **CFG)
+    try:
+        assert (rn.flex is not None) == flex
+        out, disk, hits = [], 0, 0
+        for rep in range(2):
+            kv = rn.new_cache(64)
+            lg, _ = rn.forward(prompt(24, V, seed=5), kv, consolidate=False)
+            tok = int(lg[-1].argmax())
+            rn._static_decode = rep == 1
+            for _ in range(steps):
+                lg, s = rn.decode_batch([tok], [kv]) if rep else rn.forward([tok], kv, consolidate=False)
+                lg = lg.reshape(-1, V)[-1]
+                disk += s.disk_bytes
+                hits += s.flex_hits
+                out.append(lg)
+                tok = int(lg.argmax())
+            rn.release(kv)               # the one sequence ends: its KV room is the cache's again
+        return out, disk, hits
+    finally:
+        close_runner(rn, st)
+
+
+def test_flex_cache_auto_is_off_on_the_cpu(model):
+    rn, st = in_process_runner(model, TIERS["vram_slots"], TIERS["host_slots"], max_running=2, **CFG)
+    try:
+        assert rn.cfg.flex_cache == "auto" and rn.flex is None
+    finally:
+        close_runner(rn, st)
+
+
+def test_repeated_misses_read_less_from_disk_with_the_same_bits(model):
+    off, disk_off, hits_off = _decode_twice(model, False)
+    on, disk_on, hits_on = _decode_twice(model, True)
+    for i, (a, b) in enumerate(zip(off, on)):
+        assert torch.equal(a, b), f"step {i}: max |diff| {(a - b).abs().max().item():.3e}, not bit-identical"
+    assert hits_off == 0 and hits_on > 0
+    assert disk_on < 0.8 * disk_off, (disk_on, disk_off, hits_on)
+
+
+def _req(ids, n):
+    return GenerateRequest(prompt_ids=ids, max_tokens=n, ignore_eos=True, sampling=SamplingParams(temperature=0.0))
+
+
+def test_admission_shrinks_the_cache_before_allocating_kv(model):
+    """max_running 3: a lone request leaves two sequences' KV room to the cache, which fills it; then three requests
+    together: each admission gives back a unit before the KV is allocated. The byte counter (flex bytes + the KV
+    caches held) stays within the plan's KV reservation at every KV allocation and every fill."""
+    from betelgeuse.assembly import open_engine, open_store
+    cfg = EngineConfig(model_path=str(model), read_threads=2, max_running=3, admission_window=0.2, flex_cache=True,
+                       **TIERS, **CFG)
+    store = open_store(cfg)
+    eng = open_engine(cfg, store)
+    try:
+        rn = eng.runner
+        flex = rn.flex
+        budget = rn.plan.vram_parts["kv"]                     # the plan's KV bytes for max_running sequences
+        assert flex is not None and flex.units == 3 and flex.unit_bytes * 3 == budget
+        live: dict = {}                                       # uid -> KV bytes of the caches allocated and held
+        seen = {"checks": 0, "peak": 0}
+        over: list = []          # checks run on the engine's thread: collected, asserted here
+
+        def check(extra: int = 0):
+            held = sum(live.values())
+            total = flex.nbytes + held + extra
+            seen["checks"] += 1
+            seen["peak"] = max(seen["peak"], total)
+            if total > budget:
+                over.append((flex.describe(), held, extra, budget))
+
+        real_new, real_keep, real_release = rn.model.new_cache, flex.keep, rn.release
+
+        def new_cache(n):                # the model's allocation, called by the runner once the cache made room
+            check(flex.unit_bytes)       # the new sequence's reservation counted in
+            kv = real_new(n)
+            live[kv.uid] = kv.nbytes()
+            check()
+            return kv
+
+        def keep(*a, **k):
+            real_keep(*a, **k)
+            check()
+
+        def release(kv):
+            live.pop(kv.uid, None)
+            real_release(kv)
+        rn.model.new_cache, flex.keep, rn.release = new_cache, keep, release
+
+        list(eng.submit(_req(prompt(24, V, seed=5), 8)))
+        lone = flex.nbytes
+        assert lone > flex.unit_bytes, flex.describe()       # it grew into two sequences' unused room
+        got = [None] * 3
+
+        def client(i):
+            got[i] = list(eng.submit(_req(prompt(20 + i, V, seed=30 + i), 6)))
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not over, f"flex + KV bytes over the plan's KV reservation: {over[:3]}"
+        assert all(g is not None and g[-1].finish_reason == "length" for g in got), got
+        assert not live and flex.held == 0
+        assert seen["checks"] > 10 and seen["peak"] <= budget
+    finally:
+        eng.close()
+        store.close()
