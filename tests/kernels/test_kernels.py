@@ -110,8 +110,8 @@ def test_engine_with_triton_kernels_is_location_invariant(tmp_path):
         assert r["max_abs_vs_torch"] <= 1e-4 * r["max_logit"], (key, r)
         assert r["greedy_equal_torch"], key
     # the configurations really used their tiers (else the equality would be vacuous)
-    assert res["5v15h"]["reads"][2]["host"] > 0 and res["5v15h"]["reads"][2]["vram"] > 0
-    assert res["32v0h"]["reads"][2] == {"vram": sum(res["32v0h"]["reads"][0].values()), "host": 0, "disk": 0}
+    assert res["3v8h"]["reads"][2]["host"] > 0 and res["3v8h"]["reads"][2]["vram"] > 0
+    assert res["16v0h"]["reads"][2] == {"vram": sum(res["16v0h"]["reads"][0].values()), "host": 0, "disk": 0}
 
 
 @pytest.mark.slow
