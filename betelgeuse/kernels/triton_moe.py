@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from betelgeuse.kernels import triton_mmvq as mv
+from betelgeuse.kernels.triton_launch import launcher, stream_key
 from betelgeuse.kernels.triton_quants import QT_CODES, SUPER, tables, wdot  # noqa: F401
 
 # Launch constants. Two kinds, so that a row's bits never depend on the launch (DESIGN.md invariant 6):
@@ -140,11 +141,21 @@ def bucket_of(rows: int, n_experts: int) -> int:
     return 1 if rows <= n_experts else 16
 
 
+_CONFIGS: dict = {}       # (qt, bucket) -> (TUNING, its entry, TYPE_CONFIG's entry: those it was made of, config)
+
+
 def config(qt: int, bucket: int = 16) -> dict:
     """The launch constants of kernel type code `qt` for a rows bucket: CONFIG, the tuning's reduction keys and
-    bucket schedule, then TYPE_CONFIG's overrides."""
-    t = TUNING.get(qt, {})
-    return {**CONFIG, **t.get("reduce", {}), **t.get(bucket, {}), **TYPE_CONFIG.get(qt, {})}
+    bucket schedule, then TYPE_CONFIG's overrides. Made once per (qt, bucket) and made again when TUNING or the
+    type's entry of TUNING / TYPE_CONFIG is replaced (set a new dict to change one, never edit one in place)."""
+    t, tc = TUNING.get(qt), TYPE_CONFIG.get(qt)
+    got = _CONFIGS.get((qt, bucket))
+    if got is not None and got[0] is TUNING and got[1] is t and got[2] is tc:
+        return got[3]
+    t0 = t or {}
+    c = {**CONFIG, **t0.get("reduce", {}), **t0.get(bucket, {}), **(tc or {})}
+    _CONFIGS[(qt, bucket)] = (TUNING, t, tc, c)
+    return c
 
 
 @triton.jit
@@ -402,11 +413,10 @@ _WS: dict = {}
 _WS_OLD: list = []        # replaced workspaces stay alive: a captured CUDA graph may still point at them
 
 
-def _workspace(device, n_floats: int, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _workspace(dev: torch.device, n_floats: int, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(float32 partials >= n_floats, int32 tile counters >= n_tiles, all zero) for launches on the current stream
-    of `device`: launches on one stream run one after the other, and each tile's last program resets its counter."""
-    dev = torch.device(device)
-    key = (str(dev), torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0)
+    of `dev`: launches on one stream run one after the other, and each tile's last program resets its counter."""
+    key = stream_key(dev)
     ws, cnt = _WS.get(key, (None, None))
     if ws is None or ws.numel() < n_floats or cnt.numel() < n_tiles:
         if ws is not None:
@@ -441,6 +451,11 @@ def _launch(kernel, args: list, grid_nb: int, R: int, E: int, K: int, qt: int, w
                  EP=triton.next_power_of_2(E), num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
+# the launches (triton_launch: the JIT's specialization once per key, then the compiled kernel directly)
+_GATE_UP, _DOWN, _GATE_UP_MV, _DOWN_MV, _COMBINE = map(launcher, (_gate_up_kernel, _down_kernel, _gate_up_mv_kernel,
+                                                                  _down_mv_kernel, _combine_kernel))
+
+
 def gate_up(h, pool, base, starts, rows, off, inter, n_ff: int, k_top: int, qt: int, limit: float | None,
             row_bytes: int, aligned: bool):
     """h [T,H]; base [E] int64 (-1 = skip); starts [E,3] int64; rows [R] int32 sorted (token*k+rank);
@@ -452,13 +467,13 @@ def gate_up(h, pool, base, starts, rows, off, inter, n_ff: int, k_top: int, qt: 
     c = config(qt, bucket_of(R, E))
     bn = c["BN_GATE_UP"]
     if c["MV"] and mv_ok(qt, H, row_bytes, aligned):
-        _gate_up_mv_kernel[(triton.cdiv(n_ff, bn), _launch_rows(R, E, c["BM_MV"]))](
+        _GATE_UP_MV[(triton.cdiv(n_ff, bn), _launch_rows(R, E, c["BM_MV"]))](
             h, pool, base, starts, rows, off, inter, H, n_ff, row_bytes, E, k_top,
             float(limit) if limit is not None else 0.0, QT=qt, HAS_LIMIT=limit is not None, RA=_row_align(row_bytes),
             BM=c["BM_MV"], BN=bn, **_mv_dims(qt), EP=triton.next_power_of_2(E), num_warps=c["num_warps"],
             num_stages=c["num_stages"])
         return
-    _launch(_gate_up_kernel, [h, pool, tables(pool.device), base, starts, rows, off, inter, H, n_ff, row_bytes, E,
+    _launch(_GATE_UP, [h, pool, tables(pool.device), base, starts, rows, off, inter, H, n_ff, row_bytes, E,
                               k_top, float(limit) if limit is not None else 0.0],
             triton.cdiv(n_ff, bn), R, E, H, qt, "gate_up", bn, c, block_k(qt, H, n_ff),
             dict(QT=qt, HAS_LIMIT=limit is not None, IEEE=h.dtype == torch.float32, ALIGNED=aligned,
@@ -474,12 +489,12 @@ def down(inter, pool, base, starts, rows, off, y, n_tokens: int, qt: int, row_by
     c = config(qt, bucket_of(R, E))
     bn = c["BN"]
     if c["MV"] and mv_ok(qt, F, row_bytes, aligned):
-        _down_mv_kernel[(triton.cdiv(H, bn), _launch_rows(R, E, c["BM_MV"]))](
+        _DOWN_MV[(triton.cdiv(H, bn), _launch_rows(R, E, c["BM_MV"]))](
             inter, pool, base, starts, rows, off, y, H, F, row_bytes, E, QT=qt, RA=_row_align(row_bytes),
             BM=c["BM_MV"], BN=bn, **_mv_dims(qt), EP=triton.next_power_of_2(E), num_warps=c["num_warps"],
             num_stages=c["num_stages"])
         return
-    _launch(_down_kernel, [inter, pool, tables(pool.device), base, starts, rows, off, y, H, F, row_bytes, E],
+    _launch(_DOWN, [inter, pool, tables(pool.device), base, starts, rows, off, y, H, F, row_bytes, E],
             triton.cdiv(H, bn), R, E, F, qt, "down", bn, c, block_k(qt, H, F),
             dict(QT=qt, IEEE=inter.dtype == torch.float32, ALIGNED=aligned, RA=_row_align(row_bytes)), pool.device)
 
@@ -490,7 +505,7 @@ def combine(y, w, out, rows=None):
     T, k = w.shape
     H = y.shape[1]
     assert out.is_contiguous() and out.shape[1] == H, (out.shape, H)
-    _combine_kernel[(T, triton.cdiv(H, 256))](y, w.contiguous(), out, rows if rows is not None else w, H, k, BN=256,
+    _COMBINE[(T, triton.cdiv(H, 256))](y, w.contiguous(), out, rows if rows is not None else w, H, k, BN=256,
                                               ROWS=rows is not None)
     return out
 

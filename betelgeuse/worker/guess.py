@@ -9,7 +9,7 @@ d = 1..D (D = `prefetch_depth`), as mixtral-offloading's speculative expert load
 the next layer's gate on the current hidden state). Why after l's attention and not after l's MoE: the MoE output
 is ready only once l's experts have landed, too late to hide anything but l+1's attention, and its guess would need
 a host sync of its own; the residual after attention is ready before l's routing sync, so the guesses ride to the
-host on that sync (one transfer: l's row counts and the D layers' expert marks together) and their reads overlap
+host on that sync (moe_step.RoutingSync: l's row counts and the D layers' guessed ids, one wait) and their reads overlap
 l's experts and the next layers' attention. The residual stream changes little from one layer to the next in a
 trained model, which is what makes the guess good (and worse the further ahead: D trades recall of the far layers
 against wasted reads); hash-routed layers (deepseek4) route by token id, so their guess is exact.
@@ -144,19 +144,6 @@ class Guesser:
             return []
         used = {int(x) for x in disk}
         return list(dict.fromkeys(k for a in self._asks[layer] for k in a.keys if k[0] == layer and k[1] not in used))
-
-    @staticmethod
-    def to_host(counts: torch.Tensor, guess: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray | None]:
-        """A layer's rows per expert [E] (device) and the next layers' guesses [T, D, k] (or None) -> on the host in
-        ONE transfer: (counts [E], guessed marks [D, E] or None). This is the layer's routing sync; the guess adds
-        none."""
-        if guess is None:
-            return counts.cpu().numpy(), None
-        E, D = counts.numel(), guess.shape[1]
-        flat = guess + E * torch.arange(D, device=guess.device).view(1, D, 1)      # [T, D, k] into marks [D*E]
-        marks = torch.zeros(D * E, dtype=counts.dtype, device=counts.device).index_fill_(0, flat.reshape(-1), 1)
-        both = torch.cat([counts, marks]).cpu().numpy()
-        return both[:E], both[E:].reshape(D, E)
 
     def read_ahead(self, layer: int, layers, marks: np.ndarray, snap, stats: PassStats, send=None):
         """Start the reads of the guessed experts that sit on disk of `layers` (ascending, each in layer+1 ..

@@ -40,6 +40,43 @@ from betelgeuse.worker.stats import LayerStats, PassClock, PassStats
 from betelgeuse.worker.store_session import StoreSession
 
 
+class RoutingSync:
+    """A partial layer's one host sync: its rows per expert [E] and the next layers' guessed ids [T, D, k] (decode)
+    copied, non-blocking, into one pinned buffer made once, then one event wait (no per-layer allocation, gather or
+    cat on the device); the guesses' marks [D, E] are made on the host (T*D*k ids, a few dozen in decode)."""
+
+    __slots__ = ("cuda", "buf", "event")
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.buf = None                              # int64 pinned [>= E + T*D*k]
+        self.event = torch.cuda.Event() if self.cuda else None
+
+    def __call__(self, counts: torch.Tensor, guess: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray | None]:
+        """-> (counts [E] int64, guessed marks [D, E] int64 (1 = guessed) or None)."""
+        E = counts.numel()
+        if not self.cuda:
+            c, g = counts.numpy(), None if guess is None else guess.numpy()
+        else:
+            assert guess is None or guess.dtype == counts.dtype == torch.int64, (counts.dtype, guess.dtype)
+            n = E + (0 if guess is None else guess.numel())
+            if self.buf is None or self.buf.numel() < n:
+                self.buf = torch.empty(max(n, 4 * E), dtype=torch.int64, pin_memory=True)
+            self.buf[:E].copy_(counts, non_blocking=True)
+            if guess is not None:
+                self.buf[E:n].copy_(guess.reshape(-1), non_blocking=True)
+            self.event.record()
+            self.event.synchronize()
+            a = self.buf.numpy()
+            c, g = a[:E].copy(), a[E:n]
+        if guess is None:
+            return c, None
+        T, D, k = guess.shape
+        marks = np.zeros((D, E), dtype=np.int64)
+        marks[np.arange(D)[None, :, None], g.reshape(T, D, k)] = 1
+        return c, marks
+
+
 class MoEStep:
     """The expert step of one attachment (its slot pool, kernels and pass counts; a re-attach makes a new one)."""
 
@@ -61,6 +98,7 @@ class MoEStep:
         self.guessing = cfg.prefetch_decode and cfg.routing == "exact"
         self.depth = cfg.prefetch_depth if self.guessing else 0
         self.guesser = Guesser(session, self.n_layer, self.depth, cfg.prefetch_min_hit)
+        self.sync = RoutingSync(torch.device(session.device))
         # the captured decode graphs' resident sets (route_static): fixed device storage that refresh_static
         # overwrites in place when residency changes, so a replayed graph reads the current set
         E, dev = session.file.config.n_expert, session.device
@@ -212,7 +250,7 @@ class MoEStep:
         cache = self.cache
         guess = guess if guess is not None and self.wants_guess(l) else None
         # host sync: routing decides the loads (with the next layer's guess in the same transfer)
-        counts, marks = self.clock.wait(self.guesser.to_host, r.counts, guess)
+        counts, marks = self.clock.wait(self.sync, r.counts, guess)
         used = np.nonzero(counts)[0]
         tiers = snap["tier"][l][used]
         flexed = used[:0]
