@@ -10,6 +10,8 @@
                     a miss sends the store ONE message, one with none sends none, or one read ahead of guesses)
                  2. the first host batch's copy into a ring bank starts, the VRAM group computes meanwhile
                  3. host-tier experts in batches: a batch is copied into one bank while the other bank computes
+                 (2+3 in decode with no disk expert and the host ones in one bank: ONE group over the VRAM slots and
+                 the bank, one gate_up + one down launch: the launches' host time outweighs the overlap)
                  4. disk experts in batches as they land in staging slots (the same path as 3); a staging slot goes
                     back to the store once its copy is done, and the layer never holds more than half the
                     staging slots while it blocks (the store keeps reading into the rest); the layer's last ones
@@ -295,16 +297,25 @@ class MoEStep:
         hslots = snap["host_slot"][l]
         host = [int(e) for e in by_tier[TIER_HOST]]
         batches = [host[i:i + B] for i in range(0, len(host), B)]
-        # 2. the first host batch's copy starts, the VRAM group computes meanwhile, 3. host batches follow
-        staged = [self._to_bank(b, [cache.host_slot(l, int(hslots[e])) for e in b], timing) for b in batches[:1]]
-        if ls.vram:
-            self._apply(r, l, self._vram_group(l, by_tier[TIER_VRAM]), ls)
-        if len(flexed):
-            self._flex_groups(l, r, flexed, stats, ls)
-        for i, b in enumerate(batches):
-            bank, g = staged[0] if i == 0 else self._to_bank(b, [cache.host_slot(l, int(hslots[e])) for e in b], timing)
-            self._apply(r, l, g, ls)
+        if ls.vram and len(batches) == 1 and not disk and not len(flexed) and r.ids.numel() <= r.counts.numel():
+            # decode, every byte at hand (no disk wait) and the host experts in one bank: ONE group over the VRAM
+            # slots and the bank (one gate_up + one down instead of two of each; the same kernel for every row)
+            vram = [int(e) for e in by_tier[TIER_VRAM]]
+            bank, offs = cache.to_bank([cache.host_slot(l, int(hslots[e])) for e in host], timing)
+            order = sorted(zip(vram + host, [int(cache.vram_base[l, e]) for e in vram] + offs))
+            self._apply(r, l, self._group([e for e, _ in order], [o for _, o in order]), ls)
             cache.bank_done(bank)
+        else:   # 2. the first host batch's copy starts, the VRAM group computes meanwhile, 3. host batches follow
+            staged = [self._to_bank(b, [cache.host_slot(l, int(hslots[e])) for e in b], timing) for b in batches[:1]]
+            if ls.vram:
+                self._apply(r, l, self._vram_group(l, by_tier[TIER_VRAM]), ls)
+            if len(flexed):
+                self._flex_groups(l, r, flexed, stats, ls)
+            for i, b in enumerate(batches):
+                bank, g = staged[0] if i == 0 else self._to_bank(b, [cache.host_slot(l, int(hslots[e])) for e in b],
+                                                                 timing)
+                self._apply(r, l, g, ls)
+                cache.bank_done(bank)
         # 4. disk experts in batches as they land; a staging slot goes back once its copy is done
         ahead_used = self._disk_groups(l, r, loads, len(disk), stats, ls, timing)
         self.guesser.check(l, by_tier[TIER_DISK], ahead_used, stats)

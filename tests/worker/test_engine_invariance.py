@@ -174,3 +174,38 @@ def test_tolerance_can_fail(model, reference):
     with torch.no_grad():
         other = ref.forward(torch.tensor(ids), ref.new_cache(64)).float()
     assert (other[7:] - want[7:]).abs().max().item() > REL_TOL * want.abs().max().item()
+
+
+def test_decode_layer_with_its_bytes_at_hand_is_one_group(model, reference):
+    """Every expert resident (5 VRAM slots, the rest host): after consolidation a decode layer's experts are in VRAM
+    or host slots (those the prompt used), nothing to wait for, so a layer that has both runs ONE launch group over the VRAM slots and the ring
+    bank (moe_step._partial: one gate_up + one down on the GPU, not two of each), and its logits are still the
+    reference's bit for bit."""
+    ref, _ = reference
+    kv = ref.new_cache(64)
+
+    def ref_step(ids, first):
+        with torch.no_grad():
+            return ref.forward(torch.tensor(ids), kv)[-1].float()
+    rows = []
+    want = _greedy(lambda ids, first: rows.append(ref_step(ids, first)) or rows[-1], PROMPT, 4)
+    runner, store = in_process_runner(model, 5, E - 5)
+    try:
+        runner.forward(PROMPT, runner.new_cache(64), consolidate=True)
+        runner.settle()
+        rkv, got_rows, layers = runner.new_cache(64), [], []
+
+        def step(ids, first):
+            logits, st = runner.forward(ids, rkv, consolidate=False, all_logits=first)
+            got_rows.append(logits[-1])
+            if not first:
+                layers.extend(st.layers)
+            return logits[-1]
+        assert _greedy(step, PROMPT, 4) == want
+        for i, (a, b) in enumerate(zip(got_rows, rows)):
+            assert torch.equal(a, b), f"row {i}: max |diff| {(a - b).abs().max():.3e}"
+        mixed = [ls for ls in layers if ls.vram and ls.host and not ls.disk]       # (an expert no pass used yet
+        assert len(mixed) >= 4, [(ls.vram, ls.host, ls.disk) for ls in layers]   # is still on disk: its layer waits)
+        assert all(ls.groups == 1 for ls in mixed), [(ls.vram, ls.host, ls.groups) for ls in mixed]
+    finally:
+        close_runner(runner, store)
