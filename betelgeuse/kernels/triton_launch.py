@@ -14,15 +14,18 @@ constexprs), keyed by what the JIT specializes on, taken conservatively:
   float    float                            fp32, never specialized on the value
   other    the value (None, bool, constexprs)
 
-plus num_warps / num_stages and the current device. Under TRITON_INTERPRET=1 (the kernel is not a JITFunction), or
+plus the launch options (num_warps, num_stages, ...) and the current device. Under TRITON_INTERPRET=1 (the kernel is not a JITFunction), or
 where the first call does not hand back a CompiledKernel, every launch takes the ordinary path. The bits are the
 same either way: the same compiled binary with the same arguments (deploy/device/check_cuda.py checks it).
 
-COUNTS counts launches per kernel name (both paths, the interpreter's included): the tests bound launches per layer.
+COUNTS counts launches per kernel name (both paths, the interpreter's included): the tests bound launches per layer;
+DIRECT those that took the direct path. $BETELGEUSE_TRITON_DIRECT=0 (or ENABLED = False) launches everything through
+the JIT (the check's baseline, a way out should a Triton release change the launcher's calling convention).
 """
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import torch
@@ -36,7 +39,8 @@ except ImportError:                       # pragma: no cover - an older or newer
 
 MAX_KEYS = 64                             # direct-launch keys per kernel; past it the JIT path (unbounded int args)
 COUNTS: Counter = Counter()               # launches per kernel name (tests, profiles)
-OPTIONS = ("num_warps", "num_stages")     # launch options the kernels here pass (not kernel parameters)
+DIRECT: Counter = Counter()               # of those, launched through the compiled kernel directly
+ENABLED = os.environ.get("BETELGEUSE_TRITON_DIRECT", "1") != "0"
 
 
 def _spec(a):
@@ -45,20 +49,21 @@ def _spec(a):
         return a.dtype, a.data_ptr() & 15 == 0
     if isinstance(a, float):
         return float
-    return a
+    return a.__class__, a                 # True and 1 apart (u1 vs the constexpr 1)
 
 
 class Launcher:
     """kernel[grid](*args, **kw) with the JIT's binding and specialization done once per key (module doc).
     `args` positional (in signature order), `kw` the remaining parameters by name and the launch options."""
 
-    __slots__ = ("kernel", "name", "names", "direct", "_compiled")
+    __slots__ = ("kernel", "name", "names", "params", "direct", "_compiled")
 
     def __init__(self, kernel):
         self.kernel = kernel
         self.name = getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", "kernel")
         self.direct = JITFunction is not None and isinstance(kernel, JITFunction)   # not the interpreter's
         self.names = [p.name for p in kernel.params] if self.direct else []
+        self.params = frozenset(self.names)
         self._compiled: dict = {}
 
     def __getitem__(self, grid):
@@ -66,14 +71,14 @@ class Launcher:
 
     def launch(self, grid, args: tuple, kw: dict):
         COUNTS[self.name] += 1
-        if not self.direct:
+        if not (self.direct and ENABLED):
             return self.kernel[grid](*args, **kw)
         try:
             vals = [*args, *(kw[n] for n in self.names[len(args):])]
         except KeyError:                  # a parameter left to its default: the JIT binds it
             return self.kernel[grid](*args, **kw)
         dev = driver.active.get_current_device()
-        key = (dev, tuple(kw.get(o) for o in OPTIONS), *map(_spec, vals))
+        key = (dev, *[(k, v) for k, v in kw.items() if k not in self.params], *map(_spec, vals))   # options too
         ck = self._compiled.get(key)
         if ck is None:
             ck = self.kernel[grid](*args, **kw)
@@ -82,6 +87,7 @@ class Launcher:
             return ck
         g = tuple(grid) + (1,) * (3 - len(grid))
         ck[g](*vals, stream=driver.active.get_current_stream(dev))
+        DIRECT[self.name] += 1
         return ck
 
 
