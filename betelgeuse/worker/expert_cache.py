@@ -90,6 +90,7 @@ class ExpertCache:
         self.n_tables = L * (-(-E // self.bank_size) + 2 + plan.max_running) + 4
         self.tables_host = torch.full((self.n_tables, E), -1, dtype=torch.int64, pin_memory=self.is_cuda)
         self.tables_dev = torch.full((self.n_tables, E), -1, dtype=torch.int64, device=device)
+        self._tables_np = self.tables_host.numpy()   # the same memory
         self._table = 0
         self.h2d_bytes = 0
         self.copy_seconds = 0.0    # CPU path: time spent copying
@@ -251,12 +252,12 @@ class ExpertCache:
         """A slot table for one group: [E] int64, offs for `experts`, -1 elsewhere; host view and device copy."""
         i = self._table
         self._table = (i + 1) % self.n_tables
-        host = self.tables_host[i]
-        host.fill_(-1)
-        host[torch.as_tensor(experts, dtype=torch.long)] = torch.as_tensor(offs, dtype=torch.int64)
+        host = self._tables_np[i]                    # filled in numpy: no torch op per entry list
+        host.fill(-1)
+        host[experts] = offs
         dev = self.tables_dev[i]
-        dev.copy_(host, non_blocking=self.is_cuda)
-        return host.numpy(), dev
+        dev.copy_(self.tables_host[i], non_blocking=self.is_cuda)
+        return host, dev
 
     def pass_begin(self):
         self._table = 0
