@@ -16,6 +16,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 
+from betelgeuse.kernels.triton_launch import COUNTS  # noqa: E402
+
 from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, write_synth  # noqa: E402
 
 out = {"configs": {}}
@@ -44,6 +46,11 @@ else:
     CONFIGS = [(0, 0), (3, 8), (E, 0)]
 
 
+def expert_launches() -> int:
+    """Launches of the expert kernels so far (triton_moe: gate_up, down, their mmvq forms, combine)."""
+    return sum(n for k, n in COUNTS.items() if k.split("_")[1] in ("gate", "down", "combine"))
+
+
 def run(kernels, vram, host):
     rn, st = in_process_runner(model, vram, host, kernels=kernels)
     assert rn.kern.backend == kernels, rn.kern.backend
@@ -55,12 +62,15 @@ def run(kernels, vram, host):
             lg, s = rn.forward(P, kv, all_logits=True, consolidate=consolidate)
             rn.settle()
             res.append((lg, dict(s.reads)))
-        toks, steps = [], []
+        toks, steps, launches = [], [], []  # launches per decode step: (expert-kernel launches, its layers)
         for _ in range(4):              # decode from the last pass's cache, the store pass kept open since its prefill
             t = int(lg[-1].argmax())
             toks.append(t)
+            n0 = expert_launches()
             lg, s = rn.forward([t], kv, consolidate=False)
+            launches.append((expert_launches() - n0, [(ls.groups, ls.disk) for ls in s.layers]))
             steps.append(lg)
+        out.setdefault("decode_launches", {})[f"{kernels} {vram}v{host}h"] = launches
         rn.consolidate()
         return res, toks, steps
     finally:
