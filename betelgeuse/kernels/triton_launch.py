@@ -14,9 +14,10 @@ constexprs), keyed by what the JIT specializes on, taken conservatively:
   float    float                            fp32, never specialized on the value
   other    the value (None, bool, constexprs)
 
-plus the launch options (num_warps, num_stages, ...) and the current device. Under TRITON_INTERPRET=1 (the kernel is not a JITFunction), or
-where the first call does not hand back a CompiledKernel, every launch takes the ordinary path. The bits are the
-same either way: the same compiled binary with the same arguments (deploy/device/check_cuda.py checks it).
+plus the launch options (num_warps, num_stages, ...) and the current device. Under TRITON_INTERPRET=1 (the kernel
+is not a JITFunction), or where the first call does not hand back a CompiledKernel, every launch takes the ordinary
+path. The bits are the same either way: the same compiled binary with the same arguments (check_cuda.py --only
+launch checks it).
 
 COUNTS counts launches per kernel name (both paths, the interpreter's included): the tests bound launches per layer;
 DIRECT those that took the direct path. $BETELGEUSE_TRITON_DIRECT=0 (or ENABLED = False) launches everything through
