@@ -33,6 +33,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from betelgeuse.kernels.triton_launch import launcher
 from betelgeuse.routing_approx import Residency
 
 HC_SPLIT_K = 1024          # columns of the [M, hc*D] mHC matrix per partial-product program
@@ -441,6 +442,13 @@ def _copy_rows_kernel(idx_ptr, srcs, dsts, s_stride, d_stride, widths, N: tl.con
 
 def _ieee(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32
+
+
+# the launches: the JIT's binding and specialization once per key (kernels/triton_launch.py)
+(_hc_partial_kernel, _hc_finish_kernel, _hc_post_kernel, _rms_rope_kernel, _compress_step_kernel, _index_scores_kernel,
+ _decode_attn_kernel, _route_approx_kernel, _route_kernel, _swiglu_kernel, _copy_rows_kernel) = map(launcher, (
+    _hc_partial_kernel, _hc_finish_kernel, _hc_post_kernel, _rms_rope_kernel, _compress_step_kernel,
+    _index_scores_kernel, _decode_attn_kernel, _route_approx_kernel, _route_kernel, _swiglu_kernel, _copy_rows_kernel))
 
 
 class TritonOps:

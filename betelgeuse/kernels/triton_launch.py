@@ -12,7 +12,8 @@ constexprs), keyed by what the JIT specializes on, taken conservatively:
                                             take geometry ints only (H, F, row bytes, experts, k, chunk), a handful
                                             of values per model; past MAX_KEYS keys a kernel launches through the JIT
   float    float                            fp32, never specialized on the value
-  other    the value (None, bool, constexprs)
+  other    the value (None, bool, constexprs); a tuple or list argument (its members specialized one by one) makes
+           the kernel launch through the JIT from then on
 
 plus the launch options (num_warps, num_stages, ...) and the current device. Under TRITON_INTERPRET=1 (the kernel
 is not a JITFunction), or where the first call does not hand back a CompiledKernel, every launch takes the ordinary
@@ -50,6 +51,8 @@ def _spec(a):
         return a.dtype, a.data_ptr() & 15 == 0
     if isinstance(a, float):
         return float
+    if isinstance(a, (tuple, list)):
+        raise TypeError("a tuple argument: the JIT specializes its members")
     return a.__class__, a                 # True and 1 apart (u1 vs the constexpr 1)
 
 
@@ -79,7 +82,11 @@ class Launcher:
         except KeyError:                  # a parameter left to its default: the JIT binds it
             return self.kernel[grid](*args, **kw)
         dev = driver.active.get_current_device()
-        key = (dev, *[(k, v) for k, v in kw.items() if k not in self.params], *map(_spec, vals))   # options too
+        try:
+            key = (dev, *[(k, v) for k, v in kw.items() if k not in self.params], *map(_spec, vals))   # options too
+        except TypeError:
+            self.direct = False
+            return self.kernel[grid](*args, **kw)
         ck = self._compiled.get(key)
         if ck is None:
             ck = self.kernel[grid](*args, **kw)

@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from betelgeuse.kernels.triton_launch import launcher
+
 
 @triton.jit
 def _rms_kernel(x_ptr, w_ptr, y_ptr, D, eps, BD: tl.constexpr):
@@ -18,6 +20,9 @@ def _rms_kernel(x_ptr, w_ptr, y_ptr, D, eps, BD: tl.constexpr):
     xn = (x * tl.rsqrt(ms + eps)).to(y_ptr.dtype.element_ty)
     w = tl.load(w_ptr + c, mask=m, other=0)
     tl.store(y_ptr + row * D + c, (w * xn).to(y_ptr.dtype.element_ty), mask=m)
+
+
+_rms_kernel = launcher(_rms_kernel)           # the JIT's specialization once per key (kernels/triton_launch.py)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
