@@ -181,42 +181,34 @@ def mv_weights(pool, ra, kk, mn, QT: tl.constexpr, D1: tl.constexpr, D2: tl.cons
 
 
 @triton.jit
-def mv_x(x_ptr, xrow, mr, kk, QT: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
-    """float32 [BM, D1, D2, D3]: activations of rows at element offsets xrow [BM] (mask mr), step kk, tile order."""
-    return tl.load(x_ptr + xrow[:, None, None, None] + kk + mv_cols(QT, D1, D2, D3), mask=mr[:, None, None, None],
-                   other=0).to(tl.float32)
+def mv_xptr(x_ptr, xrow, QT: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
+    """[1, D1, D2, D3] pointers to the activations of step 0, in tile order, of the row at element offset xrow [1]
+    (step kk: + kk)."""
+    return x_ptr + xrow[:, None, None, None] + mv_cols(QT, D1, D2, D3)
 
 
 @triton.jit
-def mv_zeros(BN: tl.constexpr, BM: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
-    """The accumulator: [BN, D1, D2, D3] for one row a program (no row dimension: the weights' own layout, so the
-    loop moves no registers through shared memory), else [BN, BM, D1, D2, D3]."""
-    if BM == 1:
-        z = tl.zeros((BN, D1, D2, D3), dtype=tl.float32)
-    else:
-        z = tl.zeros((BN, BM, D1, D2, D3), dtype=tl.float32)
-    return z
+def mv_zeros(BN: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
+    """One row's accumulator [BN, D1, D2, D3]: the weights' own layout (no row dimension), so the loop moves no
+    registers through shared memory."""
+    return tl.zeros((BN, D1, D2, D3), dtype=tl.float32)
 
 
 @triton.jit
-def mv_acc(acc, w, x, BM: tl.constexpr):
-    """acc + w [BN, D...] x [BM, D...] elementwise (one fused multiply-add per element)."""
-    if BM == 1:
-        r = tl.fma(w, tl.broadcast_to(x, w.shape), acc)
-    else:
-        r = tl.fma(tl.broadcast_to(w[:, None], acc.shape), tl.broadcast_to(x[None, :], acc.shape), acc)
-    return r
+def mv_acc(acc, w, x):
+    """acc + w [BN, D...] x x [1, D...] elementwise (one fused multiply-add per element)."""
+    return tl.fma(w, tl.broadcast_to(x, w.shape), acc)
 
 
 @triton.jit
-def mv_total(acc, BN: tl.constexpr, BM: tl.constexpr, S: tl.constexpr, LOG2S: tl.constexpr):
-    """[BN, BM] = acc (mv_zeros' shape, S positions) summed by the pairwise tree over the positions in tile order
+def mv_total(acc, BN: tl.constexpr, S: tl.constexpr, LOG2S: tl.constexpr):
+    """[BN, 1] = acc [BN, D1, D2, D3] (S positions) summed by the pairwise tree over the positions in tile order
     (2i + 2i+1, level by level)."""
-    a = tl.reshape(acc, (BN, BM, S))
+    a = tl.reshape(acc, (BN, S))
     for lvl in tl.static_range(LOG2S):
-        lo, hi = tl.split(tl.reshape(a, (BN, BM, S >> (lvl + 1), 2)))
+        lo, hi = tl.split(tl.reshape(a, (BN, S >> (lvl + 1), 2)))
         a = lo + hi
-    return tl.reshape(a, (BN, BM))
+    return tl.reshape(a, (BN, 1))
 
 
 def log2(n: int) -> int:

@@ -337,27 +337,64 @@ def _down_kernel(inter_ptr, pool, tab, base_ptr, starts_ptr, rows_ptr, off_ptr, 
 
 
 @triton.jit
+def _mv_rows(off_ptr, rows_ptr, e, mb, BM: tl.constexpr):
+    """Block mb of expert e row by row: tuples of BM one-element tensors (sorted-row index, in range, token*k+rank
+    int64 of the row, or of the expert's last row past its end: every row's activations can be read unmasked, and
+    only rows in range are stored)."""
+    r0 = tl.load(off_ptr + e) + mb * BM
+    last = tl.load(off_ptr + e + 1) - 1
+    rows, mrs, flats = (), (), ()
+    for i in tl.static_range(BM):
+        r = r0 + i + tl.arange(0, 1)
+        rows, mrs = rows + (r,), mrs + (r <= last,)
+        flats = flats + (tl.load(rows_ptr + tl.minimum(r, last)).to(tl.int64),)
+    return rows, mrs, flats
+
+
+@triton.jit
+def _mv_zeros_rows(BN: tl.constexpr, BM: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
+    """BM accumulators [BN, D1, D2, D3] (a tuple: one per row, each in the weights' own layout)."""
+    accs = ()
+    for i in tl.static_range(BM):
+        accs = accs + (mv.mv_zeros(BN, D1, D2, D3),)
+    return accs
+
+
+@triton.jit
+def _mv_step(accs, w, xps, kk, BM: tl.constexpr):
+    """One K step of BM rows with the weight tile w [BN, D1, D2, D3] held: row i's accumulator gets w x its row's
+    activations at xps[i] + kk (mv_acc), the same float ops as a program of that row alone."""
+    out = ()
+    for i in tl.static_range(BM):
+        out = out + (mv.mv_acc(accs[i], w, tl.load(xps[i] + kk).to(tl.float32)),)
+    return out
+
+
+@triton.jit
 def _gate_up_mv_kernel(h_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, inter_ptr, H, F, row_bytes, n_exp, k_top,
                        limit, QT: tl.constexpr, HAS_LIMIT: tl.constexpr, RA: tl.constexpr, BM: tl.constexpr,
                        BN: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, S: tl.constexpr,
                        LOG2S: tl.constexpr, EP: tl.constexpr):
-    """The decode schedule (triton_mmvq): BN output columns of gate and up for BM rows of one expert, all of H."""
+    """The decode schedule (triton_mmvq): BN output columns of gate and up for BM rows of one expert, all of H; each
+    K step's weights are loaded and decoded once and applied to the BM rows in turn (llama.cpp's mmvq ncols_y)."""
     e, mb, base = _find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
     if base >= 0:
-        rows, mr, flat = _rows_of(off_ptr, rows_ptr, e, mb, BM)
+        rows, mrs, flats = _mv_rows(off_ptr, rows_ptr, e, mb, BM)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         mn = n < F
         gra = _part_rows(base, starts_ptr, e, 0, n, row_bytes, True, RA)
         ura = _part_rows(base, starts_ptr, e, 1, n, row_bytes, True, RA)
-        xrow = (flat // k_top) * H
-        accg = mv.mv_zeros(BN, BM, D1, D2, D3)
-        accu = mv.mv_zeros(BN, BM, D1, D2, D3)
+        xps = ()
+        for i in tl.static_range(BM):
+            xps = xps + (mv.mv_xptr(h_ptr, (flats[i] // k_top) * H, QT, D1, D2, D3),)
+        accg = _mv_zeros_rows(BN, BM, D1, D2, D3)
+        accu = _mv_zeros_rows(BN, BM, D1, D2, D3)
         for kk in range(0, H, S):
-            x = mv.mv_x(h_ptr, xrow, mr, kk, QT, D1, D2, D3)
-            accg = mv.mv_acc(accg, mv.mv_weights(pool, gra, kk, mn, QT, D1, D2, D3), x, BM)
-            accu = mv.mv_acc(accu, mv.mv_weights(pool, ura, kk, mn, QT, D1, D2, D3), x, BM)
-        _gu_store(mv.mv_total(accg, BN, BM, S, LOG2S), mv.mv_total(accu, BN, BM, S, LOG2S), inter_ptr, rows, mr, n,
-                  mn, F, limit, HAS_LIMIT)
+            accg = _mv_step(accg, mv.mv_weights(pool, gra, kk, mn, QT, D1, D2, D3), xps, kk, BM)
+            accu = _mv_step(accu, mv.mv_weights(pool, ura, kk, mn, QT, D1, D2, D3), xps, kk, BM)
+        for i in tl.static_range(BM):
+            _gu_store(mv.mv_total(accg[i], BN, S, LOG2S), mv.mv_total(accu[i], BN, S, LOG2S), inter_ptr, rows[i],
+                      mrs[i], n, mn, F, limit, HAS_LIMIT)
 
 
 @triton.jit
@@ -366,17 +403,21 @@ def _down_mv_kernel(inter_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, y_
                     D2: tl.constexpr, D3: tl.constexpr, S: tl.constexpr, LOG2S: tl.constexpr, EP: tl.constexpr):
     e, mb, base = _find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
     if base >= 0:
-        rows, mr, flat = _rows_of(off_ptr, rows_ptr, e, mb, BM)
+        rows, mrs, flats = _mv_rows(off_ptr, rows_ptr, e, mb, BM)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         mn = n < H
         dra = _part_rows(base, starts_ptr, e, 2, n, row_bytes, True, RA)
-        xrow = rows.to(tl.int64) * F
-        acc = mv.mv_zeros(BN, BM, D1, D2, D3)
+        xps = ()
+        for i in tl.static_range(BM):
+            xps = xps + (mv.mv_xptr(inter_ptr, tl.minimum(rows[i], tl.load(off_ptr + e + 1) - 1).to(tl.int64) * F,
+                                    QT, D1, D2, D3),)
+        acc = _mv_zeros_rows(BN, BM, D1, D2, D3)
         for kk in range(0, F, S):
-            acc = mv.mv_acc(acc, mv.mv_weights(pool, dra, kk, mn, QT, D1, D2, D3),
-                            mv.mv_x(inter_ptr, xrow, mr, kk, QT, D1, D2, D3), BM)
-        tot = mv.mv_total(acc, BN, BM, S, LOG2S)
-        tl.store(y_ptr + flat[None, :] * H + n[:, None], tot.to(y_ptr.dtype.element_ty), mask=mn[:, None] & mr[None, :])
+            acc = _mv_step(acc, mv.mv_weights(pool, dra, kk, mn, QT, D1, D2, D3), xps, kk, BM)
+        for i in tl.static_range(BM):
+            tot = mv.mv_total(acc[i], BN, S, LOG2S)
+            tl.store(y_ptr + flats[i][None, :] * H + n[:, None], tot.to(y_ptr.dtype.element_ty),
+                     mask=mn[:, None] & mrs[i][None, :])
 
 
 def _mv_dims(qt: int) -> dict:
