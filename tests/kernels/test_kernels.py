@@ -93,6 +93,18 @@ def test_decode_schedule_matches_torch_and_is_row_invariant():
     assert res["Q4_K"]["limit_max_abs"] <= 1e-5 * max(1.0, res["Q4_K"]["limit_scale"]), res["Q4_K"]
 
 
+def test_decode_schedule_rows_a_program_keep_each_rows_bits():
+    """The decode schedule's many-rows program (tests/scripts/mmvq_rows_check.py): one decoded weight tile applied to
+    BM = 1, 3, 16 rows a program in turn, on launches of 1, 3 and 16 tokens: every row bit-identical to the same row
+    of the 1-row-a-program launch (a reduction whose order followed BM fails here: checked with tl.sum for BM > 1),
+    and within float noise of gguf-py's dequantized experts."""
+    res = _run("mmvq_rows_check.py", "Q8_0", "MXFP4")
+    assert set(res) == {"Q8_0", "MXFP4"}
+    for name, r in res.items():
+        assert r["mv_taken"] and r["mismatch"] == [], (name, r)
+        assert r["max_abs"] <= 2e-6 * r["scale"] * r["K"] ** 0.5, (name, r)
+
+
 def test_triton_types_are_the_kernel_codes():
     """moe.TRITON_QTYPES (what the runner checks without importing triton) is the set the kernels dispatch on."""
     from betelgeuse.kernels.moe import TRITON_QTYPES
