@@ -17,7 +17,12 @@ so that a row's bits do not depend on the launch (DESIGN.md invariant 6):
   - out[n, m] = the pairwise tree over p: level by level, positions (2i, 2i+1) added (tl.split), a fixed order
     where tl.sum's would follow the register layout.
 So both rows buckets can take this schedule at different BN / rows per program / warps with the same bits; a
-type's launch table switches it on with the reduction key MV = 1 (triton_moe), for both buckets.
+type's launch table switches it on with the reduction key MV = 1 (triton_moe), for both buckets. A program of BM
+rows (triton_moe's _mv_step; llama.cpp's ncols_y) decodes a step's weight tile [BN, D1, D2, D3] once and applies it
+to its rows in turn, each row's accumulator its own [BN, D1, D2, D3] tensor in the tile's layout: the ops of row m
+are those of a program of row m alone, and no reduction runs over a [rows, ...] tile (whose order could follow BM).
+Per thread that is BM x BN x S / threads accumulator registers per weight part (gate_up has two): the sweep's
+candidates keep it under sm_90's 255.
 
   type   step S  words per row and step                  tile [D1, D2, D3]     element of position (a, b, c)
   Q8_0   64      2 blocks (68 B, 17 words; quants of the  block, word, byte     32 a + 4 b + c

@@ -16,7 +16,8 @@
    routing's decode (tiny, 2+4 of 16 slots) eager == graph replay bit for bit, solo and lanes.
 5. PP tok/s layer-major vs standard on the tiny and the mid model, same slot config and state.
 6. kernels: every expert type the kernels read (Q8_0, MXFP4, the K- and i-quants) at the bench geometry, through
-   deploy/device/kernel_roofline.check (vs the torch path in bf16, row invariance, the in-kernel weights); and a
+   deploy/device/kernel_roofline.check (vs the torch path in bf16, row invariance, the in-kernel weights), the decode
+   schedule's rows a program (kernel_roofline.check_rows: one row's bits at BM_MV 1, 8, 16); and a
    Q4_K_M model (Q4_K experts, Q6_K/Q8_0 attention) through the runner: logits bit-identical across slot
    configurations, passes and decode steps, and equal to the reference model on the device.
 
@@ -494,13 +495,22 @@ def check_kernel_types(device: str, tmp: Path):
         row("kernels", None, "the device's kernels per type (skipped on the CPU: tests/test_kernels.py runs them there)")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import kernel_roofline as kr
+    # the decode schedule (triton_mmvq) at one config per rows a program (BM_MV 1, 8, 16), for the types it has
+    mv = {t: sorted({kr.CONFIGS[ci]["BM_MV"]: ci for ci in reversed(kr.mv_configs(t))}.values(),
+                    key=lambda ci: kr.CONFIGS[ci]["BM_MV"]) for t in kr.TYPES}
     if cuda:                                          # the types' kernels compiled in parallel (the Triton cache)
-        kr.warm_parallel([("bench", t, 0) for t in kr.TYPES], min(len(kr.TYPES), (os.cpu_count() or 2) - 2), 240.0)
+        kr.warm_parallel([("bench", t, ci) for t in kr.TYPES for ci in [0, *mv[t]]],
+                         min(len(kr.TYPES), (os.cpu_count() or 2) - 2), 240.0)
     for t in kr.TYPES if cuda else ():
         r = kr.check("bench", t, 0)
         res[t] = r
         row(f"kernels: {t}", r["finite"] and r["row_invariant"] and r["rel_err"] < 3e-2 and r["weights_rel_err"] < 1e-2,
             f"vs torch (bf16) {r['rel_err']:.1e}, weights {r['weights_rel_err']:.1e}, row-invariant {r['row_invariant']}")
+        if mv[t]:
+            rr = kr.check_rows(kr.check_setup("bench", t), cis=mv[t])
+            res[t]["mmvq_rows"] = rr
+            row(f"kernels: {t} mmvq rows", rr["ok"], f"BM_MV {[kr.CONFIGS[ci]['BM_MV'] for ci in mv[t]]}: each row's "
+                f"bits the same at every rows a program and 1 / 3 / all tokens a launch; mismatches {rr['mismatch']}")
     from betelgeuse.gguf.synth import spec_from_preset
     spec = spec_from_preset("tiny", qtype="Q4_K_M", n_embd=256, n_ff_exp=256, n_head=4, head_dim=64)
     path = tmp / "check-tiny-q4km.gguf"

@@ -96,14 +96,18 @@ CONFIGS = [
     {"BK": 256, "KC": 256, "BN": 64, "BN_GATE_UP": 64, "SPLIT": 0, "num_warps": 4, "num_stages": 3},
     {"BK": 256, "KC": 512, "BN": 32, "BN_GATE_UP": 32, "SPLIT": 1, "num_warps": 4, "num_stages": 1},
     # the decode schedule (triton_mmvq, MV = 1: its own arithmetic, the same bits at every BN / BM_MV / warps /
-    # stages, so both buckets pick from these; Q8_0, MXFP4, Q4_K, Q5_K only): BN output rows x BM_MV rows a program
+    # stages, so both buckets pick from these; Q8_0, MXFP4, Q4_K, Q5_K only): BN output rows x BM_MV rows a program.
+    # One row a program (the 1-row bucket), then BM_MV rows sharing each decoded weight tile (the 16-row bucket; per
+    # thread 2 x BM_MV x BN x step / threads accumulator registers in gate_up: these stay under 255 registers for
+    # Q8_0 and MXFP4 on sm_90, tests/scripts/kernel_smem.py compiles them)
     {"BK": 256, "KC": 0, "MV": 1, "BM_MV": 1, "BN": 8, "BN_GATE_UP": 8, "SPLIT": 0, "num_warps": 4, "num_stages": 1},
     {"BK": 256, "KC": 0, "MV": 1, "BM_MV": 1, "BN": 16, "BN_GATE_UP": 16, "SPLIT": 0, "num_warps": 4, "num_stages": 2},
     {"BK": 256, "KC": 0, "MV": 1, "BM_MV": 1, "BN": 32, "BN_GATE_UP": 32, "SPLIT": 0, "num_warps": 8, "num_stages": 1},
     {"BK": 256, "KC": 0, "MV": 1, "BM_MV": 1, "BN": 4, "BN_GATE_UP": 4, "SPLIT": 0, "num_warps": 2, "num_stages": 2},
-    {"BK": 256, "KC": 0, "MV": 1, "BM_MV": 16, "BN": 2, "BN_GATE_UP": 2, "SPLIT": 0, "num_warps": 8, "num_stages": 1},
-    {"BK": 256, "KC": 0, "MV": 1, "BM_MV": 8, "BN": 4, "BN_GATE_UP": 4, "SPLIT": 0, "num_warps": 8, "num_stages": 1},
-    {"BK": 256, "KC": 0, "MV": 1, "BM_MV": 4, "BN": 8, "BN_GATE_UP": 8, "SPLIT": 0, "num_warps": 4, "num_stages": 2},
+    {"BK": 256, "KC": 0, "MV": 1, "BM_MV": 16, "BN": 2, "BN_GATE_UP": 2, "SPLIT": 0, "num_warps": 4, "num_stages": 1},
+    {"BK": 256, "KC": 0, "MV": 1, "BM_MV": 16, "BN": 4, "BN_GATE_UP": 2, "SPLIT": 0, "num_warps": 2, "num_stages": 1},
+    {"BK": 256, "KC": 0, "MV": 1, "BM_MV": 16, "BN": 8, "BN_GATE_UP": 4, "SPLIT": 0, "num_warps": 4, "num_stages": 1},
+    {"BK": 256, "KC": 0, "MV": 1, "BM_MV": 8, "BN": 4, "BN_GATE_UP": 4, "SPLIT": 0, "num_warps": 4, "num_stages": 1},
 ]
 for _c in CONFIGS:                  # the MMA path's entries: MV 0 (BM_MV, a key of the decode schedule, unused)
     _c.setdefault("MV", 0)
@@ -402,6 +406,32 @@ def check(gname: str, tname: str, ci: int) -> dict:
     return res
 
 
+def mv_configs(tname: str) -> list[int]:
+    """The CONFIGS indices of the decode schedule (MV = 1) for type tname: none where triton_mmvq lacks it."""
+    return [ci for ci, c in enumerate(CONFIGS) if c is not None and c.get("MV") and applies(tname, ci)]
+
+
+def check_rows(ctx: dict, checked: dict | None = None, cis: list[int] | None = None) -> dict:
+    """The decode schedule's rows a program (the MV CONFIGS: BM_MV 1, 8, 16) keep each row's bits: every one's
+    outputs on both routings (16 / E/2 + 8 tokens, 2 rows each) equal the first's bit for bit, and the first 1 and 3
+    tokens launched alone equal the same rows of the full launch; checked: {ci: check_config(ctx, ...)} already
+    run (the sweep's), the rest are run here; cis: those configs only. {"ok", "configs", "mismatch": [ci or
+    (ci, tokens), ...]}."""
+    from betelgeuse.kernels.triton_quants import QT_CODES
+    cis = mv_configs(GT(ctx["qt"]).name) if cis is None else cis
+    got = {ci: (checked or {}).get(ci) or check_config(ctx, CONFIGS[ci]) for ci in cis}
+    bad = [ci for ci in cis if not got[ci][0]["ok"]
+           or any(not torch.equal(got[ci][1][k], got[cis[0]][1][k]) for k in got[ci][1])]
+    h, ids, w, _ = ctx["cases"]["rows16"]
+    H, F, E, limit = ctx["geom"]
+    for ci in cis:
+        set_config(QT_CODES[ctx["qt"]], CONFIGS[ci])
+        tri, _ = kernels_for(ctx["qt"], H, F, E, limit)
+        bad += [(ci, n) for n in (1, 3) if not torch.equal(run_moe(ctx, tri, h[:n], ids[:n], w[:n]),
+                                                           got[cis[0]][1]["rows16"][:n])]
+    return {"ok": bool(cis) and not bad, "configs": cis, "mismatch": bad}
+
+
 # ---- main -----------------------------------------------------------------------------------------------
 
 def table(results: dict, meta: dict) -> str:
@@ -499,6 +529,15 @@ def sweep(types: list[str], geoms: list[str], cfgs: list[int], meta: dict, budge
                 traceback.print_exc()
                 print(f"{g}/{t}: {type(e).__name__}: {str(e)[:200]}", flush=True)
     types_out, figures, lines, fails = {}, {}, [], []
+    for t, per in data.items():                        # the decode schedule: one row's bits at every BM_MV
+        for g, d in per.items():
+            ran = [ci for ci in mv_configs(t) if ci in d["ck"]]
+            if ran:
+                rr = check_rows(d["ctx"], d["ck"], ran)
+                print(f"{g}/{t} mmvq rows a program {[CONFIGS[ci]['BM_MV'] for ci in rr['configs']]}: "
+                      + ("same bits" if rr["ok"] else f"MISMATCH {rr['mismatch']}"), flush=True)
+                if not rr["ok"]:
+                    fails.append(f"{g}/{t}: mmvq rows {rr['mismatch']}")
     for t, per in data.items():
         pick = choose(per, [ci for ci in cfgs if applies(t, ci)])
         if pick is None:
