@@ -444,7 +444,7 @@ def _ieee(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32
 
 
-# the launches: the JIT's binding and specialization once per key (kernels/triton_launch.py)
+# the launches, counted per kernel (kernels/triton_launch.py)
 (_hc_partial_kernel, _hc_finish_kernel, _hc_post_kernel, _rms_rope_kernel, _compress_step_kernel, _index_scores_kernel,
  _decode_attn_kernel, _route_approx_kernel, _route_kernel, _swiglu_kernel, _copy_rows_kernel) = map(launcher, (
     _hc_partial_kernel, _hc_finish_kernel, _hc_post_kernel, _rms_rope_kernel, _compress_step_kernel,

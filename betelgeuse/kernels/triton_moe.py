@@ -492,7 +492,7 @@ def _launch(kernel, args: list, grid_nb: int, R: int, E: int, K: int, qt: int, w
                  EP=triton.next_power_of_2(E), num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
-# the launches (triton_launch: the JIT's specialization once per key, then the compiled kernel directly)
+# the launches, counted per kernel (kernels/triton_launch.py)
 _GATE_UP, _DOWN, _GATE_UP_MV, _DOWN_MV, _COMBINE = map(launcher, (_gate_up_kernel, _down_kernel, _gate_up_mv_kernel,
                                                                   _down_mv_kernel, _combine_kernel))
 

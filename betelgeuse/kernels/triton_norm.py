@@ -22,7 +22,7 @@ def _rms_kernel(x_ptr, w_ptr, y_ptr, D, eps, BD: tl.constexpr):
     tl.store(y_ptr + row * D + c, (w * xn).to(y_ptr.dtype.element_ty), mask=m)
 
 
-_rms_kernel = launcher(_rms_kernel)           # the JIT's specialization once per key (kernels/triton_launch.py)
+_rms_kernel = launcher(_rms_kernel)           # counted launches (kernels/triton_launch.py)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -21,10 +21,6 @@
    Q4_K_M model (Q4_K experts, Q6_K/Q8_0 attention) through the runner: logits bit-identical across slot
    configurations, passes and decode steps, and equal to the reference model on the device.
 
-7. launch: the Triton launches through the compiled kernel (kernels/triton_launch.py) give the same bits as through
-   the JIT: the Q4_K_M tiny model (3/5 slots: decode layers with VRAM + host experts, partial path) decoded with
-   BETELGEUSE_TRITON_DIRECT off and on, logits equal; and the host microseconds of one gate_up launch either way.
-
 --adversarial-timing SEED:MS runs them all with the store's test-only jitter (store/reader.py Jitter: every expert
 read held back up to MS ms, staged copies handed out shuffled, consolidation fills slowed), in-process stores and
 the store process alike: the invariance rows must still be bit-identical.
@@ -536,67 +532,6 @@ def check_kernel_types(device: str, tmp: Path):
     RESULTS["kernels"] = res
 
 
-def check_launch(device: str, tmp: Path):
-    if not device.startswith("cuda"):
-        row("launch", None, "direct launches need CUDA (the interpreter always takes the JIT path)")
-        return
-    from betelgeuse.gguf.synth import spec_from_preset
-    from betelgeuse.kernels import triton_launch, triton_moe
-    spec = spec_from_preset("tiny", qtype="Q4_K_M", n_embd=256, n_ff_exp=256, n_head=4, head_dim=64)
-    path = tmp / "check-tiny-q4km.gguf"
-    if not path.exists():
-        write_model(path, spec, progress=False)
-    ids = ids_for(path, 40, seed=2)
-    out = {}
-    for on in (False, True):
-        triton_launch.ENABLED = on
-        d0 = sum(triton_launch.DIRECT.values())
-        runner, store = runner_for(path, device, 3, 5)
-        try:
-            runner.forward(ids, runner.new_cache(len(ids) + 8), consolidate=True)
-            runner.settle()
-            lg, toks, _ = greedy_decode(runner, ids, 6, "solo")
-        finally:
-            close(runner, store)
-        out[on] = (lg, toks, sum(triton_launch.DIRECT.values()) - d0)
-    triton_launch.ENABLED = True
-    # host time of one gate_up launch: a decode row over 8 experts of the bench-like Q4_K geometry
-    H, F, E, k = 2048, 768, 128, 8
-    dev = torch.device(device)
-    from betelgeuse.gguf.qtypes import row_nbytes
-    qt = triton_moe.QT_CODES[12]
-    rb = row_nbytes(12, H)
-    slot = 3 * F * rb
-    pool = torch.zeros(E * slot, dtype=torch.uint8, device=dev)
-    base = torch.arange(E, dtype=torch.int64, device=dev) * slot
-    starts = (torch.arange(3, dtype=torch.int64, device=dev) * F * rb).repeat(E, 1).contiguous()
-    h = torch.randn(1, H, device=dev, dtype=torch.bfloat16)
-    flat = torch.arange(k, device=dev) * (E // k)
-    counts = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
-    rows = torch.argsort(flat, stable=True).to(torch.int32)
-    off = torch.zeros(E + 1, dtype=torch.int32, device=dev)
-    off[1:] = torch.cumsum(counts, 0)
-    inter = torch.empty(k, F, device=dev, dtype=torch.bfloat16)
-    us = {}
-    for on in (False, True):
-        triton_launch.ENABLED = on
-        for n in (3, 200):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(n):
-                triton_moe.gate_up(h, pool, base, starts, rows, off, inter, F, k, qt, None, rb, True)
-            dt = time.perf_counter() - t
-            torch.cuda.synchronize()
-        us[on] = dt / n * 1e6
-    triton_launch.ENABLED = True
-    same = torch.equal(out[False][0], out[True][0]) and out[False][1] == out[True][1]
-    RESULTS["launch"] = {"gate_up_host_us_jit": us[False], "gate_up_host_us_direct": us[True],
-                         "direct_launches": out[True][2], "jit_run_direct_launches": out[False][2]}
-    row("launch", same and out[True][2] > 0 and out[False][2] == 0,
-        f"direct == JIT bits over 6 decode steps (3/5 slots): {same}; {out[True][2]} direct launches; gate_up host "
-        f"{us[False]:.1f} us through the JIT, {us[True]:.1f} us direct")
-
-
 def run_steps(steps, only: str):
     """Run the named checks listed in `only` (comma-separated), each timed; a check that raises is a FAIL row and
     the others still run (one table with every check)."""
@@ -646,7 +581,7 @@ def main() -> int:
     p.add_argument("--mid-layers", type=int, default=12)
     p.add_argument("--tokens", type=int, default=256, help="prompt tokens for the mid model (tiny: half)")
     p.add_argument("--mid-preset", default="small", help="synth preset of the mid model (bench: the benchmark geometry)")
-    p.add_argument("--only", default="invariance,prefix,batch,pool,pinned,overlap,pp,kernels,launch",
+    p.add_argument("--only", default="invariance,prefix,batch,pool,pinned,overlap,pp,kernels",
                    help="comma-separated steps to run")
     timing_flag(p)
     a = p.parse_args()
@@ -673,8 +608,7 @@ def main() -> int:
              ("pinned", lambda: check_pinned(paths["mid"], a.device)),
              ("overlap", lambda: check_overlap(paths["mid"], a.device, ids_for(paths["mid"], a.tokens), outdir)),
              ("pp", lambda: check_pp(paths, a.device, {"tiny": max(8, a.tokens // 2), "mid": a.tokens})),
-             ("kernels", lambda: check_kernel_types(a.device, tmp)),
-             ("launch", lambda: check_launch(a.device, tmp))]
+             ("kernels", lambda: check_kernel_types(a.device, tmp))]
     run_steps(steps, a.only)
     md = results_table("check_cuda")
     print("\n" + md)

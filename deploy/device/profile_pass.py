@@ -8,8 +8,9 @@ vram_slots = n_expert makes room for every expert, but the residency policy plac
 no layer is wholly in VRAM, and decode takes the host-synced partial path and reads them from disk. So the warm-up
 runs prefill passes of random `--warm-tokens` prompts (each consolidated and settled) until every layer is wholly in
 VRAM (at most --warm-rounds), and the report says how many layers are, and the store's disk bytes during decode.
-The decode runs twice: the Triton launches through the JIT, then through the compiled kernels (kernels/triton_launch.py;
-its step times, launches per host-synced layer and cProfile are the ones to compare with earlier runs).
+Then --decode greedy steps: their times (the second half's mean is the one to compare), the layers that took the
+host-synced path, the expert-kernel launches per such layer (kernels/triton_launch.py COUNTS) and cProfile over the
+second half.
 """
 
 import argparse
@@ -86,40 +87,35 @@ def counted_partial(*args, **kw):          # the host-synced path of a layer not
 rn.moe.partial = counted_partial
 
 
-def decode(direct: bool, profiled: bool):
-    """--decode greedy steps after the prompt, the Triton launches through the compiled kernel or the JIT
-    (kernels/triton_launch.py); cProfile over the second half when `profiled`. -> the last logits."""
-    triton_launch.ENABLED = direct
+def decode():
+    """--decode greedy steps after the prompt; cProfile over the second half. -> the last logits."""
     kv = rn.new_cache(o.tokens + o.decode + 8)
     lg, _ = rn.forward(ids, kv, consolidate=False)
     times, disk = [], {"vram": 0, "host": 0, "disk": 0}
     partials[0] = 0
-    n0, d0, dl0 = sum(triton_launch.COUNTS.values()), store.status()["disk_bytes"], sum(triton_launch.DIRECT.values())
+    n0, d0 = sum(triton_launch.COUNTS.values()), store.status()["disk_bytes"]
     pr = cProfile.Profile()
     for i in range(o.decode):
-        if i == o.decode // 2 and profiled:
+        if i == o.decode // 2:
             pr.enable()
         t = time.perf_counter()
         lg, st = rn.forward([int(lg[-1].argmax())], kv, consolidate=False)
         times.append(time.perf_counter() - t)
         disk = {k: disk[k] + v for k, v in st.reads.items()}
     pr.disable()
-    tag = "direct" if direct else "JIT"
     half = times[o.decode // 2:]
-    print(f"decode step ms ({tag} launches):", " ".join(f"{x * 1e3:.1f}" for x in times),
+    print("decode step ms:", " ".join(f"{x * 1e3:.1f}" for x in times),
           f"| second half mean {sum(half) / len(half) * 1e3:.2f}")
     n = sum(triton_launch.COUNTS.values()) - n0
-    print(f"decode ({tag}): {partials[0]} host-synced layers of {o.decode * c.n_layer}, reads {disk}, store disk bytes "
+    print(f"decode: {partials[0]} host-synced layers of {o.decode * c.n_layer}, reads {disk}, store disk bytes "
           f"{store.status()['disk_bytes'] - d0}; expert-kernel launches {n} ({n / max(1, partials[0]):.2f} per "
-          f"host-synced layer), {sum(triton_launch.DIRECT.values()) - dl0} direct")
-    if profiled:
-        top(pr)
+          f"host-synced layer)")
+    top(pr)
     rn.release(kv)
     return lg
 
 
-decode(False, False)
-lg = decode(True, True)
+lg = decode()
 if o.device == "cpu":
     sys.exit(0)
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
