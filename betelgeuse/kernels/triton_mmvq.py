@@ -3,10 +3,11 @@
 llama.cpp's ggml-cuda mmvq.cu / vecdotq.cuh: each program owns a few output rows (BN) and walks K in whole quant
 blocks; a block's bytes are loaded as 32-bit words (a warp's threads read consecutive words) and unpacked with
 shifts and masks in the registers of the thread holding the word (tl.join), never byte by byte; the scales are
-decoded once per block. No tensor cores, and for one row a program no shared memory in the K loop (the MMA path
-pads one row to 16 and moves every dequantized tile through shared memory into the dot's operand layout). Unlike llama.cpp the activations stay float (bf16 / fp32 as the
-engine holds them, multiplied in fp32): pre-quantizing them to Q8_1 changes the numerics, which the engine's
-exactness contract (within float noise of the torch path) does not allow by default.
+decoded once per block. No tensor cores, and for one row a program no shared memory in the K loop (the MMA path pads
+one row to 16 and moves every dequantized tile through shared memory into the dot's operand layout). Unlike
+llama.cpp the activations stay float (bf16 / fp32 as the engine holds them, multiplied in fp32): pre-quantizing them
+to Q8_1 changes the numerics, which the engine's exactness contract (within float noise of the torch path) does not
+allow by default.
 
 The arithmetic of an output (n, m), fixed by the weight type only (never by BN, rows per program, warps, stages),
 so that a row's bits do not depend on the launch (DESIGN.md invariant 6):

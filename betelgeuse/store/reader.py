@@ -3,11 +3,11 @@
 Reads bypass the page cache with O_DIRECT, so "disk reads" are disk reads and the page cache is
 never charged to the cgroup. Each range is rounded out to 4 KiB (GGUF tensors are only 32-byte
 aligned) and split into <= request_bytes `os.preadv` calls, which release the GIL, run by a pool of
-threads. Requests of priority 0 (demand: a pass waits on them) are always taken before priority 1
-(read-ahead); FIFO within a priority. A read ahead that no piece of has started can be cancelled (its bytes are never
-read: the store forgets a guess the layer did not use) or promoted to demand priority (a load asked for it: it no
-longer waits behind the reads ahead queued before it); a started one always finishes. Where O_DIRECT is refused or meaningless (tmpfs, ramfs: the
-file already is page cache) the reader falls back to buffered reads + POSIX_FADV_DONTNEED, and
+threads. Requests of priority 0 (demand: a pass waits on them) are always taken before priority 1 (read-ahead); FIFO
+within a priority. A read ahead that no piece of has started can be cancelled (its bytes are never read: the store
+forgets a guess the layer did not use) or promoted to demand priority (a load asked for it: it no longer waits
+behind the reads ahead queued before it); a started one always finishes. Where O_DIRECT is refused or meaningless
+(tmpfs, ramfs: the file already is page cache) the reader falls back to buffered reads + POSIX_FADV_DONTNEED, and
 says so in `mode`.
 
 Test-only: `BETELGEUSE_TEST_READ_JITTER=SEED:MAX_MS` (or `jitter=`, see Jitter) slows each piece's preadv and holds
