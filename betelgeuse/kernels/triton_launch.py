@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-import torch
-
 COUNTS: Counter = Counter()               # launches per kernel name (tests, profiles)
 
 
@@ -42,10 +40,3 @@ def launcher(kernel) -> Launcher:
     """A counted launcher for a @triton.jit kernel (module doc)."""
     return Launcher(kernel)
 
-
-def stream_key(device: torch.device) -> tuple:
-    """(device, its current raw CUDA stream; 0 on the CPU): what per-stream workspaces are keyed by."""
-    if device.type != "cuda":
-        return device, 0
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    return device, torch.cuda.current_stream(i).cuda_stream

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from betelgeuse.kernels import triton_mmvq as mv
-from betelgeuse.kernels.triton_launch import launcher, stream_key
+from betelgeuse.kernels.triton_launch import launcher
 from betelgeuse.kernels.triton_quants import QT_CODES, SUPER, tables, wdot  # noqa: F401
 
 # Launch constants. Two kinds, so that a row's bits never depend on the launch (DESIGN.md invariant 6):
@@ -141,21 +141,11 @@ def bucket_of(rows: int, n_experts: int) -> int:
     return 1 if rows <= n_experts else 16
 
 
-_CONFIGS: dict = {}       # (qt, bucket) -> (TUNING, its entry, TYPE_CONFIG's entry: those it was made of, config)
-
-
 def config(qt: int, bucket: int = 16) -> dict:
     """The launch constants of kernel type code `qt` for a rows bucket: CONFIG, the tuning's reduction keys and
-    bucket schedule, then TYPE_CONFIG's overrides. Made once per (qt, bucket) and made again when TUNING or the
-    type's entry of TUNING / TYPE_CONFIG is replaced (set a new dict to change one, never edit one in place)."""
-    t, tc = TUNING.get(qt), TYPE_CONFIG.get(qt)
-    got = _CONFIGS.get((qt, bucket))
-    if got is not None and got[0] is TUNING and got[1] is t and got[2] is tc:
-        return got[3]
-    t0 = t or {}
-    c = {**CONFIG, **t0.get("reduce", {}), **t0.get(bucket, {}), **(tc or {})}
-    _CONFIGS[(qt, bucket)] = (TUNING, t, tc, c)
-    return c
+    bucket schedule, then TYPE_CONFIG's overrides."""
+    t = TUNING.get(qt, {})
+    return {**CONFIG, **t.get("reduce", {}), **t.get(bucket, {}), **TYPE_CONFIG.get(qt, {})}
 
 
 @triton.jit
@@ -457,7 +447,7 @@ _WS_OLD: list = []        # replaced workspaces stay alive: a captured CUDA grap
 def _workspace(dev: torch.device, n_floats: int, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(float32 partials >= n_floats, int32 tile counters >= n_tiles, all zero) for launches on the current stream
     of `dev`: launches on one stream run one after the other, and each tile's last program resets its counter."""
-    key = stream_key(dev)
+    key = (dev, torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0)
     ws, cnt = _WS.get(key, (None, None))
     if ws is None or ws.numel() < n_floats or cnt.numel() < n_tiles:
         if ws is not None:
