@@ -129,8 +129,8 @@ class Guesser:
 
     def _pass(self, stats: PassStats):
         if self._stats is not stats:
-            self._stats, self._asked, self._guessed, self._asks, self._pending = stats, set(), {}, {}, []
-            self._by_depth = {}
+            self._stats, self._asked, self._guessed, self._asks, self._pending, self._by_depth = (
+                stats, set(), {}, {}, [], {})
 
     def worth(self, layer: int, depth: int) -> bool:
         """Whether layer `layer`'s guesses from `depth` layers back are read ahead (module doc: budget)."""

@@ -295,25 +295,27 @@ class MoEStep:
         timing = self.clock.copy_timing(ls)
         B = cache.bank_size
         hslots = snap["host_slot"][l]
+
+        def host_srcs(es):                      # host-tier experts' slots in the arena, for a bank copy
+            return [cache.host_slot(l, int(hslots[e])) for e in es]
         host = [int(e) for e in by_tier[TIER_HOST]]
         batches = [host[i:i + B] for i in range(0, len(host), B)]
         if ls.vram and len(batches) == 1 and not disk and not len(flexed) and r.ids.numel() <= r.counts.numel():
             # decode, every byte at hand (no disk wait) and the host experts in one bank: ONE group over the VRAM
             # slots and the bank (one gate_up + one down instead of two of each; the same kernel for every row)
             vram = [int(e) for e in by_tier[TIER_VRAM]]
-            bank, offs = cache.to_bank([cache.host_slot(l, int(hslots[e])) for e in host], timing)
+            bank, offs = cache.to_bank(host_srcs(host), timing)
             order = sorted(zip(vram + host, [int(cache.vram_base[l, e]) for e in vram] + offs))
             self._apply(r, l, self._group([e for e, _ in order], [o for _, o in order]), ls)
             cache.bank_done(bank)
         else:   # 2. the first host batch's copy starts, the VRAM group computes meanwhile, 3. host batches follow
-            staged = [self._to_bank(b, [cache.host_slot(l, int(hslots[e])) for e in b], timing) for b in batches[:1]]
+            staged = [self._to_bank(b, host_srcs(b), timing) for b in batches[:1]]
             if ls.vram:
                 self._apply(r, l, self._vram_group(l, by_tier[TIER_VRAM]), ls)
             if len(flexed):
                 self._flex_groups(l, r, flexed, stats, ls)
             for i, b in enumerate(batches):
-                bank, g = staged[0] if i == 0 else self._to_bank(b, [cache.host_slot(l, int(hslots[e])) for e in b],
-                                                                 timing)
+                bank, g = staged[0] if i == 0 else self._to_bank(b, host_srcs(b), timing)
                 self._apply(r, l, g, ls)
                 cache.bank_done(bank)
         # 4. disk experts in batches as they land; a staging slot goes back once its copy is done
