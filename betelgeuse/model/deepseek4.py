@@ -275,6 +275,7 @@ class Deepseek4Model:
     chunked_prefill = False
     static_decode = True
     lane_decode = True
+    state_grows = True
 
     def __init__(self, cfg, dense: dict[str, torch.Tensor]):
         assert cfg.ds4 is not None, cfg.arch         # deepseek4, or deepseek41 (model/deepseek41.py subclasses)
@@ -346,6 +347,26 @@ class Deepseek4Model:
                     s.idx = comp(r, p.index_head_dim)
             layers.append(s)
         return DS4Cache(layers=layers, max_len=max_len)
+
+    def grow_cache(self, cache: DS4Cache, max_len: int) -> DS4Cache:
+        """The state of up to max_len tokens holding cache's (consumed): only the compressed entries have a length
+        ([ceil(max_len / ratio), d], rows past the old ones zeros like a fresh state's); the window rings and the open
+        windows' rows move over as they are. Layer by layer, each old entries tensor gone once copied; a new uid
+        (graphs captured over the old tensors must not replay over these)."""
+        assert max_len >= cache.max_len and cache._pending == 0, (max_len, cache.max_len, cache._pending)
+
+        def grown(c: CompState | None, ratio: int) -> CompState | None:
+            if c is None:
+                return None
+            e = c.entries.new_zeros((-(-max_len // ratio), c.entries.shape[1]))
+            e[:c.entries.shape[0]].copy_(c.entries)
+            return CompState(kv=c.kv, gate=c.gate, entries=e)
+
+        layers = []
+        for i, (s, r) in enumerate(zip(cache.layers, self.p.compress_ratios)):
+            layers.append(LayerState(swa=s.swa, comp=grown(s.comp, r), idx=grown(s.idx, r)))
+            cache.layers[i] = None
+        return DS4Cache(layers=layers, max_len=max_len, length=cache.length)
 
     def check_ids(self, ids) -> torch.Tensor:
         return check_token_ids(ids, self.cfg.n_vocab, self.device)

@@ -49,6 +49,7 @@ from betelgeuse.gguf import ds41layout
 from betelgeuse.model.deepseek4 import (CompressedCache, Deepseek4Model, TorchOps, _ring_rows, _rms, _visible,
                                         apply_rope, hc_collapse)
 from betelgeuse.model.kv_cache import _UIDS
+from betelgeuse.errors import UnsupportedError
 from betelgeuse.gguf.ds41layout import ENGRAM_TOKENS
 from betelgeuse.model.engram import EngramState, FileRows, NgramHasher, engram_residual
 from betelgeuse.model.reference import ReferenceExperts
@@ -140,6 +141,9 @@ class Deepseek41Model(Deepseek4Model):
     chunked_prefill = False
     static_decode = True
     lane_decode = True
+    # its entries' spare last row is a static top-k's "nothing chosen" (SourceState): its index moves with max_len,
+    # so a state is allocated whole for what its request may use and does not grow
+    state_grows = False
     ROWS_OUT = False        # its lane_rows makes its rows itself (the lanes copy them into their buffers)
 
     def __init__(self, cfg, dense: dict[str, torch.Tensor]):
@@ -214,6 +218,9 @@ class Deepseek41Model(Deepseek4Model):
                               vals=torch.zeros(len(g.layer_ids), 1, g.n_cols * g.key_length, device=dev, dtype=dt))
         return DS41Cache(swa=[torch.zeros(p.sliding_window, hd, device=dev, dtype=dt) for _ in range(self.cfg.n_layer)],
                          src=src, max_len=max_len, engram=eng)
+
+    def grow_cache(self, cache: DS41Cache, max_len: int) -> DS41Cache:
+        raise UnsupportedError("a deepseek41 state does not grow (state_grows = False)")
 
     def engram_begin(self, cache: DS41Cache, ids, source) -> None:
         """The pending tokens' Engram rows (hashed with the sequence's history) and where their values come from

@@ -86,6 +86,20 @@ class KVCache:
         self.length += self._pending
         self._pending = 0
 
+    def grow(self, max_len: int) -> "KVCache":
+        """A state of `max_len` tokens holding this one's (model.grow_cache): each layer's k/v copied into a larger
+        buffer, the positions past the old max_len zeros like a fresh cache's. Consumes this state layer by layer
+        (its tensors go as their copies land: the transient is one layer's k or v). A new uid: graphs captured over
+        the old buffers must not replay over these."""
+        assert max_len >= self.max_len and self._pending == 0, (max_len, self.max_len, self._pending)
+        k, v = [], []
+        for src, dst in ((self.k, k), (self.v, v)):
+            for l, t in enumerate(src):
+                dst.append(t.new_zeros((t.shape[0], max_len, t.shape[2])))
+                dst[-1][:, :self.max_len].copy_(t)
+                src[l] = None
+        return KVCache(k=k, v=v, max_len=max_len, length=self.length)
+
     def truncate(self, n: int) -> None:
         """Keep the first n tokens (prefix reuse); later k/v are overwritten by the next pass."""
         assert 0 <= n <= self.length, (n, self.length)

@@ -52,6 +52,7 @@ class Qwen3MoeModel:
     chunked_prefill = True
     static_decode = True
     lane_decode = True
+    state_grows = True
 
     @staticmethod
     def load_dense(f, device, dtype) -> DenseWeights:
@@ -59,6 +60,10 @@ class Qwen3MoeModel:
 
     def new_cache(self, max_len: int) -> KVCache:
         return KVCache.for_config(self.cfg, max_len, self.device, self.dtype)
+
+    def grow_cache(self, cache: KVCache, max_len: int) -> KVCache:
+        """The state of up to max_len tokens holding cache's (consumed): KVCache.grow."""
+        return cache.grow(max_len)
 
     def check_ids(self, ids) -> torch.Tensor:
         """Token ids (list or tensor) -> LongTensor [T] on the device; InvalidRequestError if bad."""

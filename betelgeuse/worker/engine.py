@@ -271,6 +271,8 @@ class LLMEngine:
                 return [lg[-1]], st
             lgs, st = r.prefill_batch(parts, consolidate=True, should_stop=stop)
             return [lg[-1] for lg in lgs], st
+        for seq in work.seqs:               # a decode: each state with room for its token (grown where full)
+            self.kv_manager.make_room(seq)
         if work.kind == "batch":            # a sequence's logits do not depend on its batch (invariant 6)
             return r.decode_batch([s.out_ids[-1] for s in work.seqs], [s.kv for s in work.seqs])
         seq, = work.seqs

@@ -5,17 +5,20 @@ sizes the VRAM tier; a lone stream holds 1/max_running of that reservation. Whil
 keeps copies of the experts it staged from disk in the rest (mixtral-offloading's LRU expert cache, in room nobody
 uses), least recently used first out:
 
-    room       `unit` bytes per sequence not holding KV (its KV at max_context + its decode graphs: what the plan
-               reserved for it), as chunks of floor(unit / slot_bytes) expert slots, one chunk per free unit,
-               allocated when the first copy needs it
+    room       in bytes: the plan's reservation for max_running sequences (`units` x `unit`: a sequence's KV at
+               max_context + its decode graphs) minus what the sequences holding KV take now (their states' bytes,
+               sized to what each can use, worker/kv_manager.py, + their graphs): chunks of up to
+               floor(unit / slot_bytes) expert slots (the last one smaller where the room ends inside it), allocated
+               when the first copy needs one
     fill       MoEStep._disk_groups: an expert staged from disk, once its ring-bank copy landed, is copied
                device-to-device into a flex slot (the same slot layout as the VRAM tier, so the same kernels read it)
     use        MoEStep._partial, before the tier split: a routed host- or disk-tier expert held here is computed from
                its copy, in one launch group per chunk, like a VRAM expert: no store message, no disk read, no H2D
                copy. The bytes are the file's whatever slot holds them, so outputs keep every bit (invariant 1)
-    shrink     before a sequence's KV is allocated (KVManager.admit -> ModelRunner.hold_kv) chunks go until
-               chunks + sequences holding KV <= max_running: the worker's VRAM never exceeds the plan's figure
-               for max_running sequences (invariant 3). Growing back is lazy: the next fill after a sequence ended
+    shrink     before a sequence's state is allocated or grown (KVManager.admit / grow -> ModelRunner.new_cache /
+               grow_cache) chunks go until chunk bytes + the bytes held <= the reservation: the worker's VRAM never
+               exceeds the plan's figure for max_running sequences (invariant 3). Growing back is lazy: the next
+               fill after a sequence ended
 
 The store's directory does not change (a copy is not a tier: dropping one loses nothing but a future read), and an
 expert the directory moves into the VRAM tier leaves the cache at its next use (the VRAM copy serves it).
@@ -49,14 +52,18 @@ class FlexCache:
     def __init__(self, slot_bytes: int, unit_bytes: int, units: int, n_layer: int, n_expert: int,
                  device: torch.device):
         self.slot_bytes, self.unit_bytes, self.units, self.device = slot_bytes, unit_bytes, units, device
-        self.per_chunk = unit_bytes // slot_bytes          # slots per chunk (one unused sequence's reservation)
+        self.reserved = units * unit_bytes                 # the plan's bytes for max_running sequences' KV + graphs
+        self.per_chunk = unit_bytes // slot_bytes          # slots per chunk at most (one sequence's reservation)
         assert self.per_chunk > 0 and units > 0, (unit_bytes, slot_bytes, units)
-        self.chunks: list[torch.Tensor | None] = [None] * units    # uint8 [per_chunk * slot_bytes] each
+        # chunk c's slots are c * per_chunk + [0, its size); twice the units' count of places, as chunks cut short
+        # where the room ended may leave the whole ones fewer than the room holds
+        n_places = 2 * units
+        self.chunks: list[torch.Tensor | None] = [None] * n_places   # uint8 [its slots * slot_bytes] each
         self.where = np.full((n_layer, n_expert), -1, dtype=np.int64)   # (layer, expert) -> flex slot, -1 = none
-        self.owner = np.full((units * self.per_chunk, 2), -1, dtype=np.int64)   # flex slot -> (layer, expert)
+        self.owner = np.full((n_places * self.per_chunk, 2), -1, dtype=np.int64)   # flex slot -> (layer, expert)
         self.lru: OrderedDict[int, None] = OrderedDict()   # occupied flex slots, least recently used first
         self.free: list[int] = []                          # empty slots of allocated chunks
-        self.held = 0                                      # sequences holding KV (their units are not ours)
+        self.held = 0                                      # bytes the sequences holding KV take (state + graphs)
         self.stats = FlexStats()
 
     @classmethod
@@ -78,31 +85,37 @@ class FlexCache:
     @property
     def nbytes(self) -> int:
         """Device bytes the cache holds now."""
-        return self.n_chunks * self.per_chunk * self.slot_bytes
+        return sum(c.numel() for c in self.chunks if c is not None)
 
     @property
     def n_slots(self) -> int:
-        return self.n_chunks * self.per_chunk
+        return self.nbytes // self.slot_bytes
 
     @property
     def n_held(self) -> int:
         """Experts held."""
         return len(self.lru)
 
-    def hold(self, n: int):
-        """`n` sequences hold (or are about to hold) KV: give back chunks until chunks + n <= units, before the
-        caller allocates. A smaller n lets later fills grow the cache again."""
-        self.held = n
-        keep = max(0, self.units - n)
-        for c in reversed(range(self.units)):
-            if self.n_chunks <= keep:
+    @property
+    def room(self) -> int:
+        """Bytes the cache may hold now: the reservation less what the sequences holding KV take."""
+        return max(0, self.reserved - self.held)
+
+    def hold(self, nbytes: int):
+        """The sequences holding KV take (or are about to take) `nbytes` of the reservation: give back chunks,
+        the last allocated first, until the cache's bytes fit the room, before the caller allocates. Fewer bytes
+        let later fills grow the cache again."""
+        assert nbytes >= 0, nbytes
+        self.held = nbytes
+        for c in reversed(range(len(self.chunks))):
+            if self.nbytes <= self.room:
                 break
             if self.chunks[c] is not None:
                 self._drop_chunk(c)
 
     def clear(self):
-        """Give back every chunk (the worker lets go of its slot pool); the count of sequences holding KV stays."""
-        for c in range(self.units):
+        """Give back every chunk (the worker lets go of its slot pool); the bytes held by sequences stay."""
+        for c in range(len(self.chunks)):
             if self.chunks[c] is not None:
                 self._drop_chunk(c)
 
@@ -114,7 +127,8 @@ class FlexCache:
                 self.stats.dropped += 1
         self.free = [s for s in self.free if not lo <= s < hi]
         self.chunks[c] = None          # the caching allocator reuses it for the KV (stream-ordered)
-        event(log, "flex_cache_shrink", logging.DEBUG, chunks=self.n_chunks, slots=self.n_slots, held_kv=self.held)
+        event(log, "flex_cache_shrink", logging.DEBUG, chunks=self.n_chunks, slots=self.n_slots, bytes=self.nbytes,
+              held_kv_bytes=self.held)
 
     def _forget(self, s: int):
         l, e = self.owner[s]
@@ -122,14 +136,22 @@ class FlexCache:
         self.owner[s] = -1
         self.lru.pop(s, None)
 
+    def _grow(self) -> bool:
+        """A new chunk in the room left: a whole one, or the slots the room still holds (a quarter of a whole
+        one at least: a sliver is not worth a launch group) -> whether one was allocated."""
+        n = min(self.per_chunk, (self.room - self.nbytes) // self.slot_bytes)
+        if n < max(1, self.per_chunk // 4) or None not in self.chunks:
+            return False
+        c = self.chunks.index(None)
+        self.chunks[c] = torch.empty((n * self.slot_bytes,), dtype=torch.uint8, device=self.device)
+        self.free = list(range(c * self.per_chunk, c * self.per_chunk + n))
+        event(log, "flex_cache_grow", logging.DEBUG, chunks=self.n_chunks, slots=self.n_slots, bytes=self.nbytes,
+              held_kv_bytes=self.held)
+        return True
+
     def _slot(self) -> int | None:
         """A slot for a new copy: an empty one, a new chunk's within the room, else the least recently used one's."""
-        if not self.free and self.n_chunks < self.units - self.held:
-            c = self.chunks.index(None)
-            self.chunks[c] = torch.empty((self.per_chunk * self.slot_bytes,), dtype=torch.uint8, device=self.device)
-            self.free = list(range(c * self.per_chunk, (c + 1) * self.per_chunk))
-            event(log, "flex_cache_grow", logging.DEBUG, chunks=self.n_chunks, slots=self.n_slots, held_kv=self.held)
-        if self.free:
+        if self.free or self._grow():
             return self.free.pop(0)
         if self.lru:
             s = next(iter(self.lru))
@@ -193,5 +215,6 @@ class FlexCache:
 
     def describe(self) -> dict:
         return {"units": self.units, "unit_bytes": self.unit_bytes, "slots_per_unit": self.per_chunk,
-                "held_kv": self.held, "slots": self.n_slots, "experts": self.n_held, "bytes": self.nbytes,
+                "reserved_bytes": self.reserved, "held_kv_bytes": self.held, "slots": self.n_slots,
+                "experts": self.n_held, "bytes": self.nbytes,
                 "hits": self.stats.hits, "fills": self.stats.fills, "evictions": self.stats.evictions}

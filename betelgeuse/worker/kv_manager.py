@@ -2,11 +2,18 @@
 in the prefix cache (worker/prefix_cache.py), whose counters go to the metrics (vLLM's KV cache manager).
 
     n = kvm.hit(seq)         # at admission (the scheduler's prefix_hit): the longest cached prefix, held for seq
-    kvm.admit(seq)           # its KV cache, the held prefix copied in (seq.n_done tokens)
+    kvm.admit(seq)           # its KV cache sized to what the request can use, the held prefix copied in
+    kvm.make_room(seq)       # before a decode pass: a state that is full grows (doubles, up to max_context)
     kvm.prefilled(seq, logits)   # after each prefill pass: its new whole blocks; the whole prompt after the last
     kvm.free(seq)            # it ended: its KV cache goes (the runner's graphs of it: runner.request_done), its blocks
                              # become evictable
     kvm.bind_host()          # after each (re)attach: the prefix cache's host tier in the store's memory
+
+A sequence's state is sized to what it can use, in whole granules of KV_GRANULE tokens up to max_context: the prompt
++ max_tokens where the request bounds its output; where it does not (max_tokens unset: until EOS or the context) and
+the model's state grows (model/interface.py state_grows), the prompt + one granule, doubled when a decode reaches its
+end. The plan reserves max_running full-context states; what the running ones do not take is the flex expert cache's
+(worker/flex_cache.py), so a short request leaves nearly all of its reservation to cached experts.
 """
 
 from __future__ import annotations
@@ -24,6 +31,9 @@ from betelgeuse.worker.prefix_host import HostTier
 from betelgeuse.worker.sequence import Sequence
 
 log = logging.getLogger("betelgeuse.engine")
+
+# tokens: a sequence state's size is a multiple of this (or max_context); an unbounded request's first output room
+KV_GRANULE = 256
 
 
 class KVManager:
@@ -88,6 +98,14 @@ class KVManager:
             assert n == seq.n_done, (n, seq.n_done)         # what the scheduler planned from hit()
             seq.usage.cached_tokens = n
             self._export()
+
+    def make_room(self, seq: Sequence, tokens: int = 1):
+        """Before a pass appends `tokens` to the sequence: a state without room for them is grown (twice its size,
+        up to max_context; runner.grow_cache), replacing seq.kv."""
+        kv = seq.kv
+        if kv.length + tokens <= kv.max_len:
+            return
+        seq.kv = self.runner.grow_cache(kv, self._size(max(kv.length + tokens, 2 * kv.max_len)))
 
     def cached_logits(self, seq: Sequence) -> torch.Tensor:
         """The whole cached prompt's last-position logits [n_vocab] float32."""

@@ -153,6 +153,14 @@ class Lanes:
         """A sequence is done: its lane is free, its attention graphs and their pool go."""
         self.seqs.pop(uid, None)
 
+    def rebind(self, uid, kv):
+        """The sequence's state `uid` was replaced by kv (grown: runner.grow_cache): it keeps its lane; its attention
+        graphs (over the old state's tensors) and their pool go, eager again from its next step."""
+        s = self.seqs.pop(uid, None)
+        if s is not None:
+            fresh = self.seqs[kv.uid] = _SeqAttn(s.lane, kv, self.L)
+            fresh.last = s.last
+
     # ---- the parts, as plain functions of the static buffers (eager and captured: the same code) ---------
     # v = (n, mode): n running rows, idx[:n] their lanes; route(l, h, ids, w) -> the layer's Routing of those rows
     # (kernels.moe.route, device only); combine(r) -> their MoE output rows [n,H]

@@ -34,8 +34,9 @@ from betelgeuse.gguf.reader import GGUFModelFile
 from betelgeuse.logs import event
 from betelgeuse.model.chunks import Chunk, layer_back, layer_front, pass_chunks
 from betelgeuse.model.interface import SequenceState, check_model
-from betelgeuse.model.registry import engine_model
+from betelgeuse.model.registry import arch_of, engine_model
 from betelgeuse.store.client import StoreClient
+from betelgeuse.store.plan import GRAPHS_BYTES_PER_SEQ
 from betelgeuse.worker.decode_graphs import SoloDecode
 from betelgeuse.worker.flex_cache import FlexCache
 from betelgeuse.worker.guess import guess_ahead
@@ -79,7 +80,9 @@ class ModelRunner:
         self._lanes: Lanes | None = None    # batched decode in the static form (worker/lanes.py), made on first use
         self._recorder = self._replayer = None   # routing hooks around the model's route() (hook_routing)
         self.flex: FlexCache | None = None  # the flex expert cache of the attachment (_flex_cache)
-        self._kv_live: set[int] = set()     # uids of the sequence states made by new_cache and not released
+        # uid -> bytes of each sequence state made by new_cache / grow_cache and not released: its tensors + its
+        # decode graphs where the plan counts them (GRAPHS_BYTES_PER_SEQ); the flex cache lives in the rest
+        self._kv_live: dict[int, int] = {}
         self.attach()
         if cfg.record_routing:
             from betelgeuse.routing.trace import Recorder, TraceWriter
@@ -119,16 +122,27 @@ class ModelRunner:
         flex = FlexCache.for_plan(self.plan, self.mcfg.n_expert, self.device,
                                   self.cache.is_cuda and self.cfg.cuda_graphs) if on else None
         if flex is not None:
-            flex.hold(len(self._kv_live))
+            flex.hold(self.kv_bytes)
         event(log, "flex_cache", on=flex is not None, requested=str(want),
               **(flex.describe() if flex is not None else {"why": "off" if not on else "no spare KV reservation"}))
         return flex
 
-    def _hold_kv(self, n: int):
-        """`n` sequences hold KV, or are about to: the flex cache gives their reserved room back first (before a
-        sequence's state is allocated: new_cache), or may grow into it again (after one is released: release)."""
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes the live sequence states take (their tensors and their decode graphs)."""
+        return sum(self._kv_live.values())
+
+    def _state_bytes(self, max_len: int) -> int:
+        """A state of max_len tokens' bytes (the plan's figure: model/registry.py state_bytes) + its graphs'."""
+        elt = torch.empty((), dtype=self.dtype).element_size()
+        graphs = GRAPHS_BYTES_PER_SEQ if self.cache.is_cuda and self.cfg.cuda_graphs else 0
+        return arch_of(self.mcfg).state_bytes(self.mcfg, max_len, elt) + graphs
+
+    def _hold_kv(self, nbytes: int):
+        """The sequence states take `nbytes`, or are about to: the flex cache gives that room back first (before a
+        state is allocated: new_cache, grow_cache), or may grow into it again (after one is released: release)."""
         if self.flex is not None:
-            self.flex.hold(n)
+            self.flex.hold(nbytes)
 
     def _static_form(self) -> bool:
         """Decode in the static (graph-capturable) form: always on CUDA, so that whether a step was replayed from a
@@ -192,16 +206,46 @@ class ModelRunner:
         self.clock.timing = on
 
     def new_cache(self, max_len: int | None = None) -> SequenceState:
-        """The model's per-sequence state (qwen3moe: KVCache; deepseek4: DS4Cache, same begin/commit). It holds its
-        share of the plan's KV reservation until release(): the flex cache gives that room back first."""
-        self._hold_kv(len(self._kv_live) + 1)
+        """The model's per-sequence state of max_len tokens (default max_context; qwen3moe: KVCache; deepseek4:
+        DS4Cache, same begin/commit). Its bytes are out of the plan's KV reservation until release(): the flex cache
+        gives them back first."""
+        n = max_len or self.cfg.max_context
+        self._hold_kv(self.kv_bytes + self._state_bytes(n))
         try:
-            kv = self.model.new_cache(max_len or self.cfg.max_context)
+            kv = self.model.new_cache(n)
         except BaseException:
-            self._hold_kv(len(self._kv_live))
+            self._hold_kv(self.kv_bytes)
             raise
-        self._kv_live.add(kv.uid)
+        self._live(kv)
         return kv
+
+    def grow_cache(self, kv: SequenceState, max_len: int) -> SequenceState:
+        """A live state grown to max_len tokens (model.grow_cache, state_grows): the same tokens in a larger state,
+        which replaces it (the old one is consumed). The flex cache makes room first for the new state and the one
+        layer's tensor the copy holds twice; the old state's graphs (solo, its lane's attention) go, its lane stays."""
+        assert self.model.state_grows and max_len > kv.max_len, (type(self.model).__name__, max_len, kv.max_len)
+        old = self._kv_live.pop(kv.uid)
+        self._hold_kv(self.kv_bytes + self._state_bytes(max_len) + -(-old // self.mcfg.n_layer))
+        try:
+            new = self.model.grow_cache(kv, max_len)
+        except BaseException:
+            self._kv_live[kv.uid] = old
+            self._hold_kv(self.kv_bytes)
+            raise
+        self._live(new)
+        if self.solo is not None:
+            self.solo.release(kv.uid)
+        if self._lanes is not None:
+            self._lanes.rebind(kv.uid, new)
+        event(log, "kv_grow", logging.DEBUG, tokens=new.length, max_len=new.max_len, old_max_len=kv.max_len,
+              bytes=new.nbytes(), kv_bytes=self.kv_bytes)
+        return new
+
+    def _live(self, kv: SequenceState):
+        """A state just allocated is live: its bytes counted, and the flex cache held to exactly what they are."""
+        graphs = GRAPHS_BYTES_PER_SEQ if self.cache.is_cuda and self.cfg.cuda_graphs else 0
+        self._kv_live[kv.uid] = kv.nbytes() + graphs
+        self._hold_kv(self.kv_bytes)
 
     def consolidate(self):
         """Consolidate now (with the decode usage of the open store pass, if any); never waits for one still filling."""
@@ -221,8 +265,8 @@ class ModelRunner:
         """A sequence is done: drop its captured decode graphs (solo, and its batched-decode lane with its attention
         graphs) and their memory pools now, not when an LRU bound reaches them (the slot plan counts graphs for
         max_running sequences)."""
-        self._kv_live.discard(kv.uid)
-        self._hold_kv(len(self._kv_live))
+        self._kv_live.pop(kv.uid, None)
+        self._hold_kv(self.kv_bytes)
         if self.solo is not None:
             self.solo.release(kv.uid)
         if self._lanes is not None:
