@@ -41,7 +41,7 @@ from betelgeuse.config import PREFILL_CHUNK
 from betelgeuse.errors import InvalidRequestError, ModelFormatError, UnsupportedError
 from betelgeuse.gguf import ds4layout
 from betelgeuse.kernels.torch_moe import expert_ffn
-from betelgeuse.model.kv_cache import _UIDS
+from betelgeuse.model.kv_cache import _UIDS, grow_rows
 from betelgeuse.model.layers import check_token_ids
 from betelgeuse.model.reference import ReferenceExperts
 from betelgeuse.routing_approx import Residency, approx_hash, approx_topk
@@ -348,19 +348,18 @@ class Deepseek4Model:
             layers.append(s)
         return DS4Cache(layers=layers, max_len=max_len)
 
-    def grow_cache(self, cache: DS4Cache, max_len: int) -> DS4Cache:
+    def grow_cache(self, cache: DS4Cache, max_len: int, via_host: bool = False) -> DS4Cache:
         """The state of up to max_len tokens holding cache's (consumed): only the compressed entries have a length
-        ([ceil(max_len / ratio), d], rows past the old ones zeros like a fresh state's); the window rings and the open
-        windows' rows move over as they are. Layer by layer, each old entries tensor gone once copied; a new uid
-        (graphs captured over the old tensors must not replay over these)."""
+        ([ceil(max_len / ratio), d], rows past the old ones zeros like a fresh state's; kv_cache.grow_rows); the
+        window rings and the open windows' rows move over as they are. A new uid (graphs captured over the old
+        tensors must not replay over these)."""
         assert max_len >= cache.max_len and cache._pending == 0, (max_len, cache.max_len, cache._pending)
 
         def grown(c: CompState | None, ratio: int) -> CompState | None:
             if c is None:
                 return None
-            e = c.entries.new_zeros((-(-max_len // ratio), c.entries.shape[1]))
-            e[:c.entries.shape[0]].copy_(c.entries)
-            return CompState(kv=c.kv, gate=c.gate, entries=e)
+            box, c.entries = [c.entries], None
+            return CompState(kv=c.kv, gate=c.gate, entries=grow_rows(box, 0, -(-max_len // ratio), 0, via_host))
 
         layers = []
         for i, (s, r) in enumerate(zip(cache.layers, self.p.compress_ratios)):

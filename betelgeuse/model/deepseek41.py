@@ -219,7 +219,7 @@ class Deepseek41Model(Deepseek4Model):
         return DS41Cache(swa=[torch.zeros(p.sliding_window, hd, device=dev, dtype=dt) for _ in range(self.cfg.n_layer)],
                          src=src, max_len=max_len, engram=eng)
 
-    def grow_cache(self, cache: DS41Cache, max_len: int) -> DS41Cache:
+    def grow_cache(self, cache: DS41Cache, max_len: int, via_host: bool = False) -> DS41Cache:
         raise UnsupportedError("a deepseek41 state does not grow (state_grows = False)")
 
     def engram_begin(self, cache: DS41Cache, ids, source) -> None:

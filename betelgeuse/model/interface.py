@@ -22,10 +22,11 @@ are class-level flags that the runner reads (it never guesses with getattr and a
                    device tensor, attention over the whole fixed-size cache): CUDA decodes in it, in graphs
   lane_decode      the model is a LaneDecode too: batched decode runs its dense part row-batched over fixed lanes
                    (worker/lanes.py); needs static_decode
-  state_grows      grow_cache(state, max_len) gives a state of more tokens holding the old one's (consumed), and a
-                   sequence decoded across the growth gets the same bits as one allocated at the larger size: the
-                   worker allocates a sequence's state for what its request can use and grows it when it gets there
-                   (worker/kv_manager.py)
+  state_grows      grow_cache(state, max_len, via_host) gives a state of more tokens holding the old one's (consumed
+                   tensor by tensor; via_host: each through host memory, so the device never holds more than the
+                   grown state), and a sequence decoded across the growth gets the same bits as one allocated at
+                   the larger size: the worker allocates a sequence's state for what its request can use and grows
+                   it when it gets there (worker/kv_manager.py)
 
 A model whose file has Engram tables (deepseek41) is an EngramModel too: before its layers, a pass hashes each
 sequence's new tokens into table rows, which `source` delivers (the engine: the store, worker/engram_feed.py;
@@ -70,7 +71,7 @@ class MoEModel(Protocol):
     @classmethod
     def load_dense(cls, f, device, dtype) -> Any: ...         # every weight but the routed experts, from a GGUFModelFile
     def new_cache(self, max_len: int) -> SequenceState: ...
-    def grow_cache(self, state, max_len: int) -> SequenceState: ...    # state_grows: module doc
+    def grow_cache(self, state, max_len: int, via_host: bool = False) -> SequenceState: ...   # module doc
     def check_ids(self, ids) -> torch.Tensor: ...             # token ids -> LongTensor [T] on the device, or InvalidRequestError
     def embed(self, ids: torch.Tensor) -> torch.Tensor: ...
     def attention_block(self, layer: int, x: torch.Tensor, cache, positions: torch.Tensor,

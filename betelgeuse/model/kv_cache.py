@@ -86,18 +86,13 @@ class KVCache:
         self.length += self._pending
         self._pending = 0
 
-    def grow(self, max_len: int) -> "KVCache":
+    def grow(self, max_len: int, via_host: bool = False) -> "KVCache":
         """A state of `max_len` tokens holding this one's (model.grow_cache): each layer's k/v copied into a larger
-        buffer, the positions past the old max_len zeros like a fresh cache's. Consumes this state layer by layer
-        (its tensors go as their copies land: the transient is one layer's k or v). A new uid: graphs captured over
-        the old buffers must not replay over these."""
+        buffer, the positions past the old max_len zeros like a fresh cache's. Consumes this state tensor by tensor
+        (grow_rows). A new uid: graphs captured over the old buffers must not replay over these."""
         assert max_len >= self.max_len and self._pending == 0, (max_len, self.max_len, self._pending)
-        k, v = [], []
-        for src, dst in ((self.k, k), (self.v, v)):
-            for l, t in enumerate(src):
-                dst.append(t.new_zeros((t.shape[0], max_len, t.shape[2])))
-                dst[-1][:, :self.max_len].copy_(t)
-                src[l] = None
+        k = [grow_rows(self.k, l, max_len, 1, via_host) for l in range(len(self.k))]
+        v = [grow_rows(self.v, l, max_len, 1, via_host) for l in range(len(self.v))]
         return KVCache(k=k, v=v, max_len=max_len, length=self.length)
 
     def truncate(self, n: int) -> None:
@@ -105,3 +100,19 @@ class KVCache:
         assert 0 <= n <= self.length, (n, self.length)
         self.length = n
         self._pending = 0
+
+
+def grow_rows(ts: list, i: int, n: int, dim: int, via_host: bool) -> torch.Tensor:
+    """ts[i] (its only reference) grown to n along dim: a new zero tensor with the old one copied into its leading
+    part; ts[i] becomes None. The old tensor goes once copied, so a state grown tensor by tensor holds one tensor
+    twice at most; via_host: its bytes go to the host first and its device memory before the new tensor is allocated,
+    so the device never holds more than the grown state (at the cost of a round trip through host memory)."""
+    t, ts[i] = ts[i], None
+    shape = list(t.shape)
+    old, shape[dim] = shape[dim], n
+    dev = t.device
+    if via_host:
+        t = t.cpu()
+    new = torch.zeros(shape, dtype=t.dtype, device=dev)
+    new.narrow(dim, 0, old).copy_(t)
+    return new

@@ -61,9 +61,9 @@ class Qwen3MoeModel:
     def new_cache(self, max_len: int) -> KVCache:
         return KVCache.for_config(self.cfg, max_len, self.device, self.dtype)
 
-    def grow_cache(self, cache: KVCache, max_len: int) -> KVCache:
+    def grow_cache(self, cache: KVCache, max_len: int, via_host: bool = False) -> KVCache:
         """The state of up to max_len tokens holding cache's (consumed): KVCache.grow."""
-        return cache.grow(max_len)
+        return cache.grow(max_len, via_host)
 
     def check_ids(self, ids) -> torch.Tensor:
         """Token ids (list or tensor) -> LongTensor [T] on the device; InvalidRequestError if bad."""

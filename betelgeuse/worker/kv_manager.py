@@ -90,9 +90,17 @@ class KVManager:
         seq.blocks = blocks
         return pc.covered(blocks)
 
+    def _size(self, tokens: int) -> int:
+        """Tokens of a state holding `tokens`: whole granules, at most max_context."""
+        return min(self.runner.cfg.max_context, -(-tokens // KV_GRANULE) * KV_GRANULE)
+
     def admit(self, seq: Sequence):
-        """The sequence's KV cache for its prompt and its whole output; the held prefix copied into it."""
-        seq.kv = self.runner.new_cache(len(seq.prompt_ids) + seq.max_tokens)
+        """The sequence's KV cache for its prompt and its output (module doc: all of it where the request bounds
+        it, else a first granule that grows); the held prefix copied into it."""
+        out = seq.max_tokens
+        if seq.request.max_tokens is None and self.runner.model.state_grows:
+            out = min(out, KV_GRANULE)
+        seq.kv = self.runner.new_cache(self._size(len(seq.prompt_ids) + out))
         if self.prefix is not None:
             n = self.prefix.load(seq.kv, seq.blocks)
             assert n == seq.n_done, (n, seq.n_done)         # what the scheduler planned from hit()

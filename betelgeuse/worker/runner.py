@@ -222,12 +222,16 @@ class ModelRunner:
     def grow_cache(self, kv: SequenceState, max_len: int) -> SequenceState:
         """A live state grown to max_len tokens (model.grow_cache, state_grows): the same tokens in a larger state,
         which replaces it (the old one is consumed). The flex cache makes room first for the new state and the one
-        layer's tensor the copy holds twice; the old state's graphs (solo, its lane's attention) go, its lane stays."""
+        layer's tensors the copy holds twice, or, where that would pass the plan's KV reservation (the others hold
+        theirs), the copy goes through host memory and holds nothing twice. The old state's graphs (solo, its lane's
+        attention) go; its lane stays."""
         assert self.model.state_grows and max_len > kv.max_len, (type(self.model).__name__, max_len, kv.max_len)
         old = self._kv_live.pop(kv.uid)
-        self._hold_kv(self.kv_bytes + self._state_bytes(max_len) + -(-old // self.mcfg.n_layer))
+        need, twice = self.kv_bytes + self._state_bytes(max_len), -(-old // self.mcfg.n_layer)
+        via_host = need + twice > self._kv_reserved()
+        self._hold_kv(need + (0 if via_host else twice))
         try:
-            new = self.model.grow_cache(kv, max_len)
+            new = self.model.grow_cache(kv, max_len, via_host)
         except BaseException:
             self._kv_live[kv.uid] = old
             self._hold_kv(self.kv_bytes)
@@ -238,8 +242,13 @@ class ModelRunner:
         if self._lanes is not None:
             self._lanes.rebind(kv.uid, new)
         event(log, "kv_grow", logging.DEBUG, tokens=new.length, max_len=new.max_len, old_max_len=kv.max_len,
-              bytes=new.nbytes(), kv_bytes=self.kv_bytes)
+              bytes=new.nbytes(), kv_bytes=self.kv_bytes, via_host=via_host)
         return new
+
+    def _kv_reserved(self) -> int:
+        """The plan's bytes for max_running sequences' states and graphs (what the states and the flex cache share)."""
+        graphs = GRAPHS_BYTES_PER_SEQ if self.cache.is_cuda and self.cfg.cuda_graphs else 0
+        return self.plan.vram_parts.get("kv", 0) + self.plan.max_running * graphs
 
     def _live(self, kv: SequenceState):
         """A state just allocated is live: its bytes counted, and the flex cache held to exactly what they are."""
