@@ -140,6 +140,7 @@ class WorkerMetrics:
     decode_guess_bytes: Counter       # [outcome] bytes read ahead for them: used | wasted
     flex_hits: Counter                # routed experts computed from a flex cache copy (worker/flex_cache.py)
     flex_slots: Gauge                 # [state] flex cache expert slots: allocated | used
+    flex_bytes: Gauge                 # [state] flex cache bytes: allocated | room (the KV reservation not held)
 
     def set_cgroup_reader(self, current: Callable[[], float], maximum: Callable[[], float]) -> None:
         _set_cgroup_reader(self.cgroup_memory, current, maximum)
@@ -227,6 +228,9 @@ def make_worker_metrics(version: str = "0.1.0") -> WorkerMetrics:
                           "reserved for sequences not running): a disk read or host copy saved each.", registry=reg),
         flex_slots=Gauge("betelgeuse_flex_cache_slots", "Flex cache expert slots: state=allocated | used.", ["state"],
                          registry=reg),
+        flex_bytes=Gauge("betelgeuse_flex_cache_bytes", "Flex cache device bytes: state=allocated (its chunks now) | "
+                         "room (the plan's KV reservation less what the running sequences' states and graphs take).",
+                         ["state"], registry=reg),
     )
     for outcome in GUESS_OUTCOMES:
         m.decode_guesses.labels(outcome=outcome)
@@ -234,6 +238,8 @@ def make_worker_metrics(version: str = "0.1.0") -> WorkerMetrics:
         m.decode_guess_bytes.labels(outcome=outcome)
     for state in ("allocated", "used"):
         m.flex_slots.labels(state=state)
+    for state in ("allocated", "room"):
+        m.flex_bytes.labels(state=state)
     for phase in PHASES:
         m.busy_seconds.labels(phase=phase)
         m.disk_wait_seconds.labels(phase=phase)

@@ -442,6 +442,9 @@ class LLMEngine:
             flex = self.runner.flex
             m.flex_slots.labels(state="allocated").set(flex.n_slots if flex is not None else 0)
             m.flex_slots.labels(state="used").set(flex.n_held if flex is not None else 0)
+            m.flex_bytes.labels(state="allocated").set(flex.nbytes if flex is not None else 0)
+            m.flex_bytes.labels(state="room").set(flex.room if flex is not None else 0)
+            m.vram_used_bytes.labels(pool="kv_cache").set(self.runner.state_bytes)
 
     def close(self):
         self._stop = True

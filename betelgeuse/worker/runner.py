@@ -80,8 +80,8 @@ class ModelRunner:
         self._lanes: Lanes | None = None    # batched decode in the static form (worker/lanes.py), made on first use
         self._recorder = self._replayer = None   # routing hooks around the model's route() (hook_routing)
         self.flex: FlexCache | None = None  # the flex expert cache of the attachment (_flex_cache)
-        # uid -> bytes of each sequence state made by new_cache / grow_cache and not released: its tensors + its
-        # decode graphs where the plan counts them (GRAPHS_BYTES_PER_SEQ); the flex cache lives in the rest
+        # uid -> bytes of each sequence state made by new_cache / grow_cache and not released (kv_bytes adds their
+        # decode graphs); the flex cache lives in the rest of the plan's reservation
         self._kv_live: dict[int, int] = {}
         self.attach()
         if cfg.record_routing:
@@ -128,15 +128,24 @@ class ModelRunner:
         return flex
 
     @property
-    def kv_bytes(self) -> int:
-        """Bytes the live sequence states take (their tensors and their decode graphs)."""
+    def state_bytes(self) -> int:
+        """Device bytes of the live sequence states' tensors."""
         return sum(self._kv_live.values())
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of the plan's KV reservation the live sequences take: their states and their decode graphs."""
+        return self.state_bytes + len(self._kv_live) * self._graph_bytes
+
+    @property
+    def _graph_bytes(self) -> int:
+        """A running sequence's decode graphs, as the plan counts them (store/plan.py), or 0 without graphs."""
+        return GRAPHS_BYTES_PER_SEQ if self.cache.is_cuda and self.cfg.cuda_graphs else 0
 
     def _state_bytes(self, max_len: int) -> int:
         """A state of max_len tokens' bytes (the plan's figure: model/registry.py state_bytes) + its graphs'."""
         elt = torch.empty((), dtype=self.dtype).element_size()
-        graphs = GRAPHS_BYTES_PER_SEQ if self.cache.is_cuda and self.cfg.cuda_graphs else 0
-        return arch_of(self.mcfg).state_bytes(self.mcfg, max_len, elt) + graphs
+        return arch_of(self.mcfg).state_bytes(self.mcfg, max_len, elt) + self._graph_bytes
 
     def _hold_kv(self, nbytes: int):
         """The sequence states take `nbytes`, or are about to: the flex cache gives that room back first (before a
@@ -247,13 +256,11 @@ class ModelRunner:
 
     def _kv_reserved(self) -> int:
         """The plan's bytes for max_running sequences' states and graphs (what the states and the flex cache share)."""
-        graphs = GRAPHS_BYTES_PER_SEQ if self.cache.is_cuda and self.cfg.cuda_graphs else 0
-        return self.plan.vram_parts.get("kv", 0) + self.plan.max_running * graphs
+        return self.plan.vram_parts.get("kv", 0) + self.plan.max_running * self._graph_bytes
 
     def _live(self, kv: SequenceState):
         """A state just allocated is live: its bytes counted, and the flex cache held to exactly what they are."""
-        graphs = GRAPHS_BYTES_PER_SEQ if self.cache.is_cuda and self.cfg.cuda_graphs else 0
-        self._kv_live[kv.uid] = kv.nbytes() + graphs
+        self._kv_live[kv.uid] = kv.nbytes()
         self._hold_kv(self.kv_bytes)
 
     def consolidate(self):

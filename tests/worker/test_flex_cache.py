@@ -82,7 +82,7 @@ def _req(ids, n):
 
 def test_admission_shrinks_the_cache_before_allocating_kv(model):
     """max_running 3: a lone request leaves two sequences' KV room to the cache, which fills it; then three requests
-    together: each admission gives back a unit before the KV is allocated. The byte counter (flex bytes + the KV
+    together: each admission gives back its state's bytes before the KV is allocated. The byte counter (flex bytes + the KV
     caches held) stays within the plan's KV reservation at every KV allocation and every fill."""
     from betelgeuse.assembly import open_engine, open_store
     cfg = EngineConfig(model_path=str(model), read_threads=2, max_running=3, admission_window=0.2, flex_cache=True,
@@ -109,7 +109,7 @@ def test_admission_shrinks_the_cache_before_allocating_kv(model):
         real_new, real_keep, real_release = rn.model.new_cache, flex.keep, rn.release
 
         def new_cache(n):                # the model's allocation, called by the runner once the cache made room
-            check(flex.unit_bytes)       # the new sequence's reservation counted in
+            check(rn._state_bytes(n))    # the new sequence's state counted in
             kv = real_new(n)
             live[kv.uid] = kv.nbytes()
             check()
