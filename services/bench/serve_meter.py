@@ -6,7 +6,9 @@ phase has been prefilled by then, so from there to the end only decode passes ru
 
   worker  GET /metrics on the HTTP port: betelgeuse_generation_tokens (tokens of decode passes),
           betelgeuse_prompt_tokens, betelgeuse_host_to_device_bytes / _seconds, betelgeuse_engine_busy_seconds{phase},
-          betelgeuse_disk_wait_seconds{phase}; each pass is counted when it ends
+          betelgeuse_disk_wait_seconds{phase}; each pass is counted when it ends; the flex expert cache's hits and
+          (gauges, at the snapshot) its bytes beside the running sequences' states' (betelgeuse_flex_cache_bytes,
+          betelgeuse_vram_used_bytes{pool="kv_cache"}): a decode window's are those with every client running
   store   its Status RPC on the control socket: disk_bytes = device bytes read (O_DIRECT, 4 KiB rounding included),
           counted as each read completes; read at the call (its /metrics copies the same counter only every 0.5 s);
           disk_active_seconds = wall seconds with a read in flight (a window's disk busy share = its delta / the
@@ -43,6 +45,9 @@ class Snapshot:
     disk_active_s: float = 0.0  # the store's wall seconds with a read in flight
     readahead_bytes: int = 0    # the store's bytes read ahead that landed ...
     readahead_used: int = 0     # ... and of them those a load took (the rest: read ahead, unused)
+    flex_hits: float = 0.0      # routed experts computed from a flex cache copy
+    flex_bytes: float = 0.0     # the flex cache's device bytes at the snapshot
+    kv_bytes: float = 0.0       # the running sequences' states' device bytes at the snapshot
 
 
 def parse_metrics(text: str) -> dict:
@@ -96,7 +101,10 @@ class Meter:
                         {p: _get(m, "betelgeuse_engine_busy_seconds_total", phase=p) for p in phases},
                         {p: _get(m, "betelgeuse_disk_wait_seconds_total", phase=p) for p in phases},
                         int(st["disk_bytes"]), float(st.get("disk_active_seconds", 0.0)),
-                        int(st.get("readahead_bytes", 0)), int(st.get("readahead_used", 0)))
+                        int(st.get("readahead_bytes", 0)), int(st.get("readahead_used", 0)),
+                        m.get(("betelgeuse_flex_cache_hits_total", ()), 0.0),
+                        m.get(("betelgeuse_flex_cache_bytes", (("state", "allocated"),)), 0.0),
+                        m.get(("betelgeuse_vram_used_bytes", (("pool", "kv_cache"),)), 0.0))
 
     def mark(self):
         """A snapshot now, on a thread of its own (read with marked() once the phase is over)."""
@@ -140,7 +148,8 @@ def window(a: Snapshot, b: Snapshot, disk_bps: float, h2d_bps: float | None, tok
             "h2d_busy_s": b.h2d_seconds - a.h2d_seconds,
             "disk_busy_fraction": (b.disk_active_s - a.disk_active_s) / (b.t - a.t) if b.t > a.t else None,
             "readahead_bytes": b.readahead_bytes - a.readahead_bytes,
-            "readahead_unused_bytes": (b.readahead_bytes - a.readahead_bytes) - (b.readahead_used - a.readahead_used)}
+            "readahead_unused_bytes": (b.readahead_bytes - a.readahead_bytes) - (b.readahead_used - a.readahead_used),
+            "flex_hits": b.flex_hits - a.flex_hits, "flex_bytes": a.flex_bytes, "kv_bytes": a.kv_bytes}
 
 
 def bounds(a: Snapshot, opened: Snapshot | None, b: Snapshot, disk_bps: float, h2d_bps: float | None,
@@ -179,7 +188,9 @@ def describe(w: dict | None) -> str:
     ahead = w.get("readahead_bytes")
     moved = (f"disk {size(w['disk_bytes'])}" + ("" if busy is None else f" (busy {busy:.0%})")
              + ("" if not ahead else f", read ahead {size(ahead)} (unused {size(w['readahead_unused_bytes'])})")
-             + f", H2D {size(w['h2d_bytes'])}")
+             + f", H2D {size(w['h2d_bytes'])}"
+             + ("" if not (w.get("flex_bytes") or w.get("flex_hits")) else
+                f", flex {size(w['flex_bytes'])} beside KV {size(w['kv_bytes'])} ({w['flex_hits']:.0f} hits)"))
     if w.get("bound_tps") is None:
         why = "nothing read from disk" + ("" if w.get("h2d_bps") else ", no H2D rate")
         return f"bound none ({why}); {moved}"
