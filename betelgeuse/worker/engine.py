@@ -205,6 +205,10 @@ class LLMEngine:
         for seq in plan.admitted:
             self._admit(seq)
         for work in plan.passes():          # the prefill pass, then the decode pass (without who ended meanwhile)
+            if work.kind != "prefill":
+                work = self._make_room(work)
+                if work is None:
+                    continue
             logits = self._run(work)
             if logits is not None:
                 self._process(work, logits)
@@ -217,6 +221,24 @@ class LLMEngine:
         if not seq.prefilling:
             self.outputs.prompt_done(seq)
             self._token(seq, self.kv_manager.cached_logits(seq))
+
+    def _make_room(self, work: Pass) -> Pass | None:
+        """Before a decode pass: each state with room for its token (KVManager.make_room: grown where full). A growth
+        that fails ends its own sequence only (invariant 7) -> the pass without it (None: nobody left)."""
+        keep = []
+        for seq in work.seqs:
+            try:
+                self.kv_manager.make_room(seq)
+                keep.append(seq)
+            except BetelgeuseError as e:
+                self._end(seq, Finish.failed(e))
+            except Exception:                        # noqa: BLE001 (the device out of memory, say)
+                log.exception("growing the state of request %s failed", seq.request.request_id or seq.seq_id)
+                self._end(seq, Finish.failed(InternalError("internal error growing the request's KV cache; see the "
+                                                           "worker log")))
+        if len(keep) == len(work.seqs):
+            return work
+        return Pass(work.kind, keep, [1] * len(keep)) if keep else None
 
     def _beat(self, seq: Sequence):
         """Between layers: the engine is alive (watchdog), and the sequence still wanted (may raise)."""
@@ -271,8 +293,6 @@ class LLMEngine:
                 return [lg[-1]], st
             lgs, st = r.prefill_batch(parts, consolidate=True, should_stop=stop)
             return [lg[-1] for lg in lgs], st
-        for seq in work.seqs:               # a decode: each state with room for its token (grown where full)
-            self.kv_manager.make_room(seq)
         if work.kind == "batch":            # a sequence's logits do not depend on its batch (invariant 6)
             return r.decode_batch([s.out_ids[-1] for s in work.seqs], [s.kv for s in work.seqs])
         seq, = work.seqs

@@ -184,3 +184,46 @@ def test_unbounded_requests_grow_and_the_flex_cache_keeps_the_rest(qwen, monkeyp
     finally:
         eng.close()
         store.close()
+
+
+def test_a_failed_growth_ends_its_request_alone(qwen, monkeypatch):
+    """The device out of memory while one state grows: that request ends with InternalError; the one decoding beside
+    it (bounded: no growth) finishes with the tokens it gives alone, and the engine serves on."""
+    from betelgeuse.assembly import open_engine, open_store
+    from betelgeuse.errors import InternalError
+    monkeypatch.setattr(kv_manager, "KV_GRANULE", 16)
+    cfg = EngineConfig(model_path=str(qwen), read_threads=2, max_running=2, admission_window=0.3, vram_slots=2,
+                       host_slots=3, max_context=128, prefix_cache_bytes=0)
+    store = open_store(cfg)
+    eng = open_engine(cfg, store)
+    try:
+        def run(req):
+            try:
+                return list(eng.submit(req))[-1].token_ids
+            except InternalError as e:
+                return e
+        bounded = _req(prompt(20, V, seed=50), 40)                  # 64 tokens from the start
+        alone = run(bounded)
+        real = eng.runner.model.grow_cache
+
+        def oom(*a, **k):
+            raise RuntimeError("CUDA out of memory (injected)")
+        eng.runner.model.grow_cache = oom
+        got = [None, None]
+
+        def client(i, req):
+            got[i] = run(req)
+        reqs = [_req(prompt(20, V, seed=51), None), bounded]         # the first grows at 48 tokens
+        threads = [threading.Thread(target=client, args=(i, r)) for i, r in enumerate(reqs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert isinstance(got[0], InternalError), got[0]
+        assert got[1] == alone
+        eng.runner.model.grow_cache = real
+        assert len(run(reqs[0])) == 108                               # grown 48 -> 96 -> 128, to the context's end
+        assert eng.runner.kv_bytes == 0
+    finally:
+        eng.close()
+        store.close()
