@@ -424,3 +424,56 @@ def backing_workload(path, backing, vram: int, arena_slots: int, rounds: list[li
     finally:
         engine.close()
         store.close()
+
+
+class StateBytes:
+    """The byte counter of DESIGN.md invariant 3 around a runner with a flex cache: wraps its model's new_cache and
+    grow_cache (called once the flex cache made room), the cache's fills and the runner's release, and at each checks
+    flex bytes + the live states' bytes (+ what is about to be allocated) against `budget`, the plan's KV
+    reservation with the graphs'. Checks run on the engine's thread: misses are collected in `over` for the test to
+    assert."""
+
+    def __init__(self, rn):
+        self.rn, self.flex, self.budget = rn, rn.flex, rn._kv_reserved()
+        self.live: dict = {}                  # uid -> bytes of the states allocated and held
+        self.checks = self.peak = self.grown = self.via_host = 0
+        self.over: list = []
+        self.most_held_running: dict = {}     # states live -> the most experts the flex cache held meanwhile
+        m, f = rn.model, rn.flex
+        self._new, self._grow, self._keep, self._release = m.new_cache, m.grow_cache, f.keep, rn.release
+        m.new_cache, m.grow_cache, f.keep, rn.release = self._new_cache, self._grow_cache, self._keep_, self._release_
+
+    def check(self, extra: int = 0):
+        total = self.flex.nbytes + sum(self.live.values()) + extra
+        self.checks += 1
+        self.peak = max(self.peak, total)
+        if total > self.budget:
+            self.over.append((self.flex.describe(), dict(self.live), extra, self.budget))
+        n = len(self.live)
+        self.most_held_running[n] = max(self.most_held_running.get(n, 0), self.flex.n_held)
+
+    def _new_cache(self, n):
+        self.check(self.rn._state_bytes(n))            # the new state counted in
+        kv = self._new(n)
+        self.live[kv.uid] = kv.nbytes()
+        self.check()
+        return kv
+
+    def _grow_cache(self, kv, n, via_host):
+        old = self.live.pop(kv.uid)
+        # the new state, and the one layer's tensors the copy holds twice unless it goes through the host
+        self.check(self.rn._state_bytes(n) + (0 if via_host else -(-old // self.rn.mcfg.n_layer)))
+        self.grown += 1
+        self.via_host += via_host
+        new = self._grow(kv, n, via_host)
+        self.live[new.uid] = new.nbytes()
+        self.check()
+        return new
+
+    def _keep_(self, *a, **k):
+        self._keep(*a, **k)
+        self.check()
+
+    def _release_(self, kv):
+        self.live.pop(kv.uid, None)
+        self._release(kv)

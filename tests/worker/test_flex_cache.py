@@ -20,7 +20,7 @@ import torch
 from betelgeuse.api import GenerateRequest, SamplingParams
 from betelgeuse.config import EngineConfig
 
-from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, write_synth
+from engine_helpers import ENGINE_SPEC, StateBytes, close_runner, in_process_runner, prompt, write_synth
 
 V = ENGINE_SPEC["n_vocab"]
 # 2 VRAM + 3 host slots of 32 experts per layer, 6 staging slots: nearly every routed expert is a disk read, and the
@@ -82,8 +82,8 @@ def _req(ids, n):
 
 def test_admission_shrinks_the_cache_before_allocating_kv(model):
     """max_running 3: a lone request leaves two sequences' KV room to the cache, which fills it; then three requests
-    together: each admission gives back its state's bytes before the KV is allocated. The byte counter (flex bytes + the KV
-    caches held) stays within the plan's KV reservation at every KV allocation and every fill."""
+    together: each admission gives back its state's bytes before the KV is allocated. The byte counter (flex bytes +
+    the KV caches held) stays within the plan's KV reservation at every KV allocation and every fill."""
     from betelgeuse.assembly import open_engine, open_store
     cfg = EngineConfig(model_path=str(model), read_threads=2, max_running=3, admission_window=0.2, flex_cache=True,
                        **TIERS, **CFG)
@@ -92,37 +92,8 @@ def test_admission_shrinks_the_cache_before_allocating_kv(model):
     try:
         rn = eng.runner
         flex = rn.flex
-        budget = rn.plan.vram_parts["kv"]                     # the plan's KV bytes for max_running sequences
-        assert flex is not None and flex.units == 3 and flex.unit_bytes * 3 == budget
-        live: dict = {}                                       # uid -> KV bytes of the caches allocated and held
-        seen = {"checks": 0, "peak": 0}
-        over: list = []          # checks run on the engine's thread: collected, asserted here
-
-        def check(extra: int = 0):
-            held = sum(live.values())
-            total = flex.nbytes + held + extra
-            seen["checks"] += 1
-            seen["peak"] = max(seen["peak"], total)
-            if total > budget:
-                over.append((flex.describe(), held, extra, budget))
-
-        real_new, real_keep, real_release = rn.model.new_cache, flex.keep, rn.release
-
-        def new_cache(n):                # the model's allocation, called by the runner once the cache made room
-            check(rn._state_bytes(n))    # the new sequence's state counted in
-            kv = real_new(n)
-            live[kv.uid] = kv.nbytes()
-            check()
-            return kv
-
-        def keep(*a, **k):
-            real_keep(*a, **k)
-            check()
-
-        def release(kv):
-            live.pop(kv.uid, None)
-            real_release(kv)
-        rn.model.new_cache, flex.keep, rn.release = new_cache, keep, release
+        count = StateBytes(rn)              # budget: the plan's KV bytes for max_running sequences (no graphs here)
+        assert flex is not None and flex.units == 3 and flex.unit_bytes * 3 == count.budget
 
         list(eng.submit(_req(prompt(24, V, seed=5), 8)))
         lone = flex.nbytes
@@ -136,10 +107,10 @@ def test_admission_shrinks_the_cache_before_allocating_kv(model):
             t.start()
         for t in threads:
             t.join(120)
-        assert not over, f"flex + KV bytes over the plan's KV reservation: {over[:3]}"
+        assert not count.over, f"flex + KV bytes over the plan's KV reservation: {count.over[:3]}"
         assert all(g is not None and g[-1].finish_reason == "length" for g in got), got
-        assert not live and flex.held == 0
-        assert seen["checks"] > 10 and seen["peak"] <= budget
+        assert not count.live and flex.held == 0
+        assert count.checks > 10 and count.peak <= count.budget
     finally:
         eng.close()
         store.close()

@@ -22,7 +22,7 @@ from betelgeuse.api import GenerateRequest, SamplingParams
 from betelgeuse.config import EngineConfig
 from betelgeuse.worker import kv_manager
 
-from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, write_synth
+from engine_helpers import ENGINE_SPEC, StateBytes, close_runner, in_process_runner, prompt, write_synth
 
 V = ENGINE_SPEC["n_vocab"]
 
@@ -112,49 +112,8 @@ def test_unbounded_requests_grow_and_the_flex_cache_keeps_the_rest(qwen, monkeyp
     try:
         rn = eng.runner
         flex = rn.flex
-        budget = rn.plan.vram_parts["kv"]                     # the plan's KV bytes for max_running sequences
-        assert flex is not None and flex.reserved == budget
-        live: dict = {}                                       # uid -> bytes of the states allocated and held
-        seen = {"checks": 0, "peak": 0, "grown": 0, "via_host": 0, "flex_all_running": 0}
-        over: list = []          # checks run on the engine's thread: collected, asserted here
-
-        def check(extra: int = 0):
-            total = flex.nbytes + sum(live.values()) + extra
-            seen["checks"] += 1
-            seen["peak"] = max(seen["peak"], total)
-            if total > budget:
-                over.append((flex.describe(), dict(live), extra, budget))
-            if len(live) == 3:
-                seen["flex_all_running"] = max(seen["flex_all_running"], flex.n_held)
-
-        real_new, real_grow, real_keep, real_release = rn.model.new_cache, rn.model.grow_cache, flex.keep, rn.release
-
-        def new_cache(n):                # the model's allocation, called once the cache made room
-            check(rn._state_bytes(n))
-            kv = real_new(n)
-            live[kv.uid] = kv.nbytes()
-            check()
-            return kv
-
-        def grow_cache(kv, n, via_host):
-            old = live.pop(kv.uid)
-            # the new state, and the one layer's tensors the copy holds twice unless it goes through the host
-            check(rn._state_bytes(n) + (0 if via_host else -(-old // rn.mcfg.n_layer)))
-            seen["via_host"] += via_host
-            new = real_grow(kv, n, via_host)
-            live[new.uid] = new.nbytes()
-            seen["grown"] += 1
-            check()
-            return new
-
-        def keep(*a, **k):
-            real_keep(*a, **k)
-            check()
-
-        def release(kv):
-            live.pop(kv.uid, None)
-            real_release(kv)
-        rn.model.new_cache, rn.model.grow_cache, flex.keep, rn.release = new_cache, grow_cache, keep, release
+        count = StateBytes(rn)              # budget: the plan's KV bytes for max_running sequences (no graphs here)
+        assert flex is not None and flex.reserved == count.budget
 
         prompts = [prompt(20 + i, V, seed=40 + i) for i in range(3)]
 
@@ -172,15 +131,15 @@ def test_unbounded_requests_grow_and_the_flex_cache_keeps_the_rest(qwen, monkeyp
             return [list(g[-1].token_ids) for g in got]
 
         unbounded = run(lambda i: None)
-        assert seen["grown"] == 6, seen                      # each: 48 -> 96 -> 192
-        assert 0 < seen["via_host"] < 6, seen                # the last of them, the others' states full
+        assert count.grown == 6                              # each: 48 -> 96 -> 192
+        assert 0 < count.via_host < 6                        # the last of them, the others' states full
         bounded = run(lambda i: 192 - len(prompts[i]))
         assert unbounded == bounded
         assert [len(t) for t in unbounded] == [192 - len(p) for p in prompts]
-        assert not over, f"flex + state bytes over the plan's KV reservation: {over[:3]}"
-        assert not live and flex.held == 0
-        assert seen["checks"] > 10 and seen["peak"] <= budget
-        assert seen["flex_all_running"] > 0, seen
+        assert not count.over, f"flex + state bytes over the plan's KV reservation: {count.over[:3]}"
+        assert not count.live and flex.held == 0
+        assert count.checks > 10 and count.peak <= count.budget
+        assert count.most_held_running.get(3, 0) > 0, count.most_held_running
     finally:
         eng.close()
         store.close()
