@@ -1,8 +1,8 @@
 """The flex expert cache: copies of recently read experts in the VRAM the plan reserves for sequences not running.
 
 The slot plan (store/plan.py) reserves VRAM for `max_running` sequences' full-context KV and decode graphs before it
-sizes the VRAM tier; a lone stream holds 1/max_running of that reservation. While fewer sequences hold KV, the worker
-keeps copies of the experts it staged from disk in the rest (mixtral-offloading's LRU expert cache, in room nobody
+sizes the VRAM tier; a running sequence holds only its state's bytes of it (sized to its request, grown when full:
+worker/kv_manager.py) and its graphs' share. The worker keeps copies of the experts it staged from disk in the rest (mixtral-offloading's LRU expert cache, in room nobody
 uses), least recently used first out:
 
     room       in bytes: the plan's reservation for max_running sequences (`units` x `unit`: a sequence's KV at
@@ -15,7 +15,7 @@ uses), least recently used first out:
     use        MoEStep._partial, before the tier split: a routed host- or disk-tier expert held here is computed from
                its copy, in one launch group per chunk, like a VRAM expert: no store message, no disk read, no H2D
                copy. The bytes are the file's whatever slot holds them, so outputs keep every bit (invariant 1)
-    shrink     before a sequence's state is allocated or grown (KVManager.admit / grow -> ModelRunner.new_cache /
+    shrink     before a sequence's state is allocated or grown (KVManager.admit / make_room -> ModelRunner.new_cache /
                grow_cache) chunks go until chunk bytes + the bytes held <= the reservation: the worker's VRAM never
                exceeds the plan's figure for max_running sequences (invariant 3). Growing back is lazy: the next
                fill after a sequence ended
