@@ -46,6 +46,22 @@ ENTRY_DTYPE = np.dtype([("tier", "i1"), ("host_slot", "<i4"), ("generation", "<u
 assert HEADER_DTYPE.itemsize == DIRECTORY_HEADER_BYTES and ENTRY_DTYPE.itemsize == DIRECTORY_ENTRY_BYTES
 
 
+class _HeaderFlag:
+    """A u32 header field read as a bool: either process reads it, only the store (the writer) sets it."""
+
+    __slots__ = ("name",)
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name                      # the header field of the same name
+
+    def __get__(self, d: SlotDirectory | None, owner: type | None = None) -> bool:
+        return self if d is None else bool(d._hdr[self.name][0])
+
+    def __set__(self, d: SlotDirectory, value: bool) -> None:
+        assert d._writer, "only the store writes the directory"
+        d._hdr[self.name] = 1 if value else 0
+
+
 class SlotDirectory:
     __slots__ = ("layout", "_hdr", "_ent", "_writer")
 
@@ -83,23 +99,8 @@ class SlotDirectory:
     def store_pid(self) -> int:
         return int(self._hdr["store_pid"][0])
 
-    @property
-    def pass_active(self) -> bool:
-        return bool(self._hdr["pass_active"][0])
-
-    @pass_active.setter
-    def pass_active(self, value: bool) -> None:
-        assert self._writer, "only the store writes the directory"
-        self._hdr["pass_active"] = 1 if value else 0
-
-    @property
-    def filling(self) -> bool:
-        return bool(self._hdr["filling"][0])
-
-    @filling.setter
-    def filling(self, value: bool) -> None:
-        assert self._writer, "only the store writes the directory"
-        self._hdr["filling"] = 1 if value else 0
+    pass_active = _HeaderFlag()
+    filling = _HeaderFlag()
 
     # -- reads (either process) --------------------------------------------------------------
     def lookup(self, layer: int, expert: int) -> tuple[int, int, int]:

@@ -45,23 +45,20 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))
-sys.path.insert(0, str(HERE))
+import _common  # first: puts this checkout on sys.path
+import torch
 
-import torch  # noqa: E402
-
-from check_cuda import (RESULTS, ROWS, check_batch, check_pool_decode, close, greedy_decode, ids_for,  # noqa: E402
+from check_cuda import (RESULTS, ROWS, check_batch, check_pool_decode, close, greedy_decode, ids_for,
                         results_table, row, run_steps, runner_for, slot_passes, sync, timing_flag, use_timing)
 
-from betelgeuse.gguf.quants import dequantize  # noqa: E402
-from betelgeuse.gguf.synth import spec_from_preset, write_model  # noqa: E402
-from betelgeuse.kernels.moe import Group, MoEKernels, pack_experts  # noqa: E402
-from betelgeuse.model import reference_model  # noqa: E402
+from betelgeuse.gguf.quants import dequantize
+from betelgeuse.gguf.synth import spec_from_preset, write_model
+from betelgeuse.kernels.moe import Group, MoEKernels, pack_experts
+from betelgeuse.model import reference_model
 
 MX = 39          # GGML MXFP4
 LAUNCH_TARGET = 60           # kernels per layer of a decode step (issue 21)
-sys.path.insert(0, str(HERE.parents[1] / "tests" / "scripts"))
+sys.path.insert(0, str(_common.REPO / "tests" / "scripts"))
 
 
 def _mx_raw(g: torch.Generator, rows: int, cols: int) -> torch.Tensor:

@@ -20,21 +20,19 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+import _common  # first: puts this checkout on sys.path
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from betelgeuse.assembly import open_runner, open_store  # noqa: E402
-from betelgeuse.config import EngineConfig  # noqa: E402
+from betelgeuse.assembly import open_runner, open_store
+from betelgeuse.config import EngineConfig
 
 FIELDS = ("guessed", "guess_hits", "guess_disk", "guess_bytes", "guess_wasted_bytes")
 
 
 def one(a, depth: int) -> tuple[torch.Tensor, dict]:
     """One fresh store and runner guessing `depth` layers ahead (0: off) -> (decoded logits, totals)."""
-    vram, host = (int(x) for x in a.slots.split("+"))
+    vram, host = _common.slot_pair(a.slots)
     cfg = EngineConfig(model_path=a.model, device=a.device, vram_slots=vram, host_slots=host,
                        prefetch_decode=depth > 0, prefetch_depth=max(depth, 1), decode_consolidate_every=0,
                        **({} if a.staging == "auto" else {"staging_slots": int(a.staging)}))
@@ -67,9 +65,7 @@ def one(a, depth: int) -> tuple[torch.Tensor, dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("model")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--slots", default="4+8", help="VRAM+host slots per layer (few, so that decode misses)")
+    _common.add_model_args(ap, slots="4+8", slots_help=_common.FEW_SLOTS)
     ap.add_argument("--staging", default="auto")
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--decode", type=int, default=32)

@@ -22,10 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-import numpy as np  # noqa: E402
+import _common  # first: puts this checkout on sys.path
+import numpy as np
 
 STATUS = ("disk_bytes", "demand_loads", "staged_hits", "readahead_reads", "readahead_wasted", "readahead_dropped",
           "readahead_promoted", "readahead_skipped", "readahead_bytes", "readahead_used", "demand_wait_s",
@@ -45,9 +43,7 @@ def tiny_model(d: Path) -> Path:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("model", nargs="?")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--slots", default="2+6", help="VRAM+host slots per layer (few, so that decode misses)")
+    _common.add_model_args(ap, slots="2+6", slots_help=_common.FEW_SLOTS, device="cpu", model_optional=True)
     ap.add_argument("--depth", type=int, default=3)
     ap.add_argument("--prompt", type=int, default=24)
     ap.add_argument("--decode", type=int, default=24)
@@ -61,7 +57,7 @@ def main() -> int:
     from services.assembly import open_runner, open_store
     tmp = Path(tempfile.mkdtemp(prefix="guess-waste-"))
     model = a.model or str(tiny_model(tmp))
-    vram, host = (int(x) for x in a.slots.split("+"))
+    vram, host = _common.slot_pair(a.slots)
     extra = {} if a.min_hit is None else {"prefetch_min_hit": a.min_hit}
     cfg = EngineConfig(model_path=model, device=a.device, vram_slots=vram, host_slots=host, read_threads=a.read_threads,
                        prefetch_decode=True, prefetch_depth=a.depth, decode_consolidate_every=0, **extra)

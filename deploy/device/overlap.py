@@ -3,17 +3,15 @@
     python3 deploy/device/overlap.py [--layers 4] [--tokens 128]
 Profiles the pass with torch.profiler and prints, per stream, the busy time of kernels and copies, the
 fraction of copy time that overlaps kernels on another stream, and a short timeline around a copy."""
-import argparse, json, os, sys, tempfile
+import argparse, json, os, tempfile
 from dataclasses import replace
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # first: puts this checkout on sys.path
 from torch.profiler import ProfilerActivity, profile
 
 from betelgeuse.assembly import open_runner, open_store
 from betelgeuse.config import EngineConfig
-from betelgeuse.gguf.synth import PRESETS, write_model
+from betelgeuse.gguf.synth import PRESETS
 from check_cuda import _union as union  # one interval union for both device scripts
 
 
@@ -35,10 +33,9 @@ ap.add_argument("--layers", type=int, default=4)
 ap.add_argument("--tokens", type=int, default=128)
 ap.add_argument("--slots", default="5,15")
 a = ap.parse_args()
-path = f"/var/tmp/overlap-bench-{a.layers}L.gguf"
-if not os.path.exists(path):
-    write_model(path, replace(PRESETS["bench"], n_layer=a.layers), progress=False)
-vs, hs = (int(x) for x in a.slots.split(","))
+path = str(_common.synth_if_missing(f"/var/tmp/overlap-bench-{a.layers}L.gguf",
+                                    replace(PRESETS["bench"], n_layer=a.layers)))
+vs, hs = _common.slot_pair(a.slots, ",")
 cfg = EngineConfig(model_path=path, device="cuda", vram_slots=vs, host_slots=hs)
 r = open_runner(cfg, open_store(cfg))
 ids = list(range(100, 100 + a.tokens))

@@ -19,20 +19,17 @@ import argparse
 import gc
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+import _common  # first: puts this checkout on sys.path
+import torch
 
-import torch  # noqa: E402
-
-from betelgeuse.config import EngineConfig  # noqa: E402
-from betelgeuse.gguf.reader import GGUFModelFile  # noqa: E402
-from betelgeuse.settings import parse_size  # noqa: E402
-from services.assembly import open_runner, open_store  # noqa: E402
-from services.bench.procs import BenchCgroup, mkdir  # noqa: E402
+from betelgeuse.config import EngineConfig
+from betelgeuse.gguf.reader import GGUFModelFile
+from betelgeuse.settings import parse_size
+from services.assembly import open_runner, open_store
+from services.bench.procs import BenchCgroup, mkdir
 
 
 def summary(sts) -> dict:
@@ -107,10 +104,8 @@ def main():
     clients = [int(x) for x in o.clients.split(",")]
     mem, vram = parse_size(o.memory_max), parse_size(o.vram_budget)
     if not Path(o.model).exists():                   # the benchmark geometry, written here (~40 s on the device)
-        from betelgeuse.gguf.synth import spec_from_preset, write_model
-        t = time.perf_counter()
-        write_model(Path(o.model), spec_from_preset(o.preset), progress=False)
-        print(f"wrote {o.model} in {time.perf_counter() - t:.0f} s", flush=True)
+        from betelgeuse.gguf.synth import spec_from_preset
+        _common.synth_if_missing(o.model, spec_from_preset(o.preset), say="wrote {path} in {secs:.0f} s")
     cg = BenchCgroup(mem, True)                      # both processes in memory.max (the store plans against it)
     print(f"cgroup: {cg.cg.path if cg.cg else cg.reason}", flush=True)
     try:

@@ -19,16 +19,14 @@ import io
 import pstats
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import _common  # noqa: F401  (first: puts this checkout on sys.path)
+import torch
 
-import torch  # noqa: E402
-
-from betelgeuse.assembly import open_runner, open_store  # noqa: E402
-from betelgeuse.config import EngineConfig  # noqa: E402
-from betelgeuse.gguf.reader import GGUFModelFile  # noqa: E402
-from betelgeuse.kernels import triton_launch  # noqa: E402
+from betelgeuse.assembly import open_runner, open_store
+from betelgeuse.config import EngineConfig
+from betelgeuse.gguf.reader import GGUFModelFile
+from betelgeuse.kernels import triton_launch
 
 a = argparse.ArgumentParser()
 a.add_argument("model")

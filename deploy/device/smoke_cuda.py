@@ -1,20 +1,20 @@
 """Quick CUDA smoke of the out-of-core engine (in-process store): bit-identity across slot configs on the GPU,
 pinned arena, and layer-major vs standard timing on a small model. Prints a table. Usage:
     python3 deploy/device/smoke_cuda.py [--preset tiny|small]"""
-import argparse, time, os
+import argparse
+import _common  # first: puts this checkout on sys.path
 import torch
 from betelgeuse.assembly import open_runner, open_store
 from betelgeuse.config import EngineConfig
-from betelgeuse.gguf.synth import write_model, PRESETS
+from betelgeuse.gguf.synth import PRESETS
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--preset", default="small")
 ap.add_argument("--device", default="cuda")
 ap.add_argument("--tokens", type=int, default=64)
 a = ap.parse_args()
-path = f"/var/tmp/bg-{a.preset}.gguf"
-if not os.path.exists(path):
-    t = time.time(); write_model(path, PRESETS[a.preset], progress=False); print(f"wrote {path} in {time.time()-t:.1f}s")
+path = str(_common.synth_if_missing(f"/var/tmp/bg-{a.preset}.gguf", PRESETS[a.preset],
+                                    say="wrote {path} in {secs:.1f}s"))
 ids = list(range(10, 10 + a.tokens))
 rows = []
 base = None
