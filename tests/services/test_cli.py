@@ -3,6 +3,7 @@ exit code 2, never a traceback."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -157,3 +158,86 @@ def test_real_process_reports_one_line(args, fragment, tiny_model, tmp_path):
     assert "Traceback" not in p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("betelgeuse: error: ") and fragment in lines[0], p.stderr
+
+
+# A bad value of every engine setting (the keys that feed EngineConfig), as a flag, a TOML key and an environment
+# variable: serve refuses it in one line naming where it came from and what is allowed, exit 2, before it starts
+# anything. (key, the bad value as TOML holds it, a fragment of the allowed values)
+BAD_ENGINE_VALUES = [
+    ("slots.vram_per_layer", -1, '>= 0 or "auto"'),
+    ("slots.host_per_layer", "many", '>= 0 or "auto"'),
+    ("slots.vram_backing", "maybe", 'true, false or "auto"'),
+    ("budget.vram", "lots", "cannot parse size"),
+    ("budget.memory_max", "12 bananas", "cannot parse size"),
+    ("engine.schedule", "fast", "layer_major, standard"),
+    ("engine.routing", "fuzzy", "exact, resident, pool"),
+    ("engine.sub_batch", 0, "integer >= 1"),
+    ("engine.micro_batch", 0, "integer >= 1"),
+    ("engine.staging_slots", -1, '>= 0 or "auto"'),
+    ("engine.ring_slots", 1, "integer >= 2"),
+    ("engine.kernels", "cuda", "auto, torch, triton"),
+    ("engine.decode_consolidate_every", -1, "integer >= 0"),
+    ("engine.cuda_graphs", "maybe", "true or false"),
+    ("engine.prefetch", 1, "true or false"),
+    ("engine.prefetch_decode", "yes", "true or false"),
+    ("engine.flex_cache", "maybe", 'true, false or "auto"'),
+    ("engine.flex_cache", 1, 'true, false or "auto"'),
+    ("engine.prefetch_depth", 0, "integer >= 1"),
+    ("engine.prefetch_min_hit", 1.5, "between 0 and 1"),
+    ("engine.prefetch_min_hit", -0.25, "between 0 and 1"),
+    ("engine.prefetch_min_hit", "half", "between 0 and 1"),
+    ("engine.max_context", 4, "integer >= 8"),
+    ("engine.max_running", 0, '>= 1 or "auto"'),
+    ("engine.admission_window", -1, "seconds >= 0"),
+    ("engine.max_queue", -1, "integer >= 0"),
+    ("engine.max_batched_tokens", 0, "integer >= 1"),
+    ("engine.prefill_chunk", 0, "integer >= 1"),
+    ("engine.prefix_cache_bytes", "lots", "cannot parse size"),
+    ("engine.prefix_host_bytes", -1, "cannot be negative"),
+    ("engine.dtype", "float8", "auto, float32, bfloat16, float16"),
+    ("engine.worker_reserve", "lots", "cannot parse size"),
+    ("engine.read_threads", 0, "integer >= 1"),
+    ("engine.read_request_bytes", "1 page", "cannot parse size"),
+    ("engine.engram_cache_bytes", "lots", "cannot parse size"),
+    ("engine.engram_read_depth", 0, "integer >= 1"),
+    ("engine.max_prompt_bytes", "lots", "cannot parse size"),
+    ("engine.tokenize_threads", 0, "integer >= 1"),
+]
+# engine keys any string is valid for at parse time (a path; the device, resolved when the engine starts)
+FREE_ENGINE_KEYS = {"model.path", "worker.device", "engine.record_routing"}
+
+
+def test_every_engine_setting_has_a_bad_value_row():
+    """A key that feeds EngineConfig and has no row above fails here: a new setting comes with its bad value."""
+    from betelgeuse.settings import KEYS_INFO
+    engine_keys = {k.name for k in KEYS_INFO if k.engine} - FREE_ENGINE_KEYS
+    assert engine_keys == {key for key, _, _ in BAD_ENGINE_VALUES}
+
+
+@pytest.mark.parametrize("route", ["flag", "toml", "env"])
+@pytest.mark.parametrize("key, bad, allowed", BAD_ENGINE_VALUES, ids=lambda v: str(v))
+def test_bad_engine_setting_is_one_line_and_exit_2(key, bad, allowed, route, tiny_model, tmp_path, capsys,
+                                                   monkeypatch):
+    from betelgeuse.settings import BY_KEY
+    k = BY_KEY[tuple(key.split("."))]
+    text = str(bad).lower() if isinstance(bad, bool) else str(bad)      # the value as a flag or variable holds it
+    argv = ["serve", tiny_model, "--runtime-dir", tmp_path / "rt"]
+    if route == "flag":
+        if k.is_bool:
+            pytest.skip("a plain on/off flag (--KEY / --no-KEY) takes no value")
+        argv += [f"{k.flag}={text}"]
+        where = f"flag {k.flag} ({key})"
+    elif route == "toml":
+        section, name = key.split(".")
+        (tmp_path / "b.toml").write_text(f"[{section}]\n{name} = {json.dumps(bad)}\n")
+        argv += ["--config", tmp_path / "b.toml"]
+        where = f"b.toml: {key}"
+    else:
+        monkeypatch.setenv(k.env, text)
+        where = f"env {k.env}"
+    rc, out, err = _run(capsys, *argv)
+    lines = err.strip().splitlines()
+    assert rc == 2 and out == "" and "Traceback" not in err, (argv, err)
+    assert len(lines) == 1 and lines[0].startswith("betelgeuse: error: "), err
+    assert where in lines[0] and allowed in lines[0], lines[0]
+    assert not (tmp_path / "rt").exists()                  # refused before anything started
