@@ -16,9 +16,12 @@ A layer is used like this (the runner owns tiers, copies and the store):
     moe.apply(r, h, group)                      # for each tier group as its bytes are ready
     out = moe.combine(r)                        # [T,H] = sum_r w_r * expert_r(h)
 
-A Group names the experts whose bytes are ready and where they are: byte offsets into the worker's
-device pool (`ExpertCache.pool`): base[e] >= 0 for experts in the group, -1 for the others. The triton
-backend reads the table on the device (`base_dev`, no host loop); the torch one walks `experts`.
+A Group names the experts whose bytes are ready and where they are: byte offsets relative to the worker's
+device pool (`ExpertCache.pool`): base[e] != -1 for experts in the group, -1 for the others. An offset may point
+outside the pool (decode's at-hand group, worker/at_hand.py: a flex-cache chunk, or a host-arena slot read in place
+over PCIe, whose device address is then below or above the pool's: a negative offset). The triton backend reads the
+table on the device (`base_dev`, no host loop); the torch one walks `experts` (or the table's entries != -1), each
+read from `srcs[e]` = (tensor, byte offset) where given, else from the pool at base[e].
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class Group:
     experts: np.ndarray | None       # [n] int64 expert ids, ascending (torch backend; None = from base_host)
     base_host: np.ndarray | None     # [E] int64 byte offset of each expert's slot in the pool, -1 = not here
     base_dev: torch.Tensor | None    # the same table on the device (triton backend)
+    srcs: list | None = None         # torch backend: [E] (tensor, byte offset) of each expert's slot, or None = pool
 
 
 @dataclass(slots=True)
@@ -127,14 +131,14 @@ class MoEKernels:
             return
         T, k = r.ids.shape
         y3 = r.y.view(T, k, -1)
-        experts = g.experts if g.experts is not None else np.nonzero(g.base_host >= 0)[0]
+        experts = g.experts if g.experts is not None else np.nonzero(g.base_host != -1)[0]
         for e in experts:
             e = int(e)
             work: ExpertWork | None = r.plan.get(e)
             if work is None:
                 continue
-            b = int(g.base_host[e])
-            run_expert(r.h, y3, work, self.weights_fn(pool[b: b + slot_bytes], layer, e), self.sub_batch,
+            src, b = (pool, int(g.base_host[e])) if g.srcs is None else g.srcs[e]
+            run_expert(r.h, y3, work, self.weights_fn(src[b: b + slot_bytes], layer, e), self.sub_batch,
                        self.limit)
 
     def combine(self, r: Routing, out: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -234,7 +234,7 @@ def _gate_up_kernel(h_ptr, pool, tab, base_ptr, starts_ptr, rows_ptr, off_ptr, i
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EP: tl.constexpr):
     pn = tl.program_id(0)
     e, mb, base = _find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
-    if base >= 0:
+    if base != -1:
         rows, mr, flat = _rows_of(off_ptr, rows_ptr, e, mb, BM)
         tok = flat // k_top
         n = pn * BN + tl.arange(0, BN)
@@ -294,7 +294,7 @@ def _down_kernel(inter_ptr, pool, tab, base_ptr, starts_ptr, rows_ptr, off_ptr, 
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EP: tl.constexpr):
     pn = tl.program_id(0)
     e, mb, base = _find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
-    if base >= 0:
+    if base != -1:
         rows, mr, flat = _rows_of(off_ptr, rows_ptr, e, mb, BM)
         n = pn * BN + tl.arange(0, BN)
         mn = n < H
@@ -368,7 +368,7 @@ def _gate_up_mv_kernel(h_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, int
     """The decode schedule (triton_mmvq): BN output columns of gate and up for BM rows of one expert, all of H; each
     K step's weights are loaded and decoded once and applied to the BM rows in turn (llama.cpp's mmvq ncols_y)."""
     e, mb, base = _find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
-    if base >= 0:
+    if base != -1:
         rows, mrs, flats = _mv_rows(off_ptr, rows_ptr, e, mb, BM)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         mn = n < F
@@ -392,7 +392,7 @@ def _down_mv_kernel(inter_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, y_
                     QT: tl.constexpr, RA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D1: tl.constexpr,
                     D2: tl.constexpr, D3: tl.constexpr, S: tl.constexpr, LOG2S: tl.constexpr, EP: tl.constexpr):
     e, mb, base = _find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
-    if base >= 0:
+    if base != -1:
         rows, mrs, flats = _mv_rows(off_ptr, rows_ptr, e, mb, BM)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         mn = n < H

@@ -230,8 +230,10 @@ def register_pinned(arena: Arena) -> bool:
     if cudart is None:
         return False
     assert arena.nbytes < 512 << 30, "arenas >= 512 GiB must be registered in chunks"
-    # 8 = cudaHostRegisterReadOnly: the worker's mapping is PROT_READ (the device only reads it)
-    flags = 1 | (8 if arena.readonly else 0)
+    # 2 = cudaHostRegisterMapped: the device may read it in place (decode's at-hand experts: worker/at_hand.py;
+    # implied under UVA, asked for anyway); 8 = cudaHostRegisterReadOnly: the worker's mapping is PROT_READ (the
+    # device only reads it)
+    flags = 1 | 2 | (8 if arena.readonly else 0)
     err = int(cudart.cudaHostRegister(arena.address(), arena.nbytes, flags))
     if err != 0:
         raise RuntimeError(f"cudaHostRegister of the {arena.nbytes}-byte arena failed with cudaError {err}")
@@ -246,3 +248,19 @@ def unregister_pinned(arena: Arena) -> bool:
     if err != 0:
         raise RuntimeError(f"cudaHostUnregister of the arena failed with cudaError {err}")
     return True
+
+
+def device_address(arena: Arena) -> int | None:
+    """The device address of this process's registered (register_pinned) mapping of the arena: kernels read it in
+    place over PCIe (cuMemHostGetDevicePointer through the driver library torch loaded). None where there is no
+    CUDA or the driver gives no device mapping (the caller then copies through the ring as before)."""
+    if _cudart() is None:
+        return None
+    import ctypes
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    ptr = ctypes.c_uint64(0)
+    err = cuda.cuMemHostGetDevicePointer_v2(ctypes.byref(ptr), ctypes.c_void_p(arena.address()), ctypes.c_uint(0))
+    return int(ptr.value) if err == 0 and ptr.value else None

@@ -73,6 +73,7 @@ class ExpertCache:
         self.vram_base = np.full((L, E), -1, dtype=np.int64)
         self.vram_base_dev = torch.full((L, E), -1, dtype=torch.int64, device=device)
         self.all_vram = np.zeros(L, dtype=bool)                    # every expert of the layer is in VRAM
+        self.vram_version = 0                                       # bumped at every upload of the VRAM table
         self._synced_epoch = None                                   # directory epoch the VRAM slots match
         self.fill_wait_s = 0.0                                      # the last sync_vram's wait for its copies
         # the ring as two banks: a batch of experts is copied into one bank while the other computes
@@ -193,6 +194,7 @@ class ExpertCache:
 
     def _upload_vram_table(self):
         self.vram_base_dev.copy_(torch.from_numpy(self.vram_base))
+        self.vram_version += 1
         self.all_vram = (self.vram_base >= 0).all(axis=1)
 
     def fill_vram(self, layer: int, expert: int, j: int, src: torch.Tensor, snap: np.ndarray):

@@ -64,6 +64,7 @@ class FlexCache:
         self.lru: OrderedDict[int, None] = OrderedDict()   # occupied flex slots, least recently used first
         self.free: list[int] = []                          # empty slots of allocated chunks
         self.held = 0                                      # bytes the sequences holding KV take (state + graphs)
+        self.version = 0                                   # bumped whenever `where` changes (worker/at_hand.py)
         self.stats = FlexStats()
 
     @classmethod
@@ -133,6 +134,7 @@ class FlexCache:
     def _forget(self, s: int):
         l, e = self.owner[s]
         self.where[l, e] = -1
+        self.version += 1
         self.owner[s] = -1
         self.lru.pop(s, None)
 
@@ -209,6 +211,7 @@ class FlexCache:
             c, i = divmod(s, self.per_chunk)
             self.chunks[c][i * sb:(i + 1) * sb].copy_(pool[off: off + sb])
             self.where[layer, e] = s
+            self.version += 1
             self.owner[s] = (layer, e)
             self.lru[s] = None
             self.stats.fills += 1

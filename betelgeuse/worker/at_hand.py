@@ -1,0 +1,98 @@
+"""Decode's at-hand table: every expert the worker can compute without the disk, per layer, as one launch group.
+
+    at_hand[l, e]  byte offset of expert e's slot relative to the slot pool's address (kernels.moe.Group; -1 = not at
+                   hand), first of:
+                     VRAM slot        cache.vram_base (a pool offset)
+                     flex copy        its chunk's address - the pool's + the slot's offset (worker/flex_cache.py)
+                     host-tier slot   read IN PLACE over PCIe (zero copy; each weight byte is read once in decode,
+                                      so reading it where it is costs what copying it would): the arena's device
+                                      address (store.arena.device_address: registered mapped) - the pool's + the
+                                      slot's offset; negative where the arena lies below the pool (the kernels skip
+                                      only -1). Only for the triton kernels on CUDA with a device mapping, and on the
+                                      CPU (the torch kernels read the arena view itself: `srcs`); else a host expert
+                                      is a miss and goes through a ring bank as before
+                   the same order MoEStep._partial computes them in (a flex copy of a VRAM expert is never read)
+
+A decode layer then runs ONE gate_up + ONE down over at_hand[l] for every routed row whose expert is at hand (in the
+decode graphs, right after routing), and the host's partial path only for the misses (MoEStep.misses). Every row is
+computed by the same kernel whichever group holds it and written once, so no bit changes (invariant 1).
+
+Freshness (the invariant: an expert's bytes are not rewritten while a step may read them through the table):
+  - refresh() before each decode step copies the table into the same device storage (the graphs read it in place;
+    stream-ordered after the previous step's kernels) when the directory snapshot, the VRAM slots
+    (ExpertCache.vram_version) or the flex copies (FlexCache.version) changed. The snapshot is frozen for a store
+    pass, and a host slot is not rewritten while the pass is open (the same guarantee a ring bank's copy of it had:
+    the pass's end sync comes after every read).
+  - a flex copy may be evicted inside a step (a disk expert kept by MoEStep._disk_groups rewrites the least recently
+    used slot, which a later layer's table may name): MoEStep refreshes after such a layer, stream-ordered before any
+    later layer's group.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from betelgeuse.store.arena import device_address
+from betelgeuse.store.directory import TIER_HOST
+
+
+class AtHand:
+    def __init__(self, cache, flex, backend: str):
+        L, E = cache.vram_base.shape
+        self.cache, self.flex, self.backend = cache, flex, backend
+        self.host = np.full((L, E), -1, dtype=np.int64)        # the table on the host (the misses are read from it)
+        self.dev = torch.full((L, E), -1, dtype=torch.int64, device=cache.device)   # fixed storage the graphs read
+        self.srcs: list[list] | None = [[None] * E for _ in range(L)] if backend == "torch" else None
+        # the arena's address as the kernels see it: the CPU view's own, or the registered mapping's on CUDA
+        if not cache.is_cuda:
+            self.arena_addr = cache.host.data_ptr()             # cache.host views the whole arena from offset 0
+        elif backend == "triton" and cache.pinned:
+            self.arena_addr = device_address(cache.arena)
+        else:
+            self.arena_addr = None                              # host experts stay misses (ring banks)
+        self._key = None
+
+    @property
+    def zero_copy(self) -> bool:
+        """Host-tier experts are read in place (at hand), not copied through a ring bank."""
+        return self.arena_addr is not None
+
+    def refresh(self, snap, force: bool = False) -> bool:
+        """Rebuild the table where the snapshot, the VRAM slots or the flex copies changed (force: rebuild anyway)
+        -> whether it was uploaded."""
+        c, f = self.cache, self.flex
+        key = (c.vram_version, -1 if f is None else f.version)
+        if not force and self._key is not None and self._key[0] is snap and self._key[1] == key:
+            return False
+        self._key = (snap, key)
+        L, E = self.host.shape
+        pool = c.pool.data_ptr()
+        tab = np.full((L, E), -1, dtype=np.int64)
+        srcs = self.srcs
+        if srcs is not None:
+            for row in srcs:
+                row[:] = [None] * E
+        if self.zero_copy:
+            ls, es = np.nonzero((snap["tier"] == TIER_HOST) & (snap["host_slot"] >= 0))
+            for l, e in zip(ls.tolist(), es.tolist()):
+                off = c.layout.host_slot_offset(l, int(snap["host_slot"][l, e]))
+                tab[l, e] = self.arena_addr + off - pool
+                if srcs is not None:
+                    srcs[l][e] = (c.host, off)
+        if f is not None:
+            ls, es = np.nonzero(f.where >= 0)
+            for l, e in zip(ls.tolist(), es.tolist()):
+                ch, i = divmod(int(f.where[l, e]), f.per_chunk)
+                chunk = f.chunks[ch]
+                tab[l, e] = chunk.data_ptr() + i * f.slot_bytes - pool
+                if srcs is not None:
+                    srcs[l][e] = (chunk, i * f.slot_bytes)
+        v = c.vram_base >= 0
+        tab[v] = c.vram_base[v]
+        if srcs is not None:
+            for l, e in zip(*np.nonzero(v)):
+                srcs[l][e] = (c.pool, int(c.vram_base[l, e]))
+        self.host[:] = tab
+        self.dev.copy_(torch.from_numpy(tab))          # pageable source: read before the call returns, stream-ordered
+        return True
