@@ -324,6 +324,12 @@ class EngineSettings(_Section):
     # CUDA; off on the CPU, the tests' path, whose tier tests count which tier each expert came from
     flex_cache: FlagOrAuto = setting(AUTO, "keep copies of recently read experts in the VRAM reserved for sequences "
                                      "not running (given back when they run): true | false | auto (on CUDA)", False)
+    # decode computes every routed expert it holds (VRAM slots, flex copies, host slots read in place over PCIe) in
+    # ONE launch group right after routing, inside the decode graphs, and goes to the host only for the misses
+    # (worker/at_hand.py). Only which group computes a row changes, never a bit. auto: on
+    decode_at_hand: FlagOrAuto = setting(AUTO, "decode: one in-graph expert group for every expert held (VRAM, flex, "
+                                         "host read in place), the host path for disk misses only: true | false | "
+                                         "auto (on)", False)
     prefetch_depth: Count1 = setting(3, "decode: layers ahead whose experts are guessed and read ahead", 2)
     # the waste budget (worker/guess.py): a layer's guesses from d layers back are read ahead only while their hit
     # rate (used / guessed on disk, online per attachment) is at least this; 0 reads every guess

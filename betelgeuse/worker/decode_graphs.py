@@ -33,8 +33,10 @@ class SoloDecode:
         self._graphs: OrderedDict = OrderedDict()
 
     def _ops(self, ids, kv, pos, lstats, out: dict):
-        """One decode token as a generator: runs the capturable work and yields (layer, routing, guess) where a
-        layer's experts need the host (a layer not wholly in VRAM); the caller does that part eagerly. guess: the
+        """One decode token as a generator: runs the capturable work and yields (kind, layer, routing, guess) where a
+        layer's experts need the host (a layer not wholly in VRAM); the caller does that part eagerly: "partial" (the
+        partial path), or with the at-hand table (MoEStep.hand_layer) "start" (the sync's copies enqueued) before the
+        at-hand group and "misses" (wait, then the misses) after it, the group a graph of its own. guess: the
         next layers' guessed experts [T,D,k] from this layer's residual after attention (worker/guess.py), or None;
         whether there is one depends only on the residency pattern, which keys the graphs."""
         m, moe = self.model, self.moe
@@ -45,7 +47,13 @@ class SoloDecode:
             top_ids, top_w = moe.route_static(m, l, h, ids)
             r = moe.route(l, h, top_ids, top_w, lstats[l])
             if lstats[l].synced:
-                yield l, r, (guess_ahead(m, l, x, ids, moe.depth, moe.n_layer) if moe.wants_guess(l) else None)
+                guess = guess_ahead(m, l, x, ids, moe.depth, moe.n_layer) if moe.wants_guess(l) else None
+                if moe.hand_layer(l):           # the sync's copies, the at-hand group (its own graph), the misses
+                    yield "start", l, r, guess
+                    moe.hand_group(l, r)
+                    yield "misses", l, r, guess
+                else:
+                    yield "partial", l, r, guess
             x = m.moe_output(l, x, aux, h, moe.kern.combine(r))
         out["logits"] = m.logits(x)
 
@@ -54,12 +62,19 @@ class SoloDecode:
         pos = kv.begin_static()
         lstats = [LayerStats() for _ in range(self.moe.n_layer)]
         self.moe.refresh_static(snap)
+        self.moe.hand_refresh(snap)
         key = (kv.uid, self.moe.cache.all_vram.tobytes(), self.moe.static_variant())
         ent = self._graphs.get(key) if self.graphs_on else None
 
         def eager_part(item):
-            l, r, guess = item
-            self.moe.partial(l, r, snap, stats, lstats[l], False, guess)
+            kind, l, r, guess = item
+            if kind == "start":
+                self.moe.hand_start(l, r, guess)
+            elif kind == "misses":
+                self.moe.partial(l, r, snap, stats, lstats[l], False, guess, hand=True)
+                self.moe.hand_refresh(snap)
+            else:
+                self.moe.partial(l, r, snap, stats, lstats[l], False, guess)
 
         out: dict = {}
         if ent is None:

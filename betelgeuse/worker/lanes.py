@@ -120,6 +120,7 @@ class Lanes:
         self.step_no = 0
         self._idx: dict = {}                        # tuple of lanes -> LongTensor of them on the device
         self._r = None                              # this step's routing of the previous layer (its combine is next)
+        self._ran: set = set()                      # the parts run this step (only they move on to capture/replay)
 
     # ---- lanes ------------------------------------------------------------------------------------------
     def join(self, kvs) -> torch.Tensor:
@@ -256,6 +257,7 @@ class Lanes:
         p = self.parts.get(key)
         if p is None:
             p = self.parts[key] = _Part()
+        self._ran.add(key)
         if p.mode == REPLAY:
             p.graph.replay()
         elif p.mode == CAPTURE:
@@ -271,6 +273,7 @@ class Lanes:
         routing variant (hashable: MoEStep.static_variant; its resident sets are refreshed by the caller)."""
         n = len(kvs)
         self.mode = mode
+        self._ran.clear()
         copy_rows = getattr(getattr(self.m, "ops", None), "copy_rows", None)
         if copy_rows is not None:
             # deepseek4's (TritonOps: one launch for all): each sequence's token and position into its lane (the
@@ -301,6 +304,11 @@ class Lanes:
                 self._attend(l, s)
         return self._run(("post", l, v), self._post, l, v, route)[3:]
 
+    def part(self, name: str, l: int, kvs, fn, *args):
+        """An extra lane part of layer l (fn(l, *args), e.g. MoEStep.hand_group: decode's at-hand expert group) in
+        the step's mode; captured and replayed like the others, only once it ran eagerly (a layer may skip it)."""
+        return self._run((name, l, (len(kvs), self.mode)), fn, l, *args)
+
     def head(self, kvs, combine) -> torch.Tensor:
         """-> logits [n, n_vocab] float32 of the running lanes (a fresh tensor); ends the step."""
         v = (len(kvs), self.mode)
@@ -320,9 +328,10 @@ class Lanes:
                 self.pool = None
         if self.graphs_on:                                  # eager -> capture -> replay
             for key, p in self.parts.items():
-                if key[-1] == v:
+                if key[-1] == v and key in self._ran:
                     p.mode = CAPTURE if p.mode == EAGER else REPLAY
             for kv in kvs:
                 s = self.seqs[kv.uid]
                 s.mode = CAPTURE if s.mode == EAGER else REPLAY
+        self._ran.clear()
         return out

@@ -36,6 +36,7 @@ from betelgeuse.gguf.qtypes import qtype_name
 from betelgeuse.kernels.moe import TRITON_QTYPES, Group, MoEKernels, triton_available
 from betelgeuse.routing_approx import Residency
 from betelgeuse.store.directory import TIER_DISK, TIER_HOST, TIER_NAMES, TIER_VRAM
+from betelgeuse.worker.at_hand import AtHand
 from betelgeuse.worker.flex_cache import FlexCache
 from betelgeuse.worker.guess import Guesser
 from betelgeuse.worker.stats import LayerStats, PassClock, PassStats
@@ -45,22 +46,23 @@ from betelgeuse.worker.store_session import StoreSession
 class RoutingSync:
     """A partial layer's one host sync: its rows per expert [E] and the next layers' guessed ids [T, D, k] (decode)
     copied, non-blocking, into one pinned buffer made once, then one event wait (no per-layer allocation, gather or
-    cat on the device); the guesses' marks [D, E] are made on the host (T*D*k ids, a few dozen in decode)."""
+    cat on the device); the guesses' marks [D, E] are made on the host (T*D*k ids, a few dozen in decode). start()
+    enqueues the copies, finish() waits: decode's at-hand group is enqueued between them, so the wait does not
+    include it."""
 
-    __slots__ = ("cuda", "buf", "event")
+    __slots__ = ("cuda", "buf", "event", "_pending")
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.buf = None                              # int64 pinned [>= E + T*D*k]
         self.event = torch.cuda.Event() if self.cuda else None
+        self._pending = None
 
-    def __call__(self, counts: torch.Tensor, guess: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray | None]:
-        """-> (counts [E] int64, guessed marks [D, E] int64 (1 = guessed) or None)."""
-        E = counts.numel()
-        if not self.cuda:
-            c, g = counts.numpy(), None if guess is None else guess.numpy()
-        else:
+    def start(self, counts: torch.Tensor, guess: torch.Tensor | None):
+        self._pending = (counts, guess)
+        if self.cuda:
             assert guess is None or guess.dtype == counts.dtype == torch.int64, (counts.dtype, guess.dtype)
+            E = counts.numel()
             n = E + (0 if guess is None else guess.numel())
             if self.buf is None or self.buf.numel() < n:
                 self.buf = torch.empty(max(n, 4 * E), dtype=torch.int64, pin_memory=True)
@@ -68,6 +70,16 @@ class RoutingSync:
             if guess is not None:
                 self.buf[E:n].copy_(guess.reshape(-1), non_blocking=True)
             self.event.record()
+
+    def finish(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """-> (counts [E] int64, guessed marks [D, E] int64 (1 = guessed) or None)."""
+        counts, guess = self._pending
+        self._pending = None
+        E = counts.numel()
+        if not self.cuda:
+            c, g = counts.numpy(), None if guess is None else guess.numpy()
+        else:
+            n = E + (0 if guess is None else guess.numel())
             self.event.synchronize()
             a = self.buf.numpy()
             c, g = a[:E].copy(), a[E:n]
@@ -101,12 +113,21 @@ class MoEStep:
         self.depth = cfg.prefetch_depth if self.guessing else 0
         self.guesser = Guesser(session, self.n_layer, self.depth, cfg.prefetch_min_hit)
         self.sync = RoutingSync(torch.device(session.device))
+        # decode's at-hand group (worker/at_hand.py): every expert computable without the disk in one group, the
+        # host path for the misses only; None = decode takes the partial path as prefill does
+        self.hand = AtHand(self.cache, flex, self.kern.backend) if self._hand_on(cfg) else None
         # the captured decode graphs' resident sets (route_static): fixed device storage that refresh_static
         # overwrites in place when residency changes, so a replayed graph reads the current set
         E, dev = session.file.config.n_expert, session.device
         self._static_mask = torch.zeros((self.n_layer, E), dtype=torch.bool, device=dev)   # resident (VRAM or host)
         self._static_on = np.zeros(self.n_layer, dtype=bool)     # 0 < resident < E: the layer routes approximately
         self._static_held = None                    # the host copy of _static_mask last uploaded
+
+    def _hand_on(self, cfg: EngineConfig) -> bool:
+        """decode_at_hand: auto = on, on the CPU (the torch kernels read each source) and with the triton kernels on
+        CUDA (host slots read in place where the driver maps the arena, else through ring banks); the torch kernels
+        on CUDA plan their rows on the host and stay on the partial path."""
+        return cfg.decode_at_hand is not False and (not self.cache.is_cuda or self.kern.backend == "triton")
 
     def _kernels(self, act_limit: float | None) -> MoEKernels:
         """The expert kernels: triton on CUDA where the experts' types allow (or when asked for), else torch."""
@@ -238,21 +259,60 @@ class MoEStep:
         ls.synced = False
         self._apply(r, l, self._vram_group(l), ls)
 
-    def partial(self, l, r, snap, stats: PassStats, ls: LayerStats, readahead: bool, guess=None):
+    def partial(self, l, r, snap, stats: PassStats, ls: LayerStats, readahead: bool, guess=None,
+                hand: bool = False):
         """The experts of a layer that is not wholly VRAM-resident (module doc, steps 1-4; writes r.y). guess: layers
-        l+1 .. l+D's guessed ids [T,D,k] on the device, or None (read ahead only for guess_layers(l))."""
+        l+1 .. l+D's guessed ids [T,D,k] on the device, or None (read ahead only for guess_layers(l)). hand: decode's
+        at-hand group computed every expert at hand and the sync was started (hand_start): only the misses here."""
         clock, t0 = self.clock, time.perf_counter()
         b0, s0 = clock.blocked, clock.store_s
         try:
-            self._partial(l, r, snap, stats, ls, readahead, guess)
+            if not hand:
+                self.sync.start(r.counts, self._guess_of(l, guess))
+            self._partial(l, r, snap, stats, ls, readahead, hand)
         finally:             # the step's own host time: its wall less blocked waits and store messages
             stats.moe_host_s += time.perf_counter() - t0 - (clock.blocked - b0) - (clock.store_s - s0)
 
-    def _partial(self, l, r, snap, stats: PassStats, ls: LayerStats, readahead: bool, guess):
+    def _guess_of(self, l: int, guess):
+        return guess if guess is not None and self.wants_guess(l) else None
+
+    # ---- decode's at-hand group (worker/at_hand.py) --------------------------------------------------------
+    def hand_layer(self, l: int) -> bool:
+        """Layer l of a decode step takes the at-hand group + misses (else: wholly VRAM, or no at-hand table)."""
+        return self.hand is not None and not self.cache.all_vram[l]
+
+    def hand_refresh(self, snap):
+        """Before a decode step: the at-hand table follows the snapshot, VRAM slots and flex copies."""
+        if self.hand is not None:
+            self.hand.refresh(snap)
+
+    def hand_start(self, l: int, r, guess):
+        """After routing, before the at-hand group: the host sync's copies enqueued (no wait)."""
+        self.sync.start(r.counts, self._guess_of(l, guess))
+
+    def hand_group(self, l: int, r):
+        """Every routed row whose expert is at hand, one gate_up + one down (graph-capturable: the table is read in
+        place on the device; the torch kernels read each expert's source)."""
+        h = self.hand
+        self.kern.apply(r, l, self.cache.pool, Group(None, h.host[l], h.dev[l], None if h.srcs is None else h.srcs[l]),
+                        self.cache.slot_bytes)
+
+    def hand_experts(self, l, r, snap, stats: PassStats, ls: LayerStats, guess, run_group):
+        """A decode layer's experts with the at-hand table (the batched lanes; timed as a layer's MoE compute): the
+        sync's copies enqueued, run_group() runs hand_group (in a lane graph), then the host sync, tier counts,
+        read-ahead and the misses' loads and groups; the table follows a flex eviction this layer made (before any
+        later layer's group)."""
+        ev = self.clock.layer_start()
+        self.hand_start(l, r, guess)
+        run_group()
+        self.partial(l, r, snap, stats, ls, False, guess, hand=True)
+        self.hand.refresh(snap)
+        self.clock.layer_end(ev, ls)
+
+    def _partial(self, l, r, snap, stats: PassStats, ls: LayerStats, readahead: bool, hand: bool = False):
         cache = self.cache
-        guess = guess if guess is not None and self.wants_guess(l) else None
         # host sync: routing decides the loads (with the next layer's guess in the same transfer)
-        counts, marks = self.clock.wait(self.sync, r.counts, guess)
+        counts, marks = self.clock.wait(self.sync.finish)
         used = np.nonzero(counts)[0]
         tiers = snap["tier"][l][used]
         flexed = used[:0]
@@ -299,8 +359,16 @@ class MoEStep:
         def host_srcs(es):                      # host-tier experts' slots in the arena, for a bank copy
             return [cache.host_slot(l, int(hslots[e])) for e in es]
         host = [int(e) for e in by_tier[TIER_HOST]]
+        if hand:            # the at-hand group computed the VRAM, flex and in-place host experts: the misses remain
+            at = self.hand.host[l]
+            assert (at[by_tier[TIER_VRAM]] != -1).all() and (at[flexed] != -1).all(), (l, by_tier[TIER_VRAM], flexed)
+            assert (at[by_tier[TIER_DISK]] == -1).all(), (l, by_tier[TIER_DISK])
+            ls.groups += 1
+            self._flex_count(len(flexed), stats, ls)
+            host = [e for e in host if at[e] == -1]
+            by_tier, flexed = {**by_tier, TIER_VRAM: used[:0]}, used[:0]
         batches = [host[i:i + B] for i in range(0, len(host), B)]
-        if ls.vram and len(batches) == 1 and not disk and not len(flexed) and r.ids.numel() <= r.counts.numel():
+        if ls.vram and not hand and len(batches) == 1 and not disk and not len(flexed) and r.ids.numel() <= r.counts.numel():
             # decode, every byte at hand (no disk wait) and the host experts in one bank: ONE group over the VRAM
             # slots and the bank (one gate_up + one down instead of two of each; the same kernel for every row)
             vram = [int(e) for e in by_tier[TIER_VRAM]]
@@ -310,7 +378,7 @@ class MoEStep:
             cache.bank_done(bank)
         else:   # 2. the first host batch's copy starts, the VRAM group computes meanwhile, 3. host batches follow
             staged = [self._to_bank(b, host_srcs(b), timing) for b in batches[:1]]
-            if ls.vram:
+            if len(by_tier[TIER_VRAM]):
                 self._apply(r, l, self._vram_group(l, by_tier[TIER_VRAM]), ls)
             if len(flexed):
                 self._flex_groups(l, r, flexed, stats, ls)
@@ -368,9 +436,14 @@ class MoEStep:
         """Flex cache hits: one group per chunk, computed in place like VRAM experts (counted as VRAM reads)."""
         for chunk, es, offs in self.flex.groups(l, experts):
             self._apply(r, l, self._group(es, offs), ls, chunk)
-        ls.vram += len(experts)
-        stats.reads["vram"] += len(experts)
-        stats.flex_hits += len(experts)
+        self._flex_count(len(experts), stats, ls)
+
+    @staticmethod
+    def _flex_count(n: int, stats: PassStats, ls: LayerStats):
+        """n flex hits, counted as VRAM reads."""
+        ls.vram += n
+        stats.reads["vram"] += n
+        stats.flex_hits += n
 
     def _unflexed(self, l: int, marks: np.ndarray) -> np.ndarray:
         """Guessed marks [D, E] of layers l+1 .. l+D without the experts the flex cache holds."""

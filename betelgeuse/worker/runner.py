@@ -422,6 +422,7 @@ class ModelRunner:
                     kv.begin_static()
                 self._engram_stage(kvs, ids_t, idx, ln.B)
                 self.moe.refresh_static(snap)
+                self.moe.hand_refresh(snap)
                 ln.begin(ids_t, kvs, idx, self.moe.static_variant())
             else:
                 pos = [kv.begin(1) for kv in kvs]
@@ -454,7 +455,10 @@ class ModelRunner:
         r, guess = ln.front(l, kvs, self.moe.route_rows, self.kern.combine)
         t1 = time.perf_counter()
         ls.attn_s = t1 - t
-        self.moe.experts(l, r, snap, stats, ls, guess)
+        if self.moe.hand_layer(l):        # the at-hand group in a lane graph, the host for the misses only
+            self.moe.hand_experts(l, r, snap, stats, ls, guess, lambda: ln.part("hand", l, kvs, self.moe.hand_group, r))
+        else:
+            self.moe.experts(l, r, snap, stats, ls, guess)
         ls.moe_s = time.perf_counter() - t1
 
     def _rows_layer(self, l: int, xs, ids_t, kvs, pos, snap, stats, ls: LayerStats):

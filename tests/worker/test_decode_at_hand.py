@@ -1,0 +1,80 @@
+"""Decode's at-hand group (worker/at_hand.py): every routed expert the worker holds (VRAM slots, flex copies, host slots
+read in place) computed in one group right after routing, the host's partial path for the misses only.
+
+What must hold, on the CPU with a real store and the tiny engine model, in the static form (solo decode through
+forward(), and the batched lanes through decode_batch):
+- the logits are the same bits as the partial path's (decode_at_hand = false, the path the transformers checks cover:
+  tests/worker/test_decode_static.py, test_batched_decode.py), across slot configurations that put the routed experts
+  in VRAM, host and disk slots and flex copies;
+- every routed expert of every layer is computed exactly once per step (counted where its weights are dequantized):
+  none skipped, none twice (a host expert in the group AND through a bank, say);
+- the reads per tier (PassStats.reads, flex hits) are the partial path's, step by step.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, write_synth
+
+V, E = ENGINE_SPEC["n_vocab"], ENGINE_SPEC["n_expert"]
+# (vram, host, extra config): disk only, a VRAM/host/disk mix, all VRAM, and a mix with the flex cache
+CONFIGS = [(0, 0, {}), (5, 15, {}), (E, 0, {}),
+           (2, 3, dict(flex_cache=True, max_running=2, max_context=1024, staging_slots=6, prefix_cache_bytes=0))]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_synth(tmp_path_factory.mktemp("hand") / "engine.gguf", **ENGINE_SPEC)
+
+
+def _decode(model, vram, host, extra, hand: bool, lanes: bool, steps=6):
+    """Greedy decode after a prompt -> (logits [steps, V], per step: reads, flex hits, applied (layer, expert)
+    counts and routed (layer, expert) set)."""
+    rn, st = in_process_runner(model, vram, host, decode_at_hand=hand, decode_consolidate_every=0, **extra)
+    try:
+        assert (rn.moe.hand is not None) == hand
+        applied = Counter()
+        weights = rn.cache.weights
+
+        def counted(slot, layer, expert):         # where the torch kernels dequantize an expert: once per group
+            applied[layer, expert] += 1
+            return weights(slot, layer, expert)
+        rn.moe.kern.weights_fn = counted
+        kv = rn.new_cache(64)
+        lg, _ = rn.forward(prompt(24, V, seed=5), kv)
+        rn.settle()                 # the prefill's consolidation placed: the decode reads VRAM and host slots too
+        rn._static_decode = True
+        tok = int(lg[-1].argmax())
+        out, steps_seen = [], []
+        for _ in range(steps):
+            applied.clear()
+            lg, s = rn.decode_batch([tok], [kv]) if lanes else rn.forward([tok], kv, consolidate=False)
+            lg = lg.reshape(-1, V)[-1]
+            routed = {(int(l), int(e)) for l, e in zip(*np.nonzero(rn.session.counts.numpy()))}
+            steps_seen.append((dict(s.reads), s.flex_hits, dict(applied), routed))
+            out.append(lg)
+            tok = int(lg.argmax())
+        return torch.stack(out), steps_seen
+    finally:
+        close_runner(rn, st)
+
+
+@pytest.mark.parametrize("lanes", [False, True], ids=["solo", "lanes"])
+def test_at_hand_decode_is_the_partial_paths_bits_and_reads(model, lanes):
+    tiers = Counter()
+    for vram, host, extra in CONFIGS:
+        want, ref_steps = _decode(model, vram, host, extra, hand=False, lanes=lanes)
+        got, steps = _decode(model, vram, host, extra, hand=True, lanes=lanes)
+        assert torch.equal(got, want), (vram, host, (got - want).abs().max().item())
+        for i, ((reads, hits, applied, routed), (reads0, hits0, _, _)) in enumerate(zip(steps, ref_steps)):
+            assert (reads, hits) == (reads0, hits0), (vram, host, i)
+            # every routed expert computed once, nothing else
+            assert applied == {le: 1 for le in routed}, (vram, host, i, applied, routed)
+            tiers.update({t: n for t, n in reads.items() if n})
+            tiers["flex"] += hits
+    assert all(tiers[t] > 0 for t in ("vram", "host", "disk", "flex")), tiers     # every source was exercised
