@@ -189,3 +189,25 @@ def test_vram_backing_takes_auto_true_and_false_as_flags():
         assert value(to_flags({("slots", "vram_backing"): want})) == want, argv
     with pytest.raises(BetelgeuseError, match=r'flag --vram-backing \(slots.vram_backing\): expected true, false or "auto"'):
         value(["--vram-backing", "maybe"])
+
+
+def test_decode_at_hand_flag_and_bad_values(tmp_path):
+    """`--decode-at-hand [auto|true|false]` (worker/at_hand.py): the values reach the engine config; a bad one is a
+    one-line error naming the flag or the key."""
+    import argparse
+    from betelgeuse.config import engine_config
+    from betelgeuse.settings import add_flags, flag_values, resolve_settings
+    p = argparse.ArgumentParser()
+    add_flags(p)
+
+    def value(argv):
+        return resolve_settings(None, env={}, flags=flag_values(p.parse_args(argv))).settings.engine.decode_at_hand
+    assert value([]) == "auto"
+    assert (value(["--decode-at-hand", "false"]), value(["--no-decode-at-hand"]), value(["--decode-at-hand"])) == (
+        False, False, True)
+    r = resolve_settings(None, env={}, flags=flag_values(p.parse_args(["--model", "/m.gguf", "--no-decode-at-hand"])))
+    assert engine_config(r.settings, use_torch=False).decode_at_hand is False
+    with pytest.raises(BetelgeuseError, match=r'flag --decode-at-hand \(engine.decode_at_hand\): expected true, false'):
+        value(["--decode-at-hand", "sometimes"])
+    with pytest.raises(BetelgeuseError, match="engine.decode_at_hand"):
+        _load(tmp_path, '[engine]\ndecode_at_hand = "sometimes"\n')
