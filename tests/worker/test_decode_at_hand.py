@@ -78,3 +78,24 @@ def test_at_hand_decode_is_the_partial_paths_bits_and_reads(model, lanes):
             tiers.update({t: n for t, n in reads.items() if n})
             tiers["flex"] += hits
     assert all(tiers[t] > 0 for t in ("vram", "host", "disk", "flex")), tiers     # every source was exercised
+
+
+@pytest.mark.slow
+def test_at_hand_triton_reads_host_slots_in_place(tmp_path):
+    """The triton kernels (TRITON_INTERPRET=1: real addresses) read host-tier experts through table offsets from the
+    slot pool into the arena, as on CUDA: the same bits and reads per tier as the partial path (~30 s)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    tests = Path(__file__).parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", BETELGEUSE_TRITON_TUNING="off",
+               PYTHONPATH=str(tests) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, str(tests / "scripts" / "at_hand_triton_check.py"), str(tmp_path / "m.gguf")],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["host_entries"] > 0 and out["finite"], out              # host experts were in the table, in the arena
+    assert sum(r["host"] for r in out["reads_on"]) > 0, out             # and routed
+    assert out["bit_identical"] and out["reads_on"] == out["reads_off"], out
