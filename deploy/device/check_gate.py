@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""Decode's at-hand group (worker/at_hand.py) off and on, side by side, in this process: bits and step times.
+
+    python3 deploy/device/check_gate.py MODEL.gguf [--device cuda] [--slots 16+35] [--max-running 4] [--prompt 256]
+                                         [--decode 32] [--lanes 3] [--solo 8]
+
+Per setting (decode_at_hand false, then true; each a fresh store and runner, real O_DIRECT reads, the flex cache at
+its default): one prompt prefilled and decoded `decode` tokens twice over (the live service's lone stream: decode_batch,
+the engine's form; the second round finds the first round's experts at hand: VRAM, host slots, flex copies), then
+`lanes` prompts decoded together (decode_batch of 3), then `solo` tokens through forward() (the solo decode graphs).
+Prints per setting: whether host slots are read in place (the arena's device mapping), and per round the mean step
+time of its second half, disk MB and reads per tier per token; then whether every decoded logit of "on" is the bits of
+"off" (solo, lanes and the lone stream). Exit status 1 when a logit differs.
+
+Expected on the H200 (b16 bench model): "host in place: True", every "bit-identical", and round 1 (warm, disk ~0
+MB/token) faster with the at-hand group on than off (off: ~8.5 ms a step, gpu-run30's profile; the GPU's work is ~4.4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from betelgeuse.assembly import open_runner, open_store  # noqa: E402
+from betelgeuse.config import EngineConfig  # noqa: E402
+
+MB = 1e6
+
+
+def one(a, hand: bool):
+    vram, host = (int(x) for x in a.slots.split("+"))
+    cfg = EngineConfig(model_path=a.model, device=a.device, vram_slots=vram, host_slots=host,
+                       max_running=a.max_running, decode_at_hand=hand)
+    store = open_store(cfg)
+    rn = open_runner(cfg, store)
+    cuda = rn.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    rng = np.random.default_rng(a.seed)
+    V = rn.mcfg.n_vocab
+    try:
+        ids = [int(x) for x in rng.integers(3, V, a.prompt)]
+        logits, rows = {"stream": [], "lanes": [], "solo": []}, []
+        for r in range(2):
+            kv = rn.new_cache(a.prompt + a.decode + 8)
+            lg, _ = rn.forward(ids, kv)
+            tok = int(lg[-1].argmax())
+            times, disk, reads = [], 0, {"vram": 0, "host": 0, "disk": 0}
+            for i in range(a.decode):
+                sync()
+                t = time.perf_counter()
+                lg, st = rn.decode_batch([tok], [kv])
+                sync()
+                times.append(time.perf_counter() - t)
+                disk += st.disk_bytes
+                for k in reads:
+                    reads[k] += st.reads[k]
+                logits["stream"].append(lg[-1:].float().cpu())
+                tok = int(lg[-1].argmax())
+            rn.request_done(kv, others_running=False)
+            half = times[len(times) // 2:]
+            rows.append((r, 1e3 * sum(half) / len(half), disk / a.decode / MB,
+                         {k: round(v / a.decode, 1) for k, v in reads.items()}))
+        # lanes: several prompts decoded together
+        kvs = [rn.new_cache(a.prompt + 24) for _ in range(a.lanes)]
+        toks = []
+        for kv in kvs:
+            lg, _ = rn.forward([int(x) for x in rng.integers(3, V, a.prompt // 2)], kv, consolidate=False)
+            toks.append(int(lg[-1].argmax()))
+        for _ in range(16):
+            lg, _ = rn.decode_batch(toks, kvs)
+            logits["lanes"].append(lg.float().cpu())
+            toks = [int(x) for x in lg.argmax(-1)]
+        for kv in kvs:
+            rn.request_done(kv, others_running=True)
+        # solo: forward() of one token (the solo decode graphs)
+        kv = rn.new_cache(a.prompt + a.solo + 8)
+        lg, _ = rn.forward(ids, kv, consolidate=False)
+        for _ in range(a.solo):
+            lg, _ = rn.forward([int(lg[-1].argmax())], kv, consolidate=False)
+            logits["solo"].append(lg[-1:].float().cpu())
+        rn.request_done(kv, others_running=False)
+        in_place = rn.moe.hand is not None and rn.moe.hand.zero_copy
+        return {k: torch.cat(v) for k, v in logits.items()}, rows, in_place
+    finally:
+        rn.close()
+        store.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--slots", default="16+35", help="VRAM+host slots per layer (the serve plan's, bench geometry)")
+    for flag, n in (("--max-running", 4), ("--prompt", 256), ("--decode", 32), ("--lanes", 3), ("--solo", 8),
+                    ("--seed", 7)):
+        ap.add_argument(flag, type=int, default=n)
+    a = ap.parse_args()
+    res = {hand: one(a, hand) for hand in (False, True)}
+    for hand, (_, rows, in_place) in res.items():
+        print(f"decode_at_hand={str(hand).lower()}: host in place: {in_place}")
+        for r, ms, mb, reads in rows:
+            print(f"  round {r} ({'cold' if r == 0 else 'warm'}): step {ms:.2f} ms (second half), disk {mb:.1f} "
+                  f"MB/token, reads/token {reads}")
+    ok = True
+    for k in ("stream", "lanes", "solo"):
+        x, y = res[False][0][k], res[True][0][k]
+        same = torch.equal(x, y)
+        ok &= same
+        print(f"{k}: logits on == off:", "bit-identical" if same else
+              f"DIFFER (max |diff| {(x - y).abs().max().item():.3e})")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
