@@ -17,6 +17,11 @@
                     staging slots while it blocks (the store keeps reading into the rest); the layer's last ones
                     go back with the next message (StoreSession.release later=True)
     serial     the standard schedule's baseline: each expert fetched on demand and waited for (copy, sync, compute)
+    at hand    decode in the static form (decode_at_hand; worker/at_hand.py): right after routing the sync's copies are
+               enqueued (hand_start), then ONE group computes every routed row whose expert is at hand (VRAM slot,
+               flex copy, host slot read in place over PCIe) inside the decode graphs (hand_group), then the host
+               waits and runs partial(hand=True): the tier counts as above, read-ahead, and steps 1-4 for the misses
+               only (disk experts, and host ones only where they are not read in place)
 
 This is mixtral-offloading's load_experts(unordered=True) over three tiers. Expert outputs land in
 y[token * k + rank] and are reduced in rank order, and each row is computed by the same kernel whatever group it is
