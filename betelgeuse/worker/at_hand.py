@@ -52,6 +52,7 @@ class AtHand:
         else:
             self.arena_addr = None                              # host experts stay misses (ring banks)
         self._key = None
+        self.forgets = -1                                       # FlexCache.forgets at the last refresh
 
     @property
     def zero_copy(self) -> bool:
@@ -60,7 +61,8 @@ class AtHand:
 
     def refresh(self, snap, force: bool = False) -> bool:
         """Rebuild the table where the snapshot, the VRAM slots or the flex copies changed (force: rebuild anyway)
-        -> whether it was uploaded."""
+        -> whether it was uploaded. Vectorized over the [n_layer, n_expert] table (every decode step that filled a
+        flex copy rebuilds it); the torch kernels' sources are made only on the CPU (the tests' path)."""
         c, f = self.cache, self.flex
         key = (c.vram_version, -1 if f is None else f.version)
         if not force and self._key is not None and self._key[0] is snap and self._key[1] == key:
@@ -69,30 +71,39 @@ class AtHand:
         L, E = self.host.shape
         pool = c.pool.data_ptr()
         tab = np.full((L, E), -1, dtype=np.int64)
-        srcs = self.srcs
-        if srcs is not None:
-            for row in srcs:
-                row[:] = [None] * E
+        src = np.zeros((L, E), dtype=np.int8)          # 1 host, 2 flex, 3 VRAM: which source tab holds
         if self.zero_copy:
             ls, es = np.nonzero((snap["tier"] == TIER_HOST) & (snap["host_slot"] >= 0))
-            for l, e in zip(ls.tolist(), es.tolist()):
-                off = c.layout.host_slot_offset(l, int(snap["host_slot"][l, e]))
-                tab[l, e] = self.arena_addr + off - pool
-                if srcs is not None:
-                    srcs[l][e] = (c.host, off)
+            lay = c.layout
+            off = lay.host_base + (ls * lay.host_per_layer + snap["host_slot"][ls, es]) * lay.slot.slot_bytes
+            tab[ls, es] = self.arena_addr + off - pool
+            src[ls, es] = 1
         if f is not None:
             ls, es = np.nonzero(f.where >= 0)
-            for l, e in zip(ls.tolist(), es.tolist()):
-                ch, i = divmod(int(f.where[l, e]), f.per_chunk)
-                chunk = f.chunks[ch]
-                tab[l, e] = chunk.data_ptr() + i * f.slot_bytes - pool
-                if srcs is not None:
-                    srcs[l][e] = (chunk, i * f.slot_bytes)
+            if len(ls):
+                ch, i = np.divmod(f.where[ls, es], f.per_chunk)
+                addr = np.array([0 if x is None else x.data_ptr() for x in f.chunks], dtype=np.int64)
+                tab[ls, es] = addr[ch] + i * f.slot_bytes - pool
+                src[ls, es] = 2
         v = c.vram_base >= 0
         tab[v] = c.vram_base[v]
-        if srcs is not None:
-            for l, e in zip(*np.nonzero(v)):
-                srcs[l][e] = (c.pool, int(c.vram_base[l, e]))
+        src[v] = 3
+        if self.srcs is not None:
+            for l, e in zip(*np.nonzero(src)):
+                l, e = int(l), int(e)
+                if src[l, e] == 1:
+                    self.srcs[l][e] = (c.host, int(tab[l, e] - self.arena_addr + pool))
+                elif src[l, e] == 2:
+                    ch, i = divmod(int(f.where[l, e]), f.per_chunk)
+                    self.srcs[l][e] = (f.chunks[ch], i * f.slot_bytes)
+                else:
+                    self.srcs[l][e] = (c.pool, int(tab[l, e]))
         self.host[:] = tab
         self.dev.copy_(torch.from_numpy(tab))          # pageable source: read before the call returns, stream-ordered
+        self.forgets = -1 if f is None else f.forgets
         return True
+
+    def stale(self) -> bool:
+        """A flex copy the table names was dropped or rewritten since the last refresh (inside a step: a later
+        layer's group must not read the slot)."""
+        return self.flex is not None and self.flex.forgets != self.forgets

@@ -71,8 +71,7 @@ class SoloDecode:
             if kind == "start":
                 self.moe.hand_start(l, r, guess)
             elif kind == "misses":
-                self.moe.partial(l, r, snap, stats, lstats[l], False, guess, hand=True)
-                self.moe.hand_refresh(snap)
+                self.moe.hand_misses(l, r, snap, stats, lstats[l])
             else:
                 self.moe.partial(l, r, snap, stats, lstats[l], False, guess)
 

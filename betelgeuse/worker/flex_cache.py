@@ -65,6 +65,7 @@ class FlexCache:
         self.free: list[int] = []                          # empty slots of allocated chunks
         self.held = 0                                      # bytes the sequences holding KV take (state + graphs)
         self.version = 0                                   # bumped whenever `where` changes (worker/at_hand.py)
+        self.forgets = 0                                   # bumped when a copy is dropped (its slot may be rewritten)
         self.stats = FlexStats()
 
     @classmethod
@@ -135,6 +136,7 @@ class FlexCache:
         l, e = self.owner[s]
         self.where[l, e] = -1
         self.version += 1
+        self.forgets += 1
         self.owner[s] = -1
         self.lru.pop(s, None)
 

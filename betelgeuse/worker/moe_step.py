@@ -310,9 +310,16 @@ class MoEStep:
         ev = self.clock.layer_start()
         self.hand_start(l, r, guess)
         run_group()
-        self.partial(l, r, snap, stats, ls, False, guess, hand=True)
-        self.hand.refresh(snap)
+        self.hand_misses(l, r, snap, stats, ls)
         self.clock.layer_end(ev, ls)
+
+    def hand_misses(self, l, r, snap, stats: PassStats, ls: LayerStats):
+        """After hand_group: the wait, the tier counts, read-ahead and the misses (partial(hand=True)); then, where
+        this layer's disk experts evicted a flex copy, the table again (a later layer's group must not read the
+        rewritten slot; stream-ordered before it). Fills into free slots wait for the next step's refresh."""
+        self.partial(l, r, snap, stats, ls, False, None, hand=True)
+        if self.hand.stale():
+            self.hand.refresh(snap, force=True)
 
     def _partial(self, l, r, snap, stats: PassStats, ls: LayerStats, readahead: bool, hand: bool = False):
         cache = self.cache
