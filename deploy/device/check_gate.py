@@ -4,7 +4,7 @@
     python3 deploy/device/check_gate.py MODEL.gguf [--device cuda] [--slots 16+35] [--max-running 4] [--prompt 256]
                                          [--decode 32] [--lanes 3] [--solo 8]
 
-Per setting (decode_at_hand false, then true; each a fresh store and runner, real O_DIRECT reads, the flex cache at
+Per setting (decode_at_hand off, on, and with --banked on with host experts copied through ring banks; each a fresh store and runner, real O_DIRECT reads, the flex cache at
 its default): one prompt prefilled and decoded `decode` tokens twice over (the live service's lone stream: decode_batch,
 the engine's form; the second round finds the first round's experts at hand: VRAM, host slots, flex copies), then
 `lanes` prompts decoded together (decode_batch of 3), then `solo` tokens through forward() (the solo decode graphs).
@@ -12,7 +12,7 @@ Prints per setting: whether host slots are read in place (the arena's device map
 time of its second half, disk MB and reads per tier per token; then whether every decoded logit of "on" is the bits of
 "off" (solo, lanes and the lone stream). Exit status 1 when a logit differs.
 
-Expected on the H200 (b16 bench model): "host in place: True", every "bit-identical", and round 1 (warm, disk ~0
+Expected on the H200 (b16 bench model): "on: host in place: True", every "bit-identical", and round 1 (warm, disk ~0
 MB/token) faster with the at-hand group on than off (off: ~8.5 ms a step, gpu-run30's profile; the GPU's work is ~4.4).
 """
 
@@ -35,12 +35,14 @@ from betelgeuse.config import EngineConfig  # noqa: E402
 MB = 1e6
 
 
-def one(a, hand: bool):
+def one(a, setting: str):
     vram, host = (int(x) for x in a.slots.split("+"))
     cfg = EngineConfig(model_path=a.model, device=a.device, vram_slots=vram, host_slots=host,
-                       max_running=a.max_running, decode_at_hand=hand)
+                       max_running=a.max_running, decode_at_hand=setting != "off")
     store = open_store(cfg)
     rn = open_runner(cfg, store)
+    if setting == "banked":       # host-tier experts through ring banks as before (VRAM and flex copies at hand)
+        rn.moe.hand.arena_addr = None
     cuda = rn.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     rng = np.random.default_rng(a.seed)
@@ -102,20 +104,23 @@ def main() -> int:
     for flag, n in (("--max-running", 4), ("--prompt", 256), ("--decode", 32), ("--lanes", 3), ("--solo", 8),
                     ("--seed", 7)):
         ap.add_argument(flag, type=int, default=n)
+    ap.add_argument("--banked", action="store_true", help="also: at hand with the host experts through ring banks "
+                    "(is reading them in place over PCIe the faster?)")
     a = ap.parse_args()
-    res = {hand: one(a, hand) for hand in (False, True)}
-    for hand, (_, rows, in_place) in res.items():
-        print(f"decode_at_hand={str(hand).lower()}: host in place: {in_place}")
+    res = {s: one(a, s) for s in ("off", "on") + (("banked",) if a.banked else ())}
+    for setting, (_, rows, in_place) in res.items():
+        print(f"decode_at_hand {setting}: host in place: {in_place}")
         for r, ms, mb, reads in rows:
             print(f"  round {r} ({'cold' if r == 0 else 'warm'}): step {ms:.2f} ms (second half), disk {mb:.1f} "
                   f"MB/token, reads/token {reads}")
     ok = True
-    for k in ("stream", "lanes", "solo"):
-        x, y = res[False][0][k], res[True][0][k]
-        same = torch.equal(x, y)
-        ok &= same
-        print(f"{k}: logits on == off:", "bit-identical" if same else
-              f"DIFFER (max |diff| {(x - y).abs().max().item():.3e})")
+    for setting in res:
+        for k in ("stream", "lanes", "solo") if setting != "off" else ():
+            x, y = res["off"][0][k], res[setting][0][k]
+            same = torch.equal(x, y)
+            ok &= same
+            print(f"{k}: logits {setting} == off:", "bit-identical" if same else
+                  f"DIFFER (max |diff| {(x - y).abs().max().item():.3e})")
     return 0 if ok else 1
 
 
