@@ -46,6 +46,8 @@ class _EngineConfig:
                 setattr(self, name, key.check(getattr(self, name)))
             except ValueError as e:
                 raise BetelgeuseError(f"{name}: {e}") from None
+        if self.decode_gate == "on" and self.decode_at_hand is False:
+            raise BetelgeuseError("decode_gate = 'on' needs decode_at_hand (the gate follows the at-hand group)")
         if self.max_batched_tokens < self.prefill_chunk:
             raise BetelgeuseError(f"max_batched_tokens ({self.max_batched_tokens}) must be >= prefill_chunk "
                                   f"({self.prefill_chunk}): a prefill pass takes whole chunks")

@@ -330,6 +330,12 @@ class EngineSettings(_Section):
     decode_at_hand: FlagOrAuto = setting(AUTO, "decode: one in-graph expert group for every expert held (VRAM, flex, "
                                          "host read in place), the host path for disk misses only: true | false | "
                                          "auto (on)", False)
+    # decode launches the whole step ahead, each layer not wholly in VRAM gated on the device (worker/gate.py): no
+    # per-layer host sync; the host computes the misses on a side stream. Needs decode_at_hand. off until the device
+    # check (deploy/device/check_gate.py) passed; auto = on CUDA
+    decode_gate: _choices("off", "on", "auto") = setting("off", "decode: launch the step ahead, each layer gated on "
+                                                          "the device, the host on a side stream for the misses only: "
+                                                          "off | on | auto (on CUDA)", "on")
     prefetch_depth: Count1 = setting(3, "decode: layers ahead whose experts are guessed and read ahead", 2)
     # the waste budget (worker/guess.py): a layer's guesses from d layers back are read ahead only while their hit
     # rate (used / guessed on disk, online per attachment) is at least this; 0 reads every guess

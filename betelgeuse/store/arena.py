@@ -252,8 +252,14 @@ def unregister_pinned(arena: Arena) -> bool:
 
 def device_address(arena: Arena) -> int | None:
     """The device address of this process's registered (register_pinned) mapping of the arena: kernels read it in
-    place over PCIe (cuMemHostGetDevicePointer through the driver library torch loaded). None where there is no
-    CUDA or the driver gives no device mapping (the caller then copies through the ring as before)."""
+    place over PCIe. None where there is no CUDA or the driver gives no device mapping (the caller then copies
+    through the ring as before)."""
+    return host_device_address(arena.address())
+
+
+def host_device_address(ptr: int) -> int | None:
+    """The device address of page-locked host memory at `ptr` (registered mapped, or torch's pinned memory):
+    cuMemHostGetDevicePointer through the driver library torch loaded; None without CUDA or a mapping."""
     if _cudart() is None:
         return None
     import ctypes
@@ -261,6 +267,6 @@ def device_address(arena: Arena) -> int | None:
         cuda = ctypes.CDLL("libcuda.so.1")
     except OSError:
         return None
-    ptr = ctypes.c_uint64(0)
-    err = cuda.cuMemHostGetDevicePointer_v2(ctypes.byref(ptr), ctypes.c_void_p(arena.address()), ctypes.c_uint(0))
-    return int(ptr.value) if err == 0 and ptr.value else None
+    out = ctypes.c_uint64(0)
+    err = cuda.cuMemHostGetDevicePointer_v2(ctypes.byref(out), ctypes.c_void_p(ptr), ctypes.c_uint(0))
+    return int(out.value) if err == 0 and out.value else None

@@ -48,7 +48,13 @@ class SoloDecode:
             r = moe.route(l, h, top_ids, top_w, lstats[l])
             if lstats[l].synced:
                 guess = guess_ahead(m, l, x, ids, moe.depth, moe.n_layer) if moe.wants_guess(l) else None
-                if moe.hand_layer(l):           # the sync's copies, the at-hand group (its own graph), the misses
+                if moe.gate is not None:        # launched ahead, gated on the device (worker/gate.py): drained later
+                    moe.gate_layer(l, r, guess)
+                    if moe.gate.cuda:
+                        out.setdefault("gated", []).append((l, r, moe.guess_shape(l, guess)))
+                    else:
+                        yield "gated", l, r, guess
+                elif moe.hand_layer(l):         # the sync's copies, the at-hand group (its own graph), the misses
                     yield "start", l, r, guess
                     moe.hand_group(l, r)
                     yield "misses", l, r, guess
@@ -70,12 +76,15 @@ class SoloDecode:
             kind, l, r, guess = item
             if kind == "start":
                 self.moe.hand_start(l, r, guess)
+            elif kind == "gated":               # the CPU: drained where its gate stands
+                self.moe.gate_drain(l, r, self.moe.guess_shape(l, guess), snap, stats, lstats[l])
             elif kind == "misses":
                 self.moe.hand_misses(l, r, snap, stats, lstats[l])
             else:
                 self.moe.partial(l, r, snap, stats, lstats[l], False, guess)
 
         out: dict = {}
+        self.moe.gate_begin()
         if ent is None:
             for item in self._ops(ids, kv, pos, lstats, out):
                 eager_part(item)
@@ -94,15 +103,20 @@ class SoloDecode:
                     break
                 eager.append(item)
                 eager_part(item)
-            self._remember(key, (graphs, eager, static_ids, out["logits"]))
+            self._remember(key, (graphs, eager, static_ids, out["logits"], out.get("gated", [])))
             logits = out["logits"]
         else:
-            graphs, eager, static_ids, logits = ent
+            graphs, eager, static_ids, logits, gated = ent
+            out["gated"] = gated
             static_ids.copy_(ids)
             for i, g in enumerate(graphs):
                 g.replay()
                 if i < len(eager):
                     eager_part(eager[i])
+        for l, r, shape in out.get("gated", ()):   # decode_gate on CUDA: the whole step is launched; misses now
+            self.moe.gate_drain(l, r, shape, snap, stats, lstats[l])
+        if self.moe.gate is not None:
+            self.moe.gate.check()
         kv.commit()
         stats.layers = lstats
         return logits.clone()

@@ -43,6 +43,7 @@ from betelgeuse.routing_approx import Residency
 from betelgeuse.store.directory import TIER_DISK, TIER_HOST, TIER_NAMES, TIER_VRAM
 from betelgeuse.worker.at_hand import AtHand
 from betelgeuse.worker.flex_cache import FlexCache
+from betelgeuse.worker.gate import DecodeGate
 from betelgeuse.worker.guess import Guesser
 from betelgeuse.worker.stats import LayerStats, PassClock, PassStats
 from betelgeuse.worker.store_session import StoreSession
@@ -121,6 +122,12 @@ class MoEStep:
         # decode's at-hand group (worker/at_hand.py): every expert computable without the disk in one group, the
         # host path for the misses only; None = decode takes the partial path as prefill does
         self.hand = AtHand(self.cache, flex, self.kern.backend) if self._hand_on(cfg) else None
+        # decode with no per-layer sync (worker/gate.py): every layer launched ahead, gated on the device
+        self.gate = None
+        if self.hand is not None and self._gate_on(cfg):
+            c = session.file.config
+            self.gate = DecodeGate(self.n_layer, c.n_expert, max(1, session.plan.max_running) * self.depth
+                                   * c.n_expert_used, torch.device(session.device))
         # the captured decode graphs' resident sets (route_static): fixed device storage that refresh_static
         # overwrites in place when residency changes, so a replayed graph reads the current set
         E, dev = session.file.config.n_expert, session.device
@@ -133,6 +140,11 @@ class MoEStep:
         CUDA (host slots read in place where the driver maps the arena, else through ring banks); the torch kernels
         on CUDA plan their rows on the host and stay on the partial path."""
         return cfg.decode_at_hand is not False and (not self.cache.is_cuda or self.kern.backend == "triton")
+
+    def _gate_on(self, cfg: EngineConfig) -> bool:
+        """decode_gate: on (CUDA: the triton gate kernels; the CPU drains each layer where its gate stands), off, or
+        auto = on CUDA."""
+        return cfg.decode_gate == "on" or (cfg.decode_gate == "auto" and self.cache.is_cuda)
 
     def _kernels(self, act_limit: float | None) -> MoEKernels:
         """The expert kernels: triton on CUDA where the experts' types allow (or when asked for), else torch."""
@@ -265,7 +277,7 @@ class MoEStep:
         self._apply(r, l, self._vram_group(l), ls)
 
     def partial(self, l, r, snap, stats: PassStats, ls: LayerStats, readahead: bool, guess=None,
-                hand: bool = False):
+                hand: bool = False, synced=None):
         """The experts of a layer that is not wholly VRAM-resident (module doc, steps 1-4; writes r.y). guess: layers
         l+1 .. l+D's guessed ids [T,D,k] on the device, or None (read ahead only for guess_layers(l)). hand: decode's
         at-hand group computed every expert at hand and the sync was started (hand_start): only the misses here."""
@@ -274,7 +286,7 @@ class MoEStep:
         try:
             if not hand:
                 self.sync.start(r.counts, self._guess_of(l, guess))
-            self._partial(l, r, snap, stats, ls, readahead, hand)
+            self._partial(l, r, snap, stats, ls, readahead, hand, synced)
         finally:             # the step's own host time: its wall less blocked waits and store messages
             stats.moe_host_s += time.perf_counter() - t0 - (clock.blocked - b0) - (clock.store_s - s0)
 
@@ -321,10 +333,44 @@ class MoEStep:
         if self.hand.stale():
             self.hand.refresh(snap, force=True)
 
-    def _partial(self, l, r, snap, stats: PassStats, ls: LayerStats, readahead: bool, hand: bool = False):
+    # ---- decode with no per-layer sync (worker/gate.py) ------------------------------------------------------
+    def gate_layer(self, l: int, r, guess):
+        """In the step's launches (graph-capturable): the at-hand group, then the layer's publish and gate."""
+        self.hand_group(l, r)
+        self.gate.publish_and_gate(l, r.counts, self.hand.dev[l], self._guess_of(l, guess))
+
+    def gate_begin(self):
+        if self.gate is not None:
+            self.gate.begin()
+
+    def guess_shape(self, l: int, guess) -> tuple | None:
+        """The (T, D, k) of the guess gate_layer publishes for layer l, or None."""
+        g = self._guess_of(l, guess)
+        return None if g is None else tuple(g.shape)
+
+    def gate_drain(self, l: int, r, shape, snap, stats: PassStats, ls: LayerStats):
+        """Layer l's row from the host buffer (polled), then the tier counts, read-ahead and the misses on the side
+        stream; its gate opens after them (module doc of worker/gate.py). A failure opens every gate first."""
+        ev = self.clock.layer_start()
+        try:
+            counts, marks, misses = self.clock.wait(self.gate.wait, l, shape)
+            with self.gate.stream():
+                self.partial(l, r, snap, stats, ls, False, None, hand=True, synced=(counts, marks))
+                if self.hand.stale():
+                    self.hand.refresh(snap, force=True)
+            if misses:
+                self.gate.open(l)
+        except BaseException:
+            self.gate.abort()
+            raise
+        self.clock.layer_end(ev, ls)
+
+    def _partial(self, l, r, snap, stats: PassStats, ls: LayerStats, readahead: bool, hand: bool = False,
+                 synced=None):
         cache = self.cache
-        # host sync: routing decides the loads (with the next layer's guess in the same transfer)
-        counts, marks = self.clock.wait(self.sync.finish)
+        # host sync: routing decides the loads (with the next layer's guess in the same transfer); decode_gate: the
+        # layer's row published by the device
+        counts, marks = self.clock.wait(self.sync.finish) if synced is None else synced
         used = np.nonzero(counts)[0]
         tiers = snap["tier"][l][used]
         flexed = used[:0]

@@ -388,6 +388,8 @@ class ModelRunner:
             self._recorder.flush()
 
     def _abandon(self):
+        if self.moe is not None and self.moe.gate is not None:
+            self.moe.gate.abort()           # a step launched ahead finishes on the device (worker/gate.py)
         self.clock.abandon()
         self.session.abandon()
         if self._recorder is not None:
@@ -412,6 +414,7 @@ class ModelRunner:
         start = self._begin()
         static = self._static_decode
         sb = self.kern.sub_batch
+        gated: list = []                            # decode_gate on CUDA: (layer, routing, stats) to drain
         try:
             snap = self.session.begin(stats)
             self.kern.sub_batch = 1
@@ -423,6 +426,7 @@ class ModelRunner:
                 self._engram_stage(kvs, ids_t, idx, ln.B)
                 self.moe.refresh_static(snap)
                 self.moe.hand_refresh(snap)
+                self.moe.gate_begin()
                 ln.begin(ids_t, kvs, idx, self.moe.static_variant())
             else:
                 pos = [kv.begin(1) for kv in kvs]
@@ -431,7 +435,7 @@ class ModelRunner:
             for l in range(self.mcfg.n_layer):
                 ls = LayerStats()
                 if static:
-                    self._lane_layer(ln, l, kvs, snap, stats, ls)
+                    self._lane_layer(ln, l, kvs, snap, stats, ls, gated)
                 else:
                     xs = self._rows_layer(l, xs, ids_t, kvs, pos, snap, stats, ls)
                 stats.layers.append(ls)
@@ -439,6 +443,10 @@ class ModelRunner:
                 kv.commit()
             logits = (ln.head(kvs, self.kern.combine) if static
                       else torch.cat([self.model.logits(x) for x in xs])).float()
+            for l, r, shape, ls in gated:   # decode_gate on CUDA: the whole step is launched; the misses now
+                self.moe.gate_drain(l, r, shape, snap, stats, ls)
+            if static and self.moe.gate is not None:
+                self.moe.gate.check()
             counts = self.session.end_counts()
         except BaseException:
             self._abandon()
@@ -448,14 +456,20 @@ class ModelRunner:
         self._end(stats, counts, False, *start)
         return logits, stats
 
-    def _lane_layer(self, ln: Lanes, l: int, kvs, snap, stats, ls: LayerStats):
+    def _lane_layer(self, ln: Lanes, l: int, kvs, snap, stats, ls: LayerStats, gated: list):
         """Layer l of a batched decode on the lanes: the dense part, the routing of the running rows and the previous
         layer's combine in the lane graphs; then the experts, eagerly (MoEStep.experts)."""
         t = time.perf_counter()
         r, guess = ln.front(l, kvs, self.moe.route_rows, self.kern.combine)
         t1 = time.perf_counter()
         ls.attn_s = t1 - t
-        if self.moe.hand_layer(l):        # the at-hand group in a lane graph, the host for the misses only
+        if self.moe.gate is not None and self.moe.hand_layer(l):    # launched ahead, gated (worker/gate.py)
+            ln.part("gate", l, kvs, self.moe.gate_layer, r, guess)
+            if self.moe.gate.cuda:
+                gated.append((l, r, self.moe.guess_shape(l, guess), ls))
+            else:                                   # the CPU: drained where its gate stands
+                self.moe.gate_drain(l, r, self.moe.guess_shape(l, guess), snap, stats, ls)
+        elif self.moe.hand_layer(l):      # the at-hand group in a lane graph, the host for the misses only
             self.moe.hand_experts(l, r, snap, stats, ls, guess, lambda: ln.part("hand", l, kvs, self.moe.hand_group, r))
         else:
             self.moe.experts(l, r, snap, stats, ls, guess)

@@ -1,0 +1,137 @@
+"""Decode with no per-layer host sync (decode_gate): the host launches the whole step ahead, each layer gated on the device.
+
+Per decode layer that is not wholly in VRAM, inside the step's graphs, after routing (kernels/triton_gate.py):
+
+    at-hand group     every routed row whose expert is at hand (worker/at_hand.py)
+    publish           rows per expert + the next layers' guessed ids to this layer's pinned host row; misses counted
+                      on the device; flag[l] = 1 when there is none
+    gate              this layer's marker (the step's tag) to the host; spins until flag[l] is set (bounded)
+
+The host launches every layer (eager, captured or replayed alike: nothing in them waits for the host), then drains
+the layers in order (MoEStep.gate_drain): it polls layer l's marker, reads its row (the same counts and guesses the
+per-layer sync brought), and runs the partial path for the misses ON A SIDE STREAM (loads, staging banks, their
+group), then sets flag[l] there; a layer with no miss costs the host its tier counts and read-ahead only, and the
+GPU never waits for it. Rows are computed by the same kernels and written once whichever group computes them: the
+bits are the per-layer sync's (invariant 1).
+
+Ordering: the side stream's work for layer l is enqueued after the host saw l's marker, which the gate writes after
+the layer's route, at-hand group and publish completed; the main stream's next work (the combine) waits behind the
+gate for the flag the side stream sets after the misses' group (and after any at-hand table rewrite a flex eviction
+needed: later layers' groups read it after their own gates). Flags are zeroed at the step's start on the main stream.
+A bug cannot hang the GPU: a gate opens after max_iter loads and sets the error flag, which the step checks at its end
+(BetelgeuseError); a host failure mid-drain opens every gate (abort) before it raises.
+
+On the CPU (the tests' path) nothing runs ahead: each gated layer is drained where its gate stands (the same drain code).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from betelgeuse.errors import BetelgeuseError
+from betelgeuse.store.arena import host_device_address
+
+
+class DecodeGate:
+    MAX_ITER = 1 << 26          # volatile loads before a gate gives up (~seconds on the device)
+    HOST_TIMEOUT_S = 60.0       # the host's wait for a marker
+
+    def __init__(self, n_layer: int, n_expert: int, max_guess: int, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.L, self.E, self.G = n_layer, n_expert, max_guess
+        self.flags = torch.zeros(n_layer, dtype=torch.int32, device=device)
+        self.err = torch.zeros(1, dtype=torch.int32, device=device)
+        self.tag_dev = torch.zeros(1, dtype=torch.int64, device=device)
+        self.tag = 0
+        self.width = n_expert + max_guess + 1                   # counts [E], guesses [<= G], misses
+        # per layer: its row, then the marker at [L * width + l]; device-mapped pinned memory on CUDA
+        self.host = torch.full((n_layer * self.width + n_layer,), -1, dtype=torch.int64, pin_memory=self.cuda)
+        self._np = self.host.numpy()
+        self.anchor = torch.zeros(1, dtype=torch.int64, device=device)
+        addr = host_device_address(self.host.data_ptr()) if self.cuda else self.host.data_ptr()
+        if addr is None:
+            raise BetelgeuseError("decode_gate: the driver gives no device address for pinned host memory")
+        d = addr - self.anchor.data_ptr()
+        assert d % 8 == 0, d
+        self.base_off = d // 8                                 # anchor + base_off = the host buffer (int64 elements)
+        self.side = torch.cuda.Stream(device) if self.cuda else None
+
+    # ---- in the step's launches (graph-capturable) --------------------------------------------------------
+    def begin(self):
+        """Before a step's launches: a new tag, the flags closed (main stream, eager)."""
+        self.tag += 1
+        self.tag_dev.fill_(self.tag)
+        self.flags.zero_()
+
+    def publish_and_gate(self, l: int, counts: torch.Tensor, at_row: torch.Tensor, guess: torch.Tensor | None):
+        """Layer l's publish and gate (after its at-hand group)."""
+        n = 0 if guess is None else guess.numel()
+        assert n <= self.G, (n, self.G)
+        g = counts if guess is None else guess.reshape(-1)
+        if not self.cuda:                                      # the drain runs right here (module doc)
+            row = self._np[l * self.width: (l + 1) * self.width]
+            row[:self.E] = counts.numpy()
+            row[self.E:self.E + n] = g.numpy()[:n]
+            row[self.E + n] = int(((counts > 0) & (at_row == -1)).sum())
+            self._np[self.L * self.width + l] = self.tag
+            return
+        from betelgeuse.kernels import triton_gate
+        triton_gate.publish(counts, at_row, g, self.flags[l:l + 1], self.anchor, self.base_off + l * self.width, n)
+        triton_gate.gate(self.flags[l:l + 1], self.err, self.anchor, self.base_off + self.L * self.width + l,
+                         self.tag_dev, self.MAX_ITER)
+
+    # ---- the host's drain --------------------------------------------------------------------------------
+    def wait(self, l: int, shape: tuple | None) -> tuple[np.ndarray, np.ndarray | None, int]:
+        """Layer l's marker polled -> (rows per expert [E], guessed marks [D, E] or None, misses); shape: the
+        published guess's (T, D, k) or None."""
+        mark = self.L * self.width + l
+        if self._np[mark] != self.tag:
+            t = time.perf_counter()
+            while self._np[mark] != self.tag:
+                if time.perf_counter() - t > self.HOST_TIMEOUT_S:
+                    raise BetelgeuseError(f"decode gate: layer {l}'s routing did not arrive in "
+                                          f"{self.HOST_TIMEOUT_S:.0f} s")
+                time.sleep(0)                               # the store's client threads need the GIL
+        row = self._np[l * self.width: (l + 1) * self.width]
+        n = 0 if shape is None else int(np.prod(shape))
+        counts, misses = row[:self.E].copy(), int(row[self.E + n])
+        if shape is None:
+            return counts, None, misses
+        T, D, k = shape
+        marks = np.zeros((D, self.E), dtype=np.int64)
+        marks[np.arange(D)[None, :, None], row[self.E:self.E + n].reshape(T, D, k)] = 1
+        return counts, marks, misses
+
+    def stream(self):
+        """The side stream the misses' work runs on (a no-op context on the CPU)."""
+        return torch.cuda.stream(self.side) if self.cuda else _Null()
+
+    def open(self, l: int):
+        """Layer l's misses are computed (enqueued on the side stream): its gate opens after them."""
+        if self.cuda:
+            with torch.cuda.stream(self.side):
+                self.flags[l:l + 1].fill_(1)
+
+    def abort(self):
+        """A failure mid-drain: every gate opens (the step's output is discarded), so the device finishes."""
+        if self.cuda:
+            with torch.cuda.stream(self.side):
+                self.flags.fill_(1)
+
+    def check(self):
+        """After the step's launches and drain: a gate that gave up is an error (waits for the step)."""
+        if self.cuda and int(self.err.item()):
+            self.err.zero_()
+            raise BetelgeuseError("decode gate: a layer's gate gave up waiting for its misses (a bug: the step's "
+                                  "output is wrong and was discarded)")
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
