@@ -105,3 +105,22 @@ def test_at_hand_triton_reads_host_slots_in_place(tmp_path):
     assert out["host_entries"] > 0 and out["finite"], out              # host experts were in the table, in the arena
     assert sum(r["host"] for r in out["reads_on"]) > 0, out             # and routed
     assert out["bit_identical"] and out["reads_on"] == out["reads_off"], out
+
+
+def test_gate_kernels_publish_and_bound_their_spin():
+    """kernels/triton_gate.py under TRITON_INTERPRET=1: publish writes the rows per expert, guesses and misses through
+    an offset into another buffer and sets the flag only when nothing is missed; an open gate writes its marker and
+    passes, a closed one gives up after max_iter loads with the error flag set (a bug cannot hang the GPU)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "scripts" / "gate_kernel_check.py")],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["counts_ok"] and out["guess_ok"] and out["misses"] == out["misses_want"] > 0, out
+    assert out["flag"] == out["flag_want"] == 0 and (out["flag_all_at_hand"], out["misses_all_at_hand"]) == (1, 0), out
+    assert out["open_gate"] == {"mark": 41, "err": 0} and out["closed_gate"] == {"mark": 42, "err": 1}, out
