@@ -267,6 +267,8 @@ def host_device_address(ptr: int) -> int | None:
         cuda = ctypes.CDLL("libcuda.so.1")
     except OSError:
         return None
+    import torch
+    torch.cuda.synchronize()            # a runtime call: the primary context current on this thread for the driver's
     out = ctypes.c_uint64(0)
     err = cuda.cuMemHostGetDevicePointer_v2(ctypes.byref(out), ctypes.c_void_p(ptr), ctypes.c_uint(0))
     return int(out.value) if err == 0 and out.value else None

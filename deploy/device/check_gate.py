@@ -4,7 +4,8 @@
     python3 deploy/device/check_gate.py MODEL.gguf [--device cuda] [--slots 16+35] [--max-running 4] [--prompt 256]
                                          [--decode 32] [--lanes 3] [--solo 8]
 
-Per setting (decode_at_hand off, on, and with --banked on with host experts copied through ring banks; each a fresh store and runner, real O_DIRECT reads, the flex cache at
+Per setting (decode_at_hand off, on, "gate" = on with decode_gate on (worker/gate.py: no per-layer sync), and with
+--banked on with host experts copied through ring banks; each a fresh store and runner, real O_DIRECT reads, the flex cache at
 its default): one prompt prefilled and decoded `decode` tokens twice over (the live service's lone stream: decode_batch,
 the engine's form; the second round finds the first round's experts at hand: VRAM, host slots, flex copies), then
 `lanes` prompts decoded together (decode_batch of 3), then `solo` tokens through forward() (the solo decode graphs).
@@ -12,8 +13,10 @@ Prints per setting: whether host slots are read in place (the arena's device map
 time of its second half, disk MB and reads per tier per token; then whether every decoded logit of "on" is the bits of
 "off" (solo, lanes and the lone stream). Exit status 1 when a logit differs.
 
-Expected on the H200 (b16 bench model): "on: host in place: True", every "bit-identical", and round 1 (warm, disk ~0
-MB/token) faster with the at-hand group on than off (off: ~8.5 ms a step, gpu-run30's profile; the GPU's work is ~4.4).
+Expected on the H200 (b16 bench model): "on: host in place: True", every "bit-identical" (gate included: a gate that
+gave up raises BetelgeuseError), and round 1 (warm, disk ~0
+MB/token) faster with the at-hand group on than off (off: ~8.5 ms a step, gpu-run30's profile; the GPU's work is ~4.4),
+and "gate" faster again (target: near the GPU's work when nothing is missed; cold: the disk's bound).
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ MB = 1e6
 def one(a, setting: str):
     vram, host = (int(x) for x in a.slots.split("+"))
     cfg = EngineConfig(model_path=a.model, device=a.device, vram_slots=vram, host_slots=host,
-                       max_running=a.max_running, decode_at_hand=setting != "off")
+                       max_running=a.max_running, decode_at_hand=setting != "off",
+                       decode_gate="on" if setting == "gate" else "off")
     store = open_store(cfg)
     rn = open_runner(cfg, store)
     if setting == "banked":       # host-tier experts through ring banks as before (VRAM and flex copies at hand)
@@ -107,7 +111,7 @@ def main() -> int:
     ap.add_argument("--banked", action="store_true", help="also: at hand with the host experts through ring banks "
                     "(is reading them in place over PCIe the faster?)")
     a = ap.parse_args()
-    res = {s: one(a, s) for s in ("off", "on") + (("banked",) if a.banked else ())}
+    res = {s: one(a, s) for s in ("off", "on", "gate") + (("banked",) if a.banked else ())}
     for setting, (_, rows, in_place) in res.items():
         print(f"decode_at_hand {setting}: host in place: {in_place}")
         for r, ms, mb, reads in rows:
