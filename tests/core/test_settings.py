@@ -211,3 +211,22 @@ def test_decode_at_hand_flag_and_bad_values(tmp_path):
         value(["--decode-at-hand", "sometimes"])
     with pytest.raises(BetelgeuseError, match="engine.decode_at_hand"):
         _load(tmp_path, '[engine]\ndecode_at_hand = "sometimes"\n')
+
+
+def test_decode_gate_choices_and_its_needs(tmp_path):
+    """`--decode-gate off|on|auto` (worker/gate.py); a bad value names the flag; on without the at-hand group is a
+    config error naming both."""
+    import argparse
+    from betelgeuse.config import EngineConfig
+    from betelgeuse.settings import add_flags, flag_values, resolve_settings
+    p = argparse.ArgumentParser()
+    add_flags(p)
+
+    def value(argv):
+        return resolve_settings(None, env={}, flags=flag_values(p.parse_args(argv))).settings.engine.decode_gate
+    assert (value([]), value(["--decode-gate", "on"]), value(["--decode-gate", "auto"])) == ("off", "on", "auto")
+    with pytest.raises(BetelgeuseError, match=r"--decode-gate.*expected one of"):
+        value(["--decode-gate", "fast"])
+    with pytest.raises(BetelgeuseError, match="decode_gate = 'on' needs decode_at_hand"):
+        EngineConfig(model_path="/m.gguf", decode_gate="on", decode_at_hand=False)
+    assert EngineConfig(model_path="/m.gguf", decode_gate="auto", decode_at_hand=False).decode_gate == "auto"
