@@ -22,6 +22,10 @@
                flex copy, host slot read in place over PCIe) inside the decode graphs (hand_group), then the host
                waits and runs partial(hand=True): the tier counts as above, read-ahead, and steps 1-4 for the misses
                only (disk experts, and host ones only where they are not read in place)
+    gated      decode_gate (worker/gate.py): the same, with no per-layer sync: the step is launched ahead, each layer's
+               at-hand group followed by a device-side publish + gate (gate_layer); the host drains the layers in
+               order afterwards (gate_drain: its row polled from pinned memory, the misses on a side stream, then the
+               layer's gate opened)
 
 This is mixtral-offloading's load_experts(unordered=True) over three tiers. Expert outputs land in
 y[token * k + rank] and are reduced in rank order, and each row is computed by the same kernel whatever group it is
