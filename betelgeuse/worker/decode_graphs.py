@@ -3,8 +3,10 @@
 The first step of a (sequence, residency pattern) runs eagerly (it also warms up the kernels); the second captures
 the capturable runs between host-dependent layers as CUDA graphs; later steps replay them: a wholly VRAM-resident
 model decodes a token in one graph launch. A layer that is not wholly in VRAM yields to the host (MoEStep.partial)
-between two graphs. Eager and replayed steps run the same kernels on the same shapes, so the bits do not depend on
-which it was (invariant 1).
+between two graphs; with decode's at-hand group (worker/at_hand.py) that layer's group is a graph of its own between
+the sync's copies and the wait, and with decode_gate (worker/gate.py) nothing yields: the step is one graph and the
+host drains the gated layers after launching it. Eager and replayed steps run the same kernels on the same shapes, so
+the bits do not depend on which it was (invariant 1).
 
 The engine decodes a lone sequence through the batched lanes (worker/lanes.py) in the static form; this path is
 the runner's forward() of one token (and what the tests force on the CPU, eagerly).
