@@ -124,3 +124,27 @@ def test_gate_kernels_publish_and_bound_their_spin():
     assert out["counts_ok"] and out["guess_ok"] and out["misses"] == out["misses_want"] > 0, out
     assert out["flag"] == out["flag_want"] == 0 and (out["flag_all_at_hand"], out["misses_all_at_hand"]) == (1, 0), out
     assert out["open_gate"] == {"mark": 41, "err": 0} and out["closed_gate"] == {"mark": 42, "err": 1}, out
+
+
+def _lanes3(model, **cfg):
+    """Three prompts decoded together through the lanes (decode_batch of 3) on a VRAM/host/disk mix -> logits."""
+    rn, st = in_process_runner(model, 5, 15, max_running=3, decode_consolidate_every=0, **cfg)
+    try:
+        kvs = [rn.new_cache(64) for _ in range(3)]
+        toks = [int(rn.forward(prompt(16 + 4 * i, V, seed=20 + i), kv)[0][-1].argmax()) for i, kv in enumerate(kvs)]
+        rn.settle()
+        rn._static_decode = True
+        out = []
+        for _ in range(4):
+            lg, _ = rn.decode_batch(toks, kvs)
+            out.append(lg)
+            toks = [int(x) for x in lg.argmax(-1)]
+        return torch.stack(out)
+    finally:
+        close_runner(rn, st)
+
+
+def test_lanes_of_three_gated_and_at_hand_are_the_partial_paths_bits(model):
+    want = _lanes3(model, decode_at_hand=False)
+    for cfg in (dict(decode_at_hand=True), dict(decode_at_hand=True, decode_gate="on")):
+        assert torch.equal(_lanes3(model, **cfg), want), cfg
