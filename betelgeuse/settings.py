@@ -329,7 +329,7 @@ class EngineSettings(_Section):
     # (worker/at_hand.py). Only which group computes a row changes, never a bit. auto: on
     decode_at_hand: FlagOrAuto = setting(AUTO, "decode: one in-graph expert group for every expert held (VRAM, flex, "
                                          "host read in place), the host path for disk misses only: true | false | "
-                                         "auto (on)", False)
+                                         "auto (on)", True)
     # decode launches the whole step ahead, each layer not wholly in VRAM gated on the device (worker/gate.py): no
     # per-layer host sync; the host computes the misses on a side stream. Needs decode_at_hand. off until the device
     # check (deploy/device/check_gate.py) passed; auto = on CUDA
