@@ -24,22 +24,19 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+import _common  # first: puts this checkout on sys.path
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from betelgeuse.assembly import open_runner, open_store  # noqa: E402
-from betelgeuse.config import EngineConfig  # noqa: E402
+from betelgeuse.assembly import open_runner, open_store
+from betelgeuse.config import EngineConfig
 
 MB = 1e6
 
 
 def one(a, setting: str):
-    vram, host = (int(x) for x in a.slots.split("+"))
+    vram, host = _common.slot_pair(a.slots)
     cfg = EngineConfig(model_path=a.model, device=a.device, vram_slots=vram, host_slots=host,
                        max_running=a.max_running, decode_at_hand=setting != "off",
                        decode_gate="on" if setting == "gate" else "off")
@@ -102,9 +99,7 @@ def one(a, setting: str):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("model")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--slots", default="16+35", help="VRAM+host slots per layer (the serve plan's, bench geometry)")
+    _common.add_model_args(ap, slots="16+35", slots_help="VRAM+host slots per layer (the serve plan's, bench geometry)")
     for flag, n in (("--max-running", 4), ("--prompt", 256), ("--decode", 32), ("--lanes", 3), ("--solo", 8),
                     ("--seed", 7)):
         ap.add_argument(flag, type=int, default=n)

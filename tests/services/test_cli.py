@@ -182,6 +182,8 @@ BAD_ENGINE_VALUES = [
     ("engine.prefetch_decode", "yes", "true or false"),
     ("engine.flex_cache", "maybe", 'true, false or "auto"'),
     ("engine.flex_cache", 1, 'true, false or "auto"'),
+    ("engine.decode_at_hand", "sometimes", 'true, false or "auto"'),
+    ("engine.decode_gate", "fast", "off, on, auto"),
     ("engine.prefetch_depth", 0, "integer >= 1"),
     ("engine.prefetch_min_hit", 1.5, "between 0 and 1"),
     ("engine.prefetch_min_hit", -0.25, "between 0 and 1"),
