@@ -61,7 +61,10 @@ class DecodeGate:
 
     # ---- in the step's launches (graph-capturable) --------------------------------------------------------
     def begin(self):
-        """Before a step's launches: a new tag, the flags closed (main stream, eager)."""
+        """Before a step's launches: a new tag, the flags closed (main stream, eager), after whatever the side stream
+        still holds (an aborted step's opening fills must not land on this step's flags)."""
+        if self.cuda:
+            torch.cuda.current_stream().wait_stream(self.side)
         self.tag += 1
         self.tag_dev.fill_(self.tag)
         self.flags.zero_()
