@@ -116,11 +116,12 @@ def test_quantize_q8_1_matches_llama_cpp_reference():
     x[1, 32:64] = 0                                       # an all-zero block: d = 0, q = 0
     x[2, 0] = 127 * 0.25                                  # d = 0.25, id = 4: x * id = k + 1/2 exactly
     x[2, 1:32] = np.float32(0.25) * (np.arange(31) - 15) + np.float32(0.125)
+    x[4, 0], x[4, 1] = 127, np.nextafter(np.float32(0.5), np.float32(0))   # d = id = 1: floor(x + 0.5) gives 1
     q, d, s = mq.quantize_q8_1(torch.from_numpy(x))
     rq, rd, rs = ref_q8_1(x)
     assert np.array_equal(q.numpy(), rq) and np.array_equal(d.numpy(), rd) and np.array_equal(s.numpy(), rs)
     # roundf: half away from zero (-14.5 -> -15, 0.5 -> 1; numpy's round, half to even, gives -14 and 0)
-    assert rd[2, 0] == np.float32(0.25) and rq[2, 1] == -15 and rq[2, 16] == 1
+    assert rd[2, 0] == np.float32(0.25) and rq[2, 1] == -15 and rq[2, 16] == 1 and rq[4, 1] == 0
     assert np.array_equal(rq[2, 1:32], np.arange(31) - 15 + (np.arange(31) >= 15) * 1)
 
 
