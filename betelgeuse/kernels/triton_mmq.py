@@ -169,3 +169,73 @@ def down(iq, pool, base, starts, rows, off, y, qt: int, row_bytes: int):
     _DOWN_MMQ[(triton.cdiv(H, c["BN"]), tm._launch_rows(R, E, c["BM"]))](
         q, d, pool, base, starts, rows, off, y, H, F, row_bytes, E, QT=qt, BM=c["BM"], BN=c["BN"],
         EP=triton.next_power_of_2(E), num_warps=c["num_warps"], num_stages=c["num_stages"])
+
+
+def compile_report(which: str = "gate_up", arch: int = 90, bm: int | None = None, bn: int | None = None,
+                   num_warps: int | None = None) -> dict:
+    """Compile one mmq kernel for CUDA sm_`arch` without a GPU (Triton's compiler and the ptxas its wheel ships) and
+    report what the device will run: {"mma": tensor-core instructions in the PTX (mma / wgmma, by name and count),
+    "imma": IMMA/HGMMA lines of the SASS (nvdisasm), "regs": registers per thread, "spill_bytes": ptxas's spill
+    stores + loads, "ptxas": its -v line}. deploy/device/kernel_roofline.py --act-quant prints it beside the
+    figures; tests/kernels/test_mmq.py checks the int8 MMA is there and nothing spills."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    c = {**CONFIG, **({"BM": bm} if bm else {}), **({"BN": bn} if bn else {}),
+         **({"num_warps": num_warps} if num_warps else {})}
+    ptr = {"xq_ptr": "*i8", "xd_ptr": "*fp32", "pool": "*u8", "base_ptr": "*i64", "starts_ptr": "*i64",
+           "rows_ptr": "*i32", "off_ptr": "*i32"}
+    if which == "gate_up":
+        fn = _gate_up_mmq_kernel
+        sig = {**ptr, "inter_ptr": "*bf16", "H": "i32", "F": "i32", "row_bytes": "i32", "n_exp": "i32",
+               "k_top": "i32", "limit": "fp32", "QT": "constexpr", "HAS_LIMIT": "constexpr"}
+        const = {"QT": 0, "HAS_LIMIT": False}
+    else:
+        fn = _down_mmq_kernel
+        sig = {**ptr, "y_ptr": "*bf16", "H": "i32", "F": "i32", "row_bytes": "i32", "n_exp": "i32",
+               "QT": "constexpr"}
+        const = {"QT": 0}
+    sig.update(BM="constexpr", BN="constexpr", EP="constexpr")
+    const.update(BM=c["BM"], BN=c["BN"], EP=256)
+    k = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", arch, 32),
+                       options={"num_warps": c["num_warps"], "num_stages": c["num_stages"]})
+    ptx = k.asm["ptx"]
+    mma = {}
+    for m in re.findall(r"\b(w?gmma\.[\w.]+|mma\.sync\.[\w.]+)", ptx):
+        mma[m] = mma.get(m, 0) + 1
+    bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    out = {"kernel": which, "arch": f"sm_{arch}", "config": c, "mma": mma, "imma": {}, "regs": None,
+           "spill_bytes": None, "ptxas": ""}
+    with tempfile.TemporaryDirectory() as tmp:
+        p = Path(tmp) / "k.ptx"
+        p.write_text(ptx)
+        sm = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
+        for exe in ("ptxas-blackwell", "ptxas"):        # the newer one reads the PTX version Triton writes
+            r = subprocess.run([str(bindir / exe), "-v", f"--gpu-name={sm}", str(p), "-o", str(Path(tmp) / "k.o")],
+                               capture_output=True, text=True)
+            if r.returncode == 0:
+                break
+        log = r.stdout + r.stderr
+        out["ptxas_err"] = log[-300:] if r.returncode else ""
+        out["ptxas_rc"] = r.returncode
+        out["ptxas"] = " ".join(line.strip() for line in log.splitlines() if "registers" in line or "spill" in line)
+        if (m := re.search(r"Used (\d+) registers", log)):
+            out["regs"] = int(m.group(1))
+        spills = [int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
+        out["spill_bytes"] = sum(spills) if spills else None
+        if r.returncode == 0:
+            s = subprocess.run([str(bindir / "nvdisasm"), "-c", str(Path(tmp) / "k.o")], capture_output=True,
+                               text=True).stdout
+            for m in re.findall(r"\b((?:IMMA|HMMA|HGMMA|IGMMA)[\w.]*)", s):
+                out["imma"][m] = out["imma"].get(m, 0) + 1
+    return out
+
+
+if __name__ == "__main__":       # python -m betelgeuse.kernels.triton_mmq: the compile check, no GPU needed
+    import json
+    for w in ("gate_up", "down"):
+        print(json.dumps(compile_report(w)))

@@ -184,3 +184,13 @@ def test_act_quant_setting_and_flag():
     add_flags(p, sections=["engine"])
     with pytest.raises(BetelgeuseError, match=r"--act-quant.*expected one of"):
         resolve_settings(None, env={}, flags=flag_values(p.parse_args(["--act-quant", "int4"])))
+
+
+def test_compiles_to_int8_tensor_core_mma_for_sm90_without_spills():
+    """triton.compile for sm_90 (no GPU: the ptxas of the triton wheel): the int8 wgmma is in the PTX, IGMMA in the
+    SASS, and no register spills."""
+    for which in ("gate_up", "down"):
+        r = mq.compile_report(which)
+        assert any(".s32.s8.s8" in m for m in r["mma"]), r
+        assert any(m.startswith("IGMMA") or m.startswith("IMMA") for m in r["imma"]), r
+        assert r["spill_bytes"] == 0 and r["regs"] <= 255, r
