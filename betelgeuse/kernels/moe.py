@@ -35,8 +35,9 @@ from betelgeuse.kernels.torch_moe import ExpertWork, moe_combine, plan_experts, 
 # Q6_K, Q3_K, Q2_K, IQ4_XS, IQ4_NL, IQ2_XXS, IQ2_XS, IQ3_XXS); kept here so that the torch-only path never
 # imports triton
 TRITON_QTYPES = frozenset({0, 1, 8, 30, 39, 12, 13, 14, 11, 10, 23, 20, 16, 17, 18})
-# GGML types with an int8 tensor-core schedule on q8_1 activations (triton_mmq.MMQ_TYPES: Q8_0)
-MMQ_QTYPES = frozenset({8})
+# GGML types with an int8 tensor-core schedule on q8_1 activations (triton_mmq.MMQ_TYPES: Q8_0, Q4_K) and the K
+# multiple each needs (its block)
+MMQ_QTYPES = {8: 32, 12: 256}
 
 
 def triton_available() -> bool:
@@ -107,7 +108,7 @@ class MoEKernels:
         if self.backend != "triton" or self.act_quant != "q8_1":
             return False, False
         qg, qd = self.qtypes[layer]
-        return qg in MMQ_QTYPES and H % 32 == 0, qd in MMQ_QTYPES and self.F % 32 == 0
+        return (qg in MMQ_QTYPES and H % MMQ_QTYPES[qg] == 0, qd in MMQ_QTYPES and self.F % MMQ_QTYPES[qd] == 0)
 
     # ---- per layer ------------------------------------------------------------------------------
     def route(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, chunks=None) -> Routing:

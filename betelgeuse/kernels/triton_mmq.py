@@ -21,6 +21,9 @@ neither BM, BN, nor the other rows of its block (DESIGN.md invariant 6); on the 
 multiply-add into an FMA, the same for every launch. The MMA is [BN, 32] x [32, BM] -> [BN, BM] (weights on the M
 side, rows, padded to BM = 16, on the N side: a decode row costs the same weight traffic as 16).
 
+Q4_K x q8_1 (llama.cpp vec_dot_q4_K_q8_1: d sc sumi d8 - dmin m s8), sub-block j of a super-block (32 elements,
+its 6-bit scale sc and min m, get_scale_min_k4), quants q in 0..15 as int8:
+    acc   = acc + (float(dot) * (d sc * dx[m, kb]) - dmin m * sx[m, kb])       sx = the q8_1 block sum s
 Types with this schedule: MMQ_TYPES (kernel type codes, triton_quants.QT_CODES). The others take the float path.
 """
 
@@ -34,7 +37,7 @@ from betelgeuse.kernels import triton_moe as tm
 from betelgeuse.kernels.triton_launch import launcher
 
 QK = 32                        # elements per q8_1 block (llama.cpp QK8_1)
-MMQ_TYPES = frozenset({0})     # kernel type codes with an MMA schedule: Q8_0
+MMQ_TYPES = frozenset({0, 5})  # kernel type codes with an MMA schedule: Q8_0, Q4_K
 CONFIG = {"BM": 16, "BN": 64, "num_warps": 4, "num_stages": 3}      # schedule keys only (no reduction key: see doc)
 
 
@@ -92,22 +95,48 @@ def _q8_0_block(pool, ra, kb, mn):
 
 
 @triton.jit
-def mmq_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xoff, dxoff, mr, K, QT: tl.constexpr):
+def _q4_k_block(pool, ra, kb, mn):
+    """Block kb (sub-block j = kb % 8 of super-block kb // 8) of Q4_K rows at ra [BN]: (quants [BN, 32] int8 in
+    0..15, d sc [BN], dmin m [BN]) float32, as ggml's get_scale_min_k4. 144-byte super-blocks: f16 d, f16 dmin,
+    scales[12], qs[128] (32-byte group g: sub-block 2g in the low nibbles, 2g + 1 in the high)."""
+    b = ra + (kb // 8) * 144
+    j = kb % 8
+    d = tl.load((pool + b).to(tl.pointer_type(tl.float16)), mask=mn, other=0).to(tl.float32)
+    dmin = tl.load((pool + b + 2).to(tl.pointer_type(tl.float16)), mask=mn, other=0).to(tl.float32)
+    lo = j < 4
+    s_j = tl.load(pool + b + 4 + j, mask=mn, other=0).to(tl.int32)                      # scales[j]
+    s_j4 = tl.load(pool + b + 8 + j, mask=mn, other=0).to(tl.int32)                     # scales[j + 4] (j < 8)
+    s_jm4 = tl.load(pool + b + j, mask=mn, other=0).to(tl.int32)                        # scales[j - 4] (used: j >= 4)
+    sc = tl.where(lo, s_j & 63, (s_j4 & 15) | ((s_jm4 >> 6) << 4))
+    m = tl.where(lo, s_j4 & 63, (s_j4 >> 4) | ((s_j >> 6) << 4))
+    q = tl.load(pool + b[:, None] + 16 + (j // 2) * 32 + tl.arange(0, 32)[None, :], mask=mn[:, None], other=0)
+    q = (q.to(tl.int32) >> (4 * (j % 2))) & 15
+    return q.to(tl.int8), d * sc.to(tl.float32), dmin * m.to(tl.float32)
+
+
+@triton.jit
+def mmq_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, K, QT: tl.constexpr):
     """acc [BN, BM] + the rows' products over all of K (module doc): xq rows at element offsets xoff [BM], their
-    block scales at dxoff [BM] (mask mr)."""
+    block scales d (and sums s) at dxoff [BM] (mask mr)."""
     c = tl.arange(0, 32)
     for kb in range(0, K // 32):
-        wq, dw = _q8_0_block(pool, ra, kb, mn)
         xq = tl.load(xq_ptr + xoff[:, None] + kb * 32 + c[None, :], mask=mr[:, None], other=0)       # [BM, 32]
         dx = tl.load(xd_ptr + dxoff + kb, mask=mr, other=0.0)                                          # [BM]
-        dot = tl.dot(wq, tl.trans(xq), out_dtype=tl.int32)                                            # [BN, BM]
-        acc = acc + dot.to(tl.float32) * (dw[:, None] * dx[None, :])
+        if QT == 0:                                 # Q8_0: d8_0 d8_1 sumi
+            wq, dw = _q8_0_block(pool, ra, kb, mn)
+            dot = tl.dot(wq, tl.trans(xq), out_dtype=tl.int32)                                        # [BN, BM]
+            acc = acc + dot.to(tl.float32) * (dw[:, None] * dx[None, :])
+        else:                                       # Q4_K: d sc sumi d8 - dmin m s8 (s8 = d8 sum q8)
+            wq, dw, mw = _q4_k_block(pool, ra, kb, mn)
+            sx = tl.load(xs_ptr + dxoff + kb, mask=mr, other=0.0)
+            dot = tl.dot(wq, tl.trans(xq), out_dtype=tl.int32)
+            acc = acc + (dot.to(tl.float32) * (dw[:, None] * dx[None, :]) - mw[:, None] * sx[None, :])
     return acc
 
 
 @triton.jit
-def _gate_up_mmq_kernel(xq_ptr, xd_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, inter_ptr, H, F, row_bytes,
-                        n_exp, k_top, limit, QT: tl.constexpr, HAS_LIMIT: tl.constexpr, BM: tl.constexpr,
+def _gate_up_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, inter_ptr, H, F,
+                        row_bytes, n_exp, k_top, limit, QT: tl.constexpr, HAS_LIMIT: tl.constexpr, BM: tl.constexpr,
                         BN: tl.constexpr, EP: tl.constexpr):
     e, mb, base = tm._find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
     if base >= 0:
@@ -118,14 +147,14 @@ def _gate_up_mmq_kernel(xq_ptr, xd_ptr, pool, base_ptr, starts_ptr, rows_ptr, of
         gra = tm._part_rows(base, starts_ptr, e, 0, n, row_bytes, False, 1)
         ura = tm._part_rows(base, starts_ptr, e, 1, n, row_bytes, False, 1)
         z = tl.zeros((BN, BM), dtype=tl.float32)
-        accg = mmq_acc(z, pool, gra, mn, xq_ptr, xd_ptr, tok * H, tok * (H // 32), mr, H, QT)
-        accu = mmq_acc(z, pool, ura, mn, xq_ptr, xd_ptr, tok * H, tok * (H // 32), mr, H, QT)
+        accg = mmq_acc(z, pool, gra, mn, xq_ptr, xd_ptr, xs_ptr, tok * H, tok * (H // 32), mr, H, QT)
+        accu = mmq_acc(z, pool, ura, mn, xq_ptr, xd_ptr, xs_ptr, tok * H, tok * (H // 32), mr, H, QT)
         tm._gu_store(accg, accu, inter_ptr, rows, mr, n, mn, F, limit, HAS_LIMIT)
 
 
 @triton.jit
-def _down_mmq_kernel(xq_ptr, xd_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, y_ptr, H, F, row_bytes, n_exp,
-                     QT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, EP: tl.constexpr):
+def _down_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, y_ptr, H, F, row_bytes,
+                     n_exp,                     QT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, EP: tl.constexpr):
     e, mb, base = tm._find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
     if base >= 0:
         rows, mr, flat = tm._rows_of(off_ptr, rows_ptr, e, mb, BM)
@@ -133,8 +162,8 @@ def _down_mmq_kernel(xq_ptr, xd_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_p
         mn = n < H
         dra = tm._part_rows(base, starts_ptr, e, 2, n, row_bytes, False, 1)
         r64 = rows.to(tl.int64)
-        acc = mmq_acc(tl.zeros((BN, BM), dtype=tl.float32), pool, dra, mn, xq_ptr, xd_ptr, r64 * F, r64 * (F // 32),
-                      mr, F, QT)
+        acc = mmq_acc(tl.zeros((BN, BM), dtype=tl.float32), pool, dra, mn, xq_ptr, xd_ptr, xs_ptr, r64 * F,
+                      r64 * (F // 32), mr, F, QT)
         tl.store(y_ptr + flat[None, :] * H + n[:, None], acc.to(y_ptr.dtype.element_ty),
                  mask=mn[:, None] & mr[None, :])
 
@@ -144,34 +173,34 @@ _GATE_UP_MMQ, _DOWN_MMQ = map(launcher, (_gate_up_mmq_kernel, _down_mmq_kernel))
 
 def mmq_ok(qt: int, K: int) -> bool:
     """Whether a launch of kernel type code qt over K columns has the MMA schedule (whole 32-element blocks)."""
-    return qt in MMQ_TYPES and K % QK == 0
+    return qt in MMQ_TYPES and K % (256 if qt == 5 else QK) == 0
 
 
 def gate_up(hq, pool, base, starts, rows, off, inter, n_ff: int, k_top: int, qt: int, limit: float | None,
             row_bytes: int):
     """triton_moe.gate_up with the activations as quantize_q8_1(h) = hq (q [T, H] int8, d [T, H/32], s)."""
-    q, d, _ = hq
+    q, d, sx = hq
     T, H = q.shape
     E, R = base.numel(), rows.numel()
     c = CONFIG
     _GATE_UP_MMQ[(triton.cdiv(n_ff, c["BN"]), tm._launch_rows(R, E, c["BM"]))](
-        q, d, pool, base, starts, rows, off, inter, H, n_ff, row_bytes, E, k_top,
+        q, d, sx, pool, base, starts, rows, off, inter, H, n_ff, row_bytes, E, k_top,
         float(limit) if limit is not None else 0.0, QT=qt, HAS_LIMIT=limit is not None, BM=c["BM"], BN=c["BN"],
         EP=triton.next_power_of_2(E), num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
 def down(iq, pool, base, starts, rows, off, y, qt: int, row_bytes: int):
     """triton_moe.down with the activations as quantize_q8_1(inter) = iq."""
-    q, d, _ = iq
+    q, d, sx = iq
     F, H = q.shape[1], y.shape[1]
     E, R = base.numel(), rows.numel()
     c = CONFIG
     _DOWN_MMQ[(triton.cdiv(H, c["BN"]), tm._launch_rows(R, E, c["BM"]))](
-        q, d, pool, base, starts, rows, off, y, H, F, row_bytes, E, QT=qt, BM=c["BM"], BN=c["BN"],
+        q, d, sx, pool, base, starts, rows, off, y, H, F, row_bytes, E, QT=qt, BM=c["BM"], BN=c["BN"],
         EP=triton.next_power_of_2(E), num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
-def compile_report(which: str = "gate_up", arch: int = 90, bm: int | None = None, bn: int | None = None,
+def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int | None = None, bn: int | None = None,
                    num_warps: int | None = None) -> dict:
     """Compile one mmq kernel for CUDA sm_`arch` without a GPU (Triton's compiler and the ptxas its wheel ships) and
     report what the device will run: {"mma": tensor-core instructions in the PTX (mma / wgmma, by name and count),
@@ -187,18 +216,18 @@ def compile_report(which: str = "gate_up", arch: int = 90, bm: int | None = None
     from triton.compiler import ASTSource
     c = {**CONFIG, **({"BM": bm} if bm else {}), **({"BN": bn} if bn else {}),
          **({"num_warps": num_warps} if num_warps else {})}
-    ptr = {"xq_ptr": "*i8", "xd_ptr": "*fp32", "pool": "*u8", "base_ptr": "*i64", "starts_ptr": "*i64",
-           "rows_ptr": "*i32", "off_ptr": "*i32"}
+    ptr = {"xq_ptr": "*i8", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "pool": "*u8", "base_ptr": "*i64",
+           "starts_ptr": "*i64", "rows_ptr": "*i32", "off_ptr": "*i32"}
     if which == "gate_up":
         fn = _gate_up_mmq_kernel
         sig = {**ptr, "inter_ptr": "*bf16", "H": "i32", "F": "i32", "row_bytes": "i32", "n_exp": "i32",
                "k_top": "i32", "limit": "fp32", "QT": "constexpr", "HAS_LIMIT": "constexpr"}
-        const = {"QT": 0, "HAS_LIMIT": False}
+        const = {"QT": qt, "HAS_LIMIT": False}
     else:
         fn = _down_mmq_kernel
         sig = {**ptr, "y_ptr": "*bf16", "H": "i32", "F": "i32", "row_bytes": "i32", "n_exp": "i32",
                "QT": "constexpr"}
-        const = {"QT": 0}
+        const = {"QT": qt}
     sig.update(BM="constexpr", BN="constexpr", EP="constexpr")
     const.update(BM=c["BM"], BN=c["BN"], EP=256)
     k = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", arch, 32),
@@ -208,7 +237,7 @@ def compile_report(which: str = "gate_up", arch: int = 90, bm: int | None = None
     for m in re.findall(r"\b(w?gmma\.[\w.]+|mma\.sync\.[\w.]+)", ptx):
         mma[m] = mma.get(m, 0) + 1
     bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    out = {"kernel": which, "arch": f"sm_{arch}", "config": c, "mma": mma, "imma": {}, "regs": None,
+    out = {"kernel": which, "qt": qt, "arch": f"sm_{arch}", "config": c, "mma": mma, "imma": {}, "regs": None,
            "spill_bytes": None, "ptxas": ""}
     with tempfile.TemporaryDirectory() as tmp:
         p = Path(tmp) / "k.ptx"
@@ -237,5 +266,6 @@ def compile_report(which: str = "gate_up", arch: int = 90, bm: int | None = None
 
 if __name__ == "__main__":       # python -m betelgeuse.kernels.triton_mmq: the compile check, no GPU needed
     import json
-    for w in ("gate_up", "down"):
-        print(json.dumps(compile_report(w)))
+    for code in sorted(MMQ_TYPES):
+        for w in ("gate_up", "down"):
+            print(json.dumps(compile_report(w, code)))
