@@ -207,8 +207,8 @@ def test_q8_1_within_the_int8_budget_of_the_float_path(qt):
 
 @pytest.mark.parametrize("qt", [8, 12], ids=["Q8_0", "Q4_K"])
 def test_a_rows_bits_do_not_depend_on_its_block(qt):
-    """Token 0 routed to expert 0 alone (1 row), with 4 others (5 rows) and with 15 (16 rows, a full BM block):
-    its output the same bits each time."""
+    """Token 0 routed to expert 0 alone (1 row), with 4 others (5 rows) and with 15 (16 rows, a full BM block), and
+    at BM 32 / BN 32: its output the same bits each time."""
     raw = experts(qt, 5)
     rng = np.random.default_rng(6)
     h = rng.standard_normal((16, DIMS[qt][0])).astype(np.float32)
@@ -216,7 +216,11 @@ def test_a_rows_bits_do_not_depend_on_its_block(qt):
     for n in (1, 5, 16):
         ids = np.zeros((n, 1), np.int64)
         outs.append(run(qt, raw, h[:n], ids, np.ones((n, 1), np.float32))[0])
-    assert np.array_equal(outs[0], outs[1]) and np.array_equal(outs[0], outs[2])
+    with pytest.MonkeyPatch.context() as mp:            # another schedule: 32 rows a block, 32 outputs a program
+        mp.setitem(mq.CONFIG, "BM", 32)
+        mp.setitem(mq.CONFIG, "BN", 32)
+        outs.append(run(qt, raw, h[:5], np.zeros((5, 1), np.int64), np.ones((5, 1), np.float32))[0])
+    assert all(np.array_equal(outs[0], o) for o in outs[1:])
 
 
 def test_act_quant_setting_and_flag():
