@@ -307,6 +307,11 @@ class EngineSettings(_Section):
     # auto: triton on CUDA where the quant type allows, else torch (the reference loop); triton also runs on the
     # CPU under TRITON_INTERPRET=1
     kernels: _choices("auto", "torch", "triton") = setting("auto", "expert math: auto | torch | triton", "torch")
+    # q8_1: the triton expert kernels of the types with an int8 tensor-core schedule (kernels/triton_mmq.py) take
+    # their activations quantized per 32 elements to int8 (llama.cpp's mmq numerics): faster, NOT within float
+    # noise of the torch path (about 1% relative error per output); off keeps the exactness contract
+    act_quant: _choices("off", "q8_1") = setting("off", "expert activations on the GPU: off (float, exact) | q8_1 "
+                                                 "(int8 per 32, llama.cpp's mmq numerics; approximate)", "q8_1")
     # a long generation's working set moves into the resident tiers while it runs
     decode_consolidate_every: Count0 = setting(32, "decode tokens between consolidations of the decode's usage "
                                                "(0 = end of request only)", 0)

@@ -38,6 +38,9 @@ from betelgeuse.kernels.torch_moe import ExpertWork, moe_combine, plan_experts, 
 # Q6_K, Q3_K, Q2_K, IQ4_XS, IQ4_NL, IQ2_XXS, IQ2_XS, IQ3_XXS); kept here so that the torch-only path never
 # imports triton
 TRITON_QTYPES = frozenset({0, 1, 8, 30, 39, 12, 13, 14, 11, 10, 23, 20, 16, 17, 18})
+# GGML types with an int8 tensor-core schedule on q8_1 activations (triton_mmq.MMQ_TYPES: Q8_0, Q4_K) and the K
+# multiple each needs (its block)
+MMQ_QTYPES = {8: 32, 12: 256}
 
 
 def triton_available() -> bool:
@@ -68,16 +71,21 @@ class Routing:
     counts: torch.Tensor             # [E] int64 rows per expert, on the device
     inter: torch.Tensor | None       # triton: [T*k, F] activations, sorted-row order
     plan: dict | None                # torch: {expert: ExpertWork}
+    hq: tuple | None = None          # triton with act_quant q8_1: quantize_q8_1(h), made by the first group
 
 
 class MoEKernels:
     """The per-layer expert math for one model file's geometry, on one device."""
 
     def __init__(self, backend: str, n_expert: int, n_ff: int, starts: torch.Tensor, qtypes: list[tuple[int, int]],
-                 sub_batch: int, weights_fn=None, act_limit: float | None = None):
+                 sub_batch: int, weights_fn=None, act_limit: float | None = None, act_quant: str = "off"):
         """starts [L,E,3] int64: byte offset of gate/up/down inside a slot (device); qtypes[l] = (gate/up, down)
-        GGML types per layer; weights_fn(slot_bytes, layer, expert) -> (gate, up, down) for the torch path."""
+        GGML types per layer; weights_fn(slot_bytes, layer, expert) -> (gate, up, down) for the torch path;
+        act_quant "q8_1": the triton backend runs the parts whose type has an int8 MMA schedule on q8_1
+        activations (triton_mmq; approximate), the others on the float schedules; the torch backend ignores it."""
         assert backend in ("torch", "triton"), backend
+        assert act_quant in ("off", "q8_1"), act_quant
+        self.act_quant = act_quant
         self.backend, self.E, self.F = backend, n_expert, n_ff
         self.starts, self.qtypes, self.sub_batch = starts, qtypes, sub_batch
         self.weights_fn, self.limit = weights_fn, act_limit
@@ -96,6 +104,15 @@ class MoEKernels:
         """Every part starts 16-byte aligned in its slot (GGUF data is 32-aligned): the kernels may then load
         whole 16-byte vectors of the blocks (one host sync, at construction)."""
         return bool((starts.remainder(16) == 0).all())
+
+    def mmq_parts(self, layer: int, H: int) -> tuple[bool, bool]:
+        """(gate/up, down) of `layer` run on q8_1 activations (the int8 MMA schedule of triton_mmq): act_quant is
+        q8_1, the backend triton and the part's type has the schedule (MMQ_TYPES, as GGML type ids here so that
+        the torch path never imports triton)."""
+        if self.backend != "triton" or self.act_quant != "q8_1":
+            return False, False
+        qg, qd = self.qtypes[layer]
+        return (qg in MMQ_QTYPES and H % MMQ_QTYPES[qg] == 0, qd in MMQ_QTYPES and self.F % MMQ_QTYPES[qd] == 0)
 
     # ---- per layer ------------------------------------------------------------------------------
     def route(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, chunks=None) -> Routing:
@@ -124,10 +141,23 @@ class MoEKernels:
             st = self.starts[layer] if starts is None else starts
             aligned = slot_bytes % 16 == 0 and (self._aligned if starts is None else self._starts_aligned(starts))
             H = r.h.shape[1]
-            tk.gate_up(r.h, pool, g.base_dev, st, r.rows, r.off, r.inter, self.F, r.ids.shape[1],
-                       tk.QT_CODES[qg], self.limit, row_nbytes(qg, H), aligned)
-            tk.down(r.inter, pool, g.base_dev, st, r.rows, r.off, r.y, r.ids.shape[0], tk.QT_CODES[qd],
-                    row_nbytes(qd, self.F), aligned)
+            mg, md = self.mmq_parts(layer, H)
+            if mg:
+                from betelgeuse.kernels import triton_mmq as mq
+                if r.hq is None:
+                    r.hq = mq.quantize_q8_1(r.h)
+                mq.gate_up(r.hq, pool, g.base_dev, st, r.rows, r.off, r.inter, self.F, r.ids.shape[1],
+                           tk.QT_CODES[qg], self.limit, row_nbytes(qg, H))
+            else:
+                tk.gate_up(r.h, pool, g.base_dev, st, r.rows, r.off, r.inter, self.F, r.ids.shape[1],
+                           tk.QT_CODES[qg], self.limit, row_nbytes(qg, H), aligned)
+            if md:
+                from betelgeuse.kernels import triton_mmq as mq
+                mq.down(mq.quantize_q8_1(r.inter), pool, g.base_dev, st, r.rows, r.off, r.y, tk.QT_CODES[qd],
+                        row_nbytes(qd, self.F))
+            else:
+                tk.down(r.inter, pool, g.base_dev, st, r.rows, r.off, r.y, r.ids.shape[0], tk.QT_CODES[qd],
+                        row_nbytes(qd, self.F), aligned)
             return
         T, k = r.ids.shape
         y3 = r.y.view(T, k, -1)

@@ -113,6 +113,9 @@ for _c in CONFIGS:                  # the MMA path's entries: MV 0 (BM_MV, a key
     _c.setdefault("MV", 0)
     _c.setdefault("BM_MV", 4)
 TARGET = {1: 1500.0, 16: 1200.0}
+# --act-quant q8_1: triton_mmq's schedule candidates (BN output rows a program; BM rows stay 16, the MMA's N side)
+MMQ_CONFIGS = [{"BN": 64, "num_warps": 4, "num_stages": 3}, {"BN": 32, "num_warps": 4, "num_stages": 3},
+               {"BN": 128, "num_warps": 8, "num_stages": 3}]
 
 
 def applies(tname: str, ci: int) -> bool:
@@ -149,11 +152,12 @@ def slot_layout(qt: int, H: int, F: int) -> tuple[list[int], int]:
     return starts, -(-o // 4096) * 4096
 
 
-def kernels_for(qt: int, H: int, F: int, E: int, limit, weights_fn=None, backend="triton"):
+def kernels_for(qt: int, H: int, F: int, E: int, limit, weights_fn=None, backend="triton", act_quant="off"):
     from betelgeuse.kernels.moe import MoEKernels
     starts, slot = slot_layout(qt, H, F)
     st = torch.tensor([starts] * E, dtype=torch.int64, device=dev)[None]
-    return MoEKernels(backend, E, F, st, [(qt, qt)], 16, weights_fn=weights_fn, act_limit=limit), slot
+    return MoEKernels(backend, E, F, st, [(qt, qt)], 16, weights_fn=weights_fn, act_limit=limit,
+                      act_quant=act_quant), slot
 
 
 def routing(n: int, rows: int, k: int, H: int, seed: int = 0):
@@ -432,6 +436,163 @@ def check_rows(ctx: dict, checked: dict | None = None, cis: list[int] | None = N
     return {"ok": bool(cis) and not bad, "configs": cis, "mismatch": bad}
 
 
+# ---- act_quant q8_1 (kernels/triton_mmq.py) beside the float schedules -------------------------------------
+
+def act_quant_case(gname: str, tname: str) -> dict:
+    """One type: GB/s of the float path (the installed launch table) and of the q8_1 path (quantize + int8 MMA
+    kernels; and the kernels alone) at 1 and 16 rows on rotating banks; the q8_1 check (vs the torch path, rows
+    alone == in the full launch)."""
+    from betelgeuse.kernels import triton_mmq as mq
+    from betelgeuse.kernels import triton_moe as tk
+    from betelgeuse.kernels.triton_quants import QT_CODES
+    H, F, E, limit = GEOMS[gname]
+    qt = int(GT[tname])
+    code = QT_CODES[qt]
+    set_config(code, None)
+    nbytes = expert_nbytes(qt, H, F)
+    bank_bytes = BANK * nbytes
+    n_banks = 2 if DRY else max(2, math.ceil(512e6 / bank_bytes))
+    _, slot = slot_layout(qt, H, F)
+    pool = torch.randint(0, 256, (n_banks * BANK * slot,), dtype=torch.uint8, device=dev)
+    bases = [base_table(E, b * BANK, BANK, slot) for b in range(n_banks)]
+    reps = max(n_banks, min(64, math.ceil(2e9 / bank_bytes)))
+    kern, _ = kernels_for(qt, H, F, E, limit)
+    has = mq.mmq_ok(code, H) and mq.mmq_ok(code, F)
+    out = {"float": {}, "q8_1": {}, "q8_1_kernels": {}, "mmq": has}
+    for rows in (1, 16):
+        r = kern.route(*routing(BANK, rows, K_TOP, H))
+        kern.apply(r, 0, pool, Group(None, None, bases[0]), slot)
+        st, al, gb, db = kern.starts[0], kern._aligned, row_nbytes(qt, H), row_nbytes(qt, F)
+
+        def flt(i):
+            tk.gate_up(r.h, pool, bases[i % n_banks], st, r.rows, r.off, r.inter, F, K_TOP, code, limit, gb, al)
+            tk.down(r.inter, pool, bases[i % n_banks], st, r.rows, r.off, r.y, r.ids.shape[0], code, db, al)
+        out["float"][rows] = bank_bytes / graph_time(flt, reps) / 1e9
+        if not has:
+            continue
+        hq, iq = mq.quantize_q8_1(r.h), mq.quantize_q8_1(r.inter)
+
+        def q81(i):
+            mq.gate_up(mq.quantize_q8_1(r.h), pool, bases[i % n_banks], st, r.rows, r.off, r.inter, F, K_TOP, code,
+                       limit, gb)
+            mq.down(mq.quantize_q8_1(r.inter), pool, bases[i % n_banks], st, r.rows, r.off, r.y, code, db)
+
+        def kq(i):
+            mq.gate_up(hq, pool, bases[i % n_banks], st, r.rows, r.off, r.inter, F, K_TOP, code, limit, gb)
+            mq.down(iq, pool, bases[i % n_banks], st, r.rows, r.off, r.y, code, db)
+        best = None
+        for ci, c in enumerate(MMQ_CONFIGS):            # schedule keys only: the same bits (checked below)
+            mq.CONFIG.update(c)
+            try:
+                t = graph_time(kq, reps)
+            except Exception as e:
+                out.setdefault("config_errors", {})[ci] = f"{type(e).__name__}: {str(e)[:100]}"
+                continue
+            out.setdefault("q8_1_kernels_by_config", {}).setdefault(ci, {})[rows] = bank_bytes / t / 1e9
+            if best is None or t < best[0]:
+                best = (t, ci)
+        if best is None:                                # every schedule failed: the float figures stay
+            out["q8_1_error"] = "no mmq schedule ran"
+            continue
+        mq.CONFIG.update(MMQ_CONFIGS[best[1]])
+        out.setdefault("best_config", {})[rows] = best[1]
+        out["q8_1"][rows] = bank_bytes / graph_time(q81, reps) / 1e9
+        out["q8_1_kernels"][rows] = bank_bytes / best[0] / 1e9
+    pool = None
+    torch.cuda.empty_cache() if not DRY else None
+    if has:
+        try:
+            out["check"] = act_quant_check(gname, tname, qt, H, F, E, limit)
+        except Exception as e:                          # the figures above stay in the table
+            out["check"] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:120]}"}
+    return out
+
+
+def act_quant_check(gname: str, tname: str, qt: int, H: int, F: int, E: int, limit) -> dict:
+    """The q8_1 path on valid blocks: relative max error vs the torch path (bf16) per routing, finite, a token's rows
+    alone == in the full launch, every MMQ_CONFIGS schedule the same bits."""
+    from betelgeuse.kernels import triton_mmq as mq
+    ctx = check_setup(gname, tname)
+    tri, _ = kernels_for(qt, H, F, E, limit, act_quant="q8_1")
+    chk = {"configs_same_bits": True}
+    for name, (h, ids, w, o_r) in ctx["cases"].items():
+        o_t = run_moe(ctx, tri, h, ids, w)
+        for c in MMQ_CONFIGS:                           # every schedule: the same bits
+            mq.CONFIG.update(c)
+            chk["configs_same_bits"] &= bool(torch.equal(run_moe(ctx, tri, h, ids, w), o_t))
+        mq.CONFIG.update(MMQ_CONFIGS[0])
+        chk["rel_err_" + name] = float((o_t - o_r).abs().max() / o_r.abs().max())
+        chk["finite"] = chk.get("finite", True) and bool(torch.isfinite(o_t).all())
+        if name == "rows16":
+            alone = run_moe(ctx, tri, h[5:6], ids[5:6], w[5:6])
+            chk["row_invariant"] = bool(torch.equal(alone[0], o_t[5]))
+    chk["rel_err"] = max(v for k, v in chk.items() if k.startswith("rel_err_"))
+    chk["ok"] = chk["finite"] and chk["row_invariant"] and chk["configs_same_bits"] and chk["rel_err"] < 3e-2
+    return chk
+
+
+def act_quant_run(types: list[str], geoms: list[str], meta: dict, budget: float) -> int:
+    """--act-quant q8_1: the compile report (sm_90: int8 MMA, registers, spills), then per type and geometry the
+    float and q8_1 GB/s at 1 and 16 rows; a table whatever fails. Exit 1 if a check failed or a case errored."""
+    from betelgeuse.kernels import triton_mmq as mq
+    from betelgeuse.kernels.triton_quants import QT_CODES
+    if not DRY:
+        for t in types:
+            if QT_CODES[int(GT[t])] not in mq.MMQ_TYPES:
+                continue
+            for w in ("gate_up", "down"):
+                try:
+                    c = mq.compile_report(w, QT_CODES[int(GT[t])], arch=torch.cuda.get_device_capability()[0] * 10)
+                    print(f"compile {t} {w}: mma {c['mma']} sass {c['imma']} regs {c['regs']} spills "
+                          f"{c['spill_bytes']}", flush=True)
+                except Exception as e:
+                    print(f"compile {t} {w}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+    res = {}
+    for g in geoms:
+        for t in types:
+            key = f"{g}/{t}"
+            if time.perf_counter() - T0 > budget:
+                res[key] = {"error": "skipped (time budget)"}
+                continue
+            try:
+                res[key] = act_quant_case(g, t)
+            except Exception as e:                     # one table with every case
+                import traceback
+                traceback.print_exc()
+                res[key] = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
+            print(f"{key}: {json.dumps(res[key], default=str)}  ({time.perf_counter() - T0:.0f} s)", flush=True)
+    f = lambda d, n: f"{d[n]:.0f}" if n in d else "–"                        # noqa: E731
+    lines = [f"## act_quant q8_1 vs float on {meta['device']} (bank of {BANK}, GB/s of expert bytes, "
+             f"gate_up + down; q8_1 includes its two quantize launches; targets 1 row >= {TARGET[1]:.0f}, "
+             f"16 rows >= {TARGET[16]:.0f})", "",
+             "| case | float 1 | q8_1 1 | q8_1 kernels 1 | float 16 | q8_1 16 | q8_1 kernels 16 | q8_1 check |",
+             "|---|---|---|---|---|---|---|---|"]
+    fails = []
+    for key, r in res.items():
+        if "error" in r:
+            lines.append(f"| {key} | {r['error']} | | | | | | |")
+            fails += [] if r["error"].startswith("skipped") else [key]
+            continue
+        c = r.get("check")
+        cs = ("no mmq schedule" if c is None else f"FAIL {c['error']}" if "error" in c else
+              f"{'ok' if c['ok'] else 'FAIL'} rel {c['rel_err']:.2e} rows {'==' if c['row_invariant'] else '!='}"
+              f" configs {'==' if c['configs_same_bits'] else '!='}")
+        fails += [key] if c is not None and not c["ok"] else []
+        lines.append(f"| {key} | {f(r['float'], 1)} | {f(r['q8_1'], 1)} | {f(r['q8_1_kernels'], 1)} | "
+                     f"{f(r['float'], 16)} | {f(r['q8_1'], 16)} | {f(r['q8_1_kernels'], 16)} | {cs} |")
+    lines += ["", "MMQ_CONFIGS (schedule keys, the same bits): " + json.dumps(MMQ_CONFIGS)
+              + "; best per case and rows: " + json.dumps({k: r.get("best_config") for k, r in res.items()})]
+    md = "\n".join(lines) + "\n\nchecks: " + ("all pass" if not fails else "FAIL " + ", ".join(fails)) + \
+        f"  ({time.perf_counter() - T0:.0f} s)"
+    print("\n" + md, flush=True)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "act_quant.md").write_text(md + "\n")
+        (Path(out) / "act_quant.json").write_text(json.dumps({"meta": meta, "results": res}, indent=1, default=str))
+    return 1 if fails else 0
+
+
 # ---- main -----------------------------------------------------------------------------------------------
 
 def table(results: dict, meta: dict) -> str:
@@ -603,6 +764,9 @@ def main() -> int:
     p.add_argument("--tuned", action="store_true",
                    help="time the launch table as the kernels load it (betelgeuse/kernels/triton_tuning.json, "
                         "$BETELGEUSE_TRITON_TUNING) instead of CONFIGS")
+    p.add_argument("--act-quant", choices=("q8_1",),
+                   help="time the q8_1 activation path (kernels/triton_mmq.py) beside the float one at 1 and 16 "
+                        "rows, check it, print the sm_90 compile report (default geometry bench, budget 80 s)")
     p.add_argument("--warm", help=argparse.SUPPRESS)
     a = p.parse_args()
     global DRY, dev, ROWS, BANK, DTYPE, K_TOP
@@ -613,8 +777,8 @@ def main() -> int:
             CONFIGS[:] = [None]
         warm([tuple(t) for t in job["tasks"]])
         return 0
-    a.geoms = a.geoms or ("bench" if a.sweep else ",".join(GEOMS))
-    a.budget = a.budget or (270.0 if a.sweep else 160.0)
+    a.geoms = a.geoms or ("bench" if a.sweep or a.act_quant else ",".join(GEOMS))
+    a.budget = a.budget or (270.0 if a.sweep else 80.0 if a.act_quant else 160.0)
     if a.sweep:
         ROWS = (1, 16)
     if a.tuned:
@@ -645,6 +809,8 @@ def main() -> int:
     meta = {"device": "cpu (dry run)" if DRY else torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "copy_gbps": 2 * x.numel() * 4 / copy_s / 1e9, "configs": CONFIGS}
     x = y = None
+    if a.act_quant:
+        return act_quant_run(types, geoms, meta, a.budget)
     tasks = [(g, t, c) for g in geoms for t in types for c in cfgs if applies(t, c)]
     print(f"compiling {len(tasks) * 2} kernels in {a.workers} workers ...", flush=True)
     meta["compile_s"] = warm_parallel(tasks, a.workers, timeout=a.budget * 0.45) if a.workers > 0 else 0.0

@@ -1,0 +1,271 @@
+"""The int8 tensor-core expert schedule (llama.cpp's mmq route): activations quantized to q8_1, int8 MMA per block.
+
+Opt-in (`engine.act_quant = "q8_1"`): it changes the numerics. The float schedules (triton_moe, triton_mmvq) keep
+the activations as the engine holds them and stay within float noise of the torch path; this one rounds every
+activation to int8 per 32-element block first, as llama.cpp's CUDA mmq/mmvq do (ggml-cuda/quantize.cu,
+mmq.cuh, vecdotq.cuh), for a relative error of about amax/254 per activation (~0.5% on a dot product of a
+Gaussian row; tests/kernels/test_mmq.py holds it to a budget).
+
+q8_1 (quantize_q8_1 below), per activation row and 32-element block b, following ggml-quants.c
+quantize_row_q8_1_ref:
+    d = max|x| / 127 (IEEE division);  id = 1 / d (0 where d = 0);  q = roundf(x * id) int8 (half away from 0);
+    s = float(sum q) * d  (the int sum is exact).
+d and s stay float32 (llama.cpp rounds them to the two halves of block_q8_1.ds: float32 is closer to the float
+path and costs nothing here). A row's blocks depend on that row only, so batching never changes a row's bits.
+
+Q8_0 x q8_1 (llama.cpp vec_dot_q8_0_q8_1: d8_0 * d8_1 * sumi), for output (n, m), K blocks kb = 0, 1, ... in order:
+    dot   = sum_{j < 32} wq[n, 32 kb + j] * xq[m, 32 kb + j]         int8 x int8 -> int32 (tl.dot: exact, any order)
+    acc   = acc + float(dot) * (dw[n, kb] * dx[m, kb])             fp32, one block (32) per dot so its scales apply
+The int32 dot is exact and the fp32 accumulation is per (n, m) in fixed K order, so an output's bits depend on
+neither BM, BN, nor the other rows of its block (DESIGN.md invariant 6); on the GPU the compiler may contract the
+multiply-add into an FMA, the same for every launch. The MMA is [BN, 32] x [32, BM] -> [BN, BM] (weights on the M
+side, rows, padded to BM = 16, on the N side: a decode row costs the same weight traffic as 16).
+
+Q4_K x q8_1 (llama.cpp vec_dot_q4_K_q8_1: d sc sumi d8 - dmin m s8), sub-block j of a super-block (32 elements,
+its 6-bit scale sc and min m, get_scale_min_k4), quants q in 0..15 as int8:
+    acc   = acc + (float(dot) * (d sc * dx[m, kb]) - dmin m * sx[m, kb])       sx = the q8_1 block sum s
+Types with this schedule: MMQ_TYPES (kernel type codes, triton_quants.QT_CODES). The others take the float path.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from betelgeuse.kernels import triton_moe as tm
+from betelgeuse.kernels.triton_launch import launcher
+
+QK = 32                        # elements per q8_1 block (llama.cpp QK8_1)
+MMQ_TYPES = frozenset({0, 5})  # kernel type codes with an MMA schedule: Q8_0, Q4_K
+CONFIG = {"BM": 16, "BN": 64, "num_warps": 4, "num_stages": 3}      # schedule keys only (no reduction key: see doc)
+
+
+@triton.jit
+def _roundf(v):
+    """C roundf (half away from zero) of float32 v, exactly: a - floor(a) is exact, so no x + 0.5 rounding."""
+    a = tl.abs(v)
+    t = tl.floor(a)
+    r = t + tl.where(a - t >= 0.5, 1.0, 0.0)
+    return tl.where(v < 0, -r, r)
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, NB: tl.constexpr):
+    """Row program_id(0), blocks program_id(1) * NB ..: x [T, K] (any float) -> q [T, K] int8, d, s [T, K / 32]."""
+    row = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1) * NB + tl.arange(0, NB)
+    mb = b < K // 32
+    cols = b[:, None] * 32 + tl.arange(0, 32)[None, :]                    # [NB, 32]
+    x = tl.load(x_ptr + row * K + cols, mask=mb[:, None], other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)                                      # [NB]
+    d = tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
+    inv = tl.where(d > 0, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), tl.where(d > 0, d, 1.0)), 0.0)
+    q = _roundf(x * inv[:, None]).to(tl.int32)
+    s = tl.sum(q, axis=1).to(tl.float32) * d
+    tl.store(q_ptr + row * K + cols, q.to(tl.int8), mask=mb[:, None])
+    tl.store(d_ptr + row * (K // 32) + b, d, mask=mb)
+    tl.store(s_ptr + row * (K // 32) + b, s, mask=mb)
+
+
+_QUANTIZE = launcher(_quantize_kernel)
+
+
+def quantize_q8_1(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, K] (K a multiple of 32) -> (q [T, K] int8, d [T, K/32] float32, s [T, K/32] float32): module doc."""
+    T, K = x.shape
+    assert K % QK == 0 and x.is_contiguous(), (x.shape, x.is_contiguous())
+    q = torch.empty(T, K, dtype=torch.int8, device=x.device)
+    d = torch.empty(T, K // QK, dtype=torch.float32, device=x.device)
+    s = torch.empty_like(d)
+    nb = min(32, triton.next_power_of_2(K // QK))
+    if T:
+        _QUANTIZE[(T, triton.cdiv(K // QK, nb))](x, q, d, s, K, NB=nb, num_warps=4)
+    return q, d, s
+
+
+@triton.jit
+def _q8_0_block(pool, ra, kb, mn):
+    """Block kb of Q8_0 rows at byte addresses ra [BN]: (quants [BN, 32] int8, d [BN] float32). 34-byte blocks:
+    f16 d, then 32 int8."""
+    b = ra + kb * 34
+    d = tl.load((pool + b).to(tl.pointer_type(tl.float16)), mask=mn, other=0).to(tl.float32)
+    w = tl.load(pool + b[:, None] + 2 + tl.arange(0, 32)[None, :], mask=mn[:, None], other=0)
+    return w.to(tl.int8, bitcast=True), d
+
+
+@triton.jit
+def _q4_k_block(pool, ra, kb, mn):
+    """Block kb (sub-block j = kb % 8 of super-block kb // 8) of Q4_K rows at ra [BN]: (quants [BN, 32] int8 in
+    0..15, d sc [BN], dmin m [BN]) float32, as ggml's get_scale_min_k4. 144-byte super-blocks: f16 d, f16 dmin,
+    scales[12], qs[128] (32-byte group g: sub-block 2g in the low nibbles, 2g + 1 in the high)."""
+    b = ra + (kb // 8) * 144
+    j = kb % 8
+    d = tl.load((pool + b).to(tl.pointer_type(tl.float16)), mask=mn, other=0).to(tl.float32)
+    dmin = tl.load((pool + b + 2).to(tl.pointer_type(tl.float16)), mask=mn, other=0).to(tl.float32)
+    lo = j < 4
+    s_j = tl.load(pool + b + 4 + j, mask=mn, other=0).to(tl.int32)                      # scales[j]
+    s_j4 = tl.load(pool + b + 8 + j, mask=mn, other=0).to(tl.int32)                     # scales[j + 4] (j < 8)
+    s_jm4 = tl.load(pool + b + j, mask=mn, other=0).to(tl.int32)                        # scales[j - 4] (used: j >= 4)
+    sc = tl.where(lo, s_j & 63, (s_j4 & 15) | ((s_jm4 >> 6) << 4))
+    m = tl.where(lo, s_j4 & 63, (s_j4 >> 4) | ((s_j >> 6) << 4))
+    q = tl.load(pool + b[:, None] + 16 + (j // 2) * 32 + tl.arange(0, 32)[None, :], mask=mn[:, None], other=0)
+    q = (q.to(tl.int32) >> (4 * (j % 2))) & 15
+    return q.to(tl.int8), d * sc.to(tl.float32), dmin * m.to(tl.float32)
+
+
+@triton.jit
+def mmq_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, K, QT: tl.constexpr):
+    """acc [BN, BM] + the rows' products over all of K (module doc): xq rows at element offsets xoff [BM], their
+    block scales d (and sums s) at dxoff [BM] (mask mr)."""
+    c = tl.arange(0, 32)
+    for kb in range(0, K // 32):
+        xq = tl.load(xq_ptr + xoff[:, None] + kb * 32 + c[None, :], mask=mr[:, None], other=0)       # [BM, 32]
+        dx = tl.load(xd_ptr + dxoff + kb, mask=mr, other=0.0)                                          # [BM]
+        if QT == 0:                                 # Q8_0: d8_0 d8_1 sumi
+            wq, dw = _q8_0_block(pool, ra, kb, mn)
+            dot = tl.dot(wq, tl.trans(xq), out_dtype=tl.int32)                                        # [BN, BM]
+            acc = acc + dot.to(tl.float32) * (dw[:, None] * dx[None, :])
+        else:                                       # Q4_K: d sc sumi d8 - dmin m s8 (s8 = d8 sum q8)
+            wq, dw, mw = _q4_k_block(pool, ra, kb, mn)
+            sx = tl.load(xs_ptr + dxoff + kb, mask=mr, other=0.0)
+            dot = tl.dot(wq, tl.trans(xq), out_dtype=tl.int32)
+            acc = acc + (dot.to(tl.float32) * (dw[:, None] * dx[None, :]) - mw[:, None] * sx[None, :])
+    return acc
+
+
+@triton.jit
+def _gate_up_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, inter_ptr, H, F,
+                        row_bytes, n_exp, k_top, limit, QT: tl.constexpr, HAS_LIMIT: tl.constexpr, BM: tl.constexpr,
+                        BN: tl.constexpr, EP: tl.constexpr):
+    e, mb, base = tm._find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
+    if base >= 0:
+        rows, mr, flat = tm._rows_of(off_ptr, rows_ptr, e, mb, BM)
+        tok = flat // k_top
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        mn = n < F
+        gra = tm._part_rows(base, starts_ptr, e, 0, n, row_bytes, False, 1)
+        ura = tm._part_rows(base, starts_ptr, e, 1, n, row_bytes, False, 1)
+        z = tl.zeros((BN, BM), dtype=tl.float32)
+        accg = mmq_acc(z, pool, gra, mn, xq_ptr, xd_ptr, xs_ptr, tok * H, tok * (H // 32), mr, H, QT)
+        accu = mmq_acc(z, pool, ura, mn, xq_ptr, xd_ptr, xs_ptr, tok * H, tok * (H // 32), mr, H, QT)
+        tm._gu_store(accg, accu, inter_ptr, rows, mr, n, mn, F, limit, HAS_LIMIT)
+
+
+@triton.jit
+def _down_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, y_ptr, H, F, row_bytes,
+                     n_exp,                     QT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, EP: tl.constexpr):
+    e, mb, base = tm._find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
+    if base >= 0:
+        rows, mr, flat = tm._rows_of(off_ptr, rows_ptr, e, mb, BM)
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        mn = n < H
+        dra = tm._part_rows(base, starts_ptr, e, 2, n, row_bytes, False, 1)
+        r64 = rows.to(tl.int64)
+        acc = mmq_acc(tl.zeros((BN, BM), dtype=tl.float32), pool, dra, mn, xq_ptr, xd_ptr, xs_ptr, r64 * F,
+                      r64 * (F // 32), mr, F, QT)
+        tl.store(y_ptr + flat[None, :] * H + n[:, None], acc.to(y_ptr.dtype.element_ty),
+                 mask=mn[:, None] & mr[None, :])
+
+
+_GATE_UP_MMQ, _DOWN_MMQ = map(launcher, (_gate_up_mmq_kernel, _down_mmq_kernel))
+
+
+def mmq_ok(qt: int, K: int) -> bool:
+    """Whether a launch of kernel type code qt over K columns has the MMA schedule (whole 32-element blocks)."""
+    return qt in MMQ_TYPES and K % (256 if qt == 5 else QK) == 0
+
+
+def gate_up(hq, pool, base, starts, rows, off, inter, n_ff: int, k_top: int, qt: int, limit: float | None,
+            row_bytes: int):
+    """triton_moe.gate_up with the activations as quantize_q8_1(h) = hq (q [T, H] int8, d [T, H/32], s)."""
+    q, d, sx = hq
+    T, H = q.shape
+    E, R = base.numel(), rows.numel()
+    c = CONFIG
+    _GATE_UP_MMQ[(triton.cdiv(n_ff, c["BN"]), tm._launch_rows(R, E, c["BM"]))](
+        q, d, sx, pool, base, starts, rows, off, inter, H, n_ff, row_bytes, E, k_top,
+        float(limit) if limit is not None else 0.0, QT=qt, HAS_LIMIT=limit is not None, BM=c["BM"], BN=c["BN"],
+        EP=triton.next_power_of_2(E), num_warps=c["num_warps"], num_stages=c["num_stages"])
+
+
+def down(iq, pool, base, starts, rows, off, y, qt: int, row_bytes: int):
+    """triton_moe.down with the activations as quantize_q8_1(inter) = iq."""
+    q, d, sx = iq
+    F, H = q.shape[1], y.shape[1]
+    E, R = base.numel(), rows.numel()
+    c = CONFIG
+    _DOWN_MMQ[(triton.cdiv(H, c["BN"]), tm._launch_rows(R, E, c["BM"]))](
+        q, d, sx, pool, base, starts, rows, off, y, H, F, row_bytes, E, QT=qt, BM=c["BM"], BN=c["BN"],
+        EP=triton.next_power_of_2(E), num_warps=c["num_warps"], num_stages=c["num_stages"])
+
+
+def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int | None = None, bn: int | None = None,
+                   num_warps: int | None = None) -> dict:
+    """Compile one mmq kernel for CUDA sm_`arch` without a GPU (Triton's compiler and the ptxas its wheel ships) and
+    report what the device will run: {"mma": tensor-core instructions in the PTX (mma / wgmma, by name and count),
+    "imma": IMMA/HGMMA lines of the SASS (nvdisasm), "regs": registers per thread, "spill_bytes": ptxas's spill
+    stores + loads, "ptxas": its -v line}. deploy/device/kernel_roofline.py --act-quant prints it beside the
+    figures; tests/kernels/test_mmq.py checks the int8 MMA is there and nothing spills."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    c = {**CONFIG, **({"BM": bm} if bm else {}), **({"BN": bn} if bn else {}),
+         **({"num_warps": num_warps} if num_warps else {})}
+    ptr = {"xq_ptr": "*i8", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "pool": "*u8", "base_ptr": "*i64",
+           "starts_ptr": "*i64", "rows_ptr": "*i32", "off_ptr": "*i32"}
+    if which == "gate_up":
+        fn = _gate_up_mmq_kernel
+        sig = {**ptr, "inter_ptr": "*bf16", "H": "i32", "F": "i32", "row_bytes": "i32", "n_exp": "i32",
+               "k_top": "i32", "limit": "fp32", "QT": "constexpr", "HAS_LIMIT": "constexpr"}
+        const = {"QT": qt, "HAS_LIMIT": False}
+    else:
+        fn = _down_mmq_kernel
+        sig = {**ptr, "y_ptr": "*bf16", "H": "i32", "F": "i32", "row_bytes": "i32", "n_exp": "i32",
+               "QT": "constexpr"}
+        const = {"QT": qt}
+    sig.update(BM="constexpr", BN="constexpr", EP="constexpr")
+    const.update(BM=c["BM"], BN=c["BN"], EP=256)
+    k = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", arch, 32),
+                       options={"num_warps": c["num_warps"], "num_stages": c["num_stages"]})
+    ptx = k.asm["ptx"]
+    mma = {}
+    for m in re.findall(r"\b(w?gmma\.[\w.]+|mma\.sync\.[\w.]+)", ptx):
+        mma[m] = mma.get(m, 0) + 1
+    bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    out = {"kernel": which, "qt": qt, "arch": f"sm_{arch}", "config": c, "mma": mma, "imma": {}, "regs": None,
+           "spill_bytes": None, "ptxas": ""}
+    with tempfile.TemporaryDirectory() as tmp:
+        p = Path(tmp) / "k.ptx"
+        p.write_text(ptx)
+        sm = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
+        for exe in ("ptxas-blackwell", "ptxas"):        # the newer one reads the PTX version Triton writes
+            r = subprocess.run([str(bindir / exe), "-v", f"--gpu-name={sm}", str(p), "-o", str(Path(tmp) / "k.o")],
+                               capture_output=True, text=True)
+            if r.returncode == 0:
+                break
+        log = r.stdout + r.stderr
+        out["ptxas_err"] = log[-300:] if r.returncode else ""
+        out["ptxas_rc"] = r.returncode
+        out["ptxas"] = " ".join(line.strip() for line in log.splitlines() if "registers" in line or "spill" in line)
+        if (m := re.search(r"Used (\d+) registers", log)):
+            out["regs"] = int(m.group(1))
+        spills = [int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
+        out["spill_bytes"] = sum(spills) if spills else None
+        if r.returncode == 0:
+            s = subprocess.run([str(bindir / "nvdisasm"), "-c", str(Path(tmp) / "k.o")], capture_output=True,
+                               text=True).stdout
+            for m in re.findall(r"\b((?:IMMA|HMMA|HGMMA|IGMMA)[\w.]*)", s):
+                out["imma"][m] = out["imma"].get(m, 0) + 1
+    return out
+
+
+if __name__ == "__main__":       # python -m betelgeuse.kernels.triton_mmq: the compile check, no GPU needed
+    import json
+    for code in sorted(MMQ_TYPES):
+        for w in ("gate_up", "down"):
+            print(json.dumps(compile_report(w, code)))

@@ -1,0 +1,258 @@
+"""kernels/triton_mmq.py (act_quant q8_1, Triton interpreter): the q8_1 quantizer against a numpy port of llama.cpp's
+quantize_row_q8_1_ref (ggml/src/ggml-quants.c), the Q8_0 int8-MMA experts against a numpy reference of the same
+numerics on gguf-py's Q8_0 bytes (llama.cpp ggml-cuda/vecdotq.cuh vec_dot_q8_0_q8_1: d8_0 * d8_1 * sumi per
+32-element block), against the float torch path within the int8 rounding's budget, and a row's bits alone and in 5
+and 16 rows of its expert."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+from gguf import quants as gq  # noqa: E402
+from gguf.constants import GGMLQuantizationType as GT  # noqa: E402
+
+from betelgeuse.kernels import triton_mmq as mq  # noqa: E402
+from betelgeuse.kernels.moe import Group, MoEKernels, pack_experts  # noqa: E402
+
+E = 3
+# per GGML type: (H, FF): Q8_0 two 32-blocks a row (block scales per 32 vs per 64 differ), Q4_K one super-block
+DIMS = {8: (64, 64), 12: (256, 256)}
+
+
+def ref_q8_1(x: np.ndarray):
+    """numpy port of ggml-quants.c quantize_row_q8_1_ref per 32-block: d = amax / 127, id = 1/d, q = roundf(x id),
+    s = sum(q) d; d and s kept as float32 (triton_mmq's doc: llama.cpp stores halves)."""
+    x = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    amax = np.abs(x).max(-1)
+    d = (amax / np.float32(127)).astype(np.float32)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, np.float32(1)), np.float32(0)).astype(np.float32)
+    v = (x * inv[..., None]).astype(np.float32)
+    t = np.floor(np.abs(v))
+    q = (np.sign(v) * (t + (np.abs(v) - t >= 0.5))).astype(np.int32)     # roundf: half away from zero, exactly
+    s = (q.sum(-1).astype(np.float32) * d).astype(np.float32)
+    return q.reshape(x.shape[0], -1).astype(np.int8), d, s
+
+
+def weight_parts(qt: int, raw: np.ndarray, shape):
+    """GGUF bytes -> (int8 quants [N, K], float32 d per 32-block [N, K/32], float32 min per 32-block or zeros):
+    Q8_0 (f16 d, 32 int8), Q4_K (f16 d, f16 dmin, 12 scale bytes as ggml's get_scale_min_k4, 128 nibble bytes;
+    d sc and dmin m per 32). Checked against gguf-py's dequantization (so the reference multiplies gguf's weights)."""
+    N, K = shape
+    if qt == 8:
+        blocks = raw.reshape(-1, 34)
+        d = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(N, -1)
+        q = blocks[:, 2:].copy().view(np.int8).reshape(shape).astype(np.int8)
+        mn = np.zeros_like(d)
+    else:
+        b = raw.reshape(-1, 144)
+        d = b[:, 0:2].copy().view(np.float16).astype(np.float32)
+        dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+        sc8 = b[:, 4:16].astype(np.int32)
+        sc, m = np.zeros((len(b), 8), np.int32), np.zeros((len(b), 8), np.int32)
+        for j in range(8):
+            if j < 4:
+                sc[:, j], m[:, j] = sc8[:, j] & 63, sc8[:, j + 4] & 63
+            else:
+                sc[:, j] = (sc8[:, j + 4] & 15) | ((sc8[:, j - 4] >> 6) << 4)
+                m[:, j] = (sc8[:, j + 4] >> 4) | ((sc8[:, j] >> 6) << 4)
+        qs = b[:, 16:].reshape(-1, 4, 32)
+        q = np.stack([qs & 15, qs >> 4], 2).reshape(-1, 256).astype(np.int8).reshape(shape)   # group g: 2g, 2g + 1
+        mn = (dmin * m.astype(np.float32)).reshape(N, -1)
+        d = (d * sc.astype(np.float32)).reshape(N, -1)
+    deq = gq.dequantize(raw.reshape(N, -1), GT(qt))
+    mine = np.repeat(d, 32, 1) * q.astype(np.float32) - np.repeat(mn, 32, 1)
+    assert np.array_equal(mine, deq), np.abs(mine - deq).max()
+    return q, d, mn
+
+
+def ref_mm(xq, dx, sx, wq, dw, mw, per: int = 32):
+    """[M, N]: acc += float(int dot of block) * (dw * dx) - mw * sx over blocks of `per` in ascending K, fp32.
+    per = 64: the wrong schedule (one block's scales for two) the tests must catch."""
+    M, N = xq.shape[0], wq.shape[0]
+    acc = np.zeros((N, M), np.float32)
+    for kb in range(xq.shape[1] // per):
+        c = slice(kb * per, (kb + 1) * per)
+        dot = wq[:, c].astype(np.int32) @ xq[:, c].astype(np.int32).T
+        b = kb * per // 32
+        t = dot.astype(np.float32) * (dw[:, b][:, None] * dx[:, b][None, :])
+        if mw.any():
+            sxb = sx[:, b] if per == 32 else sx[:, b] + sx[:, b + 1]
+            t = (t - mw[:, b][:, None] * sxb[None, :]).astype(np.float32)
+        acc = (acc + t).astype(np.float32)
+    return acc.T
+
+
+def shapes(qt):
+    H, FF = DIMS[qt]
+    return ((FF, H), (FF, H), (H, FF))
+
+
+def experts(qt, seed=0):
+    """E experts' (gate, up, down) bytes: Q8_0 from gguf-py's quantizer (the second 32 columns 4x the first, so a
+    block's scales are not its neighbour's), Q4_K random valid blocks (every 6-bit scale and min pattern)."""
+    from betelgeuse.gguf.quants_synth import random_blocks
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(E):
+        parts = []
+        for shp in shapes(qt):
+            if qt == 8:
+                x = rng.standard_normal(shp).astype(np.float32)
+                x[:, 32:] *= 4
+                parts.append(gq.quantize(x, GT.Q8_0).reshape(-1))
+            else:
+                parts.append(np.ascontiguousarray(random_blocks(qt, shp[0] * shp[1] // 256, rng)).reshape(-1))
+        out.append(parts)
+    return out
+
+
+def moe_ref(qt, raw, h, ids, w, per=32):
+    """numpy reference of the whole layer with q8_1 activations (gate_up -> silu * up -> q8_1 -> down -> combine)."""
+    T, k = ids.shape
+    hq, hd, hs = ref_q8_1(h)
+    out = np.zeros((T, h.shape[1]), np.float32)
+    for t in range(T):
+        for r in range(k):
+            e = int(ids[t, r])
+            (gq_, gd, gm), (uq, ud, um), (dq, dd, dm) = (weight_parts(qt, raw[e][i], s)
+                                                         for i, s in enumerate(shapes(qt)))
+            x = (hq[t:t + 1], hd[t:t + 1], hs[t:t + 1])
+            g = ref_mm(*x, gq_, gd, gm, per)
+            u = ref_mm(*x, uq, ud, um, per)
+            a = (g / (np.float32(1) + np.exp(-g)) * u).astype(np.float32)
+            y = ref_mm(*ref_q8_1(a), dq, dd, dm, per)[0]
+            out[t] = (out[t] + np.float32(w[t, r]) * y).astype(np.float32)
+    return out
+
+
+def run(qt, raw, h, ids, w, act_quant="q8_1", groups=None):
+    """The layer through MoEKernels (act_quant "torch": the torch reference backend); groups: lists of experts
+    applied one group after another (tiers), default all at once."""
+    H, FF = DIMS[qt]
+    pool, starts, base, slot = pack_experts(lambda e: [torch.from_numpy(p) for p in raw[e]], range(E), E, "cpu")
+    deq = [[torch.from_numpy(gq.dequantize(p.reshape(s[0], -1), GT(qt))) for p, s in zip(raw[e], shapes(qt))]
+           for e in range(E)]
+    backend = "torch" if act_quant == "torch" else "triton"
+    k = MoEKernels(backend, E, FF, starts[None], [(qt, qt)], 16, weights_fn=lambda b, l, e: deq[e],
+                   act_quant="off" if act_quant == "torch" else act_quant)
+    if backend == "triton":
+        assert k.mmq_parts(0, H) == ((True, True) if act_quant == "q8_1" else (False, False))
+    r = k.route(torch.from_numpy(h), torch.from_numpy(ids), torch.from_numpy(w))
+    for grp in groups or [range(E)]:
+        b = np.where(np.isin(np.arange(E), list(grp)), base, -1)
+        k.apply(r, 0, pool, Group(None, b, torch.from_numpy(b)), slot)
+    return k.combine(r).numpy()
+
+
+def test_quantize_q8_1_matches_llama_cpp_reference():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((5, 96)).astype(np.float32) * np.float32([[0.01], [1], [30], [1e-3], [5]])
+    x[1, 32:64] = 0                                       # an all-zero block: d = 0, q = 0
+    x[2, 0] = 127 * 0.25                                  # d = 0.25, id = 4: x * id = k + 1/2 exactly
+    x[2, 1:32] = np.float32(0.25) * (np.arange(31) - 15) + np.float32(0.125)
+    x[4, 0], x[4, 1] = 127, np.nextafter(np.float32(0.5), np.float32(0))   # d = id = 1: floor(x + 0.5) gives 1
+    q, d, s = mq.quantize_q8_1(torch.from_numpy(x))
+    rq, rd, rs = ref_q8_1(x)
+    assert np.array_equal(q.numpy(), rq) and np.array_equal(d.numpy(), rd) and np.array_equal(s.numpy(), rs)
+    # roundf: half away from zero (-14.5 -> -15, 0.5 -> 1; numpy's round, half to even, gives -14 and 0)
+    assert rd[2, 0] == np.float32(0.25) and rq[2, 1] == -15 and rq[2, 16] == 1 and rq[4, 1] == 0
+    assert np.array_equal(rq[2, 1:32], np.arange(31) - 15 + (np.arange(31) >= 15) * 1)
+
+
+@pytest.mark.parametrize("qt", [8, 12], ids=["Q8_0", "Q4_K"])
+def test_mmq_matches_numpy_reference_and_blocks_are_32(qt):
+    raw = experts(qt)
+    H = DIMS[qt][0]
+    rng = np.random.default_rng(2)
+    T, k = 7, 2
+    h = rng.standard_normal((T, H)).astype(np.float32) * np.float32(0.1)
+    h[:, 32:64] *= 4
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int64)
+    w = rng.random((T, k)).astype(np.float32)
+    got = run(qt, raw, h, ids, w)
+    want = moe_ref(qt, raw, h, ids, w)
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err <= 1e-6, err                          # the same float ops (the interpreter: numpy's, in order)
+    wrong = moe_ref(qt, raw, h, ids, w, per=64)      # one block's scales for 64 elements
+    assert np.abs(wrong - want).max() / np.abs(want).max() > 1e-2
+
+
+@pytest.mark.parametrize("qt", [8, 12], ids=["Q8_0", "Q4_K"])
+def test_q8_1_within_the_int8_budget_of_the_float_path(qt):
+    """|y_q8_1 - y_float| / max|y_float| < 3%: each activation rounds by up to amax/254 of its block (twice: h and
+    the down input); the float path is the torch reference (exact). Experts split over two groups (tiers) give the
+    bits of one group (location invariance: h quantized once, each row of the down input on its own)."""
+    raw = experts(qt, 3)
+    rng = np.random.default_rng(4)
+    T, k = 6, 2
+    h = rng.standard_normal((T, DIMS[qt][0])).astype(np.float32)
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int64)
+    w = rng.random((T, k)).astype(np.float32)
+    ref = run(qt, raw, h, ids, w, "torch")
+    got = run(qt, raw, h, ids, w)
+    rel = np.abs(got - ref).max() / np.abs(ref).max()
+    assert 1e-4 < rel < 3e-2, rel                      # approximate, but by the rounding only
+    if qt == 8:                                        # off: the float schedules, unchanged
+        off = run(qt, raw, h, ids, w, "off")
+        assert np.abs(off - ref).max() / np.abs(ref).max() < 1e-5
+    assert np.array_equal(run(qt, raw, h, ids, w, groups=[[1], [0, 2]]), got)
+
+
+@pytest.mark.parametrize("qt", [8, 12], ids=["Q8_0", "Q4_K"])
+def test_a_rows_bits_do_not_depend_on_its_block(qt):
+    """Token 0 routed to expert 0 alone (1 row), with 4 others (5 rows) and with 15 (16 rows, a full BM block), and
+    at BM 32 / BN 32: its output the same bits each time."""
+    raw = experts(qt, 5)
+    rng = np.random.default_rng(6)
+    h = rng.standard_normal((16, DIMS[qt][0])).astype(np.float32)
+    outs = []
+    for n in (1, 5, 16):
+        ids = np.zeros((n, 1), np.int64)
+        outs.append(run(qt, raw, h[:n], ids, np.ones((n, 1), np.float32))[0])
+    with pytest.MonkeyPatch.context() as mp:            # another schedule: 32 rows a block, 32 outputs a program
+        mp.setitem(mq.CONFIG, "BM", 32)
+        mp.setitem(mq.CONFIG, "BN", 32)
+        outs.append(run(qt, raw, h[:5], np.zeros((5, 1), np.int64), np.ones((5, 1), np.float32))[0])
+    assert all(np.array_equal(outs[0], o) for o in outs[1:])
+
+
+def test_act_quant_setting_and_flag():
+    import argparse
+    from betelgeuse.config import EngineConfig
+    from betelgeuse.errors import BetelgeuseError
+    from betelgeuse.settings import add_flags, flag_values, resolve_settings
+    assert EngineConfig(model_path="m.gguf").act_quant == "off"
+    assert EngineConfig(model_path="m.gguf", act_quant="q8_1").act_quant == "q8_1"
+    with pytest.raises(BetelgeuseError, match="act_quant"):
+        EngineConfig(model_path="m.gguf", act_quant="q4")
+    p = argparse.ArgumentParser()
+    add_flags(p, sections=["engine"])
+    with pytest.raises(BetelgeuseError, match=r"--act-quant.*expected one of"):
+        resolve_settings(None, env={}, flags=flag_values(p.parse_args(["--act-quant", "int4"])))
+
+
+def test_compiles_to_int8_tensor_core_mma_for_sm90_without_spills():
+    """triton.compile for sm_90 (no GPU: the ptxas of the triton wheel): the int8 wgmma is in the PTX, IGMMA in the
+    SASS, and no register spills. In a child without TRITON_INTERPRET (which turns every jit function into an
+    interpreted one that cannot compile)."""
+    import json
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-m", "betelgeuse.kernels.triton_mmq"], env=env, capture_output=True,
+                       text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-2000:]
+    reports = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    assert [(r["kernel"], r["qt"]) for r in reports] == [(k, qt) for qt in sorted(mq.MMQ_TYPES)
+                                                         for k in ("gate_up", "down")], p.stdout
+    for r in reports:
+        assert any(".s32.s8.s8" in m for m in r["mma"]), r
+        assert any(m.startswith("IGMMA") or m.startswith("IMMA") for m in r["imma"]), r
+        assert r["spill_bytes"] == 0 and r["regs"] <= 255, r
