@@ -185,6 +185,7 @@ Slots = _t(int | Literal["auto"], _count_or_auto(0, "a slot count"), "N|auto")
 Count0 = _t(int, _count(0), "N")
 Count1 = _t(int, _count(1), "N")
 Running = _t(int | Literal["auto"], _count_or_auto(1, "a number of sequences"), "N|auto")
+Depth = _t(int | Literal["auto"], _count_or_auto(1, "an integer"), "N|auto")
 Count2 = _t(int, _count(2), "N")
 Count8 = _t(int, _count(8), "N")
 Seconds = _t(float, _seconds, "SECONDS")
@@ -341,11 +342,18 @@ class EngineSettings(_Section):
     decode_gate: _choices("off", "on", "auto") = setting("off", "decode: launch the step ahead, each layer gated on "
                                                           "the device, the host on a side stream for the misses only: "
                                                           "off | on | auto (on CUDA)", "on")
-    prefetch_depth: Count1 = setting(3, "decode: layers ahead whose experts are guessed and read ahead", 2)
+    # auto: the architecture's own depth (the model class's GUESS_DEPTH, model/interface.py)
+    prefetch_depth: Depth = setting(AUTO, "decode: layers ahead whose experts are guessed and read ahead, or auto "
+                                    "(the architecture's default)", 2)
     # the waste budget (worker/guess.py): a layer's guesses from d layers back are read ahead only while their hit
     # rate (used / guessed on disk, online per attachment) is at least this; 0 reads every guess
     prefetch_min_hit: Share = setting(0.5, "decode: the hit rate a guessing depth needs for its guesses to be read "
                                       "ahead (0 = read every guess)", 0.25)
+    # a batched decode step's guesses (worker/guess.py, batch rule): rows = each guessed expert classed by how many
+    # running rows guessed it (and top-1 guesses), each class within the hit-rate budget, a layer's reads ahead capped
+    # at its expected disk experts; union = every row's guesses alike, uncapped (the rule before; for A/B runs)
+    prefetch_batch_rule: _choices("rows", "union") = setting("rows", "decode: how a batch's guesses are read ahead: "
+                                                             "rows (by the rows that guessed an expert) | union", "union")
     max_context: Count8 = setting(4096, "tokens per sequence (KV cache length)", 2048)
     # the slot plan reserves KV for max_running x max_context tokens and decode graphs for max_running sequences;
     # auto: as many as fit (1..8) beside a minimum of VRAM expert slots per layer (store/plan.py plan_running)

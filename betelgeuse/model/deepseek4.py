@@ -276,6 +276,9 @@ class Deepseek4Model:
     static_decode = True
     lane_decode = True
     state_grows = True
+    # decode guesses 3 layers ahead (`prefetch_depth` auto): depths 1-3 decoded equally fast within the disk's noise
+    # on ds4-flash (deploy/device/guess_ab.py), 3 the depth its serve runs were measured at
+    guess_depth = 3
 
     def __init__(self, cfg, dense: dict[str, torch.Tensor]):
         assert cfg.ds4 is not None, cfg.arch         # deepseek4, or deepseek41 (model/deepseek41.py subclasses)

@@ -27,6 +27,8 @@ are class-level flags that the runner reads (it never guesses with getattr and a
                    grown state), and a sequence decoded across the growth gets the same bits as one allocated at
                    the larger size: the worker allocates a sequence's state for what its request can use and grows
                    it when it gets there (worker/kv_manager.py)
+  guess_depth      (an int) the layers decode guesses ahead when `prefetch_depth` is auto (worker/guess.py): the
+                   architecture's measured best; the config's prefetch_depth overrides it
 
 A model whose file has Engram tables (deepseek41) is an EngramModel too: before its layers, a pass hashes each
 sequence's new tokens into table rows, which `source` delivers (the engine: the store, worker/engram_feed.py;
@@ -63,6 +65,8 @@ class MoEModel(Protocol):
     static_decode: ClassVar[bool]
     lane_decode: ClassVar[bool]
     state_grows: ClassVar[bool]
+    # the decode guess's depth when `prefetch_depth` is auto: layers ahead guessed (worker/guess.py); config overrides
+    guess_depth: ClassVar[int]
     cfg: Any                        # gguf.modelconfig.ModelConfig
     device: torch.device
     dtype: torch.dtype              # the compute dtype

@@ -53,6 +53,9 @@ class Qwen3MoeModel:
     static_decode = True
     lane_decode = True
     state_grows = True
+    # decode guesses 3 layers ahead (`prefetch_depth` auto): depths 1-3 decode equally fast within the disk's noise on
+    # the bench geometry (docs/benchmarks/gpu-run27-fusedguess), 3 the depth its serve runs were measured at
+    guess_depth = 3
 
     @staticmethod
     def load_dense(f, device, dtype) -> DenseWeights:

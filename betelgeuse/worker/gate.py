@@ -33,6 +33,7 @@ import torch
 
 from betelgeuse.errors import BetelgeuseError
 from betelgeuse.store.arena import host_device_address
+from betelgeuse.worker.guess import Marks
 
 
 class DecodeGate:
@@ -87,9 +88,9 @@ class DecodeGate:
                          self.tag_dev, self.MAX_ITER)
 
     # ---- the host's drain --------------------------------------------------------------------------------
-    def wait(self, l: int, shape: tuple | None) -> tuple[np.ndarray, np.ndarray | None, int]:
-        """Layer l's marker polled -> (rows per expert [E], guessed marks [D, E] or None, misses); shape: the
-        published guess's (T, D, k) or None."""
+    def wait(self, l: int, shape: tuple | None) -> tuple[np.ndarray, Marks | None, int]:
+        """Layer l's marker polled -> (rows per expert [E], the guesses' Marks (worker/guess.py) or None, misses);
+        shape: the published guess's (T, D, k) or None."""
         mark = self.L * self.width + l
         if self._np[mark] != self.tag:
             t = time.perf_counter()
@@ -103,10 +104,7 @@ class DecodeGate:
         counts, misses = row[:self.E].copy(), int(row[self.E + n])
         if shape is None:
             return counts, None, misses
-        T, D, k = shape
-        marks = np.zeros((D, self.E), dtype=np.int64)
-        marks[np.arange(D)[None, :, None], row[self.E:self.E + n].reshape(T, D, k)] = 1
-        return counts, marks, misses
+        return counts, Marks.from_ids(row[self.E:self.E + n].reshape(shape), self.E), misses
 
     def stream(self):
         """The side stream the misses' work runs on (a no-op context on the CPU)."""

@@ -101,41 +101,105 @@ class _Ask:
         return sum(1 for t, _ in self.keys[:self.queued_n()] if t == layer)
 
 
-HIT_WARMUP = 8        # guesses of a (layer, depth) read ahead whatever their hit rate, before it is trusted
-HIT_WINDOW = 256      # past this many guesses a (layer, depth)'s counts are halved: the rate follows recent routing
+class Marks:
+    """A decode step's guesses of layers l+1 .. l+D, on the host: from their ids [T, D, k] (T running rows, each row's k
+    ids best first: rank 0 is its top-1 guess), per depth d-1 and expert e, rows [D, E] = the running rows that
+    guessed e, top [D, E] = those of them whose top-1 guess e is; n = T. What the batch rule scores (module doc)."""
+
+    __slots__ = ("rows", "top", "n")
+
+    def __init__(self, rows: np.ndarray, top: np.ndarray, n: int):
+        self.rows, self.top, self.n = rows, top, n
+
+    @classmethod
+    def from_ids(cls, g: np.ndarray, E: int) -> "Marks":
+        """g [T, D, k] int64 -> the marks (a row's k ids are distinct: +1 per row)."""
+        T, D, k = g.shape
+        rows = np.zeros((D, E), dtype=np.int64)
+        top = np.zeros((D, E), dtype=np.int64)
+        d = np.broadcast_to(np.arange(D)[None, :, None], g.shape)
+        np.add.at(rows, (d.reshape(-1), g.reshape(-1)), 1)
+        np.add.at(top, (np.broadcast_to(np.arange(D)[None, :], (T, D)).reshape(-1), g[:, :, 0].reshape(-1)), 1)
+        return cls(rows, top, T)
+
+    def without(self, held: np.ndarray) -> "Marks":
+        """The marks less the experts `held` [D, E] bool marks (held elsewhere: no read needed)."""
+        return Marks(np.where(held, 0, self.rows), np.where(held, 0, self.top), self.n)
+
+    def classes(self, d: int, experts: np.ndarray) -> np.ndarray:
+        """The batch rule's class of each of these experts guessed at depth d (1-based) -> [len] int (module doc)."""
+        if self.n == 1:
+            return np.full(len(experts), LONE, dtype=np.int64)
+        r, t = self.rows[d - 1][experts], self.top[d - 1][experts]
+        return np.select([r >= 3, r == 2, t > 0], [MORE, TWO, TOP], ONE)
+
+
+# the hit-rate budget's classes of a guessed expert (module doc: batch rule): a lone stream's guesses (one running
+# row: all its guesses, the class the budget always had); in a batch, an expert one row guessed not as its top-1,
+# one row's top-1 guess, an expert two rows guessed, three or more
+LONE, ONE, TOP, TWO, MORE = range(5)
+CLASS_NAMES = ("lone", "one", "top", "two", "more")
+RULES = ("rows", "union")       # prefetch_batch_rule: budgeted per class and capped (rows), or one class (union)
+
+
+HIT_WARMUP = 8        # guesses of a (layer, depth, class) read ahead whatever their hit rate, before it is trusted
+HIT_WINDOW = 256      # past this many guesses a (layer, depth, class)'s counts are halved: the rate follows routing
+DISK_DECAY = 0.9      # the batch cap's running mean of a layer's disk experts: this much of the old mean per step
 
 
 class Guesser:
     """The host side of one attachment's guesses: the guessed ids to the host with a layer's row counts, the reads
-    ahead (each (layer, expert) asked once per pass, while its depth's hit rate is within the budget), the drops of
-    a scored layer's unused guesses, and the counts of hits and waste (module doc)."""
+    ahead (each (layer, expert) asked once per pass, while its (depth, class)'s hit rate is within the budget, a batch's
+    within the layer's cap), the drops of a scored layer's unused guesses, and the counts of hits and waste (module
+    doc)."""
 
-    __slots__ = ("session", "expert_bytes", "min_hit", "hits", "tries", "_stats", "_asked", "_guessed", "_asks",
-                 "_pending", "_by_depth")
+    __slots__ = ("session", "expert_bytes", "min_hit", "rule", "hits", "tries", "class_hits", "class_tries",
+                 "class_read", "disk_mean", "_stats", "_asked", "_guessed", "_asks", "_pending", "_by_depth",
+                 "_batch", "_per_layer")
 
-    def __init__(self, session, n_layer: int, depth: int = 0, min_hit: float = 0.0):
+    def __init__(self, session, n_layer: int, depth: int = 0, min_hit: float = 0.0, rule: str = "rows"):
+        assert rule in RULES, rule
         self.session = session
         self.expert_bytes = [session.file.expert_nbytes(l) for l in range(n_layer)]   # one expert's disk bytes
-        self.min_hit = min_hit
-        # per (guessed layer, depth - 1): guessed disk experts the layer then used, of guessed (this attachment)
-        self.hits = np.zeros((n_layer, max(depth, 1)), dtype=np.float64)
-        self.tries = np.zeros((n_layer, max(depth, 1)), dtype=np.float64)
+        self.min_hit, self.rule = min_hit, rule
+        D, C = max(depth, 1), len(CLASS_NAMES)
+        # per (guessed layer, depth - 1, class): guessed disk experts the layer then used, of guessed (this
+        # attachment; the budget's window)
+        self.hits = np.zeros((n_layer, D, C), dtype=np.float64)
+        self.tries = np.zeros((n_layer, D, C), dtype=np.float64)
+        # per (depth - 1, class), never halved: guessed disk experts, those used, those read ahead (what a run
+        # reports: deploy/device/guess_waste.py)
+        self.class_hits = np.zeros((D, C), dtype=np.int64)
+        self.class_tries = np.zeros((D, C), dtype=np.int64)
+        self.class_read = np.zeros((D, C), dtype=np.int64)
+        # per layer: the running mean of its disk experts in batched decode steps (the cap), NaN until one ran
+        self.disk_mean = np.full(n_layer, np.nan)
         self._stats = None                  # the pass the state below belongs to
         self._asked: set = set()            # (layer, expert) read ahead in this pass
         self._guessed: dict = {}            # guessed layer -> its guessed disk experts (set), all guesses of it
         self._asks: dict = {}               # guessed layer -> the _Asks holding its keys
         self._pending: list = []            # _Asks whose answer was not read yet
-        self._by_depth: dict = {}           # guessed layer -> {depth: its guessed disk experts from that depth}
+        self._by_depth: dict = {}           # guessed layer -> {depth: (its guessed disk experts, their classes)}
+        self._batch = False                 # this pass guesses for more than one running row
+        self._per_layer: dict = {}          # guessed layer -> reads ahead asked for it in this pass
 
     def _pass(self, stats: PassStats):
         if self._stats is not stats:
             self._stats, self._asked, self._guessed, self._asks, self._pending, self._by_depth = (
                 stats, set(), {}, {}, [], {})
+            self._batch, self._per_layer = False, {}
 
-    def worth(self, layer: int, depth: int) -> bool:
-        """Whether layer `layer`'s guesses from `depth` layers back are read ahead (module doc: budget)."""
-        n = self.tries[layer, depth - 1]
-        return n < HIT_WARMUP or self.hits[layer, depth - 1] >= self.min_hit * n
+    def worth(self, layer: int, depth: int, cls: int = LONE) -> bool:
+        """Whether layer `layer`'s guesses of class `cls` from `depth` layers back are read ahead (module doc:
+        budget)."""
+        n = self.tries[layer, depth - 1, cls]
+        return n < HIT_WARMUP or self.hits[layer, depth - 1, cls] >= self.min_hit * n
+
+    def cap(self, layer: int) -> int | None:
+        """A batch's reads ahead of `layer` in one pass: at most the disk experts it is expected to read (the running
+        mean, rounded up; None: no batched step ran it yet, or the union rule)."""
+        m = self.disk_mean[layer]
+        return None if self.rule == "union" or np.isnan(m) else int(np.ceil(m))
 
     def unused(self, layer: int, disk) -> list[tuple[int, int]]:
         """Layer `layer` is scored and uses these disk experts: the reads ahead asked for it in this pass that it does
@@ -145,26 +209,45 @@ class Guesser:
         used = {int(x) for x in disk}
         return list(dict.fromkeys(k for a in self._asks[layer] for k in a.keys if k[0] == layer and k[1] not in used))
 
-    def read_ahead(self, layer: int, layers, marks: np.ndarray, snap, stats: PassStats, send=None):
+    def read_ahead(self, layer: int, layers, marks: Marks, snap, stats: PassStats, send=None):
         """Start the reads of the guessed experts that sit on disk of `layers` (ascending, each in layer+1 ..
-        layer+D; marks [D, E] row d-1 = layer+d), nearest layer first, in one message: send(keys) -> a function
-        answering the reads started (default: the store's prefetch; MoEStep puts them on layer `layer`'s own load
-        message when it has one); what this pass asked
-        for already is not asked again, unless the store did not start it (its read-ahead half of the staging slots
-        was full: the earlier calls' answers, sent a layer ago, are read here, as a guessed layer's score would)."""
+        layer+D; marks of depths 1..D = layer+1 .. layer+D), nearest layer first, in one message: send(keys) -> a
+        function answering the reads started (default: the store's prefetch; MoEStep puts them on layer `layer`'s own
+        load message when it has one). A batch's experts of a layer go most rows first (then top-1 guesses), each
+        (depth, class) within its hit-rate budget, the layer within its cap (union rule: one class, no cap); what this
+        pass asked for already is not asked again, unless the store did not start it (its read-ahead half of the
+        staging slots was full: the earlier calls' answers, sent a layer ago, are read here, as a guessed layer's
+        score would)."""
         self._pass(stats)
         for ask in self._pending:
             self._asked.difference_update(ask.keys[ask.queued_n():])
         self._pending = []
+        union = self.rule == "union"
+        self._batch = self._batch or marks.n > 1
         keys = []
         for t in layers:
-            e = np.nonzero(marks[t - layer - 1])[0]
-            disk = [int(x) for x in e[snap["tier"][t][e] == TIER_DISK]]
-            self._by_depth.setdefault(t, {})[t - layer] = disk
-            if not self.worth(t, t - layer):
-                continue
-            self._guessed.setdefault(t, set()).update(disk)
-            keys += [(t, x) for x in disk if (t, x) not in self._asked]
+            d = t - layer
+            e = np.nonzero(marks.rows[d - 1])[0]
+            e = e[snap["tier"][t][e] == TIER_DISK]
+            cls = np.full(len(e), LONE, dtype=np.int64) if union else marks.classes(d, e)
+            self._by_depth.setdefault(t, {})[d] = (e, cls)
+            ok = np.array([self.worth(t, d, int(c)) for c in cls], dtype=bool)
+            e, cls = e[ok], cls[ok]
+            if not union and marks.n > 1:          # most rows first, then top-1 guesses; ties: ascending id
+                order = np.lexsort((e, -marks.top[d - 1][e], -marks.rows[d - 1][e]))
+                e, cls = e[order], cls[order]
+            cand = [(t, int(x)) for x in e]
+            new = [k for k in cand if k not in self._asked]
+            cap = self.cap(t) if marks.n > 1 else None
+            if cap is not None:                     # past the cap: held, as below the budget
+                new = new[:max(0, cap - self._per_layer.get(t, 0))]
+            self._per_layer[t] = self._per_layer.get(t, 0) + len(new)
+            took = set(new)
+            self._guessed.setdefault(t, set()).update(x for k in cand if k in took or k in self._asked for x in k[1:])
+            for k, c in zip(cand, cls):
+                if k in took:
+                    self.class_read[d - 1, c] += 1
+            keys += new
         if keys:
             self._asked.update(keys)
             # not waited for: the store's answer (reads started) is read when a guessed layer is scored
@@ -178,14 +261,23 @@ class Guesser:
         guesses made for it in this pass, if any."""
         if self._stats is not stats:
             return
+        if self._batch:
+            m = self.disk_mean[layer]
+            self.disk_mean[layer] = len(disk) if np.isnan(m) else DISK_DECAY * m + (1 - DISK_DECAY) * len(disk)
         used, every = {int(x) for x in disk}, set()
-        for d, g in self._by_depth.pop(layer, {}).items():         # every depth's guess scored, read or not
-            if self.tries[layer, d - 1] >= HIT_WINDOW:
-                self.hits[layer, d - 1] /= 2
-                self.tries[layer, d - 1] /= 2
-            self.tries[layer, d - 1] += len(g)
-            self.hits[layer, d - 1] += len(used.intersection(g))
-            every.update(g)
+        for d, (g, cls) in self._by_depth.pop(layer, {}).items():   # every depth's guess scored, read or not
+            hit = np.array([int(x) in used for x in g], dtype=bool)
+            for c in np.unique(cls):
+                at = cls == c
+                if self.tries[layer, d - 1, c] >= HIT_WINDOW:
+                    self.hits[layer, d - 1, c] /= 2
+                    self.tries[layer, d - 1, c] /= 2
+                n, h = int(at.sum()), int(hit[at].sum())
+                self.tries[layer, d - 1, c] += n
+                self.hits[layer, d - 1, c] += h
+                self.class_tries[d - 1, c] += n
+                self.class_hits[d - 1, c] += h
+            every.update(int(x) for x in g)
         guessed = self._guessed.pop(layer, None)
         stats.guess_held += len(every.difference(guessed or ()))
         asks = self._asks.pop(layer, ())

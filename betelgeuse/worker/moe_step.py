@@ -48,7 +48,7 @@ from betelgeuse.store.directory import TIER_DISK, TIER_HOST, TIER_NAMES, TIER_VR
 from betelgeuse.worker.at_hand import AtHand
 from betelgeuse.worker.flex_cache import FlexCache
 from betelgeuse.worker.gate import DecodeGate
-from betelgeuse.worker.guess import Guesser
+from betelgeuse.worker.guess import Guesser, Marks
 from betelgeuse.worker.stats import LayerStats, PassClock, PassStats
 from betelgeuse.worker.store_session import StoreSession
 
@@ -56,9 +56,9 @@ from betelgeuse.worker.store_session import StoreSession
 class RoutingSync:
     """A partial layer's one host sync: its rows per expert [E] and the next layers' guessed ids [T, D, k] (decode)
     copied, non-blocking, into one pinned buffer made once, then one event wait (no per-layer allocation, gather or
-    cat on the device); the guesses' marks [D, E] are made on the host (T*D*k ids, a few dozen in decode). start()
-    enqueues the copies, finish() waits: decode's at-hand group is enqueued between them, so the wait does not
-    include it."""
+    cat on the device); the guesses' marks (guess.Marks: the rows that guessed each expert [D, E]) are made on the
+    host (T*D*k ids, a few dozen in decode). start() enqueues the copies, finish() waits: decode's at-hand group is
+    enqueued between them, so the wait does not include it."""
 
     __slots__ = ("cuda", "buf", "event", "_pending")
 
@@ -81,8 +81,8 @@ class RoutingSync:
                 self.buf[E:n].copy_(guess.reshape(-1), non_blocking=True)
             self.event.record()
 
-    def finish(self) -> tuple[np.ndarray, np.ndarray | None]:
-        """-> (counts [E] int64, guessed marks [D, E] int64 (1 = guessed) or None)."""
+    def finish(self) -> tuple[np.ndarray, Marks | None]:
+        """-> (counts [E] int64, the guesses' Marks or None)."""
         counts, guess = self._pending
         self._pending = None
         E = counts.numel()
@@ -93,19 +93,14 @@ class RoutingSync:
             self.event.synchronize()
             a = self.buf.numpy()
             c, g = a[:E].copy(), a[E:n]
-        if guess is None:
-            return c, None
-        T, D, k = guess.shape
-        marks = np.zeros((D, E), dtype=np.int64)
-        marks[np.arange(D)[None, :, None], g.reshape(T, D, k)] = 1
-        return c, marks
+        return c, None if guess is None else Marks.from_ids(g.reshape(guess.shape), E)
 
 
 class MoEStep:
     """The expert step of one attachment (its slot pool, kernels and pass counts; a re-attach makes a new one)."""
 
     def __init__(self, cfg: EngineConfig, session: StoreSession, clock: PassClock, act_limit: float | None,
-                 flex: FlexCache | None = None):
+                 flex: FlexCache | None = None, guess_depth: int = 3):
         self.cfg, self.session, self.clock = cfg, session, clock
         self.flex = flex                  # copies of recent disk experts in spare VRAM (worker/flex_cache.py), or None
         self.cache = session.cache
@@ -120,8 +115,11 @@ class MoEStep:
         # decode guesses the next `depth` layers' experts (worker/guess.py); exact routing only (an approximate
         # mode's choice depends on residency, and prefers resident experts anyway)
         self.guessing = cfg.prefetch_decode and cfg.routing == "exact"
-        self.depth = cfg.prefetch_depth if self.guessing else 0
-        self.guesser = Guesser(session, self.n_layer, self.depth, cfg.prefetch_min_hit)
+        # auto: the architecture's depth (the model's guess_depth, passed in as guess_depth)
+        depth = guess_depth if cfg.prefetch_depth == "auto" else cfg.prefetch_depth
+        self.depth = depth if self.guessing else 0
+        self.guesser = Guesser(session, self.n_layer, self.depth, cfg.prefetch_min_hit,
+                               cfg.prefetch_batch_rule)
         self.sync = RoutingSync(torch.device(session.device))
         # decode's at-hand group (worker/at_hand.py): every expert computable without the disk in one group, the
         # host path for the misses only; None = decode takes the partial path as prefill does
@@ -507,10 +505,10 @@ class MoEStep:
         stats.reads["vram"] += n
         stats.flex_hits += n
 
-    def _unflexed(self, l: int, marks: np.ndarray) -> np.ndarray:
-        """Guessed marks [D, E] of layers l+1 .. l+D without the experts the flex cache holds."""
-        held = self.flex.where[l + 1: l + 1 + marks.shape[0]] >= 0
-        return np.where(held, 0, marks) if held.any() else marks
+    def _unflexed(self, l: int, marks: Marks) -> Marks:
+        """Guessed marks of layers l+1 .. l+D without the experts the flex cache holds."""
+        held = self.flex.where[l + 1: l + 1 + marks.rows.shape[0]] >= 0
+        return marks.without(held) if held.any() else marks
 
     def _to_bank(self, experts, srcs, timing) -> tuple[int, Group]:
         bank, offs = self.cache.to_bank(srcs, timing)

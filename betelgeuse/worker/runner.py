@@ -106,7 +106,8 @@ class ModelRunner:
             # alone, so a re-attached store's plan gives the same number
             self.cfg = dataclasses.replace(self.cfg, max_running=self.plan.max_running)
         self.flex = self._flex_cache()
-        self.moe = MoEStep(self.cfg, self.session, self.clock, act_limit=self.model.expert_act[1], flex=self.flex)
+        self.moe = MoEStep(self.cfg, self.session, self.clock, act_limit=self.model.expert_act[1], flex=self.flex,
+                           guess_depth=type(self.model).guess_depth)
         self.moe.warm_routes(self.model)          # an approximate mode's kernels compiled now, not in a pass
         self.kern = self.moe.kern
         self._static_decode = self._static_form()

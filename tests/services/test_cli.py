@@ -186,6 +186,8 @@ BAD_ENGINE_VALUES = [
     ("engine.decode_at_hand", "sometimes", 'true, false or "auto"'),
     ("engine.decode_gate", "fast", "off, on, auto"),
     ("engine.prefetch_depth", 0, "integer >= 1"),
+    ("engine.prefetch_depth", "deep", '>= 1 or "auto"'),
+    ("engine.prefetch_batch_rule", "all", "rows, union"),
     ("engine.prefetch_min_hit", 1.5, "between 0 and 1"),
     ("engine.prefetch_min_hit", -0.25, "between 0 and 1"),
     ("engine.prefetch_min_hit", "half", "between 0 and 1"),
