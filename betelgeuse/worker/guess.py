@@ -179,7 +179,7 @@ class Guesser:
         self._guessed: dict = {}            # guessed layer -> its guessed disk experts (set), all guesses of it
         self._asks: dict = {}               # guessed layer -> the _Asks holding its keys
         self._pending: list = []            # _Asks whose answer was not read yet
-        self._by_depth: dict = {}           # guessed layer -> {depth: (its guessed disk experts, their classes)}
+        self._by_depth: dict = {}           # guessed layer -> {depth: (guessed disk experts, budget classes, classes)}
         self._batch = False                 # this pass guesses for more than one running row
         self._per_layer: dict = {}          # guessed layer -> reads ahead asked for it in this pass
 
@@ -195,11 +195,13 @@ class Guesser:
         n = self.tries[layer, depth - 1, cls]
         return n < HIT_WARMUP or self.hits[layer, depth - 1, cls] >= self.min_hit * n
 
-    def cap(self, layer: int) -> int | None:
-        """A batch's reads ahead of `layer` in one pass: at most the disk experts it is expected to read (the running
-        mean, rounded up; None: no batched step ran it yet, or the union rule)."""
-        m = self.disk_mean[layer]
-        return None if self.rule == "union" or np.isnan(m) else int(np.ceil(m))
+    def cap(self, layer: int, depth: int) -> int | None:
+        """A batch's reads ahead of `layer` in one pass, once its guesses from `depth` layers back are asked: at most
+        the disk experts it is expected to read (the running mean), of which the guesses from d layers back may fill
+        (D - d + 1) / D (rounded up): the far guesses, asked first, leave room for the nearer, better ones. None: no
+        batched step ran the layer yet, or the union rule."""
+        m, D = self.disk_mean[layer], self.hits.shape[1]
+        return None if self.rule == "union" or np.isnan(m) else int(np.ceil(m * (D - depth + 1) / D))
 
     def unused(self, layer: int, disk) -> list[tuple[int, int]]:
         """Layer `layer` is scored and uses these disk experts: the reads ahead asked for it in this pass that it does
@@ -229,22 +231,23 @@ class Guesser:
             d = t - layer
             e = np.nonzero(marks.rows[d - 1])[0]
             e = e[snap["tier"][t][e] == TIER_DISK]
-            cls = np.full(len(e), LONE, dtype=np.int64) if union else marks.classes(d, e)
-            self._by_depth.setdefault(t, {})[d] = (e, cls)
+            kind = marks.classes(d, e)              # counted per class whatever the rule (class_*)
+            cls = np.full(len(e), LONE, dtype=np.int64) if union else kind      # the budget's class
+            self._by_depth.setdefault(t, {})[d] = (e, cls, kind)
             ok = np.array([self.worth(t, d, int(c)) for c in cls], dtype=bool)
-            e, cls = e[ok], cls[ok]
+            e, kind = e[ok], kind[ok]
             if not union and marks.n > 1:          # most rows first, then top-1 guesses; ties: ascending id
                 order = np.lexsort((e, -marks.top[d - 1][e], -marks.rows[d - 1][e]))
-                e, cls = e[order], cls[order]
+                e, kind = e[order], kind[order]
             cand = [(t, int(x)) for x in e]
             new = [k for k in cand if k not in self._asked]
-            cap = self.cap(t) if marks.n > 1 else None
+            cap = self.cap(t, d) if marks.n > 1 else None
             if cap is not None:                     # past the cap: held, as below the budget
                 new = new[:max(0, cap - self._per_layer.get(t, 0))]
             self._per_layer[t] = self._per_layer.get(t, 0) + len(new)
             took = set(new)
             self._guessed.setdefault(t, set()).update(x for k in cand if k in took or k in self._asked for x in k[1:])
-            for k, c in zip(cand, cls):
+            for k, c in zip(cand, kind):
                 if k in took:
                     self.class_read[d - 1, c] += 1
             keys += new
@@ -265,18 +268,17 @@ class Guesser:
             m = self.disk_mean[layer]
             self.disk_mean[layer] = len(disk) if np.isnan(m) else DISK_DECAY * m + (1 - DISK_DECAY) * len(disk)
         used, every = {int(x) for x in disk}, set()
-        for d, (g, cls) in self._by_depth.pop(layer, {}).items():   # every depth's guess scored, read or not
+        for d, (g, cls, kind) in self._by_depth.pop(layer, {}).items():   # every depth's guess scored, read or not
             hit = np.array([int(x) in used for x in g], dtype=bool)
             for c in np.unique(cls):
                 at = cls == c
                 if self.tries[layer, d - 1, c] >= HIT_WINDOW:
                     self.hits[layer, d - 1, c] /= 2
                     self.tries[layer, d - 1, c] /= 2
-                n, h = int(at.sum()), int(hit[at].sum())
-                self.tries[layer, d - 1, c] += n
-                self.hits[layer, d - 1, c] += h
-                self.class_tries[d - 1, c] += n
-                self.class_hits[d - 1, c] += h
+                self.tries[layer, d - 1, c] += int(at.sum())
+                self.hits[layer, d - 1, c] += int(hit[at].sum())
+            np.add.at(self.class_tries[d - 1], kind, 1)
+            np.add.at(self.class_hits[d - 1], kind[hit], 1)
             every.update(int(x) for x in g)
         guessed = self._guessed.pop(layer, None)
         stats.guess_held += len(every.difference(guessed or ()))
