@@ -29,6 +29,13 @@ def qwen(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def qwen64(tmp_path_factory):
+    """6 layers of 64 experts (4 used, a skewed router): 4 rows guess up to 16 of a layer's 64, most on disk."""
+    return write_synth(tmp_path_factory.mktemp("guess64") / "engine64.gguf", **{**ENGINE_SPEC, "n_layer": 6,
+                                                                               "n_expert": 64})
+
+
+@pytest.fixture(scope="module")
 def ds41(tmp_path_factory):
     from betelgeuse.gguf.synth import spec_from_preset, write_model
     path = tmp_path_factory.mktemp("guess-ds41") / "ds41.gguf"
@@ -44,14 +51,16 @@ def ds4(tmp_path_factory):
     return path
 
 
-def _decode(path, depth: int, form: str, prompts, vram=2, host=3, asks=None, steps=STEPS, drops=None, **cfg):
+def _decode(path, depth: int, form: str, prompts, vram=2, host=3, asks=None, steps=STEPS, drops=None, unused=None,
+            **cfg):
     """Each prompt prefilled, then `steps` (STEPS) greedy decode steps of all of them together (decode_batch: form "batch" over
     the static lanes, "rows" each sequence's dense part alone) or one at a time (form "sliced" / "static": forward()
     of one token), guessing `depth` layers ahead (0: prefetch_decode off) -> (logits [steps, n, V], the decode passes'
     stats, the store's read-ahead reads). asks: a list that gets, per decode pass, [keys, reads started] of each guessed
     read-ahead call the session sent the store (the real call runs; reads started once the guesser read the answer);
     drops (with asks): a list that gets each message's drop (a scored layer's unused guesses) beside the keys asked
-    for in its pass before it."""
+    for in its pass before it; unused: a list that gets the decode's (bytes the store read ahead, of them those no
+    load took)."""
     rn, st = in_process_runner(path, vram, host, prefetch_decode=depth > 0, prefetch_depth=max(1, depth),
                                max_running=len(prompts), **cfg)
     rn._static_decode = form in ("static", "batch")
@@ -95,7 +104,7 @@ def _decode(path, depth: int, form: str, prompts, vram=2, host=3, asks=None, ste
         kvs = [rn.new_cache(128) for _ in prompts]
         toks = [int(rn.forward(p, kv)[0][-1].argmax()) for p, kv in zip(prompts, kvs)]
         rn.settle()
-        reads0 = st.counters.readahead_reads
+        reads0, c0 = st.counters.readahead_reads, (st.counters.readahead_bytes, st.counters.readahead_used)
         outs, stats = [], []
         for _ in range(steps):
             if asks is not None:
@@ -112,6 +121,9 @@ def _decode(path, depth: int, form: str, prompts, vram=2, host=3, asks=None, ste
                 lg = torch.cat(rows)
             outs.append(lg)
             toks = [int(x) for x in lg.argmax(-1)]
+        if unused is not None:
+            got = st.counters.readahead_bytes - c0[0]
+            unused += [got, got - (st.counters.readahead_used - c0[1])]
         return torch.stack(outs), stats, st.counters.readahead_reads - reads0
     finally:
         close_runner(rn, st)
@@ -207,3 +219,21 @@ def test_waste_budget_holds_back_poor_depths_and_keeps_bits(qwen):
     assert drops, "no unused guess was dropped"
     for keys, asked in drops:
         assert len({t for t, _ in keys}) == 1 and asked.issuperset(keys), (keys, asked)
+
+
+def test_batch_rule_reads_ahead_fewer_unused_bytes_than_the_union(qwen64):
+    """4 sequences decoded together over the lanes (worker/guess.py, batch rule): the guessed experts classed by the
+    rows that guessed them and a layer's reads ahead capped at its expected disk experts leave far fewer bytes read
+    ahead and unused than reading the union of the rows' guesses (prefetch_batch_rule = union, the rule before),
+    still reading ahead bytes that get used; the bits are those of off under either rule."""
+    prompts = [prompt(24, ENGINE_SPEC["n_vocab"], seed=s) for s in (5, 6, 7, 8)]
+    off, _, _ = _decode(qwen64, 0, "batch", prompts, steps=10)
+    got = {}
+    for rule in ("union", "rows"):
+        got[rule] = []
+        on, stats, _ = _decode(qwen64, 3, "batch", prompts, steps=10, prefetch_batch_rule=rule, unused=got[rule])
+        assert torch.equal(on, off), rule
+        assert _sum(stats, "guessed") > 0, rule
+    (read_u, unused_u), (read_r, unused_r) = got["union"], got["rows"]
+    assert read_r - unused_r > 0, got                   # the rule still reads ahead bytes that get used
+    assert unused_r < 0.7 * unused_u, got
