@@ -32,6 +32,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -62,7 +63,7 @@ SERVE_QUICK = {"preset": "tiny", "device": "cpu", "budget.memory_max": "4G", "ti
 class ServeOptions:
     model: str
     device: str
-    configs: tuple = ("shipped", "auto")   # "shipped" | "auto" | "V+H", a serve each
+    configs: tuple = ("shipped", "auto")   # "shipped" | "auto" | "V+H", each optionally ":flag=value..."; a serve each
     serve_args: tuple = ()                 # more flags for every serve
     engine_flags: tuple = ()               # the bench's engine flags the user gave, forwarded to serve
     memory_max: int | None = 12 << 30      # the cgroup's memory.max (None: no cgroup, serve plans against its own)
@@ -304,10 +305,12 @@ class Monitor:
 def serve_argv(o: ServeOptions, config: str, runtime_dir: str, port: int, http_port: int, no_cgroup: bool) -> list[str]:
     """`betelgeuse serve` for one configuration: the model and sockets of this run, then the configuration
     (shipped: --config deploy/betelgeuse.toml; auto: --vram-slots auto --host-slots auto; V+H: those counts),
-    the bench's engine flags the user gave, --serve-args."""
+    the bench's engine flags the user gave, --serve-args, then the configuration's own flags (":flag=value" after
+    its base, e.g. auto:prefetch-batch-rule=union -> --prefetch-batch-rule union: an A/B in one run)."""
     argv = ["serve", o.model, "--runtime-dir", runtime_dir, "--port", str(port), "--http",
             f"127.0.0.1:{http_port}", "--worker-metrics", "127.0.0.1:0", "--store-metrics", "127.0.0.1:0",
             "--device", o.device, "--drain-grace", "5"]     # (a stream cut by the budget ends at once)
+    config, *own = config.split(":")
     if config == "shipped":
         if not SHIPPED.exists():
             raise BetelgeuseError(f"--config shipped: {SHIPPED} does not exist (run from a checkout)")
@@ -320,7 +323,11 @@ def serve_argv(o: ServeOptions, config: str, runtime_dir: str, port: int, http_p
     argv += list(o.engine_flags)
     if no_cgroup and o.memory_max:   # no cgroup of ours: the store plans against the bench's memory budget instead
         argv += ["--memory-max", str(o.memory_max)]
-    return argv + list(o.serve_args)
+    argv += list(o.serve_args)
+    for f in own:
+        k, _, v = f.partition("=")
+        argv += [f"--{k}", v]
+    return argv
 
 
 # ---- the suite --------------------------------------------------------------------------------------------------
@@ -440,7 +447,7 @@ class ServeSuite:
                 except OSError:
                     continue
                 case.setdefault("logs", {})[name] = str(rundir / name)
-                out = Path(self.results["out"]) / f"serve-{k}-{config.replace('+', '_')}.log"
+                out = Path(self.results["out"]) / f"serve-{k}-{re.sub(r'[^A-Za-z0-9_.-]', '_', config)}.log"
                 with open(out, "a") as fo:
                     fo.write(f"==== {name}\n" + "\n".join(tail) + "\n")
 
@@ -817,7 +824,8 @@ def markdown(r: dict) -> str:
 def add_arguments(p):
     g = p.add_argument_group("--suite serve")
     g.add_argument("--config", help="configurations, comma-separated, a serve each: shipped (deploy/betelgeuse.toml), "
-                                    "auto (--vram-slots auto --host-slots auto), V+H (default shipped,auto)")
+                                    "auto (--vram-slots auto --host-slots auto), V+H (default shipped,auto); each "
+                                    "may add serve flags of its own: auto:prefetch-batch-rule=union")
     g.add_argument("--serve-args", help="more flags for every serve, as one string (e.g. \"--max-running 8\")")
     g.add_argument("--prompt", type=int, help="tokens of the cold prompt, sent twice (default 512)")
     g.add_argument("--json", action="store_true", help="print bench.json to stdout (default: the figures)")
@@ -832,9 +840,14 @@ _opt = opt_reader(SERVE_QUICK)
 def parse_configs(text: str) -> tuple[str, ...]:
     out = []
     for s in (x.strip() for x in str(text).split(",") if x.strip()):
-        v, plus, h = s.partition("+")
-        if s not in ("shipped", "auto") and not (plus and v.isdigit() and h.isdigit()):
+        base, *own = s.split(":")
+        v, plus, h = base.partition("+")
+        if base not in ("shipped", "auto") and not (plus and v.isdigit() and h.isdigit()):
             raise InvalidRequestError(f"--config: {s!r} is none of shipped, auto, V+H (e.g. 5+15)")
+        bad = [f for f in own if not re.fullmatch(r"[a-z][a-z0-9-]*=[^\s=]+", f)]
+        if bad:
+            raise InvalidRequestError(f"--config: {s!r}: {bad[0]!r} is not flag=value (e.g. auto:prefetch-batch-rule="
+                                      "union)")
         out.append(s)
     if not out:
         raise InvalidRequestError("--config is empty")
@@ -883,7 +896,9 @@ def options_from_args(args, model: str, device: str, t0: float, work: Path) -> S
         try:
             p.parse_args(serve_argv(o, c, "/tmp/x", 1, 2, True)[1:])
         except (SystemExit, BetelgeuseError) as e:
-            raise InvalidRequestError(f"--serve-args: serve does not accept {args.serve_args!r}: {e}") from None
+            what = (f"--config {c!r}: serve does not accept its flags or --serve-args" if ":" in c
+                    else f"--serve-args: serve does not accept {args.serve_args!r}")
+            raise InvalidRequestError(f"{what}: {e}") from None
     return o
 
 

@@ -129,6 +129,8 @@ def _check_bounds(c: dict):
     (["--config", "5x"], "--config: '5x' is none of shipped, auto, V+H"),
     (["--serve-args", "--no-such-flag 1"], "--serve-args: serve does not accept"),
     (["--clients", "0"], "--clients: expected positive integers"),
+    (["--config", "auto,auto:prefetch-batch-rule"], "'prefetch-batch-rule' is not flag=value"),
+    (["--config", "auto:no-such-flag=1"], "--config 'auto:no-such-flag=1'"),
 ])
 def test_bad_options_are_one_line_before_any_work(tmp_path, args, words):
     p = _bench("--quick", "--work-dir", str(tmp_path / "w"), "--out", str(tmp_path / "o"), *args, timeout=60)
