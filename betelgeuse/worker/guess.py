@@ -21,7 +21,8 @@ read and the next layer's first, not queue depth. Guessing D layers ahead keeps 
 The guessed experts that sit on disk are read ahead (at read-ahead priority, in at most half the staging slots, in
 layer order: the nearest layer first), after layer l's own demand reads have started, and without waiting for the
 store's answer (read when a guessed layer is scored: a round trip per layer would cost about what a guess saves): in
-the same message as layer l's loads when it has any (worker/moe_step.py), else as a prefetch of their own. A (layer, expert) already asked for in this pass is not asked again (a layer guessed from
+the same message as layer l's loads when it has any (worker/moe_step.py), else as a prefetch of their own. A (layer,
+expert) already asked for in this pass is not asked again (a layer guessed from
 several earlier layers: the nearer guesses only add what the farther missed; the store also skips what it has
 staged or in flight). Only WHEN bytes arrive changes: a guess is never used to compute (every layer routes itself
 as always), so outputs are the same bits with it on or off, at any depth (invariant 1).
@@ -31,19 +32,37 @@ a guess there):
   drop      once a guessed layer is scored (its routing known), its guesses it does not use go to the store with that
             layer's own message (its load, or its read ahead; a prefetch of no keys when it sends neither): the store
             forgets those not started yet (ones started finish and stay staged, as any read ahead)
-  budget    every guess is scored (hit = the layer used it), read ahead or not, per (guessed layer, depth d): a hit
-            rate online per attachment (counts halved past HIT_WINDOW guesses, so it follows the model's routing).
-            Layer t's guesses from d layers back are read ahead only while that hit rate is >= `prefetch_min_hit`
-            (the first HIT_WARMUP guesses always are): a model whose guesses are poor does not flood the disk, and
-            hash-routed layers (exact guesses) keep being read ahead however poor the others' guesses are
+  budget    every guess is scored (hit = the layer used it), read ahead or not, per (guessed layer, depth d, class
+            c): a hit rate online per attachment (counts halved past HIT_WINDOW guesses, so it follows the model's
+            routing). Layer t's guesses of class c from d layers back are read ahead only while that hit rate is >=
+            `prefetch_min_hit` (the first HIT_WARMUP guesses always are): a model whose guesses are poor does not
+            flood the disk, and hash-routed layers (exact guesses) keep being read ahead however poor the others' are
+  batch     a batched decode step (the lanes: T running rows, worker/lanes.py) guesses T rows' ids [T, D, k]; their
+            union (up to T*k experts a layer) is mostly far, single-row guesses, each a whole expert read. So each
+            guessed expert is classed by the rows that guessed it (Marks: rows [D, E], top [D, E]): `lone` (T = 1:
+            all of a lone stream's guesses, the one class the budget had before: a lone stream reads ahead as it
+            did), and in a batch `one` (one row, not its top-1), `top` (one row's top-1), `two`, `more` (>= 3 rows);
+            the budget keeps a hit rate per class, so a class is held once it misses more than the budget allows.
+            A batch's guesses of a layer are asked most rows first (then top-1 guesses), and capped: the reads ahead
+            of layer t in one pass stop at the disk experts it is expected to read (a running mean of its disk
+            experts in batched steps, DISK_DECAY: a read ahead past what the layer reads from disk must be waste,
+            and under load the disk is what bounds the step), of which guesses from d layers back may fill
+            (D - d + 1) / D (the far guesses are asked first; the nearer, better ones need room). Measured on a
+            tiny skewed model, 8 rows, depth 3 (deploy/device/guess_waste.py --batch 8 --experts 64): hit rate one
+            0.54-0.64, top 0.77-0.92, two 0.84-0.89, more 0.92-0.94; bytes read ahead and unused 5.7 -> 2.3 MB
+            against the union, 4 rows 3.5 -> 1.8 MB. `prefetch_batch_rule = union` reads the union (one class, no
+            cap: the rule before, kept for A/B runs)
 
 Counted per pass (PassStats), per guessed layer: guessed (its guessed experts on disk, all guesses of it together),
 guess_hits (those the layer then used), guess_disk (the layer's disk experts), guess_bytes (reads started for its
 guesses), guess_wasted_bytes (those reads that no demand load of the layer took: about, as a read ahead may still
 serve a later token from its staged copy, and the store's answer counts a call's reads, not which of its keys; a read
 the store dropped before it started counts here too: the store's own counters, readahead_bytes and readahead_used,
-count the bytes read ahead and used), guess_held (guessed disk experts not read ahead: their depth's hit rate was
-below the budget).
+count the bytes read ahead and used), guess_held (guessed disk experts not read ahead: their (depth, class)'s hit rate
+was below the budget, or past a batch's cap). Per (depth, class), never halved: Guesser.class_tries / class_hits /
+class_read (guessed on disk, used, read ahead), what guess_waste.py prints.
+
+The depth D is `prefetch_depth`, or with it `auto` the architecture's own (its model class's guess_depth).
 """
 
 from __future__ import annotations
