@@ -11,6 +11,13 @@ setting: decode tok/s, disk wait ms per token, disk MB per token, the disk's bus
 (reads in flight / wall: what guessing deeper should raise), the guesses (experts guessed on disk, hit rate = used /
 guessed, recall = used / disk experts of guessed layers), bytes read ahead and wasted; and whether every setting's
 decoded logits are the bits of off (they must be: a guess only changes when bytes arrive). Exit status 1 when not.
+
+The depth A/B on a ds4-flash synth (deepseek4's default depth, model guess_depth; ~2 minutes on the H200: 6.9 GB
+written, 8 fresh stores): 8 V4-Flash layers (3 hash-routed) of 64 experts, the slots in ds4-flash's auto ratio:
+
+    python3 -m services.cli synth /var/tmp/g/f64.gguf --preset ds4-flash --experts 64 --no-progress
+    python3 deploy/device/guess_ab.py /var/tmp/g/f64.gguf --device cuda --slots 12+22 --prompt 32 --decode 32 \
+        --rounds 2 --depth 1,2,3
 """
 
 from __future__ import annotations
