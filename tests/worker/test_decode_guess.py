@@ -237,3 +237,25 @@ def test_batch_rule_reads_ahead_fewer_unused_bytes_than_the_union(qwen64):
     (read_u, unused_u), (read_r, unused_r) = got["union"], got["rows"]
     assert read_r - unused_r > 0, got                   # the rule still reads ahead bytes that get used
     assert unused_r < 0.7 * unused_u, got
+
+
+def test_marks_count_the_rows_that_guessed_each_expert():
+    """guess.Marks from the host copy of the ids [T, D, k] (rank 0 a row's top-1): rows and top-1 rows per (depth,
+    expert), and the batch rule's classes; one running row is the lone class whatever it guessed."""
+    from betelgeuse.worker.guess import LONE, MORE, ONE, TOP, TWO, Marks
+    g = np.array([[[3, 1], [0, 2]],               # row 0: depth 1 top-1 3, then 1; depth 2 top-1 0, then 2
+                  [[1, 3], [0, 5]],
+                  [[1, 4], [2, 0]]], dtype=np.int64)                       # [T=3, D=2, k=2]
+    m = Marks.from_ids(g, 6)
+    assert m.n == 3
+    assert m.rows.tolist() == [[0, 3, 0, 2, 1, 0], [3, 0, 2, 0, 0, 1]]
+    assert m.top.tolist() == [[0, 2, 0, 1, 0, 0], [2, 0, 1, 0, 0, 0]]
+    assert m.classes(1, np.array([1, 3, 4])).tolist() == [MORE, TWO, ONE]
+    assert m.classes(2, np.array([0, 2, 5])).tolist() == [MORE, TWO, ONE]
+    held = np.zeros((2, 6), dtype=bool)
+    held[1, 2] = True
+    w = m.without(held)
+    assert w.rows[1, 2] == 0 and w.top[1, 2] == 0 and w.n == 3 and m.rows[1, 2] == 2
+    one = Marks.from_ids(g[2:], 6)
+    assert one.classes(1, np.array([1, 4])).tolist() == [LONE, LONE]
+    assert Marks.from_ids(g[1:], 6).classes(2, np.array([2, 5])).tolist() == [TOP, ONE]
