@@ -352,8 +352,9 @@ class EngineSettings(_Section):
     # a batched decode step's guesses (worker/guess.py, batch rule): rows = each guessed expert classed by how many
     # running rows guessed it (and top-1 guesses), each class within the hit-rate budget, a layer's reads ahead capped
     # at its expected disk experts; union = every row's guesses alike, uncapped (the rule before; for A/B runs)
-    prefetch_batch_rule: _choices("rows", "union") = setting("rows", "decode: how a batch's guesses are read ahead: "
-                                                             "rows (by the rows that guessed an expert) | union", "union")
+    prefetch_batch_rule: _choices("rows", "union") = setting(
+        "rows", "decode: how a batch's guesses are read ahead: rows (by the rows that guessed an expert) | union",
+        "union")
     max_context: Count8 = setting(4096, "tokens per sequence (KV cache length)", 2048)
     # the slot plan reserves KV for max_running x max_context tokens and decode graphs for max_running sequences;
     # auto: as many as fit (1..8) beside a minimum of VRAM expert slots per layer (store/plan.py plan_running)

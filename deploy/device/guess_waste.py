@@ -101,7 +101,8 @@ def main() -> int:
     finally:
         store.close()
     d = {k: (s1[k] - s0[k] if k in s1 else None) for k in STATUS}
-    out = {"batch": a.batch, "rule": a.rule, "tok_s": a.decode * a.batch / wall, **{k: tot[k] for k in PASS}, **{f"store_{k}": v for k, v in d.items()}}
+    out = {"batch": a.batch, "rule": a.rule, "tok_s": a.decode * a.batch / wall, **{k: tot[k] for k in PASS},
+           **{f"store_{k}": v for k, v in d.items()}}
     if d["demand_started"]:
         out["demand_wait_ms_mean"] = d["demand_wait_s"] / d["demand_started"] * 1e3
     if d["readahead_bytes"] is not None:
