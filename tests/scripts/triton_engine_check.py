@@ -6,7 +6,8 @@
 Two slot configurations that put different experts in different tiers (vram + host + disk, all in vram), each
 over three passes of the prompt (cold, warm, after consolidation) and 2 decode steps. Prints one JSON line: per
 slot configuration, whether every pass's logits are bit-identical to the first configuration's cold pass (and its
-decode steps to the first configuration's), the max |diff| against the torch reference engine, and greedy tokens of a short decode.
+decode steps to the first configuration's), the max |diff| against the torch reference engine, and greedy tokens
+of a short decode.
 """
 
 import json
