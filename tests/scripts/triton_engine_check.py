@@ -1,7 +1,7 @@
 """Run under TRITON_INTERPRET=1 (tests/kernels/test_kernels.py): the engine with the Triton expert kernels on the CPU.
 
     triton_engine_check.py MODEL.gguf            # qwen3moe ENGINE_SPEC at 16 experts (Q8_0), 24-token prompt
-    triton_engine_check.py MODEL.gguf ds4-tiny   # deepseek4 ds4-tiny (MXFP4 experts, clamped SwiGLU), 48 tokens
+    triton_engine_check.py MODEL.gguf ds4-tiny   # deepseek4 ds4-tiny (MXFP4 experts, clamped SwiGLU), 34 tokens
 
 Two slot configurations that put different experts in different tiers (vram + host + disk, all in vram), each
 over three passes of the prompt (cold, warm, after consolidation) and 2 decode steps. Prints one JSON line: per
@@ -33,7 +33,7 @@ if len(sys.argv) > 2:                                      # a deepseek4 preset:
     spec = replace(spec_from_preset(sys.argv[2]), seed=2, swiglu_limit=0.25)
     model = sys.argv[1]
     write_model(model, spec, progress=False)
-    E, P, CTX = spec.n_expert, prompt(48, spec.n_vocab, seed=4), 64
+    E, P, CTX = spec.n_expert, prompt(34, spec.n_vocab, seed=4), 64
     CONFIGS = [(2, 3), (E, 0)]
     write_model(model + ".noclamp", replace(spec, swiglu_limit=1e30), progress=False)
     with torch.no_grad():
