@@ -1,10 +1,13 @@
 """Run under TRITON_INTERPRET=1 (tests/kernels/test_kernels.py): the engine with the Triton expert kernels on the CPU.
 
-    triton_engine_check.py MODEL.gguf            # qwen3moe ENGINE_SPEC at 16 experts (Q8_0), 40-token prompt
-    triton_engine_check.py MODEL.gguf ds4-tiny   # deepseek4 ds4-tiny (MXFP4 experts, clamped SwiGLU), 48 tokens
+    triton_engine_check.py MODEL.gguf            # qwen3moe ENGINE_SPEC at 16 experts (Q8_0), 24-token prompt
+    triton_engine_check.py MODEL.gguf ds4-tiny   # deepseek4 ds4-tiny (MXFP4 experts, clamped SwiGLU), 34 tokens
 
-Prints one JSON line: per slot configuration and pass, whether the logits are bit-identical to the first
-configuration's, the max |diff| against the torch reference engine, and greedy tokens of a short decode.
+Two slot configurations that put different experts in different tiers (vram + host + disk, all in vram), each
+over three passes of the prompt (cold, warm, after consolidation) and 2 decode steps. Prints one JSON line: per
+slot configuration, whether every pass's logits are bit-identical to the first configuration's cold pass (and its
+decode steps to the first configuration's), the max |diff| against the torch reference engine, and greedy tokens
+of a short decode.
 """
 
 import json
@@ -30,8 +33,8 @@ if len(sys.argv) > 2:                                      # a deepseek4 preset:
     spec = replace(spec_from_preset(sys.argv[2]), seed=2, swiglu_limit=0.25)
     model = sys.argv[1]
     write_model(model, spec, progress=False)
-    E, P, CTX = spec.n_expert, prompt(48, spec.n_vocab, seed=4), 64
-    CONFIGS = [(0, 0), (2, 3), (E, 0)]
+    E, P, CTX = spec.n_expert, prompt(34, spec.n_vocab, seed=4), 64
+    CONFIGS = [(2, 3), (E, 0)]
     write_model(model + ".noclamp", replace(spec, swiglu_limit=1e30), progress=False)
     with torch.no_grad():
         a, b = (reference_model(m) for m in (model, model + ".noclamp"))
@@ -42,8 +45,8 @@ else:
     # row blocks past the filled ones, so the time goes with E; 16 still spread over three tiers in 3v8h
     spec = {**ENGINE_SPEC, "n_expert": 16}
     model = write_synth(sys.argv[1], **spec)
-    E, P, CTX = spec["n_expert"], prompt(40, spec["n_vocab"], seed=3), 64
-    CONFIGS = [(0, 0), (3, 8), (E, 0)]
+    E, P, CTX = spec["n_expert"], prompt(24, spec["n_vocab"], seed=3), 64
+    CONFIGS = [(3, 8), (E, 0)]
 
 
 def expert_launches() -> int:
@@ -63,7 +66,7 @@ def run(kernels, vram, host):
             rn.settle()
             res.append((lg, dict(s.reads)))
         toks, steps, launches = [], [], []  # launches per decode step: (expert-kernel launches, its layers)
-        for _ in range(4):              # decode from the last pass's cache, the store pass kept open since its prefill
+        for _ in range(2):              # decode from the last pass's cache, the store pass kept open since its prefill
             t = int(lg[-1].argmax())
             toks.append(t)
             n0 = expert_launches()
@@ -85,7 +88,8 @@ for vram, host in CONFIGS:
         base = (res, steps)
     key = f"{vram}v{host}h"
     out["configs"][key] = {
-        "bit_identical": all(torch.equal(a[0], b[0]) for a, b in zip(res, base[0]))
+        # every pass (cold, warm, consolidated) against the first configuration's cold pass
+        "bit_identical": all(torch.equal(a[0], base[0][0][0]) for a in res)
         and all(torch.equal(a, b) for a, b in zip(steps, base[1])),
         "max_abs_vs_torch": max(float((a[0] - b[0]).abs().max()) for a, b in zip(res, ref)),
         "max_logit": float(ref[0][0].abs().max()),

@@ -128,6 +128,7 @@ def check(name: str, config: str = "default") -> dict:
         code = triton_quants.QT_CODES[qt]
         aligned = slot % 16 == 0 and bool((torch.as_tensor(starts) % 16 == 0).all())
         res["mv_taken"] = all(triton_moe.mv_ok(code, k, row_nbytes(qt, k), aligned) for k in (H, FF))
+    if config == "mv" and name == "Q8_0":   # the dispatch (MV and mv_ok) is the same for every type: one type
         res["run_to_run"] = bool(torch.equal(run(tk, h, ids, w, [full]), o_t))
         tun = triton_moe.TUNING.pop(code)
         res["differs_from_mma"] = not torch.equal(run(kern("triton"), h, ids, w, [full]), o_t)
