@@ -103,10 +103,13 @@ def main() -> int:
     for flag, n in (("--max-running", 4), ("--prompt", 256), ("--decode", 32), ("--lanes", 3), ("--solo", 8),
                     ("--seed", 7)):
         ap.add_argument(flag, type=int, default=n)
+    ap.add_argument("--settings", help="comma-separated, off first (default off,on,gate[,banked])")
     ap.add_argument("--banked", action="store_true", help="also: at hand with the host experts through ring banks "
                     "(is reading them in place over PCIe the faster?)")
     a = ap.parse_args()
-    res = {s: one(a, s) for s in ("off", "on", "gate") + (("banked",) if a.banked else ())}
+    names = a.settings.split(",") if a.settings else ["off", "on", "gate"] + (["banked"] if a.banked else [])
+    assert names[0] == "off" and set(names) <= {"off", "on", "gate", "banked"}, names
+    res = {s: one(a, s) for s in names}
     for setting, (_, rows, in_place) in res.items():
         print(f"decode_at_hand {setting}: host in place: {in_place}")
         for r, ms, mb, reads in rows:
