@@ -71,7 +71,7 @@ class Routing:
     counts: torch.Tensor             # [E] int64 rows per expert, on the device
     inter: torch.Tensor | None       # triton: [T*k, F] activations, sorted-row order
     plan: dict | None                # torch: {expert: ExpertWork}
-    hq: tuple | None = None          # triton with act_quant q8_1: quantize_q8_1(h), made by the first group
+    hq: tuple | None = None          # triton with act_quant q8_1: quantize_q8_1(h), made by route()
 
 
 class MoEKernels:
@@ -129,7 +129,13 @@ class MoEKernels:
         off = torch.zeros(self.E + 1, dtype=torch.int32, device=h.device)
         off[1:] = torch.cumsum(counts, 0)
         inter = torch.empty(T * k, self.F, dtype=h.dtype, device=h.device)
-        return Routing(h, ids, w, y, rows, off, counts, inter, None)
+        r = Routing(h, ids, w, y, rows, off, counts, inter, None)
+        if self.act_quant == "q8_1" and h.shape[1] % 32 == 0:
+            # here, not at the first apply(): a captured decode graph replays route() and the layer's eager groups
+            # then apply() the captured Routing, whose h the replay rewrote in place (a copy made once would go stale)
+            from betelgeuse.kernels import triton_mmq as mq
+            r.hq = mq.quantize_q8_1(h.contiguous())
+        return r
 
     def apply(self, r: Routing, layer: int, pool: torch.Tensor, g: Group, slot_bytes: int,
               starts: torch.Tensor | None = None) -> None:
@@ -144,8 +150,7 @@ class MoEKernels:
             mg, md = self.mmq_parts(layer, H)
             if mg:
                 from betelgeuse.kernels import triton_mmq as mq
-                if r.hq is None:
-                    r.hq = mq.quantize_q8_1(r.h)
+                assert r.hq is not None, "route() makes the q8_1 of h"
                 mq.gate_up(r.hq, pool, g.base_dev, st, r.rows, r.off, r.inter, self.F, r.ids.shape[1],
                            tk.QT_CODES[qg], self.limit, row_nbytes(qg, H))
             else:
