@@ -266,3 +266,30 @@ def test_compiles_to_int8_tensor_core_mma_for_sm90_without_spills():
         assert any(".s32.s8.s8" in m for m in r["mma"]), r
         assert any(m.startswith("IGMMA") or m.startswith("IMMA") for m in r["imma"]), r
         assert r["spill_bytes"] == 0 and r["regs"] <= 255, r
+
+
+@pytest.mark.slow
+def test_engine_with_q8_1_is_location_invariant(tmp_path):
+    """The engine (qwen3moe, Q8_0 experts, kernels "triton", act_quant "q8_1" through EngineConfig): logits
+    bit-identical across slot configurations (all from disk; VRAM, host and disk tiers; all in VRAM), cold / warm /
+    after consolidation and over decode steps; really quantized (not the torch engine's logits) and within the
+    q8_1 budget of them, with the same greedy tokens (tests/scripts/triton_engine_check.py --act-quant q8_1)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    here = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", BETELGEUSE_TRITON_TUNING="off",
+               PYTHONPATH=str(here.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    script = here / "scripts" / "triton_engine_check.py"
+    p = subprocess.run([sys.executable, "-W", "ignore::RuntimeWarning", str(script), "--act-quant", "q8_1",
+                        str(tmp_path / "engine.gguf")],
+                       capture_output=True, text=True, env=env, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])["configs"]
+    assert len(res) == 3
+    for key, r in res.items():
+        assert r["bit_identical"], key
+        assert 1e-4 * r["max_logit"] < r["max_abs_vs_torch"] <= 0.05 * r["max_logit"], (key, r)
+        assert r["greedy_equal_torch"], key
+    assert res["3v8h"]["reads"][2]["host"] > 0 and res["3v8h"]["reads"][2]["vram"] > 0
