@@ -130,7 +130,7 @@ class MoEKernels:
         off[1:] = torch.cumsum(counts, 0)
         inter = torch.empty(T * k, self.F, dtype=h.dtype, device=h.device)
         r = Routing(h, ids, w, y, rows, off, counts, inter, None)
-        if self.act_quant == "q8_1" and h.shape[1] % 32 == 0:
+        if self.act_quant == "q8_1" and any(qg in MMQ_QTYPES for qg, _ in self.qtypes) and h.shape[1] % 32 == 0:
             # here, not at the first apply(): a captured decode graph replays route() and the layer's eager groups
             # then apply() the captured Routing, whose h the replay rewrote in place (a copy made once would go stale)
             from betelgeuse.kernels import triton_mmq as mq
