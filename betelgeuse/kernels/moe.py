@@ -38,9 +38,9 @@ from betelgeuse.kernels.torch_moe import ExpertWork, moe_combine, plan_experts, 
 # Q6_K, Q3_K, Q2_K, IQ4_XS, IQ4_NL, IQ2_XXS, IQ2_XS, IQ3_XXS); kept here so that the torch-only path never
 # imports triton
 TRITON_QTYPES = frozenset({0, 1, 8, 30, 39, 12, 13, 14, 11, 10, 23, 20, 16, 17, 18})
-# GGML types with an int8 tensor-core schedule on q8_1 activations (triton_mmq.MMQ_TYPES: Q8_0, Q4_K) and the K
+# GGML types with an int8 tensor-core schedule on q8_1 activations (triton_mmq.MMQ_TYPES: Q8_0, MXFP4, Q4_K) and the K
 # multiple each needs (its block)
-MMQ_QTYPES = {8: 32, 12: 256}
+MMQ_QTYPES = {8: 32, 39: 32, 12: 256}
 
 
 def triton_available() -> bool:
@@ -71,7 +71,7 @@ class Routing:
     counts: torch.Tensor             # [E] int64 rows per expert, on the device
     inter: torch.Tensor | None       # triton: [T*k, F] activations, sorted-row order
     plan: dict | None                # torch: {expert: ExpertWork}
-    hq: tuple | None = None          # triton with act_quant q8_1: quantize_q8_1(h), made by the first group
+    hq: tuple | None = None          # triton with act_quant q8_1: quantize_q8_1(h), made by route()
 
 
 class MoEKernels:
@@ -129,7 +129,13 @@ class MoEKernels:
         off = torch.zeros(self.E + 1, dtype=torch.int32, device=h.device)
         off[1:] = torch.cumsum(counts, 0)
         inter = torch.empty(T * k, self.F, dtype=h.dtype, device=h.device)
-        return Routing(h, ids, w, y, rows, off, counts, inter, None)
+        r = Routing(h, ids, w, y, rows, off, counts, inter, None)
+        if self.act_quant == "q8_1" and any(qg in MMQ_QTYPES for qg, _ in self.qtypes) and h.shape[1] % 32 == 0:
+            # here, not at the first apply(): a captured decode graph replays route() and the layer's eager groups
+            # then apply() the captured Routing, whose h the replay rewrote in place (a copy made once would go stale)
+            from betelgeuse.kernels import triton_mmq as mq
+            r.hq = mq.quantize_q8_1(h.contiguous())
+        return r
 
     def apply(self, r: Routing, layer: int, pool: torch.Tensor, g: Group, slot_bytes: int,
               starts: torch.Tensor | None = None) -> None:
@@ -144,17 +150,16 @@ class MoEKernels:
             mg, md = self.mmq_parts(layer, H)
             if mg:
                 from betelgeuse.kernels import triton_mmq as mq
-                if r.hq is None:
-                    r.hq = mq.quantize_q8_1(r.h)
+                assert r.hq is not None, "route() makes the q8_1 of h"
                 mq.gate_up(r.hq, pool, g.base_dev, st, r.rows, r.off, r.inter, self.F, r.ids.shape[1],
-                           tk.QT_CODES[qg], self.limit, row_nbytes(qg, H))
+                           tk.QT_CODES[qg], self.limit, row_nbytes(qg, H), aligned)
             else:
                 tk.gate_up(r.h, pool, g.base_dev, st, r.rows, r.off, r.inter, self.F, r.ids.shape[1],
                            tk.QT_CODES[qg], self.limit, row_nbytes(qg, H), aligned)
             if md:
                 from betelgeuse.kernels import triton_mmq as mq
                 mq.down(mq.quantize_q8_1(r.inter), pool, g.base_dev, st, r.rows, r.off, r.y, tk.QT_CODES[qd],
-                        row_nbytes(qd, self.F))
+                        row_nbytes(qd, self.F), aligned)
             else:
                 tk.down(r.inter, pool, g.base_dev, st, r.rows, r.off, r.y, r.ids.shape[0], tk.QT_CODES[qd],
                         row_nbytes(qd, self.F), aligned)

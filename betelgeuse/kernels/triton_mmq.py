@@ -21,6 +21,9 @@ neither BM, BN, nor the other rows of its block (DESIGN.md invariant 6); on the 
 multiply-add into an FMA, the same for every launch. The MMA is [BN, 32] x [32, BM] -> [BN, BM] (weights on the M
 side, rows, padded to BM = 16, on the N side: a decode row costs the same weight traffic as 16).
 
+MXFP4 x q8_1 (llama.cpp vec_dot_mxfp4_q8_1): as Q8_0 with wq = the doubled e2m1 values of the codes (kvalues_mxfp4:
+0 1 2 3 4 6 8 12 and negatives, int8) and dw = 2^(e - 128) of the block's E8M0 byte (ggml_e8m0_to_fp32_half).
+
 Q4_K x q8_1 (llama.cpp vec_dot_q4_K_q8_1: d sc sumi d8 - dmin m s8), sub-block j of a super-block (32 elements,
 its 6-bit scale sc and min m, get_scale_min_k4), quants q in 0..15 as int8:
     acc   = acc + (float(dot) * (d sc * dx[m, kb]) - dmin m * sx[m, kb])       sx = the q8_1 block sum s
@@ -37,7 +40,7 @@ from betelgeuse.kernels import triton_moe as tm
 from betelgeuse.kernels.triton_launch import launcher
 
 QK = 32                        # elements per q8_1 block (llama.cpp QK8_1)
-MMQ_TYPES = frozenset({0, 5})  # kernel type codes with an MMA schedule: Q8_0, Q4_K
+MMQ_TYPES = frozenset({0, 4, 5})  # kernel type codes with an MMA schedule: Q8_0, MXFP4, Q4_K
 CONFIG = {"BM": 16, "BN": 64, "num_warps": 4, "num_stages": 3}      # schedule keys only (no reduction key: see doc)
 
 
@@ -95,6 +98,22 @@ def _q8_0_block(pool, ra, kb, mn):
 
 
 @triton.jit
+def _mxfp4_block(pool, ra, kb, mn):
+    """Block kb of MXFP4 rows at ra [BN]: (the doubled e2m1 values [BN, 32] int8, llama.cpp's kvalues_mxfp4
+    0 1 2 3 4 6 8 12 and their negatives; d [BN] = 2^(e - 128), ggml_e8m0_to_fp32_half). 17-byte blocks: E8M0 e,
+    qs[16] (elements 0..15 in the low nibbles, 16..31 in the high)."""
+    b = ra + kb * 17
+    i = tl.arange(0, 32)
+    c = tl.load(pool + b[:, None] + 1 + (i % 16)[None, :], mask=mn[:, None], other=0).to(tl.int32)
+    c = (c >> ((i // 16) * 4)[None, :]) & 15
+    e = (c >> 1) & 3
+    mag = tl.where(e == 0, c & 1, (2 + (c & 1)) << tl.maximum(e - 1, 0))
+    e8 = tl.load(pool + b, mask=mn, other=0).to(tl.int32)
+    d = tl.where(e8 < 2, (e8 + 1) * 0x00200000, (e8 - 1) << 23).to(tl.float32, bitcast=True)
+    return tl.where(c >= 8, -mag, mag).to(tl.int8), d
+
+
+@triton.jit
 def _q4_k_block(pool, ra, kb, mn):
     """Block kb (sub-block j = kb % 8 of super-block kb // 8) of Q4_K rows at ra [BN]: (quants [BN, 32] int8 in
     0..15, d sc [BN], dmin m [BN]) float32, as ggml's get_scale_min_k4. 144-byte super-blocks: f16 d, f16 dmin,
@@ -122,8 +141,11 @@ def mmq_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, K, QT: t
     for kb in range(0, K // 32):
         xq = tl.load(xq_ptr + xoff[:, None] + kb * 32 + c[None, :], mask=mr[:, None], other=0)       # [BM, 32]
         dx = tl.load(xd_ptr + dxoff + kb, mask=mr, other=0.0)                                          # [BM]
-        if QT == 0:                                 # Q8_0: d8_0 d8_1 sumi
-            wq, dw = _q8_0_block(pool, ra, kb, mn)
+        if QT == 0 or QT == 4:                      # Q8_0 / MXFP4: d_w d8_1 sumi
+            if QT == 0:
+                wq, dw = _q8_0_block(pool, ra, kb, mn)
+            else:
+                wq, dw = _mxfp4_block(pool, ra, kb, mn)
             dot = tl.dot(wq, tl.trans(xq), out_dtype=tl.int32)                                        # [BN, BM]
             acc = acc + dot.to(tl.float32) * (dw[:, None] * dx[None, :])
         else:                                       # Q4_K: d sc sumi d8 - dmin m s8 (s8 = d8 sum q8)
@@ -137,15 +159,15 @@ def mmq_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, K, QT: t
 @triton.jit
 def _gate_up_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, inter_ptr, H, F,
                         row_bytes, n_exp, k_top, limit, QT: tl.constexpr, HAS_LIMIT: tl.constexpr, BM: tl.constexpr,
-                        BN: tl.constexpr, EP: tl.constexpr):
+                        BN: tl.constexpr, EP: tl.constexpr, ALIGNED: tl.constexpr = False, RA: tl.constexpr = 1):
     e, mb, base = tm._find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
     if base >= 0:
         rows, mr, flat = tm._rows_of(off_ptr, rows_ptr, e, mb, BM)
         tok = flat // k_top
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         mn = n < F
-        gra = tm._part_rows(base, starts_ptr, e, 0, n, row_bytes, False, 1)
-        ura = tm._part_rows(base, starts_ptr, e, 1, n, row_bytes, False, 1)
+        gra = tm._part_rows(base, starts_ptr, e, 0, n, row_bytes, ALIGNED, RA)
+        ura = tm._part_rows(base, starts_ptr, e, 1, n, row_bytes, ALIGNED, RA)
         z = tl.zeros((BN, BM), dtype=tl.float32)
         accg = mmq_acc(z, pool, gra, mn, xq_ptr, xd_ptr, xs_ptr, tok * H, tok * (H // 32), mr, H, QT)
         accu = mmq_acc(z, pool, ura, mn, xq_ptr, xd_ptr, xs_ptr, tok * H, tok * (H // 32), mr, H, QT)
@@ -154,13 +176,14 @@ def _gate_up_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows
 
 @triton.jit
 def _down_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, y_ptr, H, F, row_bytes,
-                     n_exp,                     QT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, EP: tl.constexpr):
+                     n_exp, QT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, EP: tl.constexpr,
+                     ALIGNED: tl.constexpr = False, RA: tl.constexpr = 1):
     e, mb, base = tm._find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
     if base >= 0:
         rows, mr, flat = tm._rows_of(off_ptr, rows_ptr, e, mb, BM)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         mn = n < H
-        dra = tm._part_rows(base, starts_ptr, e, 2, n, row_bytes, False, 1)
+        dra = tm._part_rows(base, starts_ptr, e, 2, n, row_bytes, ALIGNED, RA)
         r64 = rows.to(tl.int64)
         acc = mmq_acc(tl.zeros((BN, BM), dtype=tl.float32), pool, dra, mn, xq_ptr, xd_ptr, xs_ptr, r64 * F,
                       r64 * (F // 32), mr, F, QT)
@@ -177,8 +200,9 @@ def mmq_ok(qt: int, K: int) -> bool:
 
 
 def gate_up(hq, pool, base, starts, rows, off, inter, n_ff: int, k_top: int, qt: int, limit: float | None,
-            row_bytes: int):
-    """triton_moe.gate_up with the activations as quantize_q8_1(h) = hq (q [T, H] int8, d [T, H/32], s)."""
+            row_bytes: int, aligned: bool = False):
+    """triton_moe.gate_up with the activations as quantize_q8_1(h) = hq (q [T, H] int8, d [T, H/32], s); aligned:
+    every part starts 16-byte aligned (the rows' loads may then be wider, as triton_moe's)."""
     q, d, sx = hq
     T, H = q.shape
     E, R = base.numel(), rows.numel()
@@ -186,10 +210,11 @@ def gate_up(hq, pool, base, starts, rows, off, inter, n_ff: int, k_top: int, qt:
     _GATE_UP_MMQ[(triton.cdiv(n_ff, c["BN"]), tm._launch_rows(R, E, c["BM"]))](
         q, d, sx, pool, base, starts, rows, off, inter, H, n_ff, row_bytes, E, k_top,
         float(limit) if limit is not None else 0.0, QT=qt, HAS_LIMIT=limit is not None, BM=c["BM"], BN=c["BN"],
-        EP=triton.next_power_of_2(E), num_warps=c["num_warps"], num_stages=c["num_stages"])
+        EP=triton.next_power_of_2(E), ALIGNED=aligned, RA=tm._row_align(row_bytes), num_warps=c["num_warps"],
+        num_stages=c["num_stages"])
 
 
-def down(iq, pool, base, starts, rows, off, y, qt: int, row_bytes: int):
+def down(iq, pool, base, starts, rows, off, y, qt: int, row_bytes: int, aligned: bool = False):
     """triton_moe.down with the activations as quantize_q8_1(inter) = iq."""
     q, d, sx = iq
     F, H = q.shape[1], y.shape[1]
@@ -197,7 +222,8 @@ def down(iq, pool, base, starts, rows, off, y, qt: int, row_bytes: int):
     c = CONFIG
     _DOWN_MMQ[(triton.cdiv(H, c["BN"]), tm._launch_rows(R, E, c["BM"]))](
         q, d, sx, pool, base, starts, rows, off, y, H, F, row_bytes, E, QT=qt, BM=c["BM"], BN=c["BN"],
-        EP=triton.next_power_of_2(E), num_warps=c["num_warps"], num_stages=c["num_stages"])
+        EP=triton.next_power_of_2(E), ALIGNED=aligned, RA=tm._row_align(row_bytes), num_warps=c["num_warps"],
+        num_stages=c["num_stages"])
 
 
 def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int | None = None, bn: int | None = None,
@@ -228,8 +254,11 @@ def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int 
         sig = {**ptr, "y_ptr": "*bf16", "H": "i32", "F": "i32", "row_bytes": "i32", "n_exp": "i32",
                "QT": "constexpr"}
         const = {"QT": qt}
-    sig.update(BM="constexpr", BN="constexpr", EP="constexpr")
-    const.update(BM=c["BM"], BN=c["BN"], EP=256)
+    from betelgeuse.gguf.qtypes import row_nbytes
+    gt = {code: t for t, code in tm.QT_CODES.items()}[qt]
+    sig.update(BM="constexpr", BN="constexpr", EP="constexpr", ALIGNED="constexpr", RA="constexpr")
+    const.update(BM=c["BM"], BN=c["BN"], EP=256, ALIGNED=True,          # aligned rows of the bench geometry's K
+                 RA=tm._row_align(row_nbytes(gt, 2048 if which == "gate_up" else 768)))
     k = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", arch, 32),
                        options={"num_warps": c["num_warps"], "num_stages": c["num_stages"]})
     ptx = k.asm["ptx"]

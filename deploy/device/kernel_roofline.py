@@ -474,12 +474,12 @@ def act_quant_case(gname: str, tname: str) -> dict:
 
         def q81(i):
             mq.gate_up(mq.quantize_q8_1(r.h), pool, bases[i % n_banks], st, r.rows, r.off, r.inter, F, K_TOP, code,
-                       limit, gb)
-            mq.down(mq.quantize_q8_1(r.inter), pool, bases[i % n_banks], st, r.rows, r.off, r.y, code, db)
+                       limit, gb, al)
+            mq.down(mq.quantize_q8_1(r.inter), pool, bases[i % n_banks], st, r.rows, r.off, r.y, code, db, al)
 
         def kq(i):
-            mq.gate_up(hq, pool, bases[i % n_banks], st, r.rows, r.off, r.inter, F, K_TOP, code, limit, gb)
-            mq.down(iq, pool, bases[i % n_banks], st, r.rows, r.off, r.y, code, db)
+            mq.gate_up(hq, pool, bases[i % n_banks], st, r.rows, r.off, r.inter, F, K_TOP, code, limit, gb, al)
+            mq.down(iq, pool, bases[i % n_banks], st, r.rows, r.off, r.y, code, db, al)
         best = None
         for ci, c in enumerate(MMQ_CONFIGS):            # schedule keys only: the same bits (checked below)
             mq.CONFIG.update(c)

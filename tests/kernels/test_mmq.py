@@ -23,7 +23,7 @@ from betelgeuse.kernels.moe import Group, MoEKernels, pack_experts  # noqa: E402
 
 E = 3
 # per GGML type: (H, FF): Q8_0 two 32-blocks a row (block scales per 32 vs per 64 differ), Q4_K one super-block
-DIMS = {8: (64, 64), 12: (256, 256)}
+DIMS = {8: (64, 64), 39: (64, 64), 12: (256, 256)}
 
 
 def ref_q8_1(x: np.ndarray):
@@ -49,6 +49,12 @@ def weight_parts(qt: int, raw: np.ndarray, shape):
         blocks = raw.reshape(-1, 34)
         d = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(N, -1)
         q = blocks[:, 2:].copy().view(np.int8).reshape(shape).astype(np.int8)
+        mn = np.zeros_like(d)
+    elif qt == 39:                  # MXFP4: E8M0 e (2^(e-128)), 16 bytes of e2m1 codes (llama.cpp kvalues_mxfp4, x2)
+        blocks = raw.reshape(-1, 17)
+        d = np.ldexp(np.float32(1), blocks[:, 0].astype(np.int32) - 128).astype(np.float32).reshape(N, -1)
+        kv = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
+        q = kv[np.concatenate([blocks[:, 1:] & 15, blocks[:, 1:] >> 4], 1)].reshape(shape)
         mn = np.zeros_like(d)
     else:
         b = raw.reshape(-1, 144)
@@ -107,6 +113,10 @@ def experts(qt, seed=0):
                 x = rng.standard_normal(shp).astype(np.float32)
                 x[:, 32:] *= 4
                 parts.append(gq.quantize(x, GT.Q8_0).reshape(-1))
+            elif qt == 39:          # random valid blocks: every code, exponents 116..127 (block scales differ)
+                b = rng.integers(0, 256, (shp[0] * shp[1] // 32, 17), dtype=np.uint8)
+                b[:, 0] = rng.integers(116, 128, len(b))
+                parts.append(b.reshape(-1))
             else:
                 parts.append(np.ascontiguousarray(random_blocks(qt, shp[0] * shp[1] // 256, rng)).reshape(-1))
         out.append(parts)
@@ -166,7 +176,7 @@ def test_quantize_q8_1_matches_llama_cpp_reference():
     assert np.array_equal(rq[2, 1:32], np.arange(31) - 15 + (np.arange(31) >= 15) * 1)
 
 
-@pytest.mark.parametrize("qt", [8, 12], ids=["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("qt", [8, 39, 12], ids=["Q8_0", "MXFP4", "Q4_K"])
 def test_mmq_matches_numpy_reference_and_blocks_are_32(qt):
     raw = experts(qt)
     H = DIMS[qt][0]
@@ -184,7 +194,7 @@ def test_mmq_matches_numpy_reference_and_blocks_are_32(qt):
     assert np.abs(wrong - want).max() / np.abs(want).max() > 1e-2
 
 
-@pytest.mark.parametrize("qt", [8, 12], ids=["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("qt", [8, 39, 12], ids=["Q8_0", "MXFP4", "Q4_K"])
 def test_q8_1_within_the_int8_budget_of_the_float_path(qt):
     """|y_q8_1 - y_float| / max|y_float| < 3%: each activation rounds by up to amax/254 of its block (twice: h and
     the down input); the float path is the torch reference (exact). Experts split over two groups (tiers) give the
@@ -205,7 +215,7 @@ def test_q8_1_within_the_int8_budget_of_the_float_path(qt):
     assert np.array_equal(run(qt, raw, h, ids, w, groups=[[1], [0, 2]]), got)
 
 
-@pytest.mark.parametrize("qt", [8, 12], ids=["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("qt", [8, 39, 12], ids=["Q8_0", "MXFP4", "Q4_K"])
 def test_a_rows_bits_do_not_depend_on_its_block(qt):
     """Token 0 routed to expert 0 alone (1 row), with 4 others (5 rows) and with 15 (16 rows, a full BM block), and
     at BM 32 / BN 32: its output the same bits each time."""
@@ -256,3 +266,30 @@ def test_compiles_to_int8_tensor_core_mma_for_sm90_without_spills():
         assert any(".s32.s8.s8" in m for m in r["mma"]), r
         assert any(m.startswith("IGMMA") or m.startswith("IMMA") for m in r["imma"]), r
         assert r["spill_bytes"] == 0 and r["regs"] <= 255, r
+
+
+@pytest.mark.slow
+def test_engine_with_q8_1_is_location_invariant(tmp_path):
+    """The engine (qwen3moe, Q8_0 experts, kernels "triton", act_quant "q8_1" through EngineConfig): logits
+    bit-identical across slot configurations (VRAM, host and disk tiers; all in VRAM), cold / warm /
+    after consolidation and over decode steps; really quantized (not the torch engine's logits) and within the
+    q8_1 budget of them, with the same greedy tokens (tests/scripts/triton_engine_check.py --act-quant q8_1)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    here = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", BETELGEUSE_TRITON_TUNING="off",
+               PYTHONPATH=str(here.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    script = here / "scripts" / "triton_engine_check.py"
+    p = subprocess.run([sys.executable, "-W", "ignore::RuntimeWarning", str(script), "--act-quant", "q8_1",
+                        str(tmp_path / "engine.gguf")],
+                       capture_output=True, text=True, env=env, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])["configs"]
+    assert len(res) == 2
+    for key, r in res.items():
+        assert r["bit_identical"], key
+        assert 1e-4 * r["max_logit"] < r["max_abs_vs_torch"] <= 0.05 * r["max_logit"], (key, r)
+        assert r["greedy_equal_torch"], key
+    assert res["3v8h"]["reads"][2]["host"] > 0 and res["3v8h"]["reads"][2]["vram"] > 0

@@ -2,6 +2,7 @@
 
     triton_engine_check.py MODEL.gguf            # qwen3moe ENGINE_SPEC at 16 experts (Q8_0), 24-token prompt
     triton_engine_check.py MODEL.gguf ds4-tiny   # deepseek4 ds4-tiny (MXFP4 experts, clamped SwiGLU), 34 tokens
+    triton_engine_check.py --act-quant q8_1 MODEL.gguf   # the triton engines with engine.act_quant = q8_1
 
 Two slot configurations that put different experts in different tiers (vram + host + disk, all in vram), each
 over three passes of the prompt (cold, warm, after consolidation) and 2 decode steps. Prints one JSON line: per
@@ -20,6 +21,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 from betelgeuse.kernels.triton_launch import COUNTS  # noqa: E402
+
+ACT_QUANT = "off"
+if sys.argv[1] == "--act-quant":
+    ACT_QUANT = sys.argv[2]
+    del sys.argv[1:3]
 
 from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, write_synth  # noqa: E402
 
@@ -55,7 +61,8 @@ def expert_launches() -> int:
 
 
 def run(kernels, vram, host):
-    rn, st = in_process_runner(model, vram, host, kernels=kernels)
+    rn, st = in_process_runner(model, vram, host, kernels=kernels,
+                               act_quant=ACT_QUANT if kernels == "triton" else "off")
     assert rn.kern.backend == kernels, rn.kern.backend
     out["expert_act"] = list(rn.model.expert_act)
     res = []
