@@ -7,10 +7,19 @@ loader does not map expert_feed_forward_length); 2 kv heads for 4 query heads ex
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU the Triton kernels run only under Triton's interpreter, which is chosen when a kernel is decorated:
+# set for the whole session, so a test that imports a kernel module in this process (test_mmq) does not depend on
+# whether another test imported it first without the interpreter ("Cannot call @triton.jit'd outside of the scope
+# of a kernel"). With CUDA (the device's -m gpu runs) the kernels compile.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # small enough that the transformers reference loads in well under a second per file
 ORACLE_OVERRIDES = dict(n_layer=3, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_expert=8,
