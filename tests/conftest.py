@@ -21,6 +21,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# under pytest-xdist (the README's `-n 2`: CI's two cores) one torch thread per worker and per process it starts;
+# two workers at the default two threads each would oversubscribe the two cores
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+
 # small enough that the transformers reference loads in well under a second per file
 ORACLE_OVERRIDES = dict(n_layer=3, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_expert=8,
                         n_expert_used=2, n_ff_exp=64, n_vocab=320, context_length=256, router_skew=0.5,

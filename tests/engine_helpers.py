@@ -206,8 +206,10 @@ def wait_store(p: Proc, sockets: StoreSockets, timeout: float = 60.0) -> dict:
 
 def start_worker(model, sockets: StoreSockets, port: int, vram="0", host="0", extra=(), cgroup=None,
                  wait=True, timeout: float = 90.0) -> Proc:
+    # no HTTP unless a test asks (the default 127.0.0.1:8000 would be one port for every test process at once)
+    http = () if "--http" in extra else ("--http", "")
     p = _spawn("worker", "services.worker_main",
-               ["--model", str(model), *sockets.flags(), "--metrics", "", "--device", "cpu",
+               ["--model", str(model), *sockets.flags(), "--metrics", "", *http, "--device", "cpu",
                 "--vram-slots", str(vram), "--host-slots", str(host), "--listen", f"127.0.0.1:{port}", *extra],
                sockets.dir, cgroup)
     if wait:
