@@ -89,11 +89,17 @@ class MoEKernels:
         self.backend, self.E, self.F = backend, n_expert, n_ff
         self.starts, self.qtypes, self.sub_batch = starts, qtypes, sub_batch
         self.weights_fn, self.limit = weights_fn, act_limit
+        self._mq = None          # triton_mmq where some layer's part runs on q8_1 activations (act_quant, triton)
+        self._quant_h = False    # some layer's gate/up does: route() makes h's q8_1
         if backend == "triton":
             from betelgeuse.kernels import triton_moe
             self._tk = triton_moe
             assert self.supports(qtypes), qtypes
             self._aligned = self._starts_aligned(starts)
+            if act_quant == "q8_1" and any(q in MMQ_QTYPES for part in qtypes for q in part):
+                from betelgeuse.kernels import triton_mmq
+                self._mq = triton_mmq
+                self._quant_h = any(qg in MMQ_QTYPES for qg, _ in qtypes)
 
     @staticmethod
     def supports(qtypes: list[tuple[int, int]]) -> bool:
@@ -130,11 +136,10 @@ class MoEKernels:
         off[1:] = torch.cumsum(counts, 0)
         inter = torch.empty(T * k, self.F, dtype=h.dtype, device=h.device)
         r = Routing(h, ids, w, y, rows, off, counts, inter, None)
-        if self.act_quant == "q8_1" and any(qg in MMQ_QTYPES for qg, _ in self.qtypes) and h.shape[1] % 32 == 0:
+        if self._quant_h and h.shape[1] % 32 == 0:
             # here, not at the first apply(): a captured decode graph replays route() and the layer's eager groups
             # then apply() the captured Routing, whose h the replay rewrote in place (a copy made once would go stale)
-            from betelgeuse.kernels import triton_mmq as mq
-            r.hq = mq.quantize_q8_1(h.contiguous())
+            r.hq = self._mq.quantize_q8_1(h.contiguous())
         return r
 
     def apply(self, r: Routing, layer: int, pool: torch.Tensor, g: Group, slot_bytes: int,
@@ -148,8 +153,8 @@ class MoEKernels:
             aligned = slot_bytes % 16 == 0 and (self._aligned if starts is None else self._starts_aligned(starts))
             H = r.h.shape[1]
             mg, md = self.mmq_parts(layer, H)
+            mq = self._mq
             if mg:
-                from betelgeuse.kernels import triton_mmq as mq
                 assert r.hq is not None, "route() makes the q8_1 of h"
                 mq.gate_up(r.hq, pool, g.base_dev, st, r.rows, r.off, r.inter, self.F, r.ids.shape[1],
                            tk.QT_CODES[qg], self.limit, row_nbytes(qg, H), aligned)
@@ -157,7 +162,6 @@ class MoEKernels:
                 tk.gate_up(r.h, pool, g.base_dev, st, r.rows, r.off, r.inter, self.F, r.ids.shape[1],
                            tk.QT_CODES[qg], self.limit, row_nbytes(qg, H), aligned)
             if md:
-                from betelgeuse.kernels import triton_mmq as mq
                 mq.down(mq.quantize_q8_1(r.inter), pool, g.base_dev, st, r.rows, r.off, r.y, tk.QT_CODES[qd],
                         row_nbytes(qd, self.F), aligned)
             else:

@@ -265,7 +265,7 @@ class Guesser:
                 new = new[:max(0, cap - self._per_layer.get(t, 0))]
             self._per_layer[t] = self._per_layer.get(t, 0) + len(new)
             took = set(new)
-            self._guessed.setdefault(t, set()).update(x for k in cand if k in took or k in self._asked for x in k[1:])
+            self._guessed.setdefault(t, set()).update(k[1] for k in cand if k in took or k in self._asked)
             for k, c in zip(cand, kind):
                 if k in took:
                     self.class_read[d - 1, c] += 1

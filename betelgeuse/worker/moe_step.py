@@ -327,11 +327,12 @@ class MoEStep:
         self.hand_misses(l, r, snap, stats, ls)
         self.clock.layer_end(ev, ls)
 
-    def hand_misses(self, l, r, snap, stats: PassStats, ls: LayerStats):
-        """After hand_group: the wait, the tier counts, read-ahead and the misses (partial(hand=True)); then, where
-        this layer's disk experts evicted a flex copy, the table again (a later layer's group must not read the
-        rewritten slot; stream-ordered before it). Fills into free slots wait for the next step's refresh."""
-        self.partial(l, r, snap, stats, ls, False, None, hand=True)
+    def hand_misses(self, l, r, snap, stats: PassStats, ls: LayerStats, synced=None):
+        """After hand_group: the wait (or the row the gate published: synced), the tier counts, read-ahead and the
+        misses (partial(hand=True)); then, where this layer's disk experts evicted a flex copy, the table again (a
+        later layer's group must not read the rewritten slot; stream-ordered before it). Fills into free slots wait
+        for the next step's refresh."""
+        self.partial(l, r, snap, stats, ls, False, None, hand=True, synced=synced)
         if self.hand.stale():
             self.hand.refresh(snap, force=True)
 
@@ -357,9 +358,7 @@ class MoEStep:
         try:
             counts, marks, misses = self.clock.wait(self.gate.wait, l, shape)
             with self.gate.stream():
-                self.partial(l, r, snap, stats, ls, False, None, hand=True, synced=(counts, marks))
-                if self.hand.stale():
-                    self.hand.refresh(snap, force=True)
+                self.hand_misses(l, r, snap, stats, ls, synced=(counts, marks))
             if misses:
                 self.gate.open(l)
         except BaseException:
