@@ -479,3 +479,11 @@ class StateBytes:
     def _release_(self, kv):
         self.live.pop(kv.uid, None)
         self._release(kv)
+
+    def all_released(self, timeout: float = 10.0) -> bool:
+        """Whether every state was released and the flex cache holds none, waiting up to `timeout` s: a request's final
+        event goes out before the runner releases its state (engine._end), so a client may return a moment before."""
+        deadline = time.monotonic() + timeout
+        while (self.live or self.flex.held) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self.live and self.flex.held == 0
