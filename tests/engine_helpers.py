@@ -428,6 +428,15 @@ def backing_workload(path, backing, vram: int, arena_slots: int, rounds: list[li
         store.close()
 
 
+def settles(pred, timeout: float = 10.0) -> bool:
+    """Whether pred() becomes true within `timeout` s. For what the engine does after a request's final event (its
+    state's release, the consolidation rule: engine._end), which a client that has returned may not see yet."""
+    deadline = time.monotonic() + timeout
+    while not pred() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return pred()
+
+
 class StateBytes:
     """The byte counter of DESIGN.md invariant 3 around a runner with a flex cache: wraps its model's new_cache and
     grow_cache (called once the flex cache made room), the cache's fills and the runner's release, and at each checks
@@ -483,7 +492,4 @@ class StateBytes:
     def all_released(self, timeout: float = 10.0) -> bool:
         """Whether every state was released and the flex cache holds none, waiting up to `timeout` s: a request's final
         event goes out before the runner releases its state (engine._end), so a client may return a moment before."""
-        deadline = time.monotonic() + timeout
-        while (self.live or self.flex.held) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return not self.live and self.flex.held == 0
+        return settles(lambda: not self.live and self.flex.held == 0, timeout)
