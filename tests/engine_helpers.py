@@ -11,6 +11,7 @@ from __future__ import annotations
 import mmap
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -136,6 +137,22 @@ def close_to_reference_decode(ref, prompts, outs):
                 lg = ref.forward(torch.tensor([int(lg[-1].argmax())]), kv)
                 rows.append(lg[-1])
         torch.testing.assert_close(a, torch.stack(rows), rtol=1e-4, atol=1e-4 * float(a.abs().max()))
+
+
+@contextmanager
+def engine_and_store(cfg):
+    """An in-process store + engine for `cfg` (betelgeuse.assembly, as serve opens them) -> the engine; both closed
+    after."""
+    from betelgeuse.assembly import open_engine, open_store
+    store = open_store(cfg)
+    try:
+        eng = open_engine(cfg, store)
+        try:
+            yield eng
+        finally:
+            eng.close()
+    finally:
+        store.close()
 
 
 def close_runner(runner, store):

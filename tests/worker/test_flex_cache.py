@@ -20,7 +20,8 @@ import torch
 from betelgeuse.api import GenerateRequest, SamplingParams
 from betelgeuse.config import EngineConfig
 
-from engine_helpers import ENGINE_SPEC, StateBytes, close_runner, in_process_runner, prompt, write_synth
+from engine_helpers import (ENGINE_SPEC, close_runner, engine_and_store, in_process_runner, prompt,
+                            StateBytes, write_synth)
 
 V = ENGINE_SPEC["n_vocab"]
 # 2 VRAM + 3 host slots of 32 experts per layer, 6 staging slots: nearly every routed expert is a disk read, and the
@@ -84,12 +85,9 @@ def test_admission_shrinks_the_cache_before_allocating_kv(model):
     """max_running 3: a lone request leaves two sequences' KV room to the cache, which fills it; then three requests
     together: each admission gives back its state's bytes before the KV is allocated. The byte counter (flex bytes +
     the KV caches held) stays within the plan's KV reservation at every KV allocation and every fill."""
-    from betelgeuse.assembly import open_engine, open_store
     cfg = EngineConfig(model_path=str(model), read_threads=2, max_running=3, admission_window=0.2, flex_cache=True,
                        **TIERS, **CFG)
-    store = open_store(cfg)
-    eng = open_engine(cfg, store)
-    try:
+    with engine_and_store(cfg) as eng:
         rn = eng.runner
         flex = rn.flex
         count = StateBytes(rn)              # budget: the plan's KV bytes for max_running sequences (no graphs here)
@@ -111,6 +109,3 @@ def test_admission_shrinks_the_cache_before_allocating_kv(model):
         assert all(g is not None and g[-1].finish_reason == "length" for g in got), got
         assert count.all_released(), (count.live, flex.describe())
         assert count.checks > 10 and count.peak <= count.budget
-    finally:
-        eng.close()
-        store.close()

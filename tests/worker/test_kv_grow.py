@@ -22,7 +22,8 @@ from betelgeuse.api import GenerateRequest, SamplingParams
 from betelgeuse.config import EngineConfig
 from betelgeuse.worker import kv_manager
 
-from engine_helpers import ENGINE_SPEC, StateBytes, close_runner, in_process_runner, prompt, settles, write_synth
+from engine_helpers import (ENGINE_SPEC, close_runner, engine_and_store, in_process_runner, prompt,
+                            settles, StateBytes, write_synth)
 
 V = ENGINE_SPEC["n_vocab"]
 
@@ -102,14 +103,11 @@ def test_unbounded_requests_grow_and_the_flex_cache_keeps_the_rest(qwen, monkeyp
     end of the context, their states 48 -> 96 -> 192 tokens; the same three bounded give the same tokens. The byte
     counter (flex bytes + the states' bytes) stays within the plan's KV reservation at every allocation, growth and
     fill, and the flex cache held experts while all three ran (a whole-sequence unit per state would leave it none)."""
-    from betelgeuse.assembly import open_engine, open_store
     monkeypatch.setattr(kv_manager, "KV_GRANULE", 16)
     cfg = EngineConfig(model_path=str(qwen), read_threads=2, max_running=3, admission_window=0.3, flex_cache=True,
                        vram_slots=2, host_slots=3, max_context=192, staging_slots=6, decode_consolidate_every=0,
                        prefix_cache_bytes=0)
-    store = open_store(cfg)
-    eng = open_engine(cfg, store)
-    try:
+    with engine_and_store(cfg) as eng:
         rn = eng.runner
         flex = rn.flex
         count = StateBytes(rn)              # budget: the plan's KV bytes for max_running sequences (no graphs here)
@@ -140,22 +138,16 @@ def test_unbounded_requests_grow_and_the_flex_cache_keeps_the_rest(qwen, monkeyp
         assert count.all_released(), (count.live, flex.describe())
         assert count.checks > 10 and count.peak <= count.budget
         assert count.most_held_running.get(3, 0) > 0, count.most_held_running
-    finally:
-        eng.close()
-        store.close()
 
 
 def test_a_failed_growth_ends_its_request_alone(qwen, monkeypatch):
     """The device out of memory while one state grows: that request ends with InternalError; the one decoding beside
     it (bounded: no growth) finishes with the tokens it gives alone, and the engine serves on."""
-    from betelgeuse.assembly import open_engine, open_store
     from betelgeuse.errors import InternalError
     monkeypatch.setattr(kv_manager, "KV_GRANULE", 16)
     cfg = EngineConfig(model_path=str(qwen), read_threads=2, max_running=2, admission_window=0.3, vram_slots=2,
                        host_slots=3, max_context=128, prefix_cache_bytes=0)
-    store = open_store(cfg)
-    eng = open_engine(cfg, store)
-    try:
+    with engine_and_store(cfg) as eng:
         def run(req):
             try:
                 return list(eng.submit(req))[-1].token_ids
@@ -183,6 +175,3 @@ def test_a_failed_growth_ends_its_request_alone(qwen, monkeypatch):
         eng.runner.model.grow_cache = real
         assert len(run(reqs[0])) == 108                               # grown 48 -> 96 -> 128, to the context's end
         assert settles(lambda: eng.runner.kv_bytes == 0), eng.runner.kv_bytes
-    finally:
-        eng.close()
-        store.close()
