@@ -20,8 +20,8 @@ import torch
 from betelgeuse.api import GenerateRequest, SamplingParams
 from betelgeuse.config import EngineConfig
 
-from engine_helpers import (ENGINE_SPEC, close_runner, engine_and_store, in_process_runner, prompt,
-                            StateBytes, write_synth)
+from engine_helpers import (ENGINE_SPEC, StateBytes, close_runner, engine_and_store, in_process_runner, prompt,
+                            write_synth)
 
 V = ENGINE_SPEC["n_vocab"]
 # 2 VRAM + 3 host slots of 32 experts per layer, 6 staging slots: nearly every routed expert is a disk read, and the

@@ -22,8 +22,8 @@ from betelgeuse.api import GenerateRequest, SamplingParams
 from betelgeuse.config import EngineConfig
 from betelgeuse.worker import kv_manager
 
-from engine_helpers import (ENGINE_SPEC, close_runner, engine_and_store, in_process_runner, prompt,
-                            settles, StateBytes, write_synth)
+from engine_helpers import (ENGINE_SPEC, StateBytes, close_runner, engine_and_store, in_process_runner, prompt,
+                            settles, write_synth)
 
 V = ENGINE_SPEC["n_vocab"]
 
