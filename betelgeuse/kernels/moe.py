@@ -120,6 +120,20 @@ class MoEKernels:
         qg, qd = self.qtypes[layer]
         return (qg in MMQ_QTYPES and H % MMQ_QTYPES[qg] == 0, qd in MMQ_QTYPES and self.F % MMQ_QTYPES[qd] == 0)
 
+    def weight_reads(self, layer: int, rows: np.ndarray, n_rows: int) -> int:
+        """How many times a launch of `n_rows` rows reads its experts' bytes, for experts with `rows` rows each: the
+        triton kernels run one program per (output block, row block of one expert), each reading its weight rows over
+        all of K, so an expert's bytes are read once per row block: ceil(rows / BM) (BM = 16, or BM_MV rows on the
+        mmvq decode schedule; gate/up's type and rows bucket; the q8_1 schedule's BM is 16 too); the torch kernels
+        dequantize an expert once per group."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if self.backend != "triton":
+            return int((rows > 0).sum())
+        qg = self.qtypes[layer][0]
+        c = self._tk.config(self._tk.QT_CODES[qg], self._tk.bucket_of(n_rows, self.E))
+        bm = c["BM_MV"] if c["MV"] else c["BM"]
+        return int(((rows + bm - 1) // bm).sum())
+
     # ---- per layer ------------------------------------------------------------------------------
     def route(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, chunks=None) -> Routing:
         """chunks: the pass's position-aligned chunks (chunks.pass_chunks); the torch backend keeps each

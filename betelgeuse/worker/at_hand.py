@@ -4,18 +4,34 @@
                    hand), first of:
                      VRAM slot        cache.vram_base (a pool offset)
                      flex copy        its chunk's address - the pool's + the slot's offset (worker/flex_cache.py)
-                     host-tier slot   read IN PLACE over PCIe (zero copy; each weight byte is read once in decode,
-                                      so reading it where it is costs what copying it would): the arena's device
-                                      address (store.arena.device_address: registered mapped) - the pool's + the
-                                      slot's offset; negative where the arena lies below the pool (the kernels skip
-                                      only -1). Only for the triton kernels on CUDA with a device mapping, and on the
-                                      CPU (the torch kernels read the arena view itself: `srcs`); else a host expert
-                                      is a miss and goes through a ring bank as before
+                     host-tier slot   read IN PLACE over PCIe (zero copy) where the step's rule says so (below):
+                                      the arena's device address (store.arena.device_address: registered mapped) -
+                                      the pool's + the slot's offset; negative where the arena lies below the pool
+                                      (the kernels skip only -1). Only for the triton kernels on CUDA with a device
+                                      mapping, and on the CPU (the torch kernels read the arena view itself: `srcs`);
+                                      else a host expert is a miss and goes through a ring bank as before
                    the same order MoEStep._partial computes them in (a flex copy of a VRAM expert is never read)
 
 A decode layer then runs ONE gate_up + ONE down over at_hand[l] for every routed row whose expert is at hand (in the
 decode graphs, right after routing), and the host's partial path only for the misses (MoEStep.misses). Every row is
 computed by the same kernel whichever group holds it and written once, so no bit changes (invariant 1).
+
+Host experts in place or banked (engine.host_in_place, decided per step by refresh(rows=...)):
+  always   in place for every step
+  never    banked: the table names no host slot, so partial(hand=True) copies the step's routed host experts into
+           ring banks on the copy engine (~55 GB/s on the H200) and computes them there, the disk misses after them
+  auto     in place when the step has at most IN_PLACE_MAX_ROWS rows (sequences), banked above.
+  Bytes over PCIe: the expert kernels (kernels/triton_moe.py) run one program per (output block, row block of one
+  expert): a program reads its BN weight rows over all of K for its block of up to BM = 16 rows (BM_MV on the mmvq
+  decode schedule), so an expert's bytes cross PCIe once per row block, ceil(rows / BM) times, and a batch step
+  (at most 8 rows, so at most 8 per expert) reads each routed host expert once in place: the same bytes as a bank
+  copy (MoEStep counts them: PassStats.in_place_bytes beside h2d_bytes). What differs is the reader: a bank copy is
+  one DMA on the copy engine, overlapped with the VRAM group's compute; in place, the SMs' loads wait on PCIe
+  inside the group, whose programs then hold the SMs while the VRAM experts' programs queue behind them. A one-row
+  step reads few host experts (k per layer) and saves the bank's copy + launch round; a step of several rows reads
+  up to rows x k of them, where the copy engine's bandwidth is what counts. The next device run
+  (deploy/device/check_gate.py --settings off,always,never,auto --lanes 1,4,8) measures where the crossover is.
+Every row is computed by the same kernel in either case: no bit changes (tests/worker/test_decode_at_hand.py).
 
 Freshness (the invariant: an expert's bytes are not rewritten while a step may read them through the table):
   - refresh() before each decode step copies the table into the same device storage (the graphs read it in place;
@@ -37,10 +53,26 @@ from betelgeuse.store.arena import device_address
 from betelgeuse.store.directory import TIER_HOST
 
 
+# auto: the most rows (sequences) a decode step may have for its host experts to be read in place. 1 = the lone stream
+# reads in place (gpu-run35-gate: 10.4 ms a step in place against 15.9 on the partial path's banks), a batch step
+# copies them into ring banks: with 4 clients ~1.6 GB of host experts a step, which the copy engine moves at ~55 GB/s
+# overlapped with the VRAM group (gpu-run37), where in place the kernels' own loads wait on PCIe. A starting point
+# until check_gate --lanes 1,4,8 measures the crossover
+IN_PLACE_MAX_ROWS = 1
+HOST_IN_PLACE = ("auto", "always", "never")
+
+
+def host_in_place(policy: str, rows: int) -> bool:
+    """Whether a decode step of `rows` rows reads host-tier experts in place (policy: engine.host_in_place)."""
+    assert policy in HOST_IN_PLACE and rows >= 1, (policy, rows)
+    return policy == "always" or (policy == "auto" and rows <= IN_PLACE_MAX_ROWS)
+
+
 class AtHand:
-    def __init__(self, cache, flex, backend: str):
+    def __init__(self, cache, flex, backend: str, policy: str = "always"):
         L, E = cache.vram_base.shape
-        self.cache, self.flex, self.backend = cache, flex, backend
+        self.cache, self.flex, self.backend, self.policy = cache, flex, backend, policy
+        self.in_place = False                                   # this step's host experts are in the table
         self.host = np.full((L, E), -1, dtype=np.int64)        # the table on the host (the misses are read from it)
         self.dev = torch.full((L, E), -1, dtype=torch.int64, device=cache.device)   # fixed storage the graphs read
         self.srcs: list[list] | None = [[None] * E for _ in range(L)] if backend == "torch" else None
@@ -56,15 +88,19 @@ class AtHand:
 
     @property
     def zero_copy(self) -> bool:
-        """Host-tier experts are read in place (at hand), not copied through a ring bank."""
+        """Host-tier experts can be read in place (the arena is mapped for the kernels); whether a step does:
+        in_place."""
         return self.arena_addr is not None
 
-    def refresh(self, snap, force: bool = False) -> bool:
-        """Rebuild the table where the snapshot, the VRAM slots or the flex copies changed (force: rebuild anyway)
-        -> whether it was uploaded. Vectorized over the [n_layer, n_expert] table (every decode step that filled a
-        flex copy rebuilds it); the torch kernels' sources are made only on the CPU (the tests' path)."""
+    def refresh(self, snap, rows: int | None = None, force: bool = False) -> bool:
+        """Rebuild the table where the snapshot, the VRAM slots, the flex copies or the step's host rule (rows: the
+        step's rows; None inside a step: the step's rule kept) changed (force: rebuild anyway) -> whether it was
+        uploaded. Vectorized over the [n_layer, n_expert] table (every decode step that filled a flex copy rebuilds
+        it); the torch kernels' sources are made only on the CPU (the tests' path)."""
         c, f = self.cache, self.flex
-        key = (c.vram_version, -1 if f is None else f.version)
+        if rows is not None:
+            self.in_place = self.zero_copy and host_in_place(self.policy, rows)
+        key = (c.vram_version, -1 if f is None else f.version, self.in_place)
         if not force and self._key is not None and self._key[0] is snap and self._key[1] == key:
             return False
         self._key = (snap, key)
@@ -72,7 +108,7 @@ class AtHand:
         pool = c.pool.data_ptr()
         tab = np.full((L, E), -1, dtype=np.int64)
         src = np.zeros((L, E), dtype=np.int8)          # 1 host, 2 flex, 3 VRAM: which source tab holds
-        if self.zero_copy:
+        if self.in_place:
             ls, es = np.nonzero((snap["tier"] == TIER_HOST) & (snap["host_slot"] >= 0))
             lay = c.layout
             off = lay.host_base + (ls * lay.host_per_layer + snap["host_slot"][ls, es]) * lay.slot.slot_bytes

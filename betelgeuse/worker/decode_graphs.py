@@ -70,7 +70,7 @@ class SoloDecode:
         pos = kv.begin_static()
         lstats = [LayerStats() for _ in range(self.moe.n_layer)]
         self.moe.refresh_static(snap)
-        self.moe.hand_refresh(snap)
+        self.moe.hand_refresh(snap, len(ids))
         key = (kv.uid, self.moe.cache.all_vram.tobytes(), self.moe.static_variant())
         ent = self._graphs.get(key) if self.graphs_on else None
 

@@ -123,7 +123,7 @@ class MoEStep:
         self.sync = RoutingSync(torch.device(session.device))
         # decode's at-hand group (worker/at_hand.py): every expert computable without the disk in one group, the
         # host path for the misses only; None = decode takes the partial path as prefill does
-        self.hand = AtHand(self.cache, flex, self.kern.backend) if self._hand_on(cfg) else None
+        self.hand = AtHand(self.cache, flex, self.kern.backend, cfg.host_in_place) if self._hand_on(cfg) else None
         # decode with no per-layer sync (worker/gate.py): every layer launched ahead, gated on the device
         self.gate = None
         if self.hand is not None and self._gate_on(cfg):
@@ -300,10 +300,11 @@ class MoEStep:
         """Layer l of a decode step takes the at-hand group + misses (else: wholly VRAM, or no at-hand table)."""
         return self.hand is not None and not self.cache.all_vram[l]
 
-    def hand_refresh(self, snap):
-        """Before a decode step: the at-hand table follows the snapshot, VRAM slots and flex copies."""
+    def hand_refresh(self, snap, rows: int):
+        """Before a decode step of `rows` rows: the at-hand table follows the snapshot, VRAM slots, flex copies and
+        the step's host rule (host_in_place: in place or through ring banks; worker/at_hand.py)."""
         if self.hand is not None:
-            self.hand.refresh(snap)
+            self.hand.refresh(snap, rows)
 
     def hand_start(self, l: int, r, guess):
         """After routing, before the at-hand group: the host sync's copies enqueued (no wait)."""
@@ -424,6 +425,9 @@ class MoEStep:
             assert (at[by_tier[TIER_DISK]] == -1).all(), (l, by_tier[TIER_DISK])
             ls.groups += 1
             self._flex_count(len(flexed), stats, ls)
+            if self.hand.in_place:      # the bytes the group's kernels read over PCIe (worker/at_hand.py)
+                read = [e for e in host if at[e] != -1]
+                stats.in_place_bytes += cache.slot_bytes * self.kern.weight_reads(l, counts[read], int(counts.sum()))
             host = [e for e in host if at[e] == -1]
             by_tier, flexed = {**by_tier, TIER_VRAM: used[:0]}, used[:0]
         batches = [host[i:i + B] for i in range(0, len(host), B)]

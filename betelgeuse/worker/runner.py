@@ -426,7 +426,7 @@ class ModelRunner:
                     kv.begin_static()
                 self._engram_stage(kvs, ids_t, idx, ln.B)
                 self.moe.refresh_static(snap)
-                self.moe.hand_refresh(snap)
+                self.moe.hand_refresh(snap, n)
                 self.moe.gate_begin()
                 ln.begin(ids_t, kvs, idx, self.moe.static_variant())
             else:

@@ -44,7 +44,9 @@ class PassStats:
     reads: dict = field(default_factory=lambda: {"vram": 0, "host": 0, "disk": 0})
     disk_bytes: int = 0         # bytes read from disk for experts this pass used (expert payload bytes)
     disk_wait_s: float = 0.0
-    h2d_bytes: int = 0
+    h2d_bytes: int = 0          # bytes the copy engine moved host -> device (ring banks, VRAM fills, flex copies)
+    in_place_bytes: int = 0     # host-tier expert bytes the kernels read in place over PCIe (slot bytes x the times
+                                # a launch reads them: MoEKernels.weight_reads; worker/at_hand.py)
     flex_hits: int = 0          # of reads["vram"]: experts computed from a flex cache copy (worker/flex_cache.py)
     prefetched: int = 0         # experts whose disk read was issued ahead, before they were asked for
     # decode's guesses of the next layer's experts (worker/guess.py): guessed experts on disk, those the layer then

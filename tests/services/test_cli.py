@@ -185,6 +185,7 @@ BAD_ENGINE_VALUES = [
     ("engine.flex_cache", 1, 'true, false or "auto"'),
     ("engine.decode_at_hand", "sometimes", 'true, false or "auto"'),
     ("engine.decode_gate", "fast", "off, on, auto"),
+    ("engine.host_in_place", "sometimes", "auto, always, never"),
     ("engine.prefetch_depth", 0, "integer >= 1"),
     ("engine.prefetch_depth", "deep", '>= 1 or "auto"'),
     ("engine.prefetch_batch_rule", "all", "rows, union"),
