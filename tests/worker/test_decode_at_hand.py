@@ -126,25 +126,80 @@ def test_gate_kernels_publish_and_bound_their_spin():
     assert out["open_gate"] == {"mark": 41, "err": 0} and out["closed_gate"] == {"mark": 42, "err": 1}, out
 
 
-def _lanes3(model, **cfg):
-    """Three prompts decoded together through the lanes (decode_batch of 3) on a VRAM/host/disk mix -> logits."""
-    rn, st = in_process_runner(model, 5, 15, max_running=3, decode_consolidate_every=0, **cfg)
+def _lanes(model, n, vram, host, extra, steps=4, **cfg):
+    """n prompts decoded together through the lanes (decode_batch of n) -> (logits [steps, n, V], per step: reads,
+    flex hits, applied (layer, expert) counts, routed (layer, expert) set, PassStats.in_place_bytes in expert slots,
+    h2d_bytes, whether the step's table held host slots)."""
+    rn, st = in_process_runner(model, vram, host, **{"max_running": 4, "decode_consolidate_every": 0, **extra, **cfg})
     try:
-        kvs = [rn.new_cache(64) for _ in range(3)]
+        applied = Counter()
+        weights = rn.cache.weights
+
+        def counted(slot, layer, expert):
+            applied[layer, expert] += 1
+            return weights(slot, layer, expert)
+        rn.moe.kern.weights_fn = counted
+        kvs = [rn.new_cache(64) for _ in range(n)]
         toks = [int(rn.forward(prompt(16 + 4 * i, V, seed=20 + i), kv)[0][-1].argmax()) for i, kv in enumerate(kvs)]
         rn.settle()
         rn._static_decode = True
-        out = []
-        for _ in range(4):
-            lg, _ = rn.decode_batch(toks, kvs)
+        out, seen = [], []
+        for _ in range(steps):
+            applied.clear()
+            lg, s = rn.decode_batch(toks, kvs)
+            routed = {(int(l), int(e)) for l, e in zip(*np.nonzero(rn.session.counts.numpy()))}
+            in_place = rn.moe.hand is not None and rn.moe.hand.in_place
+            seen.append((dict(s.reads), s.flex_hits, dict(applied), routed, s.in_place_bytes / rn.cache.slot_bytes,
+                         s.h2d_bytes, in_place))
             out.append(lg)
             toks = [int(x) for x in lg.argmax(-1)]
-        return torch.stack(out)
+        return torch.stack(out), seen
     finally:
         close_runner(rn, st)
+
+
+def _lanes3(model, **cfg):
+    """Three prompts decoded together on a VRAM/host/disk mix -> logits."""
+    return _lanes(model, 3, 5, 15, dict(max_running=3), **cfg)[0]
 
 
 def test_lanes_of_three_gated_and_at_hand_are_the_partial_paths_bits(model):
     want = _lanes3(model, decode_at_hand=False)
     for cfg in (dict(decode_at_hand=True), dict(decode_at_hand=True, decode_gate="on")):
         assert torch.equal(_lanes3(model, **cfg), want), cfg
+
+
+# (vram, host, extra): a VRAM/host/disk mix, and one with flex copies (one read thread: the same hits on every path)
+MIXES = [(5, 15, {}), (2, 6, dict(flex_cache=True, max_context=1024, staging_slots=6, prefix_cache_bytes=0,
+                                  read_threads=1))]
+
+
+@pytest.mark.parametrize("n", [1, 4], ids=["one-row", "four-rows"])
+def test_host_experts_in_place_or_banked_are_the_partial_paths_bits_and_reads(model, n):
+    """engine.host_in_place (worker/at_hand.py): always = host slots in the at-hand table, never = copied into ring
+    banks by the host path, auto = in place for one-row steps only. Lanes of n rows over VRAM/host/disk (and flex)
+    mixes: the partial path's logits bit for bit and its reads per tier, every routed (layer, expert) computed once,
+    the host bytes read in place counted only where the table held them, and a banked step copying more."""
+    tiers = Counter()
+    for vram, host, extra in MIXES:
+        want, ref = _lanes(model, n, vram, host, extra, decode_at_hand=False)
+        h2d = {}
+        for policy in ("always", "never", "auto"):
+            got, steps = _lanes(model, n, vram, host, extra, decode_at_hand=True, host_in_place=policy)
+            assert torch.equal(got, want), (vram, host, policy, (got - want).abs().max().item())
+            in_place = policy == "always" or (policy == "auto" and n == 1)
+            for i, (step, step0) in enumerate(zip(steps, ref)):
+                reads, hits, applied, routed, inb, h2, held = step
+                assert (reads, hits) == step0[:2], (vram, host, policy, i)
+                assert applied == {le: 1 for le in routed}, (vram, host, policy, i, applied, routed)
+                assert held == in_place, (policy, n, i)
+                # the torch kernels read an expert once per group: one slot's bytes for each routed host expert
+                assert inb == (reads["host"] if in_place else 0), (policy, n, i, inb, reads)
+            h2d[policy] = sum(x[5] for x in steps)
+        # banked: the routed host experts' slots go through the copy engine on top of what in place copies
+        banked = sum(st[0]["host"] for st in ref) > 0
+        assert (h2d["never"] > h2d["always"]) == banked and h2d["auto"] == h2d["never" if n > 1 else "always"], h2d
+        tiers.update({t: x for st in ref for t, x in st[0].items()})
+        tiers["flex"] += sum(st[1] for st in ref)
+    assert all(tiers[t] > 0 for t in ("vram", "host", "disk", "flex")), tiers          # every source was exercised
+
