@@ -213,3 +213,20 @@ def test_tokens_without_text_are_timed(tmp_path_factory):
         assert 0 < f["server_ttft_p50_s"] <= rec["ttft_s"] and f["server_tg_min"] > 0, f
     finally:
         c.stop()
+
+
+def test_a_configuration_sets_host_in_place_for_its_own_serve():
+    """`bench_serve.sh --config auto,auto:host-in-place=never` (worker/at_hand.py's A/B in one session): the second
+    serve alone gets --host-in-place never, which serve's flags resolve to engine.host_in_place."""
+    import argparse
+
+    from betelgeuse.settings import flag_values, resolve_settings
+    from services.bench.serve import ServeOptions, parse_configs, serve_argv
+    from services.launcher import serve_arguments
+    configs = parse_configs("auto,auto:host-in-place=never")
+    o = ServeOptions(model="/m.gguf", device="cpu", configs=configs)
+    p = argparse.ArgumentParser()
+    serve_arguments(p)
+    got = [resolve_settings(None, env={}, flags=flag_values(p.parse_args(serve_argv(o, c, "/tmp/x", 1, 2, True)[1:])))
+           .settings.engine.host_in_place for c in configs]
+    assert got == ["auto", "never"], got
