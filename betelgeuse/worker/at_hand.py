@@ -53,11 +53,11 @@ from betelgeuse.store.arena import device_address
 from betelgeuse.store.directory import TIER_HOST
 
 
-# auto: the most rows (sequences) a decode step may have for its host experts to be read in place. 1 = the lone stream
-# reads in place (gpu-run35-gate: 10.4 ms a step in place against 15.9 on the partial path's banks), a batch step
-# copies them into ring banks: with 4 clients ~1.6 GB of host experts a step, which the copy engine moves at ~55 GB/s
-# overlapped with the VRAM group (gpu-run37), where in place the kernels' own loads wait on PCIe. A starting point
-# until check_gate --lanes 1,4,8 measures the crossover
+# auto: the most rows (sequences) a decode step may have for its host experts to be read in place. 1: the lone stream
+# reads in place (gpu-run35-gate: 10.4 ms a b16 step, against 15.9 on the partial path with its banks), a batch step
+# copies them into ring banks: with 4 clients ~1.6 GB of host experts a step (gpu-run37-serve), bytes the copy engine
+# moved at ~55 GB/s, where in place the kernels' own loads wait on PCIe inside the group. A starting point: not
+# measured side by side until `deploy/device/check_gate.py --lanes 1,4,8` runs (module doc)
 IN_PLACE_MAX_ROWS = 1
 HOST_IN_PLACE = ("auto", "always", "never")
 

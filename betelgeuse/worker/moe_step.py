@@ -19,9 +19,10 @@
     serial     the standard schedule's baseline: each expert fetched on demand and waited for (copy, sync, compute)
     at hand    decode in the static form (decode_at_hand; worker/at_hand.py): right after routing the sync's copies are
                enqueued (hand_start), then ONE group computes every routed row whose expert is at hand (VRAM slot,
-               flex copy, host slot read in place over PCIe) inside the decode graphs (hand_group), then the host
-               waits and runs partial(hand=True): the tier counts as above, read-ahead, and steps 1-4 for the misses
-               only (disk experts, and host ones only where they are not read in place)
+               flex copy, host slot read in place over PCIe where the step's host rule says so: host_in_place) inside
+               the decode graphs (hand_group), then the host waits and runs partial(hand=True): the tier counts as
+               above, read-ahead, and steps 1-4 for the misses only (disk experts, and host ones only where this
+               step does not read them in place: through ring banks)
     gated      decode_gate (worker/gate.py): the same, with no per-layer sync: the step is launched ahead, each layer's
                at-hand group followed by a device-side publish + gate (gate_layer); the host drains the layers in
                order afterwards (gate_drain: its row polled from pinned memory, the misses on a side stream, then the
