@@ -4,9 +4,11 @@ The first step of a (sequence, residency pattern) runs eagerly (it also warms up
 the capturable runs between host-dependent layers as CUDA graphs; later steps replay them: a wholly VRAM-resident
 model decodes a token in one graph launch. A layer that is not wholly in VRAM yields to the host (MoEStep.partial)
 between two graphs; with decode's at-hand group (worker/at_hand.py) that layer's group is a graph of its own between
-the sync's copies and the wait, and with decode_gate (worker/gate.py) nothing yields: the step is one graph and the
-host drains the gated layers after launching it. Eager and replayed steps run the same kernels on the same shapes, so
-the bits do not depend on which it was (invariant 1).
+the sync's copies and the wait, and with decode_gate (worker/gate.py) nothing yields once captured: the step is one
+graph, its gates armed, and the host drains the gated layers after launching it (the eager first step drains each
+gated layer where its gate stands, disarmed: its launches block the host in ways a spinning gate must not meet).
+Eager and replayed steps run the same kernels on the same shapes, so the bits do not depend on which it was
+(invariant 1).
 
 The engine decodes a lone sequence through the batched lanes (worker/lanes.py) in the static form; this path is
 the runner's forward() of one token (and what the tests force on the CPU, eagerly).
@@ -34,13 +36,15 @@ class SoloDecode:
         # (kv uid, all-VRAM pattern, routing variant: MoEStep.static_variant) -> "warm" | captured graphs
         self._graphs: OrderedDict = OrderedDict()
 
-    def _ops(self, ids, kv, pos, lstats, out: dict):
+    def _ops(self, ids, kv, pos, lstats, out: dict, ahead: bool = False):
         """One decode token as a generator: runs the capturable work and yields (kind, layer, routing, guess) where a
         layer's experts need the host (a layer not wholly in VRAM); the caller does that part eagerly: "partial" (the
         partial path), or with the at-hand table (MoEStep.hand_layer) "start" (the sync's copies enqueued) before the
         at-hand group and "misses" (wait, then the misses) after it, the group a graph of its own. guess: the
         next layers' guessed experts [T,D,k] from this layer's residual after attention (worker/guess.py), or None;
-        whether there is one depends only on the residency pattern, which keys the graphs."""
+        whether there is one depends only on the residency pattern, which keys the graphs. ahead (decode_gate on CUDA,
+        a step captured whole or replayed): a gated layer does not yield, it is drained after the step's launch;
+        else (an eager step, the CPU) it yields "gated" and is drained where its gate stands (worker/gate.py)."""
         m, moe = self.model, self.moe
         x = m.embed(ids)
         for l in range(moe.n_layer):
@@ -50,9 +54,9 @@ class SoloDecode:
             r = moe.route(l, h, top_ids, top_w, lstats[l])
             if lstats[l].synced:
                 guess = guess_ahead(m, l, x, ids, moe.depth, moe.n_layer) if moe.wants_guess(l) else None
-                if moe.gate is not None:        # launched ahead, gated on the device (worker/gate.py): drained later
+                if moe.gate is not None:        # gated on the device (worker/gate.py)
                     moe.gate_layer(l, r, guess)
-                    if moe.gate.cuda:
+                    if ahead:
                         out.setdefault("gated", []).append((l, r, moe.guess_shape(l, guess)))
                     else:
                         yield "gated", l, r, guess
@@ -78,15 +82,19 @@ class SoloDecode:
             kind, l, r, guess = item
             if kind == "start":
                 self.moe.hand_start(l, r, guess)
-            elif kind == "gated":               # the CPU: drained where its gate stands
-                self.moe.gate_drain(l, r, self.moe.guess_shape(l, guess), snap, stats, lstats[l])
+            elif kind == "gated":               # an eager step or the CPU: drained where its gate stands (disarmed)
+                self.moe.gate_drain(l, r, self.moe.guess_shape(l, guess), snap, stats, lstats[l], armed=False)
             elif kind == "misses":
                 self.moe.hand_misses(l, r, snap, stats, lstats[l])
             else:
                 self.moe.partial(l, r, snap, stats, lstats[l], False, guess)
 
         out: dict = {}
+        gate = self.moe.gate
+        ahead = gate is not None and gate.cuda and ent is not None    # captured whole or replayed: one launch
         self.moe.gate_begin()
+        if ahead:
+            gate.set_ahead(True)
         if ent is None:
             for item in self._ops(ids, kv, pos, lstats, out):
                 eager_part(item)
@@ -95,7 +103,7 @@ class SoloDecode:
             logits = out["logits"]
         elif ent == "warm":
             static_ids = ids.clone()
-            gen = self._ops(static_ids, kv, pos, lstats, out)
+            gen = self._ops(static_ids, kv, pos, lstats, out, ahead)
             graphs, eager, pool = [], [], None
             while True:
                 g, item = capture(pool, lambda: next(gen, None))      # captured, then replayed once
@@ -115,8 +123,8 @@ class SoloDecode:
                 g.replay()
                 if i < len(eager):
                     eager_part(eager[i])
-        for l, r, shape in out.get("gated", ()):   # decode_gate on CUDA: the whole step is launched; misses now
-            self.moe.gate_drain(l, r, shape, snap, stats, lstats[l])
+        for l, r, shape in out.get("gated", ()):   # decode_gate ahead: the whole step is launched; misses now
+            self.moe.gate_drain(l, r, shape, snap, stats, lstats[l], armed=True)
         if self.moe.gate is not None:
             self.moe.gate.check()
         kv.commit()

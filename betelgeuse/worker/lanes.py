@@ -121,6 +121,9 @@ class Lanes:
         self._idx: dict = {}                        # tuple of lanes -> LongTensor of them on the device
         self._r = None                              # this step's routing of the previous layer (its combine is next)
         self._ran: set = set()                      # the parts run this step (only they move on to capture/replay)
+        # called before any launch that is not a graph replay (an eager or captured part, an attention graph's eager
+        # or capture step): decode_gate's host catches up with the gates launched ahead first (worker/gate.py)
+        self.before_host = None
 
     # ---- lanes ------------------------------------------------------------------------------------------
     def join(self, kvs) -> torch.Tensor:
@@ -260,7 +263,9 @@ class Lanes:
         self._ran.add(key)
         if p.mode == REPLAY:
             p.graph.replay()
-        elif p.mode == CAPTURE:
+            return p.out
+        self._host()
+        if p.mode == CAPTURE:
             p.graph, p.out = capture(self.pool, lambda: fn(*args))
             self.pool = p.graph.pool()
         else:
@@ -297,12 +302,23 @@ class Lanes:
             s = self.seqs[kv.uid]
             if s.mode == REPLAY:
                 s.graphs[l].replay()
-            elif s.mode == CAPTURE:
+                continue
+            self._host()
+            if s.mode == CAPTURE:
                 s.graphs[l], _ = capture(s.pool, lambda: self._attend(l, s))
                 s.pool = s.graphs[l].pool()
             else:
                 self._attend(l, s)
         return self._run(("post", l, v), self._post, l, v, route)[3:]
+
+    def _host(self):
+        if self.before_host is not None:
+            self.before_host()
+
+    def replays(self, name: str, l: int, kvs) -> bool:
+        """Whether part(name, l, kvs, ...) will replay its graph this step (else it runs eagerly or is captured)."""
+        p = self.parts.get((name, l, (len(kvs), self.mode)))
+        return p is not None and p.mode == REPLAY
 
     def part(self, name: str, l: int, kvs, fn, *args):
         """An extra lane part of layer l (fn(l, *args), e.g. MoEStep.hand_group: decode's at-hand expert group) in

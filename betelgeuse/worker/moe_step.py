@@ -23,10 +23,10 @@
                the decode graphs (hand_group), then the host waits and runs partial(hand=True): the tier counts as
                above, read-ahead, and steps 1-4 for the misses only (disk experts, and host ones only where this
                step does not read them in place: through ring banks)
-    gated      decode_gate (worker/gate.py): the same, with no per-layer sync: the step is launched ahead, each layer's
-               at-hand group followed by a device-side publish + gate (gate_layer); the host drains the layers in
-               order afterwards (gate_drain: its row polled from pinned memory, the misses on a side stream, then the
-               layer's gate opened)
+    gated      decode_gate (worker/gate.py): the same, with no per-layer sync: the step's replayed parts are launched
+               ahead, each layer's at-hand group followed by a device-side publish + gate (gate_layer); the host drains
+               the layers in order afterwards (gate_drain: its row polled from pinned memory, the misses on a side
+               stream, then the layer's gate opened); an eager or captured part's gate passes and is drained at once
 
 This is mixtral-offloading's load_experts(unordered=True) over three tiers. Expert outputs land in
 y[token * k + rank] and are reduced in rank order, and each row is computed by the same kernel whatever group it is
@@ -345,6 +345,7 @@ class MoEStep:
         self.gate.publish_and_gate(l, r.counts, self.hand.dev[l], self._guess_of(l, guess))
 
     def gate_begin(self):
+        """Before a gated step's launches: a new tag, the words zeroed, the gates disarmed (worker/gate.py)."""
         if self.gate is not None:
             self.gate.begin()
 
@@ -353,18 +354,20 @@ class MoEStep:
         g = self._guess_of(l, guess)
         return None if g is None else tuple(g.shape)
 
-    def gate_drain(self, l: int, r, shape, snap, stats: PassStats, ls: LayerStats):
+    def gate_drain(self, l: int, r, shape, snap, stats: PassStats, ls: LayerStats, armed: bool = True):
         """Layer l's row from the host buffer (polled), then the tier counts, read-ahead and the misses on the side
-        stream; its gate opens after them (module doc of worker/gate.py). A failure opens every gate first."""
+        stream; its gate opens after them, or, where it was launched disarmed (an eager or captured part), the main
+        stream waits for them (module doc of worker/gate.py). A failure opens every gate first."""
         ev = self.clock.layer_start()
+        gate = self.gate
+        (gate.pos.armed if armed else gate.pos.disarmed).append(l)
         try:
-            counts, marks, misses = self.clock.wait(self.gate.wait, l, shape)
-            with self.gate.stream():
+            counts, marks, misses = self.clock.wait(gate.wait, l, shape)
+            with gate.stream():
                 self.hand_misses(l, r, snap, stats, ls, synced=(counts, marks))
-            if misses:
-                self.gate.open(l)
+            gate.open(l, armed, misses)
         except BaseException:
-            self.gate.abort()
+            gate.abort()
             raise
         self.clock.layer_end(ev, ls)
 

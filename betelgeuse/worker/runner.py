@@ -415,7 +415,7 @@ class ModelRunner:
         start = self._begin()
         static = self._static_decode
         sb = self.kern.sub_batch
-        gated: list = []                            # decode_gate on CUDA: (layer, routing, stats) to drain
+        gated: list = []              # decode_gate on CUDA: the layers launched ahead, to drain (_drain_gated)
         try:
             snap = self.session.begin(stats)
             self.kern.sub_batch = 1
@@ -428,6 +428,8 @@ class ModelRunner:
                 self.moe.refresh_static(snap)
                 self.moe.hand_refresh(snap, n)
                 self.moe.gate_begin()
+                if self.moe.gate is not None:     # the host catches up before any launch that is not a replay
+                    ln.before_host = lambda: self._drain_gated(gated, snap, stats)
                 ln.begin(ids_t, kvs, idx, self.moe.static_variant())
             else:
                 pos = [kv.begin(1) for kv in kvs]
@@ -444,8 +446,7 @@ class ModelRunner:
                 kv.commit()
             logits = (ln.head(kvs, self.kern.combine) if static
                       else torch.cat([self.model.logits(x) for x in xs])).float()
-            for l, r, shape, ls in gated:   # decode_gate on CUDA: the whole step is launched; the misses now
-                self.moe.gate_drain(l, r, shape, snap, stats, ls)
+            self._drain_gated(gated, snap, stats)   # decode_gate on CUDA: the step is launched; the misses now
             if static and self.moe.gate is not None:
                 self.moe.gate.check()
             counts = self.session.end_counts()
@@ -454,6 +455,8 @@ class ModelRunner:
             raise
         finally:
             self.kern.sub_batch = sb
+            if static:
+                ln.before_host = None
         self._end(stats, counts, False, *start)
         return logits, stats
 
@@ -464,17 +467,27 @@ class ModelRunner:
         r, guess = ln.front(l, kvs, self.moe.route_rows, self.kern.combine)
         t1 = time.perf_counter()
         ls.attn_s = t1 - t
-        if self.moe.gate is not None and self.moe.hand_layer(l):    # launched ahead, gated (worker/gate.py)
+        gate = self.moe.gate
+        if gate is not None and self.moe.hand_layer(l):    # gated (worker/gate.py): ahead where its part replays
+            ahead = gate.cuda and ln.replays("gate", l, kvs)
+            gate.set_ahead(ahead)
             ln.part("gate", l, kvs, self.moe.gate_layer, r, guess)
-            if self.moe.gate.cuda:
-                gated.append((l, r, self.moe.guess_shape(l, guess), ls))
-            else:                                   # the CPU: drained where its gate stands
-                self.moe.gate_drain(l, r, self.moe.guess_shape(l, guess), snap, stats, ls)
+            gated.append((l, r, self.moe.guess_shape(l, guess), ls, ahead))
+            if not ahead:               # eager or captured (or the CPU): drained where its gate stands
+                self._drain_gated(gated, snap, stats)
         elif self.moe.hand_layer(l):      # the at-hand group in a lane graph, the host for the misses only
             self.moe.hand_experts(l, r, snap, stats, ls, guess, lambda: ln.part("hand", l, kvs, self.moe.hand_group, r))
         else:
+            if gated:                   # eager expert work: the gates launched ahead are drained first
+                self._drain_gated(gated, snap, stats)
             self.moe.experts(l, r, snap, stats, ls, guess)
         ls.moe_s = time.perf_counter() - t1
+
+    def _drain_gated(self, gated: list, snap, stats: PassStats):
+        """decode_gate: the gated layers launched so far drained in order (MoEStep.gate_drain), the list emptied."""
+        for l, r, shape, ls, ahead in gated:
+            self.moe.gate_drain(l, r, shape, snap, stats, ls, armed=ahead)
+        gated.clear()
 
     def _rows_layer(self, l: int, xs, ids_t, kvs, pos, snap, stats, ls: LayerStats):
         """Layer l of a batched decode, each sequence's dense part alone (the ops of its solo decode), the MoE over

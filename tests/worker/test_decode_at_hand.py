@@ -110,7 +110,8 @@ def test_at_hand_triton_reads_host_slots_in_place(tmp_path):
 def test_gate_kernels_publish_and_bound_their_spin():
     """kernels/triton_gate.py under TRITON_INTERPRET=1: publish writes the rows per expert, guesses and misses through
     an offset into another buffer and sets the flag only when nothing is missed; an open gate writes its marker and
-    passes, a closed one gives up after max_iter loads with the error flag set (a bug cannot hang the GPU)."""
+    passes, a closed one gives up after max_iter loads with the error flag set (a bug cannot hang the GPU); a disarmed
+    one (an eager or captured part) passes at once; an armed one passes when another thread sets its flag mid-spin."""
     import json
     import os
     import subprocess
@@ -123,7 +124,11 @@ def test_gate_kernels_publish_and_bound_their_spin():
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["counts_ok"] and out["guess_ok"] and out["misses"] == out["misses_want"] > 0, out
     assert out["flag"] == out["flag_want"] == 0 and (out["flag_all_at_hand"], out["misses_all_at_hand"]) == (1, 0), out
-    assert out["open_gate"] == {"mark": 41, "err": 0} and out["closed_gate"] == {"mark": 42, "err": 1}, out
+    assert out["open_gate"] == {"mark": 41, "err": 0, "spun": 0}, out
+    assert out["closed_gate"] == {"mark": 42, "err": 1, "spun": 50}, out
+    assert out["disarmed_gate"] == {"mark": 43, "err": 0, "spun": 0}, out
+    late = out["late_flag_gate"]
+    assert (late["mark"], late["err"]) == (44, 0) and late["spun"] > 0 and out["late_flag_s"] >= 0.3, out
 
 
 def _lanes(model, n, vram, host, extra, steps=4, **cfg):
