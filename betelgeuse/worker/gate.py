@@ -134,7 +134,9 @@ class DecodeGate:
                     raise BetelgeuseError(f"decode gate: layer {l}'s routing did not arrive in "
                                           f"{self.HOST_TIMEOUT_S:.0f} s ({self.report(device=False)})")
                 time.sleep(0)                               # the store's client threads need the GIL
-            self.pos.waited_s += time.perf_counter() - t
+            dt = time.perf_counter() - t
+            self.pos.waited_s += dt
+            self.pos.waits[l] = round(dt, 4)
         self.pos.seen = l
         row = self._np[l * self.width: (l + 1) * self.width]
         n = 0 if shape is None else int(np.prod(shape))
@@ -179,7 +181,8 @@ class DecodeGate:
         p = self.pos
         marks = self._np[self.L * self.width:].tolist()
         txt = (f"tag {self.tag}; armed layers {p.armed}, disarmed {p.disarmed}; host: last marker seen "
-               f"{p.seen}, last layer opened {p.opened}, waited {p.waited_s:.3f} s for markers; markers "
+               f"{p.seen}, last layer opened {p.opened}, waited {p.waited_s:.3f} s for markers (by layer: "
+               f"{p.waits}); markers "
                f"{[m == self.tag for m in marks]}")
         if self.cuda and device:
             err = self.err.cpu().tolist()
@@ -191,10 +194,11 @@ class DecodeGate:
 class _Pos:
     """The host's drain position in a step (DecodeGate.report)."""
 
-    __slots__ = ("armed", "disarmed", "seen", "opened", "waited_s")
+    __slots__ = ("armed", "disarmed", "seen", "opened", "waited_s", "waits")
 
     def __init__(self):
         self.armed, self.disarmed = [], []
+        self.waits: dict = {}               # layer -> seconds the host polled for its marker (where it did)
         self.seen = self.opened = -1
         self.waited_s = 0.0
 
