@@ -469,7 +469,7 @@ class ModelRunner:
         ls.attn_s = t1 - t
         gate = self.moe.gate
         if gate is not None and self.moe.hand_layer(l):    # gated (worker/gate.py): ahead where its part replays
-            ahead = gate.cuda and ln.replays("gate", l, kvs)
+            ahead = ln.replays("gate", l, kvs)              # never on the CPU (no graphs): drained at once
             gate.set_ahead(ahead)
             ln.part("gate", l, kvs, self.moe.gate_layer, r, guess)
             gated.append((l, r, self.moe.guess_shape(l, guess), ls, ahead))

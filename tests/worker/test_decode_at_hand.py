@@ -208,3 +208,47 @@ def test_host_experts_in_place_or_banked_are_the_partial_paths_bits_and_reads(mo
         tiers["flex"] += sum(st[1] for st in ref)
     assert all(tiers[t] > 0 for t in ("vram", "host", "disk", "flex")), tiers          # every source was exercised
 
+
+def test_armed_gates_are_drained_before_any_launch_that_is_not_a_replay(model, monkeypatch):
+    """worker/gate.py's rule (the device gate's first CUDA run gave up on its first, eager, step: it launched every
+    layer while earlier layers' gates spun, and eager launches block the host on the device): a gate armed because its
+    part replays is drained before the step's next launch that is not a replay (an eager or captured part, a
+    sequence's attention). On the CPU every part runs eagerly; here the gate parts of odd layers say they replay, so
+    the runner arms them and defers their drains as on CUDA: each must come before the next eager launch, and the bits
+    stay the partial path's. Fails with the lanes' before_host hook taken out (the drains then come after the step)."""
+    from betelgeuse.worker.lanes import Lanes
+    from betelgeuse.worker.moe_step import MoEStep
+    want = _lanes3(model, decode_at_hand=False)
+    events = []
+    run, attend, drain = Lanes._run, Lanes._attend, MoEStep.gate_drain
+
+    def traced_run(self, key, fn, *args):
+        def traced(*a):
+            events.append(("launch", key[0], key[1] if key[0] != "head" else -1))
+            return fn(*a)
+        return run(self, key, traced, *args)
+
+    def traced_attend(self, l, s):
+        events.append(("launch", "attend", l))
+        return attend(self, l, s)
+
+    def traced_drain(self, l, *a, armed=True, **kw):
+        events.append(("drain", l, armed))
+        return drain(self, l, *a, armed=armed, **kw)
+    monkeypatch.setattr(Lanes, "_run", traced_run)
+    monkeypatch.setattr(Lanes, "_attend", traced_attend)
+    monkeypatch.setattr(Lanes, "replays", lambda self, name, l, kvs: name == "gate" and l % 2 == 1)
+    monkeypatch.setattr(MoEStep, "gate_drain", traced_drain)
+    got = _lanes3(model, decode_at_hand=True, decode_gate="on")
+    assert torch.equal(got, want)
+    pending: set = set()
+    for ev in events:
+        if ev[0] == "drain":
+            pending.discard(ev[1])
+        elif ev[1] == "gate" and ev[2] % 2 == 1:
+            pending.add(ev[2])                      # armed: its drain may wait for the next launch that is no replay
+        else:
+            assert not pending, (ev, pending)       # an eager launch while an armed gate waits for the host
+    drains = [ev for ev in events if ev[0] == "drain"]
+    assert not pending and {ev[2] for ev in drains} == {True, False}, drains
+    assert all(armed == (l % 2 == 1) for _, l, armed in drains), drains
