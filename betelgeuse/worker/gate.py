@@ -22,6 +22,9 @@ partial path for the misses ON A SIDE STREAM (loads, staging banks, their group)
 makes the main stream wait for it (disarmed); a layer with no miss costs the host its tier counts and read-ahead only.
 Rows are computed by the same kernels and written once whichever group computes them: the bits are the per-layer
 sync's (invariant 1).
+An armed drain itself must not block on the whole device either: its waits are on the side and copy streams and the
+store (none on the main stream); what could still wait for an idle device there (a Triton kernel compiled and loaded
+for the first time, a flex cache chunk allocated) is counted per armed drain by deploy/device/check_gate.py.
 
 Ordering: the side stream's work for layer l is enqueued after the host saw l's marker, which the gate writes after
 the layer's route, at-hand group and publish completed (fenced to system memory: kernels/triton_gate.py); the main
