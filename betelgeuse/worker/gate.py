@@ -156,6 +156,7 @@ class DecodeGate:
         """Layer l's misses are enqueued on the side stream: an armed gate opens after them (its flag; with no miss
         publish opened it), a disarmed one passed already and the main stream waits for the side stream instead."""
         self.pos.opened = l
+        self.pos.opened_at[l] = round(time.perf_counter() - self.pos.t0, 4)
         if not self.cuda:
             return
         if not armed:
@@ -185,7 +186,7 @@ class DecodeGate:
         marks = self._np[self.L * self.width:].tolist()
         txt = (f"tag {self.tag}; armed layers {p.armed}, disarmed {p.disarmed}; host: last marker seen "
                f"{p.seen}, last layer opened {p.opened}, waited {p.waited_s:.3f} s for markers (by layer: "
-               f"{p.waits}); markers "
+               f"{p.waits}), opened at (s after begin, by layer: {p.opened_at}); markers "
                f"{[m == self.tag for m in marks]}")
         if self.cuda and device:
             err = self.err.cpu().tolist()
@@ -197,11 +198,17 @@ class DecodeGate:
 class _Pos:
     """The host's drain position in a step (DecodeGate.report)."""
 
-    __slots__ = ("armed", "disarmed", "seen", "opened", "waited_s", "waits")
+    __slots__ = ("armed", "disarmed", "seen", "opened", "waited_s", "waits", "opened_at", "t0")
 
     def __init__(self):
         self.armed, self.disarmed = [], []
         self.waits: dict = {}               # layer -> seconds the host polled for its marker (where it did)
+        # layer -> when its misses were enqueued and its gate opened, seconds after the step's begin: a gate that gave
+        # up although the host opened it long before (a spin lasts ~seconds) points at the side stream's work not
+        # running beside the spinning gate (its stream sharing the main stream's hardware queue), a late one at a
+        # host that was blocked
+        self.opened_at: dict = {}
+        self.t0 = time.perf_counter()
         self.seen = self.opened = -1
         self.waited_s = 0.0
 

@@ -23,6 +23,10 @@ seconds each; real O_DIRECT reads, the flex cache at its default):
     gate-ahead    the old rule: every gate armed, nothing drained before an eager launch; expected to fail on its
                   first step if a host block under a spinning gate was the bug (meaningless on the CPU, which cannot
                   defer a drain: its bits differ there)
+    gate-conn     gate with CUDA_DEVICE_MAX_CONNECTIONS=32 (default 8): an armed gate waits for kernels of another
+                  stream, which CUDA runs beside it only where the two streams do not share a hardware work queue
+                  (streams beyond the connections share them; the pool holds 32+). A gate that gave up although the
+                  host opened it in time (the report's "opened at" far below a spin's seconds) points here
 For each lanes count n (1, 4, 8 sequences decoded together: decode_batch, the engine's form) n prompts are prefilled and
 decoded `decode` steps twice: round 0 "cold" (the prompts' experts partly on disk), round 1 "warm" (the same prompts
 again: their experts at hand, the prompt from the prefix cache); then `solo` tokens through forward() (the solo decode
@@ -58,10 +62,11 @@ import _common  # first: puts this checkout on sys.path
 MB = 1e6
 DEFAULT_MODEL = "/var/tmp/g/b16.gguf"
 SETTINGS = {"off": "always", "always": "always", "never": "never", "auto": "auto", "gate": "always",
-            "gate-eager": "always", "gate-nofence": "always", "gate-ahead": "always"}
+            "gate-eager": "always", "gate-nofence": "always", "gate-ahead": "always", "gate-conn": "always"}
 ALIASES = {"on": "always", "banked": "never"}
-DIAGNOSTIC = ("gate-nofence", "gate-ahead")
-ENV = {"gate-eager": {"CUDA_MODULE_LOADING": "EAGER"}, "gate-nofence": {"BETELGEUSE_GATE_FENCE": "0"}}
+DIAGNOSTIC = ("gate-nofence", "gate-ahead", "gate-conn")
+ENV = {"gate-eager": {"CUDA_MODULE_LOADING": "EAGER"}, "gate-nofence": {"BETELGEUSE_GATE_FENCE": "0"},
+       "gate-conn": {"CUDA_DEVICE_MAX_CONNECTIONS": "32"}}
 
 
 def _kind(step: int) -> str:
