@@ -41,7 +41,15 @@ from betelgeuse.kernels.triton_launch import launcher
 
 QK = 32                        # elements per q8_1 block (llama.cpp QK8_1)
 MMQ_TYPES = frozenset({0, 4, 5})  # kernel type codes with an MMA schedule: Q8_0, MXFP4, Q4_K
-CONFIG = {"BM": 16, "BN": 64, "num_warps": 4, "num_stages": 3}      # schedule keys only (no reduction key: see doc)
+CONFIG = {"BM": 16, "BN": 64, "num_warps": 4, "num_stages": 3}      # schedule keys (every type and bucket)
+# per type: KB quant blocks a K step (a schedule key: the same bits at every KB) and KCB quant blocks a K chunk (the
+# reduction key, 0 = one chunk: an output is 0 + p_0 + p_1 + ... over its chunks in order, each p_c accumulated from
+# zero; the same for both buckets, so a row's bits never depend on how many rows share its launch)
+TUNING: dict[int, dict] = {0: {"KB": 4, "KCB": 16}, 4: {"KB": 4, "KCB": 16}, 5: {"KB": 8, "KCB": 16}}
+# per rows bucket (triton_moe.bucket_of): SPLIT the chunks over programs (decode: more programs than a bank's
+# output tiles fill the SMs with) or walk them in one program -- a schedule key (the same sums)
+BUCKETS = {1: {"SPLIT": 1}, 16: {"SPLIT": 0}}
+TYPE_CONFIG: dict[int, dict] = {}     # kernel type code -> overrides (tests, the roofline)
 
 
 @triton.jit
@@ -134,32 +142,144 @@ def _q4_k_block(pool, ra, kb, mn):
 
 
 @triton.jit
-def mmq_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, K, QT: tl.constexpr):
-    """acc [BN, BM] + the rows' products over all of K (module doc): xq rows at element offsets xoff [BM], their
-    block scales d (and sums s) at dxoff [BM] (mask mr)."""
-    c = tl.arange(0, 32)
-    for kb in range(0, K // 32):
-        xq = tl.load(xq_ptr + xoff[:, None] + kb * 32 + c[None, :], mask=mr[:, None], other=0)       # [BM, 32]
-        dx = tl.load(xd_ptr + dxoff + kb, mask=mr, other=0.0)                                          # [BM]
-        if QT == 0 or QT == 4:                      # Q8_0 / MXFP4: d_w d8_1 sumi
-            if QT == 0:
-                wq, dw = _q8_0_block(pool, ra, kb, mn)
-            else:
-                wq, dw = _mxfp4_block(pool, ra, kb, mn)
-            dot = tl.dot(wq, tl.trans(xq), out_dtype=tl.int32)                                        # [BN, BM]
-            acc = acc + dot.to(tl.float32) * (dw[:, None] * dx[None, :])
-        else:                                       # Q4_K: d sc sumi d8 - dmin m s8 (s8 = d8 sum q8)
-            wq, dw, mw = _q4_k_block(pool, ra, kb, mn)
-            sx = tl.load(xs_ptr + dxoff + kb, mask=mr, other=0.0)
-            dot = tl.dot(wq, tl.trans(xq), out_dtype=tl.int32)
-            acc = acc + (dot.to(tl.float32) * (dw[:, None] * dx[None, :]) - mw[:, None] * sx[None, :])
+def _half(X, bit: tl.constexpr):
+    """X [..., 2] -> X[..., bit] (a register move: tl.split)."""
+    a, b = tl.split(X)
+    if bit:
+        r = b
+    else:
+        r = a
+    return r
+
+
+@triton.jit
+def _part(P, i: tl.constexpr, KB: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr):
+    """P [BN, BM, KB] -> P[:, :, i] [BN, BM] (KB 2, 4 or 8; index i = 4a + 2b + c peeled from its low bit)."""
+    if KB == 2:
+        r = _half(P, i)
+    elif KB == 4:
+        r = _half(_half(tl.reshape(P, (BN, BM, 2, 2)), i % 2), i // 2)
+    else:
+        r = _half(_half(_half(tl.reshape(P, (BN, BM, 2, 2, 2)), i % 2), (i // 2) % 2), i // 4)
+    return r
+
+
+@triton.jit
+def _w_tile(pool, ra, kb0, mn, QT: tl.constexpr, KB: tl.constexpr):
+    """The quants of blocks kb0 .. kb0 + KB of weight rows ra [BN] as one [BN, KB * 32] int8 tile (column c: block
+    kb0 + c // 32, element c % 32), in the values the block functions above give."""
+    c = tl.arange(0, KB * 32)
+    kb = kb0 + c // 32
+    e = c % 32
+    m2 = mn[:, None]
+    if QT == 0:
+        w = tl.load(pool + ra[:, None] + (kb * 34 + 2 + e)[None, :], mask=m2, other=0).to(tl.int8, bitcast=True)
+    elif QT == 4:
+        v = tl.load(pool + ra[:, None] + (kb * 17 + 1 + e % 16)[None, :], mask=m2, other=0).to(tl.int32)
+        v = (v >> ((e // 16) * 4)[None, :]) & 15
+        x = (v >> 1) & 3
+        mag = tl.where(x == 0, v & 1, (2 + (v & 1)) << tl.maximum(x - 1, 0))
+        w = tl.where(v >= 8, -mag, mag).to(tl.int8)
+    else:
+        j = kb % 8
+        q = tl.load(pool + ra[:, None] + ((kb // 8) * 144 + 16 + (j // 2) * 32 + e)[None, :], mask=m2, other=0)
+        w = ((q.to(tl.int32) >> (4 * (j % 2))[None, :]) & 15).to(tl.int8)
+    return w
+
+
+@triton.jit
+def _w_scale(pool, ra, kb, mn, QT: tl.constexpr):
+    """Block kb's weight scale d [BN] float32 (Q8_0: the f16 d; MXFP4: 2^(e - 128)), as the block functions."""
+    if QT == 0:
+        d = tl.load((pool + ra + kb * 34).to(tl.pointer_type(tl.float16)), mask=mn, other=0).to(tl.float32)
+    else:
+        e8 = tl.load(pool + ra + kb * 17, mask=mn, other=0).to(tl.int32)
+        d = tl.where(e8 < 2, (e8 + 1) * 0x00200000, (e8 - 1) << 23).to(tl.float32, bitcast=True)
+    return d
+
+
+@triton.jit
+def _q4_k_scale(pool, b, mn, j: tl.constexpr, d, dmin):
+    """Sub-block j (constexpr: no selects) of the super-blocks at b [BN]: (d sc, dmin m) float32 as
+    get_scale_min_k4 (and _q4_k_block); bytes 4..15 are the 12 scale bytes."""
+    if j < 4:
+        sc = tl.load(pool + b + 4 + j, mask=mn, other=0).to(tl.int32) & 63
+        m = tl.load(pool + b + 8 + j, mask=mn, other=0).to(tl.int32) & 63
+    else:
+        s_j = tl.load(pool + b + 4 + j, mask=mn, other=0).to(tl.int32)       # scales[j]
+        s_j4 = tl.load(pool + b + 8 + j, mask=mn, other=0).to(tl.int32)      # scales[j + 4]
+        s_jm4 = tl.load(pool + b + j, mask=mn, other=0).to(tl.int32)         # scales[j - 4]
+        sc = (s_j4 & 15) | ((s_jm4 >> 6) << 4)
+        m = (s_j4 >> 4) | ((s_j >> 6) << 4)
+    return d * sc.to(tl.float32), dmin * m.to(tl.float32)
+
+
+@triton.jit
+def _mmq_step(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, kb0, QT: tl.constexpr, KB: tl.constexpr,
+              BM: tl.constexpr, BN: tl.constexpr):
+    """acc + blocks kb0 .. kb0 + KB: ONE int8 MMA [BN, KB*32] x [KB*32, KB*BM] (the activations block-diagonal:
+    column i*BM + m holds row m's block kb0 + i, zeros elsewhere) gives the KB exact int32 block dots of every
+    (n, m) at once; then each block's scaling and fp32 add in ascending block order, the same float ops as a
+    one-block step (module doc)."""
+    c = tl.arange(0, KB * 32)
+    wq = _w_tile(pool, ra, kb0, mn, QT, KB)                                                      # [BN, KB*32]
+    xq = tl.load(xq_ptr + xoff[:, None] + kb0 * 32 + c[None, :], mask=mr[:, None], other=0)    # [BM, KB*32]
+    i3 = tl.arange(0, KB)[:, None, None]
+    xb = tl.where(i3 == (c // 32)[None, None, :], xq[None, :, :], tl.zeros_like(xq)[None, :, :])  # [KB, BM, KB*32]
+    dot = tl.dot(wq, tl.trans(tl.reshape(xb, (KB * BM, KB * 32))), out_dtype=tl.int32)       # [BN, KB*BM]
+    P = tl.permute(tl.reshape(dot, (BN, KB, BM)), (0, 2, 1))                                 # [BN, BM, KB]
+    if QT == 5:                     # Q4_K (KB = 8: one super-block): its d and dmin once a step
+        b = ra + (kb0 // 8) * 144
+        d = tl.load((pool + b).to(tl.pointer_type(tl.float16)), mask=mn, other=0).to(tl.float32)
+        dmin = tl.load((pool + b + 2).to(tl.pointer_type(tl.float16)), mask=mn, other=0).to(tl.float32)
+    for i in tl.static_range(KB):                   # ascending blocks: the fp32 adds in K order
+        di = _part(P, i, KB, BN, BM).to(tl.float32)
+        dx = tl.load(xd_ptr + dxoff + kb0 + i, mask=mr, other=0.0)
+        if QT == 5:
+            dw, mw = _q4_k_scale(pool, b, mn, i, d, dmin)
+            sx = tl.load(xs_ptr + dxoff + kb0 + i, mask=mr, other=0.0)
+            acc = acc + (di * (dw[:, None] * dx[None, :]) - mw[:, None] * sx[None, :])
+        else:
+            dw = _w_scale(pool, ra, kb0 + i, mn, QT)
+            acc = acc + di * (dw[:, None] * dx[None, :])
     return acc
 
 
 @triton.jit
-def _gate_up_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, inter_ptr, H, F,
-                        row_bytes, n_exp, k_top, limit, QT: tl.constexpr, HAS_LIMIT: tl.constexpr, BM: tl.constexpr,
-                        BN: tl.constexpr, EP: tl.constexpr, ALIGNED: tl.constexpr = False, RA: tl.constexpr = 1):
+def mmq_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT: tl.constexpr, KB: tl.constexpr,
+            BM: tl.constexpr, BN: tl.constexpr):
+    """acc [BN, BM] + the rows' products over quant blocks b0 .. b1 (module doc): xq rows at element offsets xoff
+    [BM], their block scales d (and sums s) at dxoff [BM] (mask mr). KB blocks a K step (_mmq_step; KB divides
+    b1 - b0); KB = 1: one [BN, 32] x [32, BM] MMA a block. The same float ops, in the same order, for every KB."""
+    c = tl.arange(0, 32)
+    if KB > 1:
+        for kb0 in range(b0, b1, KB):
+            acc = _mmq_step(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, kb0, QT, KB, BM, BN)
+    else:
+        for kb in range(b0, b1):
+            xq = tl.load(xq_ptr + xoff[:, None] + kb * 32 + c[None, :], mask=mr[:, None], other=0)       # [BM, 32]
+            dx = tl.load(xd_ptr + dxoff + kb, mask=mr, other=0.0)                                          # [BM]
+            if QT == 0 or QT == 4:                      # Q8_0 / MXFP4: d_w d8_1 sumi
+                if QT == 0:
+                    wq, dw = _q8_0_block(pool, ra, kb, mn)
+                else:
+                    wq, dw = _mxfp4_block(pool, ra, kb, mn)
+                dot = tl.dot(wq, tl.trans(xq), out_dtype=tl.int32)                                        # [BN, BM]
+                acc = acc + dot.to(tl.float32) * (dw[:, None] * dx[None, :])
+            else:                                       # Q4_K: d sc sumi d8 - dmin m s8 (s8 = d8 sum q8)
+                wq, dw, mw = _q4_k_block(pool, ra, kb, mn)
+                sx = tl.load(xs_ptr + dxoff + kb, mask=mr, other=0.0)
+                dot = tl.dot(wq, tl.trans(xq), out_dtype=tl.int32)
+                acc = acc + (dot.to(tl.float32) * (dw[:, None] * dx[None, :]) - mw[:, None] * sx[None, :])
+    return acc
+
+
+@triton.jit
+def _gate_up_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, inter_ptr, ws_ptr,
+                        cnt_ptr, H, F, row_bytes, n_exp, k_top, limit, KCB, QT: tl.constexpr,
+                        HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, EP: tl.constexpr,
+                        ALIGNED: tl.constexpr = False, RA: tl.constexpr = 1, KB: tl.constexpr = 1,
+                        SPLIT: tl.constexpr = False):
     e, mb, base = tm._find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
     if base >= 0:
         rows, mr, flat = tm._rows_of(off_ptr, rows_ptr, e, mb, BM)
@@ -168,16 +288,43 @@ def _gate_up_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows
         mn = n < F
         gra = tm._part_rows(base, starts_ptr, e, 0, n, row_bytes, ALIGNED, RA)
         ura = tm._part_rows(base, starts_ptr, e, 1, n, row_bytes, ALIGNED, RA)
+        xo, dxo = tok * H, tok * (H // 32)
+        NBLK = H // 32
+        NCH = (NBLK + KCB - 1) // KCB
         z = tl.zeros((BN, BM), dtype=tl.float32)
-        accg = mmq_acc(z, pool, gra, mn, xq_ptr, xd_ptr, xs_ptr, tok * H, tok * (H // 32), mr, H, QT)
-        accu = mmq_acc(z, pool, ura, mn, xq_ptr, xd_ptr, xs_ptr, tok * H, tok * (H // 32), mr, H, QT)
-        tm._gu_store(accg, accu, inter_ptr, rows, mr, n, mn, F, limit, HAS_LIMIT)
+        totg = z
+        totu = z
+        if SPLIT:                   # this program: chunk program_id(2); the tile's last sums the chunks in order
+            pc = tl.program_id(2)
+            b1 = tl.minimum(pc * KCB + KCB, NBLK)
+            accg = mmq_acc(z, pool, gra, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, pc * KCB, b1, QT, KB, BM, BN)
+            accu = mmq_acc(z, pool, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, pc * KCB, b1, QT, KB, BM, BN)
+            tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+            pp = tm._partial_ptr(ws_ptr, tile, pc, NCH, 2 * BN * BM, BN, BM)
+            tl.store(pp, accg)
+            tl.store(pp + BN * BM, accu)
+            if tm._arrive(cnt_ptr, tile, NCH):
+                for ch in range(0, NCH):        # 0 + p_0 + p_1 + ... in chunk order, as the walk below
+                    pp = tm._partial_ptr(ws_ptr, tile, ch, NCH, 2 * BN * BM, BN, BM)
+                    totg = totg + tl.load(pp, cache_modifier=".cg")
+                    totu = totu + tl.load(pp + BN * BM, cache_modifier=".cg")
+                tl.atomic_xchg(cnt_ptr + tile, 0)
+                tm._gu_store(totg, totu, inter_ptr, rows, mr, n, mn, F, limit, HAS_LIMIT)
+        else:                       # the same chunk partials and sums, walked by one program
+            for ch in range(0, NCH):
+                b1 = tl.minimum(ch * KCB + KCB, NBLK)
+                totg = totg + mmq_acc(z, pool, gra, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, ch * KCB, b1, QT, KB,
+                                      BM, BN)
+                totu = totu + mmq_acc(z, pool, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, ch * KCB, b1, QT, KB,
+                                      BM, BN)
+            tm._gu_store(totg, totu, inter_ptr, rows, mr, n, mn, F, limit, HAS_LIMIT)
 
 
 @triton.jit
-def _down_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, y_ptr, H, F, row_bytes,
-                     n_exp, QT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, EP: tl.constexpr,
-                     ALIGNED: tl.constexpr = False, RA: tl.constexpr = 1):
+def _down_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, y_ptr, ws_ptr, cnt_ptr,
+                     H, F, row_bytes, n_exp, KCB, QT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     EP: tl.constexpr, ALIGNED: tl.constexpr = False, RA: tl.constexpr = 1, KB: tl.constexpr = 1,
+                     SPLIT: tl.constexpr = False):
     e, mb, base = tm._find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
     if base >= 0:
         rows, mr, flat = tm._rows_of(off_ptr, rows_ptr, e, mb, BM)
@@ -185,10 +332,28 @@ def _down_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows_pt
         mn = n < H
         dra = tm._part_rows(base, starts_ptr, e, 2, n, row_bytes, ALIGNED, RA)
         r64 = rows.to(tl.int64)
-        acc = mmq_acc(tl.zeros((BN, BM), dtype=tl.float32), pool, dra, mn, xq_ptr, xd_ptr, xs_ptr, r64 * F,
-                      r64 * (F // 32), mr, F, QT)
-        tl.store(y_ptr + flat[None, :] * H + n[:, None], acc.to(y_ptr.dtype.element_ty),
-                 mask=mn[:, None] & mr[None, :])
+        xo, dxo = r64 * F, r64 * (F // 32)
+        NBLK = F // 32
+        NCH = (NBLK + KCB - 1) // KCB
+        ptr = y_ptr + flat[None, :] * H + n[:, None]
+        z = tl.zeros((BN, BM), dtype=tl.float32)
+        tot = z
+        if SPLIT:
+            pc = tl.program_id(2)
+            acc = mmq_acc(z, pool, dra, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, pc * KCB,
+                          tl.minimum(pc * KCB + KCB, NBLK), QT, KB, BM, BN)
+            tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+            tl.store(tm._partial_ptr(ws_ptr, tile, pc, NCH, BN * BM, BN, BM), acc)
+            if tm._arrive(cnt_ptr, tile, NCH):
+                for ch in range(0, NCH):
+                    tot = tot + tl.load(tm._partial_ptr(ws_ptr, tile, ch, NCH, BN * BM, BN, BM), cache_modifier=".cg")
+                tl.atomic_xchg(cnt_ptr + tile, 0)
+                tl.store(ptr, tot.to(y_ptr.dtype.element_ty), mask=mn[:, None] & mr[None, :])
+        else:
+            for ch in range(0, NCH):
+                tot = tot + mmq_acc(z, pool, dra, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, ch * KCB,
+                                    tl.minimum(ch * KCB + KCB, NBLK), QT, KB, BM, BN)
+            tl.store(ptr, tot.to(y_ptr.dtype.element_ty), mask=mn[:, None] & mr[None, :])
 
 
 _GATE_UP_MMQ, _DOWN_MMQ = map(launcher, (_gate_up_mmq_kernel, _down_mmq_kernel))
@@ -199,40 +364,75 @@ def mmq_ok(qt: int, K: int) -> bool:
     return qt in MMQ_TYPES and K % (256 if qt == 5 else QK) == 0
 
 
+def config(qt: int, bucket: int) -> dict:
+    """The launch constants of kernel type code qt for a rows bucket (triton_moe.bucket_of): CONFIG, the type's
+    TUNING (KB, KCB), the bucket's SPLIT, then TYPE_CONFIG's overrides."""
+    return {**CONFIG, **TUNING.get(qt, {}), **BUCKETS[bucket], **TYPE_CONFIG.get(qt, {})}
+
+
+def _chunk(c: dict, qt: int, K: int) -> tuple[int, int]:
+    """(KB, KCB) of a launch over K columns: KB (a power of two) halved until it divides K / 32 (Q4_K: 8 or 1, a
+    step being one super-block); KCB quant blocks a chunk (0: all of K in one), a multiple of KB."""
+    nblk = K // QK
+    kb = c["KB"]
+    if qt == 5 and kb != 1:
+        kb = 8
+    while nblk % kb:
+        kb //= 2
+    kcb = c["KCB"] or nblk
+    assert kcb % kb == 0, ("KCB must be a multiple of KB", kcb, kb)
+    return kb, kcb
+
+
+def _launch(kernel, args: list, grid_n: int, R: int, E: int, K: int, qt: int, per: int, c: dict, consts: dict,
+            device):
+    """Grid (output blocks, row blocks[, chunks]): the chunks as programs when the bucket says SPLIT, K has more
+    than one and the partials fit triton_moe.WS_LIMIT (per: floats of a tile's partial), else walked: the same
+    sums (0 + p_0 + p_1 + ... in chunk order) either way."""
+    kb, kcb = _chunk(c, qt, K)
+    nch = triton.cdiv(K // QK, kcb)
+    nrb = tm._launch_rows(R, E, c["BM"])
+    split = bool(c["SPLIT"]) and nch > 1 and grid_n * nrb * nch * per * 4 <= tm.WS_LIMIT
+    ws, cnt = tm._workspace(device, grid_n * nrb * nch * per, grid_n * nrb) if split else tm._workspace(device, 1, 1)
+    kernel[(grid_n, nrb, nch) if split else (grid_n, nrb)](
+        *args[:9], ws, cnt, *args[9:], kcb, **consts, BM=c["BM"], BN=c["BN"], EP=triton.next_power_of_2(E), KB=kb,
+        SPLIT=split, num_warps=c["num_warps"], num_stages=c["num_stages"])
+
+
 def gate_up(hq, pool, base, starts, rows, off, inter, n_ff: int, k_top: int, qt: int, limit: float | None,
             row_bytes: int, aligned: bool = False):
     """triton_moe.gate_up with the activations as quantize_q8_1(h) = hq (q [T, H] int8, d [T, H/32], s); aligned:
     every part starts 16-byte aligned (the rows' loads may then be wider, as triton_moe's)."""
     q, d, sx = hq
-    T, H = q.shape
     E, R = base.numel(), rows.numel()
-    c = CONFIG
-    _GATE_UP_MMQ[(triton.cdiv(n_ff, c["BN"]), tm._launch_rows(R, E, c["BM"]))](
-        q, d, sx, pool, base, starts, rows, off, inter, H, n_ff, row_bytes, E, k_top,
-        float(limit) if limit is not None else 0.0, QT=qt, HAS_LIMIT=limit is not None, BM=c["BM"], BN=c["BN"],
-        EP=triton.next_power_of_2(E), ALIGNED=aligned, RA=tm._row_align(row_bytes), num_warps=c["num_warps"],
-        num_stages=c["num_stages"])
+    c = config(qt, tm.bucket_of(R, E))
+    _launch(_GATE_UP_MMQ, [q, d, sx, pool, base, starts, rows, off, inter, q.shape[1], n_ff, row_bytes, E, k_top,
+                           float(limit) if limit is not None else 0.0],
+            triton.cdiv(n_ff, c["BN"]), R, E, q.shape[1], qt, 2 * c["BN"] * c["BM"], c,
+            dict(QT=qt, HAS_LIMIT=limit is not None, ALIGNED=aligned, RA=tm._row_align(row_bytes)), q.device)
 
 
 def down(iq, pool, base, starts, rows, off, y, qt: int, row_bytes: int, aligned: bool = False):
     """triton_moe.down with the activations as quantize_q8_1(inter) = iq."""
     q, d, sx = iq
-    F, H = q.shape[1], y.shape[1]
+    H = y.shape[1]
     E, R = base.numel(), rows.numel()
-    c = CONFIG
-    _DOWN_MMQ[(triton.cdiv(H, c["BN"]), tm._launch_rows(R, E, c["BM"]))](
-        q, d, sx, pool, base, starts, rows, off, y, H, F, row_bytes, E, QT=qt, BM=c["BM"], BN=c["BN"],
-        EP=triton.next_power_of_2(E), ALIGNED=aligned, RA=tm._row_align(row_bytes), num_warps=c["num_warps"],
-        num_stages=c["num_stages"])
+    c = config(qt, tm.bucket_of(R, E))
+    _launch(_DOWN_MMQ, [q, d, sx, pool, base, starts, rows, off, y, H, q.shape[1], row_bytes, E],
+            triton.cdiv(H, c["BN"]), R, E, q.shape[1], qt, c["BN"] * c["BM"], c,
+            dict(QT=qt, ALIGNED=aligned, RA=tm._row_align(row_bytes)), q.device)
 
 
 def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int | None = None, bn: int | None = None,
-                   num_warps: int | None = None) -> dict:
-    """Compile one mmq kernel for CUDA sm_`arch` without a GPU (Triton's compiler and the ptxas its wheel ships) and
-    report what the device will run: {"mma": tensor-core instructions in the PTX (mma / wgmma, by name and count),
-    "imma": IMMA/HGMMA lines of the SASS (nvdisasm), "regs": registers per thread, "spill_bytes": ptxas's spill
-    stores + loads, "ptxas": its -v line}. deploy/device/kernel_roofline.py --act-quant prints it beside the
-    figures; tests/kernels/test_mmq.py checks the int8 MMA is there and nothing spills."""
+                   num_warps: int | None = None, bucket: int = 16, kb: int | None = None,
+                   kcb: int | None = None) -> dict:
+    """Compile one mmq kernel for CUDA sm_`arch` without a GPU (Triton's compiler and the ptxas its wheel ships) at
+    the bench geometry (H 2048, F 768: K = 2048 for gate_up, 768 for down) with the launch constants of `bucket`
+    (config(); bm / bn / num_warps / kb / kcb override) and report what the device will run: {"mma": tensor-core
+    instructions in the PTX (mma / wgmma, by name and count), "imma": IMMA/HGMMA lines of the SASS (nvdisasm),
+    "regs": registers per thread, "spill_bytes": ptxas's spill stores + loads, "smem": shared memory bytes,
+    "ptxas": its -v line}. deploy/device/kernel_roofline.py --act-quant prints it beside the figures;
+    tests/kernels/test_mmq.py checks the int8 MMA is there and nothing spills."""
     import re
     import subprocess
     import tempfile
@@ -240,25 +440,31 @@ def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int 
 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    c = {**CONFIG, **({"BM": bm} if bm else {}), **({"BN": bn} if bn else {}),
-         **({"num_warps": num_warps} if num_warps else {})}
+    c = {**config(qt, bucket), **({"BM": bm} if bm else {}), **({"BN": bn} if bn else {}),
+         **({"num_warps": num_warps} if num_warps else {}), **({"KB": kb} if kb else {}),
+         **({"KCB": kcb} if kcb is not None else {})}
+    K = 2048 if which == "gate_up" else 768
+    KB, KCB = _chunk(c, qt, K)
+    split = bool(c["SPLIT"]) and K // QK > KCB
     ptr = {"xq_ptr": "*i8", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "pool": "*u8", "base_ptr": "*i64",
            "starts_ptr": "*i64", "rows_ptr": "*i32", "off_ptr": "*i32"}
+    ws = {"ws_ptr": "*fp32", "cnt_ptr": "*i32"}
     if which == "gate_up":
         fn = _gate_up_mmq_kernel
-        sig = {**ptr, "inter_ptr": "*bf16", "H": "i32", "F": "i32", "row_bytes": "i32", "n_exp": "i32",
-               "k_top": "i32", "limit": "fp32", "QT": "constexpr", "HAS_LIMIT": "constexpr"}
+        sig = {**ptr, "inter_ptr": "*bf16", **ws, "H": "i32", "F": "i32", "row_bytes": "i32", "n_exp": "i32",
+               "k_top": "i32", "limit": "fp32", "KCB": "i32", "QT": "constexpr", "HAS_LIMIT": "constexpr"}
         const = {"QT": qt, "HAS_LIMIT": False}
     else:
         fn = _down_mmq_kernel
-        sig = {**ptr, "y_ptr": "*bf16", "H": "i32", "F": "i32", "row_bytes": "i32", "n_exp": "i32",
-               "QT": "constexpr"}
+        sig = {**ptr, "y_ptr": "*bf16", **ws, "H": "i32", "F": "i32", "row_bytes": "i32", "n_exp": "i32",
+               "KCB": "i32", "QT": "constexpr"}
         const = {"QT": qt}
     from betelgeuse.gguf.qtypes import row_nbytes
     gt = {code: t for t, code in tm.QT_CODES.items()}[qt]
-    sig.update(BM="constexpr", BN="constexpr", EP="constexpr", ALIGNED="constexpr", RA="constexpr")
+    sig.update(BM="constexpr", BN="constexpr", EP="constexpr", ALIGNED="constexpr", RA="constexpr", KB="constexpr",
+               SPLIT="constexpr")
     const.update(BM=c["BM"], BN=c["BN"], EP=256, ALIGNED=True,          # aligned rows of the bench geometry's K
-                 RA=tm._row_align(row_nbytes(gt, 2048 if which == "gate_up" else 768)))
+                 RA=tm._row_align(row_nbytes(gt, K)), KB=KB, SPLIT=split)
     k = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", arch, 32),
                        options={"num_warps": c["num_warps"], "num_stages": c["num_stages"]})
     ptx = k.asm["ptx"]
@@ -266,8 +472,9 @@ def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int 
     for m in re.findall(r"\b(w?gmma\.[\w.]+|mma\.sync\.[\w.]+)", ptx):
         mma[m] = mma.get(m, 0) + 1
     bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    out = {"kernel": which, "qt": qt, "arch": f"sm_{arch}", "config": c, "mma": mma, "imma": {}, "regs": None,
-           "spill_bytes": None, "ptxas": ""}
+    out = {"kernel": which, "qt": qt, "arch": f"sm_{arch}", "bucket": bucket, "config": {**c, "KB": KB, "KCB": KCB,
+           "SPLIT": split}, "mma": mma, "imma": {}, "regs": None, "spill_bytes": None,
+           "smem": k.metadata.shared, "ptxas": ""}
     with tempfile.TemporaryDirectory() as tmp:
         p = Path(tmp) / "k.ptx"
         p.write_text(ptx)
@@ -295,6 +502,10 @@ def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int 
 
 if __name__ == "__main__":       # python -m betelgeuse.kernels.triton_mmq: the compile check, no GPU needed
     import json
+    import sys
+    kbs = [int(v) for v in sys.argv[1].split(",")] if len(sys.argv) > 1 else [None]     # KB values (default: TUNING)
     for code in sorted(MMQ_TYPES):
         for w in ("gate_up", "down"):
-            print(json.dumps(compile_report(w, code)))
+            for kb in kbs:
+                for bucket in (1, 16):
+                    print(json.dumps(compile_report(w, code, bucket=bucket, kb=kb)))
