@@ -45,7 +45,9 @@ CONFIG = {"BM": 16, "BN": 64, "num_warps": 4, "num_stages": 3}      # schedule k
 # per type: KB quant blocks a K step (a schedule key: the same bits at every KB) and KCB quant blocks a K chunk (the
 # reduction key, 0 = one chunk: an output is 0 + p_0 + p_1 + ... over its chunks in order, each p_c accumulated from
 # zero; the same for both buckets, so a row's bits never depend on how many rows share its launch)
-TUNING: dict[int, dict] = {0: {"KB": 4, "KCB": 16}, 4: {"KB": 4, "KCB": 16}, 5: {"KB": 8, "KCB": 16}}
+# (sm_90, bench geometry: KB 4 at 8 warps compiles to 4 back-to-back IGMMA.64x32x32 a step per warpgroup, 197-255
+# registers and no spills for every type; KB 4 at 4 warps or KB 8 spill: compile_report)
+TUNING: dict[int, dict] = {qt: {"KB": 4, "KCB": 16, "num_warps": 8} for qt in MMQ_TYPES}
 # per rows bucket (triton_moe.bucket_of): SPLIT the chunks over programs (decode: more programs than a bank's
 # output tiles fill the SMs with) or walk them in one program -- a schedule key (the same sums)
 BUCKETS = {1: {"SPLIT": 1}, 16: {"SPLIT": 0}}
@@ -122,6 +124,18 @@ def _mxfp4_block(pool, ra, kb, mn):
 
 
 @triton.jit
+def _q4_k_scale(pool, b, mn, j, d, dmin):
+    """Sub-block j of the super-blocks at b [BN]: (d sc, dmin m) float32 as get_scale_min_k4 (and _q4_k_block)."""
+    lo = j < 4
+    s_j = tl.load(pool + b + 4 + j, mask=mn, other=0).to(tl.int32)                      # scales[j]
+    s_j4 = tl.load(pool + b + 8 + j, mask=mn, other=0).to(tl.int32)                     # scales[j + 4] (j < 8)
+    s_jm4 = tl.load(pool + b + j, mask=mn, other=0).to(tl.int32)                        # scales[j - 4] (used: j >= 4)
+    sc = tl.where(lo, s_j & 63, (s_j4 & 15) | ((s_jm4 >> 6) << 4))
+    m = tl.where(lo, s_j4 & 63, (s_j4 >> 4) | ((s_j >> 6) << 4))
+    return d * sc.to(tl.float32), dmin * m.to(tl.float32)
+
+
+@triton.jit
 def _q4_k_block(pool, ra, kb, mn):
     """Block kb (sub-block j = kb % 8 of super-block kb // 8) of Q4_K rows at ra [BN]: (quants [BN, 32] int8 in
     0..15, d sc [BN], dmin m [BN]) float32, as ggml's get_scale_min_k4. 144-byte super-blocks: f16 d, f16 dmin,
@@ -130,15 +144,10 @@ def _q4_k_block(pool, ra, kb, mn):
     j = kb % 8
     d = tl.load((pool + b).to(tl.pointer_type(tl.float16)), mask=mn, other=0).to(tl.float32)
     dmin = tl.load((pool + b + 2).to(tl.pointer_type(tl.float16)), mask=mn, other=0).to(tl.float32)
-    lo = j < 4
-    s_j = tl.load(pool + b + 4 + j, mask=mn, other=0).to(tl.int32)                      # scales[j]
-    s_j4 = tl.load(pool + b + 8 + j, mask=mn, other=0).to(tl.int32)                     # scales[j + 4] (j < 8)
-    s_jm4 = tl.load(pool + b + j, mask=mn, other=0).to(tl.int32)                        # scales[j - 4] (used: j >= 4)
-    sc = tl.where(lo, s_j & 63, (s_j4 & 15) | ((s_jm4 >> 6) << 4))
-    m = tl.where(lo, s_j4 & 63, (s_j4 >> 4) | ((s_j >> 6) << 4))
     q = tl.load(pool + b[:, None] + 16 + (j // 2) * 32 + tl.arange(0, 32)[None, :], mask=mn[:, None], other=0)
     q = (q.to(tl.int32) >> (4 * (j % 2))) & 15
-    return q.to(tl.int8), d * sc.to(tl.float32), dmin * m.to(tl.float32)
+    dw, mw = _q4_k_scale(pool, b, mn, j, d, dmin)
+    return q.to(tl.int8), dw, mw
 
 
 @triton.jit
@@ -199,28 +208,12 @@ def _w_scale(pool, ra, kb, mn, QT: tl.constexpr):
 
 
 @triton.jit
-def _q4_k_scale(pool, b, mn, j: tl.constexpr, d, dmin):
-    """Sub-block j (constexpr: no selects) of the super-blocks at b [BN]: (d sc, dmin m) float32 as
-    get_scale_min_k4 (and _q4_k_block); bytes 4..15 are the 12 scale bytes."""
-    if j < 4:
-        sc = tl.load(pool + b + 4 + j, mask=mn, other=0).to(tl.int32) & 63
-        m = tl.load(pool + b + 8 + j, mask=mn, other=0).to(tl.int32) & 63
-    else:
-        s_j = tl.load(pool + b + 4 + j, mask=mn, other=0).to(tl.int32)       # scales[j]
-        s_j4 = tl.load(pool + b + 8 + j, mask=mn, other=0).to(tl.int32)      # scales[j + 4]
-        s_jm4 = tl.load(pool + b + j, mask=mn, other=0).to(tl.int32)         # scales[j - 4]
-        sc = (s_j4 & 15) | ((s_jm4 >> 6) << 4)
-        m = (s_j4 >> 4) | ((s_j >> 6) << 4)
-    return d * sc.to(tl.float32), dmin * m.to(tl.float32)
-
-
-@triton.jit
 def _mmq_step(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, kb0, QT: tl.constexpr, KB: tl.constexpr,
               BM: tl.constexpr, BN: tl.constexpr):
     """acc + blocks kb0 .. kb0 + KB: ONE int8 MMA [BN, KB*32] x [KB*32, KB*BM] (the activations block-diagonal:
     column i*BM + m holds row m's block kb0 + i, zeros elsewhere) gives the KB exact int32 block dots of every
     (n, m) at once; then each block's scaling and fp32 add in ascending block order, the same float ops as a
-    one-block step (module doc)."""
+    one-block step (module doc). Q4_K: a step lies in one super-block (KB | 8), whose d and dmin load once."""
     c = tl.arange(0, KB * 32)
     wq = _w_tile(pool, ra, kb0, mn, QT, KB)                                                      # [BN, KB*32]
     xq = tl.load(xq_ptr + xoff[:, None] + kb0 * 32 + c[None, :], mask=mr[:, None], other=0)    # [BM, KB*32]
@@ -228,7 +221,7 @@ def _mmq_step(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, kb0, Q
     xb = tl.where(i3 == (c // 32)[None, None, :], xq[None, :, :], tl.zeros_like(xq)[None, :, :])  # [KB, BM, KB*32]
     dot = tl.dot(wq, tl.trans(tl.reshape(xb, (KB * BM, KB * 32))), out_dtype=tl.int32)       # [BN, KB*BM]
     P = tl.permute(tl.reshape(dot, (BN, KB, BM)), (0, 2, 1))                                 # [BN, BM, KB]
-    if QT == 5:                     # Q4_K (KB = 8: one super-block): its d and dmin once a step
+    if QT == 5:                     # Q4_K: the super-block's d and dmin once a step
         b = ra + (kb0 // 8) * 144
         d = tl.load((pool + b).to(tl.pointer_type(tl.float16)), mask=mn, other=0).to(tl.float32)
         dmin = tl.load((pool + b + 2).to(tl.pointer_type(tl.float16)), mask=mn, other=0).to(tl.float32)
@@ -236,7 +229,7 @@ def _mmq_step(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, kb0, Q
         di = _part(P, i, KB, BN, BM).to(tl.float32)
         dx = tl.load(xd_ptr + dxoff + kb0 + i, mask=mr, other=0.0)
         if QT == 5:
-            dw, mw = _q4_k_scale(pool, b, mn, i, d, dmin)
+            dw, mw = _q4_k_scale(pool, b, mn, (kb0 + i) % 8, d, dmin)
             sx = tl.load(xs_ptr + dxoff + kb0 + i, mask=mr, other=0.0)
             acc = acc + (di * (dw[:, None] * dx[None, :]) - mw[:, None] * sx[None, :])
         else:
@@ -371,16 +364,13 @@ def config(qt: int, bucket: int) -> dict:
 
 
 def _chunk(c: dict, qt: int, K: int) -> tuple[int, int]:
-    """(KB, KCB) of a launch over K columns: KB (a power of two) halved until it divides K / 32 (Q4_K: 8 or 1, a
-    step being one super-block); KCB quant blocks a chunk (0: all of K in one), a multiple of KB."""
+    """(KB, KCB) of a launch over K columns: KB (a power of two <= 8) halved until it divides K / 32; KCB quant blocks a chunk (0: all of K in one), a multiple of KB."""
     nblk = K // QK
-    kb = c["KB"]
-    if qt == 5 and kb != 1:
-        kb = 8
+    kb = min(c["KB"], 8)
     while nblk % kb:
         kb //= 2
     kcb = c["KCB"] or nblk
-    assert kcb % kb == 0, ("KCB must be a multiple of KB", kcb, kb)
+    assert kcb % kb == 0, ("KCB: a multiple of KB", kcb, kb)
     return kb, kcb
 
 

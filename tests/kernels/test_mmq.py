@@ -78,12 +78,21 @@ def weight_parts(qt: int, raw: np.ndarray, shape):
     return q, d, mn
 
 
-def ref_mm(xq, dx, sx, wq, dw, mw, per: int = 32):
+def ref_mm(xq, dx, sx, wq, dw, mw, per: int = 32, kcb: int = 0):
     """[M, N]: acc += float(int dot of block) * (dw * dx) - mw * sx over blocks of `per` in ascending K, fp32.
-    per = 64: the wrong schedule (one block's scales for two) the tests must catch."""
+    per = 64: the wrong schedule (one block's scales for two) the tests must catch. kcb: blocks a K chunk
+    (triton_mmq's reduction key; 0 = one chunk): tot = 0 + p_0 + p_1 + ..., each p_c accumulated from zero."""
     M, N = xq.shape[0], wq.shape[0]
+    nb = xq.shape[1] // per
+    if kcb and kcb < nb:
+        tot = np.zeros((M, N), np.float32)
+        for c0 in range(0, nb, kcb):
+            c = slice(c0 * per, min(nb, c0 + kcb) * per)
+            b = slice(c0 * per // 32, min(nb, c0 + kcb) * per // 32)
+            tot = (tot + ref_mm(xq[:, c], dx[:, b], sx[:, b], wq[:, c], dw[:, b], mw[:, b], per)).astype(np.float32)
+        return tot
     acc = np.zeros((N, M), np.float32)
-    for kb in range(xq.shape[1] // per):
+    for kb in range(nb):
         c = slice(kb * per, (kb + 1) * per)
         dot = wq[:, c].astype(np.int32) @ xq[:, c].astype(np.int32).T
         b = kb * per // 32
@@ -123,7 +132,7 @@ def experts(qt, seed=0):
     return out
 
 
-def moe_ref(qt, raw, h, ids, w, per=32):
+def moe_ref(qt, raw, h, ids, w, per=32, kcb=0):
     """numpy reference of the whole layer with q8_1 activations (gate_up -> silu * up -> q8_1 -> down -> combine)."""
     T, k = ids.shape
     hq, hd, hs = ref_q8_1(h)
@@ -134,10 +143,10 @@ def moe_ref(qt, raw, h, ids, w, per=32):
             (gq_, gd, gm), (uq, ud, um), (dq, dd, dm) = (weight_parts(qt, raw[e][i], s)
                                                          for i, s in enumerate(shapes(qt)))
             x = (hq[t:t + 1], hd[t:t + 1], hs[t:t + 1])
-            g = ref_mm(*x, gq_, gd, gm, per)
-            u = ref_mm(*x, uq, ud, um, per)
+            g = ref_mm(*x, gq_, gd, gm, per, kcb)
+            u = ref_mm(*x, uq, ud, um, per, kcb)
             a = (g / (np.float32(1) + np.exp(-g)) * u).astype(np.float32)
-            y = ref_mm(*ref_q8_1(a), dq, dd, dm, per)[0]
+            y = ref_mm(*ref_q8_1(a), dq, dd, dm, per, kcb)[0]
             out[t] = (out[t] + np.float32(w[t, r]) * y).astype(np.float32)
     return out
 
@@ -231,6 +240,38 @@ def test_a_rows_bits_do_not_depend_on_its_block(qt):
         mp.setitem(mq.CONFIG, "BN", 32)
         outs.append(run(qt, raw, h[:5], np.zeros((5, 1), np.int64), np.ones((5, 1), np.float32))[0])
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
+
+
+@pytest.mark.parametrize("qt", [8, 39, 12], ids=["Q8_0", "MXFP4", "Q4_K"])
+def test_k_steps_give_the_one_block_bits_and_split_k_the_walked_bits(qt):
+    """H = F = 256 (8 quant blocks). K steps of KB = 2 / 4 / 8 blocks (one MMA on block-diagonal activations, the
+    block partials scaled and added in ascending order) give the bits of the one-block-a-step kernel (KB = 1, the
+    schedule before K steps) for 16 rows; with chunks of KCB = 2 blocks a token's row alone (the 1-row bucket: one
+    program per chunk, the tile's last sums the chunks) equals the same row among 16 (chunks walked) and the numpy
+    reference of the chunked sums, and differs from the unchunked bits (so the chunks are real)."""
+    rng = np.random.default_rng(7)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(DIMS, qt, (256, 256))
+        raw = experts(qt, 8)
+        h = rng.standard_normal((16, 256)).astype(np.float32)
+        h[:, 32:64] *= 4
+        ids, w = np.zeros((16, 1), np.int64), np.ones((16, 1), np.float32)
+        code = {8: 0, 39: 4, 12: 5}[qt]
+
+        def with_cfg(n, **cfg):
+            mp.setitem(mq.TYPE_CONFIG, code, cfg)
+            return run(qt, raw, h[:n], ids[:n], w[:n])
+        old = with_cfg(16, KB=1, KCB=0)
+        assert np.abs(old - moe_ref(qt, raw, h, ids, w)).max() / np.abs(old).max() <= 1e-6
+        for kb in (2, 4, 8):
+            assert np.array_equal(with_cfg(16, KB=kb, KCB=0), old), kb
+        assert np.array_equal(with_cfg(1, KB=4, KCB=0)[0], old[0])
+        chunked = with_cfg(16, KB=2, KCB=2)
+        assert np.array_equal(with_cfg(1, KB=2, KCB=2)[0], chunked[0])         # split over programs == walked
+        assert np.array_equal(with_cfg(1, KB=1, KCB=2)[0], chunked[0])
+        want = moe_ref(qt, raw, h[:1], ids[:1], w[:1], kcb=2)[0]
+        assert np.abs(chunked[0] - want).max() / np.abs(want).max() <= 1e-6
+        assert not np.array_equal(chunked, old)
 
 
 def test_act_quant_setting_and_flag():
