@@ -45,12 +45,12 @@ CONFIG = {"BM": 16, "BN": 64, "num_warps": 4, "num_stages": 3}      # schedule k
 # per type: KB quant blocks a K step (a schedule key: the same bits at every KB) and KCB quant blocks a K chunk (the
 # reduction key, 0 = one chunk: an output is 0 + p_0 + p_1 + ... over its chunks in order, each p_c accumulated from
 # zero; the same for both buckets, so a row's bits never depend on how many rows share its launch)
-# (sm_90, bench geometry: KB 4 at 8 warps compiles to 4 back-to-back IGMMA.64x32x32 a step per warpgroup, 197-255
-# registers and no spills for every type; KB 4 at 4 warps or KB 8 spill: compile_report)
-TUNING: dict[int, dict] = {qt: {"KB": 4, "KCB": 16, "num_warps": 8} for qt in MMQ_TYPES}
-# per rows bucket (triton_moe.bucket_of): SPLIT the chunks over programs (decode: more programs than a bank's
-# output tiles fill the SMs with) or walk them in one program -- a schedule key (the same sums)
-BUCKETS = {1: {"SPLIT": 1}, 16: {"SPLIT": 0}}
+TUNING: dict[int, dict] = {qt: {"KCB": 16, "num_warps": 8} for qt in MMQ_TYPES}
+# per rows bucket (triton_moe.bucket_of): SPLIT the chunks over programs (decode: a bank's output tiles alone leave
+# SMs idle) or walk them in one program; KB quant blocks a K step -- schedule keys (the same sums). sm_90, bench
+# geometry (compile_report): 8 warps, KB 4 split / KB 2 walked compile to KB back-to-back IGMMA.64xNx32 a commit
+# per warpgroup without spills for every type (KB 4 walked, KB 8, or 4 warps spill)
+BUCKETS = {1: {"SPLIT": 1, "KB": 4}, 16: {"SPLIT": 0, "KB": 2}}
 TYPE_CONFIG: dict[int, dict] = {}     # kernel type code -> overrides (tests, the roofline)
 
 
@@ -358,9 +358,9 @@ def mmq_ok(qt: int, K: int) -> bool:
 
 
 def config(qt: int, bucket: int) -> dict:
-    """The launch constants of kernel type code qt for a rows bucket (triton_moe.bucket_of): CONFIG, the type's
-    TUNING (KB, KCB), the bucket's SPLIT, then TYPE_CONFIG's overrides."""
-    return {**CONFIG, **TUNING.get(qt, {}), **BUCKETS[bucket], **TYPE_CONFIG.get(qt, {})}
+    """The launch constants of kernel type code qt for a rows bucket (triton_moe.bucket_of): CONFIG, the bucket's
+    (SPLIT, KB), the type's TUNING (KCB, warps), then TYPE_CONFIG's overrides."""
+    return {**CONFIG, **BUCKETS[bucket], **TUNING.get(qt, {}), **TYPE_CONFIG.get(qt, {})}
 
 
 def _chunk(c: dict, qt: int, K: int) -> tuple[int, int]:

@@ -290,8 +290,8 @@ def test_act_quant_setting_and_flag():
 
 
 def test_compiles_to_int8_tensor_core_mma_for_sm90_without_spills():
-    """triton.compile for sm_90 (no GPU: the ptxas of the triton wheel): the int8 wgmma is in the PTX, IGMMA in the
-    SASS, and no register spills. In a child without TRITON_INTERPRET (which turns every jit function into an
+    """triton.compile for sm_90 (no GPU: the ptxas of the triton wheel), each kernel at both rows buckets (1: split-K):
+    the int8 wgmma is in the PTX, KB of them per commit (a K step), IGMMA in the SASS, and no register spills. In a child without TRITON_INTERPRET (which turns every jit function into an
     interpreted one that cannot compile)."""
     import json
     import subprocess
@@ -301,10 +301,14 @@ def test_compiles_to_int8_tensor_core_mma_for_sm90_without_spills():
                        text=True, timeout=240)
     assert p.returncode == 0, p.stderr[-2000:]
     reports = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
-    assert [(r["kernel"], r["qt"]) for r in reports] == [(k, qt) for qt in sorted(mq.MMQ_TYPES)
-                                                         for k in ("gate_up", "down")], p.stdout
+    assert [(r["kernel"], r["qt"], r["bucket"]) for r in reports] == [
+        (k, qt, b) for qt in sorted(mq.MMQ_TYPES) for k in ("gate_up", "down") for b in (1, 16)], p.stdout
     for r in reports:
         assert any(".s32.s8.s8" in m for m in r["mma"]), r
+        assert r["config"]["KB"] == mq.BUCKETS[r["bucket"]]["KB"] and r["config"]["SPLIT"] == (r["bucket"] == 1), r
+        # K steps: KB back-to-back k32 MMAs per commit (the block-diagonal activations: N = KB x BM per 2 warpgroups)
+        n_mma = sum(v for m, v in r["mma"].items() if "mma_async" in m)
+        assert n_mma == r["config"]["KB"] * r["mma"]["wgmma.commit_group.sync.aligned"], r
         assert any(m.startswith("IGMMA") or m.startswith("IMMA") for m in r["imma"]), r
         assert r["spill_bytes"] == 0 and r["regs"] <= 255, r
 
