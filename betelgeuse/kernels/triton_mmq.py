@@ -364,7 +364,8 @@ def config(qt: int, bucket: int) -> dict:
 
 
 def _chunk(c: dict, qt: int, K: int) -> tuple[int, int]:
-    """(KB, KCB) of a launch over K columns: KB (a power of two <= 8) halved until it divides K / 32; KCB quant blocks a chunk (0: all of K in one), a multiple of KB."""
+    """(KB, KCB) of a launch over K columns: KB (a power of two <= 8) halved until it divides K / 32; KCB quant
+    blocks a chunk (0: all of K in one), a multiple of KB."""
     nblk = K // QK
     kb = min(c["KB"], 8)
     while nblk % kb:

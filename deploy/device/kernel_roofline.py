@@ -113,9 +113,13 @@ for _c in CONFIGS:                  # the MMA path's entries: MV 0 (BM_MV, a key
     _c.setdefault("MV", 0)
     _c.setdefault("BM_MV", 4)
 TARGET = {1: 1500.0, 16: 1200.0}
-# --act-quant q8_1: triton_mmq's schedule candidates (BN output rows a program; BM rows stay 16, the MMA's N side)
-MMQ_CONFIGS = [{"BN": 64, "num_warps": 4, "num_stages": 3}, {"BN": 32, "num_warps": 4, "num_stages": 3},
-               {"BN": 128, "num_warps": 8, "num_stages": 3}]
+# --act-quant q8_1: triton_mmq's schedule candidates, overrides of its table (TYPE_CONFIG: KB quant blocks a K step,
+# SPLIT the 1-row bucket's chunks over programs, warps); all keep the reduction key KCB, so all give the same bits
+# (checked). "before": the schedule before K steps and split-K (one block a step, one chunk, 4 warps: other bits),
+# timed for the before/after columns only.
+MMQ_CONFIGS = [{}, {"KB": 2}, {"KB": 4}, {"KB": 1, "num_warps": 4}, {"KB": 2, "SPLIT": 0}, {"KB": 2, "SPLIT": 1}]
+MMQ_BEFORE = {"KB": 1, "KCB": 0, "SPLIT": 0, "num_warps": 4, "num_stages": 3}
+MMQ_TYPES_DEFAULT = "Q8_0,Q4_K,MXFP4"
 
 
 def applies(tname: str, ci: int) -> bool:
@@ -215,13 +219,13 @@ def _warm_one(gname: str, tname: str, ci: int, QT_CODES: dict):
             triton_quants.dequantize(raw, qt, (64, K), dtype=DTYPE)
 
 
-def warm_parallel(tasks: list[tuple[str, str, int]], workers: int, timeout: float) -> float:
+def warm_parallel(tasks: list[tuple[str, str, int]], workers: int, timeout: float, flag: str = "--warm") -> float:
     import tempfile
     t = time.perf_counter()
     chunks = [tasks[i::workers] for i in range(workers) if tasks[i::workers]]
     logs = [tempfile.TemporaryFile(mode="w+") for _ in chunks]
     job = {"rows": ROWS, "tuned": CONFIGS == [None]}
-    procs = [subprocess.Popen([sys.executable, __file__, "--warm", json.dumps({**job, "tasks": c})],
+    procs = [subprocess.Popen([sys.executable, __file__, flag, json.dumps({**job, "tasks": c})],
                               stdout=subprocess.DEVNULL, stderr=log) for c, log in zip(chunks, logs)]
     for p, log in zip(procs, logs):
         try:
@@ -440,8 +444,8 @@ def check_rows(ctx: dict, checked: dict | None = None, cis: list[int] | None = N
 
 def act_quant_case(gname: str, tname: str) -> dict:
     """One type: GB/s of the float path (the installed launch table) and of the q8_1 path (quantize + int8 MMA
-    kernels; and the kernels alone) at 1 and 16 rows on rotating banks; the q8_1 check (vs the torch path, rows
-    alone == in the full launch)."""
+    kernels; and the kernels alone, best of MMQ_CONFIGS, and the MMQ_BEFORE schedule) at 1 and 16 rows on rotating
+    banks; the q8_1 check (vs the torch path, rows alone == in the full launch, every candidate the same bits)."""
     from betelgeuse.kernels import triton_mmq as mq
     from betelgeuse.kernels import triton_moe as tk
     from betelgeuse.kernels.triton_quants import QT_CODES
@@ -458,7 +462,7 @@ def act_quant_case(gname: str, tname: str) -> dict:
     reps = max(n_banks, min(64, math.ceil(2e9 / bank_bytes)))
     kern, _ = kernels_for(qt, H, F, E, limit)
     has = mq.mmq_ok(code, H) and mq.mmq_ok(code, F)
-    out = {"float": {}, "q8_1": {}, "q8_1_kernels": {}, "mmq": has}
+    out = {"float": {}, "q8_1": {}, "q8_1_kernels": {}, "before": {}, "mmq": has}
     for rows in (1, 16):
         r = kern.route(*routing(BANK, rows, K_TOP, H))
         kern.apply(r, 0, pool, Group(None, None, bases[0]), slot)
@@ -481,23 +485,28 @@ def act_quant_case(gname: str, tname: str) -> dict:
             mq.gate_up(hq, pool, bases[i % n_banks], st, r.rows, r.off, r.inter, F, K_TOP, code, limit, gb, al)
             mq.down(iq, pool, bases[i % n_banks], st, r.rows, r.off, r.y, code, db, al)
         best = None
-        for ci, c in enumerate(MMQ_CONFIGS):            # schedule keys only: the same bits (checked below)
-            mq.CONFIG.update(c)
+        for ci, c in [(-1, MMQ_BEFORE), *enumerate(MMQ_CONFIGS)]:
+            mq.TYPE_CONFIG[code] = dict(c)
             try:
                 t = graph_time(kq, reps)
             except Exception as e:
                 out.setdefault("config_errors", {})[ci] = f"{type(e).__name__}: {str(e)[:100]}"
                 continue
+            if ci < 0:
+                out["before"][rows] = bank_bytes / t / 1e9
+                continue
             out.setdefault("q8_1_kernels_by_config", {}).setdefault(ci, {})[rows] = bank_bytes / t / 1e9
             if best is None or t < best[0]:
                 best = (t, ci)
         if best is None:                                # every schedule failed: the float figures stay
+            mq.TYPE_CONFIG.pop(code, None)
             out["q8_1_error"] = "no mmq schedule ran"
             continue
-        mq.CONFIG.update(MMQ_CONFIGS[best[1]])
+        mq.TYPE_CONFIG[code] = dict(MMQ_CONFIGS[best[1]])
         out.setdefault("best_config", {})[rows] = best[1]
         out["q8_1"][rows] = bank_bytes / graph_time(q81, reps) / 1e9
         out["q8_1_kernels"][rows] = bank_bytes / best[0] / 1e9
+        mq.TYPE_CONFIG.pop(code, None)
     pool = None
     torch.cuda.empty_cache() if not DRY else None
     if has:
@@ -510,17 +519,21 @@ def act_quant_case(gname: str, tname: str) -> dict:
 
 def act_quant_check(gname: str, tname: str, qt: int, H: int, F: int, E: int, limit) -> dict:
     """The q8_1 path on valid blocks: relative max error vs the torch path (bf16) per routing, finite, a token's rows
-    alone == in the full launch, every MMQ_CONFIGS schedule the same bits."""
+    alone (1-row bucket: split-K) == in the full launch (16-row bucket: chunks walked), every MMQ_CONFIGS schedule
+    the same bits."""
     from betelgeuse.kernels import triton_mmq as mq
+    from betelgeuse.kernels.triton_quants import QT_CODES
+    code = QT_CODES[qt]
     ctx = check_setup(gname, tname)
     tri, _ = kernels_for(qt, H, F, E, limit, act_quant="q8_1")
     chk = {"configs_same_bits": True}
+    mq.TYPE_CONFIG.pop(code, None)
     for name, (h, ids, w, o_r) in ctx["cases"].items():
         o_t = run_moe(ctx, tri, h, ids, w)
         for c in MMQ_CONFIGS:                           # every schedule: the same bits
-            mq.CONFIG.update(c)
+            mq.TYPE_CONFIG[code] = dict(c)
             chk["configs_same_bits"] &= bool(torch.equal(run_moe(ctx, tri, h, ids, w), o_t))
-        mq.CONFIG.update(MMQ_CONFIGS[0])
+        mq.TYPE_CONFIG.pop(code, None)
         chk["rel_err_" + name] = float((o_t - o_r).abs().max() / o_r.abs().max())
         chk["finite"] = chk.get("finite", True) and bool(torch.isfinite(o_t).all())
         if name == "rows16":
@@ -531,22 +544,55 @@ def act_quant_check(gname: str, tname: str, qt: int, H: int, F: int, E: int, lim
     return chk
 
 
-def act_quant_run(types: list[str], geoms: list[str], meta: dict, budget: float) -> int:
-    """--act-quant q8_1: the compile report (sm_90: int8 MMA, registers, spills), then per type and geometry the
-    float and q8_1 GB/s at 1 and 16 rows; a table whatever fails. Exit 1 if a check failed or a case errored."""
+def warm_mmq(tasks: list[tuple[str, str, int]]):
+    """Compile the q8_1 kernels of (geometry, type, candidate) tasks (candidate -1: MMQ_BEFORE, -2: the float path
+    and the quantizer) by launching them at 1 and 16 rows as act_quant_case does (the same specializations)."""
     from betelgeuse.kernels import triton_mmq as mq
     from betelgeuse.kernels.triton_quants import QT_CODES
-    if not DRY:
-        for t in types:
-            if QT_CODES[int(GT[t])] not in mq.MMQ_TYPES:
-                continue
-            for w in ("gate_up", "down"):
-                try:
-                    c = mq.compile_report(w, QT_CODES[int(GT[t])], arch=torch.cuda.get_device_capability()[0] * 10)
-                    print(f"compile {t} {w}: mma {c['mma']} sass {c['imma']} regs {c['regs']} spills "
-                          f"{c['spill_bytes']}", flush=True)
-                except Exception as e:
-                    print(f"compile {t} {w}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+    for gname, tname, ci in tasks:
+        try:
+            H, F, E, limit = GEOMS[gname]
+            qt = int(GT[tname])
+            code = QT_CODES[qt]
+            kern, slot = kernels_for(qt, H, F, E, limit)
+            pool = torch.zeros(BANK * slot, dtype=torch.uint8, device=dev)
+            base = base_table(E, 0, BANK, slot)
+            gb, db = row_nbytes(qt, H), row_nbytes(qt, F)
+            for rows in (1, 16):
+                r = kern.route(*routing(BANK, rows, K_TOP, H))
+                if ci == -2:
+                    kern.apply(r, 0, pool, Group(None, None, base), slot)
+                    mq.quantize_q8_1(r.h), mq.quantize_q8_1(r.inter)
+                    continue
+                mq.TYPE_CONFIG[code] = dict(MMQ_BEFORE if ci == -1 else MMQ_CONFIGS[ci])
+                hq, iq = mq.quantize_q8_1(r.h), mq.quantize_q8_1(r.inter)
+                st, al = kern.starts[0], kern._aligned
+                mq.gate_up(hq, pool, base, st, r.rows, r.off, r.inter, F, K_TOP, code, limit, gb, al)
+                mq.down(iq, pool, base, st, r.rows, r.off, r.y, code, db, al)
+            mq.TYPE_CONFIG.pop(code, None)
+        except Exception as e:                         # the timed run reports it
+            print(f"warm_mmq {gname}/{tname}/{ci}: {type(e).__name__}: {str(e)[:160]}", file=sys.stderr)
+    torch.cuda.synchronize()
+
+
+def act_quant_run(types: list[str], geoms: list[str], meta: dict, budget: float, workers: int) -> int:
+    """--act-quant q8_1: the sm_90 compile report (int8 MMA, registers, spills, shared memory; a child process) and
+    the kernels compiled by `workers` processes, then per type and geometry the float and q8_1 GB/s at 1 and 16 rows
+    beside the targets; a table whatever fails. Exit 1 if a check failed or a case errored."""
+    from betelgeuse.kernels import triton_mmq as mq
+    from betelgeuse.kernels.triton_quants import QT_CODES
+    mine = [t for t in types if QT_CODES[int(GT[t])] in mq.MMQ_TYPES]
+    rep = None
+    if not DRY and mine:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        rep = subprocess.Popen([sys.executable, "-m", "betelgeuse.kernels.triton_mmq"], cwd=REPO, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    if workers > 0:
+        tasks = [(g, t, ci) for g in geoms for t in mine for ci in range(-2, len(MMQ_CONFIGS))]
+        print(f"compiling the q8_1 kernels of {len(tasks)} (type, schedule) tasks in {workers} workers ...",
+              flush=True)
+        meta["compile_s"] = warm_parallel(tasks, workers, timeout=budget * 0.5, flag="--warm-mmq")
+        print(f"  done in {meta['compile_s']:.0f} s", flush=True)
     res = {}
     for g in geoms:
         for t in types:
@@ -562,15 +608,16 @@ def act_quant_run(types: list[str], geoms: list[str], meta: dict, budget: float)
                 res[key] = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
             print(f"{key}: {json.dumps(res[key], default=str)}  ({time.perf_counter() - T0:.0f} s)", flush=True)
     f = lambda d, n: f"{d[n]:.0f}" if n in d else "–"                        # noqa: E731
+    ratio = lambda d, n: f"{d[n] / TARGET[n]:.2f}" if n in d else "–"        # noqa: E731
     lines = [f"## act_quant q8_1 vs float on {meta['device']} (bank of {BANK}, GB/s of expert bytes, "
-             f"gate_up + down; q8_1 includes its two quantize launches; targets 1 row >= {TARGET[1]:.0f}, "
-             f"16 rows >= {TARGET[16]:.0f})", "",
-             "| case | float 1 | q8_1 1 | q8_1 kernels 1 | float 16 | q8_1 16 | q8_1 kernels 16 | q8_1 check |",
+             f"gate_up + down; q8_1 includes its two quantize launches, 'kernels' not; before: one block a step, "
+             f"no split; targets 1 row >= {TARGET[1]:.0f}, 16 rows >= {TARGET[16]:.0f})", "",
+             "| case | rows | float | q8_1 | q8_1 kernels | ÷ target | before (kernels) | q8_1 check |",
              "|---|---|---|---|---|---|---|---|"]
     fails = []
     for key, r in res.items():
         if "error" in r:
-            lines.append(f"| {key} | {r['error']} | | | | | | |")
+            lines.append(f"| {key} | | {r['error']} | | | | | |")
             fails += [] if r["error"].startswith("skipped") else [key]
             continue
         c = r.get("check")
@@ -578,10 +625,29 @@ def act_quant_run(types: list[str], geoms: list[str], meta: dict, budget: float)
               f"{'ok' if c['ok'] else 'FAIL'} rel {c['rel_err']:.2e} rows {'==' if c['row_invariant'] else '!='}"
               f" configs {'==' if c['configs_same_bits'] else '!='}")
         fails += [key] if c is not None and not c["ok"] else []
-        lines.append(f"| {key} | {f(r['float'], 1)} | {f(r['q8_1'], 1)} | {f(r['q8_1_kernels'], 1)} | "
-                     f"{f(r['float'], 16)} | {f(r['q8_1'], 16)} | {f(r['q8_1_kernels'], 16)} | {cs} |")
-    lines += ["", "MMQ_CONFIGS (schedule keys, the same bits): " + json.dumps(MMQ_CONFIGS)
-              + "; best per case and rows: " + json.dumps({k: r.get("best_config") for k, r in res.items()})]
+        for n in (1, 16):
+            lines.append(f"| {key} | {n} | {f(r['float'], n)} | {f(r['q8_1'], n)} | {f(r['q8_1_kernels'], n)} | "
+                         f"{ratio(r['q8_1_kernels'], n)} | {f(r['before'], n)} | {cs if n == 1 else ''} |")
+    lines += ["", "MMQ_CONFIGS (overrides of triton_mmq's table, the same bits): " + json.dumps(MMQ_CONFIGS)
+              + "; best per case and rows: " + json.dumps({k: r.get("best_config") for k, r in res.items()}),
+              "GB/s per candidate: " + json.dumps({k: {ci: {n: round(v) for n, v in d.items()}
+                                                      for ci, d in r.get("q8_1_kernels_by_config", {}).items()}
+                                                  for k, r in res.items()})]
+    if rep is not None:
+        try:
+            so, _ = rep.communicate(timeout=max(5.0, budget - (time.perf_counter() - T0)))
+            lines += ["", "compile report (sm_90, bench geometry: kernel type bucket KB KCB SPLIT warps | MMA | regs "
+                      "spills smem):"]
+            names = {c: n for n, c in ((t, QT_CODES[int(GT[t])]) for t in TYPES)}
+            for ln in so.splitlines():
+                x = json.loads(ln)
+                k = x["config"]
+                lines.append(f"  {x['kernel']} {names.get(x['qt'], x['qt'])} rows{x['bucket']} KB {k['KB']} KCB "
+                             f"{k['KCB']} split {int(k['SPLIT'])} w{k['num_warps']} | {x['imma']} | {x['regs']} "
+                             f"{x['spill_bytes']} {x['smem']}")
+        except Exception as e:
+            rep.kill()
+            lines += ["", f"compile report: {type(e).__name__}"]
     md = "\n".join(lines) + "\n\nchecks: " + ("all pass" if not fails else "FAIL " + ", ".join(fails)) + \
         f"  ({time.perf_counter() - T0:.0f} s)"
     print("\n" + md, flush=True)
@@ -750,7 +816,7 @@ def sweep(types: list[str], geoms: list[str], cfgs: list[int], meta: dict, budge
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--types", default=",".join(TYPES))
+    p.add_argument("--types", help=f"default: every type (--act-quant: {MMQ_TYPES_DEFAULT})")
     p.add_argument("--geoms", help=f"default: {','.join(GEOMS)} (--sweep: bench)")
     p.add_argument("--configs", default=",".join(str(i) for i in range(len(CONFIGS))), help="indices into CONFIGS")
     p.add_argument("--workers", type=int, default=min(14, (os.cpu_count() or 2) - 2))
@@ -766,8 +832,10 @@ def main() -> int:
                         "$BETELGEUSE_TRITON_TUNING) instead of CONFIGS")
     p.add_argument("--act-quant", choices=("q8_1",),
                    help="time the q8_1 activation path (kernels/triton_mmq.py) beside the float one at 1 and 16 "
-                        "rows, check it, print the sm_90 compile report (default geometry bench, budget 80 s)")
+                        "rows, check it, print the sm_90 compile report (default types Q8_0,Q4_K,MXFP4, geometry "
+                        "bench, budget 80 s)")
     p.add_argument("--warm", help=argparse.SUPPRESS)
+    p.add_argument("--warm-mmq", help=argparse.SUPPRESS)
     a = p.parse_args()
     global DRY, dev, ROWS, BANK, DTYPE, K_TOP
     if a.warm:
@@ -777,7 +845,11 @@ def main() -> int:
             CONFIGS[:] = [None]
         warm([tuple(t) for t in job["tasks"]])
         return 0
+    if a.warm_mmq:
+        warm_mmq([tuple(t) for t in json.loads(a.warm_mmq)["tasks"]])
+        return 0
     a.geoms = a.geoms or ("bench" if a.sweep or a.act_quant else ",".join(GEOMS))
+    a.types = a.types or (MMQ_TYPES_DEFAULT if a.act_quant else ",".join(TYPES))
     a.budget = a.budget or (270.0 if a.sweep else 80.0 if a.act_quant else 160.0)
     if a.sweep:
         ROWS = (1, 16)
@@ -810,7 +882,7 @@ def main() -> int:
             "copy_gbps": 2 * x.numel() * 4 / copy_s / 1e9, "configs": CONFIGS}
     x = y = None
     if a.act_quant:
-        return act_quant_run(types, geoms, meta, a.budget)
+        return act_quant_run(types, geoms, meta, a.budget, a.workers)
     tasks = [(g, t, c) for g in geoms for t in types for c in cfgs if applies(t, c)]
     print(f"compiling {len(tasks) * 2} kernels in {a.workers} workers ...", flush=True)
     meta["compile_s"] = warm_parallel(tasks, a.workers, timeout=a.budget * 0.45) if a.workers > 0 else 0.0

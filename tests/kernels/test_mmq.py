@@ -291,8 +291,8 @@ def test_act_quant_setting_and_flag():
 
 def test_compiles_to_int8_tensor_core_mma_for_sm90_without_spills():
     """triton.compile for sm_90 (no GPU: the ptxas of the triton wheel), each kernel at both rows buckets (1: split-K):
-    the int8 wgmma is in the PTX, KB of them per commit (a K step), IGMMA in the SASS, and no register spills. In a child without TRITON_INTERPRET (which turns every jit function into an
-    interpreted one that cannot compile)."""
+    the int8 wgmma is in the PTX, KB of them per commit (a K step), IGMMA in the SASS, and no register spills. In a
+    child without TRITON_INTERPRET (which turns every jit function into an interpreted one that cannot compile)."""
     import json
     import subprocess
     import sys
