@@ -833,7 +833,7 @@ def main() -> int:
     p.add_argument("--act-quant", choices=("q8_1",),
                    help="time the q8_1 activation path (kernels/triton_mmq.py) beside the float one at 1 and 16 "
                         "rows, check it, print the sm_90 compile report (default types Q8_0,Q4_K,MXFP4, geometry "
-                        "bench, budget 80 s)")
+                        "bench, budget 110 s)")
     p.add_argument("--warm", help=argparse.SUPPRESS)
     p.add_argument("--warm-mmq", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -850,7 +850,7 @@ def main() -> int:
         return 0
     a.geoms = a.geoms or ("bench" if a.sweep or a.act_quant else ",".join(GEOMS))
     a.types = a.types or (MMQ_TYPES_DEFAULT if a.act_quant else ",".join(TYPES))
-    a.budget = a.budget or (270.0 if a.sweep else 80.0 if a.act_quant else 160.0)
+    a.budget = a.budget or (270.0 if a.sweep else 110.0 if a.act_quant else 160.0)
     if a.sweep:
         ROWS = (1, 16)
     if a.tuned:
