@@ -115,10 +115,11 @@ for _c in CONFIGS:                  # the MMA path's entries: MV 0 (BM_MV, a key
 TARGET = {1: 1500.0, 16: 1200.0}
 # --act-quant q8_1: triton_mmq's schedule candidates, overrides of its table (TYPE_CONFIG: KB quant blocks a K step,
 # SPLIT the 1-row bucket's chunks over programs, warps); all keep the reduction key KCB, so all give the same bits
-# (checked). "before": the schedule before K steps and split-K (one block a step, one chunk, 4 warps: other bits),
-# timed for the before/after columns only.
+# (checked). MMQ_OTHER: schedules with other bits, timed only: "before" is the schedule before K steps and split-K
+# (one block a step, one chunk, 4 warps), the others another reduction key KCB (chunks of 8 / 32 blocks).
 MMQ_CONFIGS = [{}, {"KB": 2}, {"KB": 4}, {"KB": 1, "num_warps": 4}, {"KB": 2, "SPLIT": 0}, {"KB": 2, "SPLIT": 1}]
-MMQ_BEFORE = {"KB": 1, "KCB": 0, "SPLIT": 0, "num_warps": 4, "num_stages": 3}
+MMQ_OTHER = {"before": {"KB": 1, "KCB": 0, "SPLIT": 0, "num_warps": 4, "num_stages": 3}, "KCB8": {"KCB": 8},
+             "KCB32": {"KCB": 32}}
 MMQ_TYPES_DEFAULT = "Q8_0,Q4_K,MXFP4"
 
 
@@ -444,7 +445,7 @@ def check_rows(ctx: dict, checked: dict | None = None, cis: list[int] | None = N
 
 def act_quant_case(gname: str, tname: str) -> dict:
     """One type: GB/s of the float path (the installed launch table) and of the q8_1 path (quantize + int8 MMA
-    kernels; and the kernels alone, best of MMQ_CONFIGS, and the MMQ_BEFORE schedule) at 1 and 16 rows on rotating
+    kernels; and the kernels alone, best of MMQ_CONFIGS, and each MMQ_OTHER schedule) at 1 and 16 rows on rotating
     banks; the q8_1 check (vs the torch path, rows alone == in the full launch, every candidate the same bits)."""
     from betelgeuse.kernels import triton_mmq as mq
     from betelgeuse.kernels import triton_moe as tk
@@ -462,7 +463,7 @@ def act_quant_case(gname: str, tname: str) -> dict:
     reps = max(n_banks, min(64, math.ceil(2e9 / bank_bytes)))
     kern, _ = kernels_for(qt, H, F, E, limit)
     has = mq.mmq_ok(code, H) and mq.mmq_ok(code, F)
-    out = {"float": {}, "q8_1": {}, "q8_1_kernels": {}, "before": {}, "mmq": has}
+    out = {"float": {}, "q8_1": {}, "q8_1_kernels": {}, "other": {k: {} for k in MMQ_OTHER}, "mmq": has}
     for rows in (1, 16):
         r = kern.route(*routing(BANK, rows, K_TOP, H))
         kern.apply(r, 0, pool, Group(None, None, bases[0]), slot)
@@ -485,15 +486,15 @@ def act_quant_case(gname: str, tname: str) -> dict:
             mq.gate_up(hq, pool, bases[i % n_banks], st, r.rows, r.off, r.inter, F, K_TOP, code, limit, gb, al)
             mq.down(iq, pool, bases[i % n_banks], st, r.rows, r.off, r.y, code, db, al)
         best = None
-        for ci, c in [(-1, MMQ_BEFORE), *enumerate(MMQ_CONFIGS)]:
+        for ci, c in [*MMQ_OTHER.items(), *enumerate(MMQ_CONFIGS)]:
             mq.TYPE_CONFIG[code] = dict(c)
             try:
                 t = graph_time(kq, reps)
             except Exception as e:
                 out.setdefault("config_errors", {})[ci] = f"{type(e).__name__}: {str(e)[:100]}"
                 continue
-            if ci < 0:
-                out["before"][rows] = bank_bytes / t / 1e9
+            if ci in MMQ_OTHER:
+                out["other"][ci][rows] = bank_bytes / t / 1e9
                 continue
             out.setdefault("q8_1_kernels_by_config", {}).setdefault(ci, {})[rows] = bank_bytes / t / 1e9
             if best is None or t < best[0]:
@@ -545,8 +546,9 @@ def act_quant_check(gname: str, tname: str, qt: int, H: int, F: int, E: int, lim
 
 
 def warm_mmq(tasks: list[tuple[str, str, int]]):
-    """Compile the q8_1 kernels of (geometry, type, candidate) tasks (candidate -1: MMQ_BEFORE, -2: the float path
-    and the quantizer) by launching them at 1 and 16 rows as act_quant_case does (the same specializations)."""
+    """Compile the q8_1 kernels of (geometry, type, candidate) tasks (candidate: an index into MMQ_CONFIGS, a key
+    of MMQ_OTHER, or -1: the float path and the quantizer) by launching them at 1 and 16 rows as act_quant_case does
+    (the same specializations)."""
     from betelgeuse.kernels import triton_mmq as mq
     from betelgeuse.kernels.triton_quants import QT_CODES
     for gname, tname, ci in tasks:
@@ -560,11 +562,11 @@ def warm_mmq(tasks: list[tuple[str, str, int]]):
             gb, db = row_nbytes(qt, H), row_nbytes(qt, F)
             for rows in (1, 16):
                 r = kern.route(*routing(BANK, rows, K_TOP, H))
-                if ci == -2:
+                if ci == -1:
                     kern.apply(r, 0, pool, Group(None, None, base), slot)
                     mq.quantize_q8_1(r.h), mq.quantize_q8_1(r.inter)
                     continue
-                mq.TYPE_CONFIG[code] = dict(MMQ_BEFORE if ci == -1 else MMQ_CONFIGS[ci])
+                mq.TYPE_CONFIG[code] = dict(MMQ_OTHER[ci] if ci in MMQ_OTHER else MMQ_CONFIGS[ci])
                 hq, iq = mq.quantize_q8_1(r.h), mq.quantize_q8_1(r.inter)
                 st, al = kern.starts[0], kern._aligned
                 mq.gate_up(hq, pool, base, st, r.rows, r.off, r.inter, F, K_TOP, code, limit, gb, al)
@@ -588,7 +590,7 @@ def act_quant_run(types: list[str], geoms: list[str], meta: dict, budget: float,
         rep = subprocess.Popen([sys.executable, "-m", "betelgeuse.kernels.triton_mmq"], cwd=REPO, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     if workers > 0:
-        tasks = [(g, t, ci) for g in geoms for t in mine for ci in range(-2, len(MMQ_CONFIGS))]
+        tasks = [(g, t, ci) for g in geoms for t in mine for ci in [-1, *MMQ_OTHER, *range(len(MMQ_CONFIGS))]]
         print(f"compiling the q8_1 kernels of {len(tasks)} (type, schedule) tasks in {workers} workers ...",
               flush=True)
         meta["compile_s"] = warm_parallel(tasks, workers, timeout=budget * 0.5, flag="--warm-mmq")
@@ -627,12 +629,15 @@ def act_quant_run(types: list[str], geoms: list[str], meta: dict, budget: float,
         fails += [key] if c is not None and not c["ok"] else []
         for n in (1, 16):
             lines.append(f"| {key} | {n} | {f(r['float'], n)} | {f(r['q8_1'], n)} | {f(r['q8_1_kernels'], n)} | "
-                         f"{ratio(r['q8_1_kernels'], n)} | {f(r['before'], n)} | {cs if n == 1 else ''} |")
+                         f"{ratio(r['q8_1_kernels'], n)} | {f(r['other']['before'], n)} | {cs if n == 1 else ''} |")
     lines += ["", "MMQ_CONFIGS (overrides of triton_mmq's table, the same bits): " + json.dumps(MMQ_CONFIGS)
               + "; best per case and rows: " + json.dumps({k: r.get("best_config") for k, r in res.items()}),
               "GB/s per candidate: " + json.dumps({k: {ci: {n: round(v) for n, v in d.items()}
                                                       for ci, d in r.get("q8_1_kernels_by_config", {}).items()}
-                                                  for k, r in res.items()})]
+                                                  for k, r in res.items()}),
+              "GB/s of schedules with other bits (MMQ_OTHER): " + json.dumps(
+                  {k: {o: {n: round(v) for n, v in d.items()} for o, d in r.get("other", {}).items()}
+                   for k, r in res.items()})]
     if rep is not None:
         try:
             so, _ = rep.communicate(timeout=max(5.0, budget - (time.perf_counter() - T0)))
