@@ -50,7 +50,7 @@ from betelgeuse.kernels.triton_launch import launcher
 
 QK = 32                        # elements per q8_1 block (llama.cpp QK8_1)
 MMQ_TYPES = frozenset({0, 4, 5})  # kernel type codes with an MMA schedule: Q8_0, MXFP4, Q4_K
-CONFIG = {"BM": 16, "BN": 64, "num_warps": 4, "num_stages": 3}      # schedule keys (every type and bucket)
+CONFIG = {"BM": 16, "BN": 64, "FUSE": 0, "num_warps": 4, "num_stages": 3}   # schedule keys (every type and bucket)
 # per type: KB quant blocks a K step (a schedule key: the same bits at every KB) and KCB quant blocks a K chunk (the
 # reduction key, 0 = one chunk: an output is 0 + p_0 + p_1 + ... over its chunks in order, each p_c accumulated from
 # zero; the same for both buckets, so a row's bits never depend on how many rows share its launch)
@@ -277,11 +277,31 @@ def mmq_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, 
 
 
 @triton.jit
+def _gu_acc(pool, gra, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, b0, b1, QT: tl.constexpr, KB: tl.constexpr,
+            BM: tl.constexpr, BN: tl.constexpr, FUSE: tl.constexpr):
+    """gate_up's partial over blocks b0 .. b1, from zero: [2 BN, BM], the gate rows gra then the up rows ura [BN].
+    FUSE: both as one weight side of 2 BN rows (one MMA of M = 2 BN a step, a warpgroup each at 8 warps, the
+    activations' tile built once); else gate's K walk, then up's. Either way each output's float ops are those of
+    its own row (a schedule key)."""
+    if FUSE:
+        ra = tl.reshape(tl.permute(tl.join(gra, ura), (1, 0)), (2 * BN,))
+        m2 = tl.reshape(tl.permute(tl.join(mn, mn), (1, 0)), (2 * BN,))
+        acc = mmq_acc(tl.zeros((2 * BN, BM), dtype=tl.float32), pool, ra, m2, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr,
+                      b0, b1, QT, KB, BM, 2 * BN)
+    else:
+        z = tl.zeros((BN, BM), dtype=tl.float32)
+        g = mmq_acc(z, pool, gra, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, b0, b1, QT, KB, BM, BN)
+        u = mmq_acc(z, pool, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, b0, b1, QT, KB, BM, BN)
+        acc = tl.reshape(tl.permute(tl.join(g, u), (2, 0, 1)), (2 * BN, BM))
+    return acc
+
+
+@triton.jit
 def _gate_up_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, inter_ptr, ws_ptr,
                         cnt_ptr, H, F, row_bytes, n_exp, k_top, limit, KCB, QT: tl.constexpr,
                         HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, EP: tl.constexpr,
                         ALIGNED: tl.constexpr = False, RA: tl.constexpr = 1, KB: tl.constexpr = 1,
-                        SPLIT: tl.constexpr = False):
+                        SPLIT: tl.constexpr = False, FUSE: tl.constexpr = False):
     e, mb, base = tm._find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
     if base >= 0:
         rows, mr, flat = tm._rows_of(off_ptr, rows_ptr, e, mb, BM)
@@ -293,33 +313,27 @@ def _gate_up_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows
         xo, dxo = tok * H, tok * (H // 32)
         NBLK = H // 32
         NCH = (NBLK + KCB - 1) // KCB
-        z = tl.zeros((BN, BM), dtype=tl.float32)
-        totg = z
-        totu = z
+        z = tl.zeros((2 * BN, BM), dtype=tl.float32)
+        tot = z
         if SPLIT:                   # this program: chunk program_id(2); the tile's last sums the chunks in order
             pc = tl.program_id(2)
-            b1 = tl.minimum(pc * KCB + KCB, NBLK)
-            accg = mmq_acc(z, pool, gra, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, pc * KCB, b1, QT, KB, BM, BN)
-            accu = mmq_acc(z, pool, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, pc * KCB, b1, QT, KB, BM, BN)
+            acc = _gu_acc(pool, gra, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, pc * KCB,
+                          tl.minimum(pc * KCB + KCB, NBLK), QT, KB, BM, BN, FUSE)
             tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-            pp = tm._partial_ptr(ws_ptr, tile, pc, NCH, 2 * BN * BM, BN, BM)
-            tl.store(pp, accg)
-            tl.store(pp + BN * BM, accu)
+            tl.store(tm._partial_ptr(ws_ptr, tile, pc, NCH, 2 * BN * BM, 2 * BN, BM), acc)
             if tm._arrive(cnt_ptr, tile, NCH):
                 for ch in range(0, NCH):        # 0 + p_0 + p_1 + ... in chunk order, as the walk below
-                    pp = tm._partial_ptr(ws_ptr, tile, ch, NCH, 2 * BN * BM, BN, BM)
-                    totg = totg + tl.load(pp, cache_modifier=".cg")
-                    totu = totu + tl.load(pp + BN * BM, cache_modifier=".cg")
+                    tot = tot + tl.load(tm._partial_ptr(ws_ptr, tile, ch, NCH, 2 * BN * BM, 2 * BN, BM),
+                                        cache_modifier=".cg")
                 tl.atomic_xchg(cnt_ptr + tile, 0)
-                tm._gu_store(totg, totu, inter_ptr, rows, mr, n, mn, F, limit, HAS_LIMIT)
+                accg, accu = tl.split(tl.permute(tl.reshape(tot, (2, BN, BM)), (1, 2, 0)))
+                tm._gu_store(accg, accu, inter_ptr, rows, mr, n, mn, F, limit, HAS_LIMIT)
         else:                       # the same chunk partials and sums, walked by one program
             for ch in range(0, NCH):
-                b1 = tl.minimum(ch * KCB + KCB, NBLK)
-                totg = totg + mmq_acc(z, pool, gra, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, ch * KCB, b1, QT, KB,
-                                      BM, BN)
-                totu = totu + mmq_acc(z, pool, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, ch * KCB, b1, QT, KB,
-                                      BM, BN)
-            tm._gu_store(totg, totu, inter_ptr, rows, mr, n, mn, F, limit, HAS_LIMIT)
+                tot = tot + _gu_acc(pool, gra, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, ch * KCB,
+                                    tl.minimum(ch * KCB + KCB, NBLK), QT, KB, BM, BN, FUSE)
+            accg, accu = tl.split(tl.permute(tl.reshape(tot, (2, BN, BM)), (1, 2, 0)))
+            tm._gu_store(accg, accu, inter_ptr, rows, mr, n, mn, F, limit, HAS_LIMIT)
 
 
 @triton.jit
@@ -409,7 +423,8 @@ def gate_up(hq, pool, base, starts, rows, off, inter, n_ff: int, k_top: int, qt:
     _launch(_GATE_UP_MMQ, [q, d, sx, pool, base, starts, rows, off, inter, q.shape[1], n_ff, row_bytes, E, k_top,
                            float(limit) if limit is not None else 0.0],
             triton.cdiv(n_ff, c["BN"]), R, E, q.shape[1], qt, 2 * c["BN"] * c["BM"], c,
-            dict(QT=qt, HAS_LIMIT=limit is not None, ALIGNED=aligned, RA=tm._row_align(row_bytes)), q.device)
+            dict(QT=qt, HAS_LIMIT=limit is not None, ALIGNED=aligned, RA=tm._row_align(row_bytes),
+                 FUSE=bool(c["FUSE"])), q.device)
 
 
 def down(iq, pool, base, starts, rows, off, y, qt: int, row_bytes: int, aligned: bool = False):
@@ -425,7 +440,7 @@ def down(iq, pool, base, starts, rows, off, y, qt: int, row_bytes: int, aligned:
 
 def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int | None = None, bn: int | None = None,
                    num_warps: int | None = None, bucket: int = 16, kb: int | None = None,
-                   kcb: int | None = None) -> dict:
+                   kcb: int | None = None, fuse: int | None = None) -> dict:
     """Compile one mmq kernel for CUDA sm_`arch` without a GPU (Triton's compiler and the ptxas its wheel ships) at
     the bench geometry (H 2048, F 768: K = 2048 for gate_up, 768 for down) with the launch constants of `bucket`
     (config(); bm / bn / num_warps / kb / kcb override) and report what the device will run: {"mma": tensor-core
@@ -442,7 +457,7 @@ def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int 
     from triton.compiler import ASTSource
     c = {**config(qt, bucket), **({"BM": bm} if bm else {}), **({"BN": bn} if bn else {}),
          **({"num_warps": num_warps} if num_warps else {}), **({"KB": kb} if kb else {}),
-         **({"KCB": kcb} if kcb is not None else {})}
+         **({"KCB": kcb} if kcb is not None else {}), **({"FUSE": fuse} if fuse is not None else {})}
     K = 2048 if which == "gate_up" else 768
     KB, KCB = _chunk(c, qt, K)
     split = bool(c["SPLIT"]) and K // QK > KCB
@@ -452,8 +467,9 @@ def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int 
     if which == "gate_up":
         fn = _gate_up_mmq_kernel
         sig = {**ptr, "inter_ptr": "*bf16", **ws, "H": "i32", "F": "i32", "row_bytes": "i32", "n_exp": "i32",
-               "k_top": "i32", "limit": "fp32", "KCB": "i32", "QT": "constexpr", "HAS_LIMIT": "constexpr"}
-        const = {"QT": qt, "HAS_LIMIT": False}
+               "k_top": "i32", "limit": "fp32", "KCB": "i32", "QT": "constexpr", "HAS_LIMIT": "constexpr",
+               "FUSE": "constexpr"}
+        const = {"QT": qt, "HAS_LIMIT": False, "FUSE": bool(c["FUSE"])}
     else:
         fn = _down_mmq_kernel
         sig = {**ptr, "y_ptr": "*bf16", **ws, "H": "i32", "F": "i32", "row_bytes": "i32", "n_exp": "i32",

@@ -114,10 +114,11 @@ for _c in CONFIGS:                  # the MMA path's entries: MV 0 (BM_MV, a key
     _c.setdefault("BM_MV", 4)
 TARGET = {1: 1500.0, 16: 1200.0}
 # --act-quant q8_1: triton_mmq's schedule candidates, overrides of its table (TYPE_CONFIG: KB quant blocks a K step,
-# SPLIT the 1-row bucket's chunks over programs, warps); all keep the reduction key KCB, so all give the same bits
-# (checked). MMQ_OTHER: schedules with other bits, timed only: "before" is the schedule before K steps and split-K
+# SPLIT the 1-row bucket's chunks over programs, FUSE gate_up's gate and up rows in one MMA, warps); all keep the
+# reduction key KCB, so all give the same bits (checked). MMQ_OTHER: schedules with other bits, timed only: "before" is the schedule before K steps and split-K
 # (one block a step, one chunk, 4 warps), the others another reduction key KCB (chunks of 8 / 32 blocks).
-MMQ_CONFIGS = [{}, {"KB": 2}, {"KB": 4}, {"KB": 1, "num_warps": 4}, {"KB": 2, "SPLIT": 0}, {"KB": 2, "SPLIT": 1}]
+MMQ_CONFIGS = [{}, {"KB": 2}, {"KB": 4}, {"KB": 1, "num_warps": 4}, {"KB": 2, "SPLIT": 0}, {"KB": 2, "SPLIT": 1},
+               {"KB": 2, "FUSE": 1}]
 MMQ_OTHER = {"before": {"KB": 1, "KCB": 0, "SPLIT": 0, "num_warps": 4, "num_stages": 3}, "KCB8": {"KCB": 8},
              "KCB32": {"KCB": 32}}
 MMQ_TYPES_DEFAULT = "Q8_0,Q4_K,MXFP4"

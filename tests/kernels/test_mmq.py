@@ -245,8 +245,8 @@ def test_a_rows_bits_do_not_depend_on_its_block(qt):
 @pytest.mark.parametrize("qt", [8, 39, 12], ids=["Q8_0", "MXFP4", "Q4_K"])
 def test_k_steps_give_the_one_block_bits_and_split_k_the_walked_bits(qt):
     """H = F = 256 (8 quant blocks). K steps of KB = 2 / 4 / 8 blocks (one MMA on block-diagonal activations, the
-    block partials scaled and added in ascending order) give the bits of the one-block-a-step kernel (KB = 1, the
-    schedule before K steps) for 16 rows; with chunks of KCB = 2 blocks a token's row alone (the 1-row bucket: one
+    block partials scaled and added in ascending order), and gate_up's gate and up rows in one MMA (FUSE), give the
+    bits of the one-block-a-step kernel (KB = 1, the schedule before K steps) for 16 rows; with chunks of KCB = 2 blocks a token's row alone (the 1-row bucket: one
     program per chunk, the tile's last sums the chunks) equals the same row among 16 (chunks walked) and the numpy
     reference of the chunked sums, and differs from the unchunked bits (so the chunks are real)."""
     rng = np.random.default_rng(7)
@@ -265,10 +265,11 @@ def test_k_steps_give_the_one_block_bits_and_split_k_the_walked_bits(qt):
         assert np.abs(old - moe_ref(qt, raw, h, ids, w)).max() / np.abs(old).max() <= 1e-6
         for kb in (2, 4, 8):
             assert np.array_equal(with_cfg(16, KB=kb, KCB=0), old), kb
+        assert np.array_equal(with_cfg(16, KB=2, KCB=0, FUSE=1), old)           # gate and up rows in one MMA
         assert np.array_equal(with_cfg(1, KB=4, KCB=0)[0], old[0])
         chunked = with_cfg(16, KB=2, KCB=2)
         assert np.array_equal(with_cfg(1, KB=2, KCB=2)[0], chunked[0])         # split over programs == walked
-        assert np.array_equal(with_cfg(1, KB=1, KCB=2)[0], chunked[0])
+        assert np.array_equal(with_cfg(1, KB=1, KCB=2, FUSE=1)[0], chunked[0])
         want = moe_ref(qt, raw, h[:1], ids[:1], w[:1], kcb=2)[0]
         assert np.abs(chunked[0] - want).max() / np.abs(want).max() <= 1e-6
         assert not np.array_equal(chunked, old)
