@@ -115,8 +115,9 @@ for _c in CONFIGS:                  # the MMA path's entries: MV 0 (BM_MV, a key
 TARGET = {1: 1500.0, 16: 1200.0}
 # --act-quant q8_1: triton_mmq's schedule candidates, overrides of its table (TYPE_CONFIG: KB quant blocks a K step,
 # SPLIT the 1-row bucket's chunks over programs, FUSE gate_up's gate and up rows in one MMA, warps); all keep the
-# reduction key KCB, so all give the same bits (checked). MMQ_OTHER: schedules with other bits, timed only: "before" is the schedule before K steps and split-K
-# (one block a step, one chunk, 4 warps), the others another reduction key KCB (chunks of 8 / 32 blocks).
+# reduction key KCB, so all give the same bits (checked). MMQ_OTHER: schedules with other bits, timed only:
+# "before" is the schedule before K steps and split-K (one block a step, one chunk, 4 warps), the others another
+# reduction key KCB (chunks of 8 / 32 blocks).
 MMQ_CONFIGS = [{}, {"KB": 2}, {"KB": 4}, {"KB": 1, "num_warps": 4}, {"KB": 2, "SPLIT": 0}, {"KB": 2, "SPLIT": 1},
                {"KB": 2, "FUSE": 1}]
 MMQ_OTHER = {"before": {"KB": 1, "KCB": 0, "SPLIT": 0, "num_warps": 4, "num_stages": 3}, "KCB8": {"KCB": 8},

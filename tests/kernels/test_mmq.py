@@ -246,9 +246,10 @@ def test_a_rows_bits_do_not_depend_on_its_block(qt):
 def test_k_steps_give_the_one_block_bits_and_split_k_the_walked_bits(qt):
     """H = F = 256 (8 quant blocks). K steps of KB = 2 / 4 / 8 blocks (one MMA on block-diagonal activations, the
     block partials scaled and added in ascending order), and gate_up's gate and up rows in one MMA (FUSE), give the
-    bits of the one-block-a-step kernel (KB = 1, the schedule before K steps) for 16 rows; with chunks of KCB = 2 blocks a token's row alone (the 1-row bucket: one
-    program per chunk, the tile's last sums the chunks) equals the same row among 16 (chunks walked) and the numpy
-    reference of the chunked sums, and differs from the unchunked bits (so the chunks are real)."""
+    bits of the one-block-a-step kernel (KB = 1, the schedule before K steps) for 16 rows; with chunks of KCB = 2
+    blocks a token's row alone (the 1-row bucket: one program per chunk, the tile's last sums the chunks) equals the
+    same row among 16 (chunks walked) and the numpy reference of the chunked sums, and differs from the unchunked
+    bits (so the chunks are real)."""
     rng = np.random.default_rng(7)
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(DIMS, qt, (256, 256))
