@@ -19,6 +19,15 @@ with what it actually moved, if disk and copies overlapped perfectly with everyt
 store's reader on random whole experts of the model file before the first serve; the H2D rate a pinned copy (a memfd
 arena registered with cudaHostRegister, as the worker's) to the GPU, measured by the bench on the same device before
 the first serve; on the CPU there is no H2D rate (n/a) and the disk alone bounds.
+
+The prefill window (the phase's start -> the decode window opens) bounds the phase's time to first token: its
+TTFT bound (s) = max(disk bytes / disk rate, H2D bytes / H2D rate, the prefill passes' work), the work being the
+engine's prefill busy seconds less the seconds they stood waiting for disk (what the passes would still take with the
+disk infinitely fast). It counts every byte the disk read in the window (the prefill's demand reads, its read-ahead,
+any idle fills still landing), once however many requests shared the pass, and only the pass's own work: not the
+HTTP round trip, the admission window's hold or the tokenizer. Achieved = the TTFT bound / the measured TTFT (of the
+window's last first token). With every prompt of a burst in one joint pass (worker/scheduler.py) all first tokens
+wait for the whole window, so the burst's bound over a lone prompt's is the floor of the TTFT ratio at that disk.
 """
 
 from __future__ import annotations
@@ -86,14 +95,16 @@ class Meter:
 
         import grpc
         t = time.perf_counter()
-        status, body = self.client.get("/metrics")
-        if status != 200 or not isinstance(body, str):
-            raise BetelgeuseError(f"GET /metrics answered {status}: {str(body)[:200]}")
-        m = parse_metrics(body)
+        # the store's counters first: a mark taken as the decode window opens then has the fewest of the first
+        # decode step's reads in its prefill window (the worker's scrape takes longer)
         try:
             st = json.loads(self._status(self._request, timeout=5).json)
         except grpc.RpcError as e:
             raise BetelgeuseError(f"the store's Status: {e.code().name}: {e.details()}") from None
+        status, body = self.client.get("/metrics")
+        if status != 200 or not isinstance(body, str):
+            raise BetelgeuseError(f"GET /metrics answered {status}: {str(body)[:200]}")
+        m = parse_metrics(body)
         phases = ("prefill", "decode")
         return Snapshot(t, _get(m, "betelgeuse_generation_tokens_total"), _get(m, "betelgeuse_prompt_tokens_total"),
                         _get(m, "betelgeuse_host_to_device_bytes_total"),
@@ -152,14 +163,32 @@ def window(a: Snapshot, b: Snapshot, disk_bps: float, h2d_bps: float | None, tok
             "flex_hits": b.flex_hits - a.flex_hits, "flex_bytes": a.flex_bytes, "kv_bytes": a.kv_bytes}
 
 
+def prefill_window(a: Snapshot, opened: Snapshot, disk_bps: float, h2d_bps: float | None,
+                   ttft_s: float | None) -> dict:
+    """The prefill window (a -> the decode window opened) and the TTFT bound it sets (module doc): window()'s
+    fields over the prompt tokens prefilled, plus work_s (prefill busy less its disk wait), ttft_bound_s = the longest
+    of disk_s, h2d_s and work_s, its ttft_limiter, ttft_s (measured: the window's last first token) and achieved =
+    ttft_bound_s / ttft_s."""
+    w = window(a, opened, disk_bps, h2d_bps, tokens=opened.prompt_tokens - a.prompt_tokens)
+    work = max(0.0, w["busy_s"].get("prefill", 0.0) - w["disk_wait_s"].get("prefill", 0.0))
+    parts = {k: v for k, v in (("disk", w["disk_s"]), ("h2d", w["h2d_s"]), ("work", work)) if v}
+    limiter = max(parts, key=parts.get) if parts else None
+    bound = parts[limiter] if limiter else None
+    w.update(work_s=work, ttft_bound_s=bound, ttft_limiter=limiter, ttft_s=ttft_s, achieved=_over(bound, ttft_s))
+    return w
+
+
 def bounds(a: Snapshot, opened: Snapshot | None, b: Snapshot, disk_bps: float, h2d_bps: float | None,
-           completion_tokens: int, decode_tps: float | None, end_to_end_tps: float | None) -> dict:
-    """A phase's two windows: "decode" (the decode window opened -> the end, against the clients' decode rate) and
-    "phase" (the whole phase, prefill included, its completion tokens against the end-to-end rate); achieved =
-    the rate / its bound."""
+           completion_tokens: int, decode_tps: float | None, end_to_end_tps: float | None,
+           ttft_s: float | None = None) -> dict:
+    """A phase's three windows: "prefill" (the phase's start -> the decode window opened, its TTFT bound against
+    ttft_s, the last first token's TTFT: prefill_window), "decode" (the decode window opened -> the end, against the
+    clients' decode rate) and "phase" (the whole phase, prefill included, its completion tokens against the
+    end-to-end rate); achieved = the rate / its bound (prefill: the TTFT bound / the TTFT)."""
     out = {"phase": window(a, b, disk_bps, h2d_bps, tokens=completion_tokens)}
     out["phase"]["achieved"] = _over(end_to_end_tps, out["phase"]["bound_tps"])
     if opened is not None:
+        out["prefill"] = prefill_window(a, opened, disk_bps, h2d_bps, ttft_s)
         out["decode"] = window(opened, b, disk_bps, h2d_bps)
         out["decode"]["achieved"] = _over(decode_tps, out["decode"]["bound_tps"])
     return out
@@ -197,3 +226,19 @@ def describe(w: dict | None) -> str:
     a = w.get("achieved")
     ach = "–" if a is None else f"{a:.2f}" if a >= 0.1 else f"{a:.2g}"
     return f"bound {w['bound_tps']:.1f} ({w['limiter']}), achieved {ach}; {moved}"
+
+
+def describe_prefill(w: dict | None) -> str:
+    """A prefill window as the tables print it: the TTFT bound (its limiter, each term), achieved, what moved."""
+    if not w:
+        return "bound –"
+    terms = ", ".join(f"{k} {w[k + '_s']:.2f} s" for k in ("disk", "h2d", "work") if w.get(k + "_s") is not None)
+    a = w.get("achieved")
+    ach = "–" if a is None else f"{a:.2f}"
+    b = w.get("ttft_bound_s")
+    head = "TTFT bound –" if b is None else f"TTFT bound {b:.2f} s ({w['ttft_limiter']}; {terms})"
+    moved = (f"disk {size(w['disk_bytes'])}" + ("" if w.get("disk_busy_fraction") is None else
+                                                 f" (busy {w['disk_busy_fraction']:.0%})")
+             + f", H2D {size(w['h2d_bytes'])}")
+    return f"{head}, achieved {ach} of TTFT {w['ttft_s']:.2f} s; {moved}" if w.get("ttft_s") is not None else \
+        f"{head}; {moved}"

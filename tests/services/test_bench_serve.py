@@ -69,6 +69,9 @@ def test_the_live_service_gives_the_table(serve_run):
         s = r["summary"][c["name"]]
         assert s["aggregate_over_1"]["1"] == 1.0 and s["aggregate_over_1"]["2"] > 0
         assert s["ttft_p50_most_over_lone"] > 0 and s["most_clients"] == 2
+        pre = {n: c["clients"][n]["bound"]["prefill"] for n in ("1", "2")}
+        assert s["ttft_floor_most_over_lone"] == pytest.approx(pre["2"]["ttft_bound_s"] / pre["1"]["ttft_bound_s"])
+        assert s["ttft_ratio_over_floor"] == pytest.approx(s["ttft_floor_most_over_lone"] / s["ttft_p50_most_over_lone"])
     auto, fixed = r["cases"]
     # 2+6 keeps 6 of the 16 experts per layer resident: its decode reads the disk, and that bounds it (no H2D rate
     # on the CPU)
@@ -84,7 +87,9 @@ def test_the_live_service_gives_the_table(serve_run):
                  "| 2 clients (16-token prompts, 24 tokens each)", "achieved",
                  "## What the service moved, and the bound it sets", "| 2 clients | decode window |",
                  "agent loop, 3 turns", "; server 0.", "(server: ",
-                 "TTFT p50, 2 clients together ÷ the lone cold prompt", "## Definitions"):
+                 "TTFT p50, 2 clients together ÷ the lone cold prompt", "## Definitions",
+                 "| 2 clients | prefill window |",
+                 "TTFT bound", "(floor ", "; floor ÷ ratio ", "- TTFT bound: the prefill window"):
         assert want in md, want
     assert "## The service" in p.stdout                               # the figures, printed
     assert sorted(x.name for x in out.glob("serve-*.log")) == ["serve-0-auto.log", "serve-1-2_6.log"]
@@ -101,7 +106,10 @@ def _check_bounds(c: dict):
     phases += [(x, x["requests"]) for x in c["clients"].values()]
     for holder, requests in phases:
         b = holder["bound"]
+        _check_prefill(b["prefill"], requests)
         for name, w in b.items():
+            if name == "prefill":
+                continue
             assert w["tokens"] > 0 and w["seconds"] > 0 and w["h2d_s"] is None and w["disk_bps"] > 0, (name, w)
             assert w["disk_bytes_per_token"] * w["tokens"] == pytest.approx(w["disk_bytes"])
             assert w["h2d_bytes_per_token"] * w["tokens"] == pytest.approx(w["h2d_bytes"])
@@ -123,6 +131,23 @@ def _check_bounds(c: dict):
             u = requests[0]["usage"]
             assert ph["h2d_bytes"] == u["h2d_bytes"] and ph["disk_bytes"] >= u["disk_bytes"], (ph, u)
             assert ph["decode_tokens"] == requests[0]["completion_tokens"] - 1
+
+
+def _check_prefill(w: dict, requests: list):
+    """The prefill window (the phase's start -> its last first token): every prompt token the phase prefilled, the
+    TTFT bound the longest of its terms (disk at the sampled rate, the passes' work outside disk waits), measured
+    against the last request's TTFT and never far above it (the disk rate is a sample)."""
+    assert w["prefill_tokens"] == w["tokens"] == sum(x["prompt_tokens"] - x["cached_tokens"] for x in requests), w
+    assert w["ttft_s"] == pytest.approx(max(x["ttft_s"] for x in requests))
+    assert w["h2d_s"] is None and 0 <= w["work_s"] <= w["busy_s"]["prefill"], w
+    terms = {k: w[k + "_s"] for k in ("disk", "work") if w[k + "_s"]}
+    if not w["tokens"]:             # the whole prompt from the prefix cache: no pass (and no bound, but for idle reads)
+        assert w["work_s"] == 0 and w["busy_s"]["prefill"] == 0, w
+    if not terms:
+        assert w["ttft_bound_s"] is None and w["ttft_limiter"] is None and w["achieved"] is None, w
+        return
+    assert w["ttft_bound_s"] == max(terms.values()) and w["ttft_limiter"] == max(terms, key=terms.get), w
+    assert w["achieved"] == pytest.approx(w["ttft_bound_s"] / w["ttft_s"]) and 0 < w["achieved"] <= 1.2, w
 
 
 @pytest.mark.parametrize("args,words", [

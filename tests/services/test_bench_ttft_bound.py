@@ -1,0 +1,69 @@
+"""The serve bench's TTFT bound (services/bench/serve_meter.py prefill_window, serve.summarize / markdown) from recorded
+counters: the figures of the H200 run gpu-run37-serve (Q8_0 bench geometry, 12G / 12 GiB, disk sampled 1.63 GB/s),
+its prefill windows re-derived as the whole phase less the decode window (docs/benchmarks/gpu-run37-serve/bench.json).
+The live path (a real serve on the CPU, the same fields from its counters) is in test_bench_serve.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.bench.serve import markdown, summarize
+from services.bench.serve_meter import Snapshot, bounds, prefill_window
+
+DISK, H2D = 1.6285e9, 55.28e9          # B/s, sampled in that run
+
+# (prompt tokens, disk bytes, H2D bytes, prefill busy s, prefill disk wait s, TTFT p50 s, TTFT max s) of each burst's
+# prefill window in gpu-run37-serve: 1 client and 8 clients of 128-token prompts
+RUN37 = {1: (128, 4.98e9, 7.05e9, 2.816, 2.021, 2.85, 2.85), 8: (1024, 15.60e9, 19.42e9, 9.237, 6.781, 9.32, 9.34)}
+
+
+def _snap(t=0.0, prompt=0.0, disk=0, h2d=0.0, busy=0.0, wait=0.0, gen=0.0) -> Snapshot:
+    return Snapshot(t, gen, prompt, h2d, 0.0, {"prefill": busy, "decode": 0.0}, {"prefill": wait, "decode": 0.0},
+                    disk_bytes=int(disk))
+
+
+def _phase(n: int) -> dict:
+    """One client count's phase as the suite records it: a (before), opened (every first token out), b (the end)."""
+    tokens, disk, h2d, busy, wait, p50, mx = RUN37[n]
+    a = _snap()
+    opened = _snap(mx, tokens, disk, h2d, busy, wait)
+    b = _snap(mx + 6.0, tokens, disk + 6e9, h2d + 3e9, busy, wait, gen=63.0 * n)
+    fig = {"aggregate_decode_tps": 10.0 * n, "end_to_end_tps": 7.0 * n, "ttft_p50_s": p50, "ttft_max_s": mx}
+    return {"figures": fig, "bound": bounds(a, opened, b, DISK, H2D, 64 * n, fig["aggregate_decode_tps"],
+                                           fig["end_to_end_tps"], fig["ttft_max_s"])}
+
+
+def test_the_ttft_bound_is_the_longest_of_disk_copies_and_work():
+    lone = _phase(1)["bound"]["prefill"]
+    assert lone["prefill_tokens"] == 128 and lone["decode_tokens"] == 0
+    assert lone["disk_s"] == pytest.approx(4.98e9 / DISK) and lone["h2d_s"] == pytest.approx(7.05e9 / H2D)
+    assert lone["work_s"] == pytest.approx(2.816 - 2.021)            # the passes' busy time outside disk waits
+    assert (lone["ttft_limiter"], lone["ttft_bound_s"]) == ("disk", pytest.approx(3.058, abs=1e-3))
+    assert lone["achieved"] == pytest.approx(lone["ttft_bound_s"] / 2.85)   # above 1: read faster than the sample
+    # a pass with the experts at hand: its work bounds it, not the few bytes it read
+    w = prefill_window(_snap(), _snap(1.0, 64, 1e6, 0.0, busy=0.6, wait=0.1), DISK, None, 0.8)
+    assert (w["ttft_limiter"], w["ttft_bound_s"], w["h2d_s"]) == ("work", pytest.approx(0.5), None)
+    assert w["achieved"] == pytest.approx(0.5 / 0.8)
+    # nothing prefilled, nothing read (the whole prompt from the prefix cache): no bound
+    w = prefill_window(_snap(), _snap(0.02), DISK, H2D, 0.02)
+    assert w["ttft_bound_s"] is None and w["ttft_limiter"] is None and w["achieved"] is None
+
+
+def test_the_ratio_floor_is_the_bounds_ratio_and_printed_beside_the_target():
+    case = {"name": "auto", "clients": {"1": _phase(1), "8": _phase(8)}, "memory": {"cgroup": "/sys/fs/cgroup/x"}}
+    r = {"cases": [case], "disk": {"bps": DISK, "mode": "direct"}, "h2d": {"bps": H2D}, "status": "complete",
+         "options": {"client_prompt": (128, 128), "client_tokens": 64}}
+    s = summarize(r)["auto"]
+    b1, b8 = 4.98e9 / DISK, 15.60e9 / DISK                           # both disk-bound
+    assert s["ttft_bound_lone_s"] == pytest.approx(b1) and s["ttft_bound_most_s"] == pytest.approx(b8)
+    assert s["ttft_p50_most_over_lone"] == pytest.approx(9.32 / 2.85)
+    assert s["ttft_floor_most_over_lone"] == pytest.approx(15.60 / 4.98)  # the bytes' ratio: 3.13x, not <= 2x
+    assert s["ttft_ratio_over_floor"] == pytest.approx((15.60 / 4.98) / (9.32 / 2.85))
+    assert s["ttft_most_achieved"] == pytest.approx(b8 / 9.34) and s["ttft_lone_achieved"] == pytest.approx(b1 / 2.85)
+    r["summary"] = {"auto": s}
+    md = markdown(r)
+    assert ("| TTFT p50, 8 clients together ÷ the lone cold prompt (1 client) (its floor: the TTFT bounds' ratio, "
+            "what the prefills moved) | 3.27x (floor 3.13x: bounds 9.58 s ÷ 3.06 s, achieved 1.03 / 1.07; "
+            "floor ÷ ratio 0.96) | ≤ 2x |") in md
+    assert ("| 8 clients | prefill window | 1024 prompt tokens prefilled, 9.34 s; TTFT bound 9.58 s (disk; "
+            "disk 9.58 s, h2d 0.35 s, work 2.46 s), achieved 1.03 of TTFT 9.34 s; disk 15.6 GB") in md
