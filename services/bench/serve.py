@@ -841,9 +841,8 @@ def markdown(r: dict) -> str:
           "seconds less their disk wait = the work they would still do with an infinitely fast disk). It counts each "
           "byte once, however many requests shared the pass (the store's counter: read-ahead and 4 KiB rounding "
           "included), and no HTTP, tokenizer or admission-window time. Achieved = the bound / the window's last TTFT. "
-          "The TTFT target's floor = the most clients' bound / the lone (1-client) prompt's: the ratio no schedule "
-          "beats at this disk while one joint pass reads what the burst needs (floor ÷ ratio: how near the ratio "
-          "came to it).",
+          "The TTFT target's floor = the most clients' bound / the lone (1-client) prompt's: the ratio one joint "
+          "pass of the whole burst cannot beat at this disk (floor ÷ ratio: how near the ratio came to it).",
           "- Peak VRAM: device-wide (nvidia-smi, every 0.5 s) above what was in use before serve started. Cgroup "
           "peak: memory.peak (v2; v1 memory.max_usage_in_bytes) of the cgroup serve and its children ran in.",
           f"- Before the figures, one warm-up request ({o.get('warm_prompt')} prompt tokens, {o.get('warm_tokens')} "

@@ -27,7 +27,8 @@ disk infinitely fast). It counts every byte the disk read in the window (the pre
 any idle fills still landing), once however many requests shared the pass, and only the pass's own work: not the
 HTTP round trip, the admission window's hold or the tokenizer. Achieved = the TTFT bound / the measured TTFT (of the
 window's last first token). With every prompt of a burst in one joint pass (worker/scheduler.py) all first tokens
-wait for the whole window, so the burst's bound over a lone prompt's is the floor of the TTFT ratio at that disk.
+wait for the whole window, so the burst's bound over a lone prompt's is the floor of the TTFT ratio at that disk
+(for that schedule; docs/architecture.md says why no other gets under 2x on the bench geometry).
 """
 
 from __future__ import annotations
