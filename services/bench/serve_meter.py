@@ -16,7 +16,8 @@ phase has been prefilled by then, so from there to the end only decode passes ru
 
 A window's bound (tok/s) = tokens / max(disk bytes / disk rate, H2D bytes / H2D rate): the rate no schedule could beat
 with what it actually moved, if disk and copies overlapped perfectly with everything else. The disk rate is the
-store's reader on random whole experts of the model file before the first serve; the H2D rate a pinned copy (a memfd
+faster of the store's reader on random whole experts and on whole layers in file order with its queue kept full
+(ceilings.measure_disk: decode's and a prefill's patterns), before the first serve; the H2D rate a pinned copy (a memfd
 arena registered with cudaHostRegister, as the worker's) to the GPU, measured by the bench on the same device before
 the first serve; on the CPU there is no H2D rate (n/a) and the disk alone bounds.
 

@@ -39,6 +39,8 @@ def test_the_live_service_gives_the_table(serve_run):
     assert r["suite"] == "serve" and r["status"] == "complete" and r["errors"] == [] and r["skipped"] == []
     assert r["command"].startswith("betelgeuse bench --suite serve") and r["elapsed_s"] < BUDGET
     assert r["disk"]["bps"] > 0 and r["disk"]["bytes"] > 0
+    # both access patterns sampled; every bound takes the faster (a pass must not beat its ceiling by its pattern)
+    assert r["disk"]["bps"] == max(r["disk"]["random"]["bps"], r["disk"]["layer"]["bps"]) > 0
     assert [c["name"] for c in r["cases"]] == ["auto", "2+6"]
     for c in r["cases"]:
         assert c["serve_exit"] == 0 and not c.get("errors") and not c.get("skipped"), c
