@@ -250,8 +250,11 @@ class ExpertStore:
             with self.cv:
                 self._claimed.difference_update(keys)
 
+    STALL_S = 2.0       # a load with no expert landed for this long logs the staging state once (stall())
+
     def _deliver(self, session, keys, pending, done, ahead) -> Iterator[Loaded]:
         delivered, queued = 0, 0
+        last, told = time.monotonic(), False
         while delivered < len(keys):
             with self.cv:
                 while pending:
@@ -270,7 +273,12 @@ class ExpertStore:
             except queue.Empty:
                 if self.session != session:
                     raise StoreUnavailableError("worker session replaced during a load")
+                if not told and time.monotonic() - last > self.STALL_S:
+                    told = True
+                    log.warning("a load stalled %.1f s: %s", time.monotonic() - last,
+                                self.stall(keys[delivered:], pending))
                 continue
+            last = time.monotonic()
             with self.cv:
                 if key in self._failed:
                     why = self._failed.pop(key)
@@ -333,6 +341,12 @@ class ExpertStore:
             key = self._handed.pop(slot, None)
             if key is None:
                 continue
+            if key in self._staged or key in self._inflight:
+                # another copy of it is staged or landing (it was read again while the worker held this one: a
+                # Release and the next Load are separate calls and may arrive in either order): one staged copy per
+                # key, so this slot is free (overwriting the other's entry would lose that slot for good)
+                self._free.append(slot)
+                continue
             self._staged[key] = slot
             self._staged.move_to_end(key)
         if slots:
@@ -353,6 +367,24 @@ class ExpertStore:
         if self.engram is None:
             raise BetelgeuseError(f"{self.model.path} has no Engram tables")
         return self.engram.wait(bank, timeout=120.0)
+
+    def stall(self, waiting, pending) -> str:
+        """The staging state a stalled load sees (for its warning): its keys not delivered, those with no slot yet,
+        the staging slots free / staged (claimed, filling, read ahead) / handed to the worker / in flight."""
+        with self.cv:
+            fl = {k: (v[2], v[1].done()) for k, v in self._inflight.items()}
+            known = set(self._free) | set(self._staged.values()) | set(self._handed) | {v[0] for v in self._inflight.values()}
+            lost = sorted(set(range(self.plan.n_staging)) - known)
+            by_layer: dict = {}
+            for k in self._handed.values():
+                by_layer[k[0]] = by_layer.get(k[0], 0) + 1
+            return (f"waiting {list(waiting)[:16]}, no slot yet {list(pending)[:16]}; staging {self.plan.n_staging}: "
+                    f"free {len(self._free)}, staged {len(self._staged)} (claimed "
+                    f"{sum(k in self._claimed for k in self._staged)}, filling {len(self._filling)}, ahead "
+                    f"{len(self._readahead_keys)}), handed {len(self._handed)} (by layer {by_layer}), in none "
+                    f"{lost}, in flight {len(fl)} "
+                    f"{list(fl.items())[:16]}; waiters {list(self._waiters)[:16]}; reader queue "
+                    f"{self.reader._q.qsize()}")
 
     # ---- internals (hold self.cv) --------------------------------------------------------
     def _watch(self, key, done: queue.Queue):
@@ -440,6 +472,9 @@ class ExpertStore:
                     self.counters.extra["read_errors"] = self.counters.extra.get("read_errors", 0) + 1
                     if key in self._waiters:
                         self._failed[key] = str(err)
+                elif key in self._staged:                # a copy handed back meanwhile (_release): keep that one,
+                    self._free.append(slot)              # whose bytes are the same (one staged copy per key)
+                    self._ready_bytes[key] = nbytes      # the disk bytes were read all the same
                 else:
                     self._staged[key] = slot
                     self._ready_bytes[key] = nbytes

@@ -52,3 +52,52 @@ def test_two_staging_slots_deliver_every_expert_intact(tmp_path):
         assert st["disk_reads"] > 0 and store.reader.mode in ("direct", "buffered")
     finally:
         store.close()
+
+
+def _slots_accounted(store: ExpertStore) -> list[int]:
+    """Staging slots in none of free / staged / handed / in flight (lost for good)."""
+    with store.cv:
+        known = set(store._free) | set(store._staged.values()) | set(store._handed) | {
+            v[0] for v in store._inflight.values()}
+    return sorted(set(range(store.plan.n_staging)) - known)
+
+
+def test_an_expert_read_again_while_held_loses_no_staging_slot(tmp_path):
+    """The worker's Release and its next Load are separate gRPC calls and may arrive in either order: a Load can ask
+    for an expert whose copy the worker still holds (its Release not arrived yet), so the store reads it into a
+    second slot. Handing both back (in either order, and with the second still landing) must leave every staging
+    slot free or staged: a slot in none is lost for good, and once all are, every load waits forever (a live
+    `serve` failed requests with "expert store unavailable (DEADLINE_EXCEEDED)" after 14 s)."""
+    path = write_synth(tmp_path / "m.gguf", **ENGINE_SPEC)
+    f = GGUFModelFile.open(str(path))
+    cfg = EngineConfig(model_path=str(path), vram_slots=0, host_slots=0, staging_slots=4)
+    store = ExpertStore(f, plan_slots(f, cfg, None), read_threads=2)
+    try:
+        session, _ = store.attach(os.getpid())
+        key = (0, 3)
+        for order in ("first", "second", "landing"):
+            store.begin_pass(session)
+            (a,) = list(store.load(session, [key]))
+            if order == "landing":                      # a second copy read ahead, handed back while it lands
+                assert store.prefetch(session, [key]) == 1
+                store.release(session, [a.slot])
+                (b,) = list(store.load(session, [key]))
+                store.release(session, [b.slot])
+            else:
+                (b,) = list(store.load(session, [key]))     # read again while the worker holds the first copy
+                assert b.slot != a.slot
+                assert _expert_bytes_ok(store, *key, b.slot)
+                first, second = (a, b) if order == "first" else (b, a)
+                store.release(session, [first.slot])
+                store.release(session, [second.slot])
+            store.end_pass(session, np.zeros((ENGINE_SPEC["n_layer"], ENGINE_SPEC["n_expert"]), dtype=np.int64),
+                           False)
+            assert _slots_accounted(store) == [], order
+            with store.cv:
+                assert list(store._staged).count(key) == 1 and not store._handed, order
+        # and all staging slots still serve a load of as many experts as there are slots
+        store.begin_pass(session)
+        got = list(store.load(session, [(1, e) for e in range(store.plan.n_staging)]))
+        assert len(got) == store.plan.n_staging
+    finally:
+        store.close()
