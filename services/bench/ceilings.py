@@ -35,6 +35,7 @@ import torch
 from betelgeuse.gguf.reader import GGUFModelFile
 from betelgeuse.store.arena import Arena, register_pinned, unregister_pinned
 from betelgeuse.store.reader import PAGE, ExpertReader
+from services.bench.serve_meter import DISK_PATTERNS, disk_rate
 
 MiB = 1 << 20
 BOUND_WRONG = 1.02          # achieved above this (timer noise allowed) means the bound was not a bound
@@ -97,9 +98,6 @@ class Ceilings:
         d["disk"] = [dict(asdict(s), bps=s.bps) for s in self.disk]
         d["disk_bps"] = self.disk_bps
         return d
-
-
-DISK_PATTERNS = ("random", "layer")
 
 
 def _slot_ranges(f: GGUFModelFile, layer: int, expert: int, dest: int) -> list[tuple[int, int, int]]:
@@ -185,14 +183,6 @@ def measure_disk_rates(f: GGUFModelFile, threads: int, request_bytes: int, max_b
     modes = {out[p]["mode"] for p in DISK_PATTERNS}
     return dict(out, bps=bps, pattern=pattern, mode=modes.pop() if len(modes) == 1 else "mixed",
                 bytes=sum(out[p]["bytes"] for p in DISK_PATTERNS), seconds=sum(out[p]["seconds"] for p in DISK_PATTERNS))
-
-
-def disk_rate(rates: dict[str, float]) -> tuple[float, str]:
-    """(bytes/s, pattern) every disk bound uses: the fastest of the patterns sampled, max(random, layer). A window
-    holds reads of both kinds (a prefill's layer runs, decode's few experts per layer) and a ceiling must hold for
-    every pattern it contains, so no pass can beat its bound by the way it reads."""
-    pattern = max(rates, key=lambda p: rates[p] or 0.0) if rates else "none"
-    return (rates[pattern] or 0.0, pattern) if rates else (0.0, pattern)
 
 
 def _sync(device: torch.device):
