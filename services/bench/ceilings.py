@@ -119,8 +119,8 @@ def measure_disk(f: GGUFModelFile, threads: int, request_bytes: int, max_bytes: 
               before the next: a decode step's few missing experts per layer
       layer   whole layers, layer after layer from a random first layer (wrapping), each layer's experts in file
               order, one read per expert (as the store issues a load), the queue kept full: the next expert is
-              submitted as soon as any read completes, up to the arena's slots outstanding (at least 2 x threads
-              where the budget allows), as many layers' loads feed the reader in a prefill. A GGUF holds a layer's
+              submitted as soon as any read completes, up to the arena's slots outstanding (256 MiB: ~50 experts
+              of the bench geometry, several per reader thread), as many layers' loads feed the reader in a prefill. A GGUF holds a layer's
               experts contiguous per tensor (gate, up, down each [E, ...]), so this reads three long runs per layer.
 
     The reader is O_DIRECT where the filesystem honours it (`mode`), and each sample draws its own experts or first
@@ -129,9 +129,10 @@ def measure_disk(f: GGUFModelFile, threads: int, request_bytes: int, max_bytes: 
     c = f.config
     rng = np.random.default_rng(seed)
     slot = -(-(max(f.expert_nbytes(layer) for layer in range(c.n_layer)) + 3 * 2 * PAGE) // PAGE) * PAGE
-    per_batch = max(1, min(arena_bytes // slot, max(1, max_bytes // slot)))
-    if pattern == "layer":
-        per_batch = max(per_batch, min(2 * threads, max(1, max_bytes // slot)))
+    if pattern == "random":         # experts per batch
+        per_batch = max(1, min(arena_bytes // slot, max(1, max_bytes // slot)))
+    else:                           # reads kept outstanding: the arena's slots, at most the experts the budget covers
+        per_batch = max(1, min(arena_bytes // slot, -(-max_bytes // min(map(f.expert_nbytes, range(c.n_layer))))))
     arena = Arena.create(per_batch * slot, name="betelgeuse-bench-disk")
     reader = ExpertReader(f.path, arena, threads=threads, request_bytes=request_bytes)
     try:
