@@ -39,8 +39,14 @@ def test_the_live_service_gives_the_table(serve_run):
     assert r["suite"] == "serve" and r["status"] == "complete" and r["errors"] == [] and r["skipped"] == []
     assert r["command"].startswith("betelgeuse bench --suite serve") and r["elapsed_s"] < BUDGET
     assert r["disk"]["bps"] > 0 and r["disk"]["bytes"] > 0
-    # both access patterns sampled; every bound takes the faster (a pass must not beat its ceiling by its pattern)
-    assert r["disk"]["bps"] == max(r["disk"]["random"]["bps"], r["disk"]["layer"]["bps"]) > 0
+    # the disk sampled in both patterns the store reads, both printed; every bound at the faster (serve_meter.disk_rate)
+    d = r["disk"]
+    assert (d["random"]["pattern"], d["layer"]["pattern"]) == ("random", "layer") and d["layer"]["queue"] > 1
+    assert d["bps"] == max(d["random"]["bps"], d["layer"]["bps"]) == d[d["pattern"]]["bps"] and d["random"]["bps"] > 0
+    assert f"disk: random {d['random']['bps'] / 1e9:.2f} GB/s, layer {d['layer']['bps'] / 1e9:.2f} GB/s" in p.stderr + p.stdout
+    for c in r["cases"]:
+        for holder in [c["cold"], c["again"], *c["clients"].values()]:
+            assert {(w["disk_bps"], w["disk_pattern"]) for w in holder["bound"].values()} == {(d["bps"], d["pattern"])}
     assert [c["name"] for c in r["cases"]] == ["auto", "2+6"]
     for c in r["cases"]:
         assert c["serve_exit"] == 0 and not c.get("errors") and not c.get("skipped"), c
