@@ -51,7 +51,7 @@ from pathlib import Path
 from betelgeuse.errors import BetelgeuseError, InvalidRequestError
 from services.bench.agents import _pair, agent_user_lengths, concurrency_figures, synthetic_ids
 from services.bench.args import OutOfTime, ensure_model, opt_reader, parse_ints, target
-from services.bench.serve_meter import Meter, bounds, describe, describe_prefill, disk_rates, size
+from services.bench.serve_meter import BOUND_WRONG, Meter, bounds, describe, describe_prefill, disk_rates, size
 
 GB = 1e9
 MiB = 1 << 20
@@ -377,6 +377,8 @@ class ServeSuite:
             self.save(False)
         r["summary"] = summarize(r)
         r["elapsed_s"] = time.monotonic() - o.t0
+        for c in r["cases"]:
+            self.log(f"{c['name']}: {bound_verdict(r['summary'].get(c['name'], {}))}")
 
     def _disk_rate(self) -> dict:
         """The store's reader (its settings' defaults) reading whole experts of the model file in both patterns
@@ -614,6 +616,18 @@ def _ratio(a, b):
     return a / b if a is not None and b else None
 
 
+def beaten(c: dict) -> tuple[list | None, list]:
+    """A case's highest achieved over every window of every measured phase ([value, "phase window"], None: no bound)
+    and the windows that beat their bound ("phase window achieved", above BOUND_WRONG): a bound a pass beats is a
+    wrong bound (the disk rate too slow for how the window read)."""
+    holders = [("cold", c.get("cold")), ("again", c.get("again"))]
+    holders += [(f"{n} clients", x) for n, x in c.get("clients", {}).items()]
+    got = [(w["achieved"], f"{name} {win}") for name, h in holders for win, w in ((h or {}).get("bound") or {}).items()
+           if w.get("achieved") is not None]
+    top = max(got, default=None)
+    return (list(top) if top else None), [f"{where} {a:.2f}" for a, where in got if a > BOUND_WRONG]
+
+
 def summarize(r: dict) -> dict:
     """Per configuration: the judged ratios (aggregate(N) / aggregate(1), aggregate(N) / the bound of its decode
     window = achieved, TTFT p50 of the most clients / the lone cold prompt); across: the shipped config's aggregate
@@ -641,6 +655,7 @@ def summarize(r: dict) -> dict:
             s["ttft_most_achieved"] = pre[str(most)].get("achieved")
             s["ttft_floor_most_over_lone"] = _ratio(s["ttft_bound_most_s"], s["ttft_bound_lone_s"])
             s["ttft_ratio_over_floor"] = _ratio(s["ttft_floor_most_over_lone"], s["ttft_p50_most_over_lone"])
+        s["bound_max_achieved"], s["bounds_beaten"] = beaten(c)
         t = [x for x in c.get("agent", []) if x.get("ttft_s")]
         if t:
             s["agent_ttft_first_s"], s["agent_ttft_last_s"] = t[0]["ttft_s"], t[-1]["ttft_s"]
@@ -683,6 +698,8 @@ def moved_section(r: dict, cases: list, ns: list) -> list[str]:
          "in every window; achieved = the rate / the bound. "
          "TTFT bound (prefill window) = max(disk bytes / disk rate, H2D bytes / H2D rate, the prefill passes' work "
          "outside disk waits) in seconds; achieved = the bound / the TTFT of the window's last first token.",
+         "", "Bounds check: " + "; ".join(f"`{c['name']}` {bound_verdict((r.get('summary') or {}).get(c['name'], {}))}"
+                                         for c in cases) + ".",
          "", "| phase | window | " + " | ".join(f"`{c['name']}`" for c in cases) + " |",
          "|---|---" + "|---" * len(cases) + "|"]
 
@@ -710,6 +727,14 @@ def moved_section(r: dict, cases: list, ns: list) -> list[str]:
         L.append(f"| {name} | whole phase | " + " | ".join(cell((get(c) or {}).get("phase"), "end-to-end")
                                                          for c in cases) + " |")
     return L
+
+
+def bound_verdict(s: dict) -> str:
+    """One case's check of its bounds, as the log and the report print it."""
+    top = s.get("bound_max_achieved")
+    if s.get("bounds_beaten"):
+        return f"BOUND BEATEN (achieved > {BOUND_WRONG}): " + ", ".join(s["bounds_beaten"])
+    return "bounds: none beaten" + (f" (highest achieved {top[0]:.2f}, {top[1]})" if top else " (no bound)")
 
 
 def disk_text(disk: dict) -> str:

@@ -97,9 +97,15 @@ def test_the_live_service_gives_the_table(serve_run):
                  "agent loop, 3 turns", "; server 0.", "(server: ",
                  "TTFT p50, 2 clients together ÷ the lone cold prompt", "## Definitions",
                  "| 2 clients | prefill window |",
-                 "TTFT bound", "(floor ", "; floor ÷ ratio ", "- TTFT bound: the prefill window"):
+                 "TTFT bound", "(floor ", "; floor ÷ ratio ", "- TTFT bound: the prefill window",
+                 "Bounds check: `auto` ", "max(random, layer)"):
         assert want in md, want
     assert "## The service" in p.stdout                               # the figures, printed
+    for c in r["cases"]:        # each case's check of its bounds, logged (the GPU run's verdict line)
+        top, beaten = r["summary"][c["name"]]["bound_max_achieved"], r["summary"][c["name"]]["bounds_beaten"]
+        assert top[0] > 0 and all(float(b.split()[-1]) > 1.02 for b in beaten), (top, beaten)
+        assert f"{c['name']}: bounds: none beaten (highest achieved {top[0]:.2f}" in p.stderr or \
+            f"{c['name']}: BOUND BEATEN" in p.stderr
     assert sorted(x.name for x in out.glob("serve-*.log")) == ["serve-0-auto.log", "serve-1-2_6.log"]
     # nothing left running from this run
     left = subprocess.run(["pgrep", "-f", str(work)], capture_output=True, text=True).stdout.split()

@@ -27,14 +27,16 @@ def _snap(t=0.0, prompt=0.0, disk=0, h2d=0.0, busy=0.0, wait=0.0, gen=0.0) -> Sn
                     disk_bytes=int(disk))
 
 
-def _phase(n: int) -> dict:
+def _phase(n: int, rates: dict = RATES) -> dict:
     """One client count's phase as the suite records it: a (before), opened (every first token out), b (the end)."""
     tokens, disk, h2d, busy, wait, p50, mx = RUN37[n]
     a = _snap()
     opened = _snap(mx, tokens, disk, h2d, busy, wait)
     b = _snap(mx + 6.0, tokens, disk + 6e9, h2d + 3e9, busy, wait, gen=63.0 * n)
-    fig = {"aggregate_decode_tps": 10.0 * n, "end_to_end_tps": 7.0 * n, "ttft_p50_s": p50, "ttft_max_s": mx}
-    return {"figures": fig, "bound": bounds(a, opened, b, RATES, H2D, 64 * n, fig["aggregate_decode_tps"],
+    # the rates the clients saw: 63 tokens each in the 6 s decode window, 64 each over the whole phase
+    fig = {"aggregate_decode_tps": 63.0 * n / 6.0, "end_to_end_tps": 64.0 * n / (mx + 6.0), "ttft_p50_s": p50,
+           "ttft_max_s": mx}
+    return {"figures": fig, "bound": bounds(a, opened, b, rates, H2D, 64 * n, fig["aggregate_decode_tps"],
                                            fig["end_to_end_tps"], fig["ttft_max_s"])}
 
 
@@ -63,7 +65,7 @@ def test_every_window_bounds_at_the_faster_of_the_two_patterns():
                                                                               busy, wait, gen=63.0 * n)
         for rates, rate, pattern in ((RATES, LAYER, "layer"), ({"random": DISK, "layer": 1.2e9}, DISK, "random"),
                                      ({"random": DISK}, DISK, "random")):
-            w = bounds(a, opened, b, rates, H2D, 64 * n, 10.0 * n, 7.0 * n, mx)
+            w = bounds(a, opened, b, rates, H2D, 64 * n, 63.0 * n / 6.0, 64.0 * n / (mx + 6.0), mx)
             for name, x in w.items():
                 assert (x["disk_bps"], x["disk_pattern"]) == (rate, pattern), (name, rates)
                 assert x["disk_s"] == pytest.approx(x["disk_bytes"] / rate), (name, rates)
@@ -94,3 +96,8 @@ def test_the_ratio_floor_is_the_bounds_ratio_and_printed_beside_the_target():
     assert ("Rates measured in this run before the first serve: disk random 1.63 GB/s, layer 2.16 GB/s (direct; "
             "the bounds use the faster, 2.16 GB/s = layer), H2D 55.28 GB/s (pinned)") in md
     assert "every window uses the faster, max(random, layer)" in md
+    # the check printed under the rates: no window beat its bound; at the random sample alone both prefills did
+    assert s["bounds_beaten"] == [] and s["bound_max_achieved"] == [pytest.approx(b1 / 2.85), "1 clients prefill"]
+    assert "Bounds check: `auto` bounds: none beaten (highest achieved 0.81, 1 clients prefill)." in md
+    case["clients"] = {"1": _phase(1, {"random": DISK}), "8": _phase(8, {"random": DISK})}
+    assert summarize(r)["auto"]["bounds_beaten"] == ["1 clients prefill 1.07", "8 clients prefill 1.03"]
