@@ -681,7 +681,7 @@ def _x(x):
 
 def _disk_rates(disk: dict) -> str:
     """'1.63 GB/s (direct; random 1.41, layer 1.63)': the rate the bounds use and the two samples it is the faster of
-    (Run._disk_rate)."""
+    (ServeSuite._disk_rate: every bound uses max(random, layer))."""
     pats = [f"{p} {_f(disk[p]['bps'] / GB)}" for p in ("random", "layer") if isinstance(disk.get(p), dict)]
     return (f"{_f(disk.get('bps', 0) / GB)} GB/s ({disk.get('mode', '?')}" + ("; " + ", ".join(pats) if pats else "")
             + ")")
@@ -692,7 +692,7 @@ def moved_section(r: dict, cases: list, ns: list) -> list[str]:
     the clients' decode rate, the whole phase (prefill included) against the end-to-end rate."""
     h2d = r.get("h2d") or {}
     L = ["", "## What the service moved, and the bound it sets", "",
-         f"Rates measured in this run before the first serve: disk {disk_text(r.get('disk') or {})}, H2D "
+         f"Rates measured in this run before the first serve: disk {_disk_rates(r.get('disk') or {})}, H2D "
          + (f"{h2d['bps'] / GB:.2f} GB/s (pinned)" if h2d.get("bps") else f"n/a ({h2d.get('why', '')})")
          + ". Bound = tokens / max(disk bytes / disk rate, H2D bytes / H2D rate), the disk rate max(random, layer) "
          "in every window; achieved = the rate / the bound. "
@@ -735,14 +735,6 @@ def bound_verdict(s: dict) -> str:
     if s.get("bounds_beaten"):
         return f"BOUND BEATEN (achieved > {BOUND_WRONG}): " + ", ".join(s["bounds_beaten"])
     return "bounds: none beaten" + (f" (highest achieved {top[0]:.2f}, {top[1]})" if top else " (no bound)")
-
-
-def disk_text(disk: dict) -> str:
-    """The run's disk rates as the report prints them: each pattern's sample and the one the bounds use."""
-    rates = disk_rates(disk)
-    each = ", ".join(f"{p} {_f(v / GB)} GB/s" for p, v in rates.items())
-    return (f"{each} ({disk.get('mode', '?')}; the bounds use the faster, {_f(disk.get('bps', 0) / GB)} GB/s "
-            f"= {disk.get('pattern', '?')})")
 
 
 def ttft_ratio(a: dict) -> str:
@@ -877,7 +869,7 @@ def markdown(r: dict) -> str:
           "sampled in both ways the store's loads read: random (batches of random experts, each waited for: decode's "
           "few per layer) and layer (whole layers' experts in file order, the reader's queue kept full: a prefill's); "
           "every window uses the faster, max(random, layer), since a window holds reads of either kind and a bound "
-          f"must hold for every pattern in it (here: {disk_text(disk)}). The H2D rate is a pinned copy to the GPU "
+          f"must hold for every pattern in it (here: {_disk_rates(disk)}). The H2D rate is a pinned copy to the GPU "
           "(none on the CPU), both measured in this run before the first serve. The decode window (the last "
           "request's first token -> the end: every prompt is prefilled by then) bounds the decode rate (aggregate, "
           "TG); the whole phase (prefill included) bounds the end-to-end rate. Achieved = the rate / its bound: "

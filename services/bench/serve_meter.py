@@ -20,8 +20,8 @@ store's reader on whole experts of the model file before the first serve, sample
 (ceilings.measure_disk: "random", batches of random experts each waited for, as decode's few per layer; "layer", whole
 layers' experts in file order with the reader's queue kept full, as a prefill's), and every window (prefill, decode,
 the whole phase) uses the faster of the two (disk_rate: max(random, layer)): a window holds reads of either kind, and a
-ceiling must hold for every pattern in it, so no pass beats its bound by the way it reads. The H2D rate a pinned copy (a memfd
-arena registered with cudaHostRegister, as the worker's) to the GPU, measured by the bench on the same device before
+ceiling must hold for every pattern in it, so no pass beats its bound by the way it reads. The H2D rate is a pinned
+copy (a memfd arena registered with cudaHostRegister, as the worker's) to the GPU, measured by the bench on the same device before
 the first serve; on the CPU there is no H2D rate (n/a) and the disk alone bounds.
 
 The prefill window (the phase's start -> the decode window opens) bounds the phase's time to first token: its

@@ -93,8 +93,9 @@ def test_the_ratio_floor_is_the_bounds_ratio_and_printed_beside_the_target():
             "floor ÷ ratio 0.96) | ≤ 2x |") in md
     assert ("| 8 clients | prefill window | 1024 prompt tokens prefilled, 9.34 s; TTFT bound 7.22 s (disk; "
             "disk 7.22 s, h2d 0.35 s, work 2.46 s), achieved 0.77 of TTFT 9.34 s; disk 15.6 GB") in md
-    assert ("Rates measured in this run before the first serve: disk random 1.63 GB/s, layer 2.16 GB/s (direct; "
-            "the bounds use the faster, 2.16 GB/s = layer), H2D 55.28 GB/s (pinned)") in md
+    assert ("Rates measured in this run before the first serve: disk 2.16 GB/s (direct; random 1.63, layer 2.16), "
+            "H2D 55.28 GB/s (pinned). Bound = tokens / max(disk bytes / disk rate, H2D bytes / H2D rate), the disk "
+            "rate max(random, layer) in every window") in md
     assert "every window uses the faster, max(random, layer)" in md
     # the check printed under the rates: no window beat its bound; at the random sample alone both prefills did
     assert s["bounds_beaten"] == [] and s["bound_max_achieved"] == [pytest.approx(b1 / 2.85), "1 clients prefill"]
