@@ -337,11 +337,15 @@ class Harness:
             f.close()
 
     def _disk_sample(self, f: GGUFModelFile, cfg: EngineConfig) -> float:
-        """One disk ceiling sample with the store's reader settings (appended to the run's samples) -> bytes/s."""
-        s = C.measure_disk(f, cfg.read_threads, cfg.read_request_bytes, self.o.disk_sample_bytes,
-                           self.o.disk_sample_s, self.o.seed + len(self.ceil.disk) + 1, self.o.t0)
-        self.ceil.disk.append(s)
-        return s.bps
+        """One disk ceiling sample of each pattern with the store's reader settings (appended to the run's samples)
+        -> the faster one's bytes/s (C.disk_rate: a pass's reads hold both patterns)."""
+        rates = {}
+        for pattern in C.DISK_PATTERNS:
+            s = C.measure_disk(f, cfg.read_threads, cfg.read_request_bytes, self.o.disk_sample_bytes,
+                               self.o.disk_sample_s, self.o.seed + len(self.ceil.disk) + 1, self.o.t0, pattern=pattern)
+            self.ceil.disk.append(s)
+            rates[pattern] = s.bps
+        return C.disk_rate(rates)[0]
 
     def _divergence(self, rn: ModelRunner, f: GGUFModelFile, case: Case, ids: list) -> dict:
         """An approximate case's outputs against exact routing on its prompt (teacher-forced, all rows), both on the

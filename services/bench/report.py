@@ -201,8 +201,11 @@ def markdown(r: dict) -> str:
           f"swap limit {mem.get('swap_limit', '–')}, swap peak {mem.get('swap_peak', '–')}",
           "", "## Ceilings (measured in this run)", "",
           "- Disk (O_DIRECT, store reader settings): " + ", ".join(
-              f"{s['bps'] / GB:.2f} GB/s ({s['mode']}, t={s['at_s']:.0f}s)" for s in ceil.get("disk", []))
-          + "; sampled before and after every case: a pass's disk bound uses the fastest of those two and the rate of "
+              f"{s.get('pattern', 'random')} {s['bps'] / GB:.2f} GB/s ({s['mode']}, t={s['at_s']:.0f}s)"
+              for s in ceil.get("disk", []))
+          + "; sampled before and after every case in both ways the store's loads read (random: batches of random "
+            "experts, each waited for; layer: whole layers' experts in file order, the queue kept full): a pass's "
+            "disk bound uses the fastest of those four samples (max(random, layer) on each side) and the rate of "
             "its own reads (bytes x reader threads / their time in preadv); a pass that still beats its bound by "
             "more than 2% is printed as **bound wrong**, not as a fraction",
           f"- Host->device: {ceil.get('h2d_bps', 0) / GB:.2f} GB/s "

@@ -18,7 +18,9 @@ Beside the client's TTFT / TG the table prints the server's own (usage timings: 
   budgets       peak VRAM (device-wide, nvidia-smi, above what was in use before serve started) and the cgroup's peak
   bound         beside each decode rate: what the service moved in that phase (the store's disk bytes, the
                 worker's H2D bytes and tokens, read before, when the decode window opens and after) over the disk
-                and H2D rates measured in this run: tokens / max(disk bytes / disk rate, H2D bytes / H2D rate), its
+                and H2D rates measured in this run (the disk in both patterns the store reads, random and layer,
+                every window at the faster: serve_meter.disk_rate): tokens / max(disk bytes / disk rate, H2D bytes /
+                H2D rate), its
                 limiter, achieved = rate / bound (services/bench/serve_meter.py); beside each TTFT the prefill
                 window's (the phase's start -> its last first token) TTFT bound in seconds: max(disk bytes / disk
                 rate, H2D bytes / H2D rate, the prefill passes' work outside disk waits), achieved = bound / TTFT,
@@ -49,7 +51,7 @@ from pathlib import Path
 from betelgeuse.errors import BetelgeuseError, InvalidRequestError
 from services.bench.agents import _pair, agent_user_lengths, concurrency_figures, synthetic_ids
 from services.bench.args import OutOfTime, ensure_model, opt_reader, parse_ints, target
-from services.bench.serve_meter import Meter, bounds, describe, describe_prefill, size
+from services.bench.serve_meter import BOUND_WRONG, Meter, bounds, describe, describe_prefill, disk_rates, size
 
 GB = 1e9
 MiB = 1 << 20
@@ -352,8 +354,10 @@ class ServeSuite:
 
     def run(self):
         o, r = self.o, self.results
-        r["disk"] = self._disk_rate()
-        self.log(f"disk: {r['disk']['bps'] / GB:.2f} GB/s ({r['disk']['mode']}) over {r['disk']['bytes'] / MiB:.0f} MiB")
+        r["disk"] = d = self._disk_rate()
+        self.log(f"disk: random {d['random']['bps'] / GB:.2f} GB/s, layer {d['layer']['bps'] / GB:.2f} GB/s "
+                 f"({d['mode']}) over {d['bytes'] / MiB:.0f} MiB; bounds use {d['bps'] / GB:.2f} GB/s "
+                 f"(max(random, layer): {d['pattern']})")
         r["h2d"] = self._h2d_rate()
         self.log(f"H2D: {r['h2d']['bps'] / GB:.2f} GB/s (pinned)" if r["h2d"]["bps"] else f"H2D: {r['h2d']['why']}")
         self.save(False)
@@ -373,27 +377,22 @@ class ServeSuite:
             self.save(False)
         r["summary"] = summarize(r)
         r["elapsed_s"] = time.monotonic() - o.t0
+        for c in r["cases"]:
+            self.log(f"{c['name']}: {bound_verdict(r['summary'].get(c['name'], {}))}")
 
     def _disk_rate(self) -> dict:
-        """The store's reader (its settings' defaults) reading whole experts of the model file both ways passes read
-        them (ceilings.measure_disk: random experts as decode's misses; whole layers in file order, the queue kept
-        full, as a prefill): every bound uses the faster (`bps`), so no window beats its ceiling by its access
-        pattern."""
-        import dataclasses
+        """The store's reader (its settings' defaults) reading whole experts of the model file in both patterns
+        (ceilings.measure_disk_rates: random, layer) and the rate the bounds use (the faster)."""
         from betelgeuse.config import EngineConfig
         from betelgeuse.gguf.reader import GGUFModelFile
-        from services.bench.ceilings import measure_disk
+        from services.bench.ceilings import measure_disk_rates
         cfg = EngineConfig(model_path=self.o.model)
         f = GGUFModelFile.open(self.o.model)
         try:
-            got = {pat: measure_disk(f, cfg.read_threads, cfg.read_request_bytes, self.o.disk_sample_bytes,
-                                     self.o.disk_sample_s, self.o.seed, self.o.t0, pattern=pat)
-                   for pat in ("random", "layer")}
+            return measure_disk_rates(f, cfg.read_threads, cfg.read_request_bytes, self.o.disk_sample_bytes,
+                                      self.o.disk_sample_s, self.o.seed, self.o.t0)
         finally:
             f.close()
-        fast = max(got.values(), key=lambda x: x.bps)
-        return dict(dataclasses.asdict(fast), bps=fast.bps, rule="the faster of the two patterns",
-                    **{pat: dict(dataclasses.asdict(x), bps=x.bps) for pat, x in got.items()})
 
     def _h2d_rate(self) -> dict:
         """The pinned copy rate to the GPU the worker will use (ceilings.measure_h2d: a memfd arena registered with
@@ -530,7 +529,7 @@ class ServeSuite:
         r = self.results
         if a is not None and b is not None:
             tokens = sum(x.get("completion_tokens", len(x.get("times", []))) for x in recs)   # the server's count
-            recs.bound = bounds(a, opened, b, r["disk"]["bps"], r["h2d"]["bps"], tokens,
+            recs.bound = bounds(a, opened, b, disk_rates(r["disk"]), r["h2d"]["bps"], tokens,
                                 fig.get("aggregate_decode_tps"), fig.get("end_to_end_tps"), fig.get("ttft_max_s"))
             self.log(f"{case['name']}: {what}: prefill {describe_prefill(recs.bound.get('prefill'))}; "
                      f"decode {describe(recs.bound.get('decode'))}")
@@ -617,6 +616,18 @@ def _ratio(a, b):
     return a / b if a is not None and b else None
 
 
+def beaten(c: dict) -> tuple[list | None, list]:
+    """A case's highest achieved over every window of every measured phase ([value, "phase window"], None: no bound)
+    and the windows that beat their bound ("phase window achieved", above BOUND_WRONG): a bound a pass beats is a
+    wrong bound (the disk rate too slow for how the window read)."""
+    holders = [("cold", c.get("cold")), ("again", c.get("again"))]
+    holders += [(f"{n} clients", x) for n, x in c.get("clients", {}).items()]
+    got = [(w["achieved"], f"{name} {win}") for name, h in holders for win, w in ((h or {}).get("bound") or {}).items()
+           if w.get("achieved") is not None]
+    top = max(got, default=None)
+    return (list(top) if top else None), [f"{where} {a:.2f}" for a, where in got if a > BOUND_WRONG]
+
+
 def summarize(r: dict) -> dict:
     """Per configuration: the judged ratios (aggregate(N) / aggregate(1), aggregate(N) / the bound of its decode
     window = achieved, TTFT p50 of the most clients / the lone cold prompt); across: the shipped config's aggregate
@@ -644,6 +655,7 @@ def summarize(r: dict) -> dict:
             s["ttft_most_achieved"] = pre[str(most)].get("achieved")
             s["ttft_floor_most_over_lone"] = _ratio(s["ttft_bound_most_s"], s["ttft_bound_lone_s"])
             s["ttft_ratio_over_floor"] = _ratio(s["ttft_floor_most_over_lone"], s["ttft_p50_most_over_lone"])
+        s["bound_max_achieved"], s["bounds_beaten"] = beaten(c)
         t = [x for x in c.get("agent", []) if x.get("ttft_s")]
         if t:
             s["agent_ttft_first_s"], s["agent_ttft_last_s"] = t[0]["ttft_s"], t[-1]["ttft_s"]
@@ -669,7 +681,7 @@ def _x(x):
 
 def _disk_rates(disk: dict) -> str:
     """'1.63 GB/s (direct; random 1.41, layer 1.63)': the rate the bounds use and the two samples it is the faster of
-    (Run._disk_rate)."""
+    (ServeSuite._disk_rate: every bound uses max(random, layer))."""
     pats = [f"{p} {_f(disk[p]['bps'] / GB)}" for p in ("random", "layer") if isinstance(disk.get(p), dict)]
     return (f"{_f(disk.get('bps', 0) / GB)} GB/s ({disk.get('mode', '?')}" + ("; " + ", ".join(pats) if pats else "")
             + ")")
@@ -682,9 +694,12 @@ def moved_section(r: dict, cases: list, ns: list) -> list[str]:
     L = ["", "## What the service moved, and the bound it sets", "",
          f"Rates measured in this run before the first serve: disk {_disk_rates(r.get('disk') or {})}, H2D "
          + (f"{h2d['bps'] / GB:.2f} GB/s (pinned)" if h2d.get("bps") else f"n/a ({h2d.get('why', '')})")
-         + ". Bound = tokens / max(disk bytes / disk rate, H2D bytes / H2D rate); achieved = the rate / the bound. "
+         + ". Bound = tokens / max(disk bytes / disk rate, H2D bytes / H2D rate), the disk rate max(random, layer) "
+         "in every window; achieved = the rate / the bound. "
          "TTFT bound (prefill window) = max(disk bytes / disk rate, H2D bytes / H2D rate, the prefill passes' work "
          "outside disk waits) in seconds; achieved = the bound / the TTFT of the window's last first token.",
+         "", "Bounds check: " + "; ".join(f"`{c['name']}` {bound_verdict((r.get('summary') or {}).get(c['name'], {}))}"
+                                         for c in cases) + ".",
          "", "| phase | window | " + " | ".join(f"`{c['name']}`" for c in cases) + " |",
          "|---|---" + "|---" * len(cases) + "|"]
 
@@ -712,6 +727,14 @@ def moved_section(r: dict, cases: list, ns: list) -> list[str]:
         L.append(f"| {name} | whole phase | " + " | ".join(cell((get(c) or {}).get("phase"), "end-to-end")
                                                          for c in cases) + " |")
     return L
+
+
+def bound_verdict(s: dict) -> str:
+    """One case's check of its bounds, as the log and the report print it."""
+    top = s.get("bound_max_achieved")
+    if s.get("bounds_beaten"):
+        return f"BOUND BEATEN (achieved > {BOUND_WRONG}): " + ", ".join(s["bounds_beaten"])
+    return "bounds: none beaten" + (f" (highest achieved {top[0]:.2f}, {top[1]})" if top else " (no bound)")
 
 
 def ttft_ratio(a: dict) -> str:
@@ -842,14 +865,15 @@ def markdown(r: dict) -> str:
           f"- Bound: what the service moved in the window (the store's disk bytes read, from its Status RPC; the "
           "worker's host-to-device bytes and decode tokens, from its /metrics), read just before the phase, when "
           "its last request got its first token and right after its last token: tokens / max(disk bytes / the disk "
-          f"rate, H2D bytes / the H2D rate). The disk rate ({_disk_rates(disk)}) is the store's reader on whole "
-          "experts of the model file read both ways passes read them: random experts one batch at a time (decode's "
-          "misses) and whole layers in file order with the queue kept full (a prefill); every bound takes the faster "
-          "(no window beats its ceiling by its access pattern). The H2D rate is a pinned copy to the GPU "
-          "(none on the CPU); both measured in this run before the first serve. The decode window (the last "
+          "rate, H2D bytes / the H2D rate). The disk rate is the store's reader on whole experts of the model file "
+          "sampled in both ways the store's loads read: random (batches of random experts, each waited for: decode's "
+          "few per layer) and layer (whole layers' experts in file order, the reader's queue kept full: a prefill's); "
+          "every window uses the faster, max(random, layer), since a window holds reads of either kind and a bound "
+          f"must hold for every pattern in it (here: {_disk_rates(disk)}). The H2D rate is a pinned copy to the GPU "
+          "(none on the CPU), both measured in this run before the first serve. The decode window (the last "
           "request's first token -> the end: every prompt is prefilled by then) bounds the decode rate (aggregate, "
           "TG); the whole phase (prefill included) bounds the end-to-end rate. Achieved = the rate / its bound: "
-          "above 1 only where the service read faster than the sampled rate.",
+          "above 1 only where the service read faster than both sampled rates.",
           "- TTFT bound: the prefill window (the phase's start -> its last request's first token: every prompt "
           "prefilled; no decode pass yet when they share one prefill pass) bounds the time to first token: max(the "
           "disk bytes the store read in it / the disk rate, its H2D bytes / the H2D rate, the prefill passes' busy "

@@ -16,9 +16,12 @@ phase has been prefilled by then, so from there to the end only decode passes ru
 
 A window's bound (tok/s) = tokens / max(disk bytes / disk rate, H2D bytes / H2D rate): the rate no schedule could beat
 with what it actually moved, if disk and copies overlapped perfectly with everything else. The disk rate is the
-faster of the store's reader on random whole experts and on whole layers in file order with its queue kept full
-(ceilings.measure_disk: decode's and a prefill's patterns), before the first serve; the H2D rate a pinned copy (a memfd
-arena registered with cudaHostRegister, as the worker's) to the GPU, measured by the bench on the same device before
+store's reader on whole experts of the model file before the first serve, sampled in both ways the store's loads read
+(ceilings.measure_disk: "random", batches of random experts each waited for, as decode's few per layer; "layer", whole
+layers' experts in file order with the reader's queue kept full, as a prefill's), and every window (prefill, decode,
+the whole phase) uses the faster of the two (disk_rate: max(random, layer)): a window holds reads of either kind, and a
+ceiling must hold for every pattern in it, so no pass beats its bound by the way it reads. The H2D rate is a pinned
+copy (a memfd arena registered with cudaHostRegister, as the worker's) to the GPU, measured by the bench on the same device before
 the first serve; on the CPU there is no H2D rate (n/a) and the disk alone bounds.
 
 The prefill window (the phase's start -> the decode window opens) bounds the phase's time to first token: its
@@ -41,6 +44,7 @@ from dataclasses import dataclass, field
 from betelgeuse.errors import BetelgeuseError
 
 GB = 1e9
+BOUND_WRONG = 1.02          # achieved above this (timer noise allowed) means the bound was not a bound
 
 
 @dataclass(slots=True)
@@ -141,6 +145,24 @@ class Meter:
         self._channel.close()
 
 
+DISK_PATTERNS = ("random", "layer")      # ceilings.measure_disk's ways of reading
+
+
+def disk_rates(disk: dict) -> dict[str, float]:
+    """{pattern: bytes/s} of a run's disk record (ceilings.measure_disk_rates: one sample per pattern)."""
+    return {p: disk[p]["bps"] for p in DISK_PATTERNS if isinstance(disk.get(p), dict)}
+
+
+def disk_rate(rates: dict[str, float]) -> tuple[float, str]:
+    """(bytes/s, pattern) every disk bound uses: the fastest of the patterns sampled, max(random, layer). A window
+    holds reads of both kinds (a prefill's layer runs, decode's few experts per layer) and a ceiling must hold for
+    every pattern it contains, so no pass can beat its bound by the way it reads."""
+    if not rates:
+        return 0.0, "none"
+    pattern = max(rates, key=lambda p: rates[p] or 0.0)
+    return rates[pattern] or 0.0, pattern
+
+
 def window(a: Snapshot, b: Snapshot, disk_bps: float, h2d_bps: float | None, tokens: float | None = None) -> dict:
     """What moved from a to b and the bound it sets: tokens (default: the decode passes' tokens between them) over
     the longer of disk bytes / disk_bps and H2D bytes / h2d_bps (None: no H2D rate, the disk alone)."""
@@ -180,19 +202,23 @@ def prefill_window(a: Snapshot, opened: Snapshot, disk_bps: float, h2d_bps: floa
     return w
 
 
-def bounds(a: Snapshot, opened: Snapshot | None, b: Snapshot, disk_bps: float, h2d_bps: float | None,
+def bounds(a: Snapshot, opened: Snapshot | None, b: Snapshot, disk_rates: dict[str, float], h2d_bps: float | None,
            completion_tokens: int, decode_tps: float | None, end_to_end_tps: float | None,
            ttft_s: float | None = None) -> dict:
     """A phase's three windows: "prefill" (the phase's start -> the decode window opened, its TTFT bound against
     ttft_s, the last first token's TTFT: prefill_window), "decode" (the decode window opened -> the end, against the
     clients' decode rate) and "phase" (the whole phase, prefill included, its completion tokens against the
-    end-to-end rate); achieved = the rate / its bound (prefill: the TTFT bound / the TTFT)."""
+    end-to-end rate); achieved = the rate / its bound (prefill: the TTFT bound / the TTFT). disk_rates: {pattern:
+    bytes/s} sampled in the run; every window uses disk_rate's, the fastest (recorded as disk_pattern)."""
+    disk_bps, pattern = disk_rate(disk_rates)
     out = {"phase": window(a, b, disk_bps, h2d_bps, tokens=completion_tokens)}
     out["phase"]["achieved"] = _over(end_to_end_tps, out["phase"]["bound_tps"])
     if opened is not None:
         out["prefill"] = prefill_window(a, opened, disk_bps, h2d_bps, ttft_s)
         out["decode"] = window(opened, b, disk_bps, h2d_bps)
         out["decode"]["achieved"] = _over(decode_tps, out["decode"]["bound_tps"])
+    for w in out.values():
+        w["disk_pattern"] = pattern
     return out
 
 

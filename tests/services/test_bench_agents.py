@@ -125,6 +125,8 @@ def test_concurrency_figures_consistent(agents_run):
         s = r["summary"]["concurrency"][str(n)]
         d = c["passes"]["decode"]
         assert c["disk_bps"] > 0 and s["disk_bps"] == c["disk_bps"]
+        # both patterns sampled; the bound's rate the faster (max(random, layer))
+        assert c["disk_bps"] == max(c["disk_bps_random"], c["disk_bps_layer"]) and min(c["disk_bps_random"], c["disk_bps_layer"]) > 0
         want = d["mean_batch"] * c["disk_bps"] / d["disk_bytes_per_pass"] if d["disk_bytes_per_pass"] else None
         assert s["decode_disk_bound_tps"] == (pytest.approx(want) if want else None)
 
