@@ -120,6 +120,7 @@ class ExpertStore:
         self._staged: OrderedDict[tuple[int, int], int] = OrderedDict()   # key -> slot, ready, not handed out (LRU order)
         self._inflight: dict[tuple[int, int], tuple[int, object, int]] = {}  # key -> (slot, future, priority)
         self._handed: dict[int, tuple[int, int]] = {}                   # slot -> key, owned by the worker
+        self._handed_at: dict[int, tuple] = {}        # slot -> (monotonic s, demand loads then): a stall's report
         self._ready_bytes: dict[tuple[int, int], int] = {}              # key -> disk bytes of its read (until handed out)
         self._readahead_keys: set[tuple[int, int]] = set()
         self._claimed: set[tuple[int, int]] = set()                        # awaited by a running load: not evictable
@@ -288,6 +289,7 @@ class ExpertStore:
                 slot = self._staged.pop(key)
                 self._claimed.discard(key)
                 self._handed[slot] = key
+                self._handed_at[slot] = (time.monotonic(), self.counters.demand_loads)
                 nbytes = self._ready_bytes.pop(key, 0)
                 pre = key in self._readahead_keys
                 self._readahead_keys.discard(key)
@@ -378,10 +380,13 @@ class ExpertStore:
             by_layer: dict = {}
             for k in self._handed.values():
                 by_layer[k[0]] = by_layer.get(k[0], 0) + 1
+            now = time.monotonic()
+            ages = sorted((round(now - t, 2), n) for sl, (t, n) in self._handed_at.items() if sl in self._handed)
             return (f"waiting {list(waiting)[:16]}, no slot yet {list(pending)[:16]}; staging {self.plan.n_staging}: "
                     f"free {len(self._free)}, staged {len(self._staged)} (claimed "
                     f"{sum(k in self._claimed for k in self._staged)}, filling {len(self._filling)}, ahead "
-                    f"{len(self._readahead_keys)}), handed {len(self._handed)} (by layer {by_layer}), in none "
+                    f"{len(self._readahead_keys)}), handed {len(self._handed)} (by layer {by_layer}; (age s, demand loads "
+                    f"then) {ages[:8]}..{ages[-4:]} of {self.counters.demand_loads}), in none "
                     f"{lost}, in flight {len(fl)} "
                     f"{list(fl.items())[:16]}; waiters {list(self._waiters)[:16]}; reader queue "
                     f"{self.reader._q.qsize()}")

@@ -189,6 +189,10 @@ class GrpcStoreClient:
         """Prefetch without waiting for the answer -> a function that waits for it (the reads started)."""
         req = pb.LoadRequest(session=self.session, experts=_ids(keys), release=list(release), drop=_ids(drop))
         f = self._call(self.stub.Prefetch.future, req)
+        # kept until answered (reaped with the releases): gRPC cancels a call whose future is garbage-collected
+        # while in flight ("Cancelled upon garbage collection"), and a caller that never asks for the answer would
+        # lose the staging slots riding on it (the store kept them as the worker's: every load then waited)
+        self._releases.append(f)
 
         def queued() -> int:
             try:
@@ -212,7 +216,7 @@ class GrpcStoreClient:
             raise StoreUnavailableError(f"expert store unavailable: {e}") from None
 
     def _reap(self, wait: bool):
-        """Check the answered release calls (wait: all of them); the first failure raises."""
+        """Check the answered release and prefetch calls (wait: all of them); the first failure raises."""
         pending, self._releases = self._releases, []
         for i, f in enumerate(pending):
             if not wait and not f.done():

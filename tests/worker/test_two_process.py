@@ -21,7 +21,7 @@ from betelgeuse.model.qwen3moe import Qwen3MoeReference
 from betelgeuse.worker.runner import ModelRunner
 
 from engine_helpers import (WIDE_SPEC, StoreSockets, arena_mappings, counting_store_client, free_port, generate,
-                            hf_model, prompt, proc_io, start_store, start_worker, write_synth)
+                            hf_model, prompt, proc_io, settles, start_store, start_worker, store_status, write_synth)
 
 PROMPT = prompt(24, WIDE_SPEC["n_vocab"], seed=4)
 VRAM, HOST = 2, 6          # of 16 experts: all three tiers in use after consolidation
@@ -176,3 +176,21 @@ def test_store_process_matches_transformers(oracle_models, tmp_path):
         runner.close()
         client.close()
         proc.stop()
+
+
+def test_an_idle_worker_holds_no_staging_slot(wide, store, tmp_path):
+    """Every staging slot a real worker process was handed goes back: after decode-heavy requests (guesses read ahead,
+    their unused ones dropped on Prefetch calls whose answer nobody waits for), the idle worker holds none in the
+    store's books. gRPC cancels a call whose future is garbage-collected in flight, and the slots riding on it were
+    lost: they accumulated request by request until every load waited for a slot that never came back (a live
+    `serve` failed requests with "expert store unavailable (DEADLINE_EXCEEDED)")."""
+    _, socks = store
+    port = free_port()
+    worker = start_worker(wide, socks, port, VRAM, HOST)
+    try:
+        for i in range(3):
+            generate(port, prompt(32, WIDE_SPEC["n_vocab"], seed=7), max_tokens=40)
+            assert settles(lambda: store_status(socks.control)["staging_handed"] == 0, timeout=5.0), \
+                (i, store_status(socks.control)["staging_handed"])
+    finally:
+        assert worker.stop() == 0, worker.log()
