@@ -26,13 +26,19 @@ def _expert_bytes_ok(store: ExpertStore, layer: int, expert: int, slot: int) -> 
     return True
 
 
-def test_two_staging_slots_deliver_every_expert_intact(tmp_path):
+def _store(tmp_path, staging_slots: int, read_threads: int) -> tuple[ExpertStore, str]:
+    """A store over a tiny synth model with no VRAM or host slots (every expert through staging), attached."""
     path = write_synth(tmp_path / "m.gguf", **ENGINE_SPEC)
     f = GGUFModelFile.open(str(path))
-    cfg = EngineConfig(model_path=str(path), vram_slots=0, host_slots=0, staging_slots=2)
-    store = ExpertStore(f, plan_slots(f, cfg, None), read_threads=4)
+    cfg = EngineConfig(model_path=str(path), vram_slots=0, host_slots=0, staging_slots=staging_slots)
+    store = ExpertStore(f, plan_slots(f, cfg, None), read_threads=read_threads)
+    session, _ = store.attach(os.getpid())
+    return store, session
+
+
+def test_two_staging_slots_deliver_every_expert_intact(tmp_path):
+    store, session = _store(tmp_path, staging_slots=2, read_threads=4)
     try:
-        session, _ = store.attach(os.getpid())
         E = ENGINE_SPEC["n_expert"]
         for rounds in range(3):                      # later rounds hit the staged copies (victim cache)
             store.begin_pass(session)
@@ -68,12 +74,8 @@ def test_an_expert_read_again_while_held_loses_no_staging_slot(tmp_path):
     second slot. Handing both back (in either order, and with the second still landing) must leave every staging
     slot free or staged: a slot in none is lost for good, and once all are, every load waits forever (a live
     `serve` failed requests with "expert store unavailable (DEADLINE_EXCEEDED)" after 14 s)."""
-    path = write_synth(tmp_path / "m.gguf", **ENGINE_SPEC)
-    f = GGUFModelFile.open(str(path))
-    cfg = EngineConfig(model_path=str(path), vram_slots=0, host_slots=0, staging_slots=4)
-    store = ExpertStore(f, plan_slots(f, cfg, None), read_threads=2)
+    store, session = _store(tmp_path, staging_slots=4, read_threads=2)
     try:
-        session, _ = store.attach(os.getpid())
         key = (0, 3)
         for order in ("first", "second", "landing"):
             store.begin_pass(session)
