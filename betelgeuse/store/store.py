@@ -375,8 +375,7 @@ class ExpertStore:
         the staging slots free / staged (claimed, filling, read ahead) / handed to the worker / in flight."""
         with self.cv:
             fl = {k: (v[2], v[1].done()) for k, v in self._inflight.items()}
-            known = set(self._free) | set(self._staged.values()) | set(self._handed) | {v[0] for v in self._inflight.values()}
-            lost = sorted(set(range(self.plan.n_staging)) - known)
+            lost = self.unaccounted_slots()
             by_layer: dict = {}
             for k in self._handed.values():
                 by_layer[k[0]] = by_layer.get(k[0], 0) + 1
@@ -385,11 +384,18 @@ class ExpertStore:
             return (f"waiting {list(waiting)[:16]}, no slot yet {list(pending)[:16]}; staging {self.plan.n_staging}: "
                     f"free {len(self._free)}, staged {len(self._staged)} (claimed "
                     f"{sum(k in self._claimed for k in self._staged)}, filling {len(self._filling)}, ahead "
-                    f"{len(self._readahead_keys)}), handed {len(self._handed)} (by layer {by_layer}; (age s, demand loads "
-                    f"then) {ages[:8]}..{ages[-4:]} of {self.counters.demand_loads}), in none "
-                    f"{lost}, in flight {len(fl)} "
-                    f"{list(fl.items())[:16]}; waiters {list(self._waiters)[:16]}; reader queue "
+                    f"{len(self._readahead_keys)}), handed {len(self._handed)} (by layer {by_layer}; (age s, demand "
+                    f"loads then) {ages[:8]}..{ages[-4:]} of {self.counters.demand_loads}), in none {lost}, in flight "
+                    f"{len(fl)} {list(fl.items())[:16]}; waiters {list(self._waiters)[:16]}; reader queue "
                     f"{self.reader._q.qsize()}")
+
+    def unaccounted_slots(self) -> list[int]:
+        """Staging slots in none of free / staged / handed to the worker / in flight: lost for good (none should be;
+        a load waits forever once all are)."""
+        with self.cv:
+            known = set(self._free) | set(self._staged.values()) | set(self._handed)
+            known |= {v[0] for v in self._inflight.values()}
+            return sorted(set(range(self.plan.n_staging)) - known)
 
     # ---- internals (hold self.cv) --------------------------------------------------------
     def _watch(self, key, done: queue.Queue):

@@ -435,7 +435,8 @@ class MoEStep:
             host = [e for e in host if at[e] == -1]
             by_tier, flexed = {**by_tier, TIER_VRAM: used[:0]}, used[:0]
         batches = [host[i:i + B] for i in range(0, len(host), B)]
-        if ls.vram and not hand and len(batches) == 1 and not disk and not len(flexed) and r.ids.numel() <= r.counts.numel():
+        if (ls.vram and not hand and len(batches) == 1 and not disk and not len(flexed)
+                and r.ids.numel() <= r.counts.numel()):
             # decode, every byte at hand (no disk wait) and the host experts in one bank: ONE group over the VRAM
             # slots and the bank (one gate_up + one down instead of two of each; the same kernel for every row)
             vram = [int(e) for e in by_tier[TIER_VRAM]]

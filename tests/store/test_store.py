@@ -60,14 +60,6 @@ def test_two_staging_slots_deliver_every_expert_intact(tmp_path):
         store.close()
 
 
-def _slots_accounted(store: ExpertStore) -> list[int]:
-    """Staging slots in none of free / staged / handed / in flight (lost for good)."""
-    with store.cv:
-        known = set(store._free) | set(store._staged.values()) | set(store._handed) | {
-            v[0] for v in store._inflight.values()}
-    return sorted(set(range(store.plan.n_staging)) - known)
-
-
 def test_an_expert_read_again_while_held_loses_no_staging_slot(tmp_path):
     """The worker's Release and its next Load are separate gRPC calls and may arrive in either order: a Load can ask
     for an expert whose copy the worker still holds (its Release not arrived yet), so the store reads it into a
@@ -94,7 +86,7 @@ def test_an_expert_read_again_while_held_loses_no_staging_slot(tmp_path):
                 store.release(session, [second.slot])
             store.end_pass(session, np.zeros((ENGINE_SPEC["n_layer"], ENGINE_SPEC["n_expert"]), dtype=np.int64),
                            False)
-            assert _slots_accounted(store) == [], order
+            assert store.unaccounted_slots() == [], order
             with store.cv:
                 assert list(store._staged).count(key) == 1 and not store._handed, order
         # and all staging slots still serve a load of as many experts as there are slots
