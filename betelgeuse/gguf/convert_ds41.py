@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType as GT, quants
 
-from betelgeuse.errors import InvalidRequestError, ModelFormatError
+from betelgeuse.errors import InvalidRequestError, ModelFormatError, UnsupportedError
 from betelgeuse.gguf import ds41layout
 from betelgeuse.gguf.synth_ds41 import DS41Spec
 
@@ -153,15 +153,21 @@ def tokenizer_metadata(ckpt: Checkpoint) -> dict:
 
 
 def _pre_name(j: dict) -> str:
-    """The GGUF pre-tokenizer name of tokenizer.json's split regex (llama.cpp's names); DeepSeek's own otherwise."""
+    """The GGUF pre-tokenizer name (llama.cpp's) of tokenizer.json's pre_tokenizer: its Split regexes in order (a
+    CR or LF character written as `\\r` / `\\n`, as the regex means it), or a lone regex-splitting ByteLevel (GPT-2's).
+    One we could not read back is refused here, not at the first request."""
     from betelgeuse.gguf.vocab import PRE_SPLITS
     pre = j.get("pre_tokenizer") or {}
     parts = pre.get("pretokenizers", [pre])
-    regs = [p.get("pattern", {}).get("Regex") for p in parts if p.get("type") == "Split"]
-    for name, split in PRE_SPLITS.items():
-        if regs == [split]:
+    regs = tuple(p.get("pattern", {}).get("Regex", "").replace("\r", r"\r").replace("\n", r"\n")
+                 for p in parts if p.get("type") == "Split")
+    if not regs and any(p.get("type") == "ByteLevel" and p.get("use_regex", True) for p in parts):
+        return "gpt2"
+    for name, splits in PRE_SPLITS.items():
+        if regs == splits:
             return name
-    return "deepseek-v3"
+    raise UnsupportedError(f"tokenizer.json: pre-tokenizer splits {list(regs)!r} are none of the known ones "
+                           f"({', '.join(PRE_SPLITS)})")
 
 
 def add_tokenizer_metadata(w, tm: dict) -> None:

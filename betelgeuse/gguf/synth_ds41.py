@@ -101,7 +101,7 @@ def synth_tokenizer(n_vocab: int):
     from betelgeuse.gguf.synth_common import CORPUS
     from betelgeuse.gguf.vocab import QWEN2_SPLIT, bpe_tokenizer, train_vocab
     v = train_vocab(CORPUS, n_vocab)
-    return bpe_tokenizer(v.tokens, v.token_types, v.merges, QWEN2_SPLIT)
+    return bpe_tokenizer(v.tokens, v.token_types, v.merges, (QWEN2_SPLIT,))
 
 
 _FLASH = dict(n_embd=5120, n_head=64, head_dim=512, rope_dim=64, q_lora_rank=1280, o_groups=8, o_lora_rank=1024,

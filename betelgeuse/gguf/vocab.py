@@ -20,26 +20,38 @@ QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-PRE_SPLITS = {
-    "qwen2": QWEN2_SPLIT, "deepseek-r1-qwen": QWEN2_SPLIT, "megrez": QWEN2_SPLIT,
-    "llama3": LLAMA3_SPLIT, "llama-bpe": LLAMA3_SPLIT, "smaug-bpe": LLAMA3_SPLIT, "dbrx": LLAMA3_SPLIT,
-    "default": GPT2_SPLIT, "gpt-2": GPT2_SPLIT, "gpt2": GPT2_SPLIT,
+# DeepSeek-V3's three splits, applied in turn (each splits the pieces the one before left), as its tokenizer.json's
+# pre_tokenizer Sequence and llama.cpp's LLAMA_VOCAB_PRE_TYPE_DEEPSEEK3_LLM: digits in groups of up to 3, runs of
+# CJK ideographs / kana, then letters, punctuation and spaces. DeepSeek-V4 and V4.1 ship the same tokenizer.
+DEEPSEEK_V3_SPLITS = (
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",   # 一-龥 ぀-ゟ ゠-ヿ
+    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+    r"""| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
+)
+# `tokenizer.ggml.pre` -> the split regexes, in order
+PRE_SPLITS: dict[str, tuple[str, ...]] = {
+    "qwen2": (QWEN2_SPLIT,), "deepseek-r1-qwen": (QWEN2_SPLIT,), "megrez": (QWEN2_SPLIT,),
+    "llama3": (LLAMA3_SPLIT,), "llama-bpe": (LLAMA3_SPLIT,), "smaug-bpe": (LLAMA3_SPLIT,), "dbrx": (LLAMA3_SPLIT,),
+    "default": (GPT2_SPLIT,), "gpt-2": (GPT2_SPLIT,), "gpt2": (GPT2_SPLIT,),
+    "deepseek-v3": DEEPSEEK_V3_SPLITS,
 }
 
 
-def byte_level_pre_tokenizer(split: str) -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+def byte_level_pre_tokenizer(splits: tuple[str, ...]) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
+                                   + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
-def bpe_tokenizer(tokens: list[str], types: list[int], merges: list[str], split: str) -> HFTokenizer:
+def bpe_tokenizer(tokens: list[str], types: list[int], merges: list[str], splits: tuple[str, ...]) -> HFTokenizer:
     """A `tokenizers` byte-level BPE from a GGUF vocabulary: tokens (id order), their types (CONTROL ones become
-    special added tokens, USER_DEFINED ones plain added tokens), "a b" merges, the pre-tokenizer's split regex."""
+    special added tokens, USER_DEFINED ones plain added tokens), "a b" merges, the pre-tokenizer's split regexes
+    (applied in turn)."""
     vocab = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)  # first id wins on duplicate spellings
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], ignore_merges=False))
-    tok.pre_tokenizer = byte_level_pre_tokenizer(split)
+    tok.pre_tokenizer = byte_level_pre_tokenizer(splits)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == CONTROL])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED])
@@ -67,7 +79,7 @@ def train_vocab(corpus: list[str], n_vocab: int, max_merges: int = 4000) -> Voca
     """
     assert n_vocab >= 256 + len(SPECIALS), n_vocab
     tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = byte_level_pre_tokenizer(QWEN2_SPLIT)
+    tok.pre_tokenizer = byte_level_pre_tokenizer((QWEN2_SPLIT,))
     trainer = trainers.BpeTrainer(vocab_size=min(n_vocab - len(SPECIALS), 256 + max_merges), min_frequency=1,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
                                   special_tokens=[])

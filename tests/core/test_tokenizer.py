@@ -153,3 +153,80 @@ def test_bench_sized_vocab(tmp_path):
     assert md["tokenizer.ggml.tokens"][-1] == f"<|extra_{151936 - 256 - len(md['tokenizer.ggml.merges']) - 4}|>"
     assert tok.decode(tok.encode(TEXTS[3])) == TEXTS[3]
     assert tok.decode([151935, *tok.encode("ok")]) == "ok"      # unused padding is skipped
+
+
+# DeepSeek-V3's pre_tokenizer exactly as its tokenizer.json writes it (DeepSeek-V3 / R1 / V4 on the Hugging Face
+# hub; llama.cpp's LLAMA_VOCAB_PRE_TYPE_DEEPSEEK3_LLM lists the same three regexes). "\r\n" here are JSON escapes:
+# the file's regexes hold the CR and LF characters themselves.
+DEEPSEEK_V3_PRE_TOKENIZER_JSON = r'''{
+  "type": "Sequence",
+  "pretokenizers": [
+    {"type": "Split", "pattern": {"Regex": "\\p{N}{1,3}"}, "behavior": "Isolated", "invert": false},
+    {"type": "Split", "pattern": {"Regex": "[一-龥぀-ゟ゠-ヿ]+"}, "behavior": "Isolated", "invert": false},
+    {"type": "Split", "pattern": {"Regex": "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+"}, "behavior": "Isolated", "invert": false},
+    {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}
+  ]
+}'''
+DEEPSEEK_TEXTS = TEXTS + [
+    "1234567 + 89 = 1234656; v1.2.3-rc4, 0xDEADBEEF, ١٢٣٤ and ５６７８",
+    "東京タワーは333メートル。ひらがなとカタカナ、漢字。한국어 텍스트도 있어요.",
+    "def f(x):\r\n    return x**2  # squared!!\n\n\n...and \"quotes\" 'single' [brackets]{braces}",
+    "e\u0301 (combining acute) vs é, naïve coöperate; ﬁ ligature; Ǆ digraph; emoji 👩‍💻🏳️‍🌈",
+]
+
+
+def test_deepseek_v3_pre_tokenizer_matches_its_tokenizer_json(model):
+    """A DeepSeek tokenizer.json converted to GGUF (convert_ds41's pre-tokenizer naming) and read back by our
+    Tokenizer encodes every text to the ids Hugging Face `tokenizers` gives with that tokenizer.json itself."""
+    import json
+
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from betelgeuse.gguf.convert_ds41 import _pre_name
+    md = read_metadata(model)
+    ours_qwen = Tokenizer.from_metadata(md)
+    spec = json.loads(ours_qwen._tok.to_str())
+    spec["pre_tokenizer"] = json.loads(DEEPSEEK_V3_PRE_TOKENIZER_JSON)
+    hf = HFTokenizer.from_str(json.dumps(spec))
+    assert _pre_name(spec) == "deepseek-v3"
+    ours = Tokenizer.from_metadata({**md, "tokenizer.ggml.pre": "deepseek-v3"})
+    differs = 0
+    for text in DEEPSEEK_TEXTS:
+        assert ours.encode(text) == hf.encode(text, add_special_tokens=False).ids, text
+        assert ours.decode(ours.encode(text), skip_special=False) == text
+        pieces = ours._tok.pre_tokenizer.pre_tokenize_str(text)
+        assert pieces == hf.pre_tokenizer.pre_tokenize_str(text), text
+        differs += pieces != ours_qwen._tok.pre_tokenizer.pre_tokenize_str(text)
+    # the tiny vocabulary's ids seldom tell splits apart; the pieces do: not qwen2's (digits in threes, CJK runs,
+    # punctuation before letters)
+    assert differs >= 5
+
+
+def test_deepseek_v3_splits_by_hand():
+    """The three splits in turn, on cases worked out from the regexes by hand."""
+    from tokenizers import Regex, pre_tokenizers
+
+    from betelgeuse.gguf.vocab import PRE_SPLITS
+    pre = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r), behavior="isolated")
+                                   for r in PRE_SPLITS["deepseek-v3"]])
+
+    def split(s):
+        return [p for p, _ in pre.pre_tokenize_str(s)]
+    assert split("1234567") == ["123", "456", "7"]
+    assert split("東京タワーは333") == ["東京タワーは", "333"]
+    assert split("Hello, world!!\n") == ["Hello", ",", " world", "!!\n"]
+    assert split(".abc x.y") == [".abc", " x", ".y"]
+    assert split("a  \n\nb") == ["a", "  \n\n", "b"]
+
+
+def test_converter_names_the_pre_tokenizer_or_refuses():
+    from betelgeuse.gguf.convert_ds41 import _pre_name
+    from betelgeuse.gguf.vocab import QWEN2_SPLIT
+    assert _pre_name({"pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False}}) == "gpt2"
+    qwen = {"type": "Sequence", "pretokenizers": [{"type": "Split", "pattern": {"Regex": QWEN2_SPLIT}},
+                                                  {"type": "ByteLevel", "use_regex": False}]}
+    assert _pre_name({"pre_tokenizer": qwen}) == "qwen2"
+    odd = {"type": "Sequence", "pretokenizers": [{"type": "Split", "pattern": {"Regex": r"\d+"}},
+                                                 {"type": "ByteLevel", "use_regex": False}]}
+    with pytest.raises(UnsupportedError, match=r"pre-tokenizer splits \['\\\\d\+'\] are none of the known"):
+        _pre_name({"pre_tokenizer": odd})
