@@ -406,15 +406,10 @@ class AgentSuite:
         """The disk read as the store reads it (its reader settings), sampled now in both patterns
         (ceilings.measure_disk_rates: random, layer): "bps", the faster, is the ceiling of this case's disk reads,
         measured in the same run."""
-        from betelgeuse.gguf.reader import GGUFModelFile
         from services.bench.ceilings import measure_disk_rates
         rc = self.o.engine
-        f = GGUFModelFile.open(self.o.model)
-        try:
-            return measure_disk_rates(f, rc.read_threads, rc.read_request_bytes, self.o.disk_sample_bytes,
-                                      self.o.disk_sample_s, self.o.seed + k, self.o.t0)
-        finally:
-            f.close()
+        return measure_disk_rates(self.o.model, rc.read_threads, rc.read_request_bytes, self.o.disk_sample_bytes,
+                                  self.o.disk_sample_s, self.o.seed + k, self.o.t0)
 
     def _clients(self, case: dict, n: int):
         o, V = self.o, self.mcfg.n_vocab

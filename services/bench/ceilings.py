@@ -172,11 +172,18 @@ def measure_disk(f: GGUFModelFile, threads: int, request_bytes: int, max_bytes: 
         arena.close()
 
 
-def measure_disk_rates(f: GGUFModelFile, threads: int, request_bytes: int, max_bytes: int, max_seconds: float,
+def measure_disk_rates(f: GGUFModelFile | str, threads: int, request_bytes: int, max_bytes: int, max_seconds: float,
                        seed: int, t0: float) -> dict:
     """Both patterns (measure_disk), one after the other, each with the whole byte / time budget: {"random": sample,
     "layer": sample} (each a DiskSample's fields with its bps) and the rate every bound uses, disk_rate's: "bps" (the
-    faster), "pattern" (which), "mode", "bytes" / "seconds" (both samples together)."""
+    faster), "pattern" (which), "mode", "bytes" / "seconds" (both samples together). f: an open model file, or the
+    path of one (opened and closed here)."""
+    if not isinstance(f, GGUFModelFile):
+        g = GGUFModelFile.open(f)
+        try:
+            return measure_disk_rates(g, threads, request_bytes, max_bytes, max_seconds, seed, t0)
+        finally:
+            g.close()
     out = {}
     for i, pattern in enumerate(DISK_PATTERNS):
         s = measure_disk(f, threads, request_bytes, max_bytes, max_seconds, seed + 7919 * i, t0, pattern=pattern)

@@ -384,15 +384,10 @@ class ServeSuite:
         """The store's reader (its settings' defaults) reading whole experts of the model file in both patterns
         (ceilings.measure_disk_rates: random, layer) and the rate the bounds use (the faster)."""
         from betelgeuse.config import EngineConfig
-        from betelgeuse.gguf.reader import GGUFModelFile
         from services.bench.ceilings import measure_disk_rates
         cfg = EngineConfig(model_path=self.o.model)
-        f = GGUFModelFile.open(self.o.model)
-        try:
-            return measure_disk_rates(f, cfg.read_threads, cfg.read_request_bytes, self.o.disk_sample_bytes,
-                                      self.o.disk_sample_s, self.o.seed, self.o.t0)
-        finally:
-            f.close()
+        return measure_disk_rates(self.o.model, cfg.read_threads, cfg.read_request_bytes, self.o.disk_sample_bytes,
+                                  self.o.disk_sample_s, self.o.seed, self.o.t0)
 
     def _h2d_rate(self) -> dict:
         """The pinned copy rate to the GPU the worker will use (ceilings.measure_h2d: a memfd arena registered with
