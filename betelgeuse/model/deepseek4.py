@@ -120,6 +120,7 @@ class CompState:
     gate: torch.Tensor              # [R, C] (R = 2 x ratio for the overlapping ratio-4 windows, ratio for 128)
     entries: torch.Tensor           # [ceil(max_len / ratio), d] entry w (tokens w*ratio..) at row w; the rows of
                                     # windows not yet closed are scratch (the static decode writes them each step)
+    ratio: int                      # tokens per entry (4 or 128)
 
 
 @dataclass(slots=True)
@@ -168,17 +169,52 @@ class CompressedCache:
 @dataclass(slots=True)
 class DS4Cache(CompressedCache):
     """A sequence's deepseek4 state in fixed shapes (model/interface.py SequenceState): nothing changes shape per
-    token, so a decode step is graph-capturable; `pos` is the static decode's position on the device."""
+    token, so a decode step is graph-capturable; `pos` is the static decode's position on the device.
+
+    A prefill pass runs in position-aligned chunks, each layer chunk after chunk (model/chunks.py): `fed[l]` counts
+    the tokens of the pass in flight that layer l has consumed, so a chunk starts at length + fed[l]. mark(n): the
+    pass whose chunk ends at n keeps each layer's state as it stood there (`marked`; take_mark() -> the
+    StateSnapshot), the prefix cache's checkpoint of a prompt (worker/snapshot_cache.py)."""
     layers: list[LayerState]
     max_len: int                     # tokens
     length: int = 0                  # tokens every layer has consumed
     _pending: int = field(default=0, repr=False)
     uid: int = field(default_factory=lambda: next(_UIDS))      # identity for captured decode graphs
     pos: torch.Tensor | None = field(default=None, repr=False)  # [1] int64 on the device (begin_static)
+    fed: list[int] = field(default_factory=list, repr=False)    # per layer: tokens of the pass in flight consumed
+    mark_at: int | None = field(default=None, repr=False)       # mark(n): the tokens after which to copy the state
+    marked: list | None = field(default=None, repr=False)       # per layer: its tensors copied at mark_at (or None)
 
     @property
     def device(self) -> torch.device:
         return self.layers[0].swa.device
+
+    def begin(self, n_tokens: int) -> torch.Tensor:
+        positions = CompressedCache.begin(self, n_tokens)
+        self.fed = [0] * len(self.layers)
+        return positions
+
+    def commit(self) -> None:
+        CompressedCache.commit(self)
+        self.fed = []
+
+    def mark(self, n: int) -> None:
+        """Keep a copy of the state as it stands after n tokens (n > length: taken by the pass whose chunk ends
+        there; n == length: now)."""
+        assert n >= self.length and self._pending == 0, (n, self.length, self._pending)
+        self.mark_at, self.marked = n, [None] * len(self.layers)
+        if n == self.length:
+            self.marked = [snapshot_layer(s, n) for s in self.layers]
+
+    def take_mark(self):
+        """The StateSnapshot mark() asked for, once every layer has passed it (else None: not yet, or no chunk
+        ended there); the mark is dropped when it is taken."""
+        from betelgeuse.model.interface import StateSnapshot
+        if self.mark_at is None or self.length < self.mark_at:
+            return None
+        snap = StateSnapshot(self.mark_at, self.marked) if all(m is not None for m in self.marked) else None
+        self.mark_at = self.marked = None
+        return snap
 
     def tensors(self) -> list[torch.Tensor]:
         ts = []
@@ -191,6 +227,22 @@ class DS4Cache(CompressedCache):
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def _used(s: LayerState, n: int) -> list[torch.Tensor]:
+    """Views of a layer's state tensors holding something after n prefilled tokens: the window ring, each
+    compressor's open-window rows and its n // ratio closed entries (the rest of a prefilled state is zeros, as a
+    fresh one's: prefill writes only closed windows' entries)."""
+    ts = [s.swa]
+    for c in (s.comp, s.idx):
+        if c is not None:
+            ts += [c.kv, c.gate, c.entries[:n // c.ratio]]
+    return ts
+
+
+def snapshot_layer(s: LayerState, n: int) -> tuple[torch.Tensor, ...]:
+    """A copy of one layer's state after n prefilled tokens (StateSnapshot.layers' item)."""
+    return tuple(t.clone() for t in _used(s, n))
 
 
 class _RopeTables:
@@ -268,11 +320,14 @@ def stack_guess(w: dict, n_layer: int, n_hash: int) -> GuessStack:
 
 
 class Deepseek4Model:
-    # capabilities (model/interface.py). The compressed entries are built from whole blocks of 4/128 tokens inside
-    # one pass: prefill runs as one chunk and the state is not cut into prefix-cache blocks. Decode has the static
+    # capabilities (model/interface.py). Prefill runs in position-aligned chunks, each from the layer's own length
+    # (DS4Cache.fed), so a prompt resumed after a chunk boundary gets the bits of one unbroken prefill; the state is
+    # not per token (compressed entries pool 4/128 tokens, a ring holds the window), so a prefix is reused whole:
+    # a snapshot of every layer's state at a chunk boundary or after the whole prompt. Decode has the static
     # form (the state in fixed shapes, the position on the device; every one-token pass runs it, eager or captured),
     # and batched decode runs the row-wise part over fixed lanes (worker/lanes.py)
-    chunked_prefill = False
+    chunked_prefill = True
+    prefix_reuse = "snapshots"
     static_decode = True
     lane_decode = True
     state_grows = True
@@ -339,7 +394,7 @@ class Deepseek4Model:
         def comp(ratio: int, d: int) -> CompState:
             rows, c = ds4layout.comp_rows(ratio), (2 if ratio == 4 else 1) * d
             return CompState(kv=torch.zeros(rows, c, device=dev, dtype=dt), gate=torch.zeros(rows, c, device=dev, dtype=dt),
-                             entries=torch.zeros(-(-max_len // ratio), d, device=dev, dtype=dt))
+                             entries=torch.zeros(-(-max_len // ratio), d, device=dev, dtype=dt), ratio=ratio)
 
         layers = []
         for r in p.compress_ratios:
@@ -362,13 +417,29 @@ class Deepseek4Model:
             if c is None:
                 return None
             box, c.entries = [c.entries], None
-            return CompState(kv=c.kv, gate=c.gate, entries=grow_rows(box, 0, -(-max_len // ratio), 0, via_host))
+            return CompState(kv=c.kv, gate=c.gate, entries=grow_rows(box, 0, -(-max_len // ratio), 0, via_host),
+                             ratio=ratio)
 
         layers = []
         for i, (s, r) in enumerate(zip(cache.layers, self.p.compress_ratios)):
             layers.append(LayerState(swa=s.swa, comp=grown(s.comp, r), idx=grown(s.idx, r)))
             cache.layers[i] = None
         return DS4Cache(layers=layers, max_len=max_len, length=cache.length)
+
+    def snapshot(self, cache: DS4Cache):
+        """A copy of the consumed state (a StateSnapshot of cache.length tokens, on its device): right after a
+        prefill, before any decode step writes an open window's entry."""
+        from betelgeuse.model.interface import StateSnapshot
+        assert cache._pending == 0, cache._pending
+        return StateSnapshot(cache.length, [snapshot_layer(s, cache.length) for s in cache.layers])
+
+    def restore(self, cache: DS4Cache, snap) -> None:
+        """Copy a snapshot into a fresh state (length 0, room for its tokens): it then holds the snapshot's bits."""
+        assert cache.length == 0 and cache._pending == 0 and snap.length <= cache.max_len, (cache.length, snap.length)
+        for s, ts in zip(cache.layers, snap.layers, strict=True):
+            for dst, src in zip(_used(s, snap.length), ts, strict=True):
+                dst.copy_(src)
+        cache.length = snap.length
 
     def check_ids(self, ids) -> torch.Tensor:
         return check_token_ids(ids, self.cfg.n_vocab, self.device)
@@ -399,7 +470,11 @@ class Deepseek4Model:
             o = self.attend_static(layer, rows, cache, positions)
         else:
             assert not static, "the static form is one token"
-            o = self._attend_prefill(layer, rows, cache, positions)
+            start = cache.length + cache.fed[layer]         # this layer's chunks so far in the pass
+            o = self._attend_prefill(layer, rows, cache, positions, start)
+            cache.fed[layer] += x.shape[0]
+            if cache.mark_at == start + x.shape[0]:
+                cache.marked[layer] = snapshot_layer(cache.layers[layer], cache.mark_at)
         return self.attn_out(layer, carry, o)
 
     # -- the attention sublayer in three parts (LaneDecode: worker/lanes.py runs lane_rows / attn_out over the rows
@@ -496,13 +571,14 @@ class Deepseek4Model:
                               None if out is None else out.view(1, H, hd))
         return o.reshape(1, H * hd)
 
-    def _attend_prefill(self, layer: int, rows: tuple, cache: DS4Cache, positions: torch.Tensor) -> torch.Tensor:
-        """T > 1 tokens of one sequence from its host length on: the window ring, the compressors (every window the
-        pass closes) and attention in blocks of QUERY_CHUNK queries -> o [T, H*hd] (de-rotated)."""
+    def _attend_prefill(self, layer: int, rows: tuple, cache: DS4Cache, positions: torch.Tensor,
+                        start: int) -> torch.Tensor:
+        """T > 1 tokens of one sequence from the layer's length `start` on (host): the window ring, the compressors
+        (every window the chunk closes) and attention in blocks of QUERY_CHUNK queries -> o [T, H*hd] (de-rotated)."""
         cfg, p, w, l = self.cfg, self.p, self.w, layer
         b, hd, H, W = f"blk.{l}.", cfg.head_dim, cfg.n_head, p.sliding_window
         q, kv = rows[0], rows[1]
-        T, start, dev = q.shape[0], cache.length, q.device
+        T, dev = q.shape[0], q.device
         st = cache.layers[l]
         ratio = p.compress_ratios[l]
         n_prev = min(start, W - 1)

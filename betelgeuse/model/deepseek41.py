@@ -139,6 +139,7 @@ class Deepseek41Model(Deepseek4Model):
     # tokens); decode has the static form (DS41Cache in fixed shapes, the position on the device, the Engram rows
     # staged: module doc) and runs row-batched over lanes (worker/lanes.py), as deepseek4's
     chunked_prefill = False
+    prefix_reuse = "none"         # not yet: the Engram history and the cross-layer masks are not snapshotted
     static_decode = True
     lane_decode = True
     # its entries' spare last row is a static top-k's "nothing chosen" (SourceState): its index moves with max_len,

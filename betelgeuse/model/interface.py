@@ -27,6 +27,12 @@ are class-level flags that the runner reads (it never guesses with getattr and a
                    grown state), and a sequence decoded across the growth gets the same bits as one allocated at
                    the larger size: the worker allocates a sequence's state for what its request can use and grows
                    it when it gets there (worker/kv_manager.py)
+  prefix_reuse     how a prompt's state is reused by a later prompt that starts with it (worker/kv_manager.py):
+                   "blocks": the state is per token, cut into position-aligned blocks of K/V (worker/prefix_cache.py;
+                   needs chunked_prefill); "snapshots": the whole state is copied at a chunk boundary and after the
+                   whole prompt (worker/snapshot_cache.py; needs chunked_prefill): snapshot(state) / restore(state,
+                   snap), and state.mark(n) / take_mark() for the state as it stood after n tokens, taken by the pass
+                   whose chunk ends there; "none": every prompt is prefilled whole
   guess_depth      (an int) the layers decode guesses ahead when `prefetch_depth` is auto (worker/guess.py): the
                    architecture's measured best; the config's prefetch_depth overrides it
 
@@ -41,9 +47,23 @@ the class), its GGUF layout (gguf/layouts.py) and one line in model/registry.py.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
+
+
+@dataclass(slots=True)
+class StateSnapshot:
+    """A copy of a sequence state's consumed part after `length` tokens (prefix_reuse = "snapshots"): per layer,
+    the model's tensors (only the rows that hold something), on the state's device. restore() copies it into a
+    fresh state, which then holds the same bits as the one it was taken from."""
+    length: int                                 # tokens
+    layers: list[tuple[torch.Tensor, ...]]      # per layer (the model's order)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for ts in self.layers for t in ts)
 
 
 @runtime_checkable
@@ -65,6 +85,7 @@ class MoEModel(Protocol):
     static_decode: ClassVar[bool]
     lane_decode: ClassVar[bool]
     state_grows: ClassVar[bool]
+    prefix_reuse: ClassVar[str]     # "blocks" | "snapshots" | "none" (module doc)
     # the decode guess's depth when `prefetch_depth` is auto: layers ahead guessed (worker/guess.py); config overrides
     guess_depth: ClassVar[int]
     cfg: Any                        # gguf.modelconfig.ModelConfig
@@ -128,5 +149,10 @@ def check_model(model) -> None:
     """The model has the surface and its flags agree with its methods (a new architecture's mistakes, caught when
     the runner starts rather than in the first batched decode)."""
     assert isinstance(model, MoEModel), f"{type(model).__name__} lacks the MoEModel surface (model/interface.py)"
+    assert model.prefix_reuse in ("blocks", "snapshots", "none"), model.prefix_reuse
+    assert model.prefix_reuse == "none" or model.chunked_prefill, \
+        f"{type(model).__name__}: prefix_reuse {model.prefix_reuse!r} needs chunked_prefill"
+    assert model.prefix_reuse != "snapshots" or all(callable(getattr(model, m, None)) for m in ("snapshot", "restore")), \
+        f"{type(model).__name__}: prefix_reuse 'snapshots' needs snapshot(state) and restore(state, snap)"
     assert not model.lane_decode or (model.static_decode and isinstance(model, LaneDecode)), \
         f"{type(model).__name__}: lane_decode needs static_decode and the LaneDecode methods"

@@ -50,6 +50,7 @@ class Qwen3MoeModel:
     # form (attention_block(static=True)), and batched decode may run qkv / attn_out over rows of several sequences
     # (worker/lanes.py)
     chunked_prefill = True
+    prefix_reuse = "blocks"       # K/V per token: position-aligned blocks (worker/prefix_cache.py)
     static_decode = True
     lane_decode = True
     state_grows = True

@@ -53,9 +53,11 @@ class Arch:
     reference: str                  # "module:Class" of the reference model
     # (config, tokens, compute dtype bytes) -> bytes of one sequence's state holding that many tokens
     state_bytes: Callable[[ModelConfig, int, int], int]
-    # the state is per token and cut into position-aligned blocks, so a prefix cache can hold it
-    # (= the engine class's chunked_prefill; tests/model/test_model_interface.py keeps them equal)
+    # a prefix cache can hold the state (K/V blocks or whole-state snapshots), so the plan budgets one
+    # (= the engine class's prefix_reuse != "none"; tests/model/test_model_interface.py keeps them equal)
     prefix_cache: bool = True
+    # its evicted entries spill to the host tier (worker/prefix_host.py: K/V blocks; whole-state snapshots do not)
+    prefix_host: bool = True
     # (config, context tokens) -> peak float32 attention scratch bytes beyond the per-token activations
     scratch_bytes: Callable[[ModelConfig, int], int] = _no_scratch
     # (tensor name, compute dtype bytes) -> bytes per element of a dense (non-expert) tensor once loaded
@@ -79,7 +81,7 @@ ARCHS: dict[str, Arch] = {
                      "betelgeuse.model.qwen3moe:Qwen3MoeReference", _kv_bytes),
     "deepseek4": Arch("deepseek4", "betelgeuse.model.deepseek4:Deepseek4Model",
                       "betelgeuse.model.deepseek4:Deepseek4Reference", ds4layout.state_bytes,
-                      prefix_cache=False, scratch_bytes=ds4layout.attention_scratch_bytes,
+                      prefix_host=False, scratch_bytes=ds4layout.attention_scratch_bytes,
                       elem_bytes=ds4layout.dense_elem_bytes, activation_bytes=ds4layout.activation_bytes),
     "deepseek41": Arch("deepseek41", "betelgeuse.model.deepseek41:Deepseek41Model",
                        "betelgeuse.model.deepseek41:Deepseek41Reference", ds41layout.state_bytes,

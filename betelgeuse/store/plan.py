@@ -175,7 +175,7 @@ PREFIX_CACHE_AUTO_MAX = 512 * MiB
 
 def prefix_cache_bytes(cfg: EngineConfig, c, dt: int) -> int:
     """Bytes of the KV prefix cache: the configured size, or "auto" = two full contexts' KV (at most 512 MiB);
-    0 for architectures whose state is not block-cacheable (model/registry.py Arch.prefix_cache)."""
+    0 for architectures whose state no prefix cache holds (model/registry.py Arch.prefix_cache)."""
     arch = arch_of(c)
     if not arch.prefix_cache:
         return 0
@@ -195,8 +195,8 @@ PREFIX_HOST_AUTO_FREE_SHARE = 16
 def prefix_host_bytes(cfg: EngineConfig, c, dt: int, free: int | None) -> int:
     """Bytes of the prefix cache's host tier (a multiple of 4 KiB): the configured size, or "auto" = 2 x the device
     cache, at most 1/16 of `free` (the host memory left for the arena; None: no limit); 0 where the device prefix
-    cache is off (nothing would ever spill)."""
-    if prefix_cache_bytes(cfg, c, dt) == 0 or cfg.schedule != "layer_major":
+    cache is off or keeps snapshots (nothing would ever spill)."""
+    if prefix_cache_bytes(cfg, c, dt) == 0 or cfg.schedule != "layer_major" or not arch_of(c).prefix_host:
         return 0
     if cfg.prefix_host_bytes != "auto":
         return round_down(int(cfg.prefix_host_bytes))

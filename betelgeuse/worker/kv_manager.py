@@ -1,8 +1,11 @@
-"""A sequence's memory in the worker: its KV cache (the model's per-sequence state, runner.new_cache) and its blocks
-in the prefix cache (worker/prefix_cache.py), whose counters go to the metrics (vLLM's KV cache manager).
+"""A sequence's memory in the worker: its KV cache (the model's per-sequence state, runner.new_cache) and its entries
+in the prefix cache, whose counters go to the metrics (vLLM's KV cache manager). The prefix cache is the model's
+kind (model/interface.py prefix_reuse): K/V blocks (worker/prefix_cache.py) or whole-state snapshots
+(worker/snapshot_cache.py); both answer the same calls.
 
     n = kvm.hit(seq)         # at admission (the scheduler's prefix_hit): the longest cached prefix, held for seq
-    kvm.admit(seq)           # its KV cache sized to what the request can use, the held prefix copied in
+    kvm.admit(seq)           # its KV cache sized to what the request can use, the held prefix copied in (and the
+                             # prefill asked for the state a snapshot cache keeps: SnapshotCache.watch)
     kvm.make_room(seq)       # before a decode pass: a state that is full grows (doubles, up to max_context)
     kvm.prefilled(seq, logits)   # after each prefill pass: its new whole blocks; the whole prompt after the last
     kvm.free(seq)            # it ended: its KV cache goes (the runner's graphs of it: runner.request_done), its blocks
@@ -29,6 +32,7 @@ from betelgeuse.store.plan import prefix_cache_bytes
 from betelgeuse.worker.prefix_cache import PrefixCache, PrefixStats
 from betelgeuse.worker.prefix_host import HostTier
 from betelgeuse.worker.sequence import Sequence
+from betelgeuse.worker.snapshot_cache import SnapshotCache
 
 log = logging.getLogger("betelgeuse.engine")
 
@@ -47,7 +51,7 @@ class KVManager:
         """The prefix cache's host tier in the store's memory of the current attachment (worker/prefix_host.py):
         adopted with the blocks it holds (a restarted worker), or formatted (a new store). None: no tier."""
         pc, arena = self.prefix, self.runner.session.prefix_arena
-        if pc is None:
+        if pc is None or not pc.spills:
             return
         pc.host = None
         if arena is not None:
@@ -60,16 +64,24 @@ class KVManager:
             self.metrics.prefix_host_capacity.set(pc.host.capacity_bytes if pc.host else 0)
         self._export()
 
-    def _make_prefix_cache(self, cfg: EngineConfig) -> PrefixCache | None:
+    def _make_prefix_cache(self, cfg: EngineConfig) -> PrefixCache | SnapshotCache | None:
         r, c = self.runner, self.runner.mcfg
         elt = torch.empty((), dtype=r.dtype).element_size()
         nbytes = prefix_cache_bytes(cfg, c, elt)
-        if nbytes == 0:
+        reuse = r.model.prefix_reuse
+        if nbytes == 0 or reuse == "none":
             return None
         if r.chunk is None or cfg.schedule != "layer_major":
             log.info("prefix cache off: %s", "the standard schedule prefills in micro-batches"
-                     if r.chunk is not None else f"{c.arch} state is not cut into position-aligned blocks")
+                     if r.chunk is not None else f"{c.arch} state is not prefilled in position-aligned chunks")
             return None
+        if reuse == "snapshots":
+            sc = SnapshotCache(r.model, r.chunk, nbytes)
+            event(log, "prefix_cache", logging.INFO, kind="snapshots", checkpoint_tokens=sc.block,
+                  bytes=sc.capacity_bytes, device=str(r.device))
+            if self.metrics:
+                self.metrics.prefix_cache_capacity.set(sc.capacity_bytes)
+            return sc
         pc = PrefixCache(c.n_layer, c.n_head_kv, c.head_dim, r.chunk, nbytes, r.device, r.dtype, c.n_vocab)
         if not pc.enabled:
             log.warning("prefix cache off: %d bytes hold no block of %d tokens (%d bytes)", nbytes, r.chunk,
@@ -105,6 +117,7 @@ class KVManager:
             n = self.prefix.load(seq.kv, seq.blocks)
             assert n == seq.n_done, (n, seq.n_done)         # what the scheduler planned from hit()
             seq.usage.cached_tokens = n
+            self.prefix.watch(seq.kv, seq.prompt_ids, n)
             self._export()
 
     def make_room(self, seq: Sequence, tokens: int = 1):

@@ -59,9 +59,12 @@ class PrefixStats:
     evictions: int = 0          # blocks dropped to make room
     host_hits: int = 0          # lookups that reused at least one block from the host tier
     host_blocks: int = 0        # blocks copied back from the host tier
+    refused: int = 0            # entries that did not fit (worker/snapshot_cache.py)
 
 
 class PrefixCache:
+    spills = True                   # evicted blocks go to a host tier (KVManager.bind_host)
+
     def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, block: int, capacity_bytes: int,
                  device, dtype, n_vocab: int = 0):
         """n_vocab: the logits row of a whole-prompt entry (0: no whole-prompt entries)."""
@@ -242,6 +245,9 @@ class PrefixCache:
                     dst[:, n * B:n * B + t].copy_(self.pool[l, j, tail, :, :t])
         kv.length = n * B + t
         return kv.length
+
+    def watch(self, kv, prompt: list[int], n: int):
+        """Before the prefill of prompt[n:] (nothing: insert copies every new block from the state after its pass)."""
 
     def insert(self, kv, prompt: list[int], done: int, held: list[int], salt: str = "") -> list[int]:
         """After a prefill pass: cache the full blocks of prompt[:done] past `held` (the chain this request
