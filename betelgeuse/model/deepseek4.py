@@ -468,6 +468,8 @@ class Deepseek4Model:
         carry, rows = self.lane_rows(layer, x, positions)
         if x.shape[0] == 1:
             o = self.attend_static(layer, rows, cache, positions)
+            if cache.fed:                                   # a prompt's one-token last chunk
+                cache.fed[layer] += 1
         else:
             assert not static, "the static form is one token"
             start = cache.length + cache.fed[layer]         # this layer's chunks so far in the pass
