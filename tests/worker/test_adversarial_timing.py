@@ -9,8 +9,8 @@ consolidated, decode steps that run beside filling consolidations, batched decod
 deepseek41 runs the same checks with its Engram rows jittered too (store/engram.py: each row request's page reads held
 back and queued in shuffled order, rows copied into its bank and the LRU row cache in shuffled order, and even rows
 answered from the row cache land late), against its Deepseek41Reference (Engram rows read from the file's map).
-deepseek4 has no prefix cache (its compressed state is not cut into blocks: Deepseek4Model.chunked_prefill = False),
-so it has no prefix case. The issue's own reproduction (the two-process `betelgeuse logits` on a 16-expert ds4-tiny)
+deepseek4's prefix cache keeps whole-state snapshots (worker/snapshot_cache.py) copied from a finished prefill, so
+the arrival order has no further way in there; its hits are checked against a miss in tests/worker/test_snapshot_cache.py. The issue's own reproduction (the two-process `betelgeuse logits` on a 16-expert ds4-tiny)
 runs once under the jitter too. The same checks on CUDA: deploy/device/check_cuda.py / check_ds4.py
 --adversarial-timing SEED:MS.
 
