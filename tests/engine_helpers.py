@@ -155,6 +155,19 @@ def engine_and_store(cfg):
         store.close()
 
 
+def metered_engine(cfg):
+    """(engine with worker metrics, close()): an in-process store + engine for `cfg`, closed by close()."""
+    from betelgeuse.assembly import open_engine, open_store
+    from betelgeuse.metrics import make_worker_metrics
+    store = open_store(cfg)
+    eng = open_engine(cfg, store, metrics=make_worker_metrics())
+
+    def close():
+        eng.close()
+        store.close()
+    return eng, close
+
+
 def close_runner(runner, store):
     runner.close()
     store.close()

@@ -24,7 +24,7 @@ from betelgeuse.errors import BetelgeuseError
 from betelgeuse.model.qwen3moe import Qwen3MoeReference
 from betelgeuse.worker.prefix_cache import PrefixCache
 
-from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, write_synth
+from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, metered_engine, prompt, write_synth
 
 V = ENGINE_SPEC["n_vocab"]
 C = 8                                           # prefill_chunk = block size, small so that prompts span blocks
@@ -193,16 +193,8 @@ def test_a_whole_prompt_entry_serves_an_exact_repeat_only(model):
 # ---- the engine: agent turns, metrics, chunked prefill beside decodes --------------------------------------------
 
 def _engine(model, **kw):
-    from betelgeuse.assembly import open_engine, open_store
-    from betelgeuse.metrics import make_worker_metrics
     cfg = EngineConfig(model_path=str(model), vram_slots=5, host_slots=15, prefill_chunk=C, read_threads=2, **kw)
-    store = open_store(cfg)
-    eng = open_engine(cfg, store, metrics=make_worker_metrics())
-
-    def close():
-        eng.close()
-        store.close()
-    return eng, close
+    return metered_engine(cfg)
 
 
 def _gen(eng, ids, n=6):

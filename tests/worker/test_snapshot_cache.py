@@ -17,7 +17,7 @@ from betelgeuse.api import GenerateRequest, SamplingParams
 from betelgeuse.config import EngineConfig
 from betelgeuse.worker.snapshot_cache import SnapshotCache
 
-from engine_helpers import close_runner, in_process_runner, synth_reference
+from engine_helpers import close_runner, in_process_runner, metered_engine, synth_reference
 
 C = 16                                          # prefill_chunk = checkpoint grid, small so that prompts span chunks
 V = 512
@@ -37,17 +37,9 @@ def model(tmp_path_factory):
 
 
 def _engine(model, **kw):
-    from betelgeuse.assembly import open_engine, open_store
-    from betelgeuse.metrics import make_worker_metrics
     cfg = EngineConfig(model_path=str(model), vram_slots=3, host_slots=5, prefill_chunk=C, read_threads=2,
                        max_context=512, **kw)
-    store = open_store(cfg)
-    eng = open_engine(cfg, store, metrics=make_worker_metrics())
-
-    def close():
-        eng.close()
-        store.close()
-    return eng, close
+    return metered_engine(cfg)
 
 
 def _gen(eng, ids, n=6, salt=""):
