@@ -21,8 +21,11 @@ Cache state per layer (`DS4Cache`), in fixed shapes sized for the sequence's max
 `window` positions (a ring), and per compressor (attention's and the indexer's) the projected rows of the open
 window (CSA: and of the previous one, whose first half the next entry pools) and the compressed entries. A decode
 step (one token) runs the static form: the position on the device, every shape fixed, so it is graph-capturable
-(worker/decode_graphs.py, worker/lanes.py); a longer pass runs the prefill form from the host length. Decode and
-chunked prefill equal a whole-prompt prefill within float noise (tests/test_deepseek4_oracle.py).
+(worker/decode_graphs.py, worker/lanes.py); a longer pass runs the prefill form, in position-aligned chunks (model/
+chunks.py), each from its layer's own length (DS4Cache.fed). Decode and chunked prefill equal a whole-prompt prefill
+within float noise (tests/model/test_deepseek4_oracle.py); a prefill resumed at a chunk boundary equals the unbroken
+one bit for bit (tests/model/test_deepseek4_resume.py), which is what the prefix cache's snapshots of the whole
+state rest on (snapshot / restore, DS4Cache.mark: worker/snapshot_cache.py).
 
 The per-row math goes through `ops`: TorchOps here (the CPU path, exact against transformers), the fused Triton
 kernels of kernels/triton_ds4.py on CUDA (a few launches per layer instead of hundreds: the Sinkhorn iterations of
