@@ -523,3 +523,81 @@ class StateBytes:
         """Whether every state was released and the flex cache holds none, waiting up to `timeout` s: a request's final
         event goes out before the runner releases its state (engine._end), so a client may return a moment before."""
         return settles(lambda: not self.live and self.flex.held == 0, timeout)
+
+
+# ---- placement churn -------------------------------------------------------------------------------
+
+# the workloads of churn_workload: name -> rounds, each round's requests submitted together as (prompt, max_tokens);
+# "agent" turns grow one conversation (each turn: the last prompt, its output, then new tokens), built as it runs
+CHURN_WORKLOADS = ("repeat", "batch", "agent")
+
+
+def churn_workload(path, workload: str, vram: int, host: int, backing: bool = False, sequences: int = 8,
+                   rounds: int = 4, tokens: int = 24, **cfg) -> dict:
+    """A steady workload through the engine over a store in this process (the real scheduler, the real consolidation
+    rule) -> counts of placement work: {"tokens" (per round, per request), "moves" (placement changes the store
+    planned), "consolidations", "fill_reads" (consolidation fills read from disk), "demand_reads" (expert uses
+    read from disk by passes), "vram_fill_disk" (VRAM fills read from disk: no backing copy), "disk_bytes" (the
+    store's, all reads), and "late" the same over the rounds after the first (the steady part)}.
+    repeat: one prompt, `rounds` times in turn; batch: `sequences` different prompts together, `rounds` times;
+    agent: `sequences` conversations together, each turn its last prompt + output + 8 new tokens."""
+    import threading
+    from betelgeuse.api import FinalEvent, GenerateRequest, SamplingParams, TokenEvent
+    from betelgeuse.assembly import open_engine, open_store
+    from betelgeuse.config import EngineConfig
+    from betelgeuse.gguf.reader import GGUFModelFile
+    assert workload in CHURN_WORKLOADS, workload
+    f = GGUFModelFile.open(str(path))
+    n_vocab = f.config.n_vocab
+    f.close()
+    n_seq = 1 if workload == "repeat" else sequences
+    c = EngineConfig(**{"model_path": str(path), "vram_slots": vram, "host_slots": host, "vram_backing": backing,
+                        "read_threads": 2, "staging_slots": 32, "max_running": n_seq, "decode_consolidate_every": 8,
+                        **cfg})
+    store = open_store(c)
+    engine = open_engine(c, store)
+    passes: list = []
+    engine.on_pass = passes.append
+    rng = np.random.default_rng(3)
+    prompts = [[int(x) for x in rng.integers(3, n_vocab, 24)] for _ in range(n_seq)]
+    keys = ("moves", "consolidations", "fill_reads", "demand_reads", "vram_fill_disk", "disk_bytes")
+
+    def counts():
+        st = store.store.status()
+        return {"moves": st["consolidation_moves"], "consolidations": st["consolidations"],
+                "fill_reads": st["consolidation_reads"], "disk_bytes": st["disk_bytes"],
+                "demand_reads": sum(p.reads["disk"] for p in passes),
+                "vram_fill_disk": sum(p.fill_disk for p in passes)}
+
+    def one(ids, out, i):
+        req = GenerateRequest(prompt_ids=list(ids), max_tokens=tokens, ignore_eos=True,
+                              sampling=SamplingParams(temperature=0.0))
+        toks = []
+        for ev in engine.submit(req):
+            if isinstance(ev, TokenEvent):
+                toks.append(ev.token_id)
+            elif isinstance(ev, FinalEvent):
+                out[i] = toks
+
+    try:
+        outs, after_first = [], None
+        for r in range(rounds):
+            out: dict = {}
+            ts = [threading.Thread(target=one, args=(ids, out, i)) for i, ids in enumerate(prompts)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(600)
+            assert len(out) == len(prompts), "a request did not finish"
+            # the round's last consolidation applied and its VRAM fills done (the engine's idle settling)
+            assert settles(lambda: not engine._unsettled and not engine.running, 60), "the engine did not settle"
+            outs.append([out[i] for i in range(len(prompts))])
+            if workload == "agent":
+                prompts = [p + out[i] + [int(x) for x in rng.integers(3, n_vocab, 8)] for i, p in enumerate(prompts)]
+            if r == 0:
+                after_first = counts()
+        end = counts()
+        return {"tokens": outs, **end, "late": {k: end[k] - after_first[k] for k in keys}}
+    finally:
+        engine.close()
+        store.close()

@@ -21,6 +21,8 @@ Move = tuple[int, int, int, int]        # (layer, expert, new tier, host slot or
 # without backing copies: a VRAM expert keeps its VRAM slot against host experts scored up to this factor higher (a swap
 # reads the demoted expert from disk; the host tier's H2D copy of the other costs ~1/30 of that on the benchmark's H200)
 VRAM_STICKY = 2.0
+HOST_STICKY = 1.0
+FILL_BUDGET = None
 
 
 def plan_moves(score: np.ndarray, tiers: np.ndarray, host_owner: np.ndarray, plan: SlotPlan) -> list[Move]:

@@ -83,6 +83,7 @@ class StoreCounters:
     readahead_used: int = 0         # of them, bytes a load took (the rest: read ahead and never used, yet)
     consolidation_reads: int = 0
     consolidation_copies: int = 0   # filled from a staged copy instead of disk
+    consolidation_moves: int = 0    # placement changes planned (residency.plan_moves), all tiers
     passes: int = 0
     consolidations: int = 0
     attaches: int = 0
@@ -209,6 +210,7 @@ class ExpertStore:
             moves = plan_moves(self.score, tiers, self._host_owner, self.plan)
             if moves:
                 self._vacate(moves)
+                self.counters.consolidation_moves += len(moves)
         if moves:
             self._moves = moves
             self._consolidating = threading.Thread(target=self._fill_consolidation, args=(moves,), daemon=True)
@@ -608,7 +610,8 @@ class ExpertStore:
             # demand reads started and their summed wait in the reader's queue (a promoted read ahead: from the load)
             "demand_started": r.started[0], "demand_wait_s": r.wait_seconds[0],
             "consolidation_reads": c.consolidation_reads,
-            "consolidation_copies": c.consolidation_copies, "passes": c.passes, "consolidations": c.consolidations,
+            "consolidation_copies": c.consolidation_copies, "consolidation_moves": c.consolidation_moves,
+            "passes": c.passes, "consolidations": c.consolidations,
             "attaches": c.attaches, "consolidation_pending": self._consolidating is not None,
             # disk reads started and not landed yet (demand, read-ahead): 0 with no consolidation pending = quiet
             "reads_in_flight": len(self._inflight),
