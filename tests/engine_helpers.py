@@ -533,14 +533,15 @@ CHURN_WORKLOADS = ("repeat", "batch", "agent")
 
 
 def churn_workload(path, workload: str, vram: int, host: int, backing: bool = False, sequences: int = 8,
-                   rounds: int = 4, tokens: int = 24, **cfg) -> dict:
+                   rounds: int = 4, tokens: int = 24, seed: int = 3, **cfg) -> dict:
     """A steady workload through the engine over a store in this process (the real scheduler, the real consolidation
     rule) -> counts of placement work: {"tokens" (per round, per request), "moves" (placement changes the store
     planned), "consolidations", "fill_reads" (consolidation fills read from disk), "demand_reads" (expert uses
     read from disk by passes), "vram_fill_disk" (VRAM fills read from disk: no backing copy), "disk_bytes" (the
     store's, all reads), and "late" the same over the rounds after the first (the steady part)}.
     repeat: one prompt, `rounds` times in turn; batch: `sequences` different prompts together, `rounds` times;
-    agent: `sequences` conversations together, each turn its last prompt + output + 8 new tokens."""
+    agent: `sequences` conversations together, each turn its last prompt + output + 8 new tokens. seed: the
+    prompts'."""
     import threading
     from betelgeuse.api import FinalEvent, GenerateRequest, SamplingParams, TokenEvent
     from betelgeuse.assembly import open_engine, open_store
@@ -558,7 +559,7 @@ def churn_workload(path, workload: str, vram: int, host: int, backing: bool = Fa
     engine = open_engine(c, store)
     passes: list = []
     engine.on_pass = passes.append
-    rng = np.random.default_rng(3)
+    rng = np.random.default_rng(seed)
     prompts = [[int(x) for x in rng.integers(3, n_vocab, 24)] for _ in range(n_seq)]
     keys = ("moves", "consolidations", "fill_reads", "demand_reads", "vram_fill_disk", "disk_bytes")
 

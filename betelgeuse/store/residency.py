@@ -3,7 +3,13 @@
 A pure function of arrays (no threads, no arena): the store (store/store.py) calls it under its lock when a pass
 ends with consolidation, then vacates, fills and commits the moves (invariant 5: the directory changes only between
 passes). Rank per layer: decayed usage score descending, currently resident first, expert id ascending (stable and
-deterministic); the top n_vram + n_host are resident. With VRAM backing copies the top n_vram of them go to VRAM,
+deterministic); the top n_vram + n_host are resident. A resident expert ranks by HOST_STICKY x its score +
+HOST_MARGIN (hysteresis): an expert on disk takes a full tier's place only when it beats the weakest resident by that
+much, so two experts of about the same use do not trade places (each trade is a disk read, and the vacated expert is
+read from disk by the passes while the slot fills). `max_new` bounds the experts newly resident per consolidation
+(each one a disk read): the largest gains (score over the score of the resident it displaces) first, the rest wait
+for a later consolidation (the store sets it from what the disk can deliver before the next one).
+With VRAM backing copies the top n_vram of them go to VRAM,
 the rest to the host tier. Without copies a swap between the tiers costs disk reads (a VRAM expert demoted to the host
 tier has no copy in RAM, so the store reads it again), so VRAM membership is sticky: within the resident set a VRAM
 expert's score counts VRAM_STICKY times when ranking for VRAM (a host expert replaces it only when used that much more).
@@ -21,21 +27,64 @@ Move = tuple[int, int, int, int]        # (layer, expert, new tier, host slot or
 # without backing copies: a VRAM expert keeps its VRAM slot against host experts scored up to this factor higher (a swap
 # reads the demoted expert from disk; the host tier's H2D copy of the other costs ~1/30 of that on the benchmark's H200)
 VRAM_STICKY = 2.0
-HOST_STICKY = 1.0
-FILL_BUDGET = None
+# a resident expert ranks at HOST_STICKY x score + HOST_MARGIN (scores count routed rows, halved each consolidation):
+# on the CPU churn workloads (tests/scripts/placement_churn.py) 1.25 and 2 cut the moves of steady batched decode ~6x
+# and its demand reads a little; larger factors kept stale experts in a conversation's later turns (more demand reads)
+HOST_STICKY = 1.25
+HOST_MARGIN = 2.0
 
 
-def plan_moves(score: np.ndarray, tiers: np.ndarray, host_owner: np.ndarray, plan: SlotPlan) -> list[Move]:
+def _rank_key(score: float, tier: int) -> float:
+    """The score a layer's experts are ranked by for residency (higher first): hysteresis for the resident ones."""
+    return score * HOST_STICKY + HOST_MARGIN if tier != TIER_DISK else score
+
+
+def resident_sets(score: np.ndarray, tiers: np.ndarray, plan: SlotPlan, max_new: int | None = None) -> list[list[int]]:
+    """The experts each layer should hold resident (n_vram + n_host at most), in rank order: the ranking (module doc),
+    then at most `max_new` experts newly resident over all layers (None: no bound), the largest gains first."""
+    p = plan
+    n_res = p.n_vram + p.n_host
+    orders, tops, gains = [], [], []      # gains: (gain, layer, kept newcomers in that layer after this one)
+    for l in range(p.n_layer):
+        cur = tiers[l]
+        # rank: hysteresis score desc, currently resident first, expert id asc (stable and deterministic)
+        order = sorted(range(p.n_expert), key=lambda e: (-_rank_key(score[l, e], cur[e]), -int(cur[e] > 0), e))
+        orders.append(order)
+        tops.append(order[:n_res])
+        new = [e for e in tops[l] if cur[e] == TIER_DISK and score[l, e] > 0]    # rank order: best first
+        out = [e for e in order[n_res:] if cur[e] != TIER_DISK]                   # pushed out: strongest first
+        free = len(new) - len(out)        # slots no resident gives up (a tier not yet full)
+        for i, e in enumerate(new):       # keeping newcomers 0..i: the i-th fills a free slot or displaces the
+            rival = out[len(out) - 1 - (i - free)] if i >= free else None     # weakest leaver still kept
+            g = score[l, e] - (_rank_key(score[l, rival], cur[rival]) if rival is not None else 0.0)
+            gains.append((g, l, i + 1))
+    if max_new is None or len(gains) <= max_new:
+        return tops
+    kept = [0] * p.n_layer                # newcomers kept per layer: a prefix of each layer's (gains fall within one)
+    for g, l, n in sorted(gains, key=lambda x: (-x[0], x[1], x[2]))[:max(0, max_new)]:
+        kept[l] = max(kept[l], n)
+    out_sets = []
+    for l in range(p.n_layer):
+        cur, order, top = tiers[l], orders[l], tops[l]
+        new = [e for e in top if cur[e] == TIER_DISK and score[l, e] > 0]
+        out = [e for e in order[n_res:] if cur[e] != TIER_DISK]
+        free = len(new) - len(out)
+        stay = out[:len(out) - max(0, kept[l] - free)]          # the leavers no kept newcomer displaces
+        dropped = set(new[kept[l]:])
+        pos = {e: i for i, e in enumerate(order)}
+        out_sets.append(sorted([e for e in top if e not in dropped] + stay, key=pos.__getitem__))
+    return out_sets
+
+
+def plan_moves(score: np.ndarray, tiers: np.ndarray, host_owner: np.ndarray, plan: SlotPlan,
+               max_new: int | None = None) -> list[Move]:
     """score [n_layer, n_expert] float (decayed usage), tiers [n_layer, n_expert] (the directory's current TIER_*),
-    host_owner [n_layer, host_per_layer] (the expert in each host slot, -1 free) -> the moves that place the top
-    n_vram experts of each layer in VRAM and the next n_host in host slots."""
+    host_owner [n_layer, host_per_layer] (the expert in each host slot, -1 free), max_new (resident_sets) -> the moves
+    that place each layer's resident set: its first n_vram in VRAM, the rest in host slots."""
     p = plan
     moves: list[Move] = []
-    for l in range(p.n_layer):
+    for l, top in enumerate(resident_sets(score, tiers, plan, max_new)):
         cur_tier = tiers[l]
-        # rank: score desc, currently resident first, expert id asc (stable and deterministic)
-        order = sorted(range(p.n_expert), key=lambda e: (-score[l, e], -int(cur_tier[e] > 0), e))
-        top = order[: p.n_vram + p.n_host]
         if not p.vram_backing:           # VRAM membership within the resident set is sticky (module doc)
             top = sorted(top, key=lambda e: (-score[l, e] * (VRAM_STICKY if cur_tier[e] == TIER_VRAM else 1.0),
                                               -int(cur_tier[e] == TIER_VRAM), -int(cur_tier[e] > 0), e))

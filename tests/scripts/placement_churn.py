@@ -42,22 +42,31 @@ def main():
     ap.add_argument("--host", type=int, default=18)
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--backing", action="store_true", help="VRAM backing copies (default off, as under 12G)")
+    ap.add_argument("--sticky", type=float, help="HOST_STICKY for the after run (default: the module's)")
+    ap.add_argument("--margin", type=float, help="HOST_MARGIN for the after run (default: the module's)")
+    ap.add_argument("--seeds", type=int, default=1, help="prompt seeds (counts summed over them)")
     ap.add_argument("--before", action="store_true", help="also run the policy without hysteresis, side by side")
     a = ap.parse_args()
     from betelgeuse.store import residency
+    if a.sticky is not None:
+        residency.HOST_STICKY = a.sticky
+    if a.margin is not None:
+        residency.HOST_MARGIN = a.margin
     with tempfile.TemporaryDirectory() as tmp:
         model = churn_model(Path(tmp), a.experts)
         for w in a.workloads.split(","):
             runs = {}
             for name in (("before", "after") if a.before else ("after",)):
-                saved = residency.HOST_STICKY, residency.FILL_BUDGET
+                saved = residency.HOST_STICKY, residency.HOST_MARGIN, residency.FILL_BUDGET
                 if name == "before":
-                    residency.HOST_STICKY, residency.FILL_BUDGET = 1.0, None
+                    residency.HOST_STICKY, residency.HOST_MARGIN, residency.FILL_BUDGET = 1.0, 0.0, None
                 try:
-                    runs[name] = r = churn_workload(model, w, a.vram, a.host, a.backing, a.sequences, a.rounds,
-                                                    a.tokens)
+                    rs = [churn_workload(model, w, a.vram, a.host, a.backing, a.sequences, a.rounds, a.tokens, seed)
+                          for seed in range(3, 3 + a.seeds)]
+                    runs[name] = r = {"tokens": [x["tokens"] for x in rs], **{k: sum(x[k] for x in rs) for k in COLS},
+                                      "late": {k: sum(x["late"][k] for x in rs) for k in COLS}}
                 finally:
-                    residency.HOST_STICKY, residency.FILL_BUDGET = saved
+                    residency.HOST_STICKY, residency.HOST_MARGIN, residency.FILL_BUDGET = saved
                 print(f"{w:7} {name:6} all:  {_fmt(r)}")
                 print(f"{w:7} {name:6} late: {_fmt(r['late'])}", flush=True)
             if a.before:

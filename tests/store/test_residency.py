@@ -11,7 +11,7 @@ import pytest
 
 from betelgeuse.store.directory import TIER_DISK, TIER_HOST, TIER_VRAM
 from betelgeuse.store.plan import SlotPlan
-from betelgeuse.store.residency import VRAM_STICKY, plan_moves
+from betelgeuse.store.residency import HOST_MARGIN, HOST_STICKY, VRAM_STICKY, plan_moves
 
 
 def _plan(n_layer, n_expert, n_vram, n_host, backing=True) -> SlotPlan:
@@ -119,21 +119,63 @@ def test_rounds_of_shifting_usage_keep_the_invariants_and_reach_the_ranking(back
         usage = np.zeros((3, 16))
         usage[:, hot] = rng.integers(1, 20, size=(3, 6))
         score = 0.5 * score + usage
+        before = pl.tier.copy()
         pl.apply(plan_moves(score, pl.tier, pl.owner, p))
         pl.check()
         for l in range(3):
-            used = [e for e in range(16) if score[l, e] > 0]
-            ranked = sorted(used, key=lambda e: -score[l, e])
-            # no ties among positive scores here (random integers halved): the top ones are placed exactly
-            if len(set(score[l, ranked[:p.n_vram + p.n_host + 1]])) == len(ranked[:p.n_vram + p.n_host + 1]):
-                vram, host = np.nonzero(pl.tier[l] == TIER_VRAM)[0], np.nonzero(pl.tier[l] == TIER_HOST)[0]
-                if backing:
-                    assert set(vram) == set(ranked[:p.n_vram])
-                    assert set(host) == set(ranked[p.n_vram:p.n_vram + p.n_host])
-                else:       # the same resident set; in VRAM, no expert a host one outscores VRAM_STICKY times
-                    assert set(vram) | set(host) == set(ranked[:p.n_vram + p.n_host])
-                    assert len(vram) == min(p.n_vram, len(used))
-                    assert all(VRAM_STICKY * score[l, v] >= score[l, h] for v in vram for h in host), (l, vram, host)
+            # the ranking: by score, a resident one (before this round) by HOST_STICKY x score + HOST_MARGIN
+            key = [score[l, e] * HOST_STICKY + HOST_MARGIN if before[l, e] != TIER_DISK else score[l, e]
+                   for e in range(16)]
+            vram, host = np.nonzero(pl.tier[l] == TIER_VRAM)[0], np.nonzero(pl.tier[l] == TIER_HOST)[0]
+            resident = set(vram) | set(host)
+            used_out = [e for e in range(16) if score[l, e] > 0 and e not in resident]
+            if len(resident) < p.n_vram + p.n_host:
+                assert not used_out, (l, used_out)            # a tier not full takes every used expert
+            else:                                             # none left out ranks above one kept
+                assert all(key[d] <= key[r] for d in used_out for r in resident), (l, used_out, resident)
+            if backing:
+                assert all(key[v] >= key[h] for v in vram for h in host), (l, vram, host)
+            elif len(resident) >= p.n_vram:   # in VRAM, no expert a host one outscores VRAM_STICKY times
+                assert len(vram) == p.n_vram
+                assert all(VRAM_STICKY * score[l, v] >= score[l, h] for v in vram for h in host), (l, vram, host)
+
+
+def test_a_disk_expert_displaces_a_resident_one_only_past_the_hysteresis():
+    """Expert 0 resident (score s), 1 on disk, one resident slot: 1 takes the slot only when its score beats
+    HOST_STICKY x s + HOST_MARGIN; without hysteresis (the policy before it) as soon as it scores higher, so two
+    experts of about the same use traded the slot (a disk read) at every consolidation."""
+    p = _plan(1, 2, 0, 1, backing=True)
+    pl = Placement(p)
+    pl.apply(plan_moves(np.array([[4.0, 0.0]]), pl.tier, pl.owner, p))
+    assert (pl.tier[0, 0], pl.tier[0, 1]) == (TIER_HOST, TIER_DISK)
+    edge = 4.0 * HOST_STICKY + HOST_MARGIN
+    assert plan_moves(np.array([[4.0, 0.99 * edge]]), pl.tier, pl.owner, p) == []
+    assert plan_moves(np.array([[4.0, 4.5]]), pl.tier, pl.owner, p) == []
+    pl.apply(plan_moves(np.array([[4.0, 1.01 * edge]]), pl.tier, pl.owner, p))
+    pl.check()
+    assert (pl.tier[0, 0], pl.tier[0, 1]) == (TIER_DISK, TIER_HOST)
+
+
+def test_max_new_keeps_the_largest_gains_and_the_displaced_residents():
+    """Two layers, 2 resident slots each (no VRAM). Layer 0 holds experts 0, 1; layer 1 holds 0 and has a free slot.
+    New scores want 2 and 3 resident in layer 0 (gains over the residents they displace: 30 - (1 x sticky + margin)
+    and 20 - ...), and 2 in layer 1's free slot (gain 25). max_new = 2 keeps the two largest gains: layer 0's 2
+    (displacing the weaker resident, 1) and layer 1's 2; layer 0's 3 waits and expert 0 stays."""
+    p = _plan(2, 4, 0, 2, backing=True)
+    pl = Placement(p)
+    pl.apply(plan_moves(np.array([[2.0, 1.0, 0, 0], [2.0, 0, 0, 0]]), pl.tier, pl.owner, p))
+    assert set(np.nonzero(pl.tier[0] == TIER_HOST)[0]) == {0, 1} and set(np.nonzero(pl.tier[1] == TIER_HOST)[0]) == {0}
+    score = np.array([[2.0, 1.0, 30.0, 20.0], [2.0, 0, 25.0, 0]])
+    assert len(plan_moves(score, pl.tier, pl.owner, p, max_new=None)) == 5     # 2 in, 2 out in layer 0; 1 in
+    moves = plan_moves(score, pl.tier, pl.owner, p, max_new=2)
+    pl.apply(moves)
+    pl.check()
+    assert set(np.nonzero(pl.tier[0] == TIER_HOST)[0]) == {0, 2}
+    assert set(np.nonzero(pl.tier[1] == TIER_HOST)[0]) == {0, 2}
+    assert len(moves) == 3
+    # the next consolidation (unbounded) brings 3 in
+    pl.apply(plan_moves(score, pl.tier, pl.owner, p))
+    assert set(np.nonzero(pl.tier[0] == TIER_HOST)[0]) == {2, 3}
 
 
 @pytest.mark.parametrize("backing", [True, False])
