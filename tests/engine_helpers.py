@@ -532,8 +532,19 @@ class StateBytes:
 CHURN_WORKLOADS = ("repeat", "batch", "agent")
 
 
+def churn_model(dir_: Path, n_expert: int = 64) -> Path:
+    """A 3-layer synth model with `n_expert` experts, top-8, the calibrated router (popularity and temporal locality
+    fitted to real decode statistics): placement decides hits once the tiers hold a third of the experts."""
+    from betelgeuse.gguf.synth import spec_from_preset, write_model
+    path = Path(dir_) / f"churn-{n_expert}.gguf"
+    if not path.exists():
+        write_model(path, spec_from_preset("tiny", router="calibrated", n_layer=3, n_expert=n_expert, n_expert_used=8,
+                                           n_vocab=512, qtype="Q8_0"), progress=False)
+    return path
+
+
 def churn_workload(path, workload: str, vram: int, host: int, backing: bool = False, sequences: int = 8,
-                   rounds: int = 4, tokens: int = 24, seed: int = 3, **cfg) -> dict:
+                   rounds: int = 4, tokens: int = 24, seed: int = 3, bound_fills: bool = True, **cfg) -> dict:
     """A steady workload through the engine over a store in this process (the real scheduler, the real consolidation
     rule) -> counts of placement work: {"tokens" (per round, per request), "moves" (placement changes the store
     planned), "consolidations", "fill_reads" (consolidation fills read from disk), "demand_reads" (expert uses
@@ -541,7 +552,7 @@ def churn_workload(path, workload: str, vram: int, host: int, backing: bool = Fa
     store's, all reads), and "late" the same over the rounds after the first (the steady part)}.
     repeat: one prompt, `rounds` times in turn; batch: `sequences` different prompts together, `rounds` times;
     agent: `sequences` conversations together, each turn its last prompt + output + 8 new tokens. seed: the
-    prompts'."""
+    prompts'. bound_fills: the store's fill budget (ExpertStore.bound_fills)."""
     import threading
     from betelgeuse.api import FinalEvent, GenerateRequest, SamplingParams, TokenEvent
     from betelgeuse.assembly import open_engine, open_store
@@ -556,6 +567,7 @@ def churn_workload(path, workload: str, vram: int, host: int, backing: bool = Fa
                         "read_threads": 2, "staging_slots": 32, "max_running": n_seq, "decode_consolidate_every": 8,
                         **cfg})
     store = open_store(c)
+    store.store.bound_fills = bound_fills
     engine = open_engine(c, store)
     passes: list = []
     engine.on_pass = passes.append

@@ -34,6 +34,16 @@ HOST_STICKY = 1.25
 HOST_MARGIN = 2.0
 
 
+def fill_budget(rate: float, interval_s: float, demand_bytes: int, expert_bytes: int, floor: int) -> int | None:
+    """max_new for the next consolidation: the experts the disk can read before the one after it, at `rate` bytes/s
+    (what it delivered while busy) over `interval_s` (the last interval between consolidations), less the
+    `demand_bytes` the passes read in that interval (they go first: fills read at read-ahead priority); at least
+    `floor` (placement always progresses). None (no bound) while the rate or the interval is unknown."""
+    if rate <= 0 or interval_s <= 0:
+        return None
+    return max(floor, int((rate * interval_s - demand_bytes) // max(1, expert_bytes)))
+
+
 def _rank_key(score: float, tier: int) -> float:
     """The score a layer's experts are ranked by for residency (higher first): hysteresis for the resident ones."""
     return score * HOST_STICKY + HOST_MARGIN if tier != TIER_DISK else score

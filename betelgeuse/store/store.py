@@ -38,7 +38,7 @@ from betelgeuse.store.arena import Arena
 from betelgeuse.store.directory import TIER_DISK, TIER_HOST, TIER_VRAM, SlotDirectory
 from betelgeuse.store.engram import EngramLanded, EngramRows
 from betelgeuse.store.plan import SlotPlan
-from betelgeuse.store.residency import plan_moves
+from betelgeuse.store.residency import fill_budget, plan_moves
 from betelgeuse.store.reader import ExpertReader
 from betelgeuse.store.watch import ModelWatch
 
@@ -84,6 +84,7 @@ class StoreCounters:
     consolidation_reads: int = 0
     consolidation_copies: int = 0   # filled from a staged copy instead of disk
     consolidation_moves: int = 0    # placement changes planned (residency.plan_moves), all tiers
+    consolidation_bytes: int = 0    # bytes of the consolidation fills' disk reads
     passes: int = 0
     consolidations: int = 0
     attaches: int = 0
@@ -134,6 +135,11 @@ class ExpertStore:
         self._moves = None                                          # its moves, applied at a BeginPass once filled
         self._fill_stats = (0.0, 0, 0)                              # its fill: seconds, disk reads, staged copies
         self._fill_error: str | None = None                         # why its fill failed (then it is not applied)
+        # the fill budget (residency.fill_budget): when the last consolidation was planned, the disk bytes and the
+        # fill bytes then, and the bound it was planned under (None: none)
+        self._planned_at: tuple[float, int, int] | None = None
+        self.max_new: int | None = None
+        self.bound_fills = True                                     # False: no bound (tests/scripts/placement_churn.py)
         self._filling: set[tuple[int, int]] = set()                 # staged copies being copied into host slots
         self.counters = StoreCounters()
         self.started = time.monotonic()
@@ -207,7 +213,8 @@ class ExpertStore:
             self.score = 0.5 * self.score + self._usage
             self._usage[:] = 0
             tiers = self.directory.snapshot()["tier"].astype(np.int64)
-            moves = plan_moves(self.score, tiers, self._host_owner, self.plan)
+            self.max_new = self._fill_budget() if self.bound_fills else None
+            moves = plan_moves(self.score, tiers, self._host_owner, self.plan, self.max_new)
             if moves:
                 self._vacate(moves)
                 self.counters.consolidation_moves += len(moves)
@@ -217,6 +224,19 @@ class ExpertStore:
             self.directory.filling = True          # the worker sees it in its mapping (directory.py)
             self._consolidating.start()
         return len(moves)
+
+    def _fill_budget(self) -> int | None:
+        """max_new for the consolidation planned now (under cv): what the disk can read before the next one, from
+        the interval since the last one and the bytes the passes read meanwhile (residency.fill_budget); at least
+        one expert per layer."""
+        now, disk, fills = time.monotonic(), self.reader.stats.bytes_read, self.counters.consolidation_bytes
+        last, self._planned_at = self._planned_at, (now, disk, fills)
+        if last is None:
+            return None
+        active = self.reader.active_seconds()
+        rate = disk / active if active > 0 else 0.0
+        return fill_budget(rate, now - last[0], (disk - last[1]) - (fills - last[2]), self.layout.slot.slot_bytes,
+                           self.plan.n_layer)
 
     # ---- demand loads and read-ahead -------------------------------------------------------
     def load(self, session: str, keys: list[tuple[int, int]], release=(), ahead=(), drop=()) -> Iterator[Loaded]:
@@ -545,8 +565,10 @@ class ExpertStore:
                     self._filling.discard((l, e))
                 self.counters.consolidation_copies += 1
             else:
-                futures.append(self.reader.read(self._ranges((l, e), off), priority=READAHEAD))
+                ranges = self._ranges((l, e), off)
+                futures.append(self.reader.read(ranges, priority=READAHEAD))
                 self.counters.consolidation_reads += 1
+                self.counters.consolidation_bytes += sum(n for _, n, _ in ranges)
         try:
             for f in futures:
                 f.result()
@@ -582,7 +604,7 @@ class ExpertStore:
         by_tier = {n: sum(1 for m in moves if m[2] == tier) for n, tier in (("to_vram", TIER_VRAM), ("to_host", TIER_HOST),
                                                                                  ("evicted", TIER_DISK))}
         event(log, "consolidation", moves=len(moves), **by_tier, disk_reads=reads, staged_copies=copies,
-              ms=ms * 1e3, n=self.counters.consolidations)
+              ms=ms * 1e3, n=self.counters.consolidations, max_new=self.max_new)
 
     # ---- status ------------------------------------------------------------------------------
     def tier_counts(self) -> dict[str, int]:
@@ -611,6 +633,7 @@ class ExpertStore:
             "demand_started": r.started[0], "demand_wait_s": r.wait_seconds[0],
             "consolidation_reads": c.consolidation_reads,
             "consolidation_copies": c.consolidation_copies, "consolidation_moves": c.consolidation_moves,
+            "consolidation_bytes": c.consolidation_bytes, "consolidation_max_new": self.max_new,
             "passes": c.passes, "consolidations": c.consolidations,
             "attaches": c.attaches, "consolidation_pending": self._consolidating is not None,
             # disk reads started and not landed yet (demand, read-ahead): 0 with no consolidation pending = quiet

@@ -8,8 +8,8 @@ Writes a 3-layer synth model with `--experts` experts (top-8, the calibrated rou
 fitted to real decode statistics). Per workload, over all rounds and over the rounds after the first (the steady
 part): placement moves planned, consolidations, consolidation fills read from disk, expert uses passes read from
 disk (demand misses), VRAM fills from disk, the store's disk MB. --before also runs the same with the residency
-policy's host hysteresis and fill budget off (store/residency.py HOST_STICKY = 1, no budget: the policy before
-them) and prints both side by side, and whether the tokens are the same (they must be: placement never changes a
+policy's host hysteresis and the store's fill budget off (store/residency.py HOST_STICKY = 1, HOST_MARGIN = 0,
+ExpertStore.bound_fills = False: the policy before them) and prints both side by side, and whether the tokens are the same (they must be: placement never changes a
 result).
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine_helpers import CHURN_WORKLOADS, churn_workload  # noqa: E402
+from engine_helpers import CHURN_WORKLOADS, churn_model, churn_workload  # noqa: E402
 
 COLS = ("moves", "consolidations", "fill_reads", "demand_reads", "vram_fill_disk", "disk_bytes")
 
@@ -57,29 +57,20 @@ def main():
         for w in a.workloads.split(","):
             runs = {}
             for name in (("before", "after") if a.before else ("after",)):
-                saved = residency.HOST_STICKY, residency.HOST_MARGIN, residency.FILL_BUDGET
+                saved = residency.HOST_STICKY, residency.HOST_MARGIN
                 if name == "before":
-                    residency.HOST_STICKY, residency.HOST_MARGIN, residency.FILL_BUDGET = 1.0, 0.0, None
+                    residency.HOST_STICKY, residency.HOST_MARGIN = 1.0, 0.0
                 try:
-                    rs = [churn_workload(model, w, a.vram, a.host, a.backing, a.sequences, a.rounds, a.tokens, seed)
-                          for seed in range(3, 3 + a.seeds)]
+                    rs = [churn_workload(model, w, a.vram, a.host, a.backing, a.sequences, a.rounds, a.tokens, seed,
+                                         bound_fills=name == "after") for seed in range(3, 3 + a.seeds)]
                     runs[name] = r = {"tokens": [x["tokens"] for x in rs], **{k: sum(x[k] for x in rs) for k in COLS},
                                       "late": {k: sum(x["late"][k] for x in rs) for k in COLS}}
                 finally:
-                    residency.HOST_STICKY, residency.HOST_MARGIN, residency.FILL_BUDGET = saved
+                    residency.HOST_STICKY, residency.HOST_MARGIN = saved
                 print(f"{w:7} {name:6} all:  {_fmt(r)}")
                 print(f"{w:7} {name:6} late: {_fmt(r['late'])}", flush=True)
             if a.before:
                 print(f"{w:7} tokens the same before and after: {runs['before']['tokens'] == runs['after']['tokens']}")
-
-
-def churn_model(dir_: Path, n_expert: int = 64) -> Path:
-    from betelgeuse.gguf.synth import spec_from_preset, write_model
-    path = dir_ / f"churn-{n_expert}.gguf"
-    if not path.exists():
-        write_model(path, spec_from_preset("tiny", router="calibrated", n_layer=3, n_expert=n_expert, n_expert_used=8,
-                                           n_vocab=512, qtype="Q8_0"), progress=False)
-    return path
 
 
 if __name__ == "__main__":

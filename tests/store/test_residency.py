@@ -11,7 +11,7 @@ import pytest
 
 from betelgeuse.store.directory import TIER_DISK, TIER_HOST, TIER_VRAM
 from betelgeuse.store.plan import SlotPlan
-from betelgeuse.store.residency import HOST_MARGIN, HOST_STICKY, VRAM_STICKY, plan_moves
+from betelgeuse.store.residency import HOST_MARGIN, HOST_STICKY, VRAM_STICKY, fill_budget, plan_moves
 
 
 def _plan(n_layer, n_expert, n_vram, n_host, backing=True) -> SlotPlan:
@@ -192,3 +192,10 @@ def test_without_backing_copies_vram_membership_is_sticky(backing):
     pl.apply(plan_moves(np.array([[1.0, 1.1 * VRAM_STICKY]]), pl.tier, pl.owner, p))
     pl.check()
     assert (pl.tier[0, 0], pl.tier[0, 1]) == (TIER_HOST, TIER_VRAM)
+
+
+def test_fill_budget_is_what_the_disk_reads_before_the_next_consolidation():
+    # 1 GB/s over 2 s, 1.5 GB of it demand reads: 0.5 GB of 10 MB experts = 50; never under the floor; unknown: None
+    assert fill_budget(1e9, 2.0, int(1.5e9), 10_000_000, 4) == 50
+    assert fill_budget(1e9, 2.0, int(2.5e9), 10_000_000, 4) == 4
+    assert fill_budget(0.0, 2.0, 0, 10_000_000, 4) is None and fill_budget(1e9, 0.0, 0, 10_000_000, 4) is None
