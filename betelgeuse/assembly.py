@@ -58,7 +58,8 @@ def open_store(cfg: EngineConfig, memory_limit: int | None = None, memory_curren
     f = GGUFModelFile.open(cfg.model_path)
     try:
         store = ExpertStore(f, plan_slots(f, cfg, memory_limit, memory_current), read_threads=cfg.read_threads,
-                            read_request_bytes=cfg.read_request_bytes, engram_read_depth=cfg.engram_read_depth)
+                            read_request_bytes=cfg.read_request_bytes, engram_read_depth=cfg.engram_read_depth,
+                            bound_fills=cfg.fill_budget)
     except BaseException:
         f.close()
         raise

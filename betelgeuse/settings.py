@@ -391,6 +391,10 @@ class EngineSettings(_Section):
     worker_reserve: SizeOrAuto = setting(AUTO, "host bytes the worker needs outside the arena, or auto", 2 << 30)
     read_threads: Count1 = setting(8, "concurrent preadv calls in the store", 4)
     read_request_bytes: Size = setting(4 * 1024**2, "bytes of one preadv call in the store", 1 << 20)
+    # placement: a consolidation places at most the new experts the disk can read before the next one
+    # (store/residency.py fill_budget); off until measured on the device (issue 24)
+    fill_budget: Flag = setting(False, "bound each consolidation's fills by what the disk reads before the next one",
+                                True)
     engram_cache_bytes: Size = setting(64 * 1024**2, "deepseek41: the store's LRU cache of Engram rows, in the arena "
                                        "(0 = off)", 0)
     engram_read_depth: Count1 = setting(32, "deepseek41: concurrent 4 KiB O_DIRECT Engram row reads in the store", 64)

@@ -544,7 +544,7 @@ def churn_model(dir_: Path, n_expert: int = 64) -> Path:
 
 
 def churn_workload(path, workload: str, vram: int, host: int, backing: bool = False, sequences: int = 8,
-                   rounds: int = 4, tokens: int = 24, seed: int = 3, bound_fills: bool = True, **cfg) -> dict:
+                   rounds: int = 4, tokens: int = 24, seed: int = 3, **cfg) -> dict:
     """A steady workload through the engine over a store in this process (the real scheduler, the real consolidation
     rule) -> counts of placement work: {"tokens" (per round, per request), "moves" (placement changes the store
     planned), "consolidations", "fill_reads" (consolidation fills read from disk), "demand_reads" (expert uses
@@ -552,7 +552,7 @@ def churn_workload(path, workload: str, vram: int, host: int, backing: bool = Fa
     store's, all reads), and "late" the same over the rounds after the first (the steady part)}.
     repeat: one prompt, `rounds` times in turn; batch: `sequences` different prompts together, `rounds` times;
     agent: `sequences` conversations together, each turn its last prompt + output + 8 new tokens. seed: the
-    prompts'. bound_fills: the store's fill budget (ExpertStore.bound_fills)."""
+    prompts'. "max_new": the fill budget of the store's last consolidation (None: unbounded, engine.fill_budget off)."""
     import threading
     from betelgeuse.api import FinalEvent, GenerateRequest, SamplingParams, TokenEvent
     from betelgeuse.assembly import open_engine, open_store
@@ -567,7 +567,6 @@ def churn_workload(path, workload: str, vram: int, host: int, backing: bool = Fa
                         "read_threads": 2, "staging_slots": 32, "max_running": n_seq, "decode_consolidate_every": 8,
                         **cfg})
     store = open_store(c)
-    store.store.bound_fills = bound_fills
     engine = open_engine(c, store)
     passes: list = []
     engine.on_pass = passes.append
@@ -610,7 +609,8 @@ def churn_workload(path, workload: str, vram: int, host: int, backing: bool = Fa
             if r == 0:
                 after_first = counts()
         end = counts()
-        return {"tokens": outs, **end, "late": {k: end[k] - after_first[k] for k in keys}}
+        return {"tokens": outs, **end, "late": {k: end[k] - after_first[k] for k in keys},
+                "max_new": store.store.status()["consolidation_max_new"]}
     finally:
         engine.close()
         store.close()

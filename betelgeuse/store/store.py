@@ -93,7 +93,7 @@ class StoreCounters:
 
 class ExpertStore:
     def __init__(self, model: GGUFModelFile, plan: SlotPlan, read_threads: int = 8, read_request_bytes: int = 4 << 20,
-                 engram_read_depth: int = 32):
+                 engram_read_depth: int = 32, bound_fills: bool = False):
         self.model, self.plan = model, plan
         self.layout = plan.layout
         self.arena = Arena.create(self.layout.total_bytes)
@@ -139,7 +139,7 @@ class ExpertStore:
         # fill bytes then, and the bound it was planned under (None: none)
         self._planned_at: tuple[float, int, int] | None = None
         self.max_new: int | None = None
-        self.bound_fills = True                                     # False: no bound (tests/scripts/placement_churn.py)
+        self.bound_fills = bound_fills                              # the setting engine.fill_budget
         self._filling: set[tuple[int, int]] = set()                 # staged copies being copied into host slots
         self.counters = StoreCounters()
         self.started = time.monotonic()

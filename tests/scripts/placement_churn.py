@@ -2,15 +2,16 @@
 steady workloads through the engine (CPU; the store in this process).
 
     .venv/bin/python tests/scripts/placement_churn.py [--workloads repeat,batch,agent] [--sequences 8]
-        [--rounds 4] [--tokens 24] [--vram 6] [--host 18] [--experts 64] [--backing] [--before]
+        [--rounds 4] [--tokens 24] [--vram 6] [--host 18] [--experts 64] [--backing] [--before] [--seeds 1]
+        [--fill-budget] [--sticky F] [--margin M]
 
 Writes a 3-layer synth model with `--experts` experts (top-8, the calibrated router: popularity and temporal locality
 fitted to real decode statistics). Per workload, over all rounds and over the rounds after the first (the steady
 part): placement moves planned, consolidations, consolidation fills read from disk, expert uses passes read from
 disk (demand misses), VRAM fills from disk, the store's disk MB. --before also runs the same with the residency
-policy's host hysteresis and the store's fill budget off (store/residency.py HOST_STICKY = 1, HOST_MARGIN = 0,
-ExpertStore.bound_fills = False: the policy before them) and prints both side by side, and whether the tokens are the same (they must be: placement never changes a
-result).
+policy's host hysteresis off (store/residency.py HOST_STICKY = 1, HOST_MARGIN = 0: the policy before it) and prints
+both side by side, and whether the tokens are the same (they must be: placement never changes a result).
+--fill-budget: the after run with engine.fill_budget on (on the CPU's tiny experts it rarely binds).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def main():
     ap.add_argument("--sticky", type=float, help="HOST_STICKY for the after run (default: the module's)")
     ap.add_argument("--margin", type=float, help="HOST_MARGIN for the after run (default: the module's)")
     ap.add_argument("--seeds", type=int, default=1, help="prompt seeds (counts summed over them)")
+    ap.add_argument("--fill-budget", action="store_true", help="the after run with engine.fill_budget on")
     ap.add_argument("--before", action="store_true", help="also run the policy without hysteresis, side by side")
     a = ap.parse_args()
     from betelgeuse.store import residency
@@ -62,7 +64,7 @@ def main():
                     residency.HOST_STICKY, residency.HOST_MARGIN = 1.0, 0.0
                 try:
                     rs = [churn_workload(model, w, a.vram, a.host, a.backing, a.sequences, a.rounds, a.tokens, seed,
-                                         bound_fills=name == "after") for seed in range(3, 3 + a.seeds)]
+                                         fill_budget=a.fill_budget and name == "after") for seed in range(3, 3 + a.seeds)]
                     runs[name] = r = {"tokens": [x["tokens"] for x in rs], **{k: sum(x[k] for x in rs) for k in COLS},
                                       "late": {k: sum(x["late"][k] for x in rs) for k in COLS}}
                 finally:
