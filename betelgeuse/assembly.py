@@ -59,7 +59,7 @@ def open_store(cfg: EngineConfig, memory_limit: int | None = None, memory_curren
     try:
         store = ExpertStore(f, plan_slots(f, cfg, memory_limit, memory_current), read_threads=cfg.read_threads,
                             read_request_bytes=cfg.read_request_bytes, engram_read_depth=cfg.engram_read_depth,
-                            bound_fills=cfg.fill_budget)
+                            bound_fills=cfg.fill_budget, hysteresis=cfg.placement_hysteresis)
     except BaseException:
         f.close()
         raise

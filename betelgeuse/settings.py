@@ -391,8 +391,10 @@ class EngineSettings(_Section):
     worker_reserve: SizeOrAuto = setting(AUTO, "host bytes the worker needs outside the arena, or auto", 2 << 30)
     read_threads: Count1 = setting(8, "concurrent preadv calls in the store", 4)
     read_request_bytes: Size = setting(4 * 1024**2, "bytes of one preadv call in the store", 1 << 20)
-    # placement: a consolidation places at most the new experts the disk can read before the next one
-    # (store/residency.py fill_budget); off until measured on the device (issue 24)
+    # placement (store/residency.py): a disk expert displaces a resident one only past a margin (off: the ranking
+    # alone, for A/B runs); a consolidation places at most the new experts the disk can read before the next one
+    # (fill_budget: off until measured on the device, issue 24)
+    placement_hysteresis: Flag = setting(True, "a disk expert takes a resident one's slot only past a margin", False)
     fill_budget: Flag = setting(False, "bound each consolidation's fills by what the disk reads before the next one",
                                 True)
     engram_cache_bytes: Size = setting(64 * 1024**2, "deepseek41: the store's LRU cache of Engram rows, in the arena "

@@ -359,7 +359,8 @@ def main(argv=None) -> int:
     sdnotify.notify(status=f"pre-faulting a {plan.arena_bytes / 2**30:.2f} GiB arena",
                     extend_timeout_us=int(120e6))
     store = ExpertStore(model, plan, read_threads=cfg.read_threads, read_request_bytes=cfg.read_request_bytes,
-                        engram_read_depth=cfg.engram_read_depth, bound_fills=cfg.fill_budget)
+                        engram_read_depth=cfg.engram_read_depth, bound_fills=cfg.fill_budget,
+                        hysteresis=cfg.placement_hysteresis)
 
     m = make_store_metrics(__version__)
     m.arena_bytes.set(plan.arena_bytes)

@@ -44,21 +44,24 @@ def fill_budget(rate: float, interval_s: float, demand_bytes: int, expert_bytes:
     return max(floor, int((rate * interval_s - demand_bytes) // max(1, expert_bytes)))
 
 
-def _rank_key(score: float, tier: int) -> float:
+def _rank_key(score: float, tier: int, hysteresis: bool = True) -> float:
     """The score a layer's experts are ranked by for residency (higher first): hysteresis for the resident ones."""
-    return score * HOST_STICKY + HOST_MARGIN if tier != TIER_DISK else score
+    return score * HOST_STICKY + HOST_MARGIN if hysteresis and tier != TIER_DISK else score
 
 
-def resident_sets(score: np.ndarray, tiers: np.ndarray, plan: SlotPlan, max_new: int | None = None) -> list[list[int]]:
-    """The experts each layer should hold resident (n_vram + n_host at most), in rank order: the ranking (module doc),
-    then at most `max_new` experts newly resident over all layers (None: no bound), the largest gains first."""
+def resident_sets(score: np.ndarray, tiers: np.ndarray, plan: SlotPlan, max_new: int | None = None,
+                  hysteresis: bool = True) -> list[list[int]]:
+    """The experts each layer should hold resident (n_vram + n_host at most), in rank order: the ranking (module doc;
+    hysteresis=False: by score alone), then at most `max_new` experts newly resident over all layers (None: no
+    bound), the largest gains first."""
     p = plan
     n_res = p.n_vram + p.n_host
     orders, tops, gains = [], [], []      # gains: (gain, layer, kept newcomers in that layer after this one)
     for l in range(p.n_layer):
         cur = tiers[l]
         # rank: hysteresis score desc, currently resident first, expert id asc (stable and deterministic)
-        order = sorted(range(p.n_expert), key=lambda e: (-_rank_key(score[l, e], cur[e]), -int(cur[e] > 0), e))
+        order = sorted(range(p.n_expert),
+                       key=lambda e: (-_rank_key(score[l, e], cur[e], hysteresis), -int(cur[e] > 0), e))
         orders.append(order)
         tops.append(order[:n_res])
         new = [e for e in tops[l] if cur[e] == TIER_DISK and score[l, e] > 0]    # rank order: best first
@@ -66,7 +69,7 @@ def resident_sets(score: np.ndarray, tiers: np.ndarray, plan: SlotPlan, max_new:
         free = len(new) - len(out)        # slots no resident gives up (a tier not yet full)
         for i, e in enumerate(new):       # keeping newcomers 0..i: the i-th fills a free slot or displaces the
             rival = out[len(out) - 1 - (i - free)] if i >= free else None     # weakest leaver still kept
-            g = score[l, e] - (_rank_key(score[l, rival], cur[rival]) if rival is not None else 0.0)
+            g = score[l, e] - (_rank_key(score[l, rival], cur[rival], hysteresis) if rival is not None else 0.0)
             gains.append((g, l, i + 1))
     if max_new is None or len(gains) <= max_new:
         return tops
@@ -87,13 +90,14 @@ def resident_sets(score: np.ndarray, tiers: np.ndarray, plan: SlotPlan, max_new:
 
 
 def plan_moves(score: np.ndarray, tiers: np.ndarray, host_owner: np.ndarray, plan: SlotPlan,
-               max_new: int | None = None) -> list[Move]:
+               max_new: int | None = None, hysteresis: bool = True) -> list[Move]:
     """score [n_layer, n_expert] float (decayed usage), tiers [n_layer, n_expert] (the directory's current TIER_*),
-    host_owner [n_layer, host_per_layer] (the expert in each host slot, -1 free), max_new (resident_sets) -> the moves
+    host_owner [n_layer, host_per_layer] (the expert in each host slot, -1 free), max_new and hysteresis
+    (resident_sets) -> the moves
     that place each layer's resident set: its first n_vram in VRAM, the rest in host slots."""
     p = plan
     moves: list[Move] = []
-    for l, top in enumerate(resident_sets(score, tiers, plan, max_new)):
+    for l, top in enumerate(resident_sets(score, tiers, plan, max_new, hysteresis)):
         cur_tier = tiers[l]
         if not p.vram_backing:           # VRAM membership within the resident set is sticky (module doc)
             top = sorted(top, key=lambda e: (-score[l, e] * (VRAM_STICKY if cur_tier[e] == TIER_VRAM else 1.0),

@@ -93,7 +93,7 @@ class StoreCounters:
 
 class ExpertStore:
     def __init__(self, model: GGUFModelFile, plan: SlotPlan, read_threads: int = 8, read_request_bytes: int = 4 << 20,
-                 engram_read_depth: int = 32, bound_fills: bool = False):
+                 engram_read_depth: int = 32, bound_fills: bool = False, hysteresis: bool = True):
         self.model, self.plan = model, plan
         self.layout = plan.layout
         self.arena = Arena.create(self.layout.total_bytes)
@@ -140,6 +140,7 @@ class ExpertStore:
         self._planned_at: tuple[float, int, int] | None = None
         self.max_new: int | None = None
         self.bound_fills = bound_fills                              # the setting engine.fill_budget
+        self.hysteresis = hysteresis                                # engine.placement_hysteresis
         self._filling: set[tuple[int, int]] = set()                 # staged copies being copied into host slots
         self.counters = StoreCounters()
         self.started = time.monotonic()
@@ -214,7 +215,7 @@ class ExpertStore:
             self._usage[:] = 0
             tiers = self.directory.snapshot()["tier"].astype(np.int64)
             self.max_new = self._fill_budget() if self.bound_fills else None
-            moves = plan_moves(self.score, tiers, self._host_owner, self.plan, self.max_new)
+            moves = plan_moves(self.score, tiers, self._host_owner, self.plan, self.max_new, self.hysteresis)
             if moves:
                 self._vacate(moves)
                 self.counters.consolidation_moves += len(moves)

@@ -311,7 +311,8 @@ def serve_argv(o: ServeOptions, config: str, runtime_dir: str, port: int, http_p
     """`betelgeuse serve` for one configuration: the model and sockets of this run, then the configuration
     (shipped: --config deploy/betelgeuse.toml; auto: --vram-slots auto --host-slots auto; V+H: those counts),
     the bench's engine flags the user gave, --serve-args, then the configuration's own flags (":flag=value" after
-    its base, e.g. auto:prefetch-batch-rule=union -> --prefetch-batch-rule union: an A/B in one run)."""
+    its base, e.g. auto:prefetch-batch-rule=union -> --prefetch-batch-rule union, auto:fill-budget -> --fill-budget:
+    an A/B in one run)."""
     argv = ["serve", o.model, "--runtime-dir", runtime_dir, "--port", str(port), "--http",
             f"127.0.0.1:{http_port}", "--worker-metrics", "127.0.0.1:0", "--store-metrics", "127.0.0.1:0",
             "--device", o.device, "--drain-grace", "5"]     # (a stream cut by the budget ends at once)
@@ -331,7 +332,7 @@ def serve_argv(o: ServeOptions, config: str, runtime_dir: str, port: int, http_p
     argv += list(o.serve_args)
     for f in own:
         k, _, v = f.partition("=")
-        argv += [f"--{k}", v]
+        argv += [f"--{k}"] + ([v] if v else [])          # an on/off flag has no value (auto:no-fill-budget)
     return argv
 
 
@@ -920,10 +921,10 @@ def parse_configs(text: str) -> tuple[str, ...]:
         v, plus, h = base.partition("+")
         if base not in ("shipped", "auto") and not (plus and v.isdigit() and h.isdigit()):
             raise InvalidRequestError(f"--config: {s!r} is none of shipped, auto, V+H (e.g. 5+15)")
-        bad = [f for f in own if not re.fullmatch(r"[a-z][a-z0-9-]*=[^\s=]+", f)]
+        bad = [f for f in own if not re.fullmatch(r"[a-z][a-z0-9-]*(=[^\s=]+)?", f)]
         if bad:
-            raise InvalidRequestError(f"--config: {s!r}: {bad[0]!r} is not flag=value (e.g. auto:prefetch-batch-rule="
-                                      "union)")
+            raise InvalidRequestError(f"--config: {s!r}: {bad[0]!r} is not flag=value or an on/off flag (e.g. "
+                                      "auto:prefetch-batch-rule=union, auto:fill-budget)")
         out.append(s)
     if not out:
         raise InvalidRequestError("--config is empty")

@@ -9,7 +9,7 @@ Writes a 3-layer synth model with `--experts` experts (top-8, the calibrated rou
 fitted to real decode statistics). Per workload, over all rounds and over the rounds after the first (the steady
 part): placement moves planned, consolidations, consolidation fills read from disk, expert uses passes read from
 disk (demand misses), VRAM fills from disk, the store's disk MB. --before also runs the same with the residency
-policy's host hysteresis off (store/residency.py HOST_STICKY = 1, HOST_MARGIN = 0: the policy before it) and prints
+policy's host hysteresis off (engine.placement_hysteresis = false: the policy before it) and prints
 both side by side, and whether the tokens are the same (they must be: placement never changes a result).
 --fill-budget: the after run with engine.fill_budget on (on the CPU's tiny experts it rarely binds).
 """
@@ -59,16 +59,11 @@ def main():
         for w in a.workloads.split(","):
             runs = {}
             for name in (("before", "after") if a.before else ("after",)):
-                saved = residency.HOST_STICKY, residency.HOST_MARGIN
-                if name == "before":
-                    residency.HOST_STICKY, residency.HOST_MARGIN = 1.0, 0.0
-                try:
-                    rs = [churn_workload(model, w, a.vram, a.host, a.backing, a.sequences, a.rounds, a.tokens, seed,
-                                         fill_budget=a.fill_budget and name == "after") for seed in range(3, 3 + a.seeds)]
-                    runs[name] = r = {"tokens": [x["tokens"] for x in rs], **{k: sum(x[k] for x in rs) for k in COLS},
-                                      "late": {k: sum(x["late"][k] for x in rs) for k in COLS}}
-                finally:
-                    residency.HOST_STICKY, residency.HOST_MARGIN = saved
+                rs = [churn_workload(model, w, a.vram, a.host, a.backing, a.sequences, a.rounds, a.tokens, seed,
+                                     placement_hysteresis=name == "after", fill_budget=a.fill_budget and name == "after")
+                      for seed in range(3, 3 + a.seeds)]
+                runs[name] = r = {"tokens": [x["tokens"] for x in rs], **{k: sum(x[k] for x in rs) for k in COLS},
+                                  "late": {k: sum(x["late"][k] for x in rs) for k in COLS}}
                 print(f"{w:7} {name:6} all:  {_fmt(r)}")
                 print(f"{w:7} {name:6} late: {_fmt(r['late'])}", flush=True)
             if a.before:

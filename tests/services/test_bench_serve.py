@@ -168,7 +168,8 @@ def _check_prefill(w: dict, requests: list):
     (["--config", "5x"], "--config: '5x' is none of shipped, auto, V+H"),
     (["--serve-args", "--no-such-flag 1"], "--serve-args: serve does not accept"),
     (["--clients", "0"], "--clients: expected positive integers"),
-    (["--config", "auto,auto:prefetch-batch-rule"], "'prefetch-batch-rule' is not flag=value"),
+    (["--config", "auto,auto:prefetch-batch-rule="], "'prefetch-batch-rule=' is not flag=value"),
+    (["--config", "auto:prefetch-batch-rule"], "--config 'auto:prefetch-batch-rule'"),
     (["--config", "auto:no-such-flag=1"], "--config 'auto:no-such-flag=1'"),
 ])
 def test_bad_options_are_one_line_before_any_work(tmp_path, args, words):
@@ -269,3 +270,20 @@ def test_a_configuration_sets_host_in_place_for_its_own_serve():
     got = [resolve_settings(None, env={}, flags=flag_values(p.parse_args(serve_argv(o, c, "/tmp/x", 1, 2, True)[1:])))
            .settings.engine.host_in_place for c in configs]
     assert got == ["auto", "never"], got
+
+
+def test_a_configuration_turns_placement_flags_on_and_off():
+    """`--config auto:no-placement-hysteresis,auto,auto:fill-budget` (store/residency.py's A/B in one session): on/off
+    flags without a value reach engine.placement_hysteresis and engine.fill_budget of their own serve alone."""
+    import argparse
+
+    from betelgeuse.settings import flag_values, resolve_settings
+    from services.bench.serve import ServeOptions, parse_configs, serve_argv
+    from services.launcher import serve_arguments
+    configs = parse_configs("auto:no-placement-hysteresis,auto,auto:fill-budget")
+    o = ServeOptions(model="/m.gguf", device="cpu", configs=configs)
+    p = argparse.ArgumentParser()
+    serve_arguments(p)
+    got = [resolve_settings(None, env={}, flags=flag_values(p.parse_args(serve_argv(o, c, "/tmp/x", 1, 2, True)[1:])))
+           .settings.engine for c in configs]
+    assert [(e.placement_hysteresis, e.fill_budget) for e in got] == [(False, False), (True, False), (True, True)]

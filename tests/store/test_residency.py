@@ -151,6 +151,7 @@ def test_a_disk_expert_displaces_a_resident_one_only_past_the_hysteresis():
     edge = 4.0 * HOST_STICKY + HOST_MARGIN
     assert plan_moves(np.array([[4.0, 0.99 * edge]]), pl.tier, pl.owner, p) == []
     assert plan_moves(np.array([[4.0, 4.5]]), pl.tier, pl.owner, p) == []
+    assert len(plan_moves(np.array([[4.0, 4.5]]), pl.tier, pl.owner, p, hysteresis=False)) == 2    # the trade
     pl.apply(plan_moves(np.array([[4.0, 1.01 * edge]]), pl.tier, pl.owner, p))
     pl.check()
     assert (pl.tier[0, 0], pl.tier[0, 1]) == (TIER_DISK, TIER_HOST)

@@ -3,8 +3,8 @@ real store in this process: 8 sequences decoding together, 3 rounds of the same 
 churn_workload; 64 experts, 6 VRAM + 18 host slots per layer, no VRAM backing copies, a decode consolidation every
 8 tokens).
 
-Against the same workload under the policy without hysteresis (HOST_STICKY = 1, HOST_MARGIN = 0: the policy before
-it), in the rounds after the first (the steady part): several times fewer placement moves and fewer
+Against the same workload under the policy without hysteresis (engine.placement_hysteresis = false: the policy
+before it), in the rounds after the first (the steady part): several times fewer placement moves and fewer
 consolidation fills read from disk, and no more demand reads from disk (experts the passes had to read). Measured
 when written: moves 86 -> 24, fills from disk 17 -> 6, demand reads 1461-1466 -> 1416, disk bytes 22.2-22.6 MB ->
 19.8-19.9 MB; the bounds below (40 moves, 10 fills) are what the policy without hysteresis exceeds. The tokens are
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import pytest
 
-from betelgeuse.store import residency
 from engine_helpers import churn_model, churn_workload
 
 
@@ -23,13 +22,7 @@ from engine_helpers import churn_model, churn_workload
 def runs(tmp_path_factory):
     model = churn_model(tmp_path_factory.mktemp("churn"))
     now = churn_workload(model, "batch", 6, 18, rounds=3)
-    mp = pytest.MonkeyPatch()
-    mp.setattr(residency, "HOST_STICKY", 1.0)
-    mp.setattr(residency, "HOST_MARGIN", 0.0)
-    try:
-        before = churn_workload(model, "batch", 6, 18, rounds=3)
-    finally:
-        mp.undo()
+    before = churn_workload(model, "batch", 6, 18, rounds=3, placement_hysteresis=False)
     return model, now, before
 
 
