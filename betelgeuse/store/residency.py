@@ -7,8 +7,9 @@ deterministic); the top n_vram + n_host are resident. A resident expert ranks by
 HOST_MARGIN (hysteresis): an expert on disk takes a full tier's place only when it beats the weakest resident by that
 much, so two experts of about the same use do not trade places (each trade is a disk read, and the vacated expert is
 read from disk by the passes while the slot fills). `max_new` bounds the experts newly resident per consolidation
-(each one a disk read): the largest gains (score over the score of the resident it displaces) first, the rest wait
-for a later consolidation (the store sets it from what the disk can deliver before the next one).
+(each one a disk read): the largest gains (score over the ranking score of the resident it displaces) first, the
+rest wait for a later consolidation (with engine.fill_budget on, the store sets it from what the disk can deliver
+before the next one: fill_budget).
 With VRAM backing copies the top n_vram of them go to VRAM,
 the rest to the host tier. Without copies a swap between the tiers costs disk reads (a VRAM expert demoted to the host
 tier has no copy in RAM, so the store reads it again), so VRAM membership is sticky: within the resident set a VRAM
