@@ -400,6 +400,31 @@ def hf_model(path: Path, n_ff_exp: int):
         moe_intermediate_size=n_ff_exp, norm_topk_prob=True).eval()
 
 
+def greedy_together(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Each prompt a greedy request (`ignore_eos`, `max_tokens`) submitted to the engine at once, one thread each ->
+    each request's tokens, in the prompts' order."""
+    import threading
+    from betelgeuse.api import FinalEvent, GenerateRequest, SamplingParams, TokenEvent
+    out: dict = {}
+
+    def one(ids, i):
+        req = GenerateRequest(prompt_ids=list(ids), max_tokens=max_tokens, ignore_eos=True,
+                              sampling=SamplingParams(temperature=0.0))
+        toks = []
+        for ev in engine.submit(req):
+            if isinstance(ev, TokenEvent):
+                toks.append(ev.token_id)
+            elif isinstance(ev, FinalEvent):
+                out[i] = toks
+    ts = [threading.Thread(target=one, args=(ids, i)) for i, ids in enumerate(prompts)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(600)
+    assert len(out) == len(prompts), "a request did not finish"
+    return [out[i] for i in range(len(prompts))]
+
+
 def backing_workload(path, backing, vram: int, arena_slots: int, rounds: list[list[list[int]]], max_tokens: int,
                      **cfg) -> dict:
     """`vram_backing` on vs off at one memory budget, through the engine (the real scheduler and consolidation policy)
@@ -409,8 +434,6 @@ def backing_workload(path, backing, vram: int, arena_slots: int, rounds: list[li
     its decode passes' disk bytes (experts a pass had to read) and the store's disk bytes over the round (those plus
     consolidation fills and the round's prefill). -> {"plan", "tokens" (per prompt of the last round), "decoded",
     "decode_disk_bytes", "store_disk_bytes", "decode_disk_reads"}."""
-    import threading
-    from betelgeuse.api import FinalEvent, GenerateRequest, SamplingParams, TokenEvent
     from betelgeuse.assembly import open_engine, open_store
     from betelgeuse.config import EngineConfig
     from betelgeuse.gguf.reader import GGUFModelFile
@@ -429,28 +452,13 @@ def backing_workload(path, backing, vram: int, arena_slots: int, rounds: list[li
     passes: list = []
     engine.on_pass = passes.append
     try:
-        def one(ids, out, i):
-            req = GenerateRequest(prompt_ids=list(ids), max_tokens=max_tokens, ignore_eos=True,
-                                  sampling=SamplingParams(temperature=0.0))
-            toks = []
-            for ev in engine.submit(req):
-                if isinstance(ev, TokenEvent):
-                    toks.append(ev.token_id)
-                elif isinstance(ev, FinalEvent):
-                    out[i] = toks
         for r in rounds:
             passes.clear()
             before = store.store.status()["disk_bytes"]
-            out: dict = {}
-            ts = [threading.Thread(target=one, args=(ids, out, i)) for i, ids in enumerate(r)]
-            for t in ts:
-                t.start()
-            for t in ts:
-                t.join(600)
-            assert len(out) == len(r), "a request did not finish"
+            toks = greedy_together(engine, r, max_tokens)
         dec = [p for p in passes if p.kind == "decode"]
         p = store.store.plan
-        return {"plan": p, "tokens": [out[i] for i in range(len(r))], "decoded": sum(p.n_tokens for p in dec),
+        return {"plan": p, "tokens": toks, "decoded": sum(p.n_tokens for p in dec),
                 "decode_disk_bytes": sum(p.disk_bytes for p in dec), "decode_disk_reads": sum(p.reads["disk"] for p in dec),
                 "store_disk_bytes": store.store.status()["disk_bytes"] - before}
     finally:
@@ -553,8 +561,6 @@ def churn_workload(path, workload: str, vram: int, host: int, backing: bool = Fa
     repeat: one prompt, `rounds` times in turn; batch: `sequences` different prompts together, `rounds` times;
     agent: `sequences` conversations together, each turn its last prompt + output + 8 new tokens. seed: the
     prompts'. "max_new": the fill budget of the store's last consolidation (None: unbounded, engine.fill_budget off)."""
-    import threading
-    from betelgeuse.api import FinalEvent, GenerateRequest, SamplingParams, TokenEvent
     from betelgeuse.assembly import open_engine, open_store
     from betelgeuse.config import EngineConfig
     from betelgeuse.gguf.reader import GGUFModelFile
@@ -581,29 +587,13 @@ def churn_workload(path, workload: str, vram: int, host: int, backing: bool = Fa
                 "demand_reads": sum(p.reads["disk"] for p in passes),
                 "vram_fill_disk": sum(p.fill_disk for p in passes)}
 
-    def one(ids, out, i):
-        req = GenerateRequest(prompt_ids=list(ids), max_tokens=tokens, ignore_eos=True,
-                              sampling=SamplingParams(temperature=0.0))
-        toks = []
-        for ev in engine.submit(req):
-            if isinstance(ev, TokenEvent):
-                toks.append(ev.token_id)
-            elif isinstance(ev, FinalEvent):
-                out[i] = toks
-
     try:
         outs, after_first = [], None
         for r in range(rounds):
-            out: dict = {}
-            ts = [threading.Thread(target=one, args=(ids, out, i)) for i, ids in enumerate(prompts)]
-            for t in ts:
-                t.start()
-            for t in ts:
-                t.join(600)
-            assert len(out) == len(prompts), "a request did not finish"
+            out = greedy_together(engine, prompts, tokens)
             # the round's last consolidation applied and its VRAM fills done (the engine's idle settling)
             assert settles(lambda: not engine._unsettled and not engine.running, 60), "the engine did not settle"
-            outs.append([out[i] for i in range(len(prompts))])
+            outs.append(out)
             if workload == "agent":
                 prompts = [p + out[i] + [int(x) for x in rng.integers(3, n_vocab, 8)] for i, p in enumerate(prompts)]
             if r == 0:
