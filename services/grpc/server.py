@@ -147,8 +147,13 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         context.add_callback(handle.cancel)
         rid = req.request_id                      # sent once, in the first message
         for ev in handle:
-            if isinstance(ev, FinalEvent) and ev.finish_reason == "cancelled" and not context.is_active():
-                return
+            if isinstance(ev, FinalEvent) and ev.finish_reason == "cancelled":
+                if not context.is_active():
+                    return
+                if deadline is not None and time.monotonic() >= deadline:
+                    # the engine ended it at the deadline (the same instant as gRPC's, read a hair earlier): the
+                    # client is told DEADLINE_EXCEEDED either way, never an OK stream cut short
+                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline exceeded")
             yield convert.event_to_pb(ev, rid)
             rid = ""
 
