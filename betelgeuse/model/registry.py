@@ -85,7 +85,7 @@ ARCHS: dict[str, Arch] = {
                       elem_bytes=ds4layout.dense_elem_bytes, activation_bytes=ds4layout.activation_bytes),
     "deepseek41": Arch("deepseek41", "betelgeuse.model.deepseek41:Deepseek41Model",
                        "betelgeuse.model.deepseek41:Deepseek41Reference", ds41layout.state_bytes,
-                       prefix_cache=False, scratch_bytes=ds41layout.attention_scratch_bytes,
+                       prefix_host=False, scratch_bytes=ds41layout.attention_scratch_bytes,
                        elem_bytes=ds41layout.dense_elem_bytes, activation_bytes=ds41layout.activation_bytes),
 }
 assert set(ARCHS) == set(LAYOUTS), (set(ARCHS), set(LAYOUTS))

@@ -1,11 +1,13 @@
-"""deepseek4's prefix cache (worker/snapshot_cache.py) through the engine: a repeated prompt runs no pass, an
+"""deepseek4's and deepseek41's prefix cache (worker/snapshot_cache.py) through the engine: a repeated prompt runs no pass, an
 agent's next turn resumes after the last chunk boundary of its previous prompt, and every token and logprob equals
 an engine without a prefix cache (DESIGN.md §2: bit-identical across prefix hits); the snapshots stay within their
 budget, least recently used first, never one a running request holds, a snapshot that does not fit refused.
 
 Why exact: prefill runs in position-aligned chunks from each layer's own length, so a resumed prefill is the same
 ops on the same bits (tests/model/test_deepseek4_resume.py); the miss path is the engine's, checked against
-Deepseek4Reference in test_deepseek4_engine and that against transformers in test_deepseek4_oracle.
+Deepseek4Reference in test_deepseek4_engine and that against transformers in test_deepseek4_oracle (deepseek41:
+test_deepseek41_engine, test_deepseek41_oracle against NeMo; its snapshots carry the Engram history, and the Engram
+rows of a resumed prefill come from the store as a miss's do).
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ def _ids(n: int, seed: int) -> list[int]:
 SYSTEM = _ids(45, 1)
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path, _, _ = synth_reference(tmp_path_factory, "ds4-tiny", SYSTEM, 64, expert_qtype="Q8_0", seed=2)
+@pytest.fixture(scope="module", params=["ds4-tiny", "ds41-tiny"])
+def model(request, tmp_path_factory):
+    path, _, _ = synth_reference(tmp_path_factory, request.param, SYSTEM, 64, expert_qtype="Q8_0", seed=2)
     return path
 
 
