@@ -184,6 +184,10 @@ class CompressedCache:
     def set_host_state(self, host) -> None:
         assert host is None, "a snapshot of another architecture"
 
+    def snapshot_nbytes(self, n: int) -> int:
+        """Device bytes of a snapshot after n prefilled tokens (known before the pass that would take it)."""
+        return sum(t.numel() * t.element_size() for l in range(self.n_layers) for t in self.used(l, n))
+
     def snapshot_layer(self, l: int, n: int) -> tuple[torch.Tensor, ...]:
         """A copy of layer l's state after n prefilled tokens (StateSnapshot.layers' item)."""
         return tuple(t.clone() for t in self.used(l, n))

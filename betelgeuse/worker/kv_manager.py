@@ -161,6 +161,7 @@ class KVManager:
         m.prefix_cache_hits.inc(st.hits - old.hits)
         m.prefix_cache_tokens.inc(st.tokens_reused - old.tokens_reused)
         m.prefix_cache_evictions.inc(st.evictions - old.evictions)
+        m.prefix_cache_refused.inc(st.refused - old.refused)
         m.prefix_cache_bytes.set(pc.bytes_used)
         m.prefix_cache_usage.set(pc.bytes_used / pc.capacity_bytes if pc.capacity_bytes else 0.0)
         m.prefix_host_hits.inc(st.host_hits - old.host_hits)

@@ -1,5 +1,6 @@
 """The prefix cache of a model whose state is not per token (model/interface.py prefix_reuse = "snapshots":
-deepseek4, whose compressed entries pool 4/128 tokens and whose window is a ring): a prompt's whole state is copied
+deepseek4 and deepseek41, whose compressed entries pool several tokens, whose window is a ring, and deepseek41's
+Engram n-gram history, the snapshot's host part): a prompt's whole state is copied
 (model.snapshot, a StateSnapshot) and a later prompt that starts with it gets it copied into its fresh state
 (model.restore), then prefills the rest. The KVManager drives it as the block cache (worker/prefix_cache.py):
 
@@ -13,7 +14,8 @@ deepseek4, whose compressed entries pool 4/128 tokens and whose window is a ring
 
 Two kinds of entry, under the block cache's chained hashes (its _root / _hash, cache_salt the root):
   the whole prompt   the state after every prompt token and the last position's logits: an identical prompt runs
-                     no pass (a retry, a regeneration, n completions);
+                     no pass (a retry, a regeneration, n completions); when its length is a multiple of `block`, it
+                     is a chunk boundary's state too, and a prompt that extends it resumes at its end;
   a checkpoint       the state after the prompt's last chunk boundary b = a multiple of `block` (< the prompt's
                      length), taken by the pass whose chunk ends there (state.mark(b)): a prompt that extends this
                      one (an agent's next turn = this prompt + its answer + new text) restores it and prefills from b.
@@ -24,8 +26,11 @@ prefill states are snapshotted (a decode step's one-row pass is another computat
 
 Memory: the snapshots live on the worker's device, counted against the prefix-cache budget (prefix_cache_bytes,
 which the slot plan subtracts from VRAM). Entries a running request holds are never evicted; the others go least
-recently used first to make room; a snapshot that does not fit even then is refused (counted, logged with its
-size). No host tier (the block cache's HostTier is laid out for K/V blocks).
+recently used first to make room; a snapshot that does not fit even then is refused (PrefixStats.refused, the metric
+betelgeuse_prefix_cache_refused_total, logged with its size). Its size is known before any copy (the state's used
+rows: snapshot_nbytes), so a refused checkpoint is not marked (its pass copies nothing) and a refused whole prompt is
+not copied; one that fits is copied first and room made after (the budget exceeded by that copy, briefly, when
+eviction is needed). No host tier (the block cache's HostTier is laid out for K/V blocks).
 """
 
 from __future__ import annotations
@@ -110,7 +115,10 @@ class SnapshotCache:
         hit = self._match(self._whole_key(prompt, chain), prompt, P)
         i = len(chain) - 1
         while hit is None and i > 0:
-            hit = self._match(chain[i], prompt, i * B)
+            # a checkpoint at i * B, or a whole earlier prompt of that length (its state is a chunk boundary's)
+            n = i * B
+            hit = (self._match(chain[i], prompt, n)
+                   or self._match(PrefixCache._hash(chain[i - 1], prompt[n - B:n], whole=True), prompt, n))
             i -= 1
         if hit is None:
             return []
@@ -149,10 +157,21 @@ class SnapshotCache:
 
     def watch(self, state, prompt: list[int], n: int):
         """Before the prefill of prompt[n:]: have its pass keep the state at the prompt's last chunk boundary
-        (the checkpoint an extension of the prompt resumes from), unless that is where it starts."""
+        (the checkpoint an extension of the prompt resumes from), unless that is where it starts, or the copy could
+        not be kept (refused now: the pass makes no copy beyond the budget)."""
         b = (len(prompt) - 1) // self.block * self.block
-        if b > n:
+        if b > n and self._fits(state.snapshot_nbytes(b), b):
             state.mark(b)
+
+    def _fits(self, nbytes: int, tokens: int) -> bool:
+        """Whether an entry of nbytes could be kept with every unheld entry evicted (else counted as refused)."""
+        held = self.used - sum(e.nbytes for e in self.lru.values())
+        if held + nbytes <= self.capacity:
+            return True
+        self.stats.refused += 1
+        event(log, "snapshot_refused", logging.INFO, tokens=tokens, bytes=nbytes, used=self.used,
+              held=held, capacity=self.capacity)
+        return False
 
     def insert(self, state, prompt: list[int], done: int, held: list[Entry], salt: str = "") -> list[Entry]:
         """After a prefill pass: the checkpoint, once a pass has made it (state.take_mark), kept and held."""
@@ -172,6 +191,8 @@ class SnapshotCache:
         key = self._whole_key(prompt, self._chain(prompt, salt, (P - 1) // self.block))
         if key in self.index:                       # the same prompt finished meanwhile: share its entry
             return self._share(self.index[key], held)
+        if not self._fits(state.snapshot_nbytes(P) + logits.numel() * logits.element_size(), P):   # before a copy
+            return held
         return self._keep(key, prompt, self.model.snapshot(state), logits.reshape(-1).clone(), held)
 
     def _share(self, e: Entry, held: list[Entry]) -> list[Entry]:
@@ -183,14 +204,11 @@ class SnapshotCache:
         if key in self.index:
             return self._share(self.index[key], held)
         nbytes = snap.nbytes + (0 if logits is None else logits.numel() * logits.element_size())
-        while self.used + nbytes > self.capacity and self.lru:
+        if not self._fits(nbytes, len(toks)):       # evicts nothing for an entry that is not kept
+            return held
+        while self.used + nbytes > self.capacity:
             _, old = self.lru.popitem(last=False)
             self._drop(old)
-        if self.used + nbytes > self.capacity:
-            self.stats.refused += 1
-            event(log, "snapshot_refused", logging.INFO, tokens=len(toks), bytes=nbytes, used=self.used,
-                  capacity=self.capacity)
-            return held
         e = Entry(key, np.asarray(toks, dtype=np.int64), snap, logits, nbytes)
         self.index[key] = e
         self.used += nbytes

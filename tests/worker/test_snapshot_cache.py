@@ -58,11 +58,11 @@ def _sample(reg, name):
 
 def test_agent_turns_and_repeats_are_bit_identical_to_a_miss(model):
     """Each turn resends the conversation (+ the reply + new text): it resumes after its previous prompt's last
-    chunk boundary; a repeated turn runs no pass; another salt shares nothing. Tokens and logprobs equal an engine
-    without the cache."""
+    chunk boundary, or at its end when that is one (the first turn: 64 tokens = 4 chunks, its whole entry); a
+    repeated turn runs no pass; another salt shares nothing. Tokens and logprobs equal an engine without the cache."""
     turns, conv = [], list(SYSTEM)
     for t in range(3):
-        conv = conv + _ids(13 + 5 * t, 20 + t)
+        conv = conv + _ids(19 + 5 * t, 20 + t)
         turns.append(list(conv))
         conv = conv + _ids(6, 40 + t)
     on, close_on = _engine(model)
@@ -75,19 +75,37 @@ def test_agent_turns_and_repeats_are_bit_identical_to_a_miss(model):
             want, fin0 = _gen(off, P)
             assert got == want, f"turn {i}: tokens/logprobs differ with the snapshot cache"
             assert fin0.usage.cached_tokens == 0
-            assert fin.usage.cached_tokens == (0 if i == 0 else (len(turns[i - 1]) - 1) // C * C), (i, fin.usage)
+            prev = len(turns[i - 1]) if i else 0
+            assert fin.usage.cached_tokens == (prev if prev % C == 0 else (prev - 1) // C * C), (i, fin.usage)
         computed = _sample(reg, "betelgeuse_prompt_tokens_total")
         again, fin = _gen(on, turns[-1])                             # a retry: no prompt token computed
         assert again == want and fin.usage.cached_tokens == len(turns[-1])
         assert _sample(reg, "betelgeuse_prompt_tokens_total") == computed
         salted, fin = _gen(on, turns[-1], salt="tenant-b")           # another tenant: a miss, the same answer
         assert salted == want and fin.usage.cached_tokens == 0
-        assert _sample(reg, "betelgeuse_prefix_cache_hits_total") == 3
+        assert len(turns[0]) % C == 0 and _sample(reg, "betelgeuse_prefix_cache_hits_total") == 3
+        assert _sample(reg, "betelgeuse_prefix_cache_refused_total") == 0
         assert 0 < _sample(reg, "betelgeuse_prefix_cache_used_bytes") <= \
             _sample(reg, "betelgeuse_prefix_cache_capacity_bytes")
     finally:
         close_on()
         close_off()
+
+
+def test_refusals_are_exported_and_cost_no_copy(model):
+    """A budget too small for any snapshot: the checkpoint and the whole prompt are refused (counted in
+    betelgeuse_prefix_cache_refused_total), the pass marks nothing, and a repeat is a miss with the same answer."""
+    eng, close = _engine(model, prefix_cache_bytes=4096)
+    try:
+        P = SYSTEM + _ids(20, 7)
+        first, _ = _gen(eng, P)
+        again, fin = _gen(eng, P)
+        assert again == first and fin.usage.cached_tokens == 0
+        reg = eng.metrics.registry
+        assert _sample(reg, "betelgeuse_prefix_cache_refused_total") == 4 == eng.prefix_cache.stats.refused
+        assert _sample(reg, "betelgeuse_prefix_cache_used_bytes") == 0
+    finally:
+        close()
 
 
 def test_snapshots_are_lru_within_the_budget_spare_held_ones_and_refuse_what_does_not_fit(model):
@@ -112,6 +130,19 @@ def test_snapshots_are_lru_within_the_budget_spare_held_ones_and_refuse_what_doe
         sc.release(held_a)
         tiny = SnapshotCache(rn.model, C, one // 2)
         assert whole(a, tiny) == [] and tiny.stats.refused == 1 and tiny.bytes_used == 0
+        kv = rn.new_cache(128)
+        tiny.watch(kv, a, 0)                        # a checkpoint that cannot be kept is not even copied
+        assert kv.mark_at is None and tiny.stats.refused == 2
+        # nor is one that only the held entries leave no room for (a's whole entry, held, fills most of `cut`)
+        cut = SnapshotCache(rn.model, C, one + one // 2)
+        held = whole(a, cut)
+        refused = cut.stats.refused
+        kv = rn.new_cache(128)
+        cut.watch(kv, b, 0)
+        assert kv.mark_at is None and cut.stats.refused == refused + 1
+        cut.release(held)
+        cut.watch(kv, b, 0)                         # released: evictable, so the checkpoint is copied
+        assert kv.mark_at == (len(b) - 1) // C * C
         # a hit holds exactly the prompt's tokens: another first token never matches, nor a shorter prompt
         assert sc.lookup([a[0] ^ 1] + a[1:]) == [] and sc.lookup(a[:-1]) == []
     finally:
