@@ -63,7 +63,7 @@ class Entry:
 
 
 class SnapshotCache:
-    spills = False                  # no host tier (KVManager.bind_host)
+    spills = True                   # entries are written through to a host tier (KVManager.bind_host)
 
     def __init__(self, model, block: int, capacity_bytes: int):
         """model: its snapshot(state) / restore(state, snap); block: the prefill chunk (checkpoints at its
@@ -74,7 +74,7 @@ class SnapshotCache:
         self.lru: OrderedDict[bytes, Entry] = OrderedDict()     # unheld entries, oldest first
         self.used = 0                                           # bytes of every entry
         self.stats = PrefixStats()
-        self.host = None
+        self.host = None            # worker/snapshot_host.py SnapshotHost in the store's memory, or None
 
     @property
     def enabled(self) -> bool:
@@ -112,14 +112,16 @@ class SnapshotCache:
         self.stats.queries += 1
         B, P = self.block, len(prompt)
         chain = self._chain(prompt, salt, (P - 1) // B)
-        hit = self._match(self._whole_key(prompt, chain), prompt, P)
-        i = len(chain) - 1
-        while hit is None and i > 0:
-            # a checkpoint at i * B, or a whole earlier prompt of that length (its state is a chunk boundary's)
-            n = i * B
-            hit = (self._match(chain[i], prompt, n)
-                   or self._match(PrefixCache._hash(chain[i - 1], prompt[n - B:n], whole=True), prompt, n))
-            i -= 1
+        # longest first: the whole prompt, then at each chunk boundary i * B a checkpoint or a whole earlier prompt
+        # of that length (its state is that boundary's); each on the device, else in the host tier
+        keys = [(self._whole_key(prompt, chain), P)]
+        for i in range(len(chain) - 1, 0, -1):
+            keys += [(chain[i], i * B), (PrefixCache._hash(chain[i - 1], prompt[(i - 1) * B:i * B], whole=True), i * B)]
+        hit = None
+        for key, n in keys:
+            hit = self._match(key, prompt, n) or self._from_host(key, prompt, n)
+            if hit is not None:
+                break
         if hit is None:
             return []
         if hit.key in self.lru:
@@ -127,6 +129,20 @@ class SnapshotCache:
         self.stats.hits += 1
         self.stats.tokens_reused += hit.length
         return [hit]
+
+    def _from_host(self, key: bytes, prompt: list[int], n: int) -> Entry | None:
+        """The host tier's entry under key (prompt[:n] checked), copied back onto the device (an unheld entry), or
+        None: not there, or no room on the device for it."""
+        slot = None if self.host is None or key in self.index else self.host.find(key, prompt[:n])
+        if slot is None:
+            return None
+        snap, logits = self.host.get(slot, self.model.device)
+        held = self._keep(key, prompt[:n], snap, logits, [])
+        if not held:
+            return None
+        self.release(held)
+        self.stats.host_hits += 1
+        return held[0]
 
     def covered(self, held: list[Entry]) -> int:
         return held[0].length if held else 0
@@ -213,6 +229,8 @@ class SnapshotCache:
         self.index[key] = e
         self.used += nbytes
         self.stats.inserted += 1
+        if self.host is not None:                   # written through (D2H): a restarted worker finds it
+            self.host.put(key, toks, snap, logits)
         event(log, "snapshot_kept", logging.DEBUG, tokens=e.length, whole=logits is not None, bytes=nbytes,
               used=self.used, capacity=self.capacity)
         return self._share(e, held)

@@ -108,6 +108,39 @@ def test_refusals_are_exported_and_cost_no_copy(model):
         close()
 
 
+def test_a_restarted_worker_answers_from_the_host_tier(model):
+    """Snapshots are written through to the host tier the store holds: a new worker on the same store (a worker
+    restarted after kill -9; the real process: tests/services/test_cli_serve.py for qwen3moe) answers a repeated
+    prompt from it without a pass and resumes an agent's next turn at its checkpoint, with the bits of a miss."""
+    from betelgeuse.assembly import open_engine, open_store
+    from betelgeuse.metrics import make_worker_metrics
+    cfg = EngineConfig(model_path=str(model), vram_slots=3, host_slots=5, prefill_chunk=C, read_threads=2,
+                       max_context=512)
+    store = open_store(cfg)
+    try:
+        eng = open_engine(cfg, store, metrics=make_worker_metrics())
+        P = SYSTEM + _ids(20, 7)
+        first, fin = _gen(eng, P)
+        assert fin.usage.cached_tokens == 0 and eng.prefix_cache.host is not None
+        eng.close()
+        eng = open_engine(cfg, store, metrics=make_worker_metrics())
+        try:
+            assert len(eng.prefix_cache.host.index) == 2 and eng.prefix_cache.bytes_used == 0     # adopted
+            again, fin = _gen(eng, P)
+            assert again == first and fin.usage.cached_tokens == len(P)
+            ext = P + _ids(9, 8)
+            got, fin = _gen(eng, ext)
+            want, fin0 = _gen(eng, ext, salt="miss")
+            assert got == want and fin0.usage.cached_tokens == 0
+            assert fin.usage.cached_tokens == (len(P) - 1) // C * C
+            assert eng.prefix_cache.stats.host_hits == 2
+            assert _sample(eng.metrics.registry, "betelgeuse_prefix_host_hits_total") == 2
+        finally:
+            eng.close()
+    finally:
+        store.close()
+
+
 def test_snapshots_are_lru_within_the_budget_spare_held_ones_and_refuse_what_does_not_fit(model):
     rn, st = in_process_runner(model, 0, 0, prefill_chunk=C)
     try:
