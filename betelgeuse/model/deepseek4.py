@@ -133,6 +133,7 @@ class LayerState:
     idx: CompState | None = None
 
 
+@dataclass(slots=True, kw_only=True)
 class CompressedCache:
     """begin / begin_static / commit / truncate of a sequence state with compressed entries (DS4Cache, deepseek41's
     DS41Cache): `length` tokens consumed, `max_len` the limit, `_pending` the tokens of the pass in flight, `device`,
@@ -144,7 +145,13 @@ class CompressedCache:
     `mark_host`: host-side state at n, deepseek41's Engram history), take_mark() -> the StateSnapshot: the prefix
     cache's checkpoint of a prompt (worker/snapshot_cache.py). A subclass gives n_layers, used(l, n) (views of layer
     l's tensors holding something after n prefilled tokens) and host_state() / set_host_state()."""
-    __slots__ = ()
+    _pending: int = field(default=0, repr=False)
+    uid: int = field(default_factory=lambda: next(_UIDS))      # identity for captured decode graphs
+    pos: torch.Tensor | None = field(default=None, repr=False)  # [1] int64 on the device (begin_static)
+    fed: list[int] = field(default_factory=list, repr=False)    # per layer: tokens of the pass in flight consumed
+    mark_at: int | None = field(default=None, repr=False)       # mark(n): the tokens after which to copy the state
+    marked: list | None = field(default=None, repr=False)       # per layer: its tensors copied at mark_at (or None)
+    mark_host: object = field(default=None, repr=False)         # host_state() at mark_at (deepseek41: its Engram history)
     arch = "deepseek4"
 
     def begin(self, n_tokens: int) -> torch.Tensor:
@@ -227,13 +234,6 @@ class DS4Cache(CompressedCache):
     layers: list[LayerState]
     max_len: int                     # tokens
     length: int = 0                  # tokens every layer has consumed
-    _pending: int = field(default=0, repr=False)
-    uid: int = field(default_factory=lambda: next(_UIDS))      # identity for captured decode graphs
-    pos: torch.Tensor | None = field(default=None, repr=False)  # [1] int64 on the device (begin_static)
-    fed: list[int] = field(default_factory=list, repr=False)    # per layer: tokens of the pass in flight consumed
-    mark_at: int | None = field(default=None, repr=False)       # mark(n): the tokens after which to copy the state
-    marked: list | None = field(default=None, repr=False)       # per layer: its tensors copied at mark_at (or None)
-    mark_host: object = field(default=None, repr=False)         # host_state() at mark_at (deepseek4: none)
 
     @property
     def device(self) -> torch.device:

@@ -52,7 +52,6 @@ from betelgeuse.config import PREFILL_CHUNK
 from betelgeuse.gguf import ds41layout
 from betelgeuse.model.deepseek4 import (CompressedCache, Deepseek4Model, TorchOps, _ring_rows, _rms, _visible,
                                         apply_rope, hc_collapse)
-from betelgeuse.model.kv_cache import _UIDS
 from betelgeuse.errors import UnsupportedError
 from betelgeuse.gguf.ds41layout import ENGRAM_TOKENS
 from betelgeuse.model.engram import EngramState, FileRows, NgramHasher, engram_residual
@@ -89,13 +88,6 @@ class DS41Cache(CompressedCache):
     cands: dict = field(default_factory=dict)   # -> [T, N] bool: the candidate layer's blocks for its tokens
     cand: torch.Tensor | None = None # static form: [1, N] bool, the candidate layer's blocks for the token
     tops: dict | None = None         # static form: index layer -> its chosen entry rows [k] (the spare row: none)
-    _pending: int = field(default=0, repr=False)
-    uid: int = field(default_factory=lambda: next(_UIDS))      # identity for captured decode graphs
-    pos: torch.Tensor | None = field(default=None, repr=False)  # [1] int64 on the device (begin_static)
-    fed: list[int] = field(default_factory=list, repr=False)    # per layer: tokens of the pass in flight consumed
-    mark_at: int | None = field(default=None, repr=False)       # mark(n): the tokens after which to copy the state
-    marked: list | None = field(default=None, repr=False)       # per layer: its tensors copied at mark_at (or None)
-    mark_host: object = field(default=None, repr=False)         # the Engram history at mark_at (engram_begin)
     arch = "deepseek41"
 
     @property

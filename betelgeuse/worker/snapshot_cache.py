@@ -30,7 +30,9 @@ recently used first to make room; a snapshot that does not fit even then is refu
 betelgeuse_prefix_cache_refused_total, logged with its size). Its size is known before any copy (the state's used
 rows: snapshot_nbytes), so a refused checkpoint is not marked (its pass copies nothing) and a refused whole prompt is
 not copied; one that fits is copied first and room made after (the budget exceeded by that copy, briefly, when
-eviction is needed). No host tier (the block cache's HostTier is laid out for K/V blocks).
+eviction is needed). Host tier (worker/snapshot_host.py, in the store's memory): every kept entry is written
+through, and a device miss looks there (longest first) and copies a found entry back, so a restarted worker finds
+the snapshots its predecessor kept and an evicted entry comes back without a prefill.
 """
 
 from __future__ import annotations
