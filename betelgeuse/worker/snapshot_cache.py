@@ -29,8 +29,8 @@ which the slot plan subtracts from VRAM). Entries a running request holds are ne
 recently used first to make room; a snapshot that does not fit even then is refused (PrefixStats.refused, the metric
 betelgeuse_prefix_cache_refused_total, logged with its size). Its size is known before any copy (the state's used
 rows: snapshot_nbytes), so a refused checkpoint is not marked (its pass copies nothing) and a refused whole prompt is
-not copied; one that fits is copied first and room made after (the budget exceeded by that copy, briefly, when
-eviction is needed). Host tier (worker/snapshot_host.py, in the store's memory): every kept entry is written
+not copied; for one that fits, room is made before the copy (a checkpoint's at admission: the budget is exceeded
+only if other entries take that room while its pass runs). Host tier (worker/snapshot_host.py, in the store's memory): every kept entry is written
 through, and a device miss looks there (longest first) and copies a found entry back, so a restarted worker finds
 the snapshots its predecessor kept and an evicted entry comes back without a prefill.
 """
@@ -176,15 +176,20 @@ class SnapshotCache:
     def watch(self, state, prompt: list[int], n: int):
         """Before the prefill of prompt[n:]: have its pass keep the state at the prompt's last chunk boundary
         (the checkpoint an extension of the prompt resumes from), unless that is where it starts, or the copy could
-        not be kept (refused now: the pass makes no copy beyond the budget)."""
+        not be kept (refused now: the pass makes no copy), and with room made for it first (the copy stays within
+        the budget unless another entry takes that room meanwhile)."""
         b = (len(prompt) - 1) // self.block * self.block
-        if b > n and self._fits(state.snapshot_nbytes(b), b):
+        if b > n and self._room(state.snapshot_nbytes(b), b):
             state.mark(b)
 
-    def _fits(self, nbytes: int, tokens: int) -> bool:
-        """Whether an entry of nbytes could be kept with every unheld entry evicted (else counted as refused)."""
+    def _room(self, nbytes: int, tokens: int) -> bool:
+        """Room for an entry of nbytes, unheld entries evicted least recently used first; False (counted as
+        refused, nothing evicted) when it would not fit with every unheld entry evicted."""
         held = self.used - sum(e.nbytes for e in self.lru.values())
         if held + nbytes <= self.capacity:
+            while self.used + nbytes > self.capacity:
+                _, old = self.lru.popitem(last=False)
+                self._drop(old)
             return True
         self.stats.refused += 1
         event(log, "snapshot_refused", logging.INFO, tokens=tokens, bytes=nbytes, used=self.used,
@@ -209,7 +214,7 @@ class SnapshotCache:
         key = self._whole_key(prompt, self._chain(prompt, salt, (P - 1) // self.block))
         if key in self.index:                       # the same prompt finished meanwhile: share its entry
             return self._share(self.index[key], held)
-        if not self._fits(state.snapshot_nbytes(P) + logits.numel() * logits.element_size(), P):   # before a copy
+        if not self._room(state.snapshot_nbytes(P) + logits.numel() * logits.element_size(), P):   # before a copy
             return held
         return self._keep(key, prompt, self.model.snapshot(state), logits.reshape(-1).clone(), held)
 
@@ -222,11 +227,8 @@ class SnapshotCache:
         if key in self.index:
             return self._share(self.index[key], held)
         nbytes = snap.nbytes + (0 if logits is None else logits.numel() * logits.element_size())
-        if not self._fits(nbytes, len(toks)):       # evicts nothing for an entry that is not kept
+        if not self._room(nbytes, len(toks)):
             return held
-        while self.used + nbytes > self.capacity:
-            _, old = self.lru.popitem(last=False)
-            self._drop(old)
         e = Entry(key, np.asarray(toks, dtype=np.int64), snap, logits, nbytes)
         self.index[key] = e
         self.used += nbytes

@@ -160,6 +160,9 @@ def test_snapshots_are_lru_within_the_budget_spare_held_ones_and_refuse_what_doe
         assert sc.stats.evictions == 1 and sc.bytes_used == 2 * one <= sc.capacity_bytes
         sc.release(whole(b, sc))                                             # now c, the oldest unheld, goes
         assert sc.lookup(c) == [] and sc.stats.evictions == 2 and len(sc.lookup(a)) == 1
+        kv = rn.new_cache(128)
+        sc.watch(kv, SYSTEM[:44] + [6], 0)          # room for its checkpoint is made before its pass copies it
+        assert kv.mark_at == 32 and sc.lookup(b) == [] and sc.bytes_used + kv.snapshot_nbytes(32) <= sc.capacity_bytes
         sc.release(held_a)
         tiny = SnapshotCache(rn.model, C, one // 2)
         assert whole(a, tiny) == [] and tiny.stats.refused == 1 and tiny.bytes_used == 0
