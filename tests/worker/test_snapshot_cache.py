@@ -110,7 +110,7 @@ def test_refusals_are_exported_and_cost_no_copy(model):
 
 def test_a_restarted_worker_answers_from_the_host_tier(model):
     """Snapshots are written through to the host tier the store holds: a new worker on the same store (a worker
-    restarted after kill -9; the real process: tests/services/test_cli_serve.py for qwen3moe) answers a repeated
+    restarted after kill -9; a real process: tests/worker/test_two_process.py) answers a repeated
     prompt from it without a pass and resumes an agent's next turn at its checkpoint, with the bits of a miss."""
     from betelgeuse.assembly import open_engine, open_store
     from betelgeuse.metrics import make_worker_metrics
