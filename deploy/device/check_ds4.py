@@ -199,9 +199,9 @@ def check_engine(device: str, tmp: Path, preset: str = "ds4-tiny"):
 
 def check_prefix(device: str, tmp: Path, chunk: int = 16, preset: str = "ds4-tiny"):
     """The snapshot prefix cache on the device (worker/snapshot_cache.py): ds4-tiny (or --preset's), a 150-token
-    prompt in chunks of `chunk`; the checkpoint its pass keeps at 96 (state.mark), restored into a fresh state, and the rest
-    prefilled: bit-identical to the unbroken prefill, and so is the decode step after it; a prompt in whole-chunk
-    pieces too. Then the chunked prefill's wall against one chunk (chunk=None: what deepseek4 ran before), a 150-
+    prompt in chunks of `chunk`; the checkpoint its pass keeps at 96 (state.mark), restored into a fresh state, and
+    the rest prefilled: bit-identical to the unbroken prefill, and so is the decode step after it; a prompt in
+    whole-chunk pieces too. Then the chunked prefill's wall against one chunk (chunk=None: what deepseek4 ran before), a 150-
     and a 600-token prompt, reported."""
     import numpy as np
     from betelgeuse.worker.snapshot_cache import SnapshotCache
