@@ -124,6 +124,7 @@ class WorkerMetrics:
     prefix_cache_hits: Counter        # lookups that reused >= 1 block
     prefix_cache_tokens: Counter      # prompt tokens served from the cache
     prefix_cache_evictions: Counter   # blocks evicted (LRU, unreferenced only)
+    prefix_cache_refused: Counter     # entries that did not fit even with every unheld one evicted (snapshots)
     prefix_cache_bytes: Gauge         # bytes of cached blocks
     prefix_cache_capacity: Gauge      # bytes of the pool (0 = off)
     prefix_cache_usage: Gauge         # used / capacity, 0..1 (0 when off)
@@ -197,6 +198,8 @@ def make_worker_metrics(version: str = "0.1.0") -> WorkerMetrics:
                                     "cache instead of prefilled.", registry=reg),
         prefix_cache_evictions=Counter("betelgeuse_prefix_cache_evictions", "Prefix-cache blocks evicted (LRU).",
                                        registry=reg),
+        prefix_cache_refused=Counter("betelgeuse_prefix_cache_refused", "Prefix-cache entries refused: a snapshot "
+                                     "that did not fit the pool with every unheld entry evicted.", registry=reg),
         prefix_cache_bytes=Gauge("betelgeuse_prefix_cache_used_bytes", "Bytes of cached K/V blocks.", registry=reg),
         prefix_cache_capacity=Gauge("betelgeuse_prefix_cache_capacity_bytes", "Bytes of the prefix-cache pool "
                                     "(0 = off).", registry=reg),

@@ -28,13 +28,20 @@ def pass_chunks(positions: torch.Tensor, start: int, chunk: int | None) -> list[
     Why: a matmul's bits can depend on its row count, so dense ops run chunk by chunk on fixed absolute
     boundaries; a token's row then never depends on how many tokens share its pass, and a prompt prefilled
     after a cached prefix (which ends on a boundary) or in several passes gets the same bits as in one pass."""
-    T = positions.numel()
+    bounds = chunk_bounds(start, positions.numel(), chunk)
+    if len(bounds) == 1:
+        return [Chunk(0, bounds[0][1], positions)]
+    return [Chunk(a, b, positions[a:b]) for a, b in bounds]
+
+
+def chunk_bounds(start: int, T: int, chunk: int | None) -> list[tuple[int, int]]:
+    """Rows [a, b) of each chunk of pass_chunks (the host's arithmetic alone: worker/engram_feed.py plans by it)."""
     if chunk is None or T <= chunk and start // chunk == (start + T - 1) // chunk:
-        return [Chunk(0, T, positions)]
+        return [(0, T)]
     out, a = [], 0
     while a < T:
         b = min(T, (start + a) // chunk * chunk + chunk - start)
-        out.append(Chunk(a, b, positions[a:b]))
+        out.append((a, b))
         a = b
     return out
 

@@ -133,11 +133,25 @@ class LayerState:
     idx: CompState | None = None
 
 
+@dataclass(slots=True, kw_only=True)
 class CompressedCache:
     """begin / begin_static / commit / truncate of a sequence state with compressed entries (DS4Cache, deepseek41's
     DS41Cache): `length` tokens consumed, `max_len` the limit, `_pending` the tokens of the pass in flight, `device`,
-    `pos` the static form's position [1] on the device."""
-    __slots__ = ()
+    `pos` the static form's position [1] on the device.
+
+    A prefill pass runs in position-aligned chunks, each layer chunk after chunk (model/chunks.py): `fed[l]` counts
+    the tokens of the pass in flight that layer l has consumed, so a chunk starts at length + fed[l] (`chunk_done`
+    after each). mark(n): the pass whose chunk ends at n keeps each layer's state as it stood there (`marked`, and
+    `mark_host`: host-side state at n, deepseek41's Engram history), take_mark() -> the StateSnapshot: the prefix
+    cache's checkpoint of a prompt (worker/snapshot_cache.py). A subclass gives n_layers, used(l, n) (views of layer
+    l's tensors holding something after n prefilled tokens) and host_state() / set_host_state()."""
+    _pending: int = field(default=0, repr=False)
+    uid: int = field(default_factory=lambda: next(_UIDS))      # identity for captured decode graphs
+    pos: torch.Tensor | None = field(default=None, repr=False)  # [1] int64 on the device (begin_static)
+    fed: list[int] = field(default_factory=list, repr=False)    # per layer: tokens of the pass in flight consumed
+    mark_at: int | None = field(default=None, repr=False)       # mark(n): the tokens after which to copy the state
+    marked: list | None = field(default=None, repr=False)       # per layer: its tensors copied at mark_at (or None)
+    mark_host: object = field(default=None, repr=False)         # host_state() at mark_at (deepseek41: its Engram history)
     arch = "deepseek4"
 
     def begin(self, n_tokens: int) -> torch.Tensor:
@@ -145,6 +159,7 @@ class CompressedCache:
             raise InvalidRequestError(
                 f"sequence of {self.length + n_tokens} tokens exceeds the cache of {self.max_len} tokens")
         self._pending = n_tokens
+        self.fed = [0] * self.n_layers
         return torch.arange(self.length, self.length + n_tokens, device=self.device)
 
     def begin_static(self) -> torch.Tensor:
@@ -160,6 +175,7 @@ class CompressedCache:
     def commit(self) -> None:
         self.length += self._pending
         self._pending = 0
+        self.fed = []
 
     def truncate(self, n: int) -> None:
         """Only a no-op or a full reset: compressed state cannot be rewound to an arbitrary prefix."""
@@ -168,46 +184,35 @@ class CompressedCache:
             return
         raise UnsupportedError(f"a {self.arch} cache cannot be truncated from {self.length} to {n} tokens")
 
+    def host_state(self):
+        """Host-side state a snapshot carries besides the layers' tensors (None: none)."""
+        return None
 
-@dataclass(slots=True)
-class DS4Cache(CompressedCache):
-    """A sequence's deepseek4 state in fixed shapes (model/interface.py SequenceState): nothing changes shape per
-    token, so a decode step is graph-capturable; `pos` is the static decode's position on the device.
+    def set_host_state(self, host) -> None:
+        assert host is None, "a snapshot of another architecture"
 
-    A prefill pass runs in position-aligned chunks, each layer chunk after chunk (model/chunks.py): `fed[l]` counts
-    the tokens of the pass in flight that layer l has consumed, so a chunk starts at length + fed[l]. mark(n): the
-    pass whose chunk ends at n keeps each layer's state as it stood there (`marked`; take_mark() -> the
-    StateSnapshot), the prefix cache's checkpoint of a prompt (worker/snapshot_cache.py)."""
-    layers: list[LayerState]
-    max_len: int                     # tokens
-    length: int = 0                  # tokens every layer has consumed
-    _pending: int = field(default=0, repr=False)
-    uid: int = field(default_factory=lambda: next(_UIDS))      # identity for captured decode graphs
-    pos: torch.Tensor | None = field(default=None, repr=False)  # [1] int64 on the device (begin_static)
-    fed: list[int] = field(default_factory=list, repr=False)    # per layer: tokens of the pass in flight consumed
-    mark_at: int | None = field(default=None, repr=False)       # mark(n): the tokens after which to copy the state
-    marked: list | None = field(default=None, repr=False)       # per layer: its tensors copied at mark_at (or None)
+    def snapshot_nbytes(self, n: int) -> int:
+        """Device bytes of a snapshot after n prefilled tokens (known before the pass that would take it)."""
+        return sum(t.numel() * t.element_size() for l in range(self.n_layers) for t in self.used(l, n))
 
-    @property
-    def device(self) -> torch.device:
-        return self.layers[0].swa.device
+    def snapshot_layer(self, l: int, n: int) -> tuple[torch.Tensor, ...]:
+        """A copy of layer l's state after n prefilled tokens (StateSnapshot.layers' item)."""
+        return tuple(t.clone() for t in self.used(l, n))
 
-    def begin(self, n_tokens: int) -> torch.Tensor:
-        positions = CompressedCache.begin(self, n_tokens)
-        self.fed = [0] * len(self.layers)
-        return positions
-
-    def commit(self) -> None:
-        CompressedCache.commit(self)
-        self.fed = []
+    def chunk_done(self, l: int, start: int, T: int) -> None:
+        """Layer l consumed a prefill chunk of T tokens from `start`: count it; keep its state if the mark is there."""
+        self.fed[l] += T
+        if self.mark_at == start + T:
+            self.marked[l] = self.snapshot_layer(l, self.mark_at)
 
     def mark(self, n: int) -> None:
         """Keep a copy of the state as it stands after n tokens (n > length: taken by the pass whose chunk ends
         there; n == length: now)."""
         assert n >= self.length and self._pending == 0, (n, self.length, self._pending)
-        self.mark_at, self.marked = n, [None] * len(self.layers)
+        self.mark_at, self.marked, self.mark_host = n, [None] * self.n_layers, None
         if n == self.length:
-            self.marked = [snapshot_layer(s, n) for s in self.layers]
+            self.marked = [self.snapshot_layer(l, n) for l in range(self.n_layers)]
+            self.mark_host = self.host_state()
 
     def take_mark(self):
         """The StateSnapshot mark() asked for, once every layer has passed it (else None: not yet, or no chunk
@@ -215,9 +220,39 @@ class DS4Cache(CompressedCache):
         from betelgeuse.model.interface import StateSnapshot
         if self.mark_at is None or self.length < self.mark_at:
             return None
-        snap = StateSnapshot(self.mark_at, self.marked) if all(m is not None for m in self.marked) else None
-        self.mark_at = self.marked = None
+        snap = (StateSnapshot(self.mark_at, self.marked, self.mark_host)
+                if all(m is not None for m in self.marked) else None)
+        self.mark_at = self.marked = self.mark_host = None
         return snap
+
+
+@dataclass(slots=True)
+class DS4Cache(CompressedCache):
+    """A sequence's deepseek4 state in fixed shapes (model/interface.py SequenceState): nothing changes shape per
+    token, so a decode step is graph-capturable; `pos` is the static decode's position on the device. Chunked
+    prefill (`fed`) and the prefix cache's mark: CompressedCache."""
+    layers: list[LayerState]
+    max_len: int                     # tokens
+    length: int = 0                  # tokens every layer has consumed
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].swa.device
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    def used(self, l: int, n: int) -> list[torch.Tensor]:
+        """Views of layer l's state tensors holding something after n prefilled tokens: the window ring, each
+        compressor's open-window rows and its n // ratio closed entries (the rest of a prefilled state is zeros, as
+        a fresh one's: prefill writes only closed windows' entries)."""
+        s = self.layers[l]
+        ts = [s.swa]
+        for c in (s.comp, s.idx):
+            if c is not None:
+                ts += [c.kv, c.gate, c.entries[:n // c.ratio]]
+        return ts
 
     def tensors(self) -> list[torch.Tensor]:
         ts = []
@@ -230,22 +265,6 @@ class DS4Cache(CompressedCache):
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
-
-
-def _used(s: LayerState, n: int) -> list[torch.Tensor]:
-    """Views of a layer's state tensors holding something after n prefilled tokens: the window ring, each
-    compressor's open-window rows and its n // ratio closed entries (the rest of a prefilled state is zeros, as a
-    fresh one's: prefill writes only closed windows' entries)."""
-    ts = [s.swa]
-    for c in (s.comp, s.idx):
-        if c is not None:
-            ts += [c.kv, c.gate, c.entries[:n // c.ratio]]
-    return ts
-
-
-def snapshot_layer(s: LayerState, n: int) -> tuple[torch.Tensor, ...]:
-    """A copy of one layer's state after n prefilled tokens (StateSnapshot.layers' item)."""
-    return tuple(t.clone() for t in _used(s, n))
 
 
 class _RopeTables:
@@ -429,19 +448,21 @@ class Deepseek4Model:
             cache.layers[i] = None
         return DS4Cache(layers=layers, max_len=max_len, length=cache.length)
 
-    def snapshot(self, cache: DS4Cache):
+    def snapshot(self, cache: CompressedCache):
         """A copy of the consumed state (a StateSnapshot of cache.length tokens, on its device): right after a
         prefill, before any decode step writes an open window's entry."""
         from betelgeuse.model.interface import StateSnapshot
         assert cache._pending == 0, cache._pending
-        return StateSnapshot(cache.length, [snapshot_layer(s, cache.length) for s in cache.layers])
+        n = cache.length
+        return StateSnapshot(n, [cache.snapshot_layer(l, n) for l in range(cache.n_layers)], cache.host_state())
 
-    def restore(self, cache: DS4Cache, snap) -> None:
+    def restore(self, cache: CompressedCache, snap) -> None:
         """Copy a snapshot into a fresh state (length 0, room for its tokens): it then holds the snapshot's bits."""
         assert cache.length == 0 and cache._pending == 0 and snap.length <= cache.max_len, (cache.length, snap.length)
-        for s, ts in zip(cache.layers, snap.layers, strict=True):
-            for dst, src in zip(_used(s, snap.length), ts, strict=True):
+        for l, ts in zip(range(cache.n_layers), snap.layers, strict=True):
+            for dst, src in zip(cache.used(l, snap.length), ts, strict=True):
                 dst.copy_(src)
+        cache.set_host_state(snap.host)
         cache.length = snap.length
 
     def check_ids(self, ids) -> torch.Tensor:
@@ -471,15 +492,13 @@ class Deepseek4Model:
         carry, rows = self.lane_rows(layer, x, positions)
         if x.shape[0] == 1:
             o = self.attend_static(layer, rows, cache, positions)
-            if cache.fed:                                   # a prompt's one-token last chunk
-                cache.fed[layer] += 1
+            if cache.fed:                                   # a prompt's one-token chunk
+                cache.chunk_done(layer, cache.length + cache.fed[layer], 1)
         else:
             assert not static, "the static form is one token"
             start = cache.length + cache.fed[layer]         # this layer's chunks so far in the pass
             o = self._attend_prefill(layer, rows, cache, positions, start)
-            cache.fed[layer] += x.shape[0]
-            if cache.mark_at == start + x.shape[0]:
-                cache.marked[layer] = snapshot_layer(cache.layers[layer], cache.mark_at)
+            cache.chunk_done(layer, start, x.shape[0])
         return self.attn_out(layer, carry, o)
 
     # -- the attention sublayer in three parts (LaneDecode: worker/lanes.py runs lane_rows / attn_out over the rows

@@ -24,9 +24,13 @@ off).
 Per-sequence state (DS41Cache), in fixed shapes sized for max_len as deepseek4's: per layer the K=V window ring, per
 KV source its open window's rows (a ring of `ratio` rows, float32) and its entries (and indexer keys) at their
 window's row, one spare row past the last (the static top-k's "nothing chosen"); the Engram n-gram history (host).
-Cross-layer state within a pass: the top-k mask of the pass's tokens (`sel`; the static form: each index layer's
-chosen rows, `tops`) and the candidate mask (`cand`) go from an index layer to the layers after it. A pass holds one
-chunk per sequence (chunked_prefill = False), so these always belong to the pending tokens.
+Prefill runs in position-aligned chunks (model/chunks.py), each layer chunk after chunk from its own length
+(CompressedCache.fed), the Engram rows ENGRAM_TOKENS at a time from each chunk's start. Cross-layer state within a
+pass: the top-k mask of a chunk's tokens (`sel`; the static form: each index layer's chosen rows, `tops`) and the
+candidate mask (`cands`; the static form: `cand`) go from an index layer to the layers after it, per chunk (keyed
+by its first position). None of it outlives the pass, so the state after a chunk boundary is the layers' tensors and
+the Engram history: a prefill resumed there from a snapshot (snapshot / restore, CompressedCache.mark) gets the bits
+of an unbroken one (tests/model/test_deepseek41_resume.py), the prefix cache's ground (worker/snapshot_cache.py).
 
 Decode: a one-token pass always runs the static form (as deepseek4's): the position on the device, every shape fixed
 (the indexer scores every entry with the invisible ones -inf; on the CPU, TorchOps, only the visible ones, counted on
@@ -48,7 +52,6 @@ from betelgeuse.config import PREFILL_CHUNK
 from betelgeuse.gguf import ds41layout
 from betelgeuse.model.deepseek4 import (CompressedCache, Deepseek4Model, TorchOps, _ring_rows, _rms, _visible,
                                         apply_rope, hc_collapse)
-from betelgeuse.model.kv_cache import _UIDS
 from betelgeuse.errors import UnsupportedError
 from betelgeuse.gguf.ds41layout import ENGRAM_TOKENS
 from betelgeuse.model.engram import EngramState, FileRows, NgramHasher, engram_residual
@@ -68,36 +71,67 @@ class SourceState:
                                     # yet closed are scratch (the static decode writes the open one each step), the
                                     # last row never holds an entry (a static top-k's "nothing chosen")
     ikeys: torch.Tensor | None      # [same rows, index_head_dim] rotated indexer keys (key owners)
+    ratio: int                      # tokens per entry (1 or 2)
 
 
 @dataclass(slots=True)
 class DS41Cache(CompressedCache):
-    """A sequence's deepseek41 state in fixed shapes (module doc): nothing changes shape per token."""
+    """A sequence's deepseek41 state in fixed shapes (module doc): nothing changes shape per token. Chunked
+    prefill (`fed`) and the prefix cache's mark: CompressedCache; the mark's host state is the Engram history."""
     swa: list[torch.Tensor]          # per layer [window, head_dim] K=V ring: position p at row p % window
     src: dict[int, SourceState]      # per KV-source layer
     max_len: int                     # tokens
     engram: EngramState | None = None
     length: int = 0                  # tokens every layer has consumed
-    sel: torch.Tensor | None = None  # [T, N] bool: the last index layer's top-k for the pass's tokens (prefill form)
-    cand: torch.Tensor | None = None # [T, N] bool: the candidate layer's blocks for the pass's tokens
+    # prefill form, per chunk of the pass (key: the chunk's first position; the layers run chunk after chunk):
+    sel: dict = field(default_factory=dict)     # -> [T, N] bool: the last index layer's top-k for its tokens
+    cands: dict = field(default_factory=dict)   # -> [T, N] bool: the candidate layer's blocks for its tokens
+    cand: torch.Tensor | None = None # static form: [1, N] bool, the candidate layer's blocks for the token
     tops: dict | None = None         # static form: index layer -> its chosen entry rows [k] (the spare row: none)
-    _pending: int = field(default=0, repr=False)
-    uid: int = field(default_factory=lambda: next(_UIDS))      # identity for captured decode graphs
-    pos: torch.Tensor | None = field(default=None, repr=False)  # [1] int64 on the device (begin_static)
     arch = "deepseek41"
 
     @property
     def device(self):
         return self.swa[0].device
 
+    @property
+    def n_layers(self) -> int:
+        return len(self.swa)
+
+    def used(self, l: int, n: int) -> list[torch.Tensor]:
+        """Views of layer l's tensors holding something after n prefilled tokens: the window ring; a KV source's
+        open-window rows, its n // ratio closed entries and their indexer keys (prefill writes only closed
+        windows' rows: the rest is zeros, as in a fresh state)."""
+        ts = [self.swa[l]]
+        s = self.src.get(l)
+        if s is not None:
+            ts += [s.buf_kv, s.buf_gate, s.entries[:n // s.ratio]]
+            if s.ikeys is not None:
+                ts.append(s.ikeys[:n // s.ratio])
+        return ts
+
+    def host_state(self):
+        return None if self.engram is None else self.engram.hist.copy()
+
+    def set_host_state(self, host) -> None:
+        assert (host is None) == (self.engram is None), "a snapshot of another model"
+        if host is not None:
+            self.engram.hist = host.copy()
+
+    def begin(self, n_tokens: int) -> torch.Tensor:
+        positions = CompressedCache.begin(self, n_tokens)
+        self.sel, self.cands = {}, {}
+        return positions
+
     def commit(self) -> None:
         CompressedCache.commit(self)
-        self.sel = self.cand = self.tops = None
+        self.sel, self.cands, self.cand, self.tops = {}, {}, None, None
         g = self.engram
         if g is not None and g.new is not None:
-            g.hist = np.concatenate([g.hist, g.new])[max(0, len(g.hist) + len(g.new) - g.keep):]
+            g.hist = _history(g.hist, g.new, g.keep)
             g.pending = g.new = None
             g.staged = False
+
 
     def tensors(self) -> list[torch.Tensor]:
         ts = list(self.swa)
@@ -109,6 +143,11 @@ class DS41Cache(CompressedCache):
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def _history(hist: np.ndarray, new: np.ndarray, keep: int) -> np.ndarray:
+    """The Engram history after `new` compressed ids follow `hist`: the last `keep`."""
+    return np.concatenate([hist, new])[max(0, len(hist) + len(new) - keep):]
 
 
 def select_candidate_blocks(scores: torch.Tensor, lengths: torch.Tensor, blocks: int, block_size: int,
@@ -135,11 +174,13 @@ def select_candidate_blocks(scores: torch.Tensor, lengths: torch.Tensor, blocks:
 # ---- the model ------------------------------------------------------------------------------------
 
 class Deepseek41Model(Deepseek4Model):
-    # capabilities (model/interface.py): one chunk per sequence and pass (the cross-layer masks are the pass's
-    # tokens); decode has the static form (DS41Cache in fixed shapes, the position on the device, the Engram rows
-    # staged: module doc) and runs row-batched over lanes (worker/lanes.py), as deepseek4's
-    chunked_prefill = False
-    prefix_reuse = "none"         # not yet: the Engram history and the cross-layer masks are not snapshotted
+    # capabilities (model/interface.py): prefill in position-aligned chunks, each layer from its own length (the
+    # cross-layer masks kept per chunk), so a prompt resumed at a chunk boundary gets the bits of an unbroken
+    # prefill and the prefix cache keeps whole-state snapshots (deepseek4's, plus the Engram history); decode has
+    # the static form (DS41Cache in fixed shapes, the position on the device, the Engram rows staged: module doc)
+    # and runs row-batched over lanes (worker/lanes.py), as deepseek4's
+    chunked_prefill = True
+    prefix_reuse = "snapshots"
     static_decode = True
     lane_decode = True
     # its entries' spare last row is a static top-k's "nothing chosen" (SourceState): its index moves with max_len,
@@ -211,7 +252,7 @@ class Deepseek41Model(Deepseek4Model):
                                  buf_gate=torch.zeros(r if r > 1 else 0, hd, device=dev, dtype=torch.float32),
                                  entries=torch.zeros(n, hd, device=dev, dtype=dt),
                                  ikeys=(torch.zeros(n, p.index_head_dim, device=dev, dtype=dt)
-                                        if l in self.q.key_owners else None))
+                                        if l in self.q.key_owners else None), ratio=r)
         eng = None
         if self.hasher is not None:
             g = self.q.engram
@@ -232,6 +273,8 @@ class Deepseek41Model(Deepseek4Model):
         g = cache.engram
         g.pending, g.new, g.source = self.hasher.rows(g.hist, ids), self.hasher.compress(ids), source
         g.staged = False
+        if cache.mark_at is not None and cache.length < cache.mark_at <= cache.length + len(ids):
+            cache.mark_host = _history(g.hist, g.new[:cache.mark_at - cache.length], g.keep)
 
     def engram_stage(self, caches: list[DS41Cache], lanes: torch.Tensor | None = None, n_lanes: int = 0) -> None:
         """One-token passes (engram_begin done): each cache's Engram rows into its fixed buffer (engram.vals), asked
@@ -265,18 +308,23 @@ class Deepseek41Model(Deepseek4Model):
                         static: bool = False) -> torch.Tensor:
         """x [T, hc + 1, D] -> x after (Engram and) the attention sublayer; consumes T tokens of the cache. One token
         (positions [1] on the device) always runs the static form (lane_rows' math, attend_static, attn_out), so
-        eager and captured decode steps and the reference's decode are the same ops; longer passes the prefill form."""
-        if x.shape[0] == 1:
+        eager and captured decode steps and the reference's decode are the same ops; a chunk of a longer pass (one
+        token too: the cross-layer masks are per chunk) the prefill form, from this layer's own length."""
+        T = x.shape[0]
+        if T == 1 and cache._pending == 1:
             emb = self._engram_row(layer, cache)
             carry, rows = self._rows(layer, x, positions, emb)
             return self.attn_out(layer, carry, self.attend_static(layer, rows, cache, positions))
         assert not static, "the static form is one token"
+        fed = cache.fed[layer]                              # this layer's chunks so far in the pass
+        start = cache.length + fed
         X, pre = self._unpack(x)
         g = self.q.engram
         if g is not None and layer in g.layer_ids:
-            X = self._engram(layer, X, cache)
+            X = self._engram(layer, X, cache, fed)
         pre_a, post, comb, u = self._hc_pre(X, pre, layer, "attn")
-        out = self._attention(layer, u, cache, positions)
+        out = self._attention(layer, u, cache, positions, start)
+        cache.chunk_done(layer, start, T)
         return self._pack(self.ops.hc_post(X, out, post, comb), pre_a)
 
     # -- the static form in three parts (LaneDecode, model/interface.py: worker/lanes.py runs lane_rows / attn_out
@@ -461,18 +509,19 @@ class Deepseek41Model(Deepseek4Model):
         assert st.pending is not None and st.source is not None, "engram_begin must run before the layers"
         return st.source.rows(e, st.pending[:, e]).reshape(1, -1)
 
-    def _engram(self, layer: int, X: torch.Tensor, cache: DS41Cache) -> torch.Tensor:
-        """The layer's Engram on the streams of the pending tokens, ENGRAM_TOKENS at a time."""
+    def _engram(self, layer: int, X: torch.Tensor, cache: DS41Cache, off: int) -> torch.Tensor:
+        """The layer's Engram on the streams of a chunk of the pending tokens (rows off.. of the pass),
+        ENGRAM_TOKENS at a time from the chunk's start (worker/engram_feed.py plans the same units)."""
         g, st = self.q.engram, cache.engram
         assert st is not None and st.pending is not None and st.source is not None, \
             "engram_begin must run before the layers"
         T = X.shape[0]
-        assert st.pending.shape[0] == T, (st.pending.shape, T)
+        assert st.pending.shape[0] >= off + T, (st.pending.shape, off, T)
         e, b = g.index(layer), f"blk.{layer}."
         outs = []
         for a in range(0, T, ENGRAM_TOKENS):
             z = min(T, a + ENGRAM_TOKENS)
-            emb = st.source.rows(e, st.pending[a:z, e]).reshape(z - a, -1)
+            emb = st.source.rows(e, st.pending[off + a:off + z, e]).reshape(z - a, -1)
             outs.append(engram_residual(X[a:z], emb, self.w[b + "engram_wkv.weight"], self.w[b + "engram_q.weight"],
                                         self.w[b + "engram_k.weight"], self.cfg.rms_eps))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -509,9 +558,10 @@ class Deepseek41Model(Deepseek4Model):
         return first + nw
 
     def _index(self, l: int, u: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, cache: DS41Cache,
-               n: int) -> torch.Tensor:
-        """An index source's selection for the pass's T queries over the shared stream's n entries -> [T, n] bool;
-        the candidate layer also leaves its blocks in cache.cand for the index layers after it."""
+               n: int, start: int) -> torch.Tensor:
+        """An index source's selection for a chunk's T queries (from position start) over the shared stream's n
+        entries -> [T, n] bool; the candidate layer also leaves its blocks in cache.cands[start] for the index
+        layers after it."""
         p, q, w, b = self.p, self.q, self.w, f"blk.{l}."
         T, r = u.shape[0], p.compress_ratios[l]
         keys = cache.src[q.key_source[l]].ikeys[:n]
@@ -519,15 +569,16 @@ class Deepseek41Model(Deepseek4Model):
         if n == 0:
             sel = torch.zeros(T, 0, dtype=torch.bool, device=u.device)
             if l == q.candidate_layer:
-                cache.cand = sel
+                cache.cands[start] = sel
             return sel
         nh, ihd = p.index_n_heads, p.index_head_dim
         cos, sin = self.rope_comp.cos_sin(positions)
         iq = apply_rope(F.linear(qr, w[b + "indexer.attn_q_b.weight"]).view(T, nh, ihd), cos, sin)
         wts = F.linear(u, w[b + "indexer.proj.weight"]).float() * (ihd ** -0.5 * nh ** -0.5)
         uses_cand = 0 <= q.candidate_layer < l
+        cand = cache.cands.get(start) if uses_cand else None
         if uses_cand:
-            assert cache.cand is not None and cache.cand.shape == (T, n), "candidate mask of another stream"
+            assert cand is not None and cand.shape == (T, n), "candidate mask of another stream"
         sels, cands = [], []
         for a in range(0, T, QUERY_CHUNK):
             e = min(T, a + QUERY_CHUNK)
@@ -539,7 +590,7 @@ class Deepseek41Model(Deepseek4Model):
                 cands.append(select_candidate_blocks(score, lengths[a:e], q.candidate_blocks, q.candidate_block_size,
                                                      self.margins, l) & allowed)
             elif uses_cand:
-                score = score.masked_fill(~cache.cand[a:e], float("-inf"))
+                score = score.masked_fill(~cand[a:e], float("-inf"))
             k = min(p.index_topk, n)
             top = score.topk(k, dim=-1)
             if self.margins is not None and n > k:
@@ -550,11 +601,12 @@ class Deepseek41Model(Deepseek4Model):
             sels.append(torch.zeros(e - a, n, dtype=torch.bool, device=u.device)
                         .scatter(1, top.indices, torch.isfinite(top.values)))
         if cands:
-            cache.cand = torch.cat(cands)
+            cache.cands[start] = torch.cat(cands)
         return torch.cat(sels)
 
-    def _attention(self, l: int, u: torch.Tensor, cache: DS41Cache, positions: torch.Tensor) -> torch.Tensor:
-        """u [T, D] (attn-normed) -> the attention output [T, D]."""
+    def _attention(self, l: int, u: torch.Tensor, cache: DS41Cache, positions: torch.Tensor,
+                   start: int) -> torch.Tensor:
+        """u [T, D] (attn-normed) of a chunk from position start -> the attention output [T, D]."""
         cfg, p, q, w = self.cfg, self.p, self.q, self.w
         b, eps, hd, H, T = f"blk.{l}.", cfg.rms_eps, cfg.head_dim, cfg.n_head, u.shape[0]
         ratio = p.compress_ratios[l]
@@ -562,7 +614,7 @@ class Deepseek41Model(Deepseek4Model):
         qr = _rms(F.linear(u, w[b + "attn_q_a.weight"]), w[b + "attn_q_a_norm.weight"], eps)
         qh = apply_rope(F.linear(qr, w[b + "attn_q_b.weight"]).view(T, H, hd), cos, sin)        # no per-head norm
         kv = apply_rope(_rms(F.linear(u, w[b + "attn_kv.weight"]), w[b + "attn_kv_a_norm.weight"], eps), cos, sin)
-        W, start, ring = p.sliding_window, cache.length, cache.swa[l]
+        W, ring = p.sliding_window, cache.swa[l]
         n_prev = min(start, W - 1)
         # the ring's last n_prev rows in position order, then this pass's rows
         keys = torch.cat([ring.index_select(0, _ring_rows(start - n_prev, n_prev, W, u.device)), kv])
@@ -576,9 +628,9 @@ class Deepseek41Model(Deepseek4Model):
             N = (start + T) // ratio                                                          # closed entries
             entries = cache.src[q.kv_source[l]].entries[:N]                                  # [N, hd]
             if l in q.index_sources:
-                sel = cache.sel = self._index(l, u, qr, positions, cache, N)
+                sel = cache.sel[start] = self._index(l, u, qr, positions, cache, N, start)
             else:
-                sel = cache.sel
+                sel = cache.sel.get(start)
                 assert sel is not None and sel.shape == (T, N), "a reuse layer before its index layer"
         sinks = w[b + "attn_sinks.weight"].float().view(H, 1, 1)
         o = torch.empty(T, H, hd, dtype=u.dtype, device=u.device)

@@ -56,10 +56,12 @@ import torch
 @dataclass(slots=True)
 class StateSnapshot:
     """A copy of a sequence state's consumed part after `length` tokens (prefix_reuse = "snapshots"): per layer,
-    the model's tensors (only the rows that hold something), on the state's device. restore() copies it into a
-    fresh state, which then holds the same bits as the one it was taken from."""
+    the model's tensors (only the rows that hold something), on the state's device, and what the state keeps on
+    the host (small: counted in no device budget). restore() copies it into a fresh state, which then holds the
+    same bits as the one it was taken from."""
     length: int                                 # tokens
     layers: list[tuple[torch.Tensor, ...]]      # per layer (the model's order)
+    host: Any = None                            # host-side state (deepseek41: the Engram history, int64 numpy)
 
     @property
     def nbytes(self) -> int:

@@ -56,7 +56,8 @@ class Arch:
     # a prefix cache can hold the state (K/V blocks or whole-state snapshots), so the plan budgets one
     # (= the engine class's prefix_reuse != "none"; tests/model/test_model_interface.py keeps them equal)
     prefix_cache: bool = True
-    # its evicted entries spill to the host tier (worker/prefix_host.py: K/V blocks; whole-state snapshots do not)
+    # its entries go to a host tier in the store's memory too (worker/prefix_host.py K/V blocks, worker/snapshot_host.py
+    # whole-state snapshots), which outlives the worker
     prefix_host: bool = True
     # (config, context tokens) -> peak float32 attention scratch bytes beyond the per-token activations
     scratch_bytes: Callable[[ModelConfig, int], int] = _no_scratch
@@ -81,11 +82,11 @@ ARCHS: dict[str, Arch] = {
                      "betelgeuse.model.qwen3moe:Qwen3MoeReference", _kv_bytes),
     "deepseek4": Arch("deepseek4", "betelgeuse.model.deepseek4:Deepseek4Model",
                       "betelgeuse.model.deepseek4:Deepseek4Reference", ds4layout.state_bytes,
-                      prefix_host=False, scratch_bytes=ds4layout.attention_scratch_bytes,
+                      scratch_bytes=ds4layout.attention_scratch_bytes,
                       elem_bytes=ds4layout.dense_elem_bytes, activation_bytes=ds4layout.activation_bytes),
     "deepseek41": Arch("deepseek41", "betelgeuse.model.deepseek41:Deepseek41Model",
                        "betelgeuse.model.deepseek41:Deepseek41Reference", ds41layout.state_bytes,
-                       prefix_cache=False, scratch_bytes=ds41layout.attention_scratch_bytes,
+                       scratch_bytes=ds41layout.attention_scratch_bytes,
                        elem_bytes=ds41layout.dense_elem_bytes, activation_bytes=ds41layout.activation_bytes),
 }
 assert set(ARCHS) == set(LAYOUTS), (set(ARCHS), set(LAYOUTS))

@@ -195,7 +195,7 @@ PREFIX_HOST_AUTO_FREE_SHARE = 16
 def prefix_host_bytes(cfg: EngineConfig, c, dt: int, free: int | None) -> int:
     """Bytes of the prefix cache's host tier (a multiple of 4 KiB): the configured size, or "auto" = 2 x the device
     cache, at most 1/16 of `free` (the host memory left for the arena; None: no limit); 0 where the device prefix
-    cache is off or keeps snapshots (nothing would ever spill)."""
+    cache is off."""
     if prefix_cache_bytes(cfg, c, dt) == 0 or cfg.schedule != "layer_major" or not arch_of(c).prefix_host:
         return 0
     if cfg.prefix_host_bytes != "auto":

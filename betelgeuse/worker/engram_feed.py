@@ -22,6 +22,7 @@ import torch
 
 from betelgeuse.gguf.ds41layout import ENGRAM_TOKENS
 from betelgeuse.gguf.quants import dequantize
+from betelgeuse.model.chunks import chunk_bounds
 
 _KEY = 40                      # key = table << 40 | row (tables hold < 2^40 rows)
 
@@ -35,6 +36,7 @@ class EngramStats:
     cache_rows: int = 0        # of them from the store's row cache
     disk_bytes: int = 0        # device bytes read (4 KiB pages)
     requests: int = 0          # jobs (store round trips: EngramRead + EngramWait)
+    unplanned: int = 0         # asks the plan did not foresee (read on their own: a layer cut its tokens otherwise)
     wait_s: float = 0.0        # blocked waiting for rows to land
     seconds: float = 0.0       # in the feed in all: waits, copies into VRAM, dequantization
 
@@ -87,8 +89,10 @@ class EngramFeed:
         self.stats = EngramStats()
 
     # ---- planning ----------------------------------------------------------------------------------
-    def begin(self, model, pieces) -> None:
-        """A pass starts: pieces [(cache, ids)] (after cache.begin). Hash them, plan the units and jobs, start reads."""
+    def begin(self, model, pieces, chunk: int | None = None) -> None:
+        """A pass starts: pieces [(cache, ids)] (after cache.begin), each prefilled in position-aligned chunks of
+        `chunk` tokens (model/chunks.py; None: whole). Hash them, plan the units (per Engram layer and piece, chunk
+        by chunk, ENGRAM_TOKENS at a time from each chunk's start: as the model asks), the jobs, start reads."""
         self.abandon()
         for kv, ids in pieces:
             model.engram_begin(kv, ids, self)
@@ -98,8 +102,9 @@ class EngramFeed:
         for e in range(len(g.layer_ids)):
             for kv, _ in pieces:
                 pend = kv.engram.pending
-                for a in range(0, pend.shape[0], ENGRAM_TOKENS):
-                    units.append(_Unit(e, pend[a:a + ENGRAM_TOKENS, e]))
+                for a, b in chunk_bounds(kv.length, pend.shape[0], chunk):
+                    for s in range(a, b, ENGRAM_TOKENS):
+                        units.append(_Unit(e, pend[s:min(b, s + ENGRAM_TOKENS), e]))
         job, n = None, 0
         for u in units:
             k = u.rows.size
@@ -145,6 +150,7 @@ class EngramFeed:
         unit = self.units.popleft() if self.units else None
         if unit is None or unit.e != e or not np.array_equal(unit.rows, ids):
             # not what the plan expected (a caller outside begin/rows order): read these rows on their own
+            self.stats.unplanned += 1
             self.abandon()
             unit = _Unit(e, np.asarray(ids, dtype=np.int64))
             unit.job = _Job([unit])

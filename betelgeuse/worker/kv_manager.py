@@ -28,11 +28,13 @@ import torch
 
 from betelgeuse.config import EngineConfig
 from betelgeuse.logs import event
+from betelgeuse.model.registry import arch_of
 from betelgeuse.store.plan import prefix_cache_bytes
 from betelgeuse.worker.prefix_cache import PrefixCache, PrefixStats
 from betelgeuse.worker.prefix_host import HostTier
 from betelgeuse.worker.sequence import Sequence
 from betelgeuse.worker.snapshot_cache import SnapshotCache
+from betelgeuse.worker.snapshot_host import SnapshotHost
 
 log = logging.getLogger("betelgeuse.engine")
 
@@ -55,9 +57,15 @@ class KVManager:
             return
         pc.host = None
         if arena is not None:
-            c = self.runner.mcfg
-            pc.host = HostTier(arena, c.n_layer, c.n_head_kv, c.head_dim, pc.block, pc.pool.dtype,
-                               pc.tail_logits.shape[1])
+            r, c = self.runner, self.runner.mcfg
+            if isinstance(pc, SnapshotCache):
+                # a slot holds a whole context's state: the registry's state_bytes bounds any snapshot
+                dt = torch.empty((), dtype=r.dtype).element_size()
+                pc.host = SnapshotHost(arena, (c.arch, c.n_layer, c.n_embd, str(r.dtype), pc.block),
+                                       r.cfg.max_context, c.n_vocab, arch_of(c).state_bytes(c, r.cfg.max_context, dt))
+            else:
+                pc.host = HostTier(arena, c.n_layer, c.n_head_kv, c.head_dim, pc.block, pc.pool.dtype,
+                                   pc.tail_logits.shape[1])
             event(log, "prefix_host_tier", slots=pc.host.n_slots, bytes=pc.host.capacity_bytes,
                   adopted_blocks=len(pc.host.index))
         if self.metrics:
@@ -161,6 +169,7 @@ class KVManager:
         m.prefix_cache_hits.inc(st.hits - old.hits)
         m.prefix_cache_tokens.inc(st.tokens_reused - old.tokens_reused)
         m.prefix_cache_evictions.inc(st.evictions - old.evictions)
+        m.prefix_cache_refused.inc(st.refused - old.refused)
         m.prefix_cache_bytes.set(pc.bytes_used)
         m.prefix_cache_usage.set(pc.bytes_used / pc.capacity_bytes if pc.capacity_bytes else 0.0)
         m.prefix_host_hits.inc(st.host_hits - old.host_hits)

@@ -49,39 +49,37 @@ def entry_dtype(block: int) -> np.dtype:
                      ("whole", "<i4"), ("tokens", "<i4", (block,))])
 
 
-class HostTier:
-    def __init__(self, arena: Arena, n_layer: int, n_head_kv: int, head_dim: int, block: int, dtype: torch.dtype,
-                 n_vocab: int):
-        self.arena = arena
-        self.kv_shape = (n_layer, 2, n_head_kv, block, head_dim)
-        self.dtype = dtype
-        self.kv_bytes = int(np.prod(self.kv_shape)) * torch.empty((), dtype=dtype).element_size()
-        self.n_vocab = n_vocab
-        self.slot_bytes = round_up(self.kv_bytes + 4 * n_vocab)
-        ent = entry_dtype(block)
-        n = max(0, (arena.nbytes - HEADER_BYTES) // (self.slot_bytes + ent.itemsize))
-        while n and HEADER_BYTES + round_up(n * ent.itemsize) + n * self.slot_bytes > arena.nbytes:
+class SlotRegion:
+    """The layout every host tier shares (module doc): a header, an entry table (`ent`: at least seq, stamp, digest,
+    n_tok) and n_slots fixed-size slots; adopted when its magic, version and geometry tag match, else formatted.
+    The index maps each whole entry's digest to its slot; the least recently used unpinned slot is the victim.
+    HostTier keeps K/V blocks in it, worker/snapshot_host.py whole-state snapshots."""
+
+    def __init__(self, arena: Arena, ent: np.dtype, slot_bytes: int, geometry):
+        self.arena, self.slot_bytes = arena, slot_bytes
+        n = max(0, (arena.nbytes - HEADER_BYTES) // (slot_bytes + ent.itemsize))
+        while n and HEADER_BYTES + round_up(n * ent.itemsize) + n * slot_bytes > arena.nbytes:
             n -= 1
         self.n_slots = n
         self.base = HEADER_BYTES + round_up(n * ent.itemsize)
         self.hdr = arena.numpy(0, HEADER_DTYPE.itemsize, dtype=HEADER_DTYPE)[0:1]
         self.ent = arena.numpy(HEADER_BYTES, n * ent.itemsize, dtype=ent) if n else np.zeros(0, dtype=ent)
-        tag = hashlib.blake2b(repr((self.kv_shape, str(dtype), n_vocab)).encode(), digest_size=16).digest()
+        tag = hashlib.blake2b(repr(geometry).encode(), digest_size=16).digest()
         h = self.hdr[0]
         self.adopted = (int(h["magic"]) == MAGIC and int(h["version"]) == VERSION and int(h["n_slots"]) == n
-                        and int(h["slot_bytes"]) == self.slot_bytes and bytes(h["tag"]) == tag)
+                        and int(h["slot_bytes"]) == slot_bytes and bytes(h["tag"]) == tag)
         if not self.adopted:                     # a new region (zeros), or one another geometry wrote
             self.hdr["magic"] = 0
             self.ent["seq"], self.ent["n_tok"] = 0, 0
-            self.hdr["version"], self.hdr["n_slots"], self.hdr["slot_bytes"] = VERSION, n, self.slot_bytes
+            self.hdr["version"], self.hdr["n_slots"], self.hdr["slot_bytes"] = VERSION, n, slot_bytes
             self.hdr["clock"], self.hdr["tag"] = 0, tag
             self.hdr["magic"] = MAGIC            # last: a region with the magic set is formatted
         # the index: chained hash -> slot, of the entries that are whole (even seq, a key)
         valid = np.nonzero((self.ent["seq"] % 2 == 0) & (self.ent["n_tok"] > 0))[0]
         self.index: dict[bytes, int] = {bytes(self.ent["digest"][i]): int(i) for i in valid}
         self.pinned: set[int] = set()            # slots a lookup is reading: never evicted meanwhile
-        self.hits = 0                            # blocks copied back to the device
-        self.spills = 0                          # blocks copied in
+        self.hits = 0                            # entries copied back to the device
+        self.spills = 0                          # entries copied in
 
     @property
     def capacity_bytes(self) -> int:
@@ -90,12 +88,6 @@ class HostTier:
     @property
     def bytes_used(self) -> int:
         return len(self.index) * self.slot_bytes
-
-    def _views(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The slot's K/V [n_layer, 2, n_head_kv, block, head_dim] and logits [n_vocab] float32 (views)."""
-        raw = self.arena.torch(self.base + slot * self.slot_bytes, self.slot_bytes)
-        kv = raw[:self.kv_bytes].view(self.dtype).view(self.kv_shape)
-        return kv, raw[self.kv_bytes:self.kv_bytes + 4 * self.n_vocab].view(torch.float32)
 
     def _touch(self, slot: int):
         self.hdr["clock"] += 1
@@ -106,6 +98,60 @@ class HostTier:
         slot = self.index.get(h)
         if slot is not None:
             self._touch(slot)
+
+    def _victim(self) -> int | None:
+        """A free slot, else the least recently used one not pinned; None when every slot is pinned."""
+        if not self.n_slots:
+            return None
+        free = (self.ent["n_tok"] == 0) | (self.ent["seq"] % 2 == 1)
+        stamps = np.where(free, 0, self.ent["stamp"].astype(np.float64))
+        if self.pinned:
+            stamps[list(self.pinned)] = np.inf
+        slot = int(np.argmin(stamps))
+        return None if stamps[slot] == np.inf else slot
+
+    def _raw(self, slot: int) -> torch.Tensor:
+        """The slot's bytes (uint8 [slot_bytes], a view)."""
+        return self.arena.torch(self.base + slot * self.slot_bytes, self.slot_bytes)
+
+    def _begin_write(self, h: bytes) -> int | None:
+        """A slot for a new entry under h, its old entry dropped and its seq odd (being written); None: every slot
+        is pinned. The caller copies the bytes, sets the entry's fields, then _end_write."""
+        slot = self._victim()
+        if slot is None:
+            return None
+        e = self.ent
+        e["seq"][slot] |= 1                      # odd: being written (a successor would treat it as free)
+        old = bytes(e["digest"][slot])
+        if self.index.get(old) == slot:
+            del self.index[old]
+        e["n_tok"][slot] = 0
+        return slot
+
+    def _end_write(self, slot: int, h: bytes, n_tok: int):
+        e = self.ent
+        e["digest"][slot], e["n_tok"][slot] = h, n_tok
+        self._touch(slot)
+        e["seq"][slot] += 1                      # even: whole
+        self.index[h] = slot
+        self.spills += 1
+
+
+class HostTier(SlotRegion):
+    def __init__(self, arena: Arena, n_layer: int, n_head_kv: int, head_dim: int, block: int, dtype: torch.dtype,
+                 n_vocab: int):
+        self.kv_shape = (n_layer, 2, n_head_kv, block, head_dim)
+        self.dtype = dtype
+        self.kv_bytes = int(np.prod(self.kv_shape)) * torch.empty((), dtype=dtype).element_size()
+        self.n_vocab = n_vocab
+        super().__init__(arena, entry_dtype(block), round_up(self.kv_bytes + 4 * n_vocab),
+                         (self.kv_shape, str(dtype), n_vocab))
+
+    def _views(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slot's K/V [n_layer, 2, n_head_kv, block, head_dim] and logits [n_vocab] float32 (views)."""
+        raw = self._raw(slot)
+        kv = raw[:self.kv_bytes].view(self.dtype).view(self.kv_shape)
+        return kv, raw[self.kv_bytes:self.kv_bytes + 4 * self.n_vocab].view(torch.float32)
 
     def find(self, h: bytes, toks: tuple, ph: bytes) -> int | None:
         """The entry with chained hash h whose own tokens and parent's hash are also the prompt's (a hash collision
@@ -133,26 +179,17 @@ class HostTier:
         if h in self.index:
             self._touch(self.index[h])
             return True
-        slot = self._victim()
+        slot = self._begin_write(h)
         if slot is None:
             return False
         e = self.ent
-        e["seq"][slot] |= 1                      # odd: being written (a successor would treat it as free)
-        old = bytes(e["digest"][slot])
-        if self.index.get(old) == slot:
-            del self.index[old]
-        e["n_tok"][slot] = 0
         dst_kv, dst_logits = self._views(slot)
         dst_kv.copy_(kv)                         # D2H, synchronous: the bytes are there before the entry is
         if logits is not None:
             dst_logits.copy_(logits.reshape(-1))
-        e["digest"][slot], e["pdigest"][slot], e["whole"][slot] = h, ph, int(logits is not None)
+        e["pdigest"][slot], e["whole"][slot] = ph, int(logits is not None)
         e["tokens"][slot][:len(toks)] = toks
-        e["n_tok"][slot] = len(toks)
-        self._touch(slot)
-        e["seq"][slot] += 1                      # even: whole
-        self.index[h] = slot
-        self.spills += 1
+        self._end_write(slot, h, len(toks))
         return True
 
     def get(self, slot: int, kv: torch.Tensor, logits: torch.Tensor | None = None):
@@ -163,14 +200,3 @@ class HostTier:
         if logits is not None:
             logits.copy_(src_logits)
         self.hits += 1
-
-    def _victim(self) -> int | None:
-        """A free slot, else the least recently used one not pinned; None when every slot is pinned."""
-        if not self.n_slots:
-            return None
-        free = (self.ent["n_tok"] == 0) | (self.ent["seq"] % 2 == 1)
-        stamps = np.where(free, 0, self.ent["stamp"].astype(np.float64))
-        if self.pinned:
-            stamps[list(self.pinned)] = np.inf
-        slot = int(np.argmin(stamps))
-        return None if stamps[slot] == np.inf else slot

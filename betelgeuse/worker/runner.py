@@ -355,11 +355,12 @@ class ModelRunner:
             self.session.engram.take_stats()
         return self.cache.h2d_bytes, self.session.calls
 
-    def _engram_begin(self, pieces) -> None:
-        """deepseek41 (an EngramModel): the pass's pieces [(cache, ids)] are known (caches begun): hash them and
-        start their Engram reads, so they run under the layers before the first Engram layer."""
+    def _engram_begin(self, pieces, chunk: int | None = None) -> None:
+        """deepseek41 (an EngramModel): the pass's pieces [(cache, ids)] are known (caches begun), each run in
+        position-aligned chunks of `chunk` tokens (None: whole): hash them and start their Engram reads, so they
+        run under the layers before the first Engram layer."""
         if self.session.engram is not None:
-            self.session.engram.begin(self.model, pieces)
+            self.session.engram.begin(self.model, pieces, chunk)
 
     def _engram_stage(self, kvs, ids_t: torch.Tensor, lanes: torch.Tensor | None = None, n_lanes: int = 0) -> None:
         """A static decode step (one token per sequence, ids_t [n]): its Engram rows hashed, read and staged into
@@ -544,7 +545,7 @@ class ModelRunner:
             positions = kv.begin(ids.numel())
             chunks += [Chunk(a + c.a, a + c.b, c.positions, kv) for c in pass_chunks(positions, start, self.chunk)]
             ends.append(a + ids.numel())
-        self._engram_begin(list(zip(kvs, idss)))
+        self._engram_begin(list(zip(kvs, idss)), self.chunk)
         ids = idss[0] if len(idss) == 1 else torch.cat(idss)
         x = self.model.embed(ids)
         T = ids.numel()

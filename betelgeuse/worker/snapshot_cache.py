@@ -1,5 +1,6 @@
 """The prefix cache of a model whose state is not per token (model/interface.py prefix_reuse = "snapshots":
-deepseek4, whose compressed entries pool 4/128 tokens and whose window is a ring): a prompt's whole state is copied
+deepseek4 and deepseek41, whose compressed entries pool several tokens, whose window is a ring, and deepseek41's
+Engram n-gram history, the snapshot's host part): a prompt's whole state is copied
 (model.snapshot, a StateSnapshot) and a later prompt that starts with it gets it copied into its fresh state
 (model.restore), then prefills the rest. The KVManager drives it as the block cache (worker/prefix_cache.py):
 
@@ -13,7 +14,8 @@ deepseek4, whose compressed entries pool 4/128 tokens and whose window is a ring
 
 Two kinds of entry, under the block cache's chained hashes (its _root / _hash, cache_salt the root):
   the whole prompt   the state after every prompt token and the last position's logits: an identical prompt runs
-                     no pass (a retry, a regeneration, n completions);
+                     no pass (a retry, a regeneration, n completions); when its length is a multiple of `block`, it
+                     is a chunk boundary's state too, and a prompt that extends it resumes at its end;
   a checkpoint       the state after the prompt's last chunk boundary b = a multiple of `block` (< the prompt's
                      length), taken by the pass whose chunk ends there (state.mark(b)): a prompt that extends this
                      one (an agent's next turn = this prompt + its answer + new text) restores it and prefills from b.
@@ -24,8 +26,13 @@ prefill states are snapshotted (a decode step's one-row pass is another computat
 
 Memory: the snapshots live on the worker's device, counted against the prefix-cache budget (prefix_cache_bytes,
 which the slot plan subtracts from VRAM). Entries a running request holds are never evicted; the others go least
-recently used first to make room; a snapshot that does not fit even then is refused (counted, logged with its
-size). No host tier (the block cache's HostTier is laid out for K/V blocks).
+recently used first to make room; a snapshot that does not fit even then is refused (PrefixStats.refused, the metric
+betelgeuse_prefix_cache_refused_total, logged with its size). Its size is known before any copy (the state's used
+rows: snapshot_nbytes), so a refused checkpoint is not marked (its pass copies nothing) and a refused whole prompt is
+not copied; for one that fits, room is made before the copy (a checkpoint's at admission: the budget is exceeded
+only if other entries take that room while its pass runs). Host tier (worker/snapshot_host.py, in the store's memory): every kept entry is written
+through, and a device miss looks there (longest first) and copies a found entry back, so a restarted worker finds
+the snapshots its predecessor kept and an evicted entry comes back without a prefill.
 """
 
 from __future__ import annotations
@@ -58,7 +65,7 @@ class Entry:
 
 
 class SnapshotCache:
-    spills = False                  # no host tier (KVManager.bind_host)
+    spills = True                   # entries are written through to a host tier (KVManager.bind_host)
 
     def __init__(self, model, block: int, capacity_bytes: int):
         """model: its snapshot(state) / restore(state, snap); block: the prefill chunk (checkpoints at its
@@ -69,7 +76,7 @@ class SnapshotCache:
         self.lru: OrderedDict[bytes, Entry] = OrderedDict()     # unheld entries, oldest first
         self.used = 0                                           # bytes of every entry
         self.stats = PrefixStats()
-        self.host = None
+        self.host = None            # worker/snapshot_host.py SnapshotHost in the store's memory, or None
 
     @property
     def enabled(self) -> bool:
@@ -107,11 +114,16 @@ class SnapshotCache:
         self.stats.queries += 1
         B, P = self.block, len(prompt)
         chain = self._chain(prompt, salt, (P - 1) // B)
-        hit = self._match(self._whole_key(prompt, chain), prompt, P)
-        i = len(chain) - 1
-        while hit is None and i > 0:
-            hit = self._match(chain[i], prompt, i * B)
-            i -= 1
+        # longest first: the whole prompt, then at each chunk boundary i * B a checkpoint or a whole earlier prompt
+        # of that length (its state is that boundary's); each on the device, else in the host tier
+        keys = [(self._whole_key(prompt, chain), P)]
+        for i in range(len(chain) - 1, 0, -1):
+            keys += [(chain[i], i * B), (PrefixCache._hash(chain[i - 1], prompt[(i - 1) * B:i * B], whole=True), i * B)]
+        hit = None
+        for key, n in keys:
+            hit = self._match(key, prompt, n) or self._from_host(key, prompt, n)
+            if hit is not None:
+                break
         if hit is None:
             return []
         if hit.key in self.lru:
@@ -119,6 +131,20 @@ class SnapshotCache:
         self.stats.hits += 1
         self.stats.tokens_reused += hit.length
         return [hit]
+
+    def _from_host(self, key: bytes, prompt: list[int], n: int) -> Entry | None:
+        """The host tier's entry under key (prompt[:n] checked), copied back onto the device (an unheld entry), or
+        None: not there, or no room on the device for it."""
+        slot = None if self.host is None or key in self.index else self.host.find(key, prompt[:n])
+        if slot is None:
+            return None
+        snap, logits = self.host.get(slot, self.model.device)
+        held = self._keep(key, prompt[:n], snap, logits, [])
+        if not held:
+            return None
+        self.release(held)
+        self.stats.host_hits += 1
+        return held[0]
 
     def covered(self, held: list[Entry]) -> int:
         return held[0].length if held else 0
@@ -149,10 +175,26 @@ class SnapshotCache:
 
     def watch(self, state, prompt: list[int], n: int):
         """Before the prefill of prompt[n:]: have its pass keep the state at the prompt's last chunk boundary
-        (the checkpoint an extension of the prompt resumes from), unless that is where it starts."""
+        (the checkpoint an extension of the prompt resumes from), unless that is where it starts, or the copy could
+        not be kept (refused now: the pass makes no copy), and with room made for it first (the copy stays within
+        the budget unless another entry takes that room meanwhile)."""
         b = (len(prompt) - 1) // self.block * self.block
-        if b > n:
+        if b > n and self._room(state.snapshot_nbytes(b), b):
             state.mark(b)
+
+    def _room(self, nbytes: int, tokens: int) -> bool:
+        """Room for an entry of nbytes, unheld entries evicted least recently used first; False (counted as
+        refused, nothing evicted) when it would not fit with every unheld entry evicted."""
+        held = self.used - sum(e.nbytes for e in self.lru.values())
+        if held + nbytes <= self.capacity:
+            while self.used + nbytes > self.capacity:
+                _, old = self.lru.popitem(last=False)
+                self._drop(old)
+            return True
+        self.stats.refused += 1
+        event(log, "snapshot_refused", logging.INFO, tokens=tokens, bytes=nbytes, used=self.used,
+              held=held, capacity=self.capacity)
+        return False
 
     def insert(self, state, prompt: list[int], done: int, held: list[Entry], salt: str = "") -> list[Entry]:
         """After a prefill pass: the checkpoint, once a pass has made it (state.take_mark), kept and held."""
@@ -172,6 +214,8 @@ class SnapshotCache:
         key = self._whole_key(prompt, self._chain(prompt, salt, (P - 1) // self.block))
         if key in self.index:                       # the same prompt finished meanwhile: share its entry
             return self._share(self.index[key], held)
+        if not self._room(state.snapshot_nbytes(P) + logits.numel() * logits.element_size(), P):   # before a copy
+            return held
         return self._keep(key, prompt, self.model.snapshot(state), logits.reshape(-1).clone(), held)
 
     def _share(self, e: Entry, held: list[Entry]) -> list[Entry]:
@@ -183,18 +227,14 @@ class SnapshotCache:
         if key in self.index:
             return self._share(self.index[key], held)
         nbytes = snap.nbytes + (0 if logits is None else logits.numel() * logits.element_size())
-        while self.used + nbytes > self.capacity and self.lru:
-            _, old = self.lru.popitem(last=False)
-            self._drop(old)
-        if self.used + nbytes > self.capacity:
-            self.stats.refused += 1
-            event(log, "snapshot_refused", logging.INFO, tokens=len(toks), bytes=nbytes, used=self.used,
-                  capacity=self.capacity)
+        if not self._room(nbytes, len(toks)):
             return held
         e = Entry(key, np.asarray(toks, dtype=np.int64), snap, logits, nbytes)
         self.index[key] = e
         self.used += nbytes
         self.stats.inserted += 1
+        if self.host is not None:                   # written through (D2H): a restarted worker finds it
+            self.host.put(key, toks, snap, logits)
         event(log, "snapshot_kept", logging.DEBUG, tokens=e.length, whole=logits is not None, bytes=nbytes,
               used=self.used, capacity=self.capacity)
         return self._share(e, held)

@@ -14,8 +14,9 @@
    kernels "auto" must pick triton; logits bit-identical across slot configurations 0/0, 2/3 and 8/0 (cold,
    warm, consolidated, and 4 decode steps), and to the reference model on the same device and dtype;
    vs the CPU float32 reference: max-abs diff and greedy agreement (reported).
-2b. prefix: deepseek4's snapshot prefix cache: a checkpoint restored and the rest prefilled == the unbroken
-   prefill, the decode step after it too, whole-chunk pieces == one pass; prefill wall by chunk size (reported).
+2b. prefix: the snapshot prefix cache (ds4-tiny; `--preset ds41-tiny`: deepseek41, its Engram history in the
+   snapshot): a checkpoint restored and the rest prefilled == the unbroken prefill, the decode step after it too,
+   whole-chunk pieces == one pass; prefill wall by chunk size (reported).
 3. ops: the fused per-row kernels (kernels/triton_ds4.py TritonOps) against TorchOps method by method, float32 and
    bfloat16, at tiny and V4-Flash shapes (tests/scripts/ds4_kernel_check.py; a row alone == in its launch).
 3b. guess: the decode guess of layers l+1..l+3 in one pass (TritonOps.guess_route) picks the ids each layer's own
@@ -196,15 +197,16 @@ def check_engine(device: str, tmp: Path, preset: str = "ds4-tiny"):
                          "max_abs_vs_cpu_f32": d, "greedy_agreement": greedy}
 
 
-def check_prefix(device: str, tmp: Path, chunk: int = 16):
-    """deepseek4's snapshot prefix cache on the device (worker/snapshot_cache.py): ds4-tiny, a 150-token prompt in
-    chunks of `chunk`; the checkpoint its pass keeps at 96 (state.mark), restored into a fresh state, and the rest
-    prefilled: bit-identical to the unbroken prefill, and so is the decode step after it; a prompt in whole-chunk
-    pieces too. Then the chunked prefill's wall against one chunk (chunk=None: what deepseek4 ran before), a 150-
+def check_prefix(device: str, tmp: Path, chunk: int = 16, preset: str = "ds4-tiny"):
+    """The snapshot prefix cache on the device (worker/snapshot_cache.py): ds4-tiny (or --preset's), a 150-token
+    prompt in chunks of `chunk`; the checkpoint its pass keeps at 96 (state.mark), restored into a fresh state, and
+    the rest prefilled: bit-identical to the unbroken prefill, and so is the decode step after it; a prompt in
+    whole-chunk pieces too. Then the chunked prefill's wall against one chunk (chunk=None: what deepseek4 ran before), a 150-
     and a 600-token prompt, reported."""
     import numpy as np
     from betelgeuse.worker.snapshot_cache import SnapshotCache
-    path, spec = _tiny(tmp)
+    path, spec = _tiny(tmp, preset)
+    tag = preset.split("-")[0]
     ids = [int(x) for x in np.random.default_rng(4).integers(0, spec.n_vocab, 150)]
     runner, store = runner_for(path, device, spec.n_expert, 0, prefill_chunk=chunk)
     try:
@@ -218,16 +220,16 @@ def check_prefix(device: str, tmp: Path, chunk: int = 16):
         rest, _ = runner.forward(ids[96:], kv2, all_logits=True)
         step2, _ = runner.forward([int(whole[-1].argmax())], kv2)
         ok = torch.equal(rest.cpu(), whole[96:].cpu()) and torch.equal(step.cpu(), step2.cpu())
-        row("ds4 prefix: checkpoint restore + rest == miss", ok,
+        row(f"{tag} prefix: checkpoint restore + rest == miss", ok,
             f"snapshot {snap.nbytes} B at 96 of 150 tokens; max |diff| {(rest.float() - whole[96:].float()).abs().max().item():.3e}")
         kv3, a = runner.new_cache(256), 0
         for piece in (32, 16, 48, 54):
             out, _ = runner.forward(ids[a:a + piece], kv3, all_logits=True)
             a += piece
-        row("ds4 prefix: pieces == one pass", torch.equal(out.cpu(), whole[-54:].cpu()), "pieces 32, 16, 48, 54")
+        row(f"{tag} prefix: pieces == one pass", torch.equal(out.cpu(), whole[-54:].cpu()), "pieces 32, 16, 48, 54")
         sc = SnapshotCache(runner.model, chunk, 1 << 30)
         held = sc.insert_tail(kv3, ids, [], out[-1])
-        row("ds4 prefix: whole-prompt entry", sc.covered(sc.lookup(ids)) == len(ids) and held != [],
+        row(f"{tag} prefix: whole-prompt entry", sc.covered(sc.lookup(ids)) == len(ids) and held != [],
             f"{sc.bytes_used} B")
         walls = {}
         for n in (150, 600):
@@ -241,8 +243,8 @@ def check_prefix(device: str, tmp: Path, chunk: int = 16):
                 sync(device)
                 walls[f"{n} tokens, chunk {c}"] = round((time.perf_counter() - t0) * 1e3, 1)
         runner.chunk = chunk
-        row("ds4 prefix: prefill wall ms by chunk", None, ", ".join(f"{k}: {v}" for k, v in walls.items()))
-        RESULTS["prefix"] = {"exact": ok, "snapshot_bytes": snap.nbytes, "prefill_ms": walls}
+        row(f"{tag} prefix: prefill wall ms by chunk", None, ", ".join(f"{k}: {v}" for k, v in walls.items()))
+        RESULTS[f"prefix {preset}"] = {"exact": ok, "snapshot_bytes": snap.nbytes, "prefill_ms": walls}
     finally:
         close(runner, store)
 
@@ -481,7 +483,7 @@ def main() -> int:
     p.add_argument("--vram-model", help="the model of the vram step (bench_ds4.sh: ds4-flash; default ds4-tiny)")
     p.add_argument("--hidden", type=int, default=4096, help="kernel check: expert input width H (V4-Flash: 4096)")
     p.add_argument("--ff", type=int, default=2048, help="kernel check: expert width F (V4-Flash: 2048)")
-    p.add_argument("--preset", default="ds4-tiny", help="engine, decode and launches checks' model: ds4-tiny, or "
+    p.add_argument("--preset", default="ds4-tiny", help="engine, prefix, decode and launches checks' model: ds4-tiny, or "
                                                         "ds41-tiny (deepseek41 with its Engram rows read by the store)")
     timing_flag(p)
     a = p.parse_args()
@@ -495,7 +497,7 @@ def main() -> int:
     RESULTS["torch"] = torch.__version__
     run_steps((("kernel", lambda: check_kernel(a.device, H=a.hidden, F=a.ff)),
                ("engine", lambda: check_engine(a.device, tmp, a.preset)),
-               ("prefix", lambda: check_prefix(a.device, tmp)),
+               ("prefix", lambda: check_prefix(a.device, tmp, preset=a.preset)),
                ("ops", lambda: check_ops(a.device)),
                ("guess", lambda: check_guess(a.device, tmp)),
                ("decode", lambda: check_decode(a.device, tmp, preset=a.preset)),

@@ -1,4 +1,5 @@
-"""deepseek4 prefill resumed after a prefix: the question behind its prefix cache (worker/snapshot_cache.py).
+"""deepseek4 and deepseek41 prefill resumed after a prefix: the question behind their prefix cache
+(worker/snapshot_cache.py).
 
 A deepseek4 state is not per token (a window ring, compressors' open windows, entries pooling 4 or 128 tokens), so a
 cached prefix is reused as a whole snapshot of the state after it, and the rest of the prompt is prefilled from
@@ -10,6 +11,11 @@ so is a state restored from a snapshot (model.restore) or kept by the pass whose
 Not exact: one unchunked pass against two (its matmuls see other row counts: ~3e-6 apart), or a resume off the
 chunk grid; neither is what the engine runs. That the chunked prefill is still the model transformers computes is
 tests/model/test_deepseek4_oracle.py (the reference prefills in PREFILL_CHUNK chunks).
+
+deepseek41 (ds41-tiny: ratio-2 and ratio-1 KV sources, an index layer reused by the next, the candidate filter, Engram
+before layers 1 and 4 with a 3-gram history) the same way: its cross-layer masks are per chunk and its state at a
+boundary is the layers' tensors plus the Engram history (the snapshot's host part): resumed, restored or marked, the
+bits of the unbroken chunked prefill; tests/model/test_deepseek41_oracle.py checks that prefill against NeMo.
 """
 
 from __future__ import annotations
@@ -26,10 +32,10 @@ from betelgeuse.model import reference_model
 PROMPT = [int(x) for x in np.random.default_rng(4).integers(0, 512, 330)]   # crosses window 16, CSA 4, HCA 128 x2
 
 
-@pytest.fixture(scope="module")
-def ref(tmp_path_factory):
-    path = tmp_path_factory.mktemp("ds4resume") / "ds4-tiny.gguf"
-    write_model(path, replace(spec_from_preset("ds4-tiny"), expert_qtype="Q8_0", seed=2), progress=False)
+@pytest.fixture(scope="module", params=["ds4-tiny", "ds41-tiny"])
+def ref(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("ds4resume") / f"{request.param}.gguf"
+    write_model(path, replace(spec_from_preset(request.param), expert_qtype="Q8_0", seed=2), progress=False)
     return reference_model(path)
 
 

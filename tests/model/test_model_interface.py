@@ -50,7 +50,7 @@ def test_engine_model_has_the_surface_its_flags_say(files, name):
         check_model(m)
         assert isinstance(m, LaneDecode) == m.lane_decode       # the lane methods exist exactly where claimed
         assert a.prefix_cache == (m.prefix_reuse != "none")              # the store's plan and the engine agree
-        assert not a.prefix_cache or a.prefix_host == (m.prefix_reuse == "blocks")    # only K/V blocks spill
+        assert not a.prefix_cache or a.prefix_host          # K/V blocks and snapshots have a host tier
         assert isinstance(m.new_cache(8), SequenceState)
         # the state the plan budgets is the state the model allocates, before and after a prompt through every layer
         n, dt = 40, 4

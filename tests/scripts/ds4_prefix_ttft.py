@@ -1,14 +1,16 @@
-"""TTFT of deepseek4 prompts answered from the snapshot prefix cache (worker/snapshot_cache.py) against the same
+"""TTFT of deepseek4 / deepseek41 prompts answered from the snapshot prefix cache (worker/snapshot_cache.py) against the same
 prompts recomputed, side by side in one run: the in-process engine (real store, runner, scheduler), CPU by default.
 
-    OMP_NUM_THREADS=1 .venv/bin/python tests/scripts/ds4_prefix_ttft.py [--model m.gguf] [--tokens 1500] [--device cuda]
+    OMP_NUM_THREADS=1 .venv/bin/python tests/scripts/ds4_prefix_ttft.py [--model m.gguf | --preset ds41-tiny]
+        [--tokens 1500] [--device cuda]
 
 Cases, each on an engine with the cache on and on one with it off (prefix_cache_bytes = 0), after a warm-up:
   first     a fresh prompt P (a miss on both)
   repeated  P again (on: no pass, its first token from the cached logits)
   extended  P + a 24-token reply + 40 new tokens, an agent's next turn (on: resumed after P's last chunk boundary)
 Prints usage.ttft_ms (arrival to first token) and usage.cached_tokens per case, and checks both engines gave the
-same tokens. Without --model it writes the synth `ds4-tiny` preset (Q8_0 experts).
+same tokens. Without --model it writes the synth --preset (default `ds4-tiny`; `ds41-tiny`: deepseek41, Engram
+rows from the store) with Q8_0 experts.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def gen(eng, prompt: list[int]):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model")
+    ap.add_argument("--preset", default="ds4-tiny", help="the synth preset written when --model is not given")
     ap.add_argument("--tokens", type=int, default=1500)
     ap.add_argument("--device", default="cpu")
     a = ap.parse_args()
@@ -48,8 +51,8 @@ def main():
         model = a.model
         if model is None:
             from betelgeuse.gguf.synth import spec_from_preset, write_model
-            model = str(Path(tmp) / "ds4-tiny.gguf")
-            write_model(model, replace(spec_from_preset("ds4-tiny"), expert_qtype="Q8_0", seed=2), progress=False)
+            model = str(Path(tmp) / f"{a.preset}.gguf")
+            write_model(model, replace(spec_from_preset(a.preset), expert_qtype="Q8_0", seed=2), progress=False)
         rows = {}
         for name, nbytes in (("on", "auto"), ("off", 0)):
             cfg = EngineConfig(model_path=model, device=a.device, read_threads=2, prefix_cache_bytes=nbytes,
@@ -57,7 +60,7 @@ def main():
             store = open_store(cfg)
             eng = open_engine(cfg, store)
             try:
-                vocab = eng.runner.mcfg.n_vocab
+                arch, vocab = eng.runner.mcfg.arch, eng.runner.mcfg.n_vocab
                 P = ids(a.tokens, 1, vocab)
                 gen(eng, ids(64, 9, vocab))                                  # warm-up
                 first = gen(eng, P)
@@ -68,7 +71,7 @@ def main():
             finally:
                 eng.close()
                 store.close()
-    print(f"deepseek4 prefix reuse, {a.tokens}-token prompt, {a.device}: TTFT ms (cached tokens)")
+    print(f"{arch} prefix reuse, {a.tokens}-token prompt, {a.device}: TTFT ms (cached tokens)")
     print(f"{'case':10s} {'cache off':>16s} {'cache on':>16s}")
     for case in ("first", "repeated", "extended"):
         on, off = rows["on"][case], rows["off"][case]

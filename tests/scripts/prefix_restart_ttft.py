@@ -1,10 +1,12 @@
 """TTFT of a repeated prompt after `kill -9` of the worker (answered from the prefix cache's host tier, which the
 store keeps) against the same prompt recomputed (the host tier off), on real processes (store + worker, CPU).
 
-    .venv/bin/python tests/scripts/prefix_restart_ttft.py [--model m.gguf] [--tokens 512] [--device cuda]
+    .venv/bin/python tests/scripts/prefix_restart_ttft.py [--model m.gguf | --preset ds41-tiny] [--tokens 512]
+        [--device cuda]
 
 Prints one line per case: the TTFT the worker measured (usage.ttft_ms, arrival to first token) and the prompt
-tokens it took from the cache (usage.cached_tokens). Without --model it writes the synth `tiny` preset.
+tokens it took from the cache (usage.cached_tokens). Without --model it writes the synth --preset (default `tiny`,
+qwen3moe's K/V blocks; `ds4-tiny` / `ds41-tiny`: deepseek4's / deepseek41's snapshots, worker/snapshot_host.py).
 """
 
 from __future__ import annotations
@@ -45,16 +47,19 @@ def run(model: str, ids: list[int], host_bytes: str, tmp: str, device: str) -> t
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="")
+    p.add_argument("--preset", default="tiny", help="the synth preset written when --model is not given")
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--device", default="cpu")
     o = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="prefix-restart-") as tmp:
-        model = o.model
+        model, vocab = o.model, 1000
         if not model:
-            from betelgeuse.gguf.synth import PRESETS, write_model
-            model = str(Path(tmp) / "tiny.gguf")
-            write_model(model, PRESETS["tiny"], progress=False)
-        ids = [int(x) for x in np.random.default_rng(0).integers(3, 1000, o.tokens)]
+            from betelgeuse.gguf.synth import spec_from_preset, write_model
+            model = str(Path(tmp) / f"{o.preset}.gguf")
+            spec = spec_from_preset(o.preset)
+            write_model(model, spec, progress=False)
+            vocab = min(vocab, spec.n_vocab)
+        ids = [int(x) for x in np.random.default_rng(0).integers(3, vocab, o.tokens)]
         for name, host in (("host tier on (auto)", "auto"), ("host tier off (recompute)", "0")):
             first, again = run(model, ids, host, str(Path(tmp) / host), o.device)
             print(f"{name:27s} first {first.ttft_ms:8.1f} ms | after kill -9 of the worker: TTFT "

@@ -115,6 +115,29 @@ def test_decode_bit_identical(model, static):
         close_runner(runner, store)
 
 
+def test_pieces_off_the_chunk_grid_read_the_planned_engram_units(model):
+    """A prompt prefilled in pieces that start off the chunk grid (37 + 62 tokens, 16-token chunks): each layer asks
+    for its Engram rows chunk by chunk, ENGRAM_TOKENS from each chunk's start, and the feed planned exactly those
+    units (none read on its own, one round trip per bank); the logits are the reference's, chunked alike."""
+    path, ref, _ = model
+    ref.chunk, chunk = 16, ref.chunk
+    try:
+        kv = ref.new_cache(128)
+        with torch.no_grad():
+            want = [ref.forward(torch.tensor(PROMPT[a:b]), kv) for a, b in ((0, 37), (37, 99))]
+    finally:
+        ref.chunk = chunk
+    runner, store = in_process_runner(path, 2, 3, prefill_chunk=16)
+    try:
+        rkv = runner.new_cache(128)
+        for (a, b), w in zip(((0, 37), (37, 99)), want):
+            logits, st = runner.forward(PROMPT[a:b], rkv, all_logits=True)
+            assert torch.equal(logits, w), f"piece {a}..{b}: max |diff| {(logits - w).abs().max():.3e}"
+            assert st.engram.unplanned == 0 and st.engram.rows == (b - a) * 4 * 2
+    finally:
+        close_runner(runner, store)
+
+
 def test_batched_decode_and_prefill_bit_identical(model):
     """decode_batch (one pass, each expert loaded once, Engram rows of all sequences in one plan) and prefill_batch
     give each sequence the reference's own rows."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -187,3 +188,43 @@ def test_the_slot_plan_counts_the_host_tier_in_the_memory_budget(model):
                                        prefix_host_bytes=2 * limit), limit)
     finally:
         f.close()
+
+
+def test_the_snapshot_tier_round_trips_outlives_its_writer_and_skips_a_torn_entry():
+    """worker/snapshot_host.py on the same region protocol: a StateSnapshot (tensors of several dtypes per layer, the
+    host state, a whole prompt's logits) comes back bit for bit; a new mapping adopts it; an entry a killed writer
+    left odd is never read; a snapshot larger than a slot is not written; another geometry formats the region."""
+    from betelgeuse.model.interface import StateSnapshot
+    from betelgeuse.worker.snapshot_host import SnapshotHost
+    g = torch.Generator().manual_seed(3)
+    snap = StateSnapshot(5, [(torch.randn(4, 8, generator=g),),
+                             (torch.randn(2, 8, generator=g).bfloat16(), torch.randn(3, 8, generator=g))],
+                         np.array([7, 9], dtype=np.int64))
+    logits = torch.randn(16, generator=g)
+    with Arena.create(64 * 4096) as arena:
+        def tier(m=arena, data=4096):
+            return SnapshotHost(m, ("t", 2), 32, 16, data)
+        t = tier()
+        assert t.n_slots >= 2 and not t.adopted
+        assert t.put(b"w" * 16, [1, 2, 3, 4, 5], snap, logits) and t.put(b"c" * 16, [1, 2, 3, 4], snap, None)
+        big = StateSnapshot(5, [(torch.zeros(256, 256),)], None)                 # 256 KiB > a slot
+        assert not t.put(b"b" * 16, [1], big, None) and t.refused == 1
+        del t
+        again = Arena.attach(os.dup(arena.fd), arena.nbytes, readonly=False)
+        t = tier(again)
+        assert t.adopted and set(t.index) == {b"w" * 16, b"c" * 16}
+        assert t.find(b"w" * 16, [1, 2, 3, 4, 6]) is None                        # its tokens are checked
+        got, lg = t.get(t.find(b"w" * 16, [1, 2, 3, 4, 5]), "cpu")
+        assert got.length == 5 and np.array_equal(got.host, snap.host) and torch.equal(lg, logits)
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for la, lb in zip(got.layers, snap.layers, strict=True)
+                   for a, b in zip(la, lb, strict=True))
+        assert t.get(t.find(b"c" * 16, [1, 2, 3, 4]), "cpu")[1] is None          # a checkpoint: no logits
+        t.ent["seq"][t.index[b"w" * 16]] |= 1                                     # killed mid-copy
+        del t
+        t = tier(again)
+        assert set(t.index) == {b"c" * 16}
+        del t
+        t = tier(again, data=8192)                                                # another geometry
+        assert not t.adopted and t.index == {}
+        del t
+        again.close()

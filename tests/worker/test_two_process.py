@@ -194,3 +194,32 @@ def test_an_idle_worker_holds_no_staging_slot(wide, store, tmp_path):
                 (i, store_status(socks.control)["staging_handed"])
     finally:
         assert worker.stop() == 0, worker.log()
+
+
+def test_a_deepseek41_prompt_after_kill_9_of_the_worker_comes_from_the_host_tier(tmp_path):
+    """The snapshot cache's host tier (worker/snapshot_host.py) lives in the store process: a worker killed with
+    SIGKILL and started again answers the repeated prompt from it (every token cached, no pass) with the same tokens,
+    and resumes a longer prompt at the first one's checkpoint (the bits of a miss: tests/worker/test_snapshot_cache.py)."""
+    from dataclasses import replace
+    from betelgeuse.gguf.synth import spec_from_preset, write_model
+    model = tmp_path / "ds41-tiny.gguf"
+    write_model(model, replace(spec_from_preset("ds41-tiny"), expert_qtype="Q8_0", seed=2), progress=False)
+    P = prompt(150, 512, seed=5)
+    socks = StoreSockets(tmp_path)
+    store = start_store(model, socks, 2, 4)
+    try:
+        port = free_port()
+        worker = start_worker(model, socks, port, 2, 4)
+        first = generate(port, P)
+        assert first.usage.cached_tokens == 0
+        worker.kill9()
+        worker = start_worker(model, socks, port, 2, 4)
+        try:
+            again = generate(port, P)
+            assert list(again.token_ids) == list(first.token_ids) and again.usage.cached_tokens == len(P)
+            ext = generate(port, P + P[:40])
+            assert ext.usage.cached_tokens == 128
+        finally:
+            assert worker.stop() == 0, worker.log()
+    finally:
+        store.stop()
