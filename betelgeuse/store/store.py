@@ -38,6 +38,7 @@ from betelgeuse.store.arena import Arena
 from betelgeuse.store.directory import TIER_DISK, TIER_HOST, TIER_VRAM, SlotDirectory
 from betelgeuse.store.engram import EngramLanded, EngramRows
 from betelgeuse.store.plan import SlotPlan
+from betelgeuse.store.prefix_disk import PrefixDisk
 from betelgeuse.store.residency import fill_budget, plan_moves
 from betelgeuse.store.reader import ExpertReader
 from betelgeuse.store.watch import ModelWatch
@@ -93,14 +94,20 @@ class StoreCounters:
 
 class ExpertStore:
     def __init__(self, model: GGUFModelFile, plan: SlotPlan, read_threads: int = 8, read_request_bytes: int = 4 << 20,
-                 engram_read_depth: int = 32, bound_fills: bool = False, hysteresis: bool = True):
+                 engram_read_depth: int = 32, bound_fills: bool = False, hysteresis: bool = True,
+                 prefix_save_path: str = ""):
         self.model, self.plan = model, plan
         self.layout = plan.layout
         self.arena = Arena.create(self.layout.total_bytes)
         # the prefix cache's host tier: bytes the store holds for the worker (it writes them: worker/prefix_host.py),
-        # so that they outlive a worker restart as the arena does; a new store starts it empty (a new memfd)
+        # so that they outlive a worker restart as the arena does; a new store starts it empty (a new memfd), or
+        # with what prefix_save_path holds: saved there when the store is idle and when it stops (store/prefix_disk.py)
         self.prefix_arena = (Arena.create(plan.prefix_host_bytes, name="betelgeuse-prefix")
                              if plan.prefix_host_bytes else None)
+        self.prefix_disk = (PrefixDisk(prefix_save_path, self.prefix_arena, model.path)
+                            if prefix_save_path and self.prefix_arena is not None else None)
+        if self.prefix_disk is not None:
+            self.prefix_disk.load()                   # before any worker can attach: no one writes the region yet
         self.directory = SlotDirectory(self.arena, self.layout, create=True)
         self.reader = ExpertReader(model.path, self.arena, threads=read_threads, request_bytes=read_request_bytes)
         # the file as opened: a read that lands after the file changed is refused, and so is all work until the
@@ -144,6 +151,12 @@ class ExpertStore:
         self._filling: set[tuple[int, int]] = set()                 # staged copies being copied into host slots
         self.counters = StoreCounters()
         self.started = time.monotonic()
+        self.pass_ended = self.started                # when the last pass ended (idle time: the prefix tier's saves)
+        self._closing = threading.Event()
+        self._saver = None
+        if self.prefix_disk is not None:
+            self._saver = threading.Thread(target=self._save_prefix_when_idle, name="prefix-save", daemon=True)
+            self._saver.start()
 
     # ---- sessions and passes -------------------------------------------------------------
     def attach(self, worker_pid: int, lease=None) -> tuple[str, str]:
@@ -208,6 +221,7 @@ class ExpertStore:
             self._release(release)
             self.pass_active = False
             self.directory.pass_active = False
+            self.pass_ended = time.monotonic()
             self._usage += usage
             if not consolidate or self._consolidating is not None:
                 return 0                   # a consolidation still in flight: this usage waits for the next one
@@ -607,6 +621,20 @@ class ExpertStore:
         event(log, "consolidation", moves=len(moves), **by_tier, disk_reads=reads, staged_copies=copies,
               ms=ms * 1e3, n=self.counters.consolidations, max_new=self.max_new)
 
+    # ---- the prefix tier on disk ---------------------------------------------------------------
+    IDLE_S = 1.0        # no pass for this long (and no expert read in flight): the prefix tier's save may write
+
+    def _busy(self) -> bool:
+        """Expert work is on (a pass, a consolidation's fills, a read): a save in progress stops."""
+        return (self.pass_active or self._consolidating is not None or bool(self._inflight)
+                or self._closing.is_set())
+
+    def _save_prefix_when_idle(self):
+        while not self._closing.wait(0.5):
+            if self._busy() or time.monotonic() - self.pass_ended < self.IDLE_S:
+                continue
+            self.prefix_disk.save(abort=self._busy)
+
     # ---- status ------------------------------------------------------------------------------
     def tier_counts(self) -> dict[str, int]:
         snap = self.directory.snapshot()
@@ -642,9 +670,16 @@ class ExpertStore:
             "staging_handed": len(self._handed),    # staging slots the worker holds (not yet handed back)
             "refusing": self.watch.why,
             **(self.engram.status() if self.engram is not None else {}),
+            **(self.prefix_disk.status() if self.prefix_disk is not None else {}),
         }
 
     def close(self):
+        self._closing.set()
+        if self._saver is not None:         # then the last save, whole and at once (a clean stop: SIGTERM)
+            self._saver.join()
+            self._saver = None
+            self.prefix_disk.save(rate=None)
+            self.prefix_disk.close()
         t = self._consolidating
         if t is not None:                    # a consolidation still reading: its reads land before the reader closes
             t.join()

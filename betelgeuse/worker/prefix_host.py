@@ -8,17 +8,16 @@ here), and it outlives the worker (a restarted worker finds them) as the arena d
     tier.get(slot, kv_block, logits_row)        # and back, H2D
 
 Who writes: the store creates the memfd (sized by the slot plan within the memory budget, pre-faulted, zeros) and
-never reads or writes it; it hands the worker a writable fd with the arena's. Only the attached worker writes (the
+never writes it while a worker may (it reads it to save it to disk, store/prefix_disk.py, and fills it from there
+before any worker attaches); it hands the worker a writable fd with the arena's. Only the attached worker writes (the
 store's lease admits one worker at a time, and the worker touches the region only once Attach accepted it), so the
 index needs no lock and no protocol: it is a table in the region itself, which a worker adopts when it attaches.
-A new store is a new memfd: the tier starts empty.
+A new store is a new memfd: the tier starts empty, unless [store] prefix_save_path names the file a store saved
+it to (then it starts with what that file holds, for the same model and geometry).
 
-Layout (little endian, numpy structured arrays over the region):
-
-    header  (4 KiB): magic u64, version u32, n_slots u32, slot_bytes u64, clock u64, geometry tag (16 bytes)
-    entries [n_slots] of (seq u64, stamp u64, digest 16 B, parent digest 16 B, n_tok i32, whole i32, tokens i32[block])
-    slots   [n_slots] x slot_bytes, 4 KiB aligned: K/V [n_layer, 2, n_head_kv, block, head_dim] in the compute dtype,
-            then the whole prompt's last logits [n_vocab] float32 (used by whole-prompt entries only)
+Layout: store/prefix_region.py (header, entries, slots; numpy structured arrays over the region). A K/V slot holds
+K/V [n_layer, 2, n_head_kv, block, head_dim] in the compute dtype, then the whole prompt's last logits [n_vocab]
+float32 (used by whole-prompt entries only).
 
 `seq` is each entry's generation: odd while its slot is being written (the key is cleared first, the bytes
 copied, the key set, then it goes even), so a worker killed mid-copy leaves an odd entry that its successor treats
@@ -35,19 +34,8 @@ import numpy as np
 import torch
 
 from betelgeuse.store.arena import Arena
-from betelgeuse.store.layout import PAGE, round_up
-
-MAGIC = int.from_bytes(b"BTLGPFX1", "little")
-VERSION = 1
-HEADER_BYTES = PAGE
-HEADER_DTYPE = np.dtype([("magic", "<u8"), ("version", "<u4"), ("n_slots", "<u4"), ("slot_bytes", "<u8"),
-                         ("clock", "<u8"), ("tag", "S16")])
-
-
-def entry_dtype(block: int) -> np.dtype:
-    return np.dtype([("seq", "<u8"), ("stamp", "<u8"), ("digest", "S16"), ("pdigest", "S16"), ("n_tok", "<i4"),
-                     ("whole", "<i4"), ("tokens", "<i4", (block,))])
-
+from betelgeuse.store.layout import round_up
+from betelgeuse.store.prefix_region import HEADER_BYTES, HEADER_DTYPE, MAGIC, VERSION, entry_dtype, fit, valid
 
 class SlotRegion:
     """The layout every host tier shares (module doc): a header, an entry table (`ent`: at least seq, stamp, digest,
@@ -57,26 +45,23 @@ class SlotRegion:
 
     def __init__(self, arena: Arena, ent: np.dtype, slot_bytes: int, geometry):
         self.arena, self.slot_bytes = arena, slot_bytes
-        n = max(0, (arena.nbytes - HEADER_BYTES) // (slot_bytes + ent.itemsize))
-        while n and HEADER_BYTES + round_up(n * ent.itemsize) + n * slot_bytes > arena.nbytes:
-            n -= 1
+        n, self.base = fit(arena.nbytes, slot_bytes, ent.itemsize)
         self.n_slots = n
-        self.base = HEADER_BYTES + round_up(n * ent.itemsize)
         self.hdr = arena.numpy(0, HEADER_DTYPE.itemsize, dtype=HEADER_DTYPE)[0:1]
         self.ent = arena.numpy(HEADER_BYTES, n * ent.itemsize, dtype=ent) if n else np.zeros(0, dtype=ent)
         tag = hashlib.blake2b(repr(geometry).encode(), digest_size=16).digest()
         h = self.hdr[0]
         self.adopted = (int(h["magic"]) == MAGIC and int(h["version"]) == VERSION and int(h["n_slots"]) == n
-                        and int(h["slot_bytes"]) == slot_bytes and bytes(h["tag"]) == tag)
+                        and int(h["slot_bytes"]) == slot_bytes and bytes(h["tag"]) == tag
+                        and int(h["entry_bytes"]) == ent.itemsize)
         if not self.adopted:                     # a new region (zeros), or one another geometry wrote
             self.hdr["magic"] = 0
             self.ent["seq"], self.ent["n_tok"] = 0, 0
             self.hdr["version"], self.hdr["n_slots"], self.hdr["slot_bytes"] = VERSION, n, slot_bytes
-            self.hdr["clock"], self.hdr["tag"] = 0, tag
+            self.hdr["clock"], self.hdr["tag"], self.hdr["entry_bytes"] = 0, tag, ent.itemsize
             self.hdr["magic"] = MAGIC            # last: a region with the magic set is formatted
         # the index: chained hash -> slot, of the entries that are whole (even seq, a key)
-        valid = np.nonzero((self.ent["seq"] % 2 == 0) & (self.ent["n_tok"] > 0))[0]
-        self.index: dict[bytes, int] = {bytes(self.ent["digest"][i]): int(i) for i in valid}
+        self.index: dict[bytes, int] = {bytes(self.ent["digest"][i]): int(i) for i in np.nonzero(valid(self.ent))[0]}
         self.pinned: set[int] = set()            # slots a lookup is reading: never evicted meanwhile
         self.hits = 0                            # entries copied back to the device
         self.spills = 0                          # entries copied in
@@ -161,7 +146,8 @@ class HostTier(SlotRegion):
             return None
         e = self.ent[slot]
         n = int(e["n_tok"])
-        if n != len(toks) or bytes(e["pdigest"]) != ph or tuple(e["tokens"][:n].tolist()) != toks:
+        # digests are 16 raw bytes in the region (a chain's root, b"", reads back as 16 zeros)
+        if n != len(toks) or bytes(e["pdigest"]) != ph.ljust(16, b"\0") or tuple(e["tokens"][:n].tolist()) != toks:
             return None
         self._touch(slot)
         return slot

@@ -30,7 +30,7 @@ MAX_TENSORS = 512               # tensors per snapshot (deepseek4: <= 7 a layer,
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ALIGN = 64
 
-ENTRY = np.dtype([("seq", "<u8"), ("stamp", "<u8"), ("digest", "S16"), ("n_tok", "<i4"), ("whole", "<i4"),
+ENTRY = np.dtype([("seq", "<u8"), ("stamp", "<u8"), ("digest", "V16"), ("n_tok", "<i4"), ("whole", "<i4"),
                   ("n_ten", "<i4"), ("n_host", "<i4")])
 
 
