@@ -285,6 +285,10 @@ class StoreMetrics:
     workers_attached: Gauge           # worker processes holding the arena
     cgroup_memory: Gauge              # [kind] current | max
     engram_rows: Counter              # [source] deepseek41 Engram rows served: disk | cache (the store's row cache)
+    prefix_file_entries: Gauge        # prefix host tier entries the save file holds ([store] prefix_save_path)
+    prefix_loaded_entries: Gauge      # of them, copied back into the host tier at start
+    prefix_saved_bytes: Counter       # bytes the saves wrote (O_DIRECT)
+    prefix_last_save: Gauge           # unix time of the last save that wrote something (0 = none)
 
     def set_cgroup_reader(self, current: Callable[[], float], maximum: Callable[[], float]) -> None:
         _set_cgroup_reader(self.cgroup_memory, current, maximum)
@@ -316,6 +320,14 @@ def make_store_metrics(version: str = "0.1.0") -> StoreMetrics:
         cgroup_memory=_cgroup_gauge(reg),
         engram_rows=Counter("betelgeuse_engram_store_rows", "Engram rows the store served, by source (disk | cache).",
                             ["source"], registry=reg),
+        prefix_file_entries=Gauge("betelgeuse_prefix_file_entries", "Prefix cache host-tier entries the save file "
+                                  "holds.", registry=reg),
+        prefix_loaded_entries=Gauge("betelgeuse_prefix_loaded_entries", "Prefix cache host-tier entries loaded from "
+                                    "the save file at start.", registry=reg),
+        prefix_saved_bytes=Counter("betelgeuse_prefix_saved_bytes", "Bytes written saving the prefix cache's host "
+                                   "tier.", registry=reg),
+        prefix_last_save=Gauge("betelgeuse_prefix_last_save_timestamp_seconds", "Unix time of the last save of the "
+                               "prefix cache's host tier (0 = none).", registry=reg),
     )
     for source in ("disk", "cache"):
         m.engram_rows.labels(source=source)

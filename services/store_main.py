@@ -300,6 +300,11 @@ def _sync_metrics(m, store: ExpertStore, stop: threading.Event):
         m.expert_slots.labels(tier="host", state="used").set(used)
         m.expert_slots.labels(tier="host", state="free").set(store.plan.n_layer * store.plan.host_per_layer - used)
         m.workers_attached.set(1 if st["session"] else 0)
+        if store.prefix_disk is not None:            # the prefix host tier's save file ([store] prefix_save_path)
+            m.prefix_file_entries.set(st["prefix_file_entries"])
+            m.prefix_loaded_entries.set(st["prefix_loaded_entries"])
+            m.prefix_saved_bytes.inc(delta("ps", st["prefix_saved_bytes"]))
+            m.prefix_last_save.set(st["prefix_last_save_unix"])
         if store.engram is not None:                 # deepseek41: Engram rows, on the Engram tier's own reader
             e = store.engram.reader.stats.copy()
             m.disk_read_bytes.labels(reason="engram").inc(delta("be", e.request_bytes[0]))

@@ -51,7 +51,7 @@ log = logging.getLogger("betelgeuse.store")
 FILE_MAGIC = int.from_bytes(b"BTLGPFD1", "little")
 FILE_VERSION = 1
 FILE_HEADER = np.dtype([("magic", "<u8"), ("version", "<u4"), ("n_slots", "<u4"), ("slot_bytes", "<u8"),
-                        ("entry_bytes", "<u4"), ("clock", "<u8"), ("tag", "S16"), ("model", "S16"), ("crc", "<u4")])
+                        ("entry_bytes", "<u4"), ("clock", "<u8"), ("tag", "V16"), ("model", "V16"), ("crc", "<u4")])
 CHUNK = 1 << 20                  # bytes per write: the unit a starting pass aborts at and the rate limit paces
 RATE = 256 << 20                 # bytes/s an idle-time save writes at most (the disk reads experts at >= 1.4 GB/s)
 IDENTITY_BYTES = 64 << 10        # of the model file's start (the GGUF header and the start of its metadata)
@@ -280,8 +280,8 @@ class PrefixDisk:
             return 0
         try:
             n = self._load()
-        except (OSError, EOFError, ValueError) as e:
-            n, self.stats.load_note = 0, f"unreadable: {e}"
+        except Exception as e:                       # whatever the file holds, the store starts (with the tier empty)
+            n, self.stats.load_note = 0, f"unreadable: {type(e).__name__}: {e}"
         if self.stats.load_note:
             self.region.numpy(0, PAGE)[:] = 0         # what a partial copy left: nothing a worker adopts
             self.geom = None
@@ -322,7 +322,6 @@ class PrefixDisk:
         same = n_new == g.n_slots                    # the same layout: each entry to its own slot, the file stays
         dst = src if same else np.arange(len(src))
         ent = self.region.numpy(HEADER_BYTES, n_new * g.entry_bytes, dtype=fe.dtype) if n_new else fe[:0]
-        ent[:] = 0
         loaded, bad = 0, 0
         for i, j in zip(src.tolist(), dst.tolist()):
             slot = self.region.numpy(base + j * g.slot_bytes, g.slot_bytes)

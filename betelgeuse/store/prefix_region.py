@@ -22,11 +22,12 @@ MAGIC = int.from_bytes(b"BTLGPFX1", "little")
 VERSION = 2
 HEADER_BYTES = PAGE
 HEADER_DTYPE = np.dtype([("magic", "<u8"), ("version", "<u4"), ("n_slots", "<u4"), ("slot_bytes", "<u8"),
-                         ("clock", "<u8"), ("tag", "S16"), ("entry_bytes", "<u4")])
+                         ("clock", "<u8"), ("tag", "V16"), ("entry_bytes", "<u4")])
 
 
 def entry_dtype(block: int) -> np.dtype:
-    return np.dtype([("seq", "<u8"), ("stamp", "<u8"), ("digest", "S16"), ("pdigest", "S16"), ("n_tok", "<i4"),
+    # digests are raw 16 bytes (V16): numpy's S16 would drop a digest's trailing zero bytes when read back
+    return np.dtype([("seq", "<u8"), ("stamp", "<u8"), ("digest", "V16"), ("pdigest", "V16"), ("n_tok", "<i4"),
                      ("whole", "<i4"), ("tokens", "<i4", (block,))])
 
 
