@@ -64,3 +64,16 @@ def test_the_prefix_cache_survives_a_restart_of_the_whole_service(service_model,
         assert h.value(samples, "betelgeuse_prefix_loaded_entries") == st["prefix_loaded_entries"]
     finally:
         assert c.stop() == 0, h.cluster_logs(c)
+
+
+def test_with_the_setting_off_nothing_is_written_and_the_prompt_is_recomputed(service_model, tmp_path):
+    for run in ("run1", "run2"):
+        c = h.start_cluster(service_model, tmp_path / run, settings={"store.prefix_save_path": ""})
+        try:
+            assert "prefix_save_path" not in _status(c)
+            _, usage = _final(c, AGENT)
+            assert usage.cached_tokens == 0, usage           # a new store: a new, empty host tier
+        finally:
+            assert c.stop() == 0, h.cluster_logs(c)
+        assert "prefix_save" not in c.store.log() and "prefix_load" not in c.store.log()
+    assert not [p for p in tmp_path.rglob("*") if "prefix" in p.name]
