@@ -1,5 +1,7 @@
 """TTFT of a repeated prompt after `kill -9` of the worker (answered from the prefix cache's host tier, which the
-store keeps) against the same prompt recomputed (the host tier off), on real processes (store + worker, CPU).
+store keeps) against the same prompt recomputed (the host tier off), and after a restart of the whole service (store
+and worker stopped with SIGTERM and started again: answered from the tier the store saved to [store]
+prefix_save_path and loaded back) against the same restart with the setting off, on real processes (CPU).
 
     .venv/bin/python tests/scripts/prefix_restart_ttft.py [--model m.gguf | --preset ds41-tiny] [--tokens 512]
         [--device cuda]
@@ -28,14 +30,22 @@ def final(c: Cluster, ids: list[int]):
     return list(generate_stream(c.address, prompt_ids=ids, max_tokens=1, ignore_eos=True))[-1].final
 
 
-def run(model: str, ids: list[int], host_bytes: str, tmp: str, device: str) -> tuple:
-    c = Cluster(model, tmp, device=device, settings={"engine.prefix_host_bytes": host_bytes, "engine.max_context": 2048},
-                worker_metrics="", store_metrics="")
+def run(model: str, ids: list[int], host_bytes: str, tmp: str, device: str, save: str | None = None) -> tuple:
+    """save None: kill -9 of the worker between the two requests; else a stop and start of both processes with
+    [store] prefix_save_path = save ("" = off)."""
+    settings = {"engine.prefix_host_bytes": host_bytes, "engine.max_context": 2048}
+    if save is not None:
+        settings["store.prefix_save_path"] = save
+    c = Cluster(model, tmp, device=device, settings=settings, worker_metrics="", store_metrics="")
     try:
         c.start_store()
         c.start_worker()
         first = final(c, ids)
-        c.worker.kill9()                     # what the supervisor (serve, systemd) then does: start it again
+        if save is None:
+            c.worker.kill9()                 # what the supervisor (serve, systemd) then does: start it again
+        else:
+            c.stop()                         # `systemctl restart betelgeuse`: worker, then store, SIGTERM
+            c.start_store()
         c.start_worker()
         again = final(c, ids)
         assert list(again.token_ids) == list(first.token_ids), "the repeated prompt gave other tokens"
@@ -63,6 +73,10 @@ def main() -> int:
         for name, host in (("host tier on (auto)", "auto"), ("host tier off (recompute)", "0")):
             first, again = run(model, ids, host, str(Path(tmp) / host), o.device)
             print(f"{name:27s} first {first.ttft_ms:8.1f} ms | after kill -9 of the worker: TTFT "
+                  f"{again.ttft_ms:8.1f} ms, cached_tokens {again.cached_tokens}/{again.prompt_n}")
+        for name, save in (("saved to disk", str(Path(tmp) / "prefix-cache.bin")), ("not saved (recompute)", "")):
+            first, again = run(model, ids, "auto", str(Path(tmp) / f"full{bool(save)}"), o.device, save)
+            print(f"{name:27s} first {first.ttft_ms:8.1f} ms | after a restart of store and worker: TTFT "
                   f"{again.ttft_ms:8.1f} ms, cached_tokens {again.cached_tokens}/{again.prompt_n}")
     return 0
 
