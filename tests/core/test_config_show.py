@@ -121,11 +121,13 @@ def test_shipped_file_lists_every_key():
     data = tomllib.loads((ROOT / "deploy" / "betelgeuse.toml").read_text())
     assert {(s, k) for s, vals in data.items() for k in vals} == set(KEYS)
     assert list(Settings.model_fields) == list(data)                  # the file's sections, in the model's order
-    # and the file's values are the model's defaults (bar the model path a deployment must set)
+    # and the file's values are the model's defaults (bar the model path a deployment must set, and the prefix tier's
+    # save file: off in the code, on in the shipped file, under the units' StateDirectory)
     from betelgeuse.settings import BY_KEY
+    assert data["store"]["prefix_save_path"] == "/var/lib/betelgeuse/prefix-cache.bin"
     for s, vals in data.items():
         for k, v in vals.items():
-            if (s, k) != ("model", "path"):
+            if (s, k) not in (("model", "path"), ("store", "prefix_save_path")):
                 assert getattr(getattr(load_settings(ROOT / "deploy" / "betelgeuse.toml", env={}), s), k) == \
                     BY_KEY[(s, k)].default, (s, k)
 

@@ -67,6 +67,10 @@ STORE = {
     "betelgeuse_disk_direct_io": "gauge",
     "betelgeuse_expert_slots": "gauge",
     "betelgeuse_arena_bytes": "gauge",
+    "betelgeuse_prefix_file_entries": "gauge",
+    "betelgeuse_prefix_loaded_entries": "gauge",
+    "betelgeuse_prefix_saved_bytes": "counter",
+    "betelgeuse_prefix_last_save_timestamp_seconds": "gauge",
     "betelgeuse_cgroup_memory_bytes": "gauge",
     "betelgeuse_build_info": "gauge",  # Info: the text parser sees a gauge
     "betelgeuse_ready": "gauge",
