@@ -233,7 +233,7 @@ class PrefixDisk:
         if drop.any():                               # first: no record describes a slot about to be rewritten
             fe["seq"][drop] = 1
             self._write(self._buf, PAGE)
-        written, done = 0, True
+        sent, done = 0, True
         for i in write[np.argsort(-cur["stamp"][write], kind="stable")]:
             s1 = int(ent["seq"][i])
             if s1 % 2 or not s1:
@@ -246,9 +246,9 @@ class PrefixDisk:
                     done = False
                     break
                 self._write(slot[off:off + CHUNK], g.slots_offset + int(i) * g.slot_bytes + off)
-                written += min(CHUNK, g.slot_bytes - off)
+                sent += min(CHUNK, g.slot_bytes - off)
                 if rate:
-                    time.sleep(max(0.0, t0 + written / rate - time.monotonic()))
+                    time.sleep(max(0.0, t0 + sent / rate - time.monotonic()))
             if not done:
                 break
             if int(ent["seq"][i]) != s1:             # the worker rewrote it meanwhile: next time
@@ -265,7 +265,7 @@ class PrefixDisk:
         self.stats.saves += 1
         self.stats.aborted += not done and abort()
         self.stats.last_save_unix = time.time()
-        event(log, "prefix_save", logging.DEBUG, path=self.path, entries=self.stats.file_entries, wrote=written,
+        event(log, "prefix_save", logging.DEBUG, path=self.path, entries=self.stats.file_entries, wrote=sent,
               ms=(time.monotonic() - t0) * 1e3, complete=done)
         return done
 

@@ -2,7 +2,7 @@
 region, the store saves it and a new region (a restarted store's memfd) loads it back, bit for bit; only what changed
 is written again; an entry the worker is writing is not saved; another model file, another geometry, a truncated or
 corrupt file is ignored (the tier starts empty), never an error. The whole service restarted: tests/services/
-test_prefix_disk.py."""
+test_prefix_restart.py."""
 
 from __future__ import annotations
 
