@@ -58,14 +58,17 @@ class KVManager:
         pc.host = None
         if arena is not None:
             r, c = self.runner, self.runner.mcfg
+            # what else decides a block's bits: a tier written under other numerics (a restarted worker or service
+            # with another routing mode, kernel path or device) is formatted, never adopted
+            num = (r.device.type, r.cfg.kernels, r.cfg.act_quant, r.cfg.routing, r.cfg.schedule)
             if isinstance(pc, SnapshotCache):
                 # a slot holds a whole context's state: the registry's state_bytes bounds any snapshot
                 dt = torch.empty((), dtype=r.dtype).element_size()
-                pc.host = SnapshotHost(arena, (c.arch, c.n_layer, c.n_embd, str(r.dtype), pc.block),
+                pc.host = SnapshotHost(arena, (c.arch, c.n_layer, c.n_embd, str(r.dtype), pc.block) + num,
                                        r.cfg.max_context, c.n_vocab, arch_of(c).state_bytes(c, r.cfg.max_context, dt))
             else:
                 pc.host = HostTier(arena, c.n_layer, c.n_head_kv, c.head_dim, pc.block, pc.pool.dtype,
-                                   pc.tail_logits.shape[1])
+                                   pc.tail_logits.shape[1], num)
             event(log, "prefix_host_tier", slots=pc.host.n_slots, bytes=pc.host.capacity_bytes,
                   adopted_blocks=len(pc.host.index))
         if self.metrics:

@@ -22,8 +22,9 @@ float32 (used by whole-prompt entries only).
 `seq` is each entry's generation: odd while its slot is being written (the key is cleared first, the bytes
 copied, the key set, then it goes even), so a worker killed mid-copy leaves an odd entry that its successor treats
 as free: a reader never sees a torn block. `stamp` is a clock bumped per use: the least recently used entry is
-evicted first (entries pinned by a lookup in progress are spared). The geometry tag (model shape, block, dtype)
-must match, else the region is formatted anew (a worker started with another dtype or chunk size).
+evicted first (entries pinned by a lookup in progress are spared). The geometry tag (model shape, block, dtype,
+and the numerics: device type, kernels, act_quant, routing mode, schedule) must match, else the region is formatted
+anew (a worker started with another dtype, chunk size or routing mode never reads bits it would not compute).
 """
 
 from __future__ import annotations
@@ -124,13 +125,13 @@ class SlotRegion:
 
 class HostTier(SlotRegion):
     def __init__(self, arena: Arena, n_layer: int, n_head_kv: int, head_dim: int, block: int, dtype: torch.dtype,
-                 n_vocab: int):
+                 n_vocab: int, numerics: tuple = ()):
         self.kv_shape = (n_layer, 2, n_head_kv, block, head_dim)
         self.dtype = dtype
         self.kv_bytes = int(np.prod(self.kv_shape)) * torch.empty((), dtype=dtype).element_size()
         self.n_vocab = n_vocab
         super().__init__(arena, entry_dtype(block), round_up(self.kv_bytes + 4 * n_vocab),
-                         (self.kv_shape, str(dtype), n_vocab))
+                         (self.kv_shape, str(dtype), n_vocab) + tuple(numerics))
 
     def _views(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The slot's K/V [n_layer, 2, n_head_kv, block, head_dim] and logits [n_vocab] float32 (views)."""

@@ -199,7 +199,8 @@ def test_an_idle_worker_holds_no_staging_slot(wide, store, tmp_path):
 def test_a_deepseek41_prompt_after_kill_9_of_the_worker_comes_from_the_host_tier(tmp_path):
     """The snapshot cache's host tier (worker/snapshot_host.py) lives in the store process: a worker killed with
     SIGKILL and started again answers the repeated prompt from it (every token cached, no pass) with the same tokens,
-    and resumes a longer prompt at the first one's checkpoint (the bits of a miss: tests/worker/test_snapshot_cache.py)."""
+    and resumes a longer prompt at the first one's checkpoint (the bits of a miss: tests/worker/test_snapshot_cache.py);
+    a worker with another routing mode starts the tier afresh."""
     from dataclasses import replace
     from betelgeuse.gguf.synth import spec_from_preset, write_model
     model = tmp_path / "ds41-tiny.gguf"
@@ -219,6 +220,11 @@ def test_a_deepseek41_prompt_after_kill_9_of_the_worker_comes_from_the_host_tier
             assert list(again.token_ids) == list(first.token_ids) and again.usage.cached_tokens == len(P)
             ext = generate(port, P + P[:40])
             assert ext.usage.cached_tokens == 128
+            # a worker started with other numerics (an approximate routing mode) never adopts the tier: its entries
+            # hold exact routing's bits
+            worker.kill9()
+            worker = start_worker(model, socks, port, 2, 4, extra=("--routing", "pool"))
+            assert generate(port, P).usage.cached_tokens == 0
         finally:
             assert worker.stop() == 0, worker.log()
     finally:
