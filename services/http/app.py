@@ -222,14 +222,38 @@ class ModelNotFound(NotFoundError):
 
 
 
+def _union_tag(x) -> bool:
+    """A component pydantic adds to an error's loc for the member of a union it tried ("str", "list[str]",
+    "NamedToolChoice", "literal['auto']"): not a field of the request (fields are lower-case names and indexes)."""
+    return isinstance(x, str) and ("[" in x or x[:1].isupper() or x in ("str", "int", "float", "bool", "none"))
+
+
 def _first_param(exc: RequestValidationError) -> tuple[str | None, str]:
+    """The first invalid field -> (its dotted name, the message naming it). A field whose value matched none of a
+    union's members gets one error per member, the type mismatches first: the member of the value's own kind says
+    what is wrong (`stop` as a list of 1000: "at most 16 items", not "should be a valid string"); when every
+    member is a type mismatch, the message lists the kinds accepted."""
     errs = exc.errors()
     if not errs:
         return None, "invalid request"
+
+    def field(err) -> list[str]:
+        return [str(x) for x in err.get("loc", ()) if x != "body" and not _union_tag(x)]
+
+    def base(err) -> tuple:                  # the loc up to its first union member
+        loc = tuple(x for x in err.get("loc", ()) if x != "body")
+        i = next((k for k, x in enumerate(loc) if _union_tag(x)), len(loc))
+        return loc[:i]
+
     e = errs[0]
-    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-    param = ".".join(loc) or None
+    members = [x for x in errs if base(x) == base(e)] if any(map(_union_tag, e.get("loc", ()))) else [e]
+    kind = [x for x in members if not x.get("type", "").endswith("_type")]
     msg = e.get("msg", "invalid value")
+    if kind:
+        e, msg = kind[0], kind[0].get("msg", "invalid value")
+    elif len(members) > 1:                   # "Input should be a valid string or a valid list"
+        msg = " or ".join([members[0]["msg"]] + [x["msg"].removeprefix("Input should be ") for x in members[1:]])
+    param = ".".join(field(e)) or None
     if e.get("type") == "json_invalid":
         return None, "the request body is not valid JSON"
     if e.get("type") == "missing":

@@ -405,6 +405,14 @@ BAD_FIELDS = [  # (path, extra body, param the 400 names, words in its message)
     ("/v1/completions", {"prompt": "Hi", "skip_special_tokens": False}, "skip_special_tokens", "unknown parameter"),
     ("/v1/completions", {"prompt": "Hi", "min_tokens": 1}, "min_tokens", "min_tokens"),
     ("/tokenize", {"content": "Hi", "add_bos": True}, "add_bos", "unknown parameter"),
+    # a value matching no member of a union: the member of its own kind says what is wrong (before: the first
+    # member's type mismatch, "stop.str: Input should be a valid string" for a list of 1000 stop strings)
+    ("/v1/chat/completions", {"stop": ["x"] * 1000}, "stop", "at most 16 items"),
+    ("/v1/chat/completions", {"tool_choice": "sometimes"}, "tool_choice", "'none', 'auto' or 'required'"),
+    ("/v1/completions", {"prompt": ["Hi", "Ho"]}, "prompt", "at most 1 item"),
+    ("/v1/responses", {"input": 5}, "input", "a valid string or a valid list"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": 5}]}, None, "messages.0.content: Input should be a "
+     "valid string or a valid list"),
 ]
 
 
