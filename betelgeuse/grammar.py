@@ -144,8 +144,15 @@ class Constraint:
 
     def accept(self, token: int) -> None:
         if not self.matcher.consume_token(token):
-            # only possible if a token outside the mask was forced in (a bug): say so
-            raise InvalidRequestError(f"constrained output rejected token {token}: {self.matcher.get_error()}")
+            # a token the mask allowed is refused when the parser hits one of its limits on this grammar (a
+            # self-referencing required property: "Too many items"); else a token outside the mask was forced in
+            # (a bug). The error's first line says which; the rest is the parser's state and the whole grammar
+            # (kilobytes), for its log, not for the client
+            why = (self.matcher.get_error().split("\n<state>", 1)[0].strip().splitlines() or ["no reason"])[0][:300]
+            if "limit" in why:
+                raise InvalidRequestError(f"constrained output stopped at token {token}: the grammar is too complex "
+                                          f"for the parser ({why})")
+            raise InvalidRequestError(f"constrained output rejected token {token}: {why}")
 
     @property
     def done(self) -> bool:

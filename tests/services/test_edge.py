@@ -454,6 +454,24 @@ def test_vllm_structured_output_fields_constrain_the_output(cluster, channel):
     assert st == 400 and got["error"]["param"] == "temperature"
 
 
+def test_a_schema_past_the_parser_limits_is_a_short_error(cluster):
+    """A JSON schema whose object requires itself passes validation, and the parser gives up at the first token
+    ("Too many items"). Before: the 400 (and the stream's error event) carried the parser's whole state and the
+    compiled grammar, ~3 KB of internals, under "rejected token", worded as a server bug."""
+    schema = {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}
+    body = {"max_tokens": 20, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+    st, _, got = chat(cluster, body)
+    TALLY["bad_inputs"] += 1
+    msg = got["error"]["message"]
+    assert st == 400 and "too complex" in msg and "Too many items" in msg and "<state>" not in msg, got
+    assert len(msg) < 500 and "\n" not in msg, msg
+    st, _, text = http(cluster.http_url + "/v1/chat/completions", "POST", {
+        "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "stream": True, **body})
+    errors = [e["error"] for e in sse(text) if "error" in e]
+    assert st == 200 and len(errors) == 1 and "too complex" in errors[0]["message"], text[:2000]
+    assert len(errors[0]["message"]) < 500, errors
+
+
 def _raw(cluster, path: str, raw: str):
     TALLY["requests"] += 1
     TALLY["bad_inputs"] += 1
