@@ -266,7 +266,7 @@ def _first_param(exc: RequestValidationError) -> tuple[str | None, str]:
 class Edge:
     """Pure ASGI middleware around the routes (inside Starlette's ServerErrorMiddleware, outside the exception
     handlers): API keys on every path but OPEN_PATHS, the body-size limit from Content-Length (before a byte of the
-    body is read), and a bug -> one log line and a 500 in the path's shape. Catching bugs here, not in an
+    body is read; a chunked body: counted as it is read, _bounded_body), and a bug -> one log line and a 500 in the path's shape. Catching bugs here, not in an
     `Exception` handler, keeps ServerErrorMiddleware from re-raising them to uvicorn, which would log a second,
     multi-line traceback for the same event."""
 
@@ -283,6 +283,10 @@ class Edge:
             n = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"content-length"), None)
             if n is not None and (not n.isdigit() or int(n) > MAX_BODY_BYTES):
                 raise RequestTooLargeError(f"the request body is larger than {MAX_BODY_BYTES} bytes")
+            if n is None and any(k == b"transfer-encoding" for k, _ in scope["headers"]):
+                receive = await _bounded_body(receive)
+                if receive is None:                  # the client went away while sending it
+                    return
         except BetelgeuseError as e:
             self.front.count(_method(path), e.grpc_code)
             return await error_response(path, e)(scope, receive, send)
@@ -304,6 +308,29 @@ class Edge:
             self.front.count(_method(path), InternalError.grpc_code)
             if not started:
                 await error_response(path, e)(scope, receive, send)
+
+
+async def _bounded_body(receive):
+    """A chunked body (no Content-Length to refuse it by) read here, counted as it comes: past MAX_BODY_BYTES it is
+    refused (RequestTooLargeError) before more is read, instead of the whole of it landing in the worker's memory
+    (the GPU worker's: a client streaming gigabytes would get it killed for memory). -> a `receive` that gives the
+    routes the body read, then the connection's own messages (a disconnect); None: the client left meanwhile."""
+    parts, size = [], 0
+    while True:
+        msg = await receive()
+        if msg["type"] != "http.request":
+            return None
+        parts.append(msg.get("body", b""))
+        size += len(parts[-1])
+        if size > MAX_BODY_BYTES:
+            raise RequestTooLargeError(f"the request body is larger than {MAX_BODY_BYTES} bytes")
+        if not msg.get("more_body", False):
+            break
+    pending = [{"type": "http.request", "body": b"".join(parts), "more_body": False}]
+
+    async def replay():
+        return pending.pop() if pending else await receive()
+    return replay
 
 
 def build_app(engine, metrics=None, api_keys: list[str] | None = None) -> FastAPI:

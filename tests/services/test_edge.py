@@ -472,6 +472,42 @@ def test_a_schema_past_the_parser_limits_is_a_short_error(cluster):
     assert len(errors[0]["message"]) < 500, errors
 
 
+def _chunked(cluster, body_chunks) -> tuple[int, dict]:
+    """POST /v1/completions with Transfer-Encoding: chunked (no Content-Length) -> (status, JSON). Sending stops
+    where the server answered or closed meanwhile."""
+    host, port = cluster.http.rsplit(":", 1)
+    TALLY["requests"] += 1
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
+        try:
+            for c in body_chunks:
+                s.sendall(b"%x\r\n%s\r\n" % (len(c), c))
+            s.sendall(b"0\r\n\r\n")
+        except OSError:                    # refused before the end: the answer is already there
+            pass
+        raw = b""
+        while chunk := s.recv(65536):
+            raw += chunk
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def test_a_chunked_body_is_held_to_the_size_limit(cluster):
+    """A body sent chunked has no Content-Length to be refused by. Before: it was read whole into the worker's
+    memory whatever its size (64 MiB sent: the worker's RSS +200 MB, then a 400 "not valid JSON"), so a client
+    streaming gigabytes could get the GPU worker killed for memory. Now it is counted as it comes and refused (413)
+    past the limit; a chunked body within it is served as before."""
+    from services.http.app import MAX_BODY_BYTES
+    one = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 2}).encode()
+    st, got = _chunked(cluster, [one[:9], one[9:]])
+    assert st == 200 and got["usage"]["completion_tokens"] == 2, got
+    mib = b"a" * (1 << 20)
+    st, got = _chunked(cluster, [mib] * (MAX_BODY_BYTES // len(mib) + 8))
+    TALLY["bad_inputs"] += 1
+    assert st == 413 and "larger than" in got["error"]["message"], (st, got)
+
+
 def _raw(cluster, path: str, raw: str):
     TALLY["requests"] += 1
     TALLY["bad_inputs"] += 1
