@@ -128,6 +128,7 @@ class WorkerMetrics:
     prefix_cache_bytes: Gauge         # bytes of cached blocks
     prefix_cache_capacity: Gauge      # bytes of the pool (0 = off)
     prefix_cache_usage: Gauge         # used / capacity, 0..1 (0 when off)
+    prefix_cache_held: Gauge          # blocks (snapshots) running requests hold: unevictable; 0 when idle
     prefix_host_hits: Counter         # lookups that reused >= 1 block from the host tier
     prefix_host_bytes: Gauge          # bytes of blocks in the host tier
     prefix_host_capacity: Gauge       # bytes of the host tier (0 = none)
@@ -205,6 +206,8 @@ def make_worker_metrics(version: str = "0.1.0") -> WorkerMetrics:
                                     "(0 = off).", registry=reg),
         prefix_cache_usage=Gauge("betelgeuse_prefix_cache_usage_ratio", "Prefix-cache bytes used / capacity (0..1; 0 "
                                  "when off).", registry=reg),
+        prefix_cache_held=Gauge("betelgeuse_prefix_cache_held_blocks", "Prefix-cache blocks (snapshots) held by "
+                                "running requests: not evictable; 0 when idle (more is a leak).", registry=reg),
         prefix_host_hits=Counter("betelgeuse_prefix_host_hits", "Lookups that reused at least one block from the "
                                  "prefix cache's host tier.", registry=reg),
         prefix_host_bytes=Gauge("betelgeuse_prefix_host_used_bytes", "Bytes of K/V blocks in the prefix cache's host "

@@ -161,6 +161,7 @@ class KVManager:
         seq.kv, seq.blocks = None, []
         if blocks and self.prefix is not None:
             self.prefix.release(blocks)
+            self._export()
 
     def _export(self):
         """The prefix cache's own counters (PrefixStats) into the metrics: what grew since the last export."""
@@ -175,6 +176,7 @@ class KVManager:
         m.prefix_cache_refused.inc(st.refused - old.refused)
         m.prefix_cache_bytes.set(pc.bytes_used)
         m.prefix_cache_usage.set(pc.bytes_used / pc.capacity_bytes if pc.capacity_bytes else 0.0)
+        m.prefix_cache_held.set(pc.held_blocks)
         m.prefix_host_hits.inc(st.host_hits - old.host_hits)
         m.prefix_host_bytes.set(pc.host.bytes_used if pc.host else 0)
         self._exported = dataclasses.replace(st)

@@ -102,6 +102,11 @@ class PrefixCache:
         return (self.n_blocks - len(self.free)) * self.block_bytes + len(self.tail_row) * self.tail_logits.shape[1] * 4
 
     @property
+    def held_blocks(self) -> int:
+        """Blocks some running sequence holds (acquired, not released): 0 when the engine is idle."""
+        return int((self.refs > 0).sum())
+
+    @property
     def capacity_bytes(self) -> int:
         return self.n_blocks * self.block_bytes + self.tail_logits.numel() * 4
 

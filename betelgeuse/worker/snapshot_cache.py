@@ -87,6 +87,11 @@ class SnapshotCache:
         return self.used
 
     @property
+    def held_blocks(self) -> int:
+        """Snapshots some running sequence holds: 0 when the engine is idle."""
+        return sum(e.refs > 0 for e in self.index.values())
+
+    @property
     def capacity_bytes(self) -> int:
         return self.capacity
 

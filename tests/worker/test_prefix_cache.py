@@ -406,3 +406,37 @@ def test_streams_stay_whole_with_clients_joining_cancelling_and_timing_out(model
             assert eng.runner._lanes is not None and not eng.runner._lanes.seqs
     finally:
         close()
+
+
+def test_held_blocks_go_back_when_a_burst_is_cancelled(model):
+    """betelgeuse_prefix_cache_held_blocks: the blocks running requests hold (unevictable). Requests sharing a
+    prefix hold it while they run; a burst cancelled mid-decode and mid-queue gives every block back (the gauge 0,
+    as when idle), and the next request's tokens equal those of an engine without a prefix cache."""
+    eng, close = _engine(model, max_running=3)
+    off, close_off = _engine(model, prefix_cache_bytes=0)
+    try:
+        reg = eng.metrics.registry
+        P = SYSTEM + prompt(5, V, seed=90)
+        want, _ = _gen(off, P)
+        _gen(eng, SYSTEM + prompt(3, V, seed=91))                # the prefix cached: the burst shares its blocks
+        assert _sample(reg, "betelgeuse_prefix_cache_held_blocks") == 0
+        handles = [eng.submit(GenerateRequest(prompt_ids=SYSTEM + prompt(4, V, seed=100 + i), max_tokens=200,
+                                              ignore_eos=True)) for i in range(6)]
+        it = iter(handles[0])
+        for _ in range(3):
+            next(it)                                             # decoding now, with two others; three queued
+        assert _sample(reg, "betelgeuse_prefix_cache_held_blocks") >= len(SYSTEM) // C
+        for h in handles:
+            h.cancel()
+        finals = [list(h)[-1] for h in handles[1:]] + [list(it)[-1]]
+        assert all(f.finish_reason == "cancelled" for f in finals), [f.finish_reason for f in finals]
+        t0 = time.monotonic()
+        while _sample(reg, "betelgeuse_prefix_cache_held_blocks") and time.monotonic() - t0 < 5:
+            time.sleep(0.02)
+        assert _sample(reg, "betelgeuse_prefix_cache_held_blocks") == 0
+        assert eng.prefix_cache.held_blocks == 0 and not eng.running and not eng.waiting
+        got, fin = _gen(eng, P)
+        assert got == want and fin.usage.cached_tokens == len(SYSTEM) // C * C
+    finally:
+        close()
+        close_off()
