@@ -14,7 +14,9 @@ read ahead not yet started (cancelled: never read); and a message's `drop` forge
 wants (a layer's guesses it did not use, worker/guess.py) where they have not started (started ones finish and stay
 staged as any read ahead does).
 Invariant 5: the directory changes only between passes (consolidation); staging slots change only
-when no one references them (a slot handed to the worker is its own until it releases it).
+when no one references them (a slot handed to the worker is its own until it releases it, and it releases every one
+by the end of its pass: a slot still handed when a pass begins, or ends after its releases, was lost by a pass that
+failed mid-layer, and is taken back: _reclaim).
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ class StoreCounters:
     passes: int = 0
     consolidations: int = 0
     attaches: int = 0
+    staging_reclaimed: int = 0      # staging slots taken back from a failed pass (_reclaim; 0 in a healthy run)
     extra: dict = field(default_factory=dict)
 
 
@@ -203,6 +206,7 @@ class ExpertStore:
             t.join()
             self._commit_consolidation()
         with self.cv:
+            self._reclaim("began")
             self.pass_active = True
             self.directory.pass_active = True
             self.counters.passes += 1
@@ -219,6 +223,7 @@ class ExpertStore:
         assert usage.shape == self._usage.shape, (usage.shape, self._usage.shape)
         with self.cv:
             self._release(release)
+            self._reclaim("ended")
             self.pass_active = False
             self.directory.pass_active = False
             self.pass_ended = time.monotonic()
@@ -390,6 +395,19 @@ class ExpertStore:
             self._staged.move_to_end(key)
         if slots:
             self.cv.notify_all()
+
+    def _reclaim(self, when: str):
+        """(under cv) Staging slots still handed to the worker when a pass begins, or ends after its releases: the
+        worker hands every slot back by the end of its pass (with EndPass, its Release calls answered first), so
+        these were lost by a pass that failed mid-layer (a kernel raising: its Load stream dropped with experts still
+        landing, the slots it held forgotten; a load of the dropped stream may land later, taken back at the next
+        pass's end). Left handed, each failure kept its slots for good, until every load waited for one."""
+        lost = sorted(self._handed)
+        if lost:
+            log.warning("took back %d staging slot(s) still handed to the worker when a pass %s (dropped by a pass "
+                        "that failed): %s", len(lost), when, lost[:16])
+            self.counters.staging_reclaimed += len(lost)
+            self._release(lost)
 
     # ---- Engram rows (deepseek41) ------------------------------------------------------------
     def engram_read(self, session: str, tables, rows, release=()) -> int:
@@ -668,6 +686,7 @@ class ExpertStore:
             # disk reads started and not landed yet (demand, read-ahead): 0 with no consolidation pending = quiet
             "reads_in_flight": len(self._inflight),
             "staging_handed": len(self._handed),    # staging slots the worker holds (not yet handed back)
+            "staging_reclaimed": c.staging_reclaimed,
             "refusing": self.watch.why,
             **(self.engram.status() if self.engram is not None else {}),
             **(self.prefix_disk.status() if self.prefix_disk is not None else {}),

@@ -192,6 +192,7 @@ def test_an_idle_worker_holds_no_staging_slot(wide, store, tmp_path):
             generate(port, prompt(32, WIDE_SPEC["n_vocab"], seed=7), max_tokens=40)
             assert settles(lambda: store_status(socks.control)["staging_handed"] == 0, timeout=5.0), \
                 (i, store_status(socks.control)["staging_handed"])
+        assert store_status(socks.control)["staging_reclaimed"] == 0      # every pass handed its slots back itself
     finally:
         assert worker.stop() == 0, worker.log()
 
@@ -229,3 +230,38 @@ def test_a_deepseek41_prompt_after_kill_9_of_the_worker_comes_from_the_host_tier
             assert worker.stop() == 0, worker.log()
     finally:
         store.stop()
+
+
+def test_a_pass_failing_mid_layer_leaves_no_staging_slot_lost(wide, reference, store):
+    """A pass that fails mid-layer (a kernel raising: the device out of memory, say; the engine fails that pass's
+    requests and goes on, invariant 7) drops its Load stream with experts still coming and the staging slots of
+    the landed ones it held: the store had handed them to the worker, which no longer knows them. Each such failure
+    lost slots for good, until every load waited for one that never came back (a live service failing every
+    request with "expert store unavailable (DEADLINE_EXCEEDED)"). Between passes the worker holds none, so the
+    store takes back what is still handed when a pass ends or begins: after the failure and one good pass, none is
+    handed, and the next passes give the reference logits."""
+    _, socks = store
+    client = counting_store_client(socks)
+    runner = ModelRunner(EngineConfig(model_path=str(wide), vram_slots=VRAM, host_slots=HOST), client)
+    apply, calls = runner.moe._apply, []
+
+    def failing(*a, **kw):                 # the third expert group of the cold pass fails (layer 0's disk misses)
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected: a kernel failed mid-layer")
+        return apply(*a, **kw)
+    try:
+        runner.moe._apply = failing
+        with pytest.raises(RuntimeError, match="injected"):
+            runner.forward(PROMPT, runner.new_cache(64), all_logits=True)
+        runner.moe._apply = apply
+        for i in range(2):
+            logits, _ = runner.forward(PROMPT, runner.new_cache(64), all_logits=True)
+            runner.settle()
+            assert torch.equal(logits, reference), i
+            assert settles(lambda: store_status(socks.control)["staging_handed"] == 0, timeout=5.0), \
+                (i, store_status(socks.control)["staging_handed"])
+        assert store_status(socks.control)["staging_reclaimed"] > 0
+    finally:
+        runner.close()
+        client.close()
