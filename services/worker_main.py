@@ -57,7 +57,7 @@ def store_probe(engine: LLMEngine, client: GrpcStoreClient, stop: threading.Even
         except StoreUnavailableError as e:
             if engine.store_ok:
                 engine.report_store_down(e)
-                client.abort()
+                client.abort(e)
 
 
 FD_RESERVE = 512            # descriptors beyond the HTTP connections: gRPC clients, the store, the model, logs, torch
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     def on_lost(err):                             # the store died: its end of our lease closed
         if engine.store_ok:
             engine.report_store_down(err)
-            client.abort()
+            client.abort(err)
     client.on_lost = on_lost
     mi = engine.model_info()
     m.model_info.info({"name": mi.name, "arch": mi.arch, "quant": mi.quant, "n_layer": str(mi.n_layer),

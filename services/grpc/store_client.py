@@ -56,6 +56,7 @@ class GrpcStoreClient:
         self._releases: list = []     # Release calls sent and not yet seen answered (release() does not wait)
         self.consolidating = False    # the last BeginPass: a consolidation was still filling its slots
         self._prefix: Arena | None = None   # the prefix host tier received at the last attach (take_prefix_arena)
+        self._aborted: StoreUnavailableError | None = None  # why abort() closed the channel (for the calls it failed)
 
     def _drop_lease(self):
         """Close our lease socket (shutdown first: it wakes the watcher's recv, which close alone does not)."""
@@ -83,9 +84,9 @@ class GrpcStoreClient:
         try:
             return fn(*args, timeout=timeout or self.timeout, **kw)
         except grpc.RpcError as e:
-            raise _unavailable(e) from None
+            raise self._unavailable(e) from None
         except ValueError as e:                      # "Cannot invoke RPC on closed channel!" after abort()
-            raise StoreUnavailableError(f"expert store unavailable: {e}") from None
+            raise self._closed(e) from None
 
     def attach(self) -> tuple[Arena, SlotPlan]:
         with self._lock:
@@ -107,6 +108,7 @@ class GrpcStoreClient:
             if self.channel is not None:
                 self.channel.close()
             self._releases = []                     # the old session's slots are freed by the new attach
+            self._aborted = None
             self.channel = grpc.insecure_channel(f"unix:{self.socket_path}")
             self.stub = pb_grpc.ExpertStoreStub(self.channel)
         try:
@@ -132,19 +134,35 @@ class GrpcStoreClient:
         out, self._prefix = self._prefix, None
         return out
 
-    def abort(self) -> None:
-        """From another thread: the store stopped answering. Calls in flight fail now (StoreUnavailableError)."""
+    def abort(self, why: StoreUnavailableError | None = None) -> None:
+        """From another thread: the store stopped answering (`why`: how it was seen). Calls in flight fail now, with
+        `why` for their error rather than the closed channel's "CANCELLED: Channel closed!"."""
         with self._lock:
+            self._aborted = why
             if self.channel is not None:
                 self.channel.close()
 
+    def _closed(self, e: ValueError) -> StoreUnavailableError:
+        """A call on the channel abort() closed ("Cannot invoke RPC on closed channel!")."""
+        return StoreUnavailableError(str(self._aborted or f"expert store unavailable: {e}"))
+
+    def _unavailable(self, e: grpc.RpcError) -> BetelgeuseError:
+        why = self._aborted
+        if why is not None and getattr(e, "code", lambda: None)() == grpc.StatusCode.CANCELLED:
+            return StoreUnavailableError(str(why))
+        return _unavailable(e)
+
     def ping(self, timeout: float | None = None) -> dict:
         """The store's status on a fresh channel, without attaching (start-up and the health probe)."""
+        timeout = timeout or self.probe_timeout
         with grpc.insecure_channel(f"unix:{self.socket_path}") as ch:
             try:
-                reply = pb_grpc.ExpertStoreStub(ch).Status(pb.StatusRequest(), timeout=timeout or self.probe_timeout)
+                reply = pb_grpc.ExpertStoreStub(ch).Status(pb.StatusRequest(), timeout=timeout)
             except grpc.RpcError as e:
-                raise _unavailable(e) from None
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise StoreUnavailableError(f"expert store unavailable: it did not answer within {timeout:g} s "
+                                                "(stopped, or hung)") from None
+                raise self._unavailable(e) from None
         st = json.loads(reply.json)
         if st.get("refusing"):                       # up, but refusing work (its model file changed under it)
             raise StoreUnavailableError(f"expert store unavailable: {st['refusing']}")
@@ -168,18 +186,17 @@ class GrpcStoreClient:
         try:
             call = self.stub.Load(req, timeout=self.timeout + self.per_expert * len(keys))
         except ValueError as e:                      # the channel was closed (abort)
-            raise StoreUnavailableError(f"expert store unavailable: {e}") from None
+            raise self._closed(e) from None
         return self._landed(call)
 
-    @staticmethod
-    def _landed(call):
+    def _landed(self, call):
         try:
             for m in call:
                 yield Loaded(m.layer, m.expert, m.staging_slot, m.disk_bytes, m.prefetched, m.ahead_queued)
         except grpc.RpcError as e:
-            raise _unavailable(e) from None
+            raise self._unavailable(e) from None
         except ValueError as e:
-            raise StoreUnavailableError(f"expert store unavailable: {e}") from None
+            raise self._closed(e) from None
 
     def prefetch(self, keys, release=()) -> int:
         req = pb.LoadRequest(session=self.session, experts=_ids(keys), release=list(release))
@@ -198,7 +215,7 @@ class GrpcStoreClient:
             try:
                 return f.result().queued
             except grpc.RpcError as e:
-                raise _unavailable(e) from None
+                raise self._unavailable(e) from None
             except grpc.FutureCancelledError:
                 raise StoreUnavailableError("expert store unavailable: a prefetch call was cancelled") from None
         return queued
@@ -213,7 +230,7 @@ class GrpcStoreClient:
         try:
             self._releases.append(self.stub.Release.future(req, timeout=self.timeout))
         except ValueError as e:                      # the channel was closed (abort)
-            raise StoreUnavailableError(f"expert store unavailable: {e}") from None
+            raise self._closed(e) from None
 
     def _reap(self, wait: bool):
         """Check the answered release and prefetch calls (wait: all of them); the first failure raises."""
@@ -225,7 +242,7 @@ class GrpcStoreClient:
             try:
                 f.result()
             except grpc.RpcError as e:
-                raise _unavailable(e) from None
+                raise self._unavailable(e) from None
             except grpc.FutureCancelledError:
                 raise StoreUnavailableError("expert store unavailable: a release call was cancelled") from None
 

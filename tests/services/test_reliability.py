@@ -470,6 +470,9 @@ def test_sigstop_of_the_store_is_seen_and_survived(cluster, channel, reference):
         t.join(15)
         assert not t.is_alive(), "the stream did not end while the store was stopped"
         assert out["r"].code == grpc.StatusCode.UNAVAILABLE, (out["r"].code, out["r"].details)
+        # what the health probe saw, not the aborted channel's "expert store unavailable (CANCELLED): Channel closed!"
+        assert "did not answer within" in out["r"].details and "Channel closed" not in out["r"].details, \
+            out["r"].details
         assert time.monotonic() - t0 < 8.0
     finally:
         os.kill(cluster.store.pid, signal.SIGCONT)
