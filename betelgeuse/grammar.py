@@ -194,6 +194,18 @@ class Grammars:
             raise InvalidRequestError(f"{g.kind}: {e}") from None
         raise InvalidRequestError(f"unknown grammar kind {g.kind!r} (json_object, json_schema, lark, regex)")
 
+    def bad_tool(self, tools: list[dict], name: str | None) -> InvalidRequestError | None:
+        """After a forced tool call's grammar failed to compile: the first function whose parameters schema fails
+        alone, named (the grammar's own error points into the generated Lark text) -> the error, or None."""
+        for fname, params in _functions(tools, name).items():
+            try:
+                self.constraint(Grammar("json_schema", params))
+            except InvalidRequestError as e:
+                why = str(e).removeprefix("invalid json schema: ").removeprefix("json_schema: ")
+                return InvalidRequestError(f"tool {fname!r}: its parameters schema cannot constrain a forced call "
+                                           f"(tool_choice): {why}")
+        return None
+
     def constraint(self, g: Grammar) -> Constraint:
         from llguidance import LLMatcher
         text = self.grammar_text(g)

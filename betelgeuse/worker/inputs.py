@@ -191,4 +191,9 @@ class RequestProcessor:
         if forced is not None and req.grammar is not None:
             raise InvalidRequestError("response_format cannot be combined with a forced tool_choice")
         g = forced or (after_reasoning(req.grammar, self.dialect, reasoning) if req.grammar is not None else None)
-        return (self.grammars.constraint(g) if g is not None else None), bool(tools) and choice != "none"
+        try:
+            return (self.grammars.constraint(g) if g is not None else None), bool(tools) and choice != "none"
+        except InvalidRequestError as e:     # a forced call's error names the generated Lark: name the tool instead
+            bad = self.grammars.bad_tool(tools, choice["function"]["name"] if isinstance(choice, dict) else None) \
+                if forced is not None else None
+            raise (bad or e) from None

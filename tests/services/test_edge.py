@@ -413,6 +413,15 @@ BAD_FIELDS = [  # (path, extra body, param the 400 names, words in its message)
     ("/v1/responses", {"input": 5}, "input", "a valid string or a valid list"),
     ("/v1/messages", {"messages": [{"role": "user", "content": 5}]}, None, "messages.0.content: Input should be a "
      "valid string or a valid list"),
+    # a forced call's tool whose schema cannot compile is named (before: "invalid lark: at 4(8): failed to compile
+    # JSON schema: Invalid type: nonsense", a grammar the client never sent)
+    ("/v1/chat/completions", {"tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "ok", "parameters": {"type": "object"}}},
+        {"type": "function", "function": {"name": "bad", "parameters": {"type": "object", "properties": {
+            "a": {"type": "nonsense"}}}}}]}, None, "tool 'bad': its parameters schema cannot constrain a forced call "
+     "(tool_choice): Invalid type: nonsense"),
+    ("/v1/messages", {"tool_choice": {"type": "tool", "name": "bad"}, "tools": [
+        {"name": "bad", "input_schema": {"type": "object", "required": 7}}]}, None, "tool 'bad'"),
 ]
 
 
