@@ -87,7 +87,8 @@ class StoreServicer(pb_grpc.ExpertStoreServicer):
         keys = [(x.layer, x.expert) for x in request.experts]
         ahead = [(x.layer, x.expert) for x in request.ahead]
         drop = [(x.layer, x.expert) for x in request.drop]
-        it = self._guard(context, lambda: self.store.load(request.session, keys, list(request.release), ahead, drop))
+        it = self._guard(context, lambda: self.store.load(request.session, keys, list(request.release), ahead, drop,
+                                                          alive=context.is_active))
         try:
             for got in it:
                 yield pb.Loaded(layer=got.layer, expert=got.expert, staging_slot=got.slot,

@@ -259,18 +259,20 @@ class ExpertStore:
                            self.plan.n_layer)
 
     # ---- demand loads and read-ahead -------------------------------------------------------
-    def load(self, session: str, keys: list[tuple[int, int]], release=(), ahead=(), drop=()) -> Iterator[Loaded]:
+    def load(self, session: str, keys: list[tuple[int, int]], release=(), ahead=(), drop=(),
+             alive=None) -> Iterator[Loaded]:
         """Yields each expert as its bytes land in a staging slot, in completion order. First hands back the staging
         slots `release` and forgets the reads ahead of `drop` not started yet; once every demand read has started,
-        reads `ahead` ahead (as prefetch): one message does a decode layer's store work."""
+        reads `ahead` ahead (as prefetch): one message does a decode layer's store work. alive() false (the gRPC call
+        was cancelled: an abandoned pass) ends it at once, without handing over what lands after (it stays staged)."""
         self.watch.check()                          # checked on reads: a stat and an fstat when nothing changed
         self._check(session)
         with self.cv:                               # now, even if the stream is never read (a failed pass)
             self._release(release)
             self._drop(drop)
-        return self._load(session, keys, ahead)
+        return self._load(session, keys, ahead, alive)
 
-    def _load(self, session, keys, ahead) -> Iterator[Loaded]:
+    def _load(self, session, keys, ahead, alive=None) -> Iterator[Loaded]:
         if self.reader.jitter is not None:        # test-only adversarial timing: staged copies answer out of order
             keys = self.reader.jitter.shuffled(keys)
         done: queue.Queue = queue.Queue()
@@ -288,14 +290,14 @@ class ExpertStore:
                 else:
                     pending.append(key)
         try:
-            yield from self._deliver(session, keys, pending, done, list(ahead))
+            yield from self._deliver(session, keys, pending, done, list(ahead), alive)
         finally:
             with self.cv:
                 self._claimed.difference_update(keys)
 
     STALL_S = 2.0       # a load with no expert landed for this long logs the staging state once (stall())
 
-    def _deliver(self, session, keys, pending, done, ahead) -> Iterator[Loaded]:
+    def _deliver(self, session, keys, pending, done, ahead, alive=None) -> Iterator[Loaded]:
         delivered, queued = 0, 0
         last, told = time.monotonic(), False
         while delivered < len(keys):
@@ -314,6 +316,8 @@ class ExpertStore:
             try:
                 key = done.get(timeout=0.05)
             except queue.Empty:
+                if alive is not None and not alive():
+                    return
                 if self.session != session:
                     raise StoreUnavailableError("worker session replaced during a load")
                 if not told and time.monotonic() - last > self.STALL_S:
@@ -322,6 +326,8 @@ class ExpertStore:
                                 self.stall(keys[delivered:], pending))
                 continue
             last = time.monotonic()
+            if alive is not None and not alive():
+                return                              # cancelled: the landed expert stays staged, for whoever asks
             with self.cv:
                 if key in self._failed:
                     why = self._failed.pop(key)

@@ -60,6 +60,7 @@ class StoreSession:
         self._usage: np.ndarray | None = None     # rows per expert since the store pass opened (host)
         self._give: list[int] = []                # staging slots to hand back with the next message (release)
         self._give_after: list = []               # (CUDA event, staging slots): the same, once the event completed
+        self._streams: list[LoadStream] = []      # this engine pass's load streams (closed if it is abandoned)
         self.prefix_arena: Arena | None = None    # the prefix cache's host tier, held by the store (None: none)
         self._prefix_pinned = False
 
@@ -94,7 +95,9 @@ class StoreSession:
         experts to read ahead once the loads' reads have started and this layer's guesses it did not use (`drop`: the
         store forgets those not started) -> the experts as they land (a wait for the next is the store delivering:
         store_wait)."""
-        return LoadStream(self.call("load", self.store.load, keys, self._handing(), ahead, drop))
+        stream = LoadStream(self.call("load", self.store.load, keys, self._handing(), ahead, drop))
+        self._streams.append(stream)
+        return stream
 
     def prefetch(self, keys) -> int:
         return self.call("prefetch", self.store.prefetch, keys, self._handing())
@@ -139,6 +142,7 @@ class StoreSession:
     # ---- one pass ----------------------------------------------------------------------------------------
     def begin(self, stats: PassStats):
         """Open the store pass if needed (snapshot, VRAM sync), reset the per-pass tables -> the snapshot."""
+        self._streams = []                       # the last pass's loads were all read (or it was abandoned)
         self._open(stats)
         self.cache.pass_begin()
         self.counts.zero_()
@@ -180,7 +184,13 @@ class StoreSession:
             self.close_pass(False)
 
     def abandon(self):
-        """Close the store's pass after an exception in a pass; a dead store is the caller's problem already."""
+        """Close the store's pass after an exception in a pass; a dead store is the caller's problem already. A load
+        stream the failed pass left with experts still coming is closed first (over gRPC: the call is cancelled, the
+        store stops reading for it and hands it nothing more); the slots it had handed are the store's to take back
+        (ExpertStore._reclaim)."""
+        streams, self._streams = self._streams, []
+        for s in streams:
+            s.close()
         try:
             self.clock.sync()
             self.close_pass(False)
@@ -340,6 +350,12 @@ class LoadStream:
         got = next(self._it)
         self.ahead_queued = got.ahead_queued
         return got
+
+    def close(self):
+        """Stop reading it: a generator is closed (the gRPC client's cancels its call)."""
+        close = getattr(self._it, "close", None)
+        if close is not None:
+            close()
 
     def queued(self) -> int:
         return self.ahead_queued

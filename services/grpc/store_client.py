@@ -197,6 +197,8 @@ class GrpcStoreClient:
             raise self._unavailable(e) from None
         except ValueError as e:
             raise self._closed(e) from None
+        finally:
+            call.cancel()           # closed before its end (an abandoned pass): the store stops; else a no-op
 
     def prefetch(self, keys, release=()) -> int:
         req = pb.LoadRequest(session=self.session, experts=_ids(keys), release=list(release))

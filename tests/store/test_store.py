@@ -95,3 +95,32 @@ def test_an_expert_read_again_while_held_loses_no_staging_slot(tmp_path):
         assert len(got) == store.plan.n_staging
     finally:
         store.close()
+
+
+def test_a_cancelled_load_hands_nothing_more_and_a_failed_pass_loses_no_slot(tmp_path):
+    """A pass that fails mid-layer leaves its load stream with experts still landing (its gRPC call cancelled:
+    alive() false) and the slots it was handed unreleased. The cancelled load hands over nothing more (what lands
+    stays staged, for the next load), and the slots still handed when the pass ends are taken back: after it, every
+    staging slot serves a load again. Before: they stayed the worker's for good (loads then waited for slots)."""
+    store, session = _store(tmp_path, staging_slots=6, read_threads=2)
+    L, E = ENGINE_SPEC["n_layer"], ENGINE_SPEC["n_expert"]
+    try:
+        store.begin_pass(session)
+        live = [True]
+        it = store.load(session, [(0, e) for e in range(6)], alive=lambda: live[0])
+        first = next(it)                            # the worker took one, then its pass failed
+        live[0] = False
+        assert list(it) == []                       # cancelled: nothing more is handed
+        with store.cv:
+            assert set(store._handed) == {first.slot}
+        store.end_pass(session, np.zeros((L, E), dtype=np.int64), False)   # the abandoned pass's end: no release
+        assert store.status()["staging_handed"] == 0 and store.status()["staging_reclaimed"] == 1
+        assert store.unaccounted_slots() == []
+        store.begin_pass(session)
+        got = list(store.load(session, [(1, e) for e in range(store.plan.n_staging)]))
+        assert len(got) == store.plan.n_staging and all(_expert_bytes_ok(store, g.layer, g.expert, g.slot) for g in got)
+        store.release(session, [g.slot for g in got])
+        store.end_pass(session, np.zeros((L, E), dtype=np.int64), False)
+        assert store.status()["staging_reclaimed"] == 1               # a healthy pass hands every slot back itself
+    finally:
+        store.close()
