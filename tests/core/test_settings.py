@@ -17,6 +17,10 @@ def test_shipped_file_equals_defaults():
     s = load_settings(ROOT / "deploy" / "betelgeuse.toml")
     d = Settings()
     d.model.path = s.model.path  # the one value a deployment must set
+    # the one default the shipped file changes: the prefix cache's save file, off in the code (a development run or a
+    # test must not write under /var/lib), on for the units, in their StateDirectory
+    assert s.store.prefix_save_path == "/var/lib/betelgeuse/prefix-cache.bin" and d.store.prefix_save_path == ""
+    d.store.prefix_save_path = s.store.prefix_save_path
     assert s == d
     assert (s.slots.vram_per_layer, s.slots.host_per_layer) == (AUTO, AUTO)      # sized from the budgets
     assert s.budget.vram == 12 * 2**30 and s.budget.memory_max is None
