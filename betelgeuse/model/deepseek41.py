@@ -132,7 +132,6 @@ class DS41Cache(CompressedCache):
             g.pending = g.new = None
             g.staged = False
 
-
     def tensors(self) -> list[torch.Tensor]:
         ts = list(self.swa)
         for s in self.src.values():

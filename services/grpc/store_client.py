@@ -8,6 +8,7 @@ worker's lease on the store (the store refuses a second worker while it is open)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -80,13 +81,23 @@ class GrpcStoreClient:
         if current and self.on_lost is not None:
             self.on_lost(StoreUnavailableError("expert store unavailable: it closed the worker's lease (exited)"))
 
-    def _call(self, fn, *args, timeout: float | None = None, **kw):
+    @contextlib.contextmanager
+    def _failing(self, what: str = "call"):
+        """What a store call raises, as the worker's errors: a gRPC error (StoreBusyError, ..., or abort()'s reason
+        for a call it cancelled), a call on the channel abort() closed ("Cannot invoke RPC on closed channel!"), a
+        future cancelled (`what`: the call's kind, for the message)."""
         try:
-            return fn(*args, timeout=timeout or self.timeout, **kw)
+            yield
         except grpc.RpcError as e:
             raise self._unavailable(e) from None
-        except ValueError as e:                      # "Cannot invoke RPC on closed channel!" after abort()
+        except ValueError as e:
             raise self._closed(e) from None
+        except grpc.FutureCancelledError:
+            raise StoreUnavailableError(f"expert store unavailable: a {what} call was cancelled") from None
+
+    def _call(self, fn, *args, timeout: float | None = None, **kw):
+        with self._failing():
+            return fn(*args, timeout=timeout or self.timeout, **kw)
 
     def attach(self) -> tuple[Arena, SlotPlan]:
         with self._lock:
@@ -183,20 +194,15 @@ class GrpcStoreClient:
         keys = list(keys)
         req = pb.LoadRequest(session=self.session, experts=_ids(keys), release=list(release), ahead=_ids(ahead),
                              drop=_ids(drop))
-        try:
+        with self._failing():
             call = self.stub.Load(req, timeout=self.timeout + self.per_expert * len(keys))
-        except ValueError as e:                      # the channel was closed (abort)
-            raise self._closed(e) from None
         return self._landed(call)
 
     def _landed(self, call):
         try:
-            for m in call:
-                yield Loaded(m.layer, m.expert, m.staging_slot, m.disk_bytes, m.prefetched, m.ahead_queued)
-        except grpc.RpcError as e:
-            raise self._unavailable(e) from None
-        except ValueError as e:
-            raise self._closed(e) from None
+            with self._failing():
+                for m in call:
+                    yield Loaded(m.layer, m.expert, m.staging_slot, m.disk_bytes, m.prefetched, m.ahead_queued)
         finally:
             call.cancel()           # closed before its end (an abandoned pass): the store stops; else a no-op
 
@@ -214,12 +220,8 @@ class GrpcStoreClient:
         self._releases.append(f)
 
         def queued() -> int:
-            try:
+            with self._failing("prefetch"):
                 return f.result().queued
-            except grpc.RpcError as e:
-                raise self._unavailable(e) from None
-            except grpc.FutureCancelledError:
-                raise StoreUnavailableError("expert store unavailable: a prefetch call was cancelled") from None
         return queued
 
     def release(self, slots) -> None:
@@ -229,10 +231,8 @@ class GrpcStoreClient:
         reaps (release, begin_pass, end_pass), and every release is answered before a pass begins or ends."""
         self._reap(wait=False)
         req = pb.ReleaseRequest(session=self.session, staging_slots=list(slots))
-        try:
+        with self._failing():
             self._releases.append(self.stub.Release.future(req, timeout=self.timeout))
-        except ValueError as e:                      # the channel was closed (abort)
-            raise self._closed(e) from None
 
     def _reap(self, wait: bool):
         """Check the answered release and prefetch calls (wait: all of them); the first failure raises."""
@@ -241,12 +241,8 @@ class GrpcStoreClient:
             if not wait and not f.done():
                 self._releases = pending[i:]
                 return
-            try:
+            with self._failing("release"):
                 f.result()
-            except grpc.RpcError as e:
-                raise self._unavailable(e) from None
-            except grpc.FutureCancelledError:
-                raise StoreUnavailableError("expert store unavailable: a release call was cancelled") from None
 
     def end_pass(self, usage: np.ndarray, consolidate: bool, release=()) -> int:
         self._reap(wait=True)
