@@ -51,6 +51,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _chosen_port(addr: str) -> str:
+    """HOST:0 -> HOST:<a free port> ("" and fixed ports as given)."""
+    host, sep, port = addr.rpartition(":")
+    return f"{host}:{free_port()}" if sep and port == "0" else addr
+
+
 @dataclass
 class Proc:
     name: str
@@ -169,6 +175,12 @@ class Cluster:
         self.address = f"127.0.0.1:{self.port}" if local else self.listen
         if self.http == "auto":
             self.http = f"127.0.0.1:{free_port()}"
+        # port 0 for /metrics: chosen here, as the gRPC port is, so the banner and the children name the same one
+        for key, attr in (("worker.metrics", "worker_metrics"), ("store.metrics", "store_metrics")):
+            addr = _chosen_port(self.settings.get(key, getattr(self, attr)))
+            setattr(self, attr, addr)
+            if key in self.settings:
+                self.settings = {**self.settings, key: addr}
         self.http_url = f"http://{self.http}" if self.http else ""
 
     def child_settings(self) -> dict[tuple[str, str], object]:

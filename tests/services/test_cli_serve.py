@@ -107,6 +107,13 @@ def test_serve_restarts_crashed_children_and_stops_cleanly(tmp_path, model):
         import urllib.request                              # the OpenAI-compatible HTTP API is up too
         with urllib.request.urlopen(f"http://127.0.0.1:{s.http}/health", timeout=10) as r:
             assert r.status == 200
+        # --worker-metrics / --store-metrics 127.0.0.1:0: the banner names the ports chosen, and both answer there
+        banner = s.wait_line("  metrics  ")
+        urls = re.findall(r"http://(127\.0\.0\.1:\d+)/metrics", banner)
+        assert len(urls) == 2 and not any(u.endswith(":0") for u in urls), banner
+        for u in urls:
+            with urllib.request.urlopen(f"http://{u}/metrics", timeout=10) as r:
+                assert b"betelgeuse_" in r.read()
         kids = _children_of(s.run)
         assert set(kids) == {"store", "worker"}, kids
         agent = [int(x) for x in np.random.default_rng(7).integers(3, 1000, 150)]   # 2 blocks of 64 + 22 tokens
