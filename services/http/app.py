@@ -266,9 +266,9 @@ def _first_param(exc: RequestValidationError) -> tuple[str | None, str]:
 class Edge:
     """Pure ASGI middleware around the routes (inside Starlette's ServerErrorMiddleware, outside the exception
     handlers): API keys on every path but OPEN_PATHS, the body-size limit from Content-Length (before a byte of the
-    body is read; a chunked body: counted as it is read, _bounded_body), and a bug -> one log line and a 500 in the path's shape. Catching bugs here, not in an
-    `Exception` handler, keeps ServerErrorMiddleware from re-raising them to uvicorn, which would log a second,
-    multi-line traceback for the same event."""
+    body is read; a chunked body: counted as it is read, _bounded_body), and a bug -> one log line and a 500 in the
+    path's shape. Catching bugs here, not in an `Exception` handler, keeps ServerErrorMiddleware from re-raising them
+    to uvicorn, which would log a second, multi-line traceback for the same event."""
 
     def __init__(self, app, front: "Front", keys: ApiKeys):
         self.app, self.front, self.keys = app, front, keys
