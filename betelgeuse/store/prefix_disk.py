@@ -44,7 +44,7 @@ from betelgeuse.logs import event
 from betelgeuse.store.arena import Arena
 from betelgeuse.store.layout import PAGE, round_up
 from betelgeuse.store.prefix_region import HEADER_BYTES, HEADER_DTYPE, MAGIC, VERSION, fit, record_dtype, written
-from betelgeuse.store.reader import MEMORY_FS, fs_type
+from betelgeuse.store.reader import open_direct
 
 log = logging.getLogger("betelgeuse.store")
 
@@ -127,17 +127,7 @@ class PrefixDisk:
     def _open(self, create: bool):
         if self.fd >= 0:
             return
-        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
-        parent = os.path.dirname(os.path.abspath(self.path))
-        if fs_type(parent) not in MEMORY_FS:
-            try:
-                self.fd, self.mode = os.open(self.path, flags | os.O_DIRECT, 0o600), "direct"
-                return
-            except FileNotFoundError:
-                raise
-            except OSError:                          # EINVAL: this filesystem refuses O_DIRECT
-                pass
-        self.fd, self.mode = os.open(self.path, flags, 0o600), "buffered"
+        self.fd, self.mode = open_direct(self.path, os.O_RDWR | (os.O_CREAT if create else 0))
 
     def _write(self, buf, offset: int):
         n = os.pwrite(self.fd, buf, offset)

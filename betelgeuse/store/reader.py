@@ -172,6 +172,24 @@ def _direct_works(fd: int) -> bool:
         probe.close()
 
 
+def open_direct(path: str, flags: int, direct: bool = True, perm: int = 0o600) -> tuple[int, str]:
+    """(fd, "direct" | "buffered"): `path` opened with O_DIRECT where its filesystem honours it (not a memory
+    filesystem, not refused with EINVAL, a page read works), else plainly; FileNotFoundError is the caller's."""
+    flags |= os.O_CLOEXEC
+    if direct and fs_type(path) not in MEMORY_FS:
+        try:
+            fd = os.open(path, flags | os.O_DIRECT, perm)
+        except FileNotFoundError:
+            raise
+        except OSError:                              # EINVAL: this filesystem refuses O_DIRECT
+            fd = -1
+        if fd >= 0 and _direct_works(fd):
+            return fd, "direct"
+        if fd >= 0:
+            os.close(fd)
+    return os.open(path, flags, perm), "buffered"
+
+
 class ExpertReader:
     def __init__(self, path: str, arena: Arena, threads: int = 8, request_bytes: int = 4 << 20,
                  direct: bool | None = None, jitter: Jitter | None = None):  # fmt: skip
@@ -180,26 +198,12 @@ class ExpertReader:
         assert threads >= 1 and request_bytes >= PAGE and request_bytes % PAGE == 0, (threads, request_bytes)
         self.path, self.arena, self.request_bytes = path, arena, request_bytes
         self.fs = fs_type(path)
-        self.fd = -1
-        if direct is not False and self.fs not in MEMORY_FS:
-            try:
-                self.fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
-            except FileNotFoundError:
-                raise ModelFormatError(f"model file not found: {path}") from None
-            except OSError:
-                self.fd = -1  # EINVAL: this filesystem refuses O_DIRECT
-            if self.fd >= 0 and not _direct_works(self.fd):
-                os.close(self.fd)
-                self.fd = -1
-        if self.fd >= 0:
-            self.mode = "direct"
-        else:
-            try:
-                self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            except FileNotFoundError:
-                raise ModelFormatError(f"model file not found: {path}") from None
+        try:
+            self.fd, self.mode = open_direct(path, os.O_RDONLY, direct is not False)
+        except FileNotFoundError:
+            raise ModelFormatError(f"model file not found: {path}") from None
+        if self.mode == "buffered":
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)  # no kernel read-ahead into the cache
-            self.mode = "buffered"
         self.file_size = os.fstat(self.fd).st_size
         self.stats = ReaderStats()
         self.on_read = None  # callable(seconds) after each finished piece, from its thread (a latency histogram)
