@@ -48,6 +48,7 @@ def synth_if_missing(path: str | Path, spec, say: str | None = None) -> Path:
     if not path.exists():
         from betelgeuse.gguf.synth import write_model
         t = time.perf_counter()
+        path.parent.mkdir(parents=True, exist_ok=True)     # a bare machine has no /var/tmp/<dir> yet
         write_model(path, spec, progress=False)
         if say is not None:
             print(say.format(path=path, secs=time.perf_counter() - t), flush=True)
