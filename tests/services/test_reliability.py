@@ -341,10 +341,14 @@ def test_other_users_get_no_arena(cluster, tmp_path):
     py = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else None
     if os.geteuid() != 0 or py is None:
         pytest.skip("needs root (to run a peer as another uid) and /usr/bin/python3")
-    code = ("import socket,sys\ns=socket.socket(socket.AF_UNIX)\n"
+    # The child drops to uid/gid 65534 itself: subprocess's user=/group= would make it fork() rather than vfork(),
+    # and a fork() of this process runs grpc's atfork handlers, which can break the child before its exec
+    # (seen in CI: an empty stdout and "epoll_wait error: Bad file descriptor").
+    code = ("import os,socket,sys\nos.setgroups([]); os.setgid(65534); os.setuid(65534)\n"
+            "s=socket.socket(socket.AF_UNIX)\n"
             "try:\n s.connect(sys.argv[1])\nexcept OSError as e:\n print('connect', e.errno); sys.exit()\n"
             "s.settimeout(10)\ndata,fds,_,_=socket.recv_fds(s,64,1)\nprint('got', len(data), len(fds))\n")
-    r = subprocess.run([py, "-c", code, cluster.fd_socket], user=65534, group=65534, capture_output=True, text=True,
+    r = subprocess.run([py, "-c", code, cluster.fd_socket], capture_output=True, text=True,
                        timeout=30, cwd="/")
     assert r.stdout.startswith("connect 13"), r               # EACCES: mode 0600
     # as if an operator loosened it: a hard link outside pytest's private (0700) directories, mode 0666
@@ -352,7 +356,7 @@ def test_other_users_get_no_arena(cluster, tmp_path):
     os.link(cluster.fd_socket, link)
     os.chmod(link, 0o666)
     try:
-        r = subprocess.run([py, "-c", code, link], user=65534, group=65534, capture_output=True,
+        r = subprocess.run([py, "-c", code, link], capture_output=True,
                            text=True, timeout=30, cwd="/")
     finally:
         os.chmod(link, 0o600)
