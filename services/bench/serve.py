@@ -402,7 +402,7 @@ class ServeSuite:
                                   self.o.seed + seed, self.o.t0)
 
     def _beside(self, case: dict, where: str) -> dict:
-        """A disk sample beside a phase (where: "before cold", "after 8 clients"): once the service is idle (the
+        """A disk sample beside a phase (where: "before cold", "after the last phase"): once the service is idle (the
         store's disk counter still for idle_quiet_s, at most idle_most_s: Meter.wait_idle), both patterns with
         --disk-sample-beside bytes / --disk-sample-beside-s each. Recorded in case["disk_samples"]; the phase measured
         last, still open, takes it as its sample after and is bounded again (_settle)."""
@@ -593,7 +593,7 @@ class ServeSuite:
         except OutOfTime as e:
             case.setdefault("skipped", []).append({"phase": str(e), "reason": "time budget (cut mid-phase)"})
         finally:
-            self._settle(None)          # a phase still without its sample after (the case's time ran out) keeps its bound
+            self._settle(None)      # a phase still without its sample after (its case's time ran out) keeps its bound
 
     def _measure(self, case: dict, client: Client, deadline: float):
         o, V = self.o, self.geom["n_vocab"]
@@ -783,7 +783,8 @@ def moved_section(r: dict, cases: list, ns: list) -> list[str]:
                f"over {w['tokens']:.0f} tokens, {w['seconds']:.2f} s")
         pre = f", {w['prefill_tokens']:.0f} prefilled" if w.get("prefill_tokens") else ""
         return f"{per}{pre}; {describe(w)} ({rate_name})"
-    phases = [("the lone prompt", lambda c: c.get("cold") or {}), ("the same prompt again", lambda c: c.get("again") or {})]
+    phases = [("the lone prompt", lambda c: c.get("cold") or {}),
+              ("the same prompt again", lambda c: c.get("again") or {})]
     phases += [(f"{n} client{'s' if n > 1 else ''}", lambda c, n=n: c.get("clients", {}).get(str(n), {})) for n in ns]
     def first(w):
         if not w:

@@ -53,7 +53,8 @@ def test_the_live_service_gives_the_table(serve_run):
         for i, holder in enumerate(holders):
             before, after = c["disk_samples"][i], c["disk_samples"][i + 1]
             hd = holder["disk"]
-            assert (hd["before"]["bps"], hd["after"]["bps"], hd["first"]["bps"]) == (before["bps"], after["bps"], d["bps"])
+            assert (hd["before"]["bps"], hd["after"]["bps"]) == (before["bps"], after["bps"])
+            assert hd["first"]["bps"] == d["bps"]
             assert before["bytes"] > 0 and before["idle_wait_s"] >= 0.2 and before["random"]["bps"] > 0
             assert before["at_s"] < after["at_s"]
             for name, w in holder["bound"].items():
@@ -112,7 +113,8 @@ def test_the_live_service_gives_the_table(serve_run):
                  "TTFT p50, 2 clients together ÷ the lone cold prompt", "## Definitions",
                  "| 2 clients | prefill window |",
                  "TTFT bound", "(floor ", "; floor ÷ ratio ", "- TTFT bound: the prefill window",
-                 "Bounds check: `auto` ", "max(random, layer)", "| the lone prompt | disk rate (the samples beside it) | before ",
+                 "Bounds check: `auto` ", "max(random, layer)",
+                 "| the lone prompt | disk rate (the samples beside it) | before ",
                  "The disk is sampled again beside every phase"):
         assert want in md, want
     assert "## The service" in p.stdout                               # the figures, printed
@@ -359,8 +361,8 @@ def test_every_phase_is_bounded_at_the_disk_samples_beside_it(monkeypatch):
             t = time.perf_counter()
             if on_first is not None:
                 on_first()
-            return S._finish({"prompt_tokens": len(ids), "t_submit": t - 0.01, "times": [t + i * 1e-3 for i in range(n)],
-                              "text": "", "completion_tokens": n, "cached_tokens": 0, "finish_reason": "length"})
+            return S._finish({"prompt_tokens": len(ids), "t_submit": t - 0.01, "text": "", "completion_tokens": n,
+                              "times": [t + i * 1e-3 for i in range(n)], "cached_tokens": 0, "finish_reason": "length"})
 
     o = S.ServeOptions(model="m.gguf", device="cpu", clients=(1, 2), agent_loop=False, prompt=8, decode=4,
                        client_prompt=(4, 4), client_tokens=4)
@@ -391,8 +393,8 @@ def test_every_phase_is_bounded_at_the_disk_samples_beside_it(monkeypatch):
             assert w["disk_s"] == pytest.approx(w["disk_bytes"] / (bps * GB)) and w["disk_bytes"] > 0
     # the TTFT floor: the burst's TTFT bound (at 1.7 GB/s) over the lone client's (at 1.5)
     s = S.summarize(suite.results)["auto"]
-    assert s["ttft_floor_most_over_lone"] == pytest.approx(
-        case["clients"]["2"]["bound"]["prefill"]["ttft_bound_s"] / case["clients"]["1"]["bound"]["prefill"]["ttft_bound_s"])
+    pre = {n: case["clients"][n]["bound"]["prefill"]["ttft_bound_s"] for n in ("1", "2")}
+    assert s["ttft_floor_most_over_lone"] == pytest.approx(pre["2"] / pre["1"]) and pre["2"] != pre["1"]
     assert (s["ttft_disk_lone_bps"], s["ttft_disk_most_bps"]) == (1.5 * GB, 1.7 * GB)
     # each phase logged once, with the rate from its sample after
     assert sum("auto: cold: prefill" in x for x in logged) == 1

@@ -145,7 +145,8 @@ def test_each_phase_is_bounded_at_the_samples_beside_it():
     assert w["prefill"]["achieved"] == pytest.approx(6.0 / mx)             # the disk's busy share of the TTFT
     most["after"] = None
     phases[8]["bound"] = w
-    phases[8]["disk"], phases[1]["disk"] = dict(most, first=_sample(1.5e9, 1.1e9)), dict(lone, first=_sample(1.5e9, 1.1e9))
+    phases[8]["disk"] = dict(most, first=_sample(1.5e9, 1.1e9))
+    phases[1]["disk"] = dict(lone, first=_sample(1.5e9, 1.1e9))
     case = {"name": "auto", "clients": {"1": phases[1], "8": phases[8]}, "memory": {"cgroup": "/sys/fs/cgroup/x"}}
     r = {"cases": [case], "disk": {"random": {"bps": 1.5e9}, "layer": {"bps": 1.1e9}, "bps": 1.5e9, "pattern": "random",
                                    "mode": "direct"}, "h2d": {"bps": H2D}, "status": "complete",
@@ -163,7 +164,8 @@ def test_each_phase_is_bounded_at_the_samples_beside_it():
     assert ("| 1 client | disk rate (the samples beside it) | before 1.20 GB/s (random 1.20, layer 1.00; at 30 s, idle "
             "after 0.6 s), after 1.90 GB/s (random 1.30, layer 1.90; at 50 s, idle after 0.6 s); the run's first "
             "1.50 GB/s |") in md
-    assert "| 8 clients | disk rate (the samples beside it) | before 2.30 GB/s (random 2.30, layer 1.40; at 80 s, " in md
+    assert ("| 8 clients | disk rate (the samples beside it) | before 2.30 GB/s (random 2.30, layer 1.40; at 80 s, "
+            in md)
     assert "after none; the run's first 1.50 GB/s |" in md
     assert f"TTFT bound {b1:.2f} s (disk; disk {b1:.2f} s at 1.90 GB/s from the sample after (layer), h2d" in md
     assert f"TTFT bound {b8:.2f} s (disk; disk {b8:.2f} s at 2.60 GB/s from the window's own reads, h2d" in md
