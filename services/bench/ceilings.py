@@ -34,7 +34,8 @@ import torch
 from betelgeuse.gguf.reader import GGUFModelFile
 from betelgeuse.store.arena import Arena, register_pinned, unregister_pinned
 from betelgeuse.store.reader import PAGE, ExpertReader
-from services.bench.serve_meter import BOUND_WRONG, DISK_PATTERNS, disk_rate
+# case_disk_rate lives beside disk_rate (both suites' bounds use it; serve_meter imports no torch): C.case_disk_rate
+from services.bench.serve_meter import BOUND_WRONG, DISK_PATTERNS, case_disk_rate, disk_rate  # noqa: F401
 
 MiB = 1 << 20
 
@@ -300,20 +301,6 @@ def layer_mean(by_type: dict, key: str) -> dict:
     n = sum(v["layers"] for v in by_type.values())
     rows = set.intersection(*(set(v[key]) for v in by_type.values())) if by_type else set()
     return {r: sum(v[key][r] * v["layers"] for v in by_type.values()) / n for r in sorted(rows)}
-
-
-def case_disk_rate(samples: list[float], own_bytes: int = 0, own_busy_s: float = 0.0, threads: int = 1) -> tuple[float, str]:
-    """(bytes/s, where it came from) of the disk for one pass: the fastest of the samples taken beside its case
-    (before and after) and the pass's own reads (own_bytes over own_busy_s, the reader threads' summed time in
-    preadv, x threads: the threads overlap at most that much, so this is at least the rate the disk ran at)."""
-    best, src = 0.0, "none"
-    for i, bps in enumerate(samples):
-        if bps and bps > best:
-            best, src = bps, ("sample before", "sample after")[min(i, 1)]
-    own = own_bytes * max(threads, 1) / own_busy_s if own_busy_s > 0 and own_bytes > 0 else 0.0
-    if own > best:
-        best, src = own, "the pass's own reads"
-    return best, src
 
 
 def pass_bound(ceil: Ceilings, disk_bps: float, n_tokens: int, loads: int, disk_bytes: int, h2d_bytes: int,

@@ -18,10 +18,13 @@ Beside the client's TTFT / TG the table prints the server's own (usage timings: 
   budgets       peak VRAM (device-wide, nvidia-smi, above what was in use before serve started) and the cgroup's peak
   bound         beside each decode rate: what the service moved in that phase (the store's disk bytes, the
                 worker's H2D bytes and tokens, read before, when the decode window opens and after) over the disk
-                and H2D rates measured in this run (the disk in both patterns the store reads, random and layer,
-                every window at the faster: serve_meter.disk_rate): tokens / max(disk bytes / disk rate, H2D bytes /
-                H2D rate), its
-                limiter, achieved = rate / bound (services/bench/serve_meter.py); beside each TTFT the prefill
+                and H2D rates measured in this run: tokens / max(disk bytes / disk rate, H2D bytes / H2D rate), its
+                limiter, achieved = rate / bound (services/bench/serve_meter.py). The disk is sampled in both
+                patterns the store reads (random and layer, a sample's rate the faster: serve_meter.disk_rate) before
+                the first serve (--disk-sample) and beside every phase (--disk-sample-beside: before it once the
+                store's disk counter stands still, and after the last), and each window is bounded at the fastest
+                rate observed around it (serve_meter.window_disk_rate: the samples before and after its phase, the
+                run's first, its own reads); beside each TTFT the prefill
                 window's (the phase's start -> its last first token) TTFT bound in seconds: max(disk bytes / disk
                 rate, H2D bytes / H2D rate, the prefill passes' work outside disk waits), achieved = bound / TTFT,
                 and the TTFT target's floor: the most clients' bound / the lone prompt's
@@ -61,7 +64,8 @@ SHIPPED = ROOT / "deploy" / "betelgeuse.toml"
 SERVE_QUICK = {"preset": "tiny", "device": "cpu", "budget.memory_max": "4G", "time_budget": 120.0, "prompt": 32,
                "decode": 48, "clients": "1,2", "client_prompt": "16,16", "client_tokens": 24, "turns": 3,
                "agent_prompts": "40,120", "system_tokens": 16, "turn_tokens": 4, "warm_prompt": 8, "warm_tokens": 2,
-               "disk_sample": "16MiB", "config": "auto"}
+               "disk_sample": "16MiB", "disk_sample_beside": "8MiB", "disk_sample_beside_s": 0.25,
+               "idle_quiet_s": 0.2, "config": "auto"}
 
 
 @dataclass(slots=True)
@@ -90,8 +94,12 @@ class ServeOptions:
     turn_tokens: int = 24
     warm_prompt: int = 16
     warm_tokens: int = 4
-    disk_sample_bytes: int = 1 << 30
+    disk_sample_bytes: int = 1 << 30       # the run's first disk sample, before the first serve (per pattern)
     disk_sample_s: float = 3.0
+    disk_beside_bytes: int = 512 << 20     # the samples beside every phase (per pattern: ~0.35 s each at 1.5 GB/s)
+    disk_beside_s: float = 0.75
+    idle_quiet_s: float = 0.5              # before a sample beside a phase: the store's disk counter still this long,
+    idle_most_s: float = 3.0               # waiting at most this long
     start_timeout: float = 300.0
 
 
@@ -342,6 +350,7 @@ class ServeSuite:
         from betelgeuse.gguf.reader import GGUFModelFile
         self.o, self.results, self.save, self.log = o, results, save, log
         self.meter: Meter | None = None
+        self._open = None           # the last measured phase, waiting for the disk sample after it (_settle)
         f = GGUFModelFile.open(o.model)
         try:
             c = f.config
@@ -381,14 +390,41 @@ class ServeSuite:
         for c in r["cases"]:
             self.log(f"{c['name']}: {bound_verdict(r['summary'].get(c['name'], {}))}")
 
-    def _disk_rate(self) -> dict:
+    def _disk_rate(self, nbytes: int | None = None, seconds: float | None = None, seed: int = 0) -> dict:
         """The store's reader (its settings' defaults) reading whole experts of the model file in both patterns
-        (ceilings.measure_disk_rates: random, layer) and the rate the bounds use (the faster)."""
+        (ceilings.measure_disk_rates: random, layer; each up to nbytes / seconds, default the first sample's) and the
+        rate the bounds use (the faster). seed: the sample's own experts (never an earlier sample's bytes)."""
         from betelgeuse.config import EngineConfig
         from services.bench.ceilings import measure_disk_rates
         cfg = EngineConfig(model_path=self.o.model)
-        return measure_disk_rates(self.o.model, cfg.read_threads, cfg.read_request_bytes, self.o.disk_sample_bytes,
-                                  self.o.disk_sample_s, self.o.seed, self.o.t0)
+        return measure_disk_rates(self.o.model, cfg.read_threads, cfg.read_request_bytes,
+                                  nbytes or self.o.disk_sample_bytes, seconds or self.o.disk_sample_s,
+                                  self.o.seed + seed, self.o.t0)
+
+    def _beside(self, case: dict, where: str) -> dict:
+        """A disk sample beside a phase (where: "before cold", "after the last phase"): once the service is idle (the
+        store's disk counter still for idle_quiet_s, at most idle_most_s: Meter.wait_idle), both patterns with
+        --disk-sample-beside bytes / --disk-sample-beside-s each. Recorded in case["disk_samples"]; the phase measured
+        last, still open, takes it as its sample after and is bounded again (_settle)."""
+        idle_s, idle = None, None
+        try:
+            idle_s, idle = self.meter.wait_idle(self.o.idle_quiet_s, self.o.idle_most_s)
+        except BetelgeuseError as e:       # no idle wait: the sample is still taken (the phase's counters say more)
+            case.setdefault("errors", []).append(f"{where}: waiting for the store to stand still: {e}")
+        samples = case.setdefault("disk_samples", [])
+        d = self._disk_rate(self.o.disk_beside_bytes, self.o.disk_beside_s, seed=1 + len(self.results["cases"]) * 1000
+                            + len(samples))
+        d.update(where=where, at_s=d["random"]["at_s"], idle_wait_s=idle_s, idle=idle)
+        samples.append(d)
+        self._settle(d)
+        return d
+
+    def _settle(self, after: dict | None):
+        """The phase measured last gets its sample after (None: there is none, e.g. the case ran out of time), is
+        bounded at the fastest rate around each of its windows and logged."""
+        if self._open is not None:
+            self._open, settle = None, self._open
+            settle(after)
 
     def _h2d_rate(self) -> dict:
         """The pinned copy rate to the GPU the worker will use (ceilings.measure_h2d: a memfd arena registered with
@@ -509,9 +545,13 @@ class ServeSuite:
             return None
 
     def _metered(self, case: dict, what: str, send) -> "Metered":
-        """send(mark) -> the phase's records, between two snapshots of the service's counters; send calls mark()
-        when the decode window opens (every request has its first token). The records come back with their
-        figures (agents.concurrency_figures) and the bound of what moved (serve_meter.bounds)."""
+        """send(mark) -> the phase's records, between two snapshots of the service's counters, after a disk sample
+        beside it (_beside); send calls mark() when the decode window opens (every request has its first token). The
+        records come back with their figures (agents.concurrency_figures), the bound of what moved
+        (serve_meter.bounds) and the disk samples beside the phase (`disk`: before, after, the run's first); the
+        bound is at the sample before it (and the run's first) until the next sample beside a phase (the next
+        phase's, or the one after the case's last) comes: _settle then bounds it again with that one too, in place."""
+        before = self._beside(case, f"before {what}")
         a = self._snapshot(case, what)
         try:
             recs = Metered(send(self.meter.mark))
@@ -523,12 +563,25 @@ class ServeSuite:
         recs.figures = fig = concurrency_figures(recs)
         fig.update(server_figures(recs))
         r = self.results
-        if a is not None and b is not None:
-            tokens = sum(x.get("completion_tokens", len(x.get("times", []))) for x in recs)   # the server's count
-            recs.bound = bounds(a, opened, b, disk_rates(r["disk"]), r["h2d"]["bps"], tokens,
-                                fig.get("aggregate_decode_tps"), fig.get("end_to_end_tps"), fig.get("ttft_max_s"))
+        recs.disk = {"before": _sample_rates(before), "after": None, "first": _sample_rates(r["disk"])}
+        if a is None or b is None:
+            return recs
+        tokens = sum(x.get("completion_tokens", len(x.get("times", []))) for x in recs)   # the server's count
+
+        def bound(after: dict | None):
+            beside = [("sample before", disk_rates(before))] + ([("sample after", disk_rates(after))] if after else [])
+            new = bounds(a, opened, b, beside + [("the run's first sample", disk_rates(r["disk"]))], r["h2d"]["bps"],
+                         tokens, fig.get("aggregate_decode_tps"), fig.get("end_to_end_tps"), fig.get("ttft_max_s"))
+            recs.bound.clear()
+            recs.bound.update(new)
+
+        def settle(after: dict | None):
+            recs.disk["after"] = _sample_rates(after) if after else None
+            bound(after)
             self.log(f"{case['name']}: {what}: prefill {describe_prefill(recs.bound.get('prefill'))}; "
                      f"decode {describe(recs.bound.get('decode'))}")
+        bound(None)                 # recorded now (a partial bench.json has it); bounded again with the sample after
+        self._open = settle
         return recs
 
     def _phases(self, case: dict, client: Client, deadline: float):
@@ -539,6 +592,8 @@ class ServeSuite:
             self._measure(case, client, deadline)
         except OutOfTime as e:
             case.setdefault("skipped", []).append({"phase": str(e), "reason": "time budget (cut mid-phase)"})
+        finally:
+            self._settle(None)      # a phase still without its sample after (its case's time ran out) keeps its bound
 
     def _measure(self, case: dict, client: Client, deadline: float):
         o, V = self.o, self.geom["n_vocab"]
@@ -556,7 +611,7 @@ class ServeSuite:
                 if key == "again" and not left("same prompt again"):
                     break
                 recs = self._metered(case, key, lambda mark: [self._one(client, ids, o.decode, what, mark)])
-                case[key] = dict(_slim(recs[0]), bound=recs.bound)
+                case[key] = dict(_slim(recs[0]), bound=recs.bound, disk=recs.disk)
                 self.save(False)
         lo, hi = o.client_prompt
         case["clients"] = {}
@@ -573,7 +628,7 @@ class ServeSuite:
                 raise BetelgeuseError(f"warm-up of {n} clients: {werr[0]}")
             prompts = [synthetic_ids(lo + (i * 37) % (hi - lo + 1), V, o.seed, 92, n, i) for i in range(n)]
             recs = self._metered(case, f"{n} clients", lambda mark: self._together(client, prompts, o.client_tokens, mark))
-            case["clients"][str(n)] = {"figures": recs.figures, "bound": recs.bound,
+            case["clients"][str(n)] = {"figures": recs.figures, "bound": recs.bound, "disk": recs.disk,
                                        "requests": [_slim(x) for x in recs]}
             errs = [x["error"] for x in recs if "error" in x]
             self.save(False)
@@ -581,6 +636,9 @@ class ServeSuite:
                 raise OutOfTime(f"{n} clients")
             if errs:
                 case.setdefault("errors", []).append(f"{n} clients: {len(errs)} failed: {errs[0]}")
+        if self._open is not None and left("disk sample after the last phase"):
+            self._beside(case, "after the last phase")       # the last measured phase's sample after
+            self.save(False)
         if not o.agent_loop:
             skipped.append({"phase": "agent loop", "reason": "--no-agent-loop"})
         elif left("agent loop"):
@@ -605,6 +663,16 @@ class Metered(list):
         super().__init__(recs)
         self.figures: dict = {}
         self.bound: dict = {}
+        self.disk: dict = {}
+
+
+def _sample_rates(d: dict) -> dict:
+    """A disk sample as a phase records it beside its bound: bps (the faster pattern's), pattern, each pattern's bps,
+    when it was taken (s since the run started) and how long the service took to stand still before it."""
+    out = {"bps": d["bps"], "pattern": d["pattern"], **disk_rates(d), "at_s": d.get("at_s", d["random"]["at_s"])}
+    if "where" in d:
+        out.update(where=d["where"], idle_wait_s=d.get("idle_wait_s"), idle=d.get("idle"))
+    return out
 
 
 # ---- summary and markdown ----------------------------------------------------------------------------------
@@ -647,6 +715,8 @@ def summarize(r: dict) -> dict:
             pre = {n: (cl.get(n, {}).get("bound") or {}).get("prefill") or {} for n in ("1", str(most))}
             s["ttft_bound_lone_s"] = pre["1"].get("ttft_bound_s")
             s["ttft_bound_most_s"] = pre[str(most)].get("ttft_bound_s")
+            s["ttft_disk_lone_bps"] = pre["1"].get("disk_bps")        # each bound's own disk rate (per phase)
+            s["ttft_disk_most_bps"] = pre[str(most)].get("disk_bps")
             s["ttft_lone_achieved"] = pre["1"].get("achieved")
             s["ttft_most_achieved"] = pre[str(most)].get("achieved")
             s["ttft_floor_most_over_lone"] = _ratio(s["ttft_bound_most_s"], s["ttft_bound_lone_s"])
@@ -687,11 +757,18 @@ def moved_section(r: dict, cases: list, ns: list) -> list[str]:
     """What each measured phase moved, per token, and the bounds it sets (serve_meter): its decode window against
     the clients' decode rate, the whole phase (prefill included) against the end-to-end rate."""
     h2d = r.get("h2d") or {}
+    o = r.get("options") or {}
     L = ["", "## What the service moved, and the bound it sets", "",
          f"Rates measured in this run before the first serve: disk {_disk_rates(r.get('disk') or {})}, H2D "
          + (f"{h2d['bps'] / GB:.2f} GB/s (pinned)" if h2d.get("bps") else f"n/a ({h2d.get('why', '')})")
-         + ". Bound = tokens / max(disk bytes / disk rate, H2D bytes / H2D rate), the disk rate max(random, layer) "
-         "in every window; achieved = the rate / the bound. "
+         + ". The disk is sampled again beside every phase (its \"disk rate\" row: before it, once the store's disk "
+         f"counter stood still {_f(o.get('idle_quiet_s'), '{:.1f}')} s (at most {_f(o.get('idle_most_s'), '{:.0f}')} "
+         f"s), and after the last; {_f((o.get('disk_beside_bytes') or 0) / MiB, '{:.0f}')} MiB or "
+         f"{_f(o.get('disk_beside_s'))} s per pattern), "
+         "and each window is bounded at the fastest disk rate observed around it: the sample before its phase, the "
+         "one after it (the next phase's), the run's first, its own reads (disk bytes / seconds with a read in "
+         "flight); each sample's rate is max(random, layer). "
+         "Bound = tokens / max(disk bytes / disk rate, H2D bytes / H2D rate); achieved = the rate / the bound. "
          "TTFT bound (prefill window) = max(disk bytes / disk rate, H2D bytes / H2D rate, the prefill passes' work "
          "outside disk waits) in seconds; achieved = the bound / the TTFT of the window's last first token.",
          "", "Bounds check: " + "; ".join(f"`{c['name']}` {bound_verdict((r.get('summary') or {}).get(c['name'], {}))}"
@@ -706,23 +783,38 @@ def moved_section(r: dict, cases: list, ns: list) -> list[str]:
                f"over {w['tokens']:.0f} tokens, {w['seconds']:.2f} s")
         pre = f", {w['prefill_tokens']:.0f} prefilled" if w.get("prefill_tokens") else ""
         return f"{per}{pre}; {describe(w)} ({rate_name})"
-    phases = [("the lone prompt", lambda c: (c.get("cold") or {}).get("bound")),
-              ("the same prompt again", lambda c: (c.get("again") or {}).get("bound"))]
-    phases += [(f"{n} client{'s' if n > 1 else ''}", lambda c, n=n: c.get("clients", {}).get(str(n), {}).get("bound"))
-               for n in ns]
+    phases = [("the lone prompt", lambda c: c.get("cold") or {}),
+              ("the same prompt again", lambda c: c.get("again") or {})]
+    phases += [(f"{n} client{'s' if n > 1 else ''}", lambda c, n=n: c.get("clients", {}).get(str(n), {})) for n in ns]
     def first(w):
         if not w:
             return "–"
         return (f"{w['prefill_tokens']:.0f} prompt tokens prefilled, {w['seconds']:.2f} s; "
                 f"{describe_prefill(w)} (time to first token)")
     for name, get in phases:
-        L.append(f"| {name} | prefill window | " + " | ".join(first((get(c) or {}).get("prefill")) for c in cases)
-                 + " |")
-        L.append(f"| {name} | decode window | " + " | ".join(cell((get(c) or {}).get("decode"), "decode rate")
-                                                           for c in cases) + " |")
-        L.append(f"| {name} | whole phase | " + " | ".join(cell((get(c) or {}).get("phase"), "end-to-end")
-                                                         for c in cases) + " |")
+        L.append(f"| {name} | disk rate (the samples beside it) | " + " | ".join(beside_rates(get(c).get("disk"))
+                                                                              for c in cases) + " |")
+        for win, fn in (("prefill", first), ("decode", lambda w: cell(w, "decode rate")),
+                        ("phase", lambda w: cell(w, "end-to-end"))):
+            label = "whole phase" if win == "phase" else f"{win} window"
+            L.append(f"| {name} | {label} | " + " | ".join(fn((get(c).get("bound") or {}).get(win)) for c in cases)
+                     + " |")
     return L
+
+
+def beside_rates(d: dict | None) -> str:
+    """A phase's disk samples (ServeSuite._metered's `disk`) as its "disk rate" row prints them: "before 1.52 GB/s
+    (random 1.40, layer 1.52; at 31 s, idle after 0.6 s), after 1.61 GB/s (...); the run's first 1.48 GB/s"."""
+    if not d or not d.get("before"):
+        return "–"
+
+    def one(x):
+        pats = ", ".join(f"{p} {x[p] / GB:.2f}" for p in ("random", "layer") if x.get(p) is not None)
+        idle = "" if x.get("idle_wait_s") is None else (
+            f", {'idle' if x.get('idle') else 'NOT idle'} after {x['idle_wait_s']:.1f} s")
+        return f"{x['bps'] / GB:.2f} GB/s ({pats}; at {x['at_s']:.0f} s{idle})"
+    after = one(d["after"]) if d.get("after") else "none"
+    return f"before {one(d['before'])}, after {after}; the run's first {d['first']['bps'] / GB:.2f} GB/s"
 
 
 def bound_verdict(s: dict) -> str:
@@ -741,7 +833,10 @@ def ttft_ratio(a: dict) -> str:
     if floor is None:
         return f"{got} (floor –)"
     most, lone = _f(a.get("ttft_bound_most_s")), _f(a.get("ttft_bound_lone_s"))
-    return (f"{got} (floor {_x(floor)}: bounds {most} s ÷ {lone} s, "
+    rates = ""
+    if a.get("ttft_disk_most_bps") and a.get("ttft_disk_lone_bps"):
+        rates = f" at disk {a['ttft_disk_most_bps'] / GB:.2f} / {a['ttft_disk_lone_bps'] / GB:.2f} GB/s"
+    return (f"{got} (floor {_x(floor)}: bounds {most} s ÷ {lone} s{rates}, "
             f"achieved {_f(a.get('ttft_most_achieved'))} / {_f(a.get('ttft_lone_achieved'))}; floor ÷ ratio "
             f"{_f(a.get('ttft_ratio_over_floor'))})")
 
@@ -864,12 +959,18 @@ def markdown(r: dict) -> str:
           "rate, H2D bytes / the H2D rate). The disk rate is the store's reader on whole experts of the model file "
           "sampled in both ways the store's loads read: random (batches of random experts, each waited for: decode's "
           "few per layer) and layer (whole layers' experts in file order, the reader's queue kept full: a prefill's); "
-          "every window uses the faster, max(random, layer), since a window holds reads of either kind and a bound "
-          f"must hold for every pattern in it (here: {_disk_rates(disk)}). The H2D rate is a pinned copy to the GPU "
-          "(none on the CPU), both measured in this run before the first serve. The decode window (the last "
+          "a sample's rate is the faster, max(random, layer), since a window holds reads of either kind and a bound "
+          f"must hold for every pattern in it. The disk is sampled before the first serve (here: {_disk_rates(disk)}) "
+          "and again beside every phase (before it, once the service's reads stopped; after the last phase of each "
+          "configuration), since it drifts within a run: each window is bounded at the fastest rate observed around "
+          "it, max(the sample before its phase, the sample after it (the next phase's), the run's first sample, its "
+          "own reads: disk bytes / seconds with a read in flight), so a bound holds at the best the disk showed "
+          "beside the window; the table prints each phase's samples and, beside each bound, the rate it used and "
+          "where from. The H2D rate is a pinned copy to the GPU (none on the CPU), measured in this run before the "
+          "first serve. The decode window (the last "
           "request's first token -> the end: every prompt is prefilled by then) bounds the decode rate (aggregate, "
           "TG); the whole phase (prefill included) bounds the end-to-end rate. Achieved = the rate / its bound: "
-          "above 1 only where the service read faster than both sampled rates.",
+          "above 1 is a bug in the bound (BOUND BEATEN, in the bounds check), not a figure.",
           "- TTFT bound: the prefill window (the phase's start -> its last request's first token: every prompt "
           "prefilled; no decode pass yet when they share one prefill pass) bounds the time to first token: max(the "
           "disk bytes the store read in it / the disk rate, its H2D bytes / the H2D rate, the prefill passes' busy "
@@ -906,6 +1007,10 @@ def add_arguments(p):
     g.add_argument("--serve-args", help="more flags for every serve, as one string (e.g. \"--max-running 8\")")
     g.add_argument("--prompt", type=int, help="tokens of the cold prompt, sent twice (default 512)")
     g.add_argument("--json", action="store_true", help="print bench.json to stdout (default: the figures)")
+    g.add_argument("--disk-sample-beside", help="bytes per pattern of the disk sample taken beside every phase (before "
+                                                "it, once the service is idle; and after the last; default 512MiB)")
+    g.add_argument("--disk-sample-beside-s", type=float, help="seconds per pattern of the sample beside every phase, "
+                                                              "at most (default 0.75)")
     # shared with --suite agents: --clients (default 1,4,8 here), --client-prompt (128,128), --client-tokens (64),
     # --no-agent-loop, --turns (6), --agent-prompts (346,1756), --system-tokens, --turn-tokens, --warm-prompt, --warm-tokens;
     # with the passes suite: --decode (128), --disk-sample
@@ -947,6 +1052,11 @@ def options_from_args(args, model: str, device: str, t0: float, work: Path) -> S
     bad = [k for k, v in ints.items() if v < 1]
     if bad:
         raise InvalidRequestError(f"--{bad[0].replace('_', '-')} must be >= 1, got {ints[bad[0]]}")
+    beside = (parse_size(_opt(args, "disk_sample_beside", "512MiB"), "--disk-sample-beside"),
+              float(_opt(args, "disk_sample_beside_s", 0.75)))
+    if not (beside[0] > 0 and beside[1] > 0):
+        raise InvalidRequestError(f"--disk-sample-beside and --disk-sample-beside-s must be > 0, got {beside[0]} "
+                                  f"bytes, {beside[1]} s")
     first, last = _pair(_opt(args, "agent_prompts", "346,1756"), "--agent-prompts")
     o = ServeOptions(model=model, device=device, configs=parse_configs(_opt(args, "config", "shipped,auto")),
                      serve_args=serve_args, engine_flags=engine_flags, memory_max=memory_max,
@@ -957,7 +1067,9 @@ def options_from_args(args, model: str, device: str, t0: float, work: Path) -> S
                      clients=parse_ints(_opt(args, "clients", "1,4,8"), "--clients"),
                      client_prompt=_pair(_opt(args, "client_prompt", "128,128"), "--client-prompt"),
                      first_prompt=first, last_prompt=last,
-                     disk_sample_bytes=parse_size(_opt(args, "disk_sample", "1GiB"), "--disk-sample"), **ints)
+                     disk_sample_bytes=parse_size(_opt(args, "disk_sample", "1GiB"), "--disk-sample"),
+                     disk_beside_bytes=beside[0], disk_beside_s=beside[1],
+                     idle_quiet_s=float(_opt(args, "idle_quiet_s", 0.5)), **ints)
     agent_user_lengths(o)                          # refuses < 2 turns, a first prompt shorter than the system prompt
     # every serve's flags parse (a bad --serve-args is refused here, not after the model is written)
     import argparse

@@ -15,12 +15,16 @@ phase has been prefilled by then, so from there to the end only decode passes ru
           window's seconds: what the disk stood idle is 1 minus it)
 
 A window's bound (tok/s) = tokens / max(disk bytes / disk rate, H2D bytes / H2D rate): the rate no schedule could beat
-with what it actually moved, if disk and copies overlapped perfectly with everything else. The disk rate is the
-store's reader on whole experts of the model file before the first serve, sampled in both ways the store's loads read
-(ceilings.measure_disk: "random", batches of random experts each waited for, as decode's few per layer; "layer", whole
-layers' experts in file order with the reader's queue kept full, as a prefill's), and every window (prefill, decode,
-the whole phase) uses the faster of the two (disk_rate: max(random, layer)): a window holds reads of either kind, and a
-ceiling must hold for every pattern in it, so no pass beats its bound by the way it reads. The H2D rate is a pinned
+with what it actually moved, if disk and copies overlapped perfectly with everything else. The disk is the store's
+reader on whole experts of the model file, sampled in both ways the store's loads read (ceilings.measure_disk:
+"random", batches of random experts each waited for, as decode's few per layer; "layer", whole layers' experts in file
+order with the reader's queue kept full, as a prefill's), a sample's rate being the faster of the two (disk_rate:
+max(random, layer)): a window holds reads of either kind, and a ceiling must hold for every pattern in it, so no pass
+beats its bound by the way it reads. The device's disk drifts within a run (1.1-2.1 GB/s), so the disk is sampled
+before the first serve and again right beside every phase (serve.ServeSuite._beside: once the store's disk counter
+stands still, before the phase, and after the case's last one), and each window is bounded at the fastest rate
+observed around it (window_disk_rate): the sample before its phase, the one after it (the next phase's), the run's
+first, and its own reads (its disk bytes over its seconds with a read in flight). The H2D rate is a pinned
 copy (a memfd arena registered with cudaHostRegister, as the worker's) to the GPU, measured by the bench on the same device before
 the first serve; on the CPU there is no H2D rate (n/a) and the disk alone bounds.
 
@@ -96,17 +100,38 @@ class Meter:
         self._marked: list = []
         self._threads: list[threading.Thread] = []
 
-    def snapshot(self) -> Snapshot:
+    def store_status(self) -> dict:
+        """The store's Status RPC (its JSON: disk_bytes, disk_active_seconds, ...)."""
         import json
 
         import grpc
+        try:
+            return json.loads(self._status(self._request, timeout=5).json)
+        except grpc.RpcError as e:
+            raise BetelgeuseError(f"the store's Status: {e.code().name}: {e.details()}") from None
+
+    def wait_idle(self, quiet_s: float, most_s: float, poll_s: float = 0.05) -> tuple[float, bool]:
+        """Wait until the store's disk bytes counter has stood still for quiet_s (a phase's consolidation fills can
+        run on after its last token), at most most_s: (seconds waited, whether it stood still). A disk sample taken
+        then does not share the disk with the service's reads."""
+        t0 = time.monotonic()
+        last, since = self.store_status()["disk_bytes"], t0
+        while True:
+            now = time.monotonic()
+            if now - since >= quiet_s:
+                return now - t0, True
+            if now - t0 >= most_s:
+                return now - t0, False
+            time.sleep(poll_s)
+            x = self.store_status()["disk_bytes"]
+            if x != last:
+                last, since = x, time.monotonic()
+
+    def snapshot(self) -> Snapshot:
         t = time.perf_counter()
         # the store's counters first: a mark taken as the decode window opens then has the fewest of the first
         # decode step's reads in its prefill window (the worker's scrape takes longer)
-        try:
-            st = json.loads(self._status(self._request, timeout=5).json)
-        except grpc.RpcError as e:
-            raise BetelgeuseError(f"the store's Status: {e.code().name}: {e.details()}") from None
+        st = self.store_status()
         status, body = self.client.get("/metrics")
         if status != 200 or not isinstance(body, str):
             raise BetelgeuseError(f"GET /metrics answered {status}: {str(body)[:200]}")
@@ -163,6 +188,42 @@ def disk_rate(rates: dict[str, float]) -> tuple[float, str]:
     return rates[pattern] or 0.0, pattern
 
 
+BESIDE = ("sample before", "sample after", "the run's first sample")    # a phase's disk samples (ServeSuite._beside)
+OWN_READS = "the window's own reads"
+
+
+def case_disk_rate(samples: list[float], own_bytes: int = 0, own_busy_s: float = 0.0, threads: int = 1,
+                   labels: tuple = ("sample before", "sample after"),
+                   own_label: str = "the pass's own reads") -> tuple[float, str]:
+    """(bytes/s, where it came from) of the disk for one pass or window: the fastest of the samples taken beside it
+    (labels[i] names samples[i]; the passes suite: before and after its case) and its own reads (own_bytes over
+    own_busy_s x threads: the passes suite gives the reader threads' summed time in preadv, the serve suite the wall
+    seconds with a read in flight and threads=1; either way at least the rate the disk ran at while it read). A bound
+    must hold, so it takes the fastest rate observed around the reads it bounds."""
+    best, src = 0.0, "none"
+    for i, bps in enumerate(samples):
+        if bps and bps > best:
+            best, src = bps, labels[min(i, len(labels) - 1)]
+    own = own_bytes * max(threads, 1) / own_busy_s if own_busy_s > 0 and own_bytes > 0 else 0.0
+    if own > best:
+        best, src = own, own_label
+    return best, src
+
+
+def window_disk_rate(a: Snapshot, b: Snapshot, samples: list[tuple[str, dict[str, float]]]) -> dict:
+    """The disk rate the window a -> b is bounded at: the fastest of its phase's samples (each sample's disk_rate,
+    max(random, layer); samples: [(label, {pattern: bytes/s})], BESIDE's labels) and the window's own reads (its disk
+    bytes over its seconds with a read in flight: the rate the disk demonstrably ran at in it) (case_disk_rate).
+    {"bps", "source" (the label or OWN_READS), "pattern" (the sample's, "own" for its own reads), "own_bps"}."""
+    per = [(label, *disk_rate(rates)) for label, rates in samples]
+    own_bytes, own_s = b.disk_bytes - a.disk_bytes, b.disk_active_s - a.disk_active_s
+    bps, src = case_disk_rate([x[1] for x in per], own_bytes, own_s, 1, labels=tuple(x[0] for x in per) or ("-",),
+                              own_label=OWN_READS)
+    pattern = "own" if src == OWN_READS else next((p for label, _, p in per if label == src), "none")
+    return {"bps": bps, "source": src, "pattern": pattern,
+            "own_bps": own_bytes / own_s if own_s > 0 and own_bytes > 0 else None}
+
+
 def window(a: Snapshot, b: Snapshot, disk_bps: float, h2d_bps: float | None, tokens: float | None = None) -> dict:
     """What moved from a to b and the bound it sets: tokens (default: the decode passes' tokens between them) over
     the longer of disk bytes / disk_bps and H2D bytes / h2d_bps (None: no H2D rate, the disk alone)."""
@@ -181,6 +242,7 @@ def window(a: Snapshot, b: Snapshot, disk_bps: float, h2d_bps: float | None, tok
             "busy_s": {p: b.busy_s[p] - a.busy_s.get(p, 0.0) for p in b.busy_s},
             "disk_wait_s": {p: b.disk_wait_s[p] - a.disk_wait_s.get(p, 0.0) for p in b.disk_wait_s},
             "h2d_busy_s": b.h2d_seconds - a.h2d_seconds,
+            "disk_active_s": b.disk_active_s - a.disk_active_s,
             "disk_busy_fraction": (b.disk_active_s - a.disk_active_s) / (b.t - a.t) if b.t > a.t else None,
             "readahead_bytes": b.readahead_bytes - a.readahead_bytes,
             "readahead_unused_bytes": (b.readahead_bytes - a.readahead_bytes) - (b.readahead_used - a.readahead_used),
@@ -202,23 +264,31 @@ def prefill_window(a: Snapshot, opened: Snapshot, disk_bps: float, h2d_bps: floa
     return w
 
 
-def bounds(a: Snapshot, opened: Snapshot | None, b: Snapshot, disk_rates: dict[str, float], h2d_bps: float | None,
+def bounds(a: Snapshot, opened: Snapshot | None, b: Snapshot, disk: dict | list, h2d_bps: float | None,
            completion_tokens: int, decode_tps: float | None, end_to_end_tps: float | None,
            ttft_s: float | None = None) -> dict:
     """A phase's three windows: "prefill" (the phase's start -> the decode window opened, its TTFT bound against
     ttft_s, the last first token's TTFT: prefill_window), "decode" (the decode window opened -> the end, against the
     clients' decode rate) and "phase" (the whole phase, prefill included, its completion tokens against the
-    end-to-end rate); achieved = the rate / its bound (prefill: the TTFT bound / the TTFT). disk_rates: {pattern:
-    bytes/s} sampled in the run; every window uses disk_rate's, the fastest (recorded as disk_pattern)."""
-    disk_bps, pattern = disk_rate(disk_rates)
-    out = {"phase": window(a, b, disk_bps, h2d_bps, tokens=completion_tokens)}
+    end-to-end rate); achieved = the rate / its bound (prefill: the TTFT bound / the TTFT). disk: the disk samples
+    beside the phase, [(label, {pattern: bytes/s})] (BESIDE: before it, after it, the run's first), or one sample's
+    {pattern: bytes/s}; each window is bounded at window_disk_rate's (the fastest of them and of its own reads),
+    recorded as disk_bps, disk_source, disk_pattern, disk_own_bps."""
+    samples = [("sample", disk)] if isinstance(disk, dict) else list(disk)
+
+    def at(x, y):
+        return window_disk_rate(x, y, samples)
+    rates = {"phase": at(a, b)}
+    out = {"phase": window(a, b, rates["phase"]["bps"], h2d_bps, tokens=completion_tokens)}
     out["phase"]["achieved"] = _over(end_to_end_tps, out["phase"]["bound_tps"])
     if opened is not None:
-        out["prefill"] = prefill_window(a, opened, disk_bps, h2d_bps, ttft_s)
-        out["decode"] = window(opened, b, disk_bps, h2d_bps)
+        rates["prefill"], rates["decode"] = at(a, opened), at(opened, b)
+        out["prefill"] = prefill_window(a, opened, rates["prefill"]["bps"], h2d_bps, ttft_s)
+        out["decode"] = window(opened, b, rates["decode"]["bps"], h2d_bps)
         out["decode"]["achieved"] = _over(decode_tps, out["decode"]["bound_tps"])
-    for w in out.values():
-        w["disk_pattern"] = pattern
+    for name, w in out.items():
+        r = rates[name]
+        w.update(disk_source=r["source"], disk_pattern=r["pattern"], disk_own_bps=r["own_bps"])
     return out
 
 
@@ -234,6 +304,16 @@ def size(x: float | None) -> str:
         if abs(x) >= scale:
             return f"{x / scale:.3g} {unit}"
     return f"{x:.0f} B"
+
+
+def disk_used(w: dict) -> str:
+    """The disk rate a window's bound used and where it came from: "disk at 1.52 GB/s from the sample after (layer)"."""
+    if not w.get("disk_bps"):
+        return "no disk rate"
+    src, pattern = w.get("disk_source", "?"), w.get("disk_pattern")
+    where = ("the " if src.startswith("sample") else "") + src + (
+        f" ({pattern})" if pattern not in (None, "own", "none") else "")
+    return f"disk at {w['disk_bps'] / GB:.2f} GB/s from {where}"
 
 
 def describe(w: dict | None) -> str:
@@ -253,14 +333,16 @@ def describe(w: dict | None) -> str:
         return f"bound none ({why}); {moved}"
     a = w.get("achieved")
     ach = "–" if a is None else f"{a:.2f}" if a >= 0.1 else f"{a:.2g}"
-    return f"bound {w['bound_tps']:.1f} ({w['limiter']}), achieved {ach}; {moved}"
+    rate = disk_used(w) if w["limiter"] == "disk" else f"{w['limiter']}; {disk_used(w)}"
+    return f"bound {w['bound_tps']:.1f} ({rate}), achieved {ach}; {moved}"
 
 
 def describe_prefill(w: dict | None) -> str:
     """A prefill window as the tables print it: the TTFT bound (its limiter, each term), achieved, what moved."""
     if not w:
         return "bound –"
-    terms = ", ".join(f"{k} {w[k + '_s']:.2f} s" for k in ("disk", "h2d", "work") if w.get(k + "_s") is not None)
+    terms = ", ".join(f"{k} {w[k + '_s']:.2f} s" + (f" {disk_used(w)[5:]}" if k == "disk" else "")
+                      for k in ("disk", "h2d", "work") if w.get(k + "_s") is not None)
     a = w.get("achieved")
     ach = "–" if a is None else f"{a:.2f}"
     b = w.get("ttft_bound_s")

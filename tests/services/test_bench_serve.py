@@ -45,8 +45,23 @@ def test_the_live_service_gives_the_table(serve_run):
     assert d["bps"] == max(d["random"]["bps"], d["layer"]["bps"]) == d[d["pattern"]]["bps"] and d["random"]["bps"] > 0
     assert f"disk: random {d['random']['bps'] / 1e9:.2f} GB/s, layer {d['layer']['bps'] / 1e9:.2f} GB/s" in p.stderr + p.stdout
     for c in r["cases"]:
-        for holder in [c["cold"], c["again"], *c["clients"].values()]:
-            assert {(w["disk_bps"], w["disk_pattern"]) for w in holder["bound"].values()} == {(d["bps"], d["pattern"])}
+        # the disk sampled again beside every phase (before it, once the store stood still; after the last), each
+        # window bounded at the fastest rate around it: its phase's samples, the run's first, its own reads
+        where = [x["where"] for x in c["disk_samples"]]
+        assert where == ["before cold", "before again", "before 1 clients", "before 2 clients", "after the last phase"]
+        holders = [c["cold"], c["again"], c["clients"]["1"], c["clients"]["2"]]
+        for i, holder in enumerate(holders):
+            before, after = c["disk_samples"][i], c["disk_samples"][i + 1]
+            hd = holder["disk"]
+            assert (hd["before"]["bps"], hd["after"]["bps"]) == (before["bps"], after["bps"])
+            assert hd["first"]["bps"] == d["bps"]
+            assert before["bytes"] > 0 and before["idle_wait_s"] >= 0.2 and before["random"]["bps"] > 0
+            assert before["at_s"] < after["at_s"]
+            for name, w in holder["bound"].items():
+                own = w["disk_bytes"] / w["disk_active_s"] if w["disk_active_s"] > 0 and w["disk_bytes"] > 0 else 0.0
+                got = {"sample before": before["bps"], "sample after": after["bps"], "the run's first sample": d["bps"],
+                       "the window's own reads": own}
+                assert w["disk_bps"] == max(got.values()) == got[w["disk_source"]], (i, name, w, got)
     assert [c["name"] for c in r["cases"]] == ["auto", "2+6"]
     for c in r["cases"]:
         assert c["serve_exit"] == 0 and not c.get("errors") and not c.get("skipped"), c
@@ -98,7 +113,9 @@ def test_the_live_service_gives_the_table(serve_run):
                  "TTFT p50, 2 clients together ÷ the lone cold prompt", "## Definitions",
                  "| 2 clients | prefill window |",
                  "TTFT bound", "(floor ", "; floor ÷ ratio ", "- TTFT bound: the prefill window",
-                 "Bounds check: `auto` ", "max(random, layer)"):
+                 "Bounds check: `auto` ", "max(random, layer)",
+                 "| the lone prompt | disk rate (the samples beside it) | before ",
+                 "The disk is sampled again beside every phase"):
         assert want in md, want
     assert "## The service" in p.stdout                               # the figures, printed
     for c in r["cases"]:        # each case's check of its bounds, logged (the GPU run's verdict line)
@@ -171,6 +188,7 @@ def _check_prefill(w: dict, requests: list):
     (["--config", "auto,auto:prefetch-batch-rule="], "'prefetch-batch-rule=' is not flag=value"),
     (["--config", "auto:prefetch-batch-rule"], "--config 'auto:prefetch-batch-rule'"),
     (["--config", "auto:no-such-flag=1"], "--config 'auto:no-such-flag=1'"),
+    (["--disk-sample-beside-s", "0"], "--disk-sample-beside and --disk-sample-beside-s must be > 0"),
 ])
 def test_bad_options_are_one_line_before_any_work(tmp_path, args, words):
     p = _bench("--quick", "--work-dir", str(tmp_path / "w"), "--out", str(tmp_path / "o"), *args, timeout=60)
@@ -287,3 +305,97 @@ def test_a_configuration_turns_placement_flags_on_and_off():
     got = [resolve_settings(None, env={}, flags=flag_values(p.parse_args(serve_argv(o, c, "/tmp/x", 1, 2, True)[1:])))
            .settings.engine for c in configs]
     assert [(e.placement_hysteresis, e.fill_budget) for e in got] == [(False, False), (True, False), (True, True)]
+
+
+def test_every_phase_is_bounded_at_the_disk_samples_beside_it(monkeypatch):
+    """ServeSuite's phases against a stand-in service (counters advancing, no serve) and a disk sampler that returns a
+    different rate at every call: each phase gets the sample taken right before it and, as its sample after, the
+    next one (the last phase: the sample after it), and each of its windows is bounded at the fastest of those and
+    the run's first sample; its bound is recomputed when the sample after comes. The live run's own samples are
+    checked in test_the_live_service_gives_the_table."""
+    import time
+
+    from services.bench import serve as S
+    from services.bench.serve_meter import Snapshot
+    GB = 1e9
+    first = 1.5 * GB
+    # (random, layer) GB/s of the samples beside the phases, in call order: before cold, before again, before 1
+    # client, before 2 clients, after the last
+    rates = [(1.0, 0.9), (1.2, 2.0), (1.3, 1.1), (0.8, 0.9), (1.7, 1.0)]
+    calls = []
+
+    def sampler(self, nbytes=None, seconds=None, seed=0):
+        assert (nbytes, seconds) == (self.o.disk_beside_bytes, self.o.disk_beside_s)
+        r, l = (x * GB for x in rates[len(calls)])
+        calls.append(seed)
+        at = time.monotonic() - self.o.t0
+        return {"random": {"bps": r, "at_s": at}, "layer": {"bps": l, "at_s": at}, "bps": max(r, l),
+                "pattern": "random" if r >= l else "layer", "mode": "direct", "bytes": 1, "seconds": 1}
+    monkeypatch.setattr(S.ServeSuite, "_disk_rate", sampler)
+
+    class Meter:
+        """The service's counters: every snapshot 1 GB more read from disk, 8 more tokens decoded."""
+        def __init__(self):
+            self.n, self.marks, self.idle = 0, [], 0
+
+        def wait_idle(self, quiet_s, most_s):
+            self.idle += 1
+            return 0.5, True
+
+        def snapshot(self):
+            self.n += 1
+            return Snapshot(time.perf_counter(), 8.0 * self.n, 16.0 * self.n, 0.0, 0.0, {"prefill": 0.0, "decode": 0.0},
+                            {"prefill": 0.0, "decode": 0.0}, disk_bytes=int(1e9 * self.n))
+
+        def mark(self):
+            self.marks.append(self.snapshot())
+
+        def marked(self):
+            got, self.marks = self.marks, []
+            return got[0] if got else None
+
+    class Client:
+        timeout, deadline = 30.0, None
+
+        def complete(self, ids, n, on_first=None):
+            t = time.perf_counter()
+            if on_first is not None:
+                on_first()
+            return S._finish({"prompt_tokens": len(ids), "t_submit": t - 0.01, "text": "", "completion_tokens": n,
+                              "times": [t + i * 1e-3 for i in range(n)], "cached_tokens": 0, "finish_reason": "length"})
+
+    o = S.ServeOptions(model="m.gguf", device="cpu", clients=(1, 2), agent_loop=False, prompt=8, decode=4,
+                       client_prompt=(4, 4), client_tokens=4)
+    suite = S.ServeSuite.__new__(S.ServeSuite)
+    logged = []
+    first_sample = {"random": {"bps": first, "at_s": 0.0}, "layer": {"bps": 1.0 * GB, "at_s": 0.0}, "bps": first,
+                    "pattern": "random", "mode": "direct"}
+    suite.o, suite.save, suite.log, suite._open = o, (lambda final: None), logged.append, None
+    suite.results = {"cases": [], "disk": first_sample, "h2d": {"bps": None}}
+    suite.geom, suite.meter = {"n_vocab": 1000}, Meter()
+    case = {"name": "auto"}
+    suite.results["cases"].append(case)
+    suite._phases(case, Client(), time.monotonic() + 60)
+    assert not case.get("errors") and suite.meter.idle == 5 and len(calls) == len(set(calls)) == 5   # own experts
+    assert [d["where"] for d in case["disk_samples"]] == ["before cold", "before again", "before 1 clients",
+                                                          "before 2 clients", "after the last phase"]
+    holders = [case["cold"], case["again"], case["clients"]["1"], case["clients"]["2"]]
+    # the rate each phase's windows use: max(before, after, the run's first)
+    want = [(2.0, "sample after", "layer"), (2.0, "sample before", "layer"), (1.5, "the run's first sample", "random"),
+            (1.7, "sample after", "random")]
+    for i, (h, (bps, src, pattern)) in enumerate(zip(holders, want)):
+        before, after = case["disk_samples"][i], case["disk_samples"][i + 1]
+        assert h["disk"]["before"]["bps"] == before["bps"] and h["disk"]["after"]["bps"] == after["bps"], i
+        assert h["disk"]["before"]["at_s"] <= h["disk"]["after"]["at_s"] and h["disk"]["first"]["bps"] == first
+        assert set(h["bound"]) == {"prefill", "decode", "phase"}, h["bound"]
+        for name, w in h["bound"].items():
+            assert (w["disk_bps"], w["disk_source"], w["disk_pattern"]) == (bps * GB, src, pattern), (i, name, w)
+            assert w["disk_s"] == pytest.approx(w["disk_bytes"] / (bps * GB)) and w["disk_bytes"] > 0
+    # the TTFT floor: the burst's TTFT bound (at 1.7 GB/s) over the lone client's (at 1.5)
+    s = S.summarize(suite.results)["auto"]
+    pre = {n: case["clients"][n]["bound"]["prefill"]["ttft_bound_s"] for n in ("1", "2")}
+    assert s["ttft_floor_most_over_lone"] == pytest.approx(pre["2"] / pre["1"]) and pre["2"] != pre["1"]
+    assert (s["ttft_disk_lone_bps"], s["ttft_disk_most_bps"]) == (1.5 * GB, 1.7 * GB)
+    # each phase logged once, with the rate from its sample after
+    assert sum("auto: cold: prefill" in x for x in logged) == 1
+    assert any("auto: cold: prefill" in x and "at 2.00 GB/s from the sample after (layer)" in x for x in logged), logged

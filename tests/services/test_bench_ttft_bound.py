@@ -89,16 +89,86 @@ def test_the_ratio_floor_is_the_bounds_ratio_and_printed_beside_the_target():
     r["summary"] = {"auto": s}
     md = markdown(r)
     assert ("| TTFT p50, 8 clients together ÷ the lone cold prompt (1 client) (its floor: the TTFT bounds' ratio, "
-            "what the prefills moved) | 3.27x (floor 3.13x: bounds 7.22 s ÷ 2.31 s, achieved 0.77 / 0.81; "
-            "floor ÷ ratio 0.96) | ≤ 2x |") in md
+            "what the prefills moved) | 3.27x (floor 3.13x: bounds 7.22 s ÷ 2.31 s at disk 2.16 / 2.16 GB/s, "
+            "achieved 0.77 / 0.81; floor ÷ ratio 0.96) | ≤ 2x |") in md
     assert ("| 8 clients | prefill window | 1024 prompt tokens prefilled, 9.34 s; TTFT bound 7.22 s (disk; "
-            "disk 7.22 s, h2d 0.35 s, work 2.46 s), achieved 0.77 of TTFT 9.34 s; disk 15.6 GB") in md
+            "disk 7.22 s at 2.16 GB/s from the sample (layer), h2d 0.35 s, work 2.46 s), achieved 0.77 of TTFT 9.34 s; "
+            "disk 15.6 GB") in md
     assert ("Rates measured in this run before the first serve: disk 2.16 GB/s (direct; random 1.63, layer 2.16), "
-            "H2D 55.28 GB/s (pinned). Bound = tokens / max(disk bytes / disk rate, H2D bytes / H2D rate), the disk "
-            "rate max(random, layer) in every window") in md
-    assert "every window uses the faster, max(random, layer)" in md
+            "H2D 55.28 GB/s (pinned). The disk is sampled again beside every phase") in md
+    assert "a sample's rate is the faster, max(random, layer)" in md
     # the check printed under the rates: no window beat its bound; at the random sample alone both prefills did
     assert s["bounds_beaten"] == [] and s["bound_max_achieved"] == [pytest.approx(b1 / 2.85), "1 clients prefill"]
     assert "Bounds check: `auto` bounds: none beaten (highest achieved 0.81, 1 clients prefill)." in md
     case["clients"] = {"1": _phase(1, {"random": DISK}), "8": _phase(8, {"random": DISK})}
     assert summarize(r)["auto"]["bounds_beaten"] == ["1 clients prefill 1.07", "8 clients prefill 1.03"]
+
+
+def _sample(random: float, layer: float, at_s: float = 0.0) -> dict:
+    """A disk sample beside a phase as ServeSuite._metered records it (serve._sample_rates)."""
+    return {"bps": max(random, layer), "pattern": "random" if random >= layer else "layer", "random": random,
+            "layer": layer, "at_s": at_s, "idle_wait_s": 0.6, "idle": True}
+
+
+def test_each_phase_is_bounded_at_the_samples_beside_it():
+    """The device's disk drifts within a run (1.1-2.1 GB/s in gpu-run39-serve, whose prefills beat the one sample
+    taken before the first serve: 1.04-1.26). Each window is bounded at the fastest rate observed around it: the
+    sample before its phase, the one after it, the run's first (1.5 GB/s here), its own reads; the TTFT floor is the
+    ratio of those per-phase bounds."""
+    first = {"random": 1.5e9, "layer": 1.1e9}
+    lone = {"before": _sample(1.2e9, 1.0e9, 30), "after": _sample(1.3e9, 1.9e9, 50)}     # after: 1.9 GB/s, layer
+    most = {"before": _sample(2.3e9, 1.4e9, 80), "after": None}                         # the case's time ran out
+    slow = {"before": _sample(0.9e9, 1.0e9, 60), "after": _sample(1.2e9, 0.8e9, 70)}    # both below the first
+    beside = {n: [("sample before", {p: d["before"][p] for p in ("random", "layer")})]
+              + ([("sample after", {p: d["after"][p] for p in ("random", "layer")})] if d["after"] else [])
+              + [("the run's first sample", first)] for n, d in ((1, lone), (8, most), (4, slow))}
+    want = {1: (1.9e9, "sample after", "layer"), 8: (2.3e9, "sample before", "random"),
+            4: (1.5e9, "the run's first sample", "random")}
+    phases = {n: _phase(n if n != 4 else 1, beside[n]) for n in (1, 8, 4)}
+    for n, ph in phases.items():
+        for name, w in ph["bound"].items():
+            assert (w["disk_bps"], w["disk_source"], w["disk_pattern"]) == want[n], (n, name, w)
+            assert w["disk_s"] == pytest.approx(w["disk_bytes"] / want[n][0])
+    # a window that read faster than every sample beside it (its disk bytes over its seconds with a read in flight)
+    # is bounded at its own reads' rate: 15.6 GB in 6 s = 2.6 GB/s for the burst's prefill, its decode window keeps
+    # the sample's
+    tokens, disk, h2d, busy, wait, p50, mx = RUN37[8]
+    a, opened = _snap(), _snap(mx, tokens, disk, h2d, busy, wait)
+    opened.disk_active_s = 6.0
+    b = _snap(mx + 6.0, tokens, disk + 6e9, h2d + 3e9, busy, wait, gen=504.0)
+    b.disk_active_s = 6.0 + 4.0                                            # 6 GB in 4 s: 1.5 GB/s, below 2.3
+    w = bounds(a, opened, b, beside[8], H2D, 512, 84.0, 33.4, mx)
+    assert (w["prefill"]["disk_bps"], w["prefill"]["disk_source"]) == (pytest.approx(2.6e9), "the window's own reads")
+    assert w["prefill"]["disk_own_bps"] == pytest.approx(2.6e9) and w["prefill"]["disk_pattern"] == "own"
+    assert (w["decode"]["disk_bps"], w["decode"]["disk_source"]) == (2.3e9, "sample before")
+    assert w["decode"]["disk_own_bps"] == pytest.approx(1.5e9) and w["decode"]["disk_active_s"] == 4.0
+    assert w["prefill"]["achieved"] == pytest.approx(6.0 / mx)             # the disk's busy share of the TTFT
+    most["after"] = None
+    phases[8]["bound"] = w
+    phases[8]["disk"] = dict(most, first=_sample(1.5e9, 1.1e9))
+    phases[1]["disk"] = dict(lone, first=_sample(1.5e9, 1.1e9))
+    case = {"name": "auto", "clients": {"1": phases[1], "8": phases[8]}, "memory": {"cgroup": "/sys/fs/cgroup/x"}}
+    r = {"cases": [case], "disk": {"random": {"bps": 1.5e9}, "layer": {"bps": 1.1e9}, "bps": 1.5e9, "pattern": "random",
+                                   "mode": "direct"}, "h2d": {"bps": H2D}, "status": "complete",
+         "options": {"client_prompt": (128, 128), "client_tokens": 64, "idle_quiet_s": 0.5, "idle_most_s": 3.0,
+                     "disk_beside_bytes": 512 << 20, "disk_beside_s": 0.75}}
+    s = summarize(r)["auto"]
+    b1, b8 = 4.98e9 / 1.9e9, 15.60e9 / 2.6e9                             # each phase's bound at its own rate
+    assert s["ttft_bound_lone_s"] == pytest.approx(b1) and s["ttft_bound_most_s"] == pytest.approx(b8)
+    assert s["ttft_floor_most_over_lone"] == pytest.approx(b8 / b1)
+    assert (s["ttft_disk_lone_bps"], s["ttft_disk_most_bps"]) == (1.9e9, pytest.approx(2.6e9))
+    assert s["bounds_beaten"] == []
+    r["summary"] = {"auto": s}
+    md = markdown(r)
+    assert f"(floor {b8 / b1:.2f}x: bounds {b8:.2f} s ÷ {b1:.2f} s at disk 2.60 / 1.90 GB/s" in md
+    assert ("| 1 client | disk rate (the samples beside it) | before 1.20 GB/s (random 1.20, layer 1.00; at 30 s, idle "
+            "after 0.6 s), after 1.90 GB/s (random 1.30, layer 1.90; at 50 s, idle after 0.6 s); the run's first "
+            "1.50 GB/s |") in md
+    assert ("| 8 clients | disk rate (the samples beside it) | before 2.30 GB/s (random 2.30, layer 1.40; at 80 s, "
+            in md)
+    assert "after none; the run's first 1.50 GB/s |" in md
+    assert f"TTFT bound {b1:.2f} s (disk; disk {b1:.2f} s at 1.90 GB/s from the sample after (layer), h2d" in md
+    assert f"TTFT bound {b8:.2f} s (disk; disk {b8:.2f} s at 2.60 GB/s from the window's own reads, h2d" in md
+    assert "bound 193.2 (disk at 2.30 GB/s from the sample before (random)), achieved 0.43" in md   # 504 tokens, 6 GB
+    assert ("once the store's disk counter stood still 0.5 s (at most 3 s), and after the last; 512 MiB or 0.75 s per "
+            "pattern)") in md
