@@ -33,7 +33,6 @@ ENGINE_KEYS: dict[str, Key] = {k.engine: k for k in KEYS_INFO if k.engine}
 _OWN_DEFAULTS = {"device": "cpu"}       # model_path: required
 
 
-
 class _EngineConfig:
     """EngineConfig's behaviour: the checks and the derived values (its fields come from the settings)."""
     __slots__ = ()
