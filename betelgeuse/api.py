@@ -158,6 +158,8 @@ class ModelInfo:
     routing: str = "exact"          # "exact" | "resident" | "pool" (approximate: outputs depend on residency)
     vram_backing: bool = True       # VRAM experts keep host copies
     plan: dict | None = None        # the slot plan: what was chosen and the budgets it came from (SlotPlan.describe)
+    prefill_chunk: int = 0          # tokens per position-aligned prefill chunk the runner uses (prefill_chunk auto: the
+                                    # architecture's); 0: the architecture prefills a prompt in one piece
 
 
 @dataclass(slots=True)

@@ -32,9 +32,6 @@ MiB = 1 << 20
 ENGINE_KEYS: dict[str, Key] = {k.engine: k for k in KEYS_INFO if k.engine}
 _OWN_DEFAULTS = {"device": "cpu"}       # model_path: required
 
-PREFILL_CHUNK = ENGINE_KEYS["prefill_chunk"].default   # tokens: the default position-aligned prefill chunk (the
-                                                       # engine and the reference model must agree)
-
 
 class _EngineConfig:
     """EngineConfig's behaviour: the checks and the derived values (its fields come from the settings)."""
@@ -48,9 +45,17 @@ class _EngineConfig:
                 raise BetelgeuseError(f"{name}: {e}") from None
         if self.decode_gate == "on" and self.decode_at_hand is False:
             raise BetelgeuseError("decode_gate = 'on' needs decode_at_hand (the gate follows the at-hand group)")
-        if self.max_batched_tokens < self.prefill_chunk:
+        if self.prefill_chunk != "auto" and self.max_batched_tokens < self.prefill_chunk:
             raise BetelgeuseError(f"max_batched_tokens ({self.max_batched_tokens}) must be >= prefill_chunk "
                                   f"({self.prefill_chunk}): a prefill pass takes whole chunks")
+
+    def chunk_for(self, arch_chunk: int) -> int:
+        """The prefill chunk a run uses, in tokens: prefill_chunk as given, or with it auto the architecture's own
+        (`arch_chunk`: its model class's prefill_chunk, model/interface.py), at most max_batched_tokens (a prefill
+        pass takes whole chunks). The runner resolves it once (worker/runner.py) and runs with the result."""
+        if self.prefill_chunk != "auto":
+            return self.prefill_chunk
+        return min(arch_chunk, self.max_batched_tokens)
 
     @property
     def prefill_pass_tokens(self) -> int:

@@ -185,7 +185,7 @@ Slots = _t(int | Literal["auto"], _count_or_auto(0, "a slot count"), "N|auto")
 Count0 = _t(int, _count(0), "N")
 Count1 = _t(int, _count(1), "N")
 Running = _t(int | Literal["auto"], _count_or_auto(1, "a number of sequences"), "N|auto")
-Depth = _t(int | Literal["auto"], _count_or_auto(1, "an integer"), "N|auto")
+Count1OrAuto = _t(int | Literal["auto"], _count_or_auto(1, "an integer"), "N|auto")
 Count2 = _t(int, _count(2), "N")
 Count8 = _t(int, _count(8), "N")
 Seconds = _t(float, _seconds, "SECONDS")
@@ -354,8 +354,8 @@ class EngineSettings(_Section):
                                                           "the device, the host on a side stream for the misses only: "
                                                           "off | on | auto (on CUDA)", "on")
     # auto: the architecture's own depth (the model class's GUESS_DEPTH, model/interface.py)
-    prefetch_depth: Depth = setting(AUTO, "decode: layers ahead whose experts are guessed and read ahead, or auto "
-                                    "(the architecture's default)", 2)
+    prefetch_depth: Count1OrAuto = setting(AUTO, "decode: layers ahead whose experts are guessed and read ahead, or "
+                                           "auto (the architecture's default)", 2)
     # the waste budget (worker/guess.py): a layer's guesses from d layers back are read ahead only while their hit
     # rate (used / guessed on disk, online per attachment) is at least this; 0 reads every guess
     prefetch_min_hit: Share = setting(0.5, "decode: the hit rate a guessing depth needs for its guesses to be read "
@@ -380,8 +380,12 @@ class EngineSettings(_Section):
     # prefilled together (EngineConfig.prefill_pass_tokens)
     max_batched_tokens: Count1 = setting(512, "prompt tokens per prefill pass while other sequences decode", 256)
     # attention and routing run in position-aligned chunks of this size, so a prefix-cache hit is bit-identical
-    # to a miss; the engine and the reference model must agree (config.PREFILL_CHUNK)
-    prefill_chunk: Count1 = setting(64, "tokens per position-aligned chunk = the prefix cache's block size", 32)
+    # to a miss; the engine and the reference model must agree on it. auto: the architecture's own (the model class's
+    # prefill_chunk, model/interface.py: qwen3moe 64, deepseek4/41 256), at most max_batched_tokens; the runner
+    # resolves it (EngineConfig.chunk_for)
+    prefill_chunk: Count1OrAuto = setting(AUTO, "tokens per position-aligned prefill chunk = the prefix cache's "
+                                          "block / checkpoint grid, or auto (the architecture's: qwen3moe 64, "
+                                          "deepseek4/41 256)", 32)
     # the slot plan subtracts it from the VRAM budget
     prefix_cache_bytes: SizeOrAuto = setting(AUTO, "device KV prefix cache in bytes (0 = off; auto: two contexts, "
                                              "<= 512 MiB)", 1 << 30)

@@ -150,7 +150,7 @@ def main(argv=None) -> int:
           if hasattr(engine.runner, "dtype") else cfg.dtype, n_vram=mi.vram_slots_per_layer,
           n_host=mi.host_slots_per_layer, schedule=cfg.schedule, routing=mi.routing,
           approximate=mi.routing != "exact", max_running=engine.cfg.max_running, max_queue=cfg.max_queue,
-          max_context=cfg.max_context,
+          max_context=cfg.max_context, prefill_chunk=mi.prefill_chunk or None,
           api_keys=len(api_keys) or None, tls=tls is not None)
     while not stop.is_set():
         while hups:

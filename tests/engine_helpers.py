@@ -64,15 +64,17 @@ def in_process_runner(path, vram_slots, host_slots, **cfg):
         raise
 
 
-def synth_reference(tmp_path_factory, preset: str, prompt: list[int], n_ctx: int, **overrides):
-    """(path, reference model, its logits of `prompt` [T, V] float32) for a synth preset with `overrides`."""
+def synth_reference(tmp_path_factory, preset: str, prompt: list[int], n_ctx: int, chunk: int | str | None = "auto",
+                    **overrides):
+    """(path, reference model, its logits of `prompt` [T, V] float32) for a synth preset with `overrides`; the
+    reference prefills in chunks of `chunk` (auto: the architecture's, as a runner with prefill_chunk auto)."""
     import torch
     from betelgeuse.gguf.synth import spec_from_preset, write_model
     from betelgeuse.model import reference_model
     spec = replace(spec_from_preset(preset), **overrides)
     path = tmp_path_factory.mktemp(preset) / f"{preset}-{abs(hash(tuple(sorted(overrides.items()))))}.gguf"
     write_model(path, spec, progress=False)
-    ref = reference_model(path)
+    ref = reference_model(path, chunk=chunk)
     with torch.no_grad():
         want = ref.forward(torch.tensor(prompt), ref.new_cache(n_ctx)).float()
     return path, ref, want

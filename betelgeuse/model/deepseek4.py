@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from betelgeuse.config import PREFILL_CHUNK
 from betelgeuse.errors import InvalidRequestError, ModelFormatError, UnsupportedError
 from betelgeuse.gguf import ds4layout
 from betelgeuse.kernels.torch_moe import expert_ffn
@@ -48,6 +47,7 @@ from betelgeuse.model.kv_cache import _UIDS, grow_rows
 from betelgeuse.model.layers import check_token_ids
 from betelgeuse.model.reference import ReferenceExperts
 from betelgeuse.routing_approx import Residency, approx_hash, approx_topk
+from betelgeuse.settings import AUTO
 
 QUERY_CHUNK = ds4layout.QUERY_CHUNK   # attention queries per block (bounds the score tensor; attention_block)
 
@@ -356,6 +356,16 @@ class Deepseek4Model:
     # decode guesses 3 layers ahead (`prefetch_depth` auto): depths 1-3 decoded equally fast within the disk's noise
     # on ds4-flash (deploy/device/guess_ab.py), 3 the depth its serve runs were measured at
     guess_depth = 3
+    # prefill chunk (`prefill_chunk` auto): 256 tokens. The front runs chunk by chunk, per layer, each chunk launching
+    # its kernels again: on the H200 a 600-token miss of ds4-tiny took 29.7 ms in one pass, 120.8 ms in 10 chunks of
+    # 64, 458 ms in 38 of 16 (~12 ms a chunk; deepseek41 135 / 309 / 915 ms: docs/benchmarks/gpu-run38-ds4), so the
+    # chunk count is the cost. The chunk is also the checkpoint grid of the snapshot cache (worker/snapshot_cache.py):
+    # an agent's next turn re-prefills what its previous prompt had past its last boundary (< 256 tokens: within one
+    # chunk of the pass, which costs about one chunk's launches whatever its length), and an identical prompt hits its
+    # whole-prompt entry at any length. 256 = two attention query blocks (QUERY_CHUNK 128) and a multiple of the
+    # compression ratios (4, 128), and max_batched_tokens' default (512) holds two chunks
+    # (deploy/device/check_ds4.py --only prefix times 64 / 128 / 256 / 512 beside one pass)
+    prefill_chunk = 256
 
     def __init__(self, cfg, dense: dict[str, torch.Tensor]):
         assert cfg.ds4 is not None, cfg.arch         # deepseek4, or deepseek41 (model/deepseek41.py subclasses)
@@ -1009,7 +1019,7 @@ class Deepseek4Reference(ReferenceExperts, Deepseek4Model):
     (model/reference.py)."""
 
     def __init__(self, f, dense: dict[str, torch.Tensor], sub_batch: int = 16, kernels: str = "auto",
-                 chunk: int | None = PREFILL_CHUNK):
+                 chunk: int | str | None = AUTO):
         Deepseek4Model.__init__(self, f.config, dense)
         self._init_reference(f, sub_batch, kernels, chunk)
 

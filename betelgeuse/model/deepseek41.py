@@ -48,7 +48,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from betelgeuse.config import PREFILL_CHUNK
 from betelgeuse.gguf import ds41layout
 from betelgeuse.model.deepseek4 import (CompressedCache, Deepseek4Model, TorchOps, _ring_rows, _rms, _visible,
                                         apply_rope, hc_collapse)
@@ -56,6 +55,7 @@ from betelgeuse.errors import UnsupportedError
 from betelgeuse.gguf.ds41layout import ENGRAM_TOKENS
 from betelgeuse.model.engram import EngramState, FileRows, NgramHasher, engram_residual
 from betelgeuse.model.reference import ReferenceExperts
+from betelgeuse.settings import AUTO
 
 QUERY_CHUNK = ds41layout.QUERY_CHUNK
 
@@ -180,6 +180,7 @@ class Deepseek41Model(Deepseek4Model):
     # and runs row-batched over lanes (worker/lanes.py), as deepseek4's
     chunked_prefill = True
     prefix_reuse = "snapshots"
+    prefill_chunk = 256         # deepseek4's, for its reasons (model/deepseek4.py): the chunk count is the cost
     static_decode = True
     lane_decode = True
     # its entries' spare last row is a static top-k's "nothing chosen" (SourceState): its index moves with max_len,
@@ -656,7 +657,7 @@ class Deepseek41Reference(ReferenceExperts, Deepseek41Model):
     """The in-process path: experts dequantized from the file's map when needed, Engram rows read from the map."""
 
     def __init__(self, f, dense: dict[str, torch.Tensor], sub_batch: int = 16, kernels: str = "auto",
-                 chunk: int | None = PREFILL_CHUNK):
+                 chunk: int | str | None = AUTO):
         Deepseek41Model.__init__(self, f.config, dense)
         self._init_reference(f, sub_batch, kernels, chunk)
         g = self.q.engram

@@ -35,6 +35,9 @@ are class-level flags that the runner reads (it never guesses with getattr and a
                    whose chunk ends there; "none": every prompt is prefilled whole
   guess_depth      (an int) the layers decode guesses ahead when `prefetch_depth` is auto (worker/guess.py): the
                    architecture's measured best; the config's prefetch_depth overrides it
+  prefill_chunk    (an int, tokens) the chunk of a chunked prefill when `prefill_chunk` is auto (EngineConfig.chunk_for;
+                   the reference models' default too): fewer, larger chunks cost fewer launches of the dense front,
+                   smaller ones a finer prefix grid (blocks, checkpoints); the config's prefill_chunk overrides it
 
 A model whose file has Engram tables (deepseek41) is an EngramModel too: before its layers, a pass hashes each
 sequence's new tokens into table rows, which `source` delivers (the engine: the store, worker/engram_feed.py;
@@ -90,6 +93,8 @@ class MoEModel(Protocol):
     prefix_reuse: ClassVar[str]     # "blocks" | "snapshots" | "none" (module doc)
     # the decode guess's depth when `prefetch_depth` is auto: layers ahead guessed (worker/guess.py); config overrides
     guess_depth: ClassVar[int]
+    # tokens of a prefill chunk when `prefill_chunk` is auto (module doc); config overrides
+    prefill_chunk: ClassVar[int]
     cfg: Any                        # gguf.modelconfig.ModelConfig
     device: torch.device
     dtype: torch.dtype              # the compute dtype
@@ -154,6 +159,8 @@ def check_model(model) -> None:
     assert model.prefix_reuse in ("blocks", "snapshots", "none"), model.prefix_reuse
     assert model.prefix_reuse == "none" or model.chunked_prefill, \
         f"{type(model).__name__}: prefix_reuse {model.prefix_reuse!r} needs chunked_prefill"
+    assert not model.chunked_prefill or (isinstance(model.prefill_chunk, int) and model.prefill_chunk >= 1), \
+        f"{type(model).__name__}: chunked_prefill needs its default prefill_chunk (tokens >= 1)"
     assert model.prefix_reuse != "snapshots" or all(callable(getattr(model, m, None)) for m in ("snapshot", "restore")), \
         f"{type(model).__name__}: prefix_reuse 'snapshots' needs snapshot(state) and restore(state, snap)"
     assert not model.lane_decode or (model.static_decode and isinstance(model, LaneDecode)), \

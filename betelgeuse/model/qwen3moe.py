@@ -15,13 +15,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from betelgeuse.config import PREFILL_CHUNK
 from betelgeuse.model.kv_cache import KVCache
 from betelgeuse.model.layers import (NeoxRope, apply_rope, causal_attention, check_token_ids, rms_norm,
                                      static_decode_attention)
 from betelgeuse.model.reference import ReferenceExperts
 from betelgeuse.model.weights import DenseWeights
 from betelgeuse.routing_approx import Residency, approx_topk
+from betelgeuse.settings import AUTO
 
 
 class Qwen3MoeModel:
@@ -57,6 +57,9 @@ class Qwen3MoeModel:
     # decode guesses 3 layers ahead (`prefetch_depth` auto): depths 1-3 decode equally fast within the disk's noise on
     # the bench geometry (docs/benchmarks/gpu-run27-fusedguess), 3 the depth its serve runs were measured at
     guess_depth = 3
+    # prefill chunk (`prefill_chunk` auto) = the prefix cache's block: 64 tokens, a hit's granularity (a prompt reuses
+    # its cached prefix down to its last whole block), the chunk every qwen3moe measurement ran (docs/benchmarks)
+    prefill_chunk = 64
 
     @staticmethod
     def load_dense(f, device, dtype) -> DenseWeights:
@@ -178,7 +181,7 @@ class Qwen3MoeReference(ReferenceExperts, Qwen3MoeModel):
     (model/reference.py)."""
 
     def __init__(self, f, dense: DenseWeights, sub_batch: int = 16, kernels: str = "auto",
-                 chunk: int | None = PREFILL_CHUNK):
+                 chunk: int | str | None = AUTO):
         Qwen3MoeModel.__init__(self, f.config, dense)
         self._init_reference(f, sub_batch, kernels, chunk)
 

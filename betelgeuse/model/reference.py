@@ -13,26 +13,27 @@ from pathlib import Path
 
 import torch
 
-from betelgeuse.config import PREFILL_CHUNK
 from betelgeuse.errors import ModelFormatError
 from betelgeuse.kernels.torch_moe import ExpertWeights, apply_experts
 from betelgeuse.model.chunks import layer_back, layer_front, pass_chunks
+from betelgeuse.settings import AUTO
 
 
 class ReferenceExperts:
-    def _init_reference(self, f, sub_batch: int, kernels: str, chunk: int | None = PREFILL_CHUNK):
+    def _init_reference(self, f, sub_batch: int, kernels: str, chunk: int | str | None = AUTO):
         self.file = f
         self.sub_batch = sub_batch
-        # position-aligned prefill chunks, as the engine's (EngineConfig.prefill_chunk); None for architectures
-        # whose prefill is one chunk
-        self.chunk = chunk if self.chunked_prefill else None
+        # position-aligned prefill chunks, as the engine's (EngineConfig.prefill_chunk): auto = the architecture's
+        # (its class's prefill_chunk, what a runner with prefill_chunk auto runs); None, and for architectures whose
+        # prefill is one chunk: the whole pass at once
+        self.chunk = (type(self).prefill_chunk if chunk == AUTO else chunk) if self.chunked_prefill else None
         self.kernels = kernels          # "auto": the engine's Triton expert kernels on CUDA where the type allows
         from betelgeuse.gguf.quants import dequantize
         self._dequantize = dequantize
 
     @classmethod
     def load(cls, path, device="cpu", dtype=torch.float32, sub_batch: int = 16, kernels: str = "auto",
-             chunk: int | None = PREFILL_CHUNK):
+             chunk: int | str | None = AUTO):
         from betelgeuse.gguf import GGUFModelFile
         path = Path(path)
         if not path.is_file():
@@ -41,7 +42,7 @@ class ReferenceExperts:
 
     @classmethod
     def from_file(cls, f, device="cpu", dtype=torch.float32, sub_batch: int = 16, kernels: str = "auto",
-                  chunk: int | None = PREFILL_CHUNK):
+                  chunk: int | str | None = AUTO):
         """From an already open GGUFModelFile (dense weights are dequantized now, experts later)."""
         return cls(f, cls.load_dense(f, device, dtype), sub_batch, kernels, chunk)
 

@@ -423,7 +423,7 @@ class LLMEngine:
                          quant=qtype_name(qt), expert_bytes=f.expert_nbytes(0),
                          vram_slots_per_layer=p.n_vram, host_slots_per_layer=p.n_host,
                          schedule=self.cfg.schedule, sub_batch=self.cfg.sub_batch, routing=self.cfg.routing,
-                         vram_backing=p.vram_backing, plan=p.describe())
+                         vram_backing=p.vram_backing, plan=p.describe(), prefill_chunk=self.runner.chunk or 0)
 
     def server_info(self) -> ServerInfo:
         cache = self.runner.cache

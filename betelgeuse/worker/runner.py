@@ -69,7 +69,11 @@ class ModelRunner:
         self.mcfg = self.file.config
         self.model = engine_model(self.file, self.device, self.dtype)     # model/registry.py: one interface
         check_model(self.model)
-        # position-aligned prefill chunks (chunks.pass_chunks): prefix hits and pieces of a prompt give the same bits
+        # position-aligned prefill chunks (chunks.pass_chunks): prefix hits and pieces of a prompt give the same bits.
+        # prefill_chunk auto = the architecture's (its class's prefill_chunk), resolved once here: the engine, its
+        # scheduler and prefix cache read the runner's config and chunk (an unchunked architecture keeps "auto")
+        if self.model.chunked_prefill:
+            self.cfg = cfg = dataclasses.replace(cfg, prefill_chunk=cfg.chunk_for(type(self.model).prefill_chunk))
         self.chunk = cfg.prefill_chunk if self.model.chunked_prefill else None
         if self.device.type == "cuda":
             # loading dequantizes through float32 temporaries (1.2 GB for a 151936 x 2048 embedding);

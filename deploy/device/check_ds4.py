@@ -16,7 +16,9 @@
    vs the CPU float32 reference: max-abs diff and greedy agreement (reported).
 2b. prefix: the snapshot prefix cache (ds4-tiny; `--preset ds41-tiny`: deepseek41, its Engram history in the
    snapshot): a checkpoint restored and the rest prefilled == the unbroken prefill, the decode step after it too,
-   whole-chunk pieces == one pass; prefill wall by chunk size (reported).
+   whole-chunk pieces == one pass (chunks of 16); the same at the architecture's default chunk (`prefill_chunk` auto:
+   256) on a 600-token prompt resumed at 512; prefill wall by chunk size, one pass, 16, 64, 128, the default and
+   512 (reported).
 3. ops: the fused per-row kernels (kernels/triton_ds4.py TritonOps) against TorchOps method by method, float32 and
    bfloat16, at tiny and V4-Flash shapes (tests/scripts/ds4_kernel_check.py; a row alone == in its launch).
 3b. guess: the decode guess of layers l+1..l+3 in one pass (TritonOps.guess_route) picks the ids each layer's own
@@ -201,8 +203,9 @@ def check_prefix(device: str, tmp: Path, chunk: int = 16, preset: str = "ds4-tin
     """The snapshot prefix cache on the device (worker/snapshot_cache.py): ds4-tiny (or --preset's), a 150-token
     prompt in chunks of `chunk`; the checkpoint its pass keeps at 96 (state.mark), restored into a fresh state, and
     the rest prefilled: bit-identical to the unbroken prefill, and so is the decode step after it; a prompt in
-    whole-chunk pieces too. Then the chunked prefill's wall against one chunk (chunk=None: what deepseek4 ran before), a 150-
-    and a 600-token prompt, reported."""
+    whole-chunk pieces too. Then at the architecture's default chunk (its class's prefill_chunk, what `prefill_chunk`
+    auto runs: 256) a 600-token prompt's checkpoint at 512 likewise. Then the chunked prefill's wall against one
+    chunk (chunk=None: what deepseek4 ran before chunking), a 150- and a 600-token prompt, reported."""
     import numpy as np
     from betelgeuse.worker.snapshot_cache import SnapshotCache
     path, spec = _tiny(tmp, preset)
@@ -210,18 +213,25 @@ def check_prefix(device: str, tmp: Path, chunk: int = 16, preset: str = "ds4-tin
     ids = [int(x) for x in np.random.default_rng(4).integers(0, spec.n_vocab, 150)]
     runner, store = runner_for(path, device, spec.n_expert, 0, prefill_chunk=chunk)
     try:
-        kv = runner.new_cache(256)
-        kv.mark(96)
-        whole, _ = runner.forward(ids, kv, all_logits=True)
-        step, _ = runner.forward([int(whole[-1].argmax())], kv)
-        snap = kv.take_mark()
-        kv2 = runner.new_cache(256)
-        runner.model.restore(kv2, snap)
-        rest, _ = runner.forward(ids[96:], kv2, all_logits=True)
-        step2, _ = runner.forward([int(whole[-1].argmax())], kv2)
-        ok = torch.equal(rest.cpu(), whole[96:].cpu()) and torch.equal(step.cpu(), step2.cpu())
+        def resumed(prompt: list[int], cut: int, n_ctx: int):
+            """-> (the rest after the checkpoint at `cut`, restored, == the unbroken prefill, and so is the decode
+            step after it; their max |diff|; the snapshot's bytes; the unbroken prefill's logits)."""
+            kv = runner.new_cache(n_ctx)
+            kv.mark(cut)
+            whole, _ = runner.forward(prompt, kv, all_logits=True)
+            step, _ = runner.forward([int(whole[-1].argmax())], kv)
+            snap = kv.take_mark()
+            kv2 = runner.new_cache(n_ctx)
+            runner.model.restore(kv2, snap)
+            rest, _ = runner.forward(prompt[cut:], kv2, all_logits=True)
+            step2, _ = runner.forward([int(whole[-1].argmax())], kv2)
+            ok = torch.equal(rest.cpu(), whole[cut:].cpu()) and torch.equal(step.cpu(), step2.cpu())
+            return ok, (rest.float() - whole[cut:].float()).abs().max().item(), snap.nbytes, whole
+
+        ok, diff, snap_bytes, whole = resumed(ids, 96, 256)
+        nbytes = {96: snap_bytes}
         row(f"{tag} prefix: checkpoint restore + rest == miss", ok,
-            f"snapshot {snap.nbytes} B at 96 of 150 tokens; max |diff| {(rest.float() - whole[96:].float()).abs().max().item():.3e}")
+            f"snapshot {snap_bytes} B at 96 of 150 tokens; max |diff| {diff:.3e}")
         kv3, a = runner.new_cache(256), 0
         for piece in (32, 16, 48, 54):
             out, _ = runner.forward(ids[a:a + piece], kv3, all_logits=True)
@@ -231,20 +241,31 @@ def check_prefix(device: str, tmp: Path, chunk: int = 16, preset: str = "ds4-tin
         held = sc.insert_tail(kv3, ids, [], out[-1])
         row(f"{tag} prefix: whole-prompt entry", sc.covered(sc.lookup(ids)) == len(ids) and held != [],
             f"{sc.bytes_used} B")
+        default = replace(runner.cfg, prefill_chunk="auto").chunk_for(type(runner.model).prefill_chunk)
+        long = [int(x) for x in np.random.default_rng(5).integers(0, spec.n_vocab, 600)]
+        runner.chunk = default
+        cut = 600 // default * default
+        ok_d, diff, nbytes[cut], _ = resumed(long, cut, 608)
+        row(f"{tag} prefix: default chunk {default}: checkpoint restore + rest == miss", ok_d,
+            f"snapshot {nbytes[cut]} B at {cut} of 600 tokens; max |diff| {diff:.3e}")
         walls = {}
+        sizes = [None] + sorted({chunk, 64, 128, default, 512})
         for n in (150, 600):
-            long = [int(x) for x in np.random.default_rng(5).integers(0, spec.n_vocab, n)]
-            for c in (None, chunk, 64):
+            prompt = long[:n]
+            for c in sizes:
                 runner.chunk = c
-                runner.forward(long, runner.new_cache(n + 8))          # warm
+                runner.forward(prompt, runner.new_cache(n + 8))          # warm
                 sync(device)
                 t0 = time.perf_counter()
-                runner.forward(long, runner.new_cache(n + 8))
+                runner.forward(prompt, runner.new_cache(n + 8))
                 sync(device)
                 walls[f"{n} tokens, chunk {c}"] = round((time.perf_counter() - t0) * 1e3, 1)
         runner.chunk = chunk
-        row(f"{tag} prefix: prefill wall ms by chunk", None, ", ".join(f"{k}: {v}" for k, v in walls.items()))
-        RESULTS[f"prefix {preset}"] = {"exact": ok, "snapshot_bytes": snap.nbytes, "prefill_ms": walls}
+        gain = walls["600 tokens, chunk 64"] / walls[f"600 tokens, chunk {default}"]
+        row(f"{tag} prefix: prefill wall ms by chunk", None, ", ".join(f"{k}: {v}" for k, v in walls.items())
+            + f"; 600 tokens at the default {default}: {gain:.2f}x faster than at 64")
+        RESULTS[f"prefix {preset}"] = {"exact": ok, "exact_default_chunk": ok_d, "default_chunk": default,
+                                       "snapshot_bytes": nbytes, "prefill_ms": walls}
     finally:
         close(runner, store)
 

@@ -238,6 +238,7 @@ class AgentSuite:
             t = time.perf_counter()
             engine = open_engine(cfg, store)
             case["engine_start_s"] = time.perf_counter() - t
+            case["engine_config"]["prefill_chunk"] = engine.cfg.prefill_chunk     # auto: the architecture's, resolved
             p = engine.runner.plan
             case["plan"] = {"n_vram": p.n_vram, "n_host": p.n_host, "n_staging": p.n_staging,
                             "arena_bytes": p.arena_bytes, "notes": list(p.notes),

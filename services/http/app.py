@@ -397,7 +397,7 @@ def build_app(engine, metrics=None, api_keys: list[str] | None = None) -> FastAP
                 "max_model_len": mi.context_length,
                 "meta": {"arch": mi.arch, "quant": mi.quant, "n_layer": mi.n_layer, "n_expert": mi.n_expert,
                          "n_expert_used": mi.n_expert_used, "n_vocab": mi.n_vocab, "routing": mi.routing,
-                         "plan": mi.plan}}
+                         "prefill_chunk": mi.prefill_chunk, "plan": mi.plan}}
 
     @app.get("/v1/models")
     async def models():

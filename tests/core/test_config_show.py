@@ -224,7 +224,8 @@ def test_a_bad_serve_flag_is_one_line_and_starts_nothing(tmp_path):
     e = {k: v for k, v in os.environ.items() if not k.startswith("BETELGEUSE_")}
     e["PYTHONPATH"] = str(ROOT)
     for argv, needle in [(["--max-running", "-1"], "max_running"), (["--vram-budget", "lots"], "budget.vram"),
-                         (["--max-batched-tokens", "8"], "max_batched_tokens"), (["--listen", "x"], "unrecognized")]:
+                         (["--max-batched-tokens", "8", "--prefill-chunk", "64"], "max_batched_tokens"),
+                         (["--listen", "x"], "unrecognized")]:
         r = subprocess.run([sys.executable, "-m", "services.cli", "serve", str(tmp_path / "m.gguf"),
                             "--runtime-dir", str(tmp_path / "run"), *argv], capture_output=True, text=True,
                            env=e, timeout=60, cwd=ROOT)

@@ -5,7 +5,9 @@ first two hash-routed; sliding window 16, so a 200-token prompt crosses the wind
 HCA window) has its weights rounded through the quantizer of the type each one is stored in (so the
 reference computes exactly the model the file holds), is written as a `deepseek4` GGUF in llama.cpp's layout,
 and read back by our Deepseek4Reference. Logits are compared over the whole prompt, token-by-token decode and
-odd-sized chunked prefill, for F32, Q8_0 and MXFP4 routed experts. Expert and indexer top-k choices turn
+odd-sized chunked prefill (the reference in prefill chunks of 64: the prompt spans 4), and at deepseek4's default chunk
+(256) a 300-token prompt in 2 chunks, resumed at 256 from the state kept there as the snapshot cache does, for F32,
+Q8_0 and MXFP4 routed experts. Expert and indexer top-k choices turn
 1e-7 noise into different selections near ties, so the test asserts the selection margins are far from ties.
 Tolerance: 1e-4 x max |logit| (float32 noise is ~1e-6 relative; a wrong RoPE pairing, a missing clamp or a
 mis-ordered Sinkhorn move logits by O(0.1-1)).
@@ -21,7 +23,7 @@ import torch
 
 from betelgeuse.gguf import ds4layout
 from betelgeuse.gguf.synth_ds4 import DS4Spec, qtype_of, write_deepseek4
-from betelgeuse.model.deepseek4 import Deepseek4Reference
+from betelgeuse.model.deepseek4 import Deepseek4Model, Deepseek4Reference
 
 from oracle_checks import check_logits, check_margins, chunked_logits, decode_logits, prefill_margins
 
@@ -31,6 +33,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 REL_TOL = 1e-4
 PROMPT_LEN = 200
 DECODE_FROM = 64          # decode: a 64-token prefill, then one token at a time (crossing the HCA window at 127)
+CHUNK = 64                # the reference's prefill chunk but in the default-chunk test: PROMPT_LEN spans 4 chunks
+LONG_LEN = 300            # the default-chunk test's prompt: 2 chunks of deepseek4's default (256)
 SEED = 3
 SPEC = DS4Spec(n_layer=4, n_embd=64, n_head=4, head_dim=64, rope_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=32,
                n_expert=8, n_expert_used=2, n_ff_exp=32, n_vocab=320, compress_ratios=(0, 4, 128, 4),
@@ -119,17 +123,24 @@ def prompt():
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
-def pair(request, tmp_path_factory, prompt):
-    """(variant, HF logits [T, V], our Deepseek4Reference) for one quant variant."""
+def built(request, tmp_path_factory):
+    """(variant, the HF model with its weights rounded to the stored types, our GGUF of them) for one quant variant."""
     from dataclasses import replace
     spec = replace(SPEC, **VARIANTS[request.param])
     hf = random_hf_model(spec)
     stored = round_through_quantizer(hf, spec)
     path = tmp_path_factory.mktemp("ds4") / f"ds4-{request.param}.gguf"
     write_deepseek4(path, spec, source=lambda n: stored[n], progress=False)
+    return request.param, hf, path
+
+
+@pytest.fixture(scope="module")
+def pair(built, prompt):
+    """(variant, HF logits [T, V], our Deepseek4Reference prefilling in chunks of CHUNK) for one quant variant."""
+    q, hf, path = built
     with torch.no_grad():
         ref = hf(prompt[None]).logits[0].float()
-    return request.param, ref, Deepseek4Reference.load(path)
+    return q, ref, Deepseek4Reference.load(path, chunk=CHUNK)
 
 
 def _check(ours: torch.Tensor, ref: torch.Tensor, what: str) -> float:
@@ -152,6 +163,32 @@ def test_chunked_prefill_matches_transformers(pair, prompt):
     q, ref, model = pair
     # odd sizes crossing windows of 4, 16 and 128
     _check(chunked_logits(model, prompt, (1, 3, 7, 13, 29, 61, 5, 81)), ref, f"{q} chunked prefill")
+
+
+def test_the_default_chunk_matches_transformers_and_resumes_at_its_boundary(built):
+    """deepseek4's default chunk (Deepseek4Model.prefill_chunk, 256: the reference's default and what a runner with
+    prefill_chunk auto runs): a 300-token prompt prefills in 2 chunks to transformers' logits, and the state its pass
+    kept at 256 (state.mark: the snapshot cache's checkpoint), restored into a fresh state, prefills the other 44
+    tokens to the bits of the unbroken prefill."""
+    q, hf, path = built
+    model = Deepseek4Reference.load(path)
+    assert model.chunk == Deepseek4Model.prefill_chunk == 256
+    long = torch.randint(0, SPEC.n_vocab, (LONG_LEN,), generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        want = hf(long[None]).logits[0].float()
+        kv = model.new_cache(LONG_LEN)
+        kv.mark(256)
+        model.margins = []
+        whole = model.forward(long, kv)
+        margins, model.margins = model.margins, None
+        snap = kv.take_mark()
+        assert snap is not None and snap.length == 256
+        kv2 = model.new_cache(LONG_LEN)
+        model.restore(kv2, snap)
+        rest = model.forward(long[256:], kv2)
+    check_margins(margins, {"experts", "indexer"}, f"{q} {LONG_LEN} tokens", "ds4-oracle")
+    _check(whole, want, f"{q} prefill in chunks of 256")
+    assert torch.equal(rest, whole[256:]), f"{q}: resumed at 256, max |diff| {(rest - whole[256:]).abs().max():.3e}"
 
 
 def test_decode_bits_do_not_depend_on_the_cache_size(pair, prompt):

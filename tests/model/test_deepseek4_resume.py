@@ -10,7 +10,8 @@ to the unbroken chunked prefill -- whether the chunk is a multiple of the larges
 so is a state restored from a snapshot (model.restore) or kept by the pass whose chunk ended there (state.mark).
 Not exact: one unchunked pass against two (its matmuls see other row counts: ~3e-6 apart), or a resume off the
 chunk grid; neither is what the engine runs. That the chunked prefill is still the model transformers computes is
-tests/model/test_deepseek4_oracle.py (the reference prefills in PREFILL_CHUNK chunks).
+tests/model/test_deepseek4_oracle.py (the reference in chunks of 64, and of deepseek4's default, 256, on a 300-token
+prompt resumed at 256).
 
 deepseek41 (ds41-tiny: ratio-2 and ratio-1 KV sources, an index layer reused by the next, the candidate filter, Engram
 before layers 1 and 4 with a 3-gram history) the same way: its cross-layer masks are per chunk and its state at a

@@ -114,7 +114,8 @@ def test_the_shipped_configurations_plan_auto():
 
 
 def test_models_and_the_log_line_show_the_chosen_plan(service_model, tmp_path):
-    """A cluster on the defaults: /v1/models meta.plan, gRPC ModelInfo.plan and the store's "plan" line agree."""
+    """A cluster on the defaults: /v1/models meta.plan, gRPC ModelInfo.plan and the store's "plan" line agree; the
+    prefill chunk auto resolved to the architecture's (qwen3moe: 64) is in meta, ModelInfo and the worker's line."""
     c = h.start_cluster(service_model, tmp_path / "run", slots=None, http="auto")
     try:
         with urllib.request.urlopen(f"{c.http_url}/v1/models", timeout=10) as r:
@@ -122,9 +123,11 @@ def test_models_and_the_log_line_show_the_chosen_plan(service_model, tmp_path):
         plan = card["meta"]["plan"]
         with c.channel() as ch:
             mi = h.stub(ch).GetModelInfo(h.pb.GetModelInfoRequest(), timeout=10).model
-        store_log = c.store.log()
+        store_log, worker_log = c.store.log(), c.worker.log()
     finally:
         c.stop()
+    assert card["meta"]["prefill_chunk"] == mi.prefill_chunk == 64
+    assert "prefill_chunk=64" in next(ln for ln in worker_log.splitlines() if "ready" in ln and "role=worker" in ln)
     assert (plan["vram_slots_requested"], plan["host_slots_requested"]) == ("auto", "auto")
     assert (plan["vram_slots"], plan["host_slots"]) == (mi.vram_slots_per_layer, mi.host_slots_per_layer)
     assert plan["vram_slots"] + plan["host_slots"] == 16          # no limit that binds: every tiny expert resident

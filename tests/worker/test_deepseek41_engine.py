@@ -21,11 +21,14 @@ from engine_helpers import (close_runner, close_to_reference_decode, in_process_
 
 E = 8
 PROMPT = [int(x) for x in np.random.default_rng(4).integers(0, 512, 150)]
+# prefill chunk of the reference and the runners here: the 150-token prompt spans 3 chunks (deepseek41's default, 256,
+# would take it whole; tests/worker/test_prefill_chunk.py runs that one)
+CHUNK = 64
 CONFIGS = [(0, 0), (2, 3), (E, 0)]
 
 
 def _model(tmp_path_factory, engram_qtype="Q8_0"):
-    return synth_reference(tmp_path_factory, "ds41-tiny", PROMPT, 200, engram_qtype=engram_qtype, seed=2,
+    return synth_reference(tmp_path_factory, "ds41-tiny", PROMPT, 200, chunk=CHUNK, engram_qtype=engram_qtype, seed=2,
                            engram_key_length=256 if engram_qtype.endswith("_K") else 32)
 
 
@@ -44,7 +47,7 @@ def _passes(path, want, vram, host, **cfg):
     def check(runner, kv):
         assert type(runner.model).__name__ == "Deepseek41Model" and runner.session.engram is not None
         assert isinstance(kv, DS41Cache)
-    return three_passes(path, PROMPT, want, vram, host, 200, check, **cfg)
+    return three_passes(path, PROMPT, want, vram, host, 200, check, **{"prefill_chunk": CHUNK, **cfg})
 
 
 @pytest.mark.parametrize("vram,host", CONFIGS, ids=[f"{v}v{h}h" for v, h in CONFIGS])
@@ -97,7 +100,7 @@ def test_decode_bit_identical(model, static):
         ref_rows = torch.cat([ref.forward(torch.tensor(PROMPT[:120]), kv)] +
                              [ref.forward(torch.tensor([t]), kv) for t in PROMPT[120:]])
     assert (ref_rows - want).abs().max().item() <= 1e-4 * want.abs().max().item()
-    runner, store = in_process_runner(path, 3, E - 3)
+    runner, store = in_process_runner(path, 3, E - 3, prefill_chunk=CHUNK)
     runner._static_decode = static
     try:
         for _ in range(2):                                            # cold, then after consolidation

@@ -20,11 +20,14 @@ from engine_helpers import (close_runner, close_to_reference_decode, in_process_
 
 E = 8
 PROMPT = [int(x) for x in np.random.default_rng(4).integers(0, 512, 150)]   # crosses SWA 16, CSA 4, HCA 128
+# prefill chunk of the reference and the runners here: the 150-token prompt spans 3 chunks, each layer's front running
+# chunk after chunk (deepseek4's default, 256, would take it whole; tests/worker/test_prefill_chunk.py runs that one)
+CHUNK = 64
 CONFIGS = [(0, 0), (2, 3), (E, 0), (3, E - 3)]
 
 
 def _model(tmp_path_factory, qtype):
-    return synth_reference(tmp_path_factory, "ds4-tiny", PROMPT, 200, expert_qtype=qtype, seed=2)
+    return synth_reference(tmp_path_factory, "ds4-tiny", PROMPT, 200, chunk=CHUNK, expert_qtype=qtype, seed=2)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +54,7 @@ def _check_slots(model, vram, host):
 
     def check(runner, kv):
         assert type(runner.model).__name__ == "Deepseek4Model" and isinstance(kv, DS4Cache)
-    stats, _ = three_passes(path, PROMPT, want, vram, host, 200, check)
+    stats, _ = three_passes(path, PROMPT, want, vram, host, 200, check, prefill_chunk=CHUNK)
     reads = [st.reads for st in stats]
     n = sum(reads[0].values())
     assert reads[0] == {"vram": 0, "host": 0, "disk": n}          # cold: everything from disk
@@ -75,7 +78,7 @@ def test_decode_bit_identical(model, static):
                    [ref.forward(torch.tensor([t]), kv) for t in PROMPT[110:]]
     ref_rows = torch.cat(ref_rows)
     assert (ref_rows - want).abs().max().item() <= 1e-4 * want.abs().max().item()
-    runner, store = in_process_runner(path, 3, E - 3)
+    runner, store = in_process_runner(path, 3, E - 3, prefill_chunk=CHUNK)
     runner._static_decode = static
     try:
         for _ in range(2):                                            # cold, then after consolidation

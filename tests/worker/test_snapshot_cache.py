@@ -39,8 +39,8 @@ def model(request, tmp_path_factory):
 
 
 def _engine(model, **kw):
-    cfg = EngineConfig(model_path=str(model), vram_slots=3, host_slots=5, prefill_chunk=C, read_threads=2,
-                       max_context=512, **kw)
+    cfg = EngineConfig(model_path=str(model), vram_slots=3, host_slots=5, read_threads=2, max_context=512,
+                       **{"prefill_chunk": C, **kw})
     return metered_engine(cfg)
 
 
@@ -87,6 +87,27 @@ def test_agent_turns_and_repeats_are_bit_identical_to_a_miss(model):
         assert _sample(reg, "betelgeuse_prefix_cache_refused_total") == 0
         assert 0 < _sample(reg, "betelgeuse_prefix_cache_used_bytes") <= \
             _sample(reg, "betelgeuse_prefix_cache_capacity_bytes")
+    finally:
+        close_on()
+        close_off()
+
+
+def test_at_the_default_chunk_a_turn_resumes_at_256_with_the_bits_of_a_miss(model):
+    """prefill_chunk left auto: deepseek4's and deepseek41's own chunk, 256, is the checkpoint grid. A 330-token turn
+    keeps its state at 256 (a chunk of 64 would keep 320), and the next turn (+ 40 tokens) resumes there with the
+    tokens and logprobs of an engine without the cache."""
+    on, close_on = _engine(model, prefill_chunk="auto")
+    off, close_off = _engine(model, prefill_chunk="auto", prefix_cache_bytes=0)
+    try:
+        assert on.runner.chunk == on.prefix_cache.block == off.runner.chunk == 256
+        P = _ids(330, 9)
+        _, fin = _gen(on, P)
+        assert fin.usage.cached_tokens == 0
+        ext = P + _ids(40, 10)
+        got, fin = _gen(on, ext)
+        want, fin0 = _gen(off, ext)
+        assert got == want, "tokens/logprobs differ after a resume at the default chunk"
+        assert fin.usage.cached_tokens == 256 and fin0.usage.cached_tokens == 0
     finally:
         close_on()
         close_off()

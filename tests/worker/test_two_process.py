@@ -207,15 +207,16 @@ def test_a_deepseek41_prompt_after_kill_9_of_the_worker_comes_from_the_host_tier
     model = tmp_path / "ds41-tiny.gguf"
     write_model(model, replace(spec_from_preset("ds41-tiny"), expert_qtype="Q8_0", seed=2), progress=False)
     P = prompt(150, 512, seed=5)
+    chunk = ("--prefill-chunk", "64")         # P's checkpoint at 128 (deepseek41's default chunk, 256, would keep none)
     socks = StoreSockets(tmp_path)
     store = start_store(model, socks, 2, 4)
     try:
         port = free_port()
-        worker = start_worker(model, socks, port, 2, 4)
+        worker = start_worker(model, socks, port, 2, 4, extra=chunk)
         first = generate(port, P)
         assert first.usage.cached_tokens == 0
         worker.kill9()
-        worker = start_worker(model, socks, port, 2, 4)
+        worker = start_worker(model, socks, port, 2, 4, extra=chunk)
         try:
             again = generate(port, P)
             assert list(again.token_ids) == list(first.token_ids) and again.usage.cached_tokens == len(P)
@@ -224,7 +225,7 @@ def test_a_deepseek41_prompt_after_kill_9_of_the_worker_comes_from_the_host_tier
             # a worker started with other numerics (an approximate routing mode) never adopts the tier: its entries
             # hold exact routing's bits
             worker.kill9()
-            worker = start_worker(model, socks, port, 2, 4, extra=("--routing", "pool"))
+            worker = start_worker(model, socks, port, 2, 4, extra=(*chunk, "--routing", "pool"))
             assert generate(port, P).usage.cached_tokens == 0
         finally:
             assert worker.stop() == 0, worker.log()
