@@ -51,3 +51,21 @@ def chunked_logits(model, prompt: torch.Tensor, sizes: tuple[int, ...]) -> torch
         i += n
     assert i == len(prompt), (i, len(prompt))
     return torch.cat(out)
+
+
+def prefill_and_resume(model, prompt: torch.Tensor, at: int) -> tuple[torch.Tensor, list, torch.Tensor]:
+    """One unbroken prefill of `prompt` that keeps its state at `at` (state.mark: the snapshot cache's checkpoint),
+    then that state restored into a fresh one and the rest prefilled from it. Returns (the whole pass's logits
+    [T, vocab], its selection margins, the resumed pass's logits [T - at, vocab])."""
+    with torch.no_grad():
+        kv = model.new_cache(len(prompt))
+        kv.mark(at)
+        model.margins = []
+        whole = model.forward(prompt, kv)
+        margins, model.margins = model.margins, None
+        snap = kv.take_mark()
+        assert snap is not None and snap.length == at
+        kv2 = model.new_cache(len(prompt))
+        model.restore(kv2, snap)
+        rest = model.forward(prompt[at:], kv2)
+    return whole, margins, rest

@@ -25,7 +25,8 @@ import torch
 import nemo_oracle
 from betelgeuse.gguf.synth_ds41 import DS41_PRESETS, qtype_of, write_deepseek41
 from betelgeuse.model.deepseek41 import Deepseek41Model, Deepseek41Reference
-from oracle_checks import check_logits, check_margins, chunked_logits, decode_logits, prefill_margins
+from oracle_checks import (check_logits, check_margins, chunked_logits, decode_logits, prefill_and_resume,
+                           prefill_margins)
 
 REL_TOL = 1e-4
 PROMPT_LEN = 150
@@ -104,17 +105,7 @@ def test_the_default_chunk_matches_nemo_and_resumes_at_its_boundary(built):
     assert model.chunk == Deepseek41Model.prefill_chunk == 256
     long = torch.randint(0, SPEC.n_vocab, (LONG_LEN,), generator=torch.Generator().manual_seed(LONG_SEED))
     want = nemo_oracle.logits(m, long)
-    with torch.no_grad():
-        kv = model.new_cache(LONG_LEN)
-        kv.mark(256)
-        model.margins = []
-        whole = model.forward(long, kv)
-        margins, model.margins = model.margins, None
-        snap = kv.take_mark()
-        assert snap is not None and snap.length == 256
-        kv2 = model.new_cache(LONG_LEN)
-        model.restore(kv2, snap)
-        rest = model.forward(long[256:], kv2)
+    whole, margins, rest = prefill_and_resume(model, long, 256)
     check_margins(margins, {"experts", "indexer", "candidates"}, f"{q} {LONG_LEN} tokens", "ds41-oracle")
     _check(whole, want, f"{q} prefill in chunks of 256")
     assert torch.equal(rest, whole[256:]), f"{q}: resumed at 256, max |diff| {(rest - whole[256:]).abs().max():.3e}"

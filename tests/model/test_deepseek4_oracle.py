@@ -25,7 +25,8 @@ from betelgeuse.gguf import ds4layout
 from betelgeuse.gguf.synth_ds4 import DS4Spec, qtype_of, write_deepseek4
 from betelgeuse.model.deepseek4 import Deepseek4Model, Deepseek4Reference
 
-from oracle_checks import check_logits, check_margins, chunked_logits, decode_logits, prefill_margins
+from oracle_checks import (check_logits, check_margins, chunked_logits, decode_logits, prefill_and_resume,
+                           prefill_margins)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -176,16 +177,7 @@ def test_the_default_chunk_matches_transformers_and_resumes_at_its_boundary(buil
     long = torch.randint(0, SPEC.n_vocab, (LONG_LEN,), generator=torch.Generator().manual_seed(12))
     with torch.no_grad():
         want = hf(long[None]).logits[0].float()
-        kv = model.new_cache(LONG_LEN)
-        kv.mark(256)
-        model.margins = []
-        whole = model.forward(long, kv)
-        margins, model.margins = model.margins, None
-        snap = kv.take_mark()
-        assert snap is not None and snap.length == 256
-        kv2 = model.new_cache(LONG_LEN)
-        model.restore(kv2, snap)
-        rest = model.forward(long[256:], kv2)
+    whole, margins, rest = prefill_and_resume(model, long, 256)
     check_margins(margins, {"experts", "indexer"}, f"{q} {LONG_LEN} tokens", "ds4-oracle")
     _check(whole, want, f"{q} prefill in chunks of 256")
     assert torch.equal(rest, whole[256:]), f"{q}: resumed at 256, max |diff| {(rest - whole[256:]).abs().max():.3e}"
