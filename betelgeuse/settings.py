@@ -343,10 +343,10 @@ class EngineSettings(_Section):
     # where the at-hand group finds a host-tier expert (worker/at_hand.py): always = read in place over PCIe by the
     # kernels (no copy), never = copied into a ring bank by the copy engine as the partial path does (VRAM and flex
     # experts stay in the group), auto = in place for steps of at most at_hand.IN_PLACE_MAX_ROWS rows, banked
-    # above. Only where the bytes come from changes, never a bit
+    # above and for the expert types in at_hand.BANKED_TYPES (MXFP4). Only where the bytes come from changes, never a bit
     host_in_place: _choices("auto", "always", "never") = setting(
         "auto", "decode: host-tier experts read in place over PCIe by the kernels (always), copied into ring banks "
-        "(never), or in place for one-row steps only (auto)", "never")
+        "(never), or in place for one-row steps only (auto; MXFP4 experts banked)", "never")
     # decode launches the whole step ahead, each layer not wholly in VRAM gated on the device (worker/gate.py): no
     # per-layer host sync; the host computes the misses on a side stream. Needs decode_at_hand. off until the device
     # check (deploy/device/check_gate.py) passed; auto = on CUDA

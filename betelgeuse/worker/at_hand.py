@@ -20,7 +20,8 @@ Host experts in place or banked (engine.host_in_place, decided per step by refre
   always   in place for every step
   never    banked: the table names no host slot, so partial(hand=True) copies the step's routed host experts into
            ring banks on the copy engine (~55 GB/s on the H200) and computes them there, the disk misses after them
-  auto     in place when the step has at most IN_PLACE_MAX_ROWS rows (sequences), banked above.
+  auto     in place when the step has at most IN_PLACE_MAX_ROWS rows (sequences) and no expert type of the model
+           is one that BANKED_TYPES names (measured faster banked even at one row), banked otherwise.
   Bytes over PCIe: the expert kernels (kernels/triton_moe.py) run one program per (output block, row block of one
   expert): a program reads its BN weight rows over all of K for its block of up to BM = 16 rows (BM_MV on the mmvq
   decode schedule), so an expert's bytes cross PCIe once per row block, ceil(rows / BM) times, and a batch step
@@ -59,19 +60,28 @@ from betelgeuse.store.directory import TIER_HOST
 # moved at ~55 GB/s, where in place the kernels' own loads wait on PCIe inside the group. A starting point: not
 # measured side by side until `deploy/device/check_gate.py --lanes 1,4,8` runs (module doc)
 IN_PLACE_MAX_ROWS = 1
+# auto: GGML expert types whose one-row steps are banked too. MXFP4 (39): deepseek4's ds4-flash in pool routing
+# (every routed expert resident, ~60% of them in host slots) decoded at 62.0 tok/s banked against 52.6 in place, mean
+# of 63 steps each (docs/benchmarks/gpu-run40-serve/pool_host_in_place.md); Q8_0 is the other way round (in place
+# 11.1 against banked 16.1 ms a b16 step, gpu-run38-ds4). Types not measured keep the row rule.
+BANKED_TYPES = frozenset({39})
 HOST_IN_PLACE = ("auto", "always", "never")
 
 
-def host_in_place(policy: str, rows: int) -> bool:
-    """Whether a decode step of `rows` rows reads host-tier experts in place (policy: engine.host_in_place)."""
+def host_in_place(policy: str, rows: int, qtypes=()) -> bool:
+    """Whether a decode step of `rows` rows reads host-tier experts in place (policy: engine.host_in_place;
+    qtypes: the model's expert GGML types per layer, (gate/up, down) pairs as MoEKernels.qtypes)."""
     assert policy in HOST_IN_PLACE and rows >= 1, (policy, rows)
-    return policy == "always" or (policy == "auto" and rows <= IN_PLACE_MAX_ROWS)
+    if policy != "auto":
+        return policy == "always"
+    return rows <= IN_PLACE_MAX_ROWS and not any(q in BANKED_TYPES for pair in qtypes for q in pair)
 
 
 class AtHand:
-    def __init__(self, cache, flex, backend: str, policy: str = "always"):
+    def __init__(self, cache, flex, backend: str, policy: str = "always", qtypes=()):
         L, E = cache.vram_base.shape
         self.cache, self.flex, self.backend, self.policy = cache, flex, backend, policy
+        self.qtypes = tuple(qtypes)                             # the experts' (gate/up, down) GGML types per layer
         self.in_place = False                                   # this step's host experts are in the table
         self.host = np.full((L, E), -1, dtype=np.int64)        # the table on the host (the misses are read from it)
         self.dev = torch.full((L, E), -1, dtype=torch.int64, device=cache.device)   # fixed storage the graphs read
@@ -99,7 +109,7 @@ class AtHand:
         it); the torch kernels' sources are made only on the CPU (the tests' path)."""
         c, f = self.cache, self.flex
         if rows is not None:
-            self.in_place = self.zero_copy and host_in_place(self.policy, rows)
+            self.in_place = self.zero_copy and host_in_place(self.policy, rows, self.qtypes)
         key = (c.vram_version, -1 if f is None else f.version, self.in_place)
         if not force and self._key is not None and self._key[0] is snap and self._key[1] == key:
             return False

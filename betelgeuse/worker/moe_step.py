@@ -124,7 +124,8 @@ class MoEStep:
         self.sync = RoutingSync(torch.device(session.device))
         # decode's at-hand group (worker/at_hand.py): every expert computable without the disk in one group, the
         # host path for the misses only; None = decode takes the partial path as prefill does
-        self.hand = AtHand(self.cache, flex, self.kern.backend, cfg.host_in_place) if self._hand_on(cfg) else None
+        self.hand = AtHand(self.cache, flex, self.kern.backend, cfg.host_in_place,
+                           self.kern.qtypes) if self._hand_on(cfg) else None
         # decode with no per-layer sync (worker/gate.py): every layer launched ahead, gated on the device
         self.gate = None
         if self.hand is not None and self._gate_on(cfg):

@@ -252,3 +252,22 @@ def test_armed_gates_are_drained_before_any_launch_that_is_not_a_replay(model, m
     drains = [ev for ev in events if ev[0] == "drain"]
     assert not pending and {ev[2] for ev in drains} == {True, False}, drains
     assert all(armed == (l % 2 == 1) for _, l, armed in drains), drains
+
+
+def test_auto_banks_one_row_steps_for_the_types_measured_faster_banked(model, monkeypatch):
+    """host_in_place auto with an expert type in at_hand.BANKED_TYPES (MXFP4: ds4-flash's pool decode ran faster
+    banked): a one-row step banks its host experts as `never` does (the same bits, no host slot in the table, the
+    same copies); the rule itself: types decide only under auto, rows still bank above IN_PLACE_MAX_ROWS."""
+    from betelgeuse.worker import at_hand
+    assert at_hand.host_in_place("auto", 1, [(8, 8)]) and not at_hand.host_in_place("auto", 1, [(8, 8), (39, 8)])
+    assert not at_hand.host_in_place("auto", 2, [(8, 8)]) and at_hand.host_in_place("always", 1, [(39, 39)])
+    assert not at_hand.host_in_place("never", 1, [(8, 8)])
+    vram, host, extra = MIXES[0]
+    want, ref = _lanes(model, 1, vram, host, extra, decode_at_hand=False)
+    never, never_steps = _lanes(model, 1, vram, host, extra, decode_at_hand=True, host_in_place="never")
+    monkeypatch.setattr(at_hand, "BANKED_TYPES", frozenset(range(64)))     # whatever the test model's types are
+    got, steps = _lanes(model, 1, vram, host, extra, decode_at_hand=True, host_in_place="auto")
+    assert torch.equal(got, want) and torch.equal(never, want)
+    assert sum(st[0]["host"] for st in ref) > 0                             # host experts were routed
+    assert all(not st[6] and st[4] == 0 for st in steps), [(st[6], st[4]) for st in steps]   # banked, none in place
+    assert sum(st[5] for st in steps) == sum(st[5] for st in never_steps)   # the same copies as never
