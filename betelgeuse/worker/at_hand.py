@@ -62,7 +62,7 @@ from betelgeuse.store.directory import TIER_HOST
 IN_PLACE_MAX_ROWS = 1
 # auto: GGML expert types whose one-row steps are banked too. MXFP4 (39): deepseek4's ds4-flash in pool routing
 # (every routed expert resident, ~60% of them in host slots) decoded at 62.0 tok/s banked against 52.6 in place, mean
-# of 63 steps each (docs/benchmarks/gpu-run40-serve/pool_host_in_place.md); Q8_0 is the other way round (in place
+# of 63 steps each (docs/benchmarks/gpu-run40-serve/README.md); Q8_0 is the other way round (in place
 # 11.1 against banked 16.1 ms a b16 step, gpu-run38-ds4). Types not measured keep the row rule.
 BANKED_TYPES = frozenset({39})
 HOST_IN_PLACE = ("auto", "always", "never")
