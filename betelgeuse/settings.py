@@ -343,7 +343,8 @@ class EngineSettings(_Section):
     # where the at-hand group finds a host-tier expert (worker/at_hand.py): always = read in place over PCIe by the
     # kernels (no copy), never = copied into a ring bank by the copy engine as the partial path does (VRAM and flex
     # experts stay in the group), auto = in place for steps of at most at_hand.IN_PLACE_MAX_ROWS rows, banked
-    # above and for the expert types in at_hand.BANKED_TYPES (MXFP4). Only where the bytes come from changes, never a bit
+    # above and for the expert types in at_hand.BANKED_TYPES (MXFP4). Only where the bytes come from changes, never
+    # a bit
     host_in_place: _choices("auto", "always", "never") = setting(
         "auto", "decode: host-tier experts read in place over PCIe by the kernels (always), copied into ring banks "
         "(never), or in place for one-row steps only (auto; MXFP4 experts banked)", "never")

@@ -68,20 +68,22 @@ BANKED_TYPES = frozenset({39})
 HOST_IN_PLACE = ("auto", "always", "never")
 
 
-def host_in_place(policy: str, rows: int, qtypes=()) -> bool:
+def host_in_place(policy: str, rows: int, types: frozenset = frozenset()) -> bool:
     """Whether a decode step of `rows` rows reads host-tier experts in place (policy: engine.host_in_place;
-    qtypes: the model's expert GGML types per layer, (gate/up, down) pairs as MoEKernels.qtypes)."""
+    types: the GGML types of the model's experts, gate/up and down of every layer)."""
     assert policy in HOST_IN_PLACE and rows >= 1, (policy, rows)
     if policy != "auto":
         return policy == "always"
-    return rows <= IN_PLACE_MAX_ROWS and not any(q in BANKED_TYPES for pair in qtypes for q in pair)
+    return rows <= IN_PLACE_MAX_ROWS and BANKED_TYPES.isdisjoint(types)
 
 
 class AtHand:
     def __init__(self, cache, flex, backend: str, policy: str = "always", qtypes=()):
         L, E = cache.vram_base.shape
         self.cache, self.flex, self.backend, self.policy = cache, flex, backend, policy
-        self.qtypes = tuple(qtypes)                             # the experts' (gate/up, down) GGML types per layer
+        # the experts' GGML types (qtypes: (gate/up, down) per layer, MoEKernels.qtypes), gathered once: the host
+        # rule reads them at every step's refresh
+        self.types = frozenset(q for pair in qtypes for q in pair)
         self.in_place = False                                   # this step's host experts are in the table
         self.host = np.full((L, E), -1, dtype=np.int64)        # the table on the host (the misses are read from it)
         self.dev = torch.full((L, E), -1, dtype=torch.int64, device=cache.device)   # fixed storage the graphs read
@@ -109,7 +111,7 @@ class AtHand:
         it); the torch kernels' sources are made only on the CPU (the tests' path)."""
         c, f = self.cache, self.flex
         if rows is not None:
-            self.in_place = self.zero_copy and host_in_place(self.policy, rows, self.qtypes)
+            self.in_place = self.zero_copy and host_in_place(self.policy, rows, self.types)
         key = (c.vram_version, -1 if f is None else f.version, self.in_place)
         if not force and self._key is not None and self._key[0] is snap and self._key[1] == key:
             return False

@@ -259,9 +259,9 @@ def test_auto_banks_one_row_steps_for_the_types_measured_faster_banked(model, mo
     banked): a one-row step banks its host experts as `never` does (the same bits, no host slot in the table, the
     same copies); the rule itself: types decide only under auto, rows still bank above IN_PLACE_MAX_ROWS."""
     from betelgeuse.worker import at_hand
-    assert at_hand.host_in_place("auto", 1, [(8, 8)]) and not at_hand.host_in_place("auto", 1, [(8, 8), (39, 8)])
-    assert not at_hand.host_in_place("auto", 2, [(8, 8)]) and at_hand.host_in_place("always", 1, [(39, 39)])
-    assert not at_hand.host_in_place("never", 1, [(8, 8)])
+    assert at_hand.host_in_place("auto", 1, frozenset({8})) and not at_hand.host_in_place("auto", 1, frozenset({8, 39}))
+    assert not at_hand.host_in_place("auto", 2, frozenset({8})) and at_hand.host_in_place("always", 1, frozenset({39}))
+    assert not at_hand.host_in_place("never", 1, frozenset({8}))
     vram, host, extra = MIXES[0]
     want, ref = _lanes(model, 1, vram, host, extra, decode_at_hand=False)
     never, never_steps = _lanes(model, 1, vram, host, extra, decode_at_hand=True, host_in_place="never")
