@@ -6,17 +6,26 @@
             the row is written through to system memory and fenced there (membar.sys) before the kernel ends
   gate      the layer's marker (the step's tag) written to the host buffer (after publish's writes: a kernel boundary
             and publish's fence order them), fenced to system memory so the host sees it while this kernel still
-            runs; then, only when the step is armed (`arm`: launched ahead), a spin on the flag (volatile loads) until
-            the device (no miss) or the host's side stream (after the misses' group) set it; a bounded spin: after
-            max_iter loads the layer's error flag is set and the gate opens (the host raises; a bug cannot hang the
-            GPU). The loads spun are stored per layer (`spins`: how long the layer waited for the host)
+            runs; then, only when the step is armed (`arm`: launched ahead) and the layer missed an expert, a spin
+            until the HOST writes the step's tag into the layer's open word (volatile loads of the mapped host
+            buffer); a bounded spin: after max_iter loads the layer's error flag is set and the gate opens (the host
+            raises; a bug cannot hang the GPU). The loads spun are stored per layer (`spins`). Last, the layer's miss
+            table (the host's [E] byte offsets of the missed experts' slots: -1 for the others) is copied from the host
+            buffer into device memory, where the misses' group after the gate reads it; all -1 when nothing was
+            missed (the host writes no row then).
+
+Nothing but the host opens a gate: the misses' bytes are read in place by the group after the gate, on the same
+stream, so no kernel of another stream has to run beside a spinning one (streams beyond the device's hardware queues
+share them: a gate waiting for another stream's kernel could wait behind itself, gpu-run38's replay failure).
 
 Why the fences: a store to device-mapped host memory may sit in the GPU's caches while the storing kernel runs on;
 `st.wt` writes through the L2 to system memory and `membar.sys` (CUDA's __threadfence_system) waits until the
-thread's earlier writes are performed at system scope, the pattern a GPU -> host-proxy queue uses (NCCL). The integer
-offsets are not specialized (do_not_specialize): every layer's launch is one compiled kernel, so no layer of a step
-launched ahead compiles and loads a module while an earlier gate spins. TRITON_INTERPRET (the tests) has no inline
-PTX: the fence is left out there (FENCE=False), where memory is the host's own anyway.
+thread's earlier writes are performed at system scope, the pattern a GPU -> host-proxy queue uses (NCCL). The host's
+writes (the miss table, then the open word) reach the GPU in program order (x86 stores are not reordered), and the
+volatile loads read system memory, not a cached line of an earlier step. The integer offsets are not specialized
+(do_not_specialize): every layer's launch is one compiled kernel, so no layer of a step launched ahead compiles and
+loads a module while an earlier gate spins. TRITON_INTERPRET (the tests) has no inline PTX: the fence is left out
+there (FENCE=False), where memory is the host's own anyway.
 """
 
 from __future__ import annotations
@@ -53,22 +62,29 @@ def _publish_kernel(counts_ptr, at_ptr, guess_ptr, flag_ptr, anchor_ptr, out_off
     tl.store(flag_ptr, (miss == 0).to(tl.int32))
 
 
-@triton.jit(do_not_specialize=["mark_off", "max_iter"])
-def _gate_kernel(flag_ptr, err_ptr, spin_ptr, arm_ptr, anchor_ptr, mark_off, tag_ptr, max_iter,
-                 FENCE: tl.constexpr):
+@triton.jit(do_not_specialize=["mark_off", "open_off", "tab_off", "max_iter", "E"])
+def _gate_kernel(flag_ptr, err_ptr, spin_ptr, arm_ptr, anchor_ptr, mark_off, open_off, tab_off, miss_ptr, tag_ptr,
+                 max_iter, E, EP: tl.constexpr, FENCE: tl.constexpr):
     tag = tl.load(tag_ptr)
     tl.store(anchor_ptr + mark_off, tag, cache_modifier=".wt")
     armed = tl.load(arm_ptr)
     if FENCE:
         armed = _fence_sys(armed)
-    v = tl.load(flag_ptr, volatile=True)
+    hit = tl.load(flag_ptr)                     # publish's flag (this stream, an earlier kernel): nothing missed
+    v = tl.load(anchor_ptr + open_off, volatile=True)
     i = 0
-    while (armed != 0) & (v == 0) & (i < max_iter):
-        v = tl.load(flag_ptr, volatile=True)
+    while (armed != 0) & (hit == 0) & (v != tag) & (i < max_iter):
+        v = tl.load(anchor_ptr + open_off, volatile=True)
         i += 1
+    if FENCE:                                   # the table is read after the open word (an acquire at system scope)
+        i = _fence_sys(i)
     tl.store(spin_ptr, i)
-    if (armed != 0) & (v == 0):
+    if (armed != 0) & (hit == 0) & (v != tag):
         tl.store(err_ptr, 1)
+    e = tl.arange(0, EP)
+    me = e < E
+    row = tl.load(anchor_ptr + tab_off + e, mask=me, other=-1, volatile=True)
+    tl.store(miss_ptr + e, tl.where(hit != 0, -1, row), mask=me)
 
 
 def _fence() -> bool:
@@ -86,7 +102,11 @@ def publish(counts, at_row, guess, flag, anchor, out_off: int, n_guess: int):
                           EP=triton.next_power_of_2(E), GP=triton.next_power_of_2(max(n_guess, 1)), FENCE=_fence())
 
 
-def gate(flag, err, spins, arm, anchor, mark_off: int, tag, max_iter: int):
-    """flag, err, spins: the layer's int32 elements; arm: int32 [1] (0: write the marker and pass, the host drains
-    first; 1: spin until the flag is set); tag: int64 [1], the step's marker."""
-    _gate_kernel[(1,)](flag, err, spins, arm, anchor, mark_off, tag, max_iter, FENCE=_fence())
+def gate(flag, err, spins, arm, anchor, mark_off: int, open_off: int, tab_off: int, miss, tag, max_iter: int):
+    """flag, err, spins: the layer's int32 elements (flag: publish's); arm: int32 [1] (0: write the marker and pass,
+    the host drains first; 1: spin while something was missed until the host buffer's open word at `open_off` holds
+    the tag); anchor + tab_off: the layer's host miss table [E] int64, copied into miss [E] (the device's); tag:
+    int64 [1], the step's marker."""
+    E = miss.numel()
+    _gate_kernel[(1,)](flag, err, spins, arm, anchor, mark_off, open_off, tab_off, miss, tag, max_iter, E,
+                       EP=triton.next_power_of_2(E), FENCE=_fence())

@@ -5,8 +5,9 @@ the capturable runs between host-dependent layers as CUDA graphs; later steps re
 model decodes a token in one graph launch. A layer that is not wholly in VRAM yields to the host (MoEStep.partial)
 between two graphs; with decode's at-hand group (worker/at_hand.py) that layer's group is a graph of its own between
 the sync's copies and the wait, and with decode_gate (worker/gate.py) nothing yields once captured: the step is one
-graph, its gates armed, and the host drains the gated layers after launching it (the eager first step drains each
-gated layer where its gate stands, disarmed: its launches block the host in ways a spinning gate must not meet).
+graph (each gated layer's at-hand group, gate and misses' group in it), its gates armed, and the host drains the gated
+layers after launching it (the eager first step drains each gated layer where its gate stands, disarmed, before its
+misses' group is launched: its launches block the host in ways a spinning gate must not meet).
 Eager and replayed steps run the same kernels on the same shapes, so the bits do not depend on which it was
 (invariant 1).
 
@@ -54,12 +55,13 @@ class SoloDecode:
             r = moe.route(l, h, top_ids, top_w, lstats[l])
             if lstats[l].synced:
                 guess = guess_ahead(m, l, x, ids, moe.depth, moe.n_layer) if moe.wants_guess(l) else None
-                if moe.gate is not None:        # gated on the device (worker/gate.py)
+                if moe.gate is not None:        # gated on the device (worker/gate.py), the misses' group after
                     moe.gate_layer(l, r, guess)
                     if ahead:
                         out.setdefault("gated", []).append((l, r, moe.guess_shape(l, guess)))
                     else:
                         yield "gated", l, r, guess
+                    moe.gate_misses(l, r)
                 elif moe.hand_layer(l):         # the sync's copies, the at-hand group (its own graph), the misses
                     yield "start", l, r, guess
                     moe.hand_group(l, r)
@@ -126,7 +128,7 @@ class SoloDecode:
         for l, r, shape in out.get("gated", ()):   # decode_gate ahead: the whole step is launched; misses now
             self.moe.gate_drain(l, r, shape, snap, stats, lstats[l], armed=True)
         if self.moe.gate is not None:
-            self.moe.gate.check()
+            self.moe.gate_end()
         kv.commit()
         stats.layers = lstats
         return logits.clone()

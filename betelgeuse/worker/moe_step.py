@@ -24,9 +24,12 @@
                above, read-ahead, and steps 1-4 for the misses only (disk experts, and host ones only where this
                step does not read them in place: through ring banks)
     gated      decode_gate (worker/gate.py): the same, with no per-layer sync: the step's replayed parts are launched
-               ahead, each layer's at-hand group followed by a device-side publish + gate (gate_layer); the host drains
-               the layers in order afterwards (gate_drain: its row polled from pinned memory, the misses on a side
-               stream, then the layer's gate opened); an eager or captured part's gate passes and is drained at once
+               ahead, each layer's at-hand group followed by a device-side publish + gate (gate_layer) and the misses'
+               group (gate_misses: the missed experts read in place from the staging / host slots the host's miss
+               table names); the host drains the layers in order afterwards (gate_drain: its row polled from pinned
+               memory, the tier counts, read-ahead and loads as partial(hand=True), the landed slots written into the
+               miss table, then the gate opened: no CUDA call); an eager or captured part's gate passes and is
+               drained at once
 
 This is mixtral-offloading's load_experts(unordered=True) over three tiers. Expert outputs land in
 y[token * k + rank] and are reduced in rank order, and each row is computed by the same kernel whatever group it is
@@ -128,6 +131,10 @@ class MoEStep:
                            self.kern.qtypes) if self._hand_on(cfg) else None
         # decode with no per-layer sync (worker/gate.py): every layer launched ahead, gated on the device
         self.gate = None
+        self._held: list[tuple[int, list[int]]] = []   # gated drains: (layer, staging slots its misses' group reads)
+        self._keeping: list[tuple[int, int, int]] = []   # (layer, expert, staging slot) the flex cache copies at gate_end
+        self._slot_expert: dict[int, int] = {}           # held staging slot -> the expert landed in it
+        self._keep_cap = 0
         if self.hand is not None and self._gate_on(cfg):
             c = session.file.config
             self.gate = DecodeGate(self.n_layer, c.n_expert, max(1, session.plan.max_running) * self.depth
@@ -147,8 +154,30 @@ class MoEStep:
 
     def _gate_on(self, cfg: EngineConfig) -> bool:
         """decode_gate: on (CUDA: the triton gate kernels; the CPU drains each layer where its gate stands), off, or
-        auto = on CUDA."""
-        return cfg.decode_gate == "on" or (cfg.decode_gate == "auto" and self.cache.is_cuda)
+        auto = on CUDA. The misses' group reads host and staging slots in place (the arena mapped for the kernels),
+        and a gated layer holds its staging slots until a later layer's marker: a step's distinct disk experts of
+        one layer (at most max_running x k, and at most the layer's disk experts) must fit in half the staging slots
+        (the store reads ahead into the rest), or a drain would wait for a load that waits for a slot it holds.
+        `on` refuses what cannot work, naming it; `auto` falls back to off."""
+        if cfg.decode_gate == "off" or (cfg.decode_gate == "auto" and not self.cache.is_cuda):
+            return False
+        c, plan = self.session.file.config, self.session.plan
+        rows = max(1, plan.max_running)
+        need = min(rows * c.n_expert_used, max(0, c.n_expert - plan.resident_per_layer))
+        have = plan.n_staging // 2
+        why = ("the slot pool's host arena is not mapped for the kernels (the misses are read in place)"
+               if not self.hand.zero_copy else
+               f"a step may miss {need} disk experts of a layer (max_running {rows} x {c.n_expert_used} routed, "
+               f"{c.n_expert - plan.resident_per_layer} on disk) and half the {plan.n_staging} staging slots hold "
+               f"{have} (raise engine.staging_slots)" if need > have else None)
+        if why is None:
+            # staging slots the step may hold past their layer for the flex cache's copies (gate_end), within the
+            # half the store leaves the loads
+            self._keep_cap = have - need if self.flex is not None else 0
+            return True
+        if cfg.decode_gate == "on":
+            raise BetelgeuseError(f"decode_gate = 'on': {why}")
+        return False
 
     def _kernels(self, act_limit: float | None) -> MoEKernels:
         """The expert kernels: triton on CUDA where the experts' types allow (or when asked for), else torch."""
@@ -281,16 +310,18 @@ class MoEStep:
         self._apply(r, l, self._vram_group(l), ls)
 
     def partial(self, l, r, snap, stats: PassStats, ls: LayerStats, readahead: bool, guess=None,
-                hand: bool = False, synced=None):
+                hand: bool = False, synced=None, table: bool = False):
         """The experts of a layer that is not wholly VRAM-resident (module doc, steps 1-4; writes r.y). guess: layers
         l+1 .. l+D's guessed ids [T,D,k] on the device, or None (read ahead only for guess_layers(l)). hand: decode's
-        at-hand group computed every expert at hand and the sync was started (hand_start): only the misses here."""
+        at-hand group computed every expert at hand and the sync was started (hand_start): only the misses here.
+        table (decode_gate's drain, with hand and synced: the row the gate published): the misses are not computed
+        here but named in the layer's miss table for the misses' group (gate_misses), read in place; no CUDA call."""
         clock, t0 = self.clock, time.perf_counter()
         b0, s0 = clock.blocked, clock.store_s
         try:
             if not hand:
                 self.sync.start(r.counts, self._guess_of(l, guess))
-            self._partial(l, r, snap, stats, ls, readahead, hand, synced)
+            self._partial(l, r, snap, stats, ls, readahead, hand, synced, table)
         finally:             # the step's own host time: its wall less blocked waits and store messages
             stats.moe_host_s += time.perf_counter() - t0 - (clock.blocked - b0) - (clock.store_s - s0)
 
@@ -345,35 +376,100 @@ class MoEStep:
         self.hand_group(l, r)
         self.gate.publish_and_gate(l, r.counts, self.hand.dev[l], self._guess_of(l, guess))
 
+    def gate_misses(self, l: int, r):
+        """After the gate (graph-capturable): ONE group over the layer's miss table (the device's copy; the torch
+        kernels read the host's and its sources), each missed expert read in place where the drain found it."""
+        g = self.gate
+        self.kern.apply(r, l, self.cache.pool, Group(None, g.table[l], g.miss[l], None if self.cache.is_cuda
+                                                     else g.srcs[l]), self.cache.slot_bytes)
+
     def gate_begin(self):
         """Before a gated step's launches: a new tag, the words zeroed, the gates disarmed (worker/gate.py)."""
         if self.gate is not None:
+            assert not self._held and not self._keeping, (self._held, self._keeping)
             self.gate.begin()
 
-    def guess_shape(self, l: int, guess) -> tuple | None:
+    def gate_abandon(self):
+        """A failed step: every gate opens (host writes only: the device finishes the step, its output discarded);
+        the staging slots held are the store's to take back (StoreSession.abandon), not released."""
+        if self.gate is not None:
+            self.gate.abort()
+            self._held, self._keeping = [], []
+            self._slot_expert.clear()
+
+    def gate_end(self):
+        """After a gated step's launches and drain: a gate that gave up is an error (the step waited for); then the
+        flex cache copies the disk experts kept back for it (module doc of worker/flex_cache.py: here after the step,
+        as a copy made inside it could evict a flex slot a later layer's graph reads), and the staging slots go back
+        with the next message to the store, once those copies ran (their event)."""
+        self.gate.check()                   # raises: the caller abandons the step (gate_abandon)
+        self._release_gated(self.n_layer)
+        keeping, self._keeping = self._keeping, []
+        if keeping:
+            host = self.cache.host
+            for l, e, slot in keeping:
+                self.flex.keep(l, [e], host, [self.cache.staging_slot(slot).data_ptr() - host.data_ptr()])
+            ev = torch.cuda.Event() if self.cache.is_cuda else None
+            if ev is not None:
+                ev.record()
+            self.session.release([slot for _, _, slot in keeping], later=True, event=ev)
+
+    def guess_shape(self, l: int, guess):
         """The (T, D, k) of the guess gate_layer publishes for layer l, or None."""
         g = self._guess_of(l, guess)
         return None if g is None else tuple(g.shape)
 
     def gate_drain(self, l: int, r, shape, snap, stats: PassStats, ls: LayerStats, armed: bool = True):
-        """Layer l's row from the host buffer (polled), then the tier counts, read-ahead and the misses on the side
-        stream; its gate opens after them, or, where it was launched disarmed (an eager or captured part), the main
-        stream waits for them (module doc of worker/gate.py). A failure opens every gate first."""
+        """Layer l's row from the host buffer (polled); the staging slots of earlier layers back (their misses' groups
+        ran before l's gate); the tier counts, read-ahead and loads as partial(hand=True) does, the missed experts'
+        slots written into l's miss table; then its gate opens (armed: the open word; disarmed: the table copied
+        into the device before the misses' group). No CUDA call where armed (module doc of worker/gate.py). A
+        failure opens every gate first."""
         ev = self.clock.layer_start()
         gate = self.gate
         (gate.pos.armed if armed else gate.pos.disarmed).append(l)
         try:
             counts, marks, misses = self.clock.wait(gate.wait, l, shape)
-            with gate.stream():
-                self.hand_misses(l, r, snap, stats, ls, synced=(counts, marks))
+            self._release_gated(l)
+            gate.table[l].fill(-1)
+            self.partial(l, r, snap, stats, ls, False, None, hand=True, synced=(counts, marks), table=True)
+            found = int((gate.table[l] != -1).sum())
+            if found != misses:
+                raise BetelgeuseError(f"decode gate: layer {l}'s device counted {misses} missed experts, the host's "
+                                      f"table names {found} (the at-hand tables differ: a bug)")
+            ls.groups += found > 0                   # the misses' group (it launches either way: a graph's shape)
             gate.open(l, armed, misses)
         except BaseException:
             gate.abort()
             raise
         self.clock.layer_end(ev, ls)
 
+    def _release_gated(self, before: int):
+        """The staging slots of gated layers before `before` back to the store, with its next message; up to
+        _keep_cap of them kept back for the flex cache's copies after the step (gate_end)."""
+        done = [(l, s) for l, slots in self._held if l < before for s in slots]
+        if not done:
+            return
+        self._held = [(l, s) for l, s in self._held if l >= before]
+        back = []
+        for l, s in done:
+            if len(self._keeping) < self._keep_cap:
+                self._keeping.append((l, self._slot_expert.pop(s), s))
+            else:
+                self._slot_expert.pop(s, None)
+                back.append(s)
+        if back:
+            self.session.release(back, later=True)
+
+    def _miss_slot(self, l: int, e: int, slot: torch.Tensor):
+        """Expert e of layer l read in place from `slot` (a view of the arena: a staging or host slot) by the misses'
+        group: its offset relative to the pool in the miss table, its source for the torch kernels."""
+        off = int(slot.data_ptr() - self.cache.host.data_ptr())
+        self.gate.table[l, e] = self.hand.arena_addr + off - self.cache.pool.data_ptr()
+        self.gate.srcs[l][e] = (self.cache.host, off)
+
     def _partial(self, l, r, snap, stats: PassStats, ls: LayerStats, readahead: bool, hand: bool = False,
-                 synced=None):
+                 synced=None, table: bool = False):
         cache = self.cache
         # host sync: routing decides the loads (with the next layer's guess in the same transfer); decode_gate: the
         # layer's row published by the device
@@ -434,6 +530,11 @@ class MoEStep:
                 read = [e for e in host if at[e] != -1]
                 stats.in_place_bytes += cache.slot_bytes * self.kern.weight_reads(l, counts[read], int(counts.sum()))
             host = [e for e in host if at[e] == -1]
+            if table and host:      # decode_gate: read in place from their host slots by the misses' group
+                for e in host:
+                    self._miss_slot(l, e, cache.host_slot(l, int(hslots[e])))
+                stats.in_place_bytes += cache.slot_bytes * self.kern.weight_reads(l, counts[host], int(counts.sum()))
+                host = []
             by_tier, flexed = {**by_tier, TIER_VRAM: used[:0]}, used[:0]
         batches = [host[i:i + B] for i in range(0, len(host), B)]
         if (ls.vram and not hand and len(batches) == 1 and not disk and not len(flexed)
@@ -455,8 +556,12 @@ class MoEStep:
                 bank, g = staged[0] if i == 0 else self._to_bank(b, host_srcs(b), timing)
                 self._apply(r, l, g, ls)
                 cache.bank_done(bank)
-        # 4. disk experts in batches as they land; a staging slot goes back once its copy is done
-        ahead_used = self._disk_groups(l, r, loads, len(disk), stats, ls, timing)
+        # 4. disk experts in batches as they land; a staging slot goes back once its copy is done (decode_gate: named
+        # in the miss table where they landed, the slots held until a later layer's marker)
+        if table:
+            ahead_used = self._disk_table(l, loads, disk, counts, stats, ls)
+        else:
+            ahead_used = self._disk_groups(l, r, loads, len(disk), stats, ls, timing)
         self.guesser.check(l, by_tier[TIER_DISK], ahead_used, stats)
 
     def serial(self, l, r, used, snap, stats: PassStats, ls: LayerStats):
@@ -559,6 +664,25 @@ class MoEStep:
                 flush()
         flush()
         self._release(held, keep=0, later=True)
+        return ahead_used
+
+    def _disk_table(self, l, loads, disk: list[int], counts: np.ndarray, stats: PassStats, ls: LayerStats) -> int:
+        """decode_gate: the disk experts as they land, each named in layer l's miss table at its staging slot (read in
+        place by the misses' group); the slots held until a later layer's marker (gate_drain). -> the loads answered
+        from a read ahead."""
+        ahead_used, slots = 0, []
+        for _ in disk:
+            tw = time.perf_counter()
+            got = self.clock.wait_store(next, loads)
+            ls.disk_wait_s += time.perf_counter() - tw
+            ahead_used += got.prefetched
+            stats.disk_bytes += got.disk_bytes
+            self._miss_slot(l, got.expert, self.cache.staging_slot(got.slot))
+            slots.append(got.slot)
+            self._slot_expert[got.slot] = got.expert
+        if slots:
+            self._held.append((l, slots))
+            stats.in_place_bytes += self.cache.slot_bytes * self.kern.weight_reads(l, counts[disk], int(counts.sum()))
         return ahead_used
 
     def _release(self, held, keep: int, later: bool = False):

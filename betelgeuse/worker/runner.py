@@ -394,8 +394,8 @@ class ModelRunner:
             self._recorder.flush()
 
     def _abandon(self):
-        if self.moe is not None and self.moe.gate is not None:
-            self.moe.gate.abort()           # a step launched ahead finishes on the device (worker/gate.py)
+        if self.moe is not None:
+            self.moe.gate_abandon()         # a step launched ahead finishes on the device (worker/gate.py)
         self.clock.abandon()
         self.session.abandon()
         if self._recorder is not None:
@@ -453,7 +453,7 @@ class ModelRunner:
                       else torch.cat([self.model.logits(x) for x in xs])).float()
             self._drain_gated(gated, snap, stats)   # decode_gate on CUDA: the step is launched; the misses now
             if static and self.moe.gate is not None:
-                self.moe.gate.check()
+                self.moe.gate_end()
             counts = self.session.end_counts()
         except BaseException:
             self._abandon()
@@ -480,6 +480,7 @@ class ModelRunner:
             gated.append((l, r, self.moe.guess_shape(l, guess), ls, ahead))
             if not ahead:               # eager or captured (or the CPU): drained where its gate stands
                 self._drain_gated(gated, snap, stats)
+            ln.part("miss", l, kvs, self.moe.gate_misses, r)       # the misses' group, after the gate
         elif self.moe.hand_layer(l):      # the at-hand group in a lane graph, the host for the misses only
             self.moe.hand_experts(l, r, snap, stats, ls, guess, lambda: ln.part("hand", l, kvs, self.moe.hand_group, r))
         else:

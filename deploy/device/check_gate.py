@@ -14,8 +14,9 @@ seconds each; real O_DIRECT reads, the flex cache at its default):
     never    the at-hand group for VRAM and flex experts, host experts copied into ring banks (host_in_place = never;
              alias "banked")
     auto     host_in_place = auto: in place for steps of at most at_hand.IN_PLACE_MAX_ROWS rows, banked above
-    gate     always + decode_gate on (worker/gate.py; it gave up on its first CUDA step in gpu-run35: a gate spinning
-             while the host's eager launches blocked on the device; now armed only for replayed parts)
+    gate     always + decode_gate on (worker/gate.py: armed only for replayed parts, opened by the host alone, the misses
+             read in place by a group after the gate on the same stream; gpu-run35 gave up on a first, eager step,
+             gpu-run38 on a replayed one whose gate waited for a side stream's kernels)
     gate-eager    gate with CUDA_MODULE_LOADING=EAGER (every CUDA module loaded at start, none while a gate spins)
   diagnostic A/Bs (reported, not in the verdict):
     gate-nofence  gate without the kernels' system fences (BETELGEUSE_GATE_FENCE=0): does the marker reach the host
@@ -23,10 +24,9 @@ seconds each; real O_DIRECT reads, the flex cache at its default):
     gate-ahead    the old rule: every gate armed, nothing drained before an eager launch; expected to fail on its
                   first step if a host block under a spinning gate was the bug (meaningless on the CPU, which cannot
                   defer a drain: its bits differ there)
-    gate-conn     gate with CUDA_DEVICE_MAX_CONNECTIONS=32 (default 8): an armed gate waits for kernels of another
-                  stream, which CUDA runs beside it only where the two streams do not share a hardware work queue
-                  (streams beyond the connections share them; the pool holds 32+). A gate that gave up although the
-                  host opened it in time (the report's "opened at" far below a spin's seconds) points here
+    gate-conn     gate with CUDA_DEVICE_MAX_CONNECTIONS=32 (default 8): the side-stream gate of gpu-run38 waited for
+                  another stream's kernels, which CUDA runs beside it only where the two streams do not share a
+                  hardware work queue; the gate no longer waits for any stream, so this should change nothing
 For each lanes count n (1, 4, 8 sequences decoded together: decode_batch, the engine's form) n prompts are prefilled and
 decoded `decode` steps twice: round 0 "cold" (the prompts' experts partly on disk), round 1 "warm" (the same prompts
 again: their experts at hand, the prompt from the prefix cache); then `solo` tokens through forward() (the solo decode
