@@ -1,9 +1,11 @@
 """decode_gate's kernels as the device runs them (kernels/triton_gate.py, compiled for sm_90 without a GPU).
 
-The gate writes its layer's marker into device-mapped host memory and then spins in the same kernel until the host's
-side stream sets the flag: the marker must reach system memory while the kernel runs (written through, then a
-system fence), and every iteration of the spin must load the flag again (volatile, inside the loop). publish's row
-(counts, guesses, misses) must be in system memory before its kernel ends (the gate's marker follows it).
+The gate writes its layer's marker into device-mapped host memory and then spins in the same kernel until the host
+writes the step's tag into the layer's open word: the marker must reach system memory while the kernel runs (written
+through, then a system fence), every iteration of the spin must load the open word again (volatile, inside the loop),
+and the miss table the host wrote before it must be read after the loop, fenced (an acquire at system scope) and
+volatile (not a cached line of an earlier step). publish's row (counts, guesses, misses) must be in system memory
+before its kernel ends (the gate's marker follows it).
 """
 
 from __future__ import annotations
@@ -36,7 +38,10 @@ def test_gate_marker_is_fenced_to_the_host_and_the_spin_reloads_its_flag():
     loop = next(i for i, x in enumerate(g) if x.startswith("$L__BB") and i > fence)
     assert marker < fence < loop, g
     back = next(i for i, x in enumerate(g) if i > loop and "bra" in x)           # the loop's branch back
-    assert any("ld.volatile.global" in x for x in g[loop:back]), g              # the flag reloaded every iteration
+    assert any("ld.volatile.global" in x for x in g[loop:back]), g              # the open word reloaded every iteration
+    after = next(i for i, x in enumerate(g) if i > back and (x.startswith("membar.sys") or x.startswith("fence.sc.sys")))
+    table = [i for i, x in enumerate(g) if i > back and "ld.volatile.global" in x]
+    assert table and min(table) > after, g                                      # the miss table: fenced, volatile
     pub = res["publish"]
     rows = [i for i, x in enumerate(pub) if "st.global.wt" in x]
     fence = next(i for i, x in enumerate(pub) if x.startswith("membar.sys") or x.startswith("fence.sc.sys"))

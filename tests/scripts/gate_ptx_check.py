@@ -28,12 +28,13 @@ def main():
         return {"skipped": f"{type(e).__name__}: {str(e)[:300]}"}
     target = GPUTarget("cuda", 90, 32)
     gate = {"flag_ptr": "*i32", "err_ptr": "*i32", "spin_ptr": "*i32", "arm_ptr": "*i32", "anchor_ptr": "*i64",
-            "mark_off": "i64", "tag_ptr": "*i64", "max_iter": "i32", "FENCE": "constexpr"}
+            "mark_off": "i64", "open_off": "i64", "tab_off": "i64", "miss_ptr": "*i64", "tag_ptr": "*i64",
+            "max_iter": "i32", "E": "i32", "EP": "constexpr", "FENCE": "constexpr"}
     pub = {"counts_ptr": "*i64", "at_ptr": "*i64", "guess_ptr": "*i64", "flag_ptr": "*i32", "anchor_ptr": "*i64",
            "out_off": "i64", "E": "i32", "G": "i32", "EP": "constexpr", "GP": "constexpr", "FENCE": "constexpr"}
     out = {}
     try:
-        for name, fn, sig, cst in (("gate", tg._gate_kernel, gate, {"FENCE": True}),
+        for name, fn, sig, cst in (("gate", tg._gate_kernel, gate, {"EP": 128, "FENCE": True}),
                                    ("publish", tg._publish_kernel, pub, {"EP": 128, "GP": 32, "FENCE": True})):
             ptx = triton.compile(ASTSource(fn, sig, cst), target=target).asm["ptx"]
             lines = [x.strip() for x in ptx.splitlines()]
