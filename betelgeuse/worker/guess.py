@@ -123,23 +123,50 @@ class _Ask:
 class Marks:
     """A decode step's guesses of layers l+1 .. l+D, on the host: from their ids [T, D, k] (T running rows, each row's k
     ids best first: rank 0 is its top-1 guess), per depth d-1 and expert e, rows [D, E] = the running rows that
-    guessed e, top [D, E] = those of them whose top-1 guess e is; n = T. What the batch rule scores (module doc)."""
+    guessed e, top [D, E] = those of them whose top-1 guess e is; n = T. What the batch rule scores (module doc).
+    From ids, rows and top are counted when first read: a step whose guesses are all resident (decode's common case:
+    on_disk) never needs them."""
 
-    __slots__ = ("rows", "top", "n")
+    __slots__ = ("ids", "E", "n", "_rows", "_top")
 
     def __init__(self, rows: np.ndarray, top: np.ndarray, n: int):
-        self.rows, self.top, self.n = rows, top, n
+        self.ids, self.E, self.n, self._rows, self._top = None, rows.shape[1], n, rows, top
 
     @classmethod
     def from_ids(cls, g: np.ndarray, E: int) -> "Marks":
-        """g [T, D, k] int64 -> the marks (a row's k ids are distinct: +1 per row)."""
+        """g [T, D, k] int64 -> the marks (a row's k ids are distinct: +1 per row). g is copied (a view of a buffer the
+        next layer's sync rewrites)."""
+        m = cls.__new__(cls)
+        m.ids, m.E, m.n, m._rows, m._top = np.array(g, dtype=np.int64), E, g.shape[0], None, None
+        return m
+
+    def _count(self):
+        g, E = self.ids, self.E
         T, D, k = g.shape
-        rows = np.zeros((D, E), dtype=np.int64)
-        top = np.zeros((D, E), dtype=np.int64)
-        d = np.broadcast_to(np.arange(D)[None, :, None], g.shape)
-        np.add.at(rows, (d.reshape(-1), g.reshape(-1)), 1)
-        np.add.at(top, (np.broadcast_to(np.arange(D)[None, :], (T, D)).reshape(-1), g[:, :, 0].reshape(-1)), 1)
-        return cls(rows, top, T)
+        at = g + (np.arange(D, dtype=np.int64) * E)[None, :, None]          # [T, D, k] flat index d * E + e
+        self._rows = np.bincount(at.reshape(-1), minlength=D * E).astype(np.int64, copy=False).reshape(D, E)
+        self._top = np.bincount(at[:, :, 0].reshape(-1), minlength=D * E).astype(np.int64, copy=False).reshape(D, E)
+
+    @property
+    def rows(self) -> np.ndarray:
+        if self._rows is None:
+            self._count()
+        return self._rows
+
+    @property
+    def top(self) -> np.ndarray:
+        if self._top is None:
+            self._count()
+        return self._top
+
+    def on_disk(self, first: int, layers, disk: np.ndarray) -> bool:
+        """Whether any expert guessed for these layers (ascending; `first` the layer of depth 1) is on disk: `disk`
+        [n_layer, n_expert] bool (a snapshot's tier == TIER_DISK); one vectorised test, on the ids where the counts
+        were not made."""
+        ts = np.asarray(layers)
+        if self._rows is None:
+            return bool(disk[ts[None, :, None], self.ids[:, ts - first, :]].any())
+        return bool(((self._rows[ts - first] > 0) & disk[ts]).any())
 
     def without(self, held: np.ndarray) -> "Marks":
         """The marks less the experts `held` [D, E] bool marks (held elsewhere: no read needed)."""
@@ -173,7 +200,7 @@ class Guesser:
     doc)."""
 
     __slots__ = ("session", "expert_bytes", "min_hit", "rule", "hits", "tries", "class_hits", "class_tries",
-                 "class_read", "disk_mean", "_stats", "_asked", "_guessed", "_asks", "_pending", "_by_depth",
+                 "class_read", "disk_mean", "fast", "_snap", "_disk_mask", "_stats", "_asked", "_guessed", "_asks", "_pending", "_by_depth",
                  "_batch", "_per_layer")
 
     def __init__(self, session, n_layer: int, depth: int = 0, min_hit: float = 0.0, rule: str = "rows"):
@@ -193,6 +220,9 @@ class Guesser:
         self.class_read = np.zeros((D, C), dtype=np.int64)
         # per layer: the running mean of its disk experts in batched decode steps (the cap), NaN until one ran
         self.disk_mean = np.full(n_layer, np.nan)
+        # read_ahead's short path where no guessed expert is on disk (False: the general one; MoEStep.fast)
+        self.fast = True
+        self._snap = self._disk_mask = None     # _disk's snapshot and its disk mask
         self._stats = None                  # the pass the state below belongs to
         self._asked: set = set()            # (layer, expert) read ahead in this pass
         self._guessed: dict = {}            # guessed layer -> its guessed disk experts (set), all guesses of it
@@ -201,6 +231,13 @@ class Guesser:
         self._by_depth: dict = {}           # guessed layer -> {depth: (guessed disk experts, budget classes, classes)}
         self._batch = False                 # this pass guesses for more than one running row
         self._per_layer: dict = {}          # guessed layer -> reads ahead asked for it in this pass
+
+    def _disk(self, snap) -> np.ndarray:
+        """The snapshot's tier == TIER_DISK [n_layer, n_expert], made once per snapshot (a decode's store pass keeps one
+        across steps)."""
+        if self._snap is not snap:
+            self._snap, self._disk_mask = snap, snap["tier"] == TIER_DISK
+        return self._disk_mask
 
     def _pass(self, stats: PassStats):
         if self._stats is not stats:
@@ -230,7 +267,7 @@ class Guesser:
         used = {int(x) for x in disk}
         return list(dict.fromkeys(k for a in self._asks[layer] for k in a.keys if k[0] == layer and k[1] not in used))
 
-    def read_ahead(self, layer: int, layers, marks: Marks, snap, stats: PassStats, send=None):
+    def read_ahead(self, layer: int, layers, marks: Marks, snap, stats: PassStats, send=None, unheld=None):
         """Start the reads of the guessed experts that sit on disk of `layers` (ascending, each in layer+1 ..
         layer+D; marks of depths 1..D = layer+1 .. layer+D), nearest layer first, in one message: send(keys) -> a
         function answering the reads started (default: the store's prefetch; MoEStep puts them on layer `layer`'s own
@@ -238,13 +275,22 @@ class Guesser:
         (depth, class) within its hit-rate budget, the layer within its cap (union rule: one class, no cap); what this
         pass asked for already is not asked again, unless the store did not start it (its read-ahead half of the
         staging slots was full: the earlier calls' answers, sent a layer ago, are read here, as a guessed layer's
-        score would)."""
+        score would). unheld(marks) -> the marks less the experts held elsewhere (MoEStep: flex copies), applied where
+        a guessed expert sits on disk."""
         self._pass(stats)
         for ask in self._pending:
             self._asked.difference_update(ask.keys[ask.queued_n():])
         self._pending = []
         union = self.rule == "union"
         self._batch = self._batch or marks.n > 1
+        if self.fast and layers and not marks.on_disk(layer + 1, layers, self._disk(snap)):
+            # decode's common case: none of the guessed experts sits on disk: nothing to read ahead, hold or score;
+            # the layers count as guessed (check counts their disk experts), as the loop below leaves them
+            for t in layers:
+                self._guessed.setdefault(t, set())
+            return
+        if unheld is not None:
+            marks = unheld(marks)
         keys = []
         for t in layers:
             d = t - layer
@@ -286,8 +332,15 @@ class Guesser:
         if self._batch:
             m = self.disk_mean[layer]
             self.disk_mean[layer] = len(disk) if np.isnan(m) else DISK_DECAY * m + (1 - DISK_DECAY) * len(disk)
+        by_depth = self._by_depth.pop(layer, None)
+        if self.fast and not by_depth and not len(disk) and layer not in self._asks:
+            # no guessed expert of it on disk, none read ahead, none used: every count below would add 0
+            self._guessed.pop(layer, None)
+            return
         used, every = {int(x) for x in disk}, set()
-        for d, (g, cls, kind) in self._by_depth.pop(layer, {}).items():   # every depth's guess scored, read or not
+        for d, (g, cls, kind) in (by_depth or {}).items():     # every depth's guess scored, read or not
+            if not len(g):                  # no guessed expert on disk from this depth: nothing to score
+                continue
             hit = np.array([int(x) in used for x in g], dtype=bool)
             for c in np.unique(cls):
                 at = cls == c
@@ -304,7 +357,7 @@ class Guesser:
         asks = self._asks.pop(layer, ())
         if guessed is None:
             return
-        queued = sum(a.queued(layer) for a in asks)
+        queued = sum(a.queued(layer) for a in asks) if asks else 0
         stats.guessed += len(guessed)
         stats.prefetched += queued
         stats.guess_bytes += queued * self.expert_bytes[layer]

@@ -124,6 +124,11 @@ class MoEStep:
         self.depth = depth if self.guessing else 0
         self.guesser = Guesser(session, self.n_layer, self.depth, cfg.prefetch_min_hit,
                                cfg.prefetch_batch_rule)
+        self._guess_memo = None             # (cache.all_vram, guess_layers of every layer) for that array
+        self._tier_memo = None              # (snapshot, its tiers [n_layer, n_expert] contiguous): _tiers
+        # the short paths of decode's common case: a layer with no miss (_hand_all), guesses none of which is on disk
+        # (Guesser.read_ahead); False: the general paths (the tests compare the two: test_decode_host_fast.py)
+        self.fast = True
         self.sync = RoutingSync(torch.device(session.device))
         # decode's at-hand group (worker/at_hand.py): every expert computable without the disk in one group, the
         # host path for the misses only; None = decode takes the partial path as prefill does
@@ -145,6 +150,14 @@ class MoEStep:
         self._static_mask = torch.zeros((self.n_layer, E), dtype=torch.bool, device=dev)   # resident (VRAM or host)
         self._static_on = np.zeros(self.n_layer, dtype=bool)     # 0 < resident < E: the layer routes approximately
         self._static_held = None                    # the host copy of _static_mask last uploaded
+
+    @property
+    def fast(self) -> bool:
+        return self._fast
+
+    @fast.setter
+    def fast(self, on: bool):
+        self._fast = self.guesser.fast = bool(on)
 
     def _hand_on(self, cfg: EngineConfig) -> bool:
         """decode_at_hand: auto = on, on the CPU (the torch kernels read each source) and with the triton kernels on
@@ -286,9 +299,13 @@ class MoEStep:
         """The layers whose experts are worth guessing at layer l: decode guesses on, layer l has the host sync the
         guesses ride on, and of layers l+1 .. l+depth those not wholly in VRAM (nearest first)."""
         c = self.cache
-        if not self.depth or c.all_vram[l]:
-            return []
-        return [t for t in range(l + 1, min(l + 1 + self.depth, self.n_layer)) if not c.all_vram[t]]
+        memo = self._guess_memo
+        if memo is None or memo[0] is not c.all_vram:    # every layer's, once per all-VRAM pattern (a new array each)
+            a = c.all_vram
+            memo = self._guess_memo = (a, [[] if not self.depth or a[x] else
+                                           [t for t in range(x + 1, min(x + 1 + self.depth, self.n_layer))
+                                            if not a[t]] for x in range(self.n_layer)])
+        return memo[1][l]
 
     def wants_guess(self, l: int) -> bool:
         """Layer l guesses (guess_layers): depends only on the all-VRAM pattern, which keys the decode graphs."""
@@ -475,10 +492,12 @@ class MoEStep:
         # layer's row published by the device
         counts, marks = self.clock.wait(self.sync.finish) if synced is None else synced
         used = np.nonzero(counts)[0]
-        tiers = snap["tier"][l][used]
+        tiers = self._tiers(snap)[l][used]
         flexed = used[:0]
         if self.flex is not None:         # experts held in the flex cache are computed from their copies (step 2)
             used, tiers, flexed = self.flex.split(l, used, tiers)
+        if hand and self._fast and self._hand_all(l, counts, marks, used, tiers, flexed, snap, stats, ls):
+            return
         by_tier = {t: used[tiers == t] for t in (TIER_VRAM, TIER_HOST, TIER_DISK)}
         ls.vram, ls.host, ls.disk = (len(by_tier[t]) for t in (TIER_VRAM, TIER_HOST, TIER_DISK))
         for t, n in ((TIER_VRAM, ls.vram), (TIER_HOST, ls.host), (TIER_DISK, ls.disk)):
@@ -558,11 +577,63 @@ class MoEStep:
                 cache.bank_done(bank)
         # 4. disk experts in batches as they land; a staging slot goes back once its copy is done (decode_gate: named
         # in the miss table where they landed, the slots held until a later layer's marker)
-        if table:
+        if not disk:
+            ahead_used = 0
+        elif table:
             ahead_used = self._disk_table(l, loads, disk, counts, stats, ls)
         else:
             ahead_used = self._disk_groups(l, r, loads, len(disk), stats, ls, timing)
         self.guesser.check(l, by_tier[TIER_DISK], ahead_used, stats)
+
+    def _tiers(self, snap) -> np.ndarray:
+        """The snapshot's tiers [n_layer, n_expert] int8, one contiguous copy per snapshot (a decode's store pass keeps
+        one across steps) rather than a strided field view per layer."""
+        m = self._tier_memo
+        if m is None or m[0] is not snap:
+            m = self._tier_memo = (snap, np.ascontiguousarray(snap["tier"]))
+        return m[1]
+
+    def _hand_all(self, l, counts, marks, used, tiers, flexed, snap, stats: PassStats, ls: LayerStats) -> bool:
+        """partial(hand=True) where the at-hand group computed every routed expert of layer l (no disk expert, every
+        host one read in place: decode's common case) -> True, the layer done; False (nothing done): a miss remains,
+        the general path runs. The general path's observables with nothing of it that has no work: the tier counts
+        in one bincount, the read-ahead of the guesses and the drop of this layer's unused ones (the same messages),
+        the in-place bytes, the guesses scored; no per-tier arrays, no bank or staging bookkeeping. `used`, `tiers`:
+        the routed experts less the flex-held ones (`flexed`)."""
+        at = self.hand.host[l]
+        if (at[used] == -1).any():                   # a disk expert, or a host one this step banks: a miss
+            return False
+        n = np.bincount(tiers, minlength=3)          # experts per tier (TIER_DISK, TIER_HOST, TIER_VRAM = 0, 1, 2)
+        if n[TIER_DISK]:                             # a disk expert in the table: the general path's assert says so
+            return False
+        assert not len(flexed) or (at[flexed] != -1).all(), (l, flexed)
+        nv, nh = int(n[TIER_VRAM]), int(n[TIER_HOST])
+        ls.vram, ls.host, ls.disk = nv, nh, 0
+        reads = stats.reads
+        reads["vram"] += nv
+        reads["host"] += nh
+        # the guesses of l+1 .. l+D read ahead in a message of their own, carrying the drop of this layer's guesses
+        # (it used none of its disk ones: it has none); a prefetch of no keys carries the drop where none was sent
+        drop = self.guesser.unused(l, ())
+        sent = False
+        if marks is not None:
+            def send_ahead(ahead):
+                nonlocal sent
+                sent = True
+                return self.session.prefetch_start(ahead, drop)
+            # a guessed expert held in the flex cache needs no read (applied only where a guess sits on disk)
+            self.guesser.read_ahead(l, self.guess_layers(l), marks, snap, stats, send_ahead,
+                                    None if self.flex is None else lambda m: self._unflexed(l, m))
+        if drop and not sent:
+            self.session.prefetch_start([], drop)
+        ls.groups += 1                               # the at-hand group
+        if len(flexed):
+            self._flex_count(len(flexed), stats, ls)
+        if nh and self.hand.in_place:   # the bytes the group's kernels read over PCIe (worker/at_hand.py)
+            host = used[tiers == TIER_HOST]
+            stats.in_place_bytes += self.cache.slot_bytes * self.kern.weight_reads(l, counts[host], int(counts.sum()))
+        self.guesser.check(l, used[:0], 0, stats)
+        return True
 
     def serial(self, l, r, used, snap, stats: PassStats, ls: LayerStats):
         """The standard schedule: the layer's used experts in ascending id, each fetched and waited for (no overlap)."""

@@ -8,6 +8,13 @@ store calls, and (where the checkout has it: worker/stats.py) the host split: st
 rest, and the blocked wait for the store's expert bytes. Run it in two checkouts (PYTHONPATH=<checkout>) for an A/B.
 
     python3 deploy/device/decode_host.py [--preset ds4-tiny] [--vram 2 --host 3] [--tokens 64] [--device cpu]
+                                         [--form default|solo|lanes] [--gate] [--profile out.prof]
+
+--form: the decode path. default: whatever the device takes (on the CPU: forward()'s per-layer partial path); solo /
+lanes: the static form CUDA runs (forced on the CPU, eagerly: SoloDecode through forward(), or the batched lanes
+through decode_batch as the engine decodes a lone sequence), with decode's at-hand group (worker/at_hand.py) and,
+with --gate, decode_gate on (worker/gate.py: on the CPU each gated layer is drained where its gate stands).
+--profile: cProfile of the timed decode steps only (not the setup), written to the path (pstats format).
 
 On a CPU the dense part's compute is host time too: compare messages, CPU ms and the split, not host alone. With
 several torch threads on a busy machine, set OMP_NUM_THREADS=1 (spinning threads swamp everything else).
@@ -43,8 +50,9 @@ def _model(preset: str, tmp: Path) -> Path:
 def run(a, tmp: Path) -> dict:
     from betelgeuse.config import EngineConfig
     from services.assembly import open_runner, open_store
+    extra = dict(decode_gate="on") if a.gate else {}
     cfg = EngineConfig(model_path=str(_model(a.preset, tmp)), vram_slots=a.vram, host_slots=a.host, read_threads=2,
-                       device=a.device)
+                       device=a.device, **extra)
     store = open_store(cfg, "process", str(tmp / "store"))
     client = store.client
     inside = [0.0]                              # host seconds inside the client's store calls
@@ -75,12 +83,27 @@ def run(a, tmp: Path) -> dict:
         lg, _ = rn.forward(ids, kv)
         rn.settle()
         tok = int(lg[-1].argmax())
+        if a.form != "default":
+            rn._static_decode = True            # the static form, as CUDA decodes (eagerly on the CPU)
+        if a.form == "lanes":
+            def step(t):
+                lg, st = rn.decode_batch([t], [kv])
+                return lg.reshape(-1, lg.shape[-1]), st
+        else:
+            def step(t):
+                return rn.forward([t], kv, consolidate=False)
+        prof = None
+        if a.profile:
+            import cProfile
+            prof = cProfile.Profile()
         rows, sc0 = [], None
         for i in range(a.tokens):
             if i == a.skip:
                 sc0 = store_cpu()
+                if prof is not None:
+                    prof.enable()
             c0, in0 = own_cpu(), inside[0]
-            lg, st = rn.forward([tok], kv, consolidate=False)
+            lg, st = step(tok)
             c1 = own_cpu()
             tok = int(lg[-1].argmax())
             if i < a.skip:                      # the first steps (graph capture on CUDA)
@@ -92,6 +115,9 @@ def run(a, tmp: Path) -> dict:
                 row.update(store_messages_ms=st.store_s * 1e3, moe_host_ms=st.moe_host_s * 1e3,
                            other_host_ms=st.other_host_s * 1e3, store_wait_ms=st.store_wait_s * 1e3)
             rows.append(row)
+        if prof is not None:
+            prof.disable()
+            prof.dump_stats(a.profile)
         n = len(rows)
         out = {k: round(statistics.median(r[k] for r in rows), 3) for k in rows[0]}
         out.update(mean_messages=round(sum(r["messages"] for r in rows) / n, 2),
@@ -100,7 +126,7 @@ def run(a, tmp: Path) -> dict:
                    host_us_per_application=round(sum(r["host_ms"] for r in rows) / max(1, sum(
                        r["applications"] for r in rows)) * 1e3, 1))
         rn.close()
-        return {"preset": a.preset, "slots": f"{a.vram}+{a.host}", "layers": rn.mcfg.n_layer, "tokens": n,
+        return {"preset": a.preset, "form": a.form + ("+gate" if a.gate else ""), "slots": f"{a.vram}+{a.host}", "layers": rn.mcfg.n_layer, "tokens": n,
                 "per_token_median": out}
     finally:
         store.close()
@@ -115,6 +141,10 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--skip", type=int, default=3, help="first decode steps left out (graph capture)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--form", default="default", choices=["default", "solo", "lanes"],
+                   help="decode path: the device's default, or the static form's solo / lanes (module doc)")
+    p.add_argument("--gate", action="store_true", help="decode_gate on (with --form solo or lanes)")
+    p.add_argument("--profile", help="cProfile of the timed decode steps to this path")
     a = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bg-decode-host-") as d:
         print(json.dumps(run(a, Path(d))))

@@ -1,0 +1,177 @@
+"""Decode's short host paths (issues 21, 24): a layer whose routed experts the at-hand group computed, all of them
+(MoEStep._hand_all), and guesses none of which sits on disk (Guesser.read_ahead's vectorised test, Marks counted
+only when read) must be observably the general path's.
+
+On the CPU with a real store, the static form (solo decode through forward(), the batched lanes through decode_batch,
+decode_gate on and off), the same decode is run with the short paths on and off (MoEStep.fast = False: every layer
+through the general partial(hand=True) and every guess through the general read-ahead loop), and compared step by
+step: the logits' bits, every non-timing PassStats field (reads per tier, flex hits, prefetched, guess counters,
+in-place bytes, store messages per kind) and LayerStats field (tier counts, groups, synced), every store message
+with its arguments (keys, read-ahead keys, drop lists; how many staging slots it hands back) in order, and the guesser's hit-rate
+tables. The slot configurations put every routed expert at hand (the short path's case, which the test asserts it
+took) and mix at-hand layers with layers that miss (both paths in one step).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import fields
+
+import numpy as np
+import pytest
+import torch
+
+from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, write_synth
+
+V = ENGINE_SPEC["n_vocab"]
+# the client's messages -> where their staging slots (handed back) are among the arguments: the slots' numbers are
+# the store's choice (its free list, shaped by the prefill's landing order), so how many are handed back is compared
+MESSAGES = {"load": 1, "prefetch": 1, "prefetch_start": 1, "release": 0, "begin_pass": None, "end_pass": 2}
+TIMING = {"seconds", "disk_wait_s", "open_s", "host_s", "blocked_s", "store_wait_s", "moe_host_s", "store_rpc",
+          "layers", "engram"}
+# (vram, host, extra): as many slots as experts (VRAM + host slots read in place: every expert the prompt used is at
+# hand), and misses beside at-hand layers, with the flex cache too (one read thread everywhere: disk experts land in the order asked for)
+CONFIGS = {"qwen3moe": [(20, 12, {}), (5, 15, {}),
+                        (2, 3, dict(flex_cache=True, max_running=2, max_context=1024, staging_slots=6,
+                                    prefix_cache_bytes=0))],
+           "deepseek4": [(4, 4, {}), (2, 3, {})]}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from betelgeuse.gguf.synth import spec_from_preset, write_model
+    d = tmp_path_factory.mktemp("hostfast")
+    ds4 = d / "ds4.gguf"
+    write_model(ds4, spec_from_preset("ds4-tiny", expert_qtype="Q8_0", seed=2), progress=False)
+    return {"qwen3moe": write_synth(d / "engine.gguf", **ENGINE_SPEC), "deepseek4": ds4}
+
+
+def _plain(x):
+    """Message arguments as plain Python (numpy ints, tuples and lists alike), for comparing."""
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (np.integer, np.bool_, np.ndarray)):
+        return x.tolist()
+    return x
+
+
+def _message(name: str, args: tuple, kw: dict):
+    """A store message as compared: plain arguments, the staging slots handed back as their number."""
+    args = _plain(args)
+    i = MESSAGES[name]
+    if i is not None and i < len(args):
+        args[i] = len(args[i])
+    assert not kw or set(kw) == {"release"}, (name, kw)
+    return name, args, {k: len(v) for k, v in kw.items()}
+
+
+def _quiet(store):
+    """Wait until no read the store started is in flight: each message's reads (and a load's reads ahead) land
+    before the worker goes on, as from an instant disk, so what the store answers (reads ahead started and used,
+    staging slots, disk bytes) does not depend on the reads' timing and two runs can be compared exactly."""
+    t = time.monotonic()
+    while store.status()["reads_in_flight"]:
+        assert time.monotonic() - t < 60, store.status()
+        time.sleep(0.0005)
+
+
+def _decode(path, vram, host, extra, fast: bool, lanes: bool, gate: bool, monkeypatch, steps=8):
+    """A prompt, the store settled, then `steps` greedy decode steps in the static form, every store message's reads
+    landed before the worker goes on (_quiet) -> (logits [steps, V], per step the observables, the store messages of
+    the decode in order, the guesser's tables, the flex cache's counts, short-path counts)."""
+    from betelgeuse.worker import guess as guess_mod
+    monkeypatch.undo()              # the last run's wrappers (Marks.on_disk's would count into its own counter)
+    rn, st = in_process_runner(path, vram, host, decode_at_hand=True, decode_gate="on" if gate else "off",
+                               decode_consolidate_every=0, read_threads=1, **extra)
+    took = Counter()
+    try:
+        moe = rn.moe
+        moe.fast = fast
+        assert moe.guesser.fast is fast and moe.hand is not None and (moe.gate is not None) == gate
+        hand_all = moe._hand_all
+
+        def counted(*a):
+            ok = hand_all(*a)
+            took["layer", ok] += 1
+            return ok
+        moe._hand_all = counted
+        on_disk = guess_mod.Marks.on_disk
+
+        def disk_test(self, *a):
+            hit = on_disk(self, *a)
+            took["guess", hit] += 1
+            return hit
+        monkeypatch.setattr(guess_mod.Marks, "on_disk", disk_test)
+        sent = []
+        client = rn.session.store
+
+        def landed(it):             # a load's experts, each once every read the store started has landed
+            try:
+                for x in it:
+                    _quiet(st)
+                    yield x
+            finally:
+                it.close()
+        for name in MESSAGES:
+            fn = getattr(client, name)
+
+            def rec(*args, _fn=fn, _name=name, **kw):
+                sent.append(_message(_name, args, kw))
+                out = _fn(*args, **kw)
+                if _name == "load":
+                    return landed(out)
+                _quiet(st)
+                return out
+            monkeypatch.setattr(client, name, rec)
+        V_ = rn.mcfg.n_vocab
+        kv = rn.new_cache(128)
+        lg, _ = rn.forward(prompt(64, V_, seed=5), kv)
+        rn.settle()                 # the prefill's consolidation placed: the decode reads VRAM and host slots
+        rn._static_decode = True
+        sent.clear()
+        tok = int(lg[-1].argmax())
+        out, seen = [], []
+        for _ in range(steps):
+            lg, s = rn.decode_batch([tok], [kv]) if lanes else rn.forward([tok], kv, consolidate=False)
+            lg = lg.reshape(-1, V_)[-1]
+            row = {f.name: getattr(s, f.name) for f in fields(s) if f.name not in TIMING}
+            row["store_rpc"] = {k: v[0] for k, v in s.store_rpc.items()}
+            row["layers"] = [(x.vram, x.host, x.disk, x.synced, x.groups) for x in s.layers]
+            seen.append(row)
+            out.append(lg)
+            tok = int(lg.argmax())
+        g = moe.guesser
+        tables = [g.hits, g.tries, g.class_hits, g.class_tries, g.class_read, g.disk_mean]
+        flex = None if moe.flex is None else {f.name: getattr(moe.flex.stats, f.name) for f in fields(moe.flex.stats)}
+        return torch.stack(out), seen, sent, tables, flex, took
+    finally:
+        close_runner(rn, st)
+
+
+@pytest.mark.parametrize("form", ["solo", "lanes", "gate"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek4"])
+def test_short_host_paths_are_the_general_paths(models, arch, form, monkeypatch):
+    lanes, gate = form != "solo", form == "gate"
+    short = Counter()
+    for vram, host, extra in CONFIGS[arch]:
+        want, ref, ref_sent, ref_tables, ref_flex, ref_took = _decode(models[arch], vram, host, extra, False, lanes,
+                                                                      gate, monkeypatch)
+        got, seen, sent, tables, flex, took = _decode(models[arch], vram, host, extra, True, lanes, gate, monkeypatch)
+        where = (arch, form, vram, host)
+        assert not ref_took, (where, ref_took)              # the general paths ran: no short one was tried
+        assert torch.equal(got, want), (where, (got - want).abs().max().item())
+        for i, (a, b) in enumerate(zip(seen, ref)):
+            assert a == b, (where, i, {k: (a[k], b[k]) for k in a if a[k] != b[k]})
+        assert sent == ref_sent, (where, [(i, x, y) for i, (x, y) in enumerate(zip(sent, ref_sent)) if x != y][:3],
+                                  len(sent), len(ref_sent))
+        for x, y in zip(tables, ref_tables):
+            assert np.array_equal(x, y, equal_nan=True), where
+        assert flex == ref_flex, where
+        short.update(took)
+        if (vram, host) in ((20, 12), (4, 4)):    # as many slots as experts (those the prompt left unused stay on
+            assert took["layer", True] > 2 * took["layer", False], (where, took)    # disk): mostly the short path
+    # the short paths ran, and so did the general ones beside them (layers with a miss, guesses on disk)
+    assert short["layer", True] and short["layer", False] and short["guess", False] and short["guess", True], short
