@@ -31,8 +31,9 @@ MESSAGES = {"load": 1, "prefetch": 1, "prefetch_start": 1, "release": 0, "begin_
 TIMING = {"seconds", "disk_wait_s", "open_s", "host_s", "blocked_s", "store_wait_s", "moe_host_s", "store_rpc",
           "layers", "engram"}
 # (vram, host, extra): as many slots as experts (VRAM + host slots read in place: every expert the prompt used is at
-# hand), and misses beside at-hand layers, with the flex cache too (one read thread everywhere: disk experts land in the order asked for)
-CONFIGS = {"qwen3moe": [(20, 12, {}), (5, 15, {}),
+# hand), and misses beside at-hand layers (10 + 18: some layers miss although none of their guesses was on disk, so
+# they were guessed on the short path and scored on the general one), with the flex cache too (one read thread everywhere: disk experts land in the order asked for)
+CONFIGS = {"qwen3moe": [(20, 12, {}), (5, 15, {}), (10, 18, {}),
                         (2, 3, dict(flex_cache=True, max_running=2, max_context=1024, staging_slots=6,
                                     prefix_cache_bytes=0))],
            "deepseek4": [(4, 4, {}), (2, 3, {})]}
@@ -78,7 +79,7 @@ def _quiet(store):
         time.sleep(0.0005)
 
 
-def _decode(path, vram, host, extra, fast: bool, lanes: bool, gate: bool, monkeypatch, steps=8):
+def _decode(path, vram, host, extra, fast: bool, lanes: bool, gate: bool, monkeypatch, steps=12):
     """A prompt, the store settled, then `steps` greedy decode steps in the static form, every store message's reads
     landed before the worker goes on (_quiet) -> (logits [steps, V], per step the observables, the store messages of
     the decode in order, the guesser's tables, the flex cache's counts, short-path counts)."""
