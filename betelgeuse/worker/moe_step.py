@@ -64,12 +64,14 @@ class RoutingSync:
     host (T*D*k ids, a few dozen in decode). start() enqueues the copies, finish() waits: decode's at-hand group is
     enqueued between them, so the wait does not include it."""
 
-    __slots__ = ("cuda", "buf", "event", "_pending")
+    __slots__ = ("cuda", "buf", "host", "event", "_dst", "_pending")
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.buf = None                              # int64 pinned [>= E + T*D*k]
+        self.host = None                             # its numpy view
         self.event = torch.cuda.Event() if self.cuda else None
+        self._dst: dict = {}                         # (E, n) -> buf's views [:E], [E:n]: made once, not per layer
         self._pending = None
 
     def start(self, counts: torch.Tensor, guess: torch.Tensor | None):
@@ -80,9 +82,13 @@ class RoutingSync:
             n = E + (0 if guess is None else guess.numel())
             if self.buf is None or self.buf.numel() < n:
                 self.buf = torch.empty(max(n, 4 * E), dtype=torch.int64, pin_memory=True)
-            self.buf[:E].copy_(counts, non_blocking=True)
+                self.host, self._dst = self.buf.numpy(), {}
+            dst = self._dst.get((E, n))
+            if dst is None:
+                dst = self._dst[E, n] = (self.buf[:E], self.buf[E:n])
+            dst[0].copy_(counts, non_blocking=True)
             if guess is not None:
-                self.buf[E:n].copy_(guess.reshape(-1), non_blocking=True)
+                dst[1].copy_(guess.reshape(-1), non_blocking=True)
             self.event.record()
 
     def finish(self) -> tuple[np.ndarray, Marks | None]:
@@ -95,7 +101,7 @@ class RoutingSync:
         else:
             n = E + (0 if guess is None else guess.numel())
             self.event.synchronize()
-            a = self.buf.numpy()
+            a = self.host
             c, g = a[:E].copy(), a[E:n]
         return c, None if guess is None else Marks.from_ids(g.reshape(guess.shape), E)
 
