@@ -163,6 +163,11 @@ class Marks:
         """Whether any expert guessed for these layers (ascending; `first` the layer of depth 1) is on disk: `disk`
         [n_layer, n_expert] bool (a snapshot's tier == TIER_DISK); one vectorised test, on the ids where the counts
         were not made."""
+        a, n = layers[0], len(layers)
+        if self._rows is None and layers[-1] - a == n - 1:     # consecutive (no wholly-VRAM layer between): slices
+            E = disk.shape[1]
+            at = self.ids[:, a - first:a - first + n, :] + np.arange(a * E, (a + n) * E, E)[:, None]   # [T, n, k]
+            return bool(disk.reshape(-1)[at].any())
         ts = np.asarray(layers)
         if self._rows is None:
             return bool(disk[ts[None, :, None], self.ids[:, ts - first, :]].any())

@@ -609,11 +609,11 @@ class MoEStep:
         at = self.hand.host[l]
         if (at[used] == -1).any():                   # a disk expert, or a host one this step banks: a miss
             return False
-        n = np.bincount(tiers, minlength=3)          # experts per tier (TIER_DISK, TIER_HOST, TIER_VRAM = 0, 1, 2)
+        n = np.bincount(tiers, minlength=3).tolist()     # experts per tier (TIER_DISK, TIER_HOST, TIER_VRAM = 0, 1, 2)
         if n[TIER_DISK]:                             # a disk expert in the table: the general path's assert says so
             return False
         assert not len(flexed) or (at[flexed] != -1).all(), (l, flexed)
-        nv, nh = int(n[TIER_VRAM]), int(n[TIER_HOST])
+        nv, nh = n[TIER_VRAM], n[TIER_HOST]
         ls.vram, ls.host, ls.disk = nv, nh, 0
         reads = stats.reads
         reads["vram"] += nv

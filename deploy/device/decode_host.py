@@ -15,6 +15,8 @@ lanes: the static form CUDA runs (forced on the CPU, eagerly: SoloDecode through
 through decode_batch as the engine decodes a lone sequence), with decode's at-hand group (worker/at_hand.py) and,
 with --gate, decode_gate on (worker/gate.py: on the CPU each gated layer is drained where its gate stands).
 --profile: cProfile of the timed decode steps only (not the setup), written to the path (pstats format).
+nomiss_layer_us: the median host wall of a decode layer's expert step that had no miss (_time_layers), over
+nomiss_layers such layers of the timed steps.
 
 On a CPU the dense part's compute is host time too: compare messages, CPU ms and the split, not host alone. With
 several torch threads on a busy machine, set OMP_NUM_THREADS=1 (spinning threads swamp everything else).
@@ -47,6 +49,27 @@ def _model(preset: str, tmp: Path) -> Path:
     return path
 
 
+def _time_layers(moe, a) -> list:
+    """The host seconds of each decode layer's expert step that had no miss, appended to the list returned: the call
+    after the at-hand group (MoEStep.hand_misses: the sync's wait, tier counts, read-ahead, scoring; gate_drain with
+    --gate) where the layer ran the at-hand group alone (one group: no disk expert, no banked host one), or, on the
+    default path, MoEStep.partial of a layer with no disk expert. Wraps the instance's method (either checkout's)."""
+    name, at = (("gate_drain", 5) if a.gate else ("hand_misses", 4)) if a.form != "default" else ("partial", 4)
+    fn, out = getattr(moe, name), []
+
+    def timed(*args, **kw):
+        ls = args[at]
+        g0 = ls.groups
+        t = time.perf_counter()
+        r = fn(*args, **kw)
+        dt = time.perf_counter() - t
+        if ls.disk == 0 and (name == "partial" or ls.groups - g0 == 1):
+            out.append(dt)
+        return r
+    setattr(moe, name, timed)
+    return out
+
+
 def run(a, tmp: Path) -> dict:
     from betelgeuse.config import EngineConfig
     from services.assembly import open_runner, open_store
@@ -69,6 +92,7 @@ def run(a, tmp: Path) -> dict:
     try:
         rn = open_runner(cfg, store)
         spid, tick = client.status()["pid"], os.sysconf("SC_CLK_TCK")
+        layer_s = _time_layers(rn.moe, a)
 
         def store_cpu() -> float:
             f = open(f"/proc/{spid}/stat").read().rsplit(")", 1)[1].split()
@@ -100,6 +124,7 @@ def run(a, tmp: Path) -> dict:
         for i in range(a.tokens):
             if i == a.skip:
                 sc0 = store_cpu()
+                layer_s.clear()
                 if prof is not None:
                     prof.enable()
             c0, in0 = own_cpu(), inside[0]
@@ -124,7 +149,9 @@ def run(a, tmp: Path) -> dict:
                    mean_miss_layers=round(sum(r["miss_layers"] for r in rows) / n, 2),
                    store_cpu_ms=round((store_cpu() - sc0) / n * 1e3, 2),
                    host_us_per_application=round(sum(r["host_ms"] for r in rows) / max(1, sum(
-                       r["applications"] for r in rows)) * 1e3, 1))
+                       r["applications"] for r in rows)) * 1e3, 1),
+                   nomiss_layers=len(layer_s),
+                   nomiss_layer_us=round(statistics.median(layer_s) * 1e6, 1) if layer_s else None)
         rn.close()
         return {"preset": a.preset, "form": a.form + ("+gate" if a.gate else ""), "slots": f"{a.vram}+{a.host}", "layers": rn.mcfg.n_layer, "tokens": n,
                 "per_token_median": out}

@@ -177,3 +177,26 @@ def test_short_host_paths_are_the_general_paths(models, arch, form, monkeypatch)
             assert took["layer", True] > 2 * took["layer", False], (where, took)    # disk): mostly the short path
     # the short paths ran, and so did the general ones beside them (layers with a miss, guesses on disk)
     assert short["layer", True] and short["layer", False] and short["guess", False] and short["guess", True], short
+
+
+def test_marks_on_disk_is_any_guessed_expert_on_disk():
+    """guess.Marks.on_disk against a loop over the ids: consecutive guessed layers (slices) and not (a wholly VRAM
+    layer between), one running row and several, before the counts were made (the ids) and after (rows)."""
+    from betelgeuse.worker.guess import Marks
+    rng = np.random.default_rng(3)
+    L, E, D, k = 12, 16, 3, 4
+    seen = Counter()
+    for trial in range(400):
+        T = int(rng.integers(1, 4))
+        g = np.stack([np.stack([rng.permutation(E)[:k] for _ in range(D)]) for _ in range(T)])     # [T, D, k]
+        disk = rng.random((L, E)) < rng.choice([0.02, 0.1, 0.3])
+        layer = int(rng.integers(0, L - D))
+        layers = sorted(int(x) for x in rng.choice(np.arange(layer + 1, layer + 1 + D), int(rng.integers(1, D + 1)),
+                                                   replace=False))
+        want = any(disk[t, e] for t in layers for e in g[:, t - layer - 1, :].reshape(-1))
+        m = Marks.from_ids(g, E)
+        assert m.on_disk(layer + 1, layers, disk) == want, (g, layers)
+        m.rows                                                          # counted: the rows path
+        assert m.on_disk(layer + 1, layers, disk) == want, (g, layers)
+        seen[want, layers[-1] - layers[0] == len(layers) - 1] += 1
+    assert len(seen) == 4, seen                     # on disk or not, consecutive layers or not
