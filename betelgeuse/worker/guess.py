@@ -125,7 +125,8 @@ class Marks:
     ids best first: rank 0 is its top-1 guess), per depth d-1 and expert e, rows [D, E] = the running rows that
     guessed e, top [D, E] = those of them whose top-1 guess e is; n = T. What the batch rule scores (module doc).
     From ids, rows and top are counted when first read: a step whose guesses are all resident (decode's common case:
-    on_disk) never needs them."""
+    on_disk, on the ids as Python lists: a few dozen, where each numpy call costs more than a loop over them) never
+    needs them."""
 
     __slots__ = ("ids", "E", "n", "_rows", "_top")
 
@@ -134,14 +135,14 @@ class Marks:
 
     @classmethod
     def from_ids(cls, g: np.ndarray, E: int) -> "Marks":
-        """g [T, D, k] int64 -> the marks (a row's k ids are distinct: +1 per row). g is copied (a view of a buffer the
-        next layer's sync rewrites)."""
+        """g [T, D, k] int64 -> the marks (a row's k ids are distinct: +1 per row). The ids are kept as lists
+        [T][D][k] (a copy: g may be a view of a buffer the next layer's sync rewrites)."""
         m = cls.__new__(cls)
-        m.ids, m.E, m.n, m._rows, m._top = np.array(g, dtype=np.int64), E, g.shape[0], None, None
+        m.ids, m.E, m.n, m._rows, m._top = g.tolist(), E, g.shape[0], None, None
         return m
 
     def _count(self):
-        g, E = self.ids, self.E
+        g, E = np.array(self.ids, dtype=np.int64), self.E
         T, D, k = g.shape
         at = g + (np.arange(D, dtype=np.int64) * E)[None, :, None]          # [T, D, k] flat index d * E + e
         self._rows = np.bincount(at.reshape(-1), minlength=D * E).astype(np.int64, copy=False).reshape(D, E)
@@ -159,19 +160,19 @@ class Marks:
             self._count()
         return self._top
 
-    def on_disk(self, first: int, layers, disk: np.ndarray) -> bool:
+    def on_disk(self, first: int, layers, disk) -> bool:
         """Whether any expert guessed for these layers (ascending; `first` the layer of depth 1) is on disk: `disk`
-        [n_layer, n_expert] bool (a snapshot's tier == TIER_DISK); one vectorised test, on the ids where the counts
-        were not made."""
-        a, n = layers[0], len(layers)
-        if self._rows is None and layers[-1] - a == n - 1:     # consecutive (no wholly-VRAM layer between): slices
-            E = disk.shape[1]
-            at = self.ids[:, a - first:a - first + n, :] + np.arange(a * E, (a + n) * E, E)[:, None]   # [T, n, k]
-            return bool(disk.reshape(-1)[at].any())
-        ts = np.asarray(layers)
+        per layer the set of its experts on disk (a snapshot's: Guesser._disk)."""
         if self._rows is None:
-            return bool(disk[ts[None, :, None], self.ids[:, ts - first, :]].any())
-        return bool(((self._rows[ts - first] > 0) & disk[ts]).any())
+            for t in layers:
+                s = disk[t]
+                if s:
+                    d = t - first
+                    for row in self.ids:
+                        if not s.isdisjoint(row[d]):
+                            return True
+            return False
+        return any(disk[t] and not disk[t].isdisjoint(np.flatnonzero(self._rows[t - first]).tolist()) for t in layers)
 
     def without(self, held: np.ndarray) -> "Marks":
         """The marks less the experts `held` [D, E] bool marks (held elsewhere: no read needed)."""
@@ -205,7 +206,7 @@ class Guesser:
     doc)."""
 
     __slots__ = ("session", "expert_bytes", "min_hit", "rule", "hits", "tries", "class_hits", "class_tries",
-                 "class_read", "disk_mean", "fast", "_snap", "_disk_mask", "_stats", "_asked", "_guessed", "_asks", "_pending", "_by_depth",
+                 "class_read", "disk_mean", "fast", "_snap", "_disk_sets", "_stats", "_asked", "_guessed", "_asks", "_pending", "_by_depth",
                  "_batch", "_per_layer")
 
     def __init__(self, session, n_layer: int, depth: int = 0, min_hit: float = 0.0, rule: str = "rows"):
@@ -227,7 +228,7 @@ class Guesser:
         self.disk_mean = np.full(n_layer, np.nan)
         # read_ahead's short path where no guessed expert is on disk (False: the general one; MoEStep.fast)
         self.fast = True
-        self._snap = self._disk_mask = None     # _disk's snapshot and its disk mask
+        self._snap = self._disk_sets = None     # _disk's snapshot and its disk experts per layer
         self._stats = None                  # the pass the state below belongs to
         self._asked: set = set()            # (layer, expert) read ahead in this pass
         self._guessed: dict = {}            # guessed layer -> its guessed disk experts (set), all guesses of it
@@ -237,12 +238,12 @@ class Guesser:
         self._batch = False                 # this pass guesses for more than one running row
         self._per_layer: dict = {}          # guessed layer -> reads ahead asked for it in this pass
 
-    def _disk(self, snap) -> np.ndarray:
-        """The snapshot's tier == TIER_DISK [n_layer, n_expert], made once per snapshot (a decode's store pass keeps one
-        across steps)."""
+    def _disk(self, snap) -> list[set]:
+        """Per layer, the set of its experts on disk in the snapshot (Marks.on_disk), made once per snapshot (a
+        decode's store pass keeps one across steps)."""
         if self._snap is not snap:
-            self._snap, self._disk_mask = snap, snap["tier"] == TIER_DISK
-        return self._disk_mask
+            self._snap, self._disk_sets = snap, [set(np.flatnonzero(row).tolist()) for row in snap["tier"] == TIER_DISK]
+        return self._disk_sets
 
     def _pass(self, stats: PassStats):
         if self._stats is not stats:

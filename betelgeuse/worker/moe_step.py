@@ -602,18 +602,20 @@ class MoEStep:
     def _hand_all(self, l, counts, marks, used, tiers, flexed, snap, stats: PassStats, ls: LayerStats) -> bool:
         """partial(hand=True) where the at-hand group computed every routed expert of layer l (no disk expert, every
         host one read in place: decode's common case) -> True, the layer done; False (nothing done): a miss remains,
-        the general path runs. The general path's observables with nothing of it that has no work: the tier counts
-        in one bincount, the read-ahead of the guesses and the drop of this layer's unused ones (the same messages),
+        the general path runs. The general path's observables with nothing of it that has no work: the tier counts,
+        the read-ahead of the guesses and the drop of this layer's unused ones (the same messages),
         the in-place bytes, the guesses scored; no per-tier arrays, no bank or staging bookkeeping. `used`, `tiers`:
         the routed experts less the flex-held ones (`flexed`)."""
+        # a few experts (T rows x k at most): Python over their lists costs less than numpy calls on them
         at = self.hand.host[l]
-        if (at[used] == -1).any():                   # a disk expert, or a host one this step banks: a miss
+        if -1 in at[used].tolist():                  # a disk expert, or a host one this step banks: a miss
             return False
-        n = np.bincount(tiers, minlength=3).tolist()     # experts per tier (TIER_DISK, TIER_HOST, TIER_VRAM = 0, 1, 2)
-        if n[TIER_DISK]:                             # a disk expert in the table: the general path's assert says so
+        tl = tiers.tolist()
+        nh = tl.count(TIER_HOST)
+        if tl.count(TIER_DISK):                      # a disk expert in the table: the general path's assert says so
             return False
-        assert not len(flexed) or (at[flexed] != -1).all(), (l, flexed)
-        nv, nh = n[TIER_VRAM], n[TIER_HOST]
+        assert not len(flexed) or -1 not in at[flexed].tolist(), (l, flexed)
+        nv = len(tl) - nh
         ls.vram, ls.host, ls.disk = nv, nh, 0
         reads = stats.reads
         reads["vram"] += nv
@@ -636,9 +638,9 @@ class MoEStep:
         if len(flexed):
             self._flex_count(len(flexed), stats, ls)
         if nh and self.hand.in_place:   # the bytes the group's kernels read over PCIe (worker/at_hand.py)
-            host = used[tiers == TIER_HOST]
-            stats.in_place_bytes += self.cache.slot_bytes * self.kern.weight_reads(l, counts[host], int(counts.sum()))
-        self.guesser.check(l, used[:0], 0, stats)
+            rows = counts[[e for e, t in zip(used.tolist(), tl) if t == TIER_HOST]]
+            stats.in_place_bytes += self.cache.slot_bytes * self.kern.weight_reads(l, rows, int(counts.sum()))
+        self.guesser.check(l, (), 0, stats)         # no disk expert
         return True
 
     def serial(self, l, r, used, snap, stats: PassStats, ls: LayerStats):

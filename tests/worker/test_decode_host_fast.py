@@ -182,8 +182,8 @@ def test_short_host_paths_are_the_general_paths(models, arch, form, monkeypatch)
 
 
 def test_marks_on_disk_is_any_guessed_expert_on_disk():
-    """guess.Marks.on_disk against a loop over the ids: consecutive guessed layers (slices) and not (a wholly VRAM
-    layer between), one running row and several, before the counts were made (the ids) and after (rows)."""
+    """guess.Marks.on_disk against a loop over the ids [T, D, k] as numpy: consecutive guessed layers and not (a wholly
+    VRAM layer between), one running row and several, before the counts were made (the ids) and after (rows)."""
     from betelgeuse.worker.guess import Marks
     rng = np.random.default_rng(3)
     L, E, D, k = 12, 16, 3, 4
@@ -196,9 +196,10 @@ def test_marks_on_disk_is_any_guessed_expert_on_disk():
         layers = sorted(int(x) for x in rng.choice(np.arange(layer + 1, layer + 1 + D), int(rng.integers(1, D + 1)),
                                                    replace=False))
         want = any(disk[t, e] for t in layers for e in g[:, t - layer - 1, :].reshape(-1))
+        sets = [set(np.flatnonzero(row).tolist()) for row in disk]    # Guesser._disk's form
         m = Marks.from_ids(g, E)
-        assert m.on_disk(layer + 1, layers, disk) == want, (g, layers)
-        m.rows                                                          # counted: the rows path
-        assert m.on_disk(layer + 1, layers, disk) == want, (g, layers)
+        assert m.on_disk(layer + 1, layers, sets) == want, (g, layers)
+        assert m.rows.sum() == T * D * k and m.top.sum() == T * D          # counted: the rows path
+        assert m.on_disk(layer + 1, layers, sets) == want, (g, layers)
         seen[want, layers[-1] - layers[0] == len(layers) - 1] += 1
     assert len(seen) == 4, seen                     # on disk or not, consecutive layers or not
