@@ -44,6 +44,7 @@ code), the misses' group reading the table the drain wrote.
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -157,7 +158,7 @@ class DecodeGate:
             self.pos.waits[l] = round(dt, 4)
         self.pos.seen = l
         row = self._np[l * self.width: (l + 1) * self.width]
-        n = 0 if shape is None else int(np.prod(shape))
+        n = 0 if shape is None else math.prod(shape)
         counts, misses = row[:self.E].copy(), int(row[self.E + n])
         if shape is None:
             return counts, None, misses
