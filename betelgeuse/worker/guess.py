@@ -206,8 +206,8 @@ class Guesser:
     doc)."""
 
     __slots__ = ("session", "expert_bytes", "min_hit", "rule", "hits", "tries", "class_hits", "class_tries",
-                 "class_read", "disk_mean", "fast", "_snap", "_disk_sets", "_stats", "_asked", "_guessed", "_asks", "_pending", "_by_depth",
-                 "_batch", "_per_layer")
+                 "class_read", "disk_mean", "fast", "_snap", "_disk_sets", "_stats", "_asked", "_guessed", "_asks",
+                 "_pending", "_by_depth", "_batch", "_per_layer")
 
     def __init__(self, session, n_layer: int, depth: int = 0, min_hit: float = 0.0, rule: str = "rows"):
         assert rule in RULES, rule

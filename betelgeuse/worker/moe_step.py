@@ -22,7 +22,8 @@
                flex copy, host slot read in place over PCIe where the step's host rule says so: host_in_place) inside
                the decode graphs (hand_group), then the host waits and runs partial(hand=True): the tier counts as
                above, read-ahead, and steps 1-4 for the misses only (disk experts, and host ones only where this
-               step does not read them in place: through ring banks)
+               step does not read them in place: through ring banks). A layer with no miss (decode's common case)
+               takes a short path with the same counts and messages and nothing else (_hand_all)
     gated      decode_gate (worker/gate.py): the same, with no per-layer sync: the step's replayed parts are launched
                ahead, each layer's at-hand group followed by a device-side publish + gate (gate_layer) and the misses'
                group (gate_misses: the missed experts read in place from the staging / host slots the host's miss

@@ -153,7 +153,8 @@ def run(a, tmp: Path) -> dict:
                    nomiss_layers=len(layer_s),
                    nomiss_layer_us=round(statistics.median(layer_s) * 1e6, 1) if layer_s else None)
         rn.close()
-        return {"preset": a.preset, "form": a.form + ("+gate" if a.gate else ""), "slots": f"{a.vram}+{a.host}", "layers": rn.mcfg.n_layer, "tokens": n,
+        return {"preset": a.preset, "form": a.form + ("+gate" if a.gate else ""), "slots": f"{a.vram}+{a.host}",
+                "layers": rn.mcfg.n_layer, "tokens": n,
                 "per_token_median": out}
     finally:
         store.close()

@@ -1,15 +1,15 @@
 """Decode's short host paths (issues 21, 24): a layer whose routed experts the at-hand group computed, all of them
-(MoEStep._hand_all), and guesses none of which sits on disk (Guesser.read_ahead's vectorised test, Marks counted
+(MoEStep._hand_all), and guesses none of which sits on disk (Guesser.read_ahead: Marks.on_disk, Marks counted
 only when read) must be observably the general path's.
 
-On the CPU with a real store, the static form (solo decode through forward(), the batched lanes through decode_batch,
-decode_gate on and off), the same decode is run with the short paths on and off (MoEStep.fast = False: every layer
-through the general partial(hand=True) and every guess through the general read-ahead loop), and compared step by
-step: the logits' bits, every non-timing PassStats field (reads per tier, flex hits, prefetched, guess counters,
-in-place bytes, store messages per kind) and LayerStats field (tier counts, groups, synced), every store message
-with its arguments (keys, read-ahead keys, drop lists; how many staging slots it hands back) in order, and the guesser's hit-rate
-tables. The slot configurations put every routed expert at hand (the short path's case, which the test asserts it
-took) and mix at-hand layers with layers that miss (both paths in one step).
+On the CPU with a real store, the static form (solo decode through forward(), the batched lanes through
+decode_batch, decode_gate on and off), the same decode is run with the short paths on and off (MoEStep.fast = False:
+every layer through the general partial(hand=True) and every guess through the general read-ahead loop), and
+compared step by step: the logits' bits, every non-timing PassStats field (reads per tier, flex hits, prefetched,
+guess counters, in-place bytes, store messages per kind) and LayerStats field (tier counts, groups, synced), every
+store message with its arguments (keys, read-ahead keys, drop lists; how many staging slots it hands back) in order,
+and the guesser's hit-rate tables. The slot configurations put every routed expert at hand (the short path's case,
+which the test asserts it took) and mix at-hand layers with layers that miss (both paths in one step).
 """
 
 from __future__ import annotations
@@ -175,8 +175,9 @@ def test_short_host_paths_are_the_general_paths(models, arch, form, monkeypatch)
             assert np.array_equal(x, y, equal_nan=True), where
         assert flex == ref_flex, where
         short.update(took)
-        if (vram, host) in ((20, 12), (4, 4)) and not extra:    # as many slots as experts (those the prompt left unused stay on
-            assert took["layer", True] > 2 * took["layer", False], (where, took)    # disk): mostly the short path
+        if (vram, host) in ((20, 12), (4, 4)) and not extra:
+            # as many slots as experts (those the prompt left unused stay on disk): mostly the short path
+            assert took["layer", True] > 2 * took["layer", False], (where, took)
     # the short paths ran, and so did the general ones beside them (layers with a miss, guesses on disk)
     assert short["layer", True] and short["layer", False] and short["guess", False] and short["guess", True], short
 
