@@ -143,9 +143,10 @@ class MoEStep:
                            self.kern.qtypes) if self._hand_on(cfg) else None
         # decode with no per-layer sync (worker/gate.py): every layer launched ahead, gated on the device
         self.gate = None
-        self._held: list[tuple[int, list[int]]] = []   # gated drains: (layer, staging slots its misses' group reads)
-        self._keeping: list[tuple[int, int, int]] = []   # (layer, expert, staging slot) the flex cache copies at gate_end
-        self._slot_expert: dict[int, int] = {}           # held staging slot -> the expert landed in it
+        # gated drains: (layer, expert, staging slot) the misses' groups read, held until a later layer's marker; of
+        # them, those the flex cache copies at gate_end
+        self._held: list[tuple[int, int, int]] = []
+        self._keeping: list[tuple[int, int, int]] = []
         self._keep_cap = 0
         if self.hand is not None and self._gate_on(cfg):
             c = session.file.config
@@ -419,7 +420,6 @@ class MoEStep:
         if self.gate is not None:
             self.gate.abort()
             self._held, self._keeping = [], []
-            self._slot_expert.clear()
 
     def gate_end(self):
         """After a gated step's launches and drain: a gate that gave up is an error (the step waited for); then the
@@ -438,7 +438,7 @@ class MoEStep:
                 ev.record()
             self.session.release([slot for _, _, slot in keeping], later=True, event=ev)
 
-    def guess_shape(self, l: int, guess):
+    def guess_shape(self, l: int, guess) -> tuple | None:
         """The (T, D, k) of the guess gate_layer publishes for layer l, or None."""
         g = self._guess_of(l, guess)
         return None if g is None else tuple(g.shape)
@@ -471,17 +471,13 @@ class MoEStep:
     def _release_gated(self, before: int):
         """The staging slots of gated layers before `before` back to the store, with its next message; up to
         _keep_cap of them kept back for the flex cache's copies after the step (gate_end)."""
-        done = [(l, s) for l, slots in self._held if l < before for s in slots]
+        done = [h for h in self._held if h[0] < before]
         if not done:
             return
-        self._held = [(l, s) for l, s in self._held if l >= before]
-        back = []
-        for l, s in done:
-            if len(self._keeping) < self._keep_cap:
-                self._keeping.append((l, self._slot_expert.pop(s), s))
-            else:
-                self._slot_expert.pop(s, None)
-                back.append(s)
+        self._held = [h for h in self._held if h[0] >= before]
+        n = max(0, min(len(done), self._keep_cap - len(self._keeping)))
+        self._keeping += done[:n]
+        back = [s for _, _, s in done[n:]]
         if back:
             self.session.release(back, later=True)
 
@@ -554,12 +550,12 @@ class MoEStep:
             self._flex_count(len(flexed), stats, ls)
             if self.hand.in_place:      # the bytes the group's kernels read over PCIe (worker/at_hand.py)
                 read = [e for e in host if at[e] != -1]
-                stats.in_place_bytes += cache.slot_bytes * self.kern.weight_reads(l, counts[read], int(counts.sum()))
+                self._read_in_place(l, counts, read, stats)
             host = [e for e in host if at[e] == -1]
             if table and host:      # decode_gate: read in place from their host slots by the misses' group
                 for e in host:
                     self._miss_slot(l, e, cache.host_slot(l, int(hslots[e])))
-                stats.in_place_bytes += cache.slot_bytes * self.kern.weight_reads(l, counts[host], int(counts.sum()))
+                self._read_in_place(l, counts, host, stats)
                 host = []
             by_tier, flexed = {**by_tier, TIER_VRAM: used[:0]}, used[:0]
         batches = [host[i:i + B] for i in range(0, len(host), B)]
@@ -591,6 +587,11 @@ class MoEStep:
         else:
             ahead_used = self._disk_groups(l, r, loads, len(disk), stats, ls, timing)
         self.guesser.check(l, by_tier[TIER_DISK], ahead_used, stats)
+
+    def _read_in_place(self, l: int, counts: np.ndarray, experts: list[int], stats: PassStats):
+        """The bytes a group's kernels read over PCIe for these experts of layer l read in place (host or staging
+        slots; worker/at_hand.py): their slot once per row block of the step's rows."""
+        stats.in_place_bytes += self.cache.slot_bytes * self.kern.weight_reads(l, counts[experts], int(counts.sum()))
 
     def _tiers(self, snap) -> np.ndarray:
         """The snapshot's tiers [n_layer, n_expert] int8, one contiguous copy per snapshot (a decode's store pass keeps
@@ -639,8 +640,7 @@ class MoEStep:
         if len(flexed):
             self._flex_count(len(flexed), stats, ls)
         if nh and self.hand.in_place:   # the bytes the group's kernels read over PCIe (worker/at_hand.py)
-            rows = counts[[e for e, t in zip(used.tolist(), tl) if t == TIER_HOST]]
-            stats.in_place_bytes += self.cache.slot_bytes * self.kern.weight_reads(l, rows, int(counts.sum()))
+            self._read_in_place(l, counts, [e for e, t in zip(used.tolist(), tl) if t == TIER_HOST], stats)
         self.guesser.check(l, (), 0, stats)         # no disk expert
         return True
 
@@ -750,7 +750,7 @@ class MoEStep:
         """decode_gate: the disk experts as they land, each named in layer l's miss table at its staging slot (read in
         place by the misses' group); the slots held until a later layer's marker (gate_drain). -> the loads answered
         from a read ahead."""
-        ahead_used, slots = 0, []
+        ahead_used = 0
         for _ in disk:
             tw = time.perf_counter()
             got = self.clock.wait_store(next, loads)
@@ -758,11 +758,9 @@ class MoEStep:
             ahead_used += got.prefetched
             stats.disk_bytes += got.disk_bytes
             self._miss_slot(l, got.expert, self.cache.staging_slot(got.slot))
-            slots.append(got.slot)
-            self._slot_expert[got.slot] = got.expert
-        if slots:
-            self._held.append((l, slots))
-            stats.in_place_bytes += self.cache.slot_bytes * self.kern.weight_reads(l, counts[disk], int(counts.sum()))
+            self._held.append((l, got.expert, got.slot))
+        if disk:
+            self._read_in_place(l, counts, disk, stats)
         return ahead_used
 
     def _release(self, held, keep: int, later: bool = False):
