@@ -286,10 +286,18 @@ def bounds(a: Snapshot, opened: Snapshot | None, b: Snapshot, disk: dict | list,
         out["prefill"] = prefill_window(a, opened, rates["prefill"]["bps"], h2d_bps, ttft_s)
         out["decode"] = window(opened, b, rates["decode"]["bps"], h2d_bps)
         out["decode"]["achieved"] = _over(decode_tps, out["decode"]["bound_tps"])
+        if out["decode"]["decode_tokens"] == 0 and completion_tokens:
+            # the opening scrape (a thread started at the last first token, then two round trips) came back after
+            # the service had counted every token of the phase: a short decode (a toy model's few tokens) can end
+            # first. No decode pass lies in the window, so it bounds nothing; said, never a zero-token bound
+            out["decode"]["empty"] = EMPTY
     for name, w in out.items():
         r = rates[name]
         w.update(disk_source=r["source"], disk_pattern=r["pattern"], disk_own_bps=r["own_bps"])
     return out
+
+
+EMPTY = "empty: the service had decoded every token before the window's opening scrape returned"
 
 
 def _over(a, b):
@@ -321,6 +329,8 @@ def describe(w: dict | None) -> str:
     it moved."""
     if not w:
         return "bound –"
+    if w.get("empty"):
+        return w["empty"]
     busy = w.get("disk_busy_fraction")
     ahead = w.get("readahead_bytes")
     moved = (f"disk {size(w['disk_bytes'])}" + ("" if busy is None else f" (busy {busy:.0%})")

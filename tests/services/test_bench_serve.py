@@ -141,6 +141,12 @@ def _check_bounds(c: dict):
         for name, w in b.items():
             if name == "prefill":
                 continue
+            if name == "decode" and w.get("empty"):
+                # the decode ended before the window's opening scrape (a toy model's 24 tokens under CI load): said
+                # so, and true -- the prefill window (start -> that scrape) had counted every decode token already
+                assert w["tokens"] == 0 and w["bound_tps"] is None and w["achieved"] is None, w
+                assert b["prefill"]["decode_tokens"] == b["phase"]["decode_tokens"] > 0, b
+                continue
             assert w["tokens"] > 0 and w["seconds"] > 0 and w["h2d_s"] is None and w["disk_bps"] > 0, (name, w)
             assert w["disk_bytes_per_token"] * w["tokens"] == pytest.approx(w["disk_bytes"])
             assert w["h2d_bytes_per_token"] * w["tokens"] == pytest.approx(w["h2d_bytes"])

@@ -172,3 +172,21 @@ def test_each_phase_is_bounded_at_the_samples_beside_it():
     assert "bound 193.2 (disk at 2.30 GB/s from the sample before (random)), achieved 0.43" in md   # 504 tokens, 6 GB
     assert ("once the store's disk counter stood still 0.5 s (at most 3 s), and after the last; 512 MiB or 0.75 s per "
             "pattern)") in md
+
+
+def test_a_decode_window_opened_after_the_last_token_is_said_empty():
+    """The decode window opens with a scrape started at the last client's first token; a toy model can decode every
+    token before it returns (CI under load). Its window then holds no decode pass: said empty and bounding nothing,
+    the phase and prefill windows as before; a window with tokens is never labelled."""
+    from services.bench.serve_meter import EMPTY, describe
+    a = _snap()
+    late = _snap(0.5, 16, 4e6, 0.0, gen=48.0)               # the scrape saw all 48 tokens already counted
+    b = _snap(0.51, 16, 4e6, 0.0, gen=48.0)
+    w = bounds(a, late, b, RATES, None, 50, 500.0, 100.0, 0.4)
+    d = w["decode"]
+    assert (d["empty"], d["tokens"], d["bound_tps"], d["achieved"]) == (EMPTY, 0, None, None)
+    assert describe(d) == EMPTY and w["prefill"]["decode_tokens"] == w["phase"]["decode_tokens"] == 48
+    assert w["phase"]["tokens"] == 50 and "empty" not in w["phase"]
+    on_time = _snap(0.1, 16, 1e6, 0.0, gen=2.0)
+    w = bounds(a, on_time, b, RATES, None, 50, 500.0, 100.0, 0.09)
+    assert "empty" not in w["decode"] and w["decode"]["tokens"] == 46 and w["decode"]["achieved"] is not None
