@@ -38,6 +38,7 @@ TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640, 
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640, 1280, 2560, 5120)
 DISK_READ_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2)
+GC_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
@@ -143,6 +144,7 @@ class WorkerMetrics:
     flex_hits: Counter                # routed experts computed from a flex cache copy (worker/flex_cache.py)
     flex_slots: Gauge                 # [state] flex cache expert slots: allocated | used
     flex_bytes: Gauge                 # [state] flex cache bytes: allocated | room (the KV reservation not held)
+    gc_pause: Histogram               # [generation] seconds each cyclic collection stalled the process (gc_pauses.py)
 
     def set_cgroup_reader(self, current: Callable[[], float], maximum: Callable[[], float]) -> None:
         _set_cgroup_reader(self.cgroup_memory, current, maximum)
@@ -237,7 +239,12 @@ def make_worker_metrics(version: str = "0.1.0") -> WorkerMetrics:
         flex_bytes=Gauge("betelgeuse_flex_cache_bytes", "Flex cache device bytes: state=allocated (its chunks now) | "
                          "room (the plan's KV reservation less what the running sequences' states and graphs take).",
                          ["state"], registry=reg),
+        gc_pause=Histogram("betelgeuse_gc_pause_seconds", "Seconds each cyclic garbage collection of the worker "
+                           "process stalled it, by generation (2: full).", ["generation"], buckets=GC_BUCKETS,
+                           registry=reg),
     )
+    for g in ("0", "1", "2"):                 # every generation's series from the start (rate() needs them)
+        m.gc_pause.labels(g)
     for outcome in GUESS_OUTCOMES:
         m.decode_guesses.labels(outcome=outcome)
     for outcome in GUESS_BYTES:

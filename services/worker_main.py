@@ -17,7 +17,7 @@ import time
 if __name__ == "__main__":     # before the imports below (torch takes seconds): a SIGHUP meanwhile is not fatal either
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
-from betelgeuse import __version__, sdnotify
+from betelgeuse import __version__, gc_pauses, sdnotify
 from betelgeuse.errors import BetelgeuseError, StoreUnavailableError
 from betelgeuse.logs import event
 from betelgeuse.metrics import make_worker_metrics
@@ -99,6 +99,7 @@ def main(argv=None) -> int:
         raise_fd_limit(ws.http_max_connections)
 
     m = make_worker_metrics(__version__)
+    gc_pauses.GcPauses(lambda g, s: m.gc_pause.labels(str(g)).observe(s)).start()
     m.vram_budget_bytes.set(cfg.vram_budget)
     cg = CgroupMemory.of_process()
     if cg:
@@ -160,6 +161,8 @@ def main(argv=None) -> int:
         set_health(health_servicer, ok)
         m.ready.set(1 if ok else 0)
         if ok and not ready_sent:
+            # start-up's objects (model, reader, servers) out of every later collection's walk (gc_pauses.py)
+            event(log, "gc_frozen", role="worker", objects=gc_pauses.freeze())
             sdnotify.notify(ready=True, status=f"serving {mi.name} on {', '.join(listen)}")
             ready_sent = True
         elif not ok:

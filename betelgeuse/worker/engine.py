@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from betelgeuse import __version__
+from betelgeuse import __version__, gc_pauses
 from betelgeuse.api import GenerateRequest, ModelInfo, ServerInfo
 from betelgeuse.config import EngineConfig
 from betelgeuse.errors import (BetelgeuseError, CancelledError, InternalError, QueueFullError, ShuttingDownError,
@@ -372,6 +372,7 @@ class LLMEngine:
         while not self._stop and not self.store_ok:
             try:
                 self.runner.attach()
+                gc_pauses.refreeze()                 # the old attachment's cycles (its arena views) collected
                 self.kv_manager.bind_host()          # the new store's prefix host tier (empty)
                 self.store_ok = True
                 self._unsettled = self.settle_idle   # the new attachment's VRAM slots fill while idle

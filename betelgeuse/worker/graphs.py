@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 EAGER, CAPTURE, REPLAY = "eager", "capture", "replay"
+CAPTURED = [0]          # graphs captured by this process (profile traces: a step that captured is not a warm one)
 
 
 def capture(pool, fn):
@@ -28,6 +29,7 @@ def capture(pool, fn):
             g.capture_end()
     cur.wait_stream(side)
     g.replay()
+    CAPTURED[0] += 1
     return g, out
 
 

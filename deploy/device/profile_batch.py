@@ -26,8 +26,10 @@ import _common  # first: puts this checkout on sys.path
 import torch
 
 from betelgeuse.config import EngineConfig
+from betelgeuse.gc_pauses import GcPauses, freeze
 from betelgeuse.gguf.reader import GGUFModelFile
 from betelgeuse.settings import parse_size
+from betelgeuse.worker import graphs
 from services.assembly import open_runner, open_store
 from services.bench.procs import BenchCgroup, mkdir
 
@@ -98,6 +100,8 @@ def main():
     a.add_argument("--run-dir", default="/var/tmp/betelgeuse-profile")
     a.add_argument("--device", default="cuda", help="cpu: checks this script on a small model")
     a.add_argument("--preset", default="bench", help="the synth preset written when MODEL does not exist")
+    a.add_argument("--gc-freeze", choices=("on", "off"), default="on",
+                   help="freeze the objects alive after the runner opens, as the worker does once ready")
     a.add_argument("--trace", action="store_true", help="one line per measured pass (wall, disk, VRAM fills)")
     a.add_argument("--top", type=int, default=0, help="> 0: for the largest N, the top kernels and a cProfile")
     o = a.parse_args()
@@ -118,6 +122,7 @@ def run(o, clients, mem, vram):
     V = GGUFModelFile.open(o.model).config.n_vocab
     g = torch.Generator().manual_seed(0)
     results = []
+    pauses = GcPauses().start()         # each traced pass's collection pauses (betelgeuse/gc_pauses.py)
     for backing in [x == "on" for x in o.backing.split(",")]:
         cfg = EngineConfig(model_path=o.model, device=o.device, vram_slots="auto", host_slots="auto", vram_budget=vram,
                            memory_max=mem, vram_backing=backing, max_running=max(clients),
@@ -125,6 +130,8 @@ def run(o, clients, mem, vram):
         store = open_store(cfg, "process", str(mkdir(o.run_dir) / f"store-b{int(backing)}"), timeout=300.0)
         rn = open_runner(cfg, store)
         p = rn.plan
+        if o.gc_freeze == "on":
+            print(f"  gc: {freeze()} objects frozen", flush=True)
         print(f"\n== vram_backing={backing}: {p.n_vram} VRAM + {p.n_host} host slots per layer, "
               f"{p.n_staging} staging", flush=True)
         try:
@@ -141,6 +148,7 @@ def run(o, clients, mem, vram):
                 for name, _ in paths:
                     sts = []
                     for i in range(o.warm_steps + o.steps):
+                        gc0, full0, cap0 = pauses.total_s(), pauses.count[2], graphs.CAPTURED[0]
                         if name == "solo":
                             lg, st = rn.forward([toks[0]], kvs[0], consolidate=False)
                         else:
@@ -152,7 +160,9 @@ def run(o, clients, mem, vram):
                                 print(f"      pass {i}: {st.seconds * 1e3:.1f} ms, disk wait {st.disk_wait_s * 1e3:.1f} ms, "
                                       f"blocked {st.blocked_s * 1e3:.1f} ms, reads {st.reads}, disk "
                                       f"{st.disk_bytes / 1e6:.1f} MB, pass open {st.open_s * 1e3:.1f} ms, vram filled {st.vram_filled}, "
-                                      f"store calls {st.store_calls}", flush=True)
+                                      f"store calls {st.store_calls}, gc {(pauses.total_s() - gc0) * 1e3:.1f} ms "
+                                      f"({pauses.count[2] - full0} full), graphs captured "
+                                      f"{graphs.CAPTURED[0] - cap0}", flush=True)
                     s = summary(sts)
                     s.update(backing=backing, n=n, path=name, slots=f"{p.n_vram}+{p.n_host}")
 
@@ -176,6 +186,7 @@ def run(o, clients, mem, vram):
         finally:
             rn.close()                         # drops its views of the arena: unmapped before the next store starts
             del rn
+            gc.unfreeze()                      # what was frozen with it is collectable again
             gc.collect()
             store.close()
     cols = ["backing", "slots", "n", "path", "tok_per_s", "wall_ms", "disk_wait_ms", "other_blocked_ms", "host_ms",

@@ -57,6 +57,7 @@ WORKER = {  # family name (without _total) -> type
     "betelgeuse_build_info": "gauge",  # Info: the text parser sees a gauge
     "betelgeuse_model_info": "gauge",
     "betelgeuse_ready": "gauge",
+    "betelgeuse_gc_pause_seconds": "histogram",
     "process_resident_memory_bytes": "gauge",
 }
 STORE = {

@@ -96,6 +96,10 @@ def test_greedy_generate_matches_reference_and_metrics(cluster, channel, service
     assert d("betelgeuse_request_generation_tokens_sum") == u.predicted_n
     assert d("betelgeuse_time_to_first_token_seconds_count") == 1
     assert d("betelgeuse_inter_token_latency_seconds_count") == n - 1
+    # the freeze once ready collected in full first, and the worker's own hook timed it (betelgeuse/gc_pauses.py)
+    assert h.value(after, "betelgeuse_gc_pause_seconds_count", generation="2") >= 1
+    assert h.value(after, "betelgeuse_gc_pause_seconds_sum", generation="2") > 0
+    assert "gc_frozen" in h.cluster_logs(cluster)
 
 
 def test_token_id_prompt_matches_reference(channel, service_model):
