@@ -49,24 +49,72 @@ def _model(preset: str, tmp: Path) -> Path:
     return path
 
 
-def _time_layers(moe, a) -> list:
-    """The host seconds of each decode layer's expert step that had no miss, appended to the list returned: the call
-    after the at-hand group (MoEStep.hand_misses: the sync's wait, tier counts, read-ahead, scoring; gate_drain with
-    --gate) where the layer ran the at-hand group alone (one group: no disk expert, no banked host one), or, on the
-    default path, MoEStep.partial of a layer with no disk expert. Wraps the instance's method (either checkout's)."""
+def _time_layers(moe, a) -> tuple[list, list]:
+    """(no-miss, miss): the host seconds of each decode layer's expert step, by whether it had a miss, appended to
+    the lists returned: the call after the at-hand group (MoEStep.hand_misses: the sync's wait, tier counts,
+    read-ahead, scoring, the misses' loads, copies and groups; gate_drain with --gate), a layer with no miss running
+    the at-hand group alone (one group: no disk expert, no banked host one), or, on the default path, MoEStep.partial
+    (a miss: a disk expert). No-miss: its wall; miss: its wall less the pass clock's blocked waits (the sync, the
+    store delivering, copies) in it, so store messages' host time counts and the disk's does not. Wraps the
+    instance's method (either checkout's)."""
     name, at = (("gate_drain", 5) if a.gate else ("hand_misses", 4)) if a.form != "default" else ("partial", 4)
-    fn, out = getattr(moe, name), []
+    fn, out, miss = getattr(moe, name), [], []
+    clock = moe.clock
 
     def timed(*args, **kw):
         ls = args[at]
-        g0 = ls.groups
+        g0, b0 = ls.groups, clock.blocked
         t = time.perf_counter()
         r = fn(*args, **kw)
         dt = time.perf_counter() - t
         if ls.disk == 0 and (name == "partial" or ls.groups - g0 == 1):
             out.append(dt)
+        else:
+            miss.append(dt - (clock.blocked - b0))
         return r
     setattr(moe, name, timed)
+    return out, miss
+
+
+# --split: the functions of a decode layer's expert step timed in place (owner path from the runner, method name)
+SPLIT = [("moe", "hand_misses"), ("moe", "gate_drain"), ("moe", "partial"), ("moe", "_partial"), ("moe", "_hand_all"),
+         ("moe", "_disk_groups"), ("moe", "_disk_table"), ("moe", "_to_bank"), ("moe", "_apply"), ("moe", "_group"),
+         ("moe", "_release"), ("moe", "_read_in_place"), ("moe.kern", "apply"), ("moe.cache", "to_bank"),
+         ("moe.cache", "table"), ("moe.session", "load"), ("moe.session", "prefetch_start"),
+         ("moe.session", "release"), ("moe.session", "flush_releases"), ("moe.guesser", "read_ahead"),
+         ("moe.guesser", "check"), ("moe.guesser", "unused"), ("moe.hand", "stale"), ("moe.hand", "refresh"),
+         ("store", "load"), ("store", "prefetch_start"), ("store", "release"), ("LoadStream", "__next__"),
+         ("RoutingSync", "finish")]
+
+
+def _split(rn, client) -> dict:
+    """Wraps SPLIT's functions the checkout has (instances where they take attributes, else their classes) ->
+    {name: [seconds per call]}, filled while the timed steps run."""
+    from betelgeuse.worker import moe_step, store_session
+    out: dict = {}
+    classes = {"LoadStream": store_session.LoadStream, "RoutingSync": moe_step.RoutingSync}
+    for path, name in SPLIT:
+        if path in classes:
+            owner = classes[path]
+        else:
+            owner = client if path == "store" else rn
+            for part in ([] if path == "store" else path.split(".")):
+                owner = getattr(owner, part, None)
+        if owner is not None and not isinstance(owner, type) and not hasattr(owner, "__dict__"):
+            owner = type(owner)                  # __slots__: the class's function (the one instance uses it)
+        fn = None if owner is None else (owner.__dict__.get(name) if isinstance(owner, type) else
+                                         getattr(owner, name, None))
+        if fn is None:
+            continue
+        rec = out.setdefault(f"{path}.{name}", [])
+
+        def timed(*args, _fn=fn, _rec=rec, **kw):
+            t = time.perf_counter()
+            try:
+                return _fn(*args, **kw)
+            finally:
+                _rec.append(time.perf_counter() - t)
+        setattr(owner, name, timed)
     return out
 
 
@@ -92,7 +140,8 @@ def run(a, tmp: Path) -> dict:
     try:
         rn = open_runner(cfg, store)
         spid, tick = client.status()["pid"], os.sysconf("SC_CLK_TCK")
-        layer_s = _time_layers(rn.moe, a)
+        layer_s, miss_s = _time_layers(rn.moe, a)
+        split = _split(rn, client) if a.split else None
 
         def store_cpu() -> float:
             f = open(f"/proc/{spid}/stat").read().rsplit(")", 1)[1].split()
@@ -125,6 +174,9 @@ def run(a, tmp: Path) -> dict:
             if i == a.skip:
                 sc0 = store_cpu()
                 layer_s.clear()
+                miss_s.clear()
+                for v in (split or {}).values():
+                    v.clear()
                 if prof is not None:
                     prof.enable()
             c0, in0 = own_cpu(), inside[0]
@@ -151,11 +203,16 @@ def run(a, tmp: Path) -> dict:
                    host_us_per_application=round(sum(r["host_ms"] for r in rows) / max(1, sum(
                        r["applications"] for r in rows)) * 1e3, 1),
                    nomiss_layers=len(layer_s),
-                   nomiss_layer_us=round(statistics.median(layer_s) * 1e6, 1) if layer_s else None)
+                   nomiss_layer_us=round(statistics.median(layer_s) * 1e6, 1) if layer_s else None,
+                   miss_layer_calls=len(miss_s),
+                   miss_layer_us=round(statistics.median(miss_s) * 1e6, 1) if miss_s else None)
         rn.close()
-        return {"preset": a.preset, "form": a.form + ("+gate" if a.gate else ""), "slots": f"{a.vram}+{a.host}",
-                "layers": rn.mcfg.n_layer, "tokens": n,
-                "per_token_median": out}
+        res = {"preset": a.preset, "form": a.form + ("+gate" if a.gate else ""), "slots": f"{a.vram}+{a.host}",
+               "layers": rn.mcfg.n_layer, "tokens": n, "per_token_median": out}
+        if split is not None:    # name -> [median us per call, calls per timed step]
+            res["split_us"] = {k: [round(statistics.median(v) * 1e6, 1), round(len(v) / n, 2)]
+                               for k, v in split.items() if v}
+        return res
     finally:
         store.close()
 
@@ -173,6 +230,8 @@ def main() -> int:
                    help="decode path: the device's default, or the static form's solo / lanes (module doc)")
     p.add_argument("--gate", action="store_true", help="decode_gate on (with --form solo or lanes)")
     p.add_argument("--profile", help="cProfile of the timed decode steps to this path")
+    p.add_argument("--split", action="store_true",
+                   help="the expert step's functions timed in place: median us per call, calls per step (SPLIT)")
     a = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bg-decode-host-") as d:
         print(json.dumps(run(a, Path(d))))
