@@ -8,7 +8,7 @@ store calls, and (where the checkout has it: worker/stats.py) the host split: st
 rest, and the blocked wait for the store's expert bytes. Run it in two checkouts (PYTHONPATH=<checkout>) for an A/B.
 
     python3 deploy/device/decode_host.py [--preset ds4-tiny] [--vram 2 --host 3] [--tokens 64] [--device cpu]
-                                         [--form default|solo|lanes] [--gate] [--profile out.prof]
+                                         [--form default|solo|lanes] [--gate] [--profile out.prof] [--split]
 
 --form: the decode path. default: whatever the device takes (on the CPU: forward()'s per-layer partial path); solo /
 lanes: the static form CUDA runs (forced on the CPU, eagerly: SoloDecode through forward(), or the batched lanes
@@ -16,7 +16,12 @@ through decode_batch as the engine decodes a lone sequence), with decode's at-ha
 with --gate, decode_gate on (worker/gate.py: on the CPU each gated layer is drained where its gate stands).
 --profile: cProfile of the timed decode steps only (not the setup), written to the path (pstats format).
 nomiss_layer_us: the median host wall of a decode layer's expert step that had no miss (_time_layers), over
-nomiss_layers such layers of the timed steps.
+nomiss_layers such layers of the timed steps. miss_layer_us: the same step of a layer with a miss (a disk expert or
+a banked host one), its wall less the pass clock's blocked waits in it (the store delivering, copies, the sync):
+the host's own time, store messages included, over miss_layer_calls such layers.
+--split: the expert step's functions (SPLIT: MoEStep's, the kernels' apply, the bank copies, the session's and the
+store client's messages, a Load's next expert) timed in place -> split_us {name: [median us per call, calls per
+step]}; each wrapper adds ~1 us, and nested calls count in each function that encloses them.
 
 On a CPU the dense part's compute is host time too: compare messages, CPU ms and the split, not host alone. With
 several torch threads on a busy machine, set OMP_NUM_THREADS=1 (spinning threads swamp everything else).
