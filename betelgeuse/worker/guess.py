@@ -330,6 +330,30 @@ class Guesser:
             for t in dict.fromkeys(t for t, _ in keys):
                 self._asks.setdefault(t, []).append(ask)
 
+    def _score(self, layer: int, d: int, g: list, cls: list, kind: list, used: set) -> list:
+        """check's counts for one depth's guesses of `layer` (g: guessed disk experts, cls: their budget classes, kind:
+        their classes) as the general loop makes them, on lists: a decode layer's guesses are a few experts, and a
+        numpy call costs more than a Python step over them -> g."""
+        hit = [x in used for x in g]
+        n: dict = {}
+        for c, y in zip(cls, hit):          # per budget class: guesses, hits
+            t = n.setdefault(c, [0, 0])
+            t[0] += 1
+            t[1] += y
+        tries, hits = self.tries[layer, d - 1], self.hits[layer, d - 1]
+        for c, (k, h) in n.items():
+            if tries[c] >= HIT_WINDOW:
+                hits[c] /= 2
+                tries[c] /= 2
+            tries[c] += k
+            hits[c] += h
+        ct, ch = self.class_tries[d - 1], self.class_hits[d - 1]
+        for c, y in zip(kind, hit):
+            ct[c] += 1
+            if y:
+                ch[c] += 1
+        return g
+
     def check(self, layer: int, disk: np.ndarray, ahead_used: int, stats: PassStats):
         """Layer `layer` ran with these disk experts, `ahead_used` of them answered from reads ahead: score the
         guesses made for it in this pass, if any."""
@@ -346,6 +370,9 @@ class Guesser:
         used, every = {int(x) for x in disk}, set()
         for d, (g, cls, kind) in (by_depth or {}).items():     # every depth's guess scored, read or not
             if not len(g):                  # no guessed expert on disk from this depth: nothing to score
+                continue
+            if self.fast:                   # the same counts on the few guesses' lists (no numpy call per class)
+                every.update(self._score(layer, d, g.tolist(), cls.tolist(), kind.tolist(), used))
                 continue
             hit = np.array([int(x) in used for x in g], dtype=bool)
             for c in np.unique(cls):
