@@ -9,6 +9,7 @@ rest, and the blocked wait for the store's expert bytes. Run it in two checkouts
 
     python3 deploy/device/decode_host.py [--preset ds4-tiny] [--vram 2 --host 3] [--tokens 64] [--device cpu]
                                          [--form default|solo|lanes] [--gate] [--profile out.prof] [--split]
+                                         [--flex auto|on|off]
 
 --form: the decode path. default: whatever the device takes (on the CPU: forward()'s per-layer partial path); solo /
 lanes: the static form CUDA runs (forced on the CPU, eagerly: SoloDecode through forward(), or the batched lanes
@@ -127,6 +128,8 @@ def run(a, tmp: Path) -> dict:
     from betelgeuse.config import EngineConfig
     from services.assembly import open_runner, open_store
     extra = dict(decode_gate="on") if a.gate else {}
+    if a.flex != "auto":            # off: no flex copies of disk experts (on CUDA auto holds them: no miss remains)
+        extra["flex_cache"] = a.flex == "on"
     cfg = EngineConfig(model_path=str(_model(a.preset, tmp)), vram_slots=a.vram, host_slots=a.host, read_threads=2,
                        device=a.device, **extra)
     store = open_store(cfg, "process", str(tmp / "store"))
@@ -235,6 +238,8 @@ def main() -> int:
                    help="decode path: the device's default, or the static form's solo / lanes (module doc)")
     p.add_argument("--gate", action="store_true", help="decode_gate on (with --form solo or lanes)")
     p.add_argument("--profile", help="cProfile of the timed decode steps to this path")
+    p.add_argument("--flex", default="auto", choices=["auto", "on", "off"],
+                   help="the flex cache (auto: on CUDA); off keeps a decode's disk experts misses on CUDA")
     p.add_argument("--split", action="store_true",
                    help="the expert step's functions timed in place: median us per call, calls per step (SPLIT)")
     a = p.parse_args()
