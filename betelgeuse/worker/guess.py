@@ -298,18 +298,23 @@ class Guesser:
         if unheld is not None:
             marks = unheld(marks)
         keys = []
+        lists = self.fast and marks.ids is not None       # the candidates on the ids' lists (_candidates)
+        disk = self._disk(snap) if lists else None
         for t in layers:
             d = t - layer
-            e = np.nonzero(marks.rows[d - 1])[0]
-            e = e[snap["tier"][t][e] == TIER_DISK]
-            kind = marks.classes(d, e)              # counted per class whatever the rule (class_*)
-            cls = np.full(len(e), LONE, dtype=np.int64) if union else kind      # the budget's class
-            self._by_depth.setdefault(t, {})[d] = (e, cls, kind)
-            ok = np.array([self.worth(t, d, int(c)) for c in cls], dtype=bool)
-            e, kind = e[ok], kind[ok]
-            if not union and marks.n > 1:          # most rows first, then top-1 guesses; ties: ascending id
-                order = np.lexsort((e, -marks.top[d - 1][e], -marks.rows[d - 1][e]))
-                e, kind = e[order], kind[order]
+            if lists:
+                e, kind = self._candidates(t, d, marks, disk[t], union)
+            else:
+                e = np.nonzero(marks.rows[d - 1])[0]
+                e = e[snap["tier"][t][e] == TIER_DISK]
+                kind = marks.classes(d, e)              # counted per class whatever the rule (class_*)
+                cls = np.full(len(e), LONE, dtype=np.int64) if union else kind      # the budget's class
+                self._by_depth.setdefault(t, {})[d] = (e, cls, kind)
+                ok = np.array([self.worth(t, d, int(c)) for c in cls], dtype=bool)
+                e, kind = e[ok], kind[ok]
+                if not union and marks.n > 1:          # most rows first, then top-1 guesses; ties: ascending id
+                    order = np.lexsort((e, -marks.top[d - 1][e], -marks.rows[d - 1][e]))
+                    e, kind = e[order], kind[order]
             cand = [(t, int(x)) for x in e]
             new = [k for k in cand if k not in self._asked]
             cap = self.cap(t, d) if marks.n > 1 else None
@@ -330,6 +335,59 @@ class Guesser:
             for t in dict.fromkeys(t for t, _ in keys):
                 self._asks.setdefault(t, []).append(ask)
 
+    def _candidates(self, t: int, d: int, marks: "Marks", disk: set, union: bool) -> tuple[list, list]:
+        """read_ahead's loop body for guessed layer t at depth d, on the ids' lists (a decode step guesses a few
+        experts: a numpy call costs more than a Python step over them): the guessed experts on disk (`disk`: t's
+        disk experts, Guesser._disk) ascending, their classes, recorded for check as the general loop records them;
+        -> (those within their (depth, class)'s budget, most rows first then top-1 guesses (ties: ascending id)
+        where the batch rule orders them, their classes), as the general loop's e, kind."""
+        ids = marks.ids
+        if marks.n == 1:
+            e = sorted({x for x in ids[0][d - 1] if x in disk})
+            kind = [LONE] * len(e)
+            rows = top = None
+        else:
+            rows, top = {}, {}
+            for r in ids:
+                g = r[d - 1]
+                for x in g:
+                    rows[x] = rows.get(x, 0) + 1
+                top[g[0]] = top.get(g[0], 0) + 1
+            e = sorted(x for x in rows if x in disk)
+            kind = [MORE if rows[x] >= 3 else TWO if rows[x] == 2 else TOP if x in top else ONE for x in e]
+        cls = [LONE] * len(e) if union else kind
+        self._by_depth.setdefault(t, {})[d] = (np.array(e, dtype=np.int64), np.array(cls, dtype=np.int64),
+                                               np.array(kind, dtype=np.int64))
+        ok = [self.worth(t, d, c) for c in cls]
+        picked = [(x, c) for x, c, y in zip(e, kind, ok) if y]
+        if not union and rows is not None:
+            picked.sort(key=lambda xc: (-rows[xc[0]], -top.get(xc[0], 0), xc[0]))
+        return [x for x, _ in picked], [c for _, c in picked]
+
+    def _score(self, layer: int, d: int, g: list, cls: list, kind: list, used: set) -> list:
+        """check's counts for one depth's guesses of `layer` (g: guessed disk experts, cls: their budget classes, kind:
+        their classes) as the general loop makes them, on lists: a decode layer's guesses are a few experts, and a
+        numpy call costs more than a Python step over them -> g."""
+        hit = [x in used for x in g]
+        n: dict = {}
+        for c, y in zip(cls, hit):          # per budget class: guesses, hits
+            t = n.setdefault(c, [0, 0])
+            t[0] += 1
+            t[1] += y
+        tries, hits = self.tries[layer, d - 1], self.hits[layer, d - 1]
+        for c, (k, h) in n.items():
+            if tries[c] >= HIT_WINDOW:
+                hits[c] /= 2
+                tries[c] /= 2
+            tries[c] += k
+            hits[c] += h
+        ct, ch = self.class_tries[d - 1], self.class_hits[d - 1]
+        for c, y in zip(kind, hit):
+            ct[c] += 1
+            if y:
+                ch[c] += 1
+        return g
+
     def check(self, layer: int, disk: np.ndarray, ahead_used: int, stats: PassStats):
         """Layer `layer` ran with these disk experts, `ahead_used` of them answered from reads ahead: score the
         guesses made for it in this pass, if any."""
@@ -346,6 +404,9 @@ class Guesser:
         used, every = {int(x) for x in disk}, set()
         for d, (g, cls, kind) in (by_depth or {}).items():     # every depth's guess scored, read or not
             if not len(g):                  # no guessed expert on disk from this depth: nothing to score
+                continue
+            if self.fast:                   # the same counts on the few guesses' lists (no numpy call per class)
+                every.update(self._score(layer, d, g.tolist(), cls.tolist(), kind.tolist(), used))
                 continue
             hit = np.array([int(x) in used for x in g], dtype=bool)
             for c in np.unique(cls):

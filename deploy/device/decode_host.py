@@ -8,7 +8,8 @@ store calls, and (where the checkout has it: worker/stats.py) the host split: st
 rest, and the blocked wait for the store's expert bytes. Run it in two checkouts (PYTHONPATH=<checkout>) for an A/B.
 
     python3 deploy/device/decode_host.py [--preset ds4-tiny] [--vram 2 --host 3] [--tokens 64] [--device cpu]
-                                         [--form default|solo|lanes] [--gate] [--profile out.prof]
+                                         [--form default|solo|lanes] [--gate] [--profile out.prof] [--split]
+                                         [--flex auto|on|off]
 
 --form: the decode path. default: whatever the device takes (on the CPU: forward()'s per-layer partial path); solo /
 lanes: the static form CUDA runs (forced on the CPU, eagerly: SoloDecode through forward(), or the batched lanes
@@ -16,7 +17,12 @@ through decode_batch as the engine decodes a lone sequence), with decode's at-ha
 with --gate, decode_gate on (worker/gate.py: on the CPU each gated layer is drained where its gate stands).
 --profile: cProfile of the timed decode steps only (not the setup), written to the path (pstats format).
 nomiss_layer_us: the median host wall of a decode layer's expert step that had no miss (_time_layers), over
-nomiss_layers such layers of the timed steps.
+nomiss_layers such layers of the timed steps. miss_layer_us: the same step of a layer with a miss (a disk expert or
+a banked host one), its wall less the pass clock's blocked waits in it (the store delivering, copies, the sync):
+the host's own time, store messages included, over miss_layer_calls such layers.
+--split: the expert step's functions (SPLIT: MoEStep's, the kernels' apply, the bank copies, the session's and the
+store client's messages, a Load's next expert) timed in place -> split_us {name: [median us per call, calls per
+step]}; each wrapper adds ~1 us, and nested calls count in each function that encloses them.
 
 On a CPU the dense part's compute is host time too: compare messages, CPU ms and the split, not host alone. With
 several torch threads on a busy machine, set OMP_NUM_THREADS=1 (spinning threads swamp everything else).
@@ -49,24 +55,72 @@ def _model(preset: str, tmp: Path) -> Path:
     return path
 
 
-def _time_layers(moe, a) -> list:
-    """The host seconds of each decode layer's expert step that had no miss, appended to the list returned: the call
-    after the at-hand group (MoEStep.hand_misses: the sync's wait, tier counts, read-ahead, scoring; gate_drain with
-    --gate) where the layer ran the at-hand group alone (one group: no disk expert, no banked host one), or, on the
-    default path, MoEStep.partial of a layer with no disk expert. Wraps the instance's method (either checkout's)."""
+def _time_layers(moe, a) -> tuple[list, list]:
+    """(no-miss, miss): the host seconds of each decode layer's expert step, by whether it had a miss, appended to
+    the lists returned: the call after the at-hand group (MoEStep.hand_misses: the sync's wait, tier counts,
+    read-ahead, scoring, the misses' loads, copies and groups; gate_drain with --gate), a layer with no miss running
+    the at-hand group alone (one group: no disk expert, no banked host one), or, on the default path, MoEStep.partial
+    (a miss: a disk expert). No-miss: its wall; miss: its wall less the pass clock's blocked waits (the sync, the
+    store delivering, copies) in it, so store messages' host time counts and the disk's does not. Wraps the
+    instance's method (either checkout's)."""
     name, at = (("gate_drain", 5) if a.gate else ("hand_misses", 4)) if a.form != "default" else ("partial", 4)
-    fn, out = getattr(moe, name), []
+    fn, out, miss = getattr(moe, name), [], []
+    clock = moe.clock
 
     def timed(*args, **kw):
         ls = args[at]
-        g0 = ls.groups
+        g0, b0 = ls.groups, clock.blocked
         t = time.perf_counter()
         r = fn(*args, **kw)
         dt = time.perf_counter() - t
         if ls.disk == 0 and (name == "partial" or ls.groups - g0 == 1):
             out.append(dt)
+        else:
+            miss.append(dt - (clock.blocked - b0))
         return r
     setattr(moe, name, timed)
+    return out, miss
+
+
+# --split: the functions of a decode layer's expert step timed in place (owner path from the runner, method name)
+SPLIT = [("moe", "hand_misses"), ("moe", "gate_drain"), ("moe", "partial"), ("moe", "_partial"), ("moe", "_hand_all"),
+         ("moe", "_disk_groups"), ("moe", "_disk_table"), ("moe", "_to_bank"), ("moe", "_apply"), ("moe", "_group"),
+         ("moe", "_release"), ("moe", "_read_in_place"), ("moe.kern", "apply"), ("moe.cache", "to_bank"),
+         ("moe.cache", "table"), ("moe.session", "load"), ("moe.session", "prefetch_start"),
+         ("moe.session", "release"), ("moe.session", "flush_releases"), ("moe.guesser", "read_ahead"),
+         ("moe.guesser", "check"), ("moe.guesser", "unused"), ("moe.hand", "stale"), ("moe.hand", "refresh"),
+         ("store", "load"), ("store", "prefetch_start"), ("store", "release"), ("LoadStream", "__next__"),
+         ("RoutingSync", "finish")]
+
+
+def _split(rn, client) -> dict:
+    """Wraps SPLIT's functions the checkout has (instances where they take attributes, else their classes) ->
+    {name: [seconds per call]}, filled while the timed steps run."""
+    from betelgeuse.worker import moe_step, store_session
+    out: dict = {}
+    classes = {"LoadStream": store_session.LoadStream, "RoutingSync": moe_step.RoutingSync}
+    for path, name in SPLIT:
+        if path in classes:
+            owner = classes[path]
+        else:
+            owner = client if path == "store" else rn
+            for part in ([] if path == "store" else path.split(".")):
+                owner = getattr(owner, part, None)
+        if owner is not None and not isinstance(owner, type) and not hasattr(owner, "__dict__"):
+            owner = type(owner)                  # __slots__: the class's function (the one instance uses it)
+        fn = None if owner is None else (owner.__dict__.get(name) if isinstance(owner, type) else
+                                         getattr(owner, name, None))
+        if fn is None:
+            continue
+        rec = out.setdefault(f"{path}.{name}", [])
+
+        def timed(*args, _fn=fn, _rec=rec, **kw):
+            t = time.perf_counter()
+            try:
+                return _fn(*args, **kw)
+            finally:
+                _rec.append(time.perf_counter() - t)
+        setattr(owner, name, timed)
     return out
 
 
@@ -74,6 +128,8 @@ def run(a, tmp: Path) -> dict:
     from betelgeuse.config import EngineConfig
     from services.assembly import open_runner, open_store
     extra = dict(decode_gate="on") if a.gate else {}
+    if a.flex != "auto":            # off: no flex copies of disk experts (on CUDA auto holds them: no miss remains)
+        extra["flex_cache"] = a.flex == "on"
     cfg = EngineConfig(model_path=str(_model(a.preset, tmp)), vram_slots=a.vram, host_slots=a.host, read_threads=2,
                        device=a.device, **extra)
     store = open_store(cfg, "process", str(tmp / "store"))
@@ -92,7 +148,8 @@ def run(a, tmp: Path) -> dict:
     try:
         rn = open_runner(cfg, store)
         spid, tick = client.status()["pid"], os.sysconf("SC_CLK_TCK")
-        layer_s = _time_layers(rn.moe, a)
+        layer_s, miss_s = _time_layers(rn.moe, a)
+        split = _split(rn, client) if a.split else None
 
         def store_cpu() -> float:
             f = open(f"/proc/{spid}/stat").read().rsplit(")", 1)[1].split()
@@ -125,6 +182,9 @@ def run(a, tmp: Path) -> dict:
             if i == a.skip:
                 sc0 = store_cpu()
                 layer_s.clear()
+                miss_s.clear()
+                for v in (split or {}).values():
+                    v.clear()
                 if prof is not None:
                     prof.enable()
             c0, in0 = own_cpu(), inside[0]
@@ -151,11 +211,16 @@ def run(a, tmp: Path) -> dict:
                    host_us_per_application=round(sum(r["host_ms"] for r in rows) / max(1, sum(
                        r["applications"] for r in rows)) * 1e3, 1),
                    nomiss_layers=len(layer_s),
-                   nomiss_layer_us=round(statistics.median(layer_s) * 1e6, 1) if layer_s else None)
+                   nomiss_layer_us=round(statistics.median(layer_s) * 1e6, 1) if layer_s else None,
+                   miss_layer_calls=len(miss_s),
+                   miss_layer_us=round(statistics.median(miss_s) * 1e6, 1) if miss_s else None)
         rn.close()
-        return {"preset": a.preset, "form": a.form + ("+gate" if a.gate else ""), "slots": f"{a.vram}+{a.host}",
-                "layers": rn.mcfg.n_layer, "tokens": n,
-                "per_token_median": out}
+        res = {"preset": a.preset, "form": a.form + ("+gate" if a.gate else ""), "slots": f"{a.vram}+{a.host}",
+               "layers": rn.mcfg.n_layer, "tokens": n, "per_token_median": out}
+        if split is not None:    # name -> [median us per call, calls per timed step]
+            res["split_us"] = {k: [round(statistics.median(v) * 1e6, 1), round(len(v) / n, 2)]
+                               for k, v in split.items() if v}
+        return res
     finally:
         store.close()
 
@@ -173,6 +238,10 @@ def main() -> int:
                    help="decode path: the device's default, or the static form's solo / lanes (module doc)")
     p.add_argument("--gate", action="store_true", help="decode_gate on (with --form solo or lanes)")
     p.add_argument("--profile", help="cProfile of the timed decode steps to this path")
+    p.add_argument("--flex", default="auto", choices=["auto", "on", "off"],
+                   help="the flex cache (auto: on CUDA); off keeps a decode's disk experts misses on CUDA")
+    p.add_argument("--split", action="store_true",
+                   help="the expert step's functions timed in place: median us per call, calls per step (SPLIT)")
     a = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bg-decode-host-") as d:
         print(json.dumps(run(a, Path(d))))

@@ -4,6 +4,14 @@ Every call has a deadline that matches its work (`timeout` for control calls; a 
 per expert it asks for), so a hung store can hold the engine for a bounded time only; abort() (from the health
 probe) ends the calls in flight at once. The fd-socket connection stays open for the session: it is the
 worker's lease on the store (the store refuses a second worker while it is open).
+
+No thread is started per message. grpc's own streams and futures start a "channel spin thread" whenever the channel's
+calls in flight drop to none: in decode that is one thread start per miss layer's Load (~0.2-0.3 ms of host on a
+busy CPU: docs/benchmarks/cpu-host-miss). So the channel runs its unary-stream calls on the caller's thread (grpc's
+SingleThreadedUnaryStream): a Load's experts are read by the thread that iterates them, and the messages sent without
+waiting for their answer (Prefetch, Release) go as one-message unary-stream calls on the same methods (the same
+bytes on the wire), sent on the caller's thread, their answers read in the order sent by ONE thread per channel
+(_Answers) that lives as long as the channel.
 """
 
 from __future__ import annotations
@@ -11,10 +19,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import socket
 import threading
 
 import grpc
+import grpc.experimental
 import numpy as np
 
 from betelgeuse.errors import BetelgeuseError, StoreBusyError, StoreUnavailableError
@@ -42,6 +52,70 @@ def _ids(keys) -> list:
     return [pb.ExpertId(layer=l, expert=e) for l, e in keys]
 
 
+# the channel's unary-stream calls on the caller's thread (module doc)
+_CHANNEL_OPTIONS = [(grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
+
+
+def _one_way(channel, method: str, reply):
+    """ExpertStore's unary `method` called as a unary-stream (one message): on this channel, sent on the caller's thread
+    with no spin thread (module doc). reply: the answer's message class."""
+    svc = pb.DESCRIPTOR.services_by_name["ExpertStore"]
+    m = svc.methods_by_name[method]
+    return channel.unary_stream(f"/{svc.full_name}/{m.name}",
+                                request_serializer=lambda r: r.SerializeToString(),
+                                response_deserializer=reply.FromString)
+
+
+class _Pending:
+    """A message sent without waiting: its answer once _Answers has read it (done(), result(): the future grpc's
+    would have been)."""
+
+    __slots__ = ("call", "event", "reply", "error")
+
+    def __init__(self, call):
+        self.call, self.event, self.reply, self.error = call, threading.Event(), None, None
+
+    def done(self) -> bool:
+        return self.event.is_set()
+
+    def result(self):
+        self.event.wait()
+        if self.error is not None:
+            raise self.error
+        return self.reply
+
+
+class _Answers:
+    """ONE thread per channel that reads the answers of the messages sent without waiting, in the order sent (module
+    doc): each call's one message, then its status (which frees the call). A cancelled or failed call (abort() closed
+    the channel, the store died) records its RpcError for the caller; stop() ends the thread after what was sent."""
+
+    def __init__(self):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="store-answers", daemon=True).start()
+
+    def add(self, call) -> _Pending:
+        p = _Pending(call)
+        self._q.put(p)
+        return p
+
+    def stop(self):
+        self._q.put(None)
+
+    def _run(self):
+        while (p := self._q.get()) is not None:
+            try:
+                reply = next(p.call, None)
+                for _ in p.call:             # the status: the call ends here
+                    pass
+                if reply is None:
+                    raise StoreUnavailableError("expert store unavailable: a call was answered with no message")
+                p.reply = reply
+            except BaseException as e:      # noqa: BLE001 -- the caller's to raise (result())
+                p.error = e
+            p.event.set()
+
+
 class GrpcStoreClient:
     def __init__(self, socket_path: str, fd_socket_path: str, timeout: float = 10.0, per_expert: float = 0.5,
                  probe_timeout: float = 2.0, on_lost=None):
@@ -58,6 +132,8 @@ class GrpcStoreClient:
         self.consolidating = False    # the last BeginPass: a consolidation was still filling its slots
         self._prefix: Arena | None = None   # the prefix host tier received at the last attach (take_prefix_arena)
         self._aborted: StoreUnavailableError | None = None  # why abort() closed the channel (for the calls it failed)
+        self._answers: _Answers | None = None   # the channel's reader of Prefetch / Release answers (module doc)
+        self._prefetch = self._release = None   # those methods as one-message streams (_one_way)
 
     def _drop_lease(self):
         """Close our lease socket (shutdown first: it wakes the watcher's recv, which close alone does not)."""
@@ -116,12 +192,14 @@ class GrpcStoreClient:
                                         f"({e}); is this worker running as the store's user or socket_group?") from None
         s.settimeout(None)
         with self._lock:
-            if self.channel is not None:
-                self.channel.close()
+            self._close_channel()
             self._releases = []                     # the old session's slots are freed by the new attach
             self._aborted = None
-            self.channel = grpc.insecure_channel(f"unix:{self.socket_path}")
+            self.channel = grpc.insecure_channel(f"unix:{self.socket_path}", options=_CHANNEL_OPTIONS)
             self.stub = pb_grpc.ExpertStoreStub(self.channel)
+            self._prefetch = _one_way(self.channel, "Prefetch", pb.PrefetchReply)
+            self._release = _one_way(self.channel, "Release", pb.ReleaseReply)
+            self._answers = _Answers()
         try:
             reply = self._call(self.stub.Attach, pb.AttachRequest(worker_pid=os.getpid(),
                                                                   attach_token=header.get("token", "")))
@@ -213,7 +291,7 @@ class GrpcStoreClient:
     def prefetch_start(self, keys, release=(), drop=()):
         """Prefetch without waiting for the answer -> a function that waits for it (the reads started)."""
         req = pb.LoadRequest(session=self.session, experts=_ids(keys), release=list(release), drop=_ids(drop))
-        f = self._call(self.stub.Prefetch.future, req)
+        f = self._answers.add(self._call(self._prefetch, req))
         # kept until answered (reaped with the releases): gRPC cancels a call whose future is garbage-collected
         # while in flight ("Cancelled upon garbage collection"), and a caller that never asks for the answer would
         # lose the staging slots riding on it (the store kept them as the worker's: every load then waited)
@@ -232,7 +310,7 @@ class GrpcStoreClient:
         self._reap(wait=False)
         req = pb.ReleaseRequest(session=self.session, staging_slots=list(slots))
         with self._failing():
-            self._releases.append(self.stub.Release.future(req, timeout=self.timeout))
+            self._releases.append(self._answers.add(self._release(req, timeout=self.timeout)))
 
     def _reap(self, wait: bool):
         """Check the answered release and prefetch calls (wait: all of them); the first failure raises."""
@@ -265,12 +343,19 @@ class GrpcStoreClient:
     def status(self) -> dict:
         return json.loads(self._call(self.stub.Status, pb.StatusRequest()).json)
 
+    def _close_channel(self):
+        """Close the channel (its calls in flight fail) and end its answers' thread (under _lock)."""
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        if self._answers is not None:
+            self._answers.stop()
+            self._answers = None
+
     def close(self) -> None:
         if self._prefix is not None:                 # received and never taken by a runner
             self._prefix.close()
             self._prefix = None
         with self._lock:
-            if self.channel is not None:
-                self.channel.close()
-                self.channel = None
+            self._close_channel()
             self._drop_lease()

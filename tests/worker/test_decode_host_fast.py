@@ -204,3 +204,63 @@ def test_marks_on_disk_is_any_guessed_expert_on_disk():
         assert m.on_disk(layer + 1, layers, sets) == want, (g, layers)
         seen[want, layers[-1] - layers[0] == len(layers) - 1] += 1
     assert len(seen) == 4, seen                     # on disk or not, consecutive layers or not
+
+
+@pytest.mark.parametrize("rule", ["rows", "union"])
+def test_guess_lists_are_the_general_loops(rule, monkeypatch):
+    """Guesser.read_ahead's candidates and Guesser.check's scoring on the ids' lists (fast: _candidates, _score) against
+    the numpy loops (fast = False), call for call over random passes: one running row and several (the batch rule's
+    classes, order and cap), a budget that holds some (depth, class) back and windows that halve, disk sets of every
+    density. Compared after every call: the keys sent, each guessed layer's record, the stats' guess counters and
+    every table (hits, tries, class_*, disk_mean)."""
+    from betelgeuse.worker import guess as guess_mod
+    from betelgeuse.worker.stats import PassStats
+    monkeypatch.setattr(guess_mod, "HIT_WINDOW", 6)      # halving within a few passes
+    monkeypatch.setattr(guess_mod, "HIT_WARMUP", 2)
+    L, E, D, k = 8, 12, 3, 3
+    rng = np.random.default_rng(11)
+
+    class Session:
+        class file:
+            @staticmethod
+            def expert_nbytes(layer):
+                return 1000 + layer
+
+    def tables(g):
+        return [g.hits, g.tries, g.class_hits, g.class_tries, g.class_read, g.disk_mean]
+    gs = [guess_mod.Guesser(Session(), L, D, min_hit=0.5, rule=rule) for _ in range(2)]
+    gs[1].fast = False
+    seen = Counter()
+    for p in range(60):
+        T = int(rng.integers(1, 5))
+        tier = np.where(rng.random((L, E)) < rng.choice([0.1, 0.4, 0.8]), guess_mod.TIER_DISK, 0).astype(np.int8)
+        snap = np.zeros((L, E), dtype=[("tier", np.int8)])
+        snap["tier"] = tier
+        stats = [PassStats("decode", "layer", T) for _ in gs]
+        sent = [[], []]
+        for l in range(L):
+            layers = [t for t in range(l + 1, min(l + 1 + D, L)) if rng.random() < 0.9]
+            g = np.stack([np.stack([rng.permutation(E)[:k] for _ in range(D)]) for _ in range(T)])    # [T, D, k]
+            started = int(rng.integers(0, 6))
+            for i, gu in enumerate(gs):
+                def send(keys, _i=i):
+                    sent[_i].append(list(keys))
+                    return lambda: min(started, len(keys))
+                gu.read_ahead(l, layers, guess_mod.Marks.from_ids(g, E), snap, stats[i], send)
+            assert sent[0] == sent[1], (p, l, sent)
+            assert {t: {d: [a.tolist() for a in v] for d, v in x.items()} for t, x in gs[0]._by_depth.items()} == \
+                {t: {d: [a.tolist() for a in v] for d, v in x.items()} for t, x in gs[1]._by_depth.items()}, (p, l)
+            disk = np.flatnonzero(tier[l] == guess_mod.TIER_DISK)
+            used = disk[rng.random(len(disk)) < 0.5]
+            ahead = int(rng.integers(0, len(used) + 1))
+            for i, gu in enumerate(gs):
+                gu.check(l, used, ahead, stats[i])
+            seen["sent", bool(sent[0])] += 1
+        for a, b in zip(tables(gs[0]), tables(gs[1])):
+            assert np.array_equal(a, b, equal_nan=True), p
+        assert [(s.guessed, s.guess_hits, s.guess_disk, s.guess_held, s.prefetched, s.guess_bytes,
+                 s.guess_wasted_bytes) for s in stats[:1]] == \
+            [(s.guessed, s.guess_hits, s.guess_disk, s.guess_held, s.prefetched, s.guess_bytes,
+              s.guess_wasted_bytes) for s in stats[1:]], p
+        seen["batch", T > 1] += 1
+    assert (gs[0].tries >= 3).any() and gs[0].class_read.sum() > 0 and len(seen) == 4, seen
