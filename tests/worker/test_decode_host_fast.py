@@ -70,6 +70,32 @@ def _message(name: str, args: tuple, kw: dict):
     return name, args, {k: len(v) for k, v in kw.items()}
 
 
+def record_messages(monkeypatch, client, store) -> list:
+    """The store messages `client` sends from now on, as _message gives them (the list returned fills as they go);
+    each lands in full (_quiet on `store`) before the worker goes on."""
+    sent = []
+
+    def landed(it):                     # a load's experts, each once every read the store started has landed
+        try:
+            for x in it:
+                _quiet(store)
+                yield x
+        finally:
+            it.close()
+    for name in MESSAGES:
+        fn = getattr(client, name)
+
+        def rec(*args, _fn=fn, _name=name, **kw):
+            sent.append(_message(_name, args, kw))
+            out = _fn(*args, **kw)
+            if _name == "load":
+                return landed(out)
+            _quiet(store)
+            return out
+        monkeypatch.setattr(client, name, rec)
+    return sent
+
+
 def _quiet(store):
     """Wait until no read the store started is in flight: each message's reads (and a load's reads ahead) land
     before the worker goes on, as from an instant disk, so what the store answers (reads ahead started and used,
@@ -107,27 +133,7 @@ def _decode(path, vram, host, extra, fast: bool, lanes: bool, gate: bool, monkey
             took["guess", hit] += 1
             return hit
         monkeypatch.setattr(guess_mod.Marks, "on_disk", disk_test)
-        sent = []
-        client = rn.session.store
-
-        def landed(it):             # a load's experts, each once every read the store started has landed
-            try:
-                for x in it:
-                    _quiet(st)
-                    yield x
-            finally:
-                it.close()
-        for name in MESSAGES:
-            fn = getattr(client, name)
-
-            def rec(*args, _fn=fn, _name=name, **kw):
-                sent.append(_message(_name, args, kw))
-                out = _fn(*args, **kw)
-                if _name == "load":
-                    return landed(out)
-                _quiet(st)
-                return out
-            monkeypatch.setattr(client, name, rec)
+        sent = record_messages(monkeypatch, rn.session.store, st)
         V_ = rn.mcfg.n_vocab
         kv = rn.new_cache(128)
         lg, _ = rn.forward(prompt(64, V_, seed=5), kv)

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from engine_helpers import ENGINE_SPEC, prompt, write_synth
-from test_decode_host_fast import MESSAGES, TIMING, _message, _quiet
+from test_decode_host_fast import TIMING, record_messages
 
 from betelgeuse.config import EngineConfig
 from betelgeuse.errors import BetelgeuseError, StoreUnavailableError
@@ -48,26 +48,7 @@ def _decode(path, mode: str, monkeypatch, steps: int = 16):
     try:
         rn = open_runner(cfg, store)
         client = rn.session.store
-        sent = []
-
-        def landed(it):             # a load's experts, each once every read the store started has landed
-            try:
-                for x in it:
-                    _quiet(client)
-                    yield x
-            finally:
-                it.close()
-        for name in MESSAGES:
-            fn = getattr(client, name)
-
-            def rec(*args, _fn=fn, _name=name, **kw):
-                sent.append(_message(_name, args, kw))
-                out = _fn(*args, **kw)
-                if _name == "load":
-                    return landed(out)
-                _quiet(client)
-                return out
-            monkeypatch.setattr(client, name, rec)
+        sent = record_messages(monkeypatch, client, client)
         V = rn.mcfg.n_vocab
         kv = rn.new_cache(128)
         lg, _ = rn.forward(prompt(48, V, seed=7), kv)
