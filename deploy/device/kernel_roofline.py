@@ -119,7 +119,17 @@ TARGET = {1: 1500.0, 16: 1200.0}
 # "before" is the schedule before K steps and split-K (one block a step, one chunk, 4 warps), the others another
 # reduction key KCB (chunks of 8 / 32 blocks).
 MMQ_CONFIGS = [{}, {"KB": 2}, {"KB": 4}, {"KB": 1, "num_warps": 4}, {"KB": 2, "SPLIT": 0}, {"KB": 2, "SPLIT": 1},
-               {"KB": 2, "FUSE": 1}]
+               {"KB": 2, "FUSE": 1},
+               # MV 1 (issue 23): the decode schedule without tensor cores (triton_mmq_mv), the MMA's bits: BN output
+               # rows x BM_MV rows a program, NS word groups a K step, split-K in the 1-row bucket as the MMA's
+               {"MV": 1, "BN": 32, "num_warps": 4, "num_stages": 1},
+               {"MV": 1, "BN": 16, "num_warps": 2, "num_stages": 1},
+               {"MV": 1, "BN": 64, "num_warps": 4, "num_stages": 1},
+               {"MV": 1, "BN": 32, "NS": 2, "num_warps": 4, "num_stages": 1},
+               {"MV": 1, "BN": 16, "NS": 2, "num_warps": 4, "num_stages": 1},
+               {"MV": 1, "BN": 32, "num_warps": 4, "num_stages": 3},
+               {"MV": 1, "BN": 32, "FUSE": 1, "num_warps": 8, "num_stages": 1},
+               {"MV": 1, "BN": 16, "BM_MV": 4, "num_warps": 4, "num_stages": 1}]
 MMQ_OTHER = {"before": {"KB": 1, "KCB": 0, "SPLIT": 0, "num_warps": 4, "num_stages": 3}, "KCB8": {"KCB": 8},
              "KCB32": {"KCB": 32}}
 MMQ_TYPES_DEFAULT = "Q8_0,Q4_K,MXFP4"

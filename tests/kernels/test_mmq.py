@@ -79,7 +79,8 @@ def weight_parts(qt: int, raw: np.ndarray, shape):
 
 
 def ref_mm(xq, dx, sx, wq, dw, mw, per: int = 32, kcb: int = 0):
-    """[M, N]: acc += float(int dot of block) * (dw * dx) - mw * sx over blocks of `per` in ascending K, fp32.
+    """[M, N]: acc += float(int dot of block) * (dw * dx) - mw * sx (one fma, as triton_mmq) over blocks of `per`
+    in ascending K, fp32.
     per = 64: the wrong schedule (one block's scales for two) the tests must catch. kcb: blocks a K chunk
     (triton_mmq's reduction key; 0 = one chunk): tot = 0 + p_0 + p_1 + ..., each p_c accumulated from zero."""
     M, N = xq.shape[0], wq.shape[0]
@@ -96,11 +97,14 @@ def ref_mm(xq, dx, sx, wq, dw, mw, per: int = 32, kcb: int = 0):
         c = slice(kb * per, (kb + 1) * per)
         dot = wq[:, c].astype(np.int32) @ xq[:, c].astype(np.int32).T
         b = kb * per // 32
-        t = dot.astype(np.float32) * (dw[:, b][:, None] * dx[:, b][None, :])
-        if mw.any():
+        s = (dw[:, b][:, None] * dx[:, b][None, :]).astype(np.float32)
+        p = dot.astype(np.float64) * s.astype(np.float64)          # exact: the fma's product (|dot| < 2^20)
+        if mw.any():                                   # acc + fma(dot, s, -(mw sx))
             sxb = sx[:, b] if per == 32 else sx[:, b] + sx[:, b + 1]
-            t = (t - mw[:, b][:, None] * sxb[None, :]).astype(np.float32)
-        acc = (acc + t).astype(np.float32)
+            t = (p - (mw[:, b][:, None] * sxb[None, :]).astype(np.float32)).astype(np.float32)
+            acc = (acc + t).astype(np.float32)
+        else:                                          # fma(dot, s, acc)
+            acc = (p + acc).astype(np.float32)
     return acc.T
 
 
@@ -340,3 +344,34 @@ def test_engine_with_q8_1_is_location_invariant(tmp_path):
         assert 1e-4 * r["max_logit"] < r["max_abs_vs_torch"] <= 0.05 * r["max_logit"], (key, r)
         assert r["greedy_equal_torch"], key
     assert res["3v8h"]["reads"][2]["host"] > 0 and res["3v8h"]["reads"][2]["vram"] > 0
+
+
+@pytest.mark.parametrize("qt", [8, 39, 12], ids=["Q8_0", "MXFP4", "Q4_K"])
+def test_decode_schedule_without_mma_gives_the_mma_bits(qt):
+    """triton_mmq_mv (MV = 1: word loads, the block dots on the float units) gives the int8 MMA's bits: H = F = 512
+    (16 blocks) in chunks of KCB = 8 blocks, a token alone (1-row bucket, split-K over programs) and 5 rows of one
+    expert (walked), at 1 / 2 / 4 rows a program and 1 / 2 word groups a step, gate and up fused or not; the MMA's
+    bits are the numpy reference's (within its float noise) and differ from the unchunked ones (the chunks are real).
+    A launch the schedule cannot take (KCB not a multiple of its step) runs the MMA: the same bits."""
+    rng = np.random.default_rng(9)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(DIMS, qt, (512, 512))
+        raw = experts(qt, 10)
+        h = rng.standard_normal((5, 512)).astype(np.float32)
+        h[:, 64:96] *= 4
+        ids, w = np.zeros((5, 1), np.int64), np.ones((5, 1), np.float32)
+        code = {8: 0, 39: 4, 12: 5}[qt]
+
+        def with_cfg(n, **cfg):
+            mp.setitem(mq.TYPE_CONFIG, code, {"KCB": 8, **cfg})
+            return run(qt, raw, h[:n], ids[:n], w[:n])
+        mma1, mma5 = with_cfg(1, KB=1), with_cfg(5, KB=2)
+        assert np.array_equal(mma1[0], mma5[0])
+        want = moe_ref(qt, raw, h, ids, w, kcb=8)
+        assert np.abs(mma5 - want).max() / np.abs(want).max() <= 1e-6
+        assert not np.array_equal(mma5, with_cfg(5, KCB=0))
+        ns_max = 2 if qt != 12 else 1                   # Q4_K: a word group is 8 blocks (KCB 8: one a step)
+        for bm, ns, fuse in [(1, 1, 0), (2, ns_max, 0), (4, 1, 1), (1, ns_max, 1)]:
+            assert np.array_equal(with_cfg(1, MV=1, BM_MV=bm, NS=ns, FUSE=fuse)[0], mma1[0]), (bm, ns, fuse)
+            assert np.array_equal(with_cfg(5, MV=1, BM_MV=bm, NS=ns, FUSE=fuse, SPLIT=0), mma5), (bm, ns, fuse)
+        assert np.array_equal(with_cfg(1, MV=1, NS=16)[0], mma1[0])      # 32+ blocks a step > KCB: the MMA runs
