@@ -15,16 +15,16 @@ path and costs nothing here). A row's blocks depend on that row only, so batchin
 
 Q8_0 x q8_1 (llama.cpp vec_dot_q8_0_q8_1: d8_0 * d8_1 * sumi), for output (n, m), K blocks kb = 0, 1, ... in order:
     dot   = sum_{j < 32} wq[n, 32 kb + j] * xq[m, 32 kb + j]         int8 x int8 -> int32 (tl.dot: exact, any order)
-    acc   = acc + float(dot) * (dw[n, kb] * dx[m, kb])             fp32, one block (32) per dot so its scales apply
+    acc   = fma(float(dot), dw[n, kb] * dx[m, kb], acc)            fp32, one block (32) per dot so its scales apply
 K chunks (the reduction key KCB of TUNING, quant blocks a chunk; 0 = one chunk): each chunk c's acc p_c starts
 from zero and walks its blocks as above, and the output is tot = 0 + p_0 + p_1 + ... in chunk order (one chunk:
 tot = p_0, bit for bit). The 1-row bucket runs one program per chunk (split-K: the tile's last program to arrive
 sums the stored partials in chunk order, as triton_moe's); the 16-row bucket walks the chunks in one program: the
 same sums, so a row's bits do not depend on the rows beside it in a launch. KCB is per type, never per bucket.
 The int32 dot is exact and the fp32 accumulation is per (n, m) in fixed K order, so an output's bits depend on
-neither BM, BN, KB, SPLIT, nor the other rows of its block (DESIGN.md invariant 6); on the GPU the compiler may
-contract the multiply-add into an FMA, the same for every launch (the per-block expression is the same at every
-KB). The MMA of a K step of KB blocks (a schedule key) is [BN, KB*32] x [KB*32, KB*BM] -> [BN, KB*BM]: weights on the
+neither BM, BN, KB, SPLIT, nor the other rows of its block (DESIGN.md invariant 6); the fma is written out (tl.fma),
+so the rounding is the source's, not the compiler's contraction (the same on the GPU and the interpreter, and in
+triton_mmq_mv, the decode schedule without tensor cores that gives these bits: MV = 1, a schedule key). The MMA of a K step of KB blocks (a schedule key) is [BN, KB*32] x [KB*32, KB*BM] -> [BN, KB*BM]: weights on the
 M side; the rows (padded to BM = 16: a decode row costs the same weight traffic as 16) on the N side, the
 activations block-diagonal (column i*BM + m holds row m's block i, zeros elsewhere), so its KB k32 MMAs issue back
 to back under one commit and give the KB exact int32 block dots at once; each is then scaled and added in
@@ -35,7 +35,7 @@ MXFP4 x q8_1 (llama.cpp vec_dot_mxfp4_q8_1): as Q8_0 with wq = the doubled e2m1 
 
 Q4_K x q8_1 (llama.cpp vec_dot_q4_K_q8_1: d sc sumi d8 - dmin m s8), sub-block j of a super-block (32 elements,
 its 6-bit scale sc and min m, get_scale_min_k4), quants q in 0..15 as int8:
-    acc   = acc + (float(dot) * (d sc * dx[m, kb]) - dmin m * sx[m, kb])       sx = the q8_1 block sum s
+    acc   = acc + fma(float(dot), d sc * dx[m, kb], -(dmin m * sx[m, kb]))     sx = the q8_1 block sum s
 Types with this schedule: MMQ_TYPES (kernel type codes, triton_quants.QT_CODES). The others take the float path.
 """
 

@@ -108,6 +108,23 @@ CONFIGS = [
     {"BK": 256, "KC": 0, "MV": 1, "BM_MV": 16, "BN": 4, "BN_GATE_UP": 2, "SPLIT": 0, "num_warps": 2, "num_stages": 1},
     {"BK": 256, "KC": 0, "MV": 1, "BM_MV": 16, "BN": 8, "BN_GATE_UP": 4, "SPLIT": 0, "num_warps": 4, "num_stages": 1},
     {"BK": 256, "KC": 0, "MV": 1, "BM_MV": 8, "BN": 4, "BN_GATE_UP": 4, "SPLIT": 0, "num_warps": 4, "num_stages": 1},
+    # the decode schedule in K chunks (issue 23; the reduction key KC with MV = 1: other bits than KC 0, one pair of
+    # buckets per KC): the 1-row bucket one program a chunk (a bank's 16 one-row experts fill 132 SMs 4x more),
+    # partials summed in chunk order by the tile's last; the 16-row bucket the same chunks walked (or split)
+    {"BK": 256, "KC": 512, "MV": 1, "BM_MV": 1, "BN": 16, "BN_GATE_UP": 16, "SPLIT": 1, "num_warps": 4,
+     "num_stages": 1},
+    {"BK": 256, "KC": 512, "MV": 1, "BM_MV": 1, "BN": 32, "BN_GATE_UP": 32, "SPLIT": 1, "num_warps": 4,
+     "num_stages": 1},
+    {"BK": 256, "KC": 512, "MV": 1, "BM_MV": 1, "BN": 8, "BN_GATE_UP": 8, "SPLIT": 1, "num_warps": 2,
+     "num_stages": 1},
+    {"BK": 256, "KC": 512, "MV": 1, "BM_MV": 16, "BN": 4, "BN_GATE_UP": 2, "SPLIT": 0, "num_warps": 2,
+     "num_stages": 1},
+    {"BK": 256, "KC": 512, "MV": 1, "BM_MV": 8, "BN": 4, "BN_GATE_UP": 4, "SPLIT": 1, "num_warps": 4,
+     "num_stages": 1},
+    {"BK": 256, "KC": 1024, "MV": 1, "BM_MV": 1, "BN": 16, "BN_GATE_UP": 16, "SPLIT": 1, "num_warps": 4,
+     "num_stages": 1},
+    {"BK": 256, "KC": 1024, "MV": 1, "BM_MV": 16, "BN": 4, "BN_GATE_UP": 2, "SPLIT": 0, "num_warps": 2,
+     "num_stages": 1},
 ]
 for _c in CONFIGS:                  # the MMA path's entries: MV 0 (BM_MV, a key of the decode schedule, unused)
     _c.setdefault("MV", 0)
@@ -127,8 +144,9 @@ MMQ_CONFIGS = [{}, {"KB": 2}, {"KB": 4}, {"KB": 1, "num_warps": 4}, {"KB": 2, "S
                {"MV": 1, "BN": 64, "num_warps": 4, "num_stages": 1},
                {"MV": 1, "BN": 32, "NS": 2, "num_warps": 4, "num_stages": 1},
                {"MV": 1, "BN": 16, "NS": 2, "num_warps": 4, "num_stages": 1},
-               {"MV": 1, "BN": 32, "num_warps": 4, "num_stages": 3},
                {"MV": 1, "BN": 32, "FUSE": 1, "num_warps": 8, "num_stages": 1},
+               {"MV": 1, "BN": 32, "FUSE": 1, "num_warps": 4, "num_stages": 1},
+               {"MV": 1, "BN": 16, "FUSE": 1, "NS": 2, "num_warps": 4, "num_stages": 1},
                {"MV": 1, "BN": 16, "BM_MV": 4, "num_warps": 4, "num_stages": 1}]
 MMQ_OTHER = {"before": {"KB": 1, "KCB": 0, "SPLIT": 0, "num_warps": 4, "num_stages": 3}, "KCB8": {"KCB": 8},
              "KCB32": {"KCB": 32}}
@@ -427,9 +445,11 @@ def check(gname: str, tname: str, ci: int) -> dict:
     return res
 
 
-def mv_configs(tname: str) -> list[int]:
-    """The CONFIGS indices of the decode schedule (MV = 1) for type tname: none where triton_mmvq lacks it."""
-    return [ci for ci, c in enumerate(CONFIGS) if c is not None and c.get("MV") and applies(tname, ci)]
+def mv_configs(tname: str, kc: int | None = 0) -> list[int]:
+    """The CONFIGS indices of the decode schedule (MV = 1) for type tname at K chunks kc (a reduction key: one bits
+    per KC; None: every KC): none where triton_mmvq lacks it."""
+    return [ci for ci, c in enumerate(CONFIGS) if c is not None and c.get("MV") and applies(tname, ci)
+            and (kc is None or c["KC"] == kc)]
 
 
 def check_rows(ctx: dict, checked: dict | None = None, cis: list[int] | None = None) -> dict:
@@ -713,7 +733,8 @@ def table(results: dict, meta: dict) -> str:
 
 def label(c: dict) -> str:
     if c.get("MV"):
-        return f"mmvq BN {c['BN']}/{c['BN_GATE_UP']} rows {c['BM_MV']} w{c['num_warps']} s{c['num_stages']}"
+        return (f"mmvq BN {c['BN']}/{c['BN_GATE_UP']} rows {c['BM_MV']} KC {c['KC'] or 'K'} "
+                f"{'split' if c['SPLIT'] and c['KC'] else 'walk'} w{c['num_warps']} s{c['num_stages']}")
     return (f"BN {c['BN']}/{c['BN_GATE_UP']} BK {c['BK']} KC {c['KC'] or 'K'} {'split' if c['SPLIT'] else 'walk'} "
             f"w{c['num_warps']} s{c['num_stages']}")
 
@@ -775,13 +796,14 @@ def sweep(types: list[str], geoms: list[str], cfgs: list[int], meta: dict, budge
     types_out, figures, lines, fails = {}, {}, [], []
     for t, per in data.items():                        # the decode schedule: one row's bits at every BM_MV
         for g, d in per.items():
-            ran = [ci for ci in mv_configs(t) if ci in d["ck"]]
-            if ran:
+            every = [ci for ci in mv_configs(t, None) if ci in d["ck"]]
+            for kc in sorted({CONFIGS[ci]["KC"] for ci in every}):        # one bits per KC
+                ran = [ci for ci in every if CONFIGS[ci]["KC"] == kc]
                 rr = check_rows(d["ctx"], d["ck"], ran)
-                print(f"{g}/{t} mmvq rows a program {[CONFIGS[ci]['BM_MV'] for ci in rr['configs']]}: "
+                print(f"{g}/{t} mmvq KC {kc or 'K'} rows a program {[CONFIGS[ci]['BM_MV'] for ci in rr['configs']]}: "
                       + ("same bits" if rr["ok"] else f"MISMATCH {rr['mismatch']}"), flush=True)
                 if not rr["ok"]:
-                    fails.append(f"{g}/{t}: mmvq rows {rr['mismatch']}")
+                    fails.append(f"{g}/{t}: mmvq KC {kc} rows {rr['mismatch']}")
     for t, per in data.items():
         pick = choose(per, [ci for ci in cfgs if applies(t, ci)])
         if pick is None:
