@@ -147,7 +147,12 @@ MMQ_CONFIGS = [{}, {"KB": 2}, {"KB": 4}, {"KB": 1, "num_warps": 4}, {"KB": 2, "S
                {"MV": 1, "BN": 32, "FUSE": 1, "num_warps": 8, "num_stages": 1},
                {"MV": 1, "BN": 32, "FUSE": 1, "num_warps": 4, "num_stages": 1},
                {"MV": 1, "BN": 16, "FUSE": 1, "NS": 2, "num_warps": 4, "num_stages": 1},
-               {"MV": 1, "BN": 16, "BM_MV": 4, "num_warps": 4, "num_stages": 1}]
+               {"MV": 1, "BN": 16, "BM_MV": 4, "num_warps": 4, "num_stages": 1},
+               # DP4A 1: the block dots by PTX dp4a on the int32 words (Q8_0, Q4_K; MXFP4 keeps the float dots)
+               {"MV": 1, "DP4A": 1, "BN": 32, "num_warps": 4, "num_stages": 1},
+               {"MV": 1, "DP4A": 1, "BN": 64, "num_warps": 4, "num_stages": 1},
+               {"MV": 1, "DP4A": 1, "BN": 32, "FUSE": 1, "num_warps": 4, "num_stages": 1},
+               {"MV": 1, "DP4A": 1, "BN": 32, "NS": 2, "num_warps": 4, "num_stages": 1}]
 MMQ_OTHER = {"before": {"KB": 1, "KCB": 0, "SPLIT": 0, "num_warps": 4, "num_stages": 3}, "KCB8": {"KCB": 8},
              "KCB32": {"KCB": 32}}
 MMQ_TYPES_DEFAULT = "Q8_0,Q4_K,MXFP4"
@@ -563,9 +568,12 @@ def act_quant_check(gname: str, tname: str, qt: int, H: int, F: int, E: int, lim
     mq.TYPE_CONFIG.pop(code, None)
     for name, (h, ids, w, o_r) in ctx["cases"].items():
         o_t = run_moe(ctx, tri, h, ids, w)
-        for c in MMQ_CONFIGS:                           # every schedule: the same bits
+        for ci, c in enumerate(MMQ_CONFIGS):            # every schedule: the same bits
             mq.TYPE_CONFIG[code] = dict(c)
-            chk["configs_same_bits"] &= bool(torch.equal(run_moe(ctx, tri, h, ids, w), o_t))
+            same = bool(torch.equal(run_moe(ctx, tri, h, ids, w), o_t))
+            chk["configs_same_bits"] &= same
+            if not same:                                # which candidates differ (MMQ_CONFIGS indices)
+                chk.setdefault("configs_differ", []).append((name, ci))
         mq.TYPE_CONFIG.pop(code, None)
         chk["rel_err_" + name] = float((o_t - o_r).abs().max() / o_r.abs().max())
         chk["finite"] = chk.get("finite", True) and bool(torch.isfinite(o_t).all())
@@ -657,7 +665,7 @@ def act_quant_run(types: list[str], geoms: list[str], meta: dict, budget: float,
         c = r.get("check")
         cs = ("no mmq schedule" if c is None else f"FAIL {c['error']}" if "error" in c else
               f"{'ok' if c['ok'] else 'FAIL'} rel {c['rel_err']:.2e} rows {'==' if c['row_invariant'] else '!='}"
-              f" configs {'==' if c['configs_same_bits'] else '!='}")
+              f" configs {'==' if c['configs_same_bits'] else '!= ' + str(c.get('configs_differ'))}")
         fails += [key] if c is not None and not c["ok"] else []
         for n in (1, 16):
             lines.append(f"| {key} | {n} | {f(r['float'], n)} | {f(r['q8_1'], n)} | {f(r['q8_1_kernels'], n)} | "

@@ -375,3 +375,29 @@ def test_decode_schedule_without_mma_gives_the_mma_bits(qt):
             assert np.array_equal(with_cfg(1, MV=1, BM_MV=bm, NS=ns, FUSE=fuse)[0], mma1[0]), (bm, ns, fuse)
             assert np.array_equal(with_cfg(5, MV=1, BM_MV=bm, NS=ns, FUSE=fuse, SPLIT=0), mma5), (bm, ns, fuse)
         assert np.array_equal(with_cfg(1, MV=1, NS=16)[0], mma1[0])      # 32+ blocks a step > KCB: the MMA runs
+
+
+def test_decode_schedule_compiles_to_word_loads_without_spills_for_sm90():
+    """The decode schedule (MV = 1, 32 outputs a program, 4 warps; the bench geometry, 1-row bucket) compiled for
+    sm_90 without a GPU: the weights read as 32-bit words (no byte or half-word loads: the MMA schedule's 34- and
+    17-byte blocks are read byte by byte), no tensor-core MMA, no spills and at most 128 registers (4 programs of 4
+    warps an SM at least); DP4A 1 puts dp4a in the PTX (and MXFP4's byte-permute code table). In a child without
+    TRITON_INTERPRET."""
+    import json
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json\nfrom betelgeuse.kernels import triton_mmq as mq\n"
+            "for qt in (0, 4, 5):\n for w in ('gate_up', 'down'):\n  for d in (0, 1):\n"
+            "   print(json.dumps(mq.compile_report(w, qt, bucket=1, over={'MV': 1, 'BN': 32, 'num_warps': 4, "
+            "'num_stages': 1, 'DP4A': d})))\n")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    reports = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 12, p.stdout
+    for r in reports:
+        assert r["ptxas_rc"] == 0 and r["spill_bytes"] == 0 and r["regs"] <= 128, r
+        assert not r["mma"] and not r["imma"], r
+        assert not any(".b8" in k or ".b16" in k or ".u8" in k or ".s8" in k for k in r["loads"]), r
+        assert (r["dp4a"] > 0) == (r["config"]["DP4A"] == 1), r
+        assert ("prmt" in r["asm"]) == (r["config"]["DP4A"] == 1 and r["qt"] == 4), r      # MXFP4's code table
