@@ -348,33 +348,42 @@ def test_engine_with_q8_1_is_location_invariant(tmp_path):
 
 @pytest.mark.parametrize("qt", [8, 39, 12], ids=["Q8_0", "MXFP4", "Q4_K"])
 def test_decode_schedule_without_mma_gives_the_mma_bits(qt):
-    """triton_mmq_mv (MV = 1: word loads, the block dots on the float units) gives the int8 MMA's bits: H = F = 512
-    (16 blocks) in chunks of KCB = 8 blocks, a token alone (1-row bucket, split-K over programs) and 5 rows of one
-    expert (walked), at 1 / 2 / 4 rows a program and 1 / 2 word groups a step, gate and up fused or not; the MMA's
-    bits are the numpy reference's (within its float noise) and differ from the unchunked ones (the chunks are real).
-    A launch the schedule cannot take (KCB not a multiple of its step) runs the MMA: the same bits."""
+    """triton_mmq_mv (MV = 1: word loads, the block dots on the float units) gives the int8 MMA's bits: H = F = 256
+    (8 blocks) in chunks of KCB = 4 blocks (Q4_K: 512, chunks of 8, its word group), a token alone (1-row bucket,
+    split-K over programs) and 5 rows of one expert (walked), at 1 / 2 / 4 rows a program and 1 / 2 word groups a
+    step, gate and up fused or not; the MMA's bits are the numpy reference's (within its float noise) and differ from
+    the unchunked ones (the chunks are real). A launch the schedule cannot take (KCB not a multiple of its step) runs
+    the MMA: the same bits."""
+    K, kcb = (512, 8) if qt == 12 else (256, 4)
     rng = np.random.default_rng(9)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(DIMS, qt, (512, 512))
+        mp.setitem(DIMS, qt, (K, K))
         raw = experts(qt, 10)
-        h = rng.standard_normal((5, 512)).astype(np.float32)
+        h = rng.standard_normal((5, K)).astype(np.float32)
         h[:, 64:96] *= 4
         ids, w = np.zeros((5, 1), np.int64), np.ones((5, 1), np.float32)
         code = {8: 0, 39: 4, 12: 5}[qt]
 
         def with_cfg(n, **cfg):
-            mp.setitem(mq.TYPE_CONFIG, code, {"KCB": 8, **cfg})
+            mp.setitem(mq.TYPE_CONFIG, code, {"KCB": kcb, **cfg})
             return run(qt, raw, h[:n], ids[:n], w[:n])
         mma1, mma5 = with_cfg(1, KB=1), with_cfg(5, KB=2)
         assert np.array_equal(mma1[0], mma5[0])
-        want = moe_ref(qt, raw, h, ids, w, kcb=8)
+        want = moe_ref(qt, raw, h, ids, w, kcb=kcb)
         assert np.abs(mma5 - want).max() / np.abs(want).max() <= 1e-6
         assert not np.array_equal(mma5, with_cfg(5, KCB=0))
-        ns_max = 2 if qt != 12 else 1                   # Q4_K: a word group is 8 blocks (KCB 8: one a step)
-        for bm, ns, fuse in [(1, 1, 0), (2, ns_max, 0), (4, 1, 1), (1, ns_max, 1)]:
-            assert np.array_equal(with_cfg(1, MV=1, BM_MV=bm, NS=ns, FUSE=fuse)[0], mma1[0]), (bm, ns, fuse)
-            assert np.array_equal(with_cfg(5, MV=1, BM_MV=bm, NS=ns, FUSE=fuse, SPLIT=0), mma5), (bm, ns, fuse)
-        assert np.array_equal(with_cfg(1, MV=1, NS=16)[0], mma1[0])      # 32+ blocks a step > KCB: the MMA runs
+        taken = []                                      # the launches' choice: the decode schedule or the MMA
+        ok = mq.mv.mv_ok
+        mp.setattr(mq.mv, "mv_ok", lambda *a: taken.append(ok(*a)) or taken[-1])
+        ns = 2 if qt == 8 else 1                        # word groups a step that divide KCB
+        for bm, ns_, fuse in [(1, 1, 0), (2, ns, 1), (4, 1, 0)]:
+            taken.clear()
+            assert np.array_equal(with_cfg(1, MV=1, BM_MV=bm, NS=ns_, FUSE=fuse)[0], mma1[0]), (bm, ns_, fuse)
+            assert np.array_equal(with_cfg(5, MV=1, BM_MV=bm, NS=ns_, FUSE=fuse, SPLIT=0), mma5), (bm, ns_, fuse)
+            assert taken == [True] * 4, taken           # gate_up and down, both runs
+        taken.clear()
+        assert np.array_equal(with_cfg(1, MV=1, NS=4)[0], mma1[0])      # 8+ blocks a step > KCB: the MMA runs
+        assert taken == [False, False], taken
 
 
 def test_decode_schedule_compiles_to_word_loads_without_spills_for_sm90():
