@@ -15,16 +15,17 @@ path and costs nothing here). A row's blocks depend on that row only, so batchin
 
 Q8_0 x q8_1 (llama.cpp vec_dot_q8_0_q8_1: d8_0 * d8_1 * sumi), for output (n, m), K blocks kb = 0, 1, ... in order:
     dot   = sum_{j < 32} wq[n, 32 kb + j] * xq[m, 32 kb + j]         int8 x int8 -> int32 (tl.dot: exact, any order)
-    acc   = acc + float(dot) * (dw[n, kb] * dx[m, kb])             fp32, one block (32) per dot so its scales apply
+    acc   = fma(float(dot), dw[n, kb] * dx[m, kb], acc)            fp32, one block (32) per dot so its scales apply
 K chunks (the reduction key KCB of TUNING, quant blocks a chunk; 0 = one chunk): each chunk c's acc p_c starts
 from zero and walks its blocks as above, and the output is tot = 0 + p_0 + p_1 + ... in chunk order (one chunk:
 tot = p_0, bit for bit). The 1-row bucket runs one program per chunk (split-K: the tile's last program to arrive
 sums the stored partials in chunk order, as triton_moe's); the 16-row bucket walks the chunks in one program: the
 same sums, so a row's bits do not depend on the rows beside it in a launch. KCB is per type, never per bucket.
 The int32 dot is exact and the fp32 accumulation is per (n, m) in fixed K order, so an output's bits depend on
-neither BM, BN, KB, SPLIT, nor the other rows of its block (DESIGN.md invariant 6); on the GPU the compiler may
-contract the multiply-add into an FMA, the same for every launch (the per-block expression is the same at every
-KB). The MMA of a K step of KB blocks (a schedule key) is [BN, KB*32] x [KB*32, KB*BM] -> [BN, KB*BM]: weights on the
+neither BM, BN, KB, SPLIT, nor the other rows of its block (DESIGN.md invariant 6); the fma is written out (tl.fma),
+so the rounding is the source's, not the compiler's contraction (the same on the GPU and the interpreter, and in
+triton_mmq_mv, the decode schedule without tensor cores that gives these bits: MV = 1, a schedule key).
+The MMA of a K step of KB blocks (a schedule key) is [BN, KB*32] x [KB*32, KB*BM] -> [BN, KB*BM]: weights on the
 M side; the rows (padded to BM = 16: a decode row costs the same weight traffic as 16) on the N side, the
 activations block-diagonal (column i*BM + m holds row m's block i, zeros elsewhere), so its KB k32 MMAs issue back
 to back under one commit and give the KB exact int32 block dots at once; each is then scaled and added in
@@ -35,7 +36,7 @@ MXFP4 x q8_1 (llama.cpp vec_dot_mxfp4_q8_1): as Q8_0 with wq = the doubled e2m1 
 
 Q4_K x q8_1 (llama.cpp vec_dot_q4_K_q8_1: d sc sumi d8 - dmin m s8), sub-block j of a super-block (32 elements,
 its 6-bit scale sc and min m, get_scale_min_k4), quants q in 0..15 as int8:
-    acc   = acc + (float(dot) * (d sc * dx[m, kb]) - dmin m * sx[m, kb])       sx = the q8_1 block sum s
+    acc   = acc + fma(float(dot), d sc * dx[m, kb], -(dmin m * sx[m, kb]))     sx = the q8_1 block sum s
 Types with this schedule: MMQ_TYPES (kernel type codes, triton_quants.QT_CODES). The others take the float path.
 """
 
@@ -45,12 +46,18 @@ import torch
 import triton
 import triton.language as tl
 
+from betelgeuse.kernels import triton_mmq_mv as mv
 from betelgeuse.kernels import triton_moe as tm
 from betelgeuse.kernels.triton_launch import launcher
 
 QK = 32                        # elements per q8_1 block (llama.cpp QK8_1)
 MMQ_TYPES = frozenset({0, 4, 5})  # kernel type codes with an MMA schedule: Q8_0, MXFP4, Q4_K
-CONFIG = {"BM": 16, "BN": 64, "FUSE": 0, "num_warps": 4, "num_stages": 3}   # schedule keys (every type and bucket)
+CONFIG = {"BM": 16, "BN": 64, "FUSE": 0, "num_warps": 4, "num_stages": 3,   # schedule keys (every type and bucket)
+          "MV": 0, "BM_MV": 1, "NS": 1, "DP4A": 0}
+# MV = 1: the decode schedule without tensor cores (triton_mmq_mv: the same bits; BM_MV rows a program, NS word
+# groups a K step; DP4A 1: its block dots by PTX dp4a on the GPU, the same integers) where a launch
+# can take it (triton_mmq_mv.mv_ok), else the MMA; off by default (the device run
+# of deploy/device/kernel_roofline.py --act-quant q8_1 times it against the MMA first)
 # per type: KB quant blocks a K step (a schedule key: the same bits at every KB) and KCB quant blocks a K chunk (the
 # reduction key, 0 = one chunk: an output is 0 + p_0 + p_1 + ... over its chunks in order, each p_c accumulated from
 # zero; the same for both buckets, so a row's bits never depend on how many rows share its launch)
@@ -240,10 +247,10 @@ def _mmq_step(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, kb0, Q
         if QT == 5:
             dw, mw = _q4_k_scale(pool, b, mn, (kb0 + i) % 8, d, dmin)
             sx = tl.load(xs_ptr + dxoff + kb0 + i, mask=mr, other=0.0)
-            acc = acc + (di * (dw[:, None] * dx[None, :]) - mw[:, None] * sx[None, :])
+            acc = acc + tl.fma(di, dw[:, None] * dx[None, :], -(mw[:, None] * sx[None, :]))
         else:
             dw = _w_scale(pool, ra, kb0 + i, mn, QT)
-            acc = acc + di * (dw[:, None] * dx[None, :])
+            acc = tl.fma(di, dw[:, None] * dx[None, :], acc)
     return acc
 
 
@@ -267,18 +274,32 @@ def mmq_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, 
                 else:
                     wq, dw = _mxfp4_block(pool, ra, kb, mn)
                 dot = tl.dot(wq, tl.trans(xq), out_dtype=tl.int32)                                        # [BN, BM]
-                acc = acc + dot.to(tl.float32) * (dw[:, None] * dx[None, :])
+                acc = tl.fma(dot.to(tl.float32), dw[:, None] * dx[None, :], acc)
             else:                                       # Q4_K: d sc sumi d8 - dmin m s8 (s8 = d8 sum q8)
                 wq, dw, mw = _q4_k_block(pool, ra, kb, mn)
                 sx = tl.load(xs_ptr + dxoff + kb, mask=mr, other=0.0)
                 dot = tl.dot(wq, tl.trans(xq), out_dtype=tl.int32)
-                acc = acc + (dot.to(tl.float32) * (dw[:, None] * dx[None, :]) - mw[:, None] * sx[None, :])
+                acc = acc + tl.fma(dot.to(tl.float32), dw[:, None] * dx[None, :], -(mw[:, None] * sx[None, :]))
     return acc
 
 
 @triton.jit
+def _acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT: tl.constexpr, KB: tl.constexpr,
+         BM: tl.constexpr, BN: tl.constexpr, MV: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+         NB: tl.constexpr, LOG2NB: tl.constexpr, DP4A: tl.constexpr):
+    """mmq_acc (int8 MMA), or with MV the same float ops without tensor cores (triton_mmq_mv.mv_acc)."""
+    if MV:
+        r = mv.mv_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT, BM, BN, D1, D2, D3, NB,
+                      LOG2NB, DP4A)
+    else:
+        r = mmq_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT, KB, BM, BN)
+    return r
+
+
+@triton.jit
 def _gu_acc(pool, gra, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, b0, b1, QT: tl.constexpr, KB: tl.constexpr,
-            BM: tl.constexpr, BN: tl.constexpr, FUSE: tl.constexpr):
+            BM: tl.constexpr, BN: tl.constexpr, FUSE: tl.constexpr, MV: tl.constexpr, D1: tl.constexpr,
+            D2: tl.constexpr, D3: tl.constexpr, NB: tl.constexpr, LOG2NB: tl.constexpr, DP4A: tl.constexpr):
     """gate_up's partial over blocks b0 .. b1, from zero: [2 BN, BM], the gate rows gra then the up rows ura [BN].
     FUSE: both as one weight side of 2 BN rows (one MMA of M = 2 BN a step, a warpgroup each at 8 warps, the
     activations' tile built once); else gate's K walk, then up's. Either way each output's float ops are those of
@@ -286,12 +307,14 @@ def _gu_acc(pool, gra, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, b0, b1, QT:
     if FUSE:
         ra = tl.reshape(tl.permute(tl.join(gra, ura), (1, 0)), (2 * BN,))
         m2 = tl.reshape(tl.permute(tl.join(mn, mn), (1, 0)), (2 * BN,))
-        acc = mmq_acc(tl.zeros((2 * BN, BM), dtype=tl.float32), pool, ra, m2, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr,
-                      b0, b1, QT, KB, BM, 2 * BN)
+        acc = _acc(tl.zeros((2 * BN, BM), dtype=tl.float32), pool, ra, m2, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr,
+                   b0, b1, QT, KB, BM, 2 * BN, MV, D1, D2, D3, NB, LOG2NB, DP4A)
     else:
         z = tl.zeros((BN, BM), dtype=tl.float32)
-        g = mmq_acc(z, pool, gra, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, b0, b1, QT, KB, BM, BN)
-        u = mmq_acc(z, pool, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, b0, b1, QT, KB, BM, BN)
+        g = _acc(z, pool, gra, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, b0, b1, QT, KB, BM, BN, MV, D1, D2, D3, NB,
+                 LOG2NB, DP4A)
+        u = _acc(z, pool, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, b0, b1, QT, KB, BM, BN, MV, D1, D2, D3, NB,
+                 LOG2NB, DP4A)
         acc = tl.reshape(tl.permute(tl.join(g, u), (2, 0, 1)), (2 * BN, BM))
     return acc
 
@@ -301,7 +324,9 @@ def _gate_up_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows
                         cnt_ptr, H, F, row_bytes, n_exp, k_top, limit, KCB, QT: tl.constexpr,
                         HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, EP: tl.constexpr,
                         ALIGNED: tl.constexpr = False, RA: tl.constexpr = 1, KB: tl.constexpr = 1,
-                        SPLIT: tl.constexpr = False, FUSE: tl.constexpr = False):
+                        SPLIT: tl.constexpr = False, FUSE: tl.constexpr = False, MV: tl.constexpr = False,
+                        D1: tl.constexpr = 1, D2: tl.constexpr = 1, D3: tl.constexpr = 1, NB: tl.constexpr = 1,
+                        LOG2NB: tl.constexpr = 0, DP4A: tl.constexpr = False):
     e, mb, base = tm._find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
     if base >= 0:
         rows, mr, flat = tm._rows_of(off_ptr, rows_ptr, e, mb, BM)
@@ -318,7 +343,7 @@ def _gate_up_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows
         if SPLIT:                   # this program: chunk program_id(2); the tile's last sums the chunks in order
             pc = tl.program_id(2)
             acc = _gu_acc(pool, gra, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, pc * KCB,
-                          tl.minimum(pc * KCB + KCB, NBLK), QT, KB, BM, BN, FUSE)
+                          tl.minimum(pc * KCB + KCB, NBLK), QT, KB, BM, BN, FUSE, MV, D1, D2, D3, NB, LOG2NB, DP4A)
             tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
             tl.store(tm._partial_ptr(ws_ptr, tile, pc, NCH, 2 * BN * BM, 2 * BN, BM), acc)
             if tm._arrive(cnt_ptr, tile, NCH):
@@ -331,7 +356,8 @@ def _gate_up_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows
         else:                       # the same chunk partials and sums, walked by one program
             for ch in range(0, NCH):
                 tot = tot + _gu_acc(pool, gra, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, ch * KCB,
-                                    tl.minimum(ch * KCB + KCB, NBLK), QT, KB, BM, BN, FUSE)
+                                    tl.minimum(ch * KCB + KCB, NBLK), QT, KB, BM, BN, FUSE, MV, D1, D2, D3, NB,
+                                    LOG2NB, DP4A)
             accg, accu = tl.split(tl.permute(tl.reshape(tot, (2, BN, BM)), (1, 2, 0)))
             tm._gu_store(accg, accu, inter_ptr, rows, mr, n, mn, F, limit, HAS_LIMIT)
 
@@ -340,7 +366,9 @@ def _gate_up_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows
 def _down_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, y_ptr, ws_ptr, cnt_ptr,
                      H, F, row_bytes, n_exp, KCB, QT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      EP: tl.constexpr, ALIGNED: tl.constexpr = False, RA: tl.constexpr = 1, KB: tl.constexpr = 1,
-                     SPLIT: tl.constexpr = False):
+                     SPLIT: tl.constexpr = False, MV: tl.constexpr = False, D1: tl.constexpr = 1,
+                     D2: tl.constexpr = 1, D3: tl.constexpr = 1, NB: tl.constexpr = 1, LOG2NB: tl.constexpr = 0,
+                     DP4A: tl.constexpr = False):
     e, mb, base = tm._find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
     if base >= 0:
         rows, mr, flat = tm._rows_of(off_ptr, rows_ptr, e, mb, BM)
@@ -356,8 +384,8 @@ def _down_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows_pt
         tot = z
         if SPLIT:
             pc = tl.program_id(2)
-            acc = mmq_acc(z, pool, dra, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, pc * KCB,
-                          tl.minimum(pc * KCB + KCB, NBLK), QT, KB, BM, BN)
+            acc = _acc(z, pool, dra, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, pc * KCB,
+                       tl.minimum(pc * KCB + KCB, NBLK), QT, KB, BM, BN, MV, D1, D2, D3, NB, LOG2NB, DP4A)
             tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
             tl.store(tm._partial_ptr(ws_ptr, tile, pc, NCH, BN * BM, BN, BM), acc)
             if tm._arrive(cnt_ptr, tile, NCH):
@@ -367,8 +395,8 @@ def _down_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows_pt
                 tl.store(ptr, tot.to(y_ptr.dtype.element_ty), mask=mn[:, None] & mr[None, :])
         else:
             for ch in range(0, NCH):
-                tot = tot + mmq_acc(z, pool, dra, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, ch * KCB,
-                                    tl.minimum(ch * KCB + KCB, NBLK), QT, KB, BM, BN)
+                tot = tot + _acc(z, pool, dra, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, ch * KCB,
+                                 tl.minimum(ch * KCB + KCB, NBLK), QT, KB, BM, BN, MV, D1, D2, D3, NB, LOG2NB, DP4A)
             tl.store(ptr, tot.to(y_ptr.dtype.element_ty), mask=mn[:, None] & mr[None, :])
 
 
@@ -399,12 +427,17 @@ def _chunk(c: dict, qt: int, K: int) -> tuple[int, int]:
 
 
 def _launch(kernel, args: list, grid_n: int, R: int, E: int, K: int, qt: int, per: int, c: dict, consts: dict,
-            device):
+            device, row_bytes: int = 0, aligned: bool = False):
     """Grid (output blocks, row blocks[, chunks]): the chunks as programs when the bucket says SPLIT, K has more
     than one and the partials fit triton_moe.WS_LIMIT (per: floats of a tile's partial), else walked: the same
     sums (0 + p_0 + p_1 + ... in chunk order) either way."""
     kb, kcb = _chunk(c, qt, K)
     nch = triton.cdiv(K // QK, kcb)
+    use_mv = bool(c["MV"]) and mv.mv_ok(qt, K, kcb, c["NS"], row_bytes, aligned)
+    if use_mv:                      # the decode schedule: BM_MV rows a block (per: floats of a tile's partial)
+        per = per // c["BM"] * c["BM_MV"]
+        c = {**c, "BM": c["BM_MV"]}
+        consts = {**consts, "MV": True, **mv.dims(qt, c["NS"]), "DP4A": mv.dp4a_ok(qt, c["DP4A"])}
     nrb = tm._launch_rows(R, E, c["BM"])
     split = bool(c["SPLIT"]) and nch > 1 and grid_n * nrb * nch * per * 4 <= tm.WS_LIMIT
     ws, cnt = tm._workspace(device, grid_n * nrb * nch * per, grid_n * nrb) if split else tm._workspace(device, 1, 1)
@@ -424,7 +457,7 @@ def gate_up(hq, pool, base, starts, rows, off, inter, n_ff: int, k_top: int, qt:
                            float(limit) if limit is not None else 0.0],
             triton.cdiv(n_ff, c["BN"]), R, E, q.shape[1], qt, 2 * c["BN"] * c["BM"], c,
             dict(QT=qt, HAS_LIMIT=limit is not None, ALIGNED=aligned, RA=tm._row_align(row_bytes),
-                 FUSE=bool(c["FUSE"])), q.device)
+                 FUSE=bool(c["FUSE"])), q.device, row_bytes, aligned)
 
 
 def down(iq, pool, base, starts, rows, off, y, qt: int, row_bytes: int, aligned: bool = False):
@@ -435,16 +468,17 @@ def down(iq, pool, base, starts, rows, off, y, qt: int, row_bytes: int, aligned:
     c = config(qt, tm.bucket_of(R, E))
     _launch(_DOWN_MMQ, [q, d, sx, pool, base, starts, rows, off, y, H, q.shape[1], row_bytes, E],
             triton.cdiv(H, c["BN"]), R, E, q.shape[1], qt, c["BN"] * c["BM"], c,
-            dict(QT=qt, ALIGNED=aligned, RA=tm._row_align(row_bytes)), q.device)
+            dict(QT=qt, ALIGNED=aligned, RA=tm._row_align(row_bytes)), q.device, row_bytes, aligned)
 
 
 def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int | None = None, bn: int | None = None,
                    num_warps: int | None = None, bucket: int = 16, kb: int | None = None,
-                   kcb: int | None = None, fuse: int | None = None) -> dict:
+                   kcb: int | None = None, fuse: int | None = None, over: dict | None = None) -> dict:
     """Compile one mmq kernel for CUDA sm_`arch` without a GPU (Triton's compiler and the ptxas its wheel ships) at
     the bench geometry (H 2048, F 768: K = 2048 for gate_up, 768 for down) with the launch constants of `bucket`
-    (config(); bm / bn / num_warps / kb / kcb override) and report what the device will run: {"mma": tensor-core
-    instructions in the PTX (mma / wgmma, by name and count), "imma": IMMA/HGMMA lines of the SASS (nvdisasm),
+    (config(); bm / bn / num_warps / kb / kcb / over's keys override: MV 1 the decode schedule) and report what the
+    device will run: {"mma": tensor-core instructions in the PTX (mma / wgmma, by name and count), "loads": global
+    loads in the PTX by width, "dp4a": dp4a instructions in the PTX, "imma": IMMA/HGMMA lines of the SASS (nvdisasm),
     "regs": registers per thread, "spill_bytes": ptxas's spill stores + loads, "smem": shared memory bytes,
     "ptxas": its -v line}. deploy/device/kernel_roofline.py --act-quant prints it beside the figures;
     tests/kernels/test_mmq.py checks the int8 MMA is there and nothing spills."""
@@ -457,7 +491,7 @@ def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int 
     from triton.compiler import ASTSource
     c = {**config(qt, bucket), **({"BM": bm} if bm else {}), **({"BN": bn} if bn else {}),
          **({"num_warps": num_warps} if num_warps else {}), **({"KB": kb} if kb else {}),
-         **({"KCB": kcb} if kcb is not None else {}), **({"FUSE": fuse} if fuse is not None else {})}
+         **({"KCB": kcb} if kcb is not None else {}), **({"FUSE": fuse} if fuse is not None else {}), **(over or {})}
     K = 2048 if which == "gate_up" else 768
     KB, KCB = _chunk(c, qt, K)
     split = bool(c["SPLIT"]) and K // QK > KCB
@@ -481,15 +515,26 @@ def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int 
                SPLIT="constexpr")
     const.update(BM=c["BM"], BN=c["BN"], EP=256, ALIGNED=True,          # aligned rows of the bench geometry's K
                  RA=tm._row_align(row_nbytes(gt, K)), KB=KB, SPLIT=split)
+    sig.update(MV="constexpr", D1="constexpr", D2="constexpr", D3="constexpr", NB="constexpr", LOG2NB="constexpr",
+               DP4A="constexpr")
+    if c["MV"] and mv.mv_ok(qt, K, KCB, c["NS"], row_nbytes(gt, K), True):
+        const.update(BM=c["BM_MV"], MV=True, **mv.dims(qt, c["NS"]), DP4A=bool(c["DP4A"]) and qt in mv.DP4A_TYPES)
+    else:
+        const.update(MV=False, D1=1, D2=1, D3=1, NB=1, LOG2NB=0, DP4A=False)
     k = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", arch, 32),
                        options={"num_warps": c["num_warps"], "num_stages": c["num_stages"]})
     ptx = k.asm["ptx"]
     mma = {}
     for m in re.findall(r"\b(w?gmma\.[\w.]+|mma\.sync\.[\w.]+)", ptx):
         mma[m] = mma.get(m, 0) + 1
+    loads = {}                  # global loads by width (ld.global.b8 / .b16: byte loads; cp.async: staged)
+    for m in re.findall(r"\b(ld\.global[\w.]*|cp\.async\.c[ag][\w.]*)", ptx):
+        loads[m] = loads.get(m, 0) + 1
     bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     out = {"kernel": which, "qt": qt, "arch": f"sm_{arch}", "bucket": bucket, "config": {**c, "KB": KB, "KCB": KCB,
-           "SPLIT": split}, "mma": mma, "imma": {}, "regs": None, "spill_bytes": None,
+           "SPLIT": split}, "mma": mma, "loads": loads, "dp4a": ptx.count("dp4a."),
+           "asm": sorted({m for m in ("prmt", "dp4a") if m + "." in ptx}), "imma": {}, "regs": None,
+           "spill_bytes": None,
            "smem": k.metadata.shared, "ptxas": ""}
     with tempfile.TemporaryDirectory() as tmp:
         p = Path(tmp) / "k.ptx"

@@ -16,7 +16,10 @@ so that a row's bits do not depend on the launch (DESIGN.md invariant 6):
   - acc[n, m, p] = fma(w[n, elem(p)], x[m, elem(p)], acc[n, m, p]) step after step, from zero (elementwise: the
     same float ops whatever the layout);
   - out[n, m] = the pairwise tree over p: level by level, positions (2i, 2i+1) added (tl.split), a fixed order
-    where tl.sum's would follow the register layout.
+    where tl.sum's would follow the register layout;
+  - K chunks (the reduction key KC, elements, a multiple of S; 0 = one chunk, the arithmetic above): each chunk's
+    acc from zero and its tree total t_c as above, out = 0 + t_0 + t_1 + ... in chunk order, whether one program
+    walks the chunks or one program a chunk stores its t_c and the tile's last sums them (SPLIT, triton_moe).
 So both rows buckets can take this schedule at different BN / rows per program / warps with the same bits; a
 type's launch table switches it on with the reduction key MV = 1 (triton_moe), for both buckets. A program of BM
 rows (triton_moe's _mv_step; llama.cpp's ncols_y) decodes a step's weight tile [BN, D1, D2, D3] once and applies it

@@ -58,9 +58,11 @@ from betelgeuse.kernels.triton_quants import QT_CODES, SUPER, tables, wdot  # no
 #     computes each output from its own row and column; the sweep checks the buckets' configs agree bit for bit).
 # MV (a reduction key) = 1: the decode schedule of triton_mmvq (llama.cpp's mmvq layout, float activations, no
 # tensor cores) for the types it has, in both buckets: its own fixed arithmetic, so BN, BM_MV (rows per program),
-# num_warps and num_stages may differ per bucket with the same bits; BK, KC and SPLIT do not apply to it (one
-# program walks all of K), and a launch it cannot take (rows not 4-byte aligned, K not a multiple of its step)
-# runs the MMA path (a property of the tensor's geometry, the same for every launch of it).
+# num_warps and num_stages may differ per bucket with the same bits; BK does not apply to it; KC (> 0, < K, a
+# multiple of its step) cuts K in chunks whose totals are summed in chunk order (triton_mmvq's doc; other bits than
+# KC 0, the same for both buckets) and SPLIT then spreads the chunks over programs as the MMA path's; a launch it
+# cannot take (rows not 4-byte aligned, K or KC not whole steps) runs the MMA path (a property of the tensor's
+# geometry and the type's KC, the same for every launch of it).
 # BM (rows per block) is fixed: the MMA's N side. CONFIG is the default; triton_tuning.json (written by
 # `deploy/device/kernel_roofline.py --sweep` on the GPU) overrides it per type and bucket; TYPE_CONFIG[qt] (tests,
 # the roofline's candidates) overrides both for every bucket. F32 (code 3): BK 128, as a [64, 256] float32 weight
@@ -361,12 +363,42 @@ def _mv_step(accs, w, xps, kk, BM: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_mv_kernel(h_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, inter_ptr, H, F, row_bytes, n_exp, k_top,
-                       limit, QT: tl.constexpr, HAS_LIMIT: tl.constexpr, RA: tl.constexpr, BM: tl.constexpr,
-                       BN: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, S: tl.constexpr,
-                       LOG2S: tl.constexpr, EP: tl.constexpr):
+def _mv_gu_chunk(pool, gra, ura, mn, xps, k0, k1, QT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, S: tl.constexpr):
+    """The decode schedule's gate and up accumulators (BM rows each) over K columns k0 .. k1, from zero."""
+    accg = _mv_zeros_rows(BN, BM, D1, D2, D3)
+    accu = _mv_zeros_rows(BN, BM, D1, D2, D3)
+    for kk in range(k0, k1, S):
+        accg = _mv_step(accg, mv.mv_weights(pool, gra, kk, mn, QT, D1, D2, D3), xps, kk, BM)
+        accu = _mv_step(accu, mv.mv_weights(pool, ura, kk, mn, QT, D1, D2, D3), xps, kk, BM)
+    return accg, accu
+
+
+@triton.jit
+def _mv_dn_chunk(pool, dra, mn, xps, k0, k1, QT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, S: tl.constexpr):
+    acc = _mv_zeros_rows(BN, BM, D1, D2, D3)
+    for kk in range(k0, k1, S):
+        acc = _mv_step(acc, mv.mv_weights(pool, dra, kk, mn, QT, D1, D2, D3), xps, kk, BM)
+    return acc
+
+
+@triton.jit
+def _mv_part_ptr(ws_ptr, tile, c, NCH, WS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, i: tl.constexpr):
+    """[BN, 1] pointers to row i's column of partial c of `tile` ([BN, BM] floats, WS floats a partial)."""
+    return ws_ptr + (tile.to(tl.int64) * NCH + c) * WS + tl.arange(0, BN)[:, None] * BM + i
+
+
+@triton.jit
+def _gate_up_mv_kernel(h_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, inter_ptr, ws_ptr, cnt_ptr, H, F,
+                       row_bytes, n_exp, k_top, limit, KC, QT: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                       RA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
+                       D3: tl.constexpr, S: tl.constexpr, LOG2S: tl.constexpr, EP: tl.constexpr,
+                       CHUNKS: tl.constexpr = False, SPLIT: tl.constexpr = False):
     """The decode schedule (triton_mmvq): BN output columns of gate and up for BM rows of one expert, all of H; each
-    K step's weights are loaded and decoded once and applied to the BM rows in turn (llama.cpp's mmvq ncols_y)."""
+    K step's weights are loaded and decoded once and applied to the BM rows in turn (llama.cpp's mmvq ncols_y).
+    CHUNKS (the reduction key KC): each KC chunk's outputs (the tree over its accumulator) summed 0 + t_0 + t_1 + ...
+    in chunk order; SPLIT: one program a chunk (program_id(2)), the tile's last sums the stored partials."""
     e, mb, base = _find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
     if base != -1:
         rows, mrs, flats = _mv_rows(off_ptr, rows_ptr, e, mb, BM)
@@ -377,20 +409,54 @@ def _gate_up_mv_kernel(h_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, int
         xps = ()
         for i in tl.static_range(BM):
             xps = xps + (mv.mv_xptr(h_ptr, (flats[i] // k_top) * H, QT, D1, D2, D3),)
-        accg = _mv_zeros_rows(BN, BM, D1, D2, D3)
-        accu = _mv_zeros_rows(BN, BM, D1, D2, D3)
-        for kk in range(0, H, S):
-            accg = _mv_step(accg, mv.mv_weights(pool, gra, kk, mn, QT, D1, D2, D3), xps, kk, BM)
-            accu = _mv_step(accu, mv.mv_weights(pool, ura, kk, mn, QT, D1, D2, D3), xps, kk, BM)
-        for i in tl.static_range(BM):
-            _gu_store(mv.mv_total(accg[i], BN, S, LOG2S), mv.mv_total(accu[i], BN, S, LOG2S), inter_ptr, rows[i],
-                      mrs[i], n, mn, F, limit, HAS_LIMIT)
+        if not CHUNKS:                      # one chunk: the schedule's arithmetic before K chunks, unchanged
+            accg, accu = _mv_gu_chunk(pool, gra, ura, mn, xps, 0, H, QT, BM, BN, D1, D2, D3, S)
+            for i in tl.static_range(BM):
+                _gu_store(mv.mv_total(accg[i], BN, S, LOG2S), mv.mv_total(accu[i], BN, S, LOG2S), inter_ptr,
+                          rows[i], mrs[i], n, mn, F, limit, HAS_LIMIT)
+        else:
+            NCH = (H + KC - 1) // KC
+            WS: tl.constexpr = 2 * BN * BM
+            if SPLIT:
+                pc = tl.program_id(2)
+                accg, accu = _mv_gu_chunk(pool, gra, ura, mn, xps, pc * KC, tl.minimum(pc * KC + KC, H), QT, BM, BN,
+                                          D1, D2, D3, S)
+                tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+                for i in tl.static_range(BM):
+                    pp = _mv_part_ptr(ws_ptr, tile, pc, NCH, WS, BN, BM, i)
+                    tl.store(pp, mv.mv_total(accg[i], BN, S, LOG2S))
+                    tl.store(pp + BN * BM, mv.mv_total(accu[i], BN, S, LOG2S))
+                if _arrive(cnt_ptr, tile, NCH):
+                    for i in tl.static_range(BM):       # 0 + t_0 + t_1 + ... in chunk order, as the walk below
+                        tg = tl.zeros((BN, 1), dtype=tl.float32)
+                        tu = tl.zeros((BN, 1), dtype=tl.float32)
+                        for c in range(0, NCH):
+                            pp = _mv_part_ptr(ws_ptr, tile, c, NCH, WS, BN, BM, i)
+                            tg = tg + tl.load(pp, cache_modifier=".cg")
+                            tu = tu + tl.load(pp + BN * BM, cache_modifier=".cg")
+                        _gu_store(tg, tu, inter_ptr, rows[i], mrs[i], n, mn, F, limit, HAS_LIMIT)
+                    tl.atomic_xchg(cnt_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), 0)
+            else:
+                tgs = _mv_zeros_rows(BN, BM, 1, 1, 1)
+                tus = _mv_zeros_rows(BN, BM, 1, 1, 1)
+                for c in range(0, NCH):
+                    accg, accu = _mv_gu_chunk(pool, gra, ura, mn, xps, c * KC, tl.minimum(c * KC + KC, H), QT, BM,
+                                              BN, D1, D2, D3, S)
+                    tgs2, tus2 = (), ()
+                    for i in tl.static_range(BM):
+                        tgs2 = tgs2 + (tgs[i] + tl.reshape(mv.mv_total(accg[i], BN, S, LOG2S), (BN, 1, 1, 1)),)
+                        tus2 = tus2 + (tus[i] + tl.reshape(mv.mv_total(accu[i], BN, S, LOG2S), (BN, 1, 1, 1)),)
+                    tgs, tus = tgs2, tus2
+                for i in tl.static_range(BM):
+                    _gu_store(tl.reshape(tgs[i], (BN, 1)), tl.reshape(tus[i], (BN, 1)), inter_ptr, rows[i], mrs[i],
+                              n, mn, F, limit, HAS_LIMIT)
 
 
 @triton.jit
-def _down_mv_kernel(inter_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, y_ptr, H, F, row_bytes, n_exp,
-                    QT: tl.constexpr, RA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D1: tl.constexpr,
-                    D2: tl.constexpr, D3: tl.constexpr, S: tl.constexpr, LOG2S: tl.constexpr, EP: tl.constexpr):
+def _down_mv_kernel(inter_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, y_ptr, ws_ptr, cnt_ptr, H, F, row_bytes,
+                    n_exp, KC, QT: tl.constexpr, RA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, S: tl.constexpr, LOG2S: tl.constexpr,
+                    EP: tl.constexpr, CHUNKS: tl.constexpr = False, SPLIT: tl.constexpr = False):
     e, mb, base = _find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
     if base != -1:
         rows, mrs, flats = _mv_rows(off_ptr, rows_ptr, e, mb, BM)
@@ -401,13 +467,42 @@ def _down_mv_kernel(inter_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, y_
         for i in tl.static_range(BM):
             xps = xps + (mv.mv_xptr(inter_ptr, tl.minimum(rows[i], tl.load(off_ptr + e + 1) - 1).to(tl.int64) * F,
                                     QT, D1, D2, D3),)
-        acc = _mv_zeros_rows(BN, BM, D1, D2, D3)
-        for kk in range(0, F, S):
-            acc = _mv_step(acc, mv.mv_weights(pool, dra, kk, mn, QT, D1, D2, D3), xps, kk, BM)
-        for i in tl.static_range(BM):
-            tot = mv.mv_total(acc[i], BN, S, LOG2S)
-            tl.store(y_ptr + flats[i][None, :] * H + n[:, None], tot.to(y_ptr.dtype.element_ty),
-                     mask=mn[:, None] & mrs[i][None, :])
+        if not CHUNKS:
+            acc = _mv_dn_chunk(pool, dra, mn, xps, 0, F, QT, BM, BN, D1, D2, D3, S)
+            for i in tl.static_range(BM):
+                tot = mv.mv_total(acc[i], BN, S, LOG2S)
+                tl.store(y_ptr + flats[i][None, :] * H + n[:, None], tot.to(y_ptr.dtype.element_ty),
+                         mask=mn[:, None] & mrs[i][None, :])
+        else:
+            NCH = (F + KC - 1) // KC
+            WS: tl.constexpr = BN * BM
+            if SPLIT:
+                pc = tl.program_id(2)
+                acc = _mv_dn_chunk(pool, dra, mn, xps, pc * KC, tl.minimum(pc * KC + KC, F), QT, BM, BN, D1, D2, D3,
+                                   S)
+                tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+                for i in tl.static_range(BM):
+                    tl.store(_mv_part_ptr(ws_ptr, tile, pc, NCH, WS, BN, BM, i), mv.mv_total(acc[i], BN, S, LOG2S))
+                if _arrive(cnt_ptr, tile, NCH):
+                    for i in tl.static_range(BM):
+                        tot = tl.zeros((BN, 1), dtype=tl.float32)
+                        for c in range(0, NCH):
+                            tot = tot + tl.load(_mv_part_ptr(ws_ptr, tile, c, NCH, WS, BN, BM, i), cache_modifier=".cg")
+                        tl.store(y_ptr + flats[i][None, :] * H + n[:, None], tot.to(y_ptr.dtype.element_ty),
+                                 mask=mn[:, None] & mrs[i][None, :])
+                    tl.atomic_xchg(cnt_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), 0)
+            else:
+                tots = _mv_zeros_rows(BN, BM, 1, 1, 1)
+                for c in range(0, NCH):
+                    acc = _mv_dn_chunk(pool, dra, mn, xps, c * KC, tl.minimum(c * KC + KC, F), QT, BM, BN, D1, D2, D3,
+                                       S)
+                    t2 = ()
+                    for i in tl.static_range(BM):
+                        t2 = t2 + (tots[i] + tl.reshape(mv.mv_total(acc[i], BN, S, LOG2S), (BN, 1, 1, 1)),)
+                    tots = t2
+                for i in tl.static_range(BM):
+                    tl.store(y_ptr + flats[i][None, :] * H + n[:, None], tl.reshape(tots[i], (BN, 1)).to(
+                        y_ptr.dtype.element_ty), mask=mn[:, None] & mrs[i][None, :])
 
 
 def _mv_dims(qt: int) -> dict:
@@ -415,10 +510,26 @@ def _mv_dims(qt: int) -> dict:
     return dict(D1=d1, D2=d2, D3=d3, S=mv.STEP[qt], LOG2S=mv.log2(mv.STEP[qt]))
 
 
-def mv_ok(qt: int, K: int, row_bytes: int, aligned: bool) -> bool:
+def mv_ok(qt: int, K: int, row_bytes: int, aligned: bool, kc: int = 0) -> bool:
     """Whether a launch of type code qt over K columns can take the decode schedule (triton_mmvq): rows at 4-byte
-    multiples (word loads) and K whole steps."""
-    return qt in mv.STEP and aligned and row_bytes % 4 == 0 and K % mv.STEP[qt] == 0
+    multiples (word loads), K whole steps, and K chunks of kc (the reduction key KC; 0 = one) whole steps."""
+    return (qt in mv.STEP and aligned and row_bytes % 4 == 0 and K % mv.STEP[qt] == 0
+            and (kc <= 0 or kc >= K or kc % mv.STEP[qt] == 0))
+
+
+def _mv_launch(kernel, args: list, grid_n: int, R: int, E: int, K: int, qt: int, per: int, c: dict, consts: dict,
+               device):
+    """Launch the decode schedule: grid (output blocks, row blocks[, chunks]); K chunks (KC, a reduction key) when
+    0 < KC < K, as programs when the bucket says SPLIT and the partials fit WS_LIMIT (per: floats of a tile's
+    partial), else walked: the same sums."""
+    kc = c["KC"] if 0 < c["KC"] < K else 0
+    nrb = _launch_rows(R, E, c["BM_MV"])
+    nch = triton.cdiv(K, kc) if kc else 1
+    split = kc > 0 and bool(c["SPLIT"]) and grid_n * nrb * nch * per * 4 <= WS_LIMIT
+    ws, cnt = _workspace(device, grid_n * nrb * nch * per, grid_n * nrb) if split else _workspace(device, 1, 1)
+    kernel[(grid_n, nrb, nch) if split else (grid_n, nrb)](
+        *args[:7], ws, cnt, *args[7:], kc, **consts, BM=c["BM_MV"], **_mv_dims(qt), EP=triton.next_power_of_2(E),
+        CHUNKS=kc > 0, SPLIT=split, num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
 @triton.jit
@@ -436,8 +547,9 @@ def _combine_kernel(y_ptr, w_ptr, out_ptr, rows_ptr, H, k_top, BN: tl.constexpr,
 
 
 def _launch_rows(R: int, E: int, BM: int) -> int:
-    """Upper bound of the row blocks of R rows over E experts (each expert with rows adds at most one partial block)."""
-    return triton.cdiv(R, BM) + min(R, E)
+    """Upper bound of the row blocks of R rows over E experts (each expert with rows adds at most one partial block;
+    blocks of one row: exactly R)."""
+    return R if BM == 1 else triton.cdiv(R, BM) + min(R, E)
 
 
 _WS: dict = {}
@@ -497,12 +609,11 @@ def gate_up(h, pool, base, starts, rows, off, inter, n_ff: int, k_top: int, qt: 
     R = rows.numel()
     c = config(qt, bucket_of(R, E))
     bn = c["BN_GATE_UP"]
-    if c["MV"] and mv_ok(qt, H, row_bytes, aligned):
-        _GATE_UP_MV[(triton.cdiv(n_ff, bn), _launch_rows(R, E, c["BM_MV"]))](
-            h, pool, base, starts, rows, off, inter, H, n_ff, row_bytes, E, k_top,
-            float(limit) if limit is not None else 0.0, QT=qt, HAS_LIMIT=limit is not None, RA=_row_align(row_bytes),
-            BM=c["BM_MV"], BN=bn, **_mv_dims(qt), EP=triton.next_power_of_2(E), num_warps=c["num_warps"],
-            num_stages=c["num_stages"])
+    if c["MV"] and mv_ok(qt, H, row_bytes, aligned, c["KC"]):
+        _mv_launch(_GATE_UP_MV, [h, pool, base, starts, rows, off, inter, H, n_ff, row_bytes, E, k_top,
+                                 float(limit) if limit is not None else 0.0],
+                   triton.cdiv(n_ff, bn), R, E, H, qt, 2 * bn * c["BM_MV"], c,
+                   dict(QT=qt, HAS_LIMIT=limit is not None, RA=_row_align(row_bytes), BN=bn), pool.device)
         return
     _launch(_GATE_UP, [h, pool, tables(pool.device), base, starts, rows, off, inter, H, n_ff, row_bytes, E,
                               k_top, float(limit) if limit is not None else 0.0],
@@ -519,11 +630,10 @@ def down(inter, pool, base, starts, rows, off, y, n_tokens: int, qt: int, row_by
     R = rows.numel()
     c = config(qt, bucket_of(R, E))
     bn = c["BN"]
-    if c["MV"] and mv_ok(qt, F, row_bytes, aligned):
-        _DOWN_MV[(triton.cdiv(H, bn), _launch_rows(R, E, c["BM_MV"]))](
-            inter, pool, base, starts, rows, off, y, H, F, row_bytes, E, QT=qt, RA=_row_align(row_bytes),
-            BM=c["BM_MV"], BN=bn, **_mv_dims(qt), EP=triton.next_power_of_2(E), num_warps=c["num_warps"],
-            num_stages=c["num_stages"])
+    if c["MV"] and mv_ok(qt, F, row_bytes, aligned, c["KC"]):
+        _mv_launch(_DOWN_MV, [inter, pool, base, starts, rows, off, y, H, F, row_bytes, E],
+                   triton.cdiv(H, bn), R, E, F, qt, bn * c["BM_MV"], c,
+                   dict(QT=qt, RA=_row_align(row_bytes), BN=bn), pool.device)
         return
     _launch(_DOWN, [inter, pool, tables(pool.device), base, starts, rows, off, y, H, F, row_bytes, E],
             triton.cdiv(H, bn), R, E, F, qt, "down", bn, c, block_k(qt, H, F),

@@ -108,6 +108,23 @@ CONFIGS = [
     {"BK": 256, "KC": 0, "MV": 1, "BM_MV": 16, "BN": 4, "BN_GATE_UP": 2, "SPLIT": 0, "num_warps": 2, "num_stages": 1},
     {"BK": 256, "KC": 0, "MV": 1, "BM_MV": 16, "BN": 8, "BN_GATE_UP": 4, "SPLIT": 0, "num_warps": 4, "num_stages": 1},
     {"BK": 256, "KC": 0, "MV": 1, "BM_MV": 8, "BN": 4, "BN_GATE_UP": 4, "SPLIT": 0, "num_warps": 4, "num_stages": 1},
+    # the decode schedule in K chunks (issue 23; the reduction key KC with MV = 1: other bits than KC 0, one pair of
+    # buckets per KC): the 1-row bucket one program a chunk (a bank's 16 one-row experts fill 132 SMs 4x more),
+    # partials summed in chunk order by the tile's last; the 16-row bucket the same chunks walked (or split)
+    {"BK": 256, "KC": 512, "MV": 1, "BM_MV": 1, "BN": 16, "BN_GATE_UP": 16, "SPLIT": 1, "num_warps": 4,
+     "num_stages": 1},
+    {"BK": 256, "KC": 512, "MV": 1, "BM_MV": 1, "BN": 32, "BN_GATE_UP": 32, "SPLIT": 1, "num_warps": 4,
+     "num_stages": 1},
+    {"BK": 256, "KC": 512, "MV": 1, "BM_MV": 1, "BN": 8, "BN_GATE_UP": 8, "SPLIT": 1, "num_warps": 2,
+     "num_stages": 1},
+    {"BK": 256, "KC": 512, "MV": 1, "BM_MV": 16, "BN": 4, "BN_GATE_UP": 2, "SPLIT": 0, "num_warps": 2,
+     "num_stages": 1},
+    {"BK": 256, "KC": 512, "MV": 1, "BM_MV": 8, "BN": 4, "BN_GATE_UP": 4, "SPLIT": 1, "num_warps": 4,
+     "num_stages": 1},
+    {"BK": 256, "KC": 1024, "MV": 1, "BM_MV": 1, "BN": 16, "BN_GATE_UP": 16, "SPLIT": 1, "num_warps": 4,
+     "num_stages": 1},
+    {"BK": 256, "KC": 1024, "MV": 1, "BM_MV": 16, "BN": 4, "BN_GATE_UP": 2, "SPLIT": 0, "num_warps": 2,
+     "num_stages": 1},
 ]
 for _c in CONFIGS:                  # the MMA path's entries: MV 0 (BM_MV, a key of the decode schedule, unused)
     _c.setdefault("MV", 0)
@@ -119,7 +136,23 @@ TARGET = {1: 1500.0, 16: 1200.0}
 # "before" is the schedule before K steps and split-K (one block a step, one chunk, 4 warps), the others another
 # reduction key KCB (chunks of 8 / 32 blocks).
 MMQ_CONFIGS = [{}, {"KB": 2}, {"KB": 4}, {"KB": 1, "num_warps": 4}, {"KB": 2, "SPLIT": 0}, {"KB": 2, "SPLIT": 1},
-               {"KB": 2, "FUSE": 1}]
+               {"KB": 2, "FUSE": 1},
+               # MV 1 (issue 23): the decode schedule without tensor cores (triton_mmq_mv), the MMA's bits: BN output
+               # rows x BM_MV rows a program, NS word groups a K step, split-K in the 1-row bucket as the MMA's
+               {"MV": 1, "BN": 32, "num_warps": 4, "num_stages": 1},
+               {"MV": 1, "BN": 16, "num_warps": 2, "num_stages": 1},
+               {"MV": 1, "BN": 64, "num_warps": 4, "num_stages": 1},
+               {"MV": 1, "BN": 32, "NS": 2, "num_warps": 4, "num_stages": 1},
+               {"MV": 1, "BN": 16, "NS": 2, "num_warps": 4, "num_stages": 1},
+               {"MV": 1, "BN": 32, "FUSE": 1, "num_warps": 8, "num_stages": 1},
+               {"MV": 1, "BN": 32, "FUSE": 1, "num_warps": 4, "num_stages": 1},
+               {"MV": 1, "BN": 16, "FUSE": 1, "NS": 2, "num_warps": 4, "num_stages": 1},
+               {"MV": 1, "BN": 16, "BM_MV": 4, "num_warps": 4, "num_stages": 1},
+               # DP4A 1: the block dots by PTX dp4a on the int32 words (Q8_0, Q4_K; MXFP4 keeps the float dots)
+               {"MV": 1, "DP4A": 1, "BN": 32, "num_warps": 4, "num_stages": 1},
+               {"MV": 1, "DP4A": 1, "BN": 64, "num_warps": 4, "num_stages": 1},
+               {"MV": 1, "DP4A": 1, "BN": 32, "FUSE": 1, "num_warps": 4, "num_stages": 1},
+               {"MV": 1, "DP4A": 1, "BN": 32, "NS": 2, "num_warps": 4, "num_stages": 1}]
 MMQ_OTHER = {"before": {"KB": 1, "KCB": 0, "SPLIT": 0, "num_warps": 4, "num_stages": 3}, "KCB8": {"KCB": 8},
              "KCB32": {"KCB": 32}}
 MMQ_TYPES_DEFAULT = "Q8_0,Q4_K,MXFP4"
@@ -417,9 +450,11 @@ def check(gname: str, tname: str, ci: int) -> dict:
     return res
 
 
-def mv_configs(tname: str) -> list[int]:
-    """The CONFIGS indices of the decode schedule (MV = 1) for type tname: none where triton_mmvq lacks it."""
-    return [ci for ci, c in enumerate(CONFIGS) if c is not None and c.get("MV") and applies(tname, ci)]
+def mv_configs(tname: str, kc: int | None = 0) -> list[int]:
+    """The CONFIGS indices of the decode schedule (MV = 1) for type tname at K chunks kc (a reduction key: one bits
+    per KC; None: every KC): none where triton_mmvq lacks it."""
+    return [ci for ci, c in enumerate(CONFIGS) if c is not None and c.get("MV") and applies(tname, ci)
+            and (kc is None or c["KC"] == kc)]
 
 
 def check_rows(ctx: dict, checked: dict | None = None, cis: list[int] | None = None) -> dict:
@@ -533,9 +568,12 @@ def act_quant_check(gname: str, tname: str, qt: int, H: int, F: int, E: int, lim
     mq.TYPE_CONFIG.pop(code, None)
     for name, (h, ids, w, o_r) in ctx["cases"].items():
         o_t = run_moe(ctx, tri, h, ids, w)
-        for c in MMQ_CONFIGS:                           # every schedule: the same bits
+        for ci, c in enumerate(MMQ_CONFIGS):            # every schedule: the same bits
             mq.TYPE_CONFIG[code] = dict(c)
-            chk["configs_same_bits"] &= bool(torch.equal(run_moe(ctx, tri, h, ids, w), o_t))
+            same = bool(torch.equal(run_moe(ctx, tri, h, ids, w), o_t))
+            chk["configs_same_bits"] &= same
+            if not same:                                # which candidates differ (MMQ_CONFIGS indices)
+                chk.setdefault("configs_differ", []).append((name, ci))
         mq.TYPE_CONFIG.pop(code, None)
         chk["rel_err_" + name] = float((o_t - o_r).abs().max() / o_r.abs().max())
         chk["finite"] = chk.get("finite", True) and bool(torch.isfinite(o_t).all())
@@ -627,7 +665,7 @@ def act_quant_run(types: list[str], geoms: list[str], meta: dict, budget: float,
         c = r.get("check")
         cs = ("no mmq schedule" if c is None else f"FAIL {c['error']}" if "error" in c else
               f"{'ok' if c['ok'] else 'FAIL'} rel {c['rel_err']:.2e} rows {'==' if c['row_invariant'] else '!='}"
-              f" configs {'==' if c['configs_same_bits'] else '!='}")
+              f" configs {'==' if c['configs_same_bits'] else '!= ' + str(c.get('configs_differ'))}")
         fails += [key] if c is not None and not c["ok"] else []
         for n in (1, 16):
             lines.append(f"| {key} | {n} | {f(r['float'], n)} | {f(r['q8_1'], n)} | {f(r['q8_1_kernels'], n)} | "
@@ -703,7 +741,8 @@ def table(results: dict, meta: dict) -> str:
 
 def label(c: dict) -> str:
     if c.get("MV"):
-        return f"mmvq BN {c['BN']}/{c['BN_GATE_UP']} rows {c['BM_MV']} w{c['num_warps']} s{c['num_stages']}"
+        return (f"mmvq BN {c['BN']}/{c['BN_GATE_UP']} rows {c['BM_MV']} KC {c['KC'] or 'K'} "
+                f"{'split' if c['SPLIT'] and c['KC'] else 'walk'} w{c['num_warps']} s{c['num_stages']}")
     return (f"BN {c['BN']}/{c['BN_GATE_UP']} BK {c['BK']} KC {c['KC'] or 'K'} {'split' if c['SPLIT'] else 'walk'} "
             f"w{c['num_warps']} s{c['num_stages']}")
 
@@ -765,13 +804,14 @@ def sweep(types: list[str], geoms: list[str], cfgs: list[int], meta: dict, budge
     types_out, figures, lines, fails = {}, {}, [], []
     for t, per in data.items():                        # the decode schedule: one row's bits at every BM_MV
         for g, d in per.items():
-            ran = [ci for ci in mv_configs(t) if ci in d["ck"]]
-            if ran:
+            every = [ci for ci in mv_configs(t, None) if ci in d["ck"]]
+            for kc in sorted({CONFIGS[ci]["KC"] for ci in every}):        # one bits per KC
+                ran = [ci for ci in every if CONFIGS[ci]["KC"] == kc]
                 rr = check_rows(d["ctx"], d["ck"], ran)
-                print(f"{g}/{t} mmvq rows a program {[CONFIGS[ci]['BM_MV'] for ci in rr['configs']]}: "
+                print(f"{g}/{t} mmvq KC {kc or 'K'} rows a program {[CONFIGS[ci]['BM_MV'] for ci in rr['configs']]}: "
                       + ("same bits" if rr["ok"] else f"MISMATCH {rr['mismatch']}"), flush=True)
                 if not rr["ok"]:
-                    fails.append(f"{g}/{t}: mmvq rows {rr['mismatch']}")
+                    fails.append(f"{g}/{t}: mmvq KC {kc} rows {rr['mismatch']}")
     for t, per in data.items():
         pick = choose(per, [ci for ci in cfgs if applies(t, ci)])
         if pick is None:

@@ -103,6 +103,20 @@ def test_decode_schedule_matches_torch_and_is_row_invariant():
     assert res["Q4_K"]["limit_max_abs"] <= 1e-5 * max(1.0, res["Q4_K"]["limit_scale"]), res["Q4_K"]
 
 
+def test_decode_schedule_in_k_chunks_split_equals_walked():
+    """The decode schedule with the reduction key KC (tests/scripts/triton_kernel_check.py --config mvchunk: K in
+    chunks of 128, each chunk's tree total summed in chunk order): the 1-row bucket one program a chunk (the tile's
+    last sums the partials), the 16-row bucket walks them at 16 rows a program. Within float noise of the torch path,
+    a row alone (split) == the same row in the full launch (walked), two runs equal, and the bits differ from the
+    unchunked schedule's (the chunks are real)."""
+    res = _run("triton_kernel_check.py", "--config", "mvchunk", "Q8_0", "MXFP4")
+    assert set(res) == {"Q8_0", "MXFP4"}
+    for name, r in res.items():
+        assert r["mv_taken"] and r["run_to_run"] and r["differs_from_unchunked"], (name, r)
+        assert r["max_abs"] <= 2e-6 * r["scale"] * r["K"] ** 0.5, (name, r)
+        assert r["row_invariant"], (name, r)
+
+
 def test_decode_schedule_rows_a_program_keep_each_rows_bits():
     """The decode schedule's many-rows program (tests/scripts/mmvq_rows_check.py): one decoded weight tile applied to
     BM = 3 and 16 rows a program in turn, on launches of 1 or 3 and 16 tokens: every row bit-identical to the same row

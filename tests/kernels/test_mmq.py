@@ -79,7 +79,8 @@ def weight_parts(qt: int, raw: np.ndarray, shape):
 
 
 def ref_mm(xq, dx, sx, wq, dw, mw, per: int = 32, kcb: int = 0):
-    """[M, N]: acc += float(int dot of block) * (dw * dx) - mw * sx over blocks of `per` in ascending K, fp32.
+    """[M, N]: acc += float(int dot of block) * (dw * dx) - mw * sx (one fma, as triton_mmq) over blocks of `per`
+    in ascending K, fp32.
     per = 64: the wrong schedule (one block's scales for two) the tests must catch. kcb: blocks a K chunk
     (triton_mmq's reduction key; 0 = one chunk): tot = 0 + p_0 + p_1 + ..., each p_c accumulated from zero."""
     M, N = xq.shape[0], wq.shape[0]
@@ -96,11 +97,14 @@ def ref_mm(xq, dx, sx, wq, dw, mw, per: int = 32, kcb: int = 0):
         c = slice(kb * per, (kb + 1) * per)
         dot = wq[:, c].astype(np.int32) @ xq[:, c].astype(np.int32).T
         b = kb * per // 32
-        t = dot.astype(np.float32) * (dw[:, b][:, None] * dx[:, b][None, :])
-        if mw.any():
+        s = (dw[:, b][:, None] * dx[:, b][None, :]).astype(np.float32)
+        p = dot.astype(np.float64) * s.astype(np.float64)          # exact: the fma's product (|dot| < 2^20)
+        if mw.any():                                   # acc + fma(dot, s, -(mw sx))
             sxb = sx[:, b] if per == 32 else sx[:, b] + sx[:, b + 1]
-            t = (t - mw[:, b][:, None] * sxb[None, :]).astype(np.float32)
-        acc = (acc + t).astype(np.float32)
+            t = (p - (mw[:, b][:, None] * sxb[None, :]).astype(np.float32)).astype(np.float32)
+            acc = (acc + t).astype(np.float32)
+        else:                                          # fma(dot, s, acc)
+            acc = (p + acc).astype(np.float32)
     return acc.T
 
 
@@ -340,3 +344,69 @@ def test_engine_with_q8_1_is_location_invariant(tmp_path):
         assert 1e-4 * r["max_logit"] < r["max_abs_vs_torch"] <= 0.05 * r["max_logit"], (key, r)
         assert r["greedy_equal_torch"], key
     assert res["3v8h"]["reads"][2]["host"] > 0 and res["3v8h"]["reads"][2]["vram"] > 0
+
+
+@pytest.mark.parametrize("qt", [8, 39, 12], ids=["Q8_0", "MXFP4", "Q4_K"])
+def test_decode_schedule_without_mma_gives_the_mma_bits(qt):
+    """triton_mmq_mv (MV = 1: word loads, the block dots on the float units) gives the int8 MMA's bits: H = F = 256
+    (8 blocks) in chunks of KCB = 4 blocks (Q4_K: 512, chunks of 8, its word group), a token alone (1-row bucket,
+    split-K over programs) and 5 rows of one expert (walked), at 1 / 2 / 4 rows a program and 1 / 2 word groups a
+    step, gate and up fused or not; the MMA's bits are the numpy reference's (within its float noise) and differ from
+    the unchunked ones (the chunks are real). A launch the schedule cannot take (KCB not a multiple of its step) runs
+    the MMA: the same bits."""
+    K, kcb = (512, 8) if qt == 12 else (256, 4)
+    rng = np.random.default_rng(9)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(DIMS, qt, (K, K))
+        raw = experts(qt, 10)
+        h = rng.standard_normal((5, K)).astype(np.float32)
+        h[:, 64:96] *= 4
+        ids, w = np.zeros((5, 1), np.int64), np.ones((5, 1), np.float32)
+        code = {8: 0, 39: 4, 12: 5}[qt]
+
+        def with_cfg(n, **cfg):
+            mp.setitem(mq.TYPE_CONFIG, code, {"KCB": kcb, **cfg})
+            return run(qt, raw, h[:n], ids[:n], w[:n])
+        mma1, mma5 = with_cfg(1, KB=1), with_cfg(5, KB=2)
+        assert np.array_equal(mma1[0], mma5[0])
+        want = moe_ref(qt, raw, h, ids, w, kcb=kcb)
+        assert np.abs(mma5 - want).max() / np.abs(want).max() <= 1e-6
+        assert not np.array_equal(mma5, with_cfg(5, KCB=0))
+        taken = []                                      # the launches' choice: the decode schedule or the MMA
+        ok = mq.mv.mv_ok
+        mp.setattr(mq.mv, "mv_ok", lambda *a: taken.append(ok(*a)) or taken[-1])
+        ns = 2 if qt == 8 else 1                        # word groups a step that divide KCB
+        for bm, ns_, fuse in [(1, 1, 0), (2, ns, 1), (4, 1, 0)]:
+            taken.clear()
+            assert np.array_equal(with_cfg(1, MV=1, BM_MV=bm, NS=ns_, FUSE=fuse)[0], mma1[0]), (bm, ns_, fuse)
+            assert np.array_equal(with_cfg(5, MV=1, BM_MV=bm, NS=ns_, FUSE=fuse, SPLIT=0), mma5), (bm, ns_, fuse)
+            assert taken == [True] * 4, taken           # gate_up and down, both runs
+        taken.clear()
+        assert np.array_equal(with_cfg(1, MV=1, NS=4)[0], mma1[0])      # 8+ blocks a step > KCB: the MMA runs
+        assert taken == [False, False], taken
+
+
+def test_decode_schedule_compiles_to_word_loads_without_spills_for_sm90():
+    """The decode schedule (MV = 1, 32 outputs a program, 4 warps; the bench geometry, 1-row bucket) compiled for
+    sm_90 without a GPU: the weights read as 32-bit words (no byte or half-word loads: the MMA schedule's 34- and
+    17-byte blocks are read byte by byte), no tensor-core MMA, no spills and at most 128 registers (4 programs of 4
+    warps an SM at least); DP4A 1 puts dp4a in the PTX (and MXFP4's byte-permute code table). In a child without
+    TRITON_INTERPRET."""
+    import json
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json\nfrom betelgeuse.kernels import triton_mmq as mq\n"
+            "for qt in (0, 4, 5):\n for w in ('gate_up', 'down'):\n  for d in (0, 1):\n"
+            "   print(json.dumps(mq.compile_report(w, qt, bucket=1, over={'MV': 1, 'BN': 32, 'num_warps': 4, "
+            "'num_stages': 1, 'DP4A': d})))\n")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    reports = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 12, p.stdout
+    for r in reports:
+        assert r["ptxas_rc"] == 0 and r["spill_bytes"] == 0 and r["regs"] <= 128, r
+        assert not r["mma"] and not r["imma"], r
+        assert not any(".b8" in k or ".b16" in k or ".u8" in k or ".s8" in k for k in r["loads"]), r
+        assert (r["dp4a"] > 0) == (r["config"]["DP4A"] == 1), r
+        assert ("prmt" in r["asm"]) == (r["config"]["DP4A"] == 1 and r["qt"] == 4), r      # MXFP4's code table

@@ -88,19 +88,21 @@ def shared(task: tuple[str, str, dict]) -> int:
     kc = triton_moe.chunk(qt, K, bk)
     split = bool(cfg["SPLIT"]) and kc < K
     rb = row_nbytes(gtype, K)
-    if cfg["MV"] and triton_moe.mv_ok(qt, K, rb, True):     # the decode schedule (triton_mmvq)
+    if cfg["MV"] and triton_moe.mv_ok(qt, K, rb, True, cfg["KC"]):     # the decode schedule (triton_mmvq)
         base = {**ptrs, "rows_ptr": "*i32", "off_ptr": "*i32"}
         del base["tab"]
+        mkc = cfg["KC"] if 0 < cfg["KC"] < K else 0          # K chunks (split over programs in a SPLIT bucket)
         cst = {"QT": qt, "RA": triton_moe._row_align(rb), "BM": cfg["BM_MV"], **triton_moe._mv_dims(qt),
-               "EP": E}
+               "EP": E, "CHUNKS": mkc > 0, "SPLIT": mkc > 0 and bool(cfg["SPLIT"])}
         if which == "gate_up":
             ints = {"H": H, "F": F, "row_bytes": rb, "n_exp": E, "k_top": K_TOP}
-            sig = {"h_ptr": "*bf16", **base, "inter_ptr": "*bf16", **{k: "i32" for k in ints}, "limit": "fp32"}
-            return _compile(triton_moe._gate_up_mv_kernel, sig, ints,
+            sig = {"h_ptr": "*bf16", **base, "inter_ptr": "*bf16", **ws, **{k: "i32" for k in ints}, "limit": "fp32",
+                   "KC": "i32"}
+            return _compile(triton_moe._gate_up_mv_kernel, sig, {**ints, "KC": mkc},
                             {**cst, "HAS_LIMIT": False, "BN": cfg["BN_GATE_UP"]}, cfg)
         ints = {"H": H, "F": F, "row_bytes": rb, "n_exp": E}
-        sig = {"inter_ptr": "*bf16", **base, "y_ptr": "*bf16", **{k: "i32" for k in ints}}
-        return _compile(triton_moe._down_mv_kernel, sig, ints, {**cst, "BN": cfg["BN"]}, cfg)
+        sig = {"inter_ptr": "*bf16", **base, "y_ptr": "*bf16", **ws, **{k: "i32" for k in ints}, "KC": "i32"}
+        return _compile(triton_moe._down_mv_kernel, sig, {**ints, "KC": mkc}, {**cst, "BN": cfg["BN"]}, cfg)
     if which == "gate_up":
         ints = {"H": H, "F": F, "row_bytes": rb, "n_exp": E, "k_top": K_TOP}
         sig = {"h_ptr": "*bf16", **ptrs, "inter_ptr": "*bf16", **ws, **{k: "i32" for k in ints}, "limit": "fp32",

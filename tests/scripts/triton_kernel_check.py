@@ -73,6 +73,13 @@ def set_config(qt: int, name: str, super_block: bool):
                                    1: {"BM_MV": 1, "BN": 32, "BN_GATE_UP": 64, "num_warps": 1, "num_stages": 1},
                                    16: {"BM_MV": 16, "BN": 64, "BN_GATE_UP": 32, "num_warps": 4, "num_stages": 2}}
         return
+    if name == "mvchunk":   # the decode schedule in K chunks of 128 (2 a row): split over programs (bucket 1), walked
+        triton_moe.TUNING[code] = {"reduce": {"MV": 1, "KC": 128},
+                                   1: {"BM_MV": 1, "BN": 32, "BN_GATE_UP": 64, "SPLIT": 1, "num_warps": 1,
+                                       "num_stages": 1},
+                                   16: {"BM_MV": 16, "BN": 64, "BN_GATE_UP": 32, "SPLIT": 0, "num_warps": 4,
+                                        "num_stages": 2}}
+        return
     split, walk = ({"SPLIT": 1, "BN": 16, "BN_GATE_UP": 32, "num_warps": 2, "num_stages": 2},
                    {"SPLIT": 0, "BN": 64, "BN_GATE_UP": 64, "num_warps": 4, "num_stages": 3})
     if name == "chunked16":
@@ -89,7 +96,7 @@ def check(name: str, config: str = "default") -> dict:
     set_config(qt, config, super_block)
     # F = 96: a partial 32/64-column block; T = 21: a partial 16-row block (K-quant rows are 256-multiples, so the
     # super-block types run the smallest such experts, two of them: the interpreter's time is per program)
-    E, H, FF, T, K = (2, 256, 256, 9, 2) if super_block or config == "mv" else (6, 64, 96, 21, 3)
+    E, H, FF, T, K = (2, 256, 256, 9, 2) if super_block or config.startswith("mv") else (6, 64, 96, 21, 3)
     # the row alone (T*k <= E experts: the 1-row bucket; the full launch: the 16-row bucket)
     assert triton_moe.bucket_of(K, E) == 1 and triton_moe.bucket_of(T * K, E) == 16
     raw = experts_of(qt, E, H, FF, g)
@@ -133,6 +140,15 @@ def check(name: str, config: str = "default") -> dict:
         tun = triton_moe.TUNING.pop(code)
         res["differs_from_mma"] = not torch.equal(run(kern("triton"), h, ids, w, [full]), o_t)
         triton_moe.TUNING[code] = tun
+    if config == "mvchunk":  # the chunks ran (the schedule took them, and its bits are not the unchunked schedule's)
+        code = triton_quants.QT_CODES[qt]
+        aligned = slot % 16 == 0 and bool((torch.as_tensor(starts) % 16 == 0).all())
+        res["mv_taken"] = all(triton_moe.mv_ok(code, k, row_nbytes(qt, k), aligned, 128) for k in (H, FF))
+        res["run_to_run"] = bool(torch.equal(run(tk, h, ids, w, [full]), o_t))
+        triton_moe.TUNING[code]["reduce"]["KC"] = 0
+        res["differs_from_unchunked"] = not torch.equal(run(kern("triton"), h, ids, w, [full]), o_t)
+        triton_moe.TUNING[code]["reduce"]["KC"] = 128
+        return res
     if name not in FULL or (config == "mv" and name != "Q4_K"):     # mv: the epilogue's clamp on one type
         return res
     b1, b2 = base.copy(), base.copy()
