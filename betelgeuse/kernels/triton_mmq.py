@@ -56,17 +56,23 @@ CONFIG = {"BM": 16, "BN": 64, "FUSE": 0, "num_warps": 4, "num_stages": 3,   # sc
           "MV": 0, "BM_MV": 1, "NS": 1, "DP4A": 0}
 # MV = 1: the decode schedule without tensor cores (triton_mmq_mv: the same bits; BM_MV rows a program, NS word
 # groups a K step; DP4A 1: its block dots by PTX dp4a on the GPU, the same integers) where a launch
-# can take it (triton_mmq_mv.mv_ok), else the MMA; off by default (the device run
-# of deploy/device/kernel_roofline.py --act-quant q8_1 times it against the MMA first)
+# can take it (triton_mmq_mv.mv_ok), else the MMA
 # per type: KB quant blocks a K step (a schedule key: the same bits at every KB) and KCB quant blocks a K chunk (the
 # reduction key, 0 = one chunk: an output is 0 + p_0 + p_1 + ... over its chunks in order, each p_c accumulated from
 # zero; the same for both buckets, so a row's bits never depend on how many rows share its launch)
-TUNING: dict[int, dict] = {qt: {"KCB": 16, "num_warps": 8} for qt in MMQ_TYPES}
+TUNING: dict[int, dict] = {qt: {"KCB": 16, "num_warps": 4} for qt in MMQ_TYPES}
 # per rows bucket (triton_moe.bucket_of): SPLIT the chunks over programs (decode: a bank's output tiles alone leave
-# SMs idle) or walk them in one program; KB quant blocks a K step -- schedule keys (the same sums). sm_90, bench
-# geometry (compile_report): 8 warps, KB 4 split / KB 2 walked compile to KB back-to-back IGMMA.64xNx32 a commit
-# per warpgroup without spills for every type (KB 4 walked, KB 8, or 4 warps spill)
-BUCKETS = {1: {"SPLIT": 1, "KB": 4}, 16: {"SPLIT": 0, "KB": 2}}
+# SMs idle) or walk them in one program; KB quant blocks a K step -- schedule keys (the same sums). KB 1 at 4 warps
+# was the fastest MMA candidate for every type at 1 and 16 rows on both cards (gpu-run38-ds4, H200: Q8_0 974 / 650
+# GB/s; gpu-run43-exact, H100: 976 / 673), ahead of KB 4 / 2 at 8 warps (548 / 392 on the H100: those compile to
+# back-to-back IGMMAs at 238-255 registers)
+BUCKETS = {1: {"SPLIT": 1, "KB": 1}, 16: {"SPLIT": 0, "KB": 1}}
+# per (type, rows bucket), over TUNING: the one-row bank of Q4_K and MXFP4 on the MV schedule (gpu-run43-exact, H100,
+# bank of 16 at the bench geometry, kernels alone: Q4_K 723 GB/s against the MMA's 369, MXFP4 673 against 221; Q8_0's
+# MV, 622, stays behind its MMA, 976). The same bits as the MMA (checked there: rows alone == in the launch, every
+# candidate equal), so the 16-row bucket's MMA and this agree row for row. The constants are the measured candidate's
+TYPE_BUCKET: dict[tuple[int, int], dict] = {(qt, 1): {"MV": 1, "BN": 16, "num_warps": 2, "num_stages": 1, "KB": 4}
+                                           for qt in (4, 5)}       # MXFP4, Q4_K
 TYPE_CONFIG: dict[int, dict] = {}     # kernel type code -> overrides (tests, the roofline)
 
 
@@ -410,8 +416,9 @@ def mmq_ok(qt: int, K: int) -> bool:
 
 def config(qt: int, bucket: int) -> dict:
     """The launch constants of kernel type code qt for a rows bucket (triton_moe.bucket_of): CONFIG, the bucket's
-    (SPLIT, KB), the type's TUNING (KCB, warps), then TYPE_CONFIG's overrides."""
-    return {**CONFIG, **BUCKETS[bucket], **TUNING.get(qt, {}), **TYPE_CONFIG.get(qt, {})}
+    (SPLIT, KB), the type's TUNING (KCB, warps), the pair's TYPE_BUCKET, then TYPE_CONFIG's overrides."""
+    return {**CONFIG, **BUCKETS[bucket], **TUNING.get(qt, {}), **TYPE_BUCKET.get((qt, bucket), {}),
+            **TYPE_CONFIG.get(qt, {})}
 
 
 def _chunk(c: dict, qt: int, K: int) -> tuple[int, int]:

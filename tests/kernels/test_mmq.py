@@ -310,8 +310,14 @@ def test_compiles_to_int8_tensor_core_mma_for_sm90_without_spills():
     assert [(r["kernel"], r["qt"], r["bucket"]) for r in reports] == [
         (k, qt, b) for qt in sorted(mq.MMQ_TYPES) for k in ("gate_up", "down") for b in (1, 16)], p.stdout
     for r in reports:
+        assert r["config"]["SPLIT"] == (r["bucket"] == 1), r
+        if (r["qt"], r["bucket"]) in mq.TYPE_BUCKET and mq.TYPE_BUCKET[r["qt"], r["bucket"]].get("MV"):
+            # the shipped one-row schedule without tensor cores (triton_mmq_mv): word loads only, no MMA
+            assert r["config"]["MV"] and not r["mma"] and r["spill_bytes"] == 0, r
+            assert not any(w in k for k in r["loads"] for w in (".b8", ".u8", ".s8", ".b16", ".u16")), r
+            continue
         assert any(".s32.s8.s8" in m for m in r["mma"]), r
-        assert r["config"]["KB"] == mq.BUCKETS[r["bucket"]]["KB"] and r["config"]["SPLIT"] == (r["bucket"] == 1), r
+        assert r["config"]["KB"] == mq.BUCKETS[r["bucket"]]["KB"], r
         # K steps: KB back-to-back k32 MMAs per commit (the block-diagonal activations: N = KB x BM per 2 warpgroups)
         n_mma = sum(v for m, v in r["mma"].items() if "mma_async" in m)
         assert n_mma == r["config"]["KB"] * r["mma"]["wgmma.commit_group.sync.aligned"], r
