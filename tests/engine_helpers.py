@@ -343,13 +343,12 @@ class ByteCounter(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterc
 
 def counting_store_client(sockets: StoreSockets):
     """A GrpcStoreClient whose control channel counts bytes (the counter is `.counter`)."""
-    from services.pb.betelgeuse.v1 import store_pb2_grpc as spb_grpc
     from services.grpc.store_client import GrpcStoreClient
 
     class Counting(GrpcStoreClient):
         def attach(self):
             out = super().attach()
-            self.stub = spb_grpc.ExpertStoreStub(grpc.intercept_channel(self.channel, self.counter))
+            self.bind(grpc.intercept_channel(self.channel, self.counter))
             return out
     c = Counting(sockets.control, sockets.fds)
     c.counter = ByteCounter()

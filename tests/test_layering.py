@@ -25,7 +25,7 @@ GENERATED = ("services/pb/betelgeuse",)          # protoc output (services/codeg
 # top-level module or a subpackage of betelgeuse.
 FLOORS: tuple[tuple[str, ...], ...] = (
     # the shared vocabulary and leaf utilities: requests and events, sampling, errors, configuration, logs
-    ("__init__", "errors", "api", "sampling", "config", "settings", "logs", "metrics", "sdnotify", "chat",
+    ("__init__", "errors", "api", "sampling", "config", "settings", "logs", "metrics", "sdnotify", "gc_pauses", "chat",
      "routing_stats", "routing_approx"),      # routing_approx: the approximate modes' selection (model uses it)
     ("gguf",),                                   # the file format: reader, header, quant types, synthetic writers
     # text: the tokenizer (built from a GGUF's vocabulary), stop strings, tool calls, reasoning, grammars

@@ -196,9 +196,7 @@ class GrpcStoreClient:
             self._releases = []                     # the old session's slots are freed by the new attach
             self._aborted = None
             self.channel = grpc.insecure_channel(f"unix:{self.socket_path}", options=_CHANNEL_OPTIONS)
-            self.stub = pb_grpc.ExpertStoreStub(self.channel)
-            self._prefetch = _one_way(self.channel, "Prefetch", pb.PrefetchReply)
-            self._release = _one_way(self.channel, "Release", pb.ReleaseReply)
+            self.bind(self.channel)
             self._answers = _Answers()
         try:
             reply = self._call(self.stub.Attach, pb.AttachRequest(worker_pid=os.getpid(),
@@ -342,6 +340,13 @@ class GrpcStoreClient:
 
     def status(self) -> dict:
         return json.loads(self._call(self.stub.Status, pb.StatusRequest()).json)
+
+    def bind(self, channel):
+        """Every call of the session on `channel`: attach's own, or it wrapped in interceptors (grpc.intercept_channel:
+        tests count the messages and bytes of every kind, the one-way Prefetch / Release included)."""
+        self.stub = pb_grpc.ExpertStoreStub(channel)
+        self._prefetch = _one_way(channel, "Prefetch", pb.PrefetchReply)
+        self._release = _one_way(channel, "Release", pb.ReleaseReply)
 
     def _close_channel(self):
         """Close the channel (its calls in flight fail) and end its answers' thread (under _lock)."""

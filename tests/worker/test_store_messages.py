@@ -52,7 +52,6 @@ def models(tmp_path_factory):
 def test_one_message_per_decode_layer_with_a_miss(models, tmp_path, arch, guess):
     from betelgeuse.config import EngineConfig
     from services.assembly import open_runner, open_store
-    from services.pb.betelgeuse.v1 import store_pb2_grpc as spb_grpc
     cfg = EngineConfig(model_path=str(models[arch]), vram_slots=1, host_slots=2, read_threads=2,
                        prefetch_decode=guess)
     store = open_store(cfg, "process", str(tmp_path / "store"), timeout=120.0)
@@ -60,7 +59,7 @@ def test_one_message_per_decode_layer_with_a_miss(models, tmp_path, arch, guess)
         rn = open_runner(cfg, store)
         client = store.client
         counter = MethodCounter()
-        client.stub = spb_grpc.ExpertStoreStub(grpc.intercept_channel(client.channel, counter))
+        client.bind(grpc.intercept_channel(client.channel, counter))
         n_vocab, L = rn.mcfg.n_vocab, rn.mcfg.n_layer
         kv = rn.new_cache(64)
         logits, _ = rn.forward(prompt(20, n_vocab, seed=3), kv)
