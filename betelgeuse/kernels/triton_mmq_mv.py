@@ -38,7 +38,7 @@ import os
 import triton
 import triton.language as tl
 
-from betelgeuse.kernels.triton_mmvq import _e2m1, _half, _i8, _join4, _join8, _kq, _word
+from betelgeuse.kernels.triton_mmvq import _e2m1, _half, _i8, _join4, _join8, _kq, _word, k_head
 
 GROUP_BLOCKS = {0: 2, 4: 4, 5: 8}           # kernel type code -> q8_1 blocks (32 elements) of one word group
 DP4A_TYPES = frozenset({0, 4, 5})           # the types whose block dots may run as PTX dp4a (Q8_0, MXFP4, Q4_K)
@@ -179,13 +179,7 @@ def _weights(pool, ra, s0, mn, QT: tl.constexpr, BN: tl.constexpr, D1: tl.conste
                    _kq(q, q, 4, 16.0, -16.0, 5), _kq(q, q, 5, 16.0, -16.0, 5),
                    _kq(q, q, 6, 16.0, -16.0, 5), _kq(q, q, 7, 16.0, -16.0, 5))             # q = 16 f - 16
         # scales of sub-blocks j = 2 ga + h (get_scale_min_k4, as triton_mmq._q4_k_scale): bytes of words 1-3
-        w0 = _word(pool, b, m)                                                              # [BN, D1, 1]
-        sh = (ga % 2) * 16
-        b1 = _word(pool, b + 4, m) >> sh            # scales[j % 4] at bits 0-7 (h 0) / 8-15 (h 1)
-        b2 = _word(pool, b + 8, m) >> sh            # scales[4 + j % 4]
-        b3 = _word(pool, b + 12, m) >> sh           # scales[8 + j % 4]
-        d = _half(w0)
-        dmin = _half(w0 >> 16)
+        b1, b2, b3, d, dmin = k_head(pool, b, m, ga)                                       # [BN, D1, 1] each
         lo = ga < 2                                 # j < 4
         dws, mws = (), ()
         for h in tl.static_range(2):

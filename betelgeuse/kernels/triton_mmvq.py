@@ -66,6 +66,17 @@ def _word(pool, addr, mask):
 
 
 @triton.jit
+def k_head(pool, b, m, g):
+    """A Q4_K / Q5_K super-block's header at byte b (f16 d | f16 dmin | scales[12]) for its sub-block pair (2g, 2g + 1)
+    (get_scale_min_k4's bytes): the scale words b1 (scales[j % 4]), b2 (scales[4 + j % 4]), b3 (scales[8 + j % 4]),
+    each shifted so sub-block 2g's byte sits at bits 0-7 and 2g + 1's at 8-15, and d, dmin as float32."""
+    w0 = _word(pool, b, m)
+    sh = (g % 2) * 16
+    return (_word(pool, b + 4, m) >> sh, _word(pool, b + 8, m) >> sh, _word(pool, b + 12, m) >> sh,
+            _half(w0), _half(w0 >> 16))
+
+
+@triton.jit
 def _half(bits):
     """float32 of the f16 in the low 16 bits of int32 `bits`."""
     return (bits & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
@@ -165,13 +176,8 @@ def mv_weights(pool, ra, kk, mn, QT: tl.constexpr, D1: tl.constexpr, D2: tl.cons
             # (c % 32 = 4 bb + byte) bit 8 byte + 2 a + hi
             qh = _word(pool, b + 16 + bb * 4, m) >> (2 * a)              # [BN, 4, 8]
             S: tl.constexpr = 32.0                  # f = 1 + q/32
-        w0 = _word(pool, b, m)
-        sh = (a % 2) * 16                           # sub-blocks 2a (low nibbles), 2a + 1: scales bytes (2a) % 4, +1
-        b1 = _word(pool, b + 4, m) >> sh            # scales[j % 4] at bits 0-7 (j = 2a) and 8-15 (j = 2a + 1)
-        b2 = _word(pool, b + 8, m) >> sh            # scales[4 + j % 4]
-        b3 = _word(pool, b + 12, m) >> sh           # scales[8 + j % 4]
-        d = _half(w0)
-        dm = _half(w0 >> 16)
+        # sub-blocks 2a (low nibbles), 2a + 1: scales bytes (2a) % 4, +1
+        b1, b2, b3, d, dm = k_head(pool, b, m, a)
         lo = a < 2                                  # j < 4
         als, bes = (), ()
         for h in tl.static_range(2):                # w = d sc q - dmin m = al f - (al + dmin m), f = 1 + q/S
