@@ -99,7 +99,8 @@ def main(argv=None) -> int:
         raise_fd_limit(ws.http_max_connections)
 
     m = make_worker_metrics(__version__)
-    gc_pauses.GcPauses(lambda g, s: m.gc_pause.labels(str(g)).observe(s)).start()
+    pause = [m.gc_pause.labels(str(g)) for g in range(3)]     # bound once: a young collection runs every few ms
+    gc_pauses.GcPauses(lambda g, s: pause[g].observe(s)).start()
     m.vram_budget_bytes.set(cfg.vram_budget)
     cg = CgroupMemory.of_process()
     if cg:

@@ -364,10 +364,10 @@ class Guesser:
             picked.sort(key=lambda xc: (-rows[xc[0]], -top.get(xc[0], 0), xc[0]))
         return [x for x, _ in picked], [c for _, c in picked]
 
-    def _score(self, layer: int, d: int, g: list, cls: list, kind: list, used: set) -> list:
+    def _score(self, layer: int, d: int, g: list, cls: list, kind: list, used: set):
         """check's counts for one depth's guesses of `layer` (g: guessed disk experts, cls: their budget classes, kind:
         their classes) as the general loop makes them, on lists: a decode layer's guesses are a few experts, and a
-        numpy call costs more than a Python step over them -> g."""
+        numpy call costs more than a Python step over them."""
         hit = [x in used for x in g]
         n: dict = {}
         for c, y in zip(cls, hit):          # per budget class: guesses, hits
@@ -386,7 +386,6 @@ class Guesser:
             ct[c] += 1
             if y:
                 ch[c] += 1
-        return g
 
     def check(self, layer: int, disk: np.ndarray, ahead_used: int, stats: PassStats):
         """Layer `layer` ran with these disk experts, `ahead_used` of them answered from reads ahead: score the
@@ -406,7 +405,9 @@ class Guesser:
             if not len(g):                  # no guessed expert on disk from this depth: nothing to score
                 continue
             if self.fast:                   # the same counts on the few guesses' lists (no numpy call per class)
-                every.update(self._score(layer, d, g.tolist(), cls.tolist(), kind.tolist(), used))
+                gl = g.tolist()
+                self._score(layer, d, gl, cls.tolist(), kind.tolist(), used)
+                every.update(gl)
                 continue
             hit = np.array([int(x) in used for x in g], dtype=bool)
             for c in np.unique(cls):

@@ -290,9 +290,8 @@ class GrpcStoreClient:
         """Prefetch without waiting for the answer -> a function that waits for it (the reads started)."""
         req = pb.LoadRequest(session=self.session, experts=_ids(keys), release=list(release), drop=_ids(drop))
         f = self._answers.add(self._call(self._prefetch, req))
-        # kept until answered (reaped with the releases): gRPC cancels a call whose future is garbage-collected
-        # while in flight ("Cancelled upon garbage collection"), and a caller that never asks for the answer would
-        # lose the staging slots riding on it (the store kept them as the worker's: every load then waited)
+        # its answer checked with the releases' (_reap: before the pass begins or ends), whether or not the caller
+        # asks for it: a failed Prefetch raises there (the staging slots riding on it were the worker's)
         self._releases.append(f)
 
         def queued() -> int:
