@@ -52,6 +52,14 @@ def _tolerant(deserializer, type_name: str):
     return deserialize
 
 
+def _aborted(e: Exception, context) -> bool:
+    """Whether `e` is how gRPC ends a call the handler aborted (re-raise it; its status is already set).
+    grpc's `context.abort` raises a bare `Exception()` (1.85; `_AbortionException` in older releases) after
+    setting the code, so the type alone cannot tell an abort from a bug."""
+    return isinstance(e, grpc.RpcError) or type(e).__name__ == "_AbortionException" or \
+        (type(e) is Exception and not e.args and context.code() is not None)
+
+
 class ErrorInterceptor(grpc.ServerInterceptor):
     """BetelgeuseError -> its status code with the message; anything else -> INTERNAL, logged.
     Also counts each InferenceService RPC by method and final code (betelgeuse_requests), refuses
@@ -106,7 +114,8 @@ class ErrorInterceptor(grpc.ServerInterceptor):
                     count(grpc.StatusCode.OK)
                     return r
                 except Exception as e:      # noqa: BLE001 (abort raises; a non-Betelgeuse error is a bug)
-                    if type(e).__name__ == "_AbortionException" or isinstance(e, grpc.RpcError):
+                    if _aborted(e, context):
+                        count(context.code() or grpc.StatusCode.UNKNOWN)
                         raise
                     fail(e, context)
             return grpc.unary_unary_rpc_method_handler(unary, deser, handler.response_serializer)
@@ -117,13 +126,14 @@ class ErrorInterceptor(grpc.ServerInterceptor):
                 refuse(request, context)
                 try:
                     yield from inner_s(request, context)
-                    code = grpc.StatusCode.OK
-                    if not context.is_active():
+                    code = context.code() or grpc.StatusCode.OK     # a handler may end with set_code
+                    if code == grpc.StatusCode.OK and not context.is_active():
                         code = grpc.StatusCode.DEADLINE_EXCEEDED if context.time_remaining() is not None and \
                             context.time_remaining() <= 0 else grpc.StatusCode.CANCELLED
                     count(code)
                 except Exception as e:      # noqa: BLE001
-                    if type(e).__name__ == "_AbortionException" or isinstance(e, grpc.RpcError):
+                    if _aborted(e, context):
+                        count(context.code() or grpc.StatusCode.UNKNOWN)
                         raise
                     fail(e, context)
             return grpc.unary_stream_rpc_method_handler(stream, deser, handler.response_serializer)
@@ -153,7 +163,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 if deadline is not None and time.monotonic() >= deadline:
                     # the engine ended it at the deadline (the same instant as gRPC's, read a hair earlier): the
                     # client is told DEADLINE_EXCEEDED either way, never an OK stream cut short
-                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline exceeded")
+                    context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
+                    context.set_details("request deadline exceeded")
+                    return
             yield convert.event_to_pb(ev, rid)
             rid = ""
 

@@ -183,3 +183,51 @@ def test_store_down_is_unavailable_then_recovers(cluster, channel, service_model
     assert r.code is None, r.details
     assert r.tokens == want                    # a fresh (cold) arena gives the same tokens
     assert _server_info(channel).store_attached
+
+
+@pytest.mark.parametrize("kind", ["unary_stream", "unary_unary"])
+def test_a_handler_abort_keeps_its_code(kind):
+    """A handler that aborts (here mid-stream, as Generate did when the engine ended a call at its deadline)
+    keeps the code it chose. grpc 1.85's `context.abort` raises a bare Exception, which the interceptor once
+    took for a bug: the client saw INTERNAL 'internal error in Generate' (stop 40's CI failure). A real
+    server on loopback, the worker's interceptor and metrics."""
+    from concurrent import futures
+
+    from betelgeuse.metrics import make_worker_metrics
+    from services.grpc.server import SERVICE_NAME, ErrorInterceptor
+    from services.launcher import free_port
+
+    def stream(request, context):
+        yield pb.GenerateResponse(request_id="one")
+        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline exceeded")
+
+    def unary(request, context):
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no such thing")
+
+    make = getattr(grpc, f"{kind}_rpc_method_handler")
+    fn = stream if kind == "unary_stream" else unary
+    metrics = make_worker_metrics()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), interceptors=[ErrorInterceptor(metrics)])
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE_NAME, {"Generate": make(
+        fn, request_deserializer=pb.GenerateRequest.FromString,
+        response_serializer=pb.GenerateResponse.SerializeToString)})])
+    addr = f"127.0.0.1:{free_port()}"
+    server.add_insecure_port(addr)
+    server.start()
+    try:
+        with grpc.insecure_channel(addr) as ch:
+            call = getattr(ch, kind)(f"/{SERVICE_NAME}/Generate", request_serializer=pb.GenerateRequest.SerializeToString,
+                                     response_deserializer=pb.GenerateResponse.FromString)
+            with pytest.raises(grpc.RpcError) as e:
+                r = call(pb.GenerateRequest(), timeout=30)
+                if kind == "unary_stream":
+                    assert next(r).request_id == "one"
+                    next(r)
+        want = grpc.StatusCode.DEADLINE_EXCEEDED if kind == "unary_stream" else grpc.StatusCode.FAILED_PRECONDITION
+        assert e.value.code() == want, e.value.details()
+        assert e.value.details() in ("request deadline exceeded", "no such thing")
+        counted = {s.labels["code"]: s.value for m in metrics.registry.collect() for s in m.samples
+                   if s.name == "betelgeuse_requests_total" and s.labels["method"] == "Generate" and s.value}
+        assert counted == {want.name: 1.0}, counted
+    finally:
+        server.stop(0)
