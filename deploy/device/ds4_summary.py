@@ -66,13 +66,23 @@ def targets(r: dict) -> list[str]:
                       f"messages/token: {kinds}", None))
     ln = (ex.get("profile", {}).get("decode") or {}).get("launches_per_layer")
     L.append(_row("kernel launches / layer, decode, exact", "≤ 60", _f(ln), None if ln is None else ln <= 60))
+    names = (ex.get("profile", {}).get("decode") or {}).get("launches_by_name")
+    if names:                 # which kernels the count is made of (services/bench/profile.by_name)
+        L.append(_row("  of it, by kernel (per layer)", "–", "; ".join(f"`{n}` {c:g}" for n, c in names.items()),
+                      None))
     runs = [p for c in (ex, pool) for p in c.get("passes", []) + ([c["decode"]] if c.get("decode") else [])]
-    bounds = [p["bound"] for p in runs if p.get("bound")]
+    # the target is for layer-major passes and decode; a pass of the standard (token-major) schedule, which the
+    # bench runs for comparison, is shown beside it and judged by nothing
+    std = [p["bound"]["achieved"] for p in runs if p.get("schedule") == "standard" and p.get("bound")]
+    bounds = [p["bound"] for p in runs if p.get("bound") and p.get("schedule") != "standard"]
     ach = [b["achieved"] for b in bounds]
     wrong = sum(bool(b.get("bound_wrong")) for b in bounds)
-    L.append(_row("every pass and decode run, achieved of its bound", "0.8-1.0, bound honest",
+    L.append(_row("every layer-major pass and decode run, achieved of its bound", "0.8-1.0, bound honest",
                   (f"{min(ach):.2f}-{max(ach):.2f}" + (f", {wrong} bound wrong" if wrong else "")) if ach else "–",
                   None if not ach else (wrong == 0 and min(ach) >= 0.8)))
+    if std:
+        L.append(_row("  standard-schedule passes (for comparison), achieved of their bound", "–",
+                      ", ".join(f"{a:.2f}" for a in std), None))
     peak = r.get("vram", {}).get("peak_bytes")
     L.append(_row("peak VRAM (MiB)", f"≤ {VRAM_TARGET_MIB:,}", _f(None if peak is None else peak / MiB, "{:,.0f}"),
                   None if peak is None else peak / MiB <= VRAM_TARGET_MIB))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections import Counter
 
 import torch
 
@@ -28,8 +29,16 @@ def _union_us(intervals) -> float:
     return total + ((end - start) if end is not None else 0.0)
 
 
+def by_name(kernels: list[dict], n_layer: int, top: int = 12) -> dict[str, float]:
+    """Launches per layer by kernel name, the `top` most launched first (which kernels a fused one would save):
+    {name (cut to 80 chars): launches / n_layer}."""
+    names = Counter(str(k.get("name", "?"))[:80] for k in kernels)
+    return {n: round(c / max(n_layer, 1), 2) for n, c in names.most_common(top)}
+
+
 def profile_pass(fn, n_layer: int, timed_wall_s: float, device: torch.device) -> dict | None:
-    """Run fn() once under the profiler; {launches, launches_per_layer, memcpys, kernel_ms, gpu_busy}."""
+    """Run fn() once under the profiler; {launches, launches_per_layer, memcpys, kernel_ms, gpu_busy,
+    launches_by_name}."""
     if device.type != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -49,4 +58,5 @@ def profile_pass(fn, n_layer: int, timed_wall_s: float, device: torch.device) ->
     copies = [e for e in ev if e.get("cat") == "gpu_memcpy"]
     busy_us = _union_us((float(k["ts"]), float(k["ts"]) + float(k["dur"])) for k in kernels)
     return {"launches": len(kernels), "launches_per_layer": len(kernels) / max(n_layer, 1), "memcpys": len(copies),
-            "kernel_ms": busy_us / 1e3, "gpu_busy": (busy_us / 1e6) / timed_wall_s if timed_wall_s > 0 else None}
+            "kernel_ms": busy_us / 1e3, "gpu_busy": (busy_us / 1e6) / timed_wall_s if timed_wall_s > 0 else None,
+            "launches_by_name": by_name(kernels, n_layer)}

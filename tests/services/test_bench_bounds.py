@@ -123,3 +123,33 @@ def test_bench_runs_exact_and_pool_with_divergence_and_honest_bounds(tmp_path):
     md = (out / "bench.md").read_text()
     assert f"| 2+6 p8 pool (APPROXIMATE pool; vs exact: top-1 {d['top1']:.1%}, KL {d['kl']:.4f} nats/token) |" in md
     assert "`pool` = every rank among resident experts" in md
+
+
+def test_ds4_summary_judges_layer_major_passes_and_names_the_launches():
+    """Issue 21's row "every layer-major pass and decode, of its bound" judges those alone; the bench's
+    standard-schedule pass (token-major, run for comparison; 0.27 in gpu-run43-exact) is shown beside it, judged by
+    nothing. The profiled decode's launches per layer come with their kernels by name."""
+    import importlib.util
+    from pathlib import Path
+
+    from services.bench.profile import by_name
+    path = Path(__file__).parents[2] / "deploy/device/ds4_summary.py"
+    spec = importlib.util.spec_from_file_location("ds4_summary", path)
+    S = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(S)
+    kernels = [{"name": "attn"}] * 16 + [{"name": "moe_gate_up"}] * 24 + [{"name": "norm"}] * 8
+    names = by_name(kernels, n_layer=8)
+    assert names == {"moe_gate_up": 3.0, "attn": 2.0, "norm": 1.0} and list(names)[0] == "moe_gate_up"
+
+    def bound(a):
+        return {"achieved": a, "bound_wrong": False, "limiter": "disk"}
+    case = {"name": "auto p64", "routing": "exact", "prompt_tokens": 64,
+            "passes": [{"label": "warm", "schedule": "layer_major", "bound": bound(0.94)},
+                       {"label": "std", "schedule": "standard", "bound": bound(0.27)}],
+            "decode": {"tokens": 64, "bound": bound(0.85)},
+            "profile": {"decode": {"launches_per_layer": 6.0, "launches_by_name": names}}}
+    rows = S.targets({"cases": [case]})
+    row = next(r for r in rows if "every layer-major pass" in r)
+    assert "0.85-0.94" in row and row.rstrip(" |").endswith("PASS"), row
+    assert any("standard-schedule" in r and "0.27" in r for r in rows), rows
+    assert any("`moe_gate_up` 3" in r for r in rows), rows

@@ -216,7 +216,8 @@ def test_a_handler_abort_keeps_its_code(kind):
     server.start()
     try:
         with grpc.insecure_channel(addr) as ch:
-            call = getattr(ch, kind)(f"/{SERVICE_NAME}/Generate", request_serializer=pb.GenerateRequest.SerializeToString,
+            call = getattr(ch, kind)(f"/{SERVICE_NAME}/Generate",
+                                     request_serializer=pb.GenerateRequest.SerializeToString,
                                      response_deserializer=pb.GenerateResponse.FromString)
             with pytest.raises(grpc.RpcError) as e:
                 r = call(pb.GenerateRequest(), timeout=30)
