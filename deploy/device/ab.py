@@ -10,8 +10,10 @@ docs/benchmarks/ runs (one tool; the benchmark folders keep only their configura
 
 Why alternating: the machine's speed drifts (other processes, thermal, the page cache), so A and B take turns, rep by
 rep, configuration by configuration, and a drift falls on both. The script is B's (the new measuring code wraps
-either checkout's classes); only PYTHONPATH changes between the sides. CONFIGS: one argument line per configuration
-(blank lines and lines starting with # skipped). A device A/B extracts A with
+either checkout's classes); only PYTHONPATH changes between the sides, so the script must leave sys.path to
+PYTHONPATH (decode_host.py and store_messages.py do; a script that imports `_common` puts B's checkout first and would
+run B's code on both sides). CONFIGS: one argument line per configuration (blank lines and lines starting with #
+skipped). A device A/B extracts A with
 `git archive <commit> betelgeuse services deploy | tar -x -C _base` and passes `_base` as A_CHECKOUT.
 """
 
