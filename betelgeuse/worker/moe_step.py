@@ -788,10 +788,10 @@ class MoEStep:
             nonlocal batch
             if batch:
                 es = [x.expert for x in batch]
-                bank, g = self._to_bank(es, [cache.staging_slot(x.slot) for x in batch], timing)
-                self._apply(r, l, g, ls)
+                bank, offs = cache.to_bank([cache.staging_slot(x.slot) for x in batch], timing)
+                self._apply(r, l, self._group(es, offs), ls)
                 if self.flex is not None:      # copies for the flex cache, before the bank may be rewritten
-                    self.flex.keep(l, es, cache.pool, g.base_host[es])
+                    self.flex.keep(l, es, cache.pool, offs)
                 cache.bank_done(bank)
                 held.append((bank, [x.slot for x in batch]))
                 batch = []
