@@ -98,13 +98,13 @@ def _time_layers(moe, a) -> tuple[list, list, list]:
 
 # --split: the functions of a decode layer's expert step timed in place (owner path from the runner, method name)
 SPLIT = [("moe", "hand_misses"), ("moe", "gate_drain"), ("moe", "partial"), ("moe", "_partial"), ("moe", "_hand_all"),
-         ("moe", "_hand_misses"), ("moe", "_disk_groups"), ("moe", "_disk_table"), ("moe", "_to_bank"), ("moe", "_apply"), ("moe", "_group"),
-         ("moe", "_release"), ("moe", "_read_in_place"), ("moe.kern", "apply"), ("moe.cache", "to_bank"),
-         ("moe.cache", "table"), ("moe.cache", "bank_done"), ("moe.flex", "keep"), ("moe.session", "load"), ("moe.session", "prefetch_start"),
-         ("moe.session", "release"), ("moe.session", "flush_releases"), ("moe.guesser", "read_ahead"),
-         ("moe.guesser", "check"), ("moe.guesser", "unused"), ("moe.hand", "stale"), ("moe.hand", "refresh"),
-         ("store", "load"), ("store", "prefetch_start"), ("store", "release"), ("LoadStream", "__next__"),
-         ("RoutingSync", "finish")]
+         ("moe", "_hand_misses"), ("moe", "_disk_groups"), ("moe", "_disk_table"), ("moe", "_to_bank"),
+         ("moe", "_apply"), ("moe", "_group"), ("moe", "_release"), ("moe", "_read_in_place"), ("moe.kern", "apply"),
+         ("moe.cache", "to_bank"), ("moe.cache", "table"), ("moe.cache", "bank_done"), ("moe.flex", "keep"),
+         ("moe.session", "load"), ("moe.session", "prefetch_start"), ("moe.session", "release"),
+         ("moe.session", "flush_releases"), ("moe.guesser", "read_ahead"), ("moe.guesser", "check"),
+         ("moe.guesser", "unused"), ("moe.hand", "stale"), ("moe.hand", "refresh"), ("store", "load"),
+         ("store", "prefetch_start"), ("store", "release"), ("LoadStream", "__next__"), ("RoutingSync", "finish")]
 
 
 def _split(rn, client) -> dict:
@@ -259,7 +259,8 @@ def main() -> int:
     p.add_argument("--flex", default="auto", choices=["auto", "on", "off"],
                    help="the flex cache (auto: on CUDA); off keeps a decode's disk experts misses on CUDA")
     p.add_argument("--host-in-place", default="auto", choices=["auto", "always", "never"],
-                   help="engine.host_in_place (never: host experts through ring banks, as ds4-flash's MXFP4 under auto)")
+                   help="engine.host_in_place (never: host experts through ring banks, as ds4-flash's MXFP4 are "
+                   "under auto)")
     p.add_argument("--split", action="store_true",
                    help="the expert step's functions timed in place: median us per call, calls per step (SPLIT)")
     a = p.parse_args()
