@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from betelgeuse.kernels import triton_mmvq as mv
-from betelgeuse.kernels.triton_launch import launcher
+from betelgeuse.kernels.triton_launch import cdiv, launcher, pow2
 from betelgeuse.kernels.triton_quants import QT_CODES, SUPER, tables, wdot  # noqa: F401
 
 # Launch constants. Two kinds, so that a row's bits never depend on the launch (DESIGN.md invariant 6):
@@ -524,11 +524,11 @@ def _mv_launch(kernel, args: list, grid_n: int, R: int, E: int, K: int, qt: int,
     partial), else walked: the same sums."""
     kc = c["KC"] if 0 < c["KC"] < K else 0
     nrb = _launch_rows(R, E, c["BM_MV"])
-    nch = triton.cdiv(K, kc) if kc else 1
+    nch = cdiv(K, kc) if kc else 1
     split = kc > 0 and bool(c["SPLIT"]) and grid_n * nrb * nch * per * 4 <= WS_LIMIT
     ws, cnt = _workspace(device, grid_n * nrb * nch * per, grid_n * nrb) if split else _workspace(device, 1, 1)
     kernel[(grid_n, nrb, nch) if split else (grid_n, nrb)](
-        *args[:7], ws, cnt, *args[7:], kc, **consts, BM=c["BM_MV"], **_mv_dims(qt), EP=triton.next_power_of_2(E),
+        *args[:7], ws, cnt, *args[7:], kc, **consts, BM=c["BM_MV"], **_mv_dims(qt), EP=pow2(E),
         CHUNKS=kc > 0, SPLIT=split, num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
@@ -549,7 +549,7 @@ def _combine_kernel(y_ptr, w_ptr, out_ptr, rows_ptr, H, k_top, BN: tl.constexpr,
 def _launch_rows(R: int, E: int, BM: int) -> int:
     """Upper bound of the row blocks of R rows over E experts (each expert with rows adds at most one partial block;
     blocks of one row: exactly R)."""
-    return R if BM == 1 else triton.cdiv(R, BM) + min(R, E)
+    return R if BM == 1 else cdiv(R, BM) + min(R, E)
 
 
 _WS: dict = {}
@@ -580,7 +580,7 @@ def _launch(kernel, args: list, grid_nb: int, R: int, E: int, K: int, qt: int, w
     """Launch gate_up or down: grid (output blocks, row blocks[, chunks]); chunks as programs when the bucket's
     schedule says SPLIT and the partials fit WS_LIMIT, else walked by one program (the same sums)."""
     kc = chunk(qt, K, bk)
-    nch = triton.cdiv(K, kc)
+    nch = cdiv(K, kc)
     nrb = _launch_rows(R, E, c["BM"])
     per = (2 if which == "gate_up" else 1) * bn * c["BM"]
     split = bool(c["SPLIT"]) and nch > 1 and grid_nb * nrb * nch * per * 4 <= WS_LIMIT
@@ -591,7 +591,7 @@ def _launch(kernel, args: list, grid_nb: int, R: int, E: int, K: int, qt: int, w
         ws, cnt = _workspace(device, 1, 1)
         grid = (grid_nb, nrb)
     kernel[grid](*args[:8], ws, cnt, *args[8:], kc, **consts, SPLIT=split, BM=c["BM"], BN=bn, BK=bk,
-                 EP=triton.next_power_of_2(E), num_warps=c["num_warps"], num_stages=c["num_stages"])
+                 EP=pow2(E), num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
 # the launches, counted per kernel (kernels/triton_launch.py)
@@ -612,12 +612,12 @@ def gate_up(h, pool, base, starts, rows, off, inter, n_ff: int, k_top: int, qt: 
     if c["MV"] and mv_ok(qt, H, row_bytes, aligned, c["KC"]):
         _mv_launch(_GATE_UP_MV, [h, pool, base, starts, rows, off, inter, H, n_ff, row_bytes, E, k_top,
                                  float(limit) if limit is not None else 0.0],
-                   triton.cdiv(n_ff, bn), R, E, H, qt, 2 * bn * c["BM_MV"], c,
+                   cdiv(n_ff, bn), R, E, H, qt, 2 * bn * c["BM_MV"], c,
                    dict(QT=qt, HAS_LIMIT=limit is not None, RA=_row_align(row_bytes), BN=bn), pool.device)
         return
     _launch(_GATE_UP, [h, pool, tables(pool.device), base, starts, rows, off, inter, H, n_ff, row_bytes, E,
                               k_top, float(limit) if limit is not None else 0.0],
-            triton.cdiv(n_ff, bn), R, E, H, qt, "gate_up", bn, c, block_k(qt, H, n_ff),
+            cdiv(n_ff, bn), R, E, H, qt, "gate_up", bn, c, block_k(qt, H, n_ff),
             dict(QT=qt, HAS_LIMIT=limit is not None, IEEE=h.dtype == torch.float32, ALIGNED=aligned,
                  RA=_row_align(row_bytes)), pool.device)
 
@@ -632,11 +632,11 @@ def down(inter, pool, base, starts, rows, off, y, n_tokens: int, qt: int, row_by
     bn = c["BN"]
     if c["MV"] and mv_ok(qt, F, row_bytes, aligned, c["KC"]):
         _mv_launch(_DOWN_MV, [inter, pool, base, starts, rows, off, y, H, F, row_bytes, E],
-                   triton.cdiv(H, bn), R, E, F, qt, bn * c["BM_MV"], c,
+                   cdiv(H, bn), R, E, F, qt, bn * c["BM_MV"], c,
                    dict(QT=qt, RA=_row_align(row_bytes), BN=bn), pool.device)
         return
     _launch(_DOWN, [inter, pool, tables(pool.device), base, starts, rows, off, y, H, F, row_bytes, E],
-            triton.cdiv(H, bn), R, E, F, qt, "down", bn, c, block_k(qt, H, F),
+            cdiv(H, bn), R, E, F, qt, "down", bn, c, block_k(qt, H, F),
             dict(QT=qt, IEEE=inter.dtype == torch.float32, ALIGNED=aligned, RA=_row_align(row_bytes)), pool.device)
 
 
@@ -646,7 +646,7 @@ def combine(y, w, out, rows=None):
     T, k = w.shape
     H = y.shape[1]
     assert out.is_contiguous() and out.shape[1] == H, (out.shape, H)
-    _COMBINE[(T, triton.cdiv(H, 256))](y, w.contiguous(), out, rows if rows is not None else w, H, k, BN=256,
+    _COMBINE[(T, cdiv(H, 256))](y, w.contiguous(), out, rows if rows is not None else w, H, k, BN=256,
                                               ROWS=rows is not None)
     return out
 

@@ -66,6 +66,7 @@ class ExpertCache:
         self.vram = self.pool[: L * V * sb].view(L, V, sb)
         self.ring = self.pool[L * V * sb:].view(ring_slots, sb)
         self.ring_offset = L * V * sb
+        self._ring_slots = list(self.ring.unbind(0)) if ring_slots else []   # ring[i] made once, not per copy
         # which expert each VRAM slot holds: (expert, host_slot, generation); -1 = empty
         self.vram_owner = np.full((L, max(V, 1), 3), -1, dtype=np.int64)
         self.vram_index = np.full((L, E), -1, dtype=np.int64)     # expert -> VRAM slot
@@ -92,18 +93,29 @@ class ExpertCache:
         self.tables_host = torch.full((self.n_tables, E), -1, dtype=torch.int64, pin_memory=self.is_cuda)
         self.tables_dev = torch.full((self.n_tables, E), -1, dtype=torch.int64, device=device)
         self._tables_np = self.tables_host.numpy()   # the same memory
+        self._table_rows: list = [None] * self.n_tables   # (host row, device row) views, made at a row's first use
         self._table = 0
+        # arena views of host / staging slots, made at their first use: a decode miss layer takes a few, and a
+        # tensor view (with the layout's offset arithmetic) costs more than the dict lookup
+        self._host_views: dict = {}
+        self._staging_views: dict = {}
         self.h2d_bytes = 0
         self.copy_seconds = 0.0    # CPU path: time spent copying
 
     # ---- host views -------------------------------------------------------------------------
     def host_slot(self, layer: int, i: int) -> torch.Tensor:
-        off = self.layout.host_slot_offset(layer, i)
-        return self.host[off: off + self.slot_bytes]
+        v = self._host_views.get((layer, i))
+        if v is None:
+            off = self.layout.host_slot_offset(layer, i)          # asserts the range
+            v = self._host_views[layer, i] = self.host[off: off + self.slot_bytes]
+        return v
 
     def staging_slot(self, i: int) -> torch.Tensor:
-        off = self.layout.staging_slot_offset(i)
-        return self.host[off: off + self.slot_bytes]
+        v = self._staging_views.get(i)
+        if v is None:
+            off = self.layout.staging_slot_offset(i)              # asserts the range
+            v = self._staging_views[i] = self.host[off: off + self.slot_bytes]
+        return v
 
     # ---- VRAM hot slots ---------------------------------------------------------------------
     def sync_vram(self, snap: np.ndarray, epoch: int | None = None) -> tuple[int, list[tuple[int, int, int]]]:
@@ -223,8 +235,8 @@ class ExpertCache:
                 if timing is not None:
                     ev0 = torch.cuda.Event(enable_timing=True)
                     ev0.record(self.copy_stream)
-                for i, src in enumerate(srcs):
-                    self.ring[first + i].copy_(src, non_blocking=True)
+                for dst, src in zip(self._ring_slots[first:first + len(srcs)], srcs):
+                    dst.copy_(src, non_blocking=True)
                 self._bank_ready[b].record(self.copy_stream)
                 if timing is not None:
                     ev1 = torch.cuda.Event(enable_timing=True)
@@ -233,13 +245,13 @@ class ExpertCache:
             torch.cuda.current_stream(self.device).wait_event(self._bank_ready[b])
         else:
             t = time.perf_counter()
-            for i, src in enumerate(srcs):
-                self.ring[first + i].copy_(src)
+            for dst, src in zip(self._ring_slots[first:first + len(srcs)], srcs):
+                dst.copy_(src)
             dt = time.perf_counter() - t
             self.copy_seconds += dt
             if timing is not None:
                 timing.append(dt * 1e3)
-        self.h2d_bytes += sum(s.numel() for s in srcs)
+        self.h2d_bytes += len(srcs) * self.slot_bytes       # each src a slot (copy_ into a ring slot checks its size)
         return b, offs
 
     def bank_ready_event(self, b: int):
@@ -256,10 +268,17 @@ class ExpertCache:
         self._table = (i + 1) % self.n_tables
         host = self._tables_np[i]                    # filled in numpy: no torch op per entry list
         host.fill(-1)
-        host[experts] = offs
-        dev = self.tables_dev[i]
-        dev.copy_(self.tables_host[i], non_blocking=self.is_cuda)
-        return host, dev
+        if len(experts) <= 8:                        # decode's few: item assignment costs less than index arrays
+            assert len(experts) == len(offs), (experts, offs)
+            for e, o in zip(experts, offs):
+                host[e] = o
+        else:
+            host[experts] = offs
+        rows = self._table_rows[i]
+        if rows is None:
+            rows = self._table_rows[i] = (self.tables_host[i], self.tables_dev[i])
+        rows[1].copy_(rows[0], non_blocking=self.is_cuda)
+        return host, rows[1]
 
     def pass_begin(self):
         self._table = 0
@@ -282,4 +301,5 @@ class ExpertCache:
             unregister_pinned(self.arena)
             self.pinned = False
         self.host = None
+        self._host_views, self._staging_views = {}, {}
         self.arena.close()

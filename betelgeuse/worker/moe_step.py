@@ -499,8 +499,12 @@ class MoEStep:
         flexed = used[:0]
         if self.flex is not None:         # experts held in the flex cache are computed from their copies (step 2)
             used, tiers, flexed = self.flex.split(l, used, tiers)
-        if hand and self._fast and self._hand_all(l, counts, marks, used, tiers, flexed, snap, stats, ls):
-            return
+        if hand and self._fast:
+            if self._hand_all(l, counts, marks, used, tiers, flexed, snap, stats, ls):
+                return
+            if not table and not readahead:
+                self._hand_misses(l, r, counts, marks, used, tiers, flexed, snap, stats, ls)
+                return
         by_tier = {t: used[tiers == t] for t in (TIER_VRAM, TIER_HOST, TIER_DISK)}
         ls.vram, ls.host, ls.disk = (len(by_tier[t]) for t in (TIER_VRAM, TIER_HOST, TIER_DISK))
         for t, n in ((TIER_VRAM, ls.vram), (TIER_HOST, ls.host), (TIER_DISK, ls.disk)):
@@ -644,6 +648,68 @@ class MoEStep:
         self.guesser.check(l, (), 0, stats)         # no disk expert
         return True
 
+    def _hand_misses(self, l, r, counts, marks, used, tiers, flexed, snap, stats: PassStats, ls: LayerStats):
+        """partial(hand=True) where a miss remains after the at-hand group (a disk expert, or a host one this step
+        banks), on the experts' lists: the general path's observables and calls in its order (the tier counts, the
+        read-ahead on the load message, the in-place bytes, the host batches through ring banks, the disk groups,
+        the guesses scored) without its per-tier arrays, dict and array asserts (a decode layer routes a few experts:
+        Python over their lists costs less than a numpy call each). `used`, `tiers`: the routed experts less the
+        flex-held ones (`flexed`). The general path (fast = False) is what the tests compare it with."""
+        at = self.hand.host[l]
+        nv, read, banked, disk = 0, [], [], []      # VRAM; host read in place (at hand) / banked here; disk
+        for e, t, a in zip(used.tolist(), tiers.tolist(), at[used].tolist()):
+            if t == TIER_VRAM:
+                assert a != -1, (l, e)               # the at-hand group computed it
+                nv += 1
+            elif t == TIER_HOST:
+                (banked if a == -1 else read).append(e)
+            elif t == TIER_DISK:
+                assert a == -1, (l, e)               # a disk expert is never at hand
+                disk.append(e)
+        assert not len(flexed) or -1 not in at[flexed].tolist(), (l, flexed)
+        ls.vram, ls.host, ls.disk = nv, len(read) + len(banked), len(disk)
+        reads = stats.reads
+        reads["vram"] += ls.vram
+        reads["host"] += ls.host
+        reads["disk"] += ls.disk
+        # 1. demand loads, the guesses' read-ahead on the same message (partial's step 1)
+        keys = [(l, e) for e in disk]
+        drop = self.guesser.unused(l, disk)
+        loads = sent = None
+
+        def send_ahead(ahead):
+            nonlocal loads, sent
+            sent = True
+            if not keys:
+                return self.session.prefetch_start(ahead, drop)
+            loads = self.session.load(keys, ahead, drop)
+            return loads.queued
+        if marks is not None:
+            # a guessed expert held in the flex cache needs no read (applied only where a guess sits on disk)
+            self.guesser.read_ahead(l, self.guess_layers(l), marks, snap, stats, send_ahead,
+                                    None if self.flex is None else lambda m: self._unflexed(l, m))
+        if loads is None:
+            loads = self.session.load(keys, (), drop) if keys else iter(())
+            if drop and not keys and not sent:
+                self.session.prefetch_start([], drop)
+        timing = self.clock.copy_timing(ls)
+        ls.groups += 1                               # the at-hand group
+        self._flex_count(len(flexed), stats, ls)
+        if self.hand.in_place and read:     # the bytes the group's kernels read over PCIe (none: adds 0)
+            self._read_in_place(l, counts, read, stats)
+        # 2-3. the banked host experts in batches (nothing else is left to compute beside them)
+        cache, B = self.cache, self.cache.bank_size
+        if banked:
+            hslots = snap["host_slot"][l]
+            for i in range(0, len(banked), B):
+                b = banked[i:i + B]
+                bank, g = self._to_bank(b, [cache.host_slot(l, int(hslots[e])) for e in b], timing)
+                self._apply(r, l, g, ls)
+                cache.bank_done(bank)
+        # 4. the disk experts as they land
+        ahead_used = self._disk_groups(l, r, loads, len(disk), stats, ls, timing) if disk else 0
+        self.guesser.check(l, disk, ahead_used, stats)
+
     def serial(self, l, r, used, snap, stats: PassStats, ls: LayerStats):
         """The standard schedule: the layer's used experts in ascending id, each fetched and waited for (no overlap)."""
         cache = self.cache
@@ -722,10 +788,10 @@ class MoEStep:
             nonlocal batch
             if batch:
                 es = [x.expert for x in batch]
-                bank, g = self._to_bank(es, [cache.staging_slot(x.slot) for x in batch], timing)
-                self._apply(r, l, g, ls)
+                bank, offs = cache.to_bank([cache.staging_slot(x.slot) for x in batch], timing)
+                self._apply(r, l, self._group(es, offs), ls)
                 if self.flex is not None:      # copies for the flex cache, before the bank may be rewritten
-                    self.flex.keep(l, es, cache.pool, g.base_host[es])
+                    self.flex.keep(l, es, cache.pool, offs)
                 cache.bank_done(bank)
                 held.append((bank, [x.slot for x in batch]))
                 batch = []

@@ -9,7 +9,7 @@ rest, and the blocked wait for the store's expert bytes. Run it in two checkouts
 
     python3 deploy/device/decode_host.py [--preset ds4-tiny] [--vram 2 --host 3] [--tokens 64] [--device cpu]
                                          [--form default|solo|lanes] [--gate] [--profile out.prof] [--split]
-                                         [--flex auto|on|off]
+                                         [--flex auto|on|off] [--host-in-place auto|always|never]
 
 --form: the decode path. default: whatever the device takes (on the CPU: forward()'s per-layer partial path); solo /
 lanes: the static form CUDA runs (forced on the CPU, eagerly: SoloDecode through forward(), or the batched lanes
@@ -19,7 +19,9 @@ with --gate, decode_gate on (worker/gate.py: on the CPU each gated layer is drai
 nomiss_layer_us: the median host wall of a decode layer's expert step that had no miss (_time_layers), over
 nomiss_layers such layers of the timed steps. miss_layer_us: the same step of a layer with a miss (a disk expert or
 a banked host one), its wall less the pass clock's blocked waits in it (the store delivering, copies, the sync):
-the host's own time, store messages included, over miss_layer_calls such layers.
+the host's own time, store messages included, over miss_layer_calls such layers. miss_own_us: the same less its store
+messages and the expert math (kern.apply; on the CPU torch compute, on CUDA two launches a group): the step's
+bookkeeping alone (tiers, guesses, banks, slot tables, staging slots, flex copies).
 --split: the expert step's functions (SPLIT: MoEStep's, the kernels' apply, the bank copies, the session's and the
 store client's messages, a Load's next expert) timed in place -> split_us {name: [median us per call, calls per
 step]}; each wrapper adds ~1 us, and nested calls count in each function that encloses them.
@@ -55,21 +57,31 @@ def _model(preset: str, tmp: Path) -> Path:
     return path
 
 
-def _time_layers(moe, a) -> tuple[list, list]:
-    """(no-miss, miss): the host seconds of each decode layer's expert step, by whether it had a miss, appended to
+def _time_layers(moe, a) -> tuple[list, list, list]:
+    """(no-miss, miss, own): the host seconds of each decode layer's expert step, by whether it had a miss, appended to
     the lists returned: the call after the at-hand group (MoEStep.hand_misses: the sync's wait, tier counts,
     read-ahead, scoring, the misses' loads, copies and groups; gate_drain with --gate), a layer with no miss running
     the at-hand group alone (one group: no disk expert, no banked host one), or, on the default path, MoEStep.partial
     (a miss: a disk expert). No-miss: its wall; miss: its wall less the pass clock's blocked waits (the sync, the
-    store delivering, copies) in it, so store messages' host time counts and the disk's does not. Wraps the
-    instance's method (either checkout's)."""
+    store delivering, copies) in it, so store messages' host time counts and the disk's does not; own: a miss less
+    its store messages and the expert math (kern.apply: CPU torch here, on CUDA asynchronous launches), i.e. the
+    step's bookkeeping: tiers, guesses, banks, tables, staging slots. Wraps the instance's methods (either
+    checkout's)."""
     name, at = (("gate_drain", 5) if a.gate else ("hand_misses", 4)) if a.form != "default" else ("partial", 4)
-    fn, out, miss = getattr(moe, name), [], []
+    fn, out, miss, own = getattr(moe, name), [], [], []
     clock = moe.clock
+    kern_apply, in_apply = moe.kern.apply, [0.0]
+
+    def apply(*args, **kw):                 # the expert math (CPU torch here; on CUDA two Triton launches)
+        t = time.perf_counter()
+        try:
+            return kern_apply(*args, **kw)
+        finally:
+            in_apply[0] += time.perf_counter() - t
 
     def timed(*args, **kw):
         ls = args[at]
-        g0, b0 = ls.groups, clock.blocked
+        g0, b0, s0, m0 = ls.groups, clock.blocked, clock.store_s, in_apply[0]
         t = time.perf_counter()
         r = fn(*args, **kw)
         dt = time.perf_counter() - t
@@ -77,20 +89,22 @@ def _time_layers(moe, a) -> tuple[list, list]:
             out.append(dt)
         else:
             miss.append(dt - (clock.blocked - b0))
+            own.append(miss[-1] - (clock.store_s - s0) - (in_apply[0] - m0))
         return r
     setattr(moe, name, timed)
-    return out, miss
+    moe.kern.apply = apply
+    return out, miss, own
 
 
 # --split: the functions of a decode layer's expert step timed in place (owner path from the runner, method name)
 SPLIT = [("moe", "hand_misses"), ("moe", "gate_drain"), ("moe", "partial"), ("moe", "_partial"), ("moe", "_hand_all"),
-         ("moe", "_disk_groups"), ("moe", "_disk_table"), ("moe", "_to_bank"), ("moe", "_apply"), ("moe", "_group"),
-         ("moe", "_release"), ("moe", "_read_in_place"), ("moe.kern", "apply"), ("moe.cache", "to_bank"),
-         ("moe.cache", "table"), ("moe.session", "load"), ("moe.session", "prefetch_start"),
-         ("moe.session", "release"), ("moe.session", "flush_releases"), ("moe.guesser", "read_ahead"),
-         ("moe.guesser", "check"), ("moe.guesser", "unused"), ("moe.hand", "stale"), ("moe.hand", "refresh"),
-         ("store", "load"), ("store", "prefetch_start"), ("store", "release"), ("LoadStream", "__next__"),
-         ("RoutingSync", "finish")]
+         ("moe", "_hand_misses"), ("moe", "_disk_groups"), ("moe", "_disk_table"), ("moe", "_to_bank"),
+         ("moe", "_apply"), ("moe", "_group"), ("moe", "_release"), ("moe", "_read_in_place"), ("moe.kern", "apply"),
+         ("moe.cache", "to_bank"), ("moe.cache", "table"), ("moe.cache", "bank_done"), ("moe.flex", "keep"),
+         ("moe.session", "load"), ("moe.session", "prefetch_start"), ("moe.session", "release"),
+         ("moe.session", "flush_releases"), ("moe.guesser", "read_ahead"), ("moe.guesser", "check"),
+         ("moe.guesser", "unused"), ("moe.hand", "stale"), ("moe.hand", "refresh"), ("store", "load"),
+         ("store", "prefetch_start"), ("store", "release"), ("LoadStream", "__next__"), ("RoutingSync", "finish")]
 
 
 def _split(rn, client) -> dict:
@@ -130,6 +144,8 @@ def run(a, tmp: Path) -> dict:
     extra = dict(decode_gate="on") if a.gate else {}
     if a.flex != "auto":            # off: no flex copies of disk experts (on CUDA auto holds them: no miss remains)
         extra["flex_cache"] = a.flex == "on"
+    if a.host_in_place != "auto":   # never: host experts banked, as ds4-flash's MXFP4 ones are under auto
+        extra["host_in_place"] = a.host_in_place
     cfg = EngineConfig(model_path=str(_model(a.preset, tmp)), vram_slots=a.vram, host_slots=a.host, read_threads=2,
                        device=a.device, **extra)
     store = open_store(cfg, "process", str(tmp / "store"))
@@ -148,7 +164,7 @@ def run(a, tmp: Path) -> dict:
     try:
         rn = open_runner(cfg, store)
         spid, tick = client.status()["pid"], os.sysconf("SC_CLK_TCK")
-        layer_s, miss_s = _time_layers(rn.moe, a)
+        layer_s, miss_s, own_s = _time_layers(rn.moe, a)
         split = _split(rn, client) if a.split else None
 
         def store_cpu() -> float:
@@ -183,6 +199,7 @@ def run(a, tmp: Path) -> dict:
                 sc0 = store_cpu()
                 layer_s.clear()
                 miss_s.clear()
+                own_s.clear()
                 for v in (split or {}).values():
                     v.clear()
                 if prof is not None:
@@ -213,7 +230,8 @@ def run(a, tmp: Path) -> dict:
                    nomiss_layers=len(layer_s),
                    nomiss_layer_us=round(statistics.median(layer_s) * 1e6, 1) if layer_s else None,
                    miss_layer_calls=len(miss_s),
-                   miss_layer_us=round(statistics.median(miss_s) * 1e6, 1) if miss_s else None)
+                   miss_layer_us=round(statistics.median(miss_s) * 1e6, 1) if miss_s else None,
+                   miss_own_us=round(statistics.median(own_s) * 1e6, 1) if own_s else None)
         rn.close()
         res = {"preset": a.preset, "form": a.form + ("+gate" if a.gate else ""), "slots": f"{a.vram}+{a.host}",
                "layers": rn.mcfg.n_layer, "tokens": n, "per_token_median": out}
@@ -240,6 +258,9 @@ def main() -> int:
     p.add_argument("--profile", help="cProfile of the timed decode steps to this path")
     p.add_argument("--flex", default="auto", choices=["auto", "on", "off"],
                    help="the flex cache (auto: on CUDA); off keeps a decode's disk experts misses on CUDA")
+    p.add_argument("--host-in-place", default="auto", choices=["auto", "always", "never"],
+                   help="engine.host_in_place (never: host experts through ring banks, as ds4-flash's MXFP4 are "
+                   "under auto)")
     p.add_argument("--split", action="store_true",
                    help="the expert step's functions timed in place: median us per call, calls per step (SPLIT)")
     a = p.parse_args()
