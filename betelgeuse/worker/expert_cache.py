@@ -224,14 +224,29 @@ class ExpertCache:
         """Copy up to bank_size slots into the next ring bank on the copy stream; the compute stream waits
         for them. The copies into a bank wait, on the GPU, for the computes that last read it (bank_done).
         Returns (bank, pool byte offset of each copied slot). `timing` collects (start, end) CUDA events."""
-        assert 0 < len(srcs) <= self.bank_size, (len(srcs), self.bank_size)
+        b = self.bank_next()
+        return b, self.bank_copy(b, 0, srcs, timing)
+
+    def bank_next(self) -> int:
+        """Take the next ring bank for a group (to_bank, or bank_copy calls that fill it in parts): the copies into it
+        wait, on the GPU, for the computes that last read it (bank_done)."""
         b = self._bank
         self._bank = (b + 1) % self.n_banks
-        first = b * self.bank_size
+        if self.is_cuda:
+            self.copy_stream.wait_event(self._bank_free[b])
+        return b
+
+    def bank_copy(self, b: int, at: int, srcs: list[torch.Tensor], timing: list | None = None,
+                  wait: bool = True) -> list[int]:
+        """Copy slots `srcs` into bank b's slots at, at+1, .. (b taken by bank_next; a group may fill its bank in
+        several parts: a decode miss layer's banked host experts first, its disk experts as they land) on the copy
+        stream. wait: the compute stream waits for every copy into b so far (the bank's ready event is recorded after
+        each part: the last one covers them all). Returns the pool byte offset of each copied slot."""
+        assert 0 < len(srcs) and 0 <= at and at + len(srcs) <= self.bank_size, (at, len(srcs), self.bank_size)
+        first = b * self.bank_size + at
         offs = [self.ring_offset + (first + i) * self.slot_bytes for i in range(len(srcs))]
         if self.is_cuda:
             with torch.cuda.stream(self.copy_stream):
-                self.copy_stream.wait_event(self._bank_free[b])
                 if timing is not None:
                     ev0 = torch.cuda.Event(enable_timing=True)
                     ev0.record(self.copy_stream)
@@ -242,7 +257,8 @@ class ExpertCache:
                     ev1 = torch.cuda.Event(enable_timing=True)
                     ev1.record(self.copy_stream)
                     timing.append((ev0, ev1))
-            torch.cuda.current_stream(self.device).wait_event(self._bank_ready[b])
+            if wait:
+                torch.cuda.current_stream(self.device).wait_event(self._bank_ready[b])
         else:
             t = time.perf_counter()
             for dst, src in zip(self._ring_slots[first:first + len(srcs)], srcs):
@@ -252,7 +268,7 @@ class ExpertCache:
             if timing is not None:
                 timing.append(dt * 1e3)
         self.h2d_bytes += len(srcs) * self.slot_bytes       # each src a slot (copy_ into a ring slot checks its size)
-        return b, offs
+        return offs
 
     def bank_ready_event(self, b: int):
         return self._bank_ready[b] if self.is_cuda else None

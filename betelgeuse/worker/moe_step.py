@@ -23,7 +23,9 @@
                the decode graphs (hand_group), then the host waits and runs partial(hand=True): the tier counts as
                above, read-ahead, and steps 1-4 for the misses only (disk experts, and host ones only where this
                step does not read them in place: through ring banks). A layer with no miss (decode's common case)
-               takes a short path with the same counts and messages and nothing else (_hand_all)
+               takes a short path with the same counts and messages and nothing else (_hand_all); one with a miss a
+               short path on lists (_hand_misses) where the banked host experts share the first disk group's bank
+               (their copies issued at once, the disk ones appended as they land): one table and one apply for both
     gated      decode_gate (worker/gate.py): the same, with no per-layer sync: the step's replayed parts are launched
                ahead, each layer's at-hand group followed by a device-side publish + gate (gate_layer) and the misses'
                group (gate_misses: the missed experts read in place from the staging / host slots the host's miss
@@ -653,8 +655,12 @@ class MoEStep:
         banks), on the experts' lists: the general path's observables and calls in its order (the tier counts, the
         read-ahead on the load message, the in-place bytes, the host batches through ring banks, the disk groups,
         the guesses scored) without its per-tier arrays, dict and array asserts (a decode layer routes a few experts:
-        Python over their lists costs less than a numpy call each). `used`, `tiers`: the routed experts less the
-        flex-held ones (`flexed`). The general path (fast = False) is what the tests compare it with."""
+        Python over their lists costs less than a numpy call each). One difference, on purpose: the banked host
+        experts are computed in the first disk group (one bank, table and apply for both, where they fit: the general
+        path's host group and its launches are saved; LayerStats.groups one lower), which cannot change a bit (module
+        doc: each row's output by the same kernel whatever its group, ranks reduced in order). `used`, `tiers`: the
+        routed experts less the flex-held ones (`flexed`). The general path (fast = False) is what the tests compare
+        it with."""
         at = self.hand.host[l]
         nv, read, banked, disk = 0, [], [], []      # VRAM; host read in place (at hand) / banked here; disk
         for e, t, a in zip(used.tolist(), tiers.tolist(), at[used].tolist()):
@@ -697,17 +703,24 @@ class MoEStep:
         self._flex_count(len(flexed), stats, ls)
         if self.hand.in_place and read:     # the bytes the group's kernels read over PCIe (none: adds 0)
             self._read_in_place(l, counts, read, stats)
-        # 2-3. the banked host experts in batches (nothing else is left to compute beside them)
+        # 2-3. the banked host experts: where the layer has disk experts, in the first disk group's bank (their copies
+        # issued now, they are at hand; the disk experts' appended as they land; one table, one apply for both) as
+        # far as it has room beside that group's disk experts; what does not fit in groups of their own first
         cache, B = self.cache, self.cache.bank_size
+        opened = None
         if banked:
             hslots = snap["host_slot"][l]
-            for i in range(0, len(banked), B):
-                b = banked[i:i + B]
-                bank, g = self._to_bank(b, [cache.host_slot(l, int(hslots[e])) for e in b], timing)
+            srcs = [cache.host_slot(l, int(hslots[e])) for e in banked]
+            n = len(banked) - (min(len(banked), B - min(self._disk_limit(), len(disk))) if disk else 0)
+            for i in range(0, n, B):
+                bank, g = self._to_bank(banked[i:i + B], srcs[i:i + B], timing)
                 self._apply(r, l, g, ls)
                 cache.bank_done(bank)
+            if n < len(banked):
+                bank = cache.bank_next()
+                opened = (bank, banked[n:], cache.bank_copy(bank, 0, srcs[n:], timing, wait=False))
         # 4. the disk experts as they land
-        ahead_used = self._disk_groups(l, r, loads, len(disk), stats, ls, timing) if disk else 0
+        ahead_used = self._disk_groups(l, r, loads, len(disk), stats, ls, timing, opened) if disk else 0
         self.guesser.check(l, disk, ahead_used, stats)
 
     def serial(self, l, r, used, snap, stats: PassStats, ls: LayerStats):
@@ -774,22 +787,37 @@ class MoEStep:
         bank, offs = self.cache.to_bank(srcs, timing)
         return bank, self._group(experts, offs)
 
-    def _disk_groups(self, l, r, loads, n_disk, stats: PassStats, ls: LayerStats, timing) -> int:
+    def _disk_limit(self) -> int:
+        """The staging slots a layer's disk experts may hold at once (_disk_groups): its first group holds
+        min(this, the layer's disk experts) of them."""
+        return max(1, min(self.cache.bank_size, self.session.plan.n_staging // 2))
+
+    def _disk_groups(self, l, r, loads, n_disk, stats: PassStats, ls: LayerStats, timing, opened=None) -> int:
         """The disk experts in batches as they land (module doc, step 4); the last staging slots go back with the next
-        message to the store. -> the loads answered from a read ahead."""
+        message to the store. opened: (bank, experts, their pool offsets) of a bank taken (bank_next) and partly filled
+        (a decode miss layer's banked host experts, _hand_misses) with room for the first batch: that batch's copies
+        follow them there and one group computes them all. -> the loads answered from a read ahead."""
         cache = self.cache
         ahead_used = 0
         B = cache.bank_size
-        limit = max(1, min(B, self.session.plan.n_staging // 2))   # staging slots this layer may hold at once
+        limit = self._disk_limit()                           # staging slots this layer may hold at once
         held: list[tuple[int, list[int]]] = []               # (bank, staging slots) whose copies may be in flight
         batch = []
 
         def flush():
-            nonlocal batch
+            nonlocal batch, opened
             if batch:
                 es = [x.expert for x in batch]
-                bank, offs = cache.to_bank([cache.staging_slot(x.slot) for x in batch], timing)
-                self._apply(r, l, self._group(es, offs), ls)
+                srcs = [cache.staging_slot(x.slot) for x in batch]
+                if opened is None:
+                    bank, offs = cache.to_bank(srcs, timing)
+                    g = self._group(es, offs)
+                else:       # after the host experts' copies in their bank: one table and one apply for both
+                    bank, pre, pre_offs = opened
+                    opened = None
+                    offs = cache.bank_copy(bank, len(pre), srcs, timing)
+                    g = self._group(pre + es, pre_offs + offs)
+                self._apply(r, l, g, ls)
                 if self.flex is not None:      # copies for the flex cache, before the bank may be rewritten
                     self.flex.keep(l, es, cache.pool, offs)
                 cache.bank_done(bank)
