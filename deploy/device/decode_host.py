@@ -21,7 +21,9 @@ nomiss_layers such layers of the timed steps. miss_layer_us: the same step of a 
 a banked host one), its wall less the pass clock's blocked waits in it (the store delivering, copies, the sync):
 the host's own time, store messages included, over miss_layer_calls such layers. miss_own_us: the same less its store
 messages and the expert math (kern.apply; on the CPU torch compute, on CUDA two launches a group): the step's
-bookkeeping alone (tiers, guesses, banks, slot tables, staging slots, flex copies).
+bookkeeping alone (tiers, guesses, banks, slot tables, staging slots, flex copies). miss_layer_groups: a miss layer's
+launch groups, the mean (LayerStats.groups: the at-hand group and one per bank of misses, each but the at-hand one
+two Triton launches on CUDA).
 --split: the expert step's functions (SPLIT: MoEStep's, the kernels' apply, the bank copies, the session's and the
 store client's messages, a Load's next expert) timed in place -> split_us {name: [median us per call, calls per
 step]}; each wrapper adds ~1 us, and nested calls count in each function that encloses them.
@@ -57,18 +59,19 @@ def _model(preset: str, tmp: Path) -> Path:
     return path
 
 
-def _time_layers(moe, a) -> tuple[list, list, list]:
-    """(no-miss, miss, own): the host seconds of each decode layer's expert step, by whether it had a miss, appended to
-    the lists returned: the call after the at-hand group (MoEStep.hand_misses: the sync's wait, tier counts,
+def _time_layers(moe, a) -> tuple[list, list, list, list]:
+    """(no-miss, miss, own, groups): the host seconds of each decode layer's expert step, by whether it had a miss,
+    appended to the lists returned: the call after the at-hand group (MoEStep.hand_misses: the sync's wait, tier counts,
     read-ahead, scoring, the misses' loads, copies and groups; gate_drain with --gate), a layer with no miss running
     the at-hand group alone (one group: no disk expert, no banked host one), or, on the default path, MoEStep.partial
     (a miss: a disk expert). No-miss: its wall; miss: its wall less the pass clock's blocked waits (the sync, the
     store delivering, copies) in it, so store messages' host time counts and the disk's does not; own: a miss less
     its store messages and the expert math (kern.apply: CPU torch here, on CUDA asynchronous launches), i.e. the
-    step's bookkeeping: tiers, guesses, banks, tables, staging slots. Wraps the instance's methods (either
-    checkout's)."""
+    step's bookkeeping: tiers, guesses, banks, tables, staging slots; groups: a miss's launch groups (LayerStats.groups
+    it added: the at-hand group's and one per bank of misses; on CUDA two Triton launches each but the at-hand one's,
+    captured in the decode graphs). Wraps the instance's methods (either checkout's)."""
     name, at = (("gate_drain", 5) if a.gate else ("hand_misses", 4)) if a.form != "default" else ("partial", 4)
-    fn, out, miss, own = getattr(moe, name), [], [], []
+    fn, out, miss, own, groups = getattr(moe, name), [], [], [], []
     clock = moe.clock
     kern_apply, in_apply = moe.kern.apply, [0.0]
 
@@ -90,17 +93,19 @@ def _time_layers(moe, a) -> tuple[list, list, list]:
         else:
             miss.append(dt - (clock.blocked - b0))
             own.append(miss[-1] - (clock.store_s - s0) - (in_apply[0] - m0))
+            groups.append(ls.groups - g0)
         return r
     setattr(moe, name, timed)
     moe.kern.apply = apply
-    return out, miss, own
+    return out, miss, own, groups
 
 
 # --split: the functions of a decode layer's expert step timed in place (owner path from the runner, method name)
 SPLIT = [("moe", "hand_misses"), ("moe", "gate_drain"), ("moe", "partial"), ("moe", "_partial"), ("moe", "_hand_all"),
          ("moe", "_hand_misses"), ("moe", "_disk_groups"), ("moe", "_disk_table"), ("moe", "_to_bank"),
          ("moe", "_apply"), ("moe", "_group"), ("moe", "_release"), ("moe", "_read_in_place"), ("moe.kern", "apply"),
-         ("moe.cache", "to_bank"), ("moe.cache", "table"), ("moe.cache", "bank_done"), ("moe.flex", "keep"),
+         ("moe.cache", "to_bank"), ("moe.cache", "bank_next"), ("moe.cache", "bank_copy"), ("moe.cache", "table"),
+         ("moe.cache", "bank_done"), ("moe.flex", "keep"),
          ("moe.session", "load"), ("moe.session", "prefetch_start"), ("moe.session", "release"),
          ("moe.session", "flush_releases"), ("moe.guesser", "read_ahead"), ("moe.guesser", "check"),
          ("moe.guesser", "unused"), ("moe.hand", "stale"), ("moe.hand", "refresh"), ("store", "load"),
@@ -164,7 +169,7 @@ def run(a, tmp: Path) -> dict:
     try:
         rn = open_runner(cfg, store)
         spid, tick = client.status()["pid"], os.sysconf("SC_CLK_TCK")
-        layer_s, miss_s, own_s = _time_layers(rn.moe, a)
+        layer_s, miss_s, own_s, groups_n = _time_layers(rn.moe, a)
         split = _split(rn, client) if a.split else None
 
         def store_cpu() -> float:
@@ -200,6 +205,7 @@ def run(a, tmp: Path) -> dict:
                 layer_s.clear()
                 miss_s.clear()
                 own_s.clear()
+                groups_n.clear()
                 for v in (split or {}).values():
                     v.clear()
                 if prof is not None:
@@ -231,7 +237,8 @@ def run(a, tmp: Path) -> dict:
                    nomiss_layer_us=round(statistics.median(layer_s) * 1e6, 1) if layer_s else None,
                    miss_layer_calls=len(miss_s),
                    miss_layer_us=round(statistics.median(miss_s) * 1e6, 1) if miss_s else None,
-                   miss_own_us=round(statistics.median(own_s) * 1e6, 1) if own_s else None)
+                   miss_own_us=round(statistics.median(own_s) * 1e6, 1) if own_s else None,
+                   miss_layer_groups=round(statistics.mean(groups_n), 3) if groups_n else None)
         rn.close()
         res = {"preset": a.preset, "form": a.form + ("+gate" if a.gate else ""), "slots": f"{a.vram}+{a.host}",
                "layers": rn.mcfg.n_layer, "tokens": n, "per_token_median": out}
