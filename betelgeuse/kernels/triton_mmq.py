@@ -48,15 +48,18 @@ import triton.language as tl
 
 from betelgeuse.kernels import triton_mmq_mv as mv
 from betelgeuse.kernels import triton_moe as tm
+from betelgeuse.kernels.triton_mmvq import _half as _f16, _join4, _word
 from betelgeuse.kernels.triton_launch import launcher
 
 QK = 32                        # elements per q8_1 block (llama.cpp QK8_1)
 MMQ_TYPES = frozenset({0, 4, 5})  # kernel type codes with an MMA schedule: Q8_0, MXFP4, Q4_K
 CONFIG = {"BM": 16, "BN": 64, "FUSE": 0, "num_warps": 4, "num_stages": 3,   # schedule keys (every type and bucket)
-          "MV": 0, "BM_MV": 1, "NS": 1, "DP4A": 0}
+          "MV": 0, "BM_MV": 1, "NS": 1, "DP4A": 0, "WL": 0, "PF": 0}
 # MV = 1: the decode schedule without tensor cores (triton_mmq_mv: the same bits; BM_MV rows a program, NS word
 # groups a K step; DP4A 1: its block dots by PTX dp4a on the GPU, the same integers) where a launch
-# can take it (triton_mmq_mv.mv_ok), else the MMA
+# can take it (triton_mmq_mv.mv_ok), else the MMA. WL = 1: the MMA's weight and activation tiles read as int32 words
+# (unpacked to int8 in registers; the same tiles, the same bits) where the rows allow (wl_ok), else byte loads; PF = 1
+# (with WL): the next K step's words loaded before this step's MMA (register double-buffering: one more step in flight)
 # per type: KB quant blocks a K step (a schedule key: the same bits at every KB) and KCB quant blocks a K chunk (the
 # reduction key, 0 = one chunk: an output is 0 + p_0 + p_1 + ... over its chunks in order, each p_c accumulated from
 # zero; the same for both buckets, so a row's bits never depend on how many rows share its launch)
@@ -260,6 +263,187 @@ def _mmq_step(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, kb0, Q
     return acc
 
 
+# ---- WL = 1: the same tiles from int32 word loads (a schedule key: only how the bytes are read) ---------------------
+# The byte-load tiles above cost a load instruction and a 32-bit register per byte, so a 4-warp program keeps one K
+# step (BN x 34 B of Q8_0 at KB 1) in flight and waits on it before its MMA. Here every quant and scale byte comes from
+# an aligned 32-bit word (rows at 4-byte multiples of 16-byte aligned parts: wl_ok), unpacked in registers: a block's
+# quants that do not start on a word (Q8_0's even blocks at byte 2, MXFP4's at 1, 2, 3 mod 4) are funnel-shifted from
+# the word pair (lo, hi); the activations are read as words too. A K step's words (_wl_fetch) are decoded into the
+# int8 tiles of _w_tile and the float32 scales of the block functions (_wl_step): the same int8 values, the same
+# float32 scales, so the same int32 dots and float ops, bit for bit. Within a block the dot's 32 positions may be
+# permuted (MXFP4: position 8 w + 2 c + h holds element 16 h + 4 w + c, for weights and activations alike): the int32
+# dot is exact in any order. PF = 1: the next step's words are fetched before this step's decode and MMA (carried
+# in registers), so a program keeps two steps' loads in flight instead of one.
+
+@triton.jit
+def _bytes_i8(v, R: tl.constexpr, NW: tl.constexpr):
+    """int32 words v [R, NW] -> int8 [R, 4 NW]: position 4 i + c = the signed byte c of word i (little-endian)."""
+    return tl.reshape(_join4(((v << 24) >> 24).to(tl.int8), ((v << 16) >> 24).to(tl.int8),
+                             ((v << 8) >> 24).to(tl.int8), (v >> 24).to(tl.int8)), (R, 4 * NW))
+
+
+@triton.jit
+def _nib_i8(v, sh: tl.constexpr, R: tl.constexpr, NW: tl.constexpr):
+    """int32 words v [R, NW] -> int32 [R, NW, 4]: position (i, c) = the 4-bit field at bit 8 c + sh of word i."""
+    return _join4((v >> sh) & 15, (v >> (8 + sh)) & 15, (v >> (16 + sh)) & 15, (v >> (24 + sh)) & 15)
+
+
+@triton.jit
+def _funnel(lo, hi, s):
+    """The 32 bits at bit offset s (0, 8, 16, 24) of the 64-bit little-endian pair (lo, hi) of int32 words."""
+    t = tl.where(s == 0, 8, s)                      # (a shift by 32 is undefined: s = 0 takes lo as it is)
+    return tl.where(s == 0, lo, ((lo >> t) & ((1 << (32 - t)) - 1)) | (hi << (32 - t)))
+
+
+@triton.jit
+def _wl_fetch(pool, ra, kb0, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, QT: tl.constexpr, KB: tl.constexpr):
+    """The raw int32 words of K step kb0 .. kb0 + KB of weight rows at byte addresses ra [BN] (mask mn) and q8_1
+    rows at element offsets xoff [BM] (mask mr): (lo [BN, W KB]: the word holding each quant word's first byte
+    (W = 8 quant words a block, MXFP4 4); hi: the word after it, loaded only where the quant word straddles two
+    (else 0); sw: the scale words, [BN, KB] (Q8_0: the word holding d; MXFP4: the E8M0 byte's) or Q4_K's super-block
+    header [BN, 4] (f16 d | f16 dmin, scales[0..3], [4..7], [8..11]); xw [BM, 8 KB]: the activations' quant words,
+    block-major (MXFP4: word 8 a + 4 h + w at position 8 a + 2 w + h); xd, xs [BM, KB]: the activations' block scales
+    and sums (Q4_K; else xd again))."""
+    m2 = mn[:, None]
+    kk = kb0 + tl.arange(0, KB)
+    if QT == 0:                                     # 34-byte blocks: f16 d, 32 int8 at byte 2
+        i = tl.arange(0, KB * 8)
+        o = (kb0 + i // 8) * 34 + 2 + (i % 8) * 4
+        sw = _word(pool, ra[:, None] + ((kk * 34) // 4 * 4)[None, :], m2)
+    elif QT == 4:                                   # 17-byte blocks: E8M0, 16 bytes of codes at byte 1
+        i = tl.arange(0, KB * 4)
+        o = (kb0 + i // 4) * 17 + 1 + (i % 4) * 4
+        sw = _word(pool, ra[:, None] + ((kk * 17) // 4 * 4)[None, :], m2)
+    else:                                           # 144-byte super-blocks: block kb's nibbles in group (kb % 8) // 2
+        i = tl.arange(0, KB * 8)
+        kb = kb0 + i // 8
+        o = (kb // 8) * 144 + 16 + ((kb % 8) // 2) * 32 + (i % 8) * 4
+        sw = _word(pool, ra[:, None] + ((kb0 // 8) * 144 + 4 * tl.arange(0, 4))[None, :], m2)
+    a = ra[:, None] + (o // 4 * 4)[None, :]
+    lo = _word(pool, a, m2)
+    if QT == 5:
+        hi = lo
+    else:
+        hi = _word(pool, a + 4, m2 & (o % 4 != 0)[None, :])
+    j = tl.arange(0, KB * 8)
+    if QT == 4:
+        xi = (j // 8) * 8 + (j % 2) * 4 + (j % 8) // 2
+    else:
+        xi = j
+    xw = tl.load((xq_ptr + xoff[:, None] + kb0 * 32 + 4 * xi[None, :]).to(tl.pointer_type(tl.int32)),
+                 mask=mr[:, None], other=0)
+    xd = tl.load(xd_ptr + dxoff[:, None] + kk[None, :], mask=mr[:, None], other=0.0)
+    if QT == 5:
+        xs = tl.load(xs_ptr + dxoff[:, None] + kk[None, :], mask=mr[:, None], other=0.0)
+    else:
+        xs = xd
+    return lo, hi, sw, xw, xd, xs
+
+
+@triton.jit
+def _blk(P, i: tl.constexpr, KB: tl.constexpr, BN: tl.constexpr):
+    """P [BN, KB] -> P[:, i] [BN] (register moves)."""
+    if KB == 1:
+        r = tl.reshape(P, (BN,))
+    elif KB == 2:
+        r = mv._pick(P, i, BN, 2, 1)
+    elif KB == 4:
+        r = mv._pick(P, i, BN, 4, 2)
+    else:
+        r = mv._pick(P, i, BN, 8, 3)
+    return r
+
+
+@triton.jit
+def _wl_step(acc, lo, hi, sw, xw, xd, xs, kb0, QT: tl.constexpr, KB: tl.constexpr, BM: tl.constexpr,
+             BN: tl.constexpr):
+    """acc + blocks kb0 .. kb0 + KB from _wl_fetch's words: the int8 tiles of _w_tile (positions permuted within a
+    block alike for weights and activations: MXFP4), the MMA of mmq_acc (KB 1) or _mmq_step (block-diagonal), then
+    each block's float ops in ascending order with the block functions' float32 scales."""
+    if QT == 0:                                     # even blocks' quants start at byte 2 of a word
+        i = tl.arange(0, KB * 8)
+        v = tl.where((((kb0 + i // 8) % 2) == 0)[None, :], ((lo >> 16) & 0xFFFF) | (hi << 16), lo)
+        wq = _bytes_i8(v, BN, KB * 8)
+        xq = _bytes_i8(xw, BM, KB * 8)
+    elif QT == 4:                                   # codes at byte offset 17 kb + 1 + 4 w: funnel from (lo, hi)
+        i = tl.arange(0, KB * 4)
+        v = _funnel(lo, hi, ((((kb0 + i // 4) * 17 + 1) % 4) * 8)[None, :])
+        c = tl.reshape(tl.join(_nib_i8(v, 0, BN, KB * 4), _nib_i8(v, 4, BN, KB * 4)), (BN, KB * 32))
+        x = (c >> 1) & 3
+        mag = tl.where(x == 0, c & 1, (2 + (c & 1)) << tl.maximum(x - 1, 0))
+        wq = tl.where(c >= 8, -mag, mag).to(tl.int8)
+        xl, xh = tl.split(tl.reshape(xw, (BM, KB * 4, 2)))
+        xq = tl.reshape(tl.join(tl.reshape(_bytes_i8(xl, BM, KB * 4), (BM, KB * 4, 4)),
+                                tl.reshape(_bytes_i8(xh, BM, KB * 4), (BM, KB * 4, 4))), (BM, KB * 32))
+    else:                                           # Q4_K: block kb's nibbles: low (kb even) or high of its group
+        i = tl.arange(0, KB * 8)
+        v = (lo >> ((((kb0 + i // 8) % 2) * 4)[None, :])) & 0x0F0F0F0F
+        wq = _bytes_i8(v, BN, KB * 8)
+        xq = _bytes_i8(xw, BM, KB * 8)
+    if KB == 1:
+        P = tl.reshape(tl.dot(wq, tl.trans(xq), out_dtype=tl.int32), (BN, BM, 1))
+    else:
+        c32 = tl.arange(0, KB * 32)
+        i3 = tl.arange(0, KB)[:, None, None]
+        xb = tl.where(i3 == (c32 // 32)[None, None, :], xq[None, :, :], tl.zeros_like(xq)[None, :, :])
+        dot = tl.dot(wq, tl.trans(tl.reshape(xb, (KB * BM, KB * 32))), out_dtype=tl.int32)      # [BN, KB*BM]
+        P = tl.permute(tl.reshape(dot, (BN, KB, BM)), (0, 2, 1))                                 # [BN, BM, KB]
+    if QT == 5:                                     # the super-block's header: d, dmin and the 6-bit scales' bytes
+        d = _f16(mv._pick(sw, 0, BN, 4, 2))
+        dmin = _f16(mv._pick(sw, 0, BN, 4, 2) >> 16)
+        s1 = mv._pick(sw, 1, BN, 4, 2)
+        s2 = mv._pick(sw, 2, BN, 4, 2)
+        s3 = mv._pick(sw, 3, BN, 4, 2)
+    for i in tl.static_range(KB):                   # ascending blocks: the fp32 adds in K order (as _mmq_step)
+        if KB == 1:
+            di = tl.reshape(P, (BN, BM)).to(tl.float32)
+        else:
+            di = _part(P, i, KB, BN, BM).to(tl.float32)
+        dx = _blk(xd, i, KB, BM)
+        if QT == 5:                                 # get_scale_min_k4 of sub-block j (as _q4_k_scale)
+            j = (kb0 + i) % 8
+            c1 = (s1 >> (8 * (j % 4))) & 255        # scales[j % 4], [4 + j % 4], [8 + j % 4]
+            c2 = (s2 >> (8 * (j % 4))) & 255
+            c3 = (s3 >> (8 * (j % 4))) & 255
+            lo4 = j < 4
+            sc = tl.where(lo4, c1 & 63, (c3 & 15) | ((c1 >> 6) << 4))
+            m = tl.where(lo4, c2 & 63, (c3 >> 4) | ((c2 >> 6) << 4))
+            dw = d * sc.to(tl.float32)
+            mw = dmin * m.to(tl.float32)
+            sx = _blk(xs, i, KB, BM)
+            acc = acc + tl.fma(di, dw[:, None] * dx[None, :], -(mw[:, None] * sx[None, :]))
+        else:
+            swi = _blk(sw, i, KB, BN)
+            if QT == 0:                             # f16 d at byte 34 kb: the low half (kb even) or the high
+                dw = _f16(swi >> (16 * ((kb0 + i) % 2)))
+            else:                                   # E8M0 at byte 17 kb: byte kb % 4 of its word
+                e8 = (swi >> (8 * ((kb0 + i) % 4))) & 255
+                dw = tl.where(e8 < 2, (e8 + 1) * 0x00200000, (e8 - 1) << 23).to(tl.float32, bitcast=True)
+            acc = tl.fma(di, dw[:, None] * dx[None, :], acc)
+    return acc
+
+
+@triton.jit
+def wl_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT: tl.constexpr, KB: tl.constexpr,
+           BM: tl.constexpr, BN: tl.constexpr, PF: tl.constexpr):
+    """mmq_acc from word loads (WL = 1, module doc): the same tiles, dots and float ops, in the same order. PF: the
+    next step's words fetched (masked past b1) before this step's decode and MMA."""
+    if PF:
+        lo, hi, sw, xw, xd, xs = _wl_fetch(pool, ra, b0, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, QT, KB)
+        for kb0 in range(b0, b1, KB):
+            nn = mn & (tl.zeros(mn.shape, tl.int32) + (kb0 + KB) < b1)     # (as tensors: the interpreter's masks)
+            nr = mr & (tl.zeros(mr.shape, tl.int32) + (kb0 + KB) < b1)
+            lo2, hi2, sw2, xw2, xd2, xs2 = _wl_fetch(pool, ra, kb0 + KB, nn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, nr,
+                                                     QT, KB)
+            acc = _wl_step(acc, lo, hi, sw, xw, xd, xs, kb0, QT, KB, BM, BN)
+            lo, hi, sw, xw, xd, xs = lo2, hi2, sw2, xw2, xd2, xs2
+    else:
+        for kb0 in range(b0, b1, KB):
+            lo, hi, sw, xw, xd, xs = _wl_fetch(pool, ra, kb0, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, QT, KB)
+            acc = _wl_step(acc, lo, hi, sw, xw, xd, xs, kb0, QT, KB, BM, BN)
+    return acc
+
+
 @triton.jit
 def mmq_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT: tl.constexpr, KB: tl.constexpr,
             BM: tl.constexpr, BN: tl.constexpr):
@@ -292,11 +476,15 @@ def mmq_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, 
 @triton.jit
 def _acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT: tl.constexpr, KB: tl.constexpr,
          BM: tl.constexpr, BN: tl.constexpr, MV: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
-         NB: tl.constexpr, LOG2NB: tl.constexpr, DP4A: tl.constexpr):
-    """mmq_acc (int8 MMA), or with MV the same float ops without tensor cores (triton_mmq_mv.mv_acc)."""
+         NB: tl.constexpr, LOG2NB: tl.constexpr, DP4A: tl.constexpr, WL: tl.constexpr = False,
+         PF: tl.constexpr = False):
+    """mmq_acc (int8 MMA; WL: its tiles from word loads, wl_acc), or with MV the same float ops without tensor cores
+    (triton_mmq_mv.mv_acc)."""
     if MV:
         r = mv.mv_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT, BM, BN, D1, D2, D3, NB,
                       LOG2NB, DP4A)
+    elif WL:
+        r = wl_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT, KB, BM, BN, PF)
     else:
         r = mmq_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT, KB, BM, BN)
     return r
@@ -305,7 +493,8 @@ def _acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT:
 @triton.jit
 def _gu_acc(pool, gra, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, b0, b1, QT: tl.constexpr, KB: tl.constexpr,
             BM: tl.constexpr, BN: tl.constexpr, FUSE: tl.constexpr, MV: tl.constexpr, D1: tl.constexpr,
-            D2: tl.constexpr, D3: tl.constexpr, NB: tl.constexpr, LOG2NB: tl.constexpr, DP4A: tl.constexpr):
+            D2: tl.constexpr, D3: tl.constexpr, NB: tl.constexpr, LOG2NB: tl.constexpr, DP4A: tl.constexpr,
+            WL: tl.constexpr = False, PF: tl.constexpr = False):
     """gate_up's partial over blocks b0 .. b1, from zero: [2 BN, BM], the gate rows gra then the up rows ura [BN].
     FUSE: both as one weight side of 2 BN rows (one MMA of M = 2 BN a step, a warpgroup each at 8 warps, the
     activations' tile built once); else gate's K walk, then up's. Either way each output's float ops are those of
@@ -314,13 +503,13 @@ def _gu_acc(pool, gra, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, b0, b1, QT:
         ra = tl.reshape(tl.permute(tl.join(gra, ura), (1, 0)), (2 * BN,))
         m2 = tl.reshape(tl.permute(tl.join(mn, mn), (1, 0)), (2 * BN,))
         acc = _acc(tl.zeros((2 * BN, BM), dtype=tl.float32), pool, ra, m2, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr,
-                   b0, b1, QT, KB, BM, 2 * BN, MV, D1, D2, D3, NB, LOG2NB, DP4A)
+                   b0, b1, QT, KB, BM, 2 * BN, MV, D1, D2, D3, NB, LOG2NB, DP4A, WL, PF)
     else:
         z = tl.zeros((BN, BM), dtype=tl.float32)
         g = _acc(z, pool, gra, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, b0, b1, QT, KB, BM, BN, MV, D1, D2, D3, NB,
-                 LOG2NB, DP4A)
+                 LOG2NB, DP4A, WL, PF)
         u = _acc(z, pool, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, b0, b1, QT, KB, BM, BN, MV, D1, D2, D3, NB,
-                 LOG2NB, DP4A)
+                 LOG2NB, DP4A, WL, PF)
         acc = tl.reshape(tl.permute(tl.join(g, u), (2, 0, 1)), (2 * BN, BM))
     return acc
 
@@ -332,7 +521,8 @@ def _gate_up_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows
                         ALIGNED: tl.constexpr = False, RA: tl.constexpr = 1, KB: tl.constexpr = 1,
                         SPLIT: tl.constexpr = False, FUSE: tl.constexpr = False, MV: tl.constexpr = False,
                         D1: tl.constexpr = 1, D2: tl.constexpr = 1, D3: tl.constexpr = 1, NB: tl.constexpr = 1,
-                        LOG2NB: tl.constexpr = 0, DP4A: tl.constexpr = False):
+                        LOG2NB: tl.constexpr = 0, DP4A: tl.constexpr = False, WL: tl.constexpr = False,
+                        PF: tl.constexpr = False):
     e, mb, base = tm._find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
     if base >= 0:
         rows, mr, flat = tm._rows_of(off_ptr, rows_ptr, e, mb, BM)
@@ -349,7 +539,8 @@ def _gate_up_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows
         if SPLIT:                   # this program: chunk program_id(2); the tile's last sums the chunks in order
             pc = tl.program_id(2)
             acc = _gu_acc(pool, gra, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, pc * KCB,
-                          tl.minimum(pc * KCB + KCB, NBLK), QT, KB, BM, BN, FUSE, MV, D1, D2, D3, NB, LOG2NB, DP4A)
+                          tl.minimum(pc * KCB + KCB, NBLK), QT, KB, BM, BN, FUSE, MV, D1, D2, D3, NB, LOG2NB, DP4A, WL,
+                          PF)
             tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
             tl.store(tm._partial_ptr(ws_ptr, tile, pc, NCH, 2 * BN * BM, 2 * BN, BM), acc)
             if tm._arrive(cnt_ptr, tile, NCH):
@@ -363,7 +554,7 @@ def _gate_up_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows
             for ch in range(0, NCH):
                 tot = tot + _gu_acc(pool, gra, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, ch * KCB,
                                     tl.minimum(ch * KCB + KCB, NBLK), QT, KB, BM, BN, FUSE, MV, D1, D2, D3, NB,
-                                    LOG2NB, DP4A)
+                                    LOG2NB, DP4A, WL, PF)
             accg, accu = tl.split(tl.permute(tl.reshape(tot, (2, BN, BM)), (1, 2, 0)))
             tm._gu_store(accg, accu, inter_ptr, rows, mr, n, mn, F, limit, HAS_LIMIT)
 
@@ -374,7 +565,7 @@ def _down_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows_pt
                      EP: tl.constexpr, ALIGNED: tl.constexpr = False, RA: tl.constexpr = 1, KB: tl.constexpr = 1,
                      SPLIT: tl.constexpr = False, MV: tl.constexpr = False, D1: tl.constexpr = 1,
                      D2: tl.constexpr = 1, D3: tl.constexpr = 1, NB: tl.constexpr = 1, LOG2NB: tl.constexpr = 0,
-                     DP4A: tl.constexpr = False):
+                     DP4A: tl.constexpr = False, WL: tl.constexpr = False, PF: tl.constexpr = False):
     e, mb, base = tm._find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
     if base >= 0:
         rows, mr, flat = tm._rows_of(off_ptr, rows_ptr, e, mb, BM)
@@ -391,7 +582,7 @@ def _down_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows_pt
         if SPLIT:
             pc = tl.program_id(2)
             acc = _acc(z, pool, dra, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, pc * KCB,
-                       tl.minimum(pc * KCB + KCB, NBLK), QT, KB, BM, BN, MV, D1, D2, D3, NB, LOG2NB, DP4A)
+                       tl.minimum(pc * KCB + KCB, NBLK), QT, KB, BM, BN, MV, D1, D2, D3, NB, LOG2NB, DP4A, WL, PF)
             tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
             tl.store(tm._partial_ptr(ws_ptr, tile, pc, NCH, BN * BM, BN, BM), acc)
             if tm._arrive(cnt_ptr, tile, NCH):
@@ -402,7 +593,8 @@ def _down_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows_pt
         else:
             for ch in range(0, NCH):
                 tot = tot + _acc(z, pool, dra, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, ch * KCB,
-                                 tl.minimum(ch * KCB + KCB, NBLK), QT, KB, BM, BN, MV, D1, D2, D3, NB, LOG2NB, DP4A)
+                                 tl.minimum(ch * KCB + KCB, NBLK), QT, KB, BM, BN, MV, D1, D2, D3, NB, LOG2NB, DP4A,
+                                 WL, PF)
             tl.store(ptr, tot.to(y_ptr.dtype.element_ty), mask=mn[:, None] & mr[None, :])
 
 
@@ -412,6 +604,12 @@ _GATE_UP_MMQ, _DOWN_MMQ = map(launcher, (_gate_up_mmq_kernel, _down_mmq_kernel))
 def mmq_ok(qt: int, K: int) -> bool:
     """Whether a launch of kernel type code qt over K columns has the MMA schedule (whole 32-element blocks)."""
     return qt in MMQ_TYPES and K % (256 if qt == 5 else QK) == 0
+
+
+def wl_ok(qt: int, row_bytes: int, aligned: bool) -> bool:
+    """Whether a launch can read its weight tiles as int32 words (WL): every row starts on a 4-byte boundary (16-byte
+    aligned parts, row_bytes a multiple of 4). A launch that cannot reads bytes: the same tiles and bits."""
+    return qt in MMQ_TYPES and aligned and row_bytes % 4 == 0
 
 
 def config(qt: int, bucket: int) -> dict:
@@ -445,6 +643,9 @@ def _launch(kernel, args: list, grid_n: int, R: int, E: int, K: int, qt: int, pe
         per = per // c["BM"] * c["BM_MV"]
         c = {**c, "BM": c["BM_MV"]}
         consts = {**consts, "MV": True, **mv.dims(qt, c["NS"]), "DP4A": mv.dp4a_ok(qt, c["DP4A"])}
+    else:                           # the MMA: its tiles from words where the rows allow (the same bits either way)
+        wl = bool(c["WL"]) and wl_ok(qt, row_bytes, aligned)
+        consts = {**consts, "WL": wl, "PF": wl and bool(c["PF"])}
     nrb = tm._launch_rows(R, E, c["BM"])
     split = bool(c["SPLIT"]) and nch > 1 and grid_n * nrb * nch * per * 4 <= tm.WS_LIMIT
     ws, cnt = tm._workspace(device, grid_n * nrb * nch * per, grid_n * nrb) if split else tm._workspace(device, 1, 1)
@@ -480,7 +681,8 @@ def down(iq, pool, base, starts, rows, off, y, qt: int, row_bytes: int, aligned:
 
 def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int | None = None, bn: int | None = None,
                    num_warps: int | None = None, bucket: int = 16, kb: int | None = None,
-                   kcb: int | None = None, fuse: int | None = None, over: dict | None = None) -> dict:
+                   kcb: int | None = None, fuse: int | None = None, over: dict | None = None,
+                   hints: bool = False) -> dict:
     """Compile one mmq kernel for CUDA sm_`arch` without a GPU (Triton's compiler and the ptxas its wheel ships) at
     the bench geometry (H 2048, F 768: K = 2048 for gate_up, 768 for down) with the launch constants of `bucket`
     (config(); bm / bn / num_warps / kb / kcb / over's keys override: MV 1 the decode schedule) and report what the
@@ -488,7 +690,9 @@ def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int 
     loads in the PTX by width, "dp4a": dp4a instructions in the PTX, "imma": IMMA/HGMMA lines of the SASS (nvdisasm),
     "regs": registers per thread, "spill_bytes": ptxas's spill stores + loads, "smem": shared memory bytes,
     "ptxas": its -v line}. deploy/device/kernel_roofline.py --act-quant prints it beside the figures;
-    tests/kernels/test_mmq.py checks the int8 MMA is there and nothing spills."""
+    tests/kernels/test_mmq.py checks the int8 MMA is there and nothing spills. hints: the alignment facts the JIT
+    gives a device launch of the bench geometry (torch's 16-byte aligned pointers, the int arguments whose values
+    are multiples of 16: H, F, row_bytes where it is, 128 experts, KCB), so loads may be as wide as there."""
     import re
     import subprocess
     import tempfile
@@ -523,12 +727,19 @@ def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int 
     const.update(BM=c["BM"], BN=c["BN"], EP=256, ALIGNED=True,          # aligned rows of the bench geometry's K
                  RA=tm._row_align(row_nbytes(gt, K)), KB=KB, SPLIT=split)
     sig.update(MV="constexpr", D1="constexpr", D2="constexpr", D3="constexpr", NB="constexpr", LOG2NB="constexpr",
-               DP4A="constexpr")
+               DP4A="constexpr", WL="constexpr", PF="constexpr")
     if c["MV"] and mv.mv_ok(qt, K, KCB, c["NS"], row_nbytes(gt, K), True):
-        const.update(BM=c["BM_MV"], MV=True, **mv.dims(qt, c["NS"]), DP4A=bool(c["DP4A"]) and qt in mv.DP4A_TYPES)
+        const.update(BM=c["BM_MV"], MV=True, **mv.dims(qt, c["NS"]), DP4A=bool(c["DP4A"]) and qt in mv.DP4A_TYPES,
+                     WL=False, PF=False)
     else:
-        const.update(MV=False, D1=1, D2=1, D3=1, NB=1, LOG2NB=0, DP4A=False)
-    k = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", arch, 32),
+        wl = bool(c["WL"]) and wl_ok(qt, row_nbytes(gt, K), True)
+        const.update(MV=False, D1=1, D2=1, D3=1, NB=1, LOG2NB=0, DP4A=False, WL=wl, PF=wl and bool(c["PF"]))
+    attrs = {}
+    if hints:                       # what triton.runtime.jit specializes for a launch of these values
+        vals = {"H": 2048, "F": 768, "row_bytes": row_nbytes(gt, K), "n_exp": 128, "k_top": 8, "KCB": KCB}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in sig
+                 and (sig[name].startswith("*") or vals.get(name, 1) % 16 == 0 and name in vals)}
+    k = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", arch, 32),
                        options={"num_warps": c["num_warps"], "num_stages": c["num_stages"]})
     ptx = k.asm["ptx"]
     mma = {}
