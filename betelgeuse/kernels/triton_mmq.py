@@ -306,32 +306,38 @@ def _wl_fetch(pool, ra, kb0, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, QT: tl
     and sums (Q4_K; else xd again))."""
     m2 = mn[:, None]
     kk = kb0 + tl.arange(0, KB)
-    if QT == 0:                                     # 34-byte blocks: f16 d, 32 int8 at byte 2
-        i = tl.arange(0, KB * 8)
-        o = (kb0 + i // 8) * 34 + 2 + (i % 8) * 4
-        sw = _word(pool, ra[:, None] + ((kk * 34) // 4 * 4)[None, :], m2)
+    wp = (pool + ra).to(tl.pointer_type(tl.int32))[:, None]         # word pointers of the rows (offsets in words:
+    if QT == 0:                                     # the compiler sees runs of consecutive words, and Q4_K's 16-byte
+        i = tl.arange(0, KB * 8)                    # alignment); 34-byte blocks: f16 d, 32 int8 at byte 2
+        kb = kb0 + i // 8
+        o = (kb * 34 + 2) // 4 + i % 8              # the word of quant word i's first byte; straddles: kb even
+        st = (kb % 2) == 0
+        sw = tl.load(wp + ((kk * 34) // 4)[None, :], mask=m2, other=0)
     elif QT == 4:                                   # 17-byte blocks: E8M0, 16 bytes of codes at byte 1
         i = tl.arange(0, KB * 4)
-        o = (kb0 + i // 4) * 17 + 1 + (i % 4) * 4
-        sw = _word(pool, ra[:, None] + ((kk * 17) // 4 * 4)[None, :], m2)
-    else:                                           # 144-byte super-blocks: block kb's nibbles in group (kb % 8) // 2
-        i = tl.arange(0, KB * 8)
+        kb = kb0 + i // 4
+        o = (kb * 17 + 1) // 4 + i % 4              # straddles unless 17 kb + 1 = 0 mod 4
+        st = ((kb * 17 + 1) % 4) != 0
+        sw = tl.load(wp + ((kk * 17) // 4)[None, :], mask=m2, other=0)
+    else:                                           # 144-byte super-blocks (36 words): block kb's nibbles in the
+        i = tl.arange(0, KB * 8)                    # 8 words of group (kb % 8) // 2, at word 4 + 8 group
         kb = kb0 + i // 8
-        o = (kb // 8) * 144 + 16 + ((kb % 8) // 2) * 32 + (i % 8) * 4
-        sw = _word(pool, ra[:, None] + ((kb0 // 8) * 144 + 4 * tl.arange(0, 4))[None, :], m2)
-    a = ra[:, None] + (o // 4 * 4)[None, :]
-    lo = _word(pool, a, m2)
+        o = (kb // 8) * 36 + 4 + ((kb % 8) // 2) * 8 + i % 8
+        st = i < 0
+        sw = tl.load(wp + ((kb0 // 8) * 36 + tl.arange(0, 4))[None, :], mask=m2, other=0)
+    lo = tl.load(wp + o[None, :], mask=m2, other=0)
     if QT == 5:
         hi = lo
     else:
-        hi = _word(pool, a + 4, m2 & (o % 4 != 0)[None, :])
-    j = tl.arange(0, KB * 8)
-    if QT == 4:
-        xi = (j // 8) * 8 + (j % 2) * 4 + (j % 8) // 2
+        hi = tl.load(wp + o[None, :] + 1, mask=m2 & st[None, :], other=0)
+    xp = (xq_ptr + xoff).to(tl.pointer_type(tl.int32))[:, None] + kb0 * 8     # the q8_1 rows' words of block kb0
+    if QT == 4:                                     # block a's words w and 4 + w, interleaved (position 2 w + h)
+        j = tl.arange(0, KB * 4)
+        jw = (j // 4) * 8 + j % 4
+        xw = tl.reshape(tl.join(tl.load(xp + jw[None, :], mask=mr[:, None], other=0),
+                                tl.load(xp + jw[None, :] + 4, mask=mr[:, None], other=0)), (xoff.shape[0], KB * 8))
     else:
-        xi = j
-    xw = tl.load((xq_ptr + xoff[:, None] + kb0 * 32 + 4 * xi[None, :]).to(tl.pointer_type(tl.int32)),
-                 mask=mr[:, None], other=0)
+        xw = tl.load(xp + tl.arange(0, KB * 8)[None, :], mask=mr[:, None], other=0)
     xd = tl.load(xd_ptr + dxoff[:, None] + kk[None, :], mask=mr[:, None], other=0.0)
     if QT == 5:
         xs = tl.load(xs_ptr + dxoff[:, None] + kk[None, :], mask=mr[:, None], other=0.0)
@@ -745,12 +751,14 @@ def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int 
     mma = {}
     for m in re.findall(r"\b(w?gmma\.[\w.]+|mma\.sync\.[\w.]+)", ptx):
         mma[m] = mma.get(m, 0) + 1
-    loads = {}                  # global loads by width (ld.global.b8 / .b16: byte loads; cp.async: staged)
-    for m in re.findall(r"\b(ld\.global[\w.]*|cp\.async\.c[ag][\w.]*)", ptx):
+    loads = {}                  # global loads by width (ld.global.b8 / .b16: byte loads; cp.async: staged into
+    for m in re.findall(r"\b(ld\.global[\w.]*|cp\.async\.c[ag][\w.]*\s*\[[^]]*\],\s*\[[^]]*\],\s*\w+)", ptx):
+        if m.startswith("cp."):     # shared memory, by its copy size in bytes: cp.async.ca.shared.global.4)
+            m = m.split()[0] + "." + str(int(m.rsplit(",", 1)[1], 0))
         loads[m] = loads.get(m, 0) + 1
     bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     out = {"kernel": which, "qt": qt, "arch": f"sm_{arch}", "bucket": bucket, "config": {**c, "KB": KB, "KCB": KCB,
-           "SPLIT": split}, "mma": mma, "loads": loads, "dp4a": ptx.count("dp4a."),
+           "SPLIT": split, "WL": int(const["WL"]), "PF": int(const["PF"])}, "hints": hints, "mma": mma, "loads": loads, "dp4a": ptx.count("dp4a."),
            "asm": sorted({m for m in ("prmt", "dp4a") if m + "." in ptx}), "imma": {}, "regs": None,
            "spill_bytes": None,
            "smem": k.metadata.shared, "ptxas": ""}
@@ -779,9 +787,24 @@ def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int 
     return out
 
 
+def _report_job(job: tuple, bucket: int) -> dict:
+    """compile_report of (kernel, type code, overrides) with the alignment hints (the __main__ candidates' pool)."""
+    w, code, over = job
+    return compile_report(w, code, bucket=bucket, over=over, hints=True)
+
+
 if __name__ == "__main__":       # python -m betelgeuse.kernels.triton_mmq: the compile check, no GPU needed
     import json
     import sys
+    if len(sys.argv) > 1 and sys.argv[1].startswith("["):   # a JSON list of overrides (candidates): each at the
+        from concurrent.futures import ProcessPoolExecutor  # 16-row bucket with a device launch's alignment facts,
+        from functools import partial                       # compiled by 4 processes
+        jobs = [(w, code, over) for over in json.loads(sys.argv[1]) for code in sorted(MMQ_TYPES)
+                for w in ("gate_up", "down")]
+        with ProcessPoolExecutor(4) as ex:
+            for r in ex.map(partial(_report_job, bucket=16), jobs):
+                print(json.dumps(r), flush=True)
+        sys.exit(0)
     kbs = [int(v) for v in sys.argv[1].split(",")] if len(sys.argv) > 1 else [None]     # KB values (default: TUNING)
     for code in sorted(MMQ_TYPES):
         for w in ("gate_up", "down"):

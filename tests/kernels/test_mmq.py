@@ -462,3 +462,34 @@ def test_word_loads_give_the_byte_load_bits(qt):
         assert not ok(code, 34 * 3, True) and ok(code, 144, True) and not ok(code, 144, False)
         mp.setattr(mq, "wl_ok", lambda *a: taken.append(False) or False)
         assert np.array_equal(with_cfg(16, KB=2, WL=1, PF=1), ref[16]) and taken == [False, False]
+
+
+def test_word_loads_compile_for_sm90_to_word_loads_without_spills():
+    """WL = 1 at the 16-row bucket's constants (KB 1, BN 64, 4 warps; PF 0 and 1; KB 2) compiled for sm_90 without a
+    GPU, with and without the alignment facts of a device launch (hints): the int8 tensor-core MMA is there, every
+    global load of the kernel is 32 bits or wider (no ld.global.b8 / .b16, cp.async copies of 4 or 16 bytes: the byte
+    MMA reads Q8_0 in half-words, MXFP4 and Q4_K's scales in bytes), and nothing spills. In a child without
+    TRITON_INTERPRET."""
+    import json
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json\nfrom betelgeuse.kernels import triton_mmq as mq\n"
+            "for qt in (0, 4, 5):\n for w in ('gate_up', 'down'):\n"
+            "  for o, h in (({}, 1), ({'WL': 1}, 0), ({'WL': 1}, 1), ({'WL': 1, 'PF': 1}, 1), ({'WL': 1, 'KB': 2}, 1)):\n"
+            "   print(json.dumps(mq.compile_report(w, qt, bucket=16, over=o, hints=bool(h))))\n")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    reports = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 30, p.stdout
+    narrow = lambda r: [k for k in r["loads"] if any(w in k for w in (".b8", ".b16", ".u8", ".s8", ".u16", ".s16"))
+                        or k.startswith("cp.async") and int(k.rsplit(".", 1)[1]) < 4]      # noqa: E731
+    for r in reports:
+        assert r["ptxas_rc"] == 0 and r["spill_bytes"] == 0 and r["regs"] <= 255, r
+        assert any(m.startswith("IGMMA") for m in r["imma"]), r
+        if r["config"]["WL"]:
+            assert not narrow(r), r
+        else:                                           # the byte-load MMA (what WL replaces) does read narrow words
+            assert narrow(r), r
+    q4k = [r for r in reports if r["qt"] == 5 and r["hints"] and r["config"]["WL"] and not r["config"]["PF"]]
+    assert all(r["loads"].get("cp.async.cg.shared.global.16") for r in q4k), q4k       # Q4_K's quants: 16-byte copies
