@@ -25,6 +25,8 @@ The int32 dot is exact and the fp32 accumulation is per (n, m) in fixed K order,
 neither BM, BN, KB, SPLIT, nor the other rows of its block (DESIGN.md invariant 6); the fma is written out (tl.fma),
 so the rounding is the source's, not the compiler's contraction (the same on the GPU and the interpreter, and in
 triton_mmq_mv, the decode schedule without tensor cores that gives these bits: MV = 1, a schedule key).
+The weight and activation tiles are read byte by byte, or (WL = 1, a schedule key) as int32 words unpacked in
+registers: the same int8 tiles, so the same bits (the section "WL = 1" below).
 The MMA of a K step of KB blocks (a schedule key) is [BN, KB*32] x [KB*32, KB*BM] -> [BN, KB*BM]: weights on the
 M side; the rows (padded to BM = 16: a decode row costs the same weight traffic as 16) on the N side, the
 activations block-diagonal (column i*BM + m holds row m's block i, zeros elsewhere), so its KB k32 MMAs issue back
@@ -58,8 +60,10 @@ CONFIG = {"BM": 16, "BN": 64, "FUSE": 0, "num_warps": 4, "num_stages": 3,   # sc
 # MV = 1: the decode schedule without tensor cores (triton_mmq_mv: the same bits; BM_MV rows a program, NS word
 # groups a K step; DP4A 1: its block dots by PTX dp4a on the GPU, the same integers) where a launch
 # can take it (triton_mmq_mv.mv_ok), else the MMA. WL = 1: the MMA's weight and activation tiles read as int32 words
-# (unpacked to int8 in registers; the same tiles, the same bits) where the rows allow (wl_ok), else byte loads; PF = 1
-# (with WL): the next K step's words loaded before this step's MMA (register double-buffering: one more step in flight)
+# (unpacked to int8 in registers; the same tiles, the same bits) where the rows allow (wl_ok), else byte loads; PF
+# (with WL): 0 every word through Triton's cp.async pipeline where it takes them (the quants: num_stages - 1 steps
+# ahead; the scale words are loaded in the step), 1 the next K step's words all loaded before this step's MMA
+# (register double-buffering, no cp.async), 2 the quants as 0 and the scale words one step ahead in registers
 # per type: KB quant blocks a K step (a schedule key: the same bits at every KB) and KCB quant blocks a K chunk (the
 # reduction key, 0 = one chunk: an output is 0 + p_0 + p_1 + ... over its chunks in order, each p_c accumulated from
 # zero; the same for both buckets, so a row's bits never depend on how many rows share its launch)
@@ -272,8 +276,8 @@ def _mmq_step(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, kb0, Q
 # int8 tiles of _w_tile and the float32 scales of the block functions (_wl_step): the same int8 values, the same
 # float32 scales, so the same int32 dots and float ops, bit for bit. Within a block the dot's 32 positions may be
 # permuted (MXFP4: position 8 w + 2 c + h holds element 16 h + 4 w + c, for weights and activations alike): the int32
-# dot is exact in any order. PF = 1: the next step's words are fetched before this step's decode and MMA (carried
-# in registers), so a program keeps two steps' loads in flight instead of one.
+# dot is exact in any order. PF (CONFIG's note): which words are fetched a step ahead and how; a byte-load step
+# keeps one step of loads in flight a program, Triton's pipeline of word loads num_stages - 1 more.
 
 @triton.jit
 def _bytes_i8(v, R: tl.constexpr, NW: tl.constexpr):
@@ -432,9 +436,19 @@ def _wl_step(acc, lo, hi, sw, xw, xd, xs, kb0, QT: tl.constexpr, KB: tl.constexp
 @triton.jit
 def wl_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT: tl.constexpr, KB: tl.constexpr,
            BM: tl.constexpr, BN: tl.constexpr, PF: tl.constexpr):
-    """mmq_acc from word loads (WL = 1, module doc): the same tiles, dots and float ops, in the same order. PF: the
-    next step's words fetched (masked past b1) before this step's decode and MMA."""
-    if PF:
+    """mmq_acc from word loads (WL = 1, module doc): the same tiles, dots and float ops, in the same order. PF 1: the
+    next step's words fetched (masked past b1) before this step's decode and MMA; PF 2: its scale words only."""
+    if PF == 2:                                     # the scale words one step ahead in registers, the quant words
+        u0, u1, sw, u2, xd, xs = _wl_fetch(pool, ra, b0, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, QT, KB)
+        for kb0 in range(b0, b1, KB):               # in Triton's cp.async pipeline (loads left unused: dropped)
+            nn = mn & (tl.zeros(mn.shape, tl.int32) + (kb0 + KB) < b1)
+            nr = mr & (tl.zeros(mr.shape, tl.int32) + (kb0 + KB) < b1)
+            v0, v1, sw2, v2, xd2, xs2 = _wl_fetch(pool, ra, kb0 + KB, nn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, nr,
+                                                  QT, KB)
+            lo, hi, w0, xw, w1, w2 = _wl_fetch(pool, ra, kb0, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, QT, KB)
+            acc = _wl_step(acc, lo, hi, sw, xw, xd, xs, kb0, QT, KB, BM, BN)
+            sw, xd, xs = sw2, xd2, xs2
+    elif PF:
         lo, hi, sw, xw, xd, xs = _wl_fetch(pool, ra, b0, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, QT, KB)
         for kb0 in range(b0, b1, KB):
             nn = mn & (tl.zeros(mn.shape, tl.int32) + (kb0 + KB) < b1)     # (as tensors: the interpreter's masks)
@@ -651,7 +665,7 @@ def _launch(kernel, args: list, grid_n: int, R: int, E: int, K: int, qt: int, pe
         consts = {**consts, "MV": True, **mv.dims(qt, c["NS"]), "DP4A": mv.dp4a_ok(qt, c["DP4A"])}
     else:                           # the MMA: its tiles from words where the rows allow (the same bits either way)
         wl = bool(c["WL"]) and wl_ok(qt, row_bytes, aligned)
-        consts = {**consts, "WL": wl, "PF": wl and bool(c["PF"])}
+        consts = {**consts, "WL": wl, "PF": int(c["PF"]) if wl else 0}
     nrb = tm._launch_rows(R, E, c["BM"])
     split = bool(c["SPLIT"]) and nch > 1 and grid_n * nrb * nch * per * 4 <= tm.WS_LIMIT
     ws, cnt = tm._workspace(device, grid_n * nrb * nch * per, grid_n * nrb) if split else tm._workspace(device, 1, 1)
@@ -739,7 +753,7 @@ def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int 
                      WL=False, PF=False)
     else:
         wl = bool(c["WL"]) and wl_ok(qt, row_nbytes(gt, K), True)
-        const.update(MV=False, D1=1, D2=1, D3=1, NB=1, LOG2NB=0, DP4A=False, WL=wl, PF=wl and bool(c["PF"]))
+        const.update(MV=False, D1=1, D2=1, D3=1, NB=1, LOG2NB=0, DP4A=False, WL=wl, PF=int(c["PF"]) if wl else 0)
     attrs = {}
     if hints:                       # what triton.runtime.jit specializes for a launch of these values
         vals = {"H": 2048, "F": 768, "row_bytes": row_nbytes(gt, K), "n_exp": 128, "k_top": 8, "KCB": KCB}

@@ -156,11 +156,12 @@ MMQ_CONFIGS = [{}, {"KB": 2}, {"KB": 4}, {"KB": 1, "num_warps": 4}, {"KB": 2, "S
 # WL 1 (issue 23, the 16-row bucket): the MMA with its tiles read as int32 words (the same tiles: the same bits), its
 # launch constants all given (TYPE_BUCKET's one-row MV schedule would otherwise stand in for the 1-row figure);
 # PF 1 the next K step's words fetched before this step's MMA (register double-buffering), else Triton's cp.async
-# pipeline of num_stages; SPLIT 1 the 16-row bucket's chunks over programs too (gate_up's 12 x 16 tiles of BN 64
+# pipeline of num_stages (PF 2: that for the quants, the scale words one step ahead in registers); SPLIT 1 the 16-row bucket's chunks over programs too (gate_up's 12 x 16 tiles of BN 64
 # leave an H100's 132 SMs one or two programs each); BN 32 (mma.sync m16n8k32): twice the programs
 WL_BASE = {"MV": 0, "WL": 1, "BN": 64, "KB": 1, "num_warps": 4, "num_stages": 3, "FUSE": 0, "PF": 0}
-WL_CONFIGS = [{}, {"PF": 1}, {"num_stages": 4}, {"KB": 2}, {"KB": 2, "PF": 1}, {"KB": 2, "num_warps": 8},
-              {"SPLIT": 1}, {"KB": 2, "SPLIT": 1}, {"PF": 1, "SPLIT": 1}, {"BN": 32}, {"BN": 32, "SPLIT": 1},
+WL_CONFIGS = [{}, {"PF": 1}, {"PF": 2}, {"num_stages": 4}, {"KB": 2}, {"KB": 2, "PF": 1}, {"KB": 2, "PF": 2},
+              {"KB": 2, "num_warps": 8}, {"SPLIT": 1}, {"KB": 2, "SPLIT": 1}, {"PF": 1, "SPLIT": 1},
+              {"PF": 2, "SPLIT": 1}, {"KB": 2, "PF": 2, "SPLIT": 1}, {"BN": 32}, {"BN": 32, "SPLIT": 1},
               {"BN": 32, "PF": 1, "SPLIT": 1}, {"FUSE": 1, "num_warps": 8}, {"KB": 4, "PF": 1, "num_warps": 8}]
 MMQ_CONFIGS += [{**WL_BASE, **c} for c in WL_CONFIGS]
 MMQ_OTHER = {"before": {"KB": 1, "KCB": 0, "SPLIT": 0, "num_warps": 4, "num_stages": 3}, "KCB8": {"KCB": 8},
