@@ -44,6 +44,8 @@ Types with this schedule: MMQ_TYPES (kernel type codes, triton_quants.QT_CODES).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -60,7 +62,8 @@ CONFIG = {"BM": 16, "BN": 64, "FUSE": 0, "num_warps": 4, "num_stages": 3,   # sc
 # MV = 1: the decode schedule without tensor cores (triton_mmq_mv: the same bits; BM_MV rows a program, NS word
 # groups a K step; DP4A 1: its block dots by PTX dp4a on the GPU, the same integers) where a launch
 # can take it (triton_mmq_mv.mv_ok), else the MMA. WL = 1: the MMA's weight and activation tiles read as int32 words
-# (unpacked to int8 in registers; the same tiles, the same bits) where the rows allow (wl_ok), else byte loads; PF
+# (unpacked to int8 in registers; the same tiles, the same bits) where the rows allow (wl_ok), else byte loads (WL 2:
+# MXFP4's codes decoded by a byte-permute table, on the GPU: wl_mode); PF
 # (with WL): 0 every word through Triton's cp.async pipeline where it takes them (the quants: num_stages - 1 steps
 # ahead; the scale words are loaded in the step), 1 the next K step's words all loaded before this step's MMA
 # (register double-buffering, no cp.async), 2 the quants as 0 and the scale words one step ahead in registers
@@ -366,7 +369,7 @@ def _blk(P, i: tl.constexpr, KB: tl.constexpr, BN: tl.constexpr):
 
 @triton.jit
 def _wl_step(acc, lo, hi, sw, xw, xd, xs, kb0, QT: tl.constexpr, KB: tl.constexpr, BM: tl.constexpr,
-             BN: tl.constexpr):
+             BN: tl.constexpr, PRMT: tl.constexpr = False):
     """acc + blocks kb0 .. kb0 + KB from _wl_fetch's words: the int8 tiles of _w_tile (positions permuted within a
     block alike for weights and activations: MXFP4), the MMA of mmq_acc (KB 1) or _mmq_step (block-diagonal), then
     each block's float ops in ascending order with the block functions' float32 scales."""
@@ -378,10 +381,15 @@ def _wl_step(acc, lo, hi, sw, xw, xd, xs, kb0, QT: tl.constexpr, KB: tl.constexp
     elif QT == 4:                                   # codes at byte offset 17 kb + 1 + 4 w: funnel from (lo, hi)
         i = tl.arange(0, KB * 4)
         v = _funnel(lo, hi, ((((kb0 + i // 4) * 17 + 1) % 4) * 8)[None, :])
-        c = tl.reshape(tl.join(_nib_i8(v, 0, BN, KB * 4), _nib_i8(v, 4, BN, KB * 4)), (BN, KB * 32))
-        x = (c >> 1) & 3
-        mag = tl.where(x == 0, c & 1, (2 + (c & 1)) << tl.maximum(x - 1, 0))
-        wq = tl.where(c >= 8, -mag, mag).to(tl.int8)
+        if PRMT:                                    # WL 2 (the GPU): the code table by byte permutes, 8 codes a word
+            wl, wh = mv._mxfp4_int8(v)              # (elements 4 w + c, 16 + 4 w + c as int8 bytes c)
+            wq = tl.reshape(tl.join(tl.reshape(_bytes_i8(wl, BN, KB * 4), (BN, KB * 4, 4)),
+                                    tl.reshape(_bytes_i8(wh, BN, KB * 4), (BN, KB * 4, 4))), (BN, KB * 32))
+        else:
+            c = tl.reshape(tl.join(_nib_i8(v, 0, BN, KB * 4), _nib_i8(v, 4, BN, KB * 4)), (BN, KB * 32))
+            x = (c >> 1) & 3
+            mag = tl.where(x == 0, c & 1, (2 + (c & 1)) << tl.maximum(x - 1, 0))
+            wq = tl.where(c >= 8, -mag, mag).to(tl.int8)
         xl, xh = tl.split(tl.reshape(xw, (BM, KB * 4, 2)))
         xq = tl.reshape(tl.join(tl.reshape(_bytes_i8(xl, BM, KB * 4), (BM, KB * 4, 4)),
                                 tl.reshape(_bytes_i8(xh, BM, KB * 4), (BM, KB * 4, 4))), (BM, KB * 32))
@@ -435,7 +443,7 @@ def _wl_step(acc, lo, hi, sw, xw, xd, xs, kb0, QT: tl.constexpr, KB: tl.constexp
 
 @triton.jit
 def wl_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT: tl.constexpr, KB: tl.constexpr,
-           BM: tl.constexpr, BN: tl.constexpr, PF: tl.constexpr):
+           BM: tl.constexpr, BN: tl.constexpr, PF: tl.constexpr, PRMT: tl.constexpr = False):
     """mmq_acc from word loads (WL = 1, module doc): the same tiles, dots and float ops, in the same order. PF 1: the
     next step's words fetched (masked past b1) before this step's decode and MMA; PF 2: its scale words only."""
     if PF == 2:                                     # the scale words one step ahead in registers, the quant words
@@ -446,7 +454,7 @@ def wl_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, Q
             v0, v1, sw2, v2, xd2, xs2 = _wl_fetch(pool, ra, kb0 + KB, nn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, nr,
                                                   QT, KB)
             lo, hi, w0, xw, w1, w2 = _wl_fetch(pool, ra, kb0, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, QT, KB)
-            acc = _wl_step(acc, lo, hi, sw, xw, xd, xs, kb0, QT, KB, BM, BN)
+            acc = _wl_step(acc, lo, hi, sw, xw, xd, xs, kb0, QT, KB, BM, BN, PRMT)
             sw, xd, xs = sw2, xd2, xs2
     elif PF:
         lo, hi, sw, xw, xd, xs = _wl_fetch(pool, ra, b0, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, QT, KB)
@@ -455,12 +463,12 @@ def wl_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, Q
             nr = mr & (tl.zeros(mr.shape, tl.int32) + (kb0 + KB) < b1)
             lo2, hi2, sw2, xw2, xd2, xs2 = _wl_fetch(pool, ra, kb0 + KB, nn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, nr,
                                                      QT, KB)
-            acc = _wl_step(acc, lo, hi, sw, xw, xd, xs, kb0, QT, KB, BM, BN)
+            acc = _wl_step(acc, lo, hi, sw, xw, xd, xs, kb0, QT, KB, BM, BN, PRMT)
             lo, hi, sw, xw, xd, xs = lo2, hi2, sw2, xw2, xd2, xs2
     else:
         for kb0 in range(b0, b1, KB):
             lo, hi, sw, xw, xd, xs = _wl_fetch(pool, ra, kb0, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, QT, KB)
-            acc = _wl_step(acc, lo, hi, sw, xw, xd, xs, kb0, QT, KB, BM, BN)
+            acc = _wl_step(acc, lo, hi, sw, xw, xd, xs, kb0, QT, KB, BM, BN, PRMT)
     return acc
 
 
@@ -496,15 +504,15 @@ def mmq_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, 
 @triton.jit
 def _acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT: tl.constexpr, KB: tl.constexpr,
          BM: tl.constexpr, BN: tl.constexpr, MV: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
-         NB: tl.constexpr, LOG2NB: tl.constexpr, DP4A: tl.constexpr, WL: tl.constexpr = False,
-         PF: tl.constexpr = False):
+         NB: tl.constexpr, LOG2NB: tl.constexpr, DP4A: tl.constexpr, WL: tl.constexpr = 0,
+         PF: tl.constexpr = 0):
     """mmq_acc (int8 MMA; WL: its tiles from word loads, wl_acc), or with MV the same float ops without tensor cores
     (triton_mmq_mv.mv_acc)."""
     if MV:
         r = mv.mv_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT, BM, BN, D1, D2, D3, NB,
                       LOG2NB, DP4A)
     elif WL:
-        r = wl_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT, KB, BM, BN, PF)
+        r = wl_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT, KB, BM, BN, PF, WL == 2)
     else:
         r = mmq_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT, KB, BM, BN)
     return r
@@ -514,7 +522,7 @@ def _acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT:
 def _gu_acc(pool, gra, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, b0, b1, QT: tl.constexpr, KB: tl.constexpr,
             BM: tl.constexpr, BN: tl.constexpr, FUSE: tl.constexpr, MV: tl.constexpr, D1: tl.constexpr,
             D2: tl.constexpr, D3: tl.constexpr, NB: tl.constexpr, LOG2NB: tl.constexpr, DP4A: tl.constexpr,
-            WL: tl.constexpr = False, PF: tl.constexpr = False):
+            WL: tl.constexpr = 0, PF: tl.constexpr = 0):
     """gate_up's partial over blocks b0 .. b1, from zero: [2 BN, BM], the gate rows gra then the up rows ura [BN].
     FUSE: both as one weight side of 2 BN rows (one MMA of M = 2 BN a step, a warpgroup each at 8 warps, the
     activations' tile built once); else gate's K walk, then up's. Either way each output's float ops are those of
@@ -541,8 +549,8 @@ def _gate_up_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows
                         ALIGNED: tl.constexpr = False, RA: tl.constexpr = 1, KB: tl.constexpr = 1,
                         SPLIT: tl.constexpr = False, FUSE: tl.constexpr = False, MV: tl.constexpr = False,
                         D1: tl.constexpr = 1, D2: tl.constexpr = 1, D3: tl.constexpr = 1, NB: tl.constexpr = 1,
-                        LOG2NB: tl.constexpr = 0, DP4A: tl.constexpr = False, WL: tl.constexpr = False,
-                        PF: tl.constexpr = False):
+                        LOG2NB: tl.constexpr = 0, DP4A: tl.constexpr = False, WL: tl.constexpr = 0,
+                        PF: tl.constexpr = 0):
     e, mb, base = tm._find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
     if base >= 0:
         rows, mr, flat = tm._rows_of(off_ptr, rows_ptr, e, mb, BM)
@@ -585,7 +593,7 @@ def _down_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows_pt
                      EP: tl.constexpr, ALIGNED: tl.constexpr = False, RA: tl.constexpr = 1, KB: tl.constexpr = 1,
                      SPLIT: tl.constexpr = False, MV: tl.constexpr = False, D1: tl.constexpr = 1,
                      D2: tl.constexpr = 1, D3: tl.constexpr = 1, NB: tl.constexpr = 1, LOG2NB: tl.constexpr = 0,
-                     DP4A: tl.constexpr = False, WL: tl.constexpr = False, PF: tl.constexpr = False):
+                     DP4A: tl.constexpr = False, WL: tl.constexpr = 0, PF: tl.constexpr = 0):
     e, mb, base = tm._find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
     if base >= 0:
         rows, mr, flat = tm._rows_of(off_ptr, rows_ptr, e, mb, BM)
@@ -632,6 +640,13 @@ def wl_ok(qt: int, row_bytes: int, aligned: bool) -> bool:
     return qt in MMQ_TYPES and aligned and row_bytes % 4 == 0
 
 
+def wl_mode(qt: int, want: int) -> int:
+    """The WL constant of a launch that reads words: 2 (MXFP4's codes by PTX byte permutes, llama.cpp's
+    get_int_from_table_16: the same int8 values) where asked, the type is MXFP4 and the kernel is compiled for the
+    GPU (the interpreter cannot run inline PTX), else 1."""
+    return 2 if want == 2 and qt == 4 and os.environ.get("TRITON_INTERPRET", "0") != "1" else 1
+
+
 def config(qt: int, bucket: int) -> dict:
     """The launch constants of kernel type code qt for a rows bucket (triton_moe.bucket_of): CONFIG, the bucket's
     (SPLIT, KB), the type's TUNING (KCB, warps), the pair's TYPE_BUCKET, then TYPE_CONFIG's overrides."""
@@ -665,7 +680,7 @@ def _launch(kernel, args: list, grid_n: int, R: int, E: int, K: int, qt: int, pe
         consts = {**consts, "MV": True, **mv.dims(qt, c["NS"]), "DP4A": mv.dp4a_ok(qt, c["DP4A"])}
     else:                           # the MMA: its tiles from words where the rows allow (the same bits either way)
         wl = bool(c["WL"]) and wl_ok(qt, row_bytes, aligned)
-        consts = {**consts, "WL": wl, "PF": int(c["PF"]) if wl else 0}
+        consts = {**consts, "WL": wl_mode(qt, c["WL"]) if wl else 0, "PF": int(c["PF"]) if wl else 0}
     nrb = tm._launch_rows(R, E, c["BM"])
     split = bool(c["SPLIT"]) and nch > 1 and grid_n * nrb * nch * per * 4 <= tm.WS_LIMIT
     ws, cnt = tm._workspace(device, grid_n * nrb * nch * per, grid_n * nrb) if split else tm._workspace(device, 1, 1)
@@ -753,7 +768,8 @@ def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int 
                      WL=False, PF=False)
     else:
         wl = bool(c["WL"]) and wl_ok(qt, row_nbytes(gt, K), True)
-        const.update(MV=False, D1=1, D2=1, D3=1, NB=1, LOG2NB=0, DP4A=False, WL=wl, PF=int(c["PF"]) if wl else 0)
+        const.update(MV=False, D1=1, D2=1, D3=1, NB=1, LOG2NB=0, DP4A=False, WL=wl_mode(qt, c["WL"]) if wl else 0,
+                     PF=int(c["PF"]) if wl else 0)
     attrs = {}
     if hints:                       # what triton.runtime.jit specializes for a launch of these values
         vals = {"H": 2048, "F": 768, "row_bytes": row_nbytes(gt, K), "n_exp": 128, "k_top": 8, "KCB": KCB}

@@ -158,8 +158,10 @@ MMQ_CONFIGS = [{}, {"KB": 2}, {"KB": 4}, {"KB": 1, "num_warps": 4}, {"KB": 2, "S
 # PF 1 the next K step's words fetched before this step's MMA (register double-buffering), else Triton's cp.async
 # pipeline of num_stages (PF 2: that for the quants, the scale words one step ahead in registers); SPLIT 1 the 16-row bucket's chunks over programs too (gate_up's 12 x 16 tiles of BN 64
 # leave an H100's 132 SMs one or two programs each); BN 32 (mma.sync m16n8k32): twice the programs
-WL_BASE = {"MV": 0, "WL": 1, "BN": 64, "KB": 1, "num_warps": 4, "num_stages": 3, "FUSE": 0, "PF": 0}
-WL_CONFIGS = [{}, {"PF": 1}, {"PF": 2}, {"num_stages": 4}, {"KB": 2}, {"KB": 2, "PF": 1}, {"KB": 2, "PF": 2},
+# WL 2: MXFP4's codes by the byte-permute table (the other types take WL 1's kernel); {"WL": 1}: MXFP4's arithmetic
+# decode, for the comparison
+WL_BASE = {"MV": 0, "WL": 2, "BN": 64, "KB": 1, "num_warps": 4, "num_stages": 3, "FUSE": 0, "PF": 0}
+WL_CONFIGS = [{}, {"WL": 1}, {"PF": 1}, {"PF": 2}, {"num_stages": 4}, {"KB": 2}, {"KB": 2, "PF": 1}, {"KB": 2, "PF": 2},
               {"KB": 2, "num_warps": 8}, {"SPLIT": 1}, {"KB": 2, "SPLIT": 1}, {"PF": 1, "SPLIT": 1},
               {"PF": 2, "SPLIT": 1}, {"KB": 2, "PF": 2, "SPLIT": 1}, {"BN": 32}, {"BN": 32, "SPLIT": 1},
               {"BN": 32, "PF": 1, "SPLIT": 1}, {"FUSE": 1, "num_warps": 8}, {"KB": 4, "PF": 1, "num_warps": 8}]

@@ -465,7 +465,8 @@ def test_word_loads_give_the_byte_load_bits(qt):
 
 
 def test_word_loads_compile_for_sm90_to_word_loads_without_spills():
-    """WL = 1 at the 16-row bucket's constants (KB 1, BN 64, 4 warps; PF 0, 1 and 2; KB 2) compiled for sm_90 without a
+    """WL = 1 at the 16-row bucket's constants (KB 1, BN 64, 4 warps; PF 0, 1 and 2; KB 2), and WL = 2 (MXFP4's
+    codes through the byte-permute table; the other types: WL 1) compiled for sm_90 without a
     GPU, with and without the alignment facts of a device launch (hints): the int8 tensor-core MMA is there, every
     global load of the kernel is 32 bits or wider (no ld.global.b8 / .b16, cp.async copies of 4 or 16 bytes: the byte
     MMA reads Q8_0 in half-words, MXFP4 and Q4_K's scales in bytes), and nothing spills. In a child without
@@ -477,12 +478,12 @@ def test_word_loads_compile_for_sm90_to_word_loads_without_spills():
     code = ("import json\nfrom betelgeuse.kernels import triton_mmq as mq\n"
             "for qt in (0, 4, 5):\n for w in ('gate_up', 'down'):\n"
             "  for o, h in (({}, 1), ({'WL': 1}, 0), ({'WL': 1}, 1), ({'WL': 1, 'PF': 1}, 1), ({'WL': 1, 'PF': 2}, 1),\n"
-            "               ({'WL': 1, 'KB': 2}, 1)):\n"
+            "               ({'WL': 1, 'KB': 2}, 1), ({'WL': 2, 'PF': 2}, 1)):\n"
             "   print(json.dumps(mq.compile_report(w, qt, bucket=16, over=o, hints=bool(h))))\n")
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     reports = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
-    assert len(reports) == 36, p.stdout
+    assert len(reports) == 42, p.stdout
     narrow = lambda r: [k for k in r["loads"] if any(w in k for w in (".b8", ".b16", ".u8", ".s8", ".u16", ".s16"))
                         or k.startswith("cp.async") and int(k.rsplit(".", 1)[1]) < 4]      # noqa: E731
     for r in reports:
@@ -492,5 +493,8 @@ def test_word_loads_compile_for_sm90_to_word_loads_without_spills():
             assert not narrow(r), r
         else:                                           # the byte-load MMA (what WL replaces) does read narrow words
             assert narrow(r), r
+    prm = [r for r in reports if r["qt"] == 4 and r["config"]["WL"] == 2]   # MXFP4's codes by PTX prmt
+    assert len(prm) == 2 and all("prmt" in r["asm"] for r in prm), prm
+    assert not any(r["config"]["WL"] == 2 for r in reports if r["qt"] != 4)          # the others: WL 1's decode
     q4k = [r for r in reports if r["qt"] == 5 and r["hints"] and r["config"]["WL"] and not r["config"]["PF"]]
     assert all(r["loads"].get("cp.async.cg.shared.global.16") for r in q4k), q4k       # Q4_K's quants: 16-byte copies
