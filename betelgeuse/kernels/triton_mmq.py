@@ -25,6 +25,8 @@ The int32 dot is exact and the fp32 accumulation is per (n, m) in fixed K order,
 neither BM, BN, KB, SPLIT, nor the other rows of its block (DESIGN.md invariant 6); the fma is written out (tl.fma),
 so the rounding is the source's, not the compiler's contraction (the same on the GPU and the interpreter, and in
 triton_mmq_mv, the decode schedule without tensor cores that gives these bits: MV = 1, a schedule key).
+The weight and activation tiles are read byte by byte, or (WL = 1, a schedule key) as int32 words unpacked in
+registers: the same int8 tiles, so the same bits (the section "WL = 1" below).
 The MMA of a K step of KB blocks (a schedule key) is [BN, KB*32] x [KB*32, KB*BM] -> [BN, KB*BM]: weights on the
 M side; the rows (padded to BM = 16: a decode row costs the same weight traffic as 16) on the N side, the
 activations block-diagonal (column i*BM + m holds row m's block i, zeros elsewhere), so its KB k32 MMAs issue back
@@ -42,21 +44,29 @@ Types with this schedule: MMQ_TYPES (kernel type codes, triton_quants.QT_CODES).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from betelgeuse.kernels import triton_mmq_mv as mv
 from betelgeuse.kernels import triton_moe as tm
+from betelgeuse.kernels.triton_mmvq import _half as _f16, _join4, _word
 from betelgeuse.kernels.triton_launch import launcher
 
 QK = 32                        # elements per q8_1 block (llama.cpp QK8_1)
 MMQ_TYPES = frozenset({0, 4, 5})  # kernel type codes with an MMA schedule: Q8_0, MXFP4, Q4_K
 CONFIG = {"BM": 16, "BN": 64, "FUSE": 0, "num_warps": 4, "num_stages": 3,   # schedule keys (every type and bucket)
-          "MV": 0, "BM_MV": 1, "NS": 1, "DP4A": 0}
+          "MV": 0, "BM_MV": 1, "NS": 1, "DP4A": 0, "WL": 0, "PF": 0}
 # MV = 1: the decode schedule without tensor cores (triton_mmq_mv: the same bits; BM_MV rows a program, NS word
 # groups a K step; DP4A 1: its block dots by PTX dp4a on the GPU, the same integers) where a launch
-# can take it (triton_mmq_mv.mv_ok), else the MMA
+# can take it (triton_mmq_mv.mv_ok), else the MMA. WL = 1: the MMA's weight and activation tiles read as int32 words
+# (unpacked to int8 in registers; the same tiles, the same bits) where the rows allow (wl_ok), else byte loads (WL 2:
+# MXFP4's codes decoded by a byte-permute table, on the GPU: wl_mode); PF
+# (with WL): 0 every word through Triton's cp.async pipeline where it takes them (the quants: num_stages - 1 steps
+# ahead; the scale words are loaded in the step), 1 the next K step's words all loaded before this step's MMA
+# (register double-buffering, no cp.async), 2 the quants as 0 and the scale words one step ahead in registers
 # per type: KB quant blocks a K step (a schedule key: the same bits at every KB) and KCB quant blocks a K chunk (the
 # reduction key, 0 = one chunk: an output is 0 + p_0 + p_1 + ... over its chunks in order, each p_c accumulated from
 # zero; the same for both buckets, so a row's bits never depend on how many rows share its launch)
@@ -260,6 +270,208 @@ def _mmq_step(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, kb0, Q
     return acc
 
 
+# ---- WL = 1: the same tiles from int32 word loads (a schedule key: only how the bytes are read) ---------------------
+# The byte-load tiles above cost a load instruction and a 32-bit register per byte, so a 4-warp program keeps one K
+# step (BN x 34 B of Q8_0 at KB 1) in flight and waits on it before its MMA. Here every quant and scale byte comes from
+# an aligned 32-bit word (rows at 4-byte multiples of 16-byte aligned parts: wl_ok), unpacked in registers: a block's
+# quants that do not start on a word (Q8_0's even blocks at byte 2, MXFP4's at 1, 2, 3 mod 4) are funnel-shifted from
+# the word pair (lo, hi); the activations are read as words too. A K step's words (_wl_fetch) are decoded into the
+# int8 tiles of _w_tile and the float32 scales of the block functions (_wl_step): the same int8 values, the same
+# float32 scales, so the same int32 dots and float ops, bit for bit. Within a block the dot's 32 positions may be
+# permuted (MXFP4: position 8 w + 2 c + h holds element 16 h + 4 w + c, for weights and activations alike): the int32
+# dot is exact in any order. PF (CONFIG's note): which words are fetched a step ahead and how; a byte-load step
+# keeps one step of loads in flight a program, Triton's pipeline of word loads num_stages - 1 more.
+
+@triton.jit
+def _bytes_i8(v, R: tl.constexpr, NW: tl.constexpr):
+    """int32 words v [R, NW] -> int8 [R, 4 NW]: position 4 i + c = the signed byte c of word i (little-endian)."""
+    return tl.reshape(_join4(((v << 24) >> 24).to(tl.int8), ((v << 16) >> 24).to(tl.int8),
+                             ((v << 8) >> 24).to(tl.int8), (v >> 24).to(tl.int8)), (R, 4 * NW))
+
+
+@triton.jit
+def _nib_i8(v, sh: tl.constexpr, R: tl.constexpr, NW: tl.constexpr):
+    """int32 words v [R, NW] -> int32 [R, NW, 4]: position (i, c) = the 4-bit field at bit 8 c + sh of word i."""
+    return _join4((v >> sh) & 15, (v >> (8 + sh)) & 15, (v >> (16 + sh)) & 15, (v >> (24 + sh)) & 15)
+
+
+@triton.jit
+def _funnel(lo, hi, s):
+    """The 32 bits at bit offset s (0, 8, 16, 24) of the 64-bit little-endian pair (lo, hi) of int32 words."""
+    t = tl.where(s == 0, 8, s)                      # (a shift by 32 is undefined: s = 0 takes lo as it is)
+    return tl.where(s == 0, lo, ((lo >> t) & ((1 << (32 - t)) - 1)) | (hi << (32 - t)))
+
+
+@triton.jit
+def _wl_fetch(pool, ra, kb0, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, QT: tl.constexpr, KB: tl.constexpr):
+    """The raw int32 words of K step kb0 .. kb0 + KB of weight rows at byte addresses ra [BN] (mask mn) and q8_1
+    rows at element offsets xoff [BM] (mask mr): (lo [BN, W KB]: the word holding each quant word's first byte
+    (W = 8 quant words a block, MXFP4 4); hi: the word after it, loaded only where the quant word straddles two
+    (else 0); sw: the scale words, [BN, KB] (Q8_0: the word holding d; MXFP4: the E8M0 byte's) or Q4_K's super-block
+    header [BN, 4] (f16 d | f16 dmin, scales[0..3], [4..7], [8..11]); xw [BM, 8 KB]: the activations' quant words,
+    block-major (MXFP4: word 8 a + 4 h + w at position 8 a + 2 w + h); xd, xs [BM, KB]: the activations' block scales
+    and sums (Q4_K; else xd again))."""
+    m2 = mn[:, None]
+    kk = kb0 + tl.arange(0, KB)
+    wp = (pool + ra).to(tl.pointer_type(tl.int32))[:, None]         # word pointers of the rows (offsets in words:
+    if QT == 0:                                     # the compiler sees runs of consecutive words, and Q4_K's 16-byte
+        i = tl.arange(0, KB * 8)                    # alignment); 34-byte blocks: f16 d, 32 int8 at byte 2
+        kb = kb0 + i // 8
+        o = (kb * 34 + 2) // 4 + i % 8              # the word of quant word i's first byte; straddles: kb even
+        st = (kb % 2) == 0
+        sw = tl.load(wp + ((kk * 34) // 4)[None, :], mask=m2, other=0)
+    elif QT == 4:                                   # 17-byte blocks: E8M0, 16 bytes of codes at byte 1
+        i = tl.arange(0, KB * 4)
+        kb = kb0 + i // 4
+        o = (kb * 17 + 1) // 4 + i % 4              # straddles unless 17 kb + 1 = 0 mod 4
+        st = ((kb * 17 + 1) % 4) != 0
+        sw = tl.load(wp + ((kk * 17) // 4)[None, :], mask=m2, other=0)
+    else:                                           # 144-byte super-blocks (36 words): block kb's nibbles in the
+        i = tl.arange(0, KB * 8)                    # 8 words of group (kb % 8) // 2, at word 4 + 8 group
+        kb = kb0 + i // 8
+        o = (kb // 8) * 36 + 4 + ((kb % 8) // 2) * 8 + i % 8
+        st = i < 0
+        sw = tl.load(wp + ((kb0 // 8) * 36 + tl.arange(0, 4))[None, :], mask=m2, other=0)
+    lo = tl.load(wp + o[None, :], mask=m2, other=0)
+    if QT == 5:
+        hi = lo
+    else:
+        hi = tl.load(wp + o[None, :] + 1, mask=m2 & st[None, :], other=0)
+    xp = (xq_ptr + xoff).to(tl.pointer_type(tl.int32))[:, None] + kb0 * 8     # the q8_1 rows' words of block kb0
+    if QT == 4:                                     # block a's words w and 4 + w, interleaved (position 2 w + h)
+        j = tl.arange(0, KB * 4)
+        jw = (j // 4) * 8 + j % 4
+        xw = tl.reshape(tl.join(tl.load(xp + jw[None, :], mask=mr[:, None], other=0),
+                                tl.load(xp + jw[None, :] + 4, mask=mr[:, None], other=0)), (xoff.shape[0], KB * 8))
+    else:
+        xw = tl.load(xp + tl.arange(0, KB * 8)[None, :], mask=mr[:, None], other=0)
+    xd = tl.load(xd_ptr + dxoff[:, None] + kk[None, :], mask=mr[:, None], other=0.0)
+    if QT == 5:
+        xs = tl.load(xs_ptr + dxoff[:, None] + kk[None, :], mask=mr[:, None], other=0.0)
+    else:
+        xs = xd
+    return lo, hi, sw, xw, xd, xs
+
+
+@triton.jit
+def _blk(P, i: tl.constexpr, KB: tl.constexpr, BN: tl.constexpr):
+    """P [BN, KB] -> P[:, i] [BN] (register moves)."""
+    if KB == 1:
+        r = tl.reshape(P, (BN,))
+    elif KB == 2:
+        r = mv._pick(P, i, BN, 2, 1)
+    elif KB == 4:
+        r = mv._pick(P, i, BN, 4, 2)
+    else:
+        r = mv._pick(P, i, BN, 8, 3)
+    return r
+
+
+@triton.jit
+def _wl_step(acc, lo, hi, sw, xw, xd, xs, kb0, QT: tl.constexpr, KB: tl.constexpr, BM: tl.constexpr,
+             BN: tl.constexpr, PRMT: tl.constexpr = False):
+    """acc + blocks kb0 .. kb0 + KB from _wl_fetch's words: the int8 tiles of _w_tile (positions permuted within a
+    block alike for weights and activations: MXFP4), the MMA of mmq_acc (KB 1) or _mmq_step (block-diagonal), then
+    each block's float ops in ascending order with the block functions' float32 scales."""
+    if QT == 0:                                     # even blocks' quants start at byte 2 of a word
+        i = tl.arange(0, KB * 8)
+        v = tl.where((((kb0 + i // 8) % 2) == 0)[None, :], ((lo >> 16) & 0xFFFF) | (hi << 16), lo)
+        wq = _bytes_i8(v, BN, KB * 8)
+        xq = _bytes_i8(xw, BM, KB * 8)
+    elif QT == 4:                                   # codes at byte offset 17 kb + 1 + 4 w: funnel from (lo, hi)
+        i = tl.arange(0, KB * 4)
+        v = _funnel(lo, hi, ((((kb0 + i // 4) * 17 + 1) % 4) * 8)[None, :])
+        if PRMT:                                    # WL 2 (the GPU): the code table by byte permutes, 8 codes a word
+            wl, wh = mv._mxfp4_int8(v)              # (elements 4 w + c, 16 + 4 w + c as int8 bytes c)
+            wq = tl.reshape(tl.join(tl.reshape(_bytes_i8(wl, BN, KB * 4), (BN, KB * 4, 4)),
+                                    tl.reshape(_bytes_i8(wh, BN, KB * 4), (BN, KB * 4, 4))), (BN, KB * 32))
+        else:
+            c = tl.reshape(tl.join(_nib_i8(v, 0, BN, KB * 4), _nib_i8(v, 4, BN, KB * 4)), (BN, KB * 32))
+            x = (c >> 1) & 3
+            mag = tl.where(x == 0, c & 1, (2 + (c & 1)) << tl.maximum(x - 1, 0))
+            wq = tl.where(c >= 8, -mag, mag).to(tl.int8)
+        xl, xh = tl.split(tl.reshape(xw, (BM, KB * 4, 2)))
+        xq = tl.reshape(tl.join(tl.reshape(_bytes_i8(xl, BM, KB * 4), (BM, KB * 4, 4)),
+                                tl.reshape(_bytes_i8(xh, BM, KB * 4), (BM, KB * 4, 4))), (BM, KB * 32))
+    else:                                           # Q4_K: block kb's nibbles: low (kb even) or high of its group
+        i = tl.arange(0, KB * 8)
+        v = (lo >> ((((kb0 + i // 8) % 2) * 4)[None, :])) & 0x0F0F0F0F
+        wq = _bytes_i8(v, BN, KB * 8)
+        xq = _bytes_i8(xw, BM, KB * 8)
+    if KB == 1:
+        P = tl.reshape(tl.dot(wq, tl.trans(xq), out_dtype=tl.int32), (BN, BM, 1))
+    else:
+        c32 = tl.arange(0, KB * 32)
+        i3 = tl.arange(0, KB)[:, None, None]
+        xb = tl.where(i3 == (c32 // 32)[None, None, :], xq[None, :, :], tl.zeros_like(xq)[None, :, :])
+        dot = tl.dot(wq, tl.trans(tl.reshape(xb, (KB * BM, KB * 32))), out_dtype=tl.int32)      # [BN, KB*BM]
+        P = tl.permute(tl.reshape(dot, (BN, KB, BM)), (0, 2, 1))                                 # [BN, BM, KB]
+    if QT == 5:                                     # the super-block's header: d, dmin and the 6-bit scales' bytes
+        d = _f16(mv._pick(sw, 0, BN, 4, 2))
+        dmin = _f16(mv._pick(sw, 0, BN, 4, 2) >> 16)
+        s1 = mv._pick(sw, 1, BN, 4, 2)
+        s2 = mv._pick(sw, 2, BN, 4, 2)
+        s3 = mv._pick(sw, 3, BN, 4, 2)
+    for i in tl.static_range(KB):                   # ascending blocks: the fp32 adds in K order (as _mmq_step)
+        if KB == 1:
+            di = tl.reshape(P, (BN, BM)).to(tl.float32)
+        else:
+            di = _part(P, i, KB, BN, BM).to(tl.float32)
+        dx = _blk(xd, i, KB, BM)
+        if QT == 5:                                 # get_scale_min_k4 of sub-block j (as _q4_k_scale)
+            j = (kb0 + i) % 8
+            c1 = (s1 >> (8 * (j % 4))) & 255        # scales[j % 4], [4 + j % 4], [8 + j % 4]
+            c2 = (s2 >> (8 * (j % 4))) & 255
+            c3 = (s3 >> (8 * (j % 4))) & 255
+            lo4 = j < 4
+            sc = tl.where(lo4, c1 & 63, (c3 & 15) | ((c1 >> 6) << 4))
+            m = tl.where(lo4, c2 & 63, (c3 >> 4) | ((c2 >> 6) << 4))
+            dw = d * sc.to(tl.float32)
+            mw = dmin * m.to(tl.float32)
+            sx = _blk(xs, i, KB, BM)
+            acc = acc + tl.fma(di, dw[:, None] * dx[None, :], -(mw[:, None] * sx[None, :]))
+        else:
+            swi = _blk(sw, i, KB, BN)
+            if QT == 0:                             # f16 d at byte 34 kb: the low half (kb even) or the high
+                dw = _f16(swi >> (16 * ((kb0 + i) % 2)))
+            else:                                   # E8M0 at byte 17 kb: byte kb % 4 of its word
+                e8 = (swi >> (8 * ((kb0 + i) % 4))) & 255
+                dw = tl.where(e8 < 2, (e8 + 1) * 0x00200000, (e8 - 1) << 23).to(tl.float32, bitcast=True)
+            acc = tl.fma(di, dw[:, None] * dx[None, :], acc)
+    return acc
+
+
+@triton.jit
+def wl_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT: tl.constexpr, KB: tl.constexpr,
+           BM: tl.constexpr, BN: tl.constexpr, PF: tl.constexpr, PRMT: tl.constexpr = False):
+    """mmq_acc from word loads (WL = 1, module doc): the same tiles, dots and float ops, in the same order. PF 1: the
+    next step's words fetched (masked past b1) before this step's decode and MMA; PF 2: its scale words only."""
+    if PF == 2:                                     # the scale words one step ahead in registers, the quant words
+        u0, u1, sw, u2, xd, xs = _wl_fetch(pool, ra, b0, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, QT, KB)
+        for kb0 in range(b0, b1, KB):               # in Triton's cp.async pipeline (loads left unused: dropped)
+            nn = mn & (tl.zeros(mn.shape, tl.int32) + (kb0 + KB) < b1)
+            nr = mr & (tl.zeros(mr.shape, tl.int32) + (kb0 + KB) < b1)
+            v0, v1, sw2, v2, xd2, xs2 = _wl_fetch(pool, ra, kb0 + KB, nn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, nr,
+                                                  QT, KB)
+            lo, hi, w0, xw, w1, w2 = _wl_fetch(pool, ra, kb0, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, QT, KB)
+            acc = _wl_step(acc, lo, hi, sw, xw, xd, xs, kb0, QT, KB, BM, BN, PRMT)
+            sw, xd, xs = sw2, xd2, xs2
+    elif PF:
+        lo, hi, sw, xw, xd, xs = _wl_fetch(pool, ra, b0, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, QT, KB)
+        for kb0 in range(b0, b1, KB):
+            nn = mn & (tl.zeros(mn.shape, tl.int32) + (kb0 + KB) < b1)     # (as tensors: the interpreter's masks)
+            nr = mr & (tl.zeros(mr.shape, tl.int32) + (kb0 + KB) < b1)
+            lo2, hi2, sw2, xw2, xd2, xs2 = _wl_fetch(pool, ra, kb0 + KB, nn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, nr,
+                                                     QT, KB)
+            acc = _wl_step(acc, lo, hi, sw, xw, xd, xs, kb0, QT, KB, BM, BN, PRMT)
+            lo, hi, sw, xw, xd, xs = lo2, hi2, sw2, xw2, xd2, xs2
+    else:
+        for kb0 in range(b0, b1, KB):
+            lo, hi, sw, xw, xd, xs = _wl_fetch(pool, ra, kb0, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, QT, KB)
+            acc = _wl_step(acc, lo, hi, sw, xw, xd, xs, kb0, QT, KB, BM, BN, PRMT)
+    return acc
+
+
 @triton.jit
 def mmq_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT: tl.constexpr, KB: tl.constexpr,
             BM: tl.constexpr, BN: tl.constexpr):
@@ -292,11 +504,15 @@ def mmq_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, 
 @triton.jit
 def _acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT: tl.constexpr, KB: tl.constexpr,
          BM: tl.constexpr, BN: tl.constexpr, MV: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
-         NB: tl.constexpr, LOG2NB: tl.constexpr, DP4A: tl.constexpr):
-    """mmq_acc (int8 MMA), or with MV the same float ops without tensor cores (triton_mmq_mv.mv_acc)."""
+         NB: tl.constexpr, LOG2NB: tl.constexpr, DP4A: tl.constexpr, WL: tl.constexpr = 0,
+         PF: tl.constexpr = 0):
+    """mmq_acc (int8 MMA; WL: its tiles from word loads, wl_acc), or with MV the same float ops without tensor cores
+    (triton_mmq_mv.mv_acc)."""
     if MV:
         r = mv.mv_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT, BM, BN, D1, D2, D3, NB,
                       LOG2NB, DP4A)
+    elif WL:
+        r = wl_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT, KB, BM, BN, PF, WL == 2)
     else:
         r = mmq_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT, KB, BM, BN)
     return r
@@ -305,7 +521,8 @@ def _acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT:
 @triton.jit
 def _gu_acc(pool, gra, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, b0, b1, QT: tl.constexpr, KB: tl.constexpr,
             BM: tl.constexpr, BN: tl.constexpr, FUSE: tl.constexpr, MV: tl.constexpr, D1: tl.constexpr,
-            D2: tl.constexpr, D3: tl.constexpr, NB: tl.constexpr, LOG2NB: tl.constexpr, DP4A: tl.constexpr):
+            D2: tl.constexpr, D3: tl.constexpr, NB: tl.constexpr, LOG2NB: tl.constexpr, DP4A: tl.constexpr,
+            WL: tl.constexpr = 0, PF: tl.constexpr = 0):
     """gate_up's partial over blocks b0 .. b1, from zero: [2 BN, BM], the gate rows gra then the up rows ura [BN].
     FUSE: both as one weight side of 2 BN rows (one MMA of M = 2 BN a step, a warpgroup each at 8 warps, the
     activations' tile built once); else gate's K walk, then up's. Either way each output's float ops are those of
@@ -314,13 +531,13 @@ def _gu_acc(pool, gra, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, b0, b1, QT:
         ra = tl.reshape(tl.permute(tl.join(gra, ura), (1, 0)), (2 * BN,))
         m2 = tl.reshape(tl.permute(tl.join(mn, mn), (1, 0)), (2 * BN,))
         acc = _acc(tl.zeros((2 * BN, BM), dtype=tl.float32), pool, ra, m2, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr,
-                   b0, b1, QT, KB, BM, 2 * BN, MV, D1, D2, D3, NB, LOG2NB, DP4A)
+                   b0, b1, QT, KB, BM, 2 * BN, MV, D1, D2, D3, NB, LOG2NB, DP4A, WL, PF)
     else:
         z = tl.zeros((BN, BM), dtype=tl.float32)
         g = _acc(z, pool, gra, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, b0, b1, QT, KB, BM, BN, MV, D1, D2, D3, NB,
-                 LOG2NB, DP4A)
+                 LOG2NB, DP4A, WL, PF)
         u = _acc(z, pool, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, b0, b1, QT, KB, BM, BN, MV, D1, D2, D3, NB,
-                 LOG2NB, DP4A)
+                 LOG2NB, DP4A, WL, PF)
         acc = tl.reshape(tl.permute(tl.join(g, u), (2, 0, 1)), (2 * BN, BM))
     return acc
 
@@ -332,7 +549,8 @@ def _gate_up_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows
                         ALIGNED: tl.constexpr = False, RA: tl.constexpr = 1, KB: tl.constexpr = 1,
                         SPLIT: tl.constexpr = False, FUSE: tl.constexpr = False, MV: tl.constexpr = False,
                         D1: tl.constexpr = 1, D2: tl.constexpr = 1, D3: tl.constexpr = 1, NB: tl.constexpr = 1,
-                        LOG2NB: tl.constexpr = 0, DP4A: tl.constexpr = False):
+                        LOG2NB: tl.constexpr = 0, DP4A: tl.constexpr = False, WL: tl.constexpr = 0,
+                        PF: tl.constexpr = 0):
     e, mb, base = tm._find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
     if base >= 0:
         rows, mr, flat = tm._rows_of(off_ptr, rows_ptr, e, mb, BM)
@@ -349,7 +567,8 @@ def _gate_up_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows
         if SPLIT:                   # this program: chunk program_id(2); the tile's last sums the chunks in order
             pc = tl.program_id(2)
             acc = _gu_acc(pool, gra, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, pc * KCB,
-                          tl.minimum(pc * KCB + KCB, NBLK), QT, KB, BM, BN, FUSE, MV, D1, D2, D3, NB, LOG2NB, DP4A)
+                          tl.minimum(pc * KCB + KCB, NBLK), QT, KB, BM, BN, FUSE, MV, D1, D2, D3, NB, LOG2NB, DP4A, WL,
+                          PF)
             tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
             tl.store(tm._partial_ptr(ws_ptr, tile, pc, NCH, 2 * BN * BM, 2 * BN, BM), acc)
             if tm._arrive(cnt_ptr, tile, NCH):
@@ -363,7 +582,7 @@ def _gate_up_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows
             for ch in range(0, NCH):
                 tot = tot + _gu_acc(pool, gra, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, ch * KCB,
                                     tl.minimum(ch * KCB + KCB, NBLK), QT, KB, BM, BN, FUSE, MV, D1, D2, D3, NB,
-                                    LOG2NB, DP4A)
+                                    LOG2NB, DP4A, WL, PF)
             accg, accu = tl.split(tl.permute(tl.reshape(tot, (2, BN, BM)), (1, 2, 0)))
             tm._gu_store(accg, accu, inter_ptr, rows, mr, n, mn, F, limit, HAS_LIMIT)
 
@@ -374,7 +593,7 @@ def _down_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows_pt
                      EP: tl.constexpr, ALIGNED: tl.constexpr = False, RA: tl.constexpr = 1, KB: tl.constexpr = 1,
                      SPLIT: tl.constexpr = False, MV: tl.constexpr = False, D1: tl.constexpr = 1,
                      D2: tl.constexpr = 1, D3: tl.constexpr = 1, NB: tl.constexpr = 1, LOG2NB: tl.constexpr = 0,
-                     DP4A: tl.constexpr = False):
+                     DP4A: tl.constexpr = False, WL: tl.constexpr = 0, PF: tl.constexpr = 0):
     e, mb, base = tm._find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
     if base >= 0:
         rows, mr, flat = tm._rows_of(off_ptr, rows_ptr, e, mb, BM)
@@ -391,7 +610,7 @@ def _down_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows_pt
         if SPLIT:
             pc = tl.program_id(2)
             acc = _acc(z, pool, dra, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, pc * KCB,
-                       tl.minimum(pc * KCB + KCB, NBLK), QT, KB, BM, BN, MV, D1, D2, D3, NB, LOG2NB, DP4A)
+                       tl.minimum(pc * KCB + KCB, NBLK), QT, KB, BM, BN, MV, D1, D2, D3, NB, LOG2NB, DP4A, WL, PF)
             tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
             tl.store(tm._partial_ptr(ws_ptr, tile, pc, NCH, BN * BM, BN, BM), acc)
             if tm._arrive(cnt_ptr, tile, NCH):
@@ -402,7 +621,8 @@ def _down_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows_pt
         else:
             for ch in range(0, NCH):
                 tot = tot + _acc(z, pool, dra, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, ch * KCB,
-                                 tl.minimum(ch * KCB + KCB, NBLK), QT, KB, BM, BN, MV, D1, D2, D3, NB, LOG2NB, DP4A)
+                                 tl.minimum(ch * KCB + KCB, NBLK), QT, KB, BM, BN, MV, D1, D2, D3, NB, LOG2NB, DP4A,
+                                 WL, PF)
             tl.store(ptr, tot.to(y_ptr.dtype.element_ty), mask=mn[:, None] & mr[None, :])
 
 
@@ -412,6 +632,19 @@ _GATE_UP_MMQ, _DOWN_MMQ = map(launcher, (_gate_up_mmq_kernel, _down_mmq_kernel))
 def mmq_ok(qt: int, K: int) -> bool:
     """Whether a launch of kernel type code qt over K columns has the MMA schedule (whole 32-element blocks)."""
     return qt in MMQ_TYPES and K % (256 if qt == 5 else QK) == 0
+
+
+def wl_ok(qt: int, row_bytes: int, aligned: bool) -> bool:
+    """Whether a launch can read its weight tiles as int32 words (WL): every row starts on a 4-byte boundary (16-byte
+    aligned parts, row_bytes a multiple of 4). A launch that cannot reads bytes: the same tiles and bits."""
+    return qt in MMQ_TYPES and aligned and row_bytes % 4 == 0
+
+
+def wl_mode(qt: int, want: int) -> int:
+    """The WL constant of a launch that reads words: 2 (MXFP4's codes by PTX byte permutes, llama.cpp's
+    get_int_from_table_16: the same int8 values) where asked, the type is MXFP4 and the kernel is compiled for the
+    GPU (the interpreter cannot run inline PTX), else 1."""
+    return 2 if want == 2 and qt == 4 and os.environ.get("TRITON_INTERPRET", "0") != "1" else 1
 
 
 def config(qt: int, bucket: int) -> dict:
@@ -445,6 +678,9 @@ def _launch(kernel, args: list, grid_n: int, R: int, E: int, K: int, qt: int, pe
         per = per // c["BM"] * c["BM_MV"]
         c = {**c, "BM": c["BM_MV"]}
         consts = {**consts, "MV": True, **mv.dims(qt, c["NS"]), "DP4A": mv.dp4a_ok(qt, c["DP4A"])}
+    else:                           # the MMA: its tiles from words where the rows allow (the same bits either way)
+        wl = bool(c["WL"]) and wl_ok(qt, row_bytes, aligned)
+        consts = {**consts, "WL": wl_mode(qt, c["WL"]) if wl else 0, "PF": int(c["PF"]) if wl else 0}
     nrb = tm._launch_rows(R, E, c["BM"])
     split = bool(c["SPLIT"]) and nch > 1 and grid_n * nrb * nch * per * 4 <= tm.WS_LIMIT
     ws, cnt = tm._workspace(device, grid_n * nrb * nch * per, grid_n * nrb) if split else tm._workspace(device, 1, 1)
@@ -480,7 +716,8 @@ def down(iq, pool, base, starts, rows, off, y, qt: int, row_bytes: int, aligned:
 
 def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int | None = None, bn: int | None = None,
                    num_warps: int | None = None, bucket: int = 16, kb: int | None = None,
-                   kcb: int | None = None, fuse: int | None = None, over: dict | None = None) -> dict:
+                   kcb: int | None = None, fuse: int | None = None, over: dict | None = None,
+                   hints: bool = False) -> dict:
     """Compile one mmq kernel for CUDA sm_`arch` without a GPU (Triton's compiler and the ptxas its wheel ships) at
     the bench geometry (H 2048, F 768: K = 2048 for gate_up, 768 for down) with the launch constants of `bucket`
     (config(); bm / bn / num_warps / kb / kcb / over's keys override: MV 1 the decode schedule) and report what the
@@ -488,7 +725,9 @@ def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int 
     loads in the PTX by width, "dp4a": dp4a instructions in the PTX, "imma": IMMA/HGMMA lines of the SASS (nvdisasm),
     "regs": registers per thread, "spill_bytes": ptxas's spill stores + loads, "smem": shared memory bytes,
     "ptxas": its -v line}. deploy/device/kernel_roofline.py --act-quant prints it beside the figures;
-    tests/kernels/test_mmq.py checks the int8 MMA is there and nothing spills."""
+    tests/kernels/test_mmq.py checks the int8 MMA is there and nothing spills. hints: the alignment facts the JIT
+    gives a device launch of the bench geometry (torch's 16-byte aligned pointers, the int arguments whose values
+    are multiples of 16: H, F, row_bytes where it is, 128 experts, KCB), so loads may be as wide as there."""
     import re
     import subprocess
     import tempfile
@@ -523,23 +762,33 @@ def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int 
     const.update(BM=c["BM"], BN=c["BN"], EP=256, ALIGNED=True,          # aligned rows of the bench geometry's K
                  RA=tm._row_align(row_nbytes(gt, K)), KB=KB, SPLIT=split)
     sig.update(MV="constexpr", D1="constexpr", D2="constexpr", D3="constexpr", NB="constexpr", LOG2NB="constexpr",
-               DP4A="constexpr")
+               DP4A="constexpr", WL="constexpr", PF="constexpr")
     if c["MV"] and mv.mv_ok(qt, K, KCB, c["NS"], row_nbytes(gt, K), True):
-        const.update(BM=c["BM_MV"], MV=True, **mv.dims(qt, c["NS"]), DP4A=bool(c["DP4A"]) and qt in mv.DP4A_TYPES)
+        const.update(BM=c["BM_MV"], MV=True, **mv.dims(qt, c["NS"]), DP4A=bool(c["DP4A"]) and qt in mv.DP4A_TYPES,
+                     WL=False, PF=False)
     else:
-        const.update(MV=False, D1=1, D2=1, D3=1, NB=1, LOG2NB=0, DP4A=False)
-    k = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", arch, 32),
+        wl = bool(c["WL"]) and wl_ok(qt, row_nbytes(gt, K), True)
+        const.update(MV=False, D1=1, D2=1, D3=1, NB=1, LOG2NB=0, DP4A=False, WL=wl_mode(qt, c["WL"]) if wl else 0,
+                     PF=int(c["PF"]) if wl else 0)
+    attrs = {}
+    if hints:                       # what triton.runtime.jit specializes for a launch of these values
+        vals = {"H": 2048, "F": 768, "row_bytes": row_nbytes(gt, K), "n_exp": 128, "k_top": 8, "KCB": KCB}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in sig
+                 and (sig[name].startswith("*") or vals.get(name, 1) % 16 == 0 and name in vals)}
+    k = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", arch, 32),
                        options={"num_warps": c["num_warps"], "num_stages": c["num_stages"]})
     ptx = k.asm["ptx"]
     mma = {}
     for m in re.findall(r"\b(w?gmma\.[\w.]+|mma\.sync\.[\w.]+)", ptx):
         mma[m] = mma.get(m, 0) + 1
-    loads = {}                  # global loads by width (ld.global.b8 / .b16: byte loads; cp.async: staged)
-    for m in re.findall(r"\b(ld\.global[\w.]*|cp\.async\.c[ag][\w.]*)", ptx):
+    loads = {}                  # global loads by width (ld.global.b8 / .b16: byte loads; cp.async: staged into
+    for m in re.findall(r"\b(ld\.global[\w.]*|cp\.async\.c[ag][\w.]*\s*\[[^]]*\],\s*\[[^]]*\],\s*\w+)", ptx):
+        if m.startswith("cp."):     # shared memory, by its copy size in bytes: cp.async.ca.shared.global.4)
+            m = m.split()[0] + "." + str(int(m.rsplit(",", 1)[1], 0))
         loads[m] = loads.get(m, 0) + 1
     bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     out = {"kernel": which, "qt": qt, "arch": f"sm_{arch}", "bucket": bucket, "config": {**c, "KB": KB, "KCB": KCB,
-           "SPLIT": split}, "mma": mma, "loads": loads, "dp4a": ptx.count("dp4a."),
+           "SPLIT": split, "WL": int(const["WL"]), "PF": int(const["PF"])}, "hints": hints, "mma": mma, "loads": loads, "dp4a": ptx.count("dp4a."),
            "asm": sorted({m for m in ("prmt", "dp4a") if m + "." in ptx}), "imma": {}, "regs": None,
            "spill_bytes": None,
            "smem": k.metadata.shared, "ptxas": ""}
@@ -568,9 +817,24 @@ def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int 
     return out
 
 
+def _report_job(job: tuple, bucket: int) -> dict:
+    """compile_report of (kernel, type code, overrides) with the alignment hints (the __main__ candidates' pool)."""
+    w, code, over = job
+    return compile_report(w, code, bucket=bucket, over=over, hints=True)
+
+
 if __name__ == "__main__":       # python -m betelgeuse.kernels.triton_mmq: the compile check, no GPU needed
     import json
     import sys
+    if len(sys.argv) > 1 and sys.argv[1].startswith("["):   # a JSON list of overrides (candidates): each at the
+        from concurrent.futures import ProcessPoolExecutor  # 16-row bucket with a device launch's alignment facts,
+        from functools import partial                       # compiled by 4 processes
+        jobs = [(w, code, over) for over in json.loads(sys.argv[1]) for code in sorted(MMQ_TYPES)
+                for w in ("gate_up", "down")]
+        with ProcessPoolExecutor(4) as ex:
+            for r in ex.map(partial(_report_job, bucket=16), jobs):
+                print(json.dumps(r), flush=True)
+        sys.exit(0)
     kbs = [int(v) for v in sys.argv[1].split(",")] if len(sys.argv) > 1 else [None]     # KB values (default: TUNING)
     for code in sorted(MMQ_TYPES):
         for w in ("gate_up", "down"):

@@ -153,6 +153,19 @@ MMQ_CONFIGS = [{}, {"KB": 2}, {"KB": 4}, {"KB": 1, "num_warps": 4}, {"KB": 2, "S
                {"MV": 1, "DP4A": 1, "BN": 64, "num_warps": 4, "num_stages": 1},
                {"MV": 1, "DP4A": 1, "BN": 32, "FUSE": 1, "num_warps": 4, "num_stages": 1},
                {"MV": 1, "DP4A": 1, "BN": 32, "NS": 2, "num_warps": 4, "num_stages": 1}]
+# WL 1 (issue 23, the 16-row bucket): the MMA with its tiles read as int32 words (the same tiles: the same bits), its
+# launch constants all given (TYPE_BUCKET's one-row MV schedule would otherwise stand in for the 1-row figure);
+# PF 1 the next K step's words fetched before this step's MMA (register double-buffering), else Triton's cp.async
+# pipeline of num_stages (PF 2: that for the quants, the scale words one step ahead in registers); SPLIT 1 the 16-row bucket's chunks over programs too (gate_up's 12 x 16 tiles of BN 64
+# leave an H100's 132 SMs one or two programs each); BN 32 (mma.sync m16n8k32): twice the programs
+# WL 2: MXFP4's codes by the byte-permute table (the other types take WL 1's kernel); {"WL": 1}: MXFP4's arithmetic
+# decode, for the comparison
+WL_BASE = {"MV": 0, "WL": 2, "BN": 64, "KB": 1, "num_warps": 4, "num_stages": 3, "FUSE": 0, "PF": 0}
+WL_CONFIGS = [{}, {"WL": 1}, {"PF": 1}, {"PF": 2}, {"num_stages": 4}, {"KB": 2}, {"KB": 2, "PF": 1}, {"KB": 2, "PF": 2},
+              {"KB": 2, "num_warps": 8}, {"SPLIT": 1}, {"KB": 2, "SPLIT": 1}, {"PF": 1, "SPLIT": 1},
+              {"PF": 2, "SPLIT": 1}, {"KB": 2, "PF": 2, "SPLIT": 1}, {"BN": 32}, {"BN": 32, "SPLIT": 1},
+              {"BN": 32, "PF": 1, "SPLIT": 1}, {"FUSE": 1, "num_warps": 8}, {"KB": 4, "PF": 1, "num_warps": 8}]
+MMQ_CONFIGS += [{**WL_BASE, **c} for c in WL_CONFIGS]
 MMQ_OTHER = {"before": {"KB": 1, "KCB": 0, "SPLIT": 0, "num_warps": 4, "num_stages": 3}, "KCB8": {"KCB": 8},
              "KCB32": {"KCB": 32}}
 MMQ_TYPES_DEFAULT = "Q8_0,Q4_K,MXFP4"
@@ -624,11 +637,15 @@ def act_quant_run(types: list[str], geoms: list[str], meta: dict, budget: float,
     from betelgeuse.kernels import triton_mmq as mq
     from betelgeuse.kernels.triton_quants import QT_CODES
     mine = [t for t in types if QT_CODES[int(GT[t])] in mq.MMQ_TYPES]
-    rep = None
+    reps = []                   # (title, child): the shipped schedules' report, then the WL candidates' (hints)
     if not DRY and mine:
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        rep = subprocess.Popen([sys.executable, "-m", "betelgeuse.kernels.triton_mmq"], cwd=REPO, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        for title, argv in (("shipped", []),
+                            ("WL candidates at 16 rows, a device launch's alignment facts", [json.dumps(MMQ_CONFIGS[-len(
+                                WL_CONFIGS):])])):
+            reps.append((title, subprocess.Popen([sys.executable, "-m", "betelgeuse.kernels.triton_mmq", *argv],
+                                                 cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                                 stderr=subprocess.DEVNULL, text=True)))
     if workers > 0:
         tasks = [(g, t, ci) for g in geoms for t in mine for ci in [-1, *MMQ_OTHER, *range(len(MMQ_CONFIGS))]]
         print(f"compiling the q8_1 kernels of {len(tasks)} (type, schedule) tasks in {workers} workers ...",
@@ -678,21 +695,22 @@ def act_quant_run(types: list[str], geoms: list[str], meta: dict, budget: float,
               "GB/s of schedules with other bits (MMQ_OTHER): " + json.dumps(
                   {k: {o: {n: round(v) for n, v in d.items()} for o, d in r.get("other", {}).items()}
                    for k, r in res.items()})]
-    if rep is not None:
+    for title, rep in reps:
         try:
             so, _ = rep.communicate(timeout=max(5.0, budget - (time.perf_counter() - T0)))
-            lines += ["", "compile report (sm_90, bench geometry: kernel type bucket KB KCB SPLIT warps | MMA | regs "
-                      "spills smem):"]
+            lines += ["", f"compile report, {title} (sm_90, bench geometry: kernel type bucket KB KCB SPLIT warps "
+                      "WL PF BN stages | MMA | regs spills smem | global loads by width):"]
             names = {c: n for n, c in ((t, QT_CODES[int(GT[t])]) for t in TYPES)}
             for ln in so.splitlines():
                 x = json.loads(ln)
                 k = x["config"]
                 lines.append(f"  {x['kernel']} {names.get(x['qt'], x['qt'])} rows{x['bucket']} KB {k['KB']} KCB "
-                             f"{k['KCB']} split {int(k['SPLIT'])} w{k['num_warps']} | {x['imma']} | {x['regs']} "
-                             f"{x['spill_bytes']} {x['smem']}")
+                             f"{k['KCB']} split {int(k['SPLIT'])} w{k['num_warps']} WL {k.get('WL', 0)} PF "
+                             f"{k.get('PF', 0)} BN {k['BN']} st {k['num_stages']} | {x['imma']} | {x['regs']} "
+                             f"{x['spill_bytes']} {x['smem']} | {x['loads']}")
         except Exception as e:
             rep.kill()
-            lines += ["", f"compile report: {type(e).__name__}"]
+            lines += ["", f"compile report ({title}): {type(e).__name__}"]
     md = "\n".join(lines) + "\n\nchecks: " + ("all pass" if not fails else "FAIL " + ", ".join(fails)) + \
         f"  ({time.perf_counter() - T0:.0f} s)"
     print("\n" + md, flush=True)

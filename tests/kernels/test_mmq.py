@@ -416,3 +416,85 @@ def test_decode_schedule_compiles_to_word_loads_without_spills_for_sm90():
         assert not any(".b8" in k or ".b16" in k or ".u8" in k or ".s8" in k for k in r["loads"]), r
         assert (r["dp4a"] > 0) == (r["config"]["DP4A"] == 1), r
         assert ("prmt" in r["asm"]) == (r["config"]["DP4A"] == 1 and r["qt"] == 4), r      # MXFP4's code table
+
+
+@pytest.mark.parametrize("qt", [8, 39, 12], ids=["Q8_0", "MXFP4", "Q4_K"])
+def test_word_loads_give_the_byte_load_bits(qt):
+    """WL = 1 (the MMA's weight and activation tiles from int32 word loads, unpacked in registers; PF = 1: the next
+    K step's words fetched before this step's MMA, PF = 2 its scale words only) gives the bits of the byte-load MMA: H = F = 512 (16 blocks: Q8_0's
+    even and odd blocks, MXFP4's blocks at every byte offset mod 4, Q4_K's two super-blocks) in chunks of KCB = 8,
+    1 / 5 / 16 rows of one expert (the 1-row bucket split over programs, the 16-row bucket walked), K steps of KB =
+    1 / 2 / 4 / 8 blocks, gate and up fused or not, and one chunk (KCB 0); the byte-load bits are the numpy
+    reference's (within its float noise). The launches really take the word loads (wl_ok), and a launch whose rows
+    are not word aligned reads bytes (the same bits)."""
+    K, kcb = 512, 8
+    rng = np.random.default_rng(11)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(DIMS, qt, (K, K))
+        raw = experts(qt, 12)
+        h = rng.standard_normal((16, K)).astype(np.float32)
+        h[:, 64:96] *= 4
+        ids, w = np.zeros((16, 1), np.int64), np.ones((16, 1), np.float32)
+        code = {8: 0, 39: 4, 12: 5}[qt]
+
+        def with_cfg(n, **cfg):
+            mp.setitem(mq.TYPE_CONFIG, code, {"KCB": kcb, "MV": 0, **cfg})        # the MMA in both buckets
+            return run(qt, raw, h[:n], ids[:n], w[:n])
+        taken = []                                      # the launches' choice: word loads or bytes
+        ok = mq.wl_ok
+        mp.setattr(mq, "wl_ok", lambda *a: taken.append(ok(*a)) or taken[-1])
+        ref = {n: with_cfg(n, KB=1) for n in (1, 5, 16)}
+        assert taken == [], taken                       # WL 0: byte loads (wl_ok not asked)
+        assert all(np.array_equal(ref[n][0], ref[16][0]) for n in (1, 5))
+        want = moe_ref(qt, raw, h, ids, w, kcb=kcb)
+        assert np.abs(ref[16] - want).max() / np.abs(want).max() <= 1e-6
+        every = [(1, 0, 0), (1, 1, 0), (1, 2, 1), (2, 1, 1), (2, 2, 0), (4, 0, 0), (4, 1, 0), (8, 2, 1)]  # KB PF FUSE
+        for n, cases in [(1, [every[i] for i in (2, 3, 5)]), (5, [every[i] for i in (0, 6, 7)]), (16, every)]:
+            for kb, pf, fuse in cases:
+                taken.clear()
+                got = with_cfg(n, KB=kb, WL=1, PF=pf, FUSE=fuse, SPLIT=int(n == 1))
+                assert np.array_equal(got, ref[n]), (n, kb, pf, fuse)
+                assert taken == [True, True], taken
+        one = with_cfg(16, KB=1, KCB=0)                 # one chunk
+        assert not np.array_equal(one, ref[16])
+        assert np.array_equal(with_cfg(16, KB=2, KCB=0, WL=1, PF=1), one)
+        taken.clear()                                   # rows not word aligned: bytes, the same bits
+        assert not ok(code, 34 * 3, True) and ok(code, 144, True) and not ok(code, 144, False)
+        mp.setattr(mq, "wl_ok", lambda *a: taken.append(False) or False)
+        assert np.array_equal(with_cfg(16, KB=2, WL=1, PF=1), ref[16]) and taken == [False, False]
+
+
+def test_word_loads_compile_for_sm90_to_word_loads_without_spills():
+    """WL = 1 at the 16-row bucket's constants (KB 1, BN 64, 4 warps; PF 0, 1 and 2; KB 2), and WL = 2 (MXFP4's
+    codes through the byte-permute table; the other types: WL 1) compiled for sm_90 without a
+    GPU, with and without the alignment facts of a device launch (hints): the int8 tensor-core MMA is there, every
+    global load of the kernel is 32 bits or wider (no ld.global.b8 / .b16, cp.async copies of 4 or 16 bytes: the byte
+    MMA reads Q8_0 in half-words, MXFP4 and Q4_K's scales in bytes), and nothing spills. In a child without
+    TRITON_INTERPRET."""
+    import json
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json\nfrom betelgeuse.kernels import triton_mmq as mq\n"
+            "for qt in (0, 4, 5):\n for w in ('gate_up', 'down'):\n"
+            "  for o, h in (({}, 1), ({'WL': 1}, 0), ({'WL': 1}, 1), ({'WL': 1, 'PF': 1}, 1), ({'WL': 1, 'PF': 2}, 1),\n"
+            "               ({'WL': 1, 'KB': 2}, 1), ({'WL': 2, 'PF': 2}, 1)):\n"
+            "   print(json.dumps(mq.compile_report(w, qt, bucket=16, over=o, hints=bool(h))))\n")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    reports = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 42, p.stdout
+    narrow = lambda r: [k for k in r["loads"] if any(w in k for w in (".b8", ".b16", ".u8", ".s8", ".u16", ".s16"))
+                        or k.startswith("cp.async") and int(k.rsplit(".", 1)[1]) < 4]      # noqa: E731
+    for r in reports:
+        assert r["ptxas_rc"] == 0 and r["spill_bytes"] == 0 and r["regs"] <= 255, r
+        assert any(m.startswith("IGMMA") for m in r["imma"]), r
+        if r["config"]["WL"]:
+            assert not narrow(r), r
+        else:                                           # the byte-load MMA (what WL replaces) does read narrow words
+            assert narrow(r), r
+    prm = [r for r in reports if r["qt"] == 4 and r["config"]["WL"] == 2]   # MXFP4's codes by PTX prmt
+    assert len(prm) == 2 and all("prmt" in r["asm"] for r in prm), prm
+    assert not any(r["config"]["WL"] == 2 for r in reports if r["qt"] != 4)          # the others: WL 1's decode
+    q4k = [r for r in reports if r["qt"] == 5 and r["hints"] and r["config"]["WL"] and not r["config"]["PF"]]
+    assert all(r["loads"].get("cp.async.cg.shared.global.16") for r in q4k), q4k       # Q4_K's quants: 16-byte copies
