@@ -788,7 +788,8 @@ def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int 
         loads[m] = loads.get(m, 0) + 1
     bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     out = {"kernel": which, "qt": qt, "arch": f"sm_{arch}", "bucket": bucket, "config": {**c, "KB": KB, "KCB": KCB,
-           "SPLIT": split, "WL": int(const["WL"]), "PF": int(const["PF"])}, "hints": hints, "mma": mma, "loads": loads, "dp4a": ptx.count("dp4a."),
+           "SPLIT": split, "WL": int(const["WL"]), "PF": int(const["PF"])}, "hints": hints, "mma": mma, "loads": loads,
+           "dp4a": ptx.count("dp4a."),
            "asm": sorted({m for m in ("prmt", "dp4a") if m + "." in ptx}), "imma": {}, "regs": None,
            "spill_bytes": None,
            "smem": k.metadata.shared, "ptxas": ""}

@@ -156,8 +156,8 @@ MMQ_CONFIGS = [{}, {"KB": 2}, {"KB": 4}, {"KB": 1, "num_warps": 4}, {"KB": 2, "S
 # WL 1 (issue 23, the 16-row bucket): the MMA with its tiles read as int32 words (the same tiles: the same bits), its
 # launch constants all given (TYPE_BUCKET's one-row MV schedule would otherwise stand in for the 1-row figure);
 # PF 1 the next K step's words fetched before this step's MMA (register double-buffering), else Triton's cp.async
-# pipeline of num_stages (PF 2: that for the quants, the scale words one step ahead in registers); SPLIT 1 the 16-row bucket's chunks over programs too (gate_up's 12 x 16 tiles of BN 64
-# leave an H100's 132 SMs one or two programs each); BN 32 (mma.sync m16n8k32): twice the programs
+# pipeline of num_stages (PF 2: that for the quants, the scale words one step ahead in registers); SPLIT 1 the
+# 16-row bucket's chunks over programs too (gate_up's 12 x 16 tiles of BN 64 leave an H100's 132 SMs one or two programs each); BN 32 (mma.sync m16n8k32): twice the programs
 # WL 2: MXFP4's codes by the byte-permute table (the other types take WL 1's kernel); {"WL": 1}: MXFP4's arithmetic
 # decode, for the comparison
 WL_BASE = {"MV": 0, "WL": 2, "BN": 64, "KB": 1, "num_warps": 4, "num_stages": 3, "FUSE": 0, "PF": 0}
@@ -640,9 +640,8 @@ def act_quant_run(types: list[str], geoms: list[str], meta: dict, budget: float,
     reps = []                   # (title, child): the shipped schedules' report, then the WL candidates' (hints)
     if not DRY and mine:
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        for title, argv in (("shipped", []),
-                            ("WL candidates at 16 rows, a device launch's alignment facts", [json.dumps(MMQ_CONFIGS[-len(
-                                WL_CONFIGS):])])):
+        wl = [json.dumps(MMQ_CONFIGS[-len(WL_CONFIGS):])]
+        for title, argv in (("shipped", []), ("WL candidates at 16 rows, a device launch's alignment facts", wl)):
             reps.append((title, subprocess.Popen([sys.executable, "-m", "betelgeuse.kernels.triton_mmq", *argv],
                                                  cwd=REPO, env=env, stdout=subprocess.PIPE,
                                                  stderr=subprocess.DEVNULL, text=True)))
