@@ -511,30 +511,9 @@ class MoEStep:
         ls.vram, ls.host, ls.disk = (len(by_tier[t]) for t in (TIER_VRAM, TIER_HOST, TIER_DISK))
         for t, n in ((TIER_VRAM, ls.vram), (TIER_HOST, ls.host), (TIER_DISK, ls.disk)):
             stats.reads[TIER_NAMES[t]] += n
-        # 1. demand loads first, so the disk starts now; read-ahead behind them. Decode: the guessed experts of
-        # l+1 .. l+D ride on this layer's load message (the store starts them once the loads' reads have started,
-        # never before); a layer with no miss sends them alone, the answer read when a guessed layer is scored.
-        # Either message drops this layer's guesses it does not use (a prefetch of none carries them otherwise)
+        # 1. demand loads first, so the disk starts now; read-ahead behind them (_send_loads)
         disk = [int(e) for e in by_tier[TIER_DISK]]
-        keys = [(l, e) for e in disk]
-        drop = self.guesser.unused(l, disk)
-        loads = sent = None
-
-        def send_ahead(ahead):
-            nonlocal loads, sent
-            sent = True
-            if not keys:
-                return self.session.prefetch_start(ahead, drop)
-            loads = self.session.load(keys, ahead, drop)
-            return loads.queued
-        if marks is not None:
-            if self.flex is not None:     # a guessed expert held in the flex cache needs no read
-                marks = self._unflexed(l, marks)
-            self.guesser.read_ahead(l, self.guess_layers(l), marks, snap, stats, send_ahead)
-        if loads is None:
-            loads = self.session.load(keys, (), drop) if keys else iter(())
-            if drop and not keys and not sent:
-                self.session.prefetch_start([], drop)
+        loads = self._send_loads(l, disk, marks, snap, stats, lazy_flex=False)
         if readahead and l + 1 < self.n_layer and self._may_use_disk(snap, l + 1):
             nxt = snap["tier"][l + 1]
             ahead = np.nonzero(nxt == TIER_DISK)[0]
@@ -630,18 +609,7 @@ class MoEStep:
         reads["host"] += nh
         # the guesses of l+1 .. l+D read ahead in a message of their own, carrying the drop of this layer's guesses
         # (it used none of its disk ones: it has none); a prefetch of no keys carries the drop where none was sent
-        drop = self.guesser.unused(l, ())
-        sent = False
-        if marks is not None:
-            def send_ahead(ahead):
-                nonlocal sent
-                sent = True
-                return self.session.prefetch_start(ahead, drop)
-            # a guessed expert held in the flex cache needs no read (applied only where a guess sits on disk)
-            self.guesser.read_ahead(l, self.guess_layers(l), marks, snap, stats, send_ahead,
-                                    None if self.flex is None else lambda m: self._unflexed(l, m))
-        if drop and not sent:
-            self.session.prefetch_start([], drop)
+        self._send_loads(l, [], marks, snap, stats, lazy_flex=True)
         ls.groups += 1                               # the at-hand group
         if len(flexed):
             self._flex_count(len(flexed), stats, ls)
@@ -649,6 +617,38 @@ class MoEStep:
             self._read_in_place(l, counts, [e for e, t in zip(used.tolist(), tl) if t == TIER_HOST], stats)
         self.guesser.check(l, (), 0, stats)         # no disk expert
         return True
+
+    def _send_loads(self, l: int, disk: list[int], marks, snap, stats: PassStats, lazy_flex: bool):
+        """Step 1 of a partial: the layer's demand loads (`disk`, its disk experts) sent first, so the disk starts now,
+        with the guessed experts of l+1 .. l+D riding on that Load (the store starts them once the loads' reads have
+        started, never before); a layer with no miss sends them alone, the answer read when a guessed layer is
+        scored. Either message drops this layer's guesses it does not use (a prefetch of none carries them
+        otherwise). A guessed expert held in the flex cache needs no read: removed from the marks first, or
+        (lazy_flex, the decode fast path) only where a guess sits on disk. -> the loads' stream (empty: no miss)."""
+        keys = [(l, e) for e in disk]
+        drop = self.guesser.unused(l, disk)
+        loads = sent = None
+
+        def send_ahead(ahead):
+            nonlocal loads, sent
+            sent = True
+            if not keys:
+                return self.session.prefetch_start(ahead, drop)
+            loads = self.session.load(keys, ahead, drop)
+            return loads.queued
+        if marks is not None:
+            unheld = None
+            if self.flex is not None:
+                if lazy_flex:
+                    unheld = lambda m: self._unflexed(l, m)      # noqa: E731
+                else:
+                    marks = self._unflexed(l, marks)
+            self.guesser.read_ahead(l, self.guess_layers(l), marks, snap, stats, send_ahead, unheld)
+        if loads is None:
+            loads = self.session.load(keys, (), drop) if keys else iter(())
+            if drop and not keys and not sent:
+                self.session.prefetch_start([], drop)
+        return loads
 
     def _hand_misses(self, l, r, counts, marks, used, tiers, flexed, snap, stats: PassStats, ls: LayerStats):
         """partial(hand=True) where a miss remains after the at-hand group (a disk expert, or a host one this step
@@ -679,25 +679,7 @@ class MoEStep:
         reads["host"] += ls.host
         reads["disk"] += ls.disk
         # 1. demand loads, the guesses' read-ahead on the same message (partial's step 1)
-        keys = [(l, e) for e in disk]
-        drop = self.guesser.unused(l, disk)
-        loads = sent = None
-
-        def send_ahead(ahead):
-            nonlocal loads, sent
-            sent = True
-            if not keys:
-                return self.session.prefetch_start(ahead, drop)
-            loads = self.session.load(keys, ahead, drop)
-            return loads.queued
-        if marks is not None:
-            # a guessed expert held in the flex cache needs no read (applied only where a guess sits on disk)
-            self.guesser.read_ahead(l, self.guess_layers(l), marks, snap, stats, send_ahead,
-                                    None if self.flex is None else lambda m: self._unflexed(l, m))
-        if loads is None:
-            loads = self.session.load(keys, (), drop) if keys else iter(())
-            if drop and not keys and not sent:
-                self.session.prefetch_start([], drop)
+        loads = self._send_loads(l, disk, marks, snap, stats, lazy_flex=True)
         timing = self.clock.copy_timing(ls)
         ls.groups += 1                               # the at-hand group
         self._flex_count(len(flexed), stats, ls)

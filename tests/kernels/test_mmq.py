@@ -352,6 +352,18 @@ def test_engine_with_q8_1_is_location_invariant(tmp_path):
     assert res["3v8h"]["reads"][2]["host"] > 0 and res["3v8h"]["reads"][2]["vram"] > 0
 
 
+def _one_expert(mp, qt: int, K: int, rows: int, seed_experts: int, seed: int):
+    """The schedule tests' launch: experts of type qt at H = F = K (DIMS patched through mp), `rows` rows of
+    activations (a band of columns x4: blocks of different scales) all routed to expert 0 with weight 1 ->
+    (raw experts, h [rows, K], ids [rows, 1], w [rows, 1], the kernels' type code)."""
+    mp.setitem(DIMS, qt, (K, K))
+    raw = experts(qt, seed_experts)
+    h = np.random.default_rng(seed).standard_normal((rows, K)).astype(np.float32)
+    h[:, 64:96] *= 4
+    ids, w = np.zeros((rows, 1), np.int64), np.ones((rows, 1), np.float32)
+    return raw, h, ids, w, {8: 0, 39: 4, 12: 5}[qt]
+
+
 @pytest.mark.parametrize("qt", [8, 39, 12], ids=["Q8_0", "MXFP4", "Q4_K"])
 def test_decode_schedule_without_mma_gives_the_mma_bits(qt):
     """triton_mmq_mv (MV = 1: word loads, the block dots on the float units) gives the int8 MMA's bits: H = F = 256
@@ -361,14 +373,8 @@ def test_decode_schedule_without_mma_gives_the_mma_bits(qt):
     the unchunked ones (the chunks are real). A launch the schedule cannot take (KCB not a multiple of its step) runs
     the MMA: the same bits."""
     K, kcb = (512, 8) if qt == 12 else (256, 4)
-    rng = np.random.default_rng(9)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(DIMS, qt, (K, K))
-        raw = experts(qt, 10)
-        h = rng.standard_normal((5, K)).astype(np.float32)
-        h[:, 64:96] *= 4
-        ids, w = np.zeros((5, 1), np.int64), np.ones((5, 1), np.float32)
-        code = {8: 0, 39: 4, 12: 5}[qt]
+        raw, h, ids, w, code = _one_expert(mp, qt, K, rows=5, seed_experts=10, seed=9)
 
         def with_cfg(n, **cfg):
             mp.setitem(mq.TYPE_CONFIG, code, {"KCB": kcb, **cfg})
@@ -428,14 +434,8 @@ def test_word_loads_give_the_byte_load_bits(qt):
     the byte-load bits are the numpy reference's (within its float noise). The launches really take the word loads
     (wl_ok), and a launch whose rows are not word aligned reads bytes (the same bits)."""
     K, kcb = 512, 8
-    rng = np.random.default_rng(11)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(DIMS, qt, (K, K))
-        raw = experts(qt, 12)
-        h = rng.standard_normal((16, K)).astype(np.float32)
-        h[:, 64:96] *= 4
-        ids, w = np.zeros((16, 1), np.int64), np.ones((16, 1), np.float32)
-        code = {8: 0, 39: 4, 12: 5}[qt]
+        raw, h, ids, w, code = _one_expert(mp, qt, K, rows=16, seed_experts=12, seed=11)
 
         def with_cfg(n, **cfg):
             mp.setitem(mq.TYPE_CONFIG, code, {"KCB": kcb, "MV": 0, **cfg})        # the MMA in both buckets
