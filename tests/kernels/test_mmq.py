@@ -295,20 +295,25 @@ def test_act_quant_setting_and_flag():
         resolve_settings(None, env={}, flags=flag_values(p.parse_args(["--act-quant", "int4"])))
 
 
-def test_compiles_to_int8_tensor_core_mma_for_sm90_without_spills():
-    """triton.compile for sm_90 (no GPU: the ptxas of the triton wheel), each kernel at both rows buckets (1: split-K):
-    the int8 wgmma is in the PTX, KB of them per commit (a K step), IGMMA in the SASS, and no register spills. In a
-    child without TRITON_INTERPRET (which turns every jit function into an interpreted one that cannot compile)."""
+def _compile_reports(argv: list[str], timeout: int) -> list[dict]:
+    """`python argv` in a child without TRITON_INTERPRET (which turns every jit function into an interpreted one that
+    cannot compile) -> the compile reports it printed, one JSON object a line (triton_mmq.compile_report)."""
     import json
     import subprocess
     import sys
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, "-m", "betelgeuse.kernels.triton_mmq"], env=env, capture_output=True,
-                       text=True, timeout=240)
+    p = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, p.stderr[-2000:]
-    reports = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    return [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+
+
+def test_compiles_to_int8_tensor_core_mma_for_sm90_without_spills():
+    """triton.compile for sm_90 (no GPU: the ptxas of the triton wheel), each kernel at both rows buckets (1: split-K):
+    the int8 wgmma is in the PTX, KB of them per commit (a K step), IGMMA in the SASS, and no register spills. In a
+    child without TRITON_INTERPRET (which turns every jit function into an interpreted one that cannot compile)."""
+    reports = _compile_reports(["-m", "betelgeuse.kernels.triton_mmq"], timeout=240)
     assert [(r["kernel"], r["qt"], r["bucket"]) for r in reports] == [
-        (k, qt, b) for qt in sorted(mq.MMQ_TYPES) for k in ("gate_up", "down") for b in (1, 16)], p.stdout
+        (k, qt, b) for qt in sorted(mq.MMQ_TYPES) for k in ("gate_up", "down") for b in (1, 16)], reports
     for r in reports:
         assert r["config"]["SPLIT"] == (r["bucket"] == 1), r
         if (r["qt"], r["bucket"]) in mq.TYPE_BUCKET and mq.TYPE_BUCKET[r["qt"], r["bucket"]].get("MV"):
@@ -404,18 +409,12 @@ def test_decode_schedule_compiles_to_word_loads_without_spills_for_sm90():
     17-byte blocks are read byte by byte), no tensor-core MMA, no spills and at most 128 registers (4 programs of 4
     warps an SM at least); DP4A 1 puts dp4a in the PTX (and MXFP4's byte-permute code table). In a child without
     TRITON_INTERPRET."""
-    import json
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import json\nfrom betelgeuse.kernels import triton_mmq as mq\n"
             "for qt in (0, 4, 5):\n for w in ('gate_up', 'down'):\n  for d in (0, 1):\n"
             "   print(json.dumps(mq.compile_report(w, qt, bucket=1, over={'MV': 1, 'BN': 32, 'num_warps': 4, "
             "'num_stages': 1, 'DP4A': d})))\n")
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    reports = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
-    assert len(reports) == 12, p.stdout
+    reports = _compile_reports(["-c", code], timeout=300)
+    assert len(reports) == 12, reports
     for r in reports:
         assert r["ptxas_rc"] == 0 and r["spill_bytes"] == 0 and r["regs"] <= 128, r
         assert not r["mma"] and not r["imma"], r
@@ -473,19 +472,13 @@ def test_word_loads_compile_for_sm90_to_word_loads_without_spills():
     global load of the kernel is 32 bits or wider (no ld.global.b8 / .b16, cp.async copies of 4 or 16 bytes: the byte
     MMA reads Q8_0 in half-words, MXFP4 and Q4_K's scales in bytes), and nothing spills. In a child without
     TRITON_INTERPRET."""
-    import json
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import json\nfrom betelgeuse.kernels import triton_mmq as mq\n"
             "for qt in (0, 4, 5):\n for w in ('gate_up', 'down'):\n"
             "  for o, h in (({}, 1), ({'WL': 1}, 0), ({'WL': 1}, 1), ({'WL': 1, 'PF': 1}, 1),\n"
             "               ({'WL': 1, 'PF': 2}, 1), ({'WL': 1, 'KB': 2}, 1), ({'WL': 2, 'PF': 2}, 1)):\n"
             "   print(json.dumps(mq.compile_report(w, qt, bucket=16, over=o, hints=bool(h))))\n")
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-2000:]
-    reports = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
-    assert len(reports) == 42, p.stdout
+    reports = _compile_reports(["-c", code], timeout=600)
+    assert len(reports) == 42, reports
     narrow = lambda r: [k for k in r["loads"] if any(w in k for w in (".b8", ".b16", ".u8", ".s8", ".u16", ".s16"))
                         or k.startswith("cp.async") and int(k.rsplit(".", 1)[1]) < 4]      # noqa: E731
     for r in reports:
