@@ -52,7 +52,8 @@ import triton.language as tl
 
 from betelgeuse.kernels import triton_mmq_mv as mv
 from betelgeuse.kernels import triton_moe as tm
-from betelgeuse.kernels.triton_mmvq import _half as _f16, _join4, _word
+from betelgeuse.kernels.triton_mmvq import _half as _f16, _join4
+from betelgeuse.kernels.triton_quants import k_scale_min_of
 from betelgeuse.kernels.triton_launch import launcher
 
 QK = 32                        # elements per q8_1 block (llama.cpp QK8_1)
@@ -423,9 +424,7 @@ def _wl_step(acc, lo, hi, sw, xw, xd, xs, kb0, QT: tl.constexpr, KB: tl.constexp
             c1 = (s1 >> (8 * (j % 4))) & 255        # scales[j % 4], [4 + j % 4], [8 + j % 4]
             c2 = (s2 >> (8 * (j % 4))) & 255
             c3 = (s3 >> (8 * (j % 4))) & 255
-            lo4 = j < 4
-            sc = tl.where(lo4, c1 & 63, (c3 & 15) | ((c1 >> 6) << 4))
-            m = tl.where(lo4, c2 & 63, (c3 >> 4) | ((c2 >> 6) << 4))
+            sc, m = k_scale_min_of(c1, c2, c3, j < 4)
             dw = d * sc.to(tl.float32)
             mw = dmin * m.to(tl.float32)
             sx = _blk(xs, i, KB, BM)

@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from betelgeuse.kernels.triton_mmvq import _e2m1, _half, _i8, _join4, _join8, _kq, _word, k_head
+from betelgeuse.kernels.triton_quants import k_scale_min_of
 
 GROUP_BLOCKS = {0: 2, 4: 4, 5: 8}           # kernel type code -> q8_1 blocks (32 elements) of one word group
 DP4A_TYPES = frozenset({0, 4, 5})           # the types whose block dots may run as PTX dp4a (Q8_0, MXFP4, Q4_K)
@@ -186,8 +187,7 @@ def _weights(pool, ra, s0, mn, QT: tl.constexpr, BN: tl.constexpr, D1: tl.conste
             c1 = (b1 >> (8 * h)) & 255
             c2 = (b2 >> (8 * h)) & 255
             c3 = (b3 >> (8 * h)) & 255
-            sc = tl.where(lo, c1 & 63, (c3 & 15) | ((c1 >> 6) << 4))
-            mi = tl.where(lo, c2 & 63, (c3 >> 4) | ((c2 >> 6) << 4))
+            sc, mi = k_scale_min_of(c1, c2, c3, lo)
             dws = dws + (tl.reshape(d * sc.to(tl.float32), (BN, D1)),)
             mws = mws + (tl.reshape(dmin * mi.to(tl.float32), (BN, D1)),)
         # [BN, D1, 2] -> [BN, 2 D1]: block 2 a + h

@@ -45,7 +45,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from betelgeuse.kernels.triton_quants import _unit
+from betelgeuse.kernels.triton_quants import _unit, k_scale_min_of
 
 # the tile of one K step per kernel type code (triton_quants.QT_CODES): [D1, D2, D3] positions, S = their product
 DIMS = {0: (2, 8, 4), 4: (4, 4, 8), 5: (4, 8, 8), 6: (4, 8, 8)}          # Q8_0, MXFP4, Q4_K, Q5_K
@@ -184,8 +184,8 @@ def mv_weights(pool, ra, kk, mn, QT: tl.constexpr, D1: tl.constexpr, D2: tl.cons
             c1 = (b1 >> (8 * h)) & 255
             c2 = (b2 >> (8 * h)) & 255
             c3 = (b3 >> (8 * h)) & 255
-            sc = tl.where(lo, c1 & 63, (c3 & 15) | ((c1 >> 6) << 4)).to(tl.float32)    # [BN, 4, 1]
-            mi = tl.where(lo, c2 & 63, (c3 >> 4) | ((c2 >> 6) << 4)).to(tl.float32)
+            sc, mi = k_scale_min_of(c1, c2, c3, lo)                                      # [BN, 4, 1]
+            sc, mi = sc.to(tl.float32), mi.to(tl.float32)
             al = S * (d * sc)
             als = als + (al,)
             bes = bes + (-(al + dm * mi),)

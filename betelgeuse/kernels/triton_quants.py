@@ -115,15 +115,20 @@ def _mma(acc, w, x_ptr, xrow, mr, cols, IEEE: tl.constexpr):
 
 
 @triton.jit
+def k_scale_min_of(c1, c2, c3, lo):
+    """get_scale_min_k4 of a Q4_K/Q5_K sub-block j from its three scale bytes (int32 0-255): c1 = scales[j % 4],
+    c2 = scales[4 + j % 4], c3 = scales[8 + j % 4]; lo = j < 4 -> (scale, min), int32 6-bit. Every kernel's K-quant
+    scales (byte or word loads) go through this one formula."""
+    sc = tl.where(lo, c1 & 63, (c3 & 15) | ((c1 >> 6) << 4))
+    mi = tl.where(lo, c2 & 63, (c3 >> 4) | ((c2 >> 6) << 4))
+    return sc, mi
+
+
+@triton.jit
 def _k_scale_min(pool, b, s, m):
     """Q4_K/Q5_K 6-bit (scale, min) of sub-blocks s (int32, broadcastable) of blocks b; bytes 4-15 of a block."""
     j4 = s % 4
-    b0 = _u8(pool, b + 4 + j4, m)
-    b1 = _u8(pool, b + 8 + j4, m)
-    b2 = _u8(pool, b + 12 + j4, m)
-    lo = s < 4
-    sc = tl.where(lo, b0 & 63, (b2 & 15) | ((b0 >> 6) << 4))
-    mi = tl.where(lo, b1 & 63, (b2 >> 4) | ((b1 >> 6) << 4))
+    sc, mi = k_scale_min_of(_u8(pool, b + 4 + j4, m), _u8(pool, b + 8 + j4, m), _u8(pool, b + 12 + j4, m), s < 4)
     return sc.to(tl.float32), mi.to(tl.float32)
 
 
