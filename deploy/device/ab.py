@@ -42,8 +42,9 @@ def run(a: str, b: str, cfgs: list[str], reps: int, labels: tuple[str, str], scr
         for rep in range(1, reps + 1):
             for side, root in zip(labels, (a, b)):
                 cmd = [python, script_path, *shlex.split(args), *shlex.split(extra)]
-                p = subprocess.run(cmd, env=dict(env, PYTHONPATH=str(Path(root).resolve())), capture_output=True,
-                                   text=True)
+                # the side's checkout first; what PYTHONPATH held (the device's wheels in /tmp/site) after it
+                path = os.pathsep.join(x for x in (str(Path(root).resolve()), env.get("PYTHONPATH", "")) if x)
+                p = subprocess.run(cmd, env=dict(env, PYTHONPATH=path), capture_output=True, text=True)
                 if p.returncode != 0:
                     print(f"ab: {side} run of `{' '.join(cmd)}` exited {p.returncode}:\n{p.stderr[-2000:]}",
                           file=sys.stderr)
