@@ -155,6 +155,14 @@ def _share(value):
     return float(value)
 
 
+def _share_or_auto(value):
+    if value == AUTO:
+        return AUTO
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"expected a share between 0 and 1 or \"auto\", got {value!r}")
+    return float(value)
+
+
 def _strings(value):
     if isinstance(value, str):                   # from the environment: comma-separated
         value = [v.strip() for v in value.split(",") if v.strip()]
@@ -190,6 +198,7 @@ Count2 = _t(int, _count(2), "N")
 Count8 = _t(int, _count(8), "N")
 Seconds = _t(float, _seconds, "SECONDS")
 Share = _t(float, _share, "0..1")
+ShareOrAuto = _t(float | Literal["auto"], _share_or_auto, "0..1|auto")
 Flag = _t(bool, _bool, "")
 FlagOrAuto = _t(bool | Literal["auto"], _bool_or_auto, "auto|true|false")
 Text = _t(str, _string, "TEXT")
@@ -358,9 +367,10 @@ class EngineSettings(_Section):
     prefetch_depth: Count1OrAuto = setting(AUTO, "decode: layers ahead whose experts are guessed and read ahead, or "
                                            "auto (the architecture's default)", 2)
     # the waste budget (worker/guess.py): a layer's guesses from d layers back are read ahead only while their hit
-    # rate (used / guessed on disk, online per attachment) is at least this; 0 reads every guess
-    prefetch_min_hit: Share = setting(0.5, "decode: the hit rate a guessing depth needs for its guesses to be read "
-                                      "ahead (0 = read every guess)", 0.25)
+    # rate (used / guessed on disk, online per attachment) is at least this; 0 reads every guess; auto: the
+    # architecture's own (the model class's guess_min_hit, model/interface.py)
+    prefetch_min_hit: ShareOrAuto = setting(AUTO, "decode: the hit rate a guessing depth needs for its guesses to be "
+                                            "read ahead (0 = read every guess), or auto (the architecture's)", 0.25)
     # a batched decode step's guesses (worker/guess.py, batch rule): rows = each guessed expert classed by how many
     # running rows guessed it (and top-1 guesses), each class within the hit-rate budget, a layer's reads ahead capped
     # at its expected disk experts; union = every row's guesses alike, uncapped (the rule before; for A/B runs)

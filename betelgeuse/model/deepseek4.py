@@ -356,6 +356,11 @@ class Deepseek4Model:
     # decode guesses 3 layers ahead (`prefetch_depth` auto): depths 1-3 decoded equally fast within the disk's noise
     # on ds4-flash (deploy/device/guess_ab.py), 3 the depth its serve runs were measured at
     guess_depth = 3
+    # a depth's guesses are read ahead while at least 70% of them hit (`prefetch_min_hit` auto): on ds4-flash with 64
+    # experts (deploy/device/guess_ab.py, gpu-run44-ds4, H100, depth 3, 2 rounds of 32 tokens) 0.5 decoded 5.47 tok/s
+    # reading 55.8 MB a token ahead for nothing, 0.7 7.51 tok/s and 20.1 MB, 0.9 7.58 tok/s and 13.2 MB (recall 65% ->
+    # 46%): depth 1 hits 81%, depths 2-3 44%; the logits are the same bits at every bar
+    guess_min_hit = 0.7
     # prefill chunk (`prefill_chunk` auto): 256 tokens. The front runs chunk by chunk, per layer, each chunk launching
     # its kernels again: on the H200 a 600-token miss of ds4-tiny took 29.7 ms in one pass, 120.8 ms in 10 chunks of
     # 64, 458 ms in 38 of 16 (~12 ms a chunk; deepseek41 135 / 309 / 915 ms: docs/benchmarks/gpu-run38-ds4), so the

@@ -35,6 +35,8 @@ are class-level flags that the runner reads (it never guesses with getattr and a
                    whose chunk ends there; "none": every prompt is prefilled whole
   guess_depth      (an int) the layers decode guesses ahead when `prefetch_depth` is auto (worker/guess.py): the
                    architecture's measured best; the config's prefetch_depth overrides it
+  guess_min_hit    (a share) the hit rate a guessing depth needs for its reads ahead when `prefetch_min_hit` is auto
+                   (worker/guess.py): the architecture's measured waste budget; the config's value overrides it
   prefill_chunk    (an int, tokens) the chunk of a chunked prefill when `prefill_chunk` is auto (EngineConfig.chunk_for;
                    the reference models' default too): fewer, larger chunks cost fewer launches of the dense front,
                    smaller ones a finer prefix grid (blocks, checkpoints); the config's prefill_chunk overrides it
@@ -93,6 +95,8 @@ class MoEModel(Protocol):
     prefix_reuse: ClassVar[str]     # "blocks" | "snapshots" | "none" (module doc)
     # the decode guess's depth when `prefetch_depth` is auto: layers ahead guessed (worker/guess.py); config overrides
     guess_depth: ClassVar[int]
+    # the hit rate a guessing depth needs for its reads ahead when `prefetch_min_hit` is auto (worker/guess.py)
+    guess_min_hit: ClassVar[float]
     # tokens of a prefill chunk when `prefill_chunk` is auto (module doc); config overrides
     prefill_chunk: ClassVar[int]
     cfg: Any                        # gguf.modelconfig.ModelConfig

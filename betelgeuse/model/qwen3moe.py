@@ -57,6 +57,9 @@ class Qwen3MoeModel:
     # decode guesses 3 layers ahead (`prefetch_depth` auto): depths 1-3 decode equally fast within the disk's noise on
     # the bench geometry (docs/benchmarks/gpu-run27-fusedguess), 3 the depth its serve runs were measured at
     guess_depth = 3
+    # a depth's guesses are read ahead while at least half of them hit (`prefetch_min_hit` auto): the budget every
+    # qwen3moe serve run since gpu-run27-fusedguess was measured at
+    guess_min_hit = 0.5
     # prefill chunk (`prefill_chunk` auto) = the prefix cache's block: 64 tokens, a hit's granularity (a prompt reuses
     # its cached prefix down to its last whole block), the chunk every qwen3moe measurement ran (docs/benchmarks)
     prefill_chunk = 64

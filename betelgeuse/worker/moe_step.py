@@ -113,7 +113,8 @@ class MoEStep:
     """The expert step of one attachment (its slot pool, kernels and pass counts; a re-attach makes a new one)."""
 
     def __init__(self, cfg: EngineConfig, session: StoreSession, clock: PassClock, act_limit: float | None,
-                 flex: FlexCache | None = None, guess_depth: int = 3):
+                 flex: FlexCache | None = None, guess_depth: int = 3,
+                 guess_min_hit: float = 0.5):
         self.cfg, self.session, self.clock = cfg, session, clock
         self.flex = flex                  # copies of recent disk experts in spare VRAM (worker/flex_cache.py), or None
         self.cache = session.cache
@@ -131,8 +132,9 @@ class MoEStep:
         # auto: the architecture's depth (the model's guess_depth, passed in as guess_depth)
         depth = guess_depth if cfg.prefetch_depth == "auto" else cfg.prefetch_depth
         self.depth = depth if self.guessing else 0
-        self.guesser = Guesser(session, self.n_layer, self.depth, cfg.prefetch_min_hit,
-                               cfg.prefetch_batch_rule)
+        # auto: the architecture's waste budget (the model's guess_min_hit, passed in as guess_min_hit)
+        min_hit = guess_min_hit if cfg.prefetch_min_hit == "auto" else cfg.prefetch_min_hit
+        self.guesser = Guesser(session, self.n_layer, self.depth, min_hit, cfg.prefetch_batch_rule)
         self._guess_memo = None             # (cache.all_vram, guess_layers of every layer) for that array
         self._tier_memo = None              # (snapshot, its tiers [n_layer, n_expert] contiguous): _tiers
         # the short paths of decode's common case: a layer with no miss (_hand_all), guesses none of which is on disk

@@ -111,7 +111,8 @@ class ModelRunner:
             self.cfg = dataclasses.replace(self.cfg, max_running=self.plan.max_running)
         self.flex = self._flex_cache()
         self.moe = MoEStep(self.cfg, self.session, self.clock, act_limit=self.model.expert_act[1], flex=self.flex,
-                           guess_depth=type(self.model).guess_depth)
+                           guess_depth=type(self.model).guess_depth,
+                           guess_min_hit=type(self.model).guess_min_hit)
         self.moe.warm_routes(self.model)          # an approximate mode's kernels compiled now, not in a pass
         self.kern = self.moe.kern
         self._static_decode = self._static_form()

@@ -221,6 +221,20 @@ def test_waste_budget_holds_back_poor_depths_and_keeps_bits(qwen):
         assert len({t for t, _ in keys}) == 1 and asked.issuperset(keys), (keys, asked)
 
 
+@pytest.mark.parametrize("arch", ["qwen", "ds4"])
+def test_waste_budget_auto_is_the_architectures(request, arch):
+    """prefetch_min_hit auto (the default) is the model class's guess_min_hit (qwen3moe 0.5, deepseek4 0.7: measured
+    on ds4-flash, model/deepseek4.py); a number in the config overrides it."""
+    want = {"qwen": 0.5, "ds4": 0.7}[arch]
+    for cfg, expect in (({}, want), ({"prefetch_min_hit": 0.25}, 0.25)):
+        rn, st = in_process_runner(request.getfixturevalue(arch), 2, 3, **cfg)
+        try:
+            assert type(rn.model).guess_min_hit == want
+            assert rn.moe.guesser.min_hit == expect, (arch, cfg)
+        finally:
+            close_runner(rn, st)
+
+
 def test_batch_rule_reads_ahead_fewer_unused_bytes_than_the_union(qwen64):
     """4 sequences decoded together over the lanes (worker/guess.py, batch rule): the guessed experts classed by the
     rows that guessed them and a layer's reads ahead capped at its expected disk experts leave far fewer bytes read
