@@ -113,6 +113,7 @@ class ModelRunner:
         self.moe = MoEStep(self.cfg, self.session, self.clock, act_limit=self.model.expert_act[1], flex=self.flex,
                            guess_depth=type(self.model).guess_depth)
         self.moe.warm_routes(self.model)          # an approximate mode's kernels compiled now, not in a pass
+        self.warmed = self.moe.warm_kernels(self.model)   # decode's expert-kernel variants compiled now (issue 21)
         self.kern = self.moe.kern
         self._static_decode = self._static_form()
         self.solo = SoloDecode(self.model, self.moe, self.cache.is_cuda and self.cfg.cuda_graphs,
