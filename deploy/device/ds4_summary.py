@@ -18,6 +18,8 @@ import argparse
 import json
 from pathlib import Path
 
+from services.bench.report import triton_compiles as _compiles   # a region's Triton compiles, as bench.md
+
 MiB, GB = 1 << 20, 1e9
 
 
@@ -38,17 +40,6 @@ def _case(r: dict, mode: str) -> dict:
 
 def _pass(c: dict, label: str) -> dict:
     return next((p for p in c.get("passes", []) if p.get("label") == label and p.get("complete", True)), {})
-
-
-def _compiles(rec: dict | None) -> str:
-    """A timed region's Triton compiles (bench.json "triton_compiles": kernels/triton_launch.compiles_since)."""
-    if not rec:
-        return "–"
-    if rec.get("count") is None:
-        return f"n/a ({rec.get('na', '?')})"
-    names = sorted((rec.get("names") or {}).items(), key=lambda kv: -kv[1])
-    return (f"{rec['count']} ({rec['seconds']:.2f} s)"
-            + (": " + ", ".join(f"`{n}` {c}" for n, c in names[:6]) if names else ""))
 
 
 def _row(figure: str, target: str, value, ok) -> str:
