@@ -50,6 +50,7 @@ from betelgeuse.config import EngineConfig
 from betelgeuse.errors import BetelgeuseError
 from betelgeuse.gguf.qtypes import qtype_name
 from betelgeuse.kernels.moe import TRITON_QTYPES, Group, MoEKernels, triton_available
+from betelgeuse.kernels.streams import current_stream
 from betelgeuse.routing_approx import Residency
 from betelgeuse.store.directory import TIER_DISK, TIER_HOST, TIER_NAMES, TIER_VRAM
 from betelgeuse.worker.at_hand import AtHand
@@ -92,7 +93,7 @@ class RoutingSync:
             dst[0].copy_(counts, non_blocking=True)
             if guess is not None:
                 dst[1].copy_(guess.reshape(-1), non_blocking=True)
-            self.event.record()
+            self.event.record(current_stream(None))     # the current stream, as record() takes (kernels/streams.py)
 
     def finish(self) -> tuple[np.ndarray, Marks | None]:
         """-> (counts [E] int64, the guesses' Marks or None)."""

@@ -1,0 +1,128 @@
+"""The current-stream lookups of the expert step (kernels/streams.py) enqueue where torch.cuda.current_stream() does.
+
+CUDA only (skipped on a CPU: the CPU paths make no stream call). Each check puts a long sleep kernel on one stream and
+asks an event whether it completed: work enqueued behind the sleep is not done, work on an idle stream is. A lookup
+that went to the wrong stream (the default stream cached at attach where a graph capture or a caller's side stream is
+current, a bank copy left on the copy stream, the compute stream not waiting for a bank) turns an answer over.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, write_synth
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+SLEEP = 300_000_000          # GPU cycles (~0.15 s): far longer than the host's calls between a sleep and a query
+
+
+def test_current_stream_is_torchs():
+    from betelgeuse.kernels import streams
+    side = torch.cuda.Stream()
+    assert streams.current_stream(None) == torch.cuda.current_stream()
+    with torch.cuda.stream(side):
+        s = streams.current_stream(None)
+        assert s == side == torch.cuda.current_stream()
+        assert s.cuda_stream == side.cuda_stream
+        assert streams.current_stream(torch.cuda.current_device()) is s          # one object per stream
+        assert streams.stream_key(None) == (side.stream_id, side.device_index, side.device_type)
+    assert streams.current_stream(None) == torch.cuda.current_stream(torch.device("cuda"))
+    assert streams.current_stream(None) != side
+
+
+def test_workspace_per_current_stream():
+    from betelgeuse.kernels import triton_moe as tm
+    dev = torch.device("cuda", torch.cuda.current_device())
+    a = tm._workspace(dev, 1, 1)[0]
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        b = tm._workspace(dev, 1, 1)[0]
+        assert tm._workspace(dev, 1, 1)[0] is b
+    assert b is not a and tm._workspace(dev, 1, 1)[0] is a
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    path = write_synth(tmp_path_factory.mktemp("streams") / "m.gguf", **ENGINE_SPEC)
+    rn, store = in_process_runner(path, 5, 15, device="cuda")
+    yield rn
+    close_runner(rn, store)
+
+
+def _idle():
+    torch.cuda.synchronize()
+
+
+def test_bank_copy_on_the_copy_stream_and_back(runner):
+    cache = runner.session.cache
+    side = torch.cuda.Stream()
+    srcs = [cache.host_slot(0, 0), cache.host_slot(0, 1)]
+    want = torch.stack([s.clone() for s in srcs])
+    # the copies go on the copy stream (idle) while the caller's stream sleeps; the caller's stream is current after
+    cache.ring.zero_()
+    _idle()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP)
+        b = cache.bank_next()
+        offs = cache.bank_copy(b, 0, srcs, wait=False)
+        assert torch.cuda.current_stream() == side
+        cache.copy_stream.synchronize()
+        assert not side.query()                                    # still asleep: the copies did not wait for it
+        got = torch.stack([cache.pool[o: o + cache.slot_bytes] for o in offs]).cpu()
+        assert torch.equal(got, want)
+    _idle()
+    # wait=True: the CURRENT stream (side here, not the default one) waits for the bank's copies
+    with torch.cuda.stream(side):
+        with torch.cuda.stream(cache.copy_stream):
+            torch.cuda._sleep(SLEEP)
+        b = cache.bank_next()
+        cache.bank_copy(b, 0, srcs)
+        ev = torch.cuda.Event()
+        ev.record(side)
+        assert torch.cuda.current_stream() == side
+        assert not ev.query()                                      # behind the copy stream's sleep
+        assert torch.cuda.default_stream().query()                 # the default stream waits for nothing
+    _idle()
+
+
+def test_bank_done_and_routing_sync_record_on_the_current_stream(runner):
+    cache, sync = runner.session.cache, runner.moe.sync
+    side = torch.cuda.Stream()
+    counts = torch.zeros(runner.mcfg.n_expert, dtype=torch.int64, device="cuda")
+    _idle()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP)
+        b = cache.bank_next()
+        cache.bank_done(b)
+        sync.start(counts, None)
+        assert not cache._bank_free[b].query()                     # recorded behind side's sleep
+        assert not sync.event.query()
+    sync.finish()
+    _idle()
+    # on the default stream, idle: both complete at once
+    b = cache.bank_next()
+    cache.bank_done(b)
+    sync.start(counts, None)
+    sync.finish()
+    cache._bank_free[b].synchronize()
+    _idle()
+
+
+def test_layer_timing_events_on_the_current_stream(runner):
+    from betelgeuse.worker.stats import LayerStats
+    clock = runner.clock
+    was, clock.timing = clock.timing, True
+    side = torch.cuda.Stream()
+    try:
+        _idle()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(SLEEP)
+            ev = clock.layer_start()
+            assert not ev.query()
+            clock.layer_end(ev, LayerStats())
+        _idle()
+    finally:
+        clock.timing = was
+        clock.abandon()
