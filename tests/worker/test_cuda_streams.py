@@ -58,8 +58,9 @@ def _idle():
 def test_bank_copy_on_the_copy_stream_and_back(runner):
     cache = runner.session.cache
     side = torch.cuda.Stream()
-    srcs = [cache.host_slot(0, 0), cache.host_slot(0, 1)]
-    want = torch.stack([s.clone() for s in srcs])
+    gen = torch.Generator().manual_seed(0)
+    srcs = [torch.randint(0, 256, (cache.slot_bytes,), dtype=torch.uint8, generator=gen).pin_memory() for _ in range(2)]
+    want = torch.stack(srcs)
     # the copies go on the copy stream (idle) while the caller's stream sleeps; the caller's stream is current after
     cache.ring.zero_()
     _idle()
