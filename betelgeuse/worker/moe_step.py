@@ -579,7 +579,9 @@ class MoEStep:
     def _read_in_place(self, l: int, counts: np.ndarray, experts: list[int], stats: PassStats):
         """The bytes a group's kernels read over PCIe for these experts of layer l read in place (host or staging
         slots; worker/at_hand.py): their slot once per row block of the step's rows."""
-        stats.in_place_bytes += self.cache.slot_bytes * self.kern.weight_reads(l, counts[experts], int(counts.sum()))
+        # their rows as a list: a decode layer reads a few experts in place (weight_reads' sums in Python)
+        stats.in_place_bytes += self.cache.slot_bytes * self.kern.weight_reads(l, [int(counts[e]) for e in experts],
+                                                                                int(counts.sum()))
 
     def _tiers(self, snap) -> np.ndarray:
         """The snapshot's tiers [n_layer, n_expert] int8, one contiguous copy per snapshot (a decode's store pass keeps
