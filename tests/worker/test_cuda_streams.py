@@ -4,16 +4,26 @@ CUDA only (skipped on a CPU: the CPU paths make no stream call). Each check puts
 asks an event whether it completed: work enqueued behind the sleep is not done, work on an idle stream is. A lookup
 that went to the wrong stream (the default stream cached at attach where a graph capture or a caller's side stream is
 current, a bank copy left on the copy stream, the compute stream not waiting for a bank) turns an answer over.
+
+The device machine has no pytest: `python3 tests/worker/test_cuda_streams.py` runs the same checks (__main__).
 """
 
 from __future__ import annotations
 
-import pytest
+import sys
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
 import torch
 
-from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, write_synth
+try:
+    import pytest
+except ImportError:             # the device machine: run as a script (__main__)
+    pytest = None
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+if pytest is not None:
+    pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 SLEEP = 300_000_000          # GPU cycles (~0.15 s): far longer than the host's calls between a sleep and a query
 
@@ -43,12 +53,22 @@ def test_workspace_per_current_stream():
     assert b is not a and tm._workspace(dev, 1, 1)[0] is a
 
 
-@pytest.fixture(scope="module")
-def runner(tmp_path_factory):
-    path = write_synth(tmp_path_factory.mktemp("streams") / "m.gguf", **ENGINE_SPEC)
-    rn, store = in_process_runner(path, 5, 15, device="cuda")
-    yield rn
-    close_runner(rn, store)
+@contextmanager
+def _open_runner(tmp: Path):
+    """A runner on CUDA over an in-process store (tests/engine_helpers.py), closed after."""
+    from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, write_synth
+    rn, store = in_process_runner(write_synth(tmp / "m.gguf", **ENGINE_SPEC), 5, 15, device="cuda")
+    try:
+        yield rn
+    finally:
+        close_runner(rn, store)
+
+
+if pytest is not None:
+    @pytest.fixture(scope="module")
+    def runner(tmp_path_factory):
+        with _open_runner(tmp_path_factory.mktemp("streams")) as rn:
+            yield rn
 
 
 def _idle():
@@ -92,6 +112,8 @@ def test_bank_done_and_routing_sync_record_on_the_current_stream(runner):
     cache, sync = runner.session.cache, runner.moe.sync
     side = torch.cuda.Stream()
     counts = torch.zeros(runner.mcfg.n_expert, dtype=torch.int64, device="cuda")
+    sync.start(counts, None)            # its pinned buffer made here, not behind the sleep (an allocation may sync)
+    sync.finish()
     _idle()
     with torch.cuda.stream(side):
         torch.cuda._sleep(SLEEP)
@@ -127,3 +149,18 @@ def test_layer_timing_events_on_the_current_stream(runner):
     finally:
         clock.timing = was
         clock.abandon()
+
+
+if __name__ == "__main__":
+    here = Path(__file__).resolve()
+    sys.path[:0] = [str(here.parents[2]), str(here.parents[1])]         # the checkout, tests/ (engine_helpers)
+    assert torch.cuda.is_available(), "needs CUDA"
+    test_current_stream_is_torchs()
+    test_workspace_per_current_stream()
+    with tempfile.TemporaryDirectory() as d, _open_runner(Path(d)) as rn:
+        for t in (test_bank_copy_on_the_copy_stream_and_back,
+                  test_bank_done_and_routing_sync_record_on_the_current_stream,
+                  test_layer_timing_events_on_the_current_stream):
+            t(rn)
+            print("ok", t.__name__)
+    print("test_cuda_streams: 5 passed")
