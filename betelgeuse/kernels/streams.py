@@ -2,9 +2,9 @@
 
 torch.cuda.current_stream(device) resolves the device each call (`None` or a torch.device without an index: the
 availability check, the device attribute lookups, then the current device) and builds a new Stream object: ~38 us
-of host a call under cProfile on the H100 machine, and a decode miss layer took ~7 (its bank copy's stream switch,
-the compute stream's wait for the bank, bank_done, the routing sync's event, the Triton launches' workspaces:
-/work/.device/5/dh_ds4.prof, 12.8 a token). Here the same stream comes from torch._C._cuda_getCurrentStream (the
+of host a call under cProfile on the H100 machine, 12.8 calls a decode token on ds4-tiny (a bank copy's stream switch
+and the compute stream's wait for the bank, bank_done, the routing sync's event, the Triton launches' workspaces:
+docs/benchmarks/cpu-host-miss4). Here the same stream comes from torch._C._cuda_getCurrentStream (the
 call torch.cuda.current_stream makes) on the index of the current device (torch.cuda.current_device: one C call
 after the lazy init), and its Stream object is made once per stream: the same stream whichever the caller gets,
 so nothing enqueued on it changes.
