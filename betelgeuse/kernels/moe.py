@@ -204,6 +204,40 @@ class MoEKernels:
             run_expert(r.h, y3, work, self.weights_fn(src[b: b + slot_bytes], layer, e), self.sub_batch,
                        self.limit)
 
+    def warm(self, pool: torch.Tensor, slot_bytes: int, H: int, k: int, dtype: torch.dtype, tokens) -> int:
+        """The triton backend: every kernel variant a group of T tokens (T in `tokens`) launches, launched once per
+        layer kind (its (gate/up, down) types, q8_1 parts and the alignment of its part offsets' row: what a launch's
+        compile key depends on besides T) through route, apply and both combine forms (a fresh [T,H]; rows into an
+        [max T, H] buffer: the decode lanes'), as a pass's groups would, on a table of -1: every program returns at
+        once, reading no expert byte and writing only these scratch rows (no workspace counter moves). On CUDA each
+        variant compiles here (issue 21: not inside a timed step). Whatever group a pass runs (at-hand, misses,
+        merged, one expert), its table is [E] and its rows T*k, so T and the layer kind are all a variant depends
+        on. -> the groups launched (0: the torch backend)."""
+        if self.backend != "triton":
+            return 0
+        dev = pool.device
+        base = torch.full((self.E,), -1, dtype=torch.int64, device=dev)
+        g = Group(None, None, base)
+        kinds: dict = {}
+        for layer in range(len(self.qtypes)):
+            kinds.setdefault((self.qtypes[layer], self.mmq_parts(layer, H), self.starts[layer].data_ptr() % 16 == 0),
+                             layer)
+        T_max = max(tokens)
+        out = torch.zeros((T_max, H), dtype=dtype, device=dev)
+        lanes = torch.arange(T_max, dtype=torch.int64, device=dev)
+        n = 0
+        for T in tokens:
+            h = torch.zeros((T, H), dtype=dtype, device=dev)
+            ids = (torch.arange(T * k, device=dev) % self.E).view(T, k)
+            w = torch.zeros((T, k), dtype=dtype, device=dev)
+            for layer in kinds.values():
+                r = self.route(h, ids, w)
+                self.apply(r, layer, pool, g, slot_bytes)
+                self.combine(r)
+                self.combine(r, out, lanes[:T])
+                n += 1
+        return n
+
     def combine(self, r: Routing, out: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
         """[T,H]: ranks reduced 0..k-1 in order, so no tier or group order changes a bit. out [B,H] and rows [T]
         (the batched decode lanes): row t written into out[rows[t]] (triton: by the kernel itself), out returned."""

@@ -1,9 +1,26 @@
-"""Triton launches, counted per kernel name.
+"""Triton launches, counted per kernel name; the variants launched (on request) and the compiles (in-memory cache
+misses) with their seconds.
 
 `launcher(kernel)` wraps a @triton.jit kernel (or the interpreter's, under TRITON_INTERPRET=1): `wrapped[grid](*args,
 **kw)` adds one to COUNTS[kernel name] and calls `kernel[grid](*args, **kw)`, Triton's own JIT dispatch, unchanged.
 COUNTS is what the tests and profiles bound launches per layer with (tests/scripts/triton_engine_check.py,
 deploy/device/profile_pass.py).
+
+Variants (issue 21): Triton compiles one kernel per distinct key of a launch: its constexpr keywords, num_warps /
+num_stages, and each runtime argument's specialization (a tensor's dtype and whether its address is a multiple of 16
+bytes; an int == 1 (a constant then), a multiple of 16, or neither; unless the kernel says do_not_specialize). A key
+first seen inside a timed decode step is a compile there (~0.3-1.5 s on the device's host). `record_variants()`
+makes every launch add its key to VARIANTS (a set of (kernel name, keywords, argument specializations)): off by
+default (one global test a launch), the tests compare the keys a decode launched with those a warm-up launched.
+The specializations are Triton's own (`native_specialize_impl`, the JIT's binder's rule, with the base backend's
+view of tensors).
+
+Compiles: `watch_compiles()` chains triton.knobs.runtime.jit_cache_hook (called before each in-memory cache miss's
+compile, Triton 3.6 and 3.9 alike; a truthy return would skip the compile: ours returns the chained hook's) and
+jit_post_compile_hook (after it); each miss is one COMPILES entry (kernel name, its constexprs, seconds between the
+two: a full compile, or a load from Triton's disk cache, ~ms; the module's load onto the GPU at its first launch is
+not in it). `compiles_since(mark)` gives a timed region's {"count", "seconds", "names"}; where the hooks cannot be set
+(no Triton, the interpreter: nothing compiles there, a release without the knobs) it says {"count": None, "na": why}.
 
 `cdiv` / `pow2`: triton.cdiv / triton.next_power_of_2 for the host's grid and constexpr arithmetic. Triton's are
 constexpr functions (for kernels too): called from the host, each unwraps its arguments first, ~9 us a call on the
@@ -17,27 +34,158 @@ rules, was measured there and saved nothing (one gate_up launch 35.9 us through 
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from collections import Counter
 
 COUNTS: Counter = Counter()               # launches per kernel name (tests, profiles)
+VARIANTS: set | None = None               # record_variants(): (name, keywords, argument specializations) launched
+COMPILES: list = []                       # watch_compiles(): (kernel name, constexprs "K=v,..", seconds) per miss
+_WATCH: dict = {"na": "not watched"}      # "na": why compiles are not counted (absent once the hooks are set)
+_LOCK = threading.Lock()
 
 
 class Launcher:
     """`launcher(kernel)[grid](*args, **kw)`: counted, then `kernel[grid](*args, **kw)` (module doc)."""
 
-    __slots__ = ("kernel", "name")
+    __slots__ = ("kernel", "name", "_params")
 
     def __init__(self, kernel):
         self.kernel = kernel
         self.name = getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", "kernel")
+        self._params = None               # per positional parameter (constexpr, no value spec., no alignment spec.)
 
     def __getitem__(self, grid):
         launch = self.kernel[grid]
 
         def counted(*args, **kw):
             COUNTS[self.name] += 1
+            if VARIANTS is not None:
+                VARIANTS.add(self.variant(args, kw))
             return launch(*args, **kw)
         return counted
+
+    def variant(self, args: tuple, kw: dict) -> tuple:
+        """The compile key of a launch with these arguments, as Triton specializes them (module doc)."""
+        if self._params is None:
+            self._params = _param_flags(self.kernel)
+        spec = []
+        for i, a in enumerate(args):
+            const, dns, dna = self._params[i] if i < len(self._params) else (False, False, False)
+            spec.append(("constexpr", a) if const else _specialize(a, not dns, not dna))
+        return self.name, tuple(sorted(kw.items())), tuple(spec)
+
+
+def _param_flags(kernel) -> list[tuple[bool, bool, bool]]:
+    """(constexpr, do_not_specialize, do_not_specialize_on_alignment) per parameter of a @triton.jit kernel (the JIT's
+    KernelParam) or of the interpreter's (its decorator keywords, the annotations)."""
+    params = getattr(kernel, "params", None)
+    if params is not None:
+        return [(bool(p.is_constexpr), bool(p.do_not_specialize), bool(p.do_not_specialize_on_alignment))
+                for p in params]
+    import inspect
+    kw = getattr(kernel, "kwargs", {}) or {}
+    dns, dna = set(kw.get("do_not_specialize") or ()), set(kw.get("do_not_specialize_on_alignment") or ())
+    out = []
+    for i, p in enumerate(inspect.signature(kernel.fn).parameters.values()):
+        const = "constexpr" in str(p.annotation)
+        out.append((const, i in dns or p.name in dns, i in dna or p.name in dna))
+    return out
+
+
+def _specialize(a, value: bool, align: bool):
+    """Triton's specialization of one runtime argument (its binder's native rule), hashable."""
+    try:
+        from triton.backends.compiler import BaseBackend
+        from triton.runtime.jit import native_specialize_impl
+        return native_specialize_impl(BaseBackend, a, False, value, align)
+    except (ImportError, AttributeError, TypeError):        # another release: the documented rule
+        if isinstance(a, bool) or a is None or isinstance(a, float):
+            return type(a).__name__, a if a is None else None
+        if isinstance(a, int):
+            if value and a == 1:
+                return "constexpr", 1
+            return "int", ("D" if value and a % 16 == 0 else "")
+        if hasattr(a, "data_ptr"):
+            return str(a.dtype), ("D" if align and a.data_ptr() % 16 == 0 else "")
+        return type(a).__name__, None
+
+
+def record_variants(on: bool = True) -> set | None:
+    """Start (a new, empty VARIANTS) or stop recording the launches' compile keys; returns the set recorded."""
+    global VARIANTS
+    got = VARIANTS
+    VARIANTS = set() if on else None
+    return VARIANTS if on else got
+
+
+def watch_compiles() -> bool:
+    """Count Triton's compiles from now on (module doc; idempotent). False, with the reason in compiles_since's "na",
+    where the hooks cannot be set."""
+    with _LOCK:
+        if "na" not in _WATCH:
+            return True
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            _WATCH["na"] = "interpreter (nothing compiles)"
+            return False
+        try:
+            from triton import knobs
+            rt = knobs.runtime
+            rt.jit_cache_hook, rt.jit_post_compile_hook     # noqa: B018  (both present: Triton >= 3.4)
+        except Exception as e:                              # no Triton, or a release without the knobs
+            _WATCH["na"] = f"no compile hooks ({type(e).__name__})"
+            return False
+        pre, post = rt.jit_cache_hook, rt.jit_post_compile_hook
+        started: dict = {}
+
+        def before(**kw):
+            started[_hook_key(kw)] = time.perf_counter()
+            return pre(**kw) if pre is not None else None   # truthy: Triton skips the compile (the chained hook's)
+
+        def after(**kw):
+            t1 = time.perf_counter()
+            t0 = started.pop(_hook_key(kw), t1)
+            COMPILES.append((_hook_name(kw), _constexprs(kw), t1 - t0))
+            return post(**kw) if post is not None else None
+        rt.jit_cache_hook, rt.jit_post_compile_hook = before, after
+        del _WATCH["na"]
+        return True
+
+
+def _hook_key(kw: dict):
+    return id(getattr(kw.get("fn"), "jit_function", None)), str(kw.get("key"))
+
+
+def _hook_name(kw: dict) -> str:
+    fn = kw.get("fn")
+    return str(getattr(fn, "name", None) or "kernel").rsplit(".", 1)[-1]
+
+
+def _constexprs(kw: dict) -> str:
+    """"NAME=value,..." of a compile's constexprs (the specialized ints == 1 among them), by parameter name."""
+    try:
+        names = kw["fn"].jit_function.arg_names
+        consts = kw["compile"]["constants"]
+        return ",".join(f"{names[p[0]] if len(p) == 1 else p}={v}" for p, v in consts.items())
+    except Exception:                                       # a hook payload of another shape: the name is enough
+        return ""
+
+
+def compile_mark() -> int:
+    """A point to count compiles from (compiles_since)."""
+    return len(COMPILES)
+
+
+def compiles_since(mark: int) -> dict:
+    """The compiles since `mark`: {"count", "seconds", "names": {kernel: n}, "variants": ["kernel[K=v,..] 0.41 s"]},
+    or {"count": None, "na": why} where they are not counted (watch_compiles)."""
+    if "na" in _WATCH:
+        return {"count": None, "seconds": None, "na": _WATCH["na"]}
+    new = COMPILES[mark:]
+    return {"count": len(new), "seconds": sum(s for _, _, s in new),
+            "names": dict(Counter(n for n, _, _ in new)),
+            "variants": [f"{n}[{c}] {s:.3f} s" for n, c, s in new[:32]]}
 
 
 def cdiv(x: int, y: int) -> int:
@@ -54,4 +202,3 @@ def pow2(n: int) -> int:
 def launcher(kernel) -> Launcher:
     """A counted launcher for a @triton.jit kernel (module doc)."""
     return Launcher(kernel)
-

@@ -73,11 +73,13 @@ CONFIG = {"BM": 16, "BN": 64, "FUSE": 0, "num_warps": 4, "num_stages": 3,   # sc
 # zero; the same for both buckets, so a row's bits never depend on how many rows share its launch)
 TUNING: dict[int, dict] = {qt: {"KCB": 16, "num_warps": 4} for qt in MMQ_TYPES}
 # per rows bucket (triton_moe.bucket_of): SPLIT the chunks over programs (decode: a bank's output tiles alone leave
-# SMs idle) or walk them in one program; KB quant blocks a K step -- schedule keys (the same sums). KB 1 at 4 warps
-# was the fastest MMA candidate for every type at 1 and 16 rows on both cards (gpu-run38-ds4, H200: Q8_0 974 / 650
-# GB/s; gpu-run43-exact, H100: 976 / 673), ahead of KB 4 / 2 at 8 warps (548 / 392 on the H100: those compile to
-# back-to-back IGMMAs at 238-255 registers)
-BUCKETS = {1: {"SPLIT": 1, "KB": 1}, 16: {"SPLIT": 0, "KB": 1}}
+# SMs idle) or walk them in one program; KB quant blocks a K step; WL / PF the MMA's word loads -- schedule keys (the
+# same sums, the same bits). WL 2 + PF 1 at KB 2 (MMQ_CONFIGS[26] of deploy/device/kernel_roofline.py) was the best or
+# within 5% of the best MMA candidate for every type at 16 rows and for Q8_0 at one row (gpu-run44-ds4, H100, bank of
+# 16 at the bench geometry, kernels alone, GB/s of expert bytes: Q8_0 1,052 / 843, Q4_K - / 401, MXFP4 - / 412,
+# against the byte-loading KB 1 schedule's 966 / 670, - / 231, - / 187; every candidate's rows the same bits there).
+# Earlier: KB 4 / 2 at 8 warps compiled to back-to-back IGMMAs at 238-255 registers (548 / 392 on the H100)
+BUCKETS = {1: {"SPLIT": 1, "KB": 2, "WL": 2, "PF": 1}, 16: {"SPLIT": 0, "KB": 2, "WL": 2, "PF": 1}}
 # per (type, rows bucket), over TUNING: the one-row bank of Q4_K and MXFP4 on the MV schedule (gpu-run43-exact, H100,
 # bank of 16 at the bench geometry, kernels alone: Q4_K 723 GB/s against the MMA's 369, MXFP4 673 against 221; Q8_0's
 # MV, 622, stays behind its MMA, 976). The same bits as the MMA (checked there: rows alone == in the launch, every

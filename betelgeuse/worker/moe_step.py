@@ -266,6 +266,29 @@ class MoEStep:
         for l in range(self.n_layer):      # the static mask is all False here: a legal set (no expert resident)
             type(model).route(model, l, h, tok, Residency(self.routing, self._static_mask[l]))
 
+    def warm_kernels(self, model, force: bool = False) -> dict | None:
+        """At attach, on CUDA (force: anywhere, the tests): the expert kernels' variants of decode's groups compiled
+        now, not in the first timed decode step (issue 21; kernels.moe.MoEKernels.warm): a group of T tokens for T = 1
+        (a lone sequence) .. max_running (the batched lanes), every layer kind, both combine forms. Prefill's larger
+        groups compile in their first pass (their variants follow the rows bucket and the grid: any T). -> {"groups",
+        "seconds", "compiles": kernels/triton_launch.compiles_since} or None (the torch kernels, or the CPU)."""
+        if self.kern.backend != "triton" or not (self.cache.is_cuda or force):
+            return None
+        from betelgeuse.kernels import triton_launch as tl_
+        tl_.watch_compiles()
+        mark, t = tl_.compile_mark(), time.perf_counter()
+        c = self.session.file.config
+        n = self.kern.warm(self.cache.pool, self.cache.slot_bytes, c.n_embd, c.n_expert_used, model.dtype,
+                           range(1, self._max_running() + 1))
+        if self.cache.is_cuda:
+            torch.cuda.synchronize(self.cache.device)
+        return {"groups": n, "seconds": time.perf_counter() - t, "compiles": tl_.compiles_since(mark)}
+
+    def _max_running(self) -> int:
+        """The decode lanes' count (the runner resolved max_running auto from the plan before this step was made)."""
+        m = self.cfg.max_running
+        return max(1, int(m if m != "auto" else self.session.plan.max_running))
+
     def _may_use_disk(self, snap, l: int) -> bool:
         """Whether layer l can route to a disk-tier expert (its read-ahead is worth starting): not in `pool` mode
         with at least k experts resident (every rank then chooses among them: a warm pool pass reads nothing)."""

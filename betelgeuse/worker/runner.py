@@ -114,6 +114,7 @@ class ModelRunner:
                            guess_depth=type(self.model).guess_depth,
                            guess_min_hit=type(self.model).guess_min_hit)
         self.moe.warm_routes(self.model)          # an approximate mode's kernels compiled now, not in a pass
+        self.warmed = self.moe.warm_kernels(self.model)   # decode's expert-kernel variants compiled now (issue 21)
         self.kern = self.moe.kern
         self._static_decode = self._static_form()
         self.solo = SoloDecode(self.model, self.moe, self.cache.is_cuda and self.cfg.cuda_graphs,

@@ -28,6 +28,11 @@ two Triton launches on CUDA).
 store client's messages, a Load's next expert) timed in place -> split_us {name: [median us per call, calls per
 step]}; each wrapper adds ~1 us, and nested calls count in each function that encloses them.
 
+Triton compiles (issue 21; kernels/triton_launch.py, where the checkout has it): triton_compiles = those at attach
+(MoEStep.warm_kernels: decode's expert-kernel variants), in the first decode step, in the skipped steps after it, and
+in the timed steps (each {"count", "seconds", "names"}, count None where not counted: the CPU's interpreter compiles
+nothing), beside the first step's host ms.
+
 On a CPU the dense part's compute is host time too: compare messages, CPU ms and the split, not host alone. With
 several torch threads on a busy machine, set OMP_NUM_THREADS=1 (spinning threads swamp everything else).
 """
@@ -167,7 +172,18 @@ def run(a, tmp: Path) -> dict:
                 inside[0] += time.perf_counter() - t
         setattr(client, name, timed)
     try:
+        try:
+            from betelgeuse.kernels import triton_launch as TL
+            TL.compile_mark
+        except (ImportError, AttributeError):          # a checkout from before the compile counts (an A/B's base)
+            TL = None
+        if TL is not None:
+            TL.watch_compiles()
+            mark = TL.compile_mark()
+        compiles = {}
         rn = open_runner(cfg, store)
+        if TL is not None:
+            compiles["attach"] = TL.compiles_since(mark)
         spid, tick = client.status()["pid"], os.sysconf("SC_CLK_TCK")
         layer_s, miss_s, own_s, groups_n = _time_layers(rn.moe, a)
         split = _split(rn, client) if a.split else None
@@ -198,8 +214,12 @@ def run(a, tmp: Path) -> dict:
         if a.profile:
             import cProfile
             prof = cProfile.Profile()
-        rows, sc0 = [], None
+        rows, sc0, first_ms = [], None, None
         for i in range(a.tokens):
+            if TL is not None and i in (0, 1, a.skip):      # the regions: first step, skipped ones, timed ones
+                if i:
+                    compiles["first_step" if i == 1 else "skipped_steps"] = TL.compiles_since(mark)
+                mark = TL.compile_mark()
             if i == a.skip:
                 sc0 = store_cpu()
                 layer_s.clear()
@@ -214,6 +234,8 @@ def run(a, tmp: Path) -> dict:
             lg, st = step(tok)
             c1 = own_cpu()
             tok = int(lg[-1].argmax())
+            if i == 0:
+                first_ms = round(st.host_s * 1e3, 3)
             if i < a.skip:                      # the first steps (graph capture on CUDA)
                 continue
             row = dict(wall_ms=st.seconds * 1e3, host_ms=st.host_s * 1e3, messages=st.store_calls,
@@ -239,9 +261,13 @@ def run(a, tmp: Path) -> dict:
                    miss_layer_us=round(statistics.median(miss_s) * 1e6, 1) if miss_s else None,
                    miss_own_us=round(statistics.median(own_s) * 1e6, 1) if own_s else None,
                    miss_layer_groups=round(statistics.mean(groups_n), 3) if groups_n else None)
+        if TL is not None:
+            compiles["timed_steps"] = TL.compiles_since(mark)
         rn.close()
         res = {"preset": a.preset, "form": a.form + ("+gate" if a.gate else ""), "slots": f"{a.vram}+{a.host}",
-               "layers": rn.mcfg.n_layer, "tokens": n, "per_token_median": out}
+               "layers": rn.mcfg.n_layer, "tokens": n, "per_token_median": out, "first_step_host_ms": first_ms}
+        if TL is not None:
+            res["triton_compiles"] = compiles
         if split is not None:    # name -> [median us per call, calls per timed step]
             res["split_us"] = {k: [round(statistics.median(v) * 1e6, 1), round(len(v) / n, 2)]
                                for k, v in split.items() if v}

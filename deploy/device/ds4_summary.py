@@ -40,6 +40,17 @@ def _pass(c: dict, label: str) -> dict:
     return next((p for p in c.get("passes", []) if p.get("label") == label and p.get("complete", True)), {})
 
 
+def _compiles(rec: dict | None) -> str:
+    """A timed region's Triton compiles (bench.json "triton_compiles": kernels/triton_launch.compiles_since)."""
+    if not rec:
+        return "–"
+    if rec.get("count") is None:
+        return f"n/a ({rec.get('na', '?')})"
+    names = sorted((rec.get("names") or {}).items(), key=lambda kv: -kv[1])
+    return (f"{rec['count']} ({rec['seconds']:.2f} s)"
+            + (": " + ", ".join(f"`{n}` {c}" for n, c in names[:6]) if names else ""))
+
+
 def _row(figure: str, target: str, value, ok) -> str:
     verdict = "–" if ok is None else ("PASS" if ok else "MISS")
     return f"| {figure} | {target} | {value} | {verdict} |"
@@ -64,6 +75,12 @@ def targets(r: dict) -> list[str]:
                       + f"; median token {_f(exd.get('host_us_per_application_median'))} µs"
                       + f"; store wait {exd['store_wait_s'] / max(1, exd['tokens']) * 1e3:.1f} ms/token (blocked); "
                       f"messages/token: {kinds}", None))
+    tc, th = exd.get("triton_compiles"), exd.get("token_host_s") or []
+    if tc is not None or th:  # issue 21: no Triton compile inside a timed decode token (MoEStep.warm_kernels at attach)
+        L.append(_row("  decode, exact: first token's host ms (median token's) / Triton compiles in the timed tokens",
+                      "compiles 0", f"{_f(th[0] * 1e3 if th else None, '{:,.1f}')} "
+                      f"({_f(sorted(th)[len(th) // 2] * 1e3 if th else None, '{:,.1f}')}) / {_compiles(tc)}",
+                      None if not tc or tc.get("count") is None else tc["count"] == 0))
     ln = (ex.get("profile", {}).get("decode") or {}).get("launches_per_layer")
     L.append(_row("kernel launches / layer, decode, exact", "≤ 60", _f(ln), None if ln is None else ln <= 60))
     names = (ex.get("profile", {}).get("decode") or {}).get("launches_by_name")
@@ -104,8 +121,9 @@ def targets(r: dict) -> list[str]:
 def summary(r: dict) -> str:
     L = targets(r) + ["## ds4 summary (issue 21 figures, per case)", "",
          "| case | decode tok/s mean / peak | decode disk share | host µs / application (decode) | "
-         "launches / layer (decode / warm) | decode bound tok/s (limiter) | achieved |",
-         "|---|---|---|---|---|---|---|"]
+         "launches / layer (decode / warm) | decode bound tok/s (limiter) | achieved | first token host ms | "
+         "Triton compiles (decode; at attach) |",
+         "|---|---|---|---|---|---|---|---|---|"]
     for c in r.get("cases", []):
         d, prof = c.get("decode") or {}, c.get("profile", {})
         b = d.get("bound", {})
@@ -117,7 +135,9 @@ def summary(r: dict) -> str:
                  f"{_f(None if share is None else 100 * share, '{:.1f}%')} | {_f(d.get('host_us_per_application'))} | "
                  f"{_f(prof.get('decode', {}).get('launches_per_layer'))} / "
                  f"{_f(prof.get('warm', {}).get('launches_per_layer'))} | {_f(bt, '{:.2f}')} ({b.get('limiter', '–')}) | "
-                 f"{'bound wrong (' + _f(ach, '{:.2f}') + ')' if b.get('bound_wrong') else _f(ach, '{:.2f}')} |")
+                 f"{'bound wrong (' + _f(ach, '{:.2f}') + ')' if b.get('bound_wrong') else _f(ach, '{:.2f}')} | "
+                 f"{_f(d['token_host_s'][0] * 1e3 if d.get('token_host_s') else None, '{:,.1f}')} | "
+                 f"{_compiles(d.get('triton_compiles'))}; {_compiles(c.get('attach_triton_compiles'))} |")
     v = r.get("vram", {})
     peak, budget = v.get("peak_bytes"), v.get("budget", 0)
     verdict = "–" if peak is None else ("within" if peak <= budget else f"OVER by {(peak - budget) / MiB:,.0f} MiB")

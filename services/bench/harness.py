@@ -26,6 +26,7 @@ import torch
 from betelgeuse.config import GiB, EngineConfig
 from betelgeuse.errors import BetelgeuseError
 from betelgeuse.gguf.reader import GGUFModelFile
+from betelgeuse.kernels import triton_launch as TL
 from betelgeuse.worker.runner import ModelRunner
 from services.assembly import ChildStore, open_runner, open_store
 from services.bench import ceilings as C
@@ -283,8 +284,13 @@ class Harness:
             out["store_start_s"] = store.ready_s
             out["cgroups"] = {"store": cgroup_of(store.proc.pid), "worker": cgroup_of("self")}
             t = time.perf_counter()
+            TL.watch_compiles()                     # Triton's compiles counted in each timed region (issue 21)
+            mark = TL.compile_mark()
             rn = self._runner_for(cfg, store)
             out["attach_s"] = time.perf_counter() - t
+            # the compiles at attach (decode's expert-kernel variants: MoEStep.warm_kernels) and the warm-up's own
+            out["attach_triton_compiles"] = TL.compiles_since(mark)
+            out["kernel_warmup"] = getattr(rn, "warmed", None)
             self._measure_compute()                 # every case: the ceiling is the best seen in the run
             p = rn.plan
             out["plan"] = {"n_vram": p.n_vram, "n_host": p.n_host, "n_staging": p.n_staging, "arena_bytes": p.arena_bytes,
@@ -372,6 +378,7 @@ class Harness:
         stop = self._stopper(self.o.standard_cap if schedule == "standard" else None, counter)
         st0 = rn.store.status()
         copy0 = rn.cache.copy_seconds
+        mark = TL.compile_mark()
         t = time.perf_counter()
         try:
             logits, st = rn.forward(ids, kv, consolidate=consolidate, schedule=schedule, should_stop=stop)
@@ -387,6 +394,7 @@ class Harness:
             return rec, None
         ttft = time.perf_counter() - t
         rec = pass_record(kind, st, ttft, self.ceil, f, rn.plan.slot.slot_bytes)
+        rec["triton_compiles"] = TL.compiles_since(mark)       # inside the timed pass (a compile is host time there)
         rec.update(store_delta(st0, rn.store.status(), rn.cfg.read_threads))
         if not self.cuda:
             rec["copy_s"] = rn.cache.copy_seconds - copy0
@@ -437,16 +445,20 @@ class Harness:
         host_s, calls, h2d, toks, engram = 0.0, 0, 0, [], None
         split = HostSplit()                             # the host time's parts (worker/stats.py)
         token_host = []                                 # per token: (host s, expert applications)
+        token_compiles = []                             # per token: Triton compiles inside it (None: not counted)
+        mark = TL.compile_mark()
         guess = dict.fromkeys(GUESS_FIELDS, 0)          # decode's guesses of the next layers (worker/guess.py)
         t_start = time.perf_counter()
         for _ in range(self.o.decode):
             if time.monotonic() > end:
                 break
             t = time.perf_counter()
+            m0 = TL.compile_mark()
             toks.append(tok)
             lg, st = rn.forward([tok], kv, consolidate=False)
             tok = int(lg[-1].argmax())
             secs.append(time.perf_counter() - t)
+            token_compiles.append(TL.compiles_since(m0)["count"])
             for k_ in reads:
                 reads[k_] += st.reads[k_]
             disk_bytes, disk_wait = disk_bytes + st.disk_bytes, disk_wait + st.disk_wait_s
@@ -473,6 +485,8 @@ class Harness:
                 "host_us_per_application_median": (float(np.median([h / a * 1e6 for h, a in token_host if a]))
                                                    if any(a for _, a in token_host) else None),
                 "token_host_s": [h for h, _ in token_host],
+                # Triton compiles inside the timed tokens (issue 21: a compile is 0.3-1.5 s of one token's host time)
+                "triton_compiles": TL.compiles_since(mark), "token_triton_compiles": token_compiles,
                 "tg_mean": len(secs) / sum(secs) if secs else 0.0, "tg_peak": 1.0 / min(secs) if secs else 0.0,
                 "token_s": secs, "reads": reads, "disk_share": reads["disk"] / n if n else 0.0,
                 "disk_bytes": disk_bytes, "disk_wait_ms": disk_wait * 1e3, "token_ids": toks, "guess": guess,

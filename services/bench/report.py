@@ -96,6 +96,21 @@ def _host_split(d: dict) -> str:
     return f"{parts} | {d['store_wait_s'] / n * 1e3:,.1f} | {kinds}"
 
 
+def triton_compiles(rec: dict | None, first: list | None = None) -> str:
+    """A timed region's Triton compiles (kernels/triton_launch.compiles_since): "count (seconds s): kernel n, ..."
+    (first: per token counts, the first token's added), "n/a (why)" where they were not counted, "–" for a record
+    from before they were."""
+    if not rec:
+        return "–"
+    if rec.get("count") is None:
+        return f"n/a ({rec.get('na', '?')})"
+    txt = f"{rec['count']} ({rec['seconds']:.2f} s)"
+    if first:
+        txt += f", first token {first[0] if first[0] is not None else '–'}"
+    names = sorted((rec.get("names") or {}).items(), key=lambda kv: -kv[1])
+    return txt + (": " + ", ".join(f"`{n}` {c}" for n, c in names[:6]) if names else "")
+
+
 def _passes(r: dict):
     for case in r.get("cases", []):
         for p in case.get("passes", []):
@@ -145,21 +160,23 @@ def markdown(r: dict) -> str:
           "sync), so it is the time spent issuing work; per expert application = host time / applications. "
           "Launches per layer and GPU busy (union of kernel time / wall) come from one extra profiled pass of the "
           "same kind (torch.profiler), not the timed one.", "",
-          "| Case | Pass | Applications | Host ms | Host µs / application | Store calls | Launches / layer | GPU busy |",
-          "|---|---|---|---|---|---|---|---|"]
+          "| Case | Pass | Applications | Host ms | Host µs / application | Store calls | Launches / layer | GPU busy | "
+          "Triton compiles (s) |",
+          "|---|---|---|---|---|---|---|---|---|"]
     for case, p in _passes(r):
         if "host_s" not in p:
             continue
         prof = case.get("profile", {}).get(p["label"], {})
         L.append(f"| {case_label(case)} | {p['label']} | {p['loads']} | {p['host_s'] * 1e3:,.1f} | "
                  f"{_f(p.get('host_us_per_application'), '{:.1f}')} | {p.get('store_calls', '–')} | "
-                 f"{_f(prof.get('launches_per_layer'), '{:.1f}')} | {_pct(prof.get('gpu_busy'))} |")
+                 f"{_f(prof.get('launches_per_layer'), '{:.1f}')} | {_pct(prof.get('gpu_busy'))} | "
+                 f"{triton_compiles(p.get('triton_compiles'))} |")
     L += ["", "## Decode", "",
           "| Case | Tokens | TG tok/s mean | TG tok/s peak | Disk read share | Disk wait ms | Bound tok/s (limiter) | "
           "Achieved | Disk busy | Host µs / application | Store calls / token | Launches / layer | Guess hit rate | "
           "Read ahead MB (wasted) | Host µs / app.: store messages / expert step / rest | Store wait ms / token | "
-          "Store messages / token by kind |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "Store messages / token by kind | First token host ms | Triton compiles in the timed tokens (s) |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for case in r.get("cases", []):
         d = case.get("decode")
         if d:
@@ -171,7 +188,9 @@ def markdown(r: dict) -> str:
                      f"{achieved_label(b)} | {_pct(d.get('disk_busy_fraction'))} | "
                      f"{_f(d.get('host_us_per_application'), '{:.1f}')} | "
                      f"{_f(d.get('store_calls_per_token'), '{:.2f}')} | {_f(prof.get('launches_per_layer'), '{:.1f}')} | "
-                     f"{_pct(d.get('guess_hit_rate'))} | {_guess_mb(d)} | {_host_split(d)} |")
+                     f"{_pct(d.get('guess_hit_rate'))} | {_guess_mb(d)} | {_host_split(d)} | "
+                     f"{_f(d['token_host_s'][0] * 1e3 if d.get('token_host_s') else None, '{:,.1f}')} | "
+                     f"{triton_compiles(d.get('triton_compiles'), d.get('token_triton_compiles'))} |")
     eng = [(case, p) for case, p in _passes(r) if p.get("engram")]
     eng += [(case, dict(case["decode"], label="decode")) for case in r.get("cases", [])
             if (case.get("decode") or {}).get("engram")]

@@ -442,7 +442,7 @@ def test_word_loads_give_the_byte_load_bits(qt):
         taken = []                                      # the launches' choice: word loads or bytes
         ok = mq.wl_ok
         mp.setattr(mq, "wl_ok", lambda *a: taken.append(ok(*a)) or taken[-1])
-        ref = {n: with_cfg(n, KB=1) for n in (1, 5, 16)}
+        ref = {n: with_cfg(n, KB=1, WL=0, PF=0) for n in (1, 5, 16)}
         assert taken == [], taken                       # WL 0: byte loads (wl_ok not asked)
         assert all(np.array_equal(ref[n][0], ref[16][0]) for n in (1, 5))
         want = moe_ref(qt, raw, h, ids, w, kcb=kcb)
@@ -456,7 +456,7 @@ def test_word_loads_give_the_byte_load_bits(qt):
                 got = with_cfg(n, KB=kb, WL=1, PF=pf, FUSE=fuse, SPLIT=int(n == 1))
                 assert np.array_equal(got, ref[n]), (n, kb, pf, fuse)
                 assert taken == [True, True], taken
-        one = with_cfg(16, KB=1, KCB=0)                 # one chunk
+        one = with_cfg(16, KB=1, KCB=0, WL=0, PF=0)    # one chunk
         assert not np.array_equal(one, ref[16])
         assert np.array_equal(with_cfg(16, KB=2, KCB=0, WL=1, PF=1), one)
         taken.clear()                                   # rows not word aligned: bytes, the same bits
@@ -466,16 +466,18 @@ def test_word_loads_give_the_byte_load_bits(qt):
 
 
 def test_word_loads_compile_for_sm90_to_word_loads_without_spills():
-    """WL = 1 at the 16-row bucket's constants (KB 1, BN 64, 4 warps; PF 0, 1 and 2; KB 2), and WL = 2 (MXFP4's
-    codes through the byte-permute table; the other types: WL 1) compiled for sm_90 without a
-    GPU, with and without the alignment facts of a device launch (hints): the int8 tensor-core MMA is there, every
+    """WL = 1 at KB 1, BN 64, 4 warps (PF 0, 1 and 2), the shipped 16-row bucket (WL 2, PF 1, KB 2) and WL = 2 at
+    KB 1, PF 2 (MXFP4's codes through the byte-permute table; the other types: WL 1), beside the byte-load MMA
+    (WL 0), compiled for sm_90 without a GPU, with and without the alignment facts of a device launch (hints): the
+    int8 tensor-core MMA is there, every
     global load of the kernel is 32 bits or wider (no ld.global.b8 / .b16, cp.async copies of 4 or 16 bytes: the byte
     MMA reads Q8_0 in half-words, MXFP4 and Q4_K's scales in bytes), and nothing spills. In a child without
     TRITON_INTERPRET."""
     code = ("import json\nfrom betelgeuse.kernels import triton_mmq as mq\n"
             "for qt in (0, 4, 5):\n for w in ('gate_up', 'down'):\n"
-            "  for o, h in (({}, 1), ({'WL': 1}, 0), ({'WL': 1}, 1), ({'WL': 1, 'PF': 1}, 1),\n"
-            "               ({'WL': 1, 'PF': 2}, 1), ({'WL': 1, 'KB': 2}, 1), ({'WL': 2, 'PF': 2}, 1)):\n"
+            "  for o, h in (({'WL': 0, 'PF': 0, 'KB': 1}, 1), ({'WL': 1, 'PF': 0, 'KB': 1}, 0),\n"
+            "               ({'WL': 1, 'PF': 0, 'KB': 1}, 1), ({'WL': 1, 'PF': 1, 'KB': 1}, 1),\n"
+            "               ({'WL': 1, 'PF': 2, 'KB': 1}, 1), ({}, 1), ({'WL': 2, 'PF': 2, 'KB': 1}, 1)):\n"
             "   print(json.dumps(mq.compile_report(w, qt, bucket=16, over=o, hints=bool(h))))\n")
     reports = _compile_reports(["-c", code], timeout=600)
     assert len(reports) == 42, reports
@@ -489,7 +491,7 @@ def test_word_loads_compile_for_sm90_to_word_loads_without_spills():
         else:                                           # the byte-load MMA (what WL replaces) does read narrow words
             assert narrow(r), r
     prm = [r for r in reports if r["qt"] == 4 and r["config"]["WL"] == 2]   # MXFP4's codes by PTX prmt
-    assert len(prm) == 2 and all("prmt" in r["asm"] for r in prm), prm
+    assert len(prm) == 4 and all("prmt" in r["asm"] for r in prm), prm
     assert not any(r["config"]["WL"] == 2 for r in reports if r["qt"] != 4)          # the others: WL 1's decode
     q4k = [r for r in reports if r["qt"] == 5 and r["hints"] and r["config"]["WL"] and not r["config"]["PF"]]
     assert all(r["loads"].get("cp.async.cg.shared.global.16") for r in q4k), q4k       # Q4_K's quants: 16-byte copies

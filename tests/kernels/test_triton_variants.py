@@ -1,0 +1,147 @@
+"""Issue 21: no Triton compile inside a timed decode step.
+
+The compile counter (kernels/triton_launch.watch_compiles) chains Triton's jit_cache_hook / jit_post_compile_hook:
+checked here on the hooks' own payload shape (the CPU compiles nothing: under the interpreter it says n/a). The
+decode's expert-kernel variants (the compile keys the Launcher recorder sees: constexprs, launch options, each
+argument's specialization) must all be among those MoEStep.warm_kernels launched at attach, over slot configurations
+that give at-hand groups, miss groups with banked host experts merged into the first disk group, and one-expert
+groups, solo and in the batched lanes; and the warm-up must not change a bit of the decode.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from collections import Counter
+
+import pytest
+import torch
+
+from betelgeuse.kernels import triton_launch as TL
+
+MOE_KERNELS = ("_gate_up_kernel", "_down_kernel", "_gate_up_mv_kernel", "_down_mv_kernel", "_combine_kernel",
+               "_gate_up_mmq_kernel", "_down_mmq_kernel", "_quantize_kernel")
+
+
+def test_compile_hooks_count_chain_and_pass_a_skip_through(monkeypatch):
+    knobs = pytest.importorskip("triton").knobs
+    rt = knobs.runtime
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(TL, "_WATCH", {"na": "not watched"})
+    monkeypatch.setattr(TL, "COMPILES", [])
+    seen = []
+
+    def pre(**kw):                      # a hook set before ours (a profiler): still called, its answer kept
+        seen.append(("pre", kw["key"]))
+        return kw["key"] == "skip"
+
+    def post(**kw):
+        seen.append(("post", kw["key"]))
+    monkeypatch.setattr(rt, "jit_cache_hook", pre)
+    monkeypatch.setattr(rt, "jit_post_compile_hook", post)
+    assert TL.watch_compiles() and TL.watch_compiles()      # idempotent: chained once
+    m = TL.compile_mark()
+    jf = types.SimpleNamespace(arg_names=["x_ptr", "n", "BM", "EP"])
+    fn = types.SimpleNamespace(name="betelgeuse.kernels.triton_moe._gate_up_kernel", jit_function=jf)
+    payload = dict(repr="r", fn=fn, compile={"constants": {(1,): 1, (2,): 16, (3,): 256}}, is_manual_warmup=False,
+                   already_compiled=False)
+    assert not rt.jit_cache_hook(key="k1", **payload)       # falsy: Triton compiles
+    rt.jit_post_compile_hook(key="k1", **payload)
+    assert rt.jit_cache_hook(key="skip", **payload)         # the chained hook's skip is Triton's answer
+    got = TL.compiles_since(m)
+    assert got["count"] == 1 and got["names"] == {"_gate_up_kernel": 1} and got["seconds"] >= 0
+    assert got["variants"][0].startswith("_gate_up_kernel[n=1,BM=16,EP=256]"), got
+    assert seen == [("pre", "k1"), ("post", "k1"), ("pre", "skip")]
+
+
+def test_compiles_are_not_counted_under_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(TL, "_WATCH", {"na": "not watched"})
+    assert not TL.watch_compiles()
+    got = TL.compiles_since(TL.compile_mark())
+    assert got["count"] is None and "interpreter" in got["na"]
+
+
+def test_recorder_keys_follow_tritons_specialization():
+    """The recorded key changes where Triton compiles another kernel (an int == 1, a multiple of 16, an address not
+    16-byte aligned, a constexpr) and only there; off, nothing is recorded."""
+    pytest.importorskip("triton")
+    from betelgeuse.kernels import triton_norm  # noqa: F401  (a launcher to record with)
+    launch = triton_norm._rms_kernel
+    x = torch.zeros(64)
+    keys = [launch.variant((x, x, x, d, 1e-6), {"BD": 64}) for d in (7, 9, 16, 32, 1)]
+    keys.append(launch.variant((x[1:], x, x, 7, 1e-6), {"BD": 64}))
+    keys.append(launch.variant((x, x, x, 7, 1e-6), {"BD": 128}))
+    assert keys[0] == keys[1] and keys[2] == keys[3]
+    assert len({keys[0], keys[2], keys[4], keys[5], keys[6]}) == 5, keys
+    assert TL.VARIANTS is None
+    TL.record_variants()
+    try:
+        triton_norm.rms_norm(torch.ones(2, 8), torch.ones(8), 1e-6)
+        triton_norm.rms_norm(torch.ones(3, 8), torch.ones(8), 1e-6)     # rows: the grid only
+    finally:
+        got = TL.record_variants(False)
+    assert len(got) == 1 and next(iter(got))[0] == "_rms_kernel" and TL.VARIANTS is None
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from engine_helpers import ENGINE_SPEC, write_synth
+    return write_synth(tmp_path_factory.mktemp("variants") / "m.gguf", **{**ENGINE_SPEC, "n_expert": 16})
+
+
+def _decode(model, vram, host, extra, warm: bool):
+    """Prompt, settle, 3 solo static-form steps, then 2 batched-lane steps of two sequences, on the triton kernels
+    (TRITON_INTERPRET=1 on the CPU) -> (logits, warm-up variants, decode variants, group sizes seen)."""
+    from engine_helpers import close_runner, in_process_runner, prompt
+    rn, st = in_process_runner(model, vram, host, kernels="triton", decode_consolidate_every=0, max_running=2,
+                               read_threads=1, **extra)
+    try:
+        TL.record_variants()
+        if warm:
+            assert rn.warmed is None            # the CPU: not at attach ...
+            assert rn.moe.warm_kernels(rn.model, force=True)["groups"] > 0      # ... unless asked
+        warmed = TL.record_variants(False)
+        V = rn.mcfg.n_vocab
+        kv, kv2 = rn.new_cache(64), rn.new_cache(64)
+        lg, _ = rn.forward(prompt(24, V, seed=3), kv)
+        rn.forward(prompt(5, V, seed=4), kv2)
+        rn.settle()
+        rn._static_decode = True
+        sizes = Counter()
+        apply = rn.moe.kern.apply
+
+        def counted(r, layer, pool, g, *a, **kw):
+            if g.experts is not None:
+                sizes[min(len(g.experts), 2)] += 1
+            return apply(r, layer, pool, g, *a, **kw)
+        rn.moe.kern.apply = counted
+        TL.record_variants()
+        out = []
+        for _ in range(3):
+            lg, _ = rn.forward([int(lg[-1].argmax())], kv, consolidate=False)
+            out.append(lg[-1])
+        for _ in range(2):
+            lg2, _ = rn.decode_batch([int(out[-1].argmax()), 7], [kv, kv2])
+            out.append(lg2.reshape(2, -1))
+        dec = TL.record_variants(False)
+        return torch.cat([o.reshape(-1) for o in out]), warmed, dec, sizes
+    finally:
+        TL.record_variants(False)
+        close_runner(rn, st)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the CPU's interpreter run (CUDA compiles)")
+def test_decode_launches_only_the_variants_warmed_at_attach(model):
+    seen = Counter()
+    for vram, host, extra in [(3, 8, {}), (2, 3, dict(host_in_place="never", ring_slots=4)), (16, 0, {})]:
+        got, warmed, dec, sizes = _decode(model, vram, host, extra, True)
+        want, _, dec0, _ = _decode(model, vram, host, extra, False)
+        where = (vram, host, extra)
+        assert torch.equal(got, want), where                 # the warm-up reads and writes nothing of the decode's
+        moe = {v for v in dec if v[0] in MOE_KERNELS}
+        assert moe and moe == {v for v in dec0 if v[0] in MOE_KERNELS}, where
+        assert moe <= warmed, (where, sorted(moe - warmed, key=str))
+        assert {v[0] for v in warmed} <= set(MOE_KERNELS), where
+        seen.update(sizes)
+    assert seen[1] and seen[2], seen        # one-expert groups and larger ones (banks, merged misses) ran
