@@ -24,7 +24,8 @@ def stream_key(index: int | None) -> tuple[int, int, int]:
 
 
 def current_stream(index: int | None) -> torch.cuda.Stream:
-    """torch.cuda.current_stream(index) (index None: the current device's stream), one Stream object per stream."""
+    """torch.cuda.current_stream(index) (index None: the current device's stream), one Stream object per stream. CUDA
+    is initialized already where an index is given (it comes from a stream or tensor on that device)."""
     key = torch._C._cuda_getCurrentStream(torch.cuda.current_device() if index is None else index)
     s = _STREAMS.get(key)
     if s is None:
