@@ -120,19 +120,29 @@ class MoEKernels:
         qg, qd = self.qtypes[layer]
         return (qg in MMQ_QTYPES and H % MMQ_QTYPES[qg] == 0, qd in MMQ_QTYPES and self.F % MMQ_QTYPES[qd] == 0)
 
-    def weight_reads(self, layer: int, rows: np.ndarray, n_rows: int) -> int:
+    def weight_reads(self, layer: int, rows: np.ndarray | list[int], n_rows: int) -> int:
         """How many times a launch of `n_rows` rows reads its experts' bytes, for experts with `rows` rows each: the
         triton kernels run one program per (output block, row block of one expert), each reading its weight rows over
         all of K, so an expert's bytes are read once per row block: ceil(rows / BM) (BM = 16, or BM_MV rows on the
         mmvq decode schedule; gate/up's type and rows bucket; the q8_1 schedule's BM is 16 too); the torch kernels
-        dequantize an expert once per group."""
+        dequantize an expert once per group. rows as a list (a decode layer's few experts): the same sums in Python,
+        which cost less than numpy calls on them."""
+        if isinstance(rows, list):
+            if self.backend != "triton":
+                return sum(1 for x in rows if x > 0)
+            bm = self._row_block(layer, n_rows)
+            return sum((x + bm - 1) // bm for x in rows)
         rows = np.asarray(rows, dtype=np.int64)
         if self.backend != "triton":
             return int((rows > 0).sum())
+        bm = self._row_block(layer, n_rows)
+        return int(((rows + bm - 1) // bm).sum())
+
+    def _row_block(self, layer: int, n_rows: int) -> int:
+        """The rows of one row block (BM) of gate/up's launch of `n_rows` rows on `layer` (weight_reads)."""
         qg = self.qtypes[layer][0]
         c = self._tk.config(self._tk.QT_CODES[qg], self._tk.bucket_of(n_rows, self.E))
-        bm = c["BM_MV"] if c["MV"] else c["BM"]
-        return int(((rows + bm - 1) // bm).sum())
+        return c["BM_MV"] if c["MV"] else c["BM"]
 
     # ---- per layer ------------------------------------------------------------------------------
     def route(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, chunks=None) -> Routing:

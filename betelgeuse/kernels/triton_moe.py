@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from betelgeuse.kernels import triton_mmvq as mv
+from betelgeuse.kernels.streams import stream_key
 from betelgeuse.kernels.triton_launch import cdiv, launcher, pow2
 from betelgeuse.kernels.triton_quants import QT_CODES, SUPER, tables, wdot  # noqa: F401
 
@@ -559,7 +560,7 @@ _WS_OLD: list = []        # replaced workspaces stay alive: a captured CUDA grap
 def _workspace(dev: torch.device, n_floats: int, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(float32 partials >= n_floats, int32 tile counters >= n_tiles, all zero) for launches on the current stream
     of `dev`: launches on one stream run one after the other, and each tile's last program resets its counter."""
-    key = (dev, torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0)
+    key = (dev, stream_key(dev.index) if dev.type == "cuda" else 0)      # the stream without a Stream (streams.py)
     ws, cnt = _WS.get(key, (None, None))
     if ws is None or ws.numel() < n_floats or cnt.numel() < n_tiles:
         if ws is not None:

@@ -23,6 +23,7 @@ from gguf.constants import GGMLQuantizationType
 
 from betelgeuse.gguf.quants import dequantize, dequantize_q8_0_parts
 from betelgeuse.gguf.reader import GGUFModelFile
+from betelgeuse.kernels.streams import current_stream
 from betelgeuse.store.arena import Arena, register_pinned, unregister_pinned
 from betelgeuse.store.directory import TIER_VRAM
 from betelgeuse.store.plan import SlotPlan
@@ -82,6 +83,10 @@ class ExpertCache:
         self.n_banks = max(1, ring_slots // self.bank_size)
         self._bank = 0
         self.copy_stream = torch.cuda.Stream(device) if self.is_cuda else None
+        # the compute stream is the current stream of `device` (kernels/streams.py: no per-call device lookup; None:
+        # the current device's, as torch.cuda.current_stream(device) takes a device without an index)
+        self._index = device.index
+        self._copy_index = self.copy_stream.device_index if self.is_cuda else None
         # per bank: its copies landed / the computes that read it are enqueued
         self._bank_ready = [torch.cuda.Event() for _ in range(self.n_banks)] if self.is_cuda else []
         self._bank_free = [torch.cuda.Event() for _ in range(self.n_banks)] if self.is_cuda else []
@@ -246,19 +251,20 @@ class ExpertCache:
         first = b * self.bank_size + at
         offs = [self.ring_offset + (first + i) * self.slot_bytes for i in range(len(srcs))]
         if self.is_cuda:
-            with torch.cuda.stream(self.copy_stream):
-                if timing is not None:
-                    ev0 = torch.cuda.Event(enable_timing=True)
-                    ev0.record(self.copy_stream)
-                for dst, src in zip(self._ring_slots[first:first + len(srcs)], srcs):
-                    dst.copy_(src, non_blocking=True)
-                self._bank_ready[b].record(self.copy_stream)
-                if timing is not None:
-                    ev1 = torch.cuda.Event(enable_timing=True)
-                    ev1.record(self.copy_stream)
-                    timing.append((ev0, ev1))
+            if torch.cuda.current_device() == self._copy_index:
+                # torch.cuda.stream(copy_stream)'s switch and back without its lookups (the copy stream is on the
+                # current device: nothing else to restore)
+                prev = current_stream(self._copy_index)
+                torch.cuda.set_stream(self.copy_stream)
+                try:
+                    self._copies(b, first, srcs, timing)
+                finally:
+                    torch.cuda.set_stream(prev)
+            else:
+                with torch.cuda.stream(self.copy_stream):
+                    self._copies(b, first, srcs, timing)
             if wait:
-                torch.cuda.current_stream(self.device).wait_event(self._bank_ready[b])
+                current_stream(self._index).wait_event(self._bank_ready[b])
         else:
             t = time.perf_counter()
             for dst, src in zip(self._ring_slots[first:first + len(srcs)], srcs):
@@ -270,13 +276,27 @@ class ExpertCache:
         self.h2d_bytes += len(srcs) * self.slot_bytes       # each src a slot (copy_ into a ring slot checks its size)
         return offs
 
+    def _copies(self, b: int, first: int, srcs: list[torch.Tensor], timing: list | None):
+        """CUDA, on the copy stream (current): srcs into ring slots first.., then bank b's ready event."""
+        cs = self.copy_stream
+        if timing is not None:
+            ev0 = torch.cuda.Event(enable_timing=True)
+            ev0.record(cs)
+        for dst, src in zip(self._ring_slots[first:first + len(srcs)], srcs):
+            dst.copy_(src, non_blocking=True)
+        self._bank_ready[b].record(cs)
+        if timing is not None:
+            ev1 = torch.cuda.Event(enable_timing=True)
+            ev1.record(cs)
+            timing.append((ev0, ev1))
+
     def bank_ready_event(self, b: int):
         return self._bank_ready[b] if self.is_cuda else None
 
     def bank_done(self, b: int):
         """Record that every compute reading bank b is enqueued; the next copies into it wait for this point."""
         if self.is_cuda:
-            self._bank_free[b].record(torch.cuda.current_stream(self.device))
+            self._bank_free[b].record(current_stream(self._index))
 
     def table(self, experts: list[int], offs: list[int]) -> tuple[np.ndarray, torch.Tensor]:
         """A slot table for one group: [E] int64, offs for `experts`, -1 elsewhere; host view and device copy."""

@@ -50,6 +50,7 @@ from betelgeuse.config import EngineConfig
 from betelgeuse.errors import BetelgeuseError
 from betelgeuse.gguf.qtypes import qtype_name
 from betelgeuse.kernels.moe import TRITON_QTYPES, Group, MoEKernels, triton_available
+from betelgeuse.kernels.streams import current_stream
 from betelgeuse.routing_approx import Residency
 from betelgeuse.store.directory import TIER_DISK, TIER_HOST, TIER_NAMES, TIER_VRAM
 from betelgeuse.worker.at_hand import AtHand
@@ -92,7 +93,7 @@ class RoutingSync:
             dst[0].copy_(counts, non_blocking=True)
             if guess is not None:
                 dst[1].copy_(guess.reshape(-1), non_blocking=True)
-            self.event.record()
+            self.event.record(current_stream(None))     # the current stream, as record() takes (kernels/streams.py)
 
     def finish(self) -> tuple[np.ndarray, Marks | None]:
         """-> (counts [E] int64, the guesses' Marks or None)."""
@@ -601,7 +602,9 @@ class MoEStep:
     def _read_in_place(self, l: int, counts: np.ndarray, experts: list[int], stats: PassStats):
         """The bytes a group's kernels read over PCIe for these experts of layer l read in place (host or staging
         slots; worker/at_hand.py): their slot once per row block of the step's rows."""
-        stats.in_place_bytes += self.cache.slot_bytes * self.kern.weight_reads(l, counts[experts], int(counts.sum()))
+        # their rows as a list: a decode layer reads a few experts in place (weight_reads' sums in Python)
+        stats.in_place_bytes += self.cache.slot_bytes * self.kern.weight_reads(l, [int(counts[e]) for e in experts],
+                                                                                int(counts.sum()))
 
     def _tiers(self, snap) -> np.ndarray:
         """The snapshot's tiers [n_layer, n_expert] int8, one contiguous copy per snapshot (a decode's store pass keeps

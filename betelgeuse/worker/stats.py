@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from betelgeuse.kernels.streams import current_stream
 from betelgeuse.worker.engram_feed import EngramStats
 
 @dataclass(slots=True)
@@ -159,7 +160,7 @@ class PassClock:
             return time.perf_counter() if not self.is_cuda else None
         if self.is_cuda:
             ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
+            ev.record(current_stream(None))            # = record(): the current stream (kernels/streams.py)
             return ev
         return time.perf_counter()
 
@@ -170,7 +171,7 @@ class PassClock:
             ls.compute_ms += (time.perf_counter() - ev) * 1e3
             return
         ev1 = torch.cuda.Event(enable_timing=True)
-        ev1.record()
+        ev1.record(current_stream(None))
         self._events.append((ls, ev, ev1))
 
     def abandon(self):
