@@ -93,7 +93,9 @@ def warm_decode(runner, force: bool = False) -> dict | None:
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)
     finally:
-        m.rope.reset()                      # the memo holds the scratch positions; the next pass starts its own
+        rope = getattr(m, "rope", None)
+        if rope is not None:
+            rope.reset()                    # the memo holds the scratch positions; the next pass starts its own
         if runner.device.type == "cuda":
             torch.cuda.empty_cache()        # the scratch states' blocks back: the plan's VRAM is as before
     peak = max(size(lengths[-1]), n_lanes * size(lengths[0]))
