@@ -44,6 +44,7 @@ from betelgeuse.worker.lanes import Lanes
 from betelgeuse.worker.moe_step import MoEStep
 from betelgeuse.worker.stats import LayerStats, PassClock, PassStats
 from betelgeuse.worker.store_session import StoreSession
+from betelgeuse.worker.warm_decode import warm_decode
 
 __all__ = ["LayerStats", "ModelRunner", "PassStats"]
 
@@ -120,6 +121,15 @@ class ModelRunner:
         self.solo = SoloDecode(self.model, self.moe, self.cache.is_cuda and self.cfg.cuda_graphs,
                                keep=2 * max(1, self.cfg.max_running))
         self._lanes = None
+        dense = self.warm_decode()                # decode's dense kernels compiled now too (issue 21)
+        if dense is not None:
+            self.warmed = {**(self.warmed or {}), "decode": dense}
+
+    def warm_decode(self, force: bool = False) -> dict | None:
+        """Decode's dense kernel variants (the model's, the router's, the expert routing's) compiled now, on scratch
+        states, in the forms the runner decodes in (worker/warm_decode.py): at attach on CUDA; force: anywhere (the
+        tests). -> its seconds and compiles, {"skipped": why}, or None (no static-form decode here)."""
+        return warm_decode(self, force)
 
     def _flex_cache(self) -> FlexCache | None:
         """The attachment's flex cache (worker/flex_cache.py) in the plan's KV reservation that running sequences
