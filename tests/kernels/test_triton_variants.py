@@ -134,14 +134,16 @@ def _decode(model, vram, host, extra, warm: bool):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the CPU's interpreter run (CUDA compiles)")
 def test_decode_launches_only_the_variants_warmed_at_attach(model):
     seen = Counter()
-    for vram, host, extra in [(3, 8, {}), (2, 3, dict(host_in_place="never", ring_slots=4)), (16, 0, {})]:
+    for vram, host, extra, twice in [(3, 8, {}, False), (2, 3, dict(host_in_place="never", ring_slots=4), True),
+                                     (16, 0, {}, False)]:
         got, warmed, dec, sizes = _decode(model, vram, host, extra, True)
-        want, _, dec0, _ = _decode(model, vram, host, extra, False)
         where = (vram, host, extra)
-        assert torch.equal(got, want), where                 # the warm-up reads and writes nothing of the decode's
         moe = {v for v in dec if v[0] in MOE_KERNELS}
-        assert moe and moe == {v for v in dec0 if v[0] in MOE_KERNELS}, where
-        assert moe <= warmed, (where, sorted(moe - warmed, key=str))
+        if twice:           # without the warm-up (once: the interpreter's decode is slow): the same bits and variants
+            want, _, dec0, _ = _decode(model, vram, host, extra, False)
+            assert torch.equal(got, want), where             # the warm-up reads and writes nothing of the decode's
+            assert moe == {v for v in dec0 if v[0] in MOE_KERNELS}, where
+        assert moe and moe <= warmed, (where, sorted(moe - warmed, key=str))
         assert {v[0] for v in warmed} <= set(MOE_KERNELS), where
         seen.update(sizes)
     assert seen[1] and seen[2], seen        # one-expert groups and larger ones (banks, merged misses) ran
