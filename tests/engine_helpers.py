@@ -44,6 +44,14 @@ def write_synth(path: Path | str, **spec) -> Path:
     return path
 
 
+def write_tiny_pair(d) -> dict:
+    """{"qwen3moe": the tiny engine model (ENGINE_SPEC), "deepseek4": ds4-tiny with Q8_0 experts} written into d."""
+    from betelgeuse.gguf.synth import spec_from_preset, write_model
+    ds4 = d / "ds4.gguf"
+    write_model(ds4, spec_from_preset("ds4-tiny", expert_qtype="Q8_0", seed=2), progress=False)
+    return {"qwen3moe": write_synth(d / "engine.gguf", **ENGINE_SPEC), "deepseek4": ds4}
+
+
 def prompt(n: int, n_vocab: int, seed: int = 0) -> list[int]:
     return [int(x) for x in np.random.default_rng(seed).integers(3, n_vocab, n)]
 

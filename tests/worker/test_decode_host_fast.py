@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, write_synth
+from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, write_tiny_pair
 
 V = ENGINE_SPEC["n_vocab"]
 # the client's messages -> where their staging slots (handed back) are among the arguments: the slots' numbers are
@@ -50,11 +50,7 @@ CONFIGS = {"qwen3moe": [(20, 12, {}), (20, 12, dict(host_in_place="never")), (5,
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from betelgeuse.gguf.synth import spec_from_preset, write_model
-    d = tmp_path_factory.mktemp("hostfast")
-    ds4 = d / "ds4.gguf"
-    write_model(ds4, spec_from_preset("ds4-tiny", expert_qtype="Q8_0", seed=2), progress=False)
-    return {"qwen3moe": write_synth(d / "engine.gguf", **ENGINE_SPEC), "deepseek4": ds4}
+    return write_tiny_pair(tmp_path_factory.mktemp("hostfast"))
 
 
 def _plain(x):

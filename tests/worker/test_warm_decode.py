@@ -18,7 +18,7 @@ import torch
 
 from betelgeuse.kernels import triton_launch as TL
 
-from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, write_synth
+from engine_helpers import close_runner, in_process_runner, prompt, write_tiny_pair
 
 # the expert kernels' variants are MoEStep.warm_kernels' (tests/kernels/test_triton_variants.py)
 MOE_KERNELS = ("_gate_up_kernel", "_down_kernel", "_gate_up_mv_kernel", "_down_mv_kernel", "_combine_kernel",
@@ -27,11 +27,7 @@ MOE_KERNELS = ("_gate_up_kernel", "_down_kernel", "_gate_up_mv_kernel", "_down_m
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from betelgeuse.gguf.synth import spec_from_preset, write_model
-    d = tmp_path_factory.mktemp("warm_decode")
-    ds4 = d / "ds4.gguf"
-    write_model(ds4, spec_from_preset("ds4-tiny", expert_qtype="Q8_0", seed=2), progress=False)
-    return {"qwen3moe": write_synth(d / "engine.gguf", **ENGINE_SPEC), "deepseek4": ds4}
+    return write_tiny_pair(tmp_path_factory.mktemp("warm_decode"))
 
 
 def _figures(st) -> dict:
