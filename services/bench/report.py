@@ -160,8 +160,8 @@ def markdown(r: dict) -> str:
           "sync), so it is the time spent issuing work; per expert application = host time / applications. "
           "Launches per layer and GPU busy (union of kernel time / wall) come from one extra profiled pass of the "
           "same kind (torch.profiler), not the timed one.", "",
-          "| Case | Pass | Applications | Host ms | Host µs / application | Store calls | Launches / layer | GPU busy | "
-          "Triton compiles (s) |",
+          "| Case | Pass | Applications | Host ms | Host µs / application | Store calls | Launches / layer | "
+          "GPU busy | Triton compiles (s) |",
           "|---|---|---|---|---|---|---|---|---|"]
     for case, p in _passes(r):
         if "host_s" not in p:
