@@ -373,7 +373,7 @@ def _one_expert(mp, qt: int, K: int, rows: int, seed_experts: int, seed: int):
 def test_decode_schedule_without_mma_gives_the_mma_bits(qt):
     """triton_mmq_mv (MV = 1: word loads, the block dots on the float units) gives the int8 MMA's bits: H = F = 256
     (8 blocks) in chunks of KCB = 4 blocks (Q4_K: 512, chunks of 8, its word group), a token alone (1-row bucket,
-    split-K over programs) and 5 rows of one expert (walked), at 1 / 2 / 4 rows a program and 1 / 2 word groups a
+    split-K over programs) and 5 rows of one expert (walked), at 1 / 4 rows a program and 1 / 2 word groups a
     step, gate and up fused or not; the MMA's bits are the numpy reference's (within its float noise) and differ from
     the unchunked ones (the chunks are real). A launch the schedule cannot take (KCB not a multiple of its step) runs
     the MMA: the same bits."""
@@ -393,7 +393,7 @@ def test_decode_schedule_without_mma_gives_the_mma_bits(qt):
         ok = mq.mv.mv_ok
         mp.setattr(mq.mv, "mv_ok", lambda *a: taken.append(ok(*a)) or taken[-1])
         ns = 2 if qt == 8 else 1                        # word groups a step that divide KCB
-        for bm, ns_, fuse in [(1, 1, 0), (2, ns, 1), (4, 1, 0)]:
+        for bm, ns_, fuse in [(1, 1, 0), (4, ns, 1)]:                   # 1 and 4 rows a program (CI's time)
             taken.clear()
             assert np.array_equal(with_cfg(1, MV=1, BM_MV=bm, NS=ns_, FUSE=fuse)[0], mma1[0]), (bm, ns_, fuse)
             assert np.array_equal(with_cfg(5, MV=1, BM_MV=bm, NS=ns_, FUSE=fuse, SPLIT=0), mma5), (bm, ns_, fuse)
@@ -447,10 +447,10 @@ def test_word_loads_give_the_byte_load_bits(qt):
         assert all(np.array_equal(ref[n][0], ref[16][0]) for n in (1, 5))
         want = moe_ref(qt, raw, h, ids, w, kcb=kcb)
         assert np.abs(ref[16] - want).max() / np.abs(want).max() <= 1e-6
-        # (KB, PF, FUSE) per row count: every KB, PF and FUSE value at 16 rows, the split one-row bucket and an odd
-        # row count besides (fewer than every combination: the interpreter takes ~6 s a launch pair here)
-        for n, cases in [(1, [(1, 2, 1), (4, 0, 0)]), (5, [(1, 0, 0), (8, 2, 1)]),
-                         (16, [(1, 0, 0), (2, 1, 1), (4, 2, 0), (8, 1, 0)])]:
+        # (KB, PF, FUSE) per row count: every PF and FUSE value and KB 2-8 at 16 rows (KB 1: the one-row bucket, split,
+        # and an odd row count), fewer than every combination: the interpreter takes ~6 s a launch pair here
+        for n, cases in [(1, [(1, 2, 1), (4, 0, 0)]), (5, [(1, 0, 0)]),
+                         (16, [(2, 1, 1), (4, 0, 0), (8, 2, 0)])]:
             for kb, pf, fuse in cases:
                 taken.clear()
                 got = with_cfg(n, KB=kb, WL=1, PF=pf, FUSE=fuse, SPLIT=int(n == 1))

@@ -3,8 +3,8 @@
 The compile counter (kernels/triton_launch.watch_compiles) chains Triton's jit_cache_hook / jit_post_compile_hook:
 checked here on the hooks' own payload shape (the CPU compiles nothing: under the interpreter it says n/a). The
 decode's expert-kernel variants (the compile keys the Launcher recorder sees: constexprs, launch options, each
-argument's specialization) must all be among those MoEStep.warm_kernels launched at attach, over slot configurations
-that give at-hand groups, miss groups with banked host experts merged into the first disk group, and one-expert
+argument's specialization) must all be among those MoEStep.warm_kernels launched at attach, over a slot configuration
+that gives at-hand groups, miss groups with banked host experts merged into the first disk group, and one-expert
 groups, solo and in the batched lanes; and the warm-up must not change a bit of the decode.
 """
 
@@ -134,8 +134,9 @@ def _decode(model, vram, host, extra, warm: bool):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the CPU's interpreter run (CUDA compiles)")
 def test_decode_launches_only_the_variants_warmed_at_attach(model):
     seen = Counter()
-    for vram, host, extra, twice in [(3, 8, {}, False), (2, 3, dict(host_in_place="never", ring_slots=4), True),
-                                     (16, 0, {}, False)]:
+    # two VRAM + three host slots, host experts banked, banks of 2: at-hand groups, banked host experts merged into
+    # the first disk group, one-expert groups (one configuration: the interpreter's decode is slow, CI's time)
+    for vram, host, extra, twice in [(2, 3, dict(host_in_place="never", ring_slots=4), True)]:
         got, warmed, dec, sizes = _decode(model, vram, host, extra, True)
         where = (vram, host, extra)
         moe = {v for v in dec if v[0] in MOE_KERNELS}

@@ -93,8 +93,8 @@ def _run(path, warm: bool, triton_ops: bool = False):
         close_runner(rn, st)
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek4"])
-def test_warm_decode_changes_nothing(models, arch):
+@pytest.mark.parametrize("arch", ["deepseek4"])     # the runner's warm-up code is the architectures' one (qwen3moe:
+def test_warm_decode_changes_nothing(models, arch):     # the same interface calls; left out for CI's time)
     """With and without the warm-up: the same logits, pass figures and store calls. deepseek4 under Triton's
     interpreter runs its TritonOps (CUDA's dense kernels), and then every dense-kernel variant its decode launches
     (solo and lanes) must be among those the warm-up launched."""
