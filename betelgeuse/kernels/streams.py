@@ -26,7 +26,7 @@ def stream_key(index: int | None) -> tuple[int, int, int]:
 def current_stream(index: int | None) -> torch.cuda.Stream:
     """torch.cuda.current_stream(index) (index None: the current device's stream), one Stream object per stream. CUDA
     is initialized already where an index is given (it comes from a stream or tensor on that device)."""
-    key = torch._C._cuda_getCurrentStream(torch.cuda.current_device() if index is None else index)
+    key = stream_key(index)
     s = _STREAMS.get(key)
     if s is None:
         s = _STREAMS[key] = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])

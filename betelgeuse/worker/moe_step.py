@@ -279,15 +279,10 @@ class MoEStep:
         mark, t = tl_.compile_mark(), time.perf_counter()
         c = self.session.file.config
         n = self.kern.warm(self.cache.pool, self.cache.slot_bytes, c.n_embd, c.n_expert_used, model.dtype,
-                           range(1, self._max_running() + 1))
+                           range(1, max(1, int(self.cfg.max_running)) + 1))   # the lanes (attach resolved auto)
         if self.cache.is_cuda:
             torch.cuda.synchronize(self.cache.device)
         return {"groups": n, "seconds": time.perf_counter() - t, "compiles": tl_.compiles_since(mark)}
-
-    def _max_running(self) -> int:
-        """The decode lanes' count (the runner resolved max_running auto from the plan before this step was made)."""
-        m = self.cfg.max_running
-        return max(1, int(m if m != "auto" else self.session.plan.max_running))
 
     def _may_use_disk(self, snap, l: int) -> bool:
         """Whether layer l can route to a disk-tier expert (its read-ahead is worth starting): not in `pool` mode
