@@ -115,6 +115,10 @@ def test_each_step_s_vram_is_its_own(model, monkeypatch):
     txt = attach_vram(warmed)
     assert "warm_kernels +300/+60 (outside torch +240) (torch peak 560)" in txt and "warm_decode +0/+0 (torch peak 580)" in txt, txt
     assert "moe_step" not in txt and txt.endswith("device used after 1,300"), txt
+    from services.bench.report import markdown                 # bench.md: one row per case, in its own table
+    md = markdown({"options": {}, "cases": [{"name": "auto p64", "slots_requested": "auto", "plan": {}, "passes": [],
+                                             "attach_s": 1.25, "kernel_warmup": warmed}]})
+    assert f"| auto p64 | 1.25 | – | {txt} |" in md, md
 
 
 def test_the_bench_harness_releases_its_states(model):
