@@ -332,8 +332,9 @@ def attach_event(paths) -> dict | None:
                 rec = json.loads(line) if line.lstrip().startswith("{") else parse_text_line(line)
             except (ValueError, IndexError):
                 continue
-            if rec.get("event") == "attach_warm":
-                found = {k: v for k, v in rec.items() if k not in ("ts", "level", "logger", "event")}
+            if rec.get("event") == "attach_warm":         # a text line's null is the string "null"
+                found = {k: None if v == "null" else v for k, v in rec.items()
+                         if k not in ("ts", "level", "logger", "event")}
     return found
 
 
@@ -909,9 +910,9 @@ def markdown(r: dict) -> str:
         a = c.get("attach_warm")
         if not a:
             return "–"
-        return (f"warm-ups {a.get('warm_up', '?')}; {a.get('vram_device_torch_mib') or 'no VRAM figures'}; device used "
-                f"{a.get('used_mib') or '–'} MiB at most; compiles {a.get('compiles', '–')}"
-                + (f"; FAILED: {a['failed']}" if a.get("failed") not in (None, "null") else ""))
+        used = f"; device used {a['used_mib']} MiB at most" if a.get("used_mib") is not None else ""
+        return (f"warm-ups {a.get('warm_up', '?')}; {a.get('vram_device_torch_mib') or 'no VRAM figures (CPU)'}{used}; "
+                f"compiles {a.get('compiles', '–')}" + (f"; FAILED: {a['failed']}" if a.get("failed") else ""))
     row("attach: warm-ups; VRAM by step, MiB device-wide / torch reserved (worker log)", attach)
 
     def one(key):

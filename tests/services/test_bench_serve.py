@@ -341,16 +341,24 @@ def test_warm_up_off_is_one_configuration_and_its_attach_is_read_back(tmp_path):
     try:
         event(lg, "attach_warm", warm_up="on", failed="warm_decode", vram_device_torch_mib="warm_kernels +300/+60",
               used_mib=12490.5, compiles=2)
+        event(lg, "attach_warm", warm_up="off", failed=None, vram_device_torch_mib=None, used_mib=None, compiles=0)
     finally:
         lg.removeHandler(h)
     (tmp_path / "worker.log").write_text("noise attach_warm but not an event\n" + buf.getvalue())
+    (tmp_path / "serve.log").write_text(buf.getvalue().splitlines()[1] + "\n")     # the CPU's: no figures
+    att = attach_event([tmp_path / "worker.log", tmp_path / "absent.log"])
+    assert att == {"warm_up": "off", "failed": None, "vram_device_torch_mib": None, "used_mib": None,
+                   "compiles": "0"}, att                                   # the last one
+    off = attach_event([tmp_path / "serve.log"])
+    (tmp_path / "worker.log").write_text(buf.getvalue().splitlines()[0] + "\n")
     att = attach_event([tmp_path / "worker.log", tmp_path / "absent.log"])
     assert att == {"warm_up": "on", "failed": "warm_decode", "vram_device_torch_mib": "warm_kernels +300/+60",
                    "used_mib": "12490.5", "compiles": "2"}, att
     assert attach_event([tmp_path / "absent.log"]) is None
-    md = markdown({"options": {}, "cases": [{"name": "auto", "attach_warm": att, "memory": {"cgroup": "/cg"}}]})
-    assert "| attach: warm-ups; VRAM by step" in md and "warm-ups on; warm_kernels +300/+60; device used 12490.5 " \
-        "MiB at most; compiles 2; FAILED: warm_decode |" in md, md
+    md = markdown({"options": {}, "cases": [{"name": "auto", "attach_warm": att, "memory": {"cgroup": "/cg"}},
+                                            {"name": "auto:warm-up=off", "attach_warm": off, "memory": {"cgroup": "/c"}}]})
+    assert "| attach: warm-ups; VRAM by step" in md and "| warm-ups on; warm_kernels +300/+60; device used 12490.5 " \
+        "MiB at most; compiles 2; FAILED: warm_decode | warm-ups off; no VRAM figures (CPU); compiles 0 |" in md, md
 
 
 def test_every_phase_is_bounded_at_the_disk_samples_beside_it(monkeypatch):
