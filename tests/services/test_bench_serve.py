@@ -355,8 +355,9 @@ def test_warm_up_off_is_one_configuration_and_its_attach_is_read_back(tmp_path):
     assert att == {"warm_up": "on", "failed": "warm_decode", "vram_device_torch_mib": "warm_kernels +300/+60",
                    "used_mib": "12490.5", "compiles": "2"}, att
     assert attach_event([tmp_path / "absent.log"]) is None
-    md = markdown({"options": {}, "cases": [{"name": "auto", "attach_warm": att, "memory": {"cgroup": "/cg"}},
-                                            {"name": "auto:warm-up=off", "attach_warm": off, "memory": {"cgroup": "/c"}}]})
+    cases = [{"name": "auto", "attach_warm": att, "memory": {"cgroup": "/cg"}},
+             {"name": "auto:warm-up=off", "attach_warm": off, "memory": {"cgroup": "/c"}}]
+    md = markdown({"options": {}, "cases": cases})
     assert "| attach: warm-ups; VRAM by step" in md and "| warm-ups on; warm_kernels +300/+60; device used 12490.5 " \
         "MiB at most; compiles 2; FAILED: warm_decode | warm-ups off; no VRAM figures (CPU); compiles 0 |" in md, md
 

@@ -113,7 +113,8 @@ def test_each_step_s_vram_is_its_own(model, monkeypatch):
     assert warmed["kernels"] == {"groups": 3} and warmed["decode"] == {"seconds": 0.1}
     from services.bench.report import attach_vram
     txt = attach_vram(warmed)
-    assert "warm_kernels +300/+60 (outside torch +240) (torch peak 560)" in txt and "warm_decode +0/+0 (torch peak 580)" in txt, txt
+    assert "warm_kernels +300/+60 (outside torch +240) (torch peak 560)" in txt, txt
+    assert "warm_decode +0/+0 (torch peak 580)" in txt, txt
     assert "moe_step" not in txt and txt.endswith("device used after 1,300"), txt
     from services.bench.report import markdown                 # bench.md: one row per case, in its own table
     md = markdown({"options": {}, "cases": [{"name": "auto p64", "slots_requested": "auto", "plan": {}, "passes": [],
