@@ -233,8 +233,8 @@ def compiles_since(mark: int) -> dict:
     """The compiles since `mark`: {"count", "seconds", "names": {kernel: n}, "variants": ["kernel[K=v,..] 0.41 s
     regs 96, local 0 B, smem 32768 B"] (resources: where known), "max_local": the most local bytes per thread of
     any (a spilling variant's: the driver's local-memory reservation is that x every resident thread of the GPU, and
-    is kept), "spilling": the variants with local bytes}, or {"count": None, "na": why} where they are not counted
-    (watch_compiles)."""
+    is kept), "spilling": the variants with local bytes, "lmem_mib": the reservation max_local sets on this GPU},
+    or {"count": None, "na": why} where they are not counted (watch_compiles)."""
     if "na" in _WATCH:
         return {"count": None, "seconds": None, "na": _WATCH["na"]}
     new = COMPILES[mark:]
@@ -246,7 +246,23 @@ def compiles_since(mark: int) -> dict:
     if any(r and "local" in r for r in res):
         out["max_local"] = max((b for b, _ in local), default=0)
         out["spilling"] = [lab for _, lab in sorted(local, key=lambda x: -x[0])[:8]]
+        threads = _resident_threads()
+        if threads and out["max_local"]:        # the local-memory reservation the worst variant sets, MiB
+            out["lmem_mib"] = round(out["max_local"] * threads / (1 << 20), 1)
     return out
+
+
+def _resident_threads() -> int | None:
+    """Threads the GPU holds at once (SMs x max threads per SM: 270,336 on an H100 SXM), the multiplier of a kernel's
+    local bytes per thread in the driver's local-memory reservation; None without CUDA."""
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            return None
+        p = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return int(p.multi_processor_count) * int(p.max_threads_per_multi_processor)
+    except Exception:                                       # no torch, a device without these properties
+        return None
 
 
 def cdiv(x: int, y: int) -> int:

@@ -110,7 +110,8 @@ def triton_compiles(rec: dict | None, first: list | None = None) -> str:
     names = sorted((rec.get("names") or {}).items(), key=lambda kv: -kv[1])
     txt += (": " + ", ".join(f"`{n}` {c}" for n, c in names[:6]) if names else "")
     if rec.get("spilling"):   # local bytes per thread: the driver's local-memory reservation (triton_launch)
-        txt += f"; SPILLING ({len(rec['spilling'])}, max {rec['max_local']} B/thread): `{rec['spilling'][0]}`"
+        lmem = f", ~{rec['lmem_mib']:,.0f} MiB of local memory reserved" if rec.get("lmem_mib") else ""
+        txt += f"; SPILLING ({len(rec['spilling'])}, max {rec['max_local']} B/thread{lmem}): `{rec['spilling'][0]}`"
     return txt
 
 

@@ -86,8 +86,12 @@ def test_a_compile_names_its_registers_and_spills(monkeypatch):
     assert v[0].startswith("_rms_kernel[BM=16]") and v[0].endswith(" s regs 40, local 0 B, smem 1024 B"), v
     assert v[1].endswith(" s regs 255, SPILLS local 1200 B, smem 0 B"), v
     assert v[2].endswith(" s smem 512 B") and v[3].endswith(" s"), v      # not loaded yet; not in the cache
-    assert got["max_local"] == 1200 and got["spilling"] == [v[1]], got
+    assert got["max_local"] == 1200 and got["spilling"] == [v[1]] and "lmem_mib" not in got, got     # the CPU
     assert "SPILLING (1, max 1200 B/thread): `_down_kernel[BM=16]" in triton_compiles(got)
+    monkeypatch.setattr(TL, "_resident_threads", lambda: 132 * 2048)            # an H100 SXM
+    got = TL.compiles_since(m)
+    assert got["lmem_mib"] == 309.4, got                                        # 1,200 B x 270,336 threads
+    assert "max 1200 B/thread, ~309 MiB of local memory reserved)" in triton_compiles(got)
 
 
 def test_compiles_are_not_counted_under_the_interpreter(monkeypatch):
