@@ -146,11 +146,13 @@ class ModelRunner:
         if steps.vram:
             warmed["vram"] = steps.vram
         self.warmed = warmed or None
+        comp = [(warmed.get(k) or {}).get("compiles") or {} for k in ("kernels", "decode")]
+        worst = max(comp, key=lambda c: c.get("max_local") or 0)      # the most local bytes per thread (spills)
         event(log, "attach_warm", warm_up=self.cfg.warm_up, failed=",".join(steps.failed) or None,
               vram_device_torch_mib=steps.summary() or None,
               used_mib=max((v["used_mib"] for v in steps.vram.values()), default=None),
-              compiles=sum(((warmed.get(k) or {}).get("compiles") or {}).get("count") or 0
-                           for k in ("kernels", "decode")))
+              compiles=sum(c.get("count") or 0 for c in comp), max_local_b=worst.get("max_local"),
+              lmem_mib=worst.get("lmem_mib"), spilling=(worst.get("spilling") or [None])[0])
 
     def warm_decode(self, force: bool = False) -> dict | None:
         """Decode's dense kernel variants (the model's, the router's, the expert routing's) compiled now, on scratch

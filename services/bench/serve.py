@@ -911,8 +911,10 @@ def markdown(r: dict) -> str:
         if not a:
             return "–"
         used = f"; device used {a['used_mib']} MiB at most" if a.get("used_mib") is not None else ""
+        spill = (f"; SPILLING: max {a['max_local_b']} B/thread (~{a.get('lmem_mib') or '?'} MiB reserved), "
+                 f"`{a.get('spilling')}`" if a.get("max_local_b") not in (None, "0") else "")
         return (f"warm-ups {a.get('warm_up', '?')}; {a.get('vram_device_torch_mib') or 'no VRAM figures (CPU)'}{used}; "
-                f"compiles {a.get('compiles', '–')}" + (f"; FAILED: {a['failed']}" if a.get("failed") else ""))
+                f"compiles {a.get('compiles', '–')}{spill}" + (f"; FAILED: {a['failed']}" if a.get("failed") else ""))
     row("attach: warm-ups; VRAM by step, MiB device-wide / torch reserved (worker log)", attach)
 
     def one(key):

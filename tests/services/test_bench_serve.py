@@ -340,7 +340,7 @@ def test_warm_up_off_is_one_configuration_and_its_attach_is_read_back(tmp_path):
     lg.setLevel(logging.INFO)
     try:
         event(lg, "attach_warm", warm_up="on", failed="warm_decode", vram_device_torch_mib="warm_kernels +300/+60",
-              used_mib=12490.5, compiles=2)
+              used_mib=12490.5, compiles=2, max_local_b=1200, lmem_mib=309.4, spilling="_k[BM=16] 0.4 s")
         event(lg, "attach_warm", warm_up="off", failed=None, vram_device_torch_mib=None, used_mib=None, compiles=0)
     finally:
         lg.removeHandler(h)
@@ -353,13 +353,15 @@ def test_warm_up_off_is_one_configuration_and_its_attach_is_read_back(tmp_path):
     (tmp_path / "worker.log").write_text(buf.getvalue().splitlines()[0] + "\n")
     att = attach_event([tmp_path / "worker.log", tmp_path / "absent.log"])
     assert att == {"warm_up": "on", "failed": "warm_decode", "vram_device_torch_mib": "warm_kernels +300/+60",
-                   "used_mib": "12490.5", "compiles": "2"}, att
+                   "used_mib": "12490.5", "compiles": "2", "max_local_b": "1200", "lmem_mib": "309.4",
+                   "spilling": "_k[BM=16] 0.4 s"}, att
     assert attach_event([tmp_path / "absent.log"]) is None
     cases = [{"name": "auto", "attach_warm": att, "memory": {"cgroup": "/cg"}},
              {"name": "auto:warm-up=off", "attach_warm": off, "memory": {"cgroup": "/c"}}]
     md = markdown({"options": {}, "cases": cases})
     assert "| attach: warm-ups; VRAM by step" in md and "| warm-ups on; warm_kernels +300/+60; device used 12490.5 " \
-        "MiB at most; compiles 2; FAILED: warm_decode | warm-ups off; no VRAM figures (CPU); compiles 0 |" in md, md
+        "MiB at most; compiles 2; SPILLING: max 1200 B/thread (~309.4 MiB reserved), `_k[BM=16] 0.4 s`; FAILED: " \
+        "warm_decode | warm-ups off; no VRAM figures (CPU); compiles 0 |" in md, md
 
 
 def test_every_phase_is_bounded_at_the_disk_samples_beside_it(monkeypatch):
