@@ -363,6 +363,12 @@ class EngineSettings(_Section):
     decode_gate: _choices("off", "on", "auto") = setting("off", "decode: launch the step ahead, each layer gated on "
                                                           "the device, the host on a side stream for the misses only: "
                                                           "off | on | auto (on CUDA)", "on")
+    # attach compiles decode's kernel variants (MoEStep.warm_routes / warm_kernels, worker/warm_decode.py) so the
+    # first timed token compiles none (issue 21); off: they compile in the first decode token instead (the A/B of
+    # what the warm-ups put on the GPU: worker/attach_steps.py measures each step). A warm-up that fails never stops
+    # attach. Never a bit of the output changes
+    warm_up: _choices("on", "off") = setting("on", "compile decode's kernel variants at attach, not in the first "
+                                             "decode token: on | off", "off")
     # auto: the architecture's own depth (the model class's GUESS_DEPTH, model/interface.py)
     prefetch_depth: Count1OrAuto = setting(AUTO, "decode: layers ahead whose experts are guessed and read ahead, or "
                                            "auto (the architecture's default)", 2)

@@ -21,6 +21,11 @@ jit_post_compile_hook (after it); each miss is one COMPILES entry (kernel name, 
 two: a full compile, or a load from Triton's disk cache, ~ms; the module's load onto the GPU at its first launch is
 not in it). `compiles_since(mark)` gives a timed region's {"count", "seconds", "names"}; where the hooks cannot be set
 (no Triton, the interpreter: nothing compiles there, a release without the knobs) it says {"count": None, "na": why}.
+Each compile's resources (registers and local bytes per thread, shared bytes: `resources`) are read from the JIT's
+cache when compiles_since is asked, not in the hook: neither release's post-compile hook is handed the
+CompiledKernel, and its registers and local bytes exist only once its module is loaded, at its first launch. A
+variant with local bytes (spills) sizes the driver's local-memory reservation (its bytes x every resident thread of
+the GPU, kept for the context's life: VRAM outside torch's allocator, issue 21), so it is named in "spilling".
 
 `cdiv` / `pow2`: triton.cdiv / triton.next_power_of_2 for the host's grid and constexpr arithmetic. Triton's are
 constexpr functions (for kernels too): called from the host, each unwraps its arguments first, ~9 us a call on the
@@ -41,7 +46,8 @@ from collections import Counter
 
 COUNTS: Counter = Counter()               # launches per kernel name (tests, profiles)
 VARIANTS: set | None = None               # record_variants(): (name, keywords, argument specializations) launched
-COMPILES: list = []                       # watch_compiles(): (kernel name, constexprs "K=v,..", seconds) per miss
+COMPILES: list = []                       # watch_compiles(): (kernel name, constexprs "K=v,..", seconds, where) per
+#                                           miss; where: (JITFunction, device, key) to find its CompiledKernel later
 _WATCH: dict = {"na": "not watched"}      # "na": why compiles are not counted (absent once the hooks are set)
 _LOCK = threading.Lock()
 
@@ -146,7 +152,7 @@ def watch_compiles() -> bool:
         def after(**kw):
             t1 = time.perf_counter()
             t0 = started.pop(_hook_key(kw), t1)
-            COMPILES.append((_hook_name(kw), _constexprs(kw), t1 - t0))
+            COMPILES.append((_hook_name(kw), _constexprs(kw), t1 - t0, _where(kw)))
             return post(**kw) if post is not None else None
         rt.jit_cache_hook, rt.jit_post_compile_hook = before, after
         del _WATCH["na"]
@@ -172,20 +178,91 @@ def _constexprs(kw: dict) -> str:
         return ""
 
 
+def _where(kw: dict) -> tuple | None:
+    """(JITFunction, device, key) of a compile: where its CompiledKernel lies in the JIT's cache (resources)."""
+    try:
+        return kw["fn"].jit_function, kw["compile"]["device"], kw["key"]
+    except (KeyError, AttributeError, TypeError):
+        return None
+
+
+def resources(where: tuple | None) -> dict | None:
+    """A compiled variant's resources, where Triton knows them: {"regs": registers per thread, "local": local bytes
+    per thread (cuFuncGetAttribute LOCAL_SIZE_BYTES: spills and stack; Triton's n_spills is it / 4), "shared": its
+    shared memory bytes}; regs and local only once the module is loaded (its first launch: the post-compile hook
+    runs before, so they are read here, when asked). The JIT's cache is device_caches[device][0][key] in Triton 3.6
+    and 3.9 alike (its first element: the kernel cache). None where it is not found (another release, a fake)."""
+    if where is None:
+        return None
+    try:
+        jf, device, key = where
+        caches = getattr(jf, "device_caches", None)
+        entry = caches.get(device) if isinstance(caches, dict) else None       # .get: a defaultdict makes no entry
+        kernel = entry[0].get(key) if entry else None
+    except Exception:                                       # a cache of another shape: nothing known
+        return None
+    if kernel is None or not hasattr(kernel, "metadata"):   # not compiled yet (async), or a placeholder
+        return None
+    out = {"shared": getattr(kernel.metadata, "shared", None)}
+    regs, spills = getattr(kernel, "n_regs", None), getattr(kernel, "n_spills", None)
+    if regs is not None:
+        out["regs"] = int(regs)
+    if spills is not None:
+        out["local"] = 4 * int(spills)
+    return out
+
+
+def _res_label(r: dict | None) -> str:
+    """" regs 96, local 0 B, smem 32768 B" (a spilling variant: "SPILLS local 1024 B"), "" where unknown."""
+    if not r:
+        return ""
+    parts = [f"regs {r['regs']}"] if "regs" in r else []
+    if "local" in r:
+        parts.append(("SPILLS local" if r["local"] else "local") + f" {r['local']} B")
+    if r.get("shared") is not None:
+        parts.append(f"smem {r['shared']} B")
+    return (" " + ", ".join(parts)) if parts else ""
+
+
 def compile_mark() -> int:
     """A point to count compiles from (compiles_since)."""
     return len(COMPILES)
 
 
 def compiles_since(mark: int) -> dict:
-    """The compiles since `mark`: {"count", "seconds", "names": {kernel: n}, "variants": ["kernel[K=v,..] 0.41 s"]},
+    """The compiles since `mark`: {"count", "seconds", "names": {kernel: n}, "variants": ["kernel[K=v,..] 0.41 s
+    regs 96, local 0 B, smem 32768 B"] (resources: where known), "max_local": the most local bytes per thread of
+    any (a spilling variant's: the driver's local-memory reservation is that x every resident thread of the GPU, and
+    is kept), "spilling": the variants with local bytes, "lmem_mib": the reservation max_local sets on this GPU},
     or {"count": None, "na": why} where they are not counted (watch_compiles)."""
     if "na" in _WATCH:
         return {"count": None, "seconds": None, "na": _WATCH["na"]}
     new = COMPILES[mark:]
-    return {"count": len(new), "seconds": sum(s for _, _, s in new),
-            "names": dict(Counter(n for n, _, _ in new)),
-            "variants": [f"{n}[{c}] {s:.3f} s" for n, c, s in new[:32]]}
+    res = [resources(e[3] if len(e) > 3 else None) for e in new]
+    labels = [f"{e[0]}[{e[1]}] {e[2]:.3f} s{_res_label(r)}" for e, r in zip(new, res)]
+    local = [(r["local"], lab) for r, lab in zip(res, labels) if r and r.get("local")]
+    out = {"count": len(new), "seconds": sum(e[2] for e in new), "names": dict(Counter(e[0] for e in new)),
+           "variants": labels[:32]}
+    if any(r and "local" in r for r in res):
+        out["max_local"] = max((b for b, _ in local), default=0)
+        out["spilling"] = [lab for _, lab in sorted(local, key=lambda x: -x[0])[:8]]
+        threads = _resident_threads()
+        if threads and out["max_local"]:        # the local-memory reservation the worst variant sets, MiB
+            out["lmem_mib"] = round(out["max_local"] * threads / (1 << 20), 1)
+    return out
+
+
+def _resident_threads() -> int | None:
+    """Threads the GPU holds at once (SMs x max threads per SM: 270,336 on an H100 SXM), the multiplier of a kernel's
+    local bytes per thread in the driver's local-memory reservation; None without CUDA."""
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            return None
+        p = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return int(p.multi_processor_count) * int(p.max_threads_per_multi_processor)
+    except Exception:                                       # no torch, a device without these properties
+        return None
 
 
 def cdiv(x: int, y: int) -> int:

@@ -37,6 +37,7 @@ from betelgeuse.model.interface import SequenceState, check_model
 from betelgeuse.model.registry import arch_of, engine_model
 from betelgeuse.store.client import StoreClient
 from betelgeuse.store.plan import GRAPHS_BYTES_PER_SEQ
+from betelgeuse.worker.attach_steps import AttachSteps
 from betelgeuse.worker.decode_graphs import SoloDecode
 from betelgeuse.worker.flex_cache import FlexCache
 from betelgeuse.worker.guess import guess_ahead
@@ -103,27 +104,55 @@ class ModelRunner:
     # ---- the store -------------------------------------------------------------------------------------
     def attach(self):
         """(Re)attach to the store: map its arena, refill VRAM slots on the next pass; the expert step, the decode
-        graphs and the lanes start over (their graphs read the old slot pool and pass counts)."""
-        self.session.attach()
+        graphs and the lanes start over (their graphs read the old slot pool and pass counts).
+
+        The compile warm-ups (issue 21; engine.warm_up, default on) run last, each guarded: one that raises is a
+        warning and {"failed": error} in `warmed`, never a failed attach (its kernels compile in the first token).
+        Each step's VRAM (device-wide used and torch's reserved bytes, CUDA) is measured (worker/attach_steps.py).
+        `warmed`: {"kernels": warm_kernels', "decode": warm_decode's, "routes": a failed warm_routes', "vram": per
+        step, "warm_up": "off" when off}, None where there is nothing to say (the CPU, warm-ups on)."""
+        steps = AttachSteps(self.device)
+        steps.run("session", self.session.attach)         # the slot pool: the plan's VRAM (for scale)
         if self.cfg.max_running == "auto":
             # the store's plan chose how many sequences' KV (and decode graphs) it reserved (store/plan.py
             # plan_running): the worker runs that many. It depends on the model and the VRAM side of the config
             # alone, so a re-attached store's plan gives the same number
             self.cfg = dataclasses.replace(self.cfg, max_running=self.plan.max_running)
-        self.flex = self._flex_cache()
-        self.moe = MoEStep(self.cfg, self.session, self.clock, act_limit=self.model.expert_act[1], flex=self.flex,
-                           guess_depth=type(self.model).guess_depth,
-                           guess_min_hit=type(self.model).guess_min_hit)
-        self.moe.warm_routes(self.model)          # an approximate mode's kernels compiled now, not in a pass
-        self.warmed = self.moe.warm_kernels(self.model)   # decode's expert-kernel variants compiled now (issue 21)
+        self.flex = steps.run("flex_cache", self._flex_cache)
+        self.moe = steps.run("moe_step", lambda: MoEStep(
+            self.cfg, self.session, self.clock, act_limit=self.model.expert_act[1], flex=self.flex,
+            guess_depth=type(self.model).guess_depth, guess_min_hit=type(self.model).guess_min_hit))
+        warmed: dict = {}
+        on = self.cfg.warm_up == "on"
+        if on:
+            # an approximate mode's kernels compiled now, not in a pass; decode's expert-kernel variants (issue 21)
+            routes = steps.run("warm_routes", lambda: self.moe.warm_routes(self.model), guard=True)
+            if routes is not None:
+                warmed["routes"] = routes
+            kernels = steps.run("warm_kernels", lambda: self.moe.warm_kernels(self.model), guard=True)
+            if kernels is not None:
+                warmed["kernels"] = kernels
+        else:
+            warmed["warm_up"] = "off"
         self.kern = self.moe.kern
         self._static_decode = self._static_form()
         self.solo = SoloDecode(self.model, self.moe, self.cache.is_cuda and self.cfg.cuda_graphs,
                                keep=2 * max(1, self.cfg.max_running))
         self._lanes = None
-        dense = self.warm_decode()                # decode's dense kernels compiled now too (issue 21)
-        if dense is not None:
-            self.warmed = {**(self.warmed or {}), "decode": dense}
+        if on:                                  # decode's dense kernels compiled now too (issue 21)
+            dense = steps.run("warm_decode", self.warm_decode, guard=True)
+            if dense is not None:
+                warmed["decode"] = dense
+        if steps.vram:
+            warmed["vram"] = steps.vram
+        self.warmed = warmed or None
+        comp = [(warmed.get(k) or {}).get("compiles") or {} for k in ("kernels", "decode")]
+        worst = max(comp, key=lambda c: c.get("max_local") or 0)      # the most local bytes per thread (spills)
+        event(log, "attach_warm", warm_up=self.cfg.warm_up, failed=",".join(steps.failed) or None,
+              vram_device_torch_mib=steps.summary() or None,
+              used_mib=max((v["used_mib"] for v in steps.vram.values()), default=None),
+              compiles=sum(c.get("count") or 0 for c in comp), max_local_b=worst.get("max_local"),
+              lmem_mib=worst.get("lmem_mib"), spilling=(worst.get("spilling") or [None])[0])
 
     def warm_decode(self, force: bool = False) -> dict | None:
         """Decode's dense kernel variants (the model's, the router's, the expert routing's) compiled now, on scratch

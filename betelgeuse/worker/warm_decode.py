@@ -67,8 +67,12 @@ def warm_decode(runner, force: bool = False) -> dict | None:
     from betelgeuse.kernels import triton_launch as TL
     TL.watch_compiles()
     mark, t0 = TL.compile_mark(), time.perf_counter()
-    # the plan's KV reservation the live sequences (carried over a re-attach) leave free: the scratch states' room
-    free = runner._kv_reserved() - runner.kv_bytes
+    # the plan's KV reservation the live sequences (carried over a re-attach) leave free: the scratch states' room.
+    # Negative where the live states the runner counts hold more than the reservation: states made by new_cache and
+    # never released (ModelRunner.release) stay counted, with their decode graphs' bytes (the bench harness made one
+    # per pass and released none before session 14: -99 MB at its second case's re-attach)
+    reserved, live = runner._kv_reserved(), runner.kv_bytes
+    free = reserved - live
     elt = torch.empty((), dtype=runner.dtype).element_size()
     arch = arch_of(runner.mcfg)
 
@@ -78,7 +82,8 @@ def warm_decode(runner, force: bool = False) -> dict | None:
     lengths = [n for n in lengths if size(n) <= free]
     if not lengths:
         return _skip(f"a scratch state of {min(WARM_LENGTHS)} tokens ({size(min(WARM_LENGTHS))} B) does not fit "
-                     f"the free KV reservation ({free} B)")
+                     f"the free KV reservation ({free} B: {len(runner._kv_live)} live states hold {live} B of "
+                     f"{reserved} B)")
     B = max(1, int(cfg.max_running))
     n_lanes = min(B, free // size(lengths[0])) if m.lane_decode else 0
     ids = torch.zeros(1, dtype=torch.int64, device=runner.device)      # token 0 (any id: the kernels' keys are shapes)

@@ -487,13 +487,17 @@ def check_vram(device: str, tmp: Path, model: str | None):
                 "torch max reserved": torch.cuda.max_memory_reserved() - res0, "device peak": peak}
         for kv in kvs + [kv3]:
             runner.release(kv)
+        warmed = runner.warmed          # attach's steps: device-wide / torch-reserved MiB each (worker/attach_steps.py)
     finally:
         close(runner, store)
+    from services.bench.report import attach_vram
     row("ds4 vram vs plan", peak <= fixed,
         f"{path.name}, 0 VRAM slots: device peak {peak / MiB:,.0f} MiB vs plan fixed {fixed / MiB:,.0f} MiB; "
         + "; ".join(f"{k} {v / MiB:,.1f}" for k, v in meas.items()) + " || plan: "
-        + "; ".join(f"{k} {v / MiB:,.1f}" for k, v in terms.items()))
-    RESULTS["vram"] = {"model": str(path), "measured": meas, "plan_terms": terms, "plan_fixed": fixed}
+        + "; ".join(f"{k} {v / MiB:,.1f}" for k, v in terms.items())
+        + f" || attach by step, MiB device-wide / torch reserved: {attach_vram(warmed)}")
+    RESULTS["vram"] = {"model": str(path), "measured": meas, "plan_terms": terms, "plan_fixed": fixed,
+                       "attach": warmed}
 
 
 def main() -> int:

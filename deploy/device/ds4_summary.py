@@ -18,6 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
+from services.bench.report import attach_vram                      # attach's steps' VRAM, as bench.md
 from services.bench.report import triton_compiles as _compiles   # a region's Triton compiles, as bench.md
 
 MiB, GB = 1 << 20, 1e9
@@ -94,6 +95,9 @@ def targets(r: dict) -> list[str]:
     peak = r.get("vram", {}).get("peak_bytes")
     L.append(_row("peak VRAM (MiB)", f"≤ {VRAM_TARGET_MIB:,}", _f(None if peak is None else peak / MiB, "{:,.0f}"),
                   None if peak is None else peak / MiB <= VRAM_TARGET_MIB))
+    if ex.get("kernel_warmup") or pool.get("kernel_warmup"):   # what attach's steps (warm-ups) put on the GPU
+        L.append(_row("  attach VRAM by step, MiB device-wide / torch reserved (exact; pool's re-attach)", "–",
+                      f"{attach_vram(ex.get('kernel_warmup'))} ‖ {attach_vram(pool.get('kernel_warmup'))}", None))
     share = pw.get("disk_share")
     L.append(_row("pool: warm repeated 64-token prompt, disk share", "0%", _f(None if share is None else 100 * share,
                                                                               "{:.2f}%"),

@@ -120,6 +120,7 @@ class Harness:
         self.replay = None                  # the --routing-trace replayer of the current runner
         self.calib = 1.0            # actual / estimated seconds of the last layer-major pass
         self.exact_logits = {}      # (model, prompt ids) -> exact routing's logits [T, n_vocab] (divergence)
+        self.states: list = []      # the case's sequence states not yet released (_state / _release)
 
     # ---- time -------------------------------------------------------------------------------------
     def remaining(self) -> float:
@@ -291,6 +292,8 @@ class Harness:
             # the compiles at attach (decode's expert-kernel variants: MoEStep.warm_kernels) and the warm-up's own
             out["attach_triton_compiles"] = TL.compiles_since(mark)
             out["kernel_warmup"] = getattr(rn, "warmed", None)
+            # per attach step, the device's used and torch's reserved MiB it added (worker/attach_steps.py, CUDA)
+            out["attach_vram"] = (out["kernel_warmup"] or {}).get("vram")
             self._measure_compute()                 # every case: the ceiling is the best seen in the run
             p = rn.plan
             out["plan"] = {"n_vram": p.n_vram, "n_host": p.n_host, "n_staging": p.n_staging, "arena_bytes": p.arena_bytes,
@@ -315,15 +318,18 @@ class Harness:
                             if prof:
                                 out.setdefault("profile", {})["decode"] = prof
                     continue
-                kv = rn.new_cache(kv_len)
+                kv = self._state(rn, kv_len)
                 rec, logits = self._prefill(rn, f, kind, ids, kv)
                 out["passes"].append(rec)
                 if kind == "warm" and logits is not None:
+                    if warm_kv is not None:
+                        self._release(rn, warm_kv)
                     warm_kv, warm_logits = kv, logits
-                    prof = profile_pass(lambda: rn.forward(ids, rn.new_cache(kv_len), consolidate=False), c.n_layer,
-                                        rec["seconds"], self.dev)
+                    prof = profile_pass(lambda: self._once(rn, ids, kv_len), c.n_layer, rec["seconds"], self.dev)
                     if prof:
                         out.setdefault("profile", {})["warm"] = prof
+                if kv is not warm_kv:
+                    self._release(rn, kv)
                 if kind in ("cold", "warm") and rec.get("complete"):
                     self.calib = max(0.05, rec["seconds"] / max(est / self.calib, 1e-6))
                 self.save(False)
@@ -332,6 +338,8 @@ class Harness:
                 out["divergence"] = self._divergence(rn, f, case, ids)
             out["store_status"] = rn.store.status()
         finally:
+            for kv in list(self.states):        # the case's states (the warm one, any a failed pass left)
+                self._release(self.runner, kv)
             self._detach()
             if self.remaining() > 0:            # the disk sampled again right after the case: its passes' bound
                 out["disk_bps_after"] = self._disk_sample(f, cfg)
@@ -341,6 +349,31 @@ class Harness:
             if rc not in (0, None):
                 out["store_error"] = store.proc.last_line()
             f.close()
+
+    def _state(self, rn: ModelRunner, n: int):
+        """A sequence state of n tokens for the case's passes, counted by the runner (its KV reservation, the flex
+        cache's room) until _release, as a request's is until its end: a state left counted made the runner's live
+        states outgrow the plan's reservation, the flex cache shrink and a re-attach's warm-up find no room (a free
+        KV reservation of -99 MB: worker/warm_decode.py)."""
+        kv = rn.new_cache(n)
+        self.states.append(kv)
+        return kv
+
+    def _release(self, rn: ModelRunner | None, kv):
+        """A state of _state's no longer counted (once: by identity, a state has no equality)."""
+        i = next((i for i, x in enumerate(self.states) if x is kv), None)
+        if i is not None:
+            del self.states[i]
+            if rn is not None:
+                rn.release(kv)
+
+    def _once(self, rn: ModelRunner, ids: list, n: int, all_logits: bool = False):
+        """An untimed pass of ids on a state of n tokens of its own, released after -> its logits."""
+        kv = self._state(rn, n)
+        try:
+            return rn.forward(ids, kv, all_logits=all_logits, consolidate=False)[0]
+        finally:
+            self._release(rn, kv)
 
     def _disk_sample(self, f: GGUFModelFile, cfg: EngineConfig) -> float:
         """One disk ceiling sample of each pattern with the store's reader settings (appended to the run's samples)
@@ -361,12 +394,11 @@ class Harness:
         key = (case.model, tuple(ids))
         if self.remaining() < 2 * self._estimate(f, "warm", len(ids)):
             return {"skipped": "time budget"}
-        approx, _ = rn.forward(ids, rn.new_cache(len(ids) + 1), all_logits=True, consolidate=False)
+        approx = self._once(rn, ids, len(ids) + 1, all_logits=True)
         if key not in self.exact_logits:
             rn.moe.routing = "exact"
             try:
-                self.exact_logits[key] = rn.forward(ids, rn.new_cache(len(ids) + 1), all_logits=True,
-                                                    consolidate=False)[0].float().cpu()
+                self.exact_logits[key] = self._once(rn, ids, len(ids) + 1, all_logits=True).float().cpu()
             finally:
                 rn.moe.routing = case.routing
         return divergence(self.exact_logits[key], approx.float().cpu()).to_json()
@@ -422,7 +454,7 @@ class Harness:
         sink = ArraySink(c.n_layer)
         rn.hook_routing(Recorder(sink), self.replay)
         try:
-            rn.forward(ids + gen, rn.new_cache(len(ids) + len(gen) + 8), consolidate=False)
+            self._once(rn, ids + gen, len(ids) + len(gen) + 8)
         finally:
             rn.hook_routing(None, self.replay)       # the recorder is flushed and closed
         tr, w = sink.arrays()

@@ -98,8 +98,8 @@ def _host_split(d: dict) -> str:
 
 def triton_compiles(rec: dict | None, first: list | None = None) -> str:
     """A timed region's Triton compiles (kernels/triton_launch.compiles_since): "count (seconds s): kernel n, ..."
-    (first: per token counts, the first token's added), "n/a (why)" where they were not counted, "–" for a record
-    from before they were."""
+    (first: per token counts, the first token's added; the variants with local bytes per thread, the worst named),
+    "n/a (why)" where they were not counted, "–" for a record from before they were."""
     if not rec:
         return "–"
     if rec.get("count") is None:
@@ -108,7 +108,38 @@ def triton_compiles(rec: dict | None, first: list | None = None) -> str:
     if first:
         txt += f", first token {first[0] if first[0] is not None else '–'}"
     names = sorted((rec.get("names") or {}).items(), key=lambda kv: -kv[1])
-    return txt + (": " + ", ".join(f"`{n}` {c}" for n, c in names[:6]) if names else "")
+    txt += (": " + ", ".join(f"`{n}` {c}" for n, c in names[:6]) if names else "")
+    if rec.get("spilling"):   # local bytes per thread: the driver's local-memory reservation (triton_launch)
+        lmem = f", ~{rec['lmem_mib']:,.0f} MiB of local memory reserved" if rec.get("lmem_mib") else ""
+        txt += f"; SPILLING ({len(rec['spilling'])}, max {rec['max_local']} B/thread{lmem}): `{rec['spilling'][0]}`"
+    return txt
+
+
+def attach_vram(warmed: dict | None) -> str:
+    """What attach's steps put on the GPU (worker/attach_steps.py; a runner's `warmed`): "step +device/+torch MiB
+    (outside torch +x)" per step that moved, a failed warm-up as "step FAILED (error)", "warm-ups off" where they
+    were; "–" without figures (the CPU, a record from before them)."""
+    w = warmed or {}
+    parts = ["warm-ups off"] if w.get("warm_up") == "off" else []
+    for step, v in (w.get("vram") or {}).items():
+        dev, tor = v.get("device_mib", 0), v.get("torch_reserved_mib", 0)
+        if step != "session" and abs(dev) < 0.5 and abs(tor) < 0.5 and "torch_peak_mib" not in v:
+            continue                                # nothing moved: left out (the row stays short)
+        txt = f"{step} {dev:+,.0f}/{tor:+,.0f}"
+        if abs(dev - tor) >= 0.5 and step != "session":
+            txt += f" (outside torch {dev - tor:+,.0f})"
+        if "torch_peak_mib" in v:
+            txt += f" (torch peak {v['torch_peak_mib']:,.0f})"
+        parts.append(txt)
+    key = {"warm_routes": "routes", "warm_kernels": "kernels", "warm_decode": "decode"}
+    for step, k in key.items():
+        failed = (w.get(k) or {}).get("failed") if isinstance(w.get(k), dict) else None
+        if failed:
+            parts.append(f"{step} FAILED ({failed})")
+    if w.get("vram"):
+        last = list(w["vram"].values())[-1]
+        parts.append(f"device used after {last['used_mib']:,.0f}")
+    return "; ".join(parts) if parts else "–"
 
 
 def _passes(r: dict):
@@ -203,6 +234,15 @@ def markdown(r: dict) -> str:
             L.append(f"| {case['name']} | {p['label']} | {e['rows_per_token']:.1f} | {e['disk_bytes_per_token']:,.0f} | "
                      f"{e['disk_rows']} / {e['cache_rows']} | {e['requests']} | {e['wait_ms']:,.1f} | "
                      f"{_pct(e.get('wait_share'))} | {_pct(e.get('feed_share'))} |")
+    attach = [c for c in r.get("cases", []) if "attach_s" in c]
+    if attach:
+        L += ["", "## Attach (issue 21: the compile warm-ups and what each attach step put on the GPU)", "",
+              "| Case | Attach s | Triton compiles at attach (s) | VRAM by step, MiB device-wide / torch reserved |",
+              "|---|---|---|---|"]
+        for case in attach:
+            L.append(f"| {case_label(case)} | {case['attach_s']:.2f} | "
+                     f"{triton_compiles(case.get('attach_triton_compiles'))} | "
+                     f"{attach_vram(case.get('kernel_warmup'))} |")
     L += ["", "## Warm layer-major vs standard (same prompt, same warm state)", ""]
     for case in r.get("cases", []):
         ps = {p["label"]: p for p in case.get("passes", [])}

@@ -315,6 +315,29 @@ class Monitor:
         return {"vram_baseline_bytes": self.vram_base, "vram_peak_bytes": self.vram_peak if self.cuda else None}
 
 
+def attach_event(paths) -> dict | None:
+    """The last `attach_warm` event (worker/runner.py attach: warm-ups, each step's VRAM) in these logs, text or JSON
+    lines -> its fields (values as logged), or None."""
+    from betelgeuse.logs import parse_text_line
+    found = None
+    for path in paths:
+        try:
+            lines = Path(path).read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            if "attach_warm" not in line:
+                continue
+            try:
+                rec = json.loads(line) if line.lstrip().startswith("{") else parse_text_line(line)
+            except (ValueError, IndexError):
+                continue
+            if rec.get("event") == "attach_warm":         # a text line's null is the string "null"
+                found = {k: None if v == "null" else v for k, v in rec.items()
+                         if k not in ("ts", "level", "logger", "event")}
+    return found
+
+
 def serve_argv(o: ServeOptions, config: str, runtime_dir: str, port: int, http_port: int, no_cgroup: bool) -> list[str]:
     """`betelgeuse serve` for one configuration: the model and sockets of this run, then the configuration
     (shipped: --config deploy/betelgeuse.toml; auto: --vram-slots auto --host-slots auto; V+H: those counts),
@@ -481,6 +504,9 @@ class ServeSuite:
             case["vram"] = mon.close()
             case["memory"].update(cg.summary())
             cg.close()
+            att = attach_event([rundir / n for n in ("worker.log", "serve.log")])
+            if att is not None:                 # the warm-ups and each attach step's VRAM (worker/attach_steps.py)
+                case["attach_warm"] = att
             for name in ("serve.log", "store.log", "worker.log"):
                 try:
                     tail = (rundir / name).read_text(errors="replace").splitlines()[-200:]
@@ -879,6 +905,17 @@ def markdown(r: dict) -> str:
               else "no cgroup")
         return f"{vram} / {cg}"
     row("peak VRAM / cgroup peak", budgets)
+
+    def attach(c):
+        a = c.get("attach_warm")
+        if not a:
+            return "–"
+        used = f"; device used {a['used_mib']} MiB at most" if a.get("used_mib") is not None else ""
+        spill = (f"; SPILLING: max {a['max_local_b']} B/thread (~{a.get('lmem_mib') or '?'} MiB reserved), "
+                 f"`{a.get('spilling')}`" if a.get("max_local_b") not in (None, "0") else "")
+        return (f"warm-ups {a.get('warm_up', '?')}; {a.get('vram_device_torch_mib') or 'no VRAM figures (CPU)'}{used}; "
+                f"compiles {a.get('compiles', '–')}{spill}" + (f"; FAILED: {a['failed']}" if a.get("failed") else ""))
+    row("attach: warm-ups; VRAM by step, MiB device-wide / torch reserved (worker log)", attach)
 
     def one(key):
         def fn(c):

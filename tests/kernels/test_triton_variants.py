@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from betelgeuse.kernels import triton_launch as TL
+from services.bench.report import triton_compiles
 
 MOE_KERNELS = ("_gate_up_kernel", "_down_kernel", "_gate_up_mv_kernel", "_down_mv_kernel", "_combine_kernel",
                "_gate_up_mmq_kernel", "_down_mmq_kernel", "_quantize_kernel")
@@ -52,6 +53,45 @@ def test_compile_hooks_count_chain_and_pass_a_skip_through(monkeypatch):
     assert got["count"] == 1 and got["names"] == {"_gate_up_kernel": 1} and got["seconds"] >= 0
     assert got["variants"][0].startswith("_gate_up_kernel[n=1,BM=16,EP=256]"), got
     assert seen == [("pre", "k1"), ("post", "k1"), ("pre", "skip")]
+
+
+def test_a_compile_names_its_registers_and_spills(monkeypatch):
+    """Each compile's resources come from the JIT's cache (device_caches[device][0][key], Triton 3.6 and 3.9) when
+    compiles_since is asked: registers, local bytes per thread (Triton's n_spills x 4: the driver's local-memory
+    reservation follows them), shared bytes; a spilling variant is named; a kernel not loaded yet has no regs."""
+    rt = pytest.importorskip("triton").knobs.runtime
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(TL, "_WATCH", {"na": "not watched"})
+    monkeypatch.setattr(TL, "COMPILES", [])
+    monkeypatch.setattr(rt, "jit_cache_hook", None)
+    monkeypatch.setattr(rt, "jit_post_compile_hook", None)
+    assert TL.watch_compiles()
+
+    def kernel(regs, spills, shared):
+        k = types.SimpleNamespace(metadata=types.SimpleNamespace(shared=shared))
+        if regs is not None:                        # set by _init_handles, at the module's first launch
+            k.n_regs, k.n_spills = regs, spills
+        return k
+    cache = {"a": kernel(40, 0, 1024), "b": kernel(255, 300, 0), "c": kernel(None, None, 512)}
+    jf = types.SimpleNamespace(arg_names=["x_ptr", "BM"], device_caches={0: (cache, {}, "target", "backend", None)})
+    m = TL.compile_mark()
+    for key, name in (("a", "_rms_kernel"), ("b", "_down_kernel"), ("c", "_route_kernel"), ("d", "_x_kernel")):
+        fn = types.SimpleNamespace(name=f"betelgeuse.kernels.k.{name}", jit_function=jf)
+        payload = dict(repr="r", fn=fn, compile={"constants": {(1,): 16}, "device": 0}, is_manual_warmup=False,
+                       already_compiled=False)
+        rt.jit_cache_hook(key=key, **payload)
+        rt.jit_post_compile_hook(key=key, **payload)
+    got = TL.compiles_since(m)
+    v = got["variants"]
+    assert v[0].startswith("_rms_kernel[BM=16]") and v[0].endswith(" s regs 40, local 0 B, smem 1024 B"), v
+    assert v[1].endswith(" s regs 255, SPILLS local 1200 B, smem 0 B"), v
+    assert v[2].endswith(" s smem 512 B") and v[3].endswith(" s"), v      # not loaded yet; not in the cache
+    assert got["max_local"] == 1200 and got["spilling"] == [v[1]] and "lmem_mib" not in got, got     # the CPU
+    assert "SPILLING (1, max 1200 B/thread): `_down_kernel[BM=16]" in triton_compiles(got)
+    monkeypatch.setattr(TL, "_resident_threads", lambda: 132 * 2048)            # an H100 SXM
+    got = TL.compiles_since(m)
+    assert got["lmem_mib"] == 309.4, got                                        # 1,200 B x 270,336 threads
+    assert "max 1200 B/thread, ~309 MiB of local memory reserved)" in triton_compiles(got)
 
 
 def test_compiles_are_not_counted_under_the_interpreter(monkeypatch):

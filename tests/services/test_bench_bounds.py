@@ -147,8 +147,14 @@ def test_ds4_summary_judges_layer_major_passes_and_names_the_launches():
             "passes": [{"label": "warm", "schedule": "layer_major", "bound": bound(0.94)},
                        {"label": "std", "schedule": "standard", "bound": bound(0.27)}],
             "decode": {"tokens": 64, "bound": bound(0.85)},
-            "profile": {"decode": {"launches_per_layer": 6.0, "launches_by_name": names}}}
+            "profile": {"decode": {"launches_per_layer": 6.0, "launches_by_name": names}},
+            "kernel_warmup": {"kernels": {"failed": "RuntimeError: x"}, "vram": {
+                "session": {"device_mib": 9000.0, "torch_reserved_mib": 9000.0, "used_mib": 9500.0},
+                "warm_kernels": {"device_mib": 300.0, "torch_reserved_mib": 60.0, "used_mib": 9800.0}}}}
     rows = S.targets({"cases": [case]})
+    row = next(r for r in rows if "attach VRAM by step" in r)     # what attach's steps put on the GPU
+    assert ("session +9,000/+9,000; warm_kernels +300/+60 (outside torch +240); warm_kernels FAILED (RuntimeError: x); "
+            "device used after 9,800 ‖ –") in row, row
     row = next(r for r in rows if "every layer-major pass" in r)
     assert "0.85-0.94" in row and row.rstrip(" |").endswith("PASS"), row
     assert any("standard-schedule" in r and "0.27" in r for r in rows), rows

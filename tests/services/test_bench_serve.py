@@ -313,6 +313,57 @@ def test_a_configuration_turns_placement_flags_on_and_off():
     assert [(e.placement_hysteresis, e.fill_budget) for e in got] == [(False, False), (True, False), (True, True)]
 
 
+def test_warm_up_off_is_one_configuration_and_its_attach_is_read_back(tmp_path):
+    """`bench_serve.sh --config auto,auto:warm-up=off` (issue 21's VRAM A/B in one session): the second serve alone
+    gets engine.warm_up = off; each serve's attach event (worker/runner.py: warm-ups, each step's VRAM), as the
+    worker's text log writes it, is read back into its case and printed in bench.md's service table."""
+    import argparse
+    import io
+    import logging
+
+    from betelgeuse.logs import Formatter, event
+    from betelgeuse.settings import flag_values, resolve_settings
+    from services.bench.serve import ServeOptions, attach_event, markdown, parse_configs, serve_argv
+    from services.launcher import serve_arguments
+    configs = parse_configs("auto,auto:warm-up=off")
+    o = ServeOptions(model="/m.gguf", device="cpu", configs=configs)
+    p = argparse.ArgumentParser()
+    serve_arguments(p)
+    got = [resolve_settings(None, env={}, flags=flag_values(p.parse_args(serve_argv(o, c, "/tmp/x", 1, 2, True)[1:])))
+           .settings.engine.warm_up for c in configs]
+    assert got == ["on", "off"], got
+    buf = io.StringIO()
+    lg = logging.getLogger("test.attach_event")
+    h = logging.StreamHandler(buf)
+    h.setFormatter(Formatter("text"))
+    lg.addHandler(h)
+    lg.setLevel(logging.INFO)
+    try:
+        event(lg, "attach_warm", warm_up="on", failed="warm_decode", vram_device_torch_mib="warm_kernels +300/+60",
+              used_mib=12490.5, compiles=2, max_local_b=1200, lmem_mib=309.4, spilling="_k[BM=16] 0.4 s")
+        event(lg, "attach_warm", warm_up="off", failed=None, vram_device_torch_mib=None, used_mib=None, compiles=0)
+    finally:
+        lg.removeHandler(h)
+    (tmp_path / "worker.log").write_text("noise attach_warm but not an event\n" + buf.getvalue())
+    (tmp_path / "serve.log").write_text(buf.getvalue().splitlines()[1] + "\n")     # the CPU's: no figures
+    att = attach_event([tmp_path / "worker.log", tmp_path / "absent.log"])
+    assert att == {"warm_up": "off", "failed": None, "vram_device_torch_mib": None, "used_mib": None,
+                   "compiles": "0"}, att                                   # the last one
+    off = attach_event([tmp_path / "serve.log"])
+    (tmp_path / "worker.log").write_text(buf.getvalue().splitlines()[0] + "\n")
+    att = attach_event([tmp_path / "worker.log", tmp_path / "absent.log"])
+    assert att == {"warm_up": "on", "failed": "warm_decode", "vram_device_torch_mib": "warm_kernels +300/+60",
+                   "used_mib": "12490.5", "compiles": "2", "max_local_b": "1200", "lmem_mib": "309.4",
+                   "spilling": "_k[BM=16] 0.4 s"}, att
+    assert attach_event([tmp_path / "absent.log"]) is None
+    cases = [{"name": "auto", "attach_warm": att, "memory": {"cgroup": "/cg"}},
+             {"name": "auto:warm-up=off", "attach_warm": off, "memory": {"cgroup": "/c"}}]
+    md = markdown({"options": {}, "cases": cases})
+    assert "| attach: warm-ups; VRAM by step" in md and "| warm-ups on; warm_kernels +300/+60; device used 12490.5 " \
+        "MiB at most; compiles 2; SPILLING: max 1200 B/thread (~309.4 MiB reserved), `_k[BM=16] 0.4 s`; FAILED: " \
+        "warm_decode | warm-ups off; no VRAM figures (CPU); compiles 0 |" in md, md
+
+
 def test_every_phase_is_bounded_at_the_disk_samples_beside_it(monkeypatch):
     """ServeSuite's phases against a stand-in service (counters advancing, no serve) and a disk sampler that returns a
     different rate at every call: each phase gets the sample taken right before it and, as its sample after, the
