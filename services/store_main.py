@@ -20,6 +20,7 @@ import fcntl
 import grp
 import logging
 import os
+import queue
 import secrets
 import signal
 import socket
@@ -48,12 +49,24 @@ from services.pb.betelgeuse.v1 import store_pb2_grpc as pb_grpc
 log = logging.getLogger("betelgeuse.store")
 
 
+_END = object()
+
+
+def _keys(ids) -> list[tuple[int, int]]:
+    return [(x.layer, x.expert) for x in ids]
+
+
 class StoreServicer(pb_grpc.ExpertStoreServicer):
     """Thin: protobuf in, ExpertStore call, protobuf out. Errors become status codes."""
+
+    # loads of the session streams waiting for their experts, one thread each while they wait (reused after): more
+    # than the loads a worker has open at once (a decode layer's, a VRAM fill's), so none waits for a thread
+    LOADERS = 64
 
     def __init__(self, store: ExpertStore, leases: "Leases"):
         self.store = store
         self.leases = leases
+        self.loaders = futures.ThreadPoolExecutor(max_workers=self.LOADERS, thread_name_prefix="store-load")
 
     def _guard(self, context, fn):
         try:
@@ -83,28 +96,91 @@ class StoreServicer(pb_grpc.ExpertStoreServicer):
         epoch = self._guard(context, lambda: self.store.begin_pass(request.session, not request.no_wait))
         return pb.BeginPassReply(epoch=epoch, consolidating=self.store.consolidating)
 
-    def Load(self, request, context):
-        keys = [(x.layer, x.expert) for x in request.experts]
-        ahead = [(x.layer, x.expert) for x in request.ahead]
-        drop = [(x.layer, x.expert) for x in request.drop]
-        it = self._guard(context, lambda: self.store.load(request.session, keys, list(request.release), ahead, drop,
-                                                          alive=context.is_active))
+    def Session(self, request_iterator, context):
+        """The worker session's stream (store.proto): its requests handled in the order sent by one reader thread (a
+        load's reads are started there too, so the store reads in the order sent), each load's experts then waited
+        for on a pooled thread (loads may overlap: one waiting for staging slots must not hold up the release that
+        frees them); every answer goes out through this generator, tagged with its request's id."""
+        out: queue.SimpleQueue = queue.SimpleQueue()
+        context.add_callback(lambda: out.put(None))         # the stream ended (closed, cancelled, the worker died)
+        threading.Thread(target=self._read_session, args=(request_iterator, context, out), name="store-session",
+                         daemon=True).start()
+        while (ev := out.get()) is not None:
+            yield ev
+
+    def _read_session(self, requests, context, out: queue.SimpleQueue):
+        cancelled: set[int] = set()
+        try:
+            for r in requests:
+                kind = r.WhichOneof("kind")
+                if kind == "load":
+                    self._start_load(r.id, r.load, context, out, cancelled)
+                elif kind == "prefetch":
+                    q = r.prefetch
+                    out.put(self._answer(r.id, "prefetched", lambda: pb.PrefetchReply(queued=self.store.prefetch(
+                        q.session, _keys(q.experts), list(q.release), _keys(q.drop)))))
+                elif kind == "release":
+                    q = r.release
+                    out.put(self._answer(r.id, "released", lambda: (
+                        self.store.release(q.session, list(q.staging_slots)), pb.ReleaseReply())[1]))
+                elif kind == "cancel":
+                    cancelled.add(r.id)
+        except grpc.RpcError:
+            pass                                            # the stream was cancelled: nothing to answer
+        finally:
+            out.put(None)
+
+    @staticmethod
+    def _failed(rid: int, e: Exception, started: bool) -> pb.SessionEvent:
+        """A request's failure as its own call's status was (_guard's codes; grpc's words for a handler's bug, or for
+        a load's error once it had started streaming)."""
+        if isinstance(e, StoreUnavailableError):
+            code, details = grpc.StatusCode.FAILED_PRECONDITION, str(e)
+        elif isinstance(e, BetelgeuseError) and not started:
+            code, details = grpc.StatusCode.INVALID_ARGUMENT, str(e)
+        else:
+            code = grpc.StatusCode.UNKNOWN
+            details = f"Exception {'iterating responses' if started else 'calling application'}: {e}"
+            if not isinstance(e, BetelgeuseError):
+                log.exception("session stream: request %d failed", rid)
+        return pb.SessionEvent(id=rid, failed=pb.Failed(code=code.value[0], details=details))
+
+    def _answer(self, rid: int, kind: str, fn) -> pb.SessionEvent:
+        try:
+            return pb.SessionEvent(id=rid, **{kind: fn()})
+        except Exception as e:                              # noqa: BLE001 -- answered as the request's failure
+            return self._failed(rid, e, False)
+
+    def _start_load(self, rid: int, q, context, out: queue.SimpleQueue, cancelled: set):
+        """Hand back `release`, drop, start the reads (store.load's `started`), here; the rest on a loader thread."""
+        def alive() -> bool:
+            return rid not in cancelled and context.is_active()
+        try:
+            it = self.store.load(q.session, _keys(q.experts), list(q.release), _keys(q.ahead), _keys(q.drop),
+                                 alive=alive, started=True)
+        except Exception as e:                              # noqa: BLE001
+            out.put(self._failed(rid, e, False))
+            return
+        try:
+            first = next(it, _END)                          # the reads started (the Load call's first steps)
+        except Exception as e:                              # noqa: BLE001
+            out.put(self._failed(rid, e, True))
+            return
+        if first is _END:                                   # no expert: answered as a release
+            out.put(pb.SessionEvent(id=rid, released=pb.ReleaseReply()))
+            return
+        self.loaders.submit(self._deliver, rid, it, out, cancelled)
+
+    def _deliver(self, rid: int, it, out: queue.SimpleQueue, cancelled: set):
         try:
             for got in it:
-                yield pb.Loaded(layer=got.layer, expert=got.expert, staging_slot=got.slot,
-                                disk_bytes=got.disk_bytes, prefetched=got.prefetched, ahead_queued=got.ahead_queued)
-        except StoreUnavailableError as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-
-    def Prefetch(self, request, context):
-        keys = [(x.layer, x.expert) for x in request.experts]
-        drop = [(x.layer, x.expert) for x in request.drop]
-        return pb.PrefetchReply(queued=self._guard(context, lambda: self.store.prefetch(request.session, keys,
-                                                                                         list(request.release), drop)))
-
-    def Release(self, request, context):
-        self._guard(context, lambda: self.store.release(request.session, list(request.staging_slots)))
-        return pb.ReleaseReply()
+                out.put(pb.SessionEvent(id=rid, loaded=pb.Loaded(
+                    layer=got.layer, expert=got.expert, staging_slot=got.slot, disk_bytes=got.disk_bytes,
+                    prefetched=got.prefetched, ahead_queued=got.ahead_queued)))
+        except Exception as e:                              # noqa: BLE001
+            out.put(self._failed(rid, e, True))
+        finally:
+            cancelled.discard(rid)
 
     def EndPass(self, request, context):
         usage = np.asarray(request.usage, dtype=np.int64).reshape(request.n_layer, request.n_expert)

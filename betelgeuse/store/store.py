@@ -260,19 +260,23 @@ class ExpertStore:
 
     # ---- demand loads and read-ahead -------------------------------------------------------
     def load(self, session: str, keys: list[tuple[int, int]], release=(), ahead=(), drop=(),
-             alive=None) -> Iterator[Loaded]:
+             alive=None, started: bool = False) -> Iterator[Loaded]:
         """Yields each expert as its bytes land in a staging slot, in completion order. First hands back the staging
         slots `release` and forgets the reads ahead of `drop` not started yet; once every demand read has started,
         reads `ahead` ahead (as prefetch): one message does a decode layer's store work. alive() false (the gRPC call
-        was cancelled: an abandoned pass) ends it at once, without handing over what lands after (it stays staged)."""
+        was cancelled: an abandoned pass) ends it at once, without handing over what lands after (it stays staged).
+        started: the first item is None, yielded once the load's reads have started (and, if every demand read has, its
+        reads ahead), before any wait (none with no key: the load ends there): the session stream's reader takes it, so
+        that the store reads in the order the requests were sent, and hands the rest to a thread that waits
+        (services/store_main.py)."""
         self.watch.check()                          # checked on reads: a stat and an fstat when nothing changed
         self._check(session)
         with self.cv:                               # now, even if the stream is never read (a failed pass)
             self._release(release)
             self._drop(drop)
-        return self._load(session, keys, ahead, alive)
+        return self._load(session, keys, ahead, alive, started)
 
-    def _load(self, session, keys, ahead, alive=None) -> Iterator[Loaded]:
+    def _load(self, session, keys, ahead, alive=None, started=False) -> Iterator[Loaded]:
         if self.reader.jitter is not None:        # test-only adversarial timing: staged copies answer out of order
             keys = self.reader.jitter.shuffled(keys)
         done: queue.Queue = queue.Queue()
@@ -290,14 +294,14 @@ class ExpertStore:
                 else:
                     pending.append(key)
         try:
-            yield from self._deliver(session, keys, pending, done, list(ahead), alive)
+            yield from self._deliver(session, keys, pending, done, list(ahead), alive, started)
         finally:
             with self.cv:
                 self._claimed.difference_update(keys)
 
     STALL_S = 2.0       # a load with no expert landed for this long logs the staging state once (stall())
 
-    def _deliver(self, session, keys, pending, done, ahead, alive=None) -> Iterator[Loaded]:
+    def _deliver(self, session, keys, pending, done, ahead, alive=None, started=False) -> Iterator[Loaded]:
         delivered, queued = 0, 0
         last, told = time.monotonic(), False
         while delivered < len(keys):
@@ -313,6 +317,9 @@ class ExpertStore:
                     self._watch(key, done)
                 if ahead and not pending:           # never queued before this load's own reads
                     queued, ahead = self._readahead(ahead), None
+            if started:                             # load's `started`: the reads are started, none waited for
+                started = False
+                yield None
             try:
                 key = done.get(timeout=0.05)
             except queue.Empty:

@@ -1,30 +1,32 @@
 """The worker's StoreClient over gRPC on a Unix socket, plus the arena fd over a second socket.
 
-Every call has a deadline that matches its work (`timeout` for control calls; a Load adds `per_expert` seconds
+Every call has a deadline that matches its work (`timeout` for control calls; a load adds `per_expert` seconds
 per expert it asks for), so a hung store can hold the engine for a bounded time only; abort() (from the health
 probe) ends the calls in flight at once. The fd-socket connection stays open for the session: it is the
 worker's lease on the store (the store refuses a second worker while it is open).
 
-No thread is started per message. grpc's own streams and futures start a "channel spin thread" whenever the channel's
-calls in flight drop to none: in decode that is one thread start per miss layer's Load (~0.2-0.3 ms of host on a
-busy CPU: docs/benchmarks/cpu-host-miss). So the channel runs its unary-stream calls on the caller's thread (grpc's
-SingleThreadedUnaryStream): a Load's experts are read by the thread that iterates them, and the messages sent without
-waiting for their answer (Prefetch, Release) go as one-message unary-stream calls on the same methods (the same
-bytes on the wire), sent on the caller's thread, their answers read in the order sent by ONE thread per channel
-(_Answers) that lives as long as the channel.
+A session's loads, reads ahead and releases go as messages on ONE long-lived stream (store.proto `Session`; _Stream),
+opened when the channel is bound and re-opened after it failed: a new RPC per Load cost the worker's thread ~140 µs of
+CPU on a 2-core box, a message on the open stream ~40 µs, its send a queue put (docs/benchmarks/cpu-store-stream).
+grpc consumes the requests on one thread per stream and the caller that waits for an answer reads the stream itself,
+routing the answers of other requests to them by id (no thread per message; no hop through a reader thread). The
+other calls (attach, passes, status, Engram) stay unary RPCs on the same channel: a pass begins and ends only once
+every message on the stream is answered (_reap), so the store sees them in the order sent.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import itertools
 import json
 import os
 import queue
 import socket
 import threading
+import time
 
 import grpc
-import grpc.experimental
 import numpy as np
 
 from betelgeuse.errors import BetelgeuseError, StoreBusyError, StoreUnavailableError
@@ -52,68 +54,160 @@ def _ids(keys) -> list:
     return [pb.ExpertId(layer=l, expert=e) for l, e in keys]
 
 
-# the channel's unary-stream calls on the caller's thread (module doc)
-_CHANNEL_OPTIONS = [(grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
-def _one_way(channel, method: str, reply):
-    """ExpertStore's unary `method` called as a unary-stream (one message): on this channel, sent on the caller's thread
-    with no spin thread (module doc). reply: the answer's message class."""
-    svc = pb.DESCRIPTOR.services_by_name["ExpertStore"]
-    m = svc.methods_by_name[method]
-    return channel.unary_stream(f"/{svc.full_name}/{m.name}",
-                                request_serializer=lambda r: r.SerializeToString(),
-                                response_deserializer=reply.FromString)
+class _Failed(grpc.RpcError):
+    """A request's `failed` answer (or the stream's end), as the RpcError its own call would have raised."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self._code, self._details = code, details
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
 
 
-class _Pending:
-    """A message sent without waiting: its answer once _Answers has read it (done(), result(): the future grpc's
-    would have been)."""
+def _failed(ev) -> _Failed:
+    return _Failed(_CODES.get(ev.failed.code, grpc.StatusCode.UNKNOWN), ev.failed.details)
 
-    __slots__ = ("call", "event", "reply", "error")
 
-    def __init__(self, call):
-        self.call, self.event, self.reply, self.error = call, threading.Event(), None, None
+class _Stream:
+    """ONE Session call (store.proto): requests put on a queue that grpc's thread for the call sends, in order; the
+    answers read by whichever caller waits for one (one at a time: `_pumping`), each routed to its request's box
+    by id; a box nobody owns any more (a load abandoned, its cancel sent) drops what still comes for it.
+
+    Deadlines: a caller waiting past its request's deadline (a hung store) cancels the call; every request on it then
+    fails with DEADLINE_EXCEEDED, as each call did on its own deadline (a watch thread per stream looks 4x a second).
+    The call's end (the store died, abort() closed the channel) fails every request still waiting, with its error."""
+
+    WATCH_S = 0.25
+
+    def __init__(self, method):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self.call = method(iter(self._q.get, None))    # no deadline: it lives as long as the session
+        self._cv = threading.Condition()
+        self._box: dict[int, collections.deque] = {}    # request id -> answers routed, not yet taken
+        self._waits: dict[int, float] = {}              # request id -> deadline of the caller waiting for it
+        self._pumping = False
+        self.error: grpc.RpcError | None = None         # what the call ended with
+        self._ids = itertools.count(1)
+        self._closed = threading.Event()
+        threading.Thread(target=self._watch, name="store-stream-watch", daemon=True).start()
+
+    def alive(self) -> bool:
+        return self.error is None and not self.call.done()
+
+    def send(self, make) -> int:
+        """Queue the request make(id) -> its id (the answers' box open from now on)."""
+        rid = next(self._ids)
+        with self._cv:
+            if self.error is not None:
+                raise self.error
+            self._box[rid] = collections.deque()
+        self._q.put(make(rid))
+        return rid
+
+    def cancel(self, rid: int):
+        """Stop the load `rid` at the store (an abandoned pass) and drop what still comes for it."""
+        self.forget(rid)
+        if self.alive():
+            self._q.put(pb.SessionRequest(id=rid, cancel=pb.Cancel()))
+
+    def forget(self, rid: int):
+        with self._cv:
+            self._box.pop(rid, None)
+
+    def answered(self, rid: int) -> bool:
+        """An answer to `rid` is routed, or the call ended (no waiting: what a waiting caller read meanwhile)."""
+        return bool(self._box.get(rid)) or self.error is not None
+
+    def take(self, rid: int, deadline: float):
+        """The next answer to `rid` (its own in the order sent), reading the stream meanwhile if nobody else does."""
+        with self._cv:
+            self._waits[rid] = deadline
+        try:
+            while True:
+                with self._cv:
+                    while True:
+                        box = self._box.get(rid)
+                        if box:
+                            return box.popleft()
+                        if self.error is not None:
+                            raise self.error
+                        if box is None:
+                            raise _Failed(grpc.StatusCode.CANCELLED, "the request was cancelled")
+                        if not self._pumping:
+                            self._pumping = True
+                            break
+                        self._cv.wait()
+                ev = err = None
+                try:
+                    ev = next(self.call)            # the one reader, outside the lock
+                except StopIteration:
+                    err = _Failed(grpc.StatusCode.UNAVAILABLE, "the store ended the session stream")
+                except grpc.RpcError as e:
+                    err = e
+                with self._cv:
+                    self._pumping = False
+                    if err is not None:
+                        self.error = self.error or err      # a deadline the watch set stays the reason
+                    else:
+                        box = self._box.get(ev.id)
+                        if box is not None:
+                            box.append(ev)
+                    self._cv.notify_all()
+        finally:
+            with self._cv:
+                self._waits.pop(rid, None)
+
+    def _watch(self):
+        while not self._closed.wait(self.WATCH_S):
+            with self._cv:
+                late = self.error is None and any(t < time.monotonic() for t in self._waits.values())
+                if late:
+                    self.error = _Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            if late:
+                self.call.cancel()
+            if self.call.done():
+                return
+
+    def close(self):
+        self._closed.set()
+        self._q.put(None)                       # half-close: the store's end of the stream finishes
+        self.call.cancel()
+
+
+class _Answer:
+    """A prefetch or release sent without waiting: done() (answered, or the stream ended), result() (the answer, read
+    once and kept; a refusal raises as the unary call's error)."""
+
+    __slots__ = ("stream", "rid", "timeout", "kind", "reply", "error")
+
+    def __init__(self, stream: _Stream, rid: int, timeout: float, kind: str):
+        self.stream, self.rid, self.timeout, self.kind = stream, rid, timeout, kind
+        self.reply = self.error = None
 
     def done(self) -> bool:
-        return self.event.is_set()
+        return self.reply is not None or self.error is not None or self.stream.answered(self.rid)
 
     def result(self):
-        self.event.wait()
+        if self.reply is None and self.error is None:
+            try:
+                ev = self.stream.take(self.rid, time.monotonic() + self.timeout)   # from now: sent long ago
+                if ev.WhichOneof("kind") == "failed":
+                    raise _failed(ev)
+                self.reply = getattr(ev, self.kind)
+            except grpc.RpcError as e:
+                self.error = e
+            finally:
+                self.stream.forget(self.rid)
         if self.error is not None:
             raise self.error
         return self.reply
-
-
-class _Answers:
-    """ONE thread per channel that reads the answers of the messages sent without waiting, in the order sent (module
-    doc): each call's one message, then its status (which frees the call). A cancelled or failed call (abort() closed
-    the channel, the store died) records its RpcError for the caller; stop() ends the thread after what was sent."""
-
-    def __init__(self):
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="store-answers", daemon=True).start()
-
-    def add(self, call) -> _Pending:
-        p = _Pending(call)
-        self._q.put(p)
-        return p
-
-    def stop(self):
-        self._q.put(None)
-
-    def _run(self):
-        while (p := self._q.get()) is not None:
-            try:
-                reply = next(p.call, None)
-                for _ in p.call:             # the status: the call ends here
-                    pass
-                if reply is None:
-                    raise StoreUnavailableError("expert store unavailable: a call was answered with no message")
-                p.reply = reply
-            except BaseException as e:      # noqa: BLE001 -- the caller's to raise (result())
-                p.error = e
-            p.event.set()
 
 
 class GrpcStoreClient:
@@ -132,8 +226,8 @@ class GrpcStoreClient:
         self.consolidating = False    # the last BeginPass: a consolidation was still filling its slots
         self._prefix: Arena | None = None   # the prefix host tier received at the last attach (take_prefix_arena)
         self._aborted: StoreUnavailableError | None = None  # why abort() closed the channel (for the calls it failed)
-        self._answers: _Answers | None = None   # the channel's reader of Prefetch / Release answers (module doc)
-        self._prefetch = self._release = None   # those methods as one-message streams (_one_way)
+        self._stream: _Stream | None = None      # the session's stream of loads, reads ahead, releases (module doc)
+        self._session_call = None                # the channel's Session method (bind)
 
     def _drop_lease(self):
         """Close our lease socket (shutdown first: it wakes the watcher's recv, which close alone does not)."""
@@ -195,9 +289,8 @@ class GrpcStoreClient:
             self._close_channel()
             self._releases = []                     # the old session's slots are freed by the new attach
             self._aborted = None
-            self.channel = grpc.insecure_channel(f"unix:{self.socket_path}", options=_CHANNEL_OPTIONS)
+            self.channel = grpc.insecure_channel(f"unix:{self.socket_path}")
             self.bind(self.channel)
-            self._answers = _Answers()
         try:
             reply = self._call(self.stub.Attach, pb.AttachRequest(worker_pid=os.getpid(),
                                                                   attach_token=header.get("token", "")))
@@ -264,32 +357,62 @@ class GrpcStoreClient:
         self.consolidating = reply.consolidating
         return reply.epoch
 
+    def _session_stream(self) -> _Stream:
+        """The session's stream, re-opened where the last one ended (the store restarted or failed a deadline; after
+        abort() the closed channel refuses: _failing says why)."""
+        s = self._stream
+        if s is None or not s.alive():
+            if s is not None:
+                s.close()
+            s = self._stream = _Stream(self._session_call)
+        return s
+
+    def _send(self, kind: str, req) -> tuple[_Stream, int]:
+        """One request of `kind` (SessionRequest's field) on the session's stream -> (the stream, its id)."""
+        with self._failing():
+            s = self._session_stream()
+            return s, s.send(lambda i: pb.SessionRequest(id=i, **{kind: req}))
+
     def load(self, keys, release=(), ahead=(), drop=()):
         """Demand loads, sent now (the store starts reading at once; it first takes back `release` and reads `ahead`
         ahead once the loads' reads have started) -> the experts in completion order."""
         keys = list(keys)
         req = pb.LoadRequest(session=self.session, experts=_ids(keys), release=list(release), ahead=_ids(ahead),
                              drop=_ids(drop))
-        with self._failing():
-            call = self.stub.Load(req, timeout=self.timeout + self.per_expert * len(keys))
-        return self._landed(call)
+        s, rid = self._send("load", req)
+        if not keys:       # answered as a release (no expert follows): checked with the releases (_reap)
+            self._releases.append(_Answer(s, rid, self.timeout, "released"))
+            return iter(())
+        return self._landed(s, rid, len(keys), time.monotonic() + self.timeout + self.per_expert * len(keys))
 
-    def _landed(self, call):
+    def _landed(self, s: _Stream, rid: int, n: int, deadline: float):
+        got, ended = 0, False
         try:
             with self._failing():
-                for m in call:
+                while got < n:
+                    ev = s.take(rid, deadline)
+                    if ev.WhichOneof("kind") != "loaded":
+                        ended = True
+                        raise _failed(ev)
+                    m = ev.loaded
+                    got += 1
                     yield Loaded(m.layer, m.expert, m.staging_slot, m.disk_bytes, m.prefetched, m.ahead_queued)
+        except BaseException:
+            ended = ended or s.error is not None
+            raise
         finally:
-            call.cancel()           # closed before its end (an abandoned pass): the store stops; else a no-op
+            if got < n and not ended:
+                s.cancel(rid)       # closed before its end (an abandoned pass): the store stops sending it
+            else:
+                s.forget(rid)
 
     def prefetch(self, keys, release=()) -> int:
-        req = pb.LoadRequest(session=self.session, experts=_ids(keys), release=list(release))
-        return self._call(self.stub.Prefetch, req).queued
+        return self.prefetch_start(keys, release)()
 
     def prefetch_start(self, keys, release=(), drop=()):
         """Prefetch without waiting for the answer -> a function that waits for it (the reads started)."""
         req = pb.LoadRequest(session=self.session, experts=_ids(keys), release=list(release), drop=_ids(drop))
-        f = self._answers.add(self._call(self._prefetch, req))
+        f = _Answer(*self._send("prefetch", req), self.timeout, "prefetched")
         # its answer checked with the releases' (_reap: before the pass begins or ends), whether or not the caller
         # asks for it: a failed Prefetch raises there (the staging slots riding on it were the worker's)
         self._releases.append(f)
@@ -302,12 +425,11 @@ class GrpcStoreClient:
     def release(self, slots) -> None:
         """Hand staging slots back without waiting for the answer: a round trip is ~1 ms and a batched decode pass
         releases slots several times a layer (deploy/device/profile_batch.py --top). The store frees them when the
-        call arrives (a load meanwhile just finds fewer free slots); a failed release raises from the next call that
-        reaps (release, begin_pass, end_pass), and every release is answered before a pass begins or ends."""
+        message arrives (in the order sent: before a load sent after it); a failed release raises from the next call
+        that reaps (release, begin_pass, end_pass), and every release is answered before a pass begins or ends."""
         self._reap(wait=False)
         req = pb.ReleaseRequest(session=self.session, staging_slots=list(slots))
-        with self._failing():
-            self._releases.append(self._answers.add(self._release(req, timeout=self.timeout)))
+        self._releases.append(_Answer(*self._send("release", req), self.timeout, "released"))
 
     def _reap(self, wait: bool):
         """Check the answered release and prefetch calls (wait: all of them); the first failure raises."""
@@ -342,19 +464,21 @@ class GrpcStoreClient:
 
     def bind(self, channel):
         """Every call of the session on `channel`: attach's own, or it wrapped in interceptors (grpc.intercept_channel:
-        tests count the messages and bytes of every kind, the one-way Prefetch / Release included)."""
+        tests count the messages and bytes of every kind); the session's stream is re-opened on it."""
         self.stub = pb_grpc.ExpertStoreStub(channel)
-        self._prefetch = _one_way(channel, "Prefetch", pb.PrefetchReply)
-        self._release = _one_way(channel, "Release", pb.ReleaseReply)
+        self._session_call = self.stub.Session
+        if self._stream is not None:
+            self._stream.close()
+        self._stream = _Stream(self._session_call)
 
     def _close_channel(self):
-        """Close the channel (its calls in flight fail) and end its answers' thread (under _lock)."""
+        """Close the session's stream and the channel (its calls in flight fail) (under _lock)."""
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
         if self.channel is not None:
             self.channel.close()
             self.channel = None
-        if self._answers is not None:
-            self._answers.stop()
-            self._answers = None
 
     def close(self) -> None:
         if self._prefix is not None:                 # received and never taken by a runner
