@@ -307,8 +307,15 @@ def generate(port: int, ids: list[int], max_tokens: int = 4, timeout: float = 60
     return final
 
 
-class ByteCounter(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    """Counts serialized protobuf bytes both ways on a client channel (requests + every response)."""
+class _Empty:
+    def ByteSize(self) -> int:
+        return 0
+
+
+class ByteCounter(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                  grpc.StreamStreamClientInterceptor):
+    """Counts serialized protobuf bytes both ways on a client channel (requests + every response; a stream's messages
+    as grpc sends and the caller reads them)."""
 
     def __init__(self):
         self.sent = 0
@@ -347,6 +354,16 @@ class ByteCounter(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterc
             def __getattr__(self, name):
                 return getattr(it, name)
         return Counted()
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        counter = self
+
+        def sent():
+            for r in request_iterator:
+                counter.sent += r.ByteSize()
+                yield r
+        self.calls += 1
+        return self.intercept_unary_stream(lambda d, _: continuation(d, sent()), details, _Empty())
 
 
 def counting_store_client(sockets: StoreSockets):

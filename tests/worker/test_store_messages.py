@@ -2,9 +2,10 @@
 
 A decode layer with a miss sends the store ONE message (its Load: the staging slots of earlier layers handed back,
 its demand loads, the next layer's guessed experts read ahead once its reads have started); a layer without a miss
-sends none, or one read ahead of guessed experts. Every message is counted as the channel sends it (an interceptor
-that never waits for a reply, so one-way sends stay one-way) and compared with the pass's own count (PassStats); no
-staging slot stays held once the request is done.
+sends none, or one read ahead of guessed experts. Every message is counted as the client sends it (the unary calls by
+an interceptor that never waits for a reply; a load, prefetch or release as the client puts it on the session's
+stream, by kind) and compared with the pass's own count (PassStats); no staging slot stays held once the request is
+done.
 """
 
 from __future__ import annotations
@@ -21,10 +22,21 @@ PER_LAYER = ("Load", "Prefetch", "Release")        # the messages of a pass's la
 
 
 class MethodCounter(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    """Messages sent on a channel, by method, without waiting for any reply."""
+    """Messages sent on a channel, by method, without waiting for any reply; watch(client): the requests the client
+    puts on its session stream, by the method each was before the stream (Load, Prefetch, Release)."""
+
+    STREAMED = {"load": "Load", "prefetch": "Prefetch", "release": "Release"}
 
     def __init__(self):
         self.sent = Counter()
+
+    def watch(self, client):
+        send = client._send
+
+        def counted(kind, req):
+            self.sent[self.STREAMED[kind]] += 1
+            return send(kind, req)
+        client._send = counted
 
     def intercept_unary_unary(self, continuation, details, request):
         self.sent[details.method.rsplit("/", 1)[-1]] += 1
@@ -60,6 +72,7 @@ def test_one_message_per_decode_layer_with_a_miss(models, tmp_path, arch, guess)
         client = store.client
         counter = MethodCounter()
         client.bind(grpc.intercept_channel(client.channel, counter))
+        counter.watch(client)
         n_vocab, L = rn.mcfg.n_vocab, rn.mcfg.n_layer
         kv = rn.new_cache(64)
         logits, _ = rn.forward(prompt(20, n_vocab, seed=3), kv)

@@ -1,0 +1,119 @@
+"""The worker's session stream to a real store process (store.proto `Session`; services/grpc/store_client.py, issue 21):
+the loads, reads ahead and releases of a session are messages on ONE gRPC stream, answered tagged with the request's
+id. Checked here against a `services.store_main` child (a tiny synth model, few slots):
+
+- two loads in flight at once, their experts read in turn and one before the other, with a read ahead and a release
+  sent between them: each load gets exactly its own experts (none twice, none of the other's), the release's slot is
+  the store's again, and a load abandoned half-way (closed) is stopped at the store: a later load on the same stream
+  gets only its own experts and the pass ends with every slot back;
+- the store killed while a load waits for its next expert: the load raises StoreUnavailableError ("expert store
+  unavailable (UNAVAILABLE): ...", the worker's error, not a gRPC one) within seconds, no hang; so does the next
+  message, and the client's reap at the next pass.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from betelgeuse.config import EngineConfig
+from betelgeuse.errors import StoreUnavailableError
+
+L, E = 2, 16
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from betelgeuse.gguf.synth import PRESETS, write_model
+    path = tmp_path_factory.mktemp("stream") / "tiny.gguf"
+    write_model(path, replace(PRESETS["tiny"], n_layer=L, n_expert=E, seed=3), progress=False)
+    return path
+
+
+def _store(model, tmp_path):
+    from services.assembly import open_store
+    cfg = EngineConfig(model_path=str(model), vram_slots=1, host_slots=2, read_threads=2)
+    return open_store(cfg, "process", str(tmp_path / "store"))
+
+
+def _disk(c) -> tuple:
+    """Attach -> (the plan, per layer its experts only on disk: a load of the others is refused)."""
+    from betelgeuse.store.directory import TIER_DISK, SlotDirectory
+    arena, plan = c.attach()
+    d = SlotDirectory(arena, plan.layout, create=False)
+    return plan, [[(l, e) for e in range(E) if d.lookup(l, e)[0] == TIER_DISK] for l in range(L)]
+
+
+def test_overlapping_loads_get_their_own_experts(model, tmp_path):
+    store = _store(model, tmp_path)
+    try:
+        c = store.client
+        plan, disk = _disk(c)
+        n = min(3, plan.n_staging // 4)
+        assert n >= 2 and all(len(d) >= 2 * n for d in disk), (plan.n_staging, [len(d) for d in disk])
+        c.begin_pass(False)
+        a_keys, b_keys = disk[0][:n], disk[1][:n]
+        a, b = c.load(a_keys), c.load(b_keys)
+        queued = c.prefetch_start(disk[1][n:n + 1])                 # answered between the loads' experts
+        got_a, got_b = [next(a)], []
+        got_b += list(b)                                          # b's experts read while a's keep coming
+        c.release([got_b[0].slot])                                # back mid-way, in order with the next load
+        got_a += list(a)
+        assert sorted((x.layer, x.expert) for x in got_a) == sorted(a_keys), got_a
+        assert sorted((x.layer, x.expert) for x in got_b) == sorted(b_keys), got_b
+        slots = [x.slot for x in got_a + got_b]
+        assert len(set(slots)) == len(slots), slots               # no slot handed twice
+        assert queued() >= 0
+        # a load abandoned half-way: stopped at the store; what comes next on the stream is the next load's only
+        rest = disk[0][n:2 * n]
+        half = c.load(rest)
+        first = next(half)
+        half.close()
+        again = c.load(disk[1][n + 1:n + 2])
+        assert [(x.layer, x.expert) for x in again] == disk[1][n + 1:n + 2]
+        held = [x.slot for x in got_a + got_b[1:]] + [first.slot]
+        c.end_pass(np.zeros((L, E), dtype=np.int64), False, held)
+        c.begin_pass(False)                                       # the slots the abandoned load left are taken back
+        c.end_pass(np.zeros((L, E), dtype=np.int64), False)
+        assert c.status()["staging_handed"] == 0
+    finally:
+        store.close()
+
+
+def test_store_killed_mid_load_raises_the_workers_error(model, tmp_path):
+    store = _store(model, tmp_path)
+    try:
+        c = store.client
+        plan, disk = _disk(c)
+        keys = disk[0] + disk[1]
+        assert len(keys) > plan.n_staging, (len(keys), plan.n_staging)
+        c.begin_pass(False)
+        loads = c.load(keys)                         # more than the staging slots: it waits once all are held
+        held = [next(loads) for _ in range(plan.n_staging)]
+        out: dict = {}
+
+        def wait_next():
+            try:
+                out["got"] = next(loads)
+            except BaseException as e:                # noqa: BLE001 -- what the test checks
+                out["error"] = e
+        t = threading.Thread(target=wait_next, daemon=True)
+        t.start()
+        t.join(0.3)
+        assert t.is_alive(), f"the load did not wait for a staging slot: {out}"
+        os.kill(store.proc.pid, signal.SIGKILL)
+        t.join(10)
+        assert not t.is_alive(), "the load hung after the store died"
+        e = out.get("error")
+        assert isinstance(e, StoreUnavailableError), out
+        assert str(e).startswith("expert store unavailable (UNAVAILABLE)"), str(e)
+        with pytest.raises(StoreUnavailableError, match=r"^expert store unavailable \(UNAVAILABLE\)"):
+            c.release([x.slot for x in held])
+            c.begin_pass(False)
+    finally:
+        store.close()
