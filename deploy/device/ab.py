@@ -12,7 +12,8 @@ Why alternating: the machine's speed drifts (other processes, thermal, the page 
 rep, configuration by configuration, and a drift falls on both. The script is B's (the new measuring code wraps
 either checkout's classes); only PYTHONPATH changes between the sides, so the script must leave sys.path to
 PYTHONPATH (decode_host.py and store_messages.py do; a script that imports `_common` puts B's checkout first and would
-run B's code on both sides). CONFIGS: one argument line per configuration (blank lines and lines starting with #
+run B's code on both sides). Each run's working directory is its side's checkout: the `python -m` children a script
+starts (the store process) put the working directory first on sys.path, ahead of PYTHONPATH. CONFIGS: one argument line per configuration (blank lines and lines starting with #
 skipped). A device A/B extracts A with
 `git archive <commit> betelgeuse services deploy | tar -x -C _base` and passes `_base` as A_CHECKOUT.
 """
@@ -37,14 +38,17 @@ def configs(path: str) -> list[str]:
 def run(a: str, b: str, cfgs: list[str], reps: int, labels: tuple[str, str], script: str, extra: str,
         python: str, out=sys.stdout) -> int:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    script_path = str(Path(b) / script)
+    script_path = str((Path(b) / script).resolve())
     for args in cfgs:
         for rep in range(1, reps + 1):
             for side, root in zip(labels, (a, b)):
                 cmd = [python, script_path, *shlex.split(args), *shlex.split(extra)]
                 # the side's checkout first; what PYTHONPATH held (the device's wheels in /tmp/site) after it
                 path = os.pathsep.join(x for x in (str(Path(root).resolve()), env.get("PYTHONPATH", "")) if x)
-                p = subprocess.run(cmd, env=dict(env, PYTHONPATH=path), capture_output=True, text=True)
+                # run in the side's checkout: a `python -m services.*` child (the store decode_host.py starts) puts its
+                # working directory before PYTHONPATH, so from B's checkout both sides would run B's store
+                p = subprocess.run(cmd, env=dict(env, PYTHONPATH=path), capture_output=True, text=True,
+                                   cwd=str(Path(root).resolve()))
                 if p.returncode != 0:
                     print(f"ab: {side} run of `{' '.join(cmd)}` exited {p.returncode}:\n{p.stderr[-2000:]}",
                           file=sys.stderr)

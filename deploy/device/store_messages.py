@@ -1,11 +1,12 @@
 """What one store message costs the worker's host, through a real store process (issue 21: decode host time).
 
-A decode layer with a miss sends the store one gRPC `Load` (worker/moe_step.py); its host cost is what the bench's
-decode split calls store messages (`store_us_per_application`). This times, on this machine's CPU, against a
-`services.store_main` child over its Unix socket (a tiny synth model; every key staged, so no disk read is timed):
-starting a Load stream, its first message (the store's answer for a staged copy), the stream's end, sending a Release
-(one-way), a Prefetch round trip; and, for scale, a bare AF_UNIX SOCK_SEQPACKET round trip between two processes
-(what a struct-packed hot-path channel beside gRPC would cost).
+A decode layer with a miss sends the store one load (worker/moe_step.py); its host cost is what the bench's decode
+split calls store messages (`store_us_per_application`). This times, on this machine's CPU, against a
+`services.store_main` child over its Unix socket (a tiny synth model; every key staged, so no disk read is timed),
+through the client's own methods (so either checkout's: a Load RPC each before issue 21's session stream, a message on
+the stream after): sending a load, its first message (the store's answer for a staged copy), its end, sending a
+release (one-way), waiting for its answer, a prefetch round trip; and, for scale, a bare AF_UNIX SOCK_SEQPACKET round
+trip between two processes (what a struct-packed hot-path channel beside gRPC would cost).
 
     python3 deploy/device/store_messages.py [--n 300] [--out store_messages.md]
 
@@ -35,38 +36,40 @@ def grpc_costs(n: int, tmp: Path) -> dict[str, list[float]]:
     from betelgeuse.config import EngineConfig
     from betelgeuse.gguf.synth import PRESETS, write_model
     from services.assembly import open_store
-    from services.pb.betelgeuse.v1 import store_pb2 as pb
     path = tmp / "tiny.gguf"
     write_model(path, replace(PRESETS["tiny"], n_layer=2, n_expert=16, seed=3), progress=False)
     cfg = EngineConfig(model_path=str(path), vram_slots=1, host_slots=2, read_threads=2)
     store = open_store(cfg, "process", str(tmp / "store"))
     c = store.client
-    out: dict[str, list[float]] = {k: [] for k in ("Load: start the stream", "Load: first message (staged copy)",
-                                                   "Load: end of stream", "Load: whole", "Release: send (one-way)",
-                                                   "Prefetch: round trip")}
+    out: dict[str, list[float]] = {k: [] for k in ("Load: send", "Load: first message (staged copy)",
+                                                   "Load: end", "Load: whole", "Load: whole, the caller's CPU",
+                                                   "Release: send (one-way)",
+                                                   "Release: answered", "Prefetch: round trip")}
     try:
         c.attach()
         c.begin_pass(False)
         keys = [(1, e) for e in range(4)]
         for got in c.load(keys):                  # staged once: later loads are answered from the staged copies
             c.release([got.slot])
+        c._reap(wait=True)                        # every release answered
         for i in range(n):
-            req = pb.LoadRequest(session=c.session, experts=[pb.ExpertId(layer=1, expert=i % len(keys))])
+            c0 = time.thread_time()
             t0 = time.perf_counter()
-            call = c.stub.Load(req, timeout=10)
+            loads = c.load([keys[i % len(keys)]])
             t1 = time.perf_counter()
-            m = next(call)
+            m = next(loads)
             t2 = time.perf_counter()
-            for _ in call:
+            for _ in loads:
                 pass
             t3 = time.perf_counter()
-            f = c.stub.Release.future(pb.ReleaseRequest(session=c.session, staging_slots=[m.staging_slot]), timeout=10)
+            c3 = time.thread_time()
+            c.release([m.slot])
             t4 = time.perf_counter()
-            f.result()
+            c._reap(wait=True)                    # the client's own wait for the answers of what it sent
             t5 = time.perf_counter()
-            c.stub.Prefetch(pb.LoadRequest(session=c.session, experts=[]), timeout=10)
+            c.prefetch([])
             t6 = time.perf_counter()
-            for k, v in zip(out, (t1 - t0, t2 - t1, t3 - t2, t3 - t0, t4 - t3, t6 - t5)):
+            for k, v in zip(out, (t1 - t0, t2 - t1, t3 - t2, t3 - t0, c3 - c0, t4 - t3, t5 - t4, t6 - t5)):
                 out[k].append(v)
         c.end_pass(np.zeros((2, 16), dtype=np.int64), False)
     finally:

@@ -15,7 +15,10 @@ import betelgeuse.which as w
 n = int(sys.argv[sys.argv.index("--n") + 1])
 if n < 0:
     sys.exit("negative n")
-print(json.dumps({"per_token_median": {"us": w.US * n, "args": sys.argv[1:]}}))
+import subprocess
+child = float(subprocess.run([sys.executable, "-c", "import betelgeuse.which as w; print(w.US)"],
+                             capture_output=True, text=True, check=True).stdout)   # as a `python -m` store child
+print(json.dumps({"per_token_median": {"us": w.US * n, "child": child, "args": sys.argv[1:]}}))
 """
 
 
@@ -33,11 +36,13 @@ def test_ab_alternates_sides_and_tables_the_ratio(tmp_path):
     cfg = tmp_path / "configs.txt"
     cfg.write_text("# a comment\n--n 1\n\n--n 3\n")
     p = subprocess.run([sys.executable, str(AB), "run", str(a), str(b), "--configs", str(cfg), "--reps", "2",
-                        "--script", "tools/m.py", "--extra=--tag x"], capture_output=True, text=True, check=True)
+                        "--script", "tools/m.py", "--extra=--tag x"], capture_output=True, text=True, check=True,
+                       cwd=b)      # from B's checkout, as on the device: a child started by A's run still runs A's code
     rows = [json.loads(x) for x in p.stdout.splitlines()]
     assert [(r["args"], r["rep"], r["side"]) for r in rows] == [
         (c, rep, s) for c in ("--n 1", "--n 3") for rep in (1, 2) for s in ("main", "branch")]
     assert [r["run"]["per_token_median"]["us"] for r in rows[:2]] == [100.0, 50.0]     # each side's own code
+    assert [r["run"]["per_token_median"]["child"] for r in rows[:2]] == [100.0, 50.0]  # its children's too
     assert rows[0]["run"]["per_token_median"]["args"] == ["--n", "1", "--tag", "x"]
     res = tmp_path / "results.jsonl"
     res.write_text(p.stdout)
