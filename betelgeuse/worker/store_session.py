@@ -185,8 +185,8 @@ class StoreSession:
 
     def abandon(self):
         """Close the store's pass after an exception in a pass; a dead store is the caller's problem already. A load
-        stream the failed pass left with experts still coming is closed first (over gRPC: the call is cancelled, the
-        store stops reading for it and hands it nothing more); the slots it had handed are the store's to take back
+        stream the failed pass left with experts still coming is closed first (over gRPC: a cancel on the session's
+        stream, the store stops reading for it and hands it nothing more); the slots it had handed are the store's to take back
         (ExpertStore._reclaim)."""
         streams, self._streams = self._streams, []
         for s in streams:
@@ -352,7 +352,7 @@ class LoadStream:
         return got
 
     def close(self):
-        """Stop reading it: a generator is closed (the gRPC client's cancels its call)."""
+        """Stop reading it: a generator is closed (the gRPC client's sends the store a cancel of the load)."""
         close = getattr(self._it, "close", None)
         if close is not None:
             close()

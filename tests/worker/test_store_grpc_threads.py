@@ -2,8 +2,9 @@
 answers and failures those messages had with grpc's own futures and streams.
 
 grpc's streams and futures start a channel spin thread whenever the channel's calls in flight drop to none: one
-thread start per miss layer's Load in decode. services/grpc/store_client.py runs the Load stream on the caller's
-thread and reads the answers of Prefetch / Release (sent without waiting) on one thread per channel. Checked here:
+thread start per miss layer's Load in decode. services/grpc/store_client.py sends loads, reads ahead and releases as
+messages on one long-lived stream per session (store.proto `Session`: a call always in flight), its answers read by
+the caller that waits for one. Checked here:
 
 - a decode with misses through a `services.store_main` child gives the bits, per-step PassStats (tier counts, guess
   counters, messages per kind; not disk_bytes, which the two modes count apart on main as well: 0 for an expert
