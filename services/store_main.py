@@ -152,7 +152,8 @@ class StoreServicer(pb_grpc.ExpertStoreServicer):
             return self._failed(rid, e, False)
 
     def _start_load(self, rid: int, q, context, out: queue.SimpleQueue, cancelled: set):
-        """Hand back `release`, drop, start the reads (store.load's `started`), here; the rest on a loader thread."""
+        """Hand back `release`, drop, start the reads (store.load's `started`) and hand over the experts already
+        staged, here; the rest on a loader thread."""
         def alive() -> bool:
             return rid not in cancelled and context.is_active()
         try:
@@ -162,21 +163,32 @@ class StoreServicer(pb_grpc.ExpertStoreServicer):
             out.put(self._failed(rid, e, False))
             return
         try:
-            first = next(it, _END)                          # the reads started (the Load call's first steps)
+            landed = next(it, _END)                         # the reads started (the Load call's first steps)
+            if landed is _END:                              # no expert: answered as a release
+                out.put(pb.SessionEvent(id=rid, released=pb.ReleaseReply()))
+                return
+            n = len(q.experts)
+            while n and landed.qsize():                     # staged already: no wait, no loader thread
+                out.put(self._loaded(rid, next(it)))
+                n -= 1
+            if not n:
+                next(it, None)                              # the load's end (its keys unclaimed)
+                return
         except Exception as e:                              # noqa: BLE001
             out.put(self._failed(rid, e, True))
             return
-        if first is _END:                                   # no expert: answered as a release
-            out.put(pb.SessionEvent(id=rid, released=pb.ReleaseReply()))
-            return
         self.loaders.submit(self._deliver, rid, it, out, cancelled)
+
+    @staticmethod
+    def _loaded(rid: int, got) -> pb.SessionEvent:
+        return pb.SessionEvent(id=rid, loaded=pb.Loaded(
+            layer=got.layer, expert=got.expert, staging_slot=got.slot, disk_bytes=got.disk_bytes,
+            prefetched=got.prefetched, ahead_queued=got.ahead_queued))
 
     def _deliver(self, rid: int, it, out: queue.SimpleQueue, cancelled: set):
         try:
             for got in it:
-                out.put(pb.SessionEvent(id=rid, loaded=pb.Loaded(
-                    layer=got.layer, expert=got.expert, staging_slot=got.slot, disk_bytes=got.disk_bytes,
-                    prefetched=got.prefetched, ahead_queued=got.ahead_queued)))
+                out.put(self._loaded(rid, got))
         except Exception as e:                              # noqa: BLE001
             out.put(self._failed(rid, e, True))
         finally:

@@ -265,10 +265,11 @@ class ExpertStore:
         slots `release` and forgets the reads ahead of `drop` not started yet; once every demand read has started,
         reads `ahead` ahead (as prefetch): one message does a decode layer's store work. alive() false (the gRPC call
         was cancelled: an abandoned pass) ends it at once, without handing over what lands after (it stays staged).
-        started: the first item is None, yielded once the load's reads have started (and, if every demand read has, its
-        reads ahead), before any wait (none with no key: the load ends there): the session stream's reader takes it, so
-        that the store reads in the order the requests were sent, and hands the rest to a thread that waits
-        (services/store_main.py)."""
+        started: the first item is the load's landing queue (its qsize(): experts landed, handed over by the next items
+        without a wait), yielded once the load's reads have started (and, if every demand read has, its reads ahead),
+        before any wait (none with no key: the load ends there): the session stream's reader takes it, so that the
+        store reads in the order the requests were sent, hands over what has landed, and the rest to a thread that
+        waits (services/store_main.py)."""
         self.watch.check()                          # checked on reads: a stat and an fstat when nothing changed
         self._check(session)
         with self.cv:                               # now, even if the stream is never read (a failed pass)
@@ -319,7 +320,7 @@ class ExpertStore:
                     queued, ahead = self._readahead(ahead), None
             if started:                             # load's `started`: the reads are started, none waited for
                 started = False
-                yield None
+                yield done
             try:
                 key = done.get(timeout=0.05)
             except queue.Empty:

@@ -5,7 +5,9 @@ id. Checked here against a `services.store_main` child (a tiny synth model, few 
 - two loads in flight at once, their experts read in turn and one before the other, with a read ahead and a release
   sent between them: each load gets exactly its own experts (none twice, none of the other's), the release's slot is
   the store's again, and a load abandoned half-way (closed) is stopped at the store: a later load on the same stream
-  gets only its own experts and the pass ends with every slot back;
+  (one of its experts staged by the read ahead) gets only its own experts and the pass ends with every slot back;
+- the store stopped while a load waits: it fails at its deadline (DEADLINE_EXCEEDED, as its call did) and the next
+  message opens a new stream;
 - the store killed while a load waits for its next expert: the load raises StoreUnavailableError ("expert store
   unavailable (UNAVAILABLE): ...", the worker's error, not a gRPC one) within seconds, no hang; so does the next
   message, and the client's reap at the next pass.
@@ -68,15 +70,16 @@ def test_overlapping_loads_get_their_own_experts(model, tmp_path):
         assert sorted((x.layer, x.expert) for x in got_b) == sorted(b_keys), got_b
         slots = [x.slot for x in got_a + got_b]
         assert len(set(slots)) == len(slots), slots               # no slot handed twice
-        assert queued() >= 0
+        assert queued() == 1                                      # the read ahead started
         # a load abandoned half-way: stopped at the store; what comes next on the stream is the next load's only
         rest = disk[0][n:2 * n]
         half = c.load(rest)
         first = next(half)
         half.close()
-        again = c.load(disk[1][n + 1:n + 2])
-        assert [(x.layer, x.expert) for x in again] == disk[1][n + 1:n + 2]
-        held = [x.slot for x in got_a + got_b[1:]] + [first.slot]
+        again = list(c.load(disk[1][n:n + 2]))      # the one read ahead is staged: answered by the store's reader
+        assert sorted((x.layer, x.expert) for x in again) == disk[1][n:n + 2], again
+        assert any(x.prefetched for x in again), again
+        held = [x.slot for x in got_a + got_b[1:] + again] + [first.slot]
         c.end_pass(np.zeros((L, E), dtype=np.int64), False, held)
         c.begin_pass(False)                                       # the slots the abandoned load left are taken back
         c.end_pass(np.zeros((L, E), dtype=np.int64), False)
@@ -116,4 +119,30 @@ def test_store_killed_mid_load_raises_the_workers_error(model, tmp_path):
             c.release([x.slot for x in held])
             c.begin_pass(False)
     finally:
+        store.close()
+
+
+def test_a_hung_store_fails_the_load_at_its_deadline_and_the_stream_reopens(model, tmp_path):
+    """The store stopped (SIGSTOP) while a load waits: the load fails at its deadline with the error its own call's
+    deadline gave ("expert store unavailable (DEADLINE_EXCEEDED)"), not later than the watch's period after it; once
+    the store goes on, the next message opens a new stream and is answered."""
+    import time
+    store = _store(model, tmp_path)
+    pid = store.proc.pid
+    try:
+        c = store.client
+        plan, disk = _disk(c)
+        c.begin_pass(False)
+        c.timeout, c.per_expert = 0.5, 0.0
+        os.kill(pid, signal.SIGSTOP)
+        t = time.monotonic()
+        with pytest.raises(StoreUnavailableError, match=r"^expert store unavailable \(DEADLINE_EXCEEDED\)"):
+            list(c.load(disk[0][:1]))
+        assert 0.5 <= time.monotonic() - t < 0.5 + 4 * c._stream.WATCH_S, time.monotonic() - t
+        os.kill(pid, signal.SIGCONT)
+        c.timeout = 10.0
+        got = list(c.load(disk[1][:1]))
+        assert [(x.layer, x.expert) for x in got] == disk[1][:1]
+    finally:
+        os.kill(pid, signal.SIGCONT)
         store.close()
