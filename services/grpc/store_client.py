@@ -386,22 +386,19 @@ class GrpcStoreClient:
         return self._landed(s, rid, len(keys), time.monotonic() + self.timeout + self.per_expert * len(keys))
 
     def _landed(self, s: _Stream, rid: int, n: int, deadline: float):
-        got, ended = 0, False
+        got, failed = 0, False
         try:
             with self._failing():
                 while got < n:
                     ev = s.take(rid, deadline)
                     if ev.WhichOneof("kind") != "loaded":
-                        ended = True
+                        failed = True               # nothing more of it follows
                         raise _failed(ev)
                     m = ev.loaded
                     got += 1
                     yield Loaded(m.layer, m.expert, m.staging_slot, m.disk_bytes, m.prefetched, m.ahead_queued)
-        except BaseException:
-            ended = ended or s.error is not None
-            raise
         finally:
-            if got < n and not ended:
+            if got < n and not failed:
                 s.cancel(rid)       # closed before its end (an abandoned pass): the store stops sending it
             else:
                 s.forget(rid)
