@@ -83,6 +83,8 @@ DENSE = {
                                            H="i32/16", k_top="i32")),
 }
 
+LAUNCH = {"_decode_attn_kernel": {"num_stages": 1}}     # launch options other than Triton's defaults (4 warps, 3 stages)
+
 # the variants of gpu-run45-ds4's attach (docs/benchmarks/gpu-run45-ds4/bench.json, cases[0]'s
 # attach_triton_compiles: the first 32 of its 51; its copy_rows compiles were not listed: N 2..4 here), the other
 # classes of the compressed-entry counts the warm-up's state lengths give (NE, N: neither, a multiple of 16; see
@@ -184,10 +186,16 @@ def dense_spec(name: str, cst: dict) -> tuple:
             t = t[:-3]
             ints[a] = 16
         sig[a] = t
+    for prm in fn.params:                   # a constexpr the launch leaves at its default (the JIT's value)
+        if prm.is_constexpr and prm.name not in cst and prm.has_default:
+            cst[prm.name] = prm.default
+    if name == "_decode_attn_kernel" and "KB" in fn.arg_names and "KB" not in cst:
+        from betelgeuse.kernels import triton_ds4   # TritonOps.decode_attend's chunk (a record from before it: none)
+        cst["KB"] = min(triton_ds4.ATTN_KB, cst["HD"])
     missing = [a for a in fn.arg_names if a not in sig and a not in cst]
     if missing:
         raise ValueError(f"{name}: arguments {missing} are neither typed (DENSE) nor in the variant {cst}")
-    return fn, sig, ints, cst, {"num_warps": 4, "num_stages": 3}
+    return fn, sig, ints, cst, {"num_warps": 4, "num_stages": 3, **LAUNCH.get(name, {})}
 
 
 def _ptxas_log(fn, sig, ints, cst, cfg) -> tuple[str, object]:
