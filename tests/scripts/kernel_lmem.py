@@ -247,11 +247,11 @@ def measure(task: tuple) -> dict:
             "cubin": len(k.asm["cubin"]), "shared": int(k.metadata.shared), "log": src}
 
 
-def tasks_for(variants: list[tuple[str, dict]], experts: bool) -> list[tuple]:
+def tasks_for(variants: list[tuple[str, dict]], experts: bool, buckets=BUCKETS) -> list[tuple]:
     out = [("dense", n, c) for n, c in variants]
     if experts:
         for t, geom, lim in EXPERTS:
-            for b in BUCKETS:
+            for b in buckets:
                 for which in ("gate_up", "down"):
                     out.append(("expert", f"{t} {which} rows{b}", (t, which, {}, geom, b, lim)))
     return out
@@ -263,6 +263,8 @@ def main() -> int:
                                       "name[K=v,...] lines; default: DEFAULT_VARIANTS")
     p.add_argument("--only", help="kernel names (comma-separated) to compile, of the list")
     p.add_argument("--no-experts", action="store_true", help="the dense variants only")
+    p.add_argument("--buckets", default=",".join(map(str, BUCKETS)),
+                   help="the expert kernels' rows buckets (1: decode's, 16: prefill's)")
     p.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1))
     p.add_argument("--sms", type=int, default=SMS)
     p.add_argument("--threads", type=int, default=THREADS_PER_SM, help="resident threads per SM")
@@ -296,7 +298,11 @@ def main() -> int:
                                                            "_down_mv_kernel"})
     uniq = [(n, c) for n, c in uniq if n in DENSE]
     experts = not a.no_experts and (only is None or only & {"_gate_up_kernel", "_down_kernel"})
-    tasks = tasks_for(uniq, bool(experts))
+    buckets = [int(b) for b in a.buckets.split(",")]
+    if set(buckets) - set(BUCKETS):
+        print(f"kernel_lmem: error: --buckets {a.buckets}: the buckets are {BUCKETS}", file=sys.stderr)
+        return 2
+    tasks = tasks_for(uniq, bool(experts), buckets)
     with ProcessPoolExecutor(max_workers=max(1, a.jobs)) as ex:
         rows = list(ex.map(measure, tasks))
     threads = a.sms * a.threads
