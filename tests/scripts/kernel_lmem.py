@@ -17,11 +17,15 @@ their runtime arguments' types from DENSE below; the expert kernels (triton_moe 
 configs, Q8_0 at the bench geometry and MXFP4 at ds4-flash's; combine's two forms). A variant's own T (rows 1..8)
 only changes int arguments' values, not its compile key beyond them.
 
-    kernel_lmem.py [--variants bench.json|list.txt] [--only NAME,..] [--jobs N] [--sms 132] [--threads 2048]
+    kernel_lmem.py [--variants bench.json|list.txt] [--only NAME,..] [--no-experts] [--buckets 1,16] [--jobs N]
+                   [--sms 132] [--threads 2048] [--measure]
+
+--measure (CUDA): a few ops (MEASURE) launched once each in a fresh process, the VRAM each adds outside torch's
+allocator against the reservation its variant's local bytes predict: the formula checked on the GPU at hand.
 
 Prints one JSON line {"skipped": reason} when this Triton cannot compile for CUDA here, else {"triton", "ptxas",
 "threads", "kernels": [{"kernel", "constexprs", "warps", "regs", "stack", "spill_stores", "lmem_mib", "cubin",
-"shared"}, ...]} (largest stack first); a markdown table goes to stderr.
+"shared"}, ...], "measured"} (largest stack first); markdown tables go to stderr.
 """
 
 from __future__ import annotations
@@ -83,7 +87,7 @@ DENSE = {
                                            H="i32/16", k_top="i32")),
 }
 
-LAUNCH = {"_decode_attn_kernel": {"num_stages": 1}}     # launch options other than Triton's defaults (4 warps, 3 stages)
+LAUNCH = {"_decode_attn_kernel": {"num_stages": 1}}    # launch options besides Triton's defaults (4 warps, 3 stages)
 
 # the variants of gpu-run45-ds4's attach (docs/benchmarks/gpu-run45-ds4/bench.json, cases[0]'s
 # attach_triton_compiles: the first 32 of its 51; its copy_rows compiles were not listed: N 2..4 here), the other
@@ -257,6 +261,94 @@ def tasks_for(variants: list[tuple[str, dict]], experts: bool, buckets=BUCKETS) 
     return out
 
 
+# ops launched once each by --measure: ds4's (a no-spill control, the spilling kernels before the fix, a float32
+# one), and the torch kernels the warm-ups reach that a short run may not: index_topk's torch.topk over 512 entries
+# (a 2048-token state) against 20, qwen3moe's static attention (SDPA with a mask) over the scratch states' lengths
+MEASURE = ("rms", "compress_step128", "decode_attend_csa", "decode_attend_window_f32", "topk:20:20",
+           "topk:512:512", "sdpa:256", "sdpa:136", "sdpa:2048")
+
+
+def measure_one(which: str) -> dict:
+    """On CUDA, in a fresh process (the reservation only grows): one op of MEASURE launched once -> the device-wide
+    bytes it added outside torch's allocator (module loads + the local-memory reservation) and, for a Triton op, its
+    variant's local bytes per thread as the driver reports them (triton_launch.compiles_since)."""
+    import torch
+
+    from betelgeuse.kernels import triton_launch as TL
+    from betelgeuse.kernels.triton_ds4 import TritonOps as ops
+    from betelgeuse.model.deepseek4 import InterleavedRope
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=g).to(dtype).to(dev)
+    H, hd, W, r = 64, 512, 128, 64
+    if which == "rms":                                   # a kernel without local memory: the module load alone
+        x, w = rnd(4, 4096), rnd(4096)
+
+        def run():
+            ops.rms(x, w, 1e-6)
+    elif which == "compress_step128":
+        st = [torch.zeros(n, c, dtype=torch.bfloat16, device=dev) for n, c in ((128, hd), (128, hd), (17, hd))]
+        ckv, cg, ape, cnorm = rnd(1, hd), rnd(1, hd), rnd(128, hd, dtype=torch.float32), rnd(hd, dtype=torch.float32)
+        crope = InterleavedRope.yarn(r, 160000.0, 4.0, 64, 32.0, 1.0, dev)
+        pos = torch.tensor([129], device=dev)
+
+        def run():
+            ops.compress_step(*st, ckv, cg, ape, cnorm, crope, pos, 128, 1e-6)
+    elif which.startswith("decode_attend"):
+        dt = torch.float32 if which.endswith("f32") else torch.bfloat16
+        csa = "csa" in which
+        q, kv, ring = rnd(1, H, hd, dtype=dt), rnd(1, hd, dtype=dt), rnd(W, hd, dtype=dt)
+        ents = rnd(515, hd, dtype=dt) if csa else None
+        top = torch.randperm(515, generator=g)[:512].to(dev) if csa else None
+        pos = torch.tensor([2116], device=dev)
+        sinks, cos, sin = (rnd(n, dtype=torch.float32) for n in (H, (1, r), (1, r)))
+
+        def run():
+            ops.decode_attend(q, kv, ring, ents, top, pos, 4 if csa else 0, sinks, cos, sin)
+    elif which.startswith("topk:"):
+        n, k = map(int, which.split(":")[1:])
+        x = rnd(1, n, dtype=torch.float32)
+
+        def run():
+            x.topk(k, dim=-1)
+    elif which.startswith("sdpa:"):                     # the bench geometry: 32 heads on 4 kv heads of 128
+        from betelgeuse.model.layers import static_decode_attention
+        S = int(which.split(":")[1])
+        q, k, v = rnd(32, 1, 128), rnd(4, S, 128), rnd(4, S, 128)
+        pos = torch.tensor([S // 2], device=dev)
+
+        def run():
+            static_decode_attention(q, k, v, pos)
+    else:
+        raise ValueError(f"unknown op {which!r} (one of {MEASURE})")
+    TL.watch_compiles()
+    mark = TL.compile_mark()
+    torch.cuda.synchronize()
+    free0, res0 = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
+    run()
+    torch.cuda.synchronize()
+    free1, res1 = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
+    c = TL.compiles_since(mark)
+    return {"op": which, "non_torch_mib": round(((free0 - free1) - (res1 - res0)) / 2**20, 1),
+            "max_local": c.get("max_local"), "variants": c.get("variants"),
+            "threads": TL._resident_threads()}
+
+
+def measure_all() -> list[dict]:
+    """measure_one for each op of MEASURE, each in its own process."""
+    import subprocess
+    out = []
+    for which in MEASURE:
+        p = subprocess.run([sys.executable, __file__, "--measure-one", which], capture_output=True, text=True,
+                           timeout=300)
+        lines = p.stdout.strip().splitlines()
+        out.append(json.loads(lines[-1]) if p.returncode == 0 and lines else
+                   {"op": which, "error": p.stderr[-800:]})
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variants", help="a bench.json (cases[*].attach_triton_compiles.variants) or a file of "
@@ -268,7 +360,14 @@ def main() -> int:
     p.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1))
     p.add_argument("--sms", type=int, default=SMS)
     p.add_argument("--threads", type=int, default=THREADS_PER_SM, help="resident threads per SM")
+    p.add_argument("--measure", action="store_true",
+                   help="on CUDA: also launch a few ops once each (fresh processes) and measure the VRAM each adds "
+                        "outside torch: the reservation's formula checked on this GPU")
+    p.add_argument("--measure-one", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.measure_one:
+        print(json.dumps(measure_one(a.measure_one)))
+        return 0
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="kernel_lmem.")     # not the user's cache
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     why = kernel_smem.probe()
@@ -321,8 +420,23 @@ def main() -> int:
     print(f"\n{len(rows)} variants, cubins {sum(r['cubin'] for r in rows)} B in all", file=sys.stderr)
     if bad:
         print(f"not compiled (no argument types here): {bad}", file=sys.stderr)
+    measured = None
+    import torch
+    if a.measure and not torch.cuda.is_available():
+        print("kernel_lmem: --measure needs CUDA (this torch has none): the compile table only", file=sys.stderr)
+    elif a.measure:
+        measured = measure_all()
+        print("\n| op (fresh process, one launch) | local B/thread (driver) | predicted MiB | measured MiB outside "
+              "torch |\n|---|---|---|---|", file=sys.stderr)
+        for m in measured:
+            if "error" in m:
+                print(f"| {m['op']} | error: {m['error'][-200:]!r} | | |", file=sys.stderr)
+                continue
+            loc = m.get("max_local") or 0
+            pred = round(loc * (m.get("threads") or threads) / 2**20, 1)
+            print(f"| {m['op']} | {loc} | {pred} | {m['non_torch_mib']} |", file=sys.stderr)
     print(json.dumps({"triton": triton.__version__, "ptxas": str(get_ptxas(90).version), "threads": threads,
-                      "kernels": rows, "untyped": bad}))
+                      "kernels": rows, "untyped": bad, "measured": measured}))
     return 0
 
 
