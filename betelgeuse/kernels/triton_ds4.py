@@ -37,6 +37,7 @@ from betelgeuse.kernels.triton_launch import launcher
 from betelgeuse.routing_approx import Residency
 
 HC_SPLIT_K = 1024          # columns of the [M, hc*D] mHC matrix per partial-product program
+ATTN_KB = 128              # head-dim columns per chunk of _decode_attn_kernel (its doc; min(ATTN_KB, HD) a launch)
 
 
 @triton.jit
@@ -212,14 +213,22 @@ def _compress_step_kernel(kvb_ptr, gb_ptr, ent_ptr, kv_ptr, g_ptr, ape_ptr, norm
         ch = choff[:, None] + d[None, :]
         m2 = md[None, :] & (s >= 0)[:, None]
         new = row[:, None] == row_new
-        k = tl.where(new, tl.load(kv_ptr + ch, mask=m2, other=0),
-                     tl.load(kvb_ptr + row[:, None] * C + ch, mask=m2, other=0)).to(tl.float32)
-        g = tl.where(new, tl.load(g_ptr + ch, mask=m2, other=0),
-                     tl.load(gb_ptr + row[:, None] * C + ch, mask=m2, other=0)).to(tl.float32)
+        # the new row's channels as [BD] vectors (both halves' for ratio 4) broadcast over the slots, not a second
+        # [SLOTS, BD] load: the same values, fewer live tiles (ratio 128's [128, 128] tiles spilled: kernel_lmem.py)
+        kn = tl.load(kv_ptr + d, mask=md, other=0)
+        gn = tl.load(g_ptr + d, mask=md, other=0)
+        if RATIO == 4:
+            kn = tl.where(half[:, None] == 0, kn[None, :], tl.load(kv_ptr + D + d, mask=md, other=0)[None, :])
+            gn = tl.where(half[:, None] == 0, gn[None, :], tl.load(g_ptr + D + d, mask=md, other=0)[None, :])
+        else:
+            kn = kn[None, :]
+            gn = gn[None, :]
+        g = tl.where(new, gn, tl.load(gb_ptr + row[:, None] * C + ch, mask=m2, other=0)).to(tl.float32)
         g = g + tl.load(ape_ptr + arow[:, None] * C + ch, mask=m2, other=0)
         g = tl.where(dead[:, None], float("-inf"), g)
         e = tl.exp(g - tl.max(g, axis=0)[None, :])
         sm = (e / tl.sum(e, axis=0)[None, :]).to(dt).to(tl.float32)
+        k = tl.where(new, kn, tl.load(kvb_ptr + row[:, None] * C + ch, mask=m2, other=0)).to(tl.float32)  # after
         pooled = tl.sum((k * sm).to(dt).to(tl.float32), axis=0).to(dt)
         tl.store(ent_ptr + w * D + d, pooled, mask=md)
         pf = pooled.to(tl.float32)
@@ -265,25 +274,49 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, out_ptr, N, wscale, kscal
 
 
 @triton.jit
+def _attn_keys(ring_ptr, ent_ptr, rows, ring, valid, own, kv_ptr, c0, HD: tl.constexpr, KB: tl.constexpr):
+    """Columns [c0, c0 + KB) of a key block [BS, KB] (K = V): ring rows (the token's own row from kv: not yet
+    visible in memory to the other programs), entry rows, invisible rows 0."""
+    dd = c0 + tl.arange(0, KB)
+    kr = tl.load(ring_ptr + rows[:, None] * HD + dd[None, :], mask=(ring & valid & (rows != own))[:, None], other=0)
+    k = tl.load(ent_ptr + rows[:, None] * HD + dd[None, :], mask=(~ring)[:, None], other=0)
+    k = tl.where(ring[:, None], kr, k)
+    k = tl.where((ring & (rows == own))[:, None], tl.load(kv_ptr + dd)[None, :], k)
+    return tl.where(valid[:, None], k, 0)
+
+
+@triton.jit
 def _decode_attn_kernel(q_ptr, kv_ptr, ring_ptr, ent_ptr, top_ptr, pos_ptr, sinks_ptr, out_ptr, H, W, NE, RATIO, scale,
                         MODE: tl.constexpr, HD: tl.constexpr, HB: tl.constexpr, BS: tl.constexpr,
-                        IEEE: tl.constexpr):
+                        IEEE: tl.constexpr, KB: tl.constexpr):
     """Heads [HB*pid, ..) of one query over keys j in [0, W + NE): ring rows (visible: the position the row holds
     is >= 0; row pos % W is the token's own K=V row kv, which program 0 also stores there) then entries (MODE 1:
     rows top[j - W]; 2: row j - W; visible: row < (pos+1) // RATIO). Online softmax started at the head's sink (it
-    only enlarges the denominator); K = V."""
+    only enlarges the denominator); K = V.
+
+    The head dim in KB-column chunks (HD // KB, in order), so that no [HB, HD] / [BS, HD] operand is held whole
+    (q whole, replicated over the warps as the MMA's A operand, spilled ~0.7 KB a thread: the driver's local-memory
+    reservation, x 270,336 threads on an H100; tests/scripts/kernel_lmem.py): s = q . k^T as chained dots over the
+    chunks (the accumulator carried: the same MMA / FMA steps in the same K order as one dot over HD), acc by column
+    chunks (each output column its own sums): the same bits as unchunked. Launched with num_stages 1: the software
+    pipeliner would stage the chunks' key loads (~180 KB of shared memory a block); the unchunked kernel's loads were
+    not pipelined either (50 KB)."""
+    NK: tl.constexpr = HD // KB
     hb = tl.program_id(0) * HB + tl.arange(0, HB)
     mh = hb < H
-    dd = tl.arange(0, HD)
     pos = tl.load(pos_ptr)
     own = pos % W
-    kv_new = tl.load(kv_ptr + dd)
     if tl.program_id(0) == 0:
-        tl.store(ring_ptr + own * HD + dd, kv_new)
-    q = tl.load(q_ptr + hb[:, None] * HD + dd[None, :], mask=mh[:, None], other=0)
+        dd = tl.arange(0, HD)
+        tl.store(ring_ptr + own * HD + dd, tl.load(kv_ptr + dd))
     m_i = tl.load(sinks_ptr + hb, mask=mh, other=0).to(tl.float32)
     l_i = tl.full((HB,), 1.0, tl.float32)
-    acc = tl.zeros((HB, HD), dtype=tl.float32)
+    accs = ()
+    qs = ()
+    for c in tl.static_range(NK):
+        accs = accs + (tl.zeros((HB, KB), dtype=tl.float32),)
+        dq = c * KB + tl.arange(0, KB)
+        qs = qs + (tl.load(q_ptr + hb[:, None] * HD + dq[None, :], mask=mh[:, None], other=0),)
     n_keys = W + NE if MODE > 0 else W
     for j0 in range(0, n_keys, BS):
         j = j0 + tl.arange(0, BS)
@@ -296,26 +329,35 @@ def _decode_attn_kernel(q_ptr, kv_ptr, ring_ptr, ent_ptr, top_ptr, pos_ptr, sink
             er = e
         valid = tl.where(ring, held >= 0, (e < NE) & (er < (pos + 1) // RATIO)) & (j < n_keys)
         rows = tl.where(ring, j, er).to(tl.int64)
-        kp = tl.where(ring[:, None], ring_ptr + rows[:, None] * HD, ent_ptr + rows[:, None] * HD) + dd[None, :]
-        k = tl.load(kp, mask=valid[:, None] & (rows != own)[:, None] | ~ring[:, None], other=0)
-        k = tl.where((ring & (rows == own))[:, None], kv_new[None, :], k)
-        k = tl.where(valid[:, None], k, 0)
-        if IEEE:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
+        s = tl.zeros((HB, BS), dtype=tl.float32)
+        ks = ()
+        for c in tl.static_range(NK):                               # s = q . k^T, K in chunk order
+            q = qs[c]
+            k = _attn_keys(ring_ptr, ent_ptr, rows, ring, valid, own, kv_ptr, c * KB, HD, KB)
+            ks = ks + (k,)
+            if IEEE:
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), s, input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k), s)
         s = tl.where(valid[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, k.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
+        accs2 = ()
+        for c in tl.static_range(NK):                               # acc's column chunks
+            k = ks[c]
+            if IEEE:
+                a = accs[c] * alpha[:, None] + tl.dot(p, k.to(tl.float32), input_precision="ieee")
+            else:
+                a = accs[c] * alpha[:, None] + tl.dot(p.to(k.dtype), k)
+            accs2 = accs2 + (a,)
+        accs = accs2
         m_i = m_new
-    o = acc / l_i[:, None]
-    tl.store(out_ptr + hb[:, None] * HD + dd[None, :], o.to(out_ptr.dtype.element_ty), mask=mh[:, None])
+    for c in tl.static_range(NK):
+        dd = c * KB + tl.arange(0, KB)
+        tl.store(out_ptr + hb[:, None] * HD + dd[None, :], (accs[c] / l_i[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=mh[:, None])
 
 
 @triton.jit
@@ -594,7 +636,8 @@ class TritonOps:
         _decode_attn_kernel[(triton.cdiv(H, HB),)](q.contiguous(), kv.contiguous(), ring, entries if entries is not None else ring,
                                                    top if top is not None else pos, pos, sinks, o, H, W, NE,
                                                    max(ratio, 1), HD ** -0.5, MODE=mode, HD=HD, HB=HB, BS=32,
-                                                   IEEE=_ieee(q))
+                                                   IEEE=_ieee(q), KB=min(ATTN_KB, HD),
+                                                   num_stages=1)
         return cls._rms_rope(o, None, cos, sin, 0.0, 0, neg_sin=True, out=out)   # out: the de-rotation writes there
 
     @staticmethod

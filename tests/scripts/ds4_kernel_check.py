@@ -185,11 +185,17 @@ def compare(device: str = "cpu", dims: dict = TINY, dtypes=(torch.float32, torch
                 ra, rb = ring0.clone(), ring0.clone()
                 a = tri.decode_attend(q1, kv1, ra, e_, t_, pos, ratio, sinks, c1, s1)
                 b = ref.decode_attend(q1, kv1, rb, e_, t_, pos, ratio, sinks, c1, s1)
+                # the head dim in 4 chunks (ds4-flash's 512 in chunks of ATTN_KB = 128; here 64 would be one)
+                kb, triton_ds4.ATTN_KB = triton_ds4.ATTN_KB, hd // 4
+                try:
+                    a4 = tri.decode_attend(q1, kv1, ring0.clone(), e_, t_, pos, ratio, sinks, c1, s1)
+                finally:
+                    triton_ds4.ATTN_KB = kb
                 # written into out (a lane's row of the lanes' attention buffer): the same bits, in place
                 lane = torch.full((3, H * hd), float("nan"), dtype=dt, device=dev)
                 o2 = tri.decode_attend(q1, kv1, ra.clone(), e_, t_, pos, ratio, sinks, c1, s1,
                                        lane[1:2].view(1, H, hd))
-                case(f"decode_attend/{dn}/{var}/pos{p}", [(a, b)],
+                case(f"decode_attend/{dn}/{var}/pos{p}", [(a, b), (a4, b)],
                      exact=[(ra, rb), (lane[1].view(1, H, hd), a), (o2, a), (lane[0].isnan(), torch.ones_like(lane[0], dtype=torch.bool))])
 
         # routing: sqrt(softplus) scores, top-k of scores + bias (or the hash table), renormalised weights

@@ -34,17 +34,24 @@ def _target():
     return GPUTarget("cuda", 90, 32)
 
 
-def _compile(fn, sig: dict, ints: dict, cst: dict, cfg: dict) -> int:
-    """metadata.shared of fn compiled for sm_90: sig = the runtime arguments' types in order (pointers '*...'),
-    ints = the int arguments' values (specialized 'divisible by 16' as the JIT does), cst = the constexprs."""
+def compile_sm90(fn, sig: dict, ints: dict, cst: dict, cfg: dict):
+    """fn compiled for sm_90 -> Triton's CompiledKernel: sig = the runtime arguments' types in order (pointers
+    '*...'), ints = the int arguments' values (specialized 'divisible by 16' as the JIT does), cst = the constexprs
+    (an int argument the JIT specialized to 1 is one of them), cfg = num_warps / num_stages. A tuple argument
+    (a tuple of types) gets no divisibility mark."""
     import triton
     from triton.compiler import ASTSource
     names = list(sig)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if sig[n].startswith("*") or (n in ints and ints[n] % 16 == 0)}
+             if isinstance(sig[n], str) and (sig[n].startswith("*") or (n in ints and ints[n] % 16 == 0))}
     src = ASTSource(fn, {**sig, **{k: "constexpr" for k in cst}}, cst, attrs)
-    k = triton.compile(src, target=_target(), options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
-    return int(k.metadata.shared)
+    return triton.compile(src, target=_target(), options={"num_warps": cfg["num_warps"],
+                                                          "num_stages": cfg["num_stages"]})
+
+
+def _compile(fn, sig: dict, ints: dict, cst: dict, cfg: dict) -> int:
+    """metadata.shared of fn compiled for sm_90 (compile_sm90's arguments)."""
+    return int(compile_sm90(fn, sig, ints, cst, cfg).metadata.shared)
 
 
 def probe() -> str | None:
@@ -66,6 +73,14 @@ def probe() -> str | None:
 
 def shared(task: tuple[str, str, dict]) -> int:
     """Bytes of shared memory of (type name, 'gate_up' | 'down', config overrides) at the bench geometry."""
+    return _compile(*expert_spec(*task))
+
+
+def expert_spec(name: str, which: str, over: dict, geom: tuple = (H, F, E, K_TOP), bucket: int = 16,
+                has_limit: bool = False) -> tuple:
+    """compile_sm90's arguments (fn, sig, ints, cst, cfg) of the expert kernel `which` ('gate_up' | 'down') of type
+    `name` with config overrides `over` for a launch in rows bucket `bucket` (triton_moe.config) at geometry (H, F,
+    experts, k) (the bench's by default); has_limit: gate_up's clamped SwiGLU (ds4)."""
     import torch
     from gguf.constants import GGMLQuantizationType as GT
 
@@ -73,12 +88,12 @@ def shared(task: tuple[str, str, dict]) -> int:
     from betelgeuse.kernels import triton_moe
     from betelgeuse.kernels import triton_quants
     from betelgeuse.kernels.triton_quants import QT_CODES
-    name, which, over = task
+    H, F, E, K_TOP = geom
     gtype = int(GT[name])
     qt = QT_CODES[gtype]
     if over:
         triton_moe.TYPE_CONFIG[qt] = dict(over)
-    cfg = triton_moe.config(qt)
+    cfg = triton_moe.config(qt, bucket)
     bk = triton_moe.block_k(qt, H, F)
     tab = {torch.uint8: "*u8", torch.float16: "*fp16", torch.float32: "*fp32"}[triton_quants.tables("cpu").dtype]
     ptrs = {"pool": "*u8", "tab": tab, "base_ptr": "*i64", "starts_ptr": "*i64", "rows_ptr": "*i32",
@@ -98,23 +113,23 @@ def shared(task: tuple[str, str, dict]) -> int:
             ints = {"H": H, "F": F, "row_bytes": rb, "n_exp": E, "k_top": K_TOP}
             sig = {"h_ptr": "*bf16", **base, "inter_ptr": "*bf16", **ws, **{k: "i32" for k in ints}, "limit": "fp32",
                    "KC": "i32"}
-            return _compile(triton_moe._gate_up_mv_kernel, sig, {**ints, "KC": mkc},
-                            {**cst, "HAS_LIMIT": False, "BN": cfg["BN_GATE_UP"]}, cfg)
+            return (triton_moe._gate_up_mv_kernel, sig, {**ints, "KC": mkc},
+                    {**cst, "HAS_LIMIT": has_limit, "BN": cfg["BN_GATE_UP"]}, cfg)
         ints = {"H": H, "F": F, "row_bytes": rb, "n_exp": E}
         sig = {"inter_ptr": "*bf16", **base, "y_ptr": "*bf16", **ws, **{k: "i32" for k in ints}, "KC": "i32"}
-        return _compile(triton_moe._down_mv_kernel, sig, {**ints, "KC": mkc}, {**cst, "BN": cfg["BN"]}, cfg)
+        return triton_moe._down_mv_kernel, sig, {**ints, "KC": mkc}, {**cst, "BN": cfg["BN"]}, cfg
     if which == "gate_up":
         ints = {"H": H, "F": F, "row_bytes": rb, "n_exp": E, "k_top": K_TOP}
         sig = {"h_ptr": "*bf16", **ptrs, "inter_ptr": "*bf16", **ws, **{k: "i32" for k in ints}, "limit": "fp32",
                "KC": "i32"}
-        cst = {"QT": qt, "HAS_LIMIT": False, "IEEE": False, "ALIGNED": True, "RA": triton_moe._row_align(rb),
+        cst = {"QT": qt, "HAS_LIMIT": has_limit, "IEEE": False, "ALIGNED": True, "RA": triton_moe._row_align(rb),
                "SPLIT": split, "BM": cfg["BM"], "BN": cfg["BN_GATE_UP"], "BK": bk, "EP": E}
-        return _compile(triton_moe._gate_up_kernel, sig, {**ints, "KC": kc}, cst, cfg)
+        return triton_moe._gate_up_kernel, sig, {**ints, "KC": kc}, cst, cfg
     ints = {"H": H, "F": F, "row_bytes": rb, "n_exp": E}
     sig = {"inter_ptr": "*bf16", **ptrs, "y_ptr": "*bf16", **ws, **{k: "i32" for k in ints}, "KC": "i32"}
     cst = {"QT": qt, "IEEE": False, "ALIGNED": True, "RA": triton_moe._row_align(rb), "SPLIT": split,
            "BM": cfg["BM"], "BN": cfg["BN"], "BK": bk, "EP": E}
-    return _compile(triton_moe._down_kernel, sig, {**ints, "KC": kc}, cst, cfg)
+    return triton_moe._down_kernel, sig, {**ints, "KC": kc}, cst, cfg
 
 
 def _mv_type(name: str) -> bool:
