@@ -279,37 +279,32 @@ def test_tokens_without_text_are_timed(tmp_path_factory):
         c.stop()
 
 
-def test_a_configuration_sets_host_in_place_for_its_own_serve():
-    """`bench_serve.sh --config auto,auto:host-in-place=never` (worker/at_hand.py's A/B in one session): the second
-    serve alone gets --host-in-place never, which serve's flags resolve to engine.host_in_place."""
+def _engines(spec: str) -> list:
+    """The engine settings each configuration of `--config spec` gives its own serve (serve_argv -> serve's flags)."""
     import argparse
 
     from betelgeuse.settings import flag_values, resolve_settings
     from services.bench.serve import ServeOptions, parse_configs, serve_argv
     from services.launcher import serve_arguments
-    configs = parse_configs("auto,auto:host-in-place=never")
+    configs = parse_configs(spec)
     o = ServeOptions(model="/m.gguf", device="cpu", configs=configs)
     p = argparse.ArgumentParser()
     serve_arguments(p)
-    got = [resolve_settings(None, env={}, flags=flag_values(p.parse_args(serve_argv(o, c, "/tmp/x", 1, 2, True)[1:])))
-           .settings.engine.host_in_place for c in configs]
+    return [resolve_settings(None, env={}, flags=flag_values(p.parse_args(serve_argv(o, c, "/tmp/x", 1, 2, True)[1:])))
+            .settings.engine for c in configs]
+
+
+def test_a_configuration_sets_host_in_place_for_its_own_serve():
+    """`bench_serve.sh --config auto,auto:host-in-place=never` (worker/at_hand.py's A/B in one session): the second
+    serve alone gets --host-in-place never, which serve's flags resolve to engine.host_in_place."""
+    got = [e.host_in_place for e in _engines("auto,auto:host-in-place=never")]
     assert got == ["auto", "never"], got
 
 
 def test_a_configuration_turns_placement_flags_on_and_off():
     """`--config auto:no-placement-hysteresis,auto,auto:fill-budget` (store/residency.py's A/B in one session): on/off
     flags without a value reach engine.placement_hysteresis and engine.fill_budget of their own serve alone."""
-    import argparse
-
-    from betelgeuse.settings import flag_values, resolve_settings
-    from services.bench.serve import ServeOptions, parse_configs, serve_argv
-    from services.launcher import serve_arguments
-    configs = parse_configs("auto:no-placement-hysteresis,auto,auto:fill-budget")
-    o = ServeOptions(model="/m.gguf", device="cpu", configs=configs)
-    p = argparse.ArgumentParser()
-    serve_arguments(p)
-    got = [resolve_settings(None, env={}, flags=flag_values(p.parse_args(serve_argv(o, c, "/tmp/x", 1, 2, True)[1:])))
-           .settings.engine for c in configs]
+    got = _engines("auto:no-placement-hysteresis,auto,auto:fill-budget")
     assert [(e.placement_hysteresis, e.fill_budget) for e in got] == [(False, False), (True, False), (True, True)]
 
 
@@ -317,20 +312,12 @@ def test_warm_up_off_is_one_configuration_and_its_attach_is_read_back(tmp_path):
     """`bench_serve.sh --config auto,auto:warm-up=off` (issue 21's VRAM A/B in one session): the second serve alone
     gets engine.warm_up = off; each serve's attach event (worker/runner.py: warm-ups, each step's VRAM), as the
     worker's text log writes it, is read back into its case and printed in bench.md's service table."""
-    import argparse
     import io
     import logging
 
     from betelgeuse.logs import Formatter, event
-    from betelgeuse.settings import flag_values, resolve_settings
-    from services.bench.serve import ServeOptions, attach_event, markdown, parse_configs, serve_argv
-    from services.launcher import serve_arguments
-    configs = parse_configs("auto,auto:warm-up=off")
-    o = ServeOptions(model="/m.gguf", device="cpu", configs=configs)
-    p = argparse.ArgumentParser()
-    serve_arguments(p)
-    got = [resolve_settings(None, env={}, flags=flag_values(p.parse_args(serve_argv(o, c, "/tmp/x", 1, 2, True)[1:])))
-           .settings.engine.warm_up for c in configs]
+    from services.bench.serve import attach_event, markdown
+    got = [e.warm_up for e in _engines("auto,auto:warm-up=off")]
     assert got == ["on", "off"], got
     buf = io.StringIO()
     lg = logging.getLogger("test.attach_event")
