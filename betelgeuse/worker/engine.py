@@ -73,6 +73,8 @@ class LLMEngine:
         self.started = time.monotonic()
         self._stop = False
         self._store_lost: StoreUnavailableError | None = None   # set by a health probe on another thread
+        self._reattach_lock = threading.Lock()
+        self._reattaching = False                # one re-attach thread at a time (_store_down)
         # idle settling: while nothing runs or waits, the store's pending consolidation and the VRAM fills it left
         # are advanced a step (one layer) per loop turn, so a request after an idle gap finds the store settled
         self.settle_idle = True
@@ -358,6 +360,13 @@ class LLMEngine:
         with self.cv:
             for seq in self.scheduler.abort_waiting():
                 seq.fail(err)
+        # ONE re-attach thread: a pass's failure and its request's release both report the same loss, and two
+        # threads attaching one after the other would leave the first attachment's pass with a session the store
+        # has replaced. store_ok is False before the lock, so a thread that is leaving sees it (_reattach)
+        with self._reattach_lock:
+            if self._reattaching:
+                return
+            self._reattaching = True
         threading.Thread(target=self._reattach, name="reattach", daemon=True).start()
 
     def report_store_down(self, err: StoreUnavailableError):
@@ -369,7 +378,11 @@ class LLMEngine:
         self._wake()
 
     def _reattach(self):
-        while not self._stop and not self.store_ok:
+        while True:
+            with self._reattach_lock:
+                if self._stop or self.store_ok:
+                    self._reattaching = False
+                    return
             try:
                 self.runner.attach()
                 gc_pauses.refreeze()                 # the old attachment's cycles (its arena views) collected

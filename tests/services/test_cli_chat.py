@@ -81,7 +81,10 @@ def test_ctrl_c_stops_the_answer_not_the_chat(cluster):
     before = h.scrape(url)
     p = subprocess.Popen([sys.executable, "-m", "services.cli", "chat", "--url", cluster.http_url, "--temperature",
                           "1", "--seed", "5", "--max-tokens", "1900"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=python_env())
+                         stderr=subprocess.PIPE, text=True, env=python_env(),
+                         # a terminal's shell starts it with SIGINT at its default; a runner started in the
+                         # background (SIGINT ignored, inherited) would make Python install no KeyboardInterrupt
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         p.stdin.write("Tell me a very long story.\n")
         p.stdin.flush()
