@@ -56,6 +56,13 @@ def _keys(ids) -> list[tuple[int, int]]:
     return [(x.layer, x.expert) for x in ids]
 
 
+def _status(e: BetelgeuseError) -> grpc.StatusCode:
+    """The code a store call answers one of our errors with (the worker's client turns FAILED_PRECONDITION into
+    StoreUnavailableError): the store gone for this session, or a request it refuses."""
+    return grpc.StatusCode.FAILED_PRECONDITION if isinstance(e, StoreUnavailableError) else \
+        grpc.StatusCode.INVALID_ARGUMENT
+
+
 class StoreServicer(pb_grpc.ExpertStoreServicer):
     """Thin: protobuf in, ExpertStore call, protobuf out. Errors become status codes."""
 
@@ -71,10 +78,8 @@ class StoreServicer(pb_grpc.ExpertStoreServicer):
     def _guard(self, context, fn):
         try:
             return fn()
-        except StoreUnavailableError as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except BetelgeuseError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            context.abort(_status(e), str(e))
 
     def Attach(self, request, context):
         lease = self.leases.redeem(request.attach_token)
@@ -134,10 +139,8 @@ class StoreServicer(pb_grpc.ExpertStoreServicer):
     def _failed(rid: int, e: Exception, started: bool) -> pb.SessionEvent:
         """A request's failure as its own call's status was (_guard's codes; grpc's words for a handler's bug, or for
         a load's error once it had started streaming)."""
-        if isinstance(e, StoreUnavailableError):
-            code, details = grpc.StatusCode.FAILED_PRECONDITION, str(e)
-        elif isinstance(e, BetelgeuseError) and not started:
-            code, details = grpc.StatusCode.INVALID_ARGUMENT, str(e)
+        if isinstance(e, StoreUnavailableError) or (isinstance(e, BetelgeuseError) and not started):
+            code, details = _status(e), str(e)
         else:
             code = grpc.StatusCode.UNKNOWN
             details = f"Exception {'iterating responses' if started else 'calling application'}: {e}"

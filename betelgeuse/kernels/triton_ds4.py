@@ -38,6 +38,7 @@ from betelgeuse.routing_approx import Residency
 
 HC_SPLIT_K = 1024          # columns of the [M, hc*D] mHC matrix per partial-product program
 ATTN_KB = 128              # head-dim columns per chunk of _decode_attn_kernel (its doc; min(ATTN_KB, HD) a launch)
+ATTN_STAGES = 1            # _decode_attn_kernel's num_stages (its doc: 3 would stage the chunks' loads, 181 KB)
 
 
 @triton.jit
@@ -637,7 +638,7 @@ class TritonOps:
                                                    top if top is not None else pos, pos, sinks, o, H, W, NE,
                                                    max(ratio, 1), HD ** -0.5, MODE=mode, HD=HD, HB=HB, BS=32,
                                                    IEEE=_ieee(q), KB=min(ATTN_KB, HD),
-                                                   num_stages=1)
+                                                   num_stages=ATTN_STAGES)
         return cls._rms_rope(o, None, cos, sin, 0.0, 0, neg_sin=True, out=out)   # out: the de-rotation writes there
 
     @staticmethod

@@ -238,7 +238,7 @@ def compiles_since(mark: int) -> dict:
     if "na" in _WATCH:
         return {"count": None, "seconds": None, "na": _WATCH["na"]}
     new = COMPILES[mark:]
-    res = [resources(e[3] if len(e) > 3 else None) for e in new]
+    res = [resources(e[3]) for e in new]
     labels = [f"{e[0]}[{e[1]}] {e[2]:.3f} s{_res_label(r)}" for e, r in zip(new, res)]
     local = [(r["local"], lab) for r, lab in zip(res, labels) if r and r.get("local")]
     out = {"count": len(new), "seconds": sum(e[2] for e in new), "names": dict(Counter(e[0] for e in new)),

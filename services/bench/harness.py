@@ -292,8 +292,6 @@ class Harness:
             # the compiles at attach (decode's expert-kernel variants: MoEStep.warm_kernels) and the warm-up's own
             out["attach_triton_compiles"] = TL.compiles_since(mark)
             out["kernel_warmup"] = getattr(rn, "warmed", None)
-            # per attach step, the device's used and torch's reserved MiB it added (worker/attach_steps.py, CUDA)
-            out["attach_vram"] = (out["kernel_warmup"] or {}).get("vram")
             self._measure_compute()                 # every case: the ceiling is the best seen in the run
             p = rn.plan
             out["plan"] = {"n_vram": p.n_vram, "n_host": p.n_host, "n_staging": p.n_staging, "arena_bytes": p.arena_bytes,

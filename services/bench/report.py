@@ -133,7 +133,7 @@ def attach_vram(warmed: dict | None) -> str:
         parts.append(txt)
     key = {"warm_routes": "routes", "warm_kernels": "kernels", "warm_decode": "decode"}
     for step, k in key.items():
-        failed = (w.get(k) or {}).get("failed") if isinstance(w.get(k), dict) else None
+        failed = w[k].get("failed") if isinstance(w.get(k), dict) else None
         if failed:
             parts.append(f"{step} FAILED ({failed})")
     if w.get("vram"):

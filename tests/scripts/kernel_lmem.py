@@ -46,6 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kernel_smem  # noqa: E402  (beside this script: compile_sm90, expert_spec, probe)
 
+from betelgeuse.kernels.triton_ds4 import ATTN_STAGES  # noqa: E402  (decode_attend's launch, as the ops make it)
+from betelgeuse.kernels.triton_moe import BUCKETS  # noqa: E402  (the expert schedules' rows buckets)
+
 SMS, THREADS_PER_SM = 132, 2048           # an H100 SXM: resident threads = 270,336
 
 # the dense decode kernels: module, and every runtime argument's type in order ("*dtype" pointer, "i32" int,
@@ -87,7 +90,8 @@ DENSE = {
                                            H="i32/16", k_top="i32")),
 }
 
-LAUNCH = {"_decode_attn_kernel": {"num_stages": 1}}    # launch options besides Triton's defaults (4 warps, 3 stages)
+LAUNCH = {"_decode_attn_kernel": {"num_stages": ATTN_STAGES}}   # launch options besides Triton's defaults (4 warps,
+#                                                                 3 stages), as the ops launch them
 
 # the variants of gpu-run45-ds4's attach (docs/benchmarks/gpu-run45-ds4/bench.json, cases[0]'s
 # attach_triton_compiles: the first 32 of its 51; its copy_rows compiles were not listed: N 2..4 here), the other
@@ -134,7 +138,6 @@ _rms_kernel[BD=128]
 
 # the expert kernels warm_kernels launches: (type, geometry (H, F, experts, k), gate_up's clamp) per model
 EXPERTS = [("Q8_0", (2048, 768, 128, 8), False), ("MXFP4", (4096, 2048, 256, 6), True)]
-BUCKETS = (1, 16)
 
 _VARIANT = re.compile(r"^\s*(\w+)\[([^\]]*)\](?:\s*@div16=([\w,]+))?")
 
