@@ -101,6 +101,12 @@ class StoreServicer(pb_grpc.ExpertStoreServicer):
         epoch = self._guard(context, lambda: self.store.begin_pass(request.session, not request.no_wait))
         return pb.BeginPassReply(epoch=epoch, consolidating=self.store.consolidating)
 
+    def TrimVram(self, request, context):
+        import json
+        plan = self._guard(context, lambda: self.store.trim_vram(request.session, request.vram_slots,
+                                                                 json.loads(request.trim_json or "{}")))
+        return pb.TrimVramReply(layout_json=plan)
+
     def Session(self, request_iterator, context):
         """The worker session's stream (store.proto): its requests handled in the order sent by one reader thread (a
         load's reads are started there too, so the store reads in the order sent), each load's experts then waited

@@ -43,6 +43,9 @@ class StoreClient(Protocol):
     # banks the worker is done with; then wait until they landed (compact, request order, at the bank's offset)
     def engram_read(self, tables: np.ndarray, rows: np.ndarray, release: list[int]) -> int: ...
     def engram_wait(self, bank: int) -> EngramLanded: ...
+    # the worker measured its VRAM over the budget at attach: the VRAM tier keeps n_vram slots per layer (between
+    # passes; ExpertStore.trim_vram) -> the new plan; `trim`: the measurement (worker/vram_fit.py VramFit.record)
+    def trim_vram(self, n_vram: int, trim: dict) -> SlotPlan: ...
     def status(self) -> dict: ...
     def close(self) -> None: ...
 
@@ -86,6 +89,9 @@ class InProcessStoreClient:
 
     def end_pass(self, usage, consolidate, release=()):
         return self.store.end_pass(self.session, usage, consolidate, release)
+
+    def trim_vram(self, n_vram, trim):
+        return SlotPlan.from_json(self.store.trim_vram(self.session, n_vram, trim))
 
     def engram_read(self, tables, rows, release):
         return self.store.engram_read(self.session, tables, rows, release)

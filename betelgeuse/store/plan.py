@@ -51,7 +51,7 @@ def _gib(n: int) -> str:
     return f"{n / GiB:.2f} GiB ({n} bytes)"
 
 
-def _mib(n: int) -> str:
+def mib_text(n: int) -> str:
     """Bytes for a reader: "1,173 MiB", "8.00 MiB", "24 KiB"."""
     return f"{n / MiB:,.0f} MiB" if n >= 10 * MiB else f"{n / MiB:.2f} MiB" if n >= MiB else f"{n / 1024:,.0f} KiB"
 
@@ -80,6 +80,9 @@ class SlotPlan:
     vram_backing_requested: str = "true"   # as configured: "auto", "true" or "false"
     max_running: int = 8        # sequences whose KV (and decode graphs) vram_fixed reserves: the worker runs this many
     max_running_requested: str = "8"       # as configured: "auto" or a count
+    # the worker's trim of the VRAM tier at attach, by measurement (worker/vram_fit.py VramFit.record: the measured
+    # bytes outside torch's allocator vs the CUDA context allowance, slots per layer before -> after), None: untrimmed
+    vram_trim: dict | None = None
 
     @property
     def resident_per_layer(self) -> int:
@@ -142,7 +145,8 @@ class SlotPlan:
                 "worker_reserve_bytes": self.worker_reserve,
                 "memory_limit_bytes": self.memory_limit, "memory_limit_source": self.memory_source,
                 "memory_in_use_bytes": self.memory_in_use, "max_running": self.max_running,
-                "max_running_requested": self.max_running_requested, "why": "; ".join(self.notes)}
+                "max_running_requested": self.max_running_requested, "why": "; ".join(self.notes),
+                "vram_trim": trim_text(self.vram_trim)}
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -153,6 +157,26 @@ class SlotPlan:
         d["part_max"] = tuple(d["part_max"])
         d["requested"] = tuple(d.get("requested", ("auto", "auto")))
         return cls(**d)
+
+
+def trim_text(t: dict | None) -> str:
+    """A VRAM trim (SlotPlan.vram_trim) in words: "16 -> 14 VRAM slots per layer: measured 1,364 MiB outside
+    torch's allocator (the plan allowed 1,024 for the CUDA context), projected 12,490 MiB over the budget 12,288";
+    "" untrimmed."""
+    if not t:
+        return ""
+    txt = f"{t['slots_before']} -> {t['slots_after']} VRAM slots per layer"
+    if "non_torch" not in t:
+        return txt
+    return (f"{txt}: measured {mib_text(t['non_torch'])} outside torch's allocator (the plan allowed "
+            f"{mib_text(t['allowance'])} for the CUDA context), projected {mib_text(t['projected'])} over the VRAM "
+            f"budget {mib_text(t['budget'])}")
+
+
+def vram_floor(vram_slots: str, n_expert_used: int, n_expert: int) -> int:
+    """The fewest VRAM expert slots per layer a plan may leave (plan_running's `least`, the worker's trim's floor:
+    worker/vram_fit.py): the configured vram_slots, or with vram_slots = auto the model's top-k (at most n_expert)."""
+    return min(n_expert_used if str(vram_slots) == "auto" else int(vram_slots), n_expert)
 
 
 def dense_bytes(f: GGUFModelFile, dtype_bytes: int) -> int:
@@ -249,8 +273,7 @@ def plan_running(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int) -> tuple[
     if cfg.max_running != "auto":
         n = int(cfg.max_running)
         return n, vram_needs(f, cfg, slot_bytes, n), f"max_running={n} as configured"
-    least = c.n_expert_used if cfg.vram_slots == "auto" else int(cfg.vram_slots)
-    least = min(least, c.n_expert)
+    least = vram_floor(cfg.vram_slots, c.n_expert_used, c.n_expert)
     floor = "top-k" if cfg.vram_slots == "auto" else "vram_slots as configured"
     per_layer_slot = c.n_layer * slot_bytes           # one slot in every layer
     n = _fitting_running(f, cfg, slot_bytes, least, MAX_RUNNING_AUTO)
@@ -258,14 +281,14 @@ def plan_running(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int) -> tuple[
         parts = vram_needs(f, cfg, slot_bytes, n)
         kv_each = parts["kv"] // n
         over = sum(vram_needs(f, cfg, slot_bytes, n + 1).values()) + least * per_layer_slot - cfg.vram_budget
-        more = "" if n == MAX_RUNNING_AUTO else f"; {n + 1} would need {_mib(over)} more"
-        return n, parts, (f"max_running=auto -> {n} (of at most {MAX_RUNNING_AUTO}): KV {_mib(kv_each)} a sequence "
-                          f"({cfg.max_context} tokens) leaves the VRAM budget {_mib(cfg.vram_budget)} room for "
+        more = "" if n == MAX_RUNNING_AUTO else f"; {n + 1} would need {mib_text(over)} more"
+        return n, parts, (f"max_running=auto -> {n} (of at most {MAX_RUNNING_AUTO}): KV {mib_text(kv_each)} a sequence "
+                          f"({cfg.max_context} tokens) leaves the VRAM budget {mib_text(cfg.vram_budget)} room for "
                           f"at least {least} VRAM expert slots per layer ({floor}){more}")
     parts = vram_needs(f, cfg, slot_bytes, 1)
-    return 1, parts, (f"max_running=auto -> 1: even one sequence's KV ({_mib(parts['kv'])}) leaves the VRAM budget "
-                      f"{_mib(cfg.vram_budget)} less than {least} VRAM expert slots per layer ({floor}, "
-                      f"{_mib(least * per_layer_slot)})")
+    return 1, parts, (f"max_running=auto -> 1: even one sequence's KV ({mib_text(parts['kv'])}) leaves the VRAM budget "
+                      f"{mib_text(cfg.vram_budget)} less than {least} VRAM expert slots per layer ({floor}, "
+                      f"{mib_text(least * per_layer_slot)})")
 
 
 def _fitting_running(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int, vram_slots: int,
@@ -340,10 +363,10 @@ def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, me
                              "the top-k's VRAM slots)" if fits else ""))
     if cfg.vram_slots == "auto":
         n_vram = min(c.n_expert, (cfg.vram_budget - fixed) // per_layer_slot)
-        notes.append(f"vram_slots=auto -> {n_vram} per layer: VRAM budget {_mib(cfg.vram_budget)} - fixed "
-                     f"{_mib(fixed)} (dense {_mib(parts['dense'])}, KV {_mib(parts['kv'])}, prefix cache "
-                     f"{_mib(parts['prefix_cache'])}, ring {_mib(parts['ring'])}, activations {_mib(parts['activations'])}"
-                     f", CUDA context {_mib(parts['cuda_context'])}) over {c.n_layer} layers x {_mib(slot.slot_bytes)}"
+        notes.append(f"vram_slots=auto -> {n_vram} per layer: VRAM budget {mib_text(cfg.vram_budget)} - fixed "
+                     f"{mib_text(fixed)} (dense {mib_text(parts['dense'])}, KV {mib_text(parts['kv'])}, prefix cache "
+                     f"{mib_text(parts['prefix_cache'])}, ring {mib_text(parts['ring'])}, activations {mib_text(parts['activations'])}"
+                     f", CUDA context {mib_text(parts['cuda_context'])}) over {c.n_layer} layers x {mib_text(slot.slot_bytes)}"
                      + (f" (every expert: {c.n_expert})" if n_vram == c.n_expert else ""))
         if not cfg.is_cuda and limit is not None and cfg.worker_reserve == "auto":
             # on the CPU the "VRAM" tier is the worker's RAM: each slot costs a slot there and (backed) one in the
@@ -353,7 +376,7 @@ def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, me
             cpu_cap = max(0, room // (per_layer_slot * (2 if cfg.vram_backing is True else 1)))
             if cpu_cap < n_vram:
                 notes.append(f"vram_slots=auto capped from {n_vram} to {cpu_cap}: on the CPU the VRAM tier is the "
-                             f"worker's RAM, within the memory limit {_mib(limit)}")
+                             f"worker's RAM, within the memory limit {mib_text(limit)}")
                 n_vram = cpu_cap
     else:
         n_vram = min(int(cfg.vram_slots), c.n_expert)
@@ -378,7 +401,7 @@ def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, me
     if prefix_host:
         per_token = max(1, arch_of(c).state_bytes(c, cfg.max_context, dt) // cfg.max_context)
         notes.append(f"prefix host tier {_gib(prefix_host)}: ~{prefix_host // per_token:,} tokens of KV "
-                     f"({_mib(per_token)} a token)" + (" (auto: 2 x the device cache, at most 1/16 of the free memory)"
+                     f"({mib_text(per_token)} a token)" + (" (auto: 2 x the device cache, at most 1/16 of the free memory)"
                                                        if cfg.prefix_host_bytes == "auto" else ""))
     non_resident = c.n_expert - n_vram
     if cfg.staging_slots == "auto":
@@ -419,10 +442,10 @@ def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, me
                 notes.append(f"vram_slots=auto capped from {n_vram} to {cap}: each VRAM expert needs a host backing slot")
                 n_vram = n_backing = cap
             n_host = max(0, min(c.n_expert - n_vram, cap - n_backing))
-            notes.append(f"host_slots=auto -> {n_host} per layer: memory limit {_mib(limit)} ({source}) - in use "
-                         f"{_mib(memory_current)} - worker reserve {_mib(reserve)} - headroom {_mib(HEADROOM)} - "
-                         f"prefix host tier {_mib(prefix_host)} - {n_staging} staging slots leaves room for {cap} slots "
-                         f"per layer ({_mib(slot.slot_bytes)} each)"
+            notes.append(f"host_slots=auto -> {n_host} per layer: memory limit {mib_text(limit)} ({source}) - in use "
+                         f"{mib_text(memory_current)} - worker reserve {mib_text(reserve)} - headroom {mib_text(HEADROOM)} - "
+                         f"prefix host tier {mib_text(prefix_host)} - {n_staging} staging slots leaves room for {cap} slots "
+                         f"per layer ({mib_text(slot.slot_bytes)} each)"
                          + (f", {n_backing} of them the VRAM tier's backing copies" if n_backing else ""))
         # (staging stays as sized above even when every expert has a resident slot: a cold pass still reads
         # every expert through staging, and 4 slots serialised a cold 512-token pass behind 4 reads in flight)

@@ -21,6 +21,7 @@ failed mid-layer, and is taken back: _reclaim).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -185,6 +186,45 @@ class ExpertStore:
             self.counters.attaches += 1
             self.cv.notify_all()
             return self.session, self.plan.to_json()
+
+    def trim_vram(self, session: str, n_vram: int, trim: dict | None = None) -> str:
+        """The worker measured its VRAM over the budget after attach (worker/vram_fit.py): the VRAM tier keeps
+        `n_vram` slots per layer -> the new plan (json), which says so (vram_trim: `trim`, the worker's numbers; a
+        note in `why`). Per layer the VRAM experts ranked last (score, then expert id) leave: to their host slot
+        where they have one (a backing copy, or one in transit), else to disk. With backing copies the host tier
+        keeps the slots the VRAM tier gave up (n_host grows by as many), without them it has the same slots: either
+        way the arena's layout is unchanged. Between passes only, a pending consolidation applied first; the worker
+        attaches again after it (its slot pool is sized from the plan)."""
+        self._check(session)
+        t = self._consolidating
+        if t is not None:
+            t.join()
+            self._commit_consolidation()
+        with self.cv:
+            p = self.plan
+            if self.pass_active:
+                raise BetelgeuseError("the VRAM tier can be trimmed between passes only")
+            if not 0 <= n_vram < p.n_vram:
+                raise BetelgeuseError(f"cannot trim the VRAM tier to {n_vram} slots per layer: the plan has {p.n_vram}")
+            gave = p.n_vram - n_vram
+            note = (f"VRAM tier trimmed at attach by the worker's measurement: {p.n_vram} -> {n_vram} slots per layer"
+                    + (f", the host tier {p.n_host} -> {p.n_host + gave} (the backing slots)" if p.vram_backing else ""))
+            new = dataclasses.replace(p, n_vram=n_vram, n_host=p.n_host + (gave if p.vram_backing else 0),
+                                      notes=[*p.notes, note],
+                                      vram_trim={**(trim or {}), "slots_before": p.n_vram, "slots_after": n_vram})
+            assert new.layout == p.layout, (new.layout, p.layout)
+            snap = self.directory.snapshot()
+            moved = 0
+            with self.directory.batch():
+                for l in range(p.n_layer):
+                    vram = [int(e) for e in np.nonzero(snap["tier"][l] == TIER_VRAM)[0]]
+                    for e in sorted(vram, key=lambda e: (-self.score[l, e], e))[n_vram:]:
+                        hs = int(snap["host_slot"][l, e])
+                        self.directory.set(l, e, TIER_HOST if hs >= 0 else TIER_DISK, hs)
+                        moved += 1
+            self.plan = new
+        event(log, "vram_trim", n_vram_before=p.n_vram, n_vram=n_vram, n_host=new.n_host, demoted=moved)
+        return new.to_json()
 
     def _check(self, session: str):
         if session != self.session:

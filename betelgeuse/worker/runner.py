@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from betelgeuse.config import EngineConfig
-from betelgeuse.errors import BetelgeuseError
+from betelgeuse.errors import BetelgeuseError, BudgetError
 from betelgeuse.gguf.reader import GGUFModelFile
 from betelgeuse.logs import event
 from betelgeuse.model.chunks import Chunk, layer_back, layer_front, pass_chunks
@@ -43,6 +43,7 @@ from betelgeuse.worker.flex_cache import FlexCache
 from betelgeuse.worker.guess import guess_ahead
 from betelgeuse.worker.lanes import Lanes
 from betelgeuse.worker.moe_step import MoEStep
+from betelgeuse.worker import vram_fit
 from betelgeuse.worker.stats import LayerStats, PassClock, PassStats
 from betelgeuse.worker.store_session import StoreSession
 from betelgeuse.worker.warm_decode import warm_decode
@@ -145,6 +146,9 @@ class ModelRunner:
                 warmed["decode"] = dense
         if steps.vram:
             warmed["vram"] = steps.vram
+        fit = self._fit_vram()
+        if fit is not None:
+            warmed["vram_fit"] = fit.record()
         self.warmed = warmed or None
         comp = [(warmed.get(k) or {}).get("compiles") or {} for k in ("kernels", "decode")]
         worst = max(comp, key=lambda c: c.get("max_local") or 0)      # the most local bytes per thread (spills)
@@ -153,6 +157,35 @@ class ModelRunner:
               used_mib=max((v["used_mib"] for v in steps.vram.values()), default=None),
               compiles=sum(c.get("count") or 0 for c in comp), max_local_b=worst.get("max_local"),
               lmem_mib=worst.get("lmem_mib"), spilling=(worst.get("spilling") or [None])[0])
+        if fit is not None and fit.over > 0:
+            self._trim_vram(fit)
+
+    def _fit_vram(self) -> vram_fit.VramFit | None:
+        """The worker's VRAM, measured now (after attach's warm-ups), against the plan (worker/vram_fit.py); None
+        where there is no VRAM to measure (the CPU)."""
+        got = vram_fit.measure(self.device)
+        return None if got is None else vram_fit.check(self.plan, self.mcfg.n_expert_used, *got)
+
+    def _trim_vram(self, fit: vram_fit.VramFit):
+        """The projected peak is over the VRAM budget: the store's plan gives back VRAM slots (StoreClient.trim_vram:
+        the VRAM tier's last-ranked experts leave for their host slot or disk, between passes), then the worker
+        attaches again with the smaller slot pool (its warm-ups rerun, the check too: each round trims at least one
+        slot per layer). Below the plan's floor the worker refuses to serve (BudgetError, the numbers)."""
+        mib = lambda n: round(n / (1 << 20), 1)         # noqa: E731
+        fields = dict(non_torch_mib=mib(fit.non_torch), allowance_mib=mib(fit.allowance),
+                      torch_reserved_mib=mib(fit.torch_reserved), plan_torch_mib=mib(fit.plan_torch),
+                      projected_mib=mib(fit.projected), budget_mib=mib(fit.budget), over_mib=mib(fit.over),
+                      slots_before=fit.slots_before, slots_after=fit.slots_after, floor=fit.floor)
+        if fit.refused:
+            event(log, "vram_refused", logging.ERROR, **fields)
+            self.close()
+            raise BudgetError(vram_fit.refusal(fit))
+        event(log, "vram_trim", logging.WARNING, **fields)
+        self.store.trim_vram(fit.slots_after, fit.record())
+        self.detach()                               # the old slot pool, graphs and views go before the new pool comes
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.attach()
 
     def warm_decode(self, force: bool = False) -> dict | None:
         """Decode's dense kernel variants (the model's, the router's, the expert routing's) compiled now, on scratch

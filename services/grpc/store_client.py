@@ -446,6 +446,13 @@ class GrpcStoreClient:
                                 release=list(release))
         return self._call(self.stub.EndPass, req).promoted
 
+    def trim_vram(self, n_vram: int, trim: dict) -> SlotPlan:
+        """The VRAM tier keeps n_vram slots per layer (store.proto TrimVram; it may wait for a consolidation's reads,
+        as BeginPass does) -> the new plan."""
+        req = pb.TrimVramRequest(session=self.session, vram_slots=n_vram, trim_json=json.dumps(trim))
+        reply = self._call(self.stub.TrimVram, req, timeout=max(self.timeout, self.BEGIN_PASS_TIMEOUT))
+        return SlotPlan.from_json(reply.layout_json)
+
     def engram_read(self, tables, rows, release) -> int:
         req = pb.EngramReadRequest(session=self.session, tables=np.asarray(tables, dtype=np.uint32).tolist(),
                                    rows=np.asarray(rows, dtype=np.uint64).tolist(), release=list(release))
