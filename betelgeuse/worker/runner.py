@@ -156,7 +156,10 @@ class ModelRunner:
               vram_device_torch_mib=steps.summary() or None,
               used_mib=max((v["used_mib"] for v in steps.vram.values()), default=None),
               compiles=sum(c.get("count") or 0 for c in comp), max_local_b=worst.get("max_local"),
-              lmem_mib=worst.get("lmem_mib"), spilling=(worst.get("spilling") or [None])[0])
+              lmem_mib=worst.get("lmem_mib"), spilling=(worst.get("spilling") or [None])[0],
+              **({} if fit is None else {"non_torch_mib": round(fit.non_torch / (1 << 20), 1),
+                                         "projected_mib": round(fit.projected / (1 << 20), 1),
+                                         "budget_mib": round(fit.budget / (1 << 20), 1)}))
         if fit is not None and fit.over > 0:
             self._trim_vram(fit)
 

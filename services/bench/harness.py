@@ -296,7 +296,7 @@ class Harness:
             p = rn.plan
             out["plan"] = {"n_vram": p.n_vram, "n_host": p.n_host, "n_staging": p.n_staging, "arena_bytes": p.arena_bytes,
                            "slot_bytes": p.slot.slot_bytes, "vram_slot_bytes": p.vram_slot_bytes, "notes": list(p.notes),
-                           "resident_share": (p.n_vram + p.n_host) / c.n_expert}
+                           "resident_share": (p.n_vram + p.n_host) / c.n_expert, "vram_trim": p.vram_trim}
             ids = np.random.default_rng([o.seed, case.prompt]).integers(0, c.n_vocab, case.prompt).tolist()
             kv_len = case.prompt + o.decode + 8
             warm_kv, warm_logits = None, None

@@ -139,7 +139,19 @@ def attach_vram(warmed: dict | None) -> str:
     if w.get("vram"):
         last = list(w["vram"].values())[-1]
         parts.append(f"device used after {last['used_mib']:,.0f}")
+    if w.get("vram_fit"):
+        parts.append(f"budget check: {vram_fit_text(w['vram_fit'])}")
     return "; ".join(parts) if parts else "–"
+
+
+def vram_fit_text(f: dict) -> str:
+    """A VRAM check's numbers (worker/vram_fit.py VramFit.record: the runner's warmed["vram_fit"], a plan's vram_trim)
+    in MiB: "outside torch 1,364 (plan allowed 1,024), projected 12,490 of 12,288"."""
+    if "projected" not in f:
+        return "no figures"
+    m = lambda k: f"{f[k] / MiB:,.0f}"          # noqa: E731
+    return (f"outside torch {m('non_torch')} (plan allowed {m('allowance')}), projected {m('projected')} of "
+            f"{m('budget')}")
 
 
 def _passes(r: dict):
@@ -177,7 +189,10 @@ def markdown(r: dict) -> str:
     for case, p in _passes(r):
         plan = case.get("plan", {})
         b = p.get("bound", {})
-        slots = f"{plan.get('n_vram', '?')}+{plan.get('n_host', '?')} ({case['slots_requested']})"
+        trim = plan.get("vram_trim")
+        slots = (f"{plan.get('n_vram', '?')}+{plan.get('n_host', '?')} ({case['slots_requested']}"
+                 + (f"; VRAM TRIMMED at attach {trim['slots_before']} -> {trim['slots_after']}: {vram_fit_text(trim)}"
+                    if trim else "") + ")")
         label = p["label"] + ("" if p.get("complete", True) else " (partial)")
         router = case.get("router", case.get("router_skew"))
         L.append(f"| {case_label(case)} | {router} | {slots} | {label} | {p['schedule']} | "

@@ -895,7 +895,8 @@ def markdown(r: dict) -> str:
         return (f"{p.get('vram_slots', '?')} VRAM + {p.get('host_slots', '?')} host (asked "
                 f"{p.get('vram_slots_requested', '?')}+{p.get('host_slots_requested', '?')}); VRAM backing copies "
                 f"{backing} (asked {p.get('vram_backing_requested', '?')}): "
-                f"{p.get('resident_experts_per_layer', '?')} distinct experts resident")
+                f"{p.get('resident_experts_per_layer', '?')} distinct experts resident"
+                + (f"; VRAM TRIMMED at attach by measurement: {p['vram_trim']}" if p.get("vram_trim") else ""))
     row("slots per layer", plan)
 
     def budgets(c):
@@ -913,8 +914,10 @@ def markdown(r: dict) -> str:
         used = f"; device used {a['used_mib']} MiB at most" if a.get("used_mib") is not None else ""
         spill = (f"; SPILLING: max {a['max_local_b']} B/thread (~{a.get('lmem_mib') or '?'} MiB reserved), "
                  f"`{a.get('spilling')}`" if a.get("max_local_b") not in (None, "0") else "")
+        fit = (f"; budget check: outside torch {a['non_torch_mib']} MiB, projected {a['projected_mib']} of "
+               f"{a['budget_mib']} MiB" if a.get("projected_mib") is not None else "")
         return (f"warm-ups {a.get('warm_up', '?')}; {a.get('vram_device_torch_mib') or 'no VRAM figures (CPU)'}{used}; "
-                f"compiles {a.get('compiles', '–')}{spill}" + (f"; FAILED: {a['failed']}" if a.get("failed") else ""))
+                f"compiles {a.get('compiles', '–')}{spill}{fit}" + (f"; FAILED: {a['failed']}" if a.get("failed") else ""))
     row("attach: warm-ups; VRAM by step, MiB device-wide / torch reserved (worker log)", attach)
 
     def one(key):

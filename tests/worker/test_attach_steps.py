@@ -115,7 +115,10 @@ def test_each_step_s_vram_is_its_own(model, monkeypatch):
     txt = attach_vram(warmed)
     assert "warm_kernels +300/+60 (outside torch +240) (torch peak 560)" in txt, txt
     assert "warm_decode +0/+0 (torch peak 580)" in txt, txt
-    assert "moe_step" not in txt and txt.endswith("device used after 1,300"), txt
+    # the same fake device is the budget check's (worker/vram_fit.py): 740 outside torch + torch's 560 (more than
+    # the tiny plan's tensors) of the default 12 GiB budget
+    assert "moe_step" not in txt and txt.endswith("device used after 1,300; budget check: outside torch 740 (plan "
+                                                  "allowed 0), projected 1,300 of 12,288"), txt
     from services.bench.report import markdown                 # bench.md: one row per case, in its own table
     md = markdown({"options": {}, "cases": [{"name": "auto p64", "slots_requested": "auto", "plan": {}, "passes": [],
                                              "attach_s": 1.25, "kernel_warmup": warmed}]})

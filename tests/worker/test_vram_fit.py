@@ -192,3 +192,30 @@ def test_trim_over_grpc_to_a_store_process(model, tmp_path):
             c.trim_vram(1, {})
     finally:
         store.close()
+
+
+def test_bench_md_shows_the_trim_and_the_check():
+    """bench.md: the in-process bench's slots column and attach row (services/bench/report.py), the live service's
+    plan and attach rows (services/bench/serve.py, from /v1/models meta.plan and the worker's attach_warm event)."""
+    from betelgeuse.store.plan import trim_text
+    from services.bench import report, serve
+    MiB = 1 << 20
+    rec = {"used": 12_600 * MiB, "torch_reserved": 11_000 * MiB, "non_torch": 1_364 * MiB, "allowance": 1_024 * MiB,
+           "plan_torch": 11_126 * MiB, "projected": 12_490 * MiB, "budget": 12_288 * MiB, "slots_before": 16,
+           "slots_after": 15, "floor": 8, "slot_layer_bytes": 230 * MiB}
+    fit = {**rec, "projected": 12_260 * MiB, "slots_before": 15}
+    md = report.markdown({"options": {}, "cases": [{"name": "auto", "slots_requested": "auto", "plan": {
+        "n_vram": 15, "n_host": 36, "vram_trim": rec}, "passes": [{"label": "cold", "schedule": "layer_major",
+        "n_tokens": 8, "tok_per_s": 1.0}], "attach_s": 2.0, "kernel_warmup": {"vram_fit": fit}}]})
+    assert ("| 15+36 (auto; VRAM TRIMMED at attach 16 -> 15: outside torch 1,364 (plan allowed 1,024), projected "
+            "12,490 of 12,288) |") in md, md
+    assert "budget check: outside torch 1,364 (plan allowed 1,024), projected 12,260 of 12,288 |" in md, md
+    txt = trim_text(rec)
+    assert txt == ("16 -> 15 VRAM slots per layer: measured 1,364 MiB outside torch's allocator (the plan allowed "
+                   "1,024 MiB for the CUDA context), projected 12,490 MiB over the VRAM budget 12,288 MiB"), txt
+    md = serve.markdown({"options": {}, "cases": [{"name": "auto", "memory": {"cgroup": "/cg"}, "plan": {
+        "vram_slots": 15, "host_slots": 36, "vram_trim": txt}, "attach_warm": {
+        "warm_up": "on", "compiles": "2", "non_torch_mib": "1364.0", "projected_mib": "12260.0",
+        "budget_mib": "12288.0"}}]})
+    assert f"distinct experts resident; VRAM TRIMMED at attach by measurement: {txt} |" in md, md
+    assert "compiles 2; budget check: outside torch 1364.0 MiB, projected 12260.0 of 12288.0 MiB |" in md, md
