@@ -35,7 +35,11 @@ HEADROOM = 256 * MiB            # left free in the cgroup for page tables, socke
 # memory left for the arena: with V4-Flash's 13-19 MB experts 512 slots were 7-10 GB, and the host tier got nothing
 STAGING_AUTO_MAX_BYTES = 1 * GiB
 STAGING_AUTO_FREE_SHARE = 8
-CUDA_CONTEXT_BYTES = 1 * GiB    # VRAM the CUDA context and torch's allocator take beyond tensors (767 MiB measured on an H200)
+# VRAM the CUDA context and torch's allocator take beyond tensors (767 MiB measured on an H200). A planning figure
+# only: what lies outside torch grows with each kernel variant launched (modules, the driver's local-memory
+# reservation), so the worker measures it after attach's warm-ups and trims the VRAM tier where this was short
+# (worker/vram_fit.py; gpu-run45-serve's service peaked 202 MiB over its budget with it)
+CUDA_CONTEXT_BYTES = 1 * GiB
 # VRAM of one running sequence's captured decode graphs (worker/lanes.py: its attention graph per layer, their private pool and
 # their instantiated kernel nodes); with 8 sequences replaying them device-wide use went 158 MiB higher (docs/benchmarks/gpu-agents3)
 GRAPHS_BYTES_PER_SEQ = 32 * MiB

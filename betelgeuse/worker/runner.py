@@ -37,13 +37,13 @@ from betelgeuse.model.interface import SequenceState, check_model
 from betelgeuse.model.registry import arch_of, engine_model
 from betelgeuse.store.client import StoreClient
 from betelgeuse.store.plan import GRAPHS_BYTES_PER_SEQ
+from betelgeuse.worker import vram_fit
 from betelgeuse.worker.attach_steps import AttachSteps
 from betelgeuse.worker.decode_graphs import SoloDecode
 from betelgeuse.worker.flex_cache import FlexCache
 from betelgeuse.worker.guess import guess_ahead
 from betelgeuse.worker.lanes import Lanes
 from betelgeuse.worker.moe_step import MoEStep
-from betelgeuse.worker import vram_fit
 from betelgeuse.worker.stats import LayerStats, PassClock, PassStats
 from betelgeuse.worker.store_session import StoreSession
 from betelgeuse.worker.warm_decode import warm_decode
@@ -110,8 +110,11 @@ class ModelRunner:
         The compile warm-ups (issue 21; engine.warm_up, default on) run last, each guarded: one that raises is a
         warning and {"failed": error} in `warmed`, never a failed attach (its kernels compile in the first token).
         Each step's VRAM (device-wide used and torch's reserved bytes, CUDA) is measured (worker/attach_steps.py).
+        Last, the VRAM budget is checked by measurement (worker/vram_fit.py, issue 21): over it, the VRAM tier is
+        trimmed and the worker attaches again (_trim_vram); below the plan's floor it refuses (BudgetError).
         `warmed`: {"kernels": warm_kernels', "decode": warm_decode's, "routes": a failed warm_routes', "vram": per
-        step, "warm_up": "off" when off}, None where there is nothing to say (the CPU, warm-ups on)."""
+        step, "warm_up": "off" when off, "vram_fit": the budget check's numbers}, None where there is nothing to say
+        (the CPU, warm-ups on)."""
         steps = AttachSteps(self.device)
         steps.run("session", self.session.attach)         # the slot pool: the plan's VRAM (for scale)
         if self.cfg.max_running == "auto":
@@ -181,7 +184,7 @@ class ModelRunner:
                       slots_before=fit.slots_before, slots_after=fit.slots_after, floor=fit.floor)
         if fit.refused:
             event(log, "vram_refused", logging.ERROR, **fields)
-            self.close()
+            self.detach()                           # the slot pool and the store's arena let go (the model stays)
             raise BudgetError(vram_fit.refusal(fit))
         event(log, "vram_trim", logging.WARNING, **fields)
         self.store.trim_vram(fit.slots_after, fit.record())

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import pytest
 import torch
 
@@ -78,7 +77,8 @@ def _run(model, fake: FakeDevice, trim_after_prefill: float | None = None, start
     cfg = _cfg(model)
     store = open_store(cfg)
     try:
-        fake.over_by(store.store, start_over) if start_over is not None else None
+        if start_over is not None:
+            fake.over_by(store.store, start_over)
         rn = open_runner(cfg, store)
         try:
             kv = rn.new_cache(32)
