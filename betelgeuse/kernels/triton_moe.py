@@ -554,20 +554,28 @@ def _launch_rows(R: int, E: int, BM: int) -> int:
 
 
 _WS: dict = {}
-_WS_OLD: list = []        # replaced workspaces stay alive: a captured CUDA graph may still point at them
+_WS_OLD: list = []        # replaced counters stay alive: a captured CUDA graph may still point at them
 
 
 def _workspace(dev: torch.device, n_floats: int, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(float32 partials >= n_floats, int32 tile counters >= n_tiles, all zero) for launches on the current stream
-    of `dev`: launches on one stream run one after the other, and each tile's last program resets its counter."""
+    of `dev`: launches on one stream run one after the other, and each tile's last program resets its counter.
+
+    The partials are allocated once per stream at WS_LIMIT (every split launch's partials fit it: _launch and
+    _mv_launch walk their chunks otherwise), never grown: a workspace grown launch by launch left each smaller one
+    alive (a captured graph may point at it), ~4.5x the largest over decode's T = 1..8 (~120 MB on the bench
+    geometry: the attach warm-ups' +200 MiB of torch's reserve, docs/benchmarks/gpu-run46-serve). So a stream holds
+    exactly WS_LIMIT: the plan counts two (store/plan.py SPLITK_WORKSPACE_BYTES: eager passes, graph captures)."""
     key = (dev, stream_key(dev.index) if dev.type == "cuda" else 0)      # the stream without a Stream (streams.py)
     ws, cnt = _WS.get(key, (None, None))
-    if ws is None or ws.numel() < n_floats or cnt.numel() < n_tiles:
-        if ws is not None:
-            _WS_OLD.append((ws, cnt))
-        ws = torch.empty(max(n_floats, 0 if ws is None else ws.numel()), dtype=torch.float32, device=dev)
+    if ws is None:
+        ws = torch.empty(max(n_floats, WS_LIMIT // 4), dtype=torch.float32, device=dev)
+    assert ws.numel() >= n_floats, (n_floats, ws.numel())    # split launches' partials are held to WS_LIMIT
+    if cnt is None or cnt.numel() < n_tiles:
+        if cnt is not None:
+            _WS_OLD.append(cnt)
         cnt = torch.zeros(max(n_tiles, 0 if cnt is None else cnt.numel()), dtype=torch.int32, device=dev)
-        _WS[key] = (ws, cnt)
+    _WS[key] = (ws, cnt)
     return ws, cnt
 
 

@@ -149,6 +149,10 @@ class ModelRunner:
                 warmed["decode"] = dense
         if steps.vram:
             warmed["vram"] = steps.vram
+        if on and self.device.type == "cuda":
+            # the warm-ups' scratch (states, activations of every T) back to the device: torch's cache would keep
+            # those blocks reserved beside what serving allocates later, in sizes it may never reuse
+            torch.cuda.empty_cache()
         fit = self._fit_vram()
         if fit is not None:
             warmed["vram_fit"] = fit.record()

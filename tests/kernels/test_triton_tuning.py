@@ -131,3 +131,25 @@ def test_the_vram_plan_counts_the_split_k_workspace():
     from betelgeuse.kernels import triton_moe
     from betelgeuse.store import plan
     assert plan.SPLITK_WORKSPACE_BYTES >= 2 * triton_moe.WS_LIMIT
+
+
+def test_a_stream_s_split_k_workspace_is_one_allocation_that_never_grows():
+    """The partials of a stream are allocated once at WS_LIMIT: a workspace grown launch by launch kept every smaller
+    one alive (the attach warm-ups' +200 MiB of torch's reserve on the device, gpu-run46-serve), beyond the plan's
+    two WS_LIMITs. Growing tile counters keep their old tensors (a captured graph may point at them)."""
+    import torch
+    from betelgeuse.kernels import triton_moe as tm
+    dev = torch.device("cpu")
+    saved = dict(tm._WS), list(tm._WS_OLD)
+    tm._WS.clear()
+    try:
+        ws, cnt = tm._workspace(dev, 100, 4)
+        assert ws.numel() * 4 == tm.WS_LIMIT and cnt.numel() == 4 and not cnt.any()
+        for n in (1_000, 1_000_000, tm.WS_LIMIT // 4):        # every split launch's partials, up to the limit
+            assert tm._workspace(dev, n, 4)[0] is ws
+        ws2, cnt2 = tm._workspace(dev, 10, 64)
+        assert ws2 is ws and cnt2.numel() == 64 and cnt in tm._WS_OLD
+    finally:
+        tm._WS.clear()
+        tm._WS.update(saved[0])
+        tm._WS_OLD[:] = saved[1]
