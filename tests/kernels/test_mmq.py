@@ -273,8 +273,11 @@ def test_k_steps_give_the_one_block_bits_and_split_k_the_walked_bits(qt):
         assert np.array_equal(with_cfg(16, KB=2, KCB=0, FUSE=1), old)           # gate and up rows in one MMA
         assert np.array_equal(with_cfg(1, KB=4, KCB=0)[0], old[0])
         chunked = with_cfg(16, KB=2, KCB=2)
-        assert np.array_equal(with_cfg(1, KB=2, KCB=2)[0], chunked[0])         # split over programs == walked
-        assert np.array_equal(with_cfg(1, KB=1, KCB=2, FUSE=1)[0], chunked[0])
+        # split over programs == walked (KCB 2 is no multiple of MXFP4's and Q4_K's MV word group: the MMA runs, at
+        # the MMA's BN 64 rather than their one-row MV's 16, a quarter of the interpreted programs; its bits do not
+        # depend on BN: test_a_rows_bits_do_not_depend_on_its_block)
+        assert np.array_equal(with_cfg(1, KB=2, KCB=2, BN=64)[0], chunked[0])
+        assert np.array_equal(with_cfg(1, KB=1, KCB=2, FUSE=1, BN=64)[0], chunked[0])
         want = moe_ref(qt, raw, h[:1], ids[:1], w[:1], kcb=2)[0]
         assert np.abs(chunked[0] - want).max() / np.abs(want).max() <= 1e-6
         assert not np.array_equal(chunked, old)
@@ -384,7 +387,10 @@ def test_decode_schedule_without_mma_gives_the_mma_bits(qt):
         def with_cfg(n, **cfg):
             mp.setitem(mq.TYPE_CONFIG, code, {"KCB": kcb, **cfg})
             return run(qt, raw, h[:n], ids[:n], w[:n])
-        mma1, mma5 = with_cfg(1, KB=1), with_cfg(5, KB=2)
+        # the MMA at 1 row (split-K) really: MV 0 over TYPE_BUCKET's one-row MV of MXFP4 and Q4_K (with it, mma1 was
+        # the decode schedule's own bits, the (1, 1, 0) case below all but the same launch), at 64 outputs a program
+        # (the MMA's 16-row BN, Q8_0's one-row one; its bits do not depend on BN: test_a_rows_bits_do_not_depend_...)
+        mma1, mma5 = with_cfg(1, KB=1, MV=0, BN=64), with_cfg(5, KB=2)
         assert np.array_equal(mma1[0], mma5[0])
         want = moe_ref(qt, raw, h, ids, w, kcb=kcb)
         assert np.abs(mma5 - want).max() / np.abs(want).max() <= 1e-6
@@ -399,7 +405,8 @@ def test_decode_schedule_without_mma_gives_the_mma_bits(qt):
             assert np.array_equal(with_cfg(5, MV=1, BM_MV=bm, NS=ns_, FUSE=fuse, SPLIT=0), mma5), (bm, ns_, fuse)
             assert taken == [True] * 4, taken           # gate_up and down, both runs
         taken.clear()
-        assert np.array_equal(with_cfg(1, MV=1, NS=4)[0], mma1[0])      # 8+ blocks a step > KCB: the MMA runs
+        # 8+ blocks a step > KCB: the MMA runs (at BN 64, as mma1: mv_ok does not look at BN)
+        assert np.array_equal(with_cfg(1, MV=1, NS=4, BN=64)[0], mma1[0])
         assert taken == [False, False], taken
 
 
@@ -436,8 +443,10 @@ def test_word_loads_give_the_byte_load_bits(qt):
     with pytest.MonkeyPatch.context() as mp:
         raw, h, ids, w, code = _one_expert(mp, qt, K, rows=16, seed_experts=12, seed=11)
 
-        def with_cfg(n, **cfg):
-            mp.setitem(mq.TYPE_CONFIG, code, {"KCB": kcb, "MV": 0, **cfg})        # the MMA in both buckets
+        def with_cfg(n, **cfg):     # the MMA in both buckets, 64 outputs a program in both (as Q8_0's one-row
+            # bucket: MXFP4's and Q4_K's 16 there are their MV schedule's; the MMA's bits do not depend on BN,
+            # test_a_rows_bits_do_not_depend_on_its_block) - a quarter of the one-row launches' interpreted programs
+            mp.setitem(mq.TYPE_CONFIG, code, {"KCB": kcb, "MV": 0, "BN": 64, **cfg})
             return run(qt, raw, h[:n], ids[:n], w[:n])
         taken = []                                      # the launches' choice: word loads or bytes
         ok = mq.wl_ok

@@ -339,7 +339,10 @@ def test_an_http_flood_leaves_grpc_serving_and_is_refused(cluster, channel, refe
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"])
 def test_an_abandoned_request_stops_within_a_second(cluster, channel, path):
-    """Item 3. Before: a non-streamed HTTP request ran to its end after its client left (2,477 tokens)."""
+    """Item 3. Before: a non-streamed HTTP request ran to its end after its client left (2,477 tokens). The request
+    provably runs 1,500 tokens unless stopped: ignore_eos, or where the API has none (/v1/messages, /v1/responses) a
+    grammar that admits no end before 3,000 a's (sampled at temperature 1, the tiny model's EOS came first at times:
+    the request was over before it was seen running)."""
     import http.client
     host, port = cluster.http.rsplit(":", 1)
     body = {"model": "tiny", "max_tokens": 1500, "ignore_eos": True}
@@ -349,8 +352,9 @@ def test_an_abandoned_request_stops_within_a_second(cluster, channel, path):
         body = {"model": "tiny", "input": "Once upon a time", "max_output_tokens": 1500}
     else:
         body["messages"] = [{"role": "user", "content": "Once upon a time"}]
-    if path == "/v1/messages":
-        body.pop("ignore_eos")
+    if path in ("/v1/messages", "/v1/responses"):
+        body.pop("ignore_eos", None)
+        body["structured_outputs"] = {"regex": "a{3000}"}
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
     conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
     TALLY["requests"] += 1
@@ -506,9 +510,10 @@ def test_a_chunked_body_is_held_to_the_size_limit(cluster):
     """A body sent chunked has no Content-Length to be refused by. Before: it was read whole into the worker's
     memory whatever its size (64 MiB sent: the worker's RSS +200 MB, then a 400 "not valid JSON"), so a client
     streaming gigabytes could get the GPU worker killed for memory. Now it is counted as it comes and refused (413)
-    past the limit; a chunked body within it is served as before."""
+    past the limit; a chunked body within it is served as before (ignore_eos: exactly 2 tokens; sampled at
+    temperature 1 the tiny model's first token was EOS 2 times in 400, 0 tokens)."""
     from services.http.app import MAX_BODY_BYTES
-    one = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 2}).encode()
+    one = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 2, "ignore_eos": True}).encode()
     st, got = _chunked(cluster, [one[:9], one[9:]])
     assert st == 200 and got["usage"]["completion_tokens"] == 2, got
     mib = b"a" * (1 << 20)
