@@ -60,6 +60,9 @@ def mib_text(n: int) -> str:
     return f"{n / MiB:,.0f} MiB" if n >= 10 * MiB else f"{n / MiB:.2f} MiB" if n >= MiB else f"{n / 1024:,.0f} KiB"
 
 
+_mib = mib_text          # the short name in this module
+
+
 @dataclass(slots=True)
 class SlotPlan:
     model_path: str
@@ -172,9 +175,9 @@ def trim_text(t: dict | None) -> str:
     txt = f"{t['slots_before']} -> {t['slots_after']} VRAM slots per layer"
     if "non_torch" not in t:
         return txt
-    return (f"{txt}: measured {mib_text(t['non_torch'])} outside torch's allocator (the plan allowed "
-            f"{mib_text(t['allowance'])} for the CUDA context), projected {mib_text(t['projected'])} over the VRAM "
-            f"budget {mib_text(t['budget'])}")
+    return (f"{txt}: measured {_mib(t['non_torch'])} outside torch's allocator (the plan allowed "
+            f"{_mib(t['allowance'])} for the CUDA context), projected {_mib(t['projected'])} over the VRAM "
+            f"budget {_mib(t['budget'])}")
 
 
 def vram_floor(vram_slots: str, n_expert_used: int, n_expert: int) -> int:
@@ -285,14 +288,14 @@ def plan_running(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int) -> tuple[
         parts = vram_needs(f, cfg, slot_bytes, n)
         kv_each = parts["kv"] // n
         over = sum(vram_needs(f, cfg, slot_bytes, n + 1).values()) + least * per_layer_slot - cfg.vram_budget
-        more = "" if n == MAX_RUNNING_AUTO else f"; {n + 1} would need {mib_text(over)} more"
-        return n, parts, (f"max_running=auto -> {n} (of at most {MAX_RUNNING_AUTO}): KV {mib_text(kv_each)} a sequence "
-                          f"({cfg.max_context} tokens) leaves the VRAM budget {mib_text(cfg.vram_budget)} room for "
+        more = "" if n == MAX_RUNNING_AUTO else f"; {n + 1} would need {_mib(over)} more"
+        return n, parts, (f"max_running=auto -> {n} (of at most {MAX_RUNNING_AUTO}): KV {_mib(kv_each)} a sequence "
+                          f"({cfg.max_context} tokens) leaves the VRAM budget {_mib(cfg.vram_budget)} room for "
                           f"at least {least} VRAM expert slots per layer ({floor}){more}")
     parts = vram_needs(f, cfg, slot_bytes, 1)
-    return 1, parts, (f"max_running=auto -> 1: even one sequence's KV ({mib_text(parts['kv'])}) leaves the VRAM budget "
-                      f"{mib_text(cfg.vram_budget)} less than {least} VRAM expert slots per layer ({floor}, "
-                      f"{mib_text(least * per_layer_slot)})")
+    return 1, parts, (f"max_running=auto -> 1: even one sequence's KV ({_mib(parts['kv'])}) leaves the VRAM budget "
+                      f"{_mib(cfg.vram_budget)} less than {least} VRAM expert slots per layer ({floor}, "
+                      f"{_mib(least * per_layer_slot)})")
 
 
 def _fitting_running(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int, vram_slots: int,
@@ -367,10 +370,10 @@ def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, me
                              "the top-k's VRAM slots)" if fits else ""))
     if cfg.vram_slots == "auto":
         n_vram = min(c.n_expert, (cfg.vram_budget - fixed) // per_layer_slot)
-        notes.append(f"vram_slots=auto -> {n_vram} per layer: VRAM budget {mib_text(cfg.vram_budget)} - fixed "
-                     f"{mib_text(fixed)} (dense {mib_text(parts['dense'])}, KV {mib_text(parts['kv'])}, prefix cache "
-                     f"{mib_text(parts['prefix_cache'])}, ring {mib_text(parts['ring'])}, activations {mib_text(parts['activations'])}"
-                     f", CUDA context {mib_text(parts['cuda_context'])}) over {c.n_layer} layers x {mib_text(slot.slot_bytes)}"
+        notes.append(f"vram_slots=auto -> {n_vram} per layer: VRAM budget {_mib(cfg.vram_budget)} - fixed "
+                     f"{_mib(fixed)} (dense {_mib(parts['dense'])}, KV {_mib(parts['kv'])}, prefix cache "
+                     f"{_mib(parts['prefix_cache'])}, ring {_mib(parts['ring'])}, activations {_mib(parts['activations'])}"
+                     f", CUDA context {_mib(parts['cuda_context'])}) over {c.n_layer} layers x {_mib(slot.slot_bytes)}"
                      + (f" (every expert: {c.n_expert})" if n_vram == c.n_expert else ""))
         if not cfg.is_cuda and limit is not None and cfg.worker_reserve == "auto":
             # on the CPU the "VRAM" tier is the worker's RAM: each slot costs a slot there and (backed) one in the
@@ -380,7 +383,7 @@ def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, me
             cpu_cap = max(0, room // (per_layer_slot * (2 if cfg.vram_backing is True else 1)))
             if cpu_cap < n_vram:
                 notes.append(f"vram_slots=auto capped from {n_vram} to {cpu_cap}: on the CPU the VRAM tier is the "
-                             f"worker's RAM, within the memory limit {mib_text(limit)}")
+                             f"worker's RAM, within the memory limit {_mib(limit)}")
                 n_vram = cpu_cap
     else:
         n_vram = min(int(cfg.vram_slots), c.n_expert)
@@ -405,7 +408,7 @@ def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, me
     if prefix_host:
         per_token = max(1, arch_of(c).state_bytes(c, cfg.max_context, dt) // cfg.max_context)
         notes.append(f"prefix host tier {_gib(prefix_host)}: ~{prefix_host // per_token:,} tokens of KV "
-                     f"({mib_text(per_token)} a token)" + (" (auto: 2 x the device cache, at most 1/16 of the free memory)"
+                     f"({_mib(per_token)} a token)" + (" (auto: 2 x the device cache, at most 1/16 of the free memory)"
                                                        if cfg.prefix_host_bytes == "auto" else ""))
     non_resident = c.n_expert - n_vram
     if cfg.staging_slots == "auto":
@@ -446,10 +449,10 @@ def plan_slots(f: GGUFModelFile, cfg: EngineConfig, memory_limit: int | None, me
                 notes.append(f"vram_slots=auto capped from {n_vram} to {cap}: each VRAM expert needs a host backing slot")
                 n_vram = n_backing = cap
             n_host = max(0, min(c.n_expert - n_vram, cap - n_backing))
-            notes.append(f"host_slots=auto -> {n_host} per layer: memory limit {mib_text(limit)} ({source}) - in use "
-                         f"{mib_text(memory_current)} - worker reserve {mib_text(reserve)} - headroom {mib_text(HEADROOM)} - "
-                         f"prefix host tier {mib_text(prefix_host)} - {n_staging} staging slots leaves room for {cap} slots "
-                         f"per layer ({mib_text(slot.slot_bytes)} each)"
+            notes.append(f"host_slots=auto -> {n_host} per layer: memory limit {_mib(limit)} ({source}) - in use "
+                         f"{_mib(memory_current)} - worker reserve {_mib(reserve)} - headroom {_mib(HEADROOM)} - "
+                         f"prefix host tier {_mib(prefix_host)} - {n_staging} staging slots leaves room for {cap} slots "
+                         f"per layer ({_mib(slot.slot_bytes)} each)"
                          + (f", {n_backing} of them the VRAM tier's backing copies" if n_backing else ""))
         # (staging stays as sized above even when every expert has a resident slot: a cold pass still reads
         # every expert through staging, and 4 slots serialised a cold 512-token pass behind 4 reads in flight)
