@@ -82,9 +82,10 @@ def check(plan: SlotPlan, n_expert_used: int, used: int, torch_reserved: int) ->
 
 def refusal(f: VramFit) -> str:
     """Why the worker does not serve: the numbers, and what to change."""
-    return (f"the worker's VRAM does not fit its budget: measured after attach {mib_text(f.used)} on the device "
-            f"({mib_text(f.non_torch)} outside torch's allocator, where the plan allowed {mib_text(f.allowance)} for the "
-            f"CUDA context), projected peak {mib_text(f.projected)} with the plan's tensors ({mib_text(f.plan_torch)}), "
-            f"{mib_text(f.over)} over the VRAM budget {mib_text(f.budget)}; fitting needs {f.slots_after} VRAM slots per "
-            f"layer, under the floor of {f.floor} (of {f.slots_before} planned; {mib_text(f.slot_layer_bytes)} a slot "
-            "in every layer): raise the VRAM budget, or lower max_running, the prefix cache or vram_slots")
+    m = mib_text
+    return (f"the worker's VRAM does not fit its budget: measured after attach {m(f.used)} on the device "
+            f"({m(f.non_torch)} outside torch's allocator, where the plan allowed {m(f.allowance)} for the CUDA "
+            f"context), projected peak {m(f.projected)} with the plan's tensors ({m(f.plan_torch)}), {m(f.over)} over "
+            f"the VRAM budget {m(f.budget)}; fitting needs {f.slots_after} VRAM slots per layer, under the floor of "
+            f"{f.floor} (of {f.slots_before} planned; {m(f.slot_layer_bytes)} a slot in every layer): raise the VRAM "
+            "budget, or lower max_running, the prefix cache or vram_slots")
