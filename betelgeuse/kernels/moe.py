@@ -91,6 +91,7 @@ class MoEKernels:
         self.weights_fn, self.limit = weights_fn, act_limit
         self._mq = None          # triton_mmq where some layer's part runs on q8_1 activations (act_quant, triton)
         self._quant_h = False    # some layer's gate/up does: route() makes h's q8_1
+        self._launch_consts: dict = {}   # (layer, H) -> _layer_launch's constants
         if backend == "triton":
             from betelgeuse.kernels import triton_moe
             self._tk = triton_moe
@@ -119,6 +120,17 @@ class MoEKernels:
             return False, False
         qg, qd = self.qtypes[layer]
         return (qg in MMQ_QTYPES and H % MMQ_QTYPES[qg] == 0, qd in MMQ_QTYPES and self.F % MMQ_QTYPES[qd] == 0)
+
+    def _layer_launch(self, layer: int, H: int) -> tuple:
+        """The triton launches' per-layer constants for inputs of width H: (gate/up, down kernel type codes, their
+        q8_1 parts (mmq_parts), their row bytes), made once per (layer, H): an expert group's launches take them
+        every time (each of them a few us of Python; they depend on the model file and act_quant alone)."""
+        v = self._launch_consts.get((layer, H))
+        if v is None:
+            qg, qd = self.qtypes[layer]
+            v = self._launch_consts[layer, H] = (self._tk.QT_CODES[qg], self._tk.QT_CODES[qd],
+                                                 *self.mmq_parts(layer, H), row_nbytes(qg, H), row_nbytes(qd, self.F))
+        return v
 
     def weight_reads(self, layer: int, rows: np.ndarray | list[int], n_rows: int) -> int:
         """How many times a launch of `n_rows` rows reads its experts' bytes, for experts with `rows` rows each: the
@@ -171,26 +183,23 @@ class MoEKernels:
         """Compute the group's experts for their rows of r (writes r.y). starts [E,3] overrides the
         layer's part offsets (the reference path packs experts its own way)."""
         if self.backend == "triton":
-            qg, qd = self.qtypes[layer]
             tk = self._tk
             st = self.starts[layer] if starts is None else starts
             aligned = slot_bytes % 16 == 0 and (self._aligned if starts is None else self._starts_aligned(starts))
             H = r.h.shape[1]
-            mg, md = self.mmq_parts(layer, H)
+            qg, qd, mg, md, rg, rd = self._layer_launch(layer, H)
             mq = self._mq
             if mg:
                 assert r.hq is not None, "route() makes the q8_1 of h"
                 mq.gate_up(r.hq, pool, g.base_dev, st, r.rows, r.off, r.inter, self.F, r.ids.shape[1],
-                           tk.QT_CODES[qg], self.limit, row_nbytes(qg, H), aligned)
+                           qg, self.limit, rg, aligned)
             else:
                 tk.gate_up(r.h, pool, g.base_dev, st, r.rows, r.off, r.inter, self.F, r.ids.shape[1],
-                           tk.QT_CODES[qg], self.limit, row_nbytes(qg, H), aligned)
+                           qg, self.limit, rg, aligned)
             if md:
-                mq.down(mq.quantize_q8_1(r.inter), pool, g.base_dev, st, r.rows, r.off, r.y, tk.QT_CODES[qd],
-                        row_nbytes(qd, self.F), aligned)
+                mq.down(mq.quantize_q8_1(r.inter), pool, g.base_dev, st, r.rows, r.off, r.y, qd, rd, aligned)
             else:
-                tk.down(r.inter, pool, g.base_dev, st, r.rows, r.off, r.y, r.ids.shape[0], tk.QT_CODES[qd],
-                        row_nbytes(qd, self.F), aligned)
+                tk.down(r.inter, pool, g.base_dev, st, r.rows, r.off, r.y, r.ids.shape[0], qd, rd, aligned)
             return
         T, k = r.ids.shape
         y3 = r.y.view(T, k, -1)

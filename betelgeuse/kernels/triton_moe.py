@@ -518,21 +518,6 @@ def mv_ok(qt: int, K: int, row_bytes: int, aligned: bool, kc: int = 0) -> bool:
             and (kc <= 0 or kc >= K or kc % mv.STEP[qt] == 0))
 
 
-def _mv_launch(kernel, args: list, grid_n: int, R: int, E: int, K: int, qt: int, per: int, c: dict, consts: dict,
-               device):
-    """Launch the decode schedule: grid (output blocks, row blocks[, chunks]); K chunks (KC, a reduction key) when
-    0 < KC < K, as programs when the bucket says SPLIT and the partials fit WS_LIMIT (per: floats of a tile's
-    partial), else walked: the same sums."""
-    kc = c["KC"] if 0 < c["KC"] < K else 0
-    nrb = _launch_rows(R, E, c["BM_MV"])
-    nch = cdiv(K, kc) if kc else 1
-    split = kc > 0 and bool(c["SPLIT"]) and grid_n * nrb * nch * per * 4 <= WS_LIMIT
-    ws, cnt = _workspace(device, grid_n * nrb * nch * per, grid_n * nrb) if split else _workspace(device, 1, 1)
-    kernel[(grid_n, nrb, nch) if split else (grid_n, nrb)](
-        *args[:7], ws, cnt, *args[7:], kc, **consts, BM=c["BM_MV"], **_mv_dims(qt), EP=pow2(E),
-        CHUNKS=kc > 0, SPLIT=split, num_warps=c["num_warps"], num_stages=c["num_stages"])
-
-
 @triton.jit
 def _combine_kernel(y_ptr, w_ptr, out_ptr, rows_ptr, H, k_top, BN: tl.constexpr, ROWS: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -584,25 +569,6 @@ def _row_align(row_bytes: int) -> int:
     return min(16, row_bytes & -row_bytes)
 
 
-def _launch(kernel, args: list, grid_nb: int, R: int, E: int, K: int, qt: int, which: str, bn: int, c: dict,
-            bk: int, consts: dict, device):
-    """Launch gate_up or down: grid (output blocks, row blocks[, chunks]); chunks as programs when the bucket's
-    schedule says SPLIT and the partials fit WS_LIMIT, else walked by one program (the same sums)."""
-    kc = chunk(qt, K, bk)
-    nch = cdiv(K, kc)
-    nrb = _launch_rows(R, E, c["BM"])
-    per = (2 if which == "gate_up" else 1) * bn * c["BM"]
-    split = bool(c["SPLIT"]) and nch > 1 and grid_nb * nrb * nch * per * 4 <= WS_LIMIT
-    if split:
-        ws, cnt = _workspace(device, grid_nb * nrb * nch * per, grid_nb * nrb)
-        grid = (grid_nb, nrb, nch)
-    else:
-        ws, cnt = _workspace(device, 1, 1)
-        grid = (grid_nb, nrb)
-    kernel[grid](*args[:8], ws, cnt, *args[8:], kc, **consts, SPLIT=split, BM=c["BM"], BN=bn, BK=bk,
-                 EP=pow2(E), num_warps=c["num_warps"], num_stages=c["num_stages"])
-
-
 # the launches, counted per kernel (kernels/triton_launch.py)
 _GATE_UP, _DOWN, _GATE_UP_MV, _DOWN_MV, _COMBINE = map(launcher, (_gate_up_kernel, _down_kernel, _gate_up_mv_kernel,
                                                                   _down_mv_kernel, _combine_kernel))
@@ -613,40 +579,82 @@ def gate_up(h, pool, base, starts, rows, off, inter, n_ff: int, k_top: int, qt: 
     """h [T,H]; base [E] int64 (-1 = skip); starts [E,3] int64; rows [R] int32 sorted (token*k+rank);
     off [E+1] int32 row offsets per expert; inter [R, F] (written for the rows of experts in the group);
     row_bytes: bytes of one H-element row of gate/up; aligned: every tensor start is 16-byte aligned."""
-    T, H = h.shape
-    E = base.numel()
-    R = rows.numel()
-    c = config(qt, bucket_of(R, E))
-    bn = c["BN_GATE_UP"]
-    if c["MV"] and mv_ok(qt, H, row_bytes, aligned, c["KC"]):
-        _mv_launch(_GATE_UP_MV, [h, pool, base, starts, rows, off, inter, H, n_ff, row_bytes, E, k_top,
-                                 float(limit) if limit is not None else 0.0],
-                   cdiv(n_ff, bn), R, E, H, qt, 2 * bn * c["BM_MV"], c,
-                   dict(QT=qt, HAS_LIMIT=limit is not None, RA=_row_align(row_bytes), BN=bn), pool.device)
-        return
-    _launch(_GATE_UP, [h, pool, tables(pool.device), base, starts, rows, off, inter, H, n_ff, row_bytes, E,
-                              k_top, float(limit) if limit is not None else 0.0],
-            cdiv(n_ff, bn), R, E, H, qt, "gate_up", bn, c, block_k(qt, H, n_ff),
-            dict(QT=qt, HAS_LIMIT=limit is not None, IEEE=h.dtype == torch.float32, ALIGNED=aligned,
-                 RA=_row_align(row_bytes)), pool.device)
+    H = h.shape[1]
+    dev = pool.device
+    _, _, nf, nt, kernel, grid, mv_, tail, kw, tab = _plan("gate_up", qt, rows.numel(), base.numel(), H, n_ff, k_top,
+                                                            limit, row_bytes, aligned, h.dtype, dev)
+    ws, cnt = _workspace(dev, nf, nt)
+    kernel[grid](*((h, pool, base, starts, rows, off, inter) if mv_ else (h, pool, tab, base, starts, rows, off, inter)),
+                 ws, cnt, *tail, **kw)
 
 
 def down(inter, pool, base, starts, rows, off, y, n_tokens: int, qt: int, row_bytes: int, aligned: bool):
     """inter [R, F]; y [T*k, H] (rows of experts in the group written); row_bytes: of one F-element down row."""
-    F = inter.shape[1]
-    H = y.shape[1]
-    E = base.numel()
-    R = rows.numel()
-    c = config(qt, bucket_of(R, E))
-    bn = c["BN"]
-    if c["MV"] and mv_ok(qt, F, row_bytes, aligned, c["KC"]):
-        _mv_launch(_DOWN_MV, [inter, pool, base, starts, rows, off, y, H, F, row_bytes, E],
-                   cdiv(H, bn), R, E, F, qt, bn * c["BM_MV"], c,
-                   dict(QT=qt, RA=_row_align(row_bytes), BN=bn), pool.device)
-        return
-    _launch(_DOWN, [inter, pool, tables(pool.device), base, starts, rows, off, y, H, F, row_bytes, E],
-            cdiv(H, bn), R, E, F, qt, "down", bn, c, block_k(qt, H, F),
-            dict(QT=qt, IEEE=inter.dtype == torch.float32, ALIGNED=aligned, RA=_row_align(row_bytes)), pool.device)
+    dev = pool.device
+    _, _, nf, nt, kernel, grid, mv_, tail, kw, tab = _plan("down", qt, rows.numel(), base.numel(), inter.shape[1],
+                                                            y.shape[1], 0, None, row_bytes, aligned, inter.dtype, dev)
+    ws, cnt = _workspace(dev, nf, nt)
+    kernel[grid](*((inter, pool, base, starts, rows, off, y) if mv_ else (inter, pool, tab, base, starts, rows, off, y)),
+                 ws, cnt, *tail, **kw)
+
+
+# the launches' plans (_plan) by what they depend on besides the tensors: a decode step's groups repeat a few shapes,
+# and building one (the configs, grid, workspace size and constexprs) is ~2/3 of a group's Python before Triton's
+# dispatch (docs/benchmarks/cpu-host47). Each use checks the plan's configs against config()'s now: TUNING and
+# TYPE_CONFIG may be edited in place (tests, the tuning scripts), and an edit makes a new plan.
+_PLANS: dict = {}
+
+
+def _plan(which: str, qt: int, R: int, E: int, K: int, N: int, k_top: int, limit: float | None, row_bytes: int,
+          aligned: bool, dtype: torch.dtype, device) -> tuple:
+    """gate_up (K = H, N = n_ff) or down (K = F, N = H) of R rows over E experts -> (its config, config(qt), workspace
+    floats, tiles, kernel, grid, mv, the positional arguments after ws/cnt, the keywords, tables or None): exactly the
+    arguments of the launch rules below, built once per key and configs."""
+    c, c16 = config(qt, bucket_of(R, E)), config(qt)
+    key = (which, qt, R, E, K, N, k_top, limit, row_bytes, aligned, dtype, device)
+    p = _PLANS.get(key)
+    if p is not None and p[0] == c and p[1] == c16:
+        return p
+    gu = which == "gate_up"
+    bn = c["BN_GATE_UP"] if gu else c["BN"]
+    grid_n = cdiv(N, bn)
+    lim = float(limit) if limit is not None else 0.0
+    if c["MV"] and mv_ok(qt, K, row_bytes, aligned, c["KC"]):
+        # the decode schedule: grid (output blocks, row blocks[, chunks]); K chunks (KC, a reduction key) when
+        # 0 < KC < K, as programs when the bucket says SPLIT and the partials fit WS_LIMIT, else walked: the same sums
+        consts = (dict(QT=qt, HAS_LIMIT=limit is not None, RA=_row_align(row_bytes), BN=bn) if gu else
+                  dict(QT=qt, RA=_row_align(row_bytes), BN=bn))
+        per = (2 if gu else 1) * bn * c["BM_MV"]
+        kc = c["KC"] if 0 < c["KC"] < K else 0
+        nrb = _launch_rows(R, E, c["BM_MV"])
+        nch = cdiv(K, kc) if kc else 1
+        split = kc > 0 and bool(c["SPLIT"]) and grid_n * nrb * nch * per * 4 <= WS_LIMIT
+        nf, nt = (grid_n * nrb * nch * per, grid_n * nrb) if split else (1, 1)
+        tail = ((K, N, row_bytes, E, k_top, lim) if gu else (N, K, row_bytes, E)) + (kc,)
+        kw = dict(**consts, BM=c["BM_MV"], **_mv_dims(qt), EP=pow2(E), CHUNKS=kc > 0, SPLIT=split,
+                  num_warps=c["num_warps"], num_stages=c["num_stages"])
+        p = (c, c16, nf, nt, _GATE_UP_MV if gu else _DOWN_MV, (grid_n, nrb, nch) if split else (grid_n, nrb), True,
+             tail, kw, None)
+    else:
+        # grid (output blocks, row blocks[, chunks]); chunks as programs when the bucket says SPLIT and the partials
+        # fit WS_LIMIT, else walked by one program (the same sums)
+        H, F = (K, N) if gu else (N, K)
+        consts = dict(QT=qt, HAS_LIMIT=limit is not None) if gu else dict(QT=qt)
+        consts.update(IEEE=dtype == torch.float32, ALIGNED=aligned, RA=_row_align(row_bytes))
+        bk = block_k(qt, H, F)
+        kc = chunk(qt, K, bk)
+        nch = cdiv(K, kc)
+        nrb = _launch_rows(R, E, c["BM"])
+        per = (2 if gu else 1) * bn * c["BM"]
+        split = bool(c["SPLIT"]) and nch > 1 and grid_n * nrb * nch * per * 4 <= WS_LIMIT
+        nf, nt = (grid_n * nrb * nch * per, grid_n * nrb) if split else (1, 1)
+        tail = ((H, N, row_bytes, E, k_top, lim) if gu else (H, F, row_bytes, E)) + (kc,)
+        kw = dict(**consts, SPLIT=split, BM=c["BM"], BN=bn, BK=bk, EP=pow2(E), num_warps=c["num_warps"],
+                  num_stages=c["num_stages"])
+        p = (c, c16, nf, nt, _GATE_UP if gu else _DOWN, (grid_n, nrb, nch) if split else (grid_n, nrb), False, tail,
+             kw, tables(device))
+    _PLANS[key] = p
+    return p
 
 
 def combine(y, w, out, rows=None):
