@@ -267,8 +267,7 @@ class ExpertCache:
                 current_stream(self._index).wait_event(self._bank_ready[b])
         else:
             t = time.perf_counter()
-            for dst, src in zip(self._ring_slots[first:first + len(srcs)], srcs):
-                dst.copy_(src)
+            torch._foreach_copy_(self._ring_slots[first:first + len(srcs)], srcs)     # each a copy_, one call
             dt = time.perf_counter() - t
             self.copy_seconds += dt
             if timing is not None:
@@ -282,8 +281,9 @@ class ExpertCache:
         if timing is not None:
             ev0 = torch.cuda.Event(enable_timing=True)
             ev0.record(cs)
-        for dst, src in zip(self._ring_slots[first:first + len(srcs)], srcs):
-            dst.copy_(src, non_blocking=True)
+        # one call for the batch: foreach's CUDA kernel takes host sources through its per-tensor path (copy_ each,
+        # non_blocking, on the current stream), without a Python call per slot
+        torch._foreach_copy_(self._ring_slots[first:first + len(srcs)], srcs, non_blocking=True)
         self._bank_ready[b].record(cs)
         if timing is not None:
             ev1 = torch.cuda.Event(enable_timing=True)
@@ -298,8 +298,9 @@ class ExpertCache:
         if self.is_cuda:
             self._bank_free[b].record(current_stream(self._index))
 
-    def table(self, experts: list[int], offs: list[int]) -> tuple[np.ndarray, torch.Tensor]:
-        """A slot table for one group: [E] int64, offs for `experts`, -1 elsewhere; host view and device copy."""
+    def table(self, experts, offs) -> tuple[np.ndarray, torch.Tensor]:
+        """A slot table for one group: [E] int64, offs for `experts`, -1 elsewhere (lists or arrays of ints: a decode
+        group's are lists, a flex chunk's arrays); host view and device copy."""
         i = self._table
         self._table = (i + 1) % self.n_tables
         host = self._tables_np[i]                    # filled in numpy: no torch op per entry list
