@@ -122,6 +122,7 @@ class MoEStep:
         self.counts = session.counts
         self.n_layer = session.file.config.n_layer
         self.kern = self._kernels(act_limit)
+        self._walks = self.kern.backend == "torch"    # the kernels walk a group's experts (_group)
         # the routing mode (EngineConfig.routing); the bench sets "exact" for one untimed pass to measure an
         # approximate mode's divergence on the same state
         self.routing = cfg.routing
@@ -759,8 +760,10 @@ class MoEStep:
 
     # ---- groups, banks and staging slots ----------------------------------------------------------------
     def _group(self, experts, offs) -> Group:
-        host, dev = self.cache.table(list(experts), list(offs))
-        return Group(np.asarray(experts, dtype=np.int64), host, dev)
+        """A group of these experts (a list or array of ids) at these pool offsets: its slot table; the ids as an
+        array for the torch kernels, which walk them (the triton ones read the device table alone: no array made)."""
+        host, dev = self.cache.table(experts, offs)
+        return Group(np.asarray(experts, dtype=np.int64) if self._walks else None, host, dev)
 
     def _vram_group(self, l: int, experts=None) -> Group:
         c = self.cache
