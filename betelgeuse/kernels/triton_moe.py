@@ -584,8 +584,8 @@ def gate_up(h, pool, base, starts, rows, off, inter, n_ff: int, k_top: int, qt: 
     _, _, nf, nt, kernel, grid, mv_, tail, kw, tab = _plan("gate_up", qt, rows.numel(), base.numel(), H, n_ff, k_top,
                                                             limit, row_bytes, aligned, h.dtype, dev)
     ws, cnt = _workspace(dev, nf, nt)
-    kernel[grid](*((h, pool, base, starts, rows, off, inter) if mv_ else (h, pool, tab, base, starts, rows, off, inter)),
-                 ws, cnt, *tail, **kw)
+    head = (h, pool, base, starts, rows, off, inter) if mv_ else (h, pool, tab, base, starts, rows, off, inter)
+    kernel[grid](*head, ws, cnt, *tail, **kw)
 
 
 def down(inter, pool, base, starts, rows, off, y, n_tokens: int, qt: int, row_bytes: int, aligned: bool):
@@ -594,8 +594,8 @@ def down(inter, pool, base, starts, rows, off, y, n_tokens: int, qt: int, row_by
     _, _, nf, nt, kernel, grid, mv_, tail, kw, tab = _plan("down", qt, rows.numel(), base.numel(), inter.shape[1],
                                                             y.shape[1], 0, None, row_bytes, aligned, inter.dtype, dev)
     ws, cnt = _workspace(dev, nf, nt)
-    kernel[grid](*((inter, pool, base, starts, rows, off, y) if mv_ else (inter, pool, tab, base, starts, rows, off, y)),
-                 ws, cnt, *tail, **kw)
+    head = (inter, pool, base, starts, rows, off, y) if mv_ else (inter, pool, tab, base, starts, rows, off, y)
+    kernel[grid](*head, ws, cnt, *tail, **kw)
 
 
 # the launches' plans (_plan) by what they depend on besides the tensors: a decode step's groups repeat a few shapes,

@@ -99,6 +99,7 @@ class ExpertCache:
         self.tables_dev = torch.full((self.n_tables, E), -1, dtype=torch.int64, device=device)
         self._tables_np = self.tables_host.numpy()   # the same memory
         self._table_rows: list = [None] * self.n_tables   # (host row, device row) views, made at a row's first use
+        self._table_src: dict = {}                   # id(device row) -> its host row (bank_copy's table=)
         self._table = 0
         # arena views of host / staging slots, made at their first use: a decode miss layer takes a few, and a
         # tensor view (with the layout's offset arithmetic) costs more than the dict lookup
@@ -241,15 +242,28 @@ class ExpertCache:
             self.copy_stream.wait_event(self._bank_free[b])
         return b
 
+    def bank_offsets(self, b: int, at: int, n: int) -> list[int]:
+        """The pool byte offsets of bank b's slots at .. at+n-1 (where bank_copy puts n slots from `at`)."""
+        first = self.ring_offset + (b * self.bank_size + at) * self.slot_bytes
+        return [first + i * self.slot_bytes for i in range(n)]
+
     def bank_copy(self, b: int, at: int, srcs: list[torch.Tensor], timing: list | None = None,
-                  wait: bool = True) -> list[int]:
+                  wait: bool = True, table: torch.Tensor | None = None) -> list[int]:
         """Copy slots `srcs` into bank b's slots at, at+1, .. (b taken by bank_next; a group may fill its bank in
         several parts: a decode miss layer's banked host experts first, its disk experts as they land) on the copy
         stream. wait: the compute stream waits for every copy into b so far (the bank's ready event is recorded after
-        each part: the last one covers them all). Returns the pool byte offset of each copied slot."""
+        each part: the last one covers them all). table: a group's device table row (table(copy=False)) copied in the
+        same call, on the copy stream, before the ready event (with wait, the compute stream's wait covers it: no
+        copy of its own on the compute stream). Returns the pool byte offset of each copied slot."""
         assert 0 < len(srcs) and 0 <= at and at + len(srcs) <= self.bank_size, (at, len(srcs), self.bank_size)
+        assert table is None or wait, "a table copied with the slots is ready with them: the compute stream waits"
         first = b * self.bank_size + at
-        offs = [self.ring_offset + (first + i) * self.slot_bytes for i in range(len(srcs))]
+        offs = self.bank_offsets(b, at, len(srcs))
+        if table is not None:
+            dsts = self._ring_slots[first:first + len(srcs)] + [table]
+            srcs = list(srcs) + [self._table_src[id(table)]]
+        else:
+            dsts = self._ring_slots[first:first + len(srcs)]
         if self.is_cuda:
             if torch.cuda.current_device() == self._copy_index:
                 # torch.cuda.stream(copy_stream)'s switch and back without its lookups (the copy stream is on the
@@ -257,33 +271,33 @@ class ExpertCache:
                 prev = current_stream(self._copy_index)
                 torch.cuda.set_stream(self.copy_stream)
                 try:
-                    self._copies(b, first, srcs, timing)
+                    self._copies(b, dsts, srcs, timing)
                 finally:
                     torch.cuda.set_stream(prev)
             else:
                 with torch.cuda.stream(self.copy_stream):
-                    self._copies(b, first, srcs, timing)
+                    self._copies(b, dsts, srcs, timing)
             if wait:
                 current_stream(self._index).wait_event(self._bank_ready[b])
         else:
             t = time.perf_counter()
-            torch._foreach_copy_(self._ring_slots[first:first + len(srcs)], srcs)     # each a copy_, one call
+            torch._foreach_copy_(dsts, srcs)     # each a copy_, one call
             dt = time.perf_counter() - t
             self.copy_seconds += dt
             if timing is not None:
                 timing.append(dt * 1e3)
-        self.h2d_bytes += len(srcs) * self.slot_bytes       # each src a slot (copy_ into a ring slot checks its size)
+        self.h2d_bytes += len(offs) * self.slot_bytes       # each src a slot (copy_ into a ring slot checks its size)
         return offs
 
-    def _copies(self, b: int, first: int, srcs: list[torch.Tensor], timing: list | None):
-        """CUDA, on the copy stream (current): srcs into ring slots first.., then bank b's ready event."""
+    def _copies(self, b: int, dsts: list[torch.Tensor], srcs: list[torch.Tensor], timing: list | None):
+        """CUDA, on the copy stream (current): srcs into dsts (ring slots, a table row), then bank b's ready event."""
         cs = self.copy_stream
         if timing is not None:
             ev0 = torch.cuda.Event(enable_timing=True)
             ev0.record(cs)
         # one call for the batch: foreach's CUDA kernel takes host sources through its per-tensor path (copy_ each,
         # non_blocking, on the current stream), without a Python call per slot
-        torch._foreach_copy_(self._ring_slots[first:first + len(srcs)], srcs, non_blocking=True)
+        torch._foreach_copy_(dsts, srcs, non_blocking=True)
         self._bank_ready[b].record(cs)
         if timing is not None:
             ev1 = torch.cuda.Event(enable_timing=True)
@@ -298,9 +312,10 @@ class ExpertCache:
         if self.is_cuda:
             self._bank_free[b].record(current_stream(self._index))
 
-    def table(self, experts, offs) -> tuple[np.ndarray, torch.Tensor]:
+    def table(self, experts, offs, copy: bool = True) -> tuple[np.ndarray, torch.Tensor]:
         """A slot table for one group: [E] int64, offs for `experts`, -1 elsewhere (lists or arrays of ints: a decode
-        group's are lists, a flex chunk's arrays); host view and device copy."""
+        group's are lists, a flex chunk's arrays); host view and device copy. copy False: the device row is left to
+        the bank copy that names it (bank_copy(table=)), on the copy stream with its slots."""
         i = self._table
         self._table = (i + 1) % self.n_tables
         host = self._tables_np[i]                    # filled in numpy: no torch op per entry list
@@ -314,7 +329,9 @@ class ExpertCache:
         rows = self._table_rows[i]
         if rows is None:
             rows = self._table_rows[i] = (self.tables_host[i], self.tables_dev[i])
-        rows[1].copy_(rows[0], non_blocking=self.is_cuda)
+            self._table_src[id(rows[1])] = rows[0]
+        if copy:
+            rows[1].copy_(rows[0], non_blocking=self.is_cuda)
         return host, rows[1]
 
     def pass_begin(self):

@@ -792,8 +792,24 @@ class MoEStep:
         return marks.without(held) if held.any() else marks
 
     def _to_bank(self, experts, srcs, timing) -> tuple[int, Group]:
-        bank, offs = self.cache.to_bank(srcs, timing)
-        return bank, self._group(experts, offs)
+        bank, _, g = self._bank_group(experts, srcs, timing)
+        return bank, g
+
+    def _bank_group(self, experts: list[int], srcs, timing, opened=None) -> tuple[int, list[int], Group]:
+        """Experts' slots `srcs` copied into a ring bank, the next one (bank_next) or, opened = (bank, experts, their
+        offsets) taken and partly filled (bank_copy, wait=False), after those: one group of them all. Its slot table
+        is copied with the slots, on the copy stream (bank_copy(table=): no copy of its own on the compute stream,
+        whose wait for the bank covers it). -> (bank, the srcs' pool offsets, the group)."""
+        cache = self.cache
+        if opened is None:
+            bank, at, es, pre_offs = cache.bank_next(), 0, experts, []
+        else:
+            bank, pre, pre_offs = opened
+            at, es = len(pre), pre + experts
+        offs = cache.bank_offsets(bank, at, len(srcs))
+        host, dev = cache.table(es, pre_offs + offs, copy=False)
+        cache.bank_copy(bank, at, srcs, timing, table=dev)
+        return bank, offs, Group(np.asarray(es, dtype=np.int64) if self._walks else None, host, dev)
 
     def _disk_limit(self) -> int:
         """The staging slots a layer's disk experts may hold at once (_disk_groups): its first group holds
@@ -816,15 +832,9 @@ class MoEStep:
             nonlocal batch, opened
             if batch:
                 es = [x.expert for x in batch]
-                srcs = [cache.staging_slot(x.slot) for x in batch]
-                if opened is None:
-                    bank, offs = cache.to_bank(srcs, timing)
-                    g = self._group(es, offs)
-                else:       # after the host experts' copies in their bank: one table and one apply for both
-                    bank, pre, pre_offs = opened
-                    opened = None
-                    offs = cache.bank_copy(bank, len(pre), srcs, timing)
-                    g = self._group(pre + es, pre_offs + offs)
+                # after the host experts' copies in their bank where one is opened: one table and one apply for both
+                bank, offs, g = self._bank_group(es, [cache.staging_slot(x.slot) for x in batch], timing, opened)
+                opened = None
                 self._apply(r, l, g, ls)
                 if self.flex is not None:      # copies for the flex cache, before the bank may be rewritten
                     self.flex.keep(l, es, cache.pool, offs)

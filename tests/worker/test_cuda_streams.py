@@ -108,6 +108,27 @@ def test_bank_copy_on_the_copy_stream_and_back(runner):
     _idle()
 
 
+def test_bank_copy_carries_its_table_on_the_copy_stream(runner):
+    """A group's slot table made with copy=False and named in its bank copy (moe_step._bank_group) lands on the device
+    with the slots, on the copy stream (the caller's stream asleep meanwhile)."""
+    cache = runner.session.cache
+    side = torch.cuda.Stream()
+    srcs = [torch.full((cache.slot_bytes,), 7 + i, dtype=torch.uint8).pin_memory() for i in range(2)]
+    _idle()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP)
+        b = cache.bank_next()
+        offs = cache.bank_offsets(b, 0, len(srcs))
+        host, dev = cache.table([3, 1], offs, copy=False)
+        assert cache.bank_copy(b, 0, srcs, table=dev) == offs
+        cache.copy_stream.synchronize()
+        assert not side.query()                                    # still asleep: the table did not wait for it
+        want = torch.full((host.shape[0],), -1, dtype=torch.int64)
+        want[3], want[1] = offs
+        assert torch.equal(dev.cpu(), want) and torch.equal(torch.from_numpy(host), want)
+    _idle()
+
+
 def test_bank_done_and_routing_sync_record_on_the_current_stream(runner):
     cache, sync = runner.session.cache, runner.moe.sync
     side = torch.cuda.Stream()
@@ -158,9 +179,9 @@ if __name__ == "__main__":
     test_current_stream_is_torchs()
     test_workspace_per_current_stream()
     with tempfile.TemporaryDirectory() as d, _open_runner(Path(d)) as rn:
-        for t in (test_bank_copy_on_the_copy_stream_and_back,
+        for t in (test_bank_copy_on_the_copy_stream_and_back, test_bank_copy_carries_its_table_on_the_copy_stream,
                   test_bank_done_and_routing_sync_record_on_the_current_stream,
                   test_layer_timing_events_on_the_current_stream):
             t(rn)
             print("ok", t.__name__)
-    print("test_cuda_streams: 5 passed")
+    print("test_cuda_streams: 6 passed")
