@@ -601,8 +601,10 @@ def down(inter, pool, base, starts, rows, off, y, n_tokens: int, qt: int, row_by
 # the launches' plans (_plan) by what they depend on besides the tensors: a decode step's groups repeat a few shapes,
 # and building one (the configs, grid, workspace size and constexprs) is ~2/3 of a group's Python before Triton's
 # dispatch (docs/benchmarks/cpu-host47). Each use checks the plan's configs against config()'s now: TUNING and
-# TYPE_CONFIG may be edited in place (tests, the tuning scripts), and an edit makes a new plan.
+# TYPE_CONFIG may be edited in place (tests, the tuning scripts), and an edit makes a new plan. Bounded: prefill's
+# rows take any count (a chunk's T x k), so past PLANS_MAX plans the memo starts over (decode's few come back at once).
 _PLANS: dict = {}
+PLANS_MAX = 4096
 
 
 def _plan(which: str, qt: int, R: int, E: int, K: int, N: int, k_top: int, limit: float | None, row_bytes: int,
@@ -653,6 +655,8 @@ def _plan(which: str, qt: int, R: int, E: int, K: int, N: int, k_top: int, limit
                   num_stages=c["num_stages"])
         p = (c, c16, nf, nt, _GATE_UP if gu else _DOWN, (grid_n, nrb, nch) if split else (grid_n, nrb), False, tail,
              kw, tables(device))
+    if len(_PLANS) >= PLANS_MAX:
+        _PLANS.clear()
     _PLANS[key] = p
     return p
 

@@ -44,7 +44,7 @@ def test_launch_plans_follow_in_place_tuning_edits(monkeypatch):
     qt = tk.QT_CODES[qt_ggml]
     monkeypatch.setitem(tk.TUNING, qt, {"reduce": {"MV": 0}, 1: {"BN_GATE_UP": 64}})
 
-    def launch():
+    def launch(R=R):
         tk.gate_up(torch.zeros(1, H), torch.zeros(64, dtype=torch.uint8), torch.zeros(E, dtype=torch.int64),
                    torch.zeros(E, 3, dtype=torch.int64), torch.zeros(R, dtype=torch.int32),
                    torch.zeros(E + 1, dtype=torch.int32), torch.zeros(R, F), F, R, qt, None, row_nbytes(qt_ggml, H),
@@ -60,3 +60,8 @@ def test_launch_plans_follow_in_place_tuning_edits(monkeypatch):
     assert edited[0][0] == cdiv(F, 32) and edited[2]["BN"] == 32
     monkeypatch.setitem(tk.TYPE_CONFIG, qt, {**tk.TYPE_CONFIG.get(qt, {}), "num_warps": 2})
     assert launch()[2]["num_warps"] == 2
+    launch(R=12)
+    assert len(tk._PLANS) == 2
+    monkeypatch.setattr(tk, "PLANS_MAX", 2)                           # bounded: past it the memo starts over
+    launch(R=18)
+    assert len(tk._PLANS) == 1
