@@ -546,8 +546,8 @@ def _workspace(dev: torch.device, n_floats: int, n_tiles: int) -> tuple[torch.Te
     """(float32 partials >= n_floats, int32 tile counters >= n_tiles, all zero) for launches on the current stream
     of `dev`: launches on one stream run one after the other, and each tile's last program resets its counter.
 
-    The partials are allocated once per stream at WS_LIMIT (every split launch's partials fit it: _launch and
-    _mv_launch walk their chunks otherwise), never grown: a workspace grown launch by launch left each smaller one
+    The partials are allocated once per stream at WS_LIMIT (every split launch's partials fit it: _plan's launches
+    walk their chunks otherwise), never grown: a workspace grown launch by launch left each smaller one
     alive (a captured graph may point at it), ~4.5x the largest over decode's T = 1..8 (~120 MB on the bench
     geometry: the attach warm-ups' +200 MiB of torch's reserve, docs/benchmarks/gpu-run46-serve). So a stream holds
     exactly WS_LIMIT: the plan counts two (store/plan.py SPLITK_WORKSPACE_BYTES: eager passes, graph captures)."""
