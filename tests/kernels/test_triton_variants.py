@@ -14,6 +14,7 @@ import os
 import types
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
@@ -154,9 +155,13 @@ def _decode(model, vram, host, extra, warm: bool):
         sizes = Counter()
         apply = rn.moe.kern.apply
 
+        tables = rn.moe.cache._tables_np      # a group's slot table (MoEStep._group): triton groups carry no ids
+
         def counted(r, layer, pool, g, *a, **kw):
-            if g.experts is not None:
-                sizes[min(len(g.experts), 2)] += 1
+            n = len(g.experts) if g.experts is not None else (
+                int((g.base_host >= 0).sum()) if np.shares_memory(g.base_host, tables) else 0)
+            if n:
+                sizes[min(n, 2)] += 1
             return apply(r, layer, pool, g, *a, **kw)
         rn.moe.kern.apply = counted
         TL.record_variants()
