@@ -213,7 +213,8 @@ class MoEKernels:
             run_expert(r.h, y3, work, self.weights_fn(src[b: b + slot_bytes], layer, e), self.sub_batch,
                        self.limit)
 
-    def warm(self, pool: torch.Tensor, slot_bytes: int, H: int, k: int, dtype: torch.dtype, tokens) -> int:
+    def warm(self, pool: torch.Tensor, slot_bytes: int, H: int, k: int, dtype: torch.dtype, tokens,
+             prefill: int = 0) -> int:
         """The triton backend: every kernel variant a group of T tokens (T in `tokens`) launches, launched once per
         layer kind (its (gate/up, down) types, q8_1 parts and the alignment of its part offsets' row: what a launch's
         compile key depends on besides T) through route, apply and both combine forms (a fresh [T,H]; rows into an
@@ -221,7 +222,9 @@ class MoEKernels:
         once, reading no expert byte and writing only these scratch rows (no workspace counter moves). On CUDA each
         variant compiles here (issue 21: not inside a timed step). Whatever group a pass runs (at-hand, misses,
         merged, one expert), its table is [E] and its rows T*k, so T and the layer kind are all a variant depends
-        on. -> the groups launched (0: the torch backend)."""
+        on. prefill > 0: also the fewest T that launch each other variant a pass of up to `prefill` tokens can
+        (triton_moe.launch_kinds: the rows-16 bucket, split-K or walked), so a first long prompt compiles nothing
+        either. -> the groups launched (0: the torch backend)."""
         if self.backend != "triton":
             return 0
         dev = pool.device
@@ -231,19 +234,25 @@ class MoEKernels:
         for layer in range(len(self.qtypes)):
             kinds.setdefault((self.qtypes[layer], self.mmq_parts(layer, H), self.starts[layer].data_ptr() % 16 == 0),
                              layer)
+        tokens = list(tokens)
         T_max = max(tokens)
         out = torch.zeros((T_max, H), dtype=dtype, device=dev)
         lanes = torch.arange(T_max, dtype=torch.int64, device=dev)
+        aligned = slot_bytes % 16 == 0 and self._aligned
         n = 0
-        for T in tokens:
-            h = torch.zeros((T, H), dtype=dtype, device=dev)
-            ids = (torch.arange(T * k, device=dev) % self.E).view(T, k)
-            w = torch.zeros((T, k), dtype=dtype, device=dev)
-            for layer in kinds.values():
+        for layer in kinds.values():
+            qg, qd, _, _, rg, rd = self._layer_launch(layer, H)
+            more = [T for T in self._tk.launch_kinds(qg, qd, self.E, H, self.F, k, self.limit, rg, rd, aligned,
+                                                     dtype, dev, prefill) if T not in tokens] if prefill else []
+            for T in tokens + more:
+                h = torch.zeros((T, H), dtype=dtype, device=dev)
+                ids = (torch.arange(T * k, device=dev) % self.E).view(T, k)
+                w = torch.zeros((T, k), dtype=dtype, device=dev)
                 r = self.route(h, ids, w)
                 self.apply(r, layer, pool, g, slot_bytes)
                 self.combine(r)
-                self.combine(r, out, lanes[:T])
+                if T <= T_max:                  # the decode lanes' form (rows into their buffer)
+                    self.combine(r, out, lanes[:T])
                 n += 1
         return n
 

@@ -661,6 +661,25 @@ def _plan(which: str, qt: int, R: int, E: int, K: int, N: int, k_top: int, limit
     return p
 
 
+def launch_kinds(qg: int, qd: int, E: int, H: int, F: int, k: int, limit: float | None, rg: int, rd: int,
+                 aligned: bool, dtype: torch.dtype, device, t_max: int) -> list[int]:
+    """The fewest tokens T (1..t_max, T x k rows) that launch each distinct pair of (gate_up, down) variants: a
+    variant's key is its kernel and constexprs (the rows bucket's schedule, split-K or walked, BM/BN/..), which R
+    only picks through bucket_of and WS_LIMIT (both thresholds in R); the runtime ints are R-free. So warming these
+    T compiles every variant a pass of up to t_max tokens can launch (MoEKernels.warm: prefill's too, issue 21; a
+    16-token request launches split-K rows-1 variants, a 512-token prompt unsplit rows-16 ones)."""
+    seen, out = set(), []
+    for T in range(1, t_max + 1):
+        R = T * k
+        g = _plan("gate_up", qg, R, E, H, F, k, limit, rg, aligned, dtype, device)
+        d = _plan("down", qd, R, E, F, H, 0, None, rd, aligned, dtype, device)
+        key = tuple((p[4].name, len(p[5]), tuple(sorted(p[8].items()))) for p in (g, d))
+        if key not in seen:
+            seen.add(key)
+            out.append(T)
+    return out
+
+
 def combine(y, w, out, rows=None):
     """y [T*k, H], w [T, k] -> out [T, H] = sum over ranks in order (float32 accumulation); rows [T]: row t into
     out[rows[t]] instead (out [B, H] contiguous: the batched decode lanes' rows, no index_copy_)."""

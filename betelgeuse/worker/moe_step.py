@@ -270,8 +270,9 @@ class MoEStep:
     def warm_kernels(self, model, force: bool = False) -> dict | None:
         """At attach, on CUDA (force: anywhere, the tests): the expert kernels' variants of decode's groups compiled
         now, not in the first timed decode step (issue 21; kernels.moe.MoEKernels.warm): a group of T tokens for T = 1
-        (a lone sequence) .. max_running (the batched lanes), every layer kind, both combine forms. Prefill's larger
-        groups compile in their first pass (their variants follow the rows bucket and the grid: any T). -> {"groups",
+        (a lone sequence) .. max_running (the batched lanes), every layer kind, both combine forms; and the fewest T
+        that launch each other variant a prefill pass can (the rows-16 bucket, split-K or walked: a first long prompt
+        compiled them, ~2 s of its TTFT on a cold Triton cache, gpu-run46-serve). -> {"groups",
         "seconds", "compiles": kernels/triton_launch.compiles_since} or None (the torch kernels, or the CPU)."""
         if self.kern.backend != "triton" or not (self.cache.is_cuda or force):
             return None
@@ -280,7 +281,8 @@ class MoEStep:
         mark, t = tl_.compile_mark(), time.perf_counter()
         c = self.session.file.config
         n = self.kern.warm(self.cache.pool, self.cache.slot_bytes, c.n_embd, c.n_expert_used, model.dtype,
-                           range(1, max(1, int(self.cfg.max_running)) + 1))   # the lanes (attach resolved auto)
+                           range(1, max(1, int(self.cfg.max_running)) + 1),   # the lanes (attach resolved auto)
+                           prefill=self.cfg.prefill_pass_tokens)              # and a pass's other variants
         if self.cache.is_cuda:
             torch.cuda.synchronize(self.cache.device)
         return {"groups": n, "seconds": time.perf_counter() - t, "compiles": tl_.compiles_since(mark)}

@@ -196,3 +196,44 @@ def test_decode_launches_only_the_variants_warmed_at_attach(model):
         assert {v[0] for v in warmed} <= set(MOE_KERNELS), where
         seen.update(sizes)
     assert seen[1] and seen[2], seen        # one-expert groups and larger ones (banks, merged misses) ran
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the CPU's interpreter run (CUDA compiles)")
+def test_a_pass_of_any_size_launches_only_variants_the_warm_up_launched(monkeypatch):
+    """MoEKernels.warm(prefill=P) launches, besides decode's groups, the fewest T that reach each other variant a pass
+    of up to P tokens can (triton_moe.launch_kinds): every group of 1..P tokens then launches warmed variants only. A
+    first 512-token prompt compiled its rows-16 and walked (unsplit) variants, ~2 s of TTFT on a cold Triton cache
+    (gpu-run46-serve). WS_LIMIT is shrunk so that split-K turns off within a few tokens here, as it does at 85 and
+    257 tokens on the bench geometry. Fails without the prefill probes (checked below)."""
+    from betelgeuse.kernels import triton_moe as tm
+    from betelgeuse.kernels.moe import Group, MoEKernels
+    E, H, F, k, P, MXFP4 = 8, 512, 512, 2, 5, 39         # MXFP4: its rows-1 and rows-16 schedules differ
+    code = tm.QT_CODES[MXFP4]
+    monkeypatch.setitem(tm.TUNING, code, {**tm.TUNING[code], "reduce": {"BK": 256, "KC": 256}})   # 2 chunks of K
+    monkeypatch.setattr(tm, "WS_LIMIT", 1 << 20)
+    monkeypatch.setattr(tm, "_PLANS", {})
+    kern = MoEKernels("triton", E, F, torch.zeros((1, E, 3), dtype=torch.int64), [(MXFP4, MXFP4)], 8)
+    pool, slot = torch.zeros(1024, dtype=torch.uint8), 1024
+    probes = tm.launch_kinds(code, code, E, H, F, k, None, H // 32 * 17, F // 32 * 17,
+                             True, torch.float32, pool.device, P)
+    assert probes == [1, 4, 5], probes       # rows-1 split-K, gate_up walked from 4 tokens, rows-16 from 5
+
+    def launched(**warm):
+        TL.record_variants()
+        try:
+            if warm:
+                kern.warm(pool, slot, H, k, torch.float32, [1], **warm)
+            else:
+                g = Group(None, None, torch.full((E,), -1, dtype=torch.int64))
+                for T in range(1, P + 1):
+                    ids = (torch.arange(T * k) % E).view(T, k)
+                    r = kern.route(torch.zeros((T, H)), ids, torch.zeros((T, k)))
+                    kern.apply(r, 0, pool, g, slot)
+                    kern.combine(r)
+        finally:
+            got = TL.record_variants(False)
+        return got
+
+    passes = launched()
+    assert passes <= launched(prefill=P), sorted(passes - launched(prefill=P), key=str)
+    assert not passes <= launched(prefill=0)         # decode's groups alone miss some: the probes are what warm them
