@@ -677,6 +677,8 @@ def launch_kinds(qg: int, qd: int, E: int, H: int, F: int, k: int, limit: float 
         if key not in seen:
             seen.add(key)
             out.append(T)
+        if bucket_of(R, E) == 16 and not g[8]["SPLIT"] and not d[8]["SPLIT"]:
+            break       # past the last threshold: more rows keep the rows-16 bucket and walk their chunks
     return out
 
 
