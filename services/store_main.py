@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import grp
+import json
 import logging
 import os
 import queue
@@ -102,7 +103,6 @@ class StoreServicer(pb_grpc.ExpertStoreServicer):
         return pb.BeginPassReply(epoch=epoch, consolidating=self.store.consolidating)
 
     def TrimVram(self, request, context):
-        import json
         plan = self._guard(context, lambda: self.store.trim_vram(request.session, request.vram_slots,
                                                                  json.loads(request.trim_json or "{}")))
         return pb.TrimVramReply(layout_json=plan)
@@ -210,7 +210,6 @@ class StoreServicer(pb_grpc.ExpertStoreServicer):
         return pb.EndPassReply(promoted=n or 0)
 
     def Status(self, request, context):
-        import json
         return pb.StatusReply(json=json.dumps(self.store.status()))
 
     def EngramRead(self, request, context):

@@ -196,10 +196,7 @@ class ExpertStore:
         way the arena's layout is unchanged. Between passes only, a pending consolidation applied first; the worker
         attaches again after it (its slot pool is sized from the plan)."""
         self._check(session)
-        t = self._consolidating
-        if t is not None:
-            t.join()
-            self._commit_consolidation()
+        self._settle_consolidation(wait=True)
         with self.cv:
             p = self.plan
             if self.pass_active:
@@ -241,16 +238,20 @@ class ExpertStore:
         reading is waited for (wait) or left to a later pass (wait=False: this pass runs on the placement it has,
         decode passes do not stall on a consolidation's disk reads)."""
         self._check(session)
-        t = self._consolidating
-        if t is not None and (wait or not t.is_alive()):
-            t.join()
-            self._commit_consolidation()
+        self._settle_consolidation(wait)
         with self.cv:
             self._reclaim("began")
             self.pass_active = True
             self.directory.pass_active = True
             self.counters.passes += 1
             return self.directory.epoch
+
+    def _settle_consolidation(self, wait: bool):
+        """A planned consolidation applied: once its reads have landed, or (wait) after waiting for them."""
+        t = self._consolidating
+        if t is not None and (wait or not t.is_alive()):
+            t.join()
+            self._commit_consolidation()
 
     @property
     def consolidating(self) -> bool:

@@ -164,9 +164,7 @@ class ModelRunner:
               used_mib=max((v["used_mib"] for v in steps.vram.values()), default=None),
               compiles=sum(c.get("count") or 0 for c in comp), max_local_b=worst.get("max_local"),
               lmem_mib=worst.get("lmem_mib"), spilling=(worst.get("spilling") or [None])[0],
-              **({} if fit is None else {"non_torch_mib": round(fit.non_torch / (1 << 20), 1),
-                                         "projected_mib": round(fit.projected / (1 << 20), 1),
-                                         "budget_mib": round(fit.budget / (1 << 20), 1)}))
+              **({} if fit is None else fit.mib("non_torch", "projected", "budget")))
         if fit is not None and fit.over > 0:
             self._trim_vram(fit)
 
@@ -181,11 +179,7 @@ class ModelRunner:
         the VRAM tier's last-ranked experts leave for their host slot or disk, between passes), then the worker
         attaches again with the smaller slot pool (its warm-ups rerun, the check too: each round trims at least one
         slot per layer). Below the plan's floor the worker refuses to serve (BudgetError, the numbers)."""
-        mib = lambda n: round(n / (1 << 20), 1)         # noqa: E731
-        fields = dict(non_torch_mib=mib(fit.non_torch), allowance_mib=mib(fit.allowance),
-                      torch_reserved_mib=mib(fit.torch_reserved), plan_torch_mib=mib(fit.plan_torch),
-                      projected_mib=mib(fit.projected), budget_mib=mib(fit.budget), over_mib=mib(fit.over),
-                      slots_before=fit.slots_before, slots_after=fit.slots_after, floor=fit.floor)
+        fields = dict(fit.mib(), slots_before=fit.slots_before, slots_after=fit.slots_after, floor=fit.floor)
         if fit.refused:
             event(log, "vram_refused", logging.ERROR, **fields)
             self.detach()                           # the slot pool and the store's arena let go (the model stays)

@@ -62,6 +62,12 @@ class VramFit:
     def refused(self) -> bool:
         return self.slots_after < self.floor
 
+    def mib(self, *names: str) -> dict:
+        """The named byte figures in MiB, one decimal, keyed "<name>_mib" (the runner's events); none named: every
+        measured figure of the trim event."""
+        names = names or ("non_torch", "allowance", "torch_reserved", "plan_torch", "projected", "budget", "over")
+        return {f"{n}_mib": round(getattr(self, n) / (1 << 20), 1) for n in names}
+
     def record(self) -> dict:
         """The numbers as a dict (SlotPlan.vram_trim, the runner's warmed["vram_fit"], bench.json)."""
         return asdict(self)
