@@ -280,7 +280,9 @@ def _attn_keys(ring_ptr, ent_ptr, rows, ring, valid, own, kv_ptr, c0, HD: tl.con
     visible in memory to the other programs), entry rows, invisible rows 0."""
     dd = c0 + tl.arange(0, KB)
     kr = tl.load(ring_ptr + rows[:, None] * HD + dd[None, :], mask=(ring & valid & (rows != own))[:, None], other=0)
-    k = tl.load(ent_ptr + rows[:, None] * HD + dd[None, :], mask=(~ring)[:, None], other=0)
+    # masked by valid too: a block's rows past n_keys (row j - W >= NE; MODE 0: ent_ptr is the ring) lie past the
+    # tensor's end (an illegal address on CUDA where nothing is mapped there: gpu-run47; tests/scripts/ds4_attend_guard)
+    k = tl.load(ent_ptr + rows[:, None] * HD + dd[None, :], mask=(~ring & valid)[:, None], other=0)
     k = tl.where(ring[:, None], kr, k)
     k = tl.where((ring & (rows == own))[:, None], tl.load(kv_ptr + dd)[None, :], k)
     return tl.where(valid[:, None], k, 0)

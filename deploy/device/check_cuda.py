@@ -84,6 +84,8 @@ def ids_for(path, n: int, seed: int = 1) -> list[int]:
 
 def runner_for(path, device, vram, host, mode="in-process", **kw):
     """(runner, store): the store in this process, or (mode "process") the real store process over its sockets."""
+    if os.environ.get("CHECK_VRAM_BUDGET"):     # under compute-sanitizer: its own device memory is not the worker's
+        kw.setdefault("vram_budget", int(os.environ["CHECK_VRAM_BUDGET"]))
     cfg = EngineConfig(model_path=str(path), device=device, vram_slots=vram, host_slots=host, **kw)
     store = open_store(cfg, mode)
     try:

@@ -91,6 +91,17 @@ def test_fused_guess_picks_the_per_layer_ids(checked):
     assert checked["guess"]["n_hash"] > 0
 
 
+def test_decode_attend_reads_nothing_past_its_tensors():
+    """_decode_attn_kernel's loads stay inside their tensors: each tensor ends at a PROT_NONE page, so an unmasked
+    load past it faults under the interpreter (on CUDA it was an illegal address once the entries' next rows were
+    unmapped: gpu-run47). Every mode, key counts that leave a block's last rows unused; the outputs = TorchOps."""
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(HERE.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, str(HERE / "scripts" / "ds4_attend_guard.py")], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert p.returncode == 0 and p.stdout.startswith("ok 6"), (p.returncode, p.stderr[-2000:])
+
+
 def test_triton_ops_have_the_torch_ops_surface():
     """TritonOps replaces TorchOps on CUDA (model.deepseek4.ops_for): every method, the same signature."""
     import inspect
