@@ -316,10 +316,12 @@ class Monitor:
 
 
 def attach_event(paths) -> dict | None:
-    """The last `attach_warm` event (worker/runner.py attach: warm-ups, each step's VRAM) in these logs, text or JSON
-    lines -> its fields (values as logged), or None."""
+    """The first `attach_warm` event (worker/runner.py attach: warm-ups, each step's VRAM) in these logs, text or JSON
+    lines -> its fields (values as logged), or None. A worker that trimmed its VRAM tier attaches again (runner
+    _trim_vram): its steps then show only what the re-attach added (the warm-ups' kernels are loaded already), so the
+    first event is the one that says what the warm-ups cost; the last one's figures follow under "reattached"."""
     from betelgeuse.logs import parse_text_line
-    found = None
+    found = []
     for path in paths:
         try:
             lines = Path(path).read_text(errors="replace").splitlines()
@@ -333,9 +335,16 @@ def attach_event(paths) -> dict | None:
             except (ValueError, IndexError):
                 continue
             if rec.get("event") == "attach_warm":         # a text line's null is the string "null"
-                found = {k: None if v == "null" else v for k, v in rec.items()
-                         if k not in ("ts", "level", "logger", "event")}
-    return found
+                found.append({k: None if v == "null" else v for k, v in rec.items()
+                              if k not in ("ts", "level", "logger", "event")})
+    if not found:
+        return None
+    first = found[0]
+    if len(found) > 1:
+        last = found[-1]
+        first["reattached"] = {"times": len(found) - 1, **{k: last.get(k) for k in (
+            "vram_device_torch_mib", "used_mib", "non_torch_mib", "projected_mib")}}
+    return first
 
 
 def serve_argv(o: ServeOptions, config: str, runtime_dir: str, port: int, http_port: int, no_cgroup: bool) -> list[str]:
@@ -916,8 +925,12 @@ def markdown(r: dict) -> str:
                  f"`{a.get('spilling')}`" if a.get("max_local_b") not in (None, "0") else "")
         fit = (f"; budget check: outside torch {a['non_torch_mib']} MiB, projected {a['projected_mib']} of "
                f"{a['budget_mib']} MiB" if a.get("projected_mib") is not None else "")
+        r = a.get("reattached")
+        again = (f"; attached again {r['times']}x after a VRAM trim: {r.get('vram_device_torch_mib')}, device used "
+                 f"{r.get('used_mib')} MiB, projected {r.get('projected_mib')} MiB" if r else "")
         return (f"warm-ups {a.get('warm_up', '?')}; {a.get('vram_device_torch_mib') or 'no VRAM figures (CPU)'}{used}; "
-                f"compiles {a.get('compiles', '–')}{spill}{fit}" + (f"; FAILED: {a['failed']}" if a.get("failed") else ""))
+                f"compiles {a.get('compiles', '–')}{spill}{fit}" + (f"; FAILED: {a['failed']}" if a.get("failed") else "")
+                + again)
     row("attach: warm-ups; VRAM by step, MiB device-wide / torch reserved (worker log)", attach)
 
     def one(key):

@@ -311,7 +311,8 @@ def test_a_configuration_turns_placement_flags_on_and_off():
 def test_warm_up_off_is_one_configuration_and_its_attach_is_read_back(tmp_path):
     """`bench_serve.sh --config auto,auto:warm-up=off` (issue 21's VRAM A/B in one session): the second serve alone
     gets engine.warm_up = off; each serve's attach event (worker/runner.py: warm-ups, each step's VRAM), as the
-    worker's text log writes it, is read back into its case and printed in bench.md's service table."""
+    worker's text log writes it, is read back into its case and printed in bench.md's service table: the first one,
+    and the last one's figures after it where a VRAM trim made the worker attach again (gpu-run47-serve)."""
     import io
     import logging
 
@@ -334,8 +335,10 @@ def test_warm_up_off_is_one_configuration_and_its_attach_is_read_back(tmp_path):
     (tmp_path / "worker.log").write_text("noise attach_warm but not an event\n" + buf.getvalue())
     (tmp_path / "serve.log").write_text(buf.getvalue().splitlines()[1] + "\n")     # the CPU's: no figures
     att = attach_event([tmp_path / "worker.log", tmp_path / "absent.log"])
-    assert att == {"warm_up": "off", "failed": None, "vram_device_torch_mib": None, "used_mib": None,
-                   "compiles": "0"}, att                                   # the last one
+    assert att["warm_up"] == "on" and att["reattached"] == {    # the first (a VRAM trim's re-attach: the last after)
+        "times": 1, "vram_device_torch_mib": None, "used_mib": None, "non_torch_mib": None, "projected_mib": None}, att
+    assert "; attached again 1x after a VRAM trim: None, device used None MiB" in markdown(
+        {"options": {}, "cases": [{"name": "auto", "attach_warm": att, "memory": {}}]})
     off = attach_event([tmp_path / "serve.log"])
     (tmp_path / "worker.log").write_text(buf.getvalue().splitlines()[0] + "\n")
     att = attach_event([tmp_path / "worker.log", tmp_path / "absent.log"])
