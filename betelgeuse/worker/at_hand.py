@@ -36,7 +36,8 @@ Every row is computed by the same kernel in either case: no bit changes (tests/w
 
 Freshness (the invariant: an expert's bytes are not rewritten while a step may read them through the table):
   - refresh() before each decode step copies the table into the same device storage (the graphs read it in place;
-    stream-ordered after the previous step's kernels) when the directory snapshot, the VRAM slots
+    stream-ordered after the previous step's kernels; a pinned, non-blocking copy: the host never waits for the
+    device's queue) when the directory snapshot, the VRAM slots
     (ExpertCache.vram_version) or the flex copies (FlexCache.version) changed. The snapshot is frozen for a store
     pass, and a host slot is not rewritten while the pass is open (the same guarantee a ring bank's copy of it had:
     the pass's end sync comes after every read).
@@ -97,6 +98,7 @@ class AtHand:
             self.arena_addr = None                              # host experts stay misses (ring banks)
         self._key = None
         self.forgets = -1                                       # FlexCache.forgets at the last refresh
+        self.uploads = 0                                        # table uploads (all time; decode_host.py counts them)
 
     @property
     def zero_copy(self) -> bool:
@@ -147,9 +149,22 @@ class AtHand:
                 else:
                     self.srcs[l][e] = (c.pool, int(tab[l, e]))
         self.host[:] = tab
-        self.dev.copy_(torch.from_numpy(tab))          # pageable source: read before the call returns, stream-ordered
+        self._upload(tab)
         self.forgets = -1 if f is None else f.forgets
         return True
+
+    def _upload(self, tab: np.ndarray):
+        """tab [n_layer, n_expert] int64 into the device table, stream-ordered (after the kernels queued so far, before
+        any later group) and without blocking the host. A copy_ from pageable memory (non_blocking False) synchronizes
+        the stream on CUDA: after a miss layer whose disk expert evicted a flex copy (hand_misses), the host waited for
+        that layer's bank copies and misses' group, ~0.3-0.5 ms a ds4-flash layer counted as the pass's rest
+        (stats.py's other_host_s; issue 21, docs/benchmarks/cpu-host48). The pinned source comes from torch's
+        caching host allocator, which keeps it until the copy has run (an event on the stream)."""
+        src = torch.from_numpy(tab)
+        if self.cache.is_cuda:
+            src = src.pin_memory()
+        self.dev.copy_(src, non_blocking=True)
+        self.uploads += 1
 
     def stale(self) -> bool:
         """A flex copy the table names was dropped or rewritten since the last refresh (inside a step: a later

@@ -322,3 +322,55 @@ def test_gate_on_refuses_a_staging_budget_a_drain_could_exhaust(model):
     extra = dict(max_running=2, staging_slots=6, decode_at_hand=True)
     with pytest.raises(BetelgeuseError, match=r"max_running 2 x 4 routed.*half the 6 staging slots hold 3.*staging_slots"):
         in_process_runner(model, 2, 3, decode_gate="on", **extra)
+
+
+def _cap_flex(rn, slots: int):
+    """The flex cache capped at `slots` expert slots (deploy/device/decode_host.py --flex-slots): the tiny model's
+    disk experts outgrow it, so fills evict copies as ds4-flash's finite room does."""
+    f = rn.moe.flex
+    f.clear()
+    f.per_chunk = min(f.per_chunk, slots)
+    f.reserved = f.held + slots * f.slot_bytes
+
+
+def test_flex_evictions_refresh_the_table_without_blocking_the_host(model, monkeypatch):
+    """A decode layer whose disk expert evicts a flex copy refreshes the at-hand table inside the step
+    (MoEStep.hand_misses: a later layer's group must not read the rewritten slot), and every upload of the table is
+    non-blocking: a copy_ from pageable memory with non_blocking False synchronizes the CUDA stream, so the host
+    waited there for the layer's bank copies and misses' group, time the pass counted as its rest (issue 21,
+    docs/benchmarks/cpu-host48). On the CPU: the mid-step refreshes happen, each upload's argument, and the logits
+    are the partial path's bits with the same capped cache."""
+    extra = dict(flex_cache=True, max_running=2, max_context=1024, staging_slots=6, prefix_cache_bytes=0,
+                 read_threads=1, decode_consolidate_every=0)
+    uploads = []
+    copy_ = torch.Tensor.copy_
+
+    def recorded(self, src, non_blocking=False):
+        if any(self is h.dev for h in hands):
+            uploads.append(non_blocking)
+        return copy_(self, src, non_blocking=non_blocking)
+    monkeypatch.setattr(torch.Tensor, "copy_", recorded)
+    hands, out = [], {}
+    for hand in (False, True):
+        rn, st = in_process_runner(model, 2, 3, decode_at_hand=hand, **extra)
+        hands += [rn.moe.hand] if hand else []
+        try:
+            _cap_flex(rn, 4)
+            kv = rn.new_cache(64)
+            lg, _ = rn.forward(prompt(24, V, seed=5), kv)
+            rn.settle()
+            rn._static_decode = True
+            tok, logits, u0 = int(lg[-1].argmax()), [], len(uploads)
+            for _ in range(8):
+                lg, _ = rn.forward([tok], kv, consolidate=False)
+                logits.append(lg[-1])
+                tok = int(lg[-1].argmax())
+            out[hand] = torch.stack(logits)
+            if hand:
+                assert rn.moe.flex.stats.evictions > 0, rn.moe.flex.stats
+                # at least one refresh inside a step: more uploads than the steps' starts
+                assert len(uploads) - u0 > 8, (len(uploads) - u0, rn.moe.flex.stats)
+        finally:
+            close_runner(rn, st)
+    assert uploads and all(uploads), uploads
+    assert torch.equal(out[True], out[False]), (out[True] - out[False]).abs().max().item()
