@@ -166,8 +166,8 @@ class AtHand:
         or dropped copies; inside a step, after a miss layer's disk expert evicted one: hand_misses): the entries of
         the (layer, expert) whose copy changed (FlexCache.changed) made as the rebuild makes them (_entry), the table
         uploaded: the rebuild's table (the snapshot, the VRAM slots and the host rule are the same) for a few
-        entries' Python instead of its [n_layer, n_expert] numpy passes, ~30 us a call at ds4-flash's shape (issue 21,
-        docs/benchmarks/cpu-host48)."""
+        entries' Python instead of its [n_layer, n_expert] numpy passes (~32 us at ds4-flash's 8 x 256 on a 2-vCPU
+        box; issue 21, docs/benchmarks/cpu-host48)."""
         f = self.flex
         changed = dict.fromkeys(f.changed)
         f.changed = []
@@ -206,7 +206,7 @@ class AtHand:
         """tab [n_layer, n_expert] int64 into the device table, stream-ordered (after the kernels queued so far, before
         any later group) and without blocking the host. A copy_ from pageable memory (non_blocking False) synchronizes
         the stream on CUDA: after a miss layer whose disk expert evicted a flex copy (hand_misses), the host waited for
-        that layer's bank copies and misses' group, ~0.3-0.5 ms a ds4-flash layer counted as the pass's rest
+        that layer's bank copies and misses' group (~0.24 ms a ds4-flash disk expert's), counted as the pass's rest
         (stats.py's other_host_s; issue 21, docs/benchmarks/cpu-host48). The pinned source comes from torch's
         caching host allocator, which keeps it until the copy has run (an event on the stream)."""
         src = torch.from_numpy(tab)
