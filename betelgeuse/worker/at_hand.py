@@ -36,7 +36,8 @@ Every row is computed by the same kernel in either case: no bit changes (tests/w
 
 Freshness (the invariant: an expert's bytes are not rewritten while a step may read them through the table):
   - refresh() before each decode step copies the table into the same device storage (the graphs read it in place;
-    stream-ordered after the previous step's kernels) when the directory snapshot, the VRAM slots
+    stream-ordered after the previous step's kernels; a pinned, non-blocking copy: the host never waits for the
+    device's queue) when the directory snapshot, the VRAM slots
     (ExpertCache.vram_version) or the flex copies (FlexCache.version) changed. The snapshot is frozen for a store
     pass, and a host slot is not rewritten while the pass is open (the same guarantee a ring bank's copy of it had:
     the pass's end sync comes after every read).
@@ -97,6 +98,9 @@ class AtHand:
             self.arena_addr = None                              # host experts stay misses (ring banks)
         self._key = None
         self.forgets = -1                                       # FlexCache.forgets at the last refresh
+        if flex is not None:
+            flex.changed = []                                   # its copies' changes, for refresh's patch
+        self.uploads = 0                                        # table uploads (all time; decode_host.py counts them)
 
     @property
     def zero_copy(self) -> bool:
@@ -107,15 +111,21 @@ class AtHand:
     def refresh(self, snap, rows: int | None = None, force: bool = False) -> bool:
         """Rebuild the table where the snapshot, the VRAM slots, the flex copies or the step's host rule (rows: the
         step's rows; None inside a step: the step's rule kept) changed (force: rebuild anyway) -> whether it was
-        uploaded. Vectorized over the [n_layer, n_expert] table (every decode step that filled a flex copy rebuilds
-        it); the torch kernels' sources are made only on the CPU (the tests' path)."""
+        uploaded. Vectorized over the [n_layer, n_expert] table; where only flex copies changed (a decode step that
+        filled or evicted some, each logged: FlexCache.changed) their entries alone (_patch). The torch kernels'
+        sources are made only on the CPU (the tests' path)."""
         c, f = self.cache, self.flex
         if rows is not None:
             self.in_place = self.zero_copy and host_in_place(self.policy, rows, self.types)
         key = (c.vram_version, -1 if f is None else f.version, self.in_place)
         if not force and self._key is not None and self._key[0] is snap and self._key[1] == key:
             return False
+        if not force and f is not None and f.changed is not None and self._key is not None and \
+                self._key[0] is snap and self._key[1][0] == key[0] and self._key[1][2] == key[2]:
+            return self._patch(snap, key)           # only flex copies changed, each logged: their entries
         self._key = (snap, key)
+        if f is not None:
+            f.changed = []                          # the rebuild reads every copy as it is now; log from here
         L, E = self.host.shape
         pool = c.pool.data_ptr()
         tab = np.full((L, E), -1, dtype=np.int64)
@@ -147,9 +157,63 @@ class AtHand:
                 else:
                     self.srcs[l][e] = (c.pool, int(tab[l, e]))
         self.host[:] = tab
-        self.dev.copy_(torch.from_numpy(tab))          # pageable source: read before the call returns, stream-ordered
+        self._upload(tab)
         self.forgets = -1 if f is None else f.forgets
         return True
+
+    def _patch(self, snap, key) -> bool:
+        """refresh where only the flex copies changed since the last one (a decode step's start after a step that made
+        or dropped copies; inside a step, after a miss layer's disk expert evicted one: hand_misses): the entries of
+        the (layer, expert) whose copy changed (FlexCache.changed) made as the rebuild makes them (_entry), the table
+        uploaded: the rebuild's table (the snapshot, the VRAM slots and the host rule are the same) for a few
+        entries' Python instead of its [n_layer, n_expert] numpy passes (~32 us at ds4-flash's 8 x 256 on a 2-vCPU
+        box; issue 21, docs/benchmarks/cpu-host48)."""
+        f = self.flex
+        changed = dict.fromkeys(f.changed)
+        f.changed = []
+        for l, e in changed:
+            self.host[l, e] = self._entry(snap, l, e)
+        self._key = (snap, key)
+        self._upload(self.host)                     # a copy of it goes (pinned on CUDA; the CPU copies it now)
+        self.forgets = f.forgets
+        return True
+
+    def _entry(self, snap, l: int, e: int) -> int:
+        """The table's entry of (l, e) as refresh's rebuild makes it (VRAM slot, else flex copy, else host slot in
+        place, else -1), the torch kernels' source beside it (the CPU)."""
+        c, f = self.cache, self.flex
+        pool = c.pool.data_ptr()
+        src = None
+        if c.vram_base[l, e] >= 0:
+            at = int(c.vram_base[l, e])
+            src = (c.pool, at)
+        elif f is not None and f.where[l, e] >= 0:
+            ch, i = divmod(int(f.where[l, e]), f.per_chunk)
+            at = f.chunks[ch].data_ptr() + i * f.slot_bytes - pool
+            src = (f.chunks[ch], i * f.slot_bytes)
+        elif self.in_place and snap["tier"][l, e] == TIER_HOST and snap["host_slot"][l, e] >= 0:
+            lay = c.layout
+            off = lay.host_base + (l * lay.host_per_layer + int(snap["host_slot"][l, e])) * lay.slot.slot_bytes
+            at = self.arena_addr + off - pool
+            src = (c.host, off)
+        else:
+            at = -1                                 # a miss (the rebuild leaves its source as it was)
+        if self.srcs is not None and src is not None:
+            self.srcs[l][e] = src
+        return at
+
+    def _upload(self, tab: np.ndarray):
+        """tab [n_layer, n_expert] int64 into the device table, stream-ordered (after the kernels queued so far, before
+        any later group) and without blocking the host. A copy_ from pageable memory (non_blocking False) synchronizes
+        the stream on CUDA: after a miss layer whose disk expert evicted a flex copy (hand_misses), the host waited for
+        that layer's bank copies and misses' group (~0.24 ms a ds4-flash disk expert's), counted as the pass's rest
+        (stats.py's other_host_s; issue 21, docs/benchmarks/cpu-host48). The pinned source comes from torch's
+        caching host allocator, which keeps it until the copy has run (an event on the stream)."""
+        src = torch.from_numpy(tab)
+        if self.cache.is_cuda:
+            src = src.pin_memory()
+        self.dev.copy_(src, non_blocking=True)
+        self.uploads += 1
 
     def stale(self) -> bool:
         """A flex copy the table names was dropped or rewritten since the last refresh (inside a step: a later

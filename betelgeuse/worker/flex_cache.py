@@ -66,6 +66,10 @@ class FlexCache:
         self.held = 0                                      # bytes the sequences holding KV take (state + graphs)
         self.version = 0                                   # bumped whenever `where` changes (worker/at_hand.py)
         self.forgets = 0                                   # bumped when a copy is dropped (its slot may be rewritten)
+        # (layer, expert) whose `where` changed since the at-hand table last read them (worker/at_hand.py: its refresh
+        # patches those entries); None: not logged (no table reads it, or the log passed one entry per table cell,
+        # e.g. prefills that filled copies with no decode step between: the table's next refresh rebuilds it whole)
+        self.changed: list | None = None
         self.stats = FlexStats()
 
     @classmethod
@@ -135,10 +139,17 @@ class FlexCache:
     def _forget(self, s: int):
         l, e = self.owner[s]
         self.where[l, e] = -1
+        self._log(int(l), int(e))
         self.version += 1
         self.forgets += 1
         self.owner[s] = -1
         self.lru.pop(s, None)
+
+    def _log(self, layer: int, expert: int):
+        if self.changed is not None:
+            self.changed.append((layer, expert))
+            if len(self.changed) > self.where.size:
+                self.changed = None
 
     def _grow(self) -> bool:
         """A new chunk in the room left: a whole one, or the slots the room still holds (a quarter of a whole
@@ -213,6 +224,7 @@ class FlexCache:
             c, i = divmod(s, self.per_chunk)
             self.chunks[c][i * sb:(i + 1) * sb].copy_(pool[off: off + sb])
             self.where[layer, e] = s
+            self._log(int(layer), e)
             self.version += 1
             self.owner[s] = (layer, e)
             self.lru[s] = None

@@ -419,7 +419,7 @@ class MoEStep:
         for the next step's refresh."""
         self.partial(l, r, snap, stats, ls, False, None, hand=True, synced=synced)
         if self.hand.stale():
-            self.hand.refresh(snap, force=True)
+            self.hand.refresh(snap)             # the evicted copies' entries (AtHand._patch)
 
     # ---- decode with no per-layer sync (worker/gate.py) ------------------------------------------------------
     def gate_layer(self, l: int, r, guess):

@@ -10,6 +10,7 @@ rest, and the blocked wait for the store's expert bytes. Run it in two checkouts
     python3 deploy/device/decode_host.py [--preset ds4-tiny] [--vram 2 --host 3] [--tokens 64] [--device cpu]
                                          [--form default|solo|lanes] [--gate] [--profile out.prof] [--split]
                                          [--flex auto|on|off] [--host-in-place auto|always|never]
+                                         [--flex-slots N] [--threads] [--sync-debug]
 
 --form: the decode path. default: whatever the device takes (on the CPU: forward()'s per-layer partial path); solo /
 lanes: the static form CUDA runs (forced on the CPU, eagerly: SoloDecode through forward(), or the batched lanes
@@ -28,6 +29,20 @@ two Triton launches on CUDA).
 store client's messages, a Load's next expert) timed in place -> split_us {name: [median us per call, calls per
 step]}; each wrapper adds ~1 us, and nested calls count in each function that encloses them.
 
+--flex-slots N: the flex cache (worker/flex_cache.py; with --flex on or CUDA's auto) capped at N expert slots, so
+fills evict copies as ds4-flash's finite room does (a tiny model's experts all fit the plan's room: no miss stays).
+uploads: the at-hand table's uploads per step (AtHand.refresh: at the step's start, and after a layer whose disk
+expert evicted a flex copy a later layer's table may name), median; where the checkout counts them.
+--threads: per thread of the worker other than the main one (grpc's and the store client's, by Python name), per
+timed step: its CPU us and its timeslices (wakeups), from /proc/self/task/<tid>/schedstat (Linux): the threads that
+compete with the main one for the GIL (issue 21: the session stream's); and per step the main thread's CPU us, its
+wait for a core (run queue) and main_off_us = its wall less those and the pass clock's waits: off the CPU with no wait
+counted, i.e. waiting for the GIL, mostly (on CUDA; on the CPU the clock's waits hold CPU work, the bank memcpys,
+so it reads low or negative there).
+--sync-debug (CUDA): torch.cuda.set_sync_debug_mode("warn") over the timed steps -> syncs {where: per step}: the
+ops that block the host on the device outside the pass clock's waits (a pageable H2D copy_, .item(), ...): host time
+that is really the GPU's, counted as the rest (stats.py's other_host_s).
+
 Triton compiles (issue 21; kernels/triton_launch.py, where the checkout has it): triton_compiles = those at attach
 (MoEStep.warm_kernels: decode's expert-kernel variants), in the first decode step, in the skipped steps after it, and
 in the timed steps (each {"count", "seconds", "names"}, count None where not counted: the CPU's interpreter compiles
@@ -44,6 +59,7 @@ import os
 import resource
 import statistics
 import tempfile
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -149,6 +165,76 @@ def _split(rn, client) -> dict:
     return out
 
 
+class _Threads:
+    """--threads: the worker's threads other than the main one, their CPU ns and timeslices (schedstat) summed over
+    the timed steps, by Python name (grpc's own threads have theirs too)."""
+
+    def __init__(self):
+        self.sum, self._at, self.main, self._main0 = {}, {}, None, None
+
+    def _read(self) -> dict:
+        out = {}
+        for t in threading.enumerate():
+            if t.native_id is None:
+                continue
+            try:
+                cpu, runq, slices = open(f"/proc/self/task/{t.native_id}/schedstat").read().split()
+            except OSError:             # ended meanwhile
+                continue
+            if t is threading.main_thread():
+                self.main = (int(cpu), int(runq), time.perf_counter())
+            else:
+                out[(t.name, t.native_id)] = (int(cpu), int(slices))
+        return out
+
+    def main_off(self, blocked_s: float) -> dict:
+        """The main thread over the last step (after add()): its CPU, its wait for a core (run queue) and the rest of
+        its wall off the CPU outside the pass clock's waits (blocked_s): waits for the GIL, mostly, in us."""
+        (c0, q0, t0), (c1, q1, t1) = self._main0, self.main
+        cpu, runq = (c1 - c0) / 1e3, (q1 - q0) / 1e3
+        return dict(main_cpu_us=cpu, main_runq_us=runq, main_off_us=(t1 - t0) * 1e6 - cpu - runq - blocked_s * 1e6)
+
+    def mark(self):
+        self._at = self._read()
+        self._main0 = self.main
+
+    def add(self):
+        for k, (cpu, sl) in self._read().items():
+            c0, s0 = self._at.get(k, (0, 0))
+            name = k[0].split(" ", 1)[1] if k[0].startswith("Thread-") and " " in k[0] else k[0]   # its target
+            rec = self.sum.setdefault(f"{name}:{k[1]}", [0, 0])
+            rec[0] += cpu - c0
+            rec[1] += sl - s0
+
+    def per_step(self, n: int) -> dict:
+        return {k: {"cpu_us": round(c / n / 1e3, 1), "wakeups": round(s / n, 2)} for k, (c, s) in self.sum.items()}
+
+
+class _sync_watch:
+    """--sync-debug: torch.cuda's sync debug mode "warn" inside, each warning counted by its caller in our code."""
+
+    def __init__(self, out: dict):
+        self.out = out
+
+    def __enter__(self):
+        import warnings
+        import torch
+        self.torch, self.cm = torch, warnings.catch_warnings(record=True)
+        self.rec = self.cm.__enter__()
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc):
+        self.torch.cuda.set_sync_debug_mode("default")
+        self.cm.__exit__(*exc)
+        for w in self.rec:
+            if "synchroniz" in str(w.message):
+                k = f"{Path(w.filename).name}:{w.lineno}"
+                self.out[k] = self.out.get(k, 0) + 1
+        return False
+
+
 def run(a, tmp: Path) -> dict:
     from betelgeuse.config import EngineConfig
     from services.assembly import open_runner, open_store
@@ -199,6 +285,14 @@ def run(a, tmp: Path) -> dict:
 
         ids = [int(x) for x in np.random.default_rng(4).integers(3, rn.mcfg.n_vocab, a.prompt)]
         kv = rn.new_cache(a.prompt + a.tokens + 8)
+        if a.flex_slots is not None and rn.moe.flex is not None:   # a finite room (module doc): fills evict
+            f = rn.moe.flex
+            f.clear()
+            f.per_chunk = max(1, min(f.per_chunk, a.flex_slots))
+            f.reserved = f.held + a.flex_slots * f.slot_bytes
+        hand = getattr(rn.moe, "hand", None)
+        threads = _Threads() if a.threads else None
+        syncs: dict = {}
         lg, _ = rn.forward(ids, kv)
         rn.settle()
         tok = int(lg[-1].argmax())
@@ -232,8 +326,17 @@ def run(a, tmp: Path) -> dict:
                 if prof is not None:
                     prof.enable()
             c0, in0 = own_cpu(), inside[0]
-            lg, st = step(tok)
+            u0 = getattr(hand, "uploads", 0)
+            if threads is not None:
+                threads.mark()
+            if a.sync_debug and i >= a.skip and a.device.startswith("cuda"):
+                with _sync_watch(syncs):
+                    lg, st = step(tok)
+            else:
+                lg, st = step(tok)
             c1 = own_cpu()
+            if threads is not None and i >= a.skip:
+                threads.add()
             tok = int(lg[-1].argmax())
             if i == 0:
                 first_ms = round(st.host_s * 1e3, 3)
@@ -242,6 +345,10 @@ def run(a, tmp: Path) -> dict:
             row = dict(wall_ms=st.seconds * 1e3, host_ms=st.host_s * 1e3, messages=st.store_calls,
                        miss_layers=sum(1 for ls in st.layers if ls.disk), applications=st.applications,
                        worker_cpu_ms=(c1 - c0) * 1e3, in_store_calls_ms=(inside[0] - in0) * 1e3)
+            if threads is not None:
+                row.update(threads.main_off(st.blocked_s))
+            if hand is not None and hasattr(hand, "uploads"):
+                row["uploads"] = hand.uploads - u0
             if hasattr(st, "store_rpc"):
                 row.update(store_messages_ms=st.store_s * 1e3, moe_host_ms=st.moe_host_s * 1e3,
                            other_host_ms=st.other_host_s * 1e3, store_wait_ms=st.store_wait_s * 1e3)
@@ -269,6 +376,10 @@ def run(a, tmp: Path) -> dict:
                "layers": rn.mcfg.n_layer, "tokens": n, "per_token_median": out, "first_step_host_ms": first_ms}
         if TL is not None:
             res["triton_compiles"] = compiles
+        if threads is not None:  # thread name -> {cpu_us, wakeups} per timed step (means)
+            res["threads"] = threads.per_step(n)
+        if a.sync_debug and a.device.startswith("cuda"):     # where -> syncs per timed step (the CPU has none)
+            res["syncs"] = {k: round(v / n, 2) for k, v in sorted(syncs.items(), key=lambda kv: -kv[1])}
         if split is not None:    # name -> [median us per call, calls per timed step]
             res["split_us"] = {k: [round(statistics.median(v) * 1e6, 1), round(len(v) / n, 2)]
                                for k, v in split.items() if v}
@@ -295,6 +406,10 @@ def main() -> int:
     p.add_argument("--host-in-place", default="auto", choices=["auto", "always", "never"],
                    help="engine.host_in_place (never: host experts through ring banks, as ds4-flash's MXFP4 are "
                    "under auto)")
+    p.add_argument("--flex-slots", type=int, help="the flex cache capped at this many expert slots (module doc)")
+    p.add_argument("--threads", action="store_true", help="the worker's other threads' CPU and wakeups per step")
+    p.add_argument("--sync-debug", action="store_true",
+                   help="CUDA: the host-blocking ops of the timed steps, by where (module doc)")
     p.add_argument("--split", action="store_true",
                    help="the expert step's functions timed in place: median us per call, calls per step (SPLIT)")
     a = p.parse_args()

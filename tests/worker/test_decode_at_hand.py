@@ -322,3 +322,99 @@ def test_gate_on_refuses_a_staging_budget_a_drain_could_exhaust(model):
     extra = dict(max_running=2, staging_slots=6, decode_at_hand=True)
     with pytest.raises(BetelgeuseError, match=r"max_running 2 x 4 routed.*half the 6 staging slots hold 3.*staging_slots"):
         in_process_runner(model, 2, 3, decode_gate="on", **extra)
+
+
+
+def _cap_flex(rn, slots: int):
+    """The flex cache capped at `slots` expert slots (deploy/device/decode_host.py --flex-slots): the tiny model's
+    disk experts outgrow it, so fills evict copies as ds4-flash's finite room does."""
+    f = rn.moe.flex
+    f.clear()
+    f.per_chunk = min(f.per_chunk, slots)
+    f.reserved = f.held + slots * f.slot_bytes
+
+
+# the flex cache on with one read thread (the same copies, hence hits, on every path) and a 4-slot cap
+CAPPED = dict(flex_cache=True, max_running=2, max_context=1024, staging_slots=6, prefix_cache_bytes=0, read_threads=1,
+              decode_consolidate_every=0)
+
+
+def _capped_decode(model, hand: bool, steps: int = 8, on_runner=None, slots: int = 4):
+    """Greedy solo decode after a prompt with the flex cache capped at `slots` (fills evict) -> (logits [steps, V],
+    the flex stats); on_runner(rn) before the prompt."""
+    rn, st = in_process_runner(model, 2, 3, decode_at_hand=hand, **CAPPED)
+    try:
+        _cap_flex(rn, slots)
+        if on_runner is not None:
+            on_runner(rn)
+        kv = rn.new_cache(64)
+        lg, _ = rn.forward(prompt(24, V, seed=5), kv)
+        rn.settle()
+        rn._static_decode = True
+        tok, logits = int(lg[-1].argmax()), []
+        for _ in range(steps):
+            lg, _ = rn.forward([tok], kv, consolidate=False)
+            logits.append(lg[-1])
+            tok = int(lg[-1].argmax())
+        return torch.stack(logits), rn.moe.flex.stats
+    finally:
+        close_runner(rn, st)
+
+
+def test_flex_evictions_refresh_the_table_without_blocking_the_host(model, monkeypatch):
+    """A decode layer whose disk expert evicts a flex copy refreshes the at-hand table inside the step
+    (MoEStep.hand_misses: a later layer's group must not read the rewritten slot), and every upload of the table is
+    non-blocking: a copy_ from pageable memory with non_blocking False synchronizes the CUDA stream, so the host
+    waited there for the layer's bank copies and misses' group, time the pass counted as its rest (issue 21,
+    docs/benchmarks/cpu-host48). On the CPU: the mid-step refreshes happen, each upload's argument, and the logits
+    are the partial path's bits with the same capped cache."""
+    uploads, hands = [], []
+    copy_ = torch.Tensor.copy_
+
+    def recorded(self, src, non_blocking=False):
+        if any(self is h.dev for h in hands):
+            uploads.append(non_blocking)
+        return copy_(self, src, non_blocking=non_blocking)
+    monkeypatch.setattr(torch.Tensor, "copy_", recorded)
+    want, _ = _capped_decode(model, hand=False)
+    steps = 8
+    got, stats = _capped_decode(model, hand=True, steps=steps, on_runner=lambda rn: hands.append(rn.moe.hand))
+    assert stats.evictions > 0, stats
+    n = len(uploads)
+    assert n > steps + 1, (n, stats)        # the prompt's and each step's start, and at least one inside a step
+    assert all(uploads), uploads
+    assert torch.equal(got, want), (got - want).abs().max().item()
+
+
+def test_a_patched_table_is_the_rebuilt_one(model, monkeypatch):
+    """Where only flex copies changed (inside a decode step after a miss layer's fill evicted one; a step's start
+    after copies were made), refresh patches the changed entries (AtHand._patch); each patched table equals the whole
+    rebuild's of the same state (refresh(force=True) right after it)."""
+    from betelgeuse.worker.at_hand import AtHand
+    patch, refresh = AtHand._patch, AtHand.refresh
+    seen = []
+
+    def checked(self, snap, key):
+        out = patch(self, snap, key)
+        patched = self.host.copy()
+        refresh(self, snap, force=True)
+        assert np.array_equal(self.host, patched), np.argwhere(self.host != patched)
+        seen.append(inside[0])
+        return out
+    inside = [False]
+    hand_misses = None
+
+    def on_runner(rn):
+        nonlocal hand_misses
+        hand_misses = rn.moe.hand_misses
+
+        def wrapped(*a, **kw):
+            inside[0] = True
+            try:
+                return hand_misses(*a, **kw)
+            finally:
+                inside[0] = False
+        rn.moe.hand_misses = wrapped
+    monkeypatch.setattr(AtHand, "_patch", checked)
+    _, stats = _capped_decode(model, hand=True, on_runner=on_runner)   # each miss layer's fill evicts a copy
+    assert stats.evictions > 0 and seen and all(seen), (stats, seen)    # patched inside the steps
