@@ -12,6 +12,7 @@ through decode_batch), host experts banked (host_in_place = never: what MXFP4's 
     reached the host (MoEStep._partial's entry: its sync), and layer t's group read it at the offset that copy
     wrote; with prefetch_host off no routed host expert is ever copied before its layer's routing (the check fails
     on main's code); the counters (host_guessed >= host_guess_hits > 0) agree with the recorded copies
+  - the bench's decode record and report carry the counters (non-zero in the pool case, 0 with it off)
 """
 
 from __future__ import annotations
@@ -166,3 +167,35 @@ def test_copies_start_before_the_layer_routes(request, case):
     # every hit the counters report was read from a slot copied ahead, and no more were copied ahead than counted
     assert n == t_on["host_guess_hits"] <= t_on["host_guessed"], (n, t_on)
     assert t_on["host_guess_bytes"] > 0
+
+
+def test_bench_decode_records_the_copies_ahead(ds4):
+    """The bench's decode record (services/bench/harness.py Harness._decode, what bench.json and bench.md hold) counts
+    the pool case's copies ahead under decode.guess (host_guessed, host_guess_hits, host_guess_bytes) with their hit
+    rate, and the report's guess cell prints them; with prefetch_host off they are 0 and the cell says nothing of
+    them. The static form forced on the CPU, as the device decodes."""
+    from services.bench.harness import BenchOptions, Harness
+    from services.bench.report import _guess_rate
+    for on in (False, True):
+        rn, st = in_process_runner(ds4, 2, 3, routing="pool", prefetch_host="on" if on else "off",
+                                   host_in_place="never", decode_consolidate_every=0)
+        try:
+            kv = rn.new_cache(64)
+            lg, _ = rn.forward(prompt(24, 300, seed=5), kv)
+            rn.settle()
+            rn._static_decode = True
+            h = Harness(BenchOptions(model=str(ds4), engine=rn.cfg, decode=STEPS), {}, lambda final: None)
+            d = h._decode(rn, kv, lg)
+            slot = rn.cache.slot_bytes
+        finally:
+            close_runner(rn, st)
+        g = d["guess"]
+        assert d["tokens"] == STEPS and d["reads"]["disk"] == 0, d["reads"]
+        if not on:
+            assert g["host_guessed"] == g["host_guess_hits"] == 0 and d["host_guess_hit_rate"] is None, g
+            assert "host" not in _guess_rate(d)
+            continue
+        assert 0 < g["host_guess_hits"] <= g["host_guessed"], g
+        assert g["host_guess_bytes"] == g["host_guessed"] * slot
+        assert d["host_guess_hit_rate"] == g["host_guess_hits"] / g["host_guessed"]
+        assert f"host: {g['host_guess_hits']:,} / {g['host_guessed']:,}" in _guess_rate(d)
