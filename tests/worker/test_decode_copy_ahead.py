@@ -7,7 +7,8 @@ through decode_batch), host experts banked (host_in_place = never: what MXFP4's 
 
   - the decode's logits are the same bits with prefetch_host on and off (DESIGN.md §2: a guess moves bytes, never
     what is computed), its tier reads the same, for qwen3moe and deepseek4 (hash layers too), one row and two, a
-    bank of 2 slots (guesses that fill the bank, misses copied in groups after it) and a pool with disk experts
+    bank of 2 slots (guesses that fill the bank, misses copied in groups after it), a pool with disk experts, and
+    prefetch_host = on in exact routing (the model's own guess; disk reads ahead beside)
   - the copies happen ahead: a host expert layer t routed to was copied into the ring BEFORE layer t's routing
     reached the host (MoEStep._partial's entry: its sync), and layer t's group read it at the offset that copy
     wrote; with prefetch_host off no routed host expert is ever copied before its layer's routing (the check fails
@@ -44,10 +45,11 @@ def _decode(path, vram: int, host: int, on: bool, lanes: bool = False, rows: int
             **cfg):
     """`rows` prompts prefilled and settled, then STEPS greedy pool-routed decode steps in the static form -> (logits
     [STEPS, rows, V], summed counters, tier reads). log: a list that gets the step's events in order (_watch)."""
-    rn, st = in_process_runner(path, vram, host, routing="pool", prefetch_host="on" if on else "off",
+    routing = cfg.pop("routing", "pool")
+    rn, st = in_process_runner(path, vram, host, routing=routing, prefetch_host="on" if on else "off",
                                host_in_place="never", max_running=rows, decode_consolidate_every=0, **cfg)
     try:
-        assert rn.moe.copy_ahead is on and rn.moe.depth == (1 if on else 0)
+        assert rn.moe.copy_ahead is on and (routing == "exact" or rn.moe.depth == (1 if on else 0))
         kvs, toks = [], []
         for i in range(rows):
             kv = rn.new_cache(64)
@@ -136,7 +138,10 @@ def _ahead_reads(log: list) -> int:
 CASES = {"qwen-solo": ("qwen", 6, 10, False, 1, {}), "qwen-lanes2": ("qwen", 6, 10, True, 2, {}),
          "qwen-bank2": ("qwen", 6, 10, False, 1, dict(ring_slots=4)),
          "qwen-disk": ("qwen", 1, 2, False, 1, {}),
-         "ds4-solo": ("ds4", 2, 3, False, 1, {}), "ds4-lanes2": ("ds4", 2, 3, True, 2, {})}
+         "ds4-solo": ("ds4", 2, 3, False, 1, {}), "ds4-lanes2": ("ds4", 2, 3, True, 2, {}),
+         # prefetch_host = on in exact routing: the model's own (fused) guess, disk experts read ahead beside
+         "qwen-exact": ("qwen", 6, 10, False, 1, dict(routing="exact")),
+         "ds4-exact-lanes2": ("ds4", 2, 3, True, 2, dict(routing="exact"))}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -149,8 +154,8 @@ def test_copy_ahead_is_bit_identical(request, case):
     assert t_off["host_guessed"] == 0 and t_off["host_guess_hits"] == 0, t_off
     assert torch.equal(on, off), (case, (on - off).abs().max().item())
     assert all(t_on[k] == t_off[k] for k in ("vram", "host", "disk")), (t_on, t_off)
-    if case == "qwen-disk":
-        assert t_on["disk"] > 0, t_on                               # fewer resident than k: disk experts too
+    if case in ("qwen-disk", "qwen-exact"):
+        assert t_on["disk"] > 0, t_on                               # disk experts too (fewer resident than k; exact)
 
 
 @pytest.mark.parametrize("case", ["qwen-solo", "ds4-lanes2"])

@@ -123,8 +123,8 @@ def main():
             off, on = (run(path, v, h, x, a.steps, a.device) for x in (False, True))
             same = torch.equal(off["logits"], on["logits"])
             rate = on["host_guess_hits"] / on["host_guessed"] if on["host_guessed"] else 0.0
-            print(f"| {sl} | {a.steps} | {on['host']} ({on['coverable']}) | {on['host_guessed']} | {on['host_guess_hits']} "
-                  f"({rate:.1%}) | {off['h2d_bytes'] / a.steps / 1e6:.3f} / {on['h2d_bytes'] / a.steps / 1e6:.3f} | "
+            print(f"| {sl} | {a.steps} | {on['host']} ({on['coverable']}) | {on['host_guessed']} | "
+                  f"{on['host_guess_hits']} ({rate:.1%}) | {off['h2d_bytes'] / a.steps / 1e6:.3f} / {on['h2d_bytes'] / a.steps / 1e6:.3f} | "
                   f"{same} | {off['ahead_reads']} / {on['ahead_reads']} |")
             print(json.dumps({"slots": sl, "off": {k: v for k, v in off.items() if k != "logits"},
                               "on": {k: v for k, v in on.items() if k != "logits"}, "bits_equal": same}),
