@@ -88,8 +88,8 @@ def guess_ahead(model, layer: int, x: torch.Tensor, token_ids: torch.Tensor, dep
     if n <= 0:
         return None
     if route is not None:
-        return torch.stack([route(t, model.moe_input(t, x)[0], token_ids) for t in range(layer + 1, layer + 1 + n)],
-                           dim=1)
+        ids = [route(t, model.moe_input(t, x)[0], token_ids) for t in range(layer + 1, layer + 1 + n)]
+        return ids[0].unsqueeze(1) if n == 1 else torch.stack(ids, dim=1)      # depth 1 (pool's): a view, no launch
     # the model's all-layers-at-once form: the ids guess_per_layer picks, in a few launches for all n layers
     return model.guess_ids(layer, x, token_ids, n)
 

@@ -204,3 +204,41 @@ def test_bench_decode_records_the_copies_ahead(ds4):
         assert g["host_guess_bytes"] == g["host_guessed"] * slot
         assert d["host_guess_hit_rate"] == g["host_guess_hits"] / g["host_guessed"]
         assert f"host: {g['host_guess_hits']:,} / {g['host_guessed']:,}" in _guess_rate(d)
+
+
+def test_pool_guess_launches_what_the_exact_guess_does(monkeypatch, ds4):
+    """The pool guess (MoEStep.guess_route, one layer deep, inside the captured decode graphs) launches per guessed
+    layer what exact routing's fused guess of one layer does (deepseek4: the mHC partial and finish, the router
+    matmul, one selection: 4), so the pool case's launches per decode layer grow by the guess alone; a layer that
+    routes exactly (all resident) takes the exact selection. ds4-tiny with TritonOps whose Triton launches are
+    counted, not run (as test_decode_static_pool.py::test_route_static_launches_one_selection)."""
+    from betelgeuse.kernels.triton_ds4 import TritonOps
+    from betelgeuse.store.directory import TIER_DISK, TIER_VRAM
+    from betelgeuse.worker.guess import guess_ahead
+    from memtrack import KernelCount, stub_triton
+    launches = stub_triton(monkeypatch)
+    rn, st = in_process_runner(ds4, 2, 2, routing="pool")
+    try:
+        m, moe = rn.model, rn.moe
+        m.ops = TritonOps()
+        L, E = rn.mcfg.n_layer, rn.mcfg.n_expert
+        tier = np.full((L, E), TIER_DISK, dtype=np.int8)
+        tier[:, :3] = TIER_VRAM
+        tier[L - 1] = TIER_VRAM                                  # all resident: routes exactly
+        moe.refresh_static({"tier": tier})
+        x, tok = torch.randn(1, m.p.hc_mult, rn.mcfg.n_embd).to(m.dtype), torch.tensor([3])
+
+        def count(route) -> tuple[int, dict]:
+            launches.clear()
+            with KernelCount(launches) as k:
+                g = guess_ahead(m, l, x, tok, 1, L, route)
+            assert g.shape == (1, 1, rn.mcfg.n_expert_used) and g.dtype == torch.int64, g.shape
+            return k.total, dict(launches)
+        for l in range(L - 1):
+            exact, _ = count(None)
+            pool, kernels = count(moe.guess_route(m))
+            assert pool == exact == 4, (l, pool, exact, kernels)
+            want = "_route_kernel" if l + 1 == L - 1 else "_route_approx_kernel"
+            assert kernels.get(want) == 1, (l, kernels)
+    finally:
+        close_runner(rn, st)
