@@ -4,8 +4,9 @@ and on, in the static decode form (forced on the CPU, as CUDA decodes), host exp
 MXFP4's rule on the device) -> per slot configuration: tokens, host-tier reads, host experts copied ahead and of them
 used (hits), H2D bytes a token off / on, whether the logits are the same bits, and, from a log of the step's events,
 how many routed host experts were computed from a slot copied BEFORE their layer's routing reached the host (the
-copies ahead that did their job) off / on. Counts and order only: on the CPU a copy is a synchronous memcpy, so no
-time figure here says anything about the device.
+copies ahead that did their job) off / on, and the expert step's host µs per application. Counts and order: on the
+CPU a copy is a synchronous memcpy and the kernels are torch's, so no time figure here says anything about the
+device (the host µs included).
 
     PYTHONPATH=. python3 docs/benchmarks/cpu-pool48/copy_ahead.py [--experts 64 --k 6 --slots 8+24 16+32 --steps 32]
 """
@@ -36,12 +37,13 @@ def run(path, vram: int, host: int, on: bool, steps: int, device: str) -> dict:
         rn.settle()
         rn._static_decode = True
         log = watch(rn)
-        outs, tot = [], {"host_guessed": 0, "host_guess_hits": 0, "h2d_bytes": 0, "host": 0, "vram": 0, "disk": 0}
+        outs, tot = [], {"host_guessed": 0, "host_guess_hits": 0, "h2d_bytes": 0, "host": 0, "vram": 0, "disk": 0,
+                         "moe_host_s": 0.0, "applications": 0}
         for _ in range(steps):
             log.append(("step",))
             lg, s = rn.forward([int(lg[-1].argmax())], kv, consolidate=False)
             outs.append(lg[-1:].float().cpu())
-            for k in ("host_guessed", "host_guess_hits", "h2d_bytes"):
+            for k in ("host_guessed", "host_guess_hits", "h2d_bytes", "moe_host_s", "applications"):
                 tot[k] += getattr(s, k)
             for k in ("host", "vram", "disk"):
                 tot[k] += s.reads[k]
@@ -100,6 +102,11 @@ def ahead_reads(log: list) -> int:
     return n
 
 
+def us(r: dict) -> float:
+    """The decode's expert-step host time per expert application (PassStats.moe_host_s), µs: CPU Python only."""
+    return r["moe_host_s"] / max(1, r["applications"]) * 1e6
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="ds4-tiny")
@@ -116,16 +123,17 @@ def main():
         write_model(path, spec, progress=False)
         print("| slots V+H | tokens | host reads (of them at layers >= 1) | copied ahead | hits (rate) | H2D MB / "
               "token off / on | bits equal | routed host experts read from a slot copied before their routing, "
-              "off / on |")
-        print("|---|---|---|---|---|---|---|---|")
+              "off / on | expert step host µs / application off / on (CPU) |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for sl in a.slots:
             v, h = (int(x) for x in sl.split("+"))
             off, on = (run(path, v, h, x, a.steps, a.device) for x in (False, True))
             same = torch.equal(off["logits"], on["logits"])
             rate = on["host_guess_hits"] / on["host_guessed"] if on["host_guessed"] else 0.0
             print(f"| {sl} | {a.steps} | {on['host']} ({on['coverable']}) | {on['host_guessed']} | "
-                  f"{on['host_guess_hits']} ({rate:.1%}) | {off['h2d_bytes'] / a.steps / 1e6:.3f} / {on['h2d_bytes'] / a.steps / 1e6:.3f} | "
-                  f"{same} | {off['ahead_reads']} / {on['ahead_reads']} |")
+                  f"{on['host_guess_hits']} ({rate:.1%}) | {off['h2d_bytes'] / a.steps / 1e6:.3f} / "
+                  f"{on['h2d_bytes'] / a.steps / 1e6:.3f} | {same} | {off['ahead_reads']} / {on['ahead_reads']} | "
+                  f"{us(off):.1f} / {us(on):.1f} |")
             print(json.dumps({"slots": sl, "off": {k: v for k, v in off.items() if k != "logits"},
                               "on": {k: v for k, v in on.items() if k != "logits"}, "bits_equal": same}),
                   file=sys.stderr)
