@@ -335,6 +335,13 @@ class EngineSettings(_Section):
     # decode: layer l+1's router applied to layer l's residual guesses its experts; the guessed disk ones are read
     # ahead (worker/guess.py). Only when bytes arrive changes, never a bit of the output
     prefetch_decode: Flag = setting(True, "decode: guess the next layer's experts and read the disk ones ahead", False)
+    # decode: the next layer's guessed host-tier experts that the step banks (not read in place) are copied into a
+    # ring bank at layer l, on the copy stream, so layer l+1 finds them on the GPU (worker/moe_step.py, copy ahead).
+    # Only where and when bytes arrive changes, never a bit. auto: in `pool` routing (every expert resident: the
+    # host tier's copies are decode's bound, issue 21); exact routing's A/B is not measured yet
+    prefetch_host: _choices("auto", "on", "off") = setting(
+        "auto", "decode: copy the guessed next layer's banked host-tier experts ahead into a ring bank: on | off | "
+        "auto (pool routing)", "on")
     # how many layers ahead decode guesses (layers l+1 .. l+depth from layer l's residual; 1 = the next layer only).
     # 3: the depth the live service was measured at (docs/benchmarks/gpu-run26-serve); in-process on 16 bench layers
     # depths 1-3 decode equally fast within the disk's noise (gpu-run27-fusedguess), depth 3 wasting ~2x the read-ahead

@@ -54,7 +54,8 @@ class SoloDecode:
             top_ids, top_w = moe.route_static(m, l, h, ids)
             r = moe.route(l, h, top_ids, top_w, lstats[l])
             if lstats[l].synced:
-                guess = guess_ahead(m, l, x, ids, moe.depth, moe.n_layer) if moe.wants_guess(l) else None
+                guess = (guess_ahead(m, l, x, ids, moe.depth, moe.n_layer, moe.guess_route(m))
+                         if moe.wants_guess(l) else None)
                 if moe.gate is not None:        # gated on the device (worker/gate.py), the misses' group after
                     moe.gate_layer(l, r, guess)
                     if ahead:

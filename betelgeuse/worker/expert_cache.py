@@ -255,7 +255,10 @@ class ExpertCache:
         each part: the last one covers them all). table: a group's device table row (table(copy=False)) copied in the
         same call, on the copy stream, before the ready event (with wait, the compute stream's wait covers it: no
         copy of its own on the compute stream). Returns the pool byte offset of each copied slot."""
-        assert 0 < len(srcs) and 0 <= at and at + len(srcs) <= self.bank_size, (at, len(srcs), self.bank_size)
+        # no slots with a table: the table alone, the bank's copies so far waited for (a copy ahead's hits:
+        # MoEStep._ahead_group)
+        assert (0 < len(srcs) or table is not None) and 0 <= at and at + len(srcs) <= self.bank_size, \
+            (at, len(srcs), self.bank_size)
         assert table is None or wait, "a table copied with the slots is ready with them: the compute stream waits"
         first = b * self.bank_size + at
         offs = self.bank_offsets(b, at, len(srcs))

@@ -75,16 +75,21 @@ from betelgeuse.worker.stats import PassStats
 
 
 def guess_ahead(model, layer: int, x: torch.Tensor, token_ids: torch.Tensor, depth: int,
-                n_layer: int) -> torch.Tensor | None:
+                n_layer: int, route=None) -> torch.Tensor | None:
     """x: the residual after layer `layer`'s attention (the model's form: [T,H], deepseek4 [T,hc,H]), token_ids [T]
     -> the guessed expert ids [T, D', k] int64 on the device (no sync) of layers layer+1 .. layer+D' (row-first, as
     every per-row tensor of a decode step: the lanes gather the running rows of all of them at once),
     D' = min(depth, n_layer - 1 - layer); None where D' = 0. Each is that layer's own routing on this residual
     (unhooked: a routing recorder or replayer sees only the real routing), all D' layers at once (model.guess_ids
-    over router weights stacked at load)."""
+    over router weights stacked at load). route(t, h, token_ids) -> ids [T, k]: an approximate routing mode's own
+    choice for layer t (MoEStep.guess_route: `pool` over t's resident set), layer by layer on moe_input's h; None:
+    exact routing's."""
     n = min(depth, n_layer - 1 - layer)
     if n <= 0:
         return None
+    if route is not None:
+        ids = [route(t, model.moe_input(t, x)[0], token_ids) for t in range(layer + 1, layer + 1 + n)]
+        return ids[0].unsqueeze(1) if n == 1 else torch.stack(ids, dim=1)      # depth 1 (pool's): a view, no launch
     # the model's all-layers-at-once form: the ids guess_per_layer picks, in a few launches for all n layers
     return model.guess_ids(layer, x, token_ids, n)
 

@@ -84,13 +84,17 @@ class Lanes:
     # the benchmark geometry's n = 8; the slot plan counts GRAPHS_BYTES_PER_SEQ per running sequence for all graphs)
     MAX_VARIANTS = 4
 
-    def __init__(self, model, n_layer: int, n_lanes: int, graphs: bool, guess: int = 0, router=None):
+    def __init__(self, model, n_layer: int, n_lanes: int, graphs: bool, guess: int = 0, router=None,
+                 guess_route=None):
         m = model
         self.m, self.L, self.B = m, n_layer, n_lanes
         # the post part of a layer l < L-1 also guesses the experts of the running rows in layers l+1 .. l+guess
         # (worker/guess.py; 0: no guesses): always, whatever the residency (a lane graph must not depend on it); the
         # MoE step uses them where worth it
         self.guess = guess
+        # an approximate mode's guess: its own selection per guessed layer (MoEStep.guess_route over the fixed
+        # resident buffers route_static reads; part of the variant every lane graph is keyed by); None: exact's
+        self.guess_route = guess_route
         dev, H = m.device, m.cfg.n_embd
         self.graphs_on = graphs
         # router(model, l, h, token_ids) -> (ids, weights) of every lane in the graphs (MoEStep.route_static: the
@@ -245,7 +249,7 @@ class Lanes:
         xa = m.attn_out(l, self.parts["pre", l, v].out[0], self.attn)
         h, aux = m.moe_input(l, xa)
         ti, tw = self.router(m, l, h, self.ids)
-        guess = guess_ahead(m, l, xa, self.ids, self.guess, self.L)         # [B, D, k] or None
+        guess = guess_ahead(m, l, xa, self.ids, self.guess, self.L, self.guess_route)     # [B, D, k] or None
         ts = [h, ti, tw] + ([guess] if guess is not None else [])
         i = self.idx[:v[0]]
         gather = getattr(getattr(m, "ops", None), "gather_rows", None)      # deepseek4's: TritonOps one launch

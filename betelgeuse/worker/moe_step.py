@@ -26,6 +26,13 @@
                takes a short path with the same counts and messages and nothing else (_hand_all); one with a miss a
                short path on lists (_hand_misses) where the banked host experts share the first disk group's bank
                (their copies issued at once, the disk ones appended as they land): one table and one apply for both
+    copy ahead decode in the static form, not gated (prefetch_host; auto: pool routing): at the end of layer l's host
+               step, layer l+1's guessed host-tier experts that the step banks (the guess rode on l's sync: worker/
+               guess.py; in pool routing the pool choice over l+1's resident set) are copied into the next ring bank
+               on the copy stream (_ahead_start), so their PCIe transfer overlaps layer l's compute and l+1's
+               attention and routing instead of starting after l+1's sync; layer l+1 computes the banked experts
+               it routed to and finds there from that bank (_ahead_group), the others copied after its routing as
+               before. The guess only moves bytes earlier: a wrong one costs its copy, never a bit of the output
     gated      decode_gate (worker/gate.py): the same, with no per-layer sync: the step's replayed parts are launched
                ahead, each layer's at-hand group followed by a device-side publish + gate (gate_layer) and the misses'
                group (gate_misses: the missed experts read in place from the staging / host slots the host's miss
@@ -128,12 +135,20 @@ class MoEStep:
         self.routing = cfg.routing
         # (directory snapshot, [n_layer, n_expert] resident mask on the device, [n_layer] resident counts)
         self._masks = None
-        # decode guesses the next `depth` layers' experts (worker/guess.py); exact routing only (an approximate
-        # mode's choice depends on residency, and prefers resident experts anyway)
-        self.guessing = cfg.prefetch_decode and cfg.routing == "exact"
-        # auto: the architecture's depth (the model's guess_depth, passed in as guess_depth)
+        # copy ahead (prefetch_host; module doc): layer l+1's guessed banked host-tier experts copied into a ring
+        # bank at layer l. auto: in pool routing, where the host tier's copies bound decode (issue 21)
+        self.copy_ahead = cfg.prefetch_host == "on" or (cfg.prefetch_host == "auto" and cfg.routing == "pool")
+        # decode guesses the next `depth` layers' experts (worker/guess.py): in exact routing; in pool routing with
+        # its own choice over the guessed layer's resident set (guess_route), one layer ahead, for copy ahead alone
+        # (a warm pool step reads no disk). Not in `resident` (its rank 0 reads the disk; not measured)
+        self.guessing = cfg.prefetch_decode and (cfg.routing == "exact" or (cfg.routing == "pool" and self.copy_ahead))
+        self.copy_ahead = self.copy_ahead and self.guessing
+        # auto: the architecture's depth (the model's guess_depth, passed in as guess_depth); pool: 1 (copy ahead
+        # uses layer l+1's guess only, and each guessed layer is a moe_input and a selection of its own)
         depth = guess_depth if cfg.prefetch_depth == "auto" else cfg.prefetch_depth
-        self.depth = depth if self.guessing else 0
+        self.depth = (1 if cfg.routing == "pool" else depth) if self.guessing else 0
+        # copy ahead in flight: (layer l+1, its ring bank, the guessed experts copied, their pool offsets) or None
+        self._ahead = None
         # auto: the architecture's waste budget (the model's guess_min_hit, passed in as guess_min_hit)
         min_hit = guess_min_hit if cfg.prefetch_min_hit == "auto" else cfg.prefetch_min_hit
         self.guesser = Guesser(session, self.n_layer, self.depth, min_hit, cfg.prefetch_batch_rule)
@@ -302,6 +317,18 @@ class MoEStep:
             return model.route(l, h, token_ids, None)
         return model.route(l, h, token_ids, Residency(self.routing, self._static_mask[l]))
 
+    def guess_route(self, model, snap=None):
+        """The decode guess's choice for a guessed layer (worker/guess.guess_ahead's route): None in exact routing
+        (the model's fused guess_ids); in an approximate mode route(t, h, token_ids) -> ids [T, k], the mode's own
+        selection over layer t's resident set, unhooked: the static form's fixed buffers (route_static; snap None),
+        else the pass's snapshot (residency). Which experts a guess names only decides which bytes are copied
+        ahead, never what a layer computes."""
+        if self.routing == "exact":
+            return None
+        if snap is None:
+            return lambda t, h, ids: self.route_static(model, t, h, ids)[0]
+        return lambda t, h, ids: type(model).route(model, t, h, ids, self.residency(snap, t))[0]
+
     # ---- a layer ---------------------------------------------------------------------------------------
     def layer(self, l, h, ids, w, snap, stats: PassStats, ls: LayerStats, readahead: bool, chunks=None,
               guess=None) -> torch.Tensor:
@@ -387,6 +414,7 @@ class MoEStep:
     def hand_refresh(self, snap, rows: int):
         """Before a decode step of `rows` rows: the at-hand table follows the snapshot, VRAM slots, flex copies and
         the step's host rule (host_in_place: in place or through ring banks; worker/at_hand.py)."""
+        self._ahead = None                  # a copy ahead not taken by the last step's layer: its bytes only
         if self.hand is not None:
             self.hand.refresh(snap, rows)
 
@@ -527,10 +555,15 @@ class MoEStep:
             used, tiers, flexed = self.flex.split(l, used, tiers)
         if hand and self._fast:
             if self._hand_all(l, counts, marks, used, tiers, flexed, snap, stats, ls):
+                self._ahead_start(l, marks, snap, stats)
                 return
             if not table and not readahead:
                 self._hand_misses(l, r, counts, marks, used, tiers, flexed, snap, stats, ls)
+                self._ahead_start(l, marks, snap, stats)
                 return
+        # a copy ahead of this layer's guessed host experts (_ahead_start at l-1) is taken by _hand_misses alone;
+        # the general paths leave it (as _hand_all does: every routed expert at hand), its bytes copied for nothing
+        self._ahead = None
         by_tier = {t: used[tiers == t] for t in (TIER_VRAM, TIER_HOST, TIER_DISK)}
         ls.vram, ls.host, ls.disk = (len(by_tier[t]) for t in (TIER_VRAM, TIER_HOST, TIER_DISK))
         for t, n in ((TIER_VRAM, ls.vram), (TIER_HOST, ls.host), (TIER_DISK, ls.disk)):
@@ -686,7 +719,10 @@ class MoEStep:
         path's host group and its launches are saved; LayerStats.groups one lower), which cannot change a bit (module
         doc: each row's output by the same kernel whatever its group, ranks reduced in order). `used`, `tiers`: the
         routed experts less the flex-held ones (`flexed`). The general path (fast = False) is what the tests compare
-        it with."""
+        it with. A copy ahead of this layer's guessed host experts (_ahead_start at l-1): the banked experts it holds
+        are computed from its bank first (_ahead_group)."""
+        ahead, self._ahead = self._ahead, None
+        ahead = ahead if ahead is not None and ahead[0] == l else None
         at = self.hand.host[l]
         nv, read, banked, disk = 0, [], [], []      # VRAM; host read in place (at hand) / banked here; disk
         for e, t, a in zip(used.tolist(), tiers.tolist(), at[used].tolist()):
@@ -716,6 +752,8 @@ class MoEStep:
         # far as it has room beside that group's disk experts; what does not fit in groups of their own first
         cache, B = self.cache, self.cache.bank_size
         opened = None
+        if banked and ahead is not None:
+            banked = self._ahead_group(l, r, ahead, banked, snap, stats, ls, timing)
         if banked:
             hslots = snap["host_slot"][l]
             srcs = [cache.host_slot(l, int(hslots[e])) for e in banked]
@@ -731,7 +769,65 @@ class MoEStep:
         ahead_used = self._disk_groups(l, r, loads, len(disk), stats, ls, timing, opened) if disk else 0
         self.guesser.check(l, disk, ahead_used, stats)
 
+    def _ahead_start(self, l: int, marks, snap, stats: PassStats):
+        """Copy ahead (prefetch_host), at the end of decode layer l's host step (fast path, not gated: a gated step
+        reads its host experts in place): layer l+1's guessed host-tier experts that the step banks (not at hand:
+        not in VRAM, a flex copy or read in place) copied from their host slots into the next ring bank now, on the
+        copy stream behind layer l's own copies, without a wait. They cross PCIe while the GPU computes layer l and
+        layer l+1's attention and routing; otherwise they would start only once l+1's routing reached the host
+        (its sync), and l+1's kernels would wait for them. Each running row's guess (marks at depth 1), rank by
+        rank (every row's top-1 first), at most a bank of them. A guess never decides what is computed: layer l+1
+        computes the experts it routes to, those it finds here from this bank (_ahead_group), the others copied
+        after its routing as before; a wrong guess costs its bytes over PCIe (host_guessed - host_guess_hits)."""
+        self._ahead = None
+        t = l + 1
+        if (not self.copy_ahead or marks is None or marks.ids is None or self.gate is not None
+                or t >= self.n_layer or self.cache.all_vram[t]):
+            return
+        cache = self.cache
+        at, tiers, hslots = self.hand.host[t], self._tiers(snap)[t], snap["host_slot"][t]
+        es: list[int] = []
+        for rank in range(len(marks.ids[0][0])):    # marks.ids [T][D][k]: depth 1 is layer l+1
+            for row in marks.ids:
+                e = row[0][rank]
+                if tiers[e] == TIER_HOST and at[e] == -1 and hslots[e] >= 0 and e not in es:
+                    es.append(e)
+        es = es[:cache.bank_size]
+        if not es:
+            return
+        bank = cache.bank_next()
+        offs = cache.bank_copy(bank, 0, [cache.host_slot(t, int(hslots[e])) for e in es], wait=False)
+        self._ahead = (t, bank, es, offs)
+        stats.host_guessed += len(es)
+        stats.host_guess_bytes += len(es) * cache.slot_bytes
+
+    def _ahead_group(self, l, r, ahead, banked: list[int], snap, stats: PassStats, ls: LayerStats, timing) -> list:
+        """Layer l's banked host experts (`banked`) with a copy ahead (layer, bank, guessed experts, offsets): those
+        it holds (hits) and as many others as the bank has room for after them (copied now, into the same bank) in
+        ONE group; the compute stream waits for the bank (every copy into it so far: the ones ahead and these), its
+        slot table copied with them on the copy stream. -> the banked experts left (the caller's host groups, as
+        before). No hit: nothing here (the bank is taken again in its turn). Each row is computed by the same kernel
+        from the same bytes whichever slot holds them (module doc: invariant 1)."""
+        _, bank, es, offs = ahead
+        where = dict(zip(es, offs))
+        hit = [e for e in banked if e in where]
+        stats.host_guess_hits += len(hit)
+        if not hit:
+            return banked
+        cache = self.cache
+        miss = [e for e in banked if e not in where]
+        fill = miss[:cache.bank_size - len(es)]
+        hslots = snap["host_slot"][l]
+        order = sorted(zip(hit + fill, [where[e] for e in hit] + cache.bank_offsets(bank, len(es), len(fill))))
+        ids = [e for e, _ in order]
+        host, dev = cache.table(ids, [o for _, o in order], copy=False)
+        cache.bank_copy(bank, len(es), [cache.host_slot(l, int(hslots[e])) for e in fill], timing, table=dev)
+        self._apply(r, l, Group(np.asarray(ids, dtype=np.int64) if self._walks else None, host, dev), ls)
+        cache.bank_done(bank)
+        return miss[len(fill):]
+
     def serial(self, l, r, used, snap, stats: PassStats, ls: LayerStats):
+
         """The standard schedule: the layer's used experts in ascending id, each fetched and waited for (no overlap)."""
         cache = self.cache
         tiers, hslots = snap["tier"][l], snap["host_slot"][l]

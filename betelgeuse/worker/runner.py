@@ -584,7 +584,7 @@ class ModelRunner:
             h, aux = m.moe_input(l, xs[i])
             ti, tw = m.route(l, h, ids_t[i:i + 1], self.moe.residency(snap, l))
             hs.append(h), auxs.append(aux), tids.append(ti), tws.append(tw)
-        guess = self._guess(l, torch.cat(xs), ids_t)
+        guess = self._guess(l, torch.cat(xs), ids_t, snap)
         t1 = time.perf_counter()
         ls.attn_s = t1 - t
         routed = self.moe.layer(l, torch.cat(hs), torch.cat(tids), torch.cat(tws), snap, stats, ls, False,
@@ -592,12 +592,13 @@ class ModelRunner:
         ls.moe_s = time.perf_counter() - t1
         return [m.moe_output(l, xs[i], auxs[i], hs[i], routed[i:i + 1]) for i in range(len(kvs))]
 
-    def _guess(self, l: int, x, ids):
+    def _guess(self, l: int, x, ids, snap):
         """Layers l+1 .. l+D's guessed experts [T,D,k] from x, the residual after layer l's attention
         (worker/guess.py), where worth it (MoEStep.wants_guess; not while a routing replay stands in for the router),
-        else None."""
+        else None; an approximate mode's guess is its own choice over the snapshot's resident sets."""
         if self._replayer is None and self.moe.wants_guess(l):
-            return guess_ahead(self.model, l, x, ids, self.moe.depth, self.mcfg.n_layer)
+            return guess_ahead(self.model, l, x, ids, self.moe.depth, self.mcfg.n_layer,
+                               self.moe.guess_route(self.model, snap))
         return None
 
     @property
@@ -613,7 +614,7 @@ class ModelRunner:
                 raise BetelgeuseError(f"{self.mcfg.arch}: no row-batched decode (lane_decode) for the static form")
             self._lanes = Lanes(self.model, self.mcfg.n_layer, max(1, self.cfg.max_running),
                                 self.cache.is_cuda and self.cfg.cuda_graphs, guess=self.moe.depth,
-                                router=self.moe.route_static)
+                                router=self.moe.route_static, guess_route=self.moe.guess_route(self.model))
         return self._lanes
 
     # ---- layer-major --------------------------------------------------------------------------
@@ -644,7 +645,7 @@ class ModelRunner:
             t1 = time.perf_counter()
             ls.attn_s = t1 - t
             # decode (few rows, no read-ahead of the whole next layer): guess the next layers' experts instead
-            guess = None if readahead else self._guess(l, x, ids)
+            guess = None if readahead else self._guess(l, x, ids, snap)
             routed = self.moe.layer(l, h, top_ids, top_w, snap, stats, ls, readahead, chunks, guess)
             x = layer_back(self.model, l, x, auxs, h, routed, chunks)
             ls.moe_s = time.perf_counter() - t1

@@ -58,6 +58,12 @@ class PassStats:
     guess_bytes: int = 0
     guess_wasted_bytes: int = 0
     guess_held: int = 0         # guessed disk experts not read ahead: their depth's hit rate below the budget
+    # decode's copies ahead (prefetch_host, worker/moe_step.py): the next layer's guessed host-tier experts the step
+    # banks, copied into a ring bank at layer l; of them those layer l+1 then used (found on the GPU, not copied
+    # after its routing); the bytes copied ahead (part of h2d_bytes; those not used are the guesses' waste)
+    host_guessed: int = 0
+    host_guess_hits: int = 0
+    host_guess_bytes: int = 0
     vram_filled: int = 0        # experts copied into VRAM hot slots at the start of the pass
     fill_disk: int = 0          # of those, read from disk (no host backing copy): fills, not uses (reads counts uses)
     open_s: float = 0.0         # opening the store pass: BeginPass (it waits for a pending consolidation) + VRAM fills

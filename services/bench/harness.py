@@ -522,6 +522,9 @@ class Harness:
                 "disk_bytes": disk_bytes, "disk_wait_ms": disk_wait * 1e3, "token_ids": toks, "guess": guess,
                 "guess_hit_rate": guess["guess_hits"] / guess["guessed"] if guess["guessed"] else None,
                 "guess_recall": guess["guess_hits"] / guess["guess_disk"] if guess["guess_disk"] else None,
+                # copy ahead (prefetch_host): guessed host-tier experts copied ahead, the share the next layer used
+                "host_guess_hit_rate": (guess["host_guess_hits"] / guess["host_guessed"] if guess["host_guessed"]
+                                        else None),
                 # the disk's busy share of the decode's wall time (reads in flight / wall): idle disk made visible
                 "disk_busy_fraction": own["store_disk_active_s"] / wall if secs and wall > 0 else None,
                 "disk_active_ms_per_token": own["store_disk_active_s"] / len(secs) * 1e3 if secs else None,
@@ -558,7 +561,8 @@ class HostSplit:
                 "store_ms_per_token": {k: sec / max(1, tokens) * 1e3 for k, (_, sec) in sorted(self.rpc.items())}}
 
 
-GUESS_FIELDS = ("guessed", "guess_hits", "guess_disk", "guess_bytes", "guess_wasted_bytes", "guess_held")
+GUESS_FIELDS = ("guessed", "guess_hits", "guess_disk", "guess_bytes", "guess_wasted_bytes", "guess_held",
+                "host_guessed", "host_guess_hits", "host_guess_bytes")
 
 
 def pass_record(kind: str, st, ttft: float, ceil: C.Ceilings, f: GGUFModelFile, slot_bytes: int) -> dict:

@@ -84,6 +84,15 @@ def _guess_mb(d: dict) -> str:
     return f"{g['guess_bytes'] / 1e6:,.1f} ({g['guess_wasted_bytes'] / 1e6:,.1f})"
 
 
+def _guess_rate(d: dict) -> str:
+    """Decode's guess hit rate on disk experts, and where it copied host-tier experts ahead (prefetch_host) theirs:
+    'hit rate; host: used / copied ahead (rate)'."""
+    g, out = d.get("guess") or {}, _pct(d.get("guess_hit_rate"))
+    if g.get("host_guessed"):
+        out += f"; host: {g['host_guess_hits']:,} / {g['host_guessed']:,} ({_pct(d.get('host_guess_hit_rate'))})"
+    return out
+
+
 def _host_split(d: dict) -> str:
     """A decode record's host time by part, per expert application (µs), its store wait per token (ms) and its store
     messages per token by kind: three table cells ("–" for a record from before the split)."""
@@ -234,7 +243,7 @@ def markdown(r: dict) -> str:
                      f"{achieved_label(b)} | {_pct(d.get('disk_busy_fraction'))} | "
                      f"{_f(d.get('host_us_per_application'), '{:.1f}')} | "
                      f"{_f(d.get('store_calls_per_token'), '{:.2f}')} | {_f(prof.get('launches_per_layer'), '{:.1f}')} | "
-                     f"{_pct(d.get('guess_hit_rate'))} | {_guess_mb(d)} | {_host_split(d)} | "
+                     f"{_guess_rate(d)} | {_guess_mb(d)} | {_host_split(d)} | "
                      f"{_f(d['token_host_s'][0] * 1e3 if d.get('token_host_s') else None, '{:,.1f}')} | "
                      f"{triton_compiles(d.get('triton_compiles'), d.get('token_triton_compiles'))} |")
     eng = [(case, p) for case, p in _passes(r) if p.get("engram")]

@@ -181,6 +181,7 @@ BAD_ENGINE_VALUES = [
     ("engine.cuda_graphs", "maybe", "true or false"),
     ("engine.prefetch", 1, "true or false"),
     ("engine.prefetch_decode", "yes", "true or false"),
+    ("engine.prefetch_host", "yes", "auto, on, off"),
     ("engine.flex_cache", "maybe", 'true, false or "auto"'),
     ("engine.flex_cache", 1, 'true, false or "auto"'),
     ("engine.decode_at_hand", "sometimes", 'true, false or "auto"'),
