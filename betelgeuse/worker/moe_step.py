@@ -827,7 +827,6 @@ class MoEStep:
         return miss[len(fill):]
 
     def serial(self, l, r, used, snap, stats: PassStats, ls: LayerStats):
-
         """The standard schedule: the layer's used experts in ascending id, each fetched and waited for (no overlap)."""
         cache = self.cache
         tiers, hslots = snap["tier"][l], snap["host_slot"][l]
