@@ -20,12 +20,18 @@ Which tensors are meant for the device: those made with an explicit device= (the
 device tensor; host ones are made without one), moved with .to(device) / .to(tensor of the device), and every op's
 output with a device input (views, math). Pinned-meant host tensors: made with a pin_memory= keyword (the code
 passes pin_memory=is_cuda: False on the CPU, True on CUDA) or .pin_memory(), and their views.
-What it cannot see: branches the code takes only on CUDA (torch.cuda.* calls, events, streams, the Triton
+What the CPU cannot see: branches the code takes only on CUDA (torch.cuda.* calls, events, streams, the Triton
 kernels' host code where the CPU runs the torch kernels); those are read, not run (docs/benchmarks/cpu-sync48).
+With --device cuda the same tool judges the tensors themselves (is_cuda, is_pinned() and non_blocking: a copy from
+pinned memory without non_blocking syncs too) and adds a fourth kind, `wait`: Event / Stream synchronize and
+torch.cuda.synchronize outside the counted waits, which torch.cuda.set_sync_debug_mode (decode_host --sync-debug)
+does not report, nor pinned allocations.
 
     python3 deploy/device/sync_audit.py [decode_host.py's flags, e.g. --preset ds4-tiny --form solo --vram 2
-                                         --host 3 --flex on --flex-slots 3 --tokens 12]
--> JSON: decode_host's result plus sync_audit {"hidden": {kind@file:line: per timed step}, "counted": {...}}.
+                                         --host 3 --flex on --flex-slots 3 --tokens 12 [--device cuda]]
+-> JSON: decode_host's result plus sync_audit {"hidden": {kind@file:line:function: per timed step}, "counted":
+{...}}. It leaves sys.path to PYTHONPATH for betelgeuse (ab.py's --script: either checkout's code; decode_host is
+this folder's). The mode's Python costs every torch op: read its sites, not its times.
 """
 from __future__ import annotations
 
