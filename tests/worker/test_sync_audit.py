@@ -39,7 +39,10 @@ def _sites(d: dict) -> set:
     return {(k.split("@", 1)[1].split(":")[0], k.rsplit(":", 1)[1]) for k in d}
 
 
-@pytest.mark.parametrize("form", [["--form", "solo"], ["--form", "lanes", "--gate"]], ids=["solo", "lanes-gate"])
+# solo; solo with the host experts banked (ds4-flash's MXFP4 under auto: they share the first disk group's bank,
+# gpu-run48-ds4's path); the batched lanes gated
+@pytest.mark.parametrize("form", [["--form", "solo"], ["--form", "solo", "--host-in-place", "never"],
+                                  ["--form", "lanes", "--gate"]], ids=["solo", "solo-banked", "lanes-gate"])
 def test_exact_decode_steps_hold_no_hidden_sync(form):
     res = sync_audit.run(ARGS + form)
     audit, med = res["sync_audit"], res["per_token_median"]
