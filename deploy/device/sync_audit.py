@@ -82,10 +82,10 @@ def _tag(out, tag: str):
             pass
 
 
-def _device_arg(args, kwargs) -> bool:
-    """A .to()'s target is a device (not a dtype alone): a device, a string naming one, or a tensor (its device)."""
+def _device_arg(args, kwargs, dev=lambda t: _is(t, _DEV)) -> bool:
+    """A .to()'s target is a device (not a dtype alone): a device, a string naming one, or a device tensor."""
     for a in list(args) + [kwargs.get("device"), kwargs.get("other")]:
-        if isinstance(a, (torch.device, str)) or (isinstance(a, torch.Tensor) and _is(a, _DEV)):
+        if isinstance(a, (torch.device, str)) or (isinstance(a, torch.Tensor) and dev(a)):
             return True
     return False
 
@@ -104,7 +104,7 @@ def _site() -> str:
 _T = torch.Tensor
 READS = {_T.item, _T.tolist, _T.cpu, _T.numpy, _T.__bool__, _T.__int__, _T.__float__, _T.__index__}
 DYNAMIC = {torch.nonzero, _T.nonzero, torch.unique, _T.unique, torch.masked_select, _T.masked_select,
-           torch.argwhere, torch.flatnonzero if hasattr(torch, "flatnonzero") else torch.nonzero}
+           torch.argwhere, _T.argwhere}
 INDEX = {_T.__getitem__, _T.__setitem__, _T.index_select, torch.index_select, _T.index_copy_, _T.index_put_,
          _T.index_fill_, _T.index_add_}
 FACTORIES = {torch.tensor, torch.as_tensor, torch.empty, torch.zeros, torch.ones, torch.full, torch.arange,
@@ -182,7 +182,7 @@ class SyncAudit(TorchFunctionMode):
                 elif self.dev(src) and not self.dev(dst) and not (self.pin(dst, kwargs) and
                                                                   (self.cuda or kwargs.get("non_blocking"))):
                     self.note("d2h")
-        elif func is _T.to and _device_arg(args[1:], kwargs):
+        elif func is _T.to and _device_arg(args[1:], kwargs, self.dev):
             if self_t is not None and not self.dev(self_t) and not self.pin(self_t, kwargs):
                 tgt = next((a for a in list(args[1:]) + [kwargs.get("device")] if a is not None), None)
                 if not (self.cuda and isinstance(tgt, (str, torch.device)) and torch.device(tgt).type == "cpu"):
@@ -201,6 +201,8 @@ class SyncAudit(TorchFunctionMode):
             if any((isinstance(x, torch.Tensor) and not self.dev(x) and x.dim() > 0) or isinstance(x, list)
                    for x in flat):
                 self.note("index")
+            elif any(isinstance(x, torch.Tensor) and x.dtype == torch.bool for x in flat):
+                self.note("dynamic")            # a boolean mask: its True count sizes the result (a nonzero)
         elif func is _T.pin_memory or (func in FACTORIES and "pin_memory" in kwargs):
             if func is _T.pin_memory or kwargs["pin_memory"] is not False or not self.cuda:
                 self.note("pin")

@@ -21,8 +21,10 @@ import sync_audit  # noqa: E402
 
 # (file, function) of would-sync ops the timed steps may hold outside the counted waits, and why
 CPU_ONLY = {
-    # the torch ops' eager attention reads the visible entries' count on the host (CUDA: triton_ds4's kernels)
+    # the torch ops' eager attention (deepseek4.TorchOps) reads the visible entries' count on the host and selects
+    # the visible top rows by a mask (CUDA: triton_ds4.TritonOps' index_topk / decode_attend kernels)
     ("deepseek4.py", "_visible"),
+    ("deepseek4.py", "decode_attend"),
     # the torch kernels' host plan (CUDA's at-hand path runs the triton kernels: MoEStep._hand_on)
     ("torch_moe.py", "plan_experts"),
     # the CPU drains a gated layer where its gate stands (CUDA: triton_gate's publish, the host polls pinned memory)
@@ -82,7 +84,8 @@ def test_the_shim_tells_device_tensors_and_pinned_sources():
         dev.copy_(page)
         dev[torch.tensor([0, 2])] = 1.0
         (dev + 1)[0].item()
+        dev[dev > 0]                                         # a device mask: a data-dependent size
         page.sum().item()                                    # a host tensor's read: nothing
     assert n_quiet == 0, audit.hidden
     kinds = sorted(k.split("@")[0] for k in audit.hidden)
-    assert kinds == ["d2h", "h2d", "index"], audit.hidden
+    assert kinds == ["d2h", "dynamic", "h2d", "index"], audit.hidden
