@@ -238,7 +238,8 @@ class SyncAudit(TorchFunctionMode):
 
 def run(argv: list[str]) -> dict:
     """decode_host.run under the audit: records in the timed decode steps only (after prefill and --skip steps)."""
-    sys.path.insert(0, str(HERE))
+    if str(HERE) not in sys.path:         # run as a script it is sys.path[0] already; imported (the test), appended
+        sys.path.append(str(HERE))
     import decode_host as dh
     from betelgeuse.worker.stats import PassClock
     import services.assembly as asm

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "deploy" / "device"))
+sys.path.append(str(Path(__file__).resolve().parents[2] / "deploy" / "device"))
 import sync_audit  # noqa: E402
 
 # (file, function) of would-sync ops the timed steps may hold outside the counted waits, and why
