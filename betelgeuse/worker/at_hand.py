@@ -51,6 +51,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from betelgeuse.kernels.streams import current_stream
 from betelgeuse.store.arena import device_address
 from betelgeuse.store.directory import TIER_HOST
 
@@ -67,6 +68,10 @@ IN_PLACE_MAX_ROWS = 1
 # 11.1 against banked 16.1 ms a b16 step, gpu-run38-ds4). Types not measured keep the row rule.
 BANKED_TYPES = frozenset({39})
 HOST_IN_PLACE = ("auto", "always", "never")
+# pinned staging buffers of the table's uploads (AtHand._upload), reused in turn: a step uploads at its start and after
+# each miss layer whose disk expert evicted a flex copy, and a buffer's last copy has run by the next layer's routing
+# sync (the same stream, earlier), so its reuse almost never waits
+UPLOAD_RING = 4
 
 
 def host_in_place(policy: str, rows: int, types: frozenset = frozenset()) -> bool:
@@ -79,7 +84,7 @@ def host_in_place(policy: str, rows: int, types: frozenset = frozenset()) -> boo
 
 
 class AtHand:
-    def __init__(self, cache, flex, backend: str, policy: str = "always", qtypes=()):
+    def __init__(self, cache, flex, backend: str, policy: str = "always", qtypes=(), wait=None):
         L, E = cache.vram_base.shape
         self.cache, self.flex, self.backend, self.policy = cache, flex, backend, policy
         # the experts' GGML types (qtypes: (gate/up, down) per layer, MoEKernels.qtypes), gathered once: the host
@@ -101,6 +106,14 @@ class AtHand:
         if flex is not None:
             flex.changed = []                                   # its copies' changes, for refresh's patch
         self.uploads = 0                                        # table uploads (all time; decode_host.py counts them)
+        # the uploads' sources: UPLOAD_RING pinned [L, E] int64 buffers made once (on the CPU plain ones), each with
+        # the event of its last copy; a reuse whose copy has not run waits in `wait` (PassClock.wait: blocked time)
+        self._stage = [torch.empty((L, E), dtype=torch.int64, pin_memory=cache.is_cuda) for _ in range(UPLOAD_RING)]
+        self._stage_np = [b.numpy() for b in self._stage]
+        self._stage_ev = [torch.cuda.Event() if cache.is_cuda else None for _ in range(UPLOAD_RING)]
+        self._stage_at = 0
+        self._wait = wait if wait is not None else (lambda fn, *a: fn(*a))
+        self.upload_waits = 0                                   # uploads that waited for their buffer's last copy
 
     @property
     def zero_copy(self) -> bool:
@@ -207,12 +220,20 @@ class AtHand:
         any later group) and without blocking the host. A copy_ from pageable memory (non_blocking False) synchronizes
         the stream on CUDA: after a miss layer whose disk expert evicted a flex copy (hand_misses), the host waited for
         that layer's bank copies and misses' group (~0.24 ms a ds4-flash disk expert's), counted as the pass's rest
-        (stats.py's other_host_s; issue 21, docs/benchmarks/cpu-host48). The pinned source comes from torch's
-        caching host allocator, which keeps it until the copy has run (an event on the stream)."""
-        src = torch.from_numpy(tab)
-        if self.cache.is_cuda:
-            src = src.pin_memory()
-        self.dev.copy_(src, non_blocking=True)
+        (stats.py's other_host_s; issue 21, docs/benchmarks/cpu-host48). The source is the next of UPLOAD_RING pinned
+        buffers made at init (sync48: host48's tab.pin_memory() took a pinned block from torch's caching host allocator
+        per upload, a cudaHostAlloc (host-synchronizing) whenever none was free); a buffer whose last copy has not run
+        is waited for in the pass clock (counted as blocked, upload_waits), never overwritten under a pending copy."""
+        i = self._stage_at
+        self._stage_at = (i + 1) % UPLOAD_RING
+        ev = self._stage_ev[i]
+        if ev is not None and not ev.query():
+            self.upload_waits += 1
+            self._wait(ev.synchronize)
+        np.copyto(self._stage_np[i], tab)
+        self.dev.copy_(self._stage[i], non_blocking=True)     # the CPU: a plain copy, done on return
+        if ev is not None:
+            ev.record(current_stream(self.dev.device.index))     # the stream the copy_ above was queued on
         self.uploads += 1
 
     def stale(self) -> bool:

@@ -161,7 +161,7 @@ class MoEStep:
         # decode's at-hand group (worker/at_hand.py): every expert computable without the disk in one group, the
         # host path for the misses only; None = decode takes the partial path as prefill does
         self.hand = AtHand(self.cache, flex, self.kern.backend, cfg.host_in_place,
-                           self.kern.qtypes) if self._hand_on(cfg) else None
+                           self.kern.qtypes, clock.wait) if self._hand_on(cfg) else None
         # decode with no per-layer sync (worker/gate.py): every layer launched ahead, gated on the device
         self.gate = None
         # gated drains: (layer, expert, staging slot) the misses' groups read, held until a later layer's marker; of

@@ -388,7 +388,8 @@ def run(a, tmp: Path) -> dict:
         store.close()
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line (main's; deploy/device/sync_audit.py takes the same)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="ds4-tiny", choices=["ds4-tiny", "tiny"])
     p.add_argument("--vram", type=int, default=2)
@@ -412,7 +413,11 @@ def main() -> int:
                    help="CUDA: the host-blocking ops of the timed steps, by where (module doc)")
     p.add_argument("--split", action="store_true",
                    help="the expert step's functions timed in place: median us per call, calls per step (SPLIT)")
-    a = p.parse_args()
+    return p
+
+
+def main() -> int:
+    a = parser().parse_args()
     with tempfile.TemporaryDirectory(prefix="bg-decode-host-") as d:
         print(json.dumps(run(a, Path(d))))
     return 0

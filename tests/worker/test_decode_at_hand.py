@@ -418,3 +418,50 @@ def test_a_patched_table_is_the_rebuilt_one(model, monkeypatch):
     monkeypatch.setattr(AtHand, "_patch", checked)
     _, stats = _capped_decode(model, hand=True, on_runner=on_runner)   # each miss layer's fill evicts a copy
     assert stats.evictions > 0 and seen and all(seen), (stats, seen)    # patched inside the steps
+
+
+def test_uploads_reuse_their_pinned_buffers_only_after_the_copy_ran(model, monkeypatch):
+    """AtHand._upload's sources are UPLOAD_RING buffers made once (pinned on CUDA: no pinned allocation per upload,
+    sync48), used in turn; a buffer whose last copy has not run (its event not done: faked here, the CPU has none) is
+    waited for through the pass clock (blocked time) BEFORE it is overwritten, and the device table is the host's."""
+    from betelgeuse.worker import at_hand as AH
+    rn, st = in_process_runner(model, 2, 3, decode_at_hand=True, **CAPPED)
+    try:
+        h = rn.moe.hand
+        log = []
+
+        class Ev:                           # a CUDA event whose copy is still running until waited for
+            def __init__(self, i):
+                self.i, self.done = i, True
+
+            def query(self):
+                return self.done
+
+            def synchronize(self):
+                log.append(("wait", self.i))
+                self.done = True
+
+            def record(self, stream):
+                self.done = False
+
+        waits = []
+        h._stage_ev = [Ev(i) for i in range(AH.UPLOAD_RING)]
+        h._wait = lambda fn, *a: (waits.append(fn), fn(*a))[1]
+        monkeypatch.setattr(AH, "current_stream", lambda index: None)
+        copyto = AH.np.copyto
+
+        def logged(dst, src):
+            log.append(("write", next(i for i, b in enumerate(h._stage_np) if b is dst)))
+            copyto(dst, src)
+        monkeypatch.setattr(AH.np, "copyto", logged)
+        bufs = [b.data_ptr() for b in h._stage]
+        for k in range(AH.UPLOAD_RING + 2):
+            tab = np.full(h.host.shape, k, dtype=np.int64)
+            h._upload(tab)
+            assert torch.equal(h.dev, torch.from_numpy(tab))
+        assert [b.data_ptr() for b in h._stage] == bufs          # the same buffers throughout
+        R = AH.UPLOAD_RING
+        want = [("write", i) for i in range(R)] + [("wait", 0), ("write", 0), ("wait", 1), ("write", 1)]
+        assert log == want and len(waits) == 2 and h.upload_waits == 2, log
+    finally:
+        close_runner(rn, st)
