@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from betelgeuse.store.directory import TIER_HOST
+from copy_ahead_log import ahead_reads, watch
 from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, write_synth
 
 STEPS = 5
@@ -44,7 +44,7 @@ def ds4(tmp_path_factory):
 def _decode(path, vram: int, host: int, on: bool, lanes: bool = False, rows: int = 1, log: list | None = None,
             **cfg):
     """`rows` prompts prefilled and settled, then STEPS greedy pool-routed decode steps in the static form -> (logits
-    [STEPS, rows, V], summed counters, tier reads). log: a list that gets the step's events in order (_watch)."""
+    [STEPS, rows, V], summed counters, tier reads). log: a list that gets the step's events in order (copy_ahead_log.watch)."""
     routing = cfg.pop("routing", "pool")
     rn, st = in_process_runner(path, vram, host, routing=routing, prefetch_host="on" if on else "off",
                                host_in_place="never", max_running=rows, decode_consolidate_every=0, **cfg)
@@ -59,7 +59,7 @@ def _decode(path, vram: int, host: int, on: bool, lanes: bool = False, rows: int
         rn.settle()
         rn._static_decode = True
         if log is not None:
-            _watch(rn, log)
+            watch(rn, log)
         outs, tot = [], dict.fromkeys(("host_guessed", "host_guess_hits", "host_guess_bytes", "vram", "host",
                                        "disk"), 0)
         for _ in range(STEPS):
@@ -79,59 +79,6 @@ def _decode(path, vram: int, host: int, on: bool, lanes: bool = False, rows: int
         return torch.stack(outs), tot, rn.session.directory.snapshot()
     finally:
         close_runner(rn, st)
-
-
-def _watch(rn, log: list):
-    """Record, in order: ("route", l, host experts routed) at the entry of layer l's host step (before its sync:
-    its routing is not known on the host yet), ("copy", (layer, expert), pool offset) for every host slot copied into
-    the ring, ("apply", l, {expert: pool offset}) for every group computed from the pool."""
-    moe, cache = rn.moe, rn.cache
-    snap = rn.session.directory.snapshot()
-    lay = cache.layout
-    slot_of = {}                                    # a host slot's arena offset -> (layer, expert)
-    for l, e in zip(*np.nonzero(snap["tier"] == TIER_HOST)):
-        slot_of[lay.host_slot_offset(int(l), int(snap["host_slot"][l, e]))] = (int(l), int(e))
-    base = cache.host.data_ptr()
-    partial, bank_copy, apply = moe._partial, cache.bank_copy, moe.kern.apply
-
-    def partial_logged(l, r, *a, **kw):
-        tiers = snap["tier"][l]
-        log.append(("route", l, {int(e) for e in np.nonzero(r.counts.numpy())[0] if tiers[e] == TIER_HOST}))
-        return partial(l, r, *a, **kw)
-
-    def copy_logged(b, at, srcs, *a, **kw):
-        offs = bank_copy(b, at, srcs, *a, **kw)
-        for s, o in zip(srcs, offs):
-            key = slot_of.get(s.data_ptr() - base)
-            if key is not None:
-                log.append(("copy", key, o))
-        return offs
-
-    def apply_logged(r, layer, pool, g, *a, **kw):
-        if pool is cache.pool and g.base_host is not None:
-            log.append(("apply", layer, {int(e): int(g.base_host[e]) for e in np.nonzero(g.base_host != -1)[0]}))
-        return apply(r, layer, pool, g, *a, **kw)
-    moe._partial, cache.bank_copy, moe.kern.apply = partial_logged, copy_logged, apply_logged
-
-
-def _ahead_reads(log: list) -> int:
-    """Host experts that a layer routed to and computed from a ring slot copied BEFORE that layer's routing reached
-    the host (in the same step), at the offset that copy wrote."""
-    n, copied, routed = 0, {}, None
-    for ev in log:
-        if ev[0] == "step":
-            copied, routed = {}, None
-        elif ev[0] == "route":
-            l, hosts = ev[1], ev[2]
-            routed = (l, {e: copied[l, e] for e in hosts if (l, e) in copied})      # copied before the routing
-        elif ev[0] == "copy":
-            copied[ev[1]] = ev[2]
-        elif ev[0] == "apply" and routed is not None and ev[1] == routed[0]:
-            for e, off in ev[2].items():
-                if routed[1].get(e) == off:
-                    n += 1
-                    del routed[1][e]
-    return n
 
 
 # (model fixture, vram slots, host slots, lanes, rows, extra config)
@@ -166,8 +113,8 @@ def test_copies_start_before_the_layer_routes(request, case):
     _, t_off, _ = _decode(path, vram, host, False, lanes, rows, log=log_off, **extra)
     _, t_on, _ = _decode(path, vram, host, True, lanes, rows, log=log_on, **extra)
     assert any(ev[0] == "route" and ev[2] for ev in log_off), "no banked host expert routed: nothing to check"
-    assert _ahead_reads(log_off) == 0                 # main's code: a host expert is copied after its layer routes
-    n = _ahead_reads(log_on)
+    assert ahead_reads(log_off) == 0                 # main's code: a host expert is copied after its layer routes
+    n = ahead_reads(log_on)
     assert n > 0, case
     # every hit the counters report was read from a slot copied ahead, and no more were copied ahead than counted
     assert n == t_on["host_guess_hits"] <= t_on["host_guessed"], (n, t_on)

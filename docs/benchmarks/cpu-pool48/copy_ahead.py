@@ -19,13 +19,11 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
+from copy_ahead_log import ahead_reads, watch  # noqa: E402
 from engine_helpers import close_runner, in_process_runner, prompt  # noqa: E402
-
-from betelgeuse.store.directory import TIER_HOST  # noqa: E402
 
 
 def run(path, vram: int, host: int, on: bool, steps: int, device: str) -> dict:
@@ -36,7 +34,8 @@ def run(path, vram: int, host: int, on: bool, steps: int, device: str) -> dict:
         lg, _ = rn.forward(prompt(64, rn.mcfg.n_vocab, seed=5), kv)
         rn.settle()
         rn._static_decode = True
-        log = watch(rn)
+        log: list = []
+        watch(rn, log)
         outs, tot = [], {"host_guessed": 0, "host_guess_hits": 0, "h2d_bytes": 0, "host": 0, "vram": 0, "disk": 0,
                          "moe_host_s": 0.0, "applications": 0}
         for _ in range(steps):
@@ -53,53 +52,6 @@ def run(path, vram: int, host: int, on: bool, steps: int, device: str) -> dict:
         return {"logits": torch.cat(outs), **tot}
     finally:
         close_runner(rn, st)
-
-
-def watch(rn) -> list:
-    """The step's events in order: ("route", l, routed host experts) at the entry of layer l's host step (before its
-    sync), ("copy", (layer, expert), pool offset) for each host slot copied into the ring, ("apply", l, {expert:
-    pool offset}) for each group over the pool (tests/worker/test_decode_copy_ahead.py records the same)."""
-    moe, cache, log = rn.moe, rn.cache, []
-    snap = rn.session.directory.snapshot()
-    slot_of = {cache.layout.host_slot_offset(int(l), int(snap["host_slot"][l, e])): (int(l), int(e))
-               for l, e in zip(*np.nonzero(snap["tier"] == TIER_HOST))}
-    base = cache.host.data_ptr()
-    partial, bank_copy, apply = moe._partial, cache.bank_copy, moe.kern.apply
-
-    def partial_logged(l, r, *a, **kw):
-        hosts = {int(e) for e in np.nonzero(r.counts.cpu().numpy())[0] if snap["tier"][l, e] == TIER_HOST}
-        log.append(("route", l, hosts))
-        return partial(l, r, *a, **kw)
-
-    def copy_logged(b, at, srcs, *a, **kw):
-        offs = bank_copy(b, at, srcs, *a, **kw)
-        log.extend(("copy", slot_of[s.data_ptr() - base], o) for s, o in zip(srcs, offs)
-                   if s.data_ptr() - base in slot_of)
-        return offs
-
-    def apply_logged(r, layer, pool, g, *a, **kw):
-        if pool is cache.pool and g.base_host is not None:
-            log.append(("apply", layer, {int(e): int(g.base_host[e]) for e in np.nonzero(g.base_host != -1)[0]}))
-        return apply(r, layer, pool, g, *a, **kw)
-    moe._partial, cache.bank_copy, moe.kern.apply = partial_logged, copy_logged, apply_logged
-    return log
-
-
-def ahead_reads(log: list) -> int:
-    n, copied, routed = 0, {}, None
-    for ev in log:
-        if ev[0] == "step":
-            copied, routed = {}, None
-        elif ev[0] == "route":
-            routed = (ev[1], {e: copied[ev[1], e] for e in ev[2] if (ev[1], e) in copied})
-        elif ev[0] == "copy":
-            copied[ev[1]] = ev[2]
-        elif ev[0] == "apply" and routed is not None and ev[1] == routed[0]:
-            for e, off in ev[2].items():
-                if routed[1].get(e) == off:
-                    n += 1
-                    del routed[1][e]
-    return n
 
 
 def us(r: dict) -> float:
