@@ -72,6 +72,28 @@ def in_process_runner(path, vram_slots, host_slots, **cfg):
         raise
 
 
+@contextmanager
+def counted_pool_runner(monkeypatch, path):
+    """A pool-routed in-process runner of a deepseek4 file (2 VRAM + 2 host slots) whose model runs TritonOps with
+    its Triton launches counted, not run (memtrack.stub_triton) -> (runner, count): count(fn) runs fn and returns
+    (the launches it made, on CUDA's count: torch ops and Triton kernels, {Triton kernel: launches})."""
+    from betelgeuse.kernels.triton_ds4 import TritonOps
+    from memtrack import KernelCount, stub_triton
+    launches = stub_triton(monkeypatch)
+    rn, st = in_process_runner(path, 2, 2, routing="pool")
+
+    def count(fn) -> tuple[int, dict]:
+        launches.clear()
+        with KernelCount(launches) as k:
+            fn()
+        return k.total, dict(launches)
+    try:
+        rn.model.ops = TritonOps()
+        yield rn, count
+    finally:
+        close_runner(rn, st)
+
+
 def synth_reference(tmp_path_factory, preset: str, prompt: list[int], n_ctx: int, chunk: int | str | None = "auto",
                     **overrides):
     """(path, reference model, its logits of `prompt` [T, V] float32) for a synth preset with `overrides`; the

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from copy_ahead_log import ahead_reads, watch
-from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, write_synth
+from engine_helpers import ENGINE_SPEC, close_runner, counted_pool_runner, in_process_runner, prompt, write_synth
 
 STEPS = 5
 
@@ -159,15 +159,10 @@ def test_pool_guess_launches_what_the_exact_guess_does(monkeypatch, ds4):
     matmul, one selection: 4), so the pool case's launches per decode layer grow by the guess alone; a layer that
     routes exactly (all resident) takes the exact selection. ds4-tiny with TritonOps whose Triton launches are
     counted, not run (as test_decode_static_pool.py::test_route_static_launches_one_selection)."""
-    from betelgeuse.kernels.triton_ds4 import TritonOps
     from betelgeuse.store.directory import TIER_DISK, TIER_VRAM
     from betelgeuse.worker.guess import guess_ahead
-    from memtrack import KernelCount, stub_triton
-    launches = stub_triton(monkeypatch)
-    rn, st = in_process_runner(ds4, 2, 2, routing="pool")
-    try:
+    with counted_pool_runner(monkeypatch, ds4) as (rn, count):
         m, moe = rn.model, rn.moe
-        m.ops = TritonOps()
         L, E = rn.mcfg.n_layer, rn.mcfg.n_expert
         tier = np.full((L, E), TIER_DISK, dtype=np.int8)
         tier[:, :3] = TIER_VRAM
@@ -175,17 +170,12 @@ def test_pool_guess_launches_what_the_exact_guess_does(monkeypatch, ds4):
         moe.refresh_static({"tier": tier})
         x, tok = torch.randn(1, m.p.hc_mult, rn.mcfg.n_embd).to(m.dtype), torch.tensor([3])
 
-        def count(route) -> tuple[int, dict]:
-            launches.clear()
-            with KernelCount(launches) as k:
-                g = guess_ahead(m, l, x, tok, 1, L, route)
+        def guess(l, route):
+            g = guess_ahead(m, l, x, tok, 1, L, route)
             assert g.shape == (1, 1, rn.mcfg.n_expert_used) and g.dtype == torch.int64, g.shape
-            return k.total, dict(launches)
         for l in range(L - 1):
-            exact, _ = count(None)
-            pool, kernels = count(moe.guess_route(m))
+            exact, _ = count(lambda: guess(l, None))
+            pool, kernels = count(lambda: guess(l, moe.guess_route(m)))
             assert pool == exact == 4, (l, pool, exact, kernels)
             want = "_route_kernel" if l + 1 == L - 1 else "_route_approx_kernel"
             assert kernels.get(want) == 1, (l, kernels)
-    finally:
-        close_runner(rn, st)

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from betelgeuse.store.directory import TIER_DISK, TIER_HOST, TIER_VRAM
-from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, synth_reference, write_synth
+from engine_helpers import (ENGINE_SPEC, close_runner, counted_pool_runner, in_process_runner, prompt, synth_reference,
+                            write_synth)
 
 
 @pytest.fixture(scope="module")
@@ -107,13 +108,8 @@ def test_route_static_launches_one_selection(monkeypatch, ds4):
     route_static launches what exact routing launches (the router matmul and one fused selection kernel,
     TritonOps.route_approx), never the exact top-k beside it; a layer that routes exactly (cold, all resident) only
     the exact one. ds4-tiny with TritonOps whose Triton launches are counted, not run."""
-    from betelgeuse.kernels.triton_ds4 import TritonOps
-    from memtrack import KernelCount, stub_triton
-    launches = stub_triton(monkeypatch)
-    rn, st = in_process_runner(ds4, 2, 2, routing="pool")
-    try:
+    with counted_pool_runner(monkeypatch, ds4) as (rn, count):
         m, moe = rn.model, rn.moe
-        m.ops = TritonOps()
         L, E = rn.mcfg.n_layer, rn.mcfg.n_expert
         tier = np.full((L, E), TIER_DISK, dtype=np.int8)
         tier[1] = TIER_HOST                                      # all resident: exact
@@ -122,19 +118,11 @@ def test_route_static_launches_one_selection(monkeypatch, ds4):
         on = [0 < n < E for n in (tier != TIER_DISK).sum(axis=1)]
         assert moe.static_variant() == ("pool", np.array(on).tobytes())
         h, tok = torch.randn(3, rn.mcfg.n_embd).to(m.dtype), torch.tensor([3, 17, 4])
-
-        def count(fn) -> tuple[int, dict]:
-            launches.clear()
-            with KernelCount(launches) as k:
-                fn()
-            return k.total, dict(launches)
         for l in range(L):
             exact, ex_kernels = count(lambda: m.route(l, h, tok, None))
             got, kernels = count(lambda: moe.route_static(m, l, h, tok))
             assert got == exact, (l, on[l], got, exact, kernels)
             assert kernels == ({"_route_approx_kernel": 1} if on[l] else ex_kernels), (l, kernels)
-    finally:
-        close_runner(rn, st)
 
 
 def test_approx_selection_launched_at_attach(monkeypatch, ds4):
