@@ -28,6 +28,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from gguf.constants import GGMLQuantizationType as QT  # noqa: E402
 
+from interp_dot import install as _row_independent_dots  # noqa: E402  (tests/scripts: the script's own dir)
 from betelgeuse.gguf.quants import dequantize  # noqa: E402
 from betelgeuse.gguf.quants_synth import quantize  # noqa: E402
 from betelgeuse.gguf.qtypes import block_size, row_nbytes  # noqa: E402
@@ -39,6 +40,8 @@ FULL = ("Q8_0", "MXFP4", "Q4_K", "IQ2_XXS")
 TYPES = ["Q8_0", "F16", "BF16", "F32", "MXFP4", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ2_XXS",
          "IQ2_XS", "IQ3_XXS"]
 
+
+_row_independent_dots()
 
 def experts_of(qt: int, E: int, H: int, FF: int, g: torch.Generator):
     """E experts' (gate [FF,H], up [FF,H], down [H,FF]) raw bytes: gguf-py's quantizer of random values where it has
