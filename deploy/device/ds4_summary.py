@@ -67,6 +67,10 @@ def targets(r: dict) -> list[str]:
                       + f"; median token {_f(exd.get('host_us_per_application_median'))} µs"
                       + f"; store wait {exd['store_wait_s'] / max(1, exd['tokens']) * 1e3:.1f} ms/token (blocked); "
                       f"messages/token: {kinds}", None))
+    wh = _pass(ex, "warm").get("host_us_per_application")
+    if hu is not None and wh:  # the host's speed: the same run's warm prefill pass (no decode change touches it)
+        L.append(_row("  decode host ÷ the warm prefill pass's host (µs per application): across machines", "–",
+                      f"{hu / wh:.2f} ({_f(hu)} ÷ {_f(wh)})", None))
     tc, th = exd.get("triton_compiles"), exd.get("token_host_s") or []
     if tc is not None or th:  # issue 21: no Triton compile inside a timed decode token (MoEStep.warm_kernels at attach)
         L.append(_row("  decode, exact: first token's host ms (median token's) / Triton compiles in the timed tokens",

@@ -159,3 +159,8 @@ def test_ds4_summary_judges_layer_major_passes_and_names_the_launches():
     assert "0.85-0.94" in row and row.rstrip(" |").endswith("PASS"), row
     assert any("standard-schedule" in r and "0.27" in r for r in rows), rows
     assert any("`moe_gate_up` 3" in r for r in rows), rows
+    assert not any("warm prefill pass's host" in r for r in rows)     # no host figures: no ratio
+    case["passes"][0]["host_us_per_application"] = 80.0               # the host's speed, from the same run
+    case["decode"]["host_us_per_application"] = 240.0
+    row = next(r for r in S.targets({"cases": [case]}) if "warm prefill pass's host" in r)
+    assert "| 3.00 (240.0 ÷ 80.0) |" in row, row
