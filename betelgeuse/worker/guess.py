@@ -133,18 +133,23 @@ class Marks:
     on_disk, on the ids as Python lists: a few dozen, where each numpy call costs more than a loop over them) never
     needs them."""
 
-    __slots__ = ("ids", "E", "n", "_rows", "_top")
+    __slots__ = ("ids", "E", "n", "_rows", "_top", "_held")
 
     def __init__(self, rows: np.ndarray, top: np.ndarray, n: int):
-        self.ids, self.E, self.n, self._rows, self._top = None, rows.shape[1], n, rows, top
+        self.ids, self.E, self.n, self._rows, self._top, self._held = None, rows.shape[1], n, rows, top, None
 
     @classmethod
     def from_ids(cls, g: np.ndarray, E: int) -> "Marks":
         """g [T, D, k] int64 -> the marks (a row's k ids are distinct: +1 per row). The ids are kept as lists
         [T][D][k] (a copy: g may be a view of a buffer the next layer's sync rewrites)."""
         m = cls.__new__(cls)
-        m.ids, m.E, m.n, m._rows, m._top = g.tolist(), E, g.shape[0], None, None
+        m.ids, m.E, m.n, m._rows, m._top, m._held = g.tolist(), E, g.shape[0], None, None, None
         return m
+
+    @property
+    def depth(self) -> int:
+        """D, the guessed layers' count (on the ids' lists where kept: no count made)."""
+        return len(self.ids[0]) if self.ids else self.rows.shape[0]
 
     def _count(self):
         g, E = np.array(self.ids, dtype=np.int64), self.E
@@ -152,6 +157,10 @@ class Marks:
         at = g + (np.arange(D, dtype=np.int64) * E)[None, :, None]          # [T, D, k] flat index d * E + e
         self._rows = np.bincount(at.reshape(-1), minlength=D * E).astype(np.int64, copy=False).reshape(D, E)
         self._top = np.bincount(at[:, :, 0].reshape(-1), minlength=D * E).astype(np.int64, copy=False).reshape(D, E)
+        for d, h in enumerate(self._held or ()):      # without(): the held experts' counts 0, as np.where makes them
+            h = list(h)
+            self._rows[d, h] = 0
+            self._top[d, h] = 0
 
     @property
     def rows(self) -> np.ndarray:
@@ -171,6 +180,8 @@ class Marks:
         if self._rows is None:
             for t in layers:
                 s = disk[t]
+                if s and self._held is not None:
+                    s = s - self._held[t - first]
                 if s:
                     d = t - first
                     for row in self.ids:
@@ -180,7 +191,17 @@ class Marks:
         return any(disk[t] and not disk[t].isdisjoint(np.flatnonzero(self._rows[t - first]).tolist()) for t in layers)
 
     def without(self, held: np.ndarray) -> "Marks":
-        """The marks less the experts `held` [D, E] bool marks (held elsewhere: no read needed)."""
+        """The marks less the experts `held` [D, E] bool marks (held elsewhere: no read needed). Marks on the ids'
+        lists stay on them (decode's fast path, Guesser._candidates): the held experts kept per depth as sets (a few
+        flex copies), their rows and top counted as 0 where counted; else (or held not [D, E]: broadcast as before)
+        the counts with the held ones 0."""
+        if self.ids and held.shape == (len(self.ids[0]), self.E):
+            m = Marks.__new__(Marks)
+            m.ids, m.E, m.n, m._rows, m._top = self.ids, self.E, self.n, None, None
+            m._held = [set(np.flatnonzero(h).tolist()) for h in held]
+            if self._held is not None:
+                m._held = [a | b for a, b in zip(m._held, self._held)]
+            return m
         return Marks(np.where(held, 0, self.rows), np.where(held, 0, self.top), self.n)
 
     def classes(self, d: int, experts: np.ndarray) -> np.ndarray:
@@ -347,6 +368,8 @@ class Guesser:
         -> (those within their (depth, class)'s budget, most rows first then top-1 guesses (ties: ascending id)
         where the batch rule orders them, their classes), as the general loop's e, kind."""
         ids = marks.ids
+        if marks._held is not None and marks._held[d - 1]:       # Marks.without: the held experts need no read
+            disk = disk - marks._held[d - 1]
         if marks.n == 1:
             e = sorted({x for x in ids[0][d - 1] if x in disk})
             kind = [LONE] * len(e)

@@ -304,11 +304,22 @@ def test_guess_lists_are_the_general_loops(rule, monkeypatch):
             layers = [t for t in range(l + 1, min(l + 1 + D, L)) if rng.random() < 0.9]
             g = np.stack([np.stack([rng.permutation(E)[:k] for _ in range(D)]) for _ in range(T)])    # [T, D, k]
             started = int(rng.integers(0, 6))
+            held = rng.random((D, E)) < rng.choice([0.0, 0.2, 0.5])     # flex copies of the guessed layers
+            # the fast side's Marks.without keeps the ids' lists; the general side's marks are the counts less the
+            # held ones (np.where, the reference)
+            unheld = [lambda m: m.without(held),
+                      lambda m: guess_mod.Marks(np.where(held, 0, m.rows), np.where(held, 0, m.top), m.n)]
             for i, gu in enumerate(gs):
                 def send(keys, _i=i):
                     sent[_i].append(list(keys))
                     return lambda: min(started, len(keys))
-                gu.read_ahead(l, layers, guess_mod.Marks.from_ids(g, E), snap, stats[i], send)
+                gu.read_ahead(l, layers, guess_mod.Marks.from_ids(g, E), snap, stats[i], send, unheld[i])
+            ref = guess_mod.Marks.from_ids(g, E)
+            rows, top = np.where(held, 0, ref.rows), np.where(held, 0, ref.top)
+            w = guess_mod.Marks.from_ids(g, E).without(held)
+            assert w.ids is not None and w.on_disk(l + 1, layers, gs[0]._disk(snap)) == any(
+                (rows[t - l - 1] * (tier[t] == guess_mod.TIER_DISK)).any() for t in layers), (p, l)
+            assert np.array_equal(w.rows, rows) and np.array_equal(w.top, top), (p, l)
             assert sent[0] == sent[1], (p, l, sent)
             assert {t: {d: [a.tolist() for a in v] for d, v in x.items()} for t, x in gs[0]._by_depth.items()} == \
                 {t: {d: [a.tolist() for a in v] for d, v in x.items()} for t, x in gs[1]._by_depth.items()}, (p, l)
