@@ -62,6 +62,7 @@ class FlexCache:
         self.where = np.full((n_layer, n_expert), -1, dtype=np.int64)   # (layer, expert) -> flex slot, -1 = none
         self.owner = np.full((n_places * self.per_chunk, 2), -1, dtype=np.int64)   # flex slot -> (layer, expert)
         self.lru: OrderedDict[int, None] = OrderedDict()   # occupied flex slots, least recently used first
+        self.per_layer = [0] * n_layer                     # copies held per layer (split: none, no numpy call)
         self.free: list[int] = []                          # empty slots of allocated chunks
         self.held = 0                                      # bytes the sequences holding KV take (state + graphs)
         self.version = 0                                   # bumped whenever `where` changes (worker/at_hand.py)
@@ -139,6 +140,7 @@ class FlexCache:
     def _forget(self, s: int):
         l, e = self.owner[s]
         self.where[l, e] = -1
+        self.per_layer[l] -= 1
         self._log(int(l), int(e))
         self.version += 1
         self.forgets += 1
@@ -178,20 +180,24 @@ class FlexCache:
     # ---- use -----------------------------------------------------------------------------------------
     def split(self, layer: int, used: np.ndarray, tiers: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A layer's routed experts `used` (ascending) and their directory tiers -> (used, tiers) without the experts
-        computed from a flex copy, and those experts (ascending). A copy of an expert now in the VRAM tier goes."""
-        slots = self.where[layer, used]
-        held = slots >= 0
-        if not held.any():
+        computed from a flex copy, and those experts (ascending). A copy of an expert now in the VRAM tier goes.
+        Every decode layer calls it on its few routed experts: a layer holding no copy returns at once, the others
+        go over the experts' lists (a numpy call costs more than a Python step over a few)."""
+        if not self.per_layer[layer]:
             return used, tiers, used[:0]
-        vram = held & (tiers == TIER_VRAM)
-        for s in slots[vram]:
-            self._forget(int(s))
-            self.stats.dropped += 1
-        hit = held & ~vram
-        for s in slots[hit]:
-            self.lru.move_to_end(int(s))
-        self.stats.hits += int(hit.sum())
-        return used[~hit], tiers[~hit], used[hit]
+        slots, tl = self.where[layer, used].tolist(), tiers.tolist()
+        for s, t in zip(slots, tl):
+            if s >= 0 and t == TIER_VRAM:
+                self._forget(s)
+                self.stats.dropped += 1
+        hit = [i for i, (s, t) in enumerate(zip(slots, tl)) if s >= 0 and t != TIER_VRAM]
+        if not hit:
+            return used, tiers, used[:0]
+        for i in hit:
+            self.lru.move_to_end(slots[i])
+        self.stats.hits += len(hit)
+        rest = [i for i, (s, t) in enumerate(zip(slots, tl)) if s < 0 or t == TIER_VRAM]
+        return used[rest], tiers[rest], used[hit]
 
     def held_mask(self, layer: int, experts: np.ndarray) -> np.ndarray:
         """bool per expert of `layer`: a copy is held (a read ahead of it would be wasted)."""
@@ -224,6 +230,7 @@ class FlexCache:
             c, i = divmod(s, self.per_chunk)
             self.chunks[c][i * sb:(i + 1) * sb].copy_(pool[off: off + sb])
             self.where[layer, e] = s
+            self.per_layer[layer] += 1
             self._log(int(layer), e)
             self.version += 1
             self.owner[s] = (layer, e)

@@ -109,3 +109,40 @@ def test_admission_shrinks_the_cache_before_allocating_kv(model):
         assert all(g is not None and g[-1].finish_reason == "length" for g in got), got
         assert count.all_released(), (count.live, flex.describe())
         assert count.checks > 10 and count.peak <= count.budget
+
+
+def test_split_is_the_numpy_rule_over_random_fills():
+    """FlexCache.split on the experts' lists (a layer with no copy returns at once: FlexCache.per_layer) against the
+    rule in numpy (held = where >= 0; a copy of an expert now in the VRAM tier dropped, the other held ones hit, moved
+    to the LRU's end), over random fills that evict and splits that drop: the returned arrays, the LRU order, where
+    and the stats after every call, and per_layer = the copies held per layer."""
+    import numpy as np
+
+    from betelgeuse.store.directory import TIER_DISK, TIER_HOST, TIER_VRAM
+    from betelgeuse.worker.flex_cache import FlexCache
+    L, E, sb = 4, 16, 64
+    f = FlexCache(sb, sb * 3, 2, L, E, torch.device("cpu"))            # 6 slots: fills evict
+    pool = torch.arange(sb * 8, dtype=torch.int64).to(torch.uint8)
+    rng = np.random.default_rng(5)
+    seen = set()
+    for _ in range(300):
+        layer = int(rng.integers(0, L))
+        if rng.random() < 0.5:
+            es = rng.choice(E, size=int(rng.integers(1, 4)), replace=False).tolist()
+            f.keep(layer, es, pool, [sb * int(i) for i in rng.integers(0, 8, len(es))])
+        used = np.sort(rng.choice(E, size=int(rng.integers(1, 9)), replace=False)).astype(np.int64)
+        tiers = rng.choice([TIER_VRAM, TIER_HOST, TIER_DISK], size=len(used), p=[0.2, 0.4, 0.4]).astype(np.int8)
+        slots = f.where[layer, used].copy()              # the reference, before split changes anything
+        held = slots >= 0
+        vram, hit = held & (tiers == TIER_VRAM), held & (tiers != TIER_VRAM)
+        lru = [s for s in f.lru if s not in set(slots[vram].tolist())]
+        lru = [s for s in lru if s not in set(slots[hit].tolist())] + slots[hit].tolist()
+        hits, dropped = f.stats.hits + int(hit.sum()), f.stats.dropped + int(vram.sum())
+        u, t, h = f.split(layer, used, tiers)
+        assert u.tolist() == used[~hit].tolist() and t.tolist() == tiers[~hit].tolist()
+        assert h.tolist() == used[hit].tolist() and u.dtype == used.dtype and t.dtype == tiers.dtype
+        assert list(f.lru) == lru and (f.stats.hits, f.stats.dropped) == (hits, dropped)
+        assert (f.where[layer, used[vram]] == -1).all()
+        assert f.per_layer == (f.where >= 0).sum(axis=1).tolist()
+        seen.add((bool(vram.any()), bool(hit.any()), bool(held.any())))
+    assert len(seen) >= 4 and f.stats.evictions > 0, seen
