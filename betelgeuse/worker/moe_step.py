@@ -885,7 +885,10 @@ class MoEStep:
 
     def _unflexed(self, l: int, marks: Marks) -> Marks:
         """Guessed marks of layers l+1 .. l+D without the experts the flex cache holds."""
-        held = self.flex.where[l + 1: l + 1 + marks.depth] >= 0
+        D = marks.depth
+        if not any(self.flex.per_layer[l + 1: l + 1 + D]):      # no copy of these layers: no numpy call
+            return marks
+        held = self.flex.where[l + 1: l + 1 + D] >= 0
         return marks.without(held) if held.any() else marks
 
     def _to_bank(self, experts, srcs, timing) -> tuple[int, Group]:
