@@ -384,8 +384,8 @@ class Guesser:
             e = sorted(x for x in rows if x in disk)
             kind = [MORE if rows[x] >= 3 else TWO if rows[x] == 2 else TOP if x in top else ONE for x in e]
         cls = [LONE] * len(e) if union else kind
-        self._by_depth.setdefault(t, {})[d] = (np.array(e, dtype=np.int64), np.array(cls, dtype=np.int64),
-                                               np.array(kind, dtype=np.int64))
+        # as lists (check's fast path scores them on lists: no array made and turned back)
+        self._by_depth.setdefault(t, {})[d] = (e, cls, kind)
         ok = [self.worth(t, d, c) for c in cls]
         picked = [(x, c) for x, c, y in zip(e, kind, ok) if y]
         if not union and rows is not None:
@@ -433,8 +433,9 @@ class Guesser:
             if not len(g):                  # no guessed expert on disk from this depth: nothing to score
                 continue
             if self.fast:                   # the same counts on the few guesses' lists (no numpy call per class)
-                gl = g.tolist()
-                self._score(layer, d, gl, cls.tolist(), kind.tolist(), used)
+                # _candidates' lists as they are, the general loop's arrays as lists
+                gl, cl, kl = (g, cls, kind) if isinstance(g, list) else (g.tolist(), cls.tolist(), kind.tolist())
+                self._score(layer, d, gl, cl, kl, used)
                 every.update(gl)
                 continue
             hit = np.array([int(x) in used for x in g], dtype=bool)

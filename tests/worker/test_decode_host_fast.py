@@ -321,7 +321,7 @@ def test_guess_lists_are_the_general_loops(rule, monkeypatch):
                 (rows[t - l - 1] * (tier[t] == guess_mod.TIER_DISK)).any() for t in layers), (p, l)
             assert np.array_equal(w.rows, rows) and np.array_equal(w.top, top), (p, l)
             assert sent[0] == sent[1], (p, l, sent)
-            assert {t: {d: [a.tolist() for a in v] for d, v in x.items()} for t, x in gs[0]._by_depth.items()} == \
+            assert {t: {d: [list(a) for a in v] for d, v in x.items()} for t, x in gs[0]._by_depth.items()} == \
                 {t: {d: [a.tolist() for a in v] for d, v in x.items()} for t, x in gs[1]._by_depth.items()}, (p, l)
             disk = np.flatnonzero(tier[l] == guess_mod.TIER_DISK)
             used = disk[rng.random(len(disk)) < 0.5]
