@@ -62,7 +62,9 @@ class FlexCache:
         self.where = np.full((n_layer, n_expert), -1, dtype=np.int64)   # (layer, expert) -> flex slot, -1 = none
         self.owner = np.full((n_places * self.per_chunk, 2), -1, dtype=np.int64)   # flex slot -> (layer, expert)
         self.lru: OrderedDict[int, None] = OrderedDict()   # occupied flex slots, least recently used first
-        self.per_layer = [0] * n_layer                     # copies held per layer (split: none, no numpy call)
+        # per layer the set of its experts with a copy (`where` >= 0 as sets: split and MoEStep._unflexed answer
+        # "none" and read them with no numpy call)
+        self.copies: list[set[int]] = [set() for _ in range(n_layer)]
         self.free: list[int] = []                          # empty slots of allocated chunks
         self.held = 0                                      # bytes the sequences holding KV take (state + graphs)
         self.version = 0                                   # bumped whenever `where` changes (worker/at_hand.py)
@@ -140,7 +142,7 @@ class FlexCache:
     def _forget(self, s: int):
         l, e = self.owner[s]
         self.where[l, e] = -1
-        self.per_layer[l] -= 1
+        self.copies[l].discard(int(e))
         self._log(int(l), int(e))
         self.version += 1
         self.forgets += 1
@@ -183,7 +185,7 @@ class FlexCache:
         computed from a flex copy, and those experts (ascending). A copy of an expert now in the VRAM tier goes.
         Every decode layer calls it on its few routed experts: a layer holding no copy returns at once, the others
         go over the experts' lists (a numpy call costs more than a Python step over a few)."""
-        if not self.per_layer[layer]:
+        if not self.copies[layer]:
             return used, tiers, used[:0]
         slots, tl = self.where[layer, used].tolist(), tiers.tolist()
         for s, t in zip(slots, tl):
@@ -230,7 +232,7 @@ class FlexCache:
             c, i = divmod(s, self.per_chunk)
             self.chunks[c][i * sb:(i + 1) * sb].copy_(pool[off: off + sb])
             self.where[layer, e] = s
-            self.per_layer[layer] += 1
+            self.copies[layer].add(e)
             self._log(int(layer), e)
             self.version += 1
             self.owner[s] = (layer, e)

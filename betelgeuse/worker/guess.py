@@ -196,13 +196,20 @@ class Marks:
         flex copies), their rows and top counted as 0 where counted; else (or held not [D, E]: broadcast as before)
         the counts with the held ones 0."""
         if self.ids and held.shape == (len(self.ids[0]), self.E):
-            m = Marks.__new__(Marks)
-            m.ids, m.E, m.n, m._rows, m._top = self.ids, self.E, self.n, None, None
-            m._held = [set(np.flatnonzero(h).tolist()) for h in held]
-            if self._held is not None:
-                m._held = [a | b for a, b in zip(m._held, self._held)]
-            return m
+            sets: list[set] = [set() for _ in range(held.shape[0])]
+            for d, e in zip(*(x.tolist() for x in np.nonzero(held))):       # one numpy call for every depth
+                sets[d].add(e)
+            return self.without_sets(sets)
         return Marks(np.where(held, 0, self.rows), np.where(held, 0, self.top), self.n)
+
+    def without_sets(self, held: list[set]) -> "Marks":
+        """without() on the ids' lists, `held` per depth the set of the held experts (copied: the caller's may
+        change; MoEStep._unflexed passes FlexCache.copies)."""
+        assert self.ids and len(held) == len(self.ids[0]), (len(held), self.ids and len(self.ids[0]))
+        m = Marks.__new__(Marks)
+        m.ids, m.E, m.n, m._rows, m._top = self.ids, self.E, self.n, None, None
+        m._held = [set(h) for h in held] if self._held is None else [a | b for a, b in zip(held, self._held)]
+        return m
 
     def classes(self, d: int, experts: np.ndarray) -> np.ndarray:
         """The batch rule's class of each of these experts guessed at depth d (1-based) -> [len] int (module doc)."""

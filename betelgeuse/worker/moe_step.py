@@ -886,8 +886,11 @@ class MoEStep:
     def _unflexed(self, l: int, marks: Marks) -> Marks:
         """Guessed marks of layers l+1 .. l+D without the experts the flex cache holds."""
         D = marks.depth
-        if not any(self.flex.per_layer[l + 1: l + 1 + D]):      # no copy of these layers: no numpy call
+        copies = self.flex.copies[l + 1: l + 1 + D]
+        if not any(copies):                        # no copy of these layers: no numpy call
             return marks
+        if marks.ids and len(copies) == D:         # the ids' lists kept, the held experts as sets (Marks.without)
+            return marks.without_sets(copies)
         held = self.flex.where[l + 1: l + 1 + D] >= 0
         return marks.without(held) if held.any() else marks
 

@@ -320,6 +320,11 @@ def test_guess_lists_are_the_general_loops(rule, monkeypatch):
             assert w.ids is not None and w.on_disk(l + 1, layers, gs[0]._disk(snap)) == any(
                 (rows[t - l - 1] * (tier[t] == guess_mod.TIER_DISK)).any() for t in layers), (p, l)
             assert np.array_equal(w.rows, rows) and np.array_equal(w.top, top), (p, l)
+            more = rng.random((D, E)) < 0.2                 # without twice (sets), against the union's np.where
+            w2 = guess_mod.Marks.from_ids(g, E).without_sets([set(np.flatnonzero(h).tolist()) for h in held])
+            w2 = w2.without(more)
+            assert w2.ids is not None and np.array_equal(w2.rows, np.where(held | more, 0, ref.rows)), (p, l)
+            assert np.array_equal(w2.top, np.where(held | more, 0, ref.top)), (p, l)
             assert sent[0] == sent[1], (p, l, sent)
             assert {t: {d: [list(a) for a in v] for d, v in x.items()} for t, x in gs[0]._by_depth.items()} == \
                 {t: {d: [a.tolist() for a in v] for d, v in x.items()} for t, x in gs[1]._by_depth.items()}, (p, l)

@@ -112,10 +112,10 @@ def test_admission_shrinks_the_cache_before_allocating_kv(model):
 
 
 def test_split_is_the_numpy_rule_over_random_fills():
-    """FlexCache.split on the experts' lists (a layer with no copy returns at once: FlexCache.per_layer) against the
+    """FlexCache.split on the experts' lists (a layer with no copy returns at once: FlexCache.copies) against the
     rule in numpy (held = where >= 0; a copy of an expert now in the VRAM tier dropped, the other held ones hit, moved
     to the LRU's end), over random fills that evict and splits that drop: the returned arrays, the LRU order, where
-    and the stats after every call, and per_layer = the copies held per layer."""
+    and the stats after every call, and copies = the experts with a copy per layer."""
     import numpy as np
 
     from betelgeuse.store.directory import TIER_DISK, TIER_HOST, TIER_VRAM
@@ -143,6 +143,6 @@ def test_split_is_the_numpy_rule_over_random_fills():
         assert h.tolist() == used[hit].tolist() and u.dtype == used.dtype and t.dtype == tiers.dtype
         assert list(f.lru) == lru and (f.stats.hits, f.stats.dropped) == (hits, dropped)
         assert (f.where[layer, used[vram]] == -1).all()
-        assert f.per_layer == (f.where >= 0).sum(axis=1).tolist()
+        assert f.copies == [set(np.flatnonzero(w >= 0).tolist()) for w in f.where]
         seen.add((bool(vram.any()), bool(hit.any()), bool(held.any())))
     assert len(seen) >= 4 and f.stats.evictions > 0, seen
