@@ -9,24 +9,26 @@ flex chunk, the group's slot-table row (expert_cache.table: a ring of fixed devi
 launch: captured at its second sighting (the first launches eagerly, as the decode graphs' eager -> capture -> replay),
 replayed after.
 
-A graph's kernels and arguments are the launches' own: the key holds everything the launches take besides the
-tables' contents, which the kernels read on the device at run time (the slot offsets, rows, counts, activations):
-  (id of the Routing, its rows, layer, the pool tensor's address and size, the table row's address, slot bytes)
-and the memo holds the Routing itself, so its id is never reused while a graph reads its tensors. The Routing's
-tensors (h, its q8_1, rows, off, inter, y) are made once by route() and never replaced; the pool, table rows and
-starts live as long as the attachment, and a re-attach makes a new MoEStep and with it a new memo. Nothing else
-decides a launch: its plan (grid, constexprs) is a function of the layer's types and these tensors' shapes. So a
-replay runs the same kernels on the same arguments as the launches it stands for, and the bits cannot change.
+A CUDA graph's kernel nodes hold the launches' arguments: pointers and ints; the tensors' contents (the slot offsets
+in the table, the sorted rows, the activations) are read on the device when it runs. So the key is every argument the
+two launches take (MoEKernels.apply):
+  (layer: its types and part offsets; rows T and k; the widths; slot bytes: the alignment; the addresses of the pool,
+   the table row, the Routing's h (and its q8_1 parts), rows, off, inter and y)
+and a replay under an equal key runs the same kernels on the same arguments as the launches it stands for: the bits
+cannot change. Whatever tensor sits at those addresses now is what the launches would read (a Routing made anew at
+recycled addresses, as an eager step's are, replays too); the memo holds no tensor. Nothing else decides a launch: its
+plan (grid, constexprs) is a function of the layer's types and these shapes. The split-K workspace is the capture
+stream's (below) and each tile's counter is reset by its last program, so it is zero at every replay.
 
 The graphs are captured on the decode graphs' side stream (worker/graphs.py), so they share its split-K workspace
 (store/plan.py counts two: eager passes and graph captures) and, like the decode graphs, replay on the compute
-stream one after another (each tile's counter is reset by its last program). A key's first sighting launches on that
-side stream too (ordered after and before the compute stream's work): it grows the side stream's tile counters to the
-key's plan outside a capture, so a capture allocates nothing that outlives it (only a q8_1 temporary of down, freed
-inside it), and the graphs can share one memory pool in any replay order. A group applied while the current stream
-is being captured (a layer wholly in VRAM inside a decode graph) launches: the enclosing graph captures it.
-Bounded: at most `cap` keys (graphs and first sightings), the least recently used dropped first (a dropped graph's
-Routing is let go with it).
+stream one after another. A key's first sighting launches on that side stream too (ordered after and before the
+compute stream's work): it grows the side stream's tile counters to the key's plan outside a capture, so a capture
+allocates nothing that outlives it (only a q8_1 temporary of down, freed inside it), and the graphs can share one
+memory pool in any replay order. A group applied while the current stream is being captured (a layer wholly in VRAM
+inside a decode graph) launches: the enclosing graph captures it. Routings of more than max_rows tokens (prefill)
+launch: their keys would not come back. Bounded: at most `cap` keys (graphs and first sightings), the least recently
+used dropped first. A re-attach makes a new MoEStep and with it a new memo (the old pool's graphs go with the old).
 
 CUDA and the triton kernels only: MoEStep makes none otherwise (on the CPU the setting is a no-op).
 """
@@ -63,7 +65,7 @@ class GroupGraphs:
         self.kern = kern
         self.max_rows = max_rows           # routings of more tokens (prefill) launch: their keys would not come back
         self.cap = cap
-        self._memo: OrderedDict = OrderedDict()    # key -> SEEN | (graph, the Routing it reads)
+        self._memo: OrderedDict = OrderedDict()    # key (module doc) -> SEEN | its graph
         self._pool = None                  # the graphs' memory pool (shared: they replay one at a time, in order)
         self.replays = self.captures = self.launches = 0
 
@@ -73,22 +75,26 @@ class GroupGraphs:
             self.launches += 1
             self.kern.apply(r, layer, pool, g, slot_bytes)
             return
-        key = (id(r), r.ids.shape[0], layer, pool.data_ptr(), pool.numel(), g.base_dev.data_ptr(), slot_bytes)
+        T, k = r.ids.shape
+        h = r.h
+        key = (layer, T, k, h.shape[1], slot_bytes, pool.data_ptr(), g.base_dev.data_ptr(), h.data_ptr(),
+               r.rows.data_ptr(), r.off.data_ptr(), r.inter.data_ptr(), r.y.data_ptr(),
+               None if r.hq is None else tuple(x.data_ptr() for x in r.hq))
         memo = self._memo
         ent = memo.get(key)
-        if ent is not None and ent is not SEEN and ent[1] is r:
+        if ent is not None and ent is not SEEN:
             memo.move_to_end(key)
             self.replays += 1
-            ent[0].replay()
+            ent.replay()
             return
-        if ent is None:                    # first sighting (or an id of a Routing let go): launch, remember
+        if ent is None:                    # first sighting: launch, remember
             memo[key] = SEEN
             self.launches += 1
             on_side(pool.device, lambda: self.kern.apply(r, layer, pool, g, slot_bytes))
         else:                              # second: capture (graphs.capture replays it once: the work is done)
             graph, _ = capture(self._pool, lambda: self.kern.apply(r, layer, pool, g, slot_bytes))
             self._pool = graph.pool()
-            memo[key] = (graph, r)
+            memo[key] = graph
             memo.move_to_end(key)
             self.captures += 1
         while len(memo) > self.cap:

@@ -11,14 +11,15 @@ The CPU has no CUDA graphs, so here:
     table rows of alternating contents; a flex-chunk-like second pool) launches at a key's first sighting, captures at
     its second and replays after, and every step's output equals the torch reference backend on the same bytes (and,
     bit for bit, the triton launches with no memo). A key missing the table row or the pool would replay another
-    group's launches: the reference check fails. A new Routing object never replays an old one's graph, a group
-    applied inside a capture launches, and the memo holds at most `cap` keys.
+    group's launches: the reference check fails. A Routing that differs in one tensor never replays another's
+    graph, a group applied inside a capture launches, and the memo holds at most `cap` keys.
 What only the device can check (deploy/device/group_graph.py, decode_host.py --group-graphs): real capture and
 replay, bit-identity there, the host us saved, the shared workspace and memory pool.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -185,11 +186,18 @@ def test_memo_launches_captures_replays_and_matches_the_reference(memo):
     # 3 keys: step 0 launches them, step 1 captures them (the capture replays once), steps 2-4 replay
     assert (graphs.launches, graphs.captures, graphs.replays) == (3, 3, 9), graphs.stats()
     assert len(captured) == 3 and all(g.replays == 4 for g in captured)
-    # a new Routing object (same key fields but its id) never replays the old one's graph: launched, then captured
-    r2 = tri.route(r.h.clone(), r.ids.clone(), r.w.clone())
+    # a Routing that differs in one tensor alone (y elsewhere) never replays the other's graph: launched, its own y
+    # written, the other's left alone (a key without y's address would replay r's launches into r.y)
+    r.y.zero_()
+    r2 = dataclasses.replace(r, y=torch.zeros_like(r.y))
     g = Group(None, None, rows[0])
+    rows[0].fill_(-1)
+    rows[0][e0] = int(base[e0])
     graphs.apply(r2, 0, pool, g, slot)
     assert graphs.launches == 4 and graphs.replays == 9
+    assert not r.y.any() and r2.y.any()
+    tri.apply(rt, 0, pool, g, slot)
+    assert torch.equal(r2.y, rt.y.masked_fill(r2.y == 0, 0))
     # inside a capture (a layer wholly in VRAM in a decode graph) a group launches: the enclosing graph captures it
     capturing[0] = True
     graphs.apply(r, 0, pool, g, slot)
