@@ -52,8 +52,16 @@ def on_side(device: torch.device, fn):
     cur = current_stream(device.index)
     side = side_stream(cur.device)
     side.wait_stream(cur)
-    with torch.cuda.stream(side):
-        fn()
+    if torch.cuda.current_device() == cur.device_index:
+        # torch.cuda.stream(side)'s switch and back without its per-call lookups (as ExpertCache.bank_copy's)
+        torch.cuda.set_stream(side)
+        try:
+            fn()
+        finally:
+            torch.cuda.set_stream(cur)
+    else:
+        with torch.cuda.stream(side):
+            fn()
     cur.wait_stream(side)
 
 
