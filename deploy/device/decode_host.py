@@ -21,6 +21,8 @@ per group (captured at its second sighting) instead of two launches; the expert 
 then GroupGraphs.apply (a replay, a capture or the launches), and `group_graphs` counts its replays, captures and
 launches over every step. In the split, moe._apply is every eager group's host us on both sides of an A/B, and
 moe.kern.apply the launches alone. On the CPU it changes nothing.
+logits_sha256: every decode step's logits, hashed (first 16 hex digits): two runs of one checkout and device that
+decode the same bits print the same (an A/B of a bit-neutral setting, e.g. --group-graphs, must).
 --profile: cProfile of the timed decode steps only (not the setup), written to the path (pstats format).
 nomiss_layer_us: the median host wall of a decode layer's expert step that had no miss (_time_layers), over
 nomiss_layers such layers of the timed steps. miss_layer_us: the same step of a layer with a miss (a disk expert or
@@ -59,6 +61,7 @@ several torch threads on a busy machine, set OMP_NUM_THREADS=1 (spinning threads
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import resource
@@ -319,6 +322,7 @@ def run(a, tmp: Path) -> dict:
             import cProfile
             prof = cProfile.Profile()
         rows, sc0, first_ms = [], None, None
+        logits_sha = hashlib.sha256()
         for i in range(a.tokens):
             if TL is not None and i in (0, 1, a.skip):      # the regions: first step, skipped ones, timed ones
                 if i:
@@ -347,6 +351,7 @@ def run(a, tmp: Path) -> dict:
             if threads is not None and i >= a.skip:
                 threads.add()
             tok = int(lg[-1].argmax())
+            logits_sha.update(lg.float().cpu().numpy().tobytes())      # after the step's timing: bits, not time
             if i == 0:
                 first_ms = round(st.host_s * 1e3, 3)
             if i < a.skip:                      # the first steps (graph capture on CUDA)
@@ -383,7 +388,8 @@ def run(a, tmp: Path) -> dict:
         gg = getattr(rn.moe, "group_graphs", None)
         rn.close()
         res = {"preset": a.preset, "form": a.form + ("+gate" if a.gate else ""), "slots": f"{a.vram}+{a.host}",
-               "layers": rn.mcfg.n_layer, "tokens": n, "per_token_median": out, "first_step_host_ms": first_ms}
+               "layers": rn.mcfg.n_layer, "tokens": n, "per_token_median": out, "first_step_host_ms": first_ms,
+               "logits_sha256": logits_sha.hexdigest()[:16]}
         if TL is not None:
             res["triton_compiles"] = compiles
         if gg is not None:       # --group-graphs on CUDA: the eager groups' replays, captures and launches (all steps)
