@@ -370,6 +370,13 @@ class EngineSettings(_Section):
     decode_gate: _choices("off", "on", "auto") = setting("off", "decode: launch the step ahead, each layer gated on "
                                                           "the device, the host on a side stream for the misses only: "
                                                           "off | on | auto (on CUDA)", "on")
+    # decode's eager expert groups (a miss layer's, between the decode graphs' segments) replay a CUDA graph keyed
+    # by every argument of their two launches (the Routing's, pool's and slot-table row's addresses, the layer, the
+    # shapes) instead of launching gate_up + down: captured at a key's second sighting (worker/group_graphs.py). The
+    # same kernels on the same arguments: never a bit changes. CUDA with the triton kernels only (on the CPU: nothing
+    # happens); off until the device A/B (deploy/device/group_graph.py, decode_host.py --group-graphs)
+    group_graphs: Flag = setting(False, "decode: a miss layer's eager expert groups replay CUDA graphs captured "
+                                 "per group instead of launching (CUDA only)", True)
     # attach compiles decode's kernel variants (MoEStep.warm_routes / warm_kernels, worker/warm_decode.py) so the
     # first timed token compiles none (issue 21); off: they compile in the first decode token instead (the A/B of
     # what the warm-ups put on the GPU: worker/attach_steps.py measures each step). A warm-up that fails never stops

@@ -214,7 +214,7 @@ LEVELS: dict[str, tuple[tuple[str, ...], ...]] = {
     "worker": (
         ("engram_feed",),
         ("stats", "graphs", "expert_cache"),
-        ("store_session",),
+        ("store_session", "group_graphs"),
         ("moe_step", "lanes"),
         ("decode_graphs",),
         ("runner",),

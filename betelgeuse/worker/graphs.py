@@ -36,6 +36,11 @@ def capture(pool, fn):
 _SIDE: dict = {}
 
 
+def side_stream(device) -> torch.cuda.Stream:
+    """The stream captures run on (one per device; worker/group_graphs.py launches a group's first sighting there)."""
+    return _side_stream(device)
+
+
 def _side_stream(device) -> torch.cuda.Stream:
     s = _SIDE.get(device)
     if s is None:

@@ -63,6 +63,7 @@ from betelgeuse.store.directory import TIER_DISK, TIER_HOST, TIER_NAMES, TIER_VR
 from betelgeuse.worker.at_hand import AtHand
 from betelgeuse.worker.flex_cache import FlexCache
 from betelgeuse.worker.gate import DecodeGate
+from betelgeuse.worker.group_graphs import GroupGraphs
 from betelgeuse.worker.guess import Guesser, Marks
 from betelgeuse.worker.stats import LayerStats, PassClock, PassStats
 from betelgeuse.worker.store_session import StoreSession
@@ -173,6 +174,10 @@ class MoEStep:
             c = session.file.config
             self.gate = DecodeGate(self.n_layer, c.n_expert, max(1, session.plan.max_running) * self.depth
                                    * c.n_expert_used, torch.device(session.device))
+        # engine.group_graphs (CUDA, triton kernels): the eager groups (_apply) replay CUDA graphs captured per group
+        # (worker/group_graphs.py); None: they launch. Decode's rows only (max_running: attach resolved auto)
+        self.group_graphs = (GroupGraphs(self.kern, cfg.max_running if isinstance(cfg.max_running, int) else 8)
+                             if cfg.group_graphs and self.cache.is_cuda and self.kern.backend == "triton" else None)
         # the captured decode graphs' resident sets (route_static): fixed device storage that refresh_static
         # overwrites in place when residency changes, so a replayed graph reads the current set
         E, dev = session.file.config.n_expert, session.device
@@ -867,7 +872,13 @@ class MoEStep:
         return Group(experts, c.vram_base[l], c.vram_base_dev[l])
 
     def _apply(self, r, l: int, g: Group, ls: LayerStats, pool: torch.Tensor | None = None):
-        self.kern.apply(r, l, self.cache.pool if pool is None else pool, g, self.cache.slot_bytes)
+        """Every eager group of a layer (the one place that decides): a graph replay under engine.group_graphs
+        (worker/group_graphs.py: the same kernels on the same arguments), else the kernels' launches."""
+        pool = self.cache.pool if pool is None else pool
+        if self.group_graphs is not None:
+            self.group_graphs.apply(r, l, pool, g, self.cache.slot_bytes)
+        else:
+            self.kern.apply(r, l, pool, g, self.cache.slot_bytes)
         ls.groups += 1
 
     def _flex_groups(self, l, r, experts, stats: PassStats, ls: LayerStats):

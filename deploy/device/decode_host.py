@@ -10,12 +10,19 @@ rest, and the blocked wait for the store's expert bytes. Run it in two checkouts
     python3 deploy/device/decode_host.py [--preset ds4-tiny] [--vram 2 --host 3] [--tokens 64] [--device cpu]
                                          [--form default|solo|lanes] [--gate] [--profile out.prof] [--split]
                                          [--flex auto|on|off] [--host-in-place auto|always|never]
-                                         [--flex-slots N] [--threads] [--sync-debug]
+                                         [--flex-slots N] [--threads] [--sync-debug] [--group-graphs]
 
 --form: the decode path. default: whatever the device takes (on the CPU: forward()'s per-layer partial path); solo /
 lanes: the static form CUDA runs (forced on the CPU, eagerly: SoloDecode through forward(), or the batched lanes
 through decode_batch as the engine decodes a lone sequence), with decode's at-hand group (worker/at_hand.py) and,
 with --gate, decode_gate on (worker/gate.py: on the CPU each gated layer is drained where its gate stands).
+--group-graphs: engine.group_graphs (worker/group_graphs.py): on CUDA a miss layer's eager groups replay a CUDA graph
+per group (captured at its second sighting) instead of two launches; the expert math that miss_own_us leaves out is
+then GroupGraphs.apply (a replay, a capture or the launches), and `group_graphs` counts its replays, captures and
+launches over every step. In the split, moe._apply is every eager group's host us on both sides of an A/B, and
+moe.kern.apply the launches alone. On the CPU it changes nothing.
+logits_sha256: every decode step's logits, hashed (first 16 hex digits): two runs of one checkout and device that
+decode the same bits print the same (an A/B of a bit-neutral setting, e.g. --group-graphs, must).
 --profile: cProfile of the timed decode steps only (not the setup), written to the path (pstats format).
 nomiss_layer_us: the median host wall of a decode layer's expert step that had no miss (_time_layers), over
 nomiss_layers such layers of the timed steps. miss_layer_us: the same step of a layer with a miss (a disk expert or
@@ -54,6 +61,7 @@ several torch threads on a busy machine, set OMP_NUM_THREADS=1 (spinning threads
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import resource
@@ -94,7 +102,9 @@ def _time_layers(moe, a) -> tuple[list, list, list, list]:
     name, at = (("gate_drain", 5) if a.gate else ("hand_misses", 4)) if a.form != "default" else ("partial", 4)
     fn, out, miss, own, groups = getattr(moe, name), [], [], [], []
     clock = moe.clock
-    kern_apply, in_apply = moe.kern.apply, [0.0]
+    # the expert math's entry: with engine.group_graphs every eager group goes through its apply (replay or launch)
+    math = getattr(moe, "group_graphs", None) or moe.kern
+    kern_apply, in_apply = math.apply, [0.0]
 
     def apply(*args, **kw):                 # the expert math (CPU torch here; on CUDA two Triton launches)
         t = time.perf_counter()
@@ -117,7 +127,7 @@ def _time_layers(moe, a) -> tuple[list, list, list, list]:
             groups.append(ls.groups - g0)
         return r
     setattr(moe, name, timed)
-    moe.kern.apply = apply
+    math.apply = apply
     return out, miss, own, groups
 
 
@@ -125,7 +135,7 @@ def _time_layers(moe, a) -> tuple[list, list, list, list]:
 SPLIT = [("moe", "hand_misses"), ("moe", "gate_drain"), ("moe", "partial"), ("moe", "_partial"), ("moe", "_hand_all"),
          ("moe", "_hand_misses"), ("moe", "_disk_groups"), ("moe", "_disk_table"), ("moe", "_to_bank"),
          ("moe", "_bank_group"), ("moe", "_apply"), ("moe", "_group"), ("moe", "_release"), ("moe", "_read_in_place"),
-         ("moe.kern", "apply"),
+         ("moe.kern", "apply"), ("moe.group_graphs", "apply"),
          ("moe.cache", "to_bank"), ("moe.cache", "bank_next"), ("moe.cache", "bank_copy"), ("moe.cache", "table"),
          ("moe.cache", "bank_done"), ("moe.flex", "keep"),
          ("moe.session", "load"), ("moe.session", "prefetch_start"), ("moe.session", "release"),
@@ -239,6 +249,8 @@ def run(a, tmp: Path) -> dict:
     from betelgeuse.config import EngineConfig
     from services.assembly import open_runner, open_store
     extra = dict(decode_gate="on") if a.gate else {}
+    if a.group_graphs:              # a miss layer's eager groups as CUDA graph replays (worker/group_graphs.py)
+        extra["group_graphs"] = True
     if a.flex != "auto":            # off: no flex copies of disk experts (on CUDA auto holds them: no miss remains)
         extra["flex_cache"] = a.flex == "on"
     if a.host_in_place != "auto":   # never: host experts banked, as ds4-flash's MXFP4 ones are under auto
@@ -310,6 +322,7 @@ def run(a, tmp: Path) -> dict:
             import cProfile
             prof = cProfile.Profile()
         rows, sc0, first_ms = [], None, None
+        logits_sha = hashlib.sha256()
         for i in range(a.tokens):
             if TL is not None and i in (0, 1, a.skip):      # the regions: first step, skipped ones, timed ones
                 if i:
@@ -338,6 +351,7 @@ def run(a, tmp: Path) -> dict:
             if threads is not None and i >= a.skip:
                 threads.add()
             tok = int(lg[-1].argmax())
+            logits_sha.update(lg.float().cpu().numpy().tobytes())      # after the step's timing: bits, not time
             if i == 0:
                 first_ms = round(st.host_s * 1e3, 3)
             if i < a.skip:                      # the first steps (graph capture on CUDA)
@@ -371,11 +385,15 @@ def run(a, tmp: Path) -> dict:
                    miss_layer_groups=round(statistics.mean(groups_n), 3) if groups_n else None)
         if TL is not None:
             compiles["timed_steps"] = TL.compiles_since(mark)
+        gg = getattr(rn.moe, "group_graphs", None)
         rn.close()
         res = {"preset": a.preset, "form": a.form + ("+gate" if a.gate else ""), "slots": f"{a.vram}+{a.host}",
-               "layers": rn.mcfg.n_layer, "tokens": n, "per_token_median": out, "first_step_host_ms": first_ms}
+               "layers": rn.mcfg.n_layer, "tokens": n, "per_token_median": out, "first_step_host_ms": first_ms,
+               "logits_sha256": logits_sha.hexdigest()[:16]}
         if TL is not None:
             res["triton_compiles"] = compiles
+        if gg is not None:       # --group-graphs on CUDA: the eager groups' replays, captures and launches (all steps)
+            res["group_graphs"] = gg.stats()
         if threads is not None:  # thread name -> {cpu_us, wakeups} per timed step (means)
             res["threads"] = threads.per_step(n)
         if a.sync_debug and a.device.startswith("cuda"):     # where -> syncs per timed step (the CPU has none)
@@ -401,6 +419,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--form", default="default", choices=["default", "solo", "lanes"],
                    help="decode path: the device's default, or the static form's solo / lanes (module doc)")
     p.add_argument("--gate", action="store_true", help="decode_gate on (with --form solo or lanes)")
+    p.add_argument("--group-graphs", action="store_true",
+                   help="engine.group_graphs: a miss layer's eager groups replay CUDA graphs (CUDA; the CPU: no-op)")
     p.add_argument("--profile", help="cProfile of the timed decode steps to this path")
     p.add_argument("--flex", default="auto", choices=["auto", "on", "off"],
                    help="the flex cache (auto: on CUDA); off keeps a decode's disk experts misses on CUDA")

@@ -187,6 +187,7 @@ BAD_ENGINE_VALUES = [
     ("engine.decode_at_hand", "sometimes", 'true, false or "auto"'),
     ("engine.decode_gate", "fast", "off, on, auto"),
     ("engine.host_in_place", "sometimes", "auto, always, never"),
+    ("engine.group_graphs", "maybe", "true or false"),
     ("engine.warm_up", "maybe", "on, off"),
     ("engine.prefetch_depth", 0, "integer >= 1"),
     ("engine.prefetch_depth", "deep", '>= 1 or "auto"'),

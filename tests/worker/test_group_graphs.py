@@ -1,0 +1,214 @@
+"""engine.group_graphs (worker/group_graphs.py; issue 21): a decode miss layer's eager expert groups replay a CUDA graph
+per (Routing, layer, pool, table row) instead of launching gate_up + down.
+
+The CPU has no CUDA graphs, so here:
+  - the setting: default off, on from a flag / environment / TOML, a bad value one clear error
+  - on the CPU it is a no-op: MoEStep makes no GroupGraphs, and a static-form decode with misses (ds4-tiny, few slots,
+    host experts banked) gives the same logits bit for bit with it on and off (guards the plumbing)
+  - the memo's decisions, with the triton kernels under TRITON_INTERPRET=1 and a stand-in for the capture whose graph
+    re-runs the captured launches with the captured arguments on replay (what a CUDA graph's kernel nodes hold): a
+    decode-like sequence (one Routing rewritten in place each step, as a replayed decode graph does; groups over two
+    table rows of alternating contents; a flex-chunk-like second pool) launches at a key's first sighting, captures at
+    its second and replays after, and every step's output equals the torch reference backend on the same bytes (and,
+    bit for bit, the triton launches with no memo). A key missing the table row or the pool would replay another
+    group's launches: the reference check fails. A Routing that differs in one tensor never replays another's
+    graph, a group applied inside a capture launches, and the memo holds at most `cap` keys.
+What only the device can check (deploy/device/group_graph.py, decode_host.py --group-graphs): real capture and
+replay, bit-identity there, the host us saved, the shared workspace and memory pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from betelgeuse.config import EngineConfig  # noqa: E402
+from betelgeuse.errors import BetelgeuseError  # noqa: E402
+from betelgeuse.kernels.moe import Group, MoEKernels, pack_experts  # noqa: E402
+
+
+def test_setting_parses_and_refuses_bad_values():
+    import argparse
+    from betelgeuse.settings import add_flags, flag_values, resolve_settings
+    assert EngineConfig(model_path="m.gguf").group_graphs is False
+    assert EngineConfig(model_path="m.gguf", group_graphs=True).group_graphs is True
+    with pytest.raises(BetelgeuseError, match="group_graphs: expected true or false"):
+        EngineConfig(model_path="m.gguf", group_graphs="sometimes")
+    p = argparse.ArgumentParser()
+    add_flags(p, sections=["engine"])
+    r = resolve_settings(None, env={}, flags=flag_values(p.parse_args(["--group-graphs"])))
+    assert r.settings.engine.group_graphs is True and r.sources[("engine", "group_graphs")] == "flag --group-graphs"
+    r = resolve_settings(None, env={}, flags=flag_values(p.parse_args(["--no-group-graphs"])))
+    assert r.settings.engine.group_graphs is False
+    r = resolve_settings(None, env={"BETELGEUSE_ENGINE_GROUP_GRAPHS": "true"})
+    assert r.settings.engine.group_graphs is True
+    with pytest.raises(BetelgeuseError, match=r"BETELGEUSE_ENGINE_GROUP_GRAPHS.*expected true or false"):
+        resolve_settings(None, env={"BETELGEUSE_ENGINE_GROUP_GRAPHS": "often"})
+
+
+@pytest.fixture(scope="module")
+def ds4(tmp_path_factory):
+    from betelgeuse.gguf.synth import spec_from_preset, write_model
+    path = tmp_path_factory.mktemp("group_graphs") / "ds4.gguf"
+    write_model(path, spec_from_preset("ds4-tiny", expert_qtype="Q8_0", seed=2), progress=False)
+    return path
+
+
+def _decode(path, on: bool, steps: int = 6):
+    """A prompt prefilled and settled, then `steps` greedy exact-routed decode steps in the static form (SoloDecode
+    through forward(), eager on the CPU) with 2 VRAM + 2 host slots: decode layers miss (disk experts, banked host
+    ones) -> (logits [steps, V], the miss layers' eager groups, whether MoEStep made a GroupGraphs)."""
+    from engine_helpers import close_runner, in_process_runner, prompt
+    rn, st = in_process_runner(path, 2, 2, group_graphs=on, host_in_place="never", decode_consolidate_every=0)
+    try:
+        kv = rn.new_cache(64)
+        lg, _ = rn.forward(prompt(20, rn.mcfg.n_vocab, seed=7), kv)
+        rn.settle()
+        rn._static_decode = True
+        tok, outs, groups = int(lg[-1].argmax()), [], 0
+        for _ in range(steps):
+            lg, s = rn.forward([tok], kv, consolidate=False)
+            outs.append(lg.reshape(-1))
+            tok = int(lg[-1].argmax())
+            groups += sum(ls.groups - 1 for ls in s.layers if ls.disk or ls.host)
+        return torch.stack(outs), groups, rn.moe.group_graphs is not None
+    finally:
+        close_runner(rn, st)
+
+
+def test_on_the_cpu_it_is_a_no_op_and_decode_is_bit_identical(ds4):
+    off, groups, made_off = _decode(ds4, False)
+    on, _, made_on = _decode(ds4, True)
+    assert not made_off and not made_on                   # the CPU: no graphs, the kernels launch as before
+    assert groups > 0                                     # miss layers ran eager groups: the plumbing was crossed
+    assert torch.equal(on.view(torch.int32), off.view(torch.int32))
+
+
+# ---- the memo's decisions (triton kernels interpreted, a stand-in capture) ----------------------------------------
+E, H, F, K = 8, 64, 32, 3
+
+
+class _Graph:
+    """A CUDA graph's stand-in: replay() runs the captured launches again with the arguments they were captured with
+    (a kernel node's pointers and ints; the tensors' contents are read at replay time, as on the device)."""
+
+    def __init__(self, fn):
+        self.fn, self.replays = fn, 0
+
+    def replay(self):
+        self.replays += 1
+        self.fn()
+
+    def pool(self):
+        return None
+
+
+@pytest.fixture
+def memo(monkeypatch):
+    pytest.importorskip("triton")
+    from betelgeuse.worker import group_graphs as gg
+    captured = []
+
+    def capture(pool, fn):
+        g = _Graph(fn)
+        captured.append(g)
+        g.replay()                      # graphs.capture replays once: the capture itself runs nothing
+        return g, None
+    capturing = [False]
+    monkeypatch.setattr(gg, "capture", capture)
+    monkeypatch.setattr(gg, "on_side", lambda device, fn: fn())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    return gg, captured, capturing
+
+
+def _experts(seed=0):
+    from gguf import quants as gq
+    from gguf.constants import GGMLQuantizationType as GT
+    rng = np.random.default_rng(seed)
+    raw, deq = [], []
+    for _ in range(E):
+        parts = [gq.quantize(rng.standard_normal(s).astype(np.float32), GT.Q8_0).reshape(-1)
+                 for s in ((F, H), (F, H), (H, F))]
+        raw.append([torch.from_numpy(p) for p in parts])
+        deq.append([torch.from_numpy(gq.dequantize(p.reshape(s[0], -1), GT.Q8_0))
+                    for p, s in zip(parts, ((F, H), (F, H), (H, F)))])
+    return raw, deq
+
+
+def test_memo_launches_captures_replays_and_matches_the_reference(memo):
+    gg, captured, capturing = memo
+    raw, deq = _experts()
+    pool, starts, base, slot = pack_experts(lambda e: raw[e], range(E), E, "cpu")
+    # a second pool tensor (a flex chunk's place), its experts packed in the other order: other offsets
+    pool2, _, base2, _ = pack_experts(lambda e: raw[e], range(E - 1, -1, -1), E, "cpu")
+    assert (base2 != base).any()
+    tri = MoEKernels("triton", E, F, starts[None], [(8, 8)], 16)
+    ref = MoEKernels("torch", E, F, starts[None], [(8, 8)], 16, weights_fn=lambda b, l, e: deq[e])
+    graphs = gg.GroupGraphs(tri, max_rows=2)
+    rows = [torch.full((E,), -1, dtype=torch.int64) for _ in range(2)]     # two fixed table rows (the ring's)
+    rng = np.random.default_rng(1)
+    r = None
+    for step in range(5):
+        h = torch.from_numpy(rng.standard_normal((1, H)).astype(np.float32))
+        ids = torch.from_numpy(np.sort(rng.choice(E, K, replace=False))[None].astype(np.int64))
+        w = torch.from_numpy(rng.random((1, K)).astype(np.float32))
+        fresh = tri.route(h, ids, w)
+        if r is None:
+            r = fresh
+        else:                                             # a replayed decode graph rewrites its Routing in place
+            for name in ("h", "ids", "w", "rows", "off", "counts"):
+                getattr(r, name).copy_(getattr(fresh, name))
+        # three groups, one routed expert each: row 0 over pool, row 1 over pool (another table row), row 0 over
+        # pool2 (another pool); the rows' contents change every step (the experts differ). A key without the table
+        # row or the pool would replay the first group's launches for the second or third
+        e0, e1, e2 = (int(x) for x in ids[0])
+        groups = ((rows[0], e0, pool, base), (rows[1], e1, pool, base), (rows[0], e2, pool2, base2))
+        for row, e, p, b in groups:
+            row.fill_(-1)
+            row[e] = int(b[e])
+            graphs.apply(r, 0, p, Group(None, row.numpy().copy(), row), slot)
+        out = tri.combine(r)
+        # the references on the same inputs: the torch backend, and the triton launches with no memo
+        rr = ref.route(h, ids, w)
+        ref.apply(rr, 0, pool, Group(None, np.where(np.isin(np.arange(E), [e0, e1, e2]), base, -1), None), slot)
+        want = ref.combine(rr)
+        torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+        rt = tri.route(h, ids, w)
+        for _, e, p, b in groups:
+            tri.apply(rt, 0, p, Group(None, None, torch.from_numpy(np.where(np.arange(E) == e, b, -1))), slot)
+        assert torch.equal(out, tri.combine(rt)), step
+    # 3 keys: step 0 launches them, step 1 captures them (the capture replays once), steps 2-4 replay
+    assert (graphs.launches, graphs.captures, graphs.replays) == (3, 3, 9), graphs.stats()
+    assert len(captured) == 3 and all(g.replays == 4 for g in captured)
+    # a Routing that differs in one tensor alone (y elsewhere) never replays the other's graph: launched, its own y
+    # written, the other's left alone (a key without y's address would replay r's launches into r.y)
+    r.y.zero_()
+    r2 = dataclasses.replace(r, y=torch.zeros_like(r.y))
+    g = Group(None, None, rows[0])
+    rows[0].fill_(-1)
+    rows[0][e0] = int(base[e0])
+    graphs.apply(r2, 0, pool, g, slot)
+    assert graphs.launches == 4 and graphs.replays == 9
+    assert not r.y.any() and r2.y.any()
+    tri.apply(rt, 0, pool, g, slot)
+    assert torch.equal(r2.y, rt.y.masked_fill(r2.y == 0, 0))
+    # inside a capture (a layer wholly in VRAM in a decode graph) a group launches: the enclosing graph captures it
+    capturing[0] = True
+    graphs.apply(r, 0, pool, g, slot)
+    assert graphs.launches == 5 and graphs.replays == 9
+    capturing[0] = False
+    # rows beyond max_rows (prefill) launch and are not remembered
+    big = tri.route(torch.zeros((3, H)), torch.zeros((3, K), dtype=torch.int64), torch.zeros((3, K)))
+    n = len(graphs._memo)
+    graphs.apply(big, 0, pool, g, slot)
+    assert graphs.launches == 6 and len(graphs._memo) == n
+    # bounded: the least recently used key goes first
+    graphs.cap = 2
+    graphs.apply(r2, 0, pool2, g, slot)
+    assert len(graphs._memo) == 2
