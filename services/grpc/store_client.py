@@ -463,8 +463,9 @@ class GrpcStoreClient:
                        timeout=max(self.timeout, self.BEGIN_PASS_TIMEOUT))
         return EngramLanded(m.bank, m.rows, m.disk_rows, m.cache_rows, m.disk_bytes, m.read_seconds)
 
-    def status(self) -> dict:
-        return json.loads(self._call(self.stub.Status, pb.StatusRequest()).json)
+    def status(self, disk_gaps_since: float | None = None) -> dict:
+        req = pb.StatusRequest() if disk_gaps_since is None else pb.StatusRequest(disk_gaps_since=disk_gaps_since)
+        return json.loads(self._call(self.stub.Status, req).json)
 
     def bind(self, channel):
         """Every call of the session on `channel`: attach's own, or it wrapped in interceptors (grpc.intercept_channel:
