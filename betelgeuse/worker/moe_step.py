@@ -357,6 +357,7 @@ class MoEStep:
             es = {int(e) for t in tokens for e in table[l, t].tolist()}
             keys += [(l, e) for e in sorted(es) if tl[e] == TIER_DISK and e not in held]
         if keys:
+            stats.sends.append((time.monotonic(), -1))
             self.guesser.hash_ahead(keys, self.session.prefetch_start(keys), stats)
 
     # ---- a layer ---------------------------------------------------------------------------------------
@@ -721,6 +722,7 @@ class MoEStep:
         def send_ahead(ahead):
             nonlocal loads, sent
             sent = True
+            stats.sends.append((time.monotonic(), l))
             if not keys:
                 return self.session.prefetch_start(ahead, drop)
             loads = self.session.load(keys, ahead, drop)
@@ -734,6 +736,8 @@ class MoEStep:
                     marks = self._unflexed(l, marks)
             self.guesser.read_ahead(l, self.guess_layers(l), marks, snap, stats, send_ahead, unheld)
         if loads is None:
+            if keys:
+                stats.sends.append((time.monotonic(), l))
             loads = self.session.load(keys, (), drop) if keys else iter(())
             if drop and not keys and not sent:
                 self.session.prefetch_start([], drop)

@@ -13,7 +13,10 @@ The store's reader logs each stretch with no read in flight as (start, end) on t
             for a host copy while no read is queued)
 
 Per token: idle ms between / within, their sum + the disk's active time = the run's span (active = span - idle, the
-store's own active-seconds counter the independent check: tests/services/test_disk_idle.py).
+store's own active-seconds counter the independent check: tests/services/test_disk_idle.py). Given the worker's
+messages that ask for disk reads (PassStats.sends: time, layer), each gap is also put on the message that ended it
+(the last one sent by its end, if sent during it): the layer whose routing the disk waited for, or the step's hash
+ahead (-1); "other" where no message was sent during the gap.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ from __future__ import annotations
 import bisect
 
 
-def split_idle(gaps, windows) -> dict:
+def split_idle(gaps, windows, sends=()) -> dict:
     """gaps [(start, end)] the disk's idle gaps (monotonic s, oldest first, as the store logs them), windows [(start,
     end)] the decode steps in order (monotonic s, each end <= the next start) -> {"tokens", "span_s", "idle_s",
     "between_s", "within_s", "outside_s", "active_s", "between_gaps", "within_gaps"} and per token in ms
     (between_ms_per_token, within_ms_per_token, outside_ms_per_token, active_ms_per_token). Each gap clipped to the
-    run's span [first start, last end]."""
+    run's span [first start, last end]. sends [(monotonic s, layer)] (PassStats.sends, in order): also "ended_by",
+    per layer whose message ended a gap (-1: the step's hash ahead; "other": no message sent during the gap) the
+    idle ms per token [between, within]: what the disk waited for."""
     n = len(windows)
     if not n:
         return {}
@@ -36,12 +41,15 @@ def split_idle(gaps, windows) -> dict:
     ends = [s for _, s in bounds]
     between = within = outside = 0.0
     nb = nw = 0
+    times = [t for t, _ in sends]
+    ended: dict = {}                                            # label -> [between s, within s]
     for a, b in gaps:
         a, b = max(a, lo), min(b, hi)
         if b <= a:
             continue
         k = bisect.bisect_left(ends, a)                         # the first boundary that ends at or after a
-        if k < len(bounds) and bounds[k][0] <= b:               # it starts by b: the gap touches it
+        touches = k < len(bounds) and bounds[k][0] <= b         # it starts by b: the gap touches it
+        if touches:
             between += b - a
             nb += 1
             while k < len(bounds) and bounds[k][0] <= b:        # its parts outside every step
@@ -50,13 +58,32 @@ def split_idle(gaps, windows) -> dict:
         else:
             within += b - a
             nw += 1
+        if times:                   # the last message sent by the gap's end, if sent during it, ended it
+            i = bisect.bisect_right(times, b) - 1
+            label = str(sends[i][1]) if i >= 0 and times[i] >= a else "other"
+            ended.setdefault(label, [0.0, 0.0])[0 if touches else 1] += b - a
     span = hi - lo
     idle = between + within
     ms = 1e3 / n
     return {"tokens": n, "span_s": span, "idle_s": idle, "between_s": between, "within_s": within,
             "outside_s": outside, "active_s": span - idle, "between_gaps": nb, "within_gaps": nw,
             "between_ms_per_token": between * ms, "within_ms_per_token": within * ms,
-            "outside_ms_per_token": outside * ms, "active_ms_per_token": (span - idle) * ms}
+            "outside_ms_per_token": outside * ms, "active_ms_per_token": (span - idle) * ms,
+            **({"ended_by": {k: [v[0] * ms, v[1] * ms] for k, v in sorted(ended.items(), key=_label_order)}}
+               if times else {})}
+
+
+def _label_order(kv) -> tuple:
+    k = kv[0]
+    return (1, 0) if k == "other" else (0, int(k))
+
+
+def ended_label(s: dict, top: int = 4) -> str:
+    """split_idle's ended_by, the largest first: 'L0 8.1 / 0.2, hash 1.0 / 0.0, ...' (ms/token between / within)."""
+    by = s.get("ended_by") or {}
+    rows = sorted(by.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))[:top]
+    name = {"-1": "hash ahead", "other": "other"}
+    return ", ".join(f"{name.get(k, 'L' + k)} {b:.1f} / {w:.1f}" for k, (b, w) in rows)
 
 
 def idle_label(d: dict) -> str:

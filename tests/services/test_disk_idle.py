@@ -10,12 +10,13 @@
 
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
 
 from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, write_synth
-from services.bench.disk_idle import idle_label, split_idle
+from services.bench.disk_idle import ended_label, idle_label, split_idle
 
 PAUSE = 0.05        # s, the forced gap per token
 STEPS = 5
@@ -33,7 +34,16 @@ def test_split_by_hand():
     assert s["span_s"] == 30 and s["active_s"] == pytest.approx(30 - 8.5)
     assert s["between_ms_per_token"] == pytest.approx(7e3 / 3)
     assert "between" in idle_label({"disk_idle": s}) and idle_label({}) == ""
-    assert split_idle(gaps, []) == {}
+    assert split_idle(gaps, []) == {} and "ended_by" not in s
+    # the message that ended each gap: the last one sent by its end, if sent during it
+    sends = [(0.5, -1), (3.5, 1), (8.0, 2), (11.5, 0), (15.2, 1), (20.2, -1), (29.5, 1)]
+    by = split_idle(gaps, windows, sends)["ended_by"]
+    # (0, 1) and (19, 21) by the hash aheads at 0.5 and 20.2; (9, 12) by layer 0's at 11.5; (3, 4), (15, 15.5) and
+    # (29, 30) by layer 1's at 3.5, 15.2 and 29.5 (the send at 8.0 is before (9, 12) began: not its end)
+    assert by == {"-1": [pytest.approx(3e3 / 3), 0.0], "0": [pytest.approx(3e3 / 3), 0.0],
+                  "1": [pytest.approx(1e3 / 3), pytest.approx(1.5e3 / 3)]}, by
+    assert split_idle([(3.0, 4.0)], windows, [(2.0, 1)])["ended_by"] == {"other": [0.0, pytest.approx(1e3 / 3)]}
+    assert ended_label({"ended_by": by}) == "hash ahead 1000.0 / 0.0, L0 1000.0 / 0.0, L1 333.3 / 500.0"
 
 
 @pytest.fixture(scope="module")
@@ -60,19 +70,24 @@ def _decode(path, pause_between: float = 0.0, pause_within: float = 0.0) -> tupl
                     time.sleep(pause_within)
                 return partial(l, *a, **kw)
             rn.moe._partial = slow
-        windows = []
+        windows, sends = [], []
         a0 = st.status()["disk_active_seconds"]
+        gc.collect()            # no collection inside the timed steps: a full one took 0.14 s under pytest (an idle
+        gc.disable()            # stretch of its own, in whichever step it fell)
         for _ in range(STEPS):
             w0 = time.monotonic()
-            lg, _ = rn.forward([tok], kv, consolidate=False)
+            lg, stats = rn.forward([tok], kv, consolidate=False)
+            sends += stats.sends
             tok = int(lg[-1].argmax())
             if pause_between:
                 time.sleep(pause_between)       # a slow sampling: after the step's last read, inside its window
             windows.append((w0, time.monotonic()))
+        gc.enable()
         end = st.status(disk_gaps_since=windows[0][0])
         assert end["disk_gaps_complete"] and end["disk_clock"] >= windows[-1][1]
-        return split_idle(end["disk_gaps"], windows), end["disk_active_seconds"] - a0
+        return split_idle(end["disk_gaps"], windows, sends), end["disk_active_seconds"] - a0
     finally:
+        gc.enable()
         close_runner(rn, st)
 
 
@@ -89,3 +104,6 @@ def test_forced_gaps_land_where_they_should(model):
     assert between["within_s"] - base["within_s"] <= 0.3 * STEPS * PAUSE, (between, base)
     within, _ = _decode(model, pause_within=PAUSE)
     assert within["within_s"] - base["within_s"] >= 0.6 * STEPS * PAUSE, (within, base)
+    # and the disk waited for layer 1's loads (guesses off: its own message ends the pause's gap)
+    grew = within["ended_by"]["1"][1] - base["ended_by"].get("1", [0.0, 0.0])[1]
+    assert grew >= 0.6 * PAUSE * 1e3, (within["ended_by"], base["ended_by"])
