@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -401,6 +402,7 @@ class Deepseek4Model:
         self.ops = ops_for(self.device)
         self.ops.prepare(self.w, cfg.n_layer)
         self.guess_stack = stack_guess(self.w, cfg.n_layer, p.n_hash_layers)
+        self._hash_host = None                # hash_table's host copy, made at its first call
 
     @classmethod
     def load_dense(cls, f, device="cpu", dtype=torch.float32) -> dict[str, torch.Tensor]:
@@ -416,6 +418,17 @@ class Deepseek4Model:
             else:
                 out[name] = f.load_tensor(name, device, torch.float32 if k in ds4layout.FP32_KINDS else dtype)
         return out
+
+    def hash_table(self) -> np.ndarray | None:
+        """The hash-routed layers' tables on the host, [n_hash, V, k] int16 (an expert id per (layer, token, rank):
+        3 x 129,280 x 6 x 2 bytes = 4.7 MB for V4-Flash), made once; None without hash layers. A decode step knows
+        its tokens before layer 0 runs, so the worker starts these layers' disk reads at once (MoEStep.hash_ahead)."""
+        t = self.guess_stack.tid2eid
+        if not t.shape[0]:
+            return None
+        if self._hash_host is None:
+            self._hash_host = t.to("cpu", torch.int16).numpy()
+        return self._hash_host
 
     # -- the MoEModel surface (model/interface.py) --
 

@@ -41,6 +41,10 @@ are class-level flags that the runner reads (it never guesses with getattr and a
                    the reference models' default too): fewer, larger chunks cost fewer launches of the dense front,
                    smaller ones a finer prefix grid (blocks, checkpoints); the config's prefill_chunk overrides it
 
+Optional: hash_table() -> the hash-routed layers' expert ids per token on the host ([n_hash, V, k], layers 0 ..
+n_hash-1 route by token id alone: deepseek4), or None; a model without it has none. A decode step reads those layers'
+disk experts from its start (worker/moe_step.py hash_ahead).
+
 A model whose file has Engram tables (deepseek41) is an EngramModel too: before its layers, a pass hashes each
 sequence's new tokens into table rows, which `source` delivers (the engine: the store, worker/engram_feed.py;
 the reference: the file's map, model/engram.py FileRows); a static decode step has them staged into fixed device

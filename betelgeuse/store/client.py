@@ -46,7 +46,8 @@ class StoreClient(Protocol):
     # the worker measured its VRAM over the budget at attach: the VRAM tier keeps n_vram slots per layer (between
     # passes; ExpertStore.trim_vram) -> the new plan; `trim`: the measurement (worker/vram_fit.py VramFit.record)
     def trim_vram(self, n_vram: int, trim: dict) -> SlotPlan: ...
-    def status(self) -> dict: ...
+    # disk_gaps_since (monotonic seconds): also the disk's idle gaps since then (ExpertStore.status)
+    def status(self, disk_gaps_since: float | None = None) -> dict: ...
     def close(self) -> None: ...
 
 
@@ -99,8 +100,8 @@ class InProcessStoreClient:
     def engram_wait(self, bank):
         return self.store.engram_wait(self.session, bank)
 
-    def status(self):
-        return self.store.status()
+    def status(self, disk_gaps_since=None):
+        return self.store.status(disk_gaps_since)
 
     def close(self):
         pass

@@ -10,6 +10,11 @@ behind the reads ahead queued before it); a started one always finishes. Where O
 (tmpfs, ramfs: the file already is page cache) the reader falls back to buffered reads + POSIX_FADV_DONTNEED, and
 says so in `mode`.
 
+Idle gaps: the reader logs each stretch of wall time with no preadv in flight as (start, end) on CLOCK_MONOTONIC
+(time.monotonic: the same clock in every process of the host, so a worker or the bench can lay its own step
+boundaries over the store's gaps; the last GAP_LOG of them, one append per active stretch). idle_gaps(since) hands
+out those that end after `since` (the bench's decode split, services/bench/disk_idle.py).
+
 Test-only: `BETELGEUSE_TEST_READ_JITTER=SEED:MAX_MS` (or `jitter=`, see Jitter) slows each piece's preadv and holds
 each read's completion back by seeded random delays, so bytes land late, the pieces of one read land in any order,
 and expert arrivals come late and out of order (adversarial timing: the tests and the device checks set it,
@@ -18,6 +23,7 @@ production never does; off, it costs one `is None` test per read).
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import itertools
 import mmap
@@ -35,6 +41,7 @@ from betelgeuse.store.arena import Arena
 PAGE = 4096
 JITTER_ENV = "BETELGEUSE_TEST_READ_JITTER"
 MEMORY_FS = frozenset({"tmpfs", "ramfs", "hugetlbfs", "devtmpfs"})
+GAP_LOG = 1 << 16   # idle gaps kept (16 bytes each in two floats: ~2 MB): a decode token has a few dozen
 
 
 @dataclass(slots=True)
@@ -210,6 +217,9 @@ class ExpertReader:
         self._stats_lock = threading.Lock()
         self._in_flight = 0         # pieces inside preadv now (under _stats_lock) and since when one was (perf_counter)
         self._active_since = 0.0
+        # the idle gaps (module doc): (start, end) monotonic seconds, and when the current one began (idle now)
+        self._gaps: collections.deque = collections.deque(maxlen=GAP_LOG)
+        self._idle_since = time.monotonic()
         self._q: queue.PriorityQueue = queue.PriorityQueue()
         self._seq = itertools.count()  # FIFO within a priority
         self.jitter = Jitter.from_env() if jitter is None else jitter  # test-only; None in production
@@ -352,6 +362,7 @@ class ExpertReader:
         with self._stats_lock:
             if self._in_flight == 0:
                 self._active_since = time.perf_counter()
+                self._gaps.append((self._idle_since, time.monotonic()))
             self._in_flight += 1
         t0 = time.perf_counter()
         try:
@@ -361,6 +372,7 @@ class ExpertReader:
                 self._in_flight -= 1
                 if self._in_flight == 0:
                     self.stats.active_seconds += time.perf_counter() - self._active_since
+                    self._idle_since = time.monotonic()
         busy = time.perf_counter() - t0
         if got < p.nbytes:
             buf[got:] = bytes(p.nbytes - got)  # the rounded-up tail past EOF
@@ -390,6 +402,17 @@ class ExpertReader:
         with self._stats_lock:
             open_s = time.perf_counter() - self._active_since if self._in_flight else 0.0
             return self.stats.active_seconds + open_s
+
+    def idle_gaps(self, since: float) -> tuple[list[tuple[float, float]], bool]:
+        """The disk's idle gaps (module doc) that end after `since` (monotonic seconds), oldest first, the current one
+        to now if no read is in flight -> (gaps, complete): complete is False where the log lost some (GAP_LOG)."""
+        with self._stats_lock:
+            gaps = list(self._gaps)
+            if not self._in_flight:
+                gaps.append((self._idle_since, time.monotonic()))
+        full = len(self._gaps) == self._gaps.maxlen
+        out = [g for g in gaps if g[1] > since]
+        return out, not (full and gaps and gaps[0][1] > since)
 
     def close(self) -> None:
         """Stop the threads after the pieces already queued; pending futures then resolve normally."""

@@ -715,9 +715,16 @@ class ExpertStore:
         return {"vram": int((tiers == TIER_VRAM).sum()), "host": int((tiers == TIER_HOST).sum()),
                 "host_slots": int((snap["host_slot"] >= 0).sum()), "staging": self.plan.n_staging - len(self._free)}
 
-    def status(self) -> dict:
+    def status(self, disk_gaps_since: float | None = None) -> dict:
+        """The store's counters and gauges (JSON-able). disk_gaps_since (monotonic seconds): also the disk's idle gaps
+        ending after it, "disk_gaps" [[start, end], ...] (store/reader.py idle_gaps; the bench's decode split), and
+        "disk_gaps_complete" (False: the reader's log lost some), "disk_clock" (now, monotonic)."""
         r = self.reader.stats
         c = self.counters
+        gaps = {}
+        if disk_gaps_since is not None:
+            got, complete = self.reader.idle_gaps(disk_gaps_since)
+            gaps = {"disk_gaps": [list(g) for g in got], "disk_gaps_complete": complete, "disk_clock": time.monotonic()}
         return {
             "pid": os.getpid(), "session": self.session, "pass_active": self.pass_active,
             "epoch": int(self.directory.epoch), "uptime_s": time.monotonic() - self.started,
@@ -745,6 +752,7 @@ class ExpertStore:
             "refusing": self.watch.why,
             **(self.engram.status() if self.engram is not None else {}),
             **(self.prefix_disk.status() if self.prefix_disk is not None else {}),
+            **gaps,
         }
 
     def close(self):

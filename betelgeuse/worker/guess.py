@@ -240,7 +240,7 @@ class Guesser:
 
     __slots__ = ("session", "expert_bytes", "min_hit", "rule", "hits", "tries", "class_hits", "class_tries",
                  "class_read", "disk_mean", "fast", "_snap", "_disk_sets", "_stats", "_asked", "_guessed", "_asks",
-                 "_pending", "_by_depth", "_batch", "_per_layer")
+                 "_pending", "_by_depth", "_batch", "_per_layer", "_hash")
 
     def __init__(self, session, n_layer: int, depth: int = 0, min_hit: float = 0.0, rule: str = "rows"):
         assert rule in RULES, rule
@@ -270,6 +270,7 @@ class Guesser:
         self._by_depth: dict = {}           # guessed layer -> {depth: (guessed disk experts, budget classes, classes)}
         self._batch = False                 # this pass guesses for more than one running row
         self._per_layer: dict = {}          # guessed layer -> reads ahead asked for it in this pass
+        self._hash = None                   # this pass's hash ahead: (its _Ask, layer -> experts asked), or None
 
     def _disk(self, snap) -> list[set]:
         """Per layer, the set of its experts on disk in the snapshot (Marks.on_disk), made once per snapshot (a
@@ -282,7 +283,33 @@ class Guesser:
         if self._stats is not stats:
             self._stats, self._asked, self._guessed, self._asks, self._pending, self._by_depth = (
                 stats, set(), {}, {}, [], {})
-            self._batch, self._per_layer = False, {}
+            self._batch, self._per_layer, self._hash = False, {}, None
+
+    def hash_ahead(self, keys: list[tuple[int, int]], answer, stats: PassStats):
+        """The step's hash-routed layers' disk experts `keys` were read ahead at its start (MoEStep.hash_ahead; answer()
+        -> reads started): asked in this pass, so no guess asks them again unless the store did not start them (read
+        with the pending answers at the next read ahead, as a guess's own). Counted on their layer's check."""
+        self._pass(stats)
+        ask = _Ask(keys, answer)
+        self._asked.update(keys)
+        self._pending.append(ask)
+        by_layer: dict = {}
+        for t, e in keys:
+            by_layer.setdefault(t, set()).add(e)
+        self._hash = (ask, by_layer)
+        stats.hash_ahead += len(keys)
+
+    def _hash_check(self, layer: int, disk, stats: PassStats):
+        """check's part for a hash-read layer: the reads the store started (once per pass: all layers' keys, from the
+        answer) and their bytes; the layer's keys it then used (exact routing: all of them)."""
+        ask, by_layer = self._hash
+        mine = by_layer.pop(layer, None)
+        if mine is None:
+            return
+        stats.hash_ahead_hits += len(mine.intersection(int(x) for x in disk))
+        n = ask.queued(layer)
+        stats.hash_ahead_started += n
+        stats.hash_ahead_bytes += n * self.expert_bytes[layer]
 
     def worth(self, layer: int, depth: int, cls: int = LONE) -> bool:
         """Whether layer `layer`'s guesses of class `cls` from `depth` layers back are read ahead (module doc:
@@ -427,6 +454,8 @@ class Guesser:
         guesses made for it in this pass, if any."""
         if self._stats is not stats:
             return
+        if self._hash is not None:
+            self._hash_check(layer, disk, stats)
         if self._batch:
             m = self.disk_mean[layer]
             self.disk_mean[layer] = len(disk) if np.isnan(m) else DISK_DECAY * m + (1 - DISK_DECAY) * len(disk)

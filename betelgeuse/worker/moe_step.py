@@ -123,7 +123,7 @@ class MoEStep:
 
     def __init__(self, cfg: EngineConfig, session: StoreSession, clock: PassClock, act_limit: float | None,
                  flex: FlexCache | None = None, guess_depth: int = 3,
-                 guess_min_hit: float = 0.5):
+                 guess_min_hit: float = 0.5, hash_table: np.ndarray | None = None):
         self.cfg, self.session, self.clock = cfg, session, clock
         self.flex = flex                  # copies of recent disk experts in spare VRAM (worker/flex_cache.py), or None
         self.cache = session.cache
@@ -153,6 +153,11 @@ class MoEStep:
         # auto: the architecture's waste budget (the model's guess_min_hit, passed in as guess_min_hit)
         min_hit = guess_min_hit if cfg.prefetch_min_hit == "auto" else cfg.prefetch_min_hit
         self.guesser = Guesser(session, self.n_layer, self.depth, min_hit, cfg.prefetch_batch_rule)
+        # hash ahead (hash_ahead): the hash-routed layers' expert ids per token on the host [n_hash, V, k] (the
+        # model's hash_table), in exact routing with decode's guesses on; None: off (no hash layer, or pool routing,
+        # whose hash layers choose among the resident experts: their disk reads are not the table's)
+        self.hash = (hash_table[:self.n_layer] if hash_table is not None and cfg.prefetch_hash and self.guessing
+                     and cfg.routing == "exact" else None)
         self._guess_memo = None             # (cache.all_vram, guess_layers of every layer) for that array
         self._tier_memo = None              # (snapshot, its tiers [n_layer, n_expert] contiguous): _tiers
         # the short paths of decode's common case: a layer with no miss (_hand_all), guesses none of which is on disk
@@ -333,6 +338,32 @@ class MoEStep:
         if snap is None:
             return lambda t, h, ids: self.route_static(model, t, h, ids)[0]
         return lambda t, h, ids: type(model).route(model, t, h, ids, self.residency(snap, t))[0]
+
+    def hash_ahead(self, tokens: list[int], snap, stats: PassStats):
+        """At a decode step's start (its tokens sampled, before layer 0's attention): the disk reads of the hash-routed
+        layers' experts of these tokens (deepseek4: layers 0 .. n_hash-1 choose tid2eid[token], known now: exact), in
+        one read ahead, nearest layer first, without waiting for the store's answer. Otherwise layer 0's reads wait
+        for its attention and routing sync and layers 1 .. n_hash-1's for a guess made at layer 0: the disk idles
+        from the last token's last read to then (issue 21; services/bench/disk_idle.py measures it). The store
+        starts them in its read-ahead half of the staging slots (what does not fit is asked again by the guesses, as
+        any read ahead not started: Guesser.hash_ahead) and skips what it has staged or in flight; a layer's load then
+        takes them (promoted where still queued). Only when bytes arrive changes, never a bit (invariant 1). Counted:
+        PassStats.hash_ahead*. tokens: the step's token ids on the host (one per running row)."""
+        table = self.hash
+        if table is None or not tokens or self.routing != "exact":     # (the bench flips routing for one pass)
+            return
+        tiers, flex = self._tiers(snap), self.flex
+        keys = []
+        for l in range(table.shape[0]):
+            if self.cache.all_vram[l]:
+                continue
+            held = flex.copies[l] if flex is not None else ()
+            tl = tiers[l]
+            es = {int(e) for t in tokens for e in table[l, t].tolist()}
+            keys += [(l, e) for e in sorted(es) if tl[e] == TIER_DISK and e not in held]
+        if keys:
+            stats.sends.append((time.monotonic(), -1))
+            self.guesser.hash_ahead(keys, self.session.prefetch_start(keys), stats)
 
     # ---- a layer ---------------------------------------------------------------------------------------
     def layer(self, l, h, ids, w, snap, stats: PassStats, ls: LayerStats, readahead: bool, chunks=None,
@@ -696,6 +727,7 @@ class MoEStep:
         def send_ahead(ahead):
             nonlocal loads, sent
             sent = True
+            stats.sends.append((time.monotonic(), l))
             if not keys:
                 return self.session.prefetch_start(ahead, drop)
             loads = self.session.load(keys, ahead, drop)
@@ -709,6 +741,8 @@ class MoEStep:
                     marks = self._unflexed(l, marks)
             self.guesser.read_ahead(l, self.guess_layers(l), marks, snap, stats, send_ahead, unheld)
         if loads is None:
+            if keys:
+                stats.sends.append((time.monotonic(), l))
             loads = self.session.load(keys, (), drop) if keys else iter(())
             if drop and not keys and not sent:
                 self.session.prefetch_start([], drop)

@@ -125,7 +125,8 @@ class ModelRunner:
         self.flex = steps.run("flex_cache", self._flex_cache)
         self.moe = steps.run("moe_step", lambda: MoEStep(
             self.cfg, self.session, self.clock, act_limit=self.model.expert_act[1], flex=self.flex,
-            guess_depth=type(self.model).guess_depth, guess_min_hit=type(self.model).guess_min_hit))
+            guess_depth=type(self.model).guess_depth, guess_min_hit=type(self.model).guess_min_hit,
+            hash_table=self.model.hash_table() if hasattr(self.model, "hash_table") else None))
         warmed: dict = {}
         on = self.cfg.warm_up == "on"
         if on:
@@ -413,15 +414,19 @@ class ModelRunner:
         idss = [self.model.check_ids(ids) for ids, _ in parts]
         self._replay_from([kv for _, kv in parts])
         return self._pass(stats, consolidate, should_stop,
-                          lambda snap, stats: self._layer_major(idss, [kv for _, kv in parts], snap, stats, all_logits))
+                          lambda snap, stats: self._layer_major(idss, [kv for _, kv in parts], snap, stats, all_logits),
+                          [int(ids[0]) for ids, _ in parts] if stats.kind == "decode" else None)
 
-    def _pass(self, stats: PassStats, consolidate: bool, should_stop, work):
+    def _pass(self, stats: PassStats, consolidate: bool, should_stop, work, tokens: list[int] | None = None):
         """One store-backed pass: open (or go on with) the store pass, work(snap, stats) -> a list of logits (made
-        float32), the end sync, the usage; an exception closes the store pass first."""
+        float32), the end sync, the usage; an exception closes the store pass first. tokens: a decode step's token
+        per sequence (host ints): its hash-routed layers' disk reads start first (MoEStep.hash_ahead)."""
         self.should_stop = should_stop or (lambda: None)
         start = self._begin()
         try:
             snap = self.session.begin(stats)
+            if tokens:
+                self.moe.hash_ahead(tokens, snap, stats)
             logits = [x.float() for x in work(snap, stats)]
             counts = self.session.end_counts()
         except BaseException:
@@ -501,6 +506,7 @@ class ModelRunner:
         gated: list = []              # decode_gate on CUDA: the layers launched ahead, to drain (_drain_gated)
         try:
             snap = self.session.begin(stats)
+            self.moe.hash_ahead([int(t) for t in tokens], snap, stats)   # before any layer (MoEStep.hash_ahead)
             self.kern.sub_batch = 1
             if static:                              # CUDA: row-batched dense part over fixed lanes (worker/lanes.py)
                 ln = self._lane_set()

@@ -64,6 +64,17 @@ class PassStats:
     host_guessed: int = 0
     host_guess_hits: int = 0
     host_guess_bytes: int = 0
+    # decode's reads of the step's hash-routed layers' disk experts (deepseek4: chosen by token id), asked at the
+    # step's start, before layer 0's attention (MoEStep.hash_ahead): experts asked, reads the store started (its
+    # read-ahead share of the staging slots), their bytes, and of those asked the ones the layer then used
+    hash_ahead: int = 0
+    hash_ahead_started: int = 0
+    hash_ahead_bytes: int = 0
+    hash_ahead_hits: int = 0
+    # (time.monotonic() s, layer) of each decode message that asks the store for disk reads, as it is sent: a layer's
+    # load or read ahead of guesses (MoEStep._send_loads), -1 the step's hash ahead. The bench lays them over the
+    # store's idle gaps: the message that ended a gap names what the disk waited for (services/bench/disk_idle.py)
+    sends: list = field(default_factory=list)
     vram_filled: int = 0        # experts copied into VRAM hot slots at the start of the pass
     fill_disk: int = 0          # of those, read from disk (no host backing copy): fills, not uses (reads counts uses)
     open_s: float = 0.0         # opening the store pass: BeginPass (it waits for a pending consolidation) + VRAM fills

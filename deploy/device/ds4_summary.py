@@ -18,6 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
+from services.bench.disk_idle import ended_label                    # the idle gaps by what ended them
 from services.bench.report import attach_vram                      # attach's steps' VRAM, as bench.md
 from services.bench.report import triton_compiles as _compiles   # a region's Triton compiles, as bench.md
 
@@ -83,6 +84,19 @@ def targets(r: dict) -> list[str]:
     if names:                 # which kernels the count is made of (services/bench/profile.by_name)
         L.append(_row("  of it, by kernel (per layer)", "–", "; ".join(f"`{n}` {c:g}" for n, c in names.items()),
                       None))
+    idle = exd.get("disk_idle") or {}
+    if "between_ms_per_token" in idle:  # where the exact decode's disk idles (services/bench/disk_idle.py)
+        g = exd.get("guess") or {}
+        L.append(_row("  decode, exact: disk idle ms/token between tokens / within a token (active)", "–",
+                      f"{idle['between_ms_per_token']:.1f} / {idle['within_ms_per_token']:.1f} "
+                      f"({idle['active_ms_per_token']:.1f}; busy {_f(exd.get('disk_busy_fraction'), '{:.1%}')})"
+                      + ("" if idle.get("gaps_complete", True) else ", gap log incomplete")
+                      + (f"; hash ahead {g['hash_ahead_started'] / max(1, exd['tokens']):.1f} reads/token "
+                         f"started of {g['hash_ahead'] / max(1, exd['tokens']):.1f} asked"
+                         if g.get("hash_ahead") else "; hash ahead off"), None))
+        if idle.get("ended_by"):    # the message that ended each idle gap: what the disk waited for
+            L.append(_row("  of it, by the message that ended the gap (ms/token between / within)", "–",
+                          ended_label(idle), None))
     runs = [p for c in (ex, pool) for p in c.get("passes", []) + ([c["decode"]] if c.get("decode") else [])]
     # the target is for layer-major passes and decode; a pass of the standard (token-major) schedule, which the
     # bench runs for comparison, is shown beside it and judged by nothing

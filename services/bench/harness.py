@@ -31,6 +31,7 @@ from betelgeuse.worker.runner import ModelRunner
 from services.assembly import ChildStore, open_runner, open_store
 from services.bench import ceilings as C
 from services.bench.args import OutOfTime
+from services.bench.disk_idle import split_idle
 from services.bench.procs import BenchCgroup, Monitor, arena_mappings, cgroup_of, mkdir, vram_used_before_cuda
 from services.bench.profile import profile_pass
 
@@ -478,6 +479,8 @@ class Harness:
         token_compiles = []                             # per token: Triton compiles inside it (None: not counted)
         mark = TL.compile_mark()
         guess = dict.fromkeys(GUESS_FIELDS, 0)          # decode's guesses of the next layers (worker/guess.py)
+        windows = []                                    # per token: its step on the store's clock (monotonic)
+        sends = []                                      # the steps' messages asking for disk reads (PassStats.sends)
         t_start = time.perf_counter()
         for _ in range(self.o.decode):
             if time.monotonic() > end:
@@ -485,8 +488,11 @@ class Harness:
             t = time.perf_counter()
             m0 = TL.compile_mark()
             toks.append(tok)
+            w0 = time.monotonic()
             lg, st = rn.forward([tok], kv, consolidate=False)
             tok = int(lg[-1].argmax())
+            windows.append((w0, time.monotonic()))
+            sends += st.sends
             secs.append(time.perf_counter() - t)
             token_compiles.append(TL.compiles_since(m0)["count"])
             for k_ in reads:
@@ -502,11 +508,16 @@ class Harness:
         n = sum(reads.values())
         c = rn.mcfg
         wall = time.perf_counter() - t_start
-        own = store_delta(st0, rn.store.status(), rn.cfg.read_threads)
+        st1 = rn.store.status(disk_gaps_since=windows[0][0]) if windows else rn.store.status()
+        own = store_delta(st0, st1, rn.cfg.read_threads)
         bps, src = C.case_disk_rate([self.ceil.disk_bps], own["store_disk_bytes"], own["store_disk_busy_s"],
                                     own["read_threads"])
         bound = C.pass_bound(self.ceil, bps, len(secs), n, disk_bytes, h2d, c.n_layer, c.n_expert_used,
                              sum(secs)) if secs else {}
+        # where the disk idles: between tokens or within one (services/bench/disk_idle.py), from the store's gap log
+        idle = split_idle(st1.get("disk_gaps", ()), windows, sends) if "disk_gaps" in st1 else None
+        if idle:
+            idle["gaps_complete"] = st1.get("disk_gaps_complete")
         return {**own, "k": c.n_expert_used, "tokens": len(secs), "requested": self.o.decode, "seconds": sum(secs), "bound": bound,
                 "host_s": host_s, "host_us_per_application": host_s / n * 1e6 if n else None,
                 "store_calls_per_token": calls / len(secs) if secs else None, "h2d_bytes": h2d,
@@ -528,6 +539,7 @@ class Harness:
                 # the disk's busy share of the decode's wall time (reads in flight / wall): idle disk made visible
                 "disk_busy_fraction": own["store_disk_active_s"] / wall if secs and wall > 0 else None,
                 "disk_active_ms_per_token": own["store_disk_active_s"] / len(secs) * 1e3 if secs else None,
+                "disk_idle": idle,
                 "engram": engram.record(len(secs), sum(secs)) if engram is not None else None}
 
 
@@ -562,7 +574,8 @@ class HostSplit:
 
 
 GUESS_FIELDS = ("guessed", "guess_hits", "guess_disk", "guess_bytes", "guess_wasted_bytes", "guess_held",
-                "host_guessed", "host_guess_hits", "host_guess_bytes")
+                "host_guessed", "host_guess_hits", "host_guess_bytes",
+                "hash_ahead", "hash_ahead_started", "hash_ahead_bytes", "hash_ahead_hits")
 
 
 def pass_record(kind: str, st, ttft: float, ceil: C.Ceilings, f: GGUFModelFile, slot_bytes: int) -> dict:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from services.bench.disk_idle import idle_label
+
 GB = 1e9
 MiB = 1 << 20
 
@@ -85,11 +87,15 @@ def _guess_mb(d: dict) -> str:
 
 
 def _guess_rate(d: dict) -> str:
-    """Decode's guess hit rate on disk experts, and where it copied host-tier experts ahead (prefetch_host) theirs:
-    'hit rate; host: used / copied ahead (rate)'."""
+    """Decode's guess hit rate on disk experts, and where it copied host-tier experts ahead (prefetch_host) theirs,
+    and where it read the hash-routed layers' experts at the step's start (prefetch_hash) those: 'hit rate; host:
+    used / copied ahead (rate); hash ahead: started of asked (MB, used)'."""
     g, out = d.get("guess") or {}, _pct(d.get("guess_hit_rate"))
     if g.get("host_guessed"):
         out += f"; host: {g['host_guess_hits']:,} / {g['host_guessed']:,} ({_pct(d.get('host_guess_hit_rate'))})"
+    if g.get("hash_ahead"):     # the hash-routed layers' reads at the step's start (MoEStep.hash_ahead)
+        out += (f"; hash ahead: {g['hash_ahead_started']:,} started of {g['hash_ahead']:,} "
+                f"({g['hash_ahead_bytes'] / 1e6:,.1f} MB, used {g['hash_ahead_hits']:,})")
     return out
 
 
@@ -240,7 +246,7 @@ def markdown(r: dict) -> str:
             bt = d["tokens"] / b["bound_s"] if b.get("bound_s") else None
             L.append(f"| {case_label(case)} | {d['tokens']}/{d['requested']} | {d['tg_mean']:.2f} | {d['tg_peak']:.2f} | "
                      f"{_pct(d['disk_share'])} | {d['disk_wait_ms']:,.0f} | {_f(bt)} ({b.get('limiter', '–')}) | "
-                     f"{achieved_label(b)} | {_pct(d.get('disk_busy_fraction'))} | "
+                     f"{achieved_label(b)} | {_pct(d.get('disk_busy_fraction'))}{idle_label(d)} | "
                      f"{_f(d.get('host_us_per_application'), '{:.1f}')} | "
                      f"{_f(d.get('store_calls_per_token'), '{:.2f}')} | {_f(prof.get('launches_per_layer'), '{:.1f}')} | "
                      f"{_guess_rate(d)} | {_guess_mb(d)} | {_host_split(d)} | "

@@ -55,6 +55,8 @@ def _ids(keys) -> list:
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+# StatusRequest.disk_gaps_since exists in these generated modules (GrpcStoreClient.status)
+_HAS_GAPS = "disk_gaps_since" in pb.StatusRequest.DESCRIPTOR.fields_by_name
 
 
 class _Failed(grpc.RpcError):
@@ -463,8 +465,12 @@ class GrpcStoreClient:
                        timeout=max(self.timeout, self.BEGIN_PASS_TIMEOUT))
         return EngramLanded(m.bank, m.rows, m.disk_rows, m.cache_rows, m.disk_bytes, m.read_seconds)
 
-    def status(self) -> dict:
-        return json.loads(self._call(self.stub.Status, pb.StatusRequest()).json)
+    def status(self, disk_gaps_since: float | None = None) -> dict:
+        """The store's status (ExpertStore.status); disk_gaps_since: with the disk's idle gaps since then. Modules
+        generated before that field (services/pb not regenerated) ask without it: the reply then has no gaps."""
+        ask = disk_gaps_since is not None and _HAS_GAPS
+        req = pb.StatusRequest(disk_gaps_since=disk_gaps_since) if ask else pb.StatusRequest()
+        return json.loads(self._call(self.stub.Status, req).json)
 
     def bind(self, channel):
         """Every call of the session on `channel`: attach's own, or it wrapped in interceptors (grpc.intercept_channel:

@@ -104,6 +104,16 @@ def test_runs_within_budget_and_writes_json(bench_run):
             assert d["store_s"] + d["moe_host_s"] + d["other_host_s"] == pytest.approx(d["host_s"], abs=1e-4)
             assert d["store_s"] == pytest.approx(sum(d["store_ms_per_token"].values()) * d["tokens"] / 1e3)
             assert sum(d["store_messages_per_token"].values()) == pytest.approx(d["store_calls_per_token"])
+            # where the disk idled (services/bench/disk_idle.py, from the store process's gap log): both parts >= 0,
+            # idle + active = the decode's span, and that active time agrees with the store's own active counter
+            # (a separate clock: it spans the status calls around the run, a few ms more)
+            idle = d["disk_idle"]
+            assert idle["tokens"] == d["tokens"] and idle["gaps_complete"] is True
+            assert idle["between_s"] >= 0 and idle["within_s"] >= 0 and 0 <= idle["outside_s"] <= idle["between_s"]
+            assert idle["idle_s"] + idle["active_s"] == pytest.approx(idle["span_s"])
+            assert idle["span_s"] == pytest.approx(sum(d["token_s"]), abs=0.05)
+            assert 0 <= idle["active_s"] <= d["store_disk_active_s"] + 0.005, (idle, d["store_disk_active_s"])
+            assert idle["active_s"] >= d["store_disk_active_s"] - 0.05, (idle, d["store_disk_active_s"])
     # every planned case either ran or is listed as skipped
     ran = {c["name"] for c in r["cases"]}
     assert "2+6 p8" in ran

@@ -182,6 +182,7 @@ BAD_ENGINE_VALUES = [
     ("engine.prefetch", 1, "true or false"),
     ("engine.prefetch_decode", "yes", "true or false"),
     ("engine.prefetch_host", "yes", "auto, on, off"),
+    ("engine.prefetch_hash", "yes", "true or false"),
     ("engine.flex_cache", "maybe", 'true, false or "auto"'),
     ("engine.flex_cache", 1, 'true, false or "auto"'),
     ("engine.decode_at_hand", "sometimes", 'true, false or "auto"'),

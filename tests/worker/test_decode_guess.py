@@ -187,12 +187,13 @@ def test_reads_the_store_did_not_start_are_asked_again(qwen):
 @pytest.mark.parametrize("arch", ["ds4", "ds41"])
 def test_deepseek_guesses_keep_bits_and_hash_layers_hit(request, arch, form):
     """deepseek4 and deepseek41 (Engram rows through the store beside the experts): depth 1 and 3 decode the bits of
-    off; deepseek4's hash-routed layers are guessed exactly."""
+    off; deepseek4's hash-routed layers are guessed exactly. The step-start reads of the hash layers (prefetch_hash,
+    tests/worker/test_decode_hash_ahead.py) are off: the asks checked are the guesses' alone."""
     path = request.getfixturevalue(arch)
     off, _, _ = _decode(path, 0, form, [DS4_PROMPT])
     for depth in (1, 3):
         asks: list = []
-        on, s_on, ra = _decode(path, depth, form, [DS4_PROMPT], asks=asks)
+        on, s_on, ra = _decode(path, depth, form, [DS4_PROMPT], asks=asks, prefetch_hash=False)
         assert torch.equal(on, off), depth
         assert _sum(s_on, "guessed") > 0 and ra > 0
         _check_asks(asks, depth)

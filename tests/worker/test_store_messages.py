@@ -2,8 +2,9 @@
 
 A decode layer with a miss sends the store ONE message (its Load: the staging slots of earlier layers handed back,
 its demand loads, the next layer's guessed experts read ahead once its reads have started); a layer without a miss
-sends none, or one read ahead of guessed experts. Every message is counted as the client sends it (the unary calls by
-an interceptor that never waits for a reply; a load, prefetch or release as the client puts it on the session's
+sends none, or one read ahead of guessed experts; a deepseek4 step sends one more read ahead at its start (its
+hash-routed layers' experts of its token: MoEStep.hash_ahead). Every message is counted as the client sends it (the
+unary calls by an interceptor that never waits for a reply; a load, prefetch or release as the client puts it on the session's
 stream, by kind) and compared with the pass's own count (PassStats); no staging slot stays held once the request is
 done.
 """
@@ -78,7 +79,7 @@ def test_one_message_per_decode_layer_with_a_miss(models, tmp_path, arch, guess)
         logits, _ = rn.forward(prompt(20, n_vocab, seed=3), kv)
         rn.settle()                        # the prefill's consolidation applied: decode passes stay open
         tok = int(logits[-1].argmax())
-        missed = guessed = 0
+        missed = guessed = hashed = 0
         for _ in range(STEPS):
             before = counter.sent.copy()
             logits, st = rn.forward([tok], kv, consolidate=False)
@@ -92,12 +93,16 @@ def test_one_message_per_decode_layer_with_a_miss(models, tmp_path, arch, guess)
                  "EndPass": "end_pass"}[k]: n for k, n in sent.items()}
             assert sent["Load"] == miss, (sent, miss)             # one per layer with a miss
             assert sent["Release"] == 0, sent                      # slots go back with the next message
-            assert sent["Prefetch"] <= L - miss, (sent, miss)     # guesses alone: only where no Load carries them
-            assert sum(sent[k] for k in PER_LAYER) <= L
+            # deepseek4: one read ahead at the step's start for its hash-routed layers (MoEStep.hash_ahead)
+            ahead = 1 if st.hash_ahead else 0
+            assert sent["Prefetch"] <= L - miss + ahead, (sent, miss)     # guesses alone: where no Load carries them
+            assert sum(sent[k] for k in PER_LAYER) <= L + ahead
+            hashed += ahead
             missed += miss
             guessed += st.guessed
         assert missed > 0, "the decode never missed: the test measures nothing"
         assert (guessed > 0) == guess
+        assert (hashed > 0) == (arch == "deepseek4")
         rn.request_done(kv, others_running=False)
         assert client.status()["staging_handed"] == 0     # every staging slot handed back
         rn.close()

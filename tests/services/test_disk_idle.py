@@ -1,0 +1,109 @@
+"""Where a decode's disk idles (services/bench/disk_idle.py over the store reader's gap log, store/reader.py).
+
+- split_idle on gaps and steps laid out by hand: each gap that touches a token boundary (a step's end to the next
+  one's start, the run's start or end) is "between", the others "within"; the part outside every step is counted;
+- on a real store (its reader threads, its gap log): idle + active = the run's span, active agrees with the reader's
+  own active-seconds counter, and a forced gap lands where it should: a pause after each step's forward (a slow
+  sampling) adds to "between" and not "within"; a pause inside a step, before a layer's disk reads, adds to
+  "within" (decode guesses off, so a layer's reads start only at its own routing).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import pytest
+
+from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, write_synth
+from services.bench.disk_idle import ended_label, idle_label, split_idle
+
+PAUSE = 0.05        # s, the forced gap per token
+STEPS = 5
+
+
+def test_split_by_hand():
+    windows = [(0.0, 10.0), (11.0, 20.0), (20.5, 30.0)]
+    gaps = [(-5.0, 1.0), (3.0, 4.0), (9.0, 12.0), (15.0, 15.5), (19.0, 21.0), (29.0, 31.0)]
+    s = split_idle(gaps, windows)
+    # (-5, 1) clipped to (0, 1) touches the start; (9, 12) the 10-11 boundary (1 s of it outside the steps);
+    # (19, 21) the 20-20.5 boundary (0.5 s outside); (29, 31) clipped to (29, 30) touches the end
+    assert s["between_s"] == pytest.approx(1 + 3 + 2 + 1) and s["between_gaps"] == 4
+    assert s["within_s"] == pytest.approx(1 + 0.5) and s["within_gaps"] == 2
+    assert s["outside_s"] == pytest.approx(1.5)
+    assert s["span_s"] == 30 and s["active_s"] == pytest.approx(30 - 8.5)
+    assert s["between_ms_per_token"] == pytest.approx(7e3 / 3)
+    assert "between" in idle_label({"disk_idle": s}) and idle_label({}) == ""
+    assert split_idle(gaps, []) == {} and "ended_by" not in s
+    # the message that ended each gap: the last one sent by its end, if sent during it
+    sends = [(0.5, -1), (3.5, 1), (8.0, 2), (11.5, 0), (15.2, 1), (20.2, -1), (29.5, 1)]
+    by = split_idle(gaps, windows, sends)["ended_by"]
+    # (0, 1) and (19, 21) by the hash aheads at 0.5 and 20.2; (9, 12) by layer 0's at 11.5; (3, 4), (15, 15.5) and
+    # (29, 30) by layer 1's at 3.5, 15.2 and 29.5 (the send at 8.0 is before (9, 12) began: not its end)
+    assert by == {"-1": [pytest.approx(3e3 / 3), 0.0], "0": [pytest.approx(3e3 / 3), 0.0],
+                  "1": [pytest.approx(1e3 / 3), pytest.approx(1.5e3 / 3)]}, by
+    assert split_idle([(3.0, 4.0)], windows, [(2.0, 1)])["ended_by"] == {"other": [0.0, pytest.approx(1e3 / 3)]}
+    assert ended_label({"ended_by": by}) == "hash ahead 1000.0 / 0.0, L0 1000.0 / 0.0, L1 333.3 / 500.0"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_synth(tmp_path_factory.mktemp("idle") / "engine.gguf", **ENGINE_SPEC)
+
+
+def _decode(path, pause_between: float = 0.0, pause_within: float = 0.0) -> tuple[dict, float]:
+    """STEPS greedy decode steps timed as the bench times them (its forward and sampling on the monotonic clock), the
+    store's idle gaps split -> (the split, the reader's active seconds over the run). Decode guesses off: each layer
+    reads its disk experts at its own routing. pause_within: a sleep at layer 1's host step, before its loads."""
+    # 1 VRAM slot, no host slot and 4 staging slots: a layer's experts are read from disk in nearly every token (few
+    # stay staged from the token before), so layer 1's reads follow the pause within the step
+    rn, st = in_process_runner(path, 1, 0, prefetch_decode=False, staging_slots=4)
+    try:
+        kv = rn.new_cache(96)
+        tok = int(rn.forward(prompt(16, ENGINE_SPEC["n_vocab"], seed=3), kv)[0][-1].argmax())
+        rn.settle()
+        if pause_within:
+            partial = rn.moe._partial
+
+            def slow(l, *a, **kw):
+                if l == 1:
+                    time.sleep(pause_within)
+                return partial(l, *a, **kw)
+            rn.moe._partial = slow
+        windows, sends = [], []
+        a0 = st.status()["disk_active_seconds"]
+        gc.collect()            # no collection inside the timed steps: a full one took 0.14 s under pytest (an idle
+        gc.disable()            # stretch of its own, in whichever step it fell)
+        for _ in range(STEPS):
+            w0 = time.monotonic()
+            lg, stats = rn.forward([tok], kv, consolidate=False)
+            sends += stats.sends
+            tok = int(lg[-1].argmax())
+            if pause_between:
+                time.sleep(pause_between)       # a slow sampling: after the step's last read, inside its window
+            windows.append((w0, time.monotonic()))
+        gc.enable()
+        end = st.status(disk_gaps_since=windows[0][0])
+        assert end["disk_gaps_complete"] and end["disk_clock"] >= windows[-1][1]
+        return split_idle(end["disk_gaps"], windows, sends), end["disk_active_seconds"] - a0
+    finally:
+        gc.enable()
+        close_runner(rn, st)
+
+
+def test_forced_gaps_land_where_they_should(model):
+    base, active = _decode(model)
+    for s, act in ((base, active),):
+        assert s["between_s"] >= 0 and s["within_s"] >= 0 and s["tokens"] == STEPS
+        assert s["idle_s"] + s["active_s"] == pytest.approx(s["span_s"])
+        # the gap log against the reader's own active counter (which also spans the status calls around the run)
+        assert s["active_s"] <= act + 0.002 and s["active_s"] >= act - 0.02, (s, act)
+        assert s["within_gaps"] > 0            # guesses off: the disk idles between a token's layers
+    between, _ = _decode(model, pause_between=PAUSE)
+    assert between["between_s"] - base["between_s"] >= 0.8 * STEPS * PAUSE, (between, base)
+    assert between["within_s"] - base["within_s"] <= 0.3 * STEPS * PAUSE, (between, base)
+    within, _ = _decode(model, pause_within=PAUSE)
+    assert within["within_s"] - base["within_s"] >= 0.6 * STEPS * PAUSE, (within, base)
+    # and the disk waited for layer 1's loads (guesses off: its own message ends the pause's gap)
+    grew = within["ended_by"]["1"][1] - base["ended_by"].get("1", [0.0, 0.0])[1]
+    assert grew >= 0.6 * PAUSE * 1e3, (within["ended_by"], base["ended_by"])
