@@ -86,6 +86,8 @@ def runner_for(path, device, vram, host, mode="in-process", **kw):
     """(runner, store): the store in this process, or (mode "process") the real store process over its sockets."""
     if os.environ.get("CHECK_VRAM_BUDGET"):     # under compute-sanitizer: its own device memory is not the worker's
         kw.setdefault("vram_budget", int(os.environ["CHECK_VRAM_BUDGET"]))
+    if os.environ.get("CHECK_GROUP_GRAPHS") == "1":     # every check's engine with engine.group_graphs on (graph49)
+        kw.setdefault("group_graphs", True)
     cfg = EngineConfig(model_path=str(path), device=device, vram_slots=vram, host_slots=host, **kw)
     store = open_store(cfg, mode)
     try:
