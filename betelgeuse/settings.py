@@ -344,9 +344,12 @@ class EngineSettings(_Section):
         "auto (pool routing)", "on")
     # decode: the hash-routed layers' experts (deepseek4: layers 0 .. n_hash-1 choose by token id) of a step's tokens
     # are read from disk at the step's start, before layer 0's attention and routing (worker/moe_step.py hash_ahead;
-    # exact routing, with prefetch_decode). Only when bytes arrive changes, never a bit
-    prefetch_hash: Flag = setting(True, "decode: read the hash-routed layers' experts of a step's tokens at its start",
-                                  False)
+    # exact routing, with prefetch_decode). Only when bytes arrive changes, never a bit. Off: on ds4-flash (H100,
+    # docs/benchmarks/gpu-run50-ds4) it moved the disk's idle between tokens 3.64 -> 3.58 ms a token and TG not at all
+    # (10.30 / 10.28 tok/s): that gap is the last layers' and the sampling's time, before any step starts; and its
+    # message a step cost ~14 us of host an expert application
+    prefetch_hash: Flag = setting(False, "decode: read the hash-routed layers' experts of a step's tokens at its "
+                                  "start", False)
     # how many layers ahead decode guesses (layers l+1 .. l+depth from layer l's residual; 1 = the next layer only).
     # 3: the depth the live service was measured at (docs/benchmarks/gpu-run26-serve); in-process on 16 bench layers
     # depths 1-3 decode equally fast within the disk's noise (gpu-run27-fusedguess), depth 3 wasting ~2x the read-ahead

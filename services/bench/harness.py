@@ -481,6 +481,8 @@ class Harness:
         guess = dict.fromkeys(GUESS_FIELDS, 0)          # decode's guesses of the next layers (worker/guess.py)
         windows = []                                    # per token: its step on the store's clock (monotonic)
         sends = []                                      # the steps' messages asking for disk reads (PassStats.sends)
+        gg = getattr(rn.moe, "group_graphs", None)      # engine.group_graphs: its replays / captures / launches
+        gg0 = gg.stats() if gg is not None else None
         t_start = time.perf_counter()
         for _ in range(self.o.decode):
             if time.monotonic() > end:
@@ -540,6 +542,8 @@ class Harness:
                 "disk_busy_fraction": own["store_disk_active_s"] / wall if secs and wall > 0 else None,
                 "disk_active_ms_per_token": own["store_disk_active_s"] / len(secs) * 1e3 if secs else None,
                 "disk_idle": idle,
+                "group_graphs": ({k_: v - gg0[k_] for k_, v in gg.stats().items() if k_ != "graphs"}
+                                 | {"graphs": gg.stats()["graphs"]} if gg is not None else None),
                 "engram": engram.record(len(secs), sum(secs)) if engram is not None else None}
 
 

@@ -107,6 +107,9 @@ def _host_split(d: dict) -> str:
     n = max(1, d["tokens"])
     parts = " / ".join(_f(d.get(k), "{:.1f}") for k in ("store_us_per_application", "moe_host_us_per_application",
                                                           "other_host_us_per_application"))
+    if d.get("group_graphs"):       # engine.group_graphs: how the eager groups ran (worker/group_graphs.py)
+        g = d["group_graphs"]
+        parts += f" (group graphs: {g['replays']:,} replays, {g['captures']:,} captures, {g['launches']:,} launches)"
     kinds = ", ".join(f"{k} {v:.2f}" for k, v in d.get("store_messages_per_token", {}).items()) or "none"
     return f"{parts} | {d['store_wait_s'] / n * 1e3:,.1f} | {kinds}"
 

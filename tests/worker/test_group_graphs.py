@@ -212,3 +212,42 @@ def test_memo_launches_captures_replays_and_matches_the_reference(memo):
     graphs.cap = 2
     graphs.apply(r2, 0, pool2, g, slot)
     assert len(graphs._memo) == 2
+
+
+class _CountingGraphs:
+    """What the bench reads of a GroupGraphs: its stats(). Each apply launches (the CPU has no graphs) and counts
+    as a replay, so the bench's decode record must count exactly the eager groups the steps ran."""
+
+    def __init__(self, kern):
+        self.kern, self.replays = kern, 0
+
+    def apply(self, r, layer, pool, g, slot_bytes):
+        self.replays += 1
+        self.kern.apply(r, layer, pool, g, slot_bytes)
+
+    def stats(self) -> dict:
+        return {"replays": self.replays, "captures": 0, "launches": 0, "graphs": 1}
+
+
+def test_bench_decode_record_counts_the_group_graphs_of_its_timed_steps(ds4):
+    """services/bench: the decode record's group_graphs is what the timed steps did (a delta of stats(), not the
+    attachment's totals), and the host split's cell names it; None where the engine made no GroupGraphs."""
+    from engine_helpers import close_runner, in_process_runner, prompt
+    from services.bench.harness import BenchOptions, Harness
+    from services.bench.report import _host_split
+    rn, st = in_process_runner(ds4, 2, 2, host_in_place="never", decode_consolidate_every=0)
+    try:
+        kv = rn.new_cache(64)
+        lg, _ = rn.forward(prompt(20, rn.mcfg.n_vocab, seed=7), kv)
+        rn.settle()
+        rn._static_decode = True
+        h = Harness(BenchOptions(model=str(ds4), engine=rn.cfg, decode=4), {}, lambda final: None)
+        assert h._decode(rn, kv, lg)["group_graphs"] is None
+        rn.moe.group_graphs = gg = _CountingGraphs(rn.moe.kern)
+        gg.replays = 1000                                     # before the timed steps: not theirs
+        d = h._decode(rn, kv, lg)
+    finally:
+        close_runner(rn, st)
+    assert d["group_graphs"] == {"replays": gg.replays - 1000, "captures": 0, "launches": 0, "graphs": 1}
+    assert d["group_graphs"]["replays"] > 0                  # the steps missed: eager groups ran through it
+    assert f"group graphs: {gg.replays - 1000:,} replays, 0 captures, 0 launches" in _host_split(d)

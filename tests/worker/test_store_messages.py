@@ -66,7 +66,7 @@ def test_one_message_per_decode_layer_with_a_miss(models, tmp_path, arch, guess)
     from betelgeuse.config import EngineConfig
     from services.assembly import open_runner, open_store
     cfg = EngineConfig(model_path=str(models[arch]), vram_slots=1, host_slots=2, read_threads=2,
-                       prefetch_decode=guess)
+                       prefetch_decode=guess, prefetch_hash=True)        # its step-start message counted too
     store = open_store(cfg, "process", str(tmp_path / "store"), timeout=120.0)
     try:
         rn = open_runner(cfg, store)
