@@ -349,7 +349,7 @@ class EngineSettings(_Section):
     # (10.30 / 10.28 tok/s): that gap is the last layers' and the sampling's time, before any step starts; and its
     # message a step cost ~14 us of host an expert application
     prefetch_hash: Flag = setting(False, "decode: read the hash-routed layers' experts of a step's tokens at its "
-                                  "start", False)
+                                  "start", True)
     # how many layers ahead decode guesses (layers l+1 .. l+depth from layer l's residual; 1 = the next layer only).
     # 3: the depth the live service was measured at (docs/benchmarks/gpu-run26-serve); in-process on 16 bench layers
     # depths 1-3 decode equally fast within the disk's noise (gpu-run27-fusedguess), depth 3 wasting ~2x the read-ahead

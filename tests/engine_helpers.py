@@ -156,6 +156,30 @@ def lanes_decode(path, prompts, steps, vram, host, together, stats=None):
         close_runner(runner, store)
 
 
+def greedy_steps(rn, toks, kvs, form: str, steps: int, before=None):
+    """`steps` greedy decode steps of the sequences kvs from their next tokens toks: "rows" / "batch" one
+    decode_batch of all a step, else each row alone through forward() -> (logits [steps, rows, V], every pass's
+    PassStats). before(): called at each step's start (a test's log or per-step lists)."""
+    import torch
+    outs, stats = [], []
+    for _ in range(steps):
+        if before is not None:
+            before()
+        if form in ("rows", "batch"):
+            lg, s = rn.decode_batch(toks, kvs)
+            stats.append(s)
+        else:
+            rows = []
+            for i, kv in enumerate(kvs):
+                lg1, s = rn.forward([toks[i]], kv, consolidate=False)
+                rows.append(lg1[-1:])
+                stats.append(s)
+            lg = torch.cat(rows)
+        outs.append(lg)
+        toks = [int(x) for x in lg.argmax(-1)]
+    return torch.stack(outs), stats
+
+
 def close_to_reference_decode(ref, prompts, outs):
     """Each prompt's greedy decode logits outs[i] [steps, V] (lanes_decode) equal the reference model's one-token
     passes on the same greedy path within float noise."""

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, write_synth
+from engine_helpers import ENGINE_SPEC, close_runner, greedy_steps, in_process_runner, prompt, write_synth
 
 STEPS = 6
 PROMPTS = [prompt(24, ENGINE_SPEC["n_vocab"], seed=s) for s in (5, 6)]
@@ -105,26 +105,12 @@ def _decode(path, depth: int, form: str, prompts, vram=2, host=3, asks=None, ste
         toks = [int(rn.forward(p, kv)[0][-1].argmax()) for p, kv in zip(prompts, kvs)]
         rn.settle()
         reads0, c0 = st.counters.readahead_reads, (st.counters.readahead_bytes, st.counters.readahead_used)
-        outs, stats = [], []
-        for _ in range(steps):
-            if asks is not None:
-                asks.append([])      # one decode pass per step: one token of the one prompt, or one batched step
-            if form in ("batch", "rows"):
-                lg, s = rn.decode_batch(toks, kvs)
-                stats.append(s)
-            else:
-                rows = []
-                for i, kv in enumerate(kvs):
-                    lg1, s = rn.forward([toks[i]], kv, consolidate=False)
-                    rows.append(lg1[-1:])
-                    stats.append(s)
-                lg = torch.cat(rows)
-            outs.append(lg)
-            toks = [int(x) for x in lg.argmax(-1)]
+        # asks: one list a decode pass: one token of the one prompt, or one batched step
+        outs, stats = greedy_steps(rn, toks, kvs, form, steps, None if asks is None else lambda: asks.append([]))
         if unused is not None:
             got = st.counters.readahead_bytes - c0[0]
             unused += [got, got - (st.counters.readahead_used - c0[1])]
-        return torch.stack(outs), stats, st.counters.readahead_reads - reads0
+        return outs, stats, st.counters.readahead_reads - reads0
     finally:
         close_runner(rn, st)
 

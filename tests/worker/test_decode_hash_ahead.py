@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from betelgeuse.store.directory import TIER_DISK
-from engine_helpers import close_runner, in_process_runner
+from engine_helpers import close_runner, greedy_steps, in_process_runner
 
 STEPS = 4
 PROMPTS = [[int(x) for x in np.random.default_rng(s).integers(0, 512, 24)] for s in (4, 7)]
@@ -82,23 +82,7 @@ def _decode(path, form: str, on: bool, log: list | None = None, asked: list | No
                 finally:
                     rn.session.prefetch_start = prefetch
             rn.moe.hash_ahead = hash_logged
-        outs, stats = [], []
-        for _ in range(STEPS):
-            if log is not None:
-                log.append(("step",))
-            if form in ("rows", "batch"):
-                lg, s = rn.decode_batch(toks, kvs)
-                stats.append(s)
-            else:
-                rows = []
-                for i, kv in enumerate(kvs):
-                    lg1, s = rn.forward([toks[i]], kv, consolidate=False)
-                    rows.append(lg1[-1:])
-                    stats.append(s)
-                lg = torch.cat(rows)
-            outs.append(lg)
-            toks = [int(x) for x in lg.argmax(-1)]
-        return torch.stack(outs), stats
+        return greedy_steps(rn, toks, kvs, form, STEPS, None if log is None else lambda: log.append(("step",)))
     finally:
         close_runner(rn, st)
 
