@@ -146,3 +146,73 @@ def test_split_is_the_numpy_rule_over_random_fills():
         assert f.copies == [set(np.flatnonzero(w >= 0).tolist()) for w in f.where]
         seen.add((bool(vram.any()), bool(hit.any()), bool(held.any())))
     assert len(seen) >= 4 and f.stats.evictions > 0, seen
+
+
+class _PerExpertKeep:
+    """The reference for FlexCache.keep: a copy_ per expert, in order (the form before the copies were batched), with
+    its own bookkeeping: LRU slot order, where, owner and each slot's bytes, from nothing of FlexCache's but its
+    fixed slot ids (chunk c's slots c * per_chunk + i; a chunk allocated only when no slot is free, room allowing)."""
+
+    def __init__(self, slot_bytes: int, n_slots: int, n_layer: int, n_expert: int):
+        self.sb, self.n_slots = slot_bytes, n_slots
+        self.where: dict[tuple[int, int], int] = {}
+        self.owner: dict[int, tuple[int, int]] = {}
+        self.lru: list[int] = []
+        self.bytes: dict[int, torch.Tensor] = {}
+        self.next = 0                                    # slots handed out so far, in id order (one chunk here)
+
+    def keep(self, layer, experts, pool):
+        for e, off in experts:
+            if (layer, e) in self.where:
+                s = self.where[(layer, e)]
+                self.lru.remove(s)
+                self.lru.append(s)
+                continue
+            if self.next < self.n_slots:
+                s, self.next = self.next, self.next + 1
+            else:
+                s = self.lru.pop(0)
+                del self.where[self.owner.pop(s)]
+            self.bytes[s] = pool[off: off + self.sb].clone()
+            self.where[(layer, e)], self.owner[s] = s, (layer, e)
+            self.lru.append(s)
+
+
+def test_keep_is_the_per_expert_copies_over_random_fills(monkeypatch):
+    """FlexCache.keep (one _foreach_copy_ a call) against per-expert copies in order over random fills: batches
+    larger than the cache (a slot evicted and rewritten within one call), experts repeated within a call and across
+    calls (an LRU move, no copy); after each call the held experts, the LRU order and every held slot's bytes equal
+    the reference's. The batched copy runs here in reverse order, as CUDA's fused foreach kernel promises no order
+    between its tensors: a batch that names a slot twice (the evicted expert's bytes not dropped) fails."""
+    import numpy as np
+
+    from betelgeuse.worker.flex_cache import FlexCache
+    L, E, sb, n_slots = 3, 12, 32, 6
+    f = FlexCache(sb, sb * 3, 2, L, E, torch.device("cpu"))            # 2 chunks of 3 slots: 6, fills evict
+    ref = _PerExpertKeep(sb, n_slots, L, E)
+    pool = torch.randint(0, 256, (sb * 16,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    rng = np.random.default_rng(11)
+    rewritten = 0
+    real = torch._foreach_copy_
+
+    def unordered(dsts, srcs):
+        for d, x in reversed(list(zip(dsts, srcs))):
+            real([d], [x])
+    monkeypatch.setattr(torch, "_foreach_copy_", unordered)
+    for _ in range(400):
+        layer = int(rng.integers(0, L))
+        n = int(rng.integers(1, 10))                                      # up to 9 > 6 slots
+        es = rng.integers(0, E, n).tolist()                               # repeats allowed
+        offs = [sb * int(i) for i in rng.integers(0, 16, n)]
+        fills = f.stats.fills
+        f.keep(layer, es, pool, offs)
+        ref.keep(layer, list(zip(es, offs)), pool)
+        rewritten += f.stats.fills - fills > n_slots              # a slot filled twice in this call
+        held = {(l, e): int(f.where[l, e]) for l in range(L) for e in range(E) if f.where[l, e] >= 0}
+        assert held == ref.where
+        assert list(f.lru) == ref.lru
+        for (l, e), s in held.items():
+            c, i = divmod(s, f.per_chunk)
+            assert torch.equal(f.chunks[c][i * sb:(i + 1) * sb], ref.bytes[s]), (l, e, s)
+            assert f.owner[s].tolist() == [l, e]
+    assert rewritten > 0 and f.stats.fills > 100, (rewritten, f.stats.fills)
