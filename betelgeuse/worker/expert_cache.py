@@ -247,6 +247,12 @@ class ExpertCache:
         first = self.ring_offset + (b * self.bank_size + at) * self.slot_bytes
         return [first + i * self.slot_bytes for i in range(n)]
 
+    def ring_views(self, offs) -> list[torch.Tensor]:
+        """The ring slots at these pool byte offsets (bank_offsets' or bank_copy's), as the [slot_bytes] views made
+        once: what a reader of a bank's bytes (FlexCache.keep) takes without a slice each."""
+        first, sb = self.ring_offset, self.slot_bytes
+        return [self._ring_slots[(o - first) // sb] for o in offs]
+
     def bank_copy(self, b: int, at: int, srcs: list[torch.Tensor], timing: list | None = None,
                   wait: bool = True, table: torch.Tensor | None = None) -> list[int]:
         """Copy slots `srcs` into bank b's slots at, at+1, .. (b taken by bank_next; a group may fill its bank in

@@ -146,10 +146,10 @@ class FlexCache:
               held_kv_bytes=self.held)
 
     def _forget(self, s: int):
-        l, e = self.owner[s]
+        l, e = self.owner[s].tolist()                   # Python ints: numpy scalars cost ~4x to unpack and index
         self.where[l, e] = -1
-        self.copies[l].discard(int(e))
-        self._log(int(l), int(e))
+        self.copies[l].discard(e)
+        self._log(l, e)
         self.version += 1
         self.forgets += 1
         self.owner[s] = -1
@@ -225,19 +225,20 @@ class FlexCache:
         return out
 
     # ---- fill ----------------------------------------------------------------------------------------
-    def keep(self, layer: int, experts, pool: torch.Tensor, offs):
+    def keep(self, layer: int, experts, pool: torch.Tensor, offs, views: list[torch.Tensor] | None = None):
         """Copies of experts just staged (pool bytes [off, off + slot_bytes) each, e.g. a ring bank), on the current
         stream: ordered after what wrote the bank and before what rewrites it once the caller's bank_done follows.
+        views: those bytes as [slot_bytes] views made once (ExpertCache.ring_views), instead of a slice each.
         The bookkeeping (slots taken, evictions, the LRU) goes expert by expert in the order given; the copies are one
         torch._foreach_copy_ at the end (one call instead of two slices and a copy_ per expert; on CUDA one fused
         kernel on the same stream, at the point the first copy_ was). A slot taken twice in one call (a copy of this
         call evicted for a later one: fewer slots than experts) is copied once, the later expert's bytes: what the
         per-expert copies in order left there."""
-        sb, where, lru, views = self.slot_bytes, self.where[layer], self.lru, self._views
+        sb, where, lru, slot_views = self.slot_bytes, self.where[layer], self.lru, self._views
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
         slots: list[int] = []
-        for e, off in zip(experts, offs):
+        for n, (e, off) in enumerate(zip(experts, offs)):
             e = int(e)
             s = int(where[e])
             if s >= 0:
@@ -249,9 +250,8 @@ class FlexCache:
             if s in slots:                      # rewritten by a later expert of this call: its copy alone
                 i = slots.index(s)
                 del dsts[i], srcs[i], slots[i]
-            off = int(off)
-            dsts.append(views[s])
-            srcs.append(pool[off: off + sb])
+            dsts.append(slot_views[s])
+            srcs.append(pool[int(off): int(off) + sb] if views is None else views[n])
             slots.append(s)
             where[e] = s
             self.copies[layer].add(e)

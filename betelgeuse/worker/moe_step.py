@@ -985,7 +985,7 @@ class MoEStep:
                 opened = None
                 self._apply(r, l, g, ls)
                 if self.flex is not None:      # copies for the flex cache, before the bank may be rewritten
-                    self.flex.keep(l, es, cache.pool, offs)
+                    self.flex.keep(l, es, cache.pool, offs, cache.ring_views(offs))
                 cache.bank_done(bank)
                 held.append((bank, [x.slot for x in batch]))
                 batch = []

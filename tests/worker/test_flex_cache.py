@@ -205,7 +205,8 @@ def test_keep_is_the_per_expert_copies_over_random_fills(monkeypatch):
         es = rng.integers(0, E, n).tolist()                               # repeats allowed
         offs = [sb * int(i) for i in rng.integers(0, 16, n)]
         fills = f.stats.fills
-        f.keep(layer, es, pool, offs)
+        views = [pool[o: o + sb] for o in offs] if rng.random() < 0.5 else None    # a caller's views, or slices
+        f.keep(layer, es, pool, offs, views)
         ref.keep(layer, list(zip(es, offs)), pool)
         rewritten += f.stats.fills - fills > n_slots              # a slot filled twice in this call
         held = {(l, e): int(f.where[l, e]) for l in range(L) for e in range(E) if f.where[l, e] >= 0}
