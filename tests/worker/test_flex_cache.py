@@ -178,19 +178,23 @@ class _PerExpertKeep:
             self.lru.append(s)
 
 
-def test_keep_is_the_per_expert_copies_over_random_fills(monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA: the real fused foreach kernel"))])
+def test_keep_is_the_per_expert_copies_over_random_fills(monkeypatch, device):
     """FlexCache.keep (one _foreach_copy_ a call) against per-expert copies in order over random fills: batches
     larger than the cache (a slot evicted and rewritten within one call), experts repeated within a call and across
     calls (an LRU move, no copy); after each call the held experts, the LRU order and every held slot's bytes equal
     the reference's. The batched copy runs here in reverse order, as CUDA's fused foreach kernel promises no order
-    between its tensors: a batch that names a slot twice (the evicted expert's bytes not dropped) fails."""
+    between its tensors: a batch that names a slot twice (the evicted expert's bytes not dropped) fails. On CUDA the
+    real kernel, device-to-device (the ring bank to a flex chunk, as _disk_groups copies)."""
     import numpy as np
 
     from betelgeuse.worker.flex_cache import FlexCache
     L, E, sb, n_slots = 3, 12, 32, 6
-    f = FlexCache(sb, sb * 3, 2, L, E, torch.device("cpu"))            # 2 chunks of 3 slots: 6, fills evict
+    f = FlexCache(sb, sb * 3, 2, L, E, torch.device(device))           # 2 chunks of 3 slots: 6, fills evict
     ref = _PerExpertKeep(sb, n_slots, L, E)
     pool = torch.randint(0, 256, (sb * 16,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    pool = pool.to(device)
     rng = np.random.default_rng(11)
     rewritten = 0
     real = torch._foreach_copy_
@@ -198,7 +202,8 @@ def test_keep_is_the_per_expert_copies_over_random_fills(monkeypatch):
     def unordered(dsts, srcs):
         for d, x in reversed(list(zip(dsts, srcs))):
             real([d], [x])
-    monkeypatch.setattr(torch, "_foreach_copy_", unordered)
+    if device == "cpu":
+        monkeypatch.setattr(torch, "_foreach_copy_", unordered)
     for _ in range(400):
         layer = int(rng.integers(0, L))
         n = int(rng.integers(1, 10))                                      # up to 9 > 6 slots
