@@ -153,7 +153,7 @@ class _PerExpertKeep:
     its own bookkeeping: LRU slot order, where, owner and each slot's bytes, from nothing of FlexCache's but its
     fixed slot ids (chunk c's slots c * per_chunk + i; a chunk allocated only when no slot is free, room allowing)."""
 
-    def __init__(self, slot_bytes: int, n_slots: int, n_layer: int, n_expert: int):
+    def __init__(self, slot_bytes: int, n_slots: int):
         self.sb, self.n_slots = slot_bytes, n_slots
         self.where: dict[tuple[int, int], int] = {}
         self.owner: dict[int, tuple[int, int]] = {}
@@ -192,7 +192,7 @@ def test_keep_is_the_per_expert_copies_over_random_fills(monkeypatch, device):
     from betelgeuse.worker.flex_cache import FlexCache
     L, E, sb, n_slots = 3, 12, 32, 6
     f = FlexCache(sb, sb * 3, 2, L, E, torch.device(device))           # 2 chunks of 3 slots: 6, fills evict
-    ref = _PerExpertKeep(sb, n_slots, L, E)
+    ref = _PerExpertKeep(sb, n_slots)
     pool = torch.randint(0, 256, (sb * 16,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
     pool = pool.to(device)
     rng = np.random.default_rng(11)
