@@ -210,9 +210,7 @@ class StoreServicer(pb_grpc.ExpertStoreServicer):
         return pb.EndPassReply(promoted=n or 0)
 
     def Status(self, request, context):
-        # (modules generated before the field have none: a plain status)
-        since = (request.disk_gaps_since if "disk_gaps_since" in request.DESCRIPTOR.fields_by_name
-                 and request.HasField("disk_gaps_since") else None)
+        since = request.disk_gaps_since if request.HasField("disk_gaps_since") else None
         return pb.StatusReply(json=json.dumps(self.store.status(since)))
 
     def EngramRead(self, request, context):

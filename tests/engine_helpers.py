@@ -44,12 +44,20 @@ def write_synth(path: Path | str, **spec) -> Path:
     return path
 
 
+def write_ds4_tiny(path: Path | str, **spec) -> Path:
+    """Write the `ds4-tiny` preset with `spec` overrides (spec_from_preset's: expert_qtype, seed, n_expert, ...)
+    once."""
+    from betelgeuse.gguf.synth import spec_from_preset, write_model
+    path = Path(path)
+    if not path.exists():
+        write_model(path, spec_from_preset("ds4-tiny", **spec), progress=False)
+    return path
+
+
 def write_tiny_pair(d) -> dict:
     """{"qwen3moe": the tiny engine model (ENGINE_SPEC), "deepseek4": ds4-tiny with Q8_0 experts} written into d."""
-    from betelgeuse.gguf.synth import spec_from_preset, write_model
-    ds4 = d / "ds4.gguf"
-    write_model(ds4, spec_from_preset("ds4-tiny", expert_qtype="Q8_0", seed=2), progress=False)
-    return {"qwen3moe": write_synth(d / "engine.gguf", **ENGINE_SPEC), "deepseek4": ds4}
+    return {"qwen3moe": write_synth(d / "engine.gguf", **ENGINE_SPEC),
+            "deepseek4": write_ds4_tiny(d / "ds4.gguf", expert_qtype="Q8_0", seed=2)}
 
 
 def prompt(n: int, n_vocab: int, seed: int = 0) -> list[int]:

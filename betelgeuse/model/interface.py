@@ -41,9 +41,9 @@ are class-level flags that the runner reads (it never guesses with getattr and a
                    the reference models' default too): fewer, larger chunks cost fewer launches of the dense front,
                    smaller ones a finer prefix grid (blocks, checkpoints); the config's prefill_chunk overrides it
 
-Optional: hash_table() -> the hash-routed layers' expert ids per token on the host ([n_hash, V, k], layers 0 ..
-n_hash-1 route by token id alone: deepseek4), or None; a model without it has none. A decode step reads those layers'
-disk experts from its start (worker/moe_step.py hash_ahead).
+hash_table() -> the hash-routed layers' expert ids per token on the host ([n_hash, V, k], layers 0 .. n_hash-1 route
+by token id alone: deepseek4), or None where no layer does (qwen3moe). With prefetch_hash a decode step reads those
+layers' disk experts from its start (worker/moe_step.py hash_ahead).
 
 A model whose file has Engram tables (deepseek41) is an EngramModel too: before its layers, a pass hashes each
 sequence's new tokens into table rows, which `source` delivers (the engine: the store, worker/engram_feed.py;
@@ -123,6 +123,7 @@ class MoEModel(Protocol):
     # the decode guess (worker/guess.py): layers layer+1 .. layer+n's routing of x (the residual after layer's
     # attention) -> their expert ids [T, n, k], all n at once, the ids their moe_input + route pick
     def guess_ids(self, layer: int, x: torch.Tensor, token_ids: torch.Tensor, n: int) -> torch.Tensor: ...
+    def hash_table(self) -> Any: ...                # np.ndarray [n_hash, V, k] or None (module doc)
     def logits(self, x: torch.Tensor) -> torch.Tensor: ...
 
 

@@ -162,6 +162,10 @@ class Qwen3MoeModel:
             top = top / top.sum(dim=-1, keepdim=True)
         return ids, top.to(h.dtype)
 
+    def hash_table(self) -> None:
+        """No layer routes by token id (model/interface.py)."""
+        return None
+
     def guess_ids(self, layer: int, x: torch.Tensor, token_ids: torch.Tensor, n: int) -> torch.Tensor:
         """x [T,H] (the residual after layer `layer`'s attention) -> the expert ids [T, n, k] int64 (a view; on the
         device, no sync) that layers layer+1 .. layer+n's moe_input and route pick on x (worker/guess.py), all n

@@ -126,7 +126,7 @@ class ModelRunner:
         self.moe = steps.run("moe_step", lambda: MoEStep(
             self.cfg, self.session, self.clock, act_limit=self.model.expert_act[1], flex=self.flex,
             guess_depth=type(self.model).guess_depth, guess_min_hit=type(self.model).guess_min_hit,
-            hash_table=self.model.hash_table() if hasattr(self.model, "hash_table") else None))
+            hash_table=self.model.hash_table() if self.cfg.prefetch_hash else None))
         warmed: dict = {}
         on = self.cfg.warm_up == "on"
         if on:

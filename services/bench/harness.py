@@ -542,9 +542,14 @@ class Harness:
                 "disk_busy_fraction": own["store_disk_active_s"] / wall if secs and wall > 0 else None,
                 "disk_active_ms_per_token": own["store_disk_active_s"] / len(secs) * 1e3 if secs else None,
                 "disk_idle": idle,
-                "group_graphs": ({k_: v - gg0[k_] for k_, v in gg.stats().items() if k_ != "graphs"}
-                                 | {"graphs": gg.stats()["graphs"]} if gg is not None else None),
+                "group_graphs": _since(gg0, gg.stats()) if gg is not None else None,
                 "engram": engram.record(len(secs), sum(secs)) if engram is not None else None}
+
+
+def _since(before: dict, now: dict) -> dict:
+    """GroupGraphs.stats() counts of the timed steps: each counter less its value before them; "graphs" (held now)
+    as it is."""
+    return {k: v if k == "graphs" else v - before[k] for k, v in now.items()}
 
 
 class HostSplit:

@@ -929,8 +929,8 @@ def markdown(r: dict) -> str:
         again = (f"; attached again {r['times']}x after a VRAM trim: {r.get('vram_device_torch_mib')}, device used "
                  f"{r.get('used_mib')} MiB, projected {r.get('projected_mib')} MiB" if r else "")
         return (f"warm-ups {a.get('warm_up', '?')}; {a.get('vram_device_torch_mib') or 'no VRAM figures (CPU)'}{used}; "
-                f"compiles {a.get('compiles', '–')}{spill}{fit}" + (f"; FAILED: {a['failed']}" if a.get("failed") else "")
-                + again)
+                f"compiles {a.get('compiles', '–')}{spill}{fit}"
+                + (f"; FAILED: {a['failed']}" if a.get("failed") else "") + again)
     row("attach: warm-ups; VRAM by step, MiB device-wide / torch reserved (worker log)", attach)
 
     def one(key):

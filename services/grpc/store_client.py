@@ -55,8 +55,6 @@ def _ids(keys) -> list:
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
-# StatusRequest.disk_gaps_since exists in these generated modules (GrpcStoreClient.status)
-_HAS_GAPS = "disk_gaps_since" in pb.StatusRequest.DESCRIPTOR.fields_by_name
 
 
 class _Failed(grpc.RpcError):
@@ -466,10 +464,8 @@ class GrpcStoreClient:
         return EngramLanded(m.bank, m.rows, m.disk_rows, m.cache_rows, m.disk_bytes, m.read_seconds)
 
     def status(self, disk_gaps_since: float | None = None) -> dict:
-        """The store's status (ExpertStore.status); disk_gaps_since: with the disk's idle gaps since then. Modules
-        generated before that field (services/pb not regenerated) ask without it: the reply then has no gaps."""
-        ask = disk_gaps_since is not None and _HAS_GAPS
-        req = pb.StatusRequest(disk_gaps_since=disk_gaps_since) if ask else pb.StatusRequest()
+        """The store's status (ExpertStore.status); disk_gaps_since: with the disk's idle gaps since then."""
+        req = pb.StatusRequest() if disk_gaps_since is None else pb.StatusRequest(disk_gaps_since=disk_gaps_since)
         return json.loads(self._call(self.stub.Status, req).json)
 
     def bind(self, channel):

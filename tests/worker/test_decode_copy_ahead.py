@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from copy_ahead_log import ahead_reads, watch
-from engine_helpers import ENGINE_SPEC, close_runner, counted_pool_runner, in_process_runner, prompt, write_synth
+from engine_helpers import (ENGINE_SPEC, close_runner, counted_pool_runner, in_process_runner, prompt, write_ds4_tiny,
+                            write_synth)
 
 STEPS = 5
 
@@ -35,16 +36,14 @@ def qwen(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ds4(tmp_path_factory):
-    from betelgeuse.gguf.synth import spec_from_preset, write_model
-    path = tmp_path_factory.mktemp("copy_ahead_ds4") / "ds4.gguf"
-    write_model(path, spec_from_preset("ds4-tiny", seed=3), progress=False)
-    return path
+    return write_ds4_tiny(tmp_path_factory.mktemp("copy_ahead_ds4") / "ds4.gguf", seed=3)
 
 
 def _decode(path, vram: int, host: int, on: bool, lanes: bool = False, rows: int = 1, log: list | None = None,
             **cfg):
     """`rows` prompts prefilled and settled, then STEPS greedy pool-routed decode steps in the static form -> (logits
-    [STEPS, rows, V], summed counters, tier reads). log: a list that gets the step's events in order (copy_ahead_log.watch)."""
+    [STEPS, rows, V], summed counters, tier reads). log: a list that gets the step's events in order
+    (copy_ahead_log.watch)."""
     routing = cfg.pop("routing", "pool")
     rn, st = in_process_runner(path, vram, host, routing=routing, prefetch_host="on" if on else "off",
                                host_in_place="never", max_running=rows, decode_consolidate_every=0, **cfg)

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine_helpers import ENGINE_SPEC, close_runner, greedy_steps, in_process_runner, prompt, write_synth
+from engine_helpers import (ENGINE_SPEC, close_runner, greedy_steps, in_process_runner, prompt, write_ds4_tiny,
+                            write_synth)
 
 STEPS = 6
 PROMPTS = [prompt(24, ENGINE_SPEC["n_vocab"], seed=s) for s in (5, 6)]
@@ -45,10 +46,7 @@ def ds41(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ds4(tmp_path_factory):
-    from betelgeuse.gguf.synth import spec_from_preset, write_model
-    path = tmp_path_factory.mktemp("guess-ds4") / "ds4.gguf"
-    write_model(path, spec_from_preset("ds4-tiny", expert_qtype="Q8_0", seed=2), progress=False)
-    return path
+    return write_ds4_tiny(tmp_path_factory.mktemp("guess-ds4") / "ds4.gguf", expert_qtype="Q8_0", seed=2)
 
 
 def _decode(path, depth: int, form: str, prompts, vram=2, host=3, asks=None, steps=STEPS, drops=None, unused=None,

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from betelgeuse.store.directory import TIER_DISK
-from engine_helpers import close_runner, greedy_steps, in_process_runner
+from engine_helpers import close_runner, greedy_steps, in_process_runner, write_ds4_tiny
 
 STEPS = 4
 PROMPTS = [[int(x) for x in np.random.default_rng(s).integers(0, 512, 24)] for s in (4, 7)]
@@ -27,12 +27,9 @@ FIELDS = ("hash_ahead", "hash_ahead_started", "hash_ahead_bytes", "hash_ahead_hi
 
 @pytest.fixture(scope="module")
 def ds4(tmp_path_factory):
-    from betelgeuse.gguf.synth import spec_from_preset, write_model
-    path = tmp_path_factory.mktemp("hash-ahead") / "ds4.gguf"
     # 32 experts (2 used), 2 VRAM + 3 host slots a layer: most of a token's hash-layer experts sit on disk, and 8
     # staging slots keep few of them staged from the tokens before
-    write_model(path, spec_from_preset("ds4-tiny", expert_qtype="Q8_0", seed=3, n_expert=32), progress=False)
-    return path
+    return write_ds4_tiny(tmp_path_factory.mktemp("hash-ahead") / "ds4.gguf", expert_qtype="Q8_0", seed=3, n_expert=32)
 
 
 def _file_table(path) -> list[np.ndarray]:

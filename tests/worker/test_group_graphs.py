@@ -31,6 +31,7 @@ import torch  # noqa: E402
 from betelgeuse.config import EngineConfig  # noqa: E402
 from betelgeuse.errors import BetelgeuseError  # noqa: E402
 from betelgeuse.kernels.moe import Group, MoEKernels, pack_experts  # noqa: E402
+from engine_helpers import write_ds4_tiny  # noqa: E402
 
 
 def test_setting_parses_and_refuses_bad_values():
@@ -54,10 +55,7 @@ def test_setting_parses_and_refuses_bad_values():
 
 @pytest.fixture(scope="module")
 def ds4(tmp_path_factory):
-    from betelgeuse.gguf.synth import spec_from_preset, write_model
-    path = tmp_path_factory.mktemp("group_graphs") / "ds4.gguf"
-    write_model(path, spec_from_preset("ds4-tiny", expert_qtype="Q8_0", seed=2), progress=False)
-    return path
+    return write_ds4_tiny(tmp_path_factory.mktemp("group_graphs") / "ds4.gguf", expert_qtype="Q8_0", seed=2)
 
 
 def _decode(path, on: bool, steps: int = 6):

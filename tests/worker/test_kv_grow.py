@@ -23,7 +23,7 @@ from betelgeuse.config import EngineConfig
 from betelgeuse.worker import kv_manager
 
 from engine_helpers import (ENGINE_SPEC, StateBytes, close_runner, engine_and_store, in_process_runner, prompt,
-                            settles, write_synth)
+                            settles, write_ds4_tiny, write_synth)
 
 V = ENGINE_SPEC["n_vocab"]
 
@@ -35,10 +35,7 @@ def qwen(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ds4(tmp_path_factory):
-    from betelgeuse.gguf.synth import spec_from_preset, write_model
-    path = tmp_path_factory.mktemp("grow-ds4") / "ds4.gguf"
-    write_model(path, spec_from_preset("ds4-tiny"), progress=False)
-    return path
+    return write_ds4_tiny(tmp_path_factory.mktemp("grow-ds4") / "ds4.gguf")
 
 
 def _grown_vs_full(path, prompt_ids, tokens, small: int, full: int, form: str, vocab: int):

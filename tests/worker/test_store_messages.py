@@ -4,9 +4,9 @@ A decode layer with a miss sends the store ONE message (its Load: the staging sl
 its demand loads, the next layer's guessed experts read ahead once its reads have started); a layer without a miss
 sends none, or one read ahead of guessed experts; a deepseek4 step sends one more read ahead at its start (its
 hash-routed layers' experts of its token: MoEStep.hash_ahead). Every message is counted as the client sends it (the
-unary calls by an interceptor that never waits for a reply; a load, prefetch or release as the client puts it on the session's
-stream, by kind) and compared with the pass's own count (PassStats); no staging slot stays held once the request is
-done.
+unary calls by an interceptor that never waits for a reply; a load, prefetch or release as the client puts it on the
+session's stream, by kind) and compared with the pass's own count (PassStats); no staging slot stays held once the
+request is done.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections import Counter
 import grpc
 import pytest
 
-from engine_helpers import ENGINE_SPEC, prompt, write_synth
+from engine_helpers import prompt, write_tiny_pair
 
 STEPS = 6
 PER_LAYER = ("Load", "Prefetch", "Release")        # the messages of a pass's layers (BeginPass/EndPass open and close)
@@ -48,17 +48,9 @@ class MethodCounter(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInte
         return continuation(details, request)
 
 
-def _ds4(path):
-    from betelgeuse.gguf.synth import spec_from_preset, write_model
-    if not path.exists():
-        write_model(path, spec_from_preset("ds4-tiny", expert_qtype="Q8_0", seed=2), progress=False)
-    return path
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    d = tmp_path_factory.mktemp("messages")
-    return {"qwen3moe": write_synth(d / "engine.gguf", **ENGINE_SPEC), "deepseek4": _ds4(d / "ds4.gguf")}
+    return write_tiny_pair(tmp_path_factory.mktemp("messages"))
 
 
 @pytest.mark.parametrize("arch,guess", [("qwen3moe", True), ("qwen3moe", False), ("deepseek4", True)])
