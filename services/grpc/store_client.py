@@ -379,18 +379,18 @@ class GrpcStoreClient:
             s = self._stream = _Stream(self._session_call)
         return s
 
-    def _send(self, kind: str, req=None, make=None) -> tuple[_Stream, int]:
-        """One request of `kind` (SessionRequest's field) on the session's stream -> (the stream, its id). make(id) ->
-        the whole SessionRequest, where given (built in place: _load_request), else req put in one (a copy)."""
+    def _send(self, kind: str, make) -> tuple[_Stream, int]:
+        """One request of `kind` (SessionRequest's field) on the session's stream, make(id) -> the SessionRequest
+        (built in place: _load_request) -> (the stream, its id)."""
         with self._failing():
             s = self._session_stream()
-            return s, s.send(make or (lambda i: pb.SessionRequest(id=i, **{kind: req})))
+            return s, s.send(make)
 
     def load(self, keys, release=(), ahead=(), drop=()):
         """Demand loads, sent now (the store starts reading at once; it first takes back `release` and reads `ahead`
         ahead once the loads' reads have started) -> the experts in completion order."""
         keys, sid = list(keys), self.session
-        s, rid = self._send("load", make=lambda i: _load_request(i, "load", sid, keys, release, ahead, drop))
+        s, rid = self._send("load", lambda i: _load_request(i, "load", sid, keys, release, ahead, drop))
         if not keys:       # answered as a release (no expert follows): checked with the releases (_reap)
             self._releases.append(_Answer(s, rid, self.timeout, "released"))
             return iter(())
@@ -420,7 +420,7 @@ class GrpcStoreClient:
     def prefetch_start(self, keys, release=(), drop=()):
         """Prefetch without waiting for the answer -> a function that waits for it (the reads started)."""
         sid = self.session
-        f = _Answer(*self._send("prefetch", make=lambda i: _load_request(i, "prefetch", sid, keys, release, (), drop)),
+        f = _Answer(*self._send("prefetch", lambda i: _load_request(i, "prefetch", sid, keys, release, (), drop)),
                     self.timeout, "prefetched")
         # its answer checked with the releases' (_reap: before the pass begins or ends), whether or not the caller
         # asks for it: a failed Prefetch raises there (the staging slots riding on it were the worker's)
@@ -438,7 +438,8 @@ class GrpcStoreClient:
         that reaps (release, begin_pass, end_pass), and every release is answered before a pass begins or ends."""
         self._reap(wait=False)
         req = pb.ReleaseRequest(session=self.session, staging_slots=list(slots))
-        self._releases.append(_Answer(*self._send("release", req), self.timeout, "released"))
+        self._releases.append(_Answer(*self._send("release", lambda i: pb.SessionRequest(id=i, release=req)),
+                                      self.timeout, "released"))
 
     def _reap(self, wait: bool):
         """Check the answered release and prefetch calls (wait: all of them); the first failure raises."""
