@@ -254,20 +254,23 @@ class ExpertCache:
         return [self._ring_slots[(o - first) // sb] for o in offs]
 
     def bank_copy(self, b: int, at: int, srcs: list[torch.Tensor], timing: list | None = None,
-                  wait: bool = True, table: torch.Tensor | None = None) -> list[int]:
+                  wait: bool = True, table: torch.Tensor | None = None, offs: list[int] | None = None) -> list[int]:
         """Copy slots `srcs` into bank b's slots at, at+1, .. (b taken by bank_next; a group may fill its bank in
         several parts: a decode miss layer's banked host experts first, its disk experts as they land) on the copy
         stream. wait: the compute stream waits for every copy into b so far (the bank's ready event is recorded after
         each part: the last one covers them all). table: a group's device table row (table(copy=False)) copied in the
         same call, on the copy stream, before the ready event (with wait, the compute stream's wait covers it: no
-        copy of its own on the compute stream). Returns the pool byte offset of each copied slot."""
+        copy of its own on the compute stream). offs: bank_offsets(b, at, len(srcs)) where the caller made them already
+        (its group's table names them: not made twice a group). Returns the pool byte offset of each copied slot."""
         # no slots with a table: the table alone, the bank's copies so far waited for (a copy ahead's hits:
         # MoEStep._ahead_group)
         assert (0 < len(srcs) or table is not None) and 0 <= at and at + len(srcs) <= self.bank_size, \
             (at, len(srcs), self.bank_size)
         assert table is None or wait, "a table copied with the slots is ready with them: the compute stream waits"
         first = b * self.bank_size + at
-        offs = self.bank_offsets(b, at, len(srcs))
+        if offs is None:
+            offs = self.bank_offsets(b, at, len(srcs))
+        assert len(offs) == len(srcs), (len(offs), len(srcs))
         if table is not None:
             dsts = self._ring_slots[first:first + len(srcs)] + [table]
             srcs = list(srcs) + [self._table_src[id(table)]]

@@ -857,10 +857,12 @@ class MoEStep:
         miss = [e for e in banked if e not in where]
         fill = miss[:cache.bank_size - len(es)]
         hslots = snap["host_slot"][l]
-        order = sorted(zip(hit + fill, [where[e] for e in hit] + cache.bank_offsets(bank, len(es), len(fill))))
+        fill_offs = cache.bank_offsets(bank, len(es), len(fill))
+        order = sorted(zip(hit + fill, [where[e] for e in hit] + fill_offs))
         ids = [e for e, _ in order]
         host, dev = cache.table(ids, [o for _, o in order], copy=False)
-        cache.bank_copy(bank, len(es), [cache.host_slot(l, int(hslots[e])) for e in fill], timing, table=dev)
+        cache.bank_copy(bank, len(es), [cache.host_slot(l, int(hslots[e])) for e in fill], timing, table=dev,
+                        offs=fill_offs)
         self._apply(r, l, Group(np.asarray(ids, dtype=np.int64) if self._walks else None, host, dev), ls)
         cache.bank_done(bank)
         return miss[len(fill):]
@@ -956,7 +958,7 @@ class MoEStep:
             at, es = len(pre), pre + experts
         offs = cache.bank_offsets(bank, at, len(srcs))
         host, dev = cache.table(es, pre_offs + offs, copy=False)
-        cache.bank_copy(bank, at, srcs, timing, table=dev)
+        cache.bank_copy(bank, at, srcs, timing, table=dev, offs=offs)
         return bank, offs, Group(np.asarray(es, dtype=np.int64) if self._walks else None, host, dev)
 
     def _disk_limit(self) -> int:
