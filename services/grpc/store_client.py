@@ -108,10 +108,17 @@ class _Stream:
         self.error: grpc.RpcError | None = None         # what the call ended with
         self._ids = itertools.count(1)
         self._closed = threading.Event()
+        # the call ended (grpc runs its done callbacks as it ends, at once where it has): what alive() reads instead of
+        # call.done() at every message, which takes grpc's call lock (its event thread holds it handling events)
+        self._ended = False
+        self.call.add_done_callback(self._on_end)
         threading.Thread(target=self._watch, name="store-stream-watch", daemon=True).start()
 
+    def _on_end(self, _call):
+        self._ended = True
+
     def alive(self) -> bool:
-        return self.error is None and not self.call.done()
+        return self.error is None and not self._ended
 
     def send(self, make) -> int:
         """Queue the request make(id) -> its id (the answers' box open from now on)."""
