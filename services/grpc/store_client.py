@@ -66,6 +66,15 @@ def _load_request(rid: int, kind: str, session: str, experts=(), release=(), ahe
     return m
 
 
+def _release_request(rid: int, session: str, slots):
+    """SessionRequest(id=rid, release=ReleaseRequest(session=session, staging_slots=slots)) built in place, as
+    _load_request."""
+    m = pb.SessionRequest(id=rid)
+    m.release.session = session             # sets the oneof, also to "" with no slot
+    m.release.staging_slots.extend(slots)
+    return m
+
+
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
@@ -444,8 +453,8 @@ class GrpcStoreClient:
         message arrives (in the order sent: before a load sent after it); a failed release raises from the next call
         that reaps (release, begin_pass, end_pass), and every release is answered before a pass begins or ends."""
         self._reap(wait=False)
-        req = pb.ReleaseRequest(session=self.session, staging_slots=list(slots))
-        self._releases.append(_Answer(*self._send("release", lambda i: pb.SessionRequest(id=i, release=req)),
+        sid, slots = self.session, list(slots)
+        self._releases.append(_Answer(*self._send("release", lambda i: _release_request(i, sid, slots)),
                                       self.timeout, "released"))
 
     def _reap(self, wait: bool):

@@ -1,6 +1,6 @@
 """The store client's session messages built in place (services/grpc/store_client._load_request) against the same
-messages made the plain protobuf way (a LoadRequest of ExpertIds put in a SessionRequest's oneof): equal fields,
-equal wire bytes, the oneof set, over random decode-sized and empty requests."""
+messages made the plain protobuf way (a LoadRequest of ExpertIds, a ReleaseRequest, put in a SessionRequest's oneof):
+equal fields, equal wire bytes, the oneof set, over random decode-sized and empty requests."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from services.grpc.store_client import _load_request
+from services.grpc.store_client import _load_request, _release_request
 from services.pb.betelgeuse.v1 import store_pb2 as pb
 
 
@@ -32,5 +32,17 @@ def test_load_request_is_the_plain_message(kind):
         got = _load_request(rid, kind, session, experts, release, ahead, drop)
         want = _reference(rid, kind, session, experts, release, ahead, drop)
         assert got.WhichOneof("kind") == kind, (i, got)
+        assert got == want, (i, got, want)
+        assert got.SerializeToString(deterministic=True) == want.SerializeToString(deterministic=True), i
+
+
+def test_release_request_is_the_plain_message():
+    rng = random.Random(22)
+    for i in range(200):
+        rid, session = rng.randrange(1, 2**40), rng.choice(["", "s-1f3a"])
+        slots = [rng.randrange(64) for _ in range(rng.randrange(6) if i else 0)]
+        got = _release_request(rid, session, slots)
+        want = pb.SessionRequest(id=rid, release=pb.ReleaseRequest(session=session, staging_slots=slots))
+        assert got.WhichOneof("kind") == "release", (i, got)
         assert got == want, (i, got, want)
         assert got.SerializeToString(deterministic=True) == want.SerializeToString(deterministic=True), i
