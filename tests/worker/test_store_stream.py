@@ -10,7 +10,9 @@ id. Checked here against a `services.store_main` child (a tiny synth model, few 
   message opens a new stream;
 - the store killed while a load waits for its next expert: the load raises StoreUnavailableError ("expert store
   unavailable (UNAVAILABLE): ...", the worker's error, not a gRPC one) within seconds, no hang; so does the next
-  message, and the client's reap at the next pass.
+  message, and the client's reap at the next pass;
+- the store killed with no request in flight: the stream is no longer alive once its call ended (the flag its done
+  callback sets) and the next message opens a new one.
 """
 
 from __future__ import annotations
@@ -145,4 +147,32 @@ def test_a_hung_store_fails_the_load_at_its_deadline_and_the_stream_reopens(mode
         assert [(x.layer, x.expert) for x in got] == disk[1][:1]
     finally:
         os.kill(pid, signal.SIGCONT)
+        store.close()
+
+
+def test_a_stream_whose_store_died_is_not_alive(model, tmp_path):
+    """_Stream.alive() (a flag the call's done callback sets, not call.done() at every message) turns False once the
+    call ends with no request in flight, as call.done() does: the next message opens a new stream."""
+    import time
+    store = _store(model, tmp_path)
+    try:
+        c = store.client
+        _disk(c)
+        c.begin_pass(False)
+        s = c._session_stream()
+        assert s.alive() and not s.call.done()
+        os.kill(store.proc.pid, signal.SIGKILL)
+        t = time.monotonic()
+        while not s.call.done() and time.monotonic() - t < 10:
+            time.sleep(0.01)
+        assert s.call.done(), "the stream's call did not end after the store died"
+        t = time.monotonic()
+        while s.alive() and time.monotonic() - t < 1:      # the callback runs right after done() turns True
+            time.sleep(0.01)
+        assert not s.alive(), "alive() after the call ended"
+        with pytest.raises(StoreUnavailableError):
+            c.release([])
+            c.begin_pass(False)
+        assert c._stream is not s, "the next message did not open a new stream"
+    finally:
         store.close()

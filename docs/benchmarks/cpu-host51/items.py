@@ -12,7 +12,7 @@ import sys
 rows = [json.loads(x) for x in open(sys.argv[1])]
 items = sys.argv[2:]
 a, b = list(dict.fromkeys(r["side"] for r in rows))
-print("| configuration | item | " + f"{a} / {b} us a call (ratio) | calls a step ({b}) |")
+print("| configuration | item | " + f"{a} / {b} us a call (ratio) | calls ({b}; split: a step, client: a run) |")
 print("|---|---|---|---|")
 for args in dict.fromkeys(r["args"] for r in rows):
     for k in items:
