@@ -3,9 +3,9 @@
 runtime calls of the whole run (prefill and warm steps included: ~64 decode steps dominate), by self host time, to
 read what a miss layer's bank copies, flex copies and table uploads cost a call on the device's host
 (moe.cache.bank_copy ~60 us, moe.flex.keep ~58 in gpu-run49-host: aten::copy_ / _foreach_copy_, cudaMemcpyAsync,
-cudaEventRecord, cudaStreamWaitEvent, cudaLaunchKernel). Prints decode_host.py's JSON plus "ops": [{name, calls, self_us_per_call,
-self_ms_total}] (the top --top by self host time; --match a,b: only names holding one of these). Its arguments are
-decode_host.py's, then --top N and --match.
+cudaEventRecord, cudaStreamWaitEvent, cudaLaunchKernel). Prints decode_host.py's JSON plus "ops": [{name, calls,
+self_us_per_call, self_ms_total}] (the top --top by self host time; --match a,b: only names holding one of these).
+Its arguments are decode_host.py's, then --top N and --match.
 
     python3 docs/benchmarks/cpu-host51/op_profile.py --preset ds4-tiny --form solo --flex on --flex-slots 3 \\
         --device cuda --top 30 --match copy,cuda,Event,Stream"""
