@@ -134,6 +134,8 @@ class _Job:  # one read() call
     cancelled: bool = False
     device_bytes: int = 0
     pieces: list = field(default_factory=list)
+    mark: list | None = None  # the message that started it: [taken, first preadv start] monotonic s (the store's
+    # message log, ExpertStore.status): its first piece's start written into [1] if not set yet
 
 
 @dataclass(slots=True)
@@ -228,20 +230,21 @@ class ExpertReader:
         for t in self._threads:
             t.start()
 
-    def read(self, ranges: list[tuple[int, int, int]], priority: int = 0) -> cf.Future:
+    def read(self, ranges: list[tuple[int, int, int]], priority: int = 0, mark: list | None = None) -> cf.Future:
         """Read each (file_offset, nbytes, arena_dest) as its rounded-out 4 KiB range
         [floor(off), ceil(off + n)) to arena_dest (4 KiB aligned), so byte `off` lands at
         arena_dest + off % 4096. Bytes past EOF read as zero. The future resolves to None when
         every piece is done, or to the first OSError (then only after every piece already started has
         finished, so the destination is quiet when the future resolves), or to ReadCancelled (cancel(): no byte
-        of it was read)."""
+        of it was read). mark: [taken, None] of the message that asked (the store's message log): the first piece's
+        start (monotonic s) is written into mark[1] unless an earlier read of that message set it."""
         assert not self._closed, "reader is closed"
         assert priority in (0, 1), priority
         fut = ReadFuture()
         fut.set_running_or_notify_cancel()  # running: Future.cancel() returns False (bytes may be landing)
         pieces: list[_Piece] = []
         job = _Job(fut, 0, threading.Lock(), 0.0 if self.jitter is None else self.jitter.delay(), priority=priority,
-                   queued_at=time.perf_counter())
+                   queued_at=time.perf_counter(), mark=mark)
         fut.job = job
         payload = device = 0
         for off, n, dest in ranges:
@@ -285,10 +288,10 @@ class ExpertReader:
         fut.set_exception(ReadCancelled("read cancelled before it started"))
         return True
 
-    def promote(self, fut: cf.Future) -> bool:
+    def promote(self, fut: cf.Future, mark: list | None = None) -> bool:
         """A read ahead a demand load now waits for: its pieces not yet taken go to the queue again at demand
         priority (their old entries are skipped), so it no longer waits behind the reads ahead queued before it ->
-        whether any piece was still queued."""
+        whether any piece was still queued. mark: the load's (read()), where none of it has started."""
         job = getattr(fut, "job", None)
         if job is None:
             return False
@@ -298,6 +301,7 @@ class ExpertReader:
             job.priority, rest = 0, [p for p in job.pieces if not p.taken]
             if not job.started:
                 job.queued_at = time.perf_counter()     # the demand's wait starts now
+                job.mark = mark if mark is not None else job.mark
             for p in rest:
                 self._q.put((0, next(self._seq), p))
         if rest:
@@ -315,6 +319,8 @@ class ExpertReader:
             piece.taken = True
             first, job.started, prio = not job.started, True, job.priority
         if first:
+            if job.mark is not None and job.mark[1] is None:   # the message's first preadv (a racing thread: the
+                job.mark[1] = time.monotonic()                 # same instant to within microseconds)
             with self._stats_lock:
                 self.stats.started[prio] += 1
                 self.stats.wait_seconds[prio] += time.perf_counter() - job.queued_at

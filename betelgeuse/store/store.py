@@ -28,7 +28,7 @@ import queue
 import threading
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -43,7 +43,7 @@ from betelgeuse.store.engram import EngramLanded, EngramRows
 from betelgeuse.store.plan import SlotPlan
 from betelgeuse.store.prefix_disk import PrefixDisk
 from betelgeuse.store.residency import fill_budget, plan_moves
-from betelgeuse.store.reader import ExpertReader
+from betelgeuse.store.reader import GAP_LOG, ExpertReader
 from betelgeuse.store.watch import ModelWatch
 
 log = logging.getLogger("betelgeuse.store")
@@ -155,6 +155,9 @@ class ExpertStore:
         self._filling: set[tuple[int, int]] = set()                 # staged copies being copied into host slots
         self.counters = StoreCounters()
         self.started = time.monotonic()
+        # the worker's read messages (load, prefetch) as taken: [taken, first preadv start or None] monotonic s, the
+        # last GAP_LOG; status(disk_gaps_since) hands them out beside the gaps (the bench splits a gap's chain)
+        self._msgs: deque = deque(maxlen=GAP_LOG)
         self.pass_ended = self.started                # when the last pass ended (idle time: the prefix tier's saves)
         self._closing = threading.Event()
         self._saver = None
@@ -311,14 +314,21 @@ class ExpertStore:
         before any wait (none with no key: the load ends there): the session stream's reader takes it, so that the
         store reads in the order the requests were sent, hands over what has landed, and the rest to a thread that
         waits (services/store_main.py)."""
+        mark = self._mark()
         self.watch.check()                          # checked on reads: a stat and an fstat when nothing changed
         self._check(session)
         with self.cv:                               # now, even if the stream is never read (a failed pass)
             self._release(release)
             self._drop(drop)
-        return self._load(session, keys, ahead, alive, started)
+        return self._load(session, keys, ahead, alive, started, mark)
 
-    def _load(self, session, keys, ahead, alive=None, started=False) -> Iterator[Loaded]:
+    def _mark(self) -> list:
+        """A read message taken now: its entry in the message log, [now, None] (the reads it starts fill in [1])."""
+        m = [time.monotonic(), None]
+        self._msgs.append(m)
+        return m
+
+    def _load(self, session, keys, ahead, alive=None, started=False, mark=None) -> Iterator[Loaded]:
         if self.reader.jitter is not None:        # test-only adversarial timing: staged copies answer out of order
             keys = self.reader.jitter.shuffled(keys)
         done: queue.Queue = queue.Queue()
@@ -331,19 +341,19 @@ class ExpertStore:
                 self.counters.demand_loads += 1
                 self._claimed.add(key)
                 if key in self._staged or key in self._inflight:
-                    self._promote(key)
+                    self._promote(key, mark)
                     self._watch(key, done)
                 else:
                     pending.append(key)
         try:
-            yield from self._deliver(session, keys, pending, done, list(ahead), alive, started)
+            yield from self._deliver(session, keys, pending, done, list(ahead), alive, started, mark)
         finally:
             with self.cv:
                 self._claimed.difference_update(keys)
 
     STALL_S = 2.0       # a load with no expert landed for this long logs the staging state once (stall())
 
-    def _deliver(self, session, keys, pending, done, ahead, alive=None, started=False) -> Iterator[Loaded]:
+    def _deliver(self, session, keys, pending, done, ahead, alive=None, started=False, mark=None) -> Iterator[Loaded]:
         delivered, queued = 0, 0
         last, told = time.monotonic(), False
         while delivered < len(keys):
@@ -355,10 +365,10 @@ class ExpertStore:
                     if slot is None:
                         break
                     key = pending.pop(0)
-                    self._start_read(key, slot, DEMAND)
+                    self._start_read(key, slot, DEMAND, mark)
                     self._watch(key, done)
                 if ahead and not pending:           # never queued before this load's own reads
-                    queued, ahead = self._readahead(ahead), None
+                    queued, ahead = self._readahead(ahead, mark), None
             if started:                             # load's `started`: the reads are started, none waited for
                 started = False
                 yield done
@@ -400,17 +410,18 @@ class ExpertStore:
     def prefetch(self, session: str, keys: list[tuple[int, int]], release=(), drop=()) -> int:
         """Read-ahead into staging slots (module doc), in the keys' order, after handing back `release` and forgetting
         the reads ahead of `drop` not started yet -> reads started."""
+        mark = self._mark()
         self._check(session)
         with self.cv:
             self._release(release)
             self._drop(drop)
-            return self._readahead(keys)
+            return self._readahead(keys, mark)
 
-    def _readahead(self, keys: list[tuple[int, int]]) -> int:
+    def _readahead(self, keys: list[tuple[int, int]], mark: list | None = None) -> int:
         """Reads ahead take a free staging slot or the least recently used staged copy (as a demand read does: once
         the staging slots have all held an expert, none is ever free again, so a read ahead that waited for a free
         one never ran), while at most half of the staging slots hold reads ahead not yet asked for: the other half
-        stays for demand."""
+        stays for demand. mark: the message's log entry (_mark)."""
         queued = 0
         with self.cv:
             for key in keys:
@@ -423,7 +434,7 @@ class ExpertStore:
                 if slot is None:
                     break
                 self._readahead_keys.add(key)
-                self._start_read(key, slot, READAHEAD)
+                self._start_read(key, slot, READAHEAD, mark)
                 self.counters.readahead_reads += 1
                 queued += 1
         return queued
@@ -558,12 +569,13 @@ class ExpertStore:
                 return slot
         return None
 
-    def _promote(self, key):
-        """A load waits for `key`: a read ahead of it still queued goes ahead of every other read ahead."""
+    def _promote(self, key, mark: list | None = None):
+        """A load waits for `key`: a read ahead of it still queued goes ahead of every other read ahead (its start then
+        counts as the load's: `mark`)."""
         cur = self._inflight.get(key)
         if cur is not None and cur[2] == READAHEAD:
             self._inflight[key] = (cur[0], cur[1], DEMAND)
-            if self.reader.promote(cur[1]):
+            if self.reader.promote(cur[1], mark):
                 self.counters.readahead_promoted += 1
 
     def _free_slot(self, slot: int):
@@ -573,9 +585,9 @@ class ExpertStore:
     def _ranges(self, key: tuple[int, int], slot_offset: int) -> list[tuple[int, int, int]]:
         return self.layout.slot.read_ranges(self._parts[key[0]][key[1]], slot_offset)
 
-    def _start_read(self, key, slot: int, priority: int):
+    def _start_read(self, key, slot: int, priority: int, mark: list | None = None):
         stamp = self.watch.stamp()
-        fut = self.reader.read(self._ranges(key, self.layout.staging_slot_offset(slot)), priority=priority)
+        fut = self.reader.read(self._ranges(key, self.layout.staging_slot_offset(slot)), priority=priority, mark=mark)
         self._inflight[key] = (slot, fut, priority)
         nbytes = sum(p.nbytes for p in self._parts[key[0]][key[1]])
 
@@ -718,13 +730,16 @@ class ExpertStore:
     def status(self, disk_gaps_since: float | None = None) -> dict:
         """The store's counters and gauges (JSON-able). disk_gaps_since (monotonic seconds): also the disk's idle gaps
         ending after it, "disk_gaps" [[start, end], ...] (store/reader.py idle_gaps; the bench's decode split), and
-        "disk_gaps_complete" (False: the reader's log lost some), "disk_clock" (now, monotonic)."""
+        "disk_gaps_complete" (False: the reader's log lost some), "disk_clock" (now, monotonic), and the read messages
+        (load, prefetch) taken after it, "disk_msgs" [[taken, first preadv start or None], ...] (the bench's split of a
+        gap's chain: the message taken -> its first read started)."""
         r = self.reader.stats
         c = self.counters
         gaps = {}
         if disk_gaps_since is not None:
             got, complete = self.reader.idle_gaps(disk_gaps_since)
-            gaps = {"disk_gaps": [list(g) for g in got], "disk_gaps_complete": complete, "disk_clock": time.monotonic()}
+            gaps = {"disk_gaps": [list(g) for g in got], "disk_gaps_complete": complete, "disk_clock": time.monotonic(),
+                    "disk_msgs": [list(m) for m in list(self._msgs) if m[0] > disk_gaps_since]}
         return {
             "pid": os.getpid(), "session": self.session, "pass_active": self.pass_active,
             "epoch": int(self.directory.epoch), "uptime_s": time.monotonic() - self.started,

@@ -584,6 +584,7 @@ class MoEStep:
         # host sync: routing decides the loads (with the next layer's guess in the same transfer); decode_gate: the
         # layer's row published by the device
         counts, marks = self.clock.wait(self.sync.finish) if synced is None else synced
+        stats.routed.append((time.monotonic(), l))     # the routing on the host: the chain to the load (PassStats)
         used = np.nonzero(counts)[0]
         tiers = self._tiers(snap)[l][used]
         flexed = used[:0]
@@ -998,12 +999,15 @@ class MoEStep:
             held = self._release(held, keep=limit - 1 - len(batch))   # never hold many slots while blocking
             tw = time.perf_counter()
             got = self.clock.wait_store(next, loads)
+            ta = time.monotonic()                            # handed to the worker (PassStats.landed: the last)
             ls.disk_wait_s += time.perf_counter() - tw
             ahead_used += got.prefetched
             stats.disk_bytes += got.disk_bytes
             batch.append(got)
             if len(batch) == B:
                 flush()
+        if n_disk:
+            stats.landed.append((ta, l))
         flush()
         self._release(held, keep=0, later=True)
         return ahead_used
@@ -1016,12 +1020,14 @@ class MoEStep:
         for _ in disk:
             tw = time.perf_counter()
             got = self.clock.wait_store(next, loads)
+            ta = time.monotonic()
             ls.disk_wait_s += time.perf_counter() - tw
             ahead_used += got.prefetched
             stats.disk_bytes += got.disk_bytes
             self._miss_slot(l, got.expert, self.cache.staging_slot(got.slot))
             self._held.append((l, got.expert, got.slot))
         if disk:
+            stats.landed.append((ta, l))
             self._read_in_place(l, counts, disk, stats)
         return ahead_used
 

@@ -75,6 +75,11 @@ class PassStats:
     # load or read ahead of guesses (MoEStep._send_loads), -1 the step's hash ahead. The bench lays them over the
     # store's idle gaps: the message that ended a gap names what the disk waited for (services/bench/disk_idle.py)
     sends: list = field(default_factory=list)
+    # the chain before such a message (issue 21: the disk idles from a layer's last read to the next layer's load),
+    # on the same clock: (time, layer) of each layer's routing on the host (after its sync; MoEStep._partial) and of
+    # each layer's last disk expert handed to the worker (MoEStep._disk_groups / _disk_table)
+    routed: list = field(default_factory=list)
+    landed: list = field(default_factory=list)
     vram_filled: int = 0        # experts copied into VRAM hot slots at the start of the pass
     fill_disk: int = 0          # of those, read from disk (no host backing copy): fills, not uses (reads counts uses)
     open_s: float = 0.0         # opening the store pass: BeginPass (it waits for a pending consolidation) + VRAM fills

@@ -17,6 +17,18 @@ store's own active-seconds counter the independent check: tests/services/test_di
 messages that ask for disk reads (PassStats.sends: time, layer), each gap is also put on the message that ended it
 (the last one sent by its end, if sent during it): the layer whose routing the disk waited for, or the step's hash
 ahead (-1); "other" where no message was sent during the gap.
+
+The chain of a gap ended by a layer's message (issue 21, crit51: the disk waits on it), given the worker's routing times
+and expert arrivals (PassStats.routed, .landed) and the store's message log (status' disk_msgs: [taken, first read]),
+cut at each step's time, each clipped into the gap and after the one before (so the parts sum to the gap):
+
+  land      the gap's start (the last read's bytes done) -> the worker has the layer's last disk expert (the store's
+            landed callback, its delivery thread, the answer over the session stream)
+  gpu       -> the next layer's routing on the host: the expert's H2D copy and group, the next layer's attention and
+            routing, the routing's sync to the host (between tokens: also the head, sampling and the next step's start)
+  host      -> the load message sent (the host's tier split, guesses, bookkeeping before the send)
+  message   -> the store took it (the session stream: the client's send thread, the socket, the store's reader thread)
+  store     -> the gap's end: the store starts the reads (slot choice, the reader's queue, a thread's preadv)
 """
 
 from __future__ import annotations
@@ -24,14 +36,19 @@ from __future__ import annotations
 import bisect
 
 
-def split_idle(gaps, windows, sends=()) -> dict:
+CHAIN = ("land", "gpu", "host", "message", "store")
+
+
+def split_idle(gaps, windows, sends=(), routed=(), landed=(), msgs=()) -> dict:
     """gaps [(start, end)] the disk's idle gaps (monotonic s, oldest first, as the store logs them), windows [(start,
     end)] the decode steps in order (monotonic s, each end <= the next start) -> {"tokens", "span_s", "idle_s",
     "between_s", "within_s", "outside_s", "active_s", "between_gaps", "within_gaps"} and per token in ms
     (between_ms_per_token, within_ms_per_token, outside_ms_per_token, active_ms_per_token). Each gap clipped to the
     run's span [first start, last end]. sends [(monotonic s, layer)] (PassStats.sends, in order): also "ended_by",
     per layer whose message ended a gap (-1: the step's hash ahead; "other": no message sent during the gap) the
-    idle ms per token [between, within]: what the disk waited for."""
+    idle ms per token [between, within]: what the disk waited for. routed, landed [(monotonic s, layer)] (PassStats),
+    msgs [(taken, first read)] (status' disk_msgs), with sends: also "chain" {"between" | "within": {part: ms per
+    token, ..., "gaps": n}} over the gaps a layer's message ended (module doc: CHAIN)."""
     n = len(windows)
     if not n:
         return {}
@@ -43,6 +60,9 @@ def split_idle(gaps, windows, sends=()) -> dict:
     nb = nw = 0
     times = [t for t, _ in sends]
     ended: dict = {}                                            # label -> [between s, within s]
+    chained = bool(times) and bool(routed or landed or msgs)
+    chain = {w: dict.fromkeys(CHAIN + ("gaps", "own_read"), 0.0) for w in ("between", "within")}
+    rt, lt, mt = [t for t, _ in routed], [t for t, _ in landed], [m[0] for m in msgs]
     for a, b in gaps:
         a, b = max(a, lo), min(b, hi)
         if b <= a:
@@ -62,6 +82,13 @@ def split_idle(gaps, windows, sends=()) -> dict:
             i = bisect.bisect_right(times, b) - 1
             label = str(sends[i][1]) if i >= 0 and times[i] >= a else "other"
             ended.setdefault(label, [0.0, 0.0])[0 if touches else 1] += b - a
+            if chained and label != "other":
+                parts, own = _chain(a, b, times[i], sends[i][1], routed, rt, lt, msgs, mt)
+                c = chain["between" if touches else "within"]
+                for name, v in zip(CHAIN, parts):
+                    c[name] += v
+                c["gaps"] += 1
+                c["own_read"] += own
     span = hi - lo
     idle = between + within
     ms = 1e3 / n
@@ -70,7 +97,32 @@ def split_idle(gaps, windows, sends=()) -> dict:
             "between_ms_per_token": between * ms, "within_ms_per_token": within * ms,
             "outside_ms_per_token": outside * ms, "active_ms_per_token": (span - idle) * ms,
             **({"ended_by": {k: [v[0] * ms, v[1] * ms] for k, v in sorted(ended.items(), key=_label_order)}}
-               if times else {})}
+               if times else {}),
+            **({"chain": {w: {k: (v * ms if k in CHAIN else v) for k, v in c.items()} for w, c in chain.items()}}
+               if chained else {})}
+
+
+def _chain(a: float, b: float, c: float, layer: int, routed, rt, lt, msgs, mt) -> tuple[list[float], bool]:
+    """A gap [a, b] ended by layer `layer`'s message sent at c -> its parts (CHAIN) in seconds: the layer's routing
+    on the host (the last before c), the last expert handed to the worker before that, the last message the store took
+    by b (after c); a step not found takes the time of the one before it (a part of 0). And whether the read that
+    ended the gap was that message's own first one (its first preadv within 0.2 ms of b: the store part is the
+    message's own scheduling, not a read it waited behind)."""
+    j = bisect.bisect_right(rt, c) - 1
+    while j >= 0 and routed[j][1] != layer and c - rt[j] < 1.0:     # the hash ahead (-1) has none: host 0
+        j -= 1
+    t_routed = routed[j][0] if j >= 0 and routed[j][1] == layer else c
+    k = bisect.bisect_right(lt, t_routed) - 1
+    t_landed = lt[k] if k >= 0 else a
+    m = bisect.bisect_right(mt, b) - 1
+    t_taken = mt[m] if m >= 0 and mt[m] >= c else c
+    cuts, prev = [a], a
+    for t in (t_landed, t_routed, c, t_taken):
+        prev = min(max(t, prev), b)
+        cuts.append(prev)
+    cuts.append(b)
+    first = msgs[m][1] if m >= 0 and mt[m] >= c else None
+    return [cuts[x + 1] - cuts[x] for x in range(len(CHAIN))], first is not None and abs(first - b) < 2e-4
 
 
 def _label_order(kv) -> tuple:
@@ -84,6 +136,17 @@ def ended_label(s: dict, top: int = 4) -> str:
     rows = sorted(by.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))[:top]
     name = {"-1": "hash ahead", "other": "other"}
     return ", ".join(f"{name.get(k, 'L' + k)} {b:.1f} / {w:.1f}" for k, (b, w) in rows)
+
+
+def chain_label(s: dict, where: str = "within") -> str:
+    """split_idle's chain of the `where` gaps: 'land 0.1 / gpu 1.2 / host 0.3 / message 0.1 / store 0.0 (3.0 gaps)'
+    (ms per token; gaps per token); '' where not measured."""
+    c = (s.get("chain") or {}).get(where)
+    if not c or not c["gaps"]:
+        return ""
+    return (" / ".join(f"{k} {c[k]:.2f}" for k in CHAIN)
+            + f" ({c['gaps'] / max(1, s['tokens']):.1f} gaps/token, {c['own_read']:.0f} of {c['gaps']:.0f} ended by the "
+            "message's own first read)")
 
 
 def idle_label(d: dict) -> str:

@@ -481,6 +481,7 @@ class Harness:
         guess = dict.fromkeys(GUESS_FIELDS, 0)          # decode's guesses of the next layers (worker/guess.py)
         windows = []                                    # per token: its step on the store's clock (monotonic)
         sends = []                                      # the steps' messages asking for disk reads (PassStats.sends)
+        routed, landed = [], []                         # the chain before them (PassStats.routed, .landed)
         gg = getattr(rn.moe, "group_graphs", None)      # engine.group_graphs: its replays / captures / launches
         gg0 = gg.stats() if gg is not None else None
         t_start = time.perf_counter()
@@ -495,6 +496,8 @@ class Harness:
             tok = int(lg[-1].argmax())
             windows.append((w0, time.monotonic()))
             sends += st.sends
+            routed += st.routed
+            landed += st.landed
             secs.append(time.perf_counter() - t)
             token_compiles.append(TL.compiles_since(m0)["count"])
             for k_ in reads:
@@ -517,7 +520,8 @@ class Harness:
         bound = C.pass_bound(self.ceil, bps, len(secs), n, disk_bytes, h2d, c.n_layer, c.n_expert_used,
                              sum(secs)) if secs else {}
         # where the disk idles: between tokens or within one (services/bench/disk_idle.py), from the store's gap log
-        idle = split_idle(st1.get("disk_gaps", ()), windows, sends) if "disk_gaps" in st1 else None
+        idle = (split_idle(st1["disk_gaps"], windows, sends, routed, landed, st1.get("disk_msgs", ()))
+                if "disk_gaps" in st1 else None)
         if idle:
             idle["gaps_complete"] = st1.get("disk_gaps_complete")
         return {**own, "k": c.n_expert_used, "tokens": len(secs), "requested": self.o.decode, "seconds": sum(secs), "bound": bound,

@@ -5,7 +5,11 @@
 - on a real store (its reader threads, its gap log): idle + active = the run's span, active agrees with the reader's
   own active-seconds counter, and a forced gap lands where it should: a pause after each step's forward (a slow
   sampling) adds to "between" and not "within"; a pause inside a step, before a layer's disk reads, adds to
-  "within" (decode guesses off, so a layer's reads start only at its own routing).
+  "within" (decode guesses off, so a layer's reads start only at its own routing);
+- the chain of a gap a layer's message ended (land / gpu / host / message / store): laid out by hand, each part cut
+  at its step's time; on a real store, a pause forced into one step of the chain (before layer 1's routing reaches
+  the host, between its routing and its load's send, between the send and the store taking it) grows that part and
+  no other by the pause.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import time
 import pytest
 
 from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, write_synth
-from services.bench.disk_idle import ended_label, idle_label, split_idle
+from services.bench.disk_idle import CHAIN, chain_label, ended_label, idle_label, split_idle
 
 PAUSE = 0.05        # s, the forced gap per token
 STEPS = 5
@@ -51,10 +55,31 @@ def model(tmp_path_factory):
     return write_synth(tmp_path_factory.mktemp("idle") / "engine.gguf", **ENGINE_SPEC)
 
 
-def _decode(path, pause_between: float = 0.0, pause_within: float = 0.0) -> tuple[dict, float]:
+def test_chain_by_hand():
+    windows = [(0.0, 10.0)]
+    gaps = [(3.0, 4.0), (6.0, 7.0)]
+    sends = [(3.6, 1), (6.5, -1)]
+    # layer 1 routed at 3.4 (layer 2's at 3.45 is another layer's: skipped); the last expert handed over before it at
+    # 3.1 (3.5 is after the routing); the store took the message at 3.7 (2.9: an earlier one), its first read at 4.0
+    routed, landed, msgs = [(3.4, 1), (3.45, 2)], [(3.1, 0), (3.5, 2)], [(2.9, 3.0), (3.7, 4.0)]
+    s = split_idle(gaps, windows, sends, routed, landed, msgs)
+    w = s["chain"]["within"]
+    # (6, 7) by the hash ahead at 6.5: no routing of its own (host 0), the last handed over 3.5 is before the gap
+    # (land 0), the store took nothing after the send (message 0): gpu 0.5, store 0.5
+    want = {"land": 0.1, "gpu": 0.3 + 0.5, "host": 0.2, "message": 0.1, "store": 0.3 + 0.5}
+    assert {k: w[k] for k in CHAIN} == pytest.approx({k: v * 1e3 for k, v in want.items()}), w
+    assert w["gaps"] == 2 and w["own_read"] == 1 and s["chain"]["between"]["gaps"] == 0
+    assert "land 100.00 / gpu 800.00" in chain_label(s) and chain_label(s, "between") == ""
+    assert "chain" not in split_idle(gaps, windows, sends)
+
+
+def _decode(path, pause_between: float = 0.0, pause_within: float = 0.0, pause_host: float = 0.0,
+            pause_message: float = 0.0) -> tuple[dict, float]:
     """STEPS greedy decode steps timed as the bench times them (its forward and sampling on the monotonic clock), the
     store's idle gaps split -> (the split, the reader's active seconds over the run). Decode guesses off: each layer
-    reads its disk experts at its own routing. pause_within: a sleep at layer 1's host step, before its loads."""
+    reads its disk experts at its own routing. pause_within: a sleep at layer 1's host step, before its routing's
+    sync; pause_host: after it, before the load's send; pause_message: in the load's message, before the store takes
+    it."""
     # 1 VRAM slot, no host slot and 4 staging slots: a layer's experts are read from disk in nearly every token (few
     # stay staged from the token before), so layer 1's reads follow the pause within the step
     rn, st = in_process_runner(path, 1, 0, prefetch_decode=False, staging_slots=4)
@@ -70,7 +95,23 @@ def _decode(path, pause_between: float = 0.0, pause_within: float = 0.0) -> tupl
                     time.sleep(pause_within)
                 return partial(l, *a, **kw)
             rn.moe._partial = slow
-        windows, sends = [], []
+        if pause_host:
+            send = rn.moe._send_loads
+
+            def slow_send(l, *a, **kw):
+                if l == 1:
+                    time.sleep(pause_host)
+                return send(l, *a, **kw)
+            rn.moe._send_loads = slow_send
+        if pause_message:
+            load = st.load
+
+            def slow_load(session, keys, *a, **kw):
+                if keys and keys[0][0] == 1:
+                    time.sleep(pause_message)
+                return load(session, keys, *a, **kw)
+            st.load = slow_load
+        windows, sends, routed, landed = [], [], [], []
         a0 = st.status()["disk_active_seconds"]
         gc.collect()            # no collection inside the timed steps: a full one took 0.14 s under pytest (an idle
         gc.disable()            # stretch of its own, in whichever step it fell)
@@ -78,6 +119,8 @@ def _decode(path, pause_between: float = 0.0, pause_within: float = 0.0) -> tupl
             w0 = time.monotonic()
             lg, stats = rn.forward([tok], kv, consolidate=False)
             sends += stats.sends
+            routed += stats.routed
+            landed += stats.landed
             tok = int(lg[-1].argmax())
             if pause_between:
                 time.sleep(pause_between)       # a slow sampling: after the step's last read, inside its window
@@ -85,7 +128,8 @@ def _decode(path, pause_between: float = 0.0, pause_within: float = 0.0) -> tupl
         gc.enable()
         end = st.status(disk_gaps_since=windows[0][0])
         assert end["disk_gaps_complete"] and end["disk_clock"] >= windows[-1][1]
-        return split_idle(end["disk_gaps"], windows, sends), end["disk_active_seconds"] - a0
+        return (split_idle(end["disk_gaps"], windows, sends, routed, landed, end["disk_msgs"]),
+                end["disk_active_seconds"] - a0)
     finally:
         gc.enable()
         close_runner(rn, st)
@@ -107,3 +151,15 @@ def test_forced_gaps_land_where_they_should(model):
     # and the disk waited for layer 1's loads (guesses off: its own message ends the pause's gap)
     grew = within["ended_by"]["1"][1] - base["ended_by"].get("1", [0.0, 0.0])[1]
     assert grew >= 0.6 * PAUSE * 1e3, (within["ended_by"], base["ended_by"])
+
+
+def test_chain_parts_take_the_pause(model):
+    """A pause forced at one step of layer 1's chain grows that part of the within gaps (by >= 0.6 of it a token) and
+    no other by more than 0.3 of it: the parts are cut where the chain's steps happen."""
+    base, _ = _decode(model)
+    assert base["chain"]["within"]["gaps"] > 0
+    for kw, part in (("pause_within", "gpu"), ("pause_host", "host"), ("pause_message", "message")):
+        got, _ = _decode(model, **{kw: PAUSE})
+        grew = {k: got["chain"]["within"][k] - base["chain"]["within"][k] for k in CHAIN}
+        assert grew[part] >= 0.6 * PAUSE * 1e3, (kw, grew)
+        assert all(v <= 0.3 * PAUSE * 1e3 for k, v in grew.items() if k != part), (kw, grew)

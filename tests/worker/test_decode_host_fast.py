@@ -35,7 +35,7 @@ V = ENGINE_SPEC["n_vocab"]
 # the store's choice (its free list, shaped by the prefill's landing order), so how many are handed back is compared
 MESSAGES = {"load": 1, "prefetch": 1, "prefetch_start": 1, "release": 0, "begin_pass": None, "end_pass": 2}
 TIMING = {"seconds", "disk_wait_s", "open_s", "host_s", "blocked_s", "store_wait_s", "moe_host_s", "store_rpc",
-          "layers", "engram", "sends"}
+          "layers", "engram", "sends", "routed", "landed"}
 # (vram, host, extra): as many slots as experts (VRAM + host slots read in place: every expert the prompt used is at
 # hand), and misses beside at-hand layers (10 + 18: some layers miss although none of their guesses was on disk, so
 # they were guessed on the short path and scored on the general one), host experts banked (never in place: a layer
@@ -196,6 +196,8 @@ def _decode(path, vram, host, extra, fast: bool, lanes: bool, gate: bool, monkey
             row = {f.name: getattr(s, f.name) for f in fields(s) if f.name not in TIMING}
             row["store_rpc"] = {k: v[0] for k, v in s.store_rpc.items()}
             row["sends"] = [layer for _, layer in s.sends]         # which layers asked for reads (not when)
+            row["routed"] = [layer for _, layer in s.routed]       # and the chain's steps (PassStats.routed, .landed)
+            row["landed"] = [layer for _, layer in s.landed]
             # the groups the general path counts: the fast one's and those it saved (a test below says how many)
             row["layers"] = [(x.vram, x.host, x.disk, x.synced, x.groups + merged.get(id(x), 0)) for x in s.layers]
             seen.append(row)
