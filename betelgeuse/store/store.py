@@ -155,8 +155,9 @@ class ExpertStore:
         self._filling: set[tuple[int, int]] = set()                 # staged copies being copied into host slots
         self.counters = StoreCounters()
         self.started = time.monotonic()
-        # the worker's read messages (load, prefetch) as taken: [taken, first preadv start or None] monotonic s, the
-        # last GAP_LOG; status(disk_gaps_since) hands them out beside the gaps (the bench splits a gap's chain)
+        # the worker's read messages (load, prefetch) as taken: [taken, first preadv start, the load's last expert
+        # seen by its delivering thread] monotonic s (None: none), the last GAP_LOG; status(disk_gaps_since) hands
+        # them out beside the gaps (the bench splits a gap's chain: services/bench/disk_idle.py)
         self._msgs: deque = deque(maxlen=GAP_LOG)
         self.pass_ended = self.started                # when the last pass ended (idle time: the prefix tier's saves)
         self._closing = threading.Event()
@@ -323,8 +324,9 @@ class ExpertStore:
         return self._load(session, keys, ahead, alive, started, mark)
 
     def _mark(self) -> list:
-        """A read message taken now: its entry in the message log, [now, None] (the reads it starts fill in [1])."""
-        m = [time.monotonic(), None]
+        """A read message taken now: its entry in the message log, [now, None, None] (the reads it starts fill in [1],
+        its delivery [2])."""
+        m = [time.monotonic(), None, None]
         self._msgs.append(m)
         return m
 
@@ -385,6 +387,8 @@ class ExpertStore:
                                 self.stall(keys[delivered:], pending))
                 continue
             last = time.monotonic()
+            if mark is not None:                    # the message log: this load's expert seen here (the last one's
+                mark[2] = last                      # stays: the worker's wait for a layer ends with it)
             if alive is not None and not alive():
                 return                              # cancelled: the landed expert stays staged, for whoever asks
             with self.cv:
@@ -731,8 +735,9 @@ class ExpertStore:
         """The store's counters and gauges (JSON-able). disk_gaps_since (monotonic seconds): also the disk's idle gaps
         ending after it, "disk_gaps" [[start, end], ...] (store/reader.py idle_gaps; the bench's decode split), and
         "disk_gaps_complete" (False: the reader's log lost some), "disk_clock" (now, monotonic), and the read messages
-        (load, prefetch) taken after it, "disk_msgs" [[taken, first preadv start or None], ...] (the bench's split of a
-        gap's chain: the message taken -> its first read started)."""
+        (load, prefetch) taken after it, "disk_msgs" [[taken, first preadv start, last expert delivered], ...] (None:
+        none; the bench's split of a gap's chain: the message taken -> its first read started; a load's last expert
+        seen by the thread that hands it to the worker)."""
         r = self.reader.stats
         c = self.counters
         gaps = {}

@@ -99,7 +99,7 @@ def targets(r: dict) -> list[str]:
                           ended_label(idle), None))
         for where in ("within", "between"):     # the chain of the gaps a layer's message ended (disk_idle.CHAIN)
             if chain_label(idle, where):
-                L.append(_row(f"  of it, {where}: land / gpu / host / message / store ms per token", "–",
+                L.append(_row(f"  of it, {where}: land / deliver / gpu / host / message / store ms per token", "–",
                               chain_label(idle, where), None))
     runs = [p for c in (ex, pool) for p in c.get("passes", []) + ([c["decode"]] if c.get("decode") else [])]
     # the target is for layer-major passes and decode; a pass of the standard (token-major) schedule, which the

@@ -19,11 +19,13 @@ messages that ask for disk reads (PassStats.sends: time, layer), each gap is als
 ahead (-1); "other" where no message was sent during the gap.
 
 The chain of a gap ended by a layer's message (issue 21, crit51: the disk waits on it), given the worker's routing times
-and expert arrivals (PassStats.routed, .landed) and the store's message log (status' disk_msgs: [taken, first read]),
+and expert arrivals (PassStats.routed, .landed) and the store's message log (status' disk_msgs: [taken, first read,
+last expert delivered]),
 cut at each step's time, each clipped into the gap and after the one before (so the parts sum to the gap):
 
-  land      the gap's start (the last read's bytes done) -> the worker has the layer's last disk expert (the store's
-            landed callback, its delivery thread, the answer over the session stream)
+  land      the gap's start (the last read's bytes done) -> the store's thread that delivers the layer's load has its
+            last expert (the reader's completion callback, that thread's wakeup)
+  deliver   -> the worker has it (the answer over the session stream: the store's send, the socket, the worker's read)
   gpu       -> the next layer's routing on the host: the expert's H2D copy and group, the next layer's attention and
             routing, the routing's sync to the host (between tokens: also the head, sampling and the next step's start)
   host      -> the load message sent (the host's tier split, guesses, bookkeeping before the send)
@@ -36,7 +38,7 @@ from __future__ import annotations
 import bisect
 
 
-CHAIN = ("land", "gpu", "host", "message", "store")
+CHAIN = ("land", "deliver", "gpu", "host", "message", "store")
 
 
 def split_idle(gaps, windows, sends=(), routed=(), landed=(), msgs=()) -> dict:
@@ -47,8 +49,8 @@ def split_idle(gaps, windows, sends=(), routed=(), landed=(), msgs=()) -> dict:
     run's span [first start, last end]. sends [(monotonic s, layer)] (PassStats.sends, in order): also "ended_by",
     per layer whose message ended a gap (-1: the step's hash ahead; "other": no message sent during the gap) the
     idle ms per token [between, within]: what the disk waited for. routed, landed [(monotonic s, layer)] (PassStats),
-    msgs [(taken, first read)] (status' disk_msgs), with sends: also "chain" {"between" | "within": {part: ms per
-    token, ..., "gaps": n}} over the gaps a layer's message ended (module doc: CHAIN)."""
+    msgs [(taken, first read[, delivered])] (status' disk_msgs), with sends: also "chain" {"between" | "within":
+    {part: ms per token, ..., "gaps": n, "own_read": n}} over the gaps a layer's message ended (module doc: CHAIN)."""
     n = len(windows)
     if not n:
         return {}
@@ -104,8 +106,9 @@ def split_idle(gaps, windows, sends=(), routed=(), landed=(), msgs=()) -> dict:
 
 def _chain(a: float, b: float, c: float, layer: int, routed, rt, lt, msgs, mt) -> tuple[list[float], bool]:
     """A gap [a, b] ended by layer `layer`'s message sent at c -> its parts (CHAIN) in seconds: the layer's routing
-    on the host (the last before c), the last expert handed to the worker before that, the last message the store took
-    by b (after c); a step not found takes the time of the one before it (a part of 0). And whether the read that
+    on the host (the last before c), the last expert handed to the worker before that (and the store's delivery of it:
+    the last load taken before it that delivered one), the last message the store took by b (after c); a step not
+    found takes the time of the one before it (a part of 0). And whether the read that
     ended the gap was that message's own first one (its first preadv within 0.2 ms of b: the store part is the
     message's own scheduling, not a read it waited behind)."""
     j = bisect.bisect_right(rt, c) - 1
@@ -114,10 +117,14 @@ def _chain(a: float, b: float, c: float, layer: int, routed, rt, lt, msgs, mt) -
     t_routed = routed[j][0] if j >= 0 and routed[j][1] == layer else c
     k = bisect.bisect_right(lt, t_routed) - 1
     t_landed = lt[k] if k >= 0 else a
+    n = bisect.bisect_right(mt, t_landed) - 1
+    while n >= 0 and (len(msgs[n]) < 3 or msgs[n][2] is None) and t_landed - mt[n] < 1.0:
+        n -= 1
+    t_store = msgs[n][2] if n >= 0 and len(msgs[n]) >= 3 and msgs[n][2] is not None else t_landed
     m = bisect.bisect_right(mt, b) - 1
     t_taken = mt[m] if m >= 0 and mt[m] >= c else c
     cuts, prev = [a], a
-    for t in (t_landed, t_routed, c, t_taken):
+    for t in (t_store, t_landed, t_routed, c, t_taken):
         prev = min(max(t, prev), b)
         cuts.append(prev)
     cuts.append(b)
@@ -139,8 +146,8 @@ def ended_label(s: dict, top: int = 4) -> str:
 
 
 def chain_label(s: dict, where: str = "within") -> str:
-    """split_idle's chain of the `where` gaps: 'land 0.1 / gpu 1.2 / host 0.3 / message 0.1 / store 0.0 (3.0 gaps)'
-    (ms per token; gaps per token); '' where not measured."""
+    """split_idle's chain of the `where` gaps: 'land 0.10 / deliver 0.10 / gpu 1.20 / host 0.30 / message 0.10 / store
+    0.05 (3.0 gaps/token, ...)' (ms per token); '' where not measured."""
     c = (s.get("chain") or {}).get(where)
     if not c or not c["gaps"]:
         return ""

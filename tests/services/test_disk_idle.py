@@ -60,26 +60,28 @@ def test_chain_by_hand():
     gaps = [(3.0, 4.0), (6.0, 7.0)]
     sends = [(3.6, 1), (6.5, -1)]
     # layer 1 routed at 3.4 (layer 2's at 3.45 is another layer's: skipped); the last expert handed over before it at
-    # 3.1 (3.5 is after the routing); the store took the message at 3.7 (2.9: an earlier one), its first read at 4.0
-    routed, landed, msgs = [(3.4, 1), (3.45, 2)], [(3.1, 0), (3.5, 2)], [(2.9, 3.0), (3.7, 4.0)]
+    # 3.1 (3.5 is after the routing), the store's delivery of it at 3.05 (the load taken at 2.9; 2.95's prefetch
+    # delivered none); the store took the message at 3.7, its first read at 4.0
+    routed, landed = [(3.4, 1), (3.45, 2)], [(3.1, 0), (3.5, 2)]
+    msgs = [(2.9, 3.0, 3.05), (2.95, 3.0, None), (3.7, 4.0, None)]
     s = split_idle(gaps, windows, sends, routed, landed, msgs)
     w = s["chain"]["within"]
     # (6, 7) by the hash ahead at 6.5: no routing of its own (host 0), the last handed over 3.5 is before the gap
     # (land 0), the store took nothing after the send (message 0): gpu 0.5, store 0.5
-    want = {"land": 0.1, "gpu": 0.3 + 0.5, "host": 0.2, "message": 0.1, "store": 0.3 + 0.5}
+    want = {"land": 0.05, "deliver": 0.05, "gpu": 0.3 + 0.5, "host": 0.2, "message": 0.1, "store": 0.3 + 0.5}
     assert {k: w[k] for k in CHAIN} == pytest.approx({k: v * 1e3 for k, v in want.items()}), w
     assert w["gaps"] == 2 and w["own_read"] == 1 and s["chain"]["between"]["gaps"] == 0
-    assert "land 100.00 / gpu 800.00" in chain_label(s) and chain_label(s, "between") == ""
+    assert "land 50.00 / deliver 50.00 / gpu 800.00" in chain_label(s) and chain_label(s, "between") == ""
     assert "chain" not in split_idle(gaps, windows, sends)
 
 
 def _decode(path, pause_between: float = 0.0, pause_within: float = 0.0, pause_host: float = 0.0,
-            pause_message: float = 0.0) -> tuple[dict, float]:
+            pause_message: float = 0.0, pause_deliver: float = 0.0) -> tuple[dict, float]:
     """STEPS greedy decode steps timed as the bench times them (its forward and sampling on the monotonic clock), the
     store's idle gaps split -> (the split, the reader's active seconds over the run). Decode guesses off: each layer
     reads its disk experts at its own routing. pause_within: a sleep at layer 1's host step, before its routing's
     sync; pause_host: after it, before the load's send; pause_message: in the load's message, before the store takes
-    it."""
+    it; pause_deliver: after the store delivered layer 1's last disk expert, before the worker has it."""
     # 1 VRAM slot, no host slot and 4 staging slots: a layer's experts are read from disk in nearly every token (few
     # stay staged from the token before), so layer 1's reads follow the pause within the step
     rn, st = in_process_runner(path, 1, 0, prefetch_decode=False, staging_slots=4)
@@ -111,6 +113,19 @@ def _decode(path, pause_between: float = 0.0, pause_within: float = 0.0, pause_h
                     time.sleep(pause_message)
                 return load(session, keys, *a, **kw)
             st.load = slow_load
+        if pause_deliver:
+            groups = rn.moe._disk_groups
+
+            def slow_groups(l, r, loads, n_disk, *a, **kw):
+                if l == 1:
+                    def late(it):     # the store's generator, the last expert's delivery stamped, then the pause
+                        for i, got in enumerate(it):
+                            if i == n_disk - 1:
+                                time.sleep(pause_deliver)
+                            yield got
+                    loads = late(loads)
+                return groups(l, r, loads, n_disk, *a, **kw)
+            rn.moe._disk_groups = slow_groups
         windows, sends, routed, landed = [], [], [], []
         a0 = st.status()["disk_active_seconds"]
         gc.collect()            # no collection inside the timed steps: a full one took 0.14 s under pytest (an idle
@@ -158,7 +173,8 @@ def test_chain_parts_take_the_pause(model):
     no other by more than 0.3 of it: the parts are cut where the chain's steps happen."""
     base, _ = _decode(model)
     assert base["chain"]["within"]["gaps"] > 0
-    for kw, part in (("pause_within", "gpu"), ("pause_host", "host"), ("pause_message", "message")):
+    for kw, part in (("pause_within", "gpu"), ("pause_host", "host"), ("pause_message", "message"),
+                     ("pause_deliver", "deliver")):
         got, _ = _decode(model, **{kw: PAUSE})
         grew = {k: got["chain"]["within"][k] - base["chain"]["within"][k] for k in CHAIN}
         assert grew[part] >= 0.6 * PAUSE * 1e3, (kw, grew)
