@@ -18,7 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
-from services.bench.disk_idle import chain_label, ended_label       # the idle gaps by what ended them, their chain
+from services.bench.disk_idle import CHAIN, chain_label, ended_label  # the idle gaps by what ended them, their chain
 from services.bench.report import attach_vram                      # attach's steps' VRAM, as bench.md
 from services.bench.report import triton_compiles as _compiles   # a region's Triton compiles, as bench.md
 
@@ -99,7 +99,7 @@ def targets(r: dict) -> list[str]:
                           ended_label(idle), None))
         for where in ("within", "between"):     # the chain of the gaps a layer's message ended (disk_idle.CHAIN)
             if chain_label(idle, where):
-                L.append(_row(f"  of it, {where}: land / deliver / gpu / host / message / store ms per token", "–",
+                L.append(_row(f"  of it, {where}: " + " / ".join(CHAIN) + " ms per token", "–",
                               chain_label(idle, where), None))
     runs = [p for c in (ex, pool) for p in c.get("passes", []) + ([c["decode"]] if c.get("decode") else [])]
     # the target is for layer-major passes and decode; a pass of the standard (token-major) schedule, which the

@@ -23,8 +23,11 @@ and expert arrivals (PassStats.routed, .landed) and the store's message log (sta
 last expert delivered]),
 cut at each step's time, each clipped into the gap and after the one before (so the parts sum to the gap):
 
-  land      the gap's start (the last read's bytes done) -> the store's thread that delivers the layer's load has its
-            last expert (the reader's completion callback, that thread's wakeup)
+  earlier   the gap's start -> the store took the layer before's message, where that was sent during the gap (it
+            started no read: its experts were staged by read-ahead): the disk idled through earlier layers' work
+            with nothing queued (only deeper read-ahead fills that); else 0
+  land      -> the store's thread that delivers the layer before's load has its last expert (the reader's completion
+            callback, that thread's wakeup)
   deliver   -> the worker has it (the answer over the session stream: the store's send, the socket, the worker's read)
   gpu       -> the next layer's routing on the host: the expert's H2D copy and group, the next layer's attention and
             routing, the routing's sync to the host (between tokens: also the head, sampling and the next step's start)
@@ -38,7 +41,7 @@ from __future__ import annotations
 import bisect
 
 
-CHAIN = ("land", "deliver", "gpu", "host", "message", "store")
+CHAIN = ("earlier", "land", "deliver", "gpu", "host", "message", "store")
 
 
 def split_idle(gaps, windows, sends=(), routed=(), landed=(), msgs=()) -> dict:
@@ -85,7 +88,8 @@ def split_idle(gaps, windows, sends=(), routed=(), landed=(), msgs=()) -> dict:
             label = str(sends[i][1]) if i >= 0 and times[i] >= a else "other"
             ended.setdefault(label, [0.0, 0.0])[0 if touches else 1] += b - a
             if chained and label != "other":
-                parts, own = _chain(a, b, times[i], sends[i][1], routed, rt, lt, msgs, mt)
+                prev = times[i - 1] if i and times[i - 1] >= a else None
+                parts, own = _chain(a, b, times[i], sends[i][1], prev, routed, rt, lt, msgs, mt)
                 c = chain["between" if touches else "within"]
                 for name, v in zip(CHAIN, parts):
                     c[name] += v
@@ -104,8 +108,9 @@ def split_idle(gaps, windows, sends=(), routed=(), landed=(), msgs=()) -> dict:
                if chained else {})}
 
 
-def _chain(a: float, b: float, c: float, layer: int, routed, rt, lt, msgs, mt) -> tuple[list[float], bool]:
-    """A gap [a, b] ended by layer `layer`'s message sent at c -> its parts (CHAIN) in seconds: the layer's routing
+def _chain(a: float, b: float, c: float, layer: int, prev, routed, rt, lt, msgs, mt) -> tuple[list[float], bool]:
+    """A gap [a, b] ended by layer `layer`'s message sent at c -> its parts (CHAIN) in seconds: the store's take of
+    the message before it where that was sent in the gap (prev: its time, or None), the layer's routing
     on the host (the last before c), the last expert handed to the worker before that (and the store's delivery of it:
     the last load taken before it that delivered one), the last message the store took by b (after c); a step not
     found takes the time of the one before it (a part of 0). And whether the read that
@@ -123,10 +128,15 @@ def _chain(a: float, b: float, c: float, layer: int, routed, rt, lt, msgs, mt) -
     t_store = msgs[n][2] if n >= 0 and len(msgs[n]) >= 3 and msgs[n][2] is not None else t_landed
     m = bisect.bisect_right(mt, b) - 1
     t_taken = mt[m] if m >= 0 and mt[m] >= c else c
-    cuts, prev = [a], a
-    for t in (t_store, t_landed, t_routed, c, t_taken):
-        prev = min(max(t, prev), b)
-        cuts.append(prev)
+    if prev is None:
+        t_earlier = a
+    else:
+        p = bisect.bisect_left(mt, prev)
+        t_earlier = mt[p] if p < len(mt) and mt[p] < c else prev
+    cuts, at = [a], a
+    for t in (t_earlier, t_store, t_landed, t_routed, c, t_taken):
+        at = min(max(t, at), b)
+        cuts.append(at)
     cuts.append(b)
     first = msgs[m][1] if m >= 0 and mt[m] >= c else None
     return [cuts[x + 1] - cuts[x] for x in range(len(CHAIN))], first is not None and abs(first - b) < 2e-4
@@ -146,8 +156,8 @@ def ended_label(s: dict, top: int = 4) -> str:
 
 
 def chain_label(s: dict, where: str = "within") -> str:
-    """split_idle's chain of the `where` gaps: 'land 0.10 / deliver 0.10 / gpu 1.20 / host 0.30 / message 0.10 / store
-    0.05 (3.0 gaps/token, ...)' (ms per token); '' where not measured."""
+    """split_idle's chain of the `where` gaps: 'earlier 0.50 / land 0.10 / deliver 0.10 / gpu 1.20 / host 0.30 /
+    message 0.10 / store 0.05 (3.0 gaps/token, ...)' (ms per token); '' where not measured."""
     c = (s.get("chain") or {}).get(where)
     if not c or not c["gaps"]:
         return ""

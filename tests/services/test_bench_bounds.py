@@ -164,3 +164,11 @@ def test_ds4_summary_judges_layer_major_passes_and_names_the_launches():
     case["decode"]["host_us_per_application"] = 240.0
     row = next(r for r in S.targets({"cases": [case]}) if "warm prefill pass's host" in r)
     assert "| 3.00 (240.0 ÷ 80.0) |" in row, row
+    # the exact decode's idle chain (services/bench/disk_idle.py): a row per within / between where measured
+    from services.bench.disk_idle import split_idle
+    case["decode"]["disk_idle"] = split_idle([(3.0, 4.0)], [(0.0, 10.0)], [(3.6, 1)], [(3.4, 1)], [(3.1, 0)],
+                                             [(2.9, 3.0, 3.05), (3.7, 4.0, None)])
+    rows = S.targets({"cases": [case]})
+    row = next(r for r in rows if "of it, within: earlier / land / deliver / gpu / host / message / store" in r)
+    assert "earlier 0.00 / land 50.00 / deliver 50.00 / gpu 300.00 / host 200.00 / message 100.00 / store 300.00" in row
+    assert not any("of it, between:" in r for r in rows)

@@ -58,20 +58,22 @@ def model(tmp_path_factory):
 def test_chain_by_hand():
     windows = [(0.0, 10.0)]
     gaps = [(3.0, 4.0), (6.0, 7.0)]
-    sends = [(3.6, 1), (6.5, -1)]
+    sends = [(3.6, 1), (6.2, 3), (6.5, -1)]
     # layer 1 routed at 3.4 (layer 2's at 3.45 is another layer's: skipped); the last expert handed over before it at
     # 3.1 (3.5 is after the routing), the store's delivery of it at 3.05 (the load taken at 2.9; 2.95's prefetch
     # delivered none); the store took the message at 3.7, its first read at 4.0
-    routed, landed = [(3.4, 1), (3.45, 2)], [(3.1, 0), (3.5, 2)]
-    msgs = [(2.9, 3.0, 3.05), (2.95, 3.0, None), (3.7, 4.0, None)]
+    routed, landed = [(3.4, 1), (3.45, 2)], [(3.1, 0), (3.5, 2), (6.4, 3)]
+    msgs = [(2.9, 3.0, 3.05), (2.95, 3.0, None), (3.7, 4.0, None), (6.25, None, 6.3)]
     s = split_idle(gaps, windows, sends, routed, landed, msgs)
     w = s["chain"]["within"]
-    # (6, 7) by the hash ahead at 6.5: no routing of its own (host 0), the last handed over 3.5 is before the gap
-    # (land 0), the store took nothing after the send (message 0): gpu 0.5, store 0.5
-    want = {"land": 0.05, "deliver": 0.05, "gpu": 0.3 + 0.5, "host": 0.2, "message": 0.1, "store": 0.3 + 0.5}
+    # (6, 7) by the hash ahead at 6.5, layer 3's load sent during it at 6.2 (it read nothing) and taken at 6.25: earlier
+    # 0.25; its last expert at the store's delivery 6.3 (land 0.05), the worker's 6.4 (deliver 0.1); the hash ahead has
+    # no routing (host 0, gpu 0.1) and the store took nothing after it (message 0, store 0.5)
+    want = {"earlier": 0.25, "land": 0.05 + 0.05, "deliver": 0.05 + 0.1, "gpu": 0.3 + 0.1, "host": 0.2,
+            "message": 0.1, "store": 0.3 + 0.5}
     assert {k: w[k] for k in CHAIN} == pytest.approx({k: v * 1e3 for k, v in want.items()}), w
     assert w["gaps"] == 2 and w["own_read"] == 1 and s["chain"]["between"]["gaps"] == 0
-    assert "land 50.00 / deliver 50.00 / gpu 800.00" in chain_label(s) and chain_label(s, "between") == ""
+    assert "earlier 250.00 / land 100.00 / deliver 150.00" in chain_label(s) and chain_label(s, "between") == ""
     assert "chain" not in split_idle(gaps, windows, sends)
 
 
