@@ -103,13 +103,27 @@ class _Stream:
 
     Deadlines: a caller waiting past its request's deadline (a hung store) cancels the call; every request on it then
     fails with DEADLINE_EXCEEDED, as each call did on its own deadline (a watch thread per stream looks 4x a second).
-    The call's end (the store died, abort() closed the channel) fails every request still waiting, with its error."""
+    The call's end (the store died, abort() closed the channel) fails every request still waiting, with its error.
+
+    Hand-off (off: HANDOFF_S = 0): a load of experts would wait, at most HANDOFF_S, until grpc's send thread has sent
+    it (taken it off the queue and come back for the next: _requests counts them). That thread needs this process's
+    GIL to take and send it; without the wait it gets it once the caller blocks or releases it (a torch call does),
+    or after the interpreter's 5 ms switch interval, so the load sits in the queue through the caller's pure-Python
+    work after the send while the disk idles for it: on a 2-core CPU, 300 us of Python after the send put ~500 us
+    between the send and the store taking the message, ~150-210 us with the hand-off (0.002 s), at ~200-350 us of
+    the caller's wait (counted as the message's host time). A CPU decode showed no change (its layer's work after the
+    load is mostly torch calls): off until a device run's idle chain (services/bench/disk_idle.py "message") says the
+    load waits there (docs/benchmarks/cpu-crit51). A prefetch never waits (the caller has no answer to wait for)."""
 
     WATCH_S = 0.25
+    HANDOFF_S = 0.0     # s; 0.002 turns the hand-off on (class doc)
 
     def __init__(self, method):
         self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self.call = method(iter(self._q.get, None))    # no deadline: it lives as long as the session
+        self._put = 0                                   # requests queued / taken by grpc's send thread (hand-off)
+        self._taken = 0
+        self._handoff = threading.Condition()
+        self.call = method(self._requests())            # no deadline: it lives as long as the session
         self._cv = threading.Condition()
         self._box: dict[int, collections.deque] = {}    # request id -> answers routed, not yet taken
         self._waits: dict[int, float] = {}              # request id -> deadline of the caller waiting for it
@@ -126,24 +140,47 @@ class _Stream:
     def _on_end(self, _call):
         self._ended = True
 
+    def _requests(self):
+        """The call's requests to grpc's send thread, each counted once sent (the thread asks for the next only after
+        its send of the last completed: send's hand-off; the condition taken only while the hand-off is on)."""
+        while (r := self._q.get()) is not None:
+            yield r
+            self._taken += 1
+            if self.HANDOFF_S:
+                with self._handoff:
+                    self._handoff.notify_all()
+
+    def _queue(self, req, handoff: bool = False):
+        """Put a request on the call's queue; handoff (and HANDOFF_S): wait (<= HANDOFF_S) until grpc's send thread has
+        sent it. Off, a count and the put: nothing more a message (the stream's per-message host cost, cpu-host51)."""
+        self._put += 1
+        if not (handoff and self.HANDOFF_S):
+            self._q.put(req)
+            return
+        n = self._put
+        with self._handoff:
+            self._q.put(req)
+            self._handoff.wait_for(lambda: self._taken >= n, self.HANDOFF_S)
+
     def alive(self) -> bool:
         return self.error is None and not self._ended
 
-    def send(self, make) -> int:
-        """Queue the request make(id) -> its id (the answers' box open from now on)."""
+    def send(self, make, handoff: bool = False) -> int:
+        """Queue the request make(id) -> its id (the answers' box open from now on). handoff: once grpc's send
+        thread has sent it (class doc)."""
         rid = next(self._ids)
         with self._cv:
             if self.error is not None:
                 raise self.error
             self._box[rid] = collections.deque()
-        self._q.put(make(rid))
+        self._queue(make(rid), handoff)
         return rid
 
     def cancel(self, rid: int):
         """Stop the load `rid` at the store (an abandoned pass) and drop what still comes for it."""
         self.forget(rid)
         if self.alive():
-            self._q.put(pb.SessionRequest(id=rid, cancel=pb.Cancel()))
+            self._queue(pb.SessionRequest(id=rid, cancel=pb.Cancel()))
 
     def forget(self, rid: int):
         with self._cv:
@@ -395,18 +432,19 @@ class GrpcStoreClient:
             s = self._stream = _Stream(self._session_call)
         return s
 
-    def _send(self, kind: str, make) -> tuple[_Stream, int]:
+    def _send(self, kind: str, make, handoff: bool = False) -> tuple[_Stream, int]:
         """One request of `kind` (SessionRequest's field) on the session's stream, make(id) -> the SessionRequest
-        (built in place: _load_request) -> (the stream, its id)."""
+        (built in place: _load_request) -> (the stream, its id). handoff: _Stream's (class doc)."""
         with self._failing():
             s = self._session_stream()
-            return s, s.send(make)
+            return s, s.send(make, handoff)
 
     def load(self, keys, release=(), ahead=(), drop=()):
         """Demand loads, sent now (the store starts reading at once; it first takes back `release` and reads `ahead`
         ahead once the loads' reads have started) -> the experts in completion order."""
         keys, sid = list(keys), self.session
-        s, rid = self._send("load", lambda i: _load_request(i, "load", sid, keys, release, ahead, drop))
+        s, rid = self._send("load", lambda i: _load_request(i, "load", sid, keys, release, ahead, drop),
+                            handoff=bool(keys))             # the disk waits for it (_Stream's hand-off)
         if not keys:       # answered as a release (no expert follows): checked with the releases (_reap)
             self._releases.append(_Answer(s, rid, self.timeout, "released"))
             return iter(())

@@ -12,7 +12,10 @@ id. Checked here against a `services.store_main` child (a tiny synth model, few 
   unavailable (UNAVAILABLE): ...", the worker's error, not a gRPC one) within seconds, no hang; so does the next
   message, and the client's reap at the next pass;
 - the store killed with no request in flight: the stream is no longer alive once its call ended (the flag its done
-  callback sets) and the next message opens a new one.
+  callback sets) and the next message opens a new one;
+- the hand-off (_Stream's class doc; off by default), on: a load of experts returns from its send only once grpc's
+  send thread has sent it (a fake call whose sends take 20 ms each: the request is out when send returns), a send
+  without it (a release, a prefetch) at once (it is not out yet).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -176,3 +180,41 @@ def test_a_stream_whose_store_died_is_not_alive(model, tmp_path):
         assert c._stream is not s, "the next message did not open a new stream"
     finally:
         store.close()
+
+
+class _FakeCall:
+    """A Session call as grpc makes one: a thread takes each request and sends it (here: 20 ms, then recorded), and
+    asks for the next only once that send has completed."""
+
+    def __init__(self, requests):
+        self.sent: list = []
+        self._t = threading.Thread(target=self._consume, args=(requests,), daemon=True)
+        self._t.start()
+
+    def _consume(self, requests):
+        for r in requests:
+            time.sleep(0.02)
+            self.sent.append(r)
+
+    def done(self):
+        return False
+
+    def add_done_callback(self, fn):
+        pass
+
+    def cancel(self):
+        pass
+
+
+def test_a_load_returns_from_its_send_once_it_is_sent(monkeypatch):
+    from services.grpc.store_client import _Stream
+    monkeypatch.setattr(_Stream, "HANDOFF_S", 5.0)        # generous on a loaded CI box: never reached here
+    s = _Stream(_FakeCall)
+    try:
+        for i in range(3):
+            rid = s.send(lambda r: ("load", r), handoff=True)
+            assert ("load", rid) in s.call.sent, (i, s.call.sent)
+            rid = s.send(lambda r: ("release", r))
+            assert ("release", rid) not in s.call.sent, (i, s.call.sent)    # 20 ms to go: not sent yet
+    finally:
+        s.close()
