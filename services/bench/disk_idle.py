@@ -18,10 +18,9 @@ messages that ask for disk reads (PassStats.sends: time, layer), each gap is als
 (the last one sent by its end, if sent during it): the layer whose routing the disk waited for, or the step's hash
 ahead (-1); "other" where no message was sent during the gap.
 
-The chain of a gap ended by a layer's message (issue 21, crit51: the disk waits on it), given the worker's routing times
-and expert arrivals (PassStats.routed, .landed) and the store's message log (status' disk_msgs: [taken, first read,
-last expert delivered]),
-cut at each step's time, each clipped into the gap and after the one before (so the parts sum to the gap):
+The chain of a gap ended by a layer's message (issue 21: the disk waits on it), given the worker's routing times and
+expert arrivals (PassStats.routed, .landed) and the store's message log (status' disk_msgs: [taken, first read, last
+expert delivered]), cut at each step's time, each clipped into the gap after the one before (the parts sum to it):
 
   earlier   the gap's start -> the store took the layer before's message, where that was sent during the gap (it
             started no read: its experts were staged by read-ahead): the disk idled through earlier layers' work
