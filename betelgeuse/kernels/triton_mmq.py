@@ -1,4 +1,5 @@
-"""The int8 tensor-core expert schedule (llama.cpp's mmq route): activations quantized to q8_1, int8 MMA per block.
+"""The tensor-core expert schedules: llama.cpp's mmq route (activations quantized to q8_1, int8 MMA per block) and
+its bf16 mode (the quants as bf16 integers against bf16 activations: within float noise; the section at the end).
 
 Opt-in (`engine.act_quant = "q8_1"`): it changes the numerics. The float schedules (triton_moe, triton_mmvq) keep
 the activations as the engine holds them and stay within float noise of the torch path; this one rounds every
@@ -40,6 +41,30 @@ Q4_K x q8_1 (llama.cpp vec_dot_q4_K_q8_1: d sc sumi d8 - dmin m s8), sub-block j
 its 6-bit scale sc and min m, get_scale_min_k4), quants q in 0..15 as int8:
     acc   = acc + fma(float(dot), d sc * dx[m, kb], -(dmin m * sx[m, kb]))     sx = the q8_1 block sum s
 Types with this schedule: MMQ_TYPES (kernel type codes, triton_quants.QT_CODES). The others take the float path.
+
+The bf16 mode (`engine.act_quant = "bf16"`, BF: issue 23's exact tensor-core schedule). Every quant above is a small
+integer (Q8_0 int8, MXFP4's doubled e2m1 values, Q4_K 0..15), exactly a bf16, and a bf16 x bf16 product is exact in
+fp32, so the same tiles, as bf16, against the activations as bf16 (no q8_1: xb = x, the engine's own bf16 on the GPU;
+a float32 x is rounded to bf16 once, prepare_bf16) give each block's dot in fp32 from the MMA, then the same float
+ops in ascending block order with dx = 1:
+    dot   = sum_{j < 32} wq[n, 32 kb + j] * xb[m, 32 kb + j]        bf16 x bf16 -> fp32 (the MMA's order, below)
+    acc   = fma(dot, dw[n, kb], acc)                                Q8_0, MXFP4
+    acc   = acc + fma(dot, d sc, -(dmin m * sx[m, kb]))             Q4_K; sx = the bf16 block's sum (prepare_bf16:
+                                                                    one launch, fixed order, a row's own blocks)
+Within float noise of the torch path (tests/kernels/test_mmq_bf16.py), so it may become the default where it is
+faster: the device decides (deploy/device/kernel_roofline.py --act-quant bf16). Unlike the int32 dot, the fp32 dot
+is rounded inside the MMA in the instruction's fixed order, which depends on the instruction shape (K per dot, the
+N = KB * BM of the block-diagonal tile, BN and warps), so BF_TUNING fixes those per type for BOTH rows buckets (the
+q8_1 MMA's KB and BM may differ per bucket: exact dots), the MV schedule (no MMA) is never taken, and MXFP4's
+elements take the word loads' order within a block in the byte-load tiles too (_perm): then a row's bits depend on
+neither the other rows of its launch, nor SPLIT, nor WL (DESIGN.md invariant 6; on the GPU kernel_roofline's
+bf16_check and check_cuda verify it, the interpreter the float ops). The interpreter's dot cannot read bf16: there
+it multiplies the same values as float32 (_INTERP).
+Why a value of act_quant rather than a new key: the setting already names how the expert kernels take their
+activations (off: as held, float schedules; q8_1: int8 per 32), it keys the prefix cache's numerics (kv_manager,
+prefix_host) and picks the MMA parts (MoEKernels.mmq_parts); bf16 is a third such form (the activations as bf16,
+which rounds nothing on the GPU) and shares all of that plumbing. The types without this schedule stay on the float
+path in every mode.
 """
 
 from __future__ import annotations
@@ -828,7 +853,7 @@ def down(iq, pool, base, starts, rows, off, y, qt: int, row_bytes: int, aligned:
 def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int | None = None, bn: int | None = None,
                    num_warps: int | None = None, bucket: int = 16, kb: int | None = None,
                    kcb: int | None = None, fuse: int | None = None, over: dict | None = None,
-                   hints: bool = False) -> dict:
+                   hints: bool = False, bf: bool = False) -> dict:
     """Compile one mmq kernel for CUDA sm_`arch` without a GPU (Triton's compiler and the ptxas its wheel ships) at
     the bench geometry (H 2048, F 768: K = 2048 for gate_up, 768 for down) with the launch constants of `bucket`
     (config(); bm / bn / num_warps / kb / kcb / over's keys override: MV 1 the decode schedule) and report what the
@@ -838,7 +863,8 @@ def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int 
     "ptxas": its -v line}. deploy/device/kernel_roofline.py --act-quant prints it beside the figures;
     tests/kernels/test_mmq.py checks the int8 MMA is there and nothing spills. hints: the alignment facts the JIT
     gives a device launch of the bench geometry (torch's 16-byte aligned pointers, the int arguments whose values
-    are multiples of 16: H, F, row_bytes where it is, 128 experts, KCB), so loads may be as wide as there."""
+    are multiples of 16: H, F, row_bytes where it is, 128 experts, KCB), so loads may be as wide as there. bf: the
+    bf16 MMA (act_quant bf16: bf16 activations, config(bf=True), BF)."""
     import re
     import subprocess
     import tempfile
@@ -846,13 +872,13 @@ def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int 
 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    c = {**config(qt, bucket), **({"BM": bm} if bm else {}), **({"BN": bn} if bn else {}),
+    c = {**config(qt, bucket, bf), **({"BM": bm} if bm else {}), **({"BN": bn} if bn else {}),
          **({"num_warps": num_warps} if num_warps else {}), **({"KB": kb} if kb else {}),
          **({"KCB": kcb} if kcb is not None else {}), **({"FUSE": fuse} if fuse is not None else {}), **(over or {})}
     K = 2048 if which == "gate_up" else 768
     KB, KCB = _chunk(c, qt, K)
     split = bool(c["SPLIT"]) and K // QK > KCB
-    ptr = {"xq_ptr": "*i8", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "pool": "*u8", "base_ptr": "*i64",
+    ptr = {"xq_ptr": "*bf16" if bf else "*i8", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "pool": "*u8", "base_ptr": "*i64",
            "starts_ptr": "*i64", "rows_ptr": "*i32", "off_ptr": "*i32"}
     ws = {"ws_ptr": "*fp32", "cnt_ptr": "*i32"}
     if which == "gate_up":
@@ -874,7 +900,9 @@ def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int 
                  RA=tm._row_align(row_nbytes(gt, K)), KB=KB, SPLIT=split)
     sig.update(MV="constexpr", D1="constexpr", D2="constexpr", D3="constexpr", NB="constexpr", LOG2NB="constexpr",
                DP4A="constexpr", WL="constexpr", PF="constexpr")
-    if c["MV"] and mv.mv_ok(qt, K, KCB, c["NS"], row_nbytes(gt, K), True):
+    sig["BF"] = "constexpr"
+    const["BF"] = bf
+    if c["MV"] and not bf and mv.mv_ok(qt, K, KCB, c["NS"], row_nbytes(gt, K), True):
         const.update(BM=c["BM_MV"], MV=True, **mv.dims(qt, c["NS"]), DP4A=bool(c["DP4A"]) and qt in mv.DP4A_TYPES,
                      WL=False, PF=False)
     else:
@@ -898,8 +926,8 @@ def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int 
             m = m.split()[0] + "." + str(int(m.rsplit(",", 1)[1], 0))
         loads[m] = loads.get(m, 0) + 1
     bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    out = {"kernel": which, "qt": qt, "arch": f"sm_{arch}", "bucket": bucket, "config": {**c, "KB": KB, "KCB": KCB,
-           "SPLIT": split, "WL": int(const["WL"]), "PF": int(const["PF"])}, "hints": hints, "mma": mma, "loads": loads,
+    out = {"kernel": which, "qt": qt, "arch": f"sm_{arch}", "bucket": bucket, "bf": bf,
+           "config": {**c, "KB": KB, "KCB": KCB, "SPLIT": split, "WL": int(const["WL"]), "PF": int(const["PF"])}, "hints": hints, "mma": mma, "loads": loads,
            "dp4a": ptx.count("dp4a."),
            "asm": sorted({m for m in ("prmt", "dp4a") if m + "." in ptx}), "imma": {}, "regs": None,
            "spill_bytes": None,

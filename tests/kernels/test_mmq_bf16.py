@@ -157,3 +157,20 @@ def test_bf16_setting_and_plumbing():
     xb, d, s = mq.prepare_bf16(x)
     assert xb is x and d is None
     assert torch.allclose(s, x.float().view(3, 3, 32).sum(-1), rtol=1e-6, atol=1e-6)
+
+
+def test_bf16_compiles_to_bf16_tensor_core_mma_for_sm90_without_spills():
+    """triton.compile for sm_90 without a GPU (in a child without TRITON_INTERPRET): each type's gate_up at the 1-row
+    bucket (split-K) and down at the 16-row one run the bf16 wgmma (HGMMA ...F32.BF16 in the SASS) of ONE instruction
+    shape, m64 n32 k16 (BN 64, N = KB 2 x BM 16) in both buckets -- the fixed order of the fp32 block dots -- and
+    nothing spills."""
+    from test_mmq import _compile_reports
+    code = ("import json\nfrom betelgeuse.kernels import triton_mmq as mq\n"
+            "for qt in (0, 4, 5):\n for w, b in (('gate_up', 1), ('down', 16)):\n"
+            "  print(json.dumps(mq.compile_report(w, qt, bucket=b, hints=True, bf=True)))\n")
+    reports = _compile_reports(["-c", code], timeout=120)
+    assert len(reports) == 6, reports
+    for r in reports:
+        assert r["ptxas_rc"] == 0 and r["spill_bytes"] == 0 and r["regs"] <= 255, r
+        assert set(r["imma"]) == {"HGMMA.64x32x16.F32.BF16"}, r
+        assert [m for m in r["mma"] if "mma_async" in m] == ["wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16"], r
