@@ -41,6 +41,7 @@ TRITON_QTYPES = frozenset({0, 1, 8, 30, 39, 12, 13, 14, 11, 10, 23, 20, 16, 17, 
 # GGML types with an int8 tensor-core schedule on q8_1 activations (triton_mmq.MMQ_TYPES: Q8_0, MXFP4, Q4_K) and the K
 # multiple each needs (its block)
 MMQ_QTYPES = {8: 32, 39: 32, 12: 256}
+BF16_QTYPES = {**MMQ_QTYPES, 13: 256}    # act_quant bf16's types (triton_mmq.BF_TYPES): + Q5_K
 
 
 def triton_available() -> bool:
@@ -99,16 +100,17 @@ class MoEKernels:
             self._tk = triton_moe
             assert self.supports(qtypes), qtypes
             self._aligned = self._starts_aligned(starts)
-            if act_quant != "off" and any(q in MMQ_QTYPES for part in qtypes for q in part):
+            mt = BF16_QTYPES if act_quant == "bf16" else MMQ_QTYPES
+            if act_quant != "off" and any(q in mt for part in qtypes for q in part):
                 from betelgeuse.kernels import triton_mmq
                 self._mq = triton_mmq
-                self._quant_h = any(qg in MMQ_QTYPES for qg, _ in qtypes)
-                # bf16: the block sums of x only where a K-quant's min term takes them (Q4_K)
-                self._sums_h = any(qg == 12 for qg, _ in qtypes)
+                self._quant_h = any(qg in mt for qg, _ in qtypes)
+                # bf16: the block sums of x only where a K-quant's min term takes them (Q4_K, Q5_K)
+                self._sums_h = any(qg in (12, 13) for qg, _ in qtypes)
 
     def _prepare(self, x: torch.Tensor, sums: bool) -> tuple:
         """triton_mmq's activations of x for act_quant: q8_1 (quantize_q8_1) or bf16 (prepare_bf16; sums: the block
-        sums of x, Q4_K's min term; qd here is a kernel type code, 5 = Q4_K)."""
+        sums of x, the K-quants' min term)."""
         return self._mq.quantize_q8_1(x) if self.act_quant == "q8_1" else self._mq.prepare_bf16(x, sums)
 
     @staticmethod
@@ -128,7 +130,8 @@ class MoEKernels:
         if self.backend != "triton" or self.act_quant == "off":
             return False, False
         qg, qd = self.qtypes[layer]
-        return (qg in MMQ_QTYPES and H % MMQ_QTYPES[qg] == 0, qd in MMQ_QTYPES and self.F % MMQ_QTYPES[qd] == 0)
+        mt = BF16_QTYPES if self.act_quant == "bf16" else MMQ_QTYPES
+        return (qg in mt and H % mt[qg] == 0, qd in mt and self.F % mt[qd] == 0)
 
     def _layer_launch(self, layer: int, H: int) -> tuple:
         """The triton launches' per-layer constants for inputs of width H: (gate/up, down kernel type codes, their
@@ -206,7 +209,7 @@ class MoEKernels:
                 tk.gate_up(r.h, pool, g.base_dev, st, r.rows, r.off, r.inter, self.F, r.ids.shape[1],
                            qg, self.limit, rg, aligned)
             if md:
-                mq.down(self._prepare(r.inter, qd == 5), pool, g.base_dev, st, r.rows, r.off, r.y, qd, rd, aligned)
+                mq.down(self._prepare(r.inter, qd in (5, 6)), pool, g.base_dev, st, r.rows, r.off, r.y, qd, rd, aligned)
             else:
                 tk.down(r.inter, pool, g.base_dev, st, r.rows, r.off, r.y, r.ids.shape[0], qd, rd, aligned)
             return

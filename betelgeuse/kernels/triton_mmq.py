@@ -42,14 +42,15 @@ its 6-bit scale sc and min m, get_scale_min_k4), quants q in 0..15 as int8:
     acc   = acc + fma(float(dot), d sc * dx[m, kb], -(dmin m * sx[m, kb]))     sx = the q8_1 block sum s
 Types with this schedule: MMQ_TYPES (kernel type codes, triton_quants.QT_CODES). The others take the float path.
 
-The bf16 mode (`engine.act_quant = "bf16"`, BF: issue 23's exact tensor-core schedule). Every quant above is a small
-integer (Q8_0 int8, MXFP4's doubled e2m1 values, Q4_K 0..15), exactly a bf16, and a bf16 x bf16 product is exact in
+The bf16 mode (`engine.act_quant = "bf16"`, BF: issue 23's exact tensor-core schedule; BF_TYPES: MMQ_TYPES and
+Q5_K, whose quants are Q4_K's nibbles plus bit j of qh[e] as bit 4, 0..31, read byte by byte). Every quant above is a
+small integer (Q8_0 int8, MXFP4's doubled e2m1 values, Q4_K 0..15, Q5_K 0..31), exactly a bf16, and a bf16 x bf16 product is exact in
 fp32, so the same tiles, as bf16, against the activations as bf16 (no q8_1: xb = x, the engine's own bf16 on the GPU;
 a float32 x is rounded to bf16 once, prepare_bf16) give each block's dot in fp32 from the MMA, then the same float
 ops in ascending block order with dx = 1:
     dot   = sum_{j < 32} wq[n, 32 kb + j] * xb[m, 32 kb + j]        bf16 x bf16 -> fp32 (the MMA's order, below)
     acc   = fma(dot, dw[n, kb], acc)                                Q8_0, MXFP4
-    acc   = acc + fma(dot, d sc, -(dmin m * sx[m, kb]))             Q4_K; sx = the bf16 block's sum (prepare_bf16:
+    acc   = acc + fma(dot, d sc, -(dmin m * sx[m, kb]))             Q4_K, Q5_K; sx = the bf16 block's sum (prepare_bf16:
                                                                     one launch, fixed order, a row's own blocks)
 Within float noise of the torch path (tests/kernels/test_mmq_bf16.py), so it may become the default where it is
 faster: the device decides (deploy/device/kernel_roofline.py --act-quant bf16). Unlike the int32 dot, the fp32 dot
@@ -83,6 +84,7 @@ from betelgeuse.kernels.triton_launch import launcher
 
 QK = 32                        # elements per q8_1 block (llama.cpp QK8_1)
 MMQ_TYPES = frozenset({0, 4, 5})  # kernel type codes with an MMA schedule: Q8_0, MXFP4, Q4_K
+BF_TYPES = MMQ_TYPES | {6}        # ... and with the bf16 mode: + Q5_K (byte loads: no word-load form yet)
 CONFIG = {"BM": 16, "BN": 64, "FUSE": 0, "num_warps": 4, "num_stages": 3,   # schedule keys (every type and bucket)
           "MV": 0, "BM_MV": 1, "NS": 1, "DP4A": 0, "WL": 0, "PF": 0}
 # MV = 1: the decode schedule without tensor cores (triton_mmq_mv: the same bits; BM_MV rows a program, NS word
@@ -118,7 +120,8 @@ _INTERP = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")   # Trito
 # BN outputs, warps -- stays fixed per type: a row's bits then never depend on its launch's rows). Over CONFIG,
 # BUCKETS (SPLIT, and WL / PF: how the bytes are read, the same tiles), TUNING, never TYPE_BUCKET (the MV schedule
 # has no bf16 form); TYPE_CONFIG's overrides apply last. Not measured yet: the q8_1 MMA's 16-row constants.
-BF_TUNING: dict[int, dict] = {qt: {"MV": 0, "BN": 64, "num_warps": 4, "num_stages": 3, "KB": 2} for qt in MMQ_TYPES}
+BF_TUNING: dict[int, dict] = {qt: {"MV": 0, "BN": 64, "num_warps": 4, "num_stages": 3, "KB": 2, "KCB": 16}
+                              for qt in BF_TYPES}
 
 
 @triton.jit
@@ -291,10 +294,16 @@ def _w_tile(pool, ra, kb0, mn, QT: tl.constexpr, KB: tl.constexpr, BF: tl.conste
         x = (v >> 1) & 3
         mag = tl.where(x == 0, v & 1, (2 + (v & 1)) << tl.maximum(x - 1, 0))
         w = tl.where(v >= 8, -mag, mag).to(tl.int8)
-    else:
+    elif QT == 5:
         j = kb % 8
         q = tl.load(pool + ra[:, None] + ((kb // 8) * 144 + 16 + (j // 2) * 32 + e)[None, :], mask=m2, other=0)
         w = ((q.to(tl.int32) >> (4 * (j % 2))[None, :]) & 15).to(tl.int8)
+    else:                           # Q5_K (BF only), 176-byte super-blocks: f16 d, f16 dmin, scales[12], qh[32],
+        j = kb % 8                  # qs[128]: sub-block j's low 4 bits as Q4_K's (at byte 48), bit 4 = bit j of qh[e]
+        o = (kb // 8) * 176
+        q = tl.load(pool + ra[:, None] + (o + 48 + (j // 2) * 32 + e)[None, :], mask=m2, other=0).to(tl.int32)
+        h = tl.load(pool + ra[:, None] + (o + 16 + e)[None, :], mask=m2, other=0).to(tl.int32)
+        w = (((q >> (4 * (j % 2))[None, :]) & 15) | (((h >> j[None, :]) & 1) << 4)).to(tl.int8)
     return w
 
 
@@ -358,8 +367,8 @@ def _mmq_step(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, kb0, Q
     i3 = tl.arange(0, KB)[:, None, None]
     xb = tl.where(i3 == (c // 32)[None, None, :], xq[None, :, :], tl.zeros_like(xq)[None, :, :])  # [KB, BM, KB*32]
     P = _bd_dot(wq, xb, KB, BM, BN, BF)                                                      # [BN, BM, KB]
-    if QT == 5:                     # Q4_K: the super-block's d and dmin once a step
-        b = ra + (kb0 // 8) * 144
+    if QT == 5 or QT == 6:          # Q4_K / Q5_K: the super-block's d and dmin once a step
+        b = ra + (kb0 // 8) * (144 if QT == 5 else 176)
         d = tl.load((pool + b).to(tl.pointer_type(tl.float16)), mask=mn, other=0).to(tl.float32)
         dmin = tl.load((pool + b + 2).to(tl.pointer_type(tl.float16)), mask=mn, other=0).to(tl.float32)
     for i in tl.static_range(KB):                   # ascending blocks: the fp32 adds in K order
@@ -368,7 +377,7 @@ def _mmq_step(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, kb0, Q
             dx = tl.zeros((BM,), tl.float32)
         else:
             dx = tl.load(xd_ptr + dxoff + kb0 + i, mask=mr, other=0.0)
-        if QT == 5:
+        if QT == 5 or QT == 6:
             dw, mw = _q4_k_scale(pool, b, mn, (kb0 + i) % 8, d, dmin)
             sx = tl.load(xs_ptr + dxoff + kb0 + i, mask=mr, other=0.0)
             acc = acc + tl.fma(di, _scale(dw, dx, BF, BN, BM), -(mw[:, None] * sx[None, :]))
@@ -759,9 +768,10 @@ def _down_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows_pt
 _GATE_UP_MMQ, _DOWN_MMQ = map(launcher, (_gate_up_mmq_kernel, _down_mmq_kernel))
 
 
-def mmq_ok(qt: int, K: int) -> bool:
-    """Whether a launch of kernel type code qt over K columns has the MMA schedule (whole 32-element blocks)."""
-    return qt in MMQ_TYPES and K % (256 if qt == 5 else QK) == 0
+def mmq_ok(qt: int, K: int, bf: bool = False) -> bool:
+    """Whether a launch of kernel type code qt over K columns has the MMA schedule (whole 32-element blocks; whole
+    super-blocks for the K-quants), q8_1's or (bf) the bf16 mode's."""
+    return qt in (BF_TYPES if bf else MMQ_TYPES) and K % (256 if qt in (5, 6) else QK) == 0
 
 
 def wl_ok(qt: int, row_bytes: int, aligned: bool) -> bool:

@@ -170,6 +170,7 @@ MMQ_CONFIGS += [{**WL_BASE, **c} for c in WL_CONFIGS]
 MMQ_OTHER = {"before": {"KB": 1, "KCB": 0, "SPLIT": 0, "num_warps": 4, "num_stages": 3}, "KCB8": {"KCB": 8},
              "KCB32": {"KCB": 32}}
 MMQ_TYPES_DEFAULT = "Q8_0,Q4_K,MXFP4"
+BF16_TYPES_DEFAULT = "Q8_0,Q4_K,MXFP4,Q5_K"     # --act-quant bf16 (triton_mmq.BF_TYPES)
 
 
 def applies(tname: str, ci: int) -> bool:
@@ -744,9 +745,10 @@ def bf16_case(gname: str, tname: str) -> dict:
     bases = [base_table(E, b * BANK, BANK, slot) for b in range(n_banks)]
     reps = max(n_banks, min(64, math.ceil(2e9 / bank_bytes)))
     kern, _ = kernels_for(qt, H, F, E, limit)
-    has = mq.mmq_ok(code, H) and mq.mmq_ok(code, F)
+    has = mq.mmq_ok(code, H, bf=True) and mq.mmq_ok(code, F, bf=True)
+    q81 = mq.mmq_ok(code, H) and mq.mmq_ok(code, F)     # (Q5_K: no q8_1 schedule)
     out = {"float": {}, "bf16": {}, "bf16_kernels": {}, "q8_1_kernels": {}, "mmq": has}
-    sums = code == 5                                    # Q4_K's min term takes the block sums of x
+    sums = code in (5, 6)                               # Q4_K's and Q5_K's min term takes the block sums of x
     for rows in (1, 16):
         r = kern.route(*routing(BANK, rows, K_TOP, H))
         kern.apply(r, 0, pool, Group(None, None, bases[0]), slot)
@@ -773,7 +775,7 @@ def bf16_case(gname: str, tname: str) -> dict:
         def kq(i):
             mq.gate_up(hq, pool, bases[i % n_banks], st, r.rows, r.off, r.inter, F, K_TOP, code, limit, gb, al)
             mq.down(iq, pool, bases[i % n_banks], st, r.rows, r.off, r.y, code, db, al)
-        for key, fn in (("bf16", bf), ("bf16_kernels", kb), ("q8_1_kernels", kq)):
+        for key, fn in (("bf16", bf), ("bf16_kernels", kb), ("q8_1_kernels", kq))[:3 if q81 else 2]:
             try:
                 out[key][rows] = bank_bytes / graph_time(fn, reps) / 1e9
             except Exception as e:                      # the other figures stay
@@ -870,7 +872,7 @@ def bf16_run(types: list[str], geoms: list[str], meta: dict, budget: float) -> i
         lines += ["", "compile report (sm_90, bench geometry, bf16: kernel type bucket | MMA | regs spills smem):"]
         for t in types:
             code = QT_CODES[int(GT[t])]
-            if code not in mq.MMQ_TYPES:
+            if code not in mq.BF_TYPES:
                 continue
             for w in ("gate_up", "down"):
                 for b in (1, 16):
@@ -1084,7 +1086,8 @@ def main() -> int:
         warm_mmq([tuple(t) for t in json.loads(a.warm_mmq)["tasks"]])
         return 0
     a.geoms = a.geoms or ("bench" if a.sweep or a.act_quant else ",".join(GEOMS))
-    a.types = a.types or (MMQ_TYPES_DEFAULT if a.act_quant else ",".join(TYPES))
+    a.types = a.types or (BF16_TYPES_DEFAULT if a.act_quant == "bf16" else MMQ_TYPES_DEFAULT if a.act_quant
+                          else ",".join(TYPES))
     a.budget = a.budget or (270.0 if a.sweep else 150.0 if a.act_quant == "bf16" else 110.0 if a.act_quant
                             else 160.0)
     if a.sweep:
