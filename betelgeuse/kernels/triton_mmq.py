@@ -44,10 +44,10 @@ Types with this schedule: MMQ_TYPES (kernel type codes, triton_quants.QT_CODES).
 
 The bf16 mode (`engine.act_quant = "bf16"`, BF: issue 23's exact tensor-core schedule; BF_TYPES: MMQ_TYPES and
 Q5_K, whose quants are Q4_K's nibbles plus bit j of qh[e] as bit 4, 0..31, read byte by byte). Every quant above is a
-small integer (Q8_0 int8, MXFP4's doubled e2m1 values, Q4_K 0..15, Q5_K 0..31), exactly a bf16, and a bf16 x bf16 product is exact in
-fp32, so the same tiles, as bf16, against the activations as bf16 (no q8_1: xb = x, the engine's own bf16 on the GPU;
-a float32 x is rounded to bf16 once, prepare_bf16) give each block's dot in fp32 from the MMA, then the same float
-ops in ascending block order with dx = 1:
+small integer (Q8_0 int8, MXFP4's doubled e2m1 values, Q4_K 0..15, Q5_K 0..31), exactly a bf16, and a bf16 x bf16
+product is exact in fp32, so the same tiles, as bf16, against the activations as bf16 (no q8_1: xb = x, the
+engine's own bf16 on the GPU; a float32 x is rounded to bf16 once, prepare_bf16) give each block's dot in fp32 from
+the MMA, then the same float ops in ascending block order with dx = 1:
     dot   = sum_{j < 32} wq[n, 32 kb + j] * xb[m, 32 kb + j]        bf16 x bf16 -> fp32 (the MMA's order, below)
     acc   = fma(dot, dw[n, kb], acc)                                Q8_0, MXFP4
     acc   = acc + fma(dot, d sc, -(dmin m * sx[m, kb]))             Q4_K, Q5_K; sx = the bf16 block's sum (prepare_bf16:
@@ -937,7 +937,8 @@ def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int 
         loads[m] = loads.get(m, 0) + 1
     bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     out = {"kernel": which, "qt": qt, "arch": f"sm_{arch}", "bucket": bucket, "bf": bf,
-           "config": {**c, "KB": KB, "KCB": KCB, "SPLIT": split, "WL": int(const["WL"]), "PF": int(const["PF"])}, "hints": hints, "mma": mma, "loads": loads,
+           "config": {**c, "KB": KB, "KCB": KCB, "SPLIT": split, "WL": int(const["WL"]), "PF": int(const["PF"])},
+           "hints": hints, "mma": mma, "loads": loads,
            "dp4a": ptx.count("dp4a."),
            "asm": sorted({m for m in ("prmt", "dp4a") if m + "." in ptx}), "imma": {}, "regs": None,
            "spill_bytes": None,

@@ -64,7 +64,8 @@ def ref_mm_bf16(x, wq, dw, mw, per: int = 32, kcb: int = 0, order: int = 1):
     """[M, N] of the bf16 MMA's float ops: x [M, K] bf16 values (float32), per block b of 32 in ascending K (order -1:
     descending, the wrong schedule): dot = sum_j wq x (products exact; the sum in float64, rounded once: the MMA's
     fp32 sum is within its noise), then acc = fma(dot, dw, acc), or with a min term acc + fma(dot, dw, -(mw sx)),
-    sx = the block's sum of x. per = 64: one block's scales for two (wrong). kcb: blocks a K chunk, tot = 0 + p_0 + ..."""
+    sx = the block's sum of x. per = 64: one block's scales for two (wrong). kcb: blocks a K chunk,
+    tot = 0 + p_0 + p_1 + ..."""
     M, N = x.shape[0], wq.shape[0]
     nb = x.shape[1] // per
     if kcb and kcb < nb:
