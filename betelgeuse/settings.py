@@ -323,9 +323,13 @@ class EngineSettings(_Section):
     kernels: _choices("auto", "torch", "triton") = setting("auto", "expert math: auto | torch | triton", "torch")
     # q8_1: the triton expert kernels of the types with an int8 tensor-core schedule (kernels/triton_mmq.py) take
     # their activations quantized per 32 elements to int8 (llama.cpp's mmq numerics): faster, NOT within float
-    # noise of the torch path (about 1% relative error per output); off keeps the exactness contract
-    act_quant: _choices("off", "q8_1") = setting("off", "expert activations on the GPU: off (float, exact) | q8_1 "
-                                                 "(int8 per 32, llama.cpp's mmq numerics; approximate)", "q8_1")
+    # noise of the torch path (about 1% relative error per output); off keeps the exactness contract. bf16: those
+    # types' kernels multiply their integer quants as bf16 on the tensor cores against the activations as bf16 (the
+    # engine's own dtype on the GPU: no rounding there), block scales applied in fp32: within float noise, opt-in
+    # until the device measures it (issue 23)
+    act_quant: _choices("off", "q8_1", "bf16") = setting(
+        "off", "expert activations on the GPU: off (float, exact) | q8_1 (int8 per 32, llama.cpp's mmq numerics; "
+        "approximate) | bf16 (bf16 tensor-core MMA of the integer quants; float noise)", "q8_1")
     # a long generation's working set moves into the resident tiers while it runs
     decode_consolidate_every: Count0 = setting(32, "decode tokens between consolidations of the decode's usage "
                                                "(0 = end of request only)", 0)

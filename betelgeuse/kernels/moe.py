@@ -41,6 +41,7 @@ TRITON_QTYPES = frozenset({0, 1, 8, 30, 39, 12, 13, 14, 11, 10, 23, 20, 16, 17, 
 # GGML types with an int8 tensor-core schedule on q8_1 activations (triton_mmq.MMQ_TYPES: Q8_0, MXFP4, Q4_K) and the K
 # multiple each needs (its block)
 MMQ_QTYPES = {8: 32, 39: 32, 12: 256}
+BF16_QTYPES = {**MMQ_QTYPES, 13: 256}    # act_quant bf16's types (triton_mmq.BF_TYPES): + Q5_K
 
 
 def triton_available() -> bool:
@@ -71,7 +72,7 @@ class Routing:
     counts: torch.Tensor             # [E] int64 rows per expert, on the device
     inter: torch.Tensor | None       # triton: [T*k, F] activations, sorted-row order
     plan: dict | None                # torch: {expert: ExpertWork}
-    hq: tuple | None = None          # triton with act_quant q8_1: quantize_q8_1(h), made by route()
+    hq: tuple | None = None          # triton with act_quant q8_1 / bf16: quantize_q8_1(h) / prepare_bf16(h), by route()
 
 
 class MoEKernels:
@@ -82,9 +83,11 @@ class MoEKernels:
         """starts [L,E,3] int64: byte offset of gate/up/down inside a slot (device); qtypes[l] = (gate/up, down)
         GGML types per layer; weights_fn(slot_bytes, layer, expert) -> (gate, up, down) for the torch path;
         act_quant "q8_1": the triton backend runs the parts whose type has an int8 MMA schedule on q8_1
-        activations (triton_mmq; approximate), the others on the float schedules; the torch backend ignores it."""
+        activations (triton_mmq; approximate), the others on the float schedules; "bf16": those parts on the bf16
+        MMA of their integer quants (triton_mmq's BF mode: the activations as bf16, exact products, float noise);
+        the torch backend ignores it."""
         assert backend in ("torch", "triton"), backend
-        assert act_quant in ("off", "q8_1"), act_quant
+        assert act_quant in ("off", "q8_1", "bf16"), act_quant
         self.act_quant = act_quant
         self.backend, self.E, self.F = backend, n_expert, n_ff
         self.starts, self.qtypes, self.sub_batch = starts, qtypes, sub_batch
@@ -97,10 +100,18 @@ class MoEKernels:
             self._tk = triton_moe
             assert self.supports(qtypes), qtypes
             self._aligned = self._starts_aligned(starts)
-            if act_quant == "q8_1" and any(q in MMQ_QTYPES for part in qtypes for q in part):
+            mt = BF16_QTYPES if act_quant == "bf16" else MMQ_QTYPES
+            if act_quant != "off" and any(q in mt for part in qtypes for q in part):
                 from betelgeuse.kernels import triton_mmq
                 self._mq = triton_mmq
-                self._quant_h = any(qg in MMQ_QTYPES for qg, _ in qtypes)
+                self._quant_h = any(qg in mt for qg, _ in qtypes)
+                # bf16: the block sums of x only where a K-quant's min term takes them (Q4_K, Q5_K)
+                self._sums_h = any(qg in (12, 13) for qg, _ in qtypes)
+
+    def _prepare(self, x: torch.Tensor, sums: bool) -> tuple:
+        """triton_mmq's activations of x for act_quant: q8_1 (quantize_q8_1) or bf16 (prepare_bf16; sums: the block
+        sums of x, the K-quants' min term)."""
+        return self._mq.quantize_q8_1(x) if self.act_quant == "q8_1" else self._mq.prepare_bf16(x, sums)
 
     @staticmethod
     def supports(qtypes: list[tuple[int, int]]) -> bool:
@@ -113,13 +124,14 @@ class MoEKernels:
         return bool((starts.remainder(16) == 0).all())
 
     def mmq_parts(self, layer: int, H: int) -> tuple[bool, bool]:
-        """(gate/up, down) of `layer` run on q8_1 activations (the int8 MMA schedule of triton_mmq): act_quant is
-        q8_1, the backend triton and the part's type has the schedule (MMQ_TYPES, as GGML type ids here so that
-        the torch path never imports triton)."""
-        if self.backend != "triton" or self.act_quant != "q8_1":
+        """(gate/up, down) of `layer` run on triton_mmq's schedule (q8_1: the int8 MMA; bf16: the bf16 MMA):
+        act_quant is not off, the backend triton and the part's type has the schedule (MMQ_TYPES, as GGML type ids
+        here so that the torch path never imports triton)."""
+        if self.backend != "triton" or self.act_quant == "off":
             return False, False
         qg, qd = self.qtypes[layer]
-        return (qg in MMQ_QTYPES and H % MMQ_QTYPES[qg] == 0, qd in MMQ_QTYPES and self.F % MMQ_QTYPES[qd] == 0)
+        mt = BF16_QTYPES if self.act_quant == "bf16" else MMQ_QTYPES
+        return (qg in mt and H % mt[qg] == 0, qd in mt and self.F % mt[qd] == 0)
 
     def _layer_launch(self, layer: int, H: int) -> tuple:
         """The triton launches' per-layer constants for inputs of width H: (gate/up, down kernel type codes, their
@@ -175,7 +187,7 @@ class MoEKernels:
         if self._quant_h and h.shape[1] % 32 == 0:
             # here, not at the first apply(): a captured decode graph replays route() and the layer's eager groups
             # then apply() the captured Routing, whose h the replay rewrote in place (a copy made once would go stale)
-            r.hq = self._mq.quantize_q8_1(h.contiguous())
+            r.hq = self._prepare(h.contiguous(), self._sums_h)
         return r
 
     def apply(self, r: Routing, layer: int, pool: torch.Tensor, g: Group, slot_bytes: int,
@@ -197,7 +209,7 @@ class MoEKernels:
                 tk.gate_up(r.h, pool, g.base_dev, st, r.rows, r.off, r.inter, self.F, r.ids.shape[1],
                            qg, self.limit, rg, aligned)
             if md:
-                mq.down(mq.quantize_q8_1(r.inter), pool, g.base_dev, st, r.rows, r.off, r.y, qd, rd, aligned)
+                mq.down(self._prepare(r.inter, qd in (5, 6)), pool, g.base_dev, st, r.rows, r.off, r.y, qd, rd, aligned)
             else:
                 tk.down(r.inter, pool, g.base_dev, st, r.rows, r.off, r.y, r.ids.shape[0], qd, rd, aligned)
             return

@@ -1,4 +1,5 @@
-"""The int8 tensor-core expert schedule (llama.cpp's mmq route): activations quantized to q8_1, int8 MMA per block.
+"""The tensor-core expert schedules: llama.cpp's mmq route (activations quantized to q8_1, int8 MMA per block) and
+its bf16 mode (the quants as bf16 integers against bf16 activations: within float noise; the section at the end).
 
 Opt-in (`engine.act_quant = "q8_1"`): it changes the numerics. The float schedules (triton_moe, triton_mmvq) keep
 the activations as the engine holds them and stay within float noise of the torch path; this one rounds every
@@ -40,6 +41,31 @@ Q4_K x q8_1 (llama.cpp vec_dot_q4_K_q8_1: d sc sumi d8 - dmin m s8), sub-block j
 its 6-bit scale sc and min m, get_scale_min_k4), quants q in 0..15 as int8:
     acc   = acc + fma(float(dot), d sc * dx[m, kb], -(dmin m * sx[m, kb]))     sx = the q8_1 block sum s
 Types with this schedule: MMQ_TYPES (kernel type codes, triton_quants.QT_CODES). The others take the float path.
+
+The bf16 mode (`engine.act_quant = "bf16"`, BF: issue 23's exact tensor-core schedule; BF_TYPES: MMQ_TYPES and
+Q5_K, whose quants are Q4_K's nibbles plus bit j of qh[e] as bit 4, 0..31, read byte by byte). Every quant above is a
+small integer (Q8_0 int8, MXFP4's doubled e2m1 values, Q4_K 0..15, Q5_K 0..31), exactly a bf16, and a bf16 x bf16
+product is exact in fp32, so the same tiles, as bf16, against the activations as bf16 (no q8_1: xb = x, the
+engine's own bf16 on the GPU; a float32 x is rounded to bf16 once, prepare_bf16) give each block's dot in fp32 from
+the MMA, then the same float ops in ascending block order with dx = 1:
+    dot   = sum_{j < 32} wq[n, 32 kb + j] * xb[m, 32 kb + j]        bf16 x bf16 -> fp32 (the MMA's order, below)
+    acc   = fma(dot, dw[n, kb], acc)                                Q8_0, MXFP4
+    acc   = acc + fma(dot, d sc, -(dmin m * sx[m, kb]))             Q4_K, Q5_K; sx = the bf16 block's sum (prepare_bf16:
+                                                                    one launch, fixed order, a row's own blocks)
+Within float noise of the torch path (tests/kernels/test_mmq_bf16.py), so it may become the default where it is
+faster: the device decides (deploy/device/kernel_roofline.py --act-quant bf16). Unlike the int32 dot, the fp32 dot
+is rounded inside the MMA in the instruction's fixed order, which depends on the instruction shape (K per dot, the
+N = KB * BM of the block-diagonal tile, BN and warps), so BF_TUNING fixes those per type for BOTH rows buckets (the
+q8_1 MMA's KB and BM may differ per bucket: exact dots), the MV schedule (no MMA) is never taken, and MXFP4's
+elements take the word loads' order within a block in the byte-load tiles too (_perm): then a row's bits depend on
+neither the other rows of its launch, nor SPLIT, nor WL (DESIGN.md invariant 6; on the GPU kernel_roofline's
+bf16_check and check_cuda verify it, the interpreter the float ops). The interpreter's dot cannot read bf16: there
+it multiplies the same values as float32 (_INTERP).
+Why a value of act_quant rather than a new key: the setting already names how the expert kernels take their
+activations (off: as held, float schedules; q8_1: int8 per 32), it keys the prefix cache's numerics (kv_manager,
+prefix_host) and picks the MMA parts (MoEKernels.mmq_parts); bf16 is a third such form (the activations as bf16,
+which rounds nothing on the GPU) and shares all of that plumbing. The types without this schedule stay on the float
+path in every mode.
 """
 
 from __future__ import annotations
@@ -58,6 +84,7 @@ from betelgeuse.kernels.triton_launch import launcher
 
 QK = 32                        # elements per q8_1 block (llama.cpp QK8_1)
 MMQ_TYPES = frozenset({0, 4, 5})  # kernel type codes with an MMA schedule: Q8_0, MXFP4, Q4_K
+BF_TYPES = MMQ_TYPES | {6}        # ... and with the bf16 mode: + Q5_K (byte loads: no word-load form yet)
 CONFIG = {"BM": 16, "BN": 64, "FUSE": 0, "num_warps": 4, "num_stages": 3,   # schedule keys (every type and bucket)
           "MV": 0, "BM_MV": 1, "NS": 1, "DP4A": 0, "WL": 0, "PF": 0}
 # MV = 1: the decode schedule without tensor cores (triton_mmq_mv: the same bits; BM_MV rows a program, NS word
@@ -87,6 +114,14 @@ BUCKETS = {1: {"SPLIT": 1, "KB": 2, "WL": 2, "PF": 1}, 16: {"SPLIT": 0, "KB": 2,
 TYPE_BUCKET: dict[tuple[int, int], dict] = {(qt, 1): {"MV": 1, "BN": 16, "num_warps": 2, "num_stages": 1, "KB": 4}
                                            for qt in (4, 5)}       # MXFP4, Q4_K
 TYPE_CONFIG: dict[int, dict] = {}     # kernel type code -> overrides (tests, the roofline)
+_INTERP = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")   # Triton's interpreter (CPU tests)
+# act_quant "bf16" (the bf16 MMA of the integer quants, module doc): one schedule per type for BOTH rows buckets (the
+# fp32 block dot's summation order is the MMA instruction's, so the instruction shape -- KB blocks a step, BM rows,
+# BN outputs, warps -- stays fixed per type: a row's bits then never depend on its launch's rows). Over CONFIG,
+# BUCKETS (SPLIT, and WL / PF: how the bytes are read, the same tiles), TUNING, never TYPE_BUCKET (the MV schedule
+# has no bf16 form); TYPE_CONFIG's overrides apply last. Not measured yet: the q8_1 MMA's 16-row constants.
+BF_TUNING: dict[int, dict] = {qt: {"MV": 0, "BN": 64, "num_warps": 4, "num_stages": 3, "KB": 2, "KCB": 16}
+                              for qt in BF_TYPES}
 
 
 @triton.jit
@@ -130,6 +165,36 @@ def quantize_q8_1(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     if T:
         _QUANTIZE[(T, triton.cdiv(K // QK, nb))](x, q, d, s, K, NB=nb, num_warps=4)
     return q, d, s
+
+
+@triton.jit
+def _sums_kernel(x_ptr, s_ptr, K, NB: tl.constexpr):
+    """Row program_id(0), blocks program_id(1) * NB ..: x [T, K] bf16 -> s [T, K / 32] float32, the sum of each
+    32-element block (fp32 adds in the order of tl.sum's tree, fixed for a fixed NB: one row's alone)."""
+    row = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1) * NB + tl.arange(0, NB)
+    mb = b < K // 32
+    x = tl.load(x_ptr + row * K + b[:, None] * 32 + tl.arange(0, 32)[None, :], mask=mb[:, None], other=0.0)
+    tl.store(s_ptr + row * (K // 32) + b, tl.sum(x.to(tl.float32), axis=1), mask=mb)
+
+
+_SUMS = launcher(_sums_kernel)
+
+
+def prepare_bf16(x: torch.Tensor, sums: bool = True) -> tuple[torch.Tensor, None, torch.Tensor]:
+    """x [T, K] (K a multiple of 32) -> the bf16 MMA's activations (xb [T, K] bf16: x itself when it is bf16 and
+    contiguous, else rounded to nearest even; None: no scales, dx = 1; s [T, K/32] float32: the block sums of xb,
+    the K-quants' min term, where `sums`, else an empty tensor) -- gate_up / down's hq. s is NB = 32 blocks a program
+    whatever T or K: a row's sums depend on that row alone."""
+    T, K = x.shape
+    assert K % QK == 0, x.shape
+    xb = x.to(torch.bfloat16).contiguous()
+    if not sums:
+        return xb, None, torch.empty(1, dtype=torch.float32, device=x.device)
+    s = torch.empty(T, K // QK, dtype=torch.float32, device=x.device)
+    if T:
+        _SUMS[(T, triton.cdiv(K // QK, 32))](xb, s, K, NB=32, num_warps=4)
+    return xb, None, s
 
 
 @triton.jit
@@ -198,8 +263,10 @@ def _half(X, bit: tl.constexpr):
 
 @triton.jit
 def _part(P, i: tl.constexpr, KB: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr):
-    """P [BN, BM, KB] -> P[:, :, i] [BN, BM] (KB 2, 4 or 8; index i = 4a + 2b + c peeled from its low bit)."""
-    if KB == 2:
+    """P [BN, BM, KB] -> P[:, :, i] [BN, BM] (KB 1, 2, 4 or 8; index i = 4a + 2b + c peeled from its low bit)."""
+    if KB == 1:
+        r = tl.reshape(P, (BN, BM))
+    elif KB == 2:
         r = _half(P, i)
     elif KB == 4:
         r = _half(_half(tl.reshape(P, (BN, BM, 2, 2)), i % 2), i // 2)
@@ -209,10 +276,13 @@ def _part(P, i: tl.constexpr, KB: tl.constexpr, BN: tl.constexpr, BM: tl.constex
 
 
 @triton.jit
-def _w_tile(pool, ra, kb0, mn, QT: tl.constexpr, KB: tl.constexpr):
+def _w_tile(pool, ra, kb0, mn, QT: tl.constexpr, KB: tl.constexpr, BF: tl.constexpr = False):
     """The quants of blocks kb0 .. kb0 + KB of weight rows ra [BN] as one [BN, KB * 32] int8 tile (column c: block
-    kb0 + c // 32, element c % 32), in the values the block functions above give."""
+    kb0 + c // 32, element c % 32; BF and MXFP4: element _perm(c) % 32, the word loads' order), in the values the
+    block functions above give."""
     c = tl.arange(0, KB * 32)
+    if BF and QT == 4:
+        c = _perm(c)
     kb = kb0 + c // 32
     e = c % 32
     m2 = mn[:, None]
@@ -224,10 +294,16 @@ def _w_tile(pool, ra, kb0, mn, QT: tl.constexpr, KB: tl.constexpr):
         x = (v >> 1) & 3
         mag = tl.where(x == 0, v & 1, (2 + (v & 1)) << tl.maximum(x - 1, 0))
         w = tl.where(v >= 8, -mag, mag).to(tl.int8)
-    else:
+    elif QT == 5:
         j = kb % 8
         q = tl.load(pool + ra[:, None] + ((kb // 8) * 144 + 16 + (j // 2) * 32 + e)[None, :], mask=m2, other=0)
         w = ((q.to(tl.int32) >> (4 * (j % 2))[None, :]) & 15).to(tl.int8)
+    else:                           # Q5_K (BF only), 176-byte super-blocks: f16 d, f16 dmin, scales[12], qh[32],
+        j = kb % 8                  # qs[128]: sub-block j's low 4 bits as Q4_K's (at byte 48), bit 4 = bit j of qh[e]
+        o = (kb // 8) * 176
+        q = tl.load(pool + ra[:, None] + (o + 48 + (j // 2) * 32 + e)[None, :], mask=m2, other=0).to(tl.int32)
+        h = tl.load(pool + ra[:, None] + (o + 16 + e)[None, :], mask=m2, other=0).to(tl.int32)
+        w = (((q >> (4 * (j % 2))[None, :]) & 15) | (((h >> j[None, :]) & 1) << 4)).to(tl.int8)
     return w
 
 
@@ -243,33 +319,71 @@ def _w_scale(pool, ra, kb, mn, QT: tl.constexpr):
 
 
 @triton.jit
+def _perm(p):
+    """MXFP4's order of a block's elements in the word-load MMA (WL): position 32 a + 8 w + 2 c + h holds element
+    32 a + 16 h + 4 w + c. An int dot is exact in any order, a bf16 MMA's fp32 sum is not: BF takes this order in
+    both the byte- and the word-load tiles, so WL stays a schedule key of the same bits."""
+    r = p % 32
+    return (p // 32) * 32 + (r % 2) * 16 + (r // 8) * 4 + (r % 8) // 2
+
+
+@triton.jit
+def _bd_dot(wq, xb, KB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BF: tl.constexpr):
+    """wq [BN, KB*32] int8 and the block-diagonal activations xb [KB, BM, KB*32] (int8, or BF: bf16) -> the KB block
+    dots [BN, BM, KB] of one MMA: int8 x int8 -> int32 (exact), or BF: the quants as bf16 (the same integers,
+    exact) x bf16 -> fp32 (the products exact, their sum in the MMA's fixed order for a fixed KB and BM)."""
+    xt = tl.trans(tl.reshape(xb, (KB * BM, KB * 32)))                                        # [KB*32, KB*BM]
+    if BF and _INTERP:              # the same values as float32 (the interpreter's dot reads bf16's stored uint16)
+        dot = tl.dot(wq.to(tl.float32), xt.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+    elif BF:
+        dot = tl.dot(wq.to(tl.bfloat16), xt, out_dtype=tl.float32)
+    else:
+        dot = tl.dot(wq, xt, out_dtype=tl.int32)
+    return tl.permute(tl.reshape(dot, (BN, KB, BM)), (0, 2, 1))
+
+
+@triton.jit
+def _scale(dw, dx, BF: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr):
+    """A block's scale of outputs [BN, BM]: dw [BN] x dx [BM] (q8_1), or BF: dw alone (dx = 1: no rounding)."""
+    if BF:
+        r = tl.broadcast_to(dw[:, None], (BN, BM))
+    else:
+        r = dw[:, None] * dx[None, :]
+    return r
+
+
+@triton.jit
 def _mmq_step(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, kb0, QT: tl.constexpr, KB: tl.constexpr,
-              BM: tl.constexpr, BN: tl.constexpr):
+              BM: tl.constexpr, BN: tl.constexpr, BF: tl.constexpr = False):
     """acc + blocks kb0 .. kb0 + KB: ONE int8 MMA [BN, KB*32] x [KB*32, KB*BM] (the activations block-diagonal:
     column i*BM + m holds row m's block kb0 + i, zeros elsewhere) gives the KB exact int32 block dots of every
     (n, m) at once; then each block's scaling and fp32 add in ascending block order, the same float ops as a
-    one-block step (module doc). Q4_K: a step lies in one super-block (KB | 8), whose d and dmin load once."""
+    one-block step (module doc). Q4_K: a step lies in one super-block (KB | 8), whose d and dmin load once.
+    BF: the bf16 MMA of the same integers against the bf16 activations (fp32 block dots; dx = 1, sx the x sums)."""
     c = tl.arange(0, KB * 32)
-    wq = _w_tile(pool, ra, kb0, mn, QT, KB)                                                      # [BN, KB*32]
-    xq = tl.load(xq_ptr + xoff[:, None] + kb0 * 32 + c[None, :], mask=mr[:, None], other=0)    # [BM, KB*32]
+    wq = _w_tile(pool, ra, kb0, mn, QT, KB, BF)                                                  # [BN, KB*32]
+    xc = _perm(c) if BF and QT == 4 else c                                  # the weights' order of elements
+    xq = tl.load(xq_ptr + xoff[:, None] + kb0 * 32 + xc[None, :], mask=mr[:, None], other=0)   # [BM, KB*32]
     i3 = tl.arange(0, KB)[:, None, None]
     xb = tl.where(i3 == (c // 32)[None, None, :], xq[None, :, :], tl.zeros_like(xq)[None, :, :])  # [KB, BM, KB*32]
-    dot = tl.dot(wq, tl.trans(tl.reshape(xb, (KB * BM, KB * 32))), out_dtype=tl.int32)       # [BN, KB*BM]
-    P = tl.permute(tl.reshape(dot, (BN, KB, BM)), (0, 2, 1))                                 # [BN, BM, KB]
-    if QT == 5:                     # Q4_K: the super-block's d and dmin once a step
-        b = ra + (kb0 // 8) * 144
+    P = _bd_dot(wq, xb, KB, BM, BN, BF)                                                      # [BN, BM, KB]
+    if QT == 5 or QT == 6:          # Q4_K / Q5_K: the super-block's d and dmin once a step
+        b = ra + (kb0 // 8) * (144 if QT == 5 else 176)
         d = tl.load((pool + b).to(tl.pointer_type(tl.float16)), mask=mn, other=0).to(tl.float32)
         dmin = tl.load((pool + b + 2).to(tl.pointer_type(tl.float16)), mask=mn, other=0).to(tl.float32)
     for i in tl.static_range(KB):                   # ascending blocks: the fp32 adds in K order
         di = _part(P, i, KB, BN, BM).to(tl.float32)
-        dx = tl.load(xd_ptr + dxoff + kb0 + i, mask=mr, other=0.0)
-        if QT == 5:
+        if BF:                                      # dx = 1 (unused)
+            dx = tl.zeros((BM,), tl.float32)
+        else:
+            dx = tl.load(xd_ptr + dxoff + kb0 + i, mask=mr, other=0.0)
+        if QT == 5 or QT == 6:
             dw, mw = _q4_k_scale(pool, b, mn, (kb0 + i) % 8, d, dmin)
             sx = tl.load(xs_ptr + dxoff + kb0 + i, mask=mr, other=0.0)
-            acc = acc + tl.fma(di, dw[:, None] * dx[None, :], -(mw[:, None] * sx[None, :]))
+            acc = acc + tl.fma(di, _scale(dw, dx, BF, BN, BM), -(mw[:, None] * sx[None, :]))
         else:
             dw = _w_scale(pool, ra, kb0 + i, mn, QT)
-            acc = tl.fma(di, dw[:, None] * dx[None, :], acc)
+            acc = tl.fma(di, _scale(dw, dx, BF, BN, BM), acc)
     return acc
 
 
@@ -306,14 +420,16 @@ def _funnel(lo, hi, s):
 
 
 @triton.jit
-def _wl_fetch(pool, ra, kb0, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, QT: tl.constexpr, KB: tl.constexpr):
+def _wl_fetch(pool, ra, kb0, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, QT: tl.constexpr, KB: tl.constexpr,
+              BF: tl.constexpr = False):
     """The raw int32 words of K step kb0 .. kb0 + KB of weight rows at byte addresses ra [BN] (mask mn) and q8_1
     rows at element offsets xoff [BM] (mask mr): (lo [BN, W KB]: the word holding each quant word's first byte
     (W = 8 quant words a block, MXFP4 4); hi: the word after it, loaded only where the quant word straddles two
     (else 0); sw: the scale words, [BN, KB] (Q8_0: the word holding d; MXFP4: the E8M0 byte's) or Q4_K's super-block
     header [BN, 4] (f16 d | f16 dmin, scales[0..3], [4..7], [8..11]); xw [BM, 8 KB]: the activations' quant words,
     block-major (MXFP4: word 8 a + 4 h + w at position 8 a + 2 w + h); xd, xs [BM, KB]: the activations' block scales
-    and sums (Q4_K; else xd again))."""
+    and sums (Q4_K; else xd again)). BF: xw is the bf16 activations' tile [BM, 32 KB] itself, its positions as the
+    weights' (MXFP4: position 32 a + 8 w + 2 c + h holds element 32 a + 16 h + 4 w + c), xd unused, xs the x sums."""
     m2 = mn[:, None]
     kk = kb0 + tl.arange(0, KB)
     wp = (pool + ra).to(tl.pointer_type(tl.int32))[:, None]         # word pointers of the rows (offsets in words:
@@ -341,17 +457,25 @@ def _wl_fetch(pool, ra, kb0, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, QT: tl
     else:
         hi = tl.load(wp + o[None, :] + 1, mask=m2 & st[None, :], other=0)
     xp = (xq_ptr + xoff).to(tl.pointer_type(tl.int32))[:, None] + kb0 * 8     # the q8_1 rows' words of block kb0
-    if QT == 4:                                     # block a's words w and 4 + w, interleaved (position 2 w + h)
+    if BF:                                          # bf16 elements, no words (the tile is 2 bytes an element)
+        p = tl.arange(0, KB * 32)
+        if QT == 4:
+            p = _perm(p)
+        xw = tl.load(xq_ptr + xoff[:, None] + kb0 * 32 + p[None, :], mask=mr[:, None], other=0.0)
+    elif QT == 4:                                     # block a's words w and 4 + w, interleaved (position 2 w + h)
         j = tl.arange(0, KB * 4)
         jw = (j // 4) * 8 + j % 4
         xw = tl.reshape(tl.join(tl.load(xp + jw[None, :], mask=mr[:, None], other=0),
                                 tl.load(xp + jw[None, :] + 4, mask=mr[:, None], other=0)), (xoff.shape[0], KB * 8))
     else:
         xw = tl.load(xp + tl.arange(0, KB * 8)[None, :], mask=mr[:, None], other=0)
-    xd = tl.load(xd_ptr + dxoff[:, None] + kk[None, :], mask=mr[:, None], other=0.0)
     if QT == 5:
         xs = tl.load(xs_ptr + dxoff[:, None] + kk[None, :], mask=mr[:, None], other=0.0)
+    if BF:
+        xd = tl.zeros((xoff.shape[0], KB), tl.float32)
     else:
+        xd = tl.load(xd_ptr + dxoff[:, None] + kk[None, :], mask=mr[:, None], other=0.0)
+    if QT != 5:
         xs = xd
     return lo, hi, sw, xw, xd, xs
 
@@ -372,18 +496,20 @@ def _blk(P, i: tl.constexpr, KB: tl.constexpr, BN: tl.constexpr):
 
 @triton.jit
 def _wl_step(acc, lo, hi, sw, xw, xd, xs, kb0, QT: tl.constexpr, KB: tl.constexpr, BM: tl.constexpr,
-             BN: tl.constexpr, PRMT: tl.constexpr = False):
+             BN: tl.constexpr, PRMT: tl.constexpr = False, BF: tl.constexpr = False):
     """acc + blocks kb0 .. kb0 + KB from _wl_fetch's words: the int8 tiles of _w_tile (positions permuted within a
     block alike for weights and activations: MXFP4), the MMA of mmq_acc (KB 1) or _mmq_step (block-diagonal), then
-    each block's float ops in ascending order with the block functions' float32 scales."""
+    each block's float ops in ascending order with the block functions' float32 scales. BF: xw is the bf16 tile
+    (_wl_fetch), the MMA bf16 with fp32 block dots (_bd_dot), dx = 1."""
     if QT == 0:                                     # even blocks' quants start at byte 2 of a word
         i = tl.arange(0, KB * 8)
         v = tl.where((((kb0 + i // 8) % 2) == 0)[None, :], ((lo >> 16) & 0xFFFF) | (hi << 16), lo)
         wq = _bytes_i8(v, BN, KB * 8)
-        xq = _bytes_i8(xw, BM, KB * 8)
+        xq = xw if BF else _bytes_i8(xw, BM, KB * 8)
     elif QT == 4:                                   # codes at byte offset 17 kb + 1 + 4 w: funnel from (lo, hi)
         i = tl.arange(0, KB * 4)
         v = _funnel(lo, hi, ((((kb0 + i // 4) * 17 + 1) % 4) * 8)[None, :])
+        xq = xw
         if PRMT:                                    # WL 2 (the GPU): the code table by byte permutes, 8 codes a word
             wl, wh = mv._mxfp4_int8(v)              # (elements 4 w + c, 16 + 4 w + c as int8 bytes c)
             wq = tl.reshape(tl.join(tl.reshape(_bytes_i8(wl, BN, KB * 4), (BN, KB * 4, 4)),
@@ -393,15 +519,21 @@ def _wl_step(acc, lo, hi, sw, xw, xd, xs, kb0, QT: tl.constexpr, KB: tl.constexp
             x = (c >> 1) & 3
             mag = tl.where(x == 0, c & 1, (2 + (c & 1)) << tl.maximum(x - 1, 0))
             wq = tl.where(c >= 8, -mag, mag).to(tl.int8)
-        xl, xh = tl.split(tl.reshape(xw, (BM, KB * 4, 2)))
-        xq = tl.reshape(tl.join(tl.reshape(_bytes_i8(xl, BM, KB * 4), (BM, KB * 4, 4)),
-                                tl.reshape(_bytes_i8(xh, BM, KB * 4), (BM, KB * 4, 4))), (BM, KB * 32))
+        if not BF:
+            xl, xh = tl.split(tl.reshape(xw, (BM, KB * 4, 2)))
+            xq = tl.reshape(tl.join(tl.reshape(_bytes_i8(xl, BM, KB * 4), (BM, KB * 4, 4)),
+                                    tl.reshape(_bytes_i8(xh, BM, KB * 4), (BM, KB * 4, 4))), (BM, KB * 32))
     else:                                           # Q4_K: block kb's nibbles: low (kb even) or high of its group
         i = tl.arange(0, KB * 8)
         v = (lo >> ((((kb0 + i // 8) % 2) * 4)[None, :])) & 0x0F0F0F0F
         wq = _bytes_i8(v, BN, KB * 8)
-        xq = _bytes_i8(xw, BM, KB * 8)
-    if KB == 1:
+        xq = xw if BF else _bytes_i8(xw, BM, KB * 8)
+    if BF:                                          # the block-diagonal bf16 MMA (KB = 1: one block)
+        c32 = tl.arange(0, KB * 32)
+        i3 = tl.arange(0, KB)[:, None, None]
+        xb = tl.where(i3 == (c32 // 32)[None, None, :], xq[None, :, :], tl.zeros_like(xq)[None, :, :])
+        P = _bd_dot(wq, xb, KB, BM, BN, BF)
+    elif KB == 1:
         P = tl.reshape(tl.dot(wq, tl.trans(xq), out_dtype=tl.int32), (BN, BM, 1))
     else:
         c32 = tl.arange(0, KB * 32)
@@ -416,8 +548,10 @@ def _wl_step(acc, lo, hi, sw, xw, xd, xs, kb0, QT: tl.constexpr, KB: tl.constexp
         s2 = mv._pick(sw, 2, BN, 4, 2)
         s3 = mv._pick(sw, 3, BN, 4, 2)
     for i in tl.static_range(KB):                   # ascending blocks: the fp32 adds in K order (as _mmq_step)
-        if KB == 1:
+        if KB == 1 and not BF:
             di = tl.reshape(P, (BN, BM)).to(tl.float32)
+        elif KB == 1:
+            di = tl.reshape(P, (BN, BM))
         else:
             di = _part(P, i, KB, BN, BM).to(tl.float32)
         dx = _blk(xd, i, KB, BM)
@@ -430,7 +564,7 @@ def _wl_step(acc, lo, hi, sw, xw, xd, xs, kb0, QT: tl.constexpr, KB: tl.constexp
             dw = d * sc.to(tl.float32)
             mw = dmin * m.to(tl.float32)
             sx = _blk(xs, i, KB, BM)
-            acc = acc + tl.fma(di, dw[:, None] * dx[None, :], -(mw[:, None] * sx[None, :]))
+            acc = acc + tl.fma(di, _scale(dw, dx, BF, BN, BM), -(mw[:, None] * sx[None, :]))
         else:
             swi = _blk(sw, i, KB, BN)
             if QT == 0:                             # f16 d at byte 34 kb: the low half (kb even) or the high
@@ -438,51 +572,52 @@ def _wl_step(acc, lo, hi, sw, xw, xd, xs, kb0, QT: tl.constexpr, KB: tl.constexp
             else:                                   # E8M0 at byte 17 kb: byte kb % 4 of its word
                 e8 = (swi >> (8 * ((kb0 + i) % 4))) & 255
                 dw = tl.where(e8 < 2, (e8 + 1) * 0x00200000, (e8 - 1) << 23).to(tl.float32, bitcast=True)
-            acc = tl.fma(di, dw[:, None] * dx[None, :], acc)
+            acc = tl.fma(di, _scale(dw, dx, BF, BN, BM), acc)
     return acc
 
 
 @triton.jit
 def wl_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT: tl.constexpr, KB: tl.constexpr,
-           BM: tl.constexpr, BN: tl.constexpr, PF: tl.constexpr, PRMT: tl.constexpr = False):
+           BM: tl.constexpr, BN: tl.constexpr, PF: tl.constexpr, PRMT: tl.constexpr = False, BF: tl.constexpr = False):
     """mmq_acc from word loads (WL = 1, module doc): the same tiles, dots and float ops, in the same order. PF 1: the
     next step's words fetched (masked past b1) before this step's decode and MMA; PF 2: its scale words only."""
     if PF == 2:                                     # the scale words one step ahead in registers, the quant words
-        u0, u1, sw, u2, xd, xs = _wl_fetch(pool, ra, b0, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, QT, KB)
+        u0, u1, sw, u2, xd, xs = _wl_fetch(pool, ra, b0, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, QT, KB, BF)
         for kb0 in range(b0, b1, KB):               # in Triton's cp.async pipeline (loads left unused: dropped)
             nn = mn & (tl.zeros(mn.shape, tl.int32) + (kb0 + KB) < b1)
             nr = mr & (tl.zeros(mr.shape, tl.int32) + (kb0 + KB) < b1)
             v0, v1, sw2, v2, xd2, xs2 = _wl_fetch(pool, ra, kb0 + KB, nn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, nr,
-                                                  QT, KB)
-            lo, hi, w0, xw, w1, w2 = _wl_fetch(pool, ra, kb0, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, QT, KB)
-            acc = _wl_step(acc, lo, hi, sw, xw, xd, xs, kb0, QT, KB, BM, BN, PRMT)
+                                                  QT, KB, BF)
+            lo, hi, w0, xw, w1, w2 = _wl_fetch(pool, ra, kb0, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, QT, KB, BF)
+            acc = _wl_step(acc, lo, hi, sw, xw, xd, xs, kb0, QT, KB, BM, BN, PRMT, BF)
             sw, xd, xs = sw2, xd2, xs2
     elif PF:
-        lo, hi, sw, xw, xd, xs = _wl_fetch(pool, ra, b0, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, QT, KB)
+        lo, hi, sw, xw, xd, xs = _wl_fetch(pool, ra, b0, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, QT, KB, BF)
         for kb0 in range(b0, b1, KB):
             nn = mn & (tl.zeros(mn.shape, tl.int32) + (kb0 + KB) < b1)     # (as tensors: the interpreter's masks)
             nr = mr & (tl.zeros(mr.shape, tl.int32) + (kb0 + KB) < b1)
             lo2, hi2, sw2, xw2, xd2, xs2 = _wl_fetch(pool, ra, kb0 + KB, nn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, nr,
-                                                     QT, KB)
-            acc = _wl_step(acc, lo, hi, sw, xw, xd, xs, kb0, QT, KB, BM, BN, PRMT)
+                                                     QT, KB, BF)
+            acc = _wl_step(acc, lo, hi, sw, xw, xd, xs, kb0, QT, KB, BM, BN, PRMT, BF)
             lo, hi, sw, xw, xd, xs = lo2, hi2, sw2, xw2, xd2, xs2
     else:
         for kb0 in range(b0, b1, KB):
-            lo, hi, sw, xw, xd, xs = _wl_fetch(pool, ra, kb0, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, QT, KB)
-            acc = _wl_step(acc, lo, hi, sw, xw, xd, xs, kb0, QT, KB, BM, BN, PRMT)
+            lo, hi, sw, xw, xd, xs = _wl_fetch(pool, ra, kb0, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, QT, KB, BF)
+            acc = _wl_step(acc, lo, hi, sw, xw, xd, xs, kb0, QT, KB, BM, BN, PRMT, BF)
     return acc
 
 
 @triton.jit
 def mmq_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT: tl.constexpr, KB: tl.constexpr,
-            BM: tl.constexpr, BN: tl.constexpr):
+            BM: tl.constexpr, BN: tl.constexpr, BF: tl.constexpr = False):
     """acc [BN, BM] + the rows' products over quant blocks b0 .. b1 (module doc): xq rows at element offsets xoff
     [BM], their block scales d (and sums s) at dxoff [BM] (mask mr). KB blocks a K step (_mmq_step; KB divides
-    b1 - b0); KB = 1: one [BN, 32] x [32, BM] MMA a block. The same float ops, in the same order, for every KB."""
+    b1 - b0); KB = 1: one [BN, 32] x [32, BM] MMA a block. The same float ops, in the same order, for every KB.
+    BF: the bf16 MMA (module doc; _mmq_step, KB = 1 too: one code path for the fp32 block dots)."""
     c = tl.arange(0, 32)
-    if KB > 1:
+    if KB > 1 or BF:
         for kb0 in range(b0, b1, KB):
-            acc = _mmq_step(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, kb0, QT, KB, BM, BN)
+            acc = _mmq_step(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, kb0, QT, KB, BM, BN, BF)
     else:
         for kb in range(b0, b1):
             xq = tl.load(xq_ptr + xoff[:, None] + kb * 32 + c[None, :], mask=mr[:, None], other=0)       # [BM, 32]
@@ -506,16 +641,17 @@ def mmq_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, 
 def _acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT: tl.constexpr, KB: tl.constexpr,
          BM: tl.constexpr, BN: tl.constexpr, MV: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
          NB: tl.constexpr, LOG2NB: tl.constexpr, DP4A: tl.constexpr, WL: tl.constexpr = 0,
-         PF: tl.constexpr = 0):
+         PF: tl.constexpr = 0, BF: tl.constexpr = False):
     """mmq_acc (int8 MMA; WL: its tiles from word loads, wl_acc), or with MV the same float ops without tensor cores
-    (triton_mmq_mv.mv_acc)."""
+    (triton_mmq_mv.mv_acc; never with BF: _launch)."""
     if MV:
         r = mv.mv_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT, BM, BN, D1, D2, D3, NB,
                       LOG2NB, DP4A)
     elif WL:
-        r = wl_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT, KB, BM, BN, PF, WL == 2)
+        r = wl_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT, KB, BM, BN, PF, WL == 2,
+                   BF)
     else:
-        r = mmq_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT, KB, BM, BN)
+        r = mmq_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT, KB, BM, BN, BF)
     return r
 
 
@@ -523,7 +659,7 @@ def _acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT:
 def _gu_acc(pool, gra, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, b0, b1, QT: tl.constexpr, KB: tl.constexpr,
             BM: tl.constexpr, BN: tl.constexpr, FUSE: tl.constexpr, MV: tl.constexpr, D1: tl.constexpr,
             D2: tl.constexpr, D3: tl.constexpr, NB: tl.constexpr, LOG2NB: tl.constexpr, DP4A: tl.constexpr,
-            WL: tl.constexpr = 0, PF: tl.constexpr = 0):
+            WL: tl.constexpr = 0, PF: tl.constexpr = 0, BF: tl.constexpr = False):
     """gate_up's partial over blocks b0 .. b1, from zero: [2 BN, BM], the gate rows gra then the up rows ura [BN].
     FUSE: both as one weight side of 2 BN rows (one MMA of M = 2 BN a step, a warpgroup each at 8 warps, the
     activations' tile built once); else gate's K walk, then up's. Either way each output's float ops are those of
@@ -532,13 +668,13 @@ def _gu_acc(pool, gra, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, b0, b1, QT:
         ra = tl.reshape(tl.permute(tl.join(gra, ura), (1, 0)), (2 * BN,))
         m2 = tl.reshape(tl.permute(tl.join(mn, mn), (1, 0)), (2 * BN,))
         acc = _acc(tl.zeros((2 * BN, BM), dtype=tl.float32), pool, ra, m2, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr,
-                   b0, b1, QT, KB, BM, 2 * BN, MV, D1, D2, D3, NB, LOG2NB, DP4A, WL, PF)
+                   b0, b1, QT, KB, BM, 2 * BN, MV, D1, D2, D3, NB, LOG2NB, DP4A, WL, PF, BF)
     else:
         z = tl.zeros((BN, BM), dtype=tl.float32)
         g = _acc(z, pool, gra, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, b0, b1, QT, KB, BM, BN, MV, D1, D2, D3, NB,
-                 LOG2NB, DP4A, WL, PF)
+                 LOG2NB, DP4A, WL, PF, BF)
         u = _acc(z, pool, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, b0, b1, QT, KB, BM, BN, MV, D1, D2, D3, NB,
-                 LOG2NB, DP4A, WL, PF)
+                 LOG2NB, DP4A, WL, PF, BF)
         acc = tl.reshape(tl.permute(tl.join(g, u), (2, 0, 1)), (2 * BN, BM))
     return acc
 
@@ -551,7 +687,7 @@ def _gate_up_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows
                         SPLIT: tl.constexpr = False, FUSE: tl.constexpr = False, MV: tl.constexpr = False,
                         D1: tl.constexpr = 1, D2: tl.constexpr = 1, D3: tl.constexpr = 1, NB: tl.constexpr = 1,
                         LOG2NB: tl.constexpr = 0, DP4A: tl.constexpr = False, WL: tl.constexpr = 0,
-                        PF: tl.constexpr = 0):
+                        PF: tl.constexpr = 0, BF: tl.constexpr = False):
     e, mb, base = tm._find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
     if base >= 0:
         rows, mr, flat = tm._rows_of(off_ptr, rows_ptr, e, mb, BM)
@@ -569,7 +705,7 @@ def _gate_up_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows
             pc = tl.program_id(2)
             acc = _gu_acc(pool, gra, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, pc * KCB,
                           tl.minimum(pc * KCB + KCB, NBLK), QT, KB, BM, BN, FUSE, MV, D1, D2, D3, NB, LOG2NB, DP4A, WL,
-                          PF)
+                          PF, BF)
             tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
             tl.store(tm._partial_ptr(ws_ptr, tile, pc, NCH, 2 * BN * BM, 2 * BN, BM), acc)
             if tm._arrive(cnt_ptr, tile, NCH):
@@ -583,7 +719,7 @@ def _gate_up_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows
             for ch in range(0, NCH):
                 tot = tot + _gu_acc(pool, gra, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, ch * KCB,
                                     tl.minimum(ch * KCB + KCB, NBLK), QT, KB, BM, BN, FUSE, MV, D1, D2, D3, NB,
-                                    LOG2NB, DP4A, WL, PF)
+                                    LOG2NB, DP4A, WL, PF, BF)
             accg, accu = tl.split(tl.permute(tl.reshape(tot, (2, BN, BM)), (1, 2, 0)))
             tm._gu_store(accg, accu, inter_ptr, rows, mr, n, mn, F, limit, HAS_LIMIT)
 
@@ -594,7 +730,8 @@ def _down_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows_pt
                      EP: tl.constexpr, ALIGNED: tl.constexpr = False, RA: tl.constexpr = 1, KB: tl.constexpr = 1,
                      SPLIT: tl.constexpr = False, MV: tl.constexpr = False, D1: tl.constexpr = 1,
                      D2: tl.constexpr = 1, D3: tl.constexpr = 1, NB: tl.constexpr = 1, LOG2NB: tl.constexpr = 0,
-                     DP4A: tl.constexpr = False, WL: tl.constexpr = 0, PF: tl.constexpr = 0):
+                     DP4A: tl.constexpr = False, WL: tl.constexpr = 0, PF: tl.constexpr = 0,
+                     BF: tl.constexpr = False):
     e, mb, base = tm._find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
     if base >= 0:
         rows, mr, flat = tm._rows_of(off_ptr, rows_ptr, e, mb, BM)
@@ -611,7 +748,8 @@ def _down_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows_pt
         if SPLIT:
             pc = tl.program_id(2)
             acc = _acc(z, pool, dra, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, pc * KCB,
-                       tl.minimum(pc * KCB + KCB, NBLK), QT, KB, BM, BN, MV, D1, D2, D3, NB, LOG2NB, DP4A, WL, PF)
+                       tl.minimum(pc * KCB + KCB, NBLK), QT, KB, BM, BN, MV, D1, D2, D3, NB, LOG2NB, DP4A, WL, PF,
+                       BF)
             tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
             tl.store(tm._partial_ptr(ws_ptr, tile, pc, NCH, BN * BM, BN, BM), acc)
             if tm._arrive(cnt_ptr, tile, NCH):
@@ -623,16 +761,17 @@ def _down_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows_pt
             for ch in range(0, NCH):
                 tot = tot + _acc(z, pool, dra, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, ch * KCB,
                                  tl.minimum(ch * KCB + KCB, NBLK), QT, KB, BM, BN, MV, D1, D2, D3, NB, LOG2NB, DP4A,
-                                 WL, PF)
+                                 WL, PF, BF)
             tl.store(ptr, tot.to(y_ptr.dtype.element_ty), mask=mn[:, None] & mr[None, :])
 
 
 _GATE_UP_MMQ, _DOWN_MMQ = map(launcher, (_gate_up_mmq_kernel, _down_mmq_kernel))
 
 
-def mmq_ok(qt: int, K: int) -> bool:
-    """Whether a launch of kernel type code qt over K columns has the MMA schedule (whole 32-element blocks)."""
-    return qt in MMQ_TYPES and K % (256 if qt == 5 else QK) == 0
+def mmq_ok(qt: int, K: int, bf: bool = False) -> bool:
+    """Whether a launch of kernel type code qt over K columns has the MMA schedule (whole 32-element blocks; whole
+    super-blocks for the K-quants), q8_1's or (bf) the bf16 mode's."""
+    return qt in (BF_TYPES if bf else MMQ_TYPES) and K % (256 if qt in (5, 6) else QK) == 0
 
 
 def wl_ok(qt: int, row_bytes: int, aligned: bool) -> bool:
@@ -648,11 +787,12 @@ def wl_mode(qt: int, want: int) -> int:
     return 2 if want == 2 and qt == 4 and os.environ.get("TRITON_INTERPRET", "0") != "1" else 1
 
 
-def config(qt: int, bucket: int) -> dict:
+def config(qt: int, bucket: int, bf: bool = False) -> dict:
     """The launch constants of kernel type code qt for a rows bucket (triton_moe.bucket_of): CONFIG, the bucket's
-    (SPLIT, KB), the type's TUNING (KCB, warps), the pair's TYPE_BUCKET, then TYPE_CONFIG's overrides."""
-    return {**CONFIG, **BUCKETS[bucket], **TUNING.get(qt, {}), **TYPE_BUCKET.get((qt, bucket), {}),
-            **TYPE_CONFIG.get(qt, {})}
+    (SPLIT, KB), the type's TUNING (KCB, warps), the pair's TYPE_BUCKET (bf: BF_TUNING instead), then TYPE_CONFIG's
+    overrides."""
+    per = BF_TUNING.get(qt, {}) if bf else TYPE_BUCKET.get((qt, bucket), {})
+    return {**CONFIG, **BUCKETS[bucket], **TUNING.get(qt, {}), **per, **TYPE_CONFIG.get(qt, {})}
 
 
 def _chunk(c: dict, qt: int, K: int) -> tuple[int, int]:
@@ -668,13 +808,13 @@ def _chunk(c: dict, qt: int, K: int) -> tuple[int, int]:
 
 
 def _launch(kernel, args: list, grid_n: int, R: int, E: int, K: int, qt: int, per: int, c: dict, consts: dict,
-            device, row_bytes: int = 0, aligned: bool = False):
+            device, row_bytes: int = 0, aligned: bool = False, bf: bool = False):
     """Grid (output blocks, row blocks[, chunks]): the chunks as programs when the bucket says SPLIT, K has more
     than one and the partials fit triton_moe.WS_LIMIT (per: floats of a tile's partial), else walked: the same
-    sums (0 + p_0 + p_1 + ... in chunk order) either way."""
+    sums (0 + p_0 + p_1 + ... in chunk order) either way. bf: the bf16 MMA (BF; never the MV schedule)."""
     kb, kcb = _chunk(c, qt, K)
     nch = triton.cdiv(K // QK, kcb)
-    use_mv = bool(c["MV"]) and mv.mv_ok(qt, K, kcb, c["NS"], row_bytes, aligned)
+    use_mv = bool(c["MV"]) and not bf and mv.mv_ok(qt, K, kcb, c["NS"], row_bytes, aligned)
     if use_mv:                      # the decode schedule: BM_MV rows a block (per: floats of a tile's partial)
         per = per // c["BM"] * c["BM_MV"]
         c = {**c, "BM": c["BM_MV"]}
@@ -687,38 +827,43 @@ def _launch(kernel, args: list, grid_n: int, R: int, E: int, K: int, qt: int, pe
     ws, cnt = tm._workspace(device, grid_n * nrb * nch * per, grid_n * nrb) if split else tm._workspace(device, 1, 1)
     kernel[(grid_n, nrb, nch) if split else (grid_n, nrb)](
         *args[:9], ws, cnt, *args[9:], kcb, **consts, BM=c["BM"], BN=c["BN"], EP=triton.next_power_of_2(E), KB=kb,
-        SPLIT=split, num_warps=c["num_warps"], num_stages=c["num_stages"])
+        SPLIT=split, BF=bf, num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
 def gate_up(hq, pool, base, starts, rows, off, inter, n_ff: int, k_top: int, qt: int, limit: float | None,
             row_bytes: int, aligned: bool = False):
-    """triton_moe.gate_up with the activations as quantize_q8_1(h) = hq (q [T, H] int8, d [T, H/32], s); aligned:
-    every part starts 16-byte aligned (the rows' loads may then be wider, as triton_moe's)."""
+    """triton_moe.gate_up with the activations as quantize_q8_1(h) = hq (q [T, H] int8, d [T, H/32], s), or as
+    prepare_bf16(h) (xb [T, H] bf16, None, s: the bf16 MMA); aligned: every part starts 16-byte aligned (the rows'
+    loads may then be wider, as triton_moe's)."""
     q, d, sx = hq
+    bf = d is None
+    d = sx if bf else d
     E, R = base.numel(), rows.numel()
-    c = config(qt, tm.bucket_of(R, E))
+    c = config(qt, tm.bucket_of(R, E), bf)
     _launch(_GATE_UP_MMQ, [q, d, sx, pool, base, starts, rows, off, inter, q.shape[1], n_ff, row_bytes, E, k_top,
                            float(limit) if limit is not None else 0.0],
             triton.cdiv(n_ff, c["BN"]), R, E, q.shape[1], qt, 2 * c["BN"] * c["BM"], c,
             dict(QT=qt, HAS_LIMIT=limit is not None, ALIGNED=aligned, RA=tm._row_align(row_bytes),
-                 FUSE=bool(c["FUSE"])), q.device, row_bytes, aligned)
+                 FUSE=bool(c["FUSE"])), q.device, row_bytes, aligned, bf)
 
 
 def down(iq, pool, base, starts, rows, off, y, qt: int, row_bytes: int, aligned: bool = False):
-    """triton_moe.down with the activations as quantize_q8_1(inter) = iq."""
+    """triton_moe.down with the activations as quantize_q8_1(inter) = iq (or prepare_bf16(inter): the bf16 MMA)."""
     q, d, sx = iq
+    bf = d is None
+    d = sx if bf else d
     H = y.shape[1]
     E, R = base.numel(), rows.numel()
-    c = config(qt, tm.bucket_of(R, E))
+    c = config(qt, tm.bucket_of(R, E), bf)
     _launch(_DOWN_MMQ, [q, d, sx, pool, base, starts, rows, off, y, H, q.shape[1], row_bytes, E],
             triton.cdiv(H, c["BN"]), R, E, q.shape[1], qt, c["BN"] * c["BM"], c,
-            dict(QT=qt, ALIGNED=aligned, RA=tm._row_align(row_bytes)), q.device, row_bytes, aligned)
+            dict(QT=qt, ALIGNED=aligned, RA=tm._row_align(row_bytes)), q.device, row_bytes, aligned, bf)
 
 
 def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int | None = None, bn: int | None = None,
                    num_warps: int | None = None, bucket: int = 16, kb: int | None = None,
                    kcb: int | None = None, fuse: int | None = None, over: dict | None = None,
-                   hints: bool = False) -> dict:
+                   hints: bool = False, bf: bool = False) -> dict:
     """Compile one mmq kernel for CUDA sm_`arch` without a GPU (Triton's compiler and the ptxas its wheel ships) at
     the bench geometry (H 2048, F 768: K = 2048 for gate_up, 768 for down) with the launch constants of `bucket`
     (config(); bm / bn / num_warps / kb / kcb / over's keys override: MV 1 the decode schedule) and report what the
@@ -728,7 +873,8 @@ def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int 
     "ptxas": its -v line}. deploy/device/kernel_roofline.py --act-quant prints it beside the figures;
     tests/kernels/test_mmq.py checks the int8 MMA is there and nothing spills. hints: the alignment facts the JIT
     gives a device launch of the bench geometry (torch's 16-byte aligned pointers, the int arguments whose values
-    are multiples of 16: H, F, row_bytes where it is, 128 experts, KCB), so loads may be as wide as there."""
+    are multiples of 16: H, F, row_bytes where it is, 128 experts, KCB), so loads may be as wide as there. bf: the
+    bf16 MMA (act_quant bf16: bf16 activations, config(bf=True), BF)."""
     import re
     import subprocess
     import tempfile
@@ -736,13 +882,13 @@ def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int 
 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    c = {**config(qt, bucket), **({"BM": bm} if bm else {}), **({"BN": bn} if bn else {}),
+    c = {**config(qt, bucket, bf), **({"BM": bm} if bm else {}), **({"BN": bn} if bn else {}),
          **({"num_warps": num_warps} if num_warps else {}), **({"KB": kb} if kb else {}),
          **({"KCB": kcb} if kcb is not None else {}), **({"FUSE": fuse} if fuse is not None else {}), **(over or {})}
     K = 2048 if which == "gate_up" else 768
     KB, KCB = _chunk(c, qt, K)
     split = bool(c["SPLIT"]) and K // QK > KCB
-    ptr = {"xq_ptr": "*i8", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "pool": "*u8", "base_ptr": "*i64",
+    ptr = {"xq_ptr": "*bf16" if bf else "*i8", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "pool": "*u8", "base_ptr": "*i64",
            "starts_ptr": "*i64", "rows_ptr": "*i32", "off_ptr": "*i32"}
     ws = {"ws_ptr": "*fp32", "cnt_ptr": "*i32"}
     if which == "gate_up":
@@ -764,7 +910,9 @@ def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int 
                  RA=tm._row_align(row_nbytes(gt, K)), KB=KB, SPLIT=split)
     sig.update(MV="constexpr", D1="constexpr", D2="constexpr", D3="constexpr", NB="constexpr", LOG2NB="constexpr",
                DP4A="constexpr", WL="constexpr", PF="constexpr")
-    if c["MV"] and mv.mv_ok(qt, K, KCB, c["NS"], row_nbytes(gt, K), True):
+    sig["BF"] = "constexpr"
+    const["BF"] = bf
+    if c["MV"] and not bf and mv.mv_ok(qt, K, KCB, c["NS"], row_nbytes(gt, K), True):
         const.update(BM=c["BM_MV"], MV=True, **mv.dims(qt, c["NS"]), DP4A=bool(c["DP4A"]) and qt in mv.DP4A_TYPES,
                      WL=False, PF=False)
     else:
@@ -788,8 +936,9 @@ def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int 
             m = m.split()[0] + "." + str(int(m.rsplit(",", 1)[1], 0))
         loads[m] = loads.get(m, 0) + 1
     bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    out = {"kernel": which, "qt": qt, "arch": f"sm_{arch}", "bucket": bucket, "config": {**c, "KB": KB, "KCB": KCB,
-           "SPLIT": split, "WL": int(const["WL"]), "PF": int(const["PF"])}, "hints": hints, "mma": mma, "loads": loads,
+    out = {"kernel": which, "qt": qt, "arch": f"sm_{arch}", "bucket": bucket, "bf": bf,
+           "config": {**c, "KB": KB, "KCB": KCB, "SPLIT": split, "WL": int(const["WL"]), "PF": int(const["PF"])},
+           "hints": hints, "mma": mma, "loads": loads,
            "dp4a": ptx.count("dp4a."),
            "asm": sorted({m for m in ("prmt", "dp4a") if m + "." in ptx}), "imma": {}, "regs": None,
            "spill_bytes": None,

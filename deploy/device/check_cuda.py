@@ -17,7 +17,9 @@
 5. PP tok/s layer-major vs standard on the tiny and the mid model, same slot config and state.
 6. kernels: every expert type the kernels read (Q8_0, MXFP4, the K- and i-quants) at the bench geometry, through
    deploy/device/kernel_roofline.check (vs the torch path in bf16, row invariance, the in-kernel weights), the decode
-   schedule's rows a program (kernel_roofline.check_rows: one row's bits at BM_MV 1, 8, 16); and a
+   schedule's rows a program (kernel_roofline.check_rows: one row's bits at BM_MV 1, 8, 16); act_quant bf16's
+   schedule (triton_mmq's bf16 MMA, Q8_0 / MXFP4 / Q4_K / Q5_K: kernel_roofline.bf16_check: vs the torch path beside the
+   float path's error, a row alone == in the 16-row launch, word loads == byte loads); and a
    Q4_K_M model (Q4_K experts, Q6_K/Q8_0 attention) through the runner: logits bit-identical across slot
    configurations, passes and decode steps, and equal to the reference model on the device.
 
@@ -511,6 +513,14 @@ def check_kernel_types(device: str, tmp: Path):
             res[t]["mmvq_rows"] = rr
             row(f"kernels: {t} mmvq rows", rr["ok"], f"BM_MV {[kr.CONFIGS[ci]['BM_MV'] for ci in mv[t]]}: each row's "
                 f"bits the same at every rows a program and 1 / 3 / all tokens a launch; mismatches {rr['mismatch']}")
+    for t in kr.BF16_TYPES_DEFAULT.split(",") if cuda else ():      # act_quant bf16: the bf16 MMA of the quants
+        H, F, E, limit = kr.GEOMS["bench"]
+        c = kr.bf16_check("bench", t, int(kr.GT[t]), H, F, E, limit)
+        res.setdefault(t, {})["bf16"] = c
+        row(f"kernels: {t} bf16 MMA", c["ok"], f"vs torch (bf16) {c['rel_err']:.1e} "
+            f"(float path {c['float_rel_err']:.1e}),"
+            f" row-invariant {c['row_invariant']}, word == byte loads {c['wl0_same_bits']}, KB 1 == KB 2 "
+            f"{c['kb1_same_bits']} (not required)")
     from betelgeuse.gguf.synth import spec_from_preset
     spec = spec_from_preset("tiny", qtype="Q4_K_M", n_embd=256, n_ff_exp=256, n_head=4, head_dim=64)
     path = tmp / "check-tiny-q4km.gguf"

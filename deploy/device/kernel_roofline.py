@@ -4,6 +4,7 @@
     python3 deploy/device/kernel_roofline.py                 # every type, both geometries; OUT=/dir for the files
     python3 deploy/device/kernel_roofline.py --types Q4_K,Q8_0 --geoms bench --configs 0
     python3 deploy/device/kernel_roofline.py --sweep         # the launch table: $OUT/triton_tuning.json (~4 min)
+    python3 deploy/device/kernel_roofline.py --act-quant bf16  # float vs the bf16 MMA (and q8_1's kernels), checked
 
 --sweep times every CONFIGS entry per type at 1 and 16 rows (bench geometry unless --geoms), checks each against
 the torch path (both rows buckets, two runs bit-equal, rows alone == in the full launch), and picks per type one
@@ -169,6 +170,7 @@ MMQ_CONFIGS += [{**WL_BASE, **c} for c in WL_CONFIGS]
 MMQ_OTHER = {"before": {"KB": 1, "KCB": 0, "SPLIT": 0, "num_warps": 4, "num_stages": 3}, "KCB8": {"KCB": 8},
              "KCB32": {"KCB": 32}}
 MMQ_TYPES_DEFAULT = "Q8_0,Q4_K,MXFP4"
+BF16_TYPES_DEFAULT = "Q8_0,Q4_K,MXFP4,Q5_K"     # --act-quant bf16 (triton_mmq.BF_TYPES)
 
 
 def applies(tname: str, ci: int) -> bool:
@@ -721,6 +723,176 @@ def act_quant_run(types: list[str], geoms: list[str], meta: dict, budget: float,
     return 1 if fails else 0
 
 
+# ---- act_quant bf16 (triton_mmq's BF mode: the bf16 MMA of the integer quants) beside the float schedules ----------
+
+def bf16_case(gname: str, tname: str) -> dict:
+    """One type: GB/s of the float path (the installed launch table), of the bf16 MMA (prepare_bf16 + kernels; and
+    the kernels alone) and of the q8_1 MMA's kernels (shipped constants, for comparison) at 1 and 16 rows on
+    rotating banks, then bf16_check. The bf16 schedule is triton_mmq's (BF_TUNING): one per type, no candidates."""
+    from betelgeuse.kernels import triton_mmq as mq
+    from betelgeuse.kernels import triton_moe as tk
+    from betelgeuse.kernels.triton_quants import QT_CODES
+    H, F, E, limit = GEOMS[gname]
+    qt = int(GT[tname])
+    code = QT_CODES[qt]
+    set_config(code, None)
+    mq.TYPE_CONFIG.pop(code, None)
+    nbytes = expert_nbytes(qt, H, F)
+    bank_bytes = BANK * nbytes
+    n_banks = 2 if DRY else max(2, math.ceil(512e6 / bank_bytes))
+    _, slot = slot_layout(qt, H, F)
+    pool = torch.randint(0, 256, (n_banks * BANK * slot,), dtype=torch.uint8, device=dev)
+    bases = [base_table(E, b * BANK, BANK, slot) for b in range(n_banks)]
+    reps = max(n_banks, min(64, math.ceil(2e9 / bank_bytes)))
+    kern, _ = kernels_for(qt, H, F, E, limit)
+    has = mq.mmq_ok(code, H, bf=True) and mq.mmq_ok(code, F, bf=True)
+    q81 = mq.mmq_ok(code, H) and mq.mmq_ok(code, F)     # (Q5_K: no q8_1 schedule)
+    out = {"float": {}, "bf16": {}, "bf16_kernels": {}, "q8_1_kernels": {}, "mmq": has}
+    sums = code in (5, 6)                               # Q4_K's and Q5_K's min term takes the block sums of x
+    for rows in (1, 16):
+        r = kern.route(*routing(BANK, rows, K_TOP, H))
+        kern.apply(r, 0, pool, Group(None, None, bases[0]), slot)
+        st, al, gb, db = kern.starts[0], kern._aligned, row_nbytes(qt, H), row_nbytes(qt, F)
+
+        def flt(i):
+            tk.gate_up(r.h, pool, bases[i % n_banks], st, r.rows, r.off, r.inter, F, K_TOP, code, limit, gb, al)
+            tk.down(r.inter, pool, bases[i % n_banks], st, r.rows, r.off, r.y, r.ids.shape[0], code, db, al)
+        out["float"][rows] = bank_bytes / graph_time(flt, reps) / 1e9
+        if not has:
+            continue
+        hb, ib = mq.prepare_bf16(r.h, sums), mq.prepare_bf16(r.inter, sums)
+        hq, iq = mq.quantize_q8_1(r.h), mq.quantize_q8_1(r.inter)
+
+        def bf(i):
+            mq.gate_up(mq.prepare_bf16(r.h, sums), pool, bases[i % n_banks], st, r.rows, r.off, r.inter, F, K_TOP,
+                       code, limit, gb, al)
+            mq.down(mq.prepare_bf16(r.inter, sums), pool, bases[i % n_banks], st, r.rows, r.off, r.y, code, db, al)
+
+        def kb(i):
+            mq.gate_up(hb, pool, bases[i % n_banks], st, r.rows, r.off, r.inter, F, K_TOP, code, limit, gb, al)
+            mq.down(ib, pool, bases[i % n_banks], st, r.rows, r.off, r.y, code, db, al)
+
+        def kq(i):
+            mq.gate_up(hq, pool, bases[i % n_banks], st, r.rows, r.off, r.inter, F, K_TOP, code, limit, gb, al)
+            mq.down(iq, pool, bases[i % n_banks], st, r.rows, r.off, r.y, code, db, al)
+        for key, fn in (("bf16", bf), ("bf16_kernels", kb), ("q8_1_kernels", kq))[:3 if q81 else 2]:
+            try:
+                out[key][rows] = bank_bytes / graph_time(fn, reps) / 1e9
+            except Exception as e:                      # the other figures stay
+                out.setdefault("errors", {})[f"{key}/{rows}"] = f"{type(e).__name__}: {str(e)[:120]}"
+    pool = None
+    torch.cuda.empty_cache() if not DRY else None
+    if has:
+        try:
+            out["check"] = bf16_check(gname, tname, qt, H, F, E, limit)
+        except Exception as e:                          # the figures above stay in the table
+            out["check"] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:120]}"}
+    return out
+
+
+def bf16_check(gname: str, tname: str, qt: int, H: int, F: int, E: int, limit) -> dict:
+    """The bf16 MMA on valid blocks: relative max error vs the torch path per routing beside the float path's (the
+    same bf16 activations: within float noise, so under 1e-2 and at most 2x the float path's + 1e-3; the dry run's
+    float32 activations round to bf16: + 1e-2), finite, a token's rows alone (1-row bucket: split-K) == in the full
+    launch (16-row bucket: chunks walked), byte loads (WL 0) == the shipped word loads; KB 1 (another instruction
+    shape, N 16 instead of 32: the fp32 sums may round otherwise) reported, not required."""
+    from betelgeuse.kernels import triton_mmq as mq
+    from betelgeuse.kernels.triton_quants import QT_CODES
+    code = QT_CODES[qt]
+    ctx = check_setup(gname, tname)
+    tri, _ = kernels_for(qt, H, F, E, limit, act_quant="bf16")
+    flt, _ = kernels_for(qt, H, F, E, limit)
+    chk = {"wl0_same_bits": True, "kb1_same_bits": True}
+    mq.TYPE_CONFIG.pop(code, None)
+    for name, (h, ids, w, o_r) in ctx["cases"].items():
+        o_t = run_moe(ctx, tri, h, ids, w)
+        for key, c in (("wl0_same_bits", {"WL": 0, "PF": 0}), ("kb1_same_bits", {"KB": 1})):
+            mq.TYPE_CONFIG[code] = c
+            chk[key] &= bool(torch.equal(run_moe(ctx, tri, h, ids, w), o_t))
+            mq.TYPE_CONFIG.pop(code, None)
+        chk["rel_err_" + name] = float((o_t - o_r).abs().max() / o_r.abs().max())
+        chk["float_rel_err_" + name] = float((run_moe(ctx, flt, h, ids, w) - o_r).abs().max() / o_r.abs().max())
+        chk["finite"] = chk.get("finite", True) and bool(torch.isfinite(o_t).all())
+        if name == "rows16":
+            alone = run_moe(ctx, tri, h[5:6], ids[5:6], w[5:6])
+            chk["row_invariant"] = bool(torch.equal(alone[0], o_t[5]))
+    chk["rel_err"] = max(v for k, v in chk.items() if k.startswith("rel_err_"))
+    chk["float_rel_err"] = max(v for k, v in chk.items() if k.startswith("float_rel_err_"))
+    chk["ok"] = (chk["finite"] and chk["row_invariant"] and chk["wl0_same_bits"] and chk["rel_err"] < 1e-2
+                 and chk["rel_err"] <= 2 * chk["float_rel_err"] + (1e-3 if DTYPE == torch.bfloat16 else 1e-2))
+    return chk
+
+
+def bf16_run(types: list[str], geoms: list[str], meta: dict, budget: float) -> int:
+    """--act-quant bf16: per type and geometry the float, bf16 and q8_1-kernel GB/s at 1 and 16 rows beside the
+    targets, and bf16_check; then the sm_90 compile report of the bf16 kernels. Exit 1 if a check failed or a case
+    errored."""
+    from betelgeuse.kernels import triton_mmq as mq
+    from betelgeuse.kernels.triton_quants import QT_CODES
+    res = {}
+    for g in geoms:
+        for t in types:
+            key = f"{g}/{t}"
+            if time.perf_counter() - T0 > budget:
+                res[key] = {"error": "skipped (time budget)"}
+                continue
+            try:
+                res[key] = bf16_case(g, t)
+            except Exception as e:                     # one table with every case
+                import traceback
+                traceback.print_exc()
+                res[key] = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
+            print(f"{key}: {json.dumps(res[key], default=str)}  ({time.perf_counter() - T0:.0f} s)", flush=True)
+    f = lambda d, n: f"{d[n]:.0f}" if n in d else "–"                        # noqa: E731
+    ratio = lambda d, n: f"{d[n] / TARGET[n]:.2f}" if n in d else "–"        # noqa: E731
+    lines = [f"## act_quant bf16 (the bf16 MMA of the integer quants) vs float on {meta['device']} (bank of {BANK}, "
+             f"GB/s of expert bytes, gate_up + down; bf16 includes prepare_bf16's launches (Q4_K: the block sums), "
+             f"'kernels' not; q8_1 kernels: the shipped int8 MMA for comparison; targets 1 row >= {TARGET[1]:.0f}, "
+             f"16 rows >= {TARGET[16]:.0f})", "",
+             "| case | rows | float | bf16 | bf16 kernels | ÷ target | q8_1 kernels | bf16 check |",
+             "|---|---|---|---|---|---|---|---|"]
+    fails = []
+    for key, r in res.items():
+        if "error" in r:
+            lines.append(f"| {key} | | {r['error']} | | | | | |")
+            fails += [] if r["error"].startswith("skipped") else [key]
+            continue
+        c = r.get("check")
+        cs = ("no mmq schedule" if c is None else f"FAIL {c['error']}" if "error" in c else
+              f"{'ok' if c['ok'] else 'FAIL'} rel {c['rel_err']:.2e} (float {c['float_rel_err']:.2e}) rows "
+              f"{'==' if c['row_invariant'] else '!='} WL0 {'==' if c['wl0_same_bits'] else '!='} KB1 "
+              f"{'==' if c['kb1_same_bits'] else '!='}")
+        fails += [key] if (c is not None and not c["ok"]) or r.get("errors") else []
+        for n in (1, 16):
+            lines.append(f"| {key} | {n} | {f(r['float'], n)} | {f(r['bf16'], n)} | {f(r['bf16_kernels'], n)} | "
+                         f"{ratio(r['bf16_kernels'], n)} | {f(r['q8_1_kernels'], n)} | {cs if n == 1 else ''} |")
+    lines += ["", "BF_TUNING: " + json.dumps({str(k): v for k, v in mq.BF_TUNING.items()}),
+              "errors: " + json.dumps({k: r["errors"] for k, r in res.items() if r.get("errors")})]
+    if not DRY:
+        lines += ["", "compile report (sm_90, bench geometry, bf16: kernel type bucket | MMA | regs spills smem):"]
+        for t in types:
+            code = QT_CODES[int(GT[t])]
+            if code not in mq.BF_TYPES:
+                continue
+            for w in ("gate_up", "down"):
+                for b in (1, 16):
+                    try:
+                        x = mq.compile_report(w, code, bucket=b, hints=True, bf=True)
+                        lines.append(f"  {w} {t} rows{b} | {x['imma']} | {x['regs']} {x['spill_bytes']} {x['smem']}")
+                    except Exception as e:
+                        lines.append(f"  {w} {t} rows{b}: {type(e).__name__}: {str(e)[:100]}")
+    md = "\n".join(lines) + "\n\nchecks: " + ("all pass" if not fails else "FAIL " + ", ".join(fails)) + \
+        f"  ({time.perf_counter() - T0:.0f} s)"
+    print("\n" + md, flush=True)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "act_quant_bf16.md").write_text(md + "\n")
+        (Path(out) / "act_quant_bf16.json").write_text(json.dumps({"meta": meta, "results": res}, indent=1,
+                                                                   default=str))
+    return 1 if fails else 0
+
+
 # ---- main -----------------------------------------------------------------------------------------------
 
 def table(results: dict, meta: dict) -> str:
@@ -894,10 +1066,11 @@ def main() -> int:
     p.add_argument("--tuned", action="store_true",
                    help="time the launch table as the kernels load it (betelgeuse/kernels/triton_tuning.json, "
                         "$BETELGEUSE_TRITON_TUNING) instead of CONFIGS")
-    p.add_argument("--act-quant", choices=("q8_1",),
+    p.add_argument("--act-quant", choices=("q8_1", "bf16"),
                    help="time the q8_1 activation path (kernels/triton_mmq.py) beside the float one at 1 and 16 "
                         "rows, check it, print the sm_90 compile report (default types Q8_0,Q4_K,MXFP4, geometry "
-                        "bench, budget 110 s)")
+                        "bench, budget 110 s); bf16: the bf16 MMA of the integer quants (triton_mmq's BF mode) beside "
+                        "the float path and the q8_1 kernels, no candidates (budget 150 s)")
     p.add_argument("--warm", help=argparse.SUPPRESS)
     p.add_argument("--warm-mmq", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -913,8 +1086,10 @@ def main() -> int:
         warm_mmq([tuple(t) for t in json.loads(a.warm_mmq)["tasks"]])
         return 0
     a.geoms = a.geoms or ("bench" if a.sweep or a.act_quant else ",".join(GEOMS))
-    a.types = a.types or (MMQ_TYPES_DEFAULT if a.act_quant else ",".join(TYPES))
-    a.budget = a.budget or (270.0 if a.sweep else 110.0 if a.act_quant else 160.0)
+    a.types = a.types or (BF16_TYPES_DEFAULT if a.act_quant == "bf16" else MMQ_TYPES_DEFAULT if a.act_quant
+                          else ",".join(TYPES))
+    a.budget = a.budget or (270.0 if a.sweep else 150.0 if a.act_quant == "bf16" else 110.0 if a.act_quant
+                            else 160.0)
     if a.sweep:
         ROWS = (1, 16)
     if a.tuned:
@@ -945,6 +1120,8 @@ def main() -> int:
     meta = {"device": "cpu (dry run)" if DRY else torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "copy_gbps": 2 * x.numel() * 4 / copy_s / 1e9, "configs": CONFIGS}
     x = y = None
+    if a.act_quant == "bf16":
+        return bf16_run(types, geoms, meta, a.budget)
     if a.act_quant:
         return act_quant_run(types, geoms, meta, a.budget, a.workers)
     tasks = [(g, t, c) for g in geoms for t in types for c in cfgs if applies(t, c)]

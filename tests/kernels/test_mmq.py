@@ -166,7 +166,7 @@ def run(qt, raw, h, ids, w, act_quant="q8_1", groups=None):
     k = MoEKernels(backend, E, FF, starts[None], [(qt, qt)], 16, weights_fn=lambda b, l, e: deq[e],
                    act_quant="off" if act_quant == "torch" else act_quant)
     if backend == "triton":
-        assert k.mmq_parts(0, H) == ((True, True) if act_quant == "q8_1" else (False, False))
+        assert k.mmq_parts(0, H) == ((True, True) if act_quant in ("q8_1", "bf16") else (False, False))
     r = k.route(torch.from_numpy(h), torch.from_numpy(ids), torch.from_numpy(w))
     for grp in groups or [range(E)]:
         b = np.where(np.isin(np.arange(E), list(grp)), base, -1)
