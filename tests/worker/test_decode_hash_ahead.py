@@ -59,9 +59,9 @@ def _decode(path, form: str, on: bool, log: list | None = None, asked: list | No
         if log is not None:
             start_read, partial = st._start_read, rn.moe._partial
 
-            def read_logged(key, slot, priority):
+            def read_logged(key, slot, priority, *rest):
                 log.append(("read", tuple(key), priority))
-                return start_read(key, slot, priority)
+                return start_read(key, slot, priority, *rest)
 
             def partial_logged(l, *a, **kw):
                 log.append(("sync", l))
