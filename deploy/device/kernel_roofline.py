@@ -632,6 +632,26 @@ def warm_mmq(tasks: list[tuple[str, str, int]]):
     torch.cuda.synchronize()
 
 
+def _cases(geoms: list[str], types: list[str], budget: float, case) -> dict:
+    """{"geom/type": case(geom, type)} for each pair while the time budget lasts (the rest: a "skipped" error); a
+    case that raises gives its error and the traceback on stderr, so one table holds every case."""
+    res = {}
+    for g in geoms:
+        for t in types:
+            key = f"{g}/{t}"
+            if time.perf_counter() - T0 > budget:
+                res[key] = {"error": "skipped (time budget)"}
+                continue
+            try:
+                res[key] = case(g, t)
+            except Exception as e:
+                import traceback
+                traceback.print_exc()
+                res[key] = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
+            print(f"{key}: {json.dumps(res[key], default=str)}  ({time.perf_counter() - T0:.0f} s)", flush=True)
+    return res
+
+
 def act_quant_run(types: list[str], geoms: list[str], meta: dict, budget: float, workers: int) -> int:
     """--act-quant q8_1: the sm_90 compile report (int8 MMA, registers, spills, shared memory; a child process) and
     the kernels compiled by `workers` processes, then per type and geometry the float and q8_1 GB/s at 1 and 16 rows
@@ -653,20 +673,7 @@ def act_quant_run(types: list[str], geoms: list[str], meta: dict, budget: float,
               flush=True)
         meta["compile_s"] = warm_parallel(tasks, workers, timeout=budget * 0.5, flag="--warm-mmq")
         print(f"  done in {meta['compile_s']:.0f} s", flush=True)
-    res = {}
-    for g in geoms:
-        for t in types:
-            key = f"{g}/{t}"
-            if time.perf_counter() - T0 > budget:
-                res[key] = {"error": "skipped (time budget)"}
-                continue
-            try:
-                res[key] = act_quant_case(g, t)
-            except Exception as e:                     # one table with every case
-                import traceback
-                traceback.print_exc()
-                res[key] = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
-            print(f"{key}: {json.dumps(res[key], default=str)}  ({time.perf_counter() - T0:.0f} s)", flush=True)
+    res = _cases(geoms, types, budget, act_quant_case)
     f = lambda d, n: f"{d[n]:.0f}" if n in d else "–"                        # noqa: E731
     ratio = lambda d, n: f"{d[n] / TARGET[n]:.2f}" if n in d else "–"        # noqa: E731
     lines = [f"## act_quant q8_1 vs float on {meta['device']} (bank of {BANK}, GB/s of expert bytes, "
@@ -829,20 +836,7 @@ def bf16_run(types: list[str], geoms: list[str], meta: dict, budget: float) -> i
     errored."""
     from betelgeuse.kernels import triton_mmq as mq
     from betelgeuse.kernels.triton_quants import QT_CODES
-    res = {}
-    for g in geoms:
-        for t in types:
-            key = f"{g}/{t}"
-            if time.perf_counter() - T0 > budget:
-                res[key] = {"error": "skipped (time budget)"}
-                continue
-            try:
-                res[key] = bf16_case(g, t)
-            except Exception as e:                     # one table with every case
-                import traceback
-                traceback.print_exc()
-                res[key] = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
-            print(f"{key}: {json.dumps(res[key], default=str)}  ({time.perf_counter() - T0:.0f} s)", flush=True)
+    res = _cases(geoms, types, budget, bf16_case)
     f = lambda d, n: f"{d[n]:.0f}" if n in d else "–"                        # noqa: E731
     ratio = lambda d, n: f"{d[n] / TARGET[n]:.2f}" if n in d else "–"        # noqa: E731
     lines = [f"## act_quant bf16 (the bf16 MMA of the integer quants) vs float on {meta['device']} (bank of {BANK}, "
