@@ -23,6 +23,9 @@
    Q4_K_M model (Q4_K experts, Q6_K/Q8_0 attention) through the runner: logits bit-identical across slot
    configurations, passes and decode steps, and equal to the reference model on the device.
 
+CHECK_GROUP_GRAPHS=1 / CHECK_ACT_QUANT=bf16 (environment): every check's engine with engine.group_graphs on / with
+engine.act_quant so (check_ds4.py's engines too): the invariance and batch rows then hold those paths to the same bits.
+
 --adversarial-timing SEED:MS runs them all with the store's test-only jitter (store/reader.py Jitter: every expert
 read held back up to MS ms, staged copies handed out shuffled, consolidation fills slowed), in-process stores and
 the store process alike: the invariance rows must still be bit-identical.
@@ -90,6 +93,8 @@ def runner_for(path, device, vram, host, mode="in-process", **kw):
         kw.setdefault("vram_budget", int(os.environ["CHECK_VRAM_BUDGET"]))
     if os.environ.get("CHECK_GROUP_GRAPHS") == "1":     # every check's engine with engine.group_graphs on (graph49)
         kw.setdefault("group_graphs", True)
+    if os.environ.get("CHECK_ACT_QUANT"):       # every check's engine with engine.act_quant so (e.g. bf16: tc51's MMA)
+        kw.setdefault("act_quant", os.environ["CHECK_ACT_QUANT"])
     cfg = EngineConfig(model_path=str(path), device=device, vram_slots=vram, host_slots=host, **kw)
     store = open_store(cfg, mode)
     try:
