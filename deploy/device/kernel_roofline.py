@@ -632,6 +632,31 @@ def warm_mmq(tasks: list[tuple[str, str, int]]):
     torch.cuda.synchronize()
 
 
+def _act_table(res: dict, title: str, cols: tuple, rates, check_cell) -> tuple[list[str], list[str]]:
+    """The markdown table of an activation-schedule run -> (lines, failed case keys). res {case: result}; cols the
+    names of its three GB/s columns and its check column; rates(result) -> those three {rows: GB/s} (the middle one
+    also against the targets); check_cell(check) -> the check's cell. A case fails on an error (not a skip), a check
+    that is not ok, or its own `errors`."""
+    f = lambda d, n: f"{d[n]:.0f}" if n in d else "–"                        # noqa: E731
+    ratio = lambda d, n: f"{d[n] / TARGET[n]:.2f}" if n in d else "–"        # noqa: E731
+    lines = [title, "", f"| case | rows | float | {cols[0]} | {cols[1]} | ÷ target | {cols[2]} | {cols[3]} |",
+             "|---|---|---|---|---|---|---|---|"]
+    fails = []
+    for key, r in res.items():
+        if "error" in r:
+            lines.append(f"| {key} | | {r['error']} | | | | | |")
+            fails += [] if r["error"].startswith("skipped") else [key]
+            continue
+        c = r.get("check")
+        cs = "no mmq schedule" if c is None else f"FAIL {c['error']}" if "error" in c else check_cell(c)
+        fails += [key] if (c is not None and not c["ok"]) or r.get("errors") else []
+        a, b, o = rates(r)
+        for n in (1, 16):
+            lines.append(f"| {key} | {n} | {f(r['float'], n)} | {f(a, n)} | {f(b, n)} | {ratio(b, n)} | {f(o, n)} | "
+                         f"{cs if n == 1 else ''} |")
+    return lines, fails
+
+
 def _cases(geoms: list[str], types: list[str], budget: float, case) -> dict:
     """{"geom/type": case(geom, type)} for each pair while the time budget lasts (the rest: a "skipped" error); a
     case that raises gives its error and the traceback on stderr, so one table holds every case."""
@@ -674,27 +699,13 @@ def act_quant_run(types: list[str], geoms: list[str], meta: dict, budget: float,
         meta["compile_s"] = warm_parallel(tasks, workers, timeout=budget * 0.5, flag="--warm-mmq")
         print(f"  done in {meta['compile_s']:.0f} s", flush=True)
     res = _cases(geoms, types, budget, act_quant_case)
-    f = lambda d, n: f"{d[n]:.0f}" if n in d else "–"                        # noqa: E731
-    ratio = lambda d, n: f"{d[n] / TARGET[n]:.2f}" if n in d else "–"        # noqa: E731
-    lines = [f"## act_quant q8_1 vs float on {meta['device']} (bank of {BANK}, GB/s of expert bytes, "
+    title = (f"## act_quant q8_1 vs float on {meta['device']} (bank of {BANK}, GB/s of expert bytes, "
              f"gate_up + down; q8_1 includes its two quantize launches, 'kernels' not; before: one block a step, "
-             f"no split; targets 1 row >= {TARGET[1]:.0f}, 16 rows >= {TARGET[16]:.0f})", "",
-             "| case | rows | float | q8_1 | q8_1 kernels | ÷ target | before (kernels) | q8_1 check |",
-             "|---|---|---|---|---|---|---|---|"]
-    fails = []
-    for key, r in res.items():
-        if "error" in r:
-            lines.append(f"| {key} | | {r['error']} | | | | | |")
-            fails += [] if r["error"].startswith("skipped") else [key]
-            continue
-        c = r.get("check")
-        cs = ("no mmq schedule" if c is None else f"FAIL {c['error']}" if "error" in c else
-              f"{'ok' if c['ok'] else 'FAIL'} rel {c['rel_err']:.2e} rows {'==' if c['row_invariant'] else '!='}"
-              f" configs {'==' if c['configs_same_bits'] else '!= ' + str(c.get('configs_differ'))}")
-        fails += [key] if c is not None and not c["ok"] else []
-        for n in (1, 16):
-            lines.append(f"| {key} | {n} | {f(r['float'], n)} | {f(r['q8_1'], n)} | {f(r['q8_1_kernels'], n)} | "
-                         f"{ratio(r['q8_1_kernels'], n)} | {f(r['other']['before'], n)} | {cs if n == 1 else ''} |")
+             f"no split; targets 1 row >= {TARGET[1]:.0f}, 16 rows >= {TARGET[16]:.0f})")
+    lines, fails = _act_table(res, title, ("q8_1", "q8_1 kernels", "before (kernels)", "q8_1 check"),
+                              lambda r: (r["q8_1"], r["q8_1_kernels"], r["other"]["before"]), lambda c: (
+        f"{'ok' if c['ok'] else 'FAIL'} rel {c['rel_err']:.2e} rows {'==' if c['row_invariant'] else '!='}"
+        f" configs {'==' if c['configs_same_bits'] else '!= ' + str(c.get('configs_differ'))}"))
     lines += ["", "MMQ_CONFIGS (overrides of triton_mmq's table, the same bits): " + json.dumps(MMQ_CONFIGS)
               + "; best per case and rows: " + json.dumps({k: r.get("best_config") for k, r in res.items()}),
               "GB/s per candidate: " + json.dumps({k: {ci: {n: round(v) for n, v in d.items()}
@@ -837,29 +848,15 @@ def bf16_run(types: list[str], geoms: list[str], meta: dict, budget: float) -> i
     from betelgeuse.kernels import triton_mmq as mq
     from betelgeuse.kernels.triton_quants import QT_CODES
     res = _cases(geoms, types, budget, bf16_case)
-    f = lambda d, n: f"{d[n]:.0f}" if n in d else "–"                        # noqa: E731
-    ratio = lambda d, n: f"{d[n] / TARGET[n]:.2f}" if n in d else "–"        # noqa: E731
-    lines = [f"## act_quant bf16 (the bf16 MMA of the integer quants) vs float on {meta['device']} (bank of {BANK}, "
+    title = (f"## act_quant bf16 (the bf16 MMA of the integer quants) vs float on {meta['device']} (bank of {BANK}, "
              f"GB/s of expert bytes, gate_up + down; bf16 includes prepare_bf16's launches (Q4_K: the block sums), "
              f"'kernels' not; q8_1 kernels: the shipped int8 MMA for comparison; targets 1 row >= {TARGET[1]:.0f}, "
-             f"16 rows >= {TARGET[16]:.0f})", "",
-             "| case | rows | float | bf16 | bf16 kernels | ÷ target | q8_1 kernels | bf16 check |",
-             "|---|---|---|---|---|---|---|---|"]
-    fails = []
-    for key, r in res.items():
-        if "error" in r:
-            lines.append(f"| {key} | | {r['error']} | | | | | |")
-            fails += [] if r["error"].startswith("skipped") else [key]
-            continue
-        c = r.get("check")
-        cs = ("no mmq schedule" if c is None else f"FAIL {c['error']}" if "error" in c else
-              f"{'ok' if c['ok'] else 'FAIL'} rel {c['rel_err']:.2e} (float {c['float_rel_err']:.2e}) rows "
-              f"{'==' if c['row_invariant'] else '!='} WL0 {'==' if c['wl0_same_bits'] else '!='} KB1 "
-              f"{'==' if c['kb1_same_bits'] else '!='}")
-        fails += [key] if (c is not None and not c["ok"]) or r.get("errors") else []
-        for n in (1, 16):
-            lines.append(f"| {key} | {n} | {f(r['float'], n)} | {f(r['bf16'], n)} | {f(r['bf16_kernels'], n)} | "
-                         f"{ratio(r['bf16_kernels'], n)} | {f(r['q8_1_kernels'], n)} | {cs if n == 1 else ''} |")
+             f"16 rows >= {TARGET[16]:.0f})")
+    lines, fails = _act_table(res, title, ("bf16", "bf16 kernels", "q8_1 kernels", "bf16 check"),
+                              lambda r: (r["bf16"], r["bf16_kernels"], r["q8_1_kernels"]), lambda c: (
+        f"{'ok' if c['ok'] else 'FAIL'} rel {c['rel_err']:.2e} (float {c['float_rel_err']:.2e}) rows "
+        f"{'==' if c['row_invariant'] else '!='} WL0 {'==' if c['wl0_same_bits'] else '!='} KB1 "
+        f"{'==' if c['kb1_same_bits'] else '!='}"))
     lines += ["", "BF_TUNING: " + json.dumps({str(k): v for k, v in mq.BF_TUNING.items()}),
               "errors: " + json.dumps({k: r["errors"] for k, r in res.items() if r.get("errors")})]
     if not DRY:

@@ -40,6 +40,20 @@ def ref_q8_1(x: np.ndarray):
     return q.reshape(x.shape[0], -1).astype(np.int8), d, s
 
 
+def k4_scale_min(s12: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 12 scale bytes of Q4_K / Q5_K super-blocks [blocks, 12] -> (scale, min) [blocks, 8] int32 of the 8
+    sub-blocks (ggml-quants.c get_scale_min_k4: 6-bit values, the high bits of sub-blocks 4..7 in bytes 0..7)."""
+    s8 = s12.astype(np.int32)
+    sc, m = np.zeros((len(s8), 8), np.int32), np.zeros((len(s8), 8), np.int32)
+    for j in range(8):
+        if j < 4:
+            sc[:, j], m[:, j] = s8[:, j] & 63, s8[:, j + 4] & 63
+        else:
+            sc[:, j] = (s8[:, j + 4] & 15) | ((s8[:, j - 4] >> 6) << 4)
+            m[:, j] = (s8[:, j + 4] >> 4) | ((s8[:, j] >> 6) << 4)
+    return sc, m
+
+
 def weight_parts(qt: int, raw: np.ndarray, shape):
     """GGUF bytes -> (int8 quants [N, K], float32 d per 32-block [N, K/32], float32 min per 32-block or zeros):
     Q8_0 (f16 d, 32 int8), Q4_K (f16 d, f16 dmin, 12 scale bytes as ggml's get_scale_min_k4, 128 nibble bytes;
@@ -60,14 +74,7 @@ def weight_parts(qt: int, raw: np.ndarray, shape):
         b = raw.reshape(-1, 144)
         d = b[:, 0:2].copy().view(np.float16).astype(np.float32)
         dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
-        sc8 = b[:, 4:16].astype(np.int32)
-        sc, m = np.zeros((len(b), 8), np.int32), np.zeros((len(b), 8), np.int32)
-        for j in range(8):
-            if j < 4:
-                sc[:, j], m[:, j] = sc8[:, j] & 63, sc8[:, j + 4] & 63
-            else:
-                sc[:, j] = (sc8[:, j + 4] & 15) | ((sc8[:, j - 4] >> 6) << 4)
-                m[:, j] = (sc8[:, j + 4] >> 4) | ((sc8[:, j] >> 6) << 4)
+        sc, m = k4_scale_min(b[:, 4:16])
         qs = b[:, 16:].reshape(-1, 4, 32)
         q = np.stack([qs & 15, qs >> 4], 2).reshape(-1, 256).astype(np.int8).reshape(shape)   # group g: 2g, 2g + 1
         mn = (dmin * m.astype(np.float32)).reshape(N, -1)

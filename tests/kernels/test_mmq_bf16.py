@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
-from test_mmq import DIMS, E, experts, run, shapes, weight_parts  # noqa: E402
+from test_mmq import DIMS, E, experts, k4_scale_min, run, shapes, weight_parts  # noqa: E402
 
 from betelgeuse.kernels import triton_mmq as mq  # noqa: E402
 
@@ -35,14 +35,7 @@ def parts(qt: int, raw: np.ndarray, shape):
     b = raw.reshape(-1, 176)
     d = b[:, 0:2].copy().view(np.float16).astype(np.float32)
     dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
-    s8 = b[:, 4:16].astype(np.int32)
-    sc, m = np.zeros((len(b), 8), np.int32), np.zeros((len(b), 8), np.int32)
-    for j in range(8):
-        if j < 4:
-            sc[:, j], m[:, j] = s8[:, j] & 63, s8[:, j + 4] & 63
-        else:
-            sc[:, j] = (s8[:, j + 4] & 15) | ((s8[:, j - 4] >> 6) << 4)
-            m[:, j] = (s8[:, j + 4] >> 4) | ((s8[:, j] >> 6) << 4)
+    sc, m = k4_scale_min(b[:, 4:16])
     qh = b[:, 16:48].astype(np.int32)                                   # [blocks, 32]
     qs = b[:, 48:].astype(np.int32).reshape(-1, 4, 32)
     q = np.stack([(qs[:, j // 2] >> (4 * (j % 2))) & 15 | ((qh >> j) & 1) << 4 for j in range(8)], 1)
