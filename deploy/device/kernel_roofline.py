@@ -495,27 +495,26 @@ def check_rows(ctx: dict, checked: dict | None = None, cis: list[int] | None = N
 
 # ---- act_quant q8_1 (kernels/triton_mmq.py) beside the float schedules -------------------------------------
 
-def act_quant_case(gname: str, tname: str) -> dict:
-    """One type: GB/s of the float path (the installed launch table) and of the q8_1 path (quantize + int8 MMA
-    kernels; and the kernels alone, best of MMQ_CONFIGS, and each MMQ_OTHER schedule) at 1 and 16 rows on rotating
-    banks; the q8_1 check (vs the torch path, rows alone == in the full launch, every candidate the same bits)."""
+def _bank_rows(gname: str, tname: str, out: dict):
+    """The rotating banks of one type at a geometry (set up once; the caller has set its launch table), then per rows
+    in (1, 16): the float path's GB/s into out["float"][rows], and yield (rows, r, gbps, mma): r the routing,
+    gbps(fn) the GB/s of expert bytes of fn(i) (bank i % banks) as graph replays, mma(x, y) -> fn(i) launching
+    triton_mmq's gate_up on x() and its down on y() (x, y: the activations' preparation, timed with the launch, or a
+    tensor made once). The pool is freed after the last rows."""
     from betelgeuse.kernels import triton_mmq as mq
     from betelgeuse.kernels import triton_moe as tk
     from betelgeuse.kernels.triton_quants import QT_CODES
     H, F, E, limit = GEOMS[gname]
     qt = int(GT[tname])
     code = QT_CODES[qt]
-    set_config(code, None)
-    nbytes = expert_nbytes(qt, H, F)
-    bank_bytes = BANK * nbytes
+    bank_bytes = BANK * expert_nbytes(qt, H, F)
     n_banks = 2 if DRY else max(2, math.ceil(512e6 / bank_bytes))
     _, slot = slot_layout(qt, H, F)
     pool = torch.randint(0, 256, (n_banks * BANK * slot,), dtype=torch.uint8, device=dev)
     bases = [base_table(E, b * BANK, BANK, slot) for b in range(n_banks)]
     reps = max(n_banks, min(64, math.ceil(2e9 / bank_bytes)))
     kern, _ = kernels_for(qt, H, F, E, limit)
-    has = mq.mmq_ok(code, H) and mq.mmq_ok(code, F)
-    out = {"float": {}, "q8_1": {}, "q8_1_kernels": {}, "other": {k: {} for k in MMQ_OTHER}, "mmq": has}
+    gbps = lambda fn: bank_bytes / graph_time(fn, reps) / 1e9                  # noqa: E731
     for rows in (1, 16):
         r = kern.route(*routing(BANK, rows, K_TOP, H))
         kern.apply(r, 0, pool, Group(None, None, bases[0]), slot)
@@ -524,44 +523,59 @@ def act_quant_case(gname: str, tname: str) -> dict:
         def flt(i):
             tk.gate_up(r.h, pool, bases[i % n_banks], st, r.rows, r.off, r.inter, F, K_TOP, code, limit, gb, al)
             tk.down(r.inter, pool, bases[i % n_banks], st, r.rows, r.off, r.y, r.ids.shape[0], code, db, al)
-        out["float"][rows] = bank_bytes / graph_time(flt, reps) / 1e9
+        out["float"][rows] = gbps(flt)
+
+        def mma(x, y):
+            def fn(i):
+                mq.gate_up(x(), pool, bases[i % n_banks], st, r.rows, r.off, r.inter, F, K_TOP, code, limit, gb, al)
+                mq.down(y(), pool, bases[i % n_banks], st, r.rows, r.off, r.y, code, db, al)
+            return fn
+        yield rows, r, gbps, mma
+    pool = None
+    torch.cuda.empty_cache() if not DRY else None
+
+
+def act_quant_case(gname: str, tname: str) -> dict:
+    """One type: GB/s of the float path (the installed launch table) and of the q8_1 path (quantize + int8 MMA
+    kernels; and the kernels alone, best of MMQ_CONFIGS, and each MMQ_OTHER schedule) at 1 and 16 rows on rotating
+    banks; the q8_1 check (vs the torch path, rows alone == in the full launch, every candidate the same bits)."""
+    from betelgeuse.kernels import triton_mmq as mq
+    from betelgeuse.kernels.triton_quants import QT_CODES
+    H, F, E, limit = GEOMS[gname]
+    qt = int(GT[tname])
+    code = QT_CODES[qt]
+    set_config(code, None)
+    has = mq.mmq_ok(code, H) and mq.mmq_ok(code, F)
+    out = {"float": {}, "q8_1": {}, "q8_1_kernels": {}, "other": {k: {} for k in MMQ_OTHER}, "mmq": has}
+    for rows, r, gbps, mma in _bank_rows(gname, tname, out):
         if not has:
             continue
         hq, iq = mq.quantize_q8_1(r.h), mq.quantize_q8_1(r.inter)
-
-        def q81(i):
-            mq.gate_up(mq.quantize_q8_1(r.h), pool, bases[i % n_banks], st, r.rows, r.off, r.inter, F, K_TOP, code,
-                       limit, gb, al)
-            mq.down(mq.quantize_q8_1(r.inter), pool, bases[i % n_banks], st, r.rows, r.off, r.y, code, db, al)
-
-        def kq(i):
-            mq.gate_up(hq, pool, bases[i % n_banks], st, r.rows, r.off, r.inter, F, K_TOP, code, limit, gb, al)
-            mq.down(iq, pool, bases[i % n_banks], st, r.rows, r.off, r.y, code, db, al)
+        q81 = mma(lambda: mq.quantize_q8_1(r.h), lambda: mq.quantize_q8_1(r.inter))
+        kq = mma(lambda: hq, lambda: iq)
         best = None
         for ci, c in [*MMQ_OTHER.items(), *enumerate(MMQ_CONFIGS)]:
             mq.TYPE_CONFIG[code] = dict(c)
             try:
-                t = graph_time(kq, reps)
+                g = gbps(kq)
             except Exception as e:
                 out.setdefault("config_errors", {})[ci] = f"{type(e).__name__}: {str(e)[:100]}"
                 continue
             if ci in MMQ_OTHER:
-                out["other"][ci][rows] = bank_bytes / t / 1e9
+                out["other"][ci][rows] = g
                 continue
-            out.setdefault("q8_1_kernels_by_config", {}).setdefault(ci, {})[rows] = bank_bytes / t / 1e9
-            if best is None or t < best[0]:
-                best = (t, ci)
+            out.setdefault("q8_1_kernels_by_config", {}).setdefault(ci, {})[rows] = g
+            if best is None or g > best[0]:
+                best = (g, ci)
         if best is None:                                # every schedule failed: the float figures stay
             mq.TYPE_CONFIG.pop(code, None)
             out["q8_1_error"] = "no mmq schedule ran"
             continue
         mq.TYPE_CONFIG[code] = dict(MMQ_CONFIGS[best[1]])
         out.setdefault("best_config", {})[rows] = best[1]
-        out["q8_1"][rows] = bank_bytes / graph_time(q81, reps) / 1e9
-        out["q8_1_kernels"][rows] = bank_bytes / best[0] / 1e9
+        out["q8_1"][rows] = gbps(q81)
+        out["q8_1_kernels"][rows] = best[0]
         mq.TYPE_CONFIG.pop(code, None)
-    pool = None
-    torch.cuda.empty_cache() if not DRY else None
     if has:
         try:
             out["check"] = act_quant_check(gname, tname, qt, H, F, E, limit)
@@ -748,58 +762,28 @@ def bf16_case(gname: str, tname: str) -> dict:
     the kernels alone) and of the q8_1 MMA's kernels (shipped constants, for comparison) at 1 and 16 rows on
     rotating banks, then bf16_check. The bf16 schedule is triton_mmq's (BF_TUNING): one per type, no candidates."""
     from betelgeuse.kernels import triton_mmq as mq
-    from betelgeuse.kernels import triton_moe as tk
     from betelgeuse.kernels.triton_quants import QT_CODES
     H, F, E, limit = GEOMS[gname]
     qt = int(GT[tname])
     code = QT_CODES[qt]
     set_config(code, None)
     mq.TYPE_CONFIG.pop(code, None)
-    nbytes = expert_nbytes(qt, H, F)
-    bank_bytes = BANK * nbytes
-    n_banks = 2 if DRY else max(2, math.ceil(512e6 / bank_bytes))
-    _, slot = slot_layout(qt, H, F)
-    pool = torch.randint(0, 256, (n_banks * BANK * slot,), dtype=torch.uint8, device=dev)
-    bases = [base_table(E, b * BANK, BANK, slot) for b in range(n_banks)]
-    reps = max(n_banks, min(64, math.ceil(2e9 / bank_bytes)))
-    kern, _ = kernels_for(qt, H, F, E, limit)
     has = mq.mmq_ok(code, H, bf=True) and mq.mmq_ok(code, F, bf=True)
     q81 = mq.mmq_ok(code, H) and mq.mmq_ok(code, F)     # (Q5_K: no q8_1 schedule)
     out = {"float": {}, "bf16": {}, "bf16_kernels": {}, "q8_1_kernels": {}, "mmq": has}
     sums = code in (5, 6)                               # Q4_K's and Q5_K's min term takes the block sums of x
-    for rows in (1, 16):
-        r = kern.route(*routing(BANK, rows, K_TOP, H))
-        kern.apply(r, 0, pool, Group(None, None, bases[0]), slot)
-        st, al, gb, db = kern.starts[0], kern._aligned, row_nbytes(qt, H), row_nbytes(qt, F)
-
-        def flt(i):
-            tk.gate_up(r.h, pool, bases[i % n_banks], st, r.rows, r.off, r.inter, F, K_TOP, code, limit, gb, al)
-            tk.down(r.inter, pool, bases[i % n_banks], st, r.rows, r.off, r.y, r.ids.shape[0], code, db, al)
-        out["float"][rows] = bank_bytes / graph_time(flt, reps) / 1e9
+    for rows, r, gbps, mma in _bank_rows(gname, tname, out):
         if not has:
             continue
         hb, ib = mq.prepare_bf16(r.h, sums), mq.prepare_bf16(r.inter, sums)
         hq, iq = mq.quantize_q8_1(r.h), mq.quantize_q8_1(r.inter)
-
-        def bf(i):
-            mq.gate_up(mq.prepare_bf16(r.h, sums), pool, bases[i % n_banks], st, r.rows, r.off, r.inter, F, K_TOP,
-                       code, limit, gb, al)
-            mq.down(mq.prepare_bf16(r.inter, sums), pool, bases[i % n_banks], st, r.rows, r.off, r.y, code, db, al)
-
-        def kb(i):
-            mq.gate_up(hb, pool, bases[i % n_banks], st, r.rows, r.off, r.inter, F, K_TOP, code, limit, gb, al)
-            mq.down(ib, pool, bases[i % n_banks], st, r.rows, r.off, r.y, code, db, al)
-
-        def kq(i):
-            mq.gate_up(hq, pool, bases[i % n_banks], st, r.rows, r.off, r.inter, F, K_TOP, code, limit, gb, al)
-            mq.down(iq, pool, bases[i % n_banks], st, r.rows, r.off, r.y, code, db, al)
+        bf = mma(lambda: mq.prepare_bf16(r.h, sums), lambda: mq.prepare_bf16(r.inter, sums))
+        kb, kq = mma(lambda: hb, lambda: ib), mma(lambda: hq, lambda: iq)
         for key, fn in (("bf16", bf), ("bf16_kernels", kb), ("q8_1_kernels", kq))[:3 if q81 else 2]:
             try:
-                out[key][rows] = bank_bytes / graph_time(fn, reps) / 1e9
+                out[key][rows] = gbps(fn)
             except Exception as e:                      # the other figures stay
                 out.setdefault("errors", {})[f"{key}/{rows}"] = f"{type(e).__name__}: {str(e)[:120]}"
-    pool = None
-    torch.cuda.empty_cache() if not DRY else None
     if has:
         try:
             out["check"] = bf16_check(gname, tname, qt, H, F, E, limit)
