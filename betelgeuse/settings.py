@@ -326,10 +326,12 @@ class EngineSettings(_Section):
     # noise of the torch path (about 1% relative error per output); off keeps the exactness contract. bf16: those
     # types' kernels multiply their integer quants as bf16 on the tensor cores against the activations as bf16 (the
     # engine's own dtype on the GPU: no rounding there), block scales applied in fp32: within float noise, opt-in
-    # until the device measures it (issue 23)
-    act_quant: _choices("off", "q8_1", "bf16") = setting(
+    # until the device measures it (issue 23). auto: bf16 for Q8_0 and MXFP4 only, the types where the device
+    # measured it faster than the float schedule (kernels/moe.py AUTO_QTYPES)
+    act_quant: _choices("off", "q8_1", "bf16", "auto") = setting(
         "off", "expert activations on the GPU: off (float, exact) | q8_1 (int8 per 32, llama.cpp's mmq numerics; "
-        "approximate) | bf16 (bf16 tensor-core MMA of the integer quants; float noise)", "q8_1")
+        "approximate) | bf16 (bf16 tensor-core MMA of the integer quants; float noise) | auto (bf16 for Q8_0 and "
+        "MXFP4 only)", "q8_1")
     # a long generation's working set moves into the resident tiers while it runs
     decode_consolidate_every: Count0 = setting(32, "decode tokens between consolidations of the decode's usage "
                                                "(0 = end of request only)", 0)

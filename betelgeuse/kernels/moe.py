@@ -42,6 +42,15 @@ TRITON_QTYPES = frozenset({0, 1, 8, 30, 39, 12, 13, 14, 11, 10, 23, 20, 16, 17, 
 # multiple each needs (its block)
 MMQ_QTYPES = {8: 32, 39: 32, 12: 256}
 BF16_QTYPES = {**MMQ_QTYPES, 13: 256}    # act_quant bf16's types (triton_mmq.BF_TYPES): + Q5_K
+# act_quant auto: the bf16 MMA only for the types where it beats the float schedule on the device (gpu-run53-roofline,
+# H100, GB/s 1 / 16 rows: Q8_0 933 / 741 against 438 / 318, MXFP4 505 / 297 against 300 / 191); Q4_K and Q5_K keep the
+# float schedule (their bf16 MMA measured 0.6-0.9x of it)
+AUTO_QTYPES = {8: 32, 39: 32}
+
+
+def mma_qtypes(act_quant: str) -> dict[int, int]:
+    """The GGML types (id -> K multiple) whose triton expert parts run on triton_mmq's schedule under act_quant."""
+    return {"off": {}, "q8_1": MMQ_QTYPES, "bf16": BF16_QTYPES, "auto": AUTO_QTYPES}[act_quant]
 
 
 def triton_available() -> bool:
@@ -85,9 +94,9 @@ class MoEKernels:
         act_quant "q8_1": the triton backend runs the parts whose type has an int8 MMA schedule on q8_1
         activations (triton_mmq; approximate), the others on the float schedules; "bf16": those parts on the bf16
         MMA of their integer quants (triton_mmq's BF mode: the activations as bf16, exact products, float noise);
-        the torch backend ignores it."""
+        "auto": bf16 for AUTO_QTYPES only (where the device measured it faster); the torch backend ignores it."""
         assert backend in ("torch", "triton"), backend
-        assert act_quant in ("off", "q8_1", "bf16"), act_quant
+        assert act_quant in ("off", "q8_1", "bf16", "auto"), act_quant
         self.act_quant = act_quant
         self.backend, self.E, self.F = backend, n_expert, n_ff
         self.starts, self.qtypes, self.sub_batch = starts, qtypes, sub_batch
@@ -100,8 +109,8 @@ class MoEKernels:
             self._tk = triton_moe
             assert self.supports(qtypes), qtypes
             self._aligned = self._starts_aligned(starts)
-            mt = BF16_QTYPES if act_quant == "bf16" else MMQ_QTYPES
-            if act_quant != "off" and any(q in mt for part in qtypes for q in part):
+            mt = mma_qtypes(act_quant)
+            if any(q in mt for part in qtypes for q in part):
                 from betelgeuse.kernels import triton_mmq
                 self._mq = triton_mmq
                 self._quant_h = any(qg in mt for qg, _ in qtypes)
@@ -130,7 +139,7 @@ class MoEKernels:
         if self.backend != "triton" or self.act_quant == "off":
             return False, False
         qg, qd = self.qtypes[layer]
-        mt = BF16_QTYPES if self.act_quant == "bf16" else MMQ_QTYPES
+        mt = mma_qtypes(self.act_quant)
         return (qg in mt and H % mt[qg] == 0, qd in mt and self.F % mt[qd] == 0)
 
     def _layer_launch(self, layer: int, H: int) -> tuple:

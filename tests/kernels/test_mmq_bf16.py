@@ -184,6 +184,10 @@ def test_bf16_setting_and_plumbing():
         assert r.hq[0].dtype == torch.bfloat16 and r.hq[1] is None and (r.hq[2].shape == (2, 8)) == want_sums
     assert MoEKernels("triton", 3, 256, starts, [(8, 8)], 16, act_quant="off").mmq_parts(0, 256) == (False, False)
     assert MoEKernels("triton", 3, 256, starts, [(13, 13)], 16, act_quant="q8_1").mmq_parts(0, 256) == (False, False)
+    # auto: the bf16 MMA for Q8_0 and MXFP4 only (the types the device measured faster), Q4_K / Q5_K stay float
+    for gg, dd, want in ((8, 39, (True, True)), (12, 8, (False, True)), (13, 12, (False, False))):
+        assert MoEKernels("triton", 3, 256, starts, [(gg, dd)], 16, act_quant="auto").mmq_parts(0, 256) == want
+    assert EngineConfig(model_path="m.gguf", act_quant="auto").act_quant == "auto"
     x = torch.randn(3, 96).to(torch.bfloat16)
     xb, d, s = mq.prepare_bf16(x)
     assert xb is x and d is None
