@@ -41,9 +41,9 @@ Freshness (the invariant: an expert's bytes are not rewritten while a step may r
     (ExpertCache.vram_version) or the flex copies (FlexCache.version) changed. The snapshot is frozen for a store
     pass, and a host slot is not rewritten while the pass is open (the same guarantee a ring bank's copy of it had:
     the pass's end sync comes after every read).
-  - a flex copy may be evicted inside a step (a disk expert kept by MoEStep._disk_groups rewrites the least recently
-    used slot, which a later layer's table may name): MoEStep refreshes after such a layer, stream-ordered before any
-    later layer's group.
+  - a flex copy may be evicted inside a step (a disk expert kept by MoEStep._disk_groups, or taken by _direct_group,
+    rewrites the least recently used slot, which a later layer's table may name): MoEStep refreshes after such a
+    layer, stream-ordered before any later layer's group.
 """
 
 from __future__ import annotations

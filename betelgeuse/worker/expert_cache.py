@@ -90,6 +90,11 @@ class ExpertCache:
         # per bank: its copies landed / the computes that read it are enqueued
         self._bank_ready = [torch.cuda.Event() for _ in range(self.n_banks)] if self.is_cuda else []
         self._bank_free = [torch.cuda.Event() for _ in range(self.n_banks)] if self.is_cuda else []
+        # compute-stream points (mark): after a decode miss layer's direct flex copies (MoEStep._direct_group), for
+        # their staging slots' release; reused in turn (a re-recorded event is a later point: a release it gates only
+        # waits longer, and the session synchronizes its events at every message, long before a reuse)
+        self._marks = [torch.cuda.Event() for _ in range(8)] if self.is_cuda else []
+        self._mark_at = 0
         # per-batch slot tables (pool offsets) for ring groups: a pinned host row per batch of a pass, copied to
         # the device on the compute stream (so a row is never rewritten before its copy ran: one pass's rows
         # are distinct, and a pass ends with a sync); a layer may also take one per flex cache chunk (at most
@@ -273,7 +278,7 @@ class ExpertCache:
         assert len(offs) == len(srcs), (len(offs), len(srcs))
         if table is not None:
             dsts = self._ring_slots[first:first + len(srcs)] + [table]
-            srcs = list(srcs) + [self._table_src[id(table)]]
+            srcs = list(srcs) + [self.table_source(table)]
         else:
             dsts = self._ring_slots[first:first + len(srcs)]
         if self.is_cuda:
@@ -315,6 +320,20 @@ class ExpertCache:
             ev1 = torch.cuda.Event(enable_timing=True)
             ev1.record(cs)
             timing.append((ev0, ev1))
+
+    def mark(self):
+        """A CUDA event recorded on the compute stream now (the copies queued there so far done once it completes);
+        None on the CPU (copies are synchronous)."""
+        if not self.is_cuda:
+            return None
+        ev = self._marks[self._mark_at]
+        self._mark_at = (self._mark_at + 1) % len(self._marks)
+        ev.record(current_stream(self._index))
+        return ev
+
+    def table_source(self, dev: torch.Tensor) -> torch.Tensor:
+        """The pinned host row of a device table row table(copy=False) gave: what a copy of it reads."""
+        return self._table_src[id(dev)]
 
     def bank_ready_event(self, b: int):
         return self._bank_ready[b] if self.is_cuda else None

@@ -11,7 +11,9 @@ uses), least recently used first out:
                floor(unit / slot_bytes) expert slots (the last one smaller where the room ends inside it), allocated
                when the first copy needs one
     fill       MoEStep._disk_groups: an expert staged from disk, once its ring-bank copy landed, is copied
-               device-to-device into a flex slot (the same slot layout as the VRAM tier, so the same kernels read it)
+               device-to-device into a flex slot (the same slot layout as the VRAM tier, so the same kernels read it);
+               in decode (_direct_group) it is copied from its staging slot straight into the flex slot the cache
+               takes for it (take), on the compute stream, and its group computes it there: no ring bank, no second copy
     use        MoEStep._partial, before the tier split: a routed host- or disk-tier expert held here is computed from
                its copy, in one launch group per chunk, like a VRAM expert: no store message, no disk read, no H2D
                copy. The bytes are the file's whatever slot holds them, so outputs keep every bit (invariant 1)
@@ -262,6 +264,51 @@ class FlexCache:
             self.stats.fills += 1
         if dsts:
             torch._foreach_copy_(dsts, srcs)
+
+    def take(self, layer: int, experts) -> list[int | None]:
+        """keep's bookkeeping for experts about to be staged (a decode miss layer's disk experts, MoEStep._direct_group)
+        without its copy: the caller copies each expert's bytes into its slot (slot_view) itself and computes its group
+        from there, instead of from a ring bank copied out after the group (keep: one device-to-device copy less).
+        -> per expert its flex slot, or None: already held (the bytes are there; the LRU touched, as keep does), or no
+        slot for it: none free, no room to grow and the least recently used one taken by this call (the caller's
+        group reads every slot it took: a slot is never given twice in one call, where keep keeps the later expert's
+        bytes). The caller orders the copy after every read of the slot's last copy (a group that may still read an
+        evicted copy) and before any read of the new one."""
+        where, lru, out = self.where[layer], self.lru, []
+        for e in experts:
+            e = int(e)
+            s = int(where[e])
+            if s >= 0:
+                lru.move_to_end(s)
+                out.append(None)
+                continue
+            if not (self.free or self._grow()) and (not lru or next(iter(lru)) in out):
+                out.append(None)            # nothing free and the LRU slot is this call's: through the bank
+                continue
+            s = self._slot()
+            where[e] = s
+            self.copies[layer].add(e)
+            self._log(int(layer), e)
+            self.version += 1
+            self.owner[s] = (layer, e)
+            lru[s] = None
+            self.stats.fills += 1
+            out.append(s)
+        return out
+
+    def slot_view(self, s: int) -> torch.Tensor:
+        """Flex slot s's bytes: uint8 [slot_bytes], a view made once (its chunk is allocated: take() gave s)."""
+        return self._views[s]
+
+    def slot_address(self, s: int) -> int:
+        """Flex slot s's device address (kernels.moe.Group tables name it relative to the slot pool's)."""
+        ch, i = divmod(s, self.per_chunk)
+        return self.chunks[ch].data_ptr() + i * self.slot_bytes
+
+    def slot_source(self, s: int) -> tuple[torch.Tensor, int]:
+        """Flex slot s as (its chunk, byte offset): the torch kernels' source of an expert there (kernels.moe.Group)."""
+        ch, i = divmod(s, self.per_chunk)
+        return self.chunks[ch], i * self.slot_bytes
 
     def describe(self) -> dict:
         return {"units": self.units, "unit_bytes": self.unit_bytes, "slots_per_unit": self.per_chunk,

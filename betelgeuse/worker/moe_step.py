@@ -664,7 +664,7 @@ class MoEStep:
         elif table:
             ahead_used = self._disk_table(l, loads, disk, counts, stats, ls)
         else:
-            ahead_used = self._disk_groups(l, r, loads, len(disk), stats, ls, timing)
+            ahead_used = self._disk_groups(l, r, loads, len(disk), stats, ls, timing, direct=hand)
         self.guesser.check(l, by_tier[TIER_DISK], ahead_used, stats)
 
     def _read_in_place(self, l: int, counts: np.ndarray, experts: list[int], stats: PassStats):
@@ -806,7 +806,7 @@ class MoEStep:
                 bank = cache.bank_next()
                 opened = (bank, banked[n:], cache.bank_copy(bank, 0, srcs[n:], timing, wait=False))
         # 4. the disk experts as they land
-        ahead_used = self._disk_groups(l, r, loads, len(disk), stats, ls, timing, opened) if disk else 0
+        ahead_used = self._disk_groups(l, r, loads, len(disk), stats, ls, timing, opened, direct=True) if disk else 0
         self.guesser.check(l, disk, ahead_used, stats)
 
     def _ahead_start(self, l: int, marks, snap, stats: PassStats):
@@ -962,35 +962,113 @@ class MoEStep:
         cache.bank_copy(bank, at, srcs, timing, table=dev, offs=offs)
         return bank, offs, Group(np.asarray(es, dtype=np.int64) if self._walks else None, host, dev)
 
+    def _direct_group(self, l, r, es: list[int], srcs, slots: list[int], timing, opened, ls: LayerStats) -> list:
+        """A decode miss layer's batch of disk experts `es` (staged in `srcs`, staging slots `slots`) with the flex
+        cache on: each one the cache takes (FlexCache.take) copied from its staging slot straight into its flex slot,
+        the others into a ring bank (the next, or `opened`'s after its host experts: _bank_group's), and ONE group
+        computes them all where they were copied to: the flex copy is the group's source, not a device-to-device copy
+        out of the bank after it (keep; one copy, its launch and its slices less a disk expert). The bytes are the
+        file's whichever slot holds them, and each row is computed by the same kernel (invariant 1).
+        Ordering: the flex copies (and the group's table where no bank copy carries it) are queued on the compute
+        stream, in one _foreach_copy_, so stream order puts them after every group that may still read a slot's
+        evicted copy (the at-hand groups of this and earlier layers and steps, flex chunk groups, earlier direct
+        groups: all on the compute stream; a group graph's first launch on the capture stream is joined back to it:
+        on_side) and before this group; a later layer's at-hand group reads the new table, uploaded behind them
+        (hand_misses' refresh). The price: such a copy does not overlap the compute queued before it (a decode
+        layer's at-hand group, long done by the time a disk read lands) nor an earlier batch's group of the layer.
+        -> [(CUDA event after their copies, staging slots)]: what _release waits for before the slots go back."""
+        cache, flex = self.cache, self.flex
+        took = flex.take(l, es)
+        fi = [i for i, s in enumerate(took) if s is not None]
+        bi = [i for i, s in enumerate(took) if s is None]
+        bank = None
+        pre, pre_offs, b_offs = [], [], []
+        if bi or opened is not None:
+            if opened is None:
+                bank, at = cache.bank_next(), 0
+            else:
+                bank, pre, pre_offs = opened
+                at = len(pre)
+            b_offs = cache.bank_offsets(bank, at, len(bi))
+        pool = cache.pool.data_ptr()
+        f_es = [es[i] for i in fi]
+        ids = pre + [es[i] for i in bi] + f_es
+        host, dev = cache.table(ids, pre_offs + b_offs + [flex.slot_address(took[i]) - pool for i in fi], copy=False)
+        held = []
+        if fi:
+            dsts, fsrcs = [flex.slot_view(took[i]) for i in fi], [srcs[i] for i in fi]
+            if bank is None:                       # the table with them (no bank copy to carry it)
+                dsts.append(dev)
+                fsrcs.append(cache.table_source(dev))
+            t = time.perf_counter()
+            ev0 = None
+            if cache.is_cuda and timing is not None:       # the copy timing (PassClock.copy_timing) on this stream
+                ev0 = torch.cuda.Event(enable_timing=True)
+                ev0.record(current_stream(cache.device.index))
+            torch._foreach_copy_(dsts, fsrcs, non_blocking=cache.is_cuda)     # the current (compute) stream
+            if ev0 is not None:
+                ev1 = torch.cuda.Event(enable_timing=True)
+                ev1.record(current_stream(cache.device.index))
+                timing.append((ev0, ev1))
+            elif timing is not None:
+                timing.append((time.perf_counter() - t) * 1e3)
+            cache.h2d_bytes += len(fi) * cache.slot_bytes
+            held.append((cache.mark(), [slots[i] for i in fi]))
+        if bank is not None:
+            # the bank's copies (and the table) on the copy stream; the compute stream waits for them
+            cache.bank_copy(bank, at, [srcs[i] for i in bi], timing, table=dev, offs=b_offs)
+            if bi:
+                held.append((cache.bank_ready_event(bank), [slots[i] for i in bi]))
+        g_srcs = None
+        if self._walks and fi:                    # the torch kernels read each expert's source: pool or flex chunk
+            g_srcs = [None] * len(host)
+            for e, o in zip(pre + [es[i] for i in bi], pre_offs + b_offs):
+                g_srcs[e] = (cache.pool, o)
+            for i in fi:
+                g_srcs[es[i]] = flex.slot_source(took[i])
+        self._apply(r, l, Group(np.asarray(ids, dtype=np.int64) if self._walks else None, host, dev, g_srcs), ls)
+        if bank is not None:
+            cache.bank_done(bank)
+        return held
+
     def _disk_limit(self) -> int:
         """The staging slots a layer's disk experts may hold at once (_disk_groups): its first group holds
         min(this, the layer's disk experts) of them."""
         return max(1, min(self.cache.bank_size, self.session.plan.n_staging // 2))
 
-    def _disk_groups(self, l, r, loads, n_disk, stats: PassStats, ls: LayerStats, timing, opened=None) -> int:
+    def _disk_groups(self, l, r, loads, n_disk, stats: PassStats, ls: LayerStats, timing, opened=None,
+                     direct: bool = False) -> int:
         """The disk experts in batches as they land (module doc, step 4); the last staging slots go back with the next
         message to the store. opened: (bank, experts, their pool offsets) of a bank taken (bank_next) and partly filled
         (a decode miss layer's banked host experts, _hand_misses) with room for the first batch: that batch's copies
-        follow them there and one group computes them all. -> the loads answered from a read ahead."""
+        follow them there and one group computes them all. direct (decode, the flex cache on): a disk expert the flex
+        cache takes is copied from its staging slot straight into its flex slot and computed there (_direct_group), not
+        through a ring bank and a device-to-device copy after its group (FlexCache.keep: prefill's many experts keep the
+        ring's copy / compute overlap). -> the loads answered from a read ahead."""
         cache = self.cache
         ahead_used = 0
         B = cache.bank_size
         limit = self._disk_limit()                           # staging slots this layer may hold at once
-        held: list[tuple[int, list[int]]] = []               # (bank, staging slots) whose copies may be in flight
+        held: list[tuple[object, list[int]]] = []            # (CUDA event, staging slots) whose copies may be in flight
         batch = []
+        direct = direct and self.flex is not None
 
         def flush():
             nonlocal batch, opened
             if batch:
                 es = [x.expert for x in batch]
-                # after the host experts' copies in their bank where one is opened: one table and one apply for both
-                bank, offs, g = self._bank_group(es, [cache.staging_slot(x.slot) for x in batch], timing, opened)
+                srcs = [cache.staging_slot(x.slot) for x in batch]
+                if direct:
+                    held.extend(self._direct_group(l, r, es, srcs, [x.slot for x in batch], timing, opened, ls))
+                else:
+                    # after the host experts' copies in their bank where one is opened: one table and one apply for both
+                    bank, offs, g = self._bank_group(es, srcs, timing, opened)
+                    self._apply(r, l, g, ls)
+                    if self.flex is not None:      # copies for the flex cache, before the bank may be rewritten
+                        self.flex.keep(l, es, cache.pool, offs, cache.ring_views(offs))
+                    cache.bank_done(bank)
+                    held.append((cache.bank_ready_event(bank), [x.slot for x in batch]))
                 opened = None
-                self._apply(r, l, g, ls)
-                if self.flex is not None:      # copies for the flex cache, before the bank may be rewritten
-                    self.flex.keep(l, es, cache.pool, offs, cache.ring_views(offs))
-                cache.bank_done(bank)
-                held.append((bank, [x.slot for x in batch]))
                 batch = []
 
         for _ in range(n_disk):
@@ -1032,21 +1110,21 @@ class MoEStep:
         return ahead_used
 
     def _release(self, held, keep: int, later: bool = False):
-        """Release staging slots whose bank copies finished (CUDA: event query, no sync); while more than
-        `keep` slots remain held, wait for the oldest copies. later: they go back with the next message to the
-        store (the layer's last), else now (the store needs them for this layer's loads). Returns what is still
-        held."""
+        """Release staging slots whose copies finished (held: (CUDA event recorded after their copies, slots); CUDA:
+        event query, no sync); while more than `keep` slots remain held, wait for the oldest copies. later: they go
+        back with the next message to the store (the layer's last), else now (the store needs them for this layer's
+        loads). Returns what is still held."""
         if not held:
             return held
         if self.cache.is_cuda:
-            done = [hb for hb in held if self.cache.bank_ready_event(hb[0]).query()]
+            done = [hb for hb in held if hb[0].query()]
             rest = [hb for hb in held if hb not in done]
-            if later:      # the layer goes on without waiting: they go back once their copies are done (the bank's
-                for b, slots in rest:      # event; one recorded later on the same copy stream is later still)
-                    self.session.release(slots, later=True, event=self.cache.bank_ready_event(b))
+            if later:      # the layer goes on without waiting: they go back once their copies are done (the event;
+                for ev, slots in rest:      # a bank's re-recorded later on the same copy stream is later still)
+                    self.session.release(slots, later=True, event=ev)
                 rest = []
             while rest and sum(len(s) for _, s in rest) > max(keep, 0):
-                self.clock.wait(self.cache.bank_ready_event(rest[0][0]).synchronize)
+                self.clock.wait(rest[0][0].synchronize)
                 done.append(rest.pop(0))
         else:
             done, rest = held, []             # CPU copies are synchronous

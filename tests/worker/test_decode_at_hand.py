@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, write_synth
+from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, write_ds4_tiny, write_synth
 
 V, E = ENGINE_SPEC["n_vocab"], ENGINE_SPEC["n_expert"]
 # (vram, host, extra config): disk only, a VRAM/host/disk mix, all VRAM, and a mix with the flex cache (one read
@@ -33,6 +33,12 @@ CONFIGS = [(0, 0, {}), (5, 15, {}), (E, 0, {}),
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return write_synth(tmp_path_factory.mktemp("hand") / "engine.gguf", **ENGINE_SPEC)
+
+
+@pytest.fixture(scope="module")
+def ds4(tmp_path_factory):
+    """ds4-tiny with Q8_0 experts (engine_helpers.write_tiny_pair's)."""
+    return write_ds4_tiny(tmp_path_factory.mktemp("hand_ds4") / "ds4.gguf", expert_qtype="Q8_0", seed=2)
 
 
 def _decode(model, vram, host, extra, hand: bool, lanes: bool, steps=6, gate: bool = False):
@@ -344,10 +350,10 @@ def _capped_decode(model, hand: bool, steps: int = 8, on_runner=None, slots: int
     the flex stats); on_runner(rn) before the prompt."""
     rn, st = in_process_runner(model, 2, 3, decode_at_hand=hand, **CAPPED)
     try:
-        _cap_flex(rn, slots)
         if on_runner is not None:
             on_runner(rn)
         kv = rn.new_cache(64)
+        _cap_flex(rn, slots)                # after the state took its bytes (FlexCache.hold): `slots` of room left
         lg, _ = rn.forward(prompt(24, V, seed=5), kv)
         rn.settle()
         rn._static_decode = True
@@ -361,25 +367,42 @@ def _capped_decode(model, hand: bool, steps: int = 8, on_runner=None, slots: int
         close_runner(rn, st)
 
 
-def test_flex_evictions_refresh_the_table_without_blocking_the_host(model, monkeypatch):
+@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek4"])
+@pytest.mark.parametrize("slots", [2, 4])
+def test_flex_evictions_refresh_the_table_without_blocking_the_host(model, ds4, monkeypatch, arch, slots):
     """A decode layer whose disk expert evicts a flex copy refreshes the at-hand table inside the step
     (MoEStep.hand_misses: a later layer's group must not read the rewritten slot), and every upload of the table is
     non-blocking: a copy_ from pageable memory with non_blocking False synchronizes the CUDA stream, so the host
     waited there for the layer's bank copies and misses' group, time the pass counted as its rest (issue 21,
     docs/benchmarks/cpu-host48). On the CPU: the mid-step refreshes happen, each upload's argument, and the logits
-    are the partial path's bits with the same capped cache."""
-    uploads, hands = [], []
+    are the partial path's bits with the same capped cache (the partial path copies a disk expert through a ring bank
+    and keeps a flex copy after its group, FlexCache.keep; the at-hand path's miss layers copy it from its staging
+    slot straight into the flex slot FlexCache.take gives and compute it there, MoEStep._direct_group, which must
+    have run: with 2 slots some of a layer's disk experts find none and go through a bank in the same group)."""
+    from betelgeuse.worker.flex_cache import FlexCache
+    model = {"qwen3moe": model, "deepseek4": ds4}[arch]
+    uploads, hands, took = [], [], Counter()
     copy_ = torch.Tensor.copy_
+    take = FlexCache.take
+
+    def counted_take(self, layer, experts):
+        out = take(self, layer, experts)
+        took["flex"] += sum(s is not None for s in out)
+        took["bank"] += sum(s is None for s in out)
+        return out
+    monkeypatch.setattr(FlexCache, "take", counted_take)
 
     def recorded(self, src, non_blocking=False):
         if any(self is h.dev for h in hands):
             uploads.append(non_blocking)
         return copy_(self, src, non_blocking=non_blocking)
     monkeypatch.setattr(torch.Tensor, "copy_", recorded)
-    want, _ = _capped_decode(model, hand=False)
+    want, _ = _capped_decode(model, hand=False, slots=slots)
+    assert not took, took                   # the partial path keeps its copies after the group
     steps = 8
-    got, stats = _capped_decode(model, hand=True, steps=steps, on_runner=lambda rn: hands.append(rn.moe.hand))
-    assert stats.evictions > 0, stats
+    got, stats = _capped_decode(model, hand=True, steps=steps, on_runner=lambda rn: hands.append(rn.moe.hand),
+                                slots=slots)
+    assert stats.evictions > 0 and took["flex"] > 0, (stats, took)
     n = len(uploads)
     assert n > steps + 1, (n, stats)        # the prompt's and each step's start, and at least one inside a step
     assert all(uploads), uploads
