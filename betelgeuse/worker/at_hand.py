@@ -111,6 +111,11 @@ class AtHand:
         self._stage = [torch.empty((L, E), dtype=torch.int64, pin_memory=cache.is_cuda) for _ in range(UPLOAD_RING)]
         self._stage_np = [b.numpy() for b in self._stage]
         self._stage_ev = [torch.cuda.Event() if cache.is_cuda else None for _ in range(UPLOAD_RING)]
+        # per buffer the event its reuse waits for: its own (_upload's record) or, after a deferred upload, the caller's
+        # event recorded behind the copy it queued (uploaded)
+        self._stage_wait = list(self._stage_ev)
+        self.deferred = None                # (device table, pinned source) of a deferred upload not yet queued
+        self._defer, self._deferred_at = False, 0
         self._stage_at = 0
         self._wait = wait if wait is not None else (lambda fn, *a: fn(*a))
         self.upload_waits = 0                                   # uploads that waited for their buffer's last copy
@@ -121,12 +126,14 @@ class AtHand:
         in_place."""
         return self.arena_addr is not None
 
-    def refresh(self, snap, rows: int | None = None, force: bool = False) -> bool:
+    def refresh(self, snap, rows: int | None = None, force: bool = False, defer: bool = False) -> bool:
         """Rebuild the table where the snapshot, the VRAM slots, the flex copies or the step's host rule (rows: the
         step's rows; None inside a step: the step's rule kept) changed (force: rebuild anyway) -> whether it was
         uploaded. Vectorized over the [n_layer, n_expert] table; where only flex copies changed (a decode step that
         filled or evicted some, each logged: FlexCache.changed) their entries alone (_patch). The torch kernels'
-        sources are made only on the CPU (the tests' path)."""
+        sources are made only on the CPU (the tests' path). defer: the upload's copy is left to the caller, who queues
+        `deferred` (dst, src) with its own copies on the current stream and then calls uploaded()."""
+        self._defer = defer
         c, f = self.cache, self.flex
         if rows is not None:
             self.in_place = self.zero_copy and host_in_place(self.policy, rows, self.types)
@@ -215,6 +222,12 @@ class AtHand:
             self.srcs[l][e] = src
         return at
 
+    def uploaded(self, ev):
+        """The deferred upload's copy is queued (on the current stream, in the caller's _foreach_copy_); ev: a CUDA event
+        recorded behind it (None on the CPU), which the buffer's reuse waits for instead of one of its own."""
+        self._stage_wait[self._deferred_at] = ev
+        self.deferred = None
+
     def _upload(self, tab: np.ndarray):
         """tab [n_layer, n_expert] int64 into the device table, stream-ordered (after the kernels queued so far, before
         any later group) and without blocking the host. A copy_ from pageable memory (non_blocking False) synchronizes
@@ -226,15 +239,19 @@ class AtHand:
         is waited for in the pass clock (counted as blocked, upload_waits), never overwritten under a pending copy."""
         i = self._stage_at
         self._stage_at = (i + 1) % UPLOAD_RING
-        ev = self._stage_ev[i]
+        ev = self._stage_wait[i]
         if ev is not None and not ev.query():
             self.upload_waits += 1
             self._wait(ev.synchronize)
         np.copyto(self._stage_np[i], tab)
+        self.uploads += 1
+        if self._defer:                     # the caller queues the copy (refresh(defer=True))
+            self.deferred, self._deferred_at = (self.dev, self._stage[i]), i
+            return
         self.dev.copy_(self._stage[i], non_blocking=True)     # the CPU: a plain copy, done on return
+        ev = self._stage_wait[i] = self._stage_ev[i]
         if ev is not None:
             ev.record(current_stream(self.dev.device.index))     # the stream the copy_ above was queued on
-        self.uploads += 1
 
     def stale(self) -> bool:
         """A flex copy the table names was dropped or rewritten since the last refresh (inside a step: a later

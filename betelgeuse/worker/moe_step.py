@@ -664,7 +664,7 @@ class MoEStep:
         elif table:
             ahead_used = self._disk_table(l, loads, disk, counts, stats, ls)
         else:
-            ahead_used = self._disk_groups(l, r, loads, len(disk), stats, ls, timing, direct=hand)
+            ahead_used = self._disk_groups(l, r, loads, len(disk), stats, ls, timing, direct=snap if hand else None)
         self.guesser.check(l, by_tier[TIER_DISK], ahead_used, stats)
 
     def _read_in_place(self, l: int, counts: np.ndarray, experts: list[int], stats: PassStats):
@@ -806,7 +806,7 @@ class MoEStep:
                 bank = cache.bank_next()
                 opened = (bank, banked[n:], cache.bank_copy(bank, 0, srcs[n:], timing, wait=False))
         # 4. the disk experts as they land
-        ahead_used = self._disk_groups(l, r, loads, len(disk), stats, ls, timing, opened, direct=True) if disk else 0
+        ahead_used = self._disk_groups(l, r, loads, len(disk), stats, ls, timing, opened, snap) if disk else 0
         self.guesser.check(l, disk, ahead_used, stats)
 
     def _ahead_start(self, l: int, marks, snap, stats: PassStats):
@@ -962,7 +962,8 @@ class MoEStep:
         cache.bank_copy(bank, at, srcs, timing, table=dev, offs=offs)
         return bank, offs, Group(np.asarray(es, dtype=np.int64) if self._walks else None, host, dev)
 
-    def _direct_group(self, l, r, es: list[int], srcs, slots: list[int], timing, opened, ls: LayerStats) -> list:
+    def _direct_group(self, l, r, es: list[int], srcs, slots: list[int], timing, opened, ls: LayerStats,
+                      snap) -> list:
         """A decode miss layer's batch of disk experts `es` (staged in `srcs`, staging slots `slots`) with the flex
         cache on: each one the cache takes (FlexCache.take) copied from its staging slot straight into its flex slot,
         the others into a ring bank (the next, or `opened`'s after its host experts: _bank_group's), and ONE group
@@ -973,8 +974,10 @@ class MoEStep:
         stream, in one _foreach_copy_, so stream order puts them after every group that may still read a slot's
         evicted copy (the at-hand groups of this and earlier layers and steps, flex chunk groups, earlier direct
         groups: all on the compute stream; a group graph's first launch on the capture stream is joined back to it:
-        on_side) and before this group; a later layer's at-hand group reads the new table, uploaded behind them
-        (hand_misses' refresh). The price: such a copy does not overlap the compute queued before it (a decode
+        on_side) and before this group; a later layer's at-hand group reads the new table: where a copy was evicted
+        (AtHand.stale) its upload is queued in the same _foreach_copy_ (refresh(defer=True): one call and one event for
+        both; the at-hand table is read by no group of this layer after it, and hand_misses' refresh re-uploads where a
+        later batch of the layer evicts again). The price: such a copy does not overlap the compute queued before it (a decode
         layer's at-hand group, long done by the time a disk read lands) nor an earlier batch's group of the layer.
         -> [(CUDA event after their copies, staging slots)]: what _release waits for before the slots go back."""
         cache, flex = self.cache, self.flex
@@ -1000,6 +1003,16 @@ class MoEStep:
             if bank is None:                       # the table with them (no bank copy to carry it)
                 dsts.append(dev)
                 fsrcs.append(cache.table_source(dev))
+            hand = self.hand
+            if hand is not None and hand.stale():  # the at-hand table names an evicted copy: its upload with them
+                hand.refresh(snap, defer=True)
+                if hand.deferred is not None:
+                    dsts.append(hand.deferred[0])
+                    fsrcs.append(hand.deferred[1])
+                else:
+                    hand = None
+            else:
+                hand = None
             t = time.perf_counter()
             ev0 = None
             if cache.is_cuda and timing is not None:       # the copy timing (PassClock.copy_timing) on this stream
@@ -1013,7 +1026,10 @@ class MoEStep:
             elif timing is not None:
                 timing.append((time.perf_counter() - t) * 1e3)
             cache.h2d_bytes += len(fi) * cache.slot_bytes
-            held.append((cache.mark(), [slots[i] for i in fi]))
+            ev = cache.mark()
+            held.append((ev, [slots[i] for i in fi]))
+            if hand is not None:
+                hand.uploaded(ev)
         if bank is not None:
             # the bank's copies (and the table) on the copy stream; the compute stream waits for them
             cache.bank_copy(bank, at, [srcs[i] for i in bi], timing, table=dev, offs=b_offs)
@@ -1037,21 +1053,22 @@ class MoEStep:
         return max(1, min(self.cache.bank_size, self.session.plan.n_staging // 2))
 
     def _disk_groups(self, l, r, loads, n_disk, stats: PassStats, ls: LayerStats, timing, opened=None,
-                     direct: bool = False) -> int:
+                     direct=None) -> int:
         """The disk experts in batches as they land (module doc, step 4); the last staging slots go back with the next
         message to the store. opened: (bank, experts, their pool offsets) of a bank taken (bank_next) and partly filled
         (a decode miss layer's banked host experts, _hand_misses) with room for the first batch: that batch's copies
-        follow them there and one group computes them all. direct (decode, the flex cache on): a disk expert the flex
-        cache takes is copied from its staging slot straight into its flex slot and computed there (_direct_group), not
-        through a ring bank and a device-to-device copy after its group (FlexCache.keep: prefill's many experts keep the
-        ring's copy / compute overlap). -> the loads answered from a read ahead."""
+        follow them there and one group computes them all. direct (decode: the pass's snapshot; None otherwise), with the
+        flex cache on: a disk expert the flex cache takes is copied from its staging slot straight into its flex slot and
+        computed there (_direct_group), not through a ring bank and a device-to-device copy after its group
+        (FlexCache.keep: prefill's many experts keep the ring's copy / compute overlap). -> the loads answered from a
+        read ahead."""
         cache = self.cache
         ahead_used = 0
         B = cache.bank_size
         limit = self._disk_limit()                           # staging slots this layer may hold at once
         held: list[tuple[object, list[int]]] = []            # (CUDA event, staging slots) whose copies may be in flight
         batch = []
-        direct = direct and self.flex is not None
+        snap, direct = direct, direct is not None and self.flex is not None
 
         def flush():
             nonlocal batch, opened
@@ -1059,7 +1076,7 @@ class MoEStep:
                 es = [x.expert for x in batch]
                 srcs = [cache.staging_slot(x.slot) for x in batch]
                 if direct:
-                    held.extend(self._direct_group(l, r, es, srcs, [x.slot for x in batch], timing, opened, ls))
+                    held.extend(self._direct_group(l, r, es, srcs, [x.slot for x in batch], timing, opened, ls, snap))
                 else:
                     # after the host experts' copies in their bank where one is opened: one table and one apply for both
                     bank, offs, g = self._bank_group(es, srcs, timing, opened)
@@ -1117,12 +1134,12 @@ class MoEStep:
         if not held:
             return held
         if self.cache.is_cuda:
+            if later:      # the layer goes on without waiting: they go back once their copies are done (the event;
+                for ev, slots in held:      # a bank's re-recorded later on the same copy stream is later still),
+                    self.session.release(slots, later=True, event=ev)   # synchronized at the next message: no query
+                return []      # now (the layer's last copies are just queued: a query here is False, a call for nothing)
             done = [hb for hb in held if hb[0].query()]
             rest = [hb for hb in held if hb not in done]
-            if later:      # the layer goes on without waiting: they go back once their copies are done (the event;
-                for ev, slots in rest:      # a bank's re-recorded later on the same copy stream is later still)
-                    self.session.release(slots, later=True, event=ev)
-                rest = []
             while rest and sum(len(s) for _, s in rest) > max(keep, 0):
                 self.clock.wait(rest[0][0].synchronize)
                 done.append(rest.pop(0))

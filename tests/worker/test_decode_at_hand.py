@@ -397,6 +397,15 @@ def test_flex_evictions_refresh_the_table_without_blocking_the_host(model, ds4, 
             uploads.append(non_blocking)
         return copy_(self, src, non_blocking=non_blocking)
     monkeypatch.setattr(torch.Tensor, "copy_", recorded)
+    foreach_copy_ = torch._foreach_copy_
+
+    def recorded_foreach(dsts, srcs, non_blocking=False):
+        # a miss layer's upload queued with its flex copies (MoEStep._direct_group: refresh(defer=True)); on the CPU
+        # those copies are plain ones, so the flag must say what CUDA gets: non_blocking there (cache.is_cuda)
+        if any(d is h.dev for d in dsts for h in hands):
+            uploads.append(non_blocking or not hands[0].cache.is_cuda)
+        return foreach_copy_(dsts, srcs, non_blocking=non_blocking)
+    monkeypatch.setattr(torch, "_foreach_copy_", recorded_foreach)
     want, _ = _capped_decode(model, hand=False, slots=slots)
     assert not took, took                   # the partial path keeps its copies after the group
     steps = 8
