@@ -223,8 +223,8 @@ class AtHand:
         return at
 
     def uploaded(self, ev):
-        """The deferred upload's copy is queued (on the current stream, in the caller's _foreach_copy_); ev: a CUDA event
-        recorded behind it (None on the CPU), which the buffer's reuse waits for instead of one of its own."""
+        """The deferred upload's copy is queued (on the current stream, in the caller's _foreach_copy_); ev: a CUDA
+        event recorded behind it (None on the CPU), which the buffer's reuse waits for instead of one of its own."""
         self._stage_wait[self._deferred_at] = ev
         self.deferred = None
 

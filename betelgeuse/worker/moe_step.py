@@ -974,11 +974,12 @@ class MoEStep:
         stream, in one _foreach_copy_, so stream order puts them after every group that may still read a slot's
         evicted copy (the at-hand groups of this and earlier layers and steps, flex chunk groups, earlier direct
         groups: all on the compute stream; a group graph's first launch on the capture stream is joined back to it:
-        on_side) and before this group; a later layer's at-hand group reads the new table: where a copy was evicted
-        (AtHand.stale) its upload is queued in the same _foreach_copy_ (refresh(defer=True): one call and one event for
-        both; the at-hand table is read by no group of this layer after it, and hand_misses' refresh re-uploads where a
-        later batch of the layer evicts again). The price: such a copy does not overlap the compute queued before it (a decode
-        layer's at-hand group, long done by the time a disk read lands) nor an earlier batch's group of the layer.
+        on_side) and before this group; a later layer's at-hand group reads the new table: where a copy was
+        evicted (AtHand.stale) its upload is queued in the same _foreach_copy_ (refresh(defer=True): one call and one
+        event for both; the at-hand table is read by no group of this layer after it, and hand_misses' refresh
+        re-uploads where a later batch of the layer evicts again). The price: such a copy does not overlap the compute
+        queued before it (a decode layer's at-hand group, long done by the time a disk read lands) nor an earlier
+        batch's group of the layer.
         -> [(CUDA event after their copies, staging slots)]: what _release waits for before the slots go back."""
         cache, flex = self.cache, self.flex
         took = flex.take(l, es)
@@ -1057,9 +1058,9 @@ class MoEStep:
         """The disk experts in batches as they land (module doc, step 4); the last staging slots go back with the next
         message to the store. opened: (bank, experts, their pool offsets) of a bank taken (bank_next) and partly filled
         (a decode miss layer's banked host experts, _hand_misses) with room for the first batch: that batch's copies
-        follow them there and one group computes them all. direct (decode: the pass's snapshot; None otherwise), with the
-        flex cache on: a disk expert the flex cache takes is copied from its staging slot straight into its flex slot and
-        computed there (_direct_group), not through a ring bank and a device-to-device copy after its group
+        follow them there and one group computes them all. direct (decode: the pass's snapshot; None otherwise), with
+        the flex cache on: a disk expert the flex cache takes is copied from its staging slot straight into its flex
+        slot and computed there (_direct_group), not through a ring bank and a device-to-device copy after its group
         (FlexCache.keep: prefill's many experts keep the ring's copy / compute overlap). -> the loads answered from a
         read ahead."""
         cache = self.cache
@@ -1137,7 +1138,7 @@ class MoEStep:
             if later:      # the layer goes on without waiting: they go back once their copies are done (the event;
                 for ev, slots in held:      # a bank's re-recorded later on the same copy stream is later still),
                     self.session.release(slots, later=True, event=ev)   # synchronized at the next message: no query
-                return []      # now (the layer's last copies are just queued: a query here is False, a call for nothing)
+                return []      # now (the layer's last copies are just queued: a query here is False, for nothing)
             done = [hb for hb in held if hb[0].query()]
             rest = [hb for hb in held if hb not in done]
             while rest and sum(len(s) for _, s in rest) > max(keep, 0):
