@@ -133,11 +133,12 @@ def _time_layers(moe, a) -> tuple[list, list, list, list]:
 
 # --split: the functions of a decode layer's expert step timed in place (owner path from the runner, method name)
 SPLIT = [("moe", "hand_misses"), ("moe", "gate_drain"), ("moe", "partial"), ("moe", "_partial"), ("moe", "_hand_all"),
-         ("moe", "_hand_misses"), ("moe", "_disk_groups"), ("moe", "_disk_table"), ("moe", "_to_bank"),
+         ("moe", "_hand_misses"), ("moe", "_disk_groups"), ("moe", "_direct_group"), ("moe", "_disk_table"),
+         ("moe", "_to_bank"),
          ("moe", "_bank_group"), ("moe", "_apply"), ("moe", "_group"), ("moe", "_release"), ("moe", "_read_in_place"),
          ("moe.kern", "apply"), ("moe.group_graphs", "apply"),
          ("moe.cache", "to_bank"), ("moe.cache", "bank_next"), ("moe.cache", "bank_copy"), ("moe.cache", "table"),
-         ("moe.cache", "bank_done"), ("moe.flex", "keep"),
+         ("moe.cache", "bank_done"), ("moe.flex", "keep"), ("moe.flex", "take"),
          ("moe.session", "load"), ("moe.session", "prefetch_start"), ("moe.session", "release"),
          ("moe.session", "flush_releases"), ("moe.guesser", "read_ahead"), ("moe.guesser", "check"),
          ("moe.guesser", "unused"), ("moe.hand", "stale"), ("moe.hand", "refresh"), ("store", "load"),

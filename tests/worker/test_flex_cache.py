@@ -222,3 +222,53 @@ def test_keep_is_the_per_expert_copies_over_random_fills(monkeypatch, device):
             assert torch.equal(f.chunks[c][i * sb:(i + 1) * sb], ref.bytes[s]), (l, e, s)
             assert f.owner[s].tolist() == [l, e]
     assert rewritten > 0 and f.stats.fills > 100, (rewritten, f.stats.fills)
+
+
+def test_take_is_keeps_bookkeeping_without_a_slot_twice_a_call():
+    """FlexCache.take (a decode miss layer's flex slots, taken before the copies: MoEStep._direct_group, whose group
+    reads every slot given) against _PerExpertKeep's bookkeeping with one rule more: a slot is never given twice in
+    one call (keep would evict this call's own copy for a later expert; take answers None, the expert goes through a
+    ring bank). Random calls larger than the cache and with repeats (a held expert: None, the LRU touched); the caller's
+    copies go to slot_view(s). After each call: the held experts, the LRU order, every held slot's bytes, and the slot's
+    address and source (slot_address, slot_source: where the group's table and the torch kernels find it)."""
+    import numpy as np
+
+    from betelgeuse.worker.flex_cache import FlexCache
+    L, E, sb, n_slots = 3, 12, 32, 6
+    f = FlexCache(sb, sb * 3, 2, L, E, torch.device("cpu"))           # 2 chunks of 3 slots: 6, fills evict
+    ref = _PerExpertKeep(sb, n_slots)
+    pool = torch.randint(0, 256, (sb * 16,), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+    rng = np.random.default_rng(12)
+    refused = 0
+    for _ in range(400):
+        layer = int(rng.integers(0, L))
+        n = int(rng.integers(1, 10))                                      # up to 9 > 6 slots
+        es = rng.integers(0, E, n).tolist()                               # repeats allowed
+        offs = [sb * int(i) for i in rng.integers(0, 16, n)]
+        want, mine = [], set()                                            # the reference's answer
+        for e, off in zip(es, offs):
+            if (layer, e) in ref.where:
+                ref.keep(layer, [(e, off)], pool)                         # an LRU move, no copy
+                want.append(None)
+            elif ref.next >= ref.n_slots and ref.lru[0] in mine:
+                want.append(None)                                         # only this call's slots left to evict
+            else:
+                ref.keep(layer, [(e, off)], pool)
+                mine.add(ref.where[(layer, e)])
+                want.append(ref.where[(layer, e)])
+        got = f.take(layer, es)
+        assert got == want, (got, want)
+        refused += sum(s is None and (layer, e) not in ref.where for s, e in zip(got, es))
+        for s, off in zip(got, offs):
+            if s is not None:
+                f.slot_view(s).copy_(pool[off: off + sb])
+        held = {(l, e): int(f.where[l, e]) for l in range(L) for e in range(E) if f.where[l, e] >= 0}
+        assert held == ref.where
+        assert list(f.lru) == ref.lru
+        for (l, e), s in held.items():
+            c, i = divmod(s, f.per_chunk)
+            assert torch.equal(f.chunks[c][i * sb:(i + 1) * sb], ref.bytes[s]), (l, e, s)
+            assert f.slot_address(s) == f.chunks[c].data_ptr() + i * sb
+            t, o = f.slot_source(s)
+            assert t is f.chunks[c] and o == i * sb
+    assert refused > 0 and f.stats.evictions > 50, (refused, f.stats)
