@@ -134,6 +134,8 @@ class AtHand:
         sources are made only on the CPU (the tests' path). defer: the upload's copy is left to the caller, who queues
         `deferred` (dst, src) with its own copies on the current stream and then calls uploaded()."""
         self._defer = defer
+        if self.deferred is not None:       # a deferred upload never queued (its step failed): the device's is stale
+            self.deferred, force = None, True
         c, f = self.cache, self.flex
         if rows is not None:
             self.in_place = self.zero_copy and host_in_place(self.policy, rows, self.types)

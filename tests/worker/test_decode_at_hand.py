@@ -497,3 +497,24 @@ def test_uploads_reuse_their_pinned_buffers_only_after_the_copy_ran(model, monke
         assert log == want and len(waits) == 2 and h.upload_waits == 2, log
     finally:
         close_runner(rn, st)
+
+
+def test_a_deferred_upload_never_queued_is_made_by_the_next_refresh(model):
+    """AtHand.refresh(defer=True) leaves the upload's copy to its caller (MoEStep._direct_group queues it with the flex
+    copies); where the caller never queued it (its step failed in between) the device's table is stale although the
+    host's is current, so the next refresh uploads even where nothing changed since (else it would return at once)."""
+    rn, st = in_process_runner(model, 2, 3, decode_at_hand=True, **CAPPED)
+    try:
+        kv = rn.new_cache(64)
+        rn.forward(prompt(24, V, seed=5), kv)
+        h, snap = rn.moe.hand, rn.session.snap
+        h.refresh(snap, rows=1, force=True)
+        assert torch.equal(h.dev, torch.from_numpy(h.host))
+        assert not h.refresh(snap)                       # nothing changed: no upload
+        h.dev.fill_(-1)                                  # the device's table out of date (what an upload fixes)
+        h.refresh(snap, force=True, defer=True)
+        assert h.deferred is not None and not torch.equal(h.dev, torch.from_numpy(h.host))
+        assert h.refresh(snap) and h.deferred is None    # never queued: uploaded now
+        assert torch.equal(h.dev, torch.from_numpy(h.host))
+    finally:
+        close_runner(rn, st)
