@@ -97,10 +97,11 @@ class RoutingSync:
                 self.host, self._dst = self.buf.numpy(), {}
             dst = self._dst.get((E, n))
             if dst is None:
-                dst = self._dst[E, n] = (self.buf[:E], self.buf[E:n])
-            dst[0].copy_(counts, non_blocking=True)
-            if guess is not None:
-                dst[1].copy_(guess.reshape(-1), non_blocking=True)
+                dst = self._dst[E, n] = [self.buf[:E], self.buf[E:n]]
+            if guess is None:
+                dst[0].copy_(counts, non_blocking=True)
+            else:       # one call for both (foreach's per-tensor path: a non-blocking copy_ each, on this stream)
+                torch._foreach_copy_(dst, [counts, guess.reshape(-1)], non_blocking=True)
             self.event.record(current_stream(None))     # the current stream, as record() takes (kernels/streams.py)
 
     def finish(self) -> tuple[np.ndarray, Marks | None]:
