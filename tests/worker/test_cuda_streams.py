@@ -154,6 +154,29 @@ def test_bank_done_and_routing_sync_record_on_the_current_stream(runner):
     _idle()
 
 
+def test_mark_and_routing_sync_with_guesses_on_the_current_stream(runner):
+    """ExpertCache.mark (the event of a decode miss layer's flex copies, queued on the compute stream:
+    MoEStep._direct_group) records on the current stream; RoutingSync.start's one _foreach_copy_ of the counts and the
+    guesses runs there too, behind the stream's work, and lands both."""
+    cache, sync = runner.session.cache, runner.moe.sync
+    E = runner.mcfg.n_expert
+    side = torch.cuda.Stream()
+    counts = torch.arange(E, dtype=torch.int64, device="cuda")
+    guess = (torch.arange(2 * 3 * 4, dtype=torch.int64, device="cuda") * 5 % E).reshape(2, 3, 4)
+    sync.start(counts, guess)           # its pinned buffer made here, not behind the sleep
+    sync.finish()
+    _idle()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP)
+        ev = cache.mark()
+        later = counts * 3                                         # made behind the sleep
+        sync.start(later, guess)
+        assert not ev.query() and not sync.event.query()           # recorded behind side's sleep
+    c, marks = sync.finish()
+    assert c.tolist() == (counts * 3).tolist() and marks.ids == guess.tolist()
+    _idle()
+
+
 def test_layer_timing_events_on_the_current_stream(runner):
     from betelgeuse.worker.stats import LayerStats
     clock = runner.clock
@@ -181,7 +204,8 @@ if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as d, _open_runner(Path(d)) as rn:
         for t in (test_bank_copy_on_the_copy_stream_and_back, test_bank_copy_carries_its_table_on_the_copy_stream,
                   test_bank_done_and_routing_sync_record_on_the_current_stream,
+                  test_mark_and_routing_sync_with_guesses_on_the_current_stream,
                   test_layer_timing_events_on_the_current_stream):
             t(rn)
             print("ok", t.__name__)
-    print("test_cuda_streams: 6 passed")
+    print("test_cuda_streams: 7 passed")
