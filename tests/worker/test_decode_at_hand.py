@@ -345,10 +345,10 @@ CAPPED = dict(flex_cache=True, max_running=2, max_context=1024, staging_slots=6,
               decode_consolidate_every=0)
 
 
-def _capped_decode(model, hand: bool, steps: int = 8, on_runner=None, slots: int = 4):
+def _capped_decode(model, hand: bool, steps: int = 8, on_runner=None, slots: int = 4, **extra):
     """Greedy solo decode after a prompt with the flex cache capped at `slots` (fills evict) -> (logits [steps, V],
-    the flex stats); on_runner(rn) before the prompt."""
-    rn, st = in_process_runner(model, 2, 3, decode_at_hand=hand, **CAPPED)
+    the flex stats); on_runner(rn) before the prompt; extra: more engine settings."""
+    rn, st = in_process_runner(model, 2, 3, decode_at_hand=hand, **CAPPED, **extra)
     try:
         if on_runner is not None:
             on_runner(rn)
@@ -369,7 +369,8 @@ def _capped_decode(model, hand: bool, steps: int = 8, on_runner=None, slots: int
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "deepseek4"])
 @pytest.mark.parametrize("slots", [2, 4])
-def test_flex_evictions_refresh_the_table_without_blocking_the_host(model, ds4, monkeypatch, arch, slots):
+@pytest.mark.parametrize("host", ["auto", "never"])
+def test_flex_evictions_refresh_the_table_without_blocking_the_host(model, ds4, monkeypatch, arch, slots, host):
     """A decode layer whose disk expert evicts a flex copy refreshes the at-hand table inside the step
     (MoEStep.hand_misses: a later layer's group must not read the rewritten slot), and every upload of the table is
     non-blocking: a copy_ from pageable memory with non_blocking False synchronizes the CUDA stream, so the host
@@ -378,7 +379,10 @@ def test_flex_evictions_refresh_the_table_without_blocking_the_host(model, ds4, 
     are the partial path's bits with the same capped cache (the partial path copies a disk expert through a ring bank
     and keeps a flex copy after its group, FlexCache.keep; the at-hand path's miss layers copy it from its staging
     slot straight into the flex slot FlexCache.take gives and compute it there, MoEStep._direct_group, which must
-    have run: with 2 slots some of a layer's disk experts find none and go through a bank in the same group)."""
+    have run: with 2 slots some of a layer's disk experts find none and go through a bank in the same group; with the
+    host experts banked, host_in_place "never", their bank is opened before the disk experts land and the group reads
+    both: that must have run too)."""
+    from betelgeuse.worker.moe_step import MoEStep
     from betelgeuse.worker.flex_cache import FlexCache
     model = {"qwen3moe": model, "deepseek4": ds4}[arch]
     uploads, hands, took = [], [], Counter()
@@ -391,6 +395,12 @@ def test_flex_evictions_refresh_the_table_without_blocking_the_host(model, ds4, 
         took["bank"] += sum(s is None for s in out)
         return out
     monkeypatch.setattr(FlexCache, "take", counted_take)
+    direct = MoEStep._direct_group
+
+    def counted_direct(self, l, r, es, srcs, slots, timing, opened, ls, snap):
+        took["opened"] += opened is not None
+        return direct(self, l, r, es, srcs, slots, timing, opened, ls, snap)
+    monkeypatch.setattr(MoEStep, "_direct_group", counted_direct)
 
     def recorded(self, src, non_blocking=False):
         if any(self is h.dev for h in hands):
@@ -406,12 +416,12 @@ def test_flex_evictions_refresh_the_table_without_blocking_the_host(model, ds4, 
             uploads.append(non_blocking or not hands[0].cache.is_cuda)
         return foreach_copy_(dsts, srcs, non_blocking=non_blocking)
     monkeypatch.setattr(torch, "_foreach_copy_", recorded_foreach)
-    want, _ = _capped_decode(model, hand=False, slots=slots)
+    want, _ = _capped_decode(model, hand=False, slots=slots, host_in_place=host)
     assert not took, took                   # the partial path keeps its copies after the group
     steps = 8
     got, stats = _capped_decode(model, hand=True, steps=steps, on_runner=lambda rn: hands.append(rn.moe.hand),
-                                slots=slots)
-    assert stats.evictions > 0 and took["flex"] > 0, (stats, took)
+                                slots=slots, host_in_place=host)
+    assert stats.evictions > 0 and took["flex"] > 0 and (took["opened"] > 0) == (host == "never"), (stats, took)
     n = len(uploads)
     assert n > steps + 1, (n, stats)        # the prompt's and each step's start, and at least one inside a step
     assert all(uploads), uploads
