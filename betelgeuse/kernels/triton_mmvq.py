@@ -33,13 +33,14 @@ candidates keep it under sm_90's 255.
                  first at byte 2: two overlapping loads)
   MXFP4  128     4 blocks (68 B, 17 words; quants at      block, word, nibble   32 a + 16 (c % 2) + 4 b + c // 2
                  byte 17 a + 1: funnel shifts of words)
-  Q4_K   256     1 super-block (144 B: 4 header words,    2 group + nibble      32 a + 8 b + c (the element
-                 32 qs words; 2 consecutive per thread:   half, word pair,      order: the tile's low / high
-                 one 8-byte load)                         byte                  nibble halves are 32-runs)
+  Q4_K   256     1 super-block (144 B: 4 header words,    2 group + nibble      32 a + 16 b + c: element
+                 32 qs words; 4 consecutive of a group    half, word quad,      order (a group's low / high
+                 per thread: one 16-byte load)            byte                  nibbles are 32-element runs)
   Q5_K   256     1 super-block (176 B: + 8 qh words)      as Q4_K               as Q4_K
-(Positions in row-major tile order. Q4_K / Q5_K before issue 23's kq54: tile [4, 8, 8] = group, word, nibble,
+(Positions in row-major tile order. Q4_K / Q5_K until issue 23's kq54: tile [4, 8, 8] = group, word, nibble,
 element 64 a + 32 (c % 2) + 4 b + c // 2: the same weight floats, another tree order, so other bits.) Requires rows
-at 4-byte multiples (aligned parts, row bytes % 4 == 0) and K a multiple of S; triton_moe.mv_ok checks, and the launch takes the MMA path otherwise.
+at 4-byte multiples (aligned parts, row bytes % 4 == 0) and K a multiple of S; triton_moe.mv_ok checks, and the
+launch takes the MMA path otherwise.
 """
 
 from __future__ import annotations
@@ -177,6 +178,13 @@ def _int_f32(i):
 
 
 @triton.jit
+def _kq5(v, u: tl.constexpr, at: tl.constexpr, mask: tl.constexpr, al, be):
+    """al f + be of the quant (v >> 8 u) & mask placed at mantissa bit `at` (f = 1 + q / 2^(23 - at)): _kq's floats,
+    with Q5_K's fifth bit merged into the byte beforehand (one shift and mask a weight)."""
+    return al * _unit(((v >> (8 * u)) & mask) << at) + be
+
+
+@triton.jit
 def _k_tile(pool, ra, kk, mn, QT: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
     """Q4_K / Q5_K step (one super-block a row): float32 [BN, 8, D2, D3], position (g, p, j) = element 32 g + D3 p + j
     (g = 2 a + h: the low (h 0) / high (h 1) nibbles of 32-byte group a; byte D3 p + j of the group). Each thread
@@ -197,7 +205,7 @@ def _k_tile(pool, ra, kk, mn, QT: tl.constexpr, D1: tl.constexpr, D2: tl.constex
         q = tl.load((pool + b + 48).to(tl.pointer_type(tl.int32)) + a * 8 + pw, mask=m, other=0)
         # the 5th bit of the quant of qs byte c's nibble h: qh[c] bit 2 a + h, i.e. of qh word c // 4 (the qs word's
         # index in its group) bit 8 (c % 4) + 2 a + h
-        qh = tl.load((pool + b + 16).to(tl.pointer_type(tl.int32)) + pw, mask=m, other=0) >> (2 * a)
+        qh = tl.load((pool + b + 16).to(tl.pointer_type(tl.int32)) + pw, mask=m, other=0)
         S: tl.constexpr = 32.0                      # f = 1 + q/32
     b1, b2, b3, d, dm = k_head(pool, b, m, a)       # [BN, 4, 1, 1]
     lo = a < 2                                      # sub-blocks 2a, 2a + 1 < 4
@@ -209,9 +217,15 @@ def _k_tile(pool, ra, kk, mn, QT: tl.constexpr, D1: tl.constexpr, D2: tl.constex
         sc, mi = k_scale_min_of(c1, c2, c3, lo)
         al = S * (d * _int_f32(sc))
         be = -(al + dm * _int_f32(mi))
-        # byte u of each word: nibble n = 2 u + h of _kq
-        t = tl.reshape(_join4(_kq(q, qh, h, al, be, QT), _kq(q, qh, 2 + h, al, be, QT),
-                              _kq(q, qh, 4 + h, al, be, QT), _kq(q, qh, 6 + h, al, be, QT)), (q.shape[0], 4, D2, D3))
+        if QT == 5:                                 # byte u's nibble h: (q >> 8 u + 4 h) & 15 at mantissa bits 19-22
+            v = q >> (4 * h)
+            t = _join4(_kq5(v, 0, 19, 15, al, be), _kq5(v, 1, 19, 15, al, be), _kq5(v, 2, 19, 15, al, be),
+                       _kq5(v, 3, 19, 15, al, be))
+        else:                                       # the 4 bytes' 5-bit quants q + 16 qh bit, bits 18-22
+            v = ((q >> (4 * h)) & 0x0F0F0F0F) | (((qh >> (2 * a + h)) << 4) & 0x10101010)
+            t = _join4(_kq5(v, 0, 18, 31, al, be), _kq5(v, 1, 18, 31, al, be), _kq5(v, 2, 18, 31, al, be),
+                       _kq5(v, 3, 18, 31, al, be))
+        t = tl.reshape(t, (q.shape[0], 4, D2, D3))
         ws = ws + (t,)
     # [BN, 4, D2, D3, 2] -> (a, h, p, j)
     w = tl.permute(tl.join(ws[0], ws[1]), (0, 1, 4, 2, 3))

@@ -2,11 +2,11 @@
 
 triton_mmvq's programs load and decode a K step of BN weight rows once and apply it to BM activation rows in turn,
 each row with its own accumulator and the same fused multiply-adds and pairwise tree as a program of one row. For
-each type given (default Q8_0, MXFP4; Q4_K, Q5_K at K 256): one expert with 16 rows (16 tokens, top-1) and a second one with 3, run with
-BM = 3 and 16 rows a program (a different BN each) on the first 1 or 3 and all 16 tokens of the launch (CASES); every
-output row must be bit-identical to the same row of the 1-row-a-program full launch, and within float noise of
-gguf-py's dequantized experts (numpy, float64 SwiGLU). Prints one JSON line {type: {"mismatch": [[BM, tokens], ...],
-"mv_taken", "max_abs", "scale", "K"}}.
+each type given (default Q8_0, MXFP4, at K 128; Q4_K, Q5_K at K 256, one super-block): one expert with 16 rows (16
+tokens, top-1) and a second one with 3, run with BM = 3 and 16 rows a program (a different BN each) on the first 1
+or 3 and all 16 tokens of the launch (CASES); every output row must be bit-identical to the same row of the
+1-row-a-program full launch, and within float noise of gguf-py's dequantized experts (numpy, float64 SwiGLU).
+Prints one JSON line {type: {"mismatch": [[BM, tokens], ...], "mv_taken", "max_abs", "scale", "K"}}.
 
     mmvq_rows_check.py [TYPE ...]
 """

@@ -52,7 +52,8 @@ CLASSES = {                        # opcode (before the first '.') -> class
     "I2F": "cvt", "I2FP": "cvt", "F2F": "cvt", "F2FP": "cvt", "F2I": "cvt", "HADD2": "f16", "HMUL2": "f16",
     "FFMA": "ffma", "FMUL": "fmul", "FADD": "fadd", "FSEL": "fsel", "FMNMX": "fsel",
     "LOP3": "alu", "SHF": "alu", "PRMT": "alu", "SGXT": "alu", "IADD3": "alu", "LEA": "addr", "IMAD": "imad",
-    "LDG": "ldg", "HMMA": "mma", "HGMMA": "mma", "LDS": "lds", "LDSM": "lds", "STS": "sts", "STSM": "sts", "BAR": "bar", "MOV": "mov",
+    "LDG": "ldg", "HMMA": "mma", "HGMMA": "mma", "LDS": "lds", "LDSM": "lds", "STS": "sts", "STSM": "sts",
+    "BAR": "bar", "MOV": "mov",
     "CS2R": "mov", "SEL": "sel", "ISETP": "setp", "FSETP": "setp",
 }
 
