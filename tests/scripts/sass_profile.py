@@ -20,9 +20,9 @@ the SASS instructions by class and divides by the weight bytes the program reads
     sass_profile.py [--types Q4_K,Q5_K,Q6_K,Q8_0,MXFP4] [--kernels gate_up,down] [--scheds mmvq,table]
                     [--mv BN,warps[,stages]] [--json] [--dump DIR]
 
-Two schedules per type: `mmvq` (the decode schedule, triton_mmvq, MV = 1, the roofline's fastest one-row config:
-BN 4 x 1 row a program, 2 warps; --mv another) where the type has it, and `table` (the shipped launch of the rows-1 bucket:
-triton_tuning.json). Prints a markdown table; --json one JSON line; --dump writes each kernel's SASS.
+Two schedules per type: `mmvq` (the decode schedule, triton_mmvq, MV = 1, gpu-run24's fastest one-row config: BN 4
+x 1 row a program, 2 warps; --mv another) where the type has it, and `table` (the shipped launch of the rows-1
+bucket: triton_tuning.json). Prints a markdown table; --json one JSON line; --dump writes each kernel's SASS.
 Static counts only: latency, occupancy and the memory system are not modelled (the device measures GB/s:
 deploy/device/kernel_roofline.py).
 """
