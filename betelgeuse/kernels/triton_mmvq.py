@@ -123,9 +123,13 @@ def _kq(v, qh, n: tl.constexpr, al, be, QT: tl.constexpr):
 
 @triton.jit
 def _e2m1(v, n: tl.constexpr, d):
-    """d x the doubled e2m1 value of the 4-bit code n of words v: 2^127 x the float32 with bits s<<31 | eem<<22."""
-    q = v >> (4 * n)
-    e = ((q << 22) & 0x01C00000) | ((q << 28) & -2147483648)
+    """d x the doubled e2m1 value of the 4-bit code n of words v: 2^127 x the float32 with bits s<<31 | eem<<22.
+    Each field shifted from v straight to its place (one shift each, not a shift to bit 0 first: 4 ops a weight)."""
+    if 4 * n <= 22:
+        eem = v << (22 - 4 * n)
+    else:
+        eem = v >> (4 * n - 22)                     # (arithmetic: bits 22-24 are v's 4n .. 4n + 2 all the same)
+    e = (eem & 0x01C00000) | ((v << (28 - 4 * n)) & -2147483648)
     return (e.to(tl.float32, bitcast=True) * 1.7014118346046923e38) * d
 
 
