@@ -163,8 +163,8 @@ def mv_weights(pool, ra, kk, mn, QT: tl.constexpr, D1: tl.constexpr, D2: tl.cons
         lo = _word(pool, b + (o // 4) * 4, m)
         hi = _word(pool, b + (o // 4) * 4 + 4, m)
         s = (o % 4) * 8                             # 8, 16, 24, or 0 (block 3: word-aligned)
-        t = tl.where(s == 0, 8, s)                  # (no shift by 32)
-        v = tl.where(s == 0, lo, ((lo >> t) & ((1 << (32 - t)) - 1)) | (hi << (32 - t)))
+        # bytes o .. o + 3 = the 64-bit hi:lo shifted right by s (a funnel shift: one SHF.R.U64-style op)
+        v = ((((hi.to(tl.int64) << 32) | (lo.to(tl.int64) & 0xFFFFFFFF)) >> s.to(tl.int64)) & 0xFFFFFFFF).to(tl.int32)
         e8 = (_word(pool, b + a * 16, m) >> (a * 8)) & 255          # block a's byte 17 a: word 4 a, byte a
         # E8M0 -> 2^(e-128) as float32 bits (ggml_e8m0_to_fp32_half): subnormal for e < 2
         d = tl.where(e8 < 2, (e8 + 1) * 0x00200000, (e8 - 1) << 23).to(tl.float32, bitcast=True)    # [BN, 4, 1]
