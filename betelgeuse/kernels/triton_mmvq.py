@@ -33,11 +33,14 @@ candidates keep it under sm_90's 255.
                  first at byte 2: two overlapping loads)
   MXFP4  128     4 blocks (68 B, 17 words; quants at      block, word, nibble   32 a + 16 (c % 2) + 4 b + c // 2
                  byte 17 a + 1: funnel shifts of words)
-  Q4_K   256     1 super-block (144 B: 4 header words,    group, word, nibble   64 a + 32 (c % 2) + 4 b + c // 2
-                 32 qs words)
-  Q5_K   256     1 super-block (176 B: + 8 qh words)      group, word, nibble   as Q4_K
-(Positions in row-major tile order.) Requires rows at 4-byte multiples (aligned parts, row bytes % 4 == 0) and K
-a multiple of S; triton_moe.mv_ok checks, and the launch takes the MMA path otherwise.
+  Q4_K   256     1 super-block (144 B: 4 header words,    2 group + nibble      32 a + 16 b + c: element
+                 32 qs words; 4 consecutive of a group    half, word quad,      order (a group's low / high
+                 per thread: one 16-byte load)            byte                  nibbles are 32-element runs)
+  Q5_K   256     1 super-block (176 B: + 8 qh words)      as Q4_K               as Q4_K
+(Positions in row-major tile order. Q4_K / Q5_K until issue 23's kq54: tile [4, 8, 8] = group, word, nibble,
+element 64 a + 32 (c % 2) + 4 b + c // 2: the same weight floats, another tree order, so other bits.) Requires rows
+at 4-byte multiples (aligned parts, row bytes % 4 == 0) and K a multiple of S; triton_moe.mv_ok checks, and the
+launch takes the MMA path otherwise.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ import triton.language as tl
 from betelgeuse.kernels.triton_quants import _unit, k_scale_min_of
 
 # the tile of one K step per kernel type code (triton_quants.QT_CODES): [D1, D2, D3] positions, S = their product
-DIMS = {0: (2, 8, 4), 4: (4, 4, 8), 5: (4, 8, 8), 6: (4, 8, 8)}          # Q8_0, MXFP4, Q4_K, Q5_K
+DIMS = {0: (2, 8, 4), 4: (4, 4, 8), 5: (8, 2, 16), 6: (8, 2, 16)}          # Q8_0, MXFP4, Q4_K, Q5_K
 STEP = {qt: d[0] * d[1] * d[2] for qt, d in DIMS.items()}
 
 
@@ -90,8 +93,8 @@ def mv_cols(QT: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constex
         return a * 32 + b * 4 + c
     elif QT == 4:                                   # block a, word b, nibble c (byte c // 2, high c % 2)
         return a * 32 + (c % 2) * 16 + b * 4 + c // 2
-    else:                                           # Q4_K / Q5_K: 32-byte group a, word b, nibble c
-        return a * 64 + (c % 2) * 32 + b * 4 + c // 2
+    else:                                           # Q4_K / Q5_K: (2 group + high nibble) a, bytes b, c
+        return a * (D2 * D3) + b * D3 + c
 
 
 @triton.jit
@@ -120,9 +123,13 @@ def _kq(v, qh, n: tl.constexpr, al, be, QT: tl.constexpr):
 
 @triton.jit
 def _e2m1(v, n: tl.constexpr, d):
-    """d x the doubled e2m1 value of the 4-bit code n of words v: 2^127 x the float32 with bits s<<31 | eem<<22."""
-    q = v >> (4 * n)
-    e = ((q << 22) & 0x01C00000) | ((q << 28) & -2147483648)
+    """d x the doubled e2m1 value of the 4-bit code n of words v: 2^127 x the float32 with bits s<<31 | eem<<22.
+    Each field shifted from v straight to its place (one shift each, not a shift to bit 0 first: 4 ops a weight)."""
+    if 4 * n <= 22:
+        eem = v << (22 - 4 * n)
+    else:
+        eem = v >> (4 * n - 22)                     # (arithmetic: bits 22-24 are v's 4n .. 4n + 2 all the same)
+    e = (eem & 0x01C00000) | ((v << (28 - 4 * n)) & -2147483648)
     return (e.to(tl.float32, bitcast=True) * 1.7014118346046923e38) * d
 
 
@@ -156,43 +163,77 @@ def mv_weights(pool, ra, kk, mn, QT: tl.constexpr, D1: tl.constexpr, D2: tl.cons
         lo = _word(pool, b + (o // 4) * 4, m)
         hi = _word(pool, b + (o // 4) * 4 + 4, m)
         s = (o % 4) * 8                             # 8, 16, 24, or 0 (block 3: word-aligned)
-        t = tl.where(s == 0, 8, s)                  # (no shift by 32)
-        v = tl.where(s == 0, lo, ((lo >> t) & ((1 << (32 - t)) - 1)) | (hi << (32 - t)))
+        # bytes o .. o + 3 = the 64-bit hi:lo shifted right by s (a funnel shift: one SHF.R.U64-style op)
+        v = ((((hi.to(tl.int64) << 32) | (lo.to(tl.int64) & 0xFFFFFFFF)) >> s.to(tl.int64)) & 0xFFFFFFFF).to(tl.int32)
         e8 = (_word(pool, b + a * 16, m) >> (a * 8)) & 255          # block a's byte 17 a: word 4 a, byte a
         # E8M0 -> 2^(e-128) as float32 bits (ggml_e8m0_to_fp32_half): subnormal for e < 2
         d = tl.where(e8 < 2, (e8 + 1) * 0x00200000, (e8 - 1) << 23).to(tl.float32, bitcast=True)    # [BN, 4, 1]
         return _join8(_e2m1(v, 0, d), _e2m1(v, 1, d), _e2m1(v, 2, d), _e2m1(v, 3, d),
                       _e2m1(v, 4, d), _e2m1(v, 5, d), _e2m1(v, 6, d), _e2m1(v, 7, d))
-    else:
-        if QT == 5:                                 # Q4_K: f16 d | f16 dmin | scales[12] | qs[128] (144 B)
-            b = r + (kk // 256) * 144
-            q = _word(pool, b + 16 + (a * 8 + bb) * 4, m)               # [BN, 4, 8] qs words
-            qh = q                                  # (unused)
-            S: tl.constexpr = 16.0                  # f = 1 + q/16
-        else:                                       # Q5_K: f16 d | f16 dmin | scales[12] | qh[32] | qs[128] (176 B)
-            b = r + (kk // 256) * 176
-            q = _word(pool, b + 48 + (a * 8 + bb) * 4, m)
-            # the 5th bit of the quant of qs byte c's nibble hi: qh[c % 32] bit 2 (c // 32) + hi, i.e. of qh word bb
-            # (c % 32 = 4 bb + byte) bit 8 byte + 2 a + hi
-            qh = _word(pool, b + 16 + bb * 4, m) >> (2 * a)              # [BN, 4, 8]
-            S: tl.constexpr = 32.0                  # f = 1 + q/32
-        # sub-blocks 2a (low nibbles), 2a + 1: scales bytes (2a) % 4, +1
-        b1, b2, b3, d, dm = k_head(pool, b, m, a)
-        lo = a < 2                                  # j < 4
-        als, bes = (), ()
-        for h in tl.static_range(2):                # w = d sc q - dmin m = al f - (al + dmin m), f = 1 + q/S
-            c1 = (b1 >> (8 * h)) & 255
-            c2 = (b2 >> (8 * h)) & 255
-            c3 = (b3 >> (8 * h)) & 255
-            sc, mi = k_scale_min_of(c1, c2, c3, lo)                                      # [BN, 4, 1]
-            sc, mi = sc.to(tl.float32), mi.to(tl.float32)
-            al = S * (d * sc)
-            als = als + (al,)
-            bes = bes + (-(al + dm * mi),)
-        return _join8(_kq(q, qh, 0, als[0], bes[0], QT), _kq(q, qh, 1, als[1], bes[1], QT),
-                      _kq(q, qh, 2, als[0], bes[0], QT), _kq(q, qh, 3, als[1], bes[1], QT),
-                      _kq(q, qh, 4, als[0], bes[0], QT), _kq(q, qh, 5, als[1], bes[1], QT),
-                      _kq(q, qh, 6, als[0], bes[0], QT), _kq(q, qh, 7, als[1], bes[1], QT))
+    else:                                           # Q4_K / Q5_K
+        return _k_tile(pool, ra, kk, mn, QT, D1, D2, D3)
+
+
+@triton.jit
+def _int_f32(i):
+    """float32 of int32 0 <= i < 2^23 exactly, without I2F (a quarter-rate conversion on sm_90): the float with
+    exponent 2^23 and i in its mantissa is 2^23 + i, minus 2^23 (one LOP3 + one FADD, both full rate)."""
+    return (i | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _kq5(v, u: tl.constexpr, at: tl.constexpr, mask: tl.constexpr, al, be):
+    """al f + be of the quant (v >> 8 u) & mask placed at mantissa bit `at` (f = 1 + q / 2^(23 - at)): _kq's floats,
+    with Q5_K's fifth bit merged into the byte beforehand (one shift and mask a weight)."""
+    return al * _unit(((v >> (8 * u)) & mask) << at) + be
+
+
+@triton.jit
+def _k_tile(pool, ra, kk, mn, QT: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
+    """Q4_K / Q5_K step (one super-block a row): float32 [BN, 8, D2, D3], position (g, p, j) = element 32 g + D3 p + j
+    (g = 2 a + h: the low (h 0) / high (h 1) nibbles of 32-byte group a; byte D3 p + j of the group). Each thread
+    loads W = D3 / 4 consecutive qs words of one group (one 8- or 16-byte load) and unpacks both nibble halves, so
+    its weights are two runs of D3 consecutive elements (the activations' loads vectorize too) and a group's scales
+    are decoded once per thread for 4 W x 8 weights."""
+    W: tl.constexpr = D3 // 4
+    a = tl.arange(0, 4)[None, :, None, None]
+    pw = tl.arange(0, D2)[None, None, :, None] * W + tl.arange(0, W)[None, None, None, :]       # word in group
+    m = mn[:, None, None, None]
+    if QT == 5:                                     # Q4_K: f16 d | f16 dmin | scales[12] | qs[128] (144 B)
+        b = ra[:, None, None, None] + (kk // 256) * 144
+        q = tl.load((pool + b + 16).to(tl.pointer_type(tl.int32)) + a * 8 + pw, mask=m, other=0)   # [BN, 4, D2, W]
+        qh = q                                      # (unused)
+        S: tl.constexpr = 16.0                      # f = 1 + q/16
+    else:                                           # Q5_K: f16 d | f16 dmin | scales[12] | qh[32] | qs[128] (176 B)
+        b = ra[:, None, None, None] + (kk // 256) * 176
+        q = tl.load((pool + b + 48).to(tl.pointer_type(tl.int32)) + a * 8 + pw, mask=m, other=0)
+        # the 5th bit of the quant of qs byte c's nibble h: qh[c] bit 2 a + h, i.e. of qh word c // 4 (the qs word's
+        # index in its group) bit 8 (c % 4) + 2 a + h
+        qh = tl.load((pool + b + 16).to(tl.pointer_type(tl.int32)) + pw, mask=m, other=0)
+        S: tl.constexpr = 32.0                      # f = 1 + q/32
+    b1, b2, b3, d, dm = k_head(pool, b, m, a)       # [BN, 4, 1, 1]
+    lo = a < 2                                      # sub-blocks 2a, 2a + 1 < 4
+    ws = ()
+    for h in tl.static_range(2):                    # w = d sc q - dmin m = al f - (al + dmin m), f = 1 + q/S
+        c1 = (b1 >> (8 * h)) & 255
+        c2 = (b2 >> (8 * h)) & 255
+        c3 = (b3 >> (8 * h)) & 255
+        sc, mi = k_scale_min_of(c1, c2, c3, lo)
+        al = S * (d * _int_f32(sc))
+        be = -(al + dm * _int_f32(mi))
+        if QT == 5:                                 # byte u's nibble h: (q >> 8 u + 4 h) & 15 at mantissa bits 19-22
+            v = q >> (4 * h)
+            t = _join4(_kq5(v, 0, 19, 15, al, be), _kq5(v, 1, 19, 15, al, be), _kq5(v, 2, 19, 15, al, be),
+                       _kq5(v, 3, 19, 15, al, be))
+        else:                                       # the 4 bytes' 5-bit quants q + 16 qh bit, bits 18-22
+            v = ((q >> (4 * h)) & 0x0F0F0F0F) | (((qh >> (2 * a + h)) << 4) & 0x10101010)
+            t = _join4(_kq5(v, 0, 18, 31, al, be), _kq5(v, 1, 18, 31, al, be), _kq5(v, 2, 18, 31, al, be),
+                       _kq5(v, 3, 18, 31, al, be))
+        t = tl.reshape(t, (q.shape[0], 4, D2, D3))
+        ws = ws + (t,)
+    # [BN, 4, D2, D3, 2] -> (a, h, p, j)
+    w = tl.permute(tl.join(ws[0], ws[1]), (0, 1, 4, 2, 3))
+    return tl.reshape(w, (q.shape[0], 8, D2, D3))
 
 
 @triton.jit

@@ -126,6 +126,12 @@ CONFIGS = [
      "num_stages": 1},
     {"BK": 256, "KC": 1024, "MV": 1, "BM_MV": 16, "BN": 4, "BN_GATE_UP": 2, "SPLIT": 0, "num_warps": 2,
      "num_stages": 1},
+    # one row a program with more weight rows a thread (issue 23, kq54): Q4_K / Q5_K load a group's 4 qs words a
+    # thread (LDG.128) once BN x 32 words fill the threads 4 deep; tests/scripts/sass_profile.py --mv 16,2: 0.38-0.40
+    # warp instructions per weight byte (BN 4 x 2 warps: 0.47-0.55)
+    {"BK": 256, "KC": 0, "MV": 1, "BM_MV": 1, "BN": 16, "BN_GATE_UP": 16, "SPLIT": 0, "num_warps": 2, "num_stages": 1},
+    {"BK": 256, "KC": 0, "MV": 1, "BM_MV": 1, "BN": 8, "BN_GATE_UP": 8, "SPLIT": 0, "num_warps": 2, "num_stages": 1},
+    {"BK": 256, "KC": 0, "MV": 1, "BM_MV": 1, "BN": 32, "BN_GATE_UP": 32, "SPLIT": 0, "num_warps": 4, "num_stages": 1},
 ]
 for _c in CONFIGS:                  # the MMA path's entries: MV 0 (BM_MV, a key of the decode schedule, unused)
     _c.setdefault("MV", 0)

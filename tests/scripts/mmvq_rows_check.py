@@ -2,11 +2,11 @@
 
 triton_mmvq's programs load and decode a K step of BN weight rows once and apply it to BM activation rows in turn,
 each row with its own accumulator and the same fused multiply-adds and pairwise tree as a program of one row. For
-each type given (default Q8_0, MXFP4): one expert with 16 rows (16 tokens, top-1) and a second one with 3, run with
-BM = 3 and 16 rows a program (a different BN each) on the first 1 or 3 and all 16 tokens of the launch (CASES); every
-output row must be bit-identical to the same row of the 1-row-a-program full launch, and within float noise of
-gguf-py's dequantized experts (numpy, float64 SwiGLU). Prints one JSON line {type: {"mismatch": [[BM, tokens], ...],
-"mv_taken", "max_abs", "scale", "K"}}.
+each type given (default Q8_0, MXFP4, at K 128; Q4_K, Q5_K at K 256, one super-block): one expert with 16 rows (16
+tokens, top-1) and a second one with 3, run with BM = 3 and 16 rows a program (a different BN each) on the first 1
+or 3 and all 16 tokens of the launch (CASES); every output row must be bit-identical to the same row of the
+1-row-a-program full launch, and within float noise of gguf-py's dequantized experts (numpy, float64 SwiGLU).
+Prints one JSON line {type: {"mismatch": [[BM, tokens], ...], "mv_taken", "max_abs", "scale", "K"}}.
 
     mmvq_rows_check.py [TYPE ...]
 """
@@ -28,7 +28,8 @@ from betelgeuse.kernels import triton_moe  # noqa: E402
 from betelgeuse.kernels.moe import Group, MoEKernels, pack_experts  # noqa: E402
 from betelgeuse.kernels.triton_quants import QT_CODES  # noqa: E402
 
-E, H, FF, T = 2, 128, 128, 19          # K = 128: one MXFP4 step, two Q8_0 steps
+E, T = 2, 19
+KS = {"Q4_K": 256, "Q5_K": 256}        # H = FF = K: one step of a super-block type; else 128: one MXFP4 step, two Q8_0
 PROGRAMS = {1: 64, 3: 32, 16: 128}     # rows a program (BM_MV) -> output rows a program (BN)
 # (BM, tokens), each against the same rows of the 1-row-a-program launch of 16 tokens: one row in a block of 3,
 # 16 + 3 rows in blocks of 3 (the last of expert 0 partial), 3 rows in a block of 16, 16 + 3 rows in blocks of 16
@@ -40,6 +41,7 @@ CASES = ((3, 1), (3, 16), (16, 3), (16, 16))
 def check(name: str) -> dict:
     qt = int(QT[name])
     code = QT_CODES[qt]
+    H = FF = KS.get(name, 128)
     rng = np.random.default_rng(qt)
     shapes = [(FF, H), (FF, H), (H, FF)]
     raw = [[quantize(rng.standard_normal(s).astype(np.float32) * (1.0 if k < 2 else 0.1), qt, s, rng, 1.0)
