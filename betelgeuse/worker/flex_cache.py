@@ -255,13 +255,7 @@ class FlexCache:
             dsts.append(slot_views[s])
             srcs.append(pool[int(off): int(off) + sb] if views is None else views[n])
             slots.append(s)
-            where[e] = s
-            self.copies[layer].add(e)
-            self._log(int(layer), e)
-            self.version += 1
-            self.owner[s] = (layer, e)
-            lru[s] = None
-            self.stats.fills += 1
+            self._assign(layer, e, s)
         if dsts:
             torch._foreach_copy_(dsts, srcs)
 
@@ -286,15 +280,19 @@ class FlexCache:
                 out.append(None)            # nothing free and the LRU slot is this call's: through the bank
                 continue
             s = self._slot()
-            where[e] = s
-            self.copies[layer].add(e)
-            self._log(int(layer), e)
-            self.version += 1
-            self.owner[s] = (layer, e)
-            lru[s] = None
-            self.stats.fills += 1
+            self._assign(layer, e, s)
             out.append(s)
         return out
+
+    def _assign(self, layer: int, e: int, s: int):
+        """Slot s holds (layer, e) from now on (its copy queued by the caller): the maps, the LRU's newest, the log."""
+        self.where[layer][e] = s
+        self.copies[layer].add(e)
+        self._log(int(layer), e)
+        self.version += 1
+        self.owner[s] = (layer, e)
+        self.lru[s] = None
+        self.stats.fills += 1
 
     def slot_view(self, s: int) -> torch.Tensor:
         """Flex slot s's bytes: uint8 [slot_bytes], a view made once (its chunk is allocated: take() gave s)."""

@@ -60,6 +60,17 @@ def _decode_twice(model, flex: bool, steps: int = 8):
         close_runner(rn, st)
 
 
+def _held_as_ref(f, ref, L: int, E: int, sb: int) -> dict:
+    """f's (layer, expert) -> slot map, its LRU and every held slot's bytes equal the per-expert reference's."""
+    held = {(l, e): int(f.where[l, e]) for l in range(L) for e in range(E) if f.where[l, e] >= 0}
+    assert held == ref.where
+    assert list(f.lru) == ref.lru
+    for (l, e), s in held.items():
+        c, i = divmod(s, f.per_chunk)
+        assert torch.equal(f.chunks[c][i * sb:(i + 1) * sb], ref.bytes[s]), (l, e, s)
+    return held
+
+
 def test_flex_cache_auto_is_off_on_the_cpu(model):
     rn, st = in_process_runner(model, TIERS["vram_slots"], TIERS["host_slots"], max_running=2, **CFG)
     try:
@@ -214,12 +225,7 @@ def test_keep_is_the_per_expert_copies_over_random_fills(monkeypatch, device):
         f.keep(layer, es, pool, offs, views)
         ref.keep(layer, list(zip(es, offs)), pool)
         rewritten += f.stats.fills - fills > n_slots              # a slot filled twice in this call
-        held = {(l, e): int(f.where[l, e]) for l in range(L) for e in range(E) if f.where[l, e] >= 0}
-        assert held == ref.where
-        assert list(f.lru) == ref.lru
-        for (l, e), s in held.items():
-            c, i = divmod(s, f.per_chunk)
-            assert torch.equal(f.chunks[c][i * sb:(i + 1) * sb], ref.bytes[s]), (l, e, s)
+        for (l, e), s in _held_as_ref(f, ref, L, E, sb).items():
             assert f.owner[s].tolist() == [l, e]
     assert rewritten > 0 and f.stats.fills > 100, (rewritten, f.stats.fills)
 
@@ -262,12 +268,8 @@ def test_take_is_keeps_bookkeeping_without_a_slot_twice_a_call():
         for s, off in zip(got, offs):
             if s is not None:
                 f.slot_view(s).copy_(pool[off: off + sb])
-        held = {(l, e): int(f.where[l, e]) for l in range(L) for e in range(E) if f.where[l, e] >= 0}
-        assert held == ref.where
-        assert list(f.lru) == ref.lru
-        for (l, e), s in held.items():
+        for (l, e), s in _held_as_ref(f, ref, L, E, sb).items():
             c, i = divmod(s, f.per_chunk)
-            assert torch.equal(f.chunks[c][i * sb:(i + 1) * sb], ref.bytes[s]), (l, e, s)
             assert f.slot_address(s) == f.chunks[c].data_ptr() + i * sb
             t, o = f.slot_source(s)
             assert t is f.chunks[c] and o == i * sb
