@@ -52,7 +52,11 @@ from betelgeuse.kernels.triton_quants import _unit, k_scale_min_of
 
 # the tile of one K step per kernel type code (triton_quants.QT_CODES): [D1, D2, D3] positions, S = their product
 DIMS = {0: (2, 8, 4), 4: (4, 4, 8), 5: (8, 2, 16), 6: (8, 2, 16)}          # Q8_0, MXFP4, Q4_K, Q5_K
+DIMS[7] = (2, 8, 16)                                                        # Q6_K
 STEP = {qt: d[0] * d[1] * d[2] for qt, d in DIMS.items()}
+# the byte multiple a type's rows may start at (default 4): Q6_K's 210-byte super-blocks sit at 2 mod 4 every other
+# block (and rows of an odd count of them), so its words are read from the aligned pair around them (_wat)
+ROW_ALIGN = {7: 2}
 
 
 @triton.jit
@@ -93,6 +97,8 @@ def mv_cols(QT: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constex
         return a * 32 + b * 4 + c
     elif QT == 4:                                   # block a, word b, nibble c (byte c // 2, high c % 2)
         return a * 32 + (c % 2) * 16 + b * 4 + c // 2
+    elif QT == 7:                                   # Q6_K: half a, qh word b, (nibble, ql run, byte) c
+        return a * 128 + (c // 8) * 64 + ((c // 4) % 2) * 32 + b * 4 + c % 4
     else:                                           # Q4_K / Q5_K: (2 group + high nibble) a, bytes b, c
         return a * (D2 * D3) + b * D3 + c
 
@@ -170,6 +176,8 @@ def mv_weights(pool, ra, kk, mn, QT: tl.constexpr, D1: tl.constexpr, D2: tl.cons
         d = tl.where(e8 < 2, (e8 + 1) * 0x00200000, (e8 - 1) << 23).to(tl.float32, bitcast=True)    # [BN, 4, 1]
         return _join8(_e2m1(v, 0, d), _e2m1(v, 1, d), _e2m1(v, 2, d), _e2m1(v, 3, d),
                       _e2m1(v, 4, d), _e2m1(v, 5, d), _e2m1(v, 6, d), _e2m1(v, 7, d))
+    elif QT == 7:                                   # Q6_K
+        return _q6_tile(pool, ra, kk, mn, D1, D2, D3)
     else:                                           # Q4_K / Q5_K
         return _k_tile(pool, ra, kk, mn, QT, D1, D2, D3)
 
@@ -234,6 +242,67 @@ def _k_tile(pool, ra, kk, mn, QT: tl.constexpr, D1: tl.constexpr, D2: tl.constex
     # [BN, 4, D2, D3, 2] -> (a, h, p, j)
     w = tl.permute(tl.join(ws[0], ws[1]), (0, 1, 4, 2, 3))
     return tl.reshape(w, (q.shape[0], 8, D2, D3))
+
+
+@triton.jit
+def _wat(pool, b0, sh, o, m):
+    """int32 words of the bytes at b0 + sh / 8 + o (o a multiple of 4, b0 4-byte aligned, sh 0 or 16 bits): the
+    64-bit hi:lo of the aligned words at b0 + o, b0 + o + 4 shifted right by sh (a funnel shift; sh 0: lo)."""
+    lo = _word(pool, b0 + o, m)
+    hi = _word(pool, b0 + o + 4, m)
+    return ((((hi.to(tl.int64) << 32) | (lo.to(tl.int64) & 0xFFFFFFFF)) >> sh) & 0xFFFFFFFF).to(tl.int32)
+
+
+@triton.jit
+def _q6(v, u: tl.constexpr, al, be):
+    """al f + be (one rounding) of the 6-bit quant q in byte u of words v: f = 1 + q / 64 (q at mantissa bits
+    17-22), al = 64 d sc, be = -96 d sc, so the exact value is d sc (q - 32), gguf-py's float32 (d sc is exact)."""
+    return tl.fma(al, _unit(((v >> (8 * u)) & 63) << 17), be)
+
+
+@triton.jit
+def _q6_tile(pool, ra, kk, mn, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
+    """Q6_K step (one super-block a row: ql[128] | qh[64] | int8 scales[16] | f16 d, 210 B): float32 [BN, 2, 8, 16],
+    position (n, t, c) = element 128 n + 64 nib + 32 j + 4 t + u, c = 8 nib + 4 j + u (llama.cpp's order: half n,
+    l = 4 t + u < 32; the quant is ql[64 n + 32 j + l]'s nibble nib | qh[32 n + l] bits 2 (2 nib + j) .. + 1 << 4,
+    scale scales[8 n + 4 nib + 2 j + l // 16]). Each thread loads, per (n, t), the two ql words (j 0, 1) and the qh
+    word that share l: 16 weights of 3 words, the 6-bit quants of 4 bytes assembled in one word with masks. A block
+    at 2 mod 4 (every other one; rows of odd block counts) is read through the aligned word pairs around it."""
+    n = tl.arange(0, 2)[None, :, None]
+    t = tl.arange(0, 8)[None, None, :]
+    m = mn[:, None, None]
+    b = ra[:, None, None] + (kk // 256) * 210       # [BN, 1, 1] super-block byte addresses
+    r4 = b % 4                                      # 0 or 2 (rows and blocks start at even bytes)
+    b0 = b - r4
+    sh = r4 * 8
+    ql0 = _wat(pool, b0, sh, n * 64 + t * 4, m)     # [BN, 2, 8]: j 0
+    ql1 = _wat(pool, b0, sh, n * 64 + 32 + t * 4, m)  # j 1
+    qh = _wat(pool, b0, sh, 128 + n * 32 + t * 4, m)
+    # scales 8 n + 2 i + t // 4 (i = 2 nib + j): i 0, 1 in the word at 192 + 8 n, i 2, 3 in the next
+    s01 = _wat(pool, b0, sh, 192 + n * 8, m) >> ((t // 4) * 8)                  # [BN, 2, 8]
+    s23 = _wat(pool, b0, sh, 196 + n * 8, m) >> ((t // 4) * 8)
+    d = _half(_word(pool, b0 + 208, m) >> sh.to(tl.int32))    # the f16 at b + 208 (never straddles a word)
+    ws = ()
+    for i in tl.static_range(4):                    # i = 2 nib + j
+        if i < 2:
+            sw = s01
+        else:
+            sw = s23
+        # int8 scale to float exactly: 2^23 + (byte ^ 0x80) - (2^23 + 128), no I2F
+        sc = ((((sw >> (16 * (i % 2))) & 255) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+        dsc = d * sc                                # exact: an f16 times an int8 (<= 19 significant bits)
+        al = 64.0 * dsc
+        be = -96.0 * dsc                            # exact too (3 x 32 dsc)
+        if i % 2 == 0:
+            qv = ql0
+        else:
+            qv = ql1
+        # the 4 bytes' 6-bit quants: the nibble nib of ql | qh's bit pair 2 i at bits 4-5
+        v = ((qv >> (4 * (i // 2))) & 0x0F0F0F0F) | (((qh >> (2 * i)) << 4) & 0x30303030)
+        ws = ws + (_join4(_q6(v, 0, al, be), _q6(v, 1, al, be), _q6(v, 2, al, be), _q6(v, 3, al, be)),)
+    # [BN, 2, 8, 4 (u), 4 (i)] -> (n, t, i, u)
+    w = tl.permute(_join4(ws[0], ws[1], ws[2], ws[3]), (0, 1, 2, 4, 3))
+    return tl.reshape(w, (ql0.shape[0], D1, D2, D3))
 
 
 @triton.jit
