@@ -37,10 +37,13 @@ candidates keep it under sm_90's 255.
                  32 qs words; 4 consecutive of a group    half, word quad,      order (a group's low / high
                  per thread: one 16-byte load)            byte                  nibbles are 32-element runs)
   Q5_K   256     1 super-block (176 B: + 8 qh words)      as Q4_K               as Q4_K
+  Q6_K   256     1 super-block (210 B: 32 ql, 16 qh, 4    half, qh word, 4 x    128 a + 64 (c // 8) + 32 ((c // 4)
+                 scale words, d; at 2 mod 4 every other   4 (nibble, ql run,    % 2) + 4 b + c % 4
+                 block: aligned word pairs, funnel shift) byte)
 (Positions in row-major tile order. Q4_K / Q5_K until issue 23's kq54: tile [4, 8, 8] = group, word, nibble,
 element 64 a + 32 (c % 2) + 4 b + c // 2: the same weight floats, another tree order, so other bits.) Requires rows
-at 4-byte multiples (aligned parts, row bytes % 4 == 0) and K a multiple of S; triton_moe.mv_ok checks, and the
-launch takes the MMA path otherwise.
+at 4-byte multiples (aligned parts, row bytes % 4 == 0; ROW_ALIGN: Q6_K's at 2) and K a multiple of S;
+triton_moe.mv_ok checks, and the launch takes the MMA path otherwise.
 """
 
 from __future__ import annotations
