@@ -40,6 +40,9 @@ candidates keep it under sm_90's 255.
   Q6_K   256     1 super-block (210 B: 32 ql, 16 qh, 4    half, qh word, 4 x    128 a + 64 (c // 8) + 32 ((c // 4)
                  scale words, d; at 2 mod 4 every other   4 (nibble, ql run,    % 2) + 4 b + c % 4
                  block: aligned word pairs, funnel shift) byte)
+  Q2_K   256     1 super-block (84 B: 4 scale words, 16   half, 16-byte run,    128 a + 32 (c // 16) + 16 b
+                 qs words, d | dmin; a thread's run: 4    4 x 16 (bit pair,     + c % 16
+                 word loads, 4 scale pairs decoded once)  word, byte)
 (Positions in row-major tile order. Q4_K / Q5_K until issue 23's kq54: tile [4, 8, 8] = group, word, nibble,
 element 64 a + 32 (c % 2) + 4 b + c // 2: the same weight floats, another tree order, so other bits.) Requires rows
 at 4-byte multiples (aligned parts, row bytes % 4 == 0; ROW_ALIGN: Q6_K's at 2) and K a multiple of S;
@@ -56,6 +59,7 @@ from betelgeuse.kernels.triton_quants import _unit, k_scale_min_of
 # the tile of one K step per kernel type code (triton_quants.QT_CODES): [D1, D2, D3] positions, S = their product
 DIMS = {0: (2, 8, 4), 4: (4, 4, 8), 5: (8, 2, 16), 6: (8, 2, 16)}          # Q8_0, MXFP4, Q4_K, Q5_K
 DIMS[7] = (2, 8, 16)                                                        # Q6_K
+DIMS[9] = (2, 2, 64)                                                        # Q2_K
 STEP = {qt: d[0] * d[1] * d[2] for qt, d in DIMS.items()}
 # the byte multiple a type's rows may start at (default 4): Q6_K's 210-byte super-blocks sit at 2 mod 4 every other
 # block (and rows of an odd count of them), so its words are read from the aligned pair around them (_wat)
@@ -102,6 +106,8 @@ def mv_cols(QT: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constex
         return a * 32 + (c % 2) * 16 + b * 4 + c // 2
     elif QT == 7:                                   # Q6_K: half a, qh word b, (nibble, ql run, byte) c
         return a * 128 + (c // 8) * 64 + ((c // 4) % 2) * 32 + b * 4 + c % 4
+    elif QT == 9:                                   # Q2_K: half a, run b of D3 / 16 words, (bit pair, word, byte) c
+        return a * 128 + (c // (D3 // 4)) * 32 + b * (D3 // 4) + c % (D3 // 4)
     else:                                           # Q4_K / Q5_K: (2 group + high nibble) a, bytes b, c
         return a * (D2 * D3) + b * D3 + c
 
@@ -181,6 +187,8 @@ def mv_weights(pool, ra, kk, mn, QT: tl.constexpr, D1: tl.constexpr, D2: tl.cons
                       _e2m1(v, 4, d), _e2m1(v, 5, d), _e2m1(v, 6, d), _e2m1(v, 7, d))
     elif QT == 7:                                   # Q6_K
         return _q6_tile(pool, ra, kk, mn, D1, D2, D3)
+    elif QT == 9:                                   # Q2_K
+        return _q2_tile(pool, ra, kk, mn, D1, D2, D3)
     else:                                           # Q4_K / Q5_K
         return _k_tile(pool, ra, kk, mn, QT, D1, D2, D3)
 
@@ -306,6 +314,58 @@ def _q6_tile(pool, ra, kk, mn, D1: tl.constexpr, D2: tl.constexpr, D3: tl.conste
     # [BN, 2, 8, 4 (u), 4 (i)] -> (n, t, i, u)
     w = tl.permute(_join4(ws[0], ws[1], ws[2], ws[3]), (0, 1, 2, 4, 3))
     return tl.reshape(w, (ql0.shape[0], D1, D2, D3))
+
+
+@triton.jit
+def _q2(v, u: tl.constexpr, al, be):
+    """al f + be of the 2-bit quant q at bits 8 u .. + 1 of words v: f = 1 + q / 4 (q at mantissa bits 21-22)."""
+    return tl.fma(al, _unit(((v >> (8 * u)) & 3) << 21), be)
+
+
+@triton.jit
+def _q2_tile(pool, ra, kk, mn, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
+    """Q2_K step (one super-block a row: scales[16] (low nibble scale, high min) | qs[64] | f16 d | f16 dmin, 84 B,
+    21 words): float32 [BN, 2, D2, D3], W = D3 / 16 words a run, position (n, p, c) = element 128 n + 32 j + 4 W p +
+    4 w + u, c = 4 W j + 4 w + u (llama.cpp's order: l = 4 W p + 4 w + u < 32, the quant qs[32 n + l] bits 2 j .. + 1,
+    scale / min scales[8 n + 2 j + l // 16]). Each thread loads the W consecutive qs words of one run (n, p) (4 W x 4
+    weights), whose 4 (scale, min) pairs it decodes once; the weight is w = A f + B with A = 4 d sc, B = -(A + dmin m)
+    (triton_quants' formula: gguf-py's d sc q - dmin m to the last bit or two, one rounding in B)."""
+    W: tl.constexpr = D3 // 16
+    n = tl.arange(0, 2)[None, :, None]
+    p = tl.arange(0, D2)[None, None, :]
+    m = mn[:, None, None]
+    b = ra[:, None, None] + (kk // 256) * 84        # [BN, 1, 1] super-block byte addresses
+    # the run's W words as W loads of [BN, 2, D2] joined in registers: a thread owns one run (84-byte blocks allow no
+    # 16-byte load, and one [BN, 2, D2, W] load spreads a run over W threads, each then decoding W runs' scales:
+    # sass_profile 0.91 warp instructions per weight byte at W 4, 0.60 so)
+    qa = b + 16 + n * 32 + p * (4 * W)
+    if W == 4:
+        q = _join4(_word(pool, qa, m), _word(pool, qa + 4, m), _word(pool, qa + 8, m), _word(pool, qa + 12, m))
+    else:
+        q = tl.join(_word(pool, qa, m), _word(pool, qa + 4, m))
+    # scale bytes 8 n + 2 j + r (r = l // 16 = W p // 4): j 0, 1 in the word at 8 n, j 2, 3 in the next, byte
+    # 2 (j % 2) + r; decoded as [BN, 2, D2] (the run's thread), broadcast over its weights
+    r = (p * W) // 4
+    s01 = _word(pool, b + n * 8, m) >> (r * 8)      # [BN, 2, D2]
+    s23 = _word(pool, b + n * 8 + 4, m) >> (r * 8)
+    dd = _word(pool, b + 80, m)
+    d = _half(dd)
+    dm = _half(dd >> 16)
+    ws = ()
+    for j in tl.static_range(4):
+        if j < 2:
+            sw = s01 >> (16 * j)
+        else:
+            sw = s23 >> (16 * (j - 2))
+        al3 = 4.0 * (d * _int_f32(sw & 15))         # d sc: exact (an f16 times 4 bits)
+        al = al3[:, :, :, None]
+        be = (-(al3 + dm * _int_f32((sw >> 4) & 15)))[:, :, :, None]
+        v = q >> (2 * j)
+        t = _join4(_q2(v, 0, al, be), _q2(v, 1, al, be), _q2(v, 2, al, be), _q2(v, 3, al, be))   # [.., W w, 4 u]
+        ws = ws + (tl.reshape(t, (q.shape[0], 2, D2, 4 * W)),)
+    # [BN, 2, D2, 4 W (w, u), 4 (j)] -> (n, p, j, w, u)
+    w = tl.permute(_join4(ws[0], ws[1], ws[2], ws[3]), (0, 1, 2, 4, 3))
+    return tl.reshape(w, (q.shape[0], D1, D2, D3))
 
 
 @triton.jit
