@@ -43,9 +43,11 @@ candidates keep it under sm_90's 255.
   Q2_K   256     1 super-block (84 B: 4 scale words, 16   half, 16-byte run,    128 a + 32 (c // 16) + 16 b
                  qs words, d | dmin; a thread's run: 4    4 x 16 (bit pair,     + c % 16
                  word loads, 4 scale pairs decoded once)  word, byte)
+  Q3_K   256     1 super-block (110 B: 8 hmask, 16 qs, 3  as Q2_K               as Q2_K
+                 scale words, d; at 2 mod 4 as Q6_K)
 (Positions in row-major tile order. Q4_K / Q5_K until issue 23's kq54: tile [4, 8, 8] = group, word, nibble,
 element 64 a + 32 (c % 2) + 4 b + c // 2: the same weight floats, another tree order, so other bits.) Requires rows
-at 4-byte multiples (aligned parts, row bytes % 4 == 0; ROW_ALIGN: Q6_K's at 2) and K a multiple of S;
+at 4-byte multiples (aligned parts, row bytes % 4 == 0; ROW_ALIGN: Q6_K's and Q3_K's at 2) and K a multiple of S;
 triton_moe.mv_ok checks, and the launch takes the MMA path otherwise.
 """
 
@@ -60,10 +62,11 @@ from betelgeuse.kernels.triton_quants import _unit, k_scale_min_of
 DIMS = {0: (2, 8, 4), 4: (4, 4, 8), 5: (8, 2, 16), 6: (8, 2, 16)}          # Q8_0, MXFP4, Q4_K, Q5_K
 DIMS[7] = (2, 8, 16)                                                        # Q6_K
 DIMS[9] = (2, 2, 64)                                                        # Q2_K
+DIMS[8] = (2, 2, 64)                                                        # Q3_K
 STEP = {qt: d[0] * d[1] * d[2] for qt, d in DIMS.items()}
 # the byte multiple a type's rows may start at (default 4): Q6_K's 210-byte super-blocks sit at 2 mod 4 every other
 # block (and rows of an odd count of them), so its words are read from the aligned pair around them (_wat)
-ROW_ALIGN = {7: 2}
+ROW_ALIGN = {7: 2, 8: 2}                            # Q6_K (210 B), Q3_K (110 B)
 
 
 @triton.jit
@@ -106,7 +109,8 @@ def mv_cols(QT: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constex
         return a * 32 + (c % 2) * 16 + b * 4 + c // 2
     elif QT == 7:                                   # Q6_K: half a, qh word b, (nibble, ql run, byte) c
         return a * 128 + (c // 8) * 64 + ((c // 4) % 2) * 32 + b * 4 + c % 4
-    elif QT == 9:                                   # Q2_K: half a, run b of D3 / 16 words, (bit pair, word, byte) c
+    elif QT == 8 or QT == 9:                        # Q3_K / Q2_K: half a, run b of D3 / 16 words, (bit pair, word,
+                                                    # byte) c
         return a * 128 + (c // (D3 // 4)) * 32 + b * (D3 // 4) + c % (D3 // 4)
     else:                                           # Q4_K / Q5_K: (2 group + high nibble) a, bytes b, c
         return a * (D2 * D3) + b * D3 + c
@@ -189,6 +193,8 @@ def mv_weights(pool, ra, kk, mn, QT: tl.constexpr, D1: tl.constexpr, D2: tl.cons
         return _q6_tile(pool, ra, kk, mn, D1, D2, D3)
     elif QT == 9:                                   # Q2_K
         return _q2_tile(pool, ra, kk, mn, D1, D2, D3)
+    elif QT == 8:                                   # Q3_K
+        return _q3_tile(pool, ra, kk, mn, D1, D2, D3)
     else:                                           # Q4_K / Q5_K
         return _k_tile(pool, ra, kk, mn, QT, D1, D2, D3)
 
@@ -364,6 +370,59 @@ def _q2_tile(pool, ra, kk, mn, D1: tl.constexpr, D2: tl.constexpr, D3: tl.conste
         t = _join4(_q2(v, 0, al, be), _q2(v, 1, al, be), _q2(v, 2, al, be), _q2(v, 3, al, be))   # [.., W w, 4 u]
         ws = ws + (tl.reshape(t, (q.shape[0], 2, D2, 4 * W)),)
     # [BN, 2, D2, 4 W (w, u), 4 (j)] -> (n, p, j, w, u)
+    w = tl.permute(_join4(ws[0], ws[1], ws[2], ws[3]), (0, 1, 2, 4, 3))
+    return tl.reshape(w, (q.shape[0], D1, D2, D3))
+
+
+@triton.jit
+def _q3(v, u: tl.constexpr, al, be):
+    """al f + be of the 3-bit quant q at bits 8 u .. + 2 of words v: f = 1 + q / 8 (q at mantissa bits 20-22)."""
+    return tl.fma(al, _unit(((v >> (8 * u)) & 7) << 20), be)
+
+
+@triton.jit
+def _q3_tile(pool, ra, kk, mn, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
+    """Q3_K step (one super-block a row: hmask[32] | qs[64] | scales[12] | f16 d, 110 B): float32 [BN, 2, 2, 64],
+    position (n, r, c) = element 128 n + 32 j + 16 r + 4 w + u, c = 16 j + 4 w + u (as _q2_tile; llama.cpp's order:
+    l = 16 r + 4 w + u, the quant (qs[32 n + l] bits 2 j .. + 1) + 4 hmask[l] bit 4 n + j, minus 4; the 6-bit scale
+    s = 8 n + 2 j + r: low nibble n of scales[s % 8], high bits 2 (s // 4) .. + 1 of scales[8 + s % 4], minus 32).
+    A thread owns a 16-byte run (n, r): its 4 qs and 4 hmask words (W loads of [BN, 2, 2] each, joined in registers),
+    and decodes its 4 scales once. w = fma(8 d sc, 1 + q / 8, -12 d sc) = d sc (q - 4) exactly (gguf-py's value:
+    d sc <= 17 significant bits). A block at 2 mod 4 (every other one) is read through aligned word pairs (_wat)."""
+    n = tl.arange(0, 2)[None, :, None]
+    r = tl.arange(0, 2)[None, None, :]
+    m = mn[:, None, None]
+    b = ra[:, None, None] + (kk // 256) * 110       # [BN, 1, 1] super-block byte addresses
+    r4 = b % 4                                      # 0 or 2
+    b0 = b - r4
+    sh = r4 * 8
+    qa = 32 + n * 32 + r * 16                       # qs run (n, r): bytes 32 + 32 n + l
+    q = _join4(_wat(pool, b0, sh, qa, m), _wat(pool, b0, sh, qa + 4, m), _wat(pool, b0, sh, qa + 8, m),
+               _wat(pool, b0, sh, qa + 12, m))
+    ha = r * 16                                     # hmask bytes l
+    hm = _join4(_wat(pool, b0, sh, ha, m), _wat(pool, b0, sh, ha + 4, m), _wat(pool, b0, sh, ha + 8, m),
+                _wat(pool, b0, sh, ha + 12, m)) >> (n * 4)[:, :, :, None]       # bit j: hmask bit 4 n + j
+    # scale s = 8 n + 2 j + r: low nibble n of byte 2 j + r of the words at 96 (j 0, 1) and 100 (j 2, 3); high
+    # bits 2 (2 n + j // 2) of byte 2 (j % 2) + r of the word at 104; decoded as [BN, 2, 2], broadcast
+    lo01 = _wat(pool, b0, sh, 96, m) >> (r * 8 + n * 4)      # [BN, 2, 2]
+    lo23 = _wat(pool, b0, sh, 100, m) >> (r * 8 + n * 4)
+    hi = _wat(pool, b0, sh, 104, m) >> (r * 8 + n * 4)
+    d = _half(_word(pool, b0 + 108, m) >> sh.to(tl.int32))    # the f16 at b + 108 (never straddles a word)
+    ws = ()
+    for j in tl.static_range(4):
+        if j < 2:
+            lw = lo01 >> (16 * j)
+        else:
+            lw = lo23 >> (16 * (j - 2))
+        sc = (lw & 15) | (((hi >> (16 * (j % 2) + 2 * (j // 2))) & 3) << 4)
+        # d (sc - 32) exactly: 2^23 + sc - (2^23 + 32), times an f16
+        dsc = d * ((sc | 0x4B000000).to(tl.float32, bitcast=True) - 8388640.0)
+        al = (8.0 * dsc)[:, :, :, None]
+        be = (-12.0 * dsc)[:, :, :, None]
+        v = ((q >> (2 * j)) & 0x03030303) | (((hm >> j) << 2) & 0x04040404)
+        t = _join4(_q3(v, 0, al, be), _q3(v, 1, al, be), _q3(v, 2, al, be), _q3(v, 3, al, be))   # [.., 4 w, 4 u]
+        ws = ws + (tl.reshape(t, (q.shape[0], 2, 2, 16)),)
+    # [BN, 2, 2, 16 (w, u), 4 (j)] -> (n, r, j, w, u)
     w = tl.permute(_join4(ws[0], ws[1], ws[2], ws[3]), (0, 1, 2, 4, 3))
     return tl.reshape(w, (q.shape[0], D1, D2, D3))
 
