@@ -37,13 +37,15 @@ candidates keep it under sm_90's 255.
                  32 qs words; 4 consecutive of a group    half, word quad,      order (a group's low / high
                  per thread: one 16-byte load)            byte                  nibbles are 32-element runs)
   Q5_K   256     1 super-block (176 B: + 8 qh words)      as Q4_K               as Q4_K
-  Q6_K   256     1 super-block (210 B: 32 ql, 16 qh, 4    half, qh word, 4 x    128 a + 64 (c // 8) + 32 ((c // 4)
-                 scale words, d; at 2 mod 4 every other   4 (nibble, ql run,    % 2) + 4 b + c % 4
-                 block: aligned word pairs, funnel shift) byte)
-  Q2_K   256     1 super-block (84 B: 4 scale words, 16   half, 16-byte run,    128 a + 32 (c // 16) + 16 b
-                 qs words, d | dmin; a thread's run: 4    4 x 16 (bit pair,     + c % 16
-                 word loads, 4 scale pairs decoded once)  word, byte)
-  Q3_K   256     1 super-block (110 B: 8 hmask, 16 qs, 3  as Q2_K               as Q2_K
+  Q6_K   256     1 super-block (210 B: 32 ql, 16 qh, 4    half, 16-byte run,    128 a + 32 (c // 16) + 16 b
+                 scale words, d; a thread's ql / qh runs: 4 x 16 (32-element   + c % 16
+                 12 word loads, 4 scales decoded once; at run, word, byte)
+                 2 mod 4 every other block: aligned word
+                 pairs, funnel shifts)
+  Q2_K   256     1 super-block (84 B: 4 scale words, 16   as Q6_K               as Q6_K
+                 qs words, d | dmin; a thread's run: 4
+                 word loads, 4 scale pairs decoded once)
+  Q3_K   256     1 super-block (110 B: 8 hmask, 16 qs, 3  as Q6_K               as Q6_K
                  scale words, d; at 2 mod 4 as Q6_K)
 (Positions in row-major tile order. Q4_K / Q5_K until issue 23's kq54: tile [4, 8, 8] = group, word, nibble,
 element 64 a + 32 (c % 2) + 4 b + c // 2: the same weight floats, another tree order, so other bits.) Requires rows
@@ -60,7 +62,7 @@ from betelgeuse.kernels.triton_quants import _unit, k_scale_min_of
 
 # the tile of one K step per kernel type code (triton_quants.QT_CODES): [D1, D2, D3] positions, S = their product
 DIMS = {0: (2, 8, 4), 4: (4, 4, 8), 5: (8, 2, 16), 6: (8, 2, 16)}          # Q8_0, MXFP4, Q4_K, Q5_K
-DIMS[7] = (2, 8, 16)                                                        # Q6_K
+DIMS[7] = (2, 2, 64)                                                        # Q6_K
 DIMS[9] = (2, 2, 64)                                                        # Q2_K
 DIMS[8] = (2, 2, 64)                                                        # Q3_K
 STEP = {qt: d[0] * d[1] * d[2] for qt, d in DIMS.items()}
@@ -107,10 +109,8 @@ def mv_cols(QT: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constex
         return a * 32 + b * 4 + c
     elif QT == 4:                                   # block a, word b, nibble c (byte c // 2, high c % 2)
         return a * 32 + (c % 2) * 16 + b * 4 + c // 2
-    elif QT == 7:                                   # Q6_K: half a, qh word b, (nibble, ql run, byte) c
-        return a * 128 + (c // 8) * 64 + ((c // 4) % 2) * 32 + b * 4 + c % 4
-    elif QT == 8 or QT == 9:                        # Q3_K / Q2_K: half a, run b of D3 / 16 words, (bit pair, word,
-                                                    # byte) c
+    elif QT == 7 or QT == 8 or QT == 9:             # Q6_K / Q3_K / Q2_K: half a, run b of D3 / 16 words, (32-element
+                                                    # run, word, byte) c
         return a * 128 + (c // (D3 // 4)) * 32 + b * (D3 // 4) + c % (D3 // 4)
     else:                                           # Q4_K / Q5_K: (2 group + high nibble) a, bytes b, c
         return a * (D2 * D3) + b * D3 + c
@@ -278,26 +278,34 @@ def _q6(v, u: tl.constexpr, al, be):
 
 
 @triton.jit
+def _wat4(pool, b0, sh, o, m):
+    """[..., 4]: the 4 words at b0 + sh / 8 + o + 4 w (_wat), each a load of o's shape joined in registers."""
+    return _join4(_wat(pool, b0, sh, o, m), _wat(pool, b0, sh, o + 4, m), _wat(pool, b0, sh, o + 8, m),
+                  _wat(pool, b0, sh, o + 12, m))
+
+
+@triton.jit
 def _q6_tile(pool, ra, kk, mn, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
-    """Q6_K step (one super-block a row: ql[128] | qh[64] | int8 scales[16] | f16 d, 210 B): float32 [BN, 2, 8, 16],
-    position (n, t, c) = element 128 n + 64 nib + 32 j + 4 t + u, c = 8 nib + 4 j + u (llama.cpp's order: half n,
-    l = 4 t + u < 32; the quant is ql[64 n + 32 j + l]'s nibble nib | qh[32 n + l] bits 2 (2 nib + j) .. + 1 << 4,
-    scale scales[8 n + 4 nib + 2 j + l // 16]). Each thread loads, per (n, t), the two ql words (j 0, 1) and the qh
-    word that share l: 16 weights of 3 words, the 6-bit quants of 4 bytes assembled in one word with masks. A block
-    at 2 mod 4 (every other one; rows of odd block counts) is read through the aligned word pairs around it."""
+    """Q6_K step (one super-block a row: ql[128] | qh[64] | int8 scales[16] | f16 d, 210 B): float32 [BN, 2, 2, 64],
+    position (n, r, c) = element 128 n + 32 i + 16 r + 4 w + u, c = 16 i + 4 w + u, i = 2 nib + j (llama.cpp's
+    order: half n, l = 16 r + 4 w + u < 32; the quant is ql[64 n + 32 j + l]'s nibble nib | qh[32 n + l] bits 2 i
+    .. + 1 << 4, scale scales[8 n + 2 i + r]). A thread owns the 16-byte runs (n, r) of ql (j 0, 1) and qh: 12 words
+    (loads of [BN, 2, 2] joined in registers, as _q2_tile) for 64 weights, the 6-bit quants of 4 bytes assembled in
+    one word with masks, its 4 scales decoded once. A block at 2 mod 4 (every other one; rows of odd block counts)
+    is read through the aligned word pairs around it (_wat)."""
     n = tl.arange(0, 2)[None, :, None]
-    t = tl.arange(0, 8)[None, None, :]
+    r = tl.arange(0, 2)[None, None, :]
     m = mn[:, None, None]
     b = ra[:, None, None] + (kk // 256) * 210       # [BN, 1, 1] super-block byte addresses
     r4 = b % 4                                      # 0 or 2 (rows and blocks start at even bytes)
     b0 = b - r4
     sh = r4 * 8
-    ql0 = _wat(pool, b0, sh, n * 64 + t * 4, m)     # [BN, 2, 8]: j 0
-    ql1 = _wat(pool, b0, sh, n * 64 + 32 + t * 4, m)  # j 1
-    qh = _wat(pool, b0, sh, 128 + n * 32 + t * 4, m)
-    # scales 8 n + 2 i + t // 4 (i = 2 nib + j): i 0, 1 in the word at 192 + 8 n, i 2, 3 in the next
-    s01 = _wat(pool, b0, sh, 192 + n * 8, m) >> ((t // 4) * 8)                  # [BN, 2, 8]
-    s23 = _wat(pool, b0, sh, 196 + n * 8, m) >> ((t // 4) * 8)
+    ql0 = _wat4(pool, b0, sh, n * 64 + r * 16, m)   # [BN, 2, 2, 4]: j 0
+    ql1 = _wat4(pool, b0, sh, n * 64 + 32 + r * 16, m)        # j 1
+    qh = _wat4(pool, b0, sh, 128 + n * 32 + r * 16, m)
+    # scales 8 n + 2 i + r: i 0, 1 in the word at 192 + 8 n, i 2, 3 in the next, byte 2 (i % 2) + r
+    s01 = _wat(pool, b0, sh, 192 + n * 8, m) >> (r * 8)       # [BN, 2, 2]
+    s23 = _wat(pool, b0, sh, 196 + n * 8, m) >> (r * 8)
     d = _half(_word(pool, b0 + 208, m) >> sh.to(tl.int32))    # the f16 at b + 208 (never straddles a word)
     ws = ()
     for i in tl.static_range(4):                    # i = 2 nib + j
@@ -308,16 +316,17 @@ def _q6_tile(pool, ra, kk, mn, D1: tl.constexpr, D2: tl.constexpr, D3: tl.conste
         # int8 scale to float exactly: 2^23 + (byte ^ 0x80) - (2^23 + 128), no I2F
         sc = ((((sw >> (16 * (i % 2))) & 255) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
         dsc = d * sc                                # exact: an f16 times an int8 (<= 19 significant bits)
-        al = 64.0 * dsc
-        be = -96.0 * dsc                            # exact too (3 x 32 dsc)
+        al = (64.0 * dsc)[:, :, :, None]
+        be = (-96.0 * dsc)[:, :, :, None]           # exact too (3 x 32 dsc)
         if i % 2 == 0:
             qv = ql0
         else:
             qv = ql1
         # the 4 bytes' 6-bit quants: the nibble nib of ql | qh's bit pair 2 i at bits 4-5
         v = ((qv >> (4 * (i // 2))) & 0x0F0F0F0F) | (((qh >> (2 * i)) << 4) & 0x30303030)
-        ws = ws + (_join4(_q6(v, 0, al, be), _q6(v, 1, al, be), _q6(v, 2, al, be), _q6(v, 3, al, be)),)
-    # [BN, 2, 8, 4 (u), 4 (i)] -> (n, t, i, u)
+        t = _join4(_q6(v, 0, al, be), _q6(v, 1, al, be), _q6(v, 2, al, be), _q6(v, 3, al, be))   # [.., 4 w, 4 u]
+        ws = ws + (tl.reshape(t, (ql0.shape[0], 2, 2, 16)),)
+    # [BN, 2, 2, 16 (w, u), 4 (i)] -> (n, r, i, w, u)
     w = tl.permute(_join4(ws[0], ws[1], ws[2], ws[3]), (0, 1, 2, 4, 3))
     return tl.reshape(w, (ql0.shape[0], D1, D2, D3))
 

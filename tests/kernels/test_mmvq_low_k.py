@@ -8,9 +8,10 @@
    (tests/scripts/mmvq_rows_check.py Q6_K Q3_K Q2_K checks BM 3 / 16 against gguf-py too: ~75 s, by hand.)
 2. Compiled for sm_90 ahead of time (tests/scripts/sass_profile.py, the one-row down kernel at BN 16 x 2 warps,
    kernel_roofline's CONFIGS 24): the K loop has no int->float conversion (scales and quants through the
-   magic-number floats), spills nothing, and issues at most BOUND warp instructions per weight byte: Q6_K 0.45
-   (0.42 at q6k54; the MMA path the table ships: 0.70, one I2F a weight), Q3_K 0.62 (0.58; MMA 0.88), Q2_K 0.62
-   (0.60; MMA 0.84). Skipped where Triton cannot compile for CUDA. ~3-8 s each.
+   magic-number floats), spills nothing (local memory, nor ptxas' stack: BM_MV 2 x BN 16's gate_up has
+   2.3 KB of it at 32 registers), and issues at most BOUND warp instructions per weight byte: Q6_K 0.35
+   (0.30 at q6k54; 0.42 with one qh word a thread; the MMA path main ships: 0.70, one I2F a weight), Q3_K 0.62
+   (0.58; MMA 0.88), Q2_K 0.62 (0.60; MMA 0.84). Skipped where Triton cannot compile for CUDA. ~3-8 s each.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import pytest
 pytest.importorskip("triton")
 
 HERE = Path(__file__).resolve().parents[1]
-BOUND = {"Q6_K": 0.45, "Q3_K": 0.62, "Q2_K": 0.62}  # warp instructions per weight byte (module doc)
+BOUND = {"Q6_K": 0.35, "Q3_K": 0.62, "Q2_K": 0.62}  # warp instructions per weight byte (module doc)
 
 
 def _script(args: list, interpret: bool) -> object:
@@ -59,5 +60,5 @@ def test_decode_loop_has_no_conversions_and_no_spills(name):
     r = res[0]
     assert "error" not in r, r
     assert r["classes"].get("cvt", 0) == 0, r
-    assert r["spill"] == 0, r
+    assert r["spill"] == 0 and r["stack"] == 0, r
     assert r["instr_per_B"] <= BOUND[name], r
