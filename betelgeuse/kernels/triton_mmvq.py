@@ -37,10 +37,20 @@ candidates keep it under sm_90's 255.
                  32 qs words; 4 consecutive of a group    half, word quad,      order (a group's low / high
                  per thread: one 16-byte load)            byte                  nibbles are 32-element runs)
   Q5_K   256     1 super-block (176 B: + 8 qh words)      as Q4_K               as Q4_K
+  Q6_K   256     1 super-block (210 B: 32 ql, 16 qh, 4    half, 16-byte run,    128 a + 32 (c // 16) + 16 b
+                 scale words, d; a thread's ql / qh runs: 4 x 16 (32-element   + c % 16
+                 12 word loads, 4 scales decoded once; at run, word, byte)
+                 2 mod 4 every other block: aligned word
+                 pairs, funnel shifts)
+  Q2_K   256     1 super-block (84 B: 4 scale words, 16   as Q6_K               as Q6_K
+                 qs words, d | dmin; a thread's run: 4
+                 word loads, 4 scale pairs decoded once)
+  Q3_K   256     1 super-block (110 B: 8 hmask, 16 qs, 3  as Q6_K               as Q6_K
+                 scale words, d; at 2 mod 4 as Q6_K)
 (Positions in row-major tile order. Q4_K / Q5_K until issue 23's kq54: tile [4, 8, 8] = group, word, nibble,
 element 64 a + 32 (c % 2) + 4 b + c // 2: the same weight floats, another tree order, so other bits.) Requires rows
-at 4-byte multiples (aligned parts, row bytes % 4 == 0) and K a multiple of S; triton_moe.mv_ok checks, and the
-launch takes the MMA path otherwise.
+at 4-byte multiples (aligned parts, row bytes % 4 == 0; ROW_ALIGN: Q6_K's and Q3_K's at 2) and K a multiple of S;
+triton_moe.mv_ok checks, and the launch takes the MMA path otherwise.
 """
 
 from __future__ import annotations
@@ -52,7 +62,13 @@ from betelgeuse.kernels.triton_quants import _unit, k_scale_min_of
 
 # the tile of one K step per kernel type code (triton_quants.QT_CODES): [D1, D2, D3] positions, S = their product
 DIMS = {0: (2, 8, 4), 4: (4, 4, 8), 5: (8, 2, 16), 6: (8, 2, 16)}          # Q8_0, MXFP4, Q4_K, Q5_K
+DIMS[7] = (2, 2, 64)                                                        # Q6_K
+DIMS[9] = (2, 2, 64)                                                        # Q2_K
+DIMS[8] = (2, 2, 64)                                                        # Q3_K
 STEP = {qt: d[0] * d[1] * d[2] for qt, d in DIMS.items()}
+# the byte multiple a type's rows may start at (default 4): Q6_K's 210-byte super-blocks sit at 2 mod 4 every other
+# block (and rows of an odd count of them), so its words are read from the aligned pair around them (_wat)
+ROW_ALIGN = {7: 2, 8: 2}                            # Q6_K (210 B), Q3_K (110 B)
 
 
 @triton.jit
@@ -93,6 +109,9 @@ def mv_cols(QT: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constex
         return a * 32 + b * 4 + c
     elif QT == 4:                                   # block a, word b, nibble c (byte c // 2, high c % 2)
         return a * 32 + (c % 2) * 16 + b * 4 + c // 2
+    elif QT == 7 or QT == 8 or QT == 9:             # Q6_K / Q3_K / Q2_K: half a, run b of D3 / 16 words, (32-element
+                                                    # run, word, byte) c
+        return a * 128 + (c // (D3 // 4)) * 32 + b * (D3 // 4) + c % (D3 // 4)
     else:                                           # Q4_K / Q5_K: (2 group + high nibble) a, bytes b, c
         return a * (D2 * D3) + b * D3 + c
 
@@ -170,6 +189,12 @@ def mv_weights(pool, ra, kk, mn, QT: tl.constexpr, D1: tl.constexpr, D2: tl.cons
         d = tl.where(e8 < 2, (e8 + 1) * 0x00200000, (e8 - 1) << 23).to(tl.float32, bitcast=True)    # [BN, 4, 1]
         return _join8(_e2m1(v, 0, d), _e2m1(v, 1, d), _e2m1(v, 2, d), _e2m1(v, 3, d),
                       _e2m1(v, 4, d), _e2m1(v, 5, d), _e2m1(v, 6, d), _e2m1(v, 7, d))
+    elif QT == 7:                                   # Q6_K
+        return _q6_tile(pool, ra, kk, mn, D1, D2, D3)
+    elif QT == 9:                                   # Q2_K
+        return _q2_tile(pool, ra, kk, mn, D1, D2, D3)
+    elif QT == 8:                                   # Q3_K
+        return _q3_tile(pool, ra, kk, mn, D1, D2, D3)
     else:                                           # Q4_K / Q5_K
         return _k_tile(pool, ra, kk, mn, QT, D1, D2, D3)
 
@@ -234,6 +259,181 @@ def _k_tile(pool, ra, kk, mn, QT: tl.constexpr, D1: tl.constexpr, D2: tl.constex
     # [BN, 4, D2, D3, 2] -> (a, h, p, j)
     w = tl.permute(tl.join(ws[0], ws[1]), (0, 1, 4, 2, 3))
     return tl.reshape(w, (q.shape[0], 8, D2, D3))
+
+
+@triton.jit
+def _wat(pool, b0, sh, o, m):
+    """int32 words of the bytes at b0 + sh / 8 + o (o a multiple of 4, b0 4-byte aligned, sh 0 or 16 bits): the
+    64-bit hi:lo of the aligned words at b0 + o, b0 + o + 4 shifted right by sh (a funnel shift; sh 0: lo)."""
+    lo = _word(pool, b0 + o, m)
+    hi = _word(pool, b0 + o + 4, m)
+    return ((((hi.to(tl.int64) << 32) | (lo.to(tl.int64) & 0xFFFFFFFF)) >> sh) & 0xFFFFFFFF).to(tl.int32)
+
+
+@triton.jit
+def _q6(v, u: tl.constexpr, al, be):
+    """al f + be (one rounding) of the 6-bit quant q in byte u of words v: f = 1 + q / 64 (q at mantissa bits
+    17-22), al = 64 d sc, be = -96 d sc, so the exact value is d sc (q - 32), gguf-py's float32 (d sc is exact)."""
+    return tl.fma(al, _unit(((v >> (8 * u)) & 63) << 17), be)
+
+
+@triton.jit
+def _wat4(pool, b0, sh, o, m):
+    """[..., 4]: the 4 words at b0 + sh / 8 + o + 4 w (_wat), each a load of o's shape joined in registers."""
+    return _join4(_wat(pool, b0, sh, o, m), _wat(pool, b0, sh, o + 4, m), _wat(pool, b0, sh, o + 8, m),
+                  _wat(pool, b0, sh, o + 12, m))
+
+
+@triton.jit
+def _q6_tile(pool, ra, kk, mn, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
+    """Q6_K step (one super-block a row: ql[128] | qh[64] | int8 scales[16] | f16 d, 210 B): float32 [BN, 2, 2, 64],
+    position (n, r, c) = element 128 n + 32 i + 16 r + 4 w + u, c = 16 i + 4 w + u, i = 2 nib + j (llama.cpp's
+    order: half n, l = 16 r + 4 w + u < 32; the quant is ql[64 n + 32 j + l]'s nibble nib | qh[32 n + l] bits 2 i
+    .. + 1 << 4, scale scales[8 n + 2 i + r]). A thread owns the 16-byte runs (n, r) of ql (j 0, 1) and qh: 12 words
+    (loads of [BN, 2, 2] joined in registers, as _q2_tile) for 64 weights, the 6-bit quants of 4 bytes assembled in
+    one word with masks, its 4 scales decoded once. A block at 2 mod 4 (every other one; rows of odd block counts)
+    is read through the aligned word pairs around it (_wat)."""
+    n = tl.arange(0, 2)[None, :, None]
+    r = tl.arange(0, 2)[None, None, :]
+    m = mn[:, None, None]
+    b = ra[:, None, None] + (kk // 256) * 210       # [BN, 1, 1] super-block byte addresses
+    r4 = b % 4                                      # 0 or 2 (rows and blocks start at even bytes)
+    b0 = b - r4
+    sh = r4 * 8
+    ql0 = _wat4(pool, b0, sh, n * 64 + r * 16, m)   # [BN, 2, 2, 4]: j 0
+    ql1 = _wat4(pool, b0, sh, n * 64 + 32 + r * 16, m)        # j 1
+    qh = _wat4(pool, b0, sh, 128 + n * 32 + r * 16, m)
+    # scales 8 n + 2 i + r: i 0, 1 in the word at 192 + 8 n, i 2, 3 in the next, byte 2 (i % 2) + r
+    s01 = _wat(pool, b0, sh, 192 + n * 8, m) >> (r * 8)       # [BN, 2, 2]
+    s23 = _wat(pool, b0, sh, 196 + n * 8, m) >> (r * 8)
+    d = _half(_word(pool, b0 + 208, m) >> sh.to(tl.int32))    # the f16 at b + 208 (never straddles a word)
+    ws = ()
+    for i in tl.static_range(4):                    # i = 2 nib + j
+        if i < 2:
+            sw = s01
+        else:
+            sw = s23
+        # int8 scale to float exactly: 2^23 + (byte ^ 0x80) - (2^23 + 128), no I2F
+        sc = ((((sw >> (16 * (i % 2))) & 255) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+        dsc = d * sc                                # exact: an f16 times an int8 (<= 19 significant bits)
+        al = (64.0 * dsc)[:, :, :, None]
+        be = (-96.0 * dsc)[:, :, :, None]           # exact too (3 x 32 dsc)
+        if i % 2 == 0:
+            qv = ql0
+        else:
+            qv = ql1
+        # the 4 bytes' 6-bit quants: the nibble nib of ql | qh's bit pair 2 i at bits 4-5
+        v = ((qv >> (4 * (i // 2))) & 0x0F0F0F0F) | (((qh >> (2 * i)) << 4) & 0x30303030)
+        t = _join4(_q6(v, 0, al, be), _q6(v, 1, al, be), _q6(v, 2, al, be), _q6(v, 3, al, be))   # [.., 4 w, 4 u]
+        ws = ws + (tl.reshape(t, (ql0.shape[0], 2, 2, 16)),)
+    # [BN, 2, 2, 16 (w, u), 4 (i)] -> (n, r, i, w, u)
+    w = tl.permute(_join4(ws[0], ws[1], ws[2], ws[3]), (0, 1, 2, 4, 3))
+    return tl.reshape(w, (ql0.shape[0], D1, D2, D3))
+
+
+@triton.jit
+def _q2(v, u: tl.constexpr, al, be):
+    """al f + be of the 2-bit quant q at bits 8 u .. + 1 of words v: f = 1 + q / 4 (q at mantissa bits 21-22)."""
+    return tl.fma(al, _unit(((v >> (8 * u)) & 3) << 21), be)
+
+
+@triton.jit
+def _q2_tile(pool, ra, kk, mn, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
+    """Q2_K step (one super-block a row: scales[16] (low nibble scale, high min) | qs[64] | f16 d | f16 dmin, 84 B,
+    21 words): float32 [BN, 2, D2, D3], W = D3 / 16 words a run, position (n, p, c) = element 128 n + 32 j + 4 W p +
+    4 w + u, c = 4 W j + 4 w + u (llama.cpp's order: l = 4 W p + 4 w + u < 32, the quant qs[32 n + l] bits 2 j .. + 1,
+    scale / min scales[8 n + 2 j + l // 16]). Each thread loads the W consecutive qs words of one run (n, p) (4 W x 4
+    weights), whose 4 (scale, min) pairs it decodes once; the weight is w = A f + B with A = 4 d sc, B = -(A + dmin m)
+    (triton_quants' formula: gguf-py's d sc q - dmin m to the last bit or two, one rounding in B)."""
+    W: tl.constexpr = D3 // 16
+    n = tl.arange(0, 2)[None, :, None]
+    p = tl.arange(0, D2)[None, None, :]
+    m = mn[:, None, None]
+    b = ra[:, None, None] + (kk // 256) * 84        # [BN, 1, 1] super-block byte addresses
+    # the run's W words as W loads of [BN, 2, D2] joined in registers: a thread owns one run (84-byte blocks allow no
+    # 16-byte load, and one [BN, 2, D2, W] load spreads a run over W threads, each then decoding W runs' scales:
+    # sass_profile 0.91 warp instructions per weight byte at W 4, 0.60 so)
+    qa = b + 16 + n * 32 + p * (4 * W)
+    if W == 4:
+        q = _join4(_word(pool, qa, m), _word(pool, qa + 4, m), _word(pool, qa + 8, m), _word(pool, qa + 12, m))
+    else:
+        q = tl.join(_word(pool, qa, m), _word(pool, qa + 4, m))
+    # scale bytes 8 n + 2 j + r (r = l // 16 = W p // 4): j 0, 1 in the word at 8 n, j 2, 3 in the next, byte
+    # 2 (j % 2) + r; decoded as [BN, 2, D2] (the run's thread), broadcast over its weights
+    r = (p * W) // 4
+    s01 = _word(pool, b + n * 8, m) >> (r * 8)      # [BN, 2, D2]
+    s23 = _word(pool, b + n * 8 + 4, m) >> (r * 8)
+    dd = _word(pool, b + 80, m)
+    d = _half(dd)
+    dm = _half(dd >> 16)
+    ws = ()
+    for j in tl.static_range(4):
+        if j < 2:
+            sw = s01 >> (16 * j)
+        else:
+            sw = s23 >> (16 * (j - 2))
+        al3 = 4.0 * (d * _int_f32(sw & 15))         # d sc: exact (an f16 times 4 bits)
+        al = al3[:, :, :, None]
+        be = (-(al3 + dm * _int_f32((sw >> 4) & 15)))[:, :, :, None]
+        v = q >> (2 * j)
+        t = _join4(_q2(v, 0, al, be), _q2(v, 1, al, be), _q2(v, 2, al, be), _q2(v, 3, al, be))   # [.., W w, 4 u]
+        ws = ws + (tl.reshape(t, (q.shape[0], 2, D2, 4 * W)),)
+    # [BN, 2, D2, 4 W (w, u), 4 (j)] -> (n, p, j, w, u)
+    w = tl.permute(_join4(ws[0], ws[1], ws[2], ws[3]), (0, 1, 2, 4, 3))
+    return tl.reshape(w, (q.shape[0], D1, D2, D3))
+
+
+@triton.jit
+def _q3(v, u: tl.constexpr, al, be):
+    """al f + be of the 3-bit quant q at bits 8 u .. + 2 of words v: f = 1 + q / 8 (q at mantissa bits 20-22)."""
+    return tl.fma(al, _unit(((v >> (8 * u)) & 7) << 20), be)
+
+
+@triton.jit
+def _q3_tile(pool, ra, kk, mn, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
+    """Q3_K step (one super-block a row: hmask[32] | qs[64] | scales[12] | f16 d, 110 B): float32 [BN, 2, 2, 64],
+    position (n, r, c) = element 128 n + 32 j + 16 r + 4 w + u, c = 16 j + 4 w + u (as _q2_tile; llama.cpp's order:
+    l = 16 r + 4 w + u, the quant (qs[32 n + l] bits 2 j .. + 1) + 4 hmask[l] bit 4 n + j, minus 4; the 6-bit scale
+    s = 8 n + 2 j + r: low nibble n of scales[s % 8], high bits 2 (s // 4) .. + 1 of scales[8 + s % 4], minus 32).
+    A thread owns a 16-byte run (n, r): its 4 qs and 4 hmask words (W loads of [BN, 2, 2] each, joined in registers),
+    and decodes its 4 scales once. w = fma(8 d sc, 1 + q / 8, -12 d sc) = d sc (q - 4) exactly (gguf-py's value:
+    d sc <= 17 significant bits). A block at 2 mod 4 (every other one) is read through aligned word pairs (_wat)."""
+    n = tl.arange(0, 2)[None, :, None]
+    r = tl.arange(0, 2)[None, None, :]
+    m = mn[:, None, None]
+    b = ra[:, None, None] + (kk // 256) * 110       # [BN, 1, 1] super-block byte addresses
+    r4 = b % 4                                      # 0 or 2
+    b0 = b - r4
+    sh = r4 * 8
+    qa = 32 + n * 32 + r * 16                       # qs run (n, r): bytes 32 + 32 n + l
+    q = _join4(_wat(pool, b0, sh, qa, m), _wat(pool, b0, sh, qa + 4, m), _wat(pool, b0, sh, qa + 8, m),
+               _wat(pool, b0, sh, qa + 12, m))
+    ha = r * 16                                     # hmask bytes l
+    hm = _join4(_wat(pool, b0, sh, ha, m), _wat(pool, b0, sh, ha + 4, m), _wat(pool, b0, sh, ha + 8, m),
+                _wat(pool, b0, sh, ha + 12, m)) >> (n * 4)[:, :, :, None]       # bit j: hmask bit 4 n + j
+    # scale s = 8 n + 2 j + r: low nibble n of byte 2 j + r of the words at 96 (j 0, 1) and 100 (j 2, 3); high
+    # bits 2 (2 n + j // 2) of byte 2 (j % 2) + r of the word at 104; decoded as [BN, 2, 2], broadcast
+    lo01 = _wat(pool, b0, sh, 96, m) >> (r * 8 + n * 4)      # [BN, 2, 2]
+    lo23 = _wat(pool, b0, sh, 100, m) >> (r * 8 + n * 4)
+    hi = _wat(pool, b0, sh, 104, m) >> (r * 8 + n * 4)
+    d = _half(_word(pool, b0 + 108, m) >> sh.to(tl.int32))    # the f16 at b + 108 (never straddles a word)
+    ws = ()
+    for j in tl.static_range(4):
+        if j < 2:
+            lw = lo01 >> (16 * j)
+        else:
+            lw = lo23 >> (16 * (j - 2))
+        sc = (lw & 15) | (((hi >> (16 * (j % 2) + 2 * (j // 2))) & 3) << 4)
+        # d (sc - 32) exactly: 2^23 + sc - (2^23 + 32), times an f16
+        dsc = d * ((sc | 0x4B000000).to(tl.float32, bitcast=True) - 8388640.0)
+        al = (8.0 * dsc)[:, :, :, None]
+        be = (-12.0 * dsc)[:, :, :, None]
+        v = ((q >> (2 * j)) & 0x03030303) | (((hm >> j) << 2) & 0x04040404)
+        t = _join4(_q3(v, 0, al, be), _q3(v, 1, al, be), _q3(v, 2, al, be), _q3(v, 3, al, be))   # [.., 4 w, 4 u]
+        ws = ws + (tl.reshape(t, (q.shape[0], 2, 2, 16)),)
+    # [BN, 2, 2, 16 (w, u), 4 (j)] -> (n, r, j, w, u)
+    w = tl.permute(_join4(ws[0], ws[1], ws[2], ws[3]), (0, 1, 2, 4, 3))
+    return tl.reshape(w, (q.shape[0], D1, D2, D3))
 
 
 @triton.jit

@@ -514,7 +514,7 @@ def _mv_dims(qt: int) -> dict:
 def mv_ok(qt: int, K: int, row_bytes: int, aligned: bool, kc: int = 0) -> bool:
     """Whether a launch of type code qt over K columns can take the decode schedule (triton_mmvq): rows at 4-byte
     multiples (word loads), K whole steps, and K chunks of kc (the reduction key KC; 0 = one) whole steps."""
-    return (qt in mv.STEP and aligned and row_bytes % 4 == 0 and K % mv.STEP[qt] == 0
+    return (qt in mv.STEP and aligned and row_bytes % mv.ROW_ALIGN.get(qt, 4) == 0 and K % mv.STEP[qt] == 0
             and (kc <= 0 or kc >= K or kc % mv.STEP[qt] == 0))
 
 

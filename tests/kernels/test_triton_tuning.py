@@ -58,7 +58,7 @@ def test_buckets_share_reduction_keys(tmp_path, monkeypatch):
     ({"Q4_0": {"BK": 256}}, ["'Q4_0'", "not a type"]),
     ({"Q4_K": {"BK": 256, "KC": 384}}, ["Q4_K", "KC 384", "multiple"]),
     ({"Q8_0": {"KC": 100}}, ["Q8_0", "KC 100"]),
-    ({"Q6_K": {"MV": 1}}, ["Q6_K", "MV", "decode schedule", "Q4_K"]),         # a type triton_mmvq lacks
+    ({"IQ4_XS": {"MV": 1}}, ["IQ4_XS", "MV", "decode schedule", "Q4_K"]),     # a type triton_mmvq lacks
     ({"Q4_K": {"MV": 2}}, ["Q4_K", "MV must be 0 or 1"]),
     ({"Q4_K": {"rows1": {"MV": 1}}}, ["rows1", "'MV'", "per type"]),           # a reduction key, not a schedule
     ({"Q4_K": {"MV": 1, "rows16": {"BM_MV": 3}}}, ["rows16", "BM_MV"]),
@@ -79,7 +79,9 @@ def test_decode_schedule_is_a_reduction_key(tmp_path, monkeypatch):
     assert triton_moe.mv_ok(Q4_K, 2048, 1152, True) and not triton_moe.mv_ok(Q4_K, 2048, 1152, False)
     assert triton_moe.mv_ok(QT_CODES[8], 2048, 2176, True)                 # Q8_0: K whole 64-element steps
     assert not triton_moe.mv_ok(QT_CODES[8], 96, 102, True)               # half a step; rows not 4-byte multiples
-    assert not triton_moe.mv_ok(QT_CODES[14], 2048, 1680, True)           # Q6_K: not in triton_mmvq
+    assert not triton_moe.mv_ok(QT_CODES[23], 2048, 1088, True)           # IQ4_XS: not in triton_mmvq
+    # Q6_K: 210-byte super-blocks, rows at 2-byte multiples (F 768: 630 B) read through aligned word pairs
+    assert triton_moe.mv_ok(QT_CODES[14], 768, 630, True) and not triton_moe.mv_ok(QT_CODES[14], 768, 630, False)
 
 
 def test_environment_chooses_the_table(tmp_path, monkeypatch):

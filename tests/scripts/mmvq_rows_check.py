@@ -29,7 +29,7 @@ from betelgeuse.kernels.moe import Group, MoEKernels, pack_experts  # noqa: E402
 from betelgeuse.kernels.triton_quants import QT_CODES  # noqa: E402
 
 E, T = 2, 19
-KS = {"Q4_K": 256, "Q5_K": 256}        # H = FF = K: one step of a super-block type; else 128: one MXFP4 step, two Q8_0
+KS = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "Q3_K": 256, "Q2_K": 256}        # H = FF = K: one step of a super-block type; else 128: one MXFP4 step, two Q8_0
 PROGRAMS = {1: 64, 3: 32, 16: 128}     # rows a program (BM_MV) -> output rows a program (BN)
 # (BM, tokens), each against the same rows of the 1-row-a-program launch of 16 tokens: one row in a block of 3,
 # 16 + 3 rows in blocks of 3 (the last of expert 0 partial), 3 rows in a block of 16, 16 + 3 rows in blocks of 16

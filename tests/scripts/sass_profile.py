@@ -151,6 +151,7 @@ def profile(name: str, which: str, sched: str) -> dict:
     sass, res = sass_of(k.asm["cubin"])
     regs = int(re.search(r"REG:(\d+)", res).group(1))
     local = int(re.search(r"LOCAL:(\d+)", res).group(1))
+    stack = int(re.search(r"STACK:(\d+)", res).group(1))    # ptxas' call stack: spills LOCAL does not count
     mv = "S" in cst                               # the decode schedule's constexprs (triton_moe._mv_dims)
     step = triton_mmvq.STEP[qt] if mv else cst["BK"]
     bn = cst["BN"]
@@ -164,7 +165,7 @@ def profile(name: str, which: str, sched: str) -> dict:
     per_w = 32 * warps / weights                  # thread ops per weight for one per-thread instruction
     ipb = cl["total"] * warps / wbytes
     return {"type": name, "kernel": which, "sched": sched, "BN": bn, "warps": warps, "step": step,
-            "bytes_iter": wbytes, "regs": regs, "spill": local, "shared": int(k.metadata.shared),
+            "bytes_iter": wbytes, "regs": regs, "spill": local, "stack": stack, "shared": int(k.metadata.shared),
             "instr_iter": cl["total"], "instr_per_B": round(ipb, 3), "issue_GBps": round(ISSUE_G / ipb),
             "cvt_per_w": round(cl.get("cvt", 0) * per_w, 3), "ffma_per_w": round(cl.get("ffma", 0) * per_w, 3),
             "alu_per_w": round(cl.get("alu", 0) * per_w, 3), "bar": cl.get("bar", 0),
