@@ -46,11 +46,15 @@ def chunk_bounds(start: int, T: int, chunk: int | None) -> list[tuple[int, int]]
     return out
 
 
-def layer_front(model, layer: int, x: torch.Tensor, cache, chunks: list[Chunk], ids: torch.Tensor, resident=None):
+def layer_front(model, layer: int, x: torch.Tensor, cache, chunks: list[Chunk], ids: torch.Tensor, resident=None,
+                after_attn=None):
     """Attention, MoE input and routing of one layer, chunk by chunk: x [T,H] -> (x [T,H], h [T,H], auxs (one per
-    chunk), top ids [T,k], top weights [T,k]). The experts then run over all T rows at once (row-invariant)."""
+    chunk), top ids [T,k], top weights [T,k]). The experts then run over all T rows at once (row-invariant).
+    after_attn(): called once the attention of a lone chunk is enqueued (decode's PassStats.gpu_marks), or None."""
     if len(chunks) == 1:
         x = model.attention_block(layer, x, cache if chunks[0].cache is None else chunks[0].cache, chunks[0].positions)
+        if after_attn is not None:
+            after_attn()
         h, aux = model.moe_input(layer, x)
         ti, tw = model.route(layer, h, ids, resident)
         return x, h, [aux], ti, tw

@@ -47,9 +47,12 @@ class SoloDecode:
         a step captured whole or replayed): a gated layer does not yield, it is drained after the step's launch;
         else (an eager step, the CPU) it yields "gated" and is drained where its gate stands (worker/gate.py)."""
         m, moe = self.model, self.moe
+        marks = moe.clock.marks
         x = m.embed(ids)
         for l in range(moe.n_layer):
             x = m.attention_block(l, x, kv, pos, static=True)
+            if marks:       # PassStats.gpu_marks: the step's graph is cut here (a mark records no time in a capture)
+                yield "attn", l, None, None
             h, aux = m.moe_input(l, x)
             top_ids, top_w = moe.route_static(m, l, h, ids)
             r = moe.route(l, h, top_ids, top_w, lstats[l])
@@ -78,12 +81,15 @@ class SoloDecode:
         lstats = [LayerStats() for _ in range(self.moe.n_layer)]
         self.moe.refresh_static(snap)
         self.moe.hand_refresh(snap, len(ids))
-        key = (kv.uid, self.moe.cache.all_vram.tobytes(), self.moe.static_variant())
+        # gpu_marks: the step's graphs cut at each layer's attention (their own entry, not the plain step's)
+        key = (kv.uid, self.moe.cache.all_vram.tobytes(), self.moe.static_variant(), self.moe.clock.marks)
         ent = self._graphs.get(key) if self.graphs_on else None
 
         def eager_part(item):
             kind, l, r, guess = item
-            if kind == "start":
+            if kind == "attn":
+                self.moe.clock.mark("attn", l)
+            elif kind == "start":
                 self.moe.hand_start(l, r, guess)
             elif kind == "gated":               # an eager step or the CPU: drained where its gate stands (disarmed)
                 self.moe.gate_drain(l, r, self.moe.guess_shape(l, guess), snap, stats, lstats[l], armed=False)

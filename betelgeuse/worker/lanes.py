@@ -296,10 +296,12 @@ class Lanes:
         self.ids.index_copy_(0, idx, ids)
         self.pos.index_copy_(0, idx, torch.cat([kv.pos for kv in kvs]))
 
-    def front(self, l: int, kvs, route, combine):
+    def front(self, l: int, kvs, route, combine, after_attn=None):
         """Layer l for every lane up to its routing: the previous layer's MoE rows combined into the residual, the
         dense part, attention per sequence -> (the Routing of the running rows (their expert work: the caller's),
-        layers l+1 .. l+D's guessed experts of those rows [n,D,k] or None)."""
+        layers l+1 .. l+D's guessed experts of those rows [n,D,k] or None). after_attn(): called between the
+        sequences' attention and the post part (its output projection, MoE input and routing), outside any capture
+        (PassStats.gpu_marks), or None."""
         v = (len(kvs), self.mode)
         self._run(("pre", l, v), self._pre, l, v, combine)
         for kv in kvs:
@@ -313,6 +315,8 @@ class Lanes:
                 s.pool = s.graphs[l].pool()
             else:
                 self._attend(l, s)
+        if after_attn is not None:
+            after_attn()
         return self._run(("post", l, v), self._post, l, v, route)[3:]
 
     def _host(self):

@@ -436,6 +436,8 @@ class MoEStep:
         try:
             if not hand:
                 self.sync.start(r.counts, self._guess_of(l, guess))
+                if clock.marks:
+                    clock.mark("route", l)          # the routing and its copies to the host enqueued (gpu_marks)
             self._partial(l, r, snap, stats, ls, readahead, hand, synced, table)
         finally:             # the step's own host time: its wall less blocked waits and store messages
             stats.moe_host_s += time.perf_counter() - t0 - (clock.blocked - b0) - (clock.store_s - s0)
@@ -458,6 +460,8 @@ class MoEStep:
     def hand_start(self, l: int, r, guess):
         """After routing, before the at-hand group: the host sync's copies enqueued (no wait)."""
         self.sync.start(r.counts, self._guess_of(l, guess))
+        if self.clock.marks:
+            self.clock.mark("route", l)             # before the at-hand group (PassStats.gpu_marks)
 
     def hand_group(self, l: int, r):
         """Every routed row whose expert is at hand, one gate_up + one down (graph-capturable: the table is read in
@@ -1072,17 +1076,27 @@ class MoEStep:
         batch = []
         snap, direct = direct, direct is not None and self.flex is not None
 
+        marks = self.clock.marks                            # PassStats.gpu_marks: the batch's copy and group
+
         def flush():
             nonlocal batch, opened
             if batch:
                 es = [x.expert for x in batch]
                 srcs = [cache.staging_slot(x.slot) for x in batch]
+                t0 = time.monotonic() if marks else 0.0
                 if direct:
                     held.extend(self._direct_group(l, r, es, srcs, [x.slot for x in batch], timing, opened, ls, snap))
+                    if marks:
+                        self.clock.mark_copy(l, timing, t0)
+                        self.clock.mark("group", l)
                 else:
                     # after the host experts' copies in their bank where one is opened: one table and one apply for both
                     bank, offs, g = self._bank_group(es, srcs, timing, opened)
+                    if marks:
+                        self.clock.mark_copy(l, timing, t0)
                     self._apply(r, l, g, ls)
+                    if marks:
+                        self.clock.mark("group", l)
                     if self.flex is not None:      # copies for the flex cache, before the bank may be rewritten
                         self.flex.keep(l, es, cache.pool, offs, cache.ring_views(offs))
                     cache.bank_done(bank)

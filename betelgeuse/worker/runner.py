@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import os
 import time
+from functools import partial
 
 import numpy as np
 import torch
@@ -290,6 +291,16 @@ class ModelRunner:
         return self.session.plan
 
     @property
+    def gpu_marks(self) -> bool:
+        """PassStats.gpu_marks: the device's steps between a layer's last disk expert and the next routing (the
+        bench turns it on: issue 21's disk idle chain; services/bench/disk_idle.py)."""
+        return self.clock.marks
+
+    @gpu_marks.setter
+    def gpu_marks(self, on: bool):
+        self.clock.marks = on
+
+    @property
     def timing(self) -> bool:
         """Per-layer CUDA event timing (the bench turns it on)."""
         return self.clock.timing
@@ -553,7 +564,8 @@ class ModelRunner:
         """Layer l of a batched decode on the lanes: the dense part, the routing of the running rows and the previous
         layer's combine in the lane graphs; then the experts, eagerly (MoEStep.experts)."""
         t = time.perf_counter()
-        r, guess = ln.front(l, kvs, self.moe.route_rows, self.kern.combine)
+        r, guess = ln.front(l, kvs, self.moe.route_rows, self.kern.combine,
+                            partial(self.clock.mark, "attn", l) if self.clock.marks else None)
         t1 = time.perf_counter()
         ls.attn_s = t1 - t
         gate = self.moe.gate
@@ -646,8 +658,9 @@ class ModelRunner:
             self.should_stop()
             ls = LayerStats()
             t = time.perf_counter()
+            mark = partial(self.clock.mark, "attn", l) if self.clock.marks else None   # PassStats.gpu_marks
             x, h, auxs, top_ids, top_w = layer_front(self.model, l, x, kvs[0], chunks, ids,
-                                                     self.moe.residency(snap, l))
+                                                     self.moe.residency(snap, l), mark)
             t1 = time.perf_counter()
             ls.attn_s = t1 - t
             # decode (few rows, no read-ahead of the whole next layer): guess the next layers' experts instead

@@ -80,6 +80,13 @@ class PassStats:
     # each layer's last disk expert handed to the worker (MoEStep._disk_groups / _disk_table)
     routed: list = field(default_factory=list)
     landed: list = field(default_factory=list)
+    # the `gpu` link of that chain cut at the device's steps (issue 21), only when the bench turns PassClock.marks on:
+    # (time.monotonic() s, layer, name) per mark, name "copy0" / "copy" (a disk batch's ring-bank or flex copy starts
+    # / ends on the copy stream), "group" (its expert group ends), "attn" (the layer's attention ends: the dense part
+    # up to the MoE input), "route" (its routing and the copies of the routing's counts to the host end, before the
+    # host's sync). CUDA: events read after the pass's end sync, put on the host clock by one anchor event recorded
+    # on the idle device (PassClock.finish); CPU: host stamps (the CPU runs each op as it is called)
+    gpu_marks: list = field(default_factory=list)
     vram_filled: int = 0        # experts copied into VRAM hot slots at the start of the pass
     fill_disk: int = 0          # of those, read from disk (no host backing copy): fills, not uses (reads counts uses)
     open_s: float = 0.0         # opening the store pass: BeginPass (it waits for a pending consolidation) + VRAM fills
@@ -120,23 +127,27 @@ class PassStats:
 class PassClock:
     """One pass's blocked time and per-layer compute timing (begin() starts a pass, finish() fills its stats)."""
 
-    __slots__ = ("device", "is_cuda", "timing", "blocked", "store_wait", "store", "store_s", "_events", "_t0")
+    __slots__ = ("device", "is_cuda", "timing", "marks", "blocked", "store_wait", "store", "store_s", "_events",
+                 "_marks", "_t0")
 
     def __init__(self, device: torch.device):
         self.device = device
         self.is_cuda = device.type == "cuda"
         self.timing = False             # per-layer CUDA events (the bench turns it on)
+        self.marks = False              # PassStats.gpu_marks (the bench turns it on; callers test it: nil cost off)
         self.blocked = 0.0              # seconds the host waited in this pass
         self.store_wait = 0.0           # of them: waits for the store to deliver expert bytes
         self.store: dict = {}           # store message kind -> [messages, host seconds] in this pass
         self.store_s = 0.0              # their seconds summed (MoEStep takes differences of it)
         self._events: list = []         # (LayerStats, start, end) CUDA events of this pass
+        self._marks: list = []          # (CUDA event or monotonic s, layer, name) of this pass (PassStats.gpu_marks)
         self._t0 = 0.0
 
     def begin(self):
         self.blocked = self.store_wait = self.store_s = 0.0
         self.store = {}
         self._events = []
+        self._marks = []
         self._t0 = time.perf_counter()
 
     def wait(self, fn, *args):
@@ -174,7 +185,26 @@ class PassClock:
 
     def copy_timing(self, ls: LayerStats) -> list | None:
         """Where bank copies record their timing: the layer's copy_events (CPU always; CUDA when timing), or None."""
-        return ls.copy_events if self.timing or not self.is_cuda else None
+        return ls.copy_events if self.timing or self.marks or not self.is_cuda else None
+
+    # ---- PassStats.gpu_marks (only while `marks`: callers test it first) ---------------------------------
+    def mark(self, name: str, layer: int):
+        """A point of the device's work as enqueued so far on the current stream (CUDA: an event; not inside a graph
+        capture, where an event records no time) or now (CPU: the op ran when called)."""
+        if not self.is_cuda:
+            self._marks.append((time.monotonic(), layer, name))
+        elif not torch.cuda.is_current_stream_capturing():
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(current_stream(None))
+            self._marks.append((ev, layer, name))
+
+    def mark_copy(self, layer: int, timing: list | None, t0: float):
+        """A disk batch's copy as a mark pair: CUDA its (start, end) events (the last of `timing`, bank_copy's), the
+        CPU the copy's wall (t0: monotonic s before it, now its end)."""
+        if not self.is_cuda:
+            self._marks += [(t0, layer, "copy0"), (time.monotonic(), layer, "copy")]
+        elif timing and not isinstance(timing[-1], float):
+            self._marks += [(timing[-1][0], layer, "copy0"), (timing[-1][1], layer, "copy")]
 
     # ---- the MoE compute of a layer ------------------------------------------------------------------
     def layer_start(self):
@@ -198,6 +228,7 @@ class PassClock:
 
     def abandon(self):
         self._events = []
+        self._marks = []
 
     def finish(self, stats: PassStats):
         """After the pass's end sync: its wall and blocked time, the layers' compute and copy times."""
@@ -209,9 +240,26 @@ class PassClock:
         for ls, ev0, ev1 in self._events:
             ls.compute_ms += ev0.elapsed_time(ev1)
         self._events = []
+        if self._marks:
+            stats.gpu_marks = self._host_marks()
+            self._marks = []
         for ls in stats.layers:
             if ls.copy_events and not isinstance(ls.copy_events[0], float):
                 ls.copy_ms = sum(ev0.elapsed_time(ev1) for ev0, ev1 in ls.copy_events)
             else:
                 ls.copy_ms = sum(ls.copy_events)
             ls.copy_events = []
+
+    def _host_marks(self) -> list:
+        """This pass's marks on the host clock (monotonic s). CUDA: the device is synced (the pass's end sync; once
+        more here, only with marks on), so an anchor event recorded now runs as it is enqueued: its host time is the
+        middle of the record call, and each mark's is that less the event time between them (>= 0: marks come first)."""
+        if not self.is_cuda:
+            return list(self._marks)
+        self.sync()
+        anchor = torch.cuda.Event(enable_timing=True)
+        t0 = time.monotonic()
+        anchor.record(current_stream(None))
+        t_a = (t0 + time.monotonic()) / 2
+        anchor.synchronize()
+        return [(t_a - ev.elapsed_time(anchor) * 1e-3, layer, name) for ev, layer, name in self._marks]

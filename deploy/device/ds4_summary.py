@@ -18,7 +18,8 @@ import argparse
 import json
 from pathlib import Path
 
-from services.bench.disk_idle import CHAIN, chain_label, ended_label  # the idle gaps by what ended them, their chain
+# the idle gaps by what ended them, their chain and its gpu part's split
+from services.bench.disk_idle import CHAIN, GPU, chain_label, ended_label, gpu_label
 from services.bench.report import attach_vram                      # attach's steps' VRAM, as bench.md
 from services.bench.report import triton_compiles as _compiles   # a region's Triton compiles, as bench.md
 
@@ -101,6 +102,9 @@ def targets(r: dict) -> list[str]:
             if chain_label(idle, where):
                 L.append(_row(f"  of it, {where}: " + " / ".join(CHAIN) + " ms per token", "–",
                               chain_label(idle, where), None))
+            if gpu_label(idle, where):          # its gpu part cut at the worker's device marks (disk_idle.GPU)
+                L.append(_row(f"  of gpu, {where}: " + " / ".join(GPU) + " ms per token", "–",
+                              gpu_label(idle, where), None))
     runs = [p for c in (ex, pool) for p in c.get("passes", []) + ([c["decode"]] if c.get("decode") else [])]
     # the target is for layer-major passes and decode; a pass of the standard (token-major) schedule, which the
     # bench runs for comparison, is shown beside it and judged by nothing

@@ -30,6 +30,15 @@ expert delivered]), cut at each step's time, each clipped into the gap after the
   deliver   -> the worker has it (the answer over the session stream: the store's send, the socket, the worker's read)
   gpu       -> the next layer's routing on the host: the expert's H2D copy and group, the next layer's attention and
             routing, the routing's sync to the host (between tokens: also the head, sampling and the next step's start)
+            With the worker's device marks (PassStats.gpu_marks, the bench turns them on) `gpu` is also cut, its
+            parts clipped the same way and summing to it (a mark not found: a part of 0, the time goes to the next):
+    copy    -> the landed layer's last disk batch's H2D copy ends (its queue behind earlier copies, the copy itself)
+    group   -> that batch's expert group ends (gate_up + down, or its group-graph replay)
+    attn    -> the next layer's attention ends (between tokens: also the rest of the step, its head, sampling and
+               the next step up to layer 0's attention)
+    route   -> its routing and the copy of its counts to the host end (the MoE input, the router, the guesses)
+    sync    -> the host has them: the sync's wakeup and the host's work to the stamp (and, where the message has no
+               routing of its own, the hash ahead, all of gpu after the group)
   host      -> the load message sent (the host's tier split, guesses, bookkeeping before the send)
   message   -> the store took it (the session stream: the client's send thread, the socket, the store's reader thread)
   store     -> the gap's end: the store starts the reads (slot choice, the reader's queue, a thread's preadv)
@@ -41,9 +50,10 @@ import bisect
 
 
 CHAIN = ("earlier", "land", "deliver", "gpu", "host", "message", "store")
+GPU = ("copy", "group", "attn", "route", "sync")    # gpu's parts (module doc), where the device marks were taken
 
 
-def split_idle(gaps, windows, sends=(), routed=(), landed=(), msgs=()) -> dict:
+def split_idle(gaps, windows, sends=(), routed=(), landed=(), msgs=(), marks=()) -> dict:
     """gaps [(start, end)] the disk's idle gaps (monotonic s, oldest first, as the store logs them), windows [(start,
     end)] the decode steps in order (monotonic s, each end <= the next start) -> {"tokens", "span_s", "idle_s",
     "between_s", "within_s", "outside_s", "active_s", "between_gaps", "within_gaps"} and per token in ms
@@ -52,7 +62,8 @@ def split_idle(gaps, windows, sends=(), routed=(), landed=(), msgs=()) -> dict:
     per layer whose message ended a gap (-1: the step's hash ahead; "other": no message sent during the gap) the
     idle ms per token [between, within]: what the disk waited for. routed, landed [(monotonic s, layer)] (PassStats),
     msgs [(taken, first read[, delivered])] (status' disk_msgs), with sends: also "chain" {"between" | "within":
-    {part: ms per token, ..., "gaps": n, "own_read": n}} over the gaps a layer's message ended (module doc: CHAIN)."""
+    {part: ms per token, ..., "gaps": n, "own_read": n}} over the gaps a layer's message ended (module doc: CHAIN).
+    marks [(monotonic s, layer, name)] (PassStats.gpu_marks): the chain also has gpu's parts (GPU), summing to it."""
     n = len(windows)
     if not n:
         return {}
@@ -65,7 +76,13 @@ def split_idle(gaps, windows, sends=(), routed=(), landed=(), msgs=()) -> dict:
     times = [t for t, _ in sends]
     ended: dict = {}                                            # label -> [between s, within s]
     chained = bool(times) and bool(routed or landed or msgs)
-    chain = {w: dict.fromkeys(CHAIN + ("gaps", "own_read"), 0.0) for w in ("between", "within")}
+    parts_of = CHAIN + (GPU if marks else ())
+    chain = {w: dict.fromkeys(parts_of + ("gaps", "own_read"), 0.0) for w in ("between", "within")}
+    by_mark: dict = {}                                          # (name, layer) -> its marks' times, sorted
+    for t, layer, name in marks:
+        by_mark.setdefault((name, layer), []).append(t)
+    for v in by_mark.values():
+        v.sort()
     rt, lt, mt = [t for t, _ in routed], [t for t, _ in landed], [m[0] for m in msgs]
     for a, b in gaps:
         a, b = max(a, lo), min(b, hi)
@@ -88,9 +105,10 @@ def split_idle(gaps, windows, sends=(), routed=(), landed=(), msgs=()) -> dict:
             ended.setdefault(label, [0.0, 0.0])[0 if touches else 1] += b - a
             if chained and label != "other":
                 prev = times[i - 1] if i and times[i - 1] >= a else None
-                parts, own = _chain(a, b, times[i], sends[i][1], prev, routed, rt, lt, msgs, mt)
+                parts, own = _chain(a, b, times[i], sends[i][1], prev, routed, landed, rt, lt, msgs, mt,
+                                    by_mark if marks else None)
                 c = chain["between" if touches else "within"]
-                for name, v in zip(CHAIN, parts):
+                for name, v in zip(parts_of, parts):
                     c[name] += v
                 c["gaps"] += 1
                 c["own_read"] += own
@@ -103,18 +121,21 @@ def split_idle(gaps, windows, sends=(), routed=(), landed=(), msgs=()) -> dict:
             "outside_ms_per_token": outside * ms, "active_ms_per_token": (span - idle) * ms,
             **({"ended_by": {k: [v[0] * ms, v[1] * ms] for k, v in sorted(ended.items(), key=_label_order)}}
                if times else {}),
-            **({"chain": {w: {k: (v * ms if k in CHAIN else v) for k, v in c.items()} for w, c in chain.items()}}
+            **({"chain": {w: {k: (v * ms if k in parts_of else v) for k, v in c.items()} for w, c in chain.items()}}
                if chained else {})}
 
 
-def _chain(a: float, b: float, c: float, layer: int, prev, routed, rt, lt, msgs, mt) -> tuple[list[float], bool]:
+def _chain(a: float, b: float, c: float, layer: int, prev, routed, landed, rt, lt, msgs, mt,
+           by_mark=None) -> tuple[list[float], bool]:
     """A gap [a, b] ended by layer `layer`'s message sent at c -> its parts (CHAIN) in seconds: the store's take of
     the message before it where that was sent in the gap (prev: its time, or None), the layer's routing
     on the host (the last before c), the last expert handed to the worker before that (and the store's delivery of it:
     the last load taken before it that delivered one), the last message the store took by b (after c); a step not
     found takes the time of the one before it (a part of 0). And whether the read that
     ended the gap was that message's own first one (its first preadv within 0.2 ms of b: the store part is the
-    message's own scheduling, not a read it waited behind)."""
+    message's own scheduling, not a read it waited behind). by_mark ({(name, layer): sorted times}, or None): gpu's
+    parts (GPU) follow CHAIN's, each mark the last of its name by the routing (copy, group: the landed layer's;
+    attn, route: the routed layer's), clipped into gpu after the part before."""
     j = bisect.bisect_right(rt, c) - 1
     while j >= 0 and routed[j][1] != layer and c - rt[j] < 1.0:     # the hash ahead (-1) has none: host 0
         j -= 1
@@ -138,7 +159,21 @@ def _chain(a: float, b: float, c: float, layer: int, prev, routed, rt, lt, msgs,
         cuts.append(at)
     cuts.append(b)
     first = msgs[m][1] if m >= 0 and mt[m] >= c else None
-    return [cuts[x + 1] - cuts[x] for x in range(len(CHAIN))], first is not None and abs(first - b) < 2e-4
+    parts = [cuts[x + 1] - cuts[x] for x in range(len(CHAIN))]
+    if by_mark is not None:         # gpu = cuts[3] .. cuts[4] (landed .. routed) cut at the device's marks
+        lo, hi = cuts[3], cuts[4]
+        at, sub = lo, []
+        lay = landed[k][1] if k >= 0 else None
+        for name, of in (("copy", lay), ("group", lay), ("attn", layer), ("route", layer)):
+            ts = by_mark.get((name, of), ())
+            x = bisect.bisect_right(ts, t_routed) - 1
+            t = ts[x] if x >= 0 else at         # a mark of an earlier step clips to at: 0
+            nxt = min(max(t, at), hi)
+            sub.append(nxt - at)
+            at = nxt
+        sub.append(hi - at)
+        parts += sub
+    return parts, first is not None and abs(first - b) < 2e-4
 
 
 def _label_order(kv) -> tuple:
@@ -163,6 +198,15 @@ def chain_label(s: dict, where: str = "within") -> str:
     return (" / ".join(f"{k} {c[k]:.2f}" for k in CHAIN)
             + f" ({c['gaps'] / max(1, s['tokens']):.1f} gaps/token, {c['own_read']:.0f} of {c['gaps']:.0f} ended by the "
             "message's own first read)")
+
+
+def gpu_label(s: dict, where: str = "within") -> str:
+    """The chain's gpu part of the `where` gaps cut at the device's marks: 'copy 0.40 / group 0.30 / attn 0.50 / route
+    0.20 / sync 0.10 (of gpu 1.50)' (ms per token); '' where not measured (a record before the marks)."""
+    c = (s.get("chain") or {}).get(where)
+    if not c or not c["gaps"] or GPU[0] not in c:
+        return ""
+    return " / ".join(f"{k} {c[k]:.2f}" for k in GPU) + f" (of gpu {c['gpu']:.2f})"
 
 
 def idle_label(d: dict) -> str:

@@ -482,34 +482,40 @@ class Harness:
         windows = []                                    # per token: its step on the store's clock (monotonic)
         sends = []                                      # the steps' messages asking for disk reads (PassStats.sends)
         routed, landed = [], []                         # the chain before them (PassStats.routed, .landed)
+        marks = []                                      # its gpu link cut at the device's steps (PassStats.gpu_marks)
+        marks_were, rn.gpu_marks = rn.gpu_marks, True   # stats on for the timed steps only (off: no cost)
         gg = getattr(rn.moe, "group_graphs", None)      # engine.group_graphs: its replays / captures / launches
         gg0 = gg.stats() if gg is not None else None
         t_start = time.perf_counter()
-        for _ in range(self.o.decode):
-            if time.monotonic() > end:
-                break
-            t = time.perf_counter()
-            m0 = TL.compile_mark()
-            toks.append(tok)
-            w0 = time.monotonic()
-            lg, st = rn.forward([tok], kv, consolidate=False)
-            tok = int(lg[-1].argmax())
-            windows.append((w0, time.monotonic()))
-            sends += st.sends
-            routed += st.routed
-            landed += st.landed
-            secs.append(time.perf_counter() - t)
-            token_compiles.append(TL.compiles_since(m0)["count"])
-            for k_ in reads:
-                reads[k_] += st.reads[k_]
-            disk_bytes, disk_wait = disk_bytes + st.disk_bytes, disk_wait + st.disk_wait_s
-            host_s, calls, h2d = host_s + st.host_s, calls + st.store_calls, h2d + st.h2d_bytes
-            split.add(st)
-            token_host.append((st.host_s, st.applications))
-            for k_ in guess:
-                guess[k_] += getattr(st, k_)
-            if st.engram is not None:
-                engram = st.engram if engram is None else engram.add(st.engram)
+        try:
+            for _ in range(self.o.decode):
+                if time.monotonic() > end:
+                    break
+                t = time.perf_counter()
+                m0 = TL.compile_mark()
+                toks.append(tok)
+                w0 = time.monotonic()
+                lg, st = rn.forward([tok], kv, consolidate=False)
+                tok = int(lg[-1].argmax())
+                windows.append((w0, time.monotonic()))
+                sends += st.sends
+                routed += st.routed
+                landed += st.landed
+                marks += st.gpu_marks
+                secs.append(time.perf_counter() - t)
+                token_compiles.append(TL.compiles_since(m0)["count"])
+                for k_ in reads:
+                    reads[k_] += st.reads[k_]
+                disk_bytes, disk_wait = disk_bytes + st.disk_bytes, disk_wait + st.disk_wait_s
+                host_s, calls, h2d = host_s + st.host_s, calls + st.store_calls, h2d + st.h2d_bytes
+                split.add(st)
+                token_host.append((st.host_s, st.applications))
+                for k_ in guess:
+                    guess[k_] += getattr(st, k_)
+                if st.engram is not None:
+                    engram = st.engram if engram is None else engram.add(st.engram)
+        finally:
+            rn.gpu_marks = marks_were
         n = sum(reads.values())
         c = rn.mcfg
         wall = time.perf_counter() - t_start
@@ -520,7 +526,7 @@ class Harness:
         bound = C.pass_bound(self.ceil, bps, len(secs), n, disk_bytes, h2d, c.n_layer, c.n_expert_used,
                              sum(secs)) if secs else {}
         # where the disk idles: between tokens or within one (services/bench/disk_idle.py), from the store's gap log
-        idle = (split_idle(st1["disk_gaps"], windows, sends, routed, landed, st1.get("disk_msgs", ()))
+        idle = (split_idle(st1["disk_gaps"], windows, sends, routed, landed, st1.get("disk_msgs", ()), marks)
                 if "disk_gaps" in st1 else None)
         if idle:
             idle["gaps_complete"] = st1.get("disk_gaps_complete")

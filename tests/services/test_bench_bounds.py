@@ -172,3 +172,11 @@ def test_ds4_summary_judges_layer_major_passes_and_names_the_launches():
     row = next(r for r in rows if "of it, within: earlier / land / deliver / gpu / host / message / store" in r)
     assert "earlier 0.00 / land 50.00 / deliver 50.00 / gpu 300.00 / host 200.00 / message 100.00 / store 300.00" in row
     assert not any("of it, between:" in r for r in rows)
+    assert not any("of gpu," in r for r in rows)                     # no device marks: no gpu split row
+    # with the worker's device marks: the gpu part's split row under the chain (disk_idle.GPU)
+    case["decode"]["disk_idle"] = split_idle([(3.0, 4.0)], [(0.0, 10.0)], [(3.6, 1)], [(3.4, 1)], [(3.1, 0)],
+                                             [(2.9, 3.0, 3.05), (3.7, 4.0, None)],
+                                             [(3.15, 0, "copy"), (3.2, 0, "group"), (3.3, 1, "attn"),
+                                              (3.35, 1, "route")])
+    row = next(r for r in S.targets({"cases": [case]}) if "of gpu, within: copy / group / attn / route / sync" in r)
+    assert "copy 50.00 / group 50.00 / attn 100.00 / route 50.00 / sync 50.00 (of gpu 300.00)" in row, row

@@ -115,10 +115,12 @@ def test_runs_within_budget_and_writes_json(bench_run):
             assert 0 <= idle["active_s"] <= d["store_disk_active_s"] + 0.005, (idle, d["store_disk_active_s"])
             assert idle["active_s"] >= d["store_disk_active_s"] - 0.05, (idle, d["store_disk_active_s"])
             # the chain of the gaps a layer's message ended (disk_idle.CHAIN): its parts within those gaps' total
-            from services.bench.disk_idle import CHAIN
+            from services.bench.disk_idle import CHAIN, GPU
             for where, c in idle.get("chain", {}).items():
                 assert all(c[k] >= 0 for k in CHAIN) and c["own_read"] <= c["gaps"], c
                 assert sum(c[k] for k in CHAIN) <= idle[f"{where}_ms_per_token"] + 1e-6, (where, c, idle)
+                # gpu cut at the worker's device marks (the bench turns them on): its parts sum to it
+                assert all(c[k] >= 0 for k in GPU) and sum(c[k] for k in GPU) == pytest.approx(c["gpu"]), c
     # every planned case either ran or is listed as skipped
     ran = {c["name"] for c in r["cases"]}
     assert "2+6 p8" in ran

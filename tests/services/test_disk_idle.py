@@ -9,7 +9,10 @@
 - the chain of a gap a layer's message ended (land / gpu / host / message / store): laid out by hand, each part cut
   at its step's time; on a real store, a pause forced into one step of the chain (before layer 1's routing reaches
   the host, between its routing and its load's send, between the send and the store taking it) grows that part and
-  no other by the pause.
+  no other by the pause;
+- gpu's split at the worker's device marks (copy / group / attn / route / sync, PassStats.gpu_marks): laid out by
+  hand (the parts sum to gpu, marks out of order clipped); on a ds4-tiny CPU decode (per-layer path, solo, lanes)
+  every mark is taken, within its step, and ordered against the worker's host stamps and the model's own calls.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ import time
 
 import pytest
 
-from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, write_synth
-from services.bench.disk_idle import CHAIN, chain_label, ended_label, idle_label, split_idle
+from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, write_ds4_tiny, write_synth
+from services.bench.disk_idle import CHAIN, GPU, chain_label, ended_label, gpu_label, idle_label, split_idle
 
 PAUSE = 0.05        # s, the forced gap per token
 STEPS = 5
@@ -75,6 +78,37 @@ def test_chain_by_hand():
     assert w["gaps"] == 2 and w["own_read"] == 1 and s["chain"]["between"]["gaps"] == 0
     assert "earlier 250.00 / land 100.00 / deliver 150.00" in chain_label(s) and chain_label(s, "between") == ""
     assert "chain" not in split_idle(gaps, windows, sends)
+    assert GPU[0] not in w and gpu_label(s) == ""        # no device marks: gpu not cut (an older record)
+
+
+def test_gpu_split_by_hand():
+    """gpu (the landed expert -> the next layer's routing on the host) cut at the device's marks: each the last of
+    its (name, layer) by the routing, clipped into gpu after the part before; the parts sum to gpu."""
+    windows = [(0.0, 10.0)]
+    gaps = [(3.0, 4.0), (6.0, 7.0)]
+    sends = [(3.6, 1), (6.5, -1)]
+    routed, landed = [(3.4, 1)], [(3.1, 0), (6.4, 3)]
+    msgs = [(2.9, 3.0, 3.05), (3.7, 4.0, None)]
+    # (3, 4): layer 0 landed at 3.1, layer 1 routed at 3.4; layer 0's copy ends 3.15 (an older step's at 1.0 and a
+    # later one at 3.5, after the routing, are not it), its group 3.2, layer 1's attention 3.3, its routing 3.35.
+    # (6, 7), the hash ahead at 6.5 (no routing: gpu runs to the send): layer 3's copy 6.42, group 6.45; layer -1 has
+    # no attention or routing mark (0) and layer 1's (of the first gap) are before the landing: clipped to 0
+    marks = [(1.0, 0, "copy"), (3.12, 0, "copy0"), (3.15, 0, "copy"), (3.2, 0, "group"), (3.3, 1, "attn"),
+             (3.35, 1, "route"), (3.5, 0, "copy"), (6.41, 3, "copy0"), (6.42, 3, "copy"), (6.45, 3, "group")]
+    s = split_idle(gaps, windows, sends, routed, landed, msgs, marks)
+    w = s["chain"]["within"]
+    want = {"copy": 0.05 + 0.02, "group": 0.05 + 0.03, "attn": 0.1, "route": 0.05, "sync": 0.05 + 0.05}
+    assert {k: w[k] for k in GPU} == pytest.approx({k: v * 1e3 for k, v in want.items()}), w
+    assert sum(w[k] for k in GPU) == pytest.approx(w["gpu"]) and w["gpu"] == pytest.approx(400.0)
+    # the rest of the chain as without marks
+    plain = split_idle(gaps, windows, sends, routed, landed, msgs)["chain"]["within"]
+    assert {k: w[k] for k in CHAIN} == pytest.approx({k: plain[k] for k in CHAIN})
+    assert gpu_label(s) == "copy 70.00 / group 80.00 / attn 100.00 / route 50.00 / sync 100.00 (of gpu 400.00)"
+    # marks out of order (attention after the routing mark): clipped, route 0, still summing to gpu
+    late = [(t + (0.06 if n == "attn" else 0.0), la, n) for t, la, n in marks]
+    w2 = split_idle(gaps, windows, sends, routed, landed, msgs, late)["chain"]["within"]
+    assert w2["attn"] == pytest.approx(160.0) and w2["route"] == pytest.approx(0.0)
+    assert sum(w2[k] for k in GPU) == pytest.approx(w2["gpu"])
 
 
 def _decode(path, pause_between: float = 0.0, pause_within: float = 0.0, pause_host: float = 0.0,
@@ -181,3 +215,79 @@ def test_chain_parts_take_the_pause(model):
         grew = {k: got["chain"]["within"][k] - base["chain"]["within"][k] for k in CHAIN}
         assert grew[part] >= 0.6 * PAUSE * 1e3, (kw, grew)
         assert all(v <= 0.3 * PAUSE * 1e3 for k, v in grew.items() if k != part), (kw, grew)
+
+
+@pytest.mark.parametrize("form", ["default", "solo", "lanes"])
+def test_gpu_marks_on_a_cpu_decode(tmp_path, form):
+    """ds4-tiny decode steps on the CPU with the device marks on (PassStats.gpu_marks, host stamps here): every kind is
+    taken, each within its step, and in the chain's order against the worker's own host stamps: a layer's last disk
+    batch copied after its last expert was handed over (landed), its group after that copy and its group's return; a
+    routed layer's attention mark between its attention's return and its MoE input, before its routing mark, that
+    before the routing's host stamp (routed). Off: none taken. form: the CPU's per-layer path, or the static form
+    CUDA decodes (SoloDecode, the lanes), eagerly (deploy/device/decode_host.py --form)."""
+    path = write_ds4_tiny(tmp_path / "ds4.gguf", expert_qtype="Q8_0", seed=2)
+    rn, st = in_process_runner(path, 1, 0, prefetch_decode=False, staging_slots=4)
+    try:
+        n_vocab = int(rn.mcfg.n_vocab)
+        kv = rn.new_cache(64)
+        tok = int(rn.forward(prompt(8, n_vocab, seed=3), kv)[0][-1].argmax())
+        rn.settle()
+        lg, off = rn.forward([tok], kv, consolidate=False)
+        assert off.gpu_marks == [] and not rn.gpu_marks
+        tok = int(lg[-1].argmax())
+        # independent stamps: each layer's attention's return, its MoE input's call, each expert group's return
+        seen = {"attn": [], "input": [], "apply": []}
+        m, moe = rn.model, rn.moe
+
+        def stamped(fn, key, after: bool):
+            def wrap(layer, *a, **kw):
+                if not after:
+                    seen[key].append((time.monotonic(), layer))
+                out = fn(layer, *a, **kw)
+                if after:
+                    seen[key].append((time.monotonic(), layer))
+                return out
+            return wrap
+        attn = "attend_static" if form == "lanes" else "attention_block"    # the lanes: attention's core alone
+        setattr(m, attn, stamped(getattr(m, attn), "attn", True))
+        m.moe_input = stamped(m.moe_input, "input", False)
+        apply = moe._apply
+        moe._apply = lambda r, layer, *a, **kw: stamped(lambda _l: apply(r, layer, *a, **kw), "apply", True)(layer)
+        rn.gpu_marks = True
+        steps = []
+        rn._static_decode = form != "default"
+        for _ in range(3):
+            w0 = time.monotonic()
+            if form == "lanes":
+                lg, stats = rn.decode_batch([tok], [kv])
+            else:
+                lg, stats = rn.forward([tok], kv, consolidate=False)
+            steps.append((w0, time.monotonic(), stats))
+            tok = int(lg[-1].argmax())
+        rn.gpu_marks = False
+    finally:
+        close_runner(rn, st)
+    kinds = set()
+    for w0, w1, stats in steps:
+        marks = stats.gpu_marks
+        assert marks and all(w0 <= t <= w1 for t, _, _ in marks), (w0, w1, marks)
+        kinds |= {n for _, _, n in marks}
+        at = {}
+        for t, layer, name in marks:
+            at.setdefault((name, layer), []).append(t)
+        assert stats.landed and stats.routed
+        for t, layer in stats.landed:       # the layer's last batch: copied after its last expert, then its group
+            c0, c1, g = at[("copy0", layer)][-1], at[("copy", layer)][-1], at[("group", layer)][-1]
+            assert t <= c0 <= c1 <= g, (layer, t, c0, c1, g)
+        for t, layer in stats.routed:       # attention, routing enqueued, then the host has it
+            a, r = at[("attn", layer)][-1], at[("route", layer)][-1]
+            assert a <= r <= t, (layer, a, r, t)
+        for t, layer in stats.landed:       # the group mark after the layer's last group (its return)
+            g = at[("group", layer)][-1]
+            assert max(ta for ta, la in seen["apply"] if la == layer and w0 <= ta <= w1) <= g, layer
+        for t, layer in stats.routed:       # the attention mark between the attention's return and the MoE input
+            a = at[("attn", layer)][-1]
+            end = max(ta for ta, la in seen["attn"] if la == layer and w0 <= ta <= a)
+            nxt = min(ta for ta, la in seen["input"] if la == layer and ta >= a)
+            assert end <= a <= nxt <= w1, (layer, end, a, nxt)
+    assert kinds == {"copy0", "copy", "group", "attn", "route"}, kinds
