@@ -59,6 +59,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--time-budget", type=float, help="seconds for the whole run, model writing included (default 480)")
     p.add_argument("--standard-cap", type=float, help="seconds per standard pass before it is cut (default 20)")
     p.add_argument("--decode-cap", type=float, help="seconds per decode run before it is cut (default 20)")
+    p.add_argument("--gpu-marks", action="store_true",
+                   help="cut decode's idle chain 'gpu' link at the device's steps (copy / group / attn / route / sync):"
+                        " timing events and a sync a token more, so the run's TG is not comparable with runs without")
     p.add_argument("--disk-sample", help="bytes per disk ceiling sample (default 1GiB)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="small model on the CPU, few tokens: validates the whole path")
@@ -129,7 +132,7 @@ def run(args) -> int:
                      standard_cap=float(_opt(args, "standard_cap", 20.0)), decode_cap=float(_opt(args, "decode_cap", 20.0)),
                      disk_sample_bytes=parse_size(_opt(args, "disk_sample", "1GiB"), "--disk-sample"),
                      seed=args.seed, run_dir=str(work / f"run-{os.getpid()}"), routing_trace=args.routing_trace,
-                     routings=routings or (engine.routing,))
+                     routings=routings or (engine.routing,), gpu_marks=bool(getattr(args, "gpu_marks", False)))
     results["options"] = options_record(o)
     log(f"device {device}; results -> {out}")
     from services.bench.report import run_recorded

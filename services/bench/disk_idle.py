@@ -30,7 +30,7 @@ expert delivered]), cut at each step's time, each clipped into the gap after the
   deliver   -> the worker has it (the answer over the session stream: the store's send, the socket, the worker's read)
   gpu       -> the next layer's routing on the host: the expert's H2D copy and group, the next layer's attention and
             routing, the routing's sync to the host (between tokens: also the head, sampling and the next step's start)
-            With the worker's device marks (PassStats.gpu_marks, the bench turns them on) `gpu` is also cut, its
+            With the worker's device marks (PassStats.gpu_marks, on with the bench's --gpu-marks) `gpu` is also cut, its
             parts clipped the same way and summing to it (a mark not found: a part of 0, the time goes to the next):
     copy    -> the landed layer's last disk batch's H2D copy ends (its queue behind earlier copies, the copy itself)
     group   -> that batch's expert group ends (gate_up + down, or its group-graph replay)

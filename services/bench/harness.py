@@ -74,6 +74,10 @@ class BenchOptions:
     run_dir: str = "/tmp/betelgeuse-bench"  # sockets, store logs
     routing_trace: str | None = None        # replay this routing trace instead of the router (outputs meaningless)
     routings: tuple = ("exact",)            # each main-model case runs in each of these routing modes (--routing a,b)
+    # decode's gpu link cut at the device's steps (PassStats.gpu_marks): timing events, one sync a token more and the
+    # solo graph cut at each attention, so they change the run they time: opt-in (--gpu-marks), never in a TG figure
+    # compared with runs without them
+    gpu_marks: bool = False
 
 
 def slots_pair(s: str) -> tuple[int | str, int | str]:
@@ -483,7 +487,7 @@ class Harness:
         sends = []                                      # the steps' messages asking for disk reads (PassStats.sends)
         routed, landed = [], []                         # the chain before them (PassStats.routed, .landed)
         marks = []                                      # its gpu link cut at the device's steps (PassStats.gpu_marks)
-        marks_were, rn.gpu_marks = rn.gpu_marks, True   # stats on for the timed steps only (off: no cost)
+        marks_were, rn.gpu_marks = rn.gpu_marks, self.o.gpu_marks   # on for the timed steps only (--gpu-marks)
         gg = getattr(rn.moe, "group_graphs", None)      # engine.group_graphs: its replays / captures / launches
         gg0 = gg.stats() if gg is not None else None
         t_start = time.perf_counter()

@@ -41,7 +41,7 @@ def bench_run(tmp_path_factory):
     cmd = [sys.executable, "-m", "services.bench.cli", "--quick", "--preset", "tiny", "--router-skew", "1",
            "--variant-skew", "0", "--variant-layers", "2", "--slots", "2+6,auto", "--prompts", "8,16",
            "--standard-prompts", "8", "--decode", "4", "--memory-max", "4G", "--time-budget", str(BUDGET),
-           "--disk-sample", "4MiB", "--work-dir", str(work), "--out", str(out), "--run-name", "smoke"]
+           "--disk-sample", "4MiB", "--work-dir", str(work), "--out", str(out), "--run-name", "smoke", "--gpu-marks"]
     env = dict(os.environ, PYTHONPATH=str(REPO))
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=BUDGET + 90)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -119,7 +119,7 @@ def test_runs_within_budget_and_writes_json(bench_run):
             for where, c in idle.get("chain", {}).items():
                 assert all(c[k] >= 0 for k in CHAIN) and c["own_read"] <= c["gaps"], c
                 assert sum(c[k] for k in CHAIN) <= idle[f"{where}_ms_per_token"] + 1e-6, (where, c, idle)
-                # gpu cut at the worker's device marks (the bench turns them on): its parts sum to it
+                # gpu cut at the worker's device marks (--gpu-marks): its parts sum to it
                 assert all(c[k] >= 0 for k in GPU) and sum(c[k] for k in GPU) == pytest.approx(c["gpu"]), c
     # every planned case either ran or is listed as skipped
     ran = {c["name"] for c in r["cases"]}
