@@ -689,7 +689,10 @@ def _gate_up_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows
                         LOG2NB: tl.constexpr = 0, DP4A: tl.constexpr = False, WL: tl.constexpr = 0,
                         PF: tl.constexpr = 0, BF: tl.constexpr = False):
     e, mb, base = tm._find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
-    if base >= 0:
+    # -1: not in this group. Any other offset is an expert, a negative one too: decode's at-hand table names flex
+    # chunks and host slots below the pool so (kernels.moe.Group); `base >= 0` skipped those experts, leaving
+    # their rows of inter / y as torch.empty left them (issue 23's NaN)
+    if base != -1:
         rows, mr, flat = tm._rows_of(off_ptr, rows_ptr, e, mb, BM)
         tok = flat // k_top
         n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -733,7 +736,7 @@ def _down_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows_pt
                      DP4A: tl.constexpr = False, WL: tl.constexpr = 0, PF: tl.constexpr = 0,
                      BF: tl.constexpr = False):
     e, mb, base = tm._find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
-    if base >= 0:
+    if base != -1:                  # as gate_up's: -1 alone means not in this group
         rows, mr, flat = tm._rows_of(off_ptr, rows_ptr, e, mb, BM)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         mn = n < H

@@ -162,11 +162,16 @@ def moe_ref(qt, raw, h, ids, w, per=32, kcb=0):
     return out
 
 
-def run(qt, raw, h, ids, w, act_quant="q8_1", groups=None):
+def run(qt, raw, h, ids, w, act_quant="q8_1", groups=None, below=0):
     """The layer through MoEKernels (act_quant "torch": the torch reference backend); groups: lists of experts
-    applied one group after another (tiers), default all at once."""
+    applied one group after another (tiers), default all at once. below (triton): the pool the kernels get starts
+    at expert `below`'s slot, so experts 0 .. below - 1 lie below it at negative offsets (kernels.moe.Group: decode's
+    at-hand table names flex chunks and host slots below the pool so)."""
     H, FF = DIMS[qt]
     pool, starts, base, slot = pack_experts(lambda e: [torch.from_numpy(p) for p in raw[e]], range(E), E, "cpu")
+    if below:
+        assert act_quant != "torch" and 0 < below < E      # the torch path slices the pool: no negative offsets
+        pool, base = pool[below * slot:], base - below * slot
     deq = [[torch.from_numpy(gq.dequantize(p.reshape(s[0], -1), GT(qt))) for p, s in zip(raw[e], shapes(qt))]
            for e in range(E)]
     backend = "torch" if act_quant == "torch" else "triton"

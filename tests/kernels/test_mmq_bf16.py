@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
-from test_mmq import DIMS, E, experts, k4_scale_min, run, shapes, weight_parts  # noqa: E402
+from test_mmq import DIMS, E, experts, k4_scale_min, moe_ref, run, shapes, weight_parts  # noqa: E402
 
 from betelgeuse.kernels import triton_mmq as mq  # noqa: E402
 
@@ -165,6 +165,28 @@ def test_bf16_rows_bits_do_not_depend_on_the_launch(qt):
         want = moe_ref_bf16(qt, raw, h, ids, w, kcb=2)
         assert np.abs(outs[1, 16] - want).max() / np.abs(want).max() <= 2e-6
 
+
+
+@pytest.mark.parametrize("act_quant", ["q8_1", "bf16"])
+@pytest.mark.parametrize("T", [1, 7], ids=["rows1", "rows16"])
+def test_experts_at_negative_offsets_are_computed(act_quant, T):
+    """Issue 23: an expert's offset below the pool (negative: decode's at-hand table names flex chunks and host
+    slots there, kernels.moe.Group) is an expert like any other; only -1 means "not in this group". The MMA kernels
+    skipped every negative offset (base >= 0, where triton_moe's test base != -1), so such experts' rows of y kept
+    torch.empty's bytes: NaN or stale values on CUDA whenever a flex chunk lay below the pool. MXFP4 (ds4's experts;
+    q8_1's one-row bucket takes the MV schedule, bf16's the MMA), experts 0 and 1 below the pool: the numpy
+    reference of the mode's float ops, and the bits of the same launch with every expert in the pool."""
+    qt = 39
+    raw = experts(qt, 50)
+    rng = np.random.default_rng(51)
+    h = rng.standard_normal((T, DIMS[qt][0])).astype(np.float32) * np.float32(0.1)
+    ids = np.stack([rng.permutation(E)[:2] for _ in range(T)]).astype(np.int64)
+    ids[0] = (0, 1)                                    # a row whose experts both lie below the pool
+    w = rng.random((T, 2)).astype(np.float32)
+    got = run(qt, raw, h, ids, w, act_quant, below=2)
+    want = (moe_ref_bf16 if act_quant == "bf16" else moe_ref)(qt, raw, h, ids, w)
+    assert np.abs(got - want).max() / np.abs(want).max() <= 2e-6, np.abs(got - want).max()
+    assert np.array_equal(got, run(qt, raw, h, ids, w, act_quant))
 
 def test_bf16_setting_and_plumbing():
     """engine.act_quant takes "bf16"; MoEKernels runs the MMQ types' parts on the bf16 MMA with it (route() makes
