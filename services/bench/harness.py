@@ -284,7 +284,7 @@ class Harness:
             raise
         try:
             out["store_start_s"] = store.ready_s
-            # store.session_transport (BETELGEUSE_STORE_SESSION_TRANSPORT): which stream the loads went on (issue 21 A/B)
+            # store.session_transport (BETELGEUSE_STORE_SESSION_TRANSPORT): the loads' stream (issue 21's A/B)
             out["session_transport"] = store.client.session_transport
             out["cgroups"] = {"store": cgroup_of(store.proc.pid), "worker": cgroup_of("self")}
             t = time.perf_counter()
