@@ -40,7 +40,9 @@ def grpc_costs(n: int, tmp: Path, transport: str = "grpc") -> dict[str, list[flo
     path = tmp / "tiny.gguf"
     write_model(path, replace(PRESETS["tiny"], n_layer=2, n_expert=16, seed=3), progress=False)
     cfg = EngineConfig(model_path=str(path), vram_slots=1, host_slots=2, read_threads=2)
-    store = open_store(cfg, "process", str(tmp / f"store-{transport}"), session_transport=transport)
+    # grpc: open_store's default (no keyword: a checkout from before store.session_transport runs this too, ab.py)
+    kw = {} if transport == "grpc" else {"session_transport": transport}
+    store = open_store(cfg, "process", str(tmp / f"store-{transport}"), **kw)
     c = store.client
     out: dict[str, list[float]] = {k: [] for k in ("Load: send", "Load: first message (staged copy)",
                                                    "Load: end", "Load: whole", "Load: whole, the caller's CPU",
