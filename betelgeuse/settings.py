@@ -296,6 +296,10 @@ class StoreSettings(_Section):
                                      "127.0.0.1:19465", flag="--store-metrics")
     socket_group: Text = setting("", "group allowed on the store's sockets (0660); '' = the service's user only",
                                  "betelgeuse")
+    # the worker's loads, reads ahead and releases (the session stream only): on gRPC, or one protobuf message a
+    # datagram on the store's SOCK_SEQPACKET socket (the control socket's path + ".seq"; always served)
+    session_transport: _choices("grpc", "seqpacket") = setting(
+        "grpc", "the session stream's transport: grpc | seqpacket (services/grpc/session_seq.py)", "seqpacket")
     # the prefix cache's host tier outlives a restart of the whole service: saved when the store is idle and when it
     # stops (O_DIRECT, only what changed), loaded at start for the same model file (store/prefix_disk.py)
     prefix_save_path: Path_ = setting("", "file the store saves the prefix cache's host tier to and loads it from at "

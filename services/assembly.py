@@ -13,6 +13,7 @@ worker process under systemd or `betelgeuse serve`).
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
@@ -22,16 +23,22 @@ from betelgeuse.assembly import LocalStore, open_engine, open_runner  # noqa: F4
 from betelgeuse.assembly import open_store as open_local_store
 from betelgeuse.config import EngineConfig, engine_settings
 from betelgeuse.errors import BetelgeuseError
+from betelgeuse.settings import ENV_PREFIX
 from services.grpc.store_client import GrpcStoreClient
 from services.launcher import Cluster, Proc
 
 MODES = ("in-process", "process")
 
 
-def connect_store(socket: str, fd_socket: str, **timeouts) -> GrpcStoreClient:
+def connect_store(socket: str, fd_socket: str, session_transport: str | None = None, **timeouts) -> GrpcStoreClient:
     """A client of the store listening on `socket` (control, gRPC) and `fd_socket` (the arena's fd); `timeouts`:
-    GrpcStoreClient's timeout / per_expert / probe_timeout. Nothing is sent until the runner attaches."""
-    return GrpcStoreClient(socket, fd_socket, **timeouts)
+    GrpcStoreClient's timeout / per_expert / probe_timeout. Nothing is sent until the runner attaches.
+    session_transport: store.session_transport; None: that setting's environment variable
+    (BETELGEUSE_STORE_SESSION_TRANSPORT, as resolve_settings reads it: how the bench, which builds no Settings,
+    is switched), else "grpc"."""
+    if session_transport is None:
+        session_transport = os.environ.get(f"{ENV_PREFIX}STORE_SESSION_TRANSPORT", "").strip().strip('"') or "grpc"
+    return GrpcStoreClient(socket, fd_socket, session_transport=session_transport, **timeouts)
 
 
 @dataclass(slots=True)
@@ -63,10 +70,11 @@ class ChildStore:
 
 
 def open_store(cfg: EngineConfig, mode: str = "in-process", runtime_dir: str | None = None,
-               timeout: float = 120.0) -> ChildStore | LocalStore:
+               timeout: float = 120.0, session_transport: str | None = None) -> ChildStore | LocalStore:
     """The expert store for `cfg`: in this process (`in-process`: an ExpertStore and its client), or as a
     `services.store_main` child (`process`) with its sockets and log (store.log) in `runtime_dir` (default: a
-    temporary directory), ready once its arena is pre-faulted (at most `timeout` seconds)."""
+    temporary directory), ready once its arena is pre-faulted (at most `timeout` seconds). session_transport:
+    connect_store's."""
     if mode == "in-process":
         return open_local_store(cfg)
     if mode != "process":
@@ -83,4 +91,5 @@ def open_store(cfg: EngineConfig, mode: str = "in-process", runtime_dir: str | N
         cluster.stop()                           # a child that did not come up in time; its log stays
         raise
     ready_s = time.monotonic() - t
-    return ChildStore(connect_store(cluster.store_socket, cluster.fd_socket), cluster, ready_s, temporary)
+    return ChildStore(connect_store(cluster.store_socket, cluster.fd_socket, session_transport), cluster, ready_s,
+                      temporary)

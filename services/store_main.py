@@ -44,6 +44,7 @@ from betelgeuse.store.cgroup import CgroupMemory
 from betelgeuse.store.plan import plan_slots
 from betelgeuse.store.store import ExpertStore, Lease
 from services.common import common_args, listen_metrics, run_main, settings_from_args
+from services.grpc import session_seq
 from services.pb.betelgeuse.v1 import store_pb2 as pb
 from services.pb.betelgeuse.v1 import store_pb2_grpc as pb_grpc
 
@@ -62,6 +63,40 @@ def _status(e: BetelgeuseError) -> grpc.StatusCode:
     StoreUnavailableError): the store gone for this session, or a request it refuses."""
     return grpc.StatusCode.FAILED_PRECONDITION if isinstance(e, StoreUnavailableError) else \
         grpc.StatusCode.INVALID_ARGUMENT
+
+
+class _SeqOut:
+    """A SEQPACKET session's answers: put(SessionEvent) sends it at once from the calling thread (the reader's, a
+    loader's: a datagram send is atomic; the lock only keeps a send off a closed descriptor); put(None) (the
+    reader's end) closes the connection. A send that fails (the worker went) ends the stream: alive() -> False."""
+
+    __slots__ = ("conn", "lock", "closed")
+
+    def __init__(self, conn: socket.socket):
+        self.conn, self.lock, self.closed = conn, threading.Lock(), False
+
+    def alive(self) -> bool:
+        return not self.closed
+
+    def put(self, ev):
+        if ev is None:
+            with self.lock:
+                if not self.closed:
+                    self.closed = True
+                    try:
+                        self.conn.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                    self.conn.close()
+            return
+        data = ev.SerializeToString()               # an answer is ~10-30 bytes: always under the datagram limit
+        with self.lock:
+            if self.closed:
+                return
+            try:
+                self.conn.send(data)
+            except OSError:
+                self.closed = True                  # the reader sees EOF or the error, and closes
 
 
 class StoreServicer(pb_grpc.ExpertStoreServicer):
@@ -108,24 +143,33 @@ class StoreServicer(pb_grpc.ExpertStoreServicer):
         return pb.TrimVramReply(layout_json=plan)
 
     def Session(self, request_iterator, context):
-        """The worker session's stream (store.proto): its requests handled in the order sent by one reader thread (a
-        load's reads are started there too, so the store reads in the order sent), each load's experts then waited
-        for on a pooled thread (loads may overlap: one waiting for staging slots must not hold up the release that
-        frees them); every answer goes out through this generator, tagged with its request's id."""
+        """The worker session's stream (store.proto) on gRPC: every answer goes out through this generator (the
+        handling is _read_session's, shared with the SEQPACKET transport: session_seq)."""
         out: queue.SimpleQueue = queue.SimpleQueue()
         context.add_callback(lambda: out.put(None))         # the stream ended (closed, cancelled, the worker died)
-        threading.Thread(target=self._read_session, args=(request_iterator, context, out), name="store-session",
-                         daemon=True).start()
+        threading.Thread(target=self._read_session, args=(request_iterator, context.is_active, out),
+                         name="store-session", daemon=True).start()
         while (ev := out.get()) is not None:
             yield ev
 
-    def _read_session(self, requests, context, out: queue.SimpleQueue):
+    def session_seq(self, conn: socket.socket):
+        """The worker session's stream on a SOCK_SEQPACKET connection (services/grpc/session_seq.py): requests read
+        here in order (_read_session, as on gRPC), answers sent by whichever thread has one (_SeqOut)."""
+        out = _SeqOut(conn)
+        self._read_session(session_seq.receiver(conn, pb.SessionRequest.FromString), out.alive, out)
+
+    def _read_session(self, requests, active, out):
+        """One session stream's requests (either transport), handled in the order sent by this one thread (a load's
+        reads are started here too, so the store reads in the order sent), each load's experts then waited for on a
+        pooled thread (loads may overlap: one waiting for staging slots must not hold up the release that frees
+        them); every answer is out.put(SessionEvent) tagged with its request's id, and out.put(None) at the end.
+        active() -> False once the stream ended (a load still reading stops handing experts over)."""
         cancelled: set[int] = set()
         try:
             for r in requests:
                 kind = r.WhichOneof("kind")
                 if kind == "load":
-                    self._start_load(r.id, r.load, context, out, cancelled)
+                    self._start_load(r.id, r.load, active, out, cancelled)
                 elif kind == "prefetch":
                     q = r.prefetch
                     out.put(self._answer(r.id, "prefetched", lambda: pb.PrefetchReply(queued=self.store.prefetch(
@@ -136,8 +180,9 @@ class StoreServicer(pb_grpc.ExpertStoreServicer):
                         self.store.release(q.session, list(q.staging_slots)), pb.ReleaseReply())[1]))
                 elif kind == "cancel":
                     cancelled.add(r.id)
-        except grpc.RpcError:
-            pass                                            # the stream was cancelled: nothing to answer
+        except (grpc.RpcError, OSError, BetelgeuseError) as e:
+            # gRPC: the stream was cancelled; SEQPACKET: the connection failed, or a datagram came truncated
+            log.debug("session stream ended: %s", e)
         finally:
             out.put(None)
 
@@ -160,11 +205,11 @@ class StoreServicer(pb_grpc.ExpertStoreServicer):
         except Exception as e:                              # noqa: BLE001 -- answered as the request's failure
             return self._failed(rid, e, False)
 
-    def _start_load(self, rid: int, q, context, out: queue.SimpleQueue, cancelled: set):
+    def _start_load(self, rid: int, q, active, out, cancelled: set):
         """Hand back `release`, drop, start the reads (store.load's `started`) and hand over the experts already
         staged, here; the rest on a loader thread."""
         def alive() -> bool:
-            return rid not in cancelled and context.is_active()
+            return rid not in cancelled and active()
         try:
             it = self.store.load(q.session, _keys(q.experts), list(q.release), _keys(q.ahead), _keys(q.drop),
                                  alive=alive, started=True)
@@ -194,7 +239,7 @@ class StoreServicer(pb_grpc.ExpertStoreServicer):
             layer=got.layer, expert=got.expert, staging_slot=got.slot, disk_bytes=got.disk_bytes,
             prefetched=got.prefetched, ahead_queued=got.ahead_queued))
 
-    def _deliver(self, rid: int, it, out: queue.SimpleQueue, cancelled: set):
+    def _deliver(self, rid: int, it, out, cancelled: set):
         try:
             for got in it:
                 out.put(self._loaded(rid, got))
@@ -327,6 +372,39 @@ def serve_fds(store: ExpertStore, path: str, header: dict, stop: threading.Event
     return srv
 
 
+def serve_session_seq(servicer: StoreServicer, path: str, stop: threading.Event,
+                      group_gid: int | None = None) -> socket.socket:
+    """The session stream's SOCK_SEQPACKET socket (services/grpc/session_seq.py): an allowed peer (SO_PEERCRED, as
+    the fd socket checks) gets a thread reading its requests (StoreServicer.session_seq). Served whatever
+    store.session_transport says: the worker chooses; an idle listener costs one thread."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    srv.bind(path)
+    srv.listen(8)
+
+    def loop():
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            try:
+                pid, uid, gid = peer_credentials(conn)
+                if not peer_allowed(uid, gid, pid, group_gid):
+                    log.warning("refused the session socket to pid %d (uid %d, gid %d): not the service's user or "
+                                "group", pid, uid, gid)
+                    conn.close()
+                    continue
+                session_seq.tune(conn)
+            except OSError as e:
+                log.warning("session socket: %s", e)
+                conn.close()
+                continue
+            threading.Thread(target=servicer.session_seq, args=(conn,), name="store-session-seq",
+                             daemon=True).start()
+    threading.Thread(target=loop, name="session-seq", daemon=True).start()
+    return srv
+
+
 def lock_runtime_dir(directory: str) -> int:
     """An exclusive flock on DIR/store.lock for this process's life: a second store on the same sockets is
     refused, naming the first one's pid. Returns the lock's fd (kept open)."""
@@ -448,7 +526,8 @@ def main(argv=None) -> int:
     for path in (settings.store.socket, settings.store.fd_socket):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     lock_fd = lock_runtime_dir(os.path.dirname(os.path.abspath(settings.store.socket)))   # held until exit
-    for path in (settings.store.socket, settings.store.fd_socket):
+    seq_path = session_seq.session_path(settings.store.socket)
+    for path in (settings.store.socket, settings.store.fd_socket, seq_path):
         clear_stale_socket(path)
 
     sdnotify.notify(status="opening model")
@@ -481,7 +560,8 @@ def main(argv=None) -> int:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="store-rpc"),
                          options=[("grpc.so_reuseport", 0)])
     leases = Leases()
-    pb_grpc.add_ExpertStoreServicer_to_server(StoreServicer(store, leases), server)
+    servicer = StoreServicer(store, leases)
+    pb_grpc.add_ExpertStoreServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -493,9 +573,11 @@ def main(argv=None) -> int:
         fd_srv = serve_fds(store, settings.store.fd_socket, {"arena_bytes": store.arena.nbytes,
                                                                     "prefix_bytes": plan.prefix_host_bytes}, stop, leases,
                            group_gid)
+        seq_srv = serve_session_seq(servicer, seq_path, stop, group_gid)
     finally:
         os.umask(old_umask)
-    ours = {path: secure_socket(path, group_gid) for path in (settings.store.socket, settings.store.fd_socket)}
+    ours = {path: secure_socket(path, group_gid) for path in (settings.store.socket, settings.store.fd_socket,
+                                                               seq_path)}
     m.ready.set(1)
     sdnotify.notify(ready=True, status=f"serving: {plan.n_vram}+{plan.n_host} slots/layer, "
                                         f"{store.reader.mode} I/O, arena {plan.arena_bytes / 2**30:.2f} GiB")
@@ -516,6 +598,7 @@ def main(argv=None) -> int:
     sdnotify.notify(stopping=True, status="stopping")
     server.stop(grace=2).wait()
     fd_srv.close()
+    seq_srv.close()
     for path, ino in ours.items():                # only the sockets we made (a successor may have replaced them)
         try:
             if os.lstat(path).st_ino == ino:

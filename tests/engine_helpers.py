@@ -420,8 +420,9 @@ class ByteCounter(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterc
         return self.intercept_unary_stream(lambda d, _: continuation(d, sent()), details, _Empty())
 
 
-def counting_store_client(sockets: StoreSockets):
-    """A GrpcStoreClient whose control channel counts bytes (the counter is `.counter`)."""
+def counting_store_client(sockets: StoreSockets, session_transport: str = "grpc"):
+    """A GrpcStoreClient whose control channel counts bytes (the counter is `.counter`; with session_transport
+    "seqpacket" the session stream's messages are not on the channel: not counted)."""
     from services.grpc.store_client import GrpcStoreClient
 
     class Counting(GrpcStoreClient):
@@ -429,7 +430,7 @@ def counting_store_client(sockets: StoreSockets):
             out = super().attach()
             self.bind(grpc.intercept_channel(self.channel, self.counter))
             return out
-    c = Counting(sockets.control, sockets.fds)
+    c = Counting(sockets.control, sockets.fds, session_transport=session_transport)
     c.counter = ByteCounter()
     return c
 

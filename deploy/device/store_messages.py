@@ -6,9 +6,10 @@ split calls store messages (`store_us_per_application`). This times, on this mac
 through the client's own methods (so either checkout's: a Load RPC each before issue 21's session stream, a message on
 the stream after): sending a load, its first message (the store's answer for a staged copy), its end, sending a
 release (one-way), waiting for its answer, a prefetch round trip; and, for scale, a bare AF_UNIX SOCK_SEQPACKET round
-trip between two processes (what a struct-packed hot-path channel beside gRPC would cost).
+trip between two processes (what a struct-packed hot-path channel beside gRPC would cost). Each kind is timed on
+both session transports (store.session_transport: grpc, seqpacket), one store child each.
 
-    python3 deploy/device/store_messages.py [--n 300] [--out store_messages.md]
+    python3 deploy/device/store_messages.py [--n 300] [--transports grpc,seqpacket] [--out store_messages.md]
 
 Runs on the CPU only (no GPU; ~20 s); prints a markdown table of medians and p90s in µs.
 """
@@ -32,14 +33,16 @@ def _stats(xs: list[float]) -> tuple[float, float]:
     return statistics.median(xs) * 1e6, xs[int(0.9 * (len(xs) - 1))] * 1e6
 
 
-def grpc_costs(n: int, tmp: Path) -> dict[str, list[float]]:
+def grpc_costs(n: int, tmp: Path, transport: str = "grpc") -> dict[str, list[float]]:
     from betelgeuse.config import EngineConfig
     from betelgeuse.gguf.synth import PRESETS, write_model
     from services.assembly import open_store
     path = tmp / "tiny.gguf"
     write_model(path, replace(PRESETS["tiny"], n_layer=2, n_expert=16, seed=3), progress=False)
     cfg = EngineConfig(model_path=str(path), vram_slots=1, host_slots=2, read_threads=2)
-    store = open_store(cfg, "process", str(tmp / "store"))
+    # grpc: open_store's default (no keyword: a checkout from before store.session_transport runs this too, ab.py)
+    kw = {} if transport == "grpc" else {"session_transport": transport}
+    store = open_store(cfg, "process", str(tmp / f"store-{transport}"), **kw)
     c = store.client
     out: dict[str, list[float]] = {k: [] for k in ("Load: send", "Load: first message (staged copy)",
                                                    "Load: end", "Load: whole", "Load: whole, the caller's CPU",
@@ -107,9 +110,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--n", type=int, default=300, help="messages timed per kind")
     p.add_argument("--out", default=None, help="also write the table here")
+    p.add_argument("--transports", default="grpc,seqpacket", help="session transports timed (comma-separated)")
     a = p.parse_args()
+    rows = {}
     with tempfile.TemporaryDirectory(prefix="bg-store-messages-") as d:
-        rows = grpc_costs(a.n, Path(d))
+        for t in a.transports.split(","):
+            rows.update({f"{t}: {k}": v for k, v in grpc_costs(a.n, Path(d), t).items()})
     rows["bare SOCK_SEQPACKET round trip (scale)"] = seqpacket_rtt(10 * a.n)
     lines = [f"store messages on {os.cpu_count()} CPUs ({a.n} per kind; µs)", "",
              "| message | median µs | p90 µs |", "|---|---|---|"]

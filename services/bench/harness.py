@@ -288,6 +288,8 @@ class Harness:
             raise
         try:
             out["store_start_s"] = store.ready_s
+            # store.session_transport (BETELGEUSE_STORE_SESSION_TRANSPORT): the loads' stream (issue 21's A/B)
+            out["session_transport"] = store.client.session_transport
             out["cgroups"] = {"store": cgroup_of(store.proc.pid), "worker": cgroup_of("self")}
             t = time.perf_counter()
             TL.watch_compiles()                     # Triton's compiles counted in each timed region (issue 21)

@@ -12,6 +12,10 @@ grpc consumes the requests on one thread per stream and the caller that waits fo
 routing the answers of other requests to them by id (no thread per message; no hop through a reader thread). The
 other calls (attach, passes, status, Engram) stay unary RPCs on the same channel: a pass begins and ends only once
 every message on the stream is answered (_reap), so the store sees them in the order sent.
+
+store.session_transport = "seqpacket" moves the session stream (only it) off gRPC onto a SOCK_SEQPACKET connection
+of its own (services/grpc/session_seq.py; _SeqStream): the same messages, sent by the caller's thread, answers
+routed by one reader thread; gRPC's three thread hops a message out of the way.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from betelgeuse.store.arena import Arena, recv_fds
 from betelgeuse.store.engram import EngramLanded
 from betelgeuse.store.plan import SlotPlan
 from betelgeuse.store.store import Loaded
+from services.grpc import session_seq
 from services.pb.betelgeuse.v1 import store_pb2 as pb
 from services.pb.betelgeuse.v1 import store_pb2_grpc as pb_grpc
 
@@ -246,13 +251,125 @@ class _Stream:
         self.call.cancel()
 
 
+class _SeqStream:
+    """The session stream on a SOCK_SEQPACKET connection (services/grpc/session_seq.py) with _Stream's interface:
+    the caller's thread sends its request itself (one datagram: no queue, no send thread), one reader thread routes
+    every answer to its request's box by id and wakes the callers waiting.
+
+    Deadlines: a caller waiting past its request's deadline fails the stream with DEADLINE_EXCEEDED (as _Stream's
+    watch does) and shuts the connection; the connection's end (EOF: the store died or closed it; close(); abort())
+    fails every request still waiting with the error it ended with, as _Stream's call's end does. A reader thread
+    rather than the waiting caller reading (_Stream's _pumping): answers nobody waits for yet (releases, prefetches)
+    are drained as they come, so the store's sends never wait on a full buffer while it has requests to read."""
+
+    def __init__(self, path: str, timeout: float):
+        self.path = path
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.limit = session_seq.tune(sock)     # bytes: the largest request this end sends
+            sock.settimeout(timeout)
+            sock.connect(path)
+            sock.settimeout(None)
+        except OSError as e:
+            sock.close()
+            raise StoreUnavailableError(f"expert store unavailable (UNAVAILABLE): cannot reach its session socket "
+                                        f"{path}: {e.strerror or e}") from None
+        self.sock = sock
+        self._cv = threading.Condition()
+        self._box: dict[int, collections.deque] = {}    # request id -> answers routed, not yet taken
+        self.error: grpc.RpcError | None = None         # what the stream ended with
+        self._ids = itertools.count(1)
+        threading.Thread(target=self._read, name="store-session-seq", daemon=True).start()
+
+    def _read(self):
+        err = _Failed(grpc.StatusCode.UNAVAILABLE, "the store ended the session stream")
+        try:
+            for ev in session_seq.receiver(self.sock, pb.SessionEvent.FromString):
+                with self._cv:
+                    box = self._box.get(ev.id)
+                    if box is not None:
+                        box.append(ev)
+                        self._cv.notify_all()
+        except (OSError, BetelgeuseError) as e:
+            err = _Failed(grpc.StatusCode.UNAVAILABLE, f"the session socket failed: {e}")
+        self._end(err)
+        self.sock.close()                           # here only: no other thread reads it any more
+
+    def _end(self, err: grpc.RpcError):
+        """The stream ends with `err` (the first reason stays), every waiter fails with it; the reader sees EOF."""
+        with self._cv:
+            self.error = self.error or err
+            self._cv.notify_all()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def alive(self) -> bool:
+        return self.error is None
+
+    def send(self, make, handoff: bool = False) -> int:
+        """Send the request make(id) now, from this thread -> its id (the answers' box open from now on). handoff:
+        _Stream's; nothing to wait for here (the send is the kernel's)."""
+        rid = next(self._ids)
+        data = make(rid).SerializeToString()
+        session_seq.check_size(len(data), self.limit)
+        with self._cv:
+            if self.error is not None:
+                raise self.error
+            self._box[rid] = collections.deque()
+        try:
+            self.sock.send(data)
+        except OSError as e:
+            self._end(_Failed(grpc.StatusCode.UNAVAILABLE, f"the session socket failed: {e.strerror or e}"))
+            raise self.error from None
+        return rid
+
+    def cancel(self, rid: int):
+        """Stop the load `rid` at the store (an abandoned pass) and drop what still comes for it."""
+        self.forget(rid)
+        if self.alive():
+            try:
+                self.sock.send(pb.SessionRequest(id=rid, cancel=pb.Cancel()).SerializeToString())
+            except OSError:
+                pass                                # the reader sees the end
+
+    def forget(self, rid: int):
+        with self._cv:
+            self._box.pop(rid, None)
+
+    def answered(self, rid: int) -> bool:
+        return bool(self._box.get(rid)) or self.error is not None
+
+    def take(self, rid: int, deadline: float):
+        """The next answer to `rid` (its own in the order sent), waiting at most until `deadline`."""
+        with self._cv:
+            while True:
+                box = self._box.get(rid)
+                if box:
+                    return box.popleft()
+                if self.error is not None:
+                    raise self.error
+                if box is None:
+                    raise _Failed(grpc.StatusCode.CANCELLED, "the request was cancelled")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(left)
+        self._end(_Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+        raise self.error
+
+    def close(self, err: grpc.RpcError | None = None):
+        self._end(err or _Failed(grpc.StatusCode.CANCELLED, "the session stream was closed"))
+
+
 class _Answer:
     """A prefetch or release sent without waiting: done() (answered, or the stream ended), result() (the answer, read
     once and kept; a refusal raises as the unary call's error)."""
 
     __slots__ = ("stream", "rid", "timeout", "kind", "reply", "error")
 
-    def __init__(self, stream: _Stream, rid: int, timeout: float, kind: str):
+    def __init__(self, stream: _Stream | _SeqStream, rid: int, timeout: float, kind: str):
         self.stream, self.rid, self.timeout, self.kind = stream, rid, timeout, kind
         self.reply = self.error = None
 
@@ -276,9 +393,16 @@ class _Answer:
 
 
 class GrpcStoreClient:
+    TRANSPORTS = ("grpc", "seqpacket")
+
     def __init__(self, socket_path: str, fd_socket_path: str, timeout: float = 10.0, per_expert: float = 0.5,
-                 probe_timeout: float = 2.0, on_lost=None):
+                 probe_timeout: float = 2.0, on_lost=None, session_transport: str = "grpc"):
         self.socket_path, self.fd_socket_path = socket_path, fd_socket_path
+        if session_transport not in self.TRANSPORTS:
+            raise BetelgeuseError(f"store.session_transport must be one of {', '.join(self.TRANSPORTS)}, got "
+                                  f"{session_transport!r}")
+        # the session stream's transport (store.session_transport): grpc (_Stream) or seqpacket (_SeqStream)
+        self.session_transport = session_transport
         self.timeout, self.per_expert, self.probe_timeout = timeout, per_expert, probe_timeout
         self.channel = None
         self.stub = None
@@ -291,7 +415,7 @@ class GrpcStoreClient:
         self.consolidating = False    # the last BeginPass: a consolidation was still filling its slots
         self._prefix: Arena | None = None   # the prefix host tier received at the last attach (take_prefix_arena)
         self._aborted: StoreUnavailableError | None = None  # why abort() closed the channel (for the calls it failed)
-        self._stream: _Stream | None = None      # the session's stream of loads, reads ahead, releases (module doc)
+        self._stream: _Stream | _SeqStream | None = None    # the session's loads, reads ahead, releases (module doc)
         self._session_call = None                # the channel's Session method (bind)
 
     def _drop_lease(self):
@@ -386,6 +510,8 @@ class GrpcStoreClient:
             self._aborted = why
             if self.channel is not None:
                 self.channel.close()
+            if isinstance(self._stream, _SeqStream):     # not on the channel: its waiters fail as the channel's do
+                self._stream.close(_Failed(grpc.StatusCode.CANCELLED, "Channel closed!"))
 
     def _closed(self, e: ValueError) -> StoreUnavailableError:
         """A call on the channel abort() closed ("Cannot invoke RPC on closed channel!")."""
@@ -429,10 +555,17 @@ class GrpcStoreClient:
         if s is None or not s.alive():
             if s is not None:
                 s.close()
-            s = self._stream = _Stream(self._session_call)
+                self._stream = None                     # dropped, whether or not a new one opens
+            if self.session_transport == "seqpacket":
+                if self._aborted is not None:           # as the closed channel refuses a new call
+                    raise StoreUnavailableError(str(self._aborted))
+                s = _SeqStream(session_seq.session_path(self.socket_path), self.timeout)
+            else:
+                s = _Stream(self._session_call)
+            self._stream = s
         return s
 
-    def _send(self, kind: str, make, handoff: bool = False) -> tuple[_Stream, int]:
+    def _send(self, kind: str, make, handoff: bool = False) -> tuple[_Stream | _SeqStream, int]:
         """One request of `kind` (SessionRequest's field) on the session's stream, make(id) -> the SessionRequest
         (built in place: _load_request) -> (the stream, its id). handoff: _Stream's (class doc)."""
         with self._failing():
@@ -450,7 +583,7 @@ class GrpcStoreClient:
             return iter(())
         return self._landed(s, rid, len(keys), time.monotonic() + self.timeout + self.per_expert * len(keys))
 
-    def _landed(self, s: _Stream, rid: int, n: int, deadline: float):
+    def _landed(self, s: _Stream | _SeqStream, rid: int, n: int, deadline: float):
         got, failed = 0, False
         try:
             with self._failing():
@@ -542,7 +675,8 @@ class GrpcStoreClient:
         self._session_call = self.stub.Session
         if self._stream is not None:
             self._stream.close()
-        self._stream = _Stream(self._session_call)
+        # gRPC's call opened now (it costs nothing until used); a SEQPACKET connection at the first message
+        self._stream = _Stream(self._session_call) if self.session_transport == "grpc" else None
 
     def _close_channel(self):
         """Close the session's stream and the channel (its calls in flight fail) (under _lock)."""

@@ -12,6 +12,8 @@ the caller that waits for one. Checked here:
   over the in-process store (InProcessStoreClient: no gRPC), every message's reads landed before the worker goes on
   (so the answers do not depend on the reads' timing); and no thread is started in its decode steps, though Loads
   and reads ahead are sent (on grpc's futures every Load started one);
+- both checks on each session transport (store.session_transport: grpc, seqpacket; a SEQPACKET stream's reader
+  thread starts with its first message, in the prompt's pass, none later);
 - the one-way messages' failures: a Release or Prefetch the store refuses raises the worker's error (not a gRPC
   one) from the next call that reaps or from its answer; abort() fails what is in flight with its reason.
 """
@@ -36,7 +38,7 @@ def model(tmp_path_factory):
     return write_synth(tmp_path_factory.mktemp("grpcthreads") / "engine.gguf", **ENGINE_SPEC)
 
 
-def _decode(path, mode: str, monkeypatch, steps: int = 16):
+def _decode(path, mode: str, monkeypatch, steps: int = 16, transport: str = "grpc"):
     """A prompt, the store settled, `steps` greedy decode steps in the static form with few slots (2 VRAM + 3 host of
     32 experts: most layers miss) -> (logits [steps, V], per step the observables, the messages, thread starts in
     the steps)."""
@@ -44,7 +46,7 @@ def _decode(path, mode: str, monkeypatch, steps: int = 16):
     monkeypatch.undo()
     cfg = EngineConfig(model_path=str(path), vram_slots=2, host_slots=3, read_threads=1, decode_at_hand=True,
                        decode_consolidate_every=0)
-    store = open_store(cfg, mode)
+    store = open_store(cfg, mode) if mode == "in-process" else open_store(cfg, mode, session_transport=transport)
     rn = None
     try:
         rn = open_runner(cfg, store)
@@ -82,9 +84,10 @@ def _decode(path, mode: str, monkeypatch, steps: int = 16):
         store.close()
 
 
-def test_a_decode_with_misses_through_the_store_process_is_the_in_process_one(model, monkeypatch):
+@pytest.mark.parametrize("transport", ["grpc", "seqpacket"])
+def test_a_decode_with_misses_through_the_store_process_is_the_in_process_one(model, monkeypatch, transport):
     want, ref, ref_sent, _ = _decode(model, "in-process", monkeypatch)
-    got, seen, sent, starts = _decode(model, "process", monkeypatch)
+    got, seen, sent, starts = _decode(model, "process", monkeypatch, transport=transport)
     assert torch.equal(got, want), (got - want).abs().max().item()
     for i, (a, b) in enumerate(zip(seen, ref)):
         assert a == b, (i, {k: (a[k], b[k]) for k in a if a[k] != b[k]})
@@ -97,13 +100,14 @@ def test_a_decode_with_misses_through_the_store_process_is_the_in_process_one(mo
     assert starts == 0, f"{starts} threads started in {len(seen)} decode steps ({len(sent)} store messages)"
 
 
-def test_one_way_messages_fail_as_the_workers_errors(model):
+@pytest.mark.parametrize("transport", ["grpc", "seqpacket"])
+def test_one_way_messages_fail_as_the_workers_errors(model, transport):
     """Release and Prefetch sent without waiting: a refusal (an unknown session) raises StoreUnavailableError from
     the next call that reaps (release, begin_pass) or from the answer (prefetch_start's queued()); after abort() a
     message in flight fails with abort()'s reason, and a new one with it too."""
     from services.assembly import open_store
     cfg = EngineConfig(model_path=str(model), vram_slots=2, host_slots=3, read_threads=1)
-    store = open_store(cfg, "process")
+    store = open_store(cfg, "process", session_transport=transport)
     try:
         c = store.client
         c.attach()

@@ -1,6 +1,7 @@
 """The worker's session stream to a real store process (store.proto `Session`; services/grpc/store_client.py, issue 21):
-the loads, reads ahead and releases of a session are messages on ONE gRPC stream, answered tagged with the request's
-id. Checked here against a `services.store_main` child (a tiny synth model, few slots):
+the loads, reads ahead and releases of a session are messages on ONE stream (gRPC, or a SOCK_SEQPACKET connection:
+store.session_transport; each test below runs on both), answered tagged with the request's id. Checked here against a
+`services.store_main` child (a tiny synth model, few slots):
 
 - two loads in flight at once, their experts read in turn and one before the other, with a read ahead and a release
   sent between them: each load gets exactly its own experts (none twice, none of the other's), the release's slot is
@@ -13,6 +14,9 @@ id. Checked here against a `services.store_main` child (a tiny synth model, few 
   message, and the client's reap at the next pass;
 - the store killed with no request in flight: the stream is no longer alive once its call ended (the flag its done
   callback sets) and the next message opens a new one;
+- seqpacket only: a message over the datagram limit is refused with MessageTooBig before it is sent (the stream goes
+  on), and the largest real message (a load of every expert of a 61-layer, 384-expert model) fits the limit a
+  default-capped send buffer gives;
 - the hand-off (_Stream's class doc; off by default), on: a load of experts returns from its send only once grpc's
   send thread has sent it (a fake call whose sends take 20 ms each: the request is out when send returns), a send
   without it (a release, a prefetch) at once (it is not out yet).
@@ -33,6 +37,7 @@ from betelgeuse.config import EngineConfig
 from betelgeuse.errors import StoreUnavailableError
 
 L, E = 2, 16
+TRANSPORTS = ("grpc", "seqpacket")
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +48,17 @@ def model(tmp_path_factory):
     return path
 
 
-def _store(model, tmp_path):
+@pytest.fixture(params=TRANSPORTS)
+def transport(request):
+    return request.param
+
+
+def _store(model, tmp_path, transport):
     from services.assembly import open_store
     cfg = EngineConfig(model_path=str(model), vram_slots=1, host_slots=2, read_threads=2)
-    return open_store(cfg, "process", str(tmp_path / "store"))
+    store = open_store(cfg, "process", str(tmp_path / "store"), session_transport=transport)
+    assert store.client.session_transport == transport
+    return store
 
 
 def _disk(c) -> tuple:
@@ -57,8 +69,8 @@ def _disk(c) -> tuple:
     return plan, [[(l, e) for e in range(E) if d.lookup(l, e)[0] == TIER_DISK] for l in range(L)]
 
 
-def test_overlapping_loads_get_their_own_experts(model, tmp_path):
-    store = _store(model, tmp_path)
+def test_overlapping_loads_get_their_own_experts(model, tmp_path, transport):
+    store = _store(model, tmp_path, transport)
     try:
         c = store.client
         plan, disk = _disk(c)
@@ -94,8 +106,8 @@ def test_overlapping_loads_get_their_own_experts(model, tmp_path):
         store.close()
 
 
-def test_store_killed_mid_load_raises_the_workers_error(model, tmp_path):
-    store = _store(model, tmp_path)
+def test_store_killed_mid_load_raises_the_workers_error(model, tmp_path, transport):
+    store = _store(model, tmp_path, transport)
     try:
         c = store.client
         plan, disk = _disk(c)
@@ -128,12 +140,12 @@ def test_store_killed_mid_load_raises_the_workers_error(model, tmp_path):
         store.close()
 
 
-def test_a_hung_store_fails_the_load_at_its_deadline_and_the_stream_reopens(model, tmp_path):
+def test_a_hung_store_fails_the_load_at_its_deadline_and_the_stream_reopens(model, tmp_path, transport):
     """The store stopped (SIGSTOP) while a load waits: the load fails at its deadline with the error its own call's
     deadline gave ("expert store unavailable (DEADLINE_EXCEEDED)"), not later than the watch's period after it; once
     the store goes on, the next message opens a new stream and is answered."""
     import time
-    store = _store(model, tmp_path)
+    store = _store(model, tmp_path, transport)
     pid = store.proc.pid
     try:
         c = store.client
@@ -144,7 +156,7 @@ def test_a_hung_store_fails_the_load_at_its_deadline_and_the_stream_reopens(mode
         t = time.monotonic()
         with pytest.raises(StoreUnavailableError, match=r"^expert store unavailable \(DEADLINE_EXCEEDED\)"):
             list(c.load(disk[0][:1]))
-        assert 0.5 <= time.monotonic() - t < 0.5 + 4 * c._stream.WATCH_S, time.monotonic() - t
+        assert 0.5 <= time.monotonic() - t < 0.5 + 4 * getattr(c._stream, "WATCH_S", 0.25), time.monotonic() - t
         os.kill(pid, signal.SIGCONT)
         c.timeout = 10.0
         got = list(c.load(disk[1][:1]))
@@ -154,22 +166,23 @@ def test_a_hung_store_fails_the_load_at_its_deadline_and_the_stream_reopens(mode
         store.close()
 
 
-def test_a_stream_whose_store_died_is_not_alive(model, tmp_path):
+def test_a_stream_whose_store_died_is_not_alive(model, tmp_path, transport):
     """_Stream.alive() (a flag the call's done callback sets, not call.done() at every message) turns False once the
     call ends with no request in flight, as call.done() does: the next message opens a new stream."""
     import time
-    store = _store(model, tmp_path)
+    store = _store(model, tmp_path, transport)
     try:
         c = store.client
         _disk(c)
         c.begin_pass(False)
         s = c._session_stream()
-        assert s.alive() and not s.call.done()
+        ended = (lambda: s.call.done()) if transport == "grpc" else (lambda: s.error is not None)
+        assert s.alive() and not ended()
         os.kill(store.proc.pid, signal.SIGKILL)
         t = time.monotonic()
-        while not s.call.done() and time.monotonic() - t < 10:
+        while not ended() and time.monotonic() - t < 10:
             time.sleep(0.01)
-        assert s.call.done(), "the stream's call did not end after the store died"
+        assert ended(), "the stream's call did not end after the store died"
         t = time.monotonic()
         while s.alive() and time.monotonic() - t < 1:      # the callback runs right after done() turns True
             time.sleep(0.01)
@@ -178,6 +191,32 @@ def test_a_stream_whose_store_died_is_not_alive(model, tmp_path):
             c.release([])
             c.begin_pass(False)
         assert c._stream is not s, "the next message did not open a new stream"
+    finally:
+        store.close()
+
+
+def test_a_seqpacket_message_over_the_limit_is_refused_and_the_stream_goes_on(model, tmp_path):
+    from services.grpc.session_seq import MessageTooBig
+    from services.grpc.store_client import _load_request
+    store = _store(model, tmp_path, "seqpacket")
+    try:
+        c = store.client
+        plan, disk = _disk(c)
+        c.begin_pass(False)
+        s = c._session_stream()
+        big = [(1, 1 + e % (E - 1)) for e in range(s.limit // 3)]  # 6 bytes an ExpertId: twice the limit
+        with pytest.raises(MessageTooBig, match=r"over the SOCK_SEQPACKET session socket's \d+-byte datagram"):
+            c.prefetch_start(big)
+        assert c._stream is s and s.alive()
+        got = list(c.load(disk[0][:2]))                             # the stream goes on, answers routed as before
+        assert sorted((x.layer, x.expert) for x in got) == disk[0][:2]
+        c.end_pass(np.zeros((L, E), dtype=np.int64), False, [x.slot for x in got])
+        assert c.status()["staging_handed"] == 0
+        # the largest real message: a load of every expert of a 61-layer, 384-expert model in one request
+        every = [(l, e) for l in range(61) for e in range(384)]
+        n = len(_load_request(2**31, "load", "f" * 32, every).SerializeToString())
+        assert n < 2 * 212992 - 1024, n            # the limit with SO_SNDBUF capped at the default wmem_max
+        assert n < s.limit, (n, s.limit)
     finally:
         store.close()
 

@@ -3,6 +3,7 @@
 
 - logits through the store process are bit-identical to the in-process `Qwen3MoeReference`, cold and
   after consolidation, and (one config) agree with Hugging Face transformers reading the same file;
+- logits and a decode are the same bits on both session transports (store.session_transport grpc, seqpacket);
 - the two processes are different pids mapping the same memfd (same inode in /proc/<pid>/maps);
 - no expert bytes cross the control socket: the serialized gRPC bytes of a whole pass (counted by a
   client interceptor) and the bytes the store process wrote to any fd (/proc/<pid>/io wchar) are
@@ -93,14 +94,44 @@ def test_store_process_matches_reference_and_sends_no_expert_bytes(wide, referen
         client.close()
 
 
-def test_decode_guesses_through_the_store_process(wide, store):
+def test_logits_are_the_same_bits_on_both_session_transports(wide, reference, store):
+    """The session stream on gRPC and on SOCK_SEQPACKET (store.session_transport): a cold pass, a consolidated one
+    and a short decode through the same store process give the reference's logits, and the same bits on both."""
+    _, socks = store
+    outs = {}
+    for transport in ("seqpacket", "grpc"):
+        client = counting_store_client(socks, transport)
+        runner = ModelRunner(EngineConfig(model_path=str(wide), vram_slots=VRAM, host_slots=HOST), client)
+        try:
+            rows = []
+            for _ in range(2):                              # cold, then consolidated
+                logits, _st = runner.forward(PROMPT, runner.new_cache(64), all_logits=True)
+                assert torch.equal(logits, reference), (transport, (logits - reference).abs().max())
+                rows.append(logits)
+                runner.settle()
+            kv = runner.new_cache(64)
+            lg, _ = runner.forward(PROMPT, kv)
+            for _ in range(4):
+                lg, _st = runner.forward([int(lg[-1].argmax())], kv, consolidate=False)
+                rows.append(lg)
+            outs[transport] = torch.cat(rows)
+            if transport == "seqpacket":                    # the session's messages did not go over gRPC
+                assert type(client._stream).__name__ == "_SeqStream", client._stream
+        finally:
+            runner.close()
+            client.close()
+    assert torch.equal(outs["seqpacket"], outs["grpc"])
+
+
+@pytest.mark.parametrize("transport", ["grpc", "seqpacket"])
+def test_decode_guesses_through_the_store_process(wide, store, transport):
     """Decode's guessed reads ahead (worker/guess.py) over gRPC, where the Prefetch call is not waited for, 3 layers
     ahead and 1: the reads start (counted from the store's answers) and the decoded logits are the bits of the same
     decode without them."""
     _, socks = store
     outs = {}
     for depth in (3, 1, 0):            # guesses first: staged copies left by a run are not read again
-        client = counting_store_client(socks)
+        client = counting_store_client(socks, transport)
         runner = ModelRunner(EngineConfig(model_path=str(wide), vram_slots=VRAM, host_slots=HOST,
                                           prefetch_decode=depth > 0, prefetch_depth=max(depth, 1)), client)
         try:
@@ -125,9 +156,20 @@ def test_decode_guesses_through_the_store_process(wide, store):
     assert torch.equal(outs[3], outs[0]) and torch.equal(outs[1], outs[0])
 
 
-def test_worker_process_serves_reference_tokens(wide, reference, store, tmp_path):
-    """A real worker process: its own pid, the store's memfd in its maps, greedy tokens as the reference."""
+def _seq_connections(path: str) -> int:
+    """Connected SOCK_SEQPACKET sockets bound to `path` (/proc/net/unix: the store's end of each session stream)."""
+    with open("/proc/net/unix") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return sum(1 for r in rows if len(r) == 8 and r[7] == path and r[4] == "0005" and r[5] == "03")
+
+
+@pytest.mark.parametrize("transport", ["grpc", "seqpacket"])
+def test_worker_process_serves_reference_tokens(wide, reference, store, tmp_path, monkeypatch, transport):
+    """A real worker process: its own pid, the store's memfd in its maps, greedy tokens as the reference; its session
+    stream on store.session_transport (set by its environment variable: the store's SEQPACKET socket has a
+    connection with seqpacket, none with grpc)."""
     proc, socks = store
+    monkeypatch.setenv("BETELGEUSE_STORE_SESSION_TRANSPORT", transport)
     ref = Qwen3MoeReference.load(wide)
     kv = ref.new_cache(64)
     want = []
@@ -146,6 +188,7 @@ def test_worker_process_serves_reference_tokens(wide, reference, store, tmp_path
             final = generate(port, PROMPT, max_tokens=5)
             assert list(final.token_ids) == want, (i, list(final.token_ids), want)
         assert final.usage.expert_reads_vram + final.usage.expert_reads_host > 0
+        assert _seq_connections(socks.control + ".seq") == (transport == "seqpacket"), transport
     finally:
         assert worker.stop() == 0, worker.log()
 
@@ -233,7 +276,8 @@ def test_a_deepseek41_prompt_after_kill_9_of_the_worker_comes_from_the_host_tier
         store.stop()
 
 
-def test_a_pass_failing_mid_layer_leaves_no_staging_slot_lost(wide, reference, store):
+@pytest.mark.parametrize("transport", ["grpc", "seqpacket"])
+def test_a_pass_failing_mid_layer_leaves_no_staging_slot_lost(wide, reference, store, transport):
     """A pass that fails mid-layer (a kernel raising: the device out of memory, say; the engine fails that pass's
     requests and goes on, invariant 7) drops its Load stream with experts still coming and the staging slots of
     the landed ones it held: the store had handed them to the worker, which no longer knows them. Each such failure
@@ -242,7 +286,7 @@ def test_a_pass_failing_mid_layer_leaves_no_staging_slot_lost(wide, reference, s
     store takes back what is still handed when a pass ends or begins: after the failure and one good pass, none is
     handed, and the next passes give the reference logits."""
     _, socks = store
-    client = counting_store_client(socks)
+    client = counting_store_client(socks, transport)
     runner = ModelRunner(EngineConfig(model_path=str(wide), vram_slots=VRAM, host_slots=HOST), client)
     apply, calls = runner.moe._apply, []
 
