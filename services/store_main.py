@@ -319,6 +319,28 @@ def peer_allowed(uid: int, gid: int, pid: int, group_gid: int | None) -> bool:
     return False
 
 
+def _allowed_peers(srv: socket.socket, stop: threading.Event, group_gid: int | None, what: str):
+    """The connections accepted on srv from allowed peers (SO_PEERCRED: peer_allowed), until stop or srv's close:
+    (conn, pid) each; a refused one is logged (naming `what` it was refused) and closed."""
+    while not stop.is_set():
+        try:
+            conn, _ = srv.accept()
+        except OSError:
+            return
+        try:
+            pid, uid, gid = peer_credentials(conn)
+        except OSError as e:
+            log.warning("%s: %s", what, e)
+            conn.close()
+            continue
+        if not peer_allowed(uid, gid, pid, group_gid):
+            log.warning("refused the %s to pid %d (uid %d, gid %d): not the service's user or group", what, pid, uid,
+                        gid)
+            conn.close()
+            continue
+        yield conn, pid
+
+
 def serve_fds(store: ExpertStore, path: str, header: dict, stop: threading.Event, leases: Leases,
               group_gid: int | None = None) -> socket.socket:
     """Hand a read-only arena fd (and the prefix host tier's, writable) (SCM_RIGHTS) and an attach token to an allowed peer of `path` (the worker);
@@ -337,18 +359,8 @@ def serve_fds(store: ExpertStore, path: str, header: dict, stop: threading.Event
         leases.end(token)
 
     def loop():
-        while not stop.is_set():
+        for conn, pid in _allowed_peers(srv, stop, group_gid, "arena fd"):
             try:
-                conn, _ = srv.accept()
-            except OSError:
-                return
-            try:
-                pid, uid, gid = peer_credentials(conn)
-                if not peer_allowed(uid, gid, pid, group_gid):
-                    log.warning("refused the arena fd to pid %d (uid %d, gid %d): not the service's user or group",
-                                pid, uid, gid)
-                    conn.close()
-                    continue
                 issued = leases.issue(pid, id(conn))
                 if issued is None:
                     log.warning("refused the arena fd to pid %d: %d hand-off connections open", pid, Leases.MAX)
@@ -382,18 +394,8 @@ def serve_session_seq(servicer: StoreServicer, path: str, stop: threading.Event,
     srv.listen(8)
 
     def loop():
-        while not stop.is_set():
+        for conn, _pid in _allowed_peers(srv, stop, group_gid, "session socket"):
             try:
-                conn, _ = srv.accept()
-            except OSError:
-                return
-            try:
-                pid, uid, gid = peer_credentials(conn)
-                if not peer_allowed(uid, gid, pid, group_gid):
-                    log.warning("refused the session socket to pid %d (uid %d, gid %d): not the service's user or "
-                                "group", pid, uid, gid)
-                    conn.close()
-                    continue
                 session_seq.tune(conn)
             except OSError as e:
                 log.warning("session socket: %s", e)

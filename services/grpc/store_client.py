@@ -101,7 +101,38 @@ def _failed(ev) -> _Failed:
     return _Failed(_CODES.get(ev.failed.code, grpc.StatusCode.UNKNOWN), ev.failed.details)
 
 
-class _Stream:
+class _Boxes:
+    """What both session streams share: each request's answers routed to its box by id (_cv guards _box and error);
+    a subclass sends with _post and says alive()."""
+
+    def forget(self, rid: int):
+        with self._cv:
+            self._box.pop(rid, None)
+
+    def answered(self, rid: int) -> bool:
+        """An answer to `rid` is routed, or the stream ended (no waiting: what a waiting caller read meanwhile)."""
+        return bool(self._box.get(rid)) or self.error is not None
+
+    def cancel(self, rid: int):
+        """Stop the load `rid` at the store (an abandoned pass) and drop what still comes for it."""
+        self.forget(rid)
+        if self.alive():
+            self._post(pb.SessionRequest(id=rid, cancel=pb.Cancel()))
+
+    def _next(self, rid: int):
+        """rid's next answer routed, or None while none is (the caller holds _cv); raises the stream's error, or
+        CANCELLED where rid's box is gone (forget: an abandoned load)."""
+        box = self._box.get(rid)
+        if box:
+            return box.popleft()
+        if self.error is not None:
+            raise self.error
+        if box is None:
+            raise _Failed(grpc.StatusCode.CANCELLED, "the request was cancelled")
+        return None
+
+
+class _Stream(_Boxes):
     """ONE Session call (store.proto): requests put on a queue that grpc's thread for the call sends, in order; the
     answers read by whichever caller waits for one (one at a time: `_pumping`), each routed to its request's box
     by id; a box nobody owns any more (a load abandoned, its cancel sent) drops what still comes for it.
@@ -181,19 +212,8 @@ class _Stream:
         self._queue(make(rid), handoff)
         return rid
 
-    def cancel(self, rid: int):
-        """Stop the load `rid` at the store (an abandoned pass) and drop what still comes for it."""
-        self.forget(rid)
-        if self.alive():
-            self._queue(pb.SessionRequest(id=rid, cancel=pb.Cancel()))
-
-    def forget(self, rid: int):
-        with self._cv:
-            self._box.pop(rid, None)
-
-    def answered(self, rid: int) -> bool:
-        """An answer to `rid` is routed, or the call ended (no waiting: what a waiting caller read meanwhile)."""
-        return bool(self._box.get(rid)) or self.error is not None
+    def _post(self, req):
+        self._queue(req)
 
     def take(self, rid: int, deadline: float):
         """The next answer to `rid` (its own in the order sent), reading the stream meanwhile if nobody else does."""
@@ -203,13 +223,8 @@ class _Stream:
             while True:
                 with self._cv:
                     while True:
-                        box = self._box.get(rid)
-                        if box:
-                            return box.popleft()
-                        if self.error is not None:
-                            raise self.error
-                        if box is None:
-                            raise _Failed(grpc.StatusCode.CANCELLED, "the request was cancelled")
+                        if (ans := self._next(rid)) is not None:
+                            return ans
                         if not self._pumping:
                             self._pumping = True
                             break
@@ -251,7 +266,7 @@ class _Stream:
         self.call.cancel()
 
 
-class _SeqStream:
+class _SeqStream(_Boxes):
     """The session stream on a SOCK_SEQPACKET connection (services/grpc/session_seq.py) with _Stream's interface:
     the caller's thread sends its request itself (one datagram: no queue, no send thread), one reader thread routes
     every answer to its request's box by id and wakes the callers waiting.
@@ -325,33 +340,18 @@ class _SeqStream:
             raise self.error from None
         return rid
 
-    def cancel(self, rid: int):
-        """Stop the load `rid` at the store (an abandoned pass) and drop what still comes for it."""
-        self.forget(rid)
-        if self.alive():
-            try:
-                self.sock.send(pb.SessionRequest(id=rid, cancel=pb.Cancel()).SerializeToString())
-            except OSError:
-                pass                                # the reader sees the end
-
-    def forget(self, rid: int):
-        with self._cv:
-            self._box.pop(rid, None)
-
-    def answered(self, rid: int) -> bool:
-        return bool(self._box.get(rid)) or self.error is not None
+    def _post(self, req):
+        try:
+            self.sock.send(req.SerializeToString())
+        except OSError:
+            pass                                    # the reader sees the end
 
     def take(self, rid: int, deadline: float):
         """The next answer to `rid` (its own in the order sent), waiting at most until `deadline`."""
         with self._cv:
             while True:
-                box = self._box.get(rid)
-                if box:
-                    return box.popleft()
-                if self.error is not None:
-                    raise self.error
-                if box is None:
-                    raise _Failed(grpc.StatusCode.CANCELLED, "the request was cancelled")
+                if (ans := self._next(rid)) is not None:
+                    return ans
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
