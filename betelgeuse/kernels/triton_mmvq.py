@@ -271,10 +271,24 @@ def _wat(pool, b0, sh, o, m):
 
 
 @triton.jit
-def _q6(v, u: tl.constexpr, al, be):
-    """al f + be (one rounding) of the 6-bit quant q in byte u of words v: f = 1 + q / 64 (q at mantissa bits
-    17-22), al = 64 d sc, be = -96 d sc, so the exact value is d sc (q - 32), gguf-py's float32 (d sc is exact)."""
-    return tl.fma(al, _unit(((v >> (8 * u)) & 63) << 17), be)
+def _qb(v, u: tl.constexpr, al, be, B: tl.constexpr):
+    """al f + be (one rounding) of the B-bit quant q at bits 8 u .. 8 u + B - 1 of words v: f = 1 + q / 2^B (q at
+    mantissa bits 23 - B .. 22). Q6_K: al = 64 d sc, be = -96 d sc, so the exact value is d sc (q - 32), gguf-py's
+    float32 (d sc is exact); Q3_K: 8 d sc, -12 d sc -> d sc (q - 4); Q2_K: A = 4 d sc, B = -(A + dmin m)."""
+    return tl.fma(al, _unit(((v >> (8 * u)) & ((1 << B) - 1)) << (23 - B)), be)
+
+
+@triton.jit
+def _qb4(v, al, be, B: tl.constexpr):
+    """[..., 4 (u)]: _qb of the 4 bytes of words v."""
+    return _join4(_qb(v, 0, al, be, B), _qb(v, 1, al, be, B), _qb(v, 2, al, be, B), _qb(v, 3, al, be, B))
+
+
+@triton.jit
+def _steps(ws, BN, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
+    """A low-K tile's 4 sub-steps ws [BN, a, b, c] (c = (w, u)) -> [BN, D1, D2, D3]: (.., c, step) -> (.., step, c)."""
+    w = tl.permute(_join4(ws[0], ws[1], ws[2], ws[3]), (0, 1, 2, 4, 3))
+    return tl.reshape(w, (BN, D1, D2, D3))
 
 
 @triton.jit
@@ -324,17 +338,9 @@ def _q6_tile(pool, ra, kk, mn, D1: tl.constexpr, D2: tl.constexpr, D3: tl.conste
             qv = ql1
         # the 4 bytes' 6-bit quants: the nibble nib of ql | qh's bit pair 2 i at bits 4-5
         v = ((qv >> (4 * (i // 2))) & 0x0F0F0F0F) | (((qh >> (2 * i)) << 4) & 0x30303030)
-        t = _join4(_q6(v, 0, al, be), _q6(v, 1, al, be), _q6(v, 2, al, be), _q6(v, 3, al, be))   # [.., 4 w, 4 u]
+        t = _qb4(v, al, be, 6)   # [.., 4 w, 4 u]
         ws = ws + (tl.reshape(t, (ql0.shape[0], 2, 2, 16)),)
-    # [BN, 2, 2, 16 (w, u), 4 (i)] -> (n, r, i, w, u)
-    w = tl.permute(_join4(ws[0], ws[1], ws[2], ws[3]), (0, 1, 2, 4, 3))
-    return tl.reshape(w, (ql0.shape[0], D1, D2, D3))
-
-
-@triton.jit
-def _q2(v, u: tl.constexpr, al, be):
-    """al f + be of the 2-bit quant q at bits 8 u .. + 1 of words v: f = 1 + q / 4 (q at mantissa bits 21-22)."""
-    return tl.fma(al, _unit(((v >> (8 * u)) & 3) << 21), be)
+    return _steps(ws, ql0.shape[0], D1, D2, D3)     # [BN, 2, 2, 16 (w, u), 4 (i)] -> (n, r, i, w, u)
 
 
 @triton.jit
@@ -376,17 +382,9 @@ def _q2_tile(pool, ra, kk, mn, D1: tl.constexpr, D2: tl.constexpr, D3: tl.conste
         al = al3[:, :, :, None]
         be = (-(al3 + dm * _int_f32((sw >> 4) & 15)))[:, :, :, None]
         v = q >> (2 * j)
-        t = _join4(_q2(v, 0, al, be), _q2(v, 1, al, be), _q2(v, 2, al, be), _q2(v, 3, al, be))   # [.., W w, 4 u]
+        t = _qb4(v, al, be, 2)   # [.., W w, 4 u]
         ws = ws + (tl.reshape(t, (q.shape[0], 2, D2, 4 * W)),)
-    # [BN, 2, D2, 4 W (w, u), 4 (j)] -> (n, p, j, w, u)
-    w = tl.permute(_join4(ws[0], ws[1], ws[2], ws[3]), (0, 1, 2, 4, 3))
-    return tl.reshape(w, (q.shape[0], D1, D2, D3))
-
-
-@triton.jit
-def _q3(v, u: tl.constexpr, al, be):
-    """al f + be of the 3-bit quant q at bits 8 u .. + 2 of words v: f = 1 + q / 8 (q at mantissa bits 20-22)."""
-    return tl.fma(al, _unit(((v >> (8 * u)) & 7) << 20), be)
+    return _steps(ws, q.shape[0], D1, D2, D3)       # [BN, 2, D2, 4 W (w, u), 4 (j)] -> (n, p, j, w, u)
 
 
 @triton.jit
@@ -406,11 +404,9 @@ def _q3_tile(pool, ra, kk, mn, D1: tl.constexpr, D2: tl.constexpr, D3: tl.conste
     b0 = b - r4
     sh = r4 * 8
     qa = 32 + n * 32 + r * 16                       # qs run (n, r): bytes 32 + 32 n + l
-    q = _join4(_wat(pool, b0, sh, qa, m), _wat(pool, b0, sh, qa + 4, m), _wat(pool, b0, sh, qa + 8, m),
-               _wat(pool, b0, sh, qa + 12, m))
+    q = _wat4(pool, b0, sh, qa, m)
     ha = r * 16                                     # hmask bytes l
-    hm = _join4(_wat(pool, b0, sh, ha, m), _wat(pool, b0, sh, ha + 4, m), _wat(pool, b0, sh, ha + 8, m),
-                _wat(pool, b0, sh, ha + 12, m)) >> (n * 4)[:, :, :, None]       # bit j: hmask bit 4 n + j
+    hm = _wat4(pool, b0, sh, ha, m) >> (n * 4)[:, :, :, None]       # bit j: hmask bit 4 n + j
     # scale s = 8 n + 2 j + r: low nibble n of byte 2 j + r of the words at 96 (j 0, 1) and 100 (j 2, 3); high
     # bits 2 (2 n + j // 2) of byte 2 (j % 2) + r of the word at 104; decoded as [BN, 2, 2], broadcast
     lo01 = _wat(pool, b0, sh, 96, m) >> (r * 8 + n * 4)      # [BN, 2, 2]
@@ -429,11 +425,9 @@ def _q3_tile(pool, ra, kk, mn, D1: tl.constexpr, D2: tl.constexpr, D3: tl.conste
         al = (8.0 * dsc)[:, :, :, None]
         be = (-12.0 * dsc)[:, :, :, None]
         v = ((q >> (2 * j)) & 0x03030303) | (((hm >> j) << 2) & 0x04040404)
-        t = _join4(_q3(v, 0, al, be), _q3(v, 1, al, be), _q3(v, 2, al, be), _q3(v, 3, al, be))   # [.., 4 w, 4 u]
+        t = _qb4(v, al, be, 3)   # [.., 4 w, 4 u]
         ws = ws + (tl.reshape(t, (q.shape[0], 2, 2, 16)),)
-    # [BN, 2, 2, 16 (w, u), 4 (j)] -> (n, r, j, w, u)
-    w = tl.permute(_join4(ws[0], ws[1], ws[2], ws[3]), (0, 1, 2, 4, 3))
-    return tl.reshape(w, (q.shape[0], D1, D2, D3))
+    return _steps(ws, q.shape[0], D1, D2, D3)       # [BN, 2, 2, 16 (w, u), 4 (j)] -> (n, r, j, w, u)
 
 
 @triton.jit
