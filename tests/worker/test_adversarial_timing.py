@@ -190,8 +190,9 @@ def test_decode_beside_filling_consolidations(archs, arch):
             _equal(torch.cat(rows), want, f"{arch} {rnd} decode")
         assert any(busy), "no decode pass ran while a consolidation was filling: the jitter did not bite"
         # a consolidation asked for while one fills is skipped (store.py): how many land depends on the machine's
-        # load (two test workers share CI's cores), so at least two, the bits above being the property
-        assert store.counters.consolidations >= 2
+        # load (two test workers share CI's cores; a clean CI run saw 1 of them land), so at least one, the bits
+        # above (with decode passes run while one filled: busy) being the property
+        assert store.counters.consolidations >= 1
     finally:
         _close(runner, store)
 
