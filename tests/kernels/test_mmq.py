@@ -85,6 +85,17 @@ def weight_parts(qt: int, raw: np.ndarray, shape):
     return q, d, mn
 
 
+def chunk_sum(M: int, N: int, nb: int, per: int, kcb: int, part):
+    """tot [M, N] = 0 + p_0 + p_1 + ... over K chunks of kcb blocks of `per` (the kernels' reduction key; each p_c
+    accumulated from zero): part(c, b) -> p_c for element columns c and 32-block columns b."""
+    tot = np.zeros((M, N), np.float32)
+    for c0 in range(0, nb, kcb):
+        c = slice(c0 * per, min(nb, c0 + kcb) * per)
+        b = slice(c0 * per // 32, min(nb, c0 + kcb) * per // 32)
+        tot = (tot + part(c, b)).astype(np.float32)
+    return tot
+
+
 def ref_mm(xq, dx, sx, wq, dw, mw, per: int = 32, kcb: int = 0):
     """[M, N]: acc += float(int dot of block) * (dw * dx) - mw * sx (one fma, as triton_mmq) over blocks of `per`
     in ascending K, fp32.
@@ -93,12 +104,8 @@ def ref_mm(xq, dx, sx, wq, dw, mw, per: int = 32, kcb: int = 0):
     M, N = xq.shape[0], wq.shape[0]
     nb = xq.shape[1] // per
     if kcb and kcb < nb:
-        tot = np.zeros((M, N), np.float32)
-        for c0 in range(0, nb, kcb):
-            c = slice(c0 * per, min(nb, c0 + kcb) * per)
-            b = slice(c0 * per // 32, min(nb, c0 + kcb) * per // 32)
-            tot = (tot + ref_mm(xq[:, c], dx[:, b], sx[:, b], wq[:, c], dw[:, b], mw[:, b], per)).astype(np.float32)
-        return tot
+        return chunk_sum(M, N, nb, per, kcb,
+                         lambda c, b: ref_mm(xq[:, c], dx[:, b], sx[:, b], wq[:, c], dw[:, b], mw[:, b], per))
     acc = np.zeros((N, M), np.float32)
     for kb in range(nb):
         c = slice(kb * per, (kb + 1) * per)
@@ -143,23 +150,29 @@ def experts(qt, seed=0):
     return out
 
 
-def moe_ref(qt, raw, h, ids, w, per=32, kcb=0):
-    """numpy reference of the whole layer with q8_1 activations (gate_up -> silu * up -> q8_1 -> down -> combine)."""
+def layer_ref(qt, raw, h, ids, w, act, mm, parts=None):
+    """numpy reference of a whole layer: act(x rows) -> the activations as the kernels take them (row by row),
+    mm(act, wq, dw, mw) -> [rows, N]; gate, up -> silu(g) u (float32) -> act -> down -> the weighted sum over ranks
+    in order. parts: the weights' (quants, d, min) per shape (default weight_parts)."""
+    parts = parts or weight_parts
     T, k = ids.shape
-    hq, hd, hs = ref_q8_1(h)
     out = np.zeros((T, h.shape[1]), np.float32)
     for t in range(T):
+        x = act(h[t:t + 1])
         for r in range(k):
             e = int(ids[t, r])
-            (gq_, gd, gm), (uq, ud, um), (dq, dd, dm) = (weight_parts(qt, raw[e][i], s)
-                                                         for i, s in enumerate(shapes(qt)))
-            x = (hq[t:t + 1], hd[t:t + 1], hs[t:t + 1])
-            g = ref_mm(*x, gq_, gd, gm, per, kcb)
-            u = ref_mm(*x, uq, ud, um, per, kcb)
+            (gq_, gd, gm), (uq, ud, um), (dq, dd, dm) = (parts(qt, raw[e][i], s) for i, s in enumerate(shapes(qt)))
+            g = mm(x, gq_, gd, gm)
+            u = mm(x, uq, ud, um)
             a = (g / (np.float32(1) + np.exp(-g)) * u).astype(np.float32)
-            y = ref_mm(*ref_q8_1(a), dq, dd, dm, per, kcb)[0]
+            y = mm(act(a), dq, dd, dm)[0]
             out[t] = (out[t] + np.float32(w[t, r]) * y).astype(np.float32)
     return out
+
+
+def moe_ref(qt, raw, h, ids, w, per=32, kcb=0):
+    """numpy reference of the whole layer with q8_1 activations (gate_up -> silu * up -> q8_1 -> down -> combine)."""
+    return layer_ref(qt, raw, h, ids, w, ref_q8_1, lambda x, *wp: ref_mm(*x, *wp, per, kcb))
 
 
 def run(qt, raw, h, ids, w, act_quant="q8_1", groups=None, below=0):

@@ -14,7 +14,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
-from test_mmq import DIMS, E, experts, k4_scale_min, moe_ref, run, shapes, weight_parts  # noqa: E402
+from test_mmq import (DIMS, E, chunk_sum, experts, k4_scale_min, layer_ref, moe_ref, run,  # noqa: E402
+                      weight_parts)
 
 from betelgeuse.kernels import triton_mmq as mq  # noqa: E402
 
@@ -62,12 +63,8 @@ def ref_mm_bf16(x, wq, dw, mw, per: int = 32, kcb: int = 0, order: int = 1):
     M, N = x.shape[0], wq.shape[0]
     nb = x.shape[1] // per
     if kcb and kcb < nb:
-        tot = np.zeros((M, N), np.float32)
-        for c0 in range(0, nb, kcb):
-            c = slice(c0 * per, min(nb, c0 + kcb) * per)
-            b = slice(c0 * per // 32, min(nb, c0 + kcb) * per // 32)
-            tot = (tot + ref_mm_bf16(x[:, c], wq[:, c], dw[:, b], mw[:, b], per, 0, order)).astype(np.float32)
-        return tot
+        return chunk_sum(M, N, nb, per, kcb,
+                         lambda c, b: ref_mm_bf16(x[:, c], wq[:, c], dw[:, b], mw[:, b], per, 0, order))
     acc = np.zeros((N, M), np.float32)
     for kb in list(range(nb))[::order]:
         c = slice(kb * per, (kb + 1) * per)
@@ -86,20 +83,7 @@ def ref_mm_bf16(x, wq, dw, mw, per: int = 32, kcb: int = 0, order: int = 1):
 def moe_ref_bf16(qt, raw, h, ids, w, **kw):
     """numpy reference of the layer in the bf16 mode: h as bf16 -> gate, up -> silu(g) u (float32, written as the
     engine's float32) -> as bf16 -> down -> the weighted sum over ranks in order."""
-    T, k = ids.shape
-    out = np.zeros((T, h.shape[1]), np.float32)
-    hb = bf16(h)
-    for t in range(T):
-        for r in range(k):
-            e = int(ids[t, r])
-            (gq_, gd, gm), (uq, ud, um), (dq, dd, dm) = (parts(qt, raw[e][i], s)
-                                                         for i, s in enumerate(shapes(qt)))
-            g = ref_mm_bf16(hb[t:t + 1], gq_, gd, gm, **kw)
-            u = ref_mm_bf16(hb[t:t + 1], uq, ud, um, **kw)
-            a = (g / (np.float32(1) + np.exp(-g)) * u).astype(np.float32)
-            y = ref_mm_bf16(bf16(a), dq, dd, dm, **kw)[0]
-            out[t] = (out[t] + np.float32(w[t, r]) * y).astype(np.float32)
-    return out
+    return layer_ref(qt, raw, h, ids, w, bf16, lambda x, *wp: ref_mm_bf16(x, *wp, **kw), parts)
 
 
 def _case(qt, seed, T=6, k=2):
