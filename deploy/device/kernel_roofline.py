@@ -501,6 +501,14 @@ def check_rows(ctx: dict, checked: dict | None = None, cis: list[int] | None = N
 
 # ---- act_quant q8_1 (kernels/triton_mmq.py) beside the float schedules -------------------------------------
 
+def _check_into(out: dict, check, *args):
+    """out["check"] = check(*args), or the error it raised: the figures already in `out` stay in the table."""
+    try:
+        out["check"] = check(*args)
+    except Exception as e:
+        out["check"] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:120]}"}
+
+
 def _bank_rows(gname: str, tname: str, out: dict):
     """The rotating banks of one type at a geometry (set up once; the caller has set its launch table), then per rows
     in (1, 16): the float path's GB/s into out["float"][rows], and yield (rows, r, gbps, mma): r the routing,
@@ -583,10 +591,7 @@ def act_quant_case(gname: str, tname: str) -> dict:
         out["q8_1_kernels"][rows] = best[0]
         mq.TYPE_CONFIG.pop(code, None)
     if has:
-        try:
-            out["check"] = act_quant_check(gname, tname, qt, H, F, E, limit)
-        except Exception as e:                          # the figures above stay in the table
-            out["check"] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:120]}"}
+        _check_into(out, act_quant_check, gname, tname, qt, H, F, E, limit)
     return out
 
 
@@ -791,10 +796,7 @@ def bf16_case(gname: str, tname: str) -> dict:
             except Exception as e:                      # the other figures stay
                 out.setdefault("errors", {})[f"{key}/{rows}"] = f"{type(e).__name__}: {str(e)[:120]}"
     if has:
-        try:
-            out["check"] = bf16_check(gname, tname, qt, H, F, E, limit)
-        except Exception as e:                          # the figures above stay in the table
-            out["check"] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:120]}"}
+        _check_into(out, bf16_check, gname, tname, qt, H, F, E, limit)
     return out
 
 
