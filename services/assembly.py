@@ -23,7 +23,7 @@ from betelgeuse.assembly import LocalStore, open_engine, open_runner  # noqa: F4
 from betelgeuse.assembly import open_store as open_local_store
 from betelgeuse.config import EngineConfig, engine_settings
 from betelgeuse.errors import BetelgeuseError
-from betelgeuse.settings import ENV_PREFIX
+from betelgeuse.settings import BY_KEY, from_text
 from services.grpc.store_client import GrpcStoreClient
 from services.launcher import Cluster, Proc
 
@@ -34,10 +34,12 @@ def connect_store(socket: str, fd_socket: str, session_transport: str | None = N
     """A client of the store listening on `socket` (control, gRPC) and `fd_socket` (the arena's fd); `timeouts`:
     GrpcStoreClient's timeout / per_expert / probe_timeout. Nothing is sent until the runner attaches.
     session_transport: store.session_transport; None: that setting's environment variable
-    (BETELGEUSE_STORE_SESSION_TRANSPORT, as resolve_settings reads it: how the bench, which builds no Settings,
-    is switched), else "grpc"."""
+    (BETELGEUSE_STORE_SESSION_TRANSPORT, read as resolve_settings reads it: how the bench, which builds no Settings,
+    is switched), else the setting's default."""
     if session_transport is None:
-        session_transport = os.environ.get(f"{ENV_PREFIX}STORE_SESSION_TRANSPORT", "").strip().strip('"') or "grpc"
+        key = BY_KEY[("store", "session_transport")]
+        raw = os.environ.get(key.env, "").strip()
+        session_transport = from_text(key, raw) if raw else key.field.default
     return GrpcStoreClient(socket, fd_socket, session_transport=session_transport, **timeouts)
 
 
