@@ -56,8 +56,10 @@ def k4_scale_min(s12: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def weight_parts(qt: int, raw: np.ndarray, shape):
     """GGUF bytes -> (int8 quants [N, K], float32 d per 32-block [N, K/32], float32 min per 32-block or zeros):
-    Q8_0 (f16 d, 32 int8), Q4_K (f16 d, f16 dmin, 12 scale bytes as ggml's get_scale_min_k4, 128 nibble bytes;
-    d sc and dmin m per 32). Checked against gguf-py's dequantization (so the reference multiplies gguf's weights)."""
+    Q8_0 (f16 d, 32 int8), MXFP4, Q4_K (f16 d, f16 dmin, 12 scale bytes as ggml's get_scale_min_k4, 128 nibble bytes;
+    d sc and dmin m per 32), Q5_K (176-byte super-blocks: Q4_K's header, qh[32], qs[128]; sub-block j's quants: qs
+    group j // 2, low nibble for j even, + 16 x bit j of qh[e]). Checked against gguf-py's dequantization (so the
+    reference multiplies gguf's weights)."""
     N, K = shape
     if qt == 8:
         blocks = raw.reshape(-1, 34)
@@ -70,13 +72,19 @@ def weight_parts(qt: int, raw: np.ndarray, shape):
         kv = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
         q = kv[np.concatenate([blocks[:, 1:] & 15, blocks[:, 1:] >> 4], 1)].reshape(shape)
         mn = np.zeros_like(d)
-    else:
-        b = raw.reshape(-1, 144)
+    else:                           # Q4_K / Q5_K
+        b = raw.reshape(-1, 144 if qt == 12 else 176)
         d = b[:, 0:2].copy().view(np.float16).astype(np.float32)
         dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
         sc, m = k4_scale_min(b[:, 4:16])
-        qs = b[:, 16:].reshape(-1, 4, 32)
-        q = np.stack([qs & 15, qs >> 4], 2).reshape(-1, 256).astype(np.int8).reshape(shape)   # group g: 2g, 2g + 1
+        if qt == 12:
+            qs = b[:, 16:].reshape(-1, 4, 32)
+            q = np.stack([qs & 15, qs >> 4], 2).reshape(-1, 256).astype(np.int8).reshape(shape)  # group g: 2g, 2g + 1
+        else:
+            qh = b[:, 16:48].astype(np.int32)                                   # [blocks, 32]
+            qs = b[:, 48:].astype(np.int32).reshape(-1, 4, 32)
+            q = np.stack([(qs[:, j // 2] >> (4 * (j % 2))) & 15 | ((qh >> j) & 1) << 4 for j in range(8)], 1)
+            q = q.reshape(shape).astype(np.int8)
         mn = (dmin * m.astype(np.float32)).reshape(N, -1)
         d = (d * sc.astype(np.float32)).reshape(N, -1)
     deq = gq.dequantize(raw.reshape(N, -1), GT(qt))

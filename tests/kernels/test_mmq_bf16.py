@@ -1,5 +1,5 @@
 """kernels/triton_mmq.py's bf16 mode (act_quant "bf16", Triton interpreter): the bf16 MMA of the integer quants
-against a numpy reference of its float ops on gguf-py's blocks (weight_parts: checked against gguf-py's
+against a numpy reference of its float ops on gguf-py's blocks (test_mmq.weight_parts: checked against gguf-py's
 dequantization), within float noise of the torch path (betelgeuse/kernels/torch_moe.py), a row's bits alone and
 among 5 and 16 rows (split-K and walked chunks), word loads == byte loads, and the setting's plumbing."""
 
@@ -14,39 +14,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
-from test_mmq import (DIMS, E, chunk_sum, experts, k4_scale_min, layer_ref, moe_ref, run,  # noqa: E402
-                      weight_parts)
+from test_mmq import DIMS, E, chunk_sum, experts, layer_ref, moe_ref, run  # noqa: E402
 
 from betelgeuse.kernels import triton_mmq as mq  # noqa: E402
 
 TYPES = pytest.mark.parametrize("qt", [8, 39, 12, 13], ids=["Q8_0", "MXFP4", "Q4_K", "Q5_K"])
 CODE = {8: 0, 39: 4, 12: 5, 13: 6}
 DIMS.setdefault(13, (256, 256))         # Q5_K: one super-block a row (test_mmq's table has the q8_1 types)
-
-
-def parts(qt: int, raw: np.ndarray, shape):
-    """test_mmq.weight_parts, and Q5_K (GGML 13): 176-byte super-blocks, f16 d, f16 dmin, 12 scale bytes as Q4_K's,
-    qh[32], qs[128]; sub-block j's quants (qs group j // 2, low nibble for j even) + 16 x bit j of qh[e]; d sc and
-    dmin m per 32. Checked against gguf-py's dequantization."""
-    if qt != 13:
-        return weight_parts(qt, raw, shape)
-    from gguf import quants as gq
-    from gguf.constants import GGMLQuantizationType as GT
-    N, K = shape
-    b = raw.reshape(-1, 176)
-    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)
-    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
-    sc, m = k4_scale_min(b[:, 4:16])
-    qh = b[:, 16:48].astype(np.int32)                                   # [blocks, 32]
-    qs = b[:, 48:].astype(np.int32).reshape(-1, 4, 32)
-    q = np.stack([(qs[:, j // 2] >> (4 * (j % 2))) & 15 | ((qh >> j) & 1) << 4 for j in range(8)], 1)
-    q = q.reshape(shape).astype(np.int8)
-    mn = (dmin * m.astype(np.float32)).reshape(N, -1)
-    d = (d * sc.astype(np.float32)).reshape(N, -1)
-    deq = gq.dequantize(raw.reshape(N, -1), GT(qt))
-    mine = np.repeat(d, 32, 1) * q.astype(np.float32) - np.repeat(mn, 32, 1)
-    assert np.array_equal(mine, deq), np.abs(mine - deq).max()
-    return q, d, mn
 
 
 def bf16(x: np.ndarray) -> np.ndarray:
@@ -83,7 +57,7 @@ def ref_mm_bf16(x, wq, dw, mw, per: int = 32, kcb: int = 0, order: int = 1):
 def moe_ref_bf16(qt, raw, h, ids, w, **kw):
     """numpy reference of the layer in the bf16 mode: h as bf16 -> gate, up -> silu(g) u (float32, written as the
     engine's float32) -> as bf16 -> down -> the weighted sum over ranks in order."""
-    return layer_ref(qt, raw, h, ids, w, bf16, lambda x, *wp: ref_mm_bf16(x, *wp, **kw), parts)
+    return layer_ref(qt, raw, h, ids, w, bf16, lambda x, *wp: ref_mm_bf16(x, *wp, **kw))
 
 
 def _case(qt, seed, T=6, k=2):
