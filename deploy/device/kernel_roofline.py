@@ -501,6 +501,20 @@ def check_rows(ctx: dict, checked: dict | None = None, cis: list[int] | None = N
 
 # ---- act_quant q8_1 (kernels/triton_mmq.py) beside the float schedules -------------------------------------
 
+def _report(lines: list[str], fails: list[str], meta: dict, res, name: str) -> int:
+    """An --act-quant table's end: the checks' verdict, printed and (with OUT) written as name.md and name.json ->
+    the exit status (1: a check failed)."""
+    md = "\n".join(lines) + "\n\nchecks: " + ("all pass" if not fails else "FAIL " + ", ".join(fails)) + \
+        f"  ({time.perf_counter() - T0:.0f} s)"
+    print("\n" + md, flush=True)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / f"{name}.md").write_text(md + "\n")
+        (Path(out) / f"{name}.json").write_text(json.dumps({"meta": meta, "results": res}, indent=1, default=str))
+    return 1 if fails else 0
+
+
 def _check_into(out: dict, check, *args):
     """out["check"] = check(*args), or the error it raised: the figures already in `out` stay in the table."""
     try:
@@ -755,15 +769,7 @@ def act_quant_run(types: list[str], geoms: list[str], meta: dict, budget: float,
         except Exception as e:
             rep.kill()
             lines += ["", f"compile report ({title}): {type(e).__name__}"]
-    md = "\n".join(lines) + "\n\nchecks: " + ("all pass" if not fails else "FAIL " + ", ".join(fails)) + \
-        f"  ({time.perf_counter() - T0:.0f} s)"
-    print("\n" + md, flush=True)
-    out = os.environ.get("OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "act_quant.md").write_text(md + "\n")
-        (Path(out) / "act_quant.json").write_text(json.dumps({"meta": meta, "results": res}, indent=1, default=str))
-    return 1 if fails else 0
+    return _report(lines, fails, meta, res, "act_quant")
 
 
 # ---- act_quant bf16 (triton_mmq's BF mode: the bf16 MMA of the integer quants) beside the float schedules ----------
@@ -864,16 +870,7 @@ def bf16_run(types: list[str], geoms: list[str], meta: dict, budget: float) -> i
                         lines.append(f"  {w} {t} rows{b} | {x['imma']} | {x['regs']} {x['spill_bytes']} {x['smem']}")
                     except Exception as e:
                         lines.append(f"  {w} {t} rows{b}: {type(e).__name__}: {str(e)[:100]}")
-    md = "\n".join(lines) + "\n\nchecks: " + ("all pass" if not fails else "FAIL " + ", ".join(fails)) + \
-        f"  ({time.perf_counter() - T0:.0f} s)"
-    print("\n" + md, flush=True)
-    out = os.environ.get("OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "act_quant_bf16.md").write_text(md + "\n")
-        (Path(out) / "act_quant_bf16.json").write_text(json.dumps({"meta": meta, "results": res}, indent=1,
-                                                                   default=str))
-    return 1 if fails else 0
+    return _report(lines, fails, meta, res, "act_quant_bf16")
 
 
 # ---- main -----------------------------------------------------------------------------------------------
