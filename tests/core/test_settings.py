@@ -72,6 +72,7 @@ def test_auto_and_overrides(tmp_path):
     ("[worker]\nmetrics = 'localhost'\n", "worker.metrics"),
     ("[worker]\nlisten = []\n", "worker.listen"),
     ("[model]\npath = 3\n", "model.path"),
+    ("[store]\nsession_transport = 'udp'\n", "store.session_transport"),
     ("model = 3\n", "[model]"),
     ("[slots\n", "invalid TOML"),
 ])

@@ -257,3 +257,17 @@ def test_a_load_returns_from_its_send_once_it_is_sent(monkeypatch):
             assert ("release", rid) not in s.call.sent, (i, s.call.sent)    # 20 ms to go: not sent yet
     finally:
         s.close()
+
+
+def test_session_transport_from_the_environment_is_checked(monkeypatch):
+    """connect_store without a transport reads BETELGEUSE_STORE_SESSION_TRANSPORT as the settings do (quotes allowed,
+    unset: the setting's default); a value that is no transport is refused naming the setting, before any socket."""
+    from betelgeuse.errors import BetelgeuseError
+    from services.assembly import connect_store
+    monkeypatch.delenv("BETELGEUSE_STORE_SESSION_TRANSPORT", raising=False)
+    assert connect_store("/nonexistent/s.sock", "/nonexistent/f.sock").session_transport == "grpc"
+    monkeypatch.setenv("BETELGEUSE_STORE_SESSION_TRANSPORT", '"seqpacket"')
+    assert connect_store("/nonexistent/s.sock", "/nonexistent/f.sock").session_transport == "seqpacket"
+    monkeypatch.setenv("BETELGEUSE_STORE_SESSION_TRANSPORT", "udp")
+    with pytest.raises(BetelgeuseError, match=r"store\.session_transport must be one of grpc, seqpacket, got 'udp'"):
+        connect_store("/nonexistent/s.sock", "/nonexistent/f.sock")
