@@ -82,10 +82,16 @@ def _cgroup_gauge(reg: CollectorRegistry) -> Gauge:
                  ["kind"], registry=reg)
 
 
-def _set_cgroup_reader(gauge: Gauge, current: Callable[[], float], maximum: Callable[[], float]) -> None:
-    # callbacks run at scrape time, so the value is never stale
-    gauge.labels(kind="current").set_function(current)
-    gauge.labels(kind="max").set_function(maximum)
+class _CgroupReader:
+    """Both roles' set_cgroup_reader: their `cgroup_memory` gauge (_cgroup_gauge) read through callbacks. No fields
+    and empty __slots__, so the slotted dataclasses below stay slotted."""
+
+    __slots__ = ()
+
+    def set_cgroup_reader(self, current: Callable[[], float], maximum: Callable[[], float]) -> None:
+        # callbacks run at scrape time, so the value is never stale
+        self.cgroup_memory.labels(kind="current").set_function(current)
+        self.cgroup_memory.labels(kind="max").set_function(maximum)
 
 
 def _registry() -> CollectorRegistry:
@@ -96,7 +102,7 @@ def _registry() -> CollectorRegistry:
 
 
 @dataclass(slots=True)
-class WorkerMetrics:
+class WorkerMetrics(_CgroupReader):
     registry: CollectorRegistry
     build_info: Info
     model_info: Info
@@ -145,9 +151,6 @@ class WorkerMetrics:
     flex_slots: Gauge                 # [state] flex cache expert slots: allocated | used
     flex_bytes: Gauge                 # [state] flex cache bytes: allocated | room (the KV reservation not held)
     gc_pause: Histogram               # [generation] seconds each cyclic collection stalled the process (gc_pauses.py)
-
-    def set_cgroup_reader(self, current: Callable[[], float], maximum: Callable[[], float]) -> None:
-        _set_cgroup_reader(self.cgroup_memory, current, maximum)
 
 
 def make_worker_metrics(version: str = "0.1.0") -> WorkerMetrics:
@@ -278,7 +281,7 @@ def make_worker_metrics(version: str = "0.1.0") -> WorkerMetrics:
 
 
 @dataclass(slots=True)
-class StoreMetrics:
+class StoreMetrics(_CgroupReader):
     registry: CollectorRegistry
     build_info: Info
     ready: Gauge                      # 1 once the arena is faulted in and the socket listens
@@ -299,9 +302,6 @@ class StoreMetrics:
     prefix_loaded_entries: Gauge      # of them, copied back into the host tier at start
     prefix_saved_bytes: Counter       # bytes the saves wrote (O_DIRECT)
     prefix_last_save: Gauge           # unix time of the last save that wrote something (0 = none)
-
-    def set_cgroup_reader(self, current: Callable[[], float], maximum: Callable[[], float]) -> None:
-        _set_cgroup_reader(self.cgroup_memory, current, maximum)
 
 
 def make_store_metrics(version: str = "0.1.0") -> StoreMetrics:
