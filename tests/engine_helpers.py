@@ -102,20 +102,32 @@ def counted_pool_runner(monkeypatch, path):
         close_runner(rn, st)
 
 
+def reference_logits(ref, ids: list[int], n_ctx: int = 64):
+    """[T, V] float32 logits of a reference model (betelgeuse.model) prefilling `ids` into a fresh cache of `n_ctx`
+    tokens: what the engine's logits are checked against."""
+    import torch
+    with torch.no_grad():
+        return ref.forward(torch.tensor(ids), ref.new_cache(n_ctx)).float()
+
+
+def qwen3_reference(path, ids: list[int], n_ctx: int = 64):
+    """(the Qwen3MoeReference of the synth file at `path`, its logits of `ids` [T, V] float32: reference_logits)."""
+    from betelgeuse.model.qwen3moe import Qwen3MoeReference
+    ref = Qwen3MoeReference.load(path)
+    return ref, reference_logits(ref, ids, n_ctx)
+
+
 def synth_reference(tmp_path_factory, preset: str, prompt: list[int], n_ctx: int, chunk: int | str | None = "auto",
                     **overrides):
     """(path, reference model, its logits of `prompt` [T, V] float32) for a synth preset with `overrides`; the
     reference prefills in chunks of `chunk` (auto: the architecture's, as a runner with prefill_chunk auto)."""
-    import torch
     from betelgeuse.gguf.synth import spec_from_preset, write_model
     from betelgeuse.model import reference_model
     spec = replace(spec_from_preset(preset), **overrides)
     path = tmp_path_factory.mktemp(preset) / f"{preset}-{abs(hash(tuple(sorted(overrides.items()))))}.gguf"
     write_model(path, spec, progress=False)
     ref = reference_model(path, chunk=chunk)
-    with torch.no_grad():
-        want = ref.forward(torch.tensor(prompt), ref.new_cache(n_ctx)).float()
-    return path, ref, want
+    return path, ref, reference_logits(ref, prompt, n_ctx)
 
 
 def three_passes(path, prompt: list[int], want, vram: int, host: int, n_ctx: int, check=None, **cfg):

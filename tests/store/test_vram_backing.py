@@ -9,9 +9,8 @@ import torch
 
 from betelgeuse.config import EngineConfig
 from betelgeuse.gguf.reader import GGUFModelFile
-from betelgeuse.model.qwen3moe import Qwen3MoeReference
 from betelgeuse.store.plan import plan_slots
-from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, write_synth
+from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, qwen3_reference, write_synth
 
 import pytest
 
@@ -25,9 +24,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def want(model):
-    ref = Qwen3MoeReference.load(model)
-    with torch.no_grad():
-        return ref.forward(torch.tensor(PROMPT), ref.new_cache(64)).float()
+    return qwen3_reference(model, PROMPT)[1]
 
 
 @pytest.mark.parametrize("vram,host", [(5, 15), (8, 0), (12, 20)])
@@ -97,9 +94,7 @@ def test_promotion_to_vram_copies_from_ram_not_disk(model, want):
     nothing from disk when the resident capacity holds its experts (the device run saw 46.7% of loads from disk
     again, because promotion freed the host slot first and the worker re-read the VRAM tier from disk)."""
     short = PROMPT[:6]                     # 6 tokens x top-4: at most 24 of the 32 experts of a layer
-    ref = Qwen3MoeReference.load(model)
-    with torch.no_grad():
-        want_short = ref.forward(torch.tensor(short), ref.new_cache(16)).float()
+    want_short = qwen3_reference(model, short, 16)[1]
     runner, store = in_process_runner(model, 12, 20, vram_backing=False)
     try:
         _, cold = runner.forward(short, runner.new_cache(16))                # cold: consolidates

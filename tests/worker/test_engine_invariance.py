@@ -21,7 +21,8 @@ import torch
 
 from betelgeuse.model.qwen3moe import Qwen3MoeReference
 
-from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, write_synth
+from engine_helpers import (ENGINE_SPEC, close_runner, in_process_runner, prompt, qwen3_reference, reference_logits,
+                            write_synth)
 
 E = ENGINE_SPEC["n_expert"]
 PROMPT = prompt(40, ENGINE_SPEC["n_vocab"], seed=3)
@@ -37,10 +38,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(model):
-    ref = Qwen3MoeReference.load(model)
-    with torch.no_grad():
-        logits = ref.forward(torch.tensor(PROMPT), ref.new_cache(64)).float()
-    return ref, logits
+    return qwen3_reference(model, PROMPT)
 
 
 def _three_passes(runner):
@@ -171,8 +169,7 @@ def test_tolerance_can_fail(model, reference):
     ref = Qwen3MoeReference.load(model)
     ids = list(PROMPT)
     ids[7] = (ids[7] + 1) % ENGINE_SPEC["n_vocab"]              # one token changed is a different input
-    with torch.no_grad():
-        other = ref.forward(torch.tensor(ids), ref.new_cache(64)).float()
+    other = reference_logits(ref, ids)
     assert (other[7:] - want[7:]).abs().max().item() > REL_TOL * want.abs().max().item()
 
 

@@ -22,7 +22,8 @@ from betelgeuse.model.qwen3moe import Qwen3MoeReference
 from betelgeuse.worker.runner import ModelRunner
 
 from engine_helpers import (WIDE_SPEC, StoreSockets, arena_mappings, counting_store_client, free_port, generate,
-                            hf_model, prompt, proc_io, settles, start_store, start_worker, store_status, write_synth)
+                            hf_model, prompt, proc_io, qwen3_reference, settles, start_store, start_worker,
+                            store_status, write_synth)
 
 PROMPT = prompt(24, WIDE_SPEC["n_vocab"], seed=4)
 VRAM, HOST = 2, 6          # of 16 experts: all three tiers in use after consolidation
@@ -36,9 +37,7 @@ def wide(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(wide):
-    ref = Qwen3MoeReference.load(wide)
-    with torch.no_grad():
-        return ref.forward(torch.tensor(PROMPT), ref.new_cache(64)).float()
+    return qwen3_reference(wide, PROMPT)[1]
 
 
 @pytest.fixture
