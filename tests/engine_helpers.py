@@ -151,6 +151,38 @@ def three_passes(path, prompt: list[int], want, vram: int, host: int, n_ctx: int
         close_runner(runner, store)
 
 
+def decode_bit_identical(model, prompt: list[int], split: int, vram: int, host: int, static: bool, n_ctx: int = 200,
+                         **cfg) -> list[list]:
+    """Prefill prompt[:split], then one-token passes of the rest. The reference's rows (model: synth_reference's
+    (path, ref, want)) match its whole-prompt prefill `want` within 1e-4 x max|want| (decode equals prefill); the
+    in-process runner's rows (static: its static decode, worker/decode_graphs.py SoloDecode, eagerly here) are the
+    reference's bits, cold and after consolidation. -> each pass's decode steps' stats."""
+    import torch
+    path, ref, want = model
+    kv = ref.new_cache(n_ctx)
+    with torch.no_grad():
+        ref_rows = torch.cat([ref.forward(torch.tensor(prompt[:split]), kv)] +
+                             [ref.forward(torch.tensor([t]), kv) for t in prompt[split:]])
+    assert (ref_rows - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+    runner, store = in_process_runner(path, vram, host, **cfg)
+    runner._static_decode = static
+    try:
+        passes = []
+        for _ in range(2):                                            # cold, then after consolidation
+            rkv = runner.new_cache(n_ctx)
+            rows = [runner.forward(prompt[:split], rkv, all_logits=True)[0]]
+            steps = [runner.forward([t], rkv, consolidate=False) for t in prompt[split:]]
+            rows += [lg for lg, _ in steps]
+            runner.consolidate()
+            runner.settle()
+            got = torch.cat(rows)
+            assert torch.equal(got, ref_rows), f"max |diff| {(got - ref_rows).abs().max():.3e}"
+            passes.append([st for _, st in steps])
+        return passes
+    finally:
+        close_runner(runner, store)
+
+
 def lanes_decode(path, prompts, steps, vram, host, together, stats=None):
     """Greedy decode of `prompts` through the static form's lanes (worker/lanes.py, 3 lanes, eagerly on the CPU):
     together in one batch per step, or each alone -> logits [steps, n_vocab] per prompt (stats: a list that gets

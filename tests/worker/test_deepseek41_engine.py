@@ -16,8 +16,8 @@ import torch
 
 from betelgeuse.model.deepseek41 import DS41Cache
 
-from engine_helpers import (close_runner, close_to_reference_decode, in_process_runner, lanes_decode, synth_reference,
-                            three_passes)
+from engine_helpers import (close_runner, close_to_reference_decode, decode_bit_identical, in_process_runner,
+                            lanes_decode, synth_reference, three_passes)
 
 E = 8
 PROMPT = [int(x) for x in np.random.default_rng(4).integers(0, 512, 150)]
@@ -94,28 +94,9 @@ def test_decode_bit_identical(model, static):
     whole-prompt prefill within float32 noise (the n-gram history crosses the passes). static: the runner's static
     decode (worker/decode_graphs.py SoloDecode, CUDA's form, eagerly here, the Engram rows staged before the layers)
     — the same bits."""
-    path, ref, want = model
-    kv = ref.new_cache(200)
-    with torch.no_grad():
-        ref_rows = torch.cat([ref.forward(torch.tensor(PROMPT[:120]), kv)] +
-                             [ref.forward(torch.tensor([t]), kv) for t in PROMPT[120:]])
-    assert (ref_rows - want).abs().max().item() <= 1e-4 * want.abs().max().item()
-    runner, store = in_process_runner(path, 3, E - 3, prefill_chunk=CHUNK)
-    runner._static_decode = static
-    try:
-        for _ in range(2):                                            # cold, then after consolidation
-            rkv = runner.new_cache(200)
-            rows = [runner.forward(PROMPT[:120], rkv, all_logits=True)[0]]
-            steps = [runner.forward([t], rkv, consolidate=False) for t in PROMPT[120:]]
-            rows += [lg for lg, _ in steps]
-            runner.consolidate()
-            runner.settle()
-            got = torch.cat(rows)
-            assert torch.equal(got, ref_rows), f"max |diff| {(got - ref_rows).abs().max():.3e}"
-            g = steps[-1][1].engram
-            assert g.rows == 8 and g.requests == 1                   # one store round trip per step for both layers
-    finally:
-        close_runner(runner, store)
+    for steps in decode_bit_identical(model, PROMPT, 120, 3, E - 3, static, prefill_chunk=CHUNK):
+        g = steps[-1].engram
+        assert g.rows == 8 and g.requests == 1                       # one store round trip per step for both layers
 
 
 def test_pieces_off_the_chunk_grid_read_the_planned_engram_units(model):

@@ -15,8 +15,8 @@ import torch
 from betelgeuse.model.deepseek4 import DS4Cache
 from betelgeuse.routing_approx import Residency
 
-from engine_helpers import (close_runner, close_to_reference_decode, in_process_runner, lanes_decode, synth_reference,
-                            three_passes)
+from engine_helpers import (close_runner, close_to_reference_decode, decode_bit_identical, in_process_runner,
+                            lanes_decode, synth_reference, three_passes)
 
 E = 8
 PROMPT = [int(x) for x in np.random.default_rng(4).integers(0, 512, 150)]   # crosses SWA 16, CSA 4, HCA 128
@@ -71,26 +71,7 @@ def test_decode_bit_identical(model, static):
     """Prefill 110 tokens, then 40 single-token passes (crossing the HCA window at 127); every row equals the reference's decode, whose
     rows in turn match its whole-prompt prefill within float32 noise (decode equals prefill). static: the runner's
     static decode (worker/decode_graphs.py SoloDecode, CUDA's form, eagerly here) — the same bits."""
-    path, ref, want = model
-    kv = ref.new_cache(200)
-    with torch.no_grad():
-        ref_rows = [ref.forward(torch.tensor(PROMPT[:110]), kv)] + \
-                   [ref.forward(torch.tensor([t]), kv) for t in PROMPT[110:]]
-    ref_rows = torch.cat(ref_rows)
-    assert (ref_rows - want).abs().max().item() <= 1e-4 * want.abs().max().item()
-    runner, store = in_process_runner(path, 3, E - 3, prefill_chunk=CHUNK)
-    runner._static_decode = static
-    try:
-        for _ in range(2):                                            # cold, then after consolidation
-            rkv = runner.new_cache(200)
-            rows = [runner.forward(PROMPT[:110], rkv, all_logits=True)[0]]
-            rows += [runner.forward([t], rkv, consolidate=False)[0] for t in PROMPT[110:]]
-            runner.consolidate()
-            runner.settle()
-            got = torch.cat(rows)
-            assert torch.equal(got, ref_rows), f"max |diff| {(got - ref_rows).abs().max():.3e}"
-    finally:
-        close_runner(runner, store)
+    decode_bit_identical(model, PROMPT, 110, 3, E - 3, static, prefill_chunk=CHUNK)
 
 
 def test_resident_routing_mode(model):
