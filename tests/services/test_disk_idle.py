@@ -111,6 +111,17 @@ def test_gpu_split_by_hand():
     assert sum(w2[k] for k in GPU) == pytest.approx(w2["gpu"])
 
 
+def _pause_at_layer_1(obj, name: str, seconds: float) -> None:
+    """obj.name(layer, ...) sleeps `seconds` before it runs for layer 1 (the others as they were)."""
+    fn = getattr(obj, name)
+
+    def slow(l, *a, **kw):
+        if l == 1:
+            time.sleep(seconds)
+        return fn(l, *a, **kw)
+    setattr(obj, name, slow)
+
+
 def _decode(path, pause_between: float = 0.0, pause_within: float = 0.0, pause_host: float = 0.0,
             pause_message: float = 0.0, pause_deliver: float = 0.0) -> tuple[dict, float]:
     """STEPS greedy decode steps timed as the bench times them (its forward and sampling on the monotonic clock), the
@@ -126,21 +137,9 @@ def _decode(path, pause_between: float = 0.0, pause_within: float = 0.0, pause_h
         tok = int(rn.forward(prompt(16, ENGINE_SPEC["n_vocab"], seed=3), kv)[0][-1].argmax())
         rn.settle()
         if pause_within:
-            partial = rn.moe._partial
-
-            def slow(l, *a, **kw):
-                if l == 1:
-                    time.sleep(pause_within)
-                return partial(l, *a, **kw)
-            rn.moe._partial = slow
+            _pause_at_layer_1(rn.moe, "_partial", pause_within)
         if pause_host:
-            send = rn.moe._send_loads
-
-            def slow_send(l, *a, **kw):
-                if l == 1:
-                    time.sleep(pause_host)
-                return send(l, *a, **kw)
-            rn.moe._send_loads = slow_send
+            _pause_at_layer_1(rn.moe, "_send_loads", pause_host)
         if pause_message:
             load = st.load
 
