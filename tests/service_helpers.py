@@ -14,6 +14,8 @@ Nothing here is a mock: every helper talks to real processes, sockets and files.
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
 import sys
 import time
 import urllib.request
@@ -82,6 +84,14 @@ def start_cluster(model: Path, runtime_dir: Path, config: Path | None = None, sl
 
 def cluster_logs(c: Cluster) -> str:
     return "\n".join(f"--- {p.name} log ---\n{p.log()[-3000:]}" for p in (c.store, c.worker) if p is not None)
+
+
+def bench_cli(suite: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    """`python -m services.bench.cli --suite SUITE ARGS` run from this checkout (PYTHONPATH: its root), the output
+    captured as text; `timeout` seconds at most (subprocess.TimeoutExpired past it)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "services.bench.cli", "--suite", suite, *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def print_logs(folder: Path, names=("store.log", "worker.log"), tail: int = 3000) -> None:

@@ -7,22 +7,18 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from service_helpers import bench_cli
+
 BUDGET = 60.0
 TURNS, TURN_TOKENS, REPEAT, CLIENT_TOKENS = 4, 4, 130, 6
 CLIENTS = (1, 2, 8)
 
 
 def _bench(*args, timeout=BUDGET + 90):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "services.bench.cli", "--suite", "agents", *args], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    return bench_cli("agents", *args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

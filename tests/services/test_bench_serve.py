@@ -6,22 +6,18 @@ plan and a fixed 2+6 one. No performance targets: those are judged on the GPU (d
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import urllib.request
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from service_helpers import bench_cli
+
 BUDGET = 90.0         # an upper bound: the run takes ~30 s
 
 
 def _bench(*args, timeout=BUDGET + 60):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "services.bench.cli", "--suite", "serve", *args], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    return bench_cli("serve", *args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
