@@ -585,6 +585,33 @@ def use_timing(value: str | None):
         RESULTS["adversarial_timing"] = value
 
 
+def parse_checks(p: argparse.ArgumentParser, prog: str) -> argparse.Namespace | None:
+    """Both check scripts' start: --adversarial-timing added, the arguments parsed and the timing set (use_timing),
+    --tmp made, RESULTS' device and torch filled. None, after a one-line error, where a cuda device has no CUDA."""
+    timing_flag(p)
+    a = p.parse_args()
+    use_timing(a.adversarial_timing)
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"{prog}: error: CUDA is not available (use --device cpu to run the checks on the CPU)")
+        return None
+    Path(a.tmp).mkdir(parents=True, exist_ok=True)
+    RESULTS["device"] = torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu"
+    RESULTS["torch"] = torch.__version__
+    return a
+
+
+def finish_checks(prog: str, out: Path | None) -> int:
+    """Both check scripts' end: the table of every row printed and, with `out`, written there as PROG.md (RESULTS as
+    PROG.json) -> the exit status, 1 if any check failed."""
+    md = results_table(prog)
+    print("\n" + md, flush=True)
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{prog}.md").write_text(md + "\n")
+        (out / f"{prog}.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+    return 1 if any(r == "FAIL" for _, r, _ in ROWS) else 0
+
+
 def results_table(title: str) -> str:
     """The markdown table of every row so far."""
     timing = f", adversarial timing {RESULTS['adversarial_timing']}" if RESULTS.get("adversarial_timing") else ""
@@ -602,14 +629,10 @@ def main() -> int:
     p.add_argument("--mid-preset", default="small", help="synth preset of the mid model (bench: the benchmark geometry)")
     p.add_argument("--only", default="invariance,prefix,batch,pool,pinned,overlap,pp,kernels",
                    help="comma-separated steps to run")
-    timing_flag(p)
-    a = p.parse_args()
-    use_timing(a.adversarial_timing)
-    if a.device.startswith("cuda") and not torch.cuda.is_available():
-        print("check_cuda: error: CUDA is not available (use --device cpu to run the checks on the CPU)")
+    a = parse_checks(p, "check_cuda")
+    if a is None:
         return 2
     tmp = Path(a.tmp)
-    tmp.mkdir(parents=True, exist_ok=True)
     outdir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     if outdir:
         outdir.mkdir(parents=True, exist_ok=True)
@@ -617,8 +640,6 @@ def main() -> int:
     paths = models(tmp, a.mid_layers, a.mid_preset,
                    names=[n for n, uses in (("tiny", {"invariance", "pool", "pp"}),
                                             ("mid", {"prefix", "batch", "pinned", "overlap", "pp"})) if only & uses])
-    RESULTS["device"] = torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu"
-    RESULTS["torch"] = torch.__version__
     steps = [("invariance", lambda: check_invariance(paths["tiny"], a.device, ids_for(paths["tiny"], 48, seed=0))),
              ("prefix", lambda: check_prefix(paths["mid"], a.device, ids_for(paths["mid"], 150, seed=4))),
              ("batch", lambda: check_batch(paths["mid"], a.device)),
@@ -629,12 +650,7 @@ def main() -> int:
              ("pp", lambda: check_pp(paths, a.device, {"tiny": max(8, a.tokens // 2), "mid": a.tokens})),
              ("kernels", lambda: check_kernel_types(a.device, tmp))]
     run_steps(steps, a.only)
-    md = results_table("check_cuda")
-    print("\n" + md)
-    if outdir:
-        (outdir / "check_cuda.md").write_text(md + "\n")
-        (outdir / "check_cuda.json").write_text(json.dumps(RESULTS, indent=1, default=str))
-    return 1 if any(r == "FAIL" for _, r, _ in ROWS) else 0
+    return finish_checks("check_cuda", outdir)
 
 
 if __name__ == "__main__":

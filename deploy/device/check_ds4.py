@@ -44,7 +44,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import replace
@@ -53,8 +52,8 @@ from pathlib import Path
 import _common  # first: puts this checkout on sys.path
 import torch
 
-from check_cuda import (RESULTS, ROWS, check_batch, check_pool_decode, close, greedy_decode, ids_for,
-                        results_table, row, run_steps, runner_for, slot_passes, sync, timing_flag, use_timing)
+from check_cuda import (RESULTS, check_batch, check_pool_decode, close, finish_checks, greedy_decode, ids_for,
+                        parse_checks, row, run_steps, runner_for, slot_passes, sync)
 
 from betelgeuse.gguf.quants import dequantize
 from betelgeuse.gguf.synth import spec_from_preset, write_model
@@ -512,16 +511,10 @@ def main() -> int:
     p.add_argument("--ff", type=int, default=2048, help="kernel check: expert width F (V4-Flash: 2048)")
     p.add_argument("--preset", default="ds4-tiny", help="engine, prefix, decode and launches checks' model: ds4-tiny, or "
                                                         "ds41-tiny (deepseek41 with its Engram rows read by the store)")
-    timing_flag(p)
-    a = p.parse_args()
-    use_timing(a.adversarial_timing)
-    if a.device.startswith("cuda") and not torch.cuda.is_available():
-        print("check_ds4: error: CUDA is not available (use --device cpu to run the checks on the CPU)")
+    a = parse_checks(p, "check_ds4")
+    if a is None:
         return 2
     tmp = Path(a.tmp)
-    tmp.mkdir(parents=True, exist_ok=True)
-    RESULTS["device"] = torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu"
-    RESULTS["torch"] = torch.__version__
     run_steps((("kernel", lambda: check_kernel(a.device, H=a.hidden, F=a.ff)),
                ("engine", lambda: check_engine(a.device, tmp, a.preset)),
                ("prefix", lambda: check_prefix(a.device, tmp, preset=a.preset)),
@@ -530,14 +523,7 @@ def main() -> int:
                ("decode", lambda: check_decode(a.device, tmp, preset=a.preset)),
                ("launches", lambda: check_launches(a.device, tmp, a.preset)),
                ("vram", lambda: check_vram(a.device, tmp, a.vram_model))), a.only)
-    md = results_table("check_ds4")
-    print("\n" + md, flush=True)
-    if a.out:
-        out = Path(a.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "check_ds4.md").write_text(md + "\n")
-        (out / "check_ds4.json").write_text(json.dumps(RESULTS, indent=1, default=str))
-    return 1 if any(r == "FAIL" for _, r, _ in ROWS) else 0
+    return finish_checks("check_ds4", Path(a.out) if a.out else None)
 
 
 if __name__ == "__main__":
