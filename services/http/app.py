@@ -68,6 +68,12 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def _usage_sse(head: dict, f: api.FinalEvent) -> str:
+    """A stream's last chunk with stream_options.include_usage: no choices, the usage and timings of `f`; head: the
+    stream's id, object, created and model."""
+    return _sse({**head, "choices": [], "usage": _usage(f.usage, len(f.token_ids)), "timings": _timings(f.usage)})
+
+
 class Front:
     """Routes over one engine. `metrics` (optional) gets betelgeuse_requests_total{method, code}."""
 
@@ -152,9 +158,8 @@ class Front:
                 finish = "tool_calls" if x.finish_reason == "stop" and n_calls else x.finish_reason
                 yield chunk({}, finish=finish, stop_reason=_stop_reason(x))
                 if body.stream_options and body.stream_options.include_usage:
-                    yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": body.model,
-                                "choices": [], "usage": _usage(x.usage, len(x.token_ids)),
-                                "timings": _timings(x.usage)})
+                    yield _usage_sse({"id": cid, "object": "chat.completion.chunk", "created": created,
+                                      "model": body.model}, x)
                 self.count("ChatCompletions", "OK")
         yield "data: [DONE]\n\n"
 
@@ -206,9 +211,7 @@ class Front:
                 yield chunk(ev.tail)
             yield chunk("", finish=ev.finish_reason, stop_reason=_stop_reason(ev))
             if body.stream_options and body.stream_options.include_usage:
-                yield _sse({"id": cid, "object": "text_completion", "created": created, "model": body.model,
-                            "choices": [], "usage": _usage(ev.usage, len(ev.token_ids)),
-                            "timings": _timings(ev.usage)})
+                yield _usage_sse({"id": cid, "object": "text_completion", "created": created, "model": body.model}, ev)
             self.count("Completions", "OK")
         yield "data: [DONE]\n\n"
 
