@@ -75,6 +75,12 @@ def _build_info(reg: CollectorRegistry, role: str, version: str) -> Info:
     return info
 
 
+def _expert_slots_gauge(reg: CollectorRegistry) -> Gauge:
+    """Both roles' slot gauge (one name, one help): the worker sets tiers vram and staging, the store tier host."""
+    return Gauge("betelgeuse_expert_slots", "Expert slots by tier and state (used|free).", ["tier", "state"],
+                 registry=reg)
+
+
 def _cgroup_gauge(reg: CollectorRegistry) -> Gauge:
     return Gauge("betelgeuse_cgroup_memory_bytes",
                  "The process's cgroup memory: kind=current (memory.current) and kind=max (the "
@@ -192,8 +198,7 @@ def make_worker_metrics(version: str = "0.1.0") -> WorkerMetrics:
         h2d_bytes=Counter("betelgeuse_host_to_device_bytes", "Bytes copied host to device.", registry=reg),
         h2d_seconds=Counter("betelgeuse_host_to_device_seconds", "Seconds spent copying host to device.",
                             registry=reg),
-        expert_slots=Gauge("betelgeuse_expert_slots", "Expert slots by tier and state (used|free).",
-                           ["tier", "state"], registry=reg),
+        expert_slots=_expert_slots_gauge(reg),
         vram_used_bytes=Gauge("betelgeuse_vram_used_bytes", "VRAM in use by pool.", ["pool"], registry=reg),
         vram_budget_bytes=Gauge("betelgeuse_vram_budget_bytes", "The configured VRAM budget.", registry=reg),
         prefix_cache_queries=Counter("betelgeuse_prefix_cache_queries", "Prefix-cache lookups (one per prefilled "
@@ -322,8 +327,7 @@ def make_store_metrics(version: str = "0.1.0") -> StoreMetrics:
         expert_loads=Counter("betelgeuse_expert_loads", "Experts written into host slots.", ["reason"], registry=reg),
         expert_evictions=Counter("betelgeuse_expert_evictions", "Experts dropped from host slots.", registry=reg),
         consolidations=Counter("betelgeuse_consolidations", "End-of-pass slot placement updates.", registry=reg),
-        expert_slots=Gauge("betelgeuse_expert_slots", "Expert slots by tier and state (used|free).",
-                           ["tier", "state"], registry=reg),
+        expert_slots=_expert_slots_gauge(reg),
         arena_bytes=Gauge("betelgeuse_arena_bytes", "Size of the shared host-slot arena.", registry=reg),
         workers_attached=Gauge("betelgeuse_workers_attached", "Worker processes attached to the arena.",
                                registry=reg),
