@@ -863,26 +863,12 @@ def down(iq, pool, base, starts, rows, off, y, qt: int, row_bytes: int, aligned:
             dict(QT=qt, ALIGNED=aligned, RA=tm._row_align(row_bytes)), q.device, row_bytes, aligned, bf)
 
 
-def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int | None = None, bn: int | None = None,
+def compile_kernel(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int | None = None, bn: int | None = None,
                    num_warps: int | None = None, bucket: int = 16, kb: int | None = None,
                    kcb: int | None = None, fuse: int | None = None, over: dict | None = None,
-                   hints: bool = False, bf: bool = False) -> dict:
-    """Compile one mmq kernel for CUDA sm_`arch` without a GPU (Triton's compiler and the ptxas its wheel ships) at
-    the bench geometry (H 2048, F 768: K = 2048 for gate_up, 768 for down) with the launch constants of `bucket`
-    (config(); bm / bn / num_warps / kb / kcb / over's keys override: MV 1 the decode schedule) and report what the
-    device will run: {"mma": tensor-core instructions in the PTX (mma / wgmma, by name and count), "loads": global
-    loads in the PTX by width, "dp4a": dp4a instructions in the PTX, "imma": IMMA/HGMMA lines of the SASS (nvdisasm),
-    "regs": registers per thread, "spill_bytes": ptxas's spill stores + loads, "smem": shared memory bytes,
-    "ptxas": its -v line}. deploy/device/kernel_roofline.py --act-quant prints it beside the figures;
-    tests/kernels/test_mmq.py checks the int8 MMA is there and nothing spills. hints: the alignment facts the JIT
-    gives a device launch of the bench geometry (torch's 16-byte aligned pointers, the int arguments whose values
-    are multiples of 16: H, F, row_bytes where it is, 128 experts, KCB), so loads may be as wide as there. bf: the
-    bf16 MMA (act_quant bf16: bf16 activations, config(bf=True), BF)."""
-    import re
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
+                   hints: bool = False, bf: bool = False) -> tuple:
+    """compile_report's kernel: (Triton's CompiledKernel for CUDA sm_`arch`, the launch config (KB, KCB, SPLIT as
+    launched), the constexprs) of the same arguments (tests/scripts/sass_profile.py reads its cubin)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     c = {**config(qt, bucket, bf), **({"BM": bm} if bm else {}), **({"BN": bn} if bn else {}),
@@ -929,6 +915,30 @@ def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int 
                  and (sig[name].startswith("*") or vals.get(name, 1) % 16 == 0 and name in vals)}
     k = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", arch, 32),
                        options={"num_warps": c["num_warps"], "num_stages": c["num_stages"]})
+    return k, {**c, "KB": KB, "KCB": KCB, "SPLIT": split}, const
+
+
+def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int | None = None, bn: int | None = None,
+                   num_warps: int | None = None, bucket: int = 16, kb: int | None = None,
+                   kcb: int | None = None, fuse: int | None = None, over: dict | None = None,
+                   hints: bool = False, bf: bool = False) -> dict:
+    """Compile one mmq kernel for CUDA sm_`arch` without a GPU (Triton's compiler and the ptxas its wheel ships) at
+    the bench geometry (H 2048, F 768: K = 2048 for gate_up, 768 for down) with the launch constants of `bucket`
+    (config(); bm / bn / num_warps / kb / kcb / over's keys override: MV 1 the decode schedule) and report what the
+    device will run: {"mma": tensor-core instructions in the PTX (mma / wgmma, by name and count), "loads": global
+    loads in the PTX by width, "dp4a": dp4a instructions in the PTX, "imma": IMMA/HGMMA lines of the SASS (nvdisasm),
+    "regs": registers per thread, "spill_bytes": ptxas's spill stores + loads, "smem": shared memory bytes,
+    "ptxas": its -v line}. deploy/device/kernel_roofline.py --act-quant prints it beside the figures;
+    tests/kernels/test_mmq.py checks the int8 MMA is there and nothing spills. hints: the alignment facts the JIT
+    gives a device launch of the bench geometry (torch's 16-byte aligned pointers, the int arguments whose values
+    are multiples of 16: H, F, row_bytes where it is, 128 experts, KCB), so loads may be as wide as there. bf: the
+    bf16 MMA (act_quant bf16: bf16 activations, config(bf=True), BF)."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    k, c, const = compile_kernel(which, qt, arch, bm, bn, num_warps, bucket, kb, kcb, fuse, over, hints, bf)
     ptx = k.asm["ptx"]
     mma = {}
     for m in re.findall(r"\b(w?gmma\.[\w.]+|mma\.sync\.[\w.]+)", ptx):
@@ -940,7 +950,7 @@ def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int 
         loads[m] = loads.get(m, 0) + 1
     bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     out = {"kernel": which, "qt": qt, "arch": f"sm_{arch}", "bucket": bucket, "bf": bf,
-           "config": {**c, "KB": KB, "KCB": KCB, "SPLIT": split, "WL": int(const["WL"]), "PF": int(const["PF"])},
+           "config": {**c, "WL": int(const["WL"]), "PF": int(const["PF"])},
            "hints": hints, "mma": mma, "loads": loads,
            "dp4a": ptx.count("dp4a."),
            "asm": sorted({m for m in ("prmt", "dp4a") if m + "." in ptx}), "imma": {}, "regs": None,
