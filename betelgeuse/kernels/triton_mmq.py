@@ -60,7 +60,8 @@ q8_1 MMA's KB and BM may differ per bucket: exact dots), the MV schedule (no MMA
 elements take the word loads' order within a block in the byte-load tiles too (_perm): then a row's bits depend on
 neither the other rows of its launch, nor SPLIT, nor WL (DESIGN.md invariant 6; on the GPU kernel_roofline's
 bf16_check and check_cuda verify it, the interpreter the float ops). The interpreter's dot cannot read bf16: there
-it multiplies the same values as float32 (_INTERP).
+each block dot is the same values' products summed in float64 and rounded once to fp32 (_INTERP; numpy's float32
+matmul rounds in a blocking that varies with the tile's M and N, so BN, warps or FUSE changed bits there alone).
 Why a value of act_quant rather than a new key: the setting already names how the expert kernels take their
 activations (off: as held, float schedules; q8_1: int8 per 32), it keys the prefix cache's numerics (kv_manager,
 prefix_host) and picks the MMA parts (MoEKernels.mmq_parts); bf16 is a third such form (the activations as bf16,
@@ -333,8 +334,9 @@ def _bd_dot(wq, xb, KB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BF: tl
     dots [BN, BM, KB] of one MMA: int8 x int8 -> int32 (exact), or BF: the quants as bf16 (the same integers,
     exact) x bf16 -> fp32 (the products exact, their sum in the MMA's fixed order for a fixed KB and BM)."""
     xt = tl.trans(tl.reshape(xb, (KB * BM, KB * 32)))                                        # [KB*32, KB*BM]
-    if BF and _INTERP:              # the same values as float32 (the interpreter's dot reads bf16's stored uint16)
-        dot = tl.dot(wq.to(tl.float32), xt.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+    if BF and _INTERP:              # the same values; an output's KB*32 products [BN, KB*32, KB*BM] summed in
+        p = wq.to(tl.float64)[:, :, None] * xt.to(tl.float64)[None, :, :]        # float64 (exact unless they span
+        dot = tl.sum(p, axis=1).to(tl.float32)    # ~2^37), rounded once: no bit depends on the tile's M or N
     elif BF:
         dot = tl.dot(wq.to(tl.bfloat16), xt, out_dtype=tl.float32)
     else:

@@ -189,3 +189,28 @@ def test_bf16_compiles_to_bf16_tensor_core_mma_for_sm90_without_spills():
         assert r["ptxas_rc"] == 0 and r["spill_bytes"] == 0 and r["regs"] <= 255, r
         assert set(r["imma"]) == {"HGMMA.64x32x16.F32.BF16"}, r
         assert [m for m in r["mma"] if "mma_async" in m] == ["wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16"], r
+
+
+@TYPES
+def test_bf16_fused_gate_up_and_bn128_are_schedule_keys(qt):
+    """FUSE 1 (gate_up's gate and up rows as one weight side of 2 BN rows: one MMA of M = 2 BN a K step against one
+    block-diagonal activation tile) and BN 128 at 8 warps (a warpgroup per 64 rows) -- kernel_roofline's
+    BF_CANDIDATES: fewer instructions per weight byte in tests/scripts/sass_profile.py -- give every row the bits of
+    the shipped schedule (each output's MMA is the same m64 n32 k16 instruction on the same A row and B column, its
+    float ops its own), alone (split-K) and among 5 rows; and it is the numpy reference's layer (within float
+    noise)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(DIMS, qt, (256, 256))
+        raw = experts(qt, 60)
+        h = np.random.default_rng(61).standard_normal((5, 256)).astype(np.float32)
+        h[:, 64:96] *= 4
+        ids, w = np.zeros((5, 1), np.int64), np.ones((5, 1), np.float32)
+        outs = {}
+        for i, c in enumerate(({}, {"FUSE": 1}, {"BN": 128, "num_warps": 8})):
+            mp.setitem(mq.TYPE_CONFIG, CODE[qt], {"KCB": 2, **c})
+            for n in (1, 5):
+                outs[i, n] = run(qt, raw, h[:n], ids[:n], w[:n], "bf16")
+        base = outs[0, 5]
+        assert all(np.array_equal(o, base[:o.shape[0]]) for o in outs.values())
+        want = moe_ref_bf16(qt, raw, h, ids, w, kcb=2)
+        assert np.abs(base - want).max() / np.abs(want).max() <= 2e-6
