@@ -333,7 +333,13 @@ def _bd_dot(wq, xb, KB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BF: tl
     """wq [BN, KB*32] int8 and the block-diagonal activations xb [KB, BM, KB*32] (int8, or BF: bf16) -> the KB block
     dots [BN, BM, KB] of one MMA: int8 x int8 -> int32 (exact), or BF: the quants as bf16 (the same integers,
     exact) x bf16 -> fp32 (the products exact, their sum in the MMA's fixed order for a fixed KB and BM)."""
-    xt = tl.trans(tl.reshape(xb, (KB * BM, KB * 32)))                                        # [KB*32, KB*BM]
+    return _bd_dot_t(wq, tl.trans(tl.reshape(xb, (KB * BM, KB * 32))), KB, BM, BN, BF)
+
+
+@triton.jit
+def _bd_dot_t(wq, xt, KB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BF: tl.constexpr):
+    """_bd_dot of the MMA's B tile xt [KB*32, KB*BM] (xb reshaped and transposed: column i*BM + m holds row m's
+    block i at rows 32 i .. 32 i + 31, zeros elsewhere)."""
     if BF and _INTERP:              # the same values; an output's KB*32 products [BN, KB*32, KB*BM] summed in
         p = wq.to(tl.float64)[:, :, None] * xt.to(tl.float64)[None, :, :]        # float64 (exact unless they span
         dot = tl.sum(p, axis=1).to(tl.float32)    # ~2^37), rounded once: no bit depends on the tile's M or N
@@ -342,6 +348,26 @@ def _bd_dot(wq, xb, KB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BF: tl
     else:
         dot = tl.dot(wq, xt, out_dtype=tl.int32)
     return tl.permute(tl.reshape(dot, (BN, KB, BM)), (0, 2, 1))
+
+
+@triton.jit
+def _bd_tile(xq_ptr, xoff, mr, kb0, QT: tl.constexpr, KB: tl.constexpr):
+    """The bf16 MMA's B tile of blocks kb0 .. kb0 + KB, loaded as it is [KB*32, KB*BM] (BM = xoff's rows at element
+    offsets xoff, mask mr): element (k, i*BM + m) = row m's element 32 (kb0 + i) + k % 32 where k // 32 = i
+    (MXFP4: element _perm(k), the weights' order), else 0 -- the values of _bd_dot's xb, so the same MMA and bits.
+    Its columns' runs of 32 contiguous elements load as 16-byte words (the zeros are masked off: no traffic) and
+    store to shared memory as such: built in registers, xb's select, its transpose through shared memory and its
+    2-byte stores (Triton's layouts) cost ~20 shared memory ops and 2 barriers a K step (cpu-mma55)."""
+    R: tl.constexpr = xoff.shape[0]
+    k = tl.arange(0, KB * 32)
+    p = k
+    if QT == 4:
+        p = _perm(k)
+    jo = tl.reshape(tl.broadcast_to(xoff[None, :], (KB, R)), (KB * R,))             # column j = i R + m: row m's
+    jm = tl.reshape(tl.broadcast_to(mr[None, :], (KB, R)), (KB * R,))               # offset and mask, block i
+    jb = tl.arange(0, KB * R) // R
+    m2 = jm[None, :] & (jb[None, :] == (k // 32)[:, None])
+    return tl.load(xq_ptr + jo[None, :] + kb0 * 32 + p[:, None], mask=m2, other=0.0)
 
 
 @triton.jit
@@ -364,11 +390,13 @@ def _mmq_step(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, kb0, Q
     BF: the bf16 MMA of the same integers against the bf16 activations (fp32 block dots; dx = 1, sx the x sums)."""
     c = tl.arange(0, KB * 32)
     wq = _w_tile(pool, ra, kb0, mn, QT, KB, BF)                                                  # [BN, KB*32]
-    xc = _perm(c) if BF and QT == 4 else c                                  # the weights' order of elements
-    xq = tl.load(xq_ptr + xoff[:, None] + kb0 * 32 + xc[None, :], mask=mr[:, None], other=0)   # [BM, KB*32]
-    i3 = tl.arange(0, KB)[:, None, None]
-    xb = tl.where(i3 == (c // 32)[None, None, :], xq[None, :, :], tl.zeros_like(xq)[None, :, :])  # [KB, BM, KB*32]
-    P = _bd_dot(wq, xb, KB, BM, BN, BF)                                                      # [BN, BM, KB]
+    if BF:                          # the B tile loaded as it is (the same values as xb below, in the weights' order)
+        P = _bd_dot_t(wq, _bd_tile(xq_ptr, xoff, mr, kb0, QT, KB), KB, BM, BN, BF)              # [BN, BM, KB]
+    else:
+        xq = tl.load(xq_ptr + xoff[:, None] + kb0 * 32 + c[None, :], mask=mr[:, None], other=0)   # [BM, KB*32]
+        i3 = tl.arange(0, KB)[:, None, None]
+        xb = tl.where(i3 == (c // 32)[None, None, :], xq[None, :, :], tl.zeros_like(xq)[None, :, :])  # [KB, BM, KB*32]
+        P = _bd_dot(wq, xb, KB, BM, BN, BF)                                                  # [BN, BM, KB]
     if QT == 5 or QT == 6:          # Q4_K / Q5_K: the super-block's d and dmin once a step
         b = ra + (kb0 // 8) * (144 if QT == 5 else 176)
         d = tl.load((pool + b).to(tl.pointer_type(tl.float16)), mask=mn, other=0).to(tl.float32)
@@ -459,11 +487,8 @@ def _wl_fetch(pool, ra, kb0, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, QT: tl
     else:
         hi = tl.load(wp + o[None, :] + 1, mask=m2 & st[None, :], other=0)
     xp = (xq_ptr + xoff).to(tl.pointer_type(tl.int32))[:, None] + kb0 * 8     # the q8_1 rows' words of block kb0
-    if BF:                                          # bf16 elements, no words (the tile is 2 bytes an element)
-        p = tl.arange(0, KB * 32)
-        if QT == 4:
-            p = _perm(p)
-        xw = tl.load(xq_ptr + xoff[:, None] + kb0 * 32 + p[None, :], mask=mr[:, None], other=0.0)
+    if BF:                                          # bf16 elements, no words: the MMA's B tile itself (_bd_tile)
+        xw = _bd_tile(xq_ptr, xoff, mr, kb0, QT, KB)
     elif QT == 4:                                     # block a's words w and 4 + w, interleaved (position 2 w + h)
         j = tl.arange(0, KB * 4)
         jw = (j // 4) * 8 + j % 4
@@ -531,10 +556,7 @@ def _wl_step(acc, lo, hi, sw, xw, xd, xs, kb0, QT: tl.constexpr, KB: tl.constexp
         wq = _bytes_i8(v, BN, KB * 8)
         xq = xw if BF else _bytes_i8(xw, BM, KB * 8)
     if BF:                                          # the block-diagonal bf16 MMA (KB = 1: one block)
-        c32 = tl.arange(0, KB * 32)
-        i3 = tl.arange(0, KB)[:, None, None]
-        xb = tl.where(i3 == (c32 // 32)[None, None, :], xq[None, :, :], tl.zeros_like(xq)[None, :, :])
-        P = _bd_dot(wq, xb, KB, BM, BN, BF)
+        P = _bd_dot_t(wq, xq, KB, BM, BN, BF)
     elif KB == 1:
         P = tl.reshape(tl.dot(wq, tl.trans(xq), out_dtype=tl.int32), (BN, BM, 1))
     else:

@@ -214,3 +214,39 @@ def test_bf16_fused_gate_up_and_bn128_are_schedule_keys(qt):
         assert all(np.array_equal(o, base[:o.shape[0]]) for o in outs.values())
         want = moe_ref_bf16(qt, raw, h, ids, w, kcb=2)
         assert np.abs(base - want).max() / np.abs(want).max() <= 2e-6
+
+
+def test_bf16_b_tile_loaded_as_it_is_equals_the_block_diagonal_select():
+    """_bd_tile (the bf16 MMA's B tile [KB*32, KB*BM] loaded directly, the zeros masked off) holds exactly the values
+    of the tile the int8 MMA builds -- xb = where(block i == k // 32, row m's tile, 0), reshaped and transposed --
+    for every KB, each type's element order (MXFP4: _perm) and masked rows, at a K step past block 0: the same MMA
+    operands, so the same bits."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def tiles(x_ptr, mr_ptr, a_ptr, b_ptr, K, kb0, QT: tl.constexpr, KB: tl.constexpr, BM: tl.constexpr):
+        m = tl.arange(0, BM)
+        mr = tl.load(mr_ptr + m) != 0
+        xoff = m * K
+        c = tl.arange(0, KB * 32)
+        xc = mq._perm(c) if QT == 4 else c
+        xq = tl.load(x_ptr + xoff[:, None] + kb0 * 32 + xc[None, :], mask=mr[:, None], other=0.0)
+        i3 = tl.arange(0, KB)[:, None, None]
+        xb = tl.where(i3 == (c // 32)[None, None, :], xq[None, :, :], tl.zeros_like(xq)[None, :, :])
+        want = tl.trans(tl.reshape(xb, (KB * BM, KB * 32)))
+        got = mq._bd_tile(x_ptr, xoff, mr, kb0, QT, KB)
+        j = tl.arange(0, KB * BM)
+        tl.store(a_ptr + c[:, None] * (KB * BM) + j[None, :], want)
+        tl.store(b_ptr + c[:, None] * (KB * BM) + j[None, :], got)
+
+    BM, K = 16, 512
+    x = torch.randn(BM, K).to(torch.bfloat16)
+    mr = torch.tensor([1, 0, 1, 1] * 4, dtype=torch.int32)
+    for qt in (0, 4):
+        for kb in (1, 2, 4):
+            a = torch.full((kb * 32, kb * BM), 7.0, dtype=torch.bfloat16)
+            b = a.clone()
+            tiles[(1,)](x, mr, a, b, K, 4, QT=qt, KB=kb, BM=BM)
+            assert torch.equal(a, b), (qt, kb)
+            assert (b != 0).sum() == 12 * 32 * kb                   # 12 live rows, one block a column group
