@@ -250,3 +250,23 @@ def test_bf16_b_tile_loaded_as_it_is_equals_the_block_diagonal_select():
             tiles[(1,)](x, mr, a, b, K, 4, QT=qt, KB=kb, BM=BM)
             assert torch.equal(a, b), (qt, kb)
             assert (b != 0).sum() == 12 * 32 * kb                   # 12 live rows, one block a column group
+
+
+def test_bf16_candidates_compile_to_the_shipped_instruction_for_sm90():
+    """deploy/device/kernel_roofline.py's BF_CANDIDATES -- FUSE 1 (gate_up: M = 128 at 4 warps) and BN 128 at 8
+    warps (a warpgroup per 64 rows) -- compiled for sm_90 (Q8_0 and MXFP4, the 1-row bucket) keep the shipped
+    schedule's one instruction, HGMMA m64 n32 k16 (what makes them schedule keys on the GPU: bits checked there),
+    and spill nothing; 8 warps at BN 64 would split N (m64 n16 k16: another shape, never a candidate)."""
+    from test_mmq import _compile_reports
+    code = ("import json\nfrom betelgeuse.kernels import triton_mmq as mq\n"
+            "for qt in (0, 4):\n"
+            " for w, o in (('gate_up', {'FUSE': 1}), ('gate_up', {'BN': 128, 'num_warps': 8}),"
+            " ('down', {'BN': 128, 'num_warps': 8}), ('down', {'num_warps': 8})):\n"
+            "  print(json.dumps(mq.compile_report(w, qt, bucket=1, hints=True, bf=True, over=o)))\n")
+    reports = _compile_reports(["-c", code], timeout=120)
+    assert len(reports) == 8, reports
+    for r in reports:
+        assert r["ptxas_rc"] == 0 and r["spill_bytes"] == 0, r
+        want = "HGMMA.64x16x16.F32.BF16" if r["config"]["BN"] == 64 and r["config"]["num_warps"] == 8 else \
+            "HGMMA.64x32x16.F32.BF16"
+        assert set(r["imma"]) == {want}, (r["config"], r["imma"])
