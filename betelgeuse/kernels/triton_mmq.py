@@ -458,8 +458,9 @@ def _wl_fetch(pool, ra, kb0, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, QT: tl
     (else 0); sw: the scale words, [BN, KB] (Q8_0: the word holding d; MXFP4: the E8M0 byte's) or Q4_K's super-block
     header [BN, 4] (f16 d | f16 dmin, scales[0..3], [4..7], [8..11]); xw [BM, 8 KB]: the activations' quant words,
     block-major (MXFP4: word 8 a + 4 h + w at position 8 a + 2 w + h); xd, xs [BM, KB]: the activations' block scales
-    and sums (Q4_K; else xd again)). BF: xw is the bf16 activations' tile [BM, 32 KB] itself, its positions as the
-    weights' (MXFP4: position 32 a + 8 w + 2 c + h holds element 32 a + 16 h + 4 w + c), xd unused, xs the x sums."""
+    and sums (Q4_K; else xd again)). BF: xw is the bf16 MMA's B tile [32 KB, KB BM] itself (_bd_tile), its positions
+    as the weights' (MXFP4: position 32 a + 8 w + 2 c + h holds element 32 a + 16 h + 4 w + c), xd unused, xs the x
+    sums."""
     m2 = mn[:, None]
     kk = kb0 + tl.arange(0, KB)
     wp = (pool + ra).to(tl.pointer_type(tl.int32))[:, None]         # word pointers of the rows (offsets in words:
@@ -526,8 +527,8 @@ def _wl_step(acc, lo, hi, sw, xw, xd, xs, kb0, QT: tl.constexpr, KB: tl.constexp
              BN: tl.constexpr, PRMT: tl.constexpr = False, BF: tl.constexpr = False):
     """acc + blocks kb0 .. kb0 + KB from _wl_fetch's words: the int8 tiles of _w_tile (positions permuted within a
     block alike for weights and activations: MXFP4), the MMA of mmq_acc (KB 1) or _mmq_step (block-diagonal), then
-    each block's float ops in ascending order with the block functions' float32 scales. BF: xw is the bf16 tile
-    (_wl_fetch), the MMA bf16 with fp32 block dots (_bd_dot), dx = 1."""
+    each block's float ops in ascending order with the block functions' float32 scales. BF: xw is the MMA's B tile
+    (_wl_fetch: _bd_tile), the MMA bf16 with fp32 block dots (_bd_dot_t), dx = 1."""
     if QT == 0:                                     # even blocks' quants start at byte 2 of a word
         i = tl.arange(0, KB * 8)
         v = tl.where((((kb0 + i // 8) % 2) == 0)[None, :], ((lo >> 16) & 0xFFFF) | (hi << 16), lo)
