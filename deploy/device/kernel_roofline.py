@@ -183,8 +183,9 @@ BF16_TYPES_DEFAULT = "Q8_0,Q4_K,MXFP4,Q5_K"     # --act-quant bf16 (triton_mmq.B
 # K step: "fuse" gate_up's gate and up rows as one weight side (M = 128 at 4 warps: one K loop a chunk instead of two,
 # one block-diagonal activation tile for both); "bn128w8" 128 rows a program at 8 warps (a warpgroup per 64 rows;
 # 8 warps at BN 64 would split N: m64 n16 k16, another shape). cpu-mma55 (tests/scripts/sass_profile.py, the K
-# loop's sm_90 SASS at 1 row, warp instructions per weight byte, shipped -> fuse gate_up / bn128w8 gate_up, down):
-# Q8_0 0.35 -> 0.27 / 0.31, 0.28; MXFP4 0.84 -> 0.69 / 0.79, 0.77; Q4_K 0.70 -> 0.51 / 0.63, 0.70.
+# loop's sm_90 SASS at 1 row, warp instructions per weight byte, shipped gate_up -> fuse gate_up / bn128w8 gate_up,
+# down): Q8_0 0.30 -> 0.25 / 0.31, 0.27; MXFP4 0.83 -> 0.69 / 0.78, 0.77; Q4_K 0.66 -> 0.49 / 0.59, 0.63 (fuse
+# spills on Q5_K: 255 registers).
 BF_CANDIDATES = {"fuse": {"FUSE": 1}, "bn128w8": {"BN": 128, "num_warps": 8}}
 
 
