@@ -60,7 +60,8 @@ q8_1 MMA's KB and BM may differ per bucket: exact dots), the MV schedule (no MMA
 elements take the word loads' order within a block in the byte-load tiles too (_perm): then a row's bits depend on
 neither the other rows of its launch, nor SPLIT, nor WL (DESIGN.md invariant 6; on the GPU kernel_roofline's
 bf16_check and check_cuda verify it, the interpreter the float ops). The interpreter's dot cannot read bf16: there
-it multiplies the same values as float32 (_INTERP).
+each block dot is the same values' products summed in float64 and rounded once to fp32 (_INTERP; numpy's float32
+matmul rounds in a blocking that varies with the tile's M and N, so BN, warps or FUSE changed bits there alone).
 Why a value of act_quant rather than a new key: the setting already names how the expert kernels take their
 activations (off: as held, float schedules; q8_1: int8 per 32), it keys the prefix cache's numerics (kv_manager,
 prefix_host) and picks the MMA parts (MoEKernels.mmq_parts); bf16 is a third such form (the activations as bf16,
@@ -332,14 +333,41 @@ def _bd_dot(wq, xb, KB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BF: tl
     """wq [BN, KB*32] int8 and the block-diagonal activations xb [KB, BM, KB*32] (int8, or BF: bf16) -> the KB block
     dots [BN, BM, KB] of one MMA: int8 x int8 -> int32 (exact), or BF: the quants as bf16 (the same integers,
     exact) x bf16 -> fp32 (the products exact, their sum in the MMA's fixed order for a fixed KB and BM)."""
-    xt = tl.trans(tl.reshape(xb, (KB * BM, KB * 32)))                                        # [KB*32, KB*BM]
-    if BF and _INTERP:              # the same values as float32 (the interpreter's dot reads bf16's stored uint16)
-        dot = tl.dot(wq.to(tl.float32), xt.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+    return _bd_dot_t(wq, tl.trans(tl.reshape(xb, (KB * BM, KB * 32))), KB, BM, BN, BF)
+
+
+@triton.jit
+def _bd_dot_t(wq, xt, KB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BF: tl.constexpr):
+    """_bd_dot of the MMA's B tile xt [KB*32, KB*BM] (xb reshaped and transposed: column i*BM + m holds row m's
+    block i at rows 32 i .. 32 i + 31, zeros elsewhere)."""
+    if BF and _INTERP:              # the same values; an output's KB*32 products [BN, KB*32, KB*BM] summed in
+        p = wq.to(tl.float64)[:, :, None] * xt.to(tl.float64)[None, :, :]        # float64 (exact unless they span
+        dot = tl.sum(p, axis=1).to(tl.float32)    # ~2^37), rounded once: no bit depends on the tile's M or N
     elif BF:
         dot = tl.dot(wq.to(tl.bfloat16), xt, out_dtype=tl.float32)
     else:
         dot = tl.dot(wq, xt, out_dtype=tl.int32)
     return tl.permute(tl.reshape(dot, (BN, KB, BM)), (0, 2, 1))
+
+
+@triton.jit
+def _bd_tile(xq_ptr, xoff, mr, kb0, QT: tl.constexpr, KB: tl.constexpr):
+    """The bf16 MMA's B tile of blocks kb0 .. kb0 + KB, loaded as it is [KB*32, KB*BM] (BM = xoff's rows at element
+    offsets xoff, mask mr): element (k, i*BM + m) = row m's element 32 (kb0 + i) + k % 32 where k // 32 = i
+    (MXFP4: element _perm(k), the weights' order), else 0 -- the values of _bd_dot's xb, so the same MMA and bits.
+    Its columns' runs of 32 contiguous elements load as 16-byte words (the zeros are masked off: no traffic) and
+    store to shared memory as such: built in registers, xb's select, its transpose through shared memory and its
+    2-byte stores (Triton's layouts) cost ~20 shared memory ops and 2 barriers a K step (cpu-mma55)."""
+    R: tl.constexpr = xoff.shape[0]
+    k = tl.arange(0, KB * 32)
+    p = k
+    if QT == 4:
+        p = _perm(k)
+    jo = tl.reshape(tl.broadcast_to(xoff[None, :], (KB, R)), (KB * R,))             # column j = i R + m: row m's
+    jm = tl.reshape(tl.broadcast_to(mr[None, :], (KB, R)), (KB * R,))               # offset and mask, block i
+    jb = tl.arange(0, KB * R) // R
+    m2 = jm[None, :] & (jb[None, :] == (k // 32)[:, None])
+    return tl.load(xq_ptr + jo[None, :] + kb0 * 32 + p[:, None], mask=m2, other=0.0)
 
 
 @triton.jit
@@ -362,11 +390,13 @@ def _mmq_step(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, kb0, Q
     BF: the bf16 MMA of the same integers against the bf16 activations (fp32 block dots; dx = 1, sx the x sums)."""
     c = tl.arange(0, KB * 32)
     wq = _w_tile(pool, ra, kb0, mn, QT, KB, BF)                                                  # [BN, KB*32]
-    xc = _perm(c) if BF and QT == 4 else c                                  # the weights' order of elements
-    xq = tl.load(xq_ptr + xoff[:, None] + kb0 * 32 + xc[None, :], mask=mr[:, None], other=0)   # [BM, KB*32]
-    i3 = tl.arange(0, KB)[:, None, None]
-    xb = tl.where(i3 == (c // 32)[None, None, :], xq[None, :, :], tl.zeros_like(xq)[None, :, :])  # [KB, BM, KB*32]
-    P = _bd_dot(wq, xb, KB, BM, BN, BF)                                                      # [BN, BM, KB]
+    if BF:                          # the B tile loaded as it is (the same values as xb below, in the weights' order)
+        P = _bd_dot_t(wq, _bd_tile(xq_ptr, xoff, mr, kb0, QT, KB), KB, BM, BN, BF)              # [BN, BM, KB]
+    else:
+        xq = tl.load(xq_ptr + xoff[:, None] + kb0 * 32 + c[None, :], mask=mr[:, None], other=0)   # [BM, KB*32]
+        i3 = tl.arange(0, KB)[:, None, None]
+        xb = tl.where(i3 == (c // 32)[None, None, :], xq[None, :, :], tl.zeros_like(xq)[None, :, :])  # [KB, BM, KB*32]
+        P = _bd_dot(wq, xb, KB, BM, BN, BF)                                                  # [BN, BM, KB]
     if QT == 5 or QT == 6:          # Q4_K / Q5_K: the super-block's d and dmin once a step
         b = ra + (kb0 // 8) * (144 if QT == 5 else 176)
         d = tl.load((pool + b).to(tl.pointer_type(tl.float16)), mask=mn, other=0).to(tl.float32)
@@ -428,8 +458,9 @@ def _wl_fetch(pool, ra, kb0, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, QT: tl
     (else 0); sw: the scale words, [BN, KB] (Q8_0: the word holding d; MXFP4: the E8M0 byte's) or Q4_K's super-block
     header [BN, 4] (f16 d | f16 dmin, scales[0..3], [4..7], [8..11]); xw [BM, 8 KB]: the activations' quant words,
     block-major (MXFP4: word 8 a + 4 h + w at position 8 a + 2 w + h); xd, xs [BM, KB]: the activations' block scales
-    and sums (Q4_K; else xd again)). BF: xw is the bf16 activations' tile [BM, 32 KB] itself, its positions as the
-    weights' (MXFP4: position 32 a + 8 w + 2 c + h holds element 32 a + 16 h + 4 w + c), xd unused, xs the x sums."""
+    and sums (Q4_K; else xd again)). BF: xw is the bf16 MMA's B tile [32 KB, KB BM] itself (_bd_tile), its positions
+    as the weights' (MXFP4: position 32 a + 8 w + 2 c + h holds element 32 a + 16 h + 4 w + c), xd unused, xs the x
+    sums."""
     m2 = mn[:, None]
     kk = kb0 + tl.arange(0, KB)
     wp = (pool + ra).to(tl.pointer_type(tl.int32))[:, None]         # word pointers of the rows (offsets in words:
@@ -457,11 +488,8 @@ def _wl_fetch(pool, ra, kb0, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, QT: tl
     else:
         hi = tl.load(wp + o[None, :] + 1, mask=m2 & st[None, :], other=0)
     xp = (xq_ptr + xoff).to(tl.pointer_type(tl.int32))[:, None] + kb0 * 8     # the q8_1 rows' words of block kb0
-    if BF:                                          # bf16 elements, no words (the tile is 2 bytes an element)
-        p = tl.arange(0, KB * 32)
-        if QT == 4:
-            p = _perm(p)
-        xw = tl.load(xq_ptr + xoff[:, None] + kb0 * 32 + p[None, :], mask=mr[:, None], other=0.0)
+    if BF:                                          # bf16 elements, no words: the MMA's B tile itself (_bd_tile)
+        xw = _bd_tile(xq_ptr, xoff, mr, kb0, QT, KB)
     elif QT == 4:                                     # block a's words w and 4 + w, interleaved (position 2 w + h)
         j = tl.arange(0, KB * 4)
         jw = (j // 4) * 8 + j % 4
@@ -499,8 +527,8 @@ def _wl_step(acc, lo, hi, sw, xw, xd, xs, kb0, QT: tl.constexpr, KB: tl.constexp
              BN: tl.constexpr, PRMT: tl.constexpr = False, BF: tl.constexpr = False):
     """acc + blocks kb0 .. kb0 + KB from _wl_fetch's words: the int8 tiles of _w_tile (positions permuted within a
     block alike for weights and activations: MXFP4), the MMA of mmq_acc (KB 1) or _mmq_step (block-diagonal), then
-    each block's float ops in ascending order with the block functions' float32 scales. BF: xw is the bf16 tile
-    (_wl_fetch), the MMA bf16 with fp32 block dots (_bd_dot), dx = 1."""
+    each block's float ops in ascending order with the block functions' float32 scales. BF: xw is the MMA's B tile
+    (_wl_fetch: _bd_tile), the MMA bf16 with fp32 block dots (_bd_dot_t), dx = 1."""
     if QT == 0:                                     # even blocks' quants start at byte 2 of a word
         i = tl.arange(0, KB * 8)
         v = tl.where((((kb0 + i // 8) % 2) == 0)[None, :], ((lo >> 16) & 0xFFFF) | (hi << 16), lo)
@@ -529,10 +557,7 @@ def _wl_step(acc, lo, hi, sw, xw, xd, xs, kb0, QT: tl.constexpr, KB: tl.constexp
         wq = _bytes_i8(v, BN, KB * 8)
         xq = xw if BF else _bytes_i8(xw, BM, KB * 8)
     if BF:                                          # the block-diagonal bf16 MMA (KB = 1: one block)
-        c32 = tl.arange(0, KB * 32)
-        i3 = tl.arange(0, KB)[:, None, None]
-        xb = tl.where(i3 == (c32 // 32)[None, None, :], xq[None, :, :], tl.zeros_like(xq)[None, :, :])
-        P = _bd_dot(wq, xb, KB, BM, BN, BF)
+        P = _bd_dot_t(wq, xq, KB, BM, BN, BF)
     elif KB == 1:
         P = tl.reshape(tl.dot(wq, tl.trans(xq), out_dtype=tl.int32), (BN, BM, 1))
     else:
@@ -863,26 +888,12 @@ def down(iq, pool, base, starts, rows, off, y, qt: int, row_bytes: int, aligned:
             dict(QT=qt, ALIGNED=aligned, RA=tm._row_align(row_bytes)), q.device, row_bytes, aligned, bf)
 
 
-def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int | None = None, bn: int | None = None,
+def compile_kernel(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int | None = None, bn: int | None = None,
                    num_warps: int | None = None, bucket: int = 16, kb: int | None = None,
                    kcb: int | None = None, fuse: int | None = None, over: dict | None = None,
-                   hints: bool = False, bf: bool = False) -> dict:
-    """Compile one mmq kernel for CUDA sm_`arch` without a GPU (Triton's compiler and the ptxas its wheel ships) at
-    the bench geometry (H 2048, F 768: K = 2048 for gate_up, 768 for down) with the launch constants of `bucket`
-    (config(); bm / bn / num_warps / kb / kcb / over's keys override: MV 1 the decode schedule) and report what the
-    device will run: {"mma": tensor-core instructions in the PTX (mma / wgmma, by name and count), "loads": global
-    loads in the PTX by width, "dp4a": dp4a instructions in the PTX, "imma": IMMA/HGMMA lines of the SASS (nvdisasm),
-    "regs": registers per thread, "spill_bytes": ptxas's spill stores + loads, "smem": shared memory bytes,
-    "ptxas": its -v line}. deploy/device/kernel_roofline.py --act-quant prints it beside the figures;
-    tests/kernels/test_mmq.py checks the int8 MMA is there and nothing spills. hints: the alignment facts the JIT
-    gives a device launch of the bench geometry (torch's 16-byte aligned pointers, the int arguments whose values
-    are multiples of 16: H, F, row_bytes where it is, 128 experts, KCB), so loads may be as wide as there. bf: the
-    bf16 MMA (act_quant bf16: bf16 activations, config(bf=True), BF)."""
-    import re
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
+                   hints: bool = False, bf: bool = False) -> tuple:
+    """compile_report's kernel: (Triton's CompiledKernel for CUDA sm_`arch`, the launch config (KB, KCB, SPLIT as
+    launched), the constexprs) of the same arguments (tests/scripts/sass_profile.py reads its cubin)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     c = {**config(qt, bucket, bf), **({"BM": bm} if bm else {}), **({"BN": bn} if bn else {}),
@@ -929,6 +940,30 @@ def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int 
                  and (sig[name].startswith("*") or vals.get(name, 1) % 16 == 0 and name in vals)}
     k = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", arch, 32),
                        options={"num_warps": c["num_warps"], "num_stages": c["num_stages"]})
+    return k, {**c, "KB": KB, "KCB": KCB, "SPLIT": split}, const
+
+
+def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int | None = None, bn: int | None = None,
+                   num_warps: int | None = None, bucket: int = 16, kb: int | None = None,
+                   kcb: int | None = None, fuse: int | None = None, over: dict | None = None,
+                   hints: bool = False, bf: bool = False) -> dict:
+    """Compile one mmq kernel for CUDA sm_`arch` without a GPU (Triton's compiler and the ptxas its wheel ships) at
+    the bench geometry (H 2048, F 768: K = 2048 for gate_up, 768 for down) with the launch constants of `bucket`
+    (config(); bm / bn / num_warps / kb / kcb / over's keys override: MV 1 the decode schedule) and report what the
+    device will run: {"mma": tensor-core instructions in the PTX (mma / wgmma, by name and count), "loads": global
+    loads in the PTX by width, "dp4a": dp4a instructions in the PTX, "imma": IMMA/HGMMA lines of the SASS (nvdisasm),
+    "regs": registers per thread, "spill_bytes": ptxas's spill stores + loads, "smem": shared memory bytes,
+    "ptxas": its -v line}. deploy/device/kernel_roofline.py --act-quant prints it beside the figures;
+    tests/kernels/test_mmq.py checks the int8 MMA is there and nothing spills. hints: the alignment facts the JIT
+    gives a device launch of the bench geometry (torch's 16-byte aligned pointers, the int arguments whose values
+    are multiples of 16: H, F, row_bytes where it is, 128 experts, KCB), so loads may be as wide as there. bf: the
+    bf16 MMA (act_quant bf16: bf16 activations, config(bf=True), BF)."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    k, c, const = compile_kernel(which, qt, arch, bm, bn, num_warps, bucket, kb, kcb, fuse, over, hints, bf)
     ptx = k.asm["ptx"]
     mma = {}
     for m in re.findall(r"\b(w?gmma\.[\w.]+|mma\.sync\.[\w.]+)", ptx):
@@ -940,7 +975,7 @@ def compile_report(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int 
         loads[m] = loads.get(m, 0) + 1
     bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     out = {"kernel": which, "qt": qt, "arch": f"sm_{arch}", "bucket": bucket, "bf": bf,
-           "config": {**c, "KB": KB, "KCB": KCB, "SPLIT": split, "WL": int(const["WL"]), "PF": int(const["PF"])},
+           "config": {**c, "WL": int(const["WL"]), "PF": int(const["PF"])},
            "hints": hints, "mma": mma, "loads": loads,
            "dp4a": ptx.count("dp4a."),
            "asm": sorted({m for m in ("prmt", "dp4a") if m + "." in ptx}), "imma": {}, "regs": None,

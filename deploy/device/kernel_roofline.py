@@ -177,6 +177,16 @@ MMQ_OTHER = {"before": {"KB": 1, "KCB": 0, "SPLIT": 0, "num_warps": 4, "num_stag
              "KCB32": {"KCB": 32}}
 MMQ_TYPES_DEFAULT = "Q8_0,Q4_K,MXFP4"
 BF16_TYPES_DEFAULT = "Q8_0,Q4_K,MXFP4,Q5_K"     # --act-quant bf16 (triton_mmq.BF_TYPES)
+# --act-quant bf16: schedule-key candidates over BF_TUNING (triton_mmq.TYPE_CONFIG, both kernels), timed beside the
+# shipped schedule (kernels alone) and checked for its bits (bf16_check: every row == the shipped launch's). Each keeps
+# the shipped instruction, HGMMA m64 n32 k16 on the same A row and B column per output, and 2x the weight bytes of a
+# K step: "fuse" gate_up's gate and up rows as one weight side (M = 128 at 4 warps: one K loop a chunk instead of two,
+# one block-diagonal activation tile for both); "bn128w8" 128 rows a program at 8 warps (a warpgroup per 64 rows;
+# 8 warps at BN 64 would split N: m64 n16 k16, another shape). cpu-mma55 (tests/scripts/sass_profile.py, the K
+# loop's sm_90 SASS at 1 row, warp instructions per weight byte, shipped gate_up -> fuse gate_up / bn128w8 gate_up,
+# down): Q8_0 0.30 -> 0.25 / 0.31, 0.27; MXFP4 0.83 -> 0.69 / 0.78, 0.77; Q4_K 0.66 -> 0.49 / 0.59, 0.63 (fuse
+# spills on Q5_K: 255 registers).
+BF_CANDIDATES = {"fuse": {"FUSE": 1}, "bn128w8": {"BN": 128, "num_warps": 8}}
 
 
 def applies(tname: str, ci: int) -> bool:
@@ -801,6 +811,14 @@ def bf16_case(gname: str, tname: str) -> dict:
                 out[key][rows] = gbps(fn)
             except Exception as e:                      # the other figures stay
                 out.setdefault("errors", {})[f"{key}/{rows}"] = f"{type(e).__name__}: {str(e)[:120]}"
+        for name, c in BF_CANDIDATES.items():           # the schedule keys' candidates, kernels alone
+            mq.TYPE_CONFIG[code] = dict(c)
+            try:
+                out.setdefault("bf16_cands", {}).setdefault(name, {})[rows] = gbps(kb)
+            except Exception as e:
+                out.setdefault("errors", {})[f"{name}/{rows}"] = f"{type(e).__name__}: {str(e)[:120]}"
+            finally:
+                mq.TYPE_CONFIG.pop(code, None)
     if has:
         _check_into(out, bf16_check, gname, tname, qt, H, F, E, limit)
     return out
@@ -811,18 +829,20 @@ def bf16_check(gname: str, tname: str, qt: int, H: int, F: int, E: int, limit) -
     same bf16 activations: within float noise, so under 1e-2 and at most 2x the float path's + 1e-3; the dry run's
     float32 activations round to bf16: + 1e-2), finite, a token's rows alone (1-row bucket: split-K) == in the full
     launch (16-row bucket: chunks walked), byte loads (WL 0) == the shipped word loads; KB 1 (another instruction
-    shape, N 16 instead of 32: the fp32 sums may round otherwise) reported, not required."""
+    shape, N 16 instead of 32: the fp32 sums may round otherwise) and BF_CANDIDATES' bits == the shipped reported
+    (`<name>_same_bits`), not required (a candidate that differs is not a schedule key)."""
     from betelgeuse.kernels import triton_mmq as mq
     from betelgeuse.kernels.triton_quants import QT_CODES
     code = QT_CODES[qt]
     ctx = check_setup(gname, tname)
     tri, _ = kernels_for(qt, H, F, E, limit, act_quant="bf16")
     flt, _ = kernels_for(qt, H, F, E, limit)
-    chk = {"wl0_same_bits": True, "kb1_same_bits": True}
+    chk = {"wl0_same_bits": True, "kb1_same_bits": True, **{f"{n}_same_bits": True for n in BF_CANDIDATES}}
     mq.TYPE_CONFIG.pop(code, None)
     for name, (h, ids, w, o_r) in ctx["cases"].items():
         o_t = run_moe(ctx, tri, h, ids, w)
-        for key, c in (("wl0_same_bits", {"WL": 0, "PF": 0}), ("kb1_same_bits", {"KB": 1})):
+        for key, c in (("wl0_same_bits", {"WL": 0, "PF": 0}), ("kb1_same_bits", {"KB": 1}),
+                       *((f"{n}_same_bits", c) for n, c in BF_CANDIDATES.items())):
             mq.TYPE_CONFIG[code] = c
             chk[key] &= bool(torch.equal(run_moe(ctx, tri, h, ids, w), o_t))
             mq.TYPE_CONFIG.pop(code, None)
@@ -855,6 +875,16 @@ def bf16_run(types: list[str], geoms: list[str], meta: dict, budget: float) -> i
         f"{'ok' if c['ok'] else 'FAIL'} rel {c['rel_err']:.2e} (float {c['float_rel_err']:.2e}) rows "
         f"{'==' if c['row_invariant'] else '!='} WL0 {'==' if c['wl0_same_bits'] else '!='} KB1 "
         f"{'==' if c['kb1_same_bits'] else '!='}"))
+    lines += ["", "bf16 schedule-key candidates (BF_CANDIDATES over BF_TUNING; kernels alone, GB/s at 1 / 16 rows, "
+              "beside the shipped schedule's `bf16 kernels`; bits: every row == the shipped launch's):", ""]
+    for key, r in res.items():
+        c = r.get("check") or {}
+        for n, cand in r.get("bf16_cands", {}).items():
+            same = c.get(f"{n}_same_bits")
+            lines.append(f"  {key} {n} {json.dumps(BF_CANDIDATES[n])}: " + " / ".join(
+                f"{cand[k]:.0f}" if k in cand else "–" for k in (1, 16)) + " (shipped " + " / ".join(
+                f"{r['bf16_kernels'][k]:.0f}" if k in r["bf16_kernels"] else "–" for k in (1, 16))
+                + f"), bits {'==' if same else '!=' if same is not None else '?'}")
     lines += ["", "BF_TUNING: " + json.dumps({str(k): v for k, v in mq.BF_TUNING.items()}),
               "errors: " + json.dumps({k: r["errors"] for k, r in res.items() if r.get("errors")})]
     if not DRY:

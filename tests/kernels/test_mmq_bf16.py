@@ -189,3 +189,84 @@ def test_bf16_compiles_to_bf16_tensor_core_mma_for_sm90_without_spills():
         assert r["ptxas_rc"] == 0 and r["spill_bytes"] == 0 and r["regs"] <= 255, r
         assert set(r["imma"]) == {"HGMMA.64x32x16.F32.BF16"}, r
         assert [m for m in r["mma"] if "mma_async" in m] == ["wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16"], r
+
+
+@TYPES
+def test_bf16_fused_gate_up_and_bn128_are_schedule_keys(qt):
+    """FUSE 1 (gate_up's gate and up rows as one weight side of 2 BN rows: one MMA of M = 2 BN a K step against one
+    block-diagonal activation tile) and BN 128 at 8 warps (a warpgroup per 64 rows) -- kernel_roofline's
+    BF_CANDIDATES: fewer instructions per weight byte in tests/scripts/sass_profile.py -- give every row the bits of
+    the shipped schedule (each output's MMA is the same m64 n32 k16 instruction on the same A row and B column, its
+    float ops its own), alone (split-K) and among 5 rows; and it is the numpy reference's layer (within float
+    noise)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(DIMS, qt, (256, 256))
+        raw = experts(qt, 60)
+        h = np.random.default_rng(61).standard_normal((5, 256)).astype(np.float32)
+        h[:, 64:96] *= 4
+        ids, w = np.zeros((5, 1), np.int64), np.ones((5, 1), np.float32)
+        outs = {}
+        for i, c in enumerate(({}, {"FUSE": 1}, {"BN": 128, "num_warps": 8})):
+            mp.setitem(mq.TYPE_CONFIG, CODE[qt], {"KCB": 2, **c})
+            for n in (1, 5):
+                outs[i, n] = run(qt, raw, h[:n], ids[:n], w[:n], "bf16")
+        base = outs[0, 5]
+        assert all(np.array_equal(o, base[:o.shape[0]]) for o in outs.values())
+        want = moe_ref_bf16(qt, raw, h, ids, w, kcb=2)
+        assert np.abs(base - want).max() / np.abs(want).max() <= 2e-6
+
+
+def test_bf16_b_tile_loaded_as_it_is_equals_the_block_diagonal_select():
+    """_bd_tile (the bf16 MMA's B tile [KB*32, KB*BM] loaded directly, the zeros masked off) holds exactly the values
+    of the tile the int8 MMA builds -- xb = where(block i == k // 32, row m's tile, 0), reshaped and transposed --
+    for every KB, each type's element order (MXFP4: _perm) and masked rows, at a K step past block 0: the same MMA
+    operands, so the same bits."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def tiles(x_ptr, mr_ptr, a_ptr, b_ptr, K, kb0, QT: tl.constexpr, KB: tl.constexpr, BM: tl.constexpr):
+        m = tl.arange(0, BM)
+        mr = tl.load(mr_ptr + m) != 0
+        xoff = m * K
+        c = tl.arange(0, KB * 32)
+        xc = mq._perm(c) if QT == 4 else c
+        xq = tl.load(x_ptr + xoff[:, None] + kb0 * 32 + xc[None, :], mask=mr[:, None], other=0.0)
+        i3 = tl.arange(0, KB)[:, None, None]
+        xb = tl.where(i3 == (c // 32)[None, None, :], xq[None, :, :], tl.zeros_like(xq)[None, :, :])
+        want = tl.trans(tl.reshape(xb, (KB * BM, KB * 32)))
+        got = mq._bd_tile(x_ptr, xoff, mr, kb0, QT, KB)
+        j = tl.arange(0, KB * BM)
+        tl.store(a_ptr + c[:, None] * (KB * BM) + j[None, :], want)
+        tl.store(b_ptr + c[:, None] * (KB * BM) + j[None, :], got)
+
+    BM, K = 16, 512
+    x = torch.randn(BM, K).to(torch.bfloat16)
+    mr = torch.tensor([1, 0, 1, 1] * 4, dtype=torch.int32)
+    for qt in (0, 4):
+        for kb in (1, 2, 4):
+            a = torch.full((kb * 32, kb * BM), 7.0, dtype=torch.bfloat16)
+            b = a.clone()
+            tiles[(1,)](x, mr, a, b, K, 4, QT=qt, KB=kb, BM=BM)
+            assert torch.equal(a, b), (qt, kb)
+            assert (b != 0).sum() == 12 * 32 * kb                   # 12 live rows, one block a column group
+
+
+def test_bf16_candidates_compile_to_the_shipped_instruction_for_sm90():
+    """deploy/device/kernel_roofline.py's BF_CANDIDATES -- FUSE 1 (gate_up: M = 128 at 4 warps) and BN 128 at 8
+    warps (a warpgroup per 64 rows) -- compiled for sm_90 (Q8_0 and MXFP4, the 1-row bucket) keep the shipped
+    schedule's one instruction, HGMMA m64 n32 k16 (what makes them schedule keys on the GPU: bits checked there),
+    and spill nothing; 8 warps at BN 64 would split N (m64 n16 k16: another shape, never a candidate)."""
+    from test_mmq import _compile_reports
+    code = ("import json\nfrom betelgeuse.kernels import triton_mmq as mq\n"
+            "for qt in (0, 4):\n"
+            " for w, o in (('gate_up', {'FUSE': 1}), ('gate_up', {'BN': 128, 'num_warps': 8}),"
+            " ('down', {'BN': 128, 'num_warps': 8}), ('down', {'num_warps': 8})):\n"
+            "  print(json.dumps(mq.compile_report(w, qt, bucket=1, hints=True, bf=True, over=o)))\n")
+    reports = _compile_reports(["-c", code], timeout=120)
+    assert len(reports) == 8, reports
+    for r in reports:
+        assert r["ptxas_rc"] == 0 and r["spill_bytes"] == 0, r
+        want = "HGMMA.64x16x16.F32.BF16" if r["config"]["BN"] == 64 and r["config"]["num_warps"] == 8 else \
+            "HGMMA.64x32x16.F32.BF16"
+        assert set(r["imma"]) == {want}, (r["config"], r["imma"])

@@ -18,11 +18,16 @@ the SASS instructions by class and divides by the weight bytes the program reads
   regs, spill  registers per thread and spill bytes (local memory) from cuobjdump -res-usage.
 
     sass_profile.py [--types Q4_K,Q5_K,Q6_K,Q8_0,MXFP4] [--kernels gate_up,down] [--scheds mmvq,table]
-                    [--mv BN,warps[,stages]] [--json] [--dump DIR]
+                    [--mv BN,warps[,stages]] [--bf-over JSON] [--json] [--dump DIR]
 
-Two schedules per type: `mmvq` (the decode schedule, triton_mmvq, MV = 1, gpu-run24's fastest one-row config: BN 4
-x 1 row a program, 2 warps; --mv another) where the type has it, and `table` (the shipped launch of the rows-1
-bucket: triton_tuning.json). Prints a markdown table; --json one JSON line; --dump writes each kernel's SASS.
+Schedules: `mmvq` (the decode schedule, triton_mmvq, MV = 1, gpu-run24's fastest one-row config: BN 4 x 1 row a
+program, 2 warps; --mv another) where the type has it, `table` (the shipped launch of the rows-1 bucket:
+triton_tuning.json), and `bf16` / `bf16r16` (act_quant bf16: triton_mmq's bf16 MMA of the integer quants,
+BF_TYPES only, the rows-1 / rows-16 bucket's launch: config(bf=True), --bf-over JSON overrides on top; one K loop
+iteration = one K step of KB blocks on BN rows of ONE part, FUSE 0). The MMA rows add the shared memory traffic of
+the loop (sts / lds per thread: STS + STSM, LDS + LDSM; bar: BAR) and where the tensor-core instruction takes its A
+operand (the weights): `R` registers (HGMMA Rd, Ra, gdesc[..]), `smem` a descriptor. Prints a markdown table;
+--json one JSON line; --dump writes each kernel's SASS.
 Static counts only: latency, occupancy and the memory system are not modelled (the device measures GB/s:
 deploy/device/kernel_roofline.py).
 """
@@ -93,8 +98,10 @@ def instructions(sass: str) -> list[tuple[str, str, str]]:
     return out
 
 
-def k_loop(ins: list) -> list:
-    """The body of the backward branch whose body holds the most LDG (the K loop)."""
+def k_loop(ins: list, mma: bool = False) -> list:
+    """The body of the backward branch whose body holds the most LDG (the K loop); mma: the shortest body holding a
+    tensor-core instruction (the innermost loop of the MMA: an outer loop over K chunks, or gate_up's walk of the
+    gate's then the up's K loop, holds it too)."""
     labels = {x[1]: i for i, x in enumerate(ins) if x[0] == "L"}
     best: list = []
     for i, (kind, op, rest) in enumerate(ins):
@@ -103,7 +110,10 @@ def k_loop(ins: list) -> list:
         m = re.search(r"`\((\.L_x_\d+)\)", rest)
         if m and m.group(1) in labels and labels[m.group(1)] < i:
             body = [x for x in ins[labels[m.group(1)] + 1:i + 1] if not x[0]]
-            if sum(x[1] == "LDG" for x in body) > sum(x[1] == "LDG" for x in best):
+            if mma:
+                if any(x[1] in ("HGMMA", "HMMA") for x in body) and (not best or len(body) < len(best)):
+                    best = body
+            elif sum(x[1] == "LDG" for x in body) > sum(x[1] == "LDG" for x in best):
                 best = body
     return best
 
@@ -129,8 +139,55 @@ def step_bytes(gtype: int, elems: int) -> int:
     return row_nbytes(gtype, elems)
 
 
+BF_SCHED = {"bf16": 1, "bf16r16": 16}      # act_quant bf16's schedules: the rows bucket whose launch is compiled
+BF_OVER: dict = {}                         # --bf-over: triton_mmq config overrides of the bf16 rows
+
+
+def a_operand(body: list) -> str:
+    """Where the loop's HGMMA reads A: 'R' (registers: `HGMMA.. Rd, Ra, gdesc[..]`), 'smem' (a descriptor:
+    `HGMMA.. Rd, gdesc[..]`), '-' (none in the loop); body: instructions()' (kind, opcode, operands) rows."""
+    ops = [rest.split(",")[1].strip() for _, op, rest in body if op == "HGMMA" and "," in rest]
+    return "/".join(sorted({"R" if o.startswith("R") else "smem" for o in ops})) or "-"
+
+
+def profile_bf(name: str, which: str, sched: str) -> dict:
+    """Compile and count act_quant bf16's kernel (triton_mmq, BF) of type `name` for the sched's rows bucket."""
+    from gguf.constants import GGMLQuantizationType as GT
+
+    from betelgeuse.gguf.qtypes import row_nbytes
+    from betelgeuse.kernels import triton_mmq as mq
+    from betelgeuse.kernels.triton_quants import QT_CODES
+    gtype = int(GT[name])
+    k, c, const = mq.compile_kernel(which, QT_CODES[gtype], bucket=BF_SCHED[sched], over=dict(BF_OVER), hints=True,
+                                    bf=True)
+    sass, res = sass_of(k.asm["cubin"])
+    kb, bn, warps = c["KB"], const["BN"], c["num_warps"]
+    wbytes = bn * row_nbytes(gtype, 256) * kb * 32 / 256      # one part's BN rows x KB blocks (FUSE 0: a part a loop)
+    weights = bn * kb * 32
+    if c.get("FUSE") and which == "gate_up":      # FUSE: gate's and up's rows in one loop
+        wbytes, weights = 2 * wbytes, 2 * weights
+    body = k_loop(instructions(sass), mma=True)
+    m = mix(body)
+    cl = m["classes"]
+    per_w = 32 * warps / weights
+    ipb = cl["total"] * warps / wbytes
+    return {"type": name, "kernel": which, "sched": sched, "BN": bn, "warps": warps, "step": kb * 32,
+            "bytes_iter": round(wbytes), "regs": int(re.search(r"REG:(\d+)", res).group(1)),
+            "spill": int(re.search(r"LOCAL:(\d+)", res).group(1)),
+            "stack": int(re.search(r"STACK:(\d+)", res).group(1)),
+            "shared": int(k.metadata.shared), "instr_iter": cl["total"], "instr_per_B": round(ipb, 3),
+            "issue_GBps": round(ISSUE_G / ipb), "cvt_per_w": round(cl.get("cvt", 0) * per_w, 3),
+            "ffma_per_w": round(cl.get("ffma", 0) * per_w, 3), "alu_per_w": round(cl.get("alu", 0) * per_w, 3),
+            "bar": cl.get("bar", 0), "sts": cl.get("sts", 0), "lds": cl.get("lds", 0), "mma": cl.get("mma", 0),
+            "a_op": a_operand(body),
+            "mma_shapes": sorted(set(re.findall(r"\b(HGMMA\.[\w.]+)", sass))),
+            "classes": cl, "ldg": m["ldg"], "_sass": sass}
+
+
 def profile(name: str, which: str, sched: str) -> dict:
-    """Compile and count one kernel (type name, 'gate_up' | 'down', 'mmvq' | 'table')."""
+    """Compile and count one kernel (type name, 'gate_up' | 'down', 'mmvq' | 'table' | 'bf16' | 'bf16r16')."""
+    if sched in BF_SCHED:
+        return profile_bf(name, which, sched)
     from gguf.constants import GGMLQuantizationType as GT
 
     from betelgeuse.kernels import triton_mmvq
@@ -173,6 +230,7 @@ def profile(name: str, which: str, sched: str) -> dict:
 
 
 def _task(t):
+    BF_OVER.update(json.loads(os.environ.get("SASS_PROFILE_BF_OVER", "{}")))
     try:
         return profile(*t)
     except Exception as e:  # noqa: BLE001 - a kernel that does not compile is a row of the table, not a crash
@@ -186,22 +244,29 @@ def main() -> int:
     p.add_argument("--scheds", default="mmvq,table")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--mv", default="", help="the decode schedule's config instead of MV_CONFIG: BN,warps[,stages]")
+    p.add_argument("--bf-over", default="", help="JSON: triton_mmq config overrides of the bf16 / bf16r16 rows")
     p.add_argument("--json", action="store_true")
     p.add_argument("--dump", default="", help="write each kernel's SASS to this folder")
     a = p.parse_args()
     if a.mv:
         v = [int(x) for x in a.mv.split(",")]
         MV_CONFIG.update(BN=v[0], BN_GATE_UP=v[0], num_warps=v[1], num_stages=v[2] if len(v) > 2 else 1)
+    if a.bf_over:
+        BF_OVER.update(json.loads(a.bf_over))
     why = kernel_smem.probe()
     if why is not None:
         print(json.dumps({"skipped": why}))
         return 0
     from gguf.constants import GGMLQuantizationType as GT
 
+    from betelgeuse.kernels.triton_mmq import BF_TYPES
     from betelgeuse.kernels.triton_mmvq import STEP
     from betelgeuse.kernels.triton_quants import QT_CODES
     tasks = [(t, w, s) for t in a.types.split(",") for s in a.scheds.split(",") for w in a.kernels.split(",")
-             if s != "mmvq" or QT_CODES[int(GT[t])] in STEP]
+             if (s != "mmvq" or QT_CODES[int(GT[t])] in STEP)
+             and (s not in BF_SCHED or QT_CODES[int(GT[t])] in BF_TYPES)]
+    if a.jobs > 1 and BF_OVER:          # the pool's workers import this module afresh: pass the overrides along
+        os.environ["SASS_PROFILE_BF_OVER"] = json.dumps(BF_OVER)
     if a.jobs > 1:
         from concurrent.futures import ProcessPoolExecutor
         with ProcessPoolExecutor(max_workers=a.jobs) as ex:
@@ -228,6 +293,13 @@ def main() -> int:
         print(f"| {r['type']} | {r['kernel']} | {r['sched']} | {r['BN']}x{r['warps']} | {r['regs']} | {r['spill']} "
               f"| {r['bytes_iter']} | {r['instr_iter']} | {r['instr_per_B']} | {r['issue_GBps']} | {r['cvt_per_w']} "
               f"| {r['ffma_per_w']} | {r['alu_per_w']} | {r['bar']} | {ldg} |")
+    mma = [r for r in rows if "a_op" in r]
+    if mma:                         # the MMA rows' shared memory traffic and A operand
+        print("\n| type | kernel | sched | KB x 32 | smem B | sts | lds | bar | mma | A | shapes |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in mma:
+            print(f"| {r['type']} | {r['kernel']} | {r['sched']} | {r['step']} | {r['shared']} | {r['sts']} "
+                  f"| {r['lds']} | {r['bar']} | {r['mma']} | {r['a_op']} | {' '.join(r['mma_shapes'])} |")
     return 0
 
 
