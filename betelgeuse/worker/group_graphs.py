@@ -85,9 +85,10 @@ class GroupGraphs:
             return
         T, k = r.ids.shape
         h = r.h
+        # r.hq: act_quant's prepared input (q8_1: x, d, sums; bf16: x, None, sums -- no scales, so no address)
         key = (layer, T, k, h.shape[1], slot_bytes, pool.data_ptr(), g.base_dev.data_ptr(), h.data_ptr(),
                r.rows.data_ptr(), r.off.data_ptr(), r.inter.data_ptr(), r.y.data_ptr(),
-               None if r.hq is None else tuple(x.data_ptr() for x in r.hq))
+               None if r.hq is None else tuple(None if x is None else x.data_ptr() for x in r.hq))
         memo = self._memo
         ent = memo.get(key)
         if ent is not None and ent is not SEEN:

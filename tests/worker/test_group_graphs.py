@@ -212,6 +212,35 @@ def test_memo_launches_captures_replays_and_matches_the_reference(memo):
     assert len(graphs._memo) == 2
 
 
+def test_memo_keys_an_act_quant_routing_whose_prepared_input_holds_none(memo):
+    """act_quant bf16 (and auto, which takes it for Q8_0): route() prepares h as prepare_bf16's (x, None, sums), so
+    the key's addresses of r.hq skip the None (gpu-run57: `'NoneType' object has no attribute 'data_ptr'` in every
+    pool case with --act-quant auto and --group-graphs). One Routing met three times launches, captures, replays,
+    each output the memo-less launches' bits."""
+    gg, captured, _ = memo
+    raw, _ = _experts(3)
+    pool, starts, base, slot = pack_experts(lambda e: raw[e], range(E), E, "cpu")
+    tri = MoEKernels("triton", E, F, starts[None], [(8, 8)], 16, act_quant="bf16")
+    graphs = gg.GroupGraphs(tri, max_rows=2)
+    rng = np.random.default_rng(4)
+    h = torch.from_numpy(rng.standard_normal((1, H)).astype(np.float32))
+    ids = torch.from_numpy(np.sort(rng.choice(E, K, replace=False))[None].astype(np.int64))
+    w = torch.from_numpy(rng.random((1, K)).astype(np.float32))
+    r = tri.route(h, ids, w)
+    assert r.hq is not None and any(x is None for x in r.hq), r.hq          # the case the key must take
+    row = torch.full((E,), -1, dtype=torch.int64)
+    row[ids[0]] = torch.from_numpy(base)[ids[0]]
+    rt = tri.route(h, ids, w)
+    tri.apply(rt, 0, pool, Group(None, None, row.clone()), slot)
+    want = tri.combine(rt)
+    for step in range(3):
+        r.y.zero_()
+        graphs.apply(r, 0, pool, Group(None, row.numpy().copy(), row), slot)
+        assert torch.equal(tri.combine(r), want), step
+    assert (graphs.launches, graphs.captures, graphs.replays) == (1, 1, 1), graphs.stats()
+    assert len(captured) == 1
+
+
 class _CountingGraphs:
     """What the bench reads of a GroupGraphs: its stats(). Each apply launches (the CPU has no graphs) and counts
     as a replay, so the bench's decode record must count exactly the eager groups the steps ran."""
