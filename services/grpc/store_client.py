@@ -13,7 +13,7 @@ routing the answers of other requests to them by id (no thread per message; no h
 other calls (attach, passes, status, Engram) stay unary RPCs on the same channel: a pass begins and ends only once
 every message on the stream is answered (_reap), so the store sees them in the order sent.
 
-store.session_transport = "seqpacket" moves the session stream (only it) off gRPC onto a SOCK_SEQPACKET connection
+store.session_transport = "seqpacket" (the default; gpu-run57) moves the session stream (only it) off gRPC onto a SOCK_SEQPACKET connection
 of its own (services/grpc/session_seq.py; _SeqStream): the same messages, sent by the caller's thread, answers
 routed by one reader thread; gRPC's three thread hops a message out of the way.
 """
@@ -396,7 +396,7 @@ class GrpcStoreClient:
     TRANSPORTS = ("grpc", "seqpacket")
 
     def __init__(self, socket_path: str, fd_socket_path: str, timeout: float = 10.0, per_expert: float = 0.5,
-                 probe_timeout: float = 2.0, on_lost=None, session_transport: str = "grpc"):
+                 probe_timeout: float = 2.0, on_lost=None, session_transport: str = "seqpacket"):
         self.socket_path, self.fd_socket_path = socket_path, fd_socket_path
         if session_transport not in self.TRANSPORTS:
             raise BetelgeuseError(f"store.session_transport must be one of {', '.join(self.TRANSPORTS)}, got "

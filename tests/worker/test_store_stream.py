@@ -265,9 +265,9 @@ def test_session_transport_from_the_environment_is_checked(monkeypatch):
     from betelgeuse.errors import BetelgeuseError
     from services.assembly import connect_store
     monkeypatch.delenv("BETELGEUSE_STORE_SESSION_TRANSPORT", raising=False)
-    assert connect_store("/nonexistent/s.sock", "/nonexistent/f.sock").session_transport == "grpc"
-    monkeypatch.setenv("BETELGEUSE_STORE_SESSION_TRANSPORT", '"seqpacket"')
     assert connect_store("/nonexistent/s.sock", "/nonexistent/f.sock").session_transport == "seqpacket"
+    monkeypatch.setenv("BETELGEUSE_STORE_SESSION_TRANSPORT", '"grpc"')
+    assert connect_store("/nonexistent/s.sock", "/nonexistent/f.sock").session_transport == "grpc"
     monkeypatch.setenv("BETELGEUSE_STORE_SESSION_TRANSPORT", "udp")
     with pytest.raises(BetelgeuseError, match=r"store\.session_transport must be one of grpc, seqpacket, got 'udp'"):
         connect_store("/nonexistent/s.sock", "/nonexistent/f.sock")
