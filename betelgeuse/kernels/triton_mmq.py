@@ -123,6 +123,12 @@ _INTERP = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")   # Trito
 # has no bf16 form); TYPE_CONFIG's overrides apply last. Not measured yet: the q8_1 MMA's 16-row constants.
 BF_TUNING: dict[int, dict] = {qt: {"MV": 0, "BN": 64, "num_warps": 4, "num_stages": 3, "KB": 2, "KCB": 16}
                               for qt in BF_TYPES}
+# FUSE 1 (gate and up rows in one K loop: the same HGMMA on the same rows and columns, the same bits) for MXFP4 and
+# Q4_K: gpu-run58-kernels (H100, bank of 16, kernels alone, GB/s at 1 / 16 rows, bits == the unfused launch's):
+# MXFP4 499 / 444 against 473 / 379, Q4_K 494 / 409 against 488 / 371. Q8_0 stays unfused (777 / 932 against 917 /
+# 812: the one-row bucket loses); Q5_K's fused kernel spills (255 registers; cpu-mma55)
+for _qt in (4, 5):                                                          # MXFP4, Q4_K
+    BF_TUNING[_qt]["FUSE"] = 1
 
 
 @triton.jit
