@@ -90,7 +90,8 @@ BF_TYPES = MMQ_TYPES | {6}        # ... and with the bf16 mode: + Q5_K (byte loa
 CONFIG = {"BM": 16, "BN": 64, "FUSE": 0, "num_warps": 4, "num_stages": 3,   # schedule keys (every type and bucket)
           "MV": 0, "BM_MV": 1, "NS": 1, "DP4A": 0, "WL": 0, "PF": 0, "GL": 0}
 # GL = 1 (bf16 MMA only): gluon_mmq's kernel, the same arithmetic with the weights loaded straight into the wgmma's A
-# registers (no shared memory round trip), where gluon_mmq.usable says so (CUDA sm_90, Q8_0 at BF_TUNING's shape),
+# registers (no shared memory round trip), where gluon_mmq.usable says so (CUDA sm_90, Q8_0 / MXFP4 at BF_TUNING's
+# shape),
 # else this module's kernel: a schedule key (the same bits: deploy/device/check_gluon_mmq.py checks them)
 # MV = 1: the decode schedule without tensor cores (triton_mmq_mv: the same bits; BM_MV rows a program, NS word
 # groups a K step; DP4A 1: its block dots by PTX dp4a on the GPU, the same integers) where a launch

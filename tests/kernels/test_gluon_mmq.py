@@ -1,7 +1,7 @@
-"""kernels/gluon_mmq.py, the Gluon form of the bf16 MMA of Q8_0 (triton_mmq's schedule key GL 1), on the CPU: Gluon
-has no interpreter and CI no GPU, so its bits are the device's to check (deploy/device/check_gluon_mmq.py: == the
-Triton kernel's). Here: it compiles for sm_90 to the Triton kernel's instruction with the weights loaded straight
-into wgmma's A registers (no shared memory for A), it applies exactly to the shipped bf16 schedule of Q8_0, and
+"""kernels/gluon_mmq.py, the Gluon form of the bf16 MMA of Q8_0 / MXFP4 (triton_mmq's schedule key GL 1), on the
+CPU: Gluon has no interpreter and CI no GPU, so its bits are the device's to check (deploy/device/check_gluon_mmq.py:
+== the Triton kernel's). Here: it compiles for sm_90 to the Triton kernel's instruction with the weights loaded
+straight into wgmma's A registers (no shared memory for A), it applies exactly to the shipped bf16 schedule, and
 where it cannot run (the CPU, the interpreter) GL 1 launches the Triton kernel, whose bits stay."""
 
 from __future__ import annotations
@@ -31,15 +31,16 @@ from betelgeuse.kernels import gluon_mmq as gm
 if why or not gm.HAVE_GLUON:
     print(json.dumps({"skip": why or "no Gluon"})); sys.exit(0)
 import sass_profile as sp
-for w, b in (("gate_up", 1), ("down", 16)):
-    k, const = gm.compile_kernel(w, b)
+for qt, w, b in ((q, w, b) for q in (0, 4) for w, b in (("gate_up", 1), ("down", 16))):
+    k, const = gm.compile_kernel(w, b, qt=qt)
     sass, res = sp.sass_of(k.asm["cubin"])
     body = sp.k_loop(sp.instructions(sass), mma=True)
     ops = {}
     for _, op, rest in body:
         key = op + (rest.split()[0] if rest.startswith(".") else "")
         ops[key] = ops.get(key, 0) + 1
-    print(json.dumps({"kernel": w, "bucket": b, "split": const["SPLIT"], "a_op": sp.a_operand(body), "ops": ops,
+    print(json.dumps({"qt": qt, "kernel": w, "bucket": b, "split": const["SPLIT"], "a_op": sp.a_operand(body),
+                      "ops": ops,
                       "shapes": sorted(set(re.findall(r"\\b(HGMMA\\.[\\w.]+)", sass))),
                       "regs": int(re.search(r"REG:(\\d+)", res).group(1)),
                       "local": int(re.search(r"LOCAL:(\\d+)", res).group(1))}))
@@ -47,15 +48,16 @@ for w, b in (("gate_up", 1), ("down", 16)):
 
 
 def test_gluon_compiles_to_the_bf16_mma_with_the_weights_in_registers():
-    """gate_up at the 1-row bucket (split-K) and down at the 16-row one, for sm_90 without a GPU: the one HGMMA shape
-    of triton_mmq's bf16 MMA (m64 n32 k16, test_mmq_bf16's compile test), 4 a K step (K = KB 2 x 32 = 64, k16 each),
-    A from registers; the K loop's only shared memory stores are the B tile's (64 x 32 bf16 = 32 bytes a thread of
-    128: 2 STS.128), no shared memory loads (Triton's loop: 8 STS.64 + 4 LDSM of the weights, the scales' STS + LDS),
-    at most 2 barriers a step (Triton 3.9: 3; 3.6: 4), no spills."""
+    """Q8_0's and MXFP4's gate_up at the 1-row bucket (split-K) and down at the 16-row one, for sm_90 without a GPU:
+    the one HGMMA shape of triton_mmq's bf16 MMA (m64 n32 k16, test_mmq_bf16's compile test), 4 a K step (K = KB 2
+    x 32 = 64, k16 each), A from registers; the K loop's only shared memory stores are the B tile's (64 x 32 bf16 =
+    32 bytes a thread of 128: 2 STS.128), no shared memory loads (Triton's loop: 8 STS.64 + 4 LDSM of the weights,
+    the scales' STS + LDS), at most 2 barriers a step (Triton 3.9: 3; 3.6: 4), no spills."""
     reports = _compile_reports(["-c", _CHILD], timeout=120)
     if reports and "skip" in reports[0]:
         pytest.skip(f"no sm_90 compile toolchain here: {reports[0]['skip']}")
-    assert [(r["kernel"], r["bucket"], r["split"]) for r in reports] == [("gate_up", 1, True), ("down", 16, False)]
+    assert [(r["qt"], r["kernel"], r["bucket"], r["split"]) for r in reports] == [
+        (qt, w, b, b == 1) for qt in (0, 4) for w, b in (("gate_up", 1), ("down", 16))]
     for r in reports:
         ops = r["ops"]
         assert r["shapes"] == ["HGMMA.64x32x16.F32.BF16"] and r["a_op"] == "R", r
@@ -69,9 +71,9 @@ def test_gluon_compiles_to_the_bf16_mma_with_the_weights_in_registers():
 
 def test_gl_applies_exactly_to_the_shipped_q8_0_bf16_schedule(monkeypatch):
     """gluon_mmq implements one instruction shape (SHAPE); usable() must take it for the shipped bf16 launch of Q8_0
-    in both rows buckets (BF_TUNING over CONFIG, KB as _chunk launches it at the bench geometry) on an sm_90 device,
-    and for nothing else: another type, another shape (BN 128 / 8 warps, KB 1: other fp32 sums), FUSE, sm_80, the
-    CPU, the interpreter. GL is off by default."""
+    (and MXFP4) in both rows buckets (BF_TUNING over CONFIG, KB as _chunk launches it at the bench geometry) on an
+    sm_90 device, and for nothing else: another type, another shape (BN 128 / 8 warps, KB 1: other fp32 sums), FUSE,
+    sm_80, the CPU, the interpreter. GL is off by default."""
     assert mq.CONFIG["GL"] == 0 and all("GL" not in t for t in mq.BF_TUNING.values())
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     cap = {"v": (9, 0)}
@@ -81,7 +83,7 @@ def test_gl_applies_exactly_to_the_shipped_q8_0_bf16_schedule(monkeypatch):
         c = {**mq.config(0, b, bf=True), "GL": 1}
         for K in (2048, 768):
             assert gm.usable(0, c, mq._chunk(c, 0, K)[0], cuda), (b, K, c)
-        assert not gm.usable(4, c, 2, cuda)                                  # MXFP4
+        assert gm.usable(4, c, 2, cuda) and not gm.usable(5, c, 2, cuda)     # MXFP4 yes, Q4_K no
         assert not gm.usable(0, {**c, "BN": 128, "num_warps": 8}, 2, cuda)
         assert not gm.usable(0, c, 1, cuda) and not gm.usable(0, {**c, "FUSE": 1}, 2, cuda)
         assert not gm.usable(0, c, 2, torch.device("cpu"))
