@@ -1,17 +1,20 @@
 #!/usr/bin/env python3
-"""The Gluon bf16 MMA of Q8_0 (betelgeuse/kernels/gluon_mmq.py, triton_mmq's schedule key GL 1) against triton_mmq's
-shipped bf16 MMA on the GPU (issue 23, docs/benchmarks/cpu-gluon55): bits, then GB/s (H100 / H200, < 1 minute).
+"""The Gluon bf16 MMA of Q8_0 and MXFP4 (betelgeuse/kernels/gluon_mmq.py, triton_mmq's schedule key GL 1) against
+triton_mmq's shipped bf16 MMA on the GPU (issue 23, docs/benchmarks/cpu-gluon55): bits, then GB/s (H100 / H200,
+about a minute, most of it compiles).
 
-    PYTHONPATH=$PWD python3 deploy/device/check_gluon_mmq.py [--reps 32] [--no-time]
-    TRITON_INTERPRET=1 .venv/bin/python deploy/device/check_gluon_mmq.py --dry-run   # CPU: the plumbing (~80 s)
+    PYTHONPATH=$PWD python3 deploy/device/check_gluon_mmq.py [--types Q8_0,MXFP4] [--reps 32] [--no-time]
+    TRITON_INTERPRET=1 .venv/bin/python deploy/device/check_gluon_mmq.py --dry-run   # CPU: the plumbing (~3 min)
 
-Bits: the bench geometry (H 2048, F 768, 128 experts, k_top 8), Q8_0 experts with valid f16 scales, random routing
-over a bank of 16 experts of which experts 0 and 1 lie BELOW the pool (negative offsets, as decode's at-hand table:
+Bits, per type: the bench geometry (H 2048, F 768, 128 experts, k_top 8), experts with valid scales (Q8_0 f16 in
+[1e-3, 1e-2), MXFP4 E8M0 2^-10 .. 2^-7) and random quants, random routing over a bank of 16 experts of which experts
+0 and 1 lie BELOW the pool (negative offsets, as decode's at-hand table:
 tests/kernels/test_mmq_bf16.py::test_experts_at_negative_offsets_are_computed), 2 tokens (16 rows: the 1-row bucket,
 split-K) and 32 tokens (256 rows: the 16-row bucket, chunks walked), without and with the clamped SwiGLU (limit 7).
-Per case gate_up's inter and down's y (down on the same inter for both) must be torch.equal to the Triton kernel's;
-both are also held to a float reference (the dequantized weights in float64 on the same bf16 activations; relative
-max error < 1e-2) so that two equal wrong answers fail too. PASS / FAIL line per check; exit 1 on any FAIL.
+Per case gate_up's inter and down's y (down on the same inter for both) must be torch.equal to the Triton kernel's,
+and the Gluon kernels must have been launched (triton_launch.COUNTS); both are also held to a float reference (the
+dequantized weights in float64 on the same bf16 activations; relative max error < 1e-2) so that two equal wrong
+answers fail too. PASS / FAIL line per check; exit 1 on any FAIL.
 GB/s: expert bytes of a bank of 16 experts at 1 and 16 rows an expert (kernel_roofline's routing: each expert
 exactly `rows` rows), CUDA-graph replays of `reps` launches rotating over banks > 512 MB (beyond the L2), median of 5:
 gate_up, down and the pair, Triton beside Gluon, on the same warm GPU.
@@ -30,10 +33,18 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 H, F, E, K_TOP, BANK = 2048, 768, 128, 8, 16          # the bench geometry; a ring bank of 16 experts
-QT = 0                                                 # kernel type code of Q8_0
-ROW_H, ROW_F = H // 32 * 34, F // 32 * 34               # Q8_0 row bytes (34-byte blocks)
+TYPES = {"Q8_0": (0, 34), "MXFP4": (4, 17)}            # name -> (kernel type code, block bytes)
+QT, BS = TYPES["Q8_0"]                                 # the type under test (set_type)
+ROW_H, ROW_F = H // 32 * BS, F // 32 * BS               # its row bytes
+KVALUES = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]   # MXFP4's doubled e2m1 (llama.cpp kvalues_mxfp4)
 dev = torch.device("cuda")
 DT = torch.bfloat16                                    # inter's and y's dtype (the engine's; --dry-run: float32)
+
+
+def set_type(name: str):
+    global QT, BS, ROW_H, ROW_F
+    QT, BS = TYPES[name]
+    ROW_H, ROW_F = H // 32 * BS, F // 32 * BS
 
 
 def slot_layout() -> tuple[list[int], int]:
@@ -46,21 +57,31 @@ def slot_layout() -> tuple[list[int], int]:
 
 
 def make_pool(n_slots: int, slot: int, starts: list[int], g: torch.Generator) -> torch.Tensor:
-    """n_slots Q8_0 experts: random int8 quants, f16 scales uniform in [1e-3, 1e-2) (random bytes would be NaN)."""
+    """n_slots experts of the type: random quants; Q8_0's f16 scales uniform in [1e-3, 1e-2), MXFP4's E8M0 bytes in
+    118 .. 121 (2^-10 .. 2^-7; random bytes would be NaN / inf)."""
     pool = torch.randint(0, 256, (n_slots * slot,), dtype=torch.uint8, device=dev, generator=g)
     for s in range(n_slots):
         for p, (rows, rb) in enumerate(((F, ROW_H), (F, ROW_H), (H, ROW_F))):
-            blk = pool[s * slot + starts[p]: s * slot + starts[p] + rows * rb].view(-1, 34)
-            d = torch.empty(blk.shape[0], dtype=torch.float32, device=dev).uniform_(1e-3, 1e-2, generator=g)
-            blk[:, :2] = d.half().view(torch.uint8).view(-1, 2)
+            blk = pool[s * slot + starts[p]: s * slot + starts[p] + rows * rb].view(-1, BS)
+            if QT == 0:
+                d = torch.empty(blk.shape[0], dtype=torch.float32, device=dev).uniform_(1e-3, 1e-2, generator=g)
+                blk[:, :2] = d.half().view(torch.uint8).view(-1, 2)
+            else:
+                blk[:, 0] = torch.randint(118, 122, (blk.shape[0],), dtype=torch.uint8, device=dev, generator=g)
     return pool
 
 
 def dequant(pool: torch.Tensor, at: int, rows: int, rb: int) -> torch.Tensor:
-    """rows Q8_0 rows at byte `at` of pool -> [rows, K] float64 (q * d)."""
-    blk = pool[at: at + rows * rb].view(rows, rb // 34, 34)
-    d = blk[:, :, :2].contiguous().view(torch.float16).double()               # [rows, nblk, 1]
-    q = blk[:, :, 2:].contiguous().view(torch.int8).double()
+    """rows rows of the type at byte `at` of pool -> [rows, K] float64 (q * d; gguf's dequantization)."""
+    blk = pool[at: at + rows * rb].view(rows, rb // BS, BS)
+    if QT == 0:
+        d = blk[:, :, :2].contiguous().view(torch.float16).double()           # [rows, nblk, 1]
+        q = blk[:, :, 2:].contiguous().view(torch.int8).double()
+    else:                           # d = 2^(e - 128); element j < 16: low nibble of byte 1 + j, else the high one
+        d = torch.exp2(blk[:, :, :1].double() - 128)
+        qs = blk[:, :, 1:].long()
+        kv = torch.tensor(KVALUES, dtype=torch.float64, device=pool.device)
+        q = torch.cat([kv[qs & 15], kv[qs >> 4]], dim=2)
     return (q * d).reshape(rows, -1)
 
 
@@ -150,13 +171,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=32)
     ap.add_argument("--no-time", action="store_true")
+    ap.add_argument("--types", default="Q8_0,MXFP4")
     ap.add_argument("--dry-run", action="store_true", help="the CPU under TRITON_INTERPRET=1, H = F = 256: the "
                     "script's plumbing and reference only (GL falls back to Triton there: 'gluon ran' FAILs)")
     a = ap.parse_args()
     if a.dry_run:
-        global H, F, ROW_H, ROW_F, dev, DT
+        global H, F, dev, DT
         H, F, dev, DT = 256, 256, torch.device("cpu"), torch.float32
-        ROW_H, ROW_F = H // 32 * 34, F // 32 * 34
         a.no_time = True
     elif not torch.cuda.is_available():
         print("FAIL no CUDA device")
@@ -167,12 +188,30 @@ def main() -> int:
     from betelgeuse.kernels import triton_mmq as mq
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     print(f"device {name} torch {torch.__version__} triton {triton.__version__} gluon {gm.HAVE_GLUON}")
-    c = mq.config(QT, 16, bf=True)
-    if not gm.usable(QT, {**c, "GL": 1}, c["KB"], dev) and not a.dry_run:
-        print(f"FAIL gluon_mmq.usable is False here (config {c}): the GL launch would fall back to Triton")
-        return 1
     fails = 0
     g = torch.Generator(device=dev).manual_seed(55)
+    types = a.types.split(",")
+    for tname in types:
+        set_type(tname)
+        c = mq.config(QT, 16, bf=True)
+        if not gm.usable(QT, {**c, "GL": 1}, c["KB"], dev) and not a.dry_run:
+            print(f"FAIL {tname}: gluon_mmq.usable is False here (config {c}): GL would fall back to Triton")
+            fails += 1
+            continue
+        fails += check_type(tname, mq, triton_launch, g)
+    if not a.no_time:
+        print("\n| type | rows/expert | kernel | Triton GB/s | Gluon GB/s | Gluon / Triton |")
+        print("|---|---|---|---|---|---|")
+        for tname in types:
+            set_type(tname)
+            time_type(tname, mq, g, a.reps)
+    print(f"\n{'FAIL' if fails else 'PASS'}: {fails} failed checks")
+    return 1 if fails else 0
+
+
+def check_type(tname: str, mq, triton_launch, g) -> int:
+    """The bits and reference checks of one type (module doc): the number of FAILs."""
+    fails = 0
     starts, slot = slot_layout()
     below = 2                                      # experts 0, 1 of the bank lie below the pool (negative offsets)
     big = make_pool(BANK, slot, starts, g)
@@ -192,7 +231,7 @@ def main() -> int:
         ig, yg = run(mq, True, hb, pool, base, st, rows, off, limit, inter=it)
         ran = {k: triton_launch.COUNTS[k] - n0.get(k, 0) for k in ("_gate_up_gl_kernel", "_down_gl_kernel")}
         ri, ry = reference(big, base + below * slot, starts, hb, ids, rows, off, limit, it)
-        case = f"T {T} rows {rows.numel()} bucket {bucket} limit {limit}"
+        case = f"{tname} T {T} rows {rows.numel()} bucket {bucket} limit {limit}"
         checks = {"gluon ran": ran == {"_gate_up_gl_kernel": 1, "_down_gl_kernel": 1},
                   "gate_up bits ==": bool(torch.equal(ig, it)), "down bits ==": bool(torch.equal(yg, yt)),
                   "finite": bool(torch.isfinite(it).all() and torch.isfinite(yt).all())}
@@ -205,10 +244,14 @@ def main() -> int:
         diff = int((ig != it).sum()) + int((yg != yt).sum())
         print("     rel err vs float64: " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items())
               + f"; differing outputs {diff}")
-    del big, pool
-    if a.no_time:
-        return 1 if fails else 0
-    # GB/s: banks of 16 experts rotating beyond the L2, each expert exactly `rows` rows (kernel_roofline.routing)
+    return fails
+
+
+def time_type(tname: str, mq, g, reps: int):
+    """GB/s rows of one type's table: banks of 16 experts rotating beyond the L2, each expert exactly `rows` rows
+    (kernel_roofline.routing), Triton then Gluon."""
+    starts, slot = slot_layout()
+    st = torch.tensor([starts] * E, dtype=torch.int64, device=dev)
     bank_b = BANK * (2 * F * ROW_H + H * ROW_F)
     n_banks = max(2, math.ceil(512e6 / bank_b))
     pool = make_pool(n_banks * BANK, slot, starts, g)
@@ -217,7 +260,6 @@ def main() -> int:
         t = torch.full((E,), -1, dtype=torch.int64, device=dev)
         t[:BANK] = (b * BANK + torch.arange(BANK, device=dev)) * slot
         bases.append(t)
-    print("\n| rows/expert | kernel | Triton GB/s | Gluon GB/s | Gluon / Triton |\n|---|---|---|---|---|")
     for rpe in (1, 16):
         T = BANK * rpe // K_TOP
         ids = ((torch.arange(T, device=dev)[:, None] * K_TOP + torch.arange(K_TOP, device=dev)[None, :]) % BANK)
@@ -243,15 +285,14 @@ def main() -> int:
             if gl:
                 mq.TYPE_CONFIG[QT] = {"GL": 1}
             try:
-                res[name] = [graph_gbps(gu, a.reps, gu_b), graph_gbps(dn, a.reps, dn_b),
-                             graph_gbps(pair, a.reps, bank_b)]
+                res[name] = [graph_gbps(gu, reps, gu_b), graph_gbps(dn, reps, dn_b), graph_gbps(pair, reps, bank_b)]
             finally:
                 mq.TYPE_CONFIG.pop(QT, None)
         for j, k in enumerate(("gate_up", "down", "pair")):
             t, q = res["triton"][j], res["gluon"][j]
-            print(f"| {rpe} | {k} | {t:.0f} | {q:.0f} | {q / t:.2f} |")
-    print(f"\n{'FAIL' if fails else 'PASS'}: {fails} failed checks")
-    return 1 if fails else 0
+            print(f"| {tname} | {rpe} | {k} | {t:.0f} | {q:.0f} | {q / t:.2f} |", flush=True)
+    pool = None                     # freed before the next type's banks
+    torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
