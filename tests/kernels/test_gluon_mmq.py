@@ -31,8 +31,16 @@ from betelgeuse.kernels import gluon_mmq as gm
 if why or not gm.HAVE_GLUON:
     print(json.dumps({"skip": why or "no Gluon"})); sys.exit(0)
 import sass_profile as sp
+from betelgeuse.kernels import triton_mmq as mq
+FOPS = re.compile(r"^\s*((?:ex2|div|rcp|fma|add|sub|mul|min|max|neg)\.[\w.]*f32[\w.]*|cvt\.rn\.bf16\w*\.f32)", re.M)
+def fops(ptx):                      # the PTX's float ops that round (cvt f16 -> f32 is exact: left out), by kind
+    ops = {}
+    for m in FOPS.findall(ptx):
+        ops[m.replace("bf16x2", "bf16")] = ops.get(m.replace("bf16x2", "bf16"), 0) + (2 if "x2" in m else 1)
+    return ops
 for qt, w, b in ((q, w, b) for q in (0, 4) for w, b in (("gate_up", 1), ("down", 16))):
     k, const = gm.compile_kernel(w, b, qt=qt)
+    tk = mq.compile_kernel(w, qt, bucket=b, hints=True, bf=True)[0]
     sass, res = sp.sass_of(k.asm["cubin"])
     body = sp.k_loop(sp.instructions(sass), mma=True)
     ops = {}
@@ -40,7 +48,7 @@ for qt, w, b in ((q, w, b) for q in (0, 4) for w, b in (("gate_up", 1), ("down",
         key = op + (rest.split()[0] if rest.startswith(".") else "")
         ops[key] = ops.get(key, 0) + 1
     print(json.dumps({"qt": qt, "kernel": w, "bucket": b, "split": const["SPLIT"], "a_op": sp.a_operand(body),
-                      "ops": ops,
+                      "ops": ops, "fops": fops(k.asm["ptx"]), "triton_fops": fops(tk.asm["ptx"]),
                       "shapes": sorted(set(re.findall(r"\\b(HGMMA\\.[\\w.]+)", sass))),
                       "regs": int(re.search(r"REG:(\\d+)", res).group(1)),
                       "local": int(re.search(r"LOCAL:(\\d+)", res).group(1))}))
@@ -52,7 +60,9 @@ def test_gluon_compiles_to_the_bf16_mma_with_the_weights_in_registers():
     the one HGMMA shape of triton_mmq's bf16 MMA (m64 n32 k16, test_mmq_bf16's compile test), 4 a K step (K = KB 2
     x 32 = 64, k16 each), A from registers; the K loop's only shared memory stores are the B tile's (64 x 32 bf16 =
     32 bytes a thread of 128: 2 STS.128), no shared memory loads (Triton's loop: 8 STS.64 + 4 LDSM of the weights,
-    the scales' STS + LDS), at most 2 barriers a step (Triton 3.9: 3; 3.6: 4), no spills."""
+    the scales' STS + LDS), at most 2 barriers a step (Triton 3.9: 3; 3.6: 4), no spills; and the PTX's rounding
+    float ops (fma, add, mul, div, ex2, the bf16 stores' cvt) of the same kinds and counts as the Triton kernel's of
+    the same launch (the same float ops: a dropped clamp, an unfused or extra op would show)."""
     reports = _compile_reports(["-c", _CHILD], timeout=120)
     if reports and "skip" in reports[0]:
         pytest.skip(f"no sm_90 compile toolchain here: {reports[0]['skip']}")
@@ -67,6 +77,7 @@ def test_gluon_compiles_to_the_bf16_mma_with_the_weights_in_registers():
         assert not any(k.startswith(("LDS", "LDSM")) for k in ops), r
         assert sum(v for k, v in ops.items() if k.startswith("BAR")) <= 2, r
         assert r["local"] == 0 and r["regs"] <= 168, r       # <= 168: 3 CTAs of 128 threads a SM by registers
+        assert r["fops"] == r["triton_fops"] and r["fops"].get("fma.rn.f32"), r
 
 
 def test_gl_applies_exactly_to_the_shipped_q8_0_bf16_schedule(monkeypatch):
