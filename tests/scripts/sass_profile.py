@@ -24,7 +24,9 @@ Schedules: `mmvq` (the decode schedule, triton_mmvq, MV = 1, gpu-run24's fastest
 program, 2 warps; --mv another) where the type has it, `table` (the shipped launch of the rows-1 bucket:
 triton_tuning.json), and `bf16` / `bf16r16` (act_quant bf16: triton_mmq's bf16 MMA of the integer quants,
 BF_TYPES only, the rows-1 / rows-16 bucket's launch: config(bf=True), --bf-over JSON overrides on top; one K loop
-iteration = one K step of KB blocks on BN rows of ONE part, FUSE 0). The MMA rows add the shared memory traffic of
+iteration = one K step of KB blocks on BN rows of ONE part, FUSE 0); `gluon` / `gluonr16`: the same schedule in
+Gluon (betelgeuse/kernels/gluon_mmq.py, triton_mmq's GL 1: the weights loaded straight into wgmma's A registers),
+Q8_0 and MXFP4 only. The MMA rows add the shared memory traffic of
 the loop (sts / lds per thread: STS + STSM, LDS + LDSM; bar: BAR) and where the tensor-core instruction takes its A
 operand (the weights): `R` registers (HGMMA Rd, Ra, gdesc[..]), `smem` a descriptor. Prints a markdown table;
 --json one JSON line; --dump writes each kernel's SASS.
@@ -141,6 +143,7 @@ def step_bytes(gtype: int, elems: int) -> int:
 
 BF_SCHED = {"bf16": 1, "bf16r16": 16}      # act_quant bf16's schedules: the rows bucket whose launch is compiled
 BF_OVER: dict = {}                         # --bf-over: triton_mmq config overrides of the bf16 rows
+GL_SCHED = {"gluon": 1, "gluonr16": 16}    # the same, gluon_mmq's kernel (A loaded in place; Q8_0, MXFP4)
 
 
 def a_operand(body: list) -> str:
@@ -158,8 +161,13 @@ def profile_bf(name: str, which: str, sched: str) -> dict:
     from betelgeuse.kernels import triton_mmq as mq
     from betelgeuse.kernels.triton_quants import QT_CODES
     gtype = int(GT[name])
-    k, c, const = mq.compile_kernel(which, QT_CODES[gtype], bucket=BF_SCHED[sched], over=dict(BF_OVER), hints=True,
-                                    bf=True)
+    if sched in GL_SCHED:           # gluon_mmq's form of the same schedule (Q8_0 / MXFP4 at BF_TUNING's shape)
+        from betelgeuse.kernels import gluon_mmq as gm
+        k, const = gm.compile_kernel(which, GL_SCHED[sched], qt=QT_CODES[gtype])
+        c = {"KB": const["KB"], "num_warps": gm.SHAPE["num_warps"]}
+    else:
+        k, c, const = mq.compile_kernel(which, QT_CODES[gtype], bucket=BF_SCHED[sched], over=dict(BF_OVER),
+                                        hints=True, bf=True)
     sass, res = sass_of(k.asm["cubin"])
     kb, bn, warps = c["KB"], const["BN"], c["num_warps"]
     wbytes = bn * row_nbytes(gtype, 256) * kb * 32 / 256      # one part's BN rows x KB blocks (FUSE 0: a part a loop)
@@ -186,7 +194,7 @@ def profile_bf(name: str, which: str, sched: str) -> dict:
 
 def profile(name: str, which: str, sched: str) -> dict:
     """Compile and count one kernel (type name, 'gate_up' | 'down', 'mmvq' | 'table' | 'bf16' | 'bf16r16')."""
-    if sched in BF_SCHED:
+    if sched in BF_SCHED or sched in GL_SCHED:
         return profile_bf(name, which, sched)
     from gguf.constants import GGMLQuantizationType as GT
 
@@ -264,7 +272,8 @@ def main() -> int:
     from betelgeuse.kernels.triton_quants import QT_CODES
     tasks = [(t, w, s) for t in a.types.split(",") for s in a.scheds.split(",") for w in a.kernels.split(",")
              if (s != "mmvq" or QT_CODES[int(GT[t])] in STEP)
-             and (s not in BF_SCHED or QT_CODES[int(GT[t])] in BF_TYPES)]
+             and (s not in BF_SCHED or QT_CODES[int(GT[t])] in BF_TYPES)
+             and (s not in GL_SCHED or t in ("Q8_0", "MXFP4"))]
     if a.jobs > 1 and BF_OVER:          # the pool's workers import this module afresh: pass the overrides along
         os.environ["SASS_PROFILE_BF_OVER"] = json.dumps(BF_OVER)
     if a.jobs > 1:

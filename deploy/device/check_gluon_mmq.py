@@ -1,0 +1,299 @@
+#!/usr/bin/env python3
+"""The Gluon bf16 MMA of Q8_0 and MXFP4 (betelgeuse/kernels/gluon_mmq.py, triton_mmq's schedule key GL 1) against
+triton_mmq's shipped bf16 MMA on the GPU (issue 23, docs/benchmarks/cpu-gluon55): bits, then GB/s (H100 / H200,
+about a minute, most of it compiles).
+
+    PYTHONPATH=$PWD python3 deploy/device/check_gluon_mmq.py [--types Q8_0,MXFP4] [--reps 32] [--no-time]
+    TRITON_INTERPRET=1 .venv/bin/python deploy/device/check_gluon_mmq.py --dry-run   # CPU: the plumbing (~3 min)
+
+Bits, per type: the bench geometry (H 2048, F 768, 128 experts, k_top 8), experts with valid scales (Q8_0 f16 in
+[1e-3, 1e-2), MXFP4 E8M0 2^-10 .. 2^-7) and random quants, random routing over a bank of 16 experts of which experts
+0 and 1 lie BELOW the pool (negative offsets, as decode's at-hand table:
+tests/kernels/test_mmq_bf16.py::test_experts_at_negative_offsets_are_computed), 2 tokens (16 rows: the 1-row bucket,
+split-K) and 32 tokens (256 rows: the 16-row bucket, chunks walked), without and with the clamped SwiGLU (limit 7).
+Per case gate_up's inter and down's y (down on the same inter for both) must be torch.equal to the Triton kernel's,
+and the Gluon kernels must have been launched (triton_launch.COUNTS); both are also held to a float reference (the
+dequantized weights in float64 on the same bf16 activations; relative max error < 1e-2) so that two equal wrong
+answers fail too. PASS / FAIL line per check; exit 1 on any FAIL.
+GB/s: expert bytes of a bank of 16 experts at 1 and 16 rows an expert (kernel_roofline's routing: each expert
+exactly `rows` rows), CUDA-graph replays of `reps` launches rotating over banks > 512 MB (beyond the L2), median of 5:
+gate_up, down and the pair, Triton beside Gluon, on the same warm GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+H, F, E, K_TOP, BANK = 2048, 768, 128, 8, 16          # the bench geometry; a ring bank of 16 experts
+TYPES = {"Q8_0": (0, 34), "MXFP4": (4, 17)}            # name -> (kernel type code, block bytes)
+QT, BS = TYPES["Q8_0"]                                 # the type under test (set_type)
+ROW_H, ROW_F = H // 32 * BS, F // 32 * BS               # its row bytes
+KVALUES = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]   # MXFP4's doubled e2m1 (llama.cpp kvalues_mxfp4)
+dev = torch.device("cuda")
+DT = torch.bfloat16                                    # inter's and y's dtype (the engine's; --dry-run: float32)
+
+
+def set_type(name: str):
+    global QT, BS, ROW_H, ROW_F
+    QT, BS = TYPES[name]
+    ROW_H, ROW_F = H // 32 * BS, F // 32 * BS
+
+
+def slot_layout() -> tuple[list[int], int]:
+    """(part starts in a slot, slot bytes): gate | up | down, parts 64-byte aligned, slots of 4 KiB (the worker's)."""
+    starts, o = [], 0
+    for n in (F * ROW_H, F * ROW_H, H * ROW_F):
+        starts.append(o)
+        o += -(-n // 64) * 64
+    return starts, -(-o // 4096) * 4096
+
+
+def make_pool(n_slots: int, slot: int, starts: list[int], g: torch.Generator) -> torch.Tensor:
+    """n_slots experts of the type: random quants; Q8_0's f16 scales uniform in [1e-3, 1e-2), MXFP4's E8M0 bytes in
+    118 .. 121 (2^-10 .. 2^-7; random bytes would be NaN / inf)."""
+    pool = torch.randint(0, 256, (n_slots * slot,), dtype=torch.uint8, device=dev, generator=g)
+    for s in range(n_slots):
+        for p, (rows, rb) in enumerate(((F, ROW_H), (F, ROW_H), (H, ROW_F))):
+            blk = pool[s * slot + starts[p]: s * slot + starts[p] + rows * rb].view(-1, BS)
+            if QT == 0:
+                d = torch.empty(blk.shape[0], dtype=torch.float32, device=dev).uniform_(1e-3, 1e-2, generator=g)
+                blk[:, :2] = d.half().view(torch.uint8).view(-1, 2)
+            else:
+                blk[:, 0] = torch.randint(118, 122, (blk.shape[0],), dtype=torch.uint8, device=dev, generator=g)
+    return pool
+
+
+def dequant(pool: torch.Tensor, at: int, rows: int, rb: int) -> torch.Tensor:
+    """rows rows of the type at byte `at` of pool -> [rows, K] float64 (q * d; gguf's dequantization)."""
+    blk = pool[at: at + rows * rb].view(rows, rb // BS, BS)
+    if QT == 0:
+        d = blk[:, :, :2].contiguous().view(torch.float16).double()           # [rows, nblk, 1]
+        q = blk[:, :, 2:].contiguous().view(torch.int8).double()
+    else:                           # d = 2^(e - 128); element j < 16: low nibble of byte 1 + j, else the high one
+        d = torch.exp2(blk[:, :, :1].double() - 128)
+        qs = blk[:, :, 1:].long()
+        kv = torch.tensor(KVALUES, dtype=torch.float64, device=pool.device)
+        q = torch.cat([kv[qs & 15], kv[qs >> 4]], dim=2)
+    return (q * d).reshape(rows, -1)
+
+
+def route(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [T, k] -> (rows [R] int32: the token*k+rank indices sorted by expert, stable; off [E + 1] int32)."""
+    flat = ids.reshape(-1)
+    rows = torch.argsort(flat, stable=True).to(torch.int32)
+    off = torch.zeros(E + 1, dtype=torch.int32, device=dev)
+    off[1:] = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+    return rows, off
+
+
+def run(mq, gl: bool, hb, pool, base, st, rows, off, limit, inter=None):
+    """(inter [R, F], y [T k, H]) of triton_mmq's gate_up then down (down on `inter` where given), GL = gl."""
+    if gl:
+        mq.TYPE_CONFIG[QT] = {"GL": 1}
+    else:
+        mq.TYPE_CONFIG.pop(QT, None)
+    try:
+        R = rows.numel()
+        out_i = torch.full((R, F), float("nan"), dtype=DT, device=dev)
+        mq.gate_up(hb, pool, base, st, rows, off, out_i, F, K_TOP, QT, limit, ROW_H, True)
+        y = torch.full((R, H), float("nan"), dtype=DT, device=dev)
+        mq.down(mq.prepare_bf16(out_i if inter is None else inter, False), pool, base, st, rows, off, y, QT, ROW_F,
+                True)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        return out_i, y
+    finally:
+        mq.TYPE_CONFIG.pop(QT, None)
+
+
+def reference(pool, base, starts, hb, ids, rows, off, limit, inter):
+    """Float64 inter [R, F] and y [T k, H] from the dequantized experts on the same bf16 activations (down on
+    `inter`, the kernels' bf16 one)."""
+    R = rows.numel()
+    ri, ry = torch.zeros(R, F, dtype=torch.float64, device=dev), torch.zeros(R, H, dtype=torch.float64, device=dev)
+    x = hb[0].double()
+    for e in range(E):
+        lo, hi = int(off[e]), int(off[e + 1])
+        if lo == hi:
+            continue
+        b = int(base[e])
+        wg, wu = (dequant(pool, b + starts[p], F, ROW_H) for p in (0, 1))
+        wd = dequant(pool, b + starts[2], H, ROW_F)
+        r = rows[lo:hi].long()
+        xe = x[r // K_TOP]
+        g, u = xe @ wg.T, xe @ wu.T
+        if limit is not None:
+            g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+        ri[lo:hi] = g / (1 + torch.exp(-g)) * u
+        ry[r] = inter[lo:hi].double() @ wd.T
+    return ri, ry
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b).abs().max() / b.abs().max())
+
+
+def graph_gbps(fn, reps: int, nbytes: float) -> float:
+    """GB/s of nbytes a fn(i) call: a CUDA graph of reps calls, median of 5 replays (kernel_roofline.graph_time)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(2):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(reps):
+            fn(i)
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / 1e3 / reps)
+    del g
+    return nbytes / sorted(ts)[2] / 1e9
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=32)
+    ap.add_argument("--no-time", action="store_true")
+    ap.add_argument("--types", default="Q8_0,MXFP4")
+    ap.add_argument("--dry-run", action="store_true", help="the CPU under TRITON_INTERPRET=1, H = F = 256: the "
+                    "script's plumbing and reference only (GL falls back to Triton there: 'gluon ran' FAILs)")
+    a = ap.parse_args()
+    if a.dry_run:
+        global H, F, dev, DT
+        H, F, dev, DT = 256, 256, torch.device("cpu"), torch.float32
+        a.no_time = True
+    elif not torch.cuda.is_available():
+        print("FAIL no CUDA device")
+        return 1
+    import triton
+    from betelgeuse.kernels import gluon_mmq as gm
+    from betelgeuse.kernels import triton_launch
+    from betelgeuse.kernels import triton_mmq as mq
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    print(f"device {name} torch {torch.__version__} triton {triton.__version__} gluon {gm.HAVE_GLUON}")
+    fails = 0
+    g = torch.Generator(device=dev).manual_seed(55)
+    types = a.types.split(",")
+    for tname in types:
+        set_type(tname)
+        c = mq.config(QT, 16, bf=True)
+        if not gm.usable(QT, {**c, "GL": 1}, c["KB"], dev) and not a.dry_run:
+            print(f"FAIL {tname}: gluon_mmq.usable is False here (config {c}): GL would fall back to Triton")
+            fails += 1
+            continue
+        fails += check_type(tname, mq, triton_launch, g)
+    if not a.no_time:
+        print("\n| type | rows/expert | kernel | Triton GB/s | Gluon GB/s | Gluon / Triton |")
+        print("|---|---|---|---|---|---|")
+        for tname in types:
+            set_type(tname)
+            time_type(tname, mq, g, a.reps)
+    print(f"\n{'FAIL' if fails else 'PASS'}: {fails} failed checks")
+    return 1 if fails else 0
+
+
+def check_type(tname: str, mq, triton_launch, g) -> int:
+    """The bits and reference checks of one type (module doc): the number of FAILs."""
+    fails = 0
+    starts, slot = slot_layout()
+    below = 2                                      # experts 0, 1 of the bank lie below the pool (negative offsets)
+    big = make_pool(BANK, slot, starts, g)
+    pool = big[below * slot:]
+    base = torch.full((E,), -1, dtype=torch.int64, device=dev)
+    base[:BANK] = torch.arange(BANK, device=dev) * slot - below * slot
+    st = torch.tensor([starts] * E, dtype=torch.int64, device=dev)
+    for T, limit in ((2, None), (32, None), (2, 7.0), (32, 7.0)):
+        ids = torch.stack([torch.randperm(BANK, device=dev, generator=g)[:K_TOP] for _ in range(T)])
+        ids[0, :2] = torch.tensor([0, 1], device=dev)                       # a token on both experts below the pool
+        h = torch.randn(T, H, device=dev, generator=g)
+        hb = mq.prepare_bf16(h, False)
+        rows, off = route(ids)
+        bucket = 1 if rows.numel() <= E else 16
+        n0 = dict(triton_launch.COUNTS)
+        it, yt = run(mq, False, hb, pool, base, st, rows, off, limit)
+        ig, yg = run(mq, True, hb, pool, base, st, rows, off, limit, inter=it)
+        ran = {k: triton_launch.COUNTS[k] - n0.get(k, 0) for k in ("_gate_up_gl_kernel", "_down_gl_kernel")}
+        ri, ry = reference(big, base + below * slot, starts, hb, ids, rows, off, limit, it)
+        case = f"{tname} T {T} rows {rows.numel()} bucket {bucket} limit {limit}"
+        checks = {"gluon ran": ran == {"_gate_up_gl_kernel": 1, "_down_gl_kernel": 1},
+                  "gate_up bits ==": bool(torch.equal(ig, it)), "down bits ==": bool(torch.equal(yg, yt)),
+                  "finite": bool(torch.isfinite(it).all() and torch.isfinite(yt).all())}
+        errs = {"triton inter": rel(it, ri), "gluon inter": rel(ig, ri), "triton y": rel(yt, ry),
+                "gluon y": rel(yg, ry)}
+        checks["within 1e-2 of float64"] = max(errs.values()) < 1e-2
+        for k, ok in checks.items():
+            fails += not ok
+            print(f"{'PASS' if ok else 'FAIL'} {case}: {k}")
+        diff = int((ig != it).sum()) + int((yg != yt).sum())
+        print("     rel err vs float64: " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items())
+              + f"; differing outputs {diff}")
+    return fails
+
+
+def time_type(tname: str, mq, g, reps: int):
+    """GB/s rows of one type's table: banks of 16 experts rotating beyond the L2, each expert exactly `rows` rows
+    (kernel_roofline.routing), Triton then Gluon."""
+    starts, slot = slot_layout()
+    st = torch.tensor([starts] * E, dtype=torch.int64, device=dev)
+    bank_b = BANK * (2 * F * ROW_H + H * ROW_F)
+    n_banks = max(2, math.ceil(512e6 / bank_b))
+    pool = make_pool(n_banks * BANK, slot, starts, g)
+    bases = []
+    for b in range(n_banks):
+        t = torch.full((E,), -1, dtype=torch.int64, device=dev)
+        t[:BANK] = (b * BANK + torch.arange(BANK, device=dev)) * slot
+        bases.append(t)
+    for rpe in (1, 16):
+        T = BANK * rpe // K_TOP
+        ids = ((torch.arange(T, device=dev)[:, None] * K_TOP + torch.arange(K_TOP, device=dev)[None, :]) % BANK)
+        hb = mq.prepare_bf16(torch.randn(T, H, device=dev, generator=g), False)
+        rows, off = route(ids)
+        R = rows.numel()
+        inter = torch.empty(R, F, dtype=torch.bfloat16, device=dev)
+        ib = mq.prepare_bf16(torch.randn(R, F, device=dev, generator=g) * 0.1, False)
+        y = torch.empty(R, H, dtype=torch.bfloat16, device=dev)
+        gu_b, dn_b = BANK * 2 * F * ROW_H, BANK * H * ROW_F
+
+        def gu(i):
+            mq.gate_up(hb, pool, bases[i % n_banks], st, rows, off, inter, F, K_TOP, QT, None, ROW_H, True)
+
+        def dn(i):
+            mq.down(ib, pool, bases[i % n_banks], st, rows, off, y, QT, ROW_F, True)
+
+        def pair(i):
+            gu(i)
+            dn(i)
+        res = {}
+        for name, gl in (("triton", False), ("gluon", True)):
+            if gl:
+                mq.TYPE_CONFIG[QT] = {"GL": 1}
+            try:
+                res[name] = [graph_gbps(gu, reps, gu_b), graph_gbps(dn, reps, dn_b), graph_gbps(pair, reps, bank_b)]
+            finally:
+                mq.TYPE_CONFIG.pop(QT, None)
+        for j, k in enumerate(("gate_up", "down", "pair")):
+            t, q = res["triton"][j], res["gluon"][j]
+            print(f"| {tname} | {rpe} | {k} | {t:.0f} | {q:.0f} | {q / t:.2f} |", flush=True)
+    pool = None                     # freed before the next type's banks
+    torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
