@@ -32,7 +32,8 @@ if why or not gm.HAVE_GLUON:
     print(json.dumps({"skip": why or "no Gluon"})); sys.exit(0)
 import sass_profile as sp
 from betelgeuse.kernels import triton_mmq as mq
-FOPS = re.compile(r"^\s*((?:ex2|div|rcp|fma|add|sub|mul|min|max|neg)\.[\w.]*f32[\w.]*|cvt\.rn\.bf16\w*\.f32)", re.M)
+FOPS = re.compile(r"^\\s*((?:ex2|div|rcp|fma|add|sub|mul|min|max|neg)\\.[\\w.]*f32[\\w.]*"
+                  r"|cvt\\.rn\\.bf16\\w*\\.f32)", re.M)
 def fops(ptx):                      # the PTX's float ops that round (cvt f16 -> f32 is exact: left out), by kind
     ops = {}
     for m in FOPS.findall(ptx):
