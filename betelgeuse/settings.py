@@ -298,8 +298,9 @@ class StoreSettings(_Section):
                                  "betelgeuse")
     # the worker's loads, reads ahead and releases (the session stream only): one protobuf message a datagram on the
     # store's SOCK_SEQPACKET socket (the control socket's path + ".seq"; always served), or on gRPC. seqpacket is the
-    # default since gpu-run57 (ds4-flash exact decode, one H100, the same call: 8.64 -> 9.50 tok/s, the within-token
-    # deliver + message hops 2.90 -> 1.07 ms a token, host 198 -> 176 us an expert application)
+    # default since gpu-run57 (ds4-flash exact decode, one H100, the same call: the within-token deliver + message
+    # hops 2.90 -> 1.07 ms a token, host 198 -> 176 us an expert application; 8.64 -> 9.50 tok/s, of which the disk
+    # reading 8% faster in the second run is most: achieved of the bound 0.742 -> 0.751)
     session_transport: _choices("grpc", "seqpacket") = setting(
         "seqpacket", "the session stream's transport: seqpacket | grpc (services/grpc/session_seq.py)", "grpc")
     # the prefix cache's host tier outlives a restart of the whole service: saved when the store is idle and when it
