@@ -142,29 +142,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def graph_gbps(fn, reps: int, nbytes: float) -> float:
-    """GB/s of nbytes a fn(i) call: a CUDA graph of reps calls, median of 5 replays (kernel_roofline.graph_time)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(2):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(reps):
-            fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3 / reps)
-    del g
-    return nbytes / sorted(ts)[2] / 1e9
+    """GB/s of nbytes a fn(i) call: kernel_roofline.graph_time's CUDA graph of reps calls, median of 5 replays."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from kernel_roofline import graph_time
+    return nbytes / graph_time(fn, reps) / 1e9
 
 
 def main() -> int:
