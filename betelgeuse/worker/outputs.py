@@ -155,7 +155,7 @@ class OutputProcessor:
 
     # ---- the end ------------------------------------------------------------------------------------
     def finish(self, seq: Sequence, fin: Finish):
-        """The request's last word: its FinalEvent (or the error its handle raises), its log line, the metrics."""
+        """The request's last word: its metrics, then its FinalEvent (or the error its handle raises), its log line."""
         if fin.error is not None:
             seq.fail(fin.error)
             self.log_request(seq, "error", error=" ".join(str(fin.error).split()), error_type=type(fin.error).__name__)
@@ -166,15 +166,15 @@ class OutputProcessor:
         if u.predicted_n > 1:
             u.predicted_ms = (seq.t_last - seq.t_first) * 1e3     # first to last token, as the client saw them
             u.predicted_per_second = (u.predicted_n - 1) / (u.predicted_ms / 1e3) if u.predicted_ms > 0 else 0.0
-        seq.finish(fin.reason, fin.stop_reason, fin.stop_token_id)
-        self.log_request(seq, "deadline_exceeded" if fin.reason == "cancelled" and seq.expired and not seq.cancelled
-                         else fin.reason)
-        if self.metrics:
+        if self.metrics:    # before the final event: whoever sees the request end (its servicer) sees these counted
             m = self.metrics
             m.requests_finished.labels(finish_reason=fin.reason).inc()
             m.request_duration.observe(time.monotonic() - seq.arrival)
             m.request_prompt_tokens.observe(len(seq.prompt_ids))
             m.request_generation_tokens.observe(len(seq.out_ids))
+        seq.finish(fin.reason, fin.stop_reason, fin.stop_token_id)
+        self.log_request(seq, "deadline_exceeded" if fin.reason == "cancelled" and seq.expired and not seq.cancelled
+                         else fin.reason)
 
     @staticmethod
     def log_request(seq: Sequence, status: str, **extra):
