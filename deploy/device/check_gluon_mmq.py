@@ -94,10 +94,15 @@ def route(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return rows, off
 
 
+# the Gluon form as launched: GL 1 unfused (gluon_mmq has no FUSE form; BF_TUNING fuses MXFP4's gate and up, the same
+# bits as unfused: gpu-run58-kernels), against the shipped Triton launch
+GL_ON = {"GL": 1, "FUSE": 0}
+
+
 def run(mq, gl: bool, hb, pool, base, st, rows, off, limit, inter=None):
     """(inter [R, F], y [T k, H]) of triton_mmq's gate_up then down (down on `inter` where given), GL = gl."""
     if gl:
-        mq.TYPE_CONFIG[QT] = {"GL": 1}
+        mq.TYPE_CONFIG[QT] = GL_ON
     else:
         mq.TYPE_CONFIG.pop(QT, None)
     try:
@@ -175,7 +180,7 @@ def main() -> int:
     for tname in types:
         set_type(tname)
         c = mq.config(QT, 16, bf=True)
-        if not gm.usable(QT, {**c, "GL": 1}, c["KB"], dev) and not a.dry_run:
+        if not gm.usable(QT, {**c, **GL_ON}, c["KB"], dev) and not a.dry_run:
             print(f"FAIL {tname}: gluon_mmq.usable is False here (config {c}): GL would fall back to Triton")
             fails += 1
             continue
@@ -264,7 +269,7 @@ def time_type(tname: str, mq, g, reps: int):
         res = {}
         for name, gl in (("triton", False), ("gluon", True)):
             if gl:
-                mq.TYPE_CONFIG[QT] = {"GL": 1}
+                mq.TYPE_CONFIG[QT] = GL_ON
             try:
                 res[name] = [graph_gbps(gu, reps, gu_b), graph_gbps(dn, reps, dn_b), graph_gbps(pair, reps, bank_b)]
             finally:
