@@ -102,7 +102,7 @@ GL_ON = {"GL": 1, "FUSE": 0}
 def run(mq, gl: bool, hb, pool, base, st, rows, off, limit, inter=None):
     """(inter [R, F], y [T k, H]) of triton_mmq's gate_up then down (down on `inter` where given), GL = gl."""
     if gl:
-        mq.TYPE_CONFIG[QT] = GL_ON
+        mq.TYPE_CONFIG[QT] = dict(GL_ON)
     else:
         mq.TYPE_CONFIG.pop(QT, None)
     try:
@@ -269,7 +269,7 @@ def time_type(tname: str, mq, g, reps: int):
         res = {}
         for name, gl in (("triton", False), ("gluon", True)):
             if gl:
-                mq.TYPE_CONFIG[QT] = GL_ON
+                mq.TYPE_CONFIG[QT] = dict(GL_ON)
             try:
                 res[name] = [graph_gbps(gu, reps, gu_b), graph_gbps(dn, reps, dn_b), graph_gbps(pair, reps, bank_b)]
             finally:
