@@ -6,7 +6,10 @@ time splits further into the store messages (`store_rpc`: per kind, messages sen
 sending them and waiting for their replies, replies that wait on no disk), the per-layer expert step's own host
 time (`moe_host_s`: MoEStep.partial's Python, copies and launches) and the rest (`other_host_s`: the dense part,
 graph replays, pass bookkeeping). A wait for expert bytes the store is still reading from disk (a Load stream's next
-message) is blocked time, counted apart as `store_wait_s`. Per-layer
+message) is blocked time, counted apart as `store_wait_s`. So is the wait for the reply of a pass-boundary message
+(BeginPass / EndPass, `store_reply_wait_s`): the store applies or plans a consolidation before it answers (EndPass's
+plan_moves was ~6 ms at ds4-flash's shapes, issue 21) while the worker's thread sleeps in the call; only the
+thread's own CPU time in the call (building the request, the client's bookkeeping) is the message's host time. Per-layer
 compute and copy times are CUDA events when the bench turns `timing` on (read once, after the pass's end sync), CPU
 wall times otherwise.
 """
@@ -95,6 +98,8 @@ class PassStats:
     store_calls: int = 0        # messages to the store during this pass (round trips and one-way sends)
     store_rpc: dict = field(default_factory=dict)   # message kind -> [messages, host seconds in them] (module doc)
     store_wait_s: float = 0.0   # blocked waiting for the store to deliver expert bytes (part of blocked_s)
+    store_reply_wait_s: float = 0.0   # blocked waiting for a pass-boundary message's reply (part of blocked_s;
+                                      # PassClock.reply: the store's work on it, a consolidation applied or planned)
     moe_host_s: float = 0.0     # host time in the layers' expert steps, outside store messages and blocked waits
     layers: list = field(default_factory=list)
     engram: EngramStats | None = None   # deepseek41: Engram rows of this pass (worker/engram_feed.py)
@@ -127,8 +132,8 @@ class PassStats:
 class PassClock:
     """One pass's blocked time and per-layer compute timing (begin() starts a pass, finish() fills its stats)."""
 
-    __slots__ = ("device", "is_cuda", "timing", "marks", "blocked", "store_wait", "store", "store_s", "_events",
-                 "_marks", "_t0")
+    __slots__ = ("device", "is_cuda", "timing", "marks", "blocked", "store_wait", "reply_wait", "store", "store_s",
+                 "_events", "_marks", "_t0")
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -137,6 +142,7 @@ class PassClock:
         self.marks = False              # PassStats.gpu_marks (the bench turns it on; callers test it: nil cost off)
         self.blocked = 0.0              # seconds the host waited in this pass
         self.store_wait = 0.0           # of them: waits for the store to deliver expert bytes
+        self.reply_wait = 0.0           # of them: waits for a pass-boundary message's reply (reply())
         self.store: dict = {}           # store message kind -> [messages, host seconds] in this pass
         self.store_s = 0.0              # their seconds summed (MoEStep takes differences of it)
         self._events: list = []         # (LayerStats, start, end) CUDA events of this pass
@@ -144,7 +150,7 @@ class PassClock:
         self._t0 = 0.0
 
     def begin(self):
-        self.blocked = self.store_wait = self.store_s = 0.0
+        self.blocked = self.store_wait = self.reply_wait = self.store_s = 0.0
         self.store = {}
         self._events = []
         self._marks = []
@@ -171,6 +177,23 @@ class PassClock:
             return fn(*args)
         finally:
             self.add_message(kind, time.perf_counter() - t, 1)
+
+    def reply(self, kind: str, fn, *args):
+        """fn(*args), one message to the store whose reply waits on the store's own work (BeginPass applies a landed
+        consolidation, EndPass plans the next one: milliseconds, issue 21): counted as a message of this kind with
+        the calling thread's CPU time in it as its host time; the rest of its wall, the thread asleep until the store
+        answers, is blocked (reply_wait), as a wait for the store's expert bytes is (wait_store). On CUDA a wait for
+        the GIL inside the call (the session stream's threads) counts as blocked too; the main thread holds no GIL
+        while it waits for the reply, so that is the others' work, not this call's."""
+        t, c = time.perf_counter(), time.thread_time()
+        try:
+            return fn(*args)
+        finally:
+            wall = time.perf_counter() - t
+            cpu = min(wall, time.thread_time() - c)     # two clocks: the CPU time may read a hair over the wall
+            self.blocked += wall - cpu
+            self.reply_wait += wall - cpu
+            self.add_message(kind, cpu, 1)
 
     def add_message(self, kind: str, seconds: float, n: int = 0):
         rec = self.store.setdefault(kind, [0, 0.0])
@@ -236,6 +259,7 @@ class PassClock:
         stats.blocked_s = self.blocked
         stats.host_s = max(0.0, stats.seconds - self.blocked)
         stats.store_wait_s = self.store_wait
+        stats.store_reply_wait_s = self.reply_wait
         stats.store_rpc = {k: list(v) for k, v in self.store.items()}
         for ls, ev0, ev1 in self._events:
             ls.compute_ms += ev0.elapsed_time(ev1)

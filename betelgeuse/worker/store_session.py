@@ -85,9 +85,15 @@ class StoreSession:
         self._give, self._give_after = [], []     # the new session holds no staging slot
         self._usage = np.zeros((L, E), dtype=np.int64)
 
+    # the messages whose reply waits on the store's work (a consolidation applied or planned): their wall less the
+    # thread's CPU time is blocked time (PassClock.reply), not host time
+    REPLY_KINDS = frozenset({"begin_pass", "end_pass"})
+
     def call(self, kind: str, fn, *args):
         """One message to the store (counted, its host time in the pass clock by kind: stats.py)."""
         self.calls += 1
+        if kind in self.REPLY_KINDS:
+            return self.clock.reply(kind, fn, *args)
         return self.clock.message(kind, fn, *args)
 
     def load(self, keys, ahead=(), drop=()) -> "LoadStream":

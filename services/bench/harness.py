@@ -570,13 +570,14 @@ def _since(before: dict, now: dict) -> dict:
 
 class HostSplit:
     """A decode run's host time by part (PassStats: store messages by kind, the layers' expert steps, the rest) and
-    its waits for the store's expert bytes (blocked: store_wait_s), summed over passes."""
+    its waits for the store's expert bytes and for the replies of BeginPass / EndPass (blocked: store_wait_s,
+    store_reply_wait_s), summed over passes."""
 
-    __slots__ = ("rpc", "store_wait_s", "moe_host_s", "other_host_s")
+    __slots__ = ("rpc", "store_wait_s", "store_reply_wait_s", "moe_host_s", "other_host_s")
 
     def __init__(self):
         self.rpc: dict = {}
-        self.store_wait_s = self.moe_host_s = self.other_host_s = 0.0
+        self.store_wait_s = self.store_reply_wait_s = self.moe_host_s = self.other_host_s = 0.0
 
     def add(self, st):
         for k, (n, sec) in st.store_rpc.items():
@@ -584,13 +585,15 @@ class HostSplit:
             rec[0] += n
             rec[1] += sec
         self.store_wait_s += st.store_wait_s
+        self.store_reply_wait_s += st.store_reply_wait_s
         self.moe_host_s += st.moe_host_s
         self.other_host_s += st.other_host_s
 
     def record(self, tokens: int, applications: int) -> dict:
         per_app = (lambda s: s / applications * 1e6) if applications else (lambda s: None)
         store_s = sum(sec for _, sec in self.rpc.values())
-        return {"store_s": store_s, "store_wait_s": self.store_wait_s, "moe_host_s": self.moe_host_s,
+        return {"store_s": store_s, "store_wait_s": self.store_wait_s, "store_reply_wait_s": self.store_reply_wait_s,
+                "moe_host_s": self.moe_host_s,
                 "other_host_s": self.other_host_s,
                 "store_us_per_application": per_app(store_s), "moe_host_us_per_application": per_app(self.moe_host_s),
                 "other_host_us_per_application": per_app(self.other_host_s),
