@@ -63,7 +63,7 @@ class _HeaderFlag:
 
 
 class SlotDirectory:
-    __slots__ = ("layout", "_hdr", "_ent", "_writer")
+    __slots__ = ("layout", "_hdr", "_ent", "_tier", "_slot", "_gen", "_writer")
 
     def __init__(self, arena: "Arena", layout: ArenaLayout, create: bool):
         """create=True (the store): initialise every entry to disk tier, no slot, generation 0.
@@ -75,6 +75,9 @@ class SlotDirectory:
         self._hdr = arena.numpy(off, HEADER_DTYPE.itemsize, dtype=HEADER_DTYPE)[0:1]
         ent = arena.numpy(off + HEADER_DTYPE.itemsize, need - HEADER_DTYPE.itemsize, dtype=ENTRY_DTYPE)
         self._ent = ent.reshape(layout.n_layer, layout.n_expert)
+        # the fields as views [n_layer, n_expert] made once: set() runs per move of a consolidation (hundreds at
+        # ds4-flash's shape, in the BeginPass the worker waits on: issue 21), and `_ent[name]` makes a view each time
+        self._tier, self._slot, self._gen = self._ent["tier"], self._ent["host_slot"], self._ent["generation"]
         self._writer = create
         h = self._hdr[0]
         if create:
@@ -150,16 +153,18 @@ class SlotDirectory:
         # disk: no slot; host: a slot; VRAM: its backing slot, or none when the plan keeps no backing copies
         assert (tier != TIER_DISK or host_slot < 0) and (tier != TIER_HOST or host_slot >= 0), (tier, host_slot)
         assert host_slot < self.layout.host_per_layer, (host_slot, self.layout.host_per_layer)
+        slots = self._slot
         if host_slot >= 0:  # one expert per slot
-            holders = np.nonzero(self._ent["host_slot"][layer] == host_slot)[0]
-            assert all(int(x) == expert for x in holders), f"layer {layer} slot {host_slot} held by {holders}"
+            held = slots[layer] == host_slot
+            if held.any():
+                holders = np.nonzero(held)[0]
+                assert all(int(x) == expert for x in holders), f"layer {layer} slot {host_slot} held by {holders}"
         outer = self.epoch % 2 == 1  # inside batch()
         if not outer:
             self._hdr["epoch"] += 1
-        e = self._ent[layer, expert]
-        if int(e["host_slot"]) != host_slot or rewritten:
-            self._ent["generation"][layer, expert] += np.uint32(1)
-        self._ent["tier"][layer, expert] = tier
-        self._ent["host_slot"][layer, expert] = host_slot
+        if int(slots[layer, expert]) != host_slot or rewritten:
+            self._gen[layer, expert] += np.uint32(1)
+        self._tier[layer, expert] = tier
+        slots[layer, expert] = host_slot
         if not outer:
             self._hdr["epoch"] += 1

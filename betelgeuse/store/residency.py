@@ -60,9 +60,11 @@ def resident_sets(score: np.ndarray, tiers: np.ndarray, plan: SlotPlan, max_new:
     orders, tops, gains = [], [], []      # gains: (gain, layer, kept newcomers in that layer after this one)
     for l in range(p.n_layer):
         cur = tiers[l]
-        # rank: hysteresis score desc, currently resident first, expert id asc (stable and deterministic)
-        order = sorted(range(p.n_expert),
-                       key=lambda e: (-_rank_key(score[l, e], cur[e], hysteresis), -int(cur[e] > 0), e))
+        # rank: hysteresis score desc, currently resident first, expert id asc (stable and deterministic). One
+        # lexsort over the layer (last key first), the order a Python sort on that key tuple gives: the same float
+        # arithmetic as _rank_key, ties broken to the expert id (the store runs this inside EndPass: issue 21)
+        rk = np.where(cur != TIER_DISK, score[l] * HOST_STICKY + HOST_MARGIN, score[l]) if hysteresis else score[l]
+        order = np.lexsort((np.arange(p.n_expert), -(cur > 0).astype(np.int64), -rk)).tolist()
         orders.append(order)
         tops.append(order[:n_res])
         new = [e for e in tops[l] if cur[e] == TIER_DISK and score[l, e] > 0]    # rank order: best first
@@ -99,16 +101,22 @@ def plan_moves(score: np.ndarray, tiers: np.ndarray, host_owner: np.ndarray, pla
     p = plan
     moves: list[Move] = []
     for l, top in enumerate(resident_sets(score, tiers, plan, max_new, hysteresis)):
-        cur_tier = tiers[l]
+        # Python lists and a dict of the host slots: per-expert numpy scalar reads and `owner == e` scans were ~6 ms
+        # of EndPass at ds4-flash's shapes (8 layers x 256 experts), the worker waiting for its reply (issue 21)
+        cur_tier, sc = tiers[l].tolist(), score[l].tolist()
         if not p.vram_backing:           # VRAM membership within the resident set is sticky (module doc)
-            top = sorted(top, key=lambda e: (-score[l, e] * (VRAM_STICKY if cur_tier[e] == TIER_VRAM else 1.0),
+            top = sorted(top, key=lambda e: (-sc[e] * (VRAM_STICKY if cur_tier[e] == TIER_VRAM else 1.0),
                                               -int(cur_tier[e] == TIER_VRAM), -int(cur_tier[e] > 0), e))
         want = {}
         for rank, e in enumerate(top):
-            if score[l, e] <= 0 and cur_tier[e] == TIER_DISK:
+            if sc[e] <= 0 and cur_tier[e] == TIER_DISK:
                 continue
             want[e] = TIER_VRAM if rank < p.n_vram else TIER_HOST
-        owner = host_owner[l]
+        owner = host_owner[l].tolist()
+        slot_of: dict[int, int] = {}     # expert -> its first host slot (`np.nonzero(owner == e)[0][0]`)
+        for i, e in enumerate(owner):
+            if e >= 0:
+                slot_of.setdefault(e, i)
 
         def needs_slot(e):       # host tier, or a VRAM expert with a backing copy
             return e in want and (want[e] == TIER_HOST or p.vram_backing)
@@ -117,33 +125,33 @@ def plan_moves(score: np.ndarray, tiers: np.ndarray, host_owner: np.ndarray, pla
         # not disk; but only while the host tier's own experts still get slots (experts demoted from VRAM need
         # new ones): the lowest-ranked transits give theirs up first (the worker then reads those from disk)
         transit = [e for e in want if not p.vram_backing and want[e] == TIER_VRAM
-                   and cur_tier[e] != TIER_VRAM and (owner == e).any()]
-        need = sum(1 for e in want if needs_slot(e) and not (owner == e).any())
-        n_free = sum(1 for e in owner if e < 0 or (not needs_slot(int(e)) and int(e) not in transit))
+                   and cur_tier[e] != TIER_VRAM and e in slot_of]
+        need = sum(1 for e in want if needs_slot(e) and e not in slot_of)
+        n_free = sum(1 for e in owner if e < 0 or (not needs_slot(e) and e not in transit))
         transit = set(transit[:max(0, len(transit) - max(0, need - n_free))])
 
-        leaving = [i for i, e in enumerate(owner) if e >= 0 and not needs_slot(int(e)) and int(e) not in transit]
+        leaving = [i for i, e in enumerate(owner) if e >= 0 and not needs_slot(e) and e not in transit]
         free = [i for i, e in enumerate(owner) if e < 0] + leaving
         for i in leaving:
-            if int(owner[i]) not in want:
-                moves.append((l, int(owner[i]), TIER_DISK, -1))
-        for e in np.nonzero(cur_tier == TIER_VRAM)[0]:   # VRAM without a host slot, no longer wanted
-            if int(e) not in want and not (owner == e).any():
-                moves.append((l, int(e), TIER_DISK, -1))
+            if owner[i] not in want:
+                moves.append((l, owner[i], TIER_DISK, -1))
+        for e in range(len(cur_tier)):   # VRAM without a host slot, no longer wanted
+            if cur_tier[e] == TIER_VRAM and e not in want and e not in slot_of:
+                moves.append((l, e, TIER_DISK, -1))
         to_vram = []                               # disk-tier experts promoted to VRAM without backing
         for e, tier in want.items():
-            held = np.nonzero(owner == e)[0]
+            held = slot_of.get(e)                  # its host slot, None: none
             if e in transit:                       # VRAM now, its host slot freed at the next consolidation
-                moves.append((l, e, tier, int(held[0])))
-            elif not needs_slot(e) and cur_tier[e] == TIER_DISK and not held.size:
+                moves.append((l, e, tier, held))
+            elif not needs_slot(e) and cur_tier[e] == TIER_DISK and held is None:
                 to_vram.append(e)
             elif not needs_slot(e):                # VRAM without a backing copy (the worker holds the bytes)
-                if cur_tier[e] != tier or held.size:
+                if cur_tier[e] != tier or held is not None:
                     moves.append((l, e, tier, -1))
-            elif not held.size:
+            elif held is None:
                 moves.append((l, e, tier, free.pop(0)))
             elif cur_tier[e] != tier:
-                moves.append((l, e, tier, int(held[0])))
+                moves.append((l, e, tier, held))
         # host slots nobody else needs carry disk -> VRAM promotions for one round (filled from the staged copy
         # when there is one), so the worker fills its VRAM slot from RAM instead of reading the disk again
         for e in to_vram:

@@ -695,10 +695,14 @@ class ExpertStore:
         if not moves:
             return
         with self.cv, self.directory.batch():       # one epoch change: a snapshot sees all of it or none
+            by_layer: dict[int, list[int]] = {}
             for l, e, tier, slot in moves:          # slots given up first, so each slot has one holder
-                self._host_owner[l][self._host_owner[l] == e] = -1
+                by_layer.setdefault(l, []).append(e)
                 if slot < 0:
                     self.directory.set(l, e, tier, -1)
+            for l, es in by_layer.items():          # one isin a layer, not a scan a move (BeginPass: issue 21)
+                owner = self._host_owner[l]
+                owner[np.isin(owner, es)] = -1
             for l, e, tier, slot in moves:
                 if slot >= 0:
                     self._host_owner[l, slot] = e
