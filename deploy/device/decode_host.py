@@ -12,6 +12,12 @@ rest, and the blocked wait for the store's expert bytes. Run it in two checkouts
                                          [--flex auto|on|off] [--host-in-place auto|always|never]
                                          [--flex-slots N] [--threads] [--sync-debug] [--group-graphs]
 
+--preset ds4-wide: ds4-tiny's dims at ds4-flash's expert shape (8 layers x 256 experts, top-6; with --vram 49 --host 77
+as its bench's auto plan): the store's work per consolidation (plan, vacate, commit: per move) at that scale.
+--per-token: every decode step's row (the skipped first ones too; _token_row): host, blocked and CPU ms, the pass
+open, the wait for BeginPass / EndPass replies and those messages' host ms: the spike tokens of issue 21 (a pass
+boundary every decode_consolidate_every tokens: EndPass plans a consolidation, a later BeginPass applies it).
+
 --form: the decode path. default: whatever the device takes (on the CPU: forward()'s per-layer partial path); solo /
 lanes: the static form CUDA runs (forced on the CPU, eagerly: SoloDecode through forward(), or the batched lanes
 through decode_batch as the engine decodes a lone sequence), with decode's at-hand group (worker/at_hand.py) and,
@@ -82,6 +88,9 @@ def _model(preset: str, tmp: Path) -> Path:
         spec = replace(PRESETS["tiny"], n_layer=3, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_expert=32,
                        n_expert_used=4, n_ff_exp=64, n_vocab=320, context_length=512, router_skew=0.5, seed=11,
                        qtype="Q8_0")
+    elif preset == "ds4-wide":  # ds4-tiny's layers at ds4-flash's expert shape (8 layers x 256 experts, top-6): the
+        spec = spec_from_preset("ds4-tiny", expert_qtype="Q8_0", seed=2)     # store's per-move work at its scale
+        spec = replace(spec, n_layer=8, n_expert=256, n_expert_used=6, compress_ratios=spec.compress_ratios * 2)
     else:
         spec = spec_from_preset(preset, expert_qtype="Q8_0", seed=2)
     write_model(path, spec, progress=False)
@@ -174,6 +183,18 @@ def _split(rn, client) -> dict:
                 _rec.append(time.perf_counter() - t)
         setattr(owner, name, timed)
     return out
+
+
+def _token_row(i: int, st, cpu_s: float) -> list:
+    """--per-token: [step, host ms, blocked ms, the worker's CPU ms (all its threads: getrusage), pass-open ms (BeginPass
+    and the VRAM fills), the blocked wait for BeginPass / EndPass replies ms (None: a checkout that counts it as
+    host), {store message kind: [messages, host ms]}] of one decode step (its PassStats), the message kinds other than
+    load / release / prefetch only (the pass boundaries: begin_pass, end_pass)."""
+    msgs = {k: [n, round(s * 1e3, 3)] for k, (n, s) in getattr(st, "store_rpc", {}).items()
+            if k not in ("load", "release", "prefetch", "prefetch_start")}
+    reply = getattr(st, "store_reply_wait_s", None)
+    return [i, round(st.host_s * 1e3, 3), round(st.blocked_s * 1e3, 3), round(cpu_s * 1e3, 3),
+            round(getattr(st, "open_s", 0.0) * 1e3, 3), None if reply is None else round(reply * 1e3, 3), msgs]
 
 
 class _Threads:
@@ -322,7 +343,7 @@ def run(a, tmp: Path) -> dict:
         if a.profile:
             import cProfile
             prof = cProfile.Profile()
-        rows, sc0, first_ms = [], None, None
+        rows, sc0, first_ms, per_token = [], None, None, []
         logits_sha = hashlib.sha256()
         for i in range(a.tokens):
             if TL is not None and i in (0, 1, a.skip):      # the regions: first step, skipped ones, timed ones
@@ -355,6 +376,8 @@ def run(a, tmp: Path) -> dict:
             logits_sha.update(lg.float().cpu().numpy().tobytes())      # after the step's timing: bits, not time
             if i == 0:
                 first_ms = round(st.host_s * 1e3, 3)
+            if a.per_token:                     # every step, the skipped ones too (issue 21: the spike tokens)
+                per_token.append(_token_row(i, st, c1 - c0))
             if i < a.skip:                      # the first steps (graph capture on CUDA)
                 continue
             row = dict(wall_ms=st.seconds * 1e3, host_ms=st.host_s * 1e3, messages=st.store_calls,
@@ -393,6 +416,8 @@ def run(a, tmp: Path) -> dict:
                "logits_sha256": logits_sha.hexdigest()[:16]}
         if TL is not None:
             res["triton_compiles"] = compiles
+        if a.per_token:
+            res["per_token"] = per_token
         if gg is not None:       # --group-graphs on CUDA: the eager groups' replays, captures and launches (all steps)
             res["group_graphs"] = gg.stats()
         if threads is not None:  # thread name -> {cpu_us, wakeups} per timed step (means)
@@ -410,7 +435,7 @@ def run(a, tmp: Path) -> dict:
 def parser() -> argparse.ArgumentParser:
     """The command line (main's; deploy/device/sync_audit.py takes the same)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default="ds4-tiny", choices=["ds4-tiny", "tiny"])
+    p.add_argument("--preset", default="ds4-tiny", choices=["ds4-tiny", "ds4-wide", "tiny"])
     p.add_argument("--vram", type=int, default=2)
     p.add_argument("--host", type=int, default=3)
     p.add_argument("--prompt", type=int, default=40)
@@ -432,6 +457,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", action="store_true", help="the worker's other threads' CPU and wakeups per step")
     p.add_argument("--sync-debug", action="store_true",
                    help="CUDA: the host-blocking ops of the timed steps, by where (module doc)")
+    p.add_argument("--per-token", action="store_true",
+                   help="every decode step's host / blocked / CPU / pass-open ms and its pass-boundary messages")
     p.add_argument("--split", action="store_true",
                    help="the expert step's functions timed in place: median us per call, calls per step (SPLIT)")
     return p
