@@ -96,6 +96,23 @@ class StoreCounters:
     extra: dict = field(default_factory=dict)
 
 
+class _Fill:
+    """A planned consolidation's fill, run on the store's fill thread (ExpertStore._filler): is_alive() and join() as
+    the thread's own were (one thread a consolidation, its start() ~1.2 ms of the EndPass the worker waits on when
+    the reader threads hold the GIL: cpu-spike56)."""
+
+    __slots__ = ("done",)
+
+    def __init__(self):
+        self.done = threading.Event()
+
+    def is_alive(self) -> bool:
+        return not self.done.is_set()
+
+    def join(self, timeout: float | None = None):
+        self.done.wait(timeout)
+
+
 class ExpertStore:
     def __init__(self, model: GGUFModelFile, plan: SlotPlan, read_threads: int = 8, read_request_bytes: int = 4 << 20,
                  engram_read_depth: int = 32, bound_fills: bool = False, hysteresis: bool = True,
@@ -142,7 +159,9 @@ class ExpertStore:
         self.score = np.zeros((L, E), dtype=np.float64)                  # decayed usage, for consolidation
         self._usage = np.zeros((L, E), dtype=np.int64)                   # since the last consolidation
         self._host_owner = np.full((L, plan.host_per_layer), -1, dtype=np.int64)  # host slot -> expert
-        self._consolidating: threading.Thread | None = None   # filling the slots of a planned consolidation
+        self._consolidating: _Fill | None = None                # filling the slots of a planned consolidation
+        self._fills: queue.SimpleQueue = queue.SimpleQueue()      # (_Fill, moves) for the fill thread; None: stop
+        self._filler: threading.Thread | None = None              # started at the first consolidation
         self._moves = None                                          # its moves, applied at a BeginPass once filled
         self._fill_stats = (0.0, 0, 0)                              # its fill: seconds, disk reads, staged copies
         self._fill_error: str | None = None                         # why its fill failed (then it is not applied)
@@ -285,10 +304,26 @@ class ExpertStore:
                 self.counters.consolidation_moves += len(moves)
         if moves:
             self._moves = moves
-            self._consolidating = threading.Thread(target=self._fill_consolidation, args=(moves,), daemon=True)
+            self._consolidating = fill = _Fill()
             self.directory.filling = True          # the worker sees it in its mapping (directory.py)
-            self._consolidating.start()
+            if self._filler is None:
+                self._filler = threading.Thread(target=self._fill_loop, name="consolidation-fill", daemon=True)
+                self._filler.start()
+            self._fills.put((fill, moves))
         return len(moves)
+
+    def _fill_loop(self):
+        """The fill thread: each planned consolidation's fill in turn (one at a time: a new one is planned only once
+        the last was applied), until close() puts None."""
+        while (job := self._fills.get()) is not None:
+            fill, moves = job
+            try:
+                self._fill_consolidation(moves)
+            except Exception as e:             # noqa: BLE001 - not applied (its slots' bytes are not known good)
+                log.exception("consolidation fill failed")
+                self._fill_error = f"{type(e).__name__}: {e}"
+            finally:
+                fill.done.set()
 
     def _fill_budget(self) -> int | None:
         """max_new for the consolidation planned now (under cv): what the disk can read before the next one, from
@@ -789,6 +824,10 @@ class ExpertStore:
         t = self._consolidating
         if t is not None:                    # a consolidation still reading: its reads land before the reader closes
             t.join()
+        if self._filler is not None:
+            self._fills.put(None)
+            self._filler.join()
+            self._filler = None
         self.reader.close()
         if self.engram is not None:
             self.engram.close()

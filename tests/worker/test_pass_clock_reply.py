@@ -1,0 +1,33 @@
+"""PassClock.reply (worker/stats.py, issue 21): a BeginPass / EndPass message's wait for the store's reply is blocked
+time, only the calling thread's CPU time in it is the message's host time."""
+
+import time
+
+import torch
+
+from betelgeuse.worker.stats import PassClock, PassStats
+
+
+def _spin(seconds: float):
+    t = time.perf_counter()
+    while time.perf_counter() - t < seconds:
+        pass
+
+
+def test_reply_wait_is_blocked_and_cpu_is_host():
+    clock = PassClock(torch.device("cpu"))
+    clock.begin()
+    # a reply the thread sleeps for (the store's work: off this thread's CPU), then the client's own work (on it)
+    clock.reply("end_pass", lambda: (time.sleep(0.05), _spin(0.02)))
+    clock.message("load", _spin, 0.01)                 # an ordinary message: all of it host, as before
+    st = PassStats("decode", "layer_major", 1)
+    clock.finish(st)
+    n, host = st.store_rpc["end_pass"]
+    assert n == 1
+    # the sleep is blocked, the spin is host (its CPU time: at most its wall, less where a busy machine preempts it)
+    assert st.store_reply_wait_s >= 0.045, st.store_reply_wait_s
+    assert 0.005 <= host <= 0.0205, host
+    assert st.blocked_s == st.store_reply_wait_s
+    assert st.store_rpc["load"][1] >= 0.01
+    assert abs(st.host_s - (st.seconds - st.blocked_s)) < 1e-9
+
