@@ -185,11 +185,36 @@ def _split(rn, client) -> dict:
     return out
 
 
+class _GcWatch:
+    """--per-token: the cyclic collector's pauses (gc.callbacks), ms by generation since the last take(): the bench's
+    decode loop does not gc.freeze() as the engine does (gc_pauses.py), so a collection may land in a timed token."""
+
+    def __init__(self):
+        import gc
+        self.gc, self.t0, self.ms = gc, 0.0, {}
+        gc.callbacks.append(self._cb)
+
+    def _cb(self, phase, info):
+        if phase == "start":
+            self.t0 = time.perf_counter()
+        else:
+            g = info["generation"]
+            self.ms[g] = self.ms.get(g, 0.0) + (time.perf_counter() - self.t0) * 1e3
+
+    def take(self) -> dict:
+        out, self.ms = {g: round(v, 3) for g, v in self.ms.items()}, {}
+        return out
+
+    def close(self):
+        self.gc.callbacks.remove(self._cb)
+
+
 def _token_row(i: int, st, cpu_s: float) -> list:
-    """--per-token: [step, host ms, blocked ms, the worker's CPU ms (all its threads: getrusage), pass-open ms (BeginPass
-    and the VRAM fills), the blocked wait for BeginPass / EndPass replies ms (None: a checkout that counts it as
-    host), {store message kind: [messages, host ms]}] of one decode step (its PassStats), the message kinds other than
-    load / release / prefetch only (the pass boundaries: begin_pass, end_pass)."""
+    """--per-token: [step, host ms, blocked ms, the worker's CPU ms (all its threads: getrusage), pass-open ms
+    (BeginPass and the VRAM fills), the blocked wait for BeginPass / EndPass replies ms (None: a checkout that counts
+    it as host), {store message kind: [messages, host ms]}] of one decode step (its PassStats), the kinds other than
+    load / release / prefetch only (the pass boundaries: begin_pass, end_pass); run() appends the step's collector
+    pauses {generation: ms} (_GcWatch)."""
     msgs = {k: [n, round(s * 1e3, 3)] for k, (n, s) in getattr(st, "store_rpc", {}).items()
             if k not in ("load", "release", "prefetch", "prefetch_start")}
     reply = getattr(st, "store_reply_wait_s", None)
@@ -344,6 +369,7 @@ def run(a, tmp: Path) -> dict:
             import cProfile
             prof = cProfile.Profile()
         rows, sc0, first_ms, per_token = [], None, None, []
+        gcw = _GcWatch() if a.per_token else None
         logits_sha = hashlib.sha256()
         for i in range(a.tokens):
             if TL is not None and i in (0, 1, a.skip):      # the regions: first step, skipped ones, timed ones
@@ -377,7 +403,7 @@ def run(a, tmp: Path) -> dict:
             if i == 0:
                 first_ms = round(st.host_s * 1e3, 3)
             if a.per_token:                     # every step, the skipped ones too (issue 21: the spike tokens)
-                per_token.append(_token_row(i, st, c1 - c0))
+                per_token.append(_token_row(i, st, c1 - c0) + [gcw.take()])
             if i < a.skip:                      # the first steps (graph capture on CUDA)
                 continue
             row = dict(wall_ms=st.seconds * 1e3, host_ms=st.host_s * 1e3, messages=st.store_calls,
@@ -417,6 +443,7 @@ def run(a, tmp: Path) -> dict:
         if TL is not None:
             res["triton_compiles"] = compiles
         if a.per_token:
+            gcw.close()
             res["per_token"] = per_token
         if gg is not None:       # --group-graphs on CUDA: the eager groups' replays, captures and launches (all steps)
             res["group_graphs"] = gg.stats()
