@@ -68,7 +68,10 @@ def targets(r: dict) -> list[str]:
                                                           "other_host_us_per_application"))
                       + f"; median token {_f(exd.get('host_us_per_application_median'))} µs"
                       + f"; store wait {exd['store_wait_s'] / max(1, exd['tokens']) * 1e3:.1f} ms/token (blocked); "
-                      f"messages/token: {kinds}", None))
+                      # BeginPass / EndPass replies (blocked since cpu-spike56; absent from earlier records)
+                      + (f"pass-boundary reply wait {exd['store_reply_wait_s'] / max(1, exd['tokens']) * 1e3:.2f} "
+                         "ms/token (blocked); " if "store_reply_wait_s" in exd else "")
+                      + f"messages/token: {kinds}", None))
     wh = _pass(ex, "warm").get("host_us_per_application")
     if hu is not None and wh:  # the host's speed: the same run's warm prefill pass (no decode change touches it)
         L.append(_row("  decode host ÷ the warm prefill pass's host (µs per application): across machines", "–",
