@@ -101,6 +101,15 @@ def test_bf16_mma_within_float_noise_of_the_torch_path(qt):
     assert np.array_equal(run(qt, raw, h, ids, w, "bf16", groups=[[1], [0, 2]]), got)
 
 
+def _one_expert_layer(qt, seed: int, rows: int):
+    """At DIMS 256 x 256 (the caller's patch): one expert's parts (experts(qt, seed)), `rows` tokens of h (seed + 1;
+    elements 64..95 x4, so a block's scale stands out) all routed to it with weight 1 -> (raw, h, ids, w)."""
+    raw = experts(qt, seed)
+    h = np.random.default_rng(seed + 1).standard_normal((rows, 256)).astype(np.float32)
+    h[:, 64:96] *= 4
+    return raw, h, np.zeros((rows, 1), np.int64), np.ones((rows, 1), np.float32)
+
+
 @TYPES
 def test_bf16_rows_bits_do_not_depend_on_the_launch(qt):
     """H = F = 256 (8 blocks), chunks of KCB = 2 blocks: token 0 alone (the 1-row bucket: split-K over programs,
@@ -109,10 +118,7 @@ def test_bf16_rows_bits_do_not_depend_on_the_launch(qt):
     bits (MXFP4: both in the word loads' element order)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(DIMS, qt, (256, 256))
-        raw = experts(qt, 40)
-        h = np.random.default_rng(41).standard_normal((16, 256)).astype(np.float32)
-        h[:, 64:96] *= 4
-        ids, w = np.zeros((16, 1), np.int64), np.ones((16, 1), np.float32)
+        raw, h, ids, w = _one_expert_layer(qt, 40, 16)
         outs = {}
         for wl in (0, 1):
             mp.setitem(mq.TYPE_CONFIG, CODE[qt], {"KCB": 2, "WL": wl, "PF": wl})
@@ -201,10 +207,7 @@ def test_bf16_fused_gate_up_and_bn128_are_schedule_keys(qt):
     noise)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(DIMS, qt, (256, 256))
-        raw = experts(qt, 60)
-        h = np.random.default_rng(61).standard_normal((5, 256)).astype(np.float32)
-        h[:, 64:96] *= 4
-        ids, w = np.zeros((5, 1), np.int64), np.ones((5, 1), np.float32)
+        raw, h, ids, w = _one_expert_layer(qt, 60, 5)
         outs = {}
         for i, c in enumerate(({}, {"FUSE": 1}, {"BN": 128, "num_warps": 8})):
             mp.setitem(mq.TYPE_CONFIG, CODE[qt], {"KCB": 2, **c})
