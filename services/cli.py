@@ -577,6 +577,10 @@ def cmd_serve(args) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
         elif not clean:
             say(f"{PROG}: logs kept in {cluster.runtime_dir} (store.log, worker.log)")
+        # done: a signal from here on is ignored. The interpreter's finalization puts SIG_DFL back for Python-level
+        # handlers (not for SIG_IGN), so a second SIGTERM landing then turned a clean exit 0 into death by SIGTERM
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     return 130 if got and got[0] == signal.SIGINT else 0
 
 
