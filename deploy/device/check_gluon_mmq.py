@@ -29,6 +29,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))     # kernel_roofline (graph_gbps imports it when timing)
 
 import torch  # noqa: E402
 
@@ -148,7 +149,6 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def graph_gbps(fn, reps: int, nbytes: float) -> float:
     """GB/s of nbytes a fn(i) call: kernel_roofline.graph_time's CUDA graph of reps calls, median of 5 replays."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from kernel_roofline import graph_time
     return nbytes / graph_time(fn, reps) / 1e9
 
