@@ -74,7 +74,13 @@ class GroupGraphs:
         self.max_rows = max_rows           # routings of more tokens (prefill) launch: their keys would not come back
         self.cap = cap
         self._memo: OrderedDict = OrderedDict()    # key (module doc) -> SEEN | its graph
-        self._pool = None                  # the graphs' memory pool (shared: they replay one at a time, in order)
+        # the graphs' memory pool (shared: they replay one at a time, in order). It lives while a graph captured in
+        # it does: when the LRU bound has dropped every graph (keys that never come back: the standard schedule's
+        # eager prefill routings, each at new addresses) torch frees it, and a capture into its id fails an internal
+        # assert of the caching allocator (gpu-run60: check_cuda's pp with group graphs). So the memo counts its
+        # graphs and the next capture after the last one goes starts a new pool.
+        self._pool = None
+        self._graphs = 0
         self.replays = self.captures = self.launches = 0
 
     def apply(self, r: Routing, layer: int, pool: torch.Tensor, g: Group, slot_bytes: int) -> None:
@@ -101,14 +107,17 @@ class GroupGraphs:
             self.launches += 1
             on_side(pool.device, lambda: self.kern.apply(r, layer, pool, g, slot_bytes))
         else:                              # second: capture (graphs.capture replays it once: the work is done)
-            graph, _ = capture(self._pool, lambda: self.kern.apply(r, layer, pool, g, slot_bytes))
+            graph, _ = capture(self._pool if self._graphs else None,
+                               lambda: self.kern.apply(r, layer, pool, g, slot_bytes))
             self._pool = graph.pool()
             memo[key] = graph
             memo.move_to_end(key)
             self.captures += 1
+            self._graphs += 1
         while len(memo) > self.cap:
-            memo.popitem(last=False)
+            if memo.popitem(last=False)[1] is not SEEN:
+                self._graphs -= 1
 
     def stats(self) -> dict:
         return {"replays": self.replays, "captures": self.captures, "launches": self.launches,
-                "graphs": sum(1 for v in self._memo.values() if v is not SEEN)}
+                "graphs": self._graphs}

@@ -241,6 +241,57 @@ def test_memo_keys_an_act_quant_routing_whose_prepared_input_holds_none(memo):
     assert len(captured) == 1
 
 
+def test_a_capture_after_the_bound_dropped_every_graph_starts_a_new_pool(memo, monkeypatch):
+    """torch frees a graph pool when the last graph captured in it goes; capturing into the freed pool's id fails the
+    caching allocator's `use_count > 0` assert (gpu-run60: check_cuda's pp with group graphs, the standard
+    schedule's prefill routings each at new addresses, so the LRU bound dropped every graph). The stand-in capture
+    keeps torch's rule: a pool named must still hold a live graph. One key captured, then new keys (each a first
+    sighting) push it out; the next capture must start a new pool (without the memo's graph count it names the dead
+    one and the stand-in raises, as torch does)."""
+    import weakref
+    gg, _, _ = memo
+    live: dict = {}                         # pool token -> its live graphs (weak: a graph dropped by the memo goes)
+
+    class Graph(_Graph):
+        def pool(self):
+            return self.token
+
+    def capture(pool, fn):
+        if pool is not None and not len(live.get(pool, ())):
+            raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED")
+        g = Graph(fn)
+        g.token = pool if pool is not None else object()
+        live.setdefault(g.token, weakref.WeakSet()).add(g)
+        g.replay()
+        return g, None
+    monkeypatch.setattr(gg, "capture", capture)
+    raw, _ = _experts(5)
+    pool, starts, base, slot = pack_experts(lambda e: raw[e], range(E), E, "cpu")
+    tri = MoEKernels("triton", E, F, starts[None], [(8, 8)], 16)
+    graphs = gg.GroupGraphs(tri, max_rows=2, cap=2)
+    row = torch.full((E,), -1, dtype=torch.int64)
+    row[:K] = torch.from_numpy(base)[:K]
+    ids = torch.arange(K)[None]
+    w = torch.full((1, K), 1.0 / K)
+
+    def routing(seed):
+        return tri.route(torch.from_numpy(np.random.default_rng(seed).standard_normal((1, H)).astype(np.float32)),
+                         ids, w)
+    first = routing(0)
+    for _ in range(2):                      # launch, capture: one graph in a new pool
+        graphs.apply(first, 0, pool, Group(None, None, row), slot)
+    assert graphs.stats()["graphs"] == 1
+    others = [routing(s) for s in (1, 2)]   # two first sightings: the bound (2 keys) drops the graph
+    for r in others:
+        graphs.apply(r, 0, pool, Group(None, None, row), slot)
+    assert graphs.stats()["graphs"] == 0 and not any(len(v) for v in live.values())
+    graphs.apply(others[1], 0, pool, Group(None, None, row), slot)       # its second sighting: captured
+    assert graphs.stats() == {"replays": 0, "captures": 2, "launches": 3, "graphs": 1}, graphs.stats()
+    want = tri.route(others[1].h, ids, w)
+    tri.apply(want, 0, pool, Group(None, None, row), slot)
+    assert torch.equal(tri.combine(others[1]), tri.combine(want))
+
+
 class _CountingGraphs:
     """What the bench reads of a GroupGraphs: its stats(). Each apply launches (the CPU has no graphs) and counts
     as a replay, so the bench's decode record must count exactly the eager groups the steps ran."""
