@@ -423,6 +423,37 @@ class ModelRunner:
         if self._lanes is not None:
             self._lanes.leave(kv.uid)
 
+    def warm_graphs(self, max_len: int, lanes: bool) -> dict | None:
+        """Decode's graphs captured now over a state of max_len tokens (issue 21: vLLM captures its decode graphs at
+        start), so the next sequence of that size (new_cache: this state, recycled) replays from its first step: two
+        decode steps of token 0 from position 0 (eager, then captured) in the form the caller decodes in (lanes:
+        decode_batch, the engine's; else forward(), the bench's), then the state released and the store pass closed
+        without consolidation (a request that ended without decoding: request_done). Real passes: token 0's experts
+        are read and counted like any decode's. -> {"seconds", "captured" (graphs, worker/graphs.py), "max_len",
+        "form"}, or None where decode captures no graphs (recycle_states off: the CPU, cuda_graphs off) or the state
+        does not fit beside the live ones."""
+        if not self.recycle_states or not self._static_decode:
+            return None
+        if len(self._kv_live) - len(self._parked) >= max(1, int(self.cfg.max_running)):
+            return None
+        from betelgeuse.worker.graphs import CAPTURED
+        t, c0 = time.perf_counter(), CAPTURED[0]
+        kv = self.new_cache(max_len)
+        try:
+            for _ in range(2):
+                if lanes:
+                    self.decode_batch([0], [kv])
+                else:
+                    self.forward([0], kv, consolidate=False)
+        finally:
+            others = len(self._kv_live) - len(self._parked) - 1         # live states but this one
+            self.request_done(kv, others_running=others > 0, decoded=False)
+        out = {"seconds": time.perf_counter() - t, "captured": CAPTURED[0] - c0, "max_len": max_len,
+               "form": "lanes" if lanes else "solo"}
+        event(log, "warm_graphs", logging.INFO, seconds=round(out["seconds"], 3), captured=out["captured"],
+              max_len=max_len, form=out["form"])
+        return out
+
     def request_done(self, kv, others_running: bool, decoded: bool = True):
         """A request ended: release its sequence (release) and apply the end-of-request consolidation rule
         (StoreSession.request_done: only when it decoded and no other sequence runs). May raise

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from betelgeuse.worker import decode_graphs, lanes
+from betelgeuse.worker import decode_graphs, graphs, lanes
 
 from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, write_ds4_tiny, write_synth
 
@@ -61,6 +61,7 @@ def captured(monkeypatch):
     def capture(pool, fn):
         out = fn()
         made.append(_Graph(fn, out))
+        graphs.CAPTURED[0] += 1         # as graphs.capture counts them
         return made[-1], out
     monkeypatch.setattr(lanes, "capture", capture)
     monkeypatch.setattr(decode_graphs, "capture", capture)
@@ -181,5 +182,52 @@ def test_parked_states_stay_within_max_running(qwen):
         rn.release(c)
         rn._drop_parked()
         assert list(rn._kv_live) == [b.uid]
+    finally:
+        close_runner(rn, st)
+
+
+@pytest.mark.parametrize("form", ["lanes", "solo"])
+def test_warm_graphs_at_start_make_the_first_request_replay(qwen, captured, monkeypatch, form):
+    """ModelRunner.warm_graphs (the start-up capture: two decode steps on a state of the size, released): the first
+    sequence of that size then captures nothing and (lanes) its logits equal a run without the warm-up; the store pass
+    the warm-up opened is closed (an idle worker holds no pass open)."""
+    eager = [0]
+    ops = decode_graphs.SoloDecode._ops
+
+    def counted(self, *a, **k):
+        eager[0] += 1
+        return ops(self, *a, **k)
+    monkeypatch.setattr(decode_graphs.SoloDecode, "_ops", counted)
+    P = _prompts(320)[1]
+    got = {}
+    for warm in (True, False):
+        rn, st = _runner(qwen, True, solo_graphs=True)
+        try:
+            if warm:
+                w = rn.warm_graphs(64, lanes=form == "lanes")
+                assert w is not None and w["captured"] > 0 and w["form"] == form, w
+                assert not rn.session.pass_open and len(rn._parked) == 1
+            kv = rn.new_cache(64)
+            assert (kv.uid in rn._kv_live) and not rn._parked
+            tok = int(rn.forward(P, kv)[0][-1].argmax())
+            c0, e0, rows = len(captured), eager[0], []
+            for _ in range(STEPS):
+                lg, _ = rn.decode_batch([tok], [kv]) if form == "lanes" else rn.forward([tok], kv, consolidate=False)
+                rows.append(lg[-1])
+                tok = int(lg[-1].argmax())
+            got[warm] = torch.stack(rows), len(captured) - c0, eager[0] - e0
+        finally:
+            close_runner(rn, st)
+    assert got[True][1] == 0 and got[False][1] > 0, (got[True][1:], got[False][1:])
+    if form == "lanes":
+        assert torch.equal(got[True][0], got[False][0])
+    else:
+        assert got[True][2] == 0 and got[False][2] == 2
+
+
+def test_warm_graphs_is_a_no_op_without_graphs(qwen):
+    rn, st = in_process_runner(qwen, 2, 3, max_running=2)
+    try:
+        assert not rn.recycle_states and rn.warm_graphs(64, lanes=True) is None and not rn._kv_live
     finally:
         close_runner(rn, st)
