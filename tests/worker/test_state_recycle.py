@@ -103,7 +103,8 @@ def _lane_sequences(path, prompts, recycle, captured):
         for P in prompts:
             kv = rn.new_cache(64)
             if kvs and recycle:         # the released state, back as a fresh one
-                assert kv is kvs[-1] and kv.length == 0
+                assert kv is kvs[-1], "not recycled"
+                assert kv.length == 0, kv.length
                 assert all(not t.any() for t in (kv.k + kv.v if hasattr(kv, "k") else kv.tensors()))
             kvs.append(kv)
             tok = int(rn.forward(P, kv)[0][-1].argmax())
