@@ -232,3 +232,26 @@ def test_warm_graphs_is_a_no_op_without_graphs(qwen):
         assert not rn.recycle_states and rn.warm_graphs(64, lanes=True) is None and not rn._kv_live
     finally:
         close_runner(rn, st)
+
+
+def test_lanes_park_and_claims():
+    """Lanes.park / join: a parked state's lane is claimed for it (a newcomer takes an unclaimed free lane first, else
+    the lane parked longest ago, whose graphs go); the state takes its lane and graphs back unless its lane is taken."""
+    from types import SimpleNamespace
+    m = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32,
+                        cfg=SimpleNamespace(n_embd=4, n_head=1, head_dim=4))
+    ln = lanes.Lanes(m, 2, 3, graphs=True)
+
+    def kv():
+        return SimpleNamespace(uid=object())
+    a, b, c, d = kv(), kv(), kv(), kv()
+    assert ln.join([a, b]).tolist() == [0, 1]
+    sa = ln.seqs[a.uid]
+    ln.park(a.uid)
+    assert ln.join([b, c]).tolist() == [1, 2]                  # lane 0 is claimed by a: c takes 2
+    assert ln.join([b, c, a]).tolist() == [1, 2, 0] and ln.seqs[a.uid] is sa   # a back with its graphs
+    ln.park(a.uid)
+    ln.join([b, c])
+    ln.park(b.uid)                                              # b ran a step after a: a parked longer ago
+    assert ln.join([c, d]).tolist() == [2, 0] and a.uid not in ln.parked and b.uid in ln.parked
+    assert ln.join([c, d, a]).tolist() == [2, 0, 1] and ln.seqs[a.uid] is not sa and not ln.parked
