@@ -147,7 +147,8 @@ class CompressedCache:
     cache's checkpoint of a prompt (worker/snapshot_cache.py). A subclass gives n_layers, used(l, n) (views of layer
     l's tensors holding something after n prefilled tokens) and host_state() / set_host_state()."""
     _pending: int = field(default=0, repr=False)
-    uid: int = field(default_factory=lambda: next(_UIDS))      # identity for captured decode graphs
+    # identity of the state's tensors for captured decode graphs: kept by reset(), new when the tensors are (grow)
+    uid: int = field(default_factory=lambda: next(_UIDS))
     pos: torch.Tensor | None = field(default=None, repr=False)  # [1] int64 on the device (begin_static)
     fed: list[int] = field(default_factory=list, repr=False)    # per layer: tokens of the pass in flight consumed
     mark_at: int | None = field(default=None, repr=False)       # mark(n): the tokens after which to copy the state
@@ -184,6 +185,14 @@ class CompressedCache:
             self._pending = 0
             return
         raise UnsupportedError(f"a {self.arch} cache cannot be truncated from {self.length} to {n} tokens")
+
+    def reset(self) -> None:
+        """Back to a fresh state's bits (every tensor zero: prefill writes only closed windows' entries, the rest must
+        be a fresh state's zeros; no token, no mark) in the same tensors, `pos` and uid: a released state recycled for
+        a new sequence replays the decode graphs captured over it (worker/runner.py new_cache)."""
+        torch._foreach_zero_(self.tensors())
+        self.length, self._pending, self.fed = 0, 0, []
+        self.mark_at = self.marked = self.mark_host = None
 
     def host_state(self):
         """Host-side state a snapshot carries besides the layers' tensors (None: none)."""

@@ -132,6 +132,14 @@ class DS41Cache(CompressedCache):
             g.pending = g.new = None
             g.staged = False
 
+    def reset(self) -> None:
+        """CompressedCache.reset, and the static form's chosen rows and the Engram history as a fresh state's."""
+        CompressedCache.reset(self)
+        self.sel, self.cands, self.cand, self.tops = {}, {}, None, None
+        g = self.engram
+        if g is not None:
+            g.hist, g.pending, g.new, g.source, g.staged = np.zeros(0, dtype=np.int64), None, None, None, False
+
     def tensors(self) -> list[torch.Tensor]:
         ts = list(self.swa)
         for s in self.src.values():

@@ -86,6 +86,7 @@ class SequenceState(Protocol):
     def begin(self, n_tokens: int) -> torch.Tensor: ...      # a pass appends n_tokens -> their positions [n]
     def commit(self) -> None: ...                            # the pass is done: length += n_tokens
     def truncate(self, n: int) -> None: ...                  # keep the first n tokens (prefix reuse)
+    def reset(self) -> None: ...                             # a fresh state's bits in the same tensors and uid
     def nbytes(self) -> int: ...
 
 

@@ -20,7 +20,9 @@ class KVCache:
     max_len: int                    # tokens
     length: int = 0                 # tokens whose k/v are valid in every layer
     _pending: int = field(default=0, repr=False)   # tokens being appended by the current pass
-    uid: int = field(default_factory=lambda: next(_UIDS))   # identity for captured decode graphs
+    # identity of the state's tensors for captured decode graphs: kept by reset() (a recycled state keeps its
+    # graphs: worker/runner.py new_cache), new when the tensors are (grow)
+    uid: int = field(default_factory=lambda: next(_UIDS))
     pos: torch.Tensor | None = field(default=None, repr=False)   # [1] int64 on the device: the static decode position
     _at: list = field(default_factory=list, repr=False)   # per layer: where this pass's next write goes (chunks in order)
 
@@ -94,6 +96,12 @@ class KVCache:
         k = [grow_rows(self.k, l, max_len, 1, via_host) for l in range(len(self.k))]
         v = [grow_rows(self.v, l, max_len, 1, via_host) for l in range(len(self.v))]
         return KVCache(k=k, v=v, max_len=max_len, length=self.length)
+
+    def reset(self) -> None:
+        """Back to a fresh state's bits (every row zero, no token) in the same tensors, `pos` and uid: a released state
+        recycled for a new sequence replays the decode graphs captured over it (worker/runner.py new_cache)."""
+        torch._foreach_zero_(self.k + self.v)
+        self.length, self._pending, self._at = 0, 0, []
 
     def truncate(self, n: int) -> None:
         """Keep the first n tokens (prefix reuse); later k/v are overwritten by the next pass."""

@@ -11,6 +11,11 @@ misses' group is launched: its launches block the host in ways a spinning gate m
 Eager and replayed steps run the same kernels on the same shapes, so the bits do not depend on which it was
 (invariant 1).
 
+A graph bakes in the state's tensors and its `pos` (the uid names them: a grown state is a new uid); a state the
+runner recycles (worker/runner.py new_cache: released, parked with its uid, reset to a fresh state's bits in the same
+tensors and handed to the next sequence of its size) keeps its entries here, so that sequence replays from its first
+step; release(uid) drops them when the runner drops the state.
+
 The engine decodes a lone sequence through the batched lanes (worker/lanes.py) in the static form; this path is
 the runner's forward() of one token (and what the tests force on the CPU, eagerly).
 """
@@ -34,7 +39,8 @@ class SoloDecode:
         self.model, self.moe = model, moe
         self.graphs_on = graphs
         self.keep = keep                    # (sequence, pattern) entries kept, least recently used dropped first
-        # (kv uid, all-VRAM pattern, routing variant: MoEStep.static_variant) -> "warm" | captured graphs
+        # (kv uid: its tensors, kept by a recycled state; all-VRAM pattern; routing variant: MoEStep.static_variant)
+        # -> "warm" | captured graphs
         self._graphs: OrderedDict = OrderedDict()
 
     def _ops(self, ids, kv, pos, lstats, out: dict, ahead: bool = False):
@@ -141,8 +147,8 @@ class SoloDecode:
         return logits.clone()
 
     def release(self, uid):
-        """A sequence is done: its captured graphs and their memory pools go now, not when the LRU bound reaches them
-        (the slot plan counts graphs for max_running sequences)."""
+        """A state is dropped (or grown): its captured graphs and their memory pools go now, not when the LRU bound
+        reaches them (the slot plan counts graphs for max_running sequences)."""
         for key in [k for k in self._graphs if k[0] == uid]:
             del self._graphs[key]
 

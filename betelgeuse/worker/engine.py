@@ -62,6 +62,7 @@ class LLMEngine:
         self.inputs = RequestProcessor(cfg, self.runner.mcfg, self.tokenizer, self.dialect)
         self.kv_manager = KVManager(cfg, self.runner, metrics)
         self.outputs = OutputProcessor(metrics, cfg.routing)
+        self.warmed_graphs = self._warm_graphs()
         self.scheduler = Scheduler(
             Limits(cfg.max_running, cfg.max_batched_tokens, cfg.prefill_pass_tokens, self.runner.chunk or 1,
                    one_prefill=cfg.schedule == "standard", admission_window=cfg.admission_window),
@@ -84,6 +85,19 @@ class LLMEngine:
         self._gauges()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
+
+    def _warm_graphs(self) -> dict | None:
+        """Decode's graphs captured now (warm_up on; ModelRunner.warm_graphs: on CUDA with graphs) over a state of the
+        kv manager's smallest size (one granule: a request whose prompt and output fit it), so the first such request
+        replays from its first decode token as later ones do (issue 21). Guarded like the compile warm-ups: one that
+        raises is a warning and {"failed": error} (its graphs are captured in a request's first tokens)."""
+        try:
+            if self.cfg.warm_up != "on":
+                return None
+            return self.runner.warm_graphs(self.kv_manager.state_size(1), lanes=self.runner.decodes_in_lanes)
+        except Exception as e:                      # noqa: BLE001 -- a warm-up never fails the start
+            log.warning("decode graphs warm-up failed: %s", e)
+            return {"failed": f"{type(e).__name__}: {e}"}
 
     @property
     def waiting(self):
@@ -387,6 +401,7 @@ class LLMEngine:
                 self.runner.attach()
                 gc_pauses.refreeze()                 # the old attachment's cycles (its arena views) collected
                 self.kv_manager.bind_host()          # the new store's prefix host tier (empty)
+                self.warmed_graphs = self._warm_graphs()     # the old attachment's graphs went with it
                 self.store_ok = True
                 self._unsettled = self.settle_idle   # the new attachment's VRAM slots fill while idle
                 log.info("re-attached to the expert store")

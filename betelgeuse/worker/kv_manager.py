@@ -113,6 +113,10 @@ class KVManager:
         seq.blocks = blocks
         return pc.covered(blocks)
 
+    def state_size(self, tokens: int) -> int:
+        """Tokens of a state holding `tokens`: whole granules, at most max_context (what admit allocates)."""
+        return self._size(tokens)
+
     def _size(self, tokens: int) -> int:
         """Tokens of a state holding `tokens`: whole granules, at most max_context."""
         return min(self.runner.cfg.max_context, -(-tokens // KV_GRANULE) * KV_GRANULE)

@@ -38,8 +38,13 @@ one decoding alone runs the same B-row ops, so the engine decodes a lone sequenc
 
 Graphs: the lane graphs of a batch size are eager on its first step, captured on its second and replayed after
 (which sequences fill the lanes does not matter); a sequence's attention graphs likewise, from its own first step.
-Eager, captured and replayed steps run the same kernels on the same shapes, so the bits never depend on which it
-was (invariant 1). On the CPU (tests force this form there) everything runs eagerly.
+An attention graph bakes in its lane's row and its state's tensors (and the state's `pos`): it belongs to the pair
+(lane, state), keyed by the state's uid. A state the runner recycles (worker/runner.py new_cache: a released state
+kept with its uid, reset to a fresh state's bits, handed to the next sequence of its size) keeps its graphs here:
+park(uid) at its release keeps them and claims its lane for it (a newcomer takes an unclaimed free lane first),
+and its next sequence's join takes them back with the lane, so it replays from its first step (issue 21: no eager
+step, no capture per request). Eager, captured and replayed steps run the same kernels on the same shapes, so the
+bits never depend on which it was (invariant 1). On the CPU (tests force this form there) everything runs eagerly.
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ def _flat(t) -> list:
 
 
 class _SeqAttn:
-    """One sequence's attention graphs (one per layer) and its lane."""
+    """One state's attention graphs (one per layer) and its lane: a sequence's, or a parked state's (Lanes.park)."""
 
     __slots__ = ("lane", "mode", "pool", "graphs", "kv", "last")
 
@@ -121,6 +126,8 @@ class Lanes:
         self.recent: list = []                      # variants, most recent last (MAX_VARIANTS kept)
         self.keep: dict = {}                        # v -> tensors lane graphs read across parts (RoPE tables): alive
         self.seqs: dict = {}                        # kv uid -> _SeqAttn
+        # kv uid -> _SeqAttn of a released state the runner keeps for reuse (park): its graphs and its lane's claim
+        self.parked: dict = {}
         self.step_no = 0
         self._idx: dict = {}                        # tuple of lanes -> LongTensor of them on the device
         self._r = None                              # this step's routing of the previous layer (its combine is next)
@@ -138,16 +145,29 @@ class Lanes:
             s = self.seqs.get(kv.uid)
             if s is None:
                 used = {x.lane for x in self.seqs.values()}
-                free = [i for i in range(self.B) if i not in used]
-                if not free:
-                    idle = [x for u, x in self.seqs.items() if u not in busy]
-                    if not idle:
-                        raise BetelgeuseError(f"batched decode of {len(kvs)} sequences: only {self.B} lanes "
-                                              "(max_running)")
-                    old = min(idle, key=lambda x: x.last)
-                    self.leave(old.kv.uid)
-                    free = [old.lane]
-                s = self.seqs[kv.uid] = _SeqAttn(free[0], kv, self.L)
+                s = self.parked.pop(kv.uid, None)
+                if s is not None and s.lane in used:      # its lane was taken meanwhile: its graphs go
+                    s = None
+                if s is not None:                         # a recycled state: its lane and graphs (module doc)
+                    assert s.kv is kv, "a parked state's graphs are over its own tensors"
+                    self.seqs[kv.uid] = s
+                else:
+                    free = [i for i in range(self.B) if i not in used]
+                    if not free:
+                        idle = [x for u, x in self.seqs.items() if u not in busy]
+                        if not idle:
+                            raise BetelgeuseError(f"batched decode of {len(kvs)} sequences: only {self.B} lanes "
+                                                  "(max_running)")
+                        old = min(idle, key=lambda x: x.last)
+                        self.leave(old.kv.uid)
+                        free = [old.lane]
+                    # a lane no parked state claims first, else the one parked longest ago (its graphs go)
+                    claims = {x.lane: u for u, x in self.parked.items()}
+                    lane = next((i for i in free if i not in claims), None)
+                    if lane is None:
+                        lane = min(free, key=lambda i: self.parked[claims[i]].last)
+                        self.parked.pop(claims[lane])
+                    s = self.seqs[kv.uid] = _SeqAttn(lane, kv, self.L)
             s.last = self.step_no
         key = tuple(self.seqs[kv.uid].lane for kv in kvs)
         idx = self._idx.get(key)
@@ -160,6 +180,14 @@ class Lanes:
     def leave(self, uid):
         """A sequence is done: its lane is free, its attention graphs and their pool go."""
         self.seqs.pop(uid, None)
+        self.parked.pop(uid, None)
+
+    def park(self, uid):
+        """A sequence is done and the runner keeps its state for the next sequence of its size (module doc): its lane
+        is free, claimed for the state (a newcomer takes an unclaimed lane first), its attention graphs stay."""
+        s = self.seqs.pop(uid, None)
+        if s is not None:
+            self.parked[uid] = s
 
     def rebind(self, uid, kv):
         """The sequence's state `uid` was replaced by kv (grown: runner.grow_cache): it keeps its lane; its attention

@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections import OrderedDict
 from functools import partial
 
 import numpy as np
@@ -91,6 +92,10 @@ class ModelRunner:
         # uid -> bytes of each sequence state made by new_cache / grow_cache and not released (kv_bytes adds their
         # decode graphs); the flex cache lives in the rest of the plan's reservation
         self._kv_live: dict[int, int] = {}
+        # uid -> a released state kept, with its decode graphs, for the next new_cache of its size (new_cache: issue
+        # 21, a new sequence replays from its first step); counted in _kv_live; oldest parked first
+        self._parked: OrderedDict = OrderedDict()
+        self.recycle_states = False         # park released states (attach: on where decode captures graphs)
         self.attach()
         if cfg.record_routing:
             from betelgeuse.routing.trace import Recorder, TraceWriter
@@ -116,6 +121,7 @@ class ModelRunner:
         `warmed`: {"kernels": warm_kernels', "decode": warm_decode's, "routes": a failed warm_routes', "vram": per
         step, "warm_up": "off" when off, "vram_fit": the budget check's numbers}, None where there is nothing to say
         (the CPU, warm-ups on)."""
+        self._drop_parked()         # their graphs go with the attachment: their bytes go back before the flex cache
         steps = AttachSteps(self.device)
         steps.run("session", self.session.attach)         # the slot pool: the plan's VRAM (for scale)
         if self.cfg.max_running == "auto":
@@ -144,6 +150,7 @@ class ModelRunner:
         self._static_decode = self._static_form()
         self.solo = SoloDecode(self.model, self.moe, self.cache.is_cuda and self.cfg.cuda_graphs,
                                keep=2 * max(1, self.cfg.max_running))
+        self.recycle_states = self.solo.graphs_on
         self._lanes = None
         if on:                                  # decode's dense kernels compiled now too (issue 21)
             dense = steps.run("warm_decode", self.warm_decode, guard=True)
@@ -214,12 +221,13 @@ class ModelRunner:
 
     @property
     def state_bytes(self) -> int:
-        """Device bytes of the live sequence states' tensors."""
+        """Device bytes of the live sequence states' tensors (and of the parked ones: new_cache)."""
         return sum(self._kv_live.values())
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes of the plan's KV reservation the live sequences take: their states and their decode graphs."""
+        """Bytes of the plan's KV reservation the live sequences take: their states and their decode graphs (a parked
+        state's too: its graphs are kept)."""
         return self.state_bytes + len(self._kv_live) * self._graph_bytes
 
     @property
@@ -312,8 +320,25 @@ class ModelRunner:
     def new_cache(self, max_len: int | None = None) -> SequenceState:
         """The model's per-sequence state of max_len tokens (default max_context; qwen3moe: KVCache; deepseek4:
         DS4Cache, same begin/commit). Its bytes are out of the plan's KV reservation until release(): the flex cache
-        gives them back first."""
+        gives them back first.
+
+        Recycled where decode captures graphs (recycle_states): a released state of this size is parked (release)
+        with its decode graphs (solo: SoloDecode's, keyed on its uid; lanes: its lane's attention graphs,
+        Lanes.park); the next state of that size is that one, reset to a fresh state's bits in the same tensors
+        (state.reset: one zeroing launch, no copy, no capture), so a new sequence replays the graphs from its first
+        step (issue 21: the first two tokens of a request ran eagerly, then captured ~100 graphs). At most
+        max_running states are live or parked (the plan's count of states and graph pools: invariant 3); a new state
+        of another size drops the oldest parked ones to stay within it and the KV reservation."""
         n = max_len or self.cfg.max_context
+        for uid in reversed(self._parked):
+            kv = self._parked[uid]
+            if kv.max_len == n:
+                del self._parked[uid]
+                kv.reset()
+                return kv
+        while self._parked and (len(self._kv_live) + 1 > max(1, int(self.cfg.max_running))
+                                or self.kv_bytes + self._state_bytes(n) > self._kv_reserved()):
+            self._drop_parked(next(iter(self._parked)))
         self._hold_kv(self.kv_bytes + self._state_bytes(n))
         try:
             kv = self.model.new_cache(n)
@@ -375,13 +400,59 @@ class ModelRunner:
     def release(self, kv):
         """A sequence is done: drop its captured decode graphs (solo, and its batched-decode lane with its attention
         graphs) and their memory pools now, not when an LRU bound reaches them (the slot plan counts graphs for
-        max_running sequences)."""
+        max_running sequences). With recycle_states its state is parked instead, its graphs kept, for the next
+        new_cache of its size (new_cache); the caller lets go of it either way."""
+        if self.recycle_states and kv.uid in self._kv_live:
+            self._parked[kv.uid] = kv
+            if self._lanes is not None:
+                self._lanes.park(kv.uid)
+            return
+        self._forget(kv)
+
+    def _drop_parked(self, uid: int | None = None):
+        """A parked state (default: every one) goes, with its graphs; its bytes go back to the flex cache."""
+        for u in ([uid] if uid is not None else list(self._parked)):
+            self._forget(self._parked.pop(u))
+
+    def _forget(self, kv):
+        """kv's bytes uncounted (the flex cache may grow into them), its graphs dropped."""
         self._kv_live.pop(kv.uid, None)
         self._hold_kv(self.kv_bytes)
         if self.solo is not None:
             self.solo.release(kv.uid)
         if self._lanes is not None:
             self._lanes.leave(kv.uid)
+
+    def warm_graphs(self, max_len: int, lanes: bool) -> dict | None:
+        """Decode's graphs captured now over a state of max_len tokens (issue 21: vLLM captures its decode graphs at
+        start), so the next sequence of that size (new_cache: this state, recycled) replays from its first step: two
+        decode steps of token 0 from position 0 (eager, then captured) in the form the caller decodes in (lanes:
+        decode_batch, the engine's; else forward(), the bench's), then the state released and the store pass closed
+        without consolidation (a request that ended without decoding: request_done). Real passes: token 0's experts
+        are read and counted like any decode's. -> {"seconds", "captured" (graphs, worker/graphs.py), "max_len",
+        "form"}, or None where decode captures no graphs (recycle_states off: the CPU, cuda_graphs off) or the state
+        does not fit beside the live ones."""
+        if not self.recycle_states or not self._static_decode:
+            return None
+        if len(self._kv_live) - len(self._parked) >= max(1, int(self.cfg.max_running)):
+            return None
+        from betelgeuse.worker.graphs import CAPTURED
+        t, c0 = time.perf_counter(), CAPTURED[0]
+        kv = self.new_cache(max_len)
+        try:
+            for _ in range(2):
+                if lanes:
+                    self.decode_batch([0], [kv])
+                else:
+                    self.forward([0], kv, consolidate=False)
+        finally:
+            others = len(self._kv_live) - len(self._parked) - 1         # live states but this one
+            self.request_done(kv, others_running=others > 0, decoded=False)
+        out = {"seconds": time.perf_counter() - t, "captured": CAPTURED[0] - c0, "max_len": max_len,
+               "form": "lanes" if lanes else "solo"}
+        event(log, "warm_graphs", logging.INFO, seconds=round(out["seconds"], 3), captured=out["captured"],
+              max_len=max_len, form=out["form"])
+        return out
 
     def request_done(self, kv, others_running: bool, decoded: bool = True):
         """A request ended: release its sequence (release) and apply the end-of-request consolidation rule
@@ -715,6 +786,7 @@ class ModelRunner:
         """Drop every view of the store's arena (slot pool, directory, its snapshot, the mask) and the captured
         graphs, so the arena's memfd is unmapped once the caller lets go (the kernels stay: callers read
         kern.backend after a close)."""
+        self._drop_parked()                         # their graphs read the slot pool: they go with it
         self.session.close()
         self.moe = self.solo = self._lanes = None
         if getattr(self, "flex", None) is not None:

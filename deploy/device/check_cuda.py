@@ -14,6 +14,8 @@
    fraction of host->device memcpy time that overlaps compute kernels on another stream.
 4. batch: batched decode with per-sequence CUDA graphs (eager, captured, replayed) == each sequence alone; pool
    routing's decode (tiny, 2+4 of 16 slots) eager == graph replay bit for bit, solo and lanes.
+4b. recycle: a second sequence on the first one's recycled state (runner.new_cache; issue 21) captures no decode
+   graph (it replays from its first step) and its logits equal a fresh runner's bit for bit, solo and lanes (tiny).
 5. PP tok/s layer-major vs standard on the tiny and the mid model, same slot config and state.
 6. kernels: every expert type the kernels read (Q8_0, MXFP4, the K- and i-quants) at the bench geometry, through
    deploy/device/kernel_roofline.check (vs the torch path in bf16, row invariance, the in-kernel weights), the decode
@@ -379,6 +381,59 @@ def check_batch(path: Path, device: str, steps: int = 8):
         close(runner, store)
 
 
+def check_recycle(path: Path, device: str, label: str, vram: int = 5, host: int = 15, steps: int = 6):
+    """A second sequence on a recycled state (ModelRunner.new_cache: the first one's state, released, parked with its
+    graphs and reset; issue 21): no decode graph captured during its steps (graphs.CAPTURED less engine.group_graphs'
+    own captures: so its first step replayed too, an eager one would capture at the second), solo (runner.forward)
+    and lanes (decode_batch), and its logits bit-identical to the same sequence's in a fresh runner (a stale length
+    or state row would change them). -> {how: (captures of the first sequence, of the second)}"""
+    from betelgeuse.worker import graphs as G
+    prompts = [ids_for(path, 40, seed=3), ids_for(path, 29, seed=5)]
+    n = max(map(len, prompts)) + steps + 8                  # one size: the second state is the first's, recycled
+
+    def decode(runner, P, how):
+        kv = runner.new_cache(n)
+        lg, _ = runner.forward(P, kv)
+        runner.settle()
+        gg = getattr(runner.moe, "group_graphs", None)
+        c0, g0 = G.CAPTURED[0], (gg.captures if gg is not None else 0)
+        out = []
+        for _ in range(steps):
+            tok = int(lg[-1].argmax())
+            lg, _ = (runner.decode_batch([tok], [kv]) if how == "lanes"
+                     else runner.forward([tok], kv, consolidate=False))
+            out.append(lg[-1:].float().cpu())
+        caps = G.CAPTURED[0] - c0 - ((gg.captures if gg is not None else 0) - g0)
+        runner.release(kv)
+        runner.consolidate()
+        return torch.cat(out), caps, kv
+
+    cuda = device.startswith("cuda")
+    res = {}
+    for how in ("solo", "lanes"):
+        runner, store = runner_for(path, device, vram, host)
+        try:
+            graphs = runner.recycle_states
+            _, caps_a, kv_a = decode(runner, prompts[0], how)
+            got, caps_b, kv_b = decode(runner, prompts[1], how)
+        finally:
+            close(runner, store)
+        runner, store = runner_for(path, device, vram, host)
+        try:
+            want, _, _ = decode(runner, prompts[1], how)
+        finally:
+            close(runner, store)
+        same = bool(torch.equal(got, want))
+        res[how] = (caps_a, caps_b)
+        replays = kv_b is kv_a and caps_a > 0 and caps_b == 0 if graphs else not cuda    # the CPU: no graphs
+        row(f"{label} {how}: recycled state replays", same and replays,
+            f"decode graphs captured by the first / second sequence {caps_a} / {caps_b} ({steps} steps each; "
+            f"recycled: {kv_b is kv_a}); the second == a fresh runner's bit for bit: {same}, max |diff| "
+            f"{(got - want).abs().max().item():.3e}")
+    RESULTS.setdefault("recycle", {})[label] = res
+    return res
+
+
 # ---- 2. pinned arena -----------------------------------------------------------------------------------
 
 def gbps(src: torch.Tensor, dst: torch.Tensor, reps: int = 5) -> float:
@@ -627,7 +682,7 @@ def main() -> int:
     p.add_argument("--mid-layers", type=int, default=12)
     p.add_argument("--tokens", type=int, default=256, help="prompt tokens for the mid model (tiny: half)")
     p.add_argument("--mid-preset", default="small", help="synth preset of the mid model (bench: the benchmark geometry)")
-    p.add_argument("--only", default="invariance,prefix,batch,pool,pinned,overlap,pp,kernels",
+    p.add_argument("--only", default="invariance,prefix,batch,pool,recycle,pinned,overlap,pp,kernels",
                    help="comma-separated steps to run")
     a = parse_checks(p, "check_cuda")
     if a is None:
@@ -638,13 +693,14 @@ def main() -> int:
         outdir.mkdir(parents=True, exist_ok=True)
     only = set(a.only.split(","))
     paths = models(tmp, a.mid_layers, a.mid_preset,
-                   names=[n for n, uses in (("tiny", {"invariance", "pool", "pp"}),
+                   names=[n for n, uses in (("tiny", {"invariance", "pool", "recycle", "pp"}),
                                             ("mid", {"prefix", "batch", "pinned", "overlap", "pp"})) if only & uses])
     steps = [("invariance", lambda: check_invariance(paths["tiny"], a.device, ids_for(paths["tiny"], 48, seed=0))),
              ("prefix", lambda: check_prefix(paths["mid"], a.device, ids_for(paths["mid"], 150, seed=4))),
              ("batch", lambda: check_batch(paths["mid"], a.device)),
              ("pool", lambda: check_pool_decode(paths["tiny"], a.device, ids_for(paths["tiny"], 40, seed=6), 2, 4,
                                                 "tiny decode")),
+             ("recycle", lambda: check_recycle(paths["tiny"], a.device, "tiny decode")),
              ("pinned", lambda: check_pinned(paths["mid"], a.device)),
              ("overlap", lambda: check_overlap(paths["mid"], a.device, ids_for(paths["mid"], a.tokens), outdir)),
              ("pp", lambda: check_pp(paths, a.device, {"tiny": max(8, a.tokens // 2), "mid": a.tokens})),

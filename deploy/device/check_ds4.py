@@ -29,7 +29,8 @@
    routing and in pool routing (2 VRAM + 3 host slots, settled after the prompt); solo
    decode == the reference's one-token passes (same device/dtype); the model with TritonOps vs TorchOps on the device
    (float32: within noise, same greedy tokens; bfloat16 reported); then check_cuda's batch step on ds4-tiny (3
-   sequences over the lanes, one sitting out, == each alone; graphs replayed).
+   sequences over the lanes, one sitting out, == each alone; graphs replayed); and check_cuda's recycle step on
+   ds4-tiny (2 + 3 slots: a second sequence on the first one's recycled state captures no decode graph, == fresh).
 5. launches: kernels per layer of one decode step from torch.profiler, eager (the kernels a step runs) and replayed
    (what the profiler sees of the graphs), lanes and solo; PASS when the eager lanes step is <= 60 per layer.
 6. vram: the worker's VRAM outside the expert slots, measured, against the slot plan's terms (store/plan.py
@@ -52,8 +53,8 @@ from pathlib import Path
 import _common  # first: puts this checkout on sys.path
 import torch
 
-from check_cuda import (RESULTS, check_batch, check_pool_decode, close, finish_checks, greedy_decode, ids_for,
-                        parse_checks, row, run_steps, runner_for, slot_passes, sync)
+from check_cuda import (RESULTS, check_batch, check_pool_decode, check_recycle, close, finish_checks, greedy_decode,
+                        ids_for, parse_checks, row, run_steps, runner_for, slot_passes, sync)
 
 from betelgeuse.gguf.quants import dequantize
 from betelgeuse.gguf.synth import spec_from_preset, write_model
@@ -362,6 +363,8 @@ def check_decode(device: str, tmp: Path, steps: int = 8, preset: str = "ds4-tiny
     RESULTS["decode"] = {"ops_model": res, "replayed": {f"{g} {h}": v for (g, h), v in replayed.items()}}
     if cuda:
         check_batch(path, device)
+    # a second sequence on the first one's recycled state replays from its first step, == a fresh runner's (issue 21)
+    check_recycle(path, device, f"{tag} decode", q, q + 1)
 
 
 def _profiled_step(step, n_layer: int, device: str) -> dict:

@@ -62,6 +62,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--gpu-marks", action="store_true",
                    help="cut decode's idle chain 'gpu' link at the device's steps (copy / group / attn / route / sync):"
                         " timing events and a sync a token more, so the run's TG is not comparable with runs without")
+    p.add_argument("--no-graphs-warm", action="store_true",
+                   help="no decode graphs captured before the warm pass (ModelRunner.warm_graphs): the timed decode's "
+                        "first two tokens run eagerly and capture, as a new sequence's did before graphs57")
     p.add_argument("--disk-sample", help="bytes per disk ceiling sample (default 1GiB)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="small model on the CPU, few tokens: validates the whole path")
@@ -132,7 +135,8 @@ def run(args) -> int:
                      standard_cap=float(_opt(args, "standard_cap", 20.0)), decode_cap=float(_opt(args, "decode_cap", 20.0)),
                      disk_sample_bytes=parse_size(_opt(args, "disk_sample", "1GiB"), "--disk-sample"),
                      seed=args.seed, run_dir=str(work / f"run-{os.getpid()}"), routing_trace=args.routing_trace,
-                     routings=routings or (engine.routing,), gpu_marks=bool(getattr(args, "gpu_marks", False)))
+                     routings=routings or (engine.routing,), gpu_marks=bool(getattr(args, "gpu_marks", False)),
+                     graphs_warm=not getattr(args, "no_graphs_warm", False))
     results["options"] = options_record(o)
     log(f"device {device}; results -> {out}")
     from services.bench.report import run_recorded

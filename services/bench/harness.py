@@ -78,6 +78,10 @@ class BenchOptions:
     # solo graph cut at each attention, so they change the run they time: opt-in (--gpu-marks), never in a TG figure
     # compared with runs without them
     gpu_marks: bool = False
+    # decode's graphs captured before the warm pass over a state of the decode's size (ModelRunner.warm_graphs, as the
+    # service's engine does at start for its first state size), so the timed decode's first tokens replay as a
+    # service's do; off (--no-graphs-warm): they run eagerly, then capture (the bench before graphs57)
+    graphs_warm: bool = True
 
 
 def slots_pair(s: str) -> tuple[int | str, int | str]:
@@ -323,6 +327,8 @@ class Harness:
                             if prof:
                                 out.setdefault("profile", {})["decode"] = prof
                     continue
+                if kind == "warm" and "decode" in case.passes and self.o.graphs_warm:
+                    out["graphs_warm"] = self._graphs_warm(rn, kv_len)
                 kv = self._state(rn, kv_len)
                 rec, logits = self._prefill(rn, f, kind, ids, kv)
                 out["passes"].append(rec)
@@ -354,6 +360,17 @@ class Harness:
             if rc not in (0, None):
                 out["store_error"] = store.proc.last_line()
             f.close()
+
+    def _graphs_warm(self, rn: ModelRunner, n: int) -> dict | None:
+        """The service's start-up capture for the decode's state (ModelRunner.warm_graphs, solo: the bench decodes with
+        forward()), under the timed decode's device marks (a SoloDecode key), untimed; its state, released, is the warm
+        pass's next (ModelRunner.new_cache recycles it), so the decode replays from its first token. None: no graphs
+        (the CPU)."""
+        marks_were, rn.gpu_marks = rn.gpu_marks, self.o.gpu_marks
+        try:
+            return rn.warm_graphs(n, lanes=False)
+        finally:
+            rn.gpu_marks = marks_were
 
     def _state(self, rn: ModelRunner, n: int):
         """A sequence state of n tokens for the case's passes, counted by the runner (its KV reservation, the flex
