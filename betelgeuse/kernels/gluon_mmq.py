@@ -286,8 +286,8 @@ if HAVE_GLUON:
         the high nibbles of ONE 32-byte group, (kb0 % 8) // 2): (the weights [R, 64] bf16 in AL of rows ra (mask mn):
         column c = nibble c // 32 of byte 16 + 32 group + c % 32 -- triton_mmq._w_tile's values in its order, each
         byte pair loaded once (QL) for both blocks (_nibs_bf16); the header's word 0 (f16 d | f16 dmin) and both
-        blocks' 6-bit sc, m [R] int32 (rows rc, mask mc, ACC's rows; the header one 16-byte load a row, HL); the x block sums [BM] of both (at element offsets so, mask
-        sm); the B tile as _fetch's (no _perm))."""
+        blocks' 6-bit sc, m [R] int32 (rows rc, mask mc, ACC's rows; the header one 16-byte load a row, HL); the x
+        block sums [BM] of both (at element offsets so, mask sm); the B tile as _fetch's (no _perm))."""
         R: gl.constexpr = ra.shape[0]
         if R == 64:
             LQ: gl.constexpr = QL
