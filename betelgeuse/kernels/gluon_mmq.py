@@ -1,5 +1,5 @@
-"""The bf16 MMA of Q8_0 and MXFP4 experts (act_quant bf16, triton_mmq's BF schedule) in Gluon: the weights loaded
-straight into the wgmma's A registers (issue 23, docs/benchmarks/cpu-gluon55).
+"""The bf16 MMA of Q8_0, MXFP4 and Q4_K experts (act_quant bf16, triton_mmq's BF schedule) in Gluon: the weights
+loaded straight into the wgmma's A registers (issue 23, docs/benchmarks/cpu-gluon55, cpu-gluonk57).
 
 Triton lowers triton_mmq's `tl.dot(wq.to(bf16), xt)` with a register-built A as a round trip through shared memory
 (STS, barrier, LDSM: docs/benchmarks/cpu-mma55). Here the weight tile [BN, KB*32] is loaded in the wgmma's A operand
@@ -12,16 +12,24 @@ so the same bits on the GPU (deploy/device/check_gluon_mmq.py checks torch.equal
     64x32x16.F32.BF16, k16 in ascending order, the instruction Triton issues; A row n = weight row n, B column
     i*16 + m = row m's block kb0 + i, zeros elsewhere), its columns split into the 2 block dots [64, 16];
   * acc = fma(dot_0, d_0, acc); acc = fma(dot_1, d_1, acc) (d: the block scale as float32), acc from zero each K
-    chunk of KCB blocks;
+    chunk of KCB blocks; Q4_K: acc = acc + fma(dot_i, d sc_i, -(dmin m_i * sx_i)) (d sc, dmin m: float32 products
+    of the super-block's f16 d / dmin and get_scale_min_k4's 6-bit values; sx the x block sums, prepare_bf16's);
+  * Q4_K: a K step's two sub-blocks (j, j + 1; j even) are the low and high nibbles of ONE 32-byte group: each
+    16-bit pair of it loaded once (thread t's pairs are its A k pairs) and decoded by inline PTX straight into
+    the two blocks' bf16 pairs (0x4300 | n is the bf16 128 + n; one add.bf16x2 of -128, exact);
   * MXFP4: the doubled e2m1 values in triton_mmq._perm's element order, for the weights (a thread's k pair is then
     the two nibbles of one byte: one byte load a pair) and the B tile alike, as the Triton kernel's BF tiles;
   * the chunk sums 0 + p_0 + p_1 + ... in chunk order: walked (16-row bucket) or split over programs (SPLIT, the
     1-row bucket: the tile's last program sums the stored partials, triton_moe's counter protocol);
-  * gate_up: SwiGLU (the clamped form under HAS_LIMIT) as triton_moe._gu_store; down: y's bf16 store.
+  * gate_up: SwiGLU (the clamped form under HAS_LIMIT) as triton_moe._gu_store; down: y's bf16 store;
+  * FUSE (gate_up; BF_TUNING's for MXFP4 and Q4_K): gate's BN rows then up's as one A of 128 rows, one MMA of 2 x
+    m64 HGMMA a k16 on the same B tile (Triton's FUSE); FUSE 0: gate's K walk, then up's. A schedule key either way
+    (each output's instruction, operands and float ops are its own).
 The schedule key GL (triton_mmq.CONFIG, 0 by default) asks for it; triton_mmq._launch takes it where `usable` says so
-(CUDA sm_90, Gluon importable, Q8_0 or MXFP4 at these constants), else the Triton kernel runs (CPU, the interpreter:
-Gluon has no interpreter). Compiles on Triton 3.6 (the device's) and 3.9: the one API difference used here is the
-CTA barrier's name (gl.thread_barrier on 3.6, gl.barrier on 3.9); 3.6 has no gl.cumsum (an associative_scan here).
+(CUDA sm_90, Gluon importable, Q8_0, MXFP4 or Q4_K at these constants, aligned parts), else the Triton kernel runs
+(CPU, the interpreter: Gluon has no interpreter). Compiles on Triton 3.6 (the device's) and 3.9: the one API
+difference used here is the CTA barrier's name (gl.thread_barrier on 3.6, gl.barrier on 3.9); 3.6 has no gl.cumsum
+(an associative_scan here).
 """
 
 from __future__ import annotations
@@ -38,14 +46,23 @@ try:
 except ImportError:                 # a Triton without Gluon: triton_mmq's kernels only
     HAVE_GLUON = False
 
-TYPES = {0: 34, 4: 17}              # kernel type codes (triton_quants.QT_CODES) -> block bytes: Q8_0, MXFP4
+TYPES = {0: (32, 34), 4: (32, 17), 5: (256, 144)}  # kernel type code (triton_quants.QT_CODES) -> (elements, bytes)
+#                                                   of a block: Q8_0, MXFP4, Q4_K (its super-block)
 SHAPE = {"BN": 64, "BM": 16, "KB": 2, "num_warps": 4}   # the one schedule compiled here (BF_TUNING's)
 
 
-def usable(qt: int, c: dict, kb: int, device) -> bool:
+def row_bytes(qt: int, K: int) -> int:
+    """Bytes of one weight row of K elements of type code qt (a TYPES type)."""
+    n, b = TYPES[qt]
+    return K // n * b
+
+
+def usable(qt: int, c: dict, kb: int, device, aligned: bool = True) -> bool:
     """Whether a bf16 MMA launch of type qt with config c (KB kb as launched) can run here: Gluon imports, a CUDA
-    device of capability 9.x (wgmma), not the interpreter, a type of TYPES at SHAPE's constants without FUSE."""
-    if not HAVE_GLUON or qt not in TYPES or getattr(device, "type", "") != "cuda" or c.get("FUSE"):
+    device of capability 9.x (wgmma), not the interpreter, a type of TYPES at SHAPE's constants (FUSE either way:
+    gate_up's fused form is here too; a schedule key, the same bits), parts 16-byte aligned (`aligned`, as
+    triton_mmq.gate_up's: the weights are read in 2-, 4- and 16-byte words)."""
+    if not HAVE_GLUON or qt not in TYPES or getattr(device, "type", "") != "cuda" or not aligned:
         return False
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         return False
@@ -70,6 +87,22 @@ if HAVE_GLUON:
     # ... and in shared memory for wgmma (K-major, 128-byte swizzle: what Triton picks for this tile)
     SH = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, transposed=True))
     L1 = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))        # the experts' table [EP]
+    # Q4_K's byte pairs [R, 16] uint16 (pair p: bytes 2p, 2p + 1 of a row's 32-byte group): thread t holds pairs
+    # p = t % 4 + 0, 4, 8, 12 of rows t / 4 and t / 4 + 8 of its warp's 16 -- the bytes of its AL k pairs (k_width 2:
+    # k = 2 (t % 4) + 0, 1, 8, 9, 16, ...), one 16-bit load a pair; R 128 (gate_up's FUSE): rows + 64 in registers
+    QL = gl.constexpr(gl.DistributedLinearLayout([[0, 4], [0, 8], [8, 0]], [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+                                                 [[16, 0], [32, 0]], [], [64, 16]))
+    QL2 = gl.constexpr(gl.DistributedLinearLayout([[0, 4], [0, 8], [8, 0], [64, 0]],
+                                                  [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], [[16, 0], [32, 0]], [],
+                                                  [128, 16]))
+    # Q4_K's super-block header [R, 4] int32 (f16 d | f16 dmin, scales[0..3], [4..7], [8..11]): a row's 4 words in
+    # one thread (16-byte aligned: one 128-bit load), the rows as ACC's (t / 4 and t / 4 + 8 of the warp's 16; the
+    # 4 lanes of a quad alike)
+    HL = gl.constexpr(gl.DistributedLinearLayout([[0, 1], [0, 2], [8, 0]], [[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+                                                 [[16, 0], [32, 0]], [], [64, 4]))
+    HL2 = gl.constexpr(gl.DistributedLinearLayout([[0, 1], [0, 2], [8, 0], [64, 0]],
+                                                  [[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]], [[16, 0], [32, 0]], [],
+                                                  [128, 4]))
 
     @gluon.jit
     def _add(a, b):
@@ -171,7 +204,8 @@ if HAVE_GLUON:
     def _acc_part(pool, ra, mn, rc, mc, xq_ptr, jo, jm, b0, b1, QT: gl.constexpr, BN: gl.constexpr,
                   BM: gl.constexpr, KB: gl.constexpr):
         """One part's partial [BN, BM] (ACC) over blocks b0 .. b1 (KB | b1 - b0), from zero: triton_mmq._mmq_step's
-        float ops (module doc), the next step's loads issued before this step's MMA (triton_mmq's PF 1)."""
+        float ops (module doc), the next step's loads issued before this step's MMA (triton_mmq's PF 1). BN: the
+        rows of ra (gate_up's FUSE: 2 BN, gate's then up's, one MMA of M 128 = 2 x m64 a k16)."""
         gl.static_assert(KB == 2)
         acc = gl.zeros([BN, BM], gl.float32, ACC)
         z = gl.zeros([BN, KB * BM], gl.float32, MMA)
@@ -191,6 +225,144 @@ if HAVE_GLUON:
             acc = gl.fma(p1, gl.broadcast(d1[:, None], acc)[0], acc)
             wb, d0, d1, x = wb2, e0, e1, x2
         return acc
+
+    @gluon.jit
+    def _f16(bits):
+        """float32 of the f16 in the low 16 bits of int32 `bits` (triton_mmvq._half: exact)."""
+        return (bits & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+
+    @gluon.jit
+    def _k_scales(w1, w2, w3, j):
+        """Q4_K sub-blocks j and j + 1 (j even)'s 6-bit (sc_j, m_j, sc_j+1, m_j+1) [R] int32 from their super-block's
+        header words w1, w2, w3 (scales[0..3], [4..7], [8..11]): triton_quants.k_scale_min_of's values
+        (get_scale_min_k4) -- c1, c2, c3 = byte j % 4 of w1, w2, w3; j < 4: c1 & 63, c2 & 63, else
+        (c3 & 15) | (c1 >> 6) << 4, (c3 >> 4) | (c2 >> 6) << 4 -- the pair's bytes adjacent, the branch uniform (j is
+        the K step's)."""
+        sh = (j & 3) * 8                            # 0 or 16 (kb0 >= 0: bit ops, not a signed % and //)
+        a = w1 >> sh
+        b = w2 >> sh
+        if j < 4:
+            s0 = a & 63
+            s1 = (a >> 8) & 63
+            m0 = b & 63
+            m1 = (b >> 8) & 63
+        else:
+            c = w3 >> sh
+            s0 = (c & 15) | ((a >> 2) & 48)
+            s1 = ((c >> 8) & 15) | ((a >> 10) & 48)
+            m0 = ((c >> 4) & 15) | ((b >> 2) & 48)
+            m1 = ((c >> 12) & 15) | ((b >> 10) & 48)
+        return s0, m0, s1, m1
+
+    @gluon.jit
+    def _nibs_bf16(q):
+        """uint16 byte pairs q [R, 16] (b0 | b1 << 8) -> (the low nibbles, the high nibbles) as bf16x2 in int32 (low
+        half b0's, high half b1's), exactly 0..15, by PTX: prmt spreads the bytes to bits 0 and 16, and / or set the
+        4 bits under the bf16 0x4300 (128: the nibble is then the low mantissa bits, 128 + n), one add.bf16x2 of -128
+        (exact) a register: 6 instructions for 4 weights (the compiler's uint8 -> bf16 took ~11: cpu-gluonk57)."""
+        return gl.inline_asm_elementwise(
+            """{
+            .reg .b32 x, y, c;
+            mov.b32 c, 0xC300C300;
+            cvt.u32.u16 x, $2;
+            prmt.b32 x, x, 0, 0x4140;
+            shr.b32 y, x, 4;
+            lop3.b32 x, x, 0x000F000F, 0x43004300, 0xEA;
+            lop3.b32 y, y, 0x000F000F, 0x43004300, 0xEA;
+            add.rn.bf16x2 $0, x, c;
+            add.rn.bf16x2 $1, y, c;
+            }""", "=r,=r,h", [q], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+
+    @gluon.jit
+    def _bf16x2(v, R: gl.constexpr):
+        """int32 [R, 16] holding bf16 pairs -> bf16 [R, 32] (element 2 p + h: half h of v[:, p]): register moves."""
+        lo = (v & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
+        hi = (v >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
+        return gl.reshape(gl.join(lo, hi), [R, 32])
+
+    @gluon.jit
+    def _fetch_k(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, kb0, KB: gl.constexpr):
+        """Q4_K's K step kb0, kb0 + 1 (kb0 even: sub-blocks j = kb0 % 8 and j + 1 of super-block kb0 // 8, the low and
+        the high nibbles of ONE 32-byte group, (kb0 % 8) // 2): (the weights [R, 64] bf16 in AL of rows ra (mask mn):
+        column c = nibble c // 32 of byte 16 + 32 group + c % 32 -- triton_mmq._w_tile's values in its order, each
+        byte pair loaded once (QL) for both blocks (_nibs_bf16); the header's word 0 (f16 d | f16 dmin) and both
+        blocks' 6-bit sc, m [R] int32 (rows rc, mask mc, ACC's rows; the header one 16-byte load a row, HL); the x
+        block sums [BM] of both (at element offsets so, mask sm); the B tile as _fetch's (no _perm))."""
+        R: gl.constexpr = ra.shape[0]
+        if R == 64:
+            LQ: gl.constexpr = QL
+            LH: gl.constexpr = HL
+        else:
+            LQ: gl.constexpr = QL2
+            LH: gl.constexpr = HL2
+        c = gl.arange(0, 16, layout=gl.SliceLayout(0, LQ))
+        rq = gl.convert_layout(ra + ((kb0 >> 3) * 144 + 16 + ((kb0 >> 1) & 3) * 32), gl.SliceLayout(1, LQ))
+        p = (pool + rq).to(gl.pointer_type(gl.uint16))[:, None] + c[None, :]       # a row's base, then pairs
+        mq = gl.convert_layout(mn, gl.SliceLayout(1, LQ))
+        q = gl.load(p, mask=gl.broadcast(mq[:, None], p)[0], other=0)             # [R, 16] uint16
+        lo, hi = _nibs_bf16(q)
+        w = gl.reshape(gl.permute(gl.join(_bf16x2(lo, R), _bf16x2(hi, R)), [0, 2, 1]), [R, KB * 32])
+        wb = gl.convert_layout(w, AL)               # column 32 i + e: block i (a register permutation: no data moves)
+        hp = (pool + gl.convert_layout(rc + (kb0 >> 3) * 144, gl.SliceLayout(1, LH))).to(gl.pointer_type(gl.int32))
+        hm = gl.convert_layout(mc, gl.SliceLayout(1, LH))
+        hw = gl.arange(0, 4, layout=gl.SliceLayout(0, LH))
+        hdr = gl.load(hp[:, None] + hw[None, :], mask=gl.broadcast(hm[:, None], hw[None, :])[0], other=0)   # [R, 4]
+        h02, h13 = gl.split(gl.reshape(hdr, [R, 2, 2]))             # words 0, 2 | 1, 3 (register moves)
+        w0, w2 = gl.split(h02)
+        w1, w3 = gl.split(h13)
+        RL: gl.constexpr = gl.SliceLayout(1, ACC)                   # to ACC's rows: the same bases, no data moves
+        w0, w1, w2, w3 = (gl.convert_layout(w0, RL), gl.convert_layout(w1, RL), gl.convert_layout(w2, RL),
+                          gl.convert_layout(w3, RL))
+        sc0, m0, sc1, m1 = _k_scales(w1, w2, w3, kb0 & 7)
+        s0 = gl.load(xs_ptr + so + kb0, mask=sm, other=0.0)
+        s1 = gl.load(xs_ptr + so + kb0 + 1, mask=sm, other=0.0)
+        k = gl.arange(0, KB * 32, layout=gl.SliceLayout(1, BL))
+        jb = gl.arange(0, jo.shape[0], layout=gl.SliceLayout(0, BL)) // (jo.shape[0] // KB)
+        m2 = jm[None, :] & (jb[None, :] == (k // 32)[:, None])
+        x = gl.load(xq_ptr + jo[None, :] + kb0 * 32 + k[:, None], mask=m2, other=0.0)
+        return wb, w0, sc0, m0, sc1, m1, s0, s1, x
+
+    @gluon.jit
+    def _acc_part_k(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, b0, b1, BN: gl.constexpr, BM: gl.constexpr,
+                    KB: gl.constexpr):
+        """_acc_part of Q4_K: per block, acc + fma(dot, d sc, -(dmin m * sx)) in ascending order (triton_mmq's K-quant
+        float ops, d sc and dmin m each a float32 product as _wl_step's; sx: the x block sums, so / sm their offsets
+        [BM] and mask in ACC's columns)."""
+        gl.static_assert(KB == 2)
+        acc = gl.zeros([BN, BM], gl.float32, ACC)
+        z = gl.zeros([BN, KB * BM], gl.float32, MMA)
+        wb, w0, c0, n0, c1, n1, s0, s1, x = _fetch_k(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, b0, KB)
+        for kb0 in range(b0, b1, KB):
+            more = kb0 + KB < b1
+            wb2, v0, e0, f0, e1, f1, t0, t1, x2 = _fetch_k(pool, ra, mn & more, rc, mc & more, xq_ptr, jo, jm & more,
+                                                           xs_ptr, so, sm & more, kb0 + KB, KB)
+            xs = gl.allocate_shared_memory(gl.bfloat16, [KB * 32, KB * BM], SH, x)
+            hopper.fence_async_shared()
+            dot = hopper.warpgroup_mma(wb, xs, z, use_acc=False, is_async=True)
+            d = _f16(w0)                            # (beside the MMA: the scales' float ops, as _wl_step's)
+            dmin = _f16(w0 >> 16)
+            dw0 = d * c0.to(gl.float32)
+            mw0 = dmin * n0.to(gl.float32)
+            dw1 = d * c1.to(gl.float32)
+            mw1 = dmin * n1.to(gl.float32)
+            dot = hopper.warpgroup_mma_wait(0, deps=[dot])
+            p0, p1 = gl.split(gl.permute(gl.reshape(dot, [BN, KB, BM]), [0, 2, 1]))
+            p0 = gl.convert_layout(p0, ACC)
+            p1 = gl.convert_layout(p1, ACC)
+            acc = acc + gl.fma(p0, gl.broadcast(dw0[:, None], acc)[0], -(mw0[:, None] * s0[None, :]))
+            acc = acc + gl.fma(p1, gl.broadcast(dw1[:, None], acc)[0], -(mw1[:, None] * s1[None, :]))
+            wb, w0, c0, n0, c1, n1, s0, s1, x = wb2, v0, e0, f0, e1, f1, t0, t1, x2
+        return acc
+
+    @gluon.jit
+    def _acc_any(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, b0, b1, QT: gl.constexpr, BN: gl.constexpr,
+                 BM: gl.constexpr, KB: gl.constexpr):
+        """The partial [BN, BM] of type QT: _acc_part_k (Q4_K) or _acc_part."""
+        if QT == 5:
+            r = _acc_part_k(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, b0, b1, BN, BM, KB)
+        else:
+            r = _acc_part(pool, ra, mn, rc, mc, xq_ptr, jo, jm, b0, b1, QT, BN, BM, KB)
+        return r
 
     @gluon.jit
     def _partial_ptr(ws_ptr, tile, c, NCH, WS: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr):
@@ -217,67 +389,109 @@ if HAVE_GLUON:
         gl.store(ptr, act.to(inter_ptr.dtype.element_ty), mask=mn[:, None] & mr[None, :])
 
     @gluon.jit
-    def _gate_up_gl_kernel(xq_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, inter_ptr, ws_ptr, cnt_ptr, H, F,
-                        row_bytes, n_exp, k_top, limit, KCB, QT: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                        BM: gl.constexpr,
-                        BN: gl.constexpr, EP: gl.constexpr, ALIGNED: gl.constexpr, RA: gl.constexpr,
-                        KB: gl.constexpr, SPLIT: gl.constexpr):
-        """triton_mmq._gate_up_mmq_kernel (BF, QT 0, FUSE 0) with the A operand in registers: grid (F / BN, row
-        blocks[, chunks])."""
+    def _gu_split(tot, BN: gl.constexpr, BM: gl.constexpr):
+        """FUSE's [2 BN, BM] (gate's rows then up's) -> (gate [BN, BM], up [BN, BM]) in ACC (the row-64 bit of the
+        MMA layout is a register bit: register moves)."""
+        g, u = gl.split(gl.permute(gl.reshape(tot, [2, BN, BM]), [1, 2, 0]))
+        return gl.convert_layout(g, ACC), gl.convert_layout(u, ACC)
+
+    @gluon.jit
+    def _gate_up_gl_kernel(xq_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, inter_ptr, ws_ptr, cnt_ptr,
+                           H, F, row_bytes, n_exp, k_top, limit, KCB, QT: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                           BM: gl.constexpr, BN: gl.constexpr, EP: gl.constexpr, ALIGNED: gl.constexpr,
+                           RA: gl.constexpr, KB: gl.constexpr, SPLIT: gl.constexpr, FUSE: gl.constexpr):
+        """triton_mmq._gate_up_mmq_kernel (BF, FUSE either way) with the A operand in registers: grid (F / BN, row
+        blocks[, chunks]). FUSE: gate's BN rows and up's as one A of 2 BN rows (one K walk, the B tile stored once a
+        step for both; each output's float ops its own: the same bits)."""
         e, mb, base = _find_block(off_ptr, base_ptr, n_exp, gl.program_id(1), BM, EP)
         if base != -1:                  # -1 alone: not in this group (a negative offset is an expert)
             rows, mr, flat = _rows_of(off_ptr, rows_ptr, e, mb, gl.arange(0, BM, layout=gl.SliceLayout(0, ACC)), BM)
             u1, jm, jflat = _rows_of(off_ptr, rows_ptr, e, mb,
                                      gl.arange(0, KB * BM, layout=gl.SliceLayout(0, BL)), BM)
             jo = (jflat // k_top) * H                               # the B tile's columns: their tokens' rows of h
-            na = gl.program_id(0) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, AL))
-            nc = gl.program_id(0) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ACC))
-            mna = na < F
-            mnc = nc < F
-            ga = _part_rows(base, starts_ptr, e, 0, na, row_bytes, ALIGNED, RA)
-            ua = _part_rows(base, starts_ptr, e, 1, na, row_bytes, ALIGNED, RA)
-            gc = _part_rows(base, starts_ptr, e, 0, nc, row_bytes, ALIGNED, RA)
-            uc = _part_rows(base, starts_ptr, e, 1, nc, row_bytes, ALIGNED, RA)
+            so = (flat // k_top) * (H // 32)                        # the x block sums' rows (Q4_K)
             NBLK = H // 32
             NCH = (NBLK + KCB - 1) // KCB
-            totg = gl.zeros([BN, BM], gl.float32, ACC)
-            totu = gl.zeros([BN, BM], gl.float32, ACC)
-            if SPLIT:                   # this program: chunk program_id(2); the tile's last sums them in order
-                pc = gl.program_id(2)
-                b1 = gl.minimum(pc * KCB + KCB, NBLK)
-                g = _acc_part(pool, ga, mna, gc, mnc, xq_ptr, jo, jm, pc * KCB, b1, QT, BN, BM, KB)
-                u = _acc_part(pool, ua, mna, uc, mnc, xq_ptr, jo, jm, pc * KCB, b1, QT, BN, BM, KB)
-                tile = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
-                pp = _partial_ptr(ws_ptr, tile, pc, NCH, 2 * BN * BM, BN, BM)
-                gl.store(pp, g)
-                gl.store(pp + BN * BM, u)
-                if _arrive(cnt_ptr, tile, NCH):
-                    for ch in range(0, NCH):    # 0 + p_0 + p_1 + ... in chunk order
-                        pq = _partial_ptr(ws_ptr, tile, ch, NCH, 2 * BN * BM, BN, BM)
-                        totg = totg + gl.load(pq, cache_modifier=".cg")
-                        totu = totu + gl.load(pq + BN * BM, cache_modifier=".cg")
-                    gl.atomic_xchg(cnt_ptr + tile, 0)
+            tile = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
+            nc = gl.program_id(0) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ACC))
+            mnc = nc < F
+            if FUSE:                    # rows i < BN: gate's row n0 + i; i >= BN: up's row n0 + i - BN
+                ia = gl.arange(0, 2 * BN, layout=gl.SliceLayout(1, AL))
+                ic = gl.arange(0, 2 * BN, layout=gl.SliceLayout(1, ACC))
+                na = gl.program_id(0) * BN + ia % BN
+                n2 = gl.program_id(0) * BN + ic % BN
+                ra = gl.where(ia < BN, _part_rows(base, starts_ptr, e, 0, na, row_bytes, ALIGNED, RA),
+                              _part_rows(base, starts_ptr, e, 1, na, row_bytes, ALIGNED, RA))
+                rc = gl.where(ic < BN, _part_rows(base, starts_ptr, e, 0, n2, row_bytes, ALIGNED, RA),
+                              _part_rows(base, starts_ptr, e, 1, n2, row_bytes, ALIGNED, RA))
+                if ALIGNED:             # (the select loses _part_rows' alignment facts: wide loads need them)
+                    ra = gl.multiple_of(ra, RA)
+                    rc = gl.multiple_of(rc, RA)
+                tot = gl.zeros([2 * BN, BM], gl.float32, ACC)
+                if SPLIT:
+                    pc = gl.program_id(2)
+                    acc = _acc_any(pool, ra, na < F, rc, n2 < F, xq_ptr, jo, jm, xs_ptr, so, mr, pc * KCB,
+                                   gl.minimum(pc * KCB + KCB, NBLK), QT, 2 * BN, BM, KB)
+                    gl.store(_partial_ptr(ws_ptr, tile, pc, NCH, 2 * BN * BM, 2 * BN, BM), acc)
+                    if _arrive(cnt_ptr, tile, NCH):
+                        for ch in range(0, NCH):    # 0 + p_0 + p_1 + ... in chunk order
+                            tot = tot + gl.load(_partial_ptr(ws_ptr, tile, ch, NCH, 2 * BN * BM, 2 * BN, BM),
+                                                cache_modifier=".cg")
+                        gl.atomic_xchg(cnt_ptr + tile, 0)
+                        accg, accu = _gu_split(tot, BN, BM)
+                        _gu_store(accg, accu, inter_ptr, rows, mr, nc, mnc, F, limit, HAS_LIMIT)
+                else:
+                    for ch in range(0, NCH):
+                        tot = tot + _acc_any(pool, ra, na < F, rc, n2 < F, xq_ptr, jo, jm, xs_ptr, so, mr, ch * KCB,
+                                             gl.minimum(ch * KCB + KCB, NBLK), QT, 2 * BN, BM, KB)
+                    accg, accu = _gu_split(tot, BN, BM)
+                    _gu_store(accg, accu, inter_ptr, rows, mr, nc, mnc, F, limit, HAS_LIMIT)
+            else:
+                na = gl.program_id(0) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, AL))
+                mna = na < F
+                ga = _part_rows(base, starts_ptr, e, 0, na, row_bytes, ALIGNED, RA)
+                ua = _part_rows(base, starts_ptr, e, 1, na, row_bytes, ALIGNED, RA)
+                gc = _part_rows(base, starts_ptr, e, 0, nc, row_bytes, ALIGNED, RA)
+                uc = _part_rows(base, starts_ptr, e, 1, nc, row_bytes, ALIGNED, RA)
+                totg = gl.zeros([BN, BM], gl.float32, ACC)
+                totu = gl.zeros([BN, BM], gl.float32, ACC)
+                if SPLIT:               # this program: chunk program_id(2); the tile's last sums them in order
+                    pc = gl.program_id(2)
+                    b1 = gl.minimum(pc * KCB + KCB, NBLK)
+                    g = _acc_any(pool, ga, mna, gc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, pc * KCB, b1, QT, BN, BM, KB)
+                    u = _acc_any(pool, ua, mna, uc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, pc * KCB, b1, QT, BN, BM, KB)
+                    pp = _partial_ptr(ws_ptr, tile, pc, NCH, 2 * BN * BM, BN, BM)
+                    gl.store(pp, g)
+                    gl.store(pp + BN * BM, u)
+                    if _arrive(cnt_ptr, tile, NCH):
+                        for ch in range(0, NCH):    # 0 + p_0 + p_1 + ... in chunk order
+                            pq = _partial_ptr(ws_ptr, tile, ch, NCH, 2 * BN * BM, BN, BM)
+                            totg = totg + gl.load(pq, cache_modifier=".cg")
+                            totu = totu + gl.load(pq + BN * BM, cache_modifier=".cg")
+                        gl.atomic_xchg(cnt_ptr + tile, 0)
+                        _gu_store(totg, totu, inter_ptr, rows, mr, nc, mnc, F, limit, HAS_LIMIT)
+                else:                   # the same chunk partials and sums, walked by one program
+                    for ch in range(0, NCH):
+                        b1 = gl.minimum(ch * KCB + KCB, NBLK)
+                        totg = totg + _acc_any(pool, ga, mna, gc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, ch * KCB, b1,
+                                               QT, BN, BM, KB)
+                        totu = totu + _acc_any(pool, ua, mna, uc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, ch * KCB, b1,
+                                               QT, BN, BM, KB)
                     _gu_store(totg, totu, inter_ptr, rows, mr, nc, mnc, F, limit, HAS_LIMIT)
-            else:                       # the same chunk partials and sums, walked by one program
-                for ch in range(0, NCH):
-                    b1 = gl.minimum(ch * KCB + KCB, NBLK)
-                    totg = totg + _acc_part(pool, ga, mna, gc, mnc, xq_ptr, jo, jm, ch * KCB, b1, QT, BN, BM, KB)
-                    totu = totu + _acc_part(pool, ua, mna, uc, mnc, xq_ptr, jo, jm, ch * KCB, b1, QT, BN, BM, KB)
-                _gu_store(totg, totu, inter_ptr, rows, mr, nc, mnc, F, limit, HAS_LIMIT)
 
     @gluon.jit
-    def _down_gl_kernel(xq_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, y_ptr, ws_ptr, cnt_ptr, H, F,
-                     row_bytes, n_exp, KCB, QT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                     EP: gl.constexpr,
-                     ALIGNED: gl.constexpr, RA: gl.constexpr, KB: gl.constexpr, SPLIT: gl.constexpr):
-        """triton_mmq._down_mmq_kernel (BF, QT 0) with the A operand in registers: grid (H / BN, row blocks[,
-        chunks])."""
+    def _down_gl_kernel(xq_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, y_ptr, ws_ptr, cnt_ptr, H, F,
+                        row_bytes, n_exp, KCB, QT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                        EP: gl.constexpr, ALIGNED: gl.constexpr, RA: gl.constexpr, KB: gl.constexpr,
+                        SPLIT: gl.constexpr):
+        """triton_mmq._down_mmq_kernel (BF) with the A operand in registers: grid (H / BN, row blocks[, chunks])."""
         e, mb, base = _find_block(off_ptr, base_ptr, n_exp, gl.program_id(1), BM, EP)
         if base != -1:
             rows, mr, flat = _rows_of(off_ptr, rows_ptr, e, mb, gl.arange(0, BM, layout=gl.SliceLayout(0, ACC)), BM)
             jrows, jm, u1 = _rows_of(off_ptr, rows_ptr, e, mb,
                                      gl.arange(0, KB * BM, layout=gl.SliceLayout(0, BL)), BM)
             jo = jrows.to(gl.int64) * F                             # inter's rows are the sorted rows
+            so = rows.to(gl.int64) * (F // 32)                      # their block sums (Q4_K)
             na = gl.program_id(0) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, AL))
             nc = gl.program_id(0) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ACC))
             mna = na < H
@@ -291,8 +505,8 @@ if HAVE_GLUON:
             tot = gl.zeros([BN, BM], gl.float32, ACC)
             if SPLIT:
                 pc = gl.program_id(2)
-                acc = _acc_part(pool, da, mna, dc, mnc, xq_ptr, jo, jm, pc * KCB, gl.minimum(pc * KCB + KCB, NBLK),
-                                QT, BN, BM, KB)
+                acc = _acc_any(pool, da, mna, dc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, pc * KCB,
+                               gl.minimum(pc * KCB + KCB, NBLK), QT, BN, BM, KB)
                 tile = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
                 gl.store(_partial_ptr(ws_ptr, tile, pc, NCH, BN * BM, BN, BM), acc)
                 if _arrive(cnt_ptr, tile, NCH):
@@ -303,48 +517,49 @@ if HAVE_GLUON:
                     gl.store(ptr, tot.to(y_ptr.dtype.element_ty), mask=msk)
             else:
                 for ch in range(0, NCH):
-                    tot = tot + _acc_part(pool, da, mna, dc, mnc, xq_ptr, jo, jm, ch * KCB,
-                                          gl.minimum(ch * KCB + KCB, NBLK), QT, BN, BM, KB)
+                    tot = tot + _acc_any(pool, da, mna, dc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, ch * KCB,
+                                         gl.minimum(ch * KCB + KCB, NBLK), QT, BN, BM, KB)
                 gl.store(ptr, tot.to(y_ptr.dtype.element_ty), mask=msk)
 
     KERNELS = {"gate_up": _gate_up_gl_kernel, "down": _down_gl_kernel}
     LAUNCH = {w: launcher(k) for w, k in KERNELS.items()}       # counted as triton_mmq's (triton_launch.COUNTS)
-    CONSTS = {"gate_up": ("QT", "HAS_LIMIT", "BM", "BN", "EP", "ALIGNED", "RA", "KB", "SPLIT"),
+    CONSTS = {"gate_up": ("QT", "HAS_LIMIT", "BM", "BN", "EP", "ALIGNED", "RA", "KB", "SPLIT", "FUSE"),
               "down": ("QT", "BM", "BN", "EP", "ALIGNED", "RA", "KB", "SPLIT")}
 
 
 def launch(which: str, grid: tuple, args: list, consts: dict, kcb: int):
     """Launch the Gluon kernel `which` ('gate_up' | 'down') on triton_mmq._launch's arguments: args = (xq, xd, xs,
-    pool, base, starts, rows, off, out, ws, cnt, H, F, row_bytes, n_exp[, k_top, limit]); xd, xs unused (bf16 of
-    Q8_0 / MXFP4: no scales of x, no sums); consts: triton_mmq's constexprs, of which CONSTS[which] are this
-    kernel's."""
-    LAUNCH[which][grid](args[0], *args[3:], kcb, **{k: consts[k] for k in CONSTS[which]}, num_warps=SHAPE["num_warps"],
-             num_stages=1)
+    pool, base, starts, rows, off, out, ws, cnt, H, F, row_bytes, n_exp[, k_top, limit]); xd unused (bf16: no scales
+    of x), xs the x block sums (Q4_K's min term; unused by Q8_0 / MXFP4); consts: triton_mmq's constexprs, of which
+    CONSTS[which] are this kernel's."""
+    LAUNCH[which][grid](args[0], args[2], *args[3:], kcb, **{k: consts[k] for k in CONSTS[which]},
+                        num_warps=SHAPE["num_warps"], num_stages=1)
 
 
-def compile_kernel(which: str = "gate_up", bucket: int = 16, arch: int = 90, hints: bool = True, qt: int = 0):
+def compile_kernel(which: str = "gate_up", bucket: int = 16, arch: int = 90, hints: bool = True, qt: int = 0,
+                   fuse: bool = False):
     """The Gluon kernel of type code qt compiled for CUDA sm_`arch` without a GPU (no torch needed: Triton 3.6 or 3.9
     alone) at the bench geometry (H 2048, F 768: K 2048 for gate_up, 768 for down, 128 experts, k_top 8) for a rows
     bucket's launch (1: split-K over KCB 16 chunks; 16: walked), as triton_mmq.compile_kernel: (CompiledKernel,
     constexprs). hints: a device launch's alignment facts (16-byte aligned pointers, the int arguments that are
-    multiples of 16)."""
+    multiples of 16); fuse: gate_up's FUSE form."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     K = 2048 if which == "gate_up" else 768
-    row_bytes = K // 32 * TYPES[qt]
-    ptr = {"xq_ptr": "*bf16", "pool": "*u8", "base_ptr": "*i64", "starts_ptr": "*i64", "rows_ptr": "*i32",
-           "off_ptr": "*i32", "inter_ptr" if which == "gate_up" else "y_ptr": "*bf16", "ws_ptr": "*fp32",
-           "cnt_ptr": "*i32"}
-    ints = {"H": 2048, "F": 768, "row_bytes": row_bytes, "n_exp": 128}
+    rb = row_bytes(qt, K)
+    ptr = {"xq_ptr": "*bf16", "xs_ptr": "*fp32", "pool": "*u8", "base_ptr": "*i64", "starts_ptr": "*i64",
+           "rows_ptr": "*i32", "off_ptr": "*i32", "inter_ptr" if which == "gate_up" else "y_ptr": "*bf16",
+           "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+    ints = {"H": 2048, "F": 768, "row_bytes": rb, "n_exp": 128}
     if which == "gate_up":
         ints.update(k_top=8)
     sig = {**ptr, **{k: "i32" for k in ints}, **({"limit": "fp32"} if which == "gate_up" else {}), "KCB": "i32"}
     ints["KCB"] = 16
     const = {"QT": qt, "BM": SHAPE["BM"], "BN": SHAPE["BN"], "EP": 256, "ALIGNED": True,
-             "RA": min(16, row_bytes & -row_bytes), "KB": SHAPE["KB"], "SPLIT": bucket == 1 and K // 32 > 16}
+             "RA": min(16, rb & -rb), "KB": SHAPE["KB"], "SPLIT": bucket == 1 and K // 32 > 16}
     if which == "gate_up":
-        const["HAS_LIMIT"] = False
+        const.update(HAS_LIMIT=False, FUSE=bool(fuse))
     fn = KERNELS[which]
     sig.update({k: "constexpr" for k in const})
     attrs = {}

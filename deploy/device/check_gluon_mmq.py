@@ -1,23 +1,26 @@
 #!/usr/bin/env python3
-"""The Gluon bf16 MMA of Q8_0 and MXFP4 (betelgeuse/kernels/gluon_mmq.py, triton_mmq's schedule key GL 1) against
-triton_mmq's shipped bf16 MMA on the GPU (issue 23, docs/benchmarks/cpu-gluon55): bits, then GB/s (H100 / H200,
-about a minute, most of it compiles).
+"""The Gluon bf16 MMA of Q8_0, MXFP4 and Q4_K (betelgeuse/kernels/gluon_mmq.py, triton_mmq's schedule key GL 1)
+against triton_mmq's shipped bf16 MMA on the GPU (issue 23, docs/benchmarks/cpu-gluon55, cpu-gluonk57): bits, then
+GB/s (H100 / H200, about two minutes for the three types, most of it compiles).
 
-    PYTHONPATH=$PWD python3 deploy/device/check_gluon_mmq.py [--types Q8_0,MXFP4] [--reps 32] [--no-time]
+    PYTHONPATH=$PWD python3 deploy/device/check_gluon_mmq.py [--types Q8_0,MXFP4,Q4_K] [--reps 32] [--no-time]
     TRITON_INTERPRET=1 .venv/bin/python deploy/device/check_gluon_mmq.py --dry-run   # CPU: the plumbing (~3 min)
 
 Bits, per type: the bench geometry (H 2048, F 768, 128 experts, k_top 8), experts with valid scales (Q8_0 f16 in
-[1e-3, 1e-2), MXFP4 E8M0 2^-10 .. 2^-7) and random quants, random routing over a bank of 16 experts of which experts
+[1e-3, 1e-2), MXFP4 E8M0 2^-10 .. 2^-7, Q4_K f16 d and dmin in [1e-4, 1e-3), random 6-bit scales and mins) and
+random quants, random routing over a bank of 16 experts of which experts
 0 and 1 lie BELOW the pool (negative offsets, as decode's at-hand table:
 tests/kernels/test_mmq_bf16.py::test_experts_at_negative_offsets_are_computed), 2 tokens (16 rows: the 1-row bucket,
 split-K) and 32 tokens (256 rows: the 16-row bucket, chunks walked), without and with the clamped SwiGLU (limit 7).
-Per case gate_up's inter and down's y (down on the same inter for both) must be torch.equal to the Triton kernel's,
-and the Gluon kernels must have been launched (triton_launch.COUNTS); both are also held to a float reference (the
-dequantized weights in float64 on the same bf16 activations; relative max error < 1e-2) so that two equal wrong
-answers fail too. PASS / FAIL line per check; exit 1 on any FAIL.
+Per case and Gluon form (GL 1 at the shipped FUSE; where that fuses gate and up, GL 1 unfused too: FUSE is a
+schedule key) gate_up's inter and down's y (down on the same inter for both) must be torch.equal to the Triton
+kernel's, and the Gluon kernels must have been launched (triton_launch.COUNTS); both are also held to a float
+reference (the dequantized weights in float64 on the same bf16 activations; relative max error < 1e-2) so that two
+equal wrong answers fail too (Q4_K's dequantization: checked against gguf.quants on the CPU by --dry-run).
+PASS / FAIL line per check; exit 1 on any FAIL.
 GB/s: expert bytes of a bank of 16 experts at 1 and 16 rows an expert (kernel_roofline's routing: each expert
 exactly `rows` rows), CUDA-graph replays of `reps` launches rotating over banks > 512 MB (beyond the L2), median of 5:
-gate_up, down and the pair, Triton beside Gluon, on the same warm GPU.
+gate_up, down and the pair, Triton beside each Gluon form, on the same warm GPU.
 """
 
 from __future__ import annotations
@@ -34,18 +37,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))     # kernel_roofline (
 import torch  # noqa: E402
 
 H, F, E, K_TOP, BANK = 2048, 768, 128, 8, 16          # the bench geometry; a ring bank of 16 experts
-TYPES = {"Q8_0": (0, 34), "MXFP4": (4, 17)}            # name -> (kernel type code, block bytes)
-QT, BS = TYPES["Q8_0"]                                 # the type under test (set_type)
-ROW_H, ROW_F = H // 32 * BS, F // 32 * BS               # its row bytes
+TYPES = {"Q8_0": (0, 32, 34), "MXFP4": (4, 32, 17), "Q4_K": (5, 256, 144)}  # name -> (type code, block elements,
+QT, QK, BS = TYPES["Q8_0"]                             # block bytes); the type under test (set_type)
+ROW_H, ROW_F = H // QK * BS, F // QK * BS               # its row bytes
 KVALUES = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]   # MXFP4's doubled e2m1 (llama.cpp kvalues_mxfp4)
 dev = torch.device("cuda")
 DT = torch.bfloat16                                    # inter's and y's dtype (the engine's; --dry-run: float32)
 
 
 def set_type(name: str):
-    global QT, BS, ROW_H, ROW_F
-    QT, BS = TYPES[name]
-    ROW_H, ROW_F = H // 32 * BS, F // 32 * BS
+    global QT, QK, BS, ROW_H, ROW_F
+    QT, QK, BS = TYPES[name]
+    ROW_H, ROW_F = H // QK * BS, F // QK * BS
 
 
 def slot_layout() -> tuple[list[int], int]:
@@ -59,7 +62,8 @@ def slot_layout() -> tuple[list[int], int]:
 
 def make_pool(n_slots: int, slot: int, starts: list[int], g: torch.Generator) -> torch.Tensor:
     """n_slots experts of the type: random quants; Q8_0's f16 scales uniform in [1e-3, 1e-2), MXFP4's E8M0 bytes in
-    118 .. 121 (2^-10 .. 2^-7; random bytes would be NaN / inf)."""
+    118 .. 121 (2^-10 .. 2^-7; random bytes would be NaN / inf), Q4_K's f16 d and dmin in [1e-4, 1e-3) (its 6-bit
+    scales and mins: any bytes)."""
     pool = torch.randint(0, 256, (n_slots * slot,), dtype=torch.uint8, device=dev, generator=g)
     for s in range(n_slots):
         for p, (rows, rb) in enumerate(((F, ROW_H), (F, ROW_H), (H, ROW_F))):
@@ -67,6 +71,9 @@ def make_pool(n_slots: int, slot: int, starts: list[int], g: torch.Generator) ->
             if QT == 0:
                 d = torch.empty(blk.shape[0], dtype=torch.float32, device=dev).uniform_(1e-3, 1e-2, generator=g)
                 blk[:, :2] = d.half().view(torch.uint8).view(-1, 2)
+            elif QT == 5:
+                d = torch.empty(blk.shape[0], 2, dtype=torch.float32, device=dev).uniform_(1e-4, 1e-3, generator=g)
+                blk[:, :4] = d.half().view(torch.uint8).view(-1, 4)
             else:
                 blk[:, 0] = torch.randint(118, 122, (blk.shape[0],), dtype=torch.uint8, device=dev, generator=g)
     return pool
@@ -75,6 +82,18 @@ def make_pool(n_slots: int, slot: int, starts: list[int], g: torch.Generator) ->
 def dequant(pool: torch.Tensor, at: int, rows: int, rb: int) -> torch.Tensor:
     """rows rows of the type at byte `at` of pool -> [rows, K] float64 (q * d; gguf's dequantization)."""
     blk = pool[at: at + rows * rb].view(rows, rb // BS, BS)
+    if QT == 5:                     # super-blocks: d * sc_j * q - dmin * m_j, sub-block j of 32 (get_scale_min_k4)
+        d = blk[:, :, 0:2].contiguous().view(torch.float16).double()                  # [rows, nsb, 1]
+        dmin = blk[:, :, 2:4].contiguous().view(torch.float16).double()
+        s = blk[:, :, 4:16].long()
+        j = torch.arange(8, device=pool.device)
+        lo = j < 4
+        a, b, c = s[:, :, j % 4], s[:, :, 4 + j % 4], s[:, :, 8 + j % 4]      # [rows, nsb, 8]: scales[j % 4] ...
+        sc = torch.where(lo, a & 63, (c & 15) | ((a >> 6) << 4)).double()
+        mn = torch.where(lo, b & 63, (c >> 4) | ((b >> 6) << 4)).double()
+        qs = blk[:, :, 16:].long().view(rows, -1, 4, 1, 32)                          # group g: sub-blocks 2g, 2g+1
+        q = torch.cat([qs & 15, qs >> 4], dim=3).view(rows, -1, 8, 32).double()
+        return (d[..., None] * sc[..., None] * q - dmin[..., None] * mn[..., None]).reshape(rows, -1)
     if QT == 0:
         d = blk[:, :, :2].contiguous().view(torch.float16).double()           # [rows, nblk, 1]
         q = blk[:, :, 2:].contiguous().view(torch.int8).double()
@@ -95,15 +114,21 @@ def route(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return rows, off
 
 
-# the Gluon form as launched: GL 1 unfused (gluon_mmq has no FUSE form; BF_TUNING fuses MXFP4's gate and up, the same
-# bits as unfused: gpu-run58-kernels), against the shipped Triton launch
-GL_ON = {"GL": 1, "FUSE": 0}
+def gl_forms(mq) -> dict:
+    """The Gluon forms checked, name -> TYPE_CONFIG overrides: GL 1 at the shipped FUSE; where BF_TUNING fuses gate
+    and up (MXFP4, Q4_K: the same bits as unfused, gpu-run58-kernels) GL 1 unfused too. Each against the shipped
+    Triton launch."""
+    forms = {"gluon": {"GL": 1}}
+    if mq.config(QT, 16, bf=True).get("FUSE"):
+        forms["gluon unfused"] = {"GL": 1, "FUSE": 0}
+    return forms
 
 
-def run(mq, gl: bool, hb, pool, base, st, rows, off, limit, inter=None):
-    """(inter [R, F], y [T k, H]) of triton_mmq's gate_up then down (down on `inter` where given), GL = gl."""
+def run(mq, gl: dict | None, hb, pool, base, st, rows, off, limit, inter=None):
+    """(inter [R, F], y [T k, H]) of triton_mmq's gate_up then down (down on `inter` where given), TYPE_CONFIG = gl
+    (None: the shipped Triton launch)."""
     if gl:
-        mq.TYPE_CONFIG[QT] = dict(GL_ON)
+        mq.TYPE_CONFIG[QT] = dict(gl)
     else:
         mq.TYPE_CONFIG.pop(QT, None)
     try:
@@ -111,7 +136,7 @@ def run(mq, gl: bool, hb, pool, base, st, rows, off, limit, inter=None):
         out_i = torch.full((R, F), float("nan"), dtype=DT, device=dev)
         mq.gate_up(hb, pool, base, st, rows, off, out_i, F, K_TOP, QT, limit, ROW_H, True)
         y = torch.full((R, H), float("nan"), dtype=DT, device=dev)
-        mq.down(mq.prepare_bf16(out_i if inter is None else inter, False), pool, base, st, rows, off, y, QT, ROW_F,
+        mq.down(mq.prepare_bf16(out_i if inter is None else inter, QT == 5), pool, base, st, rows, off, y, QT, ROW_F,
                 True)
         if dev.type == "cuda":
             torch.cuda.synchronize()
@@ -157,7 +182,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=32)
     ap.add_argument("--no-time", action="store_true")
-    ap.add_argument("--types", default="Q8_0,MXFP4")
+    ap.add_argument("--types", default="Q8_0,MXFP4,Q4_K")
     ap.add_argument("--dry-run", action="store_true", help="the CPU under TRITON_INTERPRET=1, H = F = 256: the "
                     "script's plumbing and reference only (GL falls back to Triton there: 'gluon ran' FAILs)")
     a = ap.parse_args()
@@ -180,14 +205,17 @@ def main() -> int:
     for tname in types:
         set_type(tname)
         c = mq.config(QT, 16, bf=True)
-        if not gm.usable(QT, {**c, **GL_ON}, c["KB"], dev) and not a.dry_run:
-            print(f"FAIL {tname}: gluon_mmq.usable is False here (config {c}): GL would fall back to Triton")
+        bad = [n for n, o in gl_forms(mq).items() if not gm.usable(QT, {**c, **o}, c["KB"], dev)]
+        if bad and not a.dry_run:
+            print(f"FAIL {tname}: gluon_mmq.usable is False here for {bad} (config {c}): GL would fall back")
             fails += 1
             continue
+        if a.dry_run and QT == 5:
+            fails += check_dequant(g)
         fails += check_type(tname, mq, triton_launch, g)
     if not a.no_time:
-        print("\n| type | rows/expert | kernel | Triton GB/s | Gluon GB/s | Gluon / Triton |")
-        print("|---|---|---|---|---|---|")
+        print("\n| type | rows/expert | kernel | Triton GB/s | Gluon form | Gluon GB/s | Gluon / Triton |")
+        print("|---|---|---|---|---|---|---|")
         for tname in types:
             set_type(tname)
             time_type(tname, mq, g, a.reps)
@@ -209,28 +237,45 @@ def check_type(tname: str, mq, triton_launch, g) -> int:
         ids = torch.stack([torch.randperm(BANK, device=dev, generator=g)[:K_TOP] for _ in range(T)])
         ids[0, :2] = torch.tensor([0, 1], device=dev)                       # a token on both experts below the pool
         h = torch.randn(T, H, device=dev, generator=g)
-        hb = mq.prepare_bf16(h, False)
+        hb = mq.prepare_bf16(h, QT == 5)                                    # Q4_K: the x block sums too
         rows, off = route(ids)
         bucket = 1 if rows.numel() <= E else 16
-        n0 = dict(triton_launch.COUNTS)
-        it, yt = run(mq, False, hb, pool, base, st, rows, off, limit)
-        ig, yg = run(mq, True, hb, pool, base, st, rows, off, limit, inter=it)
-        ran = {k: triton_launch.COUNTS[k] - n0.get(k, 0) for k in ("_gate_up_gl_kernel", "_down_gl_kernel")}
+        it, yt = run(mq, None, hb, pool, base, st, rows, off, limit)
         ri, ry = reference(big, base + below * slot, starts, hb, ids, rows, off, limit, it)
-        case = f"{tname} T {T} rows {rows.numel()} bucket {bucket} limit {limit}"
-        checks = {"gluon ran": ran == {"_gate_up_gl_kernel": 1, "_down_gl_kernel": 1},
-                  "gate_up bits ==": bool(torch.equal(ig, it)), "down bits ==": bool(torch.equal(yg, yt)),
-                  "finite": bool(torch.isfinite(it).all() and torch.isfinite(yt).all())}
-        errs = {"triton inter": rel(it, ri), "gluon inter": rel(ig, ri), "triton y": rel(yt, ry),
-                "gluon y": rel(yg, ry)}
-        checks["within 1e-2 of float64"] = max(errs.values()) < 1e-2
-        for k, ok in checks.items():
-            fails += not ok
-            print(f"{'PASS' if ok else 'FAIL'} {case}: {k}")
-        diff = int((ig != it).sum()) + int((yg != yt).sum())
-        print("     rel err vs float64: " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items())
-              + f"; differing outputs {diff}")
+        for form, over in gl_forms(mq).items():
+            n0 = dict(triton_launch.COUNTS)
+            ig, yg = run(mq, over, hb, pool, base, st, rows, off, limit, inter=it)
+            ran = {k: triton_launch.COUNTS[k] - n0.get(k, 0) for k in ("_gate_up_gl_kernel", "_down_gl_kernel")}
+            case = f"{tname} {form} T {T} rows {rows.numel()} bucket {bucket} limit {limit}"
+            checks = {"gluon ran": ran == {"_gate_up_gl_kernel": 1, "_down_gl_kernel": 1},
+                      "gate_up bits ==": bool(torch.equal(ig, it)), "down bits ==": bool(torch.equal(yg, yt)),
+                      "finite": bool(torch.isfinite(it).all() and torch.isfinite(yt).all())}
+            errs = {"triton inter": rel(it, ri), "gluon inter": rel(ig, ri), "triton y": rel(yt, ry),
+                    "gluon y": rel(yg, ry)}
+            checks["within 1e-2 of float64"] = max(errs.values()) < 1e-2
+            for k, ok in checks.items():
+                fails += not ok
+                print(f"{'PASS' if ok else 'FAIL'} {case}: {k}")
+            diff = int((ig != it).sum()) + int((yg != yt).sum())
+            print("     rel err vs float64: " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items())
+                  + f"; differing outputs {diff}")
     return fails
+
+
+def check_dequant(g) -> int:
+    """--dry-run, Q4_K: dequant() of random valid super-blocks == gguf.quants.dequantize (float32, an independent
+    implementation) to float32 rounding: the reference's own check. The number of FAILs (0 or 1)."""
+    import numpy as np
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+    starts, slot = slot_layout()
+    pool = make_pool(1, slot, starts, g)
+    got = dequant(pool, starts[2], 64, ROW_F)
+    want = dequantize(pool[starts[2]: starts[2] + 64 * ROW_F].numpy().reshape(64, ROW_F), GGMLQuantizationType.Q4_K)
+    err = float((got - torch.from_numpy(np.asarray(want, dtype=np.float64))).abs().max() / got.abs().max())
+    ok = err < 1e-6
+    print(f"{'PASS' if ok else 'FAIL'} Q4_K dequant == gguf.quants.dequantize (rel. err. {err:.1e})")
+    return 0 if ok else 1
 
 
 def time_type(tname: str, mq, g, reps: int):
@@ -249,11 +294,11 @@ def time_type(tname: str, mq, g, reps: int):
     for rpe in (1, 16):
         T = BANK * rpe // K_TOP
         ids = ((torch.arange(T, device=dev)[:, None] * K_TOP + torch.arange(K_TOP, device=dev)[None, :]) % BANK)
-        hb = mq.prepare_bf16(torch.randn(T, H, device=dev, generator=g), False)
+        hb = mq.prepare_bf16(torch.randn(T, H, device=dev, generator=g), QT == 5)
         rows, off = route(ids)
         R = rows.numel()
         inter = torch.empty(R, F, dtype=torch.bfloat16, device=dev)
-        ib = mq.prepare_bf16(torch.randn(R, F, device=dev, generator=g) * 0.1, False)
+        ib = mq.prepare_bf16(torch.randn(R, F, device=dev, generator=g) * 0.1, QT == 5)
         y = torch.empty(R, H, dtype=torch.bfloat16, device=dev)
         gu_b, dn_b = BANK * 2 * F * ROW_H, BANK * H * ROW_F
 
@@ -267,16 +312,17 @@ def time_type(tname: str, mq, g, reps: int):
             gu(i)
             dn(i)
         res = {}
-        for name, gl in (("triton", False), ("gluon", True)):
-            if gl:
-                mq.TYPE_CONFIG[QT] = dict(GL_ON)
+        for name, over in (("triton", None), *gl_forms(mq).items()):
+            if over:
+                mq.TYPE_CONFIG[QT] = dict(over)
             try:
                 res[name] = [graph_gbps(gu, reps, gu_b), graph_gbps(dn, reps, dn_b), graph_gbps(pair, reps, bank_b)]
             finally:
                 mq.TYPE_CONFIG.pop(QT, None)
-        for j, k in enumerate(("gate_up", "down", "pair")):
-            t, q = res["triton"][j], res["gluon"][j]
-            print(f"| {tname} | {rpe} | {k} | {t:.0f} | {q:.0f} | {q / t:.2f} |", flush=True)
+        for form in gl_forms(mq):
+            for j, k in enumerate(("gate_up", "down", "pair")):
+                t, q = res["triton"][j], res[form][j]
+                print(f"| {tname} | {rpe} | {k} | {t:.0f} | {form} | {q:.0f} | {q / t:.2f} |", flush=True)
     pool = None                     # freed before the next type's banks
     torch.cuda.empty_cache()
 

@@ -26,9 +26,9 @@ triton_tuning.json), and `bf16` / `bf16r16` (act_quant bf16: triton_mmq's bf16 M
 BF_TYPES only, the rows-1 / rows-16 bucket's launch: config(bf=True), --bf-over JSON overrides on top; one K loop
 iteration = one K step of KB blocks on BN rows of ONE part, FUSE 0); `gluon` / `gluonr16`: the same schedule in
 Gluon (betelgeuse/kernels/gluon_mmq.py, triton_mmq's GL 1: the weights loaded straight into wgmma's A registers),
-Q8_0 and MXFP4 only. The MMA rows add the shared memory traffic of
-the loop (sts / lds per thread: STS + STSM, LDS + LDSM; bar: BAR) and where the tensor-core instruction takes its A
-operand (the weights): `R` registers (HGMMA Rd, Ra, gdesc[..]), `smem` a descriptor. Prints a markdown table;
+Q8_0, MXFP4 and Q4_K, FUSE as the Triton row's (config(bf=True) with --bf-over: gate_up's loop then holds both
+parts). The MMA rows add the shared memory traffic of the loop (sts / lds per thread: STS + STSM, LDS + LDSM; bar:
+BAR) and where the tensor-core instruction takes its A operand (the weights): `R` registers (HGMMA Rd, Ra, gdesc[..]), `smem` a descriptor. Prints a markdown table;
 --json one JSON line; --dump writes each kernel's SASS.
 Static counts only: latency, occupancy and the memory system are not modelled (the device measures GB/s:
 deploy/device/kernel_roofline.py).
@@ -161,10 +161,11 @@ def profile_bf(name: str, which: str, sched: str) -> dict:
     from betelgeuse.kernels import triton_mmq as mq
     from betelgeuse.kernels.triton_quants import QT_CODES
     gtype = int(GT[name])
-    if sched in GL_SCHED:           # gluon_mmq's form of the same schedule (Q8_0 / MXFP4 at BF_TUNING's shape)
-        from betelgeuse.kernels import gluon_mmq as gm
-        k, const = gm.compile_kernel(which, GL_SCHED[sched], qt=QT_CODES[gtype])
-        c = {"KB": const["KB"], "num_warps": gm.SHAPE["num_warps"]}
+    if sched in GL_SCHED:           # gluon_mmq's form of the same schedule (BF_TUNING's shape; FUSE as the Triton
+        from betelgeuse.kernels import gluon_mmq as gm      # row's: config(bf=True) and --bf-over)
+        fuse = bool({**mq.config(QT_CODES[gtype], GL_SCHED[sched], bf=True), **BF_OVER}.get("FUSE"))
+        k, const = gm.compile_kernel(which, GL_SCHED[sched], qt=QT_CODES[gtype], fuse=fuse)
+        c = {"KB": const["KB"], "num_warps": gm.SHAPE["num_warps"], "FUSE": fuse}
     else:
         k, c, const = mq.compile_kernel(which, QT_CODES[gtype], bucket=BF_SCHED[sched], over=dict(BF_OVER),
                                         hints=True, bf=True)
@@ -273,7 +274,7 @@ def main() -> int:
     tasks = [(t, w, s) for t in a.types.split(",") for s in a.scheds.split(",") for w in a.kernels.split(",")
              if (s != "mmvq" or QT_CODES[int(GT[t])] in STEP)
              and (s not in BF_SCHED or QT_CODES[int(GT[t])] in BF_TYPES)
-             and (s not in GL_SCHED or t in ("Q8_0", "MXFP4"))]
+             and (s not in GL_SCHED or t in ("Q8_0", "MXFP4", "Q4_K"))]
     if a.jobs > 1 and BF_OVER:          # the pool's workers import this module afresh: pass the overrides along
         os.environ["SASS_PROFILE_BF_OVER"] = json.dumps(BF_OVER)
     if a.jobs > 1:
