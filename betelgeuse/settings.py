@@ -398,6 +398,13 @@ class EngineSettings(_Section):
     # happens); off until the device A/B (deploy/device/group_graph.py, decode_host.py --group-graphs)
     group_graphs: Flag = setting(False, "decode: a miss layer's eager expert groups replay CUDA graphs captured "
                                  "per group instead of launching (CUDA only)", True)
+    # a released sequence state is kept with its captured decode graphs and handed, reset to a fresh state's bits in
+    # the same tensors, to the next sequence of its size, and the engine (and the bench) capture decode's graphs at
+    # start over one (worker/runner.py new_cache / warm_graphs): a request's first decode tokens replay instead of
+    # running eagerly and capturing (issue 21: 18-48 ms of host each). Never a bit changes (CPU tests with a stand-in
+    # capture). CUDA with cuda_graphs only; off until its device check (deploy/device/check_cuda.py --only recycle)
+    recycle_states: Flag = setting(False, "decode: keep a finished sequence's state and decode graphs for the next "
+                                   "sequence of its size, and capture decode's graphs at start (CUDA only)", True)
     # attach compiles decode's kernel variants (MoEStep.warm_routes / warm_kernels, worker/warm_decode.py) so the
     # first timed token compiles none (issue 21); off: they compile in the first decode token instead (the A/B of
     # what the warm-ups put on the GPU: worker/attach_steps.py measures each step). A warm-up that fails never stops

@@ -95,7 +95,7 @@ class ModelRunner:
         # uid -> a released state kept, with its decode graphs, for the next new_cache of its size (new_cache: issue
         # 21, a new sequence replays from its first step); counted in _kv_live; oldest parked first
         self._parked: OrderedDict = OrderedDict()
-        self.recycle_states = False         # park released states (attach: on where decode captures graphs)
+        self.recycle_states = False         # park released states (attach: engine.recycle_states, on CUDA graphs)
         self.attach()
         if cfg.record_routing:
             from betelgeuse.routing.trace import Recorder, TraceWriter
@@ -150,7 +150,7 @@ class ModelRunner:
         self._static_decode = self._static_form()
         self.solo = SoloDecode(self.model, self.moe, self.cache.is_cuda and self.cfg.cuda_graphs,
                                keep=2 * max(1, self.cfg.max_running))
-        self.recycle_states = self.solo.graphs_on
+        self.recycle_states = self.solo.graphs_on and self.cfg.recycle_states     # engine.recycle_states: off
         self._lanes = None
         if on:                                  # decode's dense kernels compiled now too (issue 21)
             dense = steps.run("warm_decode", self.warm_decode, guard=True)

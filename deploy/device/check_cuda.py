@@ -411,7 +411,7 @@ def check_recycle(path: Path, device: str, label: str, vram: int = 5, host: int 
     cuda = device.startswith("cuda")
     res = {}
     for how in ("solo", "lanes"):
-        runner, store = runner_for(path, device, vram, host)
+        runner, store = runner_for(path, device, vram, host, recycle_states=True)     # off by default: this checks it
         try:
             graphs = runner.recycle_states
             _, caps_a, kv_a = decode(runner, prompts[0], how)
