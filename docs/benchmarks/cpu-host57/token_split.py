@@ -97,7 +97,9 @@ def _opens(name) -> bool:
 
 
 def _wrap_region(owner, attr, name):
-    fn = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
+    # a class's own function (not a bound one), or an inherited one (torch.cuda.CUDAGraph.replay may be torch._C's)
+    fn = (owner.__dict__.get(attr) or getattr(owner, attr, None)) if isinstance(owner, type) else getattr(owner, attr,
+                                                                                                            None)
     if fn is None:
         return
 
