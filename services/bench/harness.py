@@ -592,8 +592,8 @@ class HostSplit:
 
     __slots__ = ("rpc", "store_wait_s", "store_reply_wait_s", "moe_host_s", "other_host_s", "tokens")
 
-    # the first tokens of a solo decode run eagerly and capture its graphs (worker/decode_graphs.py): the steady split
-    # leaves them out
+    # a solo decode's first two tokens run eagerly and capture its graphs (worker/decode_graphs.py) unless graphs_warm
+    # captured them before the timed decode: the steady split leaves them out either way
     STEADY_FROM = 2
 
     def __init__(self):
