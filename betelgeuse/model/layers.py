@@ -17,6 +17,13 @@ _FUSED_NORM = None
 
 def check_token_ids(ids, n_vocab: int, device) -> torch.Tensor:
     """Token ids (list or tensor) -> LongTensor [T] on `device`; InvalidRequestError naming a bad one."""
+    if isinstance(ids, list) and ids and all(type(i) is int for i in ids):
+        # Python ints (every pass's ids, a decode step's one token): checked in Python and one tensor made, not the
+        # seven torch calls below (as_tensor, reshape, numel, min, max, two reads back; issue 21: per decode token)
+        lo, hi = min(ids), max(ids)
+        if lo < 0 or hi >= n_vocab:
+            raise InvalidRequestError(f"token id {lo if lo < 0 else hi} is out of range [0, {n_vocab})")
+        return torch.tensor(ids, dtype=torch.long, device=device)
     ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
     if ids.numel() == 0:
         raise InvalidRequestError("no input tokens")

@@ -3,11 +3,15 @@
 The first step of a (sequence, residency pattern) runs eagerly (it also warms up the kernels); the second captures
 the capturable runs between host-dependent layers as CUDA graphs; later steps replay them: a wholly VRAM-resident
 model decodes a token in one graph launch. A layer that is not wholly in VRAM yields to the host (MoEStep.partial)
-between two graphs; with decode's at-hand group (worker/at_hand.py) that layer's group is a graph of its own between
-the sync's copies and the wait, and with decode_gate (worker/gate.py) nothing yields once captured: the step is one
-graph (each gated layer's at-hand group, gate and misses' group in it), its gates armed, and the host drains the gated
-layers after launching it (the eager first step drains each gated layer where its gate stands, disarmed, before its
-misses' group is launched: its launches block the host in ways a spinning gate must not meet).
+between two graphs; with decode's at-hand group (worker/at_hand.py) the sync's copies to the host, their event and
+the at-hand group are the end of the layer's graph (the event a captured node: MoEStep.hand_fold), the host waits
+on it and runs the misses, and the next graph goes on with the layer's output (issue 21: one replay and one host
+part a layer, not two of each; with gpu_marks, or a torch with no external events, the at-hand group is a graph of
+its own between the sync's copies and the wait), and with decode_gate (worker/gate.py) nothing yields once
+captured: the step is one graph (each gated layer's at-hand group, gate and misses' group in it), its gates armed,
+and the host drains the gated layers after launching it (the eager first step drains each gated layer where its gate
+stands, disarmed, before its misses' group is launched: its launches block the host in ways a spinning gate must
+not meet).
 Eager and replayed steps run the same kernels on the same shapes, so the bits do not depend on which it was
 (invariant 1).
 
@@ -46,14 +50,17 @@ class SoloDecode:
     def _ops(self, ids, kv, pos, lstats, out: dict, ahead: bool = False):
         """One decode token as a generator: runs the capturable work and yields (kind, layer, routing, guess) where a
         layer's experts need the host (a layer not wholly in VRAM); the caller does that part eagerly: "partial" (the
-        partial path), or with the at-hand table (MoEStep.hand_layer) "start" (the sync's copies enqueued) before the
-        at-hand group and "misses" (wait, then the misses) after it, the group a graph of its own. guess: the
+        partial path), or with the at-hand table (MoEStep.hand_layer) "folded" (wait, then the misses) after the
+        sync's copies and event and the at-hand group, all three in the layer's graph (MoEStep.hand_fold: one graph
+        and one host part a layer), else "start" (the sync's copies enqueued) before the at-hand group and "misses"
+        after it, the group a graph of its own (gpu_marks: the route mark between them). guess: the
         next layers' guessed experts [T,D,k] from this layer's residual after attention (worker/guess.py), or None;
         whether there is one depends only on the residency pattern, which keys the graphs. ahead (decode_gate on CUDA,
         a step captured whole or replayed): a gated layer does not yield, it is drained after the step's launch;
         else (an eager step, the CPU) it yields "gated" and is drained where its gate stands (worker/gate.py)."""
         m, moe = self.model, self.moe
         marks = moe.clock.marks
+        fold = moe.hand_fold()          # not with marks, which key the graphs: the same for a key's every step
         x = m.embed(ids)
         for l in range(moe.n_layer):
             x = m.attention_block(l, x, kv, pos, static=True)
@@ -72,6 +79,10 @@ class SoloDecode:
                     else:
                         yield "gated", l, r, guess
                     moe.gate_misses(l, r)
+                elif moe.hand_layer(l) and fold:    # the sync's copies and event, the at-hand group: this graph
+                    moe.hand_start(l, r, guess, graphs=True)
+                    moe.hand_group(l, r)
+                    yield "folded", l, r, guess
                 elif moe.hand_layer(l):         # the sync's copies, the at-hand group (its own graph), the misses
                     yield "start", l, r, guess
                     moe.hand_group(l, r)
@@ -101,6 +112,8 @@ class SoloDecode:
                 self.moe.gate_drain(l, r, self.moe.guess_shape(l, guess), snap, stats, lstats[l], armed=False)
             elif kind == "misses":
                 self.moe.hand_misses(l, r, snap, stats, lstats[l])
+            elif kind == "folded":              # the start ran in the graph just replayed (or eagerly before it)
+                self.moe.hand_misses(l, r, snap, stats, lstats[l], guess=guess, graphs=True)
             else:
                 self.moe.partial(l, r, snap, stats, lstats[l], False, guess)
 

@@ -74,17 +74,42 @@ class RoutingSync:
     copied, non-blocking, into one pinned buffer made once, then one event wait (no per-layer allocation, gather or
     cat on the device); the guesses' marks (guess.Marks: the rows that guessed each expert [D, E]) are made on the
     host (T*D*k ids, a few dozen in decode). start() enqueues the copies, finish() waits: decode's at-hand group is
-    enqueued between them, so the wait does not include it."""
+    enqueued between them, so the wait does not include it.
 
-    __slots__ = ("cuda", "buf", "host", "event", "_dst", "_pending")
+    cap (the solo decode graphs' own sync, MoEStep.graph_sync): start() may run inside a graph capture, its copies
+    and event captured in the layer's graph before its at-hand group (decode_graphs.py: one graph a layer, not two),
+    so that a replay writes the buffer and records the event with no host call; the host then names what it waits
+    for (expect) and finish()es as before. So the buffer is made at init, `cap` elements, and never remade (a
+    captured graph writes into the one it saw, and no pinned allocation may run inside a capture; a larger start is a
+    bug: it raises), and the event is external (a captured record is a node a replay runs, not a dependency inside
+    the capture; CUDA's cudaEventRecordExternal). What orders the buffer's reuse: finish() copies the counts out and
+    Marks.from_ids the guesses (lists) before it returns, and the next write is a later layer's start, queued (or
+    its graph launched) by the host after that, in program order."""
 
-    def __init__(self, device: torch.device):
+    __slots__ = ("cuda", "buf", "host", "event", "cap", "_dst", "_pending")
+
+    def __init__(self, device: torch.device, cap: int | None = None):
         self.cuda = device.type == "cuda"
+        self.cap = cap
         self.buf = None                              # int64 pinned [>= E + T*D*k]
         self.host = None                             # its numpy view
-        self.event = torch.cuda.Event() if self.cuda else None
+        self.event = (torch.cuda.Event(external=cap is not None) if self.cuda else None)
         self._dst: dict = {}                         # (E, n) -> buf's views [:E], [E:n]: made once, not per layer
         self._pending = None
+        if self.cuda and cap is not None:
+            self.buf = torch.empty(cap, dtype=torch.int64, pin_memory=True)
+            self.host = self.buf.numpy()
+
+    @staticmethod
+    def capturable(device: torch.device) -> bool:
+        """Whether a start may be captured on this device: the CPU (nothing captured), or torch's external events."""
+        if device.type != "cuda":
+            return True
+        try:
+            torch.cuda.Event(external=True)
+        except TypeError:                            # a torch without them: the start stays a host part
+            return False
+        return True
 
     def start(self, counts: torch.Tensor, guess: torch.Tensor | None):
         self._pending = (counts, guess)
@@ -93,6 +118,7 @@ class RoutingSync:
             E = counts.numel()
             n = E + (0 if guess is None else guess.numel())
             if self.buf is None or self.buf.numel() < n:
+                assert self.cap is None, (n, self.cap)   # made once at init (class doc): a graph writes the one it saw
                 self.buf = torch.empty(max(n, 4 * E), dtype=torch.int64, pin_memory=True)
                 self.host, self._dst = self.buf.numpy(), {}
             dst = self._dst.get((E, n))
@@ -103,6 +129,10 @@ class RoutingSync:
             else:       # one call for both (foreach's per-tensor path: a non-blocking copy_ each, on this stream)
                 torch._foreach_copy_(dst, [counts, guess.reshape(-1)], non_blocking=True)
             self.event.record(current_stream(None))     # the current stream, as record() takes (kernels/streams.py)
+
+    def expect(self, counts: torch.Tensor, guess: torch.Tensor | None):
+        """A start that ran in a replayed graph (cap): what finish() reads, named with no copy (the same tensors)."""
+        self._pending = (counts, guess)
 
     def finish(self) -> tuple[np.ndarray, Marks | None]:
         """-> (counts [E] int64, the guesses' Marks or None)."""
@@ -169,6 +199,13 @@ class MoEStep:
         # host path for the misses only; None = decode takes the partial path as prefill does
         self.hand = AtHand(self.cache, flex, self.kern.backend, cfg.host_in_place,
                            self.kern.qtypes, clock.wait) if self._hand_on(cfg) else None
+        # the solo decode graphs' routing sync (hand_start(graphs=True)): its start captured in the layer's graph
+        # before the at-hand group (RoutingSync's doc), its buffer sized for one row's counts and guesses; None: the
+        # start stays a host part between two graphs (a torch with no external events)
+        dev = torch.device(session.device)
+        self.graph_sync = (RoutingSync(dev, cap=session.file.config.n_expert + self.depth
+                                       * session.file.config.n_expert_used)
+                           if self.hand is not None and RoutingSync.capturable(dev) else None)
         # decode with no per-layer sync (worker/gate.py): every layer launched ahead, gated on the device
         self.gate = None
         # gated drains: (layer, expert, staging slot) the misses' groups read, held until a later layer's marker; of
@@ -425,12 +462,13 @@ class MoEStep:
         self._apply(r, l, self._vram_group(l), ls)
 
     def partial(self, l, r, snap, stats: PassStats, ls: LayerStats, readahead: bool, guess=None,
-                hand: bool = False, synced=None, table: bool = False):
+                hand: bool = False, synced=None, table: bool = False, sync: RoutingSync | None = None):
         """The experts of a layer that is not wholly VRAM-resident (module doc, steps 1-4; writes r.y). guess: layers
         l+1 .. l+D's guessed ids [T,D,k] on the device, or None (read ahead only for guess_layers(l)). hand: decode's
         at-hand group computed every expert at hand and the sync was started (hand_start): only the misses here.
         table (decode_gate's drain, with hand and synced: the row the gate published): the misses are not computed
-        here but named in the layer's miss table for the misses' group (gate_misses), read in place; no CUDA call."""
+        here but named in the layer's miss table for the misses' group (gate_misses), read in place; no CUDA call.
+        sync: the routing sync hand waits on (hand_misses(graphs=True): graph_sync), else self.sync."""
         clock, t0 = self.clock, time.perf_counter()
         b0, s0 = clock.blocked, clock.store_s
         try:
@@ -438,7 +476,7 @@ class MoEStep:
                 self.sync.start(r.counts, self._guess_of(l, guess))
                 if clock.marks:
                     clock.mark("route", l)          # the routing and its copies to the host enqueued (gpu_marks)
-            self._partial(l, r, snap, stats, ls, readahead, hand, synced, table)
+            self._partial(l, r, snap, stats, ls, readahead, hand, synced, table, sync)
         finally:             # the step's own host time: its wall less blocked waits and store messages
             stats.moe_host_s += time.perf_counter() - t0 - (clock.blocked - b0) - (clock.store_s - s0)
 
@@ -457,9 +495,18 @@ class MoEStep:
         if self.hand is not None:
             self.hand.refresh(snap, rows)
 
-    def hand_start(self, l: int, r, guess):
-        """After routing, before the at-hand group: the host sync's copies enqueued (no wait)."""
-        self.sync.start(r.counts, self._guess_of(l, guess))
+    def hand_fold(self) -> bool:
+        """Whether the solo decode graphs take each layer's sync start inside the layer's graph, before its at-hand
+        group (hand_start(graphs=True)): one graph a layer and one host part (the misses), not two and two. Not
+        with PassStats.gpu_marks (its route mark is an event the host records between the two; marks key the
+        graphs) nor where the device's torch cannot capture the start (graph_sync None)."""
+        return self.graph_sync is not None and not self.clock.marks
+
+    def hand_start(self, l: int, r, guess, graphs: bool = False):
+        """After routing, before the at-hand group: the host sync's copies enqueued (no wait). graphs (hand_fold):
+        the solo decode graphs' sync, in the graph being captured (or run eagerly in the same place: the first step,
+        the CPU); hand_misses(graphs=True) waits on it."""
+        (self.graph_sync if graphs else self.sync).start(r.counts, self._guess_of(l, guess))
         if self.clock.marks:
             self.clock.mark("route", l)             # before the at-hand group (PassStats.gpu_marks)
 
@@ -481,12 +528,18 @@ class MoEStep:
         self.hand_misses(l, r, snap, stats, ls)
         self.clock.layer_end(ev, ls)
 
-    def hand_misses(self, l, r, snap, stats: PassStats, ls: LayerStats, synced=None):
+    def hand_misses(self, l, r, snap, stats: PassStats, ls: LayerStats, synced=None, guess=None,
+                    graphs: bool = False):
         """After hand_group: the wait (or the row the gate published: synced), the tier counts, read-ahead and the
         misses (partial(hand=True)); then, where this layer's disk experts evicted a flex copy, the table again (a
         later layer's group must not read the rewritten slot; stream-ordered before it). Fills into free slots wait
-        for the next step's refresh."""
-        self.partial(l, r, snap, stats, ls, False, None, hand=True, synced=synced)
+        for the next step's refresh. graphs: the start was hand_start(l, r, guess, graphs=True), in the layer's graph
+        (a replay ran it: the host names what it waits for, RoutingSync.expect)."""
+        sync = None
+        if graphs:
+            sync = self.graph_sync
+            sync.expect(r.counts, self._guess_of(l, guess))
+        self.partial(l, r, snap, stats, ls, False, None, hand=True, synced=synced, sync=sync)
         if self.hand.stale():
             self.hand.refresh(snap)             # the evicted copies' entries (AtHand._patch)
 
@@ -584,11 +637,11 @@ class MoEStep:
         self.gate.srcs[l][e] = (self.cache.host, off)
 
     def _partial(self, l, r, snap, stats: PassStats, ls: LayerStats, readahead: bool, hand: bool = False,
-                 synced=None, table: bool = False):
+                 synced=None, table: bool = False, sync: RoutingSync | None = None):
         cache = self.cache
         # host sync: routing decides the loads (with the next layer's guess in the same transfer); decode_gate: the
         # layer's row published by the device
-        counts, marks = self.clock.wait(self.sync.finish) if synced is None else synced
+        counts, marks = self.clock.wait((sync or self.sync).finish) if synced is None else synced
         stats.routed.append((time.monotonic(), l))     # the routing on the host: the chain to the load (PassStats)
         used = np.nonzero(counts)[0]
         tiers = self._tiers(snap)[l][used]

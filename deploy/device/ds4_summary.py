@@ -67,6 +67,10 @@ def targets(r: dict) -> list[str]:
                       " / ".join(_f(exd.get(k)) for k in ("store_us_per_application", "moe_host_us_per_application",
                                                           "other_host_us_per_application"))
                       + f"; median token {_f(exd.get('host_us_per_application_median'))} µs"
+                      # tokens 3 on (services/bench/harness.py HostSplit.steady; absent from earlier records)
+                      + ("; steady tokens " + " / ".join(_f(exd["steady_split_us_per_application"][k]) for k in
+                                                           ("store", "moe", "other"))
+                         if exd.get("steady_split_us_per_application") else "")
                       + f"; store wait {exd['store_wait_s'] / max(1, exd['tokens']) * 1e3:.1f} ms/token (blocked); "
                       # BeginPass / EndPass replies (blocked since cpu-spike56; absent from earlier records)
                       + (f"pass-boundary reply wait {exd['store_reply_wait_s'] / max(1, exd['tokens']) * 1e3:.2f} "

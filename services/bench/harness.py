@@ -590,13 +590,19 @@ class HostSplit:
     its waits for the store's expert bytes and for the replies of BeginPass / EndPass (blocked: store_wait_s,
     store_reply_wait_s), summed over passes."""
 
-    __slots__ = ("rpc", "store_wait_s", "store_reply_wait_s", "moe_host_s", "other_host_s")
+    __slots__ = ("rpc", "store_wait_s", "store_reply_wait_s", "moe_host_s", "other_host_s", "tokens")
+
+    # a solo decode's first two tokens run eagerly and capture its graphs (worker/decode_graphs.py) unless graphs_warm
+    # captured them before the timed decode: the steady split leaves them out either way
+    STEADY_FROM = 2
 
     def __init__(self):
         self.rpc: dict = {}
         self.store_wait_s = self.store_reply_wait_s = self.moe_host_s = self.other_host_s = 0.0
+        self.tokens: list = []          # per pass: (store messages s, expert steps s, rest s, expert applications)
 
     def add(self, st):
+        self.tokens.append((st.store_s, st.moe_host_s, st.other_host_s, st.applications))
         for k, (n, sec) in st.store_rpc.items():
             rec = self.rpc.setdefault(k, [0, 0.0])
             rec[0] += n
@@ -615,7 +621,18 @@ class HostSplit:
                 "store_us_per_application": per_app(store_s), "moe_host_us_per_application": per_app(self.moe_host_s),
                 "other_host_us_per_application": per_app(self.other_host_s),
                 "store_messages_per_token": {k: n / max(1, tokens) for k, (n, _) in sorted(self.rpc.items())},
-                "store_ms_per_token": {k: sec / max(1, tokens) * 1e3 for k, (_, sec) in sorted(self.rpc.items())}}
+                "store_ms_per_token": {k: sec / max(1, tokens) * 1e3 for k, (_, sec) in sorted(self.rpc.items())},
+                "steady_split_us_per_application": self.steady()}
+
+    def steady(self) -> dict | None:
+        """The split of the tokens from STEADY_FROM on (issue 21: the steady tokens' host time, without the first
+        two's eager step and graph capture, which are nearly all rest): {store, moe, other} µs per application over
+        them, or None (too few tokens)."""
+        rows = self.tokens[self.STEADY_FROM:]
+        n = sum(a for *_, a in rows)
+        if not n:
+            return None
+        return {k: sum(r[i] for r in rows) / n * 1e6 for i, k in enumerate(("store", "moe", "other"))}
 
 
 GUESS_FIELDS = ("guessed", "guess_hits", "guess_disk", "guess_bytes", "guess_wasted_bytes", "guess_held",
