@@ -398,6 +398,12 @@ class EngineSettings(_Section):
     # happens); off until the device A/B (deploy/device/group_graph.py, decode_host.py --group-graphs)
     group_graphs: Flag = setting(False, "decode: a miss layer's eager expert groups replay CUDA graphs captured "
                                  "per group instead of launching (CUDA only)", True)
+    # the solo decode graphs take each layer's routing-sync start (its D2H copies into a pinned buffer and an external
+    # event) inside the layer's graph, before the at-hand group: one replay and one host part a layer, not two of each
+    # (worker/moe_step.py MoEStep.hand_fold; issue 21: the steady tokens' rest). Never a bit changes (CPU tests). Off
+    # until its CUDA test (tests/worker/test_decode_fold.py's capture test) and host57's device A/B have run
+    decode_fold: Flag = setting(False, "decode: the solo decode graphs capture each layer's routing-sync start in "
+                                "the layer's graph (CUDA: one replay a layer)", True)
     # a released sequence state is kept with its captured decode graphs and handed, reset to a fresh state's bits in
     # the same tensors, to the next sequence of its size, and the engine (and the bench) capture decode's graphs at
     # start over one (worker/runner.py new_cache / warm_graphs): a request's first decode tokens replay instead of

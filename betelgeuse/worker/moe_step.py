@@ -201,11 +201,11 @@ class MoEStep:
                            self.kern.qtypes, clock.wait) if self._hand_on(cfg) else None
         # the solo decode graphs' routing sync (hand_start(graphs=True)): its start captured in the layer's graph
         # before the at-hand group (RoutingSync's doc), its buffer sized for one row's counts and guesses; None: the
-        # start stays a host part between two graphs (a torch with no external events)
+        # start stays a host part between two graphs (engine.decode_fold off, or a torch with no external events)
         dev = torch.device(session.device)
         self.graph_sync = (RoutingSync(dev, cap=session.file.config.n_expert + self.depth
                                        * session.file.config.n_expert_used)
-                           if self.hand is not None and RoutingSync.capturable(dev) else None)
+                           if cfg.decode_fold and self.hand is not None and RoutingSync.capturable(dev) else None)
         # decode with no per-layer sync (worker/gate.py): every layer launched ahead, gated on the device
         self.gate = None
         # gated drains: (layer, expert, staging slot) the misses' groups read, held until a later layer's marker; of

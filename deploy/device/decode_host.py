@@ -298,6 +298,8 @@ def run(a, tmp: Path) -> dict:
     extra = dict(decode_gate="on") if a.gate else {}
     if a.group_graphs:              # a miss layer's eager groups as CUDA graph replays (worker/group_graphs.py)
         extra["group_graphs"] = True
+    if a.fold:                      # the solo graphs capture each layer's routing-sync start (MoEStep.hand_fold)
+        extra["decode_fold"] = True
     if a.flex != "auto":            # off: no flex copies of disk experts (on CUDA auto holds them: no miss remains)
         extra["flex_cache"] = a.flex == "on"
     if a.host_in_place != "auto":   # never: host experts banked, as ds4-flash's MXFP4 ones are under auto
@@ -474,6 +476,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gate", action="store_true", help="decode_gate on (with --form solo or lanes)")
     p.add_argument("--group-graphs", action="store_true",
                    help="engine.group_graphs: a miss layer's eager groups replay CUDA graphs (CUDA; the CPU: no-op)")
+    p.add_argument("--fold", action="store_true",
+                   help="engine.decode_fold: the solo graphs capture each layer's routing-sync start (host57)")
     p.add_argument("--profile", help="cProfile of the timed decode steps to this path")
     p.add_argument("--flex", default="auto", choices=["auto", "on", "off"],
                    help="the flex cache (auto: on CUDA); off keeps a decode's disk experts misses on CUDA")

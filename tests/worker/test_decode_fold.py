@@ -30,7 +30,8 @@ def _decode(model, fold: bool, marks: bool = False, steps: int = 6):
     """Greedy solo decode in the static form (a VRAM / host / disk mix, the flex cache on) -> (logits [steps, V],
     per step (reads, flex hits, guess figures), per step the host parts' kinds _ops yielded)."""
     rn, st = in_process_runner(model, 2, 3, decode_consolidate_every=0, flex_cache=True, max_running=2,
-                               max_context=1024, staging_slots=6, prefix_cache_bytes=0, read_threads=1)
+                               max_context=1024, staging_slots=6, prefix_cache_bytes=0, read_threads=1,
+                               decode_fold=True)
     kinds = []
     ops = decode_graphs.SoloDecode._ops
 
