@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The device checks of what ships OFF until a GPU has run it, in one call (~8 min on a warm H100; NEXT.md rows 1, 3, 4):
+#   1. engine.recycle_states (graphs57): check_cuda --only recycle (tiny) and check_ds4 --only decode (ds4-tiny, its
+#      recycle rows): a second sequence on a recycled state captures no decode graph and equals a fresh runner
+#   2. engine.decode_fold (host57): tests/worker/test_decode_fold.py + test_cuda_streams.py on CUDA, then token_split.py
+#      (docs/benchmarks/cpu-host57) on ds4-tiny and ds4-wide without and with --fold: replays a token, the rest's µs
+#   3. the Gluon bf16 MMA (schedule key GL): check_gluon_mmq.py --types Q4_K,Q8_0,MXFP4 (bits == Triton, GB/s beside)
+# Each step has its own timeout, so one that hangs does not eat the others'. STEPS picks some (default 1,2,3).
+# DEVICE=cpu TRITON_INTERPRET=1: a dry run of the script on the CPU.
+# Results in $OUT/verify/: <step>.log each and summary.txt (every PASS / FAIL line, each step's exit status).
+#   pip install -q --no-deps --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site:$PWD PYTHON=python3
+#   OUT=$OUT bash deploy/device/verify_off.sh
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/verify-out}
+D=$OUT/verify
+mkdir -p "$D"
+STEPS=${STEPS:-1,2,3}
+PY=${PYTHON:-python3}
+DEV=${DEVICE:-cuda}             # cpu: a dry run of the script here (no graphs: the recycle rows pass without them)
+S=$D/summary.txt
+: > "$S"
+
+step() {            # step NAME TIMEOUT CMD...: run, log, record its status and its PASS / FAIL lines
+  local name=$1 t=$2
+  shift 2
+  timeout "$t" "$@" > "$D/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: exit $rc (timeout ${t}s)" >> "$S"
+  grep -E '^\[?(PASS|FAIL)|passed|failed|error' "$D/$name.log" | cut -c1-200 | head -40 >> "$S"
+  grep -oE '"(preset|host_us_per_application|other_host_ms|rest_us)": [^,]*' "$D/$name.log" | paste -sd' ' >> "$S"
+}
+
+if [[ ,$STEPS, == *,1,* ]]; then
+  mkdir -p "$D/recycle_cuda"
+  OUT=$D/recycle_cuda step recycle_cuda 120 "$PY" deploy/device/check_cuda.py --device "$DEV" --only recycle
+  step recycle_ds4 150 "$PY" deploy/device/check_ds4.py --device "$DEV" --only decode --out "$D/recycle_ds4"
+fi
+if [[ ,$STEPS, == *,2,* ]]; then
+  step fold_tests 120 "$PY" -m pytest -q -p no:cacheprovider tests/worker/test_decode_fold.py \
+    tests/worker/test_cuda_streams.py
+  for F in off on; do
+    flag=(); [ "$F" = on ] && flag=(--fold)
+    step "fold_$F" 150 bash -c "for P in '--preset ds4-tiny --flex-slots 3' \
+      '--preset ds4-wide --vram 49 --host 77 --flex-slots 40 --tokens 40'; do \
+      $PY docs/benchmarks/cpu-host57/token_split.py \$P --form solo --flex on --device $DEV --split --group-graphs \
+      ${flag[*]:-}; done"
+  done
+fi
+if [[ ,$STEPS, == *,3,* ]]; then
+  step gluon 180 "$PY" deploy/device/check_gluon_mmq.py --types Q4_K,Q8_0,MXFP4
+fi
+rm -f "$D"/*/trace-*.json
+cat "$S"
