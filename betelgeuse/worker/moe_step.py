@@ -93,7 +93,10 @@ class RoutingSync:
         self.cap = cap
         self.buf = None                              # int64 pinned [>= E + T*D*k]
         self.host = None                             # its numpy view
-        self.event = (torch.cuda.Event(external=cap is not None) if self.cuda else None)
+        # external only where asked (cap): a torch without the keyword keeps the plain event (capturable() guards cap)
+        self.event = None
+        if self.cuda:
+            self.event = torch.cuda.Event(external=True) if cap is not None else torch.cuda.Event()
         self._dst: dict = {}                         # (E, n) -> buf's views [:E], [E:n]: made once, not per layer
         self._pending = None
         if self.cuda and cap is not None:
