@@ -25,6 +25,9 @@ so the same bits on the GPU (deploy/device/check_gluon_mmq.py checks torch.equal
   * FUSE (gate_up; BF_TUNING's for MXFP4 and Q4_K): gate's BN rows then up's as one A of 128 rows, one MMA of 2 x
     m64 HGMMA a k16 on the same B tile (Triton's FUSE); FUSE 0: gate's K walk, then up's. A schedule key either way
     (each output's instruction, operands and float ops are its own).
+  * GP (Q8_0, MXFP4; _acc_part): where a K step's loads are converted -- 0 in the step that issues them (one step
+    ahead, but waited for before that step ends), 1 / 2 carried as loaded one / two steps and converted in the step
+    that uses them (PTX loads and conversions the compiler cannot move back: cpu-gluon16r57). A schedule key.
 The schedule key GL (triton_mmq.CONFIG, 0 by default) asks for it; triton_mmq._launch takes it where `usable` says so
 (CUDA sm_90, Gluon importable, Q8_0, MXFP4 or Q4_K at these constants, aligned parts), else the Triton kernel runs
 (CPU, the interpreter: Gluon has no interpreter). Compiles on Triton 3.6 (the device's) and 3.9: the one API

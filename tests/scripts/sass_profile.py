@@ -138,14 +138,13 @@ def mix(body: list) -> dict:
     return {"classes": c, "ldg": ldg}
 
 
-def ldg_in_step(body: list) -> int:
-    """How many of the loop's LDG have their destination read (first) later in the same iteration rather than only
-    after the back edge: such a load is waited for in the step that issues it, its latency exposed each step
-    (cpu-gluon16r57); a load read only in a later iteration has a whole step to land. The reads of an instruction:
-    its register operands after the first (the destination), all of them for a store; an LDG.128 / .64 writes 4 / 2
-    registers. A copy (MOV) or a repacking (PRMT) of the loaded register counts as a read: it waits too."""
+def ldg_reads(body: list) -> list[tuple[int, bool]]:
+    """For each of the loop's LDG: (instructions from it to the first instruction that reads its destination, counted
+    across the back edge; whether that read is in the same iteration). The reads of an instruction: its register
+    operands after the first (the destination), all of them for a store; an LDG.128 / .64 writes 4 / 2 registers. A
+    copy (MOV) or a repacking (PRMT) of the loaded register counts as a read: it waits for the load too."""
     n = len(body)
-    waits = 0
+    out = []
     for i, (_, op, rest) in enumerate(body):
         if op != "LDG":
             continue
@@ -156,9 +155,16 @@ def ldg_in_step(body: list) -> int:
             _, op2, rest2 = body[k]
             srcs = rest2 if op2 in ("STS", "STG", "ST") else ",".join(rest2.split(",")[1:])
             if dst & {int(r) for r in re.findall(r"\bR(\d+)\b", srcs)}:
-                waits += k > i
+                out.append(((k - i) % n, k > i))
                 break
-    return waits
+    return out
+
+
+def ldg_in_step(body: list) -> int:
+    """How many of the loop's LDG are read (first) later in the same iteration rather than only after the back edge
+    (ldg_reads): such a load is waited for in the step that issues it, its latency exposed each step
+    (cpu-gluon16r57); a load read only in a later iteration overlaps the loop's end."""
+    return sum(same for _, same in ldg_reads(body))
 
 
 def step_bytes(gtype: int, elems: int) -> int:
@@ -217,6 +223,7 @@ def profile_bf(name: str, which: str, sched: str) -> dict:
             "ffma_per_w": round(cl.get("ffma", 0) * per_w, 3), "alu_per_w": round(cl.get("alu", 0) * per_w, 3),
             "bar": cl.get("bar", 0), "sts": cl.get("sts", 0), "lds": cl.get("lds", 0), "mma": cl.get("mma", 0),
             "a_op": a_operand(body), "ldg_in_step": ldg_in_step(body),
+            "ldg_dist": sorted(d for d, _ in ldg_reads(body)),
             "mma_shapes": sorted(set(re.findall(r"\b(HGMMA\.[\w.]+)", sass))),
             "classes": cl, "ldg": m["ldg"], "_sass": sass}
 
