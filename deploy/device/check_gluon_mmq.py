@@ -120,17 +120,19 @@ def route(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 FORMS = {"gluon": {"GL": 1}, "gluon unfused": {"GL": 1, "FUSE": 0},        # name -> TYPE_CONFIG overrides
          "gluon GP1": {"GL": 1, "GP": 1}, "gluon GP2": {"GL": 1, "GP": 2},
-         "gluon fused GP1": {"GL": 1, "FUSE": 1, "GP": 1}}
+         "gluon fused GP1": {"GL": 1, "FUSE": 1, "GP": 1}, "gluon GP1 split16": {"GL": 1, "GP": 1, "SPLIT": 1}}
 
 
 def gl_forms(mq, only: list[str] | None = None) -> dict:
     """The Gluon forms checked, name -> TYPE_CONFIG overrides (FORMS; `only`: those names): GL 1 at the shipped FUSE
     (`gluon`); where BF_TUNING fuses gate and up (MXFP4, Q4_K: the same bits as unfused, gpu-run58-kernels) GL 1
     unfused too, else (Q8_0) GL 1 fused with GP 1; the loads carried to the step that uses them, GP 1 and 2
-    (gluon_mmq._acc_part: Q8_0 and MXFP4; Q4_K's loop has no GP form, cpu-gluon16r57). Each against the shipped Triton
-    launch."""
+    (gluon_mmq._acc_part: Q8_0 and MXFP4; Q4_K's loop has no GP form, cpu-gluon16r57), and GP 1 with the K chunks
+    split over programs at 16 rows too (SPLIT 1: 4x the 16-row gate_up's 192 programs; the 1-row bucket's kernels).
+    Each against the shipped Triton launch."""
     fused = bool(mq.config(QT, 16, bf=True).get("FUSE"))
-    names = ["gluon", "gluon unfused" if fused else "gluon fused GP1"] + (["gluon GP1", "gluon GP2"] if QT != 5 else [])
+    names = ["gluon", "gluon unfused" if fused else "gluon fused GP1"]
+    names += ["gluon GP1", "gluon GP2", "gluon GP1 split16"] if QT != 5 else []
     return {n: FORMS[n] for n in names if only is None or n in only}
 
 
@@ -194,6 +196,8 @@ def main() -> int:
     ap.add_argument("--no-time", action="store_true")
     ap.add_argument("--types", default="Q8_0,MXFP4,Q4_K")
     ap.add_argument("--forms", default="", help="comma-separated FORMS names (default: each type's, gl_forms)")
+    ap.add_argument("--odd", action="store_true", help="last: GP 2's bits at a geometry whose K chunks have an odd "
+                    "number of K steps (H 2112, F 832: rows 4-byte aligned, other compiles), Q8_0 / MXFP4")
     ap.add_argument("--dry-run", action="store_true", help="the CPU under TRITON_INTERPRET=1, H = F = 256: the "
                     "script's plumbing and reference only (GL falls back to Triton there: 'gluon ran' FAILs)")
     a = ap.parse_args()
@@ -237,12 +241,23 @@ def main() -> int:
             verdict = "faster at both rows" if min(r.values()) > 1 else "not faster at both rows"
             print(f"{tname} {form}: pair / Triton " + ", ".join(f"{k} row(s) {v:.2f}" for k, v in sorted(r.items()))
                   + f": {verdict}")
+    if a.odd:                           # after the timing: a run cut short keeps the table
+        odd = {n: o for n, o in FORMS.items() if o.get("GP") == 2 and (ONLY is None or n in ONLY)}
+        H0, F0 = H, F
+        H, F = (320, 320) if a.dry_run else (2112, 832)     # K steps a chunk: down 8 then 5, gate_up 8 x 4 then 1
+        for tname in types:
+            if TYPES[tname][1] == 32:
+                set_type(tname)
+                fails += check_type(tname, mq, triton_launch, g, ((2, None), (32, None)), odd)
+        H, F = H0, F0
     print(f"\n{'FAIL' if fails else 'PASS'}: {fails} failed checks")
     return 1 if fails else 0
 
 
-def check_type(tname: str, mq, triton_launch, g) -> int:
-    """The bits and reference checks of one type (module doc): the number of FAILs."""
+def check_type(tname: str, mq, triton_launch, g, cases=((2, None), (32, None), (2, 7.0), (32, 7.0)),
+               forms: dict | None = None) -> int:
+    """The bits and reference checks of one type (module doc) for cases (tokens, SwiGLU limit) and the Gluon forms
+    (default: gl_forms'): the number of FAILs."""
     fails = 0
     starts, slot = slot_layout()
     below = 2                                      # experts 0, 1 of the bank lie below the pool (negative offsets)
@@ -251,7 +266,8 @@ def check_type(tname: str, mq, triton_launch, g) -> int:
     base = torch.full((E,), -1, dtype=torch.int64, device=dev)
     base[:BANK] = torch.arange(BANK, device=dev) * slot - below * slot
     st = torch.tensor([starts] * E, dtype=torch.int64, device=dev)
-    for T, limit in ((2, None), (32, None), (2, 7.0), (32, 7.0)):
+    geo = "" if (H, F) == (2048, 768) or dev.type != "cuda" and (H, F) == (256, 256) else f" H {H} F {F}"
+    for T, limit in cases:
         ids = torch.stack([torch.randperm(BANK, device=dev, generator=g)[:K_TOP] for _ in range(T)])
         ids[0, :2] = torch.tensor([0, 1], device=dev)                       # a token on both experts below the pool
         h = torch.randn(T, H, device=dev, generator=g)
@@ -260,11 +276,11 @@ def check_type(tname: str, mq, triton_launch, g) -> int:
         bucket = 1 if rows.numel() <= E else 16
         it, yt = run(mq, None, hb, pool, base, st, rows, off, limit)
         ri, ry = reference(big, base + below * slot, starts, hb, ids, rows, off, limit, it)
-        for form, over in gl_forms(mq, ONLY).items():
+        for form, over in (gl_forms(mq, ONLY) if forms is None else forms).items():
             n0 = dict(triton_launch.COUNTS)
             ig, yg = run(mq, over, hb, pool, base, st, rows, off, limit, inter=it)
             ran = {k: triton_launch.COUNTS[k] - n0.get(k, 0) for k in ("_gate_up_gl_kernel", "_down_gl_kernel")}
-            case = f"{tname} {form} T {T} rows {rows.numel()} bucket {bucket} limit {limit}"
+            case = f"{tname} {form}{geo} T {T} rows {rows.numel()} bucket {bucket} limit {limit}"
             checks = {"gluon ran": ran == {"_gate_up_gl_kernel": 1, "_down_gl_kernel": 1},
                       "gate_up bits ==": bool(torch.equal(ig, it)), "down bits ==": bool(torch.equal(yg, yt)),
                       "finite": bool(torch.isfinite(it).all() and torch.isfinite(yt).all())}
