@@ -25,6 +25,9 @@ so the same bits on the GPU (deploy/device/check_gluon_mmq.py checks torch.equal
   * FUSE (gate_up; BF_TUNING's for MXFP4 and Q4_K): gate's BN rows then up's as one A of 128 rows, one MMA of 2 x
     m64 HGMMA a k16 on the same B tile (Triton's FUSE); FUSE 0: gate's K walk, then up's. A schedule key either way
     (each output's instruction, operands and float ops are its own).
+  * GP (Q8_0, MXFP4; _acc_part): where a K step's loads are converted -- 0 in the step that issues them (one step
+    ahead, but waited for before that step ends), 1 / 2 carried as loaded one / two steps and converted in the step
+    that uses them (PTX loads and conversions the compiler cannot move back: cpu-gluon16r57). A schedule key.
 The schedule key GL (triton_mmq.CONFIG, 0 by default) asks for it; triton_mmq._launch takes it where `usable` says so
 (CUDA sm_90, Gluon importable, Q8_0, MXFP4 or Q4_K at these constants, aligned parts), else the Triton kernel runs
 (CPU, the interpreter: Gluon has no interpreter). Compiles on Triton 3.6 (the device's) and 3.9: the one API
@@ -200,30 +203,205 @@ if HAVE_GLUON:
         x = gl.load(xq_ptr + jo[None, :] + kb0 * 32 + k[:, None], mask=m2, other=0.0)
         return wb, d0, d1, x
 
+    # GP >= 1's loads (_load_raw): each a 32-bit register as loaded (16-bit loads zero-extended by the load itself),
+    # carried across steps untouched -- a narrower value carried is packed or sign-extended by the compiler in the step
+    # that loads it, which waits for the load there (cpu-gluon16r57: GP 1 with the bytes carried as int8 did so)
+    # Q8_0's weight pairs [R, 16 KB] (pair p: the int8s 2 (p % 16), + 1 of block p // 16) as AL's k pairs: thread t
+    # holds pairs t % 4 + 4 j of rows t / 4 and t / 4 + 8 of its warp's 16 (AL, k_width 2: k = 2 (t % 4) + 8 j, + 1)
+    PL = gl.constexpr(gl.DistributedLinearLayout([[8, 0], [0, 4], [0, 8], [0, 16]],
+                                                 [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], [[16, 0], [32, 0]], [],
+                                                 [64, 32]))
+    PL2 = gl.constexpr(gl.DistributedLinearLayout([[8, 0], [0, 4], [0, 8], [0, 16], [64, 0]],
+                                                  [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], [[16, 0], [32, 0]], [],
+                                                  [128, 32]))
+    # the B tile as int32 words [KB*16, KB*BM] (word w of a column: its bf16 k = 2 w, 2 w + 1): 4 consecutive words
+    # (16 bytes, one 128-bit load) a thread, BL's elements
+    BW = gl.constexpr(gl.BlockedLayout([4, 1], [8, 4], [1, 4], [0, 1]))
+
+    @gluon.jit
+    def _ld_u16(ptr, mask):
+        """The 16 bits at byte pointers ptr (2-byte aligned; 0 where mask is False) zero-extended into an int32, by
+        PTX: one 16-bit load straight into a 32-bit register, opaque to the compiler (a gl.load of uint16 is an i16
+        value, which the compiler extends, narrows or packs in the step that loads it, waiting for it there:
+        cpu-gluon16r57)."""
+        return gl.inline_asm_elementwise(
+            """{
+            .reg .pred p;
+            setp.ne.b32 p, $2, 0;
+            mov.b32 $0, 0;
+            @p ld.global.u16 $0, [$1];
+            }""", "=r,l,r", [ptr, mask.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _load_raw(pool, ra, mn, rc, mc, xq_ptr, jo, jm, kb0, QT: gl.constexpr, KB: gl.constexpr):
+        """GP >= 1: K step kb0 .. kb0 + KB's loads (_fetch's bytes), each an int32 as loaded: (the weights: Q8_0 the
+        pairs [R, KB*16] (PL) of rows ra (mask mn), pair p at byte 34 (kb0 + p // 16) + 2 + 2 (p % 16); MXFP4
+        _fetch's bytes [R, KB*16]; the scales' raw values of blocks kb0, kb0 + 1 of rows rc (mask mc): Q8_0 the f16
+        bits, MXFP4 the E8M0 byte; the B tile: Q8_0 as words [KB*16, KB*BM] (BW) of _fetch's tile, MXFP4 _fetch's
+        bf16 tile)."""
+        R: gl.constexpr = ra.shape[0]
+        if QT == 0:
+            if R == 64:
+                LP: gl.constexpr = PL
+            else:
+                LP: gl.constexpr = PL2
+            pp = gl.arange(0, KB * 16, layout=gl.SliceLayout(0, LP))
+            rp = gl.convert_layout(ra, gl.SliceLayout(1, LP))
+            o = rp[:, None] + ((kb0 + pp // 16) * 34 + 2 + (pp % 16) * 2)[None, :]
+            mp = gl.convert_layout(mn, gl.SliceLayout(1, LP))
+            w = _ld_u16(pool + o, gl.broadcast(mp[:, None], o)[0])
+            r0 = _ld_u16(pool + rc + kb0 * 34, mc)
+            r1 = _ld_u16(pool + rc + kb0 * 34 + 34, mc)
+            kw = gl.arange(0, KB * 16, layout=gl.SliceLayout(1, BW))
+            jb = gl.arange(0, jo.shape[0], layout=gl.SliceLayout(0, BW)) // (jo.shape[0] // KB)
+            jw = gl.convert_layout(jo, gl.SliceLayout(0, BW))
+            jmw = gl.convert_layout(jm, gl.SliceLayout(0, BW))
+            m2 = jmw[None, :] & (jb[None, :] == (kw // 16)[:, None])
+            xw = xq_ptr.to(gl.pointer_type(gl.int32))               # the bf16 activations as words
+            x = gl.load(xw + (jw[None, :] + kb0 * 32) // 2 + kw[:, None], mask=m2, other=0)
+        else:
+            c = gl.arange(0, KB * 32, layout=gl.SliceLayout(0, AL))
+            p = _perm(c)
+            o = gl.broadcast(ra[:, None], ((kb0 + p // 32) * 17 + 1 + p % 16)[None, :])
+            o = o[0] + o[1]
+            m = gl.broadcast(mn[:, None], o)[0]
+            o1, o2 = gl.split(gl.reshape(o, [o.shape[0], KB * 16, 2]))
+            m1, m2 = gl.split(gl.reshape(m, [o.shape[0], KB * 16, 2]))
+            w = gl.load(pool + o1, mask=m1, other=0).to(gl.int32)
+            r0 = gl.load(pool + rc + kb0 * 17, mask=mc, other=0).to(gl.int32)
+            r1 = gl.load(pool + rc + kb0 * 17 + 17, mask=mc, other=0).to(gl.int32)
+            k = gl.arange(0, KB * 32, layout=gl.SliceLayout(1, BL))
+            jb = gl.arange(0, jo.shape[0], layout=gl.SliceLayout(0, BL)) // (jo.shape[0] // KB)
+            m2 = jm[None, :] & (jb[None, :] == (k // 32)[:, None])
+            x = gl.load(xq_ptr + jo[None, :] + kb0 * 32 + _perm(k)[:, None], mask=m2, other=0.0)
+        return w, r0, r1, x
+
+    @gluon.jit
+    def _q8_bf16x2(w):
+        """int32 w holding two int8 in its low 16 bits (b0 | b1 << 8, zero-extended) -> their bf16 values as bf16x2 in
+        an int32 (low half b0's), exactly, by PTX (the compiler's own int8 -> bf16 of the same values): prmt makes
+        0x43 b1 0x43 b0 (bf16 128 + (b & 127) | the byte's sign bit as the exponent's low bit), then (t & 0xff7fff7f)
+        - (t & 0xff80ff80) = (128 + (b & 127)) - (128 or 256) = the int8, exact in bf16. Opaque to the compiler, so it
+        is not moved into the step that loads w (a conversion written in Triton ops was: cpu-gluon16r57)."""
+        return gl.inline_asm_elementwise(
+            """{
+            .reg .b32 t, a, b;
+            prmt.b32 t, $1, 0x43, 0x4140;
+            and.b32 a, t, 0xff7fff7f;
+            and.b32 b, t, 0xff80ff80;
+            sub.rn.bf16x2 $0, a, b;
+            }""", "=r,r", [w], dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _f16_asm(bits):
+        """_f16 (float32 of the f16 in the low 16 bits of int32 bits, exact) by PTX: opaque to the compiler, which
+        otherwise narrows and packs the loaded scales in the step that loads them (cpu-gluon16r57)."""
+        return gl.inline_asm_elementwise(
+            """{
+            .reg .b16 h;
+            cvt.u16.u32 h, $1;
+            cvt.f32.f16 $0, h;
+            }""", "=f,r", [bits], dtype=gl.float32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _lo_bf16(v):
+        """The int32 v's low 16 bits as a bf16 (a bitcast)."""
+        return (v & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
+
+    @gluon.jit
+    def _conv_raw(w, r0, r1, x, QT: gl.constexpr, KB: gl.constexpr):
+        """_load_raw's values -> _fetch's: (the weights [R, KB*32] bf16 in AL, d0, d1 [R] float32, the B tile
+        [KB*32, KB*BM] bf16) -- the same values (Q8_0: int8 -> bf16 of each byte of a pair, the f16 scale exactly
+        to float32; MXFP4: _fetch's decode)."""
+        R: gl.constexpr = w.shape[0]
+        if QT == 0:
+            v = _q8_bf16x2(w)                           # low half: the pair's low byte (k 2 (p % 16)), high: k + 1
+            wb = gl.convert_layout(gl.reshape(gl.join(_lo_bf16(v), _lo_bf16(v >> 16)), [R, KB * 32]), AL)
+            d0 = _f16_asm(r0)
+            d1 = _f16_asm(r1)
+            xl = _lo_bf16(x)                                         # word w's k 2 w, then 2 w + 1
+            xh = _lo_bf16(x >> 16)
+            xb = gl.reshape(gl.permute(gl.join(xl, xh), [0, 2, 1]), [2 * x.shape[0], x.shape[1]])
+            xb = gl.convert_layout(xb, BL)
+        else:
+            wv = gl.reshape(gl.join(_e2m1(w & 15), _e2m1(w >> 4)), [R, KB * 32])
+            wb = gl.convert_layout(wv, AL).to(gl.bfloat16)
+            d0 = gl.where(r0 < 2, (r0 + 1) * 0x00200000, (r0 - 1) << 23).to(gl.float32, bitcast=True)
+            d1 = gl.where(r1 < 2, (r1 + 1) * 0x00200000, (r1 - 1) << 23).to(gl.float32, bitcast=True)
+            xb = x
+        return wb, d0, d1, xb
+
+    @gluon.jit
+    def _step_raw(acc, z, w, r0, r1, x, pool, ra, mn, rc, mc, xq_ptr, jo, jm, kb0, b1, QT: gl.constexpr,
+                  BN: gl.constexpr, BM: gl.constexpr, KB: gl.constexpr, AHEAD: gl.constexpr):
+        """GP >= 1's K step kb0 on a set of loads (w, r0, r1, x: _load_raw's of step kb0): the set converted and its B
+        tile stored to shared memory first, then step kb0 + AHEAD's loads issued into the same set (its registers
+        free again: no copy between the loop's steps, which would wait for the loads), then _mma_step's MMA and
+        fmas. (acc, the set of step kb0 + AHEAD)."""
+        wb, d0, d1, xb = _conv_raw(w, r0, r1, x, QT, KB)
+        xs = gl.allocate_shared_memory(gl.bfloat16, [KB * 32, KB * BM], SH, xb)
+        more = kb0 + AHEAD < b1                     # masked off past b1
+        w, r0, r1, x = _load_raw(pool, ra, mn & more, rc, mc & more, xq_ptr, jo, jm & more, kb0 + AHEAD, QT, KB)
+        hopper.fence_async_shared()
+        dot = hopper.warpgroup_mma(wb, xs, z, use_acc=False, is_async=True)
+        dot = hopper.warpgroup_mma_wait(0, deps=[dot])
+        p0, p1 = gl.split(gl.permute(gl.reshape(dot, [BN, KB, BM]), [0, 2, 1]))     # column i*BM + m -> pi
+        p0 = gl.convert_layout(p0, ACC)
+        p1 = gl.convert_layout(p1, ACC)
+        acc = gl.fma(p0, gl.broadcast(d0[:, None], acc)[0], acc)                  # ascending blocks
+        acc = gl.fma(p1, gl.broadcast(d1[:, None], acc)[0], acc)
+        return acc, w, r0, r1, x
+
     @gluon.jit
     def _acc_part(pool, ra, mn, rc, mc, xq_ptr, jo, jm, b0, b1, QT: gl.constexpr, BN: gl.constexpr,
-                  BM: gl.constexpr, KB: gl.constexpr):
+                  BM: gl.constexpr, KB: gl.constexpr, GP: gl.constexpr):
         """One part's partial [BN, BM] (ACC) over blocks b0 .. b1 (KB | b1 - b0), from zero: triton_mmq._mmq_step's
-        float ops (module doc), the next step's loads issued before this step's MMA (triton_mmq's PF 1). BN: the
-        rows of ra (gate_up's FUSE: 2 BN, gate's then up's, one MMA of M 128 = 2 x m64 a k16)."""
+        float ops (module doc). BN: the rows of ra (gate_up's FUSE: 2 BN, gate's then up's, one MMA of M 128 = 2 x
+        m64 a k16). GP (a schedule key: the same loads, conversions, MMA and float ops, only where they sit):
+          0  the next step's loads issued before this step's MMA (triton_mmq's PF 1) and converted right there
+             (_fetch): in the SASS every load of a step is consumed within the step that issues it (cpu-gluon16r57),
+             so each step waits out a full memory latency;
+          1  the next step's loads issued before this step's MMA, carried as loaded, converted in the step that uses
+             them: a load has a whole step to land;
+          2  as 1, two steps ahead (two steps' bytes in flight a program: for grids of few programs a SM, the 16-row
+             gate_up's 192 programs on 132 SMs)."""
         gl.static_assert(KB == 2)
         acc = gl.zeros([BN, BM], gl.float32, ACC)
         z = gl.zeros([BN, KB * BM], gl.float32, MMA)
-        wb, d0, d1, x = _fetch(pool, ra, mn, rc, mc, xq_ptr, jo, jm, b0, QT, KB)
-        for kb0 in range(b0, b1, KB):
-            more = kb0 + KB < b1                    # the next step's loads, masked off past b1
-            wb2, e0, e1, x2 = _fetch(pool, ra, mn & more, rc, mc & more, xq_ptr, jo, jm & more, kb0 + KB, QT,
-                                     KB)
-            xs = gl.allocate_shared_memory(gl.bfloat16, [KB * 32, KB * BM], SH, x)
-            hopper.fence_async_shared()
-            dot = hopper.warpgroup_mma(wb, xs, z, use_acc=False, is_async=True)
-            dot = hopper.warpgroup_mma_wait(0, deps=[dot])
-            p0, p1 = gl.split(gl.permute(gl.reshape(dot, [BN, KB, BM]), [0, 2, 1]))     # column i*BM + m -> pi
-            p0 = gl.convert_layout(p0, ACC)
-            p1 = gl.convert_layout(p1, ACC)
-            acc = gl.fma(p0, gl.broadcast(d0[:, None], acc)[0], acc)                  # ascending blocks
-            acc = gl.fma(p1, gl.broadcast(d1[:, None], acc)[0], acc)
-            wb, d0, d1, x = wb2, e0, e1, x2
+        if GP == 0:
+            wb, d0, d1, x = _fetch(pool, ra, mn, rc, mc, xq_ptr, jo, jm, b0, QT, KB)
+            for kb0 in range(b0, b1, KB):
+                more = kb0 + KB < b1                    # the next step's loads, masked off past b1
+                wb2, e0, e1, x2 = _fetch(pool, ra, mn & more, rc, mc & more, xq_ptr, jo, jm & more, kb0 + KB, QT,
+                                         KB)
+                xs = gl.allocate_shared_memory(gl.bfloat16, [KB * 32, KB * BM], SH, x)
+                hopper.fence_async_shared()
+                dot = hopper.warpgroup_mma(wb, xs, z, use_acc=False, is_async=True)
+                dot = hopper.warpgroup_mma_wait(0, deps=[dot])
+                p0, p1 = gl.split(gl.permute(gl.reshape(dot, [BN, KB, BM]), [0, 2, 1]))     # column i*BM + m -> pi
+                p0 = gl.convert_layout(p0, ACC)
+                p1 = gl.convert_layout(p1, ACC)
+                acc = gl.fma(p0, gl.broadcast(d0[:, None], acc)[0], acc)                  # ascending blocks
+                acc = gl.fma(p1, gl.broadcast(d1[:, None], acc)[0], acc)
+                wb, d0, d1, x = wb2, e0, e1, x2
+        else:                                           # GP 1: one set of loads in flight, GP 2: two (steps
+            w, r0, r1, x = _load_raw(pool, ra, mn, rc, mc, xq_ptr, jo, jm, b0, QT, KB)     # b0, b0 + 2 KB, ..: set
+            if GP == 2:                                 # one; b0 + KB, b0 + 3 KB, ..: set two, masked off past b1)
+                m1 = b0 + KB < b1
+                v, s0, s1, y = _load_raw(pool, ra, mn & m1, rc, mc & m1, xq_ptr, jo, jm & m1, b0 + KB, QT, KB)
+            if GP == 1:
+                for kb0 in range(b0, b1, KB):
+                    acc, w, r0, r1, x = _step_raw(acc, z, w, r0, r1, x, pool, ra, mn, rc, mc, xq_ptr, jo, jm, kb0, b1,
+                                                  QT, BN, BM, KB, KB)
+            else:                                       # pairs of steps (no branch in the loop: the sets' registers
+                for kb0 in range(b0, b1 - KB, 2 * KB):  # stay put), then an odd count's last step on set one
+                    acc, w, r0, r1, x = _step_raw(acc, z, w, r0, r1, x, pool, ra, mn, rc, mc, xq_ptr, jo, jm, kb0, b1,
+                                                  QT, BN, BM, KB, 2 * KB)
+                    acc, v, s0, s1, y = _step_raw(acc, z, v, s0, s1, y, pool, ra, mn, rc, mc, xq_ptr, jo, jm, kb0 + KB,
+                                                  b1, QT, BN, BM, KB, 2 * KB)
+                if (b1 - b0) // KB % 2 == 1:
+                    acc, w, r0, r1, x = _step_raw(acc, z, w, r0, r1, x, pool, ra, mn, rc, mc, xq_ptr, jo, jm, b1 - KB,
+                                                  b1, QT, BN, BM, KB, 2 * KB)
         return acc
 
     @gluon.jit
@@ -356,12 +534,12 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _acc_any(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, b0, b1, QT: gl.constexpr, BN: gl.constexpr,
-                 BM: gl.constexpr, KB: gl.constexpr):
+                 BM: gl.constexpr, KB: gl.constexpr, GP: gl.constexpr):
         """The partial [BN, BM] of type QT: _acc_part_k (Q4_K) or _acc_part."""
         if QT == 5:
             r = _acc_part_k(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, b0, b1, BN, BM, KB)
         else:
-            r = _acc_part(pool, ra, mn, rc, mc, xq_ptr, jo, jm, b0, b1, QT, BN, BM, KB)
+            r = _acc_part(pool, ra, mn, rc, mc, xq_ptr, jo, jm, b0, b1, QT, BN, BM, KB, GP)
         return r
 
     @gluon.jit
@@ -399,7 +577,8 @@ if HAVE_GLUON:
     def _gate_up_gl_kernel(xq_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, inter_ptr, ws_ptr, cnt_ptr,
                            H, F, row_bytes, n_exp, k_top, limit, KCB, QT: gl.constexpr, HAS_LIMIT: gl.constexpr,
                            BM: gl.constexpr, BN: gl.constexpr, EP: gl.constexpr, ALIGNED: gl.constexpr,
-                           RA: gl.constexpr, KB: gl.constexpr, SPLIT: gl.constexpr, FUSE: gl.constexpr):
+                           RA: gl.constexpr, KB: gl.constexpr, SPLIT: gl.constexpr, FUSE: gl.constexpr,
+                           GP: gl.constexpr = 0):
         """triton_mmq._gate_up_mmq_kernel (BF, FUSE either way) with the A operand in registers: grid (F / BN, row
         blocks[, chunks]). FUSE: gate's BN rows and up's as one A of 2 BN rows (one K walk, the B tile stored once a
         step for both; each output's float ops its own: the same bits)."""
@@ -431,7 +610,7 @@ if HAVE_GLUON:
                 if SPLIT:
                     pc = gl.program_id(2)
                     acc = _acc_any(pool, ra, na < F, rc, n2 < F, xq_ptr, jo, jm, xs_ptr, so, mr, pc * KCB,
-                                   gl.minimum(pc * KCB + KCB, NBLK), QT, 2 * BN, BM, KB)
+                                   gl.minimum(pc * KCB + KCB, NBLK), QT, 2 * BN, BM, KB, GP)
                     gl.store(_partial_ptr(ws_ptr, tile, pc, NCH, 2 * BN * BM, 2 * BN, BM), acc)
                     if _arrive(cnt_ptr, tile, NCH):
                         for ch in range(0, NCH):    # 0 + p_0 + p_1 + ... in chunk order
@@ -443,7 +622,7 @@ if HAVE_GLUON:
                 else:
                     for ch in range(0, NCH):
                         tot = tot + _acc_any(pool, ra, na < F, rc, n2 < F, xq_ptr, jo, jm, xs_ptr, so, mr, ch * KCB,
-                                             gl.minimum(ch * KCB + KCB, NBLK), QT, 2 * BN, BM, KB)
+                                             gl.minimum(ch * KCB + KCB, NBLK), QT, 2 * BN, BM, KB, GP)
                     accg, accu = _gu_split(tot, BN, BM)
                     _gu_store(accg, accu, inter_ptr, rows, mr, nc, mnc, F, limit, HAS_LIMIT)
             else:
@@ -458,8 +637,10 @@ if HAVE_GLUON:
                 if SPLIT:               # this program: chunk program_id(2); the tile's last sums them in order
                     pc = gl.program_id(2)
                     b1 = gl.minimum(pc * KCB + KCB, NBLK)
-                    g = _acc_any(pool, ga, mna, gc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, pc * KCB, b1, QT, BN, BM, KB)
-                    u = _acc_any(pool, ua, mna, uc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, pc * KCB, b1, QT, BN, BM, KB)
+                    g = _acc_any(pool, ga, mna, gc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, pc * KCB, b1, QT, BN,
+                                 BM, KB, GP)
+                    u = _acc_any(pool, ua, mna, uc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, pc * KCB, b1, QT, BN,
+                                 BM, KB, GP)
                     pp = _partial_ptr(ws_ptr, tile, pc, NCH, 2 * BN * BM, BN, BM)
                     gl.store(pp, g)
                     gl.store(pp + BN * BM, u)
@@ -474,16 +655,16 @@ if HAVE_GLUON:
                     for ch in range(0, NCH):
                         b1 = gl.minimum(ch * KCB + KCB, NBLK)
                         totg = totg + _acc_any(pool, ga, mna, gc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, ch * KCB, b1,
-                                               QT, BN, BM, KB)
+                                               QT, BN, BM, KB, GP)
                         totu = totu + _acc_any(pool, ua, mna, uc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, ch * KCB, b1,
-                                               QT, BN, BM, KB)
+                                               QT, BN, BM, KB, GP)
                     _gu_store(totg, totu, inter_ptr, rows, mr, nc, mnc, F, limit, HAS_LIMIT)
 
     @gluon.jit
     def _down_gl_kernel(xq_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, y_ptr, ws_ptr, cnt_ptr, H, F,
                         row_bytes, n_exp, KCB, QT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                         EP: gl.constexpr, ALIGNED: gl.constexpr, RA: gl.constexpr, KB: gl.constexpr,
-                        SPLIT: gl.constexpr):
+                        SPLIT: gl.constexpr, GP: gl.constexpr = 0):
         """triton_mmq._down_mmq_kernel (BF) with the A operand in registers: grid (H / BN, row blocks[, chunks])."""
         e, mb, base = _find_block(off_ptr, base_ptr, n_exp, gl.program_id(1), BM, EP)
         if base != -1:
@@ -506,7 +687,7 @@ if HAVE_GLUON:
             if SPLIT:
                 pc = gl.program_id(2)
                 acc = _acc_any(pool, da, mna, dc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, pc * KCB,
-                               gl.minimum(pc * KCB + KCB, NBLK), QT, BN, BM, KB)
+                               gl.minimum(pc * KCB + KCB, NBLK), QT, BN, BM, KB, GP)
                 tile = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
                 gl.store(_partial_ptr(ws_ptr, tile, pc, NCH, BN * BM, BN, BM), acc)
                 if _arrive(cnt_ptr, tile, NCH):
@@ -518,13 +699,13 @@ if HAVE_GLUON:
             else:
                 for ch in range(0, NCH):
                     tot = tot + _acc_any(pool, da, mna, dc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, ch * KCB,
-                                         gl.minimum(ch * KCB + KCB, NBLK), QT, BN, BM, KB)
+                                         gl.minimum(ch * KCB + KCB, NBLK), QT, BN, BM, KB, GP)
                 gl.store(ptr, tot.to(y_ptr.dtype.element_ty), mask=msk)
 
     KERNELS = {"gate_up": _gate_up_gl_kernel, "down": _down_gl_kernel}
     LAUNCH = {w: launcher(k) for w, k in KERNELS.items()}       # counted as triton_mmq's (triton_launch.COUNTS)
-    CONSTS = {"gate_up": ("QT", "HAS_LIMIT", "BM", "BN", "EP", "ALIGNED", "RA", "KB", "SPLIT", "FUSE"),
-              "down": ("QT", "BM", "BN", "EP", "ALIGNED", "RA", "KB", "SPLIT")}
+    CONSTS = {"gate_up": ("QT", "HAS_LIMIT", "BM", "BN", "EP", "ALIGNED", "RA", "KB", "SPLIT", "FUSE", "GP"),
+              "down": ("QT", "BM", "BN", "EP", "ALIGNED", "RA", "KB", "SPLIT", "GP")}
 
 
 def launch(which: str, grid: tuple, args: list, consts: dict, kcb: int):
@@ -537,12 +718,12 @@ def launch(which: str, grid: tuple, args: list, consts: dict, kcb: int):
 
 
 def compile_kernel(which: str = "gate_up", bucket: int = 16, arch: int = 90, hints: bool = True, qt: int = 0,
-                   fuse: bool = False):
+                   fuse: bool = False, gp: int = 0):
     """The Gluon kernel of type code qt compiled for CUDA sm_`arch` without a GPU (no torch needed: Triton 3.6 or 3.9
     alone) at the bench geometry (H 2048, F 768: K 2048 for gate_up, 768 for down, 128 experts, k_top 8) for a rows
     bucket's launch (1: split-K over KCB 16 chunks; 16: walked), as triton_mmq.compile_kernel: (CompiledKernel,
     constexprs). hints: a device launch's alignment facts (16-byte aligned pointers, the int arguments that are
-    multiples of 16); fuse: gate_up's FUSE form."""
+    multiples of 16); fuse: gate_up's FUSE form; gp: the schedule key GP (_acc_part)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -557,7 +738,7 @@ def compile_kernel(which: str = "gate_up", bucket: int = 16, arch: int = 90, hin
     sig = {**ptr, **{k: "i32" for k in ints}, **({"limit": "fp32"} if which == "gate_up" else {}), "KCB": "i32"}
     ints["KCB"] = 16
     const = {"QT": qt, "BM": SHAPE["BM"], "BN": SHAPE["BN"], "EP": 256, "ALIGNED": True,
-             "RA": min(16, rb & -rb), "KB": SHAPE["KB"], "SPLIT": bucket == 1 and K // 32 > 16}
+             "RA": min(16, rb & -rb), "KB": SHAPE["KB"], "SPLIT": bucket == 1 and K // 32 > 16, "GP": gp}
     if which == "gate_up":
         const.update(HAS_LIMIT=False, FUSE=bool(fuse))
     fn = KERNELS[which]

@@ -3,7 +3,8 @@
 against triton_mmq's shipped bf16 MMA on the GPU (issue 23, docs/benchmarks/cpu-gluon55, cpu-gluonk57): bits, then
 GB/s (H100 / H200, about two minutes for the three types, most of it compiles).
 
-    PYTHONPATH=$PWD python3 deploy/device/check_gluon_mmq.py [--types Q8_0,MXFP4,Q4_K] [--reps 32] [--no-time]
+    PYTHONPATH=$PWD python3 deploy/device/check_gluon_mmq.py [--types Q8_0,MXFP4,Q4_K] [--forms NAMES] [--reps 32]
+        [--no-time]
     TRITON_INTERPRET=1 .venv/bin/python deploy/device/check_gluon_mmq.py --dry-run   # CPU: the plumbing (~3 min)
 
 Bits, per type: the bench geometry (H 2048, F 768, 128 experts, k_top 8), experts with valid scales (Q8_0 f16 in
@@ -12,11 +13,12 @@ random quants, random routing over a bank of 16 experts of which experts
 0 and 1 lie BELOW the pool (negative offsets, as decode's at-hand table:
 tests/kernels/test_mmq_bf16.py::test_experts_at_negative_offsets_are_computed), 2 tokens (16 rows: the 1-row bucket,
 split-K) and 32 tokens (256 rows: the 16-row bucket, chunks walked), without and with the clamped SwiGLU (limit 7).
-Per case and Gluon form (GL 1 at the shipped FUSE; where that fuses gate and up, GL 1 unfused too: FUSE is a
-schedule key) gate_up's inter and down's y (down on the same inter for both) must be torch.equal to the Triton
-kernel's, and the Gluon kernels must have been launched (triton_launch.COUNTS); both are also held to a float
-reference (the dequantized weights in float64 on the same bf16 activations; relative max error < 1e-2) so that two
-equal wrong answers fail too (Q4_K's dequantization: checked against gguf.quants on the CPU by --dry-run).
+Per case and Gluon form (gl_forms: GL 1 at the shipped FUSE; the other FUSE (Q8_0's with GP 1); GP 1 and 2 (the K
+loop's loads carried to the step that uses them: cpu-gluon16r57); FUSE and GP are schedule keys) gate_up's inter and
+down's y (down on the same inter for both) must be torch.equal to the Triton kernel's, and the Gluon kernels must
+have been launched (triton_launch.COUNTS); both are also held to a float reference (the dequantized weights in
+float64 on the same bf16 activations; relative max error < 1e-2) so that two equal wrong answers fail too (Q4_K's
+dequantization: checked against gguf.quants on the CPU by --dry-run).
 PASS / FAIL line per check; exit 1 on any FAIL.
 GB/s: expert bytes of a bank of 16 experts at 1 and 16 rows an expert (kernel_roofline's routing: each expert
 exactly `rows` rows), CUDA-graph replays of `reps` launches rotating over banks > 512 MB (beyond the L2), median of 5:
@@ -43,6 +45,8 @@ ROW_H, ROW_F = H // QK * BS, F // QK * BS               # its row bytes
 KVALUES = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]   # MXFP4's doubled e2m1 (llama.cpp kvalues_mxfp4)
 dev = torch.device("cuda")
 DT = torch.bfloat16                                    # inter's and y's dtype (the engine's; --dry-run: float32)
+ONLY: list[str] | None = None                          # --forms
+PAIR: dict = {}                                        # (type, form) -> {rows an expert: the pair's Gluon / Triton}
 
 
 def set_type(name: str):
@@ -114,14 +118,22 @@ def route(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return rows, off
 
 
-def gl_forms(mq) -> dict:
-    """The Gluon forms checked, name -> TYPE_CONFIG overrides: GL 1 at the shipped FUSE; where BF_TUNING fuses gate
-    and up (MXFP4, Q4_K: the same bits as unfused, gpu-run58-kernels) GL 1 unfused too. Each against the shipped
-    Triton launch."""
-    forms = {"gluon": {"GL": 1}}
-    if mq.config(QT, 16, bf=True).get("FUSE"):
-        forms["gluon unfused"] = {"GL": 1, "FUSE": 0}
-    return forms
+FORMS = {"gluon": {"GL": 1}, "gluon unfused": {"GL": 1, "FUSE": 0},        # name -> TYPE_CONFIG overrides
+         "gluon GP1": {"GL": 1, "GP": 1}, "gluon GP2": {"GL": 1, "GP": 2},
+         "gluon fused GP1": {"GL": 1, "FUSE": 1, "GP": 1}, "gluon GP1 split16": {"GL": 1, "GP": 1, "SPLIT": 1}}
+
+
+def gl_forms(mq, only: list[str] | None = None) -> dict:
+    """The Gluon forms checked, name -> TYPE_CONFIG overrides (FORMS; `only`: those names): GL 1 at the shipped FUSE
+    (`gluon`); where BF_TUNING fuses gate and up (MXFP4, Q4_K: the same bits as unfused, gpu-run58-kernels) GL 1
+    unfused too, else (Q8_0) GL 1 fused with GP 1; the loads carried to the step that uses them, GP 1 and 2
+    (gluon_mmq._acc_part: Q8_0 and MXFP4; Q4_K's loop has no GP form, cpu-gluon16r57), and GP 1 with the K chunks
+    split over programs at 16 rows too (SPLIT 1: 4x the 16-row gate_up's 192 programs; the 1-row bucket's kernels).
+    Each against the shipped Triton launch."""
+    fused = bool(mq.config(QT, 16, bf=True).get("FUSE"))
+    names = ["gluon", "gluon unfused" if fused else "gluon fused GP1"]
+    names += ["gluon GP1", "gluon GP2", "gluon GP1 split16"] if QT != 5 else []
+    return {n: FORMS[n] for n in names if only is None or n in only}
 
 
 def run(mq, gl: dict | None, hb, pool, base, st, rows, off, limit, inter=None):
@@ -183,6 +195,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=32)
     ap.add_argument("--no-time", action="store_true")
     ap.add_argument("--types", default="Q8_0,MXFP4,Q4_K")
+    ap.add_argument("--forms", default="", help="comma-separated FORMS names (default: each type's, gl_forms)")
+    ap.add_argument("--odd", action="store_true", help="last: GP 2's bits at a geometry whose K chunks have an odd "
+                    "number of K steps (H 2112, F 832: rows 4-byte aligned, other compiles), Q8_0 / MXFP4")
     ap.add_argument("--dry-run", action="store_true", help="the CPU under TRITON_INTERPRET=1, H = F = 256: the "
                     "script's plumbing and reference only (GL falls back to Triton there: 'gluon ran' FAILs)")
     a = ap.parse_args()
@@ -202,10 +217,12 @@ def main() -> int:
     fails = 0
     g = torch.Generator(device=dev).manual_seed(55)
     types = a.types.split(",")
+    global ONLY
+    ONLY = a.forms.split(",") if a.forms else None
     for tname in types:
         set_type(tname)
         c = mq.config(QT, 16, bf=True)
-        bad = [n for n, o in gl_forms(mq).items() if not gm.usable(QT, {**c, **o}, c["KB"], dev)]
+        bad = [n for n, o in gl_forms(mq, ONLY).items() if not gm.usable(QT, {**c, **o}, c["KB"], dev)]
         if bad and not a.dry_run:
             print(f"FAIL {tname}: gluon_mmq.usable is False here for {bad} (config {c}): GL would fall back")
             fails += 1
@@ -219,12 +236,28 @@ def main() -> int:
         for tname in types:
             set_type(tname)
             time_type(tname, mq, g, a.reps)
+        print()
+        for (tname, form), r in PAIR.items():      # a schedule key ships only if it wins in both rows buckets
+            verdict = "faster at both rows" if min(r.values()) > 1 else "not faster at both rows"
+            print(f"{tname} {form}: pair / Triton " + ", ".join(f"{k} row(s) {v:.2f}" for k, v in sorted(r.items()))
+                  + f": {verdict}")
+    if a.odd:                           # after the timing: a run cut short keeps the table
+        odd = {n: o for n, o in FORMS.items() if o.get("GP") == 2 and (ONLY is None or n in ONLY)}
+        H0, F0 = H, F
+        H, F = (320, 320) if a.dry_run else (2112, 832)     # K steps a chunk: down 8 then 5, gate_up 8 x 4 then 1
+        for tname in types:
+            if TYPES[tname][1] == 32:
+                set_type(tname)
+                fails += check_type(tname, mq, triton_launch, g, ((2, None), (32, None)), odd)
+        H, F = H0, F0
     print(f"\n{'FAIL' if fails else 'PASS'}: {fails} failed checks")
     return 1 if fails else 0
 
 
-def check_type(tname: str, mq, triton_launch, g) -> int:
-    """The bits and reference checks of one type (module doc): the number of FAILs."""
+def check_type(tname: str, mq, triton_launch, g, cases=((2, None), (32, None), (2, 7.0), (32, 7.0)),
+               forms: dict | None = None) -> int:
+    """The bits and reference checks of one type (module doc) for cases (tokens, SwiGLU limit) and the Gluon forms
+    (default: gl_forms'): the number of FAILs."""
     fails = 0
     starts, slot = slot_layout()
     below = 2                                      # experts 0, 1 of the bank lie below the pool (negative offsets)
@@ -233,7 +266,8 @@ def check_type(tname: str, mq, triton_launch, g) -> int:
     base = torch.full((E,), -1, dtype=torch.int64, device=dev)
     base[:BANK] = torch.arange(BANK, device=dev) * slot - below * slot
     st = torch.tensor([starts] * E, dtype=torch.int64, device=dev)
-    for T, limit in ((2, None), (32, None), (2, 7.0), (32, 7.0)):
+    geo = "" if (H, F) == (2048, 768) or dev.type != "cuda" and (H, F) == (256, 256) else f" H {H} F {F}"
+    for T, limit in cases:
         ids = torch.stack([torch.randperm(BANK, device=dev, generator=g)[:K_TOP] for _ in range(T)])
         ids[0, :2] = torch.tensor([0, 1], device=dev)                       # a token on both experts below the pool
         h = torch.randn(T, H, device=dev, generator=g)
@@ -242,11 +276,11 @@ def check_type(tname: str, mq, triton_launch, g) -> int:
         bucket = 1 if rows.numel() <= E else 16
         it, yt = run(mq, None, hb, pool, base, st, rows, off, limit)
         ri, ry = reference(big, base + below * slot, starts, hb, ids, rows, off, limit, it)
-        for form, over in gl_forms(mq).items():
+        for form, over in (gl_forms(mq, ONLY) if forms is None else forms).items():
             n0 = dict(triton_launch.COUNTS)
             ig, yg = run(mq, over, hb, pool, base, st, rows, off, limit, inter=it)
             ran = {k: triton_launch.COUNTS[k] - n0.get(k, 0) for k in ("_gate_up_gl_kernel", "_down_gl_kernel")}
-            case = f"{tname} {form} T {T} rows {rows.numel()} bucket {bucket} limit {limit}"
+            case = f"{tname} {form}{geo} T {T} rows {rows.numel()} bucket {bucket} limit {limit}"
             checks = {"gluon ran": ran == {"_gate_up_gl_kernel": 1, "_down_gl_kernel": 1},
                       "gate_up bits ==": bool(torch.equal(ig, it)), "down bits ==": bool(torch.equal(yg, yt)),
                       "finite": bool(torch.isfinite(it).all() and torch.isfinite(yt).all())}
@@ -312,17 +346,19 @@ def time_type(tname: str, mq, g, reps: int):
             gu(i)
             dn(i)
         res = {}
-        for name, over in (("triton", None), *gl_forms(mq).items()):
+        for name, over in (("triton", None), *gl_forms(mq, ONLY).items()):
             if over:
                 mq.TYPE_CONFIG[QT] = dict(over)
             try:
                 res[name] = [graph_gbps(gu, reps, gu_b), graph_gbps(dn, reps, dn_b), graph_gbps(pair, reps, bank_b)]
             finally:
                 mq.TYPE_CONFIG.pop(QT, None)
-        for form in gl_forms(mq):
+        for form in gl_forms(mq, ONLY):
             for j, k in enumerate(("gate_up", "down", "pair")):
                 t, q = res["triton"][j], res[form][j]
                 print(f"| {tname} | {rpe} | {k} | {t:.0f} | {form} | {q:.0f} | {q / t:.2f} |", flush=True)
+        for form in gl_forms(mq, ONLY):
+            PAIR.setdefault((tname, form), {})[rpe] = res[form][2] / res["triton"][2]
     pool = None                     # freed before the next type's banks
     torch.cuda.empty_cache()
 

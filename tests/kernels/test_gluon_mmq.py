@@ -20,10 +20,13 @@ from test_mmq import DIMS, _compile_reports, experts, run  # noqa: E402
 from betelgeuse.kernels import gluon_mmq as gm  # noqa: E402
 from betelgeuse.kernels import triton_mmq as mq  # noqa: E402
 
-# (type code, kernel, rows bucket): gate_up at the 1-row bucket (split-K; MXFP4's and Q4_K's fused), down at the 16-row
-# one (walked; MXFP4's down left out: the same loop as Q8_0's but for _fetch's decode, cpu-gluon55 counted it -- the
-# child stays within CI's 15 s with a cold Triton cache: 14.5 s with it here, 8 s without)
-CASES = [(0, "gate_up", 1), (0, "down", 16), (4, "gate_up", 1), (5, "gate_up", 1), (5, "down", 16)]
+# (type code, kernel, rows bucket, GP): gate_up at the 1-row bucket (split-K; MXFP4's and Q4_K's fused), down at the
+# 16-row one (walked; MXFP4's down left out: the same loop as Q8_0's but for _fetch's decode, cpu-gluon55 counted it --
+# the child stays within CI's 15 s with a cold Triton cache: 14.5 s with it here, 8 s without); Q8_0's 16-row gate_up
+# with the loads carried to the step that uses them (GP 1, 2: cpu-gluon16r57; Q8_0's down runs the same K loop,
+# _acc_part, and Q4_K's down the same kernel body)
+CASES = [(0, "gate_up", 1, 0), (0, "gate_up", 16, 1), (0, "gate_up", 16, 2), (4, "gate_up", 1, 0), (5, "gate_up", 1, 0),
+         (5, "down", 16, 0)]
 # a child without TRITON_INTERPRET: compile the Gluon kernels for sm_90 and count their K loop's SASS
 # (tests/scripts/sass_profile.py's loop and classes); one JSON line a kernel, or {"skip": why}
 _CHILD = """
@@ -46,19 +49,22 @@ def fops(ptx):                      # the PTX's float ops that round, by kind (e
     for m in FOPS.findall(ptx):
         ops[m.replace("bf16x2", "bf16")] = ops.get(m.replace("bf16x2", "bf16"), 0) + (2 if "x2" in m else 1)
     return ops
-for qt, w, b in CASES:
+TK = {}
+for qt, w, b, gp in CASES:
     fuse = bool(mq.config(qt, b, bf=True).get("FUSE")) and w == "gate_up"     # the shipped FUSE (MXFP4, Q4_K: 1)
-    k, const = gm.compile_kernel(w, b, qt=qt, fuse=fuse)
-    tk = mq.compile_kernel(w, qt, bucket=b, hints=True, bf=True)[0]
+    k, const = gm.compile_kernel(w, b, qt=qt, fuse=fuse, gp=gp)
+    if (qt, w, b) not in TK:                # the Triton kernel of the launch, once for its GP cases
+        TK[qt, w, b] = fops(mq.compile_kernel(w, qt, bucket=b, hints=True, bf=True)[0].asm["ptx"])
     sass, res = sp.sass_of(k.asm["cubin"])
     body = sp.k_loop(sp.instructions(sass), mma=True)
     ops = {}
     for _, op, rest in body:
         key = op + (rest.split()[0] if rest.startswith(".") else "")
         ops[key] = ops.get(key, 0) + 1
-    print(json.dumps({"qt": qt, "kernel": w, "bucket": b, "split": const["SPLIT"], "fuse": fuse,
+    print(json.dumps({"qt": qt, "kernel": w, "bucket": b, "gp": gp, "split": const["SPLIT"], "fuse": fuse,
                       "a_op": sp.a_operand(body), "asm": "add.rn.bf16x2" in k.asm["ptx"],
-                      "ops": ops, "fops": fops(k.asm["ptx"]), "triton_fops": fops(tk.asm["ptx"]),
+                      "ldg_in_step": sp.ldg_in_step(body), "ldg": sum(v for o, v in ops.items() if o.startswith("LDG")),
+                      "ops": ops, "fops": fops(k.asm["ptx"]), "triton_fops": TK[qt, w, b],
                       "shapes": sorted(set(re.findall(r"\\b(HGMMA\\.[\\w.]+)", sass))),
                       "regs": int(re.search(r"REG:(\\d+)", res).group(1)),
                       "local": int(re.search(r"LOCAL:(\\d+)", res).group(1))}))
@@ -67,30 +73,41 @@ for qt, w, b in CASES:
 
 def test_gluon_compiles_to_the_bf16_mma_with_the_weights_in_registers():
     """Q8_0's, MXFP4's and Q4_K's gate_up at the 1-row bucket (split-K; the shipped FUSE: MXFP4's and Q4_K's gate and up
-    rows in one K loop) and Q8_0's and Q4_K's down at the 16-row one (CASES), for sm_90 without a GPU: the one HGMMA
-    shape of triton_mmq's bf16 MMA (m64 n32 k16, test_mmq_bf16's compile test), 4 a K step (K = KB 2 x 32 = 64, k16
-    each; fused: 8, two m64 on the same B), A from registers; the K loop's only shared memory stores are the B tile's
-    (64 x 32 bf16 = 32 bytes a thread of 128: 2 STS.128), no shared memory loads (Triton's loop: 8 STS.64 + 4 LDSM of
-    the weights, the scales' STS + LDS), at most 2 barriers a step (Triton 3.9: 3-6; 3.6: 4-6), no spills (unfused Q8_0
-    / MXFP4 within 168 registers: 3 CTAs a SM); Q4_K's nibbles through the PTX decode; and the PTX's rounding float ops
-    (fma, add, mul, div, ex2, the bf16 stores' cvt) of the same kinds and counts as the Triton kernel's of the same
-    launch (the same float ops: a dropped clamp or min term, an unfused or extra op would show)."""
+    rows in one K loop), Q8_0's at the 16-row one with GP 1 and 2 and Q4_K's down at the 16-row one (CASES), for
+    sm_90 without a GPU: the one HGMMA shape of triton_mmq's bf16 MMA (m64 n32 k16, test_mmq_bf16's compile test), 4
+    a K step (K = KB 2 x 32 = 64, k16 each; fused: 8, two m64 on the same B), A from registers; the K loop's only
+    shared memory stores are the B tile's (64 x 32 bf16 = 32 bytes a thread of 128: 2 STS.128), no shared memory loads
+    (Triton's loop: 8 STS.64 + 4 LDSM of the weights, the scales' STS + LDS), at most 2 barriers a step (Triton 3.9:
+    3-6; 3.6: 4-6), no spills (unfused Q8_0 / MXFP4 within 168 registers: 3 CTAs a SM); Q4_K's nibbles through the
+    PTX decode; and the PTX's rounding float ops (fma, add, mul, div, ex2, the bf16 stores' cvt) of the same kinds and
+    counts as the Triton kernel's of the same launch (the same float ops: a dropped clamp or min term, an unfused or
+    extra op would show). GP 1 / 2 (Q8_0): no load of the loop is read in the step that issues it
+    (sass_profile.ldg_in_step: a conversion, repacking or copy of the loaded register there would wait for it; GP 0's
+    loop, the control, waits for all 22); GP 2's loop holds 2 steps (its counts doubled)."""
     reports = _compile_reports(["-c", _CHILD], timeout=120)
     if reports and "skip" in reports[0]:
         pytest.skip(f"no sm_90 compile toolchain here: {reports[0]['skip']}")
-    assert [(r["qt"], r["kernel"], r["bucket"], r["split"], r["fuse"]) for r in reports] == [
-        (qt, w, b, b == 1, qt in (4, 5) and w == "gate_up") for qt, w, b in CASES]
+    assert [(r["qt"], r["kernel"], r["bucket"], r["gp"], r["split"], r["fuse"]) for r in reports] == [
+        (qt, w, b, gp, b == 1, qt in (4, 5) and w == "gate_up") for qt, w, b, gp in CASES]
     for r in reports:
         ops = r["ops"]
+        n = 2 if r["gp"] == 2 else 1               # GP 2: two K steps a loop iteration
         assert r["shapes"] == ["HGMMA.64x32x16.F32.BF16"] and r["a_op"] == "R", r
-        assert sum(v for k, v in ops.items() if k.startswith("HGMMA")) == (8 if r["fuse"] else 4), r
+        assert sum(v for k, v in ops.items() if k.startswith("HGMMA")) == (8 if r["fuse"] else 4) * n, r
         assert r["asm"] == (r["qt"] == 5), r
         sts = {k: v for k, v in ops.items() if k.startswith(("STS", "STSM"))}
-        assert sts == {"STS.128": 2}, r
+        assert sts == {"STS.128": 2 * n}, r
         assert not any(k.startswith(("LDS", "LDSM")) for k in ops), r
-        assert sum(v for k, v in ops.items() if k.startswith("BAR")) <= 2, r
-        assert r["local"] == 0 and (r["regs"] <= 168 or r["qt"] == 5 or r["fuse"]), r   # 168: 3 CTAs a SM
-        assert r["fops"] == r["triton_fops"] and r["fops"].get("fma.rn.f32"), r
+        assert sum(v for k, v in ops.items() if k.startswith("BAR")) <= 2 * n, r
+        assert r["local"] == 0 and (r["regs"] <= 168 or r["qt"] == 5 or r["fuse"] or r["gp"] == 2), r   # 3 CTAs a SM
+        want = dict(r["triton_fops"])
+        if r["gp"] == 2:                           # the block fmas in 3 places: the loop's 2 steps, an odd last step
+            want["fma.rn.f32"] *= 3
+        assert r["fops"] == want and r["fops"].get("fma.rn.f32"), r
+        if r["gp"]:                                # every load read only after the back edge: a whole step to land
+            assert r["ldg_in_step"] == 0 and r["ldg"] == 22 * n, r
+        elif r["qt"] == 0:                         # GP 0 (the control): every load waited for in its own step
+            assert r["ldg_in_step"] == r["ldg"] == 22, r
 
 
 def test_gl_applies_exactly_to_the_shipped_bf16_schedules(monkeypatch):
@@ -142,3 +159,55 @@ def test_gl_on_the_cpu_runs_the_triton_kernel_with_its_bits(monkeypatch):
         monkeypatch.delitem(mq.TYPE_CONFIG, 0)
         assert np.array_equal(got, want)
         assert sum(triton_launch.COUNTS[n] for n in ("_gate_up_gl_kernel", "_down_gl_kernel")) == n0
+
+
+def test_gp_reaches_the_gluon_launch_and_is_off_by_default(monkeypatch):
+    """The schedule key GP (triton_mmq.CONFIG, 0) reaches gluon_mmq.launch's constexprs as the config says: 0 by
+    default, TYPE_CONFIG's 1 / 2 under GL 1, for gate_up and down and both rows buckets (a stand-in launch records
+    them; usable() forced true: the CPU has no Gluon device)."""
+    assert mq.CONFIG["GP"] == 0 and all("GP" not in t for t in mq.BF_TUNING.values())
+    seen = []
+    monkeypatch.setattr(gm, "usable", lambda *a, **k: True)
+    monkeypatch.setattr(gm, "launch", lambda which, grid, args, consts, kcb: seen.append((which, consts["GP"])))
+    H, F, E, k = 256, 128, 4, 2
+    rb_h, rb_f = gm.row_bytes(0, H), gm.row_bytes(0, F)
+    pool = torch.zeros(E * (2 * F * rb_h + H * rb_f), dtype=torch.uint8)
+    base = torch.arange(E, dtype=torch.int64) * (2 * F * rb_h + H * rb_f)
+    starts = torch.tensor([[0, F * rb_h, 2 * F * rb_h]] * E, dtype=torch.int64)
+    for T in (1, 16):                                # 2 rows (the 1-row bucket) and 32 rows (16)
+        rows = torch.arange(T * k, dtype=torch.int32)
+        off = torch.tensor([0, T * k, T * k, T * k, T * k], dtype=torch.int32)
+        hb = mq.prepare_bf16(torch.zeros(T, H))
+        for over, gp in ((None, 0), ({"GL": 1}, 0), ({"GL": 1, "GP": 1}, 1), ({"GL": 1, "GP": 2}, 2)):
+            if over:
+                monkeypatch.setitem(mq.TYPE_CONFIG, 0, over)
+            else:
+                monkeypatch.delitem(mq.TYPE_CONFIG, 0, raising=False)
+            n = len(seen)
+            inter = torch.zeros(T * k, F, dtype=torch.bfloat16)
+            mq.gate_up(hb, pool, base, starts, rows, off, inter, F, k, 0, None, rb_h, True)
+            mq.down(mq.prepare_bf16(inter.float()), pool, base, starts, rows, off,
+                    torch.zeros(T * k, H, dtype=torch.bfloat16), 0, rb_f, True)
+            assert seen[n:] == ([] if over is None else [("gate_up", gp), ("down", gp)]), (T, over, seen[n:])
+
+
+def test_q8_pair_conversion_ptx_is_the_int8_to_bf16_conversion():
+    """gluon_mmq._q8_bf16x2's PTX (prmt of the pair under 0x43, the two masks, sub.bf16x2) emulated bit for bit on
+    every 16-bit pair: each half equals torch's int8 -> bf16 of its byte (low half the low byte), so GP 1 / 2's
+    weights are GP 0's (the compiler's conversion). The emulation follows the PTX text, which is checked too."""
+    import inspect
+    src = inspect.getsource(gm._q8_bf16x2.fn if hasattr(gm._q8_bf16x2, "fn") else gm._q8_bf16x2)
+    for line in ("prmt.b32 t, $1, 0x43, 0x4140;", "and.b32 a, t, 0xff7fff7f;", "and.b32 b, t, 0xff80ff80;",
+                 "sub.rn.bf16x2 $0, a, b;"):
+        assert line in src, line
+    w = np.arange(1 << 16, dtype=np.uint32)
+    b0, b1 = w & 0xFF, w >> 8
+    t = b0 | (0x43 << 8) | (b1 << 16) | (0x43 << 24)           # prmt selector 0x4140: a.b0, 0x43, a.b1, 0x43
+    a, b = t & 0xFF7FFF7F, t & 0xFF80FF80
+
+    def halves(v):                                   # bf16x2 -> its two values as float32 (exact)
+        return [torch.from_numpy(((v >> s) & 0xFFFF).astype(np.int32) << 16).view(torch.float32) for s in (0, 16)]
+    got = [(x - y).to(torch.bfloat16) for x, y in zip(halves(a), halves(b))]   # exact: |x - y| < 256, integers
+    for g, byte in zip(got, (b0, b1)):
+        want = torch.from_numpy(byte.astype(np.uint8).view(np.int8)).to(torch.bfloat16)
+        assert torch.equal(g.view(torch.int16), want.view(torch.int16))

@@ -27,8 +27,10 @@ BF_TYPES only, the rows-1 / rows-16 bucket's launch: config(bf=True), --bf-over 
 iteration = one K step of KB blocks on BN rows of ONE part, FUSE 0); `gluon` / `gluonr16`: the same schedule in
 Gluon (betelgeuse/kernels/gluon_mmq.py, triton_mmq's GL 1: the weights loaded straight into wgmma's A registers),
 Q8_0, MXFP4 and Q4_K, FUSE as the Triton row's (config(bf=True) with --bf-over: gate_up's loop then holds both
-parts). The MMA rows add the shared memory traffic of the loop (sts / lds per thread: STS + STSM, LDS + LDSM; bar:
-BAR) and where the tensor-core instruction takes its A operand (the weights): `R` registers (HGMMA Rd, Ra, gdesc[..]), `smem` a descriptor. Prints a markdown table;
+parts; the key GP, gluon_mmq's load distance, from --bf-over too). The MMA rows add the shared memory traffic of
+the loop (sts / lds per thread: STS + STSM, LDS + LDSM; bar: BAR), where the tensor-core instruction takes its A operand
+(the weights): `R` registers (HGMMA Rd, Ra, gdesc[..]), `smem` a descriptor, and how many of the loop's LDG are read
+in the step that issues them (ldg_in_step: waited for there). Prints a markdown table;
 --json one JSON line; --dump writes each kernel's SASS.
 Static counts only: latency, occupancy and the memory system are not modelled (the device measures GB/s:
 deploy/device/kernel_roofline.py).
@@ -136,6 +138,35 @@ def mix(body: list) -> dict:
     return {"classes": c, "ldg": ldg}
 
 
+def ldg_reads(body: list) -> list[tuple[int, bool]]:
+    """For each of the loop's LDG: (instructions from it to the first instruction that reads its destination, counted
+    across the back edge; whether that read is in the same iteration). The reads of an instruction: its register
+    operands after the first (the destination), all of them for a store; an LDG.128 / .64 writes 4 / 2 registers. A
+    copy (MOV) or a repacking (PRMT) of the loaded register counts as a read: it waits for the load too."""
+    n = len(body)
+    out = []
+    for i, (_, op, rest) in enumerate(body):
+        if op != "LDG":
+            continue
+        width = next((t for t in ("128", "64") if f".{t}" in rest.split()[0]), "")
+        d0 = int(re.search(r"\bR(\d+)", rest).group(1))
+        dst = set(range(d0, d0 + {"128": 4, "64": 2}.get(width, 1)))
+        for k in list(range(i + 1, n)) + list(range(0, i)):
+            _, op2, rest2 = body[k]
+            srcs = rest2 if op2 in ("STS", "STG", "ST") else ",".join(rest2.split(",")[1:])
+            if dst & {int(r) for r in re.findall(r"\bR(\d+)\b", srcs)}:
+                out.append(((k - i) % n, k > i))
+                break
+    return out
+
+
+def ldg_in_step(body: list) -> int:
+    """How many of the loop's LDG are read (first) later in the same iteration rather than only after the back edge
+    (ldg_reads): such a load is waited for in the step that issues it, its latency exposed each step
+    (cpu-gluon16r57); a load read only in a later iteration overlaps the loop's end."""
+    return sum(same for _, same in ldg_reads(body))
+
+
 def step_bytes(gtype: int, elems: int) -> int:
     from betelgeuse.gguf.qtypes import row_nbytes
     return row_nbytes(gtype, elems)
@@ -163,9 +194,11 @@ def profile_bf(name: str, which: str, sched: str) -> dict:
     gtype = int(GT[name])
     if sched in GL_SCHED:           # gluon_mmq's form of the same schedule (BF_TUNING's shape; FUSE as the Triton
         from betelgeuse.kernels import gluon_mmq as gm      # row's: config(bf=True) and --bf-over)
-        fuse = bool({**mq.config(QT_CODES[gtype], GL_SCHED[sched], bf=True), **BF_OVER}.get("FUSE"))
-        k, const = gm.compile_kernel(which, GL_SCHED[sched], qt=QT_CODES[gtype], fuse=fuse)
-        c = {"KB": const["KB"], "num_warps": gm.SHAPE["num_warps"], "FUSE": fuse}
+        cf = {**mq.config(QT_CODES[gtype], GL_SCHED[sched], bf=True), **BF_OVER}
+        fuse = bool(cf.get("FUSE"))
+        k, const = gm.compile_kernel(which, GL_SCHED[sched], qt=QT_CODES[gtype], fuse=fuse, gp=int(cf.get("GP", 0)))
+        c = {"KB": const["KB"], "num_warps": gm.SHAPE["num_warps"], "FUSE": fuse,
+             "steps": 2 if const["GP"] == 2 and QT_CODES[gtype] != 5 else 1}    # GP 2: a loop iteration = 2 steps
     else:
         k, c, const = mq.compile_kernel(which, QT_CODES[gtype], bucket=BF_SCHED[sched], over=dict(BF_OVER),
                                         hints=True, bf=True)
@@ -175,6 +208,7 @@ def profile_bf(name: str, which: str, sched: str) -> dict:
     weights = bn * kb * 32
     if c.get("FUSE") and which == "gate_up":      # FUSE: gate's and up's rows in one loop
         wbytes, weights = 2 * wbytes, 2 * weights
+    wbytes, weights = wbytes * c.get("steps", 1), weights * c.get("steps", 1)
     body = k_loop(instructions(sass), mma=True)
     m = mix(body)
     cl = m["classes"]
@@ -188,7 +222,8 @@ def profile_bf(name: str, which: str, sched: str) -> dict:
             "issue_GBps": round(ISSUE_G / ipb), "cvt_per_w": round(cl.get("cvt", 0) * per_w, 3),
             "ffma_per_w": round(cl.get("ffma", 0) * per_w, 3), "alu_per_w": round(cl.get("alu", 0) * per_w, 3),
             "bar": cl.get("bar", 0), "sts": cl.get("sts", 0), "lds": cl.get("lds", 0), "mma": cl.get("mma", 0),
-            "a_op": a_operand(body),
+            "a_op": a_operand(body), "ldg_in_step": ldg_in_step(body),
+            "ldg_dist": sorted(d for d, _ in ldg_reads(body)),
             "mma_shapes": sorted(set(re.findall(r"\b(HGMMA\.[\w.]+)", sass))),
             "classes": cl, "ldg": m["ldg"], "_sass": sass}
 
@@ -305,11 +340,13 @@ def main() -> int:
               f"| {r['ffma_per_w']} | {r['alu_per_w']} | {r['bar']} | {ldg} |")
     mma = [r for r in rows if "a_op" in r]
     if mma:                         # the MMA rows' shared memory traffic and A operand
-        print("\n| type | kernel | sched | KB x 32 | smem B | sts | lds | bar | mma | A | shapes |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        print("\n| type | kernel | sched | KB x 32 | smem B | sts | lds | bar | mma | A | LDG waited in step "
+              "| shapes |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in mma:
             print(f"| {r['type']} | {r['kernel']} | {r['sched']} | {r['step']} | {r['shared']} | {r['sts']} "
-                  f"| {r['lds']} | {r['bar']} | {r['mma']} | {r['a_op']} | {' '.join(r['mma_shapes'])} |")
+                  f"| {r['lds']} | {r['bar']} | {r['mma']} | {r['a_op']} "
+                  f"| {r['ldg_in_step']} / {sum(r['ldg'].values())} | {' '.join(r['mma_shapes'])} |")
     return 0
 
 
