@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The device checks of what ships OFF until a GPU has run it, in one call (~8 min on a warm H100; NEXT.md rows 1, 3, 4):
+# The device checks of what ships OFF until a GPU has run it, in one call (~10 min on a warm H100: two calls, STEPS=1,2 then STEPS=3; NEXT.md rows 1, 3, 4):
 #   1. engine.recycle_states (graphs57): check_cuda --only recycle (tiny) and check_ds4 --only decode (ds4-tiny, its
 #      recycle rows): a second sequence on a recycled state captures no decode graph and equals a fresh runner
 #   2. engine.decode_fold (host57): tests/worker/test_decode_fold.py + test_cuda_streams.py on CUDA, then token_split.py
 #      (docs/benchmarks/cpu-host57) on ds4-tiny and ds4-wide without and with --fold: replays a token, the rest's µs
-#   3. the Gluon bf16 MMA (schedule key GL): check_gluon_mmq.py --types Q4_K,Q8_0,MXFP4 (bits == Triton, GB/s beside)
+#   3. the Gluon bf16 MMA (schedule keys GL, GP): check_gluon_mmq.py, Q8_0 with gluon16r57's GP forms (--odd), then
+#      Q4_K (gluonk57) and MXFP4: bits == Triton's, GB/s beside, "faster at both rows" per form
 # Each step has its own timeout, so one that hangs does not eat the others'. STEPS picks some (default 1,2,3).
 # DEVICE=cpu TRITON_INTERPRET=1: a dry run of the script on the CPU.
 # Results in $OUT/verify/: <step>.log each and summary.txt (every PASS / FAIL line, each step's exit status).
@@ -48,7 +49,8 @@ if [[ ,$STEPS, == *,2,* ]]; then
   done
 fi
 if [[ ,$STEPS, == *,3,* ]]; then
-  step gluon 180 "$PY" deploy/device/check_gluon_mmq.py --types Q4_K,Q8_0,MXFP4
+  step gluon_q8 180 "$PY" deploy/device/check_gluon_mmq.py --types Q8_0 --odd      # gluon16r57's GP forms
+  step gluon_q4k 150 "$PY" deploy/device/check_gluon_mmq.py --types Q4_K,MXFP4     # gluonk57's Q4_K
 fi
 rm -f "$D"/*/trace-*.json
 cat "$S"
