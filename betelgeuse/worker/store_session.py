@@ -357,6 +357,14 @@ class LoadStream:
         self.ahead_queued = got.ahead_queued
         return got
 
+    def ready(self) -> bool:
+        """Whether the next expert has landed already (next() returns it without a wait for the store), asked without
+        blocking: the iterator's own ready() (the clients' streams: services/grpc/store_client.py _Landed, store/
+        client.py InProcessStoreClient.load), True where it has none (it cannot say: the caller batches as though it
+        had; MoEStep._disk_groups' early flush never happens on such a stream)."""
+        ready = getattr(self._it, "ready", None)
+        return True if ready is None else ready()
+
     def close(self):
         """Stop reading it: a generator is closed (the gRPC client's sends the store a cancel of the load)."""
         close = getattr(self._it, "close", None)
