@@ -220,6 +220,8 @@ class MoEStep:
             c = session.file.config
             self.gate = DecodeGate(self.n_layer, c.n_expert, max(1, session.plan.max_running) * self.depth
                                    * c.n_expert_used, torch.device(session.device))
+        # engine.disk_flush_early: a decode miss layer's disk batch flushed once the next expert is late (_disk_groups)
+        self.flush_early = cfg.disk_flush_early
         # engine.group_graphs (CUDA, triton kernels): the eager groups (_apply) replay CUDA graphs captured per group
         # (worker/group_graphs.py); None: they launch. Decode's rows only (max_running: attach resolved auto)
         self.group_graphs = (GroupGraphs(self.kern, cfg.max_running if isinstance(cfg.max_running, int) else 8)
@@ -1122,11 +1124,16 @@ class MoEStep:
         follow them there and one group computes them all. direct (decode: the pass's snapshot; None otherwise), with
         the flex cache on: a disk expert the flex cache takes is copied from its staging slot straight into its flex
         slot and computed there (_direct_group), not through a ring bank and a device-to-device copy after its group
-        (FlexCache.keep: prefill's many experts keep the ring's copy / compute overlap). -> the loads answered from a
+        (FlexCache.keep: prefill's many experts keep the ring's copy / compute overlap). Early flush (decode, engine.
+        disk_flush_early): a batch is also copied and grouped once the next disk expert has not landed yet
+        (loads.ready() False), so its copies and group run while the disk reads the rest; experts landed together
+        still share a batch. No bit changes (module doc: each row by the same kernel whatever its group; ranks
+        reduced in order); each early flush is one group more (PassStats.disk_flushes). -> the loads answered from a
         read ahead."""
         cache = self.cache
         ahead_used = 0
         B = cache.bank_size
+        early = self.flush_early and stats.kind == "decode"
         limit = self._disk_limit()                           # staging slots this layer may hold at once
         held: list[tuple[object, list[int]]] = []            # (CUDA event, staging slots) whose copies may be in flight
         batch = []
@@ -1160,7 +1167,7 @@ class MoEStep:
                 opened = None
                 batch = []
 
-        for _ in range(n_disk):
+        for i in range(n_disk):
             if batch and len(batch) + sum(len(s) for _, s in held) >= limit:
                 flush()
             held = self._release(held, keep=limit - 1 - len(batch))   # never hold many slots while blocking
@@ -1173,6 +1180,9 @@ class MoEStep:
             batch.append(got)
             if len(batch) == B:
                 flush()
+            elif early and i + 1 < n_disk and not loads.ready():     # the next one is still on its way: these now
+                flush()
+                stats.disk_flushes += 1
         if n_disk:
             stats.landed.append((ta, l))
         flush()
