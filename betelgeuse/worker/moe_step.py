@@ -1170,7 +1170,7 @@ class MoEStep:
         for i in range(n_disk):
             if batch and len(batch) + sum(len(s) for _, s in held) >= limit:
                 flush()
-            held = self._release(held, keep=limit - 1 - len(batch))   # never hold many slots while blocking
+            held = self._release(held, keep=limit - 1 - len(batch), excess=early)   # never many held while blocking
             tw = time.perf_counter()
             got = self.clock.wait_store(next, loads)
             ta = time.monotonic()                            # handed to the worker (PassStats.landed: the last)
@@ -1208,11 +1208,13 @@ class MoEStep:
             self._read_in_place(l, counts, disk, stats)
         return ahead_used
 
-    def _release(self, held, keep: int, later: bool = False):
+    def _release(self, held, keep: int, later: bool = False, excess: bool = False):
         """Release staging slots whose copies finished (held: (CUDA event recorded after their copies, slots); CUDA:
         event query, no sync); while more than `keep` slots remain held, wait for the oldest copies. later: they go
         back with the next message to the store (the layer's last), else now (the store needs them for this layer's
-        loads). Returns what is still held."""
+        loads). excess (the early flush's, _disk_groups): only the oldest beyond `keep` go back now, the rest stay
+        held (returned) and go back with the layer's last: an early flush's slot would otherwise cost a release
+        message of its own (a layer holds at most _disk_limit() slots either way). Returns what is still held."""
         if not held:
             return held
         if self.cache.is_cuda:
@@ -1220,10 +1222,14 @@ class MoEStep:
                 for ev, slots in held:      # a bank's re-recorded later on the same copy stream is later still),
                     self.session.release(slots, later=True, event=ev)   # synchronized at the next message: no query
                 return []      # now (the layer's last copies are just queued: a query here is False, for nothing)
-            done = [hb for hb in held if hb[0].query()]
+            done = [] if excess else [hb for hb in held if hb[0].query()]
             rest = [hb for hb in held if hb not in done]
             while rest and sum(len(s) for _, s in rest) > max(keep, 0):
                 self.clock.wait(rest[0][0].synchronize)
+                done.append(rest.pop(0))
+        elif excess:                          # CPU copies are synchronous: the oldest beyond `keep`, no wait
+            done, rest = [], list(held)
+            while rest and sum(len(s) for _, s in rest) > max(keep, 0):
                 done.append(rest.pop(0))
         else:
             done, rest = held, []             # CPU copies are synchronous

@@ -15,8 +15,9 @@ Checked here, on the CPU:
     rows are ~1e-6 off the reference with the setting off too, so there: the setting off's bits); the same with the
     real in-process ready() under the jitter (flushes where reads are late);
   - when: a stand-in ready() False flushes after every disk expert but a layer's last (PassStats.disk_flushes = the
-    sum of (disk experts - 1) over decode layers; one group more each than the same steps with the setting off), one
-    that is True never does (the groups of the setting off), and a prefill never flushes early.
+    sum of (disk experts - 1) over decode layers; one group more each than the same steps with the setting off, and
+    no store message more: their staging slots go back with the layer's last), one that is True never does (the
+    groups of the setting off), and a prefill never flushes early.
 Not here (the device A/B: docs/benchmarks/cpu-flush57): whether the overlap shortens the chain on CUDA, where copies
 and groups are asynchronous and each extra group costs host time.
 """
@@ -200,6 +201,8 @@ def test_flushes_only_when_the_next_is_late(models, arch):
     n = sum(s.disk_flushes for s in s_late)
     assert n == _flushes_wanted(s_late) > 0
     assert _groups(s_late) == _groups(s_off) + n
+    # the early batches' staging slots go back with the layer's last (MoEStep._release's excess): no message more
+    assert [s.store_calls for s in s_late] == [s.store_calls for s in s_off]
 
 
 def test_real_ready_under_jittered_reads_keeps_the_reference_bits(models, monkeypatch):
