@@ -213,3 +213,12 @@ def test_real_ready_under_jittered_reads_keeps_the_reference_bits(models, monkey
     got, _, steps = _decode(models, "qwen3moe", False, None, vram=0, host=0, disk_flush_early=True)
     assert torch.equal(got, want), f"max |diff| {(got - want).abs().max():.3e}"
     assert sum(s.disk_flushes for s in steps) > 0
+
+
+def test_the_bench_report_shows_the_early_flushes_per_token():
+    """services/bench: a decode record's disk_flushes (harness: the timed steps' PassStats.disk_flushes summed) in its
+    host split cell, per token; a record without any (the setting off) shows nothing more."""
+    from services.bench.report import _host_split
+    rec = {"tokens": 4, "store_s": 0.0, "store_wait_s": 0.0, "store_messages_per_token": {}}
+    assert "early disk flushes: 2.50 / token" in _host_split({**rec, "disk_flushes": 10})
+    assert "early disk flushes" not in _host_split({**rec, "disk_flushes": 0})
