@@ -222,3 +222,20 @@ def test_the_bench_report_shows_the_early_flushes_per_token():
     rec = {"tokens": 4, "store_s": 0.0, "store_wait_s": 0.0, "store_messages_per_token": {}}
     assert "early disk flushes: 2.50 / token" in _host_split({**rec, "disk_flushes": 10})
     assert "early disk flushes" not in _host_split({**rec, "disk_flushes": 0})
+
+
+def test_ds4_summary_shows_the_early_flushes_per_token():
+    """deploy/device/ds4_summary.py (the device A/B's table): the exact decode's early flushes per token where the
+    record has them (a record from before: no row)."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("ds4_summary", Path(__file__).parents[2] / "deploy/device/"
+                                                  "ds4_summary.py")
+    S = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(S)
+    case = {"name": "auto p64", "routing": "exact", "prompt_tokens": 64, "passes": [{"label": "warm"}],
+            "decode": {"tokens": 64}}
+    assert not any("early disk flushes" in r for r in S.targets({"cases": [case]}))
+    case["decode"]["disk_flushes"] = 96
+    row = next(r for r in S.targets({"cases": [case]}) if "early disk flushes" in r)
+    assert "| 1.50 |" in row, row
