@@ -239,3 +239,41 @@ def test_ds4_summary_shows_the_early_flushes_per_token():
     case["decode"]["disk_flushes"] = 96
     row = next(r for r in S.targets({"cases": [case]}) if "early disk flushes" in r)
     assert "| 1.50 |" in row, row
+
+
+def test_a_pass_of_early_flushes_fits_its_slot_tables(models, monkeypatch):
+    """Each group takes a slot-table row (ExpertCache.table), rewritten only at the next pass (on CUDA a row rewritten
+    before its copy ran would name another group's experts: wrong bits, which the synchronous CPU cannot show). A
+    batched decode (3 rows, every disk expert its own group: ready() always False) takes more rows a pass than the
+    bound without the early flush's share (ExpertCache flush_groups) and stays within n_tables with it."""
+    from betelgeuse.worker.expert_cache import ExpertCache
+    used, most = [0], [0]
+    table, begin = ExpertCache.table, ExpertCache.pass_begin
+
+    def counted(self, *a, **k):
+        used[0] += 1
+        most[0] = max(most[0], used[0])
+        return table(self, *a, **k)
+
+    def reset(self):
+        used[0] = 0
+        return begin(self)
+    monkeypatch.setattr(ExpertCache, "table", counted)
+    monkeypatch.setattr(ExpertCache, "pass_begin", reset)
+    monkeypatch.setattr(LoadStream, "ready", lambda self: False)
+    (path, _, _), _, p = models["qwen3moe"]
+    rn, st = in_process_runner(path, 0, 0, max_running=3, disk_flush_early=True, decode_consolidate_every=0)
+    try:
+        rn._static_decode = True
+        kvs = [rn.new_cache(64) for _ in range(3)]
+        toks = [int(rn.forward(p[i * 6:i * 6 + 6], kv)[0][-1].argmax()) for i, kv in enumerate(kvs)]
+        most[0] = flushes = 0
+        for _ in range(3):
+            lg, s = rn.decode_batch(toks, kvs)
+            toks = [int(x) for x in lg.argmax(-1)]
+            flushes += s.disk_flushes
+        c = rn.moe.cache
+        without = c.plan.n_layer * (-(-c.plan.n_expert // c.bank_size) + 2 + c.plan.max_running) + 4
+        assert flushes > 0 and without < most[0] <= c.n_tables, (flushes, without, most[0], c.n_tables)
+    finally:
+        close_runner(rn, st)
