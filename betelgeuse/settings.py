@@ -404,6 +404,13 @@ class EngineSettings(_Section):
     # until its CUDA test (tests/worker/test_decode_fold.py's capture test) and host57's device A/B have run
     decode_fold: Flag = setting(False, "decode: the solo decode graphs capture each layer's routing-sync start in "
                                 "the layer's graph (CUDA: one replay a layer)", True)
+    # a decode miss layer's landed disk experts are copied and computed (one ring-bank copy + group) as soon as the
+    # next one has not landed yet (LoadStream.ready), not all after the layer's last: the first ones' copies and group
+    # overlap the later ones' reads (issue 21: the chain's copy link, gpu-run60-h200). Each row's output by the same
+    # kernel whatever its group, ranks reduced in order: never a bit changes (CPU tests); each early flush is one
+    # group more (its host time). Off until the device A/B (docs/benchmarks/cpu-flush57)
+    disk_flush_early: Flag = setting(False, "decode: a miss layer's landed disk experts are copied and computed as "
+                                     "soon as the next one has not landed, not after the layer's last", True)
     # a released sequence state is kept with its captured decode graphs and handed, reset to a fresh state's bits in
     # the same tensors, to the next sequence of its size, and the engine (and the bench) capture decode's graphs at
     # start over one (worker/runner.py new_cache / warm_graphs): a request's first decode tokens replay instead of

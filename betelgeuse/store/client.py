@@ -76,7 +76,11 @@ class InProcessStoreClient:
         return self.store.consolidating
 
     def load(self, keys, release=(), ahead=(), drop=()):
-        return self.store.load(self.session, keys, release, ahead, drop)
+        """The reads started now, as the store process starts them when the message arrives (services/store_main.py:
+        store.load's `started`) -> the experts as they land, with ready() (_Landed)."""
+        it = self.store.load(self.session, keys, release, ahead, drop, started=True)
+        landed = next(it, None)             # the landing queue, once the reads started; None: no key (nothing lands)
+        return iter(()) if landed is None else _Landed(it, landed)
 
     def prefetch(self, keys, release=()):
         return self.store.prefetch(self.session, keys, release)
@@ -105,3 +109,25 @@ class InProcessStoreClient:
 
     def close(self):
         pass
+
+
+class _Landed:
+    """An in-process load's experts as they land, and ready(): whether the next one has landed (its landing queue
+    holds it: next() returns without a wait), asked without blocking (MoEStep._disk_groups' early flush)."""
+
+    __slots__ = ("_it", "_q")
+
+    def __init__(self, it: Iterator[Loaded], landed):
+        self._it, self._q = it, landed         # landed: the load's queue.Queue of landed keys (ExpertStore._deliver)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Loaded:
+        return next(self._it)
+
+    def ready(self) -> bool:
+        return self._q.qsize() > 0
+
+    def close(self):
+        self._it.close()

@@ -40,7 +40,9 @@ class PartMeta:
 
 class ExpertCache:
     def __init__(self, plan: SlotPlan, arena: Arena, model: GGUFModelFile, device: torch.device, dtype: torch.dtype,
-                 ring_slots: int):
+                 ring_slots: int, flush_groups: int = 0):
+        """flush_groups: per layer, the groups engine.disk_flush_early may add to a pass beyond its bank batches (at
+        most one per disk expert: MoEStep._disk_groups), counted into the slot tables' rows (n_tables)."""
         self.plan, self.arena, self.device, self.dtype = plan, arena, device, dtype
         self.layout = plan.layout
         self.is_cuda = device.type == "cuda"
@@ -98,8 +100,8 @@ class ExpertCache:
         # per-batch slot tables (pool offsets) for ring groups: a pinned host row per batch of a pass, copied to
         # the device on the compute stream (so a row is never rewritten before its copy ran: one pass's rows
         # are distinct, and a pass ends with a sync); a layer may also take one per flex cache chunk (at most
-        # max_running of them: worker/flex_cache.py)
-        self.n_tables = L * (-(-E // self.bank_size) + 2 + plan.max_running) + 4
+        # max_running of them: worker/flex_cache.py), and with early disk flushes (flush_groups) a group per disk expert
+        self.n_tables = L * (-(-E // self.bank_size) + 2 + plan.max_running + flush_groups) + 4
         self.tables_host = torch.full((self.n_tables, E), -1, dtype=torch.int64, pin_memory=self.is_cuda)
         self.tables_dev = torch.full((self.n_tables, E), -1, dtype=torch.int64, device=device)
         self._tables_np = self.tables_host.numpy()   # the same memory

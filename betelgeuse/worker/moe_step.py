@@ -220,6 +220,8 @@ class MoEStep:
             c = session.file.config
             self.gate = DecodeGate(self.n_layer, c.n_expert, max(1, session.plan.max_running) * self.depth
                                    * c.n_expert_used, torch.device(session.device))
+        # engine.disk_flush_early: a decode miss layer's disk batch flushed once the next expert is late (_disk_groups)
+        self.flush_early = cfg.disk_flush_early
         # engine.group_graphs (CUDA, triton kernels): the eager groups (_apply) replay CUDA graphs captured per group
         # (worker/group_graphs.py); None: they launch. Decode's rows only (max_running: attach resolved auto)
         self.group_graphs = (GroupGraphs(self.kern, cfg.max_running if isinstance(cfg.max_running, int) else 8)
@@ -1122,11 +1124,16 @@ class MoEStep:
         follow them there and one group computes them all. direct (decode: the pass's snapshot; None otherwise), with
         the flex cache on: a disk expert the flex cache takes is copied from its staging slot straight into its flex
         slot and computed there (_direct_group), not through a ring bank and a device-to-device copy after its group
-        (FlexCache.keep: prefill's many experts keep the ring's copy / compute overlap). -> the loads answered from a
+        (FlexCache.keep: prefill's many experts keep the ring's copy / compute overlap). Early flush (decode, engine.
+        disk_flush_early): a batch is also copied and grouped once the next disk expert has not landed yet
+        (loads.ready() False), so its copies and group run while the disk reads the rest; experts landed together
+        still share a batch. No bit changes (module doc: each row by the same kernel whatever its group; ranks
+        reduced in order); each early flush is one group more (PassStats.disk_flushes). -> the loads answered from a
         read ahead."""
         cache = self.cache
         ahead_used = 0
         B = cache.bank_size
+        early = self.flush_early and stats.kind == "decode"
         limit = self._disk_limit()                           # staging slots this layer may hold at once
         held: list[tuple[object, list[int]]] = []            # (CUDA event, staging slots) whose copies may be in flight
         batch = []
@@ -1160,10 +1167,10 @@ class MoEStep:
                 opened = None
                 batch = []
 
-        for _ in range(n_disk):
+        for i in range(n_disk):
             if batch and len(batch) + sum(len(s) for _, s in held) >= limit:
                 flush()
-            held = self._release(held, keep=limit - 1 - len(batch))   # never hold many slots while blocking
+            held = self._release(held, keep=limit - 1 - len(batch), excess=early)   # never many held while blocking
             tw = time.perf_counter()
             got = self.clock.wait_store(next, loads)
             ta = time.monotonic()                            # handed to the worker (PassStats.landed: the last)
@@ -1173,6 +1180,9 @@ class MoEStep:
             batch.append(got)
             if len(batch) == B:
                 flush()
+            elif early and i + 1 < n_disk and not loads.ready():     # the next one is still on its way: these now
+                flush()
+                stats.disk_flushes += 1
         if n_disk:
             stats.landed.append((ta, l))
         flush()
@@ -1198,11 +1208,13 @@ class MoEStep:
             self._read_in_place(l, counts, disk, stats)
         return ahead_used
 
-    def _release(self, held, keep: int, later: bool = False):
+    def _release(self, held, keep: int, later: bool = False, excess: bool = False):
         """Release staging slots whose copies finished (held: (CUDA event recorded after their copies, slots); CUDA:
         event query, no sync); while more than `keep` slots remain held, wait for the oldest copies. later: they go
         back with the next message to the store (the layer's last), else now (the store needs them for this layer's
-        loads). Returns what is still held."""
+        loads). excess (the early flush's, _disk_groups): only the oldest beyond `keep` go back now, the rest stay
+        held (returned) and go back with the layer's last: an early flush's slot would otherwise cost a release
+        message of its own (a layer holds at most _disk_limit() slots either way). Returns what is still held."""
         if not held:
             return held
         if self.cache.is_cuda:
@@ -1210,10 +1222,14 @@ class MoEStep:
                 for ev, slots in held:      # a bank's re-recorded later on the same copy stream is later still),
                     self.session.release(slots, later=True, event=ev)   # synchronized at the next message: no query
                 return []      # now (the layer's last copies are just queued: a query here is False, for nothing)
-            done = [hb for hb in held if hb[0].query()]
+            done = [] if excess else [hb for hb in held if hb[0].query()]
             rest = [hb for hb in held if hb not in done]
             while rest and sum(len(s) for _, s in rest) > max(keep, 0):
                 self.clock.wait(rest[0][0].synchronize)
+                done.append(rest.pop(0))
+        elif excess:                          # CPU copies are synchronous: the oldest beyond `keep`, no wait
+            done, rest = [], list(held)
+            while rest and sum(len(s) for _, s in rest) > max(keep, 0):
                 done.append(rest.pop(0))
         else:
             done, rest = held, []             # CPU copies are synchronous

@@ -90,6 +90,9 @@ class PassStats:
     # host's sync). CUDA: events read after the pass's end sync, put on the host clock by one anchor event recorded
     # on the idle device (PassClock.finish); CPU: host stamps (the CPU runs each op as it is called)
     gpu_marks: list = field(default_factory=list)
+    # decode's disk batches copied and grouped because the next disk expert had not landed yet (engine.disk_flush_early,
+    # MoEStep._disk_groups): each one a group more than batching to the layer's last would have run
+    disk_flushes: int = 0
     vram_filled: int = 0        # experts copied into VRAM hot slots at the start of the pass
     fill_disk: int = 0          # of those, read from disk (no host backing copy): fills, not uses (reads counts uses)
     open_s: float = 0.0         # opening the store pass: BeginPass (it waits for a pending consolidation) + VRAM fills

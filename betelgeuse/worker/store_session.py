@@ -75,7 +75,10 @@ class StoreSession:
         if self.prefix_arena is not None and self.device.type == "cuda":
             self._prefix_pinned = register_pinned(self.prefix_arena)
         self.plan = plan
-        self.cache = ExpertCache(plan, arena, self.file, self.device, self.dtype, self.cfg.ring_slots)
+        # engine.disk_flush_early: up to a group per disk expert of a decode layer (its rows' top-k), each a table row
+        c = self.file.config
+        flush = min(c.n_expert, max(1, plan.max_running) * c.n_expert_used) if self.cfg.disk_flush_early else 0
+        self.cache = ExpertCache(plan, arena, self.file, self.device, self.dtype, self.cfg.ring_slots, flush)
         self.directory = SlotDirectory(arena, plan.layout, create=False)
         lay = plan.engram_layout
         self.engram = EngramFeed(self.store, arena, lay, self.device, self.dtype) if lay is not None else None
@@ -356,6 +359,14 @@ class LoadStream:
         got = next(self._it)
         self.ahead_queued = got.ahead_queued
         return got
+
+    def ready(self) -> bool:
+        """Whether the next expert has landed already (next() returns it without a wait for the store), asked without
+        blocking: the iterator's own ready() (the clients' streams: services/grpc/store_client.py _Landed, store/
+        client.py InProcessStoreClient.load), True where it has none (it cannot say: the caller batches as though it
+        had; MoEStep._disk_groups' early flush never happens on such a stream)."""
+        ready = getattr(self._it, "ready", None)
+        return True if ready is None else ready()
 
     def close(self):
         """Stop reading it: a generator is closed (the gRPC client's sends the store a cancel of the load)."""

@@ -27,6 +27,10 @@ per group (captured at its second sighting) instead of two launches; the expert 
 then GroupGraphs.apply (a replay, a capture or the launches), and `group_graphs` counts its replays, captures and
 launches over every step. In the split, moe._apply is every eager group's host us on both sides of an A/B, and
 moe.kern.apply the launches alone. On the CPU it changes nothing.
+--flush-early: engine.disk_flush_early (worker/moe_step.py _disk_groups): a miss layer's landed disk experts copied and
+grouped as soon as the next one has not landed; disk_flushes / mean_disk_flushes count those flushes per step (each
+one a group more: miss_layer_groups). With the store's test-only read jitter (BETELGEUSE_TEST_READ_JITTER=SEED:MS in
+the environment: the store child inherits it) the reads land apart, as a slow disk's do (docs/benchmarks/cpu-flush57).
 logits_sha256: every decode step's logits, hashed (first 16 hex digits): two runs of one checkout and device that
 decode the same bits print the same (an A/B of a bit-neutral setting, e.g. --group-graphs, must).
 --profile: cProfile of the timed decode steps only (not the setup), written to the path (pstats format).
@@ -300,6 +304,8 @@ def run(a, tmp: Path) -> dict:
         extra["group_graphs"] = True
     if a.fold:                      # the solo graphs capture each layer's routing-sync start (MoEStep.hand_fold)
         extra["decode_fold"] = True
+    if a.flush_early:               # a miss layer's disk batch copied + grouped once the next expert is late
+        extra["disk_flush_early"] = True
     if a.flex != "auto":            # off: no flex copies of disk experts (on CUDA auto holds them: no miss remains)
         extra["flex_cache"] = a.flex == "on"
     if a.host_in_place != "auto":   # never: host experts banked, as ds4-flash's MXFP4 ones are under auto
@@ -415,6 +421,8 @@ def run(a, tmp: Path) -> dict:
                 row.update(threads.main_off(st.blocked_s))
             if hand is not None and hasattr(hand, "uploads"):
                 row["uploads"] = hand.uploads - u0
+            if hasattr(st, "disk_flushes"):     # engine.disk_flush_early's early flushes (a group more each)
+                row["disk_flushes"] = st.disk_flushes
             if hasattr(st, "store_rpc"):
                 row.update(store_messages_ms=st.store_s * 1e3, moe_host_ms=st.moe_host_s * 1e3,
                            other_host_ms=st.other_host_s * 1e3, store_wait_ms=st.store_wait_s * 1e3)
@@ -425,6 +433,7 @@ def run(a, tmp: Path) -> dict:
         n = len(rows)
         out = {k: round(statistics.median(r[k] for r in rows), 3) for k in rows[0]}
         out.update(mean_messages=round(sum(r["messages"] for r in rows) / n, 2),
+                   mean_wall_ms=round(sum(r["wall_ms"] for r in rows) / n, 3),
                    mean_miss_layers=round(sum(r["miss_layers"] for r in rows) / n, 2),
                    store_cpu_ms=round((store_cpu() - sc0) / n * 1e3, 2),
                    host_us_per_application=round(sum(r["host_ms"] for r in rows) / max(1, sum(
@@ -435,6 +444,8 @@ def run(a, tmp: Path) -> dict:
                    miss_layer_us=round(statistics.median(miss_s) * 1e6, 1) if miss_s else None,
                    miss_own_us=round(statistics.median(own_s) * 1e6, 1) if own_s else None,
                    miss_layer_groups=round(statistics.mean(groups_n), 3) if groups_n else None)
+        if "disk_flushes" in rows[0]:
+            out["mean_disk_flushes"] = round(sum(r["disk_flushes"] for r in rows) / n, 2)
         if TL is not None:
             compiles["timed_steps"] = TL.compiles_since(mark)
         gg = getattr(rn.moe, "group_graphs", None)
@@ -478,6 +489,9 @@ def parser() -> argparse.ArgumentParser:
                    help="engine.group_graphs: a miss layer's eager groups replay CUDA graphs (CUDA; the CPU: no-op)")
     p.add_argument("--fold", action="store_true",
                    help="engine.decode_fold: the solo graphs capture each layer's routing-sync start (host57)")
+    p.add_argument("--flush-early", action="store_true",
+                   help="engine.disk_flush_early: a miss layer's landed disk experts copied and grouped once the next "
+                   "one is late (flush57)")
     p.add_argument("--profile", help="cProfile of the timed decode steps to this path")
     p.add_argument("--flex", default="auto", choices=["auto", "on", "off"],
                    help="the flex cache (auto: on CUDA); off keeps a decode's disk experts misses on CUDA")

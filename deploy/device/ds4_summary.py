@@ -76,6 +76,9 @@ def targets(r: dict) -> list[str]:
                       + (f"pass-boundary reply wait {exd['store_reply_wait_s'] / max(1, exd['tokens']) * 1e3:.2f} "
                          "ms/token (blocked); " if "store_reply_wait_s" in exd else "")
                       + f"messages/token: {kinds}", None))
+    if "disk_flushes" in exd:  # engine.disk_flush_early (worker/moe_step.py _disk_groups): a group more each
+        L.append(_row("  decode, exact: early disk flushes / token (engine.disk_flush_early; 0: off or none late)",
+                      "–", f"{exd['disk_flushes'] / max(1, exd['tokens']):.2f}", None))
     wh = _pass(ex, "warm").get("host_us_per_application")
     if hu is not None and wh:  # the host's speed: the same run's warm prefill pass (no decode change touches it)
         L.append(_row("  decode host ÷ the warm prefill pass's host (µs per application): across machines", "–",

@@ -497,6 +497,7 @@ class Harness:
         end = time.monotonic() + min(self.o.decode_cap, self.remaining())
         secs, reads, disk_bytes, disk_wait = [], {"vram": 0, "host": 0, "disk": 0}, 0, 0.0
         host_s, calls, h2d, toks, engram = 0.0, 0, 0, [], None
+        flushes = 0                                     # disk batches flushed early (engine.disk_flush_early)
         split = HostSplit()                             # the host time's parts (worker/stats.py)
         token_host = []                                 # per token: (host s, expert applications)
         token_compiles = []                             # per token: Triton compiles inside it (None: not counted)
@@ -532,6 +533,7 @@ class Harness:
                 disk_bytes, disk_wait = disk_bytes + st.disk_bytes, disk_wait + st.disk_wait_s
                 host_s, calls, h2d = host_s + st.host_s, calls + st.store_calls, h2d + st.h2d_bytes
                 split.add(st)
+                flushes += st.disk_flushes
                 token_host.append((st.host_s, st.applications))
                 for k_ in guess:
                     guess[k_] += getattr(st, k_)
@@ -576,6 +578,9 @@ class Harness:
                 "disk_active_ms_per_token": own["store_disk_active_s"] / len(secs) * 1e3 if secs else None,
                 "disk_idle": idle,
                 "group_graphs": _since(gg0, gg.stats()) if gg is not None else None,
+                # engine.disk_flush_early: disk batches copied and grouped because the next expert had not landed
+                # (each one a group more: PassStats.disk_flushes)
+                "disk_flushes": flushes,
                 "engram": engram.record(len(secs), sum(secs)) if engram is not None else None}
 
 

@@ -110,6 +110,8 @@ def _host_split(d: dict) -> str:
     if d.get("group_graphs"):       # engine.group_graphs: how the eager groups ran (worker/group_graphs.py)
         g = d["group_graphs"]
         parts += f" (group graphs: {g['replays']:,} replays, {g['captures']:,} captures, {g['launches']:,} launches)"
+    if d.get("disk_flushes"):       # engine.disk_flush_early: a group more each (worker/moe_step.py _disk_groups)
+        parts += f" (early disk flushes: {d['disk_flushes'] / n:.2f} / token)"
     kinds = ", ".join(f"{k} {v:.2f}" for k, v in d.get("store_messages_per_token", {}).items()) or "none"
     return f"{parts} | {d['store_wait_s'] / n * 1e3:,.1f} | {kinds}"
 

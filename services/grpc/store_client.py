@@ -392,6 +392,36 @@ class _Answer:
         return self.reply
 
 
+class _Landed:
+    """A load's experts as they land (GrpcStoreClient._landed's generator: its deadline, cancel and failure rules) and
+    ready(): whether the next one is there already, asked without a wait (MoEStep._disk_groups' early flush).
+    seqpacket (_SeqStream): its reader thread routes every answer as it arrives, so an empty box is an expert not
+    landed yet. grpc (_Stream): answers are routed only while a caller reads the call (take), so an answer still
+    in grpc's buffer reads as not landed: ready() may say False early there (a flush sooner than needed, never a
+    wait). The generator is closed with close() or dropped (its finally: the store's cancel where it did not end)."""
+
+    __slots__ = ("_gen", "_s", "_rid", "_left")
+
+    def __init__(self, gen, s: _Stream | _SeqStream, rid: int, n: int):
+        self._gen, self._s, self._rid, self._left = gen, s, rid, n
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        got = next(self._gen)
+        self._left -= 1
+        return got
+
+    def ready(self) -> bool:
+        """True: next() returns without a wait (an answer is routed, the stream ended with an error it raises, or
+        the load is done); False: the next expert has not reached this process yet."""
+        return self._left <= 0 or self._s.answered(self._rid)
+
+    def close(self):
+        self._gen.close()
+
+
 class GrpcStoreClient:
     TRANSPORTS = ("grpc", "seqpacket")
 
@@ -581,7 +611,8 @@ class GrpcStoreClient:
         if not keys:       # answered as a release (no expert follows): checked with the releases (_reap)
             self._releases.append(_Answer(s, rid, self.timeout, "released"))
             return iter(())
-        return self._landed(s, rid, len(keys), time.monotonic() + self.timeout + self.per_expert * len(keys))
+        return _Landed(self._landed(s, rid, len(keys), time.monotonic() + self.timeout + self.per_expert * len(keys)),
+                       s, rid, len(keys))
 
     def _landed(self, s: _Stream | _SeqStream, rid: int, n: int, deadline: float):
         got, failed = 0, False
