@@ -332,6 +332,19 @@ if HAVE_GLUON:
         return wb, d0, d1, xb
 
     @gluon.jit
+    def _mma_acc(acc, z, wb, xs, d0, d1, BN: gl.constexpr, BM: gl.constexpr, KB: gl.constexpr):
+        """A K step's MMA (wb [BN, KB*32] in wgmma's A registers, xs the B tile in shared memory) and its two blocks'
+        scale fmas into acc, ascending (triton_mmq._mmq_step's float ops): every GP form's step ends here."""
+        hopper.fence_async_shared()
+        dot = hopper.warpgroup_mma(wb, xs, z, use_acc=False, is_async=True)
+        dot = hopper.warpgroup_mma_wait(0, deps=[dot])
+        p0, p1 = gl.split(gl.permute(gl.reshape(dot, [BN, KB, BM]), [0, 2, 1]))     # column i*BM + m -> pi
+        p0 = gl.convert_layout(p0, ACC)
+        p1 = gl.convert_layout(p1, ACC)
+        acc = gl.fma(p0, gl.broadcast(d0[:, None], acc)[0], acc)                  # ascending blocks
+        return gl.fma(p1, gl.broadcast(d1[:, None], acc)[0], acc)
+
+    @gluon.jit
     def _step_raw(acc, z, w, r0, r1, x, pool, ra, mn, rc, mc, xq_ptr, jo, jm, kb0, b1, QT: gl.constexpr,
                   BN: gl.constexpr, BM: gl.constexpr, KB: gl.constexpr, AHEAD: gl.constexpr):
         """GP >= 1's K step kb0 on a set of loads (w, r0, r1, x: _load_raw's of step kb0): the set converted and its B
@@ -342,14 +355,7 @@ if HAVE_GLUON:
         xs = gl.allocate_shared_memory(gl.bfloat16, [KB * 32, KB * BM], SH, xb)
         more = kb0 + AHEAD < b1                     # masked off past b1
         w, r0, r1, x = _load_raw(pool, ra, mn & more, rc, mc & more, xq_ptr, jo, jm & more, kb0 + AHEAD, QT, KB)
-        hopper.fence_async_shared()
-        dot = hopper.warpgroup_mma(wb, xs, z, use_acc=False, is_async=True)
-        dot = hopper.warpgroup_mma_wait(0, deps=[dot])
-        p0, p1 = gl.split(gl.permute(gl.reshape(dot, [BN, KB, BM]), [0, 2, 1]))     # column i*BM + m -> pi
-        p0 = gl.convert_layout(p0, ACC)
-        p1 = gl.convert_layout(p1, ACC)
-        acc = gl.fma(p0, gl.broadcast(d0[:, None], acc)[0], acc)                  # ascending blocks
-        acc = gl.fma(p1, gl.broadcast(d1[:, None], acc)[0], acc)
+        acc = _mma_acc(acc, z, wb, xs, d0, d1, BN, BM, KB)
         return acc, w, r0, r1, x
 
     @gluon.jit
@@ -375,14 +381,7 @@ if HAVE_GLUON:
                 wb2, e0, e1, x2 = _fetch(pool, ra, mn & more, rc, mc & more, xq_ptr, jo, jm & more, kb0 + KB, QT,
                                          KB)
                 xs = gl.allocate_shared_memory(gl.bfloat16, [KB * 32, KB * BM], SH, x)
-                hopper.fence_async_shared()
-                dot = hopper.warpgroup_mma(wb, xs, z, use_acc=False, is_async=True)
-                dot = hopper.warpgroup_mma_wait(0, deps=[dot])
-                p0, p1 = gl.split(gl.permute(gl.reshape(dot, [BN, KB, BM]), [0, 2, 1]))     # column i*BM + m -> pi
-                p0 = gl.convert_layout(p0, ACC)
-                p1 = gl.convert_layout(p1, ACC)
-                acc = gl.fma(p0, gl.broadcast(d0[:, None], acc)[0], acc)                  # ascending blocks
-                acc = gl.fma(p1, gl.broadcast(d1[:, None], acc)[0], acc)
+                acc = _mma_acc(acc, z, wb, xs, d0, d1, BN, BM, KB)
                 wb, d0, d1, x = wb2, e0, e1, x2
         else:                                           # GP 1: one set of loads in flight, GP 2: two (steps
             w, r0, r1, x = _load_raw(pool, ra, mn, rc, mc, xq_ptr, jo, jm, b0, QT, KB)     # b0, b0 + 2 KB, ..: set
