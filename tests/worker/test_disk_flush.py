@@ -31,7 +31,6 @@ import pytest
 import torch
 
 from betelgeuse.config import EngineConfig
-from betelgeuse.errors import BetelgeuseError
 from betelgeuse.store.reader import JITTER_ENV
 from betelgeuse.worker.store_session import LoadStream
 
@@ -42,22 +41,6 @@ D_PROMPT = [int(x) for x in np.random.default_rng(4).integers(0, 512, 28)]
 SPLIT = {"qwen3moe": 18, "deepseek4": 20}     # prompt[:split] prefilled, the rest decoded one token at a time
 
 
-def test_setting_parses_and_refuses_bad_values():
-    import argparse
-    from betelgeuse.settings import add_flags, flag_values, resolve_settings
-    assert EngineConfig(model_path="m.gguf").disk_flush_early is False
-    assert EngineConfig(model_path="m.gguf", disk_flush_early=True).disk_flush_early is True
-    with pytest.raises(BetelgeuseError, match="disk_flush_early: expected true or false"):
-        EngineConfig(model_path="m.gguf", disk_flush_early="soon")
-    p = argparse.ArgumentParser()
-    add_flags(p, sections=["engine"])
-    r = resolve_settings(None, env={}, flags=flag_values(p.parse_args(["--disk-flush-early"])))
-    assert r.settings.engine.disk_flush_early is True
-    r = resolve_settings(None, env={"BETELGEUSE_ENGINE_DISK_FLUSH_EARLY": "true"})
-    assert r.settings.engine.disk_flush_early is True
-
-
-# ---- the streams' ready() ------------------------------------------------------------------------------------------
 def _check_ready(load, n: int) -> list[bool]:
     """Walk a load of n experts asking ready() before each next() -> what it said; a True followed by a wait fails."""
     said = []
