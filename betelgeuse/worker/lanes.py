@@ -18,7 +18,11 @@ per layer (deploy/device/profile_batch.py). Here it runs ONCE per layer over B =
                guesses on, layers l+1 .. l+D's routers on the residual guess their next experts (worker/guess.py)
                                                                                                     (one graph)
     MoE        the experts of those rows, eagerly as in any pass (a wholly VRAM layer one group, else the
-               host-synced loads and groups): the only host work of a layer
+               host-synced loads and groups): the only host work of a layer; with the at-hand table the sync's
+               start (a host part) and the at-hand group (a lane part "hand" of its own) before the misses, or with
+               engine.decode_fold (MoEStep.hand_fold) both at the end of post[l] (front's tail: one replay and one
+               host part a layer fewer; the step's variant then holds the all-VRAM pattern, which says which
+               layers have the tail)
     head       the last combine and residual, output norm, logits of every lane (one graph); the running lanes'
                rows [n, n_vocab] gathered from them (a fresh tensor)
 
@@ -272,7 +276,7 @@ class Lanes:
         rows, tables = m.lane_row(self.layer_rows[l], i), m.lane_row(self.tables.unbind(0), i)
         m.attend_static(l, rows, s.kv, s.kv.pos, tables, out=self.attn[i:i + 1])       # written in place
 
-    def _post(self, l: int, v: tuple, route):
+    def _post(self, l: int, v: tuple, route, tail=None):
         m = self.m
         xa = m.attn_out(l, self.parts["pre", l, v].out[0], self.attn)
         h, aux = m.moe_input(l, xa)
@@ -282,7 +286,10 @@ class Lanes:
         i = self.idx[:v[0]]
         gather = getattr(getattr(m, "ops", None), "gather_rows", None)      # deepseek4's: TritonOps one launch
         run = gather(i, ts) if gather is not None else [t.index_select(0, i) for t in ts]     # the running rows
-        return xa, h, aux, route(l, *run[:3]), (run[3] if len(run) > 3 else None)
+        r, g = route(l, *run[:3]), (run[3] if len(run) > 3 else None)
+        if tail is not None:            # the fold (front's doc): the sync's start and the at-hand group, in this part
+            tail(l, r, g)
+        return xa, h, aux, r, g
 
     def _head(self, v: tuple, combine):
         return self.m.logits(self._residual(self.L - 1, v, combine))
@@ -324,12 +331,14 @@ class Lanes:
         self.ids.index_copy_(0, idx, ids)
         self.pos.index_copy_(0, idx, torch.cat([kv.pos for kv in kvs]))
 
-    def front(self, l: int, kvs, route, combine, after_attn=None):
+    def front(self, l: int, kvs, route, combine, after_attn=None, tail=None):
         """Layer l for every lane up to its routing: the previous layer's MoE rows combined into the residual, the
         dense part, attention per sequence -> (the Routing of the running rows (their expert work: the caller's),
         layers l+1 .. l+D's guessed experts of those rows [n,D,k] or None). after_attn(): called between the
         sequences' attention and the post part (its output projection, MoE input and routing), outside any capture
-        (PassStats.gpu_marks), or None."""
+        (PassStats.gpu_marks), or None. tail(l, routing, guess): run at the end of the post part, in its graph
+        (MoEStep.hand_front: the fold, issue 21), or None; whether a layer has one must be keyed by the step's
+        routing variant (begin's mode), as every part's content is: a captured part holds the one it saw."""
         v = (len(kvs), self.mode)
         self._run(("pre", l, v), self._pre, l, v, combine)
         for kv in kvs:
@@ -345,7 +354,7 @@ class Lanes:
                 self._attend(l, s)
         if after_attn is not None:
             after_attn()
-        return self._run(("post", l, v), self._post, l, v, route)[3:]
+        return self._run(("post", l, v), self._post, l, v, route, tail)[3:]
 
     def _host(self):
         if self.before_host is not None:

@@ -116,10 +116,12 @@ class RoutingSync:
 
     def start(self, counts: torch.Tensor, guess: torch.Tensor | None):
         self._pending = (counts, guess)
+        E = counts.numel()
+        n = E + (0 if guess is None else guess.numel())
+        # checked on every device (the CPU tests too): a capped buffer must hold the largest start (class doc)
+        assert self.cap is None or n <= self.cap, (n, self.cap)
         if self.cuda:
             assert guess is None or guess.dtype == counts.dtype == torch.int64, (counts.dtype, guess.dtype)
-            E = counts.numel()
-            n = E + (0 if guess is None else guess.numel())
             if self.buf is None or self.buf.numel() < n:
                 assert self.cap is None, (n, self.cap)   # made once at init (class doc): a graph writes the one it saw
                 self.buf = torch.empty(max(n, 4 * E), dtype=torch.int64, pin_memory=True)
@@ -202,12 +204,15 @@ class MoEStep:
         # host path for the misses only; None = decode takes the partial path as prefill does
         self.hand = AtHand(self.cache, flex, self.kern.backend, cfg.host_in_place,
                            self.kern.qtypes, clock.wait) if self._hand_on(cfg) else None
-        # the solo decode graphs' routing sync (hand_start(graphs=True)): its start captured in the layer's graph
-        # before the at-hand group (RoutingSync's doc), its buffer sized for one row's counts and guesses; None: the
-        # start stays a host part between two graphs (engine.decode_fold off, or a torch with no external events)
-        dev = torch.device(session.device)
-        self.graph_sync = (RoutingSync(dev, cap=session.file.config.n_expert + self.depth
-                                       * session.file.config.n_expert_used)
+        # the decode graphs' routing sync (hand_start(graphs=True)): its start captured in the layer's graph before
+        # the at-hand group (RoutingSync's doc; the solo graphs' layer graph, the lanes' post part), its buffer
+        # sized for a layer's counts [E] and the guesses of max_running rows [T <= max_running, D, k] (the lanes
+        # decode T = max_running rows at most; solo one); None: the start stays a host part between two graphs
+        # (engine.decode_fold off, or a torch with no external events)
+        dev, fc = torch.device(session.device), session.file.config
+        # (the runner resolves auto before it makes this step; unresolved: auto's largest, 8: store/plan.py)
+        rows = max(1, int(cfg.max_running)) if cfg.max_running != "auto" else 8
+        self.graph_sync = (RoutingSync(dev, cap=fc.n_expert + rows * self.depth * fc.n_expert_used)
                            if cfg.decode_fold and self.hand is not None and RoutingSync.capturable(dev) else None)
         # decode with no per-layer sync (worker/gate.py): every layer launched ahead, gated on the device
         self.gate = None
@@ -526,12 +531,21 @@ class MoEStep:
         """A decode layer's experts with the at-hand table (the batched lanes; timed as a layer's MoE compute): the
         sync's copies enqueued, run_group() runs hand_group (in a lane graph), then the host sync, tier counts,
         read-ahead and the misses' loads and groups; the table follows a flex eviction this layer made (before any
-        later layer's group)."""
+        later layer's group). run_group None: the fold, the start and the group ran in the post part (hand_front)."""
         ev = self.clock.layer_start()
-        self.hand_start(l, r, guess)
-        run_group()
-        self.hand_misses(l, r, snap, stats, ls)
+        if run_group is None:       # folded (hand_front ran in the layer's post part): the misses only
+            self.hand_misses(l, r, snap, stats, ls, guess=guess, graphs=True)
+        else:
+            self.hand_start(l, r, guess)
+            run_group()
+            self.hand_misses(l, r, snap, stats, ls)
         self.clock.layer_end(ev, ls)
+
+    def hand_front(self, l: int, r, guess):
+        """The lanes' fold (hand_fold; worker/lanes.py post part's tail): the graph sync's start, then the at-hand
+        group, at the end of the part that routed; hand_experts(run_group=None) then runs the misses only."""
+        self.hand_start(l, r, guess, graphs=True)
+        self.hand_group(l, r)
 
     def hand_misses(self, l, r, snap, stats: PassStats, ls: LayerStats, synced=None, guess=None,
                     graphs: bool = False):

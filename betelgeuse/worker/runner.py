@@ -601,7 +601,10 @@ class ModelRunner:
                 self.moe.gate_begin()
                 if self.moe.gate is not None:     # the host catches up before any launch that is not a replay
                     ln.before_host = lambda: self._drain_gated(gated, snap, stats)
-                ln.begin(ids_t, kvs, idx, self.moe.static_variant())
+                variant = self.moe.static_variant()
+                if self._lane_fold():       # which layers' post parts hold the fold: the all-VRAM pattern's
+                    variant = (variant, self.cache.all_vram.tobytes())
+                ln.begin(ids_t, kvs, idx, variant)
             else:
                 pos = [kv.begin(1) for kv in kvs]
                 self._engram_begin([(kv, ids_t[i:i + 1]) for i, kv in enumerate(kvs)])
@@ -635,11 +638,15 @@ class ModelRunner:
         """Layer l of a batched decode on the lanes: the dense part, the routing of the running rows and the previous
         layer's combine in the lane graphs; then the experts, eagerly (MoEStep.experts)."""
         t = time.perf_counter()
+        gate = self.moe.gate
+        # the fold (engine.decode_fold, _lane_fold): post[l] ends with the sync's start and the at-hand group
+        # (MoEStep.hand_front), timed here as the layer's attention part
+        fold = self._lane_fold() and self.moe.hand_layer(l)
         r, guess = ln.front(l, kvs, self.moe.route_rows, self.kern.combine,
-                            partial(self.clock.mark, "attn", l) if self.clock.marks else None)
+                            partial(self.clock.mark, "attn", l) if self.clock.marks else None,
+                            self.moe.hand_front if fold else None)
         t1 = time.perf_counter()
         ls.attn_s = t1 - t
-        gate = self.moe.gate
         if gate is not None and self.moe.hand_layer(l):    # gated (worker/gate.py): ahead where its part replays
             ahead = ln.replays("gate", l, kvs)              # never on the CPU (no graphs): drained at once
             gate.set_ahead(ahead)
@@ -648,6 +655,8 @@ class ModelRunner:
             if not ahead:               # eager or captured (or the CPU): drained where its gate stands
                 self._drain_gated(gated, snap, stats)
             ln.part("miss", l, kvs, self.moe.gate_misses, r)       # the misses' group, after the gate
+        elif fold:                        # the sync's start and the at-hand group ran in post[l]: the misses
+            self.moe.hand_experts(l, r, snap, stats, ls, guess, None)
         elif self.moe.hand_layer(l):      # the at-hand group in a lane graph, the host for the misses only
             self.moe.hand_experts(l, r, snap, stats, ls, guess, lambda: ln.part("hand", l, kvs, self.moe.hand_group, r))
         else:
@@ -655,6 +664,16 @@ class ModelRunner:
                 self._drain_gated(gated, snap, stats)
             self.moe.experts(l, r, snap, stats, ls, guess)
         ls.moe_s = time.perf_counter() - t1
+
+    def _lane_fold(self) -> bool:
+        """The lanes take each at-hand layer's routing-sync start and at-hand group at the end of its post part
+        (MoEStep.hand_fold: engine.decode_fold, not with gpu_marks; not gated, whose parts are its own): one replay
+        and one host part a layer fewer (issue 21). The one pinned buffer of moe.graph_sync (sized for max_running
+        rows' guesses) is written by every folded layer; what orders its reuse: layer l's post part writes it and
+        records the event, hand_misses waits on that event and finish() copies the counts out and turns the guesses
+        into lists before it returns, and only then does the host launch layer l+1's parts (program order) whose
+        post part writes it next; the next step's first write comes after this step's end_counts sync."""
+        return self.moe.gate is None and self.moe.hand_fold()
 
     def _drain_gated(self, gated: list, snap, stats: PassStats):
         """decode_gate: the gated layers launched so far drained in order (MoEStep.gate_drain), the list emptied."""
