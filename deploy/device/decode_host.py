@@ -302,7 +302,7 @@ def run(a, tmp: Path) -> dict:
     extra = dict(decode_gate="on") if a.gate else {}
     if a.group_graphs:              # a miss layer's eager groups as CUDA graph replays (worker/group_graphs.py)
         extra["group_graphs"] = True
-    if a.fold:                      # the solo graphs capture each layer's routing-sync start (MoEStep.hand_fold)
+    if a.fold:                      # the decode graphs capture each layer's routing-sync start (MoEStep.hand_fold)
         extra["decode_fold"] = True
     if a.flush_early:               # a miss layer's disk batch copied + grouped once the next expert is late
         extra["disk_flush_early"] = True
@@ -488,7 +488,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--group-graphs", action="store_true",
                    help="engine.group_graphs: a miss layer's eager groups replay CUDA graphs (CUDA; the CPU: no-op)")
     p.add_argument("--fold", action="store_true",
-                   help="engine.decode_fold: the solo graphs capture each layer's routing-sync start (host57)")
+                   help="engine.decode_fold: the decode graphs (solo, lanes) capture each at-hand layer's "
+                   "routing-sync start (host57, lanesfold57)")
     p.add_argument("--flush-early", action="store_true",
                    help="engine.disk_flush_early: a miss layer's landed disk experts copied and grouped once the next "
                    "one is late (flush57)")

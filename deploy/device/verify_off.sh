@@ -2,8 +2,9 @@
 # The device checks of what ships OFF until a GPU has run it, in one call (~10 min on a warm H100: two calls, STEPS=1,2 then STEPS=3; NEXT.md rows 1, 3, 4):
 #   1. engine.recycle_states (graphs57): check_cuda --only recycle (tiny) and check_ds4 --only decode (ds4-tiny, its
 #      recycle rows): a second sequence on a recycled state captures no decode graph and equals a fresh runner
-#   2. engine.decode_fold (host57): tests/worker/test_decode_fold.py + test_cuda_streams.py on CUDA, then token_split.py
-#      (docs/benchmarks/cpu-host57) on ds4-tiny and ds4-wide without and with --fold: replays a token, the rest's µs
+#   2. engine.decode_fold (host57, lanesfold57): tests/worker/test_decode_fold.py + test_cuda_streams.py on CUDA, then
+#      token_split.py (docs/benchmarks/cpu-host57) on ds4-tiny and ds4-wide, the solo and the lanes form, without and
+#      with --fold: replays a token, the rest's µs
 #   3. the Gluon bf16 MMA (schedule keys GL, GP): check_gluon_mmq.py, Q8_0 with gluon16r57's GP forms (--odd), then
 #      Q4_K (gluonk57) and MXFP4: bits == Triton's, GB/s beside, "faster at both rows" per form
 # Each step has its own timeout, so one that hangs does not eat the others'. STEPS picks some (default 1,2,3).
@@ -42,10 +43,13 @@ if [[ ,$STEPS, == *,2,* ]]; then
     tests/worker/test_cuda_streams.py
   for F in off on; do
     flag=(); [ "$F" = on ] && flag=(--fold)
-    step "fold_$F" 150 bash -c "for P in '--preset ds4-tiny --flex-slots 3' \
-      '--preset ds4-wide --vram 49 --host 77 --flex-slots 40 --tokens 40'; do \
-      $PY docs/benchmarks/cpu-host57/token_split.py \$P --form solo --flex on --device $DEV --split --group-graphs \
-      ${flag[*]:-}; done"
+    for FORM in solo lanes; do          # solo's logs keep their names (fold_off / fold_on)
+      name=fold_$F; [ "$FORM" = lanes ] && name=fold_lanes_$F
+      step "$name" 150 bash -c "for P in '--preset ds4-tiny --flex-slots 3' \
+        '--preset ds4-wide --vram 49 --host 77 --flex-slots 40 --tokens 40'; do \
+        $PY docs/benchmarks/cpu-host57/token_split.py \$P --form $FORM --flex on --device $DEV --split \
+        --group-graphs ${flag[*]:-}; done"
+    done
   done
 fi
 if [[ ,$STEPS, == *,3,* ]]; then

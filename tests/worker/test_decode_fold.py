@@ -154,11 +154,12 @@ def test_lanes_fold_is_the_unfolded_lanes_bits_reads_and_guesses(model, ds4, arc
     assert torch.equal(got, want), (got - want).abs().max().item()
     assert got_stats == want_stats
     assert sum(s[2][0] for s in got_stats) > 0, got_stats        # guesses rode on the folded sync
-    for p0, p1, s0, s1 in zip(want_parts, got_parts, want_starts, got_starts):
+    for i, (p0, p1, s0, s1) in enumerate(zip(want_parts, got_parts, want_starts, got_starts)):
         assert p0.count("hand") == hands and "hand" not in p1, (p0, p1)
         assert [x for x in p0 if x != "hand"] == p1, (p0, p1)
         assert s0 == [("sync", False)] * hands, s0              # a host part between post[l] and the hand part
-        assert s1 == [("graph", True)] * hands, s1              # in post[l], the graph that routed
+        # in post[l], the graph that routed (on CUDA the steps from the third replay it: no host call at all)
+        assert s1 == [("graph", True)] * hands or (torch.cuda.is_available() and i >= 2 and s1 == []), (i, s1)
 
 
 def test_the_graph_sync_holds_max_running_rows_of_guesses(model):

@@ -19,7 +19,8 @@ regions add up to the token's wall:
                            copies and event), hand_misses (its own lines: stale, the table's re-upload; partial
                            inside it is moe), mark (PassClock.mark: --gpu-marks' events), pass.end (ModelRunner._end:
                            the usage, StoreSession.end, the clock's finish), end_counts (its own lines, the sync is
-                           blocked), lanes (decode_batch's own lines: --form lanes, not split further)
+                           blocked), lanes (decode_batch's own lines: --form lanes, not split further; its
+                           segments are its lane parts and attention graphs: _wrap_lanes)
   rest_us = the rest's regions summed; other_host_us = the bench's own figure (PassStats.other_host_s) beside it.
 
 Counted calls (per token and per region): cpu-host54/cuda_calls.py's (Tensor.copy_, _foreach_copy_, Event.record /
@@ -158,6 +159,30 @@ def _wrap_ops():
     decode_graphs.SoloDecode._ops = ops
 
 
+def _wrap_lanes():
+    """The lanes' graphs (--form lanes, worker/lanes.py): each lane part (Lanes._run: pre[l], post[l], a "hand" part,
+    the head) and each sequence's attention (Lanes._attend) is one graph on CUDA, where its replay is counted as
+    graph.replay (and timed as its region); on the CPU each is a segment, as a next() of SoloDecode._ops is (what
+    runs inside is captured on CUDA: the folded start in post[l] too)."""
+    if CUDA:
+        return
+    from betelgeuse.worker import lanes
+    for attr in ("_run", "_attend"):
+        fn = lanes.Lanes.__dict__[attr]
+
+        def wrapper(*a, _fn=fn, **k):
+            on = ON[0] and _opens("segment")
+            if on:
+                _count("segments")
+                _enter("segment")
+            try:
+                return _fn(*a, **k)
+            finally:
+                if on:
+                    _leave()
+        setattr(lanes.Lanes, attr, wrapper)
+
+
 def _count(key, n=1):
     if ON[0]:
         CALLS[(_region(), key)] += n
@@ -173,6 +198,17 @@ def _wrap_count(owner, attr, before):
             before(*a, **k)
         return fn(*a, **k)
     setattr(owner, attr, wrapper)
+
+
+def _beyond(held, keep: int) -> int:
+    """MoEStep._release(excess=True) on CUDA: how many of the oldest held (event, slots) it waits for."""
+    n, left = 0, sum(len(s) for _, s in held)
+    for _, s in held:
+        if left <= max(keep, 0):
+            break
+        left -= len(s)
+        n += 1
+    return n
 
 
 def _kind(t):
@@ -228,8 +264,10 @@ def main():
             offs=None: {"set_stream": 2, "event.record": 1, "stream.wait_event": int(wait)},
             (expert_cache.ExpertCache, "bank_done"): lambda self, b: {"event.record": 1},
             (expert_cache.ExpertCache, "mark"): lambda self: {"event.record": 1},
-            (moe_step.MoEStep, "_release"): lambda self, held, keep, later=False:
+            (moe_step.MoEStep, "_release"): lambda self, held, keep, later=False, excess=False:
                 {"event.synchronize": len(held)} if later and hasattr(expert_cache.ExpertCache, "mark") else
+                # excess (flush57's early flush): no query, a wait for each oldest slot set beyond `keep`
+                {"event.synchronize": _beyond(held, keep)} if excess else
                 {"event.query": len(held), "event.synchronize": len(held) if later else 0},
             (moe_step.RoutingSync, "finish"): lambda self: {"event.synchronize": 1},
             # the counts' (and guesses') copy to the pinned buffer: one call (copy_ or one foreach), and its event
@@ -265,6 +303,7 @@ def main():
         _wrap_region(cls, "begin_static", "kv")
         _wrap_region(cls, "commit", "kv")
     _wrap_ops()
+    _wrap_lanes()
     if CUDA:
         _wrap_region(torch.cuda.CUDAGraph, "replay", "graph.replay")
     mode = None
