@@ -398,12 +398,14 @@ class EngineSettings(_Section):
     # happens); off until the device A/B (deploy/device/group_graph.py, decode_host.py --group-graphs)
     group_graphs: Flag = setting(False, "decode: a miss layer's eager expert groups replay CUDA graphs captured "
                                  "per group instead of launching (CUDA only)", True)
-    # the solo decode graphs take each layer's routing-sync start (its D2H copies into a pinned buffer and an external
+    # the decode graphs take each layer's routing-sync start (its D2H copies into a pinned buffer and an external
     # event) inside the layer's graph, before the at-hand group: one replay and one host part a layer, not two of each
-    # (worker/moe_step.py MoEStep.hand_fold; issue 21: the steady tokens' rest). Never a bit changes (CPU tests). Off
-    # until its CUDA test (tests/worker/test_decode_fold.py's capture test) and host57's device A/B have run
-    decode_fold: Flag = setting(False, "decode: the solo decode graphs capture each layer's routing-sync start in "
-                                "the layer's graph (CUDA: one replay a layer)", True)
+    # (worker/moe_step.py MoEStep.hand_fold; issue 21: the steady tokens' rest); the solo graphs in the layer's graph,
+    # the lanes (the engine's decode) at the end of post[l] with the at-hand group (runner._lane_fold, lanesfold57).
+    # Never a bit changes (CPU tests). Off until its CUDA tests (tests/worker/test_decode_fold.py on CUDA) and the
+    # device A/B (deploy/device/verify_off.sh step 2) have run
+    decode_fold: Flag = setting(False, "decode: the decode graphs (solo, lanes) capture each layer's routing-sync "
+                                "start in the layer's graph (CUDA: one replay a layer fewer)", True)
     # a decode miss layer's landed disk experts are copied and computed (one ring-bank copy + group) as soon as the
     # next one has not landed yet (LoadStream.ready), not all after the layer's last: the first ones' copies and group
     # overlap the later ones' reads (issue 21: the chain's copy link, gpu-run60-h200). Each row's output by the same
