@@ -22,6 +22,7 @@ from betelgeuse.worker import decode_graphs, lanes as lanes_mod, moe_step
 
 V = ENGINE_SPEC["n_vocab"]
 GUESS = ("guessed", "guess_hits", "guess_disk")      # (the bytes read ahead depend on the store's timing)
+HOST_GUESS = ("host_guessed", "host_guess_hits", "host_guess_bytes")     # copies ahead (prefetch_host)
 
 
 @pytest.fixture(scope="module")
@@ -89,14 +90,14 @@ def test_gpu_marks_keep_the_route_mark_between_the_start_and_the_group(model):
     assert all("folded" not in k and k.count("start") == ENGINE_SPEC["n_layer"] for k in kinds), kinds
 
 
-def _lanes(path, n_vocab: int, n: int, fold: bool, steps: int = 4):
+def _lanes(path, n_vocab: int, n: int, fold: bool, steps: int = 4, **cfg):
     """n prompts decoded together through the lanes (decode_batch, the static form, eager on the CPU; max_running 2,
     a VRAM / host / disk mix, the flex cache on) -> (logits [steps, n, V], per step (reads, flex hits, guess
     figures), per step the lane parts run (their names), per step the host's sync starts (graph_sync's, the
     default sync's))."""
-    rn, st = in_process_runner(path, 2, 3, decode_consolidate_every=0, flex_cache=True, max_running=2,
-                               max_context=1024, staging_slots=6, prefix_cache_bytes=0, read_threads=1,
-                               decode_fold=True)
+    rn, st = in_process_runner(path, 2, 3, **{**dict(decode_consolidate_every=0, flex_cache=True, max_running=2,
+                                                     max_context=1024, staging_slots=6, prefix_cache_bytes=0,
+                                                     read_threads=1, decode_fold=True), **cfg})
     parts, starts = [], []
     run, post, start = lanes_mod.Lanes._run, lanes_mod.Lanes._post, moe_step.RoutingSync.start
     inside = []                                         # >0 while a post part runs (its graph, on CUDA)
@@ -130,7 +131,7 @@ def _lanes(path, n_vocab: int, n: int, fold: bool, steps: int = 4):
             parts.append([]), starts.append([])
             lg, s = rn.decode_batch(toks, kvs)
             out.append(lg)
-            stats.append((dict(s.reads), s.flex_hits, [getattr(s, k) for k in GUESS]))
+            stats.append((dict(s.reads), s.flex_hits, [getattr(s, k) for k in GUESS + HOST_GUESS]))
             toks = [int(x) for x in lg.argmax(-1)]
         hand_layers = int((~rn.cache.all_vram).sum())
         return torch.stack(out), stats, parts, starts, hand_layers
@@ -148,12 +149,25 @@ def test_lanes_fold_is_the_unfolded_lanes_bits_reads_and_guesses(model, ds4, arc
     layer fewer). Two sequences' guesses fill more of the graph sync's buffer (sized for max_running rows: a start
     past it raises on every device)."""
     path, V_ = {"qwen3moe": (model, V), "deepseek4": (ds4, 512)}[arch]
-    want, want_stats, want_parts, want_starts, hands = _lanes(path, V_, n, fold=False)
-    got, got_stats, got_parts, got_starts, hands_ = _lanes(path, V_, n, fold=True)
+    _check_lanes_fold(path, V_, n)
+
+
+def test_lanes_fold_with_copy_ahead_in_pool_routing(ds4):
+    """The same in pool routing with copy ahead (prefetch_host on, host experts banked: test_decode_copy_ahead.py's
+    lanes case): layer l's misses copy layer l+1's guessed host experts into a ring bank that post[l+1]'s at-hand
+    group then reads."""
+    _check_lanes_fold(ds4, 512, 2, routing="pool", prefetch_host="on", host_in_place="never", flex_cache=False,
+                      guess_at=len(GUESS) + 1)
+
+
+def _check_lanes_fold(path, V_, n, guess_at: int = 0, **cfg):
+    """guess_at: the guess figure that must be > 0 (GUESS + HOST_GUESS's index: guessed, or host_guess_hits)."""
+    want, want_stats, want_parts, want_starts, hands = _lanes(path, V_, n, fold=False, **cfg)
+    got, got_stats, got_parts, got_starts, hands_ = _lanes(path, V_, n, fold=True, **cfg)
     assert hands == hands_ > 0
     assert torch.equal(got, want), (got - want).abs().max().item()
     assert got_stats == want_stats
-    assert sum(s[2][0] for s in got_stats) > 0, got_stats        # guesses rode on the folded sync
+    assert sum(s[2][guess_at] for s in got_stats) > 0, got_stats     # guesses rode on the folded sync
     for i, (p0, p1, s0, s1) in enumerate(zip(want_parts, got_parts, want_starts, got_starts)):
         assert p0.count("hand") == hands and "hand" not in p1, (p0, p1)
         assert [x for x in p0 if x != "hand"] == p1, (p0, p1)
