@@ -210,9 +210,8 @@ class MoEStep:
         # decode T = max_running rows at most; solo one); None: the start stays a host part between two graphs
         # (engine.decode_fold off, or a torch with no external events)
         dev, fc = torch.device(session.device), session.file.config
-        # (the runner resolves auto before it makes this step; unresolved: auto's largest, 8: store/plan.py)
-        rows = max(1, int(cfg.max_running)) if cfg.max_running != "auto" else 8
-        self.graph_sync = (RoutingSync(dev, cap=fc.n_expert + rows * self.depth * fc.n_expert_used)
+        guesses = max(1, session.plan.max_running) * self.depth * fc.n_expert_used    # [max_running, D, k] ids
+        self.graph_sync = (RoutingSync(dev, cap=fc.n_expert + guesses)
                            if cfg.decode_fold and self.hand is not None and RoutingSync.capturable(dev) else None)
         # decode with no per-layer sync (worker/gate.py): every layer launched ahead, gated on the device
         self.gate = None
@@ -222,9 +221,7 @@ class MoEStep:
         self._keeping: list[tuple[int, int, int]] = []
         self._keep_cap = 0
         if self.hand is not None and self._gate_on(cfg):
-            c = session.file.config
-            self.gate = DecodeGate(self.n_layer, c.n_expert, max(1, session.plan.max_running) * self.depth
-                                   * c.n_expert_used, torch.device(session.device))
+            self.gate = DecodeGate(self.n_layer, fc.n_expert, guesses, dev)
         # engine.disk_flush_early: a decode miss layer's disk batch flushed once the next expert is late (_disk_groups)
         self.flush_early = cfg.disk_flush_early
         # engine.group_graphs (CUDA, triton kernels): the eager groups (_apply) replay CUDA graphs captured per group
@@ -1237,16 +1234,13 @@ class MoEStep:
                     self.session.release(slots, later=True, event=ev)   # synchronized at the next message: no query
                 return []      # now (the layer's last copies are just queued: a query here is False, for nothing)
             done = [] if excess else [hb for hb in held if hb[0].query()]
-            rest = [hb for hb in held if hb not in done]
-            while rest and sum(len(s) for _, s in rest) > max(keep, 0):
+        else:                                 # CPU copies are synchronous: all done (excess: the oldest beyond keep)
+            done = [] if excess else list(held)
+        rest = [hb for hb in held if hb not in done]
+        while rest and sum(len(s) for _, s in rest) > max(keep, 0):
+            if self.cache.is_cuda:
                 self.clock.wait(rest[0][0].synchronize)
-                done.append(rest.pop(0))
-        elif excess:                          # CPU copies are synchronous: the oldest beyond `keep`, no wait
-            done, rest = [], list(held)
-            while rest and sum(len(s) for _, s in rest) > max(keep, 0):
-                done.append(rest.pop(0))
-        else:
-            done, rest = held, []             # CPU copies are synchronous
+            done.append(rest.pop(0))
         if done:
             self.session.release([s for _, slots in done for s in slots], later)
         return rest
