@@ -26,7 +26,9 @@ import secrets
 import signal
 import socket
 import stat
+import sys
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -102,14 +104,14 @@ class _SeqOut:
 class StoreServicer(pb_grpc.ExpertStoreServicer):
     """Thin: protobuf in, ExpertStore call, protobuf out. Errors become status codes."""
 
-    # loads of the session streams waiting for their experts, one thread each while they wait (reused after): more
-    # than the loads a worker has open at once (a decode layer's, a VRAM fill's), so none waits for a thread
-    LOADERS = 64
-
     def __init__(self, store: ExpertStore, leases: "Leases"):
         self.store = store
         self.leases = leases
-        self.loaders = futures.ThreadPoolExecutor(max_workers=self.LOADERS, thread_name_prefix="store-load")
+        # the loads of the session streams with experts still to come (_Delivery), ticked every WAIT_S by one thread
+        # (_tick: started at the first, waiting on _ticks while there is none)
+        self._open: list[_Delivery] = []
+        self._ticks = threading.Condition()
+        self._ticker: threading.Thread | None = None
 
     def _guard(self, context, fn):
         try:
@@ -207,12 +209,12 @@ class StoreServicer(pb_grpc.ExpertStoreServicer):
 
     def _start_load(self, rid: int, q, active, out, cancelled: set):
         """Hand back `release`, drop, start the reads (store.load's `started`) and hand over the experts already
-        staged, here; the rest on a loader thread."""
+        staged, here; the rest as they land, from the read's completion (_Delivery)."""
         def alive() -> bool:
             return rid not in cancelled and active()
         try:
             it = self.store.load(q.session, _keys(q.experts), list(q.release), _keys(q.ahead), _keys(q.drop),
-                                 alive=alive, started=True)
+                                 alive=alive, started=True, wait=False)
         except Exception as e:                              # noqa: BLE001
             out.put(self._failed(rid, e, False))
             return
@@ -231,22 +233,35 @@ class StoreServicer(pb_grpc.ExpertStoreServicer):
         except Exception as e:                              # noqa: BLE001
             out.put(self._failed(rid, e, True))
             return
-        self.loaders.submit(self._deliver, rid, it, out, cancelled)
+        d = _Delivery(rid, it, landed, out, cancelled)
+        landed.on_land = d.pump                             # from now on: a read's completion hands its expert over
+        if landed.qsize():                                  # landed since the loop above looked, before on_land
+            d.pump()
+        with self._ticks:
+            self._open.append(d)
+            if len(self._open) == 1:
+                self._ticks.notify()
+            if self._ticker is None:
+                self._ticker = threading.Thread(target=self._tick, name="store-load-tick", daemon=True)
+                self._ticker.start()
+
+    def _tick(self):
+        """Every WAIT_S, each open load's pump (_Delivery: what no landing triggers); the loads that ended leave."""
+        while True:
+            with self._ticks:
+                self._open = [d for d in self._open if not d.over.is_set()]
+                while not self._open:
+                    self._ticks.wait()
+                open_ = list(self._open)
+            time.sleep(ExpertStore.WAIT_S)
+            for d in open_:
+                d.pump()
 
     @staticmethod
     def _loaded(rid: int, got) -> pb.SessionEvent:
         return pb.SessionEvent(id=rid, loaded=pb.Loaded(
             layer=got.layer, expert=got.expert, staging_slot=got.slot, disk_bytes=got.disk_bytes,
             prefetched=got.prefetched, ahead_queued=got.ahead_queued))
-
-    def _deliver(self, rid: int, it, out, cancelled: set):
-        try:
-            for got in it:
-                out.put(self._loaded(rid, got))
-        except Exception as e:                              # noqa: BLE001
-            out.put(self._failed(rid, e, True))
-        finally:
-            cancelled.discard(rid)
 
     def EndPass(self, request, context):
         usage = np.asarray(request.usage, dtype=np.int64).reshape(request.n_layer, request.n_expert)
@@ -268,6 +283,50 @@ class StoreServicer(pb_grpc.ExpertStoreServicer):
         got = self._guard(context, lambda: self.store.engram_wait(request.session, request.bank))
         return pb.EngramLanded(bank=got.bank, rows=got.rows, disk_rows=got.disk_rows, cache_rows=got.cache_rows,
                                disk_bytes=got.disk_bytes, read_seconds=got.read_seconds)
+
+
+class _Delivery:
+    """A load's experts not landed when its message was read, each sent from the thread whose read completed it (a
+    reader thread's future callback: Landing.on_land -> pump), with no hop to a thread waiting on the landing queue
+    (land: ~29 -> ~15 µs a load on a 2-core CPU, docs/benchmarks/cpu-chain58). The load's generator (store.load,
+    wait=False) runs on one thread at a time (`lock`): a caller that finds another pumping leaves the queue to it, and
+    that one looks at the queue again after letting go, so no landed key waits for a tick. The servicer's tick thread
+    pumps every WAIT_S (StoreServicer._tick) for what no landing triggers: a cancel (alive()), a replaced session, a
+    stall's warning, reads still waiting for a staging slot. The generator's end (all sent, a failure answered, a
+    cancel) ends the ticks and forgets the request's cancel entry, as the loader thread's loop did."""
+
+    __slots__ = ("rid", "it", "landed", "out", "cancelled", "lock", "over")
+
+    def __init__(self, rid: int, it, landed, out, cancelled: set):
+        self.rid, self.it, self.landed, self.out, self.cancelled = rid, it, landed, out, cancelled
+        self.lock = threading.Lock()
+        self.over = threading.Event()
+
+    def pump(self):
+        """Send what has landed (any thread; never waits for another pump and never raises: it runs on the store's
+        reader threads)."""
+        while not self.over.is_set() and self.lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self.lock.release()
+            if self.over.is_set() or not self.landed.qsize():
+                return                      # else a key landed while we held the lock and its pump left: again
+
+    def _drain(self):
+        """(holding lock) Run the generator until it has nothing landed (None) or ends."""
+        try:
+            while (got := next(self.it, _END)) is not None:
+                if got is _END:
+                    break
+                self.out.put(StoreServicer._loaded(self.rid, got))
+        except Exception as e:                              # noqa: BLE001 -- answered as the load's failure
+            self.out.put(StoreServicer._failed(self.rid, e, True))
+        else:
+            if got is None:
+                return
+        self.over.set()
+        self.cancelled.discard(self.rid)
 
 
 class Leases:
@@ -515,7 +574,18 @@ def watch_model(store: ExpertStore, health_servicer, m, stop: threading.Event, e
         was = why
 
 
+# s: the store process's GIL switch interval (sys.setswitchinterval; Python's default 5 ms). Its threads run short
+# stretches of Python between blocking calls (a message's handling, a read's start and completion, an answer's send),
+# and a thread woken for one (a reader thread for a read just queued, the session reader for the next message) waits
+# for the GIL until the holder blocks or this interval passes. BETELGEUSE_STORE_SWITCH_S sets it for a device A/B:
+# 0.0001 and 0.00002 s showed no difference on a 2-core CPU's one load at a time (docs/benchmarks/cpu-chain58), so
+# the default stays Python's
+SWITCH_ENV = "BETELGEUSE_STORE_SWITCH_S"
+
+
 def main(argv=None) -> int:
+    if os.environ.get(SWITCH_ENV):
+        sys.setswitchinterval(float(os.environ[SWITCH_ENV]))
     hups = []                                     # SIGHUP: logged and ignored (logs go to stderr, nothing to re-open)
     signal.signal(signal.SIGHUP, lambda *_: hups.append(1))
     p = argparse.ArgumentParser(prog="betelgeuse-store", description=__doc__.splitlines()[0])

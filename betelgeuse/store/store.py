@@ -113,6 +113,20 @@ class _Fill:
         self.done.wait(timeout)
 
 
+class Landing(queue.SimpleQueue):
+    """A load's landed keys: its reads' completions put them (under the store's cv) and the load's generator takes them
+    (ExpertStore._deliver). on_land(), where set: called after each such put from the thread that put it (a reader
+    thread's completion), outside the cv, so a delivery driven from there (services/store_main.py: the load's answers
+    sent from the read's completion itself, no hop to a thread waiting on this queue) may run the generator (wait=False)
+    at once. It must not raise or block: it runs on a reader thread."""
+
+    __slots__ = ("on_land",)
+
+    def __init__(self):
+        super().__init__()
+        self.on_land = None
+
+
 class ExpertStore:
     def __init__(self, model: GGUFModelFile, plan: SlotPlan, read_threads: int = 8, read_request_bytes: int = 4 << 20,
                  engram_read_depth: int = 32, bound_fills: bool = False, hysteresis: bool = True,
@@ -154,7 +168,7 @@ class ExpertStore:
         self._ready_bytes: dict[tuple[int, int], int] = {}              # key -> disk bytes of its read (until handed out)
         self._readahead_keys: set[tuple[int, int]] = set()
         self._claimed: set[tuple[int, int]] = set()                        # awaited by a running load: not evictable
-        self._waiters: dict[tuple[int, int], list[queue.Queue]] = {}      # key -> loads waiting for its read
+        self._waiters: dict[tuple[int, int], list[Landing]] = {}          # key -> loads waiting for its read
         self._failed: dict[tuple[int, int], str] = {}                     # key -> why its read failed
         self.score = np.zeros((L, E), dtype=np.float64)                  # decayed usage, for consolidation
         self._usage = np.zeros((L, E), dtype=np.int64)                   # since the last consolidation
@@ -340,7 +354,7 @@ class ExpertStore:
 
     # ---- demand loads and read-ahead -------------------------------------------------------
     def load(self, session: str, keys: list[tuple[int, int]], release=(), ahead=(), drop=(),
-             alive=None, started: bool = False) -> Iterator[Loaded]:
+             alive=None, started: bool = False, wait: bool = True) -> Iterator[Loaded | None]:
         """Yields each expert as its bytes land in a staging slot, in completion order. First hands back the staging
         slots `release` and forgets the reads ahead of `drop` not started yet; once every demand read has started,
         reads `ahead` ahead (as prefetch): one message does a decode layer's store work. alive() false (the gRPC call
@@ -349,14 +363,18 @@ class ExpertStore:
         without a wait), yielded once the load's reads have started (and, if every demand read has, its reads ahead),
         before any wait (none with no key: the load ends there): the session stream's reader takes it, so that the
         store reads in the order the requests were sent, hands over what has landed, and the rest to a thread that
-        waits (services/store_main.py)."""
+        waits (services/store_main.py).
+        wait=False: never block; where the next expert has not landed yet, yield None instead (after the checks a
+        wait's timeout makes: alive(), the session, a stall's warning): the caller calls again once the landing queue
+        has a key (its on_land: Landing) or, for those checks and for reads still waiting for a staging slot, on a
+        tick of its own (store_main's loader thread: every WAIT_S)."""
         mark = self._mark()
         self.watch.check()                          # checked on reads: a stat and an fstat when nothing changed
         self._check(session)
         with self.cv:                               # now, even if the stream is never read (a failed pass)
             self._release(release)
             self._drop(drop)
-        return self._load(session, keys, ahead, alive, started, mark)
+        return self._load(session, keys, ahead, alive, started, mark, wait)
 
     def _mark(self) -> list:
         """A read message taken now: its entry in the message log, [now, None, None] (the reads it starts fill in [1],
@@ -365,10 +383,10 @@ class ExpertStore:
         self._msgs.append(m)
         return m
 
-    def _load(self, session, keys, ahead, alive=None, started=False, mark=None) -> Iterator[Loaded]:
+    def _load(self, session, keys, ahead, alive=None, started=False, mark=None, wait=True) -> Iterator[Loaded | None]:
         if self.reader.jitter is not None:        # test-only adversarial timing: staged copies answer out of order
             keys = self.reader.jitter.shuffled(keys)
-        done: queue.Queue = queue.Queue()
+        done = Landing()
         pending = []
         with self.cv:
             for key in keys:
@@ -383,14 +401,16 @@ class ExpertStore:
                 else:
                     pending.append(key)
         try:
-            yield from self._deliver(session, keys, pending, done, list(ahead), alive, started, mark)
+            yield from self._deliver(session, keys, pending, done, list(ahead), alive, started, mark, wait)
         finally:
             with self.cv:
                 self._claimed.difference_update(keys)
 
     STALL_S = 2.0       # a load with no expert landed for this long logs the staging state once (stall())
+    WAIT_S = 0.05       # s: how often a waiting load checks alive, the session, a stall, and retries slot-less reads
 
-    def _deliver(self, session, keys, pending, done, ahead, alive=None, started=False, mark=None) -> Iterator[Loaded]:
+    def _deliver(self, session, keys, pending, done, ahead, alive=None, started=False, mark=None,
+                 wait=True) -> Iterator[Loaded | None]:
         delivered, queued = 0, 0
         last, told = time.monotonic(), False
         while delivered < len(keys):
@@ -410,7 +430,7 @@ class ExpertStore:
                 started = False
                 yield done
             try:
-                key = done.get(timeout=0.05)
+                key = done.get(timeout=self.WAIT_S) if wait else done.get_nowait()
             except queue.Empty:
                 if alive is not None and not alive():
                     return
@@ -420,6 +440,8 @@ class ExpertStore:
                     told = True
                     log.warning("a load stalled %.1f s: %s", time.monotonic() - last,
                                 self.stall(keys[delivered:], pending))
+                if not wait:
+                    yield None                      # nothing landed: the caller comes back (load's wait=False)
                 continue
             last = time.monotonic()
             if mark is not None:                    # the message log: this load's expert seen here (the last one's
@@ -558,7 +580,7 @@ class ExpertStore:
             return sorted(set(range(self.plan.n_staging)) - known)
 
     # ---- internals (hold self.cv) --------------------------------------------------------
-    def _watch(self, key, done: queue.Queue):
+    def _watch(self, key, done: Landing):
         """`done` gets `key` once its bytes are staged (now, or from the read's completion, under self.cv)."""
         if key in self._staged:
             done.put(key)
@@ -652,9 +674,13 @@ class ExpertStore:
                     self._ready_bytes[key] = nbytes
                     if key in self._readahead_keys:
                         self.counters.readahead_bytes += nbytes
-                for q in self._waiters.pop(key, []):     # staged (or failed) before anyone is told
+                told = self._waiters.pop(key, [])
+                for q in told:                           # staged (or failed) before anyone is told
                     q.put(key)
                 self.cv.notify_all()
+            for q in told:                               # outside the cv: a delivery may send from here (Landing)
+                if q.on_land is not None:
+                    q.on_land()
         fut.add_done_callback(landed)
 
     # ---- consolidation ---------------------------------------------------------------------
