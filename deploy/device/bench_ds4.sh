@@ -9,6 +9,8 @@
 #                                              # then in the APPROXIMATE pool mode (ROUTING, default exact,pool),
 #                                              # one bench run sharing the model write; PASS/MISS per target
 #   STORE_MESSAGES=1 ... bash deploy/device/bench_ds4.sh ...   # also times one store message on this CPU first
+#   CHAIN_LATENCY=1 ... bash deploy/device/bench_ds4.sh ...    # also the store<->worker chain's host links first
+#                                              # (deploy/device/chain_latency.py: chain_latency.md)
 #   CHECK_ONLY=1 bash deploy/device/bench_ds4.sh   # correctness: every check_ds4.py step (kernels, engine, the fused
 #                                              # ops at V4-Flash shapes, eager == graph replay, batch invariance,
 #                                              # launches per decode layer); no model write, no bench
@@ -98,6 +100,11 @@ if [ "${STORE_MESSAGES:-0}" = 1 ]; then
   say "store_messages.py"
   timeout 120 "$PY" deploy/device/store_messages.py --out "$DEST/store_messages.md" >>"$LOG" 2>&1
   [ -f "$DEST/store_messages.md" ] && cat "$DEST/store_messages.md"
+fi
+if [ "${CHAIN_LATENCY:-0}" = 1 ]; then      # the store<->worker chain's host links on this CPU and disk (~10 s)
+  say "chain_latency.py"
+  CHAIN_TMP=$WORK timeout 120 "$PY" deploy/device/chain_latency.py --n 500 --out "$DEST/chain_latency.md" >>"$LOG" 2>&1
+  [ -f "$DEST/chain_latency.md" ] && cat "$DEST/chain_latency.md"
 fi
 say "check_ds4.py"
 timeout 260 "$PY" deploy/device/check_ds4.py --out "$DEST" --tmp "$WORK/check" --only "${CHECK_STEPS:-kernel,engine,vram}" \

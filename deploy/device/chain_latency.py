@@ -17,7 +17,8 @@ many were), on the session stream (store.session_transport, seqpacket by default
 
 and the links are the differences: message = took - send, store = read - took, disk = landed - read (the read
 itself, for scale), land = handed - landed, deliver = recv - handed (the store's answer built and sent, the socket,
-the worker's reader thread and its GIL), wake = woken - recv (the routing to the box, the main thread's wakeup). Two
+the worker's reader thread and its GIL), wake = woken - recv (the routing to the box, the main thread's wakeup), host
+= total less disk (a load's host links together, each load's own sum: the figure the disk waits on). Two
 modes: `idle` (the main thread waits in take() at once) and `busy` (it runs BUSY_US of Python and small torch CPU
 ops after the send before it waits, as a decode layer's host work does: the worker's reader thread then contends
 for the GIL; wake is then counted from max(recv, the work's end)).
@@ -41,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-LINKS = ("message", "store", "disk", "land", "deliver", "wake", "total")
+LINKS = ("message", "store", "disk", "land", "deliver", "wake", "host", "total")   # host: total less disk, a load's
 BUSY_US = 1500.0
 
 
@@ -134,7 +135,7 @@ def measure(n: int, tmp: Path, mode: str, transport: str) -> tuple[dict[str, lis
         info["loads"] += 1
         info["disk_reads"] += from_disk
         for k, v in zip(LINKS, (took - t_send, read - took, landed - read, handed - landed, r - handed,
-                                t_woken - max(r, t_work), t_woken - t_send)):
+                                t_woken - max(r, t_work), t_woken - t_send - (landed - read), t_woken - t_send)):
             rows[k].append(v)
     return rows, info
 
@@ -145,14 +146,18 @@ def main() -> int:
     p.add_argument("--modes", default="idle,busy", help="idle, busy (comma-separated)")
     p.add_argument("--transport", default="seqpacket", help="store.session_transport (seqpacket; grpc: no recv)")
     p.add_argument("--out", default=None, help="also write the table here")
+    p.add_argument("--worker-switch", type=float, default=None,
+                   help="s: this (the worker's) process's GIL switch interval (sys.setswitchinterval; Python's 0.005)")
     a = p.parse_args()
+    if a.worker_switch:
+        sys.setswitchinterval(a.worker_switch)
     out, infos = {}, {}
     with tempfile.TemporaryDirectory(prefix="bg-chain-", dir=os.environ.get("CHAIN_TMP", "/var/tmp")) as d:
         for mode in a.modes.split(","):
             out[mode], infos[mode] = measure(a.n, Path(d), mode, a.transport)
     modes = list(out)
-    lines = [f"store<->worker chain on {os.cpu_count()} CPUs, {a.transport}, python {sys.version.split()[0]} "
-             f"(µs; median / p90)", ""]
+    lines = [f"store<->worker chain on {os.cpu_count()} CPUs, {a.transport}, python {sys.version.split()[0]}, the "
+             f"worker's switch interval {sys.getswitchinterval() * 1e3:g} ms (µs; median / p90)", ""]
     for m in modes:
         i = infos[m]
         lines.append(f"- {m}: {i['loads']} loads matched, {i['disk_reads']} read from disk, reads {i['read_mode']}"

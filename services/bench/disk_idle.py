@@ -26,7 +26,7 @@ expert delivered]), cut at each step's time, each clipped into the gap after the
             started no read: its experts were staged by read-ahead): the disk idled through earlier layers' work
             with nothing queued (only deeper read-ahead fills that); else 0
   land      -> the store's thread that delivers the layer before's load has its last expert (the reader's completion
-            callback, that thread's wakeup)
+            callback; the reader thread delivers it itself since cpu-chain58, before it a loader thread's wakeup)
   deliver   -> the worker has it (the answer over the session stream: the store's send, the socket, the worker's read)
   gpu       -> the next layer's routing on the host: the expert's H2D copy and group, the next layer's attention and
             routing, the routing's sync to the host (between tokens: also the head, sampling and the next step's start)

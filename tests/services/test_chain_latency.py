@@ -23,8 +23,9 @@ def test_each_loads_links_are_ordered_and_sum_to_its_whole(tmp_path):
     rows, info = tool.measure(40, tmp_path, "idle", "seqpacket")
     assert info["loads"] >= 35 and info["disk_reads"] == info["loads"], info
     assert info["read_mode"] in ("direct", "buffered")
-    parts = [k for k in tool.LINKS if k != "total"]
+    parts = [k for k in tool.LINKS if k not in ("host", "total")]
     for i, total in enumerate(rows["total"]):
         links = [rows[k][i] for k in parts]
         assert min(links) > -20e-6, dict(zip(parts, links))          # the stamps in order (20 µs: clock reads)
         assert abs(sum(links) - total) < 1e-6, (links, total)
+        assert abs(rows["host"][i] - (total - rows["disk"][i])) < 1e-6
