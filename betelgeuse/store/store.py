@@ -362,12 +362,12 @@ class ExpertStore:
         started: the first item is the load's landing queue (its qsize(): experts landed, handed over by the next items
         without a wait), yielded once the load's reads have started (and, if every demand read has, its reads ahead),
         before any wait (none with no key: the load ends there): the session stream's reader takes it, so that the
-        store reads in the order the requests were sent, hands over what has landed, and the rest to a thread that
-        waits (services/store_main.py).
+        store reads in the order the requests were sent, hands over what has landed, and the rest as it lands
+        (services/store_main.py _Delivery).
         wait=False: never block; where the next expert has not landed yet, yield None instead (after the checks a
         wait's timeout makes: alive(), the session, a stall's warning): the caller calls again once the landing queue
         has a key (its on_land: Landing) or, for those checks and for reads still waiting for a staging slot, on a
-        tick of its own (store_main's loader thread: every WAIT_S)."""
+        tick of its own (store_main's tick thread: every WAIT_S)."""
         mark = self._mark()
         self.watch.check()                          # checked on reads: a stat and an fstat when nothing changed
         self._check(session)
