@@ -26,7 +26,6 @@ import secrets
 import signal
 import socket
 import stat
-import sys
 import threading
 import time
 from concurrent import futures
@@ -574,18 +573,7 @@ def watch_model(store: ExpertStore, health_servicer, m, stop: threading.Event, e
         was = why
 
 
-# s: the store process's GIL switch interval (sys.setswitchinterval; Python's default 5 ms). Its threads run short
-# stretches of Python between blocking calls (a message's handling, a read's start and completion, an answer's send),
-# and a thread woken for one (a reader thread for a read just queued, the session reader for the next message) waits
-# for the GIL until the holder blocks or this interval passes. BETELGEUSE_STORE_SWITCH_S sets it for a device A/B:
-# 0.0001 and 0.00002 s showed no difference on a 2-core CPU's one load at a time (docs/benchmarks/cpu-chain58), so
-# the default stays Python's
-SWITCH_ENV = "BETELGEUSE_STORE_SWITCH_S"
-
-
 def main(argv=None) -> int:
-    if os.environ.get(SWITCH_ENV):
-        sys.setswitchinterval(float(os.environ[SWITCH_ENV]))
     hups = []                                     # SIGHUP: logged and ignored (logs go to stderr, nothing to re-open)
     signal.signal(signal.SIGHUP, lambda *_: hups.append(1))
     p = argparse.ArgumentParser(prog="betelgeuse-store", description=__doc__.splitlines()[0])
