@@ -255,7 +255,17 @@ class AtHand:
         if ev is not None:
             ev.record(current_stream(self.dev.device.index))     # the stream the copy_ above was queued on
 
-    def stale(self) -> bool:
+    def stale(self, after: int = -1) -> bool:
         """A flex copy the table names was dropped or rewritten since the last refresh (inside a step: a later
-        layer's group must not read the slot)."""
-        return self.flex is not None and self.flex.forgets != self.forgets
+        layer's group must not read the slot). after (inside a decode step, layers 0 .. after done: their at-hand
+        groups queued, each layer's once a step): only a change of a later layer's copy makes it stale; rows <= after
+        are read again only in the next step, after its refresh (hand_refresh, which patches every change logged
+        since: FlexCache.changed), and a queued group read its slot before the copy that rewrites it (the compute
+        stream's order). So a miss layer whose fill evicts an earlier layer's copy uploads no table (host58: about
+        half of them at ds4-flash's 8 layers, an upload and its buffer's event query each on CUDA)."""
+        f = self.flex
+        if f is None or f.forgets == self.forgets:
+            return False
+        if after < 0 or f.changed is None:      # not logged (FlexCache.changed): any change counts
+            return True
+        return any(t > after for t, _ in f.changed)

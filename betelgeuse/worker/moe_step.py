@@ -547,16 +547,17 @@ class MoEStep:
     def hand_misses(self, l, r, snap, stats: PassStats, ls: LayerStats, synced=None, guess=None,
                     graphs: bool = False):
         """After hand_group: the wait (or the row the gate published: synced), the tier counts, read-ahead and the
-        misses (partial(hand=True)); then, where this layer's disk experts evicted a flex copy, the table again (a
-        later layer's group must not read the rewritten slot; stream-ordered before it). Fills into free slots wait
-        for the next step's refresh. graphs: the start was hand_start(l, r, guess, graphs=True), in the layer's graph
-        (a replay ran it: the host names what it waits for, RoutingSync.expect)."""
+        misses (partial(hand=True)); then, where this layer's disk experts evicted a later layer's flex copy, the
+        table again (that layer's group must not read the rewritten slot; stream-ordered before it). Fills into free
+        slots and evictions of layers <= l wait for the next step's refresh (AtHand.stale(after=l)). graphs: the
+        start was hand_start(l, r, guess, graphs=True), in the layer's graph (a replay ran it: the host names what it
+        waits for, RoutingSync.expect)."""
         sync = None
         if graphs:
             sync = self.graph_sync
             sync.expect(r.counts, self._guess_of(l, guess))
         self.partial(l, r, snap, stats, ls, False, None, hand=True, synced=synced, sync=sync)
-        if self.hand.stale():
+        if self.hand.stale(after=l):            # a later layer's copy evicted (earlier ones: the next step's refresh)
             self.hand.refresh(snap)             # the evicted copies' entries (AtHand._patch)
 
     # ---- decode with no per-layer sync (worker/gate.py) ------------------------------------------------------
@@ -1048,12 +1049,12 @@ class MoEStep:
         stream, in one _foreach_copy_, so stream order puts them after every group that may still read a slot's
         evicted copy (the at-hand groups of this and earlier layers and steps, flex chunk groups, earlier direct
         groups: all on the compute stream; a group graph's first launch on the capture stream is joined back to it:
-        on_side) and before this group; a later layer's at-hand group reads the new table: where a copy was
-        evicted (AtHand.stale) its upload is queued in the same _foreach_copy_ (refresh(defer=True): one call and one
-        event for both; the at-hand table is read by no group of this layer after it, and hand_misses' refresh
-        re-uploads where a later batch of the layer evicts again). The price: such a copy does not overlap the compute
-        queued before it (a decode layer's at-hand group, long done by the time a disk read lands) nor an earlier
-        batch's group of the layer.
+        on_side) and before this group; a later layer's at-hand group reads the new table: where a later layer's
+        copy was evicted (AtHand.stale(after=l)) its upload is queued in the same _foreach_copy_ (refresh(defer=True):
+        one call and one event for both; the at-hand table is read by no group of this layer after it, and
+        hand_misses' refresh re-uploads where a later batch of the layer evicts again). The price: such a copy does
+        not overlap the compute queued before it (a decode layer's at-hand group, long done by the time a disk read
+        lands) nor an earlier batch's group of the layer.
         -> [(CUDA event after their copies, staging slots)]: what _release waits for before the slots go back."""
         cache, flex = self.cache, self.flex
         took = flex.take(l, es)
@@ -1079,7 +1080,7 @@ class MoEStep:
                 dsts.append(dev)
                 fsrcs.append(cache.table_source(dev))
             hand = self.hand
-            if hand is not None and hand.stale():  # the at-hand table names an evicted copy: its upload with them
+            if hand is not None and hand.stale(after=l):   # a later layer's evicted copy: the upload with them
                 hand.refresh(snap, defer=True)
                 if hand.deferred is not None:
                     dsts.append(hand.deferred[0])
