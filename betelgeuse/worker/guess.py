@@ -125,6 +125,19 @@ class _Ask:
         return sum(1 for t, _ in self.keys[:self.queued_n()] if t == layer)
 
 
+class _Less:
+    """`a` less `b` (two sets) for `in` alone, made without a copy: a decode layer's disk set (~130 of ds4-flash's
+    256 experts) less its few flex copies is asked about a dozen guessed ids (Guesser._candidates)."""
+
+    __slots__ = ("a", "b")
+
+    def __init__(self, a: set, b: set):
+        self.a, self.b = a, b
+
+    def __contains__(self, x) -> bool:
+        return x in self.a and x not in self.b
+
+
 class Marks:
     """A decode step's guesses of layers l+1 .. l+D, on the host: from their ids [T, D, k] (T running rows, each row's k
     ids best first: rank 0 is its top-1 guess), per depth d-1 and expert e, rows [D, E] = the running rows that
@@ -180,13 +193,17 @@ class Marks:
         if self._rows is None:
             for t in layers:
                 s = disk[t]
-                if s and self._held is not None:
-                    s = s - self._held[t - first]
-                if s:
-                    d = t - first
-                    for row in self.ids:
+                if not s:
+                    continue
+                d = t - first
+                h = None if self._held is None else self._held[d]
+                for row in self.ids:
+                    if not h:
                         if not s.isdisjoint(row[d]):
                             return True
+                    # the few guessed ids tested, not a copy of the layer's disk set less the held (~130 experts)
+                    elif any(x in s and x not in h for x in row[d]):
+                        return True
             return False
         return any(disk[t] and not disk[t].isdisjoint(np.flatnonzero(self._rows[t - first]).tolist()) for t in layers)
 
@@ -375,7 +392,7 @@ class Guesser:
                 if not union and marks.n > 1:          # most rows first, then top-1 guesses; ties: ascending id
                     order = np.lexsort((e, -marks.top[d - 1][e], -marks.rows[d - 1][e]))
                     e, kind = e[order], kind[order]
-            cand = [(t, int(x)) for x in e]
+            cand = [(t, x) for x in e] if lists else [(t, int(x)) for x in e]     # _candidates': Python ints
             new = [k for k in cand if k not in self._asked]
             cap = self.cap(t, d) if marks.n > 1 else None
             if cap is not None:                     # past the cap: held, as below the budget
@@ -383,9 +400,13 @@ class Guesser:
             self._per_layer[t] = self._per_layer.get(t, 0) + len(new)
             took = set(new)
             self._guessed.setdefault(t, set()).update(k[1] for k in cand if k in took or k in self._asked)
-            for k, c in zip(cand, kind):
-                if k in took:
-                    self.class_read[d - 1, c] += 1
+            if took:
+                read: dict = {}                     # per class, then one numpy add each (not one per expert)
+                for k, c in zip(cand, kind):
+                    if k in took:
+                        read[c] = read.get(c, 0) + 1
+                for c, n in read.items():
+                    self.class_read[d - 1, c] += n
             keys += new
         if keys:
             self._asked.update(keys)
@@ -402,8 +423,9 @@ class Guesser:
         -> (those within their (depth, class)'s budget, most rows first then top-1 guesses (ties: ascending id)
         where the batch rule orders them, their classes), as the general loop's e, kind."""
         ids = marks.ids
-        if marks._held is not None and marks._held[d - 1]:       # Marks.without: the held experts need no read
-            disk = disk - marks._held[d - 1]
+        held = marks._held[d - 1] if marks._held is not None else None     # Marks.without: they need no read
+        if held:            # the guessed ids tested against both sets: no copy of the layer's disk set less them
+            disk = _Less(disk, held)
         if marks.n == 1:
             e = sorted({x for x in ids[0][d - 1] if x in disk})
             kind = [LONE] * len(e)
@@ -420,8 +442,8 @@ class Guesser:
         cls = [LONE] * len(e) if union else kind
         # as lists (check's fast path scores them on lists: no array made and turned back)
         self._by_depth.setdefault(t, {})[d] = (e, cls, kind)
-        ok = [self.worth(t, d, c) for c in cls]
-        picked = [(x, c) for x, c, y in zip(e, kind, ok) if y]
+        worth = {c: self.worth(t, d, c) for c in set(cls)}      # per class once (a lone stream's: one)
+        picked = [(x, c) for x, c, b in zip(e, kind, cls) if worth[b]]
         if not union and rows is not None:
             picked.sort(key=lambda xc: (-rows[xc[0]], -top.get(xc[0], 0), xc[0]))
         return [x for x, _ in picked], [c for _, c in picked]
@@ -442,12 +464,19 @@ class Guesser:
                 hits[c] /= 2
                 tries[c] /= 2
             tries[c] += k
-            hits[c] += h
+            if h:
+                hits[c] += h
+        per: dict = n if kind == cls else {}    # per class: [guesses, hits] (the budget's where the same classes)
+        if per is not n:
+            for c, y in zip(kind, hit):
+                t = per.setdefault(c, [0, 0])
+                t[0] += 1
+                t[1] += y
         ct, ch = self.class_tries[d - 1], self.class_hits[d - 1]
-        for c, y in zip(kind, hit):
-            ct[c] += 1
-            if y:
-                ch[c] += 1
+        for c, (k, h) in per.items():
+            ct[c] += k
+            if h:
+                ch[c] += h
 
     def check(self, layer: int, disk: np.ndarray, ahead_used: int, stats: PassStats):
         """Layer `layer` ran with these disk experts, `ahead_used` of them answered from reads ahead: score the
