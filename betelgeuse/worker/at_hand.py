@@ -193,26 +193,26 @@ class AtHand:
         f = self.flex
         changed = dict.fromkeys(f.changed)
         f.changed = []
+        pool = self.cache.pool.data_ptr()
         for l, e in changed:
-            self.host[l, e] = self._entry(snap, l, e)
+            self.host[l, e] = self._entry(snap, l, e, pool)
         self._key = (snap, key)
         self._upload(self.host)                     # a copy of it goes (pinned on CUDA; the CPU copies it now)
         self.forgets = f.forgets
         return True
 
-    def _entry(self, snap, l: int, e: int) -> int:
+    def _entry(self, snap, l: int, e: int, pool: int) -> int:
         """The table's entry of (l, e) as refresh's rebuild makes it (VRAM slot, else flex copy, else host slot in
-        place, else -1), the torch kernels' source beside it (the CPU)."""
+        place, else -1), the torch kernels' source beside it (the CPU). pool: the slot pool's address."""
         c, f = self.cache, self.flex
-        pool = c.pool.data_ptr()
         src = None
-        if c.vram_base[l, e] >= 0:
-            at = int(c.vram_base[l, e])
+        at = int(c.vram_base[l, e])
+        if at >= 0:
             src = (c.pool, at)
-        elif f is not None and f.where[l, e] >= 0:
-            ch, i = divmod(int(f.where[l, e]), f.per_chunk)
-            at = f.chunks[ch].data_ptr() + i * f.slot_bytes - pool
-            src = (f.chunks[ch], i * f.slot_bytes)
+        elif f is not None and (s := int(f.where[l, e])) >= 0:
+            at = f.slot_address(s) - pool           # its chunk's address read once (FlexCache._base)
+            if self.srcs is not None:
+                src = f.slot_source(s)
         elif self.in_place and snap["tier"][l, e] == TIER_HOST and snap["host_slot"][l, e] >= 0:
             lay = c.layout
             off = lay.host_base + (l * lay.host_per_layer + int(snap["host_slot"][l, e])) * lay.slot.slot_bytes
