@@ -219,6 +219,31 @@ class FlexCache:
         rest = [i for i, (s, t) in enumerate(zip(slots, tl)) if s < 0 or t == TIER_VRAM]
         return used[rest], tiers[rest], used[hit]
 
+    def split_lists(self, layer: int, used: list[int], tiers: list[int]) -> tuple[list, list, list]:
+        """split on Python lists (the decode short paths': MoEStep._routed, a layer's few routed experts), the same
+        rule, LRU moves and counts: -> (used, tiers) less the experts computed from a copy, and those experts."""
+        cp = self.copies[layer]
+        if cp.isdisjoint(used):                 # no routed expert has a copy: no numpy call
+            return used, tiers, []
+        where = self.where[layer]
+        slots = [int(where[e]) if e in cp else -1 for e in used]
+        hit, rest = [], []
+        for i, (s, t) in enumerate(zip(slots, tiers)):
+            if s < 0:
+                rest.append(i)
+            elif t == TIER_VRAM:                # a copy of an expert now in VRAM goes; the VRAM slot computes it
+                self._forget(s)
+                self.stats.dropped += 1
+                rest.append(i)
+            else:
+                hit.append(i)
+        if not hit:
+            return used, tiers, []
+        for i in hit:
+            self.lru.move_to_end(slots[i])
+        self.stats.hits += len(hit)
+        return [used[i] for i in rest], [tiers[i] for i in rest], [used[i] for i in hit]
+
     def held_mask(self, layer: int, experts: np.ndarray) -> np.ndarray:
         """bool per expert of `layer`: a copy is held (a read ahead of it would be wasted)."""
         return self.where[layer, experts] >= 0

@@ -660,12 +660,14 @@ class MoEStep:
         # layer's row published by the device
         counts, marks = self.clock.wait((sync or self.sync).finish) if synced is None else synced
         stats.routed.append((time.monotonic(), l))     # the routing on the host: the chain to the load (PassStats)
-        used = np.nonzero(counts)[0]
-        tiers = self._tiers(snap)[l][used]
-        flexed = used[:0]
-        if self.flex is not None:         # experts held in the flex cache are computed from their copies (step 2)
-            used, tiers, flexed = self.flex.split(l, used, tiers)
         if hand and self._fast:
+            # the short paths on the routed experts' lists, made once for both (a decode layer routes a few)
+            used = np.flatnonzero(counts).tolist()
+            trow = self._tiers(snap)[l]
+            tiers = [int(trow[e]) for e in used]
+            flexed = []
+            if self.flex is not None:     # experts held in the flex cache are computed from their copies (step 2)
+                used, tiers, flexed = self.flex.split_lists(l, used, tiers)
             if self._hand_all(l, counts, marks, used, tiers, flexed, snap, stats, ls):
                 self._ahead_start(l, marks, snap, stats)
                 return
@@ -673,6 +675,15 @@ class MoEStep:
                 self._hand_misses(l, r, counts, marks, used, tiers, flexed, snap, stats, ls)
                 self._ahead_start(l, marks, snap, stats)
                 return
+            # the general path below on arrays (decode_gate's table): the split is done (its counts, LRU moves)
+            used, flexed = np.asarray(used, dtype=np.int64), np.asarray(flexed, dtype=np.int64)
+            tiers = np.asarray(tiers, dtype=trow.dtype)
+        else:
+            used = np.nonzero(counts)[0]
+            tiers = self._tiers(snap)[l][used]
+            flexed = used[:0]
+            if self.flex is not None:     # experts held in the flex cache are computed from their copies (step 2)
+                used, tiers, flexed = self.flex.split(l, used, tiers)
         # a copy ahead of this layer's guessed host experts (_ahead_start at l-1) is taken by _hand_misses alone;
         # the general paths leave it (as _hand_all does: every routed expert at hand), its bytes copied for nothing
         self._ahead = None
@@ -763,16 +774,17 @@ class MoEStep:
         the general path runs. The general path's observables with nothing of it that has no work: the tier counts,
         the read-ahead of the guesses and the drop of this layer's unused ones (the same messages),
         the in-place bytes, the guesses scored; no per-tier arrays, no bank or staging bookkeeping. `used`, `tiers`:
-        the routed experts less the flex-held ones (`flexed`)."""
-        # a few experts (T rows x k at most): Python over their lists costs less than numpy calls on them
+        the routed experts less the flex-held ones (`flexed`), Python lists (_partial makes them once for both)."""
+        # a few experts (T rows x k at most, as lists: _partial): Python over them costs less than numpy calls
         at = self.hand.host[l]
-        if -1 in at[used].tolist():                  # a disk expert, or a host one this step banks: a miss
-            return False
-        tl = tiers.tolist()
+        for e in used:
+            if at[e] == -1:                          # a disk expert, or a host one this step banks: a miss
+                return False
+        tl = tiers
         nh = tl.count(TIER_HOST)
         if tl.count(TIER_DISK):                      # a disk expert in the table: the general path's assert says so
             return False
-        assert not len(flexed) or -1 not in at[flexed].tolist(), (l, flexed)
+        assert all(at[e] != -1 for e in flexed), (l, flexed)
         nv = len(tl) - nh
         ls.vram, ls.host, ls.disk = nv, nh, 0
         reads = stats.reads
@@ -785,7 +797,7 @@ class MoEStep:
         if len(flexed):
             self._flex_count(len(flexed), stats, ls)
         if nh and self.hand.in_place:   # the bytes the group's kernels read over PCIe (worker/at_hand.py)
-            self._read_in_place(l, counts, [e for e, t in zip(used.tolist(), tl) if t == TIER_HOST], stats)
+            self._read_in_place(l, counts, [e for e, t in zip(used, tl) if t == TIER_HOST], stats)
         self.guesser.check(l, (), 0, stats)         # no disk expert
         return True
 
@@ -833,14 +845,15 @@ class MoEStep:
         experts are computed in the first disk group (one bank, table and apply for both, where they fit: the general
         path's host group and its launches are saved; LayerStats.groups one lower), which cannot change a bit (module
         doc: each row's output by the same kernel whatever its group, ranks reduced in order). `used`, `tiers`: the
-        routed experts less the flex-held ones (`flexed`). The general path (fast = False) is what the tests compare
-        it with. A copy ahead of this layer's guessed host experts (_ahead_start at l-1): the banked experts it holds
-        are computed from its bank first (_ahead_group)."""
+        routed experts less the flex-held ones (`flexed`), lists. The general path (fast = False) is what the tests
+        compare it with. A copy ahead of this layer's guessed host experts (_ahead_start at l-1): the banked experts
+        it holds are computed from its bank first (_ahead_group)."""
         ahead, self._ahead = self._ahead, None
         ahead = ahead if ahead is not None and ahead[0] == l else None
         at = self.hand.host[l]
         nv, read, banked, disk = 0, [], [], []      # VRAM; host read in place (at hand) / banked here; disk
-        for e, t, a in zip(used.tolist(), tiers.tolist(), at[used].tolist()):
+        for e, t in zip(used, tiers):               # lists (_partial)
+            a = at[e]
             if t == TIER_VRAM:
                 assert a != -1, (l, e)               # the at-hand group computed it
                 nv += 1
@@ -849,7 +862,7 @@ class MoEStep:
             elif t == TIER_DISK:
                 assert a == -1, (l, e)               # a disk expert is never at hand
                 disk.append(e)
-        assert not len(flexed) or -1 not in at[flexed].tolist(), (l, flexed)
+        assert all(at[e] != -1 for e in flexed), (l, flexed)
         ls.vram, ls.host, ls.disk = nv, len(read) + len(banked), len(disk)
         reads = stats.reads
         reads["vram"] += ls.vram

@@ -121,6 +121,7 @@ def _miss_groups(moe, l: int, used, tiers) -> tuple[int, int, str]:
     as the first disk group's bank has room for (B less that batch) in that group, the rest in groups of B."""
     from betelgeuse.store.directory import TIER_DISK, TIER_HOST
     at = moe.hand.host[l]
+    used, tiers = np.asarray(used, dtype=np.int64), np.asarray(tiers)      # lists on the short paths (_partial)
     hb = sum(1 for e, t in zip(used.tolist(), tiers.tolist()) if t == TIER_HOST and at[e] == -1)
     d = int((tiers == TIER_DISK).sum())
     B = moe.cache.bank_size
