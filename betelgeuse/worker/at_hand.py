@@ -268,4 +268,7 @@ class AtHand:
             return False
         if after < 0 or f.changed is None:      # not logged (FlexCache.changed): any change counts
             return True
-        return any(t > after for t, _ in f.changed)
+        for t, _ in f.changed:                  # a loop, not any(genexpr): a call less per entry
+            if t > after:
+                return True
+        return False

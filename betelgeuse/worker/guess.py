@@ -125,19 +125,6 @@ class _Ask:
         return sum(1 for t, _ in self.keys[:self.queued_n()] if t == layer)
 
 
-class _Less:
-    """`a` less `b` (two sets) for `in` alone, made without a copy: a decode layer's disk set (~130 of ds4-flash's
-    256 experts) less its few flex copies is asked about a dozen guessed ids (Guesser._candidates)."""
-
-    __slots__ = ("a", "b")
-
-    def __init__(self, a: set, b: set):
-        self.a, self.b = a, b
-
-    def __contains__(self, x) -> bool:
-        return x in self.a and x not in self.b
-
-
 class Marks:
     """A decode step's guesses of layers l+1 .. l+D, on the host: from their ids [T, D, k] (T running rows, each row's k
     ids best first: rank 0 is its top-1 guess), per depth d-1 and expert e, rows [D, E] = the running rows that
@@ -201,9 +188,10 @@ class Marks:
                     if not h:
                         if not s.isdisjoint(row[d]):
                             return True
-                    # the few guessed ids tested, not a copy of the layer's disk set less the held (~130 experts)
-                    elif any(x in s and x not in h for x in row[d]):
-                        return True
+                        continue
+                    for x in row[d]:        # the few guessed ids, not a copy of the disk set less the held ones
+                        if x in s and x not in h:
+                            return True
             return False
         return any(disk[t] and not disk[t].isdisjoint(np.flatnonzero(self._rows[t - first]).tolist()) for t in layers)
 
@@ -423,11 +411,11 @@ class Guesser:
         -> (those within their (depth, class)'s budget, most rows first then top-1 guesses (ties: ascending id)
         where the batch rule orders them, their classes), as the general loop's e, kind."""
         ids = marks.ids
-        held = marks._held[d - 1] if marks._held is not None else None     # Marks.without: they need no read
-        if held:            # the guessed ids tested against both sets: no copy of the layer's disk set less them
-            disk = _Less(disk, held)
+        # Marks.without's held experts need no read: the guessed ids tested against both sets (no copy of the
+        # layer's disk set, ~130 of ds4-flash's 256 experts, less them)
+        held = (marks._held[d - 1] if marks._held is not None else None) or ()
         if marks.n == 1:
-            e = sorted({x for x in ids[0][d - 1] if x in disk})
+            e = sorted({x for x in ids[0][d - 1] if x in disk and x not in held})
             kind = [LONE] * len(e)
             rows = top = None
         else:
@@ -437,13 +425,19 @@ class Guesser:
                 for x in g:
                     rows[x] = rows.get(x, 0) + 1
                 top[g[0]] = top.get(g[0], 0) + 1
-            e = sorted(x for x in rows if x in disk)
+            e = sorted(x for x in rows if x in disk and x not in held)
             kind = [MORE if rows[x] >= 3 else TWO if rows[x] == 2 else TOP if x in top else ONE for x in e]
         cls = [LONE] * len(e) if union else kind
         # as lists (check's fast path scores them on lists: no array made and turned back)
         self._by_depth.setdefault(t, {})[d] = (e, cls, kind)
-        worth = {c: self.worth(t, d, c) for c in set(cls)}      # per class once (a lone stream's: one)
-        picked = [(x, c) for x, c, b in zip(e, kind, cls) if worth[b]]
+        worth: dict = {}                    # per class once (a lone stream's: one)
+        picked = []
+        for x, c, b in zip(e, kind, cls):
+            y = worth.get(b)
+            if y is None:
+                y = worth[b] = self.worth(t, d, b)
+            if y:
+                picked.append((x, c))
         if not union and rows is not None:
             picked.sort(key=lambda xc: (-rows[xc[0]], -top.get(xc[0], 0), xc[0]))
         return [x for x, _ in picked], [c for _, c in picked]

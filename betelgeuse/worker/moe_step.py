@@ -784,7 +784,8 @@ class MoEStep:
         nh = tl.count(TIER_HOST)
         if tl.count(TIER_DISK):                      # a disk expert in the table: the general path's assert says so
             return False
-        assert all(at[e] != -1 for e in flexed), (l, flexed)
+        if flexed:
+            assert -1 not in [at[e] for e in flexed], (l, flexed)
         nv = len(tl) - nh
         ls.vram, ls.host, ls.disk = nv, nh, 0
         reads = stats.reads
@@ -862,7 +863,8 @@ class MoEStep:
             elif t == TIER_DISK:
                 assert a == -1, (l, e)               # a disk expert is never at hand
                 disk.append(e)
-        assert all(at[e] != -1 for e in flexed), (l, flexed)
+        if flexed:
+            assert -1 not in [at[e] for e in flexed], (l, flexed)
         ls.vram, ls.host, ls.disk = nv, len(read) + len(banked), len(disk)
         reads = stats.reads
         reads["vram"] += ls.vram
