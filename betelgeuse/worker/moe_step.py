@@ -1073,10 +1073,22 @@ class MoEStep:
         -> [(CUDA event after their copies, staging slots)]: what _release waits for before the slots go back."""
         cache, flex = self.cache, self.flex
         took = flex.take(l, es)
-        fi = [i for i, s in enumerate(took) if s is not None]
-        bi = [i for i, s in enumerate(took) if s is None]
+        pool = cache.pool.data_ptr()
+        # one pass over the batch (a decode layer's few disk experts): the flex-taken ones' ids, pool offsets, copies
+        # and staging slots; the others' indices (through the bank)
+        fi, bi, f_es, f_offs, dsts, fsrcs, f_slots = [], [], [], [], [], [], []
+        for i, s in enumerate(took):
+            if s is None:
+                bi.append(i)
+                continue
+            fi.append(i)
+            f_es.append(es[i])
+            f_offs.append(flex.slot_address(s) - pool)
+            dsts.append(flex.slot_view(s))
+            fsrcs.append(srcs[i])
+            f_slots.append(slots[i])
         bank = None
-        pre, pre_offs, b_offs = [], [], []
+        pre, pre_offs, b_offs, b_es = [], [], [], []
         if bi or opened is not None:
             if opened is None:
                 bank, at = cache.bank_next(), 0
@@ -1084,13 +1096,11 @@ class MoEStep:
                 bank, pre, pre_offs = opened
                 at = len(pre)
             b_offs = cache.bank_offsets(bank, at, len(bi))
-        pool = cache.pool.data_ptr()
-        f_es = [es[i] for i in fi]
-        ids = pre + [es[i] for i in bi] + f_es
-        host, dev = cache.table(ids, pre_offs + b_offs + [flex.slot_address(took[i]) - pool for i in fi], copy=False)
+            b_es = [es[i] for i in bi]
+        ids = pre + b_es + f_es
+        host, dev = cache.table(ids, pre_offs + b_offs + f_offs, copy=False)
         held = []
         if fi:
-            dsts, fsrcs = [flex.slot_view(took[i]) for i in fi], [srcs[i] for i in fi]
             if bank is None:                       # the table with them (no bank copy to carry it)
                 dsts.append(dev)
                 fsrcs.append(cache.table_source(dev))
@@ -1118,7 +1128,7 @@ class MoEStep:
                 timing.append((time.perf_counter() - t) * 1e3)
             cache.h2d_bytes += len(fi) * cache.slot_bytes
             ev = cache.mark()
-            held.append((ev, [slots[i] for i in fi]))
+            held.append((ev, f_slots))
             if hand is not None:
                 hand.uploaded(ev)
         if bank is not None:
@@ -1129,7 +1139,7 @@ class MoEStep:
         g_srcs = None
         if self._walks and fi:                    # the torch kernels read each expert's source: pool or flex chunk
             g_srcs = [None] * len(host)
-            for e, o in zip(pre + [es[i] for i in bi], pre_offs + b_offs):
+            for e, o in zip(pre + b_es, pre_offs + b_offs):
                 g_srcs[e] = (cache.pool, o)
             for i in fi:
                 g_srcs[es[i]] = flex.slot_source(took[i])
