@@ -380,6 +380,10 @@ class Guesser:
                 if not union and marks.n > 1:          # most rows first, then top-1 guesses; ties: ascending id
                     order = np.lexsort((e, -marks.top[d - 1][e], -marks.rows[d - 1][e]))
                     e, kind = e[order], kind[order]
+            if lists and not e:                     # nothing to ask at this depth: what the lines below leave
+                self._per_layer[t] = self._per_layer.get(t, 0)
+                self._guessed.setdefault(t, set())
+                continue
             cand = [(t, x) for x in e] if lists else [(t, int(x)) for x in e]     # _candidates': Python ints
             new = [k for k in cand if k not in self._asked]
             cap = self.cap(t, d) if marks.n > 1 else None
@@ -430,17 +434,21 @@ class Guesser:
         cls = [LONE] * len(e) if union else kind
         # as lists (check's fast path scores them on lists: no array made and turned back)
         self._by_depth.setdefault(t, {})[d] = (e, cls, kind)
+        if not e:                           # no guessed expert on disk at this depth (decode's usual depth)
+            return e, kind
         worth: dict = {}                    # per class once (a lone stream's: one)
-        picked = []
+        px, pk = [], []
         for x, c, b in zip(e, kind, cls):
             y = worth.get(b)
             if y is None:
                 y = worth[b] = self.worth(t, d, b)
             if y:
-                picked.append((x, c))
-        if not union and rows is not None:
-            picked.sort(key=lambda xc: (-rows[xc[0]], -top.get(xc[0], 0), xc[0]))
-        return [x for x, _ in picked], [c for _, c in picked]
+                px.append(x)
+                pk.append(c)
+        if not union and rows is not None and len(px) > 1:     # most rows first, then top-1 guesses, then the id
+            order = sorted(range(len(px)), key=lambda i: (-rows[px[i]], -top.get(px[i], 0), px[i]))
+            px, pk = [px[i] for i in order], [pk[i] for i in order]
+        return px, pk
 
     def _score(self, layer: int, d: int, g: list, cls: list, kind: list, used: set):
         """check's counts for one depth's guesses of `layer` (g: guessed disk experts, cls: their budget classes, kind:
