@@ -104,6 +104,12 @@ def guess_per_layer(model, layer: int, x: torch.Tensor, token_ids: torch.Tensor,
     return torch.stack(guesses, dim=1)
 
 
+def _ints(disk) -> set:
+    """A layer's disk experts as a set of Python ints: a list's (the decode short paths' lists hold ints) at once, an
+    array's one by one."""
+    return set(disk) if isinstance(disk, list) else {int(x) for x in disk}
+
+
 class _Ask:
     """One prefetch call of guessed reads: its keys (nearest layer first) and the store's answer, read once."""
 
@@ -335,7 +341,7 @@ class Guesser:
         not use (for the store to drop where they have not started)."""
         if layer not in self._asks:
             return []
-        used = {int(x) for x in disk}
+        used = _ints(disk)
         return list(dict.fromkeys(k for a in self._asks[layer] for k in a.keys if k[0] == layer and k[1] not in used))
 
     def read_ahead(self, layer: int, layers, marks: Marks, snap, stats: PassStats, send=None, unheld=None):
@@ -495,7 +501,7 @@ class Guesser:
             # no guessed expert of it on disk, none read ahead, none used: every count below would add 0
             self._guessed.pop(layer, None)
             return
-        used, every = {int(x) for x in disk}, set()
+        used, every = _ints(disk), set()
         for d, (g, cls, kind) in (by_depth or {}).items():     # every depth's guess scored, read or not
             if not len(g):                  # no guessed expert on disk from this depth: nothing to score
                 continue
@@ -525,6 +531,6 @@ class Guesser:
         stats.guessed += len(guessed)
         stats.prefetched += queued
         stats.guess_bytes += queued * self.expert_bytes[layer]
-        stats.guess_hits += len(guessed.intersection(int(x) for x in disk))
+        stats.guess_hits += len(guessed.intersection(used))
         stats.guess_disk += len(disk)
         stats.guess_wasted_bytes += max(0, queued - ahead_used) * self.expert_bytes[layer]
