@@ -1207,7 +1207,8 @@ class MoEStep:
         for i in range(n_disk):
             if batch and len(batch) + sum(len(s) for _, s in held) >= limit:
                 flush()
-            held = self._release(held, keep=limit - 1 - len(batch), excess=early)   # never many held while blocking
+            if held:                                         # never many held while blocking
+                held = self._release(held, keep=limit - 1 - len(batch), excess=early)
             tw = time.perf_counter()
             got = self.clock.wait_store(next, loads)
             ta = time.monotonic()                            # handed to the worker (PassStats.landed: the last)
