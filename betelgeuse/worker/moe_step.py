@@ -1181,11 +1181,14 @@ class MoEStep:
         def flush():
             nonlocal batch, opened
             if batch:
-                es = [x.expert for x in batch]
-                srcs = [cache.staging_slot(x.slot) for x in batch]
+                es, srcs, slots = [], [], []           # one pass over the batch (a decode layer's few experts)
+                for x in batch:
+                    es.append(x.expert)
+                    srcs.append(cache.staging_slot(x.slot))
+                    slots.append(x.slot)
                 t0 = time.monotonic() if marks else 0.0
                 if direct:
-                    held.extend(self._direct_group(l, r, es, srcs, [x.slot for x in batch], timing, opened, ls, snap))
+                    held.extend(self._direct_group(l, r, es, srcs, slots, timing, opened, ls, snap))
                     if marks:
                         self.clock.mark_copy(l, timing, t0)
                         self.clock.mark("group", l)
@@ -1200,7 +1203,7 @@ class MoEStep:
                     if self.flex is not None:      # copies for the flex cache, before the bank may be rewritten
                         self.flex.keep(l, es, cache.pool, offs, cache.ring_views(offs))
                     cache.bank_done(bank)
-                    held.append((cache.bank_ready_event(bank), [x.slot for x in batch]))
+                    held.append((cache.bank_ready_event(bank), slots))
                 opened = None
                 batch = []
 
