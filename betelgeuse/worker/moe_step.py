@@ -662,7 +662,7 @@ class MoEStep:
         stats.routed.append((time.monotonic(), l))     # the routing on the host: the chain to the load (PassStats)
         if hand and self._fast:
             # the short paths on the routed experts' lists, made once for both (a decode layer routes a few)
-            used = np.flatnonzero(counts).tolist()
+            used = counts.nonzero()[0].tolist()           # counts [E]: one C call (flatnonzero's ravel, three)
             trow = self._tiers(snap)[l]
             tiers = [int(trow[e]) for e in used]
             flexed = []
