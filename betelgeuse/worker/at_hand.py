@@ -193,26 +193,26 @@ class AtHand:
         f = self.flex
         changed = dict.fromkeys(f.changed)
         f.changed = []
+        pool = self.cache.pool.data_ptr()
         for l, e in changed:
-            self.host[l, e] = self._entry(snap, l, e)
+            self.host[l, e] = self._entry(snap, l, e, pool)
         self._key = (snap, key)
         self._upload(self.host)                     # a copy of it goes (pinned on CUDA; the CPU copies it now)
         self.forgets = f.forgets
         return True
 
-    def _entry(self, snap, l: int, e: int) -> int:
+    def _entry(self, snap, l: int, e: int, pool: int) -> int:
         """The table's entry of (l, e) as refresh's rebuild makes it (VRAM slot, else flex copy, else host slot in
-        place, else -1), the torch kernels' source beside it (the CPU)."""
+        place, else -1), the torch kernels' source beside it (the CPU). pool: the slot pool's address."""
         c, f = self.cache, self.flex
-        pool = c.pool.data_ptr()
         src = None
-        if c.vram_base[l, e] >= 0:
-            at = int(c.vram_base[l, e])
+        at = int(c.vram_base[l, e])
+        if at >= 0:
             src = (c.pool, at)
-        elif f is not None and f.where[l, e] >= 0:
-            ch, i = divmod(int(f.where[l, e]), f.per_chunk)
-            at = f.chunks[ch].data_ptr() + i * f.slot_bytes - pool
-            src = (f.chunks[ch], i * f.slot_bytes)
+        elif f is not None and (s := int(f.where[l, e])) >= 0:
+            at = f.slot_address(s) - pool           # its chunk's address read once (FlexCache._base)
+            if self.srcs is not None:
+                src = f.slot_source(s)
         elif self.in_place and snap["tier"][l, e] == TIER_HOST and snap["host_slot"][l, e] >= 0:
             lay = c.layout
             off = lay.host_base + (l * lay.host_per_layer + int(snap["host_slot"][l, e])) * lay.slot.slot_bytes
@@ -255,7 +255,20 @@ class AtHand:
         if ev is not None:
             ev.record(current_stream(self.dev.device.index))     # the stream the copy_ above was queued on
 
-    def stale(self) -> bool:
+    def stale(self, after: int = -1) -> bool:
         """A flex copy the table names was dropped or rewritten since the last refresh (inside a step: a later
-        layer's group must not read the slot)."""
-        return self.flex is not None and self.flex.forgets != self.forgets
+        layer's group must not read the slot). after (inside a decode step, layers 0 .. after done: their at-hand
+        groups queued, each layer's once a step): only a change of a later layer's copy makes it stale; rows <= after
+        are read again only in the next step, after its refresh (hand_refresh, which patches every change logged
+        since: FlexCache.changed), and a queued group read its slot before the copy that rewrites it (the compute
+        stream's order). So a miss layer whose fill evicts an earlier layer's copy uploads no table (host58: about
+        half of them at ds4-flash's 8 layers, an upload and its buffer's event query each on CUDA)."""
+        f = self.flex
+        if f is None or f.forgets == self.forgets:
+            return False
+        if after < 0 or f.changed is None:      # not logged (FlexCache.changed): any change counts
+            return True
+        for t, _ in f.changed:                  # a loop, not any(genexpr): a call less per entry
+            if t > after:
+                return True
+        return False

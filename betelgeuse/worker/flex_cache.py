@@ -61,12 +61,14 @@ class FlexCache:
         # where the room ended may leave the whole ones fewer than the room holds
         n_places = 2 * units
         self.chunks: list[torch.Tensor | None] = [None] * n_places   # uint8 [its slots * slot_bytes] each
+        self._base: list[int] = [0] * n_places            # their addresses (data_ptr, read once: slot_address)
         # flex slot -> its bytes in its chunk (uint8 [slot_bytes] view; None: no chunk there): keep's copy targets
         # without two tensor slices per copy
         self._views: list[torch.Tensor | None] = [None] * (n_places * self.per_chunk)
         self._bytes = 0                                    # sum of the chunks' bytes (nbytes, read at every fill)
         self.where = np.full((n_layer, n_expert), -1, dtype=np.int64)   # (layer, expert) -> flex slot, -1 = none
-        self.owner = np.full((n_places * self.per_chunk, 2), -1, dtype=np.int64)   # flex slot -> (layer, expert)
+        # flex slot -> (layer, expert) as Python ints, None: empty (owner: the same as an array)
+        self._owner: list[tuple[int, int] | None] = [None] * (n_places * self.per_chunk)
         self.lru: OrderedDict[int, None] = OrderedDict()   # occupied flex slots, least recently used first
         # per layer the set of its experts with a copy (`where` >= 0 as sets: split and MoEStep._unflexed answer
         # "none" and read them with no numpy call)
@@ -93,6 +95,11 @@ class FlexCache:
         return cls(plan.slot.slot_bytes, unit, n, plan.n_layer, n_expert, device)
 
     # ---- room ----------------------------------------------------------------------------------------
+    @property
+    def owner(self) -> np.ndarray:
+        """flex slot -> (layer, expert) [slots, 2] int64, -1: empty (a copy, made when asked: the tests' view)."""
+        return np.array([(-1, -1) if o is None else o for o in self._owner], dtype=np.int64).reshape(-1, 2)
+
     @property
     def n_chunks(self) -> int:
         return sum(c is not None for c in self.chunks)
@@ -137,7 +144,7 @@ class FlexCache:
     def _drop_chunk(self, c: int):
         lo, hi = c * self.per_chunk, (c + 1) * self.per_chunk
         for s in range(lo, hi):
-            if self.owner[s, 0] >= 0:
+            if self._owner[s] is not None:
                 self._forget(s)
                 self.stats.dropped += 1
         self.free = [s for s in self.free if not lo <= s < hi]
@@ -148,20 +155,18 @@ class FlexCache:
               held_kv_bytes=self.held)
 
     def _forget(self, s: int):
-        l, e = self.owner[s].tolist()                   # Python ints: numpy scalars cost ~4x to unpack and index
+        l, e = self._owner[s]                           # Python ints (owner's row as a tuple: no numpy call)
+        self._owner[s] = None
         self.where[l, e] = -1
         self.copies[l].discard(e)
-        self._log(l, e)
+        ch = self.changed                               # the change logged for the at-hand table (`changed`)
+        if ch is not None:
+            ch.append((l, e))
+            if len(ch) > self.where.size:
+                self.changed = None
         self.version += 1
         self.forgets += 1
-        self.owner[s] = -1
         self.lru.pop(s, None)
-
-    def _log(self, layer: int, expert: int):
-        if self.changed is not None:
-            self.changed.append((layer, expert))
-            if len(self.changed) > self.where.size:
-                self.changed = None
 
     def _grow(self) -> bool:
         """A new chunk in the room left: a whole one, or the slots the room still holds (a quarter of a whole
@@ -171,6 +176,7 @@ class FlexCache:
             return False
         c = self.chunks.index(None)
         self.chunks[c] = chunk = torch.empty((n * self.slot_bytes,), dtype=torch.uint8, device=self.device)
+        self._base[c] = chunk.data_ptr()
         self._bytes += chunk.numel()
         self._views[c * self.per_chunk: c * self.per_chunk + n] = list(chunk.split(self.slot_bytes))
         self.free = list(range(c * self.per_chunk, c * self.per_chunk + n))
@@ -210,6 +216,31 @@ class FlexCache:
         self.stats.hits += len(hit)
         rest = [i for i, (s, t) in enumerate(zip(slots, tl)) if s < 0 or t == TIER_VRAM]
         return used[rest], tiers[rest], used[hit]
+
+    def split_lists(self, layer: int, used: list[int], tiers: list[int]) -> tuple[list, list, list]:
+        """split on Python lists (the decode short paths': MoEStep._routed, a layer's few routed experts), the same
+        rule, LRU moves and counts: -> (used, tiers) less the experts computed from a copy, and those experts."""
+        cp = self.copies[layer]
+        if cp.isdisjoint(used):                 # no routed expert has a copy: no numpy call
+            return used, tiers, []
+        where = self.where[layer]
+        slots = [int(where[e]) if e in cp else -1 for e in used]
+        hit, rest = [], []
+        for i, (s, t) in enumerate(zip(slots, tiers)):
+            if s < 0:
+                rest.append(i)
+            elif t == TIER_VRAM:                # a copy of an expert now in VRAM goes; the VRAM slot computes it
+                self._forget(s)
+                self.stats.dropped += 1
+                rest.append(i)
+            else:
+                hit.append(i)
+        if not hit:
+            return used, tiers, []
+        for i in hit:
+            self.lru.move_to_end(slots[i])
+        self.stats.hits += len(hit)
+        return [used[i] for i in rest], [tiers[i] for i in rest], [used[i] for i in hit]
 
     def held_mask(self, layer: int, experts: np.ndarray) -> np.ndarray:
         """bool per expert of `layer`: a copy is held (a read ahead of it would be wasted)."""
@@ -271,26 +302,36 @@ class FlexCache:
         where, lru, out = self.where[layer], self.lru, []
         for e in experts:
             e = int(e)
-            s = int(where[e])
+            s = int(where[e])               # read here: an eviction earlier in this call may have dropped it
             if s >= 0:
                 lru.move_to_end(s)
                 out.append(None)
                 continue
-            if not (self.free or self._grow()) and (not lru or next(iter(lru)) in out):
+            if self.free or self._grow():
+                s = self.free.pop(0)
+            elif not lru or next(iter(lru)) in out:
                 out.append(None)            # nothing free and the LRU slot is this call's: through the bank
                 continue
-            s = self._slot()
+            else:                           # _slot's eviction (its free / grow asked just above)
+                s = next(iter(lru))
+                self._forget(s)
+                self.stats.evictions += 1
             self._assign(layer, e, s)
             out.append(s)
         return out
 
     def _assign(self, layer: int, e: int, s: int):
         """Slot s holds (layer, e) from now on (its copy queued by the caller): the maps, the LRU's newest, the log."""
-        self.where[layer][e] = s
+        layer = int(layer)
+        self.where[layer, e] = s
         self.copies[layer].add(e)
-        self._log(int(layer), e)
+        ch = self.changed                               # the change logged for the at-hand table (`changed`)
+        if ch is not None:
+            ch.append((layer, e))
+            if len(ch) > self.where.size:
+                self.changed = None
         self.version += 1
-        self.owner[s] = (layer, e)
+        self._owner[s] = (layer, e)
         self.lru[s] = None
         self.stats.fills += 1
 
@@ -301,7 +342,7 @@ class FlexCache:
     def slot_address(self, s: int) -> int:
         """Flex slot s's device address (kernels.moe.Group tables name it relative to the slot pool's)."""
         ch, i = divmod(s, self.per_chunk)
-        return self.chunks[ch].data_ptr() + i * self.slot_bytes
+        return self._base[ch] + i * self.slot_bytes
 
     def slot_source(self, s: int) -> tuple[torch.Tensor, int]:
         """Flex slot s as (its chunk, byte offset): the torch kernels' source of an expert there (kernels.moe.Group)."""

@@ -104,6 +104,12 @@ def guess_per_layer(model, layer: int, x: torch.Tensor, token_ids: torch.Tensor,
     return torch.stack(guesses, dim=1)
 
 
+def _ints(disk) -> set:
+    """A layer's disk experts as a set of Python ints: a list's (the decode short paths' lists hold ints) at once, an
+    array's one by one."""
+    return set(disk) if isinstance(disk, list) else {int(x) for x in disk}
+
+
 class _Ask:
     """One prefetch call of guessed reads: its keys (nearest layer first) and the store's answer, read once."""
 
@@ -180,12 +186,17 @@ class Marks:
         if self._rows is None:
             for t in layers:
                 s = disk[t]
-                if s and self._held is not None:
-                    s = s - self._held[t - first]
-                if s:
-                    d = t - first
-                    for row in self.ids:
+                if not s:
+                    continue
+                d = t - first
+                h = None if self._held is None else self._held[d]
+                for row in self.ids:
+                    if not h:
                         if not s.isdisjoint(row[d]):
+                            return True
+                        continue
+                    for x in row[d]:        # the few guessed ids, not a copy of the disk set less the held ones
+                        if x in s and x not in h:
                             return True
             return False
         return any(disk[t] and not disk[t].isdisjoint(np.flatnonzero(self._rows[t - first]).tolist()) for t in layers)
@@ -330,7 +341,7 @@ class Guesser:
         not use (for the store to drop where they have not started)."""
         if layer not in self._asks:
             return []
-        used = {int(x) for x in disk}
+        used = _ints(disk)
         return list(dict.fromkeys(k for a in self._asks[layer] for k in a.keys if k[0] == layer and k[1] not in used))
 
     def read_ahead(self, layer: int, layers, marks: Marks, snap, stats: PassStats, send=None, unheld=None):
@@ -375,7 +386,11 @@ class Guesser:
                 if not union and marks.n > 1:          # most rows first, then top-1 guesses; ties: ascending id
                     order = np.lexsort((e, -marks.top[d - 1][e], -marks.rows[d - 1][e]))
                     e, kind = e[order], kind[order]
-            cand = [(t, int(x)) for x in e]
+            if lists and not e:                     # nothing to ask at this depth: what the lines below leave
+                self._per_layer[t] = self._per_layer.get(t, 0)
+                self._guessed.setdefault(t, set())
+                continue
+            cand = [(t, x) for x in e] if lists else [(t, int(x)) for x in e]     # _candidates': Python ints
             new = [k for k in cand if k not in self._asked]
             cap = self.cap(t, d) if marks.n > 1 else None
             if cap is not None:                     # past the cap: held, as below the budget
@@ -383,9 +398,13 @@ class Guesser:
             self._per_layer[t] = self._per_layer.get(t, 0) + len(new)
             took = set(new)
             self._guessed.setdefault(t, set()).update(k[1] for k in cand if k in took or k in self._asked)
-            for k, c in zip(cand, kind):
-                if k in took:
-                    self.class_read[d - 1, c] += 1
+            if took:
+                read: dict = {}                     # per class, then one numpy add each (not one per expert)
+                for k, c in zip(cand, kind):
+                    if k in took:
+                        read[c] = read.get(c, 0) + 1
+                for c, n in read.items():
+                    self.class_read[d - 1, c] += n
             keys += new
         if keys:
             self._asked.update(keys)
@@ -402,10 +421,11 @@ class Guesser:
         -> (those within their (depth, class)'s budget, most rows first then top-1 guesses (ties: ascending id)
         where the batch rule orders them, their classes), as the general loop's e, kind."""
         ids = marks.ids
-        if marks._held is not None and marks._held[d - 1]:       # Marks.without: the held experts need no read
-            disk = disk - marks._held[d - 1]
+        # Marks.without's held experts need no read: the guessed ids tested against both sets (no copy of the
+        # layer's disk set, ~130 of ds4-flash's 256 experts, less them)
+        held = (marks._held[d - 1] if marks._held is not None else None) or ()
         if marks.n == 1:
-            e = sorted({x for x in ids[0][d - 1] if x in disk})
+            e = sorted({x for x in ids[0][d - 1] if x in disk and x not in held})
             kind = [LONE] * len(e)
             rows = top = None
         else:
@@ -415,16 +435,26 @@ class Guesser:
                 for x in g:
                     rows[x] = rows.get(x, 0) + 1
                 top[g[0]] = top.get(g[0], 0) + 1
-            e = sorted(x for x in rows if x in disk)
+            e = sorted(x for x in rows if x in disk and x not in held)
             kind = [MORE if rows[x] >= 3 else TWO if rows[x] == 2 else TOP if x in top else ONE for x in e]
         cls = [LONE] * len(e) if union else kind
         # as lists (check's fast path scores them on lists: no array made and turned back)
         self._by_depth.setdefault(t, {})[d] = (e, cls, kind)
-        ok = [self.worth(t, d, c) for c in cls]
-        picked = [(x, c) for x, c, y in zip(e, kind, ok) if y]
-        if not union and rows is not None:
-            picked.sort(key=lambda xc: (-rows[xc[0]], -top.get(xc[0], 0), xc[0]))
-        return [x for x, _ in picked], [c for _, c in picked]
+        if not e:                           # no guessed expert on disk at this depth (decode's usual depth)
+            return e, kind
+        worth: dict = {}                    # per class once (a lone stream's: one)
+        px, pk = [], []
+        for x, c, b in zip(e, kind, cls):
+            y = worth.get(b)
+            if y is None:
+                y = worth[b] = self.worth(t, d, b)
+            if y:
+                px.append(x)
+                pk.append(c)
+        if not union and rows is not None and len(px) > 1:     # most rows first, then top-1 guesses, then the id
+            order = sorted(range(len(px)), key=lambda i: (-rows[px[i]], -top.get(px[i], 0), px[i]))
+            px, pk = [px[i] for i in order], [pk[i] for i in order]
+        return px, pk
 
     def _score(self, layer: int, d: int, g: list, cls: list, kind: list, used: set):
         """check's counts for one depth's guesses of `layer` (g: guessed disk experts, cls: their budget classes, kind:
@@ -442,12 +472,19 @@ class Guesser:
                 hits[c] /= 2
                 tries[c] /= 2
             tries[c] += k
-            hits[c] += h
+            if h:
+                hits[c] += h
+        per: dict = n if kind == cls else {}    # per class: [guesses, hits] (the budget's where the same classes)
+        if per is not n:
+            for c, y in zip(kind, hit):
+                t = per.setdefault(c, [0, 0])
+                t[0] += 1
+                t[1] += y
         ct, ch = self.class_tries[d - 1], self.class_hits[d - 1]
-        for c, y in zip(kind, hit):
-            ct[c] += 1
-            if y:
-                ch[c] += 1
+        for c, (k, h) in per.items():
+            ct[c] += k
+            if h:
+                ch[c] += h
 
     def check(self, layer: int, disk: np.ndarray, ahead_used: int, stats: PassStats):
         """Layer `layer` ran with these disk experts, `ahead_used` of them answered from reads ahead: score the
@@ -464,7 +501,7 @@ class Guesser:
             # no guessed expert of it on disk, none read ahead, none used: every count below would add 0
             self._guessed.pop(layer, None)
             return
-        used, every = {int(x) for x in disk}, set()
+        used, every = _ints(disk), set()
         for d, (g, cls, kind) in (by_depth or {}).items():     # every depth's guess scored, read or not
             if not len(g):                  # no guessed expert on disk from this depth: nothing to score
                 continue
@@ -494,6 +531,6 @@ class Guesser:
         stats.guessed += len(guessed)
         stats.prefetched += queued
         stats.guess_bytes += queued * self.expert_bytes[layer]
-        stats.guess_hits += len(guessed.intersection(int(x) for x in disk))
+        stats.guess_hits += len(guessed.intersection(used))
         stats.guess_disk += len(disk)
         stats.guess_wasted_bytes += max(0, queued - ahead_used) * self.expert_bytes[layer]

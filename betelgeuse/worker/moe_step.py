@@ -547,16 +547,17 @@ class MoEStep:
     def hand_misses(self, l, r, snap, stats: PassStats, ls: LayerStats, synced=None, guess=None,
                     graphs: bool = False):
         """After hand_group: the wait (or the row the gate published: synced), the tier counts, read-ahead and the
-        misses (partial(hand=True)); then, where this layer's disk experts evicted a flex copy, the table again (a
-        later layer's group must not read the rewritten slot; stream-ordered before it). Fills into free slots wait
-        for the next step's refresh. graphs: the start was hand_start(l, r, guess, graphs=True), in the layer's graph
-        (a replay ran it: the host names what it waits for, RoutingSync.expect)."""
+        misses (partial(hand=True)); then, where this layer's disk experts evicted a later layer's flex copy, the
+        table again (that layer's group must not read the rewritten slot; stream-ordered before it). Fills into free
+        slots and evictions of layers <= l wait for the next step's refresh (AtHand.stale(after=l)). graphs: the
+        start was hand_start(l, r, guess, graphs=True), in the layer's graph (a replay ran it: the host names what it
+        waits for, RoutingSync.expect)."""
         sync = None
         if graphs:
             sync = self.graph_sync
             sync.expect(r.counts, self._guess_of(l, guess))
         self.partial(l, r, snap, stats, ls, False, None, hand=True, synced=synced, sync=sync)
-        if self.hand.stale():
+        if self.hand.stale(after=l):            # a later layer's copy evicted (earlier ones: the next step's refresh)
             self.hand.refresh(snap)             # the evicted copies' entries (AtHand._patch)
 
     # ---- decode with no per-layer sync (worker/gate.py) ------------------------------------------------------
@@ -659,12 +660,14 @@ class MoEStep:
         # layer's row published by the device
         counts, marks = self.clock.wait((sync or self.sync).finish) if synced is None else synced
         stats.routed.append((time.monotonic(), l))     # the routing on the host: the chain to the load (PassStats)
-        used = np.nonzero(counts)[0]
-        tiers = self._tiers(snap)[l][used]
-        flexed = used[:0]
-        if self.flex is not None:         # experts held in the flex cache are computed from their copies (step 2)
-            used, tiers, flexed = self.flex.split(l, used, tiers)
         if hand and self._fast:
+            # the short paths on the routed experts' lists, made once for both (a decode layer routes a few)
+            used = counts.nonzero()[0].tolist()           # counts [E]: one C call (flatnonzero's ravel, three)
+            trow = self._tiers(snap)[l]
+            tiers = [int(trow[e]) for e in used]
+            flexed = []
+            if self.flex is not None:     # experts held in the flex cache are computed from their copies (step 2)
+                used, tiers, flexed = self.flex.split_lists(l, used, tiers)
             if self._hand_all(l, counts, marks, used, tiers, flexed, snap, stats, ls):
                 self._ahead_start(l, marks, snap, stats)
                 return
@@ -672,6 +675,15 @@ class MoEStep:
                 self._hand_misses(l, r, counts, marks, used, tiers, flexed, snap, stats, ls)
                 self._ahead_start(l, marks, snap, stats)
                 return
+            # the general path below on arrays (decode_gate's table): the split is done (its counts, LRU moves)
+            used, flexed = np.asarray(used, dtype=np.int64), np.asarray(flexed, dtype=np.int64)
+            tiers = np.asarray(tiers, dtype=trow.dtype)
+        else:
+            used = np.nonzero(counts)[0]
+            tiers = self._tiers(snap)[l][used]
+            flexed = used[:0]
+            if self.flex is not None:     # experts held in the flex cache are computed from their copies (step 2)
+                used, tiers, flexed = self.flex.split(l, used, tiers)
         # a copy ahead of this layer's guessed host experts (_ahead_start at l-1) is taken by _hand_misses alone;
         # the general paths leave it (as _hand_all does: every routed expert at hand), its bytes copied for nothing
         self._ahead = None
@@ -762,16 +774,18 @@ class MoEStep:
         the general path runs. The general path's observables with nothing of it that has no work: the tier counts,
         the read-ahead of the guesses and the drop of this layer's unused ones (the same messages),
         the in-place bytes, the guesses scored; no per-tier arrays, no bank or staging bookkeeping. `used`, `tiers`:
-        the routed experts less the flex-held ones (`flexed`)."""
-        # a few experts (T rows x k at most): Python over their lists costs less than numpy calls on them
+        the routed experts less the flex-held ones (`flexed`), Python lists (_partial makes them once for both)."""
+        # a few experts (T rows x k at most, as lists: _partial): Python over them costs less than numpy calls
         at = self.hand.host[l]
-        if -1 in at[used].tolist():                  # a disk expert, or a host one this step banks: a miss
-            return False
-        tl = tiers.tolist()
+        for e in used:
+            if at[e] == -1:                          # a disk expert, or a host one this step banks: a miss
+                return False
+        tl = tiers
         nh = tl.count(TIER_HOST)
         if tl.count(TIER_DISK):                      # a disk expert in the table: the general path's assert says so
             return False
-        assert not len(flexed) or -1 not in at[flexed].tolist(), (l, flexed)
+        if flexed:
+            assert -1 not in [at[e] for e in flexed], (l, flexed)
         nv = len(tl) - nh
         ls.vram, ls.host, ls.disk = nv, nh, 0
         reads = stats.reads
@@ -784,7 +798,7 @@ class MoEStep:
         if len(flexed):
             self._flex_count(len(flexed), stats, ls)
         if nh and self.hand.in_place:   # the bytes the group's kernels read over PCIe (worker/at_hand.py)
-            self._read_in_place(l, counts, [e for e, t in zip(used.tolist(), tl) if t == TIER_HOST], stats)
+            self._read_in_place(l, counts, [e for e, t in zip(used, tl) if t == TIER_HOST], stats)
         self.guesser.check(l, (), 0, stats)         # no disk expert
         return True
 
@@ -832,14 +846,15 @@ class MoEStep:
         experts are computed in the first disk group (one bank, table and apply for both, where they fit: the general
         path's host group and its launches are saved; LayerStats.groups one lower), which cannot change a bit (module
         doc: each row's output by the same kernel whatever its group, ranks reduced in order). `used`, `tiers`: the
-        routed experts less the flex-held ones (`flexed`). The general path (fast = False) is what the tests compare
-        it with. A copy ahead of this layer's guessed host experts (_ahead_start at l-1): the banked experts it holds
-        are computed from its bank first (_ahead_group)."""
+        routed experts less the flex-held ones (`flexed`), lists. The general path (fast = False) is what the tests
+        compare it with. A copy ahead of this layer's guessed host experts (_ahead_start at l-1): the banked experts
+        it holds are computed from its bank first (_ahead_group)."""
         ahead, self._ahead = self._ahead, None
         ahead = ahead if ahead is not None and ahead[0] == l else None
         at = self.hand.host[l]
         nv, read, banked, disk = 0, [], [], []      # VRAM; host read in place (at hand) / banked here; disk
-        for e, t, a in zip(used.tolist(), tiers.tolist(), at[used].tolist()):
+        for e, t in zip(used, tiers):               # lists (_partial)
+            a = at[e]
             if t == TIER_VRAM:
                 assert a != -1, (l, e)               # the at-hand group computed it
                 nv += 1
@@ -848,7 +863,8 @@ class MoEStep:
             elif t == TIER_DISK:
                 assert a == -1, (l, e)               # a disk expert is never at hand
                 disk.append(e)
-        assert not len(flexed) or -1 not in at[flexed].tolist(), (l, flexed)
+        if flexed:
+            assert -1 not in [at[e] for e in flexed], (l, flexed)
         ls.vram, ls.host, ls.disk = nv, len(read) + len(banked), len(disk)
         reads = stats.reads
         reads["vram"] += ls.vram
@@ -1048,19 +1064,31 @@ class MoEStep:
         stream, in one _foreach_copy_, so stream order puts them after every group that may still read a slot's
         evicted copy (the at-hand groups of this and earlier layers and steps, flex chunk groups, earlier direct
         groups: all on the compute stream; a group graph's first launch on the capture stream is joined back to it:
-        on_side) and before this group; a later layer's at-hand group reads the new table: where a copy was
-        evicted (AtHand.stale) its upload is queued in the same _foreach_copy_ (refresh(defer=True): one call and one
-        event for both; the at-hand table is read by no group of this layer after it, and hand_misses' refresh
-        re-uploads where a later batch of the layer evicts again). The price: such a copy does not overlap the compute
-        queued before it (a decode layer's at-hand group, long done by the time a disk read lands) nor an earlier
-        batch's group of the layer.
+        on_side) and before this group; a later layer's at-hand group reads the new table: where a later layer's
+        copy was evicted (AtHand.stale(after=l)) its upload is queued in the same _foreach_copy_ (refresh(defer=True):
+        one call and one event for both; the at-hand table is read by no group of this layer after it, and
+        hand_misses' refresh re-uploads where a later batch of the layer evicts again). The price: such a copy does
+        not overlap the compute queued before it (a decode layer's at-hand group, long done by the time a disk read
+        lands) nor an earlier batch's group of the layer.
         -> [(CUDA event after their copies, staging slots)]: what _release waits for before the slots go back."""
         cache, flex = self.cache, self.flex
         took = flex.take(l, es)
-        fi = [i for i, s in enumerate(took) if s is not None]
-        bi = [i for i, s in enumerate(took) if s is None]
+        pool = cache.pool.data_ptr()
+        # one pass over the batch (a decode layer's few disk experts): the flex-taken ones' ids, pool offsets, copies
+        # and staging slots; the others' indices (through the bank)
+        fi, bi, f_es, f_offs, dsts, fsrcs, f_slots = [], [], [], [], [], [], []
+        for i, s in enumerate(took):
+            if s is None:
+                bi.append(i)
+                continue
+            fi.append(i)
+            f_es.append(es[i])
+            f_offs.append(flex.slot_address(s) - pool)
+            dsts.append(flex.slot_view(s))
+            fsrcs.append(srcs[i])
+            f_slots.append(slots[i])
         bank = None
-        pre, pre_offs, b_offs = [], [], []
+        pre, pre_offs, b_offs, b_es = [], [], [], []
         if bi or opened is not None:
             if opened is None:
                 bank, at = cache.bank_next(), 0
@@ -1068,18 +1096,16 @@ class MoEStep:
                 bank, pre, pre_offs = opened
                 at = len(pre)
             b_offs = cache.bank_offsets(bank, at, len(bi))
-        pool = cache.pool.data_ptr()
-        f_es = [es[i] for i in fi]
-        ids = pre + [es[i] for i in bi] + f_es
-        host, dev = cache.table(ids, pre_offs + b_offs + [flex.slot_address(took[i]) - pool for i in fi], copy=False)
+            b_es = [es[i] for i in bi]
+        ids = pre + b_es + f_es
+        host, dev = cache.table(ids, pre_offs + b_offs + f_offs, copy=False)
         held = []
         if fi:
-            dsts, fsrcs = [flex.slot_view(took[i]) for i in fi], [srcs[i] for i in fi]
             if bank is None:                       # the table with them (no bank copy to carry it)
                 dsts.append(dev)
                 fsrcs.append(cache.table_source(dev))
             hand = self.hand
-            if hand is not None and hand.stale():  # the at-hand table names an evicted copy: its upload with them
+            if hand is not None and hand.stale(after=l):   # a later layer's evicted copy: the upload with them
                 hand.refresh(snap, defer=True)
                 if hand.deferred is not None:
                     dsts.append(hand.deferred[0])
@@ -1102,7 +1128,7 @@ class MoEStep:
                 timing.append((time.perf_counter() - t) * 1e3)
             cache.h2d_bytes += len(fi) * cache.slot_bytes
             ev = cache.mark()
-            held.append((ev, [slots[i] for i in fi]))
+            held.append((ev, f_slots))
             if hand is not None:
                 hand.uploaded(ev)
         if bank is not None:
@@ -1113,7 +1139,7 @@ class MoEStep:
         g_srcs = None
         if self._walks and fi:                    # the torch kernels read each expert's source: pool or flex chunk
             g_srcs = [None] * len(host)
-            for e, o in zip(pre + [es[i] for i in bi], pre_offs + b_offs):
+            for e, o in zip(pre + b_es, pre_offs + b_offs):
                 g_srcs[e] = (cache.pool, o)
             for i in fi:
                 g_srcs[es[i]] = flex.slot_source(took[i])
@@ -1155,11 +1181,14 @@ class MoEStep:
         def flush():
             nonlocal batch, opened
             if batch:
-                es = [x.expert for x in batch]
-                srcs = [cache.staging_slot(x.slot) for x in batch]
+                es, srcs, slots = [], [], []           # one pass over the batch (a decode layer's few experts)
+                for x in batch:
+                    es.append(x.expert)
+                    srcs.append(cache.staging_slot(x.slot))
+                    slots.append(x.slot)
                 t0 = time.monotonic() if marks else 0.0
                 if direct:
-                    held.extend(self._direct_group(l, r, es, srcs, [x.slot for x in batch], timing, opened, ls, snap))
+                    held.extend(self._direct_group(l, r, es, srcs, slots, timing, opened, ls, snap))
                     if marks:
                         self.clock.mark_copy(l, timing, t0)
                         self.clock.mark("group", l)
@@ -1174,14 +1203,15 @@ class MoEStep:
                     if self.flex is not None:      # copies for the flex cache, before the bank may be rewritten
                         self.flex.keep(l, es, cache.pool, offs, cache.ring_views(offs))
                     cache.bank_done(bank)
-                    held.append((cache.bank_ready_event(bank), [x.slot for x in batch]))
+                    held.append((cache.bank_ready_event(bank), slots))
                 opened = None
                 batch = []
 
         for i in range(n_disk):
             if batch and len(batch) + sum(len(s) for _, s in held) >= limit:
                 flush()
-            held = self._release(held, keep=limit - 1 - len(batch), excess=early)   # never many held while blocking
+            if held:                                         # never many held while blocking
+                held = self._release(held, keep=limit - 1 - len(batch), excess=early)
             tw = time.perf_counter()
             got = self.clock.wait_store(next, loads)
             ta = time.monotonic()                            # handed to the worker (PassStats.landed: the last)

@@ -49,7 +49,8 @@ step]}; each wrapper adds ~1 us, and nested calls count in each function that en
 --flex-slots N: the flex cache (worker/flex_cache.py; with --flex on or CUDA's auto) capped at N expert slots, so
 fills evict copies as ds4-flash's finite room does (a tiny model's experts all fit the plan's room: no miss stays).
 uploads: the at-hand table's uploads per step (AtHand.refresh: at the step's start, and after a layer whose disk
-expert evicted a flex copy a later layer's table may name), median; where the checkout counts them.
+expert evicted a flex copy a later layer's table may name), median (mean_uploads: the mean); where the checkout counts
+them.
 --threads: per thread of the worker other than the main one (grpc's and the store client's, by Python name), per
 timed step: its CPU us and its timeslices (wakeups), from /proc/self/task/<tid>/schedstat (Linux): the threads that
 compete with the main one for the GIL (issue 21: the session stream's); and per step the main thread's CPU us, its
@@ -155,7 +156,9 @@ SPLIT = [("moe", "hand_misses"), ("moe", "gate_drain"), ("moe", "partial"), ("mo
          ("moe.session", "load"), ("moe.session", "prefetch_start"), ("moe.session", "release"),
          ("moe.session", "flush_releases"), ("moe.guesser", "read_ahead"), ("moe.guesser", "check"),
          ("moe.guesser", "unused"), ("moe.hand", "stale"), ("moe.hand", "refresh"), ("store", "load"),
-         ("store", "prefetch_start"), ("store", "release"), ("LoadStream", "__next__"), ("RoutingSync", "finish")]
+         ("store", "prefetch_start"), ("store", "release"), ("LoadStream", "__next__"), ("RoutingSync", "finish"),
+         ("moe", "_send_loads"), ("moe.flex", "split"), ("moe.flex", "split_lists"), ("moe.hand", "_patch"),
+         ("moe.hand", "_upload"), ("moe.guesser", "_candidates"), ("moe", "_ahead_start"), ("moe.cache", "mark")]
 
 
 def _split(rn, client) -> dict:
@@ -446,6 +449,8 @@ def run(a, tmp: Path) -> dict:
                    miss_layer_groups=round(statistics.mean(groups_n), 3) if groups_n else None)
         if "disk_flushes" in rows[0]:
             out["mean_disk_flushes"] = round(sum(r["disk_flushes"] for r in rows) / n, 2)
+        if "uploads" in rows[0]:
+            out["mean_uploads"] = round(sum(r["uploads"] for r in rows) / n, 2)
         if TL is not None:
             compiles["timed_steps"] = TL.compiles_since(mark)
         gg = getattr(rn.moe, "group_graphs", None)

@@ -459,7 +459,66 @@ def test_a_patched_table_is_the_rebuilt_one(model, monkeypatch):
         rn.moe.hand_misses = wrapped
     monkeypatch.setattr(AtHand, "_patch", checked)
     _, stats = _capped_decode(model, hand=True, on_runner=on_runner)   # each miss layer's fill evicts a copy
-    assert stats.evictions > 0 and seen and all(seen), (stats, seen)    # patched inside the steps
+    # patched inside the steps (a later layer's copy evicted) and at their starts (earlier layers': AtHand.stale)
+    assert stats.evictions > 0 and any(seen), (stats, seen)
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek4"])
+@pytest.mark.parametrize("lanes", [False, True], ids=["solo", "lanes"])
+def test_each_at_hand_group_reads_the_rebuilt_row_when_evictions_wait(model, ds4, monkeypatch, arch, lanes):
+    """A miss layer l whose fill evicts only copies of layers <= l uploads no table inside the step (AtHand.stale(
+    after=l): those rows' groups ran; the next step's refresh patches them). What must hold: every at-hand group
+    reads its layer's row as the whole rebuild makes it from the state at that point (refresh(force=True) on the
+    same state, its row l: host table, device table and the torch kernels' sources), and such skips happened (else
+    the rule is not exercised). Fails with any(...) in stale(after=) replaced by `False` (a later layer's evicted
+    copy left in its row)."""
+    from betelgeuse.worker.at_hand import AtHand
+    from betelgeuse.worker.moe_step import MoEStep
+    model = {"qwen3moe": model, "deepseek4": ds4}[arch]
+    seen = Counter()
+    runner = []
+    group = MoEStep.hand_group
+
+    def checked_group(self, l, r):
+        h = self.hand
+        host, dev, srcs = h.host[l].copy(), h.dev[l].clone(), list(h.srcs[l])
+        key, forgets, changed = h._key, h.forgets, list(self.flex.changed or [])
+        h.refresh(runner[0].session.snap, force=True)       # the rebuild of the state now, then its row l
+        assert np.array_equal(h.host[l], host), (l, np.argwhere(h.host[l] != host))
+        assert torch.equal(h.dev[l], dev) and h.srcs[l] == srcs, l
+        seen["groups"] += 1
+        seen["lagging"] += forgets != self.flex.forgets          # an eviction waited: the rule was exercised
+        # the rebuild stands for no upload of the step's own: put the waiting state back (the rows <= l of the
+        # rebuild are the same entries a later patch makes: test_a_patched_table_is_the_rebuilt_one)
+        h._key, h.forgets = key, forgets
+        if self.flex.changed is not None:
+            self.flex.changed = changed
+        return group(self, l, r)
+    monkeypatch.setattr(MoEStep, "hand_group", checked_group)
+    stale = AtHand.stale
+
+    def counted_stale(self, after=-1):
+        out = stale(self, after)
+        if after >= 0 and stale(self) and not out:
+            seen["skipped"] += 1
+        return out
+    monkeypatch.setattr(AtHand, "stale", counted_stale)
+    rn, st = in_process_runner(model, 2, 3, decode_at_hand=True, **CAPPED)
+    runner.append(rn)
+    try:
+        kv = rn.new_cache(64)
+        _cap_flex(rn, 4)
+        lg, _ = rn.forward(prompt(24, V, seed=5), kv)
+        rn.settle()
+        rn._static_decode = True
+        tok = int(lg[-1].argmax())
+        for _ in range(8):
+            lg, _ = rn.decode_batch([tok], [kv]) if lanes else rn.forward([tok], kv, consolidate=False)
+            tok = int(lg.reshape(-1, rn.mcfg.n_vocab)[-1].argmax())
+        assert rn.moe.flex.stats.evictions > 0
+    finally:
+        close_runner(rn, st)
+    assert seen["groups"] > 0 and seen["skipped"] > 0 and seen["lagging"] > 0, seen
 
 
 def test_uploads_reuse_their_pinned_buffers_only_after_the_copy_ran(model, monkeypatch):

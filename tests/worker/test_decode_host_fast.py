@@ -121,6 +121,7 @@ def _miss_groups(moe, l: int, used, tiers) -> tuple[int, int, str]:
     as the first disk group's bank has room for (B less that batch) in that group, the rest in groups of B."""
     from betelgeuse.store.directory import TIER_DISK, TIER_HOST
     at = moe.hand.host[l]
+    used, tiers = np.asarray(used, dtype=np.int64), np.asarray(tiers)      # lists on the short paths (_partial)
     hb = sum(1 for e, t in zip(used.tolist(), tiers.tolist()) if t == TIER_HOST and at[e] == -1)
     d = int((tiers == TIER_DISK).sum())
     B = moe.cache.bank_size
@@ -268,7 +269,15 @@ def test_marks_on_disk_is_any_guessed_expert_on_disk():
         assert m.rows.sum() == T * D * k and m.top.sum() == T * D          # counted: the rows path
         assert m.on_disk(layer + 1, layers, sets) == want, (g, layers)
         seen[want, layers[-1] - layers[0] == len(layers) - 1] += 1
-    assert len(seen) == 4, seen                     # on disk or not, consecutive layers or not
+        # less held experts per depth (Marks.without_sets: flex copies), on the ids' lists: the loop without them
+        held = rng.random((D, E)) < rng.choice([0.0, 0.3, 0.7])
+        want_h = any(disk[t, e] and not held[t - layer - 1, e]
+                     for t in layers for e in g[:, t - layer - 1, :].reshape(-1))
+        mh = Marks.from_ids(g, E).without_sets([set(np.flatnonzero(h).tolist()) for h in held])
+        assert mh.on_disk(layer + 1, layers, sets) == want_h, (g, layers, held)
+        seen["held", want_h, want] += 1
+    assert len([x for x in seen if x[0] != "held"]) == 4, seen      # on disk or not, consecutive layers or not
+    assert seen["held", False, True] and seen["held", True, True], seen     # held ones that decide it, and not
 
 
 @pytest.mark.parametrize("rule", ["rows", "union"])
@@ -296,6 +305,7 @@ def test_guess_lists_are_the_general_loops(rule, monkeypatch):
     gs = [guess_mod.Guesser(Session(), L, D, min_hit=0.5, rule=rule) for _ in range(2)]
     gs[1].fast = False
     seen = Counter()
+    n_sent = [0, 0]                 # keys read ahead, all passes: each counted in class_read once (its class)
     for p in range(60):
         T = int(rng.integers(1, 5))
         tier = np.where(rng.random((L, E)) < rng.choice([0.1, 0.4, 0.8]), guess_mod.TIER_DISK, 0).astype(np.int8)
@@ -315,6 +325,7 @@ def test_guess_lists_are_the_general_loops(rule, monkeypatch):
             for i, gu in enumerate(gs):
                 def send(keys, _i=i):
                     sent[_i].append(list(keys))
+                    n_sent[_i] += len(keys)
                     return lambda: min(started, len(keys))
                 gu.read_ahead(l, layers, guess_mod.Marks.from_ids(g, E), snap, stats[i], send, unheld[i])
             ref = guess_mod.Marks.from_ids(g, E)
@@ -344,4 +355,5 @@ def test_guess_lists_are_the_general_loops(rule, monkeypatch):
             [(s.guessed, s.guess_hits, s.guess_disk, s.guess_held, s.prefetched, s.guess_bytes,
               s.guess_wasted_bytes) for s in stats[1:]], p
         seen["batch", T > 1] += 1
+        assert [int(g.class_read.sum()) for g in gs] == n_sent, (p, n_sent)
     assert (gs[0].tries >= 3).any() and gs[0].class_read.sum() > 0 and len(seen) == 4, seen

@@ -149,14 +149,19 @@ def test_split_is_the_numpy_rule_over_random_fills():
         lru = [s for s in f.lru if s not in set(slots[vram].tolist())]
         lru = [s for s in lru if s not in set(slots[hit].tolist())] + slots[hit].tolist()
         hits, dropped = f.stats.hits + int(hit.sum()), f.stats.dropped + int(vram.sum())
-        u, t, h = f.split(layer, used, tiers)
+        if rng.random() < 0.5:          # split_lists (the decode short paths'): the same rule on Python lists
+            u, t, h = (np.asarray(x, dtype=y.dtype) for x, y in
+                       zip(f.split_lists(layer, used.tolist(), tiers.tolist()), (used, tiers, used)))
+            seen.add("lists")
+        else:
+            u, t, h = f.split(layer, used, tiers)
         assert u.tolist() == used[~hit].tolist() and t.tolist() == tiers[~hit].tolist()
         assert h.tolist() == used[hit].tolist() and u.dtype == used.dtype and t.dtype == tiers.dtype
         assert list(f.lru) == lru and (f.stats.hits, f.stats.dropped) == (hits, dropped)
         assert (f.where[layer, used[vram]] == -1).all()
         assert f.copies == [set(np.flatnonzero(w >= 0).tolist()) for w in f.where]
         seen.add((bool(vram.any()), bool(hit.any()), bool(held.any())))
-    assert len(seen) >= 4 and f.stats.evictions > 0, seen
+    assert len(seen) >= 5 and "lists" in seen and f.stats.evictions > 0, seen
 
 
 class _PerExpertKeep:

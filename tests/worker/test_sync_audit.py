@@ -50,7 +50,8 @@ def test_exact_decode_steps_hold_no_hidden_sync(form):
     audit, med = res["sync_audit"], res["per_token_median"]
     assert med["miss_layers"] > 0, med                      # disk experts: the expert step's miss path ran
     if "--gate" not in form:
-        assert med["uploads"] > 1, med                      # the step's start, and inside most (flex evictions)
+        # the step's start, and inside some (a flex eviction of a later layer's copy: AtHand.stale(after=l))
+        assert med["mean_uploads"] > 1, med
         assert ("moe_step.py", "finish") in _sites(audit["counted"]), audit   # the routing sync, seen and counted
     hidden = _sites(audit["hidden"]) - CPU_ONLY
     assert not hidden, audit["hidden"]
