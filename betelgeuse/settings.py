@@ -417,8 +417,9 @@ class EngineSettings(_Section):
     # the same tensors, to the next sequence of its size, and the engine (and the bench) capture decode's graphs at
     # start over one (worker/runner.py new_cache / warm_graphs): a request's first decode tokens replay instead of
     # running eagerly and capturing (issue 21: 18-48 ms of host each). Never a bit changes (CPU tests with a stand-in
-    # capture). CUDA with cuda_graphs only; off until its device check (deploy/device/check_cuda.py --only recycle)
-    recycle_states: Flag = setting(False, "decode: keep a finished sequence's state and decode graphs for the next "
+    # capture). CUDA with cuda_graphs only; on since its device check passed (gpu-run61: check_cuda --only recycle and
+    # check_ds4 --only decode, solo and lanes; the first decode token's host 49.6 -> 10-14 ms on ds4-flash)
+    recycle_states: Flag = setting(True, "decode: keep a finished sequence's state and decode graphs for the next "
                                    "sequence of its size, and capture decode's graphs at start (CUDA only)", True)
     # attach compiles decode's kernel variants (MoEStep.warm_routes / warm_kernels, worker/warm_decode.py) so the
     # first timed token compiles none (issue 21); off: they compile in the first decode token instead (the A/B of
