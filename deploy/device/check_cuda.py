@@ -95,6 +95,8 @@ def runner_for(path, device, vram, host, mode="in-process", **kw):
         kw.setdefault("vram_budget", int(os.environ["CHECK_VRAM_BUDGET"]))
     if os.environ.get("CHECK_GROUP_GRAPHS") == "1":     # every check's engine with engine.group_graphs on (graph49)
         kw.setdefault("group_graphs", True)
+    if os.environ.get("CHECK_DECODE_FOLD") == "1":      # every check's engine with engine.decode_fold on (host57)
+        kw.setdefault("decode_fold", True)
     if os.environ.get("CHECK_ACT_QUANT"):       # every check's engine with engine.act_quant so (e.g. bf16: tc51's MMA)
         kw.setdefault("act_quant", os.environ["CHECK_ACT_QUANT"])
     cfg = EngineConfig(model_path=str(path), device=device, vram_slots=vram, host_slots=host, **kw)

@@ -2,7 +2,8 @@
 # The device checks of what ships OFF until a GPU has run it, in one call (~10 min on a warm H100: two calls, STEPS=1,2 then STEPS=3; NEXT.md rows 1, 3, 4):
 #   1. engine.recycle_states (graphs57): check_cuda --only recycle (tiny) and check_ds4 --only decode (ds4-tiny, its
 #      recycle rows): a second sequence on a recycled state captures no decode graph and equals a fresh runner
-#   2. engine.decode_fold (host57, lanesfold57): tests/worker/test_decode_fold.py + test_cuda_streams.py on CUDA, then
+#   2. engine.decode_fold (host57, lanesfold57): tests/worker/test_decode_fold.py + test_cuda_streams.py on CUDA,
+#      check_ds4 --only decode and check_cuda --only batch,pool,recycle with CHECK_DECODE_FOLD=1, then
 #      token_split.py (docs/benchmarks/cpu-host57) on ds4-tiny and ds4-wide, the solo and the lanes form, without and
 #      with --fold: replays a token, the rest's µs
 #   3. the Gluon bf16 MMA (schedule keys GL, GP): check_gluon_mmq.py, Q8_0 with gluon16r57's GP forms (--odd), then
@@ -41,6 +42,13 @@ fi
 if [[ ,$STEPS, == *,2,* ]]; then
   step fold_tests 120 "$PY" -m pytest -q -p no:cacheprovider tests/worker/test_decode_fold.py \
     tests/worker/test_cuda_streams.py
+  # the fold's bits on CUDA: check_ds4's decode rows (eager == graphs, solo and lanes, pool, == the reference, batch,
+  # recycle) and check_cuda's batch / pool / recycle with every engine folding (gpu-run61: only the capture test ran)
+  CHECK_DECODE_FOLD=1 step fold_ds4 150 "$PY" deploy/device/check_ds4.py --device "$DEV" --only decode \
+    --out "$D/fold_ds4"
+  mkdir -p "$D/fold_cuda"
+  CHECK_DECODE_FOLD=1 OUT=$D/fold_cuda step fold_cuda 150 "$PY" deploy/device/check_cuda.py --device "$DEV" \
+    --only batch,pool,recycle
   for F in off on; do
     flag=(); [ "$F" = on ] && flag=(--fold)
     for FORM in solo lanes; do          # solo's logs keep their names (fold_off / fold_on)
