@@ -95,6 +95,10 @@ def targets(r: dict) -> list[str]:
     if names:                 # which kernels the count is made of (services/bench/profile.by_name)
         L.append(_row("  of it, by kernel (per layer)", "–", "; ".join(f"`{n}` {c:g}" for n, c in names.items()),
                       None))
+    cka = (ex.get("profile", {}).get("decode") or {}).get("copy_kernels_after")
+    if cka:                   # the driver's copy kernels in it, by the kernel before each (profile.copy_kernels_after)
+        L.append(_row("  of it, copy kernels by the kernel before (per layer)", "–", "; ".join(
+            f"`{n}` " + ", ".join(f"{a} {c:g}" for a, c in by.items()) for n, by in cka.items()), None))
     idle = exd.get("disk_idle") or {}
     if "between_ms_per_token" in idle:  # where the exact decode's disk idles (services/bench/disk_idle.py)
         g = exd.get("guess") or {}

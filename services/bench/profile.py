@@ -36,9 +36,24 @@ def by_name(kernels: list[dict], n_layer: int, top: int = 12) -> dict[str, float
     return {n: round(c / max(n_layer, 1), 2) for n, c in names.most_common(top)}
 
 
+def copy_kernels_after(kernels: list[dict], n_layer: int) -> dict[str, dict[str, float]]:
+    """The driver's copy kernels (names starting "memcpy": a memcpy node of a CUDA graph the driver runs on the SMs,
+    e.g. `memcpy32_post`), each by the kernel that ran before it on its stream: {copy name: {"after <kernel>": per
+    layer}}. Inside a graph replay the profiler names no torch op, so the kernel before says which captured copy it is
+    (gpu-run61: 3 a decode layer appeared with recycled states and 23 memcpys a token went)."""
+    last: dict = {}
+    out: dict[str, Counter] = {}
+    for k in sorted(kernels, key=lambda e: float(e["ts"])):
+        name, stream = str(k.get("name", "?"))[:80], k.get("args", {}).get("stream", k.get("tid"))
+        if name.startswith("memcpy"):
+            out.setdefault(name, Counter())["after " + last.get(stream, "(the pass's start)")] += 1
+        last[stream] = name
+    return {n: {a: round(c / max(n_layer, 1), 2) for a, c in cs.most_common(6)} for n, cs in out.items()}
+
+
 def profile_pass(fn, n_layer: int, timed_wall_s: float, device: torch.device) -> dict | None:
     """Run fn() once under the profiler; {launches, launches_per_layer, memcpys, kernel_ms, gpu_busy,
-    launches_by_name}."""
+    launches_by_name, copy_kernels_after}."""
     if device.type != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -59,4 +74,4 @@ def profile_pass(fn, n_layer: int, timed_wall_s: float, device: torch.device) ->
     busy_us = _union_us((float(k["ts"]), float(k["ts"]) + float(k["dur"])) for k in kernels)
     return {"launches": len(kernels), "launches_per_layer": len(kernels) / max(n_layer, 1), "memcpys": len(copies),
             "kernel_ms": busy_us / 1e3, "gpu_busy": (busy_us / 1e6) / timed_wall_s if timed_wall_s > 0 else None,
-            "launches_by_name": by_name(kernels, n_layer)}
+            "launches_by_name": by_name(kernels, n_layer), "copy_kernels_after": copy_kernels_after(kernels, n_layer)}

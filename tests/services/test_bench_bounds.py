@@ -159,6 +159,10 @@ def test_ds4_summary_judges_layer_major_passes_and_names_the_launches():
     assert "0.85-0.94" in row and row.rstrip(" |").endswith("PASS"), row
     assert any("standard-schedule" in r and "0.27" in r for r in rows), rows
     assert any("`moe_gate_up` 3" in r for r in rows), rows
+    assert not any("copy kernels" in r for r in rows)
+    case["profile"]["decode"]["copy_kernels_after"] = {"memcpy32_post": {"after _route_kernel": 2.0}}
+    assert any("copy kernels" in r and "`memcpy32_post` after _route_kernel 2" in r
+               for r in S.targets({"cases": [case]})), rows
     assert not any("warm prefill pass's host" in r for r in rows)     # no host figures: no ratio
     case["passes"][0]["host_us_per_application"] = 80.0               # the host's speed, from the same run
     case["decode"]["host_us_per_application"] = 240.0
@@ -180,3 +184,18 @@ def test_ds4_summary_judges_layer_major_passes_and_names_the_launches():
                                               (3.35, 1, "route")])
     row = next(r for r in S.targets({"cases": [case]}) if "of gpu, within: copy / group / attn / route / sync" in r)
     assert "copy 50.00 / group 50.00 / attn 100.00 / route 50.00 / sync 50.00 (of gpu 300.00)" in row, row
+
+
+def test_copy_kernels_are_named_by_the_kernel_before_them_on_their_stream():
+    """gpu-run61: 3 `memcpy32_post` kernels a decode layer appeared inside graph replays, where the profiler names no
+    torch op; the kernel that ran before each on its stream says which captured copy it is."""
+    from services.bench.profile import copy_kernels_after
+    ev = [{"name": "_route_kernel", "ts": 1, "args": {"stream": 7}},
+          {"name": "gemm", "ts": 2, "args": {"stream": 9}},
+          {"name": "memcpy32_post", "ts": 3, "args": {"stream": 7}},
+          {"name": "memcpy32_post", "ts": 4, "args": {"stream": 9}},
+          {"name": "memcpy32_post", "ts": 5, "args": {"stream": 7}},
+          {"name": "memcpy32_post", "ts": 0, "args": {"stream": 3}}]
+    got = copy_kernels_after(ev, n_layer=2)
+    assert got == {"memcpy32_post": {"after _route_kernel": 0.5, "after gemm": 0.5, "after memcpy32_post": 0.5,
+                                     "after (the pass's start)": 0.5}}, got
