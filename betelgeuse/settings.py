@@ -420,7 +420,7 @@ class EngineSettings(_Section):
     # capture). CUDA with cuda_graphs only; on since its device check passed (gpu-run61: check_cuda --only recycle and
     # check_ds4 --only decode, solo and lanes; the first decode token's host 49.6 -> 10-14 ms on ds4-flash)
     recycle_states: Flag = setting(True, "decode: keep a finished sequence's state and decode graphs for the next "
-                                   "sequence of its size, and capture decode's graphs at start (CUDA only)", True)
+                                   "sequence of its size, and capture decode's graphs at start (CUDA only)", False)
     # attach compiles decode's kernel variants (MoEStep.warm_routes / warm_kernels, worker/warm_decode.py) so the
     # first timed token compiles none (issue 21); off: they compile in the first decode token instead (the A/B of
     # what the warm-ups put on the GPU: worker/attach_steps.py measures each step). A warm-up that fails never stops
