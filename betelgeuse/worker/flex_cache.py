@@ -159,14 +159,18 @@ class FlexCache:
         self._owner[s] = None
         self.where[l, e] = -1
         self.copies[l].discard(e)
-        ch = self.changed                               # the change logged for the at-hand table (`changed`)
-        if ch is not None:
-            ch.append((l, e))
-            if len(ch) > self.where.size:
-                self.changed = None
+        self._log(l, e)
         self.version += 1
         self.forgets += 1
         self.lru.pop(s, None)
+
+    def _log(self, layer: int, expert: int):
+        """The change logged for the at-hand table (`changed`; None once it outgrew a full rebuild)."""
+        ch = self.changed
+        if ch is not None:
+            ch.append((layer, expert))
+            if len(ch) > self.where.size:
+                self.changed = None
 
     def _grow(self) -> bool:
         """A new chunk in the room left: a whole one, or the slots the room still holds (a quarter of a whole
@@ -325,11 +329,7 @@ class FlexCache:
         layer = int(layer)
         self.where[layer, e] = s
         self.copies[layer].add(e)
-        ch = self.changed                               # the change logged for the at-hand table (`changed`)
-        if ch is not None:
-            ch.append((layer, e))
-            if len(ch) > self.where.size:
-                self.changed = None
+        self._log(layer, e)
         self.version += 1
         self._owner[s] = (layer, e)
         self.lru[s] = None
