@@ -104,6 +104,7 @@ class MoEKernels:
         self._mq = None          # triton_mmq where some layer's part runs on q8_1 activations (act_quant, triton)
         self._quant_h = False    # some layer's gate/up does: route() makes h's q8_1
         self._launch_consts: dict = {}   # (layer, H) -> _layer_launch's constants
+        self._row_blocks: dict = {}      # (layer, n_rows) -> _row_block's BM (its config dict made once, not per read)
         if backend == "triton":
             from betelgeuse.kernels import triton_moe
             self._tk = triton_moe
@@ -173,9 +174,12 @@ class MoEKernels:
 
     def _row_block(self, layer: int, n_rows: int) -> int:
         """The rows of one row block (BM) of gate/up's launch of `n_rows` rows on `layer` (weight_reads)."""
-        qg = self.qtypes[layer][0]
-        c = self._tk.config(self._tk.QT_CODES[qg], self._tk.bucket_of(n_rows, self.E))
-        return c["BM_MV"] if c["MV"] else c["BM"]
+        bm = self._row_blocks.get((layer, n_rows))
+        if bm is None:              # the config of the layer's gate/up type and the rows' bucket: a module constant
+            qg = self.qtypes[layer][0]
+            c = self._tk.config(self._tk.QT_CODES[qg], self._tk.bucket_of(n_rows, self.E))
+            bm = self._row_blocks[layer, n_rows] = c["BM_MV"] if c["MV"] else c["BM"]
+        return bm
 
     # ---- per layer ------------------------------------------------------------------------------
     def route(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, chunks=None) -> Routing:

@@ -193,7 +193,7 @@ class AtHand:
         f = self.flex
         changed = dict.fromkeys(f.changed)
         f.changed = []
-        pool = self.cache.pool.data_ptr()
+        pool = self.cache.pool_addr
         for l, e in changed:
             self.host[l, e] = self._entry(snap, l, e, pool)
         self._key = (snap, key)

@@ -69,6 +69,9 @@ class ExpertCache:
         self.vram = self.pool[: L * V * sb].view(L, V, sb)
         self.ring = self.pool[L * V * sb:].view(ring_slots, sb)
         self.ring_offset = L * V * sb
+        # the pool's address, read once: the pool is never reallocated (a re-attach makes a new cache), and the decode
+        # step's direct groups and at-hand patches read it every miss layer (a torch call each: issue 21)
+        self.pool_addr = self.pool.data_ptr()
         self._ring_slots = list(self.ring.unbind(0)) if ring_slots else []   # ring[i] made once, not per copy
         # which expert each VRAM slot holds: (expert, host_slot, generation); -1 = empty
         self.vram_owner = np.full((L, max(V, 1), 3), -1, dtype=np.int64)

@@ -311,7 +311,12 @@ class FlexCache:
                 lru.move_to_end(s)
                 out.append(None)
                 continue
-            if self.free or self._grow():
+            # _grow only where its room test passes (inline: room - nbytes >= max(1, per_chunk // 4) slots), so a full
+            # cache's fills call neither it nor its room and nbytes (3 Python calls an expert: issue 21, cpu-host59).
+            # Not `None in self.chunks` here: `in` compares each chunk tensor to None with Tensor.__eq__ (~100 us
+            # a take measured on the CPU); _grow asks that after its room test, as before
+            if self.free or (self.reserved - self.held - self._bytes >= max(1, self.per_chunk // 4) * self.slot_bytes
+                             and self._grow()):
                 s = self.free.pop(0)
             elif not lru or next(iter(lru)) in out:
                 out.append(None)            # nothing free and the LRU slot is this call's: through the bank
@@ -343,6 +348,11 @@ class FlexCache:
         """Flex slot s's device address (kernels.moe.Group tables name it relative to the slot pool's)."""
         ch, i = divmod(s, self.per_chunk)
         return self._base[ch] + i * self.slot_bytes
+
+    def slot_target(self, s: int) -> tuple[int, torch.Tensor]:
+        """(slot_address(s), slot_view(s)) in one call: what a direct group copies into (MoEStep._direct_group)."""
+        ch, i = divmod(s, self.per_chunk)
+        return self._base[ch] + i * self.slot_bytes, self._views[s]
 
     def slot_source(self, s: int) -> tuple[torch.Tensor, int]:
         """Flex slot s as (its chunk, byte offset): the torch kernels' source of an expert there (kernels.moe.Group)."""

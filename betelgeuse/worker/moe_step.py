@@ -97,7 +97,9 @@ class RoutingSync:
         self.event = None
         if self.cuda:
             self.event = torch.cuda.Event(external=True) if cap is not None else torch.cuda.Event()
-        self._dst: dict = {}                         # (E, n) -> buf's views [:E], [E:n]: made once, not per layer
+        # (counts' shape, the guesses' shape or None) -> _Sizes: made once a shape (a decode layer's are always the
+        # same), not read again with numel() / views / reshape each layer (~5 torch calls a layer: issue 21, cpu-host59)
+        self._dst: dict = {}
         self._pending = None
         if self.cuda and cap is not None:
             self.buf = torch.empty(cap, dtype=torch.int64, pin_memory=True)
@@ -114,44 +116,55 @@ class RoutingSync:
             return False
         return True
 
-    def start(self, counts: torch.Tensor, guess: torch.Tensor | None):
-        self._pending = (counts, guess)
+    def _sizes(self, counts: torch.Tensor, guess: torch.Tensor | None) -> tuple:
+        """-> (E, n = E + the guesses' count, on CUDA the copies' destinations [buf[:E], buf[E:n] viewed as the
+        guesses' shape] and the guesses' host view [T, D, k] of the buffer, else None, None), by the two shapes: a
+        miss makes the entry, growing the buffer where it is too small (no cap), which drops every entry (their views
+        are of the old buffer). The cap check runs at each miss, so on every start whose shapes are new."""
+        key = (counts.shape, None if guess is None else guess.shape)
+        m = self._dst.get(key)
+        if m is not None:
+            return m
         E = counts.numel()
         n = E + (0 if guess is None else guess.numel())
         # checked on every device (the CPU tests too): a capped buffer must hold the largest start (class doc)
         assert self.cap is None or n <= self.cap, (n, self.cap)
+        dst = view = None
         if self.cuda:
-            assert guess is None or guess.dtype == counts.dtype == torch.int64, (counts.dtype, guess.dtype)
             if self.buf is None or self.buf.numel() < n:
                 assert self.cap is None, (n, self.cap)   # made once at init (class doc): a graph writes the one it saw
                 self.buf = torch.empty(max(n, 4 * E), dtype=torch.int64, pin_memory=True)
                 self.host, self._dst = self.buf.numpy(), {}
-            dst = self._dst.get((E, n))
-            if dst is None:
-                dst = self._dst[E, n] = [self.buf[:E], self.buf[E:n]]
+            dst = [self.buf[:E]] if guess is None else [self.buf[:E], self.buf[E:n].view(guess.shape)]
+            view = None if guess is None else self.host[E:n].reshape(tuple(guess.shape))
+        m = self._dst[key] = (E, n, dst, view)
+        return m
+
+    def start(self, counts: torch.Tensor, guess: torch.Tensor | None):
+        m = (self._dst.get((counts.shape, None if guess is None else guess.shape))   # _sizes' hit, inline
+             or self._sizes(counts, guess))
+        self._pending = (counts, guess, m)
+        if self.cuda:
+            assert guess is None or guess.dtype == counts.dtype == torch.int64, (counts.dtype, guess.dtype)
             if guess is None:
-                dst[0].copy_(counts, non_blocking=True)
+                m[2][0].copy_(counts, non_blocking=True)
             else:       # one call for both (foreach's per-tensor path: a non-blocking copy_ each, on this stream)
-                torch._foreach_copy_(dst, [counts, guess.reshape(-1)], non_blocking=True)
+                torch._foreach_copy_(m[2], [counts, guess], non_blocking=True)
             self.event.record(current_stream(None))     # the current stream, as record() takes (kernels/streams.py)
 
     def expect(self, counts: torch.Tensor, guess: torch.Tensor | None):
         """A start that ran in a replayed graph (cap): what finish() reads, named with no copy (the same tensors)."""
-        self._pending = (counts, guess)
+        self._pending = (counts, guess, self._sizes(counts, guess))
 
     def finish(self) -> tuple[np.ndarray, Marks | None]:
         """-> (counts [E] int64, the guesses' Marks or None)."""
-        counts, guess = self._pending
+        counts, guess, (E, _, _, view) = self._pending
         self._pending = None
-        E = counts.numel()
         if not self.cuda:
-            c, g = counts.numpy(), None if guess is None else guess.numpy()
-        else:
-            n = E + (0 if guess is None else guess.numel())
-            self.event.synchronize()
-            a = self.host
-            c, g = a[:E].copy(), a[E:n]
-        return c, None if guess is None else Marks.from_ids(g.reshape(guess.shape), E)
+            c = counts.numpy()
+            return c, None if guess is None else Marks.from_ids(guess.numpy(), E)     # numpy() keeps the shape
+        self.event.synchronize()
+        return self.host[:E].copy(), None if guess is None else Marks.from_ids(view, E)
 
 
 class MoEStep:
@@ -650,7 +663,7 @@ class MoEStep:
         """Expert e of layer l read in place from `slot` (a view of the arena: a staging or host slot) by the misses'
         group: its offset relative to the pool in the miss table, its source for the torch kernels."""
         off = int(slot.data_ptr() - self.cache.host.data_ptr())
-        self.gate.table[l, e] = self.hand.arena_addr + off - self.cache.pool.data_ptr()
+        self.gate.table[l, e] = self.hand.arena_addr + off - self.cache.pool_addr
         self.gate.srcs[l][e] = (self.cache.host, off)
 
     def _partial(self, l, r, snap, stats: PassStats, ls: LayerStats, readahead: bool, hand: bool = False,
@@ -1073,7 +1086,7 @@ class MoEStep:
         -> [(CUDA event after their copies, staging slots)]: what _release waits for before the slots go back."""
         cache, flex = self.cache, self.flex
         took = flex.take(l, es)
-        pool = cache.pool.data_ptr()
+        pool = cache.pool_addr
         # one pass over the batch (a decode layer's few disk experts): the flex-taken ones' ids, pool offsets, copies
         # and staging slots; the others' indices (through the bank)
         fi, bi, f_es, f_offs, dsts, fsrcs, f_slots = [], [], [], [], [], [], []
@@ -1083,8 +1096,9 @@ class MoEStep:
                 continue
             fi.append(i)
             f_es.append(es[i])
-            f_offs.append(flex.slot_address(s) - pool)
-            dsts.append(flex.slot_view(s))
+            a, v = flex.slot_target(s)
+            f_offs.append(a - pool)
+            dsts.append(v)
             fsrcs.append(srcs[i])
             f_slots.append(slots[i])
         bank = None

@@ -257,6 +257,15 @@ def run(argv: list[str]) -> dict:
         finally:
             audit.waiting -= 1
     PassClock.wait = wait
+    wait_store0 = PassClock.wait_store          # its own body (not through wait: one Python call less an expert)
+
+    def wait_store(self, fn, *args):
+        audit.waiting += 1
+        try:
+            return wait_store0(self, fn, *args)
+        finally:
+            audit.waiting -= 1
+    PassClock.wait_store = wait_store
     open0 = asm.open_runner
 
     def open_runner(*args, **kw):
@@ -280,7 +289,7 @@ def run(argv: list[str]) -> dict:
         with audit, tempfile.TemporaryDirectory(prefix="bg-sync-audit-") as d:
             res = dh.run(a, Path(d))
     finally:
-        PassClock.wait = wait0
+        PassClock.wait, PassClock.wait_store = wait0, wait_store0
         asm.open_runner = open0
     n = max(1, res["tokens"])
     res["sync_audit"] = {k: {s: round(c / n, 2) for s, c in sorted(v.items(), key=lambda kv: -kv[1])}

@@ -97,16 +97,21 @@ class _Failed(grpc.RpcError):
         return self._details
 
 
+# what StoreClient._failing turns into the worker's errors (_as_worker), in its order of rules
+_FAILING = (grpc.RpcError, ValueError, grpc.FutureCancelledError)
+
+
 def _failed(ev) -> _Failed:
     return _Failed(_CODES.get(ev.failed.code, grpc.StatusCode.UNKNOWN), ev.failed.details)
 
 
 class _Boxes:
-    """What both session streams share: each request's answers routed to its box by id (_cv guards _box and error);
+    """What both session streams share: each request's answers routed to its box by id (_cv's lock, _lock, guards
+    _box and error);
     a subclass sends with _post and says alive()."""
 
     def forget(self, rid: int):
-        with self._cv:
+        with self._lock:
             self._box.pop(rid, None)
 
     def answered(self, rid: int) -> bool:
@@ -160,7 +165,10 @@ class _Stream(_Boxes):
         self._taken = 0
         self._handoff = threading.Condition()
         self.call = method(self._requests())            # no deadline: it lives as long as the session
-        self._cv = threading.Condition()
+        # _cv's lock, entered directly (`with self._lock`; wait / notify stay _cv's, which owns it): what Condition's
+        # __enter__ / __exit__ do, less their two Python calls a time (a landed expert's take: issue 21, cpu-host59)
+        self._lock = threading.RLock()
+        self._cv = threading.Condition(self._lock)
         self._box: dict[int, collections.deque] = {}    # request id -> answers routed, not yet taken
         self._waits: dict[int, float] = {}              # request id -> deadline of the caller waiting for it
         self._pumping = False
@@ -205,7 +213,7 @@ class _Stream(_Boxes):
         """Queue the request make(id) -> its id (the answers' box open from now on). handoff: once grpc's send
         thread has sent it (class doc)."""
         rid = next(self._ids)
-        with self._cv:
+        with self._lock:
             if self.error is not None:
                 raise self.error
             self._box[rid] = collections.deque()
@@ -217,11 +225,11 @@ class _Stream(_Boxes):
 
     def take(self, rid: int, deadline: float):
         """The next answer to `rid` (its own in the order sent), reading the stream meanwhile if nobody else does."""
-        with self._cv:
+        with self._lock:
             self._waits[rid] = deadline
         try:
             while True:
-                with self._cv:
+                with self._lock:
                     while True:
                         if (ans := self._next(rid)) is not None:
                             return ans
@@ -236,7 +244,7 @@ class _Stream(_Boxes):
                     err = _Failed(grpc.StatusCode.UNAVAILABLE, "the store ended the session stream")
                 except grpc.RpcError as e:
                     err = e
-                with self._cv:
+                with self._lock:
                     self._pumping = False
                     if err is not None:
                         self.error = self.error or err      # a deadline the watch set stays the reason
@@ -246,12 +254,12 @@ class _Stream(_Boxes):
                             box.append(ev)
                     self._cv.notify_all()
         finally:
-            with self._cv:
+            with self._lock:
                 self._waits.pop(rid, None)
 
     def _watch(self):
         while not self._closed.wait(self.WATCH_S):
-            with self._cv:
+            with self._lock:
                 late = self.error is None and any(t < time.monotonic() for t in self._waits.values())
                 if late:
                     self.error = _Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
@@ -290,7 +298,10 @@ class _SeqStream(_Boxes):
             raise StoreUnavailableError(f"expert store unavailable (UNAVAILABLE): cannot reach its session socket "
                                         f"{path}: {e.strerror or e}") from None
         self.sock = sock
-        self._cv = threading.Condition()
+        # _cv's lock, entered directly (`with self._lock`; wait / notify stay _cv's, which owns it): what Condition's
+        # __enter__ / __exit__ do, less their two Python calls a time (a landed expert's take: issue 21, cpu-host59)
+        self._lock = threading.RLock()
+        self._cv = threading.Condition(self._lock)
         self._box: dict[int, collections.deque] = {}    # request id -> answers routed, not yet taken
         self.error: grpc.RpcError | None = None         # what the stream ended with
         self._ids = itertools.count(1)
@@ -300,7 +311,7 @@ class _SeqStream(_Boxes):
         err = _Failed(grpc.StatusCode.UNAVAILABLE, "the store ended the session stream")
         try:
             for ev in session_seq.receiver(self.sock, pb.SessionEvent.FromString):
-                with self._cv:
+                with self._lock:
                     box = self._box.get(ev.id)
                     if box is not None:
                         box.append(ev)
@@ -312,7 +323,7 @@ class _SeqStream(_Boxes):
 
     def _end(self, err: grpc.RpcError):
         """The stream ends with `err` (the first reason stays), every waiter fails with it; the reader sees EOF."""
-        with self._cv:
+        with self._lock:
             self.error = self.error or err
             self._cv.notify_all()
         try:
@@ -329,7 +340,7 @@ class _SeqStream(_Boxes):
         rid = next(self._ids)
         data = make(rid).SerializeToString()
         session_seq.check_size(len(data), self.limit)
-        with self._cv:
+        with self._lock:
             if self.error is not None:
                 raise self.error
             self._box[rid] = collections.deque()
@@ -348,7 +359,7 @@ class _SeqStream(_Boxes):
 
     def take(self, rid: int, deadline: float):
         """The next answer to `rid` (its own in the order sent), waiting at most until `deadline`."""
-        with self._cv:
+        with self._lock:
             while True:
                 if (ans := self._next(rid)) is not None:
                     return ans
@@ -474,19 +485,27 @@ class GrpcStoreClient:
     def _failing(self, what: str = "call"):
         """What a store call raises, as the worker's errors: a gRPC error (StoreBusyError, ..., or abort()'s reason
         for a call it cancelled), a call on the channel abort() closed ("Cannot invoke RPC on closed channel!"), a
-        future cancelled (`what`: the call's kind, for the message)."""
+        future cancelled (`what`: the call's kind, for the message). The decode step's calls (_call, _send, _landed)
+        catch _FAILING and raise _as_worker's instead: the same errors, less the context manager's ~5 Python calls
+        a time (issue 21, cpu-host59)."""
         try:
             yield
-        except grpc.RpcError as e:
-            raise self._unavailable(e) from None
-        except ValueError as e:
-            raise self._closed(e) from None
-        except grpc.FutureCancelledError:
-            raise StoreUnavailableError(f"expert store unavailable: a {what} call was cancelled") from None
+        except _FAILING as e:
+            raise self._as_worker(e, what) from None
+
+    def _as_worker(self, e: BaseException, what: str = "call") -> BaseException:
+        """_failing's rule: a store call's error (one of _FAILING) -> the worker's error to raise from None."""
+        if isinstance(e, grpc.RpcError):
+            return self._unavailable(e)
+        if isinstance(e, ValueError):
+            return self._closed(e)
+        return StoreUnavailableError(f"expert store unavailable: a {what} call was cancelled")
 
     def _call(self, fn, *args, timeout: float | None = None, **kw):
-        with self._failing():
+        try:
             return fn(*args, timeout=timeout or self.timeout, **kw)
+        except _FAILING as e:
+            raise self._as_worker(e) from None
 
     def attach(self) -> tuple[Arena, SlotPlan]:
         with self._lock:
@@ -598,9 +617,11 @@ class GrpcStoreClient:
     def _send(self, kind: str, make, handoff: bool = False) -> tuple[_Stream | _SeqStream, int]:
         """One request of `kind` (SessionRequest's field) on the session's stream, make(id) -> the SessionRequest
         (built in place: _load_request) -> (the stream, its id). handoff: _Stream's (class doc)."""
-        with self._failing():
+        try:
             s = self._session_stream()
             return s, s.send(make, handoff)
+        except _FAILING as e:
+            raise self._as_worker(e) from None
 
     def load(self, keys, release=(), ahead=(), drop=()):
         """Demand loads, sent now (the store starts reading at once; it first takes back `release` and reads `ahead`
@@ -617,15 +638,16 @@ class GrpcStoreClient:
     def _landed(self, s: _Stream | _SeqStream, rid: int, n: int, deadline: float):
         got, failed = 0, False
         try:
-            with self._failing():
-                while got < n:
-                    ev = s.take(rid, deadline)
-                    if ev.WhichOneof("kind") != "loaded":
-                        failed = True               # nothing more of it follows
-                        raise _failed(ev)
-                    m = ev.loaded
-                    got += 1
-                    yield Loaded(m.layer, m.expert, m.staging_slot, m.disk_bytes, m.prefetched, m.ahead_queued)
+            while got < n:
+                ev = s.take(rid, deadline)
+                if ev.WhichOneof("kind") != "loaded":
+                    failed = True                   # nothing more of it follows
+                    raise _failed(ev)
+                m = ev.loaded
+                got += 1
+                yield Loaded(m.layer, m.expert, m.staging_slot, m.disk_bytes, m.prefetched, m.ahead_queued)
+        except _FAILING as e:
+            raise self._as_worker(e) from None
         finally:
             if got < n and not failed:
                 s.cancel(rid)       # closed before its end (an abandoned pass): the store stops sending it

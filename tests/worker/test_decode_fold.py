@@ -192,6 +192,28 @@ def test_the_graph_sync_holds_max_running_rows_of_guesses(model):
         close_runner(rn, st)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA"))])
+def test_sync_reads_each_start_whatever_shapes_came_before(device):
+    """RoutingSync's views and sizes made once a shape pair (_sizes, cpu-host59): starts alternating between shapes
+    (no guesses, [1, D, k], [3, D, k], an E of 8 and of 16; on CUDA a larger start regrows the uncapped buffer) each
+    finish() with the counts and guessed ids the tensors hold (their own tolist(): the reference)."""
+    from betelgeuse.worker.moe_step import RoutingSync
+    sync = RoutingSync(torch.device(device))
+    gen = torch.Generator().manual_seed(59)
+    shapes = [(8, None), (16, (1, 2, 3)), (8, (3, 2, 3)), (16, None), (16, (1, 2, 3)), (8, (3, 2, 3)),
+              (16, (40, 2, 3)), (8, (1, 2, 3))]
+    for E, gs in shapes * 2:
+        counts = torch.randint(0, 9, (E,), generator=gen).to(device)
+        guess = None if gs is None else torch.randint(0, E, gs, generator=gen).to(device)
+        sync.start(counts, guess)
+        c, marks = sync.finish()
+        assert c.tolist() == counts.tolist()
+        assert (marks is None) == (guess is None)
+        if guess is not None:
+            assert marks.ids == guess.tolist() and marks.E == E
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
 def test_a_captured_start_is_written_by_each_replay():
     """RoutingSync(cap): start() captured in a graph (the counts computed in it, the event an external node), each

@@ -278,4 +278,57 @@ def test_take_is_keeps_bookkeeping_without_a_slot_twice_a_call():
             assert f.slot_address(s) == f.chunks[c].data_ptr() + i * sb
             t, o = f.slot_source(s)
             assert t is f.chunks[c] and o == i * sb
+            a, v = f.slot_target(s)                                       # _direct_group's (address, view)
+            assert a == f.chunks[c].data_ptr() + i * sb == v.data_ptr() and v.numel() == sb
     assert refused > 0 and f.stats.evictions > 50, (refused, f.stats)
+
+
+def test_take_grows_where_grow_would_under_random_holds():
+    """take asks _grow only where _grow would not refuse (its test inline: cpu-host59): against the same fills on
+    a twin cache whose every slot-less fill asks _grow itself (take's rule before the inline test), with the room
+    moving under them (hold: the sequences' KV bytes, chunks given back and grown again, slivers refused). The
+    answers, the chunks (their sizes: grows), `where` and the LRU order equal after every call."""
+    import numpy as np
+
+    from betelgeuse.worker.flex_cache import FlexCache
+    L, E, sb = 3, 12, 32
+    mk = lambda: FlexCache(sb, sb * 8, 3, L, E, torch.device("cpu"))     # noqa: E731  chunks of 8 slots, room 24
+
+    def ref_take(f, layer, es):                                          # take as it was: _grow asked every time
+        where, lru, out = f.where[layer], f.lru, []
+        for e in es:
+            s = int(where[e])
+            if s >= 0:
+                lru.move_to_end(s)
+                out.append(None)
+                continue
+            if f.free or f._grow():
+                s = f.free.pop(0)
+            elif not lru or next(iter(lru)) in out:
+                out.append(None)
+                continue
+            else:
+                s = next(iter(lru))
+                f._forget(s)
+                f.stats.evictions += 1
+            f._assign(layer, e, s)
+            out.append(s)
+        return out
+
+    f, ref = mk(), mk()
+    rng = np.random.default_rng(59)
+    grows = 0
+    for _ in range(300):
+        if rng.random() < 0.15:                   # KV takes part of the room (a sliver left: _grow's quarter rule)
+            held = int(rng.choice([0, sb * 3, sb * 7, sb * 13, sb * 18, sb * 22]))
+            f.hold(held)
+            ref.hold(held)
+        layer, n = int(rng.integers(0, L)), int(rng.integers(1, 7))
+        es = rng.integers(0, E, n).tolist()
+        before = f.nbytes
+        assert f.take(layer, es) == ref_take(ref, layer, es)
+        grows += f.nbytes > before
+        assert [None if c is None else c.numel() for c in f.chunks] == \
+            [None if c is None else c.numel() for c in ref.chunks]
+        assert (f.where == ref.where).all() and list(f.lru) == list(ref.lru)
+    assert grows > 5 and f.stats.evictions > 50, (grows, f.stats)
