@@ -175,7 +175,9 @@ class FlexCache:
     def _grow(self) -> bool:
         """A new chunk in the room left: a whole one, or the slots the room still holds (a quarter of a whole
         one at least: a sliver is not worth a launch group) -> whether one was allocated."""
-        n = min(self.per_chunk, (self.room - self.nbytes) // self.slot_bytes)
+        n = min(self.per_chunk, (self.room - self._bytes) // self.slot_bytes)
+        # the room test first: a full cache's fills (take's, every decode miss) ask nothing more; `None in chunks`
+        # compares each chunk tensor to None through Tensor.__eq__ (~100 us a take on the CPU: cpu-host59)
         if n < max(1, self.per_chunk // 4) or None not in self.chunks:
             return False
         c = self.chunks.index(None)
@@ -192,38 +194,29 @@ class FlexCache:
         """A slot for a new copy: an empty one, a new chunk's within the room, else the least recently used one's."""
         if self.free or self._grow():
             return self.free.pop(0)
-        if self.lru:
-            s = next(iter(self.lru))
-            self._forget(s)
-            self.stats.evictions += 1
-            return s
-        return None
+        return self._evict() if self.lru else None
+
+    def _evict(self) -> int:
+        """The least recently used slot, its copy forgotten (an eviction): for a new copy."""
+        s = next(iter(self.lru))
+        self._forget(s)
+        self.stats.evictions += 1
+        return s
 
     # ---- use -----------------------------------------------------------------------------------------
     def split(self, layer: int, used: np.ndarray, tiers: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """A layer's routed experts `used` (ascending) and their directory tiers -> (used, tiers) without the experts
-        computed from a flex copy, and those experts (ascending). A copy of an expert now in the VRAM tier goes.
-        Every decode layer calls it on its few routed experts: a layer holding no copy returns at once, the others
-        go over the experts' lists (a numpy call costs more than a Python step over a few)."""
+        """split_lists on arrays (the general path's, its dtypes kept): a layer's routed experts `used` (ascending) and
+        their directory tiers -> (used, tiers) without the experts computed from a flex copy, and those experts
+        (ascending). A layer holding no copy returns at once."""
         if not self.copies[layer]:
             return used, tiers, used[:0]
-        slots, tl = self.where[layer, used].tolist(), tiers.tolist()
-        for s, t in zip(slots, tl):
-            if s >= 0 and t == TIER_VRAM:
-                self._forget(s)
-                self.stats.dropped += 1
-        hit = [i for i, (s, t) in enumerate(zip(slots, tl)) if s >= 0 and t != TIER_VRAM]
-        if not hit:
-            return used, tiers, used[:0]
-        for i in hit:
-            self.lru.move_to_end(slots[i])
-        self.stats.hits += len(hit)
-        rest = [i for i, (s, t) in enumerate(zip(slots, tl)) if s < 0 or t == TIER_VRAM]
-        return used[rest], tiers[rest], used[hit]
+        u, t, h = self.split_lists(layer, used.tolist(), tiers.tolist())
+        return (np.asarray(u, dtype=used.dtype), np.asarray(t, dtype=tiers.dtype), np.asarray(h, dtype=used.dtype))
 
     def split_lists(self, layer: int, used: list[int], tiers: list[int]) -> tuple[list, list, list]:
-        """split on Python lists (the decode short paths': MoEStep._routed, a layer's few routed experts), the same
-        rule, LRU moves and counts: -> (used, tiers) less the experts computed from a copy, and those experts."""
+        """A layer's routed experts `used` (ascending Python ints: the decode short paths' lists, MoEStep._partial)
+        and their tiers -> (used, tiers) less the experts computed from a flex copy, and those experts: a copy of an
+        expert now in the VRAM tier goes (counted dropped), the held others hit (moved to the LRU's end)."""
         cp = self.copies[layer]
         if cp.isdisjoint(used):                 # no routed expert has a copy: no numpy call
             return used, tiers, []
@@ -311,20 +304,13 @@ class FlexCache:
                 lru.move_to_end(s)
                 out.append(None)
                 continue
-            # _grow only where its room test passes (inline: room - nbytes >= max(1, per_chunk // 4) slots), so a full
-            # cache's fills call neither it nor its room and nbytes (3 Python calls an expert: issue 21, cpu-host59).
-            # Not `None in self.chunks` here: `in` compares each chunk tensor to None with Tensor.__eq__ (~100 us
-            # a take measured on the CPU); _grow asks that after its room test, as before
-            if self.free or (self.reserved - self.held - self._bytes >= max(1, self.per_chunk // 4) * self.slot_bytes
-                             and self._grow()):
+            if self.free or self._grow():   # _slot's order: a free slot, a new chunk, else the LRU's
                 s = self.free.pop(0)
             elif not lru or next(iter(lru)) in out:
                 out.append(None)            # nothing free and the LRU slot is this call's: through the bank
                 continue
-            else:                           # _slot's eviction (its free / grow asked just above)
-                s = next(iter(lru))
-                self._forget(s)
-                self.stats.evictions += 1
+            else:
+                s = self._evict()
             self._assign(layer, e, s)
             out.append(s)
         return out
