@@ -160,12 +160,13 @@ class MoEKernels:
         all of K, so an expert's bytes are read once per row block: ceil(rows / BM) (BM = 16, or BM_MV rows on the
         mmvq decode schedule; gate/up's type and rows bucket; the q8_1 schedule's BM is 16 too); the torch kernels
         dequantize an expert once per group. rows as a list (a decode layer's few experts): the same sums in Python,
-        which cost less than numpy calls on them."""
+        which cost less than numpy calls on them (no generator: each of its steps is a Python call; rows are counts,
+        >= 0)."""
         if isinstance(rows, list):
             if self.backend != "triton":
-                return sum(1 for x in rows if x > 0)
+                return len(rows) - rows.count(0)
             bm = self._row_block(layer, n_rows)
-            return sum((x + bm - 1) // bm for x in rows)
+            return sum([(x + bm - 1) // bm for x in rows])
         rows = np.asarray(rows, dtype=np.int64)
         if self.backend != "triton":
             return int((rows > 0).sum())

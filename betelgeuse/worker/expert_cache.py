@@ -88,9 +88,11 @@ class ExpertCache:
         self.n_banks = max(1, ring_slots // self.bank_size)
         self._bank = 0
         self.copy_stream = torch.cuda.Stream(device) if self.is_cuda else None
-        # the compute stream is the current stream of `device` (kernels/streams.py: no per-call device lookup; None:
-        # the current device's, as torch.cuda.current_stream(device) takes a device without an index)
-        self._index = device.index
+        # the compute stream is the current stream of the pool's device (kernels/streams.py: no per-call device
+        # lookup). Its index read from the pool: the engine's device is "cuda", no index, and current_stream(None)
+        # asked torch.cuda.current_device() at every lookup (mark, bank_done, bank_copy: a Python call and a torch
+        # call each, a decode miss layer's few; issue 21, cpu-host60), the device the pool was allocated on
+        self._index = self.pool.device.index if self.is_cuda else None
         self._copy_index = self.copy_stream.device_index if self.is_cuda else None
         # per bank: its copies landed / the computes that read it are enqueued
         self._bank_ready = [torch.cuda.Event() for _ in range(self.n_banks)] if self.is_cuda else []
@@ -111,10 +113,13 @@ class ExpertCache:
         self._table_rows: list = [None] * self.n_tables   # (host row, device row) views, made at a row's first use
         self._table_src: dict = {}                   # id(device row) -> its host row (bank_copy's table=)
         self._table = 0
-        # arena views of host / staging slots, made at their first use: a decode miss layer takes a few, and a
-        # tensor view (with the layout's offset arithmetic) costs more than the dict lookup
+        # arena views of host slots, made at their first use: a decode miss layer takes a few, and a tensor view
+        # (with the layout's offset arithmetic) costs more than the dict lookup; of the staging slots (a few dozen),
+        # made here: a landed expert's is an index into the list (MoEStep._disk_groups: no call a landed expert)
         self._host_views: dict = {}
-        self._staging_views: dict = {}
+        self.staging_views: list[torch.Tensor] = [
+            self.host[o: o + self.slot_bytes]
+            for o in (self.layout.staging_slot_offset(i) for i in range(self.layout.n_staging))]
         self.h2d_bytes = 0
         self.copy_seconds = 0.0    # CPU path: time spent copying
 
@@ -127,11 +132,8 @@ class ExpertCache:
         return v
 
     def staging_slot(self, i: int) -> torch.Tensor:
-        v = self._staging_views.get(i)
-        if v is None:
-            off = self.layout.staging_slot_offset(i)              # asserts the range
-            v = self._staging_views[i] = self.host[off: off + self.slot_bytes]
-        return v
+        assert 0 <= i < len(self.staging_views), i                # the layout's range
+        return self.staging_views[i]
 
     # ---- VRAM hot slots ---------------------------------------------------------------------
     def sync_vram(self, snap: np.ndarray, epoch: int | None = None) -> tuple[int, list[tuple[int, int, int]]]:
@@ -391,5 +393,5 @@ class ExpertCache:
             unregister_pinned(self.arena)
             self.pinned = False
         self.host = None
-        self._host_views, self._staging_views = {}, {}
+        self._host_views, self.staging_views = {}, []
         self.arena.close()

@@ -78,9 +78,10 @@ class FlexCache:
         self.version = 0                                   # bumped whenever `where` changes (worker/at_hand.py)
         self.forgets = 0                                   # bumped when a copy is dropped (its slot may be rewritten)
         # (layer, expert) whose `where` changed since the at-hand table last read them (worker/at_hand.py: its refresh
-        # patches those entries); None: not logged (no table reads it, or the log passed one entry per table cell,
-        # e.g. prefills that filled copies with no decode step between: the table's next refresh rebuilds it whole)
-        self.changed: list | None = None
+        # patches those entries, and takes a new set): a set, so at most one entry per table cell whatever no table
+        # read meanwhile (prefills filling copies with no decode step between), added to in place by _forget and
+        # _assign (no call of its own: two a decode miss layer's evicting fill, issue 21, cpu-host60)
+        self.changed: set = set()
         self.stats = FlexStats()
 
     @classmethod
@@ -159,18 +160,10 @@ class FlexCache:
         self._owner[s] = None
         self.where[l, e] = -1
         self.copies[l].discard(e)
-        self._log(l, e)
+        self.changed.add((l, e))                        # logged for the at-hand table (`changed`)
         self.version += 1
         self.forgets += 1
         self.lru.pop(s, None)
-
-    def _log(self, layer: int, expert: int):
-        """The change logged for the at-hand table (`changed`; None once it outgrew a full rebuild)."""
-        ch = self.changed
-        if ch is not None:
-            ch.append((layer, expert))
-            if len(ch) > self.where.size:
-                self.changed = None
 
     def _grow(self) -> bool:
         """A new chunk in the room left: a whole one, or the slots the room still holds (a quarter of a whole
@@ -297,6 +290,7 @@ class FlexCache:
         bytes). The caller orders the copy after every read of the slot's last copy (a group that may still read an
         evicted copy) and before any read of the new one."""
         where, lru, out = self.where[layer], self.lru, []
+        grow = True                         # _grow said no in this call: it says no again (below)
         for e in experts:
             e = int(e)
             s = int(where[e])               # read here: an eviction earlier in this call may have dropped it
@@ -304,7 +298,10 @@ class FlexCache:
                 lru.move_to_end(s)
                 out.append(None)
                 continue
-            if self.free or self._grow():   # _slot's order: a free slot, a new chunk, else the LRU's
+            # _slot's order: a free slot, a new chunk, else the LRU's. _grow asked until it refuses once: nothing it
+            # reads (room, the chunks' bytes, the free chunk places) changes in this call but by its own growth, so
+            # a full cache's fills ask it once a call, not once an expert (2 calls each: issue 21, cpu-host60)
+            if self.free or (grow and (grow := self._grow())):
                 s = self.free.pop(0)
             elif not lru or next(iter(lru)) in out:
                 out.append(None)            # nothing free and the LRU slot is this call's: through the bank
@@ -320,7 +317,7 @@ class FlexCache:
         layer = int(layer)
         self.where[layer, e] = s
         self.copies[layer].add(e)
-        self._log(layer, e)
+        self.changed.add((layer, e))                    # logged for the at-hand table (`changed`)
         self.version += 1
         self._owner[s] = (layer, e)
         self.lru[s] = None

@@ -128,7 +128,7 @@ class _Ask:
         """Reads started for `layer`'s keys: the store queues a call's keys in order until its read-ahead half of the
         staging slots is full, so the first n keys are taken as the n started (about: it also skips keys it has
         staged or in flight)."""
-        return sum(1 for t, _ in self.keys[:self.queued_n()] if t == layer)
+        return [t for t, _ in self.keys[:self.queued_n()]].count(layer)
 
 
 class Marks:
@@ -219,7 +219,7 @@ class Marks:
         assert self.ids and len(held) == len(self.ids[0]), (len(held), self.ids and len(self.ids[0]))
         m = Marks.__new__(Marks)
         m.ids, m.E, m.n, m._rows, m._top = self.ids, self.E, self.n, None, None
-        m._held = [set(h) for h in held] if self._held is None else [a | b for a, b in zip(held, self._held)]
+        m._held = list(map(set, held)) if self._held is None else [a | b for a, b in zip(held, self._held)]
         return m
 
     def classes(self, d: int, experts: np.ndarray) -> np.ndarray:
@@ -342,7 +342,7 @@ class Guesser:
         if layer not in self._asks:
             return []
         used = _ints(disk)
-        return list(dict.fromkeys(k for a in self._asks[layer] for k in a.keys if k[0] == layer and k[1] not in used))
+        return list(dict.fromkeys([k for a in self._asks[layer] for k in a.keys if k[0] == layer and k[1] not in used]))
 
     def read_ahead(self, layer: int, layers, marks: Marks, snap, stats: PassStats, send=None, unheld=None):
         """Start the reads of the guessed experts that sit on disk of `layers` (ascending, each in layer+1 ..
@@ -397,7 +397,8 @@ class Guesser:
                 new = new[:max(0, cap - self._per_layer.get(t, 0))]
             self._per_layer[t] = self._per_layer.get(t, 0) + len(new)
             took = set(new)
-            self._guessed.setdefault(t, set()).update(k[1] for k in cand if k in took or k in self._asked)
+            # lists, not generators, here and below: a generator is a Python call a step (issue 21, cpu-host60)
+            self._guessed.setdefault(t, set()).update([k[1] for k in cand if k in took or k in self._asked])
             if took:
                 read: dict = {}                     # per class, then one numpy add each (not one per expert)
                 for k, c in zip(cand, kind):
@@ -411,7 +412,7 @@ class Guesser:
             # not waited for: the store's answer (reads started) is read when a guessed layer is scored
             ask = _Ask(keys, (send or self.session.prefetch_start)(keys))
             self._pending.append(ask)
-            for t in dict.fromkeys(t for t, _ in keys):
+            for t in dict.fromkeys([t for t, _ in keys]):
                 self._asks.setdefault(t, []).append(ask)
 
     def _candidates(self, t: int, d: int, marks: "Marks", disk: set, union: bool) -> tuple[list, list]:
@@ -424,8 +425,8 @@ class Guesser:
         # Marks.without's held experts need no read: the guessed ids tested against both sets (no copy of the
         # layer's disk set, ~130 of ds4-flash's 256 experts, less them)
         held = (marks._held[d - 1] if marks._held is not None else None) or ()
-        if marks.n == 1:
-            e = sorted({x for x in ids[0][d - 1] if x in disk and x not in held})
+        if marks.n == 1:                    # the row's ids on disk, less the held: set operations (no comprehension)
+            e = sorted(disk.intersection(ids[0][d - 1]).difference(held))
             kind = [LONE] * len(e)
             rows = top = None
         else:
@@ -460,7 +461,7 @@ class Guesser:
         """check's counts for one depth's guesses of `layer` (g: guessed disk experts, cls: their budget classes, kind:
         their classes) as the general loop makes them, on lists: a decode layer's guesses are a few experts, and a
         numpy call costs more than a Python step over them."""
-        hit = [x in used for x in g]
+        hit = list(map(used.__contains__, g))      # x in used per guess (no comprehension: a call less a depth)
         n: dict = {}
         for c, y in zip(cls, hit):          # per budget class: guesses, hits
             t = n.setdefault(c, [0, 0])
@@ -527,7 +528,7 @@ class Guesser:
         asks = self._asks.pop(layer, ())
         if guessed is None:
             return
-        queued = sum(a.queued(layer) for a in asks) if asks else 0
+        queued = sum([a.queued(layer) for a in asks]) if asks else 0
         stats.guessed += len(guessed)
         stats.prefetched += queued
         stats.guess_bytes += queued * self.expert_bytes[layer]

@@ -86,10 +86,13 @@ class RoutingSync:
     Marks.from_ids the guesses (lists) before it returns, and the next write is a later layer's start, queued (or
     its graph launched) by the host after that, in program order."""
 
-    __slots__ = ("cuda", "buf", "host", "event", "cap", "_dst", "_pending")
+    __slots__ = ("cuda", "index", "buf", "host", "event", "cap", "_dst", "_pending")
 
     def __init__(self, device: torch.device, cap: int | None = None):
         self.cuda = device.type == "cuda"
+        # the device's index, resolved once (the engine's device is "cuda", no index: current_stream(None) asked
+        # torch.cuda.current_device() at every start, a Python call and a torch call a layer; issue 21, cpu-host60)
+        self.index = (device.index if device.index is not None else torch.cuda.current_device()) if self.cuda else None
         self.cap = cap
         self.buf = None                              # int64 pinned [>= E + T*D*k]
         self.host = None                             # its numpy view
@@ -150,11 +153,12 @@ class RoutingSync:
                 m[2][0].copy_(counts, non_blocking=True)
             else:       # one call for both (foreach's per-tensor path: a non-blocking copy_ each, on this stream)
                 torch._foreach_copy_(m[2], [counts, guess], non_blocking=True)
-            self.event.record(current_stream(None))     # the current stream, as record() takes (kernels/streams.py)
+            self.event.record(current_stream(self.index))   # the current stream, as record() takes (kernels/streams.py)
 
     def expect(self, counts: torch.Tensor, guess: torch.Tensor | None):
         """A start that ran in a replayed graph (cap): what finish() reads, named with no copy (the same tensors)."""
-        self._pending = (counts, guess, self._sizes(counts, guess))
+        self._pending = (counts, guess, self._dst.get((counts.shape, None if guess is None else guess.shape))
+                         or self._sizes(counts, guess))          # _sizes' hit inline, as start's
 
     def finish(self) -> tuple[np.ndarray, Marks | None]:
         """-> (counts [E] int64, the guesses' Marks or None)."""
@@ -212,7 +216,8 @@ class MoEStep:
         # the short paths of decode's common case: a layer with no miss (_hand_all), guesses none of which is on disk
         # (Guesser.read_ahead); False: the general paths (the tests compare the two: test_decode_host_fast.py)
         self.fast = True
-        self.sync = RoutingSync(torch.device(session.device))
+        # the pool's device: its index resolved where the engine names "cuda" (RoutingSync's stream lookup)
+        self.sync = RoutingSync(self.cache.pool.device)
         # decode's at-hand group (worker/at_hand.py): every expert computable without the disk in one group, the
         # host path for the misses only; None = decode takes the partial path as prefill does
         self.hand = AtHand(self.cache, flex, self.kern.backend, cfg.host_in_place,
@@ -222,7 +227,7 @@ class MoEStep:
         # sized for a layer's counts [E] and the guesses of max_running rows [T <= max_running, D, k] (the lanes
         # decode T = max_running rows at most; solo one); None: the start stays a host part between two graphs
         # (engine.decode_fold off, or a torch with no external events)
-        dev, fc = torch.device(session.device), session.file.config
+        dev, fc = self.cache.pool.device, session.file.config
         guesses = max(1, session.plan.max_running) * self.depth * fc.n_expert_used    # [max_running, D, k] ids
         self.graph_sync = (RoutingSync(dev, cap=fc.n_expert + guesses)
                            if cfg.decode_fold and self.hand is not None and RoutingSync.capturable(dev) else None)
@@ -501,7 +506,7 @@ class MoEStep:
             stats.moe_host_s += time.perf_counter() - t0 - (clock.blocked - b0) - (clock.store_s - s0)
 
     def _guess_of(self, l: int, guess):
-        return guess if guess is not None and self.wants_guess(l) else None
+        return guess if guess is not None and self.guess_layers(l) else None       # wants_guess's test, one call less
 
     # ---- decode's at-hand group (worker/at_hand.py) --------------------------------------------------------
     def hand_layer(self, l: int) -> bool:
@@ -681,12 +686,15 @@ class MoEStep:
             flexed = []
             if self.flex is not None:     # experts held in the flex cache are computed from their copies (step 2)
                 used, tiers, flexed = self.flex.split_lists(l, used, tiers)
+            # copy ahead only where it is on (off: _ahead is never set, nothing to clear; a call less a layer)
             if self._hand_all(l, counts, marks, used, tiers, flexed, snap, stats, ls):
-                self._ahead_start(l, marks, snap, stats)
+                if self.copy_ahead:
+                    self._ahead_start(l, marks, snap, stats)
                 return
             if not table and not readahead:
                 self._hand_misses(l, r, counts, marks, used, tiers, flexed, snap, stats, ls)
-                self._ahead_start(l, marks, snap, stats)
+                if self.copy_ahead:
+                    self._ahead_start(l, marks, snap, stats)
                 return
             # the general path below on arrays (decode_gate's table): the split is done (its counts, LRU moves)
             used, flexed = np.asarray(used, dtype=np.int64), np.asarray(flexed, dtype=np.int64)
@@ -770,8 +778,9 @@ class MoEStep:
         """The bytes a group's kernels read over PCIe for these experts of layer l read in place (host or staging
         slots; worker/at_hand.py): their slot once per row block of the step's rows."""
         # their rows as a list: a decode layer reads a few experts in place (weight_reads' sums in Python)
+        # (np.add.reduce: ndarray.sum less numpy's Python wrapper around it)
         stats.in_place_bytes += self.cache.slot_bytes * self.kern.weight_reads(l, [int(counts[e]) for e in experts],
-                                                                                int(counts.sum()))
+                                                                                int(np.add.reduce(counts)))
 
     def _tiers(self, snap) -> np.ndarray:
         """The snapshot's tiers [n_layer, n_expert] int8, one contiguous copy per snapshot (a decode's store pass keeps
@@ -1098,7 +1107,7 @@ class MoEStep:
             f_es.append(es[i])
             a, v = flex.slot_target(s)
             f_offs.append(a - pool)
-            dsts.append(v)
+            dsts.append(v)                  # its flex slot's view (its first len(fi) entries: g_srcs below)
             fsrcs.append(srcs[i])
             f_slots.append(slots[i])
         bank = None
@@ -1155,8 +1164,8 @@ class MoEStep:
             g_srcs = [None] * len(host)
             for e, o in zip(pre + b_es, pre_offs + b_offs):
                 g_srcs[e] = (cache.pool, o)
-            for i in fi:
-                g_srcs[es[i]] = flex.slot_source(took[i])
+            for e, v in zip(f_es, dsts):  # the flex slot's own view (the bytes slot_source names: no call each)
+                g_srcs[e] = (v, 0)
         self._apply(r, l, Group(np.asarray(ids, dtype=np.int64) if self._walks else None, host, dev, g_srcs), ls)
         if bank is not None:
             cache.bank_done(bank)
@@ -1196,9 +1205,10 @@ class MoEStep:
             nonlocal batch, opened
             if batch:
                 es, srcs, slots = [], [], []           # one pass over the batch (a decode layer's few experts)
+                views = cache.staging_views            # staging_slot's views, indexed (no call an expert)
                 for x in batch:
                     es.append(x.expert)
-                    srcs.append(cache.staging_slot(x.slot))
+                    srcs.append(views[x.slot])
                     slots.append(x.slot)
                 t0 = time.monotonic() if marks else 0.0
                 if direct:
@@ -1222,7 +1232,9 @@ class MoEStep:
                 batch = []
 
         for i in range(n_disk):
-            if batch and len(batch) + sum(len(s) for _, s in held) >= limit:
+            # the slots held, summed only where some are (decode's direct groups flush at the layer's end: mostly none),
+            # in a list (one call; a generator is one a step)
+            if batch and len(batch) + (sum([len(s) for _, s in held]) if held else 0) >= limit:
                 flush()
             if held:                                         # never many held while blocking
                 held = self._release(held, keep=limit - 1 - len(batch), excess=early)

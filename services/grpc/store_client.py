@@ -124,17 +124,11 @@ class _Boxes:
         if self.alive():
             self._post(pb.SessionRequest(id=rid, cancel=pb.Cancel()))
 
-    def _next(self, rid: int):
-        """rid's next answer routed, or None while none is (the caller holds _cv); raises the stream's error, or
-        CANCELLED where rid's box is gone (forget: an abandoned load)."""
-        box = self._box.get(rid)
-        if box:
-            return box.popleft()
-        if self.error is not None:
-            raise self.error
-        if box is None:
-            raise _Failed(grpc.StatusCode.CANCELLED, "the request was cancelled")
-        return None
+    def _failure(self) -> grpc.RpcError:
+        """What a take raises where rid's box is empty and the stream ended (its error), or where the box is gone
+        (forget: an abandoned load, CANCELLED). The takes read the box themselves (the caller holds _cv), this only
+        where one of those holds: no call a routed answer (a landed expert's: issue 21, cpu-host60)."""
+        return self.error if self.error is not None else _Failed(grpc.StatusCode.CANCELLED, "the request was cancelled")
 
 
 class _Stream(_Boxes):
@@ -231,8 +225,11 @@ class _Stream(_Boxes):
             while True:
                 with self._lock:
                     while True:
-                        if (ans := self._next(rid)) is not None:
-                            return ans
+                        box = self._box.get(rid)
+                        if box:                     # rid's next answer, routed
+                            return box.popleft()
+                        if box is None or self.error is not None:
+                            raise self._failure()
                         if not self._pumping:
                             self._pumping = True
                             break
@@ -361,8 +358,11 @@ class _SeqStream(_Boxes):
         """The next answer to `rid` (its own in the order sent), waiting at most until `deadline`."""
         with self._lock:
             while True:
-                if (ans := self._next(rid)) is not None:
-                    return ans
+                box = self._box.get(rid)
+                if box:                             # rid's next answer, routed
+                    return box.popleft()
+                if box is None or self.error is not None:
+                    raise self._failure()
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break

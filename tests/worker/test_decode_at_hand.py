@@ -482,7 +482,7 @@ def test_each_at_hand_group_reads_the_rebuilt_row_when_evictions_wait(model, ds4
     def checked_group(self, l, r):
         h = self.hand
         host, dev, srcs = h.host[l].copy(), h.dev[l].clone(), list(h.srcs[l])
-        key, forgets, changed = h._key, h.forgets, list(self.flex.changed or [])
+        key, forgets, changed = h._key, h.forgets, set(self.flex.changed)
         h.refresh(runner[0].session.snap, force=True)       # the rebuild of the state now, then its row l
         assert np.array_equal(h.host[l], host), (l, np.argwhere(h.host[l] != host))
         assert torch.equal(h.dev[l], dev) and h.srcs[l] == srcs, l
@@ -491,8 +491,7 @@ def test_each_at_hand_group_reads_the_rebuilt_row_when_evictions_wait(model, ds4
         # the rebuild stands for no upload of the step's own: put the waiting state back (the rows <= l of the
         # rebuild are the same entries a later patch makes: test_a_patched_table_is_the_rebuilt_one)
         h._key, h.forgets = key, forgets
-        if self.flex.changed is not None:
-            self.flex.changed = changed
+        self.flex.changed = changed
         return group(self, l, r)
     monkeypatch.setattr(MoEStep, "hand_group", checked_group)
     stale = AtHand.stale
