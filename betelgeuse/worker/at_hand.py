@@ -51,7 +51,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from betelgeuse.kernels.streams import current_stream
 from betelgeuse.store.arena import device_address
 from betelgeuse.store.directory import TIER_HOST
 
@@ -107,13 +106,14 @@ class AtHand:
             flex.changed = set()                                # its copies' changes, for refresh's patch
         self.uploads = 0                                        # table uploads (all time; decode_host.py counts them)
         # the uploads' sources: UPLOAD_RING pinned [L, E] int64 buffers made once (on the CPU plain ones), each with
-        # the event of its last copy; a reuse whose copy has not run waits in `wait` (PassClock.wait: blocked time)
+        # the compute-stream point after its last copy; a reuse whose copy has not run waits in `wait` (PassClock.wait:
+        # blocked time)
         self._stage = [torch.empty((L, E), dtype=torch.int64, pin_memory=cache.is_cuda) for _ in range(UPLOAD_RING)]
         self._stage_np = [b.numpy() for b in self._stage]
-        self._stage_ev = [torch.cuda.Event() if cache.is_cuda else None for _ in range(UPLOAD_RING)]
-        # per buffer the event its reuse waits for: its own (_upload's record) or, after a deferred upload, the caller's
-        # event recorded behind the copy it queued (uploaded)
-        self._stage_wait = list(self._stage_ev)
+        # per buffer what its reuse waits for (None: nothing, the CPU): the compute-stream point after its copy
+        # (ExpertCache.mark: _upload's, or after a deferred upload the caller's, made behind the copy it queued:
+        # uploaded), with a CUDA event's query / synchronize
+        self._stage_wait: list = [None] * UPLOAD_RING
         self.deferred = None                # (device table, pinned source) of a deferred upload not yet queued
         self._defer, self._deferred_at = False, 0
         self._stage_at = 0
@@ -224,8 +224,8 @@ class AtHand:
         return at
 
     def uploaded(self, ev):
-        """The deferred upload's copy is queued (on the current stream, in the caller's _foreach_copy_); ev: a CUDA
-        event recorded behind it (None on the CPU), which the buffer's reuse waits for instead of one of its own."""
+        """The deferred upload's copy is queued (on the current stream, in the caller's _foreach_copy_); ev: the compute
+        stream's point behind it (ExpertCache.mark; None on the CPU), which the buffer's reuse waits for."""
         self._stage_wait[self._deferred_at] = ev
         self.deferred = None
 
@@ -250,9 +250,8 @@ class AtHand:
             self.deferred, self._deferred_at = (self.dev, self._stage[i]), i
             return
         self.dev.copy_(self._stage[i], non_blocking=True)     # the CPU: a plain copy, done on return
-        ev = self._stage_wait[i] = self._stage_ev[i]
-        if ev is not None:
-            ev.record(current_stream(self.dev.device.index))     # the stream the copy_ above was queued on
+        # the point after it, on the stream the copy_ above was queued on (the compute stream; None on the CPU)
+        self._stage_wait[i] = self.cache.mark()
 
     def stale(self, after: int = -1) -> bool:
         """A flex copy the table names was dropped or rewritten since the last refresh (inside a step: a later

@@ -30,6 +30,34 @@ from betelgeuse.store.plan import SlotPlan
 
 
 
+class StreamPoint:
+    """A point of the compute stream: the work queued on it when ExpertCache.mark() made it (a decode miss layer's
+    direct flex copies, an at-hand table upload), with a CUDA event's query() / synchronize(), but recorded as no
+    event (issue 21, cpu-host60: an event's record and its stream lookup, then its synchronize at the next store
+    message, 3 torch calls a decode miss layer). It is done once the host has synchronized on an event recorded on
+    the compute stream after it: decode's routing sync (moe_step.RoutingSync.finish, every partial layer) names how
+    many points were made before its event (ExpertCache.pass_points); the next layer's finish thus passes a miss
+    layer's points long before its staging slots go back with the next message. A point not passed yet: query()
+    False (nothing asked of the device), synchronize() waits for the whole device (every stream: whichever is current
+    at the call), and with it every point made so far (longer than an event of its own would have waited: never
+    shorter; the rare case: a miss layer's slots asked back before any later layer synced, an early flush's)."""
+
+    __slots__ = ("cache", "n")
+
+    def __init__(self, cache: "ExpertCache", n: int):
+        self.cache, self.n = cache, n
+
+    def query(self) -> bool:
+        return self.n <= self.cache.passed
+
+    def synchronize(self):
+        c = self.cache
+        if self.n > c.passed:
+            n = c.points                          # every point made so far: queued before the wait below
+            torch.cuda.synchronize(c._index)
+            c.pass_points(n)
+
+
 @dataclass(slots=True)
 class PartMeta:
     start: int              # byte offset of the part's data inside a slot
@@ -97,11 +125,10 @@ class ExpertCache:
         # per bank: its copies landed / the computes that read it are enqueued
         self._bank_ready = [torch.cuda.Event() for _ in range(self.n_banks)] if self.is_cuda else []
         self._bank_free = [torch.cuda.Event() for _ in range(self.n_banks)] if self.is_cuda else []
-        # compute-stream points (mark): after a decode miss layer's direct flex copies (MoEStep._direct_group), for
-        # their staging slots' release; reused in turn (a re-recorded event is a later point: a release it gates only
-        # waits longer, and the session synchronizes its events at every message, long before a reuse)
-        self._marks = [torch.cuda.Event() for _ in range(8)] if self.is_cuda else []
-        self._mark_at = 0
+        # compute-stream points (mark: StreamPoint): after a decode miss layer's direct flex copies (MoEStep.
+        # _direct_group), for their staging slots' release, and after an at-hand table's upload, for its buffer's
+        # reuse. points: made so far; passed: of them, known done (pass_points)
+        self.points = self.passed = 0
         # per-batch slot tables (pool offsets) for ring groups: a pinned host row per batch of a pass, copied to
         # the device on the compute stream (so a row is never rewritten before its copy ran: one pass's rows
         # are distinct, and a pass ends with a sync); a layer may also take one per flex cache chunk (at most
@@ -328,15 +355,19 @@ class ExpertCache:
             ev1.record(cs)
             timing.append((ev0, ev1))
 
-    def mark(self):
-        """A CUDA event recorded on the compute stream now (the copies queued there so far done once it completes);
-        None on the CPU (copies are synchronous)."""
+    def mark(self) -> StreamPoint | None:
+        """A point of the compute stream now (the copies queued there so far done once it is: StreamPoint, no CUDA
+        call); None on the CPU (copies are synchronous)."""
         if not self.is_cuda:
             return None
-        ev = self._marks[self._mark_at]
-        self._mark_at = (self._mark_at + 1) % len(self._marks)
-        ev.record(current_stream(self._index))
-        return ev
+        self.points += 1
+        return StreamPoint(self, self.points)
+
+    def pass_points(self, n: int):
+        """The host synchronized on an event recorded on the compute stream once `n` points had been made (mark): those
+        n are done (points are made in stream order: a later one is never passed by an earlier sync)."""
+        if n > self.passed:
+            self.passed = n
 
     def table_source(self, dev: torch.Tensor) -> torch.Tensor:
         """The pinned host row of a device table row table(copy=False) gave: what a copy of it reads."""

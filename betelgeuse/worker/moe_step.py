@@ -86,10 +86,15 @@ class RoutingSync:
     Marks.from_ids the guesses (lists) before it returns, and the next write is a later layer's start, queued (or
     its graph launched) by the host after that, in program order."""
 
-    __slots__ = ("cuda", "index", "buf", "host", "event", "cap", "_dst", "_pending")
+    __slots__ = ("cuda", "index", "buf", "host", "event", "cap", "points", "_dst", "_pending")
 
-    def __init__(self, device: torch.device, cap: int | None = None):
+    def __init__(self, device: torch.device, cap: int | None = None, points=None):
         self.cuda = device.type == "cuda"
+        # the compute stream's points (ExpertCache: mark / pass_points; CUDA) or None: the points made before a start
+        # (or an expect: its start ran in the graph launched before it) are passed by its finish, whose event comes
+        # after them on the compute stream (the current stream a start records on, and the one a replayed graph
+        # runs on)
+        self.points = points if self.cuda else None
         # the device's index, resolved once (the engine's device is "cuda", no index: current_stream(None) asked
         # torch.cuda.current_device() at every start, a Python call and a torch call a layer; issue 21, cpu-host60)
         self.index = (device.index if device.index is not None else torch.cuda.current_device()) if self.cuda else None
@@ -146,7 +151,7 @@ class RoutingSync:
     def start(self, counts: torch.Tensor, guess: torch.Tensor | None):
         m = (self._dst.get((counts.shape, None if guess is None else guess.shape))   # _sizes' hit, inline
              or self._sizes(counts, guess))
-        self._pending = (counts, guess, m)
+        self._pending = (counts, guess, m, 0 if self.points is None else self.points.points)
         if self.cuda:
             assert guess is None or guess.dtype == counts.dtype == torch.int64, (counts.dtype, guess.dtype)
             if guess is None:
@@ -157,17 +162,22 @@ class RoutingSync:
 
     def expect(self, counts: torch.Tensor, guess: torch.Tensor | None):
         """A start that ran in a replayed graph (cap): what finish() reads, named with no copy (the same tensors)."""
+        # the points made before now: before the launch of the graph that ran the start (no point is made between a
+        # layer's graph launch and its expect: MoEStep._direct_group runs after its finish)
         self._pending = (counts, guess, self._dst.get((counts.shape, None if guess is None else guess.shape))
-                         or self._sizes(counts, guess))          # _sizes' hit inline, as start's
+                         or self._sizes(counts, guess),                  # _sizes' hit inline, as start's
+                         0 if self.points is None else self.points.points)
 
     def finish(self) -> tuple[np.ndarray, Marks | None]:
         """-> (counts [E] int64, the guesses' Marks or None)."""
-        counts, guess, (E, _, _, view) = self._pending
+        counts, guess, (E, _, _, view), made = self._pending
         self._pending = None
         if not self.cuda:
             c = counts.numpy()
             return c, None if guess is None else Marks.from_ids(guess.numpy(), E)     # numpy() keeps the shape
         self.event.synchronize()
+        if self.points is not None:
+            self.points.pass_points(made)
         return self.host[:E].copy(), None if guess is None else Marks.from_ids(view, E)
 
 
@@ -217,7 +227,7 @@ class MoEStep:
         # (Guesser.read_ahead); False: the general paths (the tests compare the two: test_decode_host_fast.py)
         self.fast = True
         # the pool's device: its index resolved where the engine names "cuda" (RoutingSync's stream lookup)
-        self.sync = RoutingSync(self.cache.pool.device)
+        self.sync = RoutingSync(self.cache.pool.device, points=self.cache)
         # decode's at-hand group (worker/at_hand.py): every expert computable without the disk in one group, the
         # host path for the misses only; None = decode takes the partial path as prefill does
         self.hand = AtHand(self.cache, flex, self.kern.backend, cfg.host_in_place,
@@ -229,7 +239,7 @@ class MoEStep:
         # (engine.decode_fold off, or a torch with no external events)
         dev, fc = self.cache.pool.device, session.file.config
         guesses = max(1, session.plan.max_running) * self.depth * fc.n_expert_used    # [max_running, D, k] ids
-        self.graph_sync = (RoutingSync(dev, cap=fc.n_expert + guesses)
+        self.graph_sync = (RoutingSync(dev, cap=fc.n_expert + guesses, points=self.cache)
                            if cfg.decode_fold and self.hand is not None and RoutingSync.capturable(dev) else None)
         # decode with no per-layer sync (worker/gate.py): every layer launched ahead, gated on the device
         self.gate = None

@@ -155,9 +155,11 @@ def test_bank_done_and_routing_sync_record_on_the_current_stream(runner):
 
 
 def test_mark_and_routing_sync_with_guesses_on_the_current_stream(runner):
-    """ExpertCache.mark (the event of a decode miss layer's flex copies, queued on the compute stream:
-    MoEStep._direct_group) records on the current stream; RoutingSync.start's one _foreach_copy_ of the counts and the
-    guesses runs there too, behind the stream's work, and lands both."""
+    """ExpertCache.mark (the point after a decode miss layer's flex copies, queued on the compute stream:
+    MoEStep._direct_group; a StreamPoint, no event) is passed by the next RoutingSync.finish whose start came after it
+    (its event recorded on the current stream, behind the point's work), not before; a point made after that start
+    is not. RoutingSync.start's one _foreach_copy_ of the counts and the guesses runs there too, behind the stream's
+    work, and lands both."""
     cache, sync = runner.session.cache, runner.moe.sync
     E = runner.mcfg.n_expert
     side = torch.cuda.Stream()
@@ -171,9 +173,13 @@ def test_mark_and_routing_sync_with_guesses_on_the_current_stream(runner):
         ev = cache.mark()
         later = counts * 3                                         # made behind the sleep
         sync.start(later, guess)
+        after = cache.mark()                                       # after the start: not the finish's to pass
         assert not ev.query() and not sync.event.query()           # recorded behind side's sleep
     c, marks = sync.finish()
     assert c.tolist() == (counts * 3).tolist() and marks.ids == guess.tolist()
+    assert ev.query() and not after.query()                       # passed by the finish / not
+    after.synchronize()                                            # the fallback: a device sync, every point passed
+    assert after.query() and cache.passed == cache.points
     _idle()
 
 

@@ -523,16 +523,18 @@ def test_each_at_hand_group_reads_the_rebuilt_row_when_evictions_wait(model, ds4
 def test_uploads_reuse_their_pinned_buffers_only_after_the_copy_ran(model, monkeypatch):
     """AtHand._upload's sources are UPLOAD_RING buffers made once (pinned on CUDA: no pinned allocation per upload,
     sync48), used in turn; a buffer whose last copy has not run (its event not done: faked here, the CPU has none) is
-    waited for through the pass clock (blocked time) BEFORE it is overwritten, and the device table is the host's."""
+    waited for through the pass clock (blocked time) BEFORE it is overwritten, and the device table is the host's.
+    What a reuse waits for is the compute-stream point made after the buffer's copy (ExpertCache.mark: a StreamPoint
+    on CUDA, faked here)."""
     from betelgeuse.worker import at_hand as AH
     rn, st = in_process_runner(model, 2, 3, decode_at_hand=True, **CAPPED)
     try:
         h = rn.moe.hand
         log = []
 
-        class Ev:                           # a CUDA event whose copy is still running until waited for
+        class Ev:                           # a compute-stream point whose copy is still running until waited for
             def __init__(self, i):
-                self.i, self.done = i, True
+                self.i, self.done = i, False
 
             def query(self):
                 return self.done
@@ -541,13 +543,10 @@ def test_uploads_reuse_their_pinned_buffers_only_after_the_copy_ran(model, monke
                 log.append(("wait", self.i))
                 self.done = True
 
-            def record(self, stream):
-                self.done = False
-
         waits = []
-        h._stage_ev = [Ev(i) for i in range(AH.UPLOAD_RING)]
+        made = iter(range(100))
+        monkeypatch.setattr(h.cache, "mark", lambda: Ev(next(made) % AH.UPLOAD_RING), raising=False)
         h._wait = lambda fn, *a: (waits.append(fn), fn(*a))[1]
-        monkeypatch.setattr(AH, "current_stream", lambda index: None)
         copyto = AH.np.copyto
 
         def logged(dst, src):
