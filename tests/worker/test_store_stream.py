@@ -271,3 +271,33 @@ def test_session_transport_from_the_environment_is_checked(monkeypatch):
     monkeypatch.setenv("BETELGEUSE_STORE_SESSION_TRANSPORT", "udp")
     with pytest.raises(BetelgeuseError, match=r"store\.session_transport must be one of grpc, seqpacket, got 'udp'"):
         connect_store("/nonexistent/s.sock", "/nonexistent/f.sock")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_take_returns_routed_answers_first_then_the_end_or_the_cancel(transport):
+    """A stream's take (both transports; the box read inline, cpu-host60): answers routed to the request are returned
+    in order even where the stream ended since; an empty box of an ended stream raises its error, and a request whose
+    box is gone (forget: an abandoned load) raises CANCELLED at once, not at its deadline. Fails with the box-gone
+    test dropped (the take waits out its deadline, then fails the stream with DEADLINE_EXCEEDED)."""
+    import collections
+    import grpc
+    from services.grpc import store_client as sc
+    cls = sc._Stream if transport == "grpc" else sc._SeqStream
+    s = cls.__new__(cls)                    # the take's state only (no call, no socket)
+    s._lock = threading.RLock()
+    s._cv = threading.Condition(s._lock)
+    s._box, s.error, s._waits, s._pumping = {}, None, {}, False
+    s._end = lambda err: setattr(s, "error", s.error or err)        # _SeqStream's deadline path, without a socket
+    far = time.monotonic() + 30
+    s._box[1] = collections.deque(["a", "b"])
+    assert s.take(1, far) == "a"
+    s.error = sc._Failed(grpc.StatusCode.UNAVAILABLE, "ended")
+    assert s.take(1, far) == "b"                # routed before the end: still its own
+    with pytest.raises(grpc.RpcError) as e:
+        s.take(1, far)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    s.error = None
+    t = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:
+        s.take(2, time.monotonic() + 2)         # no box: forgotten
+    assert e.value.code() == grpc.StatusCode.CANCELLED and time.monotonic() - t < 1
