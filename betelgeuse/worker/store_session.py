@@ -171,8 +171,14 @@ class StoreSession:
         stats.open_s = time.perf_counter() - t
 
     def end_counts(self) -> np.ndarray:
-        """The pass's one end-of-pass sync: rows per expert [n_layer, n_expert] to the host (blocked time)."""
-        return self.clock.wait(lambda: self.counts.cpu().numpy())
+        """The pass's one end-of-pass sync: rows per expert [n_layer, n_expert] to the host (blocked time). The copy
+        runs behind everything queued on the compute stream: the stream's points made before it are done with it
+        (ExpertCache.pass_points: the step's last miss layer's staging slots go back with the next step's first
+        message, hash_ahead's, without a wait of their own)."""
+        made = self.cache.points
+        out = self.clock.wait(lambda: self.counts.cpu().numpy())
+        self.cache.pass_points(made)
+        return out
 
     def end(self, counts: np.ndarray, consolidate: bool):
         """After a pass's end sync: its usage, then the store pass closed with consolidation after a prefill and every

@@ -61,6 +61,22 @@ def test_the_cpu_cache_makes_no_point():
     assert sync.points is None and sync.index is None
 
 
+def test_the_pass_end_sync_passes_the_points_made_before_it(tmp_path):
+    """StoreSession.end_counts (a pass's end sync: its copy runs behind every point's work on the compute stream)
+    passes the points made before it: the step's last miss layer's slots go back with the next message at no wait.
+    (Points made by hand on the CPU's cache, which makes none itself.) Fails with end_counts not passing them."""
+    from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, write_synth
+    rn, st = in_process_runner(write_synth(tmp_path / "m.gguf", **ENGINE_SPEC), 2, 3)
+    try:
+        rn.forward(prompt(8, ENGINE_SPEC["n_vocab"], seed=1), rn.new_cache(32))
+        cache = rn.session.cache
+        cache.points = cache.passed + 3         # three points queued since the last pass
+        rn.session.end_counts()
+        assert cache.passed == cache.points
+    finally:
+        close_runner(rn, st)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
 @pytest.mark.parametrize("cap", [None, 64])
 def test_a_routing_sync_passes_what_came_before_its_start(cap):
