@@ -103,7 +103,7 @@ class AtHand:
         self._key = None
         self.forgets = -1                                       # FlexCache.forgets at the last refresh
         if flex is not None:
-            flex.changed = set()                                # its copies' changes, for refresh's patch
+            flex.changed, flex.logged = set(), 0                # its copies' changes, for refresh's patch
         self.uploads = 0                                        # table uploads (all time; decode_host.py counts them)
         # the uploads' sources: UPLOAD_RING pinned [L, E] int64 buffers made once (on the CPU plain ones), each with
         # the compute-stream point after its last copy; a reuse whose copy has not run waits in `wait` (PassClock.wait:
@@ -142,12 +142,12 @@ class AtHand:
         key = (c.vram_version, -1 if f is None else f.version, self.in_place)
         if not force and self._key is not None and self._key[0] is snap and self._key[1] == key:
             return False
-        if not force and f is not None and self._key is not None and \
+        if not force and f is not None and f.logged <= f.where.size and self._key is not None and \
                 self._key[0] is snap and self._key[1][0] == key[0] and self._key[1][2] == key[2]:
             return self._patch(snap, key)           # only flex copies changed, each logged: their entries
         self._key = (snap, key)
         if f is not None:
-            f.changed = set()                       # the rebuild reads every copy as it is now; log from here
+            f.changed, f.logged = set(), 0          # the rebuild reads every copy as it is now; log from here
         L, E = self.host.shape
         pool = c.pool.data_ptr()
         tab = np.full((L, E), -1, dtype=np.int64)
@@ -191,7 +191,7 @@ class AtHand:
         entries' Python instead of its [n_layer, n_expert] numpy passes (~32 us at ds4-flash's 8 x 256 on a 2-vCPU
         box; issue 21, docs/benchmarks/cpu-host48)."""
         f = self.flex
-        changed, f.changed = f.changed, set()      # each (layer, expert) once (a set): made from the state now
+        changed, f.changed, f.logged = f.changed, set(), 0      # each (layer, expert) once: made from the state now
         pool = self.cache.pool_addr
         for l, e in changed:
             self.host[l, e] = self._entry(snap, l, e, pool)

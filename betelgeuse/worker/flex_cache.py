@@ -80,8 +80,11 @@ class FlexCache:
         # (layer, expert) whose `where` changed since the at-hand table last read them (worker/at_hand.py: its refresh
         # patches those entries, and takes a new set): a set, so at most one entry per table cell whatever no table
         # read meanwhile (prefills filling copies with no decode step between), added to in place by _forget and
-        # _assign (no call of its own: two a decode miss layer's evicting fill, issue 21, cpu-host60)
+        # _assign (no call of its own: two a decode miss layer's evicting fill, issue 21, cpu-host60); logged: the
+        # adds since (more than the table's cells: the refresh rebuilds it whole rather than patch, as the log's cap
+        # had it)
         self.changed: set = set()
+        self.logged = 0
         self.stats = FlexStats()
 
     @classmethod
@@ -161,6 +164,7 @@ class FlexCache:
         self.where[l, e] = -1
         self.copies[l].discard(e)
         self.changed.add((l, e))                        # logged for the at-hand table (`changed`)
+        self.logged += 1
         self.version += 1
         self.forgets += 1
         self.lru.pop(s, None)
@@ -318,6 +322,7 @@ class FlexCache:
         self.where[layer, e] = s
         self.copies[layer].add(e)
         self.changed.add((layer, e))                    # logged for the at-hand table (`changed`)
+        self.logged += 1
         self.version += 1
         self._owner[s] = (layer, e)
         self.lru[s] = None

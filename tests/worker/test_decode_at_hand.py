@@ -428,6 +428,34 @@ def test_flex_evictions_refresh_the_table_without_blocking_the_host(model, ds4, 
     assert torch.equal(got, want), (got - want).abs().max().item()
 
 
+def test_a_log_of_more_adds_than_cells_is_rebuilt_not_patched(model, monkeypatch):
+    """FlexCache.changed is a set (cpu-host60: at most one entry a cell) and FlexCache.logged its adds since the table
+    last read it: where the adds outnumber the table's cells (prefills filling copies with no decode step between)
+    refresh rebuilds the table whole, as the log's cap had it (a patch of that many entries costs more than the
+    rebuild's numpy passes); up to that, it patches. Either way the table is the rebuild's. Fails with refresh
+    patching whatever the adds' count."""
+    from betelgeuse.worker.at_hand import AtHand
+    patched = []
+    patch = AtHand._patch
+    monkeypatch.setattr(AtHand, "_patch", lambda self, snap, key: (patched.append(True), patch(self, snap, key))[1])
+    rn, st = in_process_runner(model, 2, 3, decode_at_hand=True, **CAPPED)
+    try:
+        kv = rn.new_cache(64)
+        rn.forward(prompt(24, V, seed=5), kv)
+        h, f, snap = rn.moe.hand, rn.moe.flex, rn.session.snap
+        h.refresh(snap, rows=1, force=True)
+        want = h.host.copy()
+        for adds, patches in ((f.where.size + 1, False), (f.where.size, True)):
+            patched.clear()
+            f.changed, f.logged = {(0, 0), (1, 3)}, adds          # copies "changed" (none did: the same table)
+            f.version += 1
+            assert h.refresh(snap) and patched == ([True] if patches else []), (adds, patched)
+            assert np.array_equal(h.host, want) and torch.equal(h.dev, torch.from_numpy(want))
+            assert f.changed == set() and f.logged == 0          # taken by either
+    finally:
+        close_runner(rn, st)
+
+
 def test_a_patched_table_is_the_rebuilt_one(model, monkeypatch):
     """Where only flex copies changed (inside a decode step after a miss layer's fill evicted one; a step's start
     after copies were made), refresh patches the changed entries (AtHand._patch); each patched table equals the whole
@@ -482,7 +510,7 @@ def test_each_at_hand_group_reads_the_rebuilt_row_when_evictions_wait(model, ds4
     def checked_group(self, l, r):
         h = self.hand
         host, dev, srcs = h.host[l].copy(), h.dev[l].clone(), list(h.srcs[l])
-        key, forgets, changed = h._key, h.forgets, set(self.flex.changed)
+        key, forgets, changed, logged = h._key, h.forgets, set(self.flex.changed), self.flex.logged
         h.refresh(runner[0].session.snap, force=True)       # the rebuild of the state now, then its row l
         assert np.array_equal(h.host[l], host), (l, np.argwhere(h.host[l] != host))
         assert torch.equal(h.dev[l], dev) and h.srcs[l] == srcs, l
@@ -491,7 +519,7 @@ def test_each_at_hand_group_reads_the_rebuilt_row_when_evictions_wait(model, ds4
         # the rebuild stands for no upload of the step's own: put the waiting state back (the rows <= l of the
         # rebuild are the same entries a later patch makes: test_a_patched_table_is_the_rebuilt_one)
         h._key, h.forgets = key, forgets
-        self.flex.changed = changed
+        self.flex.changed, self.flex.logged = changed, logged
         return group(self, l, r)
     monkeypatch.setattr(MoEStep, "hand_group", checked_group)
     stale = AtHand.stale

@@ -283,9 +283,44 @@ def test_take_is_keeps_bookkeeping_without_a_slot_twice_a_call():
     assert refused > 0 and f.stats.evictions > 50, (refused, f.stats)
 
 
+def test_the_log_names_every_changed_copy():
+    """FlexCache.changed (a set, cpu-host60) holds every (layer, expert) whose `where` changed since the log was last
+    taken, whichever way (take's fills and evictions, keep's, split_lists' drop of a copy now in VRAM, a shrink's
+    drops), and FlexCache.logged counts at least its entries (one an add). Fails with any of _forget's or _assign's
+    adds removed."""
+    import numpy as np
+
+    from betelgeuse.store.directory import TIER_DISK, TIER_VRAM
+    from betelgeuse.worker.flex_cache import FlexCache
+    L, E, sb = 3, 12, 32
+    f = FlexCache(sb, sb * 4, 3, L, E, torch.device("cpu"))               # chunks of 4 slots, room 12: fills evict
+    pool = torch.zeros(sb * E, dtype=torch.uint8)
+    rng = np.random.default_rng(60)
+    seen, kinds = f.where.copy(), set()
+    for i in range(400):
+        op = rng.integers(0, 4)
+        layer, es = int(rng.integers(0, L)), sorted(set(rng.integers(0, E, int(rng.integers(1, 5))).tolist()))
+        if op == 0:
+            f.take(layer, es)
+        elif op == 1:
+            f.keep(layer, es, pool, [e * sb for e in es])
+        elif op == 2:                                  # a held copy's expert now in VRAM: split drops it
+            tiers = [TIER_VRAM if rng.random() < 0.5 else TIER_DISK for _ in es]
+            f.split_lists(layer, es, tiers)
+        else:                                          # KV takes the room: chunks (and their copies) go
+            f.hold(int(rng.choice([0, sb * 4, sb * 8])))
+        moved = {(int(a), int(b)) for a, b in zip(*np.nonzero(f.where != seen))}
+        if moved:
+            kinds.add(int(op))
+        assert moved <= f.changed and f.logged >= len(f.changed), (i, op, moved - f.changed)
+        if rng.random() < 0.3:                         # the table reads it (AtHand: _patch or a rebuild)
+            f.changed, f.logged, seen = set(), 0, f.where.copy()
+    assert kinds == {0, 1, 2, 3}, kinds                 # every way of changing a copy was exercised
+
+
 def test_take_grows_where_grow_would_under_random_holds():
-    """take asks _grow only where _grow would not refuse (its test inline: cpu-host59): against the same fills on
-    a twin cache whose every slot-less fill asks _grow itself (take's rule before the inline test), with the room
+    """take asks _grow until it refuses once a call (cpu-host60; nothing _grow reads changes in a call but by its own
+    growth): against the same fills on a twin cache whose every slot-less fill asks _grow itself, with the room
     moving under them (hold: the sequences' KV bytes, chunks given back and grown again, slivers refused). The
     answers, the chunks (their sizes: grows), `where` and the LRU order equal after every call."""
     import numpy as np
