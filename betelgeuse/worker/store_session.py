@@ -355,7 +355,7 @@ class LoadStream:
     __slots__ = ("_it", "ahead_queued")
 
     def __init__(self, it):
-        self._it = iter(it)
+        self._it = it if hasattr(type(it), "__next__") else iter(it)     # an iterator as it is (no __iter__ call)
         self.ahead_queued = 0
 
     def __iter__(self):
