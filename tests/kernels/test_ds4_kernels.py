@@ -49,7 +49,7 @@ def results(checked) -> dict:
 
 
 METHODS = ("hc_pre", "hc_pre_lagged", "hc_post", "rms_rope", "rope", "rms", "compress_step", "index_topk", "decode_attend",
-           "route_topk", "route_hash", "route_approx", "shared_ffn")
+           "route_topk", "route_hash", "route_approx", "shared_ffn", "linears", "grouped_linear")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -118,7 +118,7 @@ def test_triton_ops_are_batch_invariant(results):
     inv = {k: v["row_invariant"] for k, v in results.items() if "row_invariant" in v}
     # every row-batched method is covered (the decode-step kernels run one sequence per launch)
     assert {k.split("/")[0] for k in inv} == {"hc_pre", "hc_pre_lagged", "hc_post", "rms_rope", "rope", "rms", "route_topk",
-                                              "route_hash", "route_approx", "shared_ffn"}
+                                              "route_hash", "route_approx", "shared_ffn", "linears", "grouped_linear"}
     assert all(inv.values()), [k for k, v in inv.items() if not v]
 
 
