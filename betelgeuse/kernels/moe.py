@@ -188,13 +188,18 @@ class MoEKernels:
         T, k = ids.shape
         y = torch.empty(T * k, h.shape[-1], dtype=h.dtype, device=h.device)
         flat = ids.reshape(-1)
-        # rows per expert without a host sync (torch.bincount reads the max back to size its output)
-        counts = torch.zeros(self.E, dtype=torch.int64, device=h.device).scatter_add_(0, flat, torch.ones_like(flat))
-        if self.backend == "torch":
-            return Routing(h, ids, w, y, None, None, counts, None, plan_experts(ids, chunks))
-        rows = torch.argsort(flat, stable=True).to(torch.int32)
-        off = torch.zeros(self.E + 1, dtype=torch.int32, device=h.device)
-        off[1:] = torch.cumsum(counts, 0)
+        if self.backend == "triton" and flat.shape[0] <= self._tk.SORT_ROWS_MAX:
+            # decode's few rows: counts, the stable sort by expert and the offsets in one launch (the torch ops
+            # below were ~8 launches a layer: two fills, scatter_add, argsort, a cast, a fill, cumsum, a copy)
+            counts, rows, off = self._tk.sort_rows(flat, self.E)
+        else:
+            # rows per expert without a host sync (torch.bincount reads the max back to size its output)
+            counts = torch.zeros(self.E, dtype=torch.int64, device=h.device).scatter_add_(0, flat, torch.ones_like(flat))
+            if self.backend == "torch":
+                return Routing(h, ids, w, y, None, None, counts, None, plan_experts(ids, chunks))
+            rows = torch.argsort(flat, stable=True).to(torch.int32)
+            off = torch.zeros(self.E + 1, dtype=torch.int32, device=h.device)
+            off[1:] = torch.cumsum(counts, 0)
         inter = torch.empty(T * k, self.F, dtype=h.dtype, device=h.device)
         r = Routing(h, ids, w, y, rows, off, counts, inter, None)
         if self._quant_h and h.shape[1] % 32 == 0:
