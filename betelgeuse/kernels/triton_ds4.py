@@ -19,7 +19,11 @@ TRITON_INTERPRET=1). What each replaces:
   decode_attend   one query over the window ring and the chosen / visible compressed entries, with the sinks
               (online softmax, the sink as the first element) -> 1 launch + the de-rotation (rms_rope, no norm)
   route_topk / route_hash   sqrt(softplus), bias, top-k by repeated argmax, renormalised weights -> 1 launch
-  shared_ffn  the shared expert's clamped SwiGLU -> 1 launch between two matmuls
+  shared_ffn  the shared expert's clamped SwiGLU -> 1 launch between two matmuls (linears' one launch each)
+  linears / grouped_linear   the dense projections of decode's few rows (T <= GEMV_ROWS): every product of a call
+              (attention's 2-7 projections of u; q_b with the indexer's q_b; attn_output_a's 8 groups; the guess's
+              routers) -> 1 launch of _gemv_kernel, where cuBLAS ran a split-K GEMM and its reduce per product (2
+              launches each at one row: gpu-run61-h100); more rows (prefill chunks) keep the library's gemm
 
 Every kernel runs one program per row (or per row and column block), with block sizes that never depend on the
 number of rows, so a row's bits do not depend on the other rows of its launch (batch invariance, invariant 6);

@@ -123,6 +123,7 @@ def test_triton_ops_are_batch_invariant(results):
 
 
 LAUNCH_TARGET = 60      # kernels per layer of a decode step (issue 21); the device figure: check_ds4.py launches
+LIBRARY_MATMULS = ("mm", "addmm", "bmm", "linear", "matmul")
 
 
 def _counted_model(monkeypatch, tmp_path):
@@ -180,6 +181,9 @@ def test_decode_step_launches_per_layer(monkeypatch, tmp_path):
             launches.clear()
     assert set(c.ds4.compress_ratios) == {0, 4, 128}     # every kind of layer counted
     assert max(per) <= LAUNCH_TARGET - 10, (per, k.ops.most_common(12))
+    # the dense projections are TritonOps.linears / grouped_linear launches (7 a layer, every kind): no library
+    # matmul, whose split-K at one row was two launches on CUDA (8 / 14 / 10 of them on ratio 0 / 4 / 128 layers)
+    assert not any(k.ops[name] for name in LIBRARY_MATMULS), k.ops
     assert _rope_ops(k) == 4, k.ops
 
 
@@ -252,6 +256,8 @@ def test_lanes_decode_step_launches_per_layer(monkeypatch, tmp_path):
         # the ops that make them (model.lane_rows out=: no copy) and the output projection's bmm into its rows'
         # layout (no clone), 34 and 46; each more sequence adds its attention
         assert max(per) <= LAUNCH_TARGET - 26 + 6 * (n - 1), (n, per, k.ops.most_common(12))
+        # the library's matmuls: only the head's two (its mHC mix and the vocabulary projection, once a step)
+        assert sum(k.ops[name] for name in LIBRARY_MATMULS) == 2, k.ops
         # the whole step: the per-step work too (begin's ids, positions and lanes in one launch, the RoPE tables
         # written into the lanes' table buffer: 3 kernels a rope, the embedding one gather, the head's rows
         # gathered without a clone): 160 at n = 1 and 194 at n = 3 before, here 143 and 177
