@@ -497,41 +497,45 @@ def _copy_rows_kernel(idx_ptr, srcs, dsts, s_stride, d_stride, widths, N: tl.con
         tl.store(dsts[j] + r * d_stride[j] + c, tl.load(srcs[j] + s * s_stride[j] + c, mask=m), mask=m)
 
 
-@triton.jit
-def _gemv_block(x_ptr, w_ptr, out_ptr, N, K, x_rs, w_rs, o_rs, scale, n0, t, mt,
-                BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
-    """out[t, n0:n0+BN] = (x[t] . w[n0:n0+BN]^T) for the rows t [BT] of one tile (module doc of dense_rows)."""
-    n = n0 + tl.arange(0, BN)
+@triton.jit(do_not_specialize=["T"])
+def _gemv_kernel(xs, ws, outs, ns, ks, x_rs, w_rs, o_rs, scales, starts, T,
+                 NS: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+    """Program (r, c): rows [r*BT, (r+1)*BT) of column block c of NS matrix products out_j = x_j . w_j^T laid end to
+    end (product j: column blocks [starts[j], starts[j+1])): its BN outputs over all of the product's K in ascending
+    BK steps (no split-K, no second launch), fp32 accumulation. The product's operands are picked before the K loop
+    (one loop whatever NS: the software pipeliner stages its loads), its output's dtype at the store."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    mt = t < T
+    c = tl.program_id(1)
+    x_ptr, w_ptr, N, K, xr, wr, c0 = xs[0], ws[0], ns[0], ks[0], x_rs[0], w_rs[0], starts[0]
+    for j in tl.static_range(1, NS):
+        sel = c >= starts[j]
+        x_ptr = tl.where(sel, xs[j], x_ptr)
+        w_ptr = tl.where(sel, ws[j], w_ptr)
+        N = tl.where(sel, ns[j], N)
+        K = tl.where(sel, ks[j], K)
+        xr = tl.where(sel, x_rs[j], xr)
+        wr = tl.where(sel, w_rs[j], wr)
+        c0 = tl.where(sel, starts[j], c0)
+    n = (c - c0) * BN + tl.arange(0, BN)
     mn = n < N
-    acc = tl.zeros((t.shape[0], BN), dtype=tl.float32)
+    acc = tl.zeros((BT, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):                      # K in ascending BK steps: the same order for every row
         k = k0 + tl.arange(0, BK)
         mk = k < K
-        x = tl.load(x_ptr + t.to(tl.int64)[:, None] * x_rs + k[None, :], mask=mt[:, None] & mk[None, :], other=0)
-        w = tl.load(w_ptr + n.to(tl.int64)[:, None] * w_rs + k[None, :], mask=mn[:, None] & mk[None, :], other=0)
+        x = tl.load(x_ptr + t.to(tl.int64)[:, None] * xr + k[None, :], mask=mt[:, None] & mk[None, :], other=0)
+        w = tl.load(w_ptr + n.to(tl.int64)[:, None] * wr + k[None, :], mask=mn[:, None] & mk[None, :], other=0)
         if IEEE:
             acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
         else:
             acc = tl.dot(x, tl.trans(w), acc)
     # rounded to x's dtype as F.linear's output, then (a float32 output: the indexer's head weights) scaled in float32
-    y = acc.to(x_ptr.dtype.element_ty).to(tl.float32) * scale
-    tl.store(out_ptr + t.to(tl.int64)[:, None] * o_rs + n[None, :], y.to(out_ptr.dtype.element_ty),
-             mask=mt[:, None] & mn[None, :])
-
-
-@triton.jit
-def _gemv_kernel(xs, ws, outs, ns, ks, x_rs, w_rs, o_rs, scales, starts, T,
-                 NS: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
-    """Program (r, c): rows [r*BT, (r+1)*BT) of the column block c of NS matrix products out_j = x_j . w_j^T laid
-    end to end (segment j: column blocks [starts[j], starts[j+1])); each program one segment's BN outputs over all of its
-    K (no split-K, no second launch)."""
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    mt = t < T
-    c = tl.program_id(1)
+    y = acc.to(xs[0].dtype.element_ty).to(tl.float32)
+    m = mt[:, None] & mn[None, :]
     for j in tl.static_range(NS):
         if (c >= starts[j]) & (c < starts[j + 1]):
-            _gemv_block(xs[j], ws[j], outs[j], ns[j], ks[j], x_rs[j], w_rs[j], o_rs[j], scales[j], (c - starts[j]) * BN,
-                        t, mt, BN, BK, IEEE)
+            tl.store(outs[j] + t.to(tl.int64)[:, None] * o_rs[j] + n[None, :],
+                     (y * scales[j]).to(outs[j].dtype.element_ty), mask=m)
 
 
 def _ieee(t: torch.Tensor) -> bool:
