@@ -51,6 +51,10 @@ ATTN_STAGES = 1            # _decode_attn_kernel's num_stages (its doc: 3 would 
 GEMV_ROWS = 64
 GEMV_BT = 16
 GEMV_BK = 256
+# BN (outputs a program; 0: 16, or 32 from 8192 outputs a call) and the K loop's pipeline depth: launch constants only
+# (a row's K order is GEMV_BK's), which deploy/device/gemv_bench.py --sweep times
+GEMV_BN = 0
+GEMV_STAGES = 3
 
 
 @triton.jit
@@ -576,7 +580,7 @@ class TritonOps:
                                                                                                   o.shape)
             assert x.stride(1) == w.stride(1) == o.stride(1) == 1, (x.stride(), w.stride(), o.stride())
         ns, ks = [w.shape[0] for w in ws], [w.shape[1] for w in ws]
-        BN = 32 if sum(ns) >= 8192 else 16      # enough programs for the SMs at one row tile (ds4-flash's q_a: 64)
+        BN = GEMV_BN or (32 if sum(ns) >= 8192 else 16)     # enough programs for the SMs at one row tile
         starts = [0]
         for n in ns:
             starts.append(starts[-1] + triton.cdiv(n, BN))
@@ -584,7 +588,8 @@ class TritonOps:
             tuple(xs), tuple(ws), tuple(outs), tuple(ns), tuple(ks), tuple(x.stride(0) for x in xs),
             tuple(w.stride(0) for w in ws), tuple(o.stride(0) for o in outs),
             tuple(1.0 if s is None else float(s) for s in scales), tuple(starts), T,
-            NS=len(ws), BT=GEMV_BT, BN=BN, BK=min(GEMV_BK, triton.next_power_of_2(min(ks))), IEEE=_ieee(xs[0]))
+            NS=len(ws), BT=GEMV_BT, BN=BN, BK=min(GEMV_BK, triton.next_power_of_2(min(ks))), IEEE=_ieee(xs[0]),
+            num_stages=GEMV_STAGES)
 
     @classmethod
     def linears(cls, x, ws, outs=None, scales=None) -> list:

@@ -4,8 +4,11 @@ partial GEMM and a reduce each), at T = 1, 4, 8, 16 rows. Each call is timed as 
 (no host in the figure), over enough copies of the weights (ROT) that they are not read from the L2; GB/s = the
 weights' bytes / time. Also each row of the T-row launch against the same row launched alone, bit for bit (invariant
 6), and the max |diff| against the library's. Prints a markdown table; writes $OUT/gemv_bench.md if OUT is set.
+--sweep: then the launch constants (triton_ds4.GEMV_BK, GEMV_BN, GEMV_STAGES) over the calls with the fewest
+programs, at T = 1 and 8: µs each, and whether each gives the default's bits (BN and the stages cannot change them;
+BK, whether the MMA chain's order over K follows the step or not, is what this shows).
 
-    PYTHONPATH=$PWD python3 deploy/device/gemv_bench.py          # ~1 min on an H100 (TRITON_INTERPRET=1 ... cpu: dry)
+    PYTHONPATH=$PWD python3 deploy/device/gemv_bench.py [--sweep]   # ~1-2 min on an H100 (TRITON_INTERPRET=1 ... cpu)
 """
 
 from __future__ import annotations
@@ -16,9 +19,12 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from betelgeuse.kernels import triton_ds4
 from betelgeuse.kernels.triton_ds4 import TritonOps
 
-dev = sys.argv[1] if len(sys.argv) > 1 else "cuda"
+args = [a for a in sys.argv[1:] if not a.startswith("--")]
+SWEEP = "--sweep" in sys.argv
+dev = args[0] if args else "cuda"
 CUDA = dev == "cuda"
 dt = torch.bfloat16 if CUDA else torch.float32
 D, QL, HD, NH, IHD, G, OL = 4096, 1024, 512, 64, 128, 8, 1024        # ds4-flash (gguf/synth_ds4.py "ds4-flash")
@@ -100,6 +106,31 @@ for name, (K, ns) in list(CALLS.items()) + [("attn_output_a (grouped, 8 x 1024 o
                      f"{t_lib * 1e6:.1f} | {nbytes / t_lib / 1e9:.0f} | {t_lib / t_ours:.2f} | {diff:.3g} | "
                      f"{'yes' if alone else 'NO'} |")
         print(lines[-1], flush=True)
+if SWEEP:
+    lines += ["", "| call | T | BK | BN | stages | µs | GB/s | default's bits |", "|---|---|---|---|---|---|---|---|"]
+    consts = ("GEMV_BK", "GEMV_BN", "GEMV_STAGES")
+    default = tuple(getattr(triton_ds4, c) for c in consts)
+    for name in ("u: q_a kv (ratio 0)", "router", "attn_output_b", "u: q_a kv comp kv/gate idx proj/kv/gate (ratio 4)"):
+        K, ns = CALLS[name]
+        ws = [[rnd(n, K) for n in ns] for _ in range(ROT)]
+        nbytes = sum(w.numel() * w.element_size() for w in ws[0])
+        for T in ROWS[::2]:
+            x = rnd(T, K)
+            ref = TritonOps.linears(x, ws[0])
+            for cfg in ((256, 0, 3), (256, 0, 4), (256, 16, 2), (128, 16, 4), (512, 16, 3), (512, 32, 3), (1024, 16, 2)):
+                for c, v in zip(consts, cfg):
+                    setattr(triton_ds4, c, v)
+                try:
+                    same = all(torch.equal(a, b) for a, b in zip(TritonOps.linears(x, ws[0]), ref))
+                    t = timed(lambda r: TritonOps.linears(x, ws[r]))                                 # noqa: B023
+                    lines.append(f"| {name} | {T} | {cfg[0]} | {cfg[1] or 'auto'} | {cfg[2]} | {t * 1e6:.1f} | "
+                                 f"{nbytes / t / 1e9:.0f} | {'yes' if same else 'no'} |")
+                except Exception as e:          # a config past the shared memory: named, not fatal
+                    lines.append(f"| {name} | {T} | {cfg[0]} | {cfg[1] or 'auto'} | {cfg[2]} | {type(e).__name__} | | |")
+                finally:
+                    for c, v in zip(consts, default):
+                        setattr(triton_ds4, c, v)
+                print(lines[-1], flush=True)
 text = "\n".join(lines)
 print(text)
 if os.environ.get("OUT"):
