@@ -33,7 +33,6 @@ eager and graph-replayed steps run the same kernels (invariant 1).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
