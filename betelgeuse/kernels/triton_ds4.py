@@ -556,6 +556,11 @@ def _ieee(t: torch.Tensor) -> bool:
 class TritonOps:
     """model.deepseek4.TorchOps' methods (the same signatures) as fused Triton launches (module doc)."""
 
+    # rows up to which linears / grouped_linear run _gemv_kernel (one launch a call); 0: every product the library's
+    # gemm (TorchOps). Set per process from engine.decode_gemv at the model's load (worker/runner.py: off until its
+    # device check, deploy/device/check_ds4.py with CHECK_DECODE_GEMV=1); GEMV_ROWS when on
+    gemv_rows = 0
+
     @staticmethod
     def prepare(w: dict, n_layer: int) -> None:
         """The shared expert's gate and up rows in one [2F, H] matrix (one matmul per call, no concatenation in
@@ -592,8 +597,8 @@ class TritonOps:
 
     @classmethod
     def linears(cls, x, ws, outs=None, scales=None) -> list:
-        """TorchOps.linears: up to GEMV_ROWS rows in one launch for every w (_gemv), more the library's gemm."""
-        if x.shape[0] > GEMV_ROWS:
+        """TorchOps.linears: up to gemv_rows rows in one launch for every w (_gemv), more the library's gemm."""
+        if x.shape[0] > cls.gemv_rows:
             return TorchOps.linears(x, ws, outs, scales)
         scales = scales or (None,) * len(ws)
         outs = [o if o is not None else
@@ -604,9 +609,9 @@ class TritonOps:
 
     @classmethod
     def grouped_linear(cls, x, w, out=None):
-        """TorchOps.grouped_linear: up to GEMV_ROWS rows in one launch for every group (_gemv), more the library's."""
+        """TorchOps.grouped_linear: up to gemv_rows rows in one launch for every group (_gemv), more the library's."""
         G, T, _ = x.shape
-        if T > GEMV_ROWS:
+        if T > cls.gemv_rows:
             return TorchOps.grouped_linear(x, w, out)
         if out is None:
             out = torch.empty((G, T, w.shape[1]), dtype=x.dtype, device=x.device)

@@ -62,6 +62,7 @@ def _widen_interpreter_bf16_dot():
 def compare(device: str = "cpu", dims: dict = TINY, dtypes=(torch.float32, torch.bfloat16)) -> dict:
     g = torch.Generator().manual_seed(21)
     ref, tri = TorchOps(), TritonOps()
+    TritonOps.gemv_rows = triton_ds4.GEMV_ROWS       # engine.decode_gemv on (the runner's per-process setting)
     out: dict[str, dict] = {}
     dev = torch.device(device)
     D_pre, D_post, rms_D, hd, r, H, d = (dims[x] for x in ("D_pre", "D_post", "rms_D", "hd", "r", "H", "d"))
