@@ -406,6 +406,14 @@ class EngineSettings(_Section):
     # device A/B (deploy/device/verify_off.sh step 2) have run
     decode_fold: Flag = setting(False, "decode: the decode graphs (solo, lanes) capture each layer's routing-sync "
                                 "start in the layer's graph (CUDA: one replay a layer fewer)", True)
+    # decode's few rows (T <= 64) in one Triton launch per call where the library ran a split-K gemm and its reduce per
+    # product: deepseek4's dense projections (kernels/triton_ds4.py TritonOps.linears / grouped_linear: u's 2-7, q_b's,
+    # attn_output_a's groups, attn_output_b, the router, the shared expert) and every model's routing sort (kernels/
+    # triton_moe.py sort_rows: one launch for ~8). Rows independent (a fixed K order whatever T: invariant 6); the bits
+    # differ from the library's within float noise (CPU: unchanged). Off until its device check (check_ds4 --only
+    # ops,decode,launches with CHECK_DECODE_GEMV=1) and the bench's launches (docs/benchmarks/cpu-gemv60)
+    decode_gemv: Flag = setting(False, "decode: dense projections and the routing sort of a few rows in one Triton "
+                                "launch each (CUDA only; deepseek4's projections, every model's sort)", True)
     # a decode miss layer's landed disk experts are copied and computed (one ring-bank copy + group) as soon as the
     # next one has not landed yet (LoadStream.ready), not all after the layer's last: the first ones' copies and group
     # overlap the later ones' reads (issue 21: the chain's copy link, gpu-run60-h200). Each row's output by the same

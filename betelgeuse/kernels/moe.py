@@ -88,19 +88,23 @@ class MoEKernels:
     """The per-layer expert math for one model file's geometry, on one device."""
 
     def __init__(self, backend: str, n_expert: int, n_ff: int, starts: torch.Tensor, qtypes: list[tuple[int, int]],
-                 sub_batch: int, weights_fn=None, act_limit: float | None = None, act_quant: str = "off"):
+                 sub_batch: int, weights_fn=None, act_limit: float | None = None, act_quant: str = "off",
+                 sort_rows: bool = False):
         """starts [L,E,3] int64: byte offset of gate/up/down inside a slot (device); qtypes[l] = (gate/up, down)
         GGML types per layer; weights_fn(slot_bytes, layer, expert) -> (gate, up, down) for the torch path;
         act_quant "q8_1": the triton backend runs the parts whose type has an int8 MMA schedule on q8_1
         activations (triton_mmq; approximate), the others on the float schedules; "bf16": those parts on the bf16
         MMA of their integer quants (triton_mmq's BF mode: the activations as bf16, exact products, float noise);
-        "auto": bf16 for AUTO_QTYPES only (where the device measured it faster); the torch backend ignores it."""
+        "auto": bf16 for AUTO_QTYPES only (where the device measured it faster); the torch backend ignores it.
+        sort_rows: the triton backend sorts a routing of up to triton_moe.SORT_ROWS_MAX rows in one launch
+        (engine.decode_gemv; off: the torch ops' ~8 launches)."""
         assert backend in ("torch", "triton"), backend
         assert act_quant in ("off", "q8_1", "bf16", "auto"), act_quant
         self.act_quant = act_quant
         self.backend, self.E, self.F = backend, n_expert, n_ff
         self.starts, self.qtypes, self.sub_batch = starts, qtypes, sub_batch
         self.weights_fn, self.limit = weights_fn, act_limit
+        self._sort_max = 0       # rows up to which route() sorts in one launch (sort_rows, triton: SORT_ROWS_MAX)
         self._mq = None          # triton_mmq where some layer's part runs on q8_1 activations (act_quant, triton)
         self._quant_h = False    # some layer's gate/up does: route() makes h's q8_1
         self._launch_consts: dict = {}   # (layer, H) -> _layer_launch's constants
@@ -108,6 +112,7 @@ class MoEKernels:
         if backend == "triton":
             from betelgeuse.kernels import triton_moe
             self._tk = triton_moe
+            self._sort_max = triton_moe.SORT_ROWS_MAX if sort_rows else 0
             assert self.supports(qtypes), qtypes
             self._aligned = self._starts_aligned(starts)
             mt = mma_qtypes(act_quant)
@@ -189,13 +194,18 @@ class MoEKernels:
         T, k = ids.shape
         y = torch.empty(T * k, h.shape[-1], dtype=h.dtype, device=h.device)
         flat = ids.reshape(-1)
-        # rows per expert without a host sync (torch.bincount reads the max back to size its output)
-        counts = torch.zeros(self.E, dtype=torch.int64, device=h.device).scatter_add_(0, flat, torch.ones_like(flat))
-        if self.backend == "torch":
-            return Routing(h, ids, w, y, None, None, counts, None, plan_experts(ids, chunks))
-        rows = torch.argsort(flat, stable=True).to(torch.int32)
-        off = torch.zeros(self.E + 1, dtype=torch.int32, device=h.device)
-        off[1:] = torch.cumsum(counts, 0)
+        if flat.shape[0] <= self._sort_max:          # 0 on the torch backend and with sort_rows off
+            # decode's few rows: counts, the stable sort by expert and the offsets in one launch (the torch ops
+            # below were ~8 launches a layer: two fills, scatter_add, argsort, a cast, a fill, cumsum, a copy)
+            counts, rows, off = self._tk.sort_rows(flat, self.E)
+        else:
+            # rows per expert without a host sync (torch.bincount reads the max back to size its output)
+            counts = torch.zeros(self.E, dtype=torch.int64, device=h.device).scatter_add_(0, flat, torch.ones_like(flat))
+            if self.backend == "torch":
+                return Routing(h, ids, w, y, None, None, counts, None, plan_experts(ids, chunks))
+            rows = torch.argsort(flat, stable=True).to(torch.int32)
+            off = torch.zeros(self.E + 1, dtype=torch.int32, device=h.device)
+            off[1:] = torch.cumsum(counts, 0)
         inter = torch.empty(T * k, self.F, dtype=h.dtype, device=h.device)
         r = Routing(h, ids, w, y, rows, off, counts, inter, None)
         if self._quant_h and h.shape[1] % 32 == 0:

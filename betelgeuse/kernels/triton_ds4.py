@@ -19,7 +19,11 @@ TRITON_INTERPRET=1). What each replaces:
   decode_attend   one query over the window ring and the chosen / visible compressed entries, with the sinks
               (online softmax, the sink as the first element) -> 1 launch + the de-rotation (rms_rope, no norm)
   route_topk / route_hash   sqrt(softplus), bias, top-k by repeated argmax, renormalised weights -> 1 launch
-  shared_ffn  the shared expert's clamped SwiGLU -> 1 launch between two matmuls
+  shared_ffn  the shared expert's clamped SwiGLU -> 1 launch between two matmuls (linears' one launch each)
+  linears / grouped_linear   the dense projections of decode's few rows (T <= GEMV_ROWS): every product of a call
+              (attention's 2-7 projections of u; q_b with the indexer's q_b; attn_output_a's 8 groups; the guess's
+              routers) -> 1 launch of _gemv_kernel, where cuBLAS ran a split-K GEMM and its reduce per product (2
+              launches each at one row: gpu-run61-h100); more rows (prefill chunks) keep the library's gemm
 
 Every kernel runs one program per row (or per row and column block), with block sizes that never depend on the
 number of rows, so a row's bits do not depend on the other rows of its launch (batch invariance, invariant 6);
@@ -29,16 +33,27 @@ eager and graph-replayed steps run the same kernels (invariant 1).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from betelgeuse.kernels.triton_launch import launcher
+from betelgeuse.model.deepseek4 import TorchOps
 from betelgeuse.routing_approx import Residency
 
 HC_SPLIT_K = 1024          # columns of the [M, hc*D] mHC matrix per partial-product program
 ATTN_KB = 128              # head-dim columns per chunk of _decode_attn_kernel (its doc; min(ATTN_KB, HD) a launch)
 ATTN_STAGES = 1            # _decode_attn_kernel's num_stages (its doc: 3 would stage the chunks' loads, 181 KB)
+# the dense projections (TritonOps.linears / grouped_linear): up to GEMV_ROWS rows (decode: 1 solo, max_running in the
+# lanes; a prefill chunk's tail) in _gemv_kernel, ONE launch for all the products of a call, rows in tiles of GEMV_BT
+# (the dot's M: the tensor cores' least, padded rows masked), K in steps of GEMV_BK; more rows (prefill chunks) take
+# the library's gemm (TorchOps: cuBLAS split-K at few rows was two launches a product, a partial GEMM and a reduce)
+GEMV_ROWS = 64
+GEMV_BT = 16
+GEMV_BK = 256
+# BN (outputs a program; 0: 16, or 32 from 8192 outputs a call) and the K loop's pipeline depth: launch constants only
+# (a row's K order is GEMV_BK's), which deploy/device/gemv_bench.py --sweep times
+GEMV_BN = 0
+GEMV_STAGES = 3
 
 
 @triton.jit
@@ -485,19 +500,66 @@ def _copy_rows_kernel(idx_ptr, srcs, dsts, s_stride, d_stride, widths, N: tl.con
         tl.store(dsts[j] + r * d_stride[j] + c, tl.load(srcs[j] + s * s_stride[j] + c, mask=m), mask=m)
 
 
+@triton.jit(do_not_specialize=["T"])
+def _gemv_kernel(xs, ws, outs, ns, ks, x_rs, w_rs, o_rs, scales, starts, T,
+                 NS: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+    """Program (r, c): rows [r*BT, (r+1)*BT) of column block c of NS matrix products out_j = x_j . w_j^T laid end to
+    end (product j: column blocks [starts[j], starts[j+1])): its BN outputs over all of the product's K in ascending
+    BK steps (no split-K, no second launch), fp32 accumulation. The product's operands are picked before the K loop
+    (one loop whatever NS: the software pipeliner stages its loads), its output's dtype at the store."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    mt = t < T
+    c = tl.program_id(1)
+    x_ptr, w_ptr, N, K, xr, wr, c0 = xs[0], ws[0], ns[0], ks[0], x_rs[0], w_rs[0], starts[0]
+    for j in tl.static_range(1, NS):
+        sel = c >= starts[j]
+        x_ptr = tl.where(sel, xs[j], x_ptr)
+        w_ptr = tl.where(sel, ws[j], w_ptr)
+        N = tl.where(sel, ns[j], N)
+        K = tl.where(sel, ks[j], K)
+        xr = tl.where(sel, x_rs[j], xr)
+        wr = tl.where(sel, w_rs[j], wr)
+        c0 = tl.where(sel, starts[j], c0)
+    n = (c - c0) * BN + tl.arange(0, BN)
+    mn = n < N
+    acc = tl.zeros((BT, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):                      # K in ascending BK steps: the same order for every row
+        k = k0 + tl.arange(0, BK)
+        mk = k < K
+        x = tl.load(x_ptr + t.to(tl.int64)[:, None] * xr + k[None, :], mask=mt[:, None] & mk[None, :], other=0)
+        w = tl.load(w_ptr + n.to(tl.int64)[:, None] * wr + k[None, :], mask=mn[:, None] & mk[None, :], other=0)
+        if IEEE:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    # rounded to x's dtype as F.linear's output, then (a float32 output: the indexer's head weights) scaled in float32
+    y = acc.to(xs[0].dtype.element_ty).to(tl.float32)
+    m = mt[:, None] & mn[None, :]
+    for j in tl.static_range(NS):
+        if (c >= starts[j]) & (c < starts[j + 1]):
+            tl.store(outs[j] + t.to(tl.int64)[:, None] * o_rs[j] + n[None, :],
+                     (y * scales[j]).to(outs[j].dtype.element_ty), mask=m)
+
+
 def _ieee(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32
 
 
 # the launches, counted per kernel (kernels/triton_launch.py)
 (_hc_partial_kernel, _hc_finish_kernel, _hc_post_kernel, _rms_rope_kernel, _compress_step_kernel, _index_scores_kernel,
- _decode_attn_kernel, _route_approx_kernel, _route_kernel, _swiglu_kernel, _copy_rows_kernel) = map(launcher, (
+ _decode_attn_kernel, _route_approx_kernel, _route_kernel, _swiglu_kernel, _copy_rows_kernel, _gemv_kernel) = map(launcher, (
     _hc_partial_kernel, _hc_finish_kernel, _hc_post_kernel, _rms_rope_kernel, _compress_step_kernel,
-    _index_scores_kernel, _decode_attn_kernel, _route_approx_kernel, _route_kernel, _swiglu_kernel, _copy_rows_kernel))
+    _index_scores_kernel, _decode_attn_kernel, _route_approx_kernel, _route_kernel, _swiglu_kernel, _copy_rows_kernel,
+    _gemv_kernel))
 
 
 class TritonOps:
     """model.deepseek4.TorchOps' methods (the same signatures) as fused Triton launches (module doc)."""
+
+    # rows up to which linears / grouped_linear run _gemv_kernel (one launch a call); 0: every product the library's
+    # gemm (TorchOps). Set per process from engine.decode_gemv at the model's load (worker/runner.py: off until its
+    # device check, deploy/device/check_ds4.py with CHECK_DECODE_GEMV=1); GEMV_ROWS when on
+    gemv_rows = 0
 
     @staticmethod
     def prepare(w: dict, n_layer: int) -> None:
@@ -509,6 +571,52 @@ class TritonOps:
             F_ = gu.shape[0] // 2
             w[b + "ffn_gate_up_shexp.weight"] = gu
             w[b + "ffn_gate_shexp.weight"], w[b + "ffn_up_shexp.weight"] = gu[:F_], gu[F_:]
+
+    @staticmethod
+    def _gemv(xs, ws, outs, scales) -> None:
+        """outs[j] [T, N_j] = xs[j] [T, K_j] . ws[j] [N_j, K_j]^T (rounded to x's dtype; scales[j] not None: then
+        x scales[j] in float32) in one _gemv_kernel launch. Any row strides; the last dims contiguous. A row's bits
+        depend on its K and GEMV_BK only (never T, the other rows or products, BN): one program walks a row tile's
+        whole K in ascending GEMV_BK steps, fp32 accumulation (batch invariance, invariant 6)."""
+        T = xs[0].shape[0]
+        for x, w, o in zip(xs, ws, outs):
+            assert x.shape[0] == T and o.shape == (T, w.shape[0]) and x.shape[1] == w.shape[1], (x.shape, w.shape,
+                                                                                                  o.shape)
+            assert x.stride(1) == w.stride(1) == o.stride(1) == 1, (x.stride(), w.stride(), o.stride())
+        ns, ks = [w.shape[0] for w in ws], [w.shape[1] for w in ws]
+        BN = GEMV_BN or (32 if sum(ns) >= 8192 else 16)     # enough programs for the SMs at one row tile
+        starts = [0]
+        for n in ns:
+            starts.append(starts[-1] + triton.cdiv(n, BN))
+        _gemv_kernel[(triton.cdiv(T, GEMV_BT), starts[-1])](
+            tuple(xs), tuple(ws), tuple(outs), tuple(ns), tuple(ks), tuple(x.stride(0) for x in xs),
+            tuple(w.stride(0) for w in ws), tuple(o.stride(0) for o in outs),
+            tuple(1.0 if s is None else float(s) for s in scales), tuple(starts), T,
+            NS=len(ws), BT=GEMV_BT, BN=BN, BK=min(GEMV_BK, triton.next_power_of_2(min(ks))), IEEE=_ieee(xs[0]),
+            num_stages=GEMV_STAGES)
+
+    @classmethod
+    def linears(cls, x, ws, outs=None, scales=None) -> list:
+        """TorchOps.linears: up to gemv_rows rows in one launch for every w (_gemv), more the library's gemm."""
+        if x.shape[0] > cls.gemv_rows:
+            return TorchOps.linears(x, ws, outs, scales)
+        scales = scales or (None,) * len(ws)
+        outs = [o if o is not None else
+                torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype if s is None else torch.float32, device=x.device)
+                for o, w, s in zip(outs or (None,) * len(ws), ws, scales)]
+        cls._gemv([x] * len(ws), ws, outs, scales)
+        return outs
+
+    @classmethod
+    def grouped_linear(cls, x, w, out=None):
+        """TorchOps.grouped_linear: up to gemv_rows rows in one launch for every group (_gemv), more the library's."""
+        G, T, _ = x.shape
+        if T > cls.gemv_rows:
+            return TorchOps.grouped_linear(x, w, out)
+        if out is None:
+            out = torch.empty((G, T, w.shape[1]), dtype=x.dtype, device=x.device)
+        cls._gemv(list(x.unbind(0)), list(w.unbind(0)), list(out.unbind(0)), (None,) * G)
+        return out
 
     @classmethod
     def hc_pre(cls, X, fn, base, scale, norm, iters: int, hc_eps: float, eps: float):
@@ -690,7 +798,7 @@ class TritonOps:
                                   lag.contiguous() if lag is not None else post, D, K, S, iters, hc_eps, eps, T,
                                   HC=HC, MP=MP, SP=triton.next_power_of_2(S),
                                   BD=min(1024, triton.next_power_of_2(D)), LAG=lag is not None)
-        logits = torch.bmm(h, g.router[first:first + n].transpose(1, 2))           # [n, T, E]
+        logits = TritonOps.grouped_linear(h, g.router[first:first + n])           # [n, T, E]
         E = logits.shape[2]
         ids = torch.empty((T, n, k), dtype=torch.int64, device=X.device)
         w = torch.empty((T, n, k), dtype=torch.float32, device=X.device)
@@ -721,9 +829,9 @@ class TritonOps:
     def shared_ffn(h, gate_up, gate, up, down, limit: float):
         """h [T, H], gate_up [2F, H] (gate rows, then up: prepare; None: concatenated here), down [H, F] -> [T, H]:
         the clamped SwiGLU expert."""
-        gu = F.linear(h, gate_up if gate_up is not None else torch.cat([gate, up]))
+        gu = TritonOps.linears(h, [gate_up if gate_up is not None else torch.cat([gate, up])])[0]
         T, Fw = gu.shape[0], gu.shape[1] // 2
         act = torch.empty((T, Fw), dtype=h.dtype, device=h.device)
         BF = 1024
         _swiglu_kernel[(T, triton.cdiv(Fw, BF))](gu, act, Fw, float(limit), BF=BF)
-        return F.linear(act, down)
+        return TritonOps.linears(act, [down])[0]

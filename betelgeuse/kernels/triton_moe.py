@@ -532,6 +532,36 @@ def _combine_kernel(y_ptr, w_ptr, out_ptr, rows_ptr, H, k_top, BN: tl.constexpr,
     tl.store(out_ptr + o * H + n, acc.to(out_ptr.dtype.element_ty), mask=mn)
 
 
+@triton.jit(do_not_specialize=["n"])
+def _sort_rows_kernel(ids_ptr, n, counts_ptr, rows_ptr, off_ptr, E, EP: tl.constexpr, BI: tl.constexpr):
+    """One program: a routing's rows (ids [n] expert ids, row i = token*k + rank) sorted by expert, stably as
+    torch.argsort(ids, stable=True): row i goes to off[ids[i]] + the number of rows j < i of its expert. counts [E]
+    int64 (rows per expert), off [E+1] int32 (0, then their running sum). Integers: the same values as the torch ops
+    (sort_rows)."""
+    e = tl.arange(0, EP)
+    me = e < E
+    cnt = tl.zeros((EP,), dtype=tl.int32)
+    for i0 in range(0, n, BI):
+        i = i0 + tl.arange(0, BI)
+        f = tl.load(ids_ptr + i, mask=i < n, other=-1)
+        cnt += tl.sum((f[None, :] == e[:, None]).to(tl.int32), axis=1)
+    tl.store(counts_ptr + e, cnt.to(tl.int64), mask=me)
+    tl.store(off_ptr + 1 + e, tl.cumsum(cnt, axis=0), mask=me)
+    tl.store(off_ptr + e, cnt * 0, mask=e == 0)
+    tl.debug_barrier()                               # off written before any program thread reads it back
+    for i0 in range(0, n, BI):
+        i = i0 + tl.arange(0, BI)
+        mi = i < n
+        f = tl.load(ids_ptr + i, mask=mi, other=-1)
+        rank = tl.zeros((BI,), dtype=tl.int32)
+        for j0 in range(0, i0 + BI, BI):             # the rows before i (only the blocks up to i's)
+            j = j0 + tl.arange(0, BI)
+            g = tl.load(ids_ptr + j, mask=j < n, other=-2)
+            rank += tl.sum(((g[None, :] == f[:, None]) & (j[None, :] < i[:, None])).to(tl.int32), axis=1)
+        start = tl.load(off_ptr + f, mask=mi, other=0)
+        tl.store(rows_ptr + start + rank, i.to(tl.int32), mask=mi)
+
+
 def _launch_rows(R: int, E: int, BM: int) -> int:
     """Upper bound of the row blocks of R rows over E experts (each expert with rows adds at most one partial block;
     blocks of one row: exactly R)."""
@@ -570,8 +600,11 @@ def _row_align(row_bytes: int) -> int:
 
 
 # the launches, counted per kernel (kernels/triton_launch.py)
-_GATE_UP, _DOWN, _GATE_UP_MV, _DOWN_MV, _COMBINE = map(launcher, (_gate_up_kernel, _down_kernel, _gate_up_mv_kernel,
-                                                                  _down_mv_kernel, _combine_kernel))
+_GATE_UP, _DOWN, _GATE_UP_MV, _DOWN_MV, _COMBINE, _SORT_ROWS = map(launcher, (
+    _gate_up_kernel, _down_kernel, _gate_up_mv_kernel, _down_mv_kernel, _combine_kernel, _sort_rows_kernel))
+# routings of up to this many rows (T x k; decode's: max_running x k) are sorted by _sort_rows_kernel in one launch;
+# more (prefill) by torch's ops (~8 launches: counts, argsort, the offsets), whose values are the same
+SORT_ROWS_MAX = 1024
 
 
 def gate_up(h, pool, base, starts, rows, off, inter, n_ff: int, k_top: int, qt: int, limit: float | None,
@@ -680,6 +713,18 @@ def launch_kinds(qg: int, qd: int, E: int, H: int, F: int, k: int, limit: float 
         if bucket_of(R, E) == 16 and not g[8]["SPLIT"] and not d[8]["SPLIT"]:
             break       # past the last threshold: more rows keep the rows-16 bucket and walk their chunks
     return out
+
+
+def sort_rows(flat: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """flat [n] int64 expert ids (n <= SORT_ROWS_MAX) -> (counts [E] int64, rows [n] int32 = argsort(flat, stable),
+    off [E+1] int32 = 0, cumsum(counts)) in one launch (_sort_rows_kernel)."""
+    n = flat.shape[0]
+    assert n <= SORT_ROWS_MAX, n
+    counts = torch.empty(E, dtype=torch.int64, device=flat.device)
+    rows = torch.empty(n, dtype=torch.int32, device=flat.device)
+    off = torch.empty(E + 1, dtype=torch.int32, device=flat.device)
+    _SORT_ROWS[(1,)](flat, n, counts, rows, off, E, EP=pow2(E), BI=32)
+    return counts, rows, off
 
 
 def combine(y, w, out, rows=None):

@@ -562,21 +562,30 @@ class Deepseek4Model:
         ratio = p.compress_ratios[l]
         main, compressed = self.rope.cos_sin(positions)
         cos, sin = compressed if ratio else main
-        qr = ops.rms(F.linear(u, w[b + "attn_q_a.weight"]), w[b + "attn_q_a_norm.weight"], eps)
-        q = ops.rms_rope(F.linear(qr, w[b + "attn_q_b.weight"]).view(T, H, hd), None, cos, sin, eps, out=o[0])
-        kv = ops.rms_rope(F.linear(u, w[b + "attn_kv.weight"]), w[b + "attn_kv_a_norm.weight"], cos, sin, eps,
-                          out=o[1])
+        # every projection of u in one call (TritonOps: one launch): q_a, kv, then the compressor's kv and gate
+        # (into their lane buffers), and ratio 4's indexer head weights (float32, scaled) and compressor kv and gate
+        names, outs, scales = ["attn_q_a", "attn_kv"], [None, None], [None, None]
+        if ratio:
+            names += ["attn_compressor_kv", "attn_compressor_gate"]
+            outs += [o[2], o[3]]
+            scales += [None, None]
+            if ratio == 4:
+                names += ["indexer.proj", "indexer_compressor_kv", "indexer_compressor_gate"]
+                outs += [o[7], o[4], o[5]]
+                scales += [p.index_n_heads ** -0.5, None, None]
+        ys = ops.linears(u, [w[f"{b}{n}.weight"] for n in names], outs, scales)
+        qr = ops.rms(ys[0], w[b + "attn_q_a_norm.weight"], eps)
+        # q_b and (ratio 4) the indexer's q_b, both of qr: one call
+        qb = ops.linears(qr, [w[b + "attn_q_b.weight"]] + ([w[b + "indexer.attn_q_b.weight"]] if ratio == 4 else []))
+        q = ops.rms_rope(qb[0].view(T, H, hd), None, cos, sin, eps, out=o[0])
+        kv = ops.rms_rope(ys[1], w[b + "attn_kv_a_norm.weight"], cos, sin, eps, out=o[1])
         rows = [q, kv]
         if ratio:
-            rows += [_linear(u, w[b + "attn_compressor_kv.weight"], o[2]),
-                     _linear(u, w[b + "attn_compressor_gate.weight"], o[3])]
+            rows += ys[2:4]
             if ratio == 4:      # the lightning indexer: its compressor's inputs, queries and head weights
                 nh, ihd = p.index_n_heads, p.index_head_dim
-                iq = ops.rope(F.linear(qr, w[b + "indexer.attn_q_b.weight"]).view(T, nh, ihd), cos, sin, out=o[6])
-                iw = F.linear(u, w[b + "indexer.proj.weight"]).float()
-                rows += [_linear(u, w[b + "indexer_compressor_kv.weight"], o[4]),
-                         _linear(u, w[b + "indexer_compressor_gate.weight"], o[5]), iq,
-                         iw * nh ** -0.5 if o[7] is None else torch.mul(iw, nh ** -0.5, out=o[7])]
+                iq = ops.rope(qb[1].view(T, nh, ihd), cos, sin, out=o[6])
+                rows += [ys[5], ys[6], iq, ys[4]]
         assert out is None or len(rows) == len(out), (len(rows), len(out))
         return (x, post, comb), tuple(rows)
 
@@ -592,11 +601,11 @@ class Deepseek4Model:
         p, b, T = self.p, f"blk.{layer}.", o.shape[0]
         g = p.o_groups
         wa = self.w[b + "attn_output_a.weight"].view(g, p.o_lora_rank, -1)          # [g, o_lora, H*hd/g]
-        # y [T, g, o_lora] written by the batched matmul through its [g, T, o_lora] view (the library's strided
-        # batched gemm writes there: no copy to make the rows contiguous)
+        # y [T, g, o_lora] written by the grouped matmul through its [g, T, o_lora] view (the library's strided
+        # batched gemm, or TritonOps' one launch, writes there: no copy to make the rows contiguous)
         y = torch.empty((T, g, p.o_lora_rank), dtype=o.dtype, device=o.device)
-        torch.bmm(o.reshape(T, g, -1).transpose(0, 1), wa.transpose(1, 2), out=y.transpose(0, 1))
-        out = F.linear(y.view(T, -1), self.w[b + "attn_output_b.weight"])
+        self.ops.grouped_linear(o.reshape(T, g, -1).transpose(0, 1), wa, out=y.transpose(0, 1))
+        out = self.ops.linears(y.view(T, -1), [self.w[b + "attn_output_b.weight"]])[0]
         return self.ops.hc_post(x, out, post, comb)
 
     def attend_static(self, layer: int, rows: tuple, cache: DS4Cache, pos: torch.Tensor,
@@ -758,7 +767,7 @@ class Deepseek4Model:
         among the resident experts first; hash layers stay exact) or `pool` (every rank among the resident experts
         first; on hash layers the table's experts rank first, then the router's scores: routing_approx.py)."""
         p, b, k = self.p, f"blk.{layer}.", self.cfg.n_expert_used
-        logits = F.linear(h, self.w[b + "ffn_gate_inp.weight"])
+        logits = self.ops.linears(h, [self.w[b + "ffn_gate_inp.weight"]])[0]
         if layer < p.n_hash_layers:
             if token_ids is None:
                 raise ValueError("hash-routed layers need the token ids")
@@ -879,6 +888,27 @@ class TorchOps:
     @staticmethod
     def prepare(w: dict, n_layer: int) -> None:
         """Rearrange the dense weights for these ops once at load (TorchOps: nothing)."""
+
+    @staticmethod
+    def linears(x, ws, outs=None, scales=None) -> list:
+        """x [T, K] -> [x . w^T for w in ws] ([T, N_j] in x's dtype; scales[j] not None: that product as float32
+        times scales[j], the indexer's head weights). outs[j] not None: written there (a lane buffer's column range:
+        the library's gemm writes at its row stride, no copy). TritonOps: every product of decode's few rows in one
+        launch (the library's split-K gemm was two launches each)."""
+        res = []
+        for w, o, s in zip(ws, outs or (None,) * len(ws), scales or (None,) * len(ws)):
+            if s is None:
+                res.append(_linear(x, w, o))
+            else:
+                y = F.linear(x, w).float()
+                res.append(y * s if o is None else torch.mul(y, s, out=o))
+        return res
+
+    @staticmethod
+    def grouped_linear(x, w, out=None):
+        """x [G, T, K] (any strides), w [G, N, K] -> [G, T, N] = x_g . w_g^T per group g (torch.bmm; out: written
+        there, any strides: the library's strided batched gemm)."""
+        return torch.bmm(x, w.transpose(1, 2), out=out)
 
     @staticmethod
     def copy_rows(srcs, dsts) -> None:

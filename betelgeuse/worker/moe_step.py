@@ -314,7 +314,8 @@ class MoEStep:
                                   f"expert types: {', '.join(sorted({qtype_name(q) for p in qts for q in p}))})")
         backend = "triton" if want == "triton" or (want == "auto" and self.cache.is_cuda and ok) else "torch"
         return MoEKernels(backend, c.n_expert, c.n_ff_exp, self.cache.starts, qts, self.cfg.sub_batch,
-                          weights_fn=self.cache.weights, act_limit=act_limit, act_quant=self.cfg.act_quant)
+                          weights_fn=self.cache.weights, act_limit=act_limit, act_quant=self.cfg.act_quant,
+                          sort_rows=self.cfg.decode_gemv)
 
     def residency(self, snap, l: int) -> Residency | None:
         """Layer l's resident set for an approximate routing mode (routing_approx.py); None in exact mode, and

@@ -74,6 +74,10 @@ class ModelRunner:
         self.mcfg = self.file.config
         self.model = engine_model(self.file, self.device, self.dtype)     # model/registry.py: one interface
         check_model(self.model)
+        ops = getattr(self.model, "ops", None)
+        if hasattr(ops, "gemv_rows"):           # TritonOps (deepseek4 on CUDA): engine.decode_gemv, per process
+            from betelgeuse.kernels.triton_ds4 import GEMV_ROWS
+            type(ops).gemv_rows = GEMV_ROWS if cfg.decode_gemv else 0
         # position-aligned prefill chunks (chunks.pass_chunks): prefix hits and pieces of a prompt give the same bits.
         # prefill_chunk auto = the architecture's (its class's prefill_chunk), resolved once here: the engine, its
         # scheduler and prefix cache read the runner's config and chunk (an unchunked architecture keeps "auto")

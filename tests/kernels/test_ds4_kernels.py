@@ -49,7 +49,7 @@ def results(checked) -> dict:
 
 
 METHODS = ("hc_pre", "hc_pre_lagged", "hc_post", "rms_rope", "rope", "rms", "compress_step", "index_topk", "decode_attend",
-           "route_topk", "route_hash", "route_approx", "shared_ffn")
+           "route_topk", "route_hash", "route_approx", "shared_ffn", "linears", "grouped_linear")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -118,11 +118,12 @@ def test_triton_ops_are_batch_invariant(results):
     inv = {k: v["row_invariant"] for k, v in results.items() if "row_invariant" in v}
     # every row-batched method is covered (the decode-step kernels run one sequence per launch)
     assert {k.split("/")[0] for k in inv} == {"hc_pre", "hc_pre_lagged", "hc_post", "rms_rope", "rope", "rms", "route_topk",
-                                              "route_hash", "route_approx", "shared_ffn"}
+                                              "route_hash", "route_approx", "shared_ffn", "linears", "grouped_linear"}
     assert all(inv.values()), [k for k, v in inv.items() if not v]
 
 
 LAUNCH_TARGET = 60      # kernels per layer of a decode step (issue 21); the device figure: check_ds4.py launches
+LIBRARY_MATMULS = ("mm", "addmm", "bmm", "linear", "matmul")
 
 
 def _counted_model(monkeypatch, tmp_path):
@@ -131,6 +132,7 @@ def _counted_model(monkeypatch, tmp_path):
 
     from betelgeuse.gguf.reader import GGUFModelFile
     from betelgeuse.gguf.synth import spec_from_preset, write_model
+    from betelgeuse.kernels import triton_ds4
     from betelgeuse.kernels.triton_ds4 import TritonOps
     from betelgeuse.model.deepseek4 import Deepseek4Model
     from memtrack import stub_triton
@@ -142,6 +144,8 @@ def _counted_model(monkeypatch, tmp_path):
         m = Deepseek4Model(c, Deepseek4Model.load_dense(f, "cpu", torch.float32))
     m.ops = TritonOps()
     m.ops.prepare(m.w, c.n_layer)
+    # engine.decode_gemv on (the runner sets it per process): the dense projections' one launch a call
+    monkeypatch.setattr(TritonOps, "gemv_rows", triton_ds4.GEMV_ROWS)
     return m, launches
 
 
@@ -180,6 +184,9 @@ def test_decode_step_launches_per_layer(monkeypatch, tmp_path):
             launches.clear()
     assert set(c.ds4.compress_ratios) == {0, 4, 128}     # every kind of layer counted
     assert max(per) <= LAUNCH_TARGET - 10, (per, k.ops.most_common(12))
+    # the dense projections are TritonOps.linears / grouped_linear launches (7 a layer, every kind): no library
+    # matmul, whose split-K at one row was two launches on CUDA (8 / 14 / 10 of them on ratio 0 / 4 / 128 layers)
+    assert not any(k.ops[name] for name in LIBRARY_MATMULS), k.ops
     assert _rope_ops(k) == 4, k.ops
 
 
@@ -252,6 +259,8 @@ def test_lanes_decode_step_launches_per_layer(monkeypatch, tmp_path):
         # the ops that make them (model.lane_rows out=: no copy) and the output projection's bmm into its rows'
         # layout (no clone), 34 and 46; each more sequence adds its attention
         assert max(per) <= LAUNCH_TARGET - 26 + 6 * (n - 1), (n, per, k.ops.most_common(12))
+        # the library's matmuls: only the head's two (its mHC mix and the vocabulary projection, once a step)
+        assert sum(k.ops[name] for name in LIBRARY_MATMULS) == 2, k.ops
         # the whole step: the per-step work too (begin's ids, positions and lanes in one launch, the RoPE tables
         # written into the lanes' table buffer: 3 kernels a rope, the embedding one gather, the head's rows
         # gathered without a clone): 160 at n = 1 and 194 at n = 3 before, here 143 and 177

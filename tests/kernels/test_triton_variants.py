@@ -22,7 +22,7 @@ from betelgeuse.kernels import triton_launch as TL
 from services.bench.report import triton_compiles
 
 MOE_KERNELS = ("_gate_up_kernel", "_down_kernel", "_gate_up_mv_kernel", "_down_mv_kernel", "_combine_kernel",
-               "_gate_up_mmq_kernel", "_down_mmq_kernel", "_quantize_kernel")
+               "_gate_up_mmq_kernel", "_down_mmq_kernel", "_quantize_kernel", "_sort_rows_kernel")
 
 
 def test_compile_hooks_count_chain_and_pass_a_skip_through(monkeypatch):

@@ -62,6 +62,7 @@ def _widen_interpreter_bf16_dot():
 def compare(device: str = "cpu", dims: dict = TINY, dtypes=(torch.float32, torch.bfloat16)) -> dict:
     g = torch.Generator().manual_seed(21)
     ref, tri = TorchOps(), TritonOps()
+    TritonOps.gemv_rows = triton_ds4.GEMV_ROWS       # engine.decode_gemv on (the runner's per-process setting)
     out: dict[str, dict] = {}
     dev = torch.device(device)
     D_pre, D_post, rms_D, hd, r, H, d = (dims[x] for x in ("D_pre", "D_post", "rms_D", "hd", "r", "H", "d"))
@@ -250,8 +251,40 @@ def compare(device: str = "cpu", dims: dict = TINY, dtypes=(torch.float32, torch
             one = torch.empty(1, Fs, dtype=dt, device=dev)
             triton_ds4._swiglu_kernel[(1, nb)](gu[i:i + 1].contiguous(), one, Fs, 2.0, BF=1024)
             inv &= torch.equal(one, act[i:i + 1])
+        # the whole expert too (its two matmuls: TritonOps.linears' one launch each at decode's rows)
+        inv &= rows_alone(lambda x: tri.shared_ffn(x, gu_w, None, None, down, 2.0), (a,), h, n=T)
         case(f"shared_ffn/{dn}", [(a, b)], row_inv=inv)
         out[f"shared_ffn/{dn}"]["exact"] = views
+
+
+        # the dense projections of decode's few rows (linears / grouped_linear: one _gemv_kernel launch for every
+        # product of a call): a ratio-4 layer's projections of u (flash: q_a 1024, kv 512, the compressor's 1024 x 2,
+        # the indexer's head weights 64 (float32, scaled), its compressor's 256 x 2; K = D_pre: tiny 320, a partial
+        # K step), two of them into column ranges of a flat lane buffer; the grouped output projection written through
+        # its [g, T, N] view; past GEMV_ROWS rows the library's gemm (TorchOps' bits)
+        u = rnd(T, D_pre, dtype=dt)
+        ns = (rms_D, hd, 2 * d, 2 * d, nh, 2 * ihd, 2 * ihd)
+        ws = [rnd(n, D_pre, dtype=dt, s=D_pre ** -0.5) for n in ns]
+        scales = [None, None, None, None, nh ** -0.5, None, None]
+        flats = [torch.full((T, 4 * d + 7), float("nan"), dtype=dt, device=dev) for _ in range(2)]
+        outs = [[None, None, f[:, :2 * d], f[:, 2 * d:4 * d], None, None, None] for f in flats]
+        a = tri.linears(u, ws, outs[0], scales)
+        b = ref.linears(u, ws, outs[1], scales)
+        case(f"linears/{dn}", list(zip(a, b)),
+             exact=[(a[2], flats[0][:, :2 * d]), (flats[0][:, 4 * d:].isnan(), torch.ones(T, 7, dtype=torch.bool,
+                                                                                           device=dev))],
+             row_inv=rows_alone(lambda x: tuple(tri.linears(x, ws, None, scales)), tuple(a), u, n=T))
+        many = rnd(triton_ds4.GEMV_ROWS + 1, D_pre, dtype=dt)
+        out[f"linears/{dn}"]["exact"] &= all(torch.equal(x, y) for x, y in zip(tri.linears(many, ws[:2]),
+                                                                                ref.linears(many, ws[:2])))
+        G = 4 if dims is TINY else 8
+        og, wa = rnd(T, H * hd, dtype=dt), rnd(G, rms_D, H * hd // G, dtype=dt, s=(H * hd // G) ** -0.5)
+        ys = [torch.empty(T, G, rms_D, dtype=dt, device=dev) for _ in range(2)]
+        tri.grouped_linear(og.reshape(T, G, -1).transpose(0, 1), wa, out=ys[0].transpose(0, 1))
+        ref.grouped_linear(og.reshape(T, G, -1).transpose(0, 1), wa, out=ys[1].transpose(0, 1))
+        case(f"grouped_linear/{dn}", [(ys[0], ys[1])],
+             row_inv=rows_alone(lambda x: tri.grouped_linear(x.reshape(1, G, -1).transpose(0, 1), wa).transpose(0, 1),
+                                (ys[0],), og, n=T))
 
     return out
 

@@ -191,6 +191,7 @@ BAD_ENGINE_VALUES = [
     ("engine.group_graphs", "maybe", "true or false"),
     ("engine.recycle_states", "maybe", "true or false"),
     ("engine.decode_fold", "maybe", "true or false"),
+    ("engine.decode_gemv", "sometimes", "true or false"),
     ("engine.disk_flush_early", "soon", "true or false"),
     ("engine.warm_up", "maybe", "on, off"),
     ("engine.prefetch_depth", 0, "integer >= 1"),
