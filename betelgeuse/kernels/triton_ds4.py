@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from betelgeuse.kernels import dense
 from betelgeuse.kernels.triton_launch import launcher
-from betelgeuse.model.deepseek4 import TorchOps
 from betelgeuse.routing_approx import Residency
 
 HC_SPLIT_K = 1024          # columns of the [M, hc*D] mHC matrix per partial-product program
@@ -599,7 +599,7 @@ class TritonOps:
     def linears(cls, x, ws, outs=None, scales=None) -> list:
         """TorchOps.linears: up to gemv_rows rows in one launch for every w (_gemv), more the library's gemm."""
         if x.shape[0] > cls.gemv_rows:
-            return TorchOps.linears(x, ws, outs, scales)
+            return dense.linears(x, ws, outs, scales)
         scales = scales or (None,) * len(ws)
         outs = [o if o is not None else
                 torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype if s is None else torch.float32, device=x.device)
@@ -612,7 +612,7 @@ class TritonOps:
         """TorchOps.grouped_linear: up to gemv_rows rows in one launch for every group (_gemv), more the library's."""
         G, T, _ = x.shape
         if T > cls.gemv_rows:
-            return TorchOps.grouped_linear(x, w, out)
+            return dense.grouped_linear(x, w, out)
         if out is None:
             out = torch.empty((G, T, w.shape[1]), dtype=x.dtype, device=x.device)
         cls._gemv(list(x.unbind(0)), list(w.unbind(0)), list(out.unbind(0)), (None,) * G)

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from betelgeuse.errors import InvalidRequestError, ModelFormatError, UnsupportedError
 from betelgeuse.gguf import ds4layout
+from betelgeuse.kernels import dense
 from betelgeuse.kernels.torch_moe import expert_ffn
 from betelgeuse.model.kv_cache import _UIDS, grow_rows
 from betelgeuse.model.layers import check_token_ids
@@ -809,12 +810,6 @@ def _into(t: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     return t if out is None else out.copy_(t)
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, w) (x [T, K], w [N, K]), or the same matmul written into out [T, N] (a lane buffer's column range:
-    the library's gemm writes it at its row stride, no copy)."""
-    return F.linear(x, w) if out is None else torch.mm(x, w.t(), out=out)
-
-
 def _ring_rows(first: int, n: int, rows: int, device) -> torch.Tensor:
     """Ring rows [n] of positions first..first+n-1 (position p at row p % rows); no host-to-device copy."""
     return (torch.arange(n, device=device) + first) % rows
@@ -889,26 +884,11 @@ class TorchOps:
     def prepare(w: dict, n_layer: int) -> None:
         """Rearrange the dense weights for these ops once at load (TorchOps: nothing)."""
 
-    @staticmethod
-    def linears(x, ws, outs=None, scales=None) -> list:
-        """x [T, K] -> [x . w^T for w in ws] ([T, N_j] in x's dtype; scales[j] not None: that product as float32
-        times scales[j], the indexer's head weights). outs[j] not None: written there (a lane buffer's column range:
-        the library's gemm writes at its row stride, no copy). TritonOps: every product of decode's few rows in one
-        launch (the library's split-K gemm was two launches each)."""
-        res = []
-        for w, o, s in zip(ws, outs or (None,) * len(ws), scales or (None,) * len(ws)):
-            if s is None:
-                res.append(_linear(x, w, o))
-            else:
-                y = F.linear(x, w).float()
-                res.append(y * s if o is None else torch.mul(y, s, out=o))
-        return res
-
-    @staticmethod
-    def grouped_linear(x, w, out=None):
-        """x [G, T, K] (any strides), w [G, N, K] -> [G, T, N] = x_g . w_g^T per group g (torch.bmm; out: written
-        there, any strides: the library's strided batched gemm)."""
-        return torch.bmm(x, w.transpose(1, 2), out=out)
+    # x [T, K] -> [x . w^T for w in ws] (scales, outs: kernels/dense.py); TritonOps: every product of decode's few rows
+    # in one launch (the library's split-K gemm was two launches each at one row)
+    linears = staticmethod(dense.linears)
+    # x [G, T, K], w [G, N, K] -> [G, T, N] per group (torch.bmm; out: any strides)
+    grouped_linear = staticmethod(dense.grouped_linear)
 
     @staticmethod
     def copy_rows(srcs, dsts) -> None:
