@@ -406,6 +406,14 @@ class EngineSettings(_Section):
     # device A/B (deploy/device/verify_off.sh step 2) have run
     decode_fold: Flag = setting(False, "decode: the decode graphs (solo, lanes) capture each layer's routing-sync "
                                 "start in the layer's graph (CUDA: one replay a layer fewer)", True)
+    # a decode miss layer's direct flex copies and the at-hand table's uploads are followed by a compute-stream point
+    # that makes no CUDA call (worker/expert_cache.py StreamPoint: passed by the next routing sync's or the pass end's
+    # host synchronization) instead of a recorded CUDA event (3 torch calls a miss layer; issue 21, cpu-host60). Never
+    # a bit changes where the points' rule holds (CPU tests); a release it got wrong would change bits on CUDA. Off
+    # until its device check (deploy/device/verify_off.sh step 2: tests/worker/test_stream_points.py and the decode
+    # checks with CHECK_STREAM_POINTS=1)
+    stream_points: Flag = setting(False, "decode: compute-stream points with no CUDA call instead of recorded events "
+                                  "after a miss layer's flex copies and table uploads (CUDA only)", True)
     # decode's few rows (T <= 64) in one Triton launch per call where the library ran a split-K gemm and its reduce per
     # product: deepseek4's dense projections (kernels/triton_ds4.py TritonOps.linears / grouped_linear: u's 2-7, q_b's,
     # attn_output_a's groups, attn_output_b, the router, the shared expert) and every model's routing sort (kernels/

@@ -68,9 +68,11 @@ class PartMeta:
 
 class ExpertCache:
     def __init__(self, plan: SlotPlan, arena: Arena, model: GGUFModelFile, device: torch.device, dtype: torch.dtype,
-                 ring_slots: int, flush_groups: int = 0):
+                 ring_slots: int, flush_groups: int = 0, stream_points: bool = False):
         """flush_groups: per layer, the groups engine.disk_flush_early may add to a pass beyond its bank batches (at
-        most one per disk expert: MoEStep._disk_groups), counted into the slot tables' rows (n_tables)."""
+        most one per disk expert: MoEStep._disk_groups), counted into the slot tables' rows (n_tables).
+        stream_points (engine.stream_points): mark() makes a StreamPoint (no CUDA call) instead of recording one of
+        a ring of CUDA events."""
         self.plan, self.arena, self.device, self.dtype = plan, arena, device, dtype
         self.layout = plan.layout
         self.is_cuda = device.type == "cuda"
@@ -129,6 +131,12 @@ class ExpertCache:
         # _direct_group), for their staging slots' release, and after an at-hand table's upload, for its buffer's
         # reuse. points: made so far; passed: of them, known done (pass_points)
         self.points = self.passed = 0
+        # off (engine.stream_points): mark() records a CUDA event of this ring instead (reused in turn: a re-recorded
+        # event is a later point, so a release it gates only waits longer; the session synchronizes at every message,
+        # long before a reuse)
+        self.stream_points = stream_points
+        self._marks = [torch.cuda.Event() for _ in range(8)] if self.is_cuda and not stream_points else []
+        self._mark_at = 0
         # per-batch slot tables (pool offsets) for ring groups: a pinned host row per batch of a pass, copied to
         # the device on the compute stream (so a row is never rewritten before its copy ran: one pass's rows
         # are distinct, and a pass ends with a sync); a layer may also take one per flex cache chunk (at most
@@ -355,13 +363,19 @@ class ExpertCache:
             ev1.record(cs)
             timing.append((ev0, ev1))
 
-    def mark(self) -> StreamPoint | None:
-        """A point of the compute stream now (the copies queued there so far done once it is: StreamPoint, no CUDA
-        call); None on the CPU (copies are synchronous)."""
+    def mark(self) -> StreamPoint | torch.cuda.Event | None:
+        """A point of the compute stream now (the copies queued there so far done once it is): a StreamPoint (no CUDA
+        call) with stream_points, else a CUDA event recorded there; None on the CPU (copies are synchronous). Either
+        has query() / synchronize()."""
         if not self.is_cuda:
             return None
         self.points += 1
-        return StreamPoint(self, self.points)
+        if self.stream_points:
+            return StreamPoint(self, self.points)
+        ev = self._marks[self._mark_at]
+        self._mark_at = (self._mark_at + 1) % len(self._marks)
+        ev.record(current_stream(self._index))
+        return ev
 
     def pass_points(self, n: int):
         """The host synchronized on an event recorded on the compute stream once `n` points had been made (mark): those

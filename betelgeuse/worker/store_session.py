@@ -78,7 +78,8 @@ class StoreSession:
         # engine.disk_flush_early: up to a group per disk expert of a decode layer (its rows' top-k), each a table row
         c = self.file.config
         flush = min(c.n_expert, max(1, plan.max_running) * c.n_expert_used) if self.cfg.disk_flush_early else 0
-        self.cache = ExpertCache(plan, arena, self.file, self.device, self.dtype, self.cfg.ring_slots, flush)
+        self.cache = ExpertCache(plan, arena, self.file, self.device, self.dtype, self.cfg.ring_slots, flush,
+                                 stream_points=self.cfg.stream_points)
         self.directory = SlotDirectory(arena, plan.layout, create=False)
         lay = plan.engram_layout
         self.engram = EngramFeed(self.store, arena, lay, self.device, self.dtype) if lay is not None else None

@@ -97,6 +97,8 @@ def runner_for(path, device, vram, host, mode="in-process", **kw):
         kw.setdefault("group_graphs", True)
     if os.environ.get("CHECK_DECODE_FOLD") == "1":      # every check's engine with engine.decode_fold on (host57)
         kw.setdefault("decode_fold", True)
+    if os.environ.get("CHECK_STREAM_POINTS") == "1":    # every check's engine with engine.stream_points on (host60)
+        kw.setdefault("stream_points", True)
     if os.environ.get("CHECK_DECODE_GEMV") == "1":      # every check's engine with engine.decode_gemv on (gemv60)
         kw.setdefault("decode_gemv", True)
     if os.environ.get("CHECK_ACT_QUANT"):       # every check's engine with engine.act_quant so (e.g. bf16: tc51's MMA)

@@ -2,10 +2,12 @@
 # The device checks of what ships OFF until a GPU has run it, in one call (~10 min on a warm H100: two calls, STEPS=1,2 then STEPS=3; NEXT.md rows 1, 3, 4):
 #   1. engine.recycle_states (graphs57): check_cuda --only recycle (tiny) and check_ds4 --only decode (ds4-tiny, its
 #      recycle rows): a second sequence on a recycled state captures no decode graph and equals a fresh runner
-#   2. engine.decode_fold (host57, lanesfold57): tests/worker/test_decode_fold.py + test_cuda_streams.py on CUDA,
-#      check_ds4 --only decode and check_cuda --only batch,pool,recycle with CHECK_DECODE_FOLD=1, then
+#   2. engine.decode_fold (host57, lanesfold57) and engine.stream_points (host60): tests/worker/test_decode_fold.py +
+#      test_cuda_streams.py + test_stream_points.py on CUDA, check_ds4 --only decode and check_cuda --only
+#      batch,pool,recycle with CHECK_DECODE_FOLD=1 CHECK_STREAM_POINTS=1, then
 #      token_split.py (docs/benchmarks/cpu-host57) on ds4-tiny and ds4-wide, the solo and the lanes form, without and
 #      with --fold: replays a token, the rest's µs
+#   4. engine.decode_gemv (gemv60): check_ds4 --only ops,decode,launches with CHECK_DECODE_GEMV=1, gemv_bench.py --sweep
 #   3. the Gluon bf16 MMA (schedule keys GL, GP): check_gluon_mmq.py, Q8_0 with gluon16r57's GP forms (--odd), then
 #      Q4_K (gluonk57) and MXFP4: bits == Triton's, GB/s beside, "faster at both rows" per form
 # Each step has its own timeout, so one that hangs does not eat the others'. STEPS picks some (default 1,2,3).
@@ -41,13 +43,13 @@ if [[ ,$STEPS, == *,1,* ]]; then
 fi
 if [[ ,$STEPS, == *,2,* ]]; then
   step fold_tests 120 "$PY" -m pytest -q -p no:cacheprovider tests/worker/test_decode_fold.py \
-    tests/worker/test_cuda_streams.py
+    tests/worker/test_cuda_streams.py tests/worker/test_stream_points.py      # + host60's stream points (on)
   # the fold's bits on CUDA: check_ds4's decode rows (eager == graphs, solo and lanes, pool, == the reference, batch,
   # recycle) and check_cuda's batch / pool / recycle with every engine folding (gpu-run61: only the capture test ran)
-  CHECK_DECODE_FOLD=1 step fold_ds4 150 "$PY" deploy/device/check_ds4.py --device "$DEV" --only decode \
+  CHECK_DECODE_FOLD=1 CHECK_STREAM_POINTS=1 step fold_ds4 150 "$PY" deploy/device/check_ds4.py --device "$DEV" --only decode \
     --out "$D/fold_ds4"
   mkdir -p "$D/fold_cuda"
-  CHECK_DECODE_FOLD=1 OUT=$D/fold_cuda step fold_cuda 150 "$PY" deploy/device/check_cuda.py --device "$DEV" \
+  CHECK_DECODE_FOLD=1 CHECK_STREAM_POINTS=1 OUT=$D/fold_cuda step fold_cuda 150 "$PY" deploy/device/check_cuda.py --device "$DEV" \
     --only batch,pool,recycle
   for F in off on; do
     flag=(); [ "$F" = on ] && flag=(--fold)
@@ -59,6 +61,14 @@ if [[ ,$STEPS, == *,2,* ]]; then
         --group-graphs ${flag[*]:-}; done"
     done
   done
+fi
+if [[ ,$STEPS, == *,4,* ]]; then
+  # engine.decode_gemv (gemv60): the one-launch projections at flash shapes (rows alone == in the launch on the tensor
+  # cores), decode's rows (batch graphs == solo, eager == graphs, == the reference) and launches with it on, then its
+  # GB/s against cuBLAS at T = 1..16 (docs/benchmarks/cpu-gemv60)
+  CHECK_DECODE_GEMV=1 step gemv_ds4 170 "$PY" deploy/device/check_ds4.py --device "$DEV" --only ops,decode,launches \
+    --out "$D/gemv_ds4"
+  step gemv_bench 120 "$PY" deploy/device/gemv_bench.py --sweep
 fi
 if [[ ,$STEPS, == *,3,* ]]; then
   step gluon_q8 180 "$PY" deploy/device/check_gluon_mmq.py --types Q8_0 --odd      # gluon16r57's GP forms

@@ -192,6 +192,7 @@ BAD_ENGINE_VALUES = [
     ("engine.recycle_states", "maybe", "true or false"),
     ("engine.decode_fold", "maybe", "true or false"),
     ("engine.decode_gemv", "sometimes", "true or false"),
+    ("engine.stream_points", "often", "true or false"),
     ("engine.disk_flush_early", "soon", "true or false"),
     ("engine.warm_up", "maybe", "on, off"),
     ("engine.prefetch_depth", 0, "integer >= 1"),

@@ -161,6 +161,7 @@ def test_mark_and_routing_sync_with_guesses_on_the_current_stream(runner):
     is not. RoutingSync.start's one _foreach_copy_ of the counts and the guesses runs there too, behind the stream's
     work, and lands both."""
     cache, sync = runner.session.cache, runner.moe.sync
+    cache.stream_points = True                  # engine.stream_points (off by default): mark() makes points
     E = runner.mcfg.n_expert
     side = torch.cuda.Stream()
     counts = torch.arange(E, dtype=torch.int64, device="cuda")

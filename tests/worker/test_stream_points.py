@@ -20,7 +20,7 @@ from betelgeuse.worker import expert_cache as ec
 class _Device:
     """An ExpertCache's point bookkeeping on a stand-in CUDA device (the class's own mark and pass_points)."""
 
-    is_cuda, _index = True, 0
+    is_cuda, _index, stream_points = True, 0, True           # engine.stream_points on
     mark, pass_points = ec.ExpertCache.mark, ec.ExpertCache.pass_points
 
     def __init__(self):
