@@ -17,8 +17,9 @@
 2b. prefix: the snapshot prefix cache (ds4-tiny; `--preset ds41-tiny`: deepseek41, its Engram history in the
    snapshot): a checkpoint restored and the rest prefilled == the unbroken prefill, the decode step after it too,
    whole-chunk pieces == one pass (chunks of 16); the same at the architecture's default chunk (`prefill_chunk` auto:
-   256) on a 600-token prompt resumed at 512; prefill wall by chunk size, one pass, 16, 64, 128, the default and
-   512 (reported).
+   256) on a 600-token prompt resumed at 512 and a 300-token one at 256 (a 44-row tail: with CHECK_DECODE_GEMV=1
+   _gemv_kernel's, the full chunk the library's gemm); prefill wall by chunk size, one pass, 16, 64, 128, the default
+   and 512 (reported).
 3. ops: the fused per-row kernels (kernels/triton_ds4.py TritonOps) against TorchOps method by method, float32 and
    bfloat16, at tiny and V4-Flash shapes (tests/scripts/ds4_kernel_check.py; a row alone == in its launch).
 3b. guess: the decode guess of layers l+1..l+3 in one pass (TritonOps.guess_route) picks the ids each layer's own
@@ -250,6 +251,13 @@ def check_prefix(device: str, tmp: Path, chunk: int = 16, preset: str = "ds4-tin
         ok_d, diff, nbytes[cut], _ = resumed(long, cut, 608)
         row(f"{tag} prefix: default chunk {default}: checkpoint restore + rest == miss", ok_d,
             f"snapshot {nbytes[cut]} B at {cut} of 600 tokens; max |diff| {diff:.3e}")
+        # a tail of <= GEMV_ROWS rows after a full chunk: with engine.decode_gemv on (CHECK_DECODE_GEMV=1) the tail
+        # takes _gemv_kernel and the full chunk the library's gemm, fresh and resumed alike (inv60)
+        tail = default + 44
+        ok_t, diff, nbytes[default], _ = resumed(long[:tail], default, tail + 8)
+        ok_d = ok_d and ok_t
+        row(f"{tag} prefix: default chunk {default}, a 44-row tail: checkpoint restore + rest == miss", ok_t,
+            f"snapshot at {default} of {tail} tokens; max |diff| {diff:.3e}")
         walls = {}
         sizes = [None] + sorted({chunk, 64, 128, default, 512})
         for n in (150, 600):

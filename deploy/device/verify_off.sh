@@ -7,7 +7,8 @@
 #      batch,pool,recycle with CHECK_DECODE_FOLD=1 CHECK_STREAM_POINTS=1, then
 #      token_split.py (docs/benchmarks/cpu-host57) on ds4-tiny and ds4-wide, the solo and the lanes form, without and
 #      with --fold: replays a token, the rest's µs
-#   4. engine.decode_gemv (gemv60): check_ds4 --only ops,decode,launches with CHECK_DECODE_GEMV=1, gemv_bench.py --sweep
+#   4. engine.decode_gemv (gemv60): check_ds4 --only ops,decode,launches,prefix with CHECK_DECODE_GEMV=1,
+#      gemv_bench.py --sweep
 #   3. the Gluon bf16 MMA (schedule keys GL, GP): check_gluon_mmq.py, Q8_0 with gluon16r57's GP forms (--odd), then
 #      Q4_K (gluonk57) and MXFP4: bits == Triton's, GB/s beside, "faster at both rows" per form
 # Each step has its own timeout, so one that hangs does not eat the others'. STEPS picks some (default 1,2,3).
@@ -65,9 +66,10 @@ fi
 if [[ ,$STEPS, == *,4,* ]]; then
   # engine.decode_gemv (gemv60): the one-launch projections at flash shapes (rows alone == in the launch on the tensor
   # cores), decode's rows (batch graphs == solo, eager == graphs, == the reference) and launches with it on, then its
-  # GB/s against cuBLAS at T = 1..16 (docs/benchmarks/cpu-gemv60)
-  CHECK_DECODE_GEMV=1 step gemv_ds4 170 "$PY" deploy/device/check_ds4.py --device "$DEV" --only ops,decode,launches \
-    --out "$D/gemv_ds4"
+  # GB/s against cuBLAS at T = 1..16 (docs/benchmarks/cpu-gemv60); prefix: a snapshot hit == a miss with prefill
+  # chunks of both kernels (inv60: a <= 64-row tail _gemv_kernel's, a full chunk the library's gemm)
+  CHECK_DECODE_GEMV=1 step gemv_ds4 200 "$PY" deploy/device/check_ds4.py --device "$DEV" \
+    --only ops,decode,launches,prefix --out "$D/gemv_ds4"
   step gemv_bench 120 "$PY" deploy/device/gemv_bench.py --sweep
 fi
 if [[ ,$STEPS, == *,3,* ]]; then

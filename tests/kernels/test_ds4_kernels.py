@@ -318,3 +318,54 @@ print(all(same), same)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
                        cwd=Path(__file__).parents[2])
     assert r.stdout.startswith("True"), (r.stdout, r.stderr[-2000:])
+
+
+def test_prefill_resumed_at_a_chunk_boundary_is_bit_identical_with_the_gemv(monkeypatch, tmp_path):
+    """engine.decode_gemv on (gemv_rows = GEMV_ROWS): a prefill chunk of up to GEMV_ROWS rows takes _gemv_kernel, a
+    longer one the library's gemm, so one prompt's chunks may run both. The prefix (snapshot) cache still gives a
+    hit the bits of a miss (invariant 6): chunks are position-aligned (model/chunks.py) and a snapshot resumes only
+    at a chunk boundary (worker/snapshot_cache.py; the scheduler's pieces are whole chunks), so every chunk has the
+    same rows, hence the same kernel, fresh or resumed. Here (ds4-tiny, float32, TritonOps under the interpreter)
+    the chunk is GEMV_ROWS + 8 rows (the library's gemm) and the prompt's tail 9 (the Triton kernel): the checkpoint
+    its pass keeps at the boundary (state.mark, the snapshot cache's), restored into a fresh state, prefills the
+    tail and decodes a token to the same bits as the unbroken pass. (A resume off the grid, e.g. 40 tokens then 60
+    more in one 256-row chunk against 100 at once, differs with the gemv off too (F.linear; ~1.5e-6): not a case
+    the engine runs, test_deepseek4_resume.py; docs/benchmarks/cpu-gemv60/README.md.)"""
+    import numpy as np
+    import torch
+
+    from betelgeuse.gguf.synth import spec_from_preset, write_model
+    from betelgeuse.kernels import triton_ds4
+    from betelgeuse.kernels.triton_ds4 import TritonOps
+    from betelgeuse.model import reference_model
+    path = tmp_path / "ds4-tiny.gguf"
+    write_model(path, spec_from_preset("ds4-tiny"), progress=False)
+    m = reference_model(path)
+    m.ops = TritonOps()
+    m.ops.prepare(m.w, m.cfg.n_layer)
+    monkeypatch.setattr(TritonOps, "gemv_rows", triton_ds4.GEMV_ROWS)
+    # logits a row at a time, as the runner's (one row a piece: runner._layer_major): the reference's over all the
+    # pass's rows is one F.linear whose bits on a multi-threaded CPU depend on its rows (81 against 9: 9.5e-7 apart,
+    # TorchOps too), the hidden rows under it equal
+    whole_rows = m.logits
+    monkeypatch.setattr(m, "logits", lambda x: torch.cat([whole_rows(x[i:i + 1]) for i in range(x.shape[0])]))
+    # the rows of each _gemv_kernel call: the tail's, fresh and resumed alike (the full chunk's 72 the library's gemm)
+    took, real = [], TritonOps._gemv
+    monkeypatch.setattr(TritonOps, "_gemv", staticmethod(lambda xs, *a: (took.append(xs[0].shape[0]), real(xs, *a))[1]))
+    m.chunk = chunk = triton_ds4.GEMV_ROWS + 8
+    ids = torch.tensor(np.random.default_rng(4).integers(0, 512, chunk + 9))
+    t = torch.tensor([7])
+    kv = m.new_cache(len(ids) + 2)
+    kv.mark(chunk)
+    whole = m.forward(ids, kv)
+    fresh, took[:] = set(took), []
+    step = m.forward(t, kv)
+    snap = kv.take_mark()
+    assert snap is not None and snap.length == chunk
+    kv2 = m.new_cache(len(ids) + 2)
+    m.restore(kv2, snap)
+    took.clear()
+    rest = m.forward(ids[chunk:], kv2)
+    assert torch.equal(rest, whole[chunk:]), f"max |diff| {(rest - whole[chunk:]).abs().max():.3e}"
+    assert fresh == set(took) == {9}, (fresh, took)
+    assert torch.equal(m.forward(t, kv2), step), "the decode step after the resumed prefill"
