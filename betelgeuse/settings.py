@@ -419,7 +419,8 @@ class EngineSettings(_Section):
     # attn_output_a's groups, attn_output_b, the router, the shared expert) and every model's routing sort (kernels/
     # triton_moe.py sort_rows: one launch for ~8). Rows independent (a fixed K order whatever T: invariant 6); the bits
     # differ from the library's within float noise (CPU: unchanged). Off until its device check (check_ds4 --only
-    # ops,decode,launches,prefix with CHECK_DECODE_GEMV=1: verify_off.sh step 4) and the bench's launches (docs/benchmarks/cpu-gemv60)
+    # ops,decode,launches,prefix with CHECK_DECODE_GEMV=1: verify_off.sh step 4) and the bench's launches
+    # (docs/benchmarks/cpu-gemv60)
     decode_gemv: Flag = setting(False, "decode: dense projections and the routing sort of a few rows in one Triton "
                                 "launch each (CUDA only; deepseek4's projections, every model's sort)", True)
     # a decode miss layer's landed disk experts are copied and computed (one ring-bank copy + group) as soon as the
