@@ -248,24 +248,19 @@ def run(argv: list[str]) -> dict:
     audit = SyncAudit(cuda=a.device.startswith("cuda"))
     steps = [0]
 
-    wait0 = PassClock.wait
-
-    def wait(self, fn, *args):
-        audit.waiting += 1
-        try:
-            return wait0(self, fn, *args)
-        finally:
-            audit.waiting -= 1
-    PassClock.wait = wait
-    wait_store0 = PassClock.wait_store          # its own body (not through wait: one Python call less an expert)
-
-    def wait_store(self, fn, *args):
-        audit.waiting += 1
-        try:
-            return wait_store0(self, fn, *args)
-        finally:
-            audit.waiting -= 1
-    PassClock.wait_store = wait_store
+    def counted(wait0):
+        """A PassClock wait that the audit counts as waiting while it runs."""
+        def wait(self, fn, *args):
+            audit.waiting += 1
+            try:
+                return wait0(self, fn, *args)
+            finally:
+                audit.waiting -= 1
+        return wait
+    # wait_store has its own body (not through wait: one Python call less an expert), so both are wrapped (and put
+    # back at the end)
+    wait0, wait_store0 = PassClock.wait, PassClock.wait_store
+    PassClock.wait, PassClock.wait_store = counted(wait0), counted(wait_store0)
     open0 = asm.open_runner
 
     def open_runner(*args, **kw):
