@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from betelgeuse.kernels import triton_ds4
 from betelgeuse.kernels.triton_ds4 import TritonOps
 
+TritonOps.gemv_rows = triton_ds4.GEMV_ROWS      # engine.decode_gemv on (off: every call would be the library's)
+
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 SWEEP = "--sweep" in sys.argv
 dev = args[0] if args else "cuda"

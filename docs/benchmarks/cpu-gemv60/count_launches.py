@@ -29,6 +29,9 @@ with GGUFModelFile.open(path) as f:
     c = f.config
     m = Deepseek4Model(c, Deepseek4Model.load_dense(f, "cpu", torch.float32))
 m.ops = TritonOps(); m.ops.prepare(m.w, c.n_layer)
+if hasattr(TritonOps, "gemv_rows"):         # engine.decode_gemv on (the setting came at the merge; main before: none)
+    from betelgeuse.kernels.triton_ds4 import GEMV_ROWS
+    TritonOps.gemv_rows = GEMV_ROWS
 ratios = c.ds4.compress_ratios
 MM = {"mm", "addmm", "linear", "bmm", "matmul"}
 def report(name, per, ops_per):
