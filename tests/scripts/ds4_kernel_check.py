@@ -38,7 +38,12 @@ def failures(res: dict) -> list[str]:
     """The cases outside tolerance or not bit-exact / batch-invariant where they must be."""
     bad = []
     for name, r in res.items():
-        if r["max_abs"] > REL_TOL[name.split("/")[1]] * r["scale"] or not r["exact"] or not r.get("row_invariant", True):
+        tol = REL_TOL[name.split("/")[1]] * r["scale"]
+        # against float64, where the case has it: a long float32 dot product's noise grows with K (flash's 4,096:
+        # ~u * sqrt(K) = 3.8e-6 of the scale), so the kernel is held to twice the library's own error there
+        err = r["max_abs_f64"] if "max_abs_f64" in r else r["max_abs"]
+        tol = max(tol, 2 * r["ref_err_f64"]) if "ref_err_f64" in r else tol
+        if err > tol or not r["exact"] or not r.get("row_invariant", True):
             bad.append(name)
     return bad
 
@@ -80,13 +85,17 @@ def compare(device: str = "cpu", dims: dict = TINY, dtypes=(torch.float32, torch
     def scale(a) -> float:
         return float(a.float().abs().max()) if a.numel() else 0.0
 
-    def case(name, pairs, exact=(), row_inv=None):
-        """pairs: [(triton, torch)] tensors compared within noise; exact: pairs that must be equal bit for bit."""
+    def case(name, pairs, exact=(), row_inv=None, f64=None):
+        """pairs: [(triton, torch)] tensors compared within noise; exact: pairs that must be equal bit for bit;
+        f64: float64 results of the same product, one a pair (float32 only): both sides' errors against them."""
         out[name] = {"max_abs": max((diff(a, b) for a, b in pairs), default=0.0),
                      "scale": max((scale(b) for _, b in pairs), default=1.0),
                      "exact": all(torch.equal(a, b) for a, b in exact)}
         if row_inv is not None:
             out[name]["row_invariant"] = row_inv
+        if f64 is not None and pairs[0][0].dtype == torch.float32:
+            out[name]["max_abs_f64"] = max(diff(a, r) for (a, _), r in zip(pairs, f64))
+            out[name]["ref_err_f64"] = max(diff(b, r) for (_, b), r in zip(pairs, f64))
 
     def rows_alone(fn, full, *args, n):
         """fn(*row i of each batched arg) == row i of full (a tuple of outputs) for every i, bit for bit."""
@@ -253,7 +262,8 @@ def compare(device: str = "cpu", dims: dict = TINY, dtypes=(torch.float32, torch
             inv &= torch.equal(one, act[i:i + 1])
         # the whole expert too (its two matmuls: TritonOps.linears' one launch each at decode's rows)
         inv &= rows_alone(lambda x: tri.shared_ffn(x, gu_w, None, None, down, 2.0), (a,), h, n=T)
-        case(f"shared_ffn/{dn}", [(a, b)], row_inv=inv)
+        f64 = ref.shared_ffn(h.double(), None, gate.double(), up.double(), down.double(), 2.0)
+        case(f"shared_ffn/{dn}", [(a, b)], row_inv=inv, f64=[f64])
         out[f"shared_ffn/{dn}"]["exact"] = views
 
 
@@ -273,7 +283,8 @@ def compare(device: str = "cpu", dims: dict = TINY, dtypes=(torch.float32, torch
         case(f"linears/{dn}", list(zip(a, b)),
              exact=[(a[2], flats[0][:, :2 * d]), (flats[0][:, 4 * d:].isnan(), torch.ones(T, 7, dtype=torch.bool,
                                                                                            device=dev))],
-             row_inv=rows_alone(lambda x: tuple(tri.linears(x, ws, None, scales)), tuple(a), u, n=T))
+             row_inv=rows_alone(lambda x: tuple(tri.linears(x, ws, None, scales)), tuple(a), u, n=T),
+             f64=ref.linears(u.double(), [w.double() for w in ws], None, scales))
         many = rnd(triton_ds4.GEMV_ROWS + 1, D_pre, dtype=dt)
         out[f"linears/{dn}"]["exact"] &= all(torch.equal(x, y) for x, y in zip(tri.linears(many, ws[:2]),
                                                                                 ref.linears(many, ws[:2])))
@@ -282,7 +293,9 @@ def compare(device: str = "cpu", dims: dict = TINY, dtypes=(torch.float32, torch
         ys = [torch.empty(T, G, rms_D, dtype=dt, device=dev) for _ in range(2)]
         tri.grouped_linear(og.reshape(T, G, -1).transpose(0, 1), wa, out=ys[0].transpose(0, 1))
         ref.grouped_linear(og.reshape(T, G, -1).transpose(0, 1), wa, out=ys[1].transpose(0, 1))
-        case(f"grouped_linear/{dn}", [(ys[0], ys[1])],
+        y64 = torch.empty(T, G, rms_D, dtype=torch.float64, device=dev)
+        ref.grouped_linear(og.double().reshape(T, G, -1).transpose(0, 1), wa.double(), out=y64.transpose(0, 1))
+        case(f"grouped_linear/{dn}", [(ys[0], ys[1])], f64=[y64],
              row_inv=rows_alone(lambda x: tri.grouped_linear(x.reshape(1, G, -1).transpose(0, 1), wa).transpose(0, 1),
                                 (ys[0],), og, n=T))
 
