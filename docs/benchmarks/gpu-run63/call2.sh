@@ -20,8 +20,8 @@ for shape, cases in r.items():
 PY
 rm -rf $D/gemv_ds4/trace-*
 FLAGS="--decode-fold --stream-points"; [ $G = 0 ] && FLAGS="$FLAGS --decode-gemv"
-L=$(left); T=$(( L - 20 < 200 ? L - 20 : 200 ))
-if [ $T -ge 150 ]; then
+L=$(left); T=$(( L - 20 < 250 ? L - 20 : 250 ))
+if [ $T -ge 200 ]; then
   RUN_NAME=g63 ROUTING=exact CHECK_STEPS=none TOTAL=$T bash deploy/device/bench_ds4.sh --slots auto \
     --prompts 64 --decode 64 --standard-cap 0 --group-graphs --recycle-states $FLAGS > /dev/null 2>&1
   echo "bench rc=$? $FLAGS TOTAL=$T $(( $(date +%s) - T0 ))s"
