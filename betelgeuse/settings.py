@@ -402,18 +402,17 @@ class EngineSettings(_Section):
     # event) inside the layer's graph, before the at-hand group: one replay and one host part a layer, not two of each
     # (worker/moe_step.py MoEStep.hand_fold; issue 21: the steady tokens' rest); the solo graphs in the layer's graph,
     # the lanes (the engine's decode) at the end of post[l] with the at-hand group (runner._lane_fold, lanesfold57).
-    # Never a bit changes (CPU tests). Off until its CUDA tests (tests/worker/test_decode_fold.py on CUDA) and the
-    # device A/B (deploy/device/verify_off.sh step 2) have run
-    decode_fold: Flag = setting(False, "decode: the decode graphs (solo, lanes) capture each layer's routing-sync "
-                                "start in the layer's graph (CUDA: one replay a layer fewer)", True)
+    # Never a bit changes (CPU tests; on CUDA: its tests and check_ds4 / check_cuda's decode rows, gpu-run63). On:
+    # the rest of a decode application 44.4 -> 35.7 µs (gpu-run61-h100), host 182.7 -> 150.4 with stream points (gpu-run63)
+    decode_fold: Flag = setting(True, "decode: the decode graphs (solo, lanes) capture each layer's routing-sync "
+                                "start in the layer's graph (CUDA: one replay a layer fewer)", False)
     # a decode miss layer's direct flex copies and the at-hand table's uploads are followed by a compute-stream point
     # that makes no CUDA call (worker/expert_cache.py StreamPoint: passed by the next routing sync's or the pass end's
     # host synchronization) instead of a recorded CUDA event (3 torch calls a miss layer; issue 21, cpu-host60). Never
-    # a bit changes where the points' rule holds (CPU tests); a release it got wrong would change bits on CUDA. Off
-    # until its device check (deploy/device/verify_off.sh step 2: tests/worker/test_stream_points.py and the decode
-    # checks with CHECK_STREAM_POINTS=1)
-    stream_points: Flag = setting(False, "decode: compute-stream points with no CUDA call instead of recorded events "
-                                  "after a miss layer's flex copies and table uploads (CUDA only)", True)
+    # a bit changes where the points' rule holds (CPU tests); a release it got wrong would change bits on CUDA: its
+    # CUDA tests and the decode, batch, pool and recycle checks with CHECK_STREAM_POINTS=1 pass (gpu-run63)
+    stream_points: Flag = setting(True, "decode: compute-stream points with no CUDA call instead of recorded events "
+                                  "after a miss layer's flex copies and table uploads (CUDA only)", False)
     # decode's few rows (T <= 64) in one Triton launch per call where the library ran a split-K gemm and its reduce per
     # product: deepseek4's dense projections (kernels/triton_ds4.py TritonOps.linears / grouped_linear: u's 2-7, q_b's,
     # attn_output_a's groups, attn_output_b, the router, the shared expert) and every model's routing sort (kernels/

@@ -95,10 +95,10 @@ def runner_for(path, device, vram, host, mode="in-process", **kw):
         kw.setdefault("vram_budget", int(os.environ["CHECK_VRAM_BUDGET"]))
     if os.environ.get("CHECK_GROUP_GRAPHS") == "1":     # every check's engine with engine.group_graphs on (graph49)
         kw.setdefault("group_graphs", True)
-    if os.environ.get("CHECK_DECODE_FOLD") == "1":      # every check's engine with engine.decode_fold on (host57)
-        kw.setdefault("decode_fold", True)
-    if os.environ.get("CHECK_STREAM_POINTS") == "1":    # every check's engine with engine.stream_points on (host60)
-        kw.setdefault("stream_points", True)
+    # engine.decode_fold (host57) and engine.stream_points (host60), on by default since gpu-run63: "0" turns them off
+    for env, key in (("CHECK_DECODE_FOLD", "decode_fold"), ("CHECK_STREAM_POINTS", "stream_points")):
+        if os.environ.get(env) in ("0", "1"):
+            kw.setdefault(key, os.environ[env] == "1")
     if os.environ.get("CHECK_DECODE_GEMV") == "1":      # every check's engine with engine.decode_gemv on (gemv60)
         kw.setdefault("decode_gemv", True)
     if os.environ.get("CHECK_ACT_QUANT"):       # every check's engine with engine.act_quant so (e.g. bf16: tc51's MMA)
