@@ -132,10 +132,17 @@ BF_TUNING: dict[int, dict] = {qt: {"MV": 0, "BN": 64, "num_warps": 4, "num_stage
                               for qt in BF_TYPES}
 # FUSE 1 (gate and up rows in one K loop: the same HGMMA on the same rows and columns, the same bits) for MXFP4 and
 # Q4_K: gpu-run58-kernels (H100, bank of 16, kernels alone, GB/s at 1 / 16 rows, bits == the unfused launch's):
-# MXFP4 499 / 444 against 473 / 379, Q4_K 494 / 409 against 488 / 371. Q8_0 stays unfused (777 / 932 against 917 /
-# 812: the one-row bucket loses); Q5_K's fused kernel spills (255 registers; cpu-mma55)
+# MXFP4 499 / 444 against 473 / 379, Q4_K 494 / 409 against 488 / 371. Q8_0's Triton form loses fused at one row
+# (777 / 932 against 917 / 812): it fuses for its Gluon form (below); Q5_K's fused kernel spills (255 registers)
 for _qt in (4, 5):                                                          # MXFP4, Q4_K
     BF_TUNING[_qt]["FUSE"] = 1
+# GL 1 where a Gluon form was faster in both rows buckets with the Triton kernel's bits (gpu-run63, H100,
+# deploy/device/check_gluon_mmq.py: bank of 16 at the bench geometry, kernels alone, gate_up + down GB/s at 1 / 16
+# rows): Q8_0 fused with GP 1 1,046 / 909 against Triton's unfused 912 / 826 (so Q8_0 fuses too: where Gluon cannot
+# run, Triton's fused Q8_0 is the same bits, gpu-run58's 777 / 932), Q4_K (fused, GP 0: its loop has no GP form) 528 /
+# 479 against 491 / 416. MXFP4 stays Triton: every Gluon form 0.61-0.95x
+BF_TUNING[0].update(FUSE=1, GL=1, GP=1)                                     # Q8_0
+BF_TUNING[5]["GL"] = 1                                                      # Q4_K
 
 
 @triton.jit

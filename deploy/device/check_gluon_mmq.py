@@ -13,9 +13,10 @@ random quants, random routing over a bank of 16 experts of which experts
 0 and 1 lie BELOW the pool (negative offsets, as decode's at-hand table:
 tests/kernels/test_mmq_bf16.py::test_experts_at_negative_offsets_are_computed), 2 tokens (16 rows: the 1-row bucket,
 split-K) and 32 tokens (256 rows: the 16-row bucket, chunks walked), without and with the clamped SwiGLU (limit 7).
-Per case and Gluon form (gl_forms: GL 1 at the shipped FUSE; the other FUSE (Q8_0's with GP 1); GP 1 and 2 (the K
-loop's loads carried to the step that uses them: cpu-gluon16r57); FUSE and GP are schedule keys) gate_up's inter and
-down's y (down on the same inter for both) must be torch.equal to the Triton kernel's, and the Gluon kernels must
+Per case and Gluon form (gl_forms: GL 1 at the shipped FUSE and unfused; GP 1 and 2 (the K loop's loads carried to
+the step that uses them: cpu-gluon16r57; Q8_0 ships GL 1, FUSE 1, GP 1, Q4_K GL 1: gpu-run63); FUSE and GP are
+schedule keys) gate_up's inter and down's y (down on the same inter for both) must be torch.equal to the Triton
+kernel's (TRITON: GL 0), and the Gluon kernels must
 have been launched (triton_launch.COUNTS); both are also held to a float reference (the dequantized weights in
 float64 on the same bf16 activations; relative max error < 1e-2) so that two equal wrong answers fail too (Q4_K's
 dequantization: checked against gguf.quants on the CPU by --dry-run).
@@ -118,31 +119,28 @@ def route(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return rows, off
 
 
-FORMS = {"gluon": {"GL": 1}, "gluon unfused": {"GL": 1, "FUSE": 0},        # name -> TYPE_CONFIG overrides
+FORMS = {"gluon": {"GL": 1, "GP": 0}, "gluon unfused": {"GL": 1, "FUSE": 0, "GP": 0},  # name -> TYPE_CONFIG overrides
          "gluon GP1": {"GL": 1, "GP": 1}, "gluon GP2": {"GL": 1, "GP": 2},
-         "gluon fused GP1": {"GL": 1, "FUSE": 1, "GP": 1}, "gluon GP1 split16": {"GL": 1, "GP": 1, "SPLIT": 1}}
+         "gluon GP1 split16": {"GL": 1, "GP": 1, "SPLIT": 1}}
+# the Triton launch each Gluon form is held against: GL 0 at the FUSE each type had before GL shipped (Q8_0 unfused,
+# MXFP4 and Q4_K fused: gpu-run58-kernels); Q8_0's shipped fused GP 1 Gluon form is "gluon GP1" here (gpu-run63)
+TRITON = {0: {"GL": 0, "GP": 0, "FUSE": 0}, 4: {"GL": 0}, 5: {"GL": 0}}
 
 
 def gl_forms(mq, only: list[str] | None = None) -> dict:
-    """The Gluon forms checked, name -> TYPE_CONFIG overrides (FORMS; `only`: those names): GL 1 at the shipped FUSE
-    (`gluon`); where BF_TUNING fuses gate and up (MXFP4, Q4_K: the same bits as unfused, gpu-run58-kernels) GL 1
-    unfused too, else (Q8_0) GL 1 fused with GP 1; the loads carried to the step that uses them, GP 1 and 2
-    (gluon_mmq._acc_part: Q8_0 and MXFP4; Q4_K's loop has no GP form, cpu-gluon16r57), and GP 1 with the K chunks
-    split over programs at 16 rows too (SPLIT 1: 4x the 16-row gate_up's 192 programs; the 1-row bucket's kernels).
-    Each against the shipped Triton launch."""
-    fused = bool(mq.config(QT, 16, bf=True).get("FUSE"))
-    names = ["gluon", "gluon unfused" if fused else "gluon fused GP1"]
-    names += ["gluon GP1", "gluon GP2", "gluon GP1 split16"] if QT != 5 else []
+    """The Gluon forms checked, name -> TYPE_CONFIG overrides (FORMS over BF_TUNING; `only`: those names): GL 1 at
+    the shipped FUSE (`gluon`; Q8_0's fused since gpu-run63, MXFP4's and Q4_K's since gpu-run58-kernels: the same bits
+    as unfused) and unfused; the loads carried to the step that uses them, GP 1 and 2 (gluon_mmq._acc_part: Q8_0 and
+    MXFP4; Q4_K's loop has no GP form, cpu-gluon16r57), and GP 1 with the K chunks split over programs at 16 rows too
+    (SPLIT 1: 4x the 16-row gate_up's 192 programs; the 1-row bucket's kernels). Each against TRITON's launch."""
+    names = ["gluon", "gluon unfused"] + (["gluon GP1", "gluon GP2", "gluon GP1 split16"] if QT != 5 else [])
     return {n: FORMS[n] for n in names if only is None or n in only}
 
 
 def run(mq, gl: dict | None, hb, pool, base, st, rows, off, limit, inter=None):
     """(inter [R, F], y [T k, H]) of triton_mmq's gate_up then down (down on `inter` where given), TYPE_CONFIG = gl
-    (None: the shipped Triton launch)."""
-    if gl:
-        mq.TYPE_CONFIG[QT] = dict(gl)
-    else:
-        mq.TYPE_CONFIG.pop(QT, None)
+    (None: TRITON's launch)."""
+    mq.TYPE_CONFIG[QT] = dict(gl or TRITON[QT])
     try:
         R = rows.numel()
         out_i = torch.full((R, F), float("nan"), dtype=DT, device=dev)
@@ -347,8 +345,7 @@ def time_type(tname: str, mq, g, reps: int):
             dn(i)
         res = {}
         for name, over in (("triton", None), *gl_forms(mq, ONLY).items()):
-            if over:
-                mq.TYPE_CONFIG[QT] = dict(over)
+            mq.TYPE_CONFIG[QT] = dict(over or TRITON[QT])
             try:
                 res[name] = [graph_gbps(gu, reps, gu_b), graph_gbps(dn, reps, dn_b), graph_gbps(pair, reps, bank_b)]
             finally:

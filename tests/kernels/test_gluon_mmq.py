@@ -20,7 +20,7 @@ from test_mmq import DIMS, _compile_reports, experts, run  # noqa: E402
 from betelgeuse.kernels import gluon_mmq as gm  # noqa: E402
 from betelgeuse.kernels import triton_mmq as mq  # noqa: E402
 
-# (type code, kernel, rows bucket, GP): gate_up at the 1-row bucket (split-K; MXFP4's and Q4_K's fused), down at the
+# (type code, kernel, rows bucket, GP): gate_up at the 1-row bucket (split-K; fused, as shipped), down at the
 # 16-row one (walked; MXFP4's down left out: the same loop as Q8_0's but for _fetch's decode, cpu-gluon55 counted it --
 # the child stays within CI's 15 s with a cold Triton cache: 14.5 s with it here, 8 s without); Q8_0's 16-row gate_up
 # with the loads carried to the step that uses them (GP 1, 2: cpu-gluon16r57; Q8_0's down runs the same K loop,
@@ -51,7 +51,7 @@ def fops(ptx):                      # the PTX's float ops that round, by kind (e
     return ops
 TK = {}
 for qt, w, b, gp in CASES:
-    fuse = bool(mq.config(qt, b, bf=True).get("FUSE")) and w == "gate_up"     # the shipped FUSE (MXFP4, Q4_K: 1)
+    fuse = bool(mq.config(qt, b, bf=True).get("FUSE")) and w == "gate_up"     # the shipped FUSE (all: 1)
     k, const = gm.compile_kernel(w, b, qt=qt, fuse=fuse, gp=gp)
     if (qt, w, b) not in TK:                # the Triton kernel of the launch, once for its GP cases
         TK[qt, w, b] = fops(mq.compile_kernel(w, qt, bucket=b, hints=True, bf=True)[0].asm["ptx"])
@@ -72,8 +72,8 @@ for qt, w, b, gp in CASES:
 
 
 def test_gluon_compiles_to_the_bf16_mma_with_the_weights_in_registers():
-    """Q8_0's, MXFP4's and Q4_K's gate_up at the 1-row bucket (split-K; the shipped FUSE: MXFP4's and Q4_K's gate and up
-    rows in one K loop), Q8_0's at the 16-row one with GP 1 and 2 and Q4_K's down at the 16-row one (CASES), for
+    """Q8_0's, MXFP4's and Q4_K's gate_up at the 1-row bucket (split-K; the shipped FUSE: gate's and up's rows in one
+    K loop), Q8_0's at the 16-row one with GP 1 and 2 and Q4_K's down at the 16-row one (CASES), for
     sm_90 without a GPU: the one HGMMA shape of triton_mmq's bf16 MMA (m64 n32 k16, test_mmq_bf16's compile test), 4
     a K step (K = KB 2 x 32 = 64, k16 each; fused: 8, two m64 on the same B), A from registers; the K loop's only
     shared memory stores are the B tile's (64 x 32 bf16 = 32 bytes a thread of 128: 2 STS.128), no shared memory loads
@@ -88,7 +88,7 @@ def test_gluon_compiles_to_the_bf16_mma_with_the_weights_in_registers():
     if reports and "skip" in reports[0]:
         pytest.skip(f"no sm_90 compile toolchain here: {reports[0]['skip']}")
     assert [(r["qt"], r["kernel"], r["bucket"], r["gp"], r["split"], r["fuse"]) for r in reports] == [
-        (qt, w, b, gp, b == 1, qt in (4, 5) and w == "gate_up") for qt, w, b, gp in CASES]
+        (qt, w, b, gp, b == 1, w == "gate_up") for qt, w, b, gp in CASES]
     for r in reports:
         ops = r["ops"]
         n = 2 if r["gp"] == 2 else 1               # GP 2: two K steps a loop iteration
@@ -104,10 +104,11 @@ def test_gluon_compiles_to_the_bf16_mma_with_the_weights_in_registers():
         if r["gp"] == 2:                           # the block fmas in 3 places: the loop's 2 steps, an odd last step
             want["fma.rn.f32"] *= 3
         assert r["fops"] == want and r["fops"].get("fma.rn.f32"), r
+        loads = 42 if r["fuse"] else 22           # Q8_0's loads a K step (fused: gate's and up's weight words)
         if r["gp"]:                                # every load read only after the back edge: a whole step to land
-            assert r["ldg_in_step"] == 0 and r["ldg"] == 22 * n, r
+            assert r["ldg_in_step"] == 0 and r["ldg"] == loads * n, r
         elif r["qt"] == 0:                         # GP 0 (the control): every load waited for in its own step
-            assert r["ldg_in_step"] == r["ldg"] == 22, r
+            assert r["ldg_in_step"] == r["ldg"] == loads, r
 
 
 def test_gl_applies_exactly_to_the_shipped_bf16_schedules(monkeypatch):
@@ -115,8 +116,8 @@ def test_gl_applies_exactly_to_the_shipped_bf16_schedules(monkeypatch):
     MXFP4 and Q4_K in both rows buckets (BF_TUNING over CONFIG, KB as _chunk launches it at the bench geometry; FUSE
     as shipped, 1 for MXFP4 and Q4_K, or 0) on an sm_90 device with aligned parts, and for nothing else: another type
     (Q5_K), another shape (BN 128 / 8 warps, KB 1: other fp32 sums), unaligned parts, sm_80, the CPU, the
-    interpreter. GL is off by default."""
-    assert mq.CONFIG["GL"] == 0 and all("GL" not in t for t in mq.BF_TUNING.values())
+    interpreter. GL is off by default and shipped for Q8_0 and Q4_K (gpu-run63), not MXFP4."""
+    assert mq.CONFIG["GL"] == 0 and {q: t.get("GL", 0) for q, t in mq.BF_TUNING.items()} == {0: 1, 4: 0, 5: 1, 6: 0}
     assert [gm.row_bytes(q, 2048) for q in (0, 4, 5)] == [2176, 1088, 1152]      # gguf: 34 / 17 B a 32, 144 a 256
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     cap = {"v": (9, 0)}
@@ -125,7 +126,7 @@ def test_gl_applies_exactly_to_the_shipped_bf16_schedules(monkeypatch):
     for b in (1, 16):
         for qt in (0, 4, 5):
             c = {**mq.config(qt, b, bf=True), "GL": 1}
-            assert bool(c["FUSE"]) == (qt != 0), c
+            assert c["FUSE"] == 1, c
             for K in (2048, 768):
                 kb = mq._chunk(c, qt, K)[0]
                 assert gm.usable(qt, c, kb, cuda) and gm.usable(qt, {**c, "FUSE": 0}, kb, cuda), (qt, b, K, c)
@@ -152,6 +153,7 @@ def test_gl_on_the_cpu_runs_the_triton_kernel_with_its_bits(monkeypatch):
         h = rng.standard_normal((T, DIMS[8][0])).astype(np.float32) * np.float32(0.1)
         ids = np.stack([rng.permutation(3)[:2] for _ in range(T)]).astype(np.int64)
         w = rng.random((T, 2)).astype(np.float32)
+        monkeypatch.setitem(mq.TYPE_CONFIG, 0, {"GL": 0})
         want = run(8, raw, h, ids, w, "bf16")
         n0 = sum(triton_launch.COUNTS[n] for n in ("_gate_up_gl_kernel", "_down_gl_kernel"))
         monkeypatch.setitem(mq.TYPE_CONFIG, 0, {"GL": 1})
@@ -161,11 +163,12 @@ def test_gl_on_the_cpu_runs_the_triton_kernel_with_its_bits(monkeypatch):
         assert sum(triton_launch.COUNTS[n] for n in ("_gate_up_gl_kernel", "_down_gl_kernel")) == n0
 
 
-def test_gp_reaches_the_gluon_launch_and_is_off_by_default(monkeypatch):
-    """The schedule key GP (triton_mmq.CONFIG, 0) reaches gluon_mmq.launch's constexprs as the config says: 0 by
-    default, TYPE_CONFIG's 1 / 2 under GL 1, for gate_up and down and both rows buckets (a stand-in launch records
-    them; usable() forced true: the CPU has no Gluon device)."""
-    assert mq.CONFIG["GP"] == 0 and all("GP" not in t for t in mq.BF_TUNING.values())
+def test_gp_reaches_the_gluon_launch_as_configured(monkeypatch):
+    """The schedule key GP (triton_mmq.CONFIG, 0; Q8_0's BF_TUNING 1 with GL 1, gpu-run63) reaches gluon_mmq.launch's
+    constexprs as the config says: Q8_0's shipped 1, TYPE_CONFIG's 0 / 1 / 2 under GL 1, no Gluon launch under GL 0,
+    for gate_up and down and both rows buckets (a stand-in launch records them; usable() forced true: the CPU has no
+    Gluon device)."""
+    assert mq.CONFIG["GP"] == 0 and {q: t.get("GP", 0) for q, t in mq.BF_TUNING.items()} == {0: 1, 4: 0, 5: 0, 6: 0}
     seen = []
     monkeypatch.setattr(gm, "usable", lambda *a, **k: True)
     monkeypatch.setattr(gm, "launch", lambda which, grid, args, consts, kcb: seen.append((which, consts["GP"])))
@@ -178,7 +181,8 @@ def test_gp_reaches_the_gluon_launch_and_is_off_by_default(monkeypatch):
         rows = torch.arange(T * k, dtype=torch.int32)
         off = torch.tensor([0, T * k, T * k, T * k, T * k], dtype=torch.int32)
         hb = mq.prepare_bf16(torch.zeros(T, H))
-        for over, gp in ((None, 0), ({"GL": 1}, 0), ({"GL": 1, "GP": 1}, 1), ({"GL": 1, "GP": 2}, 2)):
+        for over, gp in ((None, 1), ({"GL": 0}, None), ({"GL": 1, "GP": 0}, 0), ({"GL": 1, "GP": 1}, 1),
+                         ({"GL": 1, "GP": 2}, 2)):
             if over:
                 monkeypatch.setitem(mq.TYPE_CONFIG, 0, over)
             else:
@@ -188,7 +192,7 @@ def test_gp_reaches_the_gluon_launch_and_is_off_by_default(monkeypatch):
             mq.gate_up(hb, pool, base, starts, rows, off, inter, F, k, 0, None, rb_h, True)
             mq.down(mq.prepare_bf16(inter.float()), pool, base, starts, rows, off,
                     torch.zeros(T * k, H, dtype=torch.bfloat16), 0, rb_f, True)
-            assert seen[n:] == ([] if over is None else [("gate_up", gp), ("down", gp)]), (T, over, seen[n:])
+            assert seen[n:] == ([] if gp is None else [("gate_up", gp), ("down", gp)]), (T, over, seen[n:])
 
 
 def test_q8_pair_conversion_ptx_is_the_int8_to_bf16_conversion():
