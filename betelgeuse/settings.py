@@ -417,11 +417,11 @@ class EngineSettings(_Section):
     # product: deepseek4's dense projections (kernels/triton_ds4.py TritonOps.linears / grouped_linear: u's 2-7, q_b's,
     # attn_output_a's groups, attn_output_b, the router, the shared expert) and every model's routing sort (kernels/
     # triton_moe.py sort_rows: one launch for ~8). Rows independent (a fixed K order whatever T: invariant 6); the bits
-    # differ from the library's within float noise (CPU: unchanged). Off until its device check (check_ds4 --only
-    # ops,decode,launches,prefix with CHECK_DECODE_GEMV=1: verify_off.sh step 4) and the bench's launches
-    # (docs/benchmarks/cpu-gemv60)
-    decode_gemv: Flag = setting(False, "decode: dense projections and the routing sort of a few rows in one Triton "
-                                "launch each (CUDA only; deepseek4's projections, every model's sort)", True)
+    # differ from the library's within float noise (CPU: unchanged). On since its device check (gpu-run63, H100:
+    # check_ds4's ops, decode, batch, launches and prefix rows with CHECK_DECODE_GEMV=1; ds4-flash exact decode 61.9
+    # -> 37.4 launches a layer, the within-token gpu link 5.18 -> 3.80 ms a token; docs/benchmarks/cpu-gemv60)
+    decode_gemv: Flag = setting(True, "decode: dense projections and the routing sort of a few rows in one Triton "
+                                "launch each (CUDA only; deepseek4's projections, every model's sort)", False)
     # a decode miss layer's landed disk experts are copied and computed (one ring-bank copy + group) as soon as the
     # next one has not landed yet (LoadStream.ready), not all after the layer's last: the first ones' copies and group
     # overlap the later ones' reads (issue 21: the chain's copy link, gpu-run60-h200). Each row's output by the same

@@ -557,8 +557,8 @@ class TritonOps:
     """model.deepseek4.TorchOps' methods (the same signatures) as fused Triton launches (module doc)."""
 
     # rows up to which linears / grouped_linear run _gemv_kernel (one launch a call); 0: every product the library's
-    # gemm (TorchOps). Set per process from engine.decode_gemv at the model's load (worker/runner.py: off until its
-    # device check, deploy/device/check_ds4.py with CHECK_DECODE_GEMV=1); GEMV_ROWS when on
+    # gemm (TorchOps). Set per process from engine.decode_gemv at the model's load (worker/runner.py: on since its
+    # device check, gpu-run63); GEMV_ROWS when on
     gemv_rows = 0
 
     @staticmethod

@@ -95,12 +95,12 @@ def runner_for(path, device, vram, host, mode="in-process", **kw):
         kw.setdefault("vram_budget", int(os.environ["CHECK_VRAM_BUDGET"]))
     if os.environ.get("CHECK_GROUP_GRAPHS") == "1":     # every check's engine with engine.group_graphs on (graph49)
         kw.setdefault("group_graphs", True)
-    # engine.decode_fold (host57) and engine.stream_points (host60), on by default since gpu-run63: "0" turns them off
-    for env, key in (("CHECK_DECODE_FOLD", "decode_fold"), ("CHECK_STREAM_POINTS", "stream_points")):
+    # engine.decode_fold (host57), engine.stream_points (host60) and engine.decode_gemv (gemv60), on by default since
+    # gpu-run63: "0" turns one off, "1" on
+    for env, key in (("CHECK_DECODE_FOLD", "decode_fold"), ("CHECK_STREAM_POINTS", "stream_points"),
+                     ("CHECK_DECODE_GEMV", "decode_gemv")):
         if os.environ.get(env) in ("0", "1"):
             kw.setdefault(key, os.environ[env] == "1")
-    if os.environ.get("CHECK_DECODE_GEMV") == "1":      # every check's engine with engine.decode_gemv on (gemv60)
-        kw.setdefault("decode_gemv", True)
     if os.environ.get("CHECK_ACT_QUANT"):       # every check's engine with engine.act_quant so (e.g. bf16: tc51's MMA)
         kw.setdefault("act_quant", os.environ["CHECK_ACT_QUANT"])
     cfg = EngineConfig(model_path=str(path), device=device, vram_slots=vram, host_slots=host, **kw)
