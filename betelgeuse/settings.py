@@ -491,6 +491,11 @@ class EngineSettings(_Section):
     worker_reserve: SizeOrAuto = setting(AUTO, "host bytes the worker needs outside the arena, or auto", 2 << 30)
     read_threads: Count1 = setting(8, "concurrent preadv calls in the store", 4)
     read_request_bytes: Size = setting(4 * 1024**2, "bytes of one preadv call in the store", 1 << 20)
+    # the store's session reader reads the first piece of each load's demand reads itself once it has queued them (it
+    # would block in its recv next): no reader thread's wake-up and GIL hand-over before the disk starts (the chain's
+    # store link, docs/benchmarks/cpu-store61); off: reader threads only (the session then handles its next message
+    # at once instead of after that piece, <= read_request_bytes; for A/B runs)
+    session_reads: Flag = setting(True, "the store's session reader reads each load's first piece itself", False)
     # placement (store/residency.py): a disk expert displaces a resident one only past a margin (off: the ranking
     # alone, for A/B runs); a consolidation places at most the new experts the disk can read before the next one
     # (fill_budget: off until measured on the device, issue 24)

@@ -605,7 +605,8 @@ def main(argv=None) -> int:
                     extend_timeout_us=int(120e6))
     store = ExpertStore(model, plan, read_threads=cfg.read_threads, read_request_bytes=cfg.read_request_bytes,
                         engram_read_depth=cfg.engram_read_depth, bound_fills=cfg.fill_budget,
-                        hysteresis=cfg.placement_hysteresis, prefix_save_path=settings.store.prefix_save_path)
+                        hysteresis=cfg.placement_hysteresis, prefix_save_path=settings.store.prefix_save_path,
+                        session_reads=cfg.session_reads)
 
     m = make_store_metrics(__version__)
     m.arena_bytes.set(plan.arena_bytes)

@@ -131,7 +131,7 @@ class Landing(queue.SimpleQueue):
 class ExpertStore:
     def __init__(self, model: GGUFModelFile, plan: SlotPlan, read_threads: int = 8, read_request_bytes: int = 4 << 20,
                  engram_read_depth: int = 32, bound_fills: bool = False, hysteresis: bool = True,
-                 prefix_save_path: str = ""):
+                 prefix_save_path: str = "", session_reads: bool = True):
         self.model, self.plan = model, plan
         self.layout = plan.layout
         self.arena = Arena.create(self.layout.total_bytes)
@@ -188,6 +188,7 @@ class ExpertStore:
         self.max_new: int | None = None
         self.bound_fills = bound_fills                              # the setting engine.fill_budget
         self.hysteresis = hysteresis                                # engine.placement_hysteresis
+        self.session_reads = session_reads                          # engine.session_reads (read_here)
         self._filling: set[tuple[int, int]] = set()                 # staged copies being copied into host slots
         self.counters = StoreCounters()
         self.started = time.monotonic()
@@ -383,8 +384,8 @@ class ExpertStore:
         """The first piece of a load's demand reads read on the calling thread, if it is still queued (no reader thread
         has it yet) -> whether it was (ExpertReader.read_first). landed: the load's `started` item. For a caller that
         would block next anyway (the session reader, services/store_main.py): the disk starts without waiting for a
-        reader thread's wake-up and its GIL."""
-        return landed.mark is not None and self.reader.read_first(landed.mark)
+        reader thread's wake-up and its GIL. Off (engine.session_reads): False, the reader threads take it."""
+        return self.session_reads and landed.mark is not None and self.reader.read_first(landed.mark)
 
     def _mark(self) -> list:
         """A read message taken now: its entry in the message log, [now, None, None] (the reads it starts fill in [1],
