@@ -208,7 +208,8 @@ class StoreServicer(pb_grpc.ExpertStoreServicer):
 
     def _start_load(self, rid: int, q, active, out, cancelled: set):
         """Hand back `release`, drop, start the reads (store.load's `started`) and hand over the experts already
-        staged, here; the rest as they land, from the read's completion (_Delivery)."""
+        staged, here; the rest as they land, from the read's completion (_Delivery). With engine.session_reads, the
+        first piece of the load's reads is read here too (ExpertStore.read_here)."""
         def alive() -> bool:
             return rid not in cancelled and active()
         try:
@@ -236,12 +237,14 @@ class StoreServicer(pb_grpc.ExpertStoreServicer):
         landed.on_land = d.pump                             # from now on: a read's completion hands its expert over
         if landed.qsize():                                  # landed since the loop above looked, before on_land
             d.pump()
+        # engine.session_reads: the load's first piece read here (this thread would block in its recv next), before the
+        # tick's bookkeeping; its completion, if it is a read's last, hands the expert over from here (on_land is set)
+        self.store.read_here(landed)
         with self._ticks:
             self._open.append(d)
             if self._ticker is None:
                 self._ticker = threading.Thread(target=self._tick, name="store-load-tick", daemon=True)
                 self._ticker.start()
-        self.store.read_here(landed)                        # the first piece here: this thread's recv comes next
 
     def _tick(self):
         """Every WAIT_S, each open load's pump (_Delivery: what no landing triggers); the loads that ended leave. It

@@ -303,13 +303,13 @@ class ExpertReader:
                                      0.0 if self.jitter is None else self.jitter.delay()))
             payload, device = payload + n, device + (hi - lo)
         job.pending, job.pieces, job.device_bytes = len(pieces), pieces, device
-        with self._stats_lock:
+        self._q.put_many([(priority, next(self._seq), p) for p in pieces])
+        with self._stats_lock:                     # after the put: not on the way to the first preadv
             self.stats.payload_bytes += payload
             self.stats.requests[priority] += 1
             self.stats.request_bytes[priority] += device
         if not pieces:
             fut.set_result(None)
-        self._q.put_many([(priority, next(self._seq), p) for p in pieces])
         return fut
 
     def cancel(self, fut: cf.Future) -> bool:

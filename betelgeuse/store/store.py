@@ -665,7 +665,7 @@ class ExpertStore:
         return [(off, n, dest + slot_offset) for off, n, dest in ranges], nbytes
 
     def _start_read(self, key, slot: int, priority: int, mark: list | None = None):
-        stamp = self.watch.stamp()
+        stamp = self.watch.seen_stamp()
         ranges, nbytes = self._ranges(key, self.layout.staging_slot_offset(slot))
         fut = self.reader.read(ranges, priority=priority, mark=mark)
         self._inflight[key] = (slot, fut, priority)
