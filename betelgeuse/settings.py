@@ -493,9 +493,10 @@ class EngineSettings(_Section):
     read_request_bytes: Size = setting(4 * 1024**2, "bytes of one preadv call in the store", 1 << 20)
     # the store's session reader reads the first piece of each load's demand reads itself once it has queued them (it
     # would block in its recv next): no reader thread's wake-up and GIL hand-over before the disk starts (the chain's
-    # store link, docs/benchmarks/cpu-store61); off: reader threads only (the session then handles its next message
-    # at once instead of after that piece, <= read_request_bytes; for A/B runs)
-    session_reads: Flag = setting(True, "the store's session reader reads each load's first piece itself", False)
+    # store link 107-118 -> 74-91 us on 2 vCPUs, docs/benchmarks/cpu-store61); the session's next message then waits
+    # for that piece (<= read_request_bytes). Off until measured on the device: on this CPU's busy mode the message
+    # link grew more than the store link shrank
+    session_reads: Flag = setting(False, "the store's session reader reads each load's first piece itself", True)
     # placement (store/residency.py): a disk expert displaces a resident one only past a margin (off: the ranking
     # alone, for A/B runs); a consolidation places at most the new experts the disk can read before the next one
     # (fill_budget: off until measured on the device, issue 24)

@@ -131,7 +131,7 @@ class Landing(queue.SimpleQueue):
 class ExpertStore:
     def __init__(self, model: GGUFModelFile, plan: SlotPlan, read_threads: int = 8, read_request_bytes: int = 4 << 20,
                  engram_read_depth: int = 32, bound_fills: bool = False, hysteresis: bool = True,
-                 prefix_save_path: str = "", session_reads: bool = True):
+                 prefix_save_path: str = "", session_reads: bool = False):
         self.model, self.plan = model, plan
         self.layout = plan.layout
         self.arena = Arena.create(self.layout.total_bytes)

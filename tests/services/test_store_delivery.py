@@ -128,7 +128,7 @@ def test_overlapping_loads_each_get_their_own_experts_once(tmp_path):
 
 def test_a_cancelled_load_answers_nothing_more(tmp_path):
     store, session, servicer, requests, out, t = _serve(tmp_path, staging_slots=8)
-    store.session_reads = False                  # the Cancel read at once, not after the session's own piece
+    assert not store.session_reads               # the Cancel read at once, not after the session's own piece
     try:
         keys = [(1, e) for e in range(3)]
         requests.put(_load_request(1, "load", session, keys))
@@ -163,6 +163,7 @@ def _pieces_by_thread(store) -> list[tuple[str, int]]:
 def test_the_session_reader_reads_each_loads_first_piece(tmp_path):
     store, session, _servicer, requests, out, t = _serve(tmp_path, staging_slots=8)
     try:
+        store.session_reads = True
         requests.put(_load_request(1, "load", session, [(2, 0)]))       # warm-up: the servicer's tick thread started
         _wait(lambda: len(out.loaded(1)) == 1)
         seen = _pieces_by_thread(store)
@@ -195,7 +196,7 @@ def test_the_session_reader_reads_each_loads_first_piece(tmp_path):
 
 def test_no_session_reads_when_off(tmp_path):
     store, session, _servicer, requests, out, t = _serve(tmp_path, staging_slots=8)
-    store.session_reads = False
+    assert not store.session_reads                       # the default (engine.session_reads)
     try:
         seen = _pieces_by_thread(store)
         keys = [(0, e) for e in range(3)]
