@@ -156,7 +156,7 @@ class ExpertStore:
         L, E = plan.n_layer, plan.n_expert
         # per (layer, expert): the three parts' file ranges, for reads into any slot
         self._parts = [[model.expert_parts(l, e) for e in range(E)] for l in range(L)]
-        # key -> (its read ranges into a slot at arena offset 0, its payload bytes), made at its first read (_reads)
+        # key -> (its read ranges into a slot at arena offset 0, its payload bytes), made at its first read (_ranges)
         self._read_plan: dict[tuple[int, int], tuple[list[tuple[int, int, int]], int]] = {}
         self.cv = threading.Condition()
         self.session: str | None = None
