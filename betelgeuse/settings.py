@@ -490,6 +490,12 @@ class EngineSettings(_Section):
     worker_reserve: SizeOrAuto = setting(AUTO, "host bytes the worker needs outside the arena, or auto", 2 << 30)
     read_threads: Count1 = setting(8, "concurrent preadv calls in the store", 4)
     read_request_bytes: Size = setting(4 * 1024**2, "bytes of one preadv call in the store", 1 << 20)
+    # the store's session reader reads the first piece of each load's demand reads itself once it has queued them (it
+    # would block in its recv next): no reader thread's wake-up and GIL hand-over before the disk starts (the chain's
+    # store link -24 to -44% idle on 2 vCPUs, docs/benchmarks/cpu-store61); the session's next message then waits for
+    # that piece (<= read_request_bytes). Off until measured on the device: that CPU's busy mode (out of cores) lost
+    # more elsewhere in the chain than the store link gained
+    session_reads: Flag = setting(False, "the store's session reader reads each load's first piece itself", True)
     # placement (store/residency.py): a disk expert displaces a resident one only past a margin (off: the ranking
     # alone, for A/B runs); a consolidation places at most the new experts the disk can read before the next one
     # (fill_budget: off until measured on the device, issue 24)

@@ -106,10 +106,10 @@ class StoreServicer(pb_grpc.ExpertStoreServicer):
     def __init__(self, store: ExpertStore, leases: "Leases"):
         self.store = store
         self.leases = leases
-        # the loads of the session streams with experts still to come (_Delivery), ticked every WAIT_S by one thread
-        # (_tick: started at the first, waiting on _ticks while there is none)
+        # the loads of the session streams with experts still to come (_Delivery, under _ticks), ticked every WAIT_S by
+        # one thread (_tick: started at the first load)
         self._open: list[_Delivery] = []
-        self._ticks = threading.Condition()
+        self._ticks = threading.Lock()
         self._ticker: threading.Thread | None = None
 
     def _guard(self, context, fn):
@@ -208,7 +208,8 @@ class StoreServicer(pb_grpc.ExpertStoreServicer):
 
     def _start_load(self, rid: int, q, active, out, cancelled: set):
         """Hand back `release`, drop, start the reads (store.load's `started`) and hand over the experts already
-        staged, here; the rest as they land, from the read's completion (_Delivery)."""
+        staged, here; the rest as they land, from the read's completion (_Delivery). With engine.session_reads, the
+        first piece of the load's reads is read here too (ExpertStore.read_here)."""
         def alive() -> bool:
             return rid not in cancelled and active()
         try:
@@ -236,23 +237,27 @@ class StoreServicer(pb_grpc.ExpertStoreServicer):
         landed.on_land = d.pump                             # from now on: a read's completion hands its expert over
         if landed.qsize():                                  # landed since the loop above looked, before on_land
             d.pump()
+        # engine.session_reads: the load's first piece read here (this thread would block in its recv next), before the
+        # tick's bookkeeping; its completion, if it is a read's last, hands the expert over from here (on_land is set)
+        self.store.read_here(landed)
         with self._ticks:
             self._open.append(d)
-            if len(self._open) == 1:
-                self._ticks.notify()
             if self._ticker is None:
                 self._ticker = threading.Thread(target=self._tick, name="store-load-tick", daemon=True)
                 self._ticker.start()
 
     def _tick(self):
-        """Every WAIT_S, each open load's pump (_Delivery: what no landing triggers); the loads that ended leave."""
+        """Every WAIT_S, each open load's pump (_Delivery: what no landing triggers); the loads that ended leave. It
+        ticks on while none is open (20 wake-ups a second, a few µs each) rather than wait to be notified: that
+        notify woke this thread at the start of each load that found none open (every load, one at a time), a
+        Python Condition.notify on the session reader's thread and a second thread wanting the GIL just as the
+        load's read wakes a reader thread that needs it before its preadv (the store link: docs/benchmarks/
+        cpu-store61)."""
         while True:
-            with self._ticks:
-                self._open = [d for d in self._open if not d.over.is_set()]
-                while not self._open:
-                    self._ticks.wait()
-                open_ = list(self._open)
             time.sleep(ExpertStore.WAIT_S)
+            with self._ticks:
+                self._open = [d for d in self._open if not d.over]
+                open_ = list(self._open)
             for d in open_:
                 d.pump()
 
@@ -299,17 +304,18 @@ class _Delivery:
     def __init__(self, rid: int, it, landed, out, cancelled: set):
         self.rid, self.it, self.landed, self.out, self.cancelled = rid, it, landed, out, cancelled
         self.lock = threading.Lock()
-        self.over = threading.Event()
+        self.over = False                   # the generator ended (set once, under lock; read anywhere: a bool, not
+        # a threading.Event, whose Condition was ~3 µs of each load's start on the session reader's thread)
 
     def pump(self):
         """Send what has landed (any thread; never waits for another pump and never raises: it runs on the store's
         reader threads)."""
-        while not self.over.is_set() and self.lock.acquire(blocking=False):
+        while not self.over and self.lock.acquire(blocking=False):
             try:
                 self._drain()
             finally:
                 self.lock.release()
-            if self.over.is_set() or not self.landed.qsize():
+            if self.over or not self.landed.qsize():
                 return                      # else a key landed while we held the lock and its pump left: again
 
     def _drain(self):
@@ -324,7 +330,7 @@ class _Delivery:
         else:
             if got is None:
                 return
-        self.over.set()
+        self.over = True
         self.cancelled.discard(self.rid)
 
 
@@ -602,7 +608,8 @@ def main(argv=None) -> int:
                     extend_timeout_us=int(120e6))
     store = ExpertStore(model, plan, read_threads=cfg.read_threads, read_request_bytes=cfg.read_request_bytes,
                         engram_read_depth=cfg.engram_read_depth, bound_fills=cfg.fill_budget,
-                        hysteresis=cfg.placement_hysteresis, prefix_save_path=settings.store.prefix_save_path)
+                        hysteresis=cfg.placement_hysteresis, prefix_save_path=settings.store.prefix_save_path,
+                        session_reads=cfg.session_reads)
 
     m = make_store_metrics(__version__)
     m.arena_bytes.set(plan.arena_bytes)

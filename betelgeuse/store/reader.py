@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import heapq
 import itertools
 import mmap
 import os
@@ -148,6 +149,49 @@ class _Piece:  # one preadv: file [offset, offset+nbytes) -> arena [dest, dest+n
     taken: bool = False  # a thread took it (or its job was cancelled): a second queue entry (promote) is skipped
 
 
+class _PieceQueue:
+    """The reader threads' queue of (priority, seq, piece): a heap under one lock, and one wake-up token per entry in a
+    queue.SimpleQueue (C: a put wakes one waiting thread with no Python-level Condition). put_many takes the lock once
+    for all of a read's pieces; queue.PriorityQueue took its Condition and ran its Python notify() once a piece (~5 µs
+    each, on the session reader's thread, the store link: docs/benchmarks/cpu-store61). A get pops the smallest entry
+    there is when it runs, as PriorityQueue's did: every token is put after its entry, so the heap is never empty."""
+
+    __slots__ = ("_heap", "_lock", "_tokens")
+
+    def __init__(self):
+        self._heap: list = []
+        self._lock = threading.Lock()
+        self._tokens: queue.SimpleQueue = queue.SimpleQueue()
+
+    def put_many(self, entries: list) -> None:
+        with self._lock:
+            for e in entries:
+                heapq.heappush(self._heap, e)
+        for _ in entries:
+            self._tokens.put(None)
+
+    def get(self):
+        self._tokens.get()
+        with self._lock:
+            return heapq.heappop(self._heap)
+
+    def take_first(self, want) -> tuple | None:
+        """The next entry, for the calling thread, if want(entry) and one of the wake-up tokens is still here (no
+        reader thread has it; a woken one that has not yet had the GIL back has not taken its token: SimpleQueue.get
+        takes it with the GIL), else None. The token goes with the entry, so each token still finds an entry."""
+        with self._lock:
+            if not self._heap or not want(self._heap[0]):
+                return None
+            try:
+                self._tokens.get_nowait()
+            except queue.Empty:
+                return None
+            return heapq.heappop(self._heap)
+
+    def qsize(self) -> int:
+        return len(self._heap)
+
+
 def drop_page_cache(path: str) -> None:
     """Write back and drop a file's pages from the page cache (so a benchmark or test starts cold)."""
     fd = os.open(path, os.O_RDONLY)
@@ -222,7 +266,7 @@ class ExpertReader:
         # the idle gaps (module doc): (start, end) monotonic seconds, and when the current one began (idle now)
         self._gaps: collections.deque = collections.deque(maxlen=GAP_LOG)
         self._idle_since = time.monotonic()
-        self._q: queue.PriorityQueue = queue.PriorityQueue()
+        self._q = _PieceQueue()
         self._seq = itertools.count()  # FIFO within a priority
         self.jitter = Jitter.from_env() if jitter is None else jitter  # test-only; None in production
         self._closed = False
@@ -259,14 +303,13 @@ class ExpertReader:
                                      0.0 if self.jitter is None else self.jitter.delay()))
             payload, device = payload + n, device + (hi - lo)
         job.pending, job.pieces, job.device_bytes = len(pieces), pieces, device
-        with self._stats_lock:
+        self._q.put_many([(priority, next(self._seq), p) for p in pieces])
+        with self._stats_lock:                     # after the put: not on the way to the first preadv
             self.stats.payload_bytes += payload
             self.stats.requests[priority] += 1
             self.stats.request_bytes[priority] += device
         if not pieces:
             fut.set_result(None)
-        for p in pieces:
-            self._q.put((priority, next(self._seq), p))
         return fut
 
     def cancel(self, fut: cf.Future) -> bool:
@@ -302,8 +345,7 @@ class ExpertReader:
             if not job.started:
                 job.queued_at = time.perf_counter()     # the demand's wait starts now
                 job.mark = mark if mark is not None else job.mark
-            for p in rest:
-                self._q.put((0, next(self._seq), p))
+            self._q.put_many([(0, next(self._seq), p) for p in rest])
         if rest:
             with self._stats_lock:
                 self.stats.promoted += 1
@@ -326,34 +368,52 @@ class ExpertReader:
                 self.stats.wait_seconds[prio] += time.perf_counter() - job.queued_at
         return True
 
+    def read_first(self, mark: list) -> bool:
+        """Read here, on the calling thread, the next queued piece if it is the first of the demand reads started by the
+        message `mark` (read()'s) and no reader thread has it yet -> whether it did (its preadv done, its read's
+        completion run here if it was the read's last piece). The store's session reader calls it once a load's
+        reads are queued: a reader thread woken by the queue needs the GIL before its preadv, which it gets only once
+        the session thread blocks, then a wake-up later (~25 µs on a 2-vCPU VM, a third of the store link:
+        docs/benchmarks/cpu-store61); the session thread would block in its socket's recv next anyway."""
+        entry = self._q.take_first(lambda e: e[0] == 0 and e[2] is not None and e[2].job.mark is mark
+                                   and mark[1] is None)
+        if entry is None:
+            return False
+        self._piece(entry[2])
+        return True
+
     def _run(self) -> None:
         while True:
             _prio, _seq, piece = self._q.get()
             if piece is None:
                 return
-            if not self._take(piece):
-                continue
-            job = piece.job
-            err = None
-            if job.error is None:  # skip the rest of a failed job
-                if piece.delay:    # test-only: a slow disk, the bytes land late
-                    time.sleep(piece.delay)
-                try:
-                    self._read_piece(piece)
-                except Exception as e:  # noqa: BLE001 - handed to the caller through the future
-                    err = e
-            with job.lock:
-                job.pending -= 1
-                if err is not None and job.error is None:
-                    job.error = err
-                last = job.pending == 0
-            if last:
-                if job.delay:
-                    t = threading.Timer(job.delay, self._finish, (job,))
-                    t.daemon = True
-                    t.start()
-                else:
-                    self._finish(job)
+            self._piece(piece)
+
+    def _piece(self, piece: _Piece) -> None:
+        """A queued piece taken (by a reader thread, or read_first's): read it, and finish its read if it was the last."""
+        if not self._take(piece):
+            return
+        job = piece.job
+        err = None
+        if job.error is None:  # skip the rest of a failed job
+            if piece.delay:    # test-only: a slow disk, the bytes land late
+                time.sleep(piece.delay)
+            try:
+                self._read_piece(piece)
+            except Exception as e:  # noqa: BLE001 - handed to the caller through the future
+                err = e
+        with job.lock:
+            job.pending -= 1
+            if err is not None and job.error is None:
+                job.error = err
+            last = job.pending == 0
+        if last:
+            if job.delay:
+                t = threading.Timer(job.delay, self._finish, (job,))
+                t.daemon = True
+                t.start()
+            else:
+                self._finish(job)
 
     @staticmethod
     def _finish(job: _Job) -> None:
@@ -425,8 +485,7 @@ class ExpertReader:
         if self._closed:
             return
         self._closed = True
-        for _ in self._threads:
-            self._q.put((9, next(self._seq), None))  # after every queued piece
+        self._q.put_many([(9, next(self._seq), None) for _ in self._threads])  # after every queued piece
         for t in self._threads:
             t.join()
         os.close(self.fd)

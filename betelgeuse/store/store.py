@@ -118,19 +118,20 @@ class Landing(queue.SimpleQueue):
     (ExpertStore._deliver). on_land(), where set: called after each such put from the thread that put it (a reader
     thread's completion), outside the cv, so a delivery driven from there (services/store_main.py: the load's answers
     sent from the read's completion itself, no hop to a thread waiting on this queue) may run the generator (wait=False)
-    at once. It must not raise or block: it runs on a reader thread."""
+    at once. It must not raise or block: it runs on a reader thread. mark: the load's message log entry (read_here)."""
 
-    __slots__ = ("on_land",)
+    __slots__ = ("on_land", "mark")
 
-    def __init__(self):
+    def __init__(self, mark: list | None = None):
         super().__init__()
         self.on_land = None
+        self.mark = mark
 
 
 class ExpertStore:
     def __init__(self, model: GGUFModelFile, plan: SlotPlan, read_threads: int = 8, read_request_bytes: int = 4 << 20,
                  engram_read_depth: int = 32, bound_fills: bool = False, hysteresis: bool = True,
-                 prefix_save_path: str = ""):
+                 prefix_save_path: str = "", session_reads: bool = False):
         self.model, self.plan = model, plan
         self.layout = plan.layout
         self.arena = Arena.create(self.layout.total_bytes)
@@ -155,6 +156,8 @@ class ExpertStore:
         L, E = plan.n_layer, plan.n_expert
         # per (layer, expert): the three parts' file ranges, for reads into any slot
         self._parts = [[model.expert_parts(l, e) for e in range(E)] for l in range(L)]
+        # key -> (its read ranges into a slot at arena offset 0, its payload bytes), made at its first read (_ranges)
+        self._read_plan: dict[tuple[int, int], tuple[list[tuple[int, int, int]], int]] = {}
         self.cv = threading.Condition()
         self.session: str | None = None
         self._lease: Lease | None = None              # who holds the session
@@ -185,6 +188,7 @@ class ExpertStore:
         self.max_new: int | None = None
         self.bound_fills = bound_fills                              # the setting engine.fill_budget
         self.hysteresis = hysteresis                                # engine.placement_hysteresis
+        self.session_reads = session_reads                          # engine.session_reads (read_here)
         self._filling: set[tuple[int, int]] = set()                 # staged copies being copied into host slots
         self.counters = StoreCounters()
         self.started = time.monotonic()
@@ -376,6 +380,13 @@ class ExpertStore:
             self._drop(drop)
         return self._load(session, keys, ahead, alive, started, mark, wait)
 
+    def read_here(self, landed: Landing) -> bool:
+        """The first piece of a load's demand reads read on the calling thread, if it is still queued (no reader thread
+        has it yet) -> whether it was (ExpertReader.read_first). landed: the load's `started` item. For a caller that
+        would block next anyway (the session reader, services/store_main.py): the disk starts without waiting for a
+        reader thread's wake-up and its GIL. Off (engine.session_reads): False, the reader threads take it."""
+        return self.session_reads and landed.mark is not None and self.reader.read_first(landed.mark)
+
     def _mark(self) -> list:
         """A read message taken now: its entry in the message log, [now, None, None] (the reads it starts fill in [1],
         its delivery [2])."""
@@ -386,7 +397,7 @@ class ExpertStore:
     def _load(self, session, keys, ahead, alive=None, started=False, mark=None, wait=True) -> Iterator[Loaded | None]:
         if self.reader.jitter is not None:        # test-only adversarial timing: staged copies answer out of order
             keys = self.reader.jitter.shuffled(keys)
-        done = Landing()
+        done = Landing(mark)
         pending = []
         with self.cv:
             for key in keys:
@@ -643,14 +654,21 @@ class ExpertStore:
         self._handed.pop(slot, None)
         self._free.append(slot)
 
-    def _ranges(self, key: tuple[int, int], slot_offset: int) -> list[tuple[int, int, int]]:
-        return self.layout.slot.read_ranges(self._parts[key[0]][key[1]], slot_offset)
+    def _ranges(self, key: tuple[int, int], slot_offset: int) -> tuple[list[tuple[int, int, int]], int]:
+        """(key's (file_offset, nbytes, arena_dest) per part into the slot at arena offset `slot_offset`, its payload
+        bytes): SlotLayout.read_ranges made once a key (its checks and sums were ~5 µs of each read's start)."""
+        plan = self._read_plan.get(key)
+        if plan is None:
+            parts = self._parts[key[0]][key[1]]
+            plan = self._read_plan[key] = (self.layout.slot.read_ranges(parts, 0), sum(p.nbytes for p in parts))
+        ranges, nbytes = plan
+        return [(off, n, dest + slot_offset) for off, n, dest in ranges], nbytes
 
     def _start_read(self, key, slot: int, priority: int, mark: list | None = None):
-        stamp = self.watch.stamp()
-        fut = self.reader.read(self._ranges(key, self.layout.staging_slot_offset(slot)), priority=priority, mark=mark)
+        stamp = self.watch.seen_stamp()
+        ranges, nbytes = self._ranges(key, self.layout.staging_slot_offset(slot))
+        fut = self.reader.read(ranges, priority=priority, mark=mark)
         self._inflight[key] = (slot, fut, priority)
-        nbytes = sum(p.nbytes for p in self._parts[key[0]][key[1]])
 
         def landed(f, key=key, slot=slot, nbytes=nbytes):
             # the bytes count only if the file was the checked one from before the read to after it landed
@@ -730,10 +748,10 @@ class ExpertStore:
                     self._filling.discard((l, e))
                 self.counters.consolidation_copies += 1
             else:
-                ranges = self._ranges((l, e), off)
+                ranges, nbytes = self._ranges((l, e), off)
                 futures.append(self.reader.read(ranges, priority=READAHEAD))
                 self.counters.consolidation_reads += 1
-                self.counters.consolidation_bytes += sum(n for _, n, _ in ranges)
+                self.counters.consolidation_bytes += nbytes
         try:
             for f in futures:
                 f.result()

@@ -64,6 +64,13 @@ class ModelWatch:
         """The opened file's (size, mtime, ctime) now: one fstat."""
         return self._stamp(os.fstat(self.fd))
 
+    def seen_stamp(self) -> tuple[int, int, int]:
+        """The (size, mtime, ctime) the last check saw (no syscall): a stamp for unchanged() that vouches for no more
+        than stamp()'s: unchanged() asks stamp == the last check's == now, so a write since that check fails the read
+        either way, and one a check sees during the read fails it here too (a load's reads come right after its
+        check: the ExpertStore's per-read fstat, ~3 µs of the store link, docs/benchmarks/cpu-store61)."""
+        return self.seen
+
     def unchanged(self, stamp: tuple[int, int, int]) -> bool:
         """The file is servable, and was not written to since `stamp` (taken before a read) nor since the last
         check: bytes read in between are the ones the digest vouched for."""

@@ -10,7 +10,8 @@
 #                                              # one bench run sharing the model write; PASS/MISS per target
 #   STORE_MESSAGES=1 ... bash deploy/device/bench_ds4.sh ...   # also times one store message on this CPU first
 #   CHAIN_LATENCY=1 ... bash deploy/device/bench_ds4.sh ...    # also the store<->worker chain's host links first
-#                                              # (deploy/device/chain_latency.py: chain_latency.md)
+#                                              # (deploy/device/chain_latency.py: chain_latency.md; with
+#                                              # engine.session_reads on: chain_latency_reads.md)
 #   CHECK_ONLY=1 bash deploy/device/bench_ds4.sh   # correctness: every check_ds4.py step (kernels, engine, the fused
 #                                              # ops at V4-Flash shapes, eager == graph replay, batch invariance,
 #                                              # launches per decode layer); no model write, no bench
@@ -105,6 +106,10 @@ if [ "${CHAIN_LATENCY:-0}" = 1 ]; then      # the store<->worker chain's host li
   say "chain_latency.py"
   CHAIN_TMP=$WORK timeout 120 "$PY" deploy/device/chain_latency.py --n 500 --out "$DEST/chain_latency.md" >>"$LOG" 2>&1
   [ -f "$DEST/chain_latency.md" ] && cat "$DEST/chain_latency.md"
+  # and with engine.session_reads on (cpu-store61: the store link without a reader thread's wake-up; off by default)
+  CHAIN_TMP=$WORK timeout 120 "$PY" deploy/device/chain_latency.py --n 500 --session-reads \
+    --out "$DEST/chain_latency_reads.md" >>"$LOG" 2>&1
+  [ -f "$DEST/chain_latency_reads.md" ] && cat "$DEST/chain_latency_reads.md"
 fi
 say "check_ds4.py"
 timeout 260 "$PY" deploy/device/check_ds4.py --out "$DEST" --tmp "$WORK/check" --only "${CHECK_STEPS:-kernel,engine,vram}" \

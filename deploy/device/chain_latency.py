@@ -24,6 +24,7 @@ ops after the send before it waits, as a decode layer's host work does: the work
 for the GIL; wake is then counted from max(recv, the work's end)).
 
     python deploy/device/chain_latency.py [--n 300] [--modes idle,busy] [--transport seqpacket] [--out chain.md]
+                                          [--session-reads]
 
 CPU only (no GPU needed; ~30 s). Prints a markdown table of medians and p90s in µs per link and mode, and the read
 mode (direct: O_DIRECT; buffered: the filesystem refused it, reads are buffered + POSIX_FADV_DONTNEED).
@@ -61,7 +62,8 @@ def _busy(until: float, x):
     return n, x
 
 
-def measure(n: int, tmp: Path, mode: str, transport: str) -> tuple[dict[str, list[float]], dict]:
+def measure(n: int, tmp: Path, mode: str, transport: str,
+            session_reads: bool = False) -> tuple[dict[str, list[float]], dict]:
     import torch
     from betelgeuse.config import EngineConfig
     from betelgeuse.gguf.synth import PRESETS, write_model
@@ -81,7 +83,7 @@ def measure(n: int, tmp: Path, mode: str, transport: str) -> tuple[dict[str, lis
             yield ev
     store_client.session_seq.receiver = stamped  # the client module's reference (store_client imports the module)
     cfg = EngineConfig(model_path=str(path), vram_slots=1, host_slots=1, read_threads=2,
-                       staging_slots=8)
+                       staging_slots=8, session_reads=session_reads)
     store = open_store(cfg, "process", str(tmp / f"store-{mode}"), session_transport=transport)
     c = store.client
     rows: dict[str, list[float]] = {k: [] for k in LINKS}
@@ -146,6 +148,8 @@ def main() -> int:
     p.add_argument("--modes", default="idle,busy", help="idle, busy (comma-separated)")
     p.add_argument("--transport", default="seqpacket", help="store.session_transport (seqpacket; grpc: no recv)")
     p.add_argument("--out", default=None, help="also write the table here")
+    p.add_argument("--session-reads", action="store_true",
+                   help="engine.session_reads on: the store's session reader reads each load's first piece itself")
     p.add_argument("--worker-switch", type=float, default=None,
                    help="s: this (the worker's) process's GIL switch interval (sys.setswitchinterval; Python's 0.005)")
     a = p.parse_args()
@@ -154,10 +158,11 @@ def main() -> int:
     out, infos = {}, {}
     with tempfile.TemporaryDirectory(prefix="bg-chain-", dir=os.environ.get("CHAIN_TMP", "/var/tmp")) as d:
         for mode in a.modes.split(","):
-            out[mode], infos[mode] = measure(a.n, Path(d), mode, a.transport)
+            out[mode], infos[mode] = measure(a.n, Path(d), mode, a.transport, a.session_reads)
     modes = list(out)
     lines = [f"store<->worker chain on {os.cpu_count()} CPUs, {a.transport}, python {sys.version.split()[0]}, the "
-             f"worker's switch interval {sys.getswitchinterval() * 1e3:g} ms (µs; median / p90)", ""]
+             f"worker's switch interval {sys.getswitchinterval() * 1e3:g} ms, engine.session_reads "
+             f"{'on' if a.session_reads else 'off'} (µs; median / p90)", ""]
     for m in modes:
         i = infos[m]
         lines.append(f"- {m}: {i['loads']} loads matched, {i['disk_reads']} read from disk, reads {i['read_mode']}"

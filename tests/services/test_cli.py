@@ -213,6 +213,7 @@ BAD_ENGINE_VALUES = [
     ("engine.worker_reserve", "lots", "cannot parse size"),
     ("engine.read_threads", 0, "integer >= 1"),
     ("engine.read_request_bytes", "1 page", "cannot parse size"),
+    ("engine.session_reads", "often", "true or false"),
     ("engine.placement_hysteresis", "some", "true or false"),
     ("engine.fill_budget", "sometimes", "true or false"),
     ("engine.engram_cache_bytes", "lots", "cannot parse size"),

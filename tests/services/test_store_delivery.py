@@ -8,7 +8,10 @@ reads (each piece held 20 ms by the reader's on_read hook, so every expert lands
   hands back): each gets exactly its own experts, once, tagged with its request id, and the servicer forgets each
   load once it ended (its cancel entry, its tick);
 - a load cancelled (the worker's Cancel) before its reads land: nothing more is answered for it, no failure either,
-  and its experts stay staged for whoever asks.
+  and its experts stay staged for whoever asks;
+- engine.session_reads (store61): the session reader reads each load's first demand piece itself, and the bytes that
+  lands put in the staging slots are the file's (read here from the GGUF file at each part's offset); off, it reads
+  none.
 """
 
 from __future__ import annotations
@@ -94,7 +97,9 @@ def test_a_loads_experts_are_answered_from_their_reads_completions(tmp_path):
         assert sorted((ev.loaded.layer, ev.loaded.expert) for _, ev in got) == keys
         assert all(ev.loaded.disk_bytes > 0 for _, ev in got), got
         names = {name for name, _ in got}
-        assert all(n.startswith("bg-reader-") for n in names), names       # not a loader thread's hop
+        # not a loader thread's hop: a reader thread, or the session reader whose own piece (session_reads) was a
+        # read's last
+        assert all(n.startswith("bg-reader-") or n == "test-session" for n in names), names
     finally:
         requests.put(None)
         t.join(5)
@@ -123,6 +128,7 @@ def test_overlapping_loads_each_get_their_own_experts_once(tmp_path):
 
 def test_a_cancelled_load_answers_nothing_more(tmp_path):
     store, session, servicer, requests, out, t = _serve(tmp_path, staging_slots=8)
+    assert not store.session_reads               # the Cancel read at once, not after the session's own piece
     try:
         keys = [(1, e) for e in range(3)]
         requests.put(_load_request(1, "load", session, keys))
@@ -136,6 +142,67 @@ def test_a_cancelled_load_answers_nothing_more(tmp_path):
         requests.put(_load_request(2, "load", session, keys))           # staged: answered with no read
         _wait(lambda: len(out.loaded(2)) == len(keys))
         assert store.reader.stats.requests[0] == reads
+    finally:
+        requests.put(None)
+        t.join(5)
+        store.close()
+
+
+def _pieces_by_thread(store) -> list[tuple[str, int]]:
+    """(thread name, file offset) of each piece read from now on, in the order their preadv started."""
+    seen: list[tuple[str, int]] = []
+    plain = store.reader._read_piece
+
+    def read_piece(p):
+        seen.append((threading.current_thread().name, p.offset))
+        plain(p)
+    store.reader._read_piece = read_piece
+    return seen
+
+
+def test_the_session_reader_reads_each_loads_first_piece(tmp_path):
+    store, session, _servicer, requests, out, t = _serve(tmp_path, staging_slots=8)
+    try:
+        store.session_reads = True
+        requests.put(_load_request(1, "load", session, [(2, 0)]))       # warm-up: the servicer's tick thread started
+        _wait(lambda: len(out.loaded(1)) == 1)
+        seen = _pieces_by_thread(store)
+        mine = []
+        for rid in range(2, 8):                  # one load at a time, one expert not staged each (as the chain bench)
+            key = (rid % 2, rid)
+            first = store.model.expert_parts(*key)[0].offset         # the first queued: its first part's first piece
+            requests.put(_load_request(rid, "load", session, [key]))
+            _wait(lambda: len(out.loaded(rid)) == 1)
+            mine.append([off for name, off in seen if name == "test-session"])
+            del seen[:]
+            (_, ev), = out.loaded(rid)           # the bytes landed are the file's, wherever each piece was read
+            with open(store.model.path, "rb") as f:
+                for k, part in enumerate(store.model.expert_parts(*key)):
+                    f.seek(part.offset)
+                    at = store.layout.staging_slot_offset(ev.loaded.staging_slot) + \
+                        store.layout.slot.part_data(k, part.offset)
+                    assert bytes(store.arena.view(at, part.nbytes)) == f.read(part.nbytes), (key, k)
+            mine[-1].append(first - first % 4096)
+        # the session's thread read exactly the load's first piece (a reader thread that had the GIL first may take it:
+        # a race the session thread wins where nothing hands the GIL over between its queue put and its own take)
+        assert sum(len(m) == 2 and m[0] == m[1] for m in mine) >= 5, mine
+        assert all(len(m) == 1 or m[0] == m[1] for m in mine), mine           # no other piece
+        assert not out.failed()
+    finally:
+        requests.put(None)
+        t.join(5)
+        store.close()
+
+
+def test_no_session_reads_when_off(tmp_path):
+    store, session, _servicer, requests, out, t = _serve(tmp_path, staging_slots=8)
+    assert not store.session_reads                       # the default (engine.session_reads)
+    try:
+        seen = _pieces_by_thread(store)
+        keys = [(0, e) for e in range(3)]
+        requests.put(_load_request(1, "load", session, keys))
+        _wait(lambda: len(out.loaded(1)) == len(keys))
+        assert seen and all(name.startswith("bg-reader-") for name, _ in seen), seen
     finally:
         requests.put(None)
         t.join(5)

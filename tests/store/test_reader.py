@@ -191,3 +191,20 @@ def test_user_errors_name_the_problem(disk_file, tmp_path):
             with pytest.raises(ModelFormatError, match="past the end"):
                 reader.read([(FILE_BYTES - 10, 20, 0)])
             assert not reader.read([(0, 10, 0)]).cancel(), "a running read cannot be cancelled"
+
+
+def test_piece_queue_order_and_take_first():
+    """The reader's queue (store61): entries come out smallest first, whenever put (as queue.PriorityQueue's did), and
+    take_first takes the next entry with its wake-up token only where want() accepts it: each token left still finds
+    an entry (a get never finds the heap empty), and none is left over."""
+    import queue as queue_mod
+    from betelgeuse.store.reader import _PieceQueue
+    q = _PieceQueue()
+    q.put_many([(1, 0, "ahead-a"), (0, 1, "demand-a")])
+    q.put_many([(1, 2, "ahead-b"), (0, 3, "demand-b")])
+    assert q.take_first(lambda e: e[0] == 1) is None and q.qsize() == 4      # the next is demand-a: not taken
+    assert q.take_first(lambda e: e[2] == "demand-a") == (0, 1, "demand-a")
+    assert [q.get()[2] for _ in range(3)] == ["demand-b", "ahead-a", "ahead-b"]
+    assert q.qsize() == 0 and q.take_first(lambda e: True) is None
+    with pytest.raises(queue_mod.Empty):
+        q._tokens.get_nowait()                   # no token left over: a reader thread would wait, not pop nothing

@@ -124,3 +124,33 @@ def test_a_cancelled_load_hands_nothing_more_and_a_failed_pass_loses_no_slot(tmp
         assert store.status()["staging_reclaimed"] == 1               # a healthy pass hands every slot back itself
     finally:
         store.close()
+
+
+def test_a_write_to_the_model_file_during_a_read_fails_the_read(tmp_path):
+    """A read's bytes count only if the file was not written to from before the read to after it landed (store61: the
+    read's stamp is the load's check's, no fstat of its own): the same bytes written back in place while the read is
+    in flight (content unchanged, ctime moved) fail the load; a load after it reads and hands over as before."""
+    import threading
+
+    import pytest
+
+    from betelgeuse.errors import BetelgeuseError
+    store, session = _store(tmp_path, staging_slots=4, read_threads=2)
+    hold = threading.Event()
+    store.reader.on_read = lambda _s: hold.wait(5)        # each piece held after its preadv until the write is done
+    try:
+        store.begin_pass(session)
+        it = store.load(session, [(0, 1)], started=True)
+        next(it)                                          # the read started
+        with open(store.model.path, "r+b") as f:          # the same bytes again: only the stamp moves
+            head = f.read(4096)
+            f.seek(0)
+            f.write(head)
+        hold.set()
+        with pytest.raises(BetelgeuseError, match="changed during the read"):
+            list(it)
+        got = list(store.load(session, [(0, 1)]))
+        assert len(got) == 1 and _expert_bytes_ok(store, 0, 1, got[0].slot)
+    finally:
+        hold.set()
+        store.close()
