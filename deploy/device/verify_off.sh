@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The device checks of what ships OFF until a GPU has run it, in one call (~10 min on a warm H100: two calls, STEPS=1,2 then STEPS=3; NEXT.md rows 1, 3, 4):
+# The device checks of what shipped OFF until a GPU ran it (~10 min on a warm H100: two calls, STEPS=1,2 then STEPS=3).
+# All four are on by default since they passed (1: gpu-run61-h100; 2, 3, 4: gpu-run63), so the CHECK_* variables
+# below only restate the defaults; steps 2's check_cuda rows now run with gemv on too (its routing sort, qwen3moe):
 #   1. engine.recycle_states (graphs57): check_cuda --only recycle (tiny) and check_ds4 --only decode (ds4-tiny, its
 #      recycle rows): a second sequence on a recycled state captures no decode graph and equals a fresh runner
 #   2. engine.decode_fold (host57, lanesfold57) and engine.stream_points (host60): tests/worker/test_decode_fold.py +
