@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The device checks of what shipped OFF until a GPU ran it (~10 min on a warm H100: two calls, STEPS=1,2 then STEPS=3).
-# All four are on by default since they passed (1: gpu-run61-h100; 2, 3, 4: gpu-run63), so the CHECK_* variables
-# below only restate the defaults; steps 2's check_cuda rows now run with gemv on too (its routing sort, qwen3moe):
+# Steps 1, 2 and 4 are on by default since they passed (1: gpu-run61-h100; 2, 4: gpu-run63), so the CHECK_* variables
+# below restate the defaults (step 2's check_cuda rows run with gemv on too: its routing sort, qwen3moe); step 3's
+# Gluon forms ship for Q8_0 and Q4_K's bf16 MMA (act_quant bf16 / auto; gpu-run63), MXFP4's stay off:
 #   1. engine.recycle_states (graphs57): check_cuda --only recycle (tiny) and check_ds4 --only decode (ds4-tiny, its
 #      recycle rows): a second sequence on a recycled state captures no decode graph and equals a fresh runner
 #   2. engine.decode_fold (host57, lanesfold57) and engine.stream_points (host60): tests/worker/test_decode_fold.py +
