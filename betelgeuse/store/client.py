@@ -113,18 +113,22 @@ class InProcessStoreClient:
 
 class _Landed:
     """An in-process load's experts as they land, and ready(): whether the next one has landed (its landing queue
-    holds it: next() returns without a wait), asked without blocking (MoEStep._disk_groups' early flush)."""
+    holds it: next() returns without a wait), asked without blocking (MoEStep._disk_groups' early flush); ahead_queued:
+    the last landed one's (worker/store_session.LoadStream reads it)."""
 
-    __slots__ = ("_it", "_q")
+    __slots__ = ("_it", "_q", "ahead_queued")
 
     def __init__(self, it: Iterator[Loaded], landed):
         self._it, self._q = it, landed         # landed: the load's queue.Queue of landed keys (ExpertStore._deliver)
+        self.ahead_queued = 0
 
     def __iter__(self):
         return self
 
     def __next__(self) -> Loaded:
-        return next(self._it)
+        got = next(self._it)
+        self.ahead_queued = got.ahead_queued
+        return got
 
     def ready(self) -> bool:
         return self._q.qsize() > 0

@@ -209,9 +209,9 @@ class AtHand:
         if at >= 0:
             src = (c.pool, at)
         elif f is not None and (s := int(f.where[l, e])) >= 0:
-            at = f.slot_address(s) - pool           # its chunk's address read once (FlexCache._base)
+            at = f.addresses[s] - pool              # made with its chunk (FlexCache.addresses: no call)
             if self.srcs is not None:
-                src = f.slot_source(s)
+                src = f.sources[s]
         elif self.in_place and snap["tier"][l, e] == TIER_HOST and snap["host_slot"][l, e] >= 0:
             lay = c.layout
             off = lay.host_base + (l * lay.host_per_layer + int(snap["host_slot"][l, e])) * lay.slot.slot_bytes

@@ -61,10 +61,14 @@ class FlexCache:
         # where the room ended may leave the whole ones fewer than the room holds
         n_places = 2 * units
         self.chunks: list[torch.Tensor | None] = [None] * n_places   # uint8 [its slots * slot_bytes] each
-        self._base: list[int] = [0] * n_places            # their addresses (data_ptr, read once: slot_address)
         # flex slot -> its bytes in its chunk (uint8 [slot_bytes] view; None: no chunk there): keep's copy targets
-        # without two tensor slices per copy
-        self._views: list[torch.Tensor | None] = [None] * (n_places * self.per_chunk)
+        # without two tensor slices per copy; its device address (0: no chunk) and its (chunk, byte offset), the
+        # torch kernels' source (None: no chunk): made when its chunk is, read by index (a direct group's copy
+        # targets and table offsets, the at-hand table's entries: no call a slot, issue 21, cpu-host61)
+        n = n_places * self.per_chunk
+        self.views: list[torch.Tensor | None] = [None] * n
+        self.addresses: list[int] = [0] * n
+        self.sources: list[tuple[torch.Tensor, int] | None] = [None] * n
         self._bytes = 0                                    # sum of the chunks' bytes (nbytes, read at every fill)
         self.where = np.full((n_layer, n_expert), -1, dtype=np.int64)   # (layer, expert) -> flex slot, -1 = none
         # flex slot -> (layer, expert) as Python ints, None: empty (owner: the same as an array)
@@ -153,7 +157,9 @@ class FlexCache:
                 self.stats.dropped += 1
         self.free = [s for s in self.free if not lo <= s < hi]
         self._bytes -= self.chunks[c].numel()
-        self._views[lo:hi] = [None] * self.per_chunk
+        self.views[lo:hi] = [None] * self.per_chunk
+        self.addresses[lo:hi] = [0] * self.per_chunk
+        self.sources[lo:hi] = [None] * self.per_chunk
         self.chunks[c] = None          # the caching allocator reuses it for the KV (stream-ordered)
         event(log, "flex_cache_shrink", logging.DEBUG, chunks=self.n_chunks, slots=self.n_slots, bytes=self.nbytes,
               held_kv_bytes=self.held)
@@ -172,16 +178,19 @@ class FlexCache:
     def _grow(self) -> bool:
         """A new chunk in the room left: a whole one, or the slots the room still holds (a quarter of a whole
         one at least: a sliver is not worth a launch group) -> whether one was allocated."""
-        n = min(self.per_chunk, (self.room - self._bytes) // self.slot_bytes)
+        # room's bytes less the chunks' (room's max(0, ...) not needed: below 0 is below 1 slot too; no call)
+        n = min(self.per_chunk, (self.reserved - self.held - self._bytes) // self.slot_bytes)
         # the room test first: a full cache's fills (take's, every decode miss) ask nothing more; `None in chunks`
         # compares each chunk tensor to None through Tensor.__eq__ (~100 us a take on the CPU: cpu-host59)
         if n < max(1, self.per_chunk // 4) or None not in self.chunks:
             return False
         c = self.chunks.index(None)
         self.chunks[c] = chunk = torch.empty((n * self.slot_bytes,), dtype=torch.uint8, device=self.device)
-        self._base[c] = chunk.data_ptr()
         self._bytes += chunk.numel()
-        self._views[c * self.per_chunk: c * self.per_chunk + n] = list(chunk.split(self.slot_bytes))
+        lo, sb, base = c * self.per_chunk, self.slot_bytes, chunk.data_ptr()
+        self.views[lo: lo + n] = list(chunk.split(sb))
+        self.addresses[lo: lo + n] = [base + i * sb for i in range(n)]
+        self.sources[lo: lo + n] = [(chunk, i * sb) for i in range(n)]
         self.free = list(range(c * self.per_chunk, c * self.per_chunk + n))
         event(log, "flex_cache_grow", logging.DEBUG, chunks=self.n_chunks, slots=self.n_slots, bytes=self.nbytes,
               held_kv_bytes=self.held)
@@ -261,7 +270,7 @@ class FlexCache:
         kernel on the same stream, at the point the first copy_ was). A slot taken twice in one call (a copy of this
         call evicted for a later one: fewer slots than experts) is copied once, the later expert's bytes: what the
         per-expert copies in order left there."""
-        sb, where, lru, slot_views = self.slot_bytes, self.where[layer], self.lru, self._views
+        sb, where, lru, slot_views = self.slot_bytes, self.where[layer], self.lru, self.views
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
         slots: list[int] = []
@@ -286,7 +295,7 @@ class FlexCache:
 
     def take(self, layer: int, experts) -> list[int | None]:
         """keep's bookkeeping for experts about to be staged (a decode miss layer's disk experts, MoEStep._direct_group)
-        without its copy: the caller copies each expert's bytes into its slot (slot_view) itself and computes its group
+        without its copy: the caller copies each expert's bytes into its slot (views[s]) itself and computes its group
         from there, instead of from a ring bank copied out after the group (keep: one device-to-device copy less).
         -> per expert its flex slot, or None: already held (the bytes are there; the LRU touched, as keep does), or no
         slot for it: none free, no room to grow and the least recently used one taken by this call (the caller's
@@ -311,7 +320,9 @@ class FlexCache:
                 out.append(None)            # nothing free and the LRU slot is this call's: through the bank
                 continue
             else:
-                s = self._evict()
+                s = next(iter(lru))         # _evict's eviction, inline: one call (_forget) a disk expert, not two
+                self._forget(s)
+                self.stats.evictions += 1
             self._assign(layer, e, s)
             out.append(s)
         return out
@@ -327,25 +338,6 @@ class FlexCache:
         self._owner[s] = (layer, e)
         self.lru[s] = None
         self.stats.fills += 1
-
-    def slot_view(self, s: int) -> torch.Tensor:
-        """Flex slot s's bytes: uint8 [slot_bytes], a view made once (its chunk is allocated: take() gave s)."""
-        return self._views[s]
-
-    def slot_address(self, s: int) -> int:
-        """Flex slot s's device address (kernels.moe.Group tables name it relative to the slot pool's)."""
-        ch, i = divmod(s, self.per_chunk)
-        return self._base[ch] + i * self.slot_bytes
-
-    def slot_target(self, s: int) -> tuple[int, torch.Tensor]:
-        """(slot_address(s), slot_view(s)) in one call: what a direct group copies into (MoEStep._direct_group)."""
-        ch, i = divmod(s, self.per_chunk)
-        return self._base[ch] + i * self.slot_bytes, self._views[s]
-
-    def slot_source(self, s: int) -> tuple[torch.Tensor, int]:
-        """Flex slot s as (its chunk, byte offset): the torch kernels' source of an expert there (kernels.moe.Group)."""
-        ch, i = divmod(s, self.per_chunk)
-        return self.chunks[ch], i * self.slot_bytes
 
     def describe(self) -> dict:
         return {"units": self.units, "unit_bytes": self.unit_bytes, "slots_per_unit": self.per_chunk,

@@ -517,7 +517,13 @@ class MoEStep:
             stats.moe_host_s += time.perf_counter() - t0 - (clock.blocked - b0) - (clock.store_s - s0)
 
     def _guess_of(self, l: int, guess):
-        return guess if guess is not None and self.guess_layers(l) else None       # wants_guess's test, one call less
+        """guess where layer l guesses (wants_guess's test), else None: guess_layers' memo read here while it holds
+        (a decode layer's call less: issue 21, cpu-host61)."""
+        if guess is None:
+            return None
+        memo = self._guess_memo
+        return guess if (memo[1][l] if memo is not None and memo[0] is self.cache.all_vram else
+                         self.guess_layers(l)) else None
 
     # ---- decode's at-hand group (worker/at_hand.py) --------------------------------------------------------
     def hand_layer(self, l: int) -> bool:
@@ -586,8 +592,10 @@ class MoEStep:
             sync = self.graph_sync
             sync.expect(r.counts, self._guess_of(l, guess))
         self.partial(l, r, snap, stats, ls, False, None, hand=True, synced=synced, sync=sync)
-        if self.hand.stale(after=l):            # a later layer's copy evicted (earlier ones: the next step's refresh)
-            self.hand.refresh(snap)             # the evicted copies' entries (AtHand._patch)
+        h = self.hand
+        # stale's first test inline (no flex copy dropped since the table's refresh: most layers; a call less)
+        if h.flex is not None and h.flex.forgets != h.forgets and h.stale(after=l):
+            h.refresh(snap)                     # a later layer's copy evicted (earlier ones: the next step's refresh)
 
     # ---- decode with no per-layer sync (worker/gate.py) ------------------------------------------------------
     def gate_layer(self, l: int, r, guess):
@@ -693,7 +701,7 @@ class MoEStep:
             # the short paths on the routed experts' lists, made once for both (a decode layer routes a few)
             used = counts.nonzero()[0].tolist()           # counts [E]: one C call (flatnonzero's ravel, three)
             trow = self._tiers(snap)[l]
-            tiers = [int(trow[e]) for e in used]
+            tiers = list(map(trow.item, used))            # Python ints: C calls (no comprehension: a call less)
             flexed = []
             if self.flex is not None:     # experts held in the flex cache are computed from their copies (step 2)
                 used, tiers, flexed = self.flex.split_lists(l, used, tiers)
@@ -790,7 +798,7 @@ class MoEStep:
         slots; worker/at_hand.py): their slot once per row block of the step's rows."""
         # their rows as a list: a decode layer reads a few experts in place (weight_reads' sums in Python)
         # (np.add.reduce: ndarray.sum less numpy's Python wrapper around it)
-        stats.in_place_bytes += self.cache.slot_bytes * self.kern.weight_reads(l, [int(counts[e]) for e in experts],
+        stats.in_place_bytes += self.cache.slot_bytes * self.kern.weight_reads(l, list(map(counts.item, experts)),
                                                                                 int(np.add.reduce(counts)))
 
     def _tiers(self, snap) -> np.ndarray:
@@ -1116,9 +1124,8 @@ class MoEStep:
                 continue
             fi.append(i)
             f_es.append(es[i])
-            a, v = flex.slot_target(s)
-            f_offs.append(a - pool)
-            dsts.append(v)                  # its flex slot's view (its first len(fi) entries: g_srcs below)
+            f_offs.append(flex.addresses[s] - pool)
+            dsts.append(flex.views[s])      # its flex slot's view (its first len(fi) entries: g_srcs below)
             fsrcs.append(srcs[i])
             f_slots.append(slots[i])
         bank = None
@@ -1139,7 +1146,8 @@ class MoEStep:
                 dsts.append(dev)
                 fsrcs.append(cache.table_source(dev))
             hand = self.hand
-            if hand is not None and hand.stale(after=l):   # a later layer's evicted copy: the upload with them
+            # a later layer's evicted copy: the upload with them (stale's first test inline, as hand_misses)
+            if hand is not None and flex.forgets != hand.forgets and hand.stale(after=l):
                 hand.refresh(snap, defer=True)
                 if hand.deferred is not None:
                     dsts.append(hand.deferred[0])
@@ -1175,7 +1183,7 @@ class MoEStep:
             g_srcs = [None] * len(host)
             for e, o in zip(pre + b_es, pre_offs + b_offs):
                 g_srcs[e] = (cache.pool, o)
-            for e, v in zip(f_es, dsts):  # the flex slot's own view (the bytes slot_source names: no call each)
+            for e, v in zip(f_es, dsts):  # the flex slot's own view (the bytes FlexCache.sources names)
                 g_srcs[e] = (v, 0)
         self._apply(r, l, Group(np.asarray(ids, dtype=np.int64) if self._walks else None, host, dev, g_srcs), ls)
         if bank is not None:
@@ -1242,6 +1250,7 @@ class MoEStep:
                 opened = None
                 batch = []
 
+        clock, it = self.clock, loads.it if n_disk else None
         for i in range(n_disk):
             # the slots held, summed only where some are (decode's direct groups flush at the layer's end: mostly none),
             # in a list (one call; a generator is one a step)
@@ -1250,9 +1259,12 @@ class MoEStep:
             if held:                                         # never many held while blocking
                 held = self._release(held, keep=limit - 1 - len(batch), excess=early)
             tw = time.perf_counter()
-            got = self.clock.wait_store(next, loads)
+            got = next(it)                                   # the client's stream itself (LoadStream.it)
+            dt = time.perf_counter() - tw
             ta = time.monotonic()                            # handed to the worker (PassStats.landed: the last)
-            ls.disk_wait_s += time.perf_counter() - tw
+            clock.blocked += dt                              # PassClock.wait_store's count, inline: a landed
+            clock.store_wait += dt                           # expert's next() is its one call (cpu-host61)
+            ls.disk_wait_s += dt
             ahead_used += got.prefetched
             stats.disk_bytes += got.disk_bytes
             batch.append(got)
@@ -1272,11 +1284,15 @@ class MoEStep:
         place by the misses' group); the slots held until a later layer's marker (gate_drain). -> the loads answered
         from a read ahead."""
         ahead_used = 0
+        clock, it = self.clock, loads.it if disk else None
         for _ in disk:
             tw = time.perf_counter()
-            got = self.clock.wait_store(next, loads)
+            got = next(it)                                   # as _disk_groups: the client's stream, the wait inline
+            dt = time.perf_counter() - tw
             ta = time.monotonic()
-            ls.disk_wait_s += time.perf_counter() - tw
+            clock.blocked += dt
+            clock.store_wait += dt
+            ls.disk_wait_s += dt
             ahead_used += got.prefetched
             stats.disk_bytes += got.disk_bytes
             self._miss_slot(l, got.expert, self.cache.staging_slot(got.slot))
@@ -1301,13 +1317,14 @@ class MoEStep:
                     self.session.release(slots, later=True, event=ev)   # synchronized at the next message: no query
                 return []      # now (the layer's last copies are just queued: a query here is False, for nothing)
             done = [] if excess else [hb for hb in held if hb[0].query()]
-        else:                                 # CPU copies are synchronous: all done (excess: the oldest beyond keep)
-            done = [] if excess else list(held)
-        rest = [hb for hb in held if hb not in done]
+            rest = [hb for hb in held if hb not in done]
+        else:       # CPU copies are synchronous: all done (excess: none yet, the oldest beyond keep below); no
+            done, rest = ([], list(held)) if excess else (list(held), [])     # comprehension: a call less a layer
         while rest and sum(len(s) for _, s in rest) > max(keep, 0):
             if self.cache.is_cuda:
                 self.clock.wait(rest[0][0].synchronize)
             done.append(rest.pop(0))
         if done:
-            self.session.release([s for _, slots in done for s in slots], later)
+            # one batch's slots as they are (release copies them): no comprehension, a decode layer's call less
+            self.session.release(done[0][1] if len(done) == 1 else [s for _, slots in done for s in slots], later)
         return rest

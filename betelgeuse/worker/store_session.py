@@ -350,8 +350,42 @@ class StoreSession:
 
 
 class LoadStream:
-    """A load's experts as they land (Loaded, completion order); ahead_queued: the reads ahead its message started
-    (final once the stream is consumed)."""
+    """A load's experts as they land (Loaded, completion order). `it`: the client's stream itself (the clients' load
+    streams: services/grpc/store_client.py _Landed, store/client.py _Landed), which keeps the last landed expert's
+    ahead_queued; a bare iterator (an empty load's, a test's) goes through _Tracked, which does. MoEStep's loops over a
+    decode layer's disk experts call next(stream.it): no wrapper call a landed expert (issue 21, cpu-host61)."""
+
+    __slots__ = ("it",)
+
+    def __init__(self, it):
+        self.it = it if hasattr(type(it), "ahead_queued") else _Tracked(it)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self.it)
+
+    def ready(self) -> bool:
+        """Whether the next expert has landed already (next() returns it without a wait for the store), asked without
+        blocking: the iterator's own ready() (the clients' streams: services/grpc/store_client.py _Landed, store/
+        client.py InProcessStoreClient.load), True where it has none (it cannot say: the caller batches as though it
+        had; MoEStep._disk_groups' early flush never happens on such a stream)."""
+        ready = getattr(self.it, "ready", None)
+        return True if ready is None else ready()
+
+    def close(self):
+        """Stop reading it: the stream is closed (the gRPC client's sends the store a cancel of the load)."""
+        self.it.close()
+
+    def queued(self) -> int:
+        """The reads ahead its message started (final once the stream is consumed)."""
+        return self.it.ahead_queued
+
+
+class _Tracked:
+    """A bare iterator of Loaded as a client's load stream: the last one's ahead_queued kept; close() closes a
+    generator."""
 
     __slots__ = ("_it", "ahead_queued")
 
@@ -367,19 +401,7 @@ class LoadStream:
         self.ahead_queued = got.ahead_queued
         return got
 
-    def ready(self) -> bool:
-        """Whether the next expert has landed already (next() returns it without a wait for the store), asked without
-        blocking: the iterator's own ready() (the clients' streams: services/grpc/store_client.py _Landed, store/
-        client.py InProcessStoreClient.load), True where it has none (it cannot say: the caller batches as though it
-        had; MoEStep._disk_groups' early flush never happens on such a stream)."""
-        ready = getattr(self._it, "ready", None)
-        return True if ready is None else ready()
-
     def close(self):
-        """Stop reading it: a generator is closed (the gRPC client's sends the store a cancel of the load)."""
         close = getattr(self._it, "close", None)
         if close is not None:
             close()
-
-    def queued(self) -> int:
-        return self.ahead_queued

@@ -336,7 +336,8 @@ class _SeqStream(_Boxes):
         _Stream's; nothing to wait for here (the send is the kernel's)."""
         rid = next(self._ids)
         data = make(rid).SerializeToString()
-        session_seq.check_size(len(data), self.limit)
+        if len(data) > self.limit:                  # the test inline: a send's call less (issue 21, cpu-host61)
+            session_seq.check_size(len(data), self.limit)
         with self._lock:
             if self.error is not None:
                 raise self.error
@@ -404,25 +405,47 @@ class _Answer:
 
 
 class _Landed:
-    """A load's experts as they land (GrpcStoreClient._landed's generator: its deadline, cancel and failure rules) and
-    ready(): whether the next one is there already, asked without a wait (MoEStep._disk_groups' early flush).
-    seqpacket (_SeqStream): its reader thread routes every answer as it arrives, so an empty box is an expert not
-    landed yet. grpc (_Stream): answers are routed only while a caller reads the call (take), so an answer still
-    in grpc's buffer reads as not landed: ready() may say False early there (a flush sooner than needed, never a
-    wait). The generator is closed with close() or dropped (its finally: the store's cancel where it did not end)."""
+    """A load's experts as they land (Loaded, completion order) within its deadline, ready(): whether the next one is
+    there already, asked without a wait (MoEStep._disk_groups' early flush), and ahead_queued: the last landed one's
+    (worker/store_session.LoadStream reads it). A class, not a generator under a wrapper (issue 21, cpu-host61: a
+    landed expert's next() is one Python call; an answer already routed is read from its box here, without take).
+    Ends with its n experts, a failed answer (nothing more of it follows) or a failure of the stream (the worker's
+    error, as _as_worker makes it). Closed (close(), or dropped: __del__) before its end, the store is sent a cancel
+    of the load and stops sending it; else the answers' box is forgotten. seqpacket (_SeqStream): its reader thread
+    routes every answer as it arrives, so an empty box is an expert not landed yet. grpc (_Stream): answers are
+    routed only while a caller reads the call (take), so an answer still in grpc's buffer reads as not landed: ready()
+    may say False early there (a flush sooner than needed, never a wait)."""
 
-    __slots__ = ("_gen", "_s", "_rid", "_left")
+    __slots__ = ("_client", "_s", "_rid", "_left", "_deadline", "_open", "ahead_queued")
 
-    def __init__(self, gen, s: _Stream | _SeqStream, rid: int, n: int):
-        self._gen, self._s, self._rid, self._left = gen, s, rid, n
+    def __init__(self, client: "GrpcStoreClient", s: _Stream | _SeqStream, rid: int, n: int, deadline: float):
+        self._client, self._s, self._rid, self._left, self._deadline = client, s, rid, n, deadline
+        self._open = True                   # neither ended nor closed: its box to forget, or its load to cancel
+        self.ahead_queued = 0
 
     def __iter__(self):
         return self
 
-    def __next__(self):
-        got = next(self._gen)
+    def __next__(self) -> Loaded:
+        if self._left <= 0 or not self._open:
+            self.close()
+            raise StopIteration
+        s = self._s
+        # the box read as take's first step (one taker a load: the reader threads only append to it, deque's
+        # popleft and append are atomic); an empty or gone box, or none yet: take waits, raises or reads the call
+        box = s._box.get(self._rid)
+        try:
+            ev = box.popleft() if box else s.take(self._rid, self._deadline)
+            if ev.WhichOneof("kind") != "loaded":
+                self._left = 0              # nothing more of it follows: its box forgotten, no cancel
+                raise _failed(ev)
+        except _FAILING as e:
+            self.close()
+            raise self._client._as_worker(e) from None
+        m = ev.loaded
         self._left -= 1
-        return got
+        self.ahead_queued = m.ahead_queued
+        return Loaded(m.layer, m.expert, m.staging_slot, m.disk_bytes, m.prefetched, m.ahead_queued)
 
     def ready(self) -> bool:
         """True: next() returns without a wait (an answer is routed, the stream ended with an error it raises, or
@@ -430,7 +453,16 @@ class _Landed:
         return self._left <= 0 or self._s.answered(self._rid)
 
     def close(self):
-        self._gen.close()
+        """Stop reading it: before its end, the store's cancel of the load (an abandoned pass); else the box forgotten.
+        Once."""
+        if self._open:
+            self._open = False
+            if self._left > 0:
+                self._s.cancel(self._rid)   # closed before its end: the store stops sending it
+            else:
+                self._s.forget(self._rid)
+
+    __del__ = close                         # dropped before its end: the cancel a generator's close sent
 
 
 class GrpcStoreClient:
@@ -485,7 +517,7 @@ class GrpcStoreClient:
     def _failing(self, what: str = "call"):
         """What a store call raises, as the worker's errors: a gRPC error (StoreBusyError, ..., or abort()'s reason
         for a call it cancelled), a call on the channel abort() closed ("Cannot invoke RPC on closed channel!"), a
-        future cancelled (`what`: the call's kind, for the message). The decode step's calls (_call, _send, _landed)
+        future cancelled (`what`: the call's kind, for the message). The decode step's calls (_call, _send, _Landed)
         catch _FAILING and raise _as_worker's instead: the same errors, less the context manager's ~5 Python calls
         a time (issue 21, cpu-host59)."""
         try:
@@ -632,27 +664,7 @@ class GrpcStoreClient:
         if not keys:       # answered as a release (no expert follows): checked with the releases (_reap)
             self._releases.append(_Answer(s, rid, self.timeout, "released"))
             return iter(())
-        return _Landed(self._landed(s, rid, len(keys), time.monotonic() + self.timeout + self.per_expert * len(keys)),
-                       s, rid, len(keys))
-
-    def _landed(self, s: _Stream | _SeqStream, rid: int, n: int, deadline: float):
-        got, failed = 0, False
-        try:
-            while got < n:
-                ev = s.take(rid, deadline)
-                if ev.WhichOneof("kind") != "loaded":
-                    failed = True                   # nothing more of it follows
-                    raise _failed(ev)
-                m = ev.loaded
-                got += 1
-                yield Loaded(m.layer, m.expert, m.staging_slot, m.disk_bytes, m.prefetched, m.ahead_queued)
-        except _FAILING as e:
-            raise self._as_worker(e) from None
-        finally:
-            if got < n and not failed:
-                s.cancel(rid)       # closed before its end (an abandoned pass): the store stops sending it
-            else:
-                s.forget(rid)
+        return _Landed(self, s, rid, len(keys), time.monotonic() + self.timeout + self.per_expert * len(keys))
 
     def prefetch(self, keys, release=()) -> int:
         return self.prefetch_start(keys, release)()

@@ -86,6 +86,7 @@ def _decode(path, depth: int, form: str, prompts, vram=2, host=3, asks=None, ste
         class Riding:                    # a layer with a miss: its guesses ride on its load (worker/moe_step.py)
             def __init__(self, stream, keys):
                 self.stream, self.queued = stream, record(keys, stream.queued)
+                self.it = stream.it             # LoadStream's: what MoEStep's loops read the landed experts from
 
             def __iter__(self):
                 return self

@@ -357,3 +357,28 @@ def test_guess_lists_are_the_general_loops(rule, monkeypatch):
         seen["batch", T > 1] += 1
         assert [int(g.class_read.sum()) for g in gs] == n_sent, (p, n_sent)
     assert (gs[0].tries >= 3).any() and gs[0].class_read.sum() > 0 and len(seen) == 4, seen
+
+
+def test_guess_of_is_guess_layers_test_across_all_vram_patterns():
+    """MoEStep._guess_of (guess_layers' memo read inline while it holds, cpu-host61) -> the guess where
+    guess_layers(l) names a layer, else None, whatever all-VRAM pattern the cache holds now (a new array each: the
+    memo made again) and whether the memo was made yet. Fails where the inline read keeps a stale pattern's answer."""
+    from types import SimpleNamespace
+
+    from betelgeuse.worker.moe_step import MoEStep
+    rng = np.random.default_rng(61)
+    m = object.__new__(MoEStep)
+    m.n_layer, m.depth, m._guess_memo = 6, 2, None
+    m.cache = SimpleNamespace(all_vram=np.zeros(6, dtype=bool))
+    guess = object()
+    for i in range(60):
+        if i % 3 == 0:                                  # a new pattern (a new array, as the cache makes)
+            m.cache.all_vram = rng.random(6) < 0.5
+        for l in rng.permutation(6).tolist():
+            ref = object.__new__(MoEStep)                # guess_layers on a fresh memo: the answer
+            ref.n_layer, ref.depth, ref._guess_memo, ref.cache = 6, 2, None, SimpleNamespace(all_vram=m.cache.all_vram)
+            want = ref.guess_layers(l)
+            assert m._guess_of(l, guess) is (guess if want else None), (i, l, m.cache.all_vram, want)
+            assert m._guess_of(l, None) is None
+        if i % 5 == 0:
+            m._guess_memo = None

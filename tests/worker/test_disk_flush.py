@@ -91,6 +91,30 @@ def test_a_stream_that_cannot_say_reads_as_ready():
     assert LoadStream(iter([1, 2])).ready() is True
 
 
+def test_a_streams_queued_is_its_last_landed_experts():
+    """LoadStream.queued(): the reads ahead its message started, the last landed expert's ahead_queued (final once
+    the stream is consumed), kept by the client's stream itself (LoadStream.it: MoEStep's loops call next(it), no
+    wrapper call a landed expert, cpu-host61) or, for a bare iterator, by _Tracked; close() closes a bare generator.
+    Fails where a stream's next() does not keep ahead_queued, or where close() does not reach the generator."""
+    from betelgeuse.store.store import Loaded
+    got = [Loaded(0, 1, 3, 0, False, 2), Loaded(0, 4, 5, 0, True, 5)]
+    s = LoadStream(iter(got))
+    assert s.queued() == 0
+    assert next(s.it) is got[0] and s.queued() == 2
+    assert list(s) == got[1:] and s.queued() == 5
+    closed = []
+
+    def landing():
+        try:
+            yield from got
+        finally:
+            closed.append(True)
+    g = LoadStream(landing())
+    assert next(g.it) is got[0]
+    g.close()
+    assert closed == [True] and g.queued() == 2
+
+
 # ---- bits and when it flushes ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
@@ -167,6 +191,17 @@ def test_every_disk_expert_its_own_group_keeps_the_reference_bits(models, arch, 
     assert n == _flushes_wanted(steps) and n > 0, (n, [[ls.disk for ls in s.layers] for s in steps])
     assert pre.disk_flushes == 0 and pre.reads["disk"] > 1       # a prefill batches as before
 
+
+@pytest.mark.parametrize("static", [True, False])
+def test_a_landed_experts_wait_counts_as_the_stores(models, static):
+    """Each landed expert's wait (MoEStep._disk_groups, PassClock.wait_store's count inline since cpu-host61: the
+    client's stream read directly) is in its layer's disk_wait_s and in the pass's blocked and store-wait times: a
+    step's store_wait_s and blocked_s are at least its layers' disk waits. Fails with either count dropped."""
+    _, _, steps = _decode(models, "qwen3moe", static, None)
+    waited = [sum(ls.disk_wait_s for ls in s.layers) for s in steps]
+    assert sum(waited) > 0, waited
+    for s, w in zip(steps, waited):
+        assert s.store_wait_s >= w * (1 - 1e-9) and s.blocked_s >= w * (1 - 1e-9), (s.store_wait_s, s.blocked_s, w)
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "deepseek4"])
 def test_flushes_only_when_the_next_is_late(models, arch):

@@ -240,8 +240,8 @@ def test_take_is_keeps_bookkeeping_without_a_slot_twice_a_call():
     reads every slot given) against _PerExpertKeep's bookkeeping with one rule more: a slot is never given twice in
     one call (keep would evict this call's own copy for a later expert; take answers None, the expert goes through a
     ring bank). Random calls larger than the cache and with repeats (a held expert: None, the LRU touched); the caller's
-    copies go to slot_view(s). After each call: the held experts, the LRU order, every held slot's bytes, and the slot's
-    address and source (slot_address, slot_source: where the group's table and the torch kernels find it)."""
+    copies go to views[s]. After each call: the held experts, the LRU order, every held slot's bytes, and the slot's
+    address and source (addresses, sources: where the group's table and the torch kernels find it)."""
     import numpy as np
 
     from betelgeuse.worker.flex_cache import FlexCache
@@ -272,13 +272,12 @@ def test_take_is_keeps_bookkeeping_without_a_slot_twice_a_call():
         refused += sum(s is None and (layer, e) not in ref.where for s, e in zip(got, es))
         for s, off in zip(got, offs):
             if s is not None:
-                f.slot_view(s).copy_(pool[off: off + sb])
+                f.views[s].copy_(pool[off: off + sb])
         for (l, e), s in _held_as_ref(f, ref, L, E, sb).items():
             c, i = divmod(s, f.per_chunk)
-            assert f.slot_address(s) == f.chunks[c].data_ptr() + i * sb
-            t, o = f.slot_source(s)
+            t, o = f.sources[s]
             assert t is f.chunks[c] and o == i * sb
-            a, v = f.slot_target(s)                                       # _direct_group's (address, view)
+            a, v = f.addresses[s], f.views[s]                             # _direct_group's (address, view)
             assert a == f.chunks[c].data_ptr() + i * sb == v.data_ptr() and v.numel() == sb
     assert refused > 0 and f.stats.evictions > 50, (refused, f.stats)
 
@@ -366,4 +365,21 @@ def test_take_grows_where_grow_would_under_random_holds():
         assert [None if c is None else c.numel() for c in f.chunks] == \
             [None if c is None else c.numel() for c in ref.chunks]
         assert (f.where == ref.where).all() and list(f.lru) == list(ref.lru)
+        _slot_lists_follow_the_chunks(f)
     assert grows > 5 and f.stats.evictions > 50, (grows, f.stats)
+
+
+def _slot_lists_follow_the_chunks(f):
+    """FlexCache.views / addresses / sources (made with a chunk, cpu-host61: read by index, no call a slot) name
+    each slot of an allocated chunk (a sliver's: its size) by its bytes, and nothing past it nor in a chunk given
+    back (hold): fails where _grow or _drop_chunk leaves one of them stale."""
+    sb = f.slot_bytes
+    for s in range(len(f.views)):
+        c, i = divmod(s, f.per_chunk)
+        chunk = f.chunks[c]
+        if chunk is None or (i + 1) * sb > chunk.numel():
+            assert f.views[s] is None and f.addresses[s] == 0 and f.sources[s] is None, s
+            continue
+        t, o = f.sources[s]
+        assert t is chunk and o == i * sb, s
+        assert f.addresses[s] == chunk.data_ptr() + i * sb == f.views[s].data_ptr() and f.views[s].numel() == sb, s

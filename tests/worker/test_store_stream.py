@@ -7,6 +7,7 @@ store.session_transport; each test below runs on both), answered tagged with the
   sent between them: each load gets exactly its own experts (none twice, none of the other's), the release's slot is
   the store's again, and a load abandoned half-way (closed) is stopped at the store: a later load on the same stream
   (one of its experts staged by the read ahead) gets only its own experts and the pass ends with every slot back;
+- a load dropped half-way (no close) is cancelled at the store as a closed one is; one read to its end is not;
 - the store stopped while a load waits: it fails at its deadline (DEADLINE_EXCEEDED, as its call did) and the next
   message opens a new stream;
 - the store killed while a load waits for its next expert: the load raises StoreUnavailableError ("expert store
@@ -100,6 +101,47 @@ def test_overlapping_loads_get_their_own_experts(model, tmp_path, transport):
         held = [x.slot for x in got_a + got_b[1:] + again] + [first.slot]
         c.end_pass(np.zeros((L, E), dtype=np.int64), False, held)
         c.begin_pass(False)                                       # the slots the abandoned load left are taken back
+        c.end_pass(np.zeros((L, E), dtype=np.int64), False)
+        assert c.status()["staging_handed"] == 0
+    finally:
+        store.close()
+
+
+def test_a_load_dropped_before_its_end_is_cancelled_at_the_store(model, tmp_path, transport):
+    """A load's stream (GrpcStoreClient._Landed, a class since cpu-host61, was a generator) dropped half-way with no
+    close() sends the store a cancel of the load as close() does (__del__; the generator's close did at its drop), and
+    its box is forgotten; a load read to its end is forgotten, not cancelled, whether dropped or read past its end.
+    The cancels are recorded on the client's stream; the store stops the dropped load: the next load gets only its
+    own experts and the pass ends with every slot back. Fails without _Landed.__del__ (no cancel) or with close()
+    cancelling a finished load."""
+    import gc
+    store = _store(model, tmp_path, transport)
+    try:
+        c = store.client
+        plan, disk = _disk(c)
+        c.begin_pass(False)
+        s = c._session_stream()
+        cancels, cancel = [], s.cancel
+        s.cancel = lambda rid: (cancels.append(rid), cancel(rid))[1]
+        whole = c.load(disk[0][:2])
+        got = list(whole)                                     # read past its end: forgotten there
+        assert cancels == [] and whole._rid not in s._box
+        whole2 = c.load(disk[0][2:3])
+        got += [next(whole2)]                                 # its last: dropped with nothing left
+        rid = whole2._rid
+        del whole2
+        gc.collect()
+        assert cancels == [] and rid not in s._box
+        half = c.load(disk[0][3:6])
+        first = next(half)
+        rid = half._rid
+        del half                                              # two of its experts still coming
+        gc.collect()
+        assert cancels == [rid] and rid not in s._box
+        again = list(c.load(disk[1][:2]))
+        assert sorted((x.layer, x.expert) for x in again) == disk[1][:2], again
+        c.end_pass(np.zeros((L, E), dtype=np.int64), False, [x.slot for x in got + again] + [first.slot])
+        c.begin_pass(False)                                   # the slots the dropped load left are taken back
         c.end_pass(np.zeros((L, E), dtype=np.int64), False)
         assert c.status()["staging_handed"] == 0
     finally:
