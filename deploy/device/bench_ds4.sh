@@ -16,6 +16,8 @@
 #                                              # ops at V4-Flash shapes, eager == graph replay, batch invariance,
 #                                              # launches per decode layer); no model write, no bench
 #   TOTAL=400 bash deploy/device/bench_ds4.sh --prompts 64 --decode 32     # extra args go to `betelgeuse bench`
+#   ... bash deploy/device/bench_ds4.sh ... --disk-depths 1,2,4,8,19   # also the disk's rate at N experts in flight
+#                                              # (one random sample per N before the cases; one ds4_summary line)
 #   PRESET=ds4-tiny CHECK_ARGS="--device cpu --hidden 256 --ff 128" TRITON_INTERPRET=1 TOTAL=400 \
 #     bash deploy/device/bench_ds4.sh --device cpu --no-cgroup --slots 2+3 --prompts 8 --decode 2   # CPU dry run
 #

@@ -9,7 +9,8 @@ run's achieved fraction of its bound (0.8-1.0, none "bound wrong"), the peak VRA
 routing the warm repeated prompt's disk share, decode TG, warm PP and the divergence from exact routing. Then per
 case: decode TG (mean / peak) and its disk share, host µs per expert application, kernel launches per layer (the
 bench's profiled decode step and warm pass), the decode run's bound and the achieved fraction of it ("bound wrong"
-where the run beat it); then the peak VRAM against the budget and the disk rates sampled in the run.
+where the run beat it); then every pass's and decode run's disk achieved split into factors (disk_split_table), the
+peak VRAM against the budget, the disk rates sampled in the run and the disk's depth curve (bench --disk-depths).
 """
 
 from __future__ import annotations
@@ -153,6 +154,43 @@ def targets(r: dict) -> list[str]:
     return L + [""]
 
 
+def disk_split_table(r: dict) -> list[str]:
+    """One row per pass and decode run that read from disk: its disk achieved (bound disk_s / seconds; its achieved
+    where disk is the limiter) = busy share x rate while busy / the bound's rate x needed / read bytes
+    (ceilings.disk_split), the product beside it, and the preadv calls in flight while busy beside the sample's."""
+    L = ["## Disk achieved, split (ceilings.disk_split: disk achieved = busy share × rate while busy ÷ bound rate "
+         "× needed ÷ read)", "",
+         "| case | run | achieved (limiter) | disk achieved = bound disk_s / seconds | busy share = "
+         "store_disk_active_s / seconds | rate while busy ÷ bound rate = store_disk_bytes / store_disk_active_s / "
+         "disk_bps | needed ÷ read = disk_bytes / store_disk_bytes | product | reads in flight while busy = "
+         "store_disk_busy_s / store_disk_active_s | the bound's sample's (pattern, its busy share) |",
+         "|---|---|---|---|---|---|---|---|---|---|"]
+    n = len(L)
+    for c in r.get("cases", []):
+        for p in c.get("passes", []) + ([dict(c["decode"], label="decode")] if c.get("decode") else []):
+            s, b = p.get("disk_split"), p.get("bound") or {}
+            if not s:
+                continue
+            L.append(f"| {c['name']} | {p['label']} | {b['achieved']:.3f} ({b['limiter']}) | "
+                     f"{s['disk_achieved']:.3f} | "
+                     f"{s['busy_share']:.3f} | {s['busy_rate']:.3f} | {s['needed_share']:.3f} | "
+                     f"{s['busy_share'] * s['busy_rate'] * s['needed_share']:.3f} | "
+                     f"{s['depth']:.2f} | " + (f"{s['sample_depth']:.2f} ({s['sample_pattern']}, busy "
+                                              f"{s['sample_busy_share']:.1%})" if "sample_depth" in s
+                                              else f"– ({b.get('disk_source', 'own reads')})") + " |")
+    return L if len(L) > n else []
+
+
+def depth_curve(r: dict) -> str | None:
+    """The disk's depth curve line (bench --disk-depths): GB/s at N experts in flight, with the preadv calls in flight
+    while busy; None when the run took none."""
+    d = r.get("ceilings", {}).get("disk_depths") or []
+    if not d:
+        return None
+    return ("- Disk depth curve (random pattern, N experts in flight: GB/s, reads in flight while busy): "
+            + ", ".join(f"N={s['queue']} {s['bps'] / GB:.2f} ({s['depth']:.2f})" for s in d))
+
+
 def summary(r: dict) -> str:
     L = targets(r) + ["## ds4 summary (issue 21 figures, per case)", "",
          "| case | decode tok/s mean / peak | decode disk share | host µs / application (decode) | "
@@ -173,6 +211,8 @@ def summary(r: dict) -> str:
                  f"{'bound wrong (' + _f(ach, '{:.2f}') + ')' if b.get('bound_wrong') else _f(ach, '{:.2f}')} | "
                  f"{_f(d['token_host_s'][0] * 1e3 if d.get('token_host_s') else None, '{:,.1f}')} | "
                  f"{_compiles(d.get('triton_compiles'))}; {_compiles(c.get('attach_triton_compiles'))} |")
+    split = disk_split_table(r)
+    L += [""] + split if split else []
     v = r.get("vram", {})
     peak, budget = v.get("peak_bytes"), v.get("budget", 0)
     verdict = "–" if peak is None else ("within" if peak <= budget else f"OVER by {(peak - budget) / MiB:,.0f} MiB")
@@ -182,6 +222,8 @@ def summary(r: dict) -> str:
     disk = [s["bps"] / GB for s in r.get("ceilings", {}).get("disk", [])]
     if disk:
         L.append(f"- Disk (O_DIRECT) sampled during this run: {min(disk):.2f}-{max(disk):.2f} GB/s over {len(disk)} samples")
+    if depth_curve(r):
+        L.append(depth_curve(r))
     L.append(f"- Status {r.get('status')}, {r.get('elapsed_s', 0):.0f} s")
     return "\n".join(L) + "\n"
 

@@ -48,10 +48,20 @@ class DiskSample:
     at_s: float         # seconds since the run started
     pattern: str = "random"     # measure_disk's DISK_PATTERNS
     queue: int = 1      # experts in flight: random, one batch of them waited for; layer, reads kept outstanding
+    busy_s: float = 0.0     # the reader threads' summed seconds inside preadv (ReaderStats.busy_seconds)
+    active_s: float = 0.0   # wall seconds with >= 1 preadv in flight (ReaderStats.active_seconds)
 
     @property
     def bps(self) -> float:
         return self.bytes / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def depth(self) -> float:
+        """Mean preadv calls in flight while the disk was busy: busy_s / active_s (1.0: one at a time)."""
+        return self.busy_s / self.active_s if self.active_s > 0 else 0.0
+
+    def to_json(self) -> dict:
+        return dict(asdict(self), bps=self.bps, depth=self.depth)
 
 
 @dataclass(slots=True)
@@ -66,6 +76,8 @@ class Ceilings:
     by_type: dict = field(default_factory=dict)
     sub_batch: int = 16
     disk: list = field(default_factory=list)   # [DiskSample], in run order
+    # the random pattern at fixed experts in flight (bench --disk-depths; measure_disk_depths): [DiskSample], by queue
+    disk_depths: list = field(default_factory=list)
 
     @property
     def disk_bps(self) -> float:
@@ -94,7 +106,8 @@ class Ceilings:
         d["hbm_bps"] = {str(k): v for k, v in self.hbm_bps.items()}
         d["by_type"] = {t: dict(v, mm_s={str(k): x for k, x in v["mm_s"].items()},
                                 hbm_bps={str(k): x for k, x in v["hbm_bps"].items()}) for t, v in self.by_type.items()}
-        d["disk"] = [dict(asdict(s), bps=s.bps) for s in self.disk]
+        d["disk"] = [s.to_json() for s in self.disk]
+        d["disk_depths"] = [s.to_json() for s in self.disk_depths]
         d["disk_bps"] = self.disk_bps
         return d
 
@@ -110,7 +123,8 @@ def _slot_ranges(f: GGUFModelFile, layer: int, expert: int, dest: int) -> list[t
 
 
 def measure_disk(f: GGUFModelFile, threads: int, request_bytes: int, max_bytes: int, max_seconds: float,
-                 seed: int, t0: float, arena_bytes: int = 256 * MiB, pattern: str = "random") -> DiskSample:
+                 seed: int, t0: float, arena_bytes: int = 256 * MiB, pattern: str = "random",
+                 queue: int | None = None) -> DiskSample:
     """Read whole experts of `f` into a memfd arena with the store's reader until max_bytes or max_seconds, in one of
     the two ways the store's loads read (DISK_PATTERNS):
 
@@ -124,14 +138,15 @@ def measure_disk(f: GGUFModelFile, threads: int, request_bytes: int, max_bytes: 
               down each [E, ...]), so this reads three long runs per layer; a virtio disk reads them faster than
               random batches (gpu-run30-serve: a 512-token prefill read 2.16 GB/s against 1.64 sampled random).
 
-    The reader is O_DIRECT where the filesystem honours it (`mode`), and each sample draws its own experts or first
-    layer from `seed`, so neither the page cache nor an earlier sample's bytes help."""
-    assert pattern in DISK_PATTERNS, pattern
+    queue (random only): exactly this many experts per batch instead of the arena's slots (the depth curve,
+    measure_disk_depths). The reader is O_DIRECT where the filesystem honours it (`mode`), and each sample draws its
+    own experts or first layer from `seed`, so neither the page cache nor an earlier sample's bytes help."""
+    assert pattern in DISK_PATTERNS and (queue is None or (pattern == "random" and queue >= 1)), (pattern, queue)
     c = f.config
     rng = np.random.default_rng(seed)
     slot = -(-(max(f.expert_nbytes(layer) for layer in range(c.n_layer)) + 3 * 2 * PAGE) // PAGE) * PAGE
     if pattern == "random":         # experts per batch
-        per_batch = max(1, min(arena_bytes // slot, max(1, max_bytes // slot)))
+        per_batch = queue or max(1, min(arena_bytes // slot, max(1, max_bytes // slot)))
     else:   # reads kept outstanding: the arena's slots (at least 2), at most the experts the budget covers
         per_batch = max(2, min(arena_bytes // slot, -(-max_bytes // min(map(f.expert_nbytes, range(c.n_layer))))))
     arena = Arena.create(per_batch * slot, name="betelgeuse-bench-disk")
@@ -167,7 +182,8 @@ def measure_disk(f: GGUFModelFile, threads: int, request_bytes: int, max_bytes: 
                     fut.result()
                     free.append(pending.pop(fut))
             dt = time.perf_counter() - start
-        return DiskSample(int(reader.stats.bytes_read), dt, reader.mode, start - t0, pattern, per_batch)
+        return DiskSample(int(reader.stats.bytes_read), dt, reader.mode, start - t0, pattern, per_batch,
+                          reader.stats.busy_seconds, reader.active_seconds())
     finally:
         reader.close()
         arena.close()
@@ -188,11 +204,45 @@ def measure_disk_rates(f: GGUFModelFile | str, threads: int, request_bytes: int,
     out = {}
     for i, pattern in enumerate(DISK_PATTERNS):
         s = measure_disk(f, threads, request_bytes, max_bytes, max_seconds, seed + 7919 * i, t0, pattern=pattern)
-        out[pattern] = dict(asdict(s), bps=s.bps)
+        out[pattern] = s.to_json()
     bps, pattern = disk_rate({p: out[p]["bps"] for p in DISK_PATTERNS})
     modes = {out[p]["mode"] for p in DISK_PATTERNS}
     return dict(out, bps=bps, pattern=pattern, mode=modes.pop() if len(modes) == 1 else "mixed",
                 bytes=sum(out[p]["bytes"] for p in DISK_PATTERNS), seconds=sum(out[p]["seconds"] for p in DISK_PATTERNS))
+
+
+def measure_disk_depths(f: GGUFModelFile, threads: int, request_bytes: int, max_bytes: int, max_seconds: float,
+                        seed: int, t0: float, queues: tuple) -> list[DiskSample]:
+    """The disk's depth curve: the random pattern (measure_disk) at exactly N experts in flight, for each N of queues,
+    each with the whole byte / time budget and a seed of its own -> one DiskSample per N (bps, and depth: the preadv
+    calls in flight while busy). No bound uses it: it shows the rate at a decode's own depth beside the bound's."""
+    return [measure_disk(f, threads, request_bytes, max_bytes, max_seconds, seed + 104729 * i, t0, queue=n)
+            for i, n in enumerate(queues)]
+
+
+def disk_split(bound: dict, run: dict, sample: dict | None = None) -> dict | None:
+    """A pass's or decode run's disk achieved (pass_bound's disk_s / the run's seconds: its achieved where disk is the
+    limiter) split into factors that multiply back to it, from the store's reader counters over the run (store_delta):
+
+      busy_share    store_disk_active_s / seconds: the share of the run with >= 1 preadv in flight
+      busy_rate     (store_disk_bytes / store_disk_active_s) / disk_bps: the rate while busy over the bound's rate
+      needed_share  disk_bytes / store_disk_bytes: the bytes the bound counts (the expert payload the run loaded from
+                    disk) over the device bytes read (unused read-ahead, 4 KiB rounding, anything else read)
+
+    and beside them depth = store_disk_busy_s / store_disk_active_s (preadv calls in flight while busy) and the
+    sample's (`sample`: the DiskSample record, to_json, the bound's rate came from; None: the run's own reads).
+    None where the run read nothing."""
+    busy, active, read = run.get("store_disk_busy_s", 0.0), run.get("store_disk_active_s", 0.0), run.get(
+        "store_disk_bytes", 0)
+    secs, bps = run.get("seconds", 0.0), bound.get("disk_bps", 0.0)
+    if not (active > 0 and read > 0 and secs > 0 and bps > 0):
+        return None
+    out = {"disk_achieved": bound["disk_s"] / secs, "busy_share": active / secs, "busy_rate": read / active / bps,
+           "needed_share": run["disk_bytes"] / read, "depth": busy / active}
+    if sample:
+        out.update(sample_depth=sample["depth"], sample_pattern=sample["pattern"],
+                   sample_busy_share=sample["active_s"] / sample["seconds"] if sample["seconds"] > 0 else 0.0)
+    return out
 
 
 def _sync(device: torch.device):

@@ -66,6 +66,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="no decode graphs captured before the warm pass (ModelRunner.warm_graphs): the timed decode's "
                         "first two tokens run eagerly and capture, as a new sequence's did before graphs57")
     p.add_argument("--disk-sample", help="bytes per disk ceiling sample (default 1GiB)")
+    p.add_argument("--disk-depths", help="also the disk's depth curve before the cases: the random pattern at each of "
+                                         "these experts in flight, comma-separated (e.g. 1,2,4,8,19; default off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="small model on the CPU, few tokens: validates the whole path")
     p.add_argument("--suite", choices=["passes", "agents", "serve"], default="passes",
@@ -136,7 +138,8 @@ def run(args) -> int:
                      disk_sample_bytes=parse_size(_opt(args, "disk_sample", "1GiB"), "--disk-sample"),
                      seed=args.seed, run_dir=str(work / f"run-{os.getpid()}"), routing_trace=args.routing_trace,
                      routings=routings or (engine.routing,), gpu_marks=bool(getattr(args, "gpu_marks", False)),
-                     graphs_warm=not getattr(args, "no_graphs_warm", False))
+                     graphs_warm=not getattr(args, "no_graphs_warm", False),
+                     disk_depths=parse_ints(args.disk_depths, "--disk-depths") if args.disk_depths else ())
     results["options"] = options_record(o)
     log(f"device {device}; results -> {out}")
     from services.bench.report import run_recorded

@@ -82,6 +82,9 @@ class BenchOptions:
     # service's engine does at start for its first state size), so the timed decode's first tokens replay as a
     # service's do; off (--no-graphs-warm): they run eagerly, then capture (the bench before graphs57)
     graphs_warm: bool = True
+    # the disk's depth curve before the cases: the random pattern at each of these experts in flight (--disk-depths
+    # 1,2,4,8,19; ceilings.measure_disk_depths), one sample each; () off
+    disk_depths: tuple = ()
 
 
 def slots_pair(s: str) -> tuple[int | str, int | str]:
@@ -166,6 +169,11 @@ class Harness:
         r["vram"] = {"baseline_bytes": vram_base, "budget": o.engine.vram_budget}
         try:
             self._ceilings_h2d()
+            if o.disk_depths:
+                with GGUFModelFile.open(o.model) as f:
+                    self.ceil.disk_depths = C.measure_disk_depths(
+                        f, o.engine.read_threads, o.engine.read_request_bytes, o.disk_sample_bytes, o.disk_sample_s,
+                        o.seed + 1_000_003, o.t0, o.disk_depths)
             for case in plan_cases(o):
                 if self.remaining() <= 0:
                     r["skipped"].append({"case": case.name, "reason": "time budget"})
@@ -227,6 +235,7 @@ class Harness:
         (ceilings.case_disk_rate: the samples before and after its case, the pass's own reads)."""
         for case in self.results["cases"]:
             samples = [case.get("disk_bps", 0.0), case.get("disk_bps_after", 0.0)]
+            sample_of = {"sample before": case.get("disk_sample"), "sample after": case.get("disk_sample_after")}
             runs = [(p, p) for p in case["passes"] if "loads" in p]
             d = case.get("decode") or {}
             if d.get("tokens"):
@@ -238,6 +247,7 @@ class Harness:
                                  case["n_layer"], p["k"], p["seconds"])
                 b["disk_source"] = src
                 dest["bound"] = b
+                dest["disk_split"] = C.disk_split(b, p, sample_of.get(src))
 
     def _measure_compute(self):
         rn = self.runner
@@ -284,7 +294,7 @@ class Harness:
         v, h = slots_pair(case.slots)
         cfg = dataclasses.replace(o.engine, model_path=case.model, vram_slots=v, host_slots=h, routing=case.routing)
         out["routing_mode"] = case.routing
-        out["disk_bps"] = self._disk_sample(f, cfg)
+        self._disk_sample(f, cfg, out, "")
         try:
             store = open_store(cfg, "process", str(mkdir(o.run_dir) / f"store-{len(r['cases'])}"), timeout=300.0)
         except BaseException:
@@ -353,7 +363,7 @@ class Harness:
                 self._release(self.runner, kv)
             self._detach()
             if self.remaining() > 0:            # the disk sampled again right after the case: its passes' bound
-                out["disk_bps_after"] = self._disk_sample(f, cfg)
+                self._disk_sample(f, cfg, out, "_after")
             out["arena_mappings_after_detach"] = arena_mappings()
             rc = store.close()
             out["store_exit"] = rc
@@ -397,16 +407,18 @@ class Harness:
         finally:
             self._release(rn, kv)
 
-    def _disk_sample(self, f: GGUFModelFile, cfg: EngineConfig) -> float:
+    def _disk_sample(self, f: GGUFModelFile, cfg: EngineConfig, case: dict, when: str):
         """One disk ceiling sample of each pattern with the store's reader settings (appended to the run's samples)
-        -> the faster one's bytes/s (C.disk_rate: a pass's reads hold both patterns)."""
-        rates = {}
+        -> case["disk_bps" + when]: the faster one's bytes/s (C.disk_rate: a pass's reads hold both patterns), and
+        case["disk_sample" + when]: that sample (its depth beside the runs' it bounds: C.disk_split)."""
+        got = {}
         for pattern in C.DISK_PATTERNS:
             s = C.measure_disk(f, cfg.read_threads, cfg.read_request_bytes, self.o.disk_sample_bytes,
                                self.o.disk_sample_s, self.o.seed + len(self.ceil.disk) + 1, self.o.t0, pattern=pattern)
             self.ceil.disk.append(s)
-            rates[pattern] = s.bps
-        return C.disk_rate(rates)[0]
+            got[pattern] = s
+        bps, pattern = C.disk_rate({p: s.bps for p, s in got.items()})
+        case["disk_bps" + when], case["disk_sample" + when] = bps, got[pattern].to_json()
 
     def _divergence(self, rn: ModelRunner, f: GGUFModelFile, case: Case, ids: list) -> dict:
         """An approximate case's outputs against exact routing on its prompt (teacher-forced, all rows), both on the

@@ -74,6 +74,47 @@ def test_a_pass_beating_every_rate_is_flagged_not_printed():
     assert "95.45%" in dec and "bound wrong" not in dec
 
 
+def test_the_disk_split_multiplies_back_to_achieved_on_real_reads(tiny_model):
+    """ceilings.disk_split on the real reader's counters (O_DIRECT where the filesystem honours it): 4 experts read as
+    demand, one at a time, then 4 more read ahead and never used. busy share x rate while busy / the bound's rate x
+    needed / read = the run's achieved (disk the limiter), needed / read counts the unused read-ahead (< 0.5), and
+    the bound's sample's reads in flight come beside the run's."""
+    import time
+
+    from betelgeuse.gguf.reader import GGUFModelFile
+    from betelgeuse.store.arena import Arena
+    from betelgeuse.store.reader import PAGE, ExpertReader
+    with GGUFModelFile.open(tiny_model) as f:
+        c = f.config
+        sample = C.measure_disk(f, 2, 64 << 10, 1 << 40, 30.0, 1, 0.0, queue=4)
+        slot = -(-(f.expert_nbytes(0) + 3 * 2 * PAGE) // PAGE) * PAGE
+        arena = Arena.create(8 * slot, name="betelgeuse-test-split")
+        reader = ExpertReader(f.path, arena, threads=2, request_bytes=64 << 10)
+        try:
+            t = time.perf_counter()
+            for e in range(4):          # demand: each waited for, as decode's misses
+                reader.read(C._slot_ranges(f, 0, e, e * slot), priority=0).result()
+            for fut in [reader.read(C._slot_ranges(f, 1, e, (4 + e) * slot), priority=1) for e in range(4)]:
+                fut.result()            # read ahead, never used
+            seconds = time.perf_counter() - t
+            run = {"seconds": seconds, "disk_bytes": 4 * f.expert_nbytes(0),
+                   "store_disk_bytes": reader.stats.bytes_read,
+                   "store_disk_busy_s": reader.stats.busy_seconds, "store_disk_active_s": reader.active_seconds()}
+        finally:
+            reader.close()
+            arena.close()
+    b = C.pass_bound(C.Ceilings(h2d_bps=1e18, mm_s={1: 1e-15}), sample.bps, 4, 4, run["disk_bytes"], 0, c.n_layer,
+                     c.n_expert_used, seconds)
+    s = C.disk_split(b, run, sample.to_json())
+    assert b["limiter"] == "disk" and s["disk_achieved"] == pytest.approx(b["achieved"], rel=1e-12)
+    assert s["busy_share"] * s["busy_rate"] * s["needed_share"] == pytest.approx(b["achieved"], rel=1e-9)
+    assert s["needed_share"] == run["disk_bytes"] / run["store_disk_bytes"] < 0.5
+    assert 0 < s["busy_share"] <= 1 and s["busy_rate"] > 0
+    assert s["depth"] == run["store_disk_busy_s"] / run["store_disk_active_s"] >= 0.95
+    assert (s["sample_depth"], s["sample_pattern"]) == (sample.depth, "random") and 0 < s["sample_busy_share"] <= 1
+    assert C.disk_split(b, dict(run, store_disk_active_s=0.0)) is None     # nothing read: no split
+
+
 def test_routing_modes_per_case():
     ns = argparse.Namespace(**{"engine.routing": "exact,pool"})
     assert parse_routings(ns) == ("exact", "pool") and getattr(ns, "engine.routing") == "exact"
@@ -102,7 +143,8 @@ def test_bench_runs_exact_and_pool_with_divergence_and_honest_bounds(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "services.bench.cli", "--quick", "--preset", "tiny", "--variant-skew", "none",
            "--slots", "2+6", "--prompts", "8", "--standard-prompts", "8", "--decode", "2", "--routing", "exact,pool",
-           "--memory-max", "4G", "--time-budget", "60", "--disk-sample", "4MiB", "--work-dir", str(tmp_path),
+           "--memory-max", "4G", "--time-budget", "60", "--disk-sample", "4MiB", "--disk-depths", "1,3",
+           "--work-dir", str(tmp_path),
            "--out", str(out), "--run-name", "pool"]
     p = subprocess.run(cmd, cwd=repo, env=dict(os.environ, PYTHONPATH=str(repo)), capture_output=True, text=True,
                        timeout=180)
@@ -120,23 +162,43 @@ def test_bench_runs_exact_and_pool_with_divergence_and_honest_bounds(tmp_path):
         for q in c["passes"] + [c["decode"]]:
             if "loads" in q or "tg_mean" in q:
                 assert q["bound"]["disk_source"] in ("sample before", "sample after", "the pass's own reads")
+    # every run that read from disk: its disk achieved split into factors that multiply back to it (C.disk_split),
+    # beside the depth of the sample its bound's rate came from
+    splits = [(q["bound"], q["disk_split"]) for c in r["cases"] for q in c["passes"] + [c.get("decode") or {}]
+              if q.get("disk_split")]
+    assert splits
+    for b, s in splits:
+        assert s["busy_share"] * s["busy_rate"] * s["needed_share"] == pytest.approx(s["disk_achieved"], rel=1e-9)
+        assert s["disk_achieved"] == pytest.approx(b["disk_s"] / (b["bound_s"] / b["achieved"]), rel=1e-9)
+        assert ("sample_depth" in s) == (b["disk_source"] != "the pass's own reads")
+    assert [d["queue"] for d in r["ceilings"]["disk_depths"]] == [1, 3]
+    assert all(d["bps"] > 0 and d["pattern"] == "random" for d in r["ceilings"]["disk_depths"])
+    S = _ds4_summary()
+    text = S.summary(r)
+    assert "## Disk achieved, split" in text and "- Disk depth curve" in text and "N=3" in text
+    assert len(S.disk_split_table(r)[4:]) == len(splits)                 # a row each (title, blank, header, rule)
     md = (out / "bench.md").read_text()
     assert f"| 2+6 p8 pool (APPROXIMATE pool; vs exact: top-1 {d['top1']:.1%}, KL {d['kl']:.4f} nats/token) |" in md
     assert "`pool` = every rank among resident experts" in md
+
+
+def _ds4_summary():
+    """deploy/device/ds4_summary.py as a module (a script, not a package)."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).parents[2] / "deploy/device/ds4_summary.py"
+    spec = importlib.util.spec_from_file_location("ds4_summary", path)
+    S = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(S)
+    return S
 
 
 def test_ds4_summary_judges_layer_major_passes_and_names_the_launches():
     """Issue 21's row "every layer-major pass and decode, of its bound" judges those alone; the bench's
     standard-schedule pass (token-major, run for comparison; 0.27 in gpu-run43-exact) is shown beside it, judged by
     nothing. The profiled decode's launches per layer come with their kernels by name."""
-    import importlib.util
-    from pathlib import Path
-
     from services.bench.profile import by_name
-    path = Path(__file__).parents[2] / "deploy/device/ds4_summary.py"
-    spec = importlib.util.spec_from_file_location("ds4_summary", path)
-    S = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(S)
+    S = _ds4_summary()
     kernels = [{"name": "attn"}] * 16 + [{"name": "moe_gate_up"}] * 24 + [{"name": "norm"}] * 8
     names = by_name(kernels, n_layer=8)
     assert names == {"moe_gate_up": 3.0, "attn": 2.0, "norm": 1.0} and list(names)[0] == "moe_gate_up"

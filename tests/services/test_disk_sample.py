@@ -7,6 +7,7 @@ earlier reads had not landed when it was issued (the queue's depth)."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -134,3 +135,29 @@ def test_the_rates_line_names_the_faster_and_both_samples():
     GB = 1e9
     disk = {"bps": 1.63 * GB, "mode": "direct", "random": {"bps": 1.41 * GB}, "layer": {"bps": 1.63 * GB}}
     assert _disk_rates(disk) == "1.63 GB/s (direct; random 1.41, layer 1.63)"
+
+
+def test_the_depth_curve_reads_exactly_n_experts_a_batch_one_sample_per_n(tiny_model, recorded):
+    """measure_disk_depths: one random-pattern sample per N, each batch exactly N whole experts (3 ranges each) waited
+    for before the next, so the rate is the disk's at N experts in flight."""
+    with GGUFModelFile.open(tiny_model) as f:
+        nbytes = f.expert_nbytes(0)
+        got = C.measure_disk_depths(f, THREADS, 1 * MiB, 6 * nbytes, 30.0, 11, 0.0, (1, 2, 3))
+    assert [s.queue for s in got] == [1, 2, 3] and all(s.bps > 0 and s.pattern == "random" for s in got)
+    sizes = [len(ranges) // 3 for ranges, _ in recorded]
+    assert max(n for _, n in recorded) == 0                              # each batch waited for before the next
+    # batches of 1, then of 2, then of 3 experts: each sample reads until its budget in batches of its N
+    assert [n for n, _ in itertools.groupby(sizes)] == [1, 2, 3], sizes
+    assert all(s.bytes >= 6 * nbytes for s in got)
+
+
+def test_reads_in_flight_while_busy_is_one_serially_and_more_with_several(tiny_model):
+    """DiskSample.depth = the reader threads' summed seconds inside preadv / the wall seconds with one in flight:
+    1.0 for one thread reading one piece at a time; above 1 with 4 threads and 8 experts in flight (pieces overlap)."""
+    with GGUFModelFile.open(tiny_model) as f:
+        budget = 4 * f.config.n_expert * f.expert_nbytes(0)
+        one = C.measure_disk(f, 1, 64 << 10, budget, 30.0, 2, 0.0, queue=1)
+        many = C.measure_disk(f, 4, 64 << 10, budget, 30.0, 2, 0.0, queue=8)
+    assert one.active_s > 0 and one.depth == pytest.approx(1.0, abs=0.05), (one.busy_s, one.active_s)
+    assert many.depth > 1.2, (many.busy_s, many.active_s)
+    assert one.to_json()["depth"] == one.depth and one.to_json()["busy_s"] == one.busy_s
