@@ -14,7 +14,9 @@ conversion, the B tile, the MMA and the fmas), by MODE:
   words   the same 68 bytes a row a step as 32-bit words, a warp's lanes along one row (17 of 32 lanes; coalesced:
           a warp load = one row's 3 sectors), NS steps' runs at once (NS x 68 bytes a row: longer runs a request);
   flat    the same programs and steps reading a contiguous region (16-byte loads): the device's streaming roofline
-          at this grid.
+          at this grid;
+  ring    words' loads as cp.async copies global -> shared in NS stages (NS - 1 steps in flight, no registers
+          spent), each step read back from shared memory between two CTA barriers: the brief's ring, without the MMA.
 
 CTAS caps the resident programs an SM (a shared memory reservation: the kernel's 3 at one row, 2 at 16; 0 = the
 registers' own). Each case's bytes are checked: the XOR of the programs' results == numpy's of the bytes read.
@@ -41,20 +43,24 @@ from betelgeuse.kernels.triton_launch import launcher  # noqa: E402
 ROWS, ROW_B, BR, BLK = 16 * 2 * 768, 2176, 128, 34   # a bank's gate and up rows (16 experts), their bytes, a tile
 STEP_B = 2 * BLK                                      # a K step's bytes of a row (KB 2 blocks)
 SMEM_SM = 233472                                      # sm_90 shared memory an SM (1 KiB of it reserved a CTA)
-MODES = {"pairs": 0, "words": 1, "flat": 2}
-# name -> (MODE, NS steps a load, walked (16-row bucket) or split into 4 chunks (1-row), CTAS)
+MODES = {"pairs": 0, "words": 1, "flat": 2, "ring": 3}
+# name -> (MODE, NS (words: steps a load; ring: stages), walked (16-row bucket) or split into 4 chunks (1-row), CTAS)
 # (words4: 222 registers on Triton 3.6, 2 CTAs an SM by registers, four steps' runs in flight: capped at 2)
 CASES = {"pairs": ("pairs", 1, False, 3), "words": ("words", 1, False, 3), "words4": ("words", 4, False, 2),
          "flat": ("flat", 1, False, 3), "pairs free": ("pairs", 1, False, 0), "words free": ("words", 1, False, 0),
-         "pairs r16": ("pairs", 1, True, 2), "words r16": ("words", 1, True, 2), "flat r16": ("flat", 1, True, 2)}
+         "pairs r16": ("pairs", 1, True, 2), "words r16": ("words", 1, True, 2), "flat r16": ("flat", 1, True, 2),
+         "ring2": ("ring", 2, False, 3), "ring4": ("ring", 4, False, 3), "ring4 r16": ("ring", 4, True, 2)}
 
 if gm.HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    # cp.async global -> shared: async_load on Triton 3.9, async_copy_global_to_shared on 3.6 (the device's)
+    _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
     WL = gl.constexpr(gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0]))     # words: a warp along one row
     FL = gl.constexpr(gl.BlockedLayout([4], [32], [4], [0]))                  # flat: 16 bytes a thread
-    SL = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))                # the reservation: 4 KiB rows
+    SL = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))                # the reservation's 4 KiB rows, ring
     RL = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [1, 4], [1, 0]))        # ... and its first row's store
 
     @gluon.jit
@@ -69,6 +75,7 @@ if gm.HAVE_GLUON:
         res2 = gl.allocate_shared_memory(gl.int32, [max(RES2 // 4096, 1), 1024], SL)
         if RES > 0:
             res.slice(0, 1).store(gl.zeros([1, 1024], gl.int32, RL))
+        if RES2 > 0:
             res2.slice(0, 1).store(gl.zeros([1, 1024], gl.int32, RL))
         tile = gl.program_id(0)
         ch = gl.program_id(1)
@@ -108,6 +115,27 @@ if gm.HAVE_GLUON:
                 acc = acc ^ w
                 w = gl.load(pw + ow + (s + NS) * 17, mask=mw & (s + NS < steps), other=0)
             tot = gl.xor_sum(gl.xor_sum(acc, 1), 0)
+        elif MODE == 3:                 # words' copies global -> shared by cp.async, NS stages (NS - 1 steps ahead)
+            wd = gl.arange(0, 32, layout=gl.SliceLayout(0, WL))
+            rw = gl.arange(0, 128, layout=gl.SliceLayout(1, WL)) * (2176 // 4)
+            ow = rw[:, None] + wd[None, :]
+            mw = gl.broadcast(rw[:, None] >= 0, (wd < 17)[None, :])
+            mw = mw[0] & mw[1]
+            pw = (pool + row0).to(gl.pointer_type(gl.int32))
+            ring = gl.allocate_shared_memory(gl.int32, [NS, 128, 32], SL)     # NS stages of [128, 32] words
+            for i in gl.static_range(NS - 1):
+                _cp_async(ring.index(i), pw + ow + i * 17, mask=mw & (i < steps))
+                async_copy.commit_group()
+            acc = gl.zeros([128, 32], gl.int32, WL)
+            for s in range(0, steps):
+                j = s + NS - 1              # into the stage step s - 1 was read from (the barrier below: read out)
+                _cp_async(ring.index(j % NS), pw + ow + j * 17, mask=mw & (j < steps))
+                async_copy.commit_group()
+                async_copy.wait_group(NS - 1)                           # step s's copies landed
+                gm._barrier()
+                acc = acc ^ ring.index(s % NS).load(WL)
+                gm._barrier()
+            tot = gl.xor_sum(gl.xor_sum(acc, 1), 0)
         else:
             f = gl.arange(0, 2048, layout=FL)
             fb = pid.to(gl.int64) * steps * 2048                               # words a program: steps x 8 KiB
@@ -119,27 +147,35 @@ if gm.HAVE_GLUON:
                 w = gl.load(pw + fb + (s + 1) * 2048 + f, mask=(f >= 0) & (s + 1 < steps), other=0)
             tot = gl.xor_sum(acc, 0)
         if RES > 0:                     # (zeros: the XOR unchanged)
-            tot = tot ^ gl.xor_sum(gl.xor_sum(res.slice(0, 1).load(RL) ^ res2.slice(0, 1).load(RL), 1), 0)
+            tot = tot ^ gl.xor_sum(gl.xor_sum(res.slice(0, 1).load(RL), 1), 0)
+        if RES2 > 0:
+            tot = tot ^ gl.xor_sum(gl.xor_sum(res2.slice(0, 1).load(RL), 1), 0)
         gl.store(out + pid, tot)
 
     LAUNCH = launcher(_pattern_kernel)
 
 
-def reservation(ctas: int) -> dict:
-    """Shared bytes a CTA reserves so that an SM holds at most `ctas` (0: none): two power-of-2 buffers (Gluon's
-    shapes), RES + RES2 the most that `ctas` CTAs fit (with 1 KiB reserved and 1 KiB of the kernel's own a CTA)."""
+def reservation(ctas: int, own: int = 0) -> dict:
+    """Shared bytes a CTA reserves so that an SM holds at most `ctas` (0: none) beside the kernel's `own` (the ring's
+    stages): two power-of-2 buffers (Gluon's shapes), RES + RES2 the most that `ctas` CTAs fit (with 1 KiB reserved
+    and 1 KiB of the kernel's scratch a CTA)."""
     if ctas == 0:
         return {"RES": 0, "RES2": 0}
-    top = SMEM_SM // ctas - 2048
+    top = SMEM_SM // ctas - 2048 - own
     a = 1 << (top.bit_length() - 1)
     return {"RES": a, "RES2": 1 << ((top - a).bit_length() - 1) if top - a >= 4096 else 0}
 
 
-def launch(pool_view, out, mode: str, ns: int, walked: bool, ctas: int):
-    """One launch over a bank (pool_view: its bytes): grid (ROWS / BR tiles, chunks)."""
-    steps = 32 if walked else 8
-    LAUNCH[(ROWS // BR, 64 // (2 * steps))](pool_view, out, steps, MODE=MODES[mode], NS=ns, **reservation(ctas),
-                                          num_warps=4, num_stages=1)
+def consts(name: str) -> dict:
+    """The case's constexprs (the ring's own shared memory: NS stages of [128, 32] int32, 16 KiB each)."""
+    mode, ns, walked, ctas = CASES[name]
+    return {"MODE": MODES[mode], "NS": ns, **reservation(ctas, ns * 16384 if mode == "ring" else 0)}
+
+
+def launch(pool_view, out, name: str):
+    """One launch of case `name` over a bank (pool_view: its bytes): grid (ROWS / BR tiles, chunks)."""
+    steps = 32 if CASES[name][2] else 8
+    LAUNCH[(ROWS // BR, 64 // (2 * steps))](pool_view, out, steps, **consts(name), num_warps=4, num_stages=1)
 
 
 def compile_case(name: str, arch: int = 90):
@@ -148,8 +184,7 @@ def compile_case(name: str, arch: int = 90):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    mode, ns, walked, ctas = CASES[name]
-    const = {"MODE": MODES[mode], "NS": ns, **reservation(ctas)}
+    const = consts(name)
     sig = {"pool": "*u8", "out": "*i32", "steps": "i32", **{k: "constexpr" for k in const}}
     attrs = {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}
     return triton.compile(GluonASTSource(_pattern_kernel, sig, const, attrs), target=GPUTarget("cuda", arch, 32),
@@ -165,7 +200,7 @@ def expected(bank, mode: str, walked: bool):
         n = ROWS // BR * (64 // (2 * steps)) * steps * 8192
         return int(np.bitwise_xor.reduce(a[:n].view(np.int32)))
     x = int(np.bitwise_xor.reduce(a[:ROWS * ROW_B].view(np.int32)))
-    return x if mode == "words" else (x & 0xFFFF) ^ ((x >> 16) & 0xFFFF)
+    return x if mode in ("words", "ring") else (x & 0xFFFF) ^ ((x >> 16) & 0xFFFF)
 
 
 def main() -> int:
@@ -189,11 +224,11 @@ def main() -> int:
         steps = 32 if walked else 8
         progs = ROWS // BR * (64 // (2 * steps))
         out = torch.zeros(progs, dtype=torch.int32, device=dev)
-        launch(pool[:bank_b], out, mode, ns, walked, ctas)
+        launch(pool[:bank_b], out, name)
         got = int(np.bitwise_xor.reduce(out.cpu().numpy()))
         ok = (got & (0xFFFF if mode == "pairs" else -1)) == expected(pool[:bank_b], mode, walked)
         bad += not ok
-        t = graph_time(lambda i: launch(pool[(i % n_banks) * bank_b:], out, mode, ns, walked, ctas), a.reps)
+        t = graph_time(lambda i: launch(pool[(i % n_banks) * bank_b:], out, name), a.reps)
         nbytes = progs * steps * (8192 if mode == "flat" else BR * STEP_B)
         print(f"| {name} | {mode} | {ns} | {steps} | {progs} | {ctas or '-'} | {'PASS' if ok else 'FAIL'} "
               f"| {nbytes / t / 1e9:.0f} |", flush=True)
