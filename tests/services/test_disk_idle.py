@@ -22,6 +22,7 @@ import time
 
 import pytest
 
+from betelgeuse.worker.store_session import LoadStream
 from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, write_ds4_tiny, write_synth
 from services.bench.disk_idle import CHAIN, GPU, chain_label, ended_label, gpu_label, idle_label, split_idle
 
@@ -158,7 +159,7 @@ def _decode(path, pause_between: float = 0.0, pause_within: float = 0.0, pause_h
                             if i == n_disk - 1:
                                 time.sleep(pause_deliver)
                             yield got
-                    loads = late(loads)
+                    loads = LoadStream(late(loads))     # MoEStep reads a LoadStream's `it` (cpu-host61)
                 return groups(l, r, loads, n_disk, *a, **kw)
             rn.moe._disk_groups = slow_groups
         windows, sends, routed, landed = [], [], [], []
