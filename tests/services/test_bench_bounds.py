@@ -86,7 +86,8 @@ def test_the_disk_split_multiplies_back_to_achieved_on_real_reads(tiny_model):
     from betelgeuse.store.reader import PAGE, ExpertReader
     with GGUFModelFile.open(tiny_model) as f:
         c = f.config
-        sample = C.measure_disk(f, 2, 64 << 10, 1 << 40, 30.0, 1, 0.0, queue=4)
+        # a few batches of 4 (not the 30 s the byte budget alone would have read)
+        sample = C.measure_disk(f, 2, 64 << 10, 16 * f.expert_nbytes(0), 5.0, 1, 0.0, queue=4)
         slot = -(-(f.expert_nbytes(0) + 3 * 2 * PAGE) // PAGE) * PAGE
         arena = Arena.create(8 * slot, name="betelgeuse-test-split")
         reader = ExpertReader(f.path, arena, threads=2, request_bytes=64 << 10)
