@@ -178,8 +178,7 @@ class FlexCache:
     def _grow(self) -> bool:
         """A new chunk in the room left: a whole one, or the slots the room still holds (a quarter of a whole
         one at least: a sliver is not worth a launch group) -> whether one was allocated."""
-        # room's bytes less the chunks' (room's max(0, ...) not needed: below 0 is below 1 slot too; no call)
-        n = min(self.per_chunk, (self.reserved - self.held - self._bytes) // self.slot_bytes)
+        n = min(self.per_chunk, (self.room - self._bytes) // self.slot_bytes)
         # the room test first: a full cache's fills (take's, every decode miss) ask nothing more; `None in chunks`
         # compares each chunk tensor to None through Tensor.__eq__ (~100 us a take on the CPU: cpu-host59)
         if n < max(1, self.per_chunk // 4) or None not in self.chunks:
@@ -320,9 +319,7 @@ class FlexCache:
                 out.append(None)            # nothing free and the LRU slot is this call's: through the bank
                 continue
             else:
-                s = next(iter(lru))         # _evict's eviction, inline: one call (_forget) a disk expert, not two
-                self._forget(s)
-                self.stats.evictions += 1
+                s = self._evict()
             self._assign(layer, e, s)
             out.append(s)
         return out

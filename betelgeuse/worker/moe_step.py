@@ -517,13 +517,7 @@ class MoEStep:
             stats.moe_host_s += time.perf_counter() - t0 - (clock.blocked - b0) - (clock.store_s - s0)
 
     def _guess_of(self, l: int, guess):
-        """guess where layer l guesses (wants_guess's test), else None: guess_layers' memo read here while it holds
-        (a decode layer's call less: issue 21, cpu-host61)."""
-        if guess is None:
-            return None
-        memo = self._guess_memo
-        return guess if (memo[1][l] if memo is not None and memo[0] is self.cache.all_vram else
-                         self.guess_layers(l)) else None
+        return guess if guess is not None and self.guess_layers(l) else None       # wants_guess's test, one call less
 
     # ---- decode's at-hand group (worker/at_hand.py) --------------------------------------------------------
     def hand_layer(self, l: int) -> bool:
@@ -592,10 +586,8 @@ class MoEStep:
             sync = self.graph_sync
             sync.expect(r.counts, self._guess_of(l, guess))
         self.partial(l, r, snap, stats, ls, False, None, hand=True, synced=synced, sync=sync)
-        h = self.hand
-        # stale's first test inline (no flex copy dropped since the table's refresh: most layers; a call less)
-        if h.flex is not None and h.flex.forgets != h.forgets and h.stale(after=l):
-            h.refresh(snap)                     # a later layer's copy evicted (earlier ones: the next step's refresh)
+        if self.hand.stale(after=l):            # a later layer's copy evicted (earlier ones: the next step's refresh)
+            self.hand.refresh(snap)             # the evicted copies' entries (AtHand._patch)
 
     # ---- decode with no per-layer sync (worker/gate.py) ------------------------------------------------------
     def gate_layer(self, l: int, r, guess):
@@ -1146,8 +1138,7 @@ class MoEStep:
                 dsts.append(dev)
                 fsrcs.append(cache.table_source(dev))
             hand = self.hand
-            # a later layer's evicted copy: the upload with them (stale's first test inline, as hand_misses)
-            if hand is not None and flex.forgets != hand.forgets and hand.stale(after=l):
+            if hand is not None and hand.stale(after=l):   # a later layer's evicted copy: the upload with them
                 hand.refresh(snap, defer=True)
                 if hand.deferred is not None:
                     dsts.append(hand.deferred[0])
@@ -1258,13 +1249,10 @@ class MoEStep:
                 flush()
             if held:                                         # never many held while blocking
                 held = self._release(held, keep=limit - 1 - len(batch), excess=early)
-            tw = time.perf_counter()
-            got = next(it)                                   # the client's stream itself (LoadStream.it)
-            dt = time.perf_counter() - tw
+            w0 = clock.store_wait
+            got = clock.wait_store(next, it)                 # the client's stream itself (LoadStream.it)
             ta = time.monotonic()                            # handed to the worker (PassStats.landed: the last)
-            clock.blocked += dt                              # PassClock.wait_store's count, inline: a landed
-            clock.store_wait += dt                           # expert's next() is its one call (cpu-host61)
-            ls.disk_wait_s += dt
+            ls.disk_wait_s += clock.store_wait - w0          # the wait the clock counted: the layer's share of it
             ahead_used += got.prefetched
             stats.disk_bytes += got.disk_bytes
             batch.append(got)
@@ -1286,13 +1274,10 @@ class MoEStep:
         ahead_used = 0
         clock, it = self.clock, loads.it if disk else None
         for _ in disk:
-            tw = time.perf_counter()
-            got = next(it)                                   # as _disk_groups: the client's stream, the wait inline
-            dt = time.perf_counter() - tw
+            w0 = clock.store_wait
+            got = clock.wait_store(next, it)                 # as _disk_groups: the client's stream itself
             ta = time.monotonic()
-            clock.blocked += dt
-            clock.store_wait += dt
-            ls.disk_wait_s += dt
+            ls.disk_wait_s += clock.store_wait - w0
             ahead_used += got.prefetched
             stats.disk_bytes += got.disk_bytes
             self._miss_slot(l, got.expert, self.cache.staging_slot(got.slot))

@@ -336,8 +336,7 @@ class _SeqStream(_Boxes):
         _Stream's; nothing to wait for here (the send is the kernel's)."""
         rid = next(self._ids)
         data = make(rid).SerializeToString()
-        if len(data) > self.limit:                  # the test inline: a send's call less (issue 21, cpu-host61)
-            session_seq.check_size(len(data), self.limit)
+        session_seq.check_size(len(data), self.limit)
         with self._lock:
             if self.error is not None:
                 raise self.error

@@ -194,8 +194,8 @@ def test_every_disk_expert_its_own_group_keeps_the_reference_bits(models, arch, 
 
 @pytest.mark.parametrize("static", [True, False])
 def test_a_landed_experts_wait_counts_as_the_stores(models, static):
-    """Each landed expert's wait (MoEStep._disk_groups, PassClock.wait_store's count inline since cpu-host61: the
-    client's stream read directly) is in its layer's disk_wait_s and in the pass's blocked and store-wait times: a
+    """Each landed expert's wait (MoEStep._disk_groups: PassClock.wait_store on the client's stream itself, the
+    layer's share the clock's count) is in its layer's disk_wait_s and in the pass's blocked and store-wait times: a
     step's store_wait_s and blocked_s are at least its layers' disk waits. Fails with either count dropped."""
     _, _, steps = _decode(models, "qwen3moe", static, None)
     waited = [sum(ls.disk_wait_s for ls in s.layers) for s in steps]
