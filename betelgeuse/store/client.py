@@ -111,15 +111,14 @@ class InProcessStoreClient:
         pass
 
 
-class _Landed:
-    """An in-process load's experts as they land, and ready(): whether the next one has landed (its landing queue
-    holds it: next() returns without a wait), asked without blocking (MoEStep._disk_groups' early flush); ahead_queued:
-    the last landed one's (worker/store_session.LoadStream reads it)."""
+class TrackedLoads:
+    """An iterator of Loaded as a load stream (worker/store_session.LoadStream reads `ahead_queued`: the last landed
+    one's); close() closes a generator."""
 
-    __slots__ = ("_it", "_q", "ahead_queued")
+    __slots__ = ("_it", "ahead_queued")
 
-    def __init__(self, it: Iterator[Loaded], landed):
-        self._it, self._q = it, landed         # landed: the load's queue.Queue of landed keys (ExpertStore._deliver)
+    def __init__(self, it):
+        self._it = it if hasattr(type(it), "__next__") else iter(it)     # an iterator as it is (no __iter__ call)
         self.ahead_queued = 0
 
     def __iter__(self):
@@ -130,8 +129,21 @@ class _Landed:
         self.ahead_queued = got.ahead_queued
         return got
 
+    def close(self):
+        close = getattr(self._it, "close", None)
+        if close is not None:
+            close()
+
+
+class _Landed(TrackedLoads):
+    """An in-process load's experts as they land, and ready(): whether the next one has landed (its landing queue
+    holds it: next() returns without a wait), asked without blocking (MoEStep._disk_groups' early flush)."""
+
+    __slots__ = ("_q",)
+
+    def __init__(self, it: Iterator[Loaded], landed):
+        super().__init__(it)
+        self._q = landed                        # the load's queue.Queue of landed keys (ExpertStore._deliver)
+
     def ready(self) -> bool:
         return self._q.qsize() > 0
-
-    def close(self):
-        self._it.close()

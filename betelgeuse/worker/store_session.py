@@ -35,7 +35,7 @@ from betelgeuse.config import EngineConfig
 from betelgeuse.errors import BetelgeuseError
 from betelgeuse.gguf.reader import GGUFModelFile
 from betelgeuse.store.arena import Arena, register_pinned, unregister_pinned
-from betelgeuse.store.client import StoreClient
+from betelgeuse.store.client import StoreClient, TrackedLoads
 from betelgeuse.store.directory import SlotDirectory
 from betelgeuse.store.plan import SlotPlan
 from betelgeuse.worker.engram_feed import EngramFeed
@@ -352,13 +352,13 @@ class StoreSession:
 class LoadStream:
     """A load's experts as they land (Loaded, completion order). `it`: the client's stream itself (the clients' load
     streams: services/grpc/store_client.py _Landed, store/client.py _Landed), which keeps the last landed expert's
-    ahead_queued; a bare iterator (an empty load's, a test's) goes through _Tracked, which does. MoEStep's loops over a
+    ahead_queued; a bare iterator (an empty load's, a test's) goes through TrackedLoads, which does. MoEStep's loops over a
     decode layer's disk experts call next(stream.it): no wrapper call a landed expert (issue 21, cpu-host61)."""
 
     __slots__ = ("it",)
 
     def __init__(self, it):
-        self.it = it if hasattr(type(it), "ahead_queued") else _Tracked(it)
+        self.it = it if hasattr(type(it), "ahead_queued") else TrackedLoads(it)
 
     def __iter__(self):
         return self
@@ -381,27 +381,3 @@ class LoadStream:
     def queued(self) -> int:
         """The reads ahead its message started (final once the stream is consumed)."""
         return self.it.ahead_queued
-
-
-class _Tracked:
-    """A bare iterator of Loaded as a client's load stream: the last one's ahead_queued kept; close() closes a
-    generator."""
-
-    __slots__ = ("_it", "ahead_queued")
-
-    def __init__(self, it):
-        self._it = it if hasattr(type(it), "__next__") else iter(it)     # an iterator as it is (no __iter__ call)
-        self.ahead_queued = 0
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        got = next(self._it)
-        self.ahead_queued = got.ahead_queued
-        return got
-
-    def close(self):
-        close = getattr(self._it, "close", None)
-        if close is not None:
-            close()

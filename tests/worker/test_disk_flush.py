@@ -94,7 +94,8 @@ def test_a_stream_that_cannot_say_reads_as_ready():
 def test_a_streams_queued_is_its_last_landed_experts():
     """LoadStream.queued(): the reads ahead its message started, the last landed expert's ahead_queued (final once
     the stream is consumed), kept by the client's stream itself (LoadStream.it: MoEStep's loops call next(it), no
-    wrapper call a landed expert, cpu-host61) or, for a bare iterator, by _Tracked; close() closes a bare generator.
+    wrapper call a landed expert, cpu-host61) or, for a bare iterator, by store.client.TrackedLoads (the in-process
+    client's stream too); close() closes a bare generator.
     Fails where a stream's next() does not keep ahead_queued, or where close() does not reach the generator."""
     from betelgeuse.store.store import Loaded
     got = [Loaded(0, 1, 3, 0, False, 2), Loaded(0, 4, 5, 0, True, 5)]
