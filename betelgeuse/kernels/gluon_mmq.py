@@ -214,6 +214,14 @@ if HAVE_GLUON:
     PL2 = gl.constexpr(gl.DistributedLinearLayout([[8, 0], [0, 4], [0, 8], [0, 16], [64, 0]],
                                                   [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], [[16, 0], [32, 0]], [],
                                                   [128, 32]))
+    # PK 1's quant words [R, 16] int32 of a K step (q8_pack's layout): word c = 4 b + a of row n holds pairs 8 a + b
+    # (low 16 bits) and 8 a + b + 4 (high); thread t holds words 4 (t % 4) .. + 3 (16 contiguous bytes: one 128-bit
+    # load) of rows t / 4 and t / 4 + 8 of its warp's 16 -- PL's pairs of the same rows; R 128: rows + 64 too
+    PW = gl.constexpr(gl.DistributedLinearLayout([[0, 1], [0, 2], [8, 0]], [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+                                                 [[16, 0], [32, 0]], [], [64, 16]))
+    PW2 = gl.constexpr(gl.DistributedLinearLayout([[0, 1], [0, 2], [8, 0], [64, 0]],
+                                                  [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]], [[16, 0], [32, 0]], [],
+                                                  [128, 16]))
     # the B tile as int32 words [KB*16, KB*BM] (word w of a column: its bf16 k = 2 w, 2 w + 1): 4 consecutive words
     # (16 bytes, one 128-bit load) a thread, BL's elements
     BW = gl.constexpr(gl.BlockedLayout([4, 1], [8, 4], [1, 4], [0, 1]))
