@@ -15,8 +15,8 @@ STEP_B = 4,352 bytes (64 rows x 68), tile-major ([tile][step]: a tile's bytes st
   bytes 4096 .. 4351  the scales: row i of the tile a 32-bit word, f16 d of the step's first block (low 16 bits),
                       then the second's.
 
-Numpy only (the index is a permutation of one tile's bytes, applied to every tile: np.take or a torch gather on
-the GPU alike)."""
+The index is a permutation of one tile's bytes, applied to every tile: numpy indexing here, a torch gather on
+the GPU (permute_tiles)."""
 
 from __future__ import annotations
 
@@ -47,17 +47,29 @@ def tile_index(K: int) -> np.ndarray:
     return np.concatenate([q + s * 2 * BLK, d + s * 2 * BLK], axis=1).reshape(-1)
 
 
-def _per_tile(data, rows: int, K: int, index: np.ndarray) -> np.ndarray:
-    a = np.frombuffer(data, dtype=np.uint8) if isinstance(data, (bytes, bytearray, memoryview)) else np.asarray(data)
-    assert usable(rows, K) and a.dtype == np.uint8 and a.size == rows * K // 32 * BLK, (rows, K, a.dtype, a.size)
-    return a.reshape(rows // TR, -1)[:, index].reshape(-1)
+def permute_tiles(a, index: np.ndarray):
+    """Each tile of uint8 bytes `a` (a numpy array, or a torch tensor on any device: a gather there) permuted by
+    `index` (one tile's: out tile byte i = in tile byte index[i]): a flat array of a's kind, the same size."""
+    n = index.size
+    if hasattr(a, "device"):                # torch (not imported here: the index goes to a's device)
+        import torch
+        return a.reshape(-1, n)[:, torch.as_tensor(index, device=a.device)].reshape(-1)
+    return a.reshape(-1, n)[:, index].reshape(-1)
 
 
-def pack_q8_0(data, rows: int, K: int) -> np.ndarray:
-    """GGUF-ordered Q8_0 bytes of a [rows, K] matrix (bytes or uint8 array) -> its packed bytes (uint8, same size)."""
-    return _per_tile(data, rows, K, tile_index(K))
+def _bytes(data, rows: int, K: int):
+    a = np.frombuffer(data, dtype=np.uint8) if isinstance(data, (bytes, bytearray, memoryview)) else data
+    assert usable(rows, K) and str(a.dtype) in ("uint8", "torch.uint8"), (rows, K, a.dtype)
+    assert a.reshape(-1).shape[0] == rows * K // 32 * BLK, (rows, K, a.shape)
+    return a
 
 
-def unpack_q8_0(data, rows: int, K: int) -> np.ndarray:
+def pack_q8_0(data, rows: int, K: int):
+    """GGUF-ordered Q8_0 bytes of a [rows, K] matrix (bytes, a uint8 numpy array or torch tensor) -> its packed bytes
+    (a flat uint8 numpy array, or a torch tensor on data's device; the same size)."""
+    return permute_tiles(_bytes(data, rows, K), tile_index(K))
+
+
+def unpack_q8_0(data, rows: int, K: int):
     """pack_q8_0's inverse: packed bytes -> GGUF order."""
-    return _per_tile(data, rows, K, np.argsort(tile_index(K)))
+    return permute_tiles(_bytes(data, rows, K), np.argsort(tile_index(K)))

@@ -244,9 +244,8 @@ def layout_index(mode: str, ns: int):
 
 def relaid(bank, mode: str, ns: int):
     """The bank's bytes in a layout case's order (a gather on the bank's device)."""
-    import torch
-    idx = torch.from_numpy(layout_index(mode, ns)).to(bank.device)
-    return bank.view(-1, idx.numel())[:, idx].reshape(-1)
+    from betelgeuse.kernels import q8_pack
+    return q8_pack.permute_tiles(bank, layout_index(mode, ns))
 
 
 def expected_programs(bank, walked: bool):

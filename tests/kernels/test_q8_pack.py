@@ -1,0 +1,69 @@
+"""betelgeuse/kernels/q8_pack (docs/benchmarks/cpu-pack62): the packed layout is a permutation of a Q8_0 matrix's bytes
+(round trip, same size), and the packed bytes read the way the PK 1 kernel reads them (a thread's quant words at
+its rows' 16-byte pieces, a row's scale word after the step's quants) dequantize to gguf-py's dequantization of the
+GGUF bytes, exactly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import quants as gq
+from gguf.constants import GGMLQuantizationType as GT
+
+from betelgeuse.kernels import q8_pack
+
+
+def _q8(rows: int, K: int, seed: int) -> np.ndarray:
+    """A [rows, K] Q8_0 matrix's GGUF bytes (gguf-py's quantizer; rows of mixed magnitudes)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, K)).astype(np.float32) * rng.uniform(0.01, 4, (rows, 1)).astype(np.float32)
+    return np.ascontiguousarray(gq.quantize(x, GT.Q8_0)).reshape(-1)
+
+
+def _read_packed(p: np.ndarray, rows: int, K: int) -> np.ndarray:
+    """[rows, K] float32 from packed bytes, addressed as the kernel does: tile t, step s at (t * K / 64 + s) * 4352;
+    row n of the tile's quant words [16] at 1024 (n % 64 // 16) + 512 (n // 8 % 2) + 64 (n % 8), word c holding the
+    pairs 8 (c % 4) + c // 4 (low half) and that + 4 (high); its scale word at 4096 + 4 n (block 2 s's f16 d, then
+    2 s + 1's). Value = float32(d) * float32(int8), gguf-py's product."""
+    out = np.zeros((rows, K), np.float32)
+    for t in range(rows // 64):
+        for s in range(K // 64):
+            st = p[(t * (K // 64) + s) * 4352:][:4352]
+            for n in range(64):
+                g = 1024 * (n % 64 // 16) + 512 * (n // 8 % 2) + 64 * (n % 8)
+                q = st[g:g + 64].view(np.int8).reshape(16, 2, 2)        # [word c][low / high pair][2 int8]
+                d = st[4096 + 4 * n:4100 + 4 * n].view(np.float16).astype(np.float32)
+                for c in range(16):
+                    for hi in range(2):
+                        pr = 8 * (c % 4) + c // 4 + 4 * hi              # the step's pair: elements 2 pr, 2 pr + 1
+                        k = 64 * s + 2 * pr
+                        out[64 * t + n, k:k + 2] = d[pr // 16] * q[c, hi].astype(np.float32)
+    return out
+
+
+@pytest.mark.parametrize("rows,K", [(64, 64), (128, 768), (64, 2048)])
+def test_pack_is_a_permutation_and_reads_as_gguf(rows, K):
+    raw = _q8(rows, K, rows + K)
+    packed = q8_pack.pack_q8_0(raw.tobytes(), rows, K)
+    assert packed.dtype == np.uint8 and packed.size == raw.size
+    assert np.array_equal(q8_pack.unpack_q8_0(packed, rows, K), raw)
+    assert not np.array_equal(packed, raw)
+    ref = gq.dequantize(raw.reshape(rows, -1), GT.Q8_0).astype(np.float32)
+    got = _read_packed(packed, rows, K)
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+
+
+def test_usable():
+    assert q8_pack.usable(768, 2048) and q8_pack.usable(2048, 768)
+    assert not q8_pack.usable(96, 2048) and not q8_pack.usable(64, 96) and not q8_pack.usable(0, 64)
+    with pytest.raises(AssertionError):
+        q8_pack.pack_q8_0(np.zeros(96 * 68, np.uint8), 96, 64)
+
+
+def test_torch_gather_matches_numpy():
+    """The GPU path's gather (a torch tensor in, on its device) gives numpy's bytes."""
+    torch = pytest.importorskip("torch")
+    raw = _q8(128, 768, 5)
+    got = q8_pack.pack_q8_0(torch.from_numpy(raw.copy()), 128, 768)
+    assert isinstance(got, torch.Tensor) and np.array_equal(got.numpy(), q8_pack.pack_q8_0(raw, 128, 768))
+    assert np.array_equal(q8_pack.unpack_q8_0(got, 128, 768).numpy(), raw)
