@@ -67,3 +67,33 @@ def test_torch_gather_matches_numpy():
     got = q8_pack.pack_q8_0(torch.from_numpy(raw.copy()), 128, 768)
     assert isinstance(got, torch.Tensor) and np.array_equal(got.numpy(), q8_pack.pack_q8_0(raw, 128, 768))
     assert np.array_equal(q8_pack.unpack_q8_0(got, 128, 768).numpy(), raw)
+
+
+def test_pk_conversion_order_is_the_steps_k_order():
+    """gluon_mmq._conv_raw's PK reordering emulated in numpy (gl.join = a stack on a new last axis; reshape / permute
+    as numpy's): the words [64, 16] of a step, loaded at the kernel's addresses, become a [64, 64] tile whose column
+    k is element k of the step's two blocks (the int8 at byte 34 (2 s + k // 32) + 2 + k % 32 of the GGUF row) --
+    PK 0's A tile, so the MMA sees the same operand. The emulation follows the kernel's source, which is checked."""
+    import inspect
+
+    from betelgeuse.kernels import gluon_mmq as gm
+    if not gm.HAVE_GLUON:
+        pytest.skip("no Gluon")
+    src = inspect.getsource(gm._conv_raw.fn if hasattr(gm._conv_raw, "fn") else gm._conv_raw)
+    for line in ("v = gl.join(gl.join(_lo_bf16(lo), _lo_bf16(lo >> 16)), gl.join(_lo_bf16(hi), _lo_bf16(hi >> 16)))",
+                 "v = gl.permute(gl.reshape(v, [R, 4, 4, 2, 2]), [0, 2, 4, 1, 3])",
+                 "wb = gl.convert_layout(gl.reshape(v, [R, KB * 32]), AL)"):
+        assert line in src, line
+    rows, K = 64, 768
+    raw = _q8(rows, K, 9)
+    packed = q8_pack.pack_q8_0(raw, rows, K)
+    q = raw.reshape(rows, K // 32, 34)[:, :, 2:].view(np.int8).reshape(rows, K)
+    n = np.arange(64)
+    g = 1024 * (n // 16) + 512 * (n // 8 % 2) + 64 * (n % 8)
+    for s in range(K // 64):
+        st = packed[s * 4352:(s + 1) * 4352]
+        w = st[g[:, None, None] + 4 * np.arange(16)[None, :, None] + np.arange(4)].view(np.int8)     # [64, 16, 4]
+        lo, hi = w[..., 0:2], w[..., 2:4]                   # the words' low / high pairs, their 2 int8 each (i)
+        v = np.stack([np.stack([lo[..., 0], lo[..., 1]], -1), np.stack([hi[..., 0], hi[..., 1]], -1)], -1)
+        v = v.reshape(rows, 4, 4, 2, 2).transpose(0, 2, 4, 1, 3).reshape(rows, 64)
+        assert np.array_equal(v, q[:, 64 * s:64 * s + 64]), s
