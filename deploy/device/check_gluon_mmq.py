@@ -134,7 +134,8 @@ def route(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 FORMS = {"gluon": {"GL": 1, "GP": 0}, "gluon unfused": {"GL": 1, "FUSE": 0, "GP": 0},  # name -> TYPE_CONFIG overrides
          "gluon GP1": {"GL": 1, "GP": 1}, "gluon GP2": {"GL": 1, "GP": 2},
-         "gluon GP1 split16": {"GL": 1, "GP": 1, "SPLIT": 1}, "gluon GP1 PK": {"GL": 1, "GP": 1, "PK": 1}}
+         "gluon GP1 split16": {"GL": 1, "GP": 1, "SPLIT": 1}, "gluon GP1 PK": {"GL": 1, "GP": 1, "PK": 1},
+         "gluon GP2 PK": {"GL": 1, "GP": 2, "PK": 1}, "gluon GP1 PK split16": {"GL": 1, "GP": 1, "PK": 1, "SPLIT": 1}}
 # the Triton launch each Gluon form is held against: GL 0 at the FUSE each type had before GL shipped (Q8_0 unfused,
 # MXFP4 and Q4_K fused: gpu-run58-kernels); Q8_0's shipped fused GP 1 Gluon form is "gluon GP1" here (gpu-run63)
 TRITON = {0: {"GL": 0, "GP": 0, "FUSE": 0}, 4: {"GL": 0}, 5: {"GL": 0}}
@@ -145,10 +146,11 @@ def gl_forms(mq, only: list[str] | None = None) -> dict:
     the shipped FUSE (`gluon`; Q8_0's fused since gpu-run63, MXFP4's and Q4_K's since gpu-run58-kernels: the same bits
     as unfused) and unfused; the loads carried to the step that uses them, GP 1 and 2 (gluon_mmq._acc_part: Q8_0 and
     MXFP4; Q4_K's loop has no GP form, cpu-gluon16r57), and GP 1 with the K chunks split over programs at 16 rows too
-    (SPLIT 1: 4x the 16-row gate_up's 192 programs; the 1-row bucket's kernels); Q8_0's GP 1 on the bank packed (PK 1:
-    q8_pack's layout, pack_pool). Each against TRITON's launch (on the bank as GGUF lays it)."""
+    (SPLIT 1: 4x the 16-row gate_up's 192 programs; the 1-row bucket's kernels); Q8_0's GP 1, GP 2 and GP 1 split16
+    on the bank packed (PK 1: q8_pack's layout, pack_pool). Each against TRITON's launch (on the bank as GGUF lays
+    it)."""
     names = ["gluon", "gluon unfused"] + (["gluon GP1", "gluon GP2", "gluon GP1 split16"] if QT != 5 else [])
-    names += ["gluon GP1 PK"] if QT == 0 else []
+    names += ["gluon GP1 PK", "gluon GP2 PK", "gluon GP1 PK split16"] if QT == 0 else []
     return {n: FORMS[n] for n in names if only is None or n in only}
 
 
@@ -277,7 +279,7 @@ def check_type(tname: str, mq, triton_launch, g, cases=((2, None), (32, None), (
     big = make_pool(BANK, slot, starts, g)
     pool = big[below * slot:]
     forms = gl_forms(mq, ONLY) if forms is None else forms
-    if dev.type != "cuda":          # PK: gluon_mmq's form alone reads the packed bank (the CPU has none)
+    if dev.type != "cuda" or QT != 0:   # PK: Q8_0's Gluon form alone reads the packed bank (the CPU has none)
         forms = {n: o for n, o in forms.items() if not o.get("PK")}
     packed = pack_pool(big, BANK, slot, starts)[below * slot:] if any(o.get("PK") for o in forms.values()) else None
     base = torch.full((E,), -1, dtype=torch.int64, device=dev)
