@@ -28,6 +28,11 @@ so the same bits on the GPU (deploy/device/check_gluon_mmq.py checks torch.equal
   * GP (Q8_0, MXFP4; _acc_part): where a K step's loads are converted -- 0 in the step that issues them (one step
     ahead, but waited for before that step ends), 1 / 2 carried as loaded one / two steps and converted in the step
     that uses them (PTX loads and conversions the compiler cannot move back: cpu-gluon16r57). A schedule key.
+  * PK (Q8_0, GP >= 1; off everywhere): the pool's weights in q8_pack's layout (64-row tiles, a K step's quants in
+    the order of the threads' A k pairs): a thread's weights of a tile and step are 16 contiguous bytes (one 128-bit
+    load; a warp load 512 contiguous bytes, where GGUF order gives 8 rows x 8 bytes in 8 lines) and a row's two
+    scales one 32-bit word; register moves put the words' int8 in AL's order, so the MMA gets the same A: the same
+    bits as PK 0 on the GGUF bytes (cpu-pack62). A schedule key; the caller packs the pool.
 The schedule key GL (triton_mmq.CONFIG, 0 by default) asks for it; triton_mmq._launch takes it where `usable` says so
 (CUDA sm_90, Gluon importable, Q8_0, MXFP4 or Q4_K at these constants, aligned parts), else the Triton kernel runs
 (CPU, the interpreter: Gluon has no interpreter). Compiles on Triton 3.6 (the device's) and 3.9: the one API
@@ -64,8 +69,11 @@ def usable(qt: int, c: dict, kb: int, device, aligned: bool = True) -> bool:
     """Whether a bf16 MMA launch of type qt with config c (KB kb as launched) can run here: Gluon imports, a CUDA
     device of capability 9.x (wgmma), not the interpreter, a type of TYPES at SHAPE's constants (FUSE either way:
     gate_up's fused form is here too; a schedule key, the same bits), parts 16-byte aligned (`aligned`, as
-    triton_mmq.gate_up's: the weights are read in 2-, 4- and 16-byte words)."""
+    triton_mmq.gate_up's: the weights are read in 2-, 4- and 16-byte words); PK 1 (the weights packed: q8_pack)
+    Q8_0 with GP >= 1 only."""
     if not HAVE_GLUON or qt not in TYPES or getattr(device, "type", "") != "cuda" or not aligned:
+        return False
+    if c.get("PK") and (qt != 0 or not c.get("GP")):
         return False
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         return False
@@ -146,6 +154,18 @@ if HAVE_GLUON:
         return r
 
     @gluon.jit
+    def _pk_rows(r, n, row_bytes, SC: gl.constexpr):
+        """PK 1: _part_rows' GGUF row addresses r [R] of part rows n (same layout) -> q8_pack's, in the K step 0 of
+        the row's 64-row tile (tile-major: the tile's bytes where GGUF had them): the row's quant words (SC False:
+        16-byte aligned) or its scale word (SC True)."""
+        i = n % 64
+        if SC:
+            o = 4096 + 4 * i
+        else:
+            o = 1024 * (i // 16) + 512 * ((i // 8) % 2) + 64 * (i % 8)
+        return gl.multiple_of(r + (o - i * row_bytes).to(gl.int64), 4 if SC else 16)
+
+    @gluon.jit
     def _perm(p):
         """triton_mmq._perm: MXFP4's element order in the bf16 MMA's tiles, position 32 a + 8 w + 2 c + h holds
         element 32 a + 16 h + 4 w + c (a thread's k pair (2 c', 2 c' + 1): the two nibbles of one byte)."""
@@ -214,6 +234,14 @@ if HAVE_GLUON:
     PL2 = gl.constexpr(gl.DistributedLinearLayout([[8, 0], [0, 4], [0, 8], [0, 16], [64, 0]],
                                                   [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], [[16, 0], [32, 0]], [],
                                                   [128, 32]))
+    # PK 1's quant words [R, 16] int32 of a K step (q8_pack's layout): word c = 4 b + a of row n holds pairs 8 a + b
+    # (low 16 bits) and 8 a + b + 4 (high); thread t holds words 4 (t % 4) .. + 3 (16 contiguous bytes: one 128-bit
+    # load) of rows t / 4 and t / 4 + 8 of its warp's 16 -- PL's pairs of the same rows; R 128: rows + 64 too
+    PW = gl.constexpr(gl.DistributedLinearLayout([[0, 1], [0, 2], [8, 0]], [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+                                                 [[16, 0], [32, 0]], [], [64, 16]))
+    PW2 = gl.constexpr(gl.DistributedLinearLayout([[0, 1], [0, 2], [8, 0], [64, 0]],
+                                                  [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]], [[16, 0], [32, 0]], [],
+                                                  [128, 16]))
     # the B tile as int32 words [KB*16, KB*BM] (word w of a column: its bf16 k = 2 w, 2 w + 1): 4 consecutive words
     # (16 bytes, one 128-bit load) a thread, BL's elements
     BW = gl.constexpr(gl.BlockedLayout([4, 1], [8, 4], [1, 4], [0, 1]))
@@ -233,25 +261,40 @@ if HAVE_GLUON:
             }""", "=r,l,r", [ptr, mask.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
-    def _load_raw(pool, ra, mn, rc, mc, xq_ptr, jo, jm, kb0, QT: gl.constexpr, KB: gl.constexpr):
+    def _load_raw(pool, ra, mn, rc, mc, xq_ptr, jo, jm, kb0, QT: gl.constexpr, KB: gl.constexpr, PK: gl.constexpr):
         """GP >= 1: K step kb0 .. kb0 + KB's loads (_fetch's bytes), each an int32 as loaded: (the weights: Q8_0 the
         pairs [R, KB*16] (PL) of rows ra (mask mn), pair p at byte 34 (kb0 + p // 16) + 2 + 2 (p % 16); MXFP4
         _fetch's bytes [R, KB*16]; the scales' raw values of blocks kb0, kb0 + 1 of rows rc (mask mc): Q8_0 the f16
         bits, MXFP4 the E8M0 byte; the B tile: Q8_0 as words [KB*16, KB*BM] (BW) of _fetch's tile, MXFP4 _fetch's
-        bf16 tile)."""
+        bf16 tile). PK (Q8_0): the weights as q8_pack's words [R, 16] (PW) of the step, at byte kb0 / 2 x 4352 from
+        the rows' _pk_rows addresses ra (128-bit loads); r0 = r1 their scale words at rc's (block kb0's f16 d in the
+        low 16 bits, kb0 + 1's in the high)."""
         R: gl.constexpr = ra.shape[0]
         if QT == 0:
-            if R == 64:
-                LP: gl.constexpr = PL
+            if PK:
+                if R == 64:
+                    LW: gl.constexpr = PW
+                else:
+                    LW: gl.constexpr = PW2
+                st = kb0 * 2176                     # the step's bytes from the tile's first (kb0 even: kb0 / 2 x 4352)
+                c = gl.arange(0, 16, layout=gl.SliceLayout(0, LW))
+                pw = (pool + gl.convert_layout(ra, gl.SliceLayout(1, LW)) + st).to(gl.pointer_type(gl.int32))
+                mp = gl.convert_layout(mn, gl.SliceLayout(1, LW))
+                w = gl.load(pw[:, None] + c[None, :], mask=gl.broadcast(mp[:, None], c[None, :])[0], other=0)
+                r0 = gl.load((pool + rc + st).to(gl.pointer_type(gl.int32)), mask=mc, other=0)
+                r1 = r0
             else:
-                LP: gl.constexpr = PL2
-            pp = gl.arange(0, KB * 16, layout=gl.SliceLayout(0, LP))
-            rp = gl.convert_layout(ra, gl.SliceLayout(1, LP))
-            o = rp[:, None] + ((kb0 + pp // 16) * 34 + 2 + (pp % 16) * 2)[None, :]
-            mp = gl.convert_layout(mn, gl.SliceLayout(1, LP))
-            w = _ld_u16(pool + o, gl.broadcast(mp[:, None], o)[0])
-            r0 = _ld_u16(pool + rc + kb0 * 34, mc)
-            r1 = _ld_u16(pool + rc + kb0 * 34 + 34, mc)
+                if R == 64:
+                    LP: gl.constexpr = PL
+                else:
+                    LP: gl.constexpr = PL2
+                pp = gl.arange(0, KB * 16, layout=gl.SliceLayout(0, LP))
+                rp = gl.convert_layout(ra, gl.SliceLayout(1, LP))
+                o = rp[:, None] + ((kb0 + pp // 16) * 34 + 2 + (pp % 16) * 2)[None, :]
+                mp = gl.convert_layout(mn, gl.SliceLayout(1, LP))
+                w = _ld_u16(pool + o, gl.broadcast(mp[:, None], o)[0])
+                r0 = _ld_u16(pool + rc + kb0 * 34, mc)
+                r1 = _ld_u16(pool + rc + kb0 * 34 + 34, mc)
             kw = gl.arange(0, KB * 16, layout=gl.SliceLayout(1, BW))
             jb = gl.arange(0, jo.shape[0], layout=gl.SliceLayout(0, BW)) // (jo.shape[0] // KB)
             jw = gl.convert_layout(jo, gl.SliceLayout(0, BW))
@@ -309,16 +352,25 @@ if HAVE_GLUON:
         return (v & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
 
     @gluon.jit
-    def _conv_raw(w, r0, r1, x, QT: gl.constexpr, KB: gl.constexpr):
+    def _conv_raw(w, r0, r1, x, QT: gl.constexpr, KB: gl.constexpr, PK: gl.constexpr):
         """_load_raw's values -> _fetch's: (the weights [R, KB*32] bf16 in AL, d0, d1 [R] float32, the B tile
         [KB*32, KB*BM] bf16) -- the same values (Q8_0: int8 -> bf16 of each byte of a pair, the f16 scale exactly
         to float32; MXFP4: _fetch's decode)."""
         R: gl.constexpr = w.shape[0]
         if QT == 0:
-            v = _q8_bf16x2(w)                           # low half: the pair's low byte (k 2 (p % 16)), high: k + 1
-            wb = gl.convert_layout(gl.reshape(gl.join(_lo_bf16(v), _lo_bf16(v >> 16)), [R, KB * 32]), AL)
-            d0 = _f16_asm(r0)
-            d1 = _f16_asm(r1)
+            if PK:                                      # word c = 4 b + a: pairs 8 a + b (low half) and + 4 (high)
+                lo = _q8_bf16x2(w)
+                hi = _q8_bf16x2(w >> 16)
+                v = gl.join(gl.join(_lo_bf16(lo), _lo_bf16(lo >> 16)), gl.join(_lo_bf16(hi), _lo_bf16(hi >> 16)))
+                v = gl.permute(gl.reshape(v, [R, 4, 4, 2, 2]), [0, 2, 4, 1, 3])    # [R, a, h, b, i]: the step's
+                wb = gl.convert_layout(gl.reshape(v, [R, KB * 32]), AL)          # k = 16 a + 8 h + 2 b + i
+                d0 = _f16_asm(r0)
+                d1 = _f16_asm(r1 >> 16)
+            else:
+                v = _q8_bf16x2(w)                       # low half: the pair's low byte (k 2 (p % 16)), high: k + 1
+                wb = gl.convert_layout(gl.reshape(gl.join(_lo_bf16(v), _lo_bf16(v >> 16)), [R, KB * 32]), AL)
+                d0 = _f16_asm(r0)
+                d1 = _f16_asm(r1)
             xl = _lo_bf16(x)                                         # word w's k 2 w, then 2 w + 1
             xh = _lo_bf16(x >> 16)
             xb = gl.reshape(gl.permute(gl.join(xl, xh), [0, 2, 1]), [2 * x.shape[0], x.shape[1]])
@@ -346,21 +398,22 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _step_raw(acc, z, w, r0, r1, x, pool, ra, mn, rc, mc, xq_ptr, jo, jm, kb0, b1, QT: gl.constexpr,
-                  BN: gl.constexpr, BM: gl.constexpr, KB: gl.constexpr, AHEAD: gl.constexpr):
+                  BN: gl.constexpr, BM: gl.constexpr, KB: gl.constexpr, AHEAD: gl.constexpr, PK: gl.constexpr):
         """GP >= 1's K step kb0 on a set of loads (w, r0, r1, x: _load_raw's of step kb0): the set converted and its B
         tile stored to shared memory first, then step kb0 + AHEAD's loads issued into the same set (its registers
         free again: no copy between the loop's steps, which would wait for the loads), then _mma_step's MMA and
         fmas. (acc, the set of step kb0 + AHEAD)."""
-        wb, d0, d1, xb = _conv_raw(w, r0, r1, x, QT, KB)
+        wb, d0, d1, xb = _conv_raw(w, r0, r1, x, QT, KB, PK)
         xs = gl.allocate_shared_memory(gl.bfloat16, [KB * 32, KB * BM], SH, xb)
         more = kb0 + AHEAD < b1                     # masked off past b1
-        w, r0, r1, x = _load_raw(pool, ra, mn & more, rc, mc & more, xq_ptr, jo, jm & more, kb0 + AHEAD, QT, KB)
+        w, r0, r1, x = _load_raw(pool, ra, mn & more, rc, mc & more, xq_ptr, jo, jm & more, kb0 + AHEAD, QT, KB,
+                                 PK)
         acc = _mma_acc(acc, z, wb, xs, d0, d1, BN, BM, KB)
         return acc, w, r0, r1, x
 
     @gluon.jit
     def _acc_part(pool, ra, mn, rc, mc, xq_ptr, jo, jm, b0, b1, QT: gl.constexpr, BN: gl.constexpr,
-                  BM: gl.constexpr, KB: gl.constexpr, GP: gl.constexpr):
+                  BM: gl.constexpr, KB: gl.constexpr, GP: gl.constexpr, PK: gl.constexpr):
         """One part's partial [BN, BM] (ACC) over blocks b0 .. b1 (KB | b1 - b0), from zero: triton_mmq._mmq_step's
         float ops (module doc). BN: the rows of ra (gate_up's FUSE: 2 BN, gate's then up's, one MMA of M 128 = 2 x
         m64 a k16). GP (a schedule key: the same loads, conversions, MMA and float ops, only where they sit):
@@ -370,8 +423,10 @@ if HAVE_GLUON:
           1  the next step's loads issued before this step's MMA, carried as loaded, converted in the step that uses
              them: a load has a whole step to land;
           2  as 1, two steps ahead (two steps' bytes in flight a program: for grids of few programs a SM, the 16-row
-             gate_up's 192 programs on 132 SMs)."""
+             gate_up's 192 programs on 132 SMs).
+        PK (a schedule key, Q8_0 with GP >= 1): the weights in q8_pack's layout (ra / rc: _pk_rows' addresses)."""
         gl.static_assert(KB == 2)
+        gl.static_assert(PK == 0 or (QT == 0 and GP > 0))
         acc = gl.zeros([BN, BM], gl.float32, ACC)
         z = gl.zeros([BN, KB * BM], gl.float32, MMA)
         if GP == 0:
@@ -384,23 +439,24 @@ if HAVE_GLUON:
                 acc = _mma_acc(acc, z, wb, xs, d0, d1, BN, BM, KB)
                 wb, d0, d1, x = wb2, e0, e1, x2
         else:                                           # GP 1: one set of loads in flight, GP 2: two (steps
-            w, r0, r1, x = _load_raw(pool, ra, mn, rc, mc, xq_ptr, jo, jm, b0, QT, KB)     # b0, b0 + 2 KB, ..: set
+            w, r0, r1, x = _load_raw(pool, ra, mn, rc, mc, xq_ptr, jo, jm, b0, QT, KB, PK)     # b0, b0 + 2 KB, ..: set
             if GP == 2:                                 # one; b0 + KB, b0 + 3 KB, ..: set two, masked off past b1)
                 m1 = b0 + KB < b1
-                v, s0, s1, y = _load_raw(pool, ra, mn & m1, rc, mc & m1, xq_ptr, jo, jm & m1, b0 + KB, QT, KB)
+                v, s0, s1, y = _load_raw(pool, ra, mn & m1, rc, mc & m1, xq_ptr, jo, jm & m1, b0 + KB, QT, KB,
+                                         PK)
             if GP == 1:
                 for kb0 in range(b0, b1, KB):
                     acc, w, r0, r1, x = _step_raw(acc, z, w, r0, r1, x, pool, ra, mn, rc, mc, xq_ptr, jo, jm, kb0, b1,
-                                                  QT, BN, BM, KB, KB)
+                                                  QT, BN, BM, KB, KB, PK)
             else:                                       # pairs of steps (no branch in the loop: the sets' registers
                 for kb0 in range(b0, b1 - KB, 2 * KB):  # stay put), then an odd count's last step on set one
                     acc, w, r0, r1, x = _step_raw(acc, z, w, r0, r1, x, pool, ra, mn, rc, mc, xq_ptr, jo, jm, kb0, b1,
-                                                  QT, BN, BM, KB, 2 * KB)
+                                                  QT, BN, BM, KB, 2 * KB, PK)
                     acc, v, s0, s1, y = _step_raw(acc, z, v, s0, s1, y, pool, ra, mn, rc, mc, xq_ptr, jo, jm, kb0 + KB,
-                                                  b1, QT, BN, BM, KB, 2 * KB)
+                                                  b1, QT, BN, BM, KB, 2 * KB, PK)
                 if (b1 - b0) // KB % 2 == 1:
                     acc, w, r0, r1, x = _step_raw(acc, z, w, r0, r1, x, pool, ra, mn, rc, mc, xq_ptr, jo, jm, b1 - KB,
-                                                  b1, QT, BN, BM, KB, 2 * KB)
+                                                  b1, QT, BN, BM, KB, 2 * KB, PK)
         return acc
 
     @gluon.jit
@@ -533,12 +589,12 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _acc_any(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, b0, b1, QT: gl.constexpr, BN: gl.constexpr,
-                 BM: gl.constexpr, KB: gl.constexpr, GP: gl.constexpr):
+                 BM: gl.constexpr, KB: gl.constexpr, GP: gl.constexpr, PK: gl.constexpr):
         """The partial [BN, BM] of type QT: _acc_part_k (Q4_K) or _acc_part."""
         if QT == 5:
             r = _acc_part_k(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, b0, b1, BN, BM, KB)
         else:
-            r = _acc_part(pool, ra, mn, rc, mc, xq_ptr, jo, jm, b0, b1, QT, BN, BM, KB, GP)
+            r = _acc_part(pool, ra, mn, rc, mc, xq_ptr, jo, jm, b0, b1, QT, BN, BM, KB, GP, PK)
         return r
 
     @gluon.jit
@@ -577,7 +633,7 @@ if HAVE_GLUON:
                            H, F, row_bytes, n_exp, k_top, limit, KCB, QT: gl.constexpr, HAS_LIMIT: gl.constexpr,
                            BM: gl.constexpr, BN: gl.constexpr, EP: gl.constexpr, ALIGNED: gl.constexpr,
                            RA: gl.constexpr, KB: gl.constexpr, SPLIT: gl.constexpr, FUSE: gl.constexpr,
-                           GP: gl.constexpr = 0):
+                           GP: gl.constexpr = 0, PK: gl.constexpr = 0):
         """triton_mmq._gate_up_mmq_kernel (BF, FUSE either way) with the A operand in registers: grid (F / BN, row
         blocks[, chunks]). FUSE: gate's BN rows and up's as one A of 2 BN rows (one K walk, the B tile stored once a
         step for both; each output's float ops its own: the same bits)."""
@@ -605,11 +661,14 @@ if HAVE_GLUON:
                 if ALIGNED:             # (the select loses _part_rows' alignment facts: wide loads need them)
                     ra = gl.multiple_of(ra, RA)
                     rc = gl.multiple_of(rc, RA)
+                if PK:                  # the weights packed (q8_pack): the rows' addresses in their tiles
+                    ra = _pk_rows(ra, na, row_bytes, False)
+                    rc = _pk_rows(rc, n2, row_bytes, True)
                 tot = gl.zeros([2 * BN, BM], gl.float32, ACC)
                 if SPLIT:
                     pc = gl.program_id(2)
                     acc = _acc_any(pool, ra, na < F, rc, n2 < F, xq_ptr, jo, jm, xs_ptr, so, mr, pc * KCB,
-                                   gl.minimum(pc * KCB + KCB, NBLK), QT, 2 * BN, BM, KB, GP)
+                                   gl.minimum(pc * KCB + KCB, NBLK), QT, 2 * BN, BM, KB, GP, PK)
                     gl.store(_partial_ptr(ws_ptr, tile, pc, NCH, 2 * BN * BM, 2 * BN, BM), acc)
                     if _arrive(cnt_ptr, tile, NCH):
                         for ch in range(0, NCH):    # 0 + p_0 + p_1 + ... in chunk order
@@ -621,7 +680,7 @@ if HAVE_GLUON:
                 else:
                     for ch in range(0, NCH):
                         tot = tot + _acc_any(pool, ra, na < F, rc, n2 < F, xq_ptr, jo, jm, xs_ptr, so, mr, ch * KCB,
-                                             gl.minimum(ch * KCB + KCB, NBLK), QT, 2 * BN, BM, KB, GP)
+                                             gl.minimum(ch * KCB + KCB, NBLK), QT, 2 * BN, BM, KB, GP, PK)
                     accg, accu = _gu_split(tot, BN, BM)
                     _gu_store(accg, accu, inter_ptr, rows, mr, nc, mnc, F, limit, HAS_LIMIT)
             else:
@@ -631,15 +690,20 @@ if HAVE_GLUON:
                 ua = _part_rows(base, starts_ptr, e, 1, na, row_bytes, ALIGNED, RA)
                 gc = _part_rows(base, starts_ptr, e, 0, nc, row_bytes, ALIGNED, RA)
                 uc = _part_rows(base, starts_ptr, e, 1, nc, row_bytes, ALIGNED, RA)
+                if PK:
+                    ga = _pk_rows(ga, na, row_bytes, False)
+                    ua = _pk_rows(ua, na, row_bytes, False)
+                    gc = _pk_rows(gc, nc, row_bytes, True)
+                    uc = _pk_rows(uc, nc, row_bytes, True)
                 totg = gl.zeros([BN, BM], gl.float32, ACC)
                 totu = gl.zeros([BN, BM], gl.float32, ACC)
                 if SPLIT:               # this program: chunk program_id(2); the tile's last sums them in order
                     pc = gl.program_id(2)
                     b1 = gl.minimum(pc * KCB + KCB, NBLK)
                     g = _acc_any(pool, ga, mna, gc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, pc * KCB, b1, QT, BN,
-                                 BM, KB, GP)
+                                 BM, KB, GP, PK)
                     u = _acc_any(pool, ua, mna, uc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, pc * KCB, b1, QT, BN,
-                                 BM, KB, GP)
+                                 BM, KB, GP, PK)
                     pp = _partial_ptr(ws_ptr, tile, pc, NCH, 2 * BN * BM, BN, BM)
                     gl.store(pp, g)
                     gl.store(pp + BN * BM, u)
@@ -654,16 +718,16 @@ if HAVE_GLUON:
                     for ch in range(0, NCH):
                         b1 = gl.minimum(ch * KCB + KCB, NBLK)
                         totg = totg + _acc_any(pool, ga, mna, gc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, ch * KCB, b1,
-                                               QT, BN, BM, KB, GP)
+                                               QT, BN, BM, KB, GP, PK)
                         totu = totu + _acc_any(pool, ua, mna, uc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, ch * KCB, b1,
-                                               QT, BN, BM, KB, GP)
+                                               QT, BN, BM, KB, GP, PK)
                     _gu_store(totg, totu, inter_ptr, rows, mr, nc, mnc, F, limit, HAS_LIMIT)
 
     @gluon.jit
     def _down_gl_kernel(xq_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, y_ptr, ws_ptr, cnt_ptr, H, F,
                         row_bytes, n_exp, KCB, QT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                         EP: gl.constexpr, ALIGNED: gl.constexpr, RA: gl.constexpr, KB: gl.constexpr,
-                        SPLIT: gl.constexpr, GP: gl.constexpr = 0):
+                        SPLIT: gl.constexpr, GP: gl.constexpr = 0, PK: gl.constexpr = 0):
         """triton_mmq._down_mmq_kernel (BF) with the A operand in registers: grid (H / BN, row blocks[, chunks])."""
         e, mb, base = _find_block(off_ptr, base_ptr, n_exp, gl.program_id(1), BM, EP)
         if base != -1:
@@ -678,6 +742,9 @@ if HAVE_GLUON:
             mnc = nc < H
             da = _part_rows(base, starts_ptr, e, 2, na, row_bytes, ALIGNED, RA)
             dc = _part_rows(base, starts_ptr, e, 2, nc, row_bytes, ALIGNED, RA)
+            if PK:
+                da = _pk_rows(da, na, row_bytes, False)
+                dc = _pk_rows(dc, nc, row_bytes, True)
             NBLK = F // 32
             NCH = (NBLK + KCB - 1) // KCB
             ptr = y_ptr + flat[None, :] * H + nc[:, None]
@@ -686,7 +753,7 @@ if HAVE_GLUON:
             if SPLIT:
                 pc = gl.program_id(2)
                 acc = _acc_any(pool, da, mna, dc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, pc * KCB,
-                               gl.minimum(pc * KCB + KCB, NBLK), QT, BN, BM, KB, GP)
+                               gl.minimum(pc * KCB + KCB, NBLK), QT, BN, BM, KB, GP, PK)
                 tile = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
                 gl.store(_partial_ptr(ws_ptr, tile, pc, NCH, BN * BM, BN, BM), acc)
                 if _arrive(cnt_ptr, tile, NCH):
@@ -698,13 +765,13 @@ if HAVE_GLUON:
             else:
                 for ch in range(0, NCH):
                     tot = tot + _acc_any(pool, da, mna, dc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, ch * KCB,
-                                         gl.minimum(ch * KCB + KCB, NBLK), QT, BN, BM, KB, GP)
+                                         gl.minimum(ch * KCB + KCB, NBLK), QT, BN, BM, KB, GP, PK)
                 gl.store(ptr, tot.to(y_ptr.dtype.element_ty), mask=msk)
 
     KERNELS = {"gate_up": _gate_up_gl_kernel, "down": _down_gl_kernel}
     LAUNCH = {w: launcher(k) for w, k in KERNELS.items()}       # counted as triton_mmq's (triton_launch.COUNTS)
-    CONSTS = {"gate_up": ("QT", "HAS_LIMIT", "BM", "BN", "EP", "ALIGNED", "RA", "KB", "SPLIT", "FUSE", "GP"),
-              "down": ("QT", "BM", "BN", "EP", "ALIGNED", "RA", "KB", "SPLIT", "GP")}
+    CONSTS = {"gate_up": ("QT", "HAS_LIMIT", "BM", "BN", "EP", "ALIGNED", "RA", "KB", "SPLIT", "FUSE", "GP", "PK"),
+              "down": ("QT", "BM", "BN", "EP", "ALIGNED", "RA", "KB", "SPLIT", "GP", "PK")}
 
 
 def launch(which: str, grid: tuple, args: list, consts: dict, kcb: int):
@@ -717,12 +784,12 @@ def launch(which: str, grid: tuple, args: list, consts: dict, kcb: int):
 
 
 def compile_kernel(which: str = "gate_up", bucket: int = 16, arch: int = 90, hints: bool = True, qt: int = 0,
-                   fuse: bool = False, gp: int = 0):
+                   fuse: bool = False, gp: int = 0, pk: int = 0):
     """The Gluon kernel of type code qt compiled for CUDA sm_`arch` without a GPU (no torch needed: Triton 3.6 or 3.9
     alone) at the bench geometry (H 2048, F 768: K 2048 for gate_up, 768 for down, 128 experts, k_top 8) for a rows
     bucket's launch (1: split-K over KCB 16 chunks; 16: walked), as triton_mmq.compile_kernel: (CompiledKernel,
     constexprs). hints: a device launch's alignment facts (16-byte aligned pointers, the int arguments that are
-    multiples of 16); fuse: gate_up's FUSE form; gp: the schedule key GP (_acc_part)."""
+    multiples of 16); fuse: gate_up's FUSE form; gp, pk: the schedule keys GP and PK (_acc_part)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -737,7 +804,7 @@ def compile_kernel(which: str = "gate_up", bucket: int = 16, arch: int = 90, hin
     sig = {**ptr, **{k: "i32" for k in ints}, **({"limit": "fp32"} if which == "gate_up" else {}), "KCB": "i32"}
     ints["KCB"] = 16
     const = {"QT": qt, "BM": SHAPE["BM"], "BN": SHAPE["BN"], "EP": 256, "ALIGNED": True,
-             "RA": min(16, rb & -rb), "KB": SHAPE["KB"], "SPLIT": bucket == 1 and K // 32 > 16, "GP": gp}
+             "RA": min(16, rb & -rb), "KB": SHAPE["KB"], "SPLIT": bucket == 1 and K // 32 > 16, "GP": gp, "PK": pk}
     if which == "gate_up":
         const.update(HAS_LIMIT=False, FUSE=bool(fuse))
     fn = KERNELS[which]

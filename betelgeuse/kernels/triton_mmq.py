@@ -88,13 +88,15 @@ QK = 32                        # elements per q8_1 block (llama.cpp QK8_1)
 MMQ_TYPES = frozenset({0, 4, 5})  # kernel type codes with an MMA schedule: Q8_0, MXFP4, Q4_K
 BF_TYPES = MMQ_TYPES | {6}        # ... and with the bf16 mode: + Q5_K (byte loads: no word-load form yet)
 CONFIG = {"BM": 16, "BN": 64, "FUSE": 0, "num_warps": 4, "num_stages": 3,   # schedule keys (every type and bucket)
-          "MV": 0, "BM_MV": 1, "NS": 1, "DP4A": 0, "WL": 0, "PF": 0, "GL": 0, "GP": 0}
+          "MV": 0, "BM_MV": 1, "NS": 1, "DP4A": 0, "WL": 0, "PF": 0, "GL": 0, "GP": 0, "PK": 0}
 # GL = 1 (bf16 MMA only): gluon_mmq's kernel, the same arithmetic with the weights loaded straight into the wgmma's A
 # registers (no shared memory round trip), where gluon_mmq.usable says so (CUDA sm_90, Q8_0 / MXFP4 / Q4_K at
 # BF_TUNING's shape, FUSE either way, aligned parts), else this module's kernel: a schedule key (the same bits:
 # deploy/device/check_gluon_mmq.py). GP (with GL, Q8_0 / MXFP4): how far ahead the Gluon K loop's loads are issued
 # (gluon_mmq._acc_part: 0 converted in the step that issues them, 1 / 2 carried as loaded one / two steps; the same
-# bits: cpu-gluon16r57)
+# bits: cpu-gluon16r57). PK 1 (with GL, Q8_0, GP >= 1; off everywhere): the pool's weights are in
+# kernels/q8_pack's layout (every part's 64-row tiles re-laid: 512 contiguous bytes a warp load), which only the
+# Gluon form reads (the same values in the same MMA: the same bits, cpu-pack62); the caller packs the pool
 # MV = 1: the decode schedule without tensor cores (triton_mmq_mv: the same bits; BM_MV rows a program, NS word
 # groups a K step; DP4A 1: its block dots by PTX dp4a on the GPU, the same integers) where a launch
 # can take it (triton_mmq_mv.mv_ok), else the MMA. WL = 1: the MMA's weight and activation tiles read as int32 words
@@ -873,10 +875,14 @@ def _launch(kernel, args: list, grid_n: int, R: int, E: int, K: int, qt: int, pe
     nrb = tm._launch_rows(R, E, c["BM"])
     split = bool(c["SPLIT"]) and nch > 1 and grid_n * nrb * nch * per * 4 <= tm.WS_LIMIT
     ws, cnt = tm._workspace(device, grid_n * nrb * nch * per, grid_n * nrb) if split else tm._workspace(device, 1, 1)
-    if bf and c.get("GL") and gm.usable(qt, c, kb, device, aligned):     # the Gluon form of the schedule (GL)
+    gl_ok = bf and c.get("GL") and gm.usable(qt, c, kb, device, aligned)
+    if c.get("PK") and not gl_ok:   # packed weights: no other kernel reads them
+        raise ValueError(f"PK 1 (q8_pack's layout) needs gluon_mmq's form, not usable here: type {qt}, config {c}")
+    if gl_ok:                       # the Gluon form of the schedule (GL)
         gm.launch("gate_up" if kernel is _GATE_UP_MMQ else "down", (grid_n, nrb, nch) if split else (grid_n, nrb),
                   [*args[:9], ws, cnt, *args[9:]], {**consts, "BM": c["BM"], "BN": c["BN"], "KB": kb, "SPLIT": split,
-                                                    "EP": triton.next_power_of_2(E), "GP": c.get("GP", 0)}, kcb)
+                                                    "EP": triton.next_power_of_2(E), "GP": c.get("GP", 0),
+                                                    "PK": c.get("PK", 0)}, kcb)
         return
     kernel[(grid_n, nrb, nch) if split else (grid_n, nrb)](
         *args[:9], ws, cnt, *args[9:], kcb, **consts, BM=c["BM"], BN=c["BN"], EP=triton.next_power_of_2(E), KB=kb,

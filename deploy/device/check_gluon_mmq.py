@@ -14,7 +14,8 @@ random quants, random routing over a bank of 16 experts of which experts
 tests/kernels/test_mmq_bf16.py::test_experts_at_negative_offsets_are_computed), 2 tokens (16 rows: the 1-row bucket,
 split-K) and 32 tokens (256 rows: the 16-row bucket, chunks walked), without and with the clamped SwiGLU (limit 7).
 Per case and Gluon form (gl_forms: GL 1 at the shipped FUSE and unfused; GP 1 and 2 (the K loop's loads carried to
-the step that uses them: cpu-gluon16r57; Q8_0 ships GL 1, FUSE 1, GP 1, Q4_K GL 1: gpu-run63); FUSE and GP are
+the step that uses them: cpu-gluon16r57; Q8_0 ships GL 1, FUSE 1, GP 1, Q4_K GL 1: gpu-run63; Q8_0's `gluon GP1
+PK`: the shipped form reading the bank packed by q8_pack on the GPU (pack_pool), cpu-pack62); FUSE, GP and PK are
 schedule keys) gate_up's inter and down's y (down on the same inter for both) must be torch.equal to the Triton
 kernel's (TRITON: GL 0), and the Gluon kernels must
 have been launched (triton_launch.COUNTS); both are also held to a float reference (the dequantized weights in
@@ -84,6 +85,18 @@ def make_pool(n_slots: int, slot: int, starts: list[int], g: torch.Generator) ->
     return pool
 
 
+def pack_pool(pool: torch.Tensor, n_slots: int, slot: int, starts: list[int]) -> torch.Tensor:
+    """A copy of pool (n_slots slots of Q8_0 experts) with every part in q8_pack's layout, what PK 1 reads: a gather
+    on the pool's device, part by part."""
+    from betelgeuse.kernels import q8_pack
+    out = pool.clone()
+    for s in range(n_slots):
+        for p, (rows, K) in enumerate(((F, H), (F, H), (H, F))):
+            at, n = s * slot + starts[p], rows * (K // QK * BS)
+            out[at:at + n] = q8_pack.pack_q8_0(pool[at:at + n], rows, K)
+    return out
+
+
 def dequant(pool: torch.Tensor, at: int, rows: int, rb: int) -> torch.Tensor:
     """rows rows of the type at byte `at` of pool -> [rows, K] float64 (q * d; gguf's dequantization)."""
     blk = pool[at: at + rows * rb].view(rows, rb // BS, BS)
@@ -121,7 +134,8 @@ def route(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 FORMS = {"gluon": {"GL": 1, "GP": 0}, "gluon unfused": {"GL": 1, "FUSE": 0, "GP": 0},  # name -> TYPE_CONFIG overrides
          "gluon GP1": {"GL": 1, "GP": 1}, "gluon GP2": {"GL": 1, "GP": 2},
-         "gluon GP1 split16": {"GL": 1, "GP": 1, "SPLIT": 1}}
+         "gluon GP1 split16": {"GL": 1, "GP": 1, "SPLIT": 1}, "gluon GP1 PK": {"GL": 1, "GP": 1, "PK": 1},
+         "gluon GP2 PK": {"GL": 1, "GP": 2, "PK": 1}, "gluon GP1 PK split16": {"GL": 1, "GP": 1, "PK": 1, "SPLIT": 1}}
 # the Triton launch each Gluon form is held against: GL 0 at the FUSE each type had before GL shipped (Q8_0 unfused,
 # MXFP4 and Q4_K fused: gpu-run58-kernels); Q8_0's shipped fused GP 1 Gluon form is "gluon GP1" here (gpu-run63)
 TRITON = {0: {"GL": 0, "GP": 0, "FUSE": 0}, 4: {"GL": 0}, 5: {"GL": 0}}
@@ -132,8 +146,11 @@ def gl_forms(mq, only: list[str] | None = None) -> dict:
     the shipped FUSE (`gluon`; Q8_0's fused since gpu-run63, MXFP4's and Q4_K's since gpu-run58-kernels: the same bits
     as unfused) and unfused; the loads carried to the step that uses them, GP 1 and 2 (gluon_mmq._acc_part: Q8_0 and
     MXFP4; Q4_K's loop has no GP form, cpu-gluon16r57), and GP 1 with the K chunks split over programs at 16 rows too
-    (SPLIT 1: 4x the 16-row gate_up's 192 programs; the 1-row bucket's kernels). Each against TRITON's launch."""
+    (SPLIT 1: 4x the 16-row gate_up's 192 programs; the 1-row bucket's kernels); Q8_0's GP 1, GP 2 and GP 1 split16
+    on the bank packed (PK 1: q8_pack's layout, pack_pool). Each against TRITON's launch (on the bank as GGUF lays
+    it)."""
     names = ["gluon", "gluon unfused"] + (["gluon GP1", "gluon GP2", "gluon GP1 split16"] if QT != 5 else [])
+    names += ["gluon GP1 PK", "gluon GP2 PK", "gluon GP1 PK split16"] if QT == 0 else []
     return {n: FORMS[n] for n in names if only is None or n in only}
 
 
@@ -261,6 +278,10 @@ def check_type(tname: str, mq, triton_launch, g, cases=((2, None), (32, None), (
     below = 2                                      # experts 0, 1 of the bank lie below the pool (negative offsets)
     big = make_pool(BANK, slot, starts, g)
     pool = big[below * slot:]
+    forms = gl_forms(mq, ONLY) if forms is None else forms
+    if dev.type != "cuda" or QT != 0:   # PK: Q8_0's Gluon form alone reads the packed bank (the CPU has none)
+        forms = {n: o for n, o in forms.items() if not o.get("PK")}
+    packed = pack_pool(big, BANK, slot, starts)[below * slot:] if any(o.get("PK") for o in forms.values()) else None
     base = torch.full((E,), -1, dtype=torch.int64, device=dev)
     base[:BANK] = torch.arange(BANK, device=dev) * slot - below * slot
     st = torch.tensor([starts] * E, dtype=torch.int64, device=dev)
@@ -274,9 +295,9 @@ def check_type(tname: str, mq, triton_launch, g, cases=((2, None), (32, None), (
         bucket = 1 if rows.numel() <= E else 16
         it, yt = run(mq, None, hb, pool, base, st, rows, off, limit)
         ri, ry = reference(big, base + below * slot, starts, hb, ids, rows, off, limit, it)
-        for form, over in (gl_forms(mq, ONLY) if forms is None else forms).items():
+        for form, over in forms.items():
             n0 = dict(triton_launch.COUNTS)
-            ig, yg = run(mq, over, hb, pool, base, st, rows, off, limit, inter=it)
+            ig, yg = run(mq, over, hb, packed if over.get("PK") else pool, base, st, rows, off, limit, inter=it)
             ran = {k: triton_launch.COUNTS[k] - n0.get(k, 0) for k in ("_gate_up_gl_kernel", "_down_gl_kernel")}
             case = f"{tname} {form}{geo} T {T} rows {rows.numel()} bucket {bucket} limit {limit}"
             checks = {"gluon ran": ran == {"_gate_up_gl_kernel": 1, "_down_gl_kernel": 1},
@@ -318,6 +339,8 @@ def time_type(tname: str, mq, g, reps: int):
     bank_b = BANK * (2 * F * ROW_H + H * ROW_F)
     n_banks = max(2, math.ceil(512e6 / bank_b))
     pool = make_pool(n_banks * BANK, slot, starts, g)
+    packed = pack_pool(pool, n_banks * BANK, slot, starts) if any(o.get("PK") for o in gl_forms(mq, ONLY).values()) \
+        else None
     bases = []
     for b in range(n_banks):
         t = torch.full((E,), -1, dtype=torch.int64, device=dev)
@@ -333,12 +356,13 @@ def time_type(tname: str, mq, g, reps: int):
         ib = mq.prepare_bf16(torch.randn(R, F, device=dev, generator=g) * 0.1, QT == 5)
         y = torch.empty(R, H, dtype=torch.bfloat16, device=dev)
         gu_b, dn_b = BANK * 2 * F * ROW_H, BANK * H * ROW_F
+        use = {"pool": pool}                                # the banks a form reads (PK 1: packed)
 
         def gu(i):
-            mq.gate_up(hb, pool, bases[i % n_banks], st, rows, off, inter, F, K_TOP, QT, None, ROW_H, True)
+            mq.gate_up(hb, use["pool"], bases[i % n_banks], st, rows, off, inter, F, K_TOP, QT, None, ROW_H, True)
 
         def dn(i):
-            mq.down(ib, pool, bases[i % n_banks], st, rows, off, y, QT, ROW_F, True)
+            mq.down(ib, use["pool"], bases[i % n_banks], st, rows, off, y, QT, ROW_F, True)
 
         def pair(i):
             gu(i)
@@ -346,6 +370,7 @@ def time_type(tname: str, mq, g, reps: int):
         res = {}
         for name, over in (("triton", None), *gl_forms(mq, ONLY).items()):
             mq.TYPE_CONFIG[QT] = dict(over or TRITON[QT])
+            use["pool"] = packed if (over or {}).get("PK") else pool
             try:
                 res[name] = [graph_gbps(gu, reps, gu_b), graph_gbps(dn, reps, dn_b), graph_gbps(pair, reps, bank_b)]
             finally:
@@ -356,7 +381,7 @@ def time_type(tname: str, mq, g, reps: int):
                 print(f"| {tname} | {rpe} | {k} | {t:.0f} | {form} | {q:.0f} | {q / t:.2f} |", flush=True)
         for form in gl_forms(mq, ONLY):
             PAIR.setdefault((tname, form), {})[rpe] = res[form][2] / res["triton"][2]
-    pool = None                     # freed before the next type's banks
+    pool = packed = None            # freed before the next type's banks
     torch.cuda.empty_cache()
 
 

@@ -16,12 +16,21 @@ conversion, the B tile, the MMA and the fmas), by MODE:
   flat    the same programs and steps reading a contiguous region (16-byte loads): the device's streaming roofline
           at this grid;
   ring    words' loads as cp.async copies global -> shared in NS stages (NS - 1 steps in flight, no registers
-          spent), each step read back from shared memory between two CTA barriers: the brief's ring, without the MMA.
+          spent), each step read back from shared memory between two CTA barriers: the brief's ring, without the MMA;
+  tiled   pairs' loads on the bank re-laid tile-major (cpu-pack62): tiles of NS (64 or 128) rows, [tile][step][row in
+          tile][68 bytes], so a warp's 8 rows x 8 bytes fall in 8 x 68 contiguous bytes (NS 64: the program's 128
+          rows two tiles, as a fused gate_up reads gate's tile and up's);
+  packed  the bank re-laid as betelgeuse/kernels/q8_pack (64-row tiles, a step's quants in the order of the
+          threads' A registers): 4 LDG.128 a thread a step (a warp load 512 contiguous bytes) and its rows' scale
+          words, what a kernel reading that layout issues (gluon_mmq.PW2).
 
 CTAS caps the resident programs an SM (a shared memory reservation: the kernel's 3 at one row, 2 at 16; 0 = the
-registers' own). Each case's bytes are checked: the XOR of the programs' results == numpy's of the bytes read.
+registers' own). Each case's bytes are checked: the XOR of the programs' results == numpy's of the bytes read (the
+layout cases: each program's, over the GGUF bytes of its rows and steps, read from the bank re-laid by a gather on
+the GPU; their timing reads the rotating random banks as they are, random bytes in any layout).
 Reading it (cpu-inflight61 section 3): pairs ~1 TB/s with flat far above -- the pattern is the limit (words ~ pairs:
 the 68-byte runs; words above pairs: the scattered lanes); pairs well above 1.5 TB/s -- the kernel's step is.
+cpu-pack62: packed (and tiled) against pairs -- what a packed layout would buy the kernel's reads.
 
     PYTHONPATH=$PWD python3 deploy/device/pattern_bench.py [--reps 32] [--cases NAMES]    # H100 / H200, ~1 minute
 """
@@ -43,13 +52,18 @@ from betelgeuse.kernels.triton_launch import launcher  # noqa: E402
 ROWS, ROW_B, BR, BLK = 16 * 2 * 768, 2176, 128, 34   # a bank's gate and up rows (16 experts), their bytes, a tile
 STEP_B = 2 * BLK                                      # a K step's bytes of a row (KB 2 blocks)
 SMEM_SM = 233472                                      # sm_90 shared memory an SM (1 KiB of it reserved a CTA)
-MODES = {"pairs": 0, "words": 1, "flat": 2, "ring": 3}
-# name -> (MODE, NS (words: steps a load; ring: stages), walked (16-row bucket) or split into 4 chunks (1-row), CTAS)
+MODES = {"pairs": 0, "words": 1, "flat": 2, "ring": 3, "tiled": 4, "packed": 5}
+LAYOUTS = ("tiled", "packed")                         # modes reading the bank re-laid (layout_index)
+# name -> (MODE, NS (words: steps a load; ring: stages; tiled: rows a tile), walked (16-row bucket) or split
+# into 4 chunks (1-row), CTAS)
 # (words4: 222 registers on Triton 3.6, 2 CTAs an SM by registers, four steps' runs in flight: capped at 2)
 CASES = {"pairs": ("pairs", 1, False, 3), "words": ("words", 1, False, 3), "words4": ("words", 4, False, 2),
          "flat": ("flat", 1, False, 3), "pairs free": ("pairs", 1, False, 0), "words free": ("words", 1, False, 0),
          "pairs r16": ("pairs", 1, True, 2), "words r16": ("words", 1, True, 2), "flat r16": ("flat", 1, True, 2),
-         "ring2": ("ring", 2, False, 3), "ring4": ("ring", 4, False, 3), "ring4 r16": ("ring", 4, True, 2)}
+         "ring2": ("ring", 2, False, 3), "ring4": ("ring", 4, False, 3), "ring4 r16": ("ring", 4, True, 2),
+         "tiled": ("tiled", 64, False, 3), "tiled128": ("tiled", 128, False, 3), "tiled r16": ("tiled", 64, True, 2),
+         "packed": ("packed", 1, False, 3), "packed free": ("packed", 1, False, 0),
+         "packed r16": ("packed", 1, True, 2)}
 
 if gm.HAVE_GLUON:
     from triton.experimental import gluon
@@ -81,11 +95,17 @@ if gm.HAVE_GLUON:
         ch = gl.program_id(1)
         pid = tile * gl.num_programs(1) + ch
         row0 = tile.to(gl.int64) * 128 * 2176 + ch * steps * 68          # the tile's first row, the chunk's byte
-        if MODE == 0:
+        if MODE == 0 or MODE == 4:      # pairs: GGUF rows; tiled: tiles of NS rows, [tile][step][row][68 bytes]
+            T: gl.constexpr = 128 if MODE == 0 else NS          # rows a tile (pairs: the program's 128, no tiles)
+            RS: gl.constexpr = 2176 if MODE == 0 else 68        # bytes from a tile's row to the next
+            SS: gl.constexpr = 68 if MODE == 0 else NS * 68     # ... from a K step to the next
+            t0 = tile.to(gl.int64) * 128 * 2176 + ch * steps * SS
             pp = gl.arange(0, 32, layout=gl.SliceLayout(0, gm.PL2))
-            rp = row0 + gl.arange(0, 128, layout=gl.SliceLayout(1, gm.PL2)).to(gl.int64) * 2176
+            r = gl.arange(0, 128, layout=gl.SliceLayout(1, gm.PL2))
+            rp = t0 + ((r // T) * (T * 2176) + (r % T) * RS).to(gl.int64)
             o = rp[:, None] + ((pp // 16) * 34 + 2 + (pp % 16) * 2)[None, :]
-            rc = row0 + gl.arange(0, 128, layout=gl.SliceLayout(1, gm.ACC)).to(gl.int64) * 2176
+            r = gl.arange(0, 128, layout=gl.SliceLayout(1, gm.ACC))
+            rc = t0 + ((r // T) * (T * 2176) + (r % T) * RS).to(gl.int64)
             on = gl.full([128, 32], 1, gl.int32, gm.PL2)
             oc = gl.full([128], 1, gl.int32, gl.SliceLayout(1, gm.ACC))
             w = gm._ld_u16(pool + o, on)
@@ -97,9 +117,29 @@ if gm.HAVE_GLUON:
                 acc = acc ^ w
                 accr = accr ^ r0 ^ r1
                 m = (s + 1 < steps).to(gl.int32)
-                w = gm._ld_u16(pool + o + (s + 1) * 68, on * m)
-                r0 = gm._ld_u16(pool + rc + (s + 1) * 68, oc * m)
-                r1 = gm._ld_u16(pool + rc + (s + 1) * 68 + 34, oc * m)
+                w = gm._ld_u16(pool + o + (s + 1) * SS, on * m)
+                r0 = gm._ld_u16(pool + rc + (s + 1) * SS, oc * m)
+                r1 = gm._ld_u16(pool + rc + (s + 1) * SS + 34, oc * m)
+            tot = gl.xor_sum(gl.xor_sum(acc, 1), 0) ^ gl.xor_sum(accr, 0)
+        elif MODE == 5:                 # packed: q8_pack's layout, the program's two 64-row tiles (gate's, up's)
+            t0 = tile.to(gl.int64) * 128 * 2176 + ch * steps * 4352        # 4352: q8_pack.STEP_B
+            n = gl.arange(0, 128, layout=gl.SliceLayout(1, gm.PW2))
+            c = gl.arange(0, 16, layout=gl.SliceLayout(0, gm.PW2))
+            g = (n // 64) * (64 * 2176) + ((n % 64) // 16) * 1024 + ((n // 8) % 2) * 512 + (n % 8) * 64
+            pw = (pool + t0 + gl.multiple_of(g, 16)).to(gl.pointer_type(gl.int32))[:, None] + c[None, :]
+            n = gl.arange(0, 128, layout=gl.SliceLayout(1, gm.ACC))       # the scale words after the quants
+            ps = (pool + t0 + (n // 64) * (64 * 2176) + 4096 + (n % 64) * 4).to(gl.pointer_type(gl.int32))
+            on = gl.full([128, 16], 1, gl.int1, gm.PW2)
+            oc = gl.full([128], 1, gl.int1, gl.SliceLayout(1, gm.ACC))
+            w = gl.load(pw)
+            r0 = gl.load(ps)
+            acc = gl.zeros([128, 16], gl.int32, gm.PW2)
+            accr = gl.zeros([128], gl.int32, gl.SliceLayout(1, gm.ACC))
+            for s in range(0, steps):       # 1088 = 4352 / 4: a step in words
+                acc = acc ^ w
+                accr = accr ^ r0
+                w = gl.load(pw + (s + 1) * 1088, mask=on & (s + 1 < steps), other=0)
+                r0 = gl.load(ps + (s + 1) * 1088, mask=oc & (s + 1 < steps), other=0)
             tot = gl.xor_sum(gl.xor_sum(acc, 1), 0) ^ gl.xor_sum(accr, 0)
         elif MODE == 1:
             W: gl.constexpr = 32 if NS == 1 else 128 if NS <= 7 else 256          # a row's 17 NS words, padded
@@ -191,6 +231,39 @@ def compile_case(name: str, arch: int = 90):
                           options={"num_warps": 4, "num_stages": 1})
 
 
+def layout_index(mode: str, ns: int):
+    """A layout case's permutation of one tile's bytes (int64 [tile rows x ROW_B]: laid byte i = GGUF byte index[i],
+    each tile of the bank alike): tiled's [step][row][68 bytes] of NS rows, packed's betelgeuse/kernels/q8_pack."""
+    import numpy as np
+    from betelgeuse.kernels import q8_pack
+    if mode == "packed":
+        return q8_pack.tile_index(ROW_B // BLK * 32)
+    s, r, b = np.ix_(range(ROW_B // STEP_B), range(ns), range(STEP_B))
+    return (r * ROW_B + s * STEP_B + b).reshape(-1)
+
+
+def relaid(bank, mode: str, ns: int):
+    """The bank's bytes in a layout case's order (a gather on the bank's device)."""
+    from betelgeuse.kernels import q8_pack
+    return q8_pack.permute_tiles(bank, layout_index(mode, ns))
+
+
+def expected_programs(bank, walked: bool):
+    """numpy's XOR a program of the GGUF bytes its rows and steps hold, as 16-bit values (what a layout case's
+    programs must read from the bank re-laid): [programs] in pid order."""
+    import numpy as np
+    steps = 32 if walked else 8
+    a = bank.cpu().numpy()[:ROWS * ROW_B].reshape(ROWS // BR, BR, 64 // (2 * steps), steps * STEP_B)
+    return np.bitwise_xor.reduce(np.bitwise_xor.reduce(a.view(np.uint16), axis=3), axis=1).reshape(-1)
+
+
+def fold16(x):
+    """int32 XORs -> the XOR of their 16-bit halves (a layout case's words: the same 16-bit pairs, packed by two)."""
+    import numpy as np
+    u = x.view(np.uint32)
+    return ((u & 0xFFFF) ^ (u >> 16)).astype(np.uint16)
+
+
 def expected(bank, mode: str, walked: bool):
     """numpy's XOR of the bytes the case reads of a bank (pairs: as 16-bit values, folded from the words)."""
     import numpy as np
@@ -224,9 +297,13 @@ def main() -> int:
         steps = 32 if walked else 8
         progs = ROWS // BR * (64 // (2 * steps))
         out = torch.zeros(progs, dtype=torch.int32, device=dev)
-        launch(pool[:bank_b], out, name)
-        got = int(np.bitwise_xor.reduce(out.cpu().numpy()))
-        ok = (got & (0xFFFF if mode == "pairs" else -1)) == expected(pool[:bank_b], mode, walked)
+        if mode in LAYOUTS:             # each program's XOR: the bytes of its rows and steps, wherever laid
+            launch(relaid(pool[:bank_b], mode, ns), out, name)
+            ok = np.array_equal(fold16(out.cpu().numpy()), expected_programs(pool[:bank_b], walked))
+        else:
+            launch(pool[:bank_b], out, name)
+            got = int(np.bitwise_xor.reduce(out.cpu().numpy()))
+            ok = (got & (0xFFFF if mode == "pairs" else -1)) == expected(pool[:bank_b], mode, walked)
         bad += not ok
         t = graph_time(lambda i: launch(pool[(i % n_banks) * bank_b:], out, name), a.reps)
         nbytes = progs * steps * (8192 if mode == "flat" else BR * STEP_B)

@@ -20,13 +20,15 @@ from test_mmq import DIMS, _compile_reports, experts, run  # noqa: E402
 from betelgeuse.kernels import gluon_mmq as gm  # noqa: E402
 from betelgeuse.kernels import triton_mmq as mq  # noqa: E402
 
-# (type code, kernel, rows bucket, GP): gate_up at the 1-row bucket (split-K; fused, as shipped), down at the
+# (type code, kernel, rows bucket, GP, PK): gate_up at the 1-row bucket (split-K; fused, as shipped), down at the
 # 16-row one (walked; MXFP4's down left out: the same loop as Q8_0's but for _fetch's decode, cpu-gluon55 counted it --
 # the child stays within CI's 15 s with a cold Triton cache: 14.5 s with it here, 8 s without); Q8_0's 16-row gate_up
 # with the loads carried to the step that uses them (GP 1, 2: cpu-gluon16r57; Q8_0's down runs the same K loop,
-# _acc_part, and Q4_K's down the same kernel body)
-CASES = [(0, "gate_up", 1, 0), (0, "gate_up", 16, 1), (0, "gate_up", 16, 2), (4, "gate_up", 1, 0), (5, "gate_up", 1, 0),
-         (5, "down", 16, 0)]
+# _acc_part, and Q4_K's down the same kernel body); Q8_0's shipped GP 1 on q8_pack's layout (PK 1: cpu-pack62) in
+# both buckets, gate_up (fused, 128 rows: PW2) and down (64 rows: PW) -- 4 more Gluon compiles and one Triton, ~3 s
+CASES = [(0, "gate_up", 1, 0, 0), (0, "gate_up", 16, 1, 0), (0, "gate_up", 16, 2, 0), (4, "gate_up", 1, 0, 0),
+         (5, "gate_up", 1, 0, 0), (5, "down", 16, 0, 0), (0, "gate_up", 1, 1, 1), (0, "gate_up", 16, 1, 1),
+         (0, "down", 1, 1, 1), (0, "down", 16, 1, 1)]
 # a child without TRITON_INTERPRET: compile the Gluon kernels for sm_90 and count their K loop's SASS
 # (tests/scripts/sass_profile.py's loop and classes); one JSON line a kernel, or {"skip": why}
 _CHILD = """
@@ -50,9 +52,9 @@ def fops(ptx):                      # the PTX's float ops that round, by kind (e
         ops[m.replace("bf16x2", "bf16")] = ops.get(m.replace("bf16x2", "bf16"), 0) + (2 if "x2" in m else 1)
     return ops
 TK = {}
-for qt, w, b, gp in CASES:
+for qt, w, b, gp, pk in CASES:
     fuse = bool(mq.config(qt, b, bf=True).get("FUSE")) and w == "gate_up"     # the shipped FUSE (all: 1)
-    k, const = gm.compile_kernel(w, b, qt=qt, fuse=fuse, gp=gp)
+    k, const = gm.compile_kernel(w, b, qt=qt, fuse=fuse, gp=gp, pk=pk)
     if (qt, w, b) not in TK:                # the Triton kernel of the launch, once for its GP cases
         TK[qt, w, b] = fops(mq.compile_kernel(w, qt, bucket=b, hints=True, bf=True)[0].asm["ptx"])
     sass, res = sp.sass_of(k.asm["cubin"])
@@ -61,7 +63,7 @@ for qt, w, b, gp in CASES:
     for _, op, rest in body:
         key = op + (rest.split()[0] if rest.startswith(".") else "")
         ops[key] = ops.get(key, 0) + 1
-    print(json.dumps({"qt": qt, "kernel": w, "bucket": b, "gp": gp, "split": const["SPLIT"], "fuse": fuse,
+    print(json.dumps({"qt": qt, "kernel": w, "bucket": b, "gp": gp, "pk": pk, "split": const["SPLIT"], "fuse": fuse,
                       "a_op": sp.a_operand(body), "asm": "add.rn.bf16x2" in k.asm["ptx"],
                       "ldg_in_step": sp.ldg_in_step(body), "ldg": sum(v for o, v in ops.items() if o.startswith("LDG")),
                       "ops": ops, "fops": fops(k.asm["ptx"]), "triton_fops": TK[qt, w, b],
@@ -83,12 +85,15 @@ def test_gluon_compiles_to_the_bf16_mma_with_the_weights_in_registers():
     counts as the Triton kernel's of the same launch (the same float ops: a dropped clamp or min term, an unfused or
     extra op would show). GP 1 / 2 (Q8_0): no load of the loop is read in the step that issues it
     (sass_profile.ldg_in_step: a conversion, repacking or copy of the loaded register there would wait for it; GP 0's
-    loop, the control, waits for all 22); GP 2's loop holds 2 steps (its counts doubled)."""
+    loop, the control, waits for all 22); GP 2's loop holds 2 steps (its counts doubled). PK 1 (q8_pack's layout,
+    Q8_0 GP 1): the same HGMMA, shared memory, barriers and float ops, its weights by 128-bit loads (a thread's 16
+    contiguous bytes of a 64-row tile: 2 a tile a step) and a row's two scales one 32-bit word, nothing else (the
+    words' bf16 order by register moves: no shared memory, no shuffles)."""
     reports = _compile_reports(["-c", _CHILD], timeout=120)
     if reports and "skip" in reports[0]:
         pytest.skip(f"no sm_90 compile toolchain here: {reports[0]['skip']}")
-    assert [(r["qt"], r["kernel"], r["bucket"], r["gp"], r["split"], r["fuse"]) for r in reports] == [
-        (qt, w, b, gp, b == 1, w == "gate_up") for qt, w, b, gp in CASES]
+    assert [(r["qt"], r["kernel"], r["bucket"], r["gp"], r["pk"], r["split"], r["fuse"]) for r in reports] == [
+        (qt, w, b, gp, pk, b == 1, w == "gate_up") for qt, w, b, gp, pk in CASES]
     for r in reports:
         ops = r["ops"]
         n = 2 if r["gp"] == 2 else 1               # GP 2: two K steps a loop iteration
@@ -105,6 +110,11 @@ def test_gluon_compiles_to_the_bf16_mma_with_the_weights_in_registers():
             want["fma.rn.f32"] *= 3
         assert r["fops"] == want and r["fops"].get("fma.rn.f32"), r
         loads = 42 if r["fuse"] else 22           # Q8_0's loads a K step (fused: gate's and up's weight words)
+        if r["pk"]:                                # 64-row tiles: 2 x 128 bits of quants, 2 scale words a thread
+            t = 2 if r["fuse"] else 1
+            assert {k: v for k, v in ops.items() if k.startswith("LDG")} == {"LDG.E.128": 2 * t + 2, "LDG.E": 2 * t}, r
+            assert not any(k.startswith("SHFL") for k in ops), r
+            loads = 4 * t + 2
         if r["gp"]:                                # every load read only after the back edge: a whole step to land
             assert r["ldg_in_step"] == 0 and r["ldg"] == loads * n, r
         elif r["qt"] == 0:                         # GP 0 (the control): every load waited for in its own step
@@ -132,6 +142,9 @@ def test_gl_applies_exactly_to_the_shipped_bf16_schedules(monkeypatch):
                 assert gm.usable(qt, c, kb, cuda) and gm.usable(qt, {**c, "FUSE": 0}, kb, cuda), (qt, b, K, c)
                 assert not gm.usable(qt, c, kb, cuda, aligned=False)
         c = {**mq.config(0, b, bf=True), "GL": 1}
+        assert gm.usable(0, {**c, "PK": 1}, 2, cuda)                     # PK: Q8_0 with its loads carried (GP)
+        assert not gm.usable(0, {**c, "PK": 1, "GP": 0}, 2, cuda)
+        assert not gm.usable(4, {**mq.config(4, b, bf=True), "GL": 1, "GP": 1, "PK": 1}, 2, cuda)
         assert not gm.usable(6, {**mq.config(6, b, bf=True), "GL": 1}, 2, cuda)       # Q5_K: no Gluon form
         assert not gm.usable(0, {**c, "BN": 128, "num_warps": 8}, 2, cuda)
         assert not gm.usable(0, c, 1, cuda)
@@ -164,14 +177,17 @@ def test_gl_on_the_cpu_runs_the_triton_kernel_with_its_bits(monkeypatch):
 
 
 def test_gp_reaches_the_gluon_launch_as_configured(monkeypatch):
-    """The schedule key GP (triton_mmq.CONFIG, 0; Q8_0's BF_TUNING 1 with GL 1, gpu-run63) reaches gluon_mmq.launch's
-    constexprs as the config says: Q8_0's shipped 1, TYPE_CONFIG's 0 / 1 / 2 under GL 1, no Gluon launch under GL 0,
-    for gate_up and down and both rows buckets (a stand-in launch records them; usable() forced true: the CPU has no
-    Gluon device)."""
+    """The schedule keys GP (triton_mmq.CONFIG, 0; Q8_0's BF_TUNING 1 with GL 1, gpu-run63) and PK (0 everywhere:
+    q8_pack's layout, cpu-pack62) reach gluon_mmq.launch's constexprs as the config says: Q8_0's shipped GP 1, PK 0,
+    TYPE_CONFIG's GP 0 / 1 / 2 and PK 1 under GL 1, no Gluon launch under GL 0, for gate_up and down and both rows
+    buckets (a stand-in launch records them; usable() forced true: the CPU has no Gluon device). Where the Gluon form
+    cannot run (the real usable() here), PK 1 raises: no other kernel reads packed weights."""
     assert mq.CONFIG["GP"] == 0 and {q: t.get("GP", 0) for q, t in mq.BF_TUNING.items()} == {0: 1, 4: 0, 5: 0, 6: 0}
+    assert mq.CONFIG["PK"] == 0 and not any(t.get("PK") for t in mq.BF_TUNING.values())
     seen = []
     monkeypatch.setattr(gm, "usable", lambda *a, **k: True)
-    monkeypatch.setattr(gm, "launch", lambda which, grid, args, consts, kcb: seen.append((which, consts["GP"])))
+    monkeypatch.setattr(gm, "launch", lambda which, grid, args, consts, kcb: seen.append((which, consts["GP"],
+                                                                                         consts["PK"])))
     H, F, E, k = 256, 128, 4, 2
     rb_h, rb_f = gm.row_bytes(0, H), gm.row_bytes(0, F)
     pool = torch.zeros(E * (2 * F * rb_h + H * rb_f), dtype=torch.uint8)
@@ -181,8 +197,8 @@ def test_gp_reaches_the_gluon_launch_as_configured(monkeypatch):
         rows = torch.arange(T * k, dtype=torch.int32)
         off = torch.tensor([0, T * k, T * k, T * k, T * k], dtype=torch.int32)
         hb = mq.prepare_bf16(torch.zeros(T, H))
-        for over, gp in ((None, 1), ({"GL": 0}, None), ({"GL": 1, "GP": 0}, 0), ({"GL": 1, "GP": 1}, 1),
-                         ({"GL": 1, "GP": 2}, 2)):
+        for over, gp, pk in ((None, 1, 0), ({"GL": 0}, None, 0), ({"GL": 1, "GP": 0}, 0, 0), ({"GL": 1, "GP": 1}, 1, 0),
+                             ({"GL": 1, "GP": 2}, 2, 0), ({"GL": 1, "GP": 1, "PK": 1}, 1, 1)):
             if over:
                 monkeypatch.setitem(mq.TYPE_CONFIG, 0, over)
             else:
@@ -192,7 +208,11 @@ def test_gp_reaches_the_gluon_launch_as_configured(monkeypatch):
             mq.gate_up(hb, pool, base, starts, rows, off, inter, F, k, 0, None, rb_h, True)
             mq.down(mq.prepare_bf16(inter.float()), pool, base, starts, rows, off,
                     torch.zeros(T * k, H, dtype=torch.bfloat16), 0, rb_f, True)
-            assert seen[n:] == ([] if gp is None else [("gate_up", gp), ("down", gp)]), (T, over, seen[n:])
+            assert seen[n:] == ([] if gp is None else [("gate_up", gp, pk), ("down", gp, pk)]), (T, over, seen[n:])
+    monkeypatch.undo()
+    monkeypatch.setitem(mq.TYPE_CONFIG, 0, {"GL": 1, "GP": 1, "PK": 1})
+    with pytest.raises(ValueError, match="PK 1"):
+        mq.gate_up(hb, pool, base, starts, rows, off, inter, F, k, 0, None, rb_h, True)
 
 
 def test_q8_pair_conversion_ptx_is_the_int8_to_bf16_conversion():

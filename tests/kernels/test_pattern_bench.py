@@ -1,7 +1,8 @@
 """deploy/device/pattern_bench.py (the Q8_0 Gluon kernel's weight reads without its MMA) and tests/scripts/
 inflight_account.py (its bytes in flight an SM), on the CPU (docs/benchmarks/cpu-inflight61): the bench's `pairs`
 loop issues the shipped kernel's loads (the same LDG.U16 count a step, none read in the step that issues them),
-`words` the same bytes as coalesced 32-bit words, `ring` them by cp.async into shared memory stages, and each case's
+`words` the same bytes as coalesced 32-bit words, `ring` them by cp.async into shared memory stages, `tiled` the
+kernel's loads on a tile-major layout and `packed` 128-bit loads of q8_pack's layout (cpu-pack62), and each case's
 shared memory (reservation, ring) caps the CTAs an SM at its CTAS by the account's occupancy rule."""
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def row(name, k):
                       "regs": int(re.search(r"REG:(\\d+)", res).group(1)),
                       "local": int(re.search(r"LOCAL:(\\d+)", res).group(1)), "shared": int(k.metadata.shared)}))
 row("kernel", gm.compile_kernel("gate_up", 1, qt=0, fuse=True, gp=1)[0])
-for name in ("pairs", "words", "flat r16", "ring4"):
+for name in ("pairs", "words", "flat r16", "ring4", "tiled", "packed r16"):
     row(name, pb.compile_case(name))
 """
 
@@ -63,16 +64,19 @@ def test_pattern_bench_reads_as_the_kernel_and_caps_ctas():
     if reports and "skip" in reports[0]:
         pytest.skip(f"no sm_90 compile toolchain here: {reports[0]['skip']}")
     r = {x["name"]: x for x in reports}
-    assert set(r) == {"kernel", "pairs", "words", "flat r16", "ring4"}, reports
+    assert set(r) == {"kernel", "pairs", "words", "flat r16", "ring4", "tiled", "packed r16"}, reports
     assert all(x["local"] == 0 and x["in_step"] == 0 for x in reports), reports
     kernel_u16 = r["kernel"]["ldg"]["U16"]                  # the weight pairs and scales (its x: 2 LDG.128 more)
-    assert r["pairs"]["ldg"] == {"U16": kernel_u16} == {"U16": 40}, reports
+    assert r["pairs"]["ldg"] == r["tiled"]["ldg"] == {"U16": kernel_u16} == {"U16": 40}, reports
+    # packed (q8_pack's layout): a thread's 32 quant words as 128-bit loads (a warp load 512 contiguous bytes), the
+    # scales one 32-bit word a row (its two blocks' f16 d) for its 4 rows
+    assert r["packed r16"]["ldg"] == {"128": 4, "32": 4}, reports
     assert r["words"]["ldg"] == {"32": 32}, reports           # [128, 32] words, one row's 17 a warp load
     assert r["flat r16"]["ldg"] == {"128": 4}, reports         # 8 KiB a step over 128 threads
     # ring4: words' 32 copies a thread a step by cp.async (3 steps before the loop, one in it), no register loads
     assert r["ring4"]["ldgsts"] == 4 * 32 and r["ring4"]["all_ldg"] == 0, reports
     assert all(r[n]["ldgsts"] == 0 for n in ("pairs", "words", "flat r16")), reports
     import pattern_bench as pb
-    for name in ("pairs", "words", "flat r16", "ring4"):
+    for name in ("pairs", "words", "flat r16", "ring4", "tiled", "packed r16"):
         want = pb.CASES[name][3]
         assert ia.ctas_an_sm(r[name]["regs"], 4, r[name]["shared"]) == want, (name, r[name])

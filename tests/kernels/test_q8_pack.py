@@ -1,0 +1,99 @@
+"""betelgeuse/kernels/q8_pack (docs/benchmarks/cpu-pack62): the packed layout is a permutation of a Q8_0 matrix's bytes
+(round trip, same size), and the packed bytes read the way the PK 1 kernel reads them (a thread's quant words at
+its rows' 16-byte pieces, a row's scale word after the step's quants) dequantize to gguf-py's dequantization of the
+GGUF bytes, exactly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import quants as gq
+from gguf.constants import GGMLQuantizationType as GT
+
+from betelgeuse.kernels import q8_pack
+
+
+def _q8(rows: int, K: int, seed: int) -> np.ndarray:
+    """A [rows, K] Q8_0 matrix's GGUF bytes (gguf-py's quantizer; rows of mixed magnitudes)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, K)).astype(np.float32) * rng.uniform(0.01, 4, (rows, 1)).astype(np.float32)
+    return np.ascontiguousarray(gq.quantize(x, GT.Q8_0)).reshape(-1)
+
+
+def _read_packed(p: np.ndarray, rows: int, K: int) -> np.ndarray:
+    """[rows, K] float32 from packed bytes, addressed as the kernel does: tile t, step s at (t * K / 64 + s) * 4352;
+    row n of the tile's quant words [16] at 1024 (n % 64 // 16) + 512 (n // 8 % 2) + 64 (n % 8), word c holding the
+    pairs 8 (c % 4) + c // 4 (low half) and that + 4 (high); its scale word at 4096 + 4 n (block 2 s's f16 d, then
+    2 s + 1's). Value = float32(d) * float32(int8), gguf-py's product."""
+    out = np.zeros((rows, K), np.float32)
+    for t in range(rows // 64):
+        for s in range(K // 64):
+            st = p[(t * (K // 64) + s) * 4352:][:4352]
+            for n in range(64):
+                g = 1024 * (n % 64 // 16) + 512 * (n // 8 % 2) + 64 * (n % 8)
+                q = st[g:g + 64].view(np.int8).reshape(16, 2, 2)        # [word c][low / high pair][2 int8]
+                d = st[4096 + 4 * n:4100 + 4 * n].view(np.float16).astype(np.float32)
+                for c in range(16):
+                    for hi in range(2):
+                        pr = 8 * (c % 4) + c // 4 + 4 * hi              # the step's pair: elements 2 pr, 2 pr + 1
+                        k = 64 * s + 2 * pr
+                        out[64 * t + n, k:k + 2] = d[pr // 16] * q[c, hi].astype(np.float32)
+    return out
+
+
+@pytest.mark.parametrize("rows,K", [(64, 64), (128, 768), (64, 2048)])
+def test_pack_is_a_permutation_and_reads_as_gguf(rows, K):
+    raw = _q8(rows, K, rows + K)
+    packed = q8_pack.pack_q8_0(raw.tobytes(), rows, K)
+    assert packed.dtype == np.uint8 and packed.size == raw.size
+    assert np.array_equal(q8_pack.unpack_q8_0(packed, rows, K), raw)
+    assert not np.array_equal(packed, raw)
+    ref = gq.dequantize(raw.reshape(rows, -1), GT.Q8_0).astype(np.float32)
+    got = _read_packed(packed, rows, K)
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+
+
+def test_usable():
+    assert q8_pack.usable(768, 2048) and q8_pack.usable(2048, 768)
+    assert not q8_pack.usable(96, 2048) and not q8_pack.usable(64, 96) and not q8_pack.usable(0, 64)
+    with pytest.raises(AssertionError):
+        q8_pack.pack_q8_0(np.zeros(96 * 68, np.uint8), 96, 64)
+
+
+def test_torch_gather_matches_numpy():
+    """The GPU path's gather (a torch tensor in, on its device) gives numpy's bytes."""
+    torch = pytest.importorskip("torch")
+    raw = _q8(128, 768, 5)
+    got = q8_pack.pack_q8_0(torch.from_numpy(raw.copy()), 128, 768)
+    assert isinstance(got, torch.Tensor) and np.array_equal(got.numpy(), q8_pack.pack_q8_0(raw, 128, 768))
+    assert np.array_equal(q8_pack.unpack_q8_0(got, 128, 768).numpy(), raw)
+
+
+def test_pk_conversion_order_is_the_steps_k_order():
+    """gluon_mmq._conv_raw's PK reordering emulated in numpy (gl.join = a stack on a new last axis; reshape / permute
+    as numpy's): the words [64, 16] of a step, loaded at the kernel's addresses, become a [64, 64] tile whose column
+    k is element k of the step's two blocks (the int8 at byte 34 (2 s + k // 32) + 2 + k % 32 of the GGUF row) --
+    PK 0's A tile, so the MMA sees the same operand. The emulation follows the kernel's source, which is checked."""
+    import inspect
+
+    from betelgeuse.kernels import gluon_mmq as gm
+    if not gm.HAVE_GLUON:
+        pytest.skip("no Gluon")
+    src = inspect.getsource(gm._conv_raw.fn if hasattr(gm._conv_raw, "fn") else gm._conv_raw)
+    for line in ("v = gl.join(gl.join(_lo_bf16(lo), _lo_bf16(lo >> 16)), gl.join(_lo_bf16(hi), _lo_bf16(hi >> 16)))",
+                 "v = gl.permute(gl.reshape(v, [R, 4, 4, 2, 2]), [0, 2, 4, 1, 3])",
+                 "wb = gl.convert_layout(gl.reshape(v, [R, KB * 32]), AL)"):
+        assert line in src, line
+    rows, K = 64, 768
+    raw = _q8(rows, K, 9)
+    packed = q8_pack.pack_q8_0(raw, rows, K)
+    q = raw.reshape(rows, K // 32, 34)[:, :, 2:].view(np.int8).reshape(rows, K)
+    n = np.arange(64)
+    g = 1024 * (n // 16) + 512 * (n // 8 % 2) + 64 * (n % 8)
+    for s in range(K // 64):
+        st = packed[s * 4352:(s + 1) * 4352]
+        w = st[g[:, None, None] + 4 * np.arange(16)[None, :, None] + np.arange(4)].view(np.int8)     # [64, 16, 4]
+        lo, hi = w[..., 0:2], w[..., 2:4]                   # the words' low / high pairs, their 2 int8 each (i)
+        v = np.stack([np.stack([lo[..., 0], lo[..., 1]], -1), np.stack([hi[..., 0], hi[..., 1]], -1)], -1)
+        v = v.reshape(rows, 4, 4, 2, 2).transpose(0, 2, 4, 1, 3).reshape(rows, 64)
+        assert np.array_equal(v, q[:, 64 * s:64 * s + 64]), s
