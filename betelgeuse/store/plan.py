@@ -23,6 +23,8 @@ import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 
+from gguf.constants import GGMLQuantizationType
+
 from betelgeuse.config import GiB, MiB, EngineConfig
 from betelgeuse.errors import BudgetError
 from betelgeuse.gguf.reader import GGUFModelFile
@@ -248,8 +250,10 @@ VRAM_PARTS = ("dense", "kv", "prefix_cache", "ring", "activations", "cuda_contex
 
 def vram_needs(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int, running: int) -> dict[str, int]:
     """Worker VRAM outside the hot slots, bytes by part (VRAM_PARTS), with `running` sequences: dense weights, KV
-    caches of every running sequence, the prefix cache, the execution ring, activations (two experts dequantized in
-    flight, the largest prefill pass, scratch), the CUDA context and the running sequences' decode graphs."""
+    caches of every running sequence, the prefix cache, the execution ring (with engine.pack_experts on a model with
+    Q8_0 experts, one slot more: the VRAM slots' repack scratch, worker/expert_cache.py), activations (two experts
+    dequantized in flight, the largest prefill pass, scratch), the CUDA context and the running sequences' decode
+    graphs."""
     c = f.config
     arch = arch_of(c)
     dt = compute_dtype_bytes(cfg)
@@ -264,7 +268,15 @@ def vram_needs(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int, running: in
     if cfg.is_cuda and cfg.cuda_graphs:
         ctx += running * GRAPHS_BYTES_PER_SEQ
     return {"dense": dense_bytes(f, dt), "kv": kv, "prefix_cache": prefix_cache_bytes(cfg, c, dt),
-            "ring": cfg.ring_slots * slot_bytes, "activations": deq + act, "cuda_context": ctx}
+            "ring": (cfg.ring_slots + pack_scratch_slots(f, cfg)) * slot_bytes, "activations": deq + act,
+            "cuda_context": ctx}
+
+
+def pack_scratch_slots(f: GGUFModelFile, cfg: EngineConfig) -> int:
+    """The slot-sized VRAM buffers engine.pack_experts adds (ExpertCache.pack_layers' repack scratch): 1 where it is
+    on and the model has Q8_0 experts (the layers it packs), else 0."""
+    return int(cfg.pack_experts and any(p.qtype == GGMLQuantizationType.Q8_0 for l in range(f.config.n_layer)
+                                        for p in f.expert_parts(l, 0)))
 
 
 def plan_running(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int) -> tuple[int, dict[str, int], str]:
