@@ -10,6 +10,10 @@ its values (invariant 1).
   pool uint8 on device = [ vram: n_layer x n_vram slots | ring: 2 banks x bank_size slots ]
      ▲ kernels address an expert by its byte offset in the pool: vram_base_dev[layer, expert] for the
        VRAM tier (uploaded when the directory changes), one table per ring batch otherwise
+
+engine.pack_experts (pack_layers): a packed layer's VRAM slots hold their Q8_0 parts in kernels/q8_pack's layout
+(repacked on the device as each slot fills: _own) and their offsets carry bit 0, which gluon_mmq's PK 2 reads per
+expert; every other slot (host, staging, ring, flex) stays GGUF order. The same values either way (invariant 1).
 """
 
 from __future__ import annotations
@@ -160,7 +164,7 @@ class ExpertCache:
         self.copy_seconds = 0.0    # CPU path: time spent copying
         # engine.pack_experts (pack_layers): per layer, whether its VRAM slots hold their Q8_0 parts in q8_pack's
         # layout (None: every slot GGUF order); the repack's slot-sized scratch and q8_pack's tile index per K on the
-        # device (the plan counts the scratch: store/plan.py vram_needs)
+        # device (the plan counts both: store/plan.py pack_scratch_bytes)
         self.packed: np.ndarray | None = None
         self._pack_scratch: torch.Tensor | None = None
         self._pack_index: dict[int, torch.Tensor] = {}

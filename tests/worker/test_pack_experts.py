@@ -7,6 +7,7 @@ the packed kernel are the device's to check (deploy/device/check_cuda.py with CH
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -18,6 +19,7 @@ from gguf import GGUFReader
 from betelgeuse.errors import BetelgeuseError
 from betelgeuse.kernels import q8_pack
 from betelgeuse.store.directory import ENTRY_DTYPE, TIER_DISK, TIER_VRAM
+from betelgeuse.store.plan import vram_needs
 from betelgeuse.worker.expert_cache import ExpertCache
 
 PARTS = ("gate", "up", "down")
@@ -60,6 +62,9 @@ def test_packed_vram_slots_hold_each_experts_file_bytes_in_the_packed_layout(tmp
         packed = np.array([True, False, True])
         cache.pack_layers(packed)
         assert set(cache._pack_index) == {WIDE_SPEC["n_embd"], WIDE_SPEC["n_ff_exp"]}   # gate/up's K, down's K
+        on, off = (vram_needs(s.file, replace(rn.cfg, pack_experts=p), cache.slot_bytes, 1)["ring"]
+                   for p in (True, False))          # the plan counts what pack_layers put on the device
+        assert on - off == cache._pack_scratch.nbytes + sum(i.nbytes for i in cache._pack_index.values())
 
         def slot_bytes(l, e) -> torch.Tensor:       # a slot holding expert e of layer l as the store lays it out
             out = torch.zeros(cache.slot_bytes, dtype=torch.uint8)
@@ -149,7 +154,6 @@ def test_startup_refuses_on_the_cpu_and_a_model_without_q8_0_packs_nothing(tmp_p
     (MoEStep._pack) or with the scratch left out of the plan."""
     from betelgeuse.config import EngineConfig
     from betelgeuse.gguf.reader import GGUFModelFile
-    from betelgeuse.store.plan import vram_needs
     q8 = write_synth(tmp_path / "q8.gguf", **ENGINE_SPEC)
     with pytest.raises(BetelgeuseError, match="engine.pack_experts = true: .*kernels: torch"):
         in_process_runner(q8, 2, 3, pack_experts=True)
@@ -162,8 +166,8 @@ def test_startup_refuses_on_the_cpu_and_a_model_without_q8_0_packs_nothing(tmp_p
                    for r in caplog.records)
     finally:
         close_runner(rn, st)
-    for path, extra in ((q8, 1), (f16, 0)):
+    for path, extra in ((q8, 4096 + 8 * 64 * 68), (f16, 0)):       # a slot; K 64's index: 64 rows x 68 bytes int64
         f = GGUFModelFile.open(path)
         on, off = (vram_needs(f, EngineConfig(model_path=str(path), pack_experts=p), 4096, 1)["ring"]
                    for p in (True, False))
-        assert on - off == extra * 4096, (path, on, off)
+        assert on - off == extra, (path, on, off)
