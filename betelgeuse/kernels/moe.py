@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from betelgeuse.gguf.qtypes import row_nbytes
+from betelgeuse.kernels import q8_pack
 from betelgeuse.kernels.torch_moe import ExpertWork, moe_combine, plan_experts, run_expert
 
 # GGML types the triton kernels read directly (triton_quants.QT_CODES: F32, F16, Q8_0, BF16, MXFP4, Q4_K, Q5_K,
@@ -183,7 +184,7 @@ class MoEKernels:
             raise ValueError(f"layer {mixed[0]} mixes Q8_0 expert parts with other types (the packed flag is an "
                              "expert's: every part of a packed layer must be Q8_0)")
         bad = next(((l, m.shape) for l in np.nonzero(layers)[0] for ps in parts[l] for m in ps
-                    if m.shape[0] % 64 or m.shape[1] % 64), None)
+                    if not q8_pack.usable(*m.shape)), None)
         if bad is not None:
             raise ValueError(f"layer {bad[0]} has a Q8_0 part of shape {bad[1]}: q8_pack needs rows and K multiples "
                              "of 64")
