@@ -339,6 +339,14 @@ class EngineSettings(_Section):
         "off", "expert activations on the GPU: off (float, exact) | q8_1 (int8 per 32, llama.cpp's mmq numerics; "
         "approximate) | bf16 (bf16 tensor-core MMA of the integer quants; float noise) | auto (bf16 for Q8_0 and "
         "MXFP4 only)", "q8_1")
+    # the VRAM slots hold their Q8_0 experts in kernels/q8_pack's layout (repacked on the GPU as they fill; host
+    # slots and the ring stay GGUF), which gluon_mmq's PK form reads coalesced (issue 23: 1.6 TB/s against 1.0 at one
+    # row, gpu-run64); every launch reads each expert's layout from its slot table (bit 0). The same values in the
+    # same MMA: the same bits (docs/benchmarks/cpu-pack62, cpu-vram62). Startup refuses unless every Q8_0 expert
+    # launch is that form (CUDA sm_90, triton kernels, act_quant bf16 or auto); a model with no Q8_0 expert: nothing
+    # to pack. Off until check_cuda's rows pass with it on (CHECK_PACK_EXPERTS=1)
+    pack_experts: Flag = setting(False, "VRAM-resident Q8_0 experts held in the packed layout the Gluon MMA reads "
+                                 "coalesced (CUDA sm_90, act_quant bf16 or auto)", True)
     # a long generation's working set moves into the resident tiers while it runs
     decode_consolidate_every: Count0 = setting(32, "decode tokens between consolidations of the decode's usage "
                                                "(0 = end of request only)", 0)

@@ -32,7 +32,10 @@ so the same bits on the GPU (deploy/device/check_gluon_mmq.py checks torch.equal
     the order of the threads' A k pairs): a thread's weights of a tile and step are 16 contiguous bytes (one 128-bit
     load; a warp load 512 contiguous bytes, where GGUF order gives 8 rows x 8 bytes in 8 lines) and a row's two
     scales one 32-bit word; register moves put the words' int8 in AL's order, so the MMA gets the same A: the same
-    bits as PK 0 on the GGUF bytes (cpu-pack62). A schedule key; the caller packs the pool.
+    bits as PK 0 on the GGUF bytes (cpu-pack62). A schedule key; the caller packs the pool. PK 2 (engine.pack_experts,
+    cpu-vram62): per expert, bit 0 of its base offset (a packed VRAM slot's: ExpertCache._own) picks the packed or the
+    GGUF body once a program (_pk_of; both compiled into the kernel), so one launch reads VRAM experts packed beside
+    host, flex and ring experts in GGUF order.
 The schedule key GL (triton_mmq.CONFIG, 0 by default) asks for it; triton_mmq._launch takes it where `usable` says so
 (CUDA sm_90, Gluon importable, Q8_0, MXFP4 or Q4_K at these constants, aligned parts), else the Triton kernel runs
 (CPU, the interpreter: Gluon has no interpreter). Compiles on Triton 3.6 (the device's) and 3.9: the one API
@@ -132,6 +135,14 @@ if HAVE_GLUON:
         first = gl.sum(gl.where(ei == e, cum - nb, 0), 0)
         base = gl.load(base_ptr + gl.minimum(e, n_exp - 1))
         return e, b - first, gl.where(e < n_exp, base, -1)
+
+    @gluon.jit
+    def _pk_of(base):
+        """PK 2 (per expert): a pool offset `base` (not -1) -> (pk, the offset): pk = its bit 0, set by ExpertCache on
+        a packed VRAM slot (q8_pack's layout; every real offset is even: slots are 4 KiB-aligned, host offsets
+        differences of aligned addresses), cleared from the offset."""
+        pk = base & 1
+        return pk, base - pk
 
     @gluon.jit
     def _rows_of(off_ptr, rows_ptr, e, mb, j, BM: gl.constexpr):
@@ -629,6 +640,98 @@ if HAVE_GLUON:
         return gl.convert_layout(g, ACC), gl.convert_layout(u, ACC)
 
     @gluon.jit
+    def _gate_up_body(xq_ptr, xs_ptr, pool, starts_ptr, rows_ptr, off_ptr, inter_ptr, ws_ptr, cnt_ptr, H, F, row_bytes,
+                      k_top, limit, KCB, e, mb, base, QT: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                      BM: gl.constexpr, BN: gl.constexpr, ALIGNED: gl.constexpr, RA: gl.constexpr,
+                      KB: gl.constexpr, SPLIT: gl.constexpr, FUSE: gl.constexpr, GP: gl.constexpr,
+                      PK: gl.constexpr):
+        """_gate_up_gl_kernel's program for row block mb of expert e, whose slot is at pool offset base (PK 0: GGUF
+        order, 1: q8_pack's layout)."""
+        rows, mr, flat = _rows_of(off_ptr, rows_ptr, e, mb, gl.arange(0, BM, layout=gl.SliceLayout(0, ACC)), BM)
+        u1, jm, jflat = _rows_of(off_ptr, rows_ptr, e, mb,
+                                 gl.arange(0, KB * BM, layout=gl.SliceLayout(0, BL)), BM)
+        jo = (jflat // k_top) * H                               # the B tile's columns: their tokens' rows of h
+        so = (flat // k_top) * (H // 32)                        # the x block sums' rows (Q4_K)
+        NBLK = H // 32
+        NCH = (NBLK + KCB - 1) // KCB
+        tile = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
+        nc = gl.program_id(0) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ACC))
+        mnc = nc < F
+        if FUSE:                    # rows i < BN: gate's row n0 + i; i >= BN: up's row n0 + i - BN
+            ia = gl.arange(0, 2 * BN, layout=gl.SliceLayout(1, AL))
+            ic = gl.arange(0, 2 * BN, layout=gl.SliceLayout(1, ACC))
+            na = gl.program_id(0) * BN + ia % BN
+            n2 = gl.program_id(0) * BN + ic % BN
+            ra = gl.where(ia < BN, _part_rows(base, starts_ptr, e, 0, na, row_bytes, ALIGNED, RA),
+                          _part_rows(base, starts_ptr, e, 1, na, row_bytes, ALIGNED, RA))
+            rc = gl.where(ic < BN, _part_rows(base, starts_ptr, e, 0, n2, row_bytes, ALIGNED, RA),
+                          _part_rows(base, starts_ptr, e, 1, n2, row_bytes, ALIGNED, RA))
+            if ALIGNED:             # (the select loses _part_rows' alignment facts: wide loads need them)
+                ra = gl.multiple_of(ra, RA)
+                rc = gl.multiple_of(rc, RA)
+            if PK:                  # the weights packed (q8_pack): the rows' addresses in their tiles
+                ra = _pk_rows(ra, na, row_bytes, False)
+                rc = _pk_rows(rc, n2, row_bytes, True)
+            tot = gl.zeros([2 * BN, BM], gl.float32, ACC)
+            if SPLIT:
+                pc = gl.program_id(2)
+                acc = _acc_any(pool, ra, na < F, rc, n2 < F, xq_ptr, jo, jm, xs_ptr, so, mr, pc * KCB,
+                               gl.minimum(pc * KCB + KCB, NBLK), QT, 2 * BN, BM, KB, GP, PK)
+                gl.store(_partial_ptr(ws_ptr, tile, pc, NCH, 2 * BN * BM, 2 * BN, BM), acc)
+                if _arrive(cnt_ptr, tile, NCH):
+                    for ch in range(0, NCH):    # 0 + p_0 + p_1 + ... in chunk order
+                        tot = tot + gl.load(_partial_ptr(ws_ptr, tile, ch, NCH, 2 * BN * BM, 2 * BN, BM),
+                                            cache_modifier=".cg")
+                    gl.atomic_xchg(cnt_ptr + tile, 0)
+                    accg, accu = _gu_split(tot, BN, BM)
+                    _gu_store(accg, accu, inter_ptr, rows, mr, nc, mnc, F, limit, HAS_LIMIT)
+            else:
+                for ch in range(0, NCH):
+                    tot = tot + _acc_any(pool, ra, na < F, rc, n2 < F, xq_ptr, jo, jm, xs_ptr, so, mr, ch * KCB,
+                                         gl.minimum(ch * KCB + KCB, NBLK), QT, 2 * BN, BM, KB, GP, PK)
+                accg, accu = _gu_split(tot, BN, BM)
+                _gu_store(accg, accu, inter_ptr, rows, mr, nc, mnc, F, limit, HAS_LIMIT)
+        else:
+            na = gl.program_id(0) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, AL))
+            mna = na < F
+            ga = _part_rows(base, starts_ptr, e, 0, na, row_bytes, ALIGNED, RA)
+            ua = _part_rows(base, starts_ptr, e, 1, na, row_bytes, ALIGNED, RA)
+            gc = _part_rows(base, starts_ptr, e, 0, nc, row_bytes, ALIGNED, RA)
+            uc = _part_rows(base, starts_ptr, e, 1, nc, row_bytes, ALIGNED, RA)
+            if PK:
+                ga = _pk_rows(ga, na, row_bytes, False)
+                ua = _pk_rows(ua, na, row_bytes, False)
+                gc = _pk_rows(gc, nc, row_bytes, True)
+                uc = _pk_rows(uc, nc, row_bytes, True)
+            totg = gl.zeros([BN, BM], gl.float32, ACC)
+            totu = gl.zeros([BN, BM], gl.float32, ACC)
+            if SPLIT:               # this program: chunk program_id(2); the tile's last sums them in order
+                pc = gl.program_id(2)
+                b1 = gl.minimum(pc * KCB + KCB, NBLK)
+                g = _acc_any(pool, ga, mna, gc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, pc * KCB, b1, QT, BN,
+                             BM, KB, GP, PK)
+                u = _acc_any(pool, ua, mna, uc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, pc * KCB, b1, QT, BN,
+                             BM, KB, GP, PK)
+                pp = _partial_ptr(ws_ptr, tile, pc, NCH, 2 * BN * BM, BN, BM)
+                gl.store(pp, g)
+                gl.store(pp + BN * BM, u)
+                if _arrive(cnt_ptr, tile, NCH):
+                    for ch in range(0, NCH):    # 0 + p_0 + p_1 + ... in chunk order
+                        pq = _partial_ptr(ws_ptr, tile, ch, NCH, 2 * BN * BM, BN, BM)
+                        totg = totg + gl.load(pq, cache_modifier=".cg")
+                        totu = totu + gl.load(pq + BN * BM, cache_modifier=".cg")
+                    gl.atomic_xchg(cnt_ptr + tile, 0)
+                    _gu_store(totg, totu, inter_ptr, rows, mr, nc, mnc, F, limit, HAS_LIMIT)
+            else:                   # the same chunk partials and sums, walked by one program
+                for ch in range(0, NCH):
+                    b1 = gl.minimum(ch * KCB + KCB, NBLK)
+                    totg = totg + _acc_any(pool, ga, mna, gc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, ch * KCB, b1,
+                                           QT, BN, BM, KB, GP, PK)
+                    totu = totu + _acc_any(pool, ua, mna, uc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, ch * KCB, b1,
+                                           QT, BN, BM, KB, GP, PK)
+                _gu_store(totg, totu, inter_ptr, rows, mr, nc, mnc, F, limit, HAS_LIMIT)
+
+    @gluon.jit
     def _gate_up_gl_kernel(xq_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, inter_ptr, ws_ptr, cnt_ptr,
                            H, F, row_bytes, n_exp, k_top, limit, KCB, QT: gl.constexpr, HAS_LIMIT: gl.constexpr,
                            BM: gl.constexpr, BN: gl.constexpr, EP: gl.constexpr, ALIGNED: gl.constexpr,
@@ -639,89 +742,62 @@ if HAVE_GLUON:
         step for both; each output's float ops its own: the same bits)."""
         e, mb, base = _find_block(off_ptr, base_ptr, n_exp, gl.program_id(1), BM, EP)
         if base != -1:                  # -1 alone: not in this group (a negative offset is an expert)
-            rows, mr, flat = _rows_of(off_ptr, rows_ptr, e, mb, gl.arange(0, BM, layout=gl.SliceLayout(0, ACC)), BM)
-            u1, jm, jflat = _rows_of(off_ptr, rows_ptr, e, mb,
-                                     gl.arange(0, KB * BM, layout=gl.SliceLayout(0, BL)), BM)
-            jo = (jflat // k_top) * H                               # the B tile's columns: their tokens' rows of h
-            so = (flat // k_top) * (H // 32)                        # the x block sums' rows (Q4_K)
-            NBLK = H // 32
-            NCH = (NBLK + KCB - 1) // KCB
-            tile = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
-            nc = gl.program_id(0) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ACC))
-            mnc = nc < F
-            if FUSE:                    # rows i < BN: gate's row n0 + i; i >= BN: up's row n0 + i - BN
-                ia = gl.arange(0, 2 * BN, layout=gl.SliceLayout(1, AL))
-                ic = gl.arange(0, 2 * BN, layout=gl.SliceLayout(1, ACC))
-                na = gl.program_id(0) * BN + ia % BN
-                n2 = gl.program_id(0) * BN + ic % BN
-                ra = gl.where(ia < BN, _part_rows(base, starts_ptr, e, 0, na, row_bytes, ALIGNED, RA),
-                              _part_rows(base, starts_ptr, e, 1, na, row_bytes, ALIGNED, RA))
-                rc = gl.where(ic < BN, _part_rows(base, starts_ptr, e, 0, n2, row_bytes, ALIGNED, RA),
-                              _part_rows(base, starts_ptr, e, 1, n2, row_bytes, ALIGNED, RA))
-                if ALIGNED:             # (the select loses _part_rows' alignment facts: wide loads need them)
-                    ra = gl.multiple_of(ra, RA)
-                    rc = gl.multiple_of(rc, RA)
-                if PK:                  # the weights packed (q8_pack): the rows' addresses in their tiles
-                    ra = _pk_rows(ra, na, row_bytes, False)
-                    rc = _pk_rows(rc, n2, row_bytes, True)
-                tot = gl.zeros([2 * BN, BM], gl.float32, ACC)
-                if SPLIT:
-                    pc = gl.program_id(2)
-                    acc = _acc_any(pool, ra, na < F, rc, n2 < F, xq_ptr, jo, jm, xs_ptr, so, mr, pc * KCB,
-                                   gl.minimum(pc * KCB + KCB, NBLK), QT, 2 * BN, BM, KB, GP, PK)
-                    gl.store(_partial_ptr(ws_ptr, tile, pc, NCH, 2 * BN * BM, 2 * BN, BM), acc)
-                    if _arrive(cnt_ptr, tile, NCH):
-                        for ch in range(0, NCH):    # 0 + p_0 + p_1 + ... in chunk order
-                            tot = tot + gl.load(_partial_ptr(ws_ptr, tile, ch, NCH, 2 * BN * BM, 2 * BN, BM),
-                                                cache_modifier=".cg")
-                        gl.atomic_xchg(cnt_ptr + tile, 0)
-                        accg, accu = _gu_split(tot, BN, BM)
-                        _gu_store(accg, accu, inter_ptr, rows, mr, nc, mnc, F, limit, HAS_LIMIT)
+            if PK == 2:                 # per expert: bit 0 of base flags q8_pack's layout (_pk_of)
+                pk, base = _pk_of(base)
+                if pk != 0:             # one expert a program: a uniform branch
+                    _gate_up_body(xq_ptr, xs_ptr, pool, starts_ptr, rows_ptr, off_ptr, inter_ptr, ws_ptr, cnt_ptr, H, F,
+                                  row_bytes, k_top, limit, KCB, e, mb, base, QT, HAS_LIMIT, BM, BN, ALIGNED, RA, KB,
+                                  SPLIT, FUSE, GP, 1)
                 else:
-                    for ch in range(0, NCH):
-                        tot = tot + _acc_any(pool, ra, na < F, rc, n2 < F, xq_ptr, jo, jm, xs_ptr, so, mr, ch * KCB,
-                                             gl.minimum(ch * KCB + KCB, NBLK), QT, 2 * BN, BM, KB, GP, PK)
-                    accg, accu = _gu_split(tot, BN, BM)
-                    _gu_store(accg, accu, inter_ptr, rows, mr, nc, mnc, F, limit, HAS_LIMIT)
+                    _gate_up_body(xq_ptr, xs_ptr, pool, starts_ptr, rows_ptr, off_ptr, inter_ptr, ws_ptr, cnt_ptr, H, F,
+                                  row_bytes, k_top, limit, KCB, e, mb, base, QT, HAS_LIMIT, BM, BN, ALIGNED, RA, KB,
+                                  SPLIT, FUSE, GP, 0)
             else:
-                na = gl.program_id(0) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, AL))
-                mna = na < F
-                ga = _part_rows(base, starts_ptr, e, 0, na, row_bytes, ALIGNED, RA)
-                ua = _part_rows(base, starts_ptr, e, 1, na, row_bytes, ALIGNED, RA)
-                gc = _part_rows(base, starts_ptr, e, 0, nc, row_bytes, ALIGNED, RA)
-                uc = _part_rows(base, starts_ptr, e, 1, nc, row_bytes, ALIGNED, RA)
-                if PK:
-                    ga = _pk_rows(ga, na, row_bytes, False)
-                    ua = _pk_rows(ua, na, row_bytes, False)
-                    gc = _pk_rows(gc, nc, row_bytes, True)
-                    uc = _pk_rows(uc, nc, row_bytes, True)
-                totg = gl.zeros([BN, BM], gl.float32, ACC)
-                totu = gl.zeros([BN, BM], gl.float32, ACC)
-                if SPLIT:               # this program: chunk program_id(2); the tile's last sums them in order
-                    pc = gl.program_id(2)
-                    b1 = gl.minimum(pc * KCB + KCB, NBLK)
-                    g = _acc_any(pool, ga, mna, gc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, pc * KCB, b1, QT, BN,
-                                 BM, KB, GP, PK)
-                    u = _acc_any(pool, ua, mna, uc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, pc * KCB, b1, QT, BN,
-                                 BM, KB, GP, PK)
-                    pp = _partial_ptr(ws_ptr, tile, pc, NCH, 2 * BN * BM, BN, BM)
-                    gl.store(pp, g)
-                    gl.store(pp + BN * BM, u)
-                    if _arrive(cnt_ptr, tile, NCH):
-                        for ch in range(0, NCH):    # 0 + p_0 + p_1 + ... in chunk order
-                            pq = _partial_ptr(ws_ptr, tile, ch, NCH, 2 * BN * BM, BN, BM)
-                            totg = totg + gl.load(pq, cache_modifier=".cg")
-                            totu = totu + gl.load(pq + BN * BM, cache_modifier=".cg")
-                        gl.atomic_xchg(cnt_ptr + tile, 0)
-                        _gu_store(totg, totu, inter_ptr, rows, mr, nc, mnc, F, limit, HAS_LIMIT)
-                else:                   # the same chunk partials and sums, walked by one program
-                    for ch in range(0, NCH):
-                        b1 = gl.minimum(ch * KCB + KCB, NBLK)
-                        totg = totg + _acc_any(pool, ga, mna, gc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, ch * KCB, b1,
-                                               QT, BN, BM, KB, GP, PK)
-                        totu = totu + _acc_any(pool, ua, mna, uc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, ch * KCB, b1,
-                                               QT, BN, BM, KB, GP, PK)
-                    _gu_store(totg, totu, inter_ptr, rows, mr, nc, mnc, F, limit, HAS_LIMIT)
+                _gate_up_body(xq_ptr, xs_ptr, pool, starts_ptr, rows_ptr, off_ptr, inter_ptr, ws_ptr, cnt_ptr, H, F,
+                              row_bytes, k_top, limit, KCB, e, mb, base, QT, HAS_LIMIT, BM, BN, ALIGNED, RA, KB, SPLIT,
+                              FUSE, GP, PK)
+
+    @gluon.jit
+    def _down_body(xq_ptr, xs_ptr, pool, starts_ptr, rows_ptr, off_ptr, y_ptr, ws_ptr, cnt_ptr, H, F, row_bytes, KCB,
+                   e, mb, base, QT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, ALIGNED: gl.constexpr,
+                   RA: gl.constexpr, KB: gl.constexpr, SPLIT: gl.constexpr, GP: gl.constexpr, PK: gl.constexpr):
+        """_down_gl_kernel's program for row block mb of expert e at pool offset base (PK 0: GGUF, 1: packed)."""
+        rows, mr, flat = _rows_of(off_ptr, rows_ptr, e, mb, gl.arange(0, BM, layout=gl.SliceLayout(0, ACC)), BM)
+        jrows, jm, u1 = _rows_of(off_ptr, rows_ptr, e, mb,
+                                 gl.arange(0, KB * BM, layout=gl.SliceLayout(0, BL)), BM)
+        jo = jrows.to(gl.int64) * F                             # inter's rows are the sorted rows
+        so = rows.to(gl.int64) * (F // 32)                      # their block sums (Q4_K)
+        na = gl.program_id(0) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, AL))
+        nc = gl.program_id(0) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ACC))
+        mna = na < H
+        mnc = nc < H
+        da = _part_rows(base, starts_ptr, e, 2, na, row_bytes, ALIGNED, RA)
+        dc = _part_rows(base, starts_ptr, e, 2, nc, row_bytes, ALIGNED, RA)
+        if PK:
+            da = _pk_rows(da, na, row_bytes, False)
+            dc = _pk_rows(dc, nc, row_bytes, True)
+        NBLK = F // 32
+        NCH = (NBLK + KCB - 1) // KCB
+        ptr = y_ptr + flat[None, :] * H + nc[:, None]
+        msk = mnc[:, None] & mr[None, :]
+        tot = gl.zeros([BN, BM], gl.float32, ACC)
+        if SPLIT:
+            pc = gl.program_id(2)
+            acc = _acc_any(pool, da, mna, dc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, pc * KCB,
+                           gl.minimum(pc * KCB + KCB, NBLK), QT, BN, BM, KB, GP, PK)
+            tile = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
+            gl.store(_partial_ptr(ws_ptr, tile, pc, NCH, BN * BM, BN, BM), acc)
+            if _arrive(cnt_ptr, tile, NCH):
+                for ch in range(0, NCH):
+                    tot = tot + gl.load(_partial_ptr(ws_ptr, tile, ch, NCH, BN * BM, BN, BM),
+                                        cache_modifier=".cg")
+                gl.atomic_xchg(cnt_ptr + tile, 0)
+                gl.store(ptr, tot.to(y_ptr.dtype.element_ty), mask=msk)
+        else:
+            for ch in range(0, NCH):
+                tot = tot + _acc_any(pool, da, mna, dc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, ch * KCB,
+                                     gl.minimum(ch * KCB + KCB, NBLK), QT, BN, BM, KB, GP, PK)
+            gl.store(ptr, tot.to(y_ptr.dtype.element_ty), mask=msk)
 
     @gluon.jit
     def _down_gl_kernel(xq_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, y_ptr, ws_ptr, cnt_ptr, H, F,
@@ -730,43 +806,18 @@ if HAVE_GLUON:
                         SPLIT: gl.constexpr, GP: gl.constexpr = 0, PK: gl.constexpr = 0):
         """triton_mmq._down_mmq_kernel (BF) with the A operand in registers: grid (H / BN, row blocks[, chunks])."""
         e, mb, base = _find_block(off_ptr, base_ptr, n_exp, gl.program_id(1), BM, EP)
-        if base != -1:
-            rows, mr, flat = _rows_of(off_ptr, rows_ptr, e, mb, gl.arange(0, BM, layout=gl.SliceLayout(0, ACC)), BM)
-            jrows, jm, u1 = _rows_of(off_ptr, rows_ptr, e, mb,
-                                     gl.arange(0, KB * BM, layout=gl.SliceLayout(0, BL)), BM)
-            jo = jrows.to(gl.int64) * F                             # inter's rows are the sorted rows
-            so = rows.to(gl.int64) * (F // 32)                      # their block sums (Q4_K)
-            na = gl.program_id(0) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, AL))
-            nc = gl.program_id(0) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ACC))
-            mna = na < H
-            mnc = nc < H
-            da = _part_rows(base, starts_ptr, e, 2, na, row_bytes, ALIGNED, RA)
-            dc = _part_rows(base, starts_ptr, e, 2, nc, row_bytes, ALIGNED, RA)
-            if PK:
-                da = _pk_rows(da, na, row_bytes, False)
-                dc = _pk_rows(dc, nc, row_bytes, True)
-            NBLK = F // 32
-            NCH = (NBLK + KCB - 1) // KCB
-            ptr = y_ptr + flat[None, :] * H + nc[:, None]
-            msk = mnc[:, None] & mr[None, :]
-            tot = gl.zeros([BN, BM], gl.float32, ACC)
-            if SPLIT:
-                pc = gl.program_id(2)
-                acc = _acc_any(pool, da, mna, dc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, pc * KCB,
-                               gl.minimum(pc * KCB + KCB, NBLK), QT, BN, BM, KB, GP, PK)
-                tile = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
-                gl.store(_partial_ptr(ws_ptr, tile, pc, NCH, BN * BM, BN, BM), acc)
-                if _arrive(cnt_ptr, tile, NCH):
-                    for ch in range(0, NCH):
-                        tot = tot + gl.load(_partial_ptr(ws_ptr, tile, ch, NCH, BN * BM, BN, BM),
-                                            cache_modifier=".cg")
-                    gl.atomic_xchg(cnt_ptr + tile, 0)
-                    gl.store(ptr, tot.to(y_ptr.dtype.element_ty), mask=msk)
+        if base != -1:                  # -1 alone: not in this group (a negative offset is an expert)
+            if PK == 2:                 # per expert: bit 0 of base flags q8_pack's layout (_pk_of)
+                pk, base = _pk_of(base)
+                if pk != 0:             # one expert a program: a uniform branch
+                    _down_body(xq_ptr, xs_ptr, pool, starts_ptr, rows_ptr, off_ptr, y_ptr, ws_ptr, cnt_ptr, H, F,
+                               row_bytes, KCB, e, mb, base, QT, BM, BN, ALIGNED, RA, KB, SPLIT, GP, 1)
+                else:
+                    _down_body(xq_ptr, xs_ptr, pool, starts_ptr, rows_ptr, off_ptr, y_ptr, ws_ptr, cnt_ptr, H, F,
+                               row_bytes, KCB, e, mb, base, QT, BM, BN, ALIGNED, RA, KB, SPLIT, GP, 0)
             else:
-                for ch in range(0, NCH):
-                    tot = tot + _acc_any(pool, da, mna, dc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, ch * KCB,
-                                         gl.minimum(ch * KCB + KCB, NBLK), QT, BN, BM, KB, GP, PK)
-                gl.store(ptr, tot.to(y_ptr.dtype.element_ty), mask=msk)
+                _down_body(xq_ptr, xs_ptr, pool, starts_ptr, rows_ptr, off_ptr, y_ptr, ws_ptr, cnt_ptr, H, F,
+                           row_bytes, KCB, e, mb, base, QT, BM, BN, ALIGNED, RA, KB, SPLIT, GP, PK)
 
     KERNELS = {"gate_up": _gate_up_gl_kernel, "down": _down_gl_kernel}
     LAUNCH = {w: launcher(k) for w, k in KERNELS.items()}       # counted as triton_mmq's (triton_launch.COUNTS)

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from betelgeuse.gguf.qtypes import row_nbytes
+from betelgeuse.kernels import q8_pack
 from betelgeuse.kernels.torch_moe import ExpertWork, moe_combine, plan_experts, run_expert
 
 # GGML types the triton kernels read directly (triton_quants.QT_CODES: F32, F16, Q8_0, BF16, MXFP4, Q4_K, Q5_K,
@@ -108,6 +109,9 @@ class MoEKernels:
         self._mq = None          # triton_mmq where some layer's part runs on q8_1 activations (act_quant, triton)
         self._quant_h = False    # some layer's gate/up does: route() makes h's q8_1
         self._launch_consts: dict = {}   # (layer, H) -> _layer_launch's constants
+        # engine.pack_experts (pack_check): per layer, its Q8_0 launches take gluon_mmq's PK 2, which reads each
+        # expert's layout from bit 0 of its base offset (a packed VRAM slot's: worker/expert_cache.py)
+        self.packed = np.zeros(len(qtypes), dtype=bool)
         self._row_blocks: dict = {}      # (layer, n_rows) -> _row_block's BM (its config dict made once, not per read)
         if backend == "triton":
             from betelgeuse.kernels import triton_moe
@@ -150,14 +154,59 @@ class MoEKernels:
 
     def _layer_launch(self, layer: int, H: int) -> tuple:
         """The triton launches' per-layer constants for inputs of width H: (gate/up, down kernel type codes, their
-        q8_1 parts (mmq_parts), their row bytes), made once per (layer, H): an expert group's launches take them
-        every time (each of them a few us of Python; they depend on the model file and act_quant alone)."""
+        q8_1 parts (mmq_parts), their row bytes, the MMA's PK: 2 in a packed layer), made once per (layer, H): an
+        expert group's launches take them every time (each of them a few us of Python; they depend on the model file,
+        act_quant and pack_experts alone)."""
         v = self._launch_consts.get((layer, H))
         if v is None:
             qg, qd = self.qtypes[layer]
             v = self._launch_consts[layer, H] = (self._tk.QT_CODES[qg], self._tk.QT_CODES[qd],
-                                                 *self.mmq_parts(layer, H), row_nbytes(qg, H), row_nbytes(qd, self.F))
+                                                 *self.mmq_parts(layer, H), row_nbytes(qg, H), row_nbytes(qd, self.F),
+                                                 2 if self.packed[layer] else 0)
         return v
+
+    def pack_check(self, parts, slot_bytes: int, device) -> np.ndarray:
+        """engine.pack_experts: the layers whose VRAM slots may hold q8_pack's layout -> [n_layer] bool (all False:
+        the model has no Q8_0 expert); raises ValueError naming why not where some Q8_0 expert launch would not be
+        gluon_mmq's PK form, the one kernel that reads packed bytes (the bits are PK 0's: cpu-pack62). parts[l][e]:
+        an expert's (gate, up, down) parts (ExpertCache.parts: .qtype, .shape (rows, K)). Every part of a packed
+        layer must be Q8_0 (the flag is an expert's: another type's kernel would read it), rows and K multiples of 64
+        (q8_pack.usable); the triton backend with act_quant bf16 or auto (Q8_0's bf16 MMA); GL 1 and GP >= 1 for
+        Q8_0 at both rows buckets (triton_mmq.BF_TUNING); and gluon_mmq.usable here (CUDA sm_90, Gluon, not the
+        interpreter, 16-byte aligned parts)."""
+        q8 = 8                                              # GGML Q8_0
+        kinds = [{m.qtype for m in parts[l][0]} for l in range(len(parts))]
+        layers = np.array([k == {q8} for k in kinds], dtype=bool)
+        if not any(q8 in k for k in kinds):
+            return layers
+        mixed = [l for l, k in enumerate(kinds) if q8 in k and k != {q8}]
+        if mixed:
+            raise ValueError(f"layer {mixed[0]} mixes Q8_0 expert parts with other types (the packed flag is an "
+                             "expert's: every part of a packed layer must be Q8_0)")
+        bad = next(((l, m.shape) for l in np.nonzero(layers)[0] for ps in parts[l] for m in ps
+                    if not q8_pack.usable(*m.shape)), None)
+        if bad is not None:
+            raise ValueError(f"layer {bad[0]} has a Q8_0 part of shape {bad[1]}: q8_pack needs rows and K multiples "
+                             "of 64")
+        if self.backend != "triton" or self.act_quant not in ("bf16", "auto"):
+            raise ValueError(f"Q8_0's expert launches here are not gluon_mmq's bf16 MMA (kernels: {self.backend}, "
+                             f"act_quant = {self.act_quant!r}; packing needs the triton kernels with act_quant bf16 "
+                             "or auto)")
+        from betelgeuse.kernels import gluon_mmq as gm
+        mq = self._mq
+        l0 = int(np.nonzero(layers)[0][0])
+        H = parts[l0][0][0].shape[1]
+        aligned = slot_bytes % 16 == 0 and self._aligned
+        for bucket in sorted(mq.BUCKETS):
+            c = {**mq.config(0, bucket, bf=True), "PK": 2}
+            if not c.get("GL") or not c.get("GP"):
+                raise ValueError(f"Q8_0's bf16 schedule at {bucket} rows has GL {c.get('GL')}, GP {c.get('GP')}: "
+                                 "the packed form needs GL 1 and GP >= 1")
+            for K in (H, self.F):
+                if not gm.usable(0, c, mq._chunk(c, 0, K)[0], device, aligned):
+                    raise ValueError("gluon_mmq's kernel cannot run here (it needs CUDA sm_90, Gluon, no "
+                                     f"TRITON_INTERPRET and 16-byte aligned parts; device {device}, aligned {aligned})")
+        return layers
 
     def weight_reads(self, layer: int, rows: np.ndarray | list[int], n_rows: int) -> int:
         """How many times a launch of `n_rows` rows reads its experts' bytes, for experts with `rows` rows each: the
@@ -223,17 +272,18 @@ class MoEKernels:
             st = self.starts[layer] if starts is None else starts
             aligned = slot_bytes % 16 == 0 and (self._aligned if starts is None else self._starts_aligned(starts))
             H = r.h.shape[1]
-            qg, qd, mg, md, rg, rd = self._layer_launch(layer, H)
+            qg, qd, mg, md, rg, rd, pk = self._layer_launch(layer, H)
             mq = self._mq
             if mg:
                 assert r.hq is not None, "route() makes the q8_1 of h"
                 mq.gate_up(r.hq, pool, g.base_dev, st, r.rows, r.off, r.inter, self.F, r.ids.shape[1],
-                           qg, self.limit, rg, aligned)
+                           qg, self.limit, rg, aligned, pk)
             else:
                 tk.gate_up(r.h, pool, g.base_dev, st, r.rows, r.off, r.inter, self.F, r.ids.shape[1],
                            qg, self.limit, rg, aligned)
             if md:
-                mq.down(self._prepare(r.inter, qd in (5, 6)), pool, g.base_dev, st, r.rows, r.off, r.y, qd, rd, aligned)
+                mq.down(self._prepare(r.inter, qd in (5, 6)), pool, g.base_dev, st, r.rows, r.off, r.y, qd, rd,
+                        aligned, pk)
             else:
                 tk.down(r.inter, pool, g.base_dev, st, r.rows, r.off, r.y, r.ids.shape[0], qd, rd, aligned)
             return
@@ -245,7 +295,8 @@ class MoEKernels:
             work: ExpertWork | None = r.plan.get(e)
             if work is None:
                 continue
-            src, b = (pool, int(g.base_host[e])) if g.srcs is None else g.srcs[e]
+            # (bit 0 of an offset flags a packed VRAM slot, ExpertCache._own: not part of its address)
+            src, b = (pool, int(g.base_host[e]) & ~1) if g.srcs is None else g.srcs[e]
             run_expert(r.h, y3, work, self.weights_fn(src[b: b + slot_bytes], layer, e), self.sub_batch,
                        self.limit)
 
@@ -268,8 +319,8 @@ class MoEKernels:
         g = Group(None, None, base)
         kinds: dict = {}
         for layer in range(len(self.qtypes)):
-            kinds.setdefault((self.qtypes[layer], self.mmq_parts(layer, H), self.starts[layer].data_ptr() % 16 == 0),
-                             layer)
+            kinds.setdefault((self.qtypes[layer], self.mmq_parts(layer, H), self.starts[layer].data_ptr() % 16 == 0,
+                              bool(self.packed[layer])), layer)
         tokens = list(tokens)
         T_max = max(tokens)
         out = torch.zeros((T_max, H), dtype=dtype, device=dev)
@@ -277,7 +328,7 @@ class MoEKernels:
         aligned = slot_bytes % 16 == 0 and self._aligned
         n = 0
         for layer in kinds.values():
-            qg, qd, _, _, rg, rd = self._layer_launch(layer, H)
+            qg, qd, _, _, rg, rd, _ = self._layer_launch(layer, H)
             more = [T for T in self._tk.launch_kinds(qg, qd, self.E, H, self.F, k, self.limit, rg, rd, aligned,
                                                      dtype, dev, prefill) if T not in tokens] if prefill else []
             for T in tokens + more:

@@ -96,7 +96,9 @@ CONFIG = {"BM": 16, "BN": 64, "FUSE": 0, "num_warps": 4, "num_stages": 3,   # sc
 # (gluon_mmq._acc_part: 0 converted in the step that issues them, 1 / 2 carried as loaded one / two steps; the same
 # bits: cpu-gluon16r57). PK 1 (with GL, Q8_0, GP >= 1; off everywhere): the pool's weights are in
 # kernels/q8_pack's layout (every part's 64-row tiles re-laid: 512 contiguous bytes a warp load), which only the
-# Gluon form reads (the same values in the same MMA: the same bits, cpu-pack62); the caller packs the pool
+# Gluon form reads (the same values in the same MMA: the same bits, cpu-pack62); the caller packs the pool. PK 2:
+# each expert's layout from bit 0 of its base offset (engine.pack_experts' packed VRAM slots beside GGUF ones:
+# MoEKernels passes it per launch, gate_up / down's pk; cpu-vram62)
 # MV = 1: the decode schedule without tensor cores (triton_mmq_mv: the same bits; BM_MV rows a program, NS word
 # groups a K step; DP4A 1: its block dots by PTX dp4a on the GPU, the same integers) where a launch
 # can take it (triton_mmq_mv.mv_ok), else the MMA. WL = 1: the MMA's weight and activation tiles read as int32 words
@@ -837,12 +839,13 @@ def wl_mode(qt: int, want: int) -> int:
     return 2 if want == 2 and qt == 4 and os.environ.get("TRITON_INTERPRET", "0") != "1" else 1
 
 
-def config(qt: int, bucket: int, bf: bool = False) -> dict:
+def config(qt: int, bucket: int, bf: bool = False, pk: int = 0) -> dict:
     """The launch constants of kernel type code qt for a rows bucket (triton_moe.bucket_of): CONFIG, the bucket's
     (SPLIT, KB), the type's TUNING (KCB, warps), the pair's TYPE_BUCKET (bf: BF_TUNING instead), then TYPE_CONFIG's
-    overrides."""
+    overrides; pk (not 0): PK over them all (engine.pack_experts' 2: the launch reads packed slots)."""
     per = BF_TUNING.get(qt, {}) if bf else TYPE_BUCKET.get((qt, bucket), {})
-    return {**CONFIG, **BUCKETS[bucket], **TUNING.get(qt, {}), **per, **TYPE_CONFIG.get(qt, {})}
+    c = {**CONFIG, **BUCKETS[bucket], **TUNING.get(qt, {}), **per, **TYPE_CONFIG.get(qt, {})}
+    return {**c, "PK": pk} if pk else c
 
 
 def _chunk(c: dict, qt: int, K: int) -> tuple[int, int]:
@@ -877,7 +880,8 @@ def _launch(kernel, args: list, grid_n: int, R: int, E: int, K: int, qt: int, pe
     ws, cnt = tm._workspace(device, grid_n * nrb * nch * per, grid_n * nrb) if split else tm._workspace(device, 1, 1)
     gl_ok = bf and c.get("GL") and gm.usable(qt, c, kb, device, aligned)
     if c.get("PK") and not gl_ok:   # packed weights: no other kernel reads them
-        raise ValueError(f"PK 1 (q8_pack's layout) needs gluon_mmq's form, not usable here: type {qt}, config {c}")
+        raise ValueError(f"PK {c['PK']} (q8_pack's layout) needs gluon_mmq's form, not usable here: type {qt}, "
+                         f"config {c}")
     if gl_ok:                       # the Gluon form of the schedule (GL)
         gm.launch("gate_up" if kernel is _GATE_UP_MMQ else "down", (grid_n, nrb, nch) if split else (grid_n, nrb),
                   [*args[:9], ws, cnt, *args[9:]], {**consts, "BM": c["BM"], "BN": c["BN"], "KB": kb, "SPLIT": split,
@@ -890,15 +894,16 @@ def _launch(kernel, args: list, grid_n: int, R: int, E: int, K: int, qt: int, pe
 
 
 def gate_up(hq, pool, base, starts, rows, off, inter, n_ff: int, k_top: int, qt: int, limit: float | None,
-            row_bytes: int, aligned: bool = False):
+            row_bytes: int, aligned: bool = False, pk: int = 0):
     """triton_moe.gate_up with the activations as quantize_q8_1(h) = hq (q [T, H] int8, d [T, H/32], s), or as
     prepare_bf16(h) (xb [T, H] bf16, None, s: the bf16 MMA); aligned: every part starts 16-byte aligned (the rows'
-    loads may then be wider, as triton_moe's)."""
+    loads may then be wider, as triton_moe's); pk: the schedule key PK over the config (2: engine.pack_experts'
+    per-expert layouts, bit 0 of base; 0: the config's)."""
     q, d, sx = hq
     bf = d is None
     d = sx if bf else d
     E, R = base.numel(), rows.numel()
-    c = config(qt, tm.bucket_of(R, E), bf)
+    c = config(qt, tm.bucket_of(R, E), bf, pk)
     _launch(_GATE_UP_MMQ, [q, d, sx, pool, base, starts, rows, off, inter, q.shape[1], n_ff, row_bytes, E, k_top,
                            float(limit) if limit is not None else 0.0],
             triton.cdiv(n_ff, c["BN"]), R, E, q.shape[1], qt, 2 * c["BN"] * c["BM"], c,
@@ -906,14 +911,15 @@ def gate_up(hq, pool, base, starts, rows, off, inter, n_ff: int, k_top: int, qt:
                  FUSE=bool(c["FUSE"])), q.device, row_bytes, aligned, bf)
 
 
-def down(iq, pool, base, starts, rows, off, y, qt: int, row_bytes: int, aligned: bool = False):
-    """triton_moe.down with the activations as quantize_q8_1(inter) = iq (or prepare_bf16(inter): the bf16 MMA)."""
+def down(iq, pool, base, starts, rows, off, y, qt: int, row_bytes: int, aligned: bool = False, pk: int = 0):
+    """triton_moe.down with the activations as quantize_q8_1(inter) = iq (or prepare_bf16(inter): the bf16 MMA); pk
+    as gate_up's."""
     q, d, sx = iq
     bf = d is None
     d = sx if bf else d
     H = y.shape[1]
     E, R = base.numel(), rows.numel()
-    c = config(qt, tm.bucket_of(R, E), bf)
+    c = config(qt, tm.bucket_of(R, E), bf, pk)
     _launch(_DOWN_MMQ, [q, d, sx, pool, base, starts, rows, off, y, H, q.shape[1], row_bytes, E],
             triton.cdiv(H, c["BN"]), R, E, q.shape[1], qt, c["BN"] * c["BM"], c,
             dict(QT=qt, ALIGNED=aligned, RA=tm._row_align(row_bytes)), q.device, row_bytes, aligned, bf)

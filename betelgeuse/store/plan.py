@@ -23,9 +23,12 @@ import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 
+from gguf.constants import GGMLQuantizationType
+
 from betelgeuse.config import GiB, MiB, EngineConfig
 from betelgeuse.errors import BudgetError
 from betelgeuse.gguf.reader import GGUFModelFile
+from betelgeuse.kernels import q8_pack
 from betelgeuse.model.registry import arch_of
 from betelgeuse.store.layout import ArenaLayout, SlotLayout, round_down
 
@@ -248,8 +251,10 @@ VRAM_PARTS = ("dense", "kv", "prefix_cache", "ring", "activations", "cuda_contex
 
 def vram_needs(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int, running: int) -> dict[str, int]:
     """Worker VRAM outside the hot slots, bytes by part (VRAM_PARTS), with `running` sequences: dense weights, KV
-    caches of every running sequence, the prefix cache, the execution ring, activations (two experts dequantized in
-    flight, the largest prefill pass, scratch), the CUDA context and the running sequences' decode graphs."""
+    caches of every running sequence, the prefix cache, the execution ring (with engine.pack_experts on a model with
+    Q8_0 experts also the VRAM slots' repack scratch and tile indices: pack_scratch_bytes), activations (two experts
+    dequantized in flight, the largest prefill pass, scratch), the CUDA context and the running sequences' decode
+    graphs."""
     c = f.config
     arch = arch_of(c)
     dt = compute_dtype_bytes(cfg)
@@ -264,7 +269,18 @@ def vram_needs(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int, running: in
     if cfg.is_cuda and cfg.cuda_graphs:
         ctx += running * GRAPHS_BYTES_PER_SEQ
     return {"dense": dense_bytes(f, dt), "kv": kv, "prefix_cache": prefix_cache_bytes(cfg, c, dt),
-            "ring": cfg.ring_slots * slot_bytes, "activations": deq + act, "cuda_context": ctx}
+            "ring": cfg.ring_slots * slot_bytes + pack_scratch_bytes(f, cfg, slot_bytes), "activations": deq + act,
+            "cuda_context": ctx}
+
+
+def pack_scratch_bytes(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int) -> int:
+    """The VRAM engine.pack_experts adds where it is on and the model has Q8_0 experts (the layers it packs): the
+    repack's slot-sized scratch and q8_pack's tile index of each K of those parts (ExpertCache.pack_layers), else 0."""
+    if not cfg.pack_experts:
+        return 0
+    Ks = {p.shape[1] for l in range(f.config.n_layer) for p in f.expert_parts(l, 0)
+          if p.qtype == GGMLQuantizationType.Q8_0 and q8_pack.usable(*p.shape)}
+    return slot_bytes + sum(q8_pack.tile_index(K).nbytes for K in Ks) if Ks else 0
 
 
 def plan_running(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int) -> tuple[int, dict[str, int], str]:

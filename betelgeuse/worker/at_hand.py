@@ -176,8 +176,8 @@ class AtHand:
                 elif src[l, e] == 2:
                     ch, i = divmod(int(f.where[l, e]), f.per_chunk)
                     self.srcs[l][e] = (f.chunks[ch], i * f.slot_bytes)
-                else:
-                    self.srcs[l][e] = (c.pool, int(tab[l, e]))
+                else:                               # bit 0: a packed slot's flag (ExpertCache._own), not its address
+                    self.srcs[l][e] = (c.pool, int(tab[l, e]) & ~1)
         self.host[:] = tab
         self._upload(tab)
         self.forgets = -1 if f is None else f.forgets
@@ -207,7 +207,7 @@ class AtHand:
         src = None
         at = int(c.vram_base[l, e])
         if at >= 0:
-            src = (c.pool, at)
+            src = (c.pool, at & ~1)                 # bit 0: a packed slot's flag (ExpertCache._own)
         elif f is not None and (s := int(f.where[l, e])) >= 0:
             at = f.addresses[s] - pool              # made with its chunk (FlexCache.addresses: no call)
             if self.srcs is not None:

@@ -10,6 +10,10 @@ its values (invariant 1).
   pool uint8 on device = [ vram: n_layer x n_vram slots | ring: 2 banks x bank_size slots ]
      ▲ kernels address an expert by its byte offset in the pool: vram_base_dev[layer, expert] for the
        VRAM tier (uploaded when the directory changes), one table per ring batch otherwise
+
+engine.pack_experts (pack_layers): a packed layer's VRAM slots hold their Q8_0 parts in kernels/q8_pack's layout
+(repacked on the device as each slot fills: _own) and their offsets carry bit 0, which gluon_mmq's PK 2 reads per
+expert; every other slot (host, staging, ring, flex) stays GGUF order. The same values either way (invariant 1).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from gguf.constants import GGMLQuantizationType
 
 from betelgeuse.gguf.quants import dequantize, dequantize_q8_0_parts
 from betelgeuse.gguf.reader import GGUFModelFile
+from betelgeuse.kernels import q8_pack
 from betelgeuse.kernels.streams import current_stream
 from betelgeuse.store.arena import Arena, register_pinned, unregister_pinned
 from betelgeuse.store.directory import TIER_VRAM
@@ -157,6 +162,12 @@ class ExpertCache:
             for o in (self.layout.staging_slot_offset(i) for i in range(self.layout.n_staging))]
         self.h2d_bytes = 0
         self.copy_seconds = 0.0    # CPU path: time spent copying
+        # engine.pack_experts (pack_layers): per layer, whether its VRAM slots hold their Q8_0 parts in q8_pack's
+        # layout (None: every slot GGUF order); the repack's slot-sized scratch and q8_pack's tile index per K on the
+        # device (the plan counts both: store/plan.py pack_scratch_bytes)
+        self.packed: np.ndarray | None = None
+        self._pack_scratch: torch.Tensor | None = None
+        self._pack_index: dict[int, torch.Tensor] = {}
 
     # ---- host views -------------------------------------------------------------------------
     def host_slot(self, layer: int, i: int) -> torch.Tensor:
@@ -253,9 +264,41 @@ class ExpertCache:
         self._synced_epoch = epoch
 
     def _own(self, layer: int, expert: int, j: int, snap: np.ndarray):
+        """VRAM slot j of `layer` now holds `expert` (its bytes just copied in, GGUF order): in a packed layer
+        (pack_layers) its parts are repacked here, on the copy's stream, and its base offset gets bit 0 (the kernels'
+        per-expert flag: gluon_mmq._pk_of)."""
         self.vram_owner[layer, j] = (expert, snap["host_slot"][layer, expert], snap["generation"][layer, expert])
         self.vram_index[layer, expert] = j
-        self.vram_base[layer, expert] = (layer * self.plan.n_vram + j) * self.slot_bytes
+        base = (layer * self.plan.n_vram + j) * self.slot_bytes
+        if self.packed is not None and self.packed[layer]:
+            self._repack(layer, expert, self.vram[layer, j])
+            base |= 1
+        self.vram_base[layer, expert] = base
+
+    def pack_layers(self, layers):
+        """engine.pack_experts: from now on the VRAM slots of layers[l] True hold their parts in q8_pack's layout
+        (every part Q8_0 and q8_pack.usable: the caller checked, MoEStep._pack), filled in GGUF order and repacked at
+        once (_own); host slots and the ring stay GGUF. Before any VRAM slot is filled (a fresh attachment's cache)."""
+        assert not (self.vram_owner[:, :, 0] >= 0).any(), "pack before the VRAM slots fill"
+        self.packed = np.asarray(layers, dtype=bool)
+        assert self.packed.shape == (self.plan.n_layer,), self.packed.shape
+        parts = [m for l in np.nonzero(self.packed)[0] for ps in self.parts[l] for m in ps]
+        assert all(m.qtype == GGMLQuantizationType.Q8_0 and q8_pack.usable(*m.shape) for m in parts), "Q8_0 parts"
+        Ks = {m.shape[1] for m in parts}
+        self._pack_index = {K: torch.as_tensor(q8_pack.tile_index(K), device=self.device) for K in sorted(Ks)}
+        self._pack_scratch = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device) if Ks else None
+
+    def _repack(self, layer: int, expert: int, slot: torch.Tensor):
+        """A VRAM slot's parts (GGUF order) -> q8_pack's layout in place, on the current stream: the slot through the
+        scratch (one copy), then a part's 64-row tiles gathered back by the tile index (index_select into the slot).
+        Two reads and two writes of a slot in VRAM; fills happen only when the directory's VRAM tier changes."""
+        sc = self._pack_scratch
+        sc.copy_(slot)
+        for m in self.parts[layer][expert]:
+            rows, K = m.shape
+            tiles = rows // q8_pack.TR
+            torch.index_select(sc[m.start: m.start + m.nbytes].view(tiles, -1), 1, self._pack_index[K],
+                               out=slot[m.start: m.start + m.nbytes].view(tiles, -1))
 
     def _upload_vram_table(self):
         self.vram_base_dev.copy_(torch.from_numpy(self.vram_base))

@@ -48,6 +48,7 @@ in, so neither the tier an expert came from nor the order of the groups changes 
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -58,6 +59,7 @@ from betelgeuse.errors import BetelgeuseError
 from betelgeuse.gguf.qtypes import qtype_name
 from betelgeuse.kernels.moe import TRITON_QTYPES, Group, MoEKernels, triton_available
 from betelgeuse.kernels.streams import current_stream
+from betelgeuse.logs import event
 from betelgeuse.routing_approx import Residency
 from betelgeuse.store.directory import TIER_DISK, TIER_HOST, TIER_NAMES, TIER_VRAM
 from betelgeuse.worker.at_hand import AtHand
@@ -67,6 +69,8 @@ from betelgeuse.worker.group_graphs import GroupGraphs
 from betelgeuse.worker.guess import Guesser, Marks
 from betelgeuse.worker.stats import LayerStats, PassClock, PassStats
 from betelgeuse.worker.store_session import StoreSession
+
+log = logging.getLogger("betelgeuse.worker")
 
 
 class RoutingSync:
@@ -193,6 +197,8 @@ class MoEStep:
         self.counts = session.counts
         self.n_layer = session.file.config.n_layer
         self.kern = self._kernels(act_limit)
+        if cfg.pack_experts:
+            self._pack()
         self._walks = self.kern.backend == "torch"    # the kernels walk a group's experts (_group)
         # the routing mode (EngineConfig.routing); the bench sets "exact" for one untimed pass to measure an
         # approximate mode's divergence on the same state
@@ -316,6 +322,22 @@ class MoEStep:
         return MoEKernels(backend, c.n_expert, c.n_ff_exp, self.cache.starts, qts, self.cfg.sub_batch,
                           weights_fn=self.cache.weights, act_limit=act_limit, act_quant=self.cfg.act_quant,
                           sort_rows=self.cfg.decode_gemv)
+
+    def _pack(self):
+        """engine.pack_experts: the VRAM slots of every Q8_0 layer hold q8_pack's layout (ExpertCache.pack_layers),
+        read by the kernels' PK 2 form -- or refuse (BetelgeuseError) where a Q8_0 expert launch would be another
+        kernel (MoEKernels.pack_check says which); a model with no Q8_0 expert: nothing to pack (logged)."""
+        c = self.cache
+        try:
+            layers = self.kern.pack_check(c.parts, c.slot_bytes, c.device)
+        except ValueError as e:
+            raise BetelgeuseError(f"engine.pack_experts = true: {e}") from None
+        if not layers.any():
+            event(log, "pack_experts", layers=0, why="no Q8_0 experts: nothing to pack, every slot GGUF order")
+            return
+        self.kern.packed[:] = layers
+        c.pack_layers(layers)
+        event(log, "pack_experts", layers=int(layers.sum()), scratch_bytes=c.slot_bytes)
 
     def residency(self, snap, l: int) -> Residency | None:
         """Layer l's resident set for an approximate routing mode (routing_approx.py); None in exact mode, and

@@ -27,6 +27,10 @@
 
 CHECK_GROUP_GRAPHS=1 / CHECK_ACT_QUANT=bf16 (environment): every check's engine with engine.group_graphs on / with
 engine.act_quant so (check_ds4.py's engines too): the invariance and batch rows then hold those paths to the same bits.
+CHECK_PACK_EXPERTS=1 (with CHECK_ACT_QUANT=bf16 or auto): every check's engine with engine.pack_experts on (its VRAM
+slots' Q8_0 experts in q8_pack's layout, read by gluon_mmq's PK 2; host slots and the ring GGUF), the tiny model's
+experts 64 wide (whole tiles): the invariance rows (0/0, 0/all, 5/15, all in VRAM, cold / warm, the reference) then
+hold a packed VRAM expert to a GGUF one's bits, and the batch, pool and recycle rows the decode paths.
 
 --adversarial-timing SEED:MS runs them all with the store's test-only jitter (store/reader.py Jitter: every expert
 read held back up to MS ms, staged copies handed out shuffled, consolidation fills slowed), in-process stores and
@@ -69,13 +73,17 @@ def row(check: str, ok: bool | None, detail: str):
 
 def models(tmp: Path, mid_layers: int, mid_preset: str = "small", names=("tiny", "mid")) -> dict[str, Path]:
     """tiny: 4 layers x 16 experts (~3 MB); mid: the 'small' preset (64 experts, top-8, hidden 512)
-    with `mid_layers` layers (12: ~330 MB, so a 256 MiB arena view exists); only those in `names` are written."""
-    specs = {"tiny": PRESETS["tiny"], "mid": replace(PRESETS[mid_preset], n_layer=mid_layers)}
+    with `mid_layers` layers (12: ~330 MB, so a 256 MiB arena view exists); only those in `names` are written.
+    CHECK_PACK_EXPERTS=1: tiny's experts 64 wide (its 32 is not a whole tile of q8_pack's: startup would refuse)."""
+    tiny = PRESETS["tiny"]
+    if os.environ.get("CHECK_PACK_EXPERTS") == "1":
+        tiny = replace(tiny, n_ff_exp=64)
+    specs = {"tiny": tiny, "mid": replace(PRESETS[mid_preset], n_layer=mid_layers)}
     out = {}
     for name, spec in specs.items():
         if name not in names:
             continue
-        p = tmp / f"check-{name}-{spec.n_embd}x{spec.n_expert}-{spec.n_layer}L.gguf"
+        p = tmp / f"check-{name}-{spec.n_embd}x{spec.n_ff_exp}x{spec.n_expert}-{spec.n_layer}L.gguf"
         if not p.exists():
             t = time.perf_counter()
             write_model(p, spec, progress=False)
@@ -103,6 +111,8 @@ def runner_for(path, device, vram, host, mode="in-process", **kw):
             kw.setdefault(key, os.environ[env] == "1")
     if os.environ.get("CHECK_ACT_QUANT"):       # every check's engine with engine.act_quant so (e.g. bf16: tc51's MMA)
         kw.setdefault("act_quant", os.environ["CHECK_ACT_QUANT"])
+    if os.environ.get("CHECK_PACK_EXPERTS") == "1":     # engine.pack_experts (vram62): with CHECK_ACT_QUANT=bf16
+        kw.setdefault("pack_experts", True)
     cfg = EngineConfig(model_path=str(path), device=device, vram_slots=vram, host_slots=host, **kw)
     store = open_store(cfg, mode)
     try:

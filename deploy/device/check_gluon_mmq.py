@@ -15,7 +15,8 @@ tests/kernels/test_mmq_bf16.py::test_experts_at_negative_offsets_are_computed), 
 split-K) and 32 tokens (256 rows: the 16-row bucket, chunks walked), without and with the clamped SwiGLU (limit 7).
 Per case and Gluon form (gl_forms: GL 1 at the shipped FUSE and unfused; GP 1 and 2 (the K loop's loads carried to
 the step that uses them: cpu-gluon16r57; Q8_0 ships GL 1, FUSE 1, GP 1, Q4_K GL 1: gpu-run63; Q8_0's `gluon GP1
-PK`: the shipped form reading the bank packed by q8_pack on the GPU (pack_pool), cpu-pack62); FUSE, GP and PK are
+PK`: the shipped form reading the bank packed by q8_pack on the GPU (pack_pool), cpu-pack62; `gluon GP1 PK2`: each
+expert's layout from bit 0 of its base, a bank of packed and GGUF experts, cpu-vram62); FUSE, GP and PK are
 schedule keys) gate_up's inter and down's y (down on the same inter for both) must be torch.equal to the Triton
 kernel's (TRITON: GL 0), and the Gluon kernels must
 have been launched (triton_launch.COUNTS); both are also held to a float reference (the dequantized weights in
@@ -85,12 +86,12 @@ def make_pool(n_slots: int, slot: int, starts: list[int], g: torch.Generator) ->
     return pool
 
 
-def pack_pool(pool: torch.Tensor, n_slots: int, slot: int, starts: list[int]) -> torch.Tensor:
-    """A copy of pool (n_slots slots of Q8_0 experts) with every part in q8_pack's layout, what PK 1 reads: a gather
-    on the pool's device, part by part."""
+def pack_pool(pool: torch.Tensor, n_slots: int, slot: int, starts: list[int], which=None) -> torch.Tensor:
+    """A copy of pool (n_slots slots of Q8_0 experts) with every part of the slots `which` (default all) in q8_pack's
+    layout, what PK 1 reads (PK 2: those whose base has bit 0): a gather on the pool's device, part by part."""
     from betelgeuse.kernels import q8_pack
     out = pool.clone()
-    for s in range(n_slots):
+    for s in range(n_slots) if which is None else which:
         for p, (rows, K) in enumerate(((F, H), (F, H), (H, F))):
             at, n = s * slot + starts[p], rows * (K // QK * BS)
             out[at:at + n] = q8_pack.pack_q8_0(pool[at:at + n], rows, K)
@@ -135,7 +136,8 @@ def route(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 FORMS = {"gluon": {"GL": 1, "GP": 0}, "gluon unfused": {"GL": 1, "FUSE": 0, "GP": 0},  # name -> TYPE_CONFIG overrides
          "gluon GP1": {"GL": 1, "GP": 1}, "gluon GP2": {"GL": 1, "GP": 2},
          "gluon GP1 split16": {"GL": 1, "GP": 1, "SPLIT": 1}, "gluon GP1 PK": {"GL": 1, "GP": 1, "PK": 1},
-         "gluon GP2 PK": {"GL": 1, "GP": 2, "PK": 1}, "gluon GP1 PK split16": {"GL": 1, "GP": 1, "PK": 1, "SPLIT": 1}}
+         "gluon GP2 PK": {"GL": 1, "GP": 2, "PK": 1}, "gluon GP1 PK split16": {"GL": 1, "GP": 1, "PK": 1, "SPLIT": 1},
+         "gluon GP1 PK2": {"GL": 1, "GP": 1, "PK": 2}}
 # the Triton launch each Gluon form is held against: GL 0 at the FUSE each type had before GL shipped (Q8_0 unfused,
 # MXFP4 and Q4_K fused: gpu-run58-kernels); Q8_0's shipped fused GP 1 Gluon form is "gluon GP1" here (gpu-run63)
 TRITON = {0: {"GL": 0, "GP": 0, "FUSE": 0}, 4: {"GL": 0}, 5: {"GL": 0}}
@@ -147,10 +149,12 @@ def gl_forms(mq, only: list[str] | None = None) -> dict:
     as unfused) and unfused; the loads carried to the step that uses them, GP 1 and 2 (gluon_mmq._acc_part: Q8_0 and
     MXFP4; Q4_K's loop has no GP form, cpu-gluon16r57), and GP 1 with the K chunks split over programs at 16 rows too
     (SPLIT 1: 4x the 16-row gate_up's 192 programs; the 1-row bucket's kernels); Q8_0's GP 1, GP 2 and GP 1 split16
-    on the bank packed (PK 1: q8_pack's layout, pack_pool). Each against TRITON's launch (on the bank as GGUF lays
-    it)."""
+    on the bank packed (PK 1: q8_pack's layout, pack_pool), and GP 1 with PK 2 (engine.pack_experts' form: each
+    expert's layout from bit 0 of its base; the bits' bank: every odd expert packed, flagged, the even ones GGUF; the
+    GB/s banks: every expert packed, as an engine whose experts are all in VRAM). Each against TRITON's launch (on
+    the bank as GGUF lays it)."""
     names = ["gluon", "gluon unfused"] + (["gluon GP1", "gluon GP2", "gluon GP1 split16"] if QT != 5 else [])
-    names += ["gluon GP1 PK", "gluon GP2 PK", "gluon GP1 PK split16"] if QT == 0 else []
+    names += ["gluon GP1 PK", "gluon GP2 PK", "gluon GP1 PK split16", "gluon GP1 PK2"] if QT == 0 else []
     return {n: FORMS[n] for n in names if only is None or n in only}
 
 
@@ -281,9 +285,14 @@ def check_type(tname: str, mq, triton_launch, g, cases=((2, None), (32, None), (
     forms = gl_forms(mq, ONLY) if forms is None else forms
     if dev.type != "cuda" or QT != 0:   # PK: Q8_0's Gluon form alone reads the packed bank (the CPU has none)
         forms = {n: o for n, o in forms.items() if not o.get("PK")}
-    packed = pack_pool(big, BANK, slot, starts)[below * slot:] if any(o.get("PK") for o in forms.values()) else None
+    # per PK the bank it reads: 1 every expert packed, 2 the odd ones (expert 1 below the pool: a negative offset
+    # with bit 0), flagged in its base table
+    packs = {pk: pack_pool(big, BANK, slot, starts, None if pk == 1 else range(1, BANK, 2))[below * slot:]
+             for pk in {o.get("PK") for o in forms.values()} if pk}
     base = torch.full((E,), -1, dtype=torch.int64, device=dev)
     base[:BANK] = torch.arange(BANK, device=dev) * slot - below * slot
+    flagged = base.clone()
+    flagged[1:BANK:2] |= 1
     st = torch.tensor([starts] * E, dtype=torch.int64, device=dev)
     geo = "" if (H, F) == (2048, 768) or dev.type != "cuda" and (H, F) == (256, 256) else f" H {H} F {F}"
     for T, limit in cases:
@@ -297,7 +306,8 @@ def check_type(tname: str, mq, triton_launch, g, cases=((2, None), (32, None), (
         ri, ry = reference(big, base + below * slot, starts, hb, ids, rows, off, limit, it)
         for form, over in forms.items():
             n0 = dict(triton_launch.COUNTS)
-            ig, yg = run(mq, over, hb, packed if over.get("PK") else pool, base, st, rows, off, limit, inter=it)
+            ig, yg = run(mq, over, hb, packs[over["PK"]] if over.get("PK") else pool,
+                         flagged if over.get("PK") == 2 else base, st, rows, off, limit, inter=it)
             ran = {k: triton_launch.COUNTS[k] - n0.get(k, 0) for k in ("_gate_up_gl_kernel", "_down_gl_kernel")}
             case = f"{tname} {form}{geo} T {T} rows {rows.numel()} bucket {bucket} limit {limit}"
             checks = {"gluon ran": ran == {"_gate_up_gl_kernel": 1, "_down_gl_kernel": 1},
@@ -346,6 +356,7 @@ def time_type(tname: str, mq, g, reps: int):
         t = torch.full((E,), -1, dtype=torch.int64, device=dev)
         t[:BANK] = (b * BANK + torch.arange(BANK, device=dev)) * slot
         bases.append(t)
+    flagged = [torch.where(t >= 0, t | 1, t) for t in bases]     # PK 2: every expert packed (an all-VRAM engine's)
     for rpe in (1, 16):
         T = BANK * rpe // K_TOP
         ids = ((torch.arange(T, device=dev)[:, None] * K_TOP + torch.arange(K_TOP, device=dev)[None, :]) % BANK)
@@ -356,13 +367,14 @@ def time_type(tname: str, mq, g, reps: int):
         ib = mq.prepare_bf16(torch.randn(R, F, device=dev, generator=g) * 0.1, QT == 5)
         y = torch.empty(R, H, dtype=torch.bfloat16, device=dev)
         gu_b, dn_b = BANK * 2 * F * ROW_H, BANK * H * ROW_F
-        use = {"pool": pool}                                # the banks a form reads (PK 1: packed)
+        use = {"pool": pool, "bases": bases}               # the banks a form reads (PK 1 / 2: packed)
 
         def gu(i):
-            mq.gate_up(hb, use["pool"], bases[i % n_banks], st, rows, off, inter, F, K_TOP, QT, None, ROW_H, True)
+            mq.gate_up(hb, use["pool"], use["bases"][i % n_banks], st, rows, off, inter, F, K_TOP, QT, None, ROW_H,
+                       True)
 
         def dn(i):
-            mq.down(ib, use["pool"], bases[i % n_banks], st, rows, off, y, QT, ROW_F, True)
+            mq.down(ib, use["pool"], use["bases"][i % n_banks], st, rows, off, y, QT, ROW_F, True)
 
         def pair(i):
             gu(i)
@@ -371,6 +383,7 @@ def time_type(tname: str, mq, g, reps: int):
         for name, over in (("triton", None), *gl_forms(mq, ONLY).items()):
             mq.TYPE_CONFIG[QT] = dict(over or TRITON[QT])
             use["pool"] = packed if (over or {}).get("PK") else pool
+            use["bases"] = flagged if (over or {}).get("PK") == 2 else bases
             try:
                 res[name] = [graph_gbps(gu, reps, gu_b), graph_gbps(dn, reps, dn_b), graph_gbps(pair, reps, bank_b)]
             finally:

@@ -25,10 +25,12 @@ from betelgeuse.kernels import triton_mmq as mq  # noqa: E402
 # the child stays within CI's 15 s with a cold Triton cache: 14.5 s with it here, 8 s without); Q8_0's 16-row gate_up
 # with the loads carried to the step that uses them (GP 1, 2: cpu-gluon16r57; Q8_0's down runs the same K loop,
 # _acc_part, and Q4_K's down the same kernel body); Q8_0's shipped GP 1 on q8_pack's layout (PK 1: cpu-pack62) in
-# both buckets, gate_up (fused, 128 rows: PW2) and down (64 rows: PW) -- 4 more Gluon compiles and one Triton, ~3 s
+# both buckets, gate_up (fused, 128 rows: PW2) and down (64 rows: PW) -- 4 more Gluon compiles and one Triton, ~3 s;
+# PK 2 (per expert, base's bit 0: engine.pack_experts, cpu-vram62), both K loops in one kernel: the 1-row gate_up and
+# the 16-row down (the buckets' other kernels run the same two bodies) -- 2 more, ~2 s
 CASES = [(0, "gate_up", 1, 0, 0), (0, "gate_up", 16, 1, 0), (0, "gate_up", 16, 2, 0), (4, "gate_up", 1, 0, 0),
          (5, "gate_up", 1, 0, 0), (5, "down", 16, 0, 0), (0, "gate_up", 1, 1, 1), (0, "gate_up", 16, 1, 1),
-         (0, "down", 1, 1, 1), (0, "down", 16, 1, 1)]
+         (0, "down", 1, 1, 1), (0, "down", 16, 1, 1), (0, "gate_up", 1, 1, 2), (0, "down", 16, 1, 2)]
 # a child without TRITON_INTERPRET: compile the Gluon kernels for sm_90 and count their K loop's SASS
 # (tests/scripts/sass_profile.py's loop and classes); one JSON line a kernel, or {"skip": why}
 _CHILD = """
@@ -51,6 +53,12 @@ def fops(ptx):                      # the PTX's float ops that round, by kind (e
     for m in FOPS.findall(ptx):
         ops[m.replace("bf16x2", "bf16")] = ops.get(m.replace("bf16x2", "bf16"), 0) + (2 if "x2" in m else 1)
     return ops
+def kinds(body):                    # instructions by opcode and first modifiers
+    ops = {}
+    for _, op, rest in body:
+        key = op + (rest.split()[0] if rest.startswith(".") else "")
+        ops[key] = ops.get(key, 0) + 1
+    return ops
 TK = {}
 for qt, w, b, gp, pk in CASES:
     fuse = bool(mq.config(qt, b, bf=True).get("FUSE")) and w == "gate_up"     # the shipped FUSE (all: 1)
@@ -58,15 +66,14 @@ for qt, w, b, gp, pk in CASES:
     if (qt, w, b) not in TK:                # the Triton kernel of the launch, once for its GP cases
         TK[qt, w, b] = fops(mq.compile_kernel(w, qt, bucket=b, hints=True, bf=True)[0].asm["ptx"])
     sass, res = sp.sass_of(k.asm["cubin"])
-    body = sp.k_loop(sp.instructions(sass), mma=True)
-    ops = {}
-    for _, op, rest in body:
-        key = op + (rest.split()[0] if rest.startswith(".") else "")
-        ops[key] = ops.get(key, 0) + 1
+    ins = sp.instructions(sass)
+    body = sp.k_loop(ins, mma=True)
+    ops = kinds(body)
+    loops = [{o: v for o, v in kinds(lp).items() if o.startswith("LDG")} for lp in sp.mma_loops(ins)]  # K loops' loads
     print(json.dumps({"qt": qt, "kernel": w, "bucket": b, "gp": gp, "pk": pk, "split": const["SPLIT"], "fuse": fuse,
                       "a_op": sp.a_operand(body), "asm": "add.rn.bf16x2" in k.asm["ptx"],
                       "ldg_in_step": sp.ldg_in_step(body), "ldg": sum(v for o, v in ops.items() if o.startswith("LDG")),
-                      "ops": ops, "fops": fops(k.asm["ptx"]), "triton_fops": TK[qt, w, b],
+                      "ops": ops, "fops": fops(k.asm["ptx"]), "triton_fops": TK[qt, w, b], "loops": loops,
                       "shapes": sorted(set(re.findall(r"\\b(HGMMA\\.[\\w.]+)", sass))),
                       "regs": int(re.search(r"REG:(\\d+)", res).group(1)),
                       "local": int(re.search(r"LOCAL:(\\d+)", res).group(1))}))
@@ -88,7 +95,9 @@ def test_gluon_compiles_to_the_bf16_mma_with_the_weights_in_registers():
     loop, the control, waits for all 22); GP 2's loop holds 2 steps (its counts doubled). PK 1 (q8_pack's layout,
     Q8_0 GP 1): the same HGMMA, shared memory, barriers and float ops, its weights by 128-bit loads (a thread's 16
     contiguous bytes of a 64-row tile: 2 a tile a step) and a row's two scales one 32-bit word, nothing else (the
-    words' bf16 order by register moves: no shared memory, no shuffles)."""
+    words' bf16 order by register moves: no shared memory, no shuffles). PK 2 (per expert by base's bit 0: both
+    layouts in one kernel): exactly two K loops, PK 1's and GGUF order's (GP 1's pair loads), no spills within the
+    shipped form's 3 CTAs a SM, each body's block fmas."""
     reports = _compile_reports(["-c", _CHILD], timeout=120)
     if reports and "skip" in reports[0]:
         pytest.skip(f"no sm_90 compile toolchain here: {reports[0]['skip']}")
@@ -108,7 +117,16 @@ def test_gluon_compiles_to_the_bf16_mma_with_the_weights_in_registers():
         want = dict(r["triton_fops"])
         if r["gp"] == 2:                           # the block fmas in 3 places: the loop's 2 steps, an odd last step
             want["fma.rn.f32"] *= 3
-        assert r["fops"] == want and r["fops"].get("fma.rn.f32"), r
+        if r["pk"] == 2:                           # two bodies: each K loop's block fmas, the epilogue's ops once or
+            assert r["fops"]["fma.rn.f32"] == 2 * want["fma.rn.f32"], r     # twice (the compiler may merge the tails)
+            assert r["fops"].keys() == want.keys() and all(want[k] <= v <= 2 * want[k] for k, v in r["fops"].items()), r
+            assert r["regs"] <= 168, r              # the shipped form's 3 CTAs a SM (its 165 / 127 on 3.9)
+            t = 2 if r["fuse"] else 1              # a K loop a layout: GGUF order's 20 pairs a tile, packed 2 words
+            assert sorted(map(sorted, (d.items() for d in r["loops"]))) == sorted(map(sorted, (d.items() for d in (
+                {"LDG.E.U16": 20 * t, "LDG.E.128": 2}, {"LDG.E.128": 2 * t + 2, "LDG.E": 2 * t})))), r
+        else:
+            assert r["fops"] == want and r["fops"].get("fma.rn.f32"), r
+            assert len(r["loops"]) == 1, r
         loads = 42 if r["fuse"] else 22           # Q8_0's loads a K step (fused: gate's and up's weight words)
         if r["pk"]:                                # 64-row tiles: 2 x 128 bits of quants, 2 scale words a thread
             t = 2 if r["fuse"] else 1
@@ -180,8 +198,9 @@ def test_gp_reaches_the_gluon_launch_as_configured(monkeypatch):
     """The schedule keys GP (triton_mmq.CONFIG, 0; Q8_0's BF_TUNING 1 with GL 1, gpu-run63) and PK (0 everywhere:
     q8_pack's layout, cpu-pack62) reach gluon_mmq.launch's constexprs as the config says: Q8_0's shipped GP 1, PK 0,
     TYPE_CONFIG's GP 0 / 1 / 2 and PK 1 under GL 1, no Gluon launch under GL 0, for gate_up and down and both rows
-    buckets (a stand-in launch records them; usable() forced true: the CPU has no Gluon device). Where the Gluon form
-    cannot run (the real usable() here), PK 1 raises: no other kernel reads packed weights."""
+    buckets (a stand-in launch records them; usable() forced true: the CPU has no Gluon device), and gate_up / down's
+    pk 2 (engine.pack_experts) over the shipped config. Where the Gluon form cannot run (the real usable() here), PK 1
+    and pk 2 raise: no other kernel reads packed weights."""
     assert mq.CONFIG["GP"] == 0 and {q: t.get("GP", 0) for q, t in mq.BF_TUNING.items()} == {0: 1, 4: 0, 5: 0, 6: 0}
     assert mq.CONFIG["PK"] == 0 and not any(t.get("PK") for t in mq.BF_TUNING.values())
     seen = []
@@ -209,7 +228,15 @@ def test_gp_reaches_the_gluon_launch_as_configured(monkeypatch):
             mq.down(mq.prepare_bf16(inter.float()), pool, base, starts, rows, off,
                     torch.zeros(T * k, H, dtype=torch.bfloat16), 0, rb_f, True)
             assert seen[n:] == ([] if gp is None else [("gate_up", gp, pk), ("down", gp, pk)]), (T, over, seen[n:])
+        monkeypatch.delitem(mq.TYPE_CONFIG, 0, raising=False)     # engine.pack_experts: MoEKernels' pk 2 over the
+        n = len(seen)                                               # shipped config
+        mq.gate_up(hb, pool, base, starts, rows, off, inter, F, k, 0, None, rb_h, True, pk=2)
+        mq.down(mq.prepare_bf16(inter.float()), pool, base, starts, rows, off,
+                torch.zeros(T * k, H, dtype=torch.bfloat16), 0, rb_f, True, pk=2)
+        assert seen[n:] == [("gate_up", 1, 2), ("down", 1, 2)], (T, seen[n:])
     monkeypatch.undo()
+    with pytest.raises(ValueError, match="PK 2"):
+        mq.gate_up(hb, pool, base, starts, rows, off, inter, F, k, 0, None, rb_h, True, pk=2)
     monkeypatch.setitem(mq.TYPE_CONFIG, 0, {"GL": 1, "GP": 1, "PK": 1})
     with pytest.raises(ValueError, match="PK 1"):
         mq.gate_up(hb, pool, base, starts, rows, off, inter, F, k, 0, None, rb_h, True)

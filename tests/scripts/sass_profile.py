@@ -102,23 +102,38 @@ def instructions(sass: str) -> list[tuple[str, str, str]]:
     return out
 
 
-def k_loop(ins: list, mma: bool = False) -> list:
-    """The body of the backward branch whose body holds the most LDG (the K loop); mma: the shortest body holding a
-    tensor-core instruction (the innermost loop of the MMA: an outer loop over K chunks, or gate_up's walk of the
-    gate's then the up's K loop, holds it too)."""
+def _loops(ins: list) -> list[tuple[int, int]]:
+    """(label, branch) indices in ins of the backward branches (a label before its branch: a loop), in branch order."""
     labels = {x[1]: i for i, x in enumerate(ins) if x[0] == "L"}
-    best: list = []
+    out = []
     for i, (kind, op, rest) in enumerate(ins):
         if kind or op != "BRA":
             continue
         m = re.search(r"`\((\.L_x_\d+)\)", rest)
         if m and m.group(1) in labels and labels[m.group(1)] < i:
-            body = [x for x in ins[labels[m.group(1)] + 1:i + 1] if not x[0]]
-            if mma:
-                if any(x[1] in ("HGMMA", "HMMA") for x in body) and (not best or len(body) < len(best)):
-                    best = body
-            elif sum(x[1] == "LDG" for x in body) > sum(x[1] == "LDG" for x in best):
-                best = body
+            out.append((labels[m.group(1)], i))
+    return out
+
+
+def mma_loops(ins: list) -> list[list]:
+    """The innermost loops holding a tensor-core instruction (each holds no other such loop), as k_loop's bodies: a
+    kernel with several K loops (gluon_mmq's PK 2: the packed layout's and GGUF order's) has one each."""
+    spans = [(s, e) for s, e in _loops(ins) if any(x[1] in ("HGMMA", "HMMA") for x in ins[s:e + 1] if not x[0])]
+    inner = [(s, e) for s, e in spans if not any(s <= s2 and e2 <= e and (s2, e2) != (s, e) for s2, e2 in spans)]
+    return [[x for x in ins[s + 1:e + 1] if not x[0]] for s, e in inner]
+
+
+def k_loop(ins: list, mma: bool = False) -> list:
+    """The body of the backward branch whose body holds the most LDG (the K loop); mma: the shortest body holding a
+    tensor-core instruction (the innermost loop of the MMA: an outer loop over K chunks, or gate_up's walk of the
+    gate's then the up's K loop, holds it too)."""
+    if mma:
+        return min(mma_loops(ins), key=len, default=[])
+    best: list = []
+    for s, e in _loops(ins):
+        body = [x for x in ins[s + 1:e + 1] if not x[0]]
+        if sum(x[1] == "LDG" for x in body) > sum(x[1] == "LDG" for x in best):
+            best = body
     return best
 
 

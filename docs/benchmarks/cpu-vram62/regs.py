@@ -1,0 +1,32 @@
+"""docs/benchmarks/cpu-vram62: gluon_mmq's Q8_0 GP 1 kernels at PK 0 / 1 / 2 (GGUF order, packed, per expert by bit 0
+of its base), both kernels and rows buckets, compiled for sm_90 without a GPU: registers, spills, and each innermost
+MMA loop's SASS instructions and loads, one JSON line a kernel. From the repository root:
+
+    OMP_NUM_THREADS=1 .venv/bin/python docs/benchmarks/cpu-vram62/regs.py             # this Triton (3.9)
+    OMP_NUM_THREADS=1 PYTHONPATH=$PWD /tmp/t36i/bin/python docs/benchmarks/cpu-vram62/regs.py   # the device's 3.6
+"""
+
+import json
+import re
+import sys
+
+sys.path.insert(0, "tests/scripts")
+import sass_profile as sp  # noqa: E402
+import triton  # noqa: E402
+
+from betelgeuse.kernels import gluon_mmq as gm  # noqa: E402
+
+for w, b in (("gate_up", 1), ("gate_up", 16), ("down", 1), ("down", 16)):
+    for pk in (0, 1, 2):
+        k, _ = gm.compile_kernel(w, b, qt=0, fuse=w == "gate_up", gp=1, pk=pk)
+        sass, res = sp.sass_of(k.asm["cubin"])
+        loops = []
+        for body in sp.mma_loops(sp.instructions(sass)):
+            ldg: dict = {}
+            for _, op, rest in body:
+                if op == "LDG":
+                    ldg[op + rest.split()[0]] = ldg.get(op + rest.split()[0], 0) + 1
+            loops.append((len(body), ldg))
+        print(json.dumps({"triton": triton.__version__, "kernel": w, "bucket": b, "pk": pk,
+                          "regs": int(re.search(r"REG:(\d+)", res).group(1)),
+                          "local": int(re.search(r"LOCAL:(\d+)", res).group(1)), "loops": loops}), flush=True)
