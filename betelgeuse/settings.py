@@ -344,7 +344,9 @@ class EngineSettings(_Section):
     # row, gpu-run64); every launch reads each expert's layout from its slot table (bit 0). The same values in the
     # same MMA: the same bits (docs/benchmarks/cpu-pack62, cpu-vram62). Startup refuses unless every Q8_0 expert
     # launch is that form (CUDA sm_90, triton kernels, act_quant bf16 or auto); a model with no Q8_0 expert: nothing
-    # to pack. Off until check_cuda's rows pass with it on (CHECK_PACK_EXPERTS=1)
+    # to pack. check_cuda's invariance / prefix / batch / pool / recycle rows pass with it on (gpu-run64, act_quant
+    # bf16: the same verdicts as bf16 unpacked). Off: act_quant's default (off) is not a form it can pack for, and the
+    # decode A/B through the service has not run yet
     pack_experts: Flag = setting(False, "VRAM-resident Q8_0 experts held in the packed layout the Gluon MMA reads "
                                  "coalesced (CUDA sm_90, act_quant bf16 or auto)", True)
     # a long generation's working set moves into the resident tiers while it runs
