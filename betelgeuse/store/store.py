@@ -66,9 +66,12 @@ class Lease:
 
 @dataclass(slots=True)
 class Loaded:
+    """A landed expert of a load. Its fields are store.proto's Loaded's, names and order: the gRPC client hands the
+    answer's message itself to the worker as one (services/grpc/store_client.py _Landed: no object made a landed
+    expert, issue 21, cpu-host62)."""
     layer: int
     expert: int
-    slot: int               # staging slot index
+    staging_slot: int       # staging slot index
     disk_bytes: int         # bytes read from disk for this expert (0 if it was staged before this pass)
     prefetched: bool
     ahead_queued: int = 0   # reads ahead of the load's `ahead` started before this message (final in the last)
