@@ -264,7 +264,7 @@ class StoreServicer(pb_grpc.ExpertStoreServicer):
     @staticmethod
     def _loaded(rid: int, got) -> pb.SessionEvent:
         return pb.SessionEvent(id=rid, loaded=pb.Loaded(
-            layer=got.layer, expert=got.expert, staging_slot=got.slot, disk_bytes=got.disk_bytes,
+            layer=got.layer, expert=got.expert, staging_slot=got.staging_slot, disk_bytes=got.disk_bytes,
             prefetched=got.prefetched, ahead_queued=got.ahead_queued))
 
     def EndPass(self, request, context):

@@ -66,9 +66,11 @@ class Lease:
 
 @dataclass(slots=True)
 class Loaded:
+    """A landed expert of a load (its fields store.proto's Loaded's, names and order; the gRPC client makes one from
+    each answer: services/grpc/store_client.py _Landed)."""
     layer: int
     expert: int
-    slot: int               # staging slot index
+    staging_slot: int       # staging slot index
     disk_bytes: int         # bytes read from disk for this expert (0 if it was staged before this pass)
     prefetched: bool
     ahead_queued: int = 0   # reads ahead of the load's `ahead` started before this message (final in the last)

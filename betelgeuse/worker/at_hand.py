@@ -186,42 +186,43 @@ class AtHand:
     def _patch(self, snap, key) -> bool:
         """refresh where only the flex copies changed since the last one (a decode step's start after a step that made
         or dropped copies; inside a step, after a miss layer's disk expert evicted one: hand_misses): the entries of
-        the (layer, expert) whose copy changed (FlexCache.changed) made as the rebuild makes them (_entry), the table
+        the (layer, expert) whose copy changed (FlexCache.changed) made as the rebuild makes them (_entries), the table
         uploaded: the rebuild's table (the snapshot, the VRAM slots and the host rule are the same) for a few
         entries' Python instead of its [n_layer, n_expert] numpy passes (~32 us at ds4-flash's 8 x 256 on a 2-vCPU
         box; issue 21, docs/benchmarks/cpu-host48)."""
         f = self.flex
         changed, f.changed, f.logged = f.changed, set(), 0      # each (layer, expert) once: made from the state now
-        pool = self.cache.pool_addr
-        for l, e in changed:
-            self.host[l, e] = self._entry(snap, l, e, pool)
+        self._entries(snap, changed, self.cache.pool_addr)
         self._key = (snap, key)
         self._upload(self.host)                     # a copy of it goes (pinned on CUDA; the CPU copies it now)
         self.forgets = f.forgets
         return True
 
-    def _entry(self, snap, l: int, e: int, pool: int) -> int:
-        """The table's entry of (l, e) as refresh's rebuild makes it (VRAM slot, else flex copy, else host slot in
-        place, else -1), the torch kernels' source beside it (the CPU). pool: the slot pool's address."""
-        c, f = self.cache, self.flex
-        src = None
-        at = int(c.vram_base[l, e])
-        if at >= 0:
-            src = (c.pool, at & ~1)                 # bit 0: a packed slot's flag (ExpertCache._own)
-        elif f is not None and (s := int(f.where[l, e])) >= 0:
-            at = f.addresses[s] - pool              # made with its chunk (FlexCache.addresses: no call)
-            if self.srcs is not None:
-                src = f.sources[s]
-        elif self.in_place and snap["tier"][l, e] == TIER_HOST and snap["host_slot"][l, e] >= 0:
-            lay = c.layout
-            off = lay.host_base + (l * lay.host_per_layer + int(snap["host_slot"][l, e])) * lay.slot.slot_bytes
-            at = self.arena_addr + off - pool
-            src = (c.host, off)
-        else:
-            at = -1                                 # a miss (the rebuild leaves its source as it was)
-        if self.srcs is not None and src is not None:
-            self.srcs[l][e] = src
-        return at
+    def _entries(self, snap, keys, pool: int):
+        """The table's entries of these (layer, expert) as refresh's rebuild makes them (VRAM slot, else flex copy,
+        else host slot in place, else -1), the torch kernels' sources beside them (the CPU). pool: the slot pool's
+        address. One call for a patch's entries, not one an entry (~6 a miss layer's evicting fill: issue 21,
+        cpu-host62)."""
+        c, f, host, srcs = self.cache, self.flex, self.host, self.srcs
+        for l, e in keys:
+            src = None
+            at = int(c.vram_base[l, e])
+            if at >= 0:
+                src = (c.pool, at & ~1)                 # bit 0: a packed slot's flag (ExpertCache._own)
+            elif f is not None and (s := int(f.where[l, e])) >= 0:
+                at = f.addresses[s] - pool              # made with its chunk (FlexCache.addresses: no call)
+                if srcs is not None:
+                    src = f.sources[s]
+            elif self.in_place and snap["tier"][l, e] == TIER_HOST and snap["host_slot"][l, e] >= 0:
+                lay = c.layout
+                off = lay.host_base + (l * lay.host_per_layer + int(snap["host_slot"][l, e])) * lay.slot.slot_bytes
+                at = self.arena_addr + off - pool
+                src = (c.host, off)
+            else:
+                at = -1                                 # a miss (the rebuild leaves its source as it was)
+            if srcs is not None and src is not None:
+                srcs[l][e] = src
+            host[l, e] = at
 
     def uploaded(self, ev):
         """The deferred upload's copy is queued (on the current stream, in the caller's _foreach_copy_); ev: the compute

@@ -79,12 +79,16 @@ class FlexCache:
         self.copies: list[set[int]] = [set() for _ in range(n_layer)]
         self.free: list[int] = []                          # empty slots of allocated chunks
         self.held = 0                                      # bytes the sequences holding KV take (state + graphs)
+        # what _grow read when it last refused, (reserved, held, the chunks' bytes), or None: with the same it refuses
+        # again (the chunks' free places change only with their bytes), so a full cache's fills do not ask it (two
+        # calls, _grow and room, a decode miss layer's take: issue 21, cpu-host62; take and _slot compare)
+        self._refused: tuple[int, int, int] | None = None
         self.version = 0                                   # bumped whenever `where` changes (worker/at_hand.py)
         self.forgets = 0                                   # bumped when a copy is dropped (its slot may be rewritten)
         # (layer, expert) whose `where` changed since the at-hand table last read them (worker/at_hand.py: its refresh
         # patches those entries, and takes a new set): a set, so at most one entry per table cell whatever no table
-        # read meanwhile (prefills filling copies with no decode step between), added to in place by _forget and
-        # _assign (no call of its own: two a decode miss layer's evicting fill, issue 21, cpu-host60); logged: the
+        # read meanwhile (prefills filling copies with no decode step between), added to in place by _set (no
+        # call of its own: two a decode miss layer's evicting fill, issue 21, cpu-host60); logged: the
         # adds since (more than the table's cells: the refresh rebuilds it whole rather than patch, as the log's cap
         # had it)
         self.changed: set = set()
@@ -153,7 +157,7 @@ class FlexCache:
         lo, hi = c * self.per_chunk, (c + 1) * self.per_chunk
         for s in range(lo, hi):
             if self._owner[s] is not None:
-                self._forget(s)
+                self._set(s, None)
                 self.stats.dropped += 1
         self.free = [s for s in self.free if not lo <= s < hi]
         self._bytes -= self.chunks[c].numel()
@@ -164,16 +168,33 @@ class FlexCache:
         event(log, "flex_cache_shrink", logging.DEBUG, chunks=self.n_chunks, slots=self.n_slots, bytes=self.nbytes,
               held_kv_bytes=self.held)
 
-    def _forget(self, s: int):
-        l, e = self._owner[s]                           # Python ints (owner's row as a tuple: no numpy call)
-        self._owner[s] = None
-        self.where[l, e] = -1
-        self.copies[l].discard(e)
-        self.changed.add((l, e))                        # logged for the at-hand table (`changed`)
-        self.logged += 1
+    def _set(self, s: int, owner: tuple[int, int] | None):
+        """Slot s's copy from now on: its last one (if any) forgotten (a forget: its slot may be rewritten), then
+        `owner` = (layer, expert) as Python ints, its copy queued by the caller, the LRU's newest; None: the slot left
+        empty, out of the LRU. Each (layer, expert) whose `where` changed logged for the at-hand table (`changed`).
+        One call for an eviction's forget and the fill that takes its slot (take, keep), where a forget and an
+        assignment were two, each with its own log and LRU update (issue 21, cpu-host62)."""
+        old = self._owner[s]
+        self._owner[s] = owner
+        if old is not None:
+            l, e = old
+            self.where[l, e] = -1
+            self.copies[l].discard(e)
+            self.changed.add(old)
+            self.logged += 1
+            self.forgets += 1
         self.version += 1
-        self.forgets += 1
-        self.lru.pop(s, None)
+        if owner is None:
+            self.lru.pop(s, None)
+            return
+        l, e = owner
+        self.where[l, e] = s
+        self.copies[l].add(e)
+        self.changed.add(owner)
+        self.logged += 1
+        self.lru.pop(s, None)                           # the newest: at the LRU's end (an evicted slot's key moves)
+        self.lru[s] = None
+        self.stats.fills += 1
 
     def _grow(self) -> bool:
         """A new chunk in the room left: a whole one, or the slots the room still holds (a quarter of a whole
@@ -182,6 +203,7 @@ class FlexCache:
         # the room test first: a full cache's fills (take's, every decode miss) ask nothing more; `None in chunks`
         # compares each chunk tensor to None through Tensor.__eq__ (~100 us a take on the CPU: cpu-host59)
         if n < max(1, self.per_chunk // 4) or None not in self.chunks:
+            self._refused = (self.reserved, self.held, self._bytes)
             return False
         c = self.chunks.index(None)
         self.chunks[c] = chunk = torch.empty((n * self.slot_bytes,), dtype=torch.uint8, device=self.device)
@@ -195,16 +217,19 @@ class FlexCache:
               held_kv_bytes=self.held)
         return True
 
-    def _slot(self) -> int | None:
-        """A slot for a new copy: an empty one, a new chunk's within the room, else the least recently used one's."""
-        if self.free or self._grow():
-            return self.free.pop(0)
-        return self._evict() if self.lru else None
+    def _slot(self, owner: tuple[int, int]) -> int | None:
+        """A slot for `owner`'s new copy (_set): an empty one, a new chunk's within the room, else the least recently
+        used one's; None: no slot."""
+        if self.free or (self._refused != (self.reserved, self.held, self._bytes) and self._grow()):
+            s = self.free.pop(0)
+            self._set(s, owner)
+            return s
+        return self._evict(owner) if self.lru else None
 
-    def _evict(self) -> int:
-        """The least recently used slot, its copy forgotten (an eviction): for a new copy."""
+    def _evict(self, owner: tuple[int, int]) -> int:
+        """The least recently used slot, its copy forgotten (an eviction) and given to `owner`'s new copy (_set)."""
         s = next(iter(self.lru))
-        self._forget(s)
+        self._set(s, owner)
         self.stats.evictions += 1
         return s
 
@@ -225,24 +250,25 @@ class FlexCache:
         cp = self.copies[layer]
         if cp.isdisjoint(used):                 # no routed expert has a copy: no numpy call
             return used, tiers, []
-        where = self.where[layer]
-        slots = [int(where[e]) if e in cp else -1 for e in used]
-        hit, rest = [], []
-        for i, (s, t) in enumerate(zip(slots, tiers)):
-            if s < 0:
-                rest.append(i)
-            elif t == TIER_VRAM:                # a copy of an expert now in VRAM goes; the VRAM slot computes it
-                self._forget(s)
+        where, lru = self.where[layer], self.lru
+        # one pass making the three lists (no index lists and comprehensions after it: four calls less a layer with
+        # a hit, issue 21, cpu-host62); the hits' LRU moves in the experts' order, as before
+        rest, rest_tiers, hit = [], [], []
+        for e, t in zip(used, tiers):
+            s = int(where[e]) if e in cp else -1
+            if s >= 0 and t != TIER_VRAM:
+                hit.append(e)
+                lru.move_to_end(s)
+                continue
+            if s >= 0:                          # a copy of an expert now in VRAM goes; the VRAM slot computes it
+                self._set(s, None)
                 self.stats.dropped += 1
-                rest.append(i)
-            else:
-                hit.append(i)
+            rest.append(e)
+            rest_tiers.append(t)
         if not hit:
             return used, tiers, []
-        for i in hit:
-            self.lru.move_to_end(slots[i])
         self.stats.hits += len(hit)
-        return [used[i] for i in rest], [tiers[i] for i in rest], [used[i] for i in hit]
+        return rest, rest_tiers, hit
 
     def held_mask(self, layer: int, experts: np.ndarray) -> np.ndarray:
         """bool per expert of `layer`: a copy is held (a read ahead of it would be wasted)."""
@@ -269,6 +295,7 @@ class FlexCache:
         kernel on the same stream, at the point the first copy_ was). A slot taken twice in one call (a copy of this
         call evicted for a later one: fewer slots than experts) is copied once, the later expert's bytes: what the
         per-expert copies in order left there."""
+        layer = int(layer)
         sb, where, lru, slot_views = self.slot_bytes, self.where[layer], self.lru, self.views
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
@@ -279,7 +306,7 @@ class FlexCache:
             if s >= 0:
                 lru.move_to_end(s)
                 continue
-            s = self._slot()
+            s = self._slot((layer, e))         # taken for it (the bookkeeping; the copy below)
             if s is None:
                 break
             if s in slots:                      # rewritten by a later expert of this call: its copy alone
@@ -288,7 +315,6 @@ class FlexCache:
             dsts.append(slot_views[s])
             srcs.append(pool[int(off): int(off) + sb] if views is None else views[n])
             slots.append(s)
-            self._assign(layer, e, s)
         if dsts:
             torch._foreach_copy_(dsts, srcs)
 
@@ -301,8 +327,8 @@ class FlexCache:
         group reads every slot it took: a slot is never given twice in one call, where keep keeps the later expert's
         bytes). The caller orders the copy after every read of the slot's last copy (a group that may still read an
         evicted copy) and before any read of the new one."""
+        layer = int(layer)
         where, lru, out = self.where[layer], self.lru, []
-        grow = True                         # _grow said no in this call: it says no again (below)
         for e in experts:
             e = int(e)
             s = int(where[e])               # read here: an eviction earlier in this call may have dropped it
@@ -310,31 +336,18 @@ class FlexCache:
                 lru.move_to_end(s)
                 out.append(None)
                 continue
-            # _slot's order: a free slot, a new chunk, else the LRU's. _grow asked until it refuses once: nothing it
-            # reads (room, the chunks' bytes, the free chunk places) changes in this call but by its own growth, so
-            # a full cache's fills ask it once a call, not once an expert (2 calls each: issue 21, cpu-host60)
-            if self.free or (grow and (grow := self._grow())):
+            # _slot's order: a free slot, a new chunk, else the LRU's; _grow not asked where it refused on what it
+            # would read now (_refused: a full cache's fills ask it once, not once a take or an expert)
+            if self.free or (self._refused != (self.reserved, self.held, self._bytes) and self._grow()):
                 s = self.free.pop(0)
+                self._set(s, (layer, e))
             elif not lru or next(iter(lru)) in out:
                 out.append(None)            # nothing free and the LRU slot is this call's: through the bank
                 continue
             else:
-                s = self._evict()
-            self._assign(layer, e, s)
+                s = self._evict((layer, e))
             out.append(s)
         return out
-
-    def _assign(self, layer: int, e: int, s: int):
-        """Slot s holds (layer, e) from now on (its copy queued by the caller): the maps, the LRU's newest, the log."""
-        layer = int(layer)
-        self.where[layer, e] = s
-        self.copies[layer].add(e)
-        self.changed.add((layer, e))                    # logged for the at-hand table (`changed`)
-        self.logged += 1
-        self.version += 1
-        self._owner[s] = (layer, e)
-        self.lru[s] = None
-        self.stats.fills += 1
 
     def describe(self) -> dict:
         return {"units": self.units, "unit_bytes": self.unit_bytes, "slots_per_unit": self.per_chunk,

@@ -104,19 +104,13 @@ def guess_per_layer(model, layer: int, x: torch.Tensor, token_ids: torch.Tensor,
     return torch.stack(guesses, dim=1)
 
 
-def _ints(disk) -> set:
-    """A layer's disk experts as a set of Python ints: a list's (the decode short paths' lists hold ints) at once, an
-    array's one by one."""
-    return set(disk) if isinstance(disk, list) else {int(x) for x in disk}
-
-
 class _Ask:
     """One prefetch call of guessed reads: its keys (nearest layer first) and the store's answer, read once."""
 
-    __slots__ = ("keys", "answer", "n")
+    __slots__ = ("keys", "answer", "n", "_per")
 
     def __init__(self, keys: list[tuple[int, int]], answer):
-        self.keys, self.answer, self.n = keys, answer, None
+        self.keys, self.answer, self.n, self._per = keys, answer, None, None
 
     def queued_n(self) -> int:
         """Reads the call started (the store's answer; waited for on the first call)."""
@@ -127,8 +121,14 @@ class _Ask:
     def queued(self, layer: int) -> int:
         """Reads started for `layer`'s keys: the store queues a call's keys in order until its read-ahead half of the
         staging slots is full, so the first n keys are taken as the n started (about: it also skips keys it has
-        staged or in flight)."""
-        return [t for t, _ in self.keys[:self.queued_n()]].count(layer)
+        staged or in flight). Counted per layer once, at the first ask (each of the call's layers asks once, when
+        it is scored: no list made a layer; issue 21, cpu-host62)."""
+        per = self._per
+        if per is None:
+            per = self._per = {}
+            for t, _ in self.keys[:self.queued_n()]:
+                per[t] = per.get(t, 0) + 1
+        return per.get(layer, 0)
 
 
 class Marks:
@@ -310,14 +310,14 @@ class Guesser:
         self._hash = (ask, by_layer)
         stats.hash_ahead += len(keys)
 
-    def _hash_check(self, layer: int, disk, stats: PassStats):
+    def _hash_check(self, layer: int, disk: list[int], stats: PassStats):
         """check's part for a hash-read layer: the reads the store started (once per pass: all layers' keys, from the
         answer) and their bytes; the layer's keys it then used (exact routing: all of them)."""
         ask, by_layer = self._hash
         mine = by_layer.pop(layer, None)
         if mine is None:
             return
-        stats.hash_ahead_hits += len(mine.intersection(int(x) for x in disk))
+        stats.hash_ahead_hits += len(mine.intersection(disk))
         n = ask.queued(layer)
         stats.hash_ahead_started += n
         stats.hash_ahead_bytes += n * self.expert_bytes[layer]
@@ -336,12 +336,12 @@ class Guesser:
         m, D = self.disk_mean[layer], self.hits.shape[1]
         return None if self.rule == "union" or np.isnan(m) else int(np.ceil(m * (D - depth + 1) / D))
 
-    def unused(self, layer: int, disk) -> list[tuple[int, int]]:
-        """Layer `layer` is scored and uses these disk experts: the reads ahead asked for it in this pass that it does
-        not use (for the store to drop where they have not started)."""
+    def unused(self, layer: int, disk: list[int]) -> list[tuple[int, int]]:
+        """Layer `layer` is scored and uses these disk experts (Python ints): the reads ahead asked for it in this pass
+        that it does not use (for the store to drop where they have not started)."""
         if layer not in self._asks:
             return []
-        used = _ints(disk)
+        used = set(disk)
         return list(dict.fromkeys([k for a in self._asks[layer] for k in a.keys if k[0] == layer and k[1] not in used]))
 
     def read_ahead(self, layer: int, layers, marks: Marks, snap, stats: PassStats, send=None, unheld=None):
@@ -352,7 +352,8 @@ class Guesser:
         (depth, class) within its hit-rate budget, the layer within its cap (union rule: one class, no cap); what this
         pass asked for already is not asked again, unless the store did not start it (its read-ahead half of the
         staging slots was full: the earlier calls' answers, sent a layer ago, are read here, as a guessed layer's
-        score would). unheld(marks) -> the marks less the experts held elsewhere (MoEStep: flex copies), applied where
+        score would). unheld(layer, marks) -> the marks less the experts held elsewhere (MoEStep._unflexed: flex
+        copies), applied where
         a guessed expert sits on disk."""
         self._pass(stats)
         for ask in self._pending:
@@ -360,17 +361,17 @@ class Guesser:
         self._pending = []
         union = self.rule == "union"
         self._batch = self._batch or marks.n > 1
-        if self.fast and layers and not marks.on_disk(layer + 1, layers, self._disk(snap)):
+        disk = self._disk(snap) if self.fast else None     # once: the test below's and the candidates' (lists)
+        if self.fast and layers and not marks.on_disk(layer + 1, layers, disk):
             # decode's common case: none of the guessed experts sits on disk: nothing to read ahead, hold or score;
             # the layers count as guessed (check counts their disk experts), as the loop below leaves them
             for t in layers:
                 self._guessed.setdefault(t, set())
             return
         if unheld is not None:
-            marks = unheld(marks)
+            marks = unheld(layer, marks)
         keys = []
         lists = self.fast and marks.ids is not None       # the candidates on the ids' lists (_candidates)
-        disk = self._disk(snap) if lists else None
         for t in layers:
             d = t - layer
             if lists:
@@ -487,9 +488,10 @@ class Guesser:
             if h:
                 ch[c] += h
 
-    def check(self, layer: int, disk: np.ndarray, ahead_used: int, stats: PassStats):
-        """Layer `layer` ran with these disk experts, `ahead_used` of them answered from reads ahead: score the
-        guesses made for it in this pass, if any."""
+    def check(self, layer: int, disk: list[int], ahead_used: int, stats: PassStats):
+        """Layer `layer` ran with these disk experts (Python ints, as unused: every caller's are a list or tuple, so a
+        set of them is one C call), `ahead_used` of them answered from reads ahead: score the guesses made for it in
+        this pass, if any."""
         if self._stats is not stats:
             return
         if self._hash is not None:
@@ -502,7 +504,7 @@ class Guesser:
             # no guessed expert of it on disk, none read ahead, none used: every count below would add 0
             self._guessed.pop(layer, None)
             return
-        used, every = _ints(disk), set()
+        used, every = set(disk), set()
         for d, (g, cls, kind) in (by_depth or {}).items():     # every depth's guess scored, read or not
             if not len(g):                  # no guessed expert on disk from this depth: nothing to score
                 continue

@@ -258,6 +258,10 @@ class MoEStep:
             self.gate = DecodeGate(self.n_layer, fc.n_expert, guesses, dev)
         # engine.disk_flush_early: a decode miss layer's disk batch flushed once the next expert is late (_disk_groups)
         self.flush_early = cfg.disk_flush_early
+        # the staging slots a layer's disk experts may hold at once (_disk_groups; its first group holds min(this, the
+        # layer's disk experts) of them): the attachment's ring banks and staging slots, fixed for this step's life
+        # (a re-attach makes a new one), so made once, not at each miss layer
+        self.disk_limit = max(1, min(self.cache.bank_size, session.plan.n_staging // 2))
         # engine.group_graphs (CUDA, triton kernels): the eager groups (_apply) replay CUDA graphs captured per group
         # (worker/group_graphs.py); None: they launch. Decode's rows only (max_running: attach resolved auto)
         self.group_graphs = (GroupGraphs(self.kern, cfg.max_running if isinstance(cfg.max_running, int) else 8)
@@ -719,8 +723,9 @@ class MoEStep:
             flexed = []
             if self.flex is not None:     # experts held in the flex cache are computed from their copies (step 2)
                 used, tiers, flexed = self.flex.split_lists(l, used, tiers)
-            # copy ahead only where it is on (off: _ahead is never set, nothing to clear; a call less a layer)
-            if self._hand_all(l, counts, marks, used, tiers, flexed, snap, stats, ls):
+            # copy ahead only where it is on (off: _ahead is never set, nothing to clear; a call less a layer). A disk
+            # expert is a miss (never at hand): its layer skips _hand_all (a call and its walk, issue 21, cpu-host62)
+            if TIER_DISK not in tiers and self._hand_all(l, counts, marks, used, tiers, flexed, snap, stats, ls):
                 if self.copy_ahead:
                     self._ahead_start(l, marks, snap, stats)
                 return
@@ -805,7 +810,7 @@ class MoEStep:
             ahead_used = self._disk_table(l, loads, disk, counts, stats, ls)
         else:
             ahead_used = self._disk_groups(l, r, loads, len(disk), stats, ls, timing, direct=snap if hand else None)
-        self.guesser.check(l, by_tier[TIER_DISK], ahead_used, stats)
+        self.guesser.check(l, disk, ahead_used, stats)       # its disk experts as Python ints (step 1's)
 
     def _read_in_place(self, l: int, counts: np.ndarray, experts: list[int], stats: PassStats):
         """The bytes a group's kernels read over PCIe for these experts of layer l read in place (host or staging
@@ -826,7 +831,7 @@ class MoEStep:
     def _hand_all(self, l, counts, marks, used, tiers, flexed, snap, stats: PassStats, ls: LayerStats) -> bool:
         """partial(hand=True) where the at-hand group computed every routed expert of layer l (no disk expert, every
         host one read in place: decode's common case) -> True, the layer done; False (nothing done): a miss remains,
-        the general path runs. The general path's observables with nothing of it that has no work: the tier counts,
+        the general path runs. `tiers` holds no disk tier (_partial tests that first: a disk expert is a miss). The general path's observables with nothing of it that has no work: the tier counts,
         the read-ahead of the guesses and the drop of this layer's unused ones (the same messages),
         the in-place bytes, the guesses scored; no per-tier arrays, no bank or staging bookkeeping. `used`, `tiers`:
         the routed experts less the flex-held ones (`flexed`), Python lists (_partial makes them once for both)."""
@@ -835,10 +840,8 @@ class MoEStep:
         for e in used:
             if at[e] == -1:                          # a disk expert, or a host one this step banks: a miss
                 return False
-        tl = tiers
+        tl = tiers                                   # no disk expert (_partial sends those layers on)
         nh = tl.count(TIER_HOST)
-        if tl.count(TIER_DISK):                      # a disk expert in the table: the general path's assert says so
-            return False
         if flexed:
             assert -1 not in [at[e] for e in flexed], (l, flexed)
         nv = len(tl) - nh
@@ -864,7 +867,7 @@ class MoEStep:
         scored. Either message drops this layer's guesses it does not use (a prefetch of none carries them
         otherwise). A guessed expert held in the flex cache needs no read: removed from the marks first, or
         (lazy_flex, the decode fast path) only where a guess sits on disk. -> the loads' stream (empty: no miss)."""
-        keys = [(l, e) for e in disk]
+        keys = [(l, e) for e in disk] if disk else []      # (a comprehension is a call: none for no miss)
         drop = self.guesser.unused(l, disk)
         loads = sent = None
 
@@ -880,7 +883,7 @@ class MoEStep:
             unheld = None
             if self.flex is not None:
                 if lazy_flex:
-                    unheld = lambda m: self._unflexed(l, m)      # noqa: E731
+                    unheld = self._unflexed             # read_ahead passes it l (no lambda: a call less a layer)
                 else:
                     marks = self._unflexed(l, marks)
             self.guesser.read_ahead(l, self.guess_layers(l), marks, snap, stats, send_ahead, unheld)
@@ -929,7 +932,8 @@ class MoEStep:
         loads = self._send_loads(l, disk, marks, snap, stats, lazy_flex=True)
         timing = self.clock.copy_timing(ls)
         ls.groups += 1                               # the at-hand group
-        self._flex_count(len(flexed), stats, ls)
+        if flexed:                                   # (none: it would add 0s; a call less, as _hand_all)
+            self._flex_count(len(flexed), stats, ls)
         if self.hand.in_place and read:     # the bytes the group's kernels read over PCIe (none: adds 0)
             self._read_in_place(l, counts, read, stats)
         # 2-3. the banked host experts: where the layer has disk experts, in the first disk group's bank (their copies
@@ -942,7 +946,7 @@ class MoEStep:
         if banked:
             hslots = snap["host_slot"][l]
             srcs = [cache.host_slot(l, int(hslots[e])) for e in banked]
-            n = len(banked) - (min(len(banked), B - min(self._disk_limit(), len(disk))) if disk else 0)
+            n = len(banked) - (min(len(banked), B - min(self.disk_limit, len(disk))) if disk else 0)
             for i in range(0, n, B):
                 bank, g = self._to_bank(banked[i:i + B], srcs[i:i + B], timing)
                 self._apply(r, l, g, ls)
@@ -1033,9 +1037,9 @@ class MoEStep:
                 (got,) = list(self.session.load([(l, e)]))
                 ls.disk_wait_s += time.perf_counter() - tw
                 stats.disk_bytes += got.disk_bytes
-                _, g = self._to_bank([e], [cache.staging_slot(got.slot)], None)
+                _, g = self._to_bank([e], [cache.staging_slot(got.staging_slot)], None)
                 self.clock.sync()
-                self.session.release([got.slot], later=True)
+                self.session.release([got.staging_slot], later=True)
             self.clock.sync()                          # no overlap: the copy is waited for
             tc = time.perf_counter()
             self._apply(r, l, g, ls)
@@ -1203,11 +1207,6 @@ class MoEStep:
             cache.bank_done(bank)
         return held
 
-    def _disk_limit(self) -> int:
-        """The staging slots a layer's disk experts may hold at once (_disk_groups): its first group holds
-        min(this, the layer's disk experts) of them."""
-        return max(1, min(self.cache.bank_size, self.session.plan.n_staging // 2))
-
     def _disk_groups(self, l, r, loads, n_disk, stats: PassStats, ls: LayerStats, timing, opened=None,
                      direct=None) -> int:
         """The disk experts in batches as they land (module doc, step 4); the last staging slots go back with the next
@@ -1226,7 +1225,7 @@ class MoEStep:
         ahead_used = 0
         B = cache.bank_size
         early = self.flush_early and stats.kind == "decode"
-        limit = self._disk_limit()                           # staging slots this layer may hold at once
+        limit = self.disk_limit                              # staging slots this layer may hold at once
         held: list[tuple[object, list[int]]] = []            # (CUDA event, staging slots) whose copies may be in flight
         batch = []
         snap, direct = direct, direct is not None and self.flex is not None
@@ -1240,8 +1239,8 @@ class MoEStep:
                 views = cache.staging_views            # staging_slot's views, indexed (no call an expert)
                 for x in batch:
                     es.append(x.expert)
-                    srcs.append(views[x.slot])
-                    slots.append(x.slot)
+                    srcs.append(views[x.staging_slot])
+                    slots.append(x.staging_slot)
                 t0 = time.monotonic() if marks else 0.0
                 if direct:
                     held.extend(self._direct_group(l, r, es, srcs, slots, timing, opened, ls, snap))
@@ -1302,8 +1301,8 @@ class MoEStep:
             ls.disk_wait_s += clock.store_wait - w0
             ahead_used += got.prefetched
             stats.disk_bytes += got.disk_bytes
-            self._miss_slot(l, got.expert, self.cache.staging_slot(got.slot))
-            self._held.append((l, got.expert, got.slot))
+            self._miss_slot(l, got.expert, self.cache.staging_slot(got.staging_slot))
+            self._held.append((l, got.expert, got.staging_slot))
         if disk:
             stats.landed.append((ta, l))
             self._read_in_place(l, counts, disk, stats)
@@ -1315,7 +1314,7 @@ class MoEStep:
         back with the next message to the store (the layer's last), else now (the store needs them for this layer's
         loads). excess (the early flush's, _disk_groups): only the oldest beyond `keep` go back now, the rest stay
         held (returned) and go back with the layer's last: an early flush's slot would otherwise cost a release
-        message of its own (a layer holds at most _disk_limit() slots either way). Returns what is still held."""
+        message of its own (a layer holds at most disk_limit slots either way). Returns what is still held."""
         if not held:
             return held
         if self.cache.is_cuda:

@@ -318,10 +318,11 @@ class StoreSession:
         t = time.perf_counter()
         loads = self.load(list(where))
         for got in iter(lambda: self.clock.wait_store(next, loads, None), None):
-            cache.fill_vram(got.layer, got.expert, where[(got.layer, got.expert)], cache.staging_slot(got.slot), snap)
+            cache.fill_vram(got.layer, got.expert, where[(got.layer, got.expert)], cache.staging_slot(got.staging_slot),
+                            snap)
             stats.disk_bytes += got.disk_bytes      # the pass waits for them: its bound counts their bytes
             stats.fill_disk += 1                    # not a use: the pass's route counts the expert as VRAM
-            held.append(got.slot)
+            held.append(got.staging_slot)
             if len(held) >= limit:
                 self.clock.wait(self.clock.sync)   # the copies are done before their staging slots go back
                 self.release(held)

@@ -111,7 +111,7 @@ def measure(n: int, tmp: Path, mode: str, transport: str,
             t_woken = time.monotonic()
             for _ in loads:
                 pass
-            c.release([got.slot])
+            c.release([got.staging_slot])
             c._reap(wait=True)
             if i >= 10:                         # warm-up first
                 sends.append((t_send, t_work, t_woken, rid, got.disk_bytes > 0))

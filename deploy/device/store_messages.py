@@ -53,7 +53,7 @@ def grpc_costs(n: int, tmp: Path, transport: str = "grpc") -> dict[str, list[flo
         c.begin_pass(False)
         keys = [(1, e) for e in range(4)]
         for got in c.load(keys):                  # staged once: later loads are answered from the staged copies
-            c.release([got.slot])
+            c.release([got.staging_slot])
         c._reap(wait=True)                        # every release answered
         for i in range(n):
             c0 = time.thread_time()
@@ -66,7 +66,7 @@ def grpc_costs(n: int, tmp: Path, transport: str = "grpc") -> dict[str, list[flo
                 pass
             t3 = time.perf_counter()
             c3 = time.thread_time()
-            c.release([m.slot])
+            c.release([m.staging_slot])
             t4 = time.perf_counter()
             c._reap(wait=True)                    # the client's own wait for the answers of what it sent
             t5 = time.perf_counter()

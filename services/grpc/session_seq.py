@@ -61,12 +61,17 @@ def check_size(n: int, limit: int, what: str = "session message"):
 def receiver(sock: socket.socket, parse):
     """The messages read from `sock`, each parse(bytes-like) -> message, until EOF (the peer closed or died).
     A datagram larger than MAX_BYTES (truncated by the kernel) raises MessageTooBig."""
-    buf = bytearray(MAX_BYTES)
+    limit = MAX_BYTES
+    buf = bytearray(limit)
     view = memoryview(buf)
+    recv = sock.recv_into
     while True:
-        n, _, flags, _ = sock.recvmsg_into([buf])
+        # MSG_TRUNC: the datagram's whole length, also where it was longer than the buffer (Linux's AF_UNIX), so a
+        # truncated one reads n > limit; recv_into, not recvmsg_into: no list, flags tuple or control buffer an answer
+        # (the reader thread's, issue 21, cpu-host62)
+        n = recv(buf, limit, socket.MSG_TRUNC)
         if not n:
             return
-        if flags & socket.MSG_TRUNC:
-            raise MessageTooBig(f"a session message over {MAX_BYTES} bytes arrived truncated")
+        if n > limit:
+            raise MessageTooBig(f"a session message over {limit} bytes arrived truncated")
         yield parse(bytes(view[:n]))        # a copy: the buffer is reused for the next one

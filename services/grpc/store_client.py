@@ -203,15 +203,15 @@ class _Stream(_Boxes):
     def alive(self) -> bool:
         return self.error is None and not self._ended
 
-    def send(self, make, handoff: bool = False) -> int:
-        """Queue the request make(id) -> its id (the answers' box open from now on). handoff: once grpc's send
+    def send(self, make, args=(), handoff: bool = False) -> int:
+        """Queue the request make(id, *args) -> its id (the answers' box open from now on). handoff: once grpc's send
         thread has sent it (class doc)."""
         rid = next(self._ids)
         with self._lock:
             if self.error is not None:
                 raise self.error
             self._box[rid] = collections.deque()
-        self._queue(make(rid), handoff)
+        self._queue(make(rid, *args), handoff)
         return rid
 
     def _post(self, req):
@@ -302,6 +302,10 @@ class _SeqStream(_Boxes):
         self._box: dict[int, collections.deque] = {}    # request id -> answers routed, not yet taken
         self.error: grpc.RpcError | None = None         # what the stream ended with
         self._ids = itertools.count(1)
+        # takes in _cv.wait now (under _lock): the reader wakes them only where one waits. An answer nobody waits
+        # for (a release's, a prefetch's, a landed expert read from its box before any wait) costs the reader no
+        # notify_all (two Python calls and the waiters' walk an answer: issue 21, cpu-host62)
+        self._waiting = 0
         threading.Thread(target=self._read, name="store-session-seq", daemon=True).start()
 
     def _read(self):
@@ -312,7 +316,8 @@ class _SeqStream(_Boxes):
                     box = self._box.get(ev.id)
                     if box is not None:
                         box.append(ev)
-                        self._cv.notify_all()
+                        if self._waiting:
+                            self._cv.notify_all()
         except (OSError, BetelgeuseError) as e:
             err = _Failed(grpc.StatusCode.UNAVAILABLE, f"the session socket failed: {e}")
         self._end(err)
@@ -331,11 +336,11 @@ class _SeqStream(_Boxes):
     def alive(self) -> bool:
         return self.error is None
 
-    def send(self, make, handoff: bool = False) -> int:
-        """Send the request make(id) now, from this thread -> its id (the answers' box open from now on). handoff:
-        _Stream's; nothing to wait for here (the send is the kernel's)."""
+    def send(self, make, args=(), handoff: bool = False) -> int:
+        """Send the request make(id, *args) now, from this thread -> its id (the answers' box open from now on).
+        handoff: _Stream's; nothing to wait for here (the send is the kernel's)."""
         rid = next(self._ids)
-        data = make(rid).SerializeToString()
+        data = make(rid, *args).SerializeToString()
         session_seq.check_size(len(data), self.limit)
         with self._lock:
             if self.error is not None:
@@ -366,7 +371,9 @@ class _SeqStream(_Boxes):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                self._cv.wait(left)
+                self._waiting += 1                  # the reader's notify (an exception here leaves it high:
+                self._cv.wait(left)                 # a notify more, never one less)
+                self._waiting -= 1
         self._end(_Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
         raise self.error
 
@@ -444,6 +451,7 @@ class _Landed:
         m = ev.loaded
         self._left -= 1
         self.ahead_queued = m.ahead_queued
+        # from_pb at the edge: the worker gets the store's Loaded, never a protobuf message
         return Loaded(m.layer, m.expert, m.staging_slot, m.disk_bytes, m.prefetched, m.ahead_queued)
 
     def ready(self) -> bool:
@@ -645,12 +653,13 @@ class GrpcStoreClient:
             self._stream = s
         return s
 
-    def _send(self, kind: str, make, handoff: bool = False) -> tuple[_Stream | _SeqStream, int]:
-        """One request of `kind` (SessionRequest's field) on the session's stream, make(id) -> the SessionRequest
-        (built in place: _load_request) -> (the stream, its id). handoff: _Stream's (class doc)."""
+    def _send(self, kind: str, make, args, handoff: bool = False) -> tuple[_Stream | _SeqStream, int]:
+        """One request of `kind` (SessionRequest's field) on the session's stream, make(id, *args) -> the
+        SessionRequest (built in place: _load_request; its arguments passed, not bound in a lambda: a Python call less
+        a message, issue 21, cpu-host62) -> (the stream, its id). handoff: _Stream's (class doc)."""
         try:
             s = self._session_stream()
-            return s, s.send(make, handoff)
+            return s, s.send(make, args, handoff)
         except _FAILING as e:
             raise self._as_worker(e) from None
 
@@ -658,7 +667,7 @@ class GrpcStoreClient:
         """Demand loads, sent now (the store starts reading at once; it first takes back `release` and reads `ahead`
         ahead once the loads' reads have started) -> the experts in completion order."""
         keys, sid = list(keys), self.session
-        s, rid = self._send("load", lambda i: _load_request(i, "load", sid, keys, release, ahead, drop),
+        s, rid = self._send("load", _load_request, ("load", sid, keys, release, ahead, drop),
                             handoff=bool(keys))             # the disk waits for it (_Stream's hand-off)
         if not keys:       # answered as a release (no expert follows): checked with the releases (_reap)
             self._releases.append(_Answer(s, rid, self.timeout, "released"))
@@ -671,7 +680,7 @@ class GrpcStoreClient:
     def prefetch_start(self, keys, release=(), drop=()):
         """Prefetch without waiting for the answer -> a function that waits for it (the reads started)."""
         sid = self.session
-        f = _Answer(*self._send("prefetch", lambda i: _load_request(i, "prefetch", sid, keys, release, (), drop)),
+        f = _Answer(*self._send("prefetch", _load_request, ("prefetch", sid, keys, release, (), drop)),
                     self.timeout, "prefetched")
         # its answer checked with the releases' (_reap: before the pass begins or ends), whether or not the caller
         # asks for it: a failed Prefetch raises there (the staging slots riding on it were the worker's)
@@ -689,7 +698,7 @@ class GrpcStoreClient:
         that reaps (release, begin_pass, end_pass), and every release is answered before a pass begins or ends."""
         self._reap(wait=False)
         sid, slots = self.session, list(slots)
-        self._releases.append(_Answer(*self._send("release", lambda i: _release_request(i, sid, slots)),
+        self._releases.append(_Answer(*self._send("release", _release_request, (sid, slots)),
                                       self.timeout, "released"))
 
     def _reap(self, wait: bool):

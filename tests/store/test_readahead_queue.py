@@ -63,12 +63,12 @@ def _round(client, layer: int, guesses, demand, drop) -> dict:
     assert client.prefetch(guesses) == len(guesses)
     slots = []
     for got in client.load(demand, drop=drop):
-        slots.append(got.slot)
+        slots.append(got.staging_slot)
     in_flight = client.status()["reads_in_flight"]
     client.release(slots)
     s1 = _quiet(client)
     # the guesses taken and handed back: no read-ahead copy left holding the read-ahead share of the staging slots
-    client.release([got.slot for got in client.load([k for k in guesses if k not in demand])])
+    client.release([got.staging_slot for got in client.load([k for k in guesses if k not in demand])])
     client.end_pass(np.zeros((ENGINE_SPEC["n_layer"], ENGINE_SPEC["n_expert"]), dtype=np.int64), False)
     keys = ("disk_bytes", "readahead_dropped", "readahead_promoted", "demand_started")
     return {"in_flight": in_flight, **{k: s1[k] - s0[k] for k in keys}}

@@ -49,8 +49,8 @@ def test_two_staging_slots_deliver_every_expert_intact(tmp_path):
                 for got in store.load(session, [(layer, e) for e in range(E)]):
                     assert (got.layer, got.expert) not in seen
                     seen.add((got.layer, got.expert))
-                    assert _expert_bytes_ok(store, got.layer, got.expert, got.slot), (rounds, got)
-                    store.release(session, [got.slot])  # the worker copied it
+                    assert _expert_bytes_ok(store, got.layer, got.expert, got.staging_slot), (rounds, got)
+                    store.release(session, [got.staging_slot])  # the worker copied it
                 assert len(seen) == E
             store.end_pass(session, np.zeros((ENGINE_SPEC["n_layer"], E), dtype=np.int64), False)
         st = store.status()
@@ -74,16 +74,16 @@ def test_an_expert_read_again_while_held_loses_no_staging_slot(tmp_path):
             (a,) = list(store.load(session, [key]))
             if order == "landing":                      # a second copy read ahead, handed back while it lands
                 assert store.prefetch(session, [key]) == 1
-                store.release(session, [a.slot])
+                store.release(session, [a.staging_slot])
                 (b,) = list(store.load(session, [key]))
-                store.release(session, [b.slot])
+                store.release(session, [b.staging_slot])
             else:
                 (b,) = list(store.load(session, [key]))     # read again while the worker holds the first copy
-                assert b.slot != a.slot
-                assert _expert_bytes_ok(store, *key, b.slot)
+                assert b.staging_slot != a.staging_slot
+                assert _expert_bytes_ok(store, *key, b.staging_slot)
                 first, second = (a, b) if order == "first" else (b, a)
-                store.release(session, [first.slot])
-                store.release(session, [second.slot])
+                store.release(session, [first.staging_slot])
+                store.release(session, [second.staging_slot])
             store.end_pass(session, np.zeros((ENGINE_SPEC["n_layer"], ENGINE_SPEC["n_expert"]), dtype=np.int64),
                            False)
             assert store.unaccounted_slots() == [], order
@@ -112,14 +112,15 @@ def test_a_cancelled_load_hands_nothing_more_and_a_failed_pass_loses_no_slot(tmp
         live[0] = False
         assert list(it) == []                       # cancelled: nothing more is handed
         with store.cv:
-            assert set(store._handed) == {first.slot}
+            assert set(store._handed) == {first.staging_slot}
         store.end_pass(session, np.zeros((L, E), dtype=np.int64), False)   # the abandoned pass's end: no release
         assert store.status()["staging_handed"] == 0 and store.status()["staging_reclaimed"] == 1
         assert store.unaccounted_slots() == []
         store.begin_pass(session)
         got = list(store.load(session, [(1, e) for e in range(store.plan.n_staging)]))
-        assert len(got) == store.plan.n_staging and all(_expert_bytes_ok(store, g.layer, g.expert, g.slot) for g in got)
-        store.release(session, [g.slot for g in got])
+        assert len(got) == store.plan.n_staging and all(_expert_bytes_ok(store, g.layer, g.expert, g.staging_slot)
+                                                        for g in got)
+        store.release(session, [g.staging_slot for g in got])
         store.end_pass(session, np.zeros((L, E), dtype=np.int64), False)
         assert store.status()["staging_reclaimed"] == 1               # a healthy pass hands every slot back itself
     finally:
@@ -150,7 +151,7 @@ def test_a_write_to_the_model_file_during_a_read_fails_the_read(tmp_path):
         with pytest.raises(BetelgeuseError, match="changed during the read"):
             list(it)
         got = list(store.load(session, [(0, 1)]))
-        assert len(got) == 1 and _expert_bytes_ok(store, 0, 1, got[0].slot)
+        assert len(got) == 1 and _expert_bytes_ok(store, 0, 1, got[0].staging_slot)
     finally:
         hold.set()
         store.close()

@@ -320,8 +320,8 @@ def test_guess_lists_are_the_general_loops(rule, monkeypatch):
             held = rng.random((D, E)) < rng.choice([0.0, 0.2, 0.5])     # flex copies of the guessed layers
             # the fast side's Marks.without keeps the ids' lists; the general side's marks are the counts less the
             # held ones (np.where, the reference)
-            unheld = [lambda m: m.without(held),
-                      lambda m: guess_mod.Marks(np.where(held, 0, m.rows), np.where(held, 0, m.top), m.n)]
+            unheld = [lambda _l, m: m.without(held),
+                      lambda _l, m: guess_mod.Marks(np.where(held, 0, m.rows), np.where(held, 0, m.top), m.n)]
             for i, gu in enumerate(gs):
                 def send(keys, _i=i):
                     sent[_i].append(list(keys))
@@ -346,7 +346,7 @@ def test_guess_lists_are_the_general_loops(rule, monkeypatch):
             used = disk[rng.random(len(disk)) < 0.5]
             ahead = int(rng.integers(0, len(used) + 1))
             for i, gu in enumerate(gs):
-                gu.check(l, used, ahead, stats[i])
+                gu.check(l, used.tolist(), ahead, stats[i])     # Python ints, as MoEStep's callers pass
             seen["sent", bool(sent[0])] += 1
         for a, b in zip(tables(gs[0]), tables(gs[1])):
             assert np.array_equal(a, b, equal_nan=True), p

@@ -343,9 +343,9 @@ def test_take_grows_where_grow_would_under_random_holds():
                 continue
             else:
                 s = next(iter(lru))
-                f._forget(s)
+                f._set(s, None)                   # the eviction's forget, then the fill: two steps (take: one)
                 f.stats.evictions += 1
-            f._assign(layer, e, s)
+            f._set(s, (layer, e))
             out.append(s)
         return out
 
@@ -366,7 +366,24 @@ def test_take_grows_where_grow_would_under_random_holds():
             [None if c is None else c.numel() for c in ref.chunks]
         assert (f.where == ref.where).all() and list(f.lru) == list(ref.lru)
         _slot_lists_follow_the_chunks(f)
+        _maps_agree(f, ref)
     assert grows > 5 and f.stats.evictions > 50, (grows, f.stats)
+
+
+def _maps_agree(f, ref):
+    """Every map of the copies says the same (FlexCache._set: an eviction's forget and its fill in one call,
+    cpu-host62):
+    a slot's owner has `where` at that slot and a place in `copies` and the LRU, an empty slot neither; no other
+    `where` entry, copy or LRU key; the at-hand log holds every (layer, expert) whose `where` changed since it was
+    taken, as the reference's two-step eviction logs them; each eviction counted a forget. Fails where _set leaves the
+    evicted copy's where / copies (checked), or logs or counts one side only."""
+    held = {s: o for s, o in enumerate(f._owner) if o is not None}
+    assert set(f.lru) == set(held), (sorted(f.lru), sorted(held))
+    for s, (l, e) in held.items():
+        assert f.where[l, e] == s and e in f.copies[l], (s, l, e)
+    assert int((f.where >= 0).sum()) == len(held) == sum(len(c) for c in f.copies)
+    assert f.changed == ref.changed and f.logged == ref.logged and f.forgets == ref.forgets
+    assert f.stats == ref.stats
 
 
 def _slot_lists_follow_the_chunks(f):

@@ -34,9 +34,9 @@ class MethodCounter(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInte
     def watch(self, client):
         send = client._send
 
-        def counted(kind, req, **kw):
+        def counted(kind, *a, **kw):
             self.sent[self.STREAMED[kind]] += 1
-            return send(kind, req, **kw)
+            return send(kind, *a, **kw)
         client._send = counted
 
     def intercept_unary_unary(self, continuation, details, request):

@@ -83,11 +83,11 @@ def test_overlapping_loads_get_their_own_experts(model, tmp_path, transport):
         queued = c.prefetch_start(disk[1][n:n + 1])                 # answered between the loads' experts
         got_a, got_b = [next(a)], []
         got_b += list(b)                                          # b's experts read while a's keep coming
-        c.release([got_b[0].slot])                                # back mid-way, in order with the next load
+        c.release([got_b[0].staging_slot])                                # back mid-way, in order with the next load
         got_a += list(a)
         assert sorted((x.layer, x.expert) for x in got_a) == sorted(a_keys), got_a
         assert sorted((x.layer, x.expert) for x in got_b) == sorted(b_keys), got_b
-        slots = [x.slot for x in got_a + got_b]
+        slots = [x.staging_slot for x in got_a + got_b]
         assert len(set(slots)) == len(slots), slots               # no slot handed twice
         assert queued() == 1                                      # the read ahead started
         # a load abandoned half-way: stopped at the store; what comes next on the stream is the next load's only
@@ -98,7 +98,7 @@ def test_overlapping_loads_get_their_own_experts(model, tmp_path, transport):
         again = list(c.load(disk[1][n:n + 2]))      # the one read ahead is staged: answered by the store's reader
         assert sorted((x.layer, x.expert) for x in again) == disk[1][n:n + 2], again
         assert any(x.prefetched for x in again), again
-        held = [x.slot for x in got_a + got_b[1:] + again] + [first.slot]
+        held = [x.staging_slot for x in got_a + got_b[1:] + again] + [first.staging_slot]
         c.end_pass(np.zeros((L, E), dtype=np.int64), False, held)
         c.begin_pass(False)                                       # the slots the abandoned load left are taken back
         c.end_pass(np.zeros((L, E), dtype=np.int64), False)
@@ -140,7 +140,8 @@ def test_a_load_dropped_before_its_end_is_cancelled_at_the_store(model, tmp_path
         assert cancels == [rid] and rid not in s._box
         again = list(c.load(disk[1][:2]))
         assert sorted((x.layer, x.expert) for x in again) == disk[1][:2], again
-        c.end_pass(np.zeros((L, E), dtype=np.int64), False, [x.slot for x in got + again] + [first.slot])
+        c.end_pass(np.zeros((L, E), dtype=np.int64), False,
+                   [x.staging_slot for x in got + again] + [first.staging_slot])
         c.begin_pass(False)                                   # the slots the dropped load left are taken back
         c.end_pass(np.zeros((L, E), dtype=np.int64), False)
         assert c.status()["staging_handed"] == 0
@@ -176,7 +177,7 @@ def test_store_killed_mid_load_raises_the_workers_error(model, tmp_path, transpo
         assert isinstance(e, StoreUnavailableError), out
         assert str(e).startswith("expert store unavailable (UNAVAILABLE)"), str(e)
         with pytest.raises(StoreUnavailableError, match=r"^expert store unavailable \(UNAVAILABLE\)"):
-            c.release([x.slot for x in held])
+            c.release([x.staging_slot for x in held])
             c.begin_pass(False)
     finally:
         store.close()
@@ -237,6 +238,32 @@ def test_a_stream_whose_store_died_is_not_alive(model, tmp_path, transport):
         store.close()
 
 
+def test_a_datagram_over_the_receivers_buffer_is_refused_not_cut(monkeypatch):
+    """session_seq.receiver reads each datagram whole (recv_into with MSG_TRUNC: its length even where longer than the
+    buffer, cpu-host62): one of MAX_BYTES is a message, one byte more raises MessageTooBig rather than parsing the
+    first MAX_BYTES; the peer's close ends it. Fails where the length is taken from what fit (checked: a truncated
+    read without the flag yields the cut bytes)."""
+    import socket
+
+    from services.grpc import session_seq
+    monkeypatch.setattr(session_seq, "MAX_BYTES", 64)
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        got = session_seq.receiver(b, bytes)
+        a.send(b"x" * 64)
+        assert next(got) == b"x" * 64
+        a.send(b"y" * 65)
+        with pytest.raises(session_seq.MessageTooBig, match="over 64 bytes arrived truncated"):
+            next(got)
+        got = session_seq.receiver(b, bytes)
+        a.send(b"z")
+        a.close()
+        assert list(got) == [b"z"]
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_seqpacket_message_over_the_limit_is_refused_and_the_stream_goes_on(model, tmp_path):
     from services.grpc.session_seq import MessageTooBig
     from services.grpc.store_client import _load_request
@@ -252,7 +279,7 @@ def test_a_seqpacket_message_over_the_limit_is_refused_and_the_stream_goes_on(mo
         assert c._stream is s and s.alive()
         got = list(c.load(disk[0][:2]))                             # the stream goes on, answers routed as before
         assert sorted((x.layer, x.expert) for x in got) == disk[0][:2]
-        c.end_pass(np.zeros((L, E), dtype=np.int64), False, [x.slot for x in got])
+        c.end_pass(np.zeros((L, E), dtype=np.int64), False, [x.staging_slot for x in got])
         assert c.status()["staging_handed"] == 0
         # the largest real message: a load of every expert of a 61-layer, 384-expert model in one request
         every = [(l, e) for l in range(61) for e in range(384)]
