@@ -94,7 +94,7 @@ def pack_pool(pool: torch.Tensor, n_slots: int, slot: int, starts: list[int], wh
     for s in range(n_slots) if which is None else which:
         for p, (rows, K) in enumerate(((F, H), (F, H), (H, F))):
             at, n = s * slot + starts[p], rows * (K // QK * BS)
-            out[at:at + n] = q8_pack.pack_q8_0(pool[at:at + n], rows, K)
+            out[at:at + n] = q8_pack.pack(pool[at:at + n], rows, K)
     return out
 
 

@@ -46,7 +46,7 @@ def _snap(L: int, E: int, vram: dict[int, int]) -> np.ndarray:
 def test_packed_vram_slots_hold_each_experts_file_bytes_in_the_packed_layout(tmp_path):
     """Layers 0 and 2 packed, layer 1 not; VRAM slots filled from host slots (sync_vram) and from staging slots
     (fill_vram), then evictions and re-fills into the freed slots: after each round every VRAM expert's parts,
-    unpacked (q8_pack.unpack_q8_0) in a packed layer and as they are in the other, equal the file's bytes (gguf-py),
+    unpacked (q8_pack.unpack) in a packed layer and as they are in the other, equal the file's bytes (gguf-py),
     a packed slot's differ from them (repacked in place), its base offset has bit 0 set (host table and device
     table alike), an unpacked one's not; host slots keep GGUF order. Fails without the repack (_own), with the repack
     from the slot itself instead of the scratch (the gather reads bytes it already overwrote), or with the flag
@@ -100,7 +100,7 @@ def test_packed_vram_slots_hold_each_experts_file_bytes_in_the_packed_layout(tmp
                         want = ref[l, k][e].reshape(-1)
                         if packed[l]:
                             assert not np.array_equal(got, want), (l, e, k)     # repacked in place
-                            got = q8_pack.unpack_q8_0(got, *m.shape)
+                            got = q8_pack.unpack(got, *m.shape)
                         assert np.array_equal(got, want), (l, e, k, m.shape)
                     h = vram[e]
                     if h >= 0:                      # the host slot stays GGUF
