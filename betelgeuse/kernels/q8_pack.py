@@ -45,6 +45,7 @@ HDR_B = TR * 16             # ... a tile's super-block: its headers' bytes (the 
 SB_B = TR * SB_BYTES        # ... and all of it
 TYPES = {0: (64, 32, BLK), 5: (SB, SB, SB_BYTES)}   # kernel type code (gluon_mmq.TYPES) -> (K multiple, weights and
 #                                                     bytes of a block): the types with a packed layout
+GGML = {8: 0, 12: 5}        # their GGML types (Q8_0, Q4_K) -> type code (triton_quants.QT_CODES' values)
 
 
 def usable(rows: int, K: int, qt: int = 0) -> bool:

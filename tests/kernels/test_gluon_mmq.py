@@ -180,6 +180,8 @@ def test_gl_applies_exactly_to_the_shipped_bf16_schedules(monkeypatch):
         assert gm.usable(0, {**c, "PK": 1}, 2, cuda)                     # PK: Q8_0 with its loads carried (GP)
         assert not gm.usable(0, {**c, "PK": 1, "GP": 0}, 2, cuda)
         assert not gm.usable(4, {**mq.config(4, b, bf=True), "GL": 1, "GP": 1, "PK": 1}, 2, cuda)
+        for pk in (1, 2):                                                # Q4_K: its one form (GP 0) reads q8_pack's
+            assert gm.usable(5, {**mq.config(5, b, bf=True), "PK": pk}, 2, cuda)    # Q4_K layout (cpu-packk62)
         assert not gm.usable(6, {**mq.config(6, b, bf=True), "GL": 1}, 2, cuda)       # Q5_K: no Gluon form
         assert not gm.usable(0, {**c, "BN": 128, "num_warps": 8}, 2, cuda)
         assert not gm.usable(0, c, 1, cuda)
