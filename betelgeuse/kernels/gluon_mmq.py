@@ -573,7 +573,8 @@ if HAVE_GLUON:
             LZ: gl.constexpr = QZ2
         if PK:                                      # super-block kb0 // 8 of the tile, its group (kb0 // 2) % 4
             m = gl.arange(0, 32, layout=gl.SliceLayout(0, LZ))
-            p = (pool + ra + ((kb0 >> 3) * 9216 + ((kb0 >> 1) & 3) * 2048)).to(gl.pointer_type(gl.uint16))
+            a = gl.multiple_of(ra + ((kb0 >> 3) * 9216 + ((kb0 >> 1) & 3) * 2048), 16)     # (on the add: a hint
+            p = (pool + a).to(gl.pointer_type(gl.uint16))       # on _half_rows' layout convert goes if it folds)
             z = gl.load(p[:, None] + m[None, :], mask=gl.broadcast(mn[:, None], m[None, :])[0], other=0)
             z = gl.permute(gl.reshape(z, [R // 16, 8, 4, 2, 4]), [0, 3, 1, 4, 2])   # [n // 16, h, n % 8, j, b]
             q = gl.convert_layout(gl.reshape(z, [R, 16]), LQ)                       # [R, 16]: pair p = 4 j + b
@@ -617,8 +618,8 @@ if HAVE_GLUON:
         gl.static_assert(KB == 2)
         acc = gl.zeros([BN, BM], gl.float32, ACC)
         z = gl.zeros([BN, KB * BM], gl.float32, MMA)
-        if PK:                                      # the pieces' rows, once a part (_half_rows; 16-byte aligned)
-            ra = gl.multiple_of(_half_rows(ra), 16)
+        if PK:                                      # the pieces' rows, once a part (_half_rows)
+            ra = _half_rows(ra)
             mn = _half_rows(mn)
         wb, w0, c0, n0, c1, n1, s0, s1, x = _fetch_k(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, b0, KB, PK)
         for kb0 in range(b0, b1, KB):

@@ -169,7 +169,8 @@ def test_q4_k_pk_pairs_reach_ql_in_the_gguf_pair_order():
     src = inspect.getsource(gm._fetch_k.fn if hasattr(gm._fetch_k, "fn") else gm._fetch_k)
     for line in ("z = gl.permute(gl.reshape(z, [R // 16, 8, 4, 2, 4]), [0, 3, 1, 4, 2])",
                  "q = gl.convert_layout(gl.reshape(z, [R, 16]), LQ)",
-                 "p = (pool + ra + ((kb0 >> 3) * 9216 + ((kb0 >> 1) & 3) * 2048)).to(gl.pointer_type(gl.uint16))"):
+                 "a = gl.multiple_of(ra + ((kb0 >> 3) * 9216 + ((kb0 >> 1) & 3) * 2048), 16)",
+                 "p = (pool + a).to(gl.pointer_type(gl.uint16))"):
         assert line in src, line
     for R, rows in ((64, 64), (128, 128)):              # 128: two tiles as FUSE's gate / up rows
         K = 512
