@@ -35,7 +35,11 @@ so the same bits on the GPU (deploy/device/check_gluon_mmq.py checks torch.equal
     bits as PK 0 on the GGUF bytes (cpu-pack62). A schedule key; the caller packs the pool. PK 2 (engine.pack_experts,
     cpu-vram62): per expert, bit 0 of its base offset (a packed VRAM slot's: ExpertCache._own) picks the packed or the
     GGUF body once a program (_pk_of; both compiled into the kernel), so one launch reads VRAM experts packed beside
-    host, flex and ring experts in GGUF order.
+    host, flex and ring experts in GGUF order. Q4_K (its one form, GP 0; cpu-packk62) reads q8_pack's Q4_K layout
+    under PK 1 / 2 alike: a thread's byte pairs of a 64-row tile and step (rows t / 4 and + 8, QL's) are 16 contiguous
+    bytes (one 128-bit load where GGUF order takes 8 16-bit loads; a warp load 512 contiguous bytes), moved to QL by
+    register moves, and a row's header 16 bytes of one contiguous 1 KiB a super-block; the decode, MMA and float ops
+    are the shipped form's.
 The schedule key GL (triton_mmq.CONFIG, 0 by default) asks for it; triton_mmq._launch takes it where `usable` says so
 (CUDA sm_90, Gluon importable, Q8_0, MXFP4 or Q4_K at these constants, aligned parts), else the Triton kernel runs
 (CPU, the interpreter: Gluon has no interpreter). Compiles on Triton 3.6 (the device's) and 3.9: the one API

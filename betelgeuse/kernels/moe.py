@@ -181,7 +181,8 @@ class MoEKernels:
             return layers
         mixed = [(l, k) for l, k in enumerate(kinds) if layers[l] and not k <= q8_pack.GGML.keys()]
         if mixed:
-            raise ValueError(f"layer {mixed[0][0]} mixes Q8_0 / Q4_K expert parts with other types {sorted(mixed[0][1])}"
+            l, k = mixed[0]
+            raise ValueError(f"layer {l} mixes Q8_0 / Q4_K expert parts with other types (its types {sorted(k)})"
                              " (the packed flag is an expert's: every part of a packed layer must have a packed form)")
         bad = next(((l, m.qtype, m.shape) for l in np.nonzero(layers)[0] for ps in parts[l] for m in ps
                     if not q8_pack.usable(*m.shape, q8_pack.GGML[int(m.qtype)])), None)

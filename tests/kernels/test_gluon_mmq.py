@@ -135,8 +135,8 @@ def test_gluon_compiles_to_the_bf16_mma_with_the_weights_in_registers():
             assert r["fops"].keys() == want.keys() and all(want[k] <= v <= 2 * want[k] for k, v in r["fops"].items()), r
             # the shipped form's CTAs a SM: Q8_0's 3 (its 165 / 127 on 3.9); Q4_K's launch's (registers by the
             # register file alone: 65,536 a SM, allocated 256 a warp, 4 warps a CTA)
-            ctas = [65536 // (-(-g * 32 // 256) * 256 * 4) for g in (r["regs"], shipped.get((5, r["kernel"], r["bucket"])))
-                    if g]
+            ctas = [65536 // (-(-g * 32 // 256) * 256 * 4)
+                    for g in (r["regs"], shipped.get((5, r["kernel"], r["bucket"]))) if g]
             assert r["regs"] <= 168 if r["qt"] == 0 else ctas[0] >= ctas[1], r
             assert sorted(map(sorted, (d.items() for d in r["loops"]))) == sorted(map(sorted, (d.items() for d in (
                 gguf, packed)))), r

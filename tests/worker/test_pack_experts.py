@@ -138,7 +138,7 @@ def test_pack_check_refuses_what_another_kernel_would_read():
 
     none = kern().pack_check(_parts(sq, [(1, 1, 1), (14, 14, 14)]), 4096, torch.device("cpu"))   # F16, Q6_K
     assert none.tolist() == [False, False]
-    with pytest.raises(ValueError, match="layer 1 mixes Q8_0 / Q4_K .* other types \\[8, 14\\]"):
+    with pytest.raises(ValueError, match="layer 1 mixes Q8_0 / Q4_K .*its types \\[8, 14\\]"):
         kern().pack_check(_parts(sq, [(8, 8, 8), (8, 8, 14)]), 4096, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"type 8 and shape \(96, 64\).*multiple of 64"):
         kern().pack_check(_parts([(96, 64), (96, 64), (64, 96)], [(8, 8, 8)] * 2), 4096, torch.device("cpu"))
