@@ -577,8 +577,9 @@ if HAVE_GLUON:
             LZ: gl.constexpr = QZ2
         if PK:                                      # super-block kb0 // 8 of the tile, its group (kb0 // 2) % 4
             m = gl.arange(0, 32, layout=gl.SliceLayout(0, LZ))
-            a = gl.multiple_of(ra + ((kb0 >> 3) * 9216 + ((kb0 >> 1) & 3) * 2048), 16)     # (on the add: a hint
-            p = (pool + a).to(gl.pointer_type(gl.uint16))       # on _half_rows' layout convert goes if it folds)
+            # the 16-byte hint on the add: Triton 3.6 loses one on _half_rows' convert (it folds), then loads 16 bits
+            a = gl.multiple_of(ra + ((kb0 >> 3) * 9216 + ((kb0 >> 1) & 3) * 2048), 16)
+            p = (pool + a).to(gl.pointer_type(gl.uint16))
             z = gl.load(p[:, None] + m[None, :], mask=gl.broadcast(mn[:, None], m[None, :])[0], other=0)
             z = gl.permute(gl.reshape(z, [R // 16, 8, 4, 2, 4]), [0, 3, 1, 4, 2])   # [n // 16, h, n % 8, j, b]
             q = gl.convert_layout(gl.reshape(z, [R, 16]), LQ)                       # [R, 16]: pair p = 4 j + b
