@@ -35,7 +35,11 @@ so the same bits on the GPU (deploy/device/check_gluon_mmq.py checks torch.equal
     bits as PK 0 on the GGUF bytes (cpu-pack62). A schedule key; the caller packs the pool. PK 2 (engine.pack_experts,
     cpu-vram62): per expert, bit 0 of its base offset (a packed VRAM slot's: ExpertCache._own) picks the packed or the
     GGUF body once a program (_pk_of; both compiled into the kernel), so one launch reads VRAM experts packed beside
-    host, flex and ring experts in GGUF order.
+    host, flex and ring experts in GGUF order. Q4_K (its one form, GP 0; cpu-packk62) reads q8_pack's Q4_K layout
+    under PK 1 / 2 alike: a thread's byte pairs of a 64-row tile and step (rows t / 4 and + 8, QL's) are 16 contiguous
+    bytes (one 128-bit load where GGUF order takes 8 16-bit loads; a warp load 512 contiguous bytes), moved to QL by
+    register moves, and a row's header 16 bytes of one contiguous 1 KiB a super-block; the decode, MMA and float ops
+    are the shipped form's.
 The schedule key GL (triton_mmq.CONFIG, 0 by default) asks for it; triton_mmq._launch takes it where `usable` says so
 (CUDA sm_90, Gluon importable, Q8_0, MXFP4 or Q4_K at these constants, aligned parts), else the Triton kernel runs
 (CPU, the interpreter: Gluon has no interpreter). Compiles on Triton 3.6 (the device's) and 3.9: the one API
@@ -72,11 +76,11 @@ def usable(qt: int, c: dict, kb: int, device, aligned: bool = True) -> bool:
     """Whether a bf16 MMA launch of type qt with config c (KB kb as launched) can run here: Gluon imports, a CUDA
     device of capability 9.x (wgmma), not the interpreter, a type of TYPES at SHAPE's constants (FUSE either way:
     gate_up's fused form is here too; a schedule key, the same bits), parts 16-byte aligned (`aligned`, as
-    triton_mmq.gate_up's: the weights are read in 2-, 4- and 16-byte words); PK 1 (the weights packed: q8_pack)
-    Q8_0 with GP >= 1 only."""
+    triton_mmq.gate_up's: the weights are read in 2-, 4- and 16-byte words); PK (the weights packed: q8_pack)
+    Q8_0 with GP >= 1, or Q4_K, only."""
     if not HAVE_GLUON or qt not in TYPES or getattr(device, "type", "") != "cuda" or not aligned:
         return False
-    if c.get("PK") and (qt != 0 or not c.get("GP")):
+    if c.get("PK") and not (qt == 0 and c.get("GP") or qt == 5):
         return False
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         return False
@@ -117,6 +121,15 @@ if HAVE_GLUON:
     HL2 = gl.constexpr(gl.DistributedLinearLayout([[0, 1], [0, 2], [8, 0], [64, 0]],
                                                   [[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]], [[16, 0], [32, 0]], [],
                                                   [128, 4]))
+    # PK's Q4_K pairs [R / 2, 32] uint16 as loaded (q8_pack's layout): row q = 8 (n // 16) + n % 8 holds the pieces
+    # of rows n and n + 8, column m = 8 b + 4 h + j their pair b + 4 j of row n + 8 h; thread t holds m = 8 (t % 4)
+    # .. + 7 (16 contiguous bytes: one 128-bit load) of q = t / 4 of its warp's 8 -- QL's pairs of the same rows;
+    # R 128: q + 32 (rows + 64) in registers
+    QZ = gl.constexpr(gl.DistributedLinearLayout([[0, 1], [0, 2], [0, 4]], [[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+                                                 [[8, 0], [16, 0]], [], [32, 32]))
+    QZ2 = gl.constexpr(gl.DistributedLinearLayout([[0, 1], [0, 2], [0, 4], [32, 0]],
+                                                  [[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]], [[8, 0], [16, 0]], [],
+                                                  [64, 32]))
 
     @gluon.jit
     def _add(a, b):
@@ -165,16 +178,22 @@ if HAVE_GLUON:
         return r
 
     @gluon.jit
-    def _pk_rows(r, n, row_bytes, SC: gl.constexpr):
-        """PK 1: _part_rows' GGUF row addresses r [R] of part rows n (same layout) -> q8_pack's, in the K step 0 of
-        the row's 64-row tile (tile-major: the tile's bytes where GGUF had them): the row's quant words (SC False:
-        16-byte aligned) or its scale word (SC True)."""
+    def _pk_rows(r, n, row_bytes, SC: gl.constexpr, QT: gl.constexpr):
+        """PK: _part_rows' GGUF row addresses r [R] of part rows n (same layout) -> q8_pack's, in the K step (Q4_K:
+        super-block) 0 of the row's 64-row tile (tile-major: the tile's bytes where GGUF had them). Q8_0: the row's
+        quant words (SC False: 16-byte aligned) or its scale word (SC True); Q4_K: its header (SC True) or its
+        half-warp's 16-byte pieces of group 0 (SC False: rows n and n + 8 alike, the half h a piece's 8 bytes)."""
         i = n % 64
-        if SC:
+        if QT == 5:
+            if SC:
+                o = 16 * i
+            else:
+                o = 1024 + 512 * (i // 16) + 64 * (i % 8)
+        elif SC:
             o = 4096 + 4 * i
         else:
             o = 1024 * (i // 16) + 512 * ((i // 8) % 2) + 64 * (i % 8)
-        return gl.multiple_of(r + (o - i * row_bytes).to(gl.int64), 4 if SC else 16)
+        return gl.multiple_of(r + (o - i * row_bytes).to(gl.int64), 4 if SC and QT == 0 else 16)
 
     @gluon.jit
     def _perm(p):
@@ -525,29 +544,57 @@ if HAVE_GLUON:
         return gl.reshape(gl.join(lo, hi), [R, 32])
 
     @gluon.jit
-    def _fetch_k(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, kb0, KB: gl.constexpr):
+    def _half_rows(v):
+        """PK (Q4_K): [R] values of rows n (SliceLayout(1, AL)) -> [R / 2] those of rows n // 8 even (QZ's rows q =
+        8 (n // 16) + n % 8) in QZ's row slice: the packed pieces' addresses and masks, rows n and n + 8 alike."""
+        R: gl.constexpr = v.shape[0]
+        h0, h1 = gl.split(gl.permute(gl.reshape(v, [R // 16, 2, 8]), [0, 2, 1]))
+        if R == 64:
+            LZ: gl.constexpr = QZ
+        else:
+            LZ: gl.constexpr = QZ2
+        return gl.convert_layout(gl.reshape(h0, [R // 2]), gl.SliceLayout(1, LZ))
+
+    @gluon.jit
+    def _fetch_k(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, kb0, KB: gl.constexpr, PK: gl.constexpr):
         """Q4_K's K step kb0, kb0 + 1 (kb0 even: sub-blocks j = kb0 % 8 and j + 1 of super-block kb0 // 8, the low and
         the high nibbles of ONE 32-byte group, (kb0 % 8) // 2): (the weights [R, 64] bf16 in AL of rows ra (mask mn):
         column c = nibble c // 32 of byte 16 + 32 group + c % 32 -- triton_mmq._w_tile's values in its order, each
         byte pair loaded once (QL) for both blocks (_nibs_bf16); the header's word 0 (f16 d | f16 dmin) and both
         blocks' 6-bit sc, m [R] int32 (rows rc, mask mc, ACC's rows; the header one 16-byte load a row, HL); the x
-        block sums [BM] of both (at element offsets so, mask sm); the B tile as _fetch's (no _perm))."""
-        R: gl.constexpr = ra.shape[0]
+        block sums [BM] of both (at element offsets so, mask sm); the B tile as _fetch's (no _perm)). PK (q8_pack's
+        layout): ra / mn are _half_rows' [R / 2] of the rows' _pk_rows pieces, the pairs loaded as QZ's [R / 2, 32]
+        (128-bit loads) and moved to QL's [R, 16] (register moves: the same pairs in the same threads); rc the rows'
+        headers."""
+        R: gl.constexpr = rc.shape[0]
         if R == 64:
             LQ: gl.constexpr = QL
             LH: gl.constexpr = HL
+            LZ: gl.constexpr = QZ
         else:
             LQ: gl.constexpr = QL2
             LH: gl.constexpr = HL2
-        c = gl.arange(0, 16, layout=gl.SliceLayout(0, LQ))
-        rq = gl.convert_layout(ra + ((kb0 >> 3) * 144 + 16 + ((kb0 >> 1) & 3) * 32), gl.SliceLayout(1, LQ))
-        p = (pool + rq).to(gl.pointer_type(gl.uint16))[:, None] + c[None, :]       # a row's base, then pairs
-        mq = gl.convert_layout(mn, gl.SliceLayout(1, LQ))
-        q = gl.load(p, mask=gl.broadcast(mq[:, None], p)[0], other=0)             # [R, 16] uint16
+            LZ: gl.constexpr = QZ2
+        if PK:                                      # super-block kb0 // 8 of the tile, its group (kb0 // 2) % 4
+            m = gl.arange(0, 32, layout=gl.SliceLayout(0, LZ))
+            # the 16-byte hint on the add: Triton 3.6 loses one on _half_rows' convert (it folds), then loads 16 bits
+            a = gl.multiple_of(ra + ((kb0 >> 3) * 9216 + ((kb0 >> 1) & 3) * 2048), 16)
+            p = (pool + a).to(gl.pointer_type(gl.uint16))
+            z = gl.load(p[:, None] + m[None, :], mask=gl.broadcast(mn[:, None], m[None, :])[0], other=0)
+            z = gl.permute(gl.reshape(z, [R // 16, 8, 4, 2, 4]), [0, 3, 1, 4, 2])   # [n // 16, h, n % 8, j, b]
+            q = gl.convert_layout(gl.reshape(z, [R, 16]), LQ)                       # [R, 16]: pair p = 4 j + b
+            hb = (kb0 >> 3) * 9216
+        else:
+            c = gl.arange(0, 16, layout=gl.SliceLayout(0, LQ))
+            rq = gl.convert_layout(ra + ((kb0 >> 3) * 144 + 16 + ((kb0 >> 1) & 3) * 32), gl.SliceLayout(1, LQ))
+            p = (pool + rq).to(gl.pointer_type(gl.uint16))[:, None] + c[None, :]       # a row's base, then pairs
+            mq = gl.convert_layout(mn, gl.SliceLayout(1, LQ))
+            q = gl.load(p, mask=gl.broadcast(mq[:, None], p)[0], other=0)             # [R, 16] uint16
+            hb = (kb0 >> 3) * 144
         lo, hi = _nibs_bf16(q)
         w = gl.reshape(gl.permute(gl.join(_bf16x2(lo, R), _bf16x2(hi, R)), [0, 2, 1]), [R, KB * 32])
         wb = gl.convert_layout(w, AL)               # column 32 i + e: block i (a register permutation: no data moves)
-        hp = (pool + gl.convert_layout(rc + (kb0 >> 3) * 144, gl.SliceLayout(1, LH))).to(gl.pointer_type(gl.int32))
+        hp = (pool + gl.convert_layout(rc + hb, gl.SliceLayout(1, LH))).to(gl.pointer_type(gl.int32))
         hm = gl.convert_layout(mc, gl.SliceLayout(1, LH))
         hw = gl.arange(0, 4, layout=gl.SliceLayout(0, LH))
         hdr = gl.load(hp[:, None] + hw[None, :], mask=gl.broadcast(hm[:, None], hw[None, :])[0], other=0)   # [R, 4]
@@ -568,18 +615,22 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _acc_part_k(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, b0, b1, BN: gl.constexpr, BM: gl.constexpr,
-                    KB: gl.constexpr):
+                    KB: gl.constexpr, PK: gl.constexpr):
         """_acc_part of Q4_K: per block, acc + fma(dot, d sc, -(dmin m * sx)) in ascending order (triton_mmq's K-quant
         float ops, d sc and dmin m each a float32 product as _wl_step's; sx: the x block sums, so / sm their offsets
-        [BM] and mask in ACC's columns)."""
+        [BM] and mask in ACC's columns). PK (a schedule key): the weights in q8_pack's layout (ra / rc: _pk_rows'
+        addresses; the loads alone differ, _fetch_k)."""
         gl.static_assert(KB == 2)
         acc = gl.zeros([BN, BM], gl.float32, ACC)
         z = gl.zeros([BN, KB * BM], gl.float32, MMA)
-        wb, w0, c0, n0, c1, n1, s0, s1, x = _fetch_k(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, b0, KB)
+        if PK:                                      # the pieces' rows, once a part (_half_rows)
+            ra = _half_rows(ra)
+            mn = _half_rows(mn)
+        wb, w0, c0, n0, c1, n1, s0, s1, x = _fetch_k(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, b0, KB, PK)
         for kb0 in range(b0, b1, KB):
             more = kb0 + KB < b1
             wb2, v0, e0, f0, e1, f1, t0, t1, x2 = _fetch_k(pool, ra, mn & more, rc, mc & more, xq_ptr, jo, jm & more,
-                                                           xs_ptr, so, sm & more, kb0 + KB, KB)
+                                                           xs_ptr, so, sm & more, kb0 + KB, KB, PK)
             xs = gl.allocate_shared_memory(gl.bfloat16, [KB * 32, KB * BM], SH, x)
             hopper.fence_async_shared()
             dot = hopper.warpgroup_mma(wb, xs, z, use_acc=False, is_async=True)
@@ -603,7 +654,7 @@ if HAVE_GLUON:
                  BM: gl.constexpr, KB: gl.constexpr, GP: gl.constexpr, PK: gl.constexpr):
         """The partial [BN, BM] of type QT: _acc_part_k (Q4_K) or _acc_part."""
         if QT == 5:
-            r = _acc_part_k(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, b0, b1, BN, BM, KB)
+            r = _acc_part_k(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, b0, b1, BN, BM, KB, PK)
         else:
             r = _acc_part(pool, ra, mn, rc, mc, xq_ptr, jo, jm, b0, b1, QT, BN, BM, KB, GP, PK)
         return r
@@ -670,8 +721,8 @@ if HAVE_GLUON:
                 ra = gl.multiple_of(ra, RA)
                 rc = gl.multiple_of(rc, RA)
             if PK:                  # the weights packed (q8_pack): the rows' addresses in their tiles
-                ra = _pk_rows(ra, na, row_bytes, False)
-                rc = _pk_rows(rc, n2, row_bytes, True)
+                ra = _pk_rows(ra, na, row_bytes, False, QT)
+                rc = _pk_rows(rc, n2, row_bytes, True, QT)
             tot = gl.zeros([2 * BN, BM], gl.float32, ACC)
             if SPLIT:
                 pc = gl.program_id(2)
@@ -699,10 +750,10 @@ if HAVE_GLUON:
             gc = _part_rows(base, starts_ptr, e, 0, nc, row_bytes, ALIGNED, RA)
             uc = _part_rows(base, starts_ptr, e, 1, nc, row_bytes, ALIGNED, RA)
             if PK:
-                ga = _pk_rows(ga, na, row_bytes, False)
-                ua = _pk_rows(ua, na, row_bytes, False)
-                gc = _pk_rows(gc, nc, row_bytes, True)
-                uc = _pk_rows(uc, nc, row_bytes, True)
+                ga = _pk_rows(ga, na, row_bytes, False, QT)
+                ua = _pk_rows(ua, na, row_bytes, False, QT)
+                gc = _pk_rows(gc, nc, row_bytes, True, QT)
+                uc = _pk_rows(uc, nc, row_bytes, True, QT)
             totg = gl.zeros([BN, BM], gl.float32, ACC)
             totu = gl.zeros([BN, BM], gl.float32, ACC)
             if SPLIT:               # this program: chunk program_id(2); the tile's last sums them in order
@@ -774,8 +825,8 @@ if HAVE_GLUON:
         da = _part_rows(base, starts_ptr, e, 2, na, row_bytes, ALIGNED, RA)
         dc = _part_rows(base, starts_ptr, e, 2, nc, row_bytes, ALIGNED, RA)
         if PK:
-            da = _pk_rows(da, na, row_bytes, False)
-            dc = _pk_rows(dc, nc, row_bytes, True)
+            da = _pk_rows(da, na, row_bytes, False, QT)
+            dc = _pk_rows(dc, nc, row_bytes, True, QT)
         NBLK = F // 32
         NCH = (NBLK + KCB - 1) // KCB
         ptr = y_ptr + flat[None, :] * H + nc[:, None]

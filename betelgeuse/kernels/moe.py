@@ -167,45 +167,51 @@ class MoEKernels:
 
     def pack_check(self, parts, slot_bytes: int, device) -> np.ndarray:
         """engine.pack_experts: the layers whose VRAM slots may hold q8_pack's layout -> [n_layer] bool (all False:
-        the model has no Q8_0 expert); raises ValueError naming why not where some Q8_0 expert launch would not be
-        gluon_mmq's PK form, the one kernel that reads packed bytes (the bits are PK 0's: cpu-pack62). parts[l][e]:
-        an expert's (gate, up, down) parts (ExpertCache.parts: .qtype, .shape (rows, K)). Every part of a packed
-        layer must be Q8_0 (the flag is an expert's: another type's kernel would read it), rows and K multiples of 64
-        (q8_pack.usable); the triton backend with act_quant bf16 or auto (Q8_0's bf16 MMA); GL 1 and GP >= 1 for
-        Q8_0 at both rows buckets (triton_mmq.BF_TUNING); and gluon_mmq.usable here (CUDA sm_90, Gluon, not the
-        interpreter, 16-byte aligned parts)."""
-        q8 = 8                                              # GGML Q8_0
-        kinds = [{m.qtype for m in parts[l][0]} for l in range(len(parts))]
-        layers = np.array([k == {q8} for k in kinds], dtype=bool)
-        if not any(q8 in k for k in kinds):
+        the model has no Q8_0 or Q4_K expert); raises ValueError naming why not where some packed expert's launch
+        would not be gluon_mmq's PK form, the one kernel that reads packed bytes (the bits are PK 0's: cpu-pack62,
+        cpu-packk62). parts[l][e]: an expert's (gate, up, down) parts (ExpertCache.parts: .qtype, .shape (rows, K)).
+        A layer with a Q8_0 or Q4_K part packs; every part of it must be one of those (the flag is an expert's:
+        another type's kernel would read it), rows and K whole tiles and steps (q8_pack.usable); the triton backend
+        with each packed type on the bf16 MMA (act_quant bf16, or auto for Q8_0: mma_qtypes); GL 1 for the type at
+        both rows buckets, and GP >= 1 for Q8_0 (triton_mmq.BF_TUNING); and gluon_mmq.usable here (CUDA sm_90,
+        Gluon, not the interpreter, 16-byte aligned parts)."""
+        kinds = [{int(m.qtype) for ps in parts[l] for m in ps} for l in range(len(parts))]
+        layers = np.array([bool(k & q8_pack.GGML.keys()) for k in kinds], dtype=bool)
+        if not layers.any():
             return layers
-        mixed = [l for l, k in enumerate(kinds) if q8 in k and k != {q8}]
+        mixed = [(l, k) for l, k in enumerate(kinds) if layers[l] and not k <= q8_pack.GGML.keys()]
         if mixed:
-            raise ValueError(f"layer {mixed[0]} mixes Q8_0 expert parts with other types (the packed flag is an "
-                             "expert's: every part of a packed layer must be Q8_0)")
-        bad = next(((l, m.shape) for l in np.nonzero(layers)[0] for ps in parts[l] for m in ps
-                    if not q8_pack.usable(*m.shape)), None)
+            l, k = mixed[0]
+            raise ValueError(f"layer {l} mixes Q8_0 / Q4_K expert parts with other types (its types {sorted(k)})"
+                             " (the packed flag is an expert's: every part of a packed layer must have a packed form)")
+        bad = next(((l, m.qtype, m.shape) for l in np.nonzero(layers)[0] for ps in parts[l] for m in ps
+                    if not q8_pack.usable(*m.shape, q8_pack.GGML[int(m.qtype)])), None)
         if bad is not None:
-            raise ValueError(f"layer {bad[0]} has a Q8_0 part of shape {bad[1]}: q8_pack needs rows and K multiples "
-                             "of 64")
-        if self.backend != "triton" or self.act_quant not in ("bf16", "auto"):
-            raise ValueError(f"Q8_0's expert launches here are not gluon_mmq's bf16 MMA (kernels: {self.backend}, "
-                             f"act_quant = {self.act_quant!r}; packing needs the triton kernels with act_quant bf16 "
-                             "or auto)")
+            raise ValueError(f"layer {bad[0]} has a part of type {bad[1]} and shape {bad[2]}: q8_pack needs rows a "
+                             "multiple of 64 and K of 64 (Q8_0) or 256 (Q4_K)")
+        used = set().union(*(kinds[l] for l in np.nonzero(layers)[0]))
+        bf = self.act_quant in ("bf16", "auto")             # q8_1 / off: no type on the bf16 MMA
+        off = sorted(used - mma_qtypes(self.act_quant).keys()) if bf else sorted(used)
+        if self.backend != "triton" or off:
+            raise ValueError(f"the packed types' expert launches here are not gluon_mmq's bf16 MMA (kernels: "
+                             f"{self.backend}, act_quant = {self.act_quant!r}, GGML types {off} off it; "
+                             "packing needs the triton kernels with act_quant bf16, or auto for Q8_0 alone)")
         from betelgeuse.kernels import gluon_mmq as gm
         mq = self._mq
         l0 = int(np.nonzero(layers)[0][0])
         H = parts[l0][0][0].shape[1]
         aligned = slot_bytes % 16 == 0 and self._aligned
-        for bucket in sorted(mq.BUCKETS):
-            c = {**mq.config(0, bucket, bf=True), "PK": 2}
-            if not c.get("GL") or not c.get("GP"):
-                raise ValueError(f"Q8_0's bf16 schedule at {bucket} rows has GL {c.get('GL')}, GP {c.get('GP')}: "
-                                 "the packed form needs GL 1 and GP >= 1")
-            for K in (H, self.F):
-                if not gm.usable(0, c, mq._chunk(c, 0, K)[0], device, aligned):
-                    raise ValueError("gluon_mmq's kernel cannot run here (it needs CUDA sm_90, Gluon, no "
-                                     f"TRITON_INTERPRET and 16-byte aligned parts; device {device}, aligned {aligned})")
+        for qt in sorted(q8_pack.GGML[t] for t in used):
+            for bucket in sorted(mq.BUCKETS):
+                c = {**mq.config(qt, bucket, bf=True), "PK": 2}
+                if not c.get("GL") or qt == 0 and not c.get("GP"):
+                    raise ValueError(f"type {qt}'s bf16 schedule at {bucket} rows has GL {c.get('GL')}, GP "
+                                     f"{c.get('GP')}: the packed form needs GL 1 (and GP >= 1 for Q8_0)")
+                for K in (H, self.F):
+                    if not gm.usable(qt, c, mq._chunk(c, qt, K)[0], device, aligned):
+                        raise ValueError("gluon_mmq's kernel cannot run here (it needs CUDA sm_90, Gluon, no "
+                                         f"TRITON_INTERPRET and 16-byte aligned parts; device {device}, aligned "
+                                         f"{aligned})")
         return layers
 
     def weight_reads(self, layer: int, rows: np.ndarray | list[int], n_rows: int) -> int:

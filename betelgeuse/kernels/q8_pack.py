@@ -1,4 +1,5 @@
-"""A Q8_0 weight matrix in the packed layout of gluon_mmq's PK 1 form (issue 23, docs/benchmarks/cpu-pack62): each
+"""A Q8_0 or Q4_K weight matrix in the packed layout of gluon_mmq's PK forms (issue 23, docs/benchmarks/cpu-pack62,
+cpu-packk62): each
 K step's bytes placed in the order the kernel's threads hold them, so a warp's weight load is 512 contiguous bytes,
 16 bytes a thread (GGUF order: 8 rows x 8 bytes a warp load, 8 sectors in 8 lines).
 
@@ -15,8 +16,20 @@ STEP_B = 4,352 bytes (64 rows x 68), tile-major ([tile][step]: a tile's bytes st
   bytes 4096 .. 4351  the scales: row i of the tile a 32-bit word, f16 d of the step's first block (low 16 bits),
                       then the second's.
 
+Q4_K (type code 5, cpu-packk62): GGUF rows of K / 256 super-blocks of 144 bytes (f16 d, f16 dmin, 12 bytes of
+6-bit scales / mins, 128 bytes of nibbles: group g = bytes 16 + 32 g .. + 31, sub-blocks 2 g (low nibbles) and 2 g + 1
+(high)). Packed: the same 64-row tiles, each K / 256 super-blocks of SB_B = 9,216 bytes (64 x 144):
+
+  bytes 0 .. 1023     the headers: row i of the tile its super-block's bytes 0 .. 15 at 16 i (one 128-bit load a
+                      row, gluon_mmq.HL's; a warp load 8 rows = 128 contiguous bytes);
+  1024 + 2048 g ..    group g (gluon_mmq's K step kb0 with (kb0 // 2) % 4 = g): [warp w 4][n8 8][lane-quad b 4][half h
+                      2][j 4][2 bytes] -- row 16 w + 8 h + n8 of the tile, byte pair p = b + 4 j (bytes 2 p, 2 p + 1
+                      of the group): lane l = 4 n8 + b's 16 bytes are the pairs gluon_mmq.QL gives thread l (rows
+                      l / 4, + 8 of its warp's 16, pairs l % 4 + 4 j), one 128-bit load; a warp load 512 contiguous
+                      bytes (GGUF order: 8 rows x 2 bytes a load instruction, 8 lines).
+
 The index is a permutation of one tile's bytes, applied to every tile: numpy indexing here, a torch gather on
-the GPU (permute_tiles)."""
+the GPU (permute_tiles). The types' tile indices differ; the tiling, the gather and usable's rule are shared."""
 
 from __future__ import annotations
 
@@ -26,17 +39,44 @@ TR = 64                     # rows a tile (gluon_mmq.SHAPE's BN)
 BLK = 34                    # bytes of a Q8_0 block of 32 weights
 STEP_B = TR * 2 * BLK       # bytes of a tile's K step (KB 2 blocks of 64 rows)
 QUANT_B = TR * 64           # ... of which the quants (the scales after them)
+SB = 256                    # Q4_K: weights of a super-block
+SB_BYTES = 144              # ... its bytes
+HDR_B = TR * 16             # ... a tile's super-block: its headers' bytes (the 4 groups of 2,048 after them)
+SB_B = TR * SB_BYTES        # ... and all of it
+TYPES = {0: (64, 32, BLK), 5: (SB, SB, SB_BYTES)}   # kernel type code (gluon_mmq.TYPES) -> (K multiple, weights and
+#                                                     bytes of a block): the types with a packed layout
+GGML = {8: 0, 12: 5}        # their GGML types (Q8_0, Q4_K) -> type code (triton_quants.QT_CODES' values)
 
 
-def usable(rows: int, K: int) -> bool:
-    """Whether a matrix of `rows` rows of K weights packs: whole tiles and whole K steps."""
-    return rows > 0 and rows % TR == 0 and K > 0 and K % 64 == 0
+def usable(rows: int, K: int, qt: int = 0) -> bool:
+    """Whether a matrix of `rows` rows of K weights of type code qt (TYPES) packs: whole tiles and whole K steps
+    (Q4_K: whole super-blocks)."""
+    return qt in TYPES and rows > 0 and rows % TR == 0 and K > 0 and K % TYPES[qt][0] == 0
 
 
-def tile_index(K: int) -> np.ndarray:
-    """int64 [TR x row_bytes]: packed tile byte i = GGUF tile byte index[i] (a permutation of one tile's bytes)."""
-    assert usable(TR, K), K
-    rb = K // 32 * BLK
+def row_bytes(K: int, qt: int = 0) -> int:
+    """Bytes of a GGUF row of K weights of type code qt."""
+    return K // TYPES[qt][1] * TYPES[qt][2]
+
+
+def _index_q4_k(K: int) -> np.ndarray:
+    """Q4_K's tile index (module doc): [K / 256 super-blocks x SB_B]."""
+    rb = row_bytes(K, 5)
+    s = np.arange(K // SB)[:, None] * SB_BYTES                          # [super-blocks, 1]: the GGUF offset in a row
+    i, by = np.ix_(range(TR), range(16))
+    hdr = (i * rb + by).reshape(1, HDR_B)
+    g, w, n8, b, h, j, by2 = np.ix_(range(4), range(4), range(8), range(4), range(2), range(4), range(2))
+    q = ((16 * w + 8 * h + n8) * rb + 16 + 32 * g + 2 * (b + 4 * j) + by2).reshape(1, SB_B - HDR_B)
+    return np.concatenate([hdr + s, q + s], axis=1).reshape(-1)
+
+
+def tile_index(K: int, qt: int = 0) -> np.ndarray:
+    """int64 [TR x row_bytes]: packed tile byte i = GGUF tile byte index[i] (a permutation of one tile's bytes) of
+    type code qt."""
+    assert usable(TR, K, qt), (K, qt)
+    if qt == 5:
+        return _index_q4_k(K)
+    rb = row_bytes(K)
     s = np.arange(K // 64)[:, None]                                     # [steps, 1]
     w, h, n8, b, a, by = np.ix_(range(4), range(2), range(8), range(4), range(4), range(4))
     p = 8 * a + b + 4 * (by // 2)                                       # the pair a byte belongs to
@@ -57,19 +97,19 @@ def permute_tiles(a, index: np.ndarray):
     return a.reshape(-1, n)[:, index].reshape(-1)
 
 
-def _bytes(data, rows: int, K: int):
+def _bytes(data, rows: int, K: int, qt: int):
     a = np.frombuffer(data, dtype=np.uint8) if isinstance(data, (bytes, bytearray, memoryview)) else data
-    assert usable(rows, K) and str(a.dtype) in ("uint8", "torch.uint8"), (rows, K, a.dtype)
-    assert a.reshape(-1).shape[0] == rows * K // 32 * BLK, (rows, K, a.shape)
+    assert usable(rows, K, qt) and str(a.dtype) in ("uint8", "torch.uint8"), (rows, K, qt, a.dtype)
+    assert a.reshape(-1).shape[0] == rows * row_bytes(K, qt), (rows, K, a.shape)
     return a
 
 
-def pack_q8_0(data, rows: int, K: int):
-    """GGUF-ordered Q8_0 bytes of a [rows, K] matrix (bytes, a uint8 numpy array or torch tensor) -> its packed bytes
-    (a flat uint8 numpy array, or a torch tensor on data's device; the same size)."""
-    return permute_tiles(_bytes(data, rows, K), tile_index(K))
+def pack(data, rows: int, K: int, qt: int = 0):
+    """GGUF-ordered bytes of a [rows, K] matrix of type code qt (bytes, a uint8 numpy array or torch tensor) -> its
+    packed bytes (a flat uint8 numpy array, or a torch tensor on data's device; the same size)."""
+    return permute_tiles(_bytes(data, rows, K, qt), tile_index(K, qt))
 
 
-def unpack_q8_0(data, rows: int, K: int):
-    """pack_q8_0's inverse: packed bytes -> GGUF order."""
-    return permute_tiles(_bytes(data, rows, K), np.argsort(tile_index(K)))
+def unpack(data, rows: int, K: int, qt: int = 0):
+    """pack's inverse: packed bytes -> GGUF order."""
+    return permute_tiles(_bytes(data, rows, K, qt), np.argsort(tile_index(K, qt)))

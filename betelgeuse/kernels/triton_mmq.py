@@ -98,7 +98,8 @@ CONFIG = {"BM": 16, "BN": 64, "FUSE": 0, "num_warps": 4, "num_stages": 3,   # sc
 # kernels/q8_pack's layout (every part's 64-row tiles re-laid: 512 contiguous bytes a warp load), which only the
 # Gluon form reads (the same values in the same MMA: the same bits, cpu-pack62); the caller packs the pool. PK 2:
 # each expert's layout from bit 0 of its base offset (engine.pack_experts' packed VRAM slots beside GGUF ones:
-# MoEKernels passes it per launch, gate_up / down's pk; cpu-vram62)
+# MoEKernels passes it per launch, gate_up / down's pk; cpu-vram62). Q4_K's Gluon form (GP 0) reads q8_pack's Q4_K
+# layout under PK 1 / 2 alike (its byte pairs 16 contiguous bytes a thread: cpu-packk62)
 # MV = 1: the decode schedule without tensor cores (triton_mmq_mv: the same bits; BM_MV rows a program, NS word
 # groups a K step; DP4A 1: its block dots by PTX dp4a on the GPU, the same integers) where a launch
 # can take it (triton_mmq_mv.mv_ok), else the MMA. WL = 1: the MMA's weight and activation tiles read as int32 words

@@ -11,7 +11,8 @@ its values (invariant 1).
      ▲ kernels address an expert by its byte offset in the pool: vram_base_dev[layer, expert] for the
        VRAM tier (uploaded when the directory changes), one table per ring batch otherwise
 
-engine.pack_experts (pack_layers): a packed layer's VRAM slots hold their Q8_0 parts in kernels/q8_pack's layout
+engine.pack_experts (pack_layers): a packed layer's VRAM slots hold their Q8_0 / Q4_K parts in kernels/q8_pack's
+layout
 (repacked on the device as each slot fills: _own) and their offsets carry bit 0, which gluon_mmq's PK 2 reads per
 expert; every other slot (host, staging, ring, flex) stays GGUF order. The same values either way (invariant 1).
 """
@@ -162,12 +163,12 @@ class ExpertCache:
             for o in (self.layout.staging_slot_offset(i) for i in range(self.layout.n_staging))]
         self.h2d_bytes = 0
         self.copy_seconds = 0.0    # CPU path: time spent copying
-        # engine.pack_experts (pack_layers): per layer, whether its VRAM slots hold their Q8_0 parts in q8_pack's
-        # layout (None: every slot GGUF order); the repack's slot-sized scratch and q8_pack's tile index per K on the
-        # device (the plan counts both: store/plan.py pack_scratch_bytes)
+        # engine.pack_experts (pack_layers): per layer, whether its VRAM slots hold their Q8_0 / Q4_K parts in
+        # q8_pack's layout (None: every slot GGUF order); the repack's slot-sized scratch and q8_pack's tile index per
+        # (K, type code) on the device (the plan counts both: store/plan.py pack_scratch_bytes)
         self.packed: np.ndarray | None = None
         self._pack_scratch: torch.Tensor | None = None
-        self._pack_index: dict[int, torch.Tensor] = {}
+        self._pack_index: dict[tuple[int, int], torch.Tensor] = {}
 
     # ---- host views -------------------------------------------------------------------------
     def host_slot(self, layer: int, i: int) -> torch.Tensor:
@@ -277,15 +278,17 @@ class ExpertCache:
 
     def pack_layers(self, layers):
         """engine.pack_experts: from now on the VRAM slots of layers[l] True hold their parts in q8_pack's layout
-        (every part Q8_0 and q8_pack.usable: the caller checked, MoEStep._pack), filled in GGUF order and repacked at
-        once (_own); host slots and the ring stay GGUF. Before any VRAM slot is filled (a fresh attachment's cache)."""
+        (every part Q8_0 or Q4_K and q8_pack.usable: the caller checked, MoEStep._pack), filled in GGUF order and
+        repacked at once (_own); host slots and the ring stay GGUF. Before any VRAM slot is filled (a fresh
+        attachment's cache)."""
         assert not (self.vram_owner[:, :, 0] >= 0).any(), "pack before the VRAM slots fill"
         self.packed = np.asarray(layers, dtype=bool)
         assert self.packed.shape == (self.plan.n_layer,), self.packed.shape
         parts = [m for l in np.nonzero(self.packed)[0] for ps in self.parts[l] for m in ps]
-        assert all(m.qtype == GGMLQuantizationType.Q8_0 and q8_pack.usable(*m.shape) for m in parts), "Q8_0 parts"
-        Ks = {m.shape[1] for m in parts}
-        self._pack_index = {K: torch.as_tensor(q8_pack.tile_index(K), device=self.device) for K in sorted(Ks)}
+        assert all(int(m.qtype) in q8_pack.GGML and q8_pack.usable(*m.shape, q8_pack.GGML[int(m.qtype)])
+                   for m in parts), "Q8_0 / Q4_K parts"
+        Ks = {(m.shape[1], q8_pack.GGML[int(m.qtype)]) for m in parts}         # (K, type code)
+        self._pack_index = {k: torch.as_tensor(q8_pack.tile_index(*k), device=self.device) for k in sorted(Ks)}
         self._pack_scratch = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device) if Ks else None
 
     def _repack(self, layer: int, expert: int, slot: torch.Tensor):
@@ -297,7 +300,8 @@ class ExpertCache:
         for m in self.parts[layer][expert]:
             rows, K = m.shape
             tiles = rows // q8_pack.TR
-            torch.index_select(sc[m.start: m.start + m.nbytes].view(tiles, -1), 1, self._pack_index[K],
+            idx = self._pack_index[K, q8_pack.GGML[int(m.qtype)]]
+            torch.index_select(sc[m.start: m.start + m.nbytes].view(tiles, -1), 1, idx,
                                out=slot[m.start: m.start + m.nbytes].view(tiles, -1))
 
     def _upload_vram_table(self):

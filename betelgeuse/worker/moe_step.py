@@ -337,7 +337,7 @@ class MoEStep:
         except ValueError as e:
             raise BetelgeuseError(f"engine.pack_experts = true: {e}") from None
         if not layers.any():
-            event(log, "pack_experts", layers=0, why="no Q8_0 experts: nothing to pack, every slot GGUF order")
+            event(log, "pack_experts", layers=0, why="no Q8_0 or Q4_K experts: nothing to pack, every slot GGUF order")
             return
         self.kern.packed[:] = layers
         c.pack_layers(layers)

@@ -16,7 +16,8 @@ split-K) and 32 tokens (256 rows: the 16-row bucket, chunks walked), without and
 Per case and Gluon form (gl_forms: GL 1 at the shipped FUSE and unfused; GP 1 and 2 (the K loop's loads carried to
 the step that uses them: cpu-gluon16r57; Q8_0 ships GL 1, FUSE 1, GP 1, Q4_K GL 1: gpu-run63; Q8_0's `gluon GP1
 PK`: the shipped form reading the bank packed by q8_pack on the GPU (pack_pool), cpu-pack62; `gluon GP1 PK2`: each
-expert's layout from bit 0 of its base, a bank of packed and GGUF experts, cpu-vram62); FUSE, GP and PK are
+expert's layout from bit 0 of its base, a bank of packed and GGUF experts, cpu-vram62; Q4_K's `gluon PK` / `gluon
+PK2` alike, cpu-packk62); FUSE, GP and PK are
 schedule keys) gate_up's inter and down's y (down on the same inter for both) must be torch.equal to the Triton
 kernel's (TRITON: GL 0), and the Gluon kernels must
 have been launched (triton_launch.COUNTS); both are also held to a float reference (the dequantized weights in
@@ -87,14 +88,15 @@ def make_pool(n_slots: int, slot: int, starts: list[int], g: torch.Generator) ->
 
 
 def pack_pool(pool: torch.Tensor, n_slots: int, slot: int, starts: list[int], which=None) -> torch.Tensor:
-    """A copy of pool (n_slots slots of Q8_0 experts) with every part of the slots `which` (default all) in q8_pack's
-    layout, what PK 1 reads (PK 2: those whose base has bit 0): a gather on the pool's device, part by part."""
+    """A copy of pool (n_slots slots of the type's experts: Q8_0 or Q4_K) with every part of the slots `which`
+    (default all) in q8_pack's layout, what PK 1 reads (PK 2: those whose base has bit 0): a gather on the pool's
+    device, part by part."""
     from betelgeuse.kernels import q8_pack
     out = pool.clone()
     for s in range(n_slots) if which is None else which:
         for p, (rows, K) in enumerate(((F, H), (F, H), (H, F))):
             at, n = s * slot + starts[p], rows * (K // QK * BS)
-            out[at:at + n] = q8_pack.pack_q8_0(pool[at:at + n], rows, K)
+            out[at:at + n] = q8_pack.pack(pool[at:at + n], rows, K, QT)
     return out
 
 
@@ -137,7 +139,8 @@ FORMS = {"gluon": {"GL": 1, "GP": 0}, "gluon unfused": {"GL": 1, "FUSE": 0, "GP"
          "gluon GP1": {"GL": 1, "GP": 1}, "gluon GP2": {"GL": 1, "GP": 2},
          "gluon GP1 split16": {"GL": 1, "GP": 1, "SPLIT": 1}, "gluon GP1 PK": {"GL": 1, "GP": 1, "PK": 1},
          "gluon GP2 PK": {"GL": 1, "GP": 2, "PK": 1}, "gluon GP1 PK split16": {"GL": 1, "GP": 1, "PK": 1, "SPLIT": 1},
-         "gluon GP1 PK2": {"GL": 1, "GP": 1, "PK": 2}}
+         "gluon GP1 PK2": {"GL": 1, "GP": 1, "PK": 2}, "gluon PK": {"GL": 1, "GP": 0, "PK": 1},
+         "gluon PK2": {"GL": 1, "GP": 0, "PK": 2}}
 # the Triton launch each Gluon form is held against: GL 0 at the FUSE each type had before GL shipped (Q8_0 unfused,
 # MXFP4 and Q4_K fused: gpu-run58-kernels); Q8_0's shipped fused GP 1 Gluon form is "gluon GP1" here (gpu-run63)
 TRITON = {0: {"GL": 0, "GP": 0, "FUSE": 0}, 4: {"GL": 0}, 5: {"GL": 0}}
@@ -151,10 +154,12 @@ def gl_forms(mq, only: list[str] | None = None) -> dict:
     (SPLIT 1: 4x the 16-row gate_up's 192 programs; the 1-row bucket's kernels); Q8_0's GP 1, GP 2 and GP 1 split16
     on the bank packed (PK 1: q8_pack's layout, pack_pool), and GP 1 with PK 2 (engine.pack_experts' form: each
     expert's layout from bit 0 of its base; the bits' bank: every odd expert packed, flagged, the even ones GGUF; the
-    GB/s banks: every expert packed, as an engine whose experts are all in VRAM). Each against TRITON's launch (on
+    GB/s banks: every expert packed, as an engine whose experts are all in VRAM); Q4_K's shipped form on its packed
+    bank, PK 1 and 2 (`gluon PK`, `gluon PK2`: q8_pack's Q4_K layout, cpu-packk62). Each against TRITON's launch (on
     the bank as GGUF lays it)."""
     names = ["gluon", "gluon unfused"] + (["gluon GP1", "gluon GP2", "gluon GP1 split16"] if QT != 5 else [])
     names += ["gluon GP1 PK", "gluon GP2 PK", "gluon GP1 PK split16", "gluon GP1 PK2"] if QT == 0 else []
+    names += ["gluon PK", "gluon PK2"] if QT == 5 else []
     return {n: FORMS[n] for n in names if only is None or n in only}
 
 
@@ -283,7 +288,7 @@ def check_type(tname: str, mq, triton_launch, g, cases=((2, None), (32, None), (
     big = make_pool(BANK, slot, starts, g)
     pool = big[below * slot:]
     forms = gl_forms(mq, ONLY) if forms is None else forms
-    if dev.type != "cuda" or QT != 0:   # PK: Q8_0's Gluon form alone reads the packed bank (the CPU has none)
+    if dev.type != "cuda":              # PK: the Gluon forms alone read the packed bank (the CPU has none)
         forms = {n: o for n, o in forms.items() if not o.get("PK")}
     # per PK the bank it reads: 1 every expert packed, 2 the odd ones (expert 1 below the pool: a negative offset
     # with bit 0), flagged in its base table

@@ -27,10 +27,13 @@ from betelgeuse.kernels import triton_mmq as mq  # noqa: E402
 # _acc_part, and Q4_K's down the same kernel body); Q8_0's shipped GP 1 on q8_pack's layout (PK 1: cpu-pack62) in
 # both buckets, gate_up (fused, 128 rows: PW2) and down (64 rows: PW) -- 4 more Gluon compiles and one Triton, ~3 s;
 # PK 2 (per expert, base's bit 0: engine.pack_experts, cpu-vram62), both K loops in one kernel: the 1-row gate_up and
-# the 16-row down (the buckets' other kernels run the same two bodies) -- 2 more, ~2 s
+# the 16-row down (the buckets' other kernels run the same two bodies) -- 2 more, ~2 s; Q4_K's PK 1 (q8_pack's Q4_K
+# layout, cpu-packk62: the 16-row fused gate_up, the 1-row down) and PK 2 (the shipped Q4_K cases' launches, against
+# whose registers they are held) -- 4 more, ~5 s
 CASES = [(0, "gate_up", 1, 0, 0), (0, "gate_up", 16, 1, 0), (0, "gate_up", 16, 2, 0), (4, "gate_up", 1, 0, 0),
          (5, "gate_up", 1, 0, 0), (5, "down", 16, 0, 0), (0, "gate_up", 1, 1, 1), (0, "gate_up", 16, 1, 1),
-         (0, "down", 1, 1, 1), (0, "down", 16, 1, 1), (0, "gate_up", 1, 1, 2), (0, "down", 16, 1, 2)]
+         (0, "down", 1, 1, 1), (0, "down", 16, 1, 1), (0, "gate_up", 1, 1, 2), (0, "down", 16, 1, 2),
+         (5, "gate_up", 16, 0, 1), (5, "down", 1, 0, 1), (5, "gate_up", 1, 0, 2), (5, "down", 16, 0, 2)]
 # a child without TRITON_INTERPRET: compile the Gluon kernels for sm_90 and count their K loop's SASS
 # (tests/scripts/sass_profile.py's loop and classes); one JSON line a kernel, or {"skip": why}
 _CHILD = """
@@ -97,12 +100,16 @@ def test_gluon_compiles_to_the_bf16_mma_with_the_weights_in_registers():
     contiguous bytes of a 64-row tile: 2 a tile a step) and a row's two scales one 32-bit word, nothing else (the
     words' bf16 order by register moves: no shared memory, no shuffles). PK 2 (per expert by base's bit 0: both
     layouts in one kernel): exactly two K loops, PK 1's and GGUF order's (GP 1's pair loads), no spills within the
-    shipped form's 3 CTAs a SM, each body's block fmas."""
+    shipped form's 3 CTAs a SM, each body's block fmas. Q4_K's PK 1 / 2 (cpu-packk62): its byte pairs by 128-bit
+    loads (a thread's 16 contiguous bytes of a 64-row tile, one a tile a step) where the shipped form has 8 16-bit
+    loads a tile, every other load, the HGMMA, shared memory and float ops as shipped, no shuffles or shared memory
+    loads (the pairs moved to QL's threads by register moves); PK 2 both loops and the shipped launch's CTAs a SM."""
     reports = _compile_reports(["-c", _CHILD], timeout=120)
     if reports and "skip" in reports[0]:
         pytest.skip(f"no sm_90 compile toolchain here: {reports[0]['skip']}")
     assert [(r["qt"], r["kernel"], r["bucket"], r["gp"], r["pk"], r["split"], r["fuse"]) for r in reports] == [
         (qt, w, b, gp, pk, b == 1, w == "gate_up") for qt, w, b, gp, pk in CASES]
+    shipped = {(r["qt"], r["kernel"], r["bucket"]): r["regs"] for r in reports if r["qt"] == 5 and not r["pk"]}
     for r in reports:
         ops = r["ops"]
         n = 2 if r["gp"] == 2 else 1               # GP 2: two K steps a loop iteration
@@ -117,20 +124,30 @@ def test_gluon_compiles_to_the_bf16_mma_with_the_weights_in_registers():
         want = dict(r["triton_fops"])
         if r["gp"] == 2:                           # the block fmas in 3 places: the loop's 2 steps, an odd last step
             want["fma.rn.f32"] *= 3
+        t = 2 if r["fuse"] else 1                  # 64-row tiles a K step
+        if r["qt"] == 5:                           # Q4_K a K loop's loads: GGUF 8 pairs a tile, its 2 headers, x;
+            gguf = {"LDG.E.U16": 8 * t, "LDG.E.128": 2 * t + 2, "LDG.E": 8}     # packed: the pairs one 16-byte load
+            packed = {"LDG.E.128": 3 * t + 2, "LDG.E": 8}
+        else:                                      # Q8_0: GGUF order's 20 pairs a tile, packed 2 words
+            gguf, packed = {"LDG.E.U16": 20 * t, "LDG.E.128": 2}, {"LDG.E.128": 2 * t + 2, "LDG.E": 2 * t}
         if r["pk"] == 2:                           # two bodies: each K loop's block fmas, the epilogue's ops once or
             assert r["fops"]["fma.rn.f32"] == 2 * want["fma.rn.f32"], r     # twice (the compiler may merge the tails)
             assert r["fops"].keys() == want.keys() and all(want[k] <= v <= 2 * want[k] for k, v in r["fops"].items()), r
-            assert r["regs"] <= 168, r              # the shipped form's 3 CTAs a SM (its 165 / 127 on 3.9)
-            t = 2 if r["fuse"] else 1              # a K loop a layout: GGUF order's 20 pairs a tile, packed 2 words
+            # the shipped form's CTAs a SM: Q8_0's 3 (its 165 / 127 on 3.9); Q4_K's launch's (registers by the
+            # register file alone: 65,536 a SM, allocated 256 a warp, 4 warps a CTA)
+            ctas = [65536 // (-(-g * 32 // 256) * 256 * 4)
+                    for g in (r["regs"], shipped.get((5, r["kernel"], r["bucket"]))) if g]
+            assert r["regs"] <= 168 if r["qt"] == 0 else ctas[0] >= ctas[1], r
             assert sorted(map(sorted, (d.items() for d in r["loops"]))) == sorted(map(sorted, (d.items() for d in (
-                {"LDG.E.U16": 20 * t, "LDG.E.128": 2}, {"LDG.E.128": 2 * t + 2, "LDG.E": 2 * t})))), r
+                gguf, packed)))), r
         else:
             assert r["fops"] == want and r["fops"].get("fma.rn.f32"), r
             assert len(r["loops"]) == 1, r
+            if r["qt"] == 5:                       # Q4_K's loop: GGUF order's loads or (PK 1) the packed
+                assert r["loops"] == [packed if r["pk"] else gguf], r
         loads = 42 if r["fuse"] else 22           # Q8_0's loads a K step (fused: gate's and up's weight words)
-        if r["pk"]:                                # 64-row tiles: 2 x 128 bits of quants, 2 scale words a thread
-            t = 2 if r["fuse"] else 1
-            assert {k: v for k, v in ops.items() if k.startswith("LDG")} == {"LDG.E.128": 2 * t + 2, "LDG.E": 2 * t}, r
+        if r["pk"]:                                # Q8_0 64-row tiles: 2 x 128 bits of quants, 2 scale words a thread
+            assert {k: v for k, v in ops.items() if k.startswith("LDG")} == packed, r
             assert not any(k.startswith("SHFL") for k in ops), r
             loads = 4 * t + 2
         if r["gp"]:                                # every load read only after the back edge: a whole step to land
@@ -163,6 +180,8 @@ def test_gl_applies_exactly_to_the_shipped_bf16_schedules(monkeypatch):
         assert gm.usable(0, {**c, "PK": 1}, 2, cuda)                     # PK: Q8_0 with its loads carried (GP)
         assert not gm.usable(0, {**c, "PK": 1, "GP": 0}, 2, cuda)
         assert not gm.usable(4, {**mq.config(4, b, bf=True), "GL": 1, "GP": 1, "PK": 1}, 2, cuda)
+        for pk in (1, 2):                                                # Q4_K: its one form (GP 0) reads q8_pack's
+            assert gm.usable(5, {**mq.config(5, b, bf=True), "PK": pk}, 2, cuda)    # Q4_K layout (cpu-packk62)
         assert not gm.usable(6, {**mq.config(6, b, bf=True), "GL": 1}, 2, cuda)       # Q5_K: no Gluon form
         assert not gm.usable(0, {**c, "BN": 128, "num_warps": 8}, 2, cuda)
         assert not gm.usable(0, c, 1, cuda)

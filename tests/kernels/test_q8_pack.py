@@ -44,9 +44,9 @@ def _read_packed(p: np.ndarray, rows: int, K: int) -> np.ndarray:
 @pytest.mark.parametrize("rows,K", [(64, 64), (128, 768), (64, 2048)])
 def test_pack_is_a_permutation_and_reads_as_gguf(rows, K):
     raw = _q8(rows, K, rows + K)
-    packed = q8_pack.pack_q8_0(raw.tobytes(), rows, K)
+    packed = q8_pack.pack(raw.tobytes(), rows, K)
     assert packed.dtype == np.uint8 and packed.size == raw.size
-    assert np.array_equal(q8_pack.unpack_q8_0(packed, rows, K), raw)
+    assert np.array_equal(q8_pack.unpack(packed, rows, K), raw)
     assert not np.array_equal(packed, raw)
     ref = gq.dequantize(raw.reshape(rows, -1), GT.Q8_0).astype(np.float32)
     got = _read_packed(packed, rows, K)
@@ -57,16 +57,16 @@ def test_usable():
     assert q8_pack.usable(768, 2048) and q8_pack.usable(2048, 768)
     assert not q8_pack.usable(96, 2048) and not q8_pack.usable(64, 96) and not q8_pack.usable(0, 64)
     with pytest.raises(AssertionError):
-        q8_pack.pack_q8_0(np.zeros(96 * 68, np.uint8), 96, 64)
+        q8_pack.pack(np.zeros(96 * 68, np.uint8), 96, 64)
 
 
 def test_torch_gather_matches_numpy():
     """The GPU path's gather (a torch tensor in, on its device) gives numpy's bytes."""
     torch = pytest.importorskip("torch")
     raw = _q8(128, 768, 5)
-    got = q8_pack.pack_q8_0(torch.from_numpy(raw.copy()), 128, 768)
-    assert isinstance(got, torch.Tensor) and np.array_equal(got.numpy(), q8_pack.pack_q8_0(raw, 128, 768))
-    assert np.array_equal(q8_pack.unpack_q8_0(got, 128, 768).numpy(), raw)
+    got = q8_pack.pack(torch.from_numpy(raw.copy()), 128, 768)
+    assert isinstance(got, torch.Tensor) and np.array_equal(got.numpy(), q8_pack.pack(raw, 128, 768))
+    assert np.array_equal(q8_pack.unpack(got, 128, 768).numpy(), raw)
 
 
 def test_pk_conversion_order_is_the_steps_k_order():
@@ -86,7 +86,7 @@ def test_pk_conversion_order_is_the_steps_k_order():
         assert line in src, line
     rows, K = 64, 768
     raw = _q8(rows, K, 9)
-    packed = q8_pack.pack_q8_0(raw, rows, K)
+    packed = q8_pack.pack(raw, rows, K)
     q = raw.reshape(rows, K // 32, 34)[:, :, 2:].view(np.int8).reshape(rows, K)
     n = np.arange(64)
     g = 1024 * (n // 16) + 512 * (n // 8 % 2) + 64 * (n % 8)
@@ -97,3 +97,91 @@ def test_pk_conversion_order_is_the_steps_k_order():
         v = np.stack([np.stack([lo[..., 0], lo[..., 1]], -1), np.stack([hi[..., 0], hi[..., 1]], -1)], -1)
         v = v.reshape(rows, 4, 4, 2, 2).transpose(0, 2, 4, 1, 3).reshape(rows, 64)
         assert np.array_equal(v, q[:, 64 * s:64 * s + 64]), s
+
+
+# ---- Q4_K (type code 5, cpu-packk62) ----
+
+def _q4_k(rows: int, K: int, seed: int) -> np.ndarray:
+    """A [rows, K] Q4_K matrix's GGUF bytes: random valid super-blocks (every 6-bit scale / min pattern)."""
+    from betelgeuse.gguf.quants_synth import random_blocks
+    return np.ascontiguousarray(random_blocks(int(GT.Q4_K), rows * K // 256, np.random.default_rng(seed))).reshape(-1)
+
+
+def _q4_k_piece(n: int) -> int:
+    """Row n's 16-byte piece of a group in the kernel's addressing (gluon_mmq._pk_rows + _fetch_k): 1024 + 512 (n % 64
+    // 16) + 64 (n % 8) from the super-block, + 2048 g for group g, + 8 h (h = n // 8 % 2) + 2 j for pair b + 4 j
+    of the lane-quad b's 16 bytes at + 16 b."""
+    return 1024 + 512 * (n % 64 // 16) + 64 * (n % 8) + 8 * (n // 8 % 2)
+
+
+def _read_packed_q4_k(p: np.ndarray, rows: int, K: int) -> np.ndarray:
+    """GGUF super-blocks [rows, K / 256, 144] gathered from packed bytes where the kernel reads them: tile t's
+    super-block s at (t K / 256 + s) x 9216; row n's header (d, dmin, scales: GGUF bytes 0..15) at 16 n; group g's
+    byte pair p = b + 4 j (GGUF bytes 16 + 32 g + 2 p, + 1) at _q4_k_piece(n) + 2048 g + 16 b + 2 j."""
+    out = np.zeros((rows, K // 256, 144), np.uint8)
+    for t in range(rows // 64):
+        for s in range(K // 256):
+            sb = p[(t * (K // 256) + s) * 9216:][:9216]
+            for n in range(64):
+                out[64 * t + n, s, :16] = sb[16 * n:16 * n + 16]
+                for g in range(4):
+                    for b in range(4):
+                        for j in range(4):
+                            a = _q4_k_piece(n) + 2048 * g + 16 * b + 2 * j
+                            out[64 * t + n, s, 16 + 32 * g + 2 * (b + 4 * j):][:2] = sb[a:a + 2]
+    return out
+
+
+@pytest.mark.parametrize("rows,K", [(64, 256), (128, 768), (64, 2048)])
+def test_q4_k_pack_is_a_permutation_and_reads_as_gguf(rows, K):
+    """Q4_K: round trip, the same size, and the bytes at the kernel's addresses dequantize (gguf-py) to the GGUF
+    bytes' dequantization, bit for bit."""
+    raw = _q4_k(rows, K, rows + K)
+    packed = q8_pack.pack(raw.tobytes(), rows, K, 5)
+    assert packed.dtype == np.uint8 and packed.size == raw.size
+    assert np.array_equal(q8_pack.unpack(packed, rows, K, 5), raw)
+    assert not np.array_equal(packed, raw)
+    ref = gq.dequantize(raw.reshape(rows, -1), GT.Q4_K).astype(np.float32)
+    got = gq.dequantize(_read_packed_q4_k(packed, rows, K).reshape(rows, -1), GT.Q4_K).astype(np.float32)
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+
+
+def test_q4_k_usable_and_torch_gather():
+    torch = pytest.importorskip("torch")
+    assert q8_pack.usable(768, 2048, 5) and q8_pack.usable(2048, 768, 5)
+    assert not q8_pack.usable(768, 64, 5) and not q8_pack.usable(96, 2048, 5) and not q8_pack.usable(64, 64, 4)
+    raw = _q4_k(128, 768, 7)
+    got = q8_pack.pack(torch.from_numpy(raw.copy()), 128, 768, 5)
+    assert isinstance(got, torch.Tensor) and np.array_equal(got.numpy(), q8_pack.pack(raw, 128, 768, 5))
+    assert np.array_equal(q8_pack.unpack(got, 128, 768, 5).numpy(), raw)
+
+
+def test_q4_k_pk_pairs_reach_ql_in_the_gguf_pair_order():
+    """gluon_mmq._fetch_k's PK loads emulated in numpy: each step's QZ tile [R / 2, 32] of 16-bit pairs (row q = 8
+    (n // 16) + n % 8 at _half_rows' piece of row n, column m = 8 b + 4 h + j), reshaped / permuted as the kernel's
+    source says (checked), is the [R, 16] tile whose column p is the GGUF group's byte pair p of row n -- the shipped
+    form's QL tile (pair p at byte 16 + 32 g + 2 p), so _nibs_bf16 and the MMA see the same operand."""
+    import inspect
+
+    from betelgeuse.kernels import gluon_mmq as gm
+    if not gm.HAVE_GLUON:
+        pytest.skip("no Gluon")
+    src = inspect.getsource(gm._fetch_k.fn if hasattr(gm._fetch_k, "fn") else gm._fetch_k)
+    for line in ("z = gl.permute(gl.reshape(z, [R // 16, 8, 4, 2, 4]), [0, 3, 1, 4, 2])",
+                 "q = gl.convert_layout(gl.reshape(z, [R, 16]), LQ)",
+                 "a = gl.multiple_of(ra + ((kb0 >> 3) * 9216 + ((kb0 >> 1) & 3) * 2048), 16)",
+                 "p = (pool + a).to(gl.pointer_type(gl.uint16))"):
+        assert line in src, line
+    for R, rows in ((64, 64), (128, 128)):              # 128: two tiles as FUSE's gate / up rows
+        K = 512
+        raw = _q4_k(rows, K, R)
+        packed = q8_pack.pack(raw, rows, K, 5).view(np.uint16)
+        gg = raw.reshape(rows, K // 256, 144)[:, :, 16:].reshape(rows, K // 256, 4, 16, 2).copy().view(np.uint16)
+        n = np.array([16 * (q // 8) + q % 8 for q in range(R // 2)])      # the h = 0 row of QZ's row q
+        for kb0 in range(0, K // 32, 2):
+            s, g = kb0 >> 3, (kb0 >> 1) & 3
+            base = (n // 64) * (K // 256) * 9216 + np.array([_q4_k_piece(i) - 8 * (i // 8 % 2) for i in n])
+            a = (base + s * 9216 + g * 2048)[:, None] + 2 * np.arange(32)[None, :]
+            z = packed[a // 2]                                               # [R / 2, 32] uint16
+            q = z.reshape(R // 16, 8, 4, 2, 4).transpose(0, 3, 1, 4, 2).reshape(R, 16)
+            assert np.array_equal(q, gg[:rows, s, g, :, 0]), kb0

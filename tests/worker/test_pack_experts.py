@@ -43,15 +43,20 @@ def _snap(L: int, E: int, vram: dict[int, int]) -> np.ndarray:
     return s
 
 
-def test_packed_vram_slots_hold_each_experts_file_bytes_in_the_packed_layout(tmp_path):
+# Q4_K (cpu-packk62): K a multiple of 256 (gate/up [256, 256], down [256, 256]: 4 tiles, 1 super-block a row)
+Q4_K_SPEC = {**WIDE_SPEC, "n_embd": 256, "head_dim": 64, "n_ff_exp": 256, "qtype": "Q4_K"}
+
+
+@pytest.mark.parametrize("spec,qt", [(WIDE_SPEC, 0), (Q4_K_SPEC, 5)], ids=["Q8_0", "Q4_K"])
+def test_packed_vram_slots_hold_each_experts_file_bytes_in_the_packed_layout(tmp_path, spec, qt):
     """Layers 0 and 2 packed, layer 1 not; VRAM slots filled from host slots (sync_vram) and from staging slots
     (fill_vram), then evictions and re-fills into the freed slots: after each round every VRAM expert's parts,
-    unpacked (q8_pack.unpack_q8_0) in a packed layer and as they are in the other, equal the file's bytes (gguf-py),
+    unpacked (q8_pack.unpack) in a packed layer and as they are in the other, equal the file's bytes (gguf-py),
     a packed slot's differ from them (repacked in place), its base offset has bit 0 set (host table and device
     table alike), an unpacked one's not; host slots keep GGUF order. Fails without the repack (_own), with the repack
     from the slot itself instead of the scratch (the gather reads bytes it already overwrote), or with the flag
-    left off."""
-    path = write_synth(tmp_path / "w.gguf", **WIDE_SPEC)
+    left off. Q8_0 (WIDE_SPEC) and Q4_K models (q8_pack's Q4_K layout: betelgeuse synth's Q4_K experts)."""
+    path = write_synth(tmp_path / "w.gguf", **spec)
     ref = _file_parts(path)
     rn, st = in_process_runner(path, 4, 8)
     try:
@@ -61,7 +66,8 @@ def test_packed_vram_slots_hold_each_experts_file_bytes_in_the_packed_layout(tmp
         assert (L, V) == (3, 4)
         packed = np.array([True, False, True])
         cache.pack_layers(packed)
-        assert set(cache._pack_index) == {WIDE_SPEC["n_embd"], WIDE_SPEC["n_ff_exp"]}   # gate/up's K, down's K
+        assert {int(m.qtype) for ps in cache.parts[0] for m in ps} == {8 if qt == 0 else 12}
+        assert set(cache._pack_index) == {(spec["n_embd"], qt), (spec["n_ff_exp"], qt)}   # gate/up's K, down's K
         on, off = (vram_needs(s.file, replace(rn.cfg, pack_experts=p), cache.slot_bytes, 1)["ring"]
                    for p in (True, False))          # the plan counts what pack_layers put on the device
         assert on - off == cache._pack_scratch.nbytes + sum(i.nbytes for i in cache._pack_index.values())
@@ -100,7 +106,7 @@ def test_packed_vram_slots_hold_each_experts_file_bytes_in_the_packed_layout(tmp
                         want = ref[l, k][e].reshape(-1)
                         if packed[l]:
                             assert not np.array_equal(got, want), (l, e, k)     # repacked in place
-                            got = q8_pack.unpack_q8_0(got, *m.shape)
+                            got = q8_pack.unpack(got, *m.shape, qt)
                         assert np.array_equal(got, want), (l, e, k, m.shape)
                     h = vram[e]
                     if h >= 0:                      # the host slot stays GGUF
@@ -119,10 +125,10 @@ def _parts(shapes, qtypes):
 
 
 def test_pack_check_refuses_what_another_kernel_would_read():
-    """MoEKernels.pack_check: no Q8_0 expert -> no layer packs and no refusal; a layer mixing Q8_0 with another type,
-    a Q8_0 part whose rows or K is not a multiple of 64, the torch kernels, act_quant off or q8_1, and (the CPU, the
-    interpreter) gluon_mmq's form not runnable here -> ValueError naming it. Fails with any of the refusals
-    dropped."""
+    """MoEKernels.pack_check: no Q8_0 or Q4_K expert -> no layer packs and no refusal; a layer mixing Q8_0 / Q4_K
+    with another type, a Q8_0 part whose rows or K is not a multiple of 64 (Q4_K: K of 256), the torch kernels,
+    act_quant off or q8_1, Q4_K under auto (its float schedule), and (the CPU, the interpreter) gluon_mmq's form not
+    runnable here -> ValueError naming it. Fails with any of the refusals dropped."""
     from betelgeuse.kernels.moe import MoEKernels
     starts = torch.zeros((2, 1, 3), dtype=torch.int64)
     sq = [(128, 64), (128, 64), (64, 128)]                  # gate / up [F 128, H 64], down [H, F]
@@ -130,12 +136,17 @@ def test_pack_check_refuses_what_another_kernel_would_read():
     def kern(backend="triton", act_quant="bf16"):
         return MoEKernels(backend, 1, 128, starts, [(8, 8), (8, 8)], 16, act_quant=act_quant)
 
-    none = kern().pack_check(_parts(sq, [(1, 1, 1), (12, 12, 12)]), 4096, torch.device("cpu"))
+    none = kern().pack_check(_parts(sq, [(1, 1, 1), (14, 14, 14)]), 4096, torch.device("cpu"))   # F16, Q6_K
     assert none.tolist() == [False, False]
-    with pytest.raises(ValueError, match="layer 1 mixes Q8_0"):
-        kern().pack_check(_parts(sq, [(8, 8, 8), (8, 8, 12)]), 4096, torch.device("cpu"))
-    with pytest.raises(ValueError, match=r"shape \(96, 64\).*multiples of 64"):
+    with pytest.raises(ValueError, match="layer 1 mixes Q8_0 / Q4_K .*its types \\[8, 14\\]"):
+        kern().pack_check(_parts(sq, [(8, 8, 8), (8, 8, 14)]), 4096, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"type 8 and shape \(96, 64\).*multiple of 64"):
         kern().pack_check(_parts([(96, 64), (96, 64), (64, 96)], [(8, 8, 8)] * 2), 4096, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"type 12 and shape \(128, 64\).*256 \(Q4_K\)"):  # Q4_K: K 256s
+        kern().pack_check(_parts(sq, [(8, 8, 8), (12, 12, 12)]), 4096, torch.device("cpu"))
+    s256 = [(256, 256)] * 3
+    with pytest.raises(ValueError, match=r"act_quant = 'auto', GGML types \[12\] off it"):    # Q4_K's float form
+        kern(act_quant="auto").pack_check(_parts(s256, [(12, 12, 12), (8, 8, 8)]), 4096, torch.device("cpu"))
     with pytest.raises(ValueError, match="kernels: torch"):
         kern("torch").pack_check(_parts(sq, [(8, 8, 8)] * 2), 4096, torch.device("cpu"))
     for aq in ("off", "q8_1"):
@@ -145,6 +156,8 @@ def test_pack_check_refuses_what_another_kernel_would_read():
     for aq in ("bf16", "auto"):
         with pytest.raises(ValueError, match="gluon_mmq's kernel cannot run here"):
             kern(act_quant=aq).pack_check(_parts(sq, [(8, 8, 8)] * 2), 4096, torch.device("cpu"))
+    with pytest.raises(ValueError, match="gluon_mmq's kernel cannot run here"):     # Q4_K beside Q8_0: bf16 alone
+        kern().pack_check(_parts(s256, [(12, 12, 12), (8, 8, 12)]), 4096, torch.device("cpu"))
 
 
 def test_startup_refuses_on_the_cpu_and_a_model_without_q8_0_packs_nothing(tmp_path, caplog):

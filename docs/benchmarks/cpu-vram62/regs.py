@@ -4,6 +4,8 @@ MMA loop's SASS instructions and loads, one JSON line a kernel. From the reposit
 
     OMP_NUM_THREADS=1 .venv/bin/python docs/benchmarks/cpu-vram62/regs.py             # this Triton (3.9)
     OMP_NUM_THREADS=1 PYTHONPATH=$PWD /tmp/t36i/bin/python docs/benchmarks/cpu-vram62/regs.py   # the device's 3.6
+
+An argument 5: Q4_K's shipped form (GP 0) at PK 0 / 1 / 2 instead (docs/benchmarks/cpu-packk62).
 """
 
 import json
@@ -16,9 +18,10 @@ import triton  # noqa: E402
 
 from betelgeuse.kernels import gluon_mmq as gm  # noqa: E402
 
+QT = int(sys.argv[1]) if len(sys.argv) > 1 else 0           # 0 Q8_0 (GP 1), 5 Q4_K (GP 0): the shipped forms
 for w, b in (("gate_up", 1), ("gate_up", 16), ("down", 1), ("down", 16)):
     for pk in (0, 1, 2):
-        k, _ = gm.compile_kernel(w, b, qt=0, fuse=w == "gate_up", gp=1, pk=pk)
+        k, _ = gm.compile_kernel(w, b, qt=QT, fuse=w == "gate_up", gp=int(QT == 0), pk=pk)
         sass, res = sp.sass_of(k.asm["cubin"])
         loops = []
         for body in sp.mma_loops(sp.instructions(sass)):
@@ -27,6 +30,6 @@ for w, b in (("gate_up", 1), ("gate_up", 16), ("down", 1), ("down", 16)):
                 if op == "LDG":
                     ldg[op + rest.split()[0]] = ldg.get(op + rest.split()[0], 0) + 1
             loops.append((len(body), ldg))
-        print(json.dumps({"triton": triton.__version__, "kernel": w, "bucket": b, "pk": pk,
+        print(json.dumps({"triton": triton.__version__, "qt": QT, "kernel": w, "bucket": b, "pk": pk,
                           "regs": int(re.search(r"REG:(\d+)", res).group(1)),
                           "local": int(re.search(r"LOCAL:(\d+)", res).group(1)), "loops": loops}), flush=True)
