@@ -339,7 +339,7 @@ class EngineSettings(_Section):
         "off", "expert activations on the GPU: off (float, exact) | q8_1 (int8 per 32, llama.cpp's mmq numerics; "
         "approximate) | bf16 (bf16 tensor-core MMA of the integer quants; float noise) | auto (bf16 for Q8_0 and "
         "MXFP4 only)", "q8_1")
-    # the VRAM slots hold their Q8_0 (and Q4_K: cpu-packk62) experts in kernels/q8_pack's layout (repacked on the GPU
+    # the VRAM slots hold their Q8_0 (and Q4_K: cpu-packk62) experts in kernels/mma_pack's layout (repacked on the GPU
     # as they fill; host slots and the ring stay GGUF), which gluon_mmq's PK form reads coalesced (issue 23: Q8_0 1.6
     # TB/s against 1.0 at one row, gpu-run64); every launch reads each expert's layout from its slot table (bit 0).
     # The same values in the same MMA: the same bits (docs/benchmarks/cpu-pack62, cpu-vram62). Startup refuses unless

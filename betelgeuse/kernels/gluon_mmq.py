@@ -28,14 +28,14 @@ so the same bits on the GPU (deploy/device/check_gluon_mmq.py checks torch.equal
   * GP (Q8_0, MXFP4; _acc_part): where a K step's loads are converted -- 0 in the step that issues them (one step
     ahead, but waited for before that step ends), 1 / 2 carried as loaded one / two steps and converted in the step
     that uses them (PTX loads and conversions the compiler cannot move back: cpu-gluon16r57). A schedule key.
-  * PK (Q8_0, GP >= 1; off everywhere): the pool's weights in q8_pack's layout (64-row tiles, a K step's quants in
+  * PK (Q8_0, GP >= 1; off everywhere): the pool's weights in mma_pack's layout (64-row tiles, a K step's quants in
     the order of the threads' A k pairs): a thread's weights of a tile and step are 16 contiguous bytes (one 128-bit
     load; a warp load 512 contiguous bytes, where GGUF order gives 8 rows x 8 bytes in 8 lines) and a row's two
     scales one 32-bit word; register moves put the words' int8 in AL's order, so the MMA gets the same A: the same
     bits as PK 0 on the GGUF bytes (cpu-pack62). A schedule key; the caller packs the pool. PK 2 (engine.pack_experts,
     cpu-vram62): per expert, bit 0 of its base offset (a packed VRAM slot's: ExpertCache._own) picks the packed or the
     GGUF body once a program (_pk_of; both compiled into the kernel), so one launch reads VRAM experts packed beside
-    host, flex and ring experts in GGUF order. Q4_K (its one form, GP 0; cpu-packk62) reads q8_pack's Q4_K layout
+    host, flex and ring experts in GGUF order. Q4_K (its one form, GP 0; cpu-packk62) reads mma_pack's Q4_K layout
     under PK 1 / 2 alike: a thread's byte pairs of a 64-row tile and step (rows t / 4 and + 8, QL's) are 16 contiguous
     bytes (one 128-bit load where GGUF order takes 8 16-bit loads; a warp load 512 contiguous bytes), moved to QL by
     register moves, and a row's header 16 bytes of one contiguous 1 KiB a super-block; the decode, MMA and float ops
@@ -76,7 +76,7 @@ def usable(qt: int, c: dict, kb: int, device, aligned: bool = True) -> bool:
     """Whether a bf16 MMA launch of type qt with config c (KB kb as launched) can run here: Gluon imports, a CUDA
     device of capability 9.x (wgmma), not the interpreter, a type of TYPES at SHAPE's constants (FUSE either way:
     gate_up's fused form is here too; a schedule key, the same bits), parts 16-byte aligned (`aligned`, as
-    triton_mmq.gate_up's: the weights are read in 2-, 4- and 16-byte words); PK (the weights packed: q8_pack)
+    triton_mmq.gate_up's: the weights are read in 2-, 4- and 16-byte words); PK (the weights packed: mma_pack)
     Q8_0 with GP >= 1, or Q4_K, only."""
     if not HAVE_GLUON or qt not in TYPES or getattr(device, "type", "") != "cuda" or not aligned:
         return False
@@ -121,7 +121,7 @@ if HAVE_GLUON:
     HL2 = gl.constexpr(gl.DistributedLinearLayout([[0, 1], [0, 2], [8, 0], [64, 0]],
                                                   [[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]], [[16, 0], [32, 0]], [],
                                                   [128, 4]))
-    # PK's Q4_K pairs [R / 2, 32] uint16 as loaded (q8_pack's layout): row q = 8 (n // 16) + n % 8 holds the pieces
+    # PK's Q4_K pairs [R / 2, 32] uint16 as loaded (mma_pack's layout): row q = 8 (n // 16) + n % 8 holds the pieces
     # of rows n and n + 8, column m = 8 b + 4 h + j their pair b + 4 j of row n + 8 h; thread t holds m = 8 (t % 4)
     # .. + 7 (16 contiguous bytes: one 128-bit load) of q = t / 4 of its warp's 8 -- QL's pairs of the same rows;
     # R 128: q + 32 (rows + 64) in registers
@@ -152,7 +152,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _pk_of(base):
         """PK 2 (per expert): a pool offset `base` (not -1) -> (pk, the offset): pk = its bit 0, set by ExpertCache on
-        a packed VRAM slot (q8_pack's layout; every real offset is even: slots are 4 KiB-aligned, host offsets
+        a packed VRAM slot (mma_pack's layout; every real offset is even: slots are 4 KiB-aligned, host offsets
         differences of aligned addresses), cleared from the offset."""
         pk = base & 1
         return pk, base - pk
@@ -179,7 +179,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _pk_rows(r, n, row_bytes, SC: gl.constexpr, QT: gl.constexpr):
-        """PK: _part_rows' GGUF row addresses r [R] of part rows n (same layout) -> q8_pack's, in the K step (Q4_K:
+        """PK: _part_rows' GGUF row addresses r [R] of part rows n (same layout) -> mma_pack's, in the K step (Q4_K:
         super-block) 0 of the row's 64-row tile (tile-major: the tile's bytes where GGUF had them). Q8_0: the row's
         quant words (SC False: 16-byte aligned) or its scale word (SC True); Q4_K: its header (SC True) or its
         half-warp's 16-byte pieces of group 0 (SC False: rows n and n + 8 alike, the half h a piece's 8 bytes)."""
@@ -264,7 +264,7 @@ if HAVE_GLUON:
     PL2 = gl.constexpr(gl.DistributedLinearLayout([[8, 0], [0, 4], [0, 8], [0, 16], [64, 0]],
                                                   [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], [[16, 0], [32, 0]], [],
                                                   [128, 32]))
-    # PK 1's quant words [R, 16] int32 of a K step (q8_pack's layout): word c = 4 b + a of row n holds pairs 8 a + b
+    # PK 1's quant words [R, 16] int32 of a K step (mma_pack's layout): word c = 4 b + a of row n holds pairs 8 a + b
     # (low 16 bits) and 8 a + b + 4 (high); thread t holds words 4 (t % 4) .. + 3 (16 contiguous bytes: one 128-bit
     # load) of rows t / 4 and t / 4 + 8 of its warp's 16 -- PL's pairs of the same rows; R 128: rows + 64 too
     PW = gl.constexpr(gl.DistributedLinearLayout([[0, 1], [0, 2], [8, 0]], [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
@@ -296,7 +296,7 @@ if HAVE_GLUON:
         pairs [R, KB*16] (PL) of rows ra (mask mn), pair p at byte 34 (kb0 + p // 16) + 2 + 2 (p % 16); MXFP4
         _fetch's bytes [R, KB*16]; the scales' raw values of blocks kb0, kb0 + 1 of rows rc (mask mc): Q8_0 the f16
         bits, MXFP4 the E8M0 byte; the B tile: Q8_0 as words [KB*16, KB*BM] (BW) of _fetch's tile, MXFP4 _fetch's
-        bf16 tile). PK (Q8_0): the weights as q8_pack's words [R, 16] (PW) of the step, at byte kb0 / 2 x 4352 from
+        bf16 tile). PK (Q8_0): the weights as mma_pack's words [R, 16] (PW) of the step, at byte kb0 / 2 x 4352 from
         the rows' _pk_rows addresses ra (128-bit loads); r0 = r1 their scale words at rc's (block kb0's f16 d in the
         low 16 bits, kb0 + 1's in the high)."""
         R: gl.constexpr = ra.shape[0]
@@ -454,7 +454,7 @@ if HAVE_GLUON:
              them: a load has a whole step to land;
           2  as 1, two steps ahead (two steps' bytes in flight a program: for grids of few programs a SM, the 16-row
              gate_up's 192 programs on 132 SMs).
-        PK (a schedule key, Q8_0 with GP >= 1): the weights in q8_pack's layout (ra / rc: _pk_rows' addresses)."""
+        PK (a schedule key, Q8_0 with GP >= 1): the weights in mma_pack's layout (ra / rc: _pk_rows' addresses)."""
         gl.static_assert(KB == 2)
         gl.static_assert(PK == 0 or (QT == 0 and GP > 0))
         acc = gl.zeros([BN, BM], gl.float32, ACC)
@@ -562,7 +562,7 @@ if HAVE_GLUON:
         column c = nibble c // 32 of byte 16 + 32 group + c % 32 -- triton_mmq._w_tile's values in its order, each
         byte pair loaded once (QL) for both blocks (_nibs_bf16); the header's word 0 (f16 d | f16 dmin) and both
         blocks' 6-bit sc, m [R] int32 (rows rc, mask mc, ACC's rows; the header one 16-byte load a row, HL); the x
-        block sums [BM] of both (at element offsets so, mask sm); the B tile as _fetch's (no _perm)). PK (q8_pack's
+        block sums [BM] of both (at element offsets so, mask sm); the B tile as _fetch's (no _perm)). PK (mma_pack's
         layout): ra / mn are _half_rows' [R / 2] of the rows' _pk_rows pieces, the pairs loaded as QZ's [R / 2, 32]
         (128-bit loads) and moved to QL's [R, 16] (register moves: the same pairs in the same threads); rc the rows'
         headers."""
@@ -618,7 +618,7 @@ if HAVE_GLUON:
                     KB: gl.constexpr, PK: gl.constexpr):
         """_acc_part of Q4_K: per block, acc + fma(dot, d sc, -(dmin m * sx)) in ascending order (triton_mmq's K-quant
         float ops, d sc and dmin m each a float32 product as _wl_step's; sx: the x block sums, so / sm their offsets
-        [BM] and mask in ACC's columns). PK (a schedule key): the weights in q8_pack's layout (ra / rc: _pk_rows'
+        [BM] and mask in ACC's columns). PK (a schedule key): the weights in mma_pack's layout (ra / rc: _pk_rows'
         addresses; the loads alone differ, _fetch_k)."""
         gl.static_assert(KB == 2)
         acc = gl.zeros([BN, BM], gl.float32, ACC)
@@ -697,7 +697,7 @@ if HAVE_GLUON:
                       KB: gl.constexpr, SPLIT: gl.constexpr, FUSE: gl.constexpr, GP: gl.constexpr,
                       PK: gl.constexpr):
         """_gate_up_gl_kernel's program for row block mb of expert e, whose slot is at pool offset base (PK 0: GGUF
-        order, 1: q8_pack's layout)."""
+        order, 1: mma_pack's layout)."""
         rows, mr, flat = _rows_of(off_ptr, rows_ptr, e, mb, gl.arange(0, BM, layout=gl.SliceLayout(0, ACC)), BM)
         u1, jm, jflat = _rows_of(off_ptr, rows_ptr, e, mb,
                                  gl.arange(0, KB * BM, layout=gl.SliceLayout(0, BL)), BM)
@@ -720,7 +720,7 @@ if HAVE_GLUON:
             if ALIGNED:             # (the select loses _part_rows' alignment facts: wide loads need them)
                 ra = gl.multiple_of(ra, RA)
                 rc = gl.multiple_of(rc, RA)
-            if PK:                  # the weights packed (q8_pack): the rows' addresses in their tiles
+            if PK:                  # the weights packed (mma_pack): the rows' addresses in their tiles
                 ra = _pk_rows(ra, na, row_bytes, False, QT)
                 rc = _pk_rows(rc, n2, row_bytes, True, QT)
             tot = gl.zeros([2 * BN, BM], gl.float32, ACC)
@@ -793,7 +793,7 @@ if HAVE_GLUON:
         step for both; each output's float ops its own: the same bits)."""
         e, mb, base = _find_block(off_ptr, base_ptr, n_exp, gl.program_id(1), BM, EP)
         if base != -1:                  # -1 alone: not in this group (a negative offset is an expert)
-            if PK == 2:                 # per expert: bit 0 of base flags q8_pack's layout (_pk_of)
+            if PK == 2:                 # per expert: bit 0 of base flags mma_pack's layout (_pk_of)
                 pk, base = _pk_of(base)
                 if pk != 0:             # one expert a program: a uniform branch
                     _gate_up_body(xq_ptr, xs_ptr, pool, starts_ptr, rows_ptr, off_ptr, inter_ptr, ws_ptr, cnt_ptr, H, F,
@@ -858,7 +858,7 @@ if HAVE_GLUON:
         """triton_mmq._down_mmq_kernel (BF) with the A operand in registers: grid (H / BN, row blocks[, chunks])."""
         e, mb, base = _find_block(off_ptr, base_ptr, n_exp, gl.program_id(1), BM, EP)
         if base != -1:                  # -1 alone: not in this group (a negative offset is an expert)
-            if PK == 2:                 # per expert: bit 0 of base flags q8_pack's layout (_pk_of)
+            if PK == 2:                 # per expert: bit 0 of base flags mma_pack's layout (_pk_of)
                 pk, base = _pk_of(base)
                 if pk != 0:             # one expert a program: a uniform branch
                     _down_body(xq_ptr, xs_ptr, pool, starts_ptr, rows_ptr, off_ptr, y_ptr, ws_ptr, cnt_ptr, H, F,

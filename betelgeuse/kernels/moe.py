@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from betelgeuse.gguf.qtypes import row_nbytes
-from betelgeuse.kernels import q8_pack
+from betelgeuse.kernels import mma_pack
 from betelgeuse.kernels.torch_moe import ExpertWork, moe_combine, plan_experts, run_expert
 
 # GGML types the triton kernels read directly (triton_quants.QT_CODES: F32, F16, Q8_0, BF16, MXFP4, Q4_K, Q5_K,
@@ -166,28 +166,28 @@ class MoEKernels:
         return v
 
     def pack_check(self, parts, slot_bytes: int, device) -> np.ndarray:
-        """engine.pack_experts: the layers whose VRAM slots may hold q8_pack's layout -> [n_layer] bool (all False:
+        """engine.pack_experts: the layers whose VRAM slots may hold mma_pack's layout -> [n_layer] bool (all False:
         the model has no Q8_0 or Q4_K expert); raises ValueError naming why not where some packed expert's launch
         would not be gluon_mmq's PK form, the one kernel that reads packed bytes (the bits are PK 0's: cpu-pack62,
         cpu-packk62). parts[l][e]: an expert's (gate, up, down) parts (ExpertCache.parts: .qtype, .shape (rows, K)).
         A layer with a Q8_0 or Q4_K part packs; every part of it must be one of those (the flag is an expert's:
-        another type's kernel would read it), rows and K whole tiles and steps (q8_pack.usable); the triton backend
+        another type's kernel would read it), rows and K whole tiles and steps (mma_pack.usable); the triton backend
         with each packed type on the bf16 MMA (act_quant bf16, or auto for Q8_0: mma_qtypes); GL 1 for the type at
         both rows buckets, and GP >= 1 for Q8_0 (triton_mmq.BF_TUNING); and gluon_mmq.usable here (CUDA sm_90,
         Gluon, not the interpreter, 16-byte aligned parts)."""
         kinds = [{int(m.qtype) for ps in parts[l] for m in ps} for l in range(len(parts))]
-        layers = np.array([bool(k & q8_pack.GGML.keys()) for k in kinds], dtype=bool)
+        layers = np.array([bool(k & mma_pack.GGML.keys()) for k in kinds], dtype=bool)
         if not layers.any():
             return layers
-        mixed = [(l, k) for l, k in enumerate(kinds) if layers[l] and not k <= q8_pack.GGML.keys()]
+        mixed = [(l, k) for l, k in enumerate(kinds) if layers[l] and not k <= mma_pack.GGML.keys()]
         if mixed:
             l, k = mixed[0]
             raise ValueError(f"layer {l} mixes Q8_0 / Q4_K expert parts with other types (its types {sorted(k)})"
                              " (the packed flag is an expert's: every part of a packed layer must have a packed form)")
         bad = next(((l, m.qtype, m.shape) for l in np.nonzero(layers)[0] for ps in parts[l] for m in ps
-                    if not q8_pack.usable(*m.shape, q8_pack.GGML[int(m.qtype)])), None)
+                    if not mma_pack.usable(*m.shape, mma_pack.GGML[int(m.qtype)])), None)
         if bad is not None:
-            raise ValueError(f"layer {bad[0]} has a part of type {bad[1]} and shape {bad[2]}: q8_pack needs rows a "
+            raise ValueError(f"layer {bad[0]} has a part of type {bad[1]} and shape {bad[2]}: mma_pack needs rows a "
                              "multiple of 64 and K of 64 (Q8_0) or 256 (Q4_K)")
         used = set().union(*(kinds[l] for l in np.nonzero(layers)[0]))
         bf = self.act_quant in ("bf16", "auto")             # q8_1 / off: no type on the bf16 MMA
@@ -201,7 +201,7 @@ class MoEKernels:
         l0 = int(np.nonzero(layers)[0][0])
         H = parts[l0][0][0].shape[1]
         aligned = slot_bytes % 16 == 0 and self._aligned
-        for qt in sorted(q8_pack.GGML[t] for t in used):
+        for qt in sorted(mma_pack.GGML[t] for t in used):
             for bucket in sorted(mq.BUCKETS):
                 c = {**mq.config(qt, bucket, bf=True), "PK": 2}
                 if not c.get("GL") or qt == 0 and not c.get("GP"):

@@ -95,10 +95,10 @@ CONFIG = {"BM": 16, "BN": 64, "FUSE": 0, "num_warps": 4, "num_stages": 3,   # sc
 # deploy/device/check_gluon_mmq.py). GP (with GL, Q8_0 / MXFP4): how far ahead the Gluon K loop's loads are issued
 # (gluon_mmq._acc_part: 0 converted in the step that issues them, 1 / 2 carried as loaded one / two steps; the same
 # bits: cpu-gluon16r57). PK 1 (with GL, Q8_0, GP >= 1; off everywhere): the pool's weights are in
-# kernels/q8_pack's layout (every part's 64-row tiles re-laid: 512 contiguous bytes a warp load), which only the
+# kernels/mma_pack's layout (every part's 64-row tiles re-laid: 512 contiguous bytes a warp load), which only the
 # Gluon form reads (the same values in the same MMA: the same bits, cpu-pack62); the caller packs the pool. PK 2:
 # each expert's layout from bit 0 of its base offset (engine.pack_experts' packed VRAM slots beside GGUF ones:
-# MoEKernels passes it per launch, gate_up / down's pk; cpu-vram62). Q4_K's Gluon form (GP 0) reads q8_pack's Q4_K
+# MoEKernels passes it per launch, gate_up / down's pk; cpu-vram62). Q4_K's Gluon form (GP 0) reads mma_pack's Q4_K
 # layout under PK 1 / 2 alike (its byte pairs 16 contiguous bytes a thread: cpu-packk62)
 # MV = 1: the decode schedule without tensor cores (triton_mmq_mv: the same bits; BM_MV rows a program, NS word
 # groups a K step; DP4A 1: its block dots by PTX dp4a on the GPU, the same integers) where a launch
@@ -881,7 +881,7 @@ def _launch(kernel, args: list, grid_n: int, R: int, E: int, K: int, qt: int, pe
     ws, cnt = tm._workspace(device, grid_n * nrb * nch * per, grid_n * nrb) if split else tm._workspace(device, 1, 1)
     gl_ok = bf and c.get("GL") and gm.usable(qt, c, kb, device, aligned)
     if c.get("PK") and not gl_ok:   # packed weights: no other kernel reads them
-        raise ValueError(f"PK {c['PK']} (q8_pack's layout) needs gluon_mmq's form, not usable here: type {qt}, "
+        raise ValueError(f"PK {c['PK']} (mma_pack's layout) needs gluon_mmq's form, not usable here: type {qt}, "
                          f"config {c}")
     if gl_ok:                       # the Gluon form of the schedule (GL)
         gm.launch("gate_up" if kernel is _GATE_UP_MMQ else "down", (grid_n, nrb, nch) if split else (grid_n, nrb),

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from betelgeuse.config import GiB, MiB, EngineConfig
 from betelgeuse.errors import BudgetError
 from betelgeuse.gguf.reader import GGUFModelFile
-from betelgeuse.kernels import q8_pack
+from betelgeuse.kernels import mma_pack
 from betelgeuse.model.registry import arch_of
 from betelgeuse.store.layout import ArenaLayout, SlotLayout, round_down
 
@@ -274,13 +274,13 @@ def vram_needs(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int, running: in
 
 def pack_scratch_bytes(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int) -> int:
     """The VRAM engine.pack_experts adds where it is on and the model has Q8_0 / Q4_K experts (the layers it packs):
-    the repack's slot-sized scratch and q8_pack's tile index of each (K, type) of those parts (ExpertCache.pack_layers),
+    the repack's slot-sized scratch and mma_pack's tile index of each (K, type) of those parts (ExpertCache.pack_layers),
     else 0."""
     if not cfg.pack_experts:
         return 0
-    Ks = {(p.shape[1], q8_pack.GGML[int(p.qtype)]) for l in range(f.config.n_layer) for p in f.expert_parts(l, 0)
-          if int(p.qtype) in q8_pack.GGML and q8_pack.usable(*p.shape, q8_pack.GGML[int(p.qtype)])}
-    return slot_bytes + sum(q8_pack.tile_index(*k).nbytes for k in Ks) if Ks else 0
+    Ks = {(p.shape[1], mma_pack.GGML[int(p.qtype)]) for l in range(f.config.n_layer) for p in f.expert_parts(l, 0)
+          if int(p.qtype) in mma_pack.GGML and mma_pack.usable(*p.shape, mma_pack.GGML[int(p.qtype)])}
+    return slot_bytes + sum(mma_pack.tile_index(*k).nbytes for k in Ks) if Ks else 0
 
 
 def plan_running(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int) -> tuple[int, dict[str, int], str]:

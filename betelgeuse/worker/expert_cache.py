@@ -11,7 +11,7 @@ its values (invariant 1).
      ▲ kernels address an expert by its byte offset in the pool: vram_base_dev[layer, expert] for the
        VRAM tier (uploaded when the directory changes), one table per ring batch otherwise
 
-engine.pack_experts (pack_layers): a packed layer's VRAM slots hold their Q8_0 / Q4_K parts in kernels/q8_pack's
+engine.pack_experts (pack_layers): a packed layer's VRAM slots hold their Q8_0 / Q4_K parts in kernels/mma_pack's
 layout
 (repacked on the device as each slot fills: _own) and their offsets carry bit 0, which gluon_mmq's PK 2 reads per
 expert; every other slot (host, staging, ring, flex) stays GGUF order. The same values either way (invariant 1).
@@ -28,7 +28,7 @@ from gguf.constants import GGMLQuantizationType
 
 from betelgeuse.gguf.quants import dequantize, dequantize_q8_0_parts
 from betelgeuse.gguf.reader import GGUFModelFile
-from betelgeuse.kernels import q8_pack
+from betelgeuse.kernels import mma_pack
 from betelgeuse.kernels.streams import current_stream
 from betelgeuse.store.arena import Arena, register_pinned, unregister_pinned
 from betelgeuse.store.directory import TIER_VRAM
@@ -164,7 +164,7 @@ class ExpertCache:
         self.h2d_bytes = 0
         self.copy_seconds = 0.0    # CPU path: time spent copying
         # engine.pack_experts (pack_layers): per layer, whether its VRAM slots hold their Q8_0 / Q4_K parts in
-        # q8_pack's layout (None: every slot GGUF order); the repack's slot-sized scratch and q8_pack's tile index per
+        # mma_pack's layout (None: every slot GGUF order); the repack's slot-sized scratch and mma_pack's tile index per
         # (K, type code) on the device (the plan counts both: store/plan.py pack_scratch_bytes)
         self.packed: np.ndarray | None = None
         self._pack_scratch: torch.Tensor | None = None
@@ -277,30 +277,30 @@ class ExpertCache:
         self.vram_base[layer, expert] = base
 
     def pack_layers(self, layers):
-        """engine.pack_experts: from now on the VRAM slots of layers[l] True hold their parts in q8_pack's layout
-        (every part Q8_0 or Q4_K and q8_pack.usable: the caller checked, MoEStep._pack), filled in GGUF order and
+        """engine.pack_experts: from now on the VRAM slots of layers[l] True hold their parts in mma_pack's layout
+        (every part Q8_0 or Q4_K and mma_pack.usable: the caller checked, MoEStep._pack), filled in GGUF order and
         repacked at once (_own); host slots and the ring stay GGUF. Before any VRAM slot is filled (a fresh
         attachment's cache)."""
         assert not (self.vram_owner[:, :, 0] >= 0).any(), "pack before the VRAM slots fill"
         self.packed = np.asarray(layers, dtype=bool)
         assert self.packed.shape == (self.plan.n_layer,), self.packed.shape
         parts = [m for l in np.nonzero(self.packed)[0] for ps in self.parts[l] for m in ps]
-        assert all(int(m.qtype) in q8_pack.GGML and q8_pack.usable(*m.shape, q8_pack.GGML[int(m.qtype)])
+        assert all(int(m.qtype) in mma_pack.GGML and mma_pack.usable(*m.shape, mma_pack.GGML[int(m.qtype)])
                    for m in parts), "Q8_0 / Q4_K parts"
-        Ks = {(m.shape[1], q8_pack.GGML[int(m.qtype)]) for m in parts}         # (K, type code)
-        self._pack_index = {k: torch.as_tensor(q8_pack.tile_index(*k), device=self.device) for k in sorted(Ks)}
+        Ks = {(m.shape[1], mma_pack.GGML[int(m.qtype)]) for m in parts}         # (K, type code)
+        self._pack_index = {k: torch.as_tensor(mma_pack.tile_index(*k), device=self.device) for k in sorted(Ks)}
         self._pack_scratch = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device) if Ks else None
 
     def _repack(self, layer: int, expert: int, slot: torch.Tensor):
-        """A VRAM slot's parts (GGUF order) -> q8_pack's layout in place, on the current stream: the slot through the
+        """A VRAM slot's parts (GGUF order) -> mma_pack's layout in place, on the current stream: the slot through the
         scratch (one copy), then a part's 64-row tiles gathered back by the tile index (index_select into the slot).
         Two reads and two writes of a slot in VRAM; fills happen only when the directory's VRAM tier changes."""
         sc = self._pack_scratch
         sc.copy_(slot)
         for m in self.parts[layer][expert]:
             rows, K = m.shape
-            tiles = rows // q8_pack.TR
-            idx = self._pack_index[K, q8_pack.GGML[int(m.qtype)]]
+            tiles = rows // mma_pack.TR
+            idx = self._pack_index[K, mma_pack.GGML[int(m.qtype)]]
             torch.index_select(sc[m.start: m.start + m.nbytes].view(tiles, -1), 1, idx,
                                out=slot[m.start: m.start + m.nbytes].view(tiles, -1))
 

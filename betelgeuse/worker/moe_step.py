@@ -328,7 +328,7 @@ class MoEStep:
                           sort_rows=self.cfg.decode_gemv)
 
     def _pack(self):
-        """engine.pack_experts: the VRAM slots of every Q8_0 layer hold q8_pack's layout (ExpertCache.pack_layers),
+        """engine.pack_experts: the VRAM slots of every Q8_0 layer hold mma_pack's layout (ExpertCache.pack_layers),
         read by the kernels' PK 2 form -- or refuse (BetelgeuseError) where a Q8_0 expert launch would be another
         kernel (MoEKernels.pack_check says which); a model with no Q8_0 expert: nothing to pack (logged)."""
         c = self.cache

@@ -28,7 +28,7 @@
 CHECK_GROUP_GRAPHS=1 / CHECK_ACT_QUANT=bf16 (environment): every check's engine with engine.group_graphs on / with
 engine.act_quant so (check_ds4.py's engines too): the invariance and batch rows then hold those paths to the same bits.
 CHECK_PACK_EXPERTS=1 (with CHECK_ACT_QUANT=bf16 or auto): every check's engine with engine.pack_experts on (its VRAM
-slots' Q8_0 experts in q8_pack's layout, read by gluon_mmq's PK 2; host slots and the ring GGUF), the tiny model's
+slots' Q8_0 experts in mma_pack's layout, read by gluon_mmq's PK 2; host slots and the ring GGUF), the tiny model's
 experts 64 wide (whole tiles): the invariance rows (0/0, 0/all, 5/15, all in VRAM, cold / warm, the reference) then
 hold a packed VRAM expert to a GGUF one's bits, and the batch, pool and recycle rows the decode paths.
 CHECK_QTYPE=Q4_K (with CHECK_ACT_QUANT=bf16 and CHECK_PACK_EXPERTS=1: cpu-packk62): the tiny model written with Q4_K
@@ -76,7 +76,7 @@ def row(check: str, ok: bool | None, detail: str):
 def models(tmp: Path, mid_layers: int, mid_preset: str = "small", names=("tiny", "mid")) -> dict[str, Path]:
     """tiny: 4 layers x 16 experts (~3 MB); mid: the 'small' preset (64 experts, top-8, hidden 512)
     with `mid_layers` layers (12: ~330 MB, so a 256 MiB arena view exists); only those in `names` are written.
-    CHECK_PACK_EXPERTS=1: tiny's experts 64 wide (its 32 is not a whole tile of q8_pack's: startup would refuse);
+    CHECK_PACK_EXPERTS=1: tiny's experts 64 wide (its 32 is not a whole tile of mma_pack's: startup would refuse);
     CHECK_QTYPE=Q4_K: tiny's tensors Q4_K, hidden and experts 256 wide (whole super-blocks)."""
     tiny = PRESETS["tiny"]
     if os.environ.get("CHECK_PACK_EXPERTS") == "1":

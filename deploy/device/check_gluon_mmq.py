@@ -15,7 +15,7 @@ tests/kernels/test_mmq_bf16.py::test_experts_at_negative_offsets_are_computed), 
 split-K) and 32 tokens (256 rows: the 16-row bucket, chunks walked), without and with the clamped SwiGLU (limit 7).
 Per case and Gluon form (gl_forms: GL 1 at the shipped FUSE and unfused; GP 1 and 2 (the K loop's loads carried to
 the step that uses them: cpu-gluon16r57; Q8_0 ships GL 1, FUSE 1, GP 1, Q4_K GL 1: gpu-run63; Q8_0's `gluon GP1
-PK`: the shipped form reading the bank packed by q8_pack on the GPU (pack_pool), cpu-pack62; `gluon GP1 PK2`: each
+PK`: the shipped form reading the bank packed by mma_pack on the GPU (pack_pool), cpu-pack62; `gluon GP1 PK2`: each
 expert's layout from bit 0 of its base, a bank of packed and GGUF experts, cpu-vram62; Q4_K's `gluon PK` / `gluon
 PK2` alike, cpu-packk62); FUSE, GP and PK are
 schedule keys) gate_up's inter and down's y (down on the same inter for both) must be torch.equal to the Triton
@@ -89,14 +89,14 @@ def make_pool(n_slots: int, slot: int, starts: list[int], g: torch.Generator) ->
 
 def pack_pool(pool: torch.Tensor, n_slots: int, slot: int, starts: list[int], which=None) -> torch.Tensor:
     """A copy of pool (n_slots slots of the type's experts: Q8_0 or Q4_K) with every part of the slots `which`
-    (default all) in q8_pack's layout, what PK 1 reads (PK 2: those whose base has bit 0): a gather on the pool's
+    (default all) in mma_pack's layout, what PK 1 reads (PK 2: those whose base has bit 0): a gather on the pool's
     device, part by part."""
-    from betelgeuse.kernels import q8_pack
+    from betelgeuse.kernels import mma_pack
     out = pool.clone()
     for s in range(n_slots) if which is None else which:
         for p, (rows, K) in enumerate(((F, H), (F, H), (H, F))):
             at, n = s * slot + starts[p], rows * (K // QK * BS)
-            out[at:at + n] = q8_pack.pack(pool[at:at + n], rows, K, QT)
+            out[at:at + n] = mma_pack.pack(pool[at:at + n], rows, K, QT)
     return out
 
 
@@ -152,10 +152,10 @@ def gl_forms(mq, only: list[str] | None = None) -> dict:
     as unfused) and unfused; the loads carried to the step that uses them, GP 1 and 2 (gluon_mmq._acc_part: Q8_0 and
     MXFP4; Q4_K's loop has no GP form, cpu-gluon16r57), and GP 1 with the K chunks split over programs at 16 rows too
     (SPLIT 1: 4x the 16-row gate_up's 192 programs; the 1-row bucket's kernels); Q8_0's GP 1, GP 2 and GP 1 split16
-    on the bank packed (PK 1: q8_pack's layout, pack_pool), and GP 1 with PK 2 (engine.pack_experts' form: each
+    on the bank packed (PK 1: mma_pack's layout, pack_pool), and GP 1 with PK 2 (engine.pack_experts' form: each
     expert's layout from bit 0 of its base; the bits' bank: every odd expert packed, flagged, the even ones GGUF; the
     GB/s banks: every expert packed, as an engine whose experts are all in VRAM); Q4_K's shipped form on its packed
-    bank, PK 1 and 2 (`gluon PK`, `gluon PK2`: q8_pack's Q4_K layout, cpu-packk62). Each against TRITON's launch (on
+    bank, PK 1 and 2 (`gluon PK`, `gluon PK2`: mma_pack's Q4_K layout, cpu-packk62). Each against TRITON's launch (on
     the bank as GGUF lays it)."""
     names = ["gluon", "gluon unfused"] + (["gluon GP1", "gluon GP2", "gluon GP1 split16"] if QT != 5 else [])
     names += ["gluon GP1 PK", "gluon GP2 PK", "gluon GP1 PK split16", "gluon GP1 PK2"] if QT == 0 else []

@@ -20,7 +20,7 @@ conversion, the B tile, the MMA and the fmas), by MODE:
   tiled   pairs' loads on the bank re-laid tile-major (cpu-pack62): tiles of NS (64 or 128) rows, [tile][step][row in
           tile][68 bytes], so a warp's 8 rows x 8 bytes fall in 8 x 68 contiguous bytes (NS 64: the program's 128
           rows two tiles, as a fused gate_up reads gate's tile and up's);
-  packed  the bank re-laid as betelgeuse/kernels/q8_pack (64-row tiles, a step's quants in the order of the
+  packed  the bank re-laid as betelgeuse/kernels/mma_pack (64-row tiles, a step's quants in the order of the
           threads' A registers): 4 LDG.128 a thread a step (a warp load 512 contiguous bytes) and its rows' scale
           words, what a kernel reading that layout issues (gluon_mmq.PW2).
 
@@ -121,8 +121,8 @@ if gm.HAVE_GLUON:
                 r0 = gm._ld_u16(pool + rc + (s + 1) * SS, oc * m)
                 r1 = gm._ld_u16(pool + rc + (s + 1) * SS + 34, oc * m)
             tot = gl.xor_sum(gl.xor_sum(acc, 1), 0) ^ gl.xor_sum(accr, 0)
-        elif MODE == 5:                 # packed: q8_pack's layout, the program's two 64-row tiles (gate's, up's)
-            t0 = tile.to(gl.int64) * 128 * 2176 + ch * steps * 4352        # 4352: q8_pack.STEP_B
+        elif MODE == 5:                 # packed: mma_pack's layout, the program's two 64-row tiles (gate's, up's)
+            t0 = tile.to(gl.int64) * 128 * 2176 + ch * steps * 4352        # 4352: mma_pack.STEP_B
             n = gl.arange(0, 128, layout=gl.SliceLayout(1, gm.PW2))
             c = gl.arange(0, 16, layout=gl.SliceLayout(0, gm.PW2))
             g = (n // 64) * (64 * 2176) + ((n % 64) // 16) * 1024 + ((n // 8) % 2) * 512 + (n % 8) * 64
@@ -233,19 +233,19 @@ def compile_case(name: str, arch: int = 90):
 
 def layout_index(mode: str, ns: int):
     """A layout case's permutation of one tile's bytes (int64 [tile rows x ROW_B]: laid byte i = GGUF byte index[i],
-    each tile of the bank alike): tiled's [step][row][68 bytes] of NS rows, packed's betelgeuse/kernels/q8_pack."""
+    each tile of the bank alike): tiled's [step][row][68 bytes] of NS rows, packed's betelgeuse/kernels/mma_pack."""
     import numpy as np
-    from betelgeuse.kernels import q8_pack
+    from betelgeuse.kernels import mma_pack
     if mode == "packed":
-        return q8_pack.tile_index(ROW_B // BLK * 32)
+        return mma_pack.tile_index(ROW_B // BLK * 32)
     s, r, b = np.ix_(range(ROW_B // STEP_B), range(ns), range(STEP_B))
     return (r * ROW_B + s * STEP_B + b).reshape(-1)
 
 
 def relaid(bank, mode: str, ns: int):
     """The bank's bytes in a layout case's order (a gather on the bank's device)."""
-    from betelgeuse.kernels import q8_pack
-    return q8_pack.permute_tiles(bank, layout_index(mode, ns))
+    from betelgeuse.kernels import mma_pack
+    return mma_pack.permute_tiles(bank, layout_index(mode, ns))
 
 
 def expected_programs(bank, walked: bool):

@@ -24,10 +24,10 @@ from betelgeuse.kernels import triton_mmq as mq  # noqa: E402
 # 16-row one (walked; MXFP4's down left out: the same loop as Q8_0's but for _fetch's decode, cpu-gluon55 counted it --
 # the child stays within CI's 15 s with a cold Triton cache: 14.5 s with it here, 8 s without); Q8_0's 16-row gate_up
 # with the loads carried to the step that uses them (GP 1, 2: cpu-gluon16r57; Q8_0's down runs the same K loop,
-# _acc_part, and Q4_K's down the same kernel body); Q8_0's shipped GP 1 on q8_pack's layout (PK 1: cpu-pack62) in
+# _acc_part, and Q4_K's down the same kernel body); Q8_0's shipped GP 1 on mma_pack's layout (PK 1: cpu-pack62) in
 # both buckets, gate_up (fused, 128 rows: PW2) and down (64 rows: PW) -- 4 more Gluon compiles and one Triton, ~3 s;
 # PK 2 (per expert, base's bit 0: engine.pack_experts, cpu-vram62), both K loops in one kernel: the 1-row gate_up and
-# the 16-row down (the buckets' other kernels run the same two bodies) -- 2 more, ~2 s; Q4_K's PK 1 (q8_pack's Q4_K
+# the 16-row down (the buckets' other kernels run the same two bodies) -- 2 more, ~2 s; Q4_K's PK 1 (mma_pack's Q4_K
 # layout, cpu-packk62: the 16-row fused gate_up, the 1-row down) and PK 2 (the shipped Q4_K cases' launches, against
 # whose registers they are held) -- 4 more, ~5 s
 CASES = [(0, "gate_up", 1, 0, 0), (0, "gate_up", 16, 1, 0), (0, "gate_up", 16, 2, 0), (4, "gate_up", 1, 0, 0),
@@ -95,7 +95,7 @@ def test_gluon_compiles_to_the_bf16_mma_with_the_weights_in_registers():
     counts as the Triton kernel's of the same launch (the same float ops: a dropped clamp or min term, an unfused or
     extra op would show). GP 1 / 2 (Q8_0): no load of the loop is read in the step that issues it
     (sass_profile.ldg_in_step: a conversion, repacking or copy of the loaded register there would wait for it; GP 0's
-    loop, the control, waits for all 22); GP 2's loop holds 2 steps (its counts doubled). PK 1 (q8_pack's layout,
+    loop, the control, waits for all 22); GP 2's loop holds 2 steps (its counts doubled). PK 1 (mma_pack's layout,
     Q8_0 GP 1): the same HGMMA, shared memory, barriers and float ops, its weights by 128-bit loads (a thread's 16
     contiguous bytes of a 64-row tile: 2 a tile a step) and a row's two scales one 32-bit word, nothing else (the
     words' bf16 order by register moves: no shared memory, no shuffles). PK 2 (per expert by base's bit 0: both
@@ -180,7 +180,7 @@ def test_gl_applies_exactly_to_the_shipped_bf16_schedules(monkeypatch):
         assert gm.usable(0, {**c, "PK": 1}, 2, cuda)                     # PK: Q8_0 with its loads carried (GP)
         assert not gm.usable(0, {**c, "PK": 1, "GP": 0}, 2, cuda)
         assert not gm.usable(4, {**mq.config(4, b, bf=True), "GL": 1, "GP": 1, "PK": 1}, 2, cuda)
-        for pk in (1, 2):                                                # Q4_K: its one form (GP 0) reads q8_pack's
+        for pk in (1, 2):                                                # Q4_K: its one form (GP 0) reads mma_pack's
             assert gm.usable(5, {**mq.config(5, b, bf=True), "PK": pk}, 2, cuda)    # Q4_K layout (cpu-packk62)
         assert not gm.usable(6, {**mq.config(6, b, bf=True), "GL": 1}, 2, cuda)       # Q5_K: no Gluon form
         assert not gm.usable(0, {**c, "BN": 128, "num_warps": 8}, 2, cuda)
@@ -215,7 +215,7 @@ def test_gl_on_the_cpu_runs_the_triton_kernel_with_its_bits(monkeypatch):
 
 def test_gp_reaches_the_gluon_launch_as_configured(monkeypatch):
     """The schedule keys GP (triton_mmq.CONFIG, 0; Q8_0's BF_TUNING 1 with GL 1, gpu-run63) and PK (0 everywhere:
-    q8_pack's layout, cpu-pack62) reach gluon_mmq.launch's constexprs as the config says: Q8_0's shipped GP 1, PK 0,
+    mma_pack's layout, cpu-pack62) reach gluon_mmq.launch's constexprs as the config says: Q8_0's shipped GP 1, PK 0,
     TYPE_CONFIG's GP 0 / 1 / 2 and PK 1 under GL 1, no Gluon launch under GL 0, for gate_up and down and both rows
     buckets (a stand-in launch records them; usable() forced true: the CPU has no Gluon device), and gate_up / down's
     pk 2 (engine.pack_experts) over the shipped config. Where the Gluon form cannot run (the real usable() here), PK 1

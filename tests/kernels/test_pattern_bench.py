@@ -2,7 +2,7 @@
 inflight_account.py (its bytes in flight an SM), on the CPU (docs/benchmarks/cpu-inflight61): the bench's `pairs`
 loop issues the shipped kernel's loads (the same LDG.U16 count a step, none read in the step that issues them),
 `words` the same bytes as coalesced 32-bit words, `ring` them by cp.async into shared memory stages, `tiled` the
-kernel's loads on a tile-major layout and `packed` 128-bit loads of q8_pack's layout (cpu-pack62), and each case's
+kernel's loads on a tile-major layout and `packed` 128-bit loads of mma_pack's layout (cpu-pack62), and each case's
 shared memory (reservation, ring) caps the CTAs an SM at its CTAS by the account's occupancy rule."""
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def test_pattern_bench_reads_as_the_kernel_and_caps_ctas():
     assert all(x["local"] == 0 and x["in_step"] == 0 for x in reports), reports
     kernel_u16 = r["kernel"]["ldg"]["U16"]                  # the weight pairs and scales (its x: 2 LDG.128 more)
     assert r["pairs"]["ldg"] == r["tiled"]["ldg"] == {"U16": kernel_u16} == {"U16": 40}, reports
-    # packed (q8_pack's layout): a thread's 32 quant words as 128-bit loads (a warp load 512 contiguous bytes), the
+    # packed (mma_pack's layout): a thread's 32 quant words as 128-bit loads (a warp load 512 contiguous bytes), the
     # scales one 32-bit word a row (its two blocks' f16 d) for its 4 rows
     assert r["packed r16"]["ldg"] == {"128": 4, "32": 4}, reports
     assert r["words"]["ldg"] == {"32": 32}, reports           # [128, 32] words, one row's 17 a warp load

@@ -27,7 +27,7 @@ BF_TYPES only, the rows-1 / rows-16 bucket's launch: config(bf=True), --bf-over 
 iteration = one K step of KB blocks on BN rows of ONE part, FUSE 0); `gluon` / `gluonr16`: the same schedule in
 Gluon (betelgeuse/kernels/gluon_mmq.py, triton_mmq's GL 1: the weights loaded straight into wgmma's A registers),
 Q8_0, MXFP4 and Q4_K, FUSE as the Triton row's (config(bf=True) with --bf-over: gate_up's loop then holds both
-parts; the keys GP, gluon_mmq's load distance, and PK, q8_pack's layout, from --bf-over too). The MMA rows add the
+parts; the keys GP, gluon_mmq's load distance, and PK, mma_pack's layout, from --bf-over too). The MMA rows add the
 shared memory traffic of the loop (sts / lds per thread: STS + STSM, LDS + LDSM; bar: BAR), where the tensor-core
 instruction takes its A operand (the weights): `R` registers (HGMMA Rd, Ra, gdesc[..]), `smem` a descriptor, and how
 many of the loop's LDG are read in the step that issues them (ldg_in_step: waited for there). Prints a markdown

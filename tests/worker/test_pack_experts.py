@@ -1,5 +1,5 @@
 """engine.pack_experts (issue 23, docs/benchmarks/cpu-vram62): the VRAM slots hold their Q8_0 experts in
-kernels/q8_pack's layout, repacked as they fill (ExpertCache._own), flagged by bit 0 of their base offset (the kernels'
+kernels/mma_pack's layout, repacked as they fill (ExpertCache._own), flagged by bit 0 of their base offset (the kernels'
 PK 2 reads each expert's layout from it); host slots and the ring stay GGUF. On the CPU the packing is forced on an
 ExpertCache (pack_layers: what MoEStep calls once the startup check passed, which it cannot here: no Gluon); the bits of
 the packed kernel are the device's to check (deploy/device/check_cuda.py with CHECK_PACK_EXPERTS=1)."""
@@ -17,7 +17,7 @@ from engine_helpers import ENGINE_SPEC, WIDE_SPEC, close_runner, in_process_runn
 from gguf import GGUFReader
 
 from betelgeuse.errors import BetelgeuseError
-from betelgeuse.kernels import q8_pack
+from betelgeuse.kernels import mma_pack
 from betelgeuse.store.directory import ENTRY_DTYPE, TIER_DISK, TIER_VRAM
 from betelgeuse.store.plan import vram_needs
 from betelgeuse.worker.expert_cache import ExpertCache
@@ -51,11 +51,11 @@ Q4_K_SPEC = {**WIDE_SPEC, "n_embd": 256, "head_dim": 64, "n_ff_exp": 256, "qtype
 def test_packed_vram_slots_hold_each_experts_file_bytes_in_the_packed_layout(tmp_path, spec, qt):
     """Layers 0 and 2 packed, layer 1 not; VRAM slots filled from host slots (sync_vram) and from staging slots
     (fill_vram), then evictions and re-fills into the freed slots: after each round every VRAM expert's parts,
-    unpacked (q8_pack.unpack) in a packed layer and as they are in the other, equal the file's bytes (gguf-py),
+    unpacked (mma_pack.unpack) in a packed layer and as they are in the other, equal the file's bytes (gguf-py),
     a packed slot's differ from them (repacked in place), its base offset has bit 0 set (host table and device
     table alike), an unpacked one's not; host slots keep GGUF order. Fails without the repack (_own), with the repack
     from the slot itself instead of the scratch (the gather reads bytes it already overwrote), or with the flag
-    left off. Q8_0 (WIDE_SPEC) and Q4_K models (q8_pack's Q4_K layout: betelgeuse synth's Q4_K experts)."""
+    left off. Q8_0 (WIDE_SPEC) and Q4_K models (mma_pack's Q4_K layout: betelgeuse synth's Q4_K experts)."""
     path = write_synth(tmp_path / "w.gguf", **spec)
     ref = _file_parts(path)
     rn, st = in_process_runner(path, 4, 8)
@@ -106,7 +106,7 @@ def test_packed_vram_slots_hold_each_experts_file_bytes_in_the_packed_layout(tmp
                         want = ref[l, k][e].reshape(-1)
                         if packed[l]:
                             assert not np.array_equal(got, want), (l, e, k)     # repacked in place
-                            got = q8_pack.unpack(got, *m.shape, qt)
+                            got = mma_pack.unpack(got, *m.shape, qt)
                         assert np.array_equal(got, want), (l, e, k, m.shape)
                     h = vram[e]
                     if h >= 0:                      # the host slot stays GGUF

@@ -1,7 +1,7 @@
-"""A Q8_0 or Q4_K weight matrix in the packed layout of gluon_mmq's PK forms (issue 23, docs/benchmarks/cpu-pack62,
-cpu-packk62): each
-K step's bytes placed in the order the kernel's threads hold them, so a warp's weight load is 512 contiguous bytes,
-16 bytes a thread (GGUF order: 8 rows x 8 bytes a warp load, 8 sectors in 8 lines).
+"""A Q8_0 or Q4_K weight matrix in the packed layout of gluon_mmq's PK forms (issue 23, docs/benchmarks/cpu-pack62
+and cpu-packk62, where this module was q8_pack): each K step's bytes placed in the order the kernel's threads hold
+them, so a warp's weight load is 512 contiguous bytes, 16 bytes a thread (GGUF order: 8 rows x 8 bytes a warp
+load, 8 sectors in 8 lines).
 
 A permutation of the matrix's bytes (the same size: a slot holds either). GGUF order: rows of K / 32 blocks of 34
 bytes (f16 d, 32 int8). Packed: tiles of TR = 64 rows (gluon_mmq's BN), each K / 64 steps of KB 2 blocks, a step

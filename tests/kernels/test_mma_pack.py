@@ -1,4 +1,4 @@
-"""betelgeuse/kernels/q8_pack (docs/benchmarks/cpu-pack62): the packed layout is a permutation of a Q8_0 matrix's bytes
+"""betelgeuse/kernels/mma_pack (docs/benchmarks/cpu-pack62): the packed layout is a permutation of a Q8_0 matrix's bytes
 (round trip, same size), and the packed bytes read the way the PK 1 kernel reads them (a thread's quant words at
 its rows' 16-byte pieces, a row's scale word after the step's quants) dequantize to gguf-py's dequantization of the
 GGUF bytes, exactly."""
@@ -10,7 +10,7 @@ import pytest
 from gguf import quants as gq
 from gguf.constants import GGMLQuantizationType as GT
 
-from betelgeuse.kernels import q8_pack
+from betelgeuse.kernels import mma_pack
 
 
 def _q8(rows: int, K: int, seed: int) -> np.ndarray:
@@ -44,9 +44,9 @@ def _read_packed(p: np.ndarray, rows: int, K: int) -> np.ndarray:
 @pytest.mark.parametrize("rows,K", [(64, 64), (128, 768), (64, 2048)])
 def test_pack_is_a_permutation_and_reads_as_gguf(rows, K):
     raw = _q8(rows, K, rows + K)
-    packed = q8_pack.pack(raw.tobytes(), rows, K)
+    packed = mma_pack.pack(raw.tobytes(), rows, K)
     assert packed.dtype == np.uint8 and packed.size == raw.size
-    assert np.array_equal(q8_pack.unpack(packed, rows, K), raw)
+    assert np.array_equal(mma_pack.unpack(packed, rows, K), raw)
     assert not np.array_equal(packed, raw)
     ref = gq.dequantize(raw.reshape(rows, -1), GT.Q8_0).astype(np.float32)
     got = _read_packed(packed, rows, K)
@@ -54,19 +54,19 @@ def test_pack_is_a_permutation_and_reads_as_gguf(rows, K):
 
 
 def test_usable():
-    assert q8_pack.usable(768, 2048) and q8_pack.usable(2048, 768)
-    assert not q8_pack.usable(96, 2048) and not q8_pack.usable(64, 96) and not q8_pack.usable(0, 64)
+    assert mma_pack.usable(768, 2048) and mma_pack.usable(2048, 768)
+    assert not mma_pack.usable(96, 2048) and not mma_pack.usable(64, 96) and not mma_pack.usable(0, 64)
     with pytest.raises(AssertionError):
-        q8_pack.pack(np.zeros(96 * 68, np.uint8), 96, 64)
+        mma_pack.pack(np.zeros(96 * 68, np.uint8), 96, 64)
 
 
 def test_torch_gather_matches_numpy():
     """The GPU path's gather (a torch tensor in, on its device) gives numpy's bytes."""
     torch = pytest.importorskip("torch")
     raw = _q8(128, 768, 5)
-    got = q8_pack.pack(torch.from_numpy(raw.copy()), 128, 768)
-    assert isinstance(got, torch.Tensor) and np.array_equal(got.numpy(), q8_pack.pack(raw, 128, 768))
-    assert np.array_equal(q8_pack.unpack(got, 128, 768).numpy(), raw)
+    got = mma_pack.pack(torch.from_numpy(raw.copy()), 128, 768)
+    assert isinstance(got, torch.Tensor) and np.array_equal(got.numpy(), mma_pack.pack(raw, 128, 768))
+    assert np.array_equal(mma_pack.unpack(got, 128, 768).numpy(), raw)
 
 
 def test_pk_conversion_order_is_the_steps_k_order():
@@ -86,7 +86,7 @@ def test_pk_conversion_order_is_the_steps_k_order():
         assert line in src, line
     rows, K = 64, 768
     raw = _q8(rows, K, 9)
-    packed = q8_pack.pack(raw, rows, K)
+    packed = mma_pack.pack(raw, rows, K)
     q = raw.reshape(rows, K // 32, 34)[:, :, 2:].view(np.int8).reshape(rows, K)
     n = np.arange(64)
     g = 1024 * (n // 16) + 512 * (n // 8 % 2) + 64 * (n % 8)
@@ -137,9 +137,9 @@ def test_q4_k_pack_is_a_permutation_and_reads_as_gguf(rows, K):
     """Q4_K: round trip, the same size, and the bytes at the kernel's addresses dequantize (gguf-py) to the GGUF
     bytes' dequantization, bit for bit."""
     raw = _q4_k(rows, K, rows + K)
-    packed = q8_pack.pack(raw.tobytes(), rows, K, 5)
+    packed = mma_pack.pack(raw.tobytes(), rows, K, 5)
     assert packed.dtype == np.uint8 and packed.size == raw.size
-    assert np.array_equal(q8_pack.unpack(packed, rows, K, 5), raw)
+    assert np.array_equal(mma_pack.unpack(packed, rows, K, 5), raw)
     assert not np.array_equal(packed, raw)
     ref = gq.dequantize(raw.reshape(rows, -1), GT.Q4_K).astype(np.float32)
     got = gq.dequantize(_read_packed_q4_k(packed, rows, K).reshape(rows, -1), GT.Q4_K).astype(np.float32)
@@ -148,12 +148,12 @@ def test_q4_k_pack_is_a_permutation_and_reads_as_gguf(rows, K):
 
 def test_q4_k_usable_and_torch_gather():
     torch = pytest.importorskip("torch")
-    assert q8_pack.usable(768, 2048, 5) and q8_pack.usable(2048, 768, 5)
-    assert not q8_pack.usable(768, 64, 5) and not q8_pack.usable(96, 2048, 5) and not q8_pack.usable(64, 64, 4)
+    assert mma_pack.usable(768, 2048, 5) and mma_pack.usable(2048, 768, 5)
+    assert not mma_pack.usable(768, 64, 5) and not mma_pack.usable(96, 2048, 5) and not mma_pack.usable(64, 64, 4)
     raw = _q4_k(128, 768, 7)
-    got = q8_pack.pack(torch.from_numpy(raw.copy()), 128, 768, 5)
-    assert isinstance(got, torch.Tensor) and np.array_equal(got.numpy(), q8_pack.pack(raw, 128, 768, 5))
-    assert np.array_equal(q8_pack.unpack(got, 128, 768, 5).numpy(), raw)
+    got = mma_pack.pack(torch.from_numpy(raw.copy()), 128, 768, 5)
+    assert isinstance(got, torch.Tensor) and np.array_equal(got.numpy(), mma_pack.pack(raw, 128, 768, 5))
+    assert np.array_equal(mma_pack.unpack(got, 128, 768, 5).numpy(), raw)
 
 
 def test_q4_k_pk_pairs_reach_ql_in_the_gguf_pair_order():
@@ -175,7 +175,7 @@ def test_q4_k_pk_pairs_reach_ql_in_the_gguf_pair_order():
     for R, rows in ((64, 64), (128, 128)):              # 128: two tiles as FUSE's gate / up rows
         K = 512
         raw = _q4_k(rows, K, R)
-        packed = q8_pack.pack(raw, rows, K, 5).view(np.uint16)
+        packed = mma_pack.pack(raw, rows, K, 5).view(np.uint16)
         gg = raw.reshape(rows, K // 256, 144)[:, :, 16:].reshape(rows, K // 256, 4, 16, 2).copy().view(np.uint16)
         n = np.array([16 * (q // 8) + q % 8 for q in range(R // 2)])      # the h = 0 row of QZ's row q
         for kb0 in range(0, K // 32, 2):
