@@ -164,8 +164,8 @@ class ExpertCache:
         self.h2d_bytes = 0
         self.copy_seconds = 0.0    # CPU path: time spent copying
         # engine.pack_experts (pack_layers): per layer, whether its VRAM slots hold their Q8_0 / Q4_K parts in
-        # mma_pack's layout (None: every slot GGUF order); the repack's slot-sized scratch and mma_pack's tile index per
-        # (K, type code) on the device (the plan counts both: store/plan.py pack_scratch_bytes)
+        # mma_pack's layout (None: every slot GGUF order); the repack's slot-sized scratch and mma_pack's tile index
+        # per (K, type code) on the device (the plan counts both: store/plan.py pack_scratch_bytes)
         self.packed: np.ndarray | None = None
         self._pack_scratch: torch.Tensor | None = None
         self._pack_index: dict[tuple[int, int], torch.Tensor] = {}

@@ -831,9 +831,10 @@ class MoEStep:
     def _hand_all(self, l, counts, marks, used, tiers, flexed, snap, stats: PassStats, ls: LayerStats) -> bool:
         """partial(hand=True) where the at-hand group computed every routed expert of layer l (no disk expert, every
         host one read in place: decode's common case) -> True, the layer done; False (nothing done): a miss remains,
-        the general path runs. `tiers` holds no disk tier (_partial tests that first: a disk expert is a miss). The general path's observables with nothing of it that has no work: the tier counts,
-        the read-ahead of the guesses and the drop of this layer's unused ones (the same messages),
-        the in-place bytes, the guesses scored; no per-tier arrays, no bank or staging bookkeeping. `used`, `tiers`:
+        the general path runs. `tiers` holds no disk tier (_partial tests that first: a disk expert is a miss). The
+        general path's observables with nothing of it that has no work: the tier counts, the read-ahead of the guesses
+        and the drop of this layer's unused ones (the same messages), the in-place bytes, the guesses scored; no
+        per-tier arrays, no bank or staging bookkeeping. `used`, `tiers`:
         the routed experts less the flex-held ones (`flexed`), Python lists (_partial makes them once for both)."""
         # a few experts (T rows x k at most, as lists: _partial): Python over them costs less than numpy calls
         at = self.hand.host[l]
