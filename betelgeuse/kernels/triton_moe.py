@@ -650,6 +650,13 @@ def _workspace(dev: torch.device, n_floats: int, n_tiles: int) -> tuple[torch.Te
 _GGUF_TYPE = {c: t for t, c in QT_CODES.items()}       # kernel type code -> GGML type
 
 
+def tile_consts(qt: int) -> dict:
+    """The constexprs of a launch whose bank may hold tile-layout experts of kernel type code qt: TB the type's block
+    bytes (tile_layout.unit), RAT the alignment of a tiled row (a multiple of TB in its 16-byte aligned part)."""
+    tb = unit(_GGUF_TYPE[qt])[1]
+    return dict(TB=tb, RAT=_row_align(tb))
+
+
 def _row_align(row_bytes: int) -> int:
     """The largest power of two <= 16 dividing row_bytes (with 16-byte aligned parts: every row's alignment)."""
     return min(16, row_bytes & -row_bytes)
@@ -742,8 +749,7 @@ def _plan(which: str, qt: int, R: int, E: int, K: int, N: int, k_top: int, limit
         consts = dict(QT=qt, HAS_LIMIT=limit is not None) if gu else dict(QT=qt)
         consts.update(IEEE=dtype == torch.float32, ALIGNED=aligned, RA=_row_align(row_bytes))
         if tiled:               # bit 0 of a base offset: a tile-layout expert (rows at multiples of its block bytes)
-            tb = unit(_GGUF_TYPE[qt])[1]
-            consts.update(TB=tb, RAT=_row_align(tb))
+            consts.update(tile_consts(qt))
         bk = block_k(qt, H, F)
         kc = chunk(qt, K, bk)
         nch = cdiv(K, kc)

@@ -682,6 +682,16 @@ def warm_mmq(tasks: list[tuple[str, str, int]]):
     torch.cuda.synchronize()
 
 
+def _error_row(lines: list[str], fails: list[str], key: str, r: dict, cols: int) -> bool:
+    """Whether case r errored; if so its row of a `cols`-column table goes to lines and its key to fails (a time
+    budget's skip is no failure)."""
+    if "error" not in r:
+        return False
+    lines.append(f"| {key} | | {r['error']} |" + " |" * (cols - 3))
+    fails += [] if r["error"].startswith("skipped") else [key]
+    return True
+
+
 def _act_table(res: dict, title: str, cols: tuple, rates, check_cell) -> tuple[list[str], list[str]]:
     """The markdown table of an activation-schedule run -> (lines, failed case keys). res {case: result}; cols the
     names of its three GB/s columns and its check column; rates(result) -> those three {rows: GB/s} (the middle one
@@ -693,9 +703,7 @@ def _act_table(res: dict, title: str, cols: tuple, rates, check_cell) -> tuple[l
              "|---|---|---|---|---|---|---|---|"]
     fails = []
     for key, r in res.items():
-        if "error" in r:
-            lines.append(f"| {key} | | {r['error']} | | | | | |")
-            fails += [] if r["error"].startswith("skipped") else [key]
+        if _error_row(lines, fails, key, r, 8):
             continue
         c = r.get("check")
         cs = "no mmq schedule" if c is None else f"FAIL {c['error']}" if "error" in c else check_cell(c)
@@ -920,13 +928,27 @@ def tile_bank(pool: torch.Tensor, qt: int, H: int, F: int, slot: int) -> torch.T
     return out
 
 
+def same_bits(a: tuple, b: tuple, a_out: tuple, b_out: tuple) -> bool:
+    """Run launch pairs a and b (gate_up, down callables) once on bank 0 -> whether their outputs a_out / b_out
+    (inter, y) are the same bits (int16 words)."""
+    for gu, dn in (a, b):
+        gu(0)
+        dn(0)
+    if not DRY:
+        torch.cuda.synchronize()
+    return all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(a_out, b_out))
+
+
 def tiles_case(gname: str, tname: str) -> dict:
     """One type and geometry: triton_moe's float kernels (the kernels' own tuning) over rotating banks of GGUF slots
     (tiled False: the launch as the engine makes it), the same banks tiled (tile_bank; bit 0 of every base set, tiled
     True) and the GGUF banks with the tile flag on (tiled True, no expert flagged: the branch's cost); GB/s of the
     expert bytes at ROWS, gate_up + down and each. Bits: gate_up's inter and down's y of the tiled banks == the
-    GGUF banks' (as int16 words: random bytes may make NaNs, whose bits are compared too)."""
+    GGUF banks' (as int16 words: random bytes may make NaNs, whose bits are compared too). For the types of
+    triton_mmq's MMA schedules the same for its q8_1 and bf16 kernels (mmq_q8_1 / mmq_bf16: the shipped schedule on
+    the GGUF banks, Gluon's where it runs, against the tiled launch's byte-load MMA, with its bits check)."""
     from betelgeuse.kernels import tile_layout
+    from betelgeuse.kernels import triton_mmq as mq
     from betelgeuse.kernels import triton_moe as tk
     from betelgeuse.kernels.triton_quants import QT_CODES
     H, F, E, limit = GEOMS[gname]
@@ -947,7 +969,7 @@ def tiles_case(gname: str, tname: str) -> dict:
     kern, _ = kernels_for(qt, H, F, E, limit)
     st, aligned = kern.starts[0], kern._aligned
     rg, rd = row_nbytes(qt, H), row_nbytes(qt, F)
-    out = {"expert_bytes": nbytes, "banks": n_banks, "gguf": {}, "tiled": {}, "flag_on": {}, "bits_equal": {}}
+    out = {"expert_bytes": nbytes, "banks": n_banks, "bits_equal": {}}
     for rows in ROWS:
         h, ids, w = routing(BANK, rows, K_TOP, H)
         r = kern.route(h, ids, w)
@@ -964,14 +986,27 @@ def tiles_case(gname: str, tname: str) -> dict:
             return gu, dn
         cases = {"gguf": pair(pool, bases, False, r.inter, r.y), "tiled": pair(tpool, tbases, True, inter_t, y_t),
                  "flag_on": pair(pool, bases, True, inter_t, y_t)}
-        # bits: bank 0 once each way (down reads the GGUF run's inter in both: each kernel alone)
-        cases["gguf"][0](0), cases["gguf"][1](0)
-        cases["tiled"][0](0), cases["tiled"][1](0)
-        if not DRY:
-            torch.cuda.synchronize()
-        out["bits_equal"][rows] = bool(torch.equal(r.inter.view(torch.int16), inter_t.view(torch.int16))
-                                       and torch.equal(r.y.view(torch.int16), y_t.view(torch.int16)))
+        out["bits_equal"][rows] = same_bits(cases["gguf"], cases["tiled"], (r.inter, r.y), (inter_t, y_t))
+        for mode, prep in (("q8_1", mq.quantize_q8_1), ("bf16", mq.prepare_bf16)):
+            if not mq.mmq_ok(code, H, mode == "bf16") or not mq.mmq_ok(code, F, mode == "bf16"):
+                continue
+            hq, iq = prep(r.h), prep(r.inter)
+
+            def mpair(p, bs, tiled, inter, y):
+                def gu(i):
+                    mq.gate_up(hq, p, bs[i % n_banks], st, r.rows, r.off, inter, F, K_TOP, code, limit, rg, aligned,
+                               tiled=tiled)
+
+                def dn(i):
+                    mq.down(iq, p, bs[i % n_banks], st, r.rows, r.off, y, code, rd, aligned, tiled=tiled)
+                return gu, dn
+            g_io, t_io = (torch.empty_like(r.inter), torch.empty_like(r.y)), (inter_t, y_t)
+            cases[f"mmq_{mode}"] = mpair(pool, bases, False, *g_io)
+            cases[f"mmq_{mode}_tiled"] = mpair(tpool, tbases, True, *t_io)
+            out["bits_equal"][f"mmq_{mode}/{rows}"] = same_bits(cases[f"mmq_{mode}"], cases[f"mmq_{mode}_tiled"],
+                                                                 g_io, t_io)
         for name, (gu, dn) in cases.items():
+            out.setdefault(name, {})
             t_gu, t_dn = graph_time(gu, reps), graph_time(dn, reps)
             out[name][rows] = {"gbps": bank_bytes / (t_gu + t_dn) / 1e9,
                                "gate_up_gbps": BANK * 2 * F * rg / t_gu / 1e9, "down_gbps": BANK * H * rd / t_dn / 1e9}
@@ -992,9 +1027,7 @@ def tiles_run(types: list[str], geoms: list[str], meta: dict, budget: float) -> 
              "|---|---|---|---|---|---|---|---|---|"]
     fails = []
     for key, r in res.items():
-        if "error" in r:
-            lines.append(f"| {key} | | {r['error']} | | | | | | |")
-            fails += [] if r["error"].startswith("skipped") else [key]
+        if _error_row(lines, fails, key, r, 9):
             continue
         for n in ROWS:
             g, t = r["gguf"].get(n), r["tiled"].get(n)
@@ -1005,6 +1038,18 @@ def tiles_run(types: list[str], geoms: list[str], meta: dict, budget: float) -> 
                          f"{f(r['gguf'], n, 'gate_up_gbps')} / {f(r['gguf'], n, 'down_gbps')} | "
                          f"{f(r['tiled'], n, 'gate_up_gbps')} / {f(r['tiled'], n, 'down_gbps')} | "
                          f"{'==' if eq else '!='} |")
+    lines += ["", "triton_mmq's MMA kernels (shipped schedule on GGUF banks vs the tiled launch's byte-load MMA; GB/s "
+              "gate_up + down at each rows count; bits):", ""]
+    for key, r in res.items():
+        for mode in ("q8_1", "bf16"):
+            g, t = r.get(f"mmq_{mode}"), r.get(f"mmq_{mode}_tiled")
+            if not g:
+                continue
+            eqs = [r["bits_equal"].get(f"mmq_{mode}/{n}") for n in ROWS]
+            fails += [f"{key}/mmq_{mode}"] if not all(eqs) else []
+            lines.append(f"  {key} {mode}: " + ", ".join(
+                f"{n} rows {f(g, n)} -> {f(t, n)} ({t[n]['gbps'] / g[n]['gbps']:.2f}x)" for n in ROWS)
+                + f"; bits {'==' if all(eqs) else '!='}")
     return _report(lines, fails, meta, res, "tiles")
 
 

@@ -68,16 +68,26 @@ def test_usable():
     assert tlay.unit(GT.F32) == (32, 128) and tlay.unit(GT.Q4_K) == (256, 144)
 
 
+def _bits_equal(res: dict, keys: tuple) -> None:
+    for name, r in res.items():
+        for k in keys:
+            assert r[k]["eq_gu"] and r[k]["eq_dn"], (name, k, r)
+        assert r["moved_gu"] or r["moved_dn"], (name, r)            # the check reads tiled bytes somewhere
+
+
 def test_triton_kernels_read_a_mixed_bank_to_the_gguf_banks_bits():
-    """triton_moe's float kernels (gate_up, down; both rows buckets, Q8_0 split-K in bucket 1) on a bank of tiled
-    and GGUF experts == the all-GGUF bank, bit for bit (tests/scripts/tile_kernel_check.py, the interpreter)."""
+    """triton_moe's float kernels (gate_up, down; both rows buckets, Q8_0 split-K in bucket 1) and triton_mmq's q8_1
+    and bf16 MMA kernels on a bank of tiled and GGUF experts == the all-GGUF bank, bit for bit
+    (tests/scripts/tile_kernel_check.py, the interpreter; ~15 s; IQ4_XS and `--mmq Q4_K`, ~45 s more, by hand:
+    docs/benchmarks/cpu-tile62)."""
     pytest.importorskip("triton")
     from test_kernels import _run          # tests/kernels (rootdir-relative imports: pytest's prepend mode)
-    res = _run("tile_kernel_check.py", tuning="off")
-    assert set(res) == {"Q8_0", "MXFP4", "Q4_K", "IQ4_XS", "F16"}
-    for name, r in res.items():
-        for b in ("1", "16"):
-            assert r[b]["eq_gu"] and r[b]["eq_dn"], (name, b, r)
-        assert r["moved_gu"] or r["moved_dn"], (name, r)            # the check reads tiled bytes somewhere
+    res = _run("tile_kernel_check.py", "Q8_0", "MXFP4", "Q4_K", "F16", tuning="off")
+    assert set(res) == {"Q8_0", "MXFP4", "Q4_K", "F16"}
+    _bits_equal(res, ("1", "16"))
     assert all(res["Q8_0"][b]["eq_flag_on"] for b in ("1", "16"))
     assert all(res[n]["moved_gu"] and res[n]["moved_dn"] for n in ("Q8_0", "MXFP4", "F16"))
+    res = _run("tile_kernel_check.py", "--mmq", "Q8_0", "MXFP4")
+    assert set(res) == {"Q8_0", "MXFP4"}
+    _bits_equal(res, tuple(f"{m}/{b}" for m in ("q8_1", "bf16") for b in ("1", "16")))
+
