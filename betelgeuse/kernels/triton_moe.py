@@ -30,7 +30,9 @@ programs or walked, and tensor-core MMA computes each output element from its ow
 bits depend neither on the other rows of its block nor on how many rows an expert has or the launch has (its rows
 bucket picks only the schedule), nor on which group (tier) the expert is in.
 
-Weight formats: triton_quants (QT codes, tile layouts and the in-kernel dequantization of each GGML type).
+Weight formats: triton_quants (QT codes, tile layouts and the in-kernel dequantization of each GGML type). An expert
+may also be held in kernels/tile_layout's block-interleaved 64-row tiles (issue 23): a launch told `tiled` reads each
+expert in the layout bit 0 of its base offset names (gate_up's doc), the same bits.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """In-kernel dequantization and the K-step product for each GGML type the expert kernels read.
 
 `wdot(acc, ...)` adds W[n, kk:kk+BK] @ X[m, kk:kk+BK]^T to acc [BN, BM] for BN weight rows n (byte addresses
-`ra` [BN] int64 = tensor start + n * row bytes) of a row-major quantized [N, K] matrix in the device pool and BM
+`ra` [BN] int64 = tensor start + n * row bytes; TL 1: kernels/tile_layout's address of the row in its tile, its
+blocks 64 blocks apart) of a row-major quantized [N, K] matrix in the device pool and BM
 activation rows m (element offsets `xrow` [BM] into x). Each type is read as a few 2-D "pieces" [BN, P] in its
 byte order (a piece's column c is byte or group c of the blocks, so loads are contiguous runs and no element
 tensor is ever reshaped); each piece is turned into weights and multiplied, on the tensor cores, with the
