@@ -81,7 +81,7 @@ from betelgeuse.kernels import gluon_mmq as gm
 from betelgeuse.kernels import triton_mmq_mv as mv
 from betelgeuse.kernels import triton_moe as tm
 from betelgeuse.kernels.triton_mmvq import _half as _f16, _join4
-from betelgeuse.kernels.triton_quants import k_scale_min_of
+from betelgeuse.kernels.triton_quants import TILE_ROWS, k_scale_min_of
 from betelgeuse.kernels.triton_launch import launcher
 
 QK = 32                        # elements per q8_1 block (llama.cpp QK8_1)
@@ -224,21 +224,22 @@ def prepare_bf16(x: torch.Tensor, sums: bool = True) -> tuple[torch.Tensor, None
 
 
 @triton.jit
-def _q8_0_block(pool, ra, kb, mn):
+def _q8_0_block(pool, ra, kb, mn, TL: tl.constexpr = 0):
     """Block kb of Q8_0 rows at byte addresses ra [BN]: (quants [BN, 32] int8, d [BN] float32). 34-byte blocks:
-    f16 d, then 32 int8."""
-    b = ra + kb * 34
+    f16 d, then 32 int8. TL: the weights' layout (triton_quants.wdot's: 1 = the tile layout, a block TILE_ROWS
+    blocks from the row's next)."""
+    b = ra + kb * (34 * (1 + (TILE_ROWS - 1) * TL))
     d = tl.load((pool + b).to(tl.pointer_type(tl.float16)), mask=mn, other=0).to(tl.float32)
     w = tl.load(pool + b[:, None] + 2 + tl.arange(0, 32)[None, :], mask=mn[:, None], other=0)
     return w.to(tl.int8, bitcast=True), d
 
 
 @triton.jit
-def _mxfp4_block(pool, ra, kb, mn):
+def _mxfp4_block(pool, ra, kb, mn, TL: tl.constexpr = 0):
     """Block kb of MXFP4 rows at ra [BN]: (the doubled e2m1 values [BN, 32] int8, llama.cpp's kvalues_mxfp4
     0 1 2 3 4 6 8 12 and their negatives; d [BN] = 2^(e - 128), ggml_e8m0_to_fp32_half). 17-byte blocks: E8M0 e,
     qs[16] (elements 0..15 in the low nibbles, 16..31 in the high)."""
-    b = ra + kb * 17
+    b = ra + kb * (17 * (1 + (TILE_ROWS - 1) * TL))
     i = tl.arange(0, 32)
     c = tl.load(pool + b[:, None] + 1 + (i % 16)[None, :], mask=mn[:, None], other=0).to(tl.int32)
     c = (c >> ((i // 16) * 4)[None, :]) & 15
@@ -262,11 +263,11 @@ def _q4_k_scale(pool, b, mn, j, d, dmin):
 
 
 @triton.jit
-def _q4_k_block(pool, ra, kb, mn):
+def _q4_k_block(pool, ra, kb, mn, TL: tl.constexpr = 0):
     """Block kb (sub-block j = kb % 8 of super-block kb // 8) of Q4_K rows at ra [BN]: (quants [BN, 32] int8 in
     0..15, d sc [BN], dmin m [BN]) float32, as ggml's get_scale_min_k4. 144-byte super-blocks: f16 d, f16 dmin,
     scales[12], qs[128] (32-byte group g: sub-block 2g in the low nibbles, 2g + 1 in the high)."""
-    b = ra + (kb // 8) * 144
+    b = ra + (kb // 8) * (144 * (1 + (TILE_ROWS - 1) * TL))
     j = kb % 8
     d = tl.load((pool + b).to(tl.pointer_type(tl.float16)), mask=mn, other=0).to(tl.float32)
     dmin = tl.load((pool + b + 2).to(tl.pointer_type(tl.float16)), mask=mn, other=0).to(tl.float32)
@@ -302,10 +303,11 @@ def _part(P, i: tl.constexpr, KB: tl.constexpr, BN: tl.constexpr, BM: tl.constex
 
 
 @triton.jit
-def _w_tile(pool, ra, kb0, mn, QT: tl.constexpr, KB: tl.constexpr, BF: tl.constexpr = False):
+def _w_tile(pool, ra, kb0, mn, QT: tl.constexpr, KB: tl.constexpr, BF: tl.constexpr = False, TL: tl.constexpr = 0):
     """The quants of blocks kb0 .. kb0 + KB of weight rows ra [BN] as one [BN, KB * 32] int8 tile (column c: block
     kb0 + c // 32, element c % 32; BF and MXFP4: element _perm(c) % 32, the word loads' order), in the values the
-    block functions above give."""
+    block functions above give; TL their layout."""
+    T: tl.constexpr = 1 + (TILE_ROWS - 1) * TL      # a block's stride: its bytes x T
     c = tl.arange(0, KB * 32)
     if BF and QT == 4:
         c = _perm(c)
@@ -313,20 +315,22 @@ def _w_tile(pool, ra, kb0, mn, QT: tl.constexpr, KB: tl.constexpr, BF: tl.conste
     e = c % 32
     m2 = mn[:, None]
     if QT == 0:
-        w = tl.load(pool + ra[:, None] + (kb * 34 + 2 + e)[None, :], mask=m2, other=0).to(tl.int8, bitcast=True)
+        w = tl.load(pool + ra[:, None] + (kb * (34 * T) + 2 + e)[None, :], mask=m2, other=0).to(tl.int8,
+                                                                                                bitcast=True)
     elif QT == 4:
-        v = tl.load(pool + ra[:, None] + (kb * 17 + 1 + e % 16)[None, :], mask=m2, other=0).to(tl.int32)
+        v = tl.load(pool + ra[:, None] + (kb * (17 * T) + 1 + e % 16)[None, :], mask=m2, other=0).to(tl.int32)
         v = (v >> ((e // 16) * 4)[None, :]) & 15
         x = (v >> 1) & 3
         mag = tl.where(x == 0, v & 1, (2 + (v & 1)) << tl.maximum(x - 1, 0))
         w = tl.where(v >= 8, -mag, mag).to(tl.int8)
     elif QT == 5:
         j = kb % 8
-        q = tl.load(pool + ra[:, None] + ((kb // 8) * 144 + 16 + (j // 2) * 32 + e)[None, :], mask=m2, other=0)
+        q = tl.load(pool + ra[:, None] + ((kb // 8) * (144 * T) + 16 + (j // 2) * 32 + e)[None, :], mask=m2,
+                    other=0)
         w = ((q.to(tl.int32) >> (4 * (j % 2))[None, :]) & 15).to(tl.int8)
     else:                           # Q5_K (BF only), 176-byte super-blocks: f16 d, f16 dmin, scales[12], qh[32],
         j = kb % 8                  # qs[128]: sub-block j's low 4 bits as Q4_K's (at byte 48), bit 4 = bit j of qh[e]
-        o = (kb // 8) * 176
+        o = (kb // 8) * (176 * T)
         q = tl.load(pool + ra[:, None] + (o + 48 + (j // 2) * 32 + e)[None, :], mask=m2, other=0).to(tl.int32)
         h = tl.load(pool + ra[:, None] + (o + 16 + e)[None, :], mask=m2, other=0).to(tl.int32)
         w = (((q >> (4 * (j % 2))[None, :]) & 15) | (((h >> j[None, :]) & 1) << 4)).to(tl.int8)
@@ -334,12 +338,13 @@ def _w_tile(pool, ra, kb0, mn, QT: tl.constexpr, KB: tl.constexpr, BF: tl.conste
 
 
 @triton.jit
-def _w_scale(pool, ra, kb, mn, QT: tl.constexpr):
+def _w_scale(pool, ra, kb, mn, QT: tl.constexpr, TL: tl.constexpr = 0):
     """Block kb's weight scale d [BN] float32 (Q8_0: the f16 d; MXFP4: 2^(e - 128)), as the block functions."""
+    T: tl.constexpr = 1 + (TILE_ROWS - 1) * TL
     if QT == 0:
-        d = tl.load((pool + ra + kb * 34).to(tl.pointer_type(tl.float16)), mask=mn, other=0).to(tl.float32)
+        d = tl.load((pool + ra + kb * (34 * T)).to(tl.pointer_type(tl.float16)), mask=mn, other=0).to(tl.float32)
     else:
-        e8 = tl.load(pool + ra + kb * 17, mask=mn, other=0).to(tl.int32)
+        e8 = tl.load(pool + ra + kb * (17 * T), mask=mn, other=0).to(tl.int32)
         d = tl.where(e8 < 2, (e8 + 1) * 0x00200000, (e8 - 1) << 23).to(tl.float32, bitcast=True)
     return d
 
@@ -407,14 +412,14 @@ def _scale(dw, dx, BF: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr):
 
 @triton.jit
 def _mmq_step(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, kb0, QT: tl.constexpr, KB: tl.constexpr,
-              BM: tl.constexpr, BN: tl.constexpr, BF: tl.constexpr = False):
+              BM: tl.constexpr, BN: tl.constexpr, BF: tl.constexpr = False, TL: tl.constexpr = 0):
     """acc + blocks kb0 .. kb0 + KB: ONE int8 MMA [BN, KB*32] x [KB*32, KB*BM] (the activations block-diagonal:
     column i*BM + m holds row m's block kb0 + i, zeros elsewhere) gives the KB exact int32 block dots of every
     (n, m) at once; then each block's scaling and fp32 add in ascending block order, the same float ops as a
     one-block step (module doc). Q4_K: a step lies in one super-block (KB | 8), whose d and dmin load once.
     BF: the bf16 MMA of the same integers against the bf16 activations (fp32 block dots; dx = 1, sx the x sums)."""
     c = tl.arange(0, KB * 32)
-    wq = _w_tile(pool, ra, kb0, mn, QT, KB, BF)                                                  # [BN, KB*32]
+    wq = _w_tile(pool, ra, kb0, mn, QT, KB, BF, TL)                                              # [BN, KB*32]
     if BF:                          # the B tile loaded as it is (the same values as xb below, in the weights' order)
         P = _bd_dot_t(wq, _bd_tile(xq_ptr, xoff, mr, kb0, QT, KB), KB, BM, BN, BF)              # [BN, BM, KB]
     else:
@@ -423,7 +428,7 @@ def _mmq_step(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, kb0, Q
         xb = tl.where(i3 == (c // 32)[None, None, :], xq[None, :, :], tl.zeros_like(xq)[None, :, :])  # [KB, BM, KB*32]
         P = _bd_dot(wq, xb, KB, BM, BN, BF)                                                  # [BN, BM, KB]
     if QT == 5 or QT == 6:          # Q4_K / Q5_K: the super-block's d and dmin once a step
-        b = ra + (kb0 // 8) * (144 if QT == 5 else 176)
+        b = ra + (kb0 // 8) * ((144 if QT == 5 else 176) * (1 + (TILE_ROWS - 1) * TL))
         d = tl.load((pool + b).to(tl.pointer_type(tl.float16)), mask=mn, other=0).to(tl.float32)
         dmin = tl.load((pool + b + 2).to(tl.pointer_type(tl.float16)), mask=mn, other=0).to(tl.float32)
     for i in tl.static_range(KB):                   # ascending blocks: the fp32 adds in K order
@@ -437,7 +442,7 @@ def _mmq_step(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, kb0, Q
             sx = tl.load(xs_ptr + dxoff + kb0 + i, mask=mr, other=0.0)
             acc = acc + tl.fma(di, _scale(dw, dx, BF, BN, BM), -(mw[:, None] * sx[None, :]))
         else:
-            dw = _w_scale(pool, ra, kb0 + i, mn, QT)
+            dw = _w_scale(pool, ra, kb0 + i, mn, QT, TL)
             acc = tl.fma(di, _scale(dw, dx, BF, BN, BM), acc)
     return acc
 
@@ -659,7 +664,7 @@ def wl_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, Q
 
 @triton.jit
 def mmq_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT: tl.constexpr, KB: tl.constexpr,
-            BM: tl.constexpr, BN: tl.constexpr, BF: tl.constexpr = False):
+            BM: tl.constexpr, BN: tl.constexpr, BF: tl.constexpr = False, TL: tl.constexpr = 0):
     """acc [BN, BM] + the rows' products over quant blocks b0 .. b1 (module doc): xq rows at element offsets xoff
     [BM], their block scales d (and sums s) at dxoff [BM] (mask mr). KB blocks a K step (_mmq_step; KB divides
     b1 - b0); KB = 1: one [BN, 32] x [32, BM] MMA a block. The same float ops, in the same order, for every KB.
@@ -667,20 +672,20 @@ def mmq_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, 
     c = tl.arange(0, 32)
     if KB > 1 or BF:
         for kb0 in range(b0, b1, KB):
-            acc = _mmq_step(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, kb0, QT, KB, BM, BN, BF)
+            acc = _mmq_step(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, kb0, QT, KB, BM, BN, BF, TL)
     else:
         for kb in range(b0, b1):
             xq = tl.load(xq_ptr + xoff[:, None] + kb * 32 + c[None, :], mask=mr[:, None], other=0)       # [BM, 32]
             dx = tl.load(xd_ptr + dxoff + kb, mask=mr, other=0.0)                                          # [BM]
             if QT == 0 or QT == 4:                      # Q8_0 / MXFP4: d_w d8_1 sumi
                 if QT == 0:
-                    wq, dw = _q8_0_block(pool, ra, kb, mn)
+                    wq, dw = _q8_0_block(pool, ra, kb, mn, TL)
                 else:
-                    wq, dw = _mxfp4_block(pool, ra, kb, mn)
+                    wq, dw = _mxfp4_block(pool, ra, kb, mn, TL)
                 dot = tl.dot(wq, tl.trans(xq), out_dtype=tl.int32)                                        # [BN, BM]
                 acc = tl.fma(dot.to(tl.float32), dw[:, None] * dx[None, :], acc)
             else:                                       # Q4_K: d sc sumi d8 - dmin m s8 (s8 = d8 sum q8)
-                wq, dw, mw = _q4_k_block(pool, ra, kb, mn)
+                wq, dw, mw = _q4_k_block(pool, ra, kb, mn, TL)
                 sx = tl.load(xs_ptr + dxoff + kb, mask=mr, other=0.0)
                 dot = tl.dot(wq, tl.trans(xq), out_dtype=tl.int32)
                 acc = acc + tl.fma(dot.to(tl.float32), dw[:, None] * dx[None, :], -(mw[:, None] * sx[None, :]))
@@ -691,9 +696,10 @@ def mmq_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, 
 def _acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT: tl.constexpr, KB: tl.constexpr,
          BM: tl.constexpr, BN: tl.constexpr, MV: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
          NB: tl.constexpr, LOG2NB: tl.constexpr, DP4A: tl.constexpr, WL: tl.constexpr = 0,
-         PF: tl.constexpr = 0, BF: tl.constexpr = False):
+         PF: tl.constexpr = 0, BF: tl.constexpr = False, TL: tl.constexpr = 0):
     """mmq_acc (int8 MMA; WL: its tiles from word loads, wl_acc), or with MV the same float ops without tensor cores
-    (triton_mmq_mv.mv_acc; never with BF: _launch)."""
+    (triton_mmq_mv.mv_acc; never with BF: _launch). TL 1 (the tile layout): mmq_acc's byte loads only (_launch)."""
+    tl.static_assert(TL == 0 or (not MV and not WL), "the tile layout is read by mmq_acc's byte loads only")
     if MV:
         r = mv.mv_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT, BM, BN, D1, D2, D3, NB,
                       LOG2NB, DP4A)
@@ -701,7 +707,7 @@ def _acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT:
         r = wl_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT, KB, BM, BN, PF, WL == 2,
                    BF)
     else:
-        r = mmq_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT, KB, BM, BN, BF)
+        r = mmq_acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT, KB, BM, BN, BF, TL)
     return r
 
 
@@ -709,7 +715,7 @@ def _acc(acc, pool, ra, mn, xq_ptr, xd_ptr, xs_ptr, xoff, dxoff, mr, b0, b1, QT:
 def _gu_acc(pool, gra, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, b0, b1, QT: tl.constexpr, KB: tl.constexpr,
             BM: tl.constexpr, BN: tl.constexpr, FUSE: tl.constexpr, MV: tl.constexpr, D1: tl.constexpr,
             D2: tl.constexpr, D3: tl.constexpr, NB: tl.constexpr, LOG2NB: tl.constexpr, DP4A: tl.constexpr,
-            WL: tl.constexpr = 0, PF: tl.constexpr = 0, BF: tl.constexpr = False):
+            WL: tl.constexpr = 0, PF: tl.constexpr = 0, BF: tl.constexpr = False, TL: tl.constexpr = 0):
     """gate_up's partial over blocks b0 .. b1, from zero: [2 BN, BM], the gate rows gra then the up rows ura [BN].
     FUSE: both as one weight side of 2 BN rows (one MMA of M = 2 BN a step, a warpgroup each at 8 warps, the
     activations' tile built once); else gate's K walk, then up's. Either way each output's float ops are those of
@@ -718,13 +724,13 @@ def _gu_acc(pool, gra, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, b0, b1, QT:
         ra = tl.reshape(tl.permute(tl.join(gra, ura), (1, 0)), (2 * BN,))
         m2 = tl.reshape(tl.permute(tl.join(mn, mn), (1, 0)), (2 * BN,))
         acc = _acc(tl.zeros((2 * BN, BM), dtype=tl.float32), pool, ra, m2, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr,
-                   b0, b1, QT, KB, BM, 2 * BN, MV, D1, D2, D3, NB, LOG2NB, DP4A, WL, PF, BF)
+                   b0, b1, QT, KB, BM, 2 * BN, MV, D1, D2, D3, NB, LOG2NB, DP4A, WL, PF, BF, TL)
     else:
         z = tl.zeros((BN, BM), dtype=tl.float32)
         g = _acc(z, pool, gra, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, b0, b1, QT, KB, BM, BN, MV, D1, D2, D3, NB,
-                 LOG2NB, DP4A, WL, PF, BF)
+                 LOG2NB, DP4A, WL, PF, BF, TL)
         u = _acc(z, pool, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, b0, b1, QT, KB, BM, BN, MV, D1, D2, D3, NB,
-                 LOG2NB, DP4A, WL, PF, BF)
+                 LOG2NB, DP4A, WL, PF, BF, TL)
         acc = tl.reshape(tl.permute(tl.join(g, u), (2, 0, 1)), (2 * BN, BM))
     return acc
 
@@ -737,44 +743,68 @@ def _gate_up_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows
                         SPLIT: tl.constexpr = False, FUSE: tl.constexpr = False, MV: tl.constexpr = False,
                         D1: tl.constexpr = 1, D2: tl.constexpr = 1, D3: tl.constexpr = 1, NB: tl.constexpr = 1,
                         LOG2NB: tl.constexpr = 0, DP4A: tl.constexpr = False, WL: tl.constexpr = 0,
-                        PF: tl.constexpr = 0, BF: tl.constexpr = False):
+                        PF: tl.constexpr = 0, BF: tl.constexpr = False, TB: tl.constexpr = 0, RAT: tl.constexpr = 1):
+    """TB > 0: the bank may hold tile-layout experts (triton_moe._gate_up_kernel's TB and RAT: bit 0 of a base
+    offset flags one; the byte-load MMA reads it, _launch); TB 0: the kernel as before."""
     e, mb, base = tm._find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
     # -1: not in this group. Any other offset is an expert, a negative one too: decode's at-hand table names flex
     # chunks and host slots below the pool so (kernels.moe.Group); `base >= 0` skipped those experts, leaving
     # their rows of inter / y as torch.empty left them (issue 23's NaN)
     if base != -1:
-        rows, mr, flat = tm._rows_of(off_ptr, rows_ptr, e, mb, BM)
-        tok = flat // k_top
-        n = tl.program_id(0) * BN + tl.arange(0, BN)
-        mn = n < F
-        gra = tm._part_rows(base, starts_ptr, e, 0, n, row_bytes, ALIGNED, RA)
-        ura = tm._part_rows(base, starts_ptr, e, 1, n, row_bytes, ALIGNED, RA)
-        xo, dxo = tok * H, tok * (H // 32)
-        NBLK = H // 32
-        NCH = (NBLK + KCB - 1) // KCB
-        z = tl.zeros((2 * BN, BM), dtype=tl.float32)
-        tot = z
-        if SPLIT:                   # this program: chunk program_id(2); the tile's last sums the chunks in order
-            pc = tl.program_id(2)
-            acc = _gu_acc(pool, gra, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, pc * KCB,
-                          tl.minimum(pc * KCB + KCB, NBLK), QT, KB, BM, BN, FUSE, MV, D1, D2, D3, NB, LOG2NB, DP4A, WL,
-                          PF, BF)
-            tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-            tl.store(tm._partial_ptr(ws_ptr, tile, pc, NCH, 2 * BN * BM, 2 * BN, BM), acc)
-            if tm._arrive(cnt_ptr, tile, NCH):
-                for ch in range(0, NCH):        # 0 + p_0 + p_1 + ... in chunk order, as the walk below
-                    tot = tot + tl.load(tm._partial_ptr(ws_ptr, tile, ch, NCH, 2 * BN * BM, 2 * BN, BM),
-                                        cache_modifier=".cg")
-                tl.atomic_xchg(cnt_ptr + tile, 0)
-                accg, accu = tl.split(tl.permute(tl.reshape(tot, (2, BN, BM)), (1, 2, 0)))
-                tm._gu_store(accg, accu, inter_ptr, rows, mr, n, mn, F, limit, HAS_LIMIT)
-        else:                       # the same chunk partials and sums, walked by one program
-            for ch in range(0, NCH):
-                tot = tot + _gu_acc(pool, gra, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, ch * KCB,
-                                    tl.minimum(ch * KCB + KCB, NBLK), QT, KB, BM, BN, FUSE, MV, D1, D2, D3, NB,
-                                    LOG2NB, DP4A, WL, PF, BF)
+        if TB == 0:
+            _gate_up_mmq_body(xq_ptr, xd_ptr, xs_ptr, pool, starts_ptr, rows_ptr, off_ptr, inter_ptr, ws_ptr, cnt_ptr,
+                              H, F, row_bytes, k_top, limit, KCB, e, mb, base, QT, HAS_LIMIT, BM, BN, ALIGNED, RA, KB,
+                              SPLIT, FUSE, MV, D1, D2, D3, NB, LOG2NB, DP4A, WL, PF, BF, 0, 0)
+        elif (base & 1) == 0:
+            _gate_up_mmq_body(xq_ptr, xd_ptr, xs_ptr, pool, starts_ptr, rows_ptr, off_ptr, inter_ptr, ws_ptr, cnt_ptr,
+                              H, F, row_bytes, k_top, limit, KCB, e, mb, base, QT, HAS_LIMIT, BM, BN, ALIGNED, RA, KB,
+                              SPLIT, FUSE, MV, D1, D2, D3, NB, LOG2NB, DP4A, WL, PF, BF, 0, TB)
+        else:
+            _gate_up_mmq_body(xq_ptr, xd_ptr, xs_ptr, pool, starts_ptr, rows_ptr, off_ptr, inter_ptr, ws_ptr, cnt_ptr,
+                              H, F, row_bytes, k_top, limit, KCB, e, mb, base - 1, QT, HAS_LIMIT, BM, BN, ALIGNED, RAT,
+                              KB, SPLIT, FUSE, MV, D1, D2, D3, NB, LOG2NB, DP4A, WL, PF, BF, 1, TB)
+
+
+@triton.jit
+def _gate_up_mmq_body(xq_ptr, xd_ptr, xs_ptr, pool, starts_ptr, rows_ptr, off_ptr, inter_ptr, ws_ptr, cnt_ptr, H, F,
+                      row_bytes, k_top, limit, KCB, e, mb, base, QT: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr, ALIGNED: tl.constexpr, RA: tl.constexpr, KB: tl.constexpr,
+                      SPLIT: tl.constexpr, FUSE: tl.constexpr, MV: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
+                      D3: tl.constexpr, NB: tl.constexpr, LOG2NB: tl.constexpr, DP4A: tl.constexpr, WL: tl.constexpr,
+                      PF: tl.constexpr, BF: tl.constexpr, TL: tl.constexpr, TB: tl.constexpr):
+    """_gate_up_mmq_kernel's program for row block mb of expert e at pool offset base, its weights in layout TL."""
+    rows, mr, flat = tm._rows_of(off_ptr, rows_ptr, e, mb, BM)
+    tok = flat // k_top
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    mn = n < F
+    gra = tm._part_rows(base, starts_ptr, e, 0, n, row_bytes, ALIGNED, RA, TL, TB)
+    ura = tm._part_rows(base, starts_ptr, e, 1, n, row_bytes, ALIGNED, RA, TL, TB)
+    xo, dxo = tok * H, tok * (H // 32)
+    NBLK = H // 32
+    NCH = (NBLK + KCB - 1) // KCB
+    z = tl.zeros((2 * BN, BM), dtype=tl.float32)
+    tot = z
+    if SPLIT:                   # this program: chunk program_id(2); the tile's last sums the chunks in order
+        pc = tl.program_id(2)
+        acc = _gu_acc(pool, gra, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, pc * KCB,
+                      tl.minimum(pc * KCB + KCB, NBLK), QT, KB, BM, BN, FUSE, MV, D1, D2, D3, NB, LOG2NB, DP4A, WL,
+                      PF, BF, TL)
+        tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        tl.store(tm._partial_ptr(ws_ptr, tile, pc, NCH, 2 * BN * BM, 2 * BN, BM), acc)
+        if tm._arrive(cnt_ptr, tile, NCH):
+            for ch in range(0, NCH):        # 0 + p_0 + p_1 + ... in chunk order, as the walk below
+                tot = tot + tl.load(tm._partial_ptr(ws_ptr, tile, ch, NCH, 2 * BN * BM, 2 * BN, BM),
+                                    cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + tile, 0)
             accg, accu = tl.split(tl.permute(tl.reshape(tot, (2, BN, BM)), (1, 2, 0)))
             tm._gu_store(accg, accu, inter_ptr, rows, mr, n, mn, F, limit, HAS_LIMIT)
+    else:                       # the same chunk partials and sums, walked by one program
+        for ch in range(0, NCH):
+            tot = tot + _gu_acc(pool, gra, ura, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, ch * KCB,
+                                tl.minimum(ch * KCB + KCB, NBLK), QT, KB, BM, BN, FUSE, MV, D1, D2, D3, NB,
+                                LOG2NB, DP4A, WL, PF, BF, TL)
+        accg, accu = tl.split(tl.permute(tl.reshape(tot, (2, BN, BM)), (1, 2, 0)))
+        tm._gu_store(accg, accu, inter_ptr, rows, mr, n, mn, F, limit, HAS_LIMIT)
 
 
 @triton.jit
@@ -784,38 +814,61 @@ def _down_mmq_kernel(xq_ptr, xd_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows_pt
                      SPLIT: tl.constexpr = False, MV: tl.constexpr = False, D1: tl.constexpr = 1,
                      D2: tl.constexpr = 1, D3: tl.constexpr = 1, NB: tl.constexpr = 1, LOG2NB: tl.constexpr = 0,
                      DP4A: tl.constexpr = False, WL: tl.constexpr = 0, PF: tl.constexpr = 0,
-                     BF: tl.constexpr = False):
+                     BF: tl.constexpr = False, TB: tl.constexpr = 0, RAT: tl.constexpr = 1):
+    """TB, RAT: as _gate_up_mmq_kernel's."""
     e, mb, base = tm._find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
     if base != -1:                  # as gate_up's: -1 alone means not in this group
-        rows, mr, flat = tm._rows_of(off_ptr, rows_ptr, e, mb, BM)
-        n = tl.program_id(0) * BN + tl.arange(0, BN)
-        mn = n < H
-        dra = tm._part_rows(base, starts_ptr, e, 2, n, row_bytes, ALIGNED, RA)
-        r64 = rows.to(tl.int64)
-        xo, dxo = r64 * F, r64 * (F // 32)
-        NBLK = F // 32
-        NCH = (NBLK + KCB - 1) // KCB
-        ptr = y_ptr + flat[None, :] * H + n[:, None]
-        z = tl.zeros((BN, BM), dtype=tl.float32)
-        tot = z
-        if SPLIT:
-            pc = tl.program_id(2)
-            acc = _acc(z, pool, dra, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, pc * KCB,
-                       tl.minimum(pc * KCB + KCB, NBLK), QT, KB, BM, BN, MV, D1, D2, D3, NB, LOG2NB, DP4A, WL, PF,
-                       BF)
-            tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-            tl.store(tm._partial_ptr(ws_ptr, tile, pc, NCH, BN * BM, BN, BM), acc)
-            if tm._arrive(cnt_ptr, tile, NCH):
-                for ch in range(0, NCH):
-                    tot = tot + tl.load(tm._partial_ptr(ws_ptr, tile, ch, NCH, BN * BM, BN, BM), cache_modifier=".cg")
-                tl.atomic_xchg(cnt_ptr + tile, 0)
-                tl.store(ptr, tot.to(y_ptr.dtype.element_ty), mask=mn[:, None] & mr[None, :])
+        if TB == 0:
+            _down_mmq_body(xq_ptr, xd_ptr, xs_ptr, pool, starts_ptr, rows_ptr, off_ptr, y_ptr, ws_ptr, cnt_ptr, H, F,
+                           row_bytes, KCB, e, mb, base, QT, BM, BN, ALIGNED, RA, KB, SPLIT, MV, D1, D2, D3, NB, LOG2NB,
+                           DP4A, WL, PF, BF, 0, 0)
+        elif (base & 1) == 0:
+            _down_mmq_body(xq_ptr, xd_ptr, xs_ptr, pool, starts_ptr, rows_ptr, off_ptr, y_ptr, ws_ptr, cnt_ptr, H, F,
+                           row_bytes, KCB, e, mb, base, QT, BM, BN, ALIGNED, RA, KB, SPLIT, MV, D1, D2, D3, NB, LOG2NB,
+                           DP4A, WL, PF, BF, 0, TB)
         else:
+            _down_mmq_body(xq_ptr, xd_ptr, xs_ptr, pool, starts_ptr, rows_ptr, off_ptr, y_ptr, ws_ptr, cnt_ptr, H, F,
+                           row_bytes, KCB, e, mb, base - 1, QT, BM, BN, ALIGNED, RAT, KB, SPLIT, MV, D1, D2, D3, NB,
+                           LOG2NB, DP4A, WL, PF, BF, 1, TB)
+
+
+@triton.jit
+def _down_mmq_body(xq_ptr, xd_ptr, xs_ptr, pool, starts_ptr, rows_ptr, off_ptr, y_ptr, ws_ptr, cnt_ptr, H, F,
+                   row_bytes, KCB, e, mb, base, QT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                   ALIGNED: tl.constexpr, RA: tl.constexpr, KB: tl.constexpr, SPLIT: tl.constexpr, MV: tl.constexpr,
+                   D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, NB: tl.constexpr, LOG2NB: tl.constexpr,
+                   DP4A: tl.constexpr, WL: tl.constexpr, PF: tl.constexpr, BF: tl.constexpr, TL: tl.constexpr,
+                   TB: tl.constexpr):
+    """_down_mmq_kernel's program for row block mb of expert e at pool offset base, its weights in layout TL."""
+    rows, mr, flat = tm._rows_of(off_ptr, rows_ptr, e, mb, BM)
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    mn = n < H
+    dra = tm._part_rows(base, starts_ptr, e, 2, n, row_bytes, ALIGNED, RA, TL, TB)
+    r64 = rows.to(tl.int64)
+    xo, dxo = r64 * F, r64 * (F // 32)
+    NBLK = F // 32
+    NCH = (NBLK + KCB - 1) // KCB
+    ptr = y_ptr + flat[None, :] * H + n[:, None]
+    z = tl.zeros((BN, BM), dtype=tl.float32)
+    tot = z
+    if SPLIT:
+        pc = tl.program_id(2)
+        acc = _acc(z, pool, dra, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, pc * KCB,
+                   tl.minimum(pc * KCB + KCB, NBLK), QT, KB, BM, BN, MV, D1, D2, D3, NB, LOG2NB, DP4A, WL, PF,
+                   BF, TL)
+        tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        tl.store(tm._partial_ptr(ws_ptr, tile, pc, NCH, BN * BM, BN, BM), acc)
+        if tm._arrive(cnt_ptr, tile, NCH):
             for ch in range(0, NCH):
-                tot = tot + _acc(z, pool, dra, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, ch * KCB,
-                                 tl.minimum(ch * KCB + KCB, NBLK), QT, KB, BM, BN, MV, D1, D2, D3, NB, LOG2NB, DP4A,
-                                 WL, PF, BF)
+                tot = tot + tl.load(tm._partial_ptr(ws_ptr, tile, ch, NCH, BN * BM, BN, BM), cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + tile, 0)
             tl.store(ptr, tot.to(y_ptr.dtype.element_ty), mask=mn[:, None] & mr[None, :])
+    else:
+        for ch in range(0, NCH):
+            tot = tot + _acc(z, pool, dra, mn, xq_ptr, xd_ptr, xs_ptr, xo, dxo, mr, ch * KCB,
+                             tl.minimum(ch * KCB + KCB, NBLK), QT, KB, BM, BN, MV, D1, D2, D3, NB, LOG2NB, DP4A,
+                             WL, PF, BF, TL)
+        tl.store(ptr, tot.to(y_ptr.dtype.element_ty), mask=mn[:, None] & mr[None, :])
 
 
 _GATE_UP_MMQ, _DOWN_MMQ = map(launcher, (_gate_up_mmq_kernel, _down_mmq_kernel))
@@ -862,12 +915,19 @@ def _chunk(c: dict, qt: int, K: int) -> tuple[int, int]:
 
 
 def _launch(kernel, args: list, grid_n: int, R: int, E: int, K: int, qt: int, per: int, c: dict, consts: dict,
-            device, row_bytes: int = 0, aligned: bool = False, bf: bool = False):
+            device, row_bytes: int = 0, aligned: bool = False, bf: bool = False, tiled: bool = False):
     """Grid (output blocks, row blocks[, chunks]): the chunks as programs when the bucket says SPLIT, K has more
     than one and the partials fit triton_moe.WS_LIMIT (per: floats of a tile's partial), else walked: the same
-    sums (0 + p_0 + p_1 + ... in chunk order) either way. bf: the bf16 MMA (BF; never the MV schedule)."""
+    sums (0 + p_0 + p_1 + ... in chunk order) either way. bf: the bf16 MMA (BF; never the MV schedule). tiled: the
+    bank may hold tile-layout experts (gate_up's): only the byte-load MMA reads them, so MV, WL and GL (schedule keys
+    of the same bits) are off for the launch."""
     kb, kcb = _chunk(c, qt, K)
     nch = triton.cdiv(K // QK, kcb)
+    if tiled:
+        if c.get("PK"):
+            raise ValueError(f"PK {c['PK']} (q8_pack's layout) and the tile layout in one launch: type {qt}")
+        c = {**c, "MV": 0, "WL": 0, "GL": 0}
+        consts = {**consts, **tm.tile_consts(qt)}
     use_mv = bool(c["MV"]) and not bf and mv.mv_ok(qt, K, kcb, c["NS"], row_bytes, aligned)
     if use_mv:                      # the decode schedule: BM_MV rows a block (per: floats of a tile's partial)
         per = per // c["BM"] * c["BM_MV"]
@@ -895,11 +955,12 @@ def _launch(kernel, args: list, grid_n: int, R: int, E: int, K: int, qt: int, pe
 
 
 def gate_up(hq, pool, base, starts, rows, off, inter, n_ff: int, k_top: int, qt: int, limit: float | None,
-            row_bytes: int, aligned: bool = False, pk: int = 0):
+            row_bytes: int, aligned: bool = False, pk: int = 0, tiled: bool = False):
     """triton_moe.gate_up with the activations as quantize_q8_1(h) = hq (q [T, H] int8, d [T, H/32], s), or as
     prepare_bf16(h) (xb [T, H] bf16, None, s: the bf16 MMA); aligned: every part starts 16-byte aligned (the rows'
     loads may then be wider, as triton_moe's); pk: the schedule key PK over the config (2: engine.pack_experts'
-    per-expert layouts, bit 0 of base; 0: the config's)."""
+    per-expert layouts, bit 0 of base; 0: the config's); tiled: triton_moe.gate_up's (bit 0 of base flags a
+    tile-layout expert; not with pk)."""
     q, d, sx = hq
     bf = d is None
     d = sx if bf else d
@@ -909,12 +970,13 @@ def gate_up(hq, pool, base, starts, rows, off, inter, n_ff: int, k_top: int, qt:
                            float(limit) if limit is not None else 0.0],
             triton.cdiv(n_ff, c["BN"]), R, E, q.shape[1], qt, 2 * c["BN"] * c["BM"], c,
             dict(QT=qt, HAS_LIMIT=limit is not None, ALIGNED=aligned, RA=tm._row_align(row_bytes),
-                 FUSE=bool(c["FUSE"])), q.device, row_bytes, aligned, bf)
+                 FUSE=bool(c["FUSE"])), q.device, row_bytes, aligned, bf, tiled)
 
 
-def down(iq, pool, base, starts, rows, off, y, qt: int, row_bytes: int, aligned: bool = False, pk: int = 0):
+def down(iq, pool, base, starts, rows, off, y, qt: int, row_bytes: int, aligned: bool = False, pk: int = 0,
+         tiled: bool = False):
     """triton_moe.down with the activations as quantize_q8_1(inter) = iq (or prepare_bf16(inter): the bf16 MMA); pk
-    as gate_up's."""
+    and tiled as gate_up's."""
     q, d, sx = iq
     bf = d is None
     d = sx if bf else d
@@ -923,7 +985,7 @@ def down(iq, pool, base, starts, rows, off, y, qt: int, row_bytes: int, aligned:
     c = config(qt, tm.bucket_of(R, E), bf, pk)
     _launch(_DOWN_MMQ, [q, d, sx, pool, base, starts, rows, off, y, H, q.shape[1], row_bytes, E],
             triton.cdiv(H, c["BN"]), R, E, q.shape[1], qt, c["BN"] * c["BM"], c,
-            dict(QT=qt, ALIGNED=aligned, RA=tm._row_align(row_bytes)), q.device, row_bytes, aligned, bf)
+            dict(QT=qt, ALIGNED=aligned, RA=tm._row_align(row_bytes)), q.device, row_bytes, aligned, bf, tiled)
 
 
 def compile_kernel(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int | None = None, bn: int | None = None,
@@ -962,8 +1024,8 @@ def compile_kernel(which: str = "gate_up", qt: int = 0, arch: int = 90, bm: int 
                  RA=tm._row_align(row_nbytes(gt, K)), KB=KB, SPLIT=split)
     sig.update(MV="constexpr", D1="constexpr", D2="constexpr", D3="constexpr", NB="constexpr", LOG2NB="constexpr",
                DP4A="constexpr", WL="constexpr", PF="constexpr")
-    sig["BF"] = "constexpr"
-    const["BF"] = bf
+    sig.update(BF="constexpr", TB="constexpr", RAT="constexpr")
+    const.update(BF=bf, TB=0, RAT=1)                 # TB 0: no tile-layout experts (the launch as the engine's)
     if c["MV"] and not bf and mv.mv_ok(qt, K, KCB, c["NS"], row_nbytes(gt, K), True):
         const.update(BM=c["BM_MV"], MV=True, **mv.dims(qt, c["NS"]), DP4A=bool(c["DP4A"]) and qt in mv.DP4A_TYPES,
                      WL=False, PF=False)

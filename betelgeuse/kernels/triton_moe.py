@@ -30,7 +30,9 @@ programs or walked, and tensor-core MMA computes each output element from its ow
 bits depend neither on the other rows of its block nor on how many rows an expert has or the launch has (its rows
 bucket picks only the schedule), nor on which group (tier) the expert is in.
 
-Weight formats: triton_quants (QT codes, tile layouts and the in-kernel dequantization of each GGML type).
+Weight formats: triton_quants (QT codes, tile layouts and the in-kernel dequantization of each GGML type). An expert
+may also be held in kernels/tile_layout's block-interleaved 64-row tiles (issue 23): a launch told `tiled` reads each
+expert in the layout bit 0 of its base offset names (gate_up's doc), the same bits.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ import triton.language as tl
 from betelgeuse.kernels import triton_mmvq as mv
 from betelgeuse.kernels.streams import stream_key
 from betelgeuse.kernels.triton_launch import cdiv, launcher, pow2
-from betelgeuse.kernels.triton_quants import QT_CODES, SUPER, tables, wdot  # noqa: F401
+from betelgeuse.kernels.tile_layout import unit
+from betelgeuse.kernels.triton_quants import QT_CODES, SUPER, TILE_ROWS, tables, wdot  # noqa: F401
 
 # Launch constants. Two kinds, so that a row's bits never depend on the launch (DESIGN.md invariant 6):
 #   reduction keys (per weight type only, never per row count): BK = the K step of one tile product, KC = the K
@@ -176,15 +179,21 @@ def _rows_of(off_ptr, rows_ptr, e, mb, BM: tl.constexpr):
 
 
 @triton.jit
-def _part_rows(base, starts_ptr, e, part: tl.constexpr, n, row_bytes, ALIGNED: tl.constexpr, RA: tl.constexpr):
+def _part_rows(base, starts_ptr, e, part: tl.constexpr, n, row_bytes, ALIGNED: tl.constexpr, RA: tl.constexpr,
+               TL: tl.constexpr = 0, TB: tl.constexpr = 0):
     """Byte addresses [BN] int64 in the pool of rows n of part `part` (gate 0, up 1, down 2) of expert e. ALIGNED:
     every row starts at a multiple of RA bytes (16-byte aligned part + row_bytes a multiple of RA), which lets the
     compiler load a block's bytes in RA-byte words (Triton only infers 16 | row_bytes by itself: rows of 252 or 330
-    bytes were read byte by byte)."""
+    bytes were read byte by byte). TL = 1: the part in the tile layout (tile_layout), row n at its tile's start
+    (n // TILE_ROWS) x TILE_ROWS x row_bytes + (n % TILE_ROWS) x TB (the type's block bytes); RA then that alignment."""
     b = base + tl.load(starts_ptr + e * 3 + part)
     if ALIGNED:
         b = tl.multiple_of(b, 16)
-    r = b + n.to(tl.int64) * row_bytes
+    if TL:
+        n64 = n.to(tl.int64)
+        r = b + (n64 // TILE_ROWS) * (TILE_ROWS * row_bytes) + (n64 % TILE_ROWS) * TB
+    else:
+        r = b + n.to(tl.int64) * row_bytes
     if ALIGNED:
         r = tl.multiple_of(r, RA)
     return r
@@ -192,22 +201,24 @@ def _part_rows(base, starts_ptr, e, part: tl.constexpr, n, row_bytes, ALIGNED: t
 
 @triton.jit
 def _gu_chunk(h_ptr, xrow, mr, pool, tab, gra, ura, k0, k1, mn,
-              QT: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+              QT: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+              TL: tl.constexpr):
     """(gate, up) partial products [BN, BM] over K columns k0 .. k1 (BK steps), accumulated from zero."""
     accg = tl.zeros((BN, BM), dtype=tl.float32)
     accu = tl.zeros((BN, BM), dtype=tl.float32)
     for kk in range(k0, k1, BK):
-        accg = wdot(accg, h_ptr, xrow, mr, pool, tab, gra, kk, mn, QT, BK, BN, IEEE)
-        accu = wdot(accu, h_ptr, xrow, mr, pool, tab, ura, kk, mn, QT, BK, BN, IEEE)
+        accg = wdot(accg, h_ptr, xrow, mr, pool, tab, gra, kk, mn, QT, BK, BN, IEEE, TL)
+        accu = wdot(accu, h_ptr, xrow, mr, pool, tab, ura, kk, mn, QT, BK, BN, IEEE, TL)
     return accg, accu
 
 
 @triton.jit
 def _dn_chunk(x_ptr, xrow, mr, pool, tab, dra, k0, k1, mn,
-              QT: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+              QT: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+              TL: tl.constexpr):
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for kk in range(k0, k1, BK):
-        acc = wdot(acc, x_ptr, xrow, mr, pool, tab, dra, kk, mn, QT, BK, BN, IEEE)
+        acc = wdot(acc, x_ptr, xrow, mr, pool, tab, dra, kk, mn, QT, BK, BN, IEEE, TL)
     return acc
 
 
@@ -234,50 +245,75 @@ def _gate_up_kernel(h_ptr, pool, tab, base_ptr, starts_ptr, rows_ptr, off_ptr, i
                     H, F, row_bytes, n_exp, k_top, limit, KC,
                     QT: tl.constexpr, HAS_LIMIT: tl.constexpr, IEEE: tl.constexpr, ALIGNED: tl.constexpr,
                     RA: tl.constexpr, SPLIT: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EP: tl.constexpr):
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EP: tl.constexpr,
+                    TB: tl.constexpr = 0, RAT: tl.constexpr = 1):
+    """TB > 0 (the launch's bank may hold tile-layout experts; TB = the type's block bytes, RAT the tiled rows'
+    alignment): bit 0 of an expert's base offset flags its slot in the tile layout (tile_layout), read with the
+    tiled addresses (the bit masked off); TB 0: every expert GGUF, no check (the kernel as before)."""
     pn = tl.program_id(0)
     e, mb, base = _find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
     if base != -1:
-        rows, mr, flat = _rows_of(off_ptr, rows_ptr, e, mb, BM)
-        tok = flat // k_top
-        n = pn * BN + tl.arange(0, BN)
-        mn = n < F
-        gra = _part_rows(base, starts_ptr, e, 0, n, row_bytes, ALIGNED, RA)
-        ura = _part_rows(base, starts_ptr, e, 1, n, row_bytes, ALIGNED, RA)
-        NCH = (H + KC - 1) // KC
-        xrow = tok * H
-        if SPLIT:                           # this program: chunk program_id(2) of the tile
-            pc = tl.program_id(2)
-            accg, accu = _gu_chunk(h_ptr, xrow, mr, pool, tab, gra, ura, pc * KC, tl.minimum(pc * KC + KC, H), mn,
-                                   QT, BN, BM, BK, IEEE)
-            tile = tl.program_id(1) * tl.num_programs(0) + pn
-            pp = _partial_ptr(ws_ptr, tile, pc, NCH, 2 * BN * BM, BN, BM)
-            tl.store(pp, accg)
-            tl.store(pp + BN * BM, accu)
-            last = _arrive(cnt_ptr, tile, NCH)
-            if last:                        # 0 + p_0 + p_1 + ... in chunk order
-                totg = tl.zeros((BN, BM), dtype=tl.float32)
-                totu = tl.zeros((BN, BM), dtype=tl.float32)
-                for c in range(0, NCH):
-                    pp = _partial_ptr(ws_ptr, tile, c, NCH, 2 * BN * BM, BN, BM)
-                    totg = totg + tl.load(pp, cache_modifier=".cg")
-                    totu = totu + tl.load(pp + BN * BM, cache_modifier=".cg")
-                tl.atomic_xchg(cnt_ptr + tile, 0)
-                _gu_store(totg, totu, inter_ptr, rows, mr, n, mn, F, limit, HAS_LIMIT)
-        else:                               # the same partials and sums, in one (pipelined) loop over K
+        if TB == 0:
+            _gate_up_body(h_ptr, pool, tab, starts_ptr, rows_ptr, off_ptr, inter_ptr, ws_ptr, cnt_ptr, H, F,
+                          row_bytes, k_top, limit, KC, pn, e, mb, base, QT, HAS_LIMIT, IEEE, ALIGNED, RA, SPLIT, BM, BN,
+                          BK, 0, 0)
+        elif (base & 1) == 0:
+            _gate_up_body(h_ptr, pool, tab, starts_ptr, rows_ptr, off_ptr, inter_ptr, ws_ptr, cnt_ptr, H, F,
+                          row_bytes, k_top, limit, KC, pn, e, mb, base, QT, HAS_LIMIT, IEEE, ALIGNED, RA, SPLIT, BM, BN,
+                          BK, 0, TB)
+        else:
+            _gate_up_body(h_ptr, pool, tab, starts_ptr, rows_ptr, off_ptr, inter_ptr, ws_ptr, cnt_ptr, H, F,
+                          row_bytes, k_top, limit, KC, pn, e, mb, base - 1, QT, HAS_LIMIT, IEEE, ALIGNED, RAT, SPLIT,
+                          BM, BN, BK, 1, TB)
+
+
+@triton.jit
+def _gate_up_body(h_ptr, pool, tab, starts_ptr, rows_ptr, off_ptr, inter_ptr, ws_ptr, cnt_ptr, H, F, row_bytes,
+                  k_top, limit, KC, pn, e, mb, base,
+                  QT: tl.constexpr, HAS_LIMIT: tl.constexpr, IEEE: tl.constexpr, ALIGNED: tl.constexpr,
+                  RA: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  TL: tl.constexpr, TB: tl.constexpr):
+    """_gate_up_kernel's program for row block mb of expert e at pool offset base, its weights in layout TL."""
+    rows, mr, flat = _rows_of(off_ptr, rows_ptr, e, mb, BM)
+    tok = flat // k_top
+    n = pn * BN + tl.arange(0, BN)
+    mn = n < F
+    gra = _part_rows(base, starts_ptr, e, 0, n, row_bytes, ALIGNED, RA, TL, TB)
+    ura = _part_rows(base, starts_ptr, e, 1, n, row_bytes, ALIGNED, RA, TL, TB)
+    NCH = (H + KC - 1) // KC
+    xrow = tok * H
+    if SPLIT:                           # this program: chunk program_id(2) of the tile
+        pc = tl.program_id(2)
+        accg, accu = _gu_chunk(h_ptr, xrow, mr, pool, tab, gra, ura, pc * KC, tl.minimum(pc * KC + KC, H), mn,
+                               QT, BN, BM, BK, IEEE, TL)
+        tile = tl.program_id(1) * tl.num_programs(0) + pn
+        pp = _partial_ptr(ws_ptr, tile, pc, NCH, 2 * BN * BM, BN, BM)
+        tl.store(pp, accg)
+        tl.store(pp + BN * BM, accu)
+        last = _arrive(cnt_ptr, tile, NCH)
+        if last:                        # 0 + p_0 + p_1 + ... in chunk order
             totg = tl.zeros((BN, BM), dtype=tl.float32)
             totu = tl.zeros((BN, BM), dtype=tl.float32)
-            accg = tl.zeros((BN, BM), dtype=tl.float32)
-            accu = tl.zeros((BN, BM), dtype=tl.float32)
-            for kk in range(0, H, BK):
-                accg = wdot(accg, h_ptr, xrow, mr, pool, tab, gra, kk, mn, QT, BK, BN, IEEE)
-                accu = wdot(accu, h_ptr, xrow, mr, pool, tab, ura, kk, mn, QT, BK, BN, IEEE)
-                if ((kk + BK) % KC == 0) | (kk + BK >= H):          # a chunk ends: add its partial, restart
-                    totg = totg + accg
-                    totu = totu + accu
-                    accg = tl.zeros((BN, BM), dtype=tl.float32)
-                    accu = tl.zeros((BN, BM), dtype=tl.float32)
+            for c in range(0, NCH):
+                pp = _partial_ptr(ws_ptr, tile, c, NCH, 2 * BN * BM, BN, BM)
+                totg = totg + tl.load(pp, cache_modifier=".cg")
+                totu = totu + tl.load(pp + BN * BM, cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + tile, 0)
             _gu_store(totg, totu, inter_ptr, rows, mr, n, mn, F, limit, HAS_LIMIT)
+    else:                               # the same partials and sums, in one (pipelined) loop over K
+        totg = tl.zeros((BN, BM), dtype=tl.float32)
+        totu = tl.zeros((BN, BM), dtype=tl.float32)
+        accg = tl.zeros((BN, BM), dtype=tl.float32)
+        accu = tl.zeros((BN, BM), dtype=tl.float32)
+        for kk in range(0, H, BK):
+            accg = wdot(accg, h_ptr, xrow, mr, pool, tab, gra, kk, mn, QT, BK, BN, IEEE, TL)
+            accu = wdot(accu, h_ptr, xrow, mr, pool, tab, ura, kk, mn, QT, BK, BN, IEEE, TL)
+            if ((kk + BK) % KC == 0) | (kk + BK >= H):          # a chunk ends: add its partial, restart
+                totg = totg + accg
+                totu = totu + accu
+                accg = tl.zeros((BN, BM), dtype=tl.float32)
+                accu = tl.zeros((BN, BM), dtype=tl.float32)
+        _gu_store(totg, totu, inter_ptr, rows, mr, n, mn, F, limit, HAS_LIMIT)
 
 
 @triton.jit
@@ -294,39 +330,58 @@ def _gu_store(accg, accu, inter_ptr, rows, mr, n, mn, F, limit, HAS_LIMIT: tl.co
 def _down_kernel(inter_ptr, pool, tab, base_ptr, starts_ptr, rows_ptr, off_ptr, y_ptr, ws_ptr, cnt_ptr,
                  H, F, row_bytes, n_exp, KC,
                  QT: tl.constexpr, IEEE: tl.constexpr, ALIGNED: tl.constexpr, RA: tl.constexpr, SPLIT: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EP: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EP: tl.constexpr,
+                 TB: tl.constexpr = 0, RAT: tl.constexpr = 1):
+    """TB, RAT: as _gate_up_kernel's (bit 0 of a base offset: a tile-layout slot)."""
     pn = tl.program_id(0)
     e, mb, base = _find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
     if base != -1:
-        rows, mr, flat = _rows_of(off_ptr, rows_ptr, e, mb, BM)
-        n = pn * BN + tl.arange(0, BN)
-        mn = n < H
-        dra = _part_rows(base, starts_ptr, e, 2, n, row_bytes, ALIGNED, RA)
-        xrow = rows.to(tl.int64) * F
-        NCH = (F + KC - 1) // KC
-        ptr = y_ptr + flat[None, :] * H + n[:, None]
-        if SPLIT:
-            pc = tl.program_id(2)
-            acc = _dn_chunk(inter_ptr, xrow, mr, pool, tab, dra, pc * KC, tl.minimum(pc * KC + KC, F), mn,
-                            QT, BN, BM, BK, IEEE)
-            tile = tl.program_id(1) * tl.num_programs(0) + pn
-            tl.store(_partial_ptr(ws_ptr, tile, pc, NCH, BN * BM, BN, BM), acc)
-            last = _arrive(cnt_ptr, tile, NCH)
-            if last:
-                tot = tl.zeros((BN, BM), dtype=tl.float32)
-                for c in range(0, NCH):
-                    tot = tot + tl.load(_partial_ptr(ws_ptr, tile, c, NCH, BN * BM, BN, BM), cache_modifier=".cg")
-                tl.atomic_xchg(cnt_ptr + tile, 0)
-                tl.store(ptr, tot.to(y_ptr.dtype.element_ty), mask=mn[:, None] & mr[None, :])
+        if TB == 0:
+            _down_body(inter_ptr, pool, tab, starts_ptr, rows_ptr, off_ptr, y_ptr, ws_ptr, cnt_ptr, H, F, row_bytes,
+                       KC, pn, e, mb, base, QT, IEEE, ALIGNED, RA, SPLIT, BM, BN, BK, 0, 0)
+        elif (base & 1) == 0:
+            _down_body(inter_ptr, pool, tab, starts_ptr, rows_ptr, off_ptr, y_ptr, ws_ptr, cnt_ptr, H, F, row_bytes,
+                       KC, pn, e, mb, base, QT, IEEE, ALIGNED, RA, SPLIT, BM, BN, BK, 0, TB)
         else:
+            _down_body(inter_ptr, pool, tab, starts_ptr, rows_ptr, off_ptr, y_ptr, ws_ptr, cnt_ptr, H, F, row_bytes,
+                       KC, pn, e, mb, base - 1, QT, IEEE, ALIGNED, RAT, SPLIT, BM, BN, BK, 1, TB)
+
+
+@triton.jit
+def _down_body(inter_ptr, pool, tab, starts_ptr, rows_ptr, off_ptr, y_ptr, ws_ptr, cnt_ptr, H, F, row_bytes, KC,
+               pn, e, mb, base, QT: tl.constexpr, IEEE: tl.constexpr, ALIGNED: tl.constexpr, RA: tl.constexpr,
+               SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TL: tl.constexpr,
+               TB: tl.constexpr):
+    """_down_kernel's program for row block mb of expert e at pool offset base, its weights in layout TL."""
+    rows, mr, flat = _rows_of(off_ptr, rows_ptr, e, mb, BM)
+    n = pn * BN + tl.arange(0, BN)
+    mn = n < H
+    dra = _part_rows(base, starts_ptr, e, 2, n, row_bytes, ALIGNED, RA, TL, TB)
+    xrow = rows.to(tl.int64) * F
+    NCH = (F + KC - 1) // KC
+    ptr = y_ptr + flat[None, :] * H + n[:, None]
+    if SPLIT:
+        pc = tl.program_id(2)
+        acc = _dn_chunk(inter_ptr, xrow, mr, pool, tab, dra, pc * KC, tl.minimum(pc * KC + KC, F), mn,
+                        QT, BN, BM, BK, IEEE, TL)
+        tile = tl.program_id(1) * tl.num_programs(0) + pn
+        tl.store(_partial_ptr(ws_ptr, tile, pc, NCH, BN * BM, BN, BM), acc)
+        last = _arrive(cnt_ptr, tile, NCH)
+        if last:
             tot = tl.zeros((BN, BM), dtype=tl.float32)
-            acc = tl.zeros((BN, BM), dtype=tl.float32)
-            for kk in range(0, F, BK):
-                acc = wdot(acc, inter_ptr, xrow, mr, pool, tab, dra, kk, mn, QT, BK, BN, IEEE)
-                if ((kk + BK) % KC == 0) | (kk + BK >= F):
-                    tot = tot + acc
-                    acc = tl.zeros((BN, BM), dtype=tl.float32)
+            for c in range(0, NCH):
+                tot = tot + tl.load(_partial_ptr(ws_ptr, tile, c, NCH, BN * BM, BN, BM), cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + tile, 0)
             tl.store(ptr, tot.to(y_ptr.dtype.element_ty), mask=mn[:, None] & mr[None, :])
+    else:
+        tot = tl.zeros((BN, BM), dtype=tl.float32)
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        for kk in range(0, F, BK):
+            acc = wdot(acc, inter_ptr, xrow, mr, pool, tab, dra, kk, mn, QT, BK, BN, IEEE, TL)
+            if ((kk + BK) % KC == 0) | (kk + BK >= F):
+                tot = tot + acc
+                acc = tl.zeros((BN, BM), dtype=tl.float32)
+        tl.store(ptr, tot.to(y_ptr.dtype.element_ty), mask=mn[:, None] & mr[None, :])
 
 
 @triton.jit
@@ -594,6 +649,16 @@ def _workspace(dev: torch.device, n_floats: int, n_tiles: int) -> tuple[torch.Te
     return ws, cnt
 
 
+_GGUF_TYPE = {c: t for t, c in QT_CODES.items()}       # kernel type code -> GGML type
+
+
+def tile_consts(qt: int) -> dict:
+    """The constexprs of a launch whose bank may hold tile-layout experts of kernel type code qt: TB the type's block
+    bytes (tile_layout.unit), RAT the alignment of a tiled row (a multiple of TB in its 16-byte aligned part)."""
+    tb = unit(_GGUF_TYPE[qt])[1]
+    return dict(TB=tb, RAT=_row_align(tb))
+
+
 def _row_align(row_bytes: int) -> int:
     """The largest power of two <= 16 dividing row_bytes (with 16-byte aligned parts: every row's alignment)."""
     return min(16, row_bytes & -row_bytes)
@@ -608,24 +673,29 @@ SORT_ROWS_MAX = 1024
 
 
 def gate_up(h, pool, base, starts, rows, off, inter, n_ff: int, k_top: int, qt: int, limit: float | None,
-            row_bytes: int, aligned: bool):
+            row_bytes: int, aligned: bool, tiled: bool = False):
     """h [T,H]; base [E] int64 (-1 = skip); starts [E,3] int64; rows [R] int32 sorted (token*k+rank);
     off [E+1] int32 row offsets per expert; inter [R, F] (written for the rows of experts in the group);
-    row_bytes: bytes of one H-element row of gate/up; aligned: every tensor start is 16-byte aligned."""
+    row_bytes: bytes of one H-element row of gate/up; aligned: every tensor start is 16-byte aligned. tiled: the
+    bank may hold experts in the tile layout (tile_layout; bit 0 of such an expert's base set, its parts' rows whole
+    tiles): the kernel reads each expert in its layout, the same bits; off by default (the launch as before)."""
     H = h.shape[1]
     dev = pool.device
     _, _, nf, nt, kernel, grid, mv_, tail, kw, tab = _plan("gate_up", qt, rows.numel(), base.numel(), H, n_ff, k_top,
-                                                            limit, row_bytes, aligned, h.dtype, dev)
+                                                            limit, row_bytes, aligned, h.dtype, dev, tiled)
     ws, cnt = _workspace(dev, nf, nt)
     head = (h, pool, base, starts, rows, off, inter) if mv_ else (h, pool, tab, base, starts, rows, off, inter)
     kernel[grid](*head, ws, cnt, *tail, **kw)
 
 
-def down(inter, pool, base, starts, rows, off, y, n_tokens: int, qt: int, row_bytes: int, aligned: bool):
-    """inter [R, F]; y [T*k, H] (rows of experts in the group written); row_bytes: of one F-element down row."""
+def down(inter, pool, base, starts, rows, off, y, n_tokens: int, qt: int, row_bytes: int, aligned: bool,
+         tiled: bool = False):
+    """inter [R, F]; y [T*k, H] (rows of experts in the group written); row_bytes: of one F-element down row;
+    tiled: as gate_up's."""
     dev = pool.device
     _, _, nf, nt, kernel, grid, mv_, tail, kw, tab = _plan("down", qt, rows.numel(), base.numel(), inter.shape[1],
-                                                            y.shape[1], 0, None, row_bytes, aligned, inter.dtype, dev)
+                                                            y.shape[1], 0, None, row_bytes, aligned, inter.dtype, dev,
+                                                            tiled)
     ws, cnt = _workspace(dev, nf, nt)
     head = (inter, pool, base, starts, rows, off, y) if mv_ else (inter, pool, tab, base, starts, rows, off, y)
     kernel[grid](*head, ws, cnt, *tail, **kw)
@@ -641,12 +711,14 @@ PLANS_MAX = 4096
 
 
 def _plan(which: str, qt: int, R: int, E: int, K: int, N: int, k_top: int, limit: float | None, row_bytes: int,
-          aligned: bool, dtype: torch.dtype, device) -> tuple:
+          aligned: bool, dtype: torch.dtype, device, tiled: bool = False) -> tuple:
     """gate_up (K = H, N = n_ff) or down (K = F, N = H) of R rows over E experts -> (its config, config(qt), workspace
     floats, tiles, kernel, grid, mv, the positional arguments after ws/cnt, the keywords, tables or None): exactly the
-    arguments of the launch rules below, built once per key and configs."""
+    arguments of the launch rules below, built once per key and configs. tiled: gate_up's (the MMA path's kernels
+    with TB, the type's block bytes, and RAT; the decode schedule (MV) reads GGUF only: a tiled launch its config
+    would give it raises, as it would read the tiled experts wrong)."""
     c, c16 = config(qt, bucket_of(R, E)), config(qt)
-    key = (which, qt, R, E, K, N, k_top, limit, row_bytes, aligned, dtype, device)
+    key = (which, qt, R, E, K, N, k_top, limit, row_bytes, aligned, dtype, device, tiled)
     p = _PLANS.get(key)
     if p is not None and p[0] == c and p[1] == c16:
         return p
@@ -655,6 +727,8 @@ def _plan(which: str, qt: int, R: int, E: int, K: int, N: int, k_top: int, limit
     grid_n = cdiv(N, bn)
     lim = float(limit) if limit is not None else 0.0
     if c["MV"] and mv_ok(qt, K, row_bytes, aligned, c["KC"]):
+        if tiled:
+            raise ValueError(f"kernel type {qt}: the decode schedule (MV) has no tile layout")
         # the decode schedule: grid (output blocks, row blocks[, chunks]); K chunks (KC, a reduction key) when
         # 0 < KC < K, as programs when the bucket says SPLIT and the partials fit WS_LIMIT, else walked: the same sums
         consts = (dict(QT=qt, HAS_LIMIT=limit is not None, RA=_row_align(row_bytes), BN=bn) if gu else
@@ -676,6 +750,8 @@ def _plan(which: str, qt: int, R: int, E: int, K: int, N: int, k_top: int, limit
         H, F = (K, N) if gu else (N, K)
         consts = dict(QT=qt, HAS_LIMIT=limit is not None) if gu else dict(QT=qt)
         consts.update(IEEE=dtype == torch.float32, ALIGNED=aligned, RA=_row_align(row_bytes))
+        if tiled:               # bit 0 of a base offset: a tile-layout expert (rows at multiples of its block bytes)
+            consts.update(tile_consts(qt))
         bk = block_k(qt, H, F)
         kc = chunk(qt, K, bk)
         nch = cdiv(K, kc)

@@ -1,7 +1,8 @@
 """In-kernel dequantization and the K-step product for each GGML type the expert kernels read.
 
 `wdot(acc, ...)` adds W[n, kk:kk+BK] @ X[m, kk:kk+BK]^T to acc [BN, BM] for BN weight rows n (byte addresses
-`ra` [BN] int64 = tensor start + n * row bytes) of a row-major quantized [N, K] matrix in the device pool and BM
+`ra` [BN] int64 = tensor start + n * row bytes; TL 1: kernels/tile_layout's address of the row in its tile, its
+blocks 64 blocks apart) of a row-major quantized [N, K] matrix in the device pool and BM
 activation rows m (element offsets `xrow` [BM] into x). Each type is read as a few 2-D "pieces" [BN, P] in its
 byte order (a piece's column c is byte or group c of the blocks, so loads are contiguous runs and no element
 tensor is ever reshaped); each piece is turned into weights and multiplied, on the tensor cores, with the
@@ -43,6 +44,7 @@ import triton
 import triton.language as tl
 
 from betelgeuse.gguf.quants import IQ4_KVALUES, iq_grid
+from betelgeuse.kernels.tile_layout import FLOAT_UNIT, TR
 
 # kernel codes (constexpr QT) of the GGML types
 QT_CODES = {8: 0, 1: 1, 30: 2, 0: 3, 39: 4, 12: 5, 13: 6, 14: 7, 11: 8, 10: 9, 23: 10, 20: 11, 16: 12, 17: 13, 18: 14}
@@ -52,6 +54,8 @@ SUPER = frozenset({5, 6, 7, 8, 9, 10, 12, 13, 14})      # 256-element super-bloc
 # byte offsets of the tables in `tables()` (the kernels use them as literals)
 KV_IQ4, GRID_IQ2XXS, GRID_IQ2XS, GRID_IQ3XXS, TABLES_LEN = 0, 32, 2080, 6176, 7200
 _TABLES: dict[str, torch.Tensor] = {}
+TILE_ROWS = tl.constexpr(TR)            # rows of a tile of the tile layout (tile_layout: TL = 1)
+FLOAT_UNIT_K = tl.constexpr(FLOAT_UNIT)  # elements of a float type's block in it
 
 
 def tables(device) -> torch.Tensor:
@@ -157,27 +161,41 @@ def _grid_weights(tab, off: tl.constexpr, gi, W: tl.constexpr, si, db, BN: tl.co
 # ---- the K step per type --------------------------------------------------------------------------------
 
 @triton.jit
+def _fcols(c, ES: tl.constexpr, TL: tl.constexpr):
+    """Byte offsets [1, BK] in a row of float columns c (ES bytes an element): GGUF's c * ES, or the tile layout's
+    (TL = 1: block c // FLOAT_UNIT_K at TILE_ROWS blocks a stride, element c % FLOAT_UNIT_K in it)."""
+    if TL:
+        o = (c // FLOAT_UNIT_K) * (FLOAT_UNIT_K * ES * TILE_ROWS) + (c % FLOAT_UNIT_K) * ES
+    else:
+        o = c * ES
+    return o[None, :]
+
+
+@triton.jit
 def wdot(acc, x_ptr, xrow, mr, pool, tab, ra, kk, mn,
-         QT: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
-    """acc [BN, BM] += W[rows at ra (mask mn), kk .. kk+BK] @ x[xrow (mask mr), kk .. kk+BK]^T."""
+         QT: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr, TL: tl.constexpr = 0):
+    """acc [BN, BM] += W[rows at ra (mask mn), kk .. kk+BK] @ x[xrow (mask mr), kk .. kk+BK]^T. TL: the weights'
+    layout, 0 GGUF (block j of a row at ra + j * block bytes), 1 the tile layout (tile_layout: at ra + j * TILE_ROWS
+    x block bytes; ra the row's address in its tile): the same loads of the same bytes, so the same bits."""
     m2 = mn[:, None]
     ra2 = ra[:, None]
     if QT >= 1 and QT <= 3:                             # F16 / BF16 / F32
         c = kk + tl.arange(0, BK)
         if QT == 1:
-            p = (pool + ra2 + c[None, :] * 2).to(tl.pointer_type(tl.float16))
+            p = (pool + ra2 + _fcols(c, 2, TL)).to(tl.pointer_type(tl.float16))
         elif QT == 2:
-            p = (pool + ra2 + c[None, :] * 2).to(tl.pointer_type(tl.bfloat16))
+            p = (pool + ra2 + _fcols(c, 2, TL)).to(tl.pointer_type(tl.bfloat16))
         else:
-            p = (pool + ra2 + c[None, :] * 4).to(tl.pointer_type(tl.float32))
+            p = (pool + ra2 + _fcols(c, 4, TL)).to(tl.pointer_type(tl.float32))
         acc = _mma(acc, tl.load(p, mask=m2, other=0), x_ptr, xrow, mr, c, IEEE)
     elif QT == 0:                                       # Q8_0: 34-byte blocks, f16 d | int8 q[32]
         # the quants as u16 words (blocks are 2-byte aligned): piece 0 = the low bytes (even elements), piece 1 =
         # the high bytes (odd elements); f = 1 + (q + 128) / 256 (q ^ 0x80 = q + 128 at mantissa bits 15-22)
         NB: tl.constexpr = BK // 32
+        KS: tl.constexpr = 34 * (1 + (TILE_ROWS - 1) * TL)                  # bytes from a block to the row's next
         c = tl.arange(0, BK // 2)                                             # word c: block c // 16
-        v = _u16(pool, ra2 + ((kk // 32 + c // 16) * 34 + 2 + (c % 16) * 2)[None, :], m2)
-        d = _spread(_f16(pool, ra2 + ((kk // 32 + tl.arange(0, NB)) * 34)[None, :], m2), BN, NB, 16)
+        v = _u16(pool, ra2 + ((kk // 32 + c // 16) * KS + 2 + (c % 16) * 2)[None, :], m2)
+        d = _spread(_f16(pool, ra2 + ((kk // 32 + tl.arange(0, NB)) * KS)[None, :], m2), BN, NB, 16)
         a = 256.0 * d                                                         # w = d q = 256 d f - 384 d
         for byte in tl.static_range(2):
             f = ((v << (15 - 8 * byte)) ^ 0x00400000) & 0x007F8000
@@ -190,9 +208,10 @@ def wdot(acc, x_ptr, xrow, mr, pool, tab, ra, kk, mn,
         else:
             BS: tl.constexpr = 18
             QO: tl.constexpr = 2
+        KS: tl.constexpr = BS * (1 + (TILE_ROWS - 1) * TL)
         c = tl.arange(0, BK // 2)
-        qs = _u8(pool, ra2 + ((kk // 32 + c // 16) * BS + QO + c % 16)[None, :], m2)   # [BN, BK/2]
-        blk0 = ra2 + ((kk // 32 + tl.arange(0, NB)) * BS)[None, :]                      # [BN, NB]
+        qs = _u8(pool, ra2 + ((kk // 32 + c // 16) * KS + QO + c % 16)[None, :], m2)   # [BN, BK/2]
+        blk0 = ra2 + ((kk // 32 + tl.arange(0, NB)) * KS)[None, :]                      # [BN, NB]
         if QT == 4:
             # E8M0 -> 2^(e-128) as float32 bits (ggml_e8m0_to_fp32_half): subnormal for e < 2
             e8 = _u8(pool, blk0, m2)
@@ -213,7 +232,8 @@ def wdot(acc, x_ptr, xrow, mr, pool, tab, ra, kk, mn,
         half = (kk // BK) % (256 // BK)                  # which half of the super-block (BK = 128)
         # bytes of a block of QT 5..14: Q4_K Q5_K Q6_K Q3_K Q2_K IQ4_XS (IQ4_NL) IQ2_XXS IQ2_XS IQ3_XXS
         BS: tl.constexpr = (144, 176, 210, 110, 84, 136, 18, 66, 74, 98)[QT - 5]
-        b = ra2 + (kk // 256) * BS                       # [BN, 1] block addresses
+        KS: tl.constexpr = BS * (1 + (TILE_ROWS - 1) * TL)
+        b = ra2 + (kk // 256) * KS                       # [BN, 1] block addresses
         if QT == 5 or QT == 6:                           # Q4_K / Q5_K: scales of 32, mins
             NQ: tl.constexpr = BK // 2                   # qs bytes in this tile
             NG: tl.constexpr = BK // 64                  # 32-byte groups g: sub-blocks 2g (low), 2g+1 (high)

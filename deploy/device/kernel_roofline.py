@@ -5,6 +5,7 @@
     python3 deploy/device/kernel_roofline.py --types Q4_K,Q8_0 --geoms bench --configs 0
     python3 deploy/device/kernel_roofline.py --sweep         # the launch table: $OUT/triton_tuning.json (~4 min)
     python3 deploy/device/kernel_roofline.py --act-quant bf16  # float vs the bf16 MMA (and q8_1's kernels), checked
+    python3 deploy/device/kernel_roofline.py --tiles         # the float kernels on a tile-layout bank vs GGUF, checked
 
 --sweep times every CONFIGS entry per type at 1 and 16 rows (bench geometry unless --geoms), checks each against
 the torch path (both rows buckets, two runs bit-equal, rows alone == in the full launch), and picks per type one
@@ -681,6 +682,16 @@ def warm_mmq(tasks: list[tuple[str, str, int]]):
     torch.cuda.synchronize()
 
 
+def _error_row(lines: list[str], fails: list[str], key: str, r: dict, cols: int) -> bool:
+    """Whether case r errored; if so its row of a `cols`-column table goes to lines and its key to fails (a time
+    budget's skip is no failure)."""
+    if "error" not in r:
+        return False
+    lines.append(f"| {key} | | {r['error']} |" + " |" * (cols - 3))
+    fails += [] if r["error"].startswith("skipped") else [key]
+    return True
+
+
 def _act_table(res: dict, title: str, cols: tuple, rates, check_cell) -> tuple[list[str], list[str]]:
     """The markdown table of an activation-schedule run -> (lines, failed case keys). res {case: result}; cols the
     names of its three GB/s columns and its check column; rates(result) -> those three {rows: GB/s} (the middle one
@@ -692,9 +703,7 @@ def _act_table(res: dict, title: str, cols: tuple, rates, check_cell) -> tuple[l
              "|---|---|---|---|---|---|---|---|"]
     fails = []
     for key, r in res.items():
-        if "error" in r:
-            lines.append(f"| {key} | | {r['error']} | | | | | |")
-            fails += [] if r["error"].startswith("skipped") else [key]
+        if _error_row(lines, fails, key, r, 8):
             continue
         c = r.get("check")
         cs = "no mmq schedule" if c is None else f"FAIL {c['error']}" if "error" in c else check_cell(c)
@@ -903,6 +912,147 @@ def bf16_run(types: list[str], geoms: list[str], meta: dict, budget: float) -> i
     return _report(lines, fails, meta, res, "act_quant_bf16")
 
 
+# ---- --tiles: the tile layout (kernels/tile_layout, issue 23) --------------------------------------------------
+
+def tile_bank(pool: torch.Tensor, qt: int, H: int, F: int, slot: int) -> torch.Tensor:
+    """A copy of `pool` (whole slots of `slot` bytes, parts at slot_layout's starts) with every slot's gate, up and
+    down in the tile layout, tiled on the device: a part of all slots at once is one [slots x rows, K] matrix (its
+    rows whole tiles a slot, so no tile crosses slots)."""
+    from betelgeuse.kernels import tile_layout
+    out = pool.clone()
+    n = pool.numel() // slot
+    src, dst = pool.view(n, slot), out.view(n, slot)
+    starts, _ = slot_layout(qt, H, F)
+    for s0, nb, (rows, K) in zip(starts, part_sizes(qt, H, F), ((F, H), (F, H), (H, F))):
+        dst[:, s0:s0 + nb] = tile_layout.tile(src[:, s0:s0 + nb].contiguous(), n * rows, K, qt).view(n, nb)
+    return out
+
+
+def same_bits(a: tuple, b: tuple, a_out: tuple, b_out: tuple) -> bool:
+    """Run launch pairs a and b (gate_up, down callables) once on bank 0 -> whether their outputs a_out / b_out
+    (inter, y) are the same bits (int16 words)."""
+    for gu, dn in (a, b):
+        gu(0)
+        dn(0)
+    if not DRY:
+        torch.cuda.synchronize()
+    return all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(a_out, b_out))
+
+
+def tiles_case(gname: str, tname: str) -> dict:
+    """One type and geometry: triton_moe's float kernels (the kernels' own tuning) over rotating banks of GGUF slots
+    (tiled False: the launch as the engine makes it), the same banks tiled (tile_bank; bit 0 of every base set, tiled
+    True) and the GGUF banks with the tile flag on (tiled True, no expert flagged: the branch's cost); GB/s of the
+    expert bytes at ROWS, gate_up + down and each. Bits: gate_up's inter and down's y of the tiled banks == the
+    GGUF banks' (as int16 words: random bytes may make NaNs, whose bits are compared too). For the types of
+    triton_mmq's MMA schedules the same for its q8_1 and bf16 kernels (mmq_q8_1 / mmq_bf16: the shipped schedule on
+    the GGUF banks, Gluon's where it runs, against the tiled launch's byte-load MMA, with its bits check)."""
+    from betelgeuse.kernels import tile_layout
+    from betelgeuse.kernels import triton_mmq as mq
+    from betelgeuse.kernels import triton_moe as tk
+    from betelgeuse.kernels.triton_quants import QT_CODES
+    H, F, E, limit = GEOMS[gname]
+    qt = int(GT[tname])
+    code = QT_CODES[qt]
+    if not (tile_layout.usable(F, H, qt) and tile_layout.usable(H, F, qt)):
+        return {"error": f"skipped (not tileable: {H} x {F})"}
+    set_config(code, None)
+    nbytes = expert_nbytes(qt, H, F)
+    bank_bytes = BANK * nbytes
+    n_banks = 2 if DRY else max(2, math.ceil(512e6 / bank_bytes))          # several times the 60 MB L2
+    _, slot = slot_layout(qt, H, F)
+    pool = torch.randint(0, 256, (n_banks * BANK * slot,), dtype=torch.uint8, device=dev)
+    tpool = tile_bank(pool, qt, H, F, slot)
+    bases = [base_table(E, b * BANK, BANK, slot) for b in range(n_banks)]
+    tbases = [torch.where(b >= 0, b | 1, b) for b in bases]
+    reps = max(n_banks, min(64, math.ceil(2e9 / bank_bytes)))
+    kern, _ = kernels_for(qt, H, F, E, limit)
+    st, aligned = kern.starts[0], kern._aligned
+    rg, rd = row_nbytes(qt, H), row_nbytes(qt, F)
+    out = {"expert_bytes": nbytes, "banks": n_banks, "bits_equal": {}}
+    for rows in ROWS:
+        h, ids, w = routing(BANK, rows, K_TOP, H)
+        r = kern.route(h, ids, w)
+        inter_t = torch.empty_like(r.inter)
+        y_t = torch.empty_like(r.y)
+
+        def pair(p, bs, tiled, inter, y):
+            def gu(i):
+                tk.gate_up(r.h, p, bs[i % n_banks], st, r.rows, r.off, inter, F, K_TOP, code, limit, rg, aligned,
+                           tiled)
+
+            def dn(i):
+                tk.down(r.inter, p, bs[i % n_banks], st, r.rows, r.off, y, r.ids.shape[0], code, rd, aligned, tiled)
+            return gu, dn
+        cases = {"gguf": pair(pool, bases, False, r.inter, r.y), "tiled": pair(tpool, tbases, True, inter_t, y_t),
+                 "flag_on": pair(pool, bases, True, inter_t, y_t)}
+        out["bits_equal"][rows] = same_bits(cases["gguf"], cases["tiled"], (r.inter, r.y), (inter_t, y_t))
+        for mode, prep in (("q8_1", mq.quantize_q8_1), ("bf16", mq.prepare_bf16)):
+            if not mq.mmq_ok(code, H, mode == "bf16") or not mq.mmq_ok(code, F, mode == "bf16"):
+                continue
+            hq, iq = prep(r.h), prep(r.inter)
+
+            def mpair(p, bs, tiled, inter, y):
+                def gu(i):
+                    mq.gate_up(hq, p, bs[i % n_banks], st, r.rows, r.off, inter, F, K_TOP, code, limit, rg, aligned,
+                               tiled=tiled)
+
+                def dn(i):
+                    mq.down(iq, p, bs[i % n_banks], st, r.rows, r.off, y, code, rd, aligned, tiled=tiled)
+                return gu, dn
+            g_io, t_io = (torch.empty_like(r.inter), torch.empty_like(r.y)), (inter_t, y_t)
+            cases[f"mmq_{mode}"] = mpair(pool, bases, False, *g_io)
+            cases[f"mmq_{mode}_tiled"] = mpair(tpool, tbases, True, *t_io)
+            out["bits_equal"][f"mmq_{mode}/{rows}"] = same_bits(cases[f"mmq_{mode}"], cases[f"mmq_{mode}_tiled"],
+                                                                 g_io, t_io)
+        for name, (gu, dn) in cases.items():
+            out.setdefault(name, {})
+            t_gu, t_dn = graph_time(gu, reps), graph_time(dn, reps)
+            out[name][rows] = {"gbps": bank_bytes / (t_gu + t_dn) / 1e9,
+                               "gate_up_gbps": BANK * 2 * F * rg / t_gu / 1e9, "down_gbps": BANK * H * rd / t_dn / 1e9}
+    pool = tpool = None
+    torch.cuda.empty_cache()
+    return out
+
+
+def tiles_run(types: list[str], geoms: list[str], meta: dict, budget: float) -> int:
+    """--tiles: per type and geometry the float kernels' GB/s on GGUF banks, tiled banks and GGUF banks with the flag
+    on, at ROWS, and the bits check. Exit 1 if a tiled bank's bits differ or a case errored."""
+    res = _cases(geoms, types, budget, tiles_case)
+    f = lambda d, n, k="gbps": f"{d[n][k]:.0f}" if n in d else "–"          # noqa: E731
+    lines = [f"## The tile layout (kernels/tile_layout) vs GGUF order on {meta['device']}: triton_moe's float kernels "
+             f"(bank of {BANK}, the kernels' tuning, GB/s of expert bytes; gate_up + down, then gate_up / down; "
+             f"targets 1 row >= {TARGET[1]:.0f}, 16 rows >= {TARGET[16]:.0f})", "",
+             "| case | rows | GGUF | tiled | tiled ÷ GGUF | GGUF, flag on | GGUF gu / dn | tiled gu / dn | bits |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    fails = []
+    for key, r in res.items():
+        if _error_row(lines, fails, key, r, 9):
+            continue
+        for n in ROWS:
+            g, t = r["gguf"].get(n), r["tiled"].get(n)
+            eq = r["bits_equal"].get(n)
+            fails += [] if eq else [f"{key}/{n}"]
+            lines.append(f"| {key} | {n} | {f(r['gguf'], n)} | {f(r['tiled'], n)} | "
+                         f"{t['gbps'] / g['gbps']:.2f} | {f(r['flag_on'], n)} | "
+                         f"{f(r['gguf'], n, 'gate_up_gbps')} / {f(r['gguf'], n, 'down_gbps')} | "
+                         f"{f(r['tiled'], n, 'gate_up_gbps')} / {f(r['tiled'], n, 'down_gbps')} | "
+                         f"{'==' if eq else '!='} |")
+    lines += ["", "triton_mmq's MMA kernels (shipped schedule on GGUF banks vs the tiled launch's byte-load MMA; GB/s "
+              "gate_up + down at each rows count; bits):", ""]
+    for key, r in res.items():
+        for mode in ("q8_1", "bf16"):
+            g, t = r.get(f"mmq_{mode}"), r.get(f"mmq_{mode}_tiled")
+            if not g:
+                continue
+            eqs = [r["bits_equal"].get(f"mmq_{mode}/{n}") for n in ROWS]
+            fails += [f"{key}/mmq_{mode}"] if not all(eqs) else []
+            lines.append(f"  {key} {mode}: " + ", ".join(
+                f"{n} rows {f(g, n)} -> {f(t, n)} ({t[n]['gbps'] / g[n]['gbps']:.2f}x)" for n in ROWS)
+                + f"; bits {'==' if all(eqs) else '!='}")
+    return _report(lines, fails, meta, res, "tiles")
+
+
 # ---- main -----------------------------------------------------------------------------------------------
 
 def table(results: dict, meta: dict) -> str:
@@ -1081,6 +1231,9 @@ def main() -> int:
                         "rows, check it, print the sm_90 compile report (default types Q8_0,Q4_K,MXFP4, geometry "
                         "bench, budget 110 s); bf16: the bf16 MMA of the integer quants (triton_mmq's BF mode) beside "
                         "the float path and the q8_1 kernels, no candidates (budget 150 s)")
+    p.add_argument("--tiles", action="store_true",
+                   help="time the float kernels on tile-layout banks (kernels/tile_layout) beside the GGUF banks at "
+                        "1 and 16 rows, bits checked (default geometry bench, every type, budget 200 s)")
     p.add_argument("--warm", help=argparse.SUPPRESS)
     p.add_argument("--warm-mmq", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -1095,12 +1248,12 @@ def main() -> int:
     if a.warm_mmq:
         warm_mmq([tuple(t) for t in json.loads(a.warm_mmq)["tasks"]])
         return 0
-    a.geoms = a.geoms or ("bench" if a.sweep or a.act_quant else ",".join(GEOMS))
+    a.geoms = a.geoms or ("bench" if a.sweep or a.act_quant or a.tiles else ",".join(GEOMS))
     a.types = a.types or (BF16_TYPES_DEFAULT if a.act_quant == "bf16" else MMQ_TYPES_DEFAULT if a.act_quant
                           else ",".join(TYPES))
     a.budget = a.budget or (270.0 if a.sweep else 150.0 if a.act_quant == "bf16" else 110.0 if a.act_quant
-                            else 160.0)
-    if a.sweep:
+                            else 200.0 if a.tiles else 160.0)
+    if a.sweep or a.tiles:
         ROWS = (1, 16)
     if a.tuned:
         if a.sweep:
@@ -1134,6 +1287,8 @@ def main() -> int:
         return bf16_run(types, geoms, meta, a.budget)
     if a.act_quant:
         return act_quant_run(types, geoms, meta, a.budget, a.workers)
+    if a.tiles:
+        return tiles_run(types, geoms, meta, a.budget)
     tasks = [(g, t, c) for g in geoms for t in types for c in cfgs if applies(t, c)]
     print(f"compiling {len(tasks) * 2} kernels in {a.workers} workers ...", flush=True)
     meta["compile_s"] = warm_parallel(tasks, a.workers, timeout=a.budget * 0.45) if a.workers > 0 else 0.0

@@ -123,12 +123,12 @@ def expert_spec(name: str, which: str, over: dict, geom: tuple = (H, F, E, K_TOP
         sig = {"h_ptr": "*bf16", **ptrs, "inter_ptr": "*bf16", **ws, **{k: "i32" for k in ints}, "limit": "fp32",
                "KC": "i32"}
         cst = {"QT": qt, "HAS_LIMIT": has_limit, "IEEE": False, "ALIGNED": True, "RA": triton_moe._row_align(rb),
-               "SPLIT": split, "BM": cfg["BM"], "BN": cfg["BN_GATE_UP"], "BK": bk, "EP": E}
+               "SPLIT": split, "BM": cfg["BM"], "BN": cfg["BN_GATE_UP"], "BK": bk, "EP": E, "TB": 0, "RAT": 1}
         return triton_moe._gate_up_kernel, sig, {**ints, "KC": kc}, cst, cfg
     ints = {"H": H, "F": F, "row_bytes": rb, "n_exp": E}
     sig = {"inter_ptr": "*bf16", **ptrs, "y_ptr": "*bf16", **ws, **{k: "i32" for k in ints}, "KC": "i32"}
     cst = {"QT": qt, "IEEE": False, "ALIGNED": True, "RA": triton_moe._row_align(rb), "SPLIT": split,
-           "BM": cfg["BM"], "BN": cfg["BN"], "BK": bk, "EP": E}
+           "BM": cfg["BM"], "BN": cfg["BN"], "BK": bk, "EP": E, "TB": 0, "RAT": 1}   # TB 0: no tile-layout experts
     return triton_moe._down_kernel, sig, {**ints, "KC": kc}, cst, cfg
 
 
