@@ -925,7 +925,7 @@ def _launch(kernel, args: list, grid_n: int, R: int, E: int, K: int, qt: int, pe
     nch = triton.cdiv(K // QK, kcb)
     if tiled:
         if c.get("PK"):
-            raise ValueError(f"PK {c['PK']} (q8_pack's layout) and the tile layout in one launch: type {qt}")
+            raise ValueError(f"PK {c['PK']} (mma_pack's layout) and the tile layout in one launch: type {qt}")
         c = {**c, "MV": 0, "WL": 0, "GL": 0}
         consts = {**consts, **tm.tile_consts(qt)}
     use_mv = bool(c["MV"]) and not bf and mv.mv_ok(qt, K, kcb, c["NS"], row_bytes, aligned)
