@@ -339,17 +339,18 @@ class EngineSettings(_Section):
         "off", "expert activations on the GPU: off (float, exact) | q8_1 (int8 per 32, llama.cpp's mmq numerics; "
         "approximate) | bf16 (bf16 tensor-core MMA of the integer quants; float noise) | auto (bf16 for Q8_0 and "
         "MXFP4 only)", "q8_1")
-    # the VRAM slots hold their Q8_0 (and Q4_K: cpu-packk62) experts in kernels/mma_pack's layout (repacked on the GPU
-    # as they fill; host slots and the ring stay GGUF), which gluon_mmq's PK form reads coalesced (issue 23: Q8_0 1.6
-    # TB/s against 1.0 at one row, gpu-run64); every launch reads each expert's layout from its slot table (bit 0).
-    # The same values in the same MMA: the same bits (docs/benchmarks/cpu-pack62, cpu-vram62). Startup refuses unless
-    # every packed expert launch is that form (CUDA sm_90, triton kernels, act_quant bf16, or auto for Q8_0 alone; a
-    # packed layer's parts all Q8_0 / Q4_K); a model with no Q8_0 or Q4_K expert: nothing to pack. Q4_K's packed form
-    # is not yet measured on the device. check_cuda's invariance / prefix / batch / pool / recycle rows pass with it
-    # on (gpu-run64, Q8_0, act_quant bf16: the same verdicts as bf16 unpacked). Off: act_quant's default (off) is not
-    # a form it can pack for, and the decode A/B through the service has not run yet
-    pack_experts: Flag = setting(False, "VRAM-resident Q8_0 / Q4_K experts held in the packed layout the Gluon MMA "
-                                 "reads coalesced (CUDA sm_90, act_quant bf16; auto for Q8_0)", True)
+    # the VRAM slots hold their Q8_0 (and Q4_K: cpu-packk62; MXFP4: cpu-mxpk63) experts in kernels/mma_pack's layout
+    # (repacked on the GPU as they fill; host slots and the ring stay GGUF), which gluon_mmq's PK form reads coalesced
+    # (issue 23: Q8_0 1.6 TB/s against 1.0 at one row, gpu-run64); every launch reads each expert's layout from its
+    # slot table (bit 0). The same values in the same MMA: the same bits (docs/benchmarks/cpu-pack62, cpu-vram62).
+    # Startup refuses unless every packed expert launch is that form (CUDA sm_90, triton kernels, act_quant bf16, or
+    # auto for Q8_0 / MXFP4; a packed layer's parts all Q8_0 / MXFP4 / Q4_K; MXFP4's packed layers take the Gluon form,
+    # its shipped bf16 form being Triton's); a model with no such expert: nothing to pack. Q4_K's and MXFP4's packed
+    # forms are not yet measured on the device. check_cuda's invariance / prefix / batch / pool / recycle rows pass
+    # with it on (gpu-run64, Q8_0, act_quant bf16: the same verdicts as bf16 unpacked). Off: act_quant's default (off)
+    # is not a form it can pack for, and the decode A/B through the service has not run yet
+    pack_experts: Flag = setting(False, "VRAM-resident Q8_0 / MXFP4 / Q4_K experts held in the packed layout the "
+                                 "Gluon MMA reads coalesced (CUDA sm_90, act_quant bf16; auto for Q8_0 / MXFP4)", True)
     # a long generation's working set moves into the resident tiers while it runs
     decode_consolidate_every: Count0 = setting(32, "decode tokens between consolidations of the decode's usage "
                                                "(0 = end of request only)", 0)

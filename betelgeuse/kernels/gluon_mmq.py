@@ -28,18 +28,21 @@ so the same bits on the GPU (deploy/device/check_gluon_mmq.py checks torch.equal
   * GP (Q8_0, MXFP4; _acc_part): where a K step's loads are converted -- 0 in the step that issues them (one step
     ahead, but waited for before that step ends), 1 / 2 carried as loaded one / two steps and converted in the step
     that uses them (PTX loads and conversions the compiler cannot move back: cpu-gluon16r57). A schedule key.
-  * PK (Q8_0, GP >= 1; off everywhere): the pool's weights in mma_pack's layout (64-row tiles, a K step's quants in
-    the order of the threads' A k pairs): a thread's weights of a tile and step are 16 contiguous bytes (one 128-bit
-    load; a warp load 512 contiguous bytes, where GGUF order gives 8 rows x 8 bytes in 8 lines) and a row's two
-    scales one 32-bit word; register moves put the words' int8 in AL's order, so the MMA gets the same A: the same
+  * PK (Q8_0 with GP >= 1, Q4_K, MXFP4; off everywhere): the pool's weights in mma_pack's layout (64-row tiles, a K
+    step's quants in the order of the threads' A k pairs): a thread's weights of a tile and step are 16 contiguous bytes
+    (one 128-bit load; a warp load 512 contiguous bytes, where GGUF order gives 8 rows x 8 bytes in 8 lines) and a row's
+    two scales one 32-bit word; register moves put the words' int8 in AL's order, so the MMA gets the same A: the same
     bits as PK 0 on the GGUF bytes (cpu-pack62). A schedule key; the caller packs the pool. PK 2 (engine.pack_experts,
     cpu-vram62): per expert, bit 0 of its base offset (a packed VRAM slot's: ExpertCache._own) picks the packed or the
     GGUF body once a program (_pk_of; both compiled into the kernel), so one launch reads VRAM experts packed beside
-    host, flex and ring experts in GGUF order. Q4_K (its one form, GP 0; cpu-packk62) reads mma_pack's Q4_K layout
-    under PK 1 / 2 alike: a thread's byte pairs of a 64-row tile and step (rows t / 4 and + 8, QL's) are 16 contiguous
-    bytes (one 128-bit load where GGUF order takes 8 16-bit loads; a warp load 512 contiguous bytes), moved to QL by
-    register moves, and a row's header 16 bytes of one contiguous 1 KiB a super-block; the decode, MMA and float ops
-    are the shipped form's.
+    host, flex and ring experts in GGUF order. Q4_K (its one form, GP 0; cpu-packk62) reads mma_pack's Q4_K layout under
+    PK 1 / 2 alike: a thread's byte pairs of a 64-row tile and step (rows t / 4 and + 8, QL's) are 16 contiguous bytes
+    (one 128-bit load where GGUF order takes 8 16-bit loads; a warp load 512 contiguous bytes), moved to QL by register
+    moves, and a row's header 16 bytes of one contiguous 1 KiB a super-block; the decode, MMA and float ops are the
+    shipped form's. MXFP4 (cpu-mxpk63) reads mma_pack's MXFP4 layout under PK 1 / 2 at any GP: a thread's nibble bytes
+    of a 64-row tile and step (its AL k pairs under _perm: rows t / 4 and + 8) are 16 contiguous bytes (one 128-bit load
+    of 4 words where GGUF order takes 16 byte loads), split into bytes and moved to the GGUF form's [R, 32] by register
+    moves, and a row's two scale bytes one 16-bit load; _mx_a's decode, the MMA and the float ops are the GGUF form's.
 The schedule key GL (triton_mmq.CONFIG, 0 by default) asks for it; triton_mmq._launch takes it where `usable` says so
 (CUDA sm_90, Gluon importable, Q8_0, MXFP4 or Q4_K at these constants, aligned parts), else the Triton kernel runs
 (CPU, the interpreter: Gluon has no interpreter). Compiles on Triton 3.6 (the device's) and 3.9: the one API
@@ -77,10 +80,10 @@ def usable(qt: int, c: dict, kb: int, device, aligned: bool = True) -> bool:
     device of capability 9.x (wgmma), not the interpreter, a type of TYPES at SHAPE's constants (FUSE either way:
     gate_up's fused form is here too; a schedule key, the same bits), parts 16-byte aligned (`aligned`, as
     triton_mmq.gate_up's: the weights are read in 2-, 4- and 16-byte words); PK (the weights packed: mma_pack)
-    Q8_0 with GP >= 1, or Q4_K, only."""
+    Q8_0 with GP >= 1, Q4_K or MXFP4 (any GP), only."""
     if not HAVE_GLUON or qt not in TYPES or getattr(device, "type", "") != "cuda" or not aligned:
         return False
-    if c.get("PK") and not (qt == 0 and c.get("GP") or qt == 5):
+    if c.get("PK") and not (qt == 0 and c.get("GP") or qt in (4, 5)):
         return False
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         return False
@@ -130,6 +133,15 @@ if HAVE_GLUON:
     QZ2 = gl.constexpr(gl.DistributedLinearLayout([[0, 1], [0, 2], [0, 4], [32, 0]],
                                                   [[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]], [[8, 0], [16, 0]], [],
                                                   [64, 32]))
+    # PK's MXFP4 nibble bytes [R / 2, 16] int32 words as loaded (mma_pack's layout): row q = 8 (n // 16) + n % 8 holds
+    # the pieces of rows n and n + 8, word u = 4 b + r its bytes 4 r .. 4 r + 3 of lane-quad b's 16 (byte 8 h + j:
+    # the step's byte b + 4 j of row n + 8 h); thread t holds u = 4 (t % 4) .. + 3 (16 contiguous bytes: one 128-bit
+    # load) of q = t / 4 of its warp's 8 -- AL's pairs of the same rows (pair p: the two nibbles of byte p); R 128:
+    # q + 32 (rows + 64) in registers
+    MW = gl.constexpr(gl.DistributedLinearLayout([[0, 1], [0, 2]], [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+                                                 [[8, 0], [16, 0]], [], [32, 16]))
+    MW2 = gl.constexpr(gl.DistributedLinearLayout([[0, 1], [0, 2], [32, 0]], [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+                                                  [[8, 0], [16, 0]], [], [64, 16]))
 
     @gluon.jit
     def _add(a, b):
@@ -182,18 +194,24 @@ if HAVE_GLUON:
         """PK: _part_rows' GGUF row addresses r [R] of part rows n (same layout) -> mma_pack's, in the K step (Q4_K:
         super-block) 0 of the row's 64-row tile (tile-major: the tile's bytes where GGUF had them). Q8_0: the row's
         quant words (SC False: 16-byte aligned) or its scale word (SC True); Q4_K: its header (SC True) or its
-        half-warp's 16-byte pieces of group 0 (SC False: rows n and n + 8 alike, the half h a piece's 8 bytes)."""
+        half-warp's 16-byte pieces of group 0 (SC False: rows n and n + 8 alike, the half h a piece's 8 bytes);
+        MXFP4: its two scale bytes (SC True) or its lane-quads' 16-byte pieces (SC False: rows n and n + 8 alike)."""
         i = n % 64
         if QT == 5:
             if SC:
                 o = 16 * i
             else:
                 o = 1024 + 512 * (i // 16) + 64 * (i % 8)
+        elif QT == 4:
+            if SC:
+                o = 2048 + 2 * i
+            else:
+                o = 512 * (i // 16) + 64 * (i % 8)
         elif SC:
             o = 4096 + 4 * i
         else:
             o = 1024 * (i // 16) + 512 * ((i // 8) % 2) + 64 * (i % 8)
-        return gl.multiple_of(r + (o - i * row_bytes).to(gl.int64), 4 if SC and QT == 0 else 16)
+        return gl.multiple_of(r + (o - i * row_bytes).to(gl.int64), (2 if QT == 4 else 4) if SC and QT != 5 else 16)
 
     @gluon.jit
     def _perm(p):
@@ -211,28 +229,72 @@ if HAVE_GLUON:
         return gl.where(v >= 8, -mag, mag).to(gl.int8)
 
     @gluon.jit
+    def _e8m0(e8):
+        """MXFP4's E8M0 scale bytes e8 (int32, 0..255) -> 2^(e - 128) float32 (ggml_e8m0_to_fp32_half, as
+        triton_mmq._w_scale): a subnormal below e 2, else the exponent field e - 1."""
+        return gl.where(e8 < 2, (e8 + 1) * 0x00200000, (e8 - 1) << 23).to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _mx_a(v):
+        """MXFP4's nibble bytes v [R, KB*16] int32 (column p: a row's step byte p, AL's k pair (2 p, 2 p + 1) under
+        _perm) -> the weights [R, KB*32] bf16 in AL: the low nibble's doubled e2m1 value at k 2 p, the high's at 2 p + 1
+        (register moves: each thread's bytes are its own pairs)."""
+        w = gl.reshape(gl.join(_e2m1(v & 15), _e2m1(v >> 4)), [v.shape[0], 2 * v.shape[1]])
+        return gl.convert_layout(w, AL).to(gl.bfloat16)
+
+    @gluon.jit
+    def _mx_pk_load(pool, ra, mn, rc, mc, kb0):
+        """PK (MXFP4): K step kb0 .. kb0 + 1's loads from mma_pack's layout (the step at byte kb0 / 2 x 2176 of the
+        rows' tile): (the nibble words [R / 2, 16] int32 (MW) at _half_rows' pieces ra (mask mn), one 128-bit load a
+        thread and 64-row tile; the scale bytes of blocks kb0 (low) and kb0 + 1 (high) of rows rc (mask mc), one 16-bit
+        load a row, zero-extended into an int32 by the load (_ld_u16))."""
+        if ra.shape[0] == 32:
+            LW: gl.constexpr = MW
+        else:
+            LW: gl.constexpr = MW2
+        st = kb0 * 1088                             # kb0 even: kb0 / 2 x 2176
+        u = gl.arange(0, 16, layout=gl.SliceLayout(0, LW))
+        pw = (pool + gl.multiple_of(ra + st, 16)).to(gl.pointer_type(gl.int32))
+        w = gl.load(pw[:, None] + u[None, :], mask=gl.broadcast(mn[:, None], u[None, :])[0], other=0)
+        return w, _ld_u16(pool + rc + st, mc)
+
+    @gluon.jit
+    def _mx_pk_bytes(w):
+        """_mx_pk_load's words [R / 2, 16] -> the step's nibble bytes [R, 32] int32 in _mx_a's order (column p: byte p
+        of row n), by register moves: the words' 4 bytes (byte i of word u: column 4 u + i = 16 b + 8 h + j; a join's
+        new axis is the last, so join(join(b0, b2), join(b1, b3))[.., x, y] = byte 2 x + y), then [n // 16, n % 8, b,
+        h, j] -> [n // 16, h, n % 8, j, b] (row 16 (n // 16) + 8 h + n % 8, column p = 4 j + b)."""
+        R: gl.constexpr = 2 * w.shape[0]
+        v = gl.join(gl.join(w & 255, (w >> 16) & 255), gl.join((w >> 8) & 255, (w >> 24) & 255))
+        v = gl.permute(gl.reshape(v, [R // 16, 8, 4, 2, 8]), [0, 3, 1, 4, 2])
+        return gl.reshape(v, [R, 32])
+
+    @gluon.jit
     def _scale(pool, rc, mc, kb, QT: gl.constexpr):
         """Block kb's weight scale d [BN] float32 of rows rc (mask mc): Q8_0's f16 d, MXFP4's 2^(e - 128) of its E8M0
         byte (ggml_e8m0_to_fp32_half, as triton_mmq._w_scale)."""
         if QT == 0:
             d = gl.load((pool + rc + kb * 34).to(gl.pointer_type(gl.float16)), mask=mc, other=0).to(gl.float32)
         else:
-            e8 = gl.load(pool + rc + kb * 17, mask=mc, other=0).to(gl.int32)
-            d = gl.where(e8 < 2, (e8 + 1) * 0x00200000, (e8 - 1) << 23).to(gl.float32, bitcast=True)
+            d = _e8m0(gl.load(pool + rc + kb * 17, mask=mc, other=0).to(gl.int32))
         return d
 
     @gluon.jit
-    def _fetch(pool, ra, mn, rc, mc, xq_ptr, jo, jm, kb0, QT: gl.constexpr, KB: gl.constexpr):
+    def _fetch(pool, ra, mn, rc, mc, xq_ptr, jo, jm, kb0, QT: gl.constexpr, KB: gl.constexpr, PK: gl.constexpr):
         """K step kb0 .. kb0 + KB: (the weights [BN, KB*32] bf16 in AL of rows ra (mask mn): column c = block
         kb0 + c // 32's element c % 32 (Q8_0: the int8 at byte 34 kb + 2 + e) or element _perm(c) % 32 (MXFP4: the
         doubled e2m1 value of the nibble (e // 16) of byte 17 kb + 1 + e % 16) -- triton_mmq._w_tile's values; the
         scales d [BN] float32 of blocks kb0 and kb0 + 1 of rows rc (mask mc, ACC's rows); the B tile [KB*32, KB*BM]
         bf16 in BL: column j = i*BM + m holds activation row m's block kb0 + i (element offsets jo, mask jm) at rows
-        32 i .. 32 i + 31 (MXFP4: element _perm(k)), zeros elsewhere -- triton_mmq._bd_tile's values)."""
+        32 i .. 32 i + 31 (MXFP4: element _perm(k)), zeros elsewhere -- triton_mmq._bd_tile's values). PK (MXFP4):
+        the same values from mma_pack's layout (_mx_pk_load: ra / mn _half_rows' pieces, rc the rows' scale bytes)."""
         c = gl.arange(0, KB * 32, layout=gl.SliceLayout(0, AL))
         if QT == 0:
             w = gl.load(pool + ra[:, None] + ((kb0 + c // 32) * 34 + 2 + c % 32)[None, :], mask=mn[:, None], other=0)
             wb = w.to(gl.int8, bitcast=True).to(gl.bfloat16)
+        elif PK:                    # MXFP4 packed: a thread's bytes of a tile one 128-bit load, a row's scales one
+            w, sc = _mx_pk_load(pool, ra, mn, rc, mc, kb0)
+            wb = _mx_a(_mx_pk_bytes(w))
         else:                       # a thread's k pair (c, c + 1), c even: the low and high nibble of one byte
             p = _perm(c)
             o = gl.broadcast(ra[:, None], ((kb0 + p // 32) * 17 + 1 + p % 16)[None, :])
@@ -240,11 +302,13 @@ if HAVE_GLUON:
             m = gl.broadcast(mn[:, None], o)[0]
             o1, o2 = gl.split(gl.reshape(o, [o.shape[0], KB * 16, 2]))    # one byte a pair (register moves)
             m1, m2 = gl.split(gl.reshape(m, [o.shape[0], KB * 16, 2]))
-            v = gl.load(pool + o1, mask=m1, other=0).to(gl.int32)       # [BN, KB*16]
-            w = gl.reshape(gl.join(_e2m1(v & 15), _e2m1(v >> 4)), [o.shape[0], KB * 32])
-            wb = gl.convert_layout(w, AL).to(gl.bfloat16)
-        d0 = _scale(pool, rc, mc, kb0, QT)
-        d1 = _scale(pool, rc, mc, kb0 + 1, QT)
+            wb = _mx_a(gl.load(pool + o1, mask=m1, other=0).to(gl.int32))   # [BN, KB*16] bytes
+        if QT == 4 and PK:
+            d0 = _e8m0(sc & 255)
+            d1 = _e8m0(sc >> 8)
+        else:
+            d0 = _scale(pool, rc, mc, kb0, QT)
+            d1 = _scale(pool, rc, mc, kb0 + 1, QT)
         k = gl.arange(0, KB * 32, layout=gl.SliceLayout(1, BL))
         jb = gl.arange(0, jo.shape[0], layout=gl.SliceLayout(0, BL)) // (jo.shape[0] // KB)
         m2 = jm[None, :] & (jb[None, :] == (k // 32)[:, None])
@@ -298,7 +362,8 @@ if HAVE_GLUON:
         bits, MXFP4 the E8M0 byte; the B tile: Q8_0 as words [KB*16, KB*BM] (BW) of _fetch's tile, MXFP4 _fetch's
         bf16 tile). PK (Q8_0): the weights as mma_pack's words [R, 16] (PW) of the step, at byte kb0 / 2 x 4352 from
         the rows' _pk_rows addresses ra (128-bit loads); r0 = r1 their scale words at rc's (block kb0's f16 d in the
-        low 16 bits, kb0 + 1's in the high)."""
+        low 16 bits, kb0 + 1's in the high). PK (MXFP4): _mx_pk_load's words [R / 2, 16] and r0 = r1 the rows' two
+        scale bytes (kb0's low)."""
         R: gl.constexpr = ra.shape[0]
         if QT == 0:
             if PK:
@@ -333,16 +398,20 @@ if HAVE_GLUON:
             xw = xq_ptr.to(gl.pointer_type(gl.int32))               # the bf16 activations as words
             x = gl.load(xw + (jw[None, :] + kb0 * 32) // 2 + kw[:, None], mask=m2, other=0)
         else:
-            c = gl.arange(0, KB * 32, layout=gl.SliceLayout(0, AL))
-            p = _perm(c)
-            o = gl.broadcast(ra[:, None], ((kb0 + p // 32) * 17 + 1 + p % 16)[None, :])
-            o = o[0] + o[1]
-            m = gl.broadcast(mn[:, None], o)[0]
-            o1, o2 = gl.split(gl.reshape(o, [o.shape[0], KB * 16, 2]))
-            m1, m2 = gl.split(gl.reshape(m, [o.shape[0], KB * 16, 2]))
-            w = gl.load(pool + o1, mask=m1, other=0).to(gl.int32)
-            r0 = gl.load(pool + rc + kb0 * 17, mask=mc, other=0).to(gl.int32)
-            r1 = gl.load(pool + rc + kb0 * 17 + 17, mask=mc, other=0).to(gl.int32)
+            if PK:
+                w, r0 = _mx_pk_load(pool, ra, mn, rc, mc, kb0)
+                r1 = r0
+            else:
+                c = gl.arange(0, KB * 32, layout=gl.SliceLayout(0, AL))
+                p = _perm(c)
+                o = gl.broadcast(ra[:, None], ((kb0 + p // 32) * 17 + 1 + p % 16)[None, :])
+                o = o[0] + o[1]
+                m = gl.broadcast(mn[:, None], o)[0]
+                o1, o2 = gl.split(gl.reshape(o, [o.shape[0], KB * 16, 2]))
+                m1, m2 = gl.split(gl.reshape(m, [o.shape[0], KB * 16, 2]))
+                w = gl.load(pool + o1, mask=m1, other=0).to(gl.int32)
+                r0 = gl.load(pool + rc + kb0 * 17, mask=mc, other=0).to(gl.int32)
+                r1 = gl.load(pool + rc + kb0 * 17 + 17, mask=mc, other=0).to(gl.int32)
             k = gl.arange(0, KB * 32, layout=gl.SliceLayout(1, BL))
             jb = gl.arange(0, jo.shape[0], layout=gl.SliceLayout(0, BL)) // (jo.shape[0] // KB)
             m2 = jm[None, :] & (jb[None, :] == (k // 32)[:, None])
@@ -385,7 +454,7 @@ if HAVE_GLUON:
     def _conv_raw(w, r0, r1, x, QT: gl.constexpr, KB: gl.constexpr, PK: gl.constexpr):
         """_load_raw's values -> _fetch's: (the weights [R, KB*32] bf16 in AL, d0, d1 [R] float32, the B tile
         [KB*32, KB*BM] bf16) -- the same values (Q8_0: int8 -> bf16 of each byte of a pair, the f16 scale exactly
-        to float32; MXFP4: _fetch's decode)."""
+        to float32; MXFP4: _fetch's decode, PK's from the words' bytes)."""
         R: gl.constexpr = w.shape[0]
         if QT == 0:
             if PK:                                      # word c = 4 b + a: pairs 8 a + b (low half) and + 4 (high)
@@ -405,11 +474,15 @@ if HAVE_GLUON:
             xh = _lo_bf16(x >> 16)
             xb = gl.reshape(gl.permute(gl.join(xl, xh), [0, 2, 1]), [2 * x.shape[0], x.shape[1]])
             xb = gl.convert_layout(xb, BL)
+        elif PK:                                        # MXFP4 packed: the words' bytes, the scale bytes' halves
+            wb = _mx_a(_mx_pk_bytes(w))
+            d0 = _e8m0(r0 & 255)
+            d1 = _e8m0(r1 >> 8)
+            xb = x
         else:
-            wv = gl.reshape(gl.join(_e2m1(w & 15), _e2m1(w >> 4)), [R, KB * 32])
-            wb = gl.convert_layout(wv, AL).to(gl.bfloat16)
-            d0 = gl.where(r0 < 2, (r0 + 1) * 0x00200000, (r0 - 1) << 23).to(gl.float32, bitcast=True)
-            d1 = gl.where(r1 < 2, (r1 + 1) * 0x00200000, (r1 - 1) << 23).to(gl.float32, bitcast=True)
+            wb = _mx_a(w)
+            d0 = _e8m0(r0)
+            d1 = _e8m0(r1)
             xb = x
         return wb, d0, d1, xb
 
@@ -454,17 +527,21 @@ if HAVE_GLUON:
              them: a load has a whole step to land;
           2  as 1, two steps ahead (two steps' bytes in flight a program: for grids of few programs a SM, the 16-row
              gate_up's 192 programs on 132 SMs).
-        PK (a schedule key, Q8_0 with GP >= 1): the weights in mma_pack's layout (ra / rc: _pk_rows' addresses)."""
+        PK (a schedule key, Q8_0 with GP >= 1, MXFP4 at any GP): the weights in mma_pack's layout (ra / rc: _pk_rows'
+        addresses; MXFP4's pieces shared by rows n and n + 8: _half_rows, once a part)."""
         gl.static_assert(KB == 2)
-        gl.static_assert(PK == 0 or (QT == 0 and GP > 0))
+        gl.static_assert(PK == 0 or QT == 4 or (QT == 0 and GP > 0))
         acc = gl.zeros([BN, BM], gl.float32, ACC)
         z = gl.zeros([BN, KB * BM], gl.float32, MMA)
+        if PK and QT == 4:
+            ra = _half_rows(ra, QT)
+            mn = _half_rows(mn, QT)
         if GP == 0:
-            wb, d0, d1, x = _fetch(pool, ra, mn, rc, mc, xq_ptr, jo, jm, b0, QT, KB)
+            wb, d0, d1, x = _fetch(pool, ra, mn, rc, mc, xq_ptr, jo, jm, b0, QT, KB, PK)
             for kb0 in range(b0, b1, KB):
                 more = kb0 + KB < b1                    # the next step's loads, masked off past b1
                 wb2, e0, e1, x2 = _fetch(pool, ra, mn & more, rc, mc & more, xq_ptr, jo, jm & more, kb0 + KB, QT,
-                                         KB)
+                                         KB, PK)
                 xs = gl.allocate_shared_memory(gl.bfloat16, [KB * 32, KB * BM], SH, x)
                 acc = _mma_acc(acc, z, wb, xs, d0, d1, BN, BM, KB)
                 wb, d0, d1, x = wb2, e0, e1, x2
@@ -544,12 +621,18 @@ if HAVE_GLUON:
         return gl.reshape(gl.join(lo, hi), [R, 32])
 
     @gluon.jit
-    def _half_rows(v):
-        """PK (Q4_K): [R] values of rows n (SliceLayout(1, AL)) -> [R / 2] those of rows n // 8 even (QZ's rows q =
-        8 (n // 16) + n % 8) in QZ's row slice: the packed pieces' addresses and masks, rows n and n + 8 alike."""
+    def _half_rows(v, QT: gl.constexpr):
+        """PK (Q4_K, MXFP4): [R] values of rows n (SliceLayout(1, AL)) -> [R / 2] those of rows n // 8 even (QZ's /
+        MW's rows q = 8 (n // 16) + n % 8) in QZ's (Q4_K) or MW's (MXFP4) row slice: the packed pieces' addresses and
+        masks, rows n and n + 8 alike."""
         R: gl.constexpr = v.shape[0]
         h0, h1 = gl.split(gl.permute(gl.reshape(v, [R // 16, 2, 8]), [0, 2, 1]))
-        if R == 64:
+        if QT == 4:
+            if R == 64:
+                LZ: gl.constexpr = MW
+            else:
+                LZ: gl.constexpr = MW2
+        elif R == 64:
             LZ: gl.constexpr = QZ
         else:
             LZ: gl.constexpr = QZ2
@@ -624,8 +707,8 @@ if HAVE_GLUON:
         acc = gl.zeros([BN, BM], gl.float32, ACC)
         z = gl.zeros([BN, KB * BM], gl.float32, MMA)
         if PK:                                      # the pieces' rows, once a part (_half_rows)
-            ra = _half_rows(ra)
-            mn = _half_rows(mn)
+            ra = _half_rows(ra, 5)
+            mn = _half_rows(mn, 5)
         wb, w0, c0, n0, c1, n1, s0, s1, x = _fetch_k(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, b0, KB, PK)
         for kb0 in range(b0, b1, KB):
             more = kb0 + KB < b1

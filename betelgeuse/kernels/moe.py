@@ -167,14 +167,15 @@ class MoEKernels:
 
     def pack_check(self, parts, slot_bytes: int, device) -> np.ndarray:
         """engine.pack_experts: the layers whose VRAM slots may hold mma_pack's layout -> [n_layer] bool (all False:
-        the model has no Q8_0 or Q4_K expert); raises ValueError naming why not where some packed expert's launch
-        would not be gluon_mmq's PK form, the one kernel that reads packed bytes (the bits are PK 0's: cpu-pack62,
-        cpu-packk62). parts[l][e]: an expert's (gate, up, down) parts (ExpertCache.parts: .qtype, .shape (rows, K)).
-        A layer with a Q8_0 or Q4_K part packs; every part of it must be one of those (the flag is an expert's:
-        another type's kernel would read it), rows and K whole tiles and steps (mma_pack.usable); the triton backend
-        with each packed type on the bf16 MMA (act_quant bf16, or auto for Q8_0: mma_qtypes); GL 1 for the type at
-        both rows buckets, and GP >= 1 for Q8_0 (triton_mmq.BF_TUNING); and gluon_mmq.usable here (CUDA sm_90,
-        Gluon, not the interpreter, 16-byte aligned parts)."""
+        the model has no expert of a type with a packed form: Q8_0, MXFP4, Q4_K); raises ValueError naming why not
+        where some packed expert's launch would not be gluon_mmq's PK form, the one kernel that reads packed bytes (the
+        bits are PK 0's: cpu-pack62, cpu-packk62, cpu-mxpk63). parts[l][e]: an expert's (gate, up, down) parts
+        (ExpertCache.parts: .qtype, .shape (rows, K)). A layer with a part of such a type packs; every part of it
+        must be of one (the flag is an expert's: another type's kernel would read it), rows and K whole tiles and steps
+        (mma_pack.usable); the triton backend with each packed type on the bf16 MMA (act_quant bf16, or auto for Q8_0
+        and MXFP4: mma_qtypes); GP >= 1 for Q8_0 at both rows buckets (triton_mmq.BF_TUNING; a packed launch is GL 1:
+        triton_mmq.config); and gluon_mmq.usable here (CUDA sm_90, Gluon, not the interpreter, 16-byte aligned
+        parts)."""
         kinds = [{int(m.qtype) for ps in parts[l] for m in ps} for l in range(len(parts))]
         layers = np.array([bool(k & mma_pack.GGML.keys()) for k in kinds], dtype=bool)
         if not layers.any():
@@ -182,20 +183,21 @@ class MoEKernels:
         mixed = [(l, k) for l, k in enumerate(kinds) if layers[l] and not k <= mma_pack.GGML.keys()]
         if mixed:
             l, k = mixed[0]
-            raise ValueError(f"layer {l} mixes Q8_0 / Q4_K expert parts with other types (its types {sorted(k)})"
+            raise ValueError(f"layer {l} mixes Q8_0 / MXFP4 / Q4_K expert parts with other types (its types "
+                             f"{sorted(k)})"
                              " (the packed flag is an expert's: every part of a packed layer must have a packed form)")
         bad = next(((l, m.qtype, m.shape) for l in np.nonzero(layers)[0] for ps in parts[l] for m in ps
                     if not mma_pack.usable(*m.shape, mma_pack.GGML[int(m.qtype)])), None)
         if bad is not None:
             raise ValueError(f"layer {bad[0]} has a part of type {bad[1]} and shape {bad[2]}: mma_pack needs rows a "
-                             "multiple of 64 and K of 64 (Q8_0) or 256 (Q4_K)")
+                             "multiple of 64 and K of 64 (Q8_0, MXFP4) or 256 (Q4_K)")
         used = set().union(*(kinds[l] for l in np.nonzero(layers)[0]))
         bf = self.act_quant in ("bf16", "auto")             # q8_1 / off: no type on the bf16 MMA
         off = sorted(used - mma_qtypes(self.act_quant).keys()) if bf else sorted(used)
         if self.backend != "triton" or off:
             raise ValueError(f"the packed types' expert launches here are not gluon_mmq's bf16 MMA (kernels: "
                              f"{self.backend}, act_quant = {self.act_quant!r}, GGML types {off} off it; "
-                             "packing needs the triton kernels with act_quant bf16, or auto for Q8_0 alone)")
+                             "packing needs the triton kernels with act_quant bf16, or auto for Q8_0 / MXFP4)")
         from betelgeuse.kernels import gluon_mmq as gm
         mq = self._mq
         l0 = int(np.nonzero(layers)[0][0])
@@ -203,10 +205,10 @@ class MoEKernels:
         aligned = slot_bytes % 16 == 0 and self._aligned
         for qt in sorted(mma_pack.GGML[t] for t in used):
             for bucket in sorted(mq.BUCKETS):
-                c = {**mq.config(qt, bucket, bf=True), "PK": 2}
-                if not c.get("GL") or qt == 0 and not c.get("GP"):
-                    raise ValueError(f"type {qt}'s bf16 schedule at {bucket} rows has GL {c.get('GL')}, GP "
-                                     f"{c.get('GP')}: the packed form needs GL 1 (and GP >= 1 for Q8_0)")
+                c = mq.config(qt, bucket, bf=True, pk=2)
+                if qt == 0 and not c.get("GP"):
+                    raise ValueError(f"type {qt}'s bf16 schedule at {bucket} rows has GP {c.get('GP')}: Q8_0's packed "
+                                     "form needs GP >= 1")
                 for K in (H, self.F):
                     if not gm.usable(qt, c, mq._chunk(c, qt, K)[0], device, aligned):
                         raise ValueError("gluon_mmq's kernel cannot run here (it needs CUDA sm_90, Gluon, no "

@@ -98,8 +98,10 @@ CONFIG = {"BM": 16, "BN": 64, "FUSE": 0, "num_warps": 4, "num_stages": 3,   # sc
 # kernels/mma_pack's layout (every part's 64-row tiles re-laid: 512 contiguous bytes a warp load), which only the
 # Gluon form reads (the same values in the same MMA: the same bits, cpu-pack62); the caller packs the pool. PK 2:
 # each expert's layout from bit 0 of its base offset (engine.pack_experts' packed VRAM slots beside GGUF ones:
-# MoEKernels passes it per launch, gate_up / down's pk; cpu-vram62). Q4_K's Gluon form (GP 0) reads mma_pack's Q4_K
-# layout under PK 1 / 2 alike (its byte pairs 16 contiguous bytes a thread: cpu-packk62)
+# MoEKernels passes it per launch, gate_up / down's pk, which sets GL 1 too; cpu-vram62). Q4_K's Gluon form (GP 0)
+# reads mma_pack's Q4_K layout under PK 1 / 2 alike (its byte pairs 16 contiguous bytes a thread: cpu-packk62), MXFP4's
+# every GP form its MXFP4 layout (a thread's nibble bytes 16 contiguous bytes, a row's 2 scales one 16-bit load:
+# cpu-mxpk63)
 # MV = 1: the decode schedule without tensor cores (triton_mmq_mv: the same bits; BM_MV rows a program, NS word
 # groups a K step; DP4A 1: its block dots by PTX dp4a on the GPU, the same integers) where a launch
 # can take it (triton_mmq_mv.mv_ok), else the MMA. WL = 1: the MMA's weight and activation tiles read as int32 words
@@ -896,10 +898,12 @@ def wl_mode(qt: int, want: int) -> int:
 def config(qt: int, bucket: int, bf: bool = False, pk: int = 0) -> dict:
     """The launch constants of kernel type code qt for a rows bucket (triton_moe.bucket_of): CONFIG, the bucket's
     (SPLIT, KB), the type's TUNING (KCB, warps), the pair's TYPE_BUCKET (bf: BF_TUNING instead), then TYPE_CONFIG's
-    overrides; pk (not 0): PK over them all (engine.pack_experts' 2: the launch reads packed slots)."""
+    overrides; pk (not 0): PK over them all (engine.pack_experts' 2: the launch reads packed slots), with GL 1 (only
+    gluon_mmq reads packed weights: MXFP4, whose bf16 schedule ships Triton's, takes its Gluon form -- the same bits,
+    gpu-run63 -- for a packed layer's launches, cpu-mxpk63)."""
     per = BF_TUNING.get(qt, {}) if bf else TYPE_BUCKET.get((qt, bucket), {})
     c = {**CONFIG, **BUCKETS[bucket], **TUNING.get(qt, {}), **per, **TYPE_CONFIG.get(qt, {})}
-    return {**c, "PK": pk} if pk else c
+    return {**c, "PK": pk, "GL": 1} if pk else c
 
 
 def _chunk(c: dict, qt: int, K: int) -> tuple[int, int]:

@@ -273,8 +273,8 @@ def vram_needs(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int, running: in
 
 
 def pack_scratch_bytes(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int) -> int:
-    """The VRAM engine.pack_experts adds where it is on and the model has Q8_0 / Q4_K experts (the layers it packs):
-    the repack's slot-sized scratch and mma_pack's tile index of each (K, type) of those parts
+    """The VRAM engine.pack_experts adds where it is on and the model has Q8_0 / MXFP4 / Q4_K experts (the layers it
+    packs): the repack's slot-sized scratch and mma_pack's tile index of each (K, type) of those parts
     (ExpertCache.pack_layers), else 0."""
     if not cfg.pack_experts:
         return 0

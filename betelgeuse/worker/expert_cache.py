@@ -278,15 +278,15 @@ class ExpertCache:
 
     def pack_layers(self, layers):
         """engine.pack_experts: from now on the VRAM slots of layers[l] True hold their parts in mma_pack's layout
-        (every part Q8_0 or Q4_K and mma_pack.usable: the caller checked, MoEStep._pack), filled in GGUF order and
-        repacked at once (_own); host slots and the ring stay GGUF. Before any VRAM slot is filled (a fresh
+        (every part Q8_0, MXFP4 or Q4_K and mma_pack.usable: the caller checked, MoEStep._pack), filled in GGUF order
+        and repacked at once (_own); host slots and the ring stay GGUF. Before any VRAM slot is filled (a fresh
         attachment's cache)."""
         assert not (self.vram_owner[:, :, 0] >= 0).any(), "pack before the VRAM slots fill"
         self.packed = np.asarray(layers, dtype=bool)
         assert self.packed.shape == (self.plan.n_layer,), self.packed.shape
         parts = [m for l in np.nonzero(self.packed)[0] for ps in self.parts[l] for m in ps]
         assert all(int(m.qtype) in mma_pack.GGML and mma_pack.usable(*m.shape, mma_pack.GGML[int(m.qtype)])
-                   for m in parts), "Q8_0 / Q4_K parts"
+                   for m in parts), "Q8_0 / MXFP4 / Q4_K parts"
         Ks = {(m.shape[1], mma_pack.GGML[int(m.qtype)]) for m in parts}         # (K, type code)
         self._pack_index = {k: torch.as_tensor(mma_pack.tile_index(*k), device=self.device) for k in sorted(Ks)}
         self._pack_scratch = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device) if Ks else None

@@ -328,16 +328,18 @@ class MoEStep:
                           sort_rows=self.cfg.decode_gemv)
 
     def _pack(self):
-        """engine.pack_experts: the VRAM slots of every Q8_0 layer hold mma_pack's layout (ExpertCache.pack_layers),
-        read by the kernels' PK 2 form -- or refuse (BetelgeuseError) where a Q8_0 expert launch would be another
-        kernel (MoEKernels.pack_check says which); a model with no Q8_0 expert: nothing to pack (logged)."""
+        """engine.pack_experts: the VRAM slots of every Q8_0 / MXFP4 / Q4_K layer hold mma_pack's layout
+        (ExpertCache.pack_layers), read by the kernels' PK 2 form -- or refuse (BetelgeuseError) where such an expert
+        launch would be another kernel (MoEKernels.pack_check says which); a model with no such expert: nothing to
+        pack (logged)."""
         c = self.cache
         try:
             layers = self.kern.pack_check(c.parts, c.slot_bytes, c.device)
         except ValueError as e:
             raise BetelgeuseError(f"engine.pack_experts = true: {e}") from None
         if not layers.any():
-            event(log, "pack_experts", layers=0, why="no Q8_0 or Q4_K experts: nothing to pack, every slot GGUF order")
+            event(log, "pack_experts", layers=0,
+                  why="no Q8_0, MXFP4 or Q4_K experts: nothing to pack, every slot GGUF order")
             return
         self.kern.packed[:] = layers
         c.pack_layers(layers)

@@ -41,11 +41,15 @@
    modules) and the device-wide peak beside each plan term; PASS when the peak stays within the plan's total.
 
 --adversarial-timing SEED:MS: the engine step under the store's test-only jitter (as check_cuda.py).
+CHECK_ACT_QUANT, CHECK_PACK_EXPERTS (check_cuda.runner_for's): every engine check's engine.act_quant, and
+engine.pack_experts on (the VRAM slots' MXFP4 experts in mma_pack's layout, read by gluon_mmq's PK 2: cpu-mxpk63; the
+tiny model's experts then 64 wide); CHECK_DS4_FF=N: the tiny model's experts N wide (64: packing's model, unpacked).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import replace
@@ -154,9 +158,15 @@ def check_kernel(device: str, E: int = 8, H: int = 4096, F: int = 2048, T: int =
 
 
 def _tiny(tmp: Path, preset: str = "ds4-tiny"):
-    """(path, spec) of the tiny model (ds4-tiny, or --preset's) the engine checks share (written once)."""
+    """(path, spec) of the tiny model (ds4-tiny, or --preset's) the engine checks share (written once).
+    CHECK_DS4_FF=N: its experts N wide; by default 64 under CHECK_PACK_EXPERTS=1 (check_cuda's runner_for:
+    engine.pack_experts, with CHECK_ACT_QUANT=bf16 or auto; cpu-mxpk63: its 32 is not a whole tile of mma_pack's,
+    startup would refuse), so CHECK_DS4_FF=64 alone is the same model unpacked (the baseline)."""
     spec = replace(spec_from_preset(preset), seed=2)
-    path = tmp / f"check-{preset}-s2.gguf"
+    ff = int(os.environ.get("CHECK_DS4_FF", "64" if os.environ.get("CHECK_PACK_EXPERTS") == "1" else "0"))
+    if ff:
+        spec = replace(spec, n_ff_exp=ff)
+    path = tmp / f"check-{preset}-s2{f'-ff{ff}' if ff else ''}.gguf"
     if not path.exists():
         write_model(path, spec, progress=False)
     return path, spec

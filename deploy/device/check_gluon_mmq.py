@@ -17,7 +17,8 @@ Per case and Gluon form (gl_forms: GL 1 at the shipped FUSE and unfused; GP 1 an
 the step that uses them: cpu-gluon16r57; Q8_0 ships GL 1, FUSE 1, GP 1, Q4_K GL 1: gpu-run63; Q8_0's `gluon GP1
 PK`: the shipped form reading the bank packed by mma_pack on the GPU (pack_pool), cpu-pack62; `gluon GP1 PK2`: each
 expert's layout from bit 0 of its base, a bank of packed and GGUF experts, cpu-vram62; Q4_K's `gluon PK` / `gluon
-PK2` alike, cpu-packk62); FUSE, GP and PK are
+PK2` alike, cpu-packk62; MXFP4's `gluon PK` / `gluon PK2` and `gluon GP1 PK` / `gluon GP2 PK` / `gluon GP1 PK2`,
+cpu-mxpk63); FUSE, GP and PK are
 schedule keys) gate_up's inter and down's y (down on the same inter for both) must be torch.equal to the Triton
 kernel's (TRITON: GL 0), and the Gluon kernels must
 have been launched (triton_launch.COUNTS); both are also held to a float reference (the dequantized weights in
@@ -88,7 +89,7 @@ def make_pool(n_slots: int, slot: int, starts: list[int], g: torch.Generator) ->
 
 
 def pack_pool(pool: torch.Tensor, n_slots: int, slot: int, starts: list[int], which=None) -> torch.Tensor:
-    """A copy of pool (n_slots slots of the type's experts: Q8_0 or Q4_K) with every part of the slots `which`
+    """A copy of pool (n_slots slots of the type's experts: Q8_0, MXFP4 or Q4_K) with every part of the slots `which`
     (default all) in mma_pack's layout, what PK 1 reads (PK 2: those whose base has bit 0): a gather on the pool's
     device, part by part."""
     from betelgeuse.kernels import mma_pack
@@ -155,11 +156,13 @@ def gl_forms(mq, only: list[str] | None = None) -> dict:
     on the bank packed (PK 1: mma_pack's layout, pack_pool), and GP 1 with PK 2 (engine.pack_experts' form: each
     expert's layout from bit 0 of its base; the bits' bank: every odd expert packed, flagged, the even ones GGUF; the
     GB/s banks: every expert packed, as an engine whose experts are all in VRAM); Q4_K's shipped form on its packed
-    bank, PK 1 and 2 (`gluon PK`, `gluon PK2`: mma_pack's Q4_K layout, cpu-packk62). Each against TRITON's launch (on
-    the bank as GGUF lays it)."""
+    bank, PK 1 and 2 (`gluon PK`, `gluon PK2`: mma_pack's Q4_K layout, cpu-packk62); MXFP4's alike at GP 0 (its
+    `gluon` form) and GP 1 / 2 (`gluon GP1 PK`, `gluon GP2 PK`, `gluon GP1 PK2`: mma_pack's MXFP4 layout,
+    cpu-mxpk63). Each against TRITON's launch (on the bank as GGUF lays it)."""
     names = ["gluon", "gluon unfused"] + (["gluon GP1", "gluon GP2", "gluon GP1 split16"] if QT != 5 else [])
     names += ["gluon GP1 PK", "gluon GP2 PK", "gluon GP1 PK split16", "gluon GP1 PK2"] if QT == 0 else []
-    names += ["gluon PK", "gluon PK2"] if QT == 5 else []
+    names += ["gluon PK", "gluon PK2"] if QT in (4, 5) else []
+    names += ["gluon GP1 PK", "gluon GP2 PK", "gluon GP1 PK2"] if QT == 4 else []
     return {n: FORMS[n] for n in names if only is None or n in only}
 
 

@@ -29,11 +29,14 @@ from betelgeuse.kernels import triton_mmq as mq  # noqa: E402
 # PK 2 (per expert, base's bit 0: engine.pack_experts, cpu-vram62), both K loops in one kernel: the 1-row gate_up and
 # the 16-row down (the buckets' other kernels run the same two bodies) -- 2 more, ~2 s; Q4_K's PK 1 (mma_pack's Q4_K
 # layout, cpu-packk62: the 16-row fused gate_up, the 1-row down) and PK 2 (the shipped Q4_K cases' launches, against
-# whose registers they are held) -- 4 more, ~5 s
+# whose registers they are held) -- 4 more, ~5 s; MXFP4's PK (mma_pack's MXFP4 layout, cpu-mxpk63): its Gluon form
+# (GP 0) at PK 1 (the 16-row fused gate_up, the 1-row down) and PK 2 (the 1-row gate_up, against the shipped case's
+# registers), and GP 1 at PK 1 (the 16-row gate_up: the loads carried) -- 4 more Gluon compiles and 2 Triton, ~12 s
 CASES = [(0, "gate_up", 1, 0, 0), (0, "gate_up", 16, 1, 0), (0, "gate_up", 16, 2, 0), (4, "gate_up", 1, 0, 0),
          (5, "gate_up", 1, 0, 0), (5, "down", 16, 0, 0), (0, "gate_up", 1, 1, 1), (0, "gate_up", 16, 1, 1),
          (0, "down", 1, 1, 1), (0, "down", 16, 1, 1), (0, "gate_up", 1, 1, 2), (0, "down", 16, 1, 2),
-         (5, "gate_up", 16, 0, 1), (5, "down", 1, 0, 1), (5, "gate_up", 1, 0, 2), (5, "down", 16, 0, 2)]
+         (5, "gate_up", 16, 0, 1), (5, "down", 1, 0, 1), (5, "gate_up", 1, 0, 2), (5, "down", 16, 0, 2),
+         (4, "gate_up", 16, 0, 1), (4, "down", 1, 0, 1), (4, "gate_up", 1, 0, 2), (4, "gate_up", 16, 1, 1)]
 # a child without TRITON_INTERPRET: compile the Gluon kernels for sm_90 and count their K loop's SASS
 # (tests/scripts/sass_profile.py's loop and classes); one JSON line a kernel, or {"skip": why}
 _CHILD = """
@@ -103,13 +106,18 @@ def test_gluon_compiles_to_the_bf16_mma_with_the_weights_in_registers():
     shipped form's 3 CTAs a SM, each body's block fmas. Q4_K's PK 1 / 2 (cpu-packk62): its byte pairs by 128-bit
     loads (a thread's 16 contiguous bytes of a 64-row tile, one a tile a step) where the shipped form has 8 16-bit
     loads a tile, every other load, the HGMMA, shared memory and float ops as shipped, no shuffles or shared memory
-    loads (the pairs moved to QL's threads by register moves); PK 2 both loops and the shipped launch's CTAs a SM."""
+    loads (the pairs moved to QL's threads by register moves); PK 2 both loops and the shipped launch's CTAs a SM.
+    MXFP4's PK 1 / 2 (cpu-mxpk63): its nibble bytes by 128-bit loads (a thread's 16 contiguous bytes of a 64-row tile,
+    one a tile a step, where GGUF order has 16 byte loads) and a row's two scale bytes one 16-bit load (GGUF: 2 byte
+    loads), the B tile's loads, the HGMMA, shared memory and float ops as shipped, no shuffles or shared memory loads;
+    PK 2 both loops within the shipped launch's CTAs a SM; GP 1's loads all read a step later."""
     reports = _compile_reports(["-c", _CHILD], timeout=120)
     if reports and "skip" in reports[0]:
         pytest.skip(f"no sm_90 compile toolchain here: {reports[0]['skip']}")
     assert [(r["qt"], r["kernel"], r["bucket"], r["gp"], r["pk"], r["split"], r["fuse"]) for r in reports] == [
         (qt, w, b, gp, pk, b == 1, w == "gate_up") for qt, w, b, gp, pk in CASES]
-    shipped = {(r["qt"], r["kernel"], r["bucket"]): r["regs"] for r in reports if r["qt"] == 5 and not r["pk"]}
+    shipped = {(r["qt"], r["kernel"], r["bucket"]): r["regs"] for r in reports if r["qt"] in (4, 5) and not r["pk"]
+               and not r["gp"]}
     for r in reports:
         ops = r["ops"]
         n = 2 if r["gp"] == 2 else 1               # GP 2: two K steps a loop iteration
@@ -128,6 +136,9 @@ def test_gluon_compiles_to_the_bf16_mma_with_the_weights_in_registers():
         if r["qt"] == 5:                           # Q4_K a K loop's loads: GGUF 8 pairs a tile, its 2 headers, x;
             gguf = {"LDG.E.U16": 8 * t, "LDG.E.128": 2 * t + 2, "LDG.E": 8}     # packed: the pairs one 16-byte load
             packed = {"LDG.E.128": 3 * t + 2, "LDG.E": 8}
+        elif r["qt"] == 4:                         # MXFP4: GGUF a byte a pair (16 a tile) and a scale (2 a row), the
+            gguf = {"LDG.E.U8": 20 * t, "LDG.E.U16": 16}    # B tile's 16 bf16 (_perm's order); packed: one 16-byte
+            packed = {"LDG.E.128": t, "LDG.E.U16": 16 + 2 * t}     # load a tile, a 16-bit load a row's 2 scales
         else:                                      # Q8_0: GGUF order's 20 pairs a tile, packed 2 words
             gguf, packed = {"LDG.E.U16": 20 * t, "LDG.E.128": 2}, {"LDG.E.128": 2 * t + 2, "LDG.E": 2 * t}
         if r["pk"] == 2:                           # two bodies: each K loop's block fmas, the epilogue's ops once or
@@ -136,20 +147,20 @@ def test_gluon_compiles_to_the_bf16_mma_with_the_weights_in_registers():
             # the shipped form's CTAs a SM: Q8_0's 3 (its 165 / 127 on 3.9); Q4_K's launch's (registers by the
             # register file alone: 65,536 a SM, allocated 256 a warp, 4 warps a CTA)
             ctas = [65536 // (-(-g * 32 // 256) * 256 * 4)
-                    for g in (r["regs"], shipped.get((5, r["kernel"], r["bucket"]))) if g]
+                    for g in (r["regs"], shipped.get((r["qt"], r["kernel"], r["bucket"]))) if g]
             assert r["regs"] <= 168 if r["qt"] == 0 else ctas[0] >= ctas[1], r
             assert sorted(map(sorted, (d.items() for d in r["loops"]))) == sorted(map(sorted, (d.items() for d in (
                 gguf, packed)))), r
         else:
             assert r["fops"] == want and r["fops"].get("fma.rn.f32"), r
             assert len(r["loops"]) == 1, r
-            if r["qt"] == 5:                       # Q4_K's loop: GGUF order's loads or (PK 1) the packed
+            if r["qt"] in (4, 5):                  # Q4_K's / MXFP4's loop: GGUF order's loads or (PK 1) the packed
                 assert r["loops"] == [packed if r["pk"] else gguf], r
         loads = 42 if r["fuse"] else 22           # Q8_0's loads a K step (fused: gate's and up's weight words)
-        if r["pk"]:                                # Q8_0 64-row tiles: 2 x 128 bits of quants, 2 scale words a thread
+        if r["pk"]:                                # the packed loads alone (Q8_0: 2 x 128 bits a tile, 2 scale words)
             assert {k: v for k, v in ops.items() if k.startswith("LDG")} == packed, r
             assert not any(k.startswith("SHFL") for k in ops), r
-            loads = 4 * t + 2
+            loads = sum(packed.values()) if r["qt"] == 4 else 4 * t + 2
         if r["gp"]:                                # every load read only after the back edge: a whole step to land
             assert r["ldg_in_step"] == 0 and r["ldg"] == loads * n, r
         elif r["qt"] == 0:                         # GP 0 (the control): every load waited for in its own step
@@ -161,7 +172,8 @@ def test_gl_applies_exactly_to_the_shipped_bf16_schedules(monkeypatch):
     MXFP4 and Q4_K in both rows buckets (BF_TUNING over CONFIG, KB as _chunk launches it at the bench geometry; FUSE
     as shipped, 1 for MXFP4 and Q4_K, or 0) on an sm_90 device with aligned parts, and for nothing else: another type
     (Q5_K), another shape (BN 128 / 8 warps, KB 1: other fp32 sums), unaligned parts, sm_80, the CPU, the
-    interpreter. GL is off by default and shipped for Q8_0 and Q4_K (gpu-run63), not MXFP4."""
+    interpreter. GL is off by default and shipped for Q8_0 and Q4_K (gpu-run63), not MXFP4. PK: Q8_0 with GP >= 1,
+    Q4_K, MXFP4 at any GP (mma_pack's layouts), nothing else."""
     assert mq.CONFIG["GL"] == 0 and {q: t.get("GL", 0) for q, t in mq.BF_TUNING.items()} == {0: 1, 4: 0, 5: 1, 6: 0}
     assert [gm.row_bytes(q, 2048) for q in (0, 4, 5)] == [2176, 1088, 1152]      # gguf: 34 / 17 B a 32, 144 a 256
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -179,9 +191,11 @@ def test_gl_applies_exactly_to_the_shipped_bf16_schedules(monkeypatch):
         c = {**mq.config(0, b, bf=True), "GL": 1}
         assert gm.usable(0, {**c, "PK": 1}, 2, cuda)                     # PK: Q8_0 with its loads carried (GP)
         assert not gm.usable(0, {**c, "PK": 1, "GP": 0}, 2, cuda)
-        assert not gm.usable(4, {**mq.config(4, b, bf=True), "GL": 1, "GP": 1, "PK": 1}, 2, cuda)
         for pk in (1, 2):                                                # Q4_K: its one form (GP 0) reads mma_pack's
             assert gm.usable(5, {**mq.config(5, b, bf=True), "PK": pk}, 2, cuda)    # Q4_K layout (cpu-packk62)
+            for gp in (0, 1, 2):                                         # MXFP4: every GP form (cpu-mxpk63)
+                assert gm.usable(4, {**mq.config(4, b, bf=True), "GL": 1, "GP": gp, "PK": pk}, 2, cuda)
+        assert not gm.usable(6, {**mq.config(6, b, bf=True), "PK": 1}, 2, cuda)       # no layout, no form
         assert not gm.usable(6, {**mq.config(6, b, bf=True), "GL": 1}, 2, cuda)       # Q5_K: no Gluon form
         assert not gm.usable(0, {**c, "BN": 128, "num_warps": 8}, 2, cuda)
         assert not gm.usable(0, c, 1, cuda)
@@ -218,7 +232,8 @@ def test_gp_reaches_the_gluon_launch_as_configured(monkeypatch):
     mma_pack's layout, cpu-pack62) reach gluon_mmq.launch's constexprs as the config says: Q8_0's shipped GP 1, PK 0,
     TYPE_CONFIG's GP 0 / 1 / 2 and PK 1 under GL 1, no Gluon launch under GL 0, for gate_up and down and both rows
     buckets (a stand-in launch records them; usable() forced true: the CPU has no Gluon device), and gate_up / down's
-    pk 2 (engine.pack_experts) over the shipped config. Where the Gluon form cannot run (the real usable() here), PK 1
+    pk 2 (engine.pack_experts) over the shipped config -- MXFP4's too, whose shipped bf16 form is Triton's (GL 0): a
+    packed launch is the Gluon form (cpu-mxpk63). Where the Gluon form cannot run (the real usable() here), PK 1
     and pk 2 raise: no other kernel reads packed weights."""
     assert mq.CONFIG["GP"] == 0 and {q: t.get("GP", 0) for q, t in mq.BF_TUNING.items()} == {0: 1, 4: 0, 5: 0, 6: 0}
     assert mq.CONFIG["PK"] == 0 and not any(t.get("PK") for t in mq.BF_TUNING.values())
@@ -253,6 +268,12 @@ def test_gp_reaches_the_gluon_launch_as_configured(monkeypatch):
         mq.down(mq.prepare_bf16(inter.float()), pool, base, starts, rows, off,
                 torch.zeros(T * k, H, dtype=torch.bfloat16), 0, rb_f, True, pk=2)
         assert seen[n:] == [("gate_up", 1, 2), ("down", 1, 2)], (T, seen[n:])
+        mx_h, mx_f = gm.row_bytes(4, H), gm.row_bytes(4, F)             # MXFP4 (GL 0 shipped): the Gluon form, GP 0
+        n = len(seen)
+        mq.gate_up(hb, pool, base, starts, rows, off, inter, F, k, 4, None, mx_h, True, pk=2)
+        mq.down(mq.prepare_bf16(inter.float()), pool, base, starts, rows, off,
+                torch.zeros(T * k, H, dtype=torch.bfloat16), 4, mx_f, True, pk=2)
+        assert seen[n:] == [("gate_up", 0, 2), ("down", 0, 2)] and not mq.config(4, 1, bf=True)["GL"], seen[n:]
     monkeypatch.undo()
     with pytest.raises(ValueError, match="PK 2"):
         mq.gate_up(hb, pool, base, starts, rows, off, inter, F, k, 0, None, rb_h, True, pk=2)

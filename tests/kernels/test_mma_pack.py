@@ -1,7 +1,7 @@
-"""betelgeuse/kernels/mma_pack (docs/benchmarks/cpu-pack62): the packed layout is a permutation of a Q8_0 matrix's bytes
-(round trip, same size), and the packed bytes read the way the PK 1 kernel reads them (a thread's quant words at
-its rows' 16-byte pieces, a row's scale word after the step's quants) dequantize to gguf-py's dequantization of the
-GGUF bytes, exactly."""
+"""betelgeuse/kernels/mma_pack (docs/benchmarks/cpu-pack62, cpu-packk62, cpu-mxpk63): the packed layout is a
+permutation of a Q8_0 / Q4_K / MXFP4 matrix's bytes (round trip, same size), and the packed bytes read the way the PK
+kernels read them (Q8_0: a thread's quant words at its rows' 16-byte pieces, a row's scale word after the step's
+quants) dequantize to gguf-py's dequantization of the GGUF bytes, exactly."""
 
 from __future__ import annotations
 
@@ -132,30 +132,6 @@ def _read_packed_q4_k(p: np.ndarray, rows: int, K: int) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("rows,K", [(64, 256), (128, 768), (64, 2048)])
-def test_q4_k_pack_is_a_permutation_and_reads_as_gguf(rows, K):
-    """Q4_K: round trip, the same size, and the bytes at the kernel's addresses dequantize (gguf-py) to the GGUF
-    bytes' dequantization, bit for bit."""
-    raw = _q4_k(rows, K, rows + K)
-    packed = mma_pack.pack(raw.tobytes(), rows, K, 5)
-    assert packed.dtype == np.uint8 and packed.size == raw.size
-    assert np.array_equal(mma_pack.unpack(packed, rows, K, 5), raw)
-    assert not np.array_equal(packed, raw)
-    ref = gq.dequantize(raw.reshape(rows, -1), GT.Q4_K).astype(np.float32)
-    got = gq.dequantize(_read_packed_q4_k(packed, rows, K).reshape(rows, -1), GT.Q4_K).astype(np.float32)
-    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
-
-
-def test_q4_k_usable_and_torch_gather():
-    torch = pytest.importorskip("torch")
-    assert mma_pack.usable(768, 2048, 5) and mma_pack.usable(2048, 768, 5)
-    assert not mma_pack.usable(768, 64, 5) and not mma_pack.usable(96, 2048, 5) and not mma_pack.usable(64, 64, 4)
-    raw = _q4_k(128, 768, 7)
-    got = mma_pack.pack(torch.from_numpy(raw.copy()), 128, 768, 5)
-    assert isinstance(got, torch.Tensor) and np.array_equal(got.numpy(), mma_pack.pack(raw, 128, 768, 5))
-    assert np.array_equal(mma_pack.unpack(got, 128, 768, 5).numpy(), raw)
-
-
 def test_q4_k_pk_pairs_reach_ql_in_the_gguf_pair_order():
     """gluon_mmq._fetch_k's PK loads emulated in numpy: each step's QZ tile [R / 2, 32] of 16-bit pairs (row q = 8
     (n // 16) + n % 8 at _half_rows' piece of row n, column m = 8 b + 4 h + j), reshaped / permuted as the kernel's
@@ -185,3 +161,112 @@ def test_q4_k_pk_pairs_reach_ql_in_the_gguf_pair_order():
             z = packed[a // 2]                                               # [R / 2, 32] uint16
             q = z.reshape(R // 16, 8, 4, 2, 4).transpose(0, 3, 1, 4, 2).reshape(R, 16)
             assert np.array_equal(q, gg[:rows, s, g, :, 0]), kb0
+
+
+# ---- MXFP4 (type code 4, cpu-mxpk63) ----
+
+def _mxfp4(rows: int, K: int, seed: int) -> np.ndarray:
+    """A [rows, K] MXFP4 matrix's GGUF bytes (gguf-py's quantizer; rows of mixed magnitudes: many E8M0 scales)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, K)).astype(np.float32) * rng.uniform(0.01, 4, (rows, 1)).astype(np.float32)
+    return np.ascontiguousarray(gq.quantize(x, GT.MXFP4)).reshape(-1)
+
+
+def _mx_piece(n: int) -> int:
+    """Row n's 16-byte piece of a step in the kernel's addressing (gluon_mmq._pk_rows + _mx_pk_load): 512 (n % 64 //
+    16) + 64 (n % 8), lane-quad b's 16 bytes at + 16 b, row n's 8 of them at + 8 (n // 8 % 2)."""
+    return 512 * (n % 64 // 16) + 64 * (n % 8) + 8 * (n // 8 % 2)
+
+
+def _read_packed_mxfp4(p: np.ndarray, rows: int, K: int) -> np.ndarray:
+    """GGUF blocks [rows, K / 32, 17] gathered from packed bytes where the kernel reads them: tile t's step s at
+    (t K / 64 + s) x 2176; row n's scale bytes (blocks 2 s, 2 s + 1) at 2048 + 2 n; its nibble byte p = b + 4 j of the
+    step (GGUF byte 1 + p % 16 of block 2 s + p // 16) at _mx_piece(n) + 16 b + j."""
+    out = np.zeros((rows, K // 32, 17), np.uint8)
+    for t in range(rows // 64):
+        for s in range(K // 64):
+            st = p[(t * (K // 64) + s) * 2176:][:2176]
+            for n in range(64):
+                out[64 * t + n, 2 * s:2 * s + 2, 0] = st[2048 + 2 * n:2050 + 2 * n]
+                for b in range(4):
+                    for j in range(8):
+                        q = b + 4 * j
+                        out[64 * t + n, 2 * s + q // 16, 1 + q % 16] = st[_mx_piece(n) + 16 * b + j]
+    return out
+
+
+def test_mxfp4_pk_words_reach_the_gguf_byte_order():
+    """gluon_mmq's MXFP4 PK loads emulated in numpy (gl.join = a stack on a new last axis; reshape / permute as
+    numpy's): each step's MW tile [R / 2, 16] of int32 words (row q = 8 (n // 16) + n % 8 at _half_rows' piece of row
+    n, the step at kb0 x 1088), split into bytes and reordered as _mx_pk_bytes' source says (checked), is the [R, 32]
+    tile whose column p is the step's nibble byte p of row n (GGUF byte 1 + p % 16 of block kb0 + p // 16) -- the
+    GGUF form's bytes (its one byte load a pair), so _mx_a, the scales and the MMA see the same operand. The scale
+    word (one 16-bit load at 2048 + 2 n) is the two blocks' E8M0 bytes, kb0's low."""
+    import inspect
+
+    from betelgeuse.kernels import gluon_mmq as gm
+    if not gm.HAVE_GLUON:
+        pytest.skip("no Gluon")
+    src = "".join(inspect.getsource(f.fn if hasattr(f, "fn") else f) for f in (gm._mx_pk_bytes, gm._mx_pk_load,
+                                                                                 gm._pk_rows, gm._conv_raw))
+    for line in ("v = gl.join(gl.join(w & 255, (w >> 16) & 255), gl.join((w >> 8) & 255, (w >> 24) & 255))",
+                 "v = gl.permute(gl.reshape(v, [R // 16, 8, 4, 2, 8]), [0, 3, 1, 4, 2])",
+                 "return gl.reshape(v, [R, 32])",
+                 "st = kb0 * 1088", "o = 2048 + 2 * i", "o = 512 * (i // 16) + 64 * (i % 8)",
+                 "d0 = _e8m0(r0 & 255)", "d1 = _e8m0(r1 >> 8)"):
+        assert line in src, line
+    for R in (64, 128):                                 # 128: two tiles as FUSE's gate / up rows
+        K = 256
+        raw = _mxfp4(R, K, R)
+        packed = mma_pack.pack(raw, R, K, 4)
+        gg = raw.reshape(R, K // 32, 17)
+        n = np.array([16 * (q // 8) + q % 8 for q in range(R // 2)])      # the h = 0 row of MW's row q
+        tile = (n // 64) * (K // 64) * 2176
+        for kb0 in range(0, K // 32, 2):
+            a = (tile + 512 * (n % 64 // 16) + 64 * (n % 8) + kb0 * 1088)[:, None] + 4 * np.arange(16)[None, :]
+            w = packed[a[..., None] + np.arange(4)].copy().view(np.int32)[..., 0]     # [R / 2, 16] little-endian
+            v = np.stack([np.stack([w & 255, (w >> 16) & 255], -1), np.stack([(w >> 8) & 255, (w >> 24) & 255], -1)],
+                         -1)                    # [.., x, y] = byte 2 x + y: the inner join's pair on axis -2
+            v = v.reshape(R // 16, 8, 4, 2, 8).transpose(0, 3, 1, 4, 2).reshape(R, 32)
+            want = np.concatenate([gg[:, kb0, 1:], gg[:, kb0 + 1, 1:]], axis=1)
+            assert np.array_equal(v, want), kb0
+            m = np.arange(R)
+            sc = packed[((m // 64) * (K // 64) * 2176 + 2048 + 2 * (m % 64) + kb0 * 1088)[:, None] + np.arange(2)]
+            sw = sc.copy().view(np.uint16)[:, 0].astype(np.int32)
+            assert np.array_equal(sw & 255, gg[:, kb0, 0]) and np.array_equal(sw >> 8, gg[:, kb0 + 1, 0]), kb0
+
+
+# ---- the block types' layouts (Q4_K, MXFP4): round trip, addresses, gather ----
+
+BLOCKS = {5: (_q4_k, _read_packed_q4_k, GT.Q4_K), 4: (_mxfp4, _read_packed_mxfp4, GT.MXFP4)}   # type code -> (GGUF
+#                                                      bytes of a matrix, the kernel's gather of packed bytes, GGML type)
+
+
+@pytest.mark.parametrize("qt,rows,K", [(5, 64, 256), (5, 128, 768), (5, 64, 2048), (4, 64, 64), (4, 128, 768),
+                                       (4, 64, 2048)])
+def test_block_pack_is_a_permutation_and_reads_as_gguf(qt, rows, K):
+    """Q4_K / MXFP4: round trip, the same size, and the bytes at the kernel's addresses (_read_packed_q4_k /
+    _read_packed_mxfp4) dequantize (gguf-py) to the GGUF bytes' dequantization, bit for bit."""
+    make, gather, gt = BLOCKS[qt]
+    raw = make(rows, K, rows + K)
+    packed = mma_pack.pack(raw.tobytes(), rows, K, qt)
+    assert packed.dtype == np.uint8 and packed.size == raw.size
+    assert np.array_equal(mma_pack.unpack(packed, rows, K, qt), raw)
+    assert not np.array_equal(packed, raw)
+    ref = gq.dequantize(raw.reshape(rows, -1), gt).astype(np.float32)
+    got = gq.dequantize(gather(packed, rows, K).reshape(rows, -1), gt).astype(np.float32)
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+
+
+@pytest.mark.parametrize("qt", [5, 4])
+def test_block_usable_and_torch_gather(qt):
+    """usable: whole 64-row tiles and K steps (Q4_K: super-blocks of 256, MXFP4: 64); a type without a layout (Q5_K)
+    never; and the GPU path's gather (a torch tensor in) gives numpy's bytes."""
+    torch = pytest.importorskip("torch")
+    assert mma_pack.usable(768, 2048, qt) and mma_pack.usable(2048, 768, qt) and not mma_pack.usable(96, 2048, qt)
+    assert mma_pack.usable(64, 64, qt) == (qt == 4) and not mma_pack.usable(768, 32, qt)
+    assert not mma_pack.usable(256, 256, 6) and mma_pack.GGML == {8: 0, 39: 4, 12: 5}
+    raw = BLOCKS[qt][0](128, 768, 7)
+    got = mma_pack.pack(torch.from_numpy(raw.copy()), 128, 768, qt)
+    assert isinstance(got, torch.Tensor) and np.array_equal(got.numpy(), mma_pack.pack(raw, 128, 768, qt))
+    assert np.array_equal(mma_pack.unpack(got, 128, 768, qt).numpy(), raw)

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from engine_helpers import ENGINE_SPEC, WIDE_SPEC, close_runner, in_process_runner, write_synth
+from engine_helpers import ENGINE_SPEC, WIDE_SPEC, close_runner, in_process_runner, write_ds4_tiny, write_synth
 from gguf import GGUFReader
 
 from betelgeuse.errors import BetelgeuseError
@@ -45,9 +45,12 @@ def _snap(L: int, E: int, vram: dict[int, int]) -> np.ndarray:
 
 # Q4_K (cpu-packk62): K a multiple of 256 (gate/up [256, 256], down [256, 256]: 4 tiles, 1 super-block a row)
 Q4_K_SPEC = {**WIDE_SPEC, "n_embd": 256, "head_dim": 64, "n_ff_exp": 256, "qtype": "Q4_K"}
+# MXFP4 (cpu-mxpk63): ds4-tiny (deepseek4, MXFP4 routed experts) with 3 layers (one hash layer, one sliding) and its
+# experts 64 wide (its 32 is not a whole tile): gate/up [64, 64], down [64, 64], 1 tile, 1 K step
+MXFP4_SPEC = {"n_layer": 3, "n_hash_layers": 1, "n_ff_exp": 64, "n_embd": 64, "seed": 3}
 
 
-@pytest.mark.parametrize("spec,qt", [(WIDE_SPEC, 0), (Q4_K_SPEC, 5)], ids=["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("spec,qt", [(WIDE_SPEC, 0), (Q4_K_SPEC, 5), (MXFP4_SPEC, 4)], ids=["Q8_0", "Q4_K", "MXFP4"])
 def test_packed_vram_slots_hold_each_experts_file_bytes_in_the_packed_layout(tmp_path, spec, qt):
     """Layers 0 and 2 packed, layer 1 not; VRAM slots filled from host slots (sync_vram) and from staging slots
     (fill_vram), then evictions and re-fills into the freed slots: after each round every VRAM expert's parts,
@@ -55,8 +58,10 @@ def test_packed_vram_slots_hold_each_experts_file_bytes_in_the_packed_layout(tmp
     a packed slot's differ from them (repacked in place), its base offset has bit 0 set (host table and device
     table alike), an unpacked one's not; host slots keep GGUF order. Fails without the repack (_own), with the repack
     from the slot itself instead of the scratch (the gather reads bytes it already overwrote), or with the flag
-    left off. Q8_0 (WIDE_SPEC) and Q4_K models (mma_pack's Q4_K layout: betelgeuse synth's Q4_K experts)."""
-    path = write_synth(tmp_path / "w.gguf", **spec)
+    left off. Q8_0 (WIDE_SPEC) and Q4_K models (mma_pack's Q4_K layout: betelgeuse synth's Q4_K experts), and a
+    deepseek4 model's MXFP4 experts (mma_pack's MXFP4 layout: ds4-tiny's)."""
+    path = (write_ds4_tiny(tmp_path / "w.gguf", **{k: v for k, v in spec.items() if k != "n_embd"}) if qt == 4 else
+            write_synth(tmp_path / "w.gguf", **spec))
     ref = _file_parts(path)
     rn, st = in_process_runner(path, 4, 8)
     try:
@@ -66,7 +71,7 @@ def test_packed_vram_slots_hold_each_experts_file_bytes_in_the_packed_layout(tmp
         assert (L, V) == (3, 4)
         packed = np.array([True, False, True])
         cache.pack_layers(packed)
-        assert {int(m.qtype) for ps in cache.parts[0] for m in ps} == {8 if qt == 0 else 12}
+        assert {mma_pack.GGML[int(m.qtype)] for ps in cache.parts[0] for m in ps} == {qt}
         assert set(cache._pack_index) == {(spec["n_embd"], qt), (spec["n_ff_exp"], qt)}   # gate/up's K, down's K
         on, off = (vram_needs(s.file, replace(rn.cfg, pack_experts=p), cache.slot_bytes, 1)["ring"]
                    for p in (True, False))          # the plan counts what pack_layers put on the device
@@ -125,10 +130,12 @@ def _parts(shapes, qtypes):
 
 
 def test_pack_check_refuses_what_another_kernel_would_read():
-    """MoEKernels.pack_check: no Q8_0 or Q4_K expert -> no layer packs and no refusal; a layer mixing Q8_0 / Q4_K
-    with another type, a Q8_0 part whose rows or K is not a multiple of 64 (Q4_K: K of 256), the torch kernels,
-    act_quant off or q8_1, Q4_K under auto (its float schedule), and (the CPU, the interpreter) gluon_mmq's form not
-    runnable here -> ValueError naming it. Fails with any of the refusals dropped."""
+    """MoEKernels.pack_check: no Q8_0, MXFP4 or Q4_K expert -> no layer packs and no refusal; a layer mixing those
+    with another type, a Q8_0 / MXFP4 part whose rows or K is not a multiple of 64 (Q4_K: K of 256), the torch
+    kernels, act_quant off or q8_1, Q4_K under auto (its float schedule), and (the CPU, the interpreter) gluon_mmq's
+    form not runnable here -> ValueError naming it. MXFP4 (cpu-mxpk63), whose bf16 schedule ships Triton's (GL 0),
+    reaches that last check under bf16 and auto alike: a packed launch is GL 1 (triton_mmq.config). Fails with any
+    of the refusals dropped."""
     from betelgeuse.kernels.moe import MoEKernels
     starts = torch.zeros((2, 1, 3), dtype=torch.int64)
     sq = [(128, 64), (128, 64), (64, 128)]                  # gate / up [F 128, H 64], down [H, F]
@@ -138,10 +145,12 @@ def test_pack_check_refuses_what_another_kernel_would_read():
 
     none = kern().pack_check(_parts(sq, [(1, 1, 1), (14, 14, 14)]), 4096, torch.device("cpu"))   # F16, Q6_K
     assert none.tolist() == [False, False]
-    with pytest.raises(ValueError, match="layer 1 mixes Q8_0 / Q4_K .*its types \\[8, 14\\]"):
+    with pytest.raises(ValueError, match="layer 1 mixes Q8_0 / MXFP4 / Q4_K .*its types \\[8, 14\\]"):
         kern().pack_check(_parts(sq, [(8, 8, 8), (8, 8, 14)]), 4096, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"type 8 and shape \(96, 64\).*multiple of 64"):
         kern().pack_check(_parts([(96, 64), (96, 64), (64, 96)], [(8, 8, 8)] * 2), 4096, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"type 39 and shape \(128, 32\).*64 \(Q8_0, MXFP4\)"):   # MXFP4: K 64s
+        kern().pack_check(_parts([(128, 32), (128, 32), (32, 128)], [(39, 39, 39)] * 2), 4096, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"type 12 and shape \(128, 64\).*256 \(Q4_K\)"):  # Q4_K: K 256s
         kern().pack_check(_parts(sq, [(8, 8, 8), (12, 12, 12)]), 4096, torch.device("cpu"))
     s256 = [(256, 256)] * 3
@@ -154,8 +163,11 @@ def test_pack_check_refuses_what_another_kernel_would_read():
             kern(act_quant=aq).pack_check(_parts(sq, [(8, 8, 8)] * 2), 4096, torch.device("cpu"))
     pytest.importorskip("triton")
     for aq in ("bf16", "auto"):
-        with pytest.raises(ValueError, match="gluon_mmq's kernel cannot run here"):
-            kern(act_quant=aq).pack_check(_parts(sq, [(8, 8, 8)] * 2), 4096, torch.device("cpu"))
+        for qts in ([(8, 8, 8)] * 2, [(39, 39, 39)] * 2, [(39, 39, 39), (8, 8, 39)]):    # Q8_0, MXFP4, a mix
+            with pytest.raises(ValueError, match="gluon_mmq's kernel cannot run here"):
+                kern(act_quant=aq).pack_check(_parts(sq, qts), 4096, torch.device("cpu"))
+    with pytest.raises(ValueError, match="act_quant = 'q8_1'"):
+        kern(act_quant="q8_1").pack_check(_parts(sq, [(39, 39, 39)] * 2), 4096, torch.device("cpu"))
     with pytest.raises(ValueError, match="gluon_mmq's kernel cannot run here"):     # Q4_K beside Q8_0: bf16 alone
         kern().pack_check(_parts(s256, [(12, 12, 12), (8, 8, 12)]), 4096, torch.device("cpu"))
 
