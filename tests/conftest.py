@@ -21,11 +21,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# under pytest-xdist (the README's `-n 2`: CI's two cores) one torch thread per worker and per process it starts;
-# two workers at the default two threads each would oversubscribe the two cores
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
+# one torch thread per test process and per process it starts: the CPU path's bit claims need it (torch's CPU GEMM
+# with several threads splits rows by M, so a chunked or batched row differs by ~1e-6: tests/worker/test_cpu_threads.py;
+# the runner pins it too), and under pytest-xdist (the README's `-n 2`: CI's two cores) two workers at the default
+# two threads each would oversubscribe the two cores. A file run alone now gets what CI gets.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 
 # small enough that the transformers reference loads in well under a second per file
 ORACLE_OVERRIDES = dict(n_layer=3, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_expert=8,

@@ -59,6 +59,12 @@ class ModelRunner:
     def __init__(self, cfg: EngineConfig, store: StoreClient):
         self.cfg = cfg
         self.device = torch.device(cfg.device)
+        if self.device.type == "cpu" and torch.get_num_threads() != 1:
+            # the CPU path's bits (DESIGN.md §2) need one intra-op thread: torch's CPU GEMM with several threads
+            # splits the rows by M, so a row's product depends on the batch around it (a 330-row product's rows
+            # 328-329 differ from 320 + 10 rows' by ~1e-6 at 2 threads; equal at 1)
+            event(log, "cpu_threads", was=torch.get_num_threads(), now=1, why="batch and chunk invariance")
+            torch.set_num_threads(1)
         if self.device.type == "cuda":
             # the caching allocator's reserve, not live tensors, went over the VRAM budget (11.8 GB allocated at
             # most, 16.6 GB reserved: docs/benchmarks): expandable segments grow and reuse one mapping instead of
