@@ -145,6 +145,16 @@ if HAVE_GLUON:
                                                  [[8, 0], [16, 0]], [], [32, 16]))
     MW2 = gl.constexpr(gl.DistributedLinearLayout([[0, 1], [0, 2], [32, 0]], [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
                                                   [[8, 0], [16, 0]], [], [64, 16]))
+    # MXFP4's B tile [KB*32, KB*BM] bf16 as loaded, in element order (row e: element e % 32 of block e // 32; BL's
+    # position 32 a + 8 w + 2 c + h holds element 32 a + 16 h + 4 w + c, _perm): thread t holds the elements of BL's
+    # 8 positions of its column (w = t % 4, a = t / 4 % 2, the columns as BL's): 2 runs of 4 contiguous elements (8
+    # bytes, one 64-bit load each) where BL's positions take 8 16-bit loads
+    XW = gl.constexpr(gl.DistributedLinearLayout([[0, 1], [0, 8], [16, 0]],
+                                                 [[0, 2], [0, 4], [0, 16], [1, 0], [2, 0]], [[4, 0], [8, 0]], [],
+                                                 [32, 32]))
+    XE = gl.constexpr(gl.DistributedLinearLayout([[1, 0], [2, 0], [16, 0], [0, 16]],
+                                                 [[4, 0], [8, 0], [32, 0], [0, 1], [0, 2]], [[0, 4], [0, 8]], [],
+                                                 [64, 32]))
 
     @gluon.jit
     def _add(a, b):
@@ -299,6 +309,36 @@ if HAVE_GLUON:
             }""", "=r,r,r,r,r", [b0, b1, b2, b3], dtype=gl.int32, is_pure=True, pack=1)
 
     @gluon.jit
+    def _mx_x_load(xq_ptr, jo, jm, kb0, KB: gl.constexpr):
+        """MXFP4's B tile of K step kb0 in element order (XE): column j = i*BM + m holds activation row m's block
+        kb0 + i (element offsets jo, mask jm) at rows 32 i .. 32 i + 31, zeros elsewhere."""
+        e = gl.arange(0, KB * 32, layout=gl.SliceLayout(1, XE))
+        jb = gl.arange(0, jo.shape[0], layout=gl.SliceLayout(0, XE)) // (jo.shape[0] // KB)
+        m2 = gl.convert_layout(jm, gl.SliceLayout(0, XE))[None, :] & (jb[None, :] == (e // 32)[:, None])
+        return gl.load(xq_ptr + gl.convert_layout(jo, gl.SliceLayout(0, XE))[None, :] + kb0 * 32 + e[:, None], mask=m2,
+                       other=0.0)
+
+    @gluon.jit
+    def _mx_x_words(xq_ptr, jo, jm, kb0, KB: gl.constexpr):
+        """GP >= 1: _mx_x_load's tile as int32 words [KB*BM, KB*32] (XW: row j, word u = elements 2 u, 2 u + 1), the
+        bf16 pairs as loaded (64-bit loads), carried untouched to the step that uses them."""
+        u = gl.arange(0, KB * 16, layout=gl.SliceLayout(0, XW))
+        jb = gl.arange(0, jo.shape[0], layout=gl.SliceLayout(1, XW)) // (jo.shape[0] // KB)
+        m2 = gl.convert_layout(jm, gl.SliceLayout(1, XW))[:, None] & (jb[:, None] == (u // 16)[None, :])
+        xw = xq_ptr.to(gl.pointer_type(gl.int32))
+        return gl.load(xw + (gl.convert_layout(jo, gl.SliceLayout(1, XW))[:, None] + kb0 * 32) // 2 + u[None, :],
+                       mask=m2, other=0)
+
+    @gluon.jit
+    def _mx_x_perm(x):
+        """_mx_x_load's tile -> the B tile in BL in _perm's positions (position 32 a + 8 w + 2 c + h: element 32 a +
+        16 h + 4 w + c; triton_mmq._bd_tile's values), by register moves (the same elements in the same threads)."""
+        R: gl.constexpr = x.shape[0]
+        C: gl.constexpr = x.shape[1]
+        x = gl.permute(gl.reshape(x, [R // 32, 2, 4, 4, C]), [0, 2, 3, 1, 4])     # [a, h, w, c] -> [a, w, c, h]
+        return gl.convert_layout(gl.reshape(x, [R, C]), BL)
+
+    @gluon.jit
     def _mx_pk_load(pool, ra, mn, rc, mc, kb0):
         """PK (MXFP4): K step kb0 .. kb0 + 1's loads from mma_pack's layout (the step at byte kb0 / 2 x 2176 of the
         rows' tile): (the nibble words [R / 2, 16] int32 (MW) at _half_rows' pieces ra (mask mn), one 128-bit load a
@@ -339,7 +379,8 @@ if HAVE_GLUON:
         doubled e2m1 value of the nibble (e // 16) of byte 17 kb + 1 + e % 16) -- triton_mmq._w_tile's values; the
         scales d [BN] float32 of blocks kb0 and kb0 + 1 of rows rc (mask mc, ACC's rows); the B tile [KB*32, KB*BM]
         bf16 in BL: column j = i*BM + m holds activation row m's block kb0 + i (element offsets jo, mask jm) at rows
-        32 i .. 32 i + 31 (MXFP4: element _perm(k)), zeros elsewhere -- triton_mmq._bd_tile's values). PK (MXFP4):
+        32 i .. 32 i + 31 (MXFP4: element _perm(k), loaded in element order by _mx_x_load, but for FUSE's 128 rows),
+        zeros elsewhere -- triton_mmq._bd_tile's values). PK (MXFP4):
         the same values from mma_pack's layout (_mx_pk_load: ra / mn _half_rows' pieces, rc the rows' scale bytes)."""
         c = gl.arange(0, KB * 32, layout=gl.SliceLayout(0, AL))
         if QT == 0:
@@ -362,12 +403,15 @@ if HAVE_GLUON:
         else:
             d0 = _scale(pool, rc, mc, kb0, QT)
             d1 = _scale(pool, rc, mc, kb0 + 1, QT)
-        k = gl.arange(0, KB * 32, layout=gl.SliceLayout(1, BL))
-        jb = gl.arange(0, jo.shape[0], layout=gl.SliceLayout(0, BL)) // (jo.shape[0] // KB)
-        m2 = jm[None, :] & (jb[None, :] == (k // 32)[:, None])
-        if QT == 4:
-            k = _perm(k)
-        x = gl.load(xq_ptr + jo[None, :] + kb0 * 32 + k[:, None], mask=m2, other=0.0)
+        if QT == 4 and rc.shape[0] == 64:         # MXFP4's B tile as 4 runs of 4 elements (cpu-mxlut63), but
+            x = _mx_x_perm(_mx_x_load(xq_ptr, jo, jm, kb0, KB))     # for FUSE's 128 rows: there its registers
+        else:                                       # rose from 168 to 176 (the 1-row gate_up: 2 CTAs a SM, not 3)
+            k = gl.arange(0, KB * 32, layout=gl.SliceLayout(1, BL))
+            jb = gl.arange(0, jo.shape[0], layout=gl.SliceLayout(0, BL)) // (jo.shape[0] // KB)
+            m2 = jm[None, :] & (jb[None, :] == (k // 32)[:, None])
+            if QT == 4:
+                k = _perm(k)
+            x = gl.load(xq_ptr + jo[None, :] + kb0 * 32 + k[:, None], mask=m2, other=0.0)
         return wb, d0, d1, x
 
     # GP >= 1's loads (_load_raw): each a 32-bit register as loaded (16-bit loads zero-extended by the load itself),
@@ -412,8 +456,8 @@ if HAVE_GLUON:
         """GP >= 1: K step kb0 .. kb0 + KB's loads (_fetch's bytes), each an int32 as loaded: (the weights: Q8_0 the
         pairs [R, KB*16] (PL) of rows ra (mask mn), pair p at byte 34 (kb0 + p // 16) + 2 + 2 (p % 16); MXFP4
         _fetch's bytes [R, KB*16]; the scales' raw values of blocks kb0, kb0 + 1 of rows rc (mask mc): Q8_0 the f16
-        bits, MXFP4 the E8M0 byte; the B tile: Q8_0 as words [KB*16, KB*BM] (BW) of _fetch's tile, MXFP4 _fetch's
-        bf16 tile). PK (Q8_0): the weights as mma_pack's words [R, 16] (PW) of the step, at byte kb0 / 2 x 4352 from
+        bits, MXFP4 the E8M0 byte; the B tile: Q8_0 as words [KB*16, KB*BM] (BW) of _fetch's tile, MXFP4 as words
+        [KB*BM, KB*16] in element order (_mx_x_words: 64-bit loads)). PK (Q8_0): the weights as mma_pack's words [R, 16] (PW) of the step, at byte kb0 / 2 x 4352 from
         the rows' _pk_rows addresses ra (128-bit loads); r0 = r1 their scale words at rc's (block kb0's f16 d in the
         low 16 bits, kb0 + 1's in the high). PK (MXFP4): _mx_pk_load's words [R / 2, 16] and r0 = r1 the rows' two
         scale bytes (kb0's low)."""
@@ -465,10 +509,7 @@ if HAVE_GLUON:
                 w = gl.load(pool + o1, mask=m1, other=0).to(gl.int32)
                 r0 = gl.load(pool + rc + kb0 * 17, mask=mc, other=0).to(gl.int32)
                 r1 = gl.load(pool + rc + kb0 * 17 + 17, mask=mc, other=0).to(gl.int32)
-            k = gl.arange(0, KB * 32, layout=gl.SliceLayout(1, BL))
-            jb = gl.arange(0, jo.shape[0], layout=gl.SliceLayout(0, BL)) // (jo.shape[0] // KB)
-            m2 = jm[None, :] & (jb[None, :] == (k // 32)[:, None])
-            x = gl.load(xq_ptr + jo[None, :] + kb0 * 32 + _perm(k)[:, None], mask=m2, other=0.0)
+            x = _mx_x_words(xq_ptr, jo, jm, kb0, KB)
         return w, r0, r1, x
 
     @gluon.jit
@@ -531,12 +572,12 @@ if HAVE_GLUON:
             wb = _mx_a(_mx_pk_words(w))
             d0 = _e8m0(r0 & 255)
             d1 = _e8m0(r1 >> 8)
-            xb = x
+            xb = _mx_x_perm(gl.permute(_bf16x2(x, x.shape[0]), [1, 0]))
         else:
             wb = _mx_a(_mx_words(w))
             d0 = _e8m0(r0)
             d1 = _e8m0(r1)
-            xb = x
+            xb = _mx_x_perm(gl.permute(_bf16x2(x, x.shape[0]), [1, 0]))
         return wb, d0, d1, xb
 
     @gluon.jit

@@ -93,6 +93,13 @@ MX_LINES = {
     "_mx_a": ("o0, o1, o2, o3 = _e2m1x8(w)", "v = gl.join(gl.join(o0, o2), gl.join(o1, o3))",
               "v = gl.permute(gl.reshape(v, [R, 4, 2, 4]), [0, 2, 3, 1])",
               "return gl.convert_layout(_bf16x2(gl.reshape(v, [R, 32]), R), AL)"),
+    "_mx_x_load": ("e = gl.arange(0, KB * 32, layout=gl.SliceLayout(1, XE))", "(jb[None, :] == (e // 32)[:, None])",
+                   "+ kb0 * 32 + e[:, None], mask=m2"),
+    "_mx_x_words": ("(jb[:, None] == (u // 16)[None, :])",
+                    "return gl.load(xw + (gl.convert_layout(jo, gl.SliceLayout(1, XW))[:, None] + kb0 * 32) // 2 + u[None, :],"),
+    "_conv_raw": ("xb = _mx_x_perm(gl.permute(_bf16x2(x, x.shape[0]), [1, 0]))",),
+    "_mx_x_perm": ("x = gl.permute(gl.reshape(x, [R // 32, 2, 4, 4, C]), [0, 2, 3, 1, 4])",
+                   "return gl.convert_layout(gl.reshape(x, [R, C]), BL)"),
     "_bf16x2": ("lo = (v & 0xFFFF)", "hi = (v >> 16)", "return gl.reshape(gl.join(lo, hi), [R, 2 * v.shape[1]])"),
 }
 
@@ -125,5 +132,15 @@ def mx_a(gm, w: np.ndarray) -> np.ndarray:
     R = w.shape[0]
     o0, o1, o2, o3 = run(asm_of(gm._e2m1x8), 4, w)
     v = np.stack([np.stack([o0, o2], -1), np.stack([o1, o3], -1)], -1)
-    v = v.reshape(R, 4, 2, 4).transpose(0, 2, 3, 1).reshape(R, 32)
-    return np.stack([v & 0xFFFF, v >> 16], -1).reshape(R, 64).astype(np.uint16)
+    return bf16x2(v.reshape(R, 4, 2, 4).transpose(0, 2, 3, 1).reshape(R, 32)).astype(np.uint16)
+
+
+def bf16x2(v: np.ndarray) -> np.ndarray:
+    """_bf16x2: words [R, C] holding bf16 pairs -> [R, 2 C] (element 2 p + h: half h of word p)."""
+    return np.stack([v & 0xFFFF, v >> 16], -1).reshape(v.shape[0], 2 * v.shape[1])
+
+
+def mx_x_perm(x: np.ndarray) -> np.ndarray:
+    """_mx_x_perm: the B tile [R, C] in element order (_mx_x_load's rows) -> _perm's positions."""
+    R, C = x.shape
+    return x.reshape(R // 32, 2, 4, 4, C).transpose(0, 2, 3, 1, 4).reshape(R, C)

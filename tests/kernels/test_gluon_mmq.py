@@ -111,8 +111,11 @@ def test_gluon_compiles_to_the_bf16_mma_with_the_weights_in_registers():
     loads (the pairs moved to QL's threads by register moves); PK 2 both loops and the shipped launch's CTAs a SM.
     MXFP4's PK 1 / 2 (cpu-mxpk63): its nibble bytes by 128-bit loads (a thread's 16 contiguous bytes of a 64-row tile,
     one a tile a step, where GGUF order has 16 byte loads) and a row's two scale bytes one 16-bit load (GGUF: 2 byte
-    loads), the B tile's loads, the HGMMA, shared memory and float ops as shipped, no shuffles or shared memory loads;
-    PK 2 both loops within the shipped launch's CTAs a SM; GP 1's loads all read a step later."""
+    loads), the HGMMA, shared memory and float ops as shipped, no shuffles or shared memory loads; PK 2 both loops
+    within the shipped launch's CTAs a SM; GP 1's loads all read a step later. MXFP4 (cpu-mxlut63): the nibbles
+    decoded by _e2m1x8's PTX table (in the PTX), a K step's SASS at most 250 a 64-row tile with packed loads, 350
+    with GGUF order's (the compiler's decode: 461-1,147), the 1-row kernels within 168 registers (3 CTAs a SM), and
+    the B tile's 16 bf16 loads 4 64-bit runs, but for FUSE's GP 0 form."""
     reports = _compile_reports(["-c", _CHILD], timeout=120)
     if reports and "skip" in reports[0]:
         pytest.skip(f"no sm_90 compile toolchain here: {reports[0]['skip']}")
@@ -138,9 +141,13 @@ def test_gluon_compiles_to_the_bf16_mma_with_the_weights_in_registers():
         if r["qt"] == 5:                           # Q4_K a K loop's loads: GGUF 8 pairs a tile, its 2 headers, x;
             gguf = {"LDG.E.U16": 8 * t, "LDG.E.128": 2 * t + 2, "LDG.E": 8}     # packed: the pairs one 16-byte load
             packed = {"LDG.E.128": 3 * t + 2, "LDG.E": 8}
-        elif r["qt"] == 4:                         # MXFP4: GGUF a byte a pair (16 a tile) and a scale (2 a row), the
-            gguf = {"LDG.E.U8": 20 * t, "LDG.E.U16": 16}    # B tile's 16 bf16 (_perm's order); packed: one 16-byte
-            packed = {"LDG.E.128": t, "LDG.E.U16": 16 + 2 * t}     # load a tile, a 16-bit load a row's 2 scales
+        elif r["qt"] == 4:                         # MXFP4: GGUF a byte a pair (16 a tile) and a scale (2 a row); the
+            xl = {"LDG.E.64": 4}                    # B tile's 16 bf16 (_perm's order) as 4 runs of 4 elements (cpu-
+            if r["fuse"] and not r["gp"]:          # mxlut63), but FUSE's GP 0 form's 16 bf16 loads; packed: one
+                xl = {"LDG.E.U16": 16}             # 16-byte load a tile, a 16-bit load a row's 2 scales
+            gguf = {"LDG.E.U8": 20 * t, **xl}
+            packed = {"LDG.E.128": t, **xl}
+            packed["LDG.E.U16"] = packed.get("LDG.E.U16", 0) + 2 * t
         else:                                      # Q8_0: GGUF order's 20 pairs a tile, packed 2 words
             gguf, packed = {"LDG.E.U16": 20 * t, "LDG.E.128": 2}, {"LDG.E.128": 2 * t + 2, "LDG.E": 2 * t}
         if r["pk"] == 2:                           # two bodies: each K loop's block fmas, the epilogue's ops once or
@@ -375,3 +382,22 @@ def test_mxfp4_a_operand_is_gguf_dequant_in_perm_order(R):
         a = gluon_emu.mx_a(gm, gluon_emu.mx_words(gm, v))
         want = _bf16_bits(dq[:, 32 * kb0 + 32 * (k // 32) + mq._perm(k) % 32])
         assert np.array_equal(a, want), kb0
+
+
+def test_mxfp4_b_tile_runs_reach_perm_order():
+    """MXFP4's B tile loaded in element order, 2 runs of 4 contiguous elements a thread's column (every form but FUSE's
+    GP 0): GP 0's bf16 tile (_mx_x_load: row e is element e % 32 of block kb0 + e // 32) and GP >= 1's int32 words
+    carried as loaded (_mx_x_words: row j, word u = elements 2 u, 2 u + 1 of activation row j, then _bf16x2 and a
+    transpose in _conv_raw), moved to BL by _mx_x_perm (all emulated from their checked source lines): position k holds
+    element triton_mmq._perm(k), the order of the weights' A operand and of the Triton kernel's BF tiles, so the MMA's B
+    is the one _perm's loads gave (the same values, the same bits)."""
+    import gluon_emu
+    if not gm.HAVE_GLUON:
+        pytest.skip("no Gluon")
+    gluon_emu.mx_source_lines(gm)
+    x = np.arange(64)[:, None] + 64 * np.arange(32)[None, :]         # [KB*32, KB*BM]: element e of column j
+    k = np.arange(64)
+    want = x[32 * (k // 32) + mq._perm(k) % 32]
+    assert np.array_equal(gluon_emu.mx_x_perm(x), want)
+    words = x[0::2].T | x[1::2].T << 16                               # [KB*BM, KB*16]: word u of column j
+    assert np.array_equal(gluon_emu.mx_x_perm(gluon_emu.bf16x2(words).T), want)
