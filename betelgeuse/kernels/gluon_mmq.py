@@ -457,10 +457,10 @@ if HAVE_GLUON:
         pairs [R, KB*16] (PL) of rows ra (mask mn), pair p at byte 34 (kb0 + p // 16) + 2 + 2 (p % 16); MXFP4
         _fetch's bytes [R, KB*16]; the scales' raw values of blocks kb0, kb0 + 1 of rows rc (mask mc): Q8_0 the f16
         bits, MXFP4 the E8M0 byte; the B tile: Q8_0 as words [KB*16, KB*BM] (BW) of _fetch's tile, MXFP4 as words
-        [KB*BM, KB*16] in element order (_mx_x_words: 64-bit loads)). PK (Q8_0): the weights as mma_pack's words [R, 16] (PW) of the step, at byte kb0 / 2 x 4352 from
-        the rows' _pk_rows addresses ra (128-bit loads); r0 = r1 their scale words at rc's (block kb0's f16 d in the
-        low 16 bits, kb0 + 1's in the high). PK (MXFP4): _mx_pk_load's words [R / 2, 16] and r0 = r1 the rows' two
-        scale bytes (kb0's low)."""
+        [KB*BM, KB*16] in element order (_mx_x_words: 64-bit loads)). PK (Q8_0): the weights as mma_pack's words
+        [R, 16] (PW) of the step, at byte kb0 / 2 x 4352 from the rows' _pk_rows addresses ra (128-bit loads); r0 = r1
+        their scale words at rc's (block kb0's f16 d in the low 16 bits, kb0 + 1's in the high). PK (MXFP4):
+        _mx_pk_load's words [R / 2, 16] and r0 = r1 the rows' two scale bytes (kb0's low)."""
         R: gl.constexpr = ra.shape[0]
         if QT == 0:
             if PK:

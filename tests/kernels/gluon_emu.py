@@ -1,7 +1,7 @@
 """Tests' numpy emulation of gluon_mmq's register code (no GPU here: the device checks the bits): an interpreter of the
 PTX its inline asm runs, so a test executes the kernel source's own asm text rather than a transcription of it, and
-MXFP4's register moves (the join / reshape / permute lines MX_LINES, which a test checks are in the source). Registers are uint32 arrays (one
-element a thread's value); each instruction as the PTX ISA defines it, element-wise:
+MXFP4's register moves (the join / reshape / permute lines MX_LINES, which a test checks are in the source).
+Registers are uint32 arrays (one element a thread's value); each instruction as the PTX ISA defines it, element-wise:
 
   mov.b32, and / or / xor.b32, shr.u32 / shr.b32 (logical), shl.b32, add.u32 / sub.u32 (mod 2^32), cvt.u32.u16;
   prmt.b32 d, a, b, c (default mode): byte i of d is byte c[4i+2:4i] of the 8 bytes {b, a} (a bytes 0-3), or with
@@ -64,7 +64,8 @@ OPS = {"mov.b32": lambda a: a, "cvt.u32.u16": lambda a: a & 0xFFFF,
        "and.b32": lambda a, b: a & b, "or.b32": lambda a, b: a | b, "xor.b32": lambda a, b: a ^ b,
        "shr.u32": lambda a, b: a >> b, "shr.b32": lambda a, b: a >> b, "shl.b32": lambda a, b: (a << b) & M32,
        "add.u32": lambda a, b: (a + b) & M32, "sub.u32": lambda a, b: (a - b) & M32,
-       "prmt.b32": _prmt, "add.rn.bf16x2": lambda a, b: _bf16x2(a, b, 1), "sub.rn.bf16x2": lambda a, b: _bf16x2(a, b, -1)}
+       "prmt.b32": _prmt, "add.rn.bf16x2": lambda a, b: _bf16x2(a, b, 1),
+       "sub.rn.bf16x2": lambda a, b: _bf16x2(a, b, -1)}
 
 
 def run(asm: str, n_out: int, *ins) -> tuple:
@@ -96,7 +97,7 @@ MX_LINES = {
     "_mx_x_load": ("e = gl.arange(0, KB * 32, layout=gl.SliceLayout(1, XE))", "(jb[None, :] == (e // 32)[:, None])",
                    "+ kb0 * 32 + e[:, None], mask=m2"),
     "_mx_x_words": ("(jb[:, None] == (u // 16)[None, :])",
-                    "return gl.load(xw + (gl.convert_layout(jo, gl.SliceLayout(1, XW))[:, None] + kb0 * 32) // 2 + u[None, :],"),
+                    "[:, None] + kb0 * 32) // 2 + u[None, :],"),
     "_conv_raw": ("xb = _mx_x_perm(gl.permute(_bf16x2(x, x.shape[0]), [1, 0]))",),
     "_mx_x_perm": ("x = gl.permute(gl.reshape(x, [R // 32, 2, 4, 4, C]), [0, 2, 3, 1, 4])",
                    "return gl.convert_layout(gl.reshape(x, [R, C]), BL)"),

@@ -377,7 +377,7 @@ def test_mxfp4_a_operand_is_gguf_dequant_in_perm_order(R):
     dq = gq.dequantize(gg.reshape(R, -1), GT.MXFP4).astype(np.float32).reshape(R, K)
     k = np.arange(64)
     for kb0 in range(0, K // 32, 2):
-        q = np.arange(32)                                       # _fetch's byte column q: byte 1 + q % 16 of kb0 + q // 16
+        q = np.arange(32)                               # _fetch's byte column q: byte 1 + q % 16 of kb0 + q // 16
         v = gg[:, kb0 + q // 16, 1 + q % 16].astype(np.int64)
         a = gluon_emu.mx_a(gm, gluon_emu.mx_words(gm, v))
         want = _bf16_bits(dq[:, 32 * kb0 + 32 * (k // 32) + mq._perm(k) % 32])
