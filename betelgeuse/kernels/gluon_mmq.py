@@ -18,7 +18,9 @@ so the same bits on the GPU (deploy/device/check_gluon_mmq.py checks torch.equal
     16-bit pair of it loaded once (thread t's pairs are its A k pairs) and decoded by inline PTX straight into
     the two blocks' bf16 pairs (0x4300 | n is the bf16 128 + n; one add.bf16x2 of -128, exact);
   * MXFP4: the doubled e2m1 values in triton_mmq._perm's element order, for the weights (a thread's k pair is then
-    the two nibbles of one byte: one byte load a pair) and the B tile alike, as the Triton kernel's BF tiles;
+    the two nibbles of one byte: one byte load a pair) and the B tile alike, as the Triton kernel's BF tiles; the
+    nibbles decoded by inline PTX, 8 codes a 32-bit word (prmt table lookups, then 0x4300 | 64 + value less 192 in
+    bf16: exact), straight into the bf16 pairs (cpu-mxlut63; the same values, so the same bits);
   * the chunk sums 0 + p_0 + p_1 + ... in chunk order: walked (16-row bucket) or split over programs (SPLIT, the
     1-row bucket: the tile's last program sums the stored partials, triton_moe's counter protocol);
   * gate_up: SwiGLU (the clamped form under HAS_LIMIT) as triton_moe._gu_store; down: y's bf16 store;
@@ -41,8 +43,9 @@ so the same bits on the GPU (deploy/device/check_gluon_mmq.py checks torch.equal
     moves, and a row's header 16 bytes of one contiguous 1 KiB a super-block; the decode, MMA and float ops are the
     shipped form's. MXFP4 (cpu-mxpk63) reads mma_pack's MXFP4 layout under PK 1 / 2 at any GP: a thread's nibble bytes
     of a 64-row tile and step (its AL k pairs under _perm: rows t / 4 and + 8) are 16 contiguous bytes (one 128-bit load
-    of 4 words where GGUF order takes 16 byte loads), split into bytes and moved to the GGUF form's [R, 32] by register
-    moves, and a row's two scale bytes one 16-bit load; _mx_a's decode, the MMA and the float ops are the GGUF form's.
+    of 4 words where GGUF order takes 16 byte loads), moved to the words _mx_a decodes by register moves (the GGUF
+    form packs its bytes into the same words), and a row's two scale bytes one 16-bit load; _mx_a's decode, the MMA
+    and the float ops are the GGUF form's.
 The schedule key GL (triton_mmq.CONFIG, 0 by default) asks for it; triton_mmq._launch takes it where `usable` says so
 (CUDA sm_90, Gluon importable, Q8_0, MXFP4 or Q4_K at these constants, aligned parts), else the Triton kernel runs
 (CPU, the interpreter: Gluon has no interpreter). Compiles on Triton 3.6 (the device's) and 3.9: the one API
@@ -142,6 +145,16 @@ if HAVE_GLUON:
                                                  [[8, 0], [16, 0]], [], [32, 16]))
     MW2 = gl.constexpr(gl.DistributedLinearLayout([[0, 1], [0, 2], [32, 0]], [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
                                                   [[8, 0], [16, 0]], [], [64, 16]))
+    # MXFP4's B tile [KB*32, KB*BM] bf16 as loaded, in element order (row e: element e % 32 of block e // 32; BL's
+    # position 32 a + 8 w + 2 c + h holds element 32 a + 16 h + 4 w + c, _perm): thread t holds the elements of BL's
+    # 8 positions of its column (w = t % 4, a = t / 4 % 2, the columns as BL's): 2 runs of 4 contiguous elements (8
+    # bytes, one 64-bit load each) where BL's positions take 8 16-bit loads
+    XW = gl.constexpr(gl.DistributedLinearLayout([[0, 1], [0, 8], [16, 0]],
+                                                 [[0, 2], [0, 4], [0, 16], [1, 0], [2, 0]], [[4, 0], [8, 0]], [],
+                                                 [32, 32]))
+    XE = gl.constexpr(gl.DistributedLinearLayout([[1, 0], [2, 0], [16, 0], [0, 16]],
+                                                 [[4, 0], [8, 0], [32, 0], [0, 1], [0, 2]], [[0, 4], [0, 8]], [],
+                                                 [64, 32]))
 
     @gluon.jit
     def _add(a, b):
@@ -221,26 +234,109 @@ if HAVE_GLUON:
         return (p // 32) * 32 + (r % 2) * 16 + (r // 8) * 4 + (r % 8) // 2
 
     @gluon.jit
-    def _e2m1(v):
-        """MXFP4 codes v (int32, 0..15) -> llama.cpp's kvalues_mxfp4, the doubled e2m1 values (0 1 2 3 4 6 8 12, bit 3
-        the sign) as int8: the magnitudes packed 4 bits each in 0xC8643210 (triton_mmq._w_tile's values; as an int32
-        constant, -932957680: the arithmetic shift's sign bits never reach the low 4 bits kept)."""
-        mag = (-932957680 >> ((v & 7) * 4)) & 15
-        return gl.where(v >= 8, -mag, mag).to(gl.int8)
-
-    @gluon.jit
     def _e8m0(e8):
         """MXFP4's E8M0 scale bytes e8 (int32, 0..255) -> 2^(e - 128) float32 (ggml_e8m0_to_fp32_half, as
         triton_mmq._w_scale): a subnormal below e 2, else the exponent field e - 1."""
         return gl.where(e8 < 2, (e8 + 1) * 0x00200000, (e8 - 1) << 23).to(gl.float32, bitcast=True)
 
     @gluon.jit
-    def _mx_a(v):
-        """MXFP4's nibble bytes v [R, KB*16] int32 (column p: a row's step byte p, AL's k pair (2 p, 2 p + 1) under
-        _perm) -> the weights [R, KB*32] bf16 in AL: the low nibble's doubled e2m1 value at k 2 p, the high's at 2 p + 1
-        (register moves: each thread's bytes are its own pairs)."""
-        w = gl.reshape(gl.join(_e2m1(v & 15), _e2m1(v >> 4)), [v.shape[0], 2 * v.shape[1]])
-        return gl.convert_layout(w, AL).to(gl.bfloat16)
+    def _e2m1x8(w):
+        """MXFP4 nibble words w (int32: byte i = a k pair, its low nibble's code at k 2 p, the high's at 2 p + 1) ->
+        4 int32 (o_i: byte i's two values as bf16x2, low half the low nibble's), llama.cpp's kvalues_mxfp4 (the doubled
+        e2m1 values 0 1 2 3 4 6 8 12, code bit 3 the sign), exactly, by PTX (17 instructions for 8 codes; the
+        compiler's shift table, select and int8 -> bf16 took ~80: cpu-mxpk63):
+          * prmt looks 4 codes up at once (selector nibbles: the word's low 16 bits, then its high 16) in the 8-byte
+            magnitude table; a selector with bit 3 set gives the sign of its table byte (0x00: every magnitude < 128),
+            so the code c itself gives P = mag(c) for c < 8, else 0, and c ^ 8 gives N = mag(c & 7) for c >= 8, else 0;
+          * D = P + 0x40404040 - N: the bytes 64 + value (52 .. 76, no borrows), one integer add a 4 codes;
+          * prmt spreads 2 bytes of D under 0x43 (bf16 0x43XX is 128 + XX for XX < 128: 192 + value), one sub.bf16x2
+            of 192 gives the value (integers below 256, exact; a zero code +0, as the int8 -> bf16 of 0)."""
+        return gl.inline_asm_elementwise(
+            """{
+            .reg .b32 t0, t1, k, c, x, wh, xh, p, n, d0, d1, a;
+            mov.b32 t0, 0x03020100;
+            mov.b32 t1, 0x0C080604;
+            mov.b32 k, 0x43434343;
+            mov.b32 c, 0x43404340;
+            xor.b32 x, $4, 0x88888888;
+            shr.u32 wh, $4, 16;
+            shr.u32 xh, x, 16;
+            prmt.b32 p, t0, t1, $4;
+            prmt.b32 n, t0, t1, x;
+            add.u32 d0, p, 0x40404040;
+            sub.u32 d0, d0, n;
+            prmt.b32 p, t0, t1, wh;
+            prmt.b32 n, t0, t1, xh;
+            add.u32 d1, p, 0x40404040;
+            sub.u32 d1, d1, n;
+            prmt.b32 a, d0, k, 0x4140;
+            sub.rn.bf16x2 $0, a, c;
+            prmt.b32 a, d0, k, 0x4342;
+            sub.rn.bf16x2 $1, a, c;
+            prmt.b32 a, d1, k, 0x4140;
+            sub.rn.bf16x2 $2, a, c;
+            prmt.b32 a, d1, k, 0x4342;
+            sub.rn.bf16x2 $3, a, c;
+            }""", "=r,=r,=r,=r,r", [w], dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
+
+    @gluon.jit
+    def _mx_a(w):
+        """MXFP4's nibble words w [R, KB*4] int32 (column 2 b + jh: byte i is row n's step byte p = b + 4 (4 jh + i),
+        AL's k pair (2 p, 2 p + 1) under _perm) -> the weights [R, KB*32] bf16 in AL: the low nibble's doubled e2m1
+        value at k 2 p, the high's at 2 p + 1 (_e2m1x8; the rest register moves: each thread's words are its own
+        pairs, b = t % 4)."""
+        R: gl.constexpr = w.shape[0]
+        o0, o1, o2, o3 = _e2m1x8(w)
+        v = gl.join(gl.join(o0, o2), gl.join(o1, o3))              # [R, 8, 2, 2]: [.., x, y] = byte 2 x + y
+        v = gl.permute(gl.reshape(v, [R, 4, 2, 4]), [0, 2, 3, 1])   # [R, b, jh, i] -> [R, jh, i, b]: pair 4 j + b
+        return gl.convert_layout(_bf16x2(gl.reshape(v, [R, 32]), R), AL)
+
+    @gluon.jit
+    def _mx_words(v):
+        """GGUF order: _fetch's nibble bytes v [R, KB*16] int32 (column p: a row's step byte p) -> _mx_a's words
+        [R, KB*4] (column 2 b + jh: bytes p = b + 4 (4 jh + i), i = 0 .. 3), by register moves and 3 prmt a word."""
+        R: gl.constexpr = v.shape[0]
+        v = gl.reshape(gl.permute(gl.reshape(v, [R, 2, 4, 4]), [0, 3, 1, 2]), [R, 8, 2, 2])   # [R, b, jh, i]
+        v02, v13 = gl.split(v)                                      # i = 2 x + y: y = 0 | 1
+        b0, b2 = gl.split(v02)
+        b1, b3 = gl.split(v13)
+        return gl.inline_asm_elementwise(
+            """{
+            .reg .b32 l, h;
+            prmt.b32 l, $1, $2, 0x5140;
+            prmt.b32 h, $3, $4, 0x5140;
+            prmt.b32 $0, l, h, 0x5410;
+            }""", "=r,r,r,r,r", [b0, b1, b2, b3], dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _mx_x_load(xq_ptr, jo, jm, kb0, KB: gl.constexpr):
+        """MXFP4's B tile of K step kb0 in element order (XE): column j = i*BM + m holds activation row m's block
+        kb0 + i (element offsets jo, mask jm) at rows 32 i .. 32 i + 31, zeros elsewhere."""
+        e = gl.arange(0, KB * 32, layout=gl.SliceLayout(1, XE))
+        jb = gl.arange(0, jo.shape[0], layout=gl.SliceLayout(0, XE)) // (jo.shape[0] // KB)
+        m2 = gl.convert_layout(jm, gl.SliceLayout(0, XE))[None, :] & (jb[None, :] == (e // 32)[:, None])
+        return gl.load(xq_ptr + gl.convert_layout(jo, gl.SliceLayout(0, XE))[None, :] + kb0 * 32 + e[:, None], mask=m2,
+                       other=0.0)
+
+    @gluon.jit
+    def _mx_x_words(xq_ptr, jo, jm, kb0, KB: gl.constexpr):
+        """GP >= 1: _mx_x_load's tile as int32 words [KB*BM, KB*32] (XW: row j, word u = elements 2 u, 2 u + 1), the
+        bf16 pairs as loaded (64-bit loads), carried untouched to the step that uses them."""
+        u = gl.arange(0, KB * 16, layout=gl.SliceLayout(0, XW))
+        jb = gl.arange(0, jo.shape[0], layout=gl.SliceLayout(1, XW)) // (jo.shape[0] // KB)
+        m2 = gl.convert_layout(jm, gl.SliceLayout(1, XW))[:, None] & (jb[:, None] == (u // 16)[None, :])
+        xw = xq_ptr.to(gl.pointer_type(gl.int32))
+        return gl.load(xw + (gl.convert_layout(jo, gl.SliceLayout(1, XW))[:, None] + kb0 * 32) // 2 + u[None, :],
+                       mask=m2, other=0)
+
+    @gluon.jit
+    def _mx_x_perm(x):
+        """_mx_x_load's tile -> the B tile in BL in _perm's positions (position 32 a + 8 w + 2 c + h: element 32 a +
+        16 h + 4 w + c; triton_mmq._bd_tile's values), by register moves (the same elements in the same threads)."""
+        R: gl.constexpr = x.shape[0]
+        C: gl.constexpr = x.shape[1]
+        x = gl.permute(gl.reshape(x, [R // 32, 2, 4, 4, C]), [0, 2, 3, 1, 4])     # [a, h, w, c] -> [a, w, c, h]
+        return gl.convert_layout(gl.reshape(x, [R, C]), BL)
 
     @gluon.jit
     def _mx_pk_load(pool, ra, mn, rc, mc, kb0):
@@ -259,15 +355,12 @@ if HAVE_GLUON:
         return w, _ld_u16(pool + rc + st, mc)
 
     @gluon.jit
-    def _mx_pk_bytes(w):
-        """_mx_pk_load's words [R / 2, 16] -> the step's nibble bytes [R, 32] int32 in _mx_a's order (column p: byte p
-        of row n), by register moves: the words' 4 bytes (byte i of word u: column 4 u + i = 16 b + 8 h + j; a join's
-        new axis is the last, so join(join(b0, b2), join(b1, b3))[.., x, y] = byte 2 x + y), then [n // 16, n % 8, b,
-        h, j] -> [n // 16, h, n % 8, j, b] (row 16 (n // 16) + 8 h + n % 8, column p = 4 j + b)."""
+    def _mx_pk_words(w):
+        """_mx_pk_load's words [R / 2, 16] -> _mx_a's words [R, 8] (column 2 b + jh: row n's step bytes b + 4 (4 jh +
+        i)), by register moves: word u = 4 b + 2 h + jh of row q holds bytes 8 h + 4 jh + i of lane-quad b's piece,
+        [n // 16, n % 8, b, h, jh] -> [n // 16, h, n % 8, b, jh] (row 16 (n // 16) + 8 h + n % 8)."""
         R: gl.constexpr = 2 * w.shape[0]
-        v = gl.join(gl.join(w & 255, (w >> 16) & 255), gl.join((w >> 8) & 255, (w >> 24) & 255))
-        v = gl.permute(gl.reshape(v, [R // 16, 8, 4, 2, 8]), [0, 3, 1, 4, 2])
-        return gl.reshape(v, [R, 32])
+        return gl.reshape(gl.permute(gl.reshape(w, [R // 16, 8, 4, 2, 2]), [0, 3, 1, 2, 4]), [R, 8])
 
     @gluon.jit
     def _scale(pool, rc, mc, kb, QT: gl.constexpr):
@@ -286,7 +379,8 @@ if HAVE_GLUON:
         doubled e2m1 value of the nibble (e // 16) of byte 17 kb + 1 + e % 16) -- triton_mmq._w_tile's values; the
         scales d [BN] float32 of blocks kb0 and kb0 + 1 of rows rc (mask mc, ACC's rows); the B tile [KB*32, KB*BM]
         bf16 in BL: column j = i*BM + m holds activation row m's block kb0 + i (element offsets jo, mask jm) at rows
-        32 i .. 32 i + 31 (MXFP4: element _perm(k)), zeros elsewhere -- triton_mmq._bd_tile's values). PK (MXFP4):
+        32 i .. 32 i + 31 (MXFP4: element _perm(k), loaded in element order by _mx_x_load, but for FUSE's 128 rows),
+        zeros elsewhere -- triton_mmq._bd_tile's values). PK (MXFP4):
         the same values from mma_pack's layout (_mx_pk_load: ra / mn _half_rows' pieces, rc the rows' scale bytes)."""
         c = gl.arange(0, KB * 32, layout=gl.SliceLayout(0, AL))
         if QT == 0:
@@ -294,7 +388,7 @@ if HAVE_GLUON:
             wb = w.to(gl.int8, bitcast=True).to(gl.bfloat16)
         elif PK:                    # MXFP4 packed: a thread's bytes of a tile one 128-bit load, a row's scales one
             w, sc = _mx_pk_load(pool, ra, mn, rc, mc, kb0)
-            wb = _mx_a(_mx_pk_bytes(w))
+            wb = _mx_a(_mx_pk_words(w))
         else:                       # a thread's k pair (c, c + 1), c even: the low and high nibble of one byte
             p = _perm(c)
             o = gl.broadcast(ra[:, None], ((kb0 + p // 32) * 17 + 1 + p % 16)[None, :])
@@ -302,19 +396,22 @@ if HAVE_GLUON:
             m = gl.broadcast(mn[:, None], o)[0]
             o1, o2 = gl.split(gl.reshape(o, [o.shape[0], KB * 16, 2]))    # one byte a pair (register moves)
             m1, m2 = gl.split(gl.reshape(m, [o.shape[0], KB * 16, 2]))
-            wb = _mx_a(gl.load(pool + o1, mask=m1, other=0).to(gl.int32))   # [BN, KB*16] bytes
+            wb = _mx_a(_mx_words(gl.load(pool + o1, mask=m1, other=0).to(gl.int32)))    # [BN, KB*16] bytes
         if QT == 4 and PK:
             d0 = _e8m0(sc & 255)
             d1 = _e8m0(sc >> 8)
         else:
             d0 = _scale(pool, rc, mc, kb0, QT)
             d1 = _scale(pool, rc, mc, kb0 + 1, QT)
-        k = gl.arange(0, KB * 32, layout=gl.SliceLayout(1, BL))
-        jb = gl.arange(0, jo.shape[0], layout=gl.SliceLayout(0, BL)) // (jo.shape[0] // KB)
-        m2 = jm[None, :] & (jb[None, :] == (k // 32)[:, None])
-        if QT == 4:
-            k = _perm(k)
-        x = gl.load(xq_ptr + jo[None, :] + kb0 * 32 + k[:, None], mask=m2, other=0.0)
+        if QT == 4 and rc.shape[0] == 64:         # MXFP4's B tile as 4 runs of 4 elements (cpu-mxlut63), but
+            x = _mx_x_perm(_mx_x_load(xq_ptr, jo, jm, kb0, KB))     # for FUSE's 128 rows: there its registers
+        else:                                       # rose from 168 to 176 (the 1-row gate_up: 2 CTAs a SM, not 3)
+            k = gl.arange(0, KB * 32, layout=gl.SliceLayout(1, BL))
+            jb = gl.arange(0, jo.shape[0], layout=gl.SliceLayout(0, BL)) // (jo.shape[0] // KB)
+            m2 = jm[None, :] & (jb[None, :] == (k // 32)[:, None])
+            if QT == 4:
+                k = _perm(k)
+            x = gl.load(xq_ptr + jo[None, :] + kb0 * 32 + k[:, None], mask=m2, other=0.0)
         return wb, d0, d1, x
 
     # GP >= 1's loads (_load_raw): each a 32-bit register as loaded (16-bit loads zero-extended by the load itself),
@@ -359,11 +456,11 @@ if HAVE_GLUON:
         """GP >= 1: K step kb0 .. kb0 + KB's loads (_fetch's bytes), each an int32 as loaded: (the weights: Q8_0 the
         pairs [R, KB*16] (PL) of rows ra (mask mn), pair p at byte 34 (kb0 + p // 16) + 2 + 2 (p % 16); MXFP4
         _fetch's bytes [R, KB*16]; the scales' raw values of blocks kb0, kb0 + 1 of rows rc (mask mc): Q8_0 the f16
-        bits, MXFP4 the E8M0 byte; the B tile: Q8_0 as words [KB*16, KB*BM] (BW) of _fetch's tile, MXFP4 _fetch's
-        bf16 tile). PK (Q8_0): the weights as mma_pack's words [R, 16] (PW) of the step, at byte kb0 / 2 x 4352 from
-        the rows' _pk_rows addresses ra (128-bit loads); r0 = r1 their scale words at rc's (block kb0's f16 d in the
-        low 16 bits, kb0 + 1's in the high). PK (MXFP4): _mx_pk_load's words [R / 2, 16] and r0 = r1 the rows' two
-        scale bytes (kb0's low)."""
+        bits, MXFP4 the E8M0 byte; the B tile: Q8_0 as words [KB*16, KB*BM] (BW) of _fetch's tile, MXFP4 as words
+        [KB*BM, KB*16] in element order (_mx_x_words: 64-bit loads)). PK (Q8_0): the weights as mma_pack's words
+        [R, 16] (PW) of the step, at byte kb0 / 2 x 4352 from the rows' _pk_rows addresses ra (128-bit loads); r0 = r1
+        their scale words at rc's (block kb0's f16 d in the low 16 bits, kb0 + 1's in the high). PK (MXFP4):
+        _mx_pk_load's words [R / 2, 16] and r0 = r1 the rows' two scale bytes (kb0's low)."""
         R: gl.constexpr = ra.shape[0]
         if QT == 0:
             if PK:
@@ -412,10 +509,7 @@ if HAVE_GLUON:
                 w = gl.load(pool + o1, mask=m1, other=0).to(gl.int32)
                 r0 = gl.load(pool + rc + kb0 * 17, mask=mc, other=0).to(gl.int32)
                 r1 = gl.load(pool + rc + kb0 * 17 + 17, mask=mc, other=0).to(gl.int32)
-            k = gl.arange(0, KB * 32, layout=gl.SliceLayout(1, BL))
-            jb = gl.arange(0, jo.shape[0], layout=gl.SliceLayout(0, BL)) // (jo.shape[0] // KB)
-            m2 = jm[None, :] & (jb[None, :] == (k // 32)[:, None])
-            x = gl.load(xq_ptr + jo[None, :] + kb0 * 32 + _perm(k)[:, None], mask=m2, other=0.0)
+            x = _mx_x_words(xq_ptr, jo, jm, kb0, KB)
         return w, r0, r1, x
 
     @gluon.jit
@@ -454,7 +548,7 @@ if HAVE_GLUON:
     def _conv_raw(w, r0, r1, x, QT: gl.constexpr, KB: gl.constexpr, PK: gl.constexpr):
         """_load_raw's values -> _fetch's: (the weights [R, KB*32] bf16 in AL, d0, d1 [R] float32, the B tile
         [KB*32, KB*BM] bf16) -- the same values (Q8_0: int8 -> bf16 of each byte of a pair, the f16 scale exactly
-        to float32; MXFP4: _fetch's decode, PK's from the words' bytes)."""
+        to float32; MXFP4: _fetch's decode of the bytes packed into words, or PK's words)."""
         R: gl.constexpr = w.shape[0]
         if QT == 0:
             if PK:                                      # word c = 4 b + a: pairs 8 a + b (low half) and + 4 (high)
@@ -474,16 +568,16 @@ if HAVE_GLUON:
             xh = _lo_bf16(x >> 16)
             xb = gl.reshape(gl.permute(gl.join(xl, xh), [0, 2, 1]), [2 * x.shape[0], x.shape[1]])
             xb = gl.convert_layout(xb, BL)
-        elif PK:                                        # MXFP4 packed: the words' bytes, the scale bytes' halves
-            wb = _mx_a(_mx_pk_bytes(w))
+        elif PK:                                        # MXFP4 packed: the words, the scale bytes' halves
+            wb = _mx_a(_mx_pk_words(w))
             d0 = _e8m0(r0 & 255)
             d1 = _e8m0(r1 >> 8)
-            xb = x
+            xb = _mx_x_perm(gl.permute(_bf16x2(x, x.shape[0]), [1, 0]))
         else:
-            wb = _mx_a(w)
+            wb = _mx_a(_mx_words(w))
             d0 = _e8m0(r0)
             d1 = _e8m0(r1)
-            xb = x
+            xb = _mx_x_perm(gl.permute(_bf16x2(x, x.shape[0]), [1, 0]))
         return wb, d0, d1, xb
 
     @gluon.jit
@@ -615,10 +709,10 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _bf16x2(v, R: gl.constexpr):
-        """int32 [R, 16] holding bf16 pairs -> bf16 [R, 32] (element 2 p + h: half h of v[:, p]): register moves."""
+        """int32 [R, C] holding bf16 pairs -> bf16 [R, 2 C] (element 2 p + h: half h of v[:, p]): register moves."""
         lo = (v & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
         hi = (v >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
-        return gl.reshape(gl.join(lo, hi), [R, 32])
+        return gl.reshape(gl.join(lo, hi), [R, 2 * v.shape[1]])
 
     @gluon.jit
     def _half_rows(v, QT: gl.constexpr):

@@ -76,8 +76,10 @@ for qt, w, b, gp, pk in CASES:
     body = sp.k_loop(ins, mma=True)
     ops = kinds(body)
     loops = [{o: v for o, v in kinds(lp).items() if o.startswith("LDG")} for lp in sp.mma_loops(ins)]  # K loops' loads
+    sizes = [len(lp) for lp in sp.mma_loops(ins)]                           # ... and SASS instructions
     print(json.dumps({"qt": qt, "kernel": w, "bucket": b, "gp": gp, "pk": pk, "split": const["SPLIT"], "fuse": fuse,
-                      "a_op": sp.a_operand(body), "asm": "add.rn.bf16x2" in k.asm["ptx"],
+                      "a_op": sp.a_operand(body), "asm": "add.rn.bf16x2" in k.asm["ptx"], "sizes": sizes,
+                      "lut": "mov.b32 t1, 0x0C080604;" in k.asm["ptx"],
                       "ldg_in_step": sp.ldg_in_step(body), "ldg": sum(v for o, v in ops.items() if o.startswith("LDG")),
                       "ops": ops, "fops": fops(k.asm["ptx"]), "triton_fops": TK[qt, w, b], "loops": loops,
                       "shapes": sorted(set(re.findall(r"\\b(HGMMA\\.[\\w.]+)", sass))),
@@ -109,8 +111,11 @@ def test_gluon_compiles_to_the_bf16_mma_with_the_weights_in_registers():
     loads (the pairs moved to QL's threads by register moves); PK 2 both loops and the shipped launch's CTAs a SM.
     MXFP4's PK 1 / 2 (cpu-mxpk63): its nibble bytes by 128-bit loads (a thread's 16 contiguous bytes of a 64-row tile,
     one a tile a step, where GGUF order has 16 byte loads) and a row's two scale bytes one 16-bit load (GGUF: 2 byte
-    loads), the B tile's loads, the HGMMA, shared memory and float ops as shipped, no shuffles or shared memory loads;
-    PK 2 both loops within the shipped launch's CTAs a SM; GP 1's loads all read a step later."""
+    loads), the HGMMA, shared memory and float ops as shipped, no shuffles or shared memory loads; PK 2 both loops
+    within the shipped launch's CTAs a SM; GP 1's loads all read a step later. MXFP4 (cpu-mxlut63): the nibbles
+    decoded by _e2m1x8's PTX table (in the PTX), a K step's SASS at most 250 a 64-row tile with packed loads, 350
+    with GGUF order's (the compiler's decode: 461-1,147), the 1-row kernels within 168 registers (3 CTAs a SM), and
+    the B tile's 16 bf16 loads 4 64-bit runs, but for FUSE's GP 0 form."""
     reports = _compile_reports(["-c", _CHILD], timeout=120)
     if reports and "skip" in reports[0]:
         pytest.skip(f"no sm_90 compile toolchain here: {reports[0]['skip']}")
@@ -123,7 +128,7 @@ def test_gluon_compiles_to_the_bf16_mma_with_the_weights_in_registers():
         n = 2 if r["gp"] == 2 else 1               # GP 2: two K steps a loop iteration
         assert r["shapes"] == ["HGMMA.64x32x16.F32.BF16"] and r["a_op"] == "R", r
         assert sum(v for k, v in ops.items() if k.startswith("HGMMA")) == (8 if r["fuse"] else 4) * n, r
-        assert r["asm"] == (r["qt"] == 5), r
+        assert r["asm"] == (r["qt"] == 5) and r["lut"] == (r["qt"] == 4), r
         sts = {k: v for k, v in ops.items() if k.startswith(("STS", "STSM"))}
         assert sts == {"STS.128": 2 * n}, r
         assert not any(k.startswith(("LDS", "LDSM")) for k in ops), r
@@ -136,9 +141,13 @@ def test_gluon_compiles_to_the_bf16_mma_with_the_weights_in_registers():
         if r["qt"] == 5:                           # Q4_K a K loop's loads: GGUF 8 pairs a tile, its 2 headers, x;
             gguf = {"LDG.E.U16": 8 * t, "LDG.E.128": 2 * t + 2, "LDG.E": 8}     # packed: the pairs one 16-byte load
             packed = {"LDG.E.128": 3 * t + 2, "LDG.E": 8}
-        elif r["qt"] == 4:                         # MXFP4: GGUF a byte a pair (16 a tile) and a scale (2 a row), the
-            gguf = {"LDG.E.U8": 20 * t, "LDG.E.U16": 16}    # B tile's 16 bf16 (_perm's order); packed: one 16-byte
-            packed = {"LDG.E.128": t, "LDG.E.U16": 16 + 2 * t}     # load a tile, a 16-bit load a row's 2 scales
+        elif r["qt"] == 4:                         # MXFP4: GGUF a byte a pair (16 a tile) and a scale (2 a row); the
+            xl = {"LDG.E.64": 4}                    # B tile's 16 bf16 (_perm's order) as 4 runs of 4 elements (cpu-
+            if r["fuse"] and not r["gp"]:          # mxlut63), but FUSE's GP 0 form's 16 bf16 loads; packed: one
+                xl = {"LDG.E.U16": 16}             # 16-byte load a tile, a 16-bit load a row's 2 scales
+            gguf = {"LDG.E.U8": 20 * t, **xl}
+            packed = {"LDG.E.128": t, **xl}
+            packed["LDG.E.U16"] = packed.get("LDG.E.U16", 0) + 2 * t
         else:                                      # Q8_0: GGUF order's 20 pairs a tile, packed 2 words
             gguf, packed = {"LDG.E.U16": 20 * t, "LDG.E.128": 2}, {"LDG.E.128": 2 * t + 2, "LDG.E": 2 * t}
         if r["pk"] == 2:                           # two bodies: each K loop's block fmas, the epilogue's ops once or
@@ -156,6 +165,12 @@ def test_gluon_compiles_to_the_bf16_mma_with_the_weights_in_registers():
             assert len(r["loops"]) == 1, r
             if r["qt"] in (4, 5):                  # Q4_K's / MXFP4's loop: GGUF order's loads or (PK 1) the packed
                 assert r["loops"] == [packed if r["pk"] else gguf], r
+        if r["qt"] == 4:                           # MXFP4's decode by _e2m1x8's table (cpu-mxlut63): a K step's SASS
+            print("MXFP4", r["kernel"], r["bucket"], "GP", r["gp"], "PK", r["pk"], "SASS a step", r["sizes"],
+                  "registers", r["regs"])         # (the compiler's decode: 1026 GGUF / 804 PK, fused 1-row gate_up)
+            for ld, size in zip(r["loops"], r["sizes"]):
+                assert size <= (250 if "LDG.E.128" in ld else 350) * t, r
+            assert r["bucket"] != 1 or r["regs"] <= 168, r     # the 1-row kernels (the engine's decode): 3 CTAs a SM
         loads = 42 if r["fuse"] else 22           # Q8_0's loads a K step (fused: gate's and up's weight words)
         if r["pk"]:                                # the packed loads alone (Q8_0: 2 x 128 bits a tile, 2 scale words)
             assert {k: v for k, v in ops.items() if k.startswith("LDG")} == packed, r
@@ -302,3 +317,87 @@ def test_q8_pair_conversion_ptx_is_the_int8_to_bf16_conversion():
     for g, byte in zip(got, (b0, b1)):
         want = torch.from_numpy(byte.astype(np.uint8).view(np.int8)).to(torch.bfloat16)
         assert torch.equal(g.view(torch.int16), want.view(torch.int16))
+
+
+def _mxfp4_unit(raw: np.ndarray) -> np.ndarray:
+    """MXFP4 GGUF blocks [.., 17] with every E8M0 byte 128 (ggml_e8m0_to_fp32_half: 1.0), so gguf-py's dequantization
+    is llama.cpp's kvalues_mxfp4 itself, the doubled e2m1 values (the scales are _e8m0's, a separate path)."""
+    raw = raw.copy()
+    raw[..., 0] = 128
+    return raw
+
+
+def _bf16_bits(f: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(np.ascontiguousarray(f, np.float32)).to(torch.bfloat16).view(torch.int16).numpy().view(
+        np.uint16)
+
+
+def test_mxfp4_ptx_decode_is_gguf_kvalues():
+    """gluon_mmq._e2m1x8's PTX (prmt table lookups, the integer bias, the bf16 spread and sub.bf16x2), run by a numpy
+    interpreter of its own asm text (gluon_emu), on every byte value (4 a word, packed by _mx_words' PTX): byte i's
+    bf16x2 o_i holds the low nibble's value (low half) and the high nibble's, bit for bit gguf-py's MXFP4
+    dequantization at scale 1 (kvalues_mxfp4: 0 1 2 3 4 6 8 12 and their negatives; code 8 +0, as the shipped int8 ->
+    bf16 of 0)."""
+    import gluon_emu
+    from gguf import quants as gq
+    from gguf.constants import GGMLQuantizationType as GT
+    if not gm.HAVE_GLUON:
+        pytest.skip("no Gluon")
+    asm = gluon_emu.asm_of(gm._e2m1x8)
+    assert asm.count("prmt.b32") == 8 and asm.count("sub.rn.bf16x2") == 4 and "cvt" not in asm
+    b = np.arange(256).reshape(64, 4)                              # word r: bytes 4 r .. 4 r + 3
+    w = gluon_emu.run(gluon_emu.asm_of(gm._mx_words), 1, b[:, 0], b[:, 1], b[:, 2], b[:, 3])[0]
+    assert np.array_equal(w, (b[:, 0] | b[:, 1] << 8 | b[:, 2] << 16 | b[:, 3] << 24).astype(np.uint32))
+    o = np.stack(gluon_emu.run(asm, 4, w), -1).reshape(256)       # byte 4 r + i's bf16x2
+    blocks = _mxfp4_unit(np.concatenate([np.zeros((16, 1), np.uint8), np.arange(256, dtype=np.uint8).reshape(16, 16)],
+                                        axis=1))
+    dq = gq.dequantize(blocks, GT.MXFP4).astype(np.float32)       # [16, 32]: block r's element j < 16 = byte 16 r + j's
+    lo, hi = dq[:, :16].reshape(256), dq[:, 16:].reshape(256)     # low nibble, 16 + j its high
+    assert sorted(set(lo.tolist())) == [-12, -8, -6, -4, -3, -2, -1, 0, 1, 2, 3, 4, 6, 8, 12]
+    assert np.array_equal(o & 0xFFFF, _bf16_bits(lo)) and np.array_equal(o >> 16, _bf16_bits(hi))
+
+
+@pytest.mark.parametrize("R", [64, 128])
+def test_mxfp4_a_operand_is_gguf_dequant_in_perm_order(R):
+    """The GGUF form's A operand of a K step, emulated from the source (gluon_emu: _mx_words' moves and PTX, _mx_a's
+    moves and _e2m1x8's PTX, the lines checked): column k of row n is the doubled e2m1 value of element
+    triton_mmq._perm(k) % 32 of block kb0 + k // 32 (the Triton kernel's BF tile order), gguf-py's dequantization at
+    scale 1, bit for bit (R 128: FUSE's gate and up rows). PK's words equal these words (test_mma_pack), so PK's
+    operand is this one."""
+    import gluon_emu
+    from gguf import quants as gq
+    from gguf.constants import GGMLQuantizationType as GT
+    if not gm.HAVE_GLUON:
+        pytest.skip("no Gluon")
+    gluon_emu.mx_source_lines(gm)
+    K = 128
+    rng = np.random.default_rng(R)
+    x = rng.standard_normal((R, K)).astype(np.float32)
+    gg = _mxfp4_unit(gq.quantize(x, GT.MXFP4).reshape(R, K // 32, 17))
+    dq = gq.dequantize(gg.reshape(R, -1), GT.MXFP4).astype(np.float32).reshape(R, K)
+    k = np.arange(64)
+    for kb0 in range(0, K // 32, 2):
+        q = np.arange(32)                               # _fetch's byte column q: byte 1 + q % 16 of kb0 + q // 16
+        v = gg[:, kb0 + q // 16, 1 + q % 16].astype(np.int64)
+        a = gluon_emu.mx_a(gm, gluon_emu.mx_words(gm, v))
+        want = _bf16_bits(dq[:, 32 * kb0 + 32 * (k // 32) + mq._perm(k) % 32])
+        assert np.array_equal(a, want), kb0
+
+
+def test_mxfp4_b_tile_runs_reach_perm_order():
+    """MXFP4's B tile loaded in element order, 2 runs of 4 contiguous elements a thread's column (every form but FUSE's
+    GP 0): GP 0's bf16 tile (_mx_x_load: row e is element e % 32 of block kb0 + e // 32) and GP >= 1's int32 words
+    carried as loaded (_mx_x_words: row j, word u = elements 2 u, 2 u + 1 of activation row j, then _bf16x2 and a
+    transpose in _conv_raw), moved to BL by _mx_x_perm (all emulated from their checked source lines): position k holds
+    element triton_mmq._perm(k), the order of the weights' A operand and of the Triton kernel's BF tiles, so the MMA's B
+    is the one _perm's loads gave (the same values, the same bits)."""
+    import gluon_emu
+    if not gm.HAVE_GLUON:
+        pytest.skip("no Gluon")
+    gluon_emu.mx_source_lines(gm)
+    x = np.arange(64)[:, None] + 64 * np.arange(32)[None, :]         # [KB*32, KB*BM]: element e of column j
+    k = np.arange(64)
+    want = x[32 * (k // 32) + mq._perm(k) % 32]
+    assert np.array_equal(gluon_emu.mx_x_perm(x), want)
+    words = x[0::2].T | x[1::2].T << 16                               # [KB*BM, KB*16]: word u of column j
+    assert np.array_equal(gluon_emu.mx_x_perm(gluon_emu.bf16x2(words).T), want)

@@ -196,24 +196,26 @@ def _read_packed_mxfp4(p: np.ndarray, rows: int, K: int) -> np.ndarray:
 
 
 def test_mxfp4_pk_words_reach_the_gguf_byte_order():
-    """gluon_mmq's MXFP4 PK loads emulated in numpy (gl.join = a stack on a new last axis; reshape / permute as
-    numpy's): each step's MW tile [R / 2, 16] of int32 words (row q = 8 (n // 16) + n % 8 at _half_rows' piece of row
-    n, the step at kb0 x 1088), split into bytes and reordered as _mx_pk_bytes' source says (checked), is the [R, 32]
-    tile whose column p is the step's nibble byte p of row n (GGUF byte 1 + p % 16 of block kb0 + p // 16) -- the
-    GGUF form's bytes (its one byte load a pair), so _mx_a, the scales and the MMA see the same operand. The scale
-    word (one 16-bit load at 2048 + 2 n) is the two blocks' E8M0 bytes, kb0's low."""
+    """gluon_mmq's MXFP4 PK loads emulated in numpy (gluon_emu: gl.join = a stack on a new last axis; reshape /
+    permute as numpy's): each step's MW tile [R / 2, 16] of int32 words (row q = 8 (n // 16) + n % 8 at _half_rows'
+    piece of row n, the step at kb0 x 1088), reordered as _mx_pk_words' source says (checked), is word for word what
+    _mx_words makes of the GGUF form's bytes (its one byte load a pair: column p the step's nibble byte p of row n, GGUF
+    byte 1 + p % 16 of block kb0 + p // 16), so _mx_a's decode, the scales and the MMA see the same operand
+    (test_gluon_mmq: that operand is gguf-py's dequantization). The scale word (one 16-bit load at 2048 + 2 n) is the
+    two blocks' E8M0 bytes, kb0's low."""
     import inspect
+
+    import gluon_emu
 
     from betelgeuse.kernels import gluon_mmq as gm
     if not gm.HAVE_GLUON:
         pytest.skip("no Gluon")
-    src = "".join(inspect.getsource(f.fn if hasattr(f, "fn") else f) for f in (gm._mx_pk_bytes, gm._mx_pk_load,
-                                                                                 gm._pk_rows, gm._conv_raw))
-    for line in ("v = gl.join(gl.join(w & 255, (w >> 16) & 255), gl.join((w >> 8) & 255, (w >> 24) & 255))",
-                 "v = gl.permute(gl.reshape(v, [R // 16, 8, 4, 2, 8]), [0, 3, 1, 4, 2])",
-                 "return gl.reshape(v, [R, 32])",
-                 "st = kb0 * 1088", "o = 2048 + 2 * i", "o = 512 * (i // 16) + 64 * (i % 8)",
-                 "d0 = _e8m0(r0 & 255)", "d1 = _e8m0(r1 >> 8)"):
+    gluon_emu.mx_source_lines(gm)
+    src = "".join(inspect.getsource(f.fn if hasattr(f, "fn") else f) for f in (gm._mx_pk_load, gm._pk_rows,
+                                                                                 gm._conv_raw))
+    for line in ("st = kb0 * 1088", "o = 2048 + 2 * i", "o = 512 * (i // 16) + 64 * (i % 8)",
+                 "d0 = _e8m0(r0 & 255)", "d1 = _e8m0(r1 >> 8)", "wb = _mx_a(_mx_pk_words(w))",
+                 "wb = _mx_a(_mx_words(w))"):
         assert line in src, line
     for R in (64, 128):                                 # 128: two tiles as FUSE's gate / up rows
         K = 256
@@ -225,11 +227,8 @@ def test_mxfp4_pk_words_reach_the_gguf_byte_order():
         for kb0 in range(0, K // 32, 2):
             a = (tile + 512 * (n % 64 // 16) + 64 * (n % 8) + kb0 * 1088)[:, None] + 4 * np.arange(16)[None, :]
             w = packed[a[..., None] + np.arange(4)].copy().view(np.int32)[..., 0]     # [R / 2, 16] little-endian
-            v = np.stack([np.stack([w & 255, (w >> 16) & 255], -1), np.stack([(w >> 8) & 255, (w >> 24) & 255], -1)],
-                         -1)                    # [.., x, y] = byte 2 x + y: the inner join's pair on axis -2
-            v = v.reshape(R // 16, 8, 4, 2, 8).transpose(0, 3, 1, 4, 2).reshape(R, 32)
-            want = np.concatenate([gg[:, kb0, 1:], gg[:, kb0 + 1, 1:]], axis=1)
-            assert np.array_equal(v, want), kb0
+            want = np.concatenate([gg[:, kb0, 1:], gg[:, kb0 + 1, 1:]], axis=1).astype(np.int64)
+            assert np.array_equal(gluon_emu.mx_pk_words(w.view(np.uint32)), gluon_emu.mx_words(gm, want)), kb0
             m = np.arange(R)
             sc = packed[((m // 64) * (K // 64) * 2176 + 2048 + 2 * (m % 64) + kb0 * 1088)[:, None] + np.arange(2)]
             sw = sc.copy().view(np.uint16)[:, 0].astype(np.int32)
