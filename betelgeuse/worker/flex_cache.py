@@ -217,10 +217,15 @@ class FlexCache:
               held_kv_bytes=self.held)
         return True
 
+    def _can_fill(self) -> bool:
+        """A free slot now, after a new chunk if none was: _grow is not asked where it refused on what it would read
+        now (_refused: a full cache's fills ask it once, not once a take or an expert)."""
+        return bool(self.free) or (self._refused != (self.reserved, self.held, self._bytes) and self._grow())
+
     def _slot(self, owner: tuple[int, int]) -> int | None:
         """A slot for `owner`'s new copy (_set): an empty one, a new chunk's within the room, else the least recently
         used one's; None: no slot."""
-        if self.free or (self._refused != (self.reserved, self.held, self._bytes) and self._grow()):
+        if self._can_fill():
             s = self.free.pop(0)
             self._set(s, owner)
             return s
@@ -336,9 +341,8 @@ class FlexCache:
                 lru.move_to_end(s)
                 out.append(None)
                 continue
-            # _slot's order: a free slot, a new chunk, else the LRU's; _grow not asked where it refused on what it
-            # would read now (_refused: a full cache's fills ask it once, not once a take or an expert)
-            if self.free or (self._refused != (self.reserved, self.held, self._bytes) and self._grow()):
+            # _slot's order: a free slot, a new chunk, else the LRU's
+            if self._can_fill():
                 s = self.free.pop(0)
                 self._set(s, (layer, e))
             elif not lru or next(iter(lru)) in out:
