@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
-from test_mmq import DIMS, _compile_reports, experts, run  # noqa: E402
+from mmq_helpers import DIMS, compile_reports, experts, run  # noqa: E402
 
 from betelgeuse.kernels import gluon_mmq as gm  # noqa: E402
 from betelgeuse.kernels import triton_mmq as mq  # noqa: E402
@@ -104,7 +104,7 @@ def test_gluon_compiles_to_the_bf16_mma_with_the_weights_in_registers():
     loads (a thread's 16 contiguous bytes of a 64-row tile, one a tile a step) where the shipped form has 8 16-bit
     loads a tile, every other load, the HGMMA, shared memory and float ops as shipped, no shuffles or shared memory
     loads (the pairs moved to QL's threads by register moves); PK 2 both loops and the shipped launch's CTAs a SM."""
-    reports = _compile_reports(["-c", _CHILD], timeout=120)
+    reports = compile_reports(["-c", _CHILD], timeout=120)
     if reports and "skip" in reports[0]:
         pytest.skip(f"no sm_90 compile toolchain here: {reports[0]['skip']}")
     assert [(r["qt"], r["kernel"], r["bucket"], r["gp"], r["pk"], r["split"], r["fuse"]) for r in reports] == [
