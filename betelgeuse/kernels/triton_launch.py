@@ -321,10 +321,11 @@ def interpreter_shortcuts() -> bool:
     grid_call, st, seen = it.GridExecutor.__call__, _INTERP_STATE, {}
     st["triton"] = grid_call, it.InterpretedFunction.__call__, it.interpreter_builder.options   # Triton's (the test's)
 
-    def langs(fn) -> frozenset:
-        got = seen.get(fn)
+    def langs(fn) -> frozenset:         # keyed by the globals' size too: a first rewrite adds the interpreter's names
+        key = fn, len(fn.__globals__)
+        got = seen.get(key)
         if got is None:
-            got = seen[fn] = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+            got = seen[key] = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
         return got
 
     def launch(self, *args, **kw):
