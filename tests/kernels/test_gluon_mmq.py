@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
-from test_mmq import DIMS, _compile_reports, experts, run  # noqa: E402
+from mmq_helpers import DIMS, compile_reports, experts, run  # noqa: E402
 
 from betelgeuse.kernels import gluon_mmq as gm  # noqa: E402
 from betelgeuse.kernels import triton_mmq as mq  # noqa: E402
@@ -116,7 +116,7 @@ def test_gluon_compiles_to_the_bf16_mma_with_the_weights_in_registers():
     decoded by _e2m1x8's PTX table (in the PTX), a K step's SASS at most 250 a 64-row tile with packed loads, 350
     with GGUF order's (the compiler's decode: 461-1,147), the 1-row kernels within 168 registers (3 CTAs a SM), and
     the B tile's 16 bf16 loads 4 64-bit runs, but for FUSE's GP 0 form."""
-    reports = _compile_reports(["-c", _CHILD], timeout=120)
+    reports = compile_reports(["-c", _CHILD], timeout=120)
     if reports and "skip" in reports[0]:
         pytest.skip(f"no sm_90 compile toolchain here: {reports[0]['skip']}")
     assert [(r["qt"], r["kernel"], r["bucket"], r["gp"], r["pk"], r["split"], r["fuse"]) for r in reports] == [

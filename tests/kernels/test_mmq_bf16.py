@@ -1,5 +1,5 @@
 """kernels/triton_mmq.py's bf16 mode (act_quant "bf16", Triton interpreter): the bf16 MMA of the integer quants
-against a numpy reference of its float ops on gguf-py's blocks (test_mmq.weight_parts: checked against gguf-py's
+against a numpy reference of its float ops on gguf-py's blocks (mmq_helpers.weight_parts: checked against gguf-py's
 dequantization), within float noise of the torch path (betelgeuse/kernels/torch_moe.py), a row's bits alone and
 among 5 and 16 rows (split-K and walked chunks), word loads == byte loads, and the setting's plumbing."""
 
@@ -14,13 +14,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
-from test_mmq import DIMS, E, chunk_sum, experts, layer_ref, moe_ref, run  # noqa: E402
+from mmq_helpers import DIMS, E, chunk_sum, experts, layer_ref, moe_ref, run  # noqa: E402
 
 from betelgeuse.kernels import triton_mmq as mq  # noqa: E402
 
 TYPES = pytest.mark.parametrize("qt", [8, 39, 12, 13], ids=["Q8_0", "MXFP4", "Q4_K", "Q5_K"])
 CODE = {8: 0, 39: 4, 12: 5, 13: 6}
-DIMS.setdefault(13, (256, 256))         # Q5_K: one super-block a row (test_mmq's table has the q8_1 types)
+DIMS.setdefault(13, (256, 256))         # Q5_K: one super-block a row (mmq_helpers. table has the q8_1 types)
 
 
 def bf16(x: np.ndarray) -> np.ndarray:
@@ -185,11 +185,11 @@ def test_bf16_compiles_to_bf16_tensor_core_mma_for_sm90_without_spills():
     bucket (split-K) and down at the 16-row one run the bf16 wgmma (HGMMA ...F32.BF16 in the SASS) of ONE instruction
     shape, m64 n32 k16 (BN 64, N = KB 2 x BM 16) in both buckets -- the fixed order of the fp32 block dots -- and
     nothing spills."""
-    from test_mmq import _compile_reports
+    from mmq_helpers import compile_reports
     code = ("import json\nfrom betelgeuse.kernels import triton_mmq as mq\n"
             "for qt in (0, 4, 5, 6):\n for w, b in (('gate_up', 1), ('down', 16)):\n"
             "  print(json.dumps(mq.compile_report(w, qt, bucket=b, hints=True, bf=True)))\n")
-    reports = _compile_reports(["-c", code], timeout=120)
+    reports = compile_reports(["-c", code], timeout=120)
     assert len(reports) == 8, reports
     for r in reports:
         assert r["ptxas_rc"] == 0 and r["spill_bytes"] == 0 and r["regs"] <= 255, r
@@ -260,13 +260,13 @@ def test_bf16_candidates_compile_to_the_shipped_instruction_for_sm90():
     warps (a warpgroup per 64 rows) -- compiled for sm_90 (Q8_0 and MXFP4, the 1-row bucket) keep the shipped
     schedule's one instruction, HGMMA m64 n32 k16 (what makes them schedule keys on the GPU: bits checked there),
     and spill nothing; 8 warps at BN 64 would split N (m64 n16 k16: another shape, never a candidate)."""
-    from test_mmq import _compile_reports
+    from mmq_helpers import compile_reports
     code = ("import json\nfrom betelgeuse.kernels import triton_mmq as mq\n"
             "for qt in (0, 4):\n"
             " for w, o in (('gate_up', {'FUSE': 1}), ('gate_up', {'BN': 128, 'num_warps': 8}),"
             " ('down', {'BN': 128, 'num_warps': 8}), ('down', {'num_warps': 8})):\n"
             "  print(json.dumps(mq.compile_report(w, qt, bucket=1, hints=True, bf=True, over=o)))\n")
-    reports = _compile_reports(["-c", code], timeout=120)
+    reports = compile_reports(["-c", code], timeout=120)
     assert len(reports) == 8, reports
     for r in reports:
         assert r["ptxas_rc"] == 0 and r["spill_bytes"] == 0, r

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton")
-from test_mmq import _compile_reports  # noqa: E402
+from mmq_helpers import compile_reports  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "scripts"))
@@ -60,7 +60,7 @@ def test_occupancy_rule():
 
 
 def test_pattern_bench_reads_as_the_kernel_and_caps_ctas():
-    reports = _compile_reports(["-c", _CHILD], timeout=120)
+    reports = compile_reports(["-c", _CHILD], timeout=120)
     if reports and "skip" in reports[0]:
         pytest.skip(f"no sm_90 compile toolchain here: {reports[0]['skip']}")
     r = {x["name"]: x for x in reports}

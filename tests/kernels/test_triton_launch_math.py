@@ -3,9 +3,13 @@ triton.cdiv / triton.next_power_of_2 (constexpr functions, slow to call from the
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 triton = pytest.importorskip("triton")
+
+import triton.language as tl  # noqa: E402
 
 from betelgeuse.kernels.triton_launch import cdiv, pow2  # noqa: E402
 
@@ -65,3 +69,89 @@ def test_launch_plans_follow_in_place_tuning_edits(monkeypatch):
     monkeypatch.setattr(tk, "PLANS_MAX", 2)                           # bounded: past it the memo starts over
     launch(R=18)
     assert len(tk._PLANS) == 1
+
+
+@triton.jit
+def _row_sum(x_ptr, row, j, BD: tl.constexpr):
+    """Half the sum of row `row`'s j-th BD elements (x [rows, 4 BD]): tl.zeros and tl.sum are tl.core's functions."""
+    acc = tl.zeros((BD,), tl.float32)
+    acc += tl.load(x_ptr + row * 4 * BD + j * BD + tl.arange(0, BD))
+    return tl.sum(acc * 0.5, 0)
+
+
+@triton.jit
+def _half_sums(x_ptr, y_ptr, BD: tl.constexpr):
+    """y[row] = half the sum of x's row, one program a row, in 4 device calls."""
+    row = tl.program_id(0)
+    tot = 0.0
+    for j in range(4):
+        tot += _row_sum(x_ptr, row, j, BD)
+    tl.store(y_ptr + row, tot)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the CPU's interpreter (CUDA compiles)")
+def test_interpreter_device_calls_patch_the_language_once_a_launch(monkeypatch):
+    """triton_launch.interpreter_shortcuts: a launch's device-function calls (ours, and tl.sum / tl.zeros: tl.core's
+    module) re-patch triton.language only where the launch has not (twice a launch here: the grid's, tl.core's first
+    call) rather than at each of the 3 programs x 4 steps x 3 calls; the kernel's outputs are the bits of Triton's
+    own calls (each device call patching again) and numpy's sums."""
+    import numpy as np
+    import torch
+    from triton.runtime import interpreter as it
+
+    from betelgeuse.kernels import triton_launch as TL
+    assert TL.interpreter_shortcuts()
+
+    x = torch.randn(3, 4 * 16)
+    patches = []
+    orig = it._patch_lang
+    monkeypatch.setattr(it, "_patch_lang", lambda fn: patches.append(fn.__name__) or orig(fn))
+    y = torch.zeros(3)
+    TL.launcher(_half_sums)[(3,)](x, y, BD=16)
+    assert len(patches) == 2, patches                   # the launch's, then tl.core's (tl.zeros) once
+    patches.clear()
+    grid_call, fn_call, _ = TL._INTERP_STATE["triton"]
+    monkeypatch.setattr(it.GridExecutor, "__call__", grid_call)
+    monkeypatch.setattr(it.InterpretedFunction, "__call__", fn_call)
+    y0 = torch.zeros(3)
+    _half_sums[(3,)](x, y0, BD=16)
+    assert len(patches) > 3 * 4 * 3, len(patches)       # Triton's calls: each device call patches again
+    assert torch.equal(y, y0)
+    want = (x.numpy().reshape(3, 4, 16) * np.float32(0.5)).sum(-1, dtype=np.float64).sum(-1)
+    assert np.allclose(y.numpy(), want, rtol=1e-6), (y, want)
+
+
+@triton.jit
+def _add_i32(x_ptr, y_ptr, z_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(z_ptr + i, tl.load(x_ptr + i) + tl.load(y_ptr + i))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the CPU's interpreter (CUDA compiles)")
+def test_interpreter_overflow_check_was_never_asserted(monkeypatch):
+    """triton_launch.interpreter_shortcuts turns the interpreter's sanitize_overflow off: with Triton's options (debug
+    off) an int32 add that overflows runs without an error and wraps, as it does without the check -- the check's
+    device_assert is dropped -- so nothing is lost; with debug on the check does assert (and is left on)."""
+    import dataclasses
+
+    import torch
+    from triton.runtime import interpreter as it
+
+    from betelgeuse.kernels import triton_launch as TL
+    assert TL.interpreter_shortcuts()
+    triton_opts = TL._INTERP_STATE["triton"][2]
+    assert not triton_opts.debug and triton_opts.sanitize_overflow
+    assert not it.interpreter_builder.options.sanitize_overflow
+    x = torch.tensor([2**31 - 1, 5, -2**31, 7], dtype=torch.int32)
+    y = torch.tensor([1, 6, -1, -7], dtype=torch.int32)
+    want = (x.long() + y.long() + 2**31) % 2**32 - 2**31
+    outs = []
+    for opts in (it.interpreter_builder.options, triton_opts):
+        monkeypatch.setattr(it.interpreter_builder, "options", opts)
+        z = torch.zeros(4, dtype=torch.int32)
+        _add_i32[(1,)](x, y, z, N=4)
+        outs.append(z)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0].long(), want), outs
+    monkeypatch.setattr(it.interpreter_builder, "options", dataclasses.replace(triton_opts, debug=True))
+    with pytest.raises(Exception, match="overflow"):
+        _add_i32[(1,)](x, y, torch.zeros(4, dtype=torch.int32), N=4)
