@@ -4,8 +4,9 @@ the bytes a SM has in flight, turned into three ceilings (GB/s of expert bytes):
 
   issue   927 G warp instructions/s (132 SMs x 1.755 GHz x 4 schedulers) / (warp instructions per weight byte of a
           whole program: prologue + steps x loop + tree, not the loop alone as sass_profile);
-  little  bytes in flight over the device / LAT: each step's loads are all read in that step (ldg_in_step = ldg),
-          so a program has one step's bytes in flight; a SM min(CTAs a SM, programs / 132) programs;
+  little  bytes in flight over the device / LAT: PF_MV 0 reads each load of a step 4-40 instructions after it
+          (`read after`: sass_profile.ldg_reads, min-max), so a program has one step's bytes in flight (PF_MV 1:
+          two); a SM min(CTAs a SM, programs / 132) programs;
   model   a program's time = DEP x LAT (DEP dependent loads before its first weight load: off -> base / rows ->
           starts -> the row addresses, read from the kernel source) + its non-loop issue + steps x (LAT + C), C a
           step's issue time of all the SM's resident warps (in the same phase: they start together); PF_MV:
@@ -101,7 +102,8 @@ def account(name: str, geom: str, which: str, bn: int, warps: int, stages: int, 
     total_b = programs * prog_b
     return {"type": name, "geom": geom, "kernel": which, "BN": bn, "warps": warps, "stages": stages, "PF_MV": pf,
             "S": S, "steps": steps, "step_B": step_b, "loop_instr": len(body), "rest_instr": rest,
-            "ldg": ldg, "ldg_in_step": sp.ldg_in_step(body), "classes": sp.mix(body)["classes"],
+            "ldg": ldg, "ldg_in_step": sp.ldg_in_step(body),
+            "read_after": sorted(d for d, _ in sp.ldg_reads(body)), "classes": sp.mix(body)["classes"],
             "ldg_w": sp.mix(body)["ldg"], "regs": regs, "spill": spill, "smem": smem, "cta_sm": cta,
             "programs": programs,
             "waves": round(waves, 2), "instr_B": round(ipb, 3), "issue_GBps": round(ISSUE_G / ipb),
@@ -115,17 +117,20 @@ def main() -> int:
         print(json.dumps({"skipped": why}))
         return 0
     pfs = [int(v) for v in next((a[5:] for a in sys.argv if a.startswith("--pf=")), "0,1").split(",")]
-    rows = [account(t, g, w, bn, wp, st, pf) for t, g, bn, wp, st in CASES for pf in pfs for w in ("gate_up", "down")]
+    rows = [account(t, g, w, bn, wp, st, pf) for t, g, bn, wp, st in CASES for pf in pfs
+            for w in ("gate_up", "down")]
     if "--json" in sys.argv:
         for r in rows:
             print(json.dumps(r))
         return 0
-    print("| type | geom | kernel | BN x warps, stages, PF_MV | steps x B | loop instr (ldg, in step) | rest instr | "
-          "regs | CTA/SM | programs | waves | instr/B | issue | KB in flight/SM | little | step issue ns | model |")
+    print("| type | geom | kernel | BN x warps, stages, PF_MV | steps x B | loop instr (ldg, read after) "
+          "| rest instr | regs | CTA/SM | programs | waves | instr/B | issue | KB in flight/SM | little | step issue ns | model |")
     print("|" + "---|" * 17)
     for r in rows:
-        print(f"| {r['type']} | {r['geom']} | {r['kernel']} | {r['BN']} x {r['warps']}, {r['stages']}, {r['PF_MV']} | "
-              f"{r['steps']} x {r['step_B']} | {r['loop_instr']} ({r['ldg']}, {r['ldg_in_step']}) | "
+        print(f"| {r['type']} | {r['geom']} | {r['kernel']} | {r['BN']} x {r['warps']}, {r['stages']}, "
+              f"{r['PF_MV']} | "
+              f"{r['steps']} x {r['step_B']} | {r['loop_instr']} ({r['ldg']}, "
+              f"{r['read_after'][0]}-{r['read_after'][-1]}) | "
               f"{r['rest_instr']} | "
               f"{r['regs']}{' spill ' + str(r['spill']) if r['spill'] else ''} | {r['cta_sm']} | {r['programs']} | "
               f"{r['waves']} | {r['instr_B']} | {r['issue_GBps']} | "
