@@ -8,8 +8,8 @@ or 3 and all 16 tokens of the launch (CASES); every output row must be bit-ident
 1-row-a-program full launch, and within float noise of gguf-py's dequantized experts (numpy, float64 SwiGLU).
 Prints one JSON line {type: {"mismatch": [[BM, tokens], ...], "mv_taken", "max_abs", "scale", "K"}}.
 --pf: the same launches with the schedule key PF_MV = 1 (the next step's words loaded before this step's decode)
-at BM 1, 3 and 16 against the PF_MV 0 one-row-a-program launch, at twice the K (two steps or more a program: a
-prefetched step and the last one's reload), default types Q8_0, MXFP4, Q4_K.
+at BM 1, 3 and 16 against the PF_MV 0 one-row-a-program launch, at a K of two steps a program or more (a prefetched
+step and the last one's reload), default types Q8_0, MXFP4, Q4_K.
 
     mmvq_rows_check.py [--pf] [TYPE ...]
 """
@@ -27,6 +27,7 @@ from gguf.constants import GGMLQuantizationType as QT  # noqa: E402
 
 from betelgeuse.gguf.qtypes import row_nbytes  # noqa: E402
 from betelgeuse.gguf.quants_synth import quantize  # noqa: E402
+from betelgeuse.kernels import triton_mmvq as mv  # noqa: E402
 from betelgeuse.kernels import triton_moe  # noqa: E402
 from betelgeuse.kernels.moe import Group, MoEKernels, pack_experts  # noqa: E402
 from betelgeuse.kernels.triton_quants import QT_CODES  # noqa: E402
@@ -39,13 +40,15 @@ PROGRAMS = {1: 64, 3: 32, 16: 128}     # rows a program (BM_MV) -> output rows a
 # (expert 1's partial); BM = 1 on fewer tokens is the decode schedule's row invariance (test_kernels.py's
 # test_decode_schedule_matches_torch_and_is_row_invariant)
 CASES = ((3, 1), (3, 16), (16, 3), (16, 16))
-PF_CASES = ((1, 1), (1, 16), (3, 16), (16, 3))       # --pf: (BM, tokens) with PF_MV 1
+PF_CASES = ((1, 16), (3, 16), (16, 3))       # --pf: (BM, tokens) with PF_MV 1 (BM 1's rows are programs of their own)
 
 
 def check(name: str, pf: bool) -> dict:
     qt = int(QT[name])
     code = QT_CODES[qt]
-    H = FF = KS.get(name, 128) * (2 if pf else 1)
+    H = FF = KS.get(name, 128)
+    if pf:                                  # two steps a program at least: a next step's words to load ahead
+        H = FF = max(H, 2 * mv.STEP[code])
     rng = np.random.default_rng(qt)
     shapes = [(FF, H), (FF, H), (H, FF)]
     raw = [[quantize(rng.standard_normal(s).astype(np.float32) * (1.0 if k < 2 else 0.1), qt, s, rng, 1.0)
