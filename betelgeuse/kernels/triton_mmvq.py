@@ -89,20 +89,10 @@ def k_head(pool, b, m, g):
     """A Q4_K / Q5_K super-block's header at byte b (f16 d | f16 dmin | scales[12]) for its sub-block pair (2g, 2g + 1)
     (get_scale_min_k4's bytes): the scale words b1 (scales[j % 4]), b2 (scales[4 + j % 4]), b3 (scales[8 + j % 4]),
     each shifted so sub-block 2g's byte sits at bits 0-7 and 2g + 1's at 8-15, and d, dmin as float32."""
-    return _k_head_of(_k_head_words(pool, b, m), g)
-
-
-@triton.jit
-def _k_head_words(pool, b, m):
-    """The header's 4 words at byte b (k_head's loads, unread: PF_MV carries them a step)."""
-    return (_word(pool, b, m), _word(pool, b + 4, m), _word(pool, b + 8, m), _word(pool, b + 12, m))
-
-
-@triton.jit
-def _k_head_of(hw, g):
-    """k_head's values from its 4 words hw (_k_head_words) for sub-block pair (2g, 2g + 1)."""
+    w0 = _word(pool, b, m)
     sh = (g % 2) * 16
-    return hw[1] >> sh, hw[2] >> sh, hw[3] >> sh, _half(hw[0]), _half(hw[0] >> 16)
+    return (_word(pool, b + 4, m) >> sh, _word(pool, b + 8, m) >> sh, _word(pool, b + 12, m) >> sh,
+            _half(w0), _half(w0 >> 16))
 
 
 @triton.jit
@@ -173,25 +163,6 @@ def mv_weights(pool, ra, kk, mn, QT: tl.constexpr, D1: tl.constexpr, D2: tl.cons
     """float32 [BN, D1, D2, D3]: the weights of rows at byte addresses ra [BN] (mask mn), step kk, in tile order.
     Words are loaded as [BN, D1, D2] (consecutive words along D2: a warp's loads coalesce), each word's D3 values
     unpacked in the registers of the thread that holds it."""
-    if QT == 7:                                     # Q6_K
-        return _q6_tile(pool, ra, kk, mn, D1, D2, D3)
-    elif QT == 9:                                   # Q2_K
-        return _q2_tile(pool, ra, kk, mn, D1, D2, D3)
-    elif QT == 8:                                   # Q3_K
-        return _q3_tile(pool, ra, kk, mn, D1, D2, D3)
-    else:                                           # Q8_0, MXFP4, Q4_K / Q5_K: loads, then their decode
-        return mv_decode(mv_words(pool, ra, kk, mn, QT, D1, D2, D3), QT, D1, D2, D3)
-
-
-# the types whose step splits into mv_words (every global load of the step) and mv_decode (registers only), so a
-# program can issue step kk + S's loads before decoding step kk's (the schedule key PF_MV: the same words, the same
-# float ops, the same bits)
-PF_TYPES = (0, 4, 5, 6)                             # Q8_0, MXFP4, Q4_K, Q5_K
-
-
-@triton.jit
-def mv_words(pool, ra, kk, mn, QT: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
-    """The int32 words of step kk of rows ra [BN] (mask mn) that mv_decode turns into mv_weights' tile (PF_TYPES)."""
     a = tl.arange(0, D1)[None, :, None]
     bb = tl.arange(0, D2)[None, None, :]
     m = mn[:, None, None]
@@ -201,41 +172,31 @@ def mv_words(pool, ra, kk, mn, QT: tl.constexpr, D1: tl.constexpr, D2: tl.conste
         wi = a * 8 + bb                             # quant word: block 0's at bytes 2 + 4 wi (halves of words
         lo = _word(pool, b + wi * 4, m)             # wi, wi + 1), block 1's at 36 + 4 (wi - 8) = word wi + 1
         hi = _word(pool, b + wi * 4 + 4, m)
-        return lo, hi, _word(pool, b, m), _word(pool, b + 32, m)               # + the words of d0, d1 [BN, 1, 1]
+        v = tl.where(wi < 8, ((lo >> 16) & 0xFFFF) | (hi << 16), hi)
+        d = tl.where(a == 0, _half(_word(pool, b, m)), _half(_word(pool, b + 32, m) >> 16))      # [BN, 2, 1]
+        s = 256.0 * d
+        return _join4(_i8(v, 0, s, d), _i8(v, 1, s, d), _i8(v, 2, s, d), _i8(v, 3, s, d))
     elif QT == 4:                                   # MXFP4: four 17-byte blocks = 17 words (68 B)
         b = r + (kk // 128) * 68
         o = a * 17 + 1 + bb * 4                     # quant word bb of block a: bytes o .. o + 3
         lo = _word(pool, b + (o // 4) * 4, m)
         hi = _word(pool, b + (o // 4) * 4 + 4, m)
-        return lo, hi, _word(pool, b + a * 16, m)   # + block a's byte 17 a: word 4 a, byte a [BN, 4, 1]
-    else:                                           # Q4_K / Q5_K
-        return _k_words(pool, ra, kk, mn, QT, D2, D3)
-
-
-@triton.jit
-def mv_decode(ws, QT: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
-    """float32 [BN, D1, D2, D3]: mv_weights' tile from mv_words' words ws (no loads)."""
-    a = tl.arange(0, D1)[None, :, None]
-    bb = tl.arange(0, D2)[None, None, :]
-    if QT == 0:
-        lo, hi = ws[0], ws[1]
-        wi = a * 8 + bb
-        v = tl.where(wi < 8, ((lo >> 16) & 0xFFFF) | (hi << 16), hi)
-        d = tl.where(a == 0, _half(ws[2]), _half(ws[3] >> 16))                  # [BN, 2, 1]
-        s = 256.0 * d
-        return _join4(_i8(v, 0, s, d), _i8(v, 1, s, d), _i8(v, 2, s, d), _i8(v, 3, s, d))
-    elif QT == 4:
-        lo, hi = ws[0], ws[1]
-        s = ((a * 17 + 1 + bb * 4) % 4) * 8         # 8, 16, 24, or 0 (block 3: word-aligned)
+        s = (o % 4) * 8                             # 8, 16, 24, or 0 (block 3: word-aligned)
         # bytes o .. o + 3 = the 64-bit hi:lo shifted right by s (a funnel shift: one SHF.R.U64-style op)
         v = ((((hi.to(tl.int64) << 32) | (lo.to(tl.int64) & 0xFFFFFFFF)) >> s.to(tl.int64)) & 0xFFFFFFFF).to(tl.int32)
-        e8 = (ws[2] >> (a * 8)) & 255
+        e8 = (_word(pool, b + a * 16, m) >> (a * 8)) & 255          # block a's byte 17 a: word 4 a, byte a
         # E8M0 -> 2^(e-128) as float32 bits (ggml_e8m0_to_fp32_half): subnormal for e < 2
         d = tl.where(e8 < 2, (e8 + 1) * 0x00200000, (e8 - 1) << 23).to(tl.float32, bitcast=True)    # [BN, 4, 1]
         return _join8(_e2m1(v, 0, d), _e2m1(v, 1, d), _e2m1(v, 2, d), _e2m1(v, 3, d),
                       _e2m1(v, 4, d), _e2m1(v, 5, d), _e2m1(v, 6, d), _e2m1(v, 7, d))
-    else:
-        return _k_decode(ws, QT, D2, D3)
+    elif QT == 7:                                   # Q6_K
+        return _q6_tile(pool, ra, kk, mn, D1, D2, D3)
+    elif QT == 9:                                   # Q2_K
+        return _q2_tile(pool, ra, kk, mn, D1, D2, D3)
+    elif QT == 8:                                   # Q3_K
+        return _q3_tile(pool, ra, kk, mn, D1, D2, D3)
+    else:                                           # Q4_K / Q5_K
+        return _k_tile(pool, ra, kk, mn, QT, D1, D2, D3)
 
 
 @triton.jit
@@ -253,10 +214,12 @@ def _kq5(v, u: tl.constexpr, at: tl.constexpr, mask: tl.constexpr, al, be):
 
 
 @triton.jit
-def _k_words(pool, ra, kk, mn, QT: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
-    """Q4_K / Q5_K step (one super-block a row), its words for _k_decode: (qs [BN, 4, D2, W], qh (Q5_K; Q4_K: qs
-    again, unused), the header's 4 words [BN, 1, 1, 1]). Each thread loads W = D3 / 4 consecutive qs words of one
-    group (one 8- or 16-byte load)."""
+def _k_tile(pool, ra, kk, mn, QT: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
+    """Q4_K / Q5_K step (one super-block a row): float32 [BN, 8, D2, D3], position (g, p, j) = element 32 g + D3 p + j
+    (g = 2 a + h: the low (h 0) / high (h 1) nibbles of 32-byte group a; byte D3 p + j of the group). Each thread
+    loads W = D3 / 4 consecutive qs words of one group (one 8- or 16-byte load) and unpacks both nibble halves, so
+    its weights are two runs of D3 consecutive elements (the activations' loads vectorize too) and a group's scales
+    are decoded once per thread for 4 W x 8 weights."""
     W: tl.constexpr = D3 // 4
     a = tl.arange(0, 4)[None, :, None, None]
     pw = tl.arange(0, D2)[None, None, :, None] * W + tl.arange(0, W)[None, None, None, :]       # word in group
@@ -265,30 +228,17 @@ def _k_words(pool, ra, kk, mn, QT: tl.constexpr, D2: tl.constexpr, D3: tl.conste
         b = ra[:, None, None, None] + (kk // 256) * 144
         q = tl.load((pool + b + 16).to(tl.pointer_type(tl.int32)) + a * 8 + pw, mask=m, other=0)   # [BN, 4, D2, W]
         qh = q                                      # (unused)
+        S: tl.constexpr = 16.0                      # f = 1 + q/16
     else:                                           # Q5_K: f16 d | f16 dmin | scales[12] | qh[32] | qs[128] (176 B)
         b = ra[:, None, None, None] + (kk // 256) * 176
         q = tl.load((pool + b + 48).to(tl.pointer_type(tl.int32)) + a * 8 + pw, mask=m, other=0)
         # the 5th bit of the quant of qs byte c's nibble h: qh[c] bit 2 a + h, i.e. of qh word c // 4 (the qs word's
         # index in its group) bit 8 (c % 4) + 2 a + h
         qh = tl.load((pool + b + 16).to(tl.pointer_type(tl.int32)) + pw, mask=m, other=0)
-    return q, qh, _k_head_words(pool, b, m)
-
-
-@triton.jit
-def _k_decode(ws, QT: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
-    """Q4_K / Q5_K step from _k_words' words: float32 [BN, 8, D2, D3], position (g, p, j) = element 32 g + D3 p + j
-    (g = 2 a + h: the low (h 0) / high (h 1) nibbles of 32-byte group a; byte D3 p + j of the group). A thread
-    unpacks both nibble halves of its W words, so its weights are two runs of D3 consecutive elements (the
-    activations' loads vectorize too) and a group's scales are decoded once per thread for 4 W x 8 weights."""
-    q, qh = ws[0], ws[1]
-    a = tl.arange(0, 4)[None, :, None, None]
-    if QT == 5:
-        S: tl.constexpr = 16.0                      # f = 1 + q/16
-    else:
         S: tl.constexpr = 32.0                      # f = 1 + q/32
-    b1, b2, b3, d, dm = _k_head_of(ws[2], a)        # [BN, 4, 1, 1]
+    b1, b2, b3, d, dm = k_head(pool, b, m, a)       # [BN, 4, 1, 1]
     lo = a < 2                                      # sub-blocks 2a, 2a + 1 < 4
-    ts = ()
+    ws = ()
     for h in tl.static_range(2):                    # w = d sc q - dmin m = al f - (al + dmin m), f = 1 + q/S
         c1 = (b1 >> (8 * h)) & 255
         c2 = (b2 >> (8 * h)) & 255
@@ -305,9 +255,9 @@ def _k_decode(ws, QT: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr):
             t = _join4(_kq5(v, 0, 18, 31, al, be), _kq5(v, 1, 18, 31, al, be), _kq5(v, 2, 18, 31, al, be),
                        _kq5(v, 3, 18, 31, al, be))
         t = tl.reshape(t, (q.shape[0], 4, D2, D3))
-        ts = ts + (t,)
+        ws = ws + (t,)
     # [BN, 4, D2, D3, 2] -> (a, h, p, j)
-    w = tl.permute(tl.join(ts[0], ts[1]), (0, 1, 4, 2, 3))
+    w = tl.permute(tl.join(ws[0], ws[1]), (0, 1, 4, 2, 3))
     return tl.reshape(w, (q.shape[0], 8, D2, D3))
 
 

@@ -66,19 +66,16 @@ from betelgeuse.kernels.triton_quants import QT_CODES, SUPER, TILE_ROWS, tables,
 # multiple of its step) cuts K in chunks whose totals are summed in chunk order (triton_mmvq's doc; other bits than
 # KC 0, the same for both buckets) and SPLIT then spreads the chunks over programs as the MMA path's; a launch it
 # cannot take (rows not 4-byte aligned, K or KC not whole steps) runs the MMA path (a property of the tensor's
-# geometry and the type's KC, the same for every launch of it). PF_MV (a schedule key, MV's triton_mmvq.PF_TYPES;
-# not device-measured yet: 0) = 1: a program issues step kk + S's word loads before decoding step kk's (a register
-# double buffer: cpu-mv63 found every load of a step read in that step, its latency exposed once a step), the
-# same words and float ops.
+# geometry and the type's KC, the same for every launch of it).
 # BM (rows per block) is fixed: the MMA's N side. CONFIG is the default; triton_tuning.json (written by
 # `deploy/device/kernel_roofline.py --sweep` on the GPU) overrides it per type and bucket; TYPE_CONFIG[qt] (tests,
 # the roofline's candidates) overrides both for every bucket. F32 (code 3): BK 128, as a [64, 256] float32 weight
 # tile per K step staged twice for gate and up by the software pipeliner needs 280 KiB of shared memory, over
 # sm_90's 227 KiB (tests/scripts/kernel_smem.py checks every type).
 CONFIG = {"BM": 16, "BN": 64, "BN_GATE_UP": 64, "BK": 256, "KC": 0, "SPLIT": 0, "num_warps": 4, "num_stages": 3,
-          "MV": 0, "BM_MV": 4, "PF_MV": 0}
+          "MV": 0, "BM_MV": 4}
 REDUCE_KEYS = frozenset({"BK", "KC", "MV"})
-SCHEDULE_KEYS = frozenset({"BN", "BN_GATE_UP", "SPLIT", "num_warps", "num_stages", "BM_MV", "PF_MV"})
+SCHEDULE_KEYS = frozenset({"BN", "BN_GATE_UP", "SPLIT", "num_warps", "num_stages", "BM_MV"})
 BUCKETS = (1, 16)                     # rows per expert the launch is tuned for: bucket_of(rows, experts)
 TYPE_CONFIG: dict[int, dict] = {3: {"BK": 128}}
 TUNING_FILE = Path(__file__).with_name("triton_tuning.json")
@@ -132,10 +129,6 @@ def load_tuning(path: Path | str | None = None) -> dict[int, dict]:
         for b in BUCKETS:
             if ent.get(b, {}).get("BM_MV", 1) not in (1, 2, 4, 8, 16):
                 raise ValueError(f"{path}: {name}.rows{b}: BM_MV must be 1, 2, 4, 8 or 16")
-            pf = ent.get(b, {}).get("PF_MV", 0)
-            if pf not in (0, 1) or (pf and code not in mv.PF_TYPES):
-                raise ValueError(f"{path}: {name}.rows{b}: PF_MV must be 0 or 1, and 1 only for "
-                                 f"{sorted(n for n, c in _names().items() if c in mv.PF_TYPES)}")
         out[code] = ent
     return out
 
@@ -426,48 +419,24 @@ def _mv_step(accs, w, xps, kk, BM: tl.constexpr):
 
 
 @triton.jit
-def _mv_walk(accs, ras, pool, mn, xps, k0, k1, QT: tl.constexpr, P: tl.constexpr, BM: tl.constexpr,
-             D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, S: tl.constexpr, PF: tl.constexpr):
-    """accs: per part (gate, up; or down) its BM rows' accumulators, walked over the K steps k0 .. k1 of the part's
-    rows ras[part], the parts in turn each step. PF (the schedule key PF_MV): step kk + S's words (mv_words) are
-    loaded before step kk's are decoded, so their latency overlaps a step's arithmetic (the last step loads its own
-    words again: in bounds, cached); the same words, decode and fmas in the same order, so the same bits."""
-    if PF:
-        ws = ()
-        for j in tl.static_range(P):
-            ws = ws + (mv.mv_words(pool, ras[j], k0, mn, QT, D1, D2, D3),)
-        for kk in range(k0, k1, S):
-            kn = tl.minimum(kk + S, k1 - S)
-            nxt = ()
-            for j in tl.static_range(P):
-                nxt = nxt + (mv.mv_words(pool, ras[j], kn, mn, QT, D1, D2, D3),)
-            out = ()
-            for j in tl.static_range(P):
-                out = out + (_mv_step(accs[j], mv.mv_decode(ws[j], QT, D1, D2, D3), xps, kk, BM),)
-            accs, ws = out, nxt
-    else:
-        for kk in range(k0, k1, S):
-            out = ()
-            for j in tl.static_range(P):
-                out = out + (_mv_step(accs[j], mv.mv_weights(pool, ras[j], kk, mn, QT, D1, D2, D3), xps, kk, BM),)
-            accs = out
-    return accs
-
-
-@triton.jit
 def _mv_gu_chunk(pool, gra, ura, mn, xps, k0, k1, QT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, S: tl.constexpr, PF: tl.constexpr):
+                 D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, S: tl.constexpr):
     """The decode schedule's gate and up accumulators (BM rows each) over K columns k0 .. k1, from zero."""
-    acc = _mv_walk((_mv_zeros_rows(BN, BM, D1, D2, D3), _mv_zeros_rows(BN, BM, D1, D2, D3)), (gra, ura), pool, mn,
-                   xps, k0, k1, QT, 2, BM, D1, D2, D3, S, PF)
-    return acc[0], acc[1]
+    accg = _mv_zeros_rows(BN, BM, D1, D2, D3)
+    accu = _mv_zeros_rows(BN, BM, D1, D2, D3)
+    for kk in range(k0, k1, S):
+        accg = _mv_step(accg, mv.mv_weights(pool, gra, kk, mn, QT, D1, D2, D3), xps, kk, BM)
+        accu = _mv_step(accu, mv.mv_weights(pool, ura, kk, mn, QT, D1, D2, D3), xps, kk, BM)
+    return accg, accu
 
 
 @triton.jit
 def _mv_dn_chunk(pool, dra, mn, xps, k0, k1, QT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, S: tl.constexpr, PF: tl.constexpr):
-    return _mv_walk((_mv_zeros_rows(BN, BM, D1, D2, D3),), (dra,), pool, mn, xps, k0, k1, QT, 1, BM, D1, D2, D3, S,
-                    PF)[0]
+                 D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, S: tl.constexpr):
+    acc = _mv_zeros_rows(BN, BM, D1, D2, D3)
+    for kk in range(k0, k1, S):
+        acc = _mv_step(acc, mv.mv_weights(pool, dra, kk, mn, QT, D1, D2, D3), xps, kk, BM)
+    return acc
 
 
 @triton.jit
@@ -481,7 +450,7 @@ def _gate_up_mv_kernel(h_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, int
                        row_bytes, n_exp, k_top, limit, KC, QT: tl.constexpr, HAS_LIMIT: tl.constexpr,
                        RA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
                        D3: tl.constexpr, S: tl.constexpr, LOG2S: tl.constexpr, EP: tl.constexpr,
-                       CHUNKS: tl.constexpr = False, SPLIT: tl.constexpr = False, PF_MV: tl.constexpr = False):
+                       CHUNKS: tl.constexpr = False, SPLIT: tl.constexpr = False):
     """The decode schedule (triton_mmvq): BN output columns of gate and up for BM rows of one expert, all of H; each
     K step's weights are loaded and decoded once and applied to the BM rows in turn (llama.cpp's mmvq ncols_y).
     CHUNKS (the reduction key KC): each KC chunk's outputs (the tree over its accumulator) summed 0 + t_0 + t_1 + ...
@@ -497,7 +466,7 @@ def _gate_up_mv_kernel(h_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, int
         for i in tl.static_range(BM):
             xps = xps + (mv.mv_xptr(h_ptr, (flats[i] // k_top) * H, QT, D1, D2, D3),)
         if not CHUNKS:                      # one chunk: the schedule's arithmetic before K chunks, unchanged
-            accg, accu = _mv_gu_chunk(pool, gra, ura, mn, xps, 0, H, QT, BM, BN, D1, D2, D3, S, PF_MV)
+            accg, accu = _mv_gu_chunk(pool, gra, ura, mn, xps, 0, H, QT, BM, BN, D1, D2, D3, S)
             for i in tl.static_range(BM):
                 _gu_store(mv.mv_total(accg[i], BN, S, LOG2S), mv.mv_total(accu[i], BN, S, LOG2S), inter_ptr,
                           rows[i], mrs[i], n, mn, F, limit, HAS_LIMIT)
@@ -507,7 +476,7 @@ def _gate_up_mv_kernel(h_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, int
             if SPLIT:
                 pc = tl.program_id(2)
                 accg, accu = _mv_gu_chunk(pool, gra, ura, mn, xps, pc * KC, tl.minimum(pc * KC + KC, H), QT, BM, BN,
-                                          D1, D2, D3, S, PF_MV)
+                                          D1, D2, D3, S)
                 tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
                 for i in tl.static_range(BM):
                     pp = _mv_part_ptr(ws_ptr, tile, pc, NCH, WS, BN, BM, i)
@@ -528,7 +497,7 @@ def _gate_up_mv_kernel(h_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, int
                 tus = _mv_zeros_rows(BN, BM, 1, 1, 1)
                 for c in range(0, NCH):
                     accg, accu = _mv_gu_chunk(pool, gra, ura, mn, xps, c * KC, tl.minimum(c * KC + KC, H), QT, BM,
-                                              BN, D1, D2, D3, S, PF_MV)
+                                              BN, D1, D2, D3, S)
                     tgs2, tus2 = (), ()
                     for i in tl.static_range(BM):
                         tgs2 = tgs2 + (tgs[i] + tl.reshape(mv.mv_total(accg[i], BN, S, LOG2S), (BN, 1, 1, 1)),)
@@ -543,8 +512,7 @@ def _gate_up_mv_kernel(h_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, int
 def _down_mv_kernel(inter_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, y_ptr, ws_ptr, cnt_ptr, H, F, row_bytes,
                     n_exp, KC, QT: tl.constexpr, RA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                     D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, S: tl.constexpr, LOG2S: tl.constexpr,
-                    EP: tl.constexpr, CHUNKS: tl.constexpr = False, SPLIT: tl.constexpr = False,
-                    PF_MV: tl.constexpr = False):
+                    EP: tl.constexpr, CHUNKS: tl.constexpr = False, SPLIT: tl.constexpr = False):
     e, mb, base = _find_block(off_ptr, base_ptr, n_exp, tl.program_id(1), BM, EP)
     if base != -1:
         rows, mrs, flats = _mv_rows(off_ptr, rows_ptr, e, mb, BM)
@@ -556,7 +524,7 @@ def _down_mv_kernel(inter_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, y_
             xps = xps + (mv.mv_xptr(inter_ptr, tl.minimum(rows[i], tl.load(off_ptr + e + 1) - 1).to(tl.int64) * F,
                                     QT, D1, D2, D3),)
         if not CHUNKS:
-            acc = _mv_dn_chunk(pool, dra, mn, xps, 0, F, QT, BM, BN, D1, D2, D3, S, PF_MV)
+            acc = _mv_dn_chunk(pool, dra, mn, xps, 0, F, QT, BM, BN, D1, D2, D3, S)
             for i in tl.static_range(BM):
                 tot = mv.mv_total(acc[i], BN, S, LOG2S)
                 tl.store(y_ptr + flats[i][None, :] * H + n[:, None], tot.to(y_ptr.dtype.element_ty),
@@ -567,7 +535,7 @@ def _down_mv_kernel(inter_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, y_
             if SPLIT:
                 pc = tl.program_id(2)
                 acc = _mv_dn_chunk(pool, dra, mn, xps, pc * KC, tl.minimum(pc * KC + KC, F), QT, BM, BN, D1, D2, D3,
-                                   S, PF_MV)
+                                   S)
                 tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
                 for i in tl.static_range(BM):
                     tl.store(_mv_part_ptr(ws_ptr, tile, pc, NCH, WS, BN, BM, i), mv.mv_total(acc[i], BN, S, LOG2S))
@@ -583,7 +551,7 @@ def _down_mv_kernel(inter_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, y_
                 tots = _mv_zeros_rows(BN, BM, 1, 1, 1)
                 for c in range(0, NCH):
                     acc = _mv_dn_chunk(pool, dra, mn, xps, c * KC, tl.minimum(c * KC + KC, F), QT, BM, BN, D1, D2, D3,
-                                       S, PF_MV)
+                                       S)
                     t2 = ()
                     for i in tl.static_range(BM):
                         t2 = t2 + (tots[i] + tl.reshape(mv.mv_total(acc[i], BN, S, LOG2S), (BN, 1, 1, 1)),)
@@ -773,7 +741,6 @@ def _plan(which: str, qt: int, R: int, E: int, K: int, N: int, k_top: int, limit
         nf, nt = (grid_n * nrb * nch * per, grid_n * nrb) if split else (1, 1)
         tail = ((K, N, row_bytes, E, k_top, lim) if gu else (N, K, row_bytes, E)) + (kc,)
         kw = dict(**consts, BM=c["BM_MV"], **_mv_dims(qt), EP=pow2(E), CHUNKS=kc > 0, SPLIT=split,
-                  PF_MV=bool(c["PF_MV"]) and qt in mv.PF_TYPES,
                   num_warps=c["num_warps"], num_stages=c["num_stages"])
         p = (c, c16, nf, nt, _GATE_UP_MV if gu else _DOWN_MV, (grid_n, nrb, nch) if split else (grid_n, nrb), True,
              tail, kw, None)

@@ -81,7 +81,7 @@ class FlexCache:
         self.held = 0                                      # bytes the sequences holding KV take (state + graphs)
         # what _grow read when it last refused, (reserved, held, the chunks' bytes), or None: with the same it refuses
         # again (the chunks' free places change only with their bytes), so a full cache's fills do not ask it (two
-        # calls, _grow and room, a decode miss layer's take: issue 21, cpu-host62; take and _slot compare)
+        # calls, _grow and room, a decode miss layer's take: issue 21, cpu-host62; _can_fill compares)
         self._refused: tuple[int, int, int] | None = None
         self.version = 0                                   # bumped whenever `where` changes (worker/at_hand.py)
         self.forgets = 0                                   # bumped when a copy is dropped (its slot may be rewritten)
@@ -184,15 +184,14 @@ class FlexCache:
             self.logged += 1
             self.forgets += 1
         self.version += 1
+        self.lru.pop(s, None)                           # out of the LRU (a new copy re-enters at its newest end)
         if owner is None:
-            self.lru.pop(s, None)
             return
         l, e = owner
         self.where[l, e] = s
         self.copies[l].add(e)
         self.changed.add(owner)
         self.logged += 1
-        self.lru.pop(s, None)                           # the newest: at the LRU's end (an evicted slot's key moves)
         self.lru[s] = None
         self.stats.fills += 1
 

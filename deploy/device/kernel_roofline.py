@@ -133,21 +133,10 @@ CONFIGS = [
     {"BK": 256, "KC": 0, "MV": 1, "BM_MV": 1, "BN": 16, "BN_GATE_UP": 16, "SPLIT": 0, "num_warps": 2, "num_stages": 1},
     {"BK": 256, "KC": 0, "MV": 1, "BM_MV": 1, "BN": 8, "BN_GATE_UP": 8, "SPLIT": 0, "num_warps": 2, "num_stages": 1},
     {"BK": 256, "KC": 0, "MV": 1, "BM_MV": 1, "BN": 32, "BN_GATE_UP": 32, "SPLIT": 0, "num_warps": 4, "num_stages": 1},
-    # the one-row bests above (Q8_0 [12], MXFP4 [24], Q4_K / Q5_K [25]) with PF_MV 1 (triton_mmvq.PF_TYPES): the next
-    # step's words loaded before this step's decode (docs/benchmarks/cpu-mv63: every load of a step is read in that
-    # step, its latency exposed once a step; the static model 1.4-1.9x at one row). The same bits as PF_MV 0
-    # (check_rows compares every KC-0 candidate)
-    {"BK": 256, "KC": 0, "MV": 1, "BM_MV": 1, "BN": 4, "BN_GATE_UP": 4, "SPLIT": 0, "num_warps": 2, "num_stages": 2,
-     "PF_MV": 1},
-    {"BK": 256, "KC": 0, "MV": 1, "BM_MV": 1, "BN": 16, "BN_GATE_UP": 16, "SPLIT": 0, "num_warps": 2, "num_stages": 1,
-     "PF_MV": 1},
-    {"BK": 256, "KC": 0, "MV": 1, "BM_MV": 1, "BN": 8, "BN_GATE_UP": 8, "SPLIT": 0, "num_warps": 2, "num_stages": 1,
-     "PF_MV": 1},
 ]
-for _c in CONFIGS:                  # the MMA path's entries: MV 0 (BM_MV, PF_MV: keys of the decode schedule, unused)
+for _c in CONFIGS:                  # the MMA path's entries: MV 0 (BM_MV, a key of the decode schedule, unused)
     _c.setdefault("MV", 0)
     _c.setdefault("BM_MV", 4)
-    _c.setdefault("PF_MV", 0)
 TARGET = {1: 1500.0, 16: 1200.0}
 # --act-quant q8_1: triton_mmq's schedule candidates, overrides of its table (TYPE_CONFIG: KB quant blocks a K step,
 # SPLIT the 1-row bucket's chunks over programs, FUSE gate_up's gate and up rows in one MMA, warps); all keep the
@@ -202,19 +191,17 @@ BF_CANDIDATES = {"fuse": {"FUSE": 1}, "bn128w8": {"BN": 128, "num_warps": 8}}
 
 
 def applies(tname: str, ci: int) -> bool:
-    """Whether CONFIGS[ci] is a candidate for type tname: the decode schedule's only for the types it has (PF_MV 1
-    only for triton_mmvq.PF_TYPES)."""
-    from betelgeuse.kernels.triton_mmvq import PF_TYPES, STEP
+    """Whether CONFIGS[ci] is a candidate for type tname: the decode schedule's only for the types it has."""
+    from betelgeuse.kernels.triton_mmvq import STEP
     from betelgeuse.kernels.triton_quants import QT_CODES
     c = CONFIGS[ci]
-    code = QT_CODES[int(GT[tname])]
-    return c is None or not c.get("MV") or (code in STEP and (not c.get("PF_MV") or code in PF_TYPES))
+    return c is None or not c.get("MV") or QT_CODES[int(GT[tname])] in STEP
 
 
 def table_keys(c: dict, keys) -> dict:
     """The launch table's entry of config c for `keys` (REDUCE_KEYS or SCHEDULE_KEYS): the decode schedule's keys
     only where it is on."""
-    return {k: c[k] for k in sorted(keys) if c["MV"] or k not in ("MV", "BM_MV", "PF_MV")}
+    return {k: c[k] for k in sorted(keys) if c["MV"] or k not in ("MV", "BM_MV")}
 dev = torch.device("cuda")
 DRY = False                       # --dry-run: the CPU under TRITON_INTERPRET=1, tiny geometries, no graphs
 DTYPE = torch.bfloat16            # the engine's CUDA dtype (the dry run: float32, which the interpreter emulates)
@@ -1104,8 +1091,7 @@ def table(results: dict, meta: dict) -> str:
 def label(c: dict) -> str:
     if c.get("MV"):
         return (f"mmvq BN {c['BN']}/{c['BN_GATE_UP']} rows {c['BM_MV']} KC {c['KC'] or 'K'} "
-                f"{'split' if c['SPLIT'] and c['KC'] else 'walk'} w{c['num_warps']} s{c['num_stages']}"
-                f"{' pf' if c['PF_MV'] else ''}")
+                f"{'split' if c['SPLIT'] and c['KC'] else 'walk'} w{c['num_warps']} s{c['num_stages']}")
     return (f"BN {c['BN']}/{c['BN_GATE_UP']} BK {c['BK']} KC {c['KC'] or 'K'} {'split' if c['SPLIT'] else 'walk'} "
             f"w{c['num_warps']} s{c['num_stages']}")
 

@@ -129,17 +129,6 @@ def test_decode_schedule_rows_a_program_keep_each_rows_bits():
         assert r["max_abs"] <= 2e-6 * r["scale"] * r["K"] ** 0.5, (name, r)
 
 
-def test_decode_schedule_prefetch_keeps_the_bits():
-    """The schedule key PF_MV (tests/scripts/mmvq_rows_check.py --pf): step kk + S's words loaded before step kk's
-    decode (triton_moe._mv_walk) at 1, 3 and 16 rows a program, K two steps or more: every row bit-identical to the
-    PF_MV 0 one-row-a-program launch, within float noise of gguf-py's dequantized experts."""
-    res = _run("mmvq_rows_check.py", "--pf", "Q8_0", "MXFP4", "Q4_K")
-    assert set(res) == {"Q8_0", "MXFP4", "Q4_K"}
-    for name, r in res.items():
-        assert r["mv_taken"] and r["mismatch"] == [], (name, r)
-        assert r["max_abs"] <= 2e-6 * r["scale"] * r["K"] ** 0.5, (name, r)
-
-
 def test_triton_types_are_the_kernel_codes():
     """moe.TRITON_QTYPES (what the runner checks without importing triton) is the set the kernels dispatch on."""
     from betelgeuse.kernels.moe import TRITON_QTYPES

@@ -62,8 +62,6 @@ def test_buckets_share_reduction_keys(tmp_path, monkeypatch):
     ({"Q4_K": {"MV": 2}}, ["Q4_K", "MV must be 0 or 1"]),
     ({"Q4_K": {"rows1": {"MV": 1}}}, ["rows1", "'MV'", "per type"]),           # a reduction key, not a schedule
     ({"Q4_K": {"MV": 1, "rows16": {"BM_MV": 3}}}, ["rows16", "BM_MV"]),
-    ({"Q4_K": {"MV": 1, "rows1": {"PF_MV": 2}}}, ["rows1", "PF_MV must be 0 or 1"]),
-    ({"Q6_K": {"MV": 1, "rows1": {"PF_MV": 1}}}, ["Q6_K", "PF_MV", "Q4_K", "Q8_0"]),    # no words / decode split
 ])
 def test_bad_tables_are_refused_by_name(tmp_path, types, words):
     with pytest.raises(ValueError) as e:
@@ -78,7 +76,6 @@ def test_decode_schedule_is_a_reduction_key(tmp_path, monkeypatch):
     c1, c16 = triton_moe.config(Q4_K, 1), triton_moe.config(Q4_K, 16)
     assert c1["MV"] == c16["MV"] == 1 and (c1["BM_MV"], c1["BN"], c16["BM_MV"], c16["BN"]) == (1, 8, 16, 2)
     assert triton_moe.config(QT_CODES[8])["MV"] == 0                       # off by default
-    assert c1["PF_MV"] == c16["PF_MV"] == 0                                 # the prefetch too (cpu-mv63)
     assert triton_moe.mv_ok(Q4_K, 2048, 1152, True) and not triton_moe.mv_ok(Q4_K, 2048, 1152, False)
     assert triton_moe.mv_ok(QT_CODES[8], 2048, 2176, True)                 # Q8_0: K whole 64-element steps
     assert not triton_moe.mv_ok(QT_CODES[8], 96, 102, True)               # half a step; rows not 4-byte multiples

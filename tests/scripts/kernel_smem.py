@@ -85,7 +85,6 @@ def expert_spec(name: str, which: str, over: dict, geom: tuple = (H, F, E, K_TOP
     from gguf.constants import GGMLQuantizationType as GT
 
     from betelgeuse.gguf.qtypes import row_nbytes
-    from betelgeuse.kernels import triton_mmvq
     from betelgeuse.kernels import triton_moe
     from betelgeuse.kernels import triton_quants
     from betelgeuse.kernels.triton_quants import QT_CODES
@@ -109,8 +108,7 @@ def expert_spec(name: str, which: str, over: dict, geom: tuple = (H, F, E, K_TOP
         del base["tab"]
         mkc = cfg["KC"] if 0 < cfg["KC"] < K else 0          # K chunks (split over programs in a SPLIT bucket)
         cst = {"QT": qt, "RA": triton_moe._row_align(rb), "BM": cfg["BM_MV"], **triton_moe._mv_dims(qt),
-               "EP": E, "CHUNKS": mkc > 0, "SPLIT": mkc > 0 and bool(cfg["SPLIT"]),
-               "PF_MV": bool(cfg["PF_MV"]) and qt in triton_mmvq.PF_TYPES}
+               "EP": E, "CHUNKS": mkc > 0, "SPLIT": mkc > 0 and bool(cfg["SPLIT"])}
         if which == "gate_up":
             ints = {"H": H, "F": F, "row_bytes": rb, "n_exp": E, "k_top": K_TOP}
             sig = {"h_ptr": "*bf16", **base, "inter_ptr": "*bf16", **ws, **{k: "i32" for k in ints}, "limit": "fp32",

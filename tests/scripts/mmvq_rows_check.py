@@ -7,11 +7,8 @@ tokens, top-1) and a second one with 3, run with BM = 3 and 16 rows a program (a
 or 3 and all 16 tokens of the launch (CASES); every output row must be bit-identical to the same row of the
 1-row-a-program full launch, and within float noise of gguf-py's dequantized experts (numpy, float64 SwiGLU).
 Prints one JSON line {type: {"mismatch": [[BM, tokens], ...], "mv_taken", "max_abs", "scale", "K"}}.
---pf: the same launches with the schedule key PF_MV = 1 (the next step's words loaded before this step's decode)
-at BM 1, 3 and 16 against the PF_MV 0 one-row-a-program launch, at a K of two steps a program or more (a prefetched
-step and the last one's reload), default types Q8_0, MXFP4, Q4_K.
 
-    mmvq_rows_check.py [--pf] [TYPE ...]
+    mmvq_rows_check.py [TYPE ...]
 """
 
 import json
@@ -27,7 +24,6 @@ from gguf.constants import GGMLQuantizationType as QT  # noqa: E402
 
 from betelgeuse.gguf.qtypes import row_nbytes  # noqa: E402
 from betelgeuse.gguf.quants_synth import quantize  # noqa: E402
-from betelgeuse.kernels import triton_mmvq as mv  # noqa: E402
 from betelgeuse.kernels import triton_moe  # noqa: E402
 from betelgeuse.kernels.moe import Group, MoEKernels, pack_experts  # noqa: E402
 from betelgeuse.kernels.triton_quants import QT_CODES  # noqa: E402
@@ -40,15 +36,12 @@ PROGRAMS = {1: 64, 3: 32, 16: 128}     # rows a program (BM_MV) -> output rows a
 # (expert 1's partial); BM = 1 on fewer tokens is the decode schedule's row invariance (test_kernels.py's
 # test_decode_schedule_matches_torch_and_is_row_invariant)
 CASES = ((3, 1), (3, 16), (16, 3), (16, 16))
-PF_CASES = ((1, 16), (3, 16), (16, 3))       # --pf: (BM, tokens) with PF_MV 1 (BM 1's rows are programs of their own)
 
 
-def check(name: str, pf: bool) -> dict:
+def check(name: str) -> dict:
     qt = int(QT[name])
     code = QT_CODES[qt]
     H = FF = KS.get(name, 128)
-    if pf:                                  # two steps a program at least: a next step's words to load ahead
-        H = FF = max(H, 2 * mv.STEP[code])
     rng = np.random.default_rng(qt)
     shapes = [(FF, H), (FF, H), (H, FF)]
     raw = [[quantize(rng.standard_normal(s).astype(np.float32) * (1.0 if k < 2 else 0.1), qt, s, rng, 1.0)
@@ -61,9 +54,8 @@ def check(name: str, pf: bool) -> dict:
     ids = torch.tensor([[0]] * 16 + [[1]] * 3)          # expert 0: 16 rows (tokens 0..15), expert 1: 3
     w = torch.rand(T, 1, generator=g)
 
-    def run(bm: int, n: int, pf_mv: int = 0) -> torch.Tensor:
-        sched = {"BM_MV": bm, "BN": PROGRAMS[bm], "BN_GATE_UP": PROGRAMS[bm], "num_warps": 1, "num_stages": 1,
-                 "PF_MV": pf_mv}
+    def run(bm: int, n: int) -> torch.Tensor:
+        sched = {"BM_MV": bm, "BN": PROGRAMS[bm], "BN_GATE_UP": PROGRAMS[bm], "num_warps": 1, "num_stages": 1}
         triton_moe.TUNING[code] = {"reduce": {"MV": 1}, 1: sched, 16: sched}
         k = MoEKernels("triton", E, FF, starts[None], [(qt, qt)], 16)
         rows = list(range(n)) + ([16, 17, 18] if n == 16 else [])     # the 16-token launch: both experts
@@ -71,8 +63,7 @@ def check(name: str, pf: bool) -> dict:
         k.apply(r, 0, pool, grp, slot)
         return k.combine(r)
     ref = run(1, 16)
-    mismatch = [[bm, n] for bm, n in (PF_CASES if pf else CASES)
-                if not torch.equal(run(bm, n, int(pf)), ref if n == 16 else ref[:n])]
+    mismatch = [[bm, n] for bm, n in CASES if not torch.equal(run(bm, n), ref if n == 16 else ref[:n])]
     # gguf-py's dequantization, float64 SwiGLU experts
     deq = [[gq.dequantize(r, qt).reshape(s).astype(np.float64) for r, s in zip(rs, shapes)] for rs in raw]
     want = np.zeros((T, H))
@@ -87,6 +78,4 @@ def check(name: str, pf: bool) -> dict:
             "K": H + FF, "mv_taken": all(triton_moe.mv_ok(code, kk, row_nbytes(qt, kk), aligned) for kk in (H, FF))}
 
 
-PF = "--pf" in sys.argv
-print(json.dumps({name: check(name, PF) for name in ([a for a in sys.argv[1:] if a != "--pf"]
-                                                     or (["Q8_0", "MXFP4", "Q4_K"] if PF else ["Q8_0", "MXFP4"]))}))
+print(json.dumps({name: check(name) for name in (sys.argv[1:] or ["Q8_0", "MXFP4"])}))
