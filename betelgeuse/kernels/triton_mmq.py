@@ -147,9 +147,12 @@ for _qt in (4, 5):                                                          # MX
 # deploy/device/check_gluon_mmq.py: bank of 16 at the bench geometry, kernels alone, gate_up + down GB/s at 1 / 16
 # rows): Q8_0 fused with GP 1 1,046 / 909 against Triton's unfused 912 / 826 (so Q8_0 fuses too: where Gluon cannot
 # run, Triton's fused Q8_0 is the same bits, gpu-run58's 777 / 932), Q4_K (fused, GP 0: its loop has no GP form) 528 /
-# 479 against 491 / 416. MXFP4 stays Triton: every Gluon form 0.61-0.95x
+# 479 against 491 / 416. MXFP4 (GP 0, fused), once its nibbles were decoded by PTX (cpu-mxlut63): 588 / 476 against
+# Triton's 497 / 441 (gpu-run65, H200) and 1.17-1.18x / 1.08x in two runs on an H100 (gpu-run66); before it every
+# Gluon form read 0.61-0.95x
 BF_TUNING[0].update(FUSE=1, GL=1, GP=1)                                     # Q8_0
-BF_TUNING[5]["GL"] = 1                                                      # Q4_K
+for _qt in (4, 5):                                                          # MXFP4, Q4_K
+    BF_TUNING[_qt]["GL"] = 1
 
 
 @triton.jit
@@ -899,8 +902,7 @@ def config(qt: int, bucket: int, bf: bool = False, pk: int = 0) -> dict:
     """The launch constants of kernel type code qt for a rows bucket (triton_moe.bucket_of): CONFIG, the bucket's
     (SPLIT, KB), the type's TUNING (KCB, warps), the pair's TYPE_BUCKET (bf: BF_TUNING instead), then TYPE_CONFIG's
     overrides; pk (not 0): PK over them all (engine.pack_experts' 2: the launch reads packed slots), with GL 1 (only
-    gluon_mmq reads packed weights: MXFP4, whose bf16 schedule ships Triton's, takes its Gluon form -- the same bits,
-    gpu-run63 -- for a packed layer's launches, cpu-mxpk63)."""
+    gluon_mmq reads packed weights, cpu-mxpk63)."""
     per = BF_TUNING.get(qt, {}) if bf else TYPE_BUCKET.get((qt, bucket), {})
     c = {**CONFIG, **BUCKETS[bucket], **TUNING.get(qt, {}), **per, **TYPE_CONFIG.get(qt, {})}
     return {**c, "PK": pk, "GL": 1} if pk else c

@@ -187,9 +187,9 @@ def test_gl_applies_exactly_to_the_shipped_bf16_schedules(monkeypatch):
     MXFP4 and Q4_K in both rows buckets (BF_TUNING over CONFIG, KB as _chunk launches it at the bench geometry; FUSE
     as shipped, 1 for MXFP4 and Q4_K, or 0) on an sm_90 device with aligned parts, and for nothing else: another type
     (Q5_K), another shape (BN 128 / 8 warps, KB 1: other fp32 sums), unaligned parts, sm_80, the CPU, the
-    interpreter. GL is off by default and shipped for Q8_0 and Q4_K (gpu-run63), not MXFP4. PK: Q8_0 with GP >= 1,
+    interpreter. GL is off by default and shipped for Q8_0 and Q4_K (gpu-run63) and MXFP4 (gpu-run65 / 66). PK: Q8_0 with GP >= 1,
     Q4_K, MXFP4 at any GP (mma_pack's layouts), nothing else."""
-    assert mq.CONFIG["GL"] == 0 and {q: t.get("GL", 0) for q, t in mq.BF_TUNING.items()} == {0: 1, 4: 0, 5: 1, 6: 0}
+    assert mq.CONFIG["GL"] == 0 and {q: t.get("GL", 0) for q, t in mq.BF_TUNING.items()} == {0: 1, 4: 1, 5: 1, 6: 0}
     assert [gm.row_bytes(q, 2048) for q in (0, 4, 5)] == [2176, 1088, 1152]      # gguf: 34 / 17 B a 32, 144 a 256
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     cap = {"v": (9, 0)}
@@ -283,12 +283,12 @@ def test_gp_reaches_the_gluon_launch_as_configured(monkeypatch):
         mq.down(mq.prepare_bf16(inter.float()), pool, base, starts, rows, off,
                 torch.zeros(T * k, H, dtype=torch.bfloat16), 0, rb_f, True, pk=2)
         assert seen[n:] == [("gate_up", 1, 2), ("down", 1, 2)], (T, seen[n:])
-        mx_h, mx_f = gm.row_bytes(4, H), gm.row_bytes(4, F)             # MXFP4 (GL 0 shipped): the Gluon form, GP 0
+        mx_h, mx_f = gm.row_bytes(4, H), gm.row_bytes(4, F)             # MXFP4 (GL 1 shipped): the Gluon form, GP 0
         n = len(seen)
         mq.gate_up(hb, pool, base, starts, rows, off, inter, F, k, 4, None, mx_h, True, pk=2)
         mq.down(mq.prepare_bf16(inter.float()), pool, base, starts, rows, off,
                 torch.zeros(T * k, H, dtype=torch.bfloat16), 4, mx_f, True, pk=2)
-        assert seen[n:] == [("gate_up", 0, 2), ("down", 0, 2)] and not mq.config(4, 1, bf=True)["GL"], seen[n:]
+        assert seen[n:] == [("gate_up", 0, 2), ("down", 0, 2)] and mq.config(4, 1, bf=True)["GL"], seen[n:]
     monkeypatch.undo()
     with pytest.raises(ValueError, match="PK 2"):
         mq.gate_up(hb, pool, base, starts, rows, off, inter, F, k, 0, None, rb_h, True, pk=2)

@@ -133,8 +133,8 @@ def test_pack_check_refuses_what_another_kernel_would_read():
     """MoEKernels.pack_check: no Q8_0, MXFP4 or Q4_K expert -> no layer packs and no refusal; a layer mixing those
     with another type, a Q8_0 / MXFP4 part whose rows or K is not a multiple of 64 (Q4_K: K of 256), the torch
     kernels, act_quant off or q8_1, Q4_K under auto (its float schedule), and (the CPU, the interpreter) gluon_mmq's
-    form not runnable here -> ValueError naming it. MXFP4 (cpu-mxpk63), whose bf16 schedule ships Triton's (GL 0),
-    reaches that last check under bf16 and auto alike: a packed launch is GL 1 (triton_mmq.config). Fails with any
+    form not runnable here -> ValueError naming it. MXFP4 (cpu-mxpk63) reaches that last check under bf16 and auto
+    alike (a packed launch is GL 1, triton_mmq.config). Fails with any
     of the refusals dropped."""
     from betelgeuse.kernels.moe import MoEKernels
     starts = torch.zeros((2, 1, 3), dtype=torch.int64)
