@@ -66,7 +66,8 @@ def tile_plan(parts, act_quant: str) -> list[str | None]:
     plan counts the scratch from this alone): per layer, None where its VRAM slots may hold the tile layout, else why
     not. parts[l][e]: an expert's (gate, up, down) parts (.qtype, .shape (rows, K); expert 0 is read: a layer's experts
     share types and shapes). A layer tiles whole (bit 0 is an expert's flag, read by both its launches): every part of
-    a TILE_QTYPES type, whole 64-row tiles of whole blocks (tile_layout.usable), none on triton_mmq's MMA (act_quant)."""
+    a TILE_QTYPES type, whole 64-row tiles of whole blocks (tile_layout.usable), none on triton_mmq's MMA
+    (act_quant)."""
     mma = mma_qtypes(act_quant)
     out: list[str | None] = []
     for layer in parts:

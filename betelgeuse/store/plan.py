@@ -252,9 +252,9 @@ VRAM_PARTS = ("dense", "kv", "prefix_cache", "ring", "activations", "cuda_contex
 def vram_needs(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int, running: int) -> dict[str, int]:
     """Worker VRAM outside the hot slots, bytes by part (VRAM_PARTS), with `running` sequences: dense weights, KV
     caches of every running sequence, the prefix cache, the execution ring (with engine.pack_experts or tile_experts on
-    a model they relay also the VRAM slots' relayout scratch and mma_pack's tile indices: relayout_bytes), activations (two experts
-    dequantized in flight, the largest prefill pass, scratch), the CUDA context and the running sequences' decode
-    graphs."""
+    a model they relay also the VRAM slots' relayout scratch and mma_pack's tile indices: relayout_bytes), activations
+    (two experts dequantized in flight, the largest prefill pass, scratch), the CUDA context and the running
+    sequences' decode graphs."""
     c = f.config
     arch = arch_of(c)
     dt = compute_dtype_bytes(cfg)
@@ -278,7 +278,8 @@ def relayout_bytes(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int) -> int:
     (one for both) where some layer may take another layout, with pack_experts the layers with Q8_0 / MXFP4 / Q4_K
     experts (packing refuses at startup where it cannot), with tile_experts those tile_plan names (the model's types
     and shapes under act_quant; a layer the kernels then leave GGUF keeps its share counted: the triton backend's MV
-    check and the torch kernels are the worker's to know), plus mma_pack's tile index of each packed (K, type); else 0."""
+    check and the torch kernels are the worker's to know), plus mma_pack's tile index of each packed (K, type); else
+    0."""
     Ks = ({(p.shape[1], mma_pack.GGML[int(p.qtype)]) for l in range(f.config.n_layer) for p in f.expert_parts(l, 0)
            if int(p.qtype) in mma_pack.GGML and mma_pack.usable(*p.shape, mma_pack.GGML[int(p.qtype)])}
           if cfg.pack_experts else set())

@@ -3,7 +3,8 @@ their experts in kernels/mma_pack's layout or kernels/tile_layout's tiles, relai
 flagged by bit 0 of their base offset (the kernels' PK 2 / `tiled` read each expert's layout from it); host slots and
 the ring stay GGUF. On the CPU the layouts are forced on an ExpertCache (set_layouts: what MoEStep calls once the
 startup checks passed, which packing's cannot here: no Gluon); the bits of the packed kernel are the device's to check
-(deploy/device/check_cuda.py with CHECK_PACK_EXPERTS=1), the tiled one's run here too (tests/worker/test_tile_experts.py)."""
+(deploy/device/check_cuda.py with CHECK_PACK_EXPERTS=1), the tiled one's run here too
+(tests/worker/test_tile_experts.py)."""
 
 from __future__ import annotations
 
