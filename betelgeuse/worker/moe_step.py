@@ -354,7 +354,9 @@ class MoEStep:
             assert not (layers & k.packed).any(), "a layer is packed or tiled"
             k.tiled[:] = layers
             layouts[layers] = TILED
-            event(log, "tile_experts", layers=int(layers.sum()), scratch_bytes=c.slot_bytes if layers.any() else 0)
+            # the scratch is one for both layouts: counted here where packing did not take it
+            event(log, "tile_experts", layers=int(layers.sum()),
+                  scratch_bytes=c.slot_bytes if layers.any() and not k.packed.any() else 0)
             for w, ls in why.items():
                 event(log, "tile_experts_gguf", layers=",".join(map(str, ls)), why=w)
         if layouts.any():
