@@ -5,8 +5,8 @@ expert kernels interpreted.
 
 The same engine (triton kernels, act_quant off, 3 VRAM + 2 host slots a layer of 8 experts: a layer's launches mix
 VRAM, host and disk experts) with tile_experts off and on, each over three passes of the prompt (cold, warm, after
-consolidation: VRAM slots filled, evicted and refilled) and 3 decode steps; the torch engine beside them (the
-reference path). Prints one JSON line: whether every pass and decode step of the tiled engine is bit-identical to the
+consolidation: VRAM slots filled, evicted and refilled), 3 decode steps, then 2 steps of it and a second sequence
+in one batch (decode_batch); the torch engine beside them (the reference path). Prints one JSON line: whether every pass and decode step of the tiled engine is bit-identical to the
 untiled one's, the max |diff| of both against the torch engine, the layers tiled and their VRAM experts flagged, the
 reads per tier (the tiers really used), and the expert launches told `tiled`.
 """
@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 from betelgeuse.kernels import triton_moe  # noqa: E402
 from betelgeuse.worker.expert_cache import TILED  # noqa: E402
-from engine_helpers import ENGINE_SPEC, close_runner, in_process_runner, prompt, write_synth  # noqa: E402
+from engine_helpers import ENGINE_SPEC, close_runner, greedy_steps, in_process_runner, prompt, write_synth  # noqa: E402
 
 QTYPE = sys.argv[2] if len(sys.argv) > 2 else "Q8_0"
 # 8 experts, 2 layers, 64 wide (Q8_0: gate/up [64, 64] 2 blocks a row, whole 64-row tiles); Q4_K: K 256 / 512 (down's
@@ -43,7 +43,7 @@ for name, at in (("gate_up", 13), ("down", 11)):     # the launches told `tiled`
 
 
 def run(kernels, tile):
-    rn, st = in_process_runner(model, 3, 2, kernels=kernels, tile_experts=tile)
+    rn, st = in_process_runner(model, 3, 2, kernels=kernels, tile_experts=tile, max_running=2)
     assert rn.kern.backend == kernels, rn.kern.backend
     info = {}
     try:
@@ -57,6 +57,9 @@ def run(kernels, tile):
         for _ in range(3):
             lg, s = rn.forward([int(lg[-1].argmax())], kv, consolidate=False)
             steps.append(lg)
+        kv2 = rn.new_cache(CTX)                 # a second sequence: both decoded in one batch (decode_batch)
+        lg2, _ = rn.forward(P[:4], kv2, consolidate=False)
+        steps += list(greedy_steps(rn, [int(lg[-1].argmax()), int(lg2[-1].argmax())], [kv, kv2], "batch", 2)[0])
         c = rn.session.cache
         info["layers_tiled"] = 0 if c.layouts is None else int((c.layouts == TILED).sum())
         held = c.vram_base >= 0
@@ -85,7 +88,7 @@ out = {
     "max_abs_vs_torch": max(diff(a[0], b[0]) for a, b in zip(on + off, ref + ref)),
     "decode_max_abs_vs_torch": max(diff(a, b) for a, b in zip(on_steps + off_steps, ref_steps + ref_steps)),
     "max_logit": float(ref[0][0].abs().max()),
-    "greedy_equal_torch": [int(a.argmax()) for a in on_steps] == [int(a.argmax()) for a in ref_steps],
+    "greedy_equal_torch": [a.argmax(-1).tolist() for a in on_steps] == [a.argmax(-1).tolist() for a in ref_steps],
     "reads": [r[1] for r in on],
     "on": on_info, "off": off_info, "tiled_launches": tiled_launches,
     "n_layer": SPEC["n_layer"],

@@ -110,7 +110,8 @@ def _engine_check(tmp_path, qtype: str) -> dict:
 def test_tiled_engine_logits_equal_the_untiled_engines_bit_for_bit(tmp_path, qtype):
     """The engine with the triton kernels (interpreted) and tile_experts on: every layer tiled, every VRAM expert
     flagged, launches told `tiled`; three passes (cold, warm, consolidated: VRAM slots filled and refilled, the third
-    reading VRAM, host and disk experts in one layer) and 3 decode steps bit-identical to tile_experts off, both within
+    reading VRAM, host and disk experts in one layer), 3 decode steps and 2 batched steps of two sequences
+    (decode_batch) bit-identical to tile_experts off, both within
     float32 noise of the torch engine, its greedy tokens. Fails with the launches not told (the kernels read a tiled
     expert at its GGUF addresses), the slots left GGUF under the flag, or a wrong tile. Q4_K: ~25 s here (slow)."""
     pytest.importorskip("triton")
