@@ -351,6 +351,15 @@ class EngineSettings(_Section):
     # is not a form it can pack for, and the decode A/B through the service has not run yet
     pack_experts: Flag = setting(False, "VRAM-resident Q8_0 / MXFP4 / Q4_K experts held in the packed layout the "
                                  "Gluon MMA reads coalesced (CUDA sm_90, act_quant bf16; auto for Q8_0 / MXFP4)", True)
+    # the VRAM slots hold their Q8_0 / Q4_K experts in kernels/tile_layout's 64-row tiles (retiled on the device as they
+    # fill; host slots, staging, flex and the ring stay GGUF), which triton_moe's float kernels (act_quant off, the
+    # default; auto for Q4_K) read as runs where GGUF order gave a row's 68 bytes at a time: gpu-run65 (H200, the
+    # kernels alone) tiled / GGUF 1.29 / 1.22 for Q8_0, 1.33 / 1.28 for Q4_K at 1 / 16 rows, the same bits. Every launch
+    # reads each expert's layout from its slot table (bit 0). A layer that cannot (another type, shapes not whole
+    # tiles, triton_mmq's MMA under act_quant, the torch kernels, a packed layer: packing wins) stays GGUF, logged.
+    # Off until check_cuda's rows and the decode A/B run with it on the device (cpu-tile63)
+    tile_experts: Flag = setting(False, "VRAM-resident Q8_0 / Q4_K experts held in 64-row tiles the float expert "
+                                 "kernels read as runs (triton kernels, act_quant off; auto for Q4_K)", True)
     # a long generation's working set moves into the resident tiers while it runs
     decode_consolidate_every: Count0 = setting(32, "decode tokens between consolidations of the decode's usage "
                                                "(0 = end of request only)", 0)

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from betelgeuse.gguf.qtypes import row_nbytes
-from betelgeuse.kernels import mma_pack
+from betelgeuse.kernels import mma_pack, tile_layout
 from betelgeuse.kernels.torch_moe import ExpertWork, moe_combine, plan_experts, run_expert
 
 # GGML types the triton kernels read directly (triton_quants.QT_CODES: F32, F16, Q8_0, BF16, MXFP4, Q4_K, Q5_K,
@@ -52,6 +52,39 @@ AUTO_QTYPES = {8: 32, 39: 32}
 def mma_qtypes(act_quant: str) -> dict[int, int]:
     """The GGML types (id -> K multiple) whose triton expert parts run on triton_mmq's schedule under act_quant."""
     return {"off": {}, "q8_1": MMQ_QTYPES, "bf16": BF16_QTYPES, "auto": AUTO_QTYPES}[act_quant]
+
+
+# engine.tile_experts: the GGML types whose VRAM slots take kernels/tile_layout's layout for triton_moe's float kernels
+# (act_quant off; auto for Q4_K): those the device measured faster tiled (gpu-run65, H200, kernel_roofline.py --tiles,
+# tiled / GGUF at 1 / 16 rows: Q8_0 1.29 / 1.22, Q4_K 1.33 / 1.28; MXFP4 0.99 / 1.01 stays GGUF; the MMA kernels'
+# byte loads on tiles 0.45-0.78x of their shipped schedules, so never a layer on triton_mmq). Other types: unmeasured
+TILE_QTYPES = {8: "Q8_0", 12: "Q4_K"}
+
+
+def tile_plan(parts, act_quant: str) -> list[str | None]:
+    """engine.tile_experts, what the model and act_quant decide (MoEKernels.tile_check adds the kernels' side; the VRAM
+    plan counts the scratch from this alone): per layer, None where its VRAM slots may hold the tile layout, else why
+    not. parts[l][e]: an expert's (gate, up, down) parts (.qtype, .shape (rows, K); expert 0 is read: a layer's experts
+    share types and shapes). A layer tiles whole (bit 0 is an expert's flag, read by both its launches): every part of
+    a TILE_QTYPES type, whole 64-row tiles of whole blocks (tile_layout.usable), none on triton_mmq's MMA
+    (act_quant)."""
+    mma = mma_qtypes(act_quant)
+    out: list[str | None] = []
+    for layer in parts:
+        ps = layer[0]
+        kinds = sorted({int(m.qtype) for m in ps})
+        if not set(kinds) <= TILE_QTYPES.keys():
+            out.append(f"expert types {kinds}: the tile layout gained on the device for {sorted(TILE_QTYPES.values())} "
+                       "only")
+        elif set(kinds) & mma.keys():
+            out.append(f"act_quant = {act_quant!r} runs types {sorted(set(kinds) & mma.keys())} on triton_mmq's MMA, "
+                       "whose loads are slower on tiles")
+        elif not all(tile_layout.usable(*m.shape, int(m.qtype)) for m in ps):
+            out.append(f"part shapes {[tuple(m.shape) for m in ps]}: not whole {tile_layout.TR}-row tiles of whole "
+                       "blocks")
+        else:
+            out.append(None)
+    return out
 
 
 def triton_available() -> bool:
@@ -112,6 +145,9 @@ class MoEKernels:
         # engine.pack_experts (pack_check): per layer, its Q8_0 launches take gluon_mmq's PK 2, which reads each
         # expert's layout from bit 0 of its base offset (a packed VRAM slot's: worker/expert_cache.py)
         self.packed = np.zeros(len(qtypes), dtype=bool)
+        # engine.tile_experts (tile_check): per layer, its triton_moe launches are told `tiled` (each expert read in the
+        # layout bit 0 of its base offset names: a tiled VRAM slot's, worker/expert_cache.py); never a packed layer
+        self.tiled = np.zeros(len(qtypes), dtype=bool)
         self._row_blocks: dict = {}      # (layer, n_rows) -> _row_block's BM (its config dict made once, not per read)
         if backend == "triton":
             from betelgeuse.kernels import triton_moe
@@ -154,15 +190,15 @@ class MoEKernels:
 
     def _layer_launch(self, layer: int, H: int) -> tuple:
         """The triton launches' per-layer constants for inputs of width H: (gate/up, down kernel type codes, their
-        q8_1 parts (mmq_parts), their row bytes, the MMA's PK: 2 in a packed layer), made once per (layer, H): an
-        expert group's launches take them every time (each of them a few us of Python; they depend on the model file,
-        act_quant and pack_experts alone)."""
+        q8_1 parts (mmq_parts), their row bytes, the MMA's PK: 2 in a packed layer, triton_moe's `tiled`: a tiled
+        layer), made once per (layer, H): an expert group's launches take them every time (each of them a few us of
+        Python; they depend on the model file, act_quant, pack_experts and tile_experts alone)."""
         v = self._launch_consts.get((layer, H))
         if v is None:
             qg, qd = self.qtypes[layer]
             v = self._launch_consts[layer, H] = (self._tk.QT_CODES[qg], self._tk.QT_CODES[qd],
                                                  *self.mmq_parts(layer, H), row_nbytes(qg, H), row_nbytes(qd, self.F),
-                                                 2 if self.packed[layer] else 0)
+                                                 2 if self.packed[layer] else 0, bool(self.tiled[layer]))
         return v
 
     def pack_check(self, parts, slot_bytes: int, device) -> np.ndarray:
@@ -215,6 +251,31 @@ class MoEKernels:
                                          f"TRITON_INTERPRET and 16-byte aligned parts; device {device}, aligned "
                                          f"{aligned})")
         return layers
+
+    def tile_check(self, parts) -> tuple[np.ndarray, dict[str, list[int]]]:
+        """engine.tile_experts: the layers whose VRAM slots take the tile layout -> ([n_layer] bool, {why not: its
+        layers} for the others). tile_plan's layers (the model's types and shapes, act_quant), less those whose launches
+        here are not triton_moe's float MMA path, the one whose tiled form gained on the device: the torch kernels,
+        a packed layer (pack_check: its launches are gluon_mmq's; packing wins where both are on, as its kernel is the
+        one its act_quant asked for), or a type whose tuned config takes the decode schedule (MV: GGUF rows only,
+        triton_moe raises on a tiled launch of it) in some rows bucket. Never refuses: what cannot tile stays GGUF."""
+        why = tile_plan(parts, self.act_quant)
+        if self.backend != "triton":
+            why = [w or f"kernels: {self.backend} (the tile layout is read by the triton kernels alone)" for w in why]
+        for l, w in enumerate(why):
+            if w is None and self.packed[l]:
+                why[l] = "packed (engine.pack_experts: its launches are gluon_mmq's, which read mma_pack's layout)"
+            elif w is None:
+                mv = sorted({TILE_QTYPES[int(m.qtype)] for m in parts[l][0] for b in self._tk.BUCKETS
+                             if self._tk.config(self._tk.QT_CODES[int(m.qtype)], b)["MV"]})
+                if mv:
+                    why[l] = f"types {mv} take the decode schedule (MV), which reads GGUF rows only"
+        layers = np.array([w is None for w in why], dtype=bool)
+        out: dict[str, list[int]] = {}
+        for l, w in enumerate(why):
+            if w is not None:
+                out.setdefault(w, []).append(l)
+        return layers, out
 
     def weight_reads(self, layer: int, rows: np.ndarray | list[int], n_rows: int) -> int:
         """How many times a launch of `n_rows` rows reads its experts' bytes, for experts with `rows` rows each: the
@@ -280,7 +341,7 @@ class MoEKernels:
             st = self.starts[layer] if starts is None else starts
             aligned = slot_bytes % 16 == 0 and (self._aligned if starts is None else self._starts_aligned(starts))
             H = r.h.shape[1]
-            qg, qd, mg, md, rg, rd, pk = self._layer_launch(layer, H)
+            qg, qd, mg, md, rg, rd, pk, tiled = self._layer_launch(layer, H)
             mq = self._mq
             if mg:
                 assert r.hq is not None, "route() makes the q8_1 of h"
@@ -288,12 +349,12 @@ class MoEKernels:
                            qg, self.limit, rg, aligned, pk)
             else:
                 tk.gate_up(r.h, pool, g.base_dev, st, r.rows, r.off, r.inter, self.F, r.ids.shape[1],
-                           qg, self.limit, rg, aligned)
+                           qg, self.limit, rg, aligned, tiled)
             if md:
                 mq.down(self._prepare(r.inter, qd in (5, 6)), pool, g.base_dev, st, r.rows, r.off, r.y, qd, rd,
                         aligned, pk)
             else:
-                tk.down(r.inter, pool, g.base_dev, st, r.rows, r.off, r.y, r.ids.shape[0], qd, rd, aligned)
+                tk.down(r.inter, pool, g.base_dev, st, r.rows, r.off, r.y, r.ids.shape[0], qd, rd, aligned, tiled)
             return
         T, k = r.ids.shape
         y3 = r.y.view(T, k, -1)
@@ -303,7 +364,8 @@ class MoEKernels:
             work: ExpertWork | None = r.plan.get(e)
             if work is None:
                 continue
-            # (bit 0 of an offset flags a packed VRAM slot, ExpertCache._own: not part of its address)
+            # (bit 0 of an offset flags a packed or tiled VRAM slot, ExpertCache._own: not part of its address; the
+            # torch kernels never meet one, as pack_check and tile_check take the triton backend)
             src, b = (pool, int(g.base_host[e]) & ~1) if g.srcs is None else g.srcs[e]
             run_expert(r.h, y3, work, self.weights_fn(src[b: b + slot_bytes], layer, e), self.sub_batch,
                        self.limit)
@@ -328,7 +390,7 @@ class MoEKernels:
         kinds: dict = {}
         for layer in range(len(self.qtypes)):
             kinds.setdefault((self.qtypes[layer], self.mmq_parts(layer, H), self.starts[layer].data_ptr() % 16 == 0,
-                              bool(self.packed[layer])), layer)
+                              bool(self.packed[layer]), bool(self.tiled[layer])), layer)
         tokens = list(tokens)
         T_max = max(tokens)
         out = torch.zeros((T_max, H), dtype=dtype, device=dev)
@@ -336,7 +398,8 @@ class MoEKernels:
         aligned = slot_bytes % 16 == 0 and self._aligned
         n = 0
         for layer in kinds.values():
-            qg, qd, _, _, rg, rd, _ = self._layer_launch(layer, H)
+            # (a tiled layer's variants: the same T, as `tiled` adds constexprs that no rows count picks)
+            qg, qd, _, _, rg, rd, _, _ = self._layer_launch(layer, H)
             more = [T for T in self._tk.launch_kinds(qg, qd, self.E, H, self.F, k, self.limit, rg, rd, aligned,
                                                      dtype, dev, prefill) if T not in tokens] if prefill else []
             for T in tokens + more:

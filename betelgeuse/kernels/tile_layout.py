@@ -65,19 +65,26 @@ def _check(a, rows: int, K: int, qtype: int):
     return flat, rows // TR, K // el, bb
 
 
-def _move(a, shape: tuple):
-    """a viewed as `shape` [tiles, x, y, bb] -> [tiles, y, x, bb], flat (the one permutation both ways)."""
+def _move(a, shape: tuple, out=None):
+    """a viewed as `shape` [tiles, x, y, bb] -> [tiles, y, x, bb], flat (the one permutation both ways); out (a torch
+    tensor of a's size, contiguous, not overlapping a): written in place of a new tensor, and returned."""
     v = a.reshape(shape)
     if hasattr(v, "permute"):                               # torch (any device)
+        if out is not None:                                 # one strided copy, on the current stream: no temporary
+            out.view(shape[0], shape[2], shape[1], shape[3]).copy_(v.permute(0, 2, 1, 3))
+            return out
         return v.permute(0, 2, 1, 3).contiguous().reshape(-1)
+    assert out is None, "out: torch tensors only"
     return np.ascontiguousarray(v.transpose(0, 2, 1, 3)).reshape(-1)
 
 
-def tile(data, rows: int, K: int, qtype: int):
+def tile(data, rows: int, K: int, qtype: int, out=None):
     """GGUF-ordered bytes of a [rows, K] matrix of `qtype` (a uint8 numpy array or torch tensor, any shape) -> its
-    tile-layout bytes: a flat array of the same kind (and device), the same size."""
+    tile-layout bytes: a flat array of the same kind (and device), the same size. out (torch: a contiguous uint8
+    tensor of that size, not data's memory, e.g. the VRAM slot data was copied out of: ExpertCache._relayout): the
+    bytes written there instead, out returned."""
     a, nt, nb, bb = _check(data, rows, K, qtype)
-    return _move(a, (nt, TR, nb, bb))
+    return _move(a, (nt, TR, nb, bb), out)
 
 
 def untile(data, rows: int, K: int, qtype: int):

@@ -28,6 +28,7 @@ from betelgeuse.config import GiB, MiB, EngineConfig
 from betelgeuse.errors import BudgetError
 from betelgeuse.gguf.reader import GGUFModelFile
 from betelgeuse.kernels import mma_pack
+from betelgeuse.kernels.moe import tile_plan
 from betelgeuse.model.registry import arch_of
 from betelgeuse.store.layout import ArenaLayout, SlotLayout, round_down
 
@@ -250,10 +251,10 @@ VRAM_PARTS = ("dense", "kv", "prefix_cache", "ring", "activations", "cuda_contex
 
 def vram_needs(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int, running: int) -> dict[str, int]:
     """Worker VRAM outside the hot slots, bytes by part (VRAM_PARTS), with `running` sequences: dense weights, KV
-    caches of every running sequence, the prefix cache, the execution ring (with engine.pack_experts on a model with
-    Q8_0 experts also the VRAM slots' repack scratch and tile indices: pack_scratch_bytes), activations (two experts
-    dequantized in flight, the largest prefill pass, scratch), the CUDA context and the running sequences' decode
-    graphs."""
+    caches of every running sequence, the prefix cache, the execution ring (with engine.pack_experts or tile_experts on
+    a model they relay also the VRAM slots' relayout scratch and mma_pack's tile indices: relayout_bytes), activations
+    (two experts dequantized in flight, the largest prefill pass, scratch), the CUDA context and the running
+    sequences' decode graphs."""
     c = f.config
     arch = arch_of(c)
     dt = compute_dtype_bytes(cfg)
@@ -268,19 +269,23 @@ def vram_needs(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int, running: in
     if cfg.is_cuda and cfg.cuda_graphs:
         ctx += running * GRAPHS_BYTES_PER_SEQ
     return {"dense": dense_bytes(f, dt), "kv": kv, "prefix_cache": prefix_cache_bytes(cfg, c, dt),
-            "ring": cfg.ring_slots * slot_bytes + pack_scratch_bytes(f, cfg, slot_bytes), "activations": deq + act,
+            "ring": cfg.ring_slots * slot_bytes + relayout_bytes(f, cfg, slot_bytes), "activations": deq + act,
             "cuda_context": ctx}
 
 
-def pack_scratch_bytes(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int) -> int:
-    """The VRAM engine.pack_experts adds where it is on and the model has Q8_0 / MXFP4 / Q4_K experts (the layers it
-    packs): the repack's slot-sized scratch and mma_pack's tile index of each (K, type) of those parts
-    (ExpertCache.pack_layers), else 0."""
-    if not cfg.pack_experts:
-        return 0
-    Ks = {(p.shape[1], mma_pack.GGML[int(p.qtype)]) for l in range(f.config.n_layer) for p in f.expert_parts(l, 0)
-          if int(p.qtype) in mma_pack.GGML and mma_pack.usable(*p.shape, mma_pack.GGML[int(p.qtype)])}
-    return slot_bytes + sum(mma_pack.tile_index(*k).nbytes for k in Ks) if Ks else 0
+def relayout_bytes(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int) -> int:
+    """The VRAM engine.pack_experts and tile_experts add (ExpertCache.set_layouts): the relayout's slot-sized scratch
+    (one for both) where some layer may take another layout, with pack_experts the layers with Q8_0 / MXFP4 / Q4_K
+    experts (packing refuses at startup where it cannot), with tile_experts those tile_plan names (the model's types
+    and shapes under act_quant; a layer the kernels then leave GGUF keeps its share counted: the triton backend's MV
+    check and the torch kernels are the worker's to know), plus mma_pack's tile index of each packed (K, type); else
+    0."""
+    Ks = ({(p.shape[1], mma_pack.GGML[int(p.qtype)]) for l in range(f.config.n_layer) for p in f.expert_parts(l, 0)
+           if int(p.qtype) in mma_pack.GGML and mma_pack.usable(*p.shape, mma_pack.GGML[int(p.qtype)])}
+          if cfg.pack_experts else set())
+    tiles = cfg.tile_experts and None in tile_plan([[f.expert_parts(l, 0)] for l in range(f.config.n_layer)],
+                                                   cfg.act_quant)
+    return (slot_bytes if Ks or tiles else 0) + sum(mma_pack.tile_index(*k).nbytes for k in Ks)
 
 
 def plan_running(f: GGUFModelFile, cfg: EngineConfig, slot_bytes: int) -> tuple[int, dict[str, int], str]:

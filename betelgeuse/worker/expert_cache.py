@@ -11,10 +11,12 @@ its values (invariant 1).
      ▲ kernels address an expert by its byte offset in the pool: vram_base_dev[layer, expert] for the
        VRAM tier (uploaded when the directory changes), one table per ring batch otherwise
 
-engine.pack_experts (pack_layers): a packed layer's VRAM slots hold their Q8_0 / Q4_K parts in kernels/mma_pack's
-layout
-(repacked on the device as each slot fills: _own) and their offsets carry bit 0, which gluon_mmq's PK 2 reads per
-expert; every other slot (host, staging, ring, flex) stays GGUF order. The same values either way (invariant 1).
+A layer's VRAM slots may hold their parts in another layout than GGUF order (set_layouts: the one "VRAM layout"
+hook), relaid on the device as each slot fills (_own), their offsets flagged by bit 0, which the layer's kernels read
+per expert: PACKED (engine.pack_experts) kernels/mma_pack's layout for gluon_mmq's PK 2, TILED (engine.tile_experts)
+kernels/tile_layout's 64-row tiles for triton_moe's float kernels (`tiled`). Every other slot (host, staging, ring,
+flex) stays GGUF order; nothing copies a VRAM slot's bytes out (eviction drops them). The same values either way
+(invariant 1).
 """
 
 from __future__ import annotations
@@ -28,12 +30,15 @@ from gguf.constants import GGMLQuantizationType
 
 from betelgeuse.gguf.quants import dequantize, dequantize_q8_0_parts
 from betelgeuse.gguf.reader import GGUFModelFile
-from betelgeuse.kernels import mma_pack
+from betelgeuse.kernels import mma_pack, tile_layout
 from betelgeuse.kernels.streams import current_stream
 from betelgeuse.store.arena import Arena, register_pinned, unregister_pinned
 from betelgeuse.store.directory import TIER_VRAM
 from betelgeuse.store.plan import SlotPlan
 
+# a layer's VRAM slots' layout (ExpertCache.set_layouts): GGUF order, mma_pack's (engine.pack_experts), tile_layout's
+# (engine.tile_experts)
+GGUF, PACKED, TILED = 0, 1, 2
 
 
 class StreamPoint:
@@ -163,11 +168,11 @@ class ExpertCache:
             for o in (self.layout.staging_slot_offset(i) for i in range(self.layout.n_staging))]
         self.h2d_bytes = 0
         self.copy_seconds = 0.0    # CPU path: time spent copying
-        # engine.pack_experts (pack_layers): per layer, whether its VRAM slots hold their Q8_0 / Q4_K parts in
-        # mma_pack's layout (None: every slot GGUF order); the repack's slot-sized scratch and mma_pack's tile index
-        # per (K, type code) on the device (the plan counts both: store/plan.py pack_scratch_bytes)
-        self.packed: np.ndarray | None = None
-        self._pack_scratch: torch.Tensor | None = None
+        # engine.pack_experts / tile_experts (set_layouts): per layer, the layout its VRAM slots hold their parts in
+        # (GGUF, PACKED, TILED; None: every slot GGUF order); the relayout's slot-sized scratch and mma_pack's tile
+        # index per (K, type code) on the device (the plan counts both: store/plan.py relayout_bytes)
+        self.layouts: np.ndarray | None = None
+        self._scratch: torch.Tensor | None = None
         self._pack_index: dict[tuple[int, int], torch.Tensor] = {}
 
     # ---- host views -------------------------------------------------------------------------
@@ -265,44 +270,53 @@ class ExpertCache:
         self._synced_epoch = epoch
 
     def _own(self, layer: int, expert: int, j: int, snap: np.ndarray):
-        """VRAM slot j of `layer` now holds `expert` (its bytes just copied in, GGUF order): in a packed layer
-        (pack_layers) its parts are repacked here, on the copy's stream, and its base offset gets bit 0 (the kernels'
-        per-expert flag: gluon_mmq._pk_of)."""
+        """VRAM slot j of `layer` now holds `expert` (its bytes just copied in, GGUF order): in a layer of another
+        layout (set_layouts) its parts are relaid here, on the copy's stream, and its base offset gets bit 0 (the
+        kernels' per-expert flag: gluon_mmq._pk_of, triton_moe's tiled bodies)."""
         self.vram_owner[layer, j] = (expert, snap["host_slot"][layer, expert], snap["generation"][layer, expert])
         self.vram_index[layer, expert] = j
         base = (layer * self.plan.n_vram + j) * self.slot_bytes
-        if self.packed is not None and self.packed[layer]:
-            self._repack(layer, expert, self.vram[layer, j])
+        if self.layouts is not None and self.layouts[layer]:
+            self._relayout(layer, expert, self.vram[layer, j])
             base |= 1
         self.vram_base[layer, expert] = base
 
-    def pack_layers(self, layers):
-        """engine.pack_experts: from now on the VRAM slots of layers[l] True hold their parts in mma_pack's layout
-        (every part Q8_0, MXFP4 or Q4_K and mma_pack.usable: the caller checked, MoEStep._pack), filled in GGUF order
-        and repacked at once (_own); host slots and the ring stay GGUF. Before any VRAM slot is filled (a fresh
-        attachment's cache)."""
-        assert not (self.vram_owner[:, :, 0] >= 0).any(), "pack before the VRAM slots fill"
-        self.packed = np.asarray(layers, dtype=bool)
-        assert self.packed.shape == (self.plan.n_layer,), self.packed.shape
-        parts = [m for l in np.nonzero(self.packed)[0] for ps in self.parts[l] for m in ps]
+    def set_layouts(self, layouts):
+        """engine.pack_experts / tile_experts: from now on the VRAM slots of layer l hold their parts in layouts[l]'s
+        layout: PACKED mma_pack's (every part Q8_0, MXFP4 or Q4_K and mma_pack.usable), TILED tile_layout's (every
+        part tile_layout.usable), GGUF as filled (the caller checked: MoEStep._vram_layouts); filled in GGUF order and
+        relaid at once (_own); host slots and the ring stay GGUF. Before any VRAM slot is filled (a fresh attachment's
+        cache)."""
+        assert not (self.vram_owner[:, :, 0] >= 0).any(), "set the layouts before the VRAM slots fill"
+        self.layouts = np.asarray(layouts, dtype=np.int8)
+        assert self.layouts.shape == (self.plan.n_layer,), self.layouts.shape
+        assert set(self.layouts.tolist()) <= {GGUF, PACKED, TILED}, self.layouts
+        parts = {k: [m for l in np.nonzero(self.layouts == k)[0] for ps in self.parts[l] for m in ps]
+                 for k in (PACKED, TILED)}
         assert all(int(m.qtype) in mma_pack.GGML and mma_pack.usable(*m.shape, mma_pack.GGML[int(m.qtype)])
-                   for m in parts), "Q8_0 / MXFP4 / Q4_K parts"
-        Ks = {(m.shape[1], mma_pack.GGML[int(m.qtype)]) for m in parts}         # (K, type code)
+                   for m in parts[PACKED]), "Q8_0 / MXFP4 / Q4_K parts"
+        assert all(tile_layout.usable(*m.shape, int(m.qtype)) for m in parts[TILED]), "whole 64-row tiles"
+        Ks = {(m.shape[1], mma_pack.GGML[int(m.qtype)]) for m in parts[PACKED]}         # (K, type code)
         self._pack_index = {k: torch.as_tensor(mma_pack.tile_index(*k), device=self.device) for k in sorted(Ks)}
-        self._pack_scratch = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device) if Ks else None
+        self._scratch = (torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
+                         if self.layouts.any() else None)
 
-    def _repack(self, layer: int, expert: int, slot: torch.Tensor):
-        """A VRAM slot's parts (GGUF order) -> mma_pack's layout in place, on the current stream: the slot through the
-        scratch (one copy), then a part's 64-row tiles gathered back by the tile index (index_select into the slot).
-        Two reads and two writes of a slot in VRAM; fills happen only when the directory's VRAM tier changes."""
-        sc = self._pack_scratch
+    def _relayout(self, layer: int, expert: int, slot: torch.Tensor):
+        """A VRAM slot's parts (GGUF order) -> its layer's layout in place, on the current stream: the slot through the
+        scratch (one copy), then each part back into the slot: PACKED its 64-row tiles gathered by mma_pack's tile
+        index (index_select), TILED tile_layout.tile's permute-copy. Two reads and two writes of a slot in VRAM; fills
+        happen only when the directory's VRAM tier changes."""
+        sc = self._scratch
         sc.copy_(slot)
+        packed = self.layouts[layer] == PACKED
         for m in self.parts[layer][expert]:
+            src, dst = sc[m.start: m.start + m.nbytes], slot[m.start: m.start + m.nbytes]
             rows, K = m.shape
-            tiles = rows // mma_pack.TR
-            idx = self._pack_index[K, mma_pack.GGML[int(m.qtype)]]
-            torch.index_select(sc[m.start: m.start + m.nbytes].view(tiles, -1), 1, idx,
-                               out=slot[m.start: m.start + m.nbytes].view(tiles, -1))
+            if packed:
+                idx = self._pack_index[K, mma_pack.GGML[int(m.qtype)]]
+                torch.index_select(src.view(rows // mma_pack.TR, -1), 1, idx, out=dst.view(rows // mma_pack.TR, -1))
+            else:
+                tile_layout.tile(src, rows, K, int(m.qtype), out=dst)
 
     def _upload_vram_table(self):
         self.vram_base_dev.copy_(torch.from_numpy(self.vram_base))

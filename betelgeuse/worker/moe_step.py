@@ -63,6 +63,7 @@ from betelgeuse.logs import event
 from betelgeuse.routing_approx import Residency
 from betelgeuse.store.directory import TIER_DISK, TIER_HOST, TIER_NAMES, TIER_VRAM
 from betelgeuse.worker.at_hand import AtHand
+from betelgeuse.worker.expert_cache import PACKED, TILED
 from betelgeuse.worker.flex_cache import FlexCache
 from betelgeuse.worker.gate import DecodeGate
 from betelgeuse.worker.group_graphs import GroupGraphs
@@ -197,8 +198,8 @@ class MoEStep:
         self.counts = session.counts
         self.n_layer = session.file.config.n_layer
         self.kern = self._kernels(act_limit)
-        if cfg.pack_experts:
-            self._pack()
+        if cfg.pack_experts or cfg.tile_experts:
+            self._vram_layouts()
         self._walks = self.kern.backend == "torch"    # the kernels walk a group's experts (_group)
         # the routing mode (EngineConfig.routing); the bench sets "exact" for one untimed pass to measure an
         # approximate mode's divergence on the same state
@@ -327,23 +328,39 @@ class MoEStep:
                           weights_fn=self.cache.weights, act_limit=act_limit, act_quant=self.cfg.act_quant,
                           sort_rows=self.cfg.decode_gemv)
 
-    def _pack(self):
-        """engine.pack_experts: the VRAM slots of every Q8_0 / MXFP4 / Q4_K layer hold mma_pack's layout
-        (ExpertCache.pack_layers), read by the kernels' PK 2 form -- or refuse (BetelgeuseError) where such an expert
-        launch would be another kernel (MoEKernels.pack_check says which); a model with no such expert: nothing to
-        pack (logged)."""
-        c = self.cache
-        try:
-            layers = self.kern.pack_check(c.parts, c.slot_bytes, c.device)
-        except ValueError as e:
-            raise BetelgeuseError(f"engine.pack_experts = true: {e}") from None
-        if not layers.any():
-            event(log, "pack_experts", layers=0,
-                  why="no Q8_0, MXFP4 or Q4_K experts: nothing to pack, every slot GGUF order")
-            return
-        self.kern.packed[:] = layers
-        c.pack_layers(layers)
-        event(log, "pack_experts", layers=int(layers.sum()), scratch_bytes=c.slot_bytes)
+    def _vram_layouts(self):
+        """The VRAM slots' layout per layer (ExpertCache.set_layouts), the kernels told which (MoEKernels.packed /
+        tiled). engine.pack_experts: every Q8_0 / MXFP4 / Q4_K layer holds mma_pack's layout, read by the kernels' PK 2
+        form -- or refuse (BetelgeuseError) where such an expert launch would be another kernel (MoEKernels.pack_check
+        says which); a model with no such expert: nothing to pack (logged). Then engine.tile_experts: the layers
+        MoEKernels.tile_check picks (never a packed one: packing wins) hold tile_layout's 64-row tiles, read by
+        triton_moe's `tiled` launches; each other layer stays GGUF, logged with why."""
+        c, k = self.cache, self.kern
+        layouts = np.zeros(self.n_layer, dtype=np.int8)
+        if self.cfg.pack_experts:
+            try:
+                layers = k.pack_check(c.parts, c.slot_bytes, c.device)
+            except ValueError as e:
+                raise BetelgeuseError(f"engine.pack_experts = true: {e}") from None
+            if not layers.any():
+                event(log, "pack_experts", layers=0,
+                      why="no Q8_0, MXFP4 or Q4_K experts: nothing to pack, every slot GGUF order")
+            else:
+                k.packed[:] = layers
+                layouts[layers] = PACKED
+                event(log, "pack_experts", layers=int(layers.sum()), scratch_bytes=c.slot_bytes)
+        if self.cfg.tile_experts:
+            layers, why = k.tile_check(c.parts)
+            assert not (layers & k.packed).any(), "a layer is packed or tiled"
+            k.tiled[:] = layers
+            layouts[layers] = TILED
+            # the scratch is one for both layouts: counted here where packing did not take it
+            event(log, "tile_experts", layers=int(layers.sum()),
+                  scratch_bytes=c.slot_bytes if layers.any() and not k.packed.any() else 0)
+            for w, ls in why.items():
+                event(log, "tile_experts_gguf", layers=",".join(map(str, ls)), why=w)
+        if layouts.any():
+            c.set_layouts(layouts)
 
     def residency(self, snap, l: int) -> Residency | None:
         """Layer l's resident set for an approximate routing mode (routing_approx.py); None in exact mode, and

@@ -4,6 +4,8 @@
 #   bash deploy/device/bench.sh              # GPU: the whole plan, cut to fit BUDGET seconds (default 470)
 #   bash deploy/device/bench.sh --quick      # CPU, small model: validates this script end to end (~1-2 min)
 #   BUDGET=300 bash deploy/device/bench.sh --prompts 64 --slots 5+15
+#   for P in no-tile-experts tile-experts; do RUN_NAME=tl-$P BUDGET=280 bash deploy/device/bench.sh --slots auto \
+#     --prompts 64 --decode 128 --standard-cap 0 --$P; done     # an engine setting's A/B (every engine.* key is a flag)
 #
 # Extra arguments go to `betelgeuse bench` (see docs/benchmarks/README.md). Results land in
 # $OUT/$RUN_NAME/: bench.json, bench.md, bench.png, bench.log, store.log (5 files, 2 folders deep);

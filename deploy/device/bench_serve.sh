@@ -13,6 +13,7 @@
 #     --no-agent-loop --prompt 64 --decode 16     # an A/B of a setting: a configuration adds serve flags of its own
 #   BUDGET=300 bash deploy/device/bench_serve.sh --config auto,auto:host-in-place=never --clients 1,4,8 \
 #     --no-agent-loop     # decode's host experts: in place for one-row steps (auto) against always banked
+#   BUDGET=430 bash deploy/device/bench_serve.sh --config auto,auto:tile-experts    # engine.tile_experts' A/B
 #
 # BUDGET (the bench's --time-budget, model writing included) defaults to 430 s: with the wheels' install before it,
 # each serve's stop after it and a cut stream ending at its case's deadline, the command ends within ~8 minutes (the

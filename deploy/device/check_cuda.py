@@ -33,6 +33,11 @@ experts 64 wide (whole tiles): the invariance rows (0/0, 0/all, 5/15, all in VRA
 hold a packed VRAM expert to a GGUF one's bits, and the batch, pool and recycle rows the decode paths.
 CHECK_QTYPE=Q4_K (with CHECK_ACT_QUANT=bf16 and CHECK_PACK_EXPERTS=1: cpu-packk62): the tiny model written with Q4_K
 tensors, 256 wide (hidden and experts: whole Q4_K super-blocks and 64-row tiles), so the packed experts are Q4_K.
+CHECK_TILE_EXPERTS=1 (act_quant off, the default; cpu-tile63): every check's engine with engine.tile_experts on (its
+VRAM slots' Q8_0 / Q4_K experts in tile_layout's 64-row tiles, read by triton_moe's `tiled` float kernels; host slots,
+staging, flex and the ring GGUF), the tiny model's experts 64 wide (whole tiles; with CHECK_QTYPE=Q4_K hidden and
+experts 512 wide: two super-blocks a row, so the tiles move them): the invariance rows then hold a tiled VRAM expert
+to a GGUF one's bits, and the batch, pool and recycle rows the decode paths.
 
 --adversarial-timing SEED:MS runs them all with the store's test-only jitter (store/reader.py Jitter: every expert
 read held back up to MS ms, staged copies handed out shuffled, consolidation fills slowed), in-process stores and
@@ -77,12 +82,15 @@ def models(tmp: Path, mid_layers: int, mid_preset: str = "small", names=("tiny",
     """tiny: 4 layers x 16 experts (~3 MB); mid: the 'small' preset (64 experts, top-8, hidden 512)
     with `mid_layers` layers (12: ~330 MB, so a 256 MiB arena view exists); only those in `names` are written.
     CHECK_PACK_EXPERTS=1: tiny's experts 64 wide (its 32 is not a whole tile of mma_pack's: startup would refuse);
-    CHECK_QTYPE=Q4_K: tiny's tensors Q4_K, hidden and experts 256 wide (whole super-blocks)."""
+    CHECK_QTYPE=Q4_K: tiny's tensors Q4_K, hidden and experts 256 wide (whole super-blocks); with CHECK_TILE_EXPERTS=1
+    512 wide (a row of one super-block tiles to GGUF's own order: the check would hold nothing)."""
     tiny = PRESETS["tiny"]
-    if os.environ.get("CHECK_PACK_EXPERTS") == "1":
+    tile = os.environ.get("CHECK_TILE_EXPERTS") == "1"
+    if os.environ.get("CHECK_PACK_EXPERTS") == "1" or tile:
         tiny = replace(tiny, n_ff_exp=64)
     if os.environ.get("CHECK_QTYPE") == "Q4_K":
-        tiny = replace(tiny, qtype="Q4_K", n_embd=256, head_dim=64, n_ff_exp=256)
+        w = 512 if tile else 256
+        tiny = replace(tiny, qtype="Q4_K", n_embd=w, head_dim=64, n_ff_exp=w)
     specs = {"tiny": tiny, "mid": replace(PRESETS[mid_preset], n_layer=mid_layers)}
     out = {}
     for name, spec in specs.items():
@@ -118,6 +126,8 @@ def runner_for(path, device, vram, host, mode="in-process", **kw):
         kw.setdefault("act_quant", os.environ["CHECK_ACT_QUANT"])
     if os.environ.get("CHECK_PACK_EXPERTS") == "1":     # engine.pack_experts (vram62): with CHECK_ACT_QUANT=bf16
         kw.setdefault("pack_experts", True)
+    if os.environ.get("CHECK_TILE_EXPERTS") == "1":     # engine.tile_experts (tile63): act_quant off
+        kw.setdefault("tile_experts", True)
     cfg = EngineConfig(model_path=str(path), device=device, vram_slots=vram, host_slots=host, **kw)
     store = open_store(cfg, mode)
     try:

@@ -178,6 +178,7 @@ BAD_ENGINE_VALUES = [
     ("engine.kernels", "cuda", "auto, torch, triton"),
     ("engine.act_quant", "int4", "off, q8_1, bf16, auto"),
     ("engine.pack_experts", "packed", "true or false"),
+    ("engine.tile_experts", "tiled", "true or false"),
     ("engine.decode_consolidate_every", -1, "integer >= 0"),
     ("engine.cuda_graphs", "maybe", "true or false"),
     ("engine.prefetch", 1, "true or false"),

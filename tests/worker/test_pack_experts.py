@@ -1,8 +1,10 @@
-"""engine.pack_experts (issue 23, docs/benchmarks/cpu-vram62): the VRAM slots hold their Q8_0 experts in
-kernels/mma_pack's layout, repacked as they fill (ExpertCache._own), flagged by bit 0 of their base offset (the kernels'
-PK 2 reads each expert's layout from it); host slots and the ring stay GGUF. On the CPU the packing is forced on an
-ExpertCache (pack_layers: what MoEStep calls once the startup check passed, which it cannot here: no Gluon); the bits of
-the packed kernel are the device's to check (deploy/device/check_cuda.py with CHECK_PACK_EXPERTS=1)."""
+"""engine.pack_experts (issue 23, docs/benchmarks/cpu-vram62) and engine.tile_experts (cpu-tile63): the VRAM slots hold
+their experts in kernels/mma_pack's layout or kernels/tile_layout's tiles, relaid as they fill (ExpertCache._own),
+flagged by bit 0 of their base offset (the kernels' PK 2 / `tiled` read each expert's layout from it); host slots and
+the ring stay GGUF. On the CPU the layouts are forced on an ExpertCache (set_layouts: what MoEStep calls once the
+startup checks passed, which packing's cannot here: no Gluon); the bits of the packed kernel are the device's to check
+(deploy/device/check_cuda.py with CHECK_PACK_EXPERTS=1), the tiled one's run here too
+(tests/worker/test_tile_experts.py)."""
 
 from __future__ import annotations
 
@@ -17,10 +19,10 @@ from engine_helpers import ENGINE_SPEC, WIDE_SPEC, close_runner, in_process_runn
 from gguf import GGUFReader
 
 from betelgeuse.errors import BetelgeuseError
-from betelgeuse.kernels import mma_pack
+from betelgeuse.kernels import mma_pack, tile_layout
 from betelgeuse.store.directory import ENTRY_DTYPE, TIER_DISK, TIER_VRAM
 from betelgeuse.store.plan import vram_needs
-from betelgeuse.worker.expert_cache import ExpertCache
+from betelgeuse.worker.expert_cache import GGUF, PACKED, TILED, ExpertCache
 
 PARTS = ("gate", "up", "down")
 
@@ -43,23 +45,25 @@ def _snap(L: int, E: int, vram: dict[int, int]) -> np.ndarray:
     return s
 
 
-# Q4_K (cpu-packk62): K a multiple of 256 (gate/up [256, 256], down [256, 256]: 4 tiles, 1 super-block a row)
-Q4_K_SPEC = {**WIDE_SPEC, "n_embd": 256, "head_dim": 64, "n_ff_exp": 256, "qtype": "Q4_K"}
+# Q4_K (cpu-packk62): K a multiple of 256 (gate/up [512, 256]: 8 tiles, 1 super-block a row; down [256, 512]: 4
+# tiles, 2 super-blocks a row, which the tile layout moves)
+Q4_K_SPEC = {**WIDE_SPEC, "n_embd": 256, "head_dim": 64, "n_ff_exp": 512, "qtype": "Q4_K"}
 # MXFP4 (cpu-mxpk63): ds4-tiny (deepseek4, MXFP4 routed experts) with 3 layers (one hash layer, one sliding) and its
 # experts 64 wide (its 32 is not a whole tile): gate/up [64, 64], down [64, 64], 1 tile, 1 K step
 MXFP4_SPEC = {"n_layer": 3, "n_hash_layers": 1, "n_ff_exp": 64, "n_embd": 64, "seed": 3}
 
 
 @pytest.mark.parametrize("spec,qt", [(WIDE_SPEC, 0), (Q4_K_SPEC, 5), (MXFP4_SPEC, 4)], ids=["Q8_0", "Q4_K", "MXFP4"])
-def test_packed_vram_slots_hold_each_experts_file_bytes_in_the_packed_layout(tmp_path, spec, qt):
-    """Layers 0 and 2 packed, layer 1 not; VRAM slots filled from host slots (sync_vram) and from staging slots
-    (fill_vram), then evictions and re-fills into the freed slots: after each round every VRAM expert's parts,
-    unpacked (mma_pack.unpack) in a packed layer and as they are in the other, equal the file's bytes (gguf-py),
-    a packed slot's differ from them (repacked in place), its base offset has bit 0 set (host table and device
-    table alike), an unpacked one's not; host slots keep GGUF order. Fails without the repack (_own), with the repack
-    from the slot itself instead of the scratch (the gather reads bytes it already overwrote), or with the flag
-    left off. Q8_0 (WIDE_SPEC) and Q4_K models (mma_pack's Q4_K layout: betelgeuse synth's Q4_K experts), and a
-    deepseek4 model's MXFP4 experts (mma_pack's MXFP4 layout: ds4-tiny's)."""
+def test_relaid_vram_slots_hold_each_experts_file_bytes_in_their_layout(tmp_path, spec, qt):
+    """Layer 0 packed, layer 1 GGUF, layer 2 tiled (set_layouts: one scratch for both); VRAM slots filled from host
+    slots (sync_vram) and from staging slots (fill_vram), then evictions and re-fills into the freed slots: after each
+    round every VRAM expert's parts, unpacked (mma_pack.unpack) in the packed layer, untiled (tile_layout.untile) in
+    the tiled one and as they are in the other, equal the file's bytes (gguf-py), a relaid slot's differ from them
+    (relaid in place), its base offset has bit 0 set (host table and device table alike), a GGUF one's not; host
+    slots keep GGUF order. Fails without the relayout (_own), with it from the slot itself instead of the scratch (the
+    gather reads bytes it already overwrote), with a layer's layout swapped for the other, or with the flag left off.
+    Q8_0 (WIDE_SPEC) and Q4_K models (mma_pack's Q4_K layout: betelgeuse synth's Q4_K experts), and a deepseek4
+    model's MXFP4 experts (mma_pack's MXFP4 layout: ds4-tiny's)."""
     path = (write_ds4_tiny(tmp_path / "w.gguf", **{k: v for k, v in spec.items() if k != "n_embd"}) if qt == 4 else
             write_synth(tmp_path / "w.gguf", **spec))
     ref = _file_parts(path)
@@ -69,13 +73,13 @@ def test_packed_vram_slots_hold_each_experts_file_bytes_in_the_packed_layout(tmp
         cache = ExpertCache(s.plan, s.cache.arena, s.file, torch.device("cpu"), torch.float32, ring_slots=2)
         L, E, V = s.plan.n_layer, s.plan.n_expert, s.plan.n_vram
         assert (L, V) == (3, 4)
-        packed = np.array([True, False, True])
-        cache.pack_layers(packed)
+        layouts = np.array([PACKED, GGUF, TILED])
+        cache.set_layouts(layouts)
         assert {mma_pack.GGML[int(m.qtype)] for ps in cache.parts[0] for m in ps} == {qt}
         assert set(cache._pack_index) == {(spec["n_embd"], qt), (spec["n_ff_exp"], qt)}   # gate/up's K, down's K
         on, off = (vram_needs(s.file, replace(rn.cfg, pack_experts=p), cache.slot_bytes, 1)["ring"]
-                   for p in (True, False))          # the plan counts what pack_layers put on the device
-        assert on - off == cache._pack_scratch.nbytes + sum(i.nbytes for i in cache._pack_index.values())
+                   for p in (True, False))          # the plan counts what set_layouts put on the device
+        assert on - off == cache._scratch.nbytes + sum(i.nbytes for i in cache._pack_index.values())
 
         def slot_bytes(l, e) -> torch.Tensor:       # a slot holding expert e of layer l as the store lays it out
             out = torch.zeros(cache.slot_bytes, dtype=torch.uint8)
@@ -104,14 +108,19 @@ def test_packed_vram_slots_hold_each_experts_file_bytes_in_the_packed_layout(tmp
                 assert sorted(np.nonzero(cache.vram_index[l] >= 0)[0].tolist()) == sorted(vram)
                 for e in vram:
                     j, base = int(cache.vram_index[l, e]), int(cache.vram_base[l, e])
-                    assert base & 1 == int(packed[l]) and base & ~1 == (l * V + j) * cache.slot_bytes, (l, e, base)
+                    assert base & 1 == int(layouts[l] != GGUF) and base & ~1 == (l * V + j) * cache.slot_bytes, \
+                        (l, e, base)
                     slot = cache.vram[l, j]
                     for k, m in enumerate(cache.parts[l][e]):
                         got = slot[m.start: m.start + m.nbytes].numpy()
                         want = ref[l, k][e].reshape(-1)
-                        if packed[l]:
-                            assert not np.array_equal(got, want), (l, e, k)     # repacked in place
+                        if layouts[l] == PACKED or (layouts[l] == TILED and m.shape[1] > tile_layout.unit(m.qtype)[0]):
+                            assert not np.array_equal(got, want), (l, e, k)     # relaid in place (a one-block row
+                                                                                # tiles to GGUF's own order)
+                        if layouts[l] == PACKED:
                             got = mma_pack.unpack(got, *m.shape, qt)
+                        elif layouts[l] == TILED:
+                            got = tile_layout.untile(got, *m.shape, int(m.qtype))
                         assert np.array_equal(got, want), (l, e, k, m.shape)
                     h = vram[e]
                     if h >= 0:                      # the host slot stays GGUF
@@ -186,7 +195,7 @@ def test_startup_refuses_on_the_cpu_and_a_model_without_q8_0_packs_nothing(tmp_p
     with caplog.at_level(logging.INFO, logger="betelgeuse.worker"):
         rn, st = in_process_runner(f16, 2, 3, pack_experts=True)
     try:
-        assert rn.session.cache.packed is None and rn.session.cache._pack_scratch is None
+        assert rn.session.cache.layouts is None and rn.session.cache._scratch is None
         assert any(r.getMessage() == "pack_experts" and r.fields["layers"] == 0 and "no Q8_0" in r.fields["why"]
                    for r in caplog.records)
     finally:
