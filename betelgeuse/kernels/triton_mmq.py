@@ -92,15 +92,15 @@ CONFIG = {"BM": 16, "BN": 64, "FUSE": 0, "num_warps": 4, "num_stages": 3,   # sc
 # GL = 1 (bf16 MMA only): gluon_mmq's kernel, the same arithmetic with the weights loaded straight into the wgmma's A
 # registers (no shared memory round trip), where gluon_mmq.usable says so (CUDA sm_90, Q8_0 / MXFP4 / Q4_K at
 # BF_TUNING's shape, FUSE either way, aligned parts), else this module's kernel: a schedule key (the same bits:
-# deploy/device/check_gluon_mmq.py). GP (with GL, Q8_0 / MXFP4): how far ahead the Gluon K loop's loads are issued
+# deploy/device/check_gluon_mmq.py). GP (with GL): how far ahead the Gluon K loop's loads are issued
 # (gluon_mmq._acc_part: 0 converted in the step that issues them, 1 / 2 carried as loaded one / two steps; the same
-# bits: cpu-gluon16r57). PK 1 (with GL, Q8_0, GP >= 1; off everywhere): the pool's weights are in
-# kernels/mma_pack's layout (every part's 64-row tiles re-laid: 512 contiguous bytes a warp load), which only the
-# Gluon form reads (the same values in the same MMA: the same bits, cpu-pack62); the caller packs the pool. PK 2:
-# each expert's layout from bit 0 of its base offset (engine.pack_experts' packed VRAM slots beside GGUF ones:
-# MoEKernels passes it per launch, gate_up / down's pk, which sets GL 1 too; cpu-vram62). Q4_K's Gluon form (GP 0)
-# reads mma_pack's Q4_K layout under PK 1 / 2 alike (its byte pairs 16 contiguous bytes a thread: cpu-packk62), MXFP4's
-# every GP form its MXFP4 layout (a thread's nibble bytes 16 contiguous bytes, a row's 2 scales one 16-bit load:
+# bits: cpu-gluon16r57; Q4_K's too, GGUF order and PK 1 / 2: cpu-gpk63). PK 1 (with GL, Q8_0, GP >= 1; off everywhere):
+# the pool's weights are in kernels/mma_pack's layout (every part's 64-row tiles re-laid: 512 contiguous bytes a warp
+# load), which only the Gluon form reads (the same values in the same MMA: the same bits, cpu-pack62); the caller packs
+# the pool. PK 2: each expert's layout from bit 0 of its base offset (engine.pack_experts' packed VRAM slots beside GGUF
+# ones: MoEKernels passes it per launch, gate_up / down's pk, which sets GL 1 too; cpu-vram62). Q4_K's Gluon forms (any
+# GP) read mma_pack's Q4_K layout under PK 1 / 2 alike (its byte pairs 16 contiguous bytes a thread: cpu-packk62),
+# MXFP4's every GP form its MXFP4 layout (a thread's nibble bytes 16 contiguous bytes, a row's 2 scales one 16-bit load:
 # cpu-mxpk63)
 # MV = 1: the decode schedule without tensor cores (triton_mmq_mv: the same bits; BM_MV rows a program, NS word
 # groups a K step; DP4A 1: its block dots by PTX dp4a on the GPU, the same integers) where a launch
@@ -146,7 +146,7 @@ for _qt in (4, 5):                                                          # MX
 # GL 1 where a Gluon form was faster in both rows buckets with the Triton kernel's bits (gpu-run63, H100,
 # deploy/device/check_gluon_mmq.py: bank of 16 at the bench geometry, kernels alone, gate_up + down GB/s at 1 / 16
 # rows): Q8_0 fused with GP 1 1,046 / 909 against Triton's unfused 912 / 826 (so Q8_0 fuses too: where Gluon cannot
-# run, Triton's fused Q8_0 is the same bits, gpu-run58's 777 / 932), Q4_K (fused, GP 0: its loop has no GP form) 528 /
+# run, Triton's fused Q8_0 is the same bits, gpu-run58's 777 / 932), Q4_K (fused, GP 0: then its one form) 528 /
 # 479 against 491 / 416. MXFP4 stays Triton: every Gluon form 0.61-0.95x
 BF_TUNING[0].update(FUSE=1, GL=1, GP=1)                                     # Q8_0
 BF_TUNING[5]["GL"] = 1                                                      # Q4_K

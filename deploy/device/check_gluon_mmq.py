@@ -17,7 +17,8 @@ Per case and Gluon form (gl_forms: GL 1 at the shipped FUSE and unfused; GP 1 an
 the step that uses them: cpu-gluon16r57; Q8_0 ships GL 1, FUSE 1, GP 1, Q4_K GL 1: gpu-run63; Q8_0's `gluon GP1
 PK`: the shipped form reading the bank packed by mma_pack on the GPU (pack_pool), cpu-pack62; `gluon GP1 PK2`: each
 expert's layout from bit 0 of its base, a bank of packed and GGUF experts, cpu-vram62; Q4_K's `gluon PK` / `gluon
-PK2` alike, cpu-packk62; MXFP4's `gluon PK` / `gluon PK2` and `gluon GP1 PK` / `gluon GP2 PK` / `gluon GP1 PK2`,
+PK2` alike, cpu-packk62, and its GP forms `gluon GP1` / `gluon GP2` / `gluon GP1 PK` / `gluon GP2 PK` / `gluon GP1
+PK2`, cpu-gpk63; MXFP4's `gluon PK` / `gluon PK2` and `gluon GP1 PK` / `gluon GP2 PK` / `gluon GP1 PK2`,
 cpu-mxpk63); FUSE, GP and PK are
 schedule keys) gate_up's inter and down's y (down on the same inter for both) must be torch.equal to the Triton
 kernel's (TRITON: GL 0), and the Gluon kernels must
@@ -150,19 +151,19 @@ TRITON = {0: {"GL": 0, "GP": 0, "FUSE": 0}, 4: {"GL": 0}, 5: {"GL": 0}}
 def gl_forms(mq, only: list[str] | None = None) -> dict:
     """The Gluon forms checked, name -> TYPE_CONFIG overrides (FORMS over BF_TUNING; `only`: those names): GL 1 at
     the shipped FUSE (`gluon`; Q8_0's fused since gpu-run63, MXFP4's and Q4_K's since gpu-run58-kernels: the same bits
-    as unfused) and unfused; the loads carried to the step that uses them, GP 1 and 2 (gluon_mmq._acc_part: Q8_0 and
-    MXFP4; Q4_K's loop has no GP form, cpu-gluon16r57), and GP 1 with the K chunks split over programs at 16 rows too
+    as unfused) and unfused; the loads carried to the step that uses them, GP 1 and 2 (gluon_mmq._acc_part:
+    cpu-gluon16r57; Q4_K's _load_raw_k, cpu-gpk63), and GP 1 with the K chunks split over programs at 16 rows too
     (SPLIT 1: 4x the 16-row gate_up's 192 programs; the 1-row bucket's kernels); Q8_0's GP 1, GP 2 and GP 1 split16
     on the bank packed (PK 1: mma_pack's layout, pack_pool), and GP 1 with PK 2 (engine.pack_experts' form: each
     expert's layout from bit 0 of its base; the bits' bank: every odd expert packed, flagged, the even ones GGUF; the
     GB/s banks: every expert packed, as an engine whose experts are all in VRAM); Q4_K's shipped form on its packed
-    bank, PK 1 and 2 (`gluon PK`, `gluon PK2`: mma_pack's Q4_K layout, cpu-packk62); MXFP4's alike at GP 0 (its
-    `gluon` form) and GP 1 / 2 (`gluon GP1 PK`, `gluon GP2 PK`, `gluon GP1 PK2`: mma_pack's MXFP4 layout,
-    cpu-mxpk63). Each against TRITON's launch (on the bank as GGUF lays it)."""
-    names = ["gluon", "gluon unfused"] + (["gluon GP1", "gluon GP2", "gluon GP1 split16"] if QT != 5 else [])
+    bank, PK 1 and 2 (`gluon PK`, `gluon PK2`: mma_pack's Q4_K layout, cpu-packk62) and with its loads carried (`gluon
+    GP1 PK`, `gluon GP2 PK`, `gluon GP1 PK2`, cpu-gpk63); MXFP4's alike at GP 0 (its `gluon` form) and GP 1 / 2
+    (`gluon GP1 PK`, `gluon GP2 PK`, `gluon GP1 PK2`: mma_pack's MXFP4 layout, cpu-mxpk63). Each against TRITON's
+    launch (on the bank as GGUF lays it)."""
+    names = ["gluon", "gluon unfused", "gluon GP1", "gluon GP2"] + (["gluon GP1 split16"] if QT != 5 else [])
     names += ["gluon GP1 PK", "gluon GP2 PK", "gluon GP1 PK split16", "gluon GP1 PK2"] if QT == 0 else []
-    names += ["gluon PK", "gluon PK2"] if QT in (4, 5) else []
-    names += ["gluon GP1 PK", "gluon GP2 PK", "gluon GP1 PK2"] if QT == 4 else []
+    names += ["gluon PK", "gluon PK2", "gluon GP1 PK", "gluon GP2 PK", "gluon GP1 PK2"] if QT in (4, 5) else []
     return {n: FORMS[n] for n in names if only is None or n in only}
 
 
