@@ -1214,18 +1214,23 @@ def launch(which: str, grid: tuple, args: list, consts: dict, kcb: int):
     """Launch the Gluon kernel `which` ('gate_up' | 'down') on triton_mmq._launch's arguments: args = (xq, xd, xs,
     pool, base, starts, rows, off, out, ws, cnt, H, F, row_bytes, n_exp[, k_top, limit]); xd unused (bf16: no scales
     of x), xs the x block sums (Q4_K's min term; unused by Q8_0 / MXFP4); consts: triton_mmq's constexprs, of which
-    CONSTS[which] are this kernel's."""
+    CONSTS[which] are this kernel's, and its schedule key NR (ptxas's register limit a thread where not 0)."""
     LAUNCH[which][grid](args[0], args[2], *args[3:], kcb, **{k: consts[k] for k in CONSTS[which]},
-                        num_warps=SHAPE["num_warps"], num_stages=1)
+                        num_warps=SHAPE["num_warps"], num_stages=1, **_maxnreg(consts.get("NR", 0)))
+
+
+def _maxnreg(nr: int) -> dict:
+    """The compile option of the schedule key NR: {} for 0 (ptxas's choice), else ptxas's maxnreg."""
+    return {"maxnreg": nr} if nr else {}
 
 
 def compile_kernel(which: str = "gate_up", bucket: int = 16, arch: int = 90, hints: bool = True, qt: int = 0,
-                   fuse: bool = False, gp: int = 0, pk: int = 0):
+                   fuse: bool = False, gp: int = 0, pk: int = 0, nr: int = 0):
     """The Gluon kernel of type code qt compiled for CUDA sm_`arch` without a GPU (no torch needed: Triton 3.6 or 3.9
     alone) at the bench geometry (H 2048, F 768: K 2048 for gate_up, 768 for down, 128 experts, k_top 8) for a rows
     bucket's launch (1: split-K over KCB 16 chunks; 16: walked), as triton_mmq.compile_kernel: (CompiledKernel,
     constexprs). hints: a device launch's alignment facts (16-byte aligned pointers, the int arguments that are
-    multiples of 16); fuse: gate_up's FUSE form; gp, pk: the schedule keys GP and PK (_acc_part)."""
+    multiples of 16); fuse: gate_up's FUSE form; gp, pk, nr: the schedule keys GP and PK (_acc_part), NR (launch)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -1250,5 +1255,5 @@ def compile_kernel(which: str = "gate_up", bucket: int = 16, arch: int = 90, hin
         attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
                  if sig.get(name, "").startswith("*") or ints.get(name, 1) % 16 == 0 and name in ints}
     k = triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", arch, 32),
-                       options={"num_warps": SHAPE["num_warps"], "num_stages": 1})
+                       options={"num_warps": SHAPE["num_warps"], "num_stages": 1, **_maxnreg(nr)})
     return k, const
