@@ -266,7 +266,8 @@ def test_gp_reaches_the_gluon_launch_as_configured(monkeypatch):
     buckets (a stand-in launch records them; usable() forced true: the CPU has no Gluon device), and gate_up / down's
     pk 2 (engine.pack_experts) over the shipped config -- MXFP4's too, whose shipped bf16 form is Triton's (GL 0): a
     packed launch is the Gluon form (cpu-mxpk63); Q4_K's shipped GP 0 and TYPE_CONFIG's GP 1 / 2 (cpu-gpk63), GP 2
-    with PK 1, GP 1 with PK 1 and NR 168 (ptxas's register limit: gluon_mmq.launch's maxnreg, 0 none). Where the
+    with PK 1, GP 1 with PK 1 and NR 168 (ptxas's register limit: gluon_mmq.launch's maxnreg, 0 none), with NRD
+    128 (the down's). Where the
     Gluon form cannot run (the real usable() here), PK 1
     and pk 2 raise: no other kernel reads packed weights."""
     assert mq.CONFIG["GP"] == 0 and {q: t.get("GP", 0) for q, t in mq.BF_TUNING.items()} == {0: 1, 4: 0, 5: 0, 6: 0}
@@ -311,8 +312,10 @@ def test_gp_reaches_the_gluon_launch_as_configured(monkeypatch):
                 torch.zeros(T * k, H, dtype=torch.bfloat16), 4, mx_f, True, pk=2)
         assert seen[n:] == [("gate_up", 0, 2), ("down", 0, 2)] and not mq.config(4, 1, bf=True)["GL"], seen[n:]
         k4_h, k4_f = gm.row_bytes(5, H), gm.row_bytes(5, F)             # Q4_K: its shipped GP 0, GP 1 / 2 (cpu-gpk63)
-        for over, gp, pk, nr in ((None, 0, 0, 0), ({"GL": 1, "GP": 1}, 1, 0, 0), ({"GL": 1, "GP": 2, "PK": 1}, 2, 1, 0),
-                                 ({"GL": 1, "GP": 1, "PK": 1, "NR": 168}, 1, 1, 168)):
+        for over, gp, pk, nr in ((None, 0, 0, (0, 0)), ({"GL": 1, "GP": 1}, 1, 0, (0, 0)),
+                                 ({"GL": 1, "GP": 2, "PK": 1}, 2, 1, (0, 0)),
+                                 ({"GL": 1, "GP": 1, "PK": 1, "NR": 168}, 1, 1, (168, 168)),
+                                 ({"GL": 1, "GP": 1, "PK": 1, "NR": 168, "NRD": 128}, 1, 1, (168, 128))):
             if over:
                 monkeypatch.setitem(mq.TYPE_CONFIG, 5, over)
             n = len(seen)
@@ -321,9 +324,10 @@ def test_gp_reaches_the_gluon_launch_as_configured(monkeypatch):
             mq.down(mq.prepare_bf16(inter.float()), pool, base, starts, rows, off,
                     torch.zeros(T * k, H, dtype=torch.bfloat16), 5, k4_f, True)
             assert seen[n:] == [("gate_up", gp, pk), ("down", gp, pk)], (T, over, seen[n:])
-            assert nrs[-2:] == [nr, nr], (T, over, nrs[-2:])
+            assert nrs[-2:] == list(nr), (T, over, nrs[-2:])     # gate_up's NR, down's NRD where set
             monkeypatch.delitem(mq.TYPE_CONFIG, 5, raising=False)
-    assert mq.CONFIG["NR"] == 0 and not any(t.get("NR") for t in mq.BF_TUNING.values())
+    assert mq.CONFIG["NR"] == mq.CONFIG["NRD"] == 0 and not any(t.get("NR") or t.get("NRD")
+                                                                  for t in mq.BF_TUNING.values())
     monkeypatch.undo()
     got = []                                         # gluon_mmq.launch: NR -> the launch's maxnreg option, 0 -> none
     for nr in (0, 168):
