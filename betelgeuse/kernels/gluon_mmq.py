@@ -27,9 +27,11 @@ so the same bits on the GPU (deploy/device/check_gluon_mmq.py checks torch.equal
   * FUSE (gate_up; BF_TUNING's for MXFP4 and Q4_K): gate's BN rows then up's as one A of 128 rows, one MMA of 2 x
     m64 HGMMA a k16 on the same B tile (Triton's FUSE); FUSE 0: gate's K walk, then up's. A schedule key either way
     (each output's instruction, operands and float ops are its own).
-  * GP (Q8_0, MXFP4; _acc_part): where a K step's loads are converted -- 0 in the step that issues them (one step
-    ahead, but waited for before that step ends), 1 / 2 carried as loaded one / two steps and converted in the step
-    that uses them (PTX loads and conversions the compiler cannot move back: cpu-gluon16r57). A schedule key.
+  * GP (_acc_part): where a K step's loads are converted -- 0 in the step that issues them (one step ahead, but
+    waited for before that step ends), 1 / 2 carried as loaded one / two steps and converted in the step that uses
+    them (PTX loads and conversions the compiler cannot move back: cpu-gluon16r57). A schedule key. Q4_K (cpu-gpk63):
+    GP 0 is _acc_part_k, GP 1 / 2 _acc_part's loop on _load_raw_k's set (the pairs, headers, x sums and B tile as
+    loaded), its scale terms computed before the next loads are issued (_k_terms: the min products by PTX).
   * PK (Q8_0 with GP >= 1, Q4_K, MXFP4; off everywhere): the pool's weights in mma_pack's layout (64-row tiles, a K
     step's quants in the order of the threads' A k pairs): a thread's weights of a tile and step are 16 contiguous bytes
     (one 128-bit load; a warp load 512 contiguous bytes, where GGUF order gives 8 rows x 8 bytes in 8 lines) and a row's
@@ -37,15 +39,15 @@ so the same bits on the GPU (deploy/device/check_gluon_mmq.py checks torch.equal
     bits as PK 0 on the GGUF bytes (cpu-pack62). A schedule key; the caller packs the pool. PK 2 (engine.pack_experts,
     cpu-vram62): per expert, bit 0 of its base offset (a packed VRAM slot's: ExpertCache._own) picks the packed or the
     GGUF body once a program (_pk_of; both compiled into the kernel), so one launch reads VRAM experts packed beside
-    host, flex and ring experts in GGUF order. Q4_K (its one form, GP 0; cpu-packk62) reads mma_pack's Q4_K layout under
-    PK 1 / 2 alike: a thread's byte pairs of a 64-row tile and step (rows t / 4 and + 8, QL's) are 16 contiguous bytes
-    (one 128-bit load where GGUF order takes 8 16-bit loads; a warp load 512 contiguous bytes), moved to QL by register
-    moves, and a row's header 16 bytes of one contiguous 1 KiB a super-block; the decode, MMA and float ops are the
-    shipped form's. MXFP4 (cpu-mxpk63) reads mma_pack's MXFP4 layout under PK 1 / 2 at any GP: a thread's nibble bytes
-    of a 64-row tile and step (its AL k pairs under _perm: rows t / 4 and + 8) are 16 contiguous bytes (one 128-bit load
-    of 4 words where GGUF order takes 16 byte loads), moved to the words _mx_a decodes by register moves (the GGUF
-    form packs its bytes into the same words), and a row's two scale bytes one 16-bit load; _mx_a's decode, the MMA
-    and the float ops are the GGUF form's.
+    host, flex and ring experts in GGUF order. Q4_K (cpu-packk62; at any GP: cpu-gpk63) reads mma_pack's Q4_K layout
+    under PK 1 / 2 alike: a thread's byte pairs of a 64-row tile and step (rows t / 4 and + 8, QL's) are 16 contiguous
+    bytes (one 128-bit load where GGUF order takes 8 16-bit loads; a warp load 512 contiguous bytes), moved to QL by
+    register moves, and a row's header 16 bytes of one contiguous 1 KiB a super-block; the decode, MMA and float ops are
+    the shipped form's. MXFP4 (cpu-mxpk63) reads mma_pack's MXFP4 layout under PK 1 / 2 at any GP: a thread's nibble
+    bytes of a 64-row tile and step (its AL k pairs under _perm: rows t / 4 and + 8) are 16 contiguous bytes (one
+    128-bit load of 4 words where GGUF order takes 16 byte loads), moved to the words _mx_a decodes by register moves
+    (the GGUF form packs its bytes into the same words), and a row's two scale bytes one 16-bit load; _mx_a's decode,
+    the MMA and the float ops are the GGUF form's.
 The schedule key GL (triton_mmq.CONFIG, 0 by default) asks for it; triton_mmq._launch takes it where `usable` says so
 (CUDA sm_90, Gluon importable, Q8_0, MXFP4 or Q4_K at these constants, aligned parts), else the Triton kernel runs
 (CPU, the interpreter: Gluon has no interpreter). Compiles on Triton 3.6 (the device's) and 3.9: the one API
@@ -452,6 +454,26 @@ if HAVE_GLUON:
             }""", "=r,l,r", [ptr, mask.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
+    def _x_words(xq_ptr, jo, jm, kb0, KB: gl.constexpr):
+        """GP >= 1 (Q8_0, Q4_K): _fetch's B tile of K step kb0 as int32 words [KB*16, KB*BM] (BW: word w of column j =
+        its bf16 k 2 w, 2 w + 1; 128-bit loads), carried as loaded to the step that uses them (_x_bf16)."""
+        kw = gl.arange(0, KB * 16, layout=gl.SliceLayout(1, BW))
+        jb = gl.arange(0, jo.shape[0], layout=gl.SliceLayout(0, BW)) // (jo.shape[0] // KB)
+        jw = gl.convert_layout(jo, gl.SliceLayout(0, BW))
+        jmw = gl.convert_layout(jm, gl.SliceLayout(0, BW))
+        m2 = jmw[None, :] & (jb[None, :] == (kw // 16)[:, None])
+        xw = xq_ptr.to(gl.pointer_type(gl.int32))               # the bf16 activations as words
+        return gl.load(xw + (jw[None, :] + kb0 * 32) // 2 + kw[:, None], mask=m2, other=0)
+
+    @gluon.jit
+    def _x_bf16(x):
+        """_x_words' words -> _fetch's B tile [KB*32, KB*BM] bf16 in BL (register moves)."""
+        xl = _lo_bf16(x)                                         # word w's k 2 w, then 2 w + 1
+        xh = _lo_bf16(x >> 16)
+        xb = gl.reshape(gl.permute(gl.join(xl, xh), [0, 2, 1]), [2 * x.shape[0], x.shape[1]])
+        return gl.convert_layout(xb, BL)
+
+    @gluon.jit
     def _load_raw(pool, ra, mn, rc, mc, xq_ptr, jo, jm, kb0, QT: gl.constexpr, KB: gl.constexpr, PK: gl.constexpr):
         """GP >= 1: K step kb0 .. kb0 + KB's loads (_fetch's bytes), each an int32 as loaded: (the weights: Q8_0 the
         pairs [R, KB*16] (PL) of rows ra (mask mn), pair p at byte 34 (kb0 + p // 16) + 2 + 2 (p % 16); MXFP4
@@ -487,13 +509,7 @@ if HAVE_GLUON:
                 w = _ld_u16(pool + o, gl.broadcast(mp[:, None], o)[0])
                 r0 = _ld_u16(pool + rc + kb0 * 34, mc)
                 r1 = _ld_u16(pool + rc + kb0 * 34 + 34, mc)
-            kw = gl.arange(0, KB * 16, layout=gl.SliceLayout(1, BW))
-            jb = gl.arange(0, jo.shape[0], layout=gl.SliceLayout(0, BW)) // (jo.shape[0] // KB)
-            jw = gl.convert_layout(jo, gl.SliceLayout(0, BW))
-            jmw = gl.convert_layout(jm, gl.SliceLayout(0, BW))
-            m2 = jmw[None, :] & (jb[None, :] == (kw // 16)[:, None])
-            xw = xq_ptr.to(gl.pointer_type(gl.int32))               # the bf16 activations as words
-            x = gl.load(xw + (jw[None, :] + kb0 * 32) // 2 + kw[:, None], mask=m2, other=0)
+            x = _x_words(xq_ptr, jo, jm, kb0, KB)
         else:
             if PK:
                 w, r0 = _mx_pk_load(pool, ra, mn, rc, mc, kb0)
@@ -564,10 +580,7 @@ if HAVE_GLUON:
                 wb = gl.convert_layout(gl.reshape(gl.join(_lo_bf16(v), _lo_bf16(v >> 16)), [R, KB * 32]), AL)
                 d0 = _f16_asm(r0)
                 d1 = _f16_asm(r1)
-            xl = _lo_bf16(x)                                         # word w's k 2 w, then 2 w + 1
-            xh = _lo_bf16(x >> 16)
-            xb = gl.reshape(gl.permute(gl.join(xl, xh), [0, 2, 1]), [2 * x.shape[0], x.shape[1]])
-            xb = gl.convert_layout(xb, BL)
+            xb = _x_bf16(x)
         elif PK:                                        # MXFP4 packed: the words, the scale bytes' halves
             wb = _mx_a(_mx_pk_words(w))
             d0 = _e8m0(r0 & 255)
@@ -594,40 +607,64 @@ if HAVE_GLUON:
         return gl.fma(p1, gl.broadcast(d1[:, None], acc)[0], acc)
 
     @gluon.jit
-    def _step_raw(acc, z, w, r0, r1, x, pool, ra, mn, rc, mc, xq_ptr, jo, jm, kb0, b1, QT: gl.constexpr,
-                  BN: gl.constexpr, BM: gl.constexpr, KB: gl.constexpr, AHEAD: gl.constexpr, PK: gl.constexpr):
-        """GP >= 1's K step kb0 on a set of loads (w, r0, r1, x: _load_raw's of step kb0): the set converted and its B
-        tile stored to shared memory first, then step kb0 + AHEAD's loads issued into the same set (its registers
-        free again: no copy between the loop's steps, which would wait for the loads), then _mma_step's MMA and
-        fmas. (acc, the set of step kb0 + AHEAD)."""
-        wb, d0, d1, xb = _conv_raw(w, r0, r1, x, QT, KB, PK)
+    def _step_raw(acc, z, w, r0, r1, x, pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, kb0, b1,
+                  QT: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, KB: gl.constexpr, AHEAD: gl.constexpr,
+                  PK: gl.constexpr):
+        """GP >= 1's K step kb0 on a set of loads (w, r0, r1, x: _load_raw's of step kb0; Q4_K: _load_raw_k's pairs,
+        headers, x sums, B tile): the set converted and its B tile stored to shared memory first, then step kb0 +
+        AHEAD's loads issued into the same set (its registers free again: no copy between the loop's steps, which
+        would wait for the loads), then the MMA and fmas (_mma_acc, Q4_K's _k_fma). (acc, the set of step kb0 +
+        AHEAD)."""
+        if QT == 5:
+            wb, dw0, t0, dw1, t1, xb = _conv_raw_k(w, r0, r1, x, kb0, PK)
+        else:
+            wb, d0, d1, xb = _conv_raw(w, r0, r1, x, QT, KB, PK)
         xs = gl.allocate_shared_memory(gl.bfloat16, [KB * 32, KB * BM], SH, xb)
         more = kb0 + AHEAD < b1                     # masked off past b1
-        w, r0, r1, x = _load_raw(pool, ra, mn & more, rc, mc & more, xq_ptr, jo, jm & more, kb0 + AHEAD, QT, KB,
-                                 PK)
-        acc = _mma_acc(acc, z, wb, xs, d0, d1, BN, BM, KB)
+        if QT == 5:
+            w, r0, r1, x = _load_raw_k(pool, ra, mn & more, rc, mc & more, xq_ptr, jo, jm & more, xs_ptr, so,
+                                       sm & more, kb0 + AHEAD, KB, PK)
+            hopper.fence_async_shared()
+            dot = hopper.warpgroup_mma(wb, xs, z, use_acc=False, is_async=True)
+            acc = _k_fma(acc, hopper.warpgroup_mma_wait(0, deps=[dot]), dw0, t0, dw1, t1, BN, BM, KB)
+        else:
+            w, r0, r1, x = _load_raw(pool, ra, mn & more, rc, mc & more, xq_ptr, jo, jm & more, kb0 + AHEAD, QT, KB,
+                                     PK)
+            acc = _mma_acc(acc, z, wb, xs, d0, d1, BN, BM, KB)
         return acc, w, r0, r1, x
 
     @gluon.jit
-    def _acc_part(pool, ra, mn, rc, mc, xq_ptr, jo, jm, b0, b1, QT: gl.constexpr, BN: gl.constexpr,
+    def _load_any(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, kb0, QT: gl.constexpr, KB: gl.constexpr,
+                  PK: gl.constexpr):
+        """GP >= 1's set of loads of K step kb0: _load_raw_k (Q4_K) or _load_raw."""
+        if QT == 5:
+            w, r0, r1, x = _load_raw_k(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, kb0, KB, PK)
+        else:
+            w, r0, r1, x = _load_raw(pool, ra, mn, rc, mc, xq_ptr, jo, jm, kb0, QT, KB, PK)
+        return w, r0, r1, x
+
+    @gluon.jit
+    def _acc_part(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, b0, b1, QT: gl.constexpr, BN: gl.constexpr,
                   BM: gl.constexpr, KB: gl.constexpr, GP: gl.constexpr, PK: gl.constexpr):
         """One part's partial [BN, BM] (ACC) over blocks b0 .. b1 (KB | b1 - b0), from zero: triton_mmq._mmq_step's
         float ops (module doc). BN: the rows of ra (gate_up's FUSE: 2 BN, gate's then up's, one MMA of M 128 = 2 x
         m64 a k16). GP (a schedule key: the same loads, conversions, MMA and float ops, only where they sit):
           0  the next step's loads issued before this step's MMA (triton_mmq's PF 1) and converted right there
-             (_fetch): in the SASS every load of a step is consumed within the step that issues it (cpu-gluon16r57),
-             so each step waits out a full memory latency;
+             (_fetch; Q4_K's GP 0 is _acc_part_k): in the SASS every load of a step is consumed within the step that
+             issues it (cpu-gluon16r57), so each step waits out a full memory latency;
           1  the next step's loads issued before this step's MMA, carried as loaded, converted in the step that uses
-             them: a load has a whole step to land;
+             them: a load has a whole step to land (Q4_K too: _load_raw_k, cpu-gpk63; xs_ptr / so / sm its x block
+             sums, unused by Q8_0 / MXFP4);
           2  as 1, two steps ahead (two steps' bytes in flight a program: for grids of few programs a SM, the 16-row
              gate_up's 192 programs on 132 SMs).
-        PK (a schedule key, Q8_0 with GP >= 1, MXFP4 at any GP): the weights in mma_pack's layout (ra / rc: _pk_rows'
-        addresses; MXFP4's pieces shared by rows n and n + 8: _half_rows, once a part)."""
+        PK (a schedule key, Q8_0 with GP >= 1, MXFP4 and Q4_K at any GP): the weights in mma_pack's layout (ra / rc:
+        _pk_rows' addresses; MXFP4's and Q4_K's pieces shared by rows n and n + 8: _half_rows, once a part)."""
         gl.static_assert(KB == 2)
-        gl.static_assert(PK == 0 or QT == 4 or (QT == 0 and GP > 0))
+        gl.static_assert(PK == 0 or QT != 0 or GP > 0)
+        gl.static_assert(QT != 5 or GP > 0)
         acc = gl.zeros([BN, BM], gl.float32, ACC)
         z = gl.zeros([BN, KB * BM], gl.float32, MMA)
-        if PK and QT == 4:
+        if PK and QT != 0:
             ra = _half_rows(ra, QT)
             mn = _half_rows(mn, QT)
         if GP == 0:
@@ -640,24 +677,24 @@ if HAVE_GLUON:
                 acc = _mma_acc(acc, z, wb, xs, d0, d1, BN, BM, KB)
                 wb, d0, d1, x = wb2, e0, e1, x2
         else:                                           # GP 1: one set of loads in flight, GP 2: two (steps
-            w, r0, r1, x = _load_raw(pool, ra, mn, rc, mc, xq_ptr, jo, jm, b0, QT, KB, PK)     # b0, b0 + 2 KB, ..: set
-            if GP == 2:                                 # one; b0 + KB, b0 + 3 KB, ..: set two, masked off past b1)
-                m1 = b0 + KB < b1
-                v, s0, s1, y = _load_raw(pool, ra, mn & m1, rc, mc & m1, xq_ptr, jo, jm & m1, b0 + KB, QT, KB,
-                                         PK)
+            w, r0, r1, x = _load_any(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, b0, QT, KB, PK)  # b0, b0 +
+            if GP == 2:                                 # 2 KB, ..: set one; b0 + KB, b0 + 3 KB, ..: set two, masked
+                m1 = b0 + KB < b1                       # off past b1)
+                v, s0, s1, y = _load_any(pool, ra, mn & m1, rc, mc & m1, xq_ptr, jo, jm & m1, xs_ptr, so, sm & m1,
+                                         b0 + KB, QT, KB, PK)
             if GP == 1:
                 for kb0 in range(b0, b1, KB):
-                    acc, w, r0, r1, x = _step_raw(acc, z, w, r0, r1, x, pool, ra, mn, rc, mc, xq_ptr, jo, jm, kb0, b1,
-                                                  QT, BN, BM, KB, KB, PK)
+                    acc, w, r0, r1, x = _step_raw(acc, z, w, r0, r1, x, pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr,
+                                                  so, sm, kb0, b1, QT, BN, BM, KB, KB, PK)
             else:                                       # pairs of steps (no branch in the loop: the sets' registers
                 for kb0 in range(b0, b1 - KB, 2 * KB):  # stay put), then an odd count's last step on set one
-                    acc, w, r0, r1, x = _step_raw(acc, z, w, r0, r1, x, pool, ra, mn, rc, mc, xq_ptr, jo, jm, kb0, b1,
-                                                  QT, BN, BM, KB, 2 * KB, PK)
-                    acc, v, s0, s1, y = _step_raw(acc, z, v, s0, s1, y, pool, ra, mn, rc, mc, xq_ptr, jo, jm, kb0 + KB,
-                                                  b1, QT, BN, BM, KB, 2 * KB, PK)
+                    acc, w, r0, r1, x = _step_raw(acc, z, w, r0, r1, x, pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr,
+                                                  so, sm, kb0, b1, QT, BN, BM, KB, 2 * KB, PK)
+                    acc, v, s0, s1, y = _step_raw(acc, z, v, s0, s1, y, pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr,
+                                                  so, sm, kb0 + KB, b1, QT, BN, BM, KB, 2 * KB, PK)
                 if (b1 - b0) // KB % 2 == 1:
-                    acc, w, r0, r1, x = _step_raw(acc, z, w, r0, r1, x, pool, ra, mn, rc, mc, xq_ptr, jo, jm, b1 - KB,
-                                                  b1, QT, BN, BM, KB, 2 * KB, PK)
+                    acc, w, r0, r1, x = _step_raw(acc, z, w, r0, r1, x, pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr,
+                                                  so, sm, b1 - KB, b1, QT, BN, BM, KB, 2 * KB, PK)
         return acc
 
     @gluon.jit
@@ -733,24 +770,69 @@ if HAVE_GLUON:
         return gl.convert_layout(gl.reshape(h0, [R // 2]), gl.SliceLayout(1, LZ))
 
     @gluon.jit
+    def _k_pk_pairs(z):
+        """PK (Q4_K): a K step's byte pairs [R / 2, 32] as mma_pack's layout holds them (row q = 8 (n // 16) + n % 8,
+        column m = 8 b + 4 h + j: pair b + 4 j of row n + 8 h; 16-bit values, any bits above ignored) -> QL's [R, 16]
+        (pair p = 4 j + b of row n), by register moves (the same pairs in the same threads)."""
+        R: gl.constexpr = 2 * z.shape[0]
+        if R == 64:
+            LQ: gl.constexpr = QL
+        else:
+            LQ: gl.constexpr = QL2
+        z = gl.permute(gl.reshape(z, [R // 16, 8, 4, 2, 4]), [0, 3, 1, 4, 2])   # [n // 16, h, n % 8, j, b]
+        q = gl.convert_layout(gl.reshape(z, [R, 16]), LQ)                       # [R, 16]: pair p = 4 j + b
+        return q
+
+    @gluon.jit
+    def _k_a(q):
+        """Q4_K: QL's byte pairs [R, 16] uint16 of a K step's 32-byte group -> its weights [R, 64] bf16 in AL: column
+        c = nibble c // 32 of byte c % 32 (sub-blocks j, j + 1: the low nibbles, then the high), _nibs_bf16's."""
+        R: gl.constexpr = q.shape[0]
+        lo, hi = _nibs_bf16(q)
+        w = gl.reshape(gl.permute(gl.join(_bf16x2(lo, R), _bf16x2(hi, R)), [0, 2, 1]), [R, 64])
+        return gl.convert_layout(w, AL)             # column 32 i + e: block i (a register permutation: no data moves)
+
+    @gluon.jit
+    def _k_hdr(pool, rc, mc, hb):
+        """Q4_K: the super-block headers [R, 4] int32 (f16 d | f16 dmin, scales[0..3], [4..7], [8..11]) at byte hb of
+        rows rc (mask mc, ACC's rows), one 128-bit load a row (HL)."""
+        R: gl.constexpr = rc.shape[0]
+        if R == 64:
+            LH: gl.constexpr = HL
+        else:
+            LH: gl.constexpr = HL2
+        hp = (pool + gl.convert_layout(rc + hb, gl.SliceLayout(1, LH))).to(gl.pointer_type(gl.int32))
+        hm = gl.convert_layout(mc, gl.SliceLayout(1, LH))
+        hw = gl.arange(0, 4, layout=gl.SliceLayout(0, LH))
+        return gl.load(hp[:, None] + hw[None, :], mask=gl.broadcast(hm[:, None], hw[None, :])[0], other=0)
+
+    @gluon.jit
+    def _k_words(hdr):
+        """_k_hdr's [R, 4] -> its words w0, w1, w2, w3 [R] in ACC's rows (register moves: the same bases)."""
+        R: gl.constexpr = hdr.shape[0]
+        h02, h13 = gl.split(gl.reshape(hdr, [R, 2, 2]))             # words 0, 2 | 1, 3 (register moves)
+        w0, w2 = gl.split(h02)
+        w1, w3 = gl.split(h13)
+        RL: gl.constexpr = gl.SliceLayout(1, ACC)
+        return (gl.convert_layout(w0, RL), gl.convert_layout(w1, RL), gl.convert_layout(w2, RL),
+                gl.convert_layout(w3, RL))
+
+    @gluon.jit
     def _fetch_k(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, kb0, KB: gl.constexpr, PK: gl.constexpr):
         """Q4_K's K step kb0, kb0 + 1 (kb0 even: sub-blocks j = kb0 % 8 and j + 1 of super-block kb0 // 8, the low and
         the high nibbles of ONE 32-byte group, (kb0 % 8) // 2): (the weights [R, 64] bf16 in AL of rows ra (mask mn):
         column c = nibble c // 32 of byte 16 + 32 group + c % 32 -- triton_mmq._w_tile's values in its order, each
-        byte pair loaded once (QL) for both blocks (_nibs_bf16); the header's word 0 (f16 d | f16 dmin) and both
-        blocks' 6-bit sc, m [R] int32 (rows rc, mask mc, ACC's rows; the header one 16-byte load a row, HL); the x
+        byte pair loaded once (QL) for both blocks (_k_a); the header's word 0 (f16 d | f16 dmin) and both
+        blocks' 6-bit sc, m [R] int32 (rows rc, mask mc, ACC's rows; the header one 16-byte load a row, _k_hdr); the x
         block sums [BM] of both (at element offsets so, mask sm); the B tile as _fetch's (no _perm)). PK (mma_pack's
         layout): ra / mn are _half_rows' [R / 2] of the rows' _pk_rows pieces, the pairs loaded as QZ's [R / 2, 32]
-        (128-bit loads) and moved to QL's [R, 16] (register moves: the same pairs in the same threads); rc the rows'
-        headers."""
+        (128-bit loads) and moved to QL's [R, 16] (_k_pk_pairs); rc the rows' headers."""
         R: gl.constexpr = rc.shape[0]
         if R == 64:
             LQ: gl.constexpr = QL
-            LH: gl.constexpr = HL
             LZ: gl.constexpr = QZ
         else:
             LQ: gl.constexpr = QL2
-            LH: gl.constexpr = HL2
             LZ: gl.constexpr = QZ2
         if PK:                                      # super-block kb0 // 8 of the tile, its group (kb0 // 2) % 4
             m = gl.arange(0, 32, layout=gl.SliceLayout(0, LZ))
@@ -758,8 +840,7 @@ if HAVE_GLUON:
             a = gl.multiple_of(ra + ((kb0 >> 3) * 9216 + ((kb0 >> 1) & 3) * 2048), 16)
             p = (pool + a).to(gl.pointer_type(gl.uint16))
             z = gl.load(p[:, None] + m[None, :], mask=gl.broadcast(mn[:, None], m[None, :])[0], other=0)
-            z = gl.permute(gl.reshape(z, [R // 16, 8, 4, 2, 4]), [0, 3, 1, 4, 2])   # [n // 16, h, n % 8, j, b]
-            q = gl.convert_layout(gl.reshape(z, [R, 16]), LQ)                       # [R, 16]: pair p = 4 j + b
+            q = _k_pk_pairs(z)
             hb = (kb0 >> 3) * 9216
         else:
             c = gl.arange(0, 16, layout=gl.SliceLayout(0, LQ))
@@ -768,19 +849,8 @@ if HAVE_GLUON:
             mq = gl.convert_layout(mn, gl.SliceLayout(1, LQ))
             q = gl.load(p, mask=gl.broadcast(mq[:, None], p)[0], other=0)             # [R, 16] uint16
             hb = (kb0 >> 3) * 144
-        lo, hi = _nibs_bf16(q)
-        w = gl.reshape(gl.permute(gl.join(_bf16x2(lo, R), _bf16x2(hi, R)), [0, 2, 1]), [R, KB * 32])
-        wb = gl.convert_layout(w, AL)               # column 32 i + e: block i (a register permutation: no data moves)
-        hp = (pool + gl.convert_layout(rc + hb, gl.SliceLayout(1, LH))).to(gl.pointer_type(gl.int32))
-        hm = gl.convert_layout(mc, gl.SliceLayout(1, LH))
-        hw = gl.arange(0, 4, layout=gl.SliceLayout(0, LH))
-        hdr = gl.load(hp[:, None] + hw[None, :], mask=gl.broadcast(hm[:, None], hw[None, :])[0], other=0)   # [R, 4]
-        h02, h13 = gl.split(gl.reshape(hdr, [R, 2, 2]))             # words 0, 2 | 1, 3 (register moves)
-        w0, w2 = gl.split(h02)
-        w1, w3 = gl.split(h13)
-        RL: gl.constexpr = gl.SliceLayout(1, ACC)                   # to ACC's rows: the same bases, no data moves
-        w0, w1, w2, w3 = (gl.convert_layout(w0, RL), gl.convert_layout(w1, RL), gl.convert_layout(w2, RL),
-                          gl.convert_layout(w3, RL))
+        wb = _k_a(q)
+        w0, w1, w2, w3 = _k_words(_k_hdr(pool, rc, mc, hb))
         sc0, m0, sc1, m1 = _k_scales(w1, w2, w3, kb0 & 7)
         s0 = gl.load(xs_ptr + so + kb0, mask=sm, other=0.0)
         s1 = gl.load(xs_ptr + so + kb0 + 1, mask=sm, other=0.0)
@@ -791,12 +861,108 @@ if HAVE_GLUON:
         return wb, w0, sc0, m0, sc1, m1, s0, s1, x
 
     @gluon.jit
+    def _load_raw_k(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, kb0, KB: gl.constexpr, PK: gl.constexpr):
+        """GP >= 1 (Q4_K): _fetch_k's loads of K step kb0, each an int32 / float32 as loaded: (the pairs: GGUF order
+        QL's [R, 16], one 16-bit load a pair zero-extended (_ld_u16); PK mma_pack's words [R / 2, 16] (MW: a
+        thread's 16 contiguous bytes of a 64-row tile, one 128-bit load; word u = pairs m = 2 u (low half), 2 u + 1 of
+        QZ's columns) at _half_rows' pieces ra; the headers [R, 4] (_k_hdr); the x block sums of both blocks, joined
+        [BM, 2]; the B tile as _x_words)."""
+        R: gl.constexpr = rc.shape[0]
+        if PK:
+            if R == 64:
+                LW: gl.constexpr = MW
+            else:
+                LW: gl.constexpr = MW2
+            u = gl.arange(0, 16, layout=gl.SliceLayout(0, LW))
+            # the 16-byte hint on the add (after the convert: Triton 3.6 loses one on it)
+            a = gl.multiple_of(gl.convert_layout(ra, gl.SliceLayout(1, LW)) + ((kb0 >> 3) * 9216 +
+                                                                            ((kb0 >> 1) & 3) * 2048), 16)
+            pw = (pool + a).to(gl.pointer_type(gl.int32))
+            mw = gl.convert_layout(mn, gl.SliceLayout(1, LW))
+            w = gl.load(pw[:, None] + u[None, :], mask=gl.broadcast(mw[:, None], u[None, :])[0], other=0)
+            hb = (kb0 >> 3) * 9216
+        else:
+            if R == 64:
+                LQ: gl.constexpr = QL
+            else:
+                LQ: gl.constexpr = QL2
+            c = gl.arange(0, 16, layout=gl.SliceLayout(0, LQ))
+            rq = gl.convert_layout(ra + ((kb0 >> 3) * 144 + 16 + ((kb0 >> 1) & 3) * 32), gl.SliceLayout(1, LQ))
+            o = rq[:, None] + 2 * c[None, :]                            # byte offsets of the pairs
+            mq = gl.convert_layout(mn, gl.SliceLayout(1, LQ))
+            w = _ld_u16(pool + o, gl.broadcast(mq[:, None], o)[0])
+            hb = (kb0 >> 3) * 144
+        ps = xs_ptr + so + kb0                      # both blocks' sums as one [BM, 2] load (joined pointers: a
+        s = gl.load(gl.join(ps, ps + 1), mask=gl.join(sm, sm), other=0.0)    # join of loaded values is copied by 3.6)
+        return w, _k_hdr(pool, rc, mc, hb), s, _x_words(xq_ptr, jo, jm, kb0, KB)
+
+    @gluon.jit
+    def _conv_raw_k(w, hdr, s, x, kb0, PK: gl.constexpr):
+        """_load_raw_k's values of K step kb0 -> (the weights [R, 64] bf16 in AL, _k_terms' dw0, t0, dw1, t1, the B
+        tile bf16 in BL): _fetch_k's values (the pairs' low 16 bits; PK's words split into their halves and moved to
+        QL's pairs by register moves) and the float ops GP 0 does beside the MMA (_k_terms), here before the next step's
+        loads are issued into the same registers (a value of the set still live then would be copied at the loop's
+        end, waiting for those loads)."""
+        R: gl.constexpr = hdr.shape[0]
+        if PK:                                      # word u's halves: QZ's columns 2 u, 2 u + 1
+            q = _k_pk_pairs(gl.reshape(gl.join(w, w >> 16), [R // 2, 32]))
+        else:
+            q = w
+        wb = _k_a(q.to(gl.uint16))
+        w0, w1, w2, w3 = _k_words(hdr)
+        sc0, m0, sc1, m1 = _k_scales(w1, w2, w3, kb0 & 7)
+        s0, s1 = gl.split(s)
+        SL: gl.constexpr = gl.SliceLayout(0, ACC)
+        dw0, t0, dw1, t1 = _k_terms(_f16_asm(w0), _f16_asm(w0 >> 16), sc0, m0, sc1, m1,   # (PTX: not sunk past
+                                    gl.convert_layout(s0, SL), gl.convert_layout(s1, SL), True)   # the loads)
+        return wb, dw0, t0, dw1, t1, _x_bf16(x)
+
+    @gluon.jit
+    def _k_terms(d, dmin, c0, n0, c1, n1, s0, s1, PIN: gl.constexpr = False):
+        """Q4_K's scale terms of a K step's two blocks (triton_mmq's K-quant float ops, as _wl_step's): dw_i = d sc_i
+        and the min term t_i = -(dmin m_i * sx_i) [R, BM] (float32 products; d / dmin the header's f16 as float32,
+        c / n the 6-bit sc / m [R], s the x block sums [BM]). PIN (GP >= 1): the min terms by _neg_mul, where they
+        are written (Triton 3.6 otherwise sinks them past the next step's loads: the sums then copied, waited for)."""
+        dw0 = d * c0.to(gl.float32)
+        mw0 = dmin * n0.to(gl.float32)
+        dw1 = d * c1.to(gl.float32)
+        mw1 = dmin * n1.to(gl.float32)
+        if PIN:
+            t0 = _neg_mul(gl.broadcast(mw0[:, None], s0[None, :]))
+            t1 = _neg_mul(gl.broadcast(mw1[:, None], s1[None, :]))
+        else:
+            t0 = -(mw0[:, None] * s0[None, :])
+            t1 = -(mw1[:, None] * s1[None, :])
+        return dw0, t0, dw1, t1
+
+    @gluon.jit
+    def _neg_mul(ab):
+        """-(a * b) of float32 (a, b) (broadcast pairs) by PTX: Triton's own instructions for it (mul.f32, neg.f32),
+        in an asm with side effects, which the compiler does not move (the same rounding: one mul)."""
+        return gl.inline_asm_elementwise(
+            """{
+            .reg .f32 t;
+            mul.f32 t, $1, $2;
+            neg.f32 $0, t;
+            }""", "=f,f,f", [ab[0], ab[1]], dtype=gl.float32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _k_fma(acc, dot, dw0, t0, dw1, t1, BN: gl.constexpr, BM: gl.constexpr, KB: gl.constexpr):
+        """Q4_K's block sums into acc, ascending: acc + fma(dot_i, dw_i, t_i) (dot [BN, KB*BM] the MMA's, column
+        i*BM + m block i's)."""
+        p0, p1 = gl.split(gl.permute(gl.reshape(dot, [BN, KB, BM]), [0, 2, 1]))
+        p0 = gl.convert_layout(p0, ACC)
+        p1 = gl.convert_layout(p1, ACC)
+        acc = acc + gl.fma(p0, gl.broadcast(dw0[:, None], acc)[0], t0)
+        return acc + gl.fma(p1, gl.broadcast(dw1[:, None], acc)[0], t1)
+
+    @gluon.jit
     def _acc_part_k(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, b0, b1, BN: gl.constexpr, BM: gl.constexpr,
                     KB: gl.constexpr, PK: gl.constexpr):
-        """_acc_part of Q4_K: per block, acc + fma(dot, d sc, -(dmin m * sx)) in ascending order (triton_mmq's K-quant
-        float ops, d sc and dmin m each a float32 product as _wl_step's; sx: the x block sums, so / sm their offsets
-        [BM] and mask in ACC's columns). PK (a schedule key): the weights in mma_pack's layout (ra / rc: _pk_rows'
-        addresses; the loads alone differ, _fetch_k)."""
+        """_acc_part of Q4_K at GP 0 (_acc_part's GP 1 / 2 take Q4_K too): per block, acc + fma(dot, d sc, -(dmin m *
+        sx)) in ascending order (_k_terms, _k_fma; sx: the x block sums, so / sm their offsets [BM] and mask in ACC's
+        columns). PK (a schedule key): the weights in mma_pack's layout (ra / rc: _pk_rows' addresses; the loads
+        alone differ, _fetch_k)."""
         gl.static_assert(KB == 2)
         acc = gl.zeros([BN, BM], gl.float32, ACC)
         z = gl.zeros([BN, KB * BM], gl.float32, MMA)
@@ -811,29 +977,20 @@ if HAVE_GLUON:
             xs = gl.allocate_shared_memory(gl.bfloat16, [KB * 32, KB * BM], SH, x)
             hopper.fence_async_shared()
             dot = hopper.warpgroup_mma(wb, xs, z, use_acc=False, is_async=True)
-            d = _f16(w0)                            # (beside the MMA: the scales' float ops, as _wl_step's)
-            dmin = _f16(w0 >> 16)
-            dw0 = d * c0.to(gl.float32)
-            mw0 = dmin * n0.to(gl.float32)
-            dw1 = d * c1.to(gl.float32)
-            mw1 = dmin * n1.to(gl.float32)
+            dw0, u0, dw1, u1 = _k_terms(_f16(w0), _f16(w0 >> 16), c0, n0, c1, n1, s0, s1)   # (beside the MMA)
             dot = hopper.warpgroup_mma_wait(0, deps=[dot])
-            p0, p1 = gl.split(gl.permute(gl.reshape(dot, [BN, KB, BM]), [0, 2, 1]))
-            p0 = gl.convert_layout(p0, ACC)
-            p1 = gl.convert_layout(p1, ACC)
-            acc = acc + gl.fma(p0, gl.broadcast(dw0[:, None], acc)[0], -(mw0[:, None] * s0[None, :]))
-            acc = acc + gl.fma(p1, gl.broadcast(dw1[:, None], acc)[0], -(mw1[:, None] * s1[None, :]))
+            acc = _k_fma(acc, dot, dw0, u0, dw1, u1, BN, BM, KB)
             wb, w0, c0, n0, c1, n1, s0, s1, x = wb2, v0, e0, f0, e1, f1, t0, t1, x2
         return acc
 
     @gluon.jit
     def _acc_any(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, b0, b1, QT: gl.constexpr, BN: gl.constexpr,
                  BM: gl.constexpr, KB: gl.constexpr, GP: gl.constexpr, PK: gl.constexpr):
-        """The partial [BN, BM] of type QT: _acc_part_k (Q4_K) or _acc_part."""
-        if QT == 5:
+        """The partial [BN, BM] of type QT: _acc_part_k (Q4_K at GP 0) or _acc_part."""
+        if QT == 5 and GP == 0:
             r = _acc_part_k(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, b0, b1, BN, BM, KB, PK)
         else:
-            r = _acc_part(pool, ra, mn, rc, mc, xq_ptr, jo, jm, b0, b1, QT, BN, BM, KB, GP, PK)
+            r = _acc_part(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, b0, b1, QT, BN, BM, KB, GP, PK)
         return r
 
     @gluon.jit
@@ -1057,18 +1214,23 @@ def launch(which: str, grid: tuple, args: list, consts: dict, kcb: int):
     """Launch the Gluon kernel `which` ('gate_up' | 'down') on triton_mmq._launch's arguments: args = (xq, xd, xs,
     pool, base, starts, rows, off, out, ws, cnt, H, F, row_bytes, n_exp[, k_top, limit]); xd unused (bf16: no scales
     of x), xs the x block sums (Q4_K's min term; unused by Q8_0 / MXFP4); consts: triton_mmq's constexprs, of which
-    CONSTS[which] are this kernel's."""
+    CONSTS[which] are this kernel's, and its schedule key NR (ptxas's register limit a thread where not 0)."""
     LAUNCH[which][grid](args[0], args[2], *args[3:], kcb, **{k: consts[k] for k in CONSTS[which]},
-                        num_warps=SHAPE["num_warps"], num_stages=1)
+                        num_warps=SHAPE["num_warps"], num_stages=1, **_maxnreg(consts.get("NR", 0)))
+
+
+def _maxnreg(nr: int) -> dict:
+    """The compile option of the schedule key NR: {} for 0 (ptxas's choice), else ptxas's maxnreg."""
+    return {"maxnreg": nr} if nr else {}
 
 
 def compile_kernel(which: str = "gate_up", bucket: int = 16, arch: int = 90, hints: bool = True, qt: int = 0,
-                   fuse: bool = False, gp: int = 0, pk: int = 0):
+                   fuse: bool = False, gp: int = 0, pk: int = 0, nr: int = 0):
     """The Gluon kernel of type code qt compiled for CUDA sm_`arch` without a GPU (no torch needed: Triton 3.6 or 3.9
     alone) at the bench geometry (H 2048, F 768: K 2048 for gate_up, 768 for down, 128 experts, k_top 8) for a rows
     bucket's launch (1: split-K over KCB 16 chunks; 16: walked), as triton_mmq.compile_kernel: (CompiledKernel,
     constexprs). hints: a device launch's alignment facts (16-byte aligned pointers, the int arguments that are
-    multiples of 16); fuse: gate_up's FUSE form; gp, pk: the schedule keys GP and PK (_acc_part)."""
+    multiples of 16); fuse: gate_up's FUSE form; gp, pk, nr: the schedule keys GP and PK (_acc_part), NR (launch)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -1093,5 +1255,5 @@ def compile_kernel(which: str = "gate_up", bucket: int = 16, arch: int = 90, hin
         attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
                  if sig.get(name, "").startswith("*") or ints.get(name, 1) % 16 == 0 and name in ints}
     k = triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", arch, 32),
-                       options={"num_warps": SHAPE["num_warps"], "num_stages": 1})
+                       options={"num_warps": SHAPE["num_warps"], "num_stages": 1, **_maxnreg(nr)})
     return k, const

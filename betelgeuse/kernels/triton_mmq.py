@@ -88,20 +88,25 @@ QK = 32                        # elements per q8_1 block (llama.cpp QK8_1)
 MMQ_TYPES = frozenset({0, 4, 5})  # kernel type codes with an MMA schedule: Q8_0, MXFP4, Q4_K
 BF_TYPES = MMQ_TYPES | {6}        # ... and with the bf16 mode: + Q5_K (byte loads: no word-load form yet)
 CONFIG = {"BM": 16, "BN": 64, "FUSE": 0, "num_warps": 4, "num_stages": 3,   # schedule keys (every type and bucket)
-          "MV": 0, "BM_MV": 1, "NS": 1, "DP4A": 0, "WL": 0, "PF": 0, "GL": 0, "GP": 0, "PK": 0}
+          "MV": 0, "BM_MV": 1, "NS": 1, "DP4A": 0, "WL": 0, "PF": 0, "GL": 0, "GP": 0, "PK": 0, "NR": 0,
+          "NRD": 0}
 # GL = 1 (bf16 MMA only): gluon_mmq's kernel, the same arithmetic with the weights loaded straight into the wgmma's A
 # registers (no shared memory round trip), where gluon_mmq.usable says so (CUDA sm_90, Q8_0 / MXFP4 / Q4_K at
 # BF_TUNING's shape, FUSE either way, aligned parts), else this module's kernel: a schedule key (the same bits:
-# deploy/device/check_gluon_mmq.py). GP (with GL, Q8_0 / MXFP4): how far ahead the Gluon K loop's loads are issued
+# deploy/device/check_gluon_mmq.py). GP (with GL): how far ahead the Gluon K loop's loads are issued
 # (gluon_mmq._acc_part: 0 converted in the step that issues them, 1 / 2 carried as loaded one / two steps; the same
-# bits: cpu-gluon16r57). PK 1 (with GL, Q8_0, GP >= 1; off everywhere): the pool's weights are in
-# kernels/mma_pack's layout (every part's 64-row tiles re-laid: 512 contiguous bytes a warp load), which only the
-# Gluon form reads (the same values in the same MMA: the same bits, cpu-pack62); the caller packs the pool. PK 2:
-# each expert's layout from bit 0 of its base offset (engine.pack_experts' packed VRAM slots beside GGUF ones:
-# MoEKernels passes it per launch, gate_up / down's pk, which sets GL 1 too; cpu-vram62). Q4_K's Gluon form (GP 0)
-# reads mma_pack's Q4_K layout under PK 1 / 2 alike (its byte pairs 16 contiguous bytes a thread: cpu-packk62), MXFP4's
-# every GP form its MXFP4 layout (a thread's nibble bytes 16 contiguous bytes, a row's 2 scales one 16-bit load:
+# bits: cpu-gluon16r57; Q4_K's too, GGUF order and PK 1 / 2: cpu-gpk63). PK 1 (with GL, Q8_0, GP >= 1; off everywhere):
+# the pool's weights are in kernels/mma_pack's layout (every part's 64-row tiles re-laid: 512 contiguous bytes a warp
+# load), which only the Gluon form reads (the same values in the same MMA: the same bits, cpu-pack62); the caller packs
+# the pool. PK 2: each expert's layout from bit 0 of its base offset (engine.pack_experts' packed VRAM slots beside GGUF
+# ones: MoEKernels passes it per launch, gate_up / down's pk, which sets GL 1 too; cpu-vram62). Q4_K's Gluon forms (any
+# GP) read mma_pack's Q4_K layout under PK 1 / 2 alike (its byte pairs 16 contiguous bytes a thread: cpu-packk62),
+# MXFP4's every GP form its MXFP4 layout (a thread's nibble bytes 16 contiguous bytes, a row's 2 scales one 16-bit load:
 # cpu-mxpk63)
+# NR (with GL; 0: ptxas's choice): the Gluon kernels' register limit a thread (ptxas's maxnreg), NRD the down's where
+# not 0: 168 fits 3 CTAs of 4 warps a SM, 128 4 -- register allocation alone, the same instructions' arithmetic, so
+# the same bits (Q4_K's fused GP 1 gate_up: 219-247 registers, 2 CTAs, at 168 without spills; its down at 128: 4
+# CTAs; cpu-gpk63)
 # MV = 1: the decode schedule without tensor cores (triton_mmq_mv: the same bits; BM_MV rows a program, NS word
 # groups a K step; DP4A 1: its block dots by PTX dp4a on the GPU, the same integers) where a launch
 # can take it (triton_mmq_mv.mv_ok), else the MMA. WL = 1: the MMA's weight and activation tiles read as int32 words
@@ -146,7 +151,7 @@ for _qt in (4, 5):                                                          # MX
 # GL 1 where a Gluon form was faster in both rows buckets with the Triton kernel's bits (gpu-run63, H100,
 # deploy/device/check_gluon_mmq.py: bank of 16 at the bench geometry, kernels alone, gate_up + down GB/s at 1 / 16
 # rows): Q8_0 fused with GP 1 1,046 / 909 against Triton's unfused 912 / 826 (so Q8_0 fuses too: where Gluon cannot
-# run, Triton's fused Q8_0 is the same bits, gpu-run58's 777 / 932), Q4_K (fused, GP 0: its loop has no GP form) 528 /
+# run, Triton's fused Q8_0 is the same bits, gpu-run58's 777 / 932), Q4_K (fused, GP 0: then its one form) 528 /
 # 479 against 491 / 416. MXFP4 (GP 0, fused), once its nibbles were decoded by PTX (cpu-mxlut63): 588 / 476 against
 # Triton's 497 / 441 (gpu-run65, H200) and 1.17-1.18x / 1.08x in two runs on an H100 (gpu-run66); before it every
 # Gluon form read 0.61-0.95x
@@ -950,10 +955,12 @@ def _launch(kernel, args: list, grid_n: int, R: int, E: int, K: int, qt: int, pe
         raise ValueError(f"PK {c['PK']} (mma_pack's layout) needs gluon_mmq's form, not usable here: type {qt}, "
                          f"config {c}")
     if gl_ok:                       # the Gluon form of the schedule (GL)
-        gm.launch("gate_up" if kernel is _GATE_UP_MMQ else "down", (grid_n, nrb, nch) if split else (grid_n, nrb),
+        which = "gate_up" if kernel is _GATE_UP_MMQ else "down"
+        gm.launch(which, (grid_n, nrb, nch) if split else (grid_n, nrb),
                   [*args[:9], ws, cnt, *args[9:]], {**consts, "BM": c["BM"], "BN": c["BN"], "KB": kb, "SPLIT": split,
                                                     "EP": triton.next_power_of_2(E), "GP": c.get("GP", 0),
-                                                    "PK": c.get("PK", 0)}, kcb)
+                                                    "PK": c.get("PK", 0),
+                                                    "NR": which == "down" and c.get("NRD") or c.get("NR", 0)}, kcb)
         return
     kernel[(grid_n, nrb, nch) if split else (grid_n, nrb)](
         *args[:9], ws, cnt, *args[9:], kcb, **consts, BM=c["BM"], BN=c["BN"], EP=triton.next_power_of_2(E), KB=kb,

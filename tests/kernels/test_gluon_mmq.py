@@ -31,12 +31,17 @@ from betelgeuse.kernels import triton_mmq as mq  # noqa: E402
 # layout, cpu-packk62: the 16-row fused gate_up, the 1-row down) and PK 2 (the shipped Q4_K cases' launches, against
 # whose registers they are held) -- 4 more, ~5 s; MXFP4's PK (mma_pack's MXFP4 layout, cpu-mxpk63): its Gluon form
 # (GP 0) at PK 1 (the 16-row fused gate_up, the 1-row down) and PK 2 (the 1-row gate_up, against the shipped case's
-# registers), and GP 1 at PK 1 (the 16-row gate_up: the loads carried) -- 4 more Gluon compiles and 2 Triton, ~12 s
+# registers), and GP 1 at PK 1 (the 16-row gate_up: the loads carried) -- 4 more Gluon compiles and 2 Triton, ~12 s;
+# Q4_K's loads carried (_load_raw_k, cpu-gpk63): GP 1 at PK 1 (the 1-row fused gate_up, the 16-row down) and in GGUF
+# order (the 16-row down), GP 2 at PK 1 (the 16-row fused gate_up), and GP 1 PK 1's 1-row fused gate_up under NR 168
+# (a 6th field: ptxas's register limit, 3 CTAs a SM) -- 5 more Gluon compiles and 1 Triton, ~8 s
 CASES = [(0, "gate_up", 1, 0, 0), (0, "gate_up", 16, 1, 0), (0, "gate_up", 16, 2, 0), (4, "gate_up", 1, 0, 0),
          (5, "gate_up", 1, 0, 0), (5, "down", 16, 0, 0), (0, "gate_up", 1, 1, 1), (0, "gate_up", 16, 1, 1),
          (0, "down", 1, 1, 1), (0, "down", 16, 1, 1), (0, "gate_up", 1, 1, 2), (0, "down", 16, 1, 2),
          (5, "gate_up", 16, 0, 1), (5, "down", 1, 0, 1), (5, "gate_up", 1, 0, 2), (5, "down", 16, 0, 2),
-         (4, "gate_up", 16, 0, 1), (4, "down", 1, 0, 1), (4, "gate_up", 1, 0, 2), (4, "gate_up", 16, 1, 1)]
+         (4, "gate_up", 16, 0, 1), (4, "down", 1, 0, 1), (4, "gate_up", 1, 0, 2), (4, "gate_up", 16, 1, 1),
+         (5, "gate_up", 1, 1, 1), (5, "down", 16, 1, 1), (5, "down", 16, 1, 0), (5, "gate_up", 16, 2, 1),
+         (5, "gate_up", 1, 1, 1, 168)]
 # a child without TRITON_INTERPRET: compile the Gluon kernels for sm_90 and count their K loop's SASS
 # (tests/scripts/sass_profile.py's loop and classes); one JSON line a kernel, or {"skip": why}
 _CHILD = """
@@ -66,9 +71,10 @@ def kinds(body):                    # instructions by opcode and first modifiers
         ops[key] = ops.get(key, 0) + 1
     return ops
 TK = {}
-for qt, w, b, gp, pk in CASES:
+for qt, w, b, gp, pk, *nr in CASES:
     fuse = bool(mq.config(qt, b, bf=True).get("FUSE")) and w == "gate_up"     # the shipped FUSE (all: 1)
-    k, const = gm.compile_kernel(w, b, qt=qt, fuse=fuse, gp=gp, pk=pk)
+    nr = nr[0] if nr else 0
+    k, const = gm.compile_kernel(w, b, qt=qt, fuse=fuse, gp=gp, pk=pk, nr=nr)
     if (qt, w, b) not in TK:                # the Triton kernel of the launch, once for its GP cases
         TK[qt, w, b] = fops(mq.compile_kernel(w, qt, bucket=b, hints=True, bf=True)[0].asm["ptx"])
     sass, res = sp.sass_of(k.asm["cubin"])
@@ -77,7 +83,8 @@ for qt, w, b, gp, pk in CASES:
     ops = kinds(body)
     loops = [{o: v for o, v in kinds(lp).items() if o.startswith("LDG")} for lp in sp.mma_loops(ins)]  # K loops' loads
     sizes = [len(lp) for lp in sp.mma_loops(ins)]                           # ... and SASS instructions
-    print(json.dumps({"qt": qt, "kernel": w, "bucket": b, "gp": gp, "pk": pk, "split": const["SPLIT"], "fuse": fuse,
+    print(json.dumps({"qt": qt, "kernel": w, "bucket": b, "gp": gp, "pk": pk, "nr": nr, "split": const["SPLIT"],
+                      "fuse": fuse,
                       "a_op": sp.a_operand(body), "asm": "add.rn.bf16x2" in k.asm["ptx"], "sizes": sizes,
                       "lut": "mov.b32 t1, 0x0C080604;" in k.asm["ptx"],
                       "ldg_in_step": sp.ldg_in_step(body), "ldg": sum(v for o, v in ops.items() if o.startswith("LDG")),
@@ -120,7 +127,7 @@ def test_gluon_compiles_to_the_bf16_mma_with_the_weights_in_registers():
     if reports and "skip" in reports[0]:
         pytest.skip(f"no sm_90 compile toolchain here: {reports[0]['skip']}")
     assert [(r["qt"], r["kernel"], r["bucket"], r["gp"], r["pk"], r["split"], r["fuse"]) for r in reports] == [
-        (qt, w, b, gp, pk, b == 1, w == "gate_up") for qt, w, b, gp, pk in CASES]
+        (qt, w, b, gp, pk, b == 1, w == "gate_up") for qt, w, b, gp, pk, *_ in CASES]
     shipped = {(r["qt"], r["kernel"], r["bucket"]): r["regs"] for r in reports if r["qt"] in (4, 5) and not r["pk"]
                and not r["gp"]}
     for r in reports:
@@ -134,9 +141,10 @@ def test_gluon_compiles_to_the_bf16_mma_with_the_weights_in_registers():
         assert not any(k.startswith(("LDS", "LDSM")) for k in ops), r
         assert sum(v for k, v in ops.items() if k.startswith("BAR")) <= 2 * n, r
         assert r["local"] == 0 and (r["regs"] <= 168 or r["qt"] == 5 or r["fuse"] or r["gp"] == 2), r   # 3 CTAs a SM
+        assert r["regs"] <= (r["nr"] or 255), r    # NR: ptxas's limit (Q4_K's fused GP 1 at 168: no spills, above)
         want = dict(r["triton_fops"])
         if r["gp"] == 2:                           # the block fmas in 3 places: the loop's 2 steps, an odd last step
-            want["fma.rn.f32"] *= 3
+            want["fma.rn.f32"] *= 3                # (Q4_K: its block muls too, below)
         t = 2 if r["fuse"] else 1                  # 64-row tiles a K step
         if r["qt"] == 5:                           # Q4_K a K loop's loads: GGUF 8 pairs a tile, its 2 headers, x;
             gguf = {"LDG.E.U16": 8 * t, "LDG.E.128": 2 * t + 2, "LDG.E": 8}     # packed: the pairs one 16-byte load
@@ -161,10 +169,14 @@ def test_gluon_compiles_to_the_bf16_mma_with_the_weights_in_registers():
             assert sorted(map(sorted, (d.items() for d in r["loops"]))) == sorted(map(sorted, (d.items() for d in (
                 gguf, packed)))), r
         else:
+            if r["qt"] == 5 and r["gp"] == 2:      # Q4_K's other block ops in the 2 more places: a step's f fmas
+                f = r["triton_fops"]["fma.rn.f32"]  # (PTX's per thread), f adds (acc +), f min products dmin m * sx
+                want["add.f32"] += 2 * f           # and f / 2 of d sc, dmin m (a thread's rows: [R] vectors)
+                want["mul.f32"] += 2 * (f + f // 2)
             assert r["fops"] == want and r["fops"].get("fma.rn.f32"), r
             assert len(r["loops"]) == 1, r
             if r["qt"] in (4, 5):                  # Q4_K's / MXFP4's loop: GGUF order's loads or (PK 1) the packed
-                assert r["loops"] == [packed if r["pk"] else gguf], r
+                assert r["loops"] == [{k: v * n for k, v in (packed if r["pk"] else gguf).items()}], r
         if r["qt"] == 4:                           # MXFP4's decode by _e2m1x8's table (cpu-mxlut63): a K step's SASS
             print("MXFP4", r["kernel"], r["bucket"], "GP", r["gp"], "PK", r["pk"], "SASS a step", r["sizes"],
                   "registers", r["regs"])         # (the compiler's decode: 1026 GGUF / 804 PK, fused 1-row gate_up)
@@ -172,12 +184,17 @@ def test_gluon_compiles_to_the_bf16_mma_with_the_weights_in_registers():
                 assert size <= (250 if "LDG.E.128" in ld else 350) * t, r
             assert r["bucket"] != 1 or r["regs"] <= 168, r     # the 1-row kernels (the engine's decode): 3 CTAs a SM
         loads = 42 if r["fuse"] else 22           # Q8_0's loads a K step (fused: gate's and up's weight words)
+        if r["qt"] == 5:
+            loads = sum((packed if r["pk"] else gguf).values())
         if r["pk"]:                                # the packed loads alone (Q8_0: 2 x 128 bits a tile, 2 scale words)
-            assert {k: v for k, v in ops.items() if k.startswith("LDG")} == packed, r
+            assert {k: v for k, v in ops.items() if k.startswith("LDG")} == {k: v * n for k, v in packed.items()}, r
             assert not any(k.startswith("SHFL") for k in ops), r
-            loads = sum(packed.values()) if r["qt"] == 4 else 4 * t + 2
+            loads = sum(packed.values()) if r["qt"] in (4, 5) else 4 * t + 2
         if r["gp"]:                                # every load read only after the back edge: a whole step to land
             assert r["ldg_in_step"] == 0 and r["ldg"] == loads * n, r
+            if r["qt"] == 5:                       # Q4_K (cpu-gpk63): GP 1 within GP 0's CTAs a SM (registers)
+                print("Q4_K", r["kernel"], r["bucket"], "GP", r["gp"], "PK", r["pk"], "NR", r["nr"], "SASS a step",
+                      r["sizes"], "registers", r["regs"])
         elif r["qt"] == 0:                         # GP 0 (the control): every load waited for in its own step
             assert r["ldg_in_step"] == r["ldg"] == loads, r
 
@@ -187,8 +204,8 @@ def test_gl_applies_exactly_to_the_shipped_bf16_schedules(monkeypatch):
     MXFP4 and Q4_K in both rows buckets (BF_TUNING over CONFIG, KB as _chunk launches it at the bench geometry; FUSE
     as shipped, 1 for MXFP4 and Q4_K, or 0) on an sm_90 device with aligned parts, and for nothing else: another type
     (Q5_K), another shape (BN 128 / 8 warps, KB 1: other fp32 sums), unaligned parts, sm_80, the CPU, the
-    interpreter. GL is off by default and shipped for Q8_0 and Q4_K (gpu-run63) and MXFP4 (gpu-run65 / 66). PK: Q8_0 with GP >= 1,
-    Q4_K, MXFP4 at any GP (mma_pack's layouts), nothing else."""
+    interpreter. GL is off by default and shipped for Q8_0 and Q4_K (gpu-run63) and MXFP4 (gpu-run65 / 66). PK: Q8_0
+    with GP >= 1, Q4_K, MXFP4 at any GP (mma_pack's layouts), nothing else; Q4_K and MXFP4 at every GP."""
     assert mq.CONFIG["GL"] == 0 and {q: t.get("GL", 0) for q, t in mq.BF_TUNING.items()} == {0: 1, 4: 1, 5: 1, 6: 0}
     assert [gm.row_bytes(q, 2048) for q in (0, 4, 5)] == [2176, 1088, 1152]      # gguf: 34 / 17 B a 32, 144 a 256
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -206,10 +223,10 @@ def test_gl_applies_exactly_to_the_shipped_bf16_schedules(monkeypatch):
         c = {**mq.config(0, b, bf=True), "GL": 1}
         assert gm.usable(0, {**c, "PK": 1}, 2, cuda)                     # PK: Q8_0 with its loads carried (GP)
         assert not gm.usable(0, {**c, "PK": 1, "GP": 0}, 2, cuda)
-        for pk in (1, 2):                                                # Q4_K: its one form (GP 0) reads mma_pack's
-            assert gm.usable(5, {**mq.config(5, b, bf=True), "PK": pk}, 2, cuda)    # Q4_K layout (cpu-packk62)
-            for gp in (0, 1, 2):                                         # MXFP4: every GP form (cpu-mxpk63)
-                assert gm.usable(4, {**mq.config(4, b, bf=True), "GL": 1, "GP": gp, "PK": pk}, 2, cuda)
+        for pk in (0, 1, 2):                                             # Q4_K (cpu-packk62, cpu-gpk63) and MXFP4
+            for gp in (0, 1, 2):                                         # (cpu-mxpk63): every GP form reads mma_pack's
+                for qt in (4, 5):                                        # layout
+                    assert gm.usable(qt, {**mq.config(qt, b, bf=True), "GL": 1, "GP": gp, "PK": pk}, 2, cuda)
         assert not gm.usable(6, {**mq.config(6, b, bf=True), "PK": 1}, 2, cuda)       # no layout, no form
         assert not gm.usable(6, {**mq.config(6, b, bf=True), "GL": 1}, 2, cuda)       # Q5_K: no Gluon form
         assert not gm.usable(0, {**c, "BN": 128, "num_warps": 8}, 2, cuda)
@@ -248,14 +265,19 @@ def test_gp_reaches_the_gluon_launch_as_configured(monkeypatch):
     TYPE_CONFIG's GP 0 / 1 / 2 and PK 1 under GL 1, no Gluon launch under GL 0, for gate_up and down and both rows
     buckets (a stand-in launch records them; usable() forced true: the CPU has no Gluon device), and gate_up / down's
     pk 2 (engine.pack_experts) over the shipped config -- MXFP4's too, whose shipped bf16 form is Triton's (GL 0): a
-    packed launch is the Gluon form (cpu-mxpk63). Where the Gluon form cannot run (the real usable() here), PK 1
+    packed launch is the Gluon form (cpu-mxpk63); Q4_K's shipped GP 0 and TYPE_CONFIG's GP 1 / 2 (cpu-gpk63), GP 2
+    with PK 1, GP 1 with PK 1 and NR 168 (ptxas's register limit: gluon_mmq.launch's maxnreg, 0 none), with NRD
+    128 (the down's). Where the
+    Gluon form cannot run (the real usable() here), PK 1
     and pk 2 raise: no other kernel reads packed weights."""
     assert mq.CONFIG["GP"] == 0 and {q: t.get("GP", 0) for q, t in mq.BF_TUNING.items()} == {0: 1, 4: 0, 5: 0, 6: 0}
     assert mq.CONFIG["PK"] == 0 and not any(t.get("PK") for t in mq.BF_TUNING.values())
     seen = []
+    nrs = []                                         # the launches' NR (ptxas's register limit; 0: its choice)
     monkeypatch.setattr(gm, "usable", lambda *a, **k: True)
     monkeypatch.setattr(gm, "launch", lambda which, grid, args, consts, kcb: seen.append((which, consts["GP"],
-                                                                                         consts["PK"])))
+                                                                                         consts["PK"]))
+                        or nrs.append(consts["NR"]))
     H, F, E, k = 256, 128, 4, 2
     rb_h, rb_f = gm.row_bytes(0, H), gm.row_bytes(0, F)
     pool = torch.zeros(E * (2 * F * rb_h + H * rb_f), dtype=torch.uint8)
@@ -289,6 +311,29 @@ def test_gp_reaches_the_gluon_launch_as_configured(monkeypatch):
         mq.down(mq.prepare_bf16(inter.float()), pool, base, starts, rows, off,
                 torch.zeros(T * k, H, dtype=torch.bfloat16), 4, mx_f, True, pk=2)
         assert seen[n:] == [("gate_up", 0, 2), ("down", 0, 2)] and mq.config(4, 1, bf=True)["GL"], seen[n:]
+        k4_h, k4_f = gm.row_bytes(5, H), gm.row_bytes(5, F)             # Q4_K: its shipped GP 0, GP 1 / 2 (cpu-gpk63)
+        for over, gp, pk, nr in ((None, 0, 0, (0, 0)), ({"GL": 1, "GP": 1}, 1, 0, (0, 0)),
+                                 ({"GL": 1, "GP": 2, "PK": 1}, 2, 1, (0, 0)),
+                                 ({"GL": 1, "GP": 1, "PK": 1, "NR": 168}, 1, 1, (168, 168)),
+                                 ({"GL": 1, "GP": 1, "PK": 1, "NR": 168, "NRD": 128}, 1, 1, (168, 128))):
+            if over:
+                monkeypatch.setitem(mq.TYPE_CONFIG, 5, over)
+            n = len(seen)
+            mq.gate_up(mq.prepare_bf16(torch.zeros(T, H)), pool, base, starts, rows, off, inter, F, k, 5, None, k4_h,
+                       True)
+            mq.down(mq.prepare_bf16(inter.float()), pool, base, starts, rows, off,
+                    torch.zeros(T * k, H, dtype=torch.bfloat16), 5, k4_f, True)
+            assert seen[n:] == [("gate_up", gp, pk), ("down", gp, pk)], (T, over, seen[n:])
+            assert nrs[-2:] == list(nr), (T, over, nrs[-2:])     # gate_up's NR, down's NRD where set
+            monkeypatch.delitem(mq.TYPE_CONFIG, 5, raising=False)
+    assert mq.CONFIG["NR"] == mq.CONFIG["NRD"] == 0 and not any(t.get("NR") or t.get("NRD")
+                                                                  for t in mq.BF_TUNING.values())
+    monkeypatch.undo()
+    got = []                                         # gluon_mmq.launch: NR -> the launch's maxnreg option, 0 -> none
+    for nr in (0, 168):
+        monkeypatch.setitem(gm.LAUNCH, "down", {(1, 1): lambda *a, **kw: got.append(kw.get("maxnreg"))})
+        gm.launch("down", (1, 1), list(range(15)), {c: 0 for c in gm.CONSTS["down"]} | {"NR": nr}, 16)
+    assert got == [None, 168]
     monkeypatch.undo()
     with pytest.raises(ValueError, match="PK 2"):
         mq.gate_up(hb, pool, base, starts, rows, off, inter, F, k, 0, None, rb_h, True, pk=2)

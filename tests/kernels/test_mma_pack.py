@@ -135,19 +135,30 @@ def _read_packed_q4_k(p: np.ndarray, rows: int, K: int) -> np.ndarray:
 def test_q4_k_pk_pairs_reach_ql_in_the_gguf_pair_order():
     """gluon_mmq._fetch_k's PK loads emulated in numpy: each step's QZ tile [R / 2, 32] of 16-bit pairs (row q = 8
     (n // 16) + n % 8 at _half_rows' piece of row n, column m = 8 b + 4 h + j), reshaped / permuted as the kernel's
-    source says (checked), is the [R, 16] tile whose column p is the GGUF group's byte pair p of row n -- the shipped
-    form's QL tile (pair p at byte 16 + 32 g + 2 p), so _nibs_bf16 and the MMA see the same operand."""
+    source says (_k_pk_pairs, checked), is the [R, 16] tile whose column p is the GGUF group's byte pair p of row n --
+    the shipped form's QL tile (pair p at byte 16 + 32 g + 2 p), so _nibs_bf16 and the MMA see the same operand. GP 1 /
+    2 (_load_raw_k / _conv_raw_k, cpu-gpk63): the same bytes loaded as int32 words [R / 2, 16] (word u = columns 2 u,
+    2 u + 1) and split by join(w, w >> 16) (an arithmetic shift: the bits above 16 dropped by the uint16 cast) give
+    the same QZ tile, so the same QL tile."""
     import inspect
 
     from betelgeuse.kernels import gluon_mmq as gm
     if not gm.HAVE_GLUON:
         pytest.skip("no Gluon")
-    src = inspect.getsource(gm._fetch_k.fn if hasattr(gm._fetch_k, "fn") else gm._fetch_k)
-    for line in ("z = gl.permute(gl.reshape(z, [R // 16, 8, 4, 2, 4]), [0, 3, 1, 4, 2])",
-                 "q = gl.convert_layout(gl.reshape(z, [R, 16]), LQ)",
-                 "a = gl.multiple_of(ra + ((kb0 >> 3) * 9216 + ((kb0 >> 1) & 3) * 2048), 16)",
-                 "p = (pool + a).to(gl.pointer_type(gl.uint16))"):
-        assert line in src, line
+
+    def src(f):
+        return inspect.getsource(f.fn if hasattr(f, "fn") else f)
+    for f, line in ((gm._k_pk_pairs, "z = gl.permute(gl.reshape(z, [R // 16, 8, 4, 2, 4]), [0, 3, 1, 4, 2])"),
+                    (gm._k_pk_pairs, "q = gl.convert_layout(gl.reshape(z, [R, 16]), LQ)"),
+                    (gm._fetch_k, "a = gl.multiple_of(ra + ((kb0 >> 3) * 9216 + ((kb0 >> 1) & 3) * 2048), 16)"),
+                    (gm._fetch_k, "p = (pool + a).to(gl.pointer_type(gl.uint16))"),
+                    (gm._fetch_k, "q = _k_pk_pairs(z)"),
+                    (gm._load_raw_k, "((kb0 >> 1) & 3) * 2048), 16)"),
+                    (gm._load_raw_k, "pw = (pool + a).to(gl.pointer_type(gl.int32))"),
+                    (gm._load_raw_k, "w = gl.load(pw[:, None] + u[None, :]"),
+                    (gm._conv_raw_k, "q = _k_pk_pairs(gl.reshape(gl.join(w, w >> 16), [R // 2, 32]))"),
+                    (gm._conv_raw_k, "wb = _k_a(q.to(gl.uint16))")):
+        assert line in src(f), line
     for R, rows in ((64, 64), (128, 128)):              # 128: two tiles as FUSE's gate / up rows
         K = 512
         raw = _q4_k(rows, K, R)
@@ -161,6 +172,9 @@ def test_q4_k_pk_pairs_reach_ql_in_the_gguf_pair_order():
             z = packed[a // 2]                                               # [R / 2, 32] uint16
             q = z.reshape(R // 16, 8, 4, 2, 4).transpose(0, 3, 1, 4, 2).reshape(R, 16)
             assert np.array_equal(q, gg[:rows, s, g, :, 0]), kb0
+            w = packed.view(np.int32)[a[:, 0::2] // 4]                      # GP >= 1: [R / 2, 16] int32 words
+            z2 = np.stack([w, w >> 16], -1).reshape(R // 2, 32).astype(np.uint16)   # (the uint16 cast truncates)
+            assert np.array_equal(z2, z), kb0
 
 
 # ---- MXFP4 (type code 4, cpu-mxpk63) ----

@@ -27,11 +27,11 @@ BF_TYPES only, the rows-1 / rows-16 bucket's launch: config(bf=True), --bf-over 
 iteration = one K step of KB blocks on BN rows of ONE part, FUSE 0); `gluon` / `gluonr16`: the same schedule in
 Gluon (betelgeuse/kernels/gluon_mmq.py, triton_mmq's GL 1: the weights loaded straight into wgmma's A registers),
 Q8_0, MXFP4 and Q4_K, FUSE as the Triton row's (config(bf=True) with --bf-over: gate_up's loop then holds both
-parts; the keys GP, gluon_mmq's load distance, and PK, mma_pack's layout, from --bf-over too). The MMA rows add the
-shared memory traffic of the loop (sts / lds per thread: STS + STSM, LDS + LDSM; bar: BAR), where the tensor-core
-instruction takes its A operand (the weights): `R` registers (HGMMA Rd, Ra, gdesc[..]), `smem` a descriptor, and how
-many of the loop's LDG are read in the step that issues them (ldg_in_step: waited for there). Prints a markdown
-table; --json one JSON line; --dump writes each kernel's SASS.
+parts; the keys GP, gluon_mmq's load distance, PK, mma_pack's layout, and NR, the register limit, from --bf-over
+too). The MMA rows add the shared memory traffic of the loop (sts / lds per thread: STS + STSM, LDS + LDSM; bar: BAR),
+where the tensor-core instruction takes its A operand (the weights): `R` registers (HGMMA Rd, Ra, gdesc[..]),
+`smem` a descriptor, and how many of the loop's LDG are read in the step that issues them (ldg_in_step: waited for
+there). Prints a markdown table; --json one JSON line; --dump writes each kernel's SASS.
 Static counts only: latency, occupancy and the memory system are not modelled (the device measures GB/s:
 deploy/device/kernel_roofline.py).
 """
@@ -212,9 +212,9 @@ def profile_bf(name: str, which: str, sched: str) -> dict:
         cf = {**mq.config(QT_CODES[gtype], GL_SCHED[sched], bf=True), **BF_OVER}
         fuse = bool(cf.get("FUSE"))
         k, const = gm.compile_kernel(which, GL_SCHED[sched], qt=QT_CODES[gtype], fuse=fuse, gp=int(cf.get("GP", 0)),
-                                     pk=int(cf.get("PK", 0)))
+                                     pk=int(cf.get("PK", 0)), nr=int(cf.get("NR", 0)))
         c = {"KB": const["KB"], "num_warps": gm.SHAPE["num_warps"], "FUSE": fuse,
-             "steps": 2 if const["GP"] == 2 and QT_CODES[gtype] != 5 else 1}    # GP 2: a loop iteration = 2 steps
+             "steps": 2 if const["GP"] == 2 else 1}    # GP 2 (Q4_K's too: cpu-gpk63): a loop iteration = 2 steps
     else:
         k, c, const = mq.compile_kernel(which, QT_CODES[gtype], bucket=BF_SCHED[sched], over=dict(BF_OVER),
                                         hints=True, bf=True)
