@@ -158,6 +158,10 @@ for _qt in (4, 5):                                                          # MX
 BF_TUNING[0].update(FUSE=1, GL=1, GP=1)                                     # Q8_0
 for _qt in (4, 5):                                                          # MXFP4, Q4_K
     BF_TUNING[_qt]["GL"] = 1
+# Q4_K GP 1 (cpu-gpk63: a step's loads carried to the step that uses them; the same bits): gpu-run66 (H100), pair GB/s
+# at 1 / 16 rows 639 / 558 against GP 0's 526 / 480 and Triton's 490 / 412; check_cuda's engine rows (act_quant
+# bf16, CHECK_QTYPE=Q4_K) pass with it
+BF_TUNING[5]["GP"] = 1
 
 
 @triton.jit

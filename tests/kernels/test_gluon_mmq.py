@@ -260,17 +260,15 @@ def test_gl_on_the_cpu_runs_the_triton_kernel_with_its_bits(monkeypatch):
 
 
 def test_gp_reaches_the_gluon_launch_as_configured(monkeypatch):
-    """The schedule keys GP (triton_mmq.CONFIG, 0; Q8_0's BF_TUNING 1 with GL 1, gpu-run63) and PK (0 everywhere:
-    mma_pack's layout, cpu-pack62) reach gluon_mmq.launch's constexprs as the config says: Q8_0's shipped GP 1, PK 0,
+    """The schedule keys GP (triton_mmq.CONFIG, 0; BF_TUNING's 1 for Q8_0, gpu-run63, and Q4_K, gpu-run66) and PK (0
+    everywhere: mma_pack's layout, cpu-pack62) reach gluon_mmq.launch's constexprs as the config says: Q8_0's shipped GP 1, PK 0,
     TYPE_CONFIG's GP 0 / 1 / 2 and PK 1 under GL 1, no Gluon launch under GL 0, for gate_up and down and both rows
     buckets (a stand-in launch records them; usable() forced true: the CPU has no Gluon device), and gate_up / down's
-    pk 2 (engine.pack_experts) over the shipped config -- MXFP4's too, whose shipped bf16 form is Triton's (GL 0): a
-    packed launch is the Gluon form (cpu-mxpk63); Q4_K's shipped GP 0 and TYPE_CONFIG's GP 1 / 2 (cpu-gpk63), GP 2
-    with PK 1, GP 1 with PK 1 and NR 168 (ptxas's register limit: gluon_mmq.launch's maxnreg, 0 none), with NRD
-    128 (the down's). Where the
-    Gluon form cannot run (the real usable() here), PK 1
-    and pk 2 raise: no other kernel reads packed weights."""
-    assert mq.CONFIG["GP"] == 0 and {q: t.get("GP", 0) for q, t in mq.BF_TUNING.items()} == {0: 1, 4: 0, 5: 0, 6: 0}
+    pk 2 (engine.pack_experts) over the shipped config -- MXFP4's too (cpu-mxpk63); Q4_K's shipped GP 1 and
+    TYPE_CONFIG's GP 0 / 2 (cpu-gpk63), GP 2 with PK 1, GP 1 with PK 1 and NR 168 (ptxas's register limit:
+    gluon_mmq.launch's maxnreg, 0 none), with NRD 128 (the down's). Where the Gluon form cannot run (the real usable()
+    here), PK 1 and pk 2 raise: no other kernel reads packed weights."""
+    assert mq.CONFIG["GP"] == 0 and {q: t.get("GP", 0) for q, t in mq.BF_TUNING.items()} == {0: 1, 4: 0, 5: 1, 6: 0}
     assert mq.CONFIG["PK"] == 0 and not any(t.get("PK") for t in mq.BF_TUNING.values())
     seen = []
     nrs = []                                         # the launches' NR (ptxas's register limit; 0: its choice)
@@ -311,8 +309,8 @@ def test_gp_reaches_the_gluon_launch_as_configured(monkeypatch):
         mq.down(mq.prepare_bf16(inter.float()), pool, base, starts, rows, off,
                 torch.zeros(T * k, H, dtype=torch.bfloat16), 4, mx_f, True, pk=2)
         assert seen[n:] == [("gate_up", 0, 2), ("down", 0, 2)] and mq.config(4, 1, bf=True)["GL"], seen[n:]
-        k4_h, k4_f = gm.row_bytes(5, H), gm.row_bytes(5, F)             # Q4_K: its shipped GP 0, GP 1 / 2 (cpu-gpk63)
-        for over, gp, pk, nr in ((None, 0, 0, (0, 0)), ({"GL": 1, "GP": 1}, 1, 0, (0, 0)),
+        k4_h, k4_f = gm.row_bytes(5, H), gm.row_bytes(5, F)             # Q4_K: shipped GP 1, GP 0 / 2 (cpu-gpk63)
+        for over, gp, pk, nr in ((None, 1, 0, (0, 0)), ({"GL": 1, "GP": 0}, 0, 0, (0, 0)),
                                  ({"GL": 1, "GP": 2, "PK": 1}, 2, 1, (0, 0)),
                                  ({"GL": 1, "GP": 1, "PK": 1, "NR": 168}, 1, 1, (168, 168)),
                                  ({"GL": 1, "GP": 1, "PK": 1, "NR": 168, "NRD": 128}, 1, 1, (168, 128))):
