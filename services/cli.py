@@ -223,7 +223,7 @@ def _kernel_paths(f) -> list[str]:
     dequantization) or on the torch path (each expert dequantized per use, ~1 ms of host time each); the other
     tensors are dequantized once at load."""
     from betelgeuse.gguf.qtypes import qtype_name
-    from betelgeuse.kernels.moe import MMQ_QTYPES, TRITON_QTYPES
+    from betelgeuse.kernels.kinds import MMQ_QTYPES, TRITON_QTYPES
     expert = {p.qtype for layer in range(f.config.n_layer) for p in f.expert_parts(layer, 0)}
     out = [f"  experts {qtype_name(q):8s} " + ("GPU kernel (Triton, dequantized in the matmul)" if q in TRITON_QTYPES
                                                else "torch path (dequantized per expert and use: slower)")

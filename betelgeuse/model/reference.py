@@ -72,7 +72,7 @@ class ReferenceExperts:
 
     def _moe(self, layer: int, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, chunks=None) -> torch.Tensor:
         """sum_r w_r expert_r(h) [T,H], computed as the engine does (so it matches bit for bit): on CUDA with
-        experts of a type the kernels read (moe.TRITON_QTYPES) the Triton kernels over this layer's experts packed
+        experts of a type the kernels read (kinds.TRITON_QTYPES) the Triton kernels over this layer's experts packed
         in a pool, otherwise the
         torch reference (apply_experts); the model's SwiGLU clamp either way (None: plain SwiGLU)."""
         limit = self.expert_act[1]

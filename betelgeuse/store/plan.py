@@ -28,7 +28,7 @@ from betelgeuse.config import GiB, MiB, EngineConfig
 from betelgeuse.errors import BudgetError
 from betelgeuse.gguf.reader import GGUFModelFile
 from betelgeuse.kernels import mma_pack
-from betelgeuse.kernels.moe import tile_plan
+from betelgeuse.kernels.kinds import tile_plan
 from betelgeuse.model.registry import arch_of
 from betelgeuse.store.layout import ArenaLayout, SlotLayout, round_down
 

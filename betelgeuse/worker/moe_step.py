@@ -57,7 +57,8 @@ import torch
 from betelgeuse.config import EngineConfig
 from betelgeuse.errors import BetelgeuseError
 from betelgeuse.gguf.qtypes import qtype_name
-from betelgeuse.kernels.moe import TRITON_QTYPES, Group, MoEKernels, triton_available
+from betelgeuse.kernels.kinds import TRITON_QTYPES
+from betelgeuse.kernels.moe import Group, MoEKernels, triton_available
 from betelgeuse.kernels.streams import current_stream
 from betelgeuse.logs import event
 from betelgeuse.routing_approx import Residency

@@ -64,8 +64,8 @@ def test_q4_k_m_mix_and_inspect(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "  experts Q4_K     GPU kernel (Triton" in out and "other   F32, Q6_K, Q8_0: dequantized once at load" in out
     assert "with --act-quant q8_1: int8 tensor cores" in out
-    from betelgeuse.kernels import moe
-    monkeypatch.setattr(moe, "TRITON_QTYPES", moe.TRITON_QTYPES - {12})     # a type without a kernel: said so
+    from betelgeuse.kernels import kinds
+    monkeypatch.setattr(kinds, "TRITON_QTYPES", kinds.TRITON_QTYPES - {12})     # a type without a kernel: said so
     assert main(["inspect", str(path)]) == 0
     assert "  experts Q4_K     torch path (dequantized per expert" in capsys.readouterr().out
 

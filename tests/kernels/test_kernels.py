@@ -130,8 +130,8 @@ def test_decode_schedule_rows_a_program_keep_each_rows_bits():
 
 
 def test_triton_types_are_the_kernel_codes():
-    """moe.TRITON_QTYPES (what the runner checks without importing triton) is the set the kernels dispatch on."""
-    from betelgeuse.kernels.moe import TRITON_QTYPES
+    """kinds.TRITON_QTYPES (what the runner checks without importing triton) is the set the kernels dispatch on."""
+    from betelgeuse.kernels.kinds import TRITON_QTYPES
     from betelgeuse.kernels.triton_quants import QT_CODES
     assert TRITON_QTYPES == set(QT_CODES)
     assert sorted(QT_CODES.values()) == list(range(len(QT_CODES)))

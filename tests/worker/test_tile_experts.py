@@ -1,5 +1,5 @@
 """engine.tile_experts (issue 23, docs/benchmarks/cpu-tile63): the VRAM slots of the layers whose experts gained on the
-device (Q8_0, Q4_K: moe.TILE_QTYPES) and run triton_moe's float kernels hold kernels/tile_layout's 64-row tiles,
+device (Q8_0, Q4_K: kinds.TILE_QTYPES) and run triton_moe's float kernels hold kernels/tile_layout's 64-row tiles,
 retiled as they fill (ExpertCache._own; the slot bytes against the file's: tests/worker/test_pack_experts.py),
 flagged by bit 0, read by the kernels' `tiled` launches. Here: which layers tile and why the others do not
 (MoEKernels.tile_check), the plan's scratch, the torch kernels' startup, and the engine's logits with tiles on == off
