@@ -37,7 +37,9 @@ CHECK_TILE_EXPERTS=1 (act_quant off, the default; cpu-tile63): every check's eng
 VRAM slots' Q8_0 / Q4_K experts in tile_layout's 64-row tiles, read by triton_moe's `tiled` float kernels; host slots,
 staging, flex and the ring GGUF), the tiny model's experts 64 wide (whole tiles; with CHECK_QTYPE=Q4_K hidden and
 experts 512 wide: two super-blocks a row, so the tiles move them): the invariance rows then hold a tiled VRAM expert
-to a GGUF one's bits, and the batch, pool and recycle rows the decode paths.
+to a GGUF one's bits, and the batch, pool and recycle rows the decode paths. With either, the row "invariance: VRAM
+experts relaid" fails unless every VRAM expert of each config was held relaid (bit 0 of its base; on the CPU's torch
+kernels nothing is, so it fails there: the checks would hold nothing).
 
 --adversarial-timing SEED:MS runs them all with the store's test-only jitter (store/reader.py Jitter: every expert
 read held back up to MS ms, staged copies handed out shuffled, consolidation fills slowed), in-process stores and
@@ -147,6 +149,14 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+def relaid(runner) -> tuple[int, int, int]:
+    """engine.pack_experts / tile_experts at work: (layers relaid, VRAM experts held, of them flagged by bit 0 of their
+    base offset: packed or tiled, ExpertCache._own)."""
+    c = runner.session.cache
+    held = c.vram_base >= 0
+    return (0 if c.layouts is None else int((c.layouts != 0).sum()), int(held.sum()), int((c.vram_base[held] & 1).sum()))
+
+
 def slot_passes(runner, ids, tag: str, got: dict, dec: dict):
     """cold / warm / consolidated all-token logits into got, then 4 greedy decode steps' logits into dec (the store
     pass stays open across them): what must be bit-identical across slot configurations."""
@@ -171,12 +181,19 @@ def check_invariance(path: Path, device: str, ids: list[int]):
     configs = [(0, 0), (0, E), (5, 15), (E, 0)]
     got: dict[str, torch.Tensor] = {}
     dec: dict[str, torch.Tensor] = {}
+    relay = {}
     for vram, host in configs:
         runner, store = runner_for(path, device, vram, host)
         try:
             slot_passes(runner, ids, f"{vram}/{host}", got, dec)
+            relay[f"{vram}/{host}"] = relaid(runner)
         finally:
             close(runner, store)
+    if os.environ.get("CHECK_PACK_EXPERTS") == "1" or os.environ.get("CHECK_TILE_EXPERTS") == "1":
+        # the relaid VRAM experts were read: every config holding VRAM experts flagged them all, in relaid layers
+        ok = all(n == f and (n == 0 or l > 0) for l, n, f in relay.values()) and any(f for _, _, f in relay.values())
+        row("invariance: VRAM experts relaid", ok, "slots: (layers relaid, VRAM experts held, flagged by bit 0) "
+            + ", ".join(f"{k} {v}" for k, v in relay.items()))
     # the real store process, one config
     runner, store = runner_for(path, device, 5, 15, mode="process")
     try:
