@@ -146,7 +146,11 @@ FORMS = {"gluon": {"GL": 1, "GP": 0}, "gluon unfused": {"GL": 1, "FUSE": 0, "GP"
          "gluon GP1 PK unfused": {"GL": 1, "FUSE": 0, "GP": 1, "PK": 1},
          "gluon GP1 NR168": {"GL": 1, "GP": 1, "NR": 168}, "gluon GP1 PK NR168": {"GL": 1, "GP": 1, "PK": 1, "NR": 168},
          "gluon GP1 PK NR128": {"GL": 1, "GP": 1, "PK": 1, "NR": 128},
-         "gluon GP1 PK NR168/128": {"GL": 1, "GP": 1, "PK": 1, "NR": 168, "NRD": 128}}
+         "gluon GP1 PK NR168/128": {"GL": 1, "GP": 1, "PK": 1, "NR": 168, "NRD": 128},
+         # the down's limit alone (gpu-run66: NR 168 cost the 16-row gate_up 767 -> 479 GB/s, NRD 128 gave the down
+         # 605 -> 711)
+         "gluon GP1 NRD128": {"GL": 1, "GP": 1, "NRD": 128},
+         "gluon GP1 PK NRD128": {"GL": 1, "GP": 1, "PK": 1, "NRD": 128}}
 # the Triton launch each Gluon form is held against: GL 0 at the FUSE each type had before GL shipped (Q8_0 unfused,
 # MXFP4 and Q4_K fused: gpu-run58-kernels); Q8_0's shipped fused GP 1 Gluon form is "gluon GP1" here (gpu-run63)
 TRITON = {0: {"GL": 0, "GP": 0, "FUSE": 0}, 4: {"GL": 0}, 5: {"GL": 0}}
