@@ -472,12 +472,15 @@ class EngineSettings(_Section):
     # architecture's own (the model class's guess_min_hit, model/interface.py)
     prefetch_min_hit: ShareOrAuto = setting(AUTO, "decode: the hit rate a guessing depth needs for its guesses to be "
                                             "read ahead (0 = read every guess), or auto (the architecture's)", 0.25)
-    # a batched decode step's guesses (worker/guess.py, batch rule): rows = each guessed expert classed by how many
-    # running rows guessed it (and top-1 guesses), each class within the hit-rate budget, a layer's reads ahead capped
-    # at its expected disk experts; union = every row's guesses alike, uncapped (the rule before; for A/B runs)
-    prefetch_batch_rule: _choices("rows", "union") = setting(
-        "rows", "decode: how a batch's guesses are read ahead: rows (by the rows that guessed an expert) | union",
-        "union")
+    # a decode step's guesses (worker/guess.py, batch rule): rows = each guessed expert classed by how many running
+    # rows guessed it (and top-1 guesses; a lone stream's all one class), each class within the hit-rate budget, a
+    # batch's reads ahead of a layer capped at its expected disk experts; ranks = rows, with a lone stream's guesses
+    # classed by their rank in its guessed top-k (top-1, 2-3, 4..k; the hash-routed layers' one class, as rows: their
+    # guesses are exact), for A/B runs (not measured on a device yet); union = every row's guesses alike, uncapped
+    # (the rule before; A/B runs)
+    prefetch_batch_rule: _choices("rows", "union", "ranks") = setting(
+        "rows", "decode: how guesses are classed for the read-ahead budget: rows (by the rows that guessed an "
+        "expert) | ranks (rows, a lone stream's guesses by their rank) | union", "ranks")
     max_context: Count8 = setting(4096, "tokens per sequence (KV cache length)", 2048)
     # the slot plan reserves KV for max_running x max_context tokens and decode graphs for max_running sequences;
     # auto: as many as fit (1..8) beside a minimum of VRAM expert slots per layer (store/plan.py plan_running)

@@ -52,6 +52,21 @@ a guess there):
             0.54-0.64, top 0.77-0.92, two 0.84-0.89, more 0.92-0.94; bytes read ahead and unused 5.7 -> 2.3 MB
             against the union, 4 rows 3.5 -> 1.8 MB. `prefetch_batch_rule = union` reads the union (one class, no
             cap: the rule before, kept for A/B runs)
+  ranks     `prefetch_batch_rule = ranks` (for A/B runs; rows stays the default until a device measures it): the rows
+            rule with a lone stream's one class split by each guessed expert's rank in its guessed top-k (the
+            router's order, rank 1 its best score: Marks.rank): `lone-r1`, `lone-r2-3`, `lone-r4+` (RANK_FAR), each
+            within the budget as any class, so a depth's low ranks are held while its top-1 keeps being read; the
+            hash-routed layers (`exact`: guessed exactly) keep `lone`; a batch's classes are the rows rule's. Why:
+            the low ranks of a guess miss most (ds4-flash's exact decode read 8% of its bytes ahead for nothing,
+            hit rate 0.845 with one class a depth; gpu-run64/66). Hit rate by rank 1..6, lone, depth 3, ds4-wide
+            (8 x 256 experts, top-6, synth; guessed on disk): depth 1 0.88 0.76 0.65 0.55 0.43 0.40, depth 2 0.69
+            0.53 0.47 0.38 0.32 0.25, depth 3 0.55 0.39 0.36 0.31 0.24 0.19 (qwen3moe tiny, 64 experts top-4: 0.80
+            0.69 0.45 0.40 at depth 1): the top-1 stands apart, ranks 2-3 sit near deepseek4's budget (0.7) at depth
+            1, ranks 4..k under it at every depth. Measured on the CPU (docs/benchmarks/cpu-guess64, guess_waste.py
+            --preset ds4-wide): where the rows rule reads a depth in full (a low budget: 0.5), ranks reads 5% fewer
+            bytes ahead for the same recall; where it holds a depth whose top ranks beat the budget (0.7 on ds4-wide,
+            whose depth 1 hits 0.66), ranks reads those: more recall and more unused bytes. The logits are the same
+            bits under either rule (a guess never computes: tests/worker/test_decode_guess.py)
 
 Counted per pass (PassStats), per guessed layer: guessed (its guessed experts on disk, all guesses of it together),
 guess_hits (those the layer then used), guess_disk (the layer's disk experts), guess_bytes (reads started for its
@@ -60,7 +75,8 @@ serve a later token from its staged copy, and the store's answer counts a call's
 the store dropped before it started counts here too: the store's own counters, readahead_bytes and readahead_used,
 count the bytes read ahead and used), guess_held (guessed disk experts not read ahead: their (depth, class)'s hit rate
 was below the budget, or past a batch's cap). Per (depth, class), never halved: Guesser.class_tries / class_hits /
-class_read (guessed on disk, used, read ahead), what guess_waste.py prints.
+class_read / class_unused_bytes (guessed on disk, used, read ahead, bytes read ahead that their layer did not use),
+what guess_waste.py prints.
 
 The depth D is `prefetch_depth`, or with it `auto` the architecture's own (its model class's guess_depth).
 """
@@ -134,22 +150,24 @@ class _Ask:
 class Marks:
     """A decode step's guesses of layers l+1 .. l+D, on the host: from their ids [T, D, k] (T running rows, each row's k
     ids best first: rank 0 is its top-1 guess), per depth d-1 and expert e, rows [D, E] = the running rows that
-    guessed e, top [D, E] = those of them whose top-1 guess e is; n = T. What the batch rule scores (module doc).
-    From ids, rows and top are counted when first read: a step whose guesses are all resident (decode's common case:
-    on_disk, on the ids as Python lists: a few dozen, where each numpy call costs more than a loop over them) never
-    needs them."""
+    guessed e, top [D, E] = those of them whose top-1 guess e is, rank [D, E] = the best rank a row guessed e at (k:
+    none did); n = T. What the batch rule scores (module doc).
+    From ids, rows, top and rank are counted when first read: a step whose guesses are all resident (decode's common
+    case: on_disk, on the ids as Python lists: a few dozen, where each numpy call costs more than a loop over them)
+    never needs them."""
 
-    __slots__ = ("ids", "E", "n", "_rows", "_top", "_held")
+    __slots__ = ("ids", "E", "n", "_rows", "_top", "_rank", "_held")
 
-    def __init__(self, rows: np.ndarray, top: np.ndarray, n: int):
-        self.ids, self.E, self.n, self._rows, self._top, self._held = None, rows.shape[1], n, rows, top, None
+    def __init__(self, rows: np.ndarray, top: np.ndarray, n: int, rank: np.ndarray | None = None):
+        self.ids, self.E, self.n, self._rows, self._top, self._rank, self._held = (None, rows.shape[1], n, rows, top,
+                                                                                  rank, None)
 
     @classmethod
     def from_ids(cls, g: np.ndarray, E: int) -> "Marks":
         """g [T, D, k] int64 -> the marks (a row's k ids are distinct: +1 per row). The ids are kept as lists
         [T][D][k] (a copy: g may be a view of a buffer the next layer's sync rewrites)."""
         m = cls.__new__(cls)
-        m.ids, m.E, m.n, m._rows, m._top, m._held = g.tolist(), E, g.shape[0], None, None, None
+        m.ids, m.E, m.n, m._rows, m._top, m._rank, m._held = g.tolist(), E, g.shape[0], None, None, None, None
         return m
 
     @property
@@ -157,10 +175,14 @@ class Marks:
         """D, the guessed layers' count (on the ids' lists where kept: no count made)."""
         return len(self.ids[0]) if self.ids else self.rows.shape[0]
 
+    def _flat(self) -> np.ndarray:
+        """The ids as [T, D, k] flat indices d * E + e into a [D, E] count."""
+        g = np.array(self.ids, dtype=np.int64)
+        return g + (np.arange(g.shape[1], dtype=np.int64) * self.E)[None, :, None]
+
     def _count(self):
-        g, E = np.array(self.ids, dtype=np.int64), self.E
-        T, D, k = g.shape
-        at = g + (np.arange(D, dtype=np.int64) * E)[None, :, None]          # [T, D, k] flat index d * E + e
+        at, E = self._flat(), self.E
+        T, D, k = at.shape
         self._rows = np.bincount(at.reshape(-1), minlength=D * E).astype(np.int64, copy=False).reshape(D, E)
         self._top = np.bincount(at[:, :, 0].reshape(-1), minlength=D * E).astype(np.int64, copy=False).reshape(D, E)
         for d, h in enumerate(self._held or ()):      # without(): the held experts' counts 0, as np.where makes them
@@ -179,6 +201,18 @@ class Marks:
         if self._top is None:
             self._count()
         return self._top
+
+    @property
+    def rank(self) -> np.ndarray | None:
+        """[D, E] (module doc; counted when first read: only the ranks rule's general path reads it); None where the
+        marks were made from counts without it."""
+        if self._rank is None and self.ids is not None:
+            at = self._flat()
+            T, D, k = at.shape
+            rank = np.full(D * self.E, k, dtype=np.int64)
+            np.minimum.at(rank, at.reshape(-1), np.broadcast_to(np.arange(k, dtype=np.int64), at.shape).reshape(-1))
+            self._rank = rank.reshape(D, self.E)
+        return self._rank
 
     def on_disk(self, first: int, layers, disk) -> bool:
         """Whether any expert guessed for these layers (ascending; `first` the layer of depth 1) is on disk: `disk`
@@ -211,31 +245,44 @@ class Marks:
             for d, e in zip(*(x.tolist() for x in np.nonzero(held))):       # one numpy call for every depth
                 sets[d].add(e)
             return self.without_sets(sets)
-        return Marks(np.where(held, 0, self.rows), np.where(held, 0, self.top), self.n)
+        return Marks(np.where(held, 0, self.rows), np.where(held, 0, self.top), self.n, self.rank)  # held: rows 0
 
     def without_sets(self, held: list[set]) -> "Marks":
         """without() on the ids' lists, `held` per depth the set of the held experts (copied: the caller's may
         change; MoEStep._unflexed passes FlexCache.copies)."""
         assert self.ids and len(held) == len(self.ids[0]), (len(held), self.ids and len(self.ids[0]))
         m = Marks.__new__(Marks)
-        m.ids, m.E, m.n, m._rows, m._top = self.ids, self.E, self.n, None, None
+        m.ids, m.E, m.n, m._rows, m._top, m._rank = self.ids, self.E, self.n, None, None, None
         m._held = list(map(set, held)) if self._held is None else [a | b for a, b in zip(held, self._held)]
         return m
 
-    def classes(self, d: int, experts: np.ndarray) -> np.ndarray:
-        """The batch rule's class of each of these experts guessed at depth d (1-based) -> [len] int (module doc)."""
+    def classes(self, d: int, experts: np.ndarray, by_rank: bool = False) -> np.ndarray:
+        """The batch rule's class of each of these experts guessed at depth d (1-based) -> [len] int (module doc);
+        by_rank (the ranks rule): a lone stream's by their rank (rank_class), else all lone."""
         if self.n == 1:
-            return np.full(len(experts), LONE, dtype=np.int64)
+            if not by_rank:
+                return np.full(len(experts), LONE, dtype=np.int64)
+            r = self.rank[d - 1][experts]
+            return np.select([r == 0, r < RANK_FAR], [LONE_TOP, LONE_NEAR], LONE_FAR)
         r, t = self.rows[d - 1][experts], self.top[d - 1][experts]
         return np.select([r >= 3, r == 2, t > 0], [MORE, TWO, TOP], ONE)
 
 
 # the hit-rate budget's classes of a guessed expert (module doc: batch rule): a lone stream's guesses (one running
 # row: all its guesses, the class the budget always had); in a batch, an expert one row guessed not as its top-1,
-# one row's top-1 guess, an expert two rows guessed, three or more
-LONE, ONE, TOP, TWO, MORE = range(5)
-CLASS_NAMES = ("lone", "one", "top", "two", "more")
-RULES = ("rows", "union")       # prefetch_batch_rule: budgeted per class and capped (rows), or one class (union)
+# one row's top-1 guess, an expert two rows guessed, three or more; the ranks rule splits a lone stream's by their
+# rank in its guessed top-k: top-1, ranks 2-3, ranks 4..k
+LONE, ONE, TOP, TWO, MORE, LONE_TOP, LONE_NEAR, LONE_FAR = range(8)
+CLASS_NAMES = ("lone", "one", "top", "two", "more", "lone-r1", "lone-r2-3", "lone-r4+")
+RANK_FAR = 3        # the 0-based rank from which a lone stream's guess is LONE_FAR (module doc: measured per rank)
+# prefetch_batch_rule: budgeted per class and capped (rows), the same with a lone stream's guesses by rank (ranks), or
+# one class (union)
+RULES = ("rows", "union", "ranks")
+
+
+def rank_class(rank: int) -> int:
+    """The ranks rule's class of a lone stream's guess at this 0-based rank (Marks.classes' by_rank, on a list)."""
+    return LONE_TOP if rank == 0 else LONE_NEAR if rank < RANK_FAR else LONE_FAR
 
 
 HIT_WARMUP = 8        # guesses of a (layer, depth, class) read ahead whatever their hit rate, before it is trusted
@@ -249,15 +296,18 @@ class Guesser:
     within the layer's cap), the drops of a scored layer's unused guesses, and the counts of hits and waste (module
     doc)."""
 
-    __slots__ = ("session", "expert_bytes", "min_hit", "rule", "hits", "tries", "class_hits", "class_tries",
-                 "class_read", "disk_mean", "fast", "_snap", "_disk_sets", "_stats", "_asked", "_guessed", "_asks",
-                 "_pending", "_by_depth", "_batch", "_per_layer", "_hash")
+    __slots__ = ("session", "expert_bytes", "min_hit", "rule", "exact", "hits", "tries", "class_hits", "class_tries",
+                 "class_read", "class_unused_bytes", "disk_mean", "fast", "_snap", "_disk_sets", "_stats", "_asked",
+                 "_guessed", "_asks", "_pending", "_by_depth", "_batch", "_per_layer", "_hash", "_took")
 
-    def __init__(self, session, n_layer: int, depth: int = 0, min_hit: float = 0.0, rule: str = "rows"):
+    def __init__(self, session, n_layer: int, depth: int = 0, min_hit: float = 0.0, rule: str = "rows",
+                 exact: int = 0):
         assert rule in RULES, rule
         self.session = session
         self.expert_bytes = [session.file.expert_nbytes(l) for l in range(n_layer)]   # one expert's disk bytes
-        self.min_hit, self.rule = min_hit, rule
+        # exact: layers 0 .. exact-1 route by token id (deepseek4's hash layers): their guesses are exact, classed
+        # as the rows rule classes them whatever the rule
+        self.min_hit, self.rule, self.exact = min_hit, rule, exact
         D, C = max(depth, 1), len(CLASS_NAMES)
         # per (guessed layer, depth - 1, class): guessed disk experts the layer then used, of guessed (this
         # attachment; the budget's window)
@@ -268,6 +318,8 @@ class Guesser:
         self.class_hits = np.zeros((D, C), dtype=np.int64)
         self.class_tries = np.zeros((D, C), dtype=np.int64)
         self.class_read = np.zeros((D, C), dtype=np.int64)
+        # per (depth - 1, class): the bytes read ahead that their layer then did not use (about, as guess_wasted_bytes)
+        self.class_unused_bytes = np.zeros((D, C), dtype=np.int64)
         # per layer: the running mean of its disk experts in batched decode steps (the cap), NaN until one ran
         self.disk_mean = np.full(n_layer, np.nan)
         # read_ahead's short path where no guessed expert is on disk (False: the general one; MoEStep.fast)
@@ -282,6 +334,7 @@ class Guesser:
         self._batch = False                 # this pass guesses for more than one running row
         self._per_layer: dict = {}          # guessed layer -> reads ahead asked for it in this pass
         self._hash = None                   # this pass's hash ahead: (its _Ask, layer -> experts asked), or None
+        self._took: dict = {}               # guessed layer -> [(expert, depth - 1, class)] read ahead in this pass
 
     def _disk(self, snap) -> list[set]:
         """Per layer, the set of its experts on disk in the snapshot (Marks.on_disk), made once per snapshot (a
@@ -294,7 +347,7 @@ class Guesser:
         if self._stats is not stats:
             self._stats, self._asked, self._guessed, self._asks, self._pending, self._by_depth = (
                 stats, set(), {}, {}, [], {})
-            self._batch, self._per_layer, self._hash = False, {}, None
+            self._batch, self._per_layer, self._hash, self._took = False, {}, None, {}
 
     def hash_ahead(self, keys: list[tuple[int, int]], answer, stats: PassStats):
         """The step's hash-routed layers' disk experts `keys` were read ahead at its start (MoEStep.hash_ahead; answer()
@@ -359,7 +412,7 @@ class Guesser:
         for ask in self._pending:
             self._asked.difference_update(ask.keys[ask.queued_n():])
         self._pending = []
-        union = self.rule == "union"
+        union, ranks = self.rule == "union", self.rule == "ranks"
         self._batch = self._batch or marks.n > 1
         disk = self._disk(snap) if self.fast else None     # once: the test below's and the candidates' (lists)
         if self.fast and layers and not marks.on_disk(layer + 1, layers, disk):
@@ -373,13 +426,13 @@ class Guesser:
         keys = []
         lists = self.fast and marks.ids is not None       # the candidates on the ids' lists (_candidates)
         for t in layers:
-            d = t - layer
+            d, by_rank = t - layer, ranks and t >= self.exact
             if lists:
-                e, kind = self._candidates(t, d, marks, disk[t], union)
+                e, kind = self._candidates(t, d, marks, disk[t], union, by_rank)
             else:
                 e = np.nonzero(marks.rows[d - 1])[0]
                 e = e[snap["tier"][t][e] == TIER_DISK]
-                kind = marks.classes(d, e)              # counted per class whatever the rule (class_*)
+                kind = marks.classes(d, e, by_rank)     # counted per class whatever the rule (class_*)
                 cls = np.full(len(e), LONE, dtype=np.int64) if union else kind      # the budget's class
                 self._by_depth.setdefault(t, {})[d] = (e, cls, kind)
                 ok = np.array([self.worth(t, d, int(c)) for c in cls], dtype=bool)
@@ -402,9 +455,11 @@ class Guesser:
             self._guessed.setdefault(t, set()).update([k[1] for k in cand if k in took or k in self._asked])
             if took:
                 read: dict = {}                     # per class, then one numpy add each (not one per expert)
+                mine = self._took.setdefault(t, [])     # check's class_unused_bytes
                 for k, c in zip(cand, kind):
                     if k in took:
                         read[c] = read.get(c, 0) + 1
+                        mine.append((k[1], d - 1, c))
                 for c, n in read.items():
                     self.class_read[d - 1, c] += n
             keys += new
@@ -416,10 +471,11 @@ class Guesser:
             for t in dict.fromkeys([t for t, _ in keys]):
                 self._asks.setdefault(t, []).append(ask)
 
-    def _candidates(self, t: int, d: int, marks: "Marks", disk: set, union: bool) -> tuple[list, list]:
+    def _candidates(self, t: int, d: int, marks: "Marks", disk: set, union: bool, by_rank: bool) -> tuple[list, list]:
         """read_ahead's loop body for guessed layer t at depth d, on the ids' lists (a decode step guesses a few
         experts: a numpy call costs more than a Python step over them): the guessed experts on disk (`disk`: t's
-        disk experts, Guesser._disk) ascending, their classes, recorded for check as the general loop records them;
+        disk experts, Guesser._disk) ascending, their classes (by_rank: Marks.classes'), recorded for check as the
+        general loop records them;
         -> (those within their (depth, class)'s budget, most rows first then top-1 guesses (ties: ascending id)
         where the batch rule orders them, their classes), as the general loop's e, kind."""
         ids = marks.ids
@@ -427,8 +483,9 @@ class Guesser:
         # layer's disk set, ~130 of ds4-flash's 256 experts, less them)
         held = (marks._held[d - 1] if marks._held is not None else None) or ()
         if marks.n == 1:                    # the row's ids on disk, less the held: set operations (no comprehension)
-            e = sorted(disk.intersection(ids[0][d - 1]).difference(held))
-            kind = [LONE] * len(e)
+            g = ids[0][d - 1]
+            e = sorted(disk.intersection(g).difference(held))
+            kind = [rank_class(g.index(x)) for x in e] if by_rank else [LONE] * len(e)
             rows = top = None
         else:
             rows, top = {}, {}
@@ -525,6 +582,11 @@ class Guesser:
             np.add.at(self.class_tries[d - 1], kind, 1)
             np.add.at(self.class_hits[d - 1], kind[hit], 1)
             every.update(int(x) for x in g)
+        took = self._took.pop(layer, None)
+        if took:                            # the reads ahead of it it did not use, per (depth, class)
+            for x, d, c in took:
+                if x not in used:
+                    self.class_unused_bytes[d, c] += self.expert_bytes[layer]
         guessed = self._guessed.pop(layer, None)
         stats.guess_held += len(every.difference(guessed or ()))
         asks = self._asks.pop(layer, ())

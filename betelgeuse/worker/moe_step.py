@@ -223,7 +223,10 @@ class MoEStep:
         self._ahead = None
         # auto: the architecture's waste budget (the model's guess_min_hit, passed in as guess_min_hit)
         min_hit = guess_min_hit if cfg.prefetch_min_hit == "auto" else cfg.prefetch_min_hit
-        self.guesser = Guesser(session, self.n_layer, self.depth, min_hit, cfg.prefetch_batch_rule)
+        # deepseek4's hash-routed layers (the first n_hash) are guessed exactly: the ranks rule leaves their classes
+        fc = session.file.config
+        self.guesser = Guesser(session, self.n_layer, self.depth, min_hit, cfg.prefetch_batch_rule,
+                               exact=fc.ds4.n_hash_layers if fc.ds4 is not None else 0)
         # hash ahead (hash_ahead): the hash-routed layers' expert ids per token on the host [n_hash, V, k] (the
         # model's hash_table), in exact routing with decode's guesses on; None: off (no hash layer, or pool routing,
         # whose hash layers choose among the resident experts: their disk reads are not the table's)

@@ -199,7 +199,7 @@ BAD_ENGINE_VALUES = [
     ("engine.warm_up", "maybe", "on, off"),
     ("engine.prefetch_depth", 0, "integer >= 1"),
     ("engine.prefetch_depth", "deep", '>= 1 or "auto"'),
-    ("engine.prefetch_batch_rule", "all", "rows, union"),
+    ("engine.prefetch_batch_rule", "all", "rows, union, ranks"),
     ("engine.prefetch_min_hit", 1.5, "between 0 and 1"),
     ("engine.prefetch_min_hit", -0.25, "between 0 and 1"),
     ("engine.prefetch_min_hit", "half", "between 0 and 1"),

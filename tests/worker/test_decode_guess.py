@@ -50,7 +50,7 @@ def ds4(tmp_path_factory):
 
 
 def _decode(path, depth: int, form: str, prompts, vram=2, host=3, asks=None, steps=STEPS, drops=None, unused=None,
-            **cfg):
+            classes=None, **cfg):
     """Each prompt prefilled, then `steps` (STEPS) greedy decode steps of all of them together (decode_batch: form "batch" over
     the static lanes, "rows" each sequence's dense part alone) or one at a time (form "sliced" / "static": forward()
     of one token), guessing `depth` layers ahead (0: prefetch_decode off) -> (logits [steps, n, V], the decode passes'
@@ -58,7 +58,7 @@ def _decode(path, depth: int, form: str, prompts, vram=2, host=3, asks=None, ste
     read-ahead call the session sent the store (the real call runs; reads started once the guesser read the answer);
     drops (with asks): a list that gets each message's drop (a scored layer's unused guesses) beside the keys asked
     for in its pass before it; unused: a list that gets the decode's (bytes the store read ahead, of them those no
-    load took)."""
+    load took); classes: a list that gets the guesser's class_tries [D, C] (guessed on disk per depth and class)."""
     rn, st = in_process_runner(path, vram, host, prefetch_decode=depth > 0, prefetch_depth=max(1, depth),
                                max_running=len(prompts), **cfg)
     rn._static_decode = form in ("static", "batch")
@@ -109,6 +109,8 @@ def _decode(path, depth: int, form: str, prompts, vram=2, host=3, asks=None, ste
         if unused is not None:
             got = st.counters.readahead_bytes - c0[0]
             unused += [got, got - (st.counters.readahead_used - c0[1])]
+        if classes is not None:
+            classes.append(rn.moe.guesser.class_tries.copy())
         return outs, stats, st.counters.readahead_reads - reads0
     finally:
         close_runner(rn, st)
@@ -239,6 +241,25 @@ def test_batch_rule_reads_ahead_fewer_unused_bytes_than_the_union(qwen64):
     assert unused_r < 0.7 * unused_u, got
 
 
+@pytest.mark.parametrize("arch", ["qwen64", "ds4"])
+def test_ranks_rule_keeps_bits(request, arch):
+    """prefetch_batch_rule = ranks in a lone stream's decode (solo, depth 3): the logits are the bits of guessing off,
+    so of the rows rule too; its guesses are classed by rank (qwen64 top-4: every rank class), deepseek4's
+    hash-routed layer 1 (guessed exactly) as before: lone."""
+    from betelgeuse.worker.guess import LONE, LONE_FAR, LONE_NEAR, LONE_TOP
+    path = request.getfixturevalue(arch)
+    prompts = [DS4_PROMPT] if arch == "ds4" else PROMPTS[:1]
+    off, _, _ = _decode(path, 0, "static", prompts, steps=8)
+    classes: list = []
+    on, stats, ra = _decode(path, 3, "static", prompts, steps=8, prefetch_batch_rule="ranks", classes=classes,
+                            prefetch_hash=False)
+    assert torch.equal(on, off)
+    assert _sum(stats, "guessed") > 0 and ra > 0
+    c = classes[0].sum(axis=0)
+    assert c[LONE_TOP] > 0 and c[LONE_NEAR] > 0 and (c[LONE_FAR] > 0) == (arch == "qwen64"), c
+    assert (c[LONE] > 0) == (arch == "ds4"), c
+
+
 def test_marks_count_the_rows_that_guessed_each_expert():
     """guess.Marks from the host copy of the ids [T, D, k] (rank 0 a row's top-1): rows and top-1 rows per (depth,
     expert), and the batch rule's classes; one running row is the lone class whatever it guessed."""
@@ -259,3 +280,66 @@ def test_marks_count_the_rows_that_guessed_each_expert():
     one = Marks.from_ids(g[2:], 6)
     assert one.classes(1, np.array([1, 4])).tolist() == [LONE, LONE]
     assert Marks.from_ids(g[1:], 6).classes(2, np.array([2, 5])).tolist() == [TOP, ONE]
+    # the ranks rule (by_rank) leaves a batch's classes
+    assert m.classes(1, np.array([1, 3, 4]), by_rank=True).tolist() == [MORE, TWO, ONE]
+
+
+def test_ranks_rule_classes_a_lone_streams_guesses_by_rank():
+    """prefetch_batch_rule = ranks: a lone stream's guesses classed by their rank in its guessed top-k (rank 1, ranks
+    2-3, ranks 4..k), on the counts (Marks.classes) and on the ids' lists (rank_class), held experts or not."""
+    from betelgeuse.worker.guess import LONE_FAR, LONE_NEAR, LONE_TOP, Marks, rank_class
+    g = np.array([[[7, 3, 5, 0, 2, 6], [1, 0, 2, 3, 4, 5]]], dtype=np.int64)     # [T=1, D=2, k=6], best first
+    m = Marks.from_ids(g, 8)
+    want = {7: LONE_TOP, 3: LONE_NEAR, 5: LONE_NEAR, 0: LONE_FAR, 2: LONE_FAR, 6: LONE_FAR}
+    e = np.array(sorted(want))
+    assert m.classes(1, e, by_rank=True).tolist() == [want[x] for x in e]
+    assert [rank_class(g[0, 0].tolist().index(x)) for x in e] == [want[x] for x in e]
+    assert m.classes(2, np.array([1, 0, 2, 5]), by_rank=True).tolist() == [LONE_TOP, LONE_NEAR, LONE_NEAR, LONE_FAR]
+    held = np.zeros((2, 8), dtype=bool)
+    held[0, 3] = True                              # held elsewhere: the others keep their rank's class
+    w = m.without(held)
+    assert w.classes(1, np.array([5, 7]), by_rank=True).tolist() == [LONE_NEAR, LONE_TOP]
+    w = Marks(m.rows, m.top, 1, m.rank).without(held)     # the counts' form (no ids)
+    assert w.classes(1, np.array([0, 5, 7]), by_rank=True).tolist() == [LONE_FAR, LONE_NEAR, LONE_TOP]
+
+
+class _Session:
+    """A store session for a Guesser alone: an expert's disk bytes (read_ahead's sends go to the test's `send`)."""
+    class file:
+        @staticmethod
+        def expert_nbytes(layer):
+            return 1000
+
+
+@pytest.mark.parametrize("exact", [0, 2])
+def test_ranks_rule_holds_the_missing_ranks_and_reads_the_rest(exact):
+    """A lone stream guesses layer 1's experts 0..5 (ranks 1..6) at layer 0; layer 1 then uses 0, 1, 2 (ranks 1-3)
+    every step. Under the rows rule the one lone class hits 0.5 < prefetch_min_hit 0.7: once warmed up nothing is
+    read ahead. Under ranks, ranks 4..6 (hit rate 0) are held while rank 1 and ranks 2-3 (1.0) keep being read
+    ahead; only the far ranks' reads (their warm-up) go unused. A layer guessed exactly (exact: hash-routed) is classed
+    as the rows rule classes it."""
+    from betelgeuse.worker.guess import CLASS_NAMES, HIT_WARMUP, LONE, LONE_FAR, LONE_NEAR, LONE_TOP, Guesser, Marks
+    from betelgeuse.store.directory import TIER_DISK
+    from betelgeuse.worker.stats import PassStats
+    snap = np.zeros((3, 8), dtype=[("tier", np.int8)])
+    snap["tier"] = TIER_DISK                        # every expert on disk
+    ids = np.array([[[0, 1, 2, 3, 4, 5]]], dtype=np.int64)      # [T=1, D=1, k=6]
+    sent = {}
+    for rule in ("rows", "ranks"):
+        g = Guesser(_Session(), 3, 1, min_hit=0.7, rule=rule, exact=exact)
+        sent[rule] = []
+        for _ in range(3 * HIT_WARMUP):
+            stats = PassStats("decode", "layer", 1)
+            keys: list = []
+            g.read_ahead(0, [1], Marks.from_ids(ids, 8), snap, stats, lambda k, _keys=keys: _keys.extend(k) or
+                         (lambda: len(k)))
+            g.check(1, [0, 1, 2], 0, stats)
+            sent[rule].append(sorted(e for _, e in keys))
+        if rule == "rows" or exact:
+            assert sent[rule][-1] == [] and g.class_tries[0, LONE] > 0, (rule, sent[rule])
+            continue
+        names = dict(zip(CLASS_NAMES, g.class_tries[0]))
+        assert g.class_tries[0, LONE] == 0 and all(names[n] for n in ("lone-r1", "lone-r2-3", "lone-r4+")), names
+        assert sent[rule][0] == [0, 1, 2, 3, 4, 5] and sent[rule][-1] == [0, 1, 2], sent[rule]
+        assert g.class_unused_bytes[0, LONE_FAR] > 0 == g.class_unused_bytes[0, [LONE_TOP, LONE_NEAR]].sum()
+        assert stats.guess_held == 3 and stats.prefetched == 3 and stats.guess_hits == 3
