@@ -59,14 +59,15 @@ a guess there):
             hash-routed layers (`exact`: guessed exactly) keep `lone`; a batch's classes are the rows rule's. Why:
             the low ranks of a guess miss most (ds4-flash's exact decode read 8% of its bytes ahead for nothing,
             hit rate 0.845 with one class a depth; gpu-run64/66). Hit rate by rank 1..6, lone, depth 3, ds4-wide
-            (8 x 256 experts, top-6, synth; guessed on disk): depth 1 0.88 0.76 0.65 0.55 0.43 0.40, depth 2 0.69
-            0.53 0.47 0.38 0.32 0.25, depth 3 0.55 0.39 0.36 0.31 0.24 0.19 (qwen3moe tiny, 64 experts top-4: 0.80
+            (8 x 256 experts, top-6, synth; guessed on disk): depth 1 0.88 0.76 0.66 0.51 0.44 0.40, depth 2 0.69
+            0.49 0.47 0.37 0.31 0.27, depth 3 0.52 0.38 0.33 0.32 0.26 0.16 (qwen3moe tiny, 64 experts top-4: 0.80
             0.69 0.45 0.40 at depth 1): the top-1 stands apart, ranks 2-3 sit near deepseek4's budget (0.7) at depth
             1, ranks 4..k under it at every depth. Measured on the CPU (docs/benchmarks/cpu-guess64, guess_waste.py
-            --preset ds4-wide): where the rows rule reads a depth in full (a low budget: 0.5), ranks reads 5% fewer
-            bytes ahead for the same recall; where it holds a depth whose top ranks beat the budget (0.7 on ds4-wide,
-            whose depth 1 hits 0.66), ranks reads those: more recall and more unused bytes. The logits are the same
-            bits under either rule (a guess never computes: tests/worker/test_decode_guess.py)
+            --preset ds4-wide --rule rows,ranks, 768 lone steps): where the rows rule reads a depth in full (budget
+            0.5: the device's regime), ranks reads 8% fewer bytes ahead, 13% fewer of them unused, for about the
+            same recall (0.54 vs 0.55); where rows holds a depth whose top ranks beat the budget (0.7 on ds4-wide,
+            whose depth 1 hits 0.65), ranks reads those: recall 0.26 -> 0.42 for 3.7x the unused bytes. The logits
+            are the same bits under either rule (a guess never computes: tests/worker/test_decode_guess.py)
 
 Counted per pass (PassStats), per guessed layer: guessed (its guessed experts on disk, all guesses of it together),
 guess_hits (those the layer then used), guess_disk (the layer's disk experts), guess_bytes (reads started for its
