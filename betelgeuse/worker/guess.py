@@ -57,8 +57,8 @@ a guess there):
             router's order, rank 1 its best score: Marks.rank): `lone-r1`, `lone-r2-3`, `lone-r4+` (RANK_FAR), each
             within the budget as any class, so a depth's low ranks are held while its top-1 keeps being read; the
             hash-routed layers (`exact`: guessed exactly) keep `lone`; a batch's classes are the rows rule's. Why:
-            the low ranks of a guess miss most (ds4-flash's exact decode read 8% of its bytes ahead for nothing,
-            hit rate 0.845 with one class a depth; gpu-run64/66). Hit rate by rank 1..6, lone, depth 3, ds4-wide
+            the low ranks of a guess miss most (8% of ds4-flash's exact decode's reads were guesses never used, hit
+            rate 0.845 with one class a depth; gpu-run64/66). Hit rate by rank 1..6, lone, depth 3, ds4-wide
             (8 x 256 experts, top-6, synth; guessed on disk): depth 1 0.88 0.76 0.66 0.51 0.44 0.40, depth 2 0.69
             0.49 0.47 0.37 0.31 0.27, depth 3 0.52 0.38 0.33 0.32 0.26 0.16 (qwen3moe tiny, 64 experts top-4: 0.80
             0.69 0.45 0.40 at depth 1): the top-1 stands apart, ranks 2-3 sit near deepseek4's budget (0.7) at depth
