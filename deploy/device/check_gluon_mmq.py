@@ -176,7 +176,8 @@ def gl_forms(mq, only: list[str] | None = None) -> dict:
     names += ["gluon GP1 PK", "gluon GP2 PK", "gluon GP1 PK split16", "gluon GP1 PK2"] if QT == 0 else []
     names += ["gluon PK", "gluon PK2", "gluon GP1 PK", "gluon GP2 PK", "gluon GP1 PK2"] if QT in (4, 5) else []
     names += ["gluon GP1 unfused", "gluon GP1 PK unfused", "gluon GP1 NR168", "gluon GP1 PK NR168",
-              "gluon GP1 PK NR128", "gluon GP1 PK NR168/128"] if QT == 5 else []
+              "gluon GP1 PK NR128", "gluon GP1 PK NR168/128", "gluon GP1 NRD128", "gluon GP1 PK NRD128"] if QT == 5 \
+        else []
     return {n: FORMS[n] for n in names if only is None or n in only}
 
 
@@ -260,8 +261,18 @@ def main() -> int:
     types = a.types.split(",")
     global ONLY
     ONLY = a.forms.split(",") if a.forms else None
+    offered = set()                             # the forms some asked type has (gl_forms), checked before any run
     for tname in types:
         set_type(tname)
+        offered |= gl_forms(mq).keys()
+    if ONLY and set(ONLY) - offered:
+        print(f"FAIL --forms {sorted(set(ONLY) - offered)}: not a form of {types} (gl_forms; FORMS has "
+              f"{sorted(FORMS)})")
+        return 2
+    for tname in types:
+        set_type(tname)
+        if ONLY and set(ONLY) - gl_forms(mq).keys():
+            print(f"{tname}: not its forms, skipped: {sorted(set(ONLY) - gl_forms(mq).keys())}")
         c = mq.config(QT, 16, bf=True)
         bad = [n for n, o in gl_forms(mq, ONLY).items() if not gm.usable(QT, {**c, **o}, c["KB"], dev)]
         if bad and not a.dry_run:
