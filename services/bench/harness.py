@@ -33,7 +33,7 @@ from services.bench import ceilings as C
 from services.bench.args import OutOfTime
 from services.bench.disk_idle import split_idle
 from services.bench.procs import BenchCgroup, Monitor, arena_mappings, cgroup_of, mkdir, vram_used_before_cuda
-from services.bench.profile import profile_pass
+from services.bench.profile import DecodeCProfile, profile_pass
 
 
 # the suite's defaults (flags override them): one sequence at a time, no prefix cache: the plan (KV reserve for
@@ -523,6 +523,7 @@ class Harness:
         gg = getattr(rn.moe, "group_graphs", None)      # engine.group_graphs: its replays / captures / launches
         gg0 = gg.stats() if gg is not None else None
         t_start = time.perf_counter()
+        cprof = DecodeCProfile().start()                 # BENCH_DECODE_CPROFILE=path: where the host time goes
         try:
             for _ in range(self.o.decode):
                 if time.monotonic() > end:
@@ -552,6 +553,7 @@ class Harness:
                 if st.engram is not None:
                     engram = st.engram if engram is None else engram.add(st.engram)
         finally:
+            cprof.finish(len(secs))
             rn.gpu_marks = marks_were
         n = sum(reads.values())
         c = rn.mcfg

@@ -75,3 +75,40 @@ def profile_pass(fn, n_layer: int, timed_wall_s: float, device: torch.device) ->
     return {"launches": len(kernels), "launches_per_layer": len(kernels) / max(n_layer, 1), "memcpys": len(copies),
             "kernel_ms": busy_us / 1e3, "gpu_busy": (busy_us / 1e6) / timed_wall_s if timed_wall_s > 0 else None,
             "launches_by_name": by_name(kernels, n_layer), "copy_kernels_after": copy_kernels_after(kernels, n_layer)}
+
+
+class DecodeCProfile:
+    """cProfile of the bench's timed decode tokens where the environment names a file (BENCH_DECODE_CPROFILE=path;
+    off otherwise: a no-op). Python's profiler adds ~1 µs to every call, so a run with it on measures where the host
+    time of a decode token goes (the functions' own and cumulative seconds, the largest first), not its speed: its
+    TG and host µs are not the bench's figures. The file: pstats' tables by own time and by cumulative time, each
+    headed by the tokens profiled, so that per-token figures are the table's seconds / tokens."""
+
+    ENV = "BENCH_DECODE_CPROFILE"
+    TOP = 60
+
+    def __init__(self):
+        self.path = os.environ.get(self.ENV) or None
+        self.prof = None
+
+    def start(self):
+        if self.path:
+            import cProfile
+            self.prof = cProfile.Profile()
+            self.prof.enable()
+        return self
+
+    def finish(self, tokens: int):
+        """Stop profiling and write the tables (tokens: how many decode tokens ran under it)."""
+        if self.prof is None:
+            return
+        import io
+        import pstats
+        self.prof.disable()
+        buf = io.StringIO()
+        for key in ("tottime", "cumulative"):
+            buf.write(f"# {tokens} decode tokens profiled; sorted by {key}\n")
+            pstats.Stats(self.prof, stream=buf).sort_stats(key).print_stats(self.TOP)
+        with open(self.path, "w") as fh:
+            fh.write(buf.getvalue())
+        self.prof = None
