@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
-from mmq_helpers import compile_reports  # noqa: E402
+from mmq_helpers import GLUON_CHILD_HEAD, compile_reports  # noqa: E402
 
 from betelgeuse.kernels import gluon_mmq as gm  # noqa: E402
 from betelgeuse.kernels import triton_mmq as mq  # noqa: E402
@@ -29,32 +29,16 @@ CASES = [(qt, w, b, 1, st) for qt in (4, 5) for w in ("gate_up", "down") for b i
     (5, "gate_up", 1, 2, 3)]
 # a child without TRITON_INTERPRET: compile for sm_90, one JSON line a kernel, or {"skip": why}
 _CHILD = """
-CASES = """ + repr(CASES) + """
-import json, re, sys
-sys.path.insert(0, "tests/scripts")
-import kernel_smem
-why = kernel_smem.probe()
-from betelgeuse.kernels import gluon_mmq as gm
-if why or not gm.HAVE_GLUON:
-    print(json.dumps({"skip": why or "no Gluon"})); sys.exit(0)
-import sass_profile as sp
-FOPS = re.compile(r"^\\s*((?:ex2|div|rcp|fma|add|sub|mul|min|max|neg)\\.[\\w.]*f32[\\w.]*"
-                  r"|cvt\\.rn\\.bf16\\w*\\.f32)", re.M)
-def count(items):
-    d = {}
-    for k in items:
-        d[k] = d.get(k, 0) + 1
-    return d
+CASES = """ + repr(CASES) + GLUON_CHILD_HEAD + """
 for qt, w, b, pk, st in CASES:
     k, const = gm.compile_kernel(w, b, qt=qt, fuse=w == "gate_up", gp=1, pk=pk, st=st)
     sass, res = sp.sass_of(k.asm["cubin"])
     ins = sp.instructions(sass)
-    key = lambda op, rest: op + (rest.split()[0] if rest.startswith(".") else "")
-    loops = [count(key(op, rest) for _, op, rest in body) for body in sp.mma_loops(ins)]
+    loops = [kinds(body) for body in sp.mma_loops(ins)]
     print(json.dumps({"qt": qt, "kernel": w, "bucket": b, "pk": pk, "st": st, "smem": int(k.metadata.shared),
                       "loops": loops, "in_step": [sp.ldg_in_step(body) for body in sp.mma_loops(ins)],
                       "ldgsts": sum(op.startswith("LDGSTS") for _, op, _ in ins),
-                      "fops": count(FOPS.findall(k.asm["ptx"])),
+                      "fops": fops(k.asm["ptx"]),
                       "cp": sorted(set(re.findall(r"cp\\.async\\.[\\w.]+", k.asm["ptx"]))),
                       "wait": sorted(set(re.findall(r"cp\\.async\\.wait_group\\s+(\\d+)", k.asm["ptx"]))),
                       "regs": int(re.search(r"REG:(\\d+)", res).group(1)),
