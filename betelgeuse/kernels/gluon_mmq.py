@@ -727,8 +727,9 @@ if HAVE_GLUON:
         PK (a schedule key, Q8_0 with GP >= 1, MXFP4 and Q4_K at any GP): the weights in mma_pack's layout (ra / rc:
         _pk_rows' addresses; MXFP4's and Q4_K's pieces shared by rows n and n + 8: _half_rows, once a part).
         ST (a schedule key, 0 off; MXFP4 and Q4_K with PK and GP 1): the weight words of the next ST - 1 K steps in
-        flight through a ring of ST slots in shared memory (cp.async: _ring_fill, _ring_read), the step's other
-        loads carried one step as GP 1's; the same words into the same decode, MMA and float ops (cpu-mxtma65)."""
+        flight through a ring of shared memory slots (ST's power of two; cp.async: _ring_fill, _ring_read), the other
+        loads of a step carried one step as GP 1's; the same words into the same decode, MMA and float ops
+        (cpu-mxtma65)."""
         gl.static_assert(KB == 2)
         gl.static_assert(ST == 0 or (ST >= 2 and ST <= 8 and PK != 0 and QT != 0 and GP == 1))
         gl.static_assert(PK == 0 or QT != 0 or GP > 0)
@@ -1214,7 +1215,7 @@ if HAVE_GLUON:
                     _gate_up_body(xq_ptr, xs_ptr, pool, starts_ptr, rows_ptr, off_ptr, inter_ptr, ws_ptr, cnt_ptr, H, F,
                                   row_bytes, k_top, limit, KCB, e, mb, base, QT, HAS_LIMIT, BM, BN, ALIGNED, RA, KB,
                                   SPLIT, FUSE, GP, 1, ST)
-                else:
+                else:                   # GGUF order: no ring (ST 0)
                     _gate_up_body(xq_ptr, xs_ptr, pool, starts_ptr, rows_ptr, off_ptr, inter_ptr, ws_ptr, cnt_ptr, H, F,
                                   row_bytes, k_top, limit, KCB, e, mb, base, QT, HAS_LIMIT, BM, BN, ALIGNED, RA, KB,
                                   SPLIT, FUSE, GP, 0, 0)
@@ -1280,7 +1281,7 @@ if HAVE_GLUON:
                 if pk != 0:             # one expert a program: a uniform branch
                     _down_body(xq_ptr, xs_ptr, pool, starts_ptr, rows_ptr, off_ptr, y_ptr, ws_ptr, cnt_ptr, H, F,
                                row_bytes, KCB, e, mb, base, QT, BM, BN, ALIGNED, RA, KB, SPLIT, GP, 1, ST)
-                else:
+                else:                   # GGUF order: no ring (ST 0)
                     _down_body(xq_ptr, xs_ptr, pool, starts_ptr, rows_ptr, off_ptr, y_ptr, ws_ptr, cnt_ptr, H, F,
                                row_bytes, KCB, e, mb, base, QT, BM, BN, ALIGNED, RA, KB, SPLIT, GP, 0, 0)
             else:
