@@ -48,11 +48,17 @@ so the same bits on the GPU (deploy/device/check_gluon_mmq.py checks torch.equal
     128-bit load of 4 words where GGUF order takes 16 byte loads), moved to the words _mx_a decodes by register moves
     (the GGUF form packs its bytes into the same words), and a row's two scale bytes one 16-bit load; _mx_a's decode,
     the MMA and the float ops are the GGUF form's.
+  * ST (MXFP4, Q4_K with PK and GP 1; off everywhere; cpu-mxtma65): the weight words of the next ST - 1 K steps in
+    flight through a ring of shared memory slots ([slots, R / 2, 16] int32, slots ST's power of two): each thread
+    copies its 16 bytes of a tile and step by cp.async (LDGSTS.128, one commit group a step) and reads them back in the
+    step that uses them (LDS.128, after wait_group(ST - 2)); the step's other loads (scales / headers, sums, B tile)
+    are GP 1's. Registers no longer hold the steps ahead, so the bytes in flight a CTA are (ST - 1) x the step's tile
+    bytes; the words are the same, and so are the decode, MMA and float ops: the same bits as GP 1 PK.
 The schedule key GL (triton_mmq.CONFIG, 0 by default) asks for it; triton_mmq._launch takes it where `usable` says so
 (CUDA sm_90, Gluon importable, Q8_0, MXFP4 or Q4_K at these constants, aligned parts), else the Triton kernel runs
-(CPU, the interpreter: Gluon has no interpreter). Compiles on Triton 3.6 (the device's) and 3.9: the one API
-difference used here is the CTA barrier's name (gl.thread_barrier on 3.6, gl.barrier on 3.9); 3.6 has no gl.cumsum
-(an associative_scan here).
+(CPU, the interpreter: Gluon has no interpreter). Compiles on Triton 3.6 (the device's) and 3.9: the API
+differences used here are the CTA barrier's name (gl.thread_barrier on 3.6, gl.barrier on 3.9) and cp.async's
+(async_copy_global_to_shared on 3.6, async_load on 3.9); 3.6 has no gl.cumsum (an associative_scan here).
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia import hopper
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     HAVE_GLUON = True
 except ImportError:                 # a Triton without Gluon: triton_mmq's kernels only
     HAVE_GLUON = False
@@ -85,10 +92,13 @@ def usable(qt: int, c: dict, kb: int, device, aligned: bool = True) -> bool:
     device of capability 9.x (wgmma), not the interpreter, a type of TYPES at SHAPE's constants (FUSE either way:
     gate_up's fused form is here too; a schedule key, the same bits), parts 16-byte aligned (`aligned`, as
     triton_mmq.gate_up's: the weights are read in 2-, 4- and 16-byte words); PK (the weights packed: mma_pack)
-    Q8_0 with GP >= 1, Q4_K or MXFP4 (any GP), only."""
+    Q8_0 with GP >= 1, Q4_K or MXFP4 (any GP), only; ST (the weight ring, not 0) at least 2, with PK, GP 1, Q4_K
+    or MXFP4 only (ST 2 .. 8)."""
     if not HAVE_GLUON or qt not in TYPES or getattr(device, "type", "") != "cuda" or not aligned:
         return False
     if c.get("PK") and not (qt == 0 and c.get("GP") or qt in (4, 5)):
+        return False
+    if c.get("ST") and not (2 <= c["ST"] <= 8 and c.get("PK") and c.get("GP") == 1 and qt in (4, 5)):
         return False
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         return False
@@ -100,6 +110,8 @@ def usable(qt: int, c: dict, kb: int, device, aligned: bool = True) -> bool:
 
 if HAVE_GLUON:
     _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier   # 3.6 / 3.9's name
+    # cp.async global -> shared (ST's ring): 3.9's async_load, 3.6's async_copy_global_to_shared (removed in 3.9)
+    _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     # the MMA's accumulator [64, 32]: 4 warps along M (one warpgroup), instruction m64 n32 k16 (as Triton's)
     MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 16]))
     # the weights [64, 64] bf16 as wgmma's register A: thread t holds k pairs (2 (t % 4), +1) and +8 of rows t / 4
@@ -147,6 +159,10 @@ if HAVE_GLUON:
                                                  [[8, 0], [16, 0]], [], [32, 16]))
     MW2 = gl.constexpr(gl.DistributedLinearLayout([[0, 1], [0, 2], [32, 0]], [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
                                                   [[8, 0], [16, 0]], [], [64, 16]))
+    # ST's weight ring [slots, R / 2, 16] int32 in shared memory (MW's words of a K step a slot, row-major,
+    # unswizzled): a thread's 16 bytes of a step are copied (cp.async, 16 bytes) and read back (LDS.128) by the same
+    # thread; a warp reads 512 contiguous bytes (no bank conflicts)
+    RING = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
     # MXFP4's B tile [KB*32, KB*BM] bf16 as loaded, in element order (row e: element e % 32 of block e // 32; BL's
     # position 32 a + 8 w + 2 c + h holds element 32 a + 16 h + 4 w + c, _perm): thread t holds the elements of BL's
     # 8 positions of its column (w = t % 4, a = t / 4 % 2, the columns as BL's): 2 runs of 4 contiguous elements (8
@@ -346,15 +362,55 @@ if HAVE_GLUON:
         rows' tile): (the nibble words [R / 2, 16] int32 (MW) at _half_rows' pieces ra (mask mn), one 128-bit load a
         thread and 64-row tile; the scale bytes of blocks kb0 (low) and kb0 + 1 (high) of rows rc (mask mc), one 16-bit
         load a row, zero-extended into an int32 by the load (_ld_u16))."""
+        pw, mw = _pk_ptrs(pool, ra, mn, _pk_step(kb0, 4))
+        return gl.load(pw, mask=mw, other=0), _ld_u16(pool + rc + kb0 * 1088, mc)
+
+    @gluon.jit
+    def _pk_step(kb0, QT: gl.constexpr):
+        """PK (MXFP4, Q4_K): the byte offset of K step kb0 .. kb0 + 1 (kb0 even) from its 64-row tile's first in
+        mma_pack's layout: MXFP4 kb0 / 2 x 2176; Q4_K super-block kb0 // 8 (9216 bytes) and its 32-byte group
+        (kb0 // 2) % 4 (2048 bytes of pairs a tile)."""
+        if QT == 4:
+            o = kb0 * 1088
+        else:
+            o = (kb0 >> 3) * 9216 + ((kb0 >> 1) & 3) * 2048
+        return o
+
+    @gluon.jit
+    def _pk_ptrs(pool, ra, mn, off):
+        """PK (MXFP4, Q4_K): the int32 word pointers [R / 2, 16] (MW / MW2: a thread's 16 contiguous bytes of a
+        64-row tile) at byte off of _half_rows' pieces ra, and their mask (mn's rows): one 128-bit load (or 16-byte
+        cp.async) a thread and tile."""
         if ra.shape[0] == 32:
             LW: gl.constexpr = MW
         else:
             LW: gl.constexpr = MW2
-        st = kb0 * 1088                             # kb0 even: kb0 / 2 x 2176
         u = gl.arange(0, 16, layout=gl.SliceLayout(0, LW))
-        pw = (pool + gl.multiple_of(ra + st, 16)).to(gl.pointer_type(gl.int32))
-        w = gl.load(pw[:, None] + u[None, :], mask=gl.broadcast(mn[:, None], u[None, :])[0], other=0)
-        return w, _ld_u16(pool + rc + st, mc)
+        # the 16-byte hint on the add (after the convert: Triton 3.6 loses one on it)
+        a = gl.multiple_of(gl.convert_layout(ra, gl.SliceLayout(1, LW)) + off, 16)
+        pw = (pool + a).to(gl.pointer_type(gl.int32))
+        mw = gl.convert_layout(mn, gl.SliceLayout(1, LW))
+        return pw[:, None] + u[None, :], gl.broadcast(mw[:, None], u[None, :])[0]
+
+    @gluon.jit
+    def _ring_fill(ring, pool, ra, mn, kb, b1, QT: gl.constexpr, KB: gl.constexpr):
+        """ST: K step kb's weight words (_pk_ptrs', masked off past b1) copied into ring slot (kb / KB) % slots by
+        cp.async (16 bytes a thread), committed as one group (a group a step, empty past b1: the wait counts
+        stay uniform). Slots >= ST: the slot is none of the ST - 2 steps still in flight nor the step being read."""
+        pw, mw = _pk_ptrs(pool, ra, mn & (kb < b1), _pk_step(kb, QT))
+        _cp_async(ring.index((kb // KB) % ring.shape[0]), pw, mw)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _ring_read(ring, kb, KB: gl.constexpr, ST: gl.constexpr):
+        """ST: K step kb's weight words [R / 2, 16] from its ring slot into registers (MW / MW2, LDS.128), once
+        this thread's copy of them has landed (at most ST - 2 younger groups still in flight: the steps after it)."""
+        async_copy.wait_group(ST - 2)
+        if ring.shape[1] == 32:
+            LW: gl.constexpr = MW
+        else:
+            LW: gl.constexpr = MW2
+        return ring.index((kb // KB) % ring.shape[0]).load(LW)
 
     @gluon.jit
     def _mx_pk_words(w):
@@ -474,7 +530,8 @@ if HAVE_GLUON:
         return gl.convert_layout(xb, BL)
 
     @gluon.jit
-    def _load_raw(pool, ra, mn, rc, mc, xq_ptr, jo, jm, kb0, QT: gl.constexpr, KB: gl.constexpr, PK: gl.constexpr):
+    def _load_raw(pool, ra, mn, rc, mc, xq_ptr, jo, jm, kb0, QT: gl.constexpr, KB: gl.constexpr, PK: gl.constexpr,
+                  WL: gl.constexpr = True):
         """GP >= 1: K step kb0 .. kb0 + KB's loads (_fetch's bytes), each an int32 as loaded: (the weights: Q8_0 the
         pairs [R, KB*16] (PL) of rows ra (mask mn), pair p at byte 34 (kb0 + p // 16) + 2 + 2 (p % 16); MXFP4
         _fetch's bytes [R, KB*16]; the scales' raw values of blocks kb0, kb0 + 1 of rows rc (mask mc): Q8_0 the f16
@@ -482,7 +539,8 @@ if HAVE_GLUON:
         [KB*BM, KB*16] in element order (_mx_x_words: 64-bit loads)). PK (Q8_0): the weights as mma_pack's words
         [R, 16] (PW) of the step, at byte kb0 / 2 x 4352 from the rows' _pk_rows addresses ra (128-bit loads); r0 = r1
         their scale words at rc's (block kb0's f16 d in the low 16 bits, kb0 + 1's in the high). PK (MXFP4):
-        _mx_pk_load's words [R / 2, 16] and r0 = r1 the rows' two scale bytes (kb0's low)."""
+        _mx_pk_load's words [R / 2, 16] and r0 = r1 the rows' two scale bytes (kb0's low); WL False (ST): the scale
+        bytes alone (w 0: the ring holds the words)."""
         R: gl.constexpr = ra.shape[0]
         if QT == 0:
             if PK:
@@ -511,8 +569,12 @@ if HAVE_GLUON:
                 r1 = _ld_u16(pool + rc + kb0 * 34 + 34, mc)
             x = _x_words(xq_ptr, jo, jm, kb0, KB)
         else:
-            if PK:
+            if PK and WL:
                 w, r0 = _mx_pk_load(pool, ra, mn, rc, mc, kb0)
+                r1 = r0
+            elif PK:
+                w = 0
+                r0 = _ld_u16(pool + rc + kb0 * 1088, mc)
                 r1 = r0
             else:
                 c = gl.arange(0, KB * 32, layout=gl.SliceLayout(0, AL))
@@ -609,43 +671,48 @@ if HAVE_GLUON:
     @gluon.jit
     def _step_raw(acc, z, w, r0, r1, x, pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, kb0, b1,
                   QT: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, KB: gl.constexpr, AHEAD: gl.constexpr,
-                  PK: gl.constexpr):
+                  PK: gl.constexpr, ring=None, ST: gl.constexpr = 0):
         """GP >= 1's K step kb0 on a set of loads (w, r0, r1, x: _load_raw's of step kb0; Q4_K: _load_raw_k's pairs,
         headers, x sums, B tile): the set converted and its B tile stored to shared memory first, then step kb0 +
         AHEAD's loads issued into the same set (its registers free again: no copy between the loop's steps, which
         would wait for the loads), then the MMA and fmas (_mma_acc, Q4_K's _k_fma). (acc, the set of step kb0 +
-        AHEAD)."""
+        AHEAD). ST (PK, GP 1): the step's weight words read from the ring first (w: 0, carried unused) and step kb0 +
+        (ST - 1) KB's copied into its slot (_ring_fill, beside the next set's loads)."""
+        if ST:
+            w = _ring_read(ring, kb0, KB, ST)
         if QT == 5:
             wb, dw0, t0, dw1, t1, xb = _conv_raw_k(w, r0, r1, x, kb0, PK)
         else:
             wb, d0, d1, xb = _conv_raw(w, r0, r1, x, QT, KB, PK)
         xs = gl.allocate_shared_memory(gl.bfloat16, [KB * 32, KB * BM], SH, xb)
         more = kb0 + AHEAD < b1                     # masked off past b1
+        if ST:
+            _ring_fill(ring, pool, ra, mn, kb0 + (ST - 1) * KB, b1, QT, KB)
         if QT == 5:
             w, r0, r1, x = _load_raw_k(pool, ra, mn & more, rc, mc & more, xq_ptr, jo, jm & more, xs_ptr, so,
-                                       sm & more, kb0 + AHEAD, KB, PK)
+                                       sm & more, kb0 + AHEAD, KB, PK, ST == 0)
             hopper.fence_async_shared()
             dot = hopper.warpgroup_mma(wb, xs, z, use_acc=False, is_async=True)
             acc = _k_fma(acc, hopper.warpgroup_mma_wait(0, deps=[dot]), dw0, t0, dw1, t1, BN, BM, KB)
         else:
             w, r0, r1, x = _load_raw(pool, ra, mn & more, rc, mc & more, xq_ptr, jo, jm & more, kb0 + AHEAD, QT, KB,
-                                     PK)
+                                     PK, ST == 0)
             acc = _mma_acc(acc, z, wb, xs, d0, d1, BN, BM, KB)
         return acc, w, r0, r1, x
 
     @gluon.jit
     def _load_any(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, kb0, QT: gl.constexpr, KB: gl.constexpr,
-                  PK: gl.constexpr):
-        """GP >= 1's set of loads of K step kb0: _load_raw_k (Q4_K) or _load_raw."""
+                  PK: gl.constexpr, WL: gl.constexpr = True):
+        """GP >= 1's set of loads of K step kb0: _load_raw_k (Q4_K) or _load_raw (WL False: PK's words left out)."""
         if QT == 5:
-            w, r0, r1, x = _load_raw_k(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, kb0, KB, PK)
+            w, r0, r1, x = _load_raw_k(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, kb0, KB, PK, WL)
         else:
-            w, r0, r1, x = _load_raw(pool, ra, mn, rc, mc, xq_ptr, jo, jm, kb0, QT, KB, PK)
+            w, r0, r1, x = _load_raw(pool, ra, mn, rc, mc, xq_ptr, jo, jm, kb0, QT, KB, PK, WL)
         return w, r0, r1, x
 
     @gluon.jit
     def _acc_part(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, b0, b1, QT: gl.constexpr, BN: gl.constexpr,
-                  BM: gl.constexpr, KB: gl.constexpr, GP: gl.constexpr, PK: gl.constexpr):
+                  BM: gl.constexpr, KB: gl.constexpr, GP: gl.constexpr, PK: gl.constexpr, ST: gl.constexpr = 0):
         """One part's partial [BN, BM] (ACC) over blocks b0 .. b1 (KB | b1 - b0), from zero: triton_mmq._mmq_step's
         float ops (module doc). BN: the rows of ra (gate_up's FUSE: 2 BN, gate's then up's, one MMA of M 128 = 2 x
         m64 a k16). GP (a schedule key: the same loads, conversions, MMA and float ops, only where they sit):
@@ -658,8 +725,13 @@ if HAVE_GLUON:
           2  as 1, two steps ahead (two steps' bytes in flight a program: for grids of few programs a SM, the 16-row
              gate_up's 192 programs on 132 SMs).
         PK (a schedule key, Q8_0 with GP >= 1, MXFP4 and Q4_K at any GP): the weights in mma_pack's layout (ra / rc:
-        _pk_rows' addresses; MXFP4's and Q4_K's pieces shared by rows n and n + 8: _half_rows, once a part)."""
+        _pk_rows' addresses; MXFP4's and Q4_K's pieces shared by rows n and n + 8: _half_rows, once a part).
+        ST (a schedule key, 0 off; MXFP4 and Q4_K with PK and GP 1): the weight words of the next ST - 1 K steps in
+        flight through a ring of shared memory slots (ST's power of two; cp.async: _ring_fill, _ring_read), the other
+        loads of a step carried one step as GP 1's; the same words into the same decode, MMA and float ops
+        (cpu-mxtma65)."""
         gl.static_assert(KB == 2)
+        gl.static_assert(ST == 0 or (ST >= 2 and ST <= 8 and PK != 0 and QT != 0 and GP == 1))
         gl.static_assert(PK == 0 or QT != 0 or GP > 0)
         gl.static_assert(QT != 5 or GP > 0)
         acc = gl.zeros([BN, BM], gl.float32, ACC)
@@ -677,12 +749,27 @@ if HAVE_GLUON:
                 acc = _mma_acc(acc, z, wb, xs, d0, d1, BN, BM, KB)
                 wb, d0, d1, x = wb2, e0, e1, x2
         else:                                           # GP 1: one set of loads in flight, GP 2: two (steps
-            w, r0, r1, x = _load_any(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, b0, QT, KB, PK)  # b0, b0 +
+            w, r0, r1, x = _load_any(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, b0, QT, KB, PK,  # b0, b0 +
+                                     ST == 0)
             if GP == 2:                                 # 2 KB, ..: set one; b0 + KB, b0 + 3 KB, ..: set two, masked
                 m1 = b0 + KB < b1                       # off past b1)
                 v, s0, s1, y = _load_any(pool, ra, mn & m1, rc, mc & m1, xq_ptr, jo, jm & m1, xs_ptr, so, sm & m1,
                                          b0 + KB, QT, KB, PK)
-            if GP == 1:
+            if GP == 1 and ST:                          # the ring: steps b0 .. b0 + (ST - 2) KB's words first
+                if ST <= 2:                             # slots: ST's power of two (a shared buffer's shape;
+                    NS: gl.constexpr = 2                # the slot index a mask)
+                elif ST <= 4:
+                    NS: gl.constexpr = 4
+                else:
+                    NS: gl.constexpr = 8
+                ring = gl.allocate_shared_memory(gl.int32, [NS, BN // 2, 16], RING)
+                for i in gl.static_range(ST - 1):
+                    _ring_fill(ring, pool, ra, mn, b0 + i * KB, b1, QT, KB)
+                for kb0 in range(b0, b1, KB):
+                    acc, w, r0, r1, x = _step_raw(acc, z, w, r0, r1, x, pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr,
+                                                  so, sm, kb0, b1, QT, BN, BM, KB, KB, PK, ring, ST)
+                async_copy.wait_group(0)                # the last steps' (empty) groups, before the ring is freed
+            elif GP == 1:
                 for kb0 in range(b0, b1, KB):
                     acc, w, r0, r1, x = _step_raw(acc, z, w, r0, r1, x, pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr,
                                                   so, sm, kb0, b1, QT, BN, BM, KB, KB, PK)
@@ -861,25 +948,20 @@ if HAVE_GLUON:
         return wb, w0, sc0, m0, sc1, m1, s0, s1, x
 
     @gluon.jit
-    def _load_raw_k(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, kb0, KB: gl.constexpr, PK: gl.constexpr):
+    def _load_raw_k(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, kb0, KB: gl.constexpr, PK: gl.constexpr,
+                    WL: gl.constexpr = True):
         """GP >= 1 (Q4_K): _fetch_k's loads of K step kb0, each an int32 / float32 as loaded: (the pairs: GGUF order
         QL's [R, 16], one 16-bit load a pair zero-extended (_ld_u16); PK mma_pack's words [R / 2, 16] (MW: a
         thread's 16 contiguous bytes of a 64-row tile, one 128-bit load; word u = pairs m = 2 u (low half), 2 u + 1 of
         QZ's columns) at _half_rows' pieces ra; the headers [R, 4] (_k_hdr); the x block sums of both blocks, joined
-        [BM, 2]; the B tile as _x_words)."""
+        [BM, 2]; the B tile as _x_words). WL False (ST): PK's words not loaded (w 0: the ring holds them)."""
         R: gl.constexpr = rc.shape[0]
         if PK:
-            if R == 64:
-                LW: gl.constexpr = MW
-            else:
-                LW: gl.constexpr = MW2
-            u = gl.arange(0, 16, layout=gl.SliceLayout(0, LW))
-            # the 16-byte hint on the add (after the convert: Triton 3.6 loses one on it)
-            a = gl.multiple_of(gl.convert_layout(ra, gl.SliceLayout(1, LW)) + ((kb0 >> 3) * 9216 +
-                                                                            ((kb0 >> 1) & 3) * 2048), 16)
-            pw = (pool + a).to(gl.pointer_type(gl.int32))
-            mw = gl.convert_layout(mn, gl.SliceLayout(1, LW))
-            w = gl.load(pw[:, None] + u[None, :], mask=gl.broadcast(mw[:, None], u[None, :])[0], other=0)
+            if WL:
+                pw, mw = _pk_ptrs(pool, ra, mn, _pk_step(kb0, 5))
+                w = gl.load(pw, mask=mw, other=0)
+            else:                                   # ST: the words come through the ring (_ring_fill)
+                w = 0
             hb = (kb0 >> 3) * 9216
         else:
             if R == 64:
@@ -985,12 +1067,12 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _acc_any(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, b0, b1, QT: gl.constexpr, BN: gl.constexpr,
-                 BM: gl.constexpr, KB: gl.constexpr, GP: gl.constexpr, PK: gl.constexpr):
+                 BM: gl.constexpr, KB: gl.constexpr, GP: gl.constexpr, PK: gl.constexpr, ST: gl.constexpr):
         """The partial [BN, BM] of type QT: _acc_part_k (Q4_K at GP 0) or _acc_part."""
         if QT == 5 and GP == 0:
             r = _acc_part_k(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, b0, b1, BN, BM, KB, PK)
         else:
-            r = _acc_part(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, b0, b1, QT, BN, BM, KB, GP, PK)
+            r = _acc_part(pool, ra, mn, rc, mc, xq_ptr, jo, jm, xs_ptr, so, sm, b0, b1, QT, BN, BM, KB, GP, PK, ST)
         return r
 
     @gluon.jit
@@ -1029,7 +1111,7 @@ if HAVE_GLUON:
                       k_top, limit, KCB, e, mb, base, QT: gl.constexpr, HAS_LIMIT: gl.constexpr,
                       BM: gl.constexpr, BN: gl.constexpr, ALIGNED: gl.constexpr, RA: gl.constexpr,
                       KB: gl.constexpr, SPLIT: gl.constexpr, FUSE: gl.constexpr, GP: gl.constexpr,
-                      PK: gl.constexpr):
+                      PK: gl.constexpr, ST: gl.constexpr):
         """_gate_up_gl_kernel's program for row block mb of expert e, whose slot is at pool offset base (PK 0: GGUF
         order, 1: mma_pack's layout)."""
         rows, mr, flat = _rows_of(off_ptr, rows_ptr, e, mb, gl.arange(0, BM, layout=gl.SliceLayout(0, ACC)), BM)
@@ -1061,7 +1143,7 @@ if HAVE_GLUON:
             if SPLIT:
                 pc = gl.program_id(2)
                 acc = _acc_any(pool, ra, na < F, rc, n2 < F, xq_ptr, jo, jm, xs_ptr, so, mr, pc * KCB,
-                               gl.minimum(pc * KCB + KCB, NBLK), QT, 2 * BN, BM, KB, GP, PK)
+                               gl.minimum(pc * KCB + KCB, NBLK), QT, 2 * BN, BM, KB, GP, PK, ST)
                 gl.store(_partial_ptr(ws_ptr, tile, pc, NCH, 2 * BN * BM, 2 * BN, BM), acc)
                 if _arrive(cnt_ptr, tile, NCH):
                     for ch in range(0, NCH):    # 0 + p_0 + p_1 + ... in chunk order
@@ -1073,7 +1155,7 @@ if HAVE_GLUON:
             else:
                 for ch in range(0, NCH):
                     tot = tot + _acc_any(pool, ra, na < F, rc, n2 < F, xq_ptr, jo, jm, xs_ptr, so, mr, ch * KCB,
-                                         gl.minimum(ch * KCB + KCB, NBLK), QT, 2 * BN, BM, KB, GP, PK)
+                                         gl.minimum(ch * KCB + KCB, NBLK), QT, 2 * BN, BM, KB, GP, PK, ST)
                 accg, accu = _gu_split(tot, BN, BM)
                 _gu_store(accg, accu, inter_ptr, rows, mr, nc, mnc, F, limit, HAS_LIMIT)
         else:
@@ -1094,9 +1176,9 @@ if HAVE_GLUON:
                 pc = gl.program_id(2)
                 b1 = gl.minimum(pc * KCB + KCB, NBLK)
                 g = _acc_any(pool, ga, mna, gc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, pc * KCB, b1, QT, BN,
-                             BM, KB, GP, PK)
+                             BM, KB, GP, PK, ST)
                 u = _acc_any(pool, ua, mna, uc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, pc * KCB, b1, QT, BN,
-                             BM, KB, GP, PK)
+                             BM, KB, GP, PK, ST)
                 pp = _partial_ptr(ws_ptr, tile, pc, NCH, 2 * BN * BM, BN, BM)
                 gl.store(pp, g)
                 gl.store(pp + BN * BM, u)
@@ -1111,9 +1193,9 @@ if HAVE_GLUON:
                 for ch in range(0, NCH):
                     b1 = gl.minimum(ch * KCB + KCB, NBLK)
                     totg = totg + _acc_any(pool, ga, mna, gc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, ch * KCB, b1,
-                                           QT, BN, BM, KB, GP, PK)
+                                           QT, BN, BM, KB, GP, PK, ST)
                     totu = totu + _acc_any(pool, ua, mna, uc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, ch * KCB, b1,
-                                           QT, BN, BM, KB, GP, PK)
+                                           QT, BN, BM, KB, GP, PK, ST)
                 _gu_store(totg, totu, inter_ptr, rows, mr, nc, mnc, F, limit, HAS_LIMIT)
 
     @gluon.jit
@@ -1121,7 +1203,7 @@ if HAVE_GLUON:
                            H, F, row_bytes, n_exp, k_top, limit, KCB, QT: gl.constexpr, HAS_LIMIT: gl.constexpr,
                            BM: gl.constexpr, BN: gl.constexpr, EP: gl.constexpr, ALIGNED: gl.constexpr,
                            RA: gl.constexpr, KB: gl.constexpr, SPLIT: gl.constexpr, FUSE: gl.constexpr,
-                           GP: gl.constexpr = 0, PK: gl.constexpr = 0):
+                           GP: gl.constexpr = 0, PK: gl.constexpr = 0, ST: gl.constexpr = 0):
         """triton_mmq._gate_up_mmq_kernel (BF, FUSE either way) with the A operand in registers: grid (F / BN, row
         blocks[, chunks]). FUSE: gate's BN rows and up's as one A of 2 BN rows (one K walk, the B tile stored once a
         step for both; each output's float ops its own: the same bits)."""
@@ -1132,20 +1214,21 @@ if HAVE_GLUON:
                 if pk != 0:             # one expert a program: a uniform branch
                     _gate_up_body(xq_ptr, xs_ptr, pool, starts_ptr, rows_ptr, off_ptr, inter_ptr, ws_ptr, cnt_ptr, H, F,
                                   row_bytes, k_top, limit, KCB, e, mb, base, QT, HAS_LIMIT, BM, BN, ALIGNED, RA, KB,
-                                  SPLIT, FUSE, GP, 1)
-                else:
+                                  SPLIT, FUSE, GP, 1, ST)
+                else:                   # GGUF order: no ring (ST 0)
                     _gate_up_body(xq_ptr, xs_ptr, pool, starts_ptr, rows_ptr, off_ptr, inter_ptr, ws_ptr, cnt_ptr, H, F,
                                   row_bytes, k_top, limit, KCB, e, mb, base, QT, HAS_LIMIT, BM, BN, ALIGNED, RA, KB,
-                                  SPLIT, FUSE, GP, 0)
+                                  SPLIT, FUSE, GP, 0, 0)
             else:
                 _gate_up_body(xq_ptr, xs_ptr, pool, starts_ptr, rows_ptr, off_ptr, inter_ptr, ws_ptr, cnt_ptr, H, F,
                               row_bytes, k_top, limit, KCB, e, mb, base, QT, HAS_LIMIT, BM, BN, ALIGNED, RA, KB, SPLIT,
-                              FUSE, GP, PK)
+                              FUSE, GP, PK, ST)
 
     @gluon.jit
     def _down_body(xq_ptr, xs_ptr, pool, starts_ptr, rows_ptr, off_ptr, y_ptr, ws_ptr, cnt_ptr, H, F, row_bytes, KCB,
                    e, mb, base, QT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, ALIGNED: gl.constexpr,
-                   RA: gl.constexpr, KB: gl.constexpr, SPLIT: gl.constexpr, GP: gl.constexpr, PK: gl.constexpr):
+                   RA: gl.constexpr, KB: gl.constexpr, SPLIT: gl.constexpr, GP: gl.constexpr, PK: gl.constexpr,
+                   ST: gl.constexpr):
         """_down_gl_kernel's program for row block mb of expert e at pool offset base (PK 0: GGUF, 1: packed)."""
         rows, mr, flat = _rows_of(off_ptr, rows_ptr, e, mb, gl.arange(0, BM, layout=gl.SliceLayout(0, ACC)), BM)
         jrows, jm, u1 = _rows_of(off_ptr, rows_ptr, e, mb,
@@ -1169,7 +1252,7 @@ if HAVE_GLUON:
         if SPLIT:
             pc = gl.program_id(2)
             acc = _acc_any(pool, da, mna, dc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, pc * KCB,
-                           gl.minimum(pc * KCB + KCB, NBLK), QT, BN, BM, KB, GP, PK)
+                           gl.minimum(pc * KCB + KCB, NBLK), QT, BN, BM, KB, GP, PK, ST)
             tile = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
             gl.store(_partial_ptr(ws_ptr, tile, pc, NCH, BN * BM, BN, BM), acc)
             if _arrive(cnt_ptr, tile, NCH):
@@ -1181,14 +1264,15 @@ if HAVE_GLUON:
         else:
             for ch in range(0, NCH):
                 tot = tot + _acc_any(pool, da, mna, dc, mnc, xq_ptr, jo, jm, xs_ptr, so, mr, ch * KCB,
-                                     gl.minimum(ch * KCB + KCB, NBLK), QT, BN, BM, KB, GP, PK)
+                                     gl.minimum(ch * KCB + KCB, NBLK), QT, BN, BM, KB, GP, PK, ST)
             gl.store(ptr, tot.to(y_ptr.dtype.element_ty), mask=msk)
 
     @gluon.jit
     def _down_gl_kernel(xq_ptr, xs_ptr, pool, base_ptr, starts_ptr, rows_ptr, off_ptr, y_ptr, ws_ptr, cnt_ptr, H, F,
                         row_bytes, n_exp, KCB, QT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                         EP: gl.constexpr, ALIGNED: gl.constexpr, RA: gl.constexpr, KB: gl.constexpr,
-                        SPLIT: gl.constexpr, GP: gl.constexpr = 0, PK: gl.constexpr = 0):
+                        SPLIT: gl.constexpr, GP: gl.constexpr = 0, PK: gl.constexpr = 0,
+                        ST: gl.constexpr = 0):
         """triton_mmq._down_mmq_kernel (BF) with the A operand in registers: grid (H / BN, row blocks[, chunks])."""
         e, mb, base = _find_block(off_ptr, base_ptr, n_exp, gl.program_id(1), BM, EP)
         if base != -1:                  # -1 alone: not in this group (a negative offset is an expert)
@@ -1196,18 +1280,19 @@ if HAVE_GLUON:
                 pk, base = _pk_of(base)
                 if pk != 0:             # one expert a program: a uniform branch
                     _down_body(xq_ptr, xs_ptr, pool, starts_ptr, rows_ptr, off_ptr, y_ptr, ws_ptr, cnt_ptr, H, F,
-                               row_bytes, KCB, e, mb, base, QT, BM, BN, ALIGNED, RA, KB, SPLIT, GP, 1)
-                else:
+                               row_bytes, KCB, e, mb, base, QT, BM, BN, ALIGNED, RA, KB, SPLIT, GP, 1, ST)
+                else:                   # GGUF order: no ring (ST 0)
                     _down_body(xq_ptr, xs_ptr, pool, starts_ptr, rows_ptr, off_ptr, y_ptr, ws_ptr, cnt_ptr, H, F,
-                               row_bytes, KCB, e, mb, base, QT, BM, BN, ALIGNED, RA, KB, SPLIT, GP, 0)
+                               row_bytes, KCB, e, mb, base, QT, BM, BN, ALIGNED, RA, KB, SPLIT, GP, 0, 0)
             else:
                 _down_body(xq_ptr, xs_ptr, pool, starts_ptr, rows_ptr, off_ptr, y_ptr, ws_ptr, cnt_ptr, H, F,
-                           row_bytes, KCB, e, mb, base, QT, BM, BN, ALIGNED, RA, KB, SPLIT, GP, PK)
+                           row_bytes, KCB, e, mb, base, QT, BM, BN, ALIGNED, RA, KB, SPLIT, GP, PK, ST)
 
     KERNELS = {"gate_up": _gate_up_gl_kernel, "down": _down_gl_kernel}
     LAUNCH = {w: launcher(k) for w, k in KERNELS.items()}       # counted as triton_mmq's (triton_launch.COUNTS)
-    CONSTS = {"gate_up": ("QT", "HAS_LIMIT", "BM", "BN", "EP", "ALIGNED", "RA", "KB", "SPLIT", "FUSE", "GP", "PK"),
-              "down": ("QT", "BM", "BN", "EP", "ALIGNED", "RA", "KB", "SPLIT", "GP", "PK")}
+    CONSTS = {"gate_up": ("QT", "HAS_LIMIT", "BM", "BN", "EP", "ALIGNED", "RA", "KB", "SPLIT", "FUSE", "GP", "PK",
+                          "ST"),
+              "down": ("QT", "BM", "BN", "EP", "ALIGNED", "RA", "KB", "SPLIT", "GP", "PK", "ST")}
 
 
 def launch(which: str, grid: tuple, args: list, consts: dict, kcb: int):
@@ -1225,12 +1310,13 @@ def _maxnreg(nr: int) -> dict:
 
 
 def compile_kernel(which: str = "gate_up", bucket: int = 16, arch: int = 90, hints: bool = True, qt: int = 0,
-                   fuse: bool = False, gp: int = 0, pk: int = 0, nr: int = 0):
+                   fuse: bool = False, gp: int = 0, pk: int = 0, nr: int = 0, st: int = 0):
     """The Gluon kernel of type code qt compiled for CUDA sm_`arch` without a GPU (no torch needed: Triton 3.6 or 3.9
     alone) at the bench geometry (H 2048, F 768: K 2048 for gate_up, 768 for down, 128 experts, k_top 8) for a rows
     bucket's launch (1: split-K over KCB 16 chunks; 16: walked), as triton_mmq.compile_kernel: (CompiledKernel,
     constexprs). hints: a device launch's alignment facts (16-byte aligned pointers, the int arguments that are
-    multiples of 16); fuse: gate_up's FUSE form; gp, pk, nr: the schedule keys GP and PK (_acc_part), NR (launch)."""
+    multiples of 16); fuse: gate_up's FUSE form; gp, pk, st, nr: the schedule keys GP, PK and ST (_acc_part), NR
+    (launch)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -1245,7 +1331,8 @@ def compile_kernel(which: str = "gate_up", bucket: int = 16, arch: int = 90, hin
     sig = {**ptr, **{k: "i32" for k in ints}, **({"limit": "fp32"} if which == "gate_up" else {}), "KCB": "i32"}
     ints["KCB"] = 16
     const = {"QT": qt, "BM": SHAPE["BM"], "BN": SHAPE["BN"], "EP": 256, "ALIGNED": True,
-             "RA": min(16, rb & -rb), "KB": SHAPE["KB"], "SPLIT": bucket == 1 and K // 32 > 16, "GP": gp, "PK": pk}
+             "RA": min(16, rb & -rb), "KB": SHAPE["KB"], "SPLIT": bucket == 1 and K // 32 > 16, "GP": gp, "PK": pk,
+             "ST": st}
     if which == "gate_up":
         const.update(HAS_LIMIT=False, FUSE=bool(fuse))
     fn = KERNELS[which]

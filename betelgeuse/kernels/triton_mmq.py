@@ -89,7 +89,7 @@ MMQ_TYPES = frozenset({0, 4, 5})  # kernel type codes with an MMA schedule: Q8_0
 BF_TYPES = MMQ_TYPES | {6}        # ... and with the bf16 mode: + Q5_K (byte loads: no word-load form yet)
 CONFIG = {"BM": 16, "BN": 64, "FUSE": 0, "num_warps": 4, "num_stages": 3,   # schedule keys (every type and bucket)
           "MV": 0, "BM_MV": 1, "NS": 1, "DP4A": 0, "WL": 0, "PF": 0, "GL": 0, "GP": 0, "PK": 0, "NR": 0,
-          "NRD": 0}
+          "NRD": 0, "ST": 0}
 # GL = 1 (bf16 MMA only): gluon_mmq's kernel, the same arithmetic with the weights loaded straight into the wgmma's A
 # registers (no shared memory round trip), where gluon_mmq.usable says so (CUDA sm_90, Q8_0 / MXFP4 / Q4_K at
 # BF_TUNING's shape, FUSE either way, aligned parts), else this module's kernel: a schedule key (the same bits:
@@ -107,6 +107,10 @@ CONFIG = {"BM": 16, "BN": 64, "FUSE": 0, "num_warps": 4, "num_stages": 3,   # sc
 # not 0: 168 fits 3 CTAs of 4 warps a SM, 128 4 -- register allocation alone, the same instructions' arithmetic, so
 # the same bits (Q4_K's fused GP 1 gate_up: 219-247 registers, 2 CTAs, at 168 without spills; its down at 128: 4
 # CTAs; cpu-gpk63)
+# ST (with GL, PK, GP 1, MXFP4 / Q4_K; 0 off everywhere): the weight words of the next ST - 1 K steps in flight through
+# a ring of shared memory (cp.async, gluon_mmq._acc_part), the step's other loads carried one step as GP 1's: the same
+# words into the same decode, MMA and float ops, so the same bits (cpu-mxtma65); gluon_mmq.usable refuses ST outside
+# 2 .. 8 or with another type or GP (then PK's launch raises: no other kernel reads packed weights)
 # MV = 1: the decode schedule without tensor cores (triton_mmq_mv: the same bits; BM_MV rows a program, NS word
 # groups a K step; DP4A 1: its block dots by PTX dp4a on the GPU, the same integers) where a launch
 # can take it (triton_mmq_mv.mv_ok), else the MMA. WL = 1: the MMA's weight and activation tiles read as int32 words
@@ -963,7 +967,7 @@ def _launch(kernel, args: list, grid_n: int, R: int, E: int, K: int, qt: int, pe
         gm.launch(which, (grid_n, nrb, nch) if split else (grid_n, nrb),
                   [*args[:9], ws, cnt, *args[9:]], {**consts, "BM": c["BM"], "BN": c["BN"], "KB": kb, "SPLIT": split,
                                                     "EP": triton.next_power_of_2(E), "GP": c.get("GP", 0),
-                                                    "PK": c.get("PK", 0),
+                                                    "PK": c.get("PK", 0), "ST": c.get("ST", 0),
                                                     "NR": which == "down" and c.get("NRD") or c.get("NR", 0)}, kcb)
         return
     kernel[(grid_n, nrb, nch) if split else (grid_n, nrb)](

@@ -20,7 +20,10 @@ expert's layout from bit 0 of its base, a bank of packed and GGUF experts, cpu-v
 PK2` alike, cpu-packk62, and its GP forms `gluon GP1` / `gluon GP2` / `gluon GP1 PK` / `gluon GP2 PK` / `gluon GP1
 PK2` / `gluon GP1 unfused` / `gluon GP1 PK unfused` / `gluon GP1 NR168` / `gluon GP1 PK NR168` / `gluon GP1 PK
 NR128` / `gluon GP1 PK NR168/128` (NR, NRD: ptxas's register limit), cpu-gpk63; MXFP4's `gluon PK` / `gluon PK2` and
-`gluon GP1 PK` / `gluon GP2 PK` / `gluon GP1 PK2`, cpu-mxpk63); FUSE, GP, PK, NR and NRD are schedule keys)
+`gluon GP1 PK` / `gluon GP2 PK` / `gluon GP1 PK2`, cpu-mxpk63; MXFP4's and Q4_K's `gluon GP1 PK ST2` / `ST3` /
+`ST4` / `gluon GP1 PK2 ST3`, Q4_K's `gluon GP1 PK ST4 NR168` / `NR168/128`, MXFP4's `gluon GP1 PK ST4 NR128`: the
+weight words through a cp.async ring, cpu-mxtma65);
+FUSE, GP, PK, ST, NR and NRD are schedule keys)
 gate_up's inter and down's y (down on the same inter for both) must be torch.equal to the Triton kernel's (TRITON:
 GL 0), and the Gluon kernels must have been launched (triton_launch.COUNTS); both are also held to a float reference
 (the dequantized weights in float64 on the same bf16 activations; relative max error < 1e-2) so that two equal wrong
@@ -150,7 +153,14 @@ FORMS = {"gluon": {"GL": 1, "GP": 0}, "gluon unfused": {"GL": 1, "FUSE": 0, "GP"
          # the down's limit alone (gpu-run66: NR 168 cost the 16-row gate_up 767 -> 479 GB/s, NRD 128 gave the down
          # 605 -> 711)
          "gluon GP1 NRD128": {"GL": 1, "GP": 1, "NRD": 128},
-         "gluon GP1 PK NRD128": {"GL": 1, "GP": 1, "PK": 1, "NRD": 128}}
+         "gluon GP1 PK NRD128": {"GL": 1, "GP": 1, "PK": 1, "NRD": 128},
+         # ST: the next ST - 1 K steps' weight words in flight through shared memory (cp.async ring), cpu-mxtma65
+         **{f"gluon GP1 PK ST{n}": {"GL": 1, "GP": 1, "PK": 1, "ST": n} for n in (2, 3, 4)},
+         "gluon GP1 PK2 ST3": {"GL": 1, "GP": 1, "PK": 2, "ST": 3},
+         # ... with ptxas's register limit: Q4_K's fused gate_up 3 CTAs a SM (168), its down and MXFP4's gate_up 4
+         "gluon GP1 PK ST4 NR168": {"GL": 1, "GP": 1, "PK": 1, "ST": 4, "NR": 168},
+         "gluon GP1 PK ST4 NR168/128": {"GL": 1, "GP": 1, "PK": 1, "ST": 4, "NR": 168, "NRD": 128},
+         "gluon GP1 PK ST4 NR128": {"GL": 1, "GP": 1, "PK": 1, "ST": 4, "NR": 128}}
 # the Triton launch each Gluon form is held against: GL 0 at the FUSE each type had before GL shipped (Q8_0 unfused,
 # MXFP4 and Q4_K fused: gpu-run58-kernels); Q8_0's shipped fused GP 1 Gluon form is "gluon GP1" here (gpu-run63)
 TRITON = {0: {"GL": 0, "GP": 0, "FUSE": 0}, 4: {"GL": 0}, 5: {"GL": 0}}
@@ -171,10 +181,17 @@ def gl_forms(mq, only: list[str] | None = None) -> dict:
     ptxas's register limit, 3 / 4 CTAs a SM -- the fused gate_up at 168 and the down at 128 without spills;
     NR168/128: gate_up's 168, down's 128, NRD); MXFP4's alike
     at GP 0 (its `gluon` form) and GP 1 / 2 (`gluon GP1 PK`, `gluon GP2 PK`, `gluon GP1 PK2`: mma_pack's MXFP4 layout,
-    cpu-mxpk63). Each against TRITON's launch (on the bank as GGUF lays it)."""
+    cpu-mxpk63); MXFP4's and Q4_K's GP 1 PK with the weight words ST - 1 steps ahead in a shared-memory ring (`gluon
+    GP1 PK ST2` / `ST3` / `ST4`; `gluon GP1 PK2 ST3`: the packed experts' ring beside GGUF ones; with ptxas's
+    register limit, Q4_K's `gluon GP1 PK ST4 NR168` (3 CTAs a SM for the fused gate_up) and `NR168/128` (the down's
+    4), MXFP4's `gluon GP1 PK ST4 NR128` (4), no spills on 3.6 or 3.9: cpu-mxtma65). Each against TRITON's launch (on
+    the bank as GGUF lays it)."""
     names = ["gluon", "gluon unfused", "gluon GP1", "gluon GP2"] + (["gluon GP1 split16"] if QT != 5 else [])
     names += ["gluon GP1 PK", "gluon GP2 PK", "gluon GP1 PK split16", "gluon GP1 PK2"] if QT == 0 else []
     names += ["gluon PK", "gluon PK2", "gluon GP1 PK", "gluon GP2 PK", "gluon GP1 PK2"] if QT in (4, 5) else []
+    names += ["gluon GP1 PK ST2", "gluon GP1 PK ST3", "gluon GP1 PK ST4", "gluon GP1 PK2 ST3"] if QT in (4, 5) else []
+    names += ["gluon GP1 PK ST4 NR168", "gluon GP1 PK ST4 NR168/128"] if QT == 5 else []
+    names += ["gluon GP1 PK ST4 NR128"] if QT == 4 else []
     names += ["gluon GP1 unfused", "gluon GP1 PK unfused", "gluon GP1 NR168", "gluon GP1 PK NR168",
               "gluon GP1 PK NR128", "gluon GP1 PK NR168/128", "gluon GP1 NRD128", "gluon GP1 PK NRD128"] if QT == 5 \
         else []
@@ -238,8 +255,9 @@ def main() -> int:
     ap.add_argument("--no-time", action="store_true")
     ap.add_argument("--types", default="Q8_0,MXFP4,Q4_K")
     ap.add_argument("--forms", default="", help="comma-separated FORMS names (default: each type's, gl_forms)")
-    ap.add_argument("--odd", action="store_true", help="last: GP 2's bits at a geometry whose K chunks have an odd "
-                    "number of K steps (H 2112, F 832: rows 4-byte aligned, other compiles), Q8_0 / MXFP4")
+    ap.add_argument("--odd", action="store_true", help="last: GP 2's and ST's bits at a geometry whose K chunks have "
+                    "an odd number of K steps, the last one step (H 2112, F 832: rows 4-byte aligned, other compiles), "
+                    "Q8_0 / MXFP4")
     ap.add_argument("--dry-run", action="store_true", help="the CPU under TRITON_INTERPRET=1, H = F = 256: the "
                     "script's plumbing and reference only (GL falls back to Triton there: 'gluon ran' FAILs)")
     a = ap.parse_args()
@@ -294,13 +312,14 @@ def main() -> int:
             print(f"{tname} {form}: pair / Triton " + ", ".join(f"{k} row(s) {v:.2f}" for k, v in sorted(r.items()))
                   + f": {verdict}")
     if a.odd:                           # after the timing: a run cut short keeps the table
-        odd = {n: o for n, o in FORMS.items() if o.get("GP") == 2 and (ONLY is None or n in ONLY)}
+        odd = {n: o for n, o in FORMS.items() if (o.get("GP") == 2 or o.get("ST")) and (ONLY is None or n in ONLY)}
         H0, F0 = H, F
         H, F = (320, 320) if a.dry_run else (2112, 832)     # K steps a chunk: down 8 then 5, gate_up 8 x 4 then 1
         for tname in types:
             if TYPES[tname][1] == 32:
                 set_type(tname)
-                fails += check_type(tname, mq, triton_launch, g, ((2, None), (32, None)), odd)
+                fails += check_type(tname, mq, triton_launch, g, ((2, None), (32, None)),
+                                    {n: o for n, o in odd.items() if n in gl_forms(mq)})
         H, F = H0, F0
     print(f"\n{'FAIL' if fails else 'PASS'}: {fails} failed checks")
     return 1 if fails else 0

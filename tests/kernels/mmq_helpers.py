@@ -216,6 +216,37 @@ def compile_reports(argv: list[str], timeout: int) -> list[dict]:
     return [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
 
 
+# the head of a Gluon compile child (compile_reports' argv: "CASES = ..." + this + its loop): exits with {"skip": why}
+# where sm_90 cannot be compiled here; fops(ptx): the PTX's rounding float ops by kind; kinds(body): SASS instructions
+# by opcode and first modifier
+GLUON_CHILD_HEAD = """
+import json, re, sys
+sys.path.insert(0, "tests/scripts")
+import kernel_smem
+why = kernel_smem.probe()
+from betelgeuse.kernels import gluon_mmq as gm
+if why or not gm.HAVE_GLUON:
+    print(json.dumps({"skip": why or "no Gluon"})); sys.exit(0)
+import sass_profile as sp
+from betelgeuse.kernels import triton_mmq as mq
+FOPS = re.compile(r"^\\s*((?:ex2|div|rcp|fma|add|sub|mul|min|max)\\.[\\w.]*f32[\\w.]*"
+                  r"|cvt\\.rn\\.bf16\\w*\\.f32)", re.M)
+def fops(ptx):                      # the PTX's float ops that round, by kind (exact ones left out: cvt f16 -> f32, and
+    # negation: Q4_K's -(dmin m * sx) is a sign flip of one factor, Triton's an xor of sx's sign bit, Gluon's a neg
+    # of dmin m -- the same product bits either way)
+    ops = {}
+    for m in FOPS.findall(ptx):
+        ops[m.replace("bf16x2", "bf16")] = ops.get(m.replace("bf16x2", "bf16"), 0) + (2 if "x2" in m else 1)
+    return ops
+def kinds(body):                    # instructions by opcode and first modifiers
+    ops = {}
+    for _, op, rest in body:
+        key = op + (rest.split()[0] if rest.startswith(".") else "")
+        ops[key] = ops.get(key, 0) + 1
+    return ops
+"""
+
+
 def one_expert(mp, qt: int, K: int, rows: int, seed_experts: int, seed: int):
     """The schedule tests' launch: experts of type qt at H = F = K (DIMS patched through mp), `rows` rows of
     activations (a band of columns x4: blocks of different scales) all routed to expert 0 with weight 1 ->

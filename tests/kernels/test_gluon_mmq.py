@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
-from mmq_helpers import DIMS, compile_reports, experts, run  # noqa: E402
+from mmq_helpers import DIMS, GLUON_CHILD_HEAD, compile_reports, experts, run  # noqa: E402
 
 from betelgeuse.kernels import gluon_mmq as gm  # noqa: E402
 from betelgeuse.kernels import triton_mmq as mq  # noqa: E402
@@ -45,31 +45,7 @@ CASES = [(0, "gate_up", 1, 0, 0), (0, "gate_up", 16, 1, 0), (0, "gate_up", 16, 2
 # a child without TRITON_INTERPRET: compile the Gluon kernels for sm_90 and count their K loop's SASS
 # (tests/scripts/sass_profile.py's loop and classes); one JSON line a kernel, or {"skip": why}
 _CHILD = """
-CASES = """ + repr(CASES) + """
-import json, re, sys
-sys.path.insert(0, "tests/scripts")
-import kernel_smem
-why = kernel_smem.probe()
-from betelgeuse.kernels import gluon_mmq as gm
-if why or not gm.HAVE_GLUON:
-    print(json.dumps({"skip": why or "no Gluon"})); sys.exit(0)
-import sass_profile as sp
-from betelgeuse.kernels import triton_mmq as mq
-FOPS = re.compile(r"^\\s*((?:ex2|div|rcp|fma|add|sub|mul|min|max)\\.[\\w.]*f32[\\w.]*"
-                  r"|cvt\\.rn\\.bf16\\w*\\.f32)", re.M)
-def fops(ptx):                      # the PTX's float ops that round, by kind (exact ones left out: cvt f16 -> f32, and
-    # negation: Q4_K's -(dmin m * sx) is a sign flip of one factor, Triton's an xor of sx's sign bit, Gluon's a neg
-    # of dmin m -- the same product bits either way)
-    ops = {}
-    for m in FOPS.findall(ptx):
-        ops[m.replace("bf16x2", "bf16")] = ops.get(m.replace("bf16x2", "bf16"), 0) + (2 if "x2" in m else 1)
-    return ops
-def kinds(body):                    # instructions by opcode and first modifiers
-    ops = {}
-    for _, op, rest in body:
-        key = op + (rest.split()[0] if rest.startswith(".") else "")
-        ops[key] = ops.get(key, 0) + 1
-    return ops
+CASES = """ + repr(CASES) + GLUON_CHILD_HEAD + """
 TK = {}
 for qt, w, b, gp, pk, *nr in CASES:
     fuse = bool(mq.config(qt, b, bf=True).get("FUSE")) and w == "gate_up"     # the shipped FUSE (all: 1)
