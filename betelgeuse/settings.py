@@ -303,6 +303,12 @@ class StoreSettings(_Section):
     # reading 8% faster in the second run is most: achieved of the bound 0.742 -> 0.751)
     session_transport: _choices("grpc", "seqpacket") = setting(
         "seqpacket", "the session stream's transport: seqpacket | grpc (services/grpc/session_seq.py)", "grpc")
+    # who reads the seqpacket session stream's answers (services/grpc/store_client.py _SeqStream): a reader thread
+    # (each answer a wakeup of it and a turn of the GIL, ~14 a decode token), or the caller that waits for one (no
+    # thread; answers nobody waits for drained before each send). Issue 21, docs/benchmarks/cpu-host65: off until a
+    # device A/B says the decode's host time falls with it
+    session_reader: _choices("thread", "caller") = setting(
+        "thread", "who reads the seqpacket session stream's answers: thread | caller", "caller")
     # the prefix cache's host tier outlives a restart of the whole service: saved when the store is idle and when it
     # stops (O_DIRECT, only what changed), loaded at start for the same model file (store/prefix_disk.py)
     prefix_save_path: Path_ = setting("", "file the store saves the prefix cache's host tier to and loads it from at "

@@ -35,12 +35,19 @@ def connect_store(socket: str, fd_socket: str, session_transport: str | None = N
     GrpcStoreClient's timeout / per_expert / probe_timeout. Nothing is sent until the runner attaches.
     session_transport: store.session_transport; None: that setting's environment variable
     (BETELGEUSE_STORE_SESSION_TRANSPORT, read as resolve_settings reads it: how the bench, which builds no Settings,
-    is switched), else the setting's default."""
+    is switched), else the setting's default. store.session_reader: its environment variable
+    (BETELGEUSE_STORE_SESSION_READER) likewise, else its default."""
     if session_transport is None:
-        key = BY_KEY[("store", "session_transport")]
-        raw = os.environ.get(key.env, "").strip()
-        session_transport = from_text(key, raw) if raw else key.field.default
-    return GrpcStoreClient(socket, fd_socket, session_transport=session_transport, **timeouts)
+        session_transport = _from_env("session_transport")
+    return GrpcStoreClient(socket, fd_socket, session_transport=session_transport,
+                           session_reader=_from_env("session_reader"), **timeouts)
+
+
+def _from_env(name: str):
+    """Setting store.<name> from its environment variable, as resolve_settings reads it, else its default."""
+    key = BY_KEY[("store", name)]
+    raw = os.environ.get(key.env, "").strip()
+    return from_text(key, raw) if raw else key.field.default
 
 
 @dataclass(slots=True)

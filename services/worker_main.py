@@ -111,7 +111,8 @@ def main(argv=None) -> int:
     sdnotify.notify(status="attaching to the expert store")
     client = GrpcStoreClient(settings.store.socket, settings.store.fd_socket, timeout=ws.store_timeout,
                              probe_timeout=ws.store_probe_timeout,
-                             session_transport=settings.store.session_transport)
+                             session_transport=settings.store.session_transport,
+                             session_reader=settings.store.session_reader)
     wait_for_store(client, a.store_wait)         # the engine attaches itself; this waits until the store answers
     sdnotify.notify(status="loading the model", extend_timeout_us=int(300e6))
     interval = sdnotify.watchdog_interval()

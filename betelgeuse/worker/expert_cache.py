@@ -398,7 +398,7 @@ class ExpertCache:
                 with torch.cuda.stream(self.copy_stream):
                     self._copies(b, dsts, srcs, timing)
             if wait:
-                current_stream(self._index).wait_event(self._bank_ready[b])
+                self.bank_wait(b)
         else:
             t = time.perf_counter()
             torch._foreach_copy_(dsts, srcs)     # each a copy_, one call
@@ -447,6 +447,12 @@ class ExpertCache:
     def table_source(self, dev: torch.Tensor) -> torch.Tensor:
         """The pinned host row of a device table row table(copy=False) gave: what a copy of it reads."""
         return self._table_src[id(dev)]
+
+    def bank_wait(self, b: int):
+        """The compute stream waits for every copy into bank b so far (bank_copy(wait=False) parts: the ready event
+        recorded after the last), as bank_copy's wait does, with no copy of its own (CPU: copies are synchronous)."""
+        if self.is_cuda:
+            current_stream(self._index).wait_event(self._bank_ready[b])
 
     def bank_ready_event(self, b: int):
         return self._bank_ready[b] if self.is_cuda else None

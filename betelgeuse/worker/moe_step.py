@@ -1184,7 +1184,7 @@ class MoEStep:
         host, dev = cache.table(ids, pre_offs + b_offs + f_offs, copy=False)
         held = []
         if fi:
-            if bank is None:                       # the table with them (no bank copy to carry it)
+            if not bi:      # the table with them: no bank copy of slots carries it (no bank, or `opened`'s alone)
                 dsts.append(dev)
                 fsrcs.append(cache.table_source(dev))
             hand = self.hand
@@ -1214,11 +1214,16 @@ class MoEStep:
             held.append((ev, f_slots))
             if hand is not None:
                 hand.uploaded(ev)
-        if bank is not None:
+        if bi:
             # the bank's copies (and the table) on the copy stream; the compute stream waits for them
             cache.bank_copy(bank, at, [srcs[i] for i in bi], timing, table=dev, offs=b_offs)
-            if bi:
-                held.append((cache.bank_ready_event(bank), [slots[i] for i in bi]))
+            held.append((cache.bank_ready_event(bank), [slots[i] for i in bi]))
+        elif bank is not None:
+            # `opened` with every disk expert taken by the flex cache (a ds4-flash miss layer's usual case: its host
+            # experts banked): the compute stream waits for the host experts' copies, queued into the bank before,
+            # and no copy-stream pass for the table alone (its stream switch, copy, record and wait: ~8 torch calls
+            # a miss layer on CUDA, issue 21, cpu-host65)
+            cache.bank_wait(bank)
         g_srcs = None
         if self._walks and fi:                    # the torch kernels read each expert's source: pool or flex chunk
             g_srcs = [None] * len(host)

@@ -12,7 +12,8 @@ many were), on the session stream (store.session_transport, seqpacket by default
   read      its first preadv started                        (disk_msgs[1])
   landed    the read's last preadv returned                 (the reader's idle gap that starts after it: disk_gaps)
   handed    the store's delivering thread has the expert    (disk_msgs[2]: the load's generator saw it)
-  recv      the worker's session reader thread has the answer (this process: the client's receiver, wrapped here)
+  recv      the worker's session reader has the answer, routed to its box (this process: _SeqStream._route,
+            wrapped here; the reader thread, or with store.session_reader "caller" the waiting caller itself)
   woken     the worker's main thread has it                 (next() on the load returned)
 
 and the links are the differences: message = took - send, store = read - took, disk = landed - read (the read
@@ -74,14 +75,23 @@ def measure(n: int, tmp: Path, mode: str, transport: str,
     if not path.exists():
         write_model(path, replace(PRESETS["tiny"], n_layer=2, n_embd=256, n_ff_exp=512, n_expert=32, seed=5),
                     progress=False)
-    recv: dict[int, float] = {}                 # session event id -> monotonic s its reader thread had it
-    plain = session_seq.receiver
-
-    def stamped(sock, parse):                   # the client's receiver, each event stamped as the reader has it
-        for ev in plain(sock, parse):
+    recv: dict[int, float] = {}                 # session event id -> monotonic s its reader had it
+    route = getattr(store_client._SeqStream, "_route", None)
+    if route is not None:
+        # each event stamped as it is routed to its box: by the reader thread, or (store.session_reader "caller")
+        # by the caller that read it
+        def routed(self, ev):
             recv.setdefault(ev.id, time.monotonic())
-            yield ev
-    store_client.session_seq.receiver = stamped  # the client module's reference (store_client imports the module)
+            return route(self, ev)
+        store_client._SeqStream._route = routed
+    else:                                       # a checkout from before _route (an A/B's base): its receiver
+        plain = session_seq.receiver
+
+        def stamped(sock, parse):               # the client's receiver, each event stamped as the reader has it
+            for ev in plain(sock, parse):
+                recv.setdefault(ev.id, time.monotonic())
+                yield ev
+        store_client.session_seq.receiver = stamped  # the client module's reference (store_client imports it)
     cfg = EngineConfig(model_path=str(path), vram_slots=1, host_slots=1, read_threads=2,
                        staging_slots=8, session_reads=session_reads)
     store = open_store(cfg, "process", str(tmp / f"store-{mode}"), session_transport=transport)
@@ -121,7 +131,10 @@ def measure(n: int, tmp: Path, mode: str, transport: str,
     finally:
         c.close()
         store.close()
-        store_client.session_seq.receiver = plain
+        if route is not None:
+            store_client._SeqStream._route = route
+        else:
+            store_client.session_seq.receiver = plain
     msgs = sorted(st["disk_msgs"])
     taken = [m[0] for m in msgs]
     gap_starts = sorted(g[0] for g in st["disk_gaps"])

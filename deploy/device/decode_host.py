@@ -11,6 +11,7 @@ rest, and the blocked wait for the store's expert bytes. Run it in two checkouts
                                          [--form default|solo|lanes] [--gate] [--profile out.prof] [--split]
                                          [--flex auto|on|off] [--host-in-place auto|always|never]
                                          [--flex-slots N] [--threads] [--sync-debug] [--group-graphs]
+                                         [--calls] [--marks] [--session-reader thread|caller]
 
 --preset ds4-wide: ds4-tiny's dims at ds4-flash's expert shape (8 layers x 256 experts, top-6; with --vram 49 --host 77
 as its bench's auto plan): the store's work per consolidation (plan, vacate, commit: per move) at that scale.
@@ -57,6 +58,15 @@ compete with the main one for the GIL (issue 21: the session stream's); and per 
 wait for a core (run queue) and main_off_us = its wall less those and the pass clock's waits: off the CPU with no wait
 counted, i.e. waiting for the GIL, mostly (on CUDA; on the CPU the clock's waits hold CPU work, the bank memcpys,
 so it reads low or negative there).
+--calls: every call of the main thread in the timed steps, per decode layer, by part (the expert step: hand_experts /
+hand_misses / partial / gate_drain; its expert math: kern.apply / GroupGraphs.apply; the rest of the step) and kind
+(py: a Python function outside torch; torch: a call into torch from outside it, on CUDA each its own host work, many a
+launch, an event record or a copy; c: any other C call) -> calls_per_layer (_Calls; exact, slows the run).
+--marks: PassStats.gpu_marks on, as the bench's --gpu-marks (device marks: CUDA events a layer's copies, groups,
+attention and routing; MoEStep.hand_fold off under them, and the solo graphs cut at each attention): what the
+instrumented decode costs the host against the plain one (a device A/B of --marks off and on).
+--session-reader thread|caller: store.session_reader (services/grpc/store_client.py _SeqStream): the seqpacket
+session stream's answers read by a reader thread or by the caller that waits for one (no thread).
 --sync-debug (CUDA): torch.cuda.set_sync_debug_mode("warn") over the timed steps -> syncs {where: per step}: the
 ops that block the host on the device outside the pass clock's waits (a pageable H2D copy_, .item(), ...): host time
 that is really the GPU's, counted as the rest (stats.py's other_host_s).
@@ -77,6 +87,7 @@ import json
 import os
 import resource
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -190,6 +201,79 @@ def _split(rn, client) -> dict:
                 _rec.append(time.perf_counter() - t)
         setattr(owner, name, timed)
     return out
+
+
+class _Calls:
+    """--calls: every call the main thread makes in the timed steps (sys.setprofile), per part of a decode step: the
+    expert step (`step`: MoEStep.hand_experts / hand_misses / partial / gate_drain, the host part of a layer's experts),
+    its expert math inside it (`math`: kern.apply / GroupGraphs.apply: CPU torch here, Triton launches or a graph
+    replay on CUDA), the rest of the step (`rest`: the dense part, graphs, the pass's bookkeeping). Kinds: `py`, a
+    Python function outside torch (each comprehension one); `torch`, a call into torch from outside it (a C function
+    of torch's or a tensor's / event's method, or a Python function of the torch package, counted once with what it
+    calls inside torch): on CUDA each such call is host work of its own, many a launch, an event record or a copy;
+    `c`, any other C call (builtins, numpy). Counting slows the run: read its timings with care; the counts are
+    exact (the reader thread's calls are not counted: setprofile is per thread)."""
+
+    ROOTS = ("hand_experts", "hand_misses", "partial", "gate_drain")
+    MATH = ("apply",)
+
+    def __init__(self, moe):
+        import torch
+        self._torch_dir = str(Path(torch.__file__).parent)
+        self._roots = {getattr(type(moe), n).__code__ for n in self.ROOTS if hasattr(type(moe), n)}
+        math = [type(moe.kern).apply]
+        gg = getattr(moe, "group_graphs", None)
+        if gg is not None:
+            math.append(type(gg).apply)
+        self._math = {f.__code__ for f in math}
+        self.counts = {(p, k): 0 for p in ("step", "math", "rest") for k in ("py", "torch", "c")}
+        self._part = ["rest"]                   # the part stack: a root or math call pushes, its return pops
+        self._in_torch = 0                      # depth inside a torch Python function (its inner calls: not counted)
+        self._torch_mods = ("torch",)
+
+    def _is_torch_c(self, fn) -> bool:
+        owner = getattr(fn, "__self__", None)
+        mod = getattr(fn, "__module__", None) or type(owner).__module__ or ""
+        return mod.startswith(self._torch_mods) or "_VariableFunctions" in getattr(fn, "__qualname__", "") or \
+            type(owner).__module__.startswith(self._torch_mods)
+
+    def _cb(self, frame, event, arg):
+        if event == "call":
+            co = frame.f_code
+            if self._in_torch:
+                if co.co_filename.startswith(self._torch_dir):
+                    self._in_torch += 1
+                return
+            if co in self._roots:
+                self._part.append("step")
+            elif co in self._math:
+                self._part.append("math")
+            if co.co_filename.startswith(self._torch_dir):
+                self._in_torch = 1
+                self.counts[self._part[-1], "torch"] += 1
+            else:
+                self.counts[self._part[-1], "py"] += 1
+        elif event == "return":
+            co = frame.f_code
+            if self._in_torch:
+                if co.co_filename.startswith(self._torch_dir):
+                    self._in_torch -= 1
+                return
+            if (co in self._roots or co in self._math) and len(self._part) > 1:
+                self._part.pop()
+        elif event == "c_call" and not self._in_torch:
+            self.counts[self._part[-1], "torch" if self._is_torch_c(arg) else "c"] += 1
+
+    def on(self):
+        sys.setprofile(self._cb)
+
+    def off(self):
+        sys.setprofile(None)
+
+    def per_layer(self, layers: int) -> dict:
+        """{part: {kind: calls per decode layer}} over the counted steps' layers."""
+        return {p: {k: round(self.counts[p, k] / max(1, layers), 2) for k in ("py", "torch", "c")}
+                for p in ("step", "math", "rest")}
 
 
 class _GcWatch:
@@ -317,6 +401,8 @@ def run(a, tmp: Path) -> dict:
                        device=a.device, **extra)
     store = open_store(cfg, "process", str(tmp / "store"))
     client = store.client
+    if a.session_reader:            # store.session_reader (before the session stream opens: its first message)
+        client.session_reader = a.session_reader
     inside = [0.0]                              # host seconds inside the client's store calls
     for name in ("load", "prefetch", "prefetch_start", "release", "begin_pass", "end_pass"):
         fn = getattr(client, name)
@@ -379,6 +465,9 @@ def run(a, tmp: Path) -> dict:
         if a.profile:
             import cProfile
             prof = cProfile.Profile()
+        if a.marks:                 # the bench's --gpu-marks path: PassStats.gpu_marks (events, the fold off)
+            rn.gpu_marks = True
+        calls = _Calls(rn.moe) if a.calls else None
         rows, sc0, first_ms, per_token = [], None, None, []
         gcw = _GcWatch() if a.per_token else None
         logits_sha = hashlib.sha256()
@@ -401,11 +490,15 @@ def run(a, tmp: Path) -> dict:
             u0 = getattr(hand, "uploads", 0)
             if threads is not None:
                 threads.mark()
+            if calls is not None and i >= a.skip:
+                calls.on()
             if a.sync_debug and i >= a.skip and a.device.startswith("cuda"):
                 with _sync_watch(syncs):
                     lg, st = step(tok)
             else:
                 lg, st = step(tok)
+            if calls is not None:
+                calls.off()
             c1 = own_cpu()
             if threads is not None and i >= a.skip:
                 threads.add()
@@ -469,6 +562,8 @@ def run(a, tmp: Path) -> dict:
             res["threads"] = threads.per_step(n)
         if a.sync_debug and a.device.startswith("cuda"):     # where -> syncs per timed step (the CPU has none)
             res["syncs"] = {k: round(v / n, 2) for k, v in sorted(syncs.items(), key=lambda kv: -kv[1])}
+        if calls is not None:    # part -> kind -> calls per decode layer of the timed steps (_Calls)
+            res["calls_per_layer"] = calls.per_layer(n * rn.mcfg.n_layer)
         if split is not None:    # name -> [median us per call, calls per timed step]
             res["split_us"] = {k: [round(statistics.median(v) * 1e6, 1), round(len(v) / n, 2)]
                                for k, v in split.items() if v}
@@ -510,6 +605,13 @@ def parser() -> argparse.ArgumentParser:
                    help="CUDA: the host-blocking ops of the timed steps, by where (module doc)")
     p.add_argument("--per-token", action="store_true",
                    help="every decode step's host / blocked / CPU / pass-open ms and its pass-boundary messages")
+    p.add_argument("--session-reader", choices=["thread", "caller"],
+                   help="store.session_reader: who reads the seqpacket session stream's answers (default: the "
+                   "setting's; a checkout without it ignores this)")
+    p.add_argument("--calls", action="store_true",
+                   help="calls per decode layer by part (expert step, its math, the rest) and kind (py, torch, c)")
+    p.add_argument("--marks", action="store_true",
+                   help="PassStats.gpu_marks on (the bench's --gpu-marks: device marks, which turn the fold off)")
     p.add_argument("--split", action="store_true",
                    help="the expert step's functions timed in place: median us per call, calls per step (SPLIT)")
     return p

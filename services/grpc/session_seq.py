@@ -58,20 +58,34 @@ def check_size(n: int, limit: int, what: str = "session message"):
                             "request, raise net.core.wmem_max, or set store.session_transport = \"grpc\"")
 
 
-def receiver(sock: socket.socket, parse):
-    """The messages read from `sock`, each parse(bytes-like) -> message, until EOF (the peer closed or died).
-    A datagram larger than MAX_BYTES (truncated by the kernel) raises MessageTooBig."""
-    limit = MAX_BYTES
-    buf = bytearray(limit)
-    view = memoryview(buf)
-    recv = sock.recv_into
-    while True:
+class Reader:
+    """One end's reads of whole datagrams from `sock` into one buffer of MAX_BYTES, each parse(bytes-like) ->
+    message. A datagram larger than MAX_BYTES (truncated by the kernel) raises MessageTooBig."""
+
+    __slots__ = ("sock", "parse", "buf", "view")
+
+    def __init__(self, sock: socket.socket, parse):
+        self.sock, self.parse = sock, parse
+        self.buf = bytearray(MAX_BYTES)
+        self.view = memoryview(self.buf)
+
+    def read(self, flags: int = 0):
+        """The next message, or None at EOF (the peer closed or died). flags: socket.MSG_DONTWAIT reads without a
+        wait (none queued: BlockingIOError)."""
         # MSG_TRUNC: the datagram's whole length, also where it was longer than the buffer (Linux's AF_UNIX), so a
         # truncated one reads n > limit; recv_into, not recvmsg_into: no list, flags tuple or control buffer an answer
         # (the reader thread's, issue 21, cpu-host62)
-        n = recv(buf, limit, socket.MSG_TRUNC)
+        n = self.sock.recv_into(self.buf, MAX_BYTES, socket.MSG_TRUNC | flags)
         if not n:
-            return
-        if n > limit:
-            raise MessageTooBig(f"a session message over {limit} bytes arrived truncated")
-        yield parse(bytes(view[:n]))        # a copy: the buffer is reused for the next one
+            return None
+        if n > MAX_BYTES:
+            raise MessageTooBig(f"a session message over {MAX_BYTES} bytes arrived truncated")
+        return self.parse(bytes(self.view[:n]))     # a copy: the buffer is reused for the next one
+
+
+def receiver(sock: socket.socket, parse):
+    """The messages read from `sock` (Reader), each parse(bytes-like) -> message, until EOF (the peer closed or
+    died)."""
+    read = Reader(sock, parse).read
+    while (m := read()) is not None:
+        yield m

@@ -15,7 +15,8 @@ every message on the stream is answered (_reap), so the store sees them in the o
 
 store.session_transport = "seqpacket" (the default; gpu-run57) moves the session stream (only it) off gRPC onto a SOCK_SEQPACKET connection
 of its own (services/grpc/session_seq.py; _SeqStream): the same messages, sent by the caller's thread, answers
-routed by one reader thread; gRPC's three thread hops a message out of the way.
+routed by one reader thread (store.session_reader = "caller": read by the caller that waits for one, no thread);
+gRPC's three thread hops a message out of the way.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import itertools
 import json
 import os
 import queue
+import select
 import socket
 import threading
 import time
@@ -273,16 +275,31 @@ class _Stream(_Boxes):
 
 class _SeqStream(_Boxes):
     """The session stream on a SOCK_SEQPACKET connection (services/grpc/session_seq.py) with _Stream's interface:
-    the caller's thread sends its request itself (one datagram: no queue, no send thread), one reader thread routes
-    every answer to its request's box by id and wakes the callers waiting.
+    the caller's thread sends its request itself (one datagram: no queue, no send thread); the answers are routed to
+    their requests' boxes by id, read by one of two readers (store.session_reader):
+
+    thread  (the default) one reader thread reads every answer as it arrives and wakes the callers waiting: answers
+            nobody waits for yet (releases, prefetches) are drained as they come. Each answer is a wakeup of that
+            thread and a turn of the GIL it takes from the caller's, also while the caller works (issue 21: ~14 a
+            decode token, one a landed expert; docs/benchmarks/cpu-host62, cpu-host65).
+    caller  no thread: a caller that waits for an answer reads the socket itself (one at a time, `_reading`, as
+            _Stream's _pumping: the others wait on _cv and the reader wakes them), routing what it reads to its
+            box; the answers nobody waits for are drained (read without a wait) before each message's send (alive:
+            _session_stream asks it first) and where a caller asks whether one has come (answered: a load's
+            ready()), so at most a message's answers queue in the socket between sends (a load's landed experts,
+            a few hundred bytes: the store's sends never wait on a full buffer while it has requests to read). A
+            landed expert waited for is one wakeup of the waiting thread itself (its poll), and none of another
+            thread while the caller works (issue 21: gpu-run67's profile, cpu-host65).
 
     Deadlines: a caller waiting past its request's deadline fails the stream with DEADLINE_EXCEEDED (as _Stream's
     watch does) and shuts the connection; the connection's end (EOF: the store died or closed it; close(); abort())
-    fails every request still waiting with the error it ended with, as _Stream's call's end does. A reader thread
-    rather than the waiting caller reading (_Stream's _pumping): answers nobody waits for yet (releases, prefetches)
-    are drained as they come, so the store's sends never wait on a full buffer while it has requests to read."""
+    fails every request still waiting with the error it ended with, as _Stream's call's end does."""
 
-    def __init__(self, path: str, timeout: float):
+    READERS = ("thread", "caller")
+    caller = False          # store.session_reader "caller" (class doc); set per stream
+
+    def __init__(self, path: str, timeout: float, reader: str = "thread"):
+        assert reader in self.READERS, reader
         self.path = path
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -306,22 +323,33 @@ class _SeqStream(_Boxes):
         # for (a release's, a prefetch's, a landed expert read from its box before any wait) costs the reader no
         # notify_all (two Python calls and the waiters' walk an answer: issue 21, cpu-host62)
         self._waiting = 0
-        threading.Thread(target=self._read, name="store-session-seq", daemon=True).start()
+        self.caller = reader == "caller"
+        if self.caller:
+            self._reader = session_seq.Reader(sock, pb.SessionEvent.FromString)
+            self._reading = False                       # a caller reads the socket now (class doc)
+            self._poll = select.poll()                  # its wait for the next datagram, within a deadline
+            self._poll.register(sock, select.POLLIN)
+        else:
+            threading.Thread(target=self._read, name="store-session-seq", daemon=True).start()
 
     def _read(self):
         err = _Failed(grpc.StatusCode.UNAVAILABLE, "the store ended the session stream")
         try:
             for ev in session_seq.receiver(self.sock, pb.SessionEvent.FromString):
                 with self._lock:
-                    box = self._box.get(ev.id)
-                    if box is not None:
-                        box.append(ev)
-                        if self._waiting:
-                            self._cv.notify_all()
+                    self._route(ev)
         except (OSError, BetelgeuseError) as e:
             err = _Failed(grpc.StatusCode.UNAVAILABLE, f"the session socket failed: {e}")
         self._end(err)
         self.sock.close()                           # here only: no other thread reads it any more
+
+    def _route(self, ev):
+        """An answer read (under _lock) to its request's box (a box forgotten: dropped), the waiting takes woken."""
+        box = self._box.get(ev.id)
+        if box is not None:
+            box.append(ev)
+            if self._waiting:
+                self._cv.notify_all()
 
     def _end(self, err: grpc.RpcError):
         """The stream ends with `err` (the first reason stays), every waiter fails with it; the reader sees EOF."""
@@ -333,7 +361,51 @@ class _SeqStream(_Boxes):
         except OSError:
             pass
 
+    def _pump(self, wait_s: float | None) -> bool:
+        """caller: read one answer and route it (the caller holds `_reading`, not _lock); wait_s None: without a wait.
+        -> whether one was read; the connection's end or failure ends the stream (error set)."""
+        try:
+            # poll first (0: none queued -> False, no exception raised), then the datagram it saw, without a wait
+            if not self._poll.poll(0 if wait_s is None else max(1, int(wait_s * 1000) + 1)):
+                return False
+            ev = self._reader.read(socket.MSG_DONTWAIT)
+        except BlockingIOError:                     # another reader took it (a drain beside a closing stream)
+            return False
+        except (OSError, BetelgeuseError) as e:
+            self._end(_Failed(grpc.StatusCode.UNAVAILABLE, f"the session socket failed: {e}"))
+            return False
+        if ev is None:
+            self._end(_Failed(grpc.StatusCode.UNAVAILABLE, "the store ended the session stream"))
+            return False
+        with self._lock:
+            self._route(ev)
+        return True
+
+    def _drain(self):
+        """caller: the answers queued in the socket routed, without a wait, unless a caller reads it now."""
+        with self._lock:
+            if self._reading or self.error is not None:
+                return
+            self._reading = True
+        try:
+            while self._pump(None):
+                pass
+        finally:
+            with self._lock:
+                self._reading = False
+                if self._waiting:
+                    self._cv.notify_all()
+
+    def answered(self, rid: int) -> bool:
+        if self.caller and not self._box.get(rid):
+            self._drain()
+        return bool(self._box.get(rid)) or self.error is not None
+
     def alive(self) -> bool:
+        """caller: the answers queued drained first (each message's send asks this first: _session_stream), so a
+        store that ended the connection reads as gone here, as the reader thread's EOF makes it."""
+        if self.caller:
+            self._drain()
         return self.error is None
 
     def send(self, make, args=(), handoff: bool = False) -> int:
@@ -360,7 +432,8 @@ class _SeqStream(_Boxes):
             pass                                    # the reader sees the end
 
     def take(self, rid: int, deadline: float):
-        """The next answer to `rid` (its own in the order sent), waiting at most until `deadline`."""
+        """The next answer to `rid` (its own in the order sent), waiting at most until `deadline` (caller: reading
+        the socket meanwhile where no other caller does)."""
         with self._lock:
             while True:
                 box = self._box.get(rid)
@@ -371,6 +444,17 @@ class _SeqStream(_Boxes):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
+                if self.caller and not self._reading:
+                    self._reading = True            # this caller reads (outside the lock), then looks again
+                    self._lock.release()
+                    try:
+                        self._pump(left)
+                    finally:
+                        self._lock.acquire()
+                        self._reading = False
+                        if self._waiting:           # another caller may read now, or its answer came
+                            self._cv.notify_all()
+                    continue
                 self._waiting += 1                  # the reader's notify (an exception here leaves it high:
                 self._cv.wait(left)                 # a notify more, never one less)
                 self._waiting -= 1
@@ -379,6 +463,11 @@ class _SeqStream(_Boxes):
 
     def close(self, err: grpc.RpcError | None = None):
         self._end(err or _Failed(grpc.StatusCode.CANCELLED, "the session stream was closed"))
+        if self.caller:
+            with self._lock:
+                reading = self._reading
+            if not reading:                         # a caller reading sees the end and leaves it to the GC
+                self.sock.close()
 
 
 class _Answer:
@@ -418,7 +507,8 @@ class _Landed:
     Ends with its n experts, a failed answer (nothing more of it follows) or a failure of the stream (the worker's
     error, as _as_worker makes it). Closed (close(), or dropped: __del__) before its end, the store is sent a cancel
     of the load and stops sending it; else the answers' box is forgotten. seqpacket (_SeqStream): its reader thread
-    routes every answer as it arrives, so an empty box is an expert not landed yet. grpc (_Stream): answers are
+    routes every answer as it arrives (the caller reader: ready() drains the socket first), so an empty box is an
+    expert not landed yet. grpc (_Stream): answers are
     routed only while a caller reads the call (take), so an answer still in grpc's buffer reads as not landed: ready()
     may say False early there (a flush sooner than needed, never a wait)."""
 
@@ -476,13 +566,18 @@ class GrpcStoreClient:
     TRANSPORTS = ("grpc", "seqpacket")
 
     def __init__(self, socket_path: str, fd_socket_path: str, timeout: float = 10.0, per_expert: float = 0.5,
-                 probe_timeout: float = 2.0, on_lost=None, session_transport: str = "seqpacket"):
+                 probe_timeout: float = 2.0, on_lost=None, session_transport: str = "seqpacket",
+                 session_reader: str = "thread"):
         self.socket_path, self.fd_socket_path = socket_path, fd_socket_path
         if session_transport not in self.TRANSPORTS:
             raise BetelgeuseError(f"store.session_transport must be one of {', '.join(self.TRANSPORTS)}, got "
                                   f"{session_transport!r}")
-        # the session stream's transport (store.session_transport): grpc (_Stream) or seqpacket (_SeqStream)
-        self.session_transport = session_transport
+        if session_reader not in _SeqStream.READERS:
+            raise BetelgeuseError(f"store.session_reader must be one of {', '.join(_SeqStream.READERS)}, got "
+                                  f"{session_reader!r}")
+        # the session stream's transport (store.session_transport): grpc (_Stream) or seqpacket (_SeqStream), and who
+        # reads the seqpacket one's answers (store.session_reader: _SeqStream's doc)
+        self.session_transport, self.session_reader = session_transport, session_reader
         self.timeout, self.per_expert, self.probe_timeout = timeout, per_expert, probe_timeout
         self.channel = None
         self.stub = None
@@ -647,7 +742,7 @@ class GrpcStoreClient:
             if self.session_transport == "seqpacket":
                 if self._aborted is not None:           # as the closed channel refuses a new call
                     raise StoreUnavailableError(str(self._aborted))
-                s = _SeqStream(session_seq.session_path(self.socket_path), self.timeout)
+                s = _SeqStream(session_seq.session_path(self.socket_path), self.timeout, self.session_reader)
             else:
                 s = _Stream(self._session_call)
             self._stream = s

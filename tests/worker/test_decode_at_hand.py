@@ -428,6 +428,56 @@ def test_flex_evictions_refresh_the_table_without_blocking_the_host(model, ds4, 
     assert torch.equal(got, want), (got - want).abs().max().item()
 
 
+@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek4"])
+def test_a_banked_layers_flex_taken_disk_experts_send_the_table_with_their_copies(model, ds4, monkeypatch, arch):
+    """A decode miss layer whose host experts are banked (host_in_place "never": ds4-flash's MXFP4 path) opens their
+    bank before its disk experts land (MoEStep._hand_misses); where the flex cache takes every one of a batch's disk
+    experts (MoEStep._direct_group, no slot of theirs in the bank), the group's slot table goes with their flex copies
+    on the compute stream and the compute stream waits for the bank's host copies (ExpertCache.bank_wait): no
+    copy-stream pass carrying the table alone (bank_copy with no slots: its stream switch, copy, record and wait,
+    ~8 torch calls a miss layer on CUDA; issue 21, cpu-host65). Checked at every group the direct path applies: its
+    device table row equals its host table (on the CPU the torch kernels read the host one, so the bits alone would
+    not see a table left out), and the logits are the partial path's. Fails with the table left out of the flex
+    copies where a bank is open, and with the table-only bank copy back."""
+    from betelgeuse.worker.expert_cache import ExpertCache
+    from betelgeuse.worker.moe_step import MoEStep
+    model = {"qwen3moe": model, "deepseek4": ds4}[arch]
+    seen = Counter()
+    copy, wait, direct, apply = ExpertCache.bank_copy, ExpertCache.bank_wait, MoEStep._direct_group, MoEStep._apply
+    inside = [False]
+
+    def counted_copy(self, b, at, srcs, *a, **kw):
+        seen["empty_copy" if not len(srcs) else "copy"] += 1
+        return copy(self, b, at, srcs, *a, **kw)
+
+    def counted_wait(self, b):
+        seen["wait"] += inside[0]
+        return wait(self, b)
+
+    def counted_direct(self, l, r, es, srcs, slots, timing, opened, ls, snap):
+        seen["opened"] += opened is not None
+        inside[0] = opened is not None
+        try:
+            return direct(self, l, r, es, srcs, slots, timing, opened, ls, snap)
+        finally:
+            inside[0] = False
+
+    def checked_apply(self, r, l, g, ls, pool=None):
+        if inside[0]:       # the direct group's table: the device row as the host one (its copy queued before it)
+            seen["checked"] += 1
+            assert torch.equal(g.base_dev, torch.from_numpy(g.base_host)), (l, g.base_host, g.base_dev)
+        return apply(self, r, l, g, ls, pool)
+    want, _ = _capped_decode(model, hand=False, slots=4, host_in_place="never")
+    monkeypatch.setattr(ExpertCache, "bank_copy", counted_copy)
+    monkeypatch.setattr(ExpertCache, "bank_wait", counted_wait)
+    monkeypatch.setattr(MoEStep, "_direct_group", counted_direct)
+    monkeypatch.setattr(MoEStep, "_apply", checked_apply)
+    got, _ = _capped_decode(model, hand=True, slots=4, host_in_place="never")
+    assert seen["opened"] > 0 and seen["wait"] > 0 and seen["checked"] >= seen["opened"], seen
+    assert seen["empty_copy"] == 0, seen
+    assert torch.equal(got, want), (got - want).abs().max().item()
+
+
 def test_a_log_of_more_adds_than_cells_is_rebuilt_not_patched(model, monkeypatch):
     """FlexCache.changed is a set (cpu-host60: at most one entry a cell) and FlexCache.logged its adds since the table
     last read it: where the adds outnumber the table's cells (prefills filling copies with no decode step between)

@@ -1,6 +1,7 @@
 """The worker's session stream to a real store process (store.proto `Session`; services/grpc/store_client.py, issue 21):
 the loads, reads ahead and releases of a session are messages on ONE stream (gRPC, or a SOCK_SEQPACKET connection:
-store.session_transport; each test below runs on both), answered tagged with the request's id. Checked here against a
+store.session_transport; each test below runs on both, the latter also with store.session_reader "caller"), answered
+tagged with the request's id. Checked here against a
 `services.store_main` child (a tiny synth model, few slots):
 
 - two loads in flight at once, their experts read in turn and one before the other, with a read ahead and a release
@@ -38,7 +39,9 @@ from betelgeuse.config import EngineConfig
 from betelgeuse.errors import StoreUnavailableError
 
 L, E = 2, 16
-TRANSPORTS = ("grpc", "seqpacket")
+# seqpacket+caller: the seqpacket stream with store.session_reader "caller" (no reader thread: the waiting caller
+# reads its answers, _SeqStream's doc; issue 21, cpu-host65)
+TRANSPORTS = ("grpc", "seqpacket", "seqpacket+caller")
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +60,10 @@ def transport(request):
 def _store(model, tmp_path, transport):
     from services.assembly import open_store
     cfg = EngineConfig(model_path=str(model), vram_slots=1, host_slots=2, read_threads=2)
+    transport, _, reader = transport.partition("+")
     store = open_store(cfg, "process", str(tmp_path / "store"), session_transport=transport)
     assert store.client.session_transport == transport
+    store.client.session_reader = reader or "thread"      # before the stream opens (at the first message)
     return store
 
 
@@ -102,6 +107,60 @@ def test_overlapping_loads_get_their_own_experts(model, tmp_path, transport):
         c.end_pass(np.zeros((L, E), dtype=np.int64), False, held)
         c.begin_pass(False)                                       # the slots the abandoned load left are taken back
         c.end_pass(np.zeros((L, E), dtype=np.int64), False)
+        assert c.status()["staging_handed"] == 0
+    finally:
+        store.close()
+
+
+def test_the_caller_reader_reads_with_no_thread_and_two_waiting_callers_each_get_theirs(model, tmp_path,
+                                                                                        monkeypatch):
+    """store.session_reader "caller" (_SeqStream's doc): no reader thread; two loads read at once from two threads
+    each get their own experts (one thread reads the socket at a time and routes the other's: it wakes the other,
+    which reads in its turn), well within their deadlines (the store's reads slowed: they land apart, so one caller
+    has its experts while the other's are still coming); an answer nobody waits for (a read ahead's) is routed by
+    the next message's drain, not left in the socket. Fails with the reading caller waking nobody (neither as it
+    routes an answer nor as it stops reading: the other take waits out its deadline) and with no drain before a
+    send (the read ahead's box stays empty); both checked."""
+    from betelgeuse.store.reader import JITTER_ENV
+    monkeypatch.setenv(JITTER_ENV, "7:80")          # the store child's reads land apart (<= 80 ms a piece)
+    store = _store(model, tmp_path, "seqpacket+caller")
+    try:
+        c = store.client
+        plan, disk = _disk(c)
+        n = min(3, plan.n_staging // 4)
+        c.begin_pass(False)
+        before = {t.name for t in threading.enumerate()}
+        s = c._session_stream()
+        assert s.caller and "store-session-seq" not in {t.name for t in threading.enumerate()} - before
+        c.timeout = 3.0                                     # a caller left waiting fails in seconds, not minutes
+        # the first caller (one expert) reads the socket first; the second (n experts, asked after it) waits
+        # meanwhile, and its experts land after the first's: the first, done, must hand the reading over
+        keys = [disk[0][:1], disk[1][:n]]
+        loads = [c.load(k) for k in keys]
+        got: list = [None, None]
+
+        def read(i):
+            got[i] = list(loads[i])
+        threads = [threading.Thread(target=read, args=(i,)) for i in (0, 1)]
+        t0 = time.monotonic()
+        threads[0].start()
+        time.sleep(0.005)
+        threads[1].start()
+        for t in threads:
+            t.join(30)
+        assert time.monotonic() - t0 < 2.5, time.monotonic() - t0
+        for i in (0, 1):
+            assert got[i] is not None and sorted((x.layer, x.expert) for x in got[i]) == keys[i], (i, got)
+        queued = c.prefetch_start(disk[1][n:n + 1])
+        rid = max(s._box)                                   # the read ahead's box: nobody waits for it
+        t0 = time.monotonic()
+        while not s._box.get(rid) and time.monotonic() - t0 < 5:
+            time.sleep(0.01)
+            s.alive()                                       # each message's first step: the drain
+        assert s._box.get(rid), "the read ahead's answer was not routed by the drain"
+        assert queued() == 1
+        held = [x.staging_slot for x in got[0] + got[1]]
+        c.end_pass(np.zeros((L, E), dtype=np.int64), False, held)
         assert c.status()["staging_handed"] == 0
     finally:
         store.close()
@@ -219,7 +278,9 @@ def test_a_stream_whose_store_died_is_not_alive(model, tmp_path, transport):
         _disk(c)
         c.begin_pass(False)
         s = c._session_stream()
-        ended = (lambda: s.call.done()) if transport == "grpc" else (lambda: s.error is not None)
+        # seqpacket: the reader thread's EOF, or (caller) the drain alive() runs
+        ended = (lambda: s.call.done()) if transport == "grpc" else (lambda: not s.alive())
+        assert transport == "grpc" or s.caller == transport.endswith("+caller"), (transport, s.caller)
         assert s.alive() and not ended()
         os.kill(store.proc.pid, signal.SIGKILL)
         t = time.monotonic()

@@ -94,12 +94,14 @@ def test_store_process_matches_reference_and_sends_no_expert_bytes(wide, referen
 
 
 def test_logits_are_the_same_bits_on_both_session_transports(wide, reference, store):
-    """The session stream on gRPC and on SOCK_SEQPACKET (store.session_transport): a cold pass, a consolidated one
-    and a short decode through the same store process give the reference's logits, and the same bits on both."""
+    """The session stream on gRPC and on SOCK_SEQPACKET (store.session_transport; the latter also with
+    store.session_reader "caller": no reader thread): a cold pass, a consolidated one and a short decode through the
+    same store process give the reference's logits, and the same bits on all three."""
     _, socks = store
     outs = {}
-    for transport in ("seqpacket", "grpc"):
-        client = counting_store_client(socks, transport)
+    for transport in ("seqpacket", "grpc", "seqpacket+caller"):
+        client = counting_store_client(socks, transport.partition("+")[0])
+        client.session_reader = transport.partition("+")[2] or "thread"    # before the stream opens
         runner = ModelRunner(EngineConfig(model_path=str(wide), vram_slots=VRAM, host_slots=HOST), client)
         try:
             rows = []
@@ -114,12 +116,13 @@ def test_logits_are_the_same_bits_on_both_session_transports(wide, reference, st
                 lg, _st = runner.forward([int(lg[-1].argmax())], kv, consolidate=False)
                 rows.append(lg)
             outs[transport] = torch.cat(rows)
-            if transport == "seqpacket":                    # the session's messages did not go over gRPC
+            if transport != "grpc":                         # the session's messages did not go over gRPC
                 assert type(client._stream).__name__ == "_SeqStream", client._stream
+                assert client._stream.caller == transport.endswith("+caller"), transport
         finally:
             runner.close()
             client.close()
-    assert torch.equal(outs["seqpacket"], outs["grpc"])
+    assert torch.equal(outs["seqpacket"], outs["grpc"]) and torch.equal(outs["seqpacket+caller"], outs["grpc"])
 
 
 @pytest.mark.parametrize("transport", ["grpc", "seqpacket"])
