@@ -153,9 +153,10 @@ def test_q4_k_pk_pairs_reach_ql_in_the_gguf_pair_order():
                     (gm._fetch_k, "a = gl.multiple_of(ra + ((kb0 >> 3) * 9216 + ((kb0 >> 1) & 3) * 2048), 16)"),
                     (gm._fetch_k, "p = (pool + a).to(gl.pointer_type(gl.uint16))"),
                     (gm._fetch_k, "q = _k_pk_pairs(z)"),
-                    (gm._load_raw_k, "((kb0 >> 1) & 3) * 2048), 16)"),
-                    (gm._load_raw_k, "pw = (pool + a).to(gl.pointer_type(gl.int32))"),
-                    (gm._load_raw_k, "w = gl.load(pw[:, None] + u[None, :]"),
+                    (gm._pk_step, "o = (kb0 >> 3) * 9216 + ((kb0 >> 1) & 3) * 2048"),
+                    (gm._pk_ptrs, "pw = (pool + a).to(gl.pointer_type(gl.int32))"),
+                    (gm._pk_ptrs, "return pw[:, None] + u[None, :]"),
+                    (gm._load_raw_k, "pw, mw = _pk_ptrs(pool, ra, mn, _pk_step(kb0, 5))"),
                     (gm._conv_raw_k, "q = _k_pk_pairs(gl.reshape(gl.join(w, w >> 16), [R // 2, 32]))"),
                     (gm._conv_raw_k, "wb = _k_a(q.to(gl.uint16))")):
         assert line in src(f), line
@@ -225,9 +226,9 @@ def test_mxfp4_pk_words_reach_the_gguf_byte_order():
     if not gm.HAVE_GLUON:
         pytest.skip("no Gluon")
     gluon_emu.mx_source_lines(gm)
-    src = "".join(inspect.getsource(f.fn if hasattr(f, "fn") else f) for f in (gm._mx_pk_load, gm._pk_rows,
-                                                                                 gm._conv_raw))
-    for line in ("st = kb0 * 1088", "o = 2048 + 2 * i", "o = 512 * (i // 16) + 64 * (i % 8)",
+    src = "".join(inspect.getsource(f.fn if hasattr(f, "fn") else f) for f in (gm._mx_pk_load, gm._pk_step,
+                                                                                 gm._pk_rows, gm._conv_raw))
+    for line in ("o = kb0 * 1088", "_pk_ptrs(pool, ra, mn, _pk_step(kb0, 4))", "o = 2048 + 2 * i", "o = 512 * (i // 16) + 64 * (i % 8)",
                  "d0 = _e8m0(r0 & 255)", "d1 = _e8m0(r1 >> 8)", "wb = _mx_a(_mx_pk_words(w))",
                  "wb = _mx_a(_mx_words(w))"):
         assert line in src, line
