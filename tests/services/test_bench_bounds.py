@@ -231,6 +231,13 @@ def test_ds4_summary_judges_layer_major_passes_and_names_the_launches():
     case["decode"]["host_us_per_application"] = 240.0
     row = next(r for r in S.targets({"cases": [case]}) if "warm prefill pass's host" in r)
     assert "| 3.00 (240.0 ÷ 80.0) |" in row, row
+    # the host target judged on the shipped decode only: --gpu-marks turns its fold off (cpu-host65), so no verdict
+    case["decode"]["host_us_per_application"] = 90.0
+    row = next(r for r in S.targets({"cases": [case]}) if "decode host µs / expert application" in r)
+    assert row.rstrip(" |").endswith("PASS"), row
+    row = next(r for r in S.targets({"cases": [case], "options": {"gpu_marks": True}})
+               if "decode host µs / expert application" in r)
+    assert "--gpu-marks on" in row and row.rstrip(" |").endswith("–"), row
     # the exact decode's idle chain (services/bench/disk_idle.py): a row per within / between where measured
     from services.bench.disk_idle import split_idle
     case["decode"]["disk_idle"] = split_idle([(3.0, 4.0)], [(0.0, 10.0)], [(3.6, 1)], [(3.4, 1)], [(3.1, 0)],
