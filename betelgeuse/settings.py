@@ -456,6 +456,13 @@ class EngineSettings(_Section):
     # group more (its host time). Off until the device A/B (docs/benchmarks/cpu-flush57)
     disk_flush_early: Flag = setting(False, "decode: a miss layer's landed disk experts are copied and computed as "
                                      "soon as the next one has not landed, not after the layer's last", True)
+    # a decode miss layer's disk expert that lands while the next has not (LoadStream.ready) has its H2D copy issued
+    # at once (into the flex slot or ring-bank slot it is computed in, on the stream its copy uses), not all after the
+    # layer's last: the copies run while the disk reads the rest (issue 21: the within-token `copy` link, cpu-copy65).
+    # The layer's experts are still computed by ONE group after the last lands (the same table, slots and kernels as
+    # off): only when bytes move changes, never a bit (CPU tests); no group or launch more. Off until its device A/B
+    disk_copy_early: Flag = setting(False, "decode: a miss layer's landed disk experts are copied to the GPU as soon "
+                                    "as the next one has not landed; still one group after the last", True)
     # a released sequence state is kept with its captured decode graphs and handed, reset to a fresh state's bits in
     # the same tensors, to the next sequence of its size, and the engine (and the bench) capture decode's graphs at
     # start over one (worker/runner.py new_cache / warm_graphs): a request's first decode tokens replay instead of

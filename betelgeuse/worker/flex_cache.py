@@ -322,7 +322,7 @@ class FlexCache:
         if dsts:
             torch._foreach_copy_(dsts, srcs)
 
-    def take(self, layer: int, experts) -> list[int | None]:
+    def take(self, layer: int, experts, mine=()) -> list[int | None]:
         """keep's bookkeeping for experts about to be staged (a decode miss layer's disk experts, MoEStep._direct_group)
         without its copy: the caller copies each expert's bytes into its slot (views[s]) itself and computes its group
         from there, instead of from a ring bank copied out after the group (keep: one device-to-device copy less).
@@ -330,7 +330,9 @@ class FlexCache:
         slot for it: none free, no room to grow and the least recently used one taken by this call (the caller's
         group reads every slot it took: a slot is never given twice in one call, where keep keeps the later expert's
         bytes). The caller orders the copy after every read of the slot's last copy (a group that may still read an
-        evicted copy) and before any read of the new one."""
+        evicted copy) and before any read of the new one. mine: the slots the same group took in earlier calls (engine.
+        disk_copy_early: a miss layer's experts taken as they land, one group after the last), never given again
+        either: calls over parts of a batch give what one call over it gives."""
         layer = int(layer)
         where, lru, out = self.where[layer], self.lru, []
         for e in experts:
@@ -344,7 +346,7 @@ class FlexCache:
             if self._can_fill():
                 s = self.free.pop(0)
                 self._set(s, (layer, e))
-            elif not lru or next(iter(lru)) in out:
+            elif not lru or next(iter(lru)) in out or next(iter(lru)) in mine:
                 out.append(None)            # nothing free and the LRU slot is this call's: through the bank
                 continue
             else:

@@ -187,6 +187,19 @@ class RoutingSync:
         return self.host[:E].copy(), None if guess is None else Marks.from_ids(view, E)
 
 
+class Sent:
+    """A decode miss layer's disk experts whose copies were issued before their group (engine.disk_copy_early,
+    MoEStep._copy_ahead): the flex-taken ones' ids, pool offsets, flex slots, their views and staging slots (their
+    copies on the compute stream, done at the group's own copies' mark); the banked ones' ids, pool offsets and
+    staging slots (their copies in the group's bank, before its ready event: the bank is `opened`'s, grown)."""
+
+    __slots__ = ("f_es", "f_offs", "taken", "f_views", "f_slots", "b_es", "b_offs", "b_slots")
+
+    def __init__(self):
+        self.f_es, self.f_offs, self.taken, self.f_views, self.f_slots = [], [], [], [], []
+        self.b_es, self.b_offs, self.b_slots = [], [], []
+
+
 class MoEStep:
     """The expert step of one attachment (its slot pool, kernels and pass counts; a re-attach makes a new one)."""
 
@@ -263,6 +276,9 @@ class MoEStep:
             self.gate = DecodeGate(self.n_layer, fc.n_expert, guesses, dev)
         # engine.disk_flush_early: a decode miss layer's disk batch flushed once the next expert is late (_disk_groups)
         self.flush_early = cfg.disk_flush_early
+        # engine.disk_copy_early: a decode miss layer's landed disk experts copied once the next is late, one group
+        # after the last (_disk_groups); the early flush copies (and groups) them anyway where both are on
+        self.copy_early = cfg.disk_copy_early and not cfg.disk_flush_early
         # the staging slots a layer's disk experts may hold at once (_disk_groups; its first group holds min(this, the
         # layer's disk experts) of them): the attachment's ring banks and staging slots, fixed for this step's life
         # (a re-attach makes a new one), so made once, not at each miss layer
@@ -1135,8 +1151,77 @@ class MoEStep:
         cache.bank_copy(bank, at, srcs, timing, table=dev, offs=offs)
         return bank, offs, Group(np.asarray(es, dtype=np.int64) if self._walks else None, host, dev)
 
+    def _take_direct(self, l, es: list[int], srcs, slots: list[int], sent: Sent | None) -> tuple:
+        """FlexCache.take over a batch (part) of disk experts, never a slot `sent`'s earlier calls took -> one pass over
+        them (a decode layer's few): the flex-taken ones' indices, ids, pool offsets, slot views, sources, staging
+        slots; the others' indices (through the bank): (fi, bi, f_es, f_offs, views, fsrcs, f_slots)."""
+        flex = self.flex
+        took = flex.take(l, es, sent.taken if sent is not None else ())
+        pool = self.cache.pool_addr
+        fi, bi, f_es, f_offs, views, fsrcs, f_slots = [], [], [], [], [], [], []
+        for i, s in enumerate(took):
+            if s is None:
+                bi.append(i)
+                continue
+            fi.append(i)
+            f_es.append(es[i])
+            f_offs.append(flex.addresses[s] - pool)
+            views.append(flex.views[s])     # its flex slot's view
+            fsrcs.append(srcs[i])
+            f_slots.append(slots[i])
+            if sent is not None:
+                sent.taken.append(s)
+        return fi, bi, f_es, f_offs, views, fsrcs, f_slots
+
+    def _flex_copy(self, dsts, srcs, n: int, timing):
+        """Staging slots (and a table row, an at-hand upload) copied into flex slots on the compute stream, in one
+        _foreach_copy_ (n of them a slot: h2d bytes), its time in `timing` (PassClock.copy_timing: CUDA events)."""
+        cache = self.cache
+        t = time.perf_counter()
+        ev0 = None
+        if cache.is_cuda and timing is not None:       # the copy timing (PassClock.copy_timing) on this stream
+            ev0 = torch.cuda.Event(enable_timing=True)
+            ev0.record(current_stream(cache.device.index))
+        torch._foreach_copy_(dsts, srcs, non_blocking=cache.is_cuda)     # the current (compute) stream
+        if ev0 is not None:
+            ev1 = torch.cuda.Event(enable_timing=True)
+            ev1.record(current_stream(cache.device.index))
+            timing.append((ev0, ev1))
+        elif timing is not None:
+            timing.append((time.perf_counter() - t) * 1e3)
+        cache.h2d_bytes += n * cache.slot_bytes
+
+    def _copy_ahead(self, l, es: list[int], srcs, slots: list[int], timing, opened, sent: Sent, direct: bool):
+        """engine.disk_copy_early: landed disk experts `es` (staged in `srcs`, staging slots `slots`) copied now, the
+        next one not landed yet: where their group will read them (direct: a flex slot taken now, its copy on the
+        compute stream as _direct_group's; else, and where the flex cache takes none, the next slots of the group's
+        bank, `opened`'s or one taken now, on the copy stream with no wait: bank_copy(wait=False)), so the copies
+        run while the disk reads the rest. Nothing is computed: the group after the layer's last (flush) computes
+        them with the rest, from the same slots as one call over the batch (_direct_group / _bank_group with `sent`).
+        The staging slots stay held until that group's copies are queued (their events cover these: stream order, the
+        bank's ready event re-recorded after its last part). -> opened: (bank, experts, pool offsets) grown by the
+        banked ones, or as it was."""
+        cache = self.cache
+        if direct:
+            fi, bi, f_es, f_offs, views, fsrcs, f_slots = self._take_direct(l, es, srcs, slots, sent)
+            if fi:
+                self._flex_copy(views, fsrcs, len(fi), timing)
+                sent.f_es += f_es
+                sent.f_offs += f_offs
+                sent.f_views += views
+                sent.f_slots += f_slots
+            if not bi:
+                return opened
+            es, srcs, slots = [es[i] for i in bi], [srcs[i] for i in bi], [slots[i] for i in bi]
+        bank, pre, pre_offs = opened if opened is not None else (cache.bank_next(), [], [])
+        offs = cache.bank_copy(bank, len(pre), srcs, timing, wait=False)
+        sent.b_es += es
+        sent.b_offs += offs
+        sent.b_slots += slots
+        return bank, pre + es, pre_offs + offs
+
     def _direct_group(self, l, r, es: list[int], srcs, slots: list[int], timing, opened, ls: LayerStats,
-                      snap) -> list:
+                      snap, sent: Sent | None = None) -> list:
         """A decode miss layer's batch of disk experts `es` (staged in `srcs`, staging slots `slots`) with the flex
         cache on: each one the cache takes (FlexCache.take) copied from its staging slot straight into its flex slot,
         the others into a ring bank (the next, or `opened`'s after its host experts: _bank_group's), and ONE group
@@ -1153,23 +1238,16 @@ class MoEStep:
         hand_misses' refresh re-uploads where a later batch of the layer evicts again). The price: such a copy does
         not overlap the compute queued before it (a decode layer's at-hand group, long done by the time a disk read
         lands) nor an earlier batch's group of the layer.
+        sent (engine.disk_copy_early): the batch's experts copied before (_copy_ahead: flex slots taken, copies issued,
+        banked ones in `opened`); `es` the rest. The group, its table and the slots it names are those of one call
+        over the whole batch (take's calls over its parts give the same slots; the bank's in landing order).
         -> [(CUDA event after their copies, staging slots)]: what _release waits for before the slots go back."""
         cache, flex = self.cache, self.flex
-        took = flex.take(l, es)
-        pool = cache.pool_addr
-        # one pass over the batch (a decode layer's few disk experts): the flex-taken ones' ids, pool offsets, copies
-        # and staging slots; the others' indices (through the bank)
-        fi, bi, f_es, f_offs, dsts, fsrcs, f_slots = [], [], [], [], [], [], []
-        for i, s in enumerate(took):
-            if s is None:
-                bi.append(i)
-                continue
-            fi.append(i)
-            f_es.append(es[i])
-            f_offs.append(flex.addresses[s] - pool)
-            dsts.append(flex.views[s])      # its flex slot's view (its first len(fi) entries: g_srcs below)
-            fsrcs.append(srcs[i])
-            f_slots.append(slots[i])
+        fi, bi, f_es, f_offs, views, fsrcs, f_slots = self._take_direct(l, es, srcs, slots, sent)
+        dsts = list(views)                  # the copies of this call: these flex slots (+ the table, an at-hand upload)
+        if sent is not None and sent.f_es:  # the group computes the earlier copies too; their slots go back with these
+            f_es, f_offs, views, f_slots = (sent.f_es + f_es, sent.f_offs + f_offs, sent.f_views + views,
+                                            sent.f_slots + f_slots)
         bank = None
         pre, pre_offs, b_offs, b_es = [], [], [], []
         if bi or opened is not None:
@@ -1183,7 +1261,7 @@ class MoEStep:
         ids = pre + b_es + f_es
         host, dev = cache.table(ids, pre_offs + b_offs + f_offs, copy=False)
         held = []
-        if fi:
+        if f_es:
             if not bi:      # the table with them: no bank copy of slots carries it (no bank, or `opened`'s alone)
                 dsts.append(dev)
                 fsrcs.append(cache.table_source(dev))
@@ -1197,20 +1275,9 @@ class MoEStep:
                     hand = None
             else:
                 hand = None
-            t = time.perf_counter()
-            ev0 = None
-            if cache.is_cuda and timing is not None:       # the copy timing (PassClock.copy_timing) on this stream
-                ev0 = torch.cuda.Event(enable_timing=True)
-                ev0.record(current_stream(cache.device.index))
-            torch._foreach_copy_(dsts, fsrcs, non_blocking=cache.is_cuda)     # the current (compute) stream
-            if ev0 is not None:
-                ev1 = torch.cuda.Event(enable_timing=True)
-                ev1.record(current_stream(cache.device.index))
-                timing.append((ev0, ev1))
-            elif timing is not None:
-                timing.append((time.perf_counter() - t) * 1e3)
-            cache.h2d_bytes += len(fi) * cache.slot_bytes
-            ev = cache.mark()
+            if dsts:        # none: every flex copy issued before, the table with the bank's copies
+                self._flex_copy(dsts, fsrcs, len(fi), timing)
+            ev = cache.mark()   # after the earlier copies too (stream order): their slots' point
             held.append((ev, f_slots))
             if hand is not None:
                 hand.uploaded(ev)
@@ -1218,18 +1285,24 @@ class MoEStep:
             # the bank's copies (and the table) on the copy stream; the compute stream waits for them
             cache.bank_copy(bank, at, [srcs[i] for i in bi], timing, table=dev, offs=b_offs)
             held.append((cache.bank_ready_event(bank), [slots[i] for i in bi]))
+        elif bank is not None and not f_es:
+            # every expert of the group copied into `opened`'s bank before (host experts, _copy_ahead's disk ones):
+            # the table alone on the copy stream, the compute stream waiting for the bank
+            cache.bank_copy(bank, len(pre), [], table=dev)
         elif bank is not None:
             # `opened` with every disk expert taken by the flex cache (a ds4-flash miss layer's usual case: its host
             # experts banked): the compute stream waits for the host experts' copies, queued into the bank before,
             # and no copy-stream pass for the table alone (its stream switch, copy, record and wait: ~8 torch calls
             # a miss layer on CUDA, issue 21, cpu-host65)
             cache.bank_wait(bank)
+        if sent is not None and sent.b_slots:     # the earlier banked ones: copied into this bank, before its event
+            held.append((cache.bank_ready_event(bank), sent.b_slots))
         g_srcs = None
-        if self._walks and fi:                    # the torch kernels read each expert's source: pool or flex chunk
+        if self._walks and f_es:                  # the torch kernels read each expert's source: pool or flex chunk
             g_srcs = [None] * len(host)
             for e, o in zip(pre + b_es, pre_offs + b_offs):
                 g_srcs[e] = (cache.pool, o)
-            for e, v in zip(f_es, dsts):  # the flex slot's own view (the bytes FlexCache.sources names)
+            for e, v in zip(f_es, views):  # the flex slot's own view (the bytes FlexCache.sources names)
                 g_srcs[e] = (v, 0)
         self._apply(r, l, Group(np.asarray(ids, dtype=np.int64) if self._walks else None, host, dev, g_srcs), ls)
         if bank is not None:
@@ -1248,12 +1321,17 @@ class MoEStep:
         disk_flush_early): a batch is also copied and grouped once the next disk expert has not landed yet
         (loads.ready() False), so its copies and group run while the disk reads the rest; experts landed together
         still share a batch. No bit changes (module doc: each row by the same kernel whatever its group; ranks
-        reduced in order); each early flush is one group more (PassStats.disk_flushes). -> the loads answered from a
-        read ahead."""
+        reduced in order); each early flush is one group more (PassStats.disk_flushes). Early copy (decode, engine.
+        disk_copy_early): the landed experts' copies alone are issued then (_copy_ahead: their slots taken, their
+        copies queued), and the batch is still ONE group once it is flushed as it would be (the same table, slots and
+        kernels: no group, launch or bit more); the batch's first `len(sent)` experts are those copied. -> the loads
+        answered from a read ahead."""
         cache = self.cache
         ahead_used = 0
         B = cache.bank_size
         early = self.flush_early and stats.kind == "decode"
+        copy_early = self.copy_early and stats.kind == "decode"
+        sent, n_sent = Sent(), 0                             # the batch's experts copied before its group
         limit = self.disk_limit                              # staging slots this layer may hold at once
         held: list[tuple[object, list[int]]] = []            # (CUDA event, staging slots) whose copies may be in flight
         batch = []
@@ -1261,18 +1339,23 @@ class MoEStep:
 
         marks = self.clock.marks                            # PassStats.gpu_marks: the batch's copy and group
 
+        def staged(part):
+            es, srcs, slots = [], [], []               # one pass over the batch (a decode layer's few experts)
+            views = cache.staging_views                # staging_slot's views, indexed (no call an expert)
+            for x in part:
+                es.append(x.expert)
+                srcs.append(views[x.staging_slot])
+                slots.append(x.staging_slot)
+            return es, srcs, slots
+
         def flush():
-            nonlocal batch, opened
+            nonlocal batch, opened, sent, n_sent
             if batch:
-                es, srcs, slots = [], [], []           # one pass over the batch (a decode layer's few experts)
-                views = cache.staging_views            # staging_slot's views, indexed (no call an expert)
-                for x in batch:
-                    es.append(x.expert)
-                    srcs.append(views[x.staging_slot])
-                    slots.append(x.staging_slot)
+                es, srcs, slots = staged(batch[n_sent:] if n_sent else batch)    # those not copied yet (may be none)
                 t0 = time.monotonic() if marks else 0.0
                 if direct:
-                    held.extend(self._direct_group(l, r, es, srcs, slots, timing, opened, ls, snap))
+                    held.extend(self._direct_group(l, r, es, srcs, slots, timing, opened, ls, snap,
+                                                   sent if n_sent else None))
                     if marks:
                         self.clock.mark_copy(l, timing, t0)
                         self.clock.mark("group", l)
@@ -1284,12 +1367,16 @@ class MoEStep:
                     self._apply(r, l, g, ls)
                     if marks:
                         self.clock.mark("group", l)
+                    if n_sent:                     # the earlier copied ones: in this bank before these
+                        es, offs, slots = sent.b_es + es, sent.b_offs + offs, sent.b_slots + slots
                     if self.flex is not None:      # copies for the flex cache, before the bank may be rewritten
                         self.flex.keep(l, es, cache.pool, offs, cache.ring_views(offs))
                     cache.bank_done(bank)
                     held.append((cache.bank_ready_event(bank), slots))
                 opened = None
                 batch = []
+                if n_sent:
+                    sent, n_sent = Sent(), 0
 
         clock, it = self.clock, loads.it if n_disk else None
         for i in range(n_disk):
@@ -1311,6 +1398,13 @@ class MoEStep:
             elif early and i + 1 < n_disk and not loads.ready():     # the next one is still on its way: these now
                 flush()
                 stats.disk_flushes += 1
+            elif copy_early and i + 1 < n_disk and not loads.ready():    # their copies now, their group later
+                t0 = time.monotonic() if marks else 0.0
+                opened = self._copy_ahead(l, *staged(batch[n_sent:]), timing, opened, sent, direct)
+                n_sent = len(batch)
+                stats.disk_copies_early += 1
+                if marks:
+                    self.clock.mark_copy(l, timing, t0)
         if n_disk:
             stats.landed.append((ta, l))
         flush()

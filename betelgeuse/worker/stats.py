@@ -93,6 +93,9 @@ class PassStats:
     # decode's disk batches copied and grouped because the next disk expert had not landed yet (engine.disk_flush_early,
     # MoEStep._disk_groups): each one a group more than batching to the layer's last would have run
     disk_flushes: int = 0
+    # decode's landed disk experts' copies issued before the layer's last landed (engine.disk_copy_early, MoEStep.
+    # _copy_ahead): each one a _foreach_copy_ (or bank copy) more, no group more
+    disk_copies_early: int = 0
     vram_filled: int = 0        # experts copied into VRAM hot slots at the start of the pass
     fill_disk: int = 0          # of those, read from disk (no host backing copy): fills, not uses (reads counts uses)
     open_s: float = 0.0         # opening the store pass: BeginPass (it waits for a pending consolidation) + VRAM fills

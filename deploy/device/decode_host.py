@@ -11,7 +11,7 @@ rest, and the blocked wait for the store's expert bytes. Run it in two checkouts
                                          [--form default|solo|lanes] [--gate] [--profile out.prof] [--split]
                                          [--flex auto|on|off] [--host-in-place auto|always|never]
                                          [--flex-slots N] [--threads] [--sync-debug] [--group-graphs]
-                                         [--calls] [--marks] [--session-reader thread|caller]
+                                         [--calls] [--marks] [--session-reader thread|caller] [--copy-early]
 
 --preset ds4-wide: ds4-tiny's dims at ds4-flash's expert shape (8 layers x 256 experts, top-6; with --vram 49 --host 77
 as its bench's auto plan): the store's work per consolidation (plan, vacate, commit: per move) at that scale.
@@ -32,6 +32,10 @@ moe.kern.apply the launches alone. On the CPU it changes nothing.
 grouped as soon as the next one has not landed; disk_flushes / mean_disk_flushes count those flushes per step (each
 one a group more: miss_layer_groups). With the store's test-only read jitter (BETELGEUSE_TEST_READ_JITTER=SEED:MS in
 the environment: the store child inherits it) the reads land apart, as a slow disk's do (docs/benchmarks/cpu-flush57).
+--copy-early: engine.disk_copy_early (worker/moe_step.py _copy_ahead): a miss layer's landed disk experts' copies
+issued as soon as the next one has not landed, still ONE group after the last; disk_copies_early /
+mean_disk_copies_early count those early copy calls per step (no group more: miss_layer_groups as off; docs/
+benchmarks/cpu-copy65, with the read jitter as --flush-early's).
 logits_sha256: every decode step's logits, hashed (first 16 hex digits): two runs of one checkout and device that
 decode the same bits print the same (an A/B of a bit-neutral setting, e.g. --group-graphs, must).
 --profile: cProfile of the timed decode steps only (not the setup), written to the path (pstats format).
@@ -393,6 +397,8 @@ def run(a, tmp: Path) -> dict:
         extra["decode_fold"] = True
     if a.flush_early:               # a miss layer's disk batch copied + grouped once the next expert is late
         extra["disk_flush_early"] = True
+    if a.copy_early:                # a miss layer's landed disk experts copied once the next is late, one group after
+        extra["disk_copy_early"] = True
     if a.flex != "auto":            # off: no flex copies of disk experts (on CUDA auto holds them: no miss remains)
         extra["flex_cache"] = a.flex == "on"
     if a.host_in_place != "auto":   # never: host experts banked, as ds4-flash's MXFP4 ones are under auto
@@ -519,6 +525,8 @@ def run(a, tmp: Path) -> dict:
                 row["uploads"] = hand.uploads - u0
             if hasattr(st, "disk_flushes"):     # engine.disk_flush_early's early flushes (a group more each)
                 row["disk_flushes"] = st.disk_flushes
+            if hasattr(st, "disk_copies_early"):    # engine.disk_copy_early's copies ahead (no group more)
+                row["disk_copies_early"] = st.disk_copies_early
             if hasattr(st, "store_rpc"):
                 row.update(store_messages_ms=st.store_s * 1e3, moe_host_ms=st.moe_host_s * 1e3,
                            other_host_ms=st.other_host_s * 1e3, store_wait_ms=st.store_wait_s * 1e3)
@@ -542,6 +550,8 @@ def run(a, tmp: Path) -> dict:
                    miss_layer_groups=round(statistics.mean(groups_n), 3) if groups_n else None)
         if "disk_flushes" in rows[0]:
             out["mean_disk_flushes"] = round(sum(r["disk_flushes"] for r in rows) / n, 2)
+        if "disk_copies_early" in rows[0]:
+            out["mean_disk_copies_early"] = round(sum(r["disk_copies_early"] for r in rows) / n, 2)
         if "uploads" in rows[0]:
             out["mean_uploads"] = round(sum(r["uploads"] for r in rows) / n, 2)
         if TL is not None:
@@ -593,6 +603,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--flush-early", action="store_true",
                    help="engine.disk_flush_early: a miss layer's landed disk experts copied and grouped once the next "
                    "one is late (flush57)")
+    p.add_argument("--copy-early", action="store_true",
+                   help="engine.disk_copy_early: a miss layer's landed disk experts copied once the next one is late, "
+                   "one group after the last (copy65)")
     p.add_argument("--profile", help="cProfile of the timed decode steps to this path")
     p.add_argument("--flex", default="auto", choices=["auto", "on", "off"],
                    help="the flex cache (auto: on CUDA); off keeps a decode's disk experts misses on CUDA")

@@ -196,6 +196,7 @@ BAD_ENGINE_VALUES = [
     ("engine.decode_gemv", "sometimes", "true or false"),
     ("engine.stream_points", "often", "true or false"),
     ("engine.disk_flush_early", "soon", "true or false"),
+    ("engine.disk_copy_early", "early", "true or false"),
     ("engine.warm_up", "maybe", "on, off"),
     ("engine.prefetch_depth", 0, "integer >= 1"),
     ("engine.prefetch_depth", "deep", '>= 1 or "auto"'),

@@ -389,17 +389,17 @@ def test_flex_evictions_refresh_the_table_without_blocking_the_host(model, ds4, 
     copy_ = torch.Tensor.copy_
     take = FlexCache.take
 
-    def counted_take(self, layer, experts):
-        out = take(self, layer, experts)
+    def counted_take(self, layer, experts, *mine):
+        out = take(self, layer, experts, *mine)
         took["flex"] += sum(s is not None for s in out)
         took["bank"] += sum(s is None for s in out)
         return out
     monkeypatch.setattr(FlexCache, "take", counted_take)
     direct = MoEStep._direct_group
 
-    def counted_direct(self, l, r, es, srcs, slots, timing, opened, ls, snap):
+    def counted_direct(self, l, r, es, srcs, slots, timing, opened, ls, snap, *sent):
         took["opened"] += opened is not None
-        return direct(self, l, r, es, srcs, slots, timing, opened, ls, snap)
+        return direct(self, l, r, es, srcs, slots, timing, opened, ls, snap, *sent)
     monkeypatch.setattr(MoEStep, "_direct_group", counted_direct)
 
     def recorded(self, src, non_blocking=False):
@@ -454,11 +454,11 @@ def test_a_banked_layers_flex_taken_disk_experts_send_the_table_with_their_copie
         seen["wait"] += inside[0]
         return wait(self, b)
 
-    def counted_direct(self, l, r, es, srcs, slots, timing, opened, ls, snap):
+    def counted_direct(self, l, r, es, srcs, slots, timing, opened, ls, snap, *sent):
         seen["opened"] += opened is not None
         inside[0] = opened is not None
         try:
-            return direct(self, l, r, es, srcs, slots, timing, opened, ls, snap)
+            return direct(self, l, r, es, srcs, slots, timing, opened, ls, snap, *sent)
         finally:
             inside[0] = False
 
