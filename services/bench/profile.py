@@ -81,8 +81,10 @@ class DecodeCProfile:
     """cProfile of the bench's timed decode tokens where the environment names a file (BENCH_DECODE_CPROFILE=path;
     off otherwise: a no-op). Python's profiler adds ~1 µs to every call, so a run with it on measures where the host
     time of a decode token goes (the functions' own and cumulative seconds, the largest first), not its speed: its
-    TG and host µs are not the bench's figures. The file: pstats' tables by own time and by cumulative time, each
-    headed by the tokens profiled, so that per-token figures are the table's seconds / tokens."""
+    TG and host µs are not the bench's figures. Which threads it sees is Python's: the calling (main) thread alone up
+    to 3.11, every thread from 3.12 (sys.monitoring), so there the waits of the session reader thread and the bench's
+    monitor thread are in the tables too. The file: pstats' tables by own time and by cumulative time, each headed by
+    the tokens profiled, so that per-token figures are the table's seconds / tokens."""
 
     ENV = "BENCH_DECODE_CPROFILE"
     TOP = 60

@@ -296,7 +296,6 @@ class _SeqStream(_Boxes):
     fails every request still waiting with the error it ended with, as _Stream's call's end does."""
 
     READERS = ("thread", "caller")
-    caller = False          # store.session_reader "caller" (class doc); set per stream
 
     def __init__(self, path: str, timeout: float, reader: str = "thread"):
         assert reader in self.READERS, reader
@@ -323,7 +322,7 @@ class _SeqStream(_Boxes):
         # for (a release's, a prefetch's, a landed expert read from its box before any wait) costs the reader no
         # notify_all (two Python calls and the waiters' walk an answer: issue 21, cpu-host62)
         self._waiting = 0
-        self.caller = reader == "caller"
+        self.caller = reader == "caller"                # store.session_reader (class doc)
         if self.caller:
             self._reader = session_seq.Reader(sock, pb.SessionEvent.FromString)
             self._reading = False                       # a caller reads the socket now (class doc)
