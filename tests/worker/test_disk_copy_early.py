@@ -160,8 +160,11 @@ def test_copies_ahead_keep_the_bits_and_the_groups(models, arch, static, flex):
     for calls in (c_off, c_ready, c_late):
         _one_group(calls, c_off)
     assert _messages(s_late) == _messages(s_off)
+    # the flex path ran (its hits); not equal hit counts across the runs: the setting off alone reads 37 or 38 on
+    # qwen3moe-partial-flex run to run under load (which experts reach the cache follows the read-ahead's timing). That
+    # the parts' takes give the whole batch's slots is test_take_over_parts_is_one_take's (exact)
     hits = sum(s.flex_hits for s in s_late)
-    assert hits == sum(s.flex_hits for s in s_off) and (hits > 0 or flex != "flex"), hits
+    assert hits > 0 or flex != "flex", hits
 
 
 @pytest.mark.parametrize("flex", list(FLEX))
