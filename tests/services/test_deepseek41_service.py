@@ -57,8 +57,12 @@ def test_generate_over_grpc_matches_reference_and_counts_engram(model, cluster, 
     w1 = h.scrape(cluster.worker_metrics_url)
     assert h.delta(w0, w1, "betelgeuse_engram_rows_total", phase="prefill") == len(ids) * 8
     assert h.delta(w0, w1, "betelgeuse_engram_rows_total", phase="decode") == 7 * 8
+    # the store's sampler (every 0.5 s) reads its reader's bytes and its served rows at two moments: a read that lands
+    # between them shows its bytes one sample before its rows, so wait for both (CI at d2a13a9 saw bytes, rows 0)
     s1 = h.wait_metric(cluster.store_metrics_url,
-                       lambda s: h.delta(s0, s, "betelgeuse_disk_read_bytes_total", reason="engram") > 0)
+                       lambda s: h.delta(s0, s, "betelgeuse_disk_read_bytes_total", reason="engram") > 0
+                       and h.delta(s0, s, "betelgeuse_engram_store_rows_total", source="disk") > 0)
+    assert h.delta(s0, s1, "betelgeuse_disk_read_bytes_total", reason="engram") > 0
     assert h.delta(s0, s1, "betelgeuse_engram_store_rows_total", source="disk") > 0
 
 
