@@ -514,6 +514,7 @@ def cmd_serve(args) -> int:
     import threading
 
     from services.launcher import describe_exit
+    from services.signals import stop_on_signals
     model = args.model or default_model()
     tmp = None if args.runtime_dir else tempfile.mkdtemp(prefix="betelgeuse-")
     try:
@@ -524,13 +525,8 @@ def cmd_serve(args) -> int:
         raise
     wm, sm = cluster.worker_metrics, cluster.store_metrics
     stop = threading.Event()
-    got: list[int] = []
-
-    def _on_signal(signum, _frame):              # no exception: the shutdown below must not be interrupted
-        got.append(signum)
-        stop.set()
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
+    # no exception, and no lock taken in a handler: the shutdown below must not be interrupted (services/signals.py)
+    got = stop_on_signals(stop)
 
     def say(msg: str):
         try:
@@ -570,17 +566,19 @@ def cmd_serve(args) -> int:
             cluster.supervise(stop, say=say)
         clean = True
     finally:
-        if got:
-            say(f"betelgeuse: {signal.Signals(got[0]).name}: stopping the worker (draining), then the store")
-        cluster.stop()
-        if tmp is not None and clean:
-            shutil.rmtree(tmp, ignore_errors=True)
-        elif not clean:
-            say(f"{PROG}: logs kept in {cluster.runtime_dir} (store.log, worker.log)")
-        # done: a signal from here on is ignored. The interpreter's finalization puts SIG_DFL back for Python-level
-        # handlers (not for SIG_IGN), so a second SIGTERM landing then turned a clean exit 0 into death by SIGTERM
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            if got:
+                say(f"betelgeuse: {signal.Signals(got[0]).name}: stopping the worker (draining), then the store")
+            cluster.stop()
+            if tmp is not None and clean:
+                shutil.rmtree(tmp, ignore_errors=True)
+            elif not clean:
+                say(f"{PROG}: logs kept in {cluster.runtime_dir} (store.log, worker.log)")
+        finally:
+            # done (or failed): a signal from here on is ignored. The interpreter's finalization puts SIG_DFL back for
+            # Python-level handlers (not for SIG_IGN), so a SIGTERM landing then turned an exit into death by SIGTERM
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
     return 130 if got and got[0] == signal.SIGINT else 0
 
 

@@ -48,6 +48,7 @@ from services.common import common_args, listen_metrics, run_main, settings_from
 from services.grpc import session_seq
 from services.pb.betelgeuse.v1 import store_pb2 as pb
 from services.pb.betelgeuse.v1 import store_pb2_grpc as pb_grpc
+from services.signals import stop_on_signals
 
 log = logging.getLogger("betelgeuse.store")
 
@@ -651,8 +652,7 @@ def main(argv=None) -> int:
     event(log, "ready", role="store", version=__version__, control=settings.store.socket, fds=settings.store.fd_socket,
           io=store.reader.mode, metrics=metrics_addr or None)
 
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop_on_signals(stop)                         # set by a thread, not in a handler (services/signals.py)
     threading.Thread(target=watch_model, args=(store, health_servicer, m, stop), name="model-watch",
                      daemon=True).start()
     interval = sdnotify.watchdog_interval()

@@ -28,6 +28,7 @@ from services.auth import load_api_keys
 from services.common import common_args, listen_metrics, run_main, settings_from_args
 from services.grpc.server import build_server, server_credentials, set_health
 from services.grpc.store_client import GrpcStoreClient
+from services.signals import stop_on_signals
 
 log = logging.getLogger("betelgeuse.worker")
 
@@ -145,8 +146,7 @@ def main(argv=None) -> int:
                           tls={"cert": ws.tls_cert, "key": ws.tls_key, "client_ca": ws.tls_client_ca} if tls else None)
         http.start()
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop_on_signals(stop)                         # set by a thread, not in a handler (services/signals.py)
     threading.Thread(target=store_probe, args=(engine, client, stop), name="store-probe", daemon=True).start()
     ready_sent = False
     event(log, "ready", role="worker", version=__version__, listen=",".join(listen), metrics=metrics_addr or None,

@@ -172,7 +172,9 @@ def test_serve_host_keeps_logs_when_a_child_dies(tiny_model):
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     p = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", str(tiny_model), "--host", "127.0.0.1",
-                          "--port", str(port), "--worker-metrics", "127.0.0.1:0", "--store-metrics", "127.0.0.1:0"],
+                          "--port", str(port), "--worker-metrics", "127.0.0.1:0", "--store-metrics", "127.0.0.1:0",
+                          # HTTP on a port of its own: the default 127.0.0.1:8000 is one port for every test process
+                          "--http", f"127.0.0.1:{free_port()}"],
                          env=env, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         lines = []
