@@ -192,3 +192,18 @@ def test_bench_monitor_env_runs_the_old_thread_or_says_what_it_takes(cgroup, mon
     monkeypatch.setenv("BENCH_MONITOR", "pol")
     with pytest.raises(BetelgeuseError, match="BENCH_MONITOR='pol': 'poll'"):
         Monitor(cgroup, torch.device("cpu"), 0)
+
+
+def test_nvml_sampler_start_without_nvml_gives_the_reason(cgroup):
+    """The monitor's start of its NVML child (a real child; its preexec writes it into the bench cgroup's parent, which
+    would fail as "cannot start the NVML sampler") where there is no NVML: None and the child's own reason, so a CUDA
+    bench falls back to the polling thread and says why."""
+    import ctypes
+    try:
+        ctypes.CDLL("libnvidia-ml.so.1")
+        pytest.skip("NVML is here: the device run checks the sampler (docs/benchmarks/cpu-gil66)")
+    except OSError:
+        pass
+    m = Monitor(cgroup, torch.device("cpu"), 0)
+    assert m._start_nvml(0.01) is None and m.vram_note.startswith('NVML sampler: {"error": "no NVML'), m.vram_note
+    m.close()
