@@ -530,10 +530,11 @@ class Harness:
         marks_were, rn.gpu_marks = rn.gpu_marks, self.o.gpu_marks   # on for the timed steps only (--gpu-marks)
         gg = getattr(rn.moe, "group_graphs", None)      # engine.group_graphs: its replays / captures / launches
         gg0 = gg.stats() if gg is not None else None
+        # every thread of both processes: its wakeups and CPU over the timed tokens (two reads of /proc, outside them
+        # and outside the decode's wall)
+        census = Census({"worker": "self", "store": self.store_pid}).start()
         t_start = time.perf_counter()
         cprof = DecodeCProfile().start()                 # BENCH_DECODE_CPROFILE=path: where the host time goes
-        # every thread of both processes: its wakeups and CPU over the timed tokens (two reads of /proc, outside them)
-        census = Census({"worker": "self", "store": self.store_pid}).start()
         try:
             for _ in range(self.o.decode):
                 if time.monotonic() > end:
@@ -563,12 +564,12 @@ class Harness:
                 if st.engram is not None:
                     engram = st.engram if engram is None else engram.add(st.engram)
         finally:
-            threads = census.stop(max(1, len(secs)))
             cprof.finish(len(secs))
             rn.gpu_marks = marks_were
         n = sum(reads.values())
         c = rn.mcfg
         wall = time.perf_counter() - t_start
+        threads = census.stop(max(1, len(secs)))
         st1 = rn.store.status(disk_gaps_since=windows[0][0]) if windows else rn.store.status()
         own = store_delta(st0, st1, rn.cfg.read_threads)
         bps, src = C.case_disk_rate([self.ceil.disk_bps], own["store_disk_bytes"], own["store_disk_busy_s"],
