@@ -364,7 +364,8 @@ class AgentSuite:
                 t = self.torch
                 r["vram"].update(peak_bytes=mon.vram_peak, torch_max_reserved=t.cuda.max_memory_reserved(),
                                  torch_max_allocated=t.cuda.max_memory_allocated(),
-                                 peak_by=mon.sources["vram"], nvml_samples=mon.vram_samples, note=mon.vram_note)
+                                 peak_by=mon.sources["vram"], nvml_samples=mon.vram_samples,
+                                 nvml_peak_bytes=mon.vram_nvml_peak, note=mon.vram_note)
             cg.close()
             r["summary"] = summarize(r)
             r["elapsed_s"] = time.monotonic() - o.t0

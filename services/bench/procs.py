@@ -105,6 +105,7 @@ class Monitor:
         self.mem_peak = 0
         self.vram_peak = 0
         self.vram_samples = 0
+        self.vram_nvml_peak = None          # the NVML child's own peak above vram_base (beside close()'s last sample)
         # poll_memory: None = only where the kernel keeps no peak; True: poll anyway (the old sampler, for a check)
         self.poll_memory = cg is not None and (cg.peak() is None if poll_memory is None else poll_memory)
         self._child: subprocess.Popen | None = None
@@ -184,7 +185,8 @@ class Monitor:
             try:
                 res = json.loads(out.strip().splitlines()[-1])
                 used = res["peak_used"][self._nvml_index()]
-                self.vram_peak = max(self.vram_peak, used - self.vram_base)
+                self.vram_nvml_peak = used - self.vram_base
+                self.vram_peak = max(self.vram_peak, self.vram_nvml_peak)
                 self.vram_samples = res["samples"]
             except (ValueError, KeyError, IndexError, TypeError):
                 self.vram_note = f"NVML sampler ended without its peak: {out.strip()[-200:] or 'no output'}"
