@@ -56,9 +56,9 @@ fills evict copies as ds4-flash's finite room does (a tiny model's experts all f
 uploads: the at-hand table's uploads per step (AtHand.refresh: at the step's start, and after a layer whose disk
 expert evicted a flex copy a later layer's table may name), median (mean_uploads: the mean); where the checkout counts
 them.
---threads: per thread of the worker other than the main one (grpc's and the store client's, by Python name), per
-timed step: its CPU us and its timeslices (wakeups), from /proc/self/task/<tid>/schedstat (Linux): the threads that
-compete with the main one for the GIL (issue 21: the session stream's); and per step the main thread's CPU us, its
+--threads: per thread of the worker other than the main one (grpc's and the store client's, by name), per timed
+step: its CPU us and its wakeups (voluntary + nonvoluntary context switches; services/bench/threads.py): the threads
+that compete with the main one for the GIL (issue 21: the session stream's); and per step the main thread's CPU us, its
 wait for a core (run queue) and main_off_us = its wall less those and the pass clock's waits: off the CPU with no wait
 counted, i.e. waiting for the GIL, mostly (on CUDA; on the CPU the clock's waits hold CPU work, the bank memcpys,
 so it reads low or negative there).
@@ -318,48 +318,39 @@ def _token_row(i: int, st, cpu_s: float) -> list:
 
 
 class _Threads:
-    """--threads: the worker's threads other than the main one, their CPU ns and timeslices (schedstat) summed over
-    the timed steps, by Python name (grpc's own threads have theirs too)."""
+    """--threads: the worker's threads other than the main one, their CPU and wakeups (voluntary + nonvoluntary
+    context switches) summed over the timed steps, by name (services/bench/threads.py's census: grpc's own threads
+    by their kernel names); and the main thread's CPU and run-queue wait over the last step (main_off)."""
 
     def __init__(self):
-        self.sum, self._at, self.main, self._main0 = {}, {}, None, None
+        from services.bench import threads as census
+        self.census, self.sum, self._at, self._t0, self._t1 = census, {}, {}, 0.0, 0.0
+        self.main_tid = threading.main_thread().native_id
+        self.last: dict = {}
 
-    def _read(self) -> dict:
-        out = {}
-        for t in threading.enumerate():
-            if t.native_id is None:
-                continue
-            try:
-                cpu, runq, slices = open(f"/proc/self/task/{t.native_id}/schedstat").read().split()
-            except OSError:             # ended meanwhile
-                continue
-            if t is threading.main_thread():
-                self.main = (int(cpu), int(runq), time.perf_counter())
-            else:
-                out[(t.name, t.native_id)] = (int(cpu), int(slices))
-        return out
+    def mark(self):
+        self._at, self._t0 = self.census.snapshot(), time.perf_counter()
+
+    def add(self):
+        now, self._t1 = self.census.snapshot(), time.perf_counter()
+        self.last, _ = self.census.delta(self._at, now)
+        for tid, c in self.last.items():
+            if tid != self.main_tid:
+                self.sum[tid] = c if tid not in self.sum else self.census.ThreadCount(
+                    c.name, *(getattr(self.sum[tid], f) + getattr(c, f)
+                              for f in ("cpu_ns", "runq_ns", "voluntary", "involuntary")))
 
     def main_off(self, blocked_s: float) -> dict:
         """The main thread over the last step (after add()): its CPU, its wait for a core (run queue) and the rest of
         its wall off the CPU outside the pass clock's waits (blocked_s): waits for the GIL, mostly, in us."""
-        (c0, q0, t0), (c1, q1, t1) = self._main0, self.main
-        cpu, runq = (c1 - c0) / 1e3, (q1 - q0) / 1e3
-        return dict(main_cpu_us=cpu, main_runq_us=runq, main_off_us=(t1 - t0) * 1e6 - cpu - runq - blocked_s * 1e6)
-
-    def mark(self):
-        self._at = self._read()
-        self._main0 = self.main
-
-    def add(self):
-        for k, (cpu, sl) in self._read().items():
-            c0, s0 = self._at.get(k, (0, 0))
-            name = k[0].split(" ", 1)[1] if k[0].startswith("Thread-") and " " in k[0] else k[0]   # its target
-            rec = self.sum.setdefault(f"{name}:{k[1]}", [0, 0])
-            rec[0] += cpu - c0
-            rec[1] += sl - s0
+        m = self.last[self.main_tid]
+        cpu, runq = m.cpu_ns / 1e3, m.runq_ns / 1e3
+        return dict(main_cpu_us=cpu, main_runq_us=runq, main_wakeups=m.voluntary + m.involuntary,
+                    main_off_us=(self._t1 - self._t0) * 1e6 - cpu - runq - blocked_s * 1e6)
 
     def per_step(self, n: int) -> dict:
-        return {k: {"cpu_us": round(c / n / 1e3, 1), "wakeups": round(s / n, 2)} for k, (c, s) in self.sum.items()}
+        return {k: {"cpu_us": v["cpu_us"], "wakeups": v["wakeups"]}
+                for k, v in self.census.by_name(self.sum, n).items()}
 
 
 class _sync_watch:

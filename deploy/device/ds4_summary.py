@@ -85,6 +85,12 @@ def targets(r: dict) -> list[str]:
     if "disk_flushes" in exd:  # engine.disk_flush_early (worker/moe_step.py _disk_groups): a group more each
         L.append(_row("  decode, exact: early disk flushes / token (engine.disk_flush_early; 0: off or none late)",
                       "–", f"{exd['disk_flushes'] / max(1, exd['tokens']):.2f}", None))
+    wt = ((exd.get("threads") or {}).get("worker") or {}).get("threads")
+    if wt is not None:       # the bench process's threads over the timed tokens (services/bench/threads.py): every
+        others = {k: v for k, v in wt.items() if v.get("python") and k != "MainThread"}   # other Python thread's
+        L.append(_row("  decode, exact: the worker's other Python threads' wakeups / token (each a turn of the GIL "
+                      "the decode waits out; docs/benchmarks/cpu-gil66)", "–",
+                      ", ".join(f"{k} {v['wakeups']:.2f}" for k, v in others.items()) or "none", None))
     wh = _pass(ex, "warm").get("host_us_per_application")
     if hu is not None and wh:  # the host's speed: the same run's warm prefill pass (no decode change touches it)
         L.append(_row("  decode host ÷ the warm prefill pass's host (µs per application): across machines", "–",
@@ -223,7 +229,10 @@ def summary(r: dict) -> str:
     verdict = "–" if peak is None else ("within" if peak <= budget else f"OVER by {(peak - budget) / MiB:,.0f} MiB")
     L += ["", f"- Peak VRAM {_f(None if peak is None else peak / MiB, '{:,.0f}')} MiB device-wide (torch allocated "
           f"{(v.get('torch_max_allocated') or 0) / MiB:,.0f} MiB, reserved {(v.get('torch_max_reserved') or 0) / MiB:,.0f} "
-          f"MiB) vs the budget {budget / MiB:,.0f} MiB: {verdict}"]
+          f"MiB) vs the budget {budget / MiB:,.0f} MiB: {verdict}"
+          # who sampled it (services/bench/procs.py Monitor): an NVML child process, or the old in-process thread
+          + (f"; sampled by {v['peak_by']}" + (f" ({v['nvml_samples']} samples)" if v.get("nvml_samples") else "")
+             + (f"; {v['note']}" if v.get("note") else "") if v.get("peak_by") else "")]
     disk = [s["bps"] / GB for s in r.get("ceilings", {}).get("disk", [])]
     if disk:
         L.append(f"- Disk (O_DIRECT) sampled during this run: {min(disk):.2f}-{max(disk):.2f} GB/s over {len(disk)} samples")

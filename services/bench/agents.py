@@ -320,7 +320,11 @@ class AgentSuite:
         cg = BenchCgroup(o.engine.memory_max, o.cgroup)
         r["memory"] = {"cgroup": cg.cg.path if cg.cg else None, "reason": cg.reason}
         vram_base = vram_used_before_cuda() if self.cuda else 0
-        mon = Monitor(cg.cg, self.torch.device(o.device), vram_base)
+        try:
+            mon = Monitor(cg.cg, self.torch.device(o.device), vram_base)
+        except BaseException:               # a bad BENCH_MONITOR: said, and our cgroup removed
+            cg.close()
+            raise
         r["vram"] = {"baseline_bytes": vram_base, "budget": o.engine.vram_budget}
         plan = [("agent loop, prefix cache off", lambda c: self._agent(c, 0)),
                 ("agent loop, prefix cache on", lambda c: self._agent(c, o.engine.prefix_cache_bytes))]
@@ -355,11 +359,13 @@ class AgentSuite:
                 self.save(False)
         finally:
             mon.close()
-            r["memory"].update(cg.summary(mon.mem_peak))
+            r["memory"].update(cg.summary(mon.mem_peak), peak_by=mon.sources["memory"])
             if self.cuda:
                 t = self.torch
                 r["vram"].update(peak_bytes=mon.vram_peak, torch_max_reserved=t.cuda.max_memory_reserved(),
-                                 torch_max_allocated=t.cuda.max_memory_allocated())
+                                 torch_max_allocated=t.cuda.max_memory_allocated(),
+                                 peak_by=mon.sources["vram"], nvml_samples=mon.vram_samples,
+                                 nvml_peak_bytes=mon.vram_nvml_peak, note=mon.vram_note)
             cg.close()
             r["summary"] = summarize(r)
             r["elapsed_s"] = time.monotonic() - o.t0

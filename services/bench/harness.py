@@ -34,6 +34,7 @@ from services.bench.args import OutOfTime
 from services.bench.disk_idle import split_idle
 from services.bench.procs import BenchCgroup, Monitor, arena_mappings, cgroup_of, mkdir, vram_used_before_cuda
 from services.bench.profile import DecodeCProfile, profile_pass
+from services.bench.threads import Census
 
 
 # the suite's defaults (flags override them): one sequence at a time, no prefix cache: the plan (KV reserve for
@@ -133,6 +134,7 @@ class Harness:
         self.calib = 1.0            # actual / estimated seconds of the last layer-major pass
         self.exact_logits = {}      # (model, prompt ids) -> exact routing's logits [T, n_vocab] (divergence)
         self.states: list = []      # the case's sequence states not yet released (_state / _release)
+        self.store_pid = None       # the case's store child (the decode's thread census)
 
     # ---- time -------------------------------------------------------------------------------------
     def remaining(self) -> float:
@@ -165,7 +167,11 @@ class Harness:
         cg = BenchCgroup(o.engine.memory_max, o.cgroup)
         r["memory"] = {"cgroup": cg.cg.path if cg.cg else None, "reason": cg.reason}
         vram_base = vram_used_before_cuda() if self.cuda else 0
-        mon = Monitor(cg.cg, self.dev, vram_base)
+        try:
+            mon = Monitor(cg.cg, self.dev, vram_base)
+        except BaseException:               # a bad BENCH_MONITOR: said, and our cgroup removed
+            cg.close()
+            raise
         r["vram"] = {"baseline_bytes": vram_base, "budget": o.engine.vram_budget}
         try:
             self._ceilings_h2d()
@@ -192,10 +198,12 @@ class Harness:
             self._drop_runner()
             self._rebound()
             mon.close()
-            r["memory"].update(cg.summary(mon.mem_peak))
+            r["memory"].update(cg.summary(mon.mem_peak), peak_by=mon.sources["memory"])
             if self.cuda:
                 r["vram"].update(peak_bytes=mon.vram_peak, torch_max_reserved=torch.cuda.max_memory_reserved(self.dev),
-                                 torch_max_allocated=torch.cuda.max_memory_allocated(self.dev))
+                                 torch_max_allocated=torch.cuda.max_memory_allocated(self.dev),
+                                 peak_by=mon.sources["vram"], nvml_samples=mon.vram_samples,
+                                 nvml_peak_bytes=mon.vram_nvml_peak, note=mon.vram_note)
             cg.close()
             r["ceilings"] = self.ceil.to_json()
             r["elapsed_s"] = time.monotonic() - o.t0
@@ -305,6 +313,7 @@ class Harness:
             # store.session_transport (BETELGEUSE_STORE_SESSION_TRANSPORT): the loads' stream (issue 21's A/B)
             out["session_transport"] = store.client.session_transport
             out["cgroups"] = {"store": cgroup_of(store.proc.pid), "worker": cgroup_of("self")}
+            self.store_pid = store.proc.pid         # the decode's thread census (services/bench/threads.py)
             t = time.perf_counter()
             TL.watch_compiles()                     # Triton's compiles counted in each timed region (issue 21)
             mark = TL.compile_mark()
@@ -522,6 +531,9 @@ class Harness:
         marks_were, rn.gpu_marks = rn.gpu_marks, self.o.gpu_marks   # on for the timed steps only (--gpu-marks)
         gg = getattr(rn.moe, "group_graphs", None)      # engine.group_graphs: its replays / captures / launches
         gg0 = gg.stats() if gg is not None else None
+        # every thread of both processes: its wakeups and CPU over the timed tokens (two reads of /proc, outside them
+        # and outside the decode's wall)
+        census = Census({"worker": "self", "store": self.store_pid}).start()
         t_start = time.perf_counter()
         cprof = DecodeCProfile().start()                 # BENCH_DECODE_CPROFILE=path: where the host time goes
         try:
@@ -558,6 +570,7 @@ class Harness:
         n = sum(reads.values())
         c = rn.mcfg
         wall = time.perf_counter() - t_start
+        threads = census.stop(max(1, len(secs)))
         st1 = rn.store.status(disk_gaps_since=windows[0][0]) if windows else rn.store.status()
         own = store_delta(st0, st1, rn.cfg.read_threads)
         bps, src = C.case_disk_rate([self.ceil.disk_bps], own["store_disk_bytes"], own["store_disk_busy_s"],
@@ -595,6 +608,8 @@ class Harness:
                 # engine.disk_flush_early: disk batches copied and grouped because the next expert had not landed
                 # (each one a group more: PassStats.disk_flushes)
                 "disk_flushes": flushes,
+                # by process and thread name, per timed token: wakeups (context switches), CPU us (services/bench/threads.py)
+                "threads": threads,
                 "engram": engram.record(len(secs), sum(secs)) if engram is not None else None}
 
 

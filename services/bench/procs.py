@@ -1,5 +1,5 @@
-"""The benchmark's budgets: the cgroup both processes share, and a monitor thread that records peak cgroup
-memory and peak VRAM while passes run.
+"""The benchmark's budgets: the cgroup both processes share, and the monitor of peak cgroup memory and peak VRAM
+while passes run (the kernel's peak and an NVML child process; a thread where neither is there).
 
 The store is the real `python -m services.store_main`, a fresh child per case (empty slots: a cold start), started
 by services/assembly.py's open_store(cfg, mode="process"); the worker is the bench process itself, which moves
@@ -9,8 +9,10 @@ the parent: torch's import, not the arena, the KV cache or the dense weights, wh
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -72,22 +74,84 @@ class BenchCgroup:
 
 
 class Monitor:
-    """Polls cgroup memory.current and device-wide GPU memory in use (cudaMemGetInfo) every `period` s.
-    VRAM in use is counted above `vram_base` (what the GPU held before this process touched CUDA)."""
+    """Peak cgroup memory and peak VRAM while passes run, with no thread of this process waking for them where that can
+    be helped: the bench times the decode in this process, and every wakeup of another thread takes the decode's GIL
+    (issue 21; docs/benchmarks/cpu-gil66: the old poller was 20 wakeups a second, each a cudaMemGetInfo on CUDA).
 
-    def __init__(self, cg: CgroupMemory | None, device, vram_base: int, period: float = 0.05):
+      memory  the cgroup's own peak, kept by the kernel since the cgroup was made (v2 memory.peak, v1
+              memory.max_usage_in_bytes; BenchCgroup.summary reads it): it bounds every memory.current a poller could
+              read, so nothing polls; where the kernel keeps none (v2 before Linux 5.19) the thread polls
+              memory.current every `period` s, as before (mem_peak)
+      VRAM    device-wide GPU memory in use (total - free) above `vram_base` (what the GPU held before this process
+              touched CUDA): sampled every `vram_period` s by a child process through NVML (services/bench/vram_peak.py:
+              no CUDA context, started outside the bench cgroup, so it charges neither); where NVML is absent the
+              thread polls cudaMemGetInfo every `period` s, as before. One more in-process sample at close() either way.
+
+    `sources` says which ran: {"memory": "kernel" | "poll" | "kernel+poll" | None, "vram": "nvml" | "poll" | None}
+    (BenchCgroup.summary's peak is the larger of the kernel's and the polled one). BENCH_MONITOR=poll
+    in the environment runs the old thread for both instead (a device A/B of its cost to the decode's host time)."""
+
+    ENV = "BENCH_MONITOR"
+
+    def __init__(self, cg: CgroupMemory | None, device, vram_base: int, period: float = 0.05,
+                 vram_period: float = 0.02, poll_memory: bool | None = None):
         self.cg, self.device, self.vram_base, self.period = cg, device, vram_base, period
         self.cuda = device.type == "cuda"
+        mode = os.environ.get(self.ENV, "")
+        if mode not in ("", "poll"):
+            raise BetelgeuseError(f"{self.ENV}={mode!r}: 'poll' (the old polling thread) or unset")
+        if mode == "poll":
+            poll_memory = True
         self.mem_peak = 0
         self.vram_peak = 0
+        self.vram_samples = 0
+        self.vram_nvml_peak = None          # the NVML child's own peak above vram_base (beside close()'s last sample)
+        # poll_memory: None = only where the kernel keeps no peak; True: poll anyway (the old sampler, for a check)
+        self.poll_memory = cg is not None and (cg.peak() is None if poll_memory is None else poll_memory)
+        self._child: subprocess.Popen | None = None
+        self.vram_note = ""
+        if self.cuda and mode != "poll":
+            self._child = self._start_nvml(vram_period)
+        self.poll_vram = self.cuda and self._child is None
+        kernel = cg is not None and cg.peak() is not None
+        self.sources = {"memory": None if cg is None else "+".join(["kernel"] * kernel + ["poll"] * self.poll_memory),
+                        "vram": None if not self.cuda else ("poll" if self.poll_vram else "nvml")}
         self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, name="bench-monitor", daemon=True)
-        self._t.start()
+        self._t = None
+        if self.poll_memory or self.poll_vram:
+            self._t = threading.Thread(target=self._run, name="bench-monitor", daemon=True)
+            self._t.start()
 
-    def sample(self):
-        if self.cg is not None:
+    def _start_nvml(self, period: float) -> subprocess.Popen | None:
+        """The NVML sampler child, or None (the reason in vram_note) where it cannot run: no NVML, no GPU."""
+        parent = os.path.dirname(self.cg.path) if self.cg is not None else None
+
+        def outside():              # the child's exec and Python outside the bench cgroup: it charges nothing there
+            if parent is not None:
+                with open(os.path.join(parent, "cgroup.procs"), "w") as f:
+                    f.write(str(os.getpid()))
+        try:
+            p = subprocess.Popen([sys.executable, "-S", str(Path(__file__).with_name("vram_peak.py")), str(period)],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                 preexec_fn=outside)
+        except (OSError, subprocess.SubprocessError) as e:
+            self.vram_note = f"cannot start the NVML sampler: {e}"
+            return None
+        first = _line(p, 30.0)
+        try:
+            head = json.loads(first)
+            self.vram_devices = head["devices"]
+        except (ValueError, KeyError, TypeError):
+            self.vram_note = f"NVML sampler: {first.strip() or 'no answer'}"
+            _end(p)
+            return None
+        return p
+
+    def sample(self, memory: bool = True, vram: bool = True):
+        """One in-process sample: memory.current, and device-wide VRAM in use (cudaMemGetInfo) on CUDA."""
+        if memory and self.cg is not None:
             self.mem_peak = max(self.mem_peak, self.cg.current())
-        if self.cuda:
+        if vram and self.cuda:
             import torch
             free, total = torch.cuda.mem_get_info(self.device)
             self.vram_peak = max(self.vram_peak, total - free - self.vram_base)
@@ -95,14 +159,56 @@ class Monitor:
     def _run(self):
         while not self._stop.wait(self.period):
             try:
-                self.sample()
+                self.sample(self.poll_memory, self.poll_vram)
             except Exception:       # noqa: BLE001 - a monitor must never take the run down
                 pass
 
+    def _nvml_index(self) -> int:
+        """The NVML device that is this process's CUDA device: by PCI domain, bus and device where torch says them,
+        else NVML's index 0 (nvidia-smi's GPU 0: vram_used_before_cuda's baseline)."""
+        if len(self.vram_devices) > 1:
+            import torch
+            pr = torch.cuda.get_device_properties(self.device)
+            key = [getattr(pr, "pci_domain_id", None), getattr(pr, "pci_bus_id", None),
+                   getattr(pr, "pci_device_id", None)]
+            for d in self.vram_devices:
+                if d["pci"] == key:
+                    return d["index"]
+        return 0
+
     def close(self):
         self._stop.set()
-        self._t.join()
+        if self._t is not None:
+            self._t.join()
+        if self._child is not None:
+            out = _end(self._child)
+            try:
+                res = json.loads(out.strip().splitlines()[-1])
+                used = res["peak_used"][self._nvml_index()]
+                self.vram_nvml_peak = used - self.vram_base
+                self.vram_peak = max(self.vram_peak, self.vram_nvml_peak)
+                self.vram_samples = res["samples"]
+            except (ValueError, KeyError, IndexError, TypeError):
+                self.vram_note = f"NVML sampler ended without its peak: {out.strip()[-200:] or 'no output'}"
+            self._child = None
         self.sample()
+
+
+def _line(p: subprocess.Popen, timeout: float) -> str:
+    """The child's first line of output, or "" if none comes within `timeout` s."""
+    import select
+    ready, _, _ = select.select([p.stdout], [], [], timeout)
+    return p.stdout.readline() if ready else ""
+
+
+def _end(p: subprocess.Popen) -> str:
+    """Close the child's stdin (its signal to finish), return the rest of its output; killed if it does not end."""
+    try:
+        out, _ = p.communicate(timeout=10.0)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, _ = p.communicate()
+    return out or ""
 
 
 def cgroup_of(pid) -> str | None:

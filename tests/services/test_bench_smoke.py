@@ -192,3 +192,18 @@ def test_routing_trace_drives_the_passes(tmp_path):
     bad = subprocess.run(cmd[:-4] + ["--layers", "3", "--out", str(tmp_path / "o2")], cwd=REPO,
                          env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=150)
     assert bad.returncode == 2 and "is for 2 layers" in bad.stderr
+
+
+def test_decode_census_and_no_monitor_thread(bench_run):
+    """The decode record's thread census (services/bench/threads.py): both processes, by name, per timed token; in
+    the bench process no thread of the monitor's where the kernel keeps the cgroup's peak (or there is no cgroup) and
+    there is no GPU: the timed decode's only Python thread beside the session stream's reader is its own."""
+    _, r, _ = bench_run
+    d = next(c["decode"] for c in r["cases"] if c.get("decode", {}).get("tokens"))
+    w, s = d["threads"]["worker"], d["threads"]["store"]
+    assert w["ended"] == 0 and w["seconds"] > 0 and "threads" in s
+    main = w["threads"]["MainThread"]
+    assert main["python"] is True and main["threads"] == 1 and main["cpu_us"] > 0
+    assert r["memory"].get("peak_by") in ("kernel", None)
+    py = {k for k, v in w["threads"].items() if v.get("python")}
+    assert "bench-monitor" not in w["threads"] and py <= {"MainThread", "store-session-seq"}, py
