@@ -231,7 +231,9 @@ def summary(r: dict) -> str:
           f"{(v.get('torch_max_allocated') or 0) / MiB:,.0f} MiB, reserved {(v.get('torch_max_reserved') or 0) / MiB:,.0f} "
           f"MiB) vs the budget {budget / MiB:,.0f} MiB: {verdict}"
           # who sampled it (services/bench/procs.py Monitor): an NVML child process, or the old in-process thread
-          + (f"; sampled by {v['peak_by']}" + (f" ({v['nvml_samples']} samples)" if v.get("nvml_samples") else "")
+          + (f"; sampled by {v['peak_by']}" + (f" ({v['nvml_samples']} samples, NVML - cudaMemGetInfo "
+                                          f"{-(v.get('nvml_offset_bytes') or 0) / MiB:+,.0f} MiB)"
+                                          if v.get("nvml_samples") else "")
              + (f"; {v['note']}" if v.get("note") else "") if v.get("peak_by") else "")]
     disk = [s["bps"] / GB for s in r.get("ceilings", {}).get("disk", [])]
     if disk:

@@ -361,11 +361,7 @@ class AgentSuite:
             mon.close()
             r["memory"].update(cg.summary(mon.mem_peak), peak_by=mon.sources["memory"])
             if self.cuda:
-                t = self.torch
-                r["vram"].update(peak_bytes=mon.vram_peak, torch_max_reserved=t.cuda.max_memory_reserved(),
-                                 torch_max_allocated=t.cuda.max_memory_allocated(),
-                                 peak_by=mon.sources["vram"], nvml_samples=mon.vram_samples,
-                                 nvml_peak_bytes=mon.vram_nvml_peak, note=mon.vram_note)
+                r["vram"].update(mon.vram_record())
             cg.close()
             r["summary"] = summarize(r)
             r["elapsed_s"] = time.monotonic() - o.t0

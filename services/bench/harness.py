@@ -200,10 +200,7 @@ class Harness:
             mon.close()
             r["memory"].update(cg.summary(mon.mem_peak), peak_by=mon.sources["memory"])
             if self.cuda:
-                r["vram"].update(peak_bytes=mon.vram_peak, torch_max_reserved=torch.cuda.max_memory_reserved(self.dev),
-                                 torch_max_allocated=torch.cuda.max_memory_allocated(self.dev),
-                                 peak_by=mon.sources["vram"], nvml_samples=mon.vram_samples,
-                                 nvml_peak_bytes=mon.vram_nvml_peak, note=mon.vram_note)
+                r["vram"].update(mon.vram_record())
             cg.close()
             r["ceilings"] = self.ceil.to_json()
             r["elapsed_s"] = time.monotonic() - o.t0

@@ -105,7 +105,8 @@ class Monitor:
         self.mem_peak = 0
         self.vram_peak = 0
         self.vram_samples = 0
-        self.vram_nvml_peak = None          # the NVML child's own peak above vram_base (beside close()'s last sample)
+        self.vram_nvml_peak = None          # the NVML child's own peak above vram_base (beside close()'s last sample),
+        self.vram_nvml_offset = None        # on cudaMemGetInfo's scale: + this offset, bytes (close())
         # poll_memory: None = only where the kernel keeps no peak; True: poll anyway (the old sampler, for a check)
         self.poll_memory = cg is not None and (cg.peak() is None if poll_memory is None else poll_memory)
         self._child: subprocess.Popen | None = None
@@ -163,6 +164,14 @@ class Monitor:
             except Exception:       # noqa: BLE001 - a monitor must never take the run down
                 pass
 
+    def vram_record(self) -> dict:
+        """The bench record's VRAM figures after close() (CUDA): the peak, torch's own peaks, and what sampled it."""
+        import torch
+        return {"peak_bytes": self.vram_peak, "torch_max_reserved": torch.cuda.max_memory_reserved(self.device),
+                "torch_max_allocated": torch.cuda.max_memory_allocated(self.device), "peak_by": self.sources["vram"],
+                "nvml_samples": self.vram_samples, "nvml_peak_bytes": self.vram_nvml_peak,
+                "nvml_offset_bytes": self.vram_nvml_offset, "note": self.vram_note}
+
     def _nvml_index(self) -> int:
         """The NVML device that is this process's CUDA device: by PCI domain, bus and device where torch says them,
         else NVML's index 0 (nvidia-smi's GPU 0: vram_used_before_cuda's baseline)."""
@@ -182,15 +191,21 @@ class Monitor:
             self._t.join()
         if self._child is not None:
             out = _end(self._child)
+            self._child = None
+            import torch
+            free, total = torch.cuda.mem_get_info(self.device)      # the same quiet moment as the child's last read
             try:
                 res = json.loads(out.strip().splitlines()[-1])
-                used = res["peak_used"][self._nvml_index()]
-                self.vram_nvml_peak = used - self.vram_base
+                i = self._nvml_index()
+                # NVML's total - free and cudaMemGetInfo's differ by a constant (the totals differ: the driver's reserve
+                # counts in one and not the other), so the child's peak is put on the old sampler's scale by the
+                # difference of the two reads at this quiet moment (the passes are done: nothing allocates)
+                self.vram_nvml_offset = (total - free) - res["last_used"][i]
+                self.vram_nvml_peak = res["peak_used"][i] + self.vram_nvml_offset - self.vram_base
                 self.vram_peak = max(self.vram_peak, self.vram_nvml_peak)
                 self.vram_samples = res["samples"]
             except (ValueError, KeyError, IndexError, TypeError):
                 self.vram_note = f"NVML sampler ended without its peak: {out.strip()[-200:] or 'no output'}"
-            self._child = None
         self.sample()
 
 

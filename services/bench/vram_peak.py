@@ -6,7 +6,7 @@ Run as `python -S services/bench/vram_peak.py PERIOD_S` (stdlib only: ctypes, no
 no VRAM of its own). It prints one line at start, `{"devices": [{"index", "pci": [domain, bus, device], "total"}]}`
 or `{"error": "..."}` (then exits: no NVML here), samples every GPU's nvmlDeviceGetMemoryInfo every PERIOD_S seconds
 until its stdin reaches EOF (the parent closed it, or died), then prints `{"peak_used": [bytes a device],
-"samples": n}` and exits. Used = total - free: cudaMemGetInfo's own arithmetic (the old sampler's), device-wide.
+"last_used": [bytes a device, read after the EOF], "samples": n}` and exits. Used = total - free: cudaMemGetInfo's own arithmetic (the old sampler's), device-wide.
 """
 
 from __future__ import annotations
@@ -84,12 +84,14 @@ def main(argv: list[str]) -> int:
             except OSError:
                 pass        # one failed read: the next sample counts
         n += 1
-    for i, h in enumerate(handles):                           # the last moment too
+    last = [None] * len(handles)        # the last moment too, also on its own: the parent's cudaMemGetInfo at the same
+    for i, h in enumerate(handles):     # quiet moment puts NVML's figure on cudaMemGetInfo's scale (Monitor.close)
         try:
-            peak[i] = max(peak[i], used(lib, h)[0])
+            last[i] = used(lib, h)[0]
+            peak[i] = max(peak[i], last[i])
         except OSError:
             pass
-    print(json.dumps({"peak_used": peak, "samples": n}), flush=True)
+    print(json.dumps({"peak_used": peak, "last_used": last, "samples": n}), flush=True)
     lib.nvmlShutdown()
     return 0
 
