@@ -526,7 +526,8 @@ def cmd_serve(args) -> int:
     wm, sm = cluster.worker_metrics, cluster.store_metrics
     stop = threading.Event()
     # no exception, and no lock taken in a handler: the shutdown below must not be interrupted (services/signals.py)
-    got = stop_on_signals(stop)
+    sig = stop_on_signals(stop)
+    got = sig.got
 
     def say(msg: str):
         try:
@@ -579,6 +580,7 @@ def cmd_serve(args) -> int:
             # Python-level handlers (not for SIG_IGN), so a SIGTERM landing then turned an exit into death by SIGTERM
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+            sig.close()
     return 130 if got and got[0] == signal.SIGINT else 0
 
 

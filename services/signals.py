@@ -25,31 +25,47 @@ def _ignore(_signum, _frame):       # a Python-level handler must exist for the 
     pass
 
 
-def stop_on_signals(stop: threading.Event, signals=(signal.SIGTERM, signal.SIGINT)) -> list[int]:
-    """Install the handlers (main thread only, as `signal.signal`); returns the list the stop signals are appended to,
-    in arrival order (the caller reads got[0] to say which one stopped it). Other signals with Python handlers of
-    their own (SIGHUP's) write their byte too; the relay skips them, and their handlers run as before."""
-    wanted = {int(s) for s in signals}
-    got: list[int] = []
-    r, w = os.pipe()
-    os.set_blocking(w, False)           # a full pipe drops the byte rather than block the C handler
-    os.set_inheritable(r, False)
-    os.set_inheritable(w, False)
-    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-    for s in signals:
-        signal.signal(s, _ignore)
+class StopSignals:
+    """The stop signals' relay (module doc). `got`: the stop signals in arrival order (the caller reads got[0] to say
+    which one stopped it). Other signals with Python handlers of their own (SIGHUP's) write their byte too; the relay
+    skips them, and their handlers run as before. close(): the wakeup fd off and the relay thread ended (a process that
+    goes on after its serve: the CLI's in-process callers, tests)."""
 
-    def relay():
-        while True:
-            try:
-                data = os.read(r, 256)
-            except InterruptedError:
-                continue
-            if not data:
-                return
-            for b in data:
-                if b in wanted:
-                    got.append(b)
-                    stop.set()
-    threading.Thread(target=relay, name="signals", daemon=True).start()
-    return got
+    def __init__(self, stop: threading.Event, signals=(signal.SIGTERM, signal.SIGINT)):
+        self.stop, self.wanted, self.got = stop, {int(s) for s in signals}, []
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._w, False)     # a full pipe drops the byte rather than block the C handler
+        signal.set_wakeup_fd(self._w, warn_on_full_buffer=False)       # main thread only, as signal.signal
+        for s in signals:
+            signal.signal(s, _ignore)
+        threading.Thread(target=self._relay, name="signals", daemon=True).start()
+
+    def _relay(self):
+        try:
+            while True:
+                try:
+                    data = os.read(self._r, 256)
+                except InterruptedError:
+                    continue
+                if not data:                # close(): the write end is gone
+                    return
+                for b in data:
+                    if b in self.wanted:
+                        self.got.append(b)
+                        self.stop.set()
+        finally:
+            os.close(self._r)
+
+    def close(self):
+        if self._w < 0:
+            return
+        old = signal.set_wakeup_fd(-1)      # main thread only
+        if old not in (self._w, -1):        # someone else's since: put it back
+            signal.set_wakeup_fd(old)
+        os.close(self._w)
+        self._w = -1
+
+
+def stop_on_signals(stop: threading.Event, signals=(signal.SIGTERM, signal.SIGINT)) -> StopSignals:
+    """Install the handlers and the relay (main thread only); see StopSignals."""
+    return StopSignals(stop, signals)

@@ -19,7 +19,7 @@ CHILD = textwrap.dedent("""
     import signal, sys, threading, time
     from services.signals import stop_on_signals
     stop = threading.Event()
-    got = stop_on_signals(stop)
+    got = stop_on_signals(stop).got
     hups = []
     signal.signal(signal.SIGHUP, lambda *_: hups.append(1))      # another Python handler: its byte is skipped
     def other():                     # threads taking the stop event's lock all the time (a supervisor's waits)
@@ -65,3 +65,23 @@ def test_stop_signals_hammered_through_the_shutdown_exit_0():
     done, first, n, hups = out.split()[-4:]
     assert done == "done" and int(first) == signal.SIGTERM
     assert 1 <= int(n) <= sent and int(hups) == 1, out       # signals of one kind may merge, none invented
+
+
+def test_close_ends_the_relay_and_gives_the_wakeup_fd_back():
+    """In-process (serve run by a caller that goes on): close() turns the wakeup fd off and the relay thread ends."""
+    import os
+    import threading
+    from services.signals import stop_on_signals
+    was = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    stop = threading.Event()
+    try:
+        sig = stop_on_signals(stop)
+        relay = next(t for t in threading.enumerate() if t.name == "signals")
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.wait(5) and sig.got == [signal.SIGINT]
+        sig.close()
+        relay.join(5)
+        assert not relay.is_alive() and signal.set_wakeup_fd(-1) == -1
+    finally:
+        for s, h in was.items():
+            signal.signal(s, h)
