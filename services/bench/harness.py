@@ -530,7 +530,7 @@ class Harness:
         gg0 = gg.stats() if gg is not None else None
         # every thread of both processes: its wakeups and CPU over the timed tokens (two reads of /proc, outside them
         # and outside the decode's wall)
-        census = Census({"worker": "self", "store": self.store_pid}).start()
+        census = Census({"worker": "self", **({"store": self.store_pid} if self.store_pid else {})}).start()
         t_start = time.perf_counter()
         cprof = DecodeCProfile().start()                 # BENCH_DECODE_CPROFILE=path: where the host time goes
         try:

@@ -110,7 +110,7 @@ class Census:
     def _read(pid) -> dict | str:
         try:
             return snapshot(pid)
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, TypeError) as e:      # TypeError: no pid (a process not started)
             return f"{type(e).__name__}: {e}"
 
     def start(self) -> "Census":

@@ -73,6 +73,8 @@ BUILDERS = {"betelgeuse/assembly.py": {"ExpertStore", "InProcessStoreClient", "M
 # children that are not service processes (no store, worker or server in them), each with its reason
 NOT_SERVICE_CHILDREN = {
     "deploy/device/kernel_roofline.py": "compile workers that warm Triton's cache in parallel, then exit",
+    "services/bench/procs.py": "the bench's VRAM sampler (services/bench/vram_peak.py: stdlib and NVML, piped to the "
+                               "bench, no service), outside the cgroup, ended when the bench closes its stdin",
 }
 
 
