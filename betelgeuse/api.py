@@ -132,6 +132,9 @@ class RequestHandle(Protocol):
     prompt_tokens: int                             # the prompt's length in tokens
     def __iter__(self) -> Iterator[Event]: ...    # ends with exactly one FinalEvent, or raises a BetelgeuseError
     def cancel(self) -> None: ...                  # the engine stops work on it promptly
+    # optional (the engine's own handle has them; an event-loop reader uses them where present, else iterates
+    # on worker threads): listen(notify) has notify() called after each queued event, ready() drains without
+    # blocking (betelgeuse/worker/sequence.py RequestHandle)
 
 
 @dataclass(slots=True)

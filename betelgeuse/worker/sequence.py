@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from betelgeuse.api import Event, FinalEvent, GenerateRequest, ToolCall, Usage
@@ -29,7 +30,9 @@ class Sequence:
     blocks: list = field(default_factory=list)    # prefix-cache blocks this sequence holds (its prompt's chain)
     seq_id: int = field(default_factory=lambda: next(_ids))
     out_ids: list[int] = field(default_factory=list)
-    events: queue.Queue = field(default_factory=queue.Queue)
+    events: queue.Queue = field(default_factory=queue.Queue)   # unbounded: the engine never waits on a reader
+    # called after each put (on the engine thread; RequestHandle.listen): quick, never blocks, never raises
+    notify: Callable[[], None] | None = None
     cancelled: bool = False
     arrival: float = field(default_factory=time.monotonic)
     t_prefill_start: float = 0.0                  # admitted (Scheduler.schedule)
@@ -50,13 +53,19 @@ class Sequence:
     def expired(self) -> bool:
         return self.deadline is not None and time.monotonic() > self.deadline
 
+    def _put(self, x):
+        self.events.put(x)
+        n = self.notify                     # read once: the reader may drop it (listen(None)) meanwhile
+        if n is not None:
+            n()
+
     def emit(self, ev: Event):
-        self.events.put(ev)
+        self._put(ev)
 
     def fail(self, err: BetelgeuseError):
         self.finished = True
         self.events.put(err)
-        self.events.put(_END)
+        self._put(_END)
 
     def finish(self, reason: str, stop_reason: str = "", stop_token_id: int | None = None):
         self.finished = True
@@ -72,7 +81,7 @@ class Sequence:
                              usage=self.usage, tail=tail, stop_reason=stop_reason,
                              stop_string=self.stream.matched if stop_reason == "stop_string" else "",
                              stop_token_id=stop_token_id, tool_calls=calls))
-        self.events.put(_END)
+        self._put(_END)
 
 
 class RequestHandle:
@@ -91,6 +100,8 @@ class RequestHandle:
         return self.seq.reasoning
 
     def __iter__(self):
+        """The events, blocking this thread for each (gRPC, collect, the CLI); ends after the FinalEvent or
+        raises the BetelgeuseError that ended the request."""
         while True:
             ev = self.seq.events.get()
             if ev is _END:
@@ -98,6 +109,30 @@ class RequestHandle:
             if isinstance(ev, BaseException):
                 raise ev
             yield ev
+
+    def listen(self, notify: Callable[[], None] | None):
+        """For a reader that waits on something else than a thread (an event loop): notify() is called on the
+        engine thread after each event is queued (it must be quick, never block, never raise: e.g.
+        loop.call_soon_threadsafe), and ready() takes what is queued. None stops the calls. Events queued before
+        listen() are not announced: a reader drains once after listen(), then waits for notify, clearing its own
+        flag BEFORE each drain (an event put between the drain and the wait has then set the flag again: no
+        event is lost, however the two threads interleave)."""
+        self.seq.notify = notify
+
+    def ready(self) -> tuple[list, bool]:
+        """(what is queued now, in order, without blocking; whether the stream ended with it): Events, and the
+        BetelgeuseError that ended the request as a value (last), where __iter__ would raise it. The same stream
+        as __iter__'s: use one or the other."""
+        out: list = []
+        q = self.seq.events
+        while True:
+            try:
+                ev = q.get_nowait()
+            except queue.Empty:
+                return out, False
+            if ev is _END:
+                return out, True
+            out.append(ev)
 
     def cancel(self):
         self.seq.cancelled = True

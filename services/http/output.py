@@ -10,8 +10,10 @@ Responses differ only in how they spell these parts.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
+import weakref
 from dataclasses import dataclass, field
 
 import anyio
@@ -76,10 +78,94 @@ def collect(engine, req: api.GenerateRequest, handle=None) -> Answer:
     return Answer(final, got.reasoning, got.content, final.tool_calls or got.calls, tokens)
 
 
+class _Waker:
+    """One per event loop: sets streams' asyncio.Events from the engine thread. notify(flag) runs on the engine
+    thread after each event it queues (RequestHandle.listen): it appends the stream's flag and schedules one
+    call_soon_threadsafe (one byte on the loop's self-pipe, one loop wakeup) unless one is already pending, so a
+    decode step that feeds B streams before the loop runs costs the engine thread one write, not B; the loop then
+    sets every flag due. No lock: list.append and the swap are atomic under the GIL, and `pending` is cleared
+    BEFORE the swap, so a flag appended after the swap finds pending False and schedules again. The loop is held
+    weakly (the waker is _wakers' value for that loop: a strong reference would keep the key alive)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = weakref.ref(loop)
+        self.due: list[asyncio.Event] = []
+        self.pending = False
+
+    def notify(self, flag: asyncio.Event):            # the engine thread
+        self.due.append(flag)
+        if self.pending:
+            return
+        self.pending = True
+        loop = self.loop()
+        try:
+            if loop is not None:
+                loop.call_soon_threadsafe(self._run)
+        except RuntimeError:                        # the loop is closed (the server stopped): no one to wake
+            pass
+
+    def _run(self):                                   # the loop
+        self.pending = False
+        due, self.due = self.due, []
+        for flag in due:
+            flag.set()
+
+
+_wakers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()     # loop -> _Waker
+
+
+def _waker() -> _Waker:
+    loop = asyncio.get_running_loop()
+    w = _wakers.get(loop)
+    if w is None:
+        w = _wakers[loop] = _Waker(loop)
+    return w
+
+
+def _log_bug(e: BaseException):
+    """An exception that is not the engine's own error is a bug: logged here, on one line (the stream's error
+    event only points at the log)."""
+    if not isinstance(e, BetelgeuseError):
+        log.error("internal error in a streamed answer", exc_info=e)
+
+
 async def events(handle):
-    """The handle's events, pulled on worker threads (the engine's queue blocks); an exception is yielded, not
-    raised (a bug is logged here, on one line: the stream's error event only points at the log). Leaving early
-    (client gone) cancels the request in the engine."""
+    """The handle's events as they come; an exception is yielded, not raised (a bug is logged here, once), and
+    ends the stream. Leaving early (client gone) cancels the request in the engine.
+
+    A handle with listen()/ready() (the engine's RequestHandle) is read on the event loop itself: the engine
+    thread's notify sets this stream's flag (through the loop's _Waker), the loop takes everything queued
+    (ready(), never blocking) and waits again; the flag is cleared before each drain, so an event queued between
+    the drain and the wait finds it set (nothing lost). No worker thread per token: one loop wakeup, at most.
+    Any other handle (an Engine protocol's plain iterator) is pulled on worker threads, one hop an event."""
+    if not hasattr(handle, "listen"):
+        async for ev in _pulled(handle):
+            yield ev
+        return
+    waker, flag = _waker(), asyncio.Event()
+    handle.listen(lambda: waker.notify(flag))
+    try:
+        while True:
+            flag.clear()                            # before the drain: a put after it sets the flag again
+            try:
+                evs, end = handle.ready()
+            except Exception as e:                  # noqa: BLE001 (a bug: ready() raises nothing by contract)
+                evs, end = [e], True
+            for ev in evs:
+                if isinstance(ev, BaseException):
+                    _log_bug(ev)                    # before the yield: a consumer may stop at it
+                    yield ev
+                    return
+                yield ev
+            if end:
+                return
+            await flag.wait()                       # set already if anything was queued since the clear
+    finally:
+        handle.listen(None)
+        handle.cancel()
+
+
+async def _pulled(handle):
     it = iter(handle)
     done = object()
 
@@ -93,11 +179,11 @@ async def events(handle):
             ev = await anyio.to_thread.run_sync(nxt, abandon_on_cancel=True)
             if ev is done:
                 return
-            if isinstance(ev, BaseException) and not isinstance(ev, BetelgeuseError):
-                log.error("internal error in a streamed answer", exc_info=ev)
-            yield ev
             if isinstance(ev, BaseException):
+                _log_bug(ev)
+                yield ev
                 return
+            yield ev
     finally:
         handle.cancel()
 
