@@ -11,6 +11,7 @@ Responses differ only in how they spell these parts.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import uuid
 import weakref
@@ -83,13 +84,15 @@ class _Waker:
     thread after each event it queues (RequestHandle.listen): it appends the stream's flag and schedules one
     call_soon_threadsafe (one byte on the loop's self-pipe, one loop wakeup) unless one is already pending, so a
     decode step that feeds B streams before the loop runs costs the engine thread one write, not B; the loop then
-    sets every flag due. No lock: list.append and the swap are atomic under the GIL, and `pending` is cleared
-    BEFORE the swap, so a flag appended after the swap finds pending False and schedules again. The loop is held
+    sets every flag due. No lock: `due` is one deque, never replaced (deque.append / popleft are atomic), and
+    `pending` is cleared BEFORE the loop pops, so a flag appended after the pops finds pending False and schedules
+    again, and one appended before them is popped. (A list swapped for a new one lost a flag: the engine thread
+    could read the old list, lose the GIL, and append to it after the loop's swap had taken it.) The loop is held
     weakly (the waker is _wakers' value for that loop: a strong reference would keep the key alive)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = weakref.ref(loop)
-        self.due: list[asyncio.Event] = []
+        self.due: collections.deque[asyncio.Event] = collections.deque()
         self.pending = False
 
     def notify(self, flag: asyncio.Event):            # the engine thread
@@ -106,9 +109,9 @@ class _Waker:
 
     def _run(self):                                   # the loop
         self.pending = False
-        due, self.due = self.due, []
-        for flag in due:
-            flag.set()
+        due = self.due
+        while due:
+            due.popleft().set()
 
 
 _wakers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()     # loop -> _Waker
