@@ -146,8 +146,8 @@ def _same(got, want):
                          ids=["qwen3moe-partial", "qwen3moe-static", "deepseek4-partial", "deepseek4-static"])
 def test_copies_ahead_keep_the_bits_and_the_groups(models, arch, static, flex):
     """Off, on with every next expert ready (no copy ahead), on with none ready (every one but the last ahead): the
-    same bits, ONE group a miss layer (_one_group), the same store messages (_messages: the staging slots of the copies ahead
-    go back with the layer's others); a prefill copies nothing ahead."""
+    same bits, ONE group a miss layer (_one_group), the same store messages without a flex cache (_messages: the
+    staging slots of the copies ahead go back with the layer's others); a prefill copies nothing ahead."""
     off, _, s_off, c_off = _decode(models, arch, static, False, flex)
     on_ready, _, s_ready, c_ready = _decode(models, arch, static, True, flex, disk_copy_early=True)
     on_late, pre, s_late, c_late = _decode(models, arch, static, False, flex, disk_copy_early=True)
@@ -159,7 +159,11 @@ def test_copies_ahead_keep_the_bits_and_the_groups(models, arch, static, flex):
     assert pre.disk_copies_early == 0 and pre.reads["disk"] > 1
     for calls in (c_off, c_ready, c_late):
         _one_group(calls, c_off)
-    assert _messages(s_late) == _messages(s_off)
+    if flex == "banks":
+        # with a flex cache, whether a guessed expert reaches it before its layer routes (one load message fewer)
+        # follows the read-ahead's timing: the setting off alone differs run to run there (CI at cca59ac: a step's
+        # loads 2 against 1 on qwen3moe-static-flex), so the messages are compared where no flex cache takes them
+        assert _messages(s_late) == _messages(s_off)
     # the flex path ran (its hits); not equal hit counts across the runs: the setting off alone reads 37 or 38 on
     # qwen3moe-partial-flex run to run under load (which experts reach the cache follows the read-ahead's timing). That
     # the parts' takes give the whole batch's slots is test_take_over_parts_is_one_take's (exact)
