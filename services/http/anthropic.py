@@ -23,7 +23,6 @@ from typing import Annotated, Any, Literal, Union
 
 import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from betelgeuse import api
@@ -344,7 +343,7 @@ def add_routes(app: FastAPI, front) -> None:
         req = to_request(body)
         if body.stream:
             handle = await anyio.to_thread.run_sync(front.submit, req)    # errors before the stream: a status
-            return StreamingResponse(stream(front, body, req, handle), media_type="text/event-stream")
+            return output.EventStream(stream(front, body, req, handle), handle)
         ans = await output.answer(front.engine, req, request)
         front.count("Messages", "CANCELLED" if ans.final.finish_reason == "cancelled" else "OK")
         return full_response(body, req, ans)

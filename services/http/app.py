@@ -21,7 +21,7 @@ from typing import Any
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from betelgeuse import api
@@ -375,7 +375,7 @@ def build_app(engine, metrics=None, api_keys: list[str] | None = None) -> FastAP
         req = p.chat_request(body)
         if body.stream:
             handle = await anyio.to_thread.run_sync(front.submit, req)    # errors before the stream: a status
-            return StreamingResponse(front.chat_stream(body, req, handle), media_type="text/event-stream")
+            return output.EventStream(front.chat_stream(body, req, handle), handle)
         ans = await output.answer(engine, req, request)
         front.count("ChatCompletions", "CANCELLED" if ans.final.finish_reason == "cancelled" else "OK")
         return front.chat_full(body, req, ans)
@@ -386,7 +386,7 @@ def build_app(engine, metrics=None, api_keys: list[str] | None = None) -> FastAP
         req = p.completion_request(body)
         if body.stream:
             handle = await anyio.to_thread.run_sync(front.submit, req)
-            return StreamingResponse(front.completion_stream(body, req, handle), media_type="text/event-stream")
+            return output.EventStream(front.completion_stream(body, req, handle), handle)
         ans = await output.answer(engine, req, request)
         front.count("Completions", "CANCELLED" if ans.final.finish_reason == "cancelled" else "OK")
         return front.completion_full(body, req, ans)

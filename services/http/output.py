@@ -18,6 +18,7 @@ import weakref
 from dataclasses import dataclass, field
 
 import anyio
+from fastapi.responses import StreamingResponse
 
 from betelgeuse import api
 from betelgeuse.errors import BetelgeuseError
@@ -130,6 +131,24 @@ def _log_bug(e: BaseException):
     event only points at the log)."""
     if not isinstance(e, BetelgeuseError):
         log.error("internal error in a streamed answer", exc_info=e)
+
+
+class EventStream(StreamingResponse):
+    """A submitted request's server-sent events (`content`: the front's async generator over events(handle)). The
+    request is cancelled in the engine however the response ends: the generator's own finally does it once it has
+    started, but a client that leaves before the body starts (its send of the response start fails, or the
+    disconnect is seen first) leaves the generator unstarted, and its finally never runs: the engine would decode it
+    to max_tokens for nobody. cancel() is idempotent (a finished request ignores it)."""
+
+    def __init__(self, content, handle):
+        super().__init__(content, media_type="text/event-stream")
+        self.handle = handle
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.handle.cancel()
 
 
 async def events(handle):

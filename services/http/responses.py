@@ -31,7 +31,6 @@ from typing import Annotated, Any, Literal, Union
 
 import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from betelgeuse import api
@@ -466,7 +465,7 @@ def add_routes(app: FastAPI, front) -> None:
         req, conv = to_request(body, rf.store)
         if body.stream:
             handle = await anyio.to_thread.run_sync(front.submit, req)
-            return StreamingResponse(rf.stream(body, req, conv, handle), media_type="text/event-stream")
+            return output.EventStream(rf.stream(body, req, conv, handle), handle)
         ans = await output.answer(front.engine, req, request)
         out = await anyio.to_thread.run_sync(rf.full, body, req, conv, ans)
         front.count("Responses", "CANCELLED" if ans.final.finish_reason == "cancelled" else "OK")

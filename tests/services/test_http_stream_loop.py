@@ -253,3 +253,44 @@ def test_an_engine_error_ends_the_stream_as_its_error_event():
                 _on_engine_thread(lambda: seq.fail(err))
         return out
     assert run(main()) == [_token(0), err] and seq.cancelled
+
+
+# ---- a client gone before the body starts --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec", ["2.4", "2.3"])
+def test_a_client_gone_before_the_body_cancels_the_request(model, spec):
+    """The response's start never reaches the client (ASGI 2.4: its send raises OSError; 2.3: the disconnect is seen
+    while the start is being sent), so the stream's generator never starts and its own finally never runs:
+    output.EventStream cancels the request anyway, and the real engine ends it (its final event "cancelled") instead
+    of decoding its max_tokens for nobody (with Starlette's StreamingResponse: a FinalEvent after all of them,
+    "length": both cases failed)."""
+    cfg = EngineConfig(model_path=str(model), vram_slots=4, host_slots=12, read_threads=1, max_context=256,
+                       decode_consolidate_every=0, prefix_cache_bytes=0)
+    with eh.engine_and_store(cfg) as eng:
+        handle = eng.submit(GenerateRequest(prompt_ids=[5, 6, 7, 8], max_tokens=200, ignore_eos=True))
+        started = []
+
+        async def body():
+            started.append(True)
+            async for ev in output.events(handle):
+                yield "data: x\n\n"
+
+        async def send(message):
+            if spec == "2.4":
+                raise OSError("connection reset by peer")
+            await asyncio.Event().wait()                 # the start never goes out: the disconnect wins
+
+        async def receive():
+            return {"type": "http.disconnect"}
+
+        async def run():
+            resp = output.EventStream(body(), handle)
+            try:
+                await resp({"type": "http", "asgi": {"spec_version": spec}}, receive, send)
+            except Exception:                            # noqa: BLE001 (2.4: Starlette's ClientDisconnect)
+                pass
+        asyncio.run(run())
+        assert not started
+        *tokens, final = list(handle)
+        assert isinstance(final, api.FinalEvent) and final.finish_reason == "cancelled", final
+        assert len(tokens) < 200
