@@ -24,7 +24,10 @@ else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHON=python3 PYTHONUNBUFFERED=1
-run() { echo "+ $*"; [ -n "${DRY:-}" ] || eval "$@"; }
+# each step's results packed as soon as it ends (the tarball rewritten): a call the run tool stops at its limit still
+# brings back every step that finished (bench_ds4's TOTAL is a budget: three of them can outrun 600 s)
+pack() { tar czf "$R/call$N.tgz.part" -C "$W" . && mv "$R/call$N.tgz.part" "$R/call$N.tgz"; }
+run() { echo "+ $*"; [ -n "${DRY:-}" ] || { eval "$@"; pack; }; }
 
 A="--slots auto --prompts 64 --decode 64 --standard-cap 0 --group-graphs"
 case "$N" in
@@ -50,4 +53,4 @@ esac
 for f in "$W"/*.log "$W"/*/ds4_summary.md; do
   [ -f "$f" ] && { echo "== $f"; tail -40 "$f"; }
 done
-tar czf "$R/call$N.tgz" -C "$W" . && echo "packed: $R/call$N.tgz ($(du -h "$R/call$N.tgz" | cut -f1))"
+pack && echo "packed: $R/call$N.tgz ($(du -h "$R/call$N.tgz" | cut -f1))"
