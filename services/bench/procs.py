@@ -107,14 +107,14 @@ class Monitor:
         self.vram_samples = 0
         self.vram_nvml_peak = None          # the NVML child's own peak above vram_base (beside close()'s last sample),
         self.vram_nvml_offset = None        # on cudaMemGetInfo's scale: + this offset, bytes (close())
+        kernel = cg is not None and cg.peak() is not None          # the kernel keeps this cgroup's peak
         # poll_memory: None = only where the kernel keeps no peak; True: poll anyway (the old sampler, for a check)
-        self.poll_memory = cg is not None and (cg.peak() is None if poll_memory is None else poll_memory)
+        self.poll_memory = cg is not None and (not kernel if poll_memory is None else poll_memory)
         self._child: subprocess.Popen | None = None
         self.vram_note = ""
         if self.cuda and mode != "poll":
             self._child = self._start_nvml(vram_period)
         self.poll_vram = self.cuda and self._child is None
-        kernel = cg is not None and cg.peak() is not None
         self.sources = {"memory": None if cg is None else "+".join(["kernel"] * kernel + ["poll"] * self.poll_memory),
                         "vram": None if not self.cuda else ("poll" if self.poll_vram else "nvml")}
         self._stop = threading.Event()
@@ -148,14 +148,17 @@ class Monitor:
             return None
         return p
 
-    def sample(self, memory: bool = True, vram: bool = True):
-        """One in-process sample: memory.current, and device-wide VRAM in use (cudaMemGetInfo) on CUDA."""
+    def sample(self, memory: bool = True, vram: bool = True) -> int | None:
+        """One in-process sample: memory.current, and device-wide VRAM in use (cudaMemGetInfo) on CUDA; returns that
+        VRAM in use (total - free, bytes, before vram_base comes off), None where none was read."""
         if memory and self.cg is not None:
             self.mem_peak = max(self.mem_peak, self.cg.current())
         if vram and self.cuda:
             import torch
             free, total = torch.cuda.mem_get_info(self.device)
             self.vram_peak = max(self.vram_peak, total - free - self.vram_base)
+            return total - free
+        return None
 
     def _run(self):
         while not self._stop.wait(self.period):
@@ -189,24 +192,24 @@ class Monitor:
         self._stop.set()
         if self._t is not None:
             self._t.join()
-        if self._child is not None:
-            out = _end(self._child)
-            self._child = None
-            import torch
-            free, total = torch.cuda.mem_get_info(self.device)      # the same quiet moment as the child's last read
-            try:
-                res = json.loads(out.strip().splitlines()[-1])
-                i = self._nvml_index()
-                # NVML's total - free and cudaMemGetInfo's differ by a constant (the totals differ: the driver's reserve
-                # counts in one and not the other), so the child's peak is put on the old sampler's scale by the
-                # difference of the two reads at this quiet moment (the passes are done: nothing allocates)
-                self.vram_nvml_offset = (total - free) - res["last_used"][i]
-                self.vram_nvml_peak = res["peak_used"][i] + self.vram_nvml_offset - self.vram_base
-                self.vram_peak = max(self.vram_peak, self.vram_nvml_peak)
-                self.vram_samples = res["samples"]
-            except (ValueError, KeyError, IndexError, TypeError):
-                self.vram_note = f"NVML sampler ended without its peak: {out.strip()[-200:] or 'no output'}"
-        self.sample()
+        if self._child is None:
+            self.sample()
+            return
+        out = _end(self._child)
+        self._child = None
+        used = self.sample()                # close's own sample: the same quiet moment as the child's last read
+        try:
+            res = json.loads(out.strip().splitlines()[-1])
+            i = self._nvml_index()
+            # NVML's total - free and cudaMemGetInfo's differ by a constant (the totals differ: the driver's reserve
+            # counts in one and not the other), so the child's peak is put on the old sampler's scale by the
+            # difference of the two reads at this quiet moment (the passes are done: nothing allocates)
+            self.vram_nvml_offset = used - res["last_used"][i]
+            self.vram_nvml_peak = res["peak_used"][i] + self.vram_nvml_offset - self.vram_base
+            self.vram_peak = max(self.vram_peak, self.vram_nvml_peak)
+            self.vram_samples = res["samples"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            self.vram_note = f"NVML sampler ended without its peak: {out.strip()[-200:] or 'no output'}"
 
 
 def _line(p: subprocess.Popen, timeout: float) -> str:

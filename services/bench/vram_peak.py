@@ -6,7 +6,8 @@ Run as `python -S services/bench/vram_peak.py PERIOD_S` (stdlib only: ctypes, no
 no VRAM of its own). It prints one line at start, `{"devices": [{"index", "pci": [domain, bus, device], "total"}]}`
 or `{"error": "..."}` (then exits: no NVML here), samples every GPU's nvmlDeviceGetMemoryInfo every PERIOD_S seconds
 until its stdin reaches EOF (the parent closed it, or died), then prints `{"peak_used": [bytes a device],
-"last_used": [bytes a device, read after the EOF], "samples": n}` and exits. Used = total - free: cudaMemGetInfo's own arithmetic (the old sampler's), device-wide.
+"last_used": [bytes a device, read after the EOF], "samples": n}` and exits. Used = total - free: cudaMemGetInfo's
+own arithmetic (the old sampler's), device-wide.
 """
 
 from __future__ import annotations
