@@ -307,8 +307,10 @@ class StoreSettings(_Section):
     # (each answer a wakeup of it and a turn of the GIL, ~14 a decode token), or the caller that waits for one (no
     # thread; answers nobody waits for drained before each send). Issue 21, docs/benchmarks/cpu-host65: off until a
     # device A/B says the decode's host time falls with it
-    session_reader: _choices("thread", "caller") = setting(
-        "thread", "who reads the seqpacket session stream's answers: thread | caller", "caller")
+    # (gpu-run68, one H100: caller 140 / 142 against thread 122 / 163 / 153 µs an application: no gain beyond the
+    # noise); spin: the caller whose wait busy-polls (a core kept hot: the A/B of a cold wake's cost)
+    session_reader: _choices("thread", "caller", "spin") = setting(
+        "thread", "who reads the seqpacket session stream's answers: thread | caller | spin", "caller")
     # the prefix cache's host tier outlives a restart of the whole service: saved when the store is idle and when it
     # stops (O_DIRECT, only what changed), loaded at start for the same model file (store/prefix_disk.py)
     prefix_save_path: Path_ = setting("", "file the store saves the prefix cache's host tier to and loads it from at "

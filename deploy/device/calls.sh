@@ -11,7 +11,7 @@
 # between calls while it stays warm (call 2 writes it; calls 3-4 reuse it).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-N=${1:?"usage: calls.sh N (1-4: deploy/device/NEXT.md's calls)"}
+N=${1:?"usage: calls.sh N [step...] (1-4 with no steps: deploy/device/NEXT.md's calls)"}
 R=${OUT:-$PWD/.bench-out}             # where the tarball goes (the run tool's $OUT)
 W=/tmp/calls/$N
 mkdir -p "$W" "$R"
@@ -32,29 +32,34 @@ run() { echo "+ $*"; [ -n "${DRY:-}" ] || { eval "$@"; pack; }; }
 
 A="--slots auto --prompts 64 --decode 64 --standard-cap 0 --group-graphs"
 T() { [ -f /var/tmp/betelgeuse-bench/ds4-flash.gguf ] && echo 255 || echo 330; }   # a fresh machine writes the model first
-ds4() { run "OUT=$W ROUTING=exact CHECK_STEPS=none TOTAL=$(T) $*"; }
+# a step named twice in one call gets its own folder (caller, caller-2, ...): gpu-run68's second caller run overwrote
+# its first
+name() { local n=$1 i=2; while [ -e "$W/$n" ]; do n=$1-$i; i=$((i + 1)); done; echo "$n"; }
+ds4() { local n; n=$(name "$1"); shift; run "OUT=$W ROUTING=exact CHECK_STEPS=none TOTAL=$(T) RUN_NAME=$n $*"; [ -n "${DRY:-}" ] || mkdir -p "$W/$n"; }
 step() {   # one named step; a call is a list of them (the budget decides how many fit: each bench_ds4 ~255-330 s)
   case "$1" in
     ck)     run "python3 deploy/device/check_ds4.py --only decode,prefix --out $W/ck > $W/ck.log 2>&1" ;;
     cuda)   run "python3 deploy/device/check_cuda.py --only invariance,batch,recycle > $W/cuda.log 2>&1" ;;
     mmq)    run "python3 deploy/device/check_gluon_mmq.py --types MXFP4,Q4_K --forms 'gluon GP1 PK,gluon GP1 PK ST3,gluon GP1 PK ST4,gluon GP1 PK ST4 NR168,gluon GP1 PK ST4 NR128' > $W/mmq.log 2>&1" ;;
-    caller) ds4 "BETELGEUSE_STORE_SESSION_READER=caller RUN_NAME=caller bash deploy/device/bench_ds4.sh $A" ;;
-    thread) ds4 "RUN_NAME=thread bash deploy/device/bench_ds4.sh $A" ;;
-    poll)   ds4 "BENCH_MONITOR=poll RUN_NAME=poll bash deploy/device/bench_ds4.sh $A" ;;
-    early)  ds4 "RUN_NAME=u-disk-copy-early bash deploy/device/bench_ds4.sh $A --disk-copy-early" ;;
-    early-caller) ds4 "BETELGEUSE_STORE_SESSION_READER=caller RUN_NAME=u-early-caller bash deploy/device/bench_ds4.sh $A --disk-copy-early" ;;
-    m-off)  ds4 "RUN_NAME=m-no-disk-copy-early bash deploy/device/bench_ds4.sh $A --gpu-marks --no-disk-copy-early" ;;
-    m-on)   ds4 "RUN_NAME=m-disk-copy-early bash deploy/device/bench_ds4.sh $A --gpu-marks --disk-copy-early" ;;
+    h2d)    run "python3 deploy/device/h2d_call.py --reps 40 --idle none,sleep:5,spin:5 --slots 13369344 > $W/h2d.log 2>&1" ;;
+    caller) ds4 caller "BETELGEUSE_STORE_SESSION_READER=caller bash deploy/device/bench_ds4.sh $A" ;;
+    spin)   ds4 spin "BETELGEUSE_STORE_SESSION_READER=spin bash deploy/device/bench_ds4.sh $A" ;;
+    thread) ds4 thread "bash deploy/device/bench_ds4.sh $A" ;;
+    poll)   ds4 poll "BENCH_MONITOR=poll bash deploy/device/bench_ds4.sh $A" ;;
+    early)  ds4 u-disk-copy-early "bash deploy/device/bench_ds4.sh $A --disk-copy-early" ;;
+    m-off)  ds4 m-no-disk-copy-early "bash deploy/device/bench_ds4.sh $A --gpu-marks --no-disk-copy-early" ;;
+    m-on)   ds4 m-disk-copy-early "bash deploy/device/bench_ds4.sh $A --gpu-marks --disk-copy-early" ;;
+    aq)     ds4 act-quant-auto "bash deploy/device/bench_ds4.sh $A --act-quant auto" ;;
     *)      echo "calls.sh: no step $1"; exit 2 ;;
   esac
 }
 shift
 if [ $# -gt 0 ]; then for s in "$@"; do step "$s"; done     # calls.sh N step... : the steps named, in order
 else case "$N" in
-  1) step ck; step cuda; step mmq ;;             # row 0: host65's default-path change on CUDA; row 2: the ST forms
-  2) step caller; step thread; step poll ;;      # row 1 (caller reader against the thread) and gil66's monitor, no marks
-  3) step m-off; step m-on ;;                    # row 3 with --gpu-marks: the copy link, achieved
-  4) step thread; step early ;;                  # row 3 without marks: TG, host
+  1) step h2d; step thread; step spin ;;         # the cold-wake question (gpu-run68): a copy call after a sleep / a
+  2) step spin; step thread; step caller ;;      #   spin; the spinning reader against the thread, alternating
+  3) step poll; step thread ;;                   # gil66's monitor: the old polling thread against the NVML child
+  4) step aq; step thread ;;                     # row 10: ds4-flash with MXFP4's Gluon MMA (act_quant auto)
 esac; fi
 [ -n "${DRY:-}" ] && exit 0
 for f in "$W"/*.log "$W"/*/ds4_summary.md; do

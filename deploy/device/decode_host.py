@@ -11,7 +11,7 @@ rest, and the blocked wait for the store's expert bytes. Run it in two checkouts
                                          [--form default|solo|lanes] [--gate] [--profile out.prof] [--split]
                                          [--flex auto|on|off] [--host-in-place auto|always|never]
                                          [--flex-slots N] [--threads] [--sync-debug] [--group-graphs]
-                                         [--calls] [--marks] [--session-reader thread|caller] [--copy-early]
+                                         [--calls] [--marks] [--session-reader thread|caller|spin] [--copy-early]
 
 --preset ds4-wide: ds4-tiny's dims at ds4-flash's expert shape (8 layers x 256 experts, top-6; with --vram 49 --host 77
 as its bench's auto plan): the store's work per consolidation (plan, vacate, commit: per move) at that scale.
@@ -69,7 +69,7 @@ launch, an event record or a copy; c: any other C call) -> calls_per_layer (_Cal
 --marks: PassStats.gpu_marks on, as the bench's --gpu-marks (device marks: CUDA events a layer's copies, groups,
 attention and routing; MoEStep.hand_fold off under them, and the solo graphs cut at each attention): what the
 instrumented decode costs the host against the plain one (a device A/B of --marks off and on).
---session-reader thread|caller: store.session_reader (services/grpc/store_client.py _SeqStream): the seqpacket
+--session-reader thread|caller|spin: store.session_reader (services/grpc/store_client.py _SeqStream): the seqpacket
 session stream's answers read by a reader thread or by the caller that waits for one (no thread).
 --sync-debug (CUDA): torch.cuda.set_sync_debug_mode("warn") over the timed steps -> syncs {where: per step}: the
 ops that block the host on the device outside the pass clock's waits (a pageable H2D copy_, .item(), ...): host time
@@ -609,7 +609,7 @@ def parser() -> argparse.ArgumentParser:
                    help="CUDA: the host-blocking ops of the timed steps, by where (module doc)")
     p.add_argument("--per-token", action="store_true",
                    help="every decode step's host / blocked / CPU / pass-open ms and its pass-boundary messages")
-    p.add_argument("--session-reader", choices=["thread", "caller"],
+    p.add_argument("--session-reader", choices=["thread", "caller", "spin"],
                    help="store.session_reader: who reads the seqpacket session stream's answers (default: the "
                    "setting's; a checkout without it ignores this)")
     p.add_argument("--calls", action="store_true",

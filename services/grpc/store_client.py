@@ -290,12 +290,19 @@ class _SeqStream(_Boxes):
             a few hundred bytes: the store's sends never wait on a full buffer while it has requests to read). A
             landed expert waited for is one wakeup of the waiting thread itself (its poll), and none of another
             thread while the caller works (issue 21: gpu-run67's profile, cpu-host65).
+    spin    the caller reader whose wait busy-polls the socket (poll with no timeout, the GIL released each turn) for
+            at most SPIN_S before it sleeps in poll: the waiting thread stays on its core. Why: gpu-run68 measured
+            the caller reader no faster than the thread (host 141 against 122-163 µs an application) and the decode's
+            copy calls and graph replays at 3-10x their cost alone; if that is a core woken cold after each of the
+            ~14-20 sleeps a token (deploy/device/h2d_call.py --idle measures it), spinning removes it, at the price
+            of one core busy while a decode waits for the disk. For device A/B runs; not a default.
 
     Deadlines: a caller waiting past its request's deadline fails the stream with DEADLINE_EXCEEDED (as _Stream's
     watch does) and shuts the connection; the connection's end (EOF: the store died or closed it; close(); abort())
     fails every request still waiting with the error it ended with, as _Stream's call's end does."""
 
-    READERS = ("thread", "caller")
+    READERS = ("thread", "caller", "spin")
+    SPIN_S = 0.05       # spin: the longest busy poll of one wait, s (a disk expert of 13.4 MB lands in ~5-15 ms)
 
     def __init__(self, path: str, timeout: float, reader: str = "thread"):
         assert reader in self.READERS, reader
@@ -322,7 +329,8 @@ class _SeqStream(_Boxes):
         # for (a release's, a prefetch's, a landed expert read from its box before any wait) costs the reader no
         # notify_all (two Python calls and the waiters' walk an answer: issue 21, cpu-host62)
         self._waiting = 0
-        self.caller = reader == "caller"                # store.session_reader (class doc)
+        self.caller = reader in ("caller", "spin")      # store.session_reader (class doc)
+        self.spin_s = self.SPIN_S if reader == "spin" else 0.0
         if self.caller:
             self._reader = session_seq.Reader(sock, pb.SessionEvent.FromString)
             self._reading = False                       # a caller reads the socket now (class doc)
@@ -364,8 +372,15 @@ class _SeqStream(_Boxes):
         """caller: read one answer and route it (the caller holds `_reading`, not _lock); wait_s None: without a wait.
         -> whether one was read; the connection's end or failure ends the stream (error set)."""
         try:
-            # poll first (0: none queued -> False, no exception raised), then the datagram it saw, without a wait
-            if not self._poll.poll(0 if wait_s is None else max(1, int(wait_s * 1000) + 1)):
+            # poll first (0: none queued -> False, no exception raised), then the datagram it saw, without a wait;
+            # spin: polls with no timeout for up to spin_s of the wait first, then one that sleeps for the rest
+            ready = False
+            if wait_s is not None and self.spin_s:
+                end = time.monotonic() + min(wait_s, self.spin_s)
+                while not ready and time.monotonic() < end:
+                    ready = bool(self._poll.poll(0))
+                wait_s = max(0.0, wait_s - self.spin_s)
+            if not ready and not self._poll.poll(0 if wait_s is None else max(1, int(wait_s * 1000) + 1)):
                 return False
             ev = self._reader.read(socket.MSG_DONTWAIT)
         except BlockingIOError:                     # another reader took it (a drain beside a closing stream)

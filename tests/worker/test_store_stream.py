@@ -40,8 +40,8 @@ from betelgeuse.errors import StoreUnavailableError
 
 L, E = 2, 16
 # seqpacket+caller: the seqpacket stream with store.session_reader "caller" (no reader thread: the waiting caller
-# reads its answers, _SeqStream's doc; issue 21, cpu-host65)
-TRANSPORTS = ("grpc", "seqpacket", "seqpacket+caller")
+# reads its answers, _SeqStream's doc; issue 21, cpu-host65); +spin: the caller busy-polling while it waits (gpu-run68)
+TRANSPORTS = ("grpc", "seqpacket", "seqpacket+caller", "seqpacket+spin")
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +166,54 @@ def test_the_caller_reader_reads_with_no_thread_and_two_waiting_callers_each_get
         store.close()
 
 
+class _CountingPoll:
+    """select.poll's stand-in counting the calls by timeout (0: a look; > 0: a sleep until a datagram or the time)."""
+
+    def __init__(self, poll):
+        self.poll_, self.looks, self.sleeps = poll, 0, 0
+
+    def register(self, *a):
+        self.poll_.register(*a)
+
+    def poll(self, ms):
+        if ms:
+            self.sleeps += 1
+        else:
+            self.looks += 1
+        return self.poll_.poll(ms)
+
+
+def test_the_spin_reader_busy_polls_its_waits_and_the_caller_reader_sleeps(model, tmp_path, monkeypatch):
+    """store.session_reader "spin" (_SeqStream's doc, gpu-run68): a take waiting for a landed expert polls the socket
+    with no timeout, many times, for up to SPIN_S before it sleeps in poll; "caller" sleeps in poll at once (its looks
+    without a wait are the drains'). Both get the load's experts. The store's reads slowed (the expert lands ~40-80
+    ms after the ask, longer than the test's 5 ms spin: the wait's rest a sleep). Fails with the spin loop gone (no looks beyond the
+    caller's) or spinning past SPIN_S (no sleep: the whole wait spun)."""
+    from betelgeuse.store.reader import JITTER_ENV
+    monkeypatch.setenv(JITTER_ENV, "11:80")
+    seen = {}
+    for reader in ("caller", "spin"):
+        store = _store(model, tmp_path / reader, "seqpacket+" + reader)
+        try:
+            c = store.client
+            plan, disk = _disk(c)
+            c.begin_pass(False)
+            s = c._session_stream()
+            assert s.caller and bool(s.spin_s) == (reader == "spin")
+            s.spin_s = 0.005 if s.spin_s else 0.0              # shorter than the slowed reads
+            s._poll = counting = _CountingPoll(s._poll)
+            keys = disk[0][:2]
+            got = list(c.load(keys))
+            assert sorted((x.layer, x.expert) for x in got) == keys
+            seen[reader] = (counting.looks, counting.sleeps)
+            c.end_pass(np.zeros((L, E), dtype=np.int64), False, [x.staging_slot for x in got])
+        finally:
+            store.close()
+    (c_looks, c_sleeps), (s_looks, s_sleeps) = seen["caller"], seen["spin"]
+    assert c_sleeps >= 1 and s_sleeps >= 1, seen                 # the reads outlast a spin: both slept at last
+    assert s_looks >= c_looks + 20, seen                        # 5 ms of polls without a wait, ~µs each
+
+
 def test_a_load_dropped_before_its_end_is_cancelled_at_the_store(model, tmp_path, transport):
     """A load's stream (GrpcStoreClient._Landed, a class since cpu-host61, was a generator) dropped half-way with no
     close() sends the store a cancel of the load as close() does (__del__; the generator's close did at its drop), and
@@ -280,7 +328,7 @@ def test_a_stream_whose_store_died_is_not_alive(model, tmp_path, transport):
         s = c._session_stream()
         # seqpacket: the reader thread's EOF, or (caller) the drain alive() runs
         ended = (lambda: s.call.done()) if transport == "grpc" else (lambda: not s.alive())
-        assert transport == "grpc" or s.caller == transport.endswith("+caller"), (transport, s.caller)
+        assert transport == "grpc" or s.caller == ("+" in transport), (transport, s.caller)
         assert s.alive() and not ended()
         os.kill(store.proc.pid, signal.SIGKILL)
         t = time.monotonic()

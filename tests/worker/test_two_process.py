@@ -95,11 +95,11 @@ def test_store_process_matches_reference_and_sends_no_expert_bytes(wide, referen
 
 def test_logits_are_the_same_bits_on_both_session_transports(wide, reference, store):
     """The session stream on gRPC and on SOCK_SEQPACKET (store.session_transport; the latter also with
-    store.session_reader "caller": no reader thread): a cold pass, a consolidated one and a short decode through the
-    same store process give the reference's logits, and the same bits on all three."""
+    store.session_reader "caller": no reader thread, and "spin": the caller busy-polling): a cold pass, a consolidated
+    one and a short decode through the same store process give the reference's logits, and the same bits on all four."""
     _, socks = store
     outs = {}
-    for transport in ("seqpacket", "grpc", "seqpacket+caller"):
+    for transport in ("seqpacket", "grpc", "seqpacket+caller", "seqpacket+spin"):
         client = counting_store_client(socks, transport.partition("+")[0])
         client.session_reader = transport.partition("+")[2] or "thread"    # before the stream opens
         runner = ModelRunner(EngineConfig(model_path=str(wide), vram_slots=VRAM, host_slots=HOST), client)
@@ -118,11 +118,13 @@ def test_logits_are_the_same_bits_on_both_session_transports(wide, reference, st
             outs[transport] = torch.cat(rows)
             if transport != "grpc":                         # the session's messages did not go over gRPC
                 assert type(client._stream).__name__ == "_SeqStream", client._stream
-                assert client._stream.caller == transport.endswith("+caller"), transport
+                assert client._stream.caller == ("+" in transport), transport
+                assert bool(client._stream.spin_s) == transport.endswith("+spin"), transport
         finally:
             runner.close()
             client.close()
-    assert torch.equal(outs["seqpacket"], outs["grpc"]) and torch.equal(outs["seqpacket+caller"], outs["grpc"])
+    for transport in ("seqpacket", "seqpacket+caller", "seqpacket+spin"):
+        assert torch.equal(outs[transport], outs["grpc"]), transport
 
 
 @pytest.mark.parametrize("transport", ["grpc", "seqpacket"])
