@@ -5,17 +5,17 @@
 #   DRY=1 bash deploy/device/calls.sh 2   # print the commands only
 #   bash deploy/device/calls.sh 5 ck caller thread   # named steps (step() below), results in $OUT/call5.tgz
 #
-# Each call installs the wheels where this Python lacks them (as bench_ds4.sh), runs its rows with every output under
+# Each call installs the wheels where this Python lacks them (as bench_ds4.sh), runs its steps with every output under
 # /tmp/calls/N, prints the logs' and summaries' tails, and packs the folder into ONE file, $OUT/callN.tgz: the run tool
 # brings back at most 8 files a call, and the benches alone write 9 each. The machine keeps /var/tmp's ds4-flash model
-# between calls while it stays warm (call 2 writes it; calls 3-4 reuse it).
+# between calls while it stays warm (the first bench step writes it; the later ones reuse it).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 N=${1:?"usage: calls.sh N [step...] (1-4 with no steps: deploy/device/NEXT.md's calls)"}
 R=${OUT:-$PWD/.bench-out}             # where the tarball goes (the run tool's $OUT)
 W=/tmp/calls/$N
-mkdir -p "$W" "$R"
 case "$N" in 1|2|3|4|5|6|7|8|9) ;; *) echo "calls.sh: no call $N (1-9: the tarball's number; 1-4 run NEXT.md's calls when no steps follow)"; exit 2 ;; esac
+mkdir -p "$W" "$R"
 if [ -n "${DRY:-}" ]; then :
 elif ! python3 -c "import gguf, grpc, google.protobuf, grpc_health.v1, prometheus_client" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -34,8 +34,13 @@ A="--slots auto --prompts 64 --decode 64 --standard-cap 0 --group-graphs"
 T() { [ -f /var/tmp/betelgeuse-bench/ds4-flash.gguf ] && echo 255 || echo 330; }   # a fresh machine writes the model first
 # a step named twice in one call gets its own folder (caller, caller-2, ...): gpu-run68's second caller run overwrote
 # its first
-name() { local n=$1 i=2; while [ -e "$W/$n" ]; do n=$1-$i; i=$((i + 1)); done; echo "$n"; }
-ds4() { local n; n=$(name "$1"); shift; run "OUT=$W ROUTING=exact CHECK_STEPS=none TOTAL=$(T) RUN_NAME=$n $*"; [ -n "${DRY:-}" ] || mkdir -p "$W/$n"; }
+USED=" "
+ds4() {
+  local base=$1 n=$1 i=2; shift
+  while [ -e "$W/$n" ] || [[ $USED == *" $n "* ]]; do n=$base-$i; i=$((i + 1)); done
+  USED="$USED$n "
+  run "OUT=$W ROUTING=exact CHECK_STEPS=none TOTAL=$(T) RUN_NAME=$n $*"
+}
 step() {   # one named step; a call is a list of them (the budget decides how many fit: each bench_ds4 ~255-330 s)
   case "$1" in
     ck)     run "python3 deploy/device/check_ds4.py --only decode,prefix --out $W/ck > $W/ck.log 2>&1" ;;
@@ -54,6 +59,10 @@ step() {   # one named step; a call is a list of them (the budget decides how ma
   esac
 }
 shift
+STEPS=" ck cuda mmq h2d caller spin thread poll early m-off m-on aq "
+for s in "$@"; do   # every name checked before any step runs (a typo at the end must not cost the steps before it)
+  [[ $STEPS == *" $s "* ]] || { echo "calls.sh: no step $s (steps:$STEPS)"; exit 2; }
+done
 if [ $# -gt 0 ]; then for s in "$@"; do step "$s"; done     # calls.sh N step... : the steps named, in order
 else case "$N" in
   1) step h2d; step thread; step spin ;;         # the cold-wake question (gpu-run68): a copy call after a sleep / a
