@@ -10,7 +10,8 @@ or a condition: ~14-20 waits a token of ~5 ms), `spin:MS` (on the CPU MS ms, bus
 sleep than after a spin of the same length, the decode's 83 µs a copy call (and 63 µs a graph replay) are the cost of
 a core woken cold (its caches and clock after a sleep), not the driver's or the GIL's; store.session_reader "spin"
 (services/grpc/store_client.py) is the engine's side of that A/B. Beside the copies: `python` (a fixed piece of pure
-Python, 200 small calls: the interpreter's own cost when cold) and `record` (an Event.record: a driver call).
+Python, 200 small calls: the interpreter's own cost when cold), `record` (an Event.record: a driver call) and
+`replay` (a CUDA graph of 16 tiny kernels replayed).
 
     python3 deploy/device/h2d_call.py [--reps 50] [--idle none,sleep:5,spin:5] [--slots 13369344]
 """
@@ -75,8 +76,22 @@ def main() -> int:
     idles = [(m, _idle(m)) for m in a.idle.split(",")]
     dev = torch.device("cuda")
     ev = torch.cuda.Event()
+    pieces = [("python", _python_piece), ("record", ev.record)]
+    try:                                    # 16 tiny kernels: a graph replay's host cost (gpu-run67: 63 µs a replay)
+        x = torch.zeros(1, device=dev)
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            x.add_(1)                       # warmed outside the capture
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            for _ in range(16):
+                x.add_(1)
+        pieces.append(("replay", graph.replay))
+    except RuntimeError as e:               # the copies below still measured
+        print(f"replay: no graph captured: {e}", flush=True)
     for mode, idle in idles:
-        for name, fn in (("python", _python_piece), ("record", ev.record)):
+        for name, fn in pieces:
             fn()
             print(f"idle {mode:<9} {name:<15} {_time(fn, a.reps, 1, idle):8.1f} µs a call", flush=True)
     for slot in (int(x) for x in a.slots.split(",")):

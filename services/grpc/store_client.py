@@ -292,10 +292,11 @@ class _SeqStream(_Boxes):
             thread while the caller works (issue 21: gpu-run67's profile, cpu-host65).
     spin    the caller reader whose wait busy-polls the socket (poll with no timeout, the GIL released each turn) for
             at most SPIN_S before it sleeps in poll: the waiting thread stays on its core. Why: gpu-run68 measured
-            the caller reader no faster than the thread (host 141 against 122-163 µs an application) and the decode's
-            copy calls and graph replays at 3-10x their cost alone; if that is a core woken cold after each of the
-            ~14-20 sleeps a token (deploy/device/h2d_call.py --idle measures it), spinning removes it, at the price
-            of one core busy while a decode waits for the disk. For device A/B runs; not a default.
+            the caller reader no faster than the thread (host 141 against 122-163 µs an application), and a token's
+            host growing with its wait for the disk at the same work (49 µs of host per ms of wall; gpu-run67: a copy
+            call 83 µs against 6-30 alone); if that is a core woken cold after each of the ~17 sleeps a token
+            (deploy/device/h2d_call.py --idle measures it), spinning removes it, at the price of one core busy while
+            a decode waits for the disk. For device A/B runs; not a default.
 
     Deadlines: a caller waiting past its request's deadline fails the stream with DEADLINE_EXCEEDED (as _Stream's
     watch does) and shuts the connection; the connection's end (EOF: the store died or closed it; close(); abort())
