@@ -51,6 +51,23 @@ def _row(figure: str, target: str, value, ok) -> str:
     return f"| {figure} | {target} | {value} | {verdict} |"
 
 
+def host_wait_fit(token_s: list[float], token_host_s: list[float], skip: int = 2) -> tuple[float, float] | None:
+    """A decode run's tokens' host time against their wall (both s, one a token; the first `skip` tokens left out: a
+    first token's own host) -> (correlation, slope: host s per s of wall), or None with under 3 tokens or no spread.
+    gpu-run68: at the same work a token's host grew ~49 µs per ms of its wait for the disk (host_vs_wait.py there),
+    so a change that keeps the waiting core hot (store.session_reader spin) should flatten this slope."""
+    w, h = token_s[skip:], token_host_s[skip:]
+    if len(w) < 3 or len(w) != len(h):
+        return None
+    mw, mh = sum(w) / len(w), sum(h) / len(h)
+    vw = sum((x - mw) ** 2 for x in w) / len(w)
+    vh = sum((y - mh) ** 2 for y in h) / len(h)
+    if vw <= 0 or vh <= 0:
+        return None
+    cov = sum((x - mw) * (y - mh) for x, y in zip(w, h)) / len(w)
+    return cov / (vw * vh) ** 0.5, cov / vw
+
+
 def targets(r: dict) -> list[str]:
     """Issue 21's target table from the exact and pool cases of the 64-token prompt."""
     ex, pool = _case(r, "exact"), _case(r, "pool")
@@ -85,6 +102,10 @@ def targets(r: dict) -> list[str]:
     if "disk_flushes" in exd:  # engine.disk_flush_early (worker/moe_step.py _disk_groups): a group more each
         L.append(_row("  decode, exact: early disk flushes / token (engine.disk_flush_early; 0: off or none late)",
                       "–", f"{exd['disk_flushes'] / max(1, exd['tokens']):.2f}", None))
+    fit = host_wait_fit(exd.get("token_s") or [], exd.get("token_host_s") or [])
+    if fit is not None:      # does the host grow with the wait (gpu-run68)? tokens against tokens, within this run
+        L.append(_row("  decode, exact: a token's host against its wall, within the run (r; µs of host per ms of wall; "
+                      "docs/benchmarks/gpu-run68)", "–", f"r {fit[0]:+.2f}; {fit[1] * 1e3:.1f}", None))
     wt = ((exd.get("threads") or {}).get("worker") or {}).get("threads")
     if wt is not None:       # the bench process's threads over the timed tokens (services/bench/threads.py): every
         others = {k: v for k, v in wt.items() if v.get("python") and k != "MainThread"}   # other Python thread's

@@ -269,3 +269,22 @@ def test_copy_kernels_are_named_by_the_kernel_before_them_on_their_stream():
     got = copy_kernels_after(ev, n_layer=2)
     assert got == {"memcpy32_post": {"after _route_kernel": 0.5, "after gemm": 0.5, "after memcpy32_post": 0.5,
                                      "after (the pass's start)": 0.5}}, got
+
+
+def test_ds4_summary_fits_a_tokens_host_against_its_wall():
+    """ds4_summary.host_wait_fit (gpu-run68: at the same work a token's host grew with its wait for the disk): the
+    correlation and slope of the decode's tokens' host against their wall, the first two tokens left out; the
+    summary prints it beside the host target. Exact on a made-up run whose host is 0.5 ms + 0.05 of its wall (r 1,
+    50 µs per ms); r -1 where the host falls as the wall grows; None without spread or tokens."""
+    S = _ds4_summary()
+    wall = [0.5, 0.4, 0.08, 0.1, 0.12, 0.09, 0.15]           # s; the first two (a first token's own) left out
+    host = [0.02, 0.01] + [0.0005 + 0.05 * w for w in wall[2:]]
+    r, slope = S.host_wait_fit(wall, host)
+    assert r == pytest.approx(1.0) and slope == pytest.approx(0.05)
+    r, slope = S.host_wait_fit(wall, [0.02, 0.01] + [0.02 - 0.05 * w for w in wall[2:]])
+    assert r == pytest.approx(-1.0) and slope == pytest.approx(-0.05)
+    assert S.host_wait_fit(wall, [0.01] * 7) is None and S.host_wait_fit([0.1, 0.1], [0.01, 0.02]) is None
+    run = {"cases": [{"name": "auto p64", "routing_mode": "exact", "prompt_tokens": 64,
+                      "passes": [{"label": "warm"}],
+                      "decode": {"tokens": 7, "token_s": wall, "token_host_s": host}}]}
+    assert "| r +1.00; 50.0 | – |" in "\n".join(S.targets(run))

@@ -10,18 +10,29 @@ correlation and slope; the same within each run (token against token: mixes more
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import statistics as st
+import sys
 from pathlib import Path
 
 SKIP = 2            # the first tokens (a first token's own host: graphs replayed the first time, the caches' fill)
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _summary():
+    """deploy/device/ds4_summary.py (a script): its host_wait_fit, which every ds4_summary now prints a row of."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))       # ds4_summary imports services.bench
+    spec = importlib.util.spec_from_file_location("ds4_summary", ROOT / "deploy/device/ds4_summary.py")
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    return m
 
 
 def fit(xs, ys) -> tuple[float, float]:
-    """-> (correlation, slope dy/dx) of paired samples."""
-    mx, my = st.mean(xs), st.mean(ys)
-    cov = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / len(xs)
-    return cov / (st.pstdev(xs) * st.pstdev(ys)), cov / st.pvariance(xs)
+    """-> (correlation, slope dy/dx) of paired samples (ds4_summary.host_wait_fit, none skipped)."""
+    return _summary().host_wait_fit(xs, ys, skip=0)
 
 
 def main() -> int:
