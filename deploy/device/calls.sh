@@ -41,28 +41,30 @@ ds4() {
   USED="$USED$n "
   run "OUT=$W ROUTING=exact CHECK_STEPS=none TOTAL=$(T) RUN_NAME=$n $*"
 }
-step() {   # one named step; a call is a list of them (the budget decides how many fit: each bench_ds4 ~255-330 s)
+step() {   # one named step; a call is a list of them (the budget decides how many fit: each bench_ds4 ~255-330 s).
+  # `step NAME check` runs nothing: it only refuses a name that is not a step (every name is checked before any step
+  # runs: a typo at the end must not cost the steps before it). n: a bench_ds4 step's folder; c: the command
+  local n="" c
   case "$1" in
-    ck)     run "python3 deploy/device/check_ds4.py --only decode,prefix --out $W/ck > $W/ck.log 2>&1" ;;
-    cuda)   run "python3 deploy/device/check_cuda.py --only invariance,batch,recycle > $W/cuda.log 2>&1" ;;
-    mmq)    run "python3 deploy/device/check_gluon_mmq.py --types MXFP4,Q4_K --forms 'gluon GP1 PK,gluon GP1 PK ST3,gluon GP1 PK ST4,gluon GP1 PK ST4 NR168,gluon GP1 PK ST4 NR128' > $W/mmq.log 2>&1" ;;
-    h2d)    run "python3 deploy/device/h2d_call.py --reps 40 --idle none,sleep:5,spin:5 --slots 13369344 > $W/h2d.log 2>&1" ;;
-    caller) ds4 caller "BETELGEUSE_STORE_SESSION_READER=caller bash deploy/device/bench_ds4.sh $A" ;;
-    spin)   ds4 spin "BETELGEUSE_STORE_SESSION_READER=spin bash deploy/device/bench_ds4.sh $A" ;;
-    thread) ds4 thread "bash deploy/device/bench_ds4.sh $A" ;;
-    poll)   ds4 poll "BENCH_MONITOR=poll bash deploy/device/bench_ds4.sh $A" ;;
-    early)  ds4 u-disk-copy-early "bash deploy/device/bench_ds4.sh $A --disk-copy-early" ;;
-    m-off)  ds4 m-no-disk-copy-early "bash deploy/device/bench_ds4.sh $A --gpu-marks --no-disk-copy-early" ;;
-    m-on)   ds4 m-disk-copy-early "bash deploy/device/bench_ds4.sh $A --gpu-marks --disk-copy-early" ;;
-    aq)     ds4 act-quant-auto "bash deploy/device/bench_ds4.sh $A --act-quant auto" ;;
-    *)      echo "calls.sh: no step $1"; exit 2 ;;
+    ck)     c="python3 deploy/device/check_ds4.py --only decode,prefix --out $W/ck > $W/ck.log 2>&1" ;;
+    cuda)   c="python3 deploy/device/check_cuda.py --only invariance,batch,recycle > $W/cuda.log 2>&1" ;;
+    mmq)    c="python3 deploy/device/check_gluon_mmq.py --types MXFP4,Q4_K --forms 'gluon GP1 PK,gluon GP1 PK ST3,gluon GP1 PK ST4,gluon GP1 PK ST4 NR168,gluon GP1 PK ST4 NR128' > $W/mmq.log 2>&1" ;;
+    h2d)    c="python3 deploy/device/h2d_call.py --reps 40 --idle none,sleep:5,spin:5 --slots 13369344 > $W/h2d.log 2>&1" ;;
+    caller) n=caller c="BETELGEUSE_STORE_SESSION_READER=caller bash deploy/device/bench_ds4.sh $A" ;;
+    spin)   n=spin c="BETELGEUSE_STORE_SESSION_READER=spin bash deploy/device/bench_ds4.sh $A" ;;
+    thread) n=thread c="bash deploy/device/bench_ds4.sh $A" ;;
+    poll)   n=poll c="BENCH_MONITOR=poll bash deploy/device/bench_ds4.sh $A" ;;
+    early)  n=u-disk-copy-early c="bash deploy/device/bench_ds4.sh $A --disk-copy-early" ;;
+    m-off)  n=m-no-disk-copy-early c="bash deploy/device/bench_ds4.sh $A --gpu-marks --no-disk-copy-early" ;;
+    m-on)   n=m-disk-copy-early c="bash deploy/device/bench_ds4.sh $A --gpu-marks --disk-copy-early" ;;
+    aq)     n=act-quant-auto c="bash deploy/device/bench_ds4.sh $A --act-quant auto" ;;
+    *)      echo "calls.sh: no step $1 (the steps: step() in deploy/device/calls.sh)"; exit 2 ;;
   esac
+  [ "${2:-}" = check ] && return 0
+  if [ -n "$n" ]; then ds4 "$n" "$c"; else run "$c"; fi
 }
 shift
-STEPS=" ck cuda mmq h2d caller spin thread poll early m-off m-on aq "
-for s in "$@"; do   # every name checked before any step runs (a typo at the end must not cost the steps before it)
-  [[ $STEPS == *" $s "* ]] || { echo "calls.sh: no step $s (steps:$STEPS)"; exit 2; }
-done
+for s in "$@"; do step "$s" check; done
 if [ $# -gt 0 ]; then for s in "$@"; do step "$s"; done     # calls.sh N step... : the steps named, in order
 else case "$N" in
   1) step h2d; step thread; step spin ;;         # the cold-wake question (gpu-run68): a copy call after a sleep / a
