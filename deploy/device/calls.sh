@@ -50,6 +50,10 @@ step() {   # one named step; a call is a list of them (the budget decides how ma
     cuda)   c="python3 deploy/device/check_cuda.py --only invariance,batch,recycle > $W/cuda.log 2>&1" ;;
     mmq)    c="python3 deploy/device/check_gluon_mmq.py --types MXFP4,Q4_K --forms 'gluon GP1 PK,gluon GP1 PK ST3,gluon GP1 PK ST4,gluon GP1 PK ST4 NR168,gluon GP1 PK ST4 NR128' > $W/mmq.log 2>&1" ;;
     h2d)    c="python3 deploy/device/h2d_call.py --reps 40 --idle none,sleep:5,spin:5 --slots 13369344 > $W/h2d.log 2>&1" ;;
+    sys)    c="python3 deploy/device/hold_latency.py --show > $W/sys.log 2>&1" ;;
+    # the same under a 0 µs PM QoS request (hold_latency.py): every core kept out of deep idle while it runs
+    h2d-lat) c="python3 deploy/device/hold_latency.py --log $W/h2d-lat.log -- python3 deploy/device/h2d_call.py --reps 40 --idle none,sleep:5,spin:5 --slots 13369344 >> $W/h2d-lat.log 2>&1" ;;
+    lat)    n=lat c="python3 deploy/device/hold_latency.py --log $W/lat.log -- bash deploy/device/bench_ds4.sh $A" ;;
     caller) n=caller c="BETELGEUSE_STORE_SESSION_READER=caller bash deploy/device/bench_ds4.sh $A" ;;
     spin)   n=spin c="BETELGEUSE_STORE_SESSION_READER=spin bash deploy/device/bench_ds4.sh $A" ;;
     thread) n=thread c="bash deploy/device/bench_ds4.sh $A" ;;
@@ -67,8 +71,9 @@ shift
 for s in "$@"; do step "$s" check; done
 if [ $# -gt 0 ]; then for s in "$@"; do step "$s"; done     # calls.sh N step... : the steps named, in order
 else case "$N" in
-  1) step h2d; step thread; step spin ;;         # the cold-wake question (gpu-run68): a copy call after a sleep / a
-  2) step spin; step thread; step caller ;;      #   spin; the spinning reader against the thread, alternating
+  1) step sys; step h2d; step h2d-lat; step thread; step lat ;;   # the cold-wake question (gpu-run68): a copy call
+  2) step spin; step thread; step lat; step spin ;;   # after a sleep / a spin, with and without the cores held out of
+                                                      #   deep idle; the spinning reader and the held cores against thread
   3) step poll; step thread ;;                   # gil66's monitor: the old polling thread against the NVML child
   4) step aq; step thread ;;                     # row 10: ds4-flash with MXFP4's Gluon MMA (act_quant auto)
 esac; fi

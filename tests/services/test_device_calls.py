@@ -27,12 +27,14 @@ def test_the_default_calls_and_named_steps(tmp_path):
     r = _dry(tmp_path, "1")
     assert r.returncode == 0, r.stderr
     lines = [x for x in r.stdout.splitlines() if x.startswith("+ ")]
-    assert "h2d_call.py" in lines[0] and "--idle none,sleep:5,spin:5" in lines[0]
-    assert _names(r.stdout) == ["thread", "spin"]
-    assert "BETELGEUSE_STORE_SESSION_READER=spin" in lines[2] and "READER" not in lines[1]
+    assert "hold_latency.py --show" in lines[0]
+    assert "h2d_call.py" in lines[1] and "--idle none,sleep:5,spin:5" in lines[1] and "hold_latency" not in lines[1]
+    assert "hold_latency.py" in lines[2] and "h2d_call.py" in lines[2]
+    assert _names(r.stdout) == ["thread", "lat"]
+    assert "hold_latency.py" in lines[4] and "hold_latency" not in lines[3] and "READER" not in r.stdout
     assert "--gpu-marks" not in r.stdout                       # host figures come from runs without marks
     r = _dry(tmp_path, "2")
-    assert _names(r.stdout) == ["spin", "thread", "caller"]
+    assert _names(r.stdout) == ["spin", "thread", "lat", "spin-2"]
     r = _dry(tmp_path, "7", "thread", "spin", "thread", "thread", "early")
     assert r.returncode == 0, r.stderr
     assert _names(r.stdout) == ["thread", "spin", "thread-2", "thread-3", "u-disk-copy-early"]
@@ -46,3 +48,29 @@ def test_an_unknown_step_or_call_is_refused(tmp_path):
     assert r.returncode == 2 and "no call 12" in r.stdout
     r = subprocess.run(["bash", "deploy/device/calls.sh"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "usage: calls.sh N" in r.stderr
+
+
+def _hold(tmp_path, *args):
+    return subprocess.run(["python3", "deploy/device/hold_latency.py", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_hold_latency_keeps_its_request_open_in_the_command(tmp_path):
+    """The PM QoS request holds only while its fd is open: the command (exec'd) must inherit it. A plain file stands
+    in for /dev/cpu_dma_latency: the 0 written is 4 bytes, and the command sees the file among its open fds."""
+    q = tmp_path / "qos"
+    q.write_bytes(b"")
+    probe = "import os; print([os.readlink(f'/proc/self/fd/{f}') for f in range(3, 64) if os.path.lexists(f'/proc/self/fd/{f}')])"
+    r = _hold(tmp_path, "--path", str(q), "--log", str(tmp_path / "l.log"), "--", "python3", "-c", probe)
+    assert r.returncode == 0, r.stderr
+    assert f"0 µs requested on {q}" in r.stdout and str(q) in r.stdout.splitlines()[-1]
+    assert q.read_bytes() == b"\0\0\0\0"
+    assert "requested" in (tmp_path / "l.log").read_text()                      # the run's folder keeps its label
+    r = _hold(tmp_path, "--path", str(tmp_path / "none"), "--", "python3", "-c", "print('ran')")
+    assert r.returncode == 0 and "unavailable" in r.stdout and r.stdout.splitlines()[-1] == "ran"
+    r = _hold(tmp_path)
+    assert r.returncode == 2 and "no command given" in r.stderr
+    r = _hold(tmp_path, "--path", str(q), "--", "no-such-command-here")
+    assert r.returncode == 127 and "cannot run no-such-command-here" in r.stderr
+    r = _hold(tmp_path, "--show")
+    assert r.returncode == 0 and r.stdout.startswith("cpuidle driver:")
