@@ -104,6 +104,11 @@ class PassStats:
     store_calls: int = 0        # messages to the store during this pass (round trips and one-way sends)
     store_rpc: dict = field(default_factory=dict)   # message kind -> [messages, host seconds in them] (module doc)
     store_wait_s: float = 0.0   # blocked waiting for the store to deliver expert bytes (part of blocked_s)
+    # of those waits and the pass-boundary replies: how many there were, and in how many the thread slept (was off
+    # its CPU >= PassClock.SLEPT_S of the wait): each sleep is a wake after it (issue 21: is a decode's host time, which
+    # grows with its waits at the same work, a core woken cold?). The spin reader's waits stay on the CPU: no sleeps
+    store_waits: int = 0
+    store_sleeps: int = 0
     store_reply_wait_s: float = 0.0   # blocked waiting for a pass-boundary message's reply (part of blocked_s;
                                       # PassClock.reply: the store's work on it, a consolidation applied or planned)
     moe_host_s: float = 0.0     # host time in the layers' expert steps, outside store messages and blocked waits
@@ -139,7 +144,9 @@ class PassClock:
     """One pass's blocked time and per-layer compute timing (begin() starts a pass, finish() fills its stats)."""
 
     __slots__ = ("device", "is_cuda", "timing", "marks", "blocked", "store_wait", "reply_wait", "store", "store_s",
-                 "_events", "_marks", "_t0")
+                 "waits", "sleeps", "_events", "_marks", "_t0")
+
+    SLEPT_S = 100e-6                    # a wait off the CPU this long or longer counts as a sleep (PassStats.store_sleeps)
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -151,12 +158,14 @@ class PassClock:
         self.reply_wait = 0.0           # of them: waits for a pass-boundary message's reply (reply())
         self.store: dict = {}           # store message kind -> [messages, host seconds] in this pass
         self.store_s = 0.0              # their seconds summed (MoEStep takes differences of it)
+        self.waits = self.sleeps = 0    # waits for the store's bytes and replies; those the thread slept in
         self._events: list = []         # (LayerStats, start, end) CUDA events of this pass
         self._marks: list = []          # (CUDA event or monotonic s, layer, name) of this pass (PassStats.gpu_marks)
         self._t0 = 0.0
 
     def begin(self):
         self.blocked = self.store_wait = self.reply_wait = self.store_s = 0.0
+        self.waits = self.sleeps = 0
         self.store = {}
         self._events = []
         self._marks = []
@@ -171,11 +180,14 @@ class PassClock:
 
     def wait_store(self, fn, *args):
         """fn(*args), a wait for expert bytes the store is delivering: blocked (wait), and counted as store_wait."""
-        t = time.perf_counter()                     # wait's body, inline (a landed expert's: issue 21)
+        t, c = time.perf_counter(), time.thread_time()  # wait's body, inline (a landed expert's: issue 21)
         out = fn(*args)
         dt = time.perf_counter() - t
         self.blocked += dt
         self.store_wait += dt
+        self.waits += 1
+        if dt - (time.thread_time() - c) >= self.SLEPT_S:
+            self.sleeps += 1
         return out
 
     def message(self, kind: str, fn, *args):
@@ -201,6 +213,8 @@ class PassClock:
             cpu = min(wall, time.thread_time() - c)     # two clocks: the CPU time may read a hair over the wall
             self.blocked += wall - cpu
             self.reply_wait += wall - cpu
+            self.waits += 1
+            self.sleeps += wall - cpu >= self.SLEPT_S
             self.add_message(kind, cpu, 1)
 
     def add_message(self, kind: str, seconds: float, n: int = 0):
@@ -268,6 +282,7 @@ class PassClock:
         stats.host_s = max(0.0, stats.seconds - self.blocked)
         stats.store_wait_s = self.store_wait
         stats.store_reply_wait_s = self.reply_wait
+        stats.store_waits, stats.store_sleeps = self.waits, self.sleeps
         stats.store_rpc = {k: list(v) for k, v in self.store.items()}
         for ls, ev0, ev1 in self._events:
             ls.compute_ms += ev0.elapsed_time(ev1)

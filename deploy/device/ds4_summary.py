@@ -19,6 +19,8 @@ import argparse
 import json
 from pathlib import Path
 
+import numpy as np
+
 # the idle gaps by what ended them, their chain and its gpu part's split
 from services.bench.disk_idle import CHAIN, GPU, chain_label, ended_label, gpu_label
 from services.bench.report import attach_vram                      # attach's steps' VRAM, as bench.md
@@ -68,6 +70,31 @@ def host_wait_fit(token_s: list[float], token_host_s: list[float], skip: int = 2
     return cov / (vw * vh) ** 0.5, cov / vw
 
 
+def host_work_fit(token_host_s: list[float], disk_reads: list[int], sleeps: list[int],
+                  skip: int = 2) -> dict | None:
+    """A decode run's tokens' host time (s) fitted by least squares to their disk reads and their sleeps in waits for
+    the store (one each a token; the first `skip` left out) -> {"per_read_us", "per_sleep_us", "r2"}, a count without
+    spread dropped from the fit (its figure None), or None with under 4 tokens or neither spread. A disk read is work
+    (its copy, its group); a sleep is a wake after it: if the host's growth with the wait (gpu-run68) is a cold wake's,
+    the host rises with the sleeps at the same reads, and keeping the core hot (hold_latency.py, the spin reader)
+    lowers per_sleep_us or the sleeps themselves."""
+    h, cols = token_host_s[skip:], {"per_read_us": disk_reads[skip:], "per_sleep_us": sleeps[skip:]}
+    if len(h) < 4 or any(len(v) != len(h) for v in cols.values()):
+        return None
+    used = [k for k, v in cols.items() if max(v) > min(v)]
+    if not used:
+        return None
+    x = np.column_stack([np.ones(len(h))] + [np.asarray(cols[k], float) for k in used])
+    y = np.asarray(h, float)
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    res = y - x @ coef
+    ss = float(((y - y.mean()) ** 2).sum())
+    out = dict.fromkeys(cols)
+    out.update({k: float(c) * 1e6 for k, c in zip(used, coef[1:])})
+    out["r2"] = 1 - float((res ** 2).sum()) / ss if ss > 0 else None
+    return out
+
+
 def targets(r: dict) -> list[str]:
     """Issue 21's target table from the exact and pool cases of the 64-token prompt."""
     ex, pool = _case(r, "exact"), _case(r, "pool")
@@ -106,6 +133,17 @@ def targets(r: dict) -> list[str]:
     if fit is not None:      # does the host grow with the wait (gpu-run68)? tokens against tokens, within this run
         L.append(_row("  decode, exact: a token's host against its wall, within the run (r; µs of host per ms of wall; "
                       "docs/benchmarks/gpu-run68)", "–", f"r {fit[0]:+.2f}; {fit[1] * 1e3:.1f}", None))
+    if exd.get("token_store_sleeps"):   # the waits a token and the sleeps in them (worker/stats.py store_sleeps)
+        n_ = max(1, len(exd["token_store_sleeps"]))
+        wf = host_work_fit(exd.get("token_host_s") or [], exd.get("token_disk_reads") or [],
+                           exd["token_store_sleeps"])
+        L.append(_row("  decode, exact: waits for the store / of them slept in / disk reads, a token; host fitted to "
+                      "reads and sleeps (µs each; r²)", "–",
+                      f"{sum(exd['token_store_waits']) / n_:.1f} / {sum(exd['token_store_sleeps']) / n_:.1f} / "
+                      f"{sum(exd['token_disk_reads']) / n_:.1f}; "
+                      + ("no fit" if wf is None else
+                         f"{_f(wf['per_read_us'])} a read, {_f(wf['per_sleep_us'])} a sleep; r² {_f(wf['r2'], '{:.2f}')}"),
+                      None))
     wt = ((exd.get("threads") or {}).get("worker") or {}).get("threads")
     if wt is not None:       # the bench process's threads over the timed tokens (services/bench/threads.py): every
         others = {k: v for k, v in wt.items() if v.get("python") and k != "MainThread"}   # other Python thread's

@@ -518,6 +518,7 @@ class Harness:
         flushes = 0                                     # disk batches flushed early (engine.disk_flush_early)
         split = HostSplit()                             # the host time's parts (worker/stats.py)
         token_host = []                                 # per token: (host s, expert applications)
+        token_work = []                                 # per token: (disk reads, store waits, of them slept in)
         token_compiles = []                             # per token: Triton compiles inside it (None: not counted)
         mark = TL.compile_mark()
         guess = dict.fromkeys(GUESS_FIELDS, 0)          # decode's guesses of the next layers (worker/guess.py)
@@ -557,6 +558,7 @@ class Harness:
                 split.add(st)
                 flushes += st.disk_flushes
                 token_host.append((st.host_s, st.applications))
+                token_work.append((st.reads["disk"], st.store_waits, st.store_sleeps))
                 for k_ in guess:
                     guess[k_] += getattr(st, k_)
                 if st.engram is not None:
@@ -587,6 +589,11 @@ class Harness:
                 "host_us_per_application_median": (float(np.median([h / a * 1e6 for h, a in token_host if a]))
                                                    if any(a for _, a in token_host) else None),
                 "token_host_s": [h for h, _ in token_host],
+                # the work and the waits beside each token's host (issue 21: host grew with the wait at the same
+                # work; a sleep in a wait is a wake after it): disk reads, waits for the store, those slept in
+                "token_disk_reads": [d for d, _, _ in token_work],
+                "token_store_waits": [w for _, w, _ in token_work],
+                "token_store_sleeps": [s_ for _, _, s_ in token_work],
                 # Triton compiles inside the timed tokens (issue 21: a compile is 0.3-1.5 s of one token's host time)
                 "triton_compiles": TL.compiles_since(mark), "token_triton_compiles": token_compiles,
                 "tg_mean": len(secs) / sum(secs) if secs else 0.0, "tg_peak": 1.0 / min(secs) if secs else 0.0,

@@ -174,6 +174,11 @@ def test_bench_runs_exact_and_pool_with_divergence_and_honest_bounds(tmp_path):
         assert ("sample_depth" in s) == (b["disk_source"] != "the pass's own reads")
     assert [d["queue"] for d in r["ceilings"]["disk_depths"]] == [1, 3]
     assert all(d["bps"] > 0 and d["pattern"] == "random" for d in r["ceilings"]["disk_depths"])
+    # each decode token's disk reads, waits for the store and sleeps in them, beside its host (issue 21)
+    xd = ex["decode"]
+    assert len(xd["token_disk_reads"]) == len(xd["token_store_waits"]) == len(xd["token_store_sleeps"]) == xd["tokens"]
+    assert all(0 <= s_ <= w for s_, w in zip(xd["token_store_sleeps"], xd["token_store_waits"]))
+    assert sum(xd["token_disk_reads"]) == xd["reads"]["disk"]
     S = _ds4_summary()
     text = S.summary(r)
     assert "## Disk achieved, split" in text and "- Disk depth curve" in text and "N=3" in text
@@ -288,3 +293,24 @@ def test_ds4_summary_fits_a_tokens_host_against_its_wall():
                       "passes": [{"label": "warm"}],
                       "decode": {"tokens": 7, "token_s": wall, "token_host_s": host}}]}
     assert "| r +1.00; 50.0 | – |" in "\n".join(S.targets(run))
+
+
+def test_ds4_summary_fits_a_tokens_host_to_its_reads_and_sleeps():
+    """ds4_summary.host_work_fit (issue 21: work or a cold wake?): least squares of the tokens' host on their disk
+    reads and their sleeps in the store's waits, exact on a made-up run of 30 µs a read + 80 µs a sleep + 2 ms; a count
+    without spread is left out of the fit (None); the summary prints the counts a token and the fit."""
+    S = _ds4_summary()
+    reads = [40, 40, 10, 12, 8, 15, 9, 11, 14]
+    sleeps = [30, 30, 16, 18, 17, 15, 20, 19, 16]
+    host = [0.02, 0.02] + [0.002 + 30e-6 * r + 80e-6 * s for r, s in zip(reads[2:], sleeps[2:])]
+    f = S.host_work_fit(host, reads, sleeps)
+    assert f["per_read_us"] == pytest.approx(30) and f["per_sleep_us"] == pytest.approx(80)
+    assert f["r2"] == pytest.approx(1.0)
+    f = S.host_work_fit(host[:2] + [0.002 + 80e-6 * s for s in sleeps[2:]], [5] * 9, sleeps)
+    assert f["per_read_us"] is None and f["per_sleep_us"] == pytest.approx(80)
+    assert S.host_work_fit(host, [5] * 9, [3] * 9) is None and S.host_work_fit(host[:5], reads[:5], sleeps[:5]) is None
+    run = {"cases": [{"name": "auto p64", "routing_mode": "exact", "prompt_tokens": 64, "passes": [{"label": "warm"}],
+                      "decode": {"tokens": 9, "token_s": [0.1] * 9, "token_host_s": host, "token_disk_reads": reads,
+                                 "token_store_waits": [s + 1 for s in sleeps], "token_store_sleeps": sleeps}}]}
+    row = next(r for r in S.targets(run) if "slept in" in r)
+    assert "| 21.1 / 20.1 / 17.7; 30.0 a read, 80.0 a sleep; r² 1.00 |" in row, row

@@ -43,3 +43,25 @@ def test_reply_wait_is_blocked_and_cpu_is_host():
     assert st.store_rpc["load"][1] >= 0.01
     assert abs(st.host_s - (st.seconds - st.blocked_s)) < 1e-9
 
+
+
+def test_waits_count_the_ones_the_thread_slept_in():
+    """PassStats.store_waits / store_sleeps (issue 21: a decode's host grows with its waits at the same work; is it the
+    wake?): every wait for the store's bytes or a reply is counted, and those in which the thread was off its CPU
+    >= PassClock.SLEPT_S are sleeps. A wait spent on the CPU (the spin reader's) is no sleep; a preempted spin on a
+    busy machine is, so the spins may count a few."""
+    clock = PassClock(torch.device("cpu"))
+    clock.begin()
+    for _ in range(5):
+        clock.wait_store(time.sleep, 0.005)
+    clock.reply("end_pass", time.sleep, 0.005)
+    for _ in range(5):
+        clock.wait_store(_cpu_spin, 0.002)
+    clock.wait(time.sleep, 0.005)                      # a sync's wait: blocked, but not a wait for the store
+    st = PassStats("decode", "layer_major", 1)
+    clock.finish(st)
+    assert st.store_waits == 11
+    assert 6 <= st.store_sleeps <= 8, st.store_sleeps
+    clock.begin()                                      # a new pass starts from none
+    clock.finish(st)
+    assert st.store_waits == st.store_sleeps == 0
