@@ -521,6 +521,8 @@ def run(a, tmp: Path) -> dict:
             if hasattr(st, "store_rpc"):
                 row.update(store_messages_ms=st.store_s * 1e3, moe_host_ms=st.moe_host_s * 1e3,
                            other_host_ms=st.other_host_s * 1e3, store_wait_ms=st.store_wait_s * 1e3)
+            if hasattr(st, "store_sleeps"):     # waits for the store, those the thread slept in (a wake after each)
+                row.update(store_waits=st.store_waits, store_sleeps=st.store_sleeps)
             rows.append(row)
         if prof is not None:
             prof.disable()
@@ -543,6 +545,9 @@ def run(a, tmp: Path) -> dict:
             out["mean_disk_flushes"] = round(sum(r["disk_flushes"] for r in rows) / n, 2)
         if "disk_copies_early" in rows[0]:
             out["mean_disk_copies_early"] = round(sum(r["disk_copies_early"] for r in rows) / n, 2)
+        if "store_sleeps" in rows[0]:
+            out["mean_store_waits"] = round(sum(r["store_waits"] for r in rows) / n, 2)
+            out["mean_store_sleeps"] = round(sum(r["store_sleeps"] for r in rows) / n, 2)
         if "uploads" in rows[0]:
             out["mean_uploads"] = round(sum(r["uploads"] for r in rows) / n, 2)
         if TL is not None:

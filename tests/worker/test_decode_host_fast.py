@@ -35,7 +35,7 @@ V = ENGINE_SPEC["n_vocab"]
 # the store's choice (its free list, shaped by the prefill's landing order), so how many are handed back is compared
 MESSAGES = {"load": 1, "prefetch": 1, "prefetch_start": 1, "release": 0, "begin_pass": None, "end_pass": 2}
 TIMING = {"seconds", "disk_wait_s", "open_s", "host_s", "blocked_s", "store_wait_s", "store_reply_wait_s", "moe_host_s",
-          "store_rpc", "layers", "engram", "sends", "routed", "landed"}
+          "store_rpc", "layers", "engram", "sends", "routed", "landed", "store_sleeps"}
 # (vram, host, extra): as many slots as experts (VRAM + host slots read in place: every expert the prompt used is at
 # hand), and misses beside at-hand layers (10 + 18: some layers miss although none of their guesses was on disk, so
 # they were guessed on the short path and scored on the general one), host experts banked (never in place: a layer
