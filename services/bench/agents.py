@@ -315,17 +315,9 @@ class AgentSuite:
 
     # ---- the run -------------------------------------------------------------------------------------
     def run(self):
-        from services.bench.procs import BenchCgroup, Monitor, vram_used_before_cuda
+        from services.bench.procs import watched
         o, r = self.o, self.results
-        cg = BenchCgroup(o.engine.memory_max, o.cgroup)
-        r["memory"] = {"cgroup": cg.cg.path if cg.cg else None, "reason": cg.reason}
-        vram_base = vram_used_before_cuda() if self.cuda else 0
-        try:
-            mon = Monitor(cg.cg, self.torch.device(o.device), vram_base)
-        except BaseException:               # a bad BENCH_MONITOR: said, and our cgroup removed
-            cg.close()
-            raise
-        r["vram"] = {"baseline_bytes": vram_base, "budget": o.engine.vram_budget}
+        cg, mon = watched(r, o.engine.memory_max, o.cgroup, self.torch.device(o.device), o.engine.vram_budget)
         plan = [("agent loop, prefix cache off", lambda c: self._agent(c, 0)),
                 ("agent loop, prefix cache on", lambda c: self._agent(c, o.engine.prefix_cache_bytes))]
         if not o.agent_loop:

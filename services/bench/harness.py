@@ -32,7 +32,7 @@ from services.assembly import ChildStore, open_runner, open_store
 from services.bench import ceilings as C
 from services.bench.args import OutOfTime
 from services.bench.disk_idle import split_idle
-from services.bench.procs import BenchCgroup, Monitor, arena_mappings, cgroup_of, mkdir, vram_used_before_cuda
+from services.bench.procs import arena_mappings, cgroup_of, mkdir, watched
 from services.bench.profile import DecodeCProfile, profile_pass
 from services.bench.threads import Census
 
@@ -164,15 +164,7 @@ class Harness:
     # ---- the run ----------------------------------------------------------------------------------
     def run(self) -> None:
         o, r = self.o, self.results
-        cg = BenchCgroup(o.engine.memory_max, o.cgroup)
-        r["memory"] = {"cgroup": cg.cg.path if cg.cg else None, "reason": cg.reason}
-        vram_base = vram_used_before_cuda() if self.cuda else 0
-        try:
-            mon = Monitor(cg.cg, self.dev, vram_base)
-        except BaseException:               # a bad BENCH_MONITOR: said, and our cgroup removed
-            cg.close()
-            raise
-        r["vram"] = {"baseline_bytes": vram_base, "budget": o.engine.vram_budget}
+        cg, mon = watched(r, o.engine.memory_max, o.cgroup, self.dev, o.engine.vram_budget)
         try:
             self._ceilings_h2d()
             if o.disk_depths:

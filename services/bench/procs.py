@@ -73,6 +73,22 @@ class BenchCgroup:
             self.cg = None
 
 
+def watched(r: dict, memory_max: int | None, cgroup: bool, device, vram_budget) -> tuple[BenchCgroup, "Monitor"]:
+    """A bench run's cgroup (BenchCgroup) and its Monitor, the results' "memory" and "vram" records filled (the VRAM
+    baseline read before this process touches CUDA). A Monitor that cannot start (a bad BENCH_MONITOR) removes the
+    cgroup before its error goes on."""
+    cg = BenchCgroup(memory_max, cgroup)
+    r["memory"] = {"cgroup": cg.cg.path if cg.cg else None, "reason": cg.reason}
+    vram_base = vram_used_before_cuda() if device.type == "cuda" else 0
+    try:
+        mon = Monitor(cg.cg, device, vram_base)
+    except BaseException:
+        cg.close()
+        raise
+    r["vram"] = {"baseline_bytes": vram_base, "budget": vram_budget}
+    return cg, mon
+
+
 class Monitor:
     """Peak cgroup memory and peak VRAM while passes run, with no thread of this process waking for them where that can
     be helped: the bench times the decode in this process, and every wakeup of another thread takes the decode's GIL

@@ -207,3 +207,35 @@ def test_nvml_sampler_start_without_nvml_gives_the_reason(cgroup):
     m = Monitor(cgroup, torch.device("cpu"), 0)
     assert m._start_nvml(0.01) is None and m.vram_note.startswith('NVML sampler: {"error": "no NVML'), m.vram_note
     m.close()
+
+
+def test_a_monitor_that_cannot_start_leaves_no_cgroup_behind():
+    """procs.watched (the bench's and the agents bench's start): the cgroup made and the process moved into it, the
+    results' memory / vram records filled; a Monitor that raises (a bad BENCH_MONITOR) removes that cgroup before its
+    error goes on. In a child process: it moves itself into the cgroup."""
+    code = r"""
+import json, os, sys, torch
+from betelgeuse.errors import BetelgeuseError
+from services.bench.procs import watched
+r = {}
+cg, mon = watched(r, 1 << 30, True, torch.device("cpu"), 123)
+ok = {"memory": r["memory"], "vram": r["vram"], "sources": mon.sources}
+mon.close(); cg.close()
+os.environ["BENCH_MONITOR"] = "pol"
+r2 = {}
+try:
+    watched(r2, 1 << 30, True, torch.device("cpu"), 123)
+except BetelgeuseError as e:
+    path = r2["memory"]["cgroup"]
+    print(json.dumps({**ok, "error": str(e), "path": path, "left": bool(path) and os.path.exists(path)}))
+"""
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert p.returncode == 0, p.stderr
+    import json
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["vram"] == {"baseline_bytes": 0, "budget": 123} and "reason" in out["memory"]
+    assert "BENCH_MONITOR='pol'" in out["error"]
+    if out["path"] is None:
+        pytest.skip(f"no cgroup here ({out['memory']['reason']}): the removal is not checked")
+    assert out["left"] is False
