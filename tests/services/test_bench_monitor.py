@@ -4,6 +4,7 @@ peak, an NVML child for VRAM) and the thread census (services/bench/threads.py),
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -232,7 +233,6 @@ except BetelgeuseError as e:
     p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert p.returncode == 0, p.stderr
-    import json
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["vram"] == {"baseline_bytes": 0, "budget": 123} and "reason" in out["memory"]
     assert "BENCH_MONITOR='pol'" in out["error"]
